@@ -1,0 +1,60 @@
+// DeformableSlideAttention3D: the 3D-DSA self-attention module of MegaSlideDiT (DESIGN.md §5).
+//
+//   q, k, v = x Wq, x Wk, x Wv                     (k, v stay dense feature maps on the token grid)
+//   o = Wpw(GELU(DWConv3d_3x3x3(x)))               (G·K·3 numbers per token; Wpw starts at zero)
+//   Δ = range ⊙ tanh(o)                            (per-axis range in tokens, (t, h, w))
+//   out = Wo · dsa3d(q, k, v, Δ, B, kernel)        (B: learned relative-position bias [M, K], zero init)
+//
+// At initialisation Δ = 0 and B = 0, so the module starts as plain neighbourhood attention.
+// `freeze_offsets` is the paper's fixed-offset ablation: the offset network is not built, Δ stays 0.
+// Parameters are created for the full kernel; on a grid smaller than the kernel the sub-window of the
+// kernel's centre is used (the effective kernel of ops::effective_kernel).
+// Thread-safety: like any torch::nn::Module.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <array>
+
+#include "megaslide/attention/dsa3d.h"
+#include "megaslide/model/attention.h"
+#include "megaslide/model/layers.h"
+
+namespace megaslide {
+
+struct DeformableSlideAttentionOptions {
+  DeformableSlideAttentionOptions(int64_t dim, int64_t heads) : dim_(dim), heads_(heads) {}
+  TORCH_ARG(int64_t, dim);
+  TORCH_ARG(int64_t, heads);
+  TORCH_ARG(Int3, kernel) = Int3{3, 7, 7};
+  TORCH_ARG(int64_t, groups) = 1;  // offset groups; heads of a group share offsets
+  TORCH_ARG(Real3, offset_range) = Real3{1.0, 3.0, 3.0};
+  TORCH_ARG(bool, freeze_offsets) = false;
+  TORCH_ARG(ops::DsaImpl, impl) = ops::DsaImpl::kAuto;
+  TORCH_ARG(torch::Device, device) = torch::kCPU;
+};
+
+class DeformableSlideAttention3DImpl : public torch::nn::Cloneable<DeformableSlideAttention3DImpl> {
+ public:
+  explicit DeformableSlideAttention3DImpl(DeformableSlideAttentionOptions options);
+  void reset() override;
+  torch::Tensor forward(const torch::Tensor& x, const TokenGrid& grid);
+
+  // The offsets Δ [B, T, H, W, G, K, 3] the module would sample with (zeros when frozen).
+  torch::Tensor offsets(const torch::Tensor& x, const TokenGrid& grid);
+
+  int64_t kernel_volume() const;  // K of the full kernel
+
+  DeformableSlideAttentionOptions options;
+  Linear q{nullptr}, k{nullptr}, v{nullptr}, proj{nullptr};
+  Conv3d offset_dw{nullptr};  // depthwise 3x3x3 (groups = dim); absent when frozen
+  Linear offset_pw{nullptr};  // dim -> G*K*3, zero init; absent when frozen
+  torch::Tensor rel_bias;     // [heads, K], zero init
+
+ private:
+  // Indices into the full kernel's K of the sub-window used on `grid`, or undefined if all are used.
+  torch::Tensor kernel_subset(const TokenGrid& grid) const;
+};
+TORCH_MODULE(DeformableSlideAttention3D);
+
+}  // namespace megaslide

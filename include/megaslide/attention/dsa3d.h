@@ -1,0 +1,54 @@
+// 3D Deformable Slide Attention (3D-DSA), the operator (docs/3d-dsa.md, DESIGN.md §5).
+//
+// Tokens lie on a T×H×W grid; each query attends to K = kt·kh·kw points sampled from the keys and
+// values by trilinear interpolation. Point j of offset group g for the token at p = (t, h, w) is
+//     P = clamp(start(p) + r_j + offsets[b, p, g, j], 0, S - 1)        (per axis, t, h, w order)
+// where start(p) = clamp(p - ⌊k/2⌋, 0, S - k) places the regular k-window inside the volume (the
+// window centre clamped away from the border) and r_j ∈ [0, k) is the j-th regular offset (row-major
+// over kt, kh, kw). Integer coordinates are token centres. Then, for head m in group g = m / (M / G),
+//     a_j = softmax_j(q · k̃_j / sqrt(d) + bias[m, j]),   out = Σ_j a_j ṽ_j.
+// With zero offsets this is non-causal neighbourhood attention (NATTEN's definition).
+//
+// Kernel larger than the volume: an axis shorter than its kernel size uses a kernel of the axis'
+// length (effective_kernel()); offsets and bias then carry that smaller K.
+//
+// Memory: the caller owns every tensor; the result is a new tensor. The `reference` implementation
+// materialises the sampled keys and values (N·K·d elements per head), as the paper's grid_sample code.
+// Thread-safety: a pure function; calls on different tensors may run concurrently. CUDA work runs on
+// the current LibTorch stream.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <array>
+#include <optional>
+
+namespace megaslide::ops {
+
+enum class DsaImpl {
+  kAuto,       // the fastest implementation available for the tensors' device
+  kReference,  // stock LibTorch ops with grid_sample (differentiable through autograd)
+};
+
+// The kernel actually used on a T×H×W volume: min(kernel[a], size[a]) per axis.
+std::array<int64_t, 3> effective_kernel(std::array<int64_t, 3> kernel, std::array<int64_t, 3> volume);
+
+// Regular (zero-offset) sample positions of every token: [T, H, W, K, 3] (t, h, w), float32.
+torch::Tensor dsa3d_base_positions(std::array<int64_t, 3> volume, std::array<int64_t, 3> kernel,
+                                   const torch::TensorOptions& options = {});
+
+// q, k, v:  [B, T, H, W, M, d]  (floating point, same dtype and device)
+// offsets:  [B, T, H, W, G, K, 3] in token units, (t, h, w) order, G divides M
+// bias:     [M, K] relative-position bias, or nullopt
+// kernel:   (kt, kh, kw), odd sizes; shrinks per axis to the volume (see above)
+// returns   [B, T, H, W, M, d]
+torch::Tensor dsa3d(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& offsets,
+                    const std::optional<torch::Tensor>& bias, std::array<int64_t, 3> kernel,
+                    DsaImpl impl = DsaImpl::kAuto);
+
+// The grid_sample implementation, for tests and as the autograd reference.
+torch::Tensor dsa3d_reference(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                              const torch::Tensor& offsets, const std::optional<torch::Tensor>& bias,
+                              std::array<int64_t, 3> kernel);
+
+}  // namespace megaslide::ops

@@ -1,0 +1,133 @@
+// RunConfig: the typed form of a run's YAML file (configs/*.yaml).
+//
+// A run file has six sections — model, data, diffusion, train, offload, output — whose keys map one to
+// one onto the fields below (the key path `model.hidden` is RunConfig::model.hidden). Loading checks
+// every key: an unknown key, a value of the wrong type, an out-of-range or inconsistent value each
+// raise ConfigError naming the source (file or --set), the key path and what was expected. Nothing is
+// written by loading; callers create output folders only after a config has loaded.
+//
+// Thread-safety: plain values; the functions here are pure.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace megaslide {
+
+// A bad configuration value. what() is the whole message, e.g.
+//   "configs/smoke.yaml: model.hidden: expected an integer >= 1, got -3"
+class ConfigError : public std::runtime_error {
+ public:
+  ConfigError(std::string source, std::string key, std::string problem);
+  const std::string& source() const { return source_; }
+  const std::string& key() const { return key_; }
+  const std::string& problem() const { return problem_; }
+
+ private:
+  std::string source_, key_, problem_;
+};
+
+// Which self-attention every block uses; the three DiTs of the paper.
+enum class Architecture {
+  kMegaSlide,  // 3D Deformable Slide Attention ("megaslide")
+  kDense3D,    // global scaled-dot-product attention over all tokens ("dense3d")
+  kSwin,       // 3D shifted windows ("swin")
+};
+const char* to_string(Architecture arch);
+
+struct ModelConfig {
+  Architecture arch = Architecture::kMegaSlide;
+  std::array<int64_t, 3> patch{1, 2, 2};   // (pt, ph, pw)
+  int64_t hidden = 16;
+  int64_t layers = 2;
+  int64_t heads = 2;
+  double mlp_ratio = 4.0;
+  int64_t text_dim = 16;                   // width of the text encoder's token embeddings
+  std::array<int64_t, 3> dsa_kernel{3, 7, 7};
+  int64_t dsa_groups = 1;                  // offset groups G; heads % G == 0
+  std::array<double, 3> dsa_offset_range{1.0, 3.0, 3.0};  // tanh range per axis (t, h, w), tokens
+  bool freeze_offsets = false;             // the paper's fixed-offset ablation
+  std::array<int64_t, 3> swin_window{3, 16, 16};           // in tokens (t, h, w)
+};
+
+struct DataConfig {
+  std::string dataset = "structured-motion";
+  int64_t channels = 3;
+  int64_t frames = 8;
+  int64_t height = 16;
+  int64_t width = 16;
+  int64_t num_clips = 512;       // clips in one epoch of the synthetic dataset
+  int64_t max_text_tokens = 12;  // captions are padded or cut to this many tokens
+  uint64_t seed = 1234;
+};
+
+struct DiffusionConfig {
+  int64_t timesteps = 1000;
+  std::string beta_schedule = "linear";  // linear | cosine
+  double beta_start = 1e-4;
+  double beta_end = 0.02;
+  double caption_dropout = 0.1;          // probability of training on the empty prompt (for CFG)
+  int64_t sample_steps = 30;
+  double guidance_scale = 7.5;
+};
+
+struct TrainConfig {
+  int64_t steps = 200;
+  int64_t batch_size = 4;
+  double lr = 1e-3;
+  double min_lr_ratio = 0.1;             // cosine decays to lr * min_lr_ratio
+  int64_t warmup_steps = 10;
+  std::string lr_schedule = "cosine";    // cosine | constant
+  double weight_decay = 0.0;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double grad_clip = 1.0;                // global-norm clip; 0 disables
+  uint64_t seed = 0;
+  std::string device = "auto";           // auto | cpu | cuda | cuda:N
+  int64_t threads = 0;                   // LibTorch intra-op threads; 0 = its default
+  int64_t log_every = 10;                // lines in train.log (metrics.jsonl gets every step)
+};
+
+struct OffloadConfig {
+  // The streamed CPU-master trainer (CPUMasterVideoDiT). Not part of this build yet: `enabled: true`
+  // is refused with a clear message rather than silently ignored.
+  bool enabled = false;
+  std::string mode = "async";            // async | sync
+};
+
+struct OutputConfig {
+  std::string run_dir = "runs/default";
+  bool progress = true;                  // live progress line on a terminal
+};
+
+struct RunConfig {
+  ModelConfig model;
+  DataConfig data;
+  DiffusionConfig diffusion;
+  TrainConfig train;
+  OffloadConfig offload;
+  OutputConfig output;
+};
+
+// Loads `path`, applies `overrides` ("key.path=value", YAML scalars or flow sequences such as
+// "[1,2,2]") in order, then validates. Throws ConfigError.
+RunConfig load_run_config(const std::string& path, const std::vector<std::string>& overrides = {});
+
+// Parses YAML text (the source name is used in messages only).
+RunConfig parse_run_config(const std::string& yaml_text, const std::string& source,
+                           const std::vector<std::string>& overrides = {});
+
+// Checks ranges and cross-field consistency; throws ConfigError naming `source`.
+void validate(const RunConfig& config, const std::string& source);
+
+// The resolved config as YAML that parse_run_config reads back to an equal config.
+std::string to_yaml(const RunConfig& config);
+
+// Every key path the schema knows, in file order (for docs and error hints).
+std::vector<std::string> config_keys();
+
+}  // namespace megaslide

@@ -1,0 +1,42 @@
+// DDPM noise schedule and the ε-prediction training objective (DESIGN.md §7).
+//
+// Tables are computed and stored in float64 on the CPU; to(device) copies them.
+// Thread-safety: immutable after construction.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <string>
+
+namespace megaslide {
+
+enum class BetaSchedule { kLinear, kCosine };
+BetaSchedule parse_beta_schedule(const std::string& name);  // "linear" | "cosine"
+
+class DDPMSchedule {
+ public:
+  // linear: β_t evenly spaced in [beta_start, beta_end]; cosine: Nichol & Dhariwal (s = 0.008,
+  // β clipped at 0.999), beta_start/beta_end unused.
+  DDPMSchedule(int64_t timesteps, BetaSchedule schedule, double beta_start = 1e-4, double beta_end = 0.02);
+
+  int64_t timesteps() const { return timesteps_; }
+  const torch::Tensor& betas() const { return betas_; }                  // [T] float64
+  const torch::Tensor& alphas_cumprod() const { return alphas_cumprod_; }  // [T] float64, ᾱ_t
+
+  DDPMSchedule to(torch::Device device) const;
+
+  // x_t = sqrt(ᾱ_t) x0 + sqrt(1 - ᾱ_t) ε for integer timesteps t [B]; x0, noise [B, ...].
+  torch::Tensor add_noise(const torch::Tensor& x0, const torch::Tensor& noise, const torch::Tensor& t) const;
+
+  // Uniform integer timesteps in [0, T) for a batch (uses LibTorch's global generator).
+  torch::Tensor sample_timesteps(int64_t batch, torch::Device device) const;
+
+ private:
+  int64_t timesteps_;
+  torch::Tensor betas_, alphas_cumprod_;
+};
+
+// Mean squared error between predicted and true noise.
+torch::Tensor epsilon_loss(const torch::Tensor& predicted, const torch::Tensor& noise);
+
+}  // namespace megaslide

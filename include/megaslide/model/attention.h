@@ -1,0 +1,101 @@
+// The self-attentions a DiT block can use, and the cross-attention to text tokens.
+//
+// Every self-attention maps tokens x [B, N, D] laid out row-major on a TokenGrid (N = t·h·w) to
+// [B, N, D]: GlobalSelfAttention (all pairs, the dense baseline), ShiftedWindowAttention3D (Swin) and
+// DeformableSlideAttention3D (attention/deformable_slide_attention.h). All own their projections.
+// Thread-safety: like any torch::nn::Module.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <array>
+
+#include "megaslide/model/layers.h"
+
+namespace megaslide {
+
+// The token grid of one sample after patchify: (t, h, w) = (T/pt, H/ph, W/pw).
+struct TokenGrid {
+  int64_t t = 1, h = 1, w = 1;
+  int64_t numel() const { return t * h * w; }
+  std::array<int64_t, 3> dims() const { return {t, h, w}; }
+};
+
+// Splits [B, N, M*d] into heads [B, M, N, d] and back.
+torch::Tensor split_heads(const torch::Tensor& x, int64_t heads);
+torch::Tensor merge_heads(const torch::Tensor& x);
+
+struct SelfAttentionOptions {
+  SelfAttentionOptions(int64_t dim, int64_t heads) : dim_(dim), heads_(heads) {}
+  TORCH_ARG(int64_t, dim);
+  TORCH_ARG(int64_t, heads);
+  TORCH_ARG(torch::Device, device) = torch::kCPU;
+};
+
+// Global multi-head self-attention over all N tokens (scaled dot product; LibTorch picks flash or
+// memory-efficient kernels on a GPU). O(N²) time; the dense baseline.
+class GlobalSelfAttentionImpl : public torch::nn::Cloneable<GlobalSelfAttentionImpl> {
+ public:
+  explicit GlobalSelfAttentionImpl(SelfAttentionOptions options);
+  void reset() override;
+  torch::Tensor forward(const torch::Tensor& x, const TokenGrid& grid);
+
+  SelfAttentionOptions options;
+  Linear qkv{nullptr}, proj{nullptr};
+};
+TORCH_MODULE(GlobalSelfAttention);
+
+struct WindowAttentionOptions {
+  WindowAttentionOptions(int64_t dim, int64_t heads) : dim_(dim), heads_(heads) {}
+  TORCH_ARG(int64_t, dim);
+  TORCH_ARG(int64_t, heads);
+  TORCH_ARG(Int3, window) = Int3{3, 16, 16};
+  TORCH_ARG(bool, shifted) = false;  // odd blocks shift by half a window
+  TORCH_ARG(torch::Device, device) = torch::kCPU;
+};
+
+// Window size and shift actually used on a grid (Video Swin's rule): an axis no longer than its window
+// gets one window of the axis' length and no shift; otherwise the shift is ⌊window/2⌋ when shifted.
+struct WindowLayout {
+  std::array<int64_t, 3> window{}, shift{}, padded{};
+};
+WindowLayout window_layout(const TokenGrid& grid, std::array<int64_t, 3> window, bool shifted);
+
+// 3D (shifted) window attention, as Video Swin: the grid is padded to whole windows, cyclically rolled
+// by -shift, and attention runs inside each window. A token attends to a key of its window only when
+// both come from the same side of the roll's wrap on every axis and the key is not padding.
+class ShiftedWindowAttention3DImpl : public torch::nn::Cloneable<ShiftedWindowAttention3DImpl> {
+ public:
+  explicit ShiftedWindowAttention3DImpl(WindowAttentionOptions options);
+  void reset() override;
+  torch::Tensor forward(const torch::Tensor& x, const TokenGrid& grid);
+
+  WindowAttentionOptions options;
+  Linear qkv{nullptr}, proj{nullptr};
+};
+TORCH_MODULE(ShiftedWindowAttention3D);
+
+struct CrossAttentionOptions {
+  CrossAttentionOptions(int64_t dim, int64_t context_dim, int64_t heads)
+      : dim_(dim), context_dim_(context_dim), heads_(heads) {}
+  TORCH_ARG(int64_t, dim);
+  TORCH_ARG(int64_t, context_dim);
+  TORCH_ARG(int64_t, heads);
+  TORCH_ARG(torch::Device, device) = torch::kCPU;
+};
+
+// Queries from the video tokens, keys and values from text tokens [B, L, context_dim]. The output
+// projection starts at zero so that a freshly built block is the identity (adaLN-Zero's promise).
+class CrossAttentionImpl : public torch::nn::Cloneable<CrossAttentionImpl> {
+ public:
+  explicit CrossAttentionImpl(CrossAttentionOptions options);
+  void reset() override;
+  // text_mask: [B, L] bool, true = a real token; undefined = all real.
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& text, const torch::Tensor& text_mask);
+
+  CrossAttentionOptions options;
+  Linear q{nullptr}, kv{nullptr}, proj{nullptr};
+};
+TORCH_MODULE(CrossAttention);
+
+}  // namespace megaslide

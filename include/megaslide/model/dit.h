@@ -1,0 +1,166 @@
+// The DiT family: one video diffusion transformer with a pluggable self-attention (DESIGN.md §4).
+//
+//   x [B, C, T, H, W] --patchify (pt, ph, pw)--> tokens [B, N, D] (+ 3D sin-cos positions for the dense
+//   and Swin variants) --L blocks--> final adaLN layer --unpatchify--> ε [B, C, T, H, W]
+//
+// Block (PixArt-α's "adaLN-single" form of adaLN-Zero, see docs/architecture.md):
+//   (shift1, scale1, gate1, shift2, scale2, gate2) = t_mod + block.modulation     (t_mod shared, [B, 6D])
+//   x += gate1 · SelfAttn(LN(x)·(1 + scale1) + shift1)
+//   x += CrossAttn(LN(x), text)
+//   x += gate2 · MLP(LN(x)·(1 + scale2) + shift2)
+// The shared t_mod projection, every block's modulation table and the cross-attention output start at
+// zero, so every block is the identity when built.
+//
+// The model is split the way the streamed trainer needs it: a prologue (patch, timestep and position
+// embeddings: embed()), a stack of blocks (blocks[i]->forward) and an epilogue (final layer and
+// unpatchify: head()); forward() is their composition.
+//
+// Build on torch::kMeta to count parameters of configs that would not fit in memory.
+// Thread-safety: like any torch::nn::Module.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <array>
+
+#include "megaslide/attention/deformable_slide_attention.h"
+#include "megaslide/config/run_config.h"
+#include "megaslide/model/attention.h"
+#include "megaslide/model/layers.h"
+
+namespace megaslide {
+
+struct DiTOptions {
+  // The model section of a run config (in_channels from data.channels).
+  static DiTOptions from_config(const RunConfig& config);
+
+  TORCH_ARG(Architecture, arch) = Architecture::kMegaSlide;
+  TORCH_ARG(int64_t, in_channels) = 3;
+  TORCH_ARG(Int3, patch) = Int3{1, 2, 2};
+  TORCH_ARG(int64_t, hidden) = 16;
+  TORCH_ARG(int64_t, layers) = 2;
+  TORCH_ARG(int64_t, heads) = 2;
+  TORCH_ARG(double, mlp_ratio) = 4.0;
+  TORCH_ARG(int64_t, text_dim) = 16;
+  TORCH_ARG(Int3, dsa_kernel) = Int3{3, 7, 7};
+  TORCH_ARG(int64_t, dsa_groups) = 1;
+  TORCH_ARG(Real3, dsa_offset_range) = Real3{1.0, 3.0, 3.0};
+  TORCH_ARG(bool, freeze_offsets) = false;
+  TORCH_ARG(ops::DsaImpl, dsa_impl) = ops::DsaImpl::kAuto;
+  TORCH_ARG(Int3, swin_window) = Int3{3, 16, 16};
+  TORCH_ARG(int64_t, frequency_dim) = 256;  // sinusoidal timestep features before the MLP
+  TORCH_ARG(torch::Device, device) = torch::kCPU;
+};
+
+// Sinusoidal features of (possibly fractional) timesteps [B] -> [B, dim] (DiT's convention: cos half
+// first, max period 10000).
+torch::Tensor timestep_features(const torch::Tensor& t, int64_t dim, double max_period = 10000.0);
+
+// Fixed 3D sin-cos position embedding [t*h*w, dim]: dim is split over (t, h, w) as
+// (dim - 2·⌊dim/6⌋·2, 2·⌊dim/6⌋, 2·⌊dim/6⌋), each a 1D sin-cos embedding of that axis' index.
+torch::Tensor sincos_position_embedding_3d(const TokenGrid& grid, int64_t dim);
+
+class TimestepEmbedderImpl : public torch::nn::Cloneable<TimestepEmbedderImpl> {
+ public:
+  TimestepEmbedderImpl(int64_t hidden, int64_t frequency_dim, torch::Device device);
+  void reset() override;
+  torch::Tensor forward(const torch::Tensor& t);  // [B] -> [B, hidden]
+
+  int64_t hidden, frequency_dim;
+  torch::Device device;
+  Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(TimestepEmbedder);
+
+class MlpImpl : public torch::nn::Cloneable<MlpImpl> {
+ public:
+  MlpImpl(int64_t dim, int64_t hidden, torch::Device device);
+  void reset() override;
+  torch::Tensor forward(const torch::Tensor& x);
+
+  int64_t dim, hidden;
+  torch::Device device;
+  Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(Mlp);
+
+// What every block needs besides its input: the grid, the shared timestep modulation and the text.
+struct BlockContext {
+  TokenGrid grid;
+  torch::Tensor t_mod;      // [B, 6D]
+  torch::Tensor text;       // [B, L, text_dim]
+  torch::Tensor text_mask;  // [B, L] bool or undefined
+};
+
+class DiTBlockImpl : public torch::nn::Cloneable<DiTBlockImpl> {
+ public:
+  DiTBlockImpl(DiTOptions options, int64_t index);
+  void reset() override;
+  torch::Tensor forward(const torch::Tensor& x, const BlockContext& ctx);
+
+  DiTOptions options;
+  int64_t index;  // position in the stack (Swin shifts on odd blocks)
+  LayerNorm norm1{nullptr}, norm2{nullptr}, norm3{nullptr};
+  // Exactly one self-attention is built, registered as "attn".
+  GlobalSelfAttention global_attn{nullptr};
+  ShiftedWindowAttention3D window_attn{nullptr};
+  DeformableSlideAttention3D dsa_attn{nullptr};
+  CrossAttention cross_attn{nullptr};
+  Mlp mlp{nullptr};
+  torch::Tensor modulation;  // [6, D], zero init
+
+ private:
+  torch::Tensor self_attention(const torch::Tensor& x, const TokenGrid& grid);
+};
+TORCH_MODULE(DiTBlock);
+
+// The prologue's output: tokens and the block context.
+struct Embedded {
+  torch::Tensor tokens;  // [B, N, D]
+  BlockContext ctx;
+  torch::Tensor t_emb;   // [B, D] (the epilogue's conditioning)
+};
+
+class DiTImpl : public torch::nn::Cloneable<DiTImpl> {
+ public:
+  explicit DiTImpl(DiTOptions options);
+  void reset() override;
+
+  // x [B, C, T, H, W], timesteps [B] (int64 or float), text [B, L, text_dim], text_mask [B, L] bool
+  // (optional; true = real token, every row needs one) -> ε prediction with x's shape.
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text,
+                        const torch::Tensor& text_mask = {});
+
+  Embedded embed(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text,
+                 const torch::Tensor& text_mask = {});
+  // tokens [B, N, D] -> ε [B, C, T, H, W] for the video grid `grid`.
+  torch::Tensor head(const torch::Tensor& tokens, const torch::Tensor& t_emb, const TokenGrid& grid);
+
+  TokenGrid token_grid(int64_t frames, int64_t height, int64_t width) const;
+
+  DiTOptions options;
+  Conv3d patch_embed{nullptr};
+  TimestepEmbedder t_embedder{nullptr};
+  Linear t_mod{nullptr};  // SiLU(t_emb) -> 6D, zero init, shared by all blocks
+  torch::nn::ModuleList blocks{nullptr};
+  LayerNorm final_norm{nullptr};
+  torch::Tensor final_modulation;  // [2, D], zero init
+  Linear final_proj{nullptr};      // D -> pt*ph*pw*C, zero init
+};
+TORCH_MODULE(DiT);
+
+// The paper's three models: one DiT with 3D-DSA, global attention or shifted windows.
+DiT MegaSlideDiT(DiTOptions options);
+DiT Dense3DDiT(DiTOptions options);
+DiT SwinDiT(DiTOptions options);
+
+// Parameter counts (meta device: no allocation).
+struct ParameterCount {
+  int64_t total = 0;
+  int64_t per_block = 0;  // of one block (blocks are identical in size)
+  int64_t prologue = 0;   // patch, timestep embeddings, t_mod
+  int64_t epilogue = 0;   // final layer
+};
+ParameterCount count_dit_parameters(DiTOptions options);
+
+}  // namespace megaslide

@@ -1,0 +1,84 @@
+// What a training run leaves behind and shows while it runs:
+//   DIR/config.yaml    the resolved config (the file plus every --set), readable by --config
+//   DIR/metrics.jsonl  one JSON object per step
+//   DIR/train.log      the run's log (also echoed to the terminal)
+// and a live progress line (step/total, loss, it/s, ETA).
+//
+// RunDirectory is created only once the config has loaded, so a bad config writes nothing.
+// Thread-safety: one thread writes a run's outputs.
+#pragma once
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <string>
+
+#include "megaslide/config/run_config.h"
+#include "megaslide/train/resident_trainer.h"
+
+namespace megaslide {
+
+// Raised when a run's output folder or files cannot be written; names the path and the reason.
+class OutputError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+class RunDirectory {
+ public:
+  // Creates `path` (and parents) and writes config.yaml. Throws OutputError.
+  RunDirectory(const std::string& path, const RunConfig& resolved);
+  const std::string& path() const { return path_; }
+  std::string file(const std::string& name) const;
+
+ private:
+  std::string path_;
+};
+
+class MetricsWriter {
+ public:
+  explicit MetricsWriter(const std::string& path);  // truncates; throws OutputError
+  void write(const StepMetrics& m);                 // one line, flushed
+
+ private:
+  std::string path_;
+  std::ofstream out_;
+};
+
+// The run log: a file plus the terminal (stderr).
+class TrainLog {
+ public:
+  explicit TrainLog(const std::string& path);
+  ~TrainLog();
+  void info(const std::string& message);
+  void warn(const std::string& message);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Progress on stderr: a line rewritten in place on a terminal; elsewhere one line every `every` steps.
+class ProgressLine {
+ public:
+  ProgressLine(int64_t total_steps, int64_t every, bool enabled);
+  void update(const StepMetrics& m);
+  void finish();
+
+ private:
+  int64_t total_, every_;
+  bool enabled_, tty_;
+  std::chrono::steady_clock::time_point start_;
+  double loss_ema_ = 0.0;
+};
+
+// `megaslide-train --dry-run --json`: the model built on the meta device (nothing allocated):
+// {"arch", "params", "params_per_block", "prologue_params", "epilogue_params", "layers",
+//  "tokens_per_sample", "host_state_bytes" (14 B per parameter, DESIGN.md §6)}.
+std::string dry_run_json(const RunConfig& config);
+
+// "1.23 M", "28.4 B": a count in engineering units for logs.
+std::string human_count(double n);
+
+}  // namespace megaslide

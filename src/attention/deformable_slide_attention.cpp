@@ -1,0 +1,73 @@
+#include "megaslide/attention/deformable_slide_attention.h"
+
+namespace megaslide {
+
+DeformableSlideAttention3DImpl::DeformableSlideAttention3DImpl(DeformableSlideAttentionOptions options_)
+    : options(std::move(options_)) {
+  reset();
+}
+
+int64_t DeformableSlideAttention3DImpl::kernel_volume() const {
+  const auto& k = options.kernel();
+  return k[0] * k[1] * k[2];
+}
+
+void DeformableSlideAttention3DImpl::reset() {
+  const int64_t D = options.dim(), M = options.heads(), G = options.groups();
+  TORCH_CHECK(D % M == 0, "DeformableSlideAttention3D: dim ", D, " is not divisible by heads ", M);
+  TORCH_CHECK(G >= 1 && M % G == 0, "DeformableSlideAttention3D: offset groups ", G, " must divide heads ", M);
+  for (int a = 0; a < 3; ++a)
+    TORCH_CHECK(options.kernel()[a] >= 1 && options.kernel()[a] % 2 == 1,
+                "DeformableSlideAttention3D: kernel sizes must be odd and positive");
+  const auto dev = options.device();
+  q = register_module("q", Linear(LinearOptions(D, D).device(dev)));
+  k = register_module("k", Linear(LinearOptions(D, D).device(dev)));
+  v = register_module("v", Linear(LinearOptions(D, D).device(dev)));
+  proj = register_module("proj", Linear(LinearOptions(D, D).device(dev)));
+  if (!options.freeze_offsets()) {
+    offset_dw = register_module("offset_dw", Conv3d(Conv3dOptions(D, D, {3, 3, 3}).padding({1, 1, 1}).groups(D).device(dev)));
+    offset_pw = register_module("offset_pw",
+                                Linear(LinearOptions(D, G * kernel_volume() * 3).zero_init(true).device(dev)));
+  }
+  rel_bias = register_parameter("rel_bias", torch::zeros({M, kernel_volume()}, torch::TensorOptions().device(dev)));
+}
+
+torch::Tensor DeformableSlideAttention3DImpl::kernel_subset(const TokenGrid& grid) const {
+  const auto& full = options.kernel();
+  const auto eff = ops::effective_kernel(full, grid.dims());
+  if (eff == full) return {};
+  std::vector<int64_t> idx;
+  const int64_t lt = (full[0] - eff[0]) / 2, lh = (full[1] - eff[1]) / 2, lw = (full[2] - eff[2]) / 2;
+  for (int64_t t = 0; t < eff[0]; ++t)
+    for (int64_t h = 0; h < eff[1]; ++h)
+      for (int64_t w = 0; w < eff[2]; ++w) idx.push_back(((lt + t) * full[1] + (lh + h)) * full[2] + (lw + w));
+  return torch::tensor(idx, torch::kLong);
+}
+
+torch::Tensor DeformableSlideAttention3DImpl::offsets(const torch::Tensor& x, const TokenGrid& grid) {
+  const int64_t B = x.size(0), D = options.dim(), G = options.groups(), K = kernel_volume();
+  auto subset = kernel_subset(grid);
+  const int64_t Ke = subset.defined() ? subset.numel() : K;
+  if (options.freeze_offsets()) return torch::zeros({B, grid.t, grid.h, grid.w, G, Ke, 3}, x.options());
+  auto volume = x.view({B, grid.t, grid.h, grid.w, D}).permute({0, 4, 1, 2, 3});
+  auto hidden = torch::gelu(offset_dw(volume)).permute({0, 2, 3, 4, 1});  // [B, T, H, W, D]
+  auto o = offset_pw(hidden).view({B, grid.t, grid.h, grid.w, G, K, 3});
+  if (subset.defined()) o = o.index_select(5, subset.to(x.device()));
+  const auto& r = options.offset_range();
+  auto range = torch::tensor({r[0], r[1], r[2]}, x.options());
+  return torch::tanh(o) * range;
+}
+
+torch::Tensor DeformableSlideAttention3DImpl::forward(const torch::Tensor& x, const TokenGrid& grid) {
+  const int64_t D = options.dim(), M = options.heads();
+  TORCH_CHECK(x.dim() == 3 && x.size(1) == grid.numel() && x.size(2) == D, "DeformableSlideAttention3D: expected tokens [B, ",
+              grid.numel(), ", ", D, "], got ", x.sizes());
+  const int64_t B = x.size(0);
+  auto as_heads = [&](Linear& proj_) { return proj_(x).view({B, grid.t, grid.h, grid.w, M, D / M}); };
+  auto subset = kernel_subset(grid);
+  auto bias = subset.defined() ? rel_bias.index_select(1, subset.to(x.device())) : rel_bias;
+  auto out = ops::dsa3d(as_heads(q), as_heads(k), as_heads(v), offsets(x, grid), bias, options.kernel(), options.impl());
+  return proj(out.reshape({B, grid.numel(), D}));
+}
+
+}  // namespace megaslide

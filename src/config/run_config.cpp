@@ -1,0 +1,438 @@
+#include "megaslide/config/run_config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <map>
+#include <regex>
+#include <set>
+#include <sstream>
+
+namespace megaslide {
+
+ConfigError::ConfigError(std::string source, std::string key, std::string problem)
+    : std::runtime_error(source + ": " + (key.empty() ? std::string() : key + ": ") + problem),
+      source_(std::move(source)),
+      key_(std::move(key)),
+      problem_(std::move(problem)) {}
+
+const char* to_string(Architecture arch) {
+  switch (arch) {
+    case Architecture::kMegaSlide: return "megaslide";
+    case Architecture::kDense3D: return "dense3d";
+    case Architecture::kSwin: return "swin";
+  }
+  return "?";
+}
+
+namespace {
+
+// A value problem inside one field; the caller adds source and key.
+struct FieldProblem {
+  std::string text;
+};
+
+std::string describe(const YAML::Node& node) {
+  if (!node.IsDefined() || node.IsNull()) return "nothing";
+  if (node.IsScalar()) return "'" + node.Scalar() + "'";
+  if (node.IsSequence()) return "a list of " + std::to_string(node.size());
+  return "a mapping";
+}
+
+std::string format_number(double v) {
+  std::ostringstream s;
+  s << v;
+  return s.str();
+}
+
+int64_t parse_int(const YAML::Node& node, const std::string& expected) {
+  if (!node.IsScalar()) throw FieldProblem{"expected " + expected + ", got " + describe(node)};
+  const std::string& text = node.Scalar();
+  static const std::regex kInt(R"([+-]?[0-9]+)");
+  if (!std::regex_match(text, kInt)) throw FieldProblem{"expected " + expected + ", got " + describe(node)};
+  try {
+    return std::stoll(text);
+  } catch (const std::exception&) {
+    throw FieldProblem{"expected " + expected + ", got " + describe(node) + " (out of range)"};
+  }
+}
+
+double parse_double(const YAML::Node& node, const std::string& expected) {
+  if (!node.IsScalar()) throw FieldProblem{"expected " + expected + ", got " + describe(node)};
+  const std::string& text = node.Scalar();
+  static const std::regex kNumber(R"([+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?)");
+  if (!std::regex_match(text, kNumber)) throw FieldProblem{"expected " + expected + ", got " + describe(node)};
+  double v = std::stod(text);
+  if (!std::isfinite(v)) throw FieldProblem{"expected " + expected + ", got " + describe(node)};
+  return v;
+}
+
+struct IntRange {
+  int64_t lo = std::numeric_limits<int64_t>::min();
+  int64_t hi = std::numeric_limits<int64_t>::max();
+  std::string text() const {
+    if (hi == std::numeric_limits<int64_t>::max()) return "an integer >= " + std::to_string(lo);
+    return "an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
+  }
+};
+
+struct RealRange {
+  double lo = -std::numeric_limits<double>::infinity();
+  double hi = std::numeric_limits<double>::infinity();
+  bool lo_open = false;
+  bool hi_open = false;
+  std::string text() const {
+    std::string s = "a number";
+    if (std::isfinite(lo) && std::isfinite(hi)) {
+      return s + " in " + (lo_open ? "(" : "[") + format_number(lo) + ", " + format_number(hi) +
+             (hi_open ? ")" : "]");
+    }
+    if (std::isfinite(lo)) return s + (lo_open ? " > " : " >= ") + format_number(lo);
+    if (std::isfinite(hi)) return s + (hi_open ? " < " : " <= ") + format_number(hi);
+    return s;
+  }
+  bool contains(double v) const {
+    if (lo_open ? !(v > lo) : !(v >= lo)) return false;
+    if (hi_open ? !(v < hi) : !(v <= hi)) return false;
+    return true;
+  }
+};
+
+int64_t checked_int(const YAML::Node& node, IntRange range) {
+  int64_t v = parse_int(node, range.text());
+  if (v < range.lo || v > range.hi) throw FieldProblem{"expected " + range.text() + ", got " + std::to_string(v)};
+  return v;
+}
+
+double checked_real(const YAML::Node& node, RealRange range) {
+  double v = parse_double(node, range.text());
+  if (!range.contains(v)) throw FieldProblem{"expected " + range.text() + ", got " + node.Scalar()};
+  return v;
+}
+
+// One key of the schema: how to read it into a RunConfig and how to write it back.
+struct Field {
+  std::string key;
+  std::function<void(const YAML::Node&)> set;
+  std::function<YAML::Node()> get;
+};
+
+class Schema {
+ public:
+  explicit Schema(RunConfig& c) { bind(c); }
+  const std::vector<Field>& fields() const { return fields_; }
+  const Field* find(const std::string& key) const {
+    for (const auto& f : fields_)
+      if (f.key == key) return &f;
+    return nullptr;
+  }
+
+ private:
+  void add(std::string key, std::function<void(const YAML::Node&)> set, std::function<YAML::Node()> get) {
+    fields_.push_back({std::move(key), std::move(set), std::move(get)});
+  }
+  void integer(std::string key, int64_t& slot, IntRange range) {
+    add(std::move(key), [&slot, range](const YAML::Node& n) { slot = checked_int(n, range); },
+        [&slot] { return YAML::Node(slot); });
+  }
+  void seed(std::string key, uint64_t& slot) {
+    add(std::move(key),
+        [&slot](const YAML::Node& n) { slot = static_cast<uint64_t>(checked_int(n, IntRange{0})); },
+        [&slot] { return YAML::Node(slot); });
+  }
+  void real(std::string key, double& slot, RealRange range) {
+    add(std::move(key), [&slot, range](const YAML::Node& n) { slot = checked_real(n, range); },
+        [&slot] { return YAML::Node(slot); });
+  }
+  void boolean(std::string key, bool& slot) {
+    add(std::move(key),
+        [&slot](const YAML::Node& n) {
+          bool v = false;
+          if (!n.IsScalar() || !YAML::convert<bool>::decode(n, v))
+            throw FieldProblem{"expected true or false, got " + describe(n)};
+          slot = v;
+        },
+        [&slot] { return YAML::Node(slot); });
+  }
+  void choice(std::string key, std::string& slot, std::vector<std::string> allowed) {
+    add(std::move(key),
+        [&slot, allowed](const YAML::Node& n) {
+          std::string list;
+          for (const auto& a : allowed) list += (list.empty() ? "" : " | ") + a;
+          if (!n.IsScalar() || std::find(allowed.begin(), allowed.end(), n.Scalar()) == allowed.end())
+            throw FieldProblem{"expected one of " + list + ", got " + describe(n)};
+          slot = n.Scalar();
+        },
+        [&slot] { return YAML::Node(slot); });
+  }
+  void text(std::string key, std::string& slot) {
+    add(std::move(key),
+        [&slot](const YAML::Node& n) {
+          if (!n.IsScalar() || n.Scalar().empty()) throw FieldProblem{"expected a non-empty string, got " + describe(n)};
+          slot = n.Scalar();
+        },
+        [&slot] { return YAML::Node(slot); });
+  }
+  template <typename T, typename Check>
+  void triple(std::string key, std::array<T, 3>& slot, std::string expected, Check check) {
+    add(std::move(key),
+        [&slot, expected, check](const YAML::Node& n) {
+          if (!n.IsSequence() || n.size() != 3)
+            throw FieldProblem{"expected a list of 3 " + expected + " (t, h, w), got " + describe(n)};
+          std::array<T, 3> v{};
+          for (size_t i = 0; i < 3; ++i) v[i] = check(n[i]);
+          slot = v;
+        },
+        [&slot] {
+          YAML::Node n(YAML::NodeType::Sequence);
+          for (const auto& x : slot) n.push_back(x);
+          n.SetStyle(YAML::EmitterStyle::Flow);
+          return n;
+        });
+  }
+
+  void bind(RunConfig& c) {
+    constexpr int64_t kBig = std::numeric_limits<int64_t>::max();
+    auto positive_int = [](const YAML::Node& n) { return checked_int(n, IntRange{1}); };
+    auto odd_positive_int = [](const YAML::Node& n) {
+      int64_t v = checked_int(n, IntRange{1});
+      if (v % 2 == 0) throw FieldProblem{"expected odd kernel sizes (the window is centred), got " + std::to_string(v)};
+      return v;
+    };
+    auto nonnegative_real = [](const YAML::Node& n) { return checked_real(n, RealRange{0.0}); };
+
+    // model
+    add("model.arch",
+        [&c](const YAML::Node& n) {
+          const std::map<std::string, Architecture> names{
+              {"megaslide", Architecture::kMegaSlide}, {"dense3d", Architecture::kDense3D}, {"swin", Architecture::kSwin}};
+          auto it = n.IsScalar() ? names.find(n.Scalar()) : names.end();
+          if (it == names.end()) throw FieldProblem{"expected one of megaslide | dense3d | swin, got " + describe(n)};
+          c.model.arch = it->second;
+        },
+        [&c] { return YAML::Node(std::string(to_string(c.model.arch))); });
+    triple("model.patch", c.model.patch, "positive integers", positive_int);
+    integer("model.hidden", c.model.hidden, IntRange{1});
+    integer("model.layers", c.model.layers, IntRange{1});
+    integer("model.heads", c.model.heads, IntRange{1});
+    real("model.mlp_ratio", c.model.mlp_ratio, RealRange{0.0, 64.0, true, false});
+    integer("model.text_dim", c.model.text_dim, IntRange{1});
+    triple("model.dsa_kernel", c.model.dsa_kernel, "odd positive integers", odd_positive_int);
+    integer("model.dsa_groups", c.model.dsa_groups, IntRange{1});
+    triple("model.dsa_offset_range", c.model.dsa_offset_range, "numbers >= 0", nonnegative_real);
+    boolean("model.freeze_offsets", c.model.freeze_offsets);
+    triple("model.swin_window", c.model.swin_window, "positive integers", positive_int);
+    // data
+    choice("data.dataset", c.data.dataset, {"structured-motion"});
+    integer("data.channels", c.data.channels, IntRange{1, 64});
+    integer("data.frames", c.data.frames, IntRange{1});
+    integer("data.height", c.data.height, IntRange{1});
+    integer("data.width", c.data.width, IntRange{1});
+    integer("data.num_clips", c.data.num_clips, IntRange{1});
+    integer("data.max_text_tokens", c.data.max_text_tokens, IntRange{2, 4096});
+    seed("data.seed", c.data.seed);
+    // diffusion
+    integer("diffusion.timesteps", c.diffusion.timesteps, IntRange{2, 100000});
+    choice("diffusion.beta_schedule", c.diffusion.beta_schedule, {"linear", "cosine"});
+    real("diffusion.beta_start", c.diffusion.beta_start, RealRange{0.0, 1.0, true, true});
+    real("diffusion.beta_end", c.diffusion.beta_end, RealRange{0.0, 1.0, true, true});
+    real("diffusion.caption_dropout", c.diffusion.caption_dropout, RealRange{0.0, 1.0});
+    integer("diffusion.sample_steps", c.diffusion.sample_steps, IntRange{1});
+    real("diffusion.guidance_scale", c.diffusion.guidance_scale, RealRange{0.0});
+    // train
+    integer("train.steps", c.train.steps, IntRange{1});
+    integer("train.batch_size", c.train.batch_size, IntRange{1});
+    real("train.lr", c.train.lr, RealRange{0.0, 10.0, true, false});
+    real("train.min_lr_ratio", c.train.min_lr_ratio, RealRange{0.0, 1.0});
+    integer("train.warmup_steps", c.train.warmup_steps, IntRange{0});
+    choice("train.lr_schedule", c.train.lr_schedule, {"cosine", "constant"});
+    real("train.weight_decay", c.train.weight_decay, RealRange{0.0});
+    real("train.beta1", c.train.beta1, RealRange{0.0, 1.0, false, true});
+    real("train.beta2", c.train.beta2, RealRange{0.0, 1.0, false, true});
+    real("train.eps", c.train.eps, RealRange{0.0, 1.0, true, false});
+    real("train.grad_clip", c.train.grad_clip, RealRange{0.0});
+    seed("train.seed", c.train.seed);
+    add("train.device",
+        [&c](const YAML::Node& n) {
+          static const std::regex kDevice(R"(auto|cpu|cuda(:[0-9]+)?)");
+          if (!n.IsScalar() || !std::regex_match(n.Scalar(), kDevice))
+            throw FieldProblem{"expected auto | cpu | cuda | cuda:N, got " + describe(n)};
+          c.train.device = n.Scalar();
+        },
+        [&c] { return YAML::Node(c.train.device); });
+    integer("train.threads", c.train.threads, IntRange{0, 4096});
+    integer("train.log_every", c.train.log_every, IntRange{1});
+    // offload
+    boolean("offload.enabled", c.offload.enabled);
+    choice("offload.mode", c.offload.mode, {"async", "sync"});
+    // output
+    text("output.run_dir", c.output.run_dir);
+    boolean("output.progress", c.output.progress);
+    (void)kBig;
+  }
+
+  std::vector<Field> fields_;
+};
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+std::string unknown_key_problem(const Schema& schema, const std::string& key) {
+  std::string best;
+  size_t best_distance = 4;  // suggest only near misses
+  for (const auto& f : schema.fields()) {
+    size_t d = edit_distance(key, f.key);
+    if (d < best_distance) best_distance = d, best = f.key;
+  }
+  std::string section = key.substr(0, key.find('.'));
+  std::string known;
+  for (const auto& f : schema.fields())
+    if (f.key.rfind(section + ".", 0) == 0) known += (known.empty() ? "" : ", ") + f.key.substr(section.size() + 1);
+  std::string problem = "unknown key";
+  if (!best.empty()) problem += " (did you mean " + best + "?)";
+  if (!known.empty()) problem += "; keys of section " + section + ": " + known;
+  else problem += "; sections are model, data, diffusion, train, offload, output";
+  return problem;
+}
+
+void apply(const Schema& schema, const std::string& source, const std::string& key, const YAML::Node& value) {
+  const Field* field = schema.find(key);
+  if (field == nullptr) throw ConfigError(source, key, unknown_key_problem(schema, key));
+  try {
+    field->set(value);
+  } catch (const FieldProblem& p) {
+    throw ConfigError(source, key, p.text);
+  }
+}
+
+}  // namespace
+
+RunConfig parse_run_config(const std::string& yaml_text, const std::string& source,
+                           const std::vector<std::string>& overrides) {
+  RunConfig config;
+  Schema schema(config);
+  YAML::Node root;
+  try {
+    root = YAML::Load(yaml_text);
+  } catch (const YAML::Exception& e) {
+    throw ConfigError(source, "", "not valid YAML: " + e.msg + " (line " + std::to_string(e.mark.line + 1) + ")");
+  }
+  if (root.IsDefined() && !root.IsNull()) {
+    if (!root.IsMap()) throw ConfigError(source, "", "expected a mapping of sections (model, data, ...), got " + describe(root));
+    for (const auto& section : root) {
+      const std::string name = section.first.as<std::string>();
+      bool known_section = false;
+      for (const auto& f : schema.fields()) known_section |= f.key.rfind(name + ".", 0) == 0;
+      if (!known_section)
+        throw ConfigError(source, name, "unknown section; sections are model, data, diffusion, train, offload, output");
+      if (!section.second.IsMap())
+        throw ConfigError(source, name, "expected a section (a mapping of keys), got " + describe(section.second));
+      for (const auto& entry : section.second) {
+        apply(schema, source, name + "." + entry.first.as<std::string>(), entry.second);
+      }
+    }
+  }
+  for (const auto& assignment : overrides) {
+    const std::string where = "--set " + assignment;
+    auto eq = assignment.find('=');
+    if (eq == std::string::npos || eq == 0)
+      throw ConfigError(where, "", "expected key.path=value, e.g. --set model.hidden=32");
+    const std::string key = assignment.substr(0, eq);
+    YAML::Node value;
+    try {
+      value = YAML::Load(assignment.substr(eq + 1));
+    } catch (const YAML::Exception& e) {
+      throw ConfigError(where, key, "value is not valid YAML: " + e.msg);
+    }
+    apply(schema, where, key, value);
+  }
+  validate(config, overrides.empty() ? source : source + " with --set overrides");
+  return config;
+}
+
+RunConfig load_run_config(const std::string& path, const std::vector<std::string>& overrides) {
+  std::ifstream in(path);
+  if (!in) throw ConfigError(path, "", "cannot open the config file (does it exist and is it readable?)");
+  std::stringstream text;
+  text << in.rdbuf();
+  return parse_run_config(text.str(), path, overrides);
+}
+
+void validate(const RunConfig& c, const std::string& source) {
+  auto fail = [&](const std::string& key, const std::string& problem) { throw ConfigError(source, key, problem); };
+  const auto& m = c.model;
+  if (m.hidden % m.heads != 0)
+    fail("model.hidden", "expected a multiple of model.heads (" + std::to_string(m.heads) + "), got " + std::to_string(m.hidden));
+  if (m.hidden < 6 || m.hidden % 2 != 0)
+    fail("model.hidden", "expected an even number >= 6 (the 3D sin-cos position embedding splits it over t, h, w), got " +
+                             std::to_string(m.hidden));
+  if (m.heads % m.dsa_groups != 0)
+    fail("model.dsa_groups", "expected a divisor of model.heads (" + std::to_string(m.heads) + "), got " + std::to_string(m.dsa_groups));
+  if (static_cast<int64_t>(std::llround(m.hidden * m.mlp_ratio)) < 1)
+    fail("model.mlp_ratio", "expected model.hidden * model.mlp_ratio >= 1");
+  const char* axes[3] = {"frames", "height", "width"};
+  const int64_t sizes[3] = {c.data.frames, c.data.height, c.data.width};
+  const char* patch_names[3] = {"temporal", "height", "width"};
+  for (int a = 0; a < 3; ++a) {
+    if (sizes[a] % m.patch[a] != 0)
+      fail(std::string("data.") + axes[a], "expected a multiple of the " + std::string(patch_names[a]) + " patch model.patch[" +
+                                               std::to_string(a) + "] = " + std::to_string(m.patch[a]) + ", got " +
+                                               std::to_string(sizes[a]));
+  }
+  const auto& d = c.diffusion;
+  if (d.beta_end <= d.beta_start)
+    fail("diffusion.beta_end", "expected a value above diffusion.beta_start (" + format_number(d.beta_start) + "), got " +
+                                   format_number(d.beta_end));
+  if (d.sample_steps > d.timesteps)
+    fail("diffusion.sample_steps", "expected at most diffusion.timesteps (" + std::to_string(d.timesteps) + "), got " +
+                                       std::to_string(d.sample_steps));
+  if (c.offload.enabled)
+    fail("offload.enabled", "the streamed CPU-master trainer is not part of this build yet; set offload.enabled: false "
+                            "(the resident trainer)");
+}
+
+std::string to_yaml(const RunConfig& config) {
+  RunConfig copy = config;
+  Schema schema(copy);
+  YAML::Emitter out;
+  out << YAML::BeginMap;
+  std::string section;
+  for (const auto& f : schema.fields()) {
+    std::string s = f.key.substr(0, f.key.find('.'));
+    if (s != section) {
+      if (!section.empty()) out << YAML::EndMap;
+      out << YAML::Key << s << YAML::Value << YAML::BeginMap;
+      section = s;
+    }
+    out << YAML::Key << f.key.substr(s.size() + 1) << YAML::Value << f.get();
+  }
+  if (!section.empty()) out << YAML::EndMap;
+  out << YAML::EndMap;
+  return std::string(out.c_str()) + "\n";
+}
+
+std::vector<std::string> config_keys() {
+  RunConfig c;
+  Schema schema(c);
+  std::vector<std::string> keys;
+  for (const auto& f : schema.fields()) keys.push_back(f.key);
+  return keys;
+}
+
+}  // namespace megaslide

@@ -1,0 +1,134 @@
+#include "megaslide/train/run_outputs.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <spdlog/sinks/basic_file_sink.h>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+
+#include "megaslide/model/dit.h"
+
+namespace megaslide {
+
+namespace fs = std::filesystem;
+
+RunDirectory::RunDirectory(const std::string& path, const RunConfig& resolved) : path_(path) {
+  std::error_code ec;
+  fs::create_directories(path_, ec);
+  if (ec) throw OutputError("cannot create run directory '" + path_ + "': " + ec.message());
+  const std::string config_path = file("config.yaml");
+  const std::string tmp = config_path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << to_yaml(resolved);
+    out.flush();
+    if (!out) throw OutputError("cannot write '" + tmp + "': " + std::strerror(errno));
+  }
+  fs::rename(tmp, config_path, ec);
+  if (ec) throw OutputError("cannot rename '" + tmp + "' to '" + config_path + "': " + ec.message());
+}
+
+std::string RunDirectory::file(const std::string& name) const { return (fs::path(path_) / name).string(); }
+
+MetricsWriter::MetricsWriter(const std::string& path) : path_(path), out_(path, std::ios::trunc) {
+  if (!out_) throw OutputError("cannot open '" + path + "' for writing: " + std::strerror(errno));
+}
+
+void MetricsWriter::write(const StepMetrics& m) {
+  nlohmann::json j{{"step", m.step},
+                   {"loss", m.loss},
+                   {"lr", m.lr},
+                   {"grad_norm", m.grad_norm},
+                   {"step_time_s", m.step_time_s},
+                   {"tokens_per_s", m.tokens_per_s},
+                   {"samples_per_s", m.samples_per_s}};
+  out_ << j.dump() << '\n';
+  out_.flush();
+  if (!out_) throw OutputError("cannot write to '" + path_ + "': " + std::strerror(errno));
+}
+
+struct TrainLog::Impl {
+  std::shared_ptr<spdlog::logger> logger;
+};
+
+TrainLog::TrainLog(const std::string& path) : impl_(std::make_unique<Impl>()) {
+  try {
+    auto file = std::make_shared<spdlog::sinks::basic_file_sink_mt>(path, /*truncate=*/true);
+    auto console = std::make_shared<spdlog::sinks::stderr_color_sink_mt>();
+    file->set_pattern("[%Y-%m-%d %H:%M:%S.%e] [%l] %v");
+    console->set_pattern("%v");
+    impl_->logger = std::make_shared<spdlog::logger>("megaslide", spdlog::sinks_init_list{file, console});
+    impl_->logger->flush_on(spdlog::level::info);
+  } catch (const spdlog::spdlog_ex& e) {
+    throw OutputError("cannot open the log '" + path + "': " + e.what());
+  }
+}
+
+TrainLog::~TrainLog() = default;
+void TrainLog::info(const std::string& message) { impl_->logger->info(message); }
+void TrainLog::warn(const std::string& message) { impl_->logger->warn(message); }
+
+ProgressLine::ProgressLine(int64_t total_steps, int64_t every, bool enabled)
+    : total_(total_steps), every_(std::max<int64_t>(every, 1)), enabled_(enabled), tty_(isatty(STDERR_FILENO) == 1),
+      start_(std::chrono::steady_clock::now()) {}
+
+namespace {
+std::string clock_time(double seconds) {
+  const auto s = static_cast<int64_t>(std::llround(std::max(0.0, seconds)));
+  return s >= 3600 ? fmt::format("{}:{:02}:{:02}", s / 3600, (s / 60) % 60, s % 60) : fmt::format("{}:{:02}", s / 60, s % 60);
+}
+}  // namespace
+
+void ProgressLine::update(const StepMetrics& m) {
+  loss_ema_ = m.step == 1 ? m.loss : 0.9 * loss_ema_ + 0.1 * m.loss;
+  if (!enabled_) return;
+  const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  const double rate = static_cast<double>(m.step) / std::max(elapsed, 1e-9);
+  const double eta = static_cast<double>(total_ - m.step) / std::max(rate, 1e-9);
+  const std::string line = fmt::format("step {:>{}}/{} | loss {:.4f} (avg {:.4f}) | {:.2f} it/s | {:.3g} tok/s | ETA {}", m.step,
+                                       std::to_string(total_).size(), total_, m.loss, loss_ema_, rate, m.tokens_per_s,
+                                       clock_time(eta));
+  if (tty_) {
+    std::fprintf(stderr, "\r%s\033[K", line.c_str());
+    std::fflush(stderr);
+  } else if (m.step % every_ == 0 || m.step == total_) {
+    std::fprintf(stderr, "%s\n", line.c_str());
+  }
+}
+
+void ProgressLine::finish() {
+  if (enabled_ && tty_) std::fprintf(stderr, "\n");
+}
+
+std::string human_count(double n) {
+  const char* units[] = {"", " K", " M", " B", " T"};
+  int u = 0;
+  while (std::abs(n) >= 1000.0 && u < 4) n /= 1000.0, ++u;
+  return fmt::format("{:.{}f}{}", n, u == 0 ? 0 : 2, units[u]);
+}
+
+std::string dry_run_json(const RunConfig& config) {
+  auto options = DiTOptions::from_config(config);
+  auto count = count_dit_parameters(options);
+  const auto& p = config.model.patch;  // validated: the video divides into whole patches
+  const TokenGrid grid{config.data.frames / p[0], config.data.height / p[1], config.data.width / p[2]};
+  nlohmann::json j{{"arch", to_string(config.model.arch)},
+                   {"params", count.total},
+                   {"params_per_block", count.per_block},
+                   {"prologue_params", count.prologue},
+                   {"epilogue_params", count.epilogue},
+                   {"layers", config.model.layers},
+                   {"hidden", config.model.hidden},
+                   {"tokens_per_sample", grid.numel()},
+                   {"token_grid", {grid.t, grid.h, grid.w}},
+                   {"host_state_bytes", count.total * 14}};
+  return j.dump();
+}
+
+}  // namespace megaslide
