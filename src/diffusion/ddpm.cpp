@@ -44,8 +44,8 @@ torch::Tensor DDPMSchedule::add_noise(const torch::Tensor& x0, const torch::Tens
   return (abar.sqrt() * x0.to(torch::kFloat64) + (1 - abar).sqrt() * noise.to(torch::kFloat64)).to(x0.scalar_type());
 }
 
-torch::Tensor DDPMSchedule::sample_timesteps(int64_t batch, torch::Device device) const {
-  return torch::randint(0, timesteps_, {batch}, torch::TensorOptions().dtype(torch::kLong).device(device));
+torch::Tensor DDPMSchedule::sample_timesteps(int64_t batch, torch::Device device, std::optional<at::Generator> generator) const {
+  return torch::randint(0, timesteps_, {batch}, generator, torch::TensorOptions().dtype(torch::kLong)).to(device);
 }
 
 torch::Tensor epsilon_loss(const torch::Tensor& predicted, const torch::Tensor& noise) {

@@ -1,5 +1,7 @@
 #include "megaslide/train/resident_trainer.h"
 
+#include <ATen/CPUGeneratorImpl.h>
+
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -40,7 +42,8 @@ ResidentTrainer::ResidentTrainer(const RunConfig& config)
       sampler_(config.data.num_clips, config.train.seed),
       schedule_(config.diffusion.timesteps, parse_beta_schedule(config.diffusion.beta_schedule), config.diffusion.beta_start,
                 config.diffusion.beta_end),
-      caption_rng_(config.train.seed ^ 0x5DEECE66Dull) {
+      caption_rng_(config.train.seed ^ 0x5DEECE66Dull),
+      generator_(at::detail::createCPUGenerator(config.train.seed)) {
   validate(config_, "ResidentTrainer");
   if (config_.train.threads > 0) torch::set_num_threads(static_cast<int>(config_.train.threads));
   torch::manual_seed(config_.train.seed);
@@ -76,8 +79,9 @@ StepMetrics ResidentTrainer::step() {
   auto tokens = tokenizer_.encode_batch(batch.captions, config_.data.max_text_tokens);
 
   auto x0 = batch.video.to(device_);
-  auto timesteps = schedule_.sample_timesteps(t.batch_size, device_);
-  auto noise = torch::randn_like(x0);
+  auto timesteps = schedule_.sample_timesteps(t.batch_size, device_, generator_);
+  // Noise is drawn on the CPU so that a run's random stream is the same on every device.
+  auto noise = torch::randn(batch.video.sizes(), generator_, torch::kFloat32).to(device_);
   auto xt = schedule_.add_noise(x0, noise, timesteps);
 
   optimizer_->zero_grad();

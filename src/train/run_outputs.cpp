@@ -10,31 +10,22 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
-#include <filesystem>
 
+#include "megaslide/io/files.h"
 #include "megaslide/model/dit.h"
 
 namespace megaslide {
 
-namespace fs = std::filesystem;
-
 RunDirectory::RunDirectory(const std::string& path, const RunConfig& resolved) : path_(path) {
-  std::error_code ec;
-  fs::create_directories(path_, ec);
-  if (ec) throw OutputError("cannot create run directory '" + path_ + "': " + ec.message());
-  const std::string config_path = file("config.yaml");
-  const std::string tmp = config_path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << to_yaml(resolved);
-    out.flush();
-    if (!out) throw OutputError("cannot write '" + tmp + "': " + std::strerror(errno));
+  try {
+    io::make_directories(path_);
+    io::write_file_atomically(file("config.yaml"), to_yaml(resolved));
+  } catch (const io::IoError& e) {
+    throw OutputError(std::string("run directory: ") + e.what());
   }
-  fs::rename(tmp, config_path, ec);
-  if (ec) throw OutputError("cannot rename '" + tmp + "' to '" + config_path + "': " + ec.message());
 }
 
-std::string RunDirectory::file(const std::string& name) const { return (fs::path(path_) / name).string(); }
+std::string RunDirectory::file(const std::string& name) const { return io::join_path(path_, name); }
 
 MetricsWriter::MetricsWriter(const std::string& path) : path_(path), out_(path, std::ios::trunc) {
   if (!out_) throw OutputError("cannot open '" + path + "' for writing: " + std::strerror(errno));

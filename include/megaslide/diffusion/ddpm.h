@@ -28,8 +28,9 @@ class DDPMSchedule {
   // x_t = sqrt(ᾱ_t) x0 + sqrt(1 - ᾱ_t) ε for integer timesteps t [B]; x0, noise [B, ...].
   torch::Tensor add_noise(const torch::Tensor& x0, const torch::Tensor& noise, const torch::Tensor& t) const;
 
-  // Uniform integer timesteps in [0, T) for a batch (uses LibTorch's global generator).
-  torch::Tensor sample_timesteps(int64_t batch, torch::Device device) const;
+  // Uniform integer timesteps in [0, T) for a batch, drawn on the CPU from `generator` (LibTorch's
+  // global generator when none) and moved to `device`.
+  torch::Tensor sample_timesteps(int64_t batch, torch::Device device, std::optional<at::Generator> generator = std::nullopt) const;
 
  private:
   int64_t timesteps_;

@@ -65,6 +65,7 @@ class ResidentTrainer {
   std::unique_ptr<torch::optim::AdamW> optimizer_;
   std::vector<torch::Tensor> parameters_;
   std::mt19937_64 caption_rng_;
+  at::Generator generator_;  // timesteps and noise: the trainer's own stream, not LibTorch's global one
   TokenGrid grid_;
   int64_t steps_done_ = 0;
 };

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Installs the build tree into a scratch prefix, then configures, builds and runs tests/package against
+# it with nothing but CMAKE_PREFIX_PATH: what `find_package(MegaSlide)` users do.
+#   check_package.sh BUILD_DIR TORCH_CMAKE_PREFIX
+set -euo pipefail
+build=$1
+torch_prefix=$2
+here=$(cd "$(dirname "$0")" && pwd)
+work="$build/package-check"
+rm -rf "$work/prefix"
+cmake --install "$build" --prefix "$work/prefix" >/dev/null
+cmake -S "$here" -B "$work/consumer" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+      -DCMAKE_CXX_COMPILER_LAUNCHER="$(command -v ccache || true)" \
+      -DCMAKE_PREFIX_PATH="$work/prefix;$torch_prefix" >/dev/null
+cmake --build "$work/consumer"
+"$work/consumer/consumer"

@@ -1,0 +1,54 @@
+// DDPMSchedule: tables equal their closed forms; add_noise is sqrt(ᾱ) x0 + sqrt(1-ᾱ) ε.
+#include "megaslide/diffusion/ddpm.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+using megaslide::BetaSchedule;
+using megaslide::DDPMSchedule;
+
+TEST(DDPM, LinearBetasAndCumulativeProduct) {
+  DDPMSchedule s(1000, BetaSchedule::kLinear, 1e-4, 0.02);
+  auto betas = s.betas();
+  ASSERT_EQ(betas.size(0), 1000);
+  EXPECT_NEAR(betas[0].item<double>(), 1e-4, 1e-15);
+  EXPECT_NEAR(betas[999].item<double>(), 0.02, 1e-15);
+  EXPECT_NEAR(betas[500].item<double>(), 1e-4 + (0.02 - 1e-4) * 500.0 / 999.0, 1e-15);
+  double abar = 1.0;  // independent running product
+  for (int t = 0; t < 1000; ++t) {
+    abar *= 1.0 - (1e-4 + (0.02 - 1e-4) * t / 999.0);
+    ASSERT_NEAR(s.alphas_cumprod()[t].item<double>(), abar, 1e-12) << "t=" << t;
+  }
+}
+
+TEST(DDPM, CosineScheduleMatchesNicholDhariwal) {
+  DDPMSchedule s(100, BetaSchedule::kCosine);
+  auto f = [](double t) { return std::pow(std::cos((t / 100.0 + 0.008) / 1.008 * M_PI / 2), 2); };
+  for (int t = 0; t < 99; ++t) {  // the last step is clipped at beta = 0.999
+    ASSERT_NEAR(s.alphas_cumprod()[t].item<double>(), f(t + 1) / f(0), 1e-10) << "t=" << t;
+  }
+  EXPECT_LE(s.betas().max().item<double>(), 0.999);
+}
+
+TEST(DDPM, AddNoiseIsTheClosedForm) {
+  DDPMSchedule s(1000, BetaSchedule::kLinear);
+  torch::manual_seed(3);
+  auto x0 = torch::randn({3, 2, 4, 5, 5});
+  auto eps = torch::randn_like(x0);
+  auto t = torch::tensor({0, 417, 999}, torch::kLong);
+  auto xt = s.add_noise(x0, eps, t);
+  for (int b = 0; b < 3; ++b) {
+    double abar = s.alphas_cumprod()[t[b].item<int64_t>()].item<double>();
+    auto expected = std::sqrt(abar) * x0[b] + std::sqrt(1 - abar) * eps[b];
+    EXPECT_TRUE(torch::allclose(xt[b], expected, 1e-5, 1e-6)) << "b=" << b;
+  }
+}
+
+TEST(DDPM, SampledTimestepsCoverTheRange) {
+  DDPMSchedule s(10, BetaSchedule::kLinear);
+  torch::manual_seed(0);
+  auto t = s.sample_timesteps(2000, torch::kCPU);
+  EXPECT_EQ(t.min().item<int64_t>(), 0);
+  EXPECT_EQ(t.max().item<int64_t>(), 9);
+}
