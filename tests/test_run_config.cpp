@@ -134,3 +134,11 @@ TEST(RunConfig, EveryShippedConfigLoads) {
   closedir(d);
   EXPECT_GE(loaded, 6);
 }
+
+TEST(RunConfig, EveryKeyIsDocumented) {
+  std::ifstream in(std::string(MEGASLIDE_SOURCE_DIR) + "/docs/configs.md");
+  ASSERT_TRUE(in.good());
+  std::string doc((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  for (const auto& key : megaslide::config_keys())
+    EXPECT_NE(doc.find("`" + key + "`"), std::string::npos) << key << " is missing from docs/configs.md";
+}
