@@ -1,6 +1,9 @@
 #include "megaslide/attention/dsa3d.h"
 
+#include <algorithm>
 #include <cmath>
+
+#include <ATen/Parallel.h>
 
 #include "attention/dsa3d_params.h"
 
@@ -254,6 +257,15 @@ class FusedDsa3d : public torch::autograd::Function<FusedDsa3d> {
       dlogit_scratch = torch::empty(sizes, q.options().dtype(acc));
       p.prob_scratch = prob_scratch.data_ptr();
       p.dlogit_scratch = dlogit_scratch.data_ptr();
+    }
+    torch::Tensor cpu_scratch;
+    if (impl == DsaImpl::kCpu) {
+      p.cpu_chunks = deterministic ? 1 : std::max<int64_t>(1, at::get_num_threads());
+      const int64_t elements = detail::dsa3d_cpu_scratch_elements(p.shape, deterministic, p.cpu_chunks);
+      if (elements > 0) {
+        cpu_scratch = torch::zeros({elements}, q.options().dtype(acc));
+        p.cpu_scratch = cpu_scratch.data_ptr();
+      }
     }
     run_backward(impl, p, q);
 

@@ -5,8 +5,9 @@
 // Parallelism and determinism:
 //   forward   at::parallel_for over tokens; every output element is written by one thread.
 //   backward  default: the tokens are cut into one chunk per thread; chunk 0 accumulates dk, dv and
-//             dbias into the outputs, every other chunk into its own zeroed buffer, and the buffers are
-//             added in chunk order. Same result on every run with the same thread count.
+//             dbias into the outputs, every other chunk into its own zeroed part of the scratch the API
+//             layer allocated, and the parts are added in chunk order. Same result on every run with
+//             the same thread count; (threads - 1)·2·N·M·d extra fp32.
 //             deterministic: one work unit per (batch, offset group); a unit owns the dk/dv slices of
 //             its heads, so each element is summed by one thread in token order, and the per-batch
 //             dbias partials are added in batch order. Bit-identical for any thread count, but only
@@ -197,11 +198,12 @@ void backward_tokens(const Dsa3dBackwardParams& p, int64_t bn_begin, int64_t bn_
   }
 }
 
+// dst[i] += parts[0][i] + parts[1][i] + ... in that order.
 template <typename acc_t>
-void add_in_order(acc_t* dst, const std::vector<std::vector<acc_t>>& parts, int64_t numel) {
+void add_in_order(acc_t* dst, const std::vector<acc_t*>& parts, int64_t numel) {
   if (parts.empty()) return;
   at::parallel_for(0, numel, 1 << 15, [&](int64_t begin, int64_t end) {
-    for (const auto& part : parts)
+    for (const acc_t* part : parts)
       for (int64_t i = begin; i < end; ++i) dst[i] += part[i];
   });
 }
@@ -213,14 +215,17 @@ void backward_impl(const Dsa3dBackwardParams& p) {
   auto* dk = static_cast<acc_t*>(p.dk);
   auto* dv = static_cast<acc_t*>(p.dv);
   auto* dbias = static_cast<acc_t*>(p.dbias);
+  auto* scratch = static_cast<acc_t*>(p.cpu_scratch);
 
   if (p.deterministic) {
-    // Unit (b, g) owns dq/doffsets of its tokens and the dk/dv/dbias rows of group g's heads.
-    std::vector<std::vector<acc_t>> dbias_parts(dbias ? s.B - 1 : 0, std::vector<acc_t>(bias_numel, acc_t(0)));
+    // Unit (b, g) owns dq/doffsets of its tokens and the dk/dv/dbias rows of group g's heads; batch
+    // entry b > 0 adds its dbias into scratch part b - 1.
+    std::vector<acc_t*> dbias_parts;
+    for (int64_t b = 1; dbias && b < s.B; ++b) dbias_parts.push_back(scratch + (b - 1) * bias_numel);
     at::parallel_for(0, s.B * s.G, 1, [&](int64_t begin, int64_t end) {
       for (int64_t u = begin; u < end; ++u) {
         const int64_t b = u / s.G, g = u % s.G;
-        acc_t* dbias_b = !dbias ? nullptr : b == 0 ? dbias : dbias_parts[b - 1].data();
+        acc_t* dbias_b = !dbias ? nullptr : b == 0 ? dbias : dbias_parts[b - 1];
         backward_tokens<scalar_t, acc_t>(p, b * s.tokens(), (b + 1) * s.tokens(), g, g + 1, dk, dv, dbias_b);
       }
     });
@@ -228,16 +233,21 @@ void backward_impl(const Dsa3dBackwardParams& p) {
     return;
   }
 
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), BN));
-  std::vector<std::vector<acc_t>> dk_parts(chunks - 1, std::vector<acc_t>(volume, acc_t(0)));
-  std::vector<std::vector<acc_t>> dv_parts(chunks - 1, std::vector<acc_t>(volume, acc_t(0)));
-  std::vector<std::vector<acc_t>> dbias_parts(dbias ? chunks - 1 : 0, std::vector<acc_t>(bias_numel, acc_t(0)));
+  // Chunk c > 0 accumulates into scratch part c - 1: [dk | dv | dbias].
+  const int64_t chunks = std::max<int64_t>(1, std::min(p.cpu_chunks, BN));
+  std::vector<acc_t*> dk_parts, dv_parts, dbias_parts;
+  for (int64_t c = 1; c < chunks; ++c) {
+    acc_t* part = scratch + (c - 1) * (2 * volume + bias_numel);
+    dk_parts.push_back(part);
+    dv_parts.push_back(part + volume);
+    dbias_parts.push_back(part + 2 * volume);
+  }
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
       const int64_t bn_begin = BN * c / chunks, bn_end = BN * (c + 1) / chunks;
-      acc_t* dk_c = c == 0 ? dk : dk_parts[c - 1].data();
-      acc_t* dv_c = c == 0 ? dv : dv_parts[c - 1].data();
-      acc_t* dbias_c = !dbias ? nullptr : c == 0 ? dbias : dbias_parts[c - 1].data();
+      acc_t* dk_c = c == 0 ? dk : dk_parts[c - 1];
+      acc_t* dv_c = c == 0 ? dv : dv_parts[c - 1];
+      acc_t* dbias_c = !dbias ? nullptr : c == 0 ? dbias : dbias_parts[c - 1];
       backward_tokens<scalar_t, acc_t>(p, bn_begin, bn_end, 0, s.G, dk_c, dv_c, dbias_c);
     }
   });

@@ -6,7 +6,8 @@
 //   q, k, v, out, dout, dq     [B, T, H, W, M, d]   in `dtype`
 //   dk, dv                     [B, T, H, W, M, d]   in acc_t (float, or double for float64), zeroed
 //   offsets, doffsets          [B, T, H, W, G, K, 3] in acc_t (doffsets: written, not accumulated)
-//   bias, dbias                [M, K]               in acc_t; bias may be null (then dbias is null)
+//   bias, dbias                [M, K]               in acc_t; bias may be null (then dbias is null);
+//                                                   dbias is accumulated (zeroed by the caller)
 //   lse                        [B, T, H, W, M]      in acc_t
 // (kt, kh, kw) is the effective kernel (every size <= its axis), K = kt·kh·kw.
 #pragma once
@@ -61,7 +62,20 @@ struct Dsa3dBackwardParams {
   // and logit gradients (allocated by the API layer; null otherwise).
   void* prob_scratch = nullptr;
   void* dlogit_scratch = nullptr;
+  // CPU only: the tokens are cut into cpu_chunks chunks run in parallel (default mode), and cpu_scratch
+  // holds dsa3d_cpu_scratch_elements() zeroed acc_t for the partial sums (null when that is 0).
+  int64_t cpu_chunks = 1;
+  void* cpu_scratch = nullptr;
 };
+
+// acc_t elements of CPU backward scratch. Default mode: (chunks - 1) · (2·B·N·M·d + M·K), the dk, dv
+// and dbias partials of every chunk but the first (which accumulates into the outputs). Deterministic
+// mode: (B - 1) · M·K, the dbias partials of every batch entry but the first.
+inline int64_t dsa3d_cpu_scratch_elements(const Dsa3dShape& s, bool deterministic, int64_t chunks) {
+  const int64_t bias = s.M * s.K;
+  if (deterministic) return s.B > 1 ? (s.B - 1) * bias : 0;
+  return (chunks - 1) * (2 * s.B * s.tokens() * s.M * s.d + bias);
+}
 
 // CPU backend (src/attention/dsa3d_cpu.cpp): at::parallel_for over tokens.
 void dsa3d_forward_cpu(const Dsa3dForwardParams& p);
