@@ -315,6 +315,21 @@ TEST(Dsa3d, FusedCpuMatchesReferenceAtTokenCentresFloat64) {
   }
 }
 
+// Without a bias (bias = nullopt): forward and gradients still equal the reference (float64, 1e-12),
+// and the result trains (requires_grad inputs, no bias input to the autograd function).
+TEST(Dsa3d, FusedCpuWithoutBiasMatchesReference) {
+  Problem pb;
+  pb.T = 3, pb.H = 5, pb.W = 4, pb.M = 2, pb.d = 4, pb.with_bias = false;
+  const auto in = make_inputs(pb, torch::kDouble, Offsets::kRandom, 16);
+  ASSERT_FALSE(in.bias.defined());
+  const auto fused = run_kernel(in, pb.kernel, ms::DsaImpl::kCpu);
+  EXPECT_FALSE(fused.dbias.defined());
+  expect_results_close(fused, run_kernel(in, pb.kernel, ms::DsaImpl::kReference), 1e-12, 0);
+  torch::NoGradGuard no_grad;  // and without autograd recording
+  expect_close(ms::dsa3d(in.q, in.k, in.v, in.offsets, std::nullopt, pb.kernel, ms::DsaImpl::kCpu), fused.out, 0, 0,
+               "no-grad forward");
+}
+
 // float32: same data; the two accumulate in different orders, so agreement is to float32 round-off
 // amplified by the softmax: 1e-5 of the largest value (observed up to 1.8e-6).
 TEST(Dsa3d, FusedCpuMatchesReferenceFloat32) {

@@ -197,8 +197,11 @@ void run_backward(DsaImpl impl, const detail::Dsa3dBackwardParams& p, const torc
 class FusedDsa3d : public torch::autograd::Function<FusedDsa3d> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q_in, const torch::Tensor& k_in,
-                               const torch::Tensor& v_in, const torch::Tensor& offsets, const torch::Tensor& bias,
-                               int64_t kt, int64_t kh, int64_t kw, bool deterministic, int64_t impl) {
+                               const torch::Tensor& v_in, const torch::Tensor& offsets,
+                               const std::optional<torch::Tensor>& bias_in, int64_t kt, int64_t kh, int64_t kw,
+                               bool deterministic, int64_t impl) {
+    // An absent bias travels as an empty optional (autograd cannot take an undefined tensor input).
+    const torch::Tensor bias = bias_in ? *bias_in : torch::Tensor();
     const auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
     const auto acc = accumulation_dtype(q.scalar_type());
     const auto offsets_acc = offsets.to(acc).contiguous();
@@ -304,8 +307,8 @@ torch::Tensor dsa3d(const torch::Tensor& q, const torch::Tensor& k, const torch:
   TORCH_CHECK(s.T >= 1 && s.H >= 1 && s.W >= 1 && s.M >= 1 && s.d >= 1,
               "dsa3d: the volume, heads and head size must be non-empty, got q ", q.sizes());
   if (bias) TORCH_CHECK(bias->is_floating_point(), "dsa3d: bias must be floating point, got ", bias->scalar_type());
-  return FusedDsa3d::apply(q, k, v, offsets, bias ? *bias : torch::Tensor(), s.kernel[0], s.kernel[1], s.kernel[2],
-                           deterministic, static_cast<int64_t>(chosen));
+  return FusedDsa3d::apply(q, k, v, offsets, bias, s.kernel[0], s.kernel[1], s.kernel[2], deterministic,
+                           static_cast<int64_t>(chosen));
 }
 
 }  // namespace megaslide::ops
