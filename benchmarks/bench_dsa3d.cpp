@@ -1,8 +1,11 @@
 // bench_dsa3d: the fused 3D-DSA kernel against its anchor, the grid_sample reference, forward +
 // backward, at a few sizes. Prints per case the time of each, the speedup (reference / fused), and
-// the memory each needs beyond its inputs, measured through LibTorch's allocator:
+// the memory each needs beyond its inputs, measured through LibTorch's allocator (CPU: a counting
+// wrapper around LibTorch's CPU allocator; GPU: the caching allocator's statistics):
 //   saved  bytes held between forward and backward (output + what autograd keeps);
 //   peak   the most bytes allocated at once during forward + backward (gradients included).
+// det_ms is the fused kernel's deterministic mode (docs/3d-dsa.md, "Determinism"). max_err is the
+// largest error of out, dq and d(offsets) relative to the reference's largest value.
 // The last line is one JSON object with every figure.
 //
 //   build/bin/bench_dsa3d                 # fused CPU vs reference on the CPU (LibTorch's thread count)
@@ -133,7 +136,7 @@ void clear_grads(Inputs& in) {
 }
 
 Measurement measure(Inputs& in, const Case& c, ops::DsaImpl impl, int reps, const Memory& memory,
-                    const torch::Device& device) {
+                    const torch::Device& device, bool deterministic = false) {
   Measurement r;
   // Memory, on a separate run.
   {
@@ -141,7 +144,7 @@ Measurement measure(Inputs& in, const Case& c, ops::DsaImpl impl, int reps, cons
     sync(device);
     const int64_t before = memory.current();
     memory.reset_peak();
-    auto out = ops::dsa3d(in.q, in.k, in.v, in.offsets, in.bias, c.kernel, impl);
+    auto out = ops::dsa3d(in.q, in.k, in.v, in.offsets, in.bias, c.kernel, impl, deterministic);
     sync(device);
     r.saved_bytes = memory.current() - before;
     out.backward(in.dout);
@@ -156,7 +159,7 @@ Measurement measure(Inputs& in, const Case& c, ops::DsaImpl impl, int reps, cons
     clear_grads(in);
     sync(device);
     const auto start = std::chrono::steady_clock::now();
-    ops::dsa3d(in.q, in.k, in.v, in.offsets, in.bias, c.kernel, impl).backward(in.dout);
+    ops::dsa3d(in.q, in.k, in.v, in.offsets, in.bias, c.kernel, impl, deterministic).backward(in.dout);
     sync(device);
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     if (i > 0) times.push_back(ms);
@@ -213,8 +216,8 @@ int main(int argc, char** argv) {
 
   std::printf("bench_dsa3d: fused %s vs grid_sample reference, float32, forward+backward, median of %d, %d threads\n",
               ops::to_string(fused), reps, torch::get_num_threads());
-  std::printf("%-18s %6s %4s %10s %10s %8s %12s %12s %12s %12s %9s\n", "case", "N", "K", "ref_ms", "fused_ms",
-              "speedup", "ref_saved", "fused_saved", "ref_peak", "fused_peak", "max_err");
+  std::printf("%-18s %6s %4s %10s %10s %8s %10s %12s %12s %12s %12s %9s\n", "case", "N", "K", "ref_ms", "fused_ms",
+              "speedup", "det_ms", "ref_saved", "fused_saved", "ref_peak", "fused_peak", "max_err");
   std::string json = std::string("{\"bench\":\"dsa3d\",\"device\":\"") + (use_cuda ? "cuda" : "cpu") +
                      "\",\"threads\":" + std::to_string(torch::get_num_threads()) + ",\"dtype\":\"float32\",\"cases\":[";
   for (size_t i = 0; i < cases.size(); ++i) {
@@ -224,23 +227,24 @@ int main(int argc, char** argv) {
     const int64_t N = c.B * c.T * c.H * c.W, K = ke[0] * ke[1] * ke[2];
     const Measurement ref = measure(in, c, ops::DsaImpl::kReference, reps, memory, device);
     const Measurement fus = measure(in, c, fused, reps, memory, device);
+    const Measurement det = measure(in, c, fused, reps, memory, device, /*deterministic*/ true);
     const double err = std::max({max_rel_error(fus.out, ref.out), max_rel_error(fus.dq, ref.dq),
-                                 max_rel_error(fus.doffsets, ref.doffsets)});
+                                 max_rel_error(fus.doffsets, ref.doffsets), max_rel_error(det.dq, ref.dq)});
     const double speedup = ref.ms / fus.ms;
     // What the reference materialises by construction: sampled k and v, N·K·M·d float32 each.
     const int64_t sampled_kv_bytes = 2 * N * K * c.M * c.d * 4;
     auto mib = [](int64_t b) { return double(b) / (1 << 20); };
-    std::printf("%-18s %6lld %4lld %10.1f %10.1f %7.2fx %9.1f MiB %9.1f MiB %9.1f MiB %9.1f MiB %9.1e\n",
-                c.name.c_str(), (long long)N, (long long)K, ref.ms, fus.ms, speedup, mib(ref.saved_bytes),
+    std::printf("%-18s %6lld %4lld %10.1f %10.1f %7.2fx %10.1f %8.1f MiB %8.1f MiB %8.1f MiB %8.1f MiB %9.1e\n",
+                c.name.c_str(), (long long)N, (long long)K, ref.ms, fus.ms, speedup, det.ms, mib(ref.saved_bytes),
                 mib(fus.saved_bytes), mib(ref.peak_bytes), mib(fus.peak_bytes), err);
     char entry[768];
     std::snprintf(entry, sizeof entry,
                   "%s{\"name\":\"%s\",\"B\":%lld,\"T\":%lld,\"H\":%lld,\"W\":%lld,\"M\":%lld,\"d\":%lld,\"K\":%lld,"
-                  "\"ref_ms\":%.3f,\"fused_ms\":%.3f,\"speedup\":%.3f,\"ref_saved_bytes\":%lld,"
+                  "\"ref_ms\":%.3f,\"fused_ms\":%.3f,\"speedup\":%.3f,\"fused_deterministic_ms\":%.3f,\"ref_saved_bytes\":%lld,"
                   "\"fused_saved_bytes\":%lld,\"ref_peak_extra_bytes\":%lld,\"fused_peak_extra_bytes\":%lld,"
                   "\"ref_sampled_kv_bytes\":%lld,\"max_rel_err\":%.3e}",
                   i ? "," : "", c.name.c_str(), (long long)c.B, (long long)c.T, (long long)c.H, (long long)c.W,
-                  (long long)c.M, (long long)c.d, (long long)K, ref.ms, fus.ms, speedup, (long long)ref.saved_bytes,
+                  (long long)c.M, (long long)c.d, (long long)K, ref.ms, fus.ms, speedup, det.ms, (long long)ref.saved_bytes,
                   (long long)fus.saved_bytes, (long long)ref.peak_bytes, (long long)fus.peak_bytes,
                   (long long)sampled_kv_bytes, err);
     json += entry;
