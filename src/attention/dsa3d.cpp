@@ -287,7 +287,9 @@ torch::Tensor dsa3d(const torch::Tensor& q, const torch::Tensor& k, const torch:
                     const std::optional<torch::Tensor>& bias, std::array<int64_t, 3> kernel, DsaImpl impl,
                     bool deterministic) {
   const Shapes s = check_inputs(q, k, v, offsets, bias, kernel);
-  const DsaImpl chosen = resolve_impl(impl, q.device());
+  DsaImpl chosen = resolve_impl(impl, q.device());
+  // kAuto never fails where the reference works: head sizes the CUDA kernel lacks fall back to it.
+  if (impl == DsaImpl::kAuto && chosen == DsaImpl::kCuda && s.d > detail::kCudaMaxHeadDim) chosen = DsaImpl::kReference;
   if (chosen == DsaImpl::kReference) return dsa3d_reference(q, k, v, offsets, bias, kernel);
 
   TORCH_CHECK(chosen == DsaImpl::kCpu || chosen == DsaImpl::kCuda, "dsa3d: unknown implementation ",

@@ -39,7 +39,8 @@
 namespace megaslide::ops {
 
 enum class DsaImpl {
-  kAuto,       // the fused kernel of the tensors' device (CUDA tensors in a build without kernels/: reference)
+  kAuto,       // the fused kernel of the tensors' device; the reference where none applies (CUDA tensors
+               // in a build without kernels/, CUDA head size d > 256, other devices)
   kReference,  // stock LibTorch ops with grid_sample (differentiable through autograd)
   kCpu,        // fused CPU kernel (at::parallel_for over tokens); CPU tensors only
   kCuda,       // fused CUDA kernel; CUDA tensors, builds with MEGASLIDE_WITH_CUDA, head size d <= 256
@@ -48,7 +49,7 @@ enum class DsaImpl {
 // "auto", "reference", "cpu", "cuda".
 const char* to_string(DsaImpl impl);
 
-// The implementation kAuto resolves to for tensors on `device`.
+// The implementation kAuto resolves to for tensors on `device` (before the head-size fallback above).
 DsaImpl resolve_impl(DsaImpl impl, const torch::Device& device);
 
 // The kernel actually used on a T×H×W volume: min(kernel[a], size[a]) per axis.
