@@ -66,7 +66,8 @@ torch::Tensor DeformableSlideAttention3DImpl::forward(const torch::Tensor& x, co
   auto as_heads = [&](Linear& proj_) { return proj_(x).view({B, grid.t, grid.h, grid.w, M, D / M}); };
   auto subset = kernel_subset(grid);
   auto bias = subset.defined() ? rel_bias.index_select(1, subset.to(x.device())) : rel_bias;
-  auto out = ops::dsa3d(as_heads(q), as_heads(k), as_heads(v), offsets(x, grid), bias, options.kernel(), options.impl());
+  auto out = ops::dsa3d(as_heads(q), as_heads(k), as_heads(v), offsets(x, grid), bias, options.kernel(), options.impl(),
+                        options.deterministic());
   return proj(out.reshape({B, grid.numel(), D}));
 }
 

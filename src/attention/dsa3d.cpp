@@ -1,6 +1,16 @@
 #include "megaslide/attention/dsa3d.h"
 
+#include <algorithm>
 #include <cmath>
+
+#include <ATen/Parallel.h>
+
+#include "attention/dsa3d_params.h"
+
+#ifdef MEGASLIDE_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
 
 namespace megaslide::ops {
 
@@ -112,14 +122,195 @@ torch::Tensor dsa3d_reference(const torch::Tensor& q, const torch::Tensor& k, co
   return out.permute({0, 3, 1, 2, 4}).reshape({s.B, s.T, s.H, s.W, s.M, s.d}).to(q.scalar_type());
 }
 
-torch::Tensor dsa3d(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& offsets,
-                    const std::optional<torch::Tensor>& bias, std::array<int64_t, 3> kernel, DsaImpl impl) {
+const char* to_string(DsaImpl impl) {
   switch (impl) {
-    case DsaImpl::kAuto:
-    case DsaImpl::kReference:
-      return dsa3d_reference(q, k, v, offsets, bias, kernel);
+    case DsaImpl::kAuto: return "auto";
+    case DsaImpl::kReference: return "reference";
+    case DsaImpl::kCpu: return "cpu";
+    case DsaImpl::kCuda: return "cuda";
   }
-  TORCH_CHECK(false, "dsa3d: unknown implementation");
+  return "unknown";
+}
+
+DsaImpl resolve_impl(DsaImpl impl, const torch::Device& device) {
+  if (impl != DsaImpl::kAuto) return impl;
+  if (device.is_cpu()) return DsaImpl::kCpu;
+#ifdef MEGASLIDE_WITH_CUDA
+  if (device.is_cuda()) return DsaImpl::kCuda;
+#endif
+  return DsaImpl::kReference;
+}
+
+namespace {
+
+// ---- fused path: tensors -> params structs -> backend -------------------------------------------
+
+torch::ScalarType accumulation_dtype(torch::ScalarType t) { return t == torch::kDouble ? torch::kDouble : torch::kFloat; }
+
+detail::DsaDtype backend_dtype(torch::ScalarType t) {
+  switch (t) {
+    case torch::kFloat: return detail::DsaDtype::kFloat32;
+    case torch::kDouble: return detail::DsaDtype::kFloat64;
+    case torch::kBFloat16: return detail::DsaDtype::kBFloat16;
+    case torch::kHalf: return detail::DsaDtype::kFloat16;
+    default: TORCH_CHECK(false, "dsa3d: the fused kernels take float32, float64, bfloat16 or float16 inputs, got ", t);
+  }
+}
+
+// Shapes of the saved tensors; the kernel is the effective one (already shrunk to the volume).
+detail::Dsa3dShape backend_shape(const torch::Tensor& q, const torch::Tensor& offsets, std::array<int64_t, 3> kernel) {
+  detail::Dsa3dShape s;
+  s.dtype = backend_dtype(q.scalar_type());
+  s.B = q.size(0), s.T = q.size(1), s.H = q.size(2), s.W = q.size(3), s.M = q.size(4), s.d = q.size(5);
+  s.G = offsets.size(4);
+  s.kt = kernel[0], s.kh = kernel[1], s.kw = kernel[2];
+  s.K = s.kt * s.kh * s.kw;
+  s.scale = 1.0 / std::sqrt(static_cast<double>(s.d));
+  return s;
+}
+
+#ifdef MEGASLIDE_WITH_CUDA
+CUstream_st* current_stream(const torch::Tensor& t) { return at::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
+#endif
+
+void run_forward(DsaImpl impl, const detail::Dsa3dForwardParams& p, const torch::Tensor& q) {
+  if (impl == DsaImpl::kCpu) return detail::dsa3d_forward_cpu(p);
+#ifdef MEGASLIDE_WITH_CUDA
+  const c10::cuda::CUDAGuard guard(q.device());
+  return detail::dsa3d_forward_cuda(p, current_stream(q));
+#else
+  TORCH_CHECK(false, "dsa3d: this build has no CUDA kernels (nvcc was not found when it was configured)");
+#endif
+}
+
+void run_backward(DsaImpl impl, const detail::Dsa3dBackwardParams& p, const torch::Tensor& q) {
+  if (impl == DsaImpl::kCpu) return detail::dsa3d_backward_cpu(p);
+#ifdef MEGASLIDE_WITH_CUDA
+  const c10::cuda::CUDAGuard guard(q.device());
+  return detail::dsa3d_backward_cuda(p, current_stream(q));
+#else
+  TORCH_CHECK(false, "dsa3d: this build has no CUDA kernels (nvcc was not found when it was configured)");
+#endif
+}
+
+// Autograd for the fused kernels. Saves q, k, v, offsets, bias, out and the log-sum-exp only.
+class FusedDsa3d : public torch::autograd::Function<FusedDsa3d> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q_in, const torch::Tensor& k_in,
+                               const torch::Tensor& v_in, const torch::Tensor& offsets,
+                               const std::optional<torch::Tensor>& bias_in, int64_t kt, int64_t kh, int64_t kw,
+                               bool deterministic, int64_t impl) {
+    // An absent bias travels as an empty optional (autograd cannot take an undefined tensor input).
+    const torch::Tensor bias = bias_in ? *bias_in : torch::Tensor();
+    const auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+    const auto acc = accumulation_dtype(q.scalar_type());
+    const auto offsets_acc = offsets.to(acc).contiguous();
+    const auto bias_acc = bias.defined() ? bias.to(acc).contiguous() : torch::Tensor();
+    auto out = torch::empty_like(q);
+    auto lse = torch::empty({q.size(0), q.size(1), q.size(2), q.size(3), q.size(4)}, q.options().dtype(acc));
+
+    detail::Dsa3dForwardParams p;
+    p.shape = backend_shape(q, offsets, {kt, kh, kw});
+    p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr();
+    p.offsets = offsets_acc.data_ptr();
+    p.bias = bias_acc.defined() ? bias_acc.data_ptr() : nullptr;
+    p.out = out.data_ptr(), p.lse = lse.data_ptr();
+    run_forward(static_cast<DsaImpl>(impl), p, q);
+
+    ctx->save_for_backward({q, k, v, offsets, bias, out, lse});
+    ctx->saved_data["kernel"] = std::vector<int64_t>{kt, kh, kw};
+    ctx->saved_data["deterministic"] = deterministic;
+    ctx->saved_data["impl"] = impl;
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &q = saved[0], &k = saved[1], &v = saved[2], &offsets = saved[3], &bias = saved[4], &out = saved[5],
+               &lse = saved[6];
+    const auto kernel = ctx->saved_data["kernel"].toIntVector();
+    const bool deterministic = ctx->saved_data["deterministic"].toBool();
+    const auto impl = static_cast<DsaImpl>(ctx->saved_data["impl"].toInt());
+    const auto acc = accumulation_dtype(q.scalar_type());
+
+    auto dout = grad_outputs[0].defined() ? grad_outputs[0].to(q.scalar_type()).contiguous() : torch::zeros_like(q);
+    const auto offsets_acc = offsets.to(acc).contiguous();
+    const auto bias_acc = bias.defined() ? bias.to(acc).contiguous() : torch::Tensor();
+    auto dq = torch::empty_like(q);
+    auto dk = torch::zeros(q.sizes(), q.options().dtype(acc));
+    auto dv = torch::zeros(q.sizes(), q.options().dtype(acc));
+    auto doffsets = torch::empty(offsets.sizes(), offsets.options().dtype(acc));
+    auto dbias = bias.defined() ? torch::zeros(bias.sizes(), bias.options().dtype(acc)) : torch::Tensor();
+
+    detail::Dsa3dBackwardParams p;
+    p.shape = backend_shape(q, offsets, {kernel[0], kernel[1], kernel[2]});
+    p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr();
+    p.offsets = offsets_acc.data_ptr();
+    p.bias = bias_acc.defined() ? bias_acc.data_ptr() : nullptr;
+    p.out = out.data_ptr(), p.lse = lse.data_ptr(), p.dout = dout.data_ptr();
+    p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr(), p.doffsets = doffsets.data_ptr();
+    p.dbias = dbias.defined() ? dbias.data_ptr() : nullptr;
+    p.deterministic = deterministic;
+    torch::Tensor prob_scratch, dlogit_scratch;
+    if (deterministic && impl == DsaImpl::kCuda) {
+      std::vector<int64_t> sizes(q.sizes().begin(), q.sizes().end() - 1);
+      sizes.push_back(p.shape.K);
+      prob_scratch = torch::empty(sizes, q.options().dtype(acc));
+      dlogit_scratch = torch::empty(sizes, q.options().dtype(acc));
+      p.prob_scratch = prob_scratch.data_ptr();
+      p.dlogit_scratch = dlogit_scratch.data_ptr();
+    }
+    torch::Tensor cpu_scratch;
+    if (impl == DsaImpl::kCpu) {
+      p.cpu_chunks = deterministic ? 1 : std::max<int64_t>(1, at::get_num_threads());
+      const int64_t elements = detail::dsa3d_cpu_scratch_elements(p.shape, deterministic, p.cpu_chunks);
+      if (elements > 0) {
+        cpu_scratch = torch::zeros({elements}, q.options().dtype(acc));
+        p.cpu_scratch = cpu_scratch.data_ptr();
+      }
+    }
+    run_backward(impl, p, q);
+
+    return {dq,
+            dk.to(q.scalar_type()),
+            dv.to(q.scalar_type()),
+            doffsets.to(offsets.scalar_type()),
+            dbias.defined() ? dbias.to(bias.scalar_type()) : torch::Tensor(),
+            torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+torch::Tensor dsa3d(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& offsets,
+                    const std::optional<torch::Tensor>& bias, std::array<int64_t, 3> kernel, DsaImpl impl,
+                    bool deterministic) {
+  const Shapes s = check_inputs(q, k, v, offsets, bias, kernel);
+  DsaImpl chosen = resolve_impl(impl, q.device());
+  // kAuto never fails where the reference works: head sizes the CUDA kernel lacks fall back to it.
+  if (impl == DsaImpl::kAuto && chosen == DsaImpl::kCuda && s.d > detail::kCudaMaxHeadDim) chosen = DsaImpl::kReference;
+  if (chosen == DsaImpl::kReference) return dsa3d_reference(q, k, v, offsets, bias, kernel);
+
+  TORCH_CHECK(chosen == DsaImpl::kCpu || chosen == DsaImpl::kCuda, "dsa3d: unknown implementation ",
+              static_cast<int>(impl));
+  if (chosen == DsaImpl::kCpu) {
+    TORCH_CHECK(q.device().is_cpu(), "dsa3d: impl 'cpu' needs CPU tensors, got q on ", q.device());
+  } else {
+#ifndef MEGASLIDE_WITH_CUDA
+    TORCH_CHECK(false, "dsa3d: impl 'cuda' is not available: this build has no CUDA kernels (nvcc was not found "
+                       "when it was configured); use 'auto' or 'reference'");
+#endif
+    TORCH_CHECK(q.device().is_cuda(), "dsa3d: impl 'cuda' needs CUDA tensors, got q on ", q.device());
+    TORCH_CHECK(s.d <= detail::kCudaMaxHeadDim, "dsa3d: impl 'cuda' supports head sizes d <= ",
+                detail::kCudaMaxHeadDim, ", got d = ", s.d);
+  }
+  backend_dtype(q.scalar_type());  // rejects dtypes the kernels do not take, with a message
+  TORCH_CHECK(s.T >= 1 && s.H >= 1 && s.W >= 1 && s.M >= 1 && s.d >= 1,
+              "dsa3d: the volume, heads and head size must be non-empty, got q ", q.sizes());
+  if (bias) TORCH_CHECK(bias->is_floating_point(), "dsa3d: bias must be floating point, got ", bias->scalar_type());
+  return FusedDsa3d::apply(q, k, v, offsets, bias, s.kernel[0], s.kernel[1], s.kernel[2], deterministic,
+                           static_cast<int64_t>(chosen));
 }
 
 }  // namespace megaslide::ops

@@ -5,6 +5,9 @@
 //   Δ = range ⊙ tanh(o)                            (per-axis range in tokens, (t, h, w))
 //   out = Wo · dsa3d(q, k, v, Δ, B, kernel)        (B: learned relative-position bias [M, K], zero init)
 //
+// The operator runs the implementation `impl` picks (default kAuto: the fused CPU or CUDA kernel of the
+// input's device, trained through its autograd function; kReference: the grid_sample reference).
+//
 // At initialisation Δ = 0 and B = 0, so the module starts as plain neighbourhood attention.
 // `freeze_offsets` is the paper's fixed-offset ablation: the offset network is not built, Δ stays 0.
 // Parameters are created for the full kernel; on a grid smaller than the kernel the sub-window of the
@@ -30,7 +33,8 @@ struct DeformableSlideAttentionOptions {
   TORCH_ARG(int64_t, groups) = 1;  // offset groups; heads of a group share offsets
   TORCH_ARG(Real3, offset_range) = Real3{1.0, 3.0, 3.0};
   TORCH_ARG(bool, freeze_offsets) = false;
-  TORCH_ARG(ops::DsaImpl, impl) = ops::DsaImpl::kAuto;
+  TORCH_ARG(ops::DsaImpl, impl) = ops::DsaImpl::kAuto;  // kAuto: the fused kernel of the input's device
+  TORCH_ARG(bool, deterministic) = false;               // bit-identical fused backward (ops::dsa3d)
   TORCH_ARG(torch::Device, device) = torch::kCPU;
 };
 

@@ -12,8 +12,21 @@
 // Kernel larger than the volume: an axis shorter than its kernel size uses a kernel of the axis'
 // length (effective_kernel()); offsets and bias then carry that smaller K.
 //
-// Memory: the caller owns every tensor; the result is a new tensor. The `reference` implementation
-// materialises the sampled keys and values (N·K·d elements per head), as the paper's grid_sample code.
+// Implementations (DsaImpl), one API: `reference` is stock LibTorch ops with grid_sample and
+// materialises the sampled keys and values (N·K·d elements per head), as the paper's code; `cpu` and
+// `cuda` are fused kernels that never do (online softmax over the K samples, log-sum-exp saved,
+// samples recomputed in the backward; O(N·d) extra memory). All three are differentiable w.r.t. q, k,
+// v, offsets and bias; the fused ones through a torch::autograd::Function that saves q, k, v, offsets,
+// bias, out and the log-sum-exp (no double backward). Half-precision inputs accumulate in float32.
+// `deterministic` makes the fused backward bit-identical across runs and thread counts (slower; see
+// docs/3d-dsa.md); the reference ignores it.
+//
+// Gradient conventions (the fused kernels match the reference's autograd): the position of a sample
+// gets a gradient only strictly inside the volume, 0 < x < S-1 per axis (torch::clamp passes the
+// boundary, grid_sample's border padding does not); at an integer position the trilinear derivative
+// is the right difference (floor-based corners, as grid_sample).
+//
+// Memory: the caller owns every tensor; the result is a new tensor.
 // Thread-safety: a pure function; calls on different tensors may run concurrently. CUDA work runs on
 // the current LibTorch stream.
 #pragma once
@@ -26,9 +39,18 @@
 namespace megaslide::ops {
 
 enum class DsaImpl {
-  kAuto,       // the fastest implementation available for the tensors' device
+  kAuto,       // the fused kernel of the tensors' device; the reference where none applies (CUDA tensors
+               // in a build without kernels/, CUDA head size d > 256, other devices)
   kReference,  // stock LibTorch ops with grid_sample (differentiable through autograd)
+  kCpu,        // fused CPU kernel (at::parallel_for over tokens); CPU tensors only
+  kCuda,       // fused CUDA kernel; CUDA tensors, builds with MEGASLIDE_WITH_CUDA, head size d <= 256
 };
+
+// "auto", "reference", "cpu", "cuda".
+const char* to_string(DsaImpl impl);
+
+// The implementation kAuto resolves to for tensors on `device` (before the head-size fallback above).
+DsaImpl resolve_impl(DsaImpl impl, const torch::Device& device);
 
 // The kernel actually used on a T×H×W volume: min(kernel[a], size[a]) per axis.
 std::array<int64_t, 3> effective_kernel(std::array<int64_t, 3> kernel, std::array<int64_t, 3> volume);
@@ -41,10 +63,10 @@ torch::Tensor dsa3d_base_positions(std::array<int64_t, 3> volume, std::array<int
 // offsets:  [B, T, H, W, G, K, 3] in token units, (t, h, w) order, G divides M
 // bias:     [M, K] relative-position bias, or nullopt
 // kernel:   (kt, kh, kw), odd sizes; shrinks per axis to the volume (see above)
-// returns   [B, T, H, W, M, d]
+// returns   [B, T, H, W, M, d] in q's dtype
 torch::Tensor dsa3d(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& offsets,
                     const std::optional<torch::Tensor>& bias, std::array<int64_t, 3> kernel,
-                    DsaImpl impl = DsaImpl::kAuto);
+                    DsaImpl impl = DsaImpl::kAuto, bool deterministic = false);
 
 // The grid_sample implementation, for tests and as the autograd reference.
 torch::Tensor dsa3d_reference(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,

@@ -1,0 +1,90 @@
+// The backend interface of the fused 3D-DSA kernels: plain structs of pointers and sizes, no
+// at::Tensor. The API layer (src/attention/dsa3d.cpp) checks shapes, dtypes and devices, makes every
+// tensor contiguous, allocates outputs and accumulators, and calls one of the functions below.
+//
+// Layouts (all contiguous, row-major):
+//   q, k, v, out, dout, dq     [B, T, H, W, M, d]   in `dtype`
+//   dk, dv                     [B, T, H, W, M, d]   in acc_t (float, or double for float64), zeroed
+//   offsets, doffsets          [B, T, H, W, G, K, 3] in acc_t (doffsets: written, not accumulated)
+//   bias, dbias                [M, K]               in acc_t; bias may be null (then dbias is null);
+//                                                   dbias is accumulated (zeroed by the caller)
+//   lse                        [B, T, H, W, M]      in acc_t
+// (kt, kh, kw) is the effective kernel (every size <= its axis), K = kt·kh·kw.
+#pragma once
+
+#include <cstdint>
+
+#include "attention/dsa3d_math.h"  // MEGASLIDE_HD
+
+struct CUstream_st;  // cudaStream_t without the CUDA headers (same declaration as driver_types.h)
+
+namespace megaslide::ops::detail {
+
+enum class DsaDtype { kFloat32, kFloat64, kBFloat16, kFloat16 };
+
+struct Dsa3dShape {
+  DsaDtype dtype = DsaDtype::kFloat32;
+  int64_t B = 0, T = 0, H = 0, W = 0, M = 0, d = 0, G = 0;
+  int64_t kt = 0, kh = 0, kw = 0, K = 0;
+  double scale = 1.0;  // 1/sqrt(d)
+  MEGASLIDE_HD int64_t tokens() const { return T * H * W; }
+};
+
+struct Dsa3dForwardParams {
+  Dsa3dShape shape;
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const void* offsets = nullptr;
+  const void* bias = nullptr;  // optional
+  void* out = nullptr;
+  void* lse = nullptr;
+};
+
+struct Dsa3dBackwardParams {
+  Dsa3dShape shape;
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const void* offsets = nullptr;
+  const void* bias = nullptr;  // optional
+  const void* out = nullptr;
+  const void* lse = nullptr;
+  const void* dout = nullptr;
+  void* dq = nullptr;
+  void* dk = nullptr;        // accumulated (must be zero on entry)
+  void* dv = nullptr;        // accumulated (must be zero on entry)
+  void* doffsets = nullptr;
+  void* dbias = nullptr;     // written; null when bias is null
+  // Bit-identical results whatever the thread count or scheduling (docs/3d-dsa.md, "Determinism").
+  bool deterministic = false;
+  // CUDA deterministic mode only: [B, T, H, W, M, K] acc_t scratch for the per-sample probabilities
+  // and logit gradients (allocated by the API layer; null otherwise).
+  void* prob_scratch = nullptr;
+  void* dlogit_scratch = nullptr;
+  // CPU only: the tokens are cut into cpu_chunks chunks run in parallel (default mode), and cpu_scratch
+  // holds dsa3d_cpu_scratch_elements() zeroed acc_t for the partial sums (null when that is 0).
+  int64_t cpu_chunks = 1;
+  void* cpu_scratch = nullptr;
+};
+
+// acc_t elements of CPU backward scratch. Default mode: (chunks - 1) · (2·B·N·M·d + M·K), the dk, dv
+// and dbias partials of every chunk but the first (which accumulates into the outputs). Deterministic
+// mode: (B - 1) · M·K, the dbias partials of every batch entry but the first.
+inline int64_t dsa3d_cpu_scratch_elements(const Dsa3dShape& s, bool deterministic, int64_t chunks) {
+  const int64_t bias = s.M * s.K;
+  if (deterministic) return s.B > 1 ? (s.B - 1) * bias : 0;
+  return (chunks - 1) * (2 * s.B * s.tokens() * s.M * s.d + bias);
+}
+
+// CPU backend (src/attention/dsa3d_cpu.cpp): at::parallel_for over tokens.
+void dsa3d_forward_cpu(const Dsa3dForwardParams& p);
+void dsa3d_backward_cpu(const Dsa3dBackwardParams& p);
+
+// CUDA backend (kernels/dsa3d.cu), compiled when MEGASLIDE_WITH_CUDA: launches on `stream`, checks
+// every launch. Head size d <= kCudaMaxHeadDim.
+constexpr int64_t kCudaMaxHeadDim = 256;
+void dsa3d_forward_cuda(const Dsa3dForwardParams& p, CUstream_st* stream);
+void dsa3d_backward_cuda(const Dsa3dBackwardParams& p, CUstream_st* stream);
+
+}  // namespace megaslide::ops::detail
