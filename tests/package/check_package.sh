@@ -14,3 +14,4 @@ cmake -S "$here" -B "$work/consumer" -G Ninja -DCMAKE_BUILD_TYPE=Release \
       -DCMAKE_PREFIX_PATH="$work/prefix;$torch_prefix" >/dev/null
 cmake --build "$work/consumer"
 "$work/consumer/consumer"
+"$work/prefix/bin/megaslide-train" --config "$work/prefix/share/megaslide/configs/smoke.yaml" --dry-run --json
