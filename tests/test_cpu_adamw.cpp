@@ -18,6 +18,7 @@ namespace {
 
 using megaslide::offload::AdamWBlockState;
 using megaslide::offload::AdamWOptions;
+using megaslide::offload::CopyStores;
 using megaslide::offload::CpuAdamW;
 using megaslide::offload::SimdPath;
 
@@ -229,10 +230,11 @@ struct StepResult {
 };
 
 StepResult run_steps(SimdPath path, int threads, torch::ScalarType grad_dtype, torch::ScalarType compute_dtype,
-              int64_t n, int steps) {
+                     int64_t n, int steps, CopyStores stores = CopyStores::kAuto) {
   torch::manual_seed(7);
   StepResult r{torch::randn({n}), torch::zeros({n}), torch::zeros({n}), torch::empty({n}, compute_dtype)};
   CpuAdamW adamw(test_options(), threads, path);
+  adamw.set_copy_stores(stores);
   for (int step = 1; step <= steps; ++step) {
     torch::Tensor grad = torch::randn({n}).to(grad_dtype);
     adamw.step_block(state_of(r.master, r.m, r.v, grad, &r.compute), step, lr_at(step), 0.5f);
@@ -247,31 +249,45 @@ void expect_same_bits(const StepResult& a, const StepResult& b, const std::strin
   EXPECT_TRUE(bitwise_equal(a.compute, b.compute)) << what << ": compute";
 }
 
+const char* stores_name(CopyStores s) { return s == CopyStores::kStreaming ? "streaming" : "cached"; }
+
 // 300001 elements span 74 tiles, so every thread count splits them differently (and 7 threads on a
-// 2-core machine still must agree).
+// 2-core machine still must agree), with ordinary and with streaming stores for the copy.
 TEST(CpuAdamW, AnyThreadCountGivesTheSameBits) {
   const SimdPath path = CpuAdamW::detect();
-  const StepResult one = run_steps(path, 1, torch::kBFloat16, torch::kBFloat16, 300001, 3);
-  for (int threads : {2, 3, 7}) {
-    expect_same_bits(one, run_steps(path, threads, torch::kBFloat16, torch::kBFloat16, 300001, 3),
-                     std::to_string(threads) + " threads");
+  const StepResult one = run_steps(path, 1, torch::kBFloat16, torch::kBFloat16, 300001, 3, CopyStores::kCached);
+  for (CopyStores stores : {CopyStores::kCached, CopyStores::kStreaming}) {
+    for (int threads : {2, 3, 7}) {
+      expect_same_bits(one, run_steps(path, threads, torch::kBFloat16, torch::kBFloat16, 300001, 3, stores),
+                       std::to_string(threads) + " threads, " + stores_name(stores));
+    }
   }
 }
 
 // All paths perform the same IEEE operations in the same order (docs/cpu-adamw.md), so they agree
-// bit for bit, tails included, for every gradient and compute dtype.
+// bit for bit, tails included, for every gradient and compute dtype and either kind of copy store.
 TEST(CpuAdamW, AllSimdPathsGiveTheSameBits) {
   for (torch::ScalarType grad_dtype : {torch::kBFloat16, torch::kHalf, torch::kFloat}) {
     for (torch::ScalarType compute_dtype : {torch::kBFloat16, torch::kHalf}) {
       const StepResult scalar = run_steps(SimdPath::kScalar, 2, grad_dtype, compute_dtype, 100003, 3);
       for (SimdPath path : {SimdPath::kAvx512, SimdPath::kAvx2}) {
         if (!CpuAdamW::supported(path)) continue;
-        expect_same_bits(scalar, run_steps(path, 2, grad_dtype, compute_dtype, 100003, 3),
-                         path_name(path) + " vs scalar, grad " + c10::toString(grad_dtype) + ", compute " +
-                             c10::toString(compute_dtype));
+        for (CopyStores stores : {CopyStores::kCached, CopyStores::kStreaming}) {
+          expect_same_bits(scalar, run_steps(path, 2, grad_dtype, compute_dtype, 100003, 3, stores),
+                           path_name(path) + " vs scalar, grad " + c10::toString(grad_dtype) + ", compute " +
+                               c10::toString(compute_dtype) + ", " + stores_name(stores));
+        }
       }
     }
   }
+}
+
+// kAuto streams exactly the blocks of kStreamingMinElements and more; an odd-sized one of those
+// (unaligned tail after the streamed body) still matches the scalar path.
+TEST(CpuAdamW, AutoStreamingBlockMatchesScalar) {
+  const int64_t n = megaslide::offload::kStreamingMinElements + 13;
+  expect_same_bits(run_steps(SimdPath::kScalar, 2, torch::kBFloat16, torch::kBFloat16, n, 1),
+                   run_steps(CpuAdamW::detect(), 2, torch::kBFloat16, torch::kBFloat16, n, 1), "auto stores");
 }
 
 // --- API ------------------------------------------------------------------------------------------
@@ -346,19 +362,23 @@ TEST(CpuAdamW, EmptyBlockIsANoOp) {
 TEST(CpuAdamW, StreamProbeWithZeroScaleKeepsTheState) {
   for (SimdPath path : kPaths) {
     if (!CpuAdamW::supported(path)) continue;
-    torch::manual_seed(5);
-    const int64_t n = 70001;
-    torch::Tensor master = torch::randn({n}), m = torch::randn({n}), v = torch::rand({n});
-    torch::Tensor grad = torch::randn({n}).to(torch::kBFloat16);
-    torch::Tensor compute = torch::empty({n}, torch::kBFloat16);
-    const torch::Tensor master0 = master.clone(), m0 = m.clone(), v0 = v.clone();
-    CpuAdamW adamw({}, 2, path);
-    adamw.stream_probe(state_of(master, m, v, grad, &compute), 0.f);
-    EXPECT_TRUE(bitwise_equal(master, master0)) << path_name(path);
-    EXPECT_TRUE(bitwise_equal(m, m0)) << path_name(path);
-    EXPECT_TRUE(bitwise_equal(v, v0)) << path_name(path);
-    const torch::Tensor truncated = master.view(torch::kInt32).bitwise_right_shift(16).to(torch::kInt16);
-    EXPECT_TRUE(torch::equal(compute.view(torch::kInt16), truncated)) << path_name(path);
+    for (CopyStores stores : {CopyStores::kCached, CopyStores::kStreaming}) {
+      torch::manual_seed(5);
+      const int64_t n = 70001;
+      torch::Tensor master = torch::randn({n}), m = torch::randn({n}), v = torch::rand({n});
+      torch::Tensor grad = torch::randn({n}).to(torch::kBFloat16);
+      torch::Tensor compute = torch::empty({n}, torch::kBFloat16);
+      const torch::Tensor master0 = master.clone(), m0 = m.clone(), v0 = v.clone();
+      CpuAdamW adamw({}, 2, path);
+      adamw.set_copy_stores(stores);
+      adamw.stream_probe(state_of(master, m, v, grad, &compute), 0.f);
+      const std::string what = path_name(path) + ", " + stores_name(stores);
+      EXPECT_TRUE(bitwise_equal(master, master0)) << what;
+      EXPECT_TRUE(bitwise_equal(m, m0)) << what;
+      EXPECT_TRUE(bitwise_equal(v, v0)) << what;
+      const torch::Tensor truncated = master.view(torch::kInt32).bitwise_right_shift(16).to(torch::kInt16);
+      EXPECT_TRUE(torch::equal(compute.view(torch::kInt16), truncated)) << what;
+    }
   }
 }
 

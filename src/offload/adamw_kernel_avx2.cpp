@@ -54,12 +54,29 @@ inline __m128i to_fp16(__m256 x) {
   return _mm_blendv_epi8(h, narrow_u32_to_u16(canonical), nan16);
 }
 
-template <ComputeType C>
+// kStream: a non-temporal store (see AdamWKernelParams::stream_compute); needs 16-byte alignment.
+template <bool kStream>
+inline void store_u16x8(void* dst, int64_t i, __m128i h) {
+  auto* at = reinterpret_cast<__m128i*>(static_cast<uint16_t*>(dst) + i);
+  if constexpr (kStream) {
+    _mm_stream_si128(at, h);
+  } else {
+    _mm_storeu_si128(at, h);
+  }
+}
+
+template <ComputeType C, bool kStream>
 inline void store_compute(void* compute, int64_t i, __m256 w) {
   if constexpr (C != ComputeType::kNone) {
-    const __m128i h = C == ComputeType::kBFloat16 ? to_bf16(w) : to_fp16(w);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(compute) + i), h);
+    store_u16x8<kStream>(compute, i, C == ComputeType::kBFloat16 ? to_bf16(w) : to_fp16(w));
   }
+}
+
+// Whether [begin, end) can take streaming stores for the copy: asked for, and element `begin` of the
+// copy on a 16-byte boundary (so every full vector after it is).
+inline bool use_streaming(const AdamWKernelParams& p, int64_t begin) {
+  return p.stream_compute && p.compute != nullptr &&
+         reinterpret_cast<uintptr_t>(static_cast<const uint16_t*>(p.compute) + begin) % 16 == 0;
 }
 
 // --- kernels ---------------------------------------------------------------------------------------
@@ -78,7 +95,7 @@ struct Constants {
         neg_step_size(_mm256_set1_ps(p.neg_step_size)) {}
 };
 
-template <GradType G, ComputeType C>
+template <GradType G, ComputeType C, bool kStream = false>
 inline void adamw_vector(const AdamWKernelParams& p, const Constants& c, int64_t i) {
   const __m256 g = _mm256_mul_ps(load_grad<G>(p.grad, i), c.grad_scale);
   __m256 w = _mm256_mul_ps(_mm256_loadu_ps(p.master + i), c.decay);
@@ -90,7 +107,7 @@ inline void adamw_vector(const AdamWKernelParams& p, const Constants& c, int64_t
   _mm256_storeu_ps(p.master + i, w);
   _mm256_storeu_ps(p.exp_avg + i, m);
   _mm256_storeu_ps(p.exp_avg_sq + i, v);
-  store_compute<C>(p.compute, i, w);
+  store_compute<C, kStream>(p.compute, i, w);
 }
 
 template <GradType G>
@@ -127,28 +144,37 @@ template <GradType G, ComputeType C>
 void adamw_avx2_typed(const AdamWKernelParams& p, int64_t begin, int64_t end) {
   const Constants c(p);
   int64_t i = begin;
-  for (; i + 8 <= end; i += 8) adamw_vector<G, C>(p, c, i);
+  if (use_streaming(p, begin)) {
+    for (; i + 8 <= end; i += 8) adamw_vector<G, C, true>(p, c, i);
+    _mm_sfence();  // streaming stores are weakly ordered: publish them before the caller signals done
+  } else {
+    for (; i + 8 <= end; i += 8) adamw_vector<G, C>(p, c, i);
+  }
   if (i < end) {
     run_tail<G, C>(p, i, end, [&c](const AdamWKernelParams& q, int64_t j) { adamw_vector<G, C>(q, c, j); });
   }
 }
 
-template <GradType G, ComputeType C>
+template <GradType G, ComputeType C, bool kStream = false>
 inline void stream_vector(const AdamWKernelParams& p, __m256 scale, int64_t i) {
   const __m256 g = _mm256_mul_ps(load_grad<G>(p.grad, i), scale);
   const __m256 w = _mm256_add_ps(_mm256_loadu_ps(p.master + i), g);
   _mm256_storeu_ps(p.master + i, w);
   _mm256_storeu_ps(p.exp_avg + i, _mm256_add_ps(_mm256_loadu_ps(p.exp_avg + i), g));
   _mm256_storeu_ps(p.exp_avg_sq + i, _mm256_add_ps(_mm256_loadu_ps(p.exp_avg_sq + i), g));
-  const __m128i h = narrow_u32_to_u16(_mm256_srli_epi32(_mm256_castps_si256(w), 16));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(p.compute) + i), h);
+  store_u16x8<kStream>(p.compute, i, narrow_u32_to_u16(_mm256_srli_epi32(_mm256_castps_si256(w), 16)));
 }
 
 template <GradType G, ComputeType C>
 void stream_probe_avx2_typed(const AdamWKernelParams& p, int64_t begin, int64_t end) {
   const __m256 scale = _mm256_set1_ps(p.grad_scale);
   int64_t i = begin;
-  for (; i + 8 <= end; i += 8) stream_vector<G, C>(p, scale, i);
+  if (use_streaming(p, begin)) {
+    for (; i + 8 <= end; i += 8) stream_vector<G, C, true>(p, scale, i);
+    _mm_sfence();
+  } else {
+    for (; i + 8 <= end; i += 8) stream_vector<G, C>(p, scale, i);
+  }
   if (i < end) {
     run_tail<G, C>(p, i, end, [scale](const AdamWKernelParams& q, int64_t j) { stream_vector<G, C>(q, scale, j); });
   }

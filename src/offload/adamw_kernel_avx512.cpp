@@ -53,12 +53,25 @@ inline __m256i to_fp16(__m512 x) {
   return _mm256_mask_mov_epi16(h, nan, _mm512_cvtepi32_epi16(canonical));
 }
 
-template <ComputeType C>
+// kStream: a full, 32-byte-aligned vector written with a non-temporal store (see
+// AdamWKernelParams::stream_compute); otherwise a masked ordinary store.
+template <ComputeType C, bool kStream>
 inline void store_compute(void* compute, int64_t i, __m512 w, __mmask16 k) {
   if constexpr (C != ComputeType::kNone) {
     const __m256i h = C == ComputeType::kBFloat16 ? to_bf16(w) : to_fp16(w);
-    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(compute) + i, k, h);
+    if constexpr (kStream) {
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(compute) + i), h);
+    } else {
+      _mm256_mask_storeu_epi16(static_cast<uint16_t*>(compute) + i, k, h);
+    }
   }
+}
+
+// Whether [begin, end) can take streaming stores for the copy: asked for, and element `begin` of the
+// copy on a 32-byte boundary (so every full vector after it is).
+inline bool use_streaming(const AdamWKernelParams& p, int64_t begin) {
+  return p.stream_compute && p.compute != nullptr &&
+         reinterpret_cast<uintptr_t>(static_cast<const uint16_t*>(p.compute) + begin) % 32 == 0;
 }
 
 // --- kernels ---------------------------------------------------------------------------------------
@@ -77,7 +90,7 @@ struct Constants {
         neg_step_size(_mm512_set1_ps(p.neg_step_size)) {}
 };
 
-template <GradType G, ComputeType C>
+template <GradType G, ComputeType C, bool kStream = false>
 inline void adamw_vector(const AdamWKernelParams& p, const Constants& c, int64_t i, __mmask16 k) {
   const __m512 g = _mm512_mul_ps(load_grad<G>(p.grad, i, k), c.grad_scale);
   __m512 w = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, p.master + i), c.decay);
@@ -89,18 +102,23 @@ inline void adamw_vector(const AdamWKernelParams& p, const Constants& c, int64_t
   _mm512_mask_storeu_ps(p.master + i, k, w);
   _mm512_mask_storeu_ps(p.exp_avg + i, k, m);
   _mm512_mask_storeu_ps(p.exp_avg_sq + i, k, v);
-  store_compute<C>(p.compute, i, w, k);
+  store_compute<C, kStream>(p.compute, i, w, k);
 }
 
 template <GradType G, ComputeType C>
 void adamw_avx512_typed(const AdamWKernelParams& p, int64_t begin, int64_t end) {
   const Constants c(p);
   int64_t i = begin;
-  for (; i + 16 <= end; i += 16) adamw_vector<G, C>(p, c, i, 0xFFFF);
+  if (use_streaming(p, begin)) {
+    for (; i + 16 <= end; i += 16) adamw_vector<G, C, true>(p, c, i, 0xFFFF);
+    _mm_sfence();  // streaming stores are weakly ordered: publish them before the caller signals done
+  } else {
+    for (; i + 16 <= end; i += 16) adamw_vector<G, C>(p, c, i, 0xFFFF);
+  }
   if (i < end) adamw_vector<G, C>(p, c, i, static_cast<__mmask16>((1u << (end - i)) - 1));
 }
 
-template <GradType G, ComputeType C>
+template <GradType G, ComputeType C, bool kStream = false>
 inline void stream_vector(const AdamWKernelParams& p, __m512 scale, int64_t i, __mmask16 k) {
   const __m512 g = _mm512_mul_ps(load_grad<G>(p.grad, i, k), scale);
   const __m512 w = _mm512_add_ps(_mm512_maskz_loadu_ps(k, p.master + i), g);
@@ -108,14 +126,23 @@ inline void stream_vector(const AdamWKernelParams& p, __m512 scale, int64_t i, _
   _mm512_mask_storeu_ps(p.exp_avg + i, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, p.exp_avg + i), g));
   _mm512_mask_storeu_ps(p.exp_avg_sq + i, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, p.exp_avg_sq + i), g));
   const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(w), 16));
-  _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p.compute) + i, k, h);
+  if constexpr (kStream) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(p.compute) + i), h);
+  } else {
+    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p.compute) + i, k, h);
+  }
 }
 
 template <GradType G, ComputeType C>
 void stream_probe_avx512_typed(const AdamWKernelParams& p, int64_t begin, int64_t end) {
   const __m512 scale = _mm512_set1_ps(p.grad_scale);
   int64_t i = begin;
-  for (; i + 16 <= end; i += 16) stream_vector<G, C>(p, scale, i, 0xFFFF);
+  if (use_streaming(p, begin)) {
+    for (; i + 16 <= end; i += 16) stream_vector<G, C, true>(p, scale, i, 0xFFFF);
+    _mm_sfence();
+  } else {
+    for (; i + 16 <= end; i += 16) stream_vector<G, C>(p, scale, i, 0xFFFF);
+  }
   if (i < end) stream_vector<G, C>(p, scale, i, static_cast<__mmask16>((1u << (end - i)) - 1));
 }
 

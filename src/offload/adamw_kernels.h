@@ -35,6 +35,10 @@ struct AdamWKernelParams {
   void* compute = nullptr;  // may be null when compute_type == kNone
   ComputeType compute_type = ComputeType::kNone;
   int64_t numel = 0;
+  // Write the compute copy with non-temporal (streaming) stores where it is 32-byte aligned: on a
+  // block far larger than the caches nobody reads the copy before it is evicted, and a streaming
+  // store skips the read-for-ownership an ordinary store pays (2 of the 28 B per parameter).
+  bool stream_compute = false;
 
   float grad_scale = 1.f;
   float decay = 1.f;

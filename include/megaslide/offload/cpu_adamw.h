@@ -43,6 +43,13 @@ enum class SimdPath { kAuto, kAvx512, kAvx2, kScalar };
 // "auto", "avx512", "avx2" or "scalar".
 const char* to_string(SimdPath path);
 
+// How the compute copy is written. Streaming (non-temporal) stores go straight to memory and skip
+// the read-for-ownership an ordinary store pays first (2 of the 28 B per parameter); they lose when
+// the copy would have stayed in cache for its next reader. kAuto streams blocks of at least
+// kStreamingMinElements elements (far larger than a core's caches).
+enum class CopyStores { kAuto, kCached, kStreaming };
+constexpr int64_t kStreamingMinElements = int64_t{1} << 20;
+
 // One block's optimizer state as plain pointers, all `numel` elements long and not overlapping.
 struct AdamWBlockState {
   float* master = nullptr;      // fp32 master weights, updated in place
@@ -70,6 +77,9 @@ class CpuAdamW {
   static bool supported(SimdPath path);
 
   SimdPath path() const { return path_; }
+  CopyStores copy_stores() const { return copy_stores_; }
+  // Not thread-safe against a concurrent step_block.
+  void set_copy_stores(CopyStores stores) { copy_stores_ = stores; }
   int num_threads() const;
   const AdamWOptions& options() const { return options_; }
 
@@ -86,7 +96,8 @@ class CpuAdamW {
                   const at::Tensor& grad, const at::Tensor& compute, int64_t step, double lr,
                   float grad_scale = 1.f);
 
-  // The memory roofline of step_block's access pattern, on the same arrays, pool and SIMD path:
+  // The memory roofline of step_block's access pattern, on the same arrays, pool, SIMD path and
+  // copy stores:
   // reads and rewrites master, exp_avg and exp_avg_sq, reads the 16-bit gradient and writes the
   // 16-bit compute copy, with one add per array and none of AdamW's arithmetic
   // (x += grad * grad_scale: grad_scale = 0 leaves the data as it was; the copy gets master's top
@@ -97,6 +108,7 @@ class CpuAdamW {
   class Pool;
   AdamWOptions options_;
   SimdPath path_;
+  CopyStores copy_stores_ = CopyStores::kAuto;
   std::unique_ptr<Pool> pool_;
 };
 
