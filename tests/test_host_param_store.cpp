@@ -101,8 +101,8 @@ TEST(HostParamStore, MemoryReportMatchesTheDesignModel) {
   EXPECT_EQ(r.total_bytes(), 16 * n);
 
   const std::string table = r.to_string();
-  for (const char* row : {"fp32 master", "exp_avg (m)", "exp_avg_sq (v)", "compute copy", "persistent total",
-                          "gradient (transient)", "14.00"}) {
+  for (const char* row : {"fp32 master", "exp_avg (m)", "exp_avg_sq (v)", "bf16 compute copy", "persistent total",
+                          "bf16 gradient (transient)", "14.00", "16.00"}) {
     EXPECT_NE(table.find(row), std::string::npos) << "missing '" << row << "' in\n" << table;
   }
 

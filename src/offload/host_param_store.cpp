@@ -156,17 +156,17 @@ std::string MemoryReport::to_string() const {
   const double n = num_params > 0 ? static_cast<double>(num_params) : 1.0;
   std::string out = fmt::format("HostParamStore: {} parameters in {} blocks, {} memory\n", num_params, num_blocks,
                                 pinned ? "pinned (page-locked)" : "pageable, page-aligned");
-  out += fmt::format("  {:<22} {:>18} {:>14} {:>10}\n", "component", "bytes", "GiB", "B/param");
-  const auto row = [&](const char* name, int64_t bytes) {
-    out += fmt::format("  {:<22} {:>18} {:>14.3f} {:>10.2f}\n", name, bytes,
+  out += fmt::format("  {:<27} {:>18} {:>14} {:>10}\n", "component", "bytes", "GiB", "B/param");
+  const auto row = [&](const std::string& name, int64_t bytes) {
+    out += fmt::format("  {:<27} {:>18} {:>14.3f} {:>10.2f}\n", name, bytes,
                        static_cast<double>(bytes) / (1024.0 * 1024 * 1024), static_cast<double>(bytes) / n);
   };
   row("fp32 master", master_bytes);
   row("fp32 exp_avg (m)", exp_avg_bytes);
   row("fp32 exp_avg_sq (v)", exp_avg_sq_bytes);
-  row("compute copy", compute_bytes);
+  row(fmt::format("{} compute copy", compute_dtype == at::kBFloat16 ? "bf16" : "fp16"), compute_bytes);
   row("persistent total", persistent_bytes());
-  row("gradient (transient)", grad_bytes);
+  row(fmt::format("{} gradient (transient)", grad_dtype == at::kFloat ? "fp32" : grad_dtype == at::kHalf ? "fp16" : "bf16"), grad_bytes);
   row("total", total_bytes());
   return out;
 }
@@ -179,6 +179,8 @@ MemoryReport HostParamStore::plan(const std::vector<BlockSpec>& blocks, const Ho
   r.master_bytes = r.exp_avg_bytes = r.exp_avg_sq_bytes = 4 * r.num_params;
   r.compute_bytes = element_bytes(options.compute_dtype) * r.num_params;
   r.grad_bytes = element_bytes(options.grad_dtype) * r.num_params;
+  r.compute_dtype = options.compute_dtype;
+  r.grad_dtype = options.grad_dtype;
   r.pinned = cuda_pinning_available(options);
   return r;
 }

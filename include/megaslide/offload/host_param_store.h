@@ -72,6 +72,8 @@ struct MemoryReport {
   int64_t exp_avg_sq_bytes = 0;
   int64_t compute_bytes = 0;
   int64_t grad_bytes = 0;
+  c10::ScalarType compute_dtype = c10::ScalarType::BFloat16;
+  c10::ScalarType grad_dtype = c10::ScalarType::BFloat16;
   bool pinned = false;
 
   int64_t persistent_bytes() const { return master_bytes + exp_avg_bytes + exp_avg_sq_bytes + compute_bytes; }
