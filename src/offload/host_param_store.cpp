@@ -166,7 +166,8 @@ std::string MemoryReport::to_string() const {
   row("fp32 exp_avg_sq (v)", exp_avg_sq_bytes);
   row(fmt::format("{} compute copy", compute_dtype == at::kBFloat16 ? "bf16" : "fp16"), compute_bytes);
   row("persistent total", persistent_bytes());
-  row(fmt::format("{} gradient (transient)", grad_dtype == at::kFloat ? "fp32" : grad_dtype == at::kHalf ? "fp16" : "bf16"), grad_bytes);
+  const char* grad_name = grad_dtype == at::kFloat ? "fp32" : grad_dtype == at::kHalf ? "fp16" : "bf16";
+  row(fmt::format("{} gradient (transient)", grad_name), grad_bytes);
   row("total", total_bytes());
   return out;
 }
