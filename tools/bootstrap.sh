@@ -46,13 +46,14 @@ if [ ! -f "$stamp" ]; then
   rm -rf "$pydeps"
   mkdir -p "$pydeps"
   python3 -m pip install --quiet --disable-pip-version-check --no-deps --no-compile \
-    --target "$pydeps" "torch==$TORCH_VERSION" "${CUDA_EXTRA_WHEELS[@]}"
-  # Only the C++ half is used; the Python package's own test and bin folders are dead weight.
+    --root-user-action=ignore --target "$pydeps" "torch==$TORCH_VERSION" "${CUDA_EXTRA_WHEELS[@]}"
   touch "$stamp"
 fi
 torch_cmake="$pydeps/torch/share/cmake"
 
 # 3. Configure and build ------------------------------------------------------------------------------
+# ccache keys on relative paths below the checkout, so a second clone (CI's) reuses the first one's cache.
+export CCACHE_BASEDIR="$root"
 build_type=${MEGASLIDE_BUILD_TYPE:-Release}
 if [ ! -f build/CMakeCache.txt ]; then
   log "configuring build/ ($build_type)"
