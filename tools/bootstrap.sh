@@ -52,8 +52,6 @@ fi
 torch_cmake="$pydeps/torch/share/cmake"
 
 # 3. Configure and build ------------------------------------------------------------------------------
-# ccache keys on relative paths below the checkout, so a second clone (CI's) reuses the first one's cache.
-export CCACHE_BASEDIR="$root"
 build_type=${MEGASLIDE_BUILD_TYPE:-Release}
 if [ ! -f build/CMakeCache.txt ]; then
   log "configuring build/ ($build_type)"
