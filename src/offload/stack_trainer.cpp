@@ -40,6 +40,47 @@ class NvtxRange {
   }
 };
 
+// Host loops for the task thread. They use plain std::threads, never LibTorch ops: an ATen op there
+// would start a second OpenMP team next to the compute thread's, and the two teams' spin-waits
+// (libgomp) were measured to slow a 2-core machine's steps down several times over.
+template <typename Fn>
+void parallel_chunks(int64_t n, int threads, Fn&& fn) {
+  constexpr int64_t kMinChunk = int64_t{1} << 20;
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(threads, n / kMinChunk));
+  if (chunks == 1) return fn(0, n, 0);
+  std::vector<std::thread> pool;
+  for (int64_t c = 1; c < chunks; ++c) pool.emplace_back([&, c] { fn(n * c / chunks, n * (c + 1) / chunks, c); });
+  fn(0, n / chunks, 0);
+  for (auto& t : pool) t.join();
+}
+
+float element(const at::Tensor& t, const void* data, int64_t i) {
+  switch (t.scalar_type()) {
+    case at::kBFloat16: return static_cast<float>(static_cast<const c10::BFloat16*>(data)[i]);
+    case at::kHalf: return static_cast<float>(static_cast<const c10::Half*>(data)[i]);
+    default: return static_cast<const float*>(data)[i];
+  }
+}
+
+// dst (fp32) = src or dst += src (src in the compute dtype); returns Σ dst² when `norm`.
+double accumulate(const at::Tensor& dst, const at::Tensor& src, bool overwrite, bool norm, int threads) {
+  float* out = dst.data_ptr<float>();
+  const void* in = src.data_ptr();
+  std::vector<double> partial(static_cast<size_t>(std::max(threads, 1)), 0.0);
+  parallel_chunks(dst.numel(), threads, [&](int64_t begin, int64_t end, int64_t chunk) {
+    double sq = 0.0;
+    for (int64_t i = begin; i < end; ++i) {
+      const float v = overwrite ? element(src, in, i) : out[i] + element(src, in, i);
+      out[i] = v;
+      sq += static_cast<double>(v) * v;
+    }
+    partial[static_cast<size_t>(chunk)] = sq;
+  });
+  double total = 0.0;
+  for (double p : partial) total += p;
+  return norm ? total : 0.0;
+}
+
 struct ParamSlot {
   torch::Tensor param;  // the block module's parameter (rebound to slot views)
   int64_t offset = 0, numel = 0;
@@ -64,7 +105,8 @@ struct StreamedStackTrainer::Impl {
   std::unique_ptr<detail::HostTaskQueue> tasks;
   std::vector<std::shared_future<void>> pending_update;  // per block: its last host update
   std::vector<std::shared_future<void>> norm_done;       // per block: squared norm of this step's gradient
-  std::vector<double> block_sq;                          // per block: Σ g² (scaled gradient)
+  std::vector<double> block_sq;                          // per block: Σ g² (scaled gradient), accumulation
+  std::vector<torch::Tensor> block_norm;                 // per block: ‖g‖ on the device (no accumulation)
   at::Tensor staging[2];                                 // accumulation: D2H lands here, then added on the host
   std::shared_future<void> staging_free[2];
   std::atomic<int64_t> optimizer_ns{0};
@@ -155,6 +197,7 @@ StreamedStackTrainer::StreamedStackTrainer(std::shared_ptr<StreamedModel> model,
   impl_->pending_update.resize(L);
   impl_->norm_done.resize(L);
   impl_->block_sq.assign(L, 0.0);
+  impl_->block_norm.resize(L);
   if (options_.grad_accum_steps > 1) {
     int64_t largest = 0;
     for (auto n : numels) largest = std::max(largest, n);
@@ -347,24 +390,21 @@ StackStepResult StreamedStackTrainer::step(const Prologue& prologue, const Epilo
         if (accum > 1) {
           if (im.staging_free[slot].valid()) im.staging_free[slot].get();  // the previous add has read it
           copy = streamer_->offload_gradient(l, im.staging[slot].narrow(0, 0, store_->block_numel(l)));
-          im.staging_free[slot] = im.tasks->submit([this, l, slot, k, copy] {
+          im.staging_free[slot] = im.tasks->submit([this, l, slot, k, copy, last] {
             copy.wait();
             auto src = impl_->staging[slot].narrow(0, 0, store_->block_numel(l));
-            if (k == 0) store_->grad(l).copy_(src);
-            else store_->grad(l).add_(src);
+            const double sq = accumulate(store_->grad(l), src, k == 0, last, options_.optimizer_threads);
+            if (last) impl_->block_sq[l] = sq;
           });
+          if (last) im.norm_done[l] = im.staging_free[slot];
         } else {
+          // The norm on the device, from the slot, before the copy (the compute thread's own ops).
+          if (last) im.block_norm[l] = at::linalg_vector_norm(grads, 2, {}, false, at::kFloat);
           copy = streamer_->offload_gradient(l, store_->grad(l));
         }
         streamer_->release(l);
         if (l > 0) prefetch(l - 1);
-        if (last) {
-          im.norm_done[l] = im.tasks->submit([this, l, copy] {
-            copy.wait();
-            impl_->block_sq[l] = std::pow(at::linalg_vector_norm(store_->grad(l), 2, {}, false, at::kDouble).item<double>(), 2);
-          });
-          if (!deferred) submit_update(l, 1.f);
-        }
+        if (last && !deferred) submit_update(l, 1.f);
       }
     }
 
@@ -383,9 +423,14 @@ StackStepResult StreamedStackTrainer::step(const Prologue& prologue, const Epilo
   }
 
   // The global norm: blocks from the host tasks, resident parameters on the device.
-  for (auto& f : im.norm_done) f.get();
   double sq = 0.0;
-  for (double b : im.block_sq) sq += b;
+  if (accum > 1) {
+    for (auto& f : im.norm_done) f.get();
+    for (double b : im.block_sq) sq += b;
+  } else {
+    const auto norms = torch::stack(im.block_norm).to(torch::kCPU, torch::kDouble);
+    sq = norms.square().sum().item<double>();
+  }
   sq /= scale * scale;
   for (auto& p : im.resident) {
     if (!p.grad().defined()) continue;
