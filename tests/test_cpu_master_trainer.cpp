@@ -77,7 +77,7 @@ bool same_bits(std::vector<std::pair<std::string, torch::Tensor>> a, std::vector
 // CpuAdamW vs torch::optim::AdamW (1-2 ulp per step, docs/cpu-adamw.md), the order in which gradients
 // of the shared block inputs (t_mod, text) and of the global norm are summed, all fp32 rounding
 // (~1e-7 relative) — then amplified by Adam's normalisation for elements whose gradient is near 0.
-// Measured: at most 3.2e-7 after 5 steps (all three DiTs); a missed or doubled update would move an
+// Measured: at most 3.2e-7 after 5 steps (three DiTs, clipping, accumulation); a missed or doubled update would move an
 // element by ~lr = 1.5e-3 to 3e-3, far outside.
 constexpr double kWeightTolerance = 1e-5;
 }  // namespace
