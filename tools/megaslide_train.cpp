@@ -13,7 +13,8 @@
 
 int main(int argc, char** argv) {
   CLI::App app{"megaslide-train: full-parameter training of video DiTs (docs/training.md)"};
-  std::string config_path, run_dir;
+  std::string config_path, run_dir, trace_path;
+  int64_t trace_step = 2;
   std::vector<std::string> overrides;
   bool dry_run = false, json = false;
   app.add_option("--config", config_path, "run config (YAML), e.g. configs/smoke.yaml")->required();
@@ -21,6 +22,8 @@ int main(int argc, char** argv) {
   app.add_option("--run-dir", run_dir, "where outputs go (default: output.run_dir of the config)");
   app.add_flag("--dry-run", dry_run, "build the model on the meta device, print its size, train nothing");
   app.add_flag("--json", json, "with --dry-run: print one JSON object");
+  app.add_option("--trace", trace_path, "write a Chrome-trace JSON of one step (streamed trainer; opens in Perfetto)");
+  app.add_option("--trace-step", trace_step, "which step --trace records (default 2: after warm-up)")->check(CLI::PositiveNumber);
   app.set_version_flag("--version", megaslide::build_summary());
   try {
     app.parse(argc, argv);
@@ -53,16 +56,34 @@ int main(int argc, char** argv) {
     megaslide::TrainLog log(dir.file("train.log"));
     megaslide::MetricsWriter metrics(dir.file("metrics.jsonl"));
     log.info(megaslide::build_summary());
-    megaslide::ResidentTrainer trainer(config);
+    // The streamed CPU-master trainer by default; the resident loop is the reference (offload.enabled: false).
+    std::unique_ptr<megaslide::CPUMasterVideoDiT> streamed;
+    std::unique_ptr<megaslide::ResidentTrainer> resident;
+    if (config.offload.enabled) streamed = std::make_unique<megaslide::CPUMasterVideoDiT>(config);
+    else resident = std::make_unique<megaslide::ResidentTrainer>(config);
+    if (!trace_path.empty() && !streamed) log.warn("--trace records the streamed trainer only (offload.enabled: true); ignored");
+    const int64_t params = streamed ? streamed->parameter_count() : resident->parameter_count();
+    const int64_t tokens = streamed ? streamed->tokens_per_sample() : resident->tokens_per_sample();
+    const auto device = streamed ? streamed->device() : resident->device();
     log.info(fmt::format("config {} -> run dir {}", config_path, dir.path()));
     log.info(fmt::format("model {} ({} parameters, text encoder included), {} tokens per sample, device {}, {} steps",
-                         megaslide::to_string(config.model.arch), megaslide::human_count(trainer.parameter_count()),
-                         trainer.tokens_per_sample(), trainer.device().str(), config.train.steps));
+                         megaslide::to_string(config.model.arch), megaslide::human_count(params), tokens, device.str(),
+                         config.train.steps));
+    if (streamed) {
+      log.info(fmt::format("trainer: streamed CPU-master (offload.mode {}, compute {}, grad_accum_steps {}); host memory at start:\n{}",
+                           config.offload.mode, config.offload.compute_dtype, config.train.grad_accum_steps,
+                           streamed->host_memory_report()));
+    } else {
+      log.info("trainer: resident reference loop (offload.enabled: false)");
+    }
 
     megaslide::ProgressLine progress(config.train.steps, config.train.log_every, config.output.progress);
     double first_loss = 0.0, window = 0.0;
     for (int64_t i = 0; i < config.train.steps; ++i) {
-      const auto m = trainer.step();
+      if (streamed && !trace_path.empty() && i + 1 == std::min(trace_step, config.train.steps)) {
+        streamed->trace_next_step(trace_path);
+      }
+      const auto m = streamed ? streamed->step() : resident->step();
       metrics.write(m);
       progress.update(m);
       if (m.step == 1) first_loss = m.loss;
@@ -75,6 +96,8 @@ int main(int argc, char** argv) {
       }
     }
     progress.finish();
+    if (streamed) streamed->synchronize();
+    if (streamed && !trace_path.empty()) log.info(fmt::format("trace of step {} in {}", std::min(trace_step, config.train.steps), trace_path));
     log.info(fmt::format("done: first loss {:.5f}; metrics in {}", first_loss, dir.file("metrics.jsonl")));
     return 0;
   } catch (const megaslide::OutputError& e) {

@@ -266,9 +266,15 @@ class Schema {
         [&c] { return YAML::Node(c.train.device); });
     integer("train.threads", c.train.threads, IntRange{0, 4096});
     integer("train.log_every", c.train.log_every, IntRange{1});
+    integer("train.grad_accum_steps", c.train.grad_accum_steps, IntRange{1});
+    real("train.loss_scale_init", c.train.loss_scale_init, RealRange{1.0, 1e30});
+    integer("train.loss_scale_window", c.train.loss_scale_window, IntRange{1});
+    real("train.peak_tflops", c.train.peak_tflops, RealRange{0.0});
     // offload
     boolean("offload.enabled", c.offload.enabled);
     choice("offload.mode", c.offload.mode, {"async", "sync"});
+    choice("offload.compute_dtype", c.offload.compute_dtype, {"bf16", "fp16", "fp32"});
+    integer("offload.optimizer_threads", c.offload.optimizer_threads, IntRange{0, 4096});
     // output
     text("output.run_dir", c.output.run_dir);
     boolean("output.progress", c.output.progress);
@@ -402,9 +408,6 @@ void validate(const RunConfig& c, const std::string& source) {
   if (d.sample_steps > d.timesteps)
     fail("diffusion.sample_steps", "expected at most diffusion.timesteps (" + std::to_string(d.timesteps) + "), got " +
                                        std::to_string(d.sample_steps));
-  if (c.offload.enabled)
-    fail("offload.enabled", "the streamed CPU-master trainer is not part of this build yet; set offload.enabled: false "
-                            "(the resident trainer)");
 }
 
 std::string to_yaml(const RunConfig& config) {

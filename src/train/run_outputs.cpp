@@ -38,7 +38,18 @@ void MetricsWriter::write(const StepMetrics& m) {
                    {"grad_norm", m.grad_norm},
                    {"step_time_s", m.step_time_s},
                    {"tokens_per_s", m.tokens_per_s},
-                   {"samples_per_s", m.samples_per_s}};
+                   {"samples_per_s", m.samples_per_s},
+                   {"h2d_bytes", m.h2d_bytes},
+                   {"d2h_bytes", m.d2h_bytes},
+                   {"exposed_transfer_s", m.exposed_transfer_s},
+                   {"optimizer_wait_s", m.optimizer_wait_s},
+                   {"optimizer_s", m.optimizer_s},
+                   {"peak_device_bytes", m.peak_device_bytes}};
+  if (m.mfu > 0) j["mfu"] = m.mfu;
+  if (m.loss_scale > 0) {
+    j["loss_scale"] = m.loss_scale;
+    j["skipped"] = m.skipped;
+  }
   out_ << j.dump() << '\n';
   out_.flush();
   if (!out_) throw OutputError("cannot write to '" + path_ + "': " + std::strerror(errno));

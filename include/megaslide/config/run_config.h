@@ -90,13 +90,18 @@ struct TrainConfig {
   std::string device = "auto";           // auto | cpu | cuda | cuda:N
   int64_t threads = 0;                   // LibTorch intra-op threads; 0 = its default
   int64_t log_every = 10;                // lines in train.log (metrics.jsonl gets every step)
+  int64_t grad_accum_steps = 1;          // micro-batches of batch_size per optimizer step
+  double loss_scale_init = 65536.0;      // fp16 compute only: initial dynamic loss scale
+  int64_t loss_scale_window = 1000;      // fp16: steps without overflow before the scale doubles
+  double peak_tflops = 0.0;              // MFU denominator on a GPU; 0 = measure a matmul at start
 };
 
 struct OffloadConfig {
-  // The streamed CPU-master trainer (CPUMasterVideoDiT). Not part of this build yet: `enabled: true`
-  // is refused with a clear message rather than silently ignored.
-  bool enabled = false;
-  std::string mode = "async";            // async | sync
+  // The streamed CPU-master trainer (CPUMasterVideoDiT); false runs the resident reference loop.
+  bool enabled = true;
+  std::string mode = "async";            // async | sync (every copy and update in line: the ablation)
+  std::string compute_dtype = "bf16";    // bf16 | fp16 (dynamic loss scaling) | fp32
+  int64_t optimizer_threads = 0;         // CpuAdamW threads; 0 = half the hardware threads (at least 1)
 };
 
 struct OutputConfig {

@@ -1,7 +1,7 @@
 // ResidentTrainer: the reference training loop — every weight and AdamW moment on the training device
 // (the GPU when there is one, else the CPU), LibTorch's torch::optim::AdamW.
 //
-// One step: a batch of structured-motion clips, captions dropped to the empty prompt with probability
+// One step: train.grad_accum_steps micro-batches (loss / accum each) of structured-motion clips, captions dropped to the empty prompt with probability
 // diffusion.caption_dropout, uniform DDPM timesteps, ε-prediction MSE, global-norm clipping, AdamW with
 // warmup then cosine or constant learning rate. Deterministic for a config (seeds train.seed and
 // data.seed) on the CPU.
@@ -24,12 +24,50 @@ namespace megaslide {
 
 struct StepMetrics {
   int64_t step = 0;  // 1-based: the number of optimizer steps taken so far
-  double loss = 0.0;
+  double loss = 0.0;       // mean over the step's micro-batches
   double lr = 0.0;
-  double grad_norm = 0.0;  // global L2 norm before clipping
+  double grad_norm = 0.0;  // global L2 norm before clipping (of the unscaled gradient)
   double step_time_s = 0.0;
   double tokens_per_s = 0.0;
   double samples_per_s = 0.0;
+  // Streamed trainer only (zero for the resident loop, which moves nothing):
+  int64_t h2d_bytes = 0;            // weights copied host -> device this step
+  int64_t d2h_bytes = 0;            // gradients copied device -> host this step
+  double exposed_transfer_s = 0.0;  // time the compute stream waited on copies (CPU: the copies' own time)
+  double optimizer_wait_s = 0.0;    // time the compute side waited for a block's host update
+  double optimizer_s = 0.0;         // host AdamW time (all CpuAdamW calls that finished during this step)
+  int64_t peak_device_bytes = 0;    // GPU: allocator peak this step; CPU: the trainer's own accounting
+  double mfu = 0.0;                 // GPU only: model FLOPs / (step time x peak); 0 elsewhere
+  double loss_scale = 0.0;          // fp16 only: the loss scale used this step
+  bool skipped = false;             // fp16 only: an overflow skipped the update
+};
+
+// One micro-batch of DDPM training data on a device.
+struct DiffusionBatch {
+  torch::Tensor x0, noise, timesteps, xt;  // video [B, C, T, H, W] and timesteps [B] (int64)
+  torch::Tensor text_ids, text_mask;       // [B, L] int64 and bool
+};
+
+// The random streams of a training run, shared by the resident and the streamed trainer so that
+// both see the same clips, captions, timesteps and noise in the same order: clip order from an
+// EpochSampler(train.seed), caption dropout from an mt19937_64, timesteps then noise from a CPU
+// generator seeded by train.seed.
+class DiffusionBatchSource {
+ public:
+  explicit DiffusionBatchSource(const RunConfig& config);
+  DiffusionBatch next(torch::Device device);
+  const CaptionTokenizer& tokenizer() const { return tokenizer_; }
+  const DDPMSchedule& schedule() const { return schedule_; }
+
+ private:
+  RunConfig config_;
+  StructuredMotionDataset dataset_;
+  EpochSampler sampler_;
+  CaptionTokenizer tokenizer_;
+  DDPMSchedule schedule_;
+  std::mt19937_64 caption_rng_;
+  at::Generator generator_;
+  torch::Device schedule_device_ = torch::kCPU;
 };
 
 // "auto" -> the first GPU when LibTorch sees one, else the CPU; "cuda[:N]" fails clearly without GPUs.
@@ -56,16 +94,11 @@ class ResidentTrainer {
  private:
   RunConfig config_;
   torch::Device device_;
-  StructuredMotionDataset dataset_;
-  EpochSampler sampler_;
-  CaptionTokenizer tokenizer_;
-  DDPMSchedule schedule_;
+  DiffusionBatchSource batches_;  // the trainer's own random streams, not LibTorch's global one
   DiT model_{nullptr};
   TextEncoder text_encoder_{nullptr};
   std::unique_ptr<torch::optim::AdamW> optimizer_;
   std::vector<torch::Tensor> parameters_;
-  std::mt19937_64 caption_rng_;
-  at::Generator generator_;  // timesteps and noise: the trainer's own stream, not LibTorch's global one
   TokenGrid grid_;
   int64_t steps_done_ = 0;
 };

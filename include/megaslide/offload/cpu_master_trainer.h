@@ -1,0 +1,100 @@
+// CPUMasterVideoDiT: the streamed CPU-master trainer of the DiT family (DESIGN.md §2). Same data,
+// random streams, objective and learning-rate schedule as ResidentTrainer, but the blocks' weights,
+// fp32 masters and AdamW moments live in host RAM (StreamedStackTrainer): the device holds two
+// blocks' weights, the block-boundary activations and the resident prologue/epilogue.
+//
+//   prologue (resident):  caption encoder + DiT::embed (patch, timestep, positions)
+//   stack (streamed):     DiT blocks, checkpointed at block boundaries
+//   epilogue (resident):  DiT::head + ε-MSE
+//
+// Prologue and epilogue stay on the device in fp32 and are updated there by LibTorch's AdamW; blocks
+// run in offload.compute_dtype and are updated by CpuAdamW on the host.
+//
+// Initialisation: the model is built exactly as ResidentTrainer builds it (same seed, same order), on
+// the CPU in fp32, and the blocks' weights are moved into the host store; so the two trainers start
+// from identical weights.
+//
+// Threading: one thread drives a trainer.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "megaslide/config/run_config.h"
+#include "megaslide/model/dit.h"
+#include "megaslide/model/text_encoder.h"
+#include "megaslide/offload/stack_trainer.h"
+#include "megaslide/offload/streamed_model.h"
+#include "megaslide/train/resident_trainer.h"
+
+namespace megaslide {
+
+// A DiT as a StreamedModel: blocks are the DiT's blocks; resident parameters are every other DiT
+// parameter plus the caption encoder's. BlockInputs: tensors {t_mod, text, text_mask}, info TokenGrid.
+class DiTStack : public offload::StreamedModel {
+ public:
+  DiTStack(DiT model, TextEncoder text_encoder) : model_(std::move(model)), text_encoder_(std::move(text_encoder)) {}
+  int64_t num_blocks() const override { return static_cast<int64_t>(model_->blocks->size()); }
+  torch::nn::Module& block(int64_t index) override { return *model_->blocks[index]; }
+  torch::Tensor forward_block(int64_t index, const torch::Tensor& x, const offload::BlockInputs& inputs) override;
+  std::vector<torch::Tensor> resident_parameters() override;
+  // Resident parameters by name (text encoder ones prefixed "text_encoder.").
+  std::vector<std::pair<std::string, torch::Tensor>> named_resident_parameters();
+  DiT& model() { return model_; }
+  TextEncoder& text_encoder() { return text_encoder_; }
+
+ private:
+  DiT model_;
+  TextEncoder text_encoder_;
+};
+
+// Model FLOPs of one training step (forward + backward, recompute not counted; DESIGN.md §6):
+// 6 · parameters · tokens plus 12 · L · B · N · (keys per query) · D for self- and cross-attention.
+double model_flops_per_step(const RunConfig& config);
+
+// Peak dense bf16 TFLOP/s of the current GPU, measured with a few large matmuls (~1 s). Throws without
+// a GPU.
+double measure_peak_tflops(torch::Device device);
+
+class CPUMasterVideoDiT {
+ public:
+  explicit CPUMasterVideoDiT(const RunConfig& config);
+
+  // One optimizer step (train.grad_accum_steps micro-batches). With a trace set, it records this step
+  // and writes the file once the step's host updates have finished.
+  StepMetrics step();
+  // Waits for host updates still running (they overlap the next step in deferred mode).
+  void synchronize() { engine_->synchronize(); }
+  // Writes a Chrome trace of the next step to `path`.
+  void trace_next_step(const std::string& path);
+
+  int64_t steps_done() const { return steps_done_; }
+  torch::Device device() const { return device_; }
+  const RunConfig& config() const { return config_; }
+  int64_t parameter_count() const;
+  int64_t tokens_per_sample() const { return grid_.numel(); }
+  offload::StreamedStackTrainer& engine() { return *engine_; }
+  DiTStack& stack() { return *stack_; }
+  // Every trained parameter's fp32 master as a CPU tensor copy, named as in DiT::named_parameters()
+  // ("blocks.3.mlp.fc1.weight") and "text_encoder.<name>" (synchronizes first).
+  std::vector<std::pair<std::string, torch::Tensor>> master_weights();
+  // Host memory by component (the store's report) as a table.
+  std::string host_memory_report() const;
+
+ private:
+  RunConfig config_;
+  torch::Device device_;
+  DiffusionBatchSource batches_;
+  std::shared_ptr<DiTStack> stack_;
+  std::unique_ptr<offload::StreamedStackTrainer> engine_;
+  TokenGrid grid_;
+  int64_t steps_done_ = 0;
+  double flops_per_step_ = 0.0, peak_flops_ = 0.0;
+  std::string trace_path_;
+};
+
+}  // namespace megaslide

@@ -1,0 +1,115 @@
+// StreamedStackTrainer: full-parameter training of any StreamedModel whose block stack does not fit
+// on the device (DESIGN.md §2). The engine under CPUMasterVideoDiT; use it directly for your own
+// block stack (docs/offload.md).
+//
+// State: every block's fp32 master weights, AdamW moments, compute copy and gradient live in a
+// HostParamStore (host RAM, pinned when CUDA runs); the device holds two weight slots, two gradient
+// slots (WeightStreamer), the block-boundary activations of the micro-batch in flight, and the
+// resident prologue/epilogue with their LibTorch AdamW state.
+//
+// One micro-batch: prologue (autograd) -> blocks forward without grad, keeping only each block's input
+// -> epilogue and loss -> for l = L-1 … 0: recompute block l from its input with grad, backward into
+// the slot's flat gradient buffer, copy that buffer to the host (D2H stream) -> prologue backward with
+// the summed gradients of the block inputs.
+// Updates: CpuAdamW on a host thread. When nothing needs every gradient first (grad_clip = 0 and no
+// fp16 loss scaling), block l's update starts as soon as its last gradient is on the host, while the
+// device goes on with block l-1 ("immediate"). Otherwise ("deferred") the updates run after the
+// backward, in block order, overlapped with the next step's forward: block l's upload waits only for
+// block l's update. kSync mode runs every copy and update in line (bit-identical results).
+//
+// fp16 compute: dynamic loss scaling; a non-finite gradient anywhere skips the whole step (no
+// update, AdamW step count unchanged) and halves the scale; loss_scale_window clean steps double it.
+//
+// Memory: the trainer owns the store, the streamer and the resident optimizer; it shares ownership
+// of the model. After construction the blocks' own parameter tensors are empty: their values live in
+// the store (block_master).
+// Threading: one thread drives the trainer; it runs one host worker thread plus CpuAdamW's pool.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "megaslide/offload/cpu_adamw.h"
+#include "megaslide/offload/host_param_store.h"
+#include "megaslide/offload/step_trace.h"
+#include "megaslide/offload/streamed_model.h"
+#include "megaslide/offload/weight_streamer.h"
+
+namespace megaslide::offload {
+
+// "bf16" | "fp16" | "fp32".
+c10::ScalarType parse_compute_dtype(const std::string& name);
+
+struct StackTrainerOptions {
+  torch::Device device = torch::kCPU;
+  c10::ScalarType compute_dtype = c10::ScalarType::BFloat16;  // BFloat16, Half (loss scaling) or Float
+  StreamMode mode = StreamMode::kAsync;
+  AdamWOptions adamw;                // lr here is unused: step() takes each step's lr
+  int optimizer_threads = 1;         // CpuAdamW threads
+  double grad_clip = 0.0;            // global-norm clip over every parameter; 0 disables
+  int64_t grad_accum_steps = 1;      // micro-batches per step (each loss divided by this)
+  double loss_scale_init = 65536.0;  // fp16 only
+  int64_t loss_scale_window = 1000;  // fp16 only
+  bool pin_host_memory = true;       // page-lock the host state when CUDA runs
+};
+
+struct StackStepResult {
+  double loss = 0.0;       // mean of the micro-batch losses
+  double grad_norm = 0.0;  // global, unscaled, before clipping (inf/nan on an fp16 overflow)
+  double loss_scale = 1.0;
+  bool skipped = false;
+  int64_t h2d_bytes = 0, d2h_bytes = 0;
+  double exposed_transfer_s = 0.0, optimizer_wait_s = 0.0, optimizer_s = 0.0;
+  int64_t peak_device_bytes = 0;  // GPU: allocator peak; CPU: slots + resident state + activations kept
+  double step_time_s = 0.0;
+};
+
+class StreamedStackTrainer {
+ public:
+  // Runs under autograd once per micro-batch: the resident prologue (draw the micro-batch here).
+  using Prologue = std::function<StackInput()>;
+  // Runs under autograd: the resident epilogue from the last block's output (dtype of
+  // StackInput::hidden, a leaf) to the micro-batch's scalar loss.
+  using Epilogue = std::function<torch::Tensor(const torch::Tensor& last_hidden)>;
+
+  StreamedStackTrainer(std::shared_ptr<StreamedModel> model, StackTrainerOptions options);
+  ~StreamedStackTrainer();
+  StreamedStackTrainer(const StreamedStackTrainer&) = delete;
+  StreamedStackTrainer& operator=(const StreamedStackTrainer&) = delete;
+
+  // One optimizer step of options.grad_accum_steps micro-batches at learning rate `lr`.
+  StackStepResult step(const Prologue& prologue, const Epilogue& epilogue, double lr);
+  // Waits for host updates still running (deferred mode lets them overlap the next step).
+  void synchronize();
+
+  const StackTrainerOptions& options() const { return options_; }
+  bool deferred_updates() const;
+  int64_t optimizer_steps() const { return adam_steps_; }  // updates taken (skipped steps excluded)
+  double loss_scale() const { return loss_scale_; }
+  const HostParamStore& store() const { return *store_; }
+  const WeightStreamer& streamer() const { return *streamer_; }
+  int64_t streamed_parameter_count() const;
+  int64_t resident_parameter_count() const;
+  // Block l's fp32 master weights, by parameter name (views into the store; call synchronize first).
+  std::vector<std::pair<std::string, torch::Tensor>> block_master(int64_t block) const;
+
+  // Records the next step() into `trace` (nullptr: stop). Lanes: compute, H2D, D2H, optimizer.
+  void set_trace(StepTrace* trace);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  StackTrainerOptions options_;
+  int64_t adam_steps_ = 0;
+  double loss_scale_ = 1.0;
+  int64_t clean_steps_ = 0;
+  std::unique_ptr<HostParamStore> store_;
+  std::unique_ptr<WeightStreamer> streamer_;
+};
+
+}  // namespace megaslide::offload

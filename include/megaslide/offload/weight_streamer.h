@@ -1,0 +1,124 @@
+// WeightStreamer: moves one block's weights at a time from host RAM into one of two device slots, and
+// each block's gradient back, on three streams ordered by events (DESIGN.md §2):
+//
+//   H2D stream:      host weights(l) ──▶ slot[l % 2].weights      (waits: the slot's previous block released)
+//   compute stream:  waits weights ready ─ forward/backward of l ─▶ slot[l % 2].grads
+//   D2H stream:      slot[l % 2].grads ──▶ host gradient(l)        (waits: the backward of l)
+//
+// Two consecutive blocks always sit in different slots, so block l±1 uploads while l computes. A block
+// still in its slot and not invalidated (its host weights unchanged) is not copied again: the last two
+// blocks of a forward are reused by the backward that follows, which is the "less what stays cached"
+// of DESIGN.md §6.
+//
+// Without a GPU (device = CPU) the same calls run with the slots as host tensors, copies as memcpy done
+// in line, and streams/events as no-ops; the byte accounting is the same. kSync mode does every copy on
+// the compute stream and waits for it: nothing overlaps (the ablation baseline).
+//
+// Memory: the streamer owns the two slots (weights and gradients, each as large as the largest
+// block, in the compute dtype) and nothing else; host tensors passed in must stay alive until the
+// copy is known complete (acquire() for H2D sources, GradCopy::wait() for D2H destinations). On a GPU
+// host tensors should be page-locked (HostParamStore pins its buffers) or copies are synchronous.
+//
+// Threading: one thread (the trainer's) calls everything except GradCopy::wait, which any host
+// thread may call (the optimizer thread waits there before reading a gradient).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "megaslide/offload/step_trace.h"
+
+namespace megaslide::offload {
+
+enum class StreamMode { kAsync, kSync };
+StreamMode parse_stream_mode(const std::string& name);  // "async" | "sync"
+const char* to_string(StreamMode mode);
+
+struct WeightStreamerOptions {
+  torch::Device device = torch::kCPU;
+  c10::ScalarType compute_dtype = c10::ScalarType::BFloat16;  // slot dtype: BFloat16, Half or Float
+  StreamMode mode = StreamMode::kAsync;
+};
+
+// Cumulative counters (reset with reset_stats()).
+struct StreamerStats {
+  int64_t h2d_bytes = 0, d2h_bytes = 0;
+  int64_t h2d_copies = 0, d2h_copies = 0, cache_hits = 0;
+  // Time the compute stream waited on copies. GPU: measured between CUDA events recorded on the
+  // compute stream around each wait. CPU: the in-line copies' own wall time.
+  double exposed_transfer_s = 0.0;
+};
+
+// A gradient copy in flight; wait() returns once the host destination holds the gradient.
+class GradCopy {
+ public:
+  GradCopy() = default;
+  void wait() const;
+  struct Impl;
+  explicit GradCopy(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+class WeightStreamer {
+ public:
+  // block_numels[l]: elements of block l (> 0). Allocates both slots on the device.
+  WeightStreamer(std::vector<int64_t> block_numels, WeightStreamerOptions options);
+  ~WeightStreamer();
+  WeightStreamer(const WeightStreamer&) = delete;
+  WeightStreamer& operator=(const WeightStreamer&) = delete;
+
+  int64_t num_blocks() const { return static_cast<int64_t>(numels_.size()); }
+  static int64_t slot_of(int64_t block) { return block % 2; }
+
+  // Starts copying `host_weights` (flat, the block's numel, compute dtype) into block's slot, unless
+  // the slot already holds this block's current weights. The slot must not hold an acquired block.
+  void prefetch(int64_t block, const at::Tensor& host_weights);
+  // Makes the compute stream wait for block's weights (prefetch first) and returns them: a flat
+  // device tensor of the block's numel, valid until release(block).
+  at::Tensor acquire(int64_t block);
+  // The slot's flat gradient buffer for `block`, zeroed on the compute stream after the previous
+  // gradient copy out of this slot has finished. Valid until release(block).
+  at::Tensor gradient_buffer(int64_t block);
+  // After the compute stream has written block's gradient: copies it into `host_grad` (flat, numel,
+  // compute dtype) on the D2H stream. The returned handle's wait() says when host_grad holds it.
+  GradCopy offload_gradient(int64_t block, const at::Tensor& host_grad);
+  // The compute stream is done with block's slot; its weights stay cached until overwritten.
+  void release(int64_t block);
+  // The block's host weights changed (an optimizer update): a cached device copy is stale.
+  void invalidate(int64_t block);
+
+  // Accounting: the most blocks whose weights were on the device at once, the slots' bytes.
+  int64_t max_resident_blocks() const { return max_resident_; }
+  int64_t device_weight_bytes() const;    // both weight slots
+  int64_t device_gradient_bytes() const;  // both gradient slots
+  const StreamerStats& stats() const { return stats_; }
+  void reset_stats();
+  // Waits for every copy on every stream (end of a step).
+  void synchronize();
+
+  // Tracing (optional; nullptr stops it). Spans on the compute lane are opened by the trainer with
+  // begin/end; copies add their own spans. On a GPU, resolve_trace() (after synchronize) converts
+  // stream times onto the trace's clock.
+  void set_trace(StepTrace* trace);
+  int begin_span(TraceLane lane, const std::string& name);
+  void end_span(int span);
+  void resolve_trace();
+
+  struct Impl;
+
+ private:
+  void account_resident();
+  std::vector<int64_t> numels_;
+  WeightStreamerOptions options_;
+  StreamerStats stats_;
+  int64_t max_resident_ = 0;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace megaslide::offload

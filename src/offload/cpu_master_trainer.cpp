@@ -1,0 +1,188 @@
+#include "megaslide/offload/cpu_master_trainer.h"
+
+#include <chrono>
+#include <cmath>
+#include <thread>
+
+namespace megaslide {
+
+torch::Tensor DiTStack::forward_block(int64_t index, const torch::Tensor& x, const offload::BlockInputs& inputs) {
+  TORCH_CHECK(inputs.tensors.size() == 3, "DiTStack: expected block inputs {t_mod, text, text_mask}");
+  BlockContext ctx;
+  ctx.grid = std::any_cast<TokenGrid>(inputs.info);
+  ctx.t_mod = inputs.tensors[0];
+  ctx.text = inputs.tensors[1];
+  ctx.text_mask = inputs.tensors[2];
+  return model_->blocks[index]->as<DiTBlockImpl>()->forward(x, ctx);
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> DiTStack::named_resident_parameters() {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (const auto& item : model_->named_parameters(true))
+    if (item.key().rfind("blocks.", 0) != 0) out.emplace_back(item.key(), item.value());
+  for (const auto& item : text_encoder_->named_parameters(true)) out.emplace_back("text_encoder." + item.key(), item.value());
+  return out;
+}
+
+std::vector<torch::Tensor> DiTStack::resident_parameters() {
+  std::vector<torch::Tensor> out;
+  for (auto& [name, p] : named_resident_parameters()) out.push_back(p);
+  return out;
+}
+
+double model_flops_per_step(const RunConfig& config) {
+  const auto count = count_dit_parameters(DiTOptions::from_config(config));
+  const auto& m = config.model;
+  const TokenGrid grid{config.data.frames / m.patch[0], config.data.height / m.patch[1], config.data.width / m.patch[2]};
+  const double N = static_cast<double>(grid.numel());
+  const double B = static_cast<double>(config.train.batch_size * config.train.grad_accum_steps);
+  double keys = N;  // dense
+  if (m.arch == Architecture::kSwin) {
+    keys = static_cast<double>(std::min(m.swin_window[0], grid.t) * std::min(m.swin_window[1], grid.h) *
+                               std::min(m.swin_window[2], grid.w));
+  } else if (m.arch == Architecture::kMegaSlide) {
+    keys = static_cast<double>(std::min(m.dsa_kernel[0], grid.t) * std::min(m.dsa_kernel[1], grid.h) *
+                               std::min(m.dsa_kernel[2], grid.w));
+  }
+  keys += static_cast<double>(config.data.max_text_tokens);  // cross-attention
+  const double attention = 12.0 * static_cast<double>(m.layers) * B * N * keys * static_cast<double>(m.hidden);
+  return 6.0 * static_cast<double>(count.total) * B * N + attention;
+}
+
+double measure_peak_tflops(torch::Device device) {
+  TORCH_CHECK(device.is_cuda(), "measure_peak_tflops: needs a CUDA device, got ", device);
+  const int64_t n = 8192;
+  auto a = torch::randn({n, n}, torch::TensorOptions().dtype(torch::kBFloat16).device(device));
+  auto b = torch::randn({n, n}, a.options());
+  for (int i = 0; i < 3; ++i) torch::mm(a, b);
+  torch::cuda::synchronize();
+  const int iters = 20;
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < iters; ++i) torch::mm(a, b);
+  torch::cuda::synchronize();
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return 2.0 * n * n * n * iters / s / 1e12;
+}
+
+namespace {
+offload::StackTrainerOptions engine_options(const RunConfig& c, torch::Device device) {
+  offload::StackTrainerOptions o;
+  o.device = device;
+  o.compute_dtype = offload::parse_compute_dtype(c.offload.compute_dtype);
+  o.mode = offload::parse_stream_mode(c.offload.mode);
+  o.adamw = offload::AdamWOptions{c.train.lr, c.train.beta1, c.train.beta2, c.train.eps, c.train.weight_decay};
+  const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  o.optimizer_threads = c.offload.optimizer_threads > 0 ? static_cast<int>(c.offload.optimizer_threads) : std::max(1, hw / 2);
+  o.grad_clip = c.train.grad_clip;
+  o.grad_accum_steps = c.train.grad_accum_steps;
+  o.loss_scale_init = c.train.loss_scale_init;
+  o.loss_scale_window = c.train.loss_scale_window;
+  return o;
+}
+}  // namespace
+
+CPUMasterVideoDiT::CPUMasterVideoDiT(const RunConfig& config)
+    : config_(config), device_(resolve_device(config.train.device)), batches_(config) {
+  validate(config_, "CPUMasterVideoDiT");
+  if (config_.train.threads > 0) torch::set_num_threads(static_cast<int>(config_.train.threads));
+  // Exactly ResidentTrainer's initialisation: the same seed, the same construction order, on the CPU.
+  torch::manual_seed(config_.train.seed);
+  DiT model(DiTOptions::from_config(config_));
+  TextEncoder text_encoder(
+      TextEncoderOptions(batches_.tokenizer().vocab_size(), config_.model.text_dim, config_.data.max_text_tokens));
+  grid_ = model->token_grid(config_.data.frames, config_.data.height, config_.data.width);
+  // Resident parts to the device; the blocks' weights go to the host store inside the engine.
+  model->patch_embed->to(device_);
+  model->t_embedder->to(device_);
+  model->t_mod->to(device_);
+  model->final_norm->to(device_);
+  model->final_proj->to(device_);
+  model->final_modulation.set_data(model->final_modulation.to(device_));
+  text_encoder->to(device_);
+  stack_ = std::make_shared<DiTStack>(model, text_encoder);
+  engine_ = std::make_unique<offload::StreamedStackTrainer>(stack_, engine_options(config_, device_));
+  if (device_.is_cuda()) {
+    flops_per_step_ = model_flops_per_step(config_);
+    peak_flops_ = (config_.train.peak_tflops > 0 ? config_.train.peak_tflops : measure_peak_tflops(device_)) * 1e12;
+  }
+}
+
+int64_t CPUMasterVideoDiT::parameter_count() const {
+  return engine_->streamed_parameter_count() + engine_->resident_parameter_count();
+}
+
+void CPUMasterVideoDiT::trace_next_step(const std::string& path) { trace_path_ = path; }
+
+std::string CPUMasterVideoDiT::host_memory_report() const { return engine_->store().memory_report().to_string(); }
+
+StepMetrics CPUMasterVideoDiT::step() {
+  const auto& t = config_.train;
+  const double lr = learning_rate(t, steps_done_);
+  DiT& model = stack_->model();
+  TextEncoder& text_encoder = stack_->text_encoder();
+  torch::Tensor noise, t_emb;
+  TokenGrid grid;
+  auto prologue = [&] {
+    auto b = batches_.next(device_);
+    noise = b.noise;
+    auto text = text_encoder(b.text_ids);
+    auto e = model->embed(b.xt, b.timesteps, text, b.text_mask);
+    t_emb = e.t_emb;
+    grid = e.ctx.grid;
+    offload::StackInput in;
+    in.hidden = e.tokens;
+    in.inputs.tensors = {e.ctx.t_mod, e.ctx.text, e.ctx.text_mask};
+    in.inputs.info = e.ctx.grid;
+    return in;
+  };
+  auto epilogue = [&](const torch::Tensor& last_hidden) {
+    return epsilon_loss(model->head(last_hidden, t_emb, grid), noise);
+  };
+  std::unique_ptr<offload::StepTrace> trace;
+  if (!trace_path_.empty()) {
+    trace = std::make_unique<offload::StepTrace>();
+    engine_->set_trace(trace.get());
+  }
+  const auto r = engine_->step(prologue, epilogue, lr);
+  if (trace) {
+    engine_->synchronize();  // the step's host updates are in the trace
+    trace->write(trace_path_);
+    trace_path_.clear();
+  }
+
+  StepMetrics m;
+  m.step = ++steps_done_;
+  m.loss = r.loss;
+  m.lr = lr;
+  m.grad_norm = r.grad_norm;
+  m.step_time_s = r.step_time_s;
+  m.samples_per_s = static_cast<double>(t.batch_size * t.grad_accum_steps) / r.step_time_s;
+  m.tokens_per_s = m.samples_per_s * static_cast<double>(grid_.numel());
+  m.h2d_bytes = r.h2d_bytes;
+  m.d2h_bytes = r.d2h_bytes;
+  m.exposed_transfer_s = r.exposed_transfer_s;
+  m.optimizer_wait_s = r.optimizer_wait_s;
+  m.optimizer_s = r.optimizer_s;
+  m.peak_device_bytes = r.peak_device_bytes;
+  if (peak_flops_ > 0) m.mfu = flops_per_step_ / (r.step_time_s * peak_flops_);
+  m.loss_scale = engine_->options().compute_dtype == at::kHalf ? r.loss_scale : 0.0;
+  m.skipped = r.skipped;
+  return m;
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> CPUMasterVideoDiT::master_weights() {
+  engine_->synchronize();
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (auto& [name, p] : stack_->named_resident_parameters()) {
+    if (name.rfind("text_encoder.", 0) != 0) out.emplace_back(name, p.detach().to(torch::kCPU).clone());
+  }
+  for (int64_t l = 0; l < engine_->store().num_blocks(); ++l) {
+    for (auto& [name, p] : engine_->block_master(l)) out.emplace_back("blocks." + std::to_string(l) + "." + name, p.clone());
+  }
+  for (auto& [name, p] : stack_->named_resident_parameters()) {
+    if (name.rfind("text_encoder.", 0) == 0) out.emplace_back(name, p.detach().to(torch::kCPU).clone());
+  }
+  return out;
+}
+
+}  // namespace megaslide
