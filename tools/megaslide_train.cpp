@@ -2,6 +2,7 @@
 //
 //   megaslide-train --config configs/smoke.yaml [--run-dir DIR] [--set key.path=value ...]
 //   megaslide-train --config configs/105b.yaml --dry-run --json
+//   megaslide-train --config configs/smoke.yaml --export-weights model.safetensors   (the final weights, bf16)
 //
 // Exit codes: 0 done, 2 bad config or flags (nothing written), 1 any other failure.
 #include <CLI/CLI.hpp>
@@ -13,12 +14,15 @@
 
 int main(int argc, char** argv) {
   CLI::App app{"megaslide-train: full-parameter training of video DiTs (docs/training.md)"};
-  std::string config_path, run_dir;
+  std::string config_path, run_dir, export_weights;
   std::vector<std::string> overrides;
   bool dry_run = false, json = false;
   app.add_option("--config", config_path, "run config (YAML), e.g. configs/smoke.yaml")->required();
   app.add_option("--set", overrides, "override a config value, e.g. --set train.steps=50 (repeatable)");
   app.add_option("--run-dir", run_dir, "where outputs go (default: output.run_dir of the config)");
+  app.add_option("--export-weights", export_weights,
+                 "after training, write the weights (bf16) and the resolved config to this safetensors file "
+                 "(megaslide-sample --checkpoint reads it)");
   app.add_flag("--dry-run", dry_run, "build the model on the meta device, print its size, train nothing");
   app.add_flag("--json", json, "with --dry-run: print one JSON object");
   app.set_version_flag("--version", megaslide::build_summary());
@@ -36,6 +40,14 @@ int main(int argc, char** argv) {
   } catch (const megaslide::ConfigError& e) {
     std::cerr << "megaslide-train: " << e.what() << "\n";
     return 2;
+  }
+  if (!export_weights.empty()) {
+    const auto slash = export_weights.find_last_of('/');
+    const std::string parent = slash == std::string::npos ? "." : export_weights.substr(0, std::max<size_t>(slash, 1));
+    if (!megaslide::io::is_directory(parent)) {
+      std::cerr << "megaslide-train: --export-weights " << export_weights << ": folder '" << parent << "' does not exist\n";
+      return 2;
+    }
   }
 
   try {
@@ -76,6 +88,10 @@ int main(int argc, char** argv) {
     }
     progress.finish();
     log.info(fmt::format("done: first loss {:.5f}; metrics in {}", first_loss, dir.file("metrics.jsonl")));
+    if (!export_weights.empty()) {
+      megaslide::save_weights(export_weights, trainer.config(), trainer.model(), trainer.text_encoder());
+      log.info(fmt::format("weights written to {}", export_weights));
+    }
     return 0;
   } catch (const megaslide::OutputError& e) {
     std::cerr << "megaslide-train: " << e.what() << "\n";
