@@ -21,11 +21,12 @@ with safe_open(path, framework="numpy") as f:
     metadata = f.metadata() or {}
 
 def values(entry):
-    raw = bytes(entry["data"])
-    if entry["dtype"] == "bfloat16":  # numpy has no bf16: widen the bits to float32
+    raw, dtype = bytes(entry["data"]), entry["dtype"].upper()
+    if dtype in ("BF16", "BFLOAT16"):  # numpy has no bf16: widen the bits to float32
         return (np.frombuffer(raw, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
-    return np.frombuffer(raw, dtype={"float32": np.float32, "float64": np.float64, "float16": np.float16,
-                                      "int64": np.int64, "int32": np.int32}[entry["dtype"]])
+    return np.frombuffer(raw, dtype={"F32": np.float32, "FLOAT32": np.float32, "F64": np.float64, "FLOAT64": np.float64,
+                                      "F16": np.float16, "FLOAT16": np.float16, "I64": np.int64, "INT64": np.int64,
+                                      "I32": np.int32, "INT32": np.int32}[dtype])
 
 summary = {name: {"dtype": e["dtype"], "shape": e["shape"], "sum": float(values(e).astype(np.float64).sum())}
            for name, e in tensors}
