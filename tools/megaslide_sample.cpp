@@ -58,22 +58,30 @@ int main(int argc, char** argv) {
   bool png = false, no_progress = false;
   app.add_option("--checkpoint", checkpoint, "weights file (safetensors) written by megaslide-train --export-weights")->required();
   app.add_option("--prompts", prompts_path, "prompt file, one prompt per line (VBench's prompt files work as they are)")->required();
-  app.add_option("--samples-per-prompt", samples_per_prompt, "videos per prompt (index 0..N-1)")->check(CLI::Range(int64_t{1}, int64_t{100000}));
+  app.add_option("--samples-per-prompt", samples_per_prompt, "videos per prompt (index 0..N-1)")->check(CLI::Range(int64_t{1}, int64_t{100000}))
+      ->capture_default_str();
   app.add_option("--out", out_dir, "output folder")->required();
-  app.add_option("--sampler", sampler, "ddpm (ancestral) or ddim")->check(CLI::IsMember({"ddpm", "ddim"}));
+  app.add_option("--sampler", sampler, "ddpm (ancestral) or ddim")->check(CLI::IsMember({"ddpm", "ddim"}))
+      ->capture_default_str();
   app.add_option("--steps", steps, "sampling steps, respaced over the training timesteps (default: the config's diffusion.sample_steps)")
       ->check(CLI::PositiveNumber);
   app.add_option("--guidance", guidance, "classifier-free guidance scale (default: the config's diffusion.guidance_scale)")
       ->check(CLI::NonNegativeNumber);
-  app.add_option("--eta", eta, "DDIM eta (0 deterministic, 1 ancestral variance)")->check(CLI::NonNegativeNumber);
-  app.add_option("--seed", seed, "base seed; each video's seed derives from (seed, prompt, index)");
-  app.add_option("--batch-size", batch_size, "videos sampled together")->check(CLI::Range(int64_t{1}, int64_t{4096}));
-  app.add_option("--fps", fps, "frames per second of the MP4s")->check(CLI::Range(int64_t{1}, int64_t{240}));
-  app.add_option("--crf", crf, "libx264 constant rate factor (0 best .. 51 worst)")->check(CLI::Range(int64_t{0}, int64_t{51}));
+  app.add_option("--eta", eta, "DDIM eta (0 deterministic, 1 ancestral variance)")->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--seed", seed, "base seed: each video's seed derives from (seed, prompt, index)")->capture_default_str();
+  app.add_option("--batch-size", batch_size, "videos sampled together")->check(CLI::Range(int64_t{1}, int64_t{4096}))
+      ->capture_default_str();
+  app.add_option("--fps", fps, "frames per second of the MP4s")->check(CLI::Range(int64_t{1}, int64_t{240}))
+      ->capture_default_str();
+  app.add_option("--crf", crf, "libx264 constant rate factor (0 best .. 51 worst)")->check(CLI::Range(int64_t{0}, int64_t{51}))
+      ->capture_default_str();
   app.add_option("--upscale", upscale, "repeat pixels N times in each direction (small models' frames are tiny)")
-      ->check(CLI::Range(int64_t{1}, int64_t{64}));
+      ->check(CLI::Range(int64_t{1}, int64_t{64}))
+      ->capture_default_str();
   app.add_flag("--png", png, "also write every frame as DIR/frames/{prompt}-{index}/NNN.png");
-  app.add_option("--device", device_spec, "auto, cpu, cuda or cuda:N");
+  app.add_option("--device", device_spec, "auto, cpu, cuda or cuda:N")
+      ->capture_default_str();
   app.add_option("--threads", threads, "LibTorch intra-op threads (0: its default)")->check(CLI::NonNegativeNumber);
   app.add_flag("--no-progress", no_progress, "no progress bar");
   app.set_version_flag("--version", megaslide::build_summary());
