@@ -7,6 +7,7 @@
 
 #include <array>
 #include <cstdio>
+#include <sstream>
 
 #include "megaslide/eval/vbench.h"
 #include "megaslide/io/files.h"
@@ -43,6 +44,13 @@ std::string scratch() {
   }();
   return dir;
 }
+
+// Each test program removes its scratch folder when it ends.
+class RemoveScratch : public ::testing::Environment {
+ public:
+  void TearDown() override { megaslide::io::remove_tree(scratch()); }
+};
+const ::testing::Environment* const kRemoveScratch = ::testing::AddGlobalTestEnvironment(new RemoveScratch);
 
 // Trains the smoke config for 3 steps once and exports its weights.
 const std::string& weights() {
@@ -141,4 +149,35 @@ TEST(MegaslideSample, BadInputExitsTwoNamingItAndWritesNothing) {
   EXPECT_EQ(t.code, 2) << t.output;
   EXPECT_NE(t.output.find("--export-weights"), std::string::npos) << t.output;
   EXPECT_FALSE(path_exists(out));
+}
+
+TEST(MegaslideSample, TrainingWritesValidationVideosWithoutChangingTheRun) {
+  // train.sample_every: fixed prompts and seeds, videos in RUN_DIR/samples/step-NNNNNNN/; sampling uses
+  // its own generators, so the losses are those of the same run without it, bit for bit.
+  const std::string base = "--config " + std::string(MEGASLIDE_SOURCE_DIR) +
+                           "/configs/smoke.yaml --set train.steps=2 --set output.progress=false --set diffusion.sample_steps=3";
+  auto with = join_path(scratch(), "with-samples"), without = join_path(scratch(), "without-samples");
+  auto r = run("megaslide-train", base + " --run-dir " + with + " --set train.sample_every=2");
+  ASSERT_EQ(r.code, 0) << r.output;
+  r = run("megaslide-train", base + " --run-dir " + without);
+  ASSERT_EQ(r.code, 0) << r.output;
+  auto losses = [](const std::string& dir) {
+    std::vector<double> out;
+    std::istringstream lines(megaslide::io::read_file(join_path(dir, "metrics.jsonl")));
+    std::string line;
+    while (std::getline(lines, line)) out.push_back(nlohmann::json::parse(line).at("loss").get<double>());
+    return out;
+  };
+  EXPECT_EQ(losses(with), losses(without));
+  const auto step_dir = join_path(with, "samples/step-0000002");
+  auto index = nlohmann::json::parse(megaslide::io::read_file(join_path(step_dir, "index.json")));
+  ASSERT_GE(index.at("videos").size(), 1u);
+  EXPECT_EQ(index.at("steps"), 3);
+  for (const auto& v : index.at("videos")) {
+    megaslide::io::VideoInfo info;
+    megaslide::io::read_video(join_path(step_dir, v.at("file").get<std::string>()), &info);
+    EXPECT_EQ(info.frames, 8);
+    EXPECT_EQ(info.codec, "h264");
+  }
+  EXPECT_FALSE(path_exists(join_path(without, "samples")));
 }

@@ -78,6 +78,11 @@ int main(int argc, char** argv) {
       metrics.write(m);
       progress.update(m);
       if (m.step == 1) first_loss = m.loss;
+      if (config.train.sample_every > 0 && m.step % config.train.sample_every == 0) {
+        const auto samples = dir.file(fmt::format("samples/step-{:07}", m.step));
+        const auto files = megaslide::write_validation_samples(samples, config, trainer.model(), trainer.text_encoder());
+        log.info(fmt::format("step {}: {} validation videos in {}", m.step, files.size(), samples));
+      }
       window += m.loss;
       if (m.step % config.train.log_every == 0 || m.step == config.train.steps) {
         const int64_t n = (m.step - 1) % config.train.log_every + 1;

@@ -266,6 +266,7 @@ class Schema {
         [&c] { return YAML::Node(c.train.device); });
     integer("train.threads", c.train.threads, IntRange{0, 4096});
     integer("train.log_every", c.train.log_every, IntRange{1});
+    integer("train.sample_every", c.train.sample_every, IntRange{0});
     // offload
     boolean("offload.enabled", c.offload.enabled);
     choice("offload.mode", c.offload.mode, {"async", "sync"});

@@ -1,5 +1,11 @@
 #include "megaslide/diffusion/text_to_video.h"
 
+#include <algorithm>
+
+#include "megaslide/data/structured_motion.h"
+#include "megaslide/eval/vbench.h"
+#include "megaslide/io/video.h"
+
 namespace megaslide {
 
 TextToVideo::TextToVideo(TextToVideoModel model, torch::Device device, std::shared_ptr<Denoiser> denoiser,
@@ -45,6 +51,50 @@ torch::Tensor TextToVideo::generate(const std::vector<std::string>& prompts, con
   auto samples = sample(*denoiser_, schedule_, options, sample_shape(), seeds, cond, uncond, device_, on_step);
   torch::NoGradGuard no_grad;
   return codec_->decode(samples).to(torch::kCPU, torch::kFloat32);
+}
+
+std::vector<std::string> write_validation_samples(const std::string& dir, const RunConfig& config, DiT& dit,
+                                                  TextEncoder& text_encoder, int64_t count) {
+  TORCH_CHECK(count >= 1, "write_validation_samples: count must be >= 1, got ", count);
+  const auto& d = config.data;
+  StructuredMotionDataset dataset(
+      StructuredMotionOptions().channels(d.channels).frames(d.frames).height(d.height).width(d.width).num_clips(d.num_clips).seed(d.seed));
+  std::vector<std::string> captions;
+  for (int64_t i = 0; i < std::min(count, dataset.size()); ++i) {
+    auto caption = dataset.get(i).caption;
+    if (std::find(captions.begin(), captions.end(), caption) == captions.end()) captions.push_back(caption);
+  }
+  auto jobs = eval::plan_vbench_samples(captions, 1, config.train.seed);
+  std::vector<std::string> prompts;
+  std::vector<uint64_t> seeds;
+  for (const auto& job : jobs) prompts.push_back(job.prompt), seeds.push_back(job.seed);
+
+  const bool was_training = dit->is_training();
+  const auto device = dit->parameters().front().device();
+  TextToVideo generator(TextToVideoModel{config, dit, text_encoder}, device);
+  const auto options = generator.default_options();
+  torch::Tensor videos;
+  try {
+    videos = generator.generate(prompts, seeds, options);
+  } catch (...) {
+    dit->train(was_training);
+    text_encoder->train(was_training);
+    throw;
+  }
+  dit->train(was_training);
+  text_encoder->train(was_training);
+
+  const int64_t upscale = (d.height % 2 != 0 || d.width % 2 != 0) ? 2 : 1;
+  io::make_directories(dir);
+  std::vector<std::string> files;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    io::write_mp4(io::join_path(dir, jobs[i].file), io::to_rgb_frames(videos[static_cast<int64_t>(i)], upscale));
+    files.push_back(jobs[i].file);
+  }
+  eval::SamplingRecord record{"(training run)", to_string(options.kind()), options.steps(), options.guidance_scale(), options.eta(),
+                              config.train.seed, 8, upscale};
+  io::write_file_atomically(io::join_path(dir, "index.json"), eval::index_json(jobs, record));
+  return files;
 }
 
 }  // namespace megaslide

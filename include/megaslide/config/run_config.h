@@ -90,6 +90,7 @@ struct TrainConfig {
   std::string device = "auto";           // auto | cpu | cuda | cuda:N
   int64_t threads = 0;                   // LibTorch intra-op threads; 0 = its default
   int64_t log_every = 10;                // lines in train.log (metrics.jsonl gets every step)
+  int64_t sample_every = 0;              // validation videos every N steps (RUN_DIR/samples/step-NNNNNNN/); 0 = never
 };
 
 struct OffloadConfig {
