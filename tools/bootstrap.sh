@@ -7,7 +7,8 @@
 #
 # What it installs (see docs/building.md):
 #   - Debian packages: compilers/tools (cmake, ninja, ccache) and the C++ libraries
-#     (fmt, spdlog, yaml-cpp, CLI11, GoogleTest, Google Benchmark, nlohmann-json).
+#     (fmt, spdlog, yaml-cpp, CLI11, GoogleTest, Google Benchmark, nlohmann-json), FFmpeg's libraries
+#     (libavformat/libavcodec/libswscale/libavutil, H.264 through libx264) and the ffmpeg tools (ffprobe).
 #   - LibTorch from the PyPI `torch` wheel at the pinned version below, unpacked with pip into
 #     .deps/python (no virtualenv, no Python import needed). The wheel is built against CUDA 13.0; the
 #     CUDA libraries it links (cudart, cuBLAS, cuDNN, NCCL, ...) are taken from the machine's CUDA 13.0
@@ -19,7 +20,8 @@ TORCH_VERSION=2.11.0
 CUDA_EXTRA_WHEELS=(nvidia-cusparselt-cu13==0.8.0 nvidia-nvshmem-cu13==3.4.5 nvidia-cufile==1.15.1.6)
 DEBIAN_PACKAGES=(build-essential cmake ninja-build ccache pkg-config
                  libfmt-dev libspdlog-dev libyaml-cpp-dev libcli11-dev
-                 libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev)
+                 libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev
+                 libavformat-dev libavcodec-dev libswscale-dev libavutil-dev ffmpeg)
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"

@@ -2,6 +2,7 @@
 //
 //   megaslide-train --config configs/smoke.yaml [--run-dir DIR] [--set key.path=value ...]
 //   megaslide-train --config configs/105b.yaml --dry-run --json
+//   megaslide-train --config configs/smoke.yaml --export-weights model.safetensors   (the final weights, bf16)
 //
 // Exit codes: 0 done, 2 bad config or flags (nothing written), 1 any other failure.
 #include <CLI/CLI.hpp>
@@ -13,13 +14,16 @@
 
 int main(int argc, char** argv) {
   CLI::App app{"megaslide-train: full-parameter training of video DiTs (docs/training.md)"};
-  std::string config_path, run_dir, trace_path;
+  std::string config_path, run_dir, trace_path, export_weights;
   int64_t trace_step = 2;
   std::vector<std::string> overrides;
   bool dry_run = false, json = false;
   app.add_option("--config", config_path, "run config (YAML), e.g. configs/smoke.yaml")->required();
   app.add_option("--set", overrides, "override a config value, e.g. --set train.steps=50 (repeatable)");
   app.add_option("--run-dir", run_dir, "where outputs go (default: output.run_dir of the config)");
+  app.add_option("--export-weights", export_weights,
+                 "after training, write the weights (bf16) and the resolved config to this safetensors file "
+                 "(megaslide-sample --checkpoint reads it)");
   app.add_flag("--dry-run", dry_run, "build the model on the meta device, print its size, train nothing");
   app.add_flag("--json", json, "with --dry-run: print one JSON object");
   app.add_option("--trace", trace_path, "write a Chrome-trace JSON of one step (streamed trainer; opens in Perfetto)");
@@ -39,6 +43,14 @@ int main(int argc, char** argv) {
   } catch (const megaslide::ConfigError& e) {
     std::cerr << "megaslide-train: " << e.what() << "\n";
     return 2;
+  }
+  if (!export_weights.empty()) {
+    const auto slash = export_weights.find_last_of('/');
+    const std::string parent = slash == std::string::npos ? "." : export_weights.substr(0, std::max<size_t>(slash, 1));
+    if (!megaslide::io::is_directory(parent)) {
+      std::cerr << "megaslide-train: --export-weights " << export_weights << ": folder '" << parent << "' does not exist\n";
+      return 2;
+    }
   }
 
   try {
@@ -77,6 +89,21 @@ int main(int argc, char** argv) {
       log.info("trainer: resident reference loop (offload.enabled: false)");
     }
 
+    // What sampling and --export-weights read: the resident trainer's own modules, or for the streamed
+    // trainer a CPU copy of the model filled from the host masters when needed.
+    megaslide::DiT snapshot_dit{nullptr};
+    megaslide::TextEncoder snapshot_text{nullptr};
+    auto current_model = [&]() -> std::pair<megaslide::DiT&, megaslide::TextEncoder&> {
+      if (resident) return {resident->model(), resident->text_encoder()};
+      if (!snapshot_dit) {
+        snapshot_dit = megaslide::DiT(megaslide::DiTOptions::from_config(config));
+        snapshot_text = megaslide::TextEncoder(megaslide::TextEncoderOptions(
+            megaslide::CaptionTokenizer().vocab_size(), config.model.text_dim, config.data.max_text_tokens));
+      }
+      streamed->copy_weights_to(snapshot_dit, snapshot_text);
+      return {snapshot_dit, snapshot_text};
+    };
+
     megaslide::ProgressLine progress(config.train.steps, config.train.log_every, config.output.progress);
     double first_loss = 0.0, window = 0.0;
     for (int64_t i = 0; i < config.train.steps; ++i) {
@@ -87,6 +114,12 @@ int main(int argc, char** argv) {
       metrics.write(m);
       progress.update(m);
       if (m.step == 1) first_loss = m.loss;
+      if (config.train.sample_every > 0 && m.step % config.train.sample_every == 0) {
+        const auto samples = dir.file(fmt::format("samples/step-{:07}", m.step));
+        auto [dit, text] = current_model();
+        const auto files = megaslide::write_validation_samples(samples, config, dit, text);
+        log.info(fmt::format("step {}: {} validation videos in {}", m.step, files.size(), samples));
+      }
       window += m.loss;
       if (m.step % config.train.log_every == 0 || m.step == config.train.steps) {
         const int64_t n = (m.step - 1) % config.train.log_every + 1;
@@ -99,6 +132,11 @@ int main(int argc, char** argv) {
     if (streamed) streamed->synchronize();
     if (streamed && !trace_path.empty()) log.info(fmt::format("trace of step {} in {}", std::min(trace_step, config.train.steps), trace_path));
     log.info(fmt::format("done: first loss {:.5f}; metrics in {}", first_loss, dir.file("metrics.jsonl")));
+    if (!export_weights.empty()) {
+      auto [dit, text] = current_model();
+      megaslide::save_weights(export_weights, config, dit, text);
+      log.info(fmt::format("weights written to {}", export_weights));
+    }
     return 0;
   } catch (const megaslide::OutputError& e) {
     std::cerr << "megaslide-train: " << e.what() << "\n";

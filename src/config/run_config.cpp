@@ -270,6 +270,7 @@ class Schema {
     real("train.loss_scale_init", c.train.loss_scale_init, RealRange{1.0, 1e30});
     integer("train.loss_scale_window", c.train.loss_scale_window, IntRange{1});
     real("train.peak_tflops", c.train.peak_tflops, RealRange{0.0});
+    integer("train.sample_every", c.train.sample_every, IntRange{0});
     // offload
     boolean("offload.enabled", c.offload.enabled);
     choice("offload.mode", c.offload.mode, {"async", "sync"});

@@ -185,4 +185,24 @@ std::vector<std::pair<std::string, torch::Tensor>> CPUMasterVideoDiT::master_wei
   return out;
 }
 
+void CPUMasterVideoDiT::copy_weights_to(DiT& dit, TextEncoder& text_encoder) {
+  auto dit_params = dit->named_parameters();
+  auto text_params = text_encoder->named_parameters();
+  torch::NoGradGuard no_grad;
+  size_t copied = 0;
+  for (auto& [name, master] : master_weights()) {
+    const bool is_text = name.rfind("text_encoder.", 0) == 0;
+    const std::string key = is_text ? name.substr(13) : name;
+    torch::Tensor* target = is_text ? text_params.find(key) : dit_params.find(key);
+    TORCH_CHECK(target != nullptr, "copy_weights_to: the target model has no parameter '", name,
+                "' (was it built from this trainer's config?)");
+    TORCH_CHECK(target->sizes() == master.sizes(), "copy_weights_to: '", name, "' is ", target->sizes(),
+                " in the target model but ", master.sizes(), " in the trainer");
+    target->copy_(master);
+    ++copied;
+  }
+  TORCH_CHECK(copied == dit_params.size() + text_params.size(), "copy_weights_to: copied ", copied,
+              " parameters but the target model has ", dit_params.size() + text_params.size());
+}
+
 }  // namespace megaslide

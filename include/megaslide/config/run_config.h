@@ -94,6 +94,7 @@ struct TrainConfig {
   double loss_scale_init = 65536.0;      // fp16 compute only: initial dynamic loss scale
   int64_t loss_scale_window = 1000;      // fp16: steps without overflow before the scale doubles
   double peak_tflops = 0.0;              // MFU denominator on a GPU; 0 = measure a matmul at start
+  int64_t sample_every = 0;              // validation videos every N steps (RUN_DIR/samples/step-NNNNNNN/); 0 = never
 };
 
 struct OffloadConfig {

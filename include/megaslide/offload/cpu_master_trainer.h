@@ -82,6 +82,9 @@ class CPUMasterVideoDiT {
   // Every trained parameter's fp32 master as a CPU tensor copy, named as in DiT::named_parameters()
   // ("blocks.3.mlp.fc1.weight") and "text_encoder.<name>" (synchronizes first).
   std::vector<std::pair<std::string, torch::Tensor>> master_weights();
+  // Copies the fp32 masters into a DiT and caption encoder built from the same config (any device),
+  // for sampling or exporting the weights while training goes on (synchronizes first).
+  void copy_weights_to(DiT& dit, TextEncoder& text_encoder);
   // Host memory by component (the store's report) as a table.
   std::string host_memory_report() const;
 

@@ -1,0 +1,113 @@
+// Samplers for trained ε-prediction models (DESIGN.md §7): ancestral DDPM over respaced timesteps and
+// DDIM, both with classifier-free guidance.
+//
+//   SamplingSchedule  the training schedule restricted to S of its T timesteps (improved-diffusion's
+//                     respacing: ᾱ is kept at the chosen timesteps, β is recomputed between them), with
+//                     the posterior tables of q(x_{s-1} | x_s, x0) in float64
+//   Denoiser          the one function a sampler needs: ε̂(x_t, t, text). ResidentDenoiser wraps a DiT
+//                     that fits the device; a streamed denoiser (weights block by block through the
+//                     WeightStreamer, forward only) will implement the same interface.
+//   guided_noise      ε̂ = ε_u + s·(ε_c − ε_u), the conditional and unconditional passes in one batch
+//   sample            x_T ~ N(0, I) from each sample's own seed, then S reverse steps
+//
+// Randomness: every sample has its own CPU generator seeded by its seed; x_T and each step's noise are
+// drawn from it on the CPU in a fixed order and moved to the device. A sample therefore does not depend
+// on which other samples share its batch, nor on the device (up to floating-point differences).
+// Thread-safety: a Denoiser is driven by one thread; SamplingSchedule is immutable.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "megaslide/diffusion/ddpm.h"
+#include "megaslide/model/dit.h"
+
+namespace megaslide {
+
+class SamplingSchedule {
+ public:
+  // `steps` of the `train_timesteps` training timesteps, evenly spaced with both ends included:
+  // t_i = round(i·(T−1)/(S−1)), i = 0…S−1 (S = 1 gives {T−1}). Ascending, distinct.
+  static std::vector<int64_t> respaced_timesteps(int64_t train_timesteps, int64_t steps);
+
+  SamplingSchedule(const DDPMSchedule& train, int64_t steps);
+  SamplingSchedule(const DDPMSchedule& train, const std::vector<int64_t>& timesteps);  // ascending, distinct
+
+  int64_t steps() const { return timesteps_.size(0); }
+  // All [S], index i = the i-th kept timestep in ascending order; float64 on the CPU.
+  const torch::Tensor& timesteps() const { return timesteps_; }                  // int64, training timesteps
+  const torch::Tensor& alphas_cumprod() const { return alphas_cumprod_; }        // ᾱ_i = ᾱ_train(t_i)
+  const torch::Tensor& alphas_cumprod_prev() const { return alphas_cumprod_prev_; }  // ᾱ_{i−1}, 1 for i = 0
+  const torch::Tensor& betas() const { return betas_; }                          // 1 − ᾱ_i / ᾱ_{i−1}
+  // q(x_{i−1} | x_i, x0) = N(coef1_i·x0 + coef2_i·x_i, posterior_variance_i):
+  //   coef1 = β_i·sqrt(ᾱ_{i−1}) / (1 − ᾱ_i), coef2 = (1 − ᾱ_{i−1})·sqrt(1 − β_i) / (1 − ᾱ_i),
+  //   posterior_variance = β_i·(1 − ᾱ_{i−1}) / (1 − ᾱ_i)
+  const torch::Tensor& posterior_mean_coef1() const { return coef1_; }
+  const torch::Tensor& posterior_mean_coef2() const { return coef2_; }
+  const torch::Tensor& posterior_variance() const { return posterior_variance_; }
+
+ private:
+  torch::Tensor timesteps_, alphas_cumprod_, alphas_cumprod_prev_, betas_, coef1_, coef2_, posterior_variance_;
+};
+
+// The model function the samplers call.
+class Denoiser {
+ public:
+  virtual ~Denoiser() = default;
+  // ε prediction for x [B, C, T, H, W] at training timesteps t [B] (int64), text [B, L, text_dim],
+  // text_mask [B, L] bool (true = real token). Called under torch::NoGradGuard.
+  virtual torch::Tensor predict_noise(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& text,
+                                      const torch::Tensor& text_mask) = 0;
+};
+
+// A DiT held whole on its device (shares the module; does not copy it).
+class ResidentDenoiser final : public Denoiser {
+ public:
+  explicit ResidentDenoiser(DiT model);
+  torch::Tensor predict_noise(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& text,
+                              const torch::Tensor& text_mask) override;
+
+ private:
+  DiT model_;
+};
+
+// Encoded text for a batch: embeddings [B, L, text_dim] and mask [B, L] bool.
+struct Conditioning {
+  torch::Tensor text, mask;
+};
+
+// ε̂ = ε_u + scale·(ε_c − ε_u). One denoiser call on [x; x] with [cond; uncond] (an uncond of batch 1 is
+// broadcast). Scale 1 is the conditional prediction, 0 the unconditional one.
+torch::Tensor guided_noise(Denoiser& denoiser, const torch::Tensor& x, const torch::Tensor& t, const Conditioning& cond,
+                           const Conditioning& uncond, double scale);
+
+enum class SamplerKind { kDDPM, kDDIM };
+SamplerKind parse_sampler_kind(const std::string& name);  // "ddpm" | "ddim"
+const char* to_string(SamplerKind kind);
+
+struct SamplerOptions {
+  TORCH_ARG(SamplerKind, kind) = SamplerKind::kDDPM;
+  TORCH_ARG(int64_t, steps) = 30;              // respaced timesteps (DESIGN.md §7: 30 of 1000)
+  TORCH_ARG(double, guidance_scale) = 7.5;
+  TORCH_ARG(double, eta) = 0.0;                // DDIM only: 0 deterministic, 1 = ancestral DDPM's variance
+  TORCH_ARG(bool, clip_denoised) = true;       // clamp each x0 prediction to [-1, 1] (pixel-space models)
+};
+
+// Samples a batch of B = seeds.size() videos of shape `sample_shape` ([C, T, H, W]) on `device`:
+// cond and uncond as for guided_noise. Returns x_0 [B, C, T, H, W] float32 on `device`.
+// `on_step(done, total)` is called after every reverse step.
+//
+// DDPM (ancestral):  x0̂ = (x_i − sqrt(1−ᾱ_i)·ε̂)/sqrt(ᾱ_i) (clamped), x_{i−1} = coef1·x0̂ + coef2·x_i + sqrt(var)·z
+// DDIM:              ε̂' = ε̂ re-derived from the clamped x0̂, σ = η·sqrt((1−ᾱ_{i−1})/(1−ᾱ_i))·sqrt(1−ᾱ_i/ᾱ_{i−1}),
+//                    x_{i−1} = sqrt(ᾱ_{i−1})·x0̂ + sqrt(1−ᾱ_{i−1}−σ²)·ε̂' + σ·z
+// Both draw z at every step but the last, so DDIM with η = 1 equals DDPM for the same seeds.
+torch::Tensor sample(Denoiser& denoiser, const DDPMSchedule& schedule, const SamplerOptions& options,
+                     const std::vector<int64_t>& sample_shape, const std::vector<uint64_t>& seeds, const Conditioning& cond,
+                     const Conditioning& uncond, torch::Device device,
+                     const std::function<void(int64_t, int64_t)>& on_step = {});
+
+}  // namespace megaslide

@@ -1,0 +1,49 @@
+// Per-video metrics computed in C++ on decoded frames (uint8 [T, H, W, C] on the CPU, C = 3 as read
+// by io::read_video), and the folder evaluation behind megaslide-eval.
+//
+// temporal flickering (VBench's dimension, vbench/temporal_flickering.py): d = the mean, over the T−1
+//   consecutive frame pairs, of the mean absolute difference of all pixel values (0…255);
+//   score = (255 − d) / 255, 1 for a still video. VBench applies it to videos of static prompts.
+// frame consistency: a pixel-space counterpart of VBench's subject consistency (which compares DINO
+//   features): f_i = frame i's values in [0, 1] minus their mean, as one vector; with
+//   c(a, b) = max(0, cos(a, b)) (1 when both frames are uniform, 0 when only one is),
+//   score = mean over i = 1…T−1 of ½·(c(f_i, f_{i−1}) + c(f_i, f_0)).
+// Both need T >= 2 and throw std::invalid_argument otherwise.
+//
+// Thread-safety: plain functions.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+namespace megaslide::eval {
+
+double mean_abs_frame_difference(const torch::Tensor& frames);  // d above, in 0…255
+double temporal_flickering_score(const torch::Tensor& frames);
+double frame_consistency_score(const torch::Tensor& frames);
+
+struct VideoEvaluation {
+  std::string file;    // name inside the folder
+  std::string prompt;  // from DIR/index.json when it lists the file, else parsed from the name as VBench does
+  int64_t frames = 0, width = 0, height = 0;
+  double mean_abs_frame_difference = 0, temporal_flickering = 0, frame_consistency = 0;
+};
+
+struct FolderEvaluation {
+  std::string folder;
+  std::vector<VideoEvaluation> videos;  // sorted by file name
+  double mean_temporal_flickering = 0, mean_frame_consistency = 0;
+};
+
+// Reads and scores every *.mp4 in `folder`. Throws (naming the folder or the file) when the folder
+// cannot be read, holds no MP4, or a video cannot be decoded or has fewer than 2 frames.
+FolderEvaluation evaluate_folder(const std::string& folder);
+
+// {"folder", "count", "mean": {"temporal_flickering", "frame_consistency"}, "videos": [{...}, ...]}
+std::string to_json(const FolderEvaluation& evaluation);
+// A fixed-width text table, one row per video and a mean row.
+std::string to_table(const FolderEvaluation& evaluation);
+
+}  // namespace megaslide::eval

@@ -1,0 +1,72 @@
+// Reading and writing the safetensors format (https://github.com/huggingface/safetensors):
+//
+//   [8 bytes: N, unsigned little-endian] [N bytes: JSON header] [tensor bytes, little-endian, row-major]
+//   header = {"NAME": {"dtype": "F32", "shape": [2, 3], "data_offsets": [BEGIN, END]}, ...,
+//             "__metadata__": {"key": "string value", ...}}            (metadata optional)
+//   BEGIN/END are byte offsets into the data section that follows the header.
+//
+// Dtypes: F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL.
+// Writing lays tensors out back to back in the order given, pads the header with spaces to a multiple
+// of 8 bytes (as the reference implementation does) and replaces the file atomically.
+// Reading validates everything before it trusts it: the header length against the file size, the JSON,
+// every entry's dtype and shape, offsets within the data section, END - BEGIN = numel × itemsize, no two
+// tensors overlapping. Every error is a SafetensorsError naming the file and, where there is one, the
+// tensor. Tensors are read straight from the file into freshly allocated CPU tensors (pread, no copy of
+// the whole file), which the caller owns.
+//
+// The host is little-endian (x86-64, aarch64); the implementation refuses to build otherwise.
+// Thread-safety: plain functions; concurrent calls on different files are safe.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "megaslide/io/files.h"
+
+namespace megaslide::io {
+
+class SafetensorsError : public IoError {
+ public:
+  using IoError::IoError;
+};
+
+using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;
+
+struct SafetensorsEntry {
+  std::string name;
+  torch::ScalarType dtype = torch::kFloat32;
+  std::vector<int64_t> shape;
+  uint64_t begin = 0, end = 0;  // byte range in the data section
+};
+
+struct SafetensorsHeader {
+  std::vector<SafetensorsEntry> entries;  // in data-offset order
+  std::map<std::string, std::string> metadata;
+  uint64_t data_start = 0;  // file offset of the data section (8 + N)
+};
+
+// "F32" <-> torch::kFloat32 and so on; unknown names or types throw SafetensorsError.
+std::string safetensors_dtype_name(torch::ScalarType dtype);
+torch::ScalarType safetensors_dtype(const std::string& name);
+
+// Writes `tensors` (any device, any layout; names unique, not "__metadata__") to `path`.
+void write_safetensors(const std::string& path, const NamedTensors& tensors,
+                       const std::map<std::string, std::string>& metadata = {});
+
+// The bytes write_safetensors would write (tests build corrupt files from them).
+std::string encode_safetensors(const NamedTensors& tensors, const std::map<std::string, std::string>& metadata = {});
+
+// Reads and validates only the header (cheap: the tensors are not read).
+SafetensorsHeader read_safetensors_header(const std::string& path);
+
+struct SafetensorsFile {
+  NamedTensors tensors;  // CPU tensors, in data-offset order
+  std::map<std::string, std::string> metadata;
+};
+SafetensorsFile read_safetensors(const std::string& path);
+
+}  // namespace megaslide::io

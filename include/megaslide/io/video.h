@@ -1,0 +1,56 @@
+// Video files through FFmpeg's libraries (libavformat, libavcodec, libswscale): H.264 MP4 writing,
+// PNG frames, and reading a video back (for metrics and tests).
+//
+// Frames cross this API as uint8 RGB tensors [T, H, W, 3] (one frame: [H, W, 3]) on the CPU; the
+// caller owns them. to_rgb_frames() turns a model's [C, T, H, W] output in [-1, 1] into that form.
+// MP4s are H.264 (libx264) in yuv420p, BT.601 limited range (what players and OpenCV, which VBench
+// reads with, assume), constant frame rate; width and height must be even (a 4:2:0 requirement).
+// Files are written to `path.tmp`, then renamed over `path`, so a reader never sees a torn file.
+// Errors throw VideoError naming the path and FFmpeg's reason.
+//
+// FFmpeg's log level is set to errors only the first time this API is used (libx264 otherwise prints
+// its statistics for every file). Thread-safety: calls on different files may run concurrently.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <string>
+
+#include "megaslide/io/files.h"
+
+namespace megaslide::io {
+
+class VideoError : public IoError {
+ public:
+  using IoError::IoError;
+};
+
+struct VideoWriteOptions {
+  TORCH_ARG(int64_t, fps) = 8;
+  TORCH_ARG(int64_t, crf) = 17;                 // libx264 constant rate factor: 0 best, 51 worst; 17 ≈ visually lossless
+  TORCH_ARG(std::string, preset) = "medium";    // libx264 speed/size trade-off
+};
+
+// [C, T, H, W] float in [-1, 1] (C = 3: RGB; C = 1: grey) -> [T, H·upscale, W·upscale, 3] uint8, values
+// round((x + 1)·127.5) clamped to [0, 255]; upscale repeats pixels (nearest neighbour).
+torch::Tensor to_rgb_frames(const torch::Tensor& video, int64_t upscale = 1);
+
+// frames [T, H, W, 3] uint8 RGB, T >= 1, H and W even.
+void write_mp4(const std::string& path, const torch::Tensor& frames, const VideoWriteOptions& options = {});
+
+// frame [H, W, 3] uint8 RGB -> an 8-bit RGB PNG.
+void write_png(const std::string& path, const torch::Tensor& frame);
+
+struct VideoInfo {
+  std::string codec;          // e.g. "h264"
+  std::string pixel_format;   // e.g. "yuv420p"
+  int64_t width = 0, height = 0;
+  int64_t frames = 0;         // frames decoded
+  int64_t container_frames = 0;  // the stream's frame count as the container states it (0 if unknown)
+  double fps = 0.0;           // the stream's average frame rate
+};
+
+// Decodes every frame: [T, H, W, 3] uint8 RGB. `info`, when given, receives the stream's description.
+torch::Tensor read_video(const std::string& path, VideoInfo* info = nullptr);
+
+}  // namespace megaslide::io

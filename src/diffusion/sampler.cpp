@@ -1,0 +1,136 @@
+#include "megaslide/diffusion/sampler.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <cmath>
+
+namespace megaslide {
+
+std::vector<int64_t> SamplingSchedule::respaced_timesteps(int64_t train_timesteps, int64_t steps) {
+  TORCH_CHECK(train_timesteps >= 1, "respaced_timesteps: need at least one training timestep");
+  TORCH_CHECK(steps >= 1 && steps <= train_timesteps, "respaced_timesteps: sampling steps must be in [1, ", train_timesteps,
+              "] (the training timesteps), got ", steps);
+  if (steps == 1) return {train_timesteps - 1};
+  std::vector<int64_t> out;
+  const double stride = static_cast<double>(train_timesteps - 1) / static_cast<double>(steps - 1);
+  for (int64_t i = 0; i < steps; ++i) out.push_back(std::llround(static_cast<double>(i) * stride));
+  return out;
+}
+
+SamplingSchedule::SamplingSchedule(const DDPMSchedule& train, int64_t steps)
+    : SamplingSchedule(train, respaced_timesteps(train.timesteps(), steps)) {}
+
+SamplingSchedule::SamplingSchedule(const DDPMSchedule& train, const std::vector<int64_t>& timesteps) {
+  TORCH_CHECK(!timesteps.empty(), "SamplingSchedule: no timesteps");
+  for (size_t i = 0; i < timesteps.size(); ++i) {
+    TORCH_CHECK(timesteps[i] >= 0 && timesteps[i] < train.timesteps(), "SamplingSchedule: timestep ", timesteps[i],
+                " outside [0, ", train.timesteps(), ")");
+    TORCH_CHECK(i == 0 || timesteps[i] > timesteps[i - 1], "SamplingSchedule: timesteps must be ascending and distinct");
+  }
+  const auto f64 = torch::TensorOptions().dtype(torch::kFloat64);
+  timesteps_ = torch::tensor(timesteps, torch::kLong);
+  alphas_cumprod_ = train.alphas_cumprod().to(torch::kCPU).index_select(0, timesteps_);
+  alphas_cumprod_prev_ = torch::cat({torch::ones({1}, f64), alphas_cumprod_.slice(0, 0, -1)});
+  betas_ = 1 - alphas_cumprod_ / alphas_cumprod_prev_;
+  coef1_ = betas_ * alphas_cumprod_prev_.sqrt() / (1 - alphas_cumprod_);
+  coef2_ = (1 - alphas_cumprod_prev_) * (1 - betas_).sqrt() / (1 - alphas_cumprod_);
+  posterior_variance_ = betas_ * (1 - alphas_cumprod_prev_) / (1 - alphas_cumprod_);
+}
+
+ResidentDenoiser::ResidentDenoiser(DiT model) : model_(std::move(model)) {}
+
+torch::Tensor ResidentDenoiser::predict_noise(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& text,
+                                              const torch::Tensor& text_mask) {
+  torch::NoGradGuard no_grad;
+  return model_->forward(x, t, text, text_mask);
+}
+
+torch::Tensor guided_noise(Denoiser& denoiser, const torch::Tensor& x, const torch::Tensor& t, const Conditioning& cond,
+                           const Conditioning& uncond, double scale) {
+  const int64_t B = x.size(0);
+  TORCH_CHECK(cond.text.dim() == 3 && cond.text.size(0) == B, "guided_noise: cond.text must be [B, L, D] with B = ", B, ", got ",
+              cond.text.sizes());
+  TORCH_CHECK(uncond.text.dim() == 3 && (uncond.text.size(0) == B || uncond.text.size(0) == 1) &&
+                  uncond.text.size(2) == cond.text.size(2),
+              "guided_noise: uncond.text must be [B or 1, L, D] matching cond.text ", cond.text.sizes(), ", got ", uncond.text.sizes());
+  // Pad the shorter token axis so the two can share one batch; padding is masked out.
+  auto expand = [&](const Conditioning& c, int64_t L) {
+    auto text = c.text.expand({B, c.text.size(1), c.text.size(2)});
+    auto mask = c.mask.defined() ? c.mask.expand({B, c.text.size(1)})
+                                 : torch::ones({B, c.text.size(1)}, torch::TensorOptions().dtype(torch::kBool).device(c.text.device()));
+    if (c.text.size(1) < L) {
+      text = torch::cat({text, torch::zeros({B, L - c.text.size(1), c.text.size(2)}, text.options())}, 1);
+      mask = torch::cat({mask, torch::zeros({B, L - c.text.size(1)}, mask.options())}, 1);
+    }
+    return std::make_pair(text, mask);
+  };
+  const int64_t L = std::max(cond.text.size(1), uncond.text.size(1));
+  auto [ct, cm] = expand(cond, L);
+  auto [ut, um] = expand(uncond, L);
+  torch::NoGradGuard no_grad;
+  auto eps = denoiser.predict_noise(torch::cat({x, x}), torch::cat({t, t}), torch::cat({ct, ut}), torch::cat({cm, um}));
+  auto eps_c = eps.slice(0, 0, B), eps_u = eps.slice(0, B);
+  return eps_u + scale * (eps_c - eps_u);
+}
+
+SamplerKind parse_sampler_kind(const std::string& name) {
+  if (name == "ddpm") return SamplerKind::kDDPM;
+  if (name == "ddim") return SamplerKind::kDDIM;
+  TORCH_CHECK(false, "unknown sampler '", name, "' (expected ddpm or ddim)");
+}
+
+const char* to_string(SamplerKind kind) { return kind == SamplerKind::kDDPM ? "ddpm" : "ddim"; }
+
+namespace {
+// One standard-normal draw per sample from its own generator, stacked: [B, ...shape].
+torch::Tensor per_sample_noise(std::vector<at::Generator>& generators, const std::vector<int64_t>& shape, torch::Device device) {
+  std::vector<torch::Tensor> draws;
+  draws.reserve(generators.size());
+  for (auto& g : generators) draws.push_back(torch::randn(shape, g, torch::kFloat32));
+  return torch::stack(draws).to(device);
+}
+}  // namespace
+
+torch::Tensor sample(Denoiser& denoiser, const DDPMSchedule& schedule, const SamplerOptions& options,
+                     const std::vector<int64_t>& sample_shape, const std::vector<uint64_t>& seeds, const Conditioning& cond,
+                     const Conditioning& uncond, torch::Device device, const std::function<void(int64_t, int64_t)>& on_step) {
+  TORCH_CHECK(!seeds.empty(), "sample: no seeds (one per sample)");
+  TORCH_CHECK(options.eta() >= 0, "sample: eta must be >= 0, got ", options.eta());
+  const SamplingSchedule s(schedule, options.steps());
+  const int64_t B = static_cast<int64_t>(seeds.size()), S = s.steps();
+  std::vector<at::Generator> generators;
+  for (auto seed : seeds) generators.push_back(at::detail::createCPUGenerator(seed));
+
+  auto abar = s.alphas_cumprod().accessor<double, 1>();
+  auto abar_prev = s.alphas_cumprod_prev().accessor<double, 1>();
+  auto coef1 = s.posterior_mean_coef1().accessor<double, 1>();
+  auto coef2 = s.posterior_mean_coef2().accessor<double, 1>();
+  auto var = s.posterior_variance().accessor<double, 1>();
+  auto timesteps = s.timesteps().accessor<int64_t, 1>();
+
+  torch::NoGradGuard no_grad;
+  auto x = per_sample_noise(generators, sample_shape, device);
+  for (int64_t i = S - 1; i >= 0; --i) {
+    auto t = torch::full({B}, timesteps[i], torch::TensorOptions().dtype(torch::kLong).device(device));
+    auto eps = guided_noise(denoiser, x, t, cond, uncond, options.guidance_scale()).to(torch::kFloat32);
+    const double sqrt_recip = 1.0 / std::sqrt(abar[i]), sqrt_recipm1 = std::sqrt(1.0 / abar[i] - 1.0);
+    auto x0 = sqrt_recip * x - sqrt_recipm1 * eps;
+    if (options.clip_denoised()) x0 = x0.clamp(-1.0, 1.0);
+    torch::Tensor z;
+    if (i > 0) z = per_sample_noise(generators, sample_shape, device);
+    if (options.kind() == SamplerKind::kDDPM) {
+      x = coef1[i] * x0 + coef2[i] * x;
+      if (i > 0) x = x + std::sqrt(var[i]) * z;
+    } else {
+      auto eps_x0 = (sqrt_recip * x - x0) / sqrt_recipm1;
+      const double sigma =
+          options.eta() * std::sqrt((1 - abar_prev[i]) / (1 - abar[i])) * std::sqrt(1 - abar[i] / abar_prev[i]);
+      x = std::sqrt(abar_prev[i]) * x0 + std::sqrt(std::max(0.0, 1 - abar_prev[i] - sigma * sigma)) * eps_x0;
+      if (i > 0) x = x + sigma * z;
+    }
+    if (on_step) on_step(S - i, S);
+  }
+  return x;
+}
+
+}  // namespace megaslide

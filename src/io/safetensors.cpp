@@ -1,0 +1,225 @@
+#include "megaslide/io/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <limits>
+#include <set>
+
+namespace megaslide::io {
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "safetensors I/O assumes a little-endian host");
+
+namespace {
+
+// The reference implementation refuses headers above 100 MB; so do we (a corrupt length must not make
+// us allocate gigabytes).
+constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+
+struct DtypeName {
+  const char* name;
+  torch::ScalarType type;
+};
+constexpr DtypeName kDtypes[] = {
+    {"F64", torch::kFloat64}, {"F32", torch::kFloat32}, {"F16", torch::kFloat16}, {"BF16", torch::kBFloat16},
+    {"I64", torch::kInt64},   {"I32", torch::kInt32},   {"I16", torch::kInt16},   {"I8", torch::kInt8},
+    {"U8", torch::kUInt8},    {"BOOL", torch::kBool},
+};
+
+[[noreturn]] void fail(const std::string& path, const std::string& problem) {
+  throw SafetensorsError("safetensors file '" + path + "': " + problem);
+}
+
+[[noreturn]] void fail_tensor(const std::string& path, const std::string& name, const std::string& problem) {
+  throw SafetensorsError("safetensors file '" + path + "': tensor '" + name + "': " + problem);
+}
+
+class File {
+ public:
+  explicit File(const std::string& path) : path_(path), fd_(::open(path.c_str(), O_RDONLY | O_CLOEXEC)) {
+    if (fd_ < 0) fail(path, std::string("cannot open: ") + std::strerror(errno));
+  }
+  ~File() { ::close(fd_); }
+  File(const File&) = delete;
+  File& operator=(const File&) = delete;
+
+  uint64_t size() const {
+    struct stat st {};
+    if (::fstat(fd_, &st) != 0) fail(path_, std::string("cannot stat: ") + std::strerror(errno));
+    return static_cast<uint64_t>(st.st_size);
+  }
+
+  void read_at(void* out, uint64_t bytes, uint64_t offset) const {
+    auto* p = static_cast<char*>(out);
+    while (bytes > 0) {
+      const ssize_t n = ::pread(fd_, p, std::min<uint64_t>(bytes, 1ull << 30), static_cast<off_t>(offset));
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) fail(path_, std::string("read failed: ") + std::strerror(errno));
+      if (n == 0) fail(path_, "file ended early (truncated?)");
+      p += n, bytes -= static_cast<uint64_t>(n), offset += static_cast<uint64_t>(n);
+    }
+  }
+
+ private:
+  std::string path_;
+  int fd_;
+};
+
+SafetensorsHeader parse_header(const std::string& path, const File& file) {
+  const uint64_t file_size = file.size();
+  if (file_size < 8) fail(path, "file is " + std::to_string(file_size) + " bytes, shorter than the 8-byte header length");
+  unsigned char length_bytes[8];
+  file.read_at(length_bytes, 8, 0);
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | length_bytes[i];
+  if (n > file_size - 8)
+    fail(path, "header length " + std::to_string(n) + " exceeds the " + std::to_string(file_size - 8) +
+                   " bytes that follow it (not a safetensors file, or truncated)");
+  if (n > kMaxHeaderBytes) fail(path, "header length " + std::to_string(n) + " is above the 100 MB limit");
+  std::string text(n, '\0');
+  file.read_at(text.data(), n, 8);
+
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::parse_error& e) {
+    fail(path, std::string("header is not valid JSON: ") + e.what());
+  }
+  if (!j.is_object()) fail(path, "header is not a JSON object");
+
+  SafetensorsHeader header;
+  header.data_start = 8 + n;
+  const uint64_t data_size = file_size - header.data_start;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    const std::string& name = it.key();
+    const auto& v = it.value();
+    if (name == "__metadata__") {
+      if (!v.is_object()) fail(path, "__metadata__ is not a JSON object");
+      for (auto m = v.begin(); m != v.end(); ++m) {
+        if (!m.value().is_string()) fail(path, "__metadata__ value of '" + m.key() + "' is not a string");
+        header.metadata[m.key()] = m.value().get<std::string>();
+      }
+      continue;
+    }
+    if (!v.is_object()) fail_tensor(path, name, "entry is not a JSON object");
+    if (!v.contains("dtype") || !v["dtype"].is_string()) fail_tensor(path, name, "missing string 'dtype'");
+    if (!v.contains("shape") || !v["shape"].is_array()) fail_tensor(path, name, "missing array 'shape'");
+    if (!v.contains("data_offsets") || !v["data_offsets"].is_array() || v["data_offsets"].size() != 2)
+      fail_tensor(path, name, "missing 'data_offsets' [begin, end]");
+    SafetensorsEntry e;
+    e.name = name;
+    try {
+      e.dtype = safetensors_dtype(v["dtype"].get<std::string>());
+    } catch (const SafetensorsError& err) {
+      fail_tensor(path, name, err.what());
+    }
+    uint64_t numel = 1;
+    bool overflow = false;
+    for (const auto& d : v["shape"]) {
+      if (!d.is_number_unsigned()) fail_tensor(path, name, "shape " + v["shape"].dump() + " has an entry that is not a non-negative integer");
+      const auto size = d.get<uint64_t>();
+      if (size > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) overflow = true;
+      e.shape.push_back(static_cast<int64_t>(size));
+      if (size != 0 && numel > std::numeric_limits<uint64_t>::max() / size) overflow = true;
+      numel *= size;
+    }
+    for (const auto& o : v["data_offsets"])
+      if (!o.is_number_unsigned()) fail_tensor(path, name, "data_offsets " + v["data_offsets"].dump() + " are not non-negative integers");
+    e.begin = v["data_offsets"][0].get<uint64_t>();
+    e.end = v["data_offsets"][1].get<uint64_t>();
+    if (e.begin > e.end) fail_tensor(path, name, "data_offsets " + v["data_offsets"].dump() + " run backwards");
+    if (e.end > data_size)
+      fail_tensor(path, name, "data_offsets " + v["data_offsets"].dump() + " reach past the data section (" +
+                                  std::to_string(data_size) + " bytes; truncated file?)");
+    const auto itemsize = static_cast<uint64_t>(c10::elementSize(e.dtype));
+    if (overflow || numel > std::numeric_limits<uint64_t>::max() / itemsize || numel * itemsize != e.end - e.begin)
+      fail_tensor(path, name, "shape " + v["shape"].dump() + " of " + v["dtype"].get<std::string>() + " needs " +
+                                  (overflow ? std::string("more than 2^64") : std::to_string(numel * itemsize)) +
+                                  " bytes but data_offsets hold " + std::to_string(e.end - e.begin));
+    header.entries.push_back(std::move(e));
+  }
+  std::sort(header.entries.begin(), header.entries.end(),
+            [](const SafetensorsEntry& a, const SafetensorsEntry& b) { return a.begin != b.begin ? a.begin < b.begin : a.end < b.end; });
+  for (size_t i = 1; i < header.entries.size(); ++i) {
+    const auto &prev = header.entries[i - 1], &cur = header.entries[i];
+    if (cur.begin < prev.end) fail_tensor(path, cur.name, "bytes overlap those of tensor '" + prev.name + "'");
+  }
+  return header;
+}
+
+}  // namespace
+
+std::string safetensors_dtype_name(torch::ScalarType dtype) {
+  for (const auto& d : kDtypes)
+    if (d.type == dtype) return d.name;
+  throw SafetensorsError(std::string("safetensors: no dtype name for ") + c10::toString(dtype));
+}
+
+torch::ScalarType safetensors_dtype(const std::string& name) {
+  for (const auto& d : kDtypes)
+    if (name == d.name) return d.type;
+  throw SafetensorsError("unsupported dtype '" + name + "' (supported: F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL)");
+}
+
+std::string encode_safetensors(const NamedTensors& tensors, const std::map<std::string, std::string>& metadata) {
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  std::vector<torch::Tensor> contiguous;
+  std::set<std::string> names;
+  uint64_t offset = 0;
+  for (const auto& [name, tensor] : tensors) {
+    TORCH_CHECK(!name.empty() && name != "__metadata__", "write_safetensors: invalid tensor name '", name, "'");
+    TORCH_CHECK(names.insert(name).second, "write_safetensors: tensor name '", name, "' appears twice");
+    TORCH_CHECK(tensor.defined(), "write_safetensors: tensor '", name, "' is undefined");
+    auto t = tensor.detach().to(torch::kCPU).contiguous();
+    const uint64_t bytes = static_cast<uint64_t>(t.numel()) * static_cast<uint64_t>(t.element_size());
+    header[name] = {{"dtype", safetensors_dtype_name(t.scalar_type())}, {"shape", t.sizes().vec()}, {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+    contiguous.push_back(std::move(t));
+  }
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  std::string out;
+  out.reserve(8 + text.size() + offset);
+  uint64_t n = text.size();
+  for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>((n >> (8 * i)) & 0xff));
+  out += text;
+  for (const auto& t : contiguous)
+    out.append(static_cast<const char*>(t.data_ptr()), static_cast<size_t>(t.numel()) * static_cast<size_t>(t.element_size()));
+  return out;
+}
+
+void write_safetensors(const std::string& path, const NamedTensors& tensors, const std::map<std::string, std::string>& metadata) {
+  write_file_atomically(path, encode_safetensors(tensors, metadata));
+}
+
+SafetensorsHeader read_safetensors_header(const std::string& path) {
+  File file(path);
+  return parse_header(path, file);
+}
+
+SafetensorsFile read_safetensors(const std::string& path) {
+  File file(path);
+  auto header = parse_header(path, file);
+  SafetensorsFile out;
+  out.metadata = std::move(header.metadata);
+  for (const auto& e : header.entries) {
+    auto t = torch::empty(e.shape, torch::TensorOptions().dtype(e.dtype));
+    if (e.end > e.begin) file.read_at(t.data_ptr(), e.end - e.begin, header.data_start + e.begin);
+    if (e.dtype == torch::kBool && t.numel() > 0) {
+      // A bool byte other than 0 or 1 is undefined behaviour in C++; refuse it.
+      auto bytes = t.view(torch::kUInt8);
+      if (bytes.gt(1).any().item<bool>()) fail_tensor(path, e.name, "BOOL data holds bytes other than 0 and 1");
+    }
+    out.tensors.emplace_back(e.name, std::move(t));
+  }
+  return out;
+}
+
+}  // namespace megaslide::io

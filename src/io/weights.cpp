@@ -1,0 +1,86 @@
+#include "megaslide/io/weights.h"
+
+#include <map>
+#include <set>
+
+#include "megaslide/util/build_info.h"
+
+namespace megaslide {
+
+namespace {
+constexpr const char* kFormat = "megaslide.weights";
+constexpr const char* kFormatVersion = "1";
+
+void add_module(io::NamedTensors& out, const std::string& prefix, const torch::nn::Module& module, torch::ScalarType dtype) {
+  for (const auto& p : module.named_parameters(/*recurse=*/true))
+    out.emplace_back(prefix + p.key(), p.value().detach().to(torch::kCPU, dtype));
+}
+}  // namespace
+
+io::NamedTensors weights_tensors(DiT& dit, TextEncoder& text_encoder, torch::ScalarType dtype) {
+  io::NamedTensors out;
+  add_module(out, "dit.", *dit, dtype);
+  add_module(out, "text_encoder.", *text_encoder, dtype);
+  return out;
+}
+
+void save_weights(const std::string& path, const RunConfig& config, DiT& dit, TextEncoder& text_encoder, torch::ScalarType dtype) {
+  std::map<std::string, std::string> metadata{{"format", kFormat},
+                                              {"format_version", kFormatVersion},
+                                              {"config", to_yaml(config)},
+                                              {"megaslide_version", version()}};
+  io::write_safetensors(path, weights_tensors(dit, text_encoder, dtype), metadata);
+}
+
+TextToVideoModel load_weights(const std::string& path, torch::Device device, torch::ScalarType dtype) {
+  auto file = io::read_safetensors(path);
+  auto meta = [&](const std::string& key) -> std::string {
+    auto it = file.metadata.find(key);
+    if (it == file.metadata.end())
+      throw WeightsError("weights file '" + path + "': __metadata__ has no '" + key + "' (not a megaslide weights file)");
+    return it->second;
+  };
+  if (meta("format") != kFormat)
+    throw WeightsError("weights file '" + path + "': __metadata__.format is '" + meta("format") + "', expected '" + kFormat + "'");
+  if (meta("format_version") != kFormatVersion)
+    throw WeightsError("weights file '" + path + "': format_version '" + meta("format_version") + "' is not supported (this build reads " +
+                       kFormatVersion + ")");
+
+  TextToVideoModel model;
+  model.config = parse_run_config(meta("config"), path + " (__metadata__.config)");
+  CaptionTokenizer tokenizer;
+  model.dit = DiT(DiTOptions::from_config(model.config));
+  model.text_encoder =
+      TextEncoder(TextEncoderOptions(tokenizer.vocab_size(), model.config.model.text_dim, model.config.data.max_text_tokens));
+
+  std::map<std::string, torch::Tensor> by_name(file.tensors.begin(), file.tensors.end());
+  std::set<std::string> used;
+  auto fill = [&](const std::string& prefix, torch::nn::Module& module) {
+    torch::NoGradGuard no_grad;
+    for (auto& p : module.named_parameters(true)) {
+      const std::string name = prefix + p.key();
+      auto it = by_name.find(name);
+      if (it == by_name.end()) throw WeightsError("weights file '" + path + "': tensor '" + name + "' is missing");
+      if (it->second.sizes() != p.value().sizes())
+        throw WeightsError("weights file '" + path + "': tensor '" + name + "' has shape " + c10::str(it->second.sizes()) +
+                           ", the model built from its config needs " + c10::str(p.value().sizes()));
+      if (!it->second.is_floating_point())
+        throw WeightsError("weights file '" + path + "': tensor '" + name + "' is " + c10::toString(it->second.scalar_type()) +
+                           ", expected a floating-point type");
+      p.value().copy_(it->second);
+      used.insert(name);
+    }
+  };
+  fill("dit.", *model.dit);
+  fill("text_encoder.", *model.text_encoder);
+  for (const auto& [name, tensor] : file.tensors)
+    if (!used.count(name)) throw WeightsError("weights file '" + path + "': tensor '" + name + "' is not a parameter of the model its config describes");
+
+  model.dit->to(device, dtype);
+  model.text_encoder->to(device, dtype);
+  model.dit->eval();
+  model.text_encoder->eval();
+  return model;
+}
+
+}  // namespace megaslide

@@ -1,0 +1,183 @@
+// megaslide-train --export-weights -> megaslide-sample -> megaslide-eval, end to end: VBench file names,
+// H.264 MP4s of the model's size and length, index.json, identical reruns, PNG frames, scores; and bad
+// input refused with exit code 2, naming the file, writing nothing.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <unistd.h>
+
+#include <array>
+#include <cstdio>
+#include <sstream>
+
+#include "megaslide/eval/vbench.h"
+#include "megaslide/io/files.h"
+#include "megaslide/io/video.h"
+
+using megaslide::io::join_path;
+using megaslide::io::path_exists;
+
+namespace {
+
+struct Result {
+  int code;
+  std::string output;
+};
+
+Result run(const std::string& tool, const std::string& args) {
+  const std::string cmd = std::string(MEGASLIDE_BINARY_DIR) + "/bin/" + tool + " " + args + " 2>&1";
+  Result r{-1, ""};
+  FILE* pipe = popen(cmd.c_str(), "r");
+  if (pipe == nullptr) return r;
+  std::array<char, 4096> buf{};
+  while (fgets(buf.data(), buf.size(), pipe) != nullptr) r.output += buf.data();
+  const int status = pclose(pipe);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+std::string scratch() {
+  static const std::string dir = [] {
+    auto d = "/tmp/megaslide-test-sample-" + std::to_string(::getpid());
+    megaslide::io::remove_tree(d);
+    megaslide::io::make_directories(d);
+    return d;
+  }();
+  return dir;
+}
+
+// Each test program removes its scratch folder when it ends.
+class RemoveScratch : public ::testing::Environment {
+ public:
+  void TearDown() override { megaslide::io::remove_tree(scratch()); }
+};
+const ::testing::Environment* const kRemoveScratch = ::testing::AddGlobalTestEnvironment(new RemoveScratch);
+
+// Trains the smoke config for 3 steps once and exports its weights.
+const std::string& weights() {
+  static const std::string path = [] {
+    auto p = join_path(scratch(), "smoke.safetensors");
+    auto r = run("megaslide-train", "--config " + std::string(MEGASLIDE_SOURCE_DIR) + "/configs/smoke.yaml --run-dir " +
+                                        join_path(scratch(), "run") + " --set train.steps=3 --set output.progress=false --export-weights " + p);
+    EXPECT_EQ(r.code, 0) << r.output;
+    return p;
+  }();
+  return path;
+}
+
+std::string prompts_file(const std::string& name, const std::string& text) {
+  auto p = join_path(scratch(), name);
+  megaslide::io::write_file_atomically(p, text);
+  return p;
+}
+
+}  // namespace
+
+TEST(MegaslideSample, WritesVBenchNamedH264VideosAnIndexAndRerunsIdentically) {
+  ASSERT_TRUE(path_exists(weights()));
+  auto prompts = prompts_file("prompts.txt", "a red blob moves left quickly\nthe scene darkens from the top\n");
+  auto out = join_path(scratch(), "videos");
+  const std::string args = "--checkpoint " + weights() + " --prompts " + prompts + " --samples-per-prompt 2 --out " + out +
+                           " --steps 4 --no-progress";
+  auto r = run("megaslide-sample", args + " --batch-size 3 --png");
+  ASSERT_EQ(r.code, 0) << r.output;
+
+  auto index = nlohmann::json::parse(megaslide::io::read_file(join_path(out, "index.json")));
+  ASSERT_EQ(index.at("videos").size(), 4u);
+  EXPECT_EQ(index.at("steps"), 4);
+  EXPECT_EQ(index.at("guidance_scale"), 7.5);  // from the checkpoint's config
+  std::map<std::string, std::string> first_bytes;
+  for (const auto& v : index.at("videos")) {
+    const auto prompt = v.at("prompt").get<std::string>();
+    const auto i = v.at("index").get<int64_t>();
+    const auto file = v.at("file").get<std::string>();
+    EXPECT_EQ(file, prompt + "-" + std::to_string(i) + ".mp4");
+    EXPECT_EQ(megaslide::eval::vbench_prompt_from_file_name(file), prompt);
+    EXPECT_EQ(v.at("seed").get<uint64_t>(), megaslide::eval::vbench_seed(prompt, i, 0));
+    megaslide::io::VideoInfo info;
+    auto frames = megaslide::io::read_video(join_path(out, file), &info);
+    EXPECT_EQ(info.codec, "h264");
+    EXPECT_EQ(info.frames, 8);  // configs/smoke.yaml: 8 frames of 16 x 16
+    EXPECT_EQ(info.width, 16);
+    EXPECT_EQ(info.height, 16);
+    EXPECT_NEAR(info.fps, 8.0, 1e-9);
+    EXPECT_TRUE(path_exists(join_path(join_path(join_path(out, "frames"), file.substr(0, file.size() - 4)), "007.png")));
+    first_bytes[file] = megaslide::io::read_file(join_path(out, file));
+  }
+  // A rerun (another batch size, so other batch neighbours) gives the same samples; the encoder is
+  // deterministic, so the same bytes.
+  r = run("megaslide-sample", args + " --batch-size 1");
+  ASSERT_EQ(r.code, 0) << r.output;
+  for (const auto& [file, bytes] : first_bytes) EXPECT_EQ(megaslide::io::read_file(join_path(out, file)), bytes) << file;
+
+  auto e = run("megaslide-eval", out);
+  ASSERT_EQ(e.code, 0) << e.output;
+  EXPECT_NE(e.output.find("temporal_flickering"), std::string::npos) << e.output;
+  auto scores = nlohmann::json::parse(megaslide::io::read_file(join_path(out, "eval.json")));
+  EXPECT_EQ(scores.at("count"), 4);
+  for (const auto& v : scores.at("videos")) {
+    EXPECT_GE(v.at("temporal_flickering").get<double>(), 0.0);
+    EXPECT_LE(v.at("temporal_flickering").get<double>(), 1.0);
+    EXPECT_EQ(v.at("frames"), 8);
+  }
+}
+
+TEST(MegaslideSample, BadInputExitsTwoNamingItAndWritesNothing) {
+  auto prompts = prompts_file("ok.txt", "a red blob moves left\n");
+  auto out = join_path(scratch(), "never");
+  auto expect_refused = [&](const std::string& args, const std::string& needle) {
+    auto r = run("megaslide-sample", args);
+    EXPECT_EQ(r.code, 2) << args << "\n" << r.output;
+    EXPECT_NE(r.output.find(needle), std::string::npos) << "expected '" << needle << "' in:\n" << r.output;
+    EXPECT_FALSE(path_exists(out)) << args;
+  };
+  const std::string missing = join_path(scratch(), "missing.safetensors");
+  expect_refused("--checkpoint " + missing + " --prompts " + prompts + " --out " + out, missing);
+  auto corrupt = prompts_file("corrupt.safetensors", "definitely not safetensors");
+  expect_refused("--checkpoint " + corrupt + " --prompts " + prompts + " --out " + out, corrupt);
+  auto empty = prompts_file("empty.txt", "\n\n");
+  expect_refused("--checkpoint " + weights() + " --prompts " + empty + " --out " + out, empty);
+  expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + out + " --samples-per-prompt 0", "--samples-per-prompt");
+  expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + out + " --sampler euler", "--sampler");
+  expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + out + " --steps 5000", "--steps");
+  expect_refused("--checkpoint " + weights() + " --prompts " + prompts, "--out");
+
+  auto e = run("megaslide-eval", out);
+  EXPECT_EQ(e.code, 2) << e.output;
+  EXPECT_NE(e.output.find(out), std::string::npos) << e.output;
+  auto t = run("megaslide-train", "--config " + std::string(MEGASLIDE_SOURCE_DIR) + "/configs/smoke.yaml --run-dir " + out +
+                                      " --export-weights /nonexistent-megaslide/w.safetensors");
+  EXPECT_EQ(t.code, 2) << t.output;
+  EXPECT_NE(t.output.find("--export-weights"), std::string::npos) << t.output;
+  EXPECT_FALSE(path_exists(out));
+}
+
+TEST(MegaslideSample, TrainingWritesValidationVideosWithoutChangingTheRun) {
+  // train.sample_every: fixed prompts and seeds, videos in RUN_DIR/samples/step-NNNNNNN/; sampling uses
+  // its own generators, so the losses are those of the same run without it, bit for bit.
+  const std::string base = "--config " + std::string(MEGASLIDE_SOURCE_DIR) +
+                           "/configs/smoke.yaml --set train.steps=2 --set output.progress=false --set diffusion.sample_steps=3";
+  auto with = join_path(scratch(), "with-samples"), without = join_path(scratch(), "without-samples");
+  auto r = run("megaslide-train", base + " --run-dir " + with + " --set train.sample_every=2");
+  ASSERT_EQ(r.code, 0) << r.output;
+  r = run("megaslide-train", base + " --run-dir " + without);
+  ASSERT_EQ(r.code, 0) << r.output;
+  auto losses = [](const std::string& dir) {
+    std::vector<double> out;
+    std::istringstream lines(megaslide::io::read_file(join_path(dir, "metrics.jsonl")));
+    std::string line;
+    while (std::getline(lines, line)) out.push_back(nlohmann::json::parse(line).at("loss").get<double>());
+    return out;
+  };
+  EXPECT_EQ(losses(with), losses(without));
+  const auto step_dir = join_path(with, "samples/step-0000002");
+  auto index = nlohmann::json::parse(megaslide::io::read_file(join_path(step_dir, "index.json")));
+  ASSERT_GE(index.at("videos").size(), 1u);
+  EXPECT_EQ(index.at("steps"), 3);
+  for (const auto& v : index.at("videos")) {
+    megaslide::io::VideoInfo info;
+    megaslide::io::read_video(join_path(step_dir, v.at("file").get<std::string>()), &info);
+    EXPECT_EQ(info.frames, 8);
+    EXPECT_EQ(info.codec, "h264");
+  }
+  EXPECT_FALSE(path_exists(join_path(without, "samples")));
+}

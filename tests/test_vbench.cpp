@@ -1,0 +1,125 @@
+// VBench layout: file names VBench's parser maps back to the prompt, the length cap at a UTF-8 boundary,
+// seeds that depend only on (base seed, prompt, index), prompt files, index.json.
+#include "megaslide/eval/vbench.h"
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <unistd.h>
+
+#include <set>
+
+#include "megaslide/io/files.h"
+
+using namespace megaslide::eval;
+
+namespace {
+std::string temp_path(const std::string& name) { return "/tmp/megaslide-test-vbench-" + std::to_string(::getpid()) + "-" + name; }
+
+bool valid_utf8(const std::string& s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    const size_t n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+    if (n == 0 || i + n > s.size()) return false;
+    for (size_t k = 1; k < n; ++k)
+      if ((static_cast<unsigned char>(s[i + k]) & 0xC0) != 0x80) return false;
+    i += n;
+  }
+  return true;
+}
+}  // namespace
+
+TEST(VBench, FileNamesMapBackToThePromptAsVBenchParsesThem) {
+  // Prompts in the style of VBench's prompt suite: punctuation, digits, apostrophes, dots kept as they are.
+  const std::vector<std::string> prompts{
+      "a red blob moves left quickly",
+      "A person is riding a bike, high quality, 4K.",
+      "an astronaut's helmet reflecting the sun",
+      "room 101",                       // ends in digits: only the appended -index is stripped
+      "counting 1-2-3",                 // ends in -<digits> itself
+      "Vincent van Gogh style. A cat"};
+  for (const auto& p : prompts) {
+    for (int64_t i : {0, 4, 12}) {
+      const auto name = vbench_file_name(p, i);
+      EXPECT_EQ(name, p + "-" + std::to_string(i) + ".mp4");
+      EXPECT_EQ(vbench_prompt_from_file_name(name), p) << name;
+      EXPECT_EQ(vbench_prompt_from_file_name("/some/dir/" + name), p);
+    }
+  }
+}
+
+TEST(VBench, UnsafeCharactersAreReplacedAndLongPromptsCutAtACharacterBoundary) {
+  EXPECT_EQ(vbench_file_name("left/right\tmotion", 1), "left_right_motion-1.mp4");
+  std::string long_prompt;
+  for (int i = 0; i < 120; ++i) long_prompt += "日";  // 3 bytes each: the cap (248 bytes) falls inside one
+  const auto name = vbench_file_name(long_prompt, 99);
+  EXPECT_LE(name.size(), kMaxFileNameBytes);
+  EXPECT_EQ(name.size(), 246u + 7u);  // 82 whole characters, then "-99.mp4"
+  EXPECT_TRUE(valid_utf8(name)) << name;
+  const auto recovered = vbench_prompt_from_file_name(name);
+  EXPECT_EQ(long_prompt.compare(0, recovered.size(), recovered), 0) << "the recovered prompt is a prefix of the prompt";
+  EXPECT_EQ(name.substr(name.size() - 7), "-99.mp4");
+}
+
+TEST(VBench, SeedsDependOnlyOnBaseSeedPromptAndIndex) {
+  const std::vector<std::string> prompts{"a", "b", "c"};
+  auto jobs = plan_vbench_samples(prompts, 3, 7);
+  ASSERT_EQ(jobs.size(), 9u);
+  EXPECT_EQ(jobs[4].prompt, "b");
+  EXPECT_EQ(jobs[4].index, 1);
+  EXPECT_EQ(jobs[4].file, "b-1.mp4");
+  // Reordering or subsetting the prompts does not change a video's seed.
+  auto reordered = plan_vbench_samples({"c", "b"}, 2, 7);
+  EXPECT_EQ(reordered[2].seed, jobs[3].seed);  // ("b", 0)
+  EXPECT_EQ(reordered[1].seed, jobs[7].seed);  // ("c", 1)
+  std::set<uint64_t> seeds;
+  for (const auto& j : jobs) seeds.insert(j.seed);
+  EXPECT_EQ(seeds.size(), jobs.size()) << "distinct per (prompt, index)";
+  EXPECT_NE(vbench_seed("a", 0, 7), vbench_seed("a", 0, 8)) << "the base seed matters";
+  EXPECT_THROW(plan_vbench_samples(prompts, 0, 7), std::invalid_argument);
+  EXPECT_THROW(plan_vbench_samples({"a/b", "a_b"}, 1, 7), std::invalid_argument) << "two prompts, one file name";
+}
+
+TEST(VBench, PromptFilesOneLineEachBlankLinesAndRepeatsSkipped) {
+  auto path = temp_path("prompts.txt");
+  megaslide::io::write_file_atomically(path, "a red blob moves left\r\n\n  a blue blob moves up  \na red blob moves left\n");
+  EXPECT_EQ(read_prompt_file(path), (std::vector<std::string>{"a red blob moves left", "a blue blob moves up"}));
+  megaslide::io::write_file_atomically(path, "\n \n");
+  try {
+    read_prompt_file(path);
+    ADD_FAILURE() << "an empty prompt file was accepted";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+  }
+  try {
+    read_prompt_file(temp_path("missing.txt"));
+    ADD_FAILURE() << "a missing prompt file was accepted";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find(temp_path("missing.txt")), std::string::npos) << e.what();
+  }
+  megaslide::io::remove_tree(path);
+}
+
+TEST(VBench, IndexJsonListsEveryVideo) {
+  auto jobs = plan_vbench_samples({"x \"quoted\""}, 2, 1);
+  SamplingRecord record{"/models/a\\b.safetensors", "ddpm", 30, 7.5, 0.0, 1, 8, 1};
+  auto j = nlohmann::json::parse(index_json(jobs, record));
+  EXPECT_EQ(j.at("checkpoint"), "/models/a\\b.safetensors");
+  EXPECT_EQ(j.at("steps"), 30);
+  ASSERT_EQ(j.at("videos").size(), 2u);
+  EXPECT_EQ(j.at("videos")[1].at("prompt"), "x \"quoted\"");
+  EXPECT_EQ(j.at("videos")[1].at("index"), 1);
+  EXPECT_EQ(j.at("videos")[1].at("seed").get<uint64_t>(), jobs[1].seed);
+  EXPECT_EQ(j.at("videos")[1].at("file"), jobs[1].file);
+}
+
+TEST(VBench, ListFilesFindsOnlyTheExtension) {
+  auto dir = temp_path("list");
+  megaslide::io::make_directories(dir + "/sub.mp4");  // a folder named like a video is not listed
+  megaslide::io::write_file_atomically(dir + "/b-0.mp4", "x");
+  megaslide::io::write_file_atomically(dir + "/a-0.mp4", "x");
+  megaslide::io::write_file_atomically(dir + "/index.json", "{}");
+  EXPECT_EQ(list_files(dir, "mp4"), (std::vector<std::string>{"a-0.mp4", "b-0.mp4"}));
+  EXPECT_THROW(list_files(dir + "/missing", "mp4"), std::runtime_error);
+  megaslide::io::remove_tree(dir);
+}
