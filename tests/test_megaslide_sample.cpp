@@ -73,6 +73,7 @@ std::string prompts_file(const std::string& name, const std::string& text) {
 }  // namespace
 
 TEST(MegaslideSample, WritesVBenchNamedH264VideosAnIndexAndRerunsIdentically) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
   ASSERT_TRUE(path_exists(weights()));
   auto prompts = prompts_file("prompts.txt", "a red blob moves left quickly\nthe scene darkens from the top\n");
   auto out = join_path(scratch(), "videos");
@@ -152,6 +153,7 @@ TEST(MegaslideSample, BadInputExitsTwoNamingItAndWritesNothing) {
 }
 
 TEST(MegaslideSample, TrainingWritesValidationVideosWithoutChangingTheRun) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
   // train.sample_every: fixed prompts and seeds, videos in RUN_DIR/samples/step-NNNNNNN/; sampling uses
   // its own generators, so the losses are those of the same run without it, bit for bit.
   const std::string base = "--config " + std::string(MEGASLIDE_SOURCE_DIR) +

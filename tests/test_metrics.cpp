@@ -64,6 +64,7 @@ TEST(Metrics, FrameConsistencyIsTheMeanOfCentredCosines) {
 }
 
 TEST(Metrics, EvaluateFolderScoresEveryMp4WithItsPrompt) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
   auto dir = temp_path("folder");
   megaslide::io::make_directories(dir);
   // A still video and one whose whole frame alternates between two grey levels.

@@ -40,6 +40,7 @@ std::string run(const std::string& cmd) {
 }  // namespace
 
 TEST(Video, Mp4ReadsBackAsH264WithTheFramesSizeAndRateWritten) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
   auto frames = smooth_frames(8, 32, 48, 1);
   auto path = temp_path("roundtrip.mp4");
   megaslide::io::write_mp4(path, frames, megaslide::io::VideoWriteOptions().fps(8));
@@ -70,6 +71,7 @@ TEST(Video, Mp4ReadsBackAsH264WithTheFramesSizeAndRateWritten) {
 }
 
 TEST(Video, RewritingGivesTheSameBytes) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
   auto frames = smooth_frames(5, 16, 16, 2);
   auto a = temp_path("a.mp4"), b = temp_path("b.mp4");
   megaslide::io::write_mp4(a, frames);
@@ -80,6 +82,7 @@ TEST(Video, RewritingGivesTheSameBytes) {
 }
 
 TEST(Video, FfprobeAgreesOnCodecFramesAndSize) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
   if (run("command -v ffprobe").empty()) GTEST_SKIP() << "ffprobe not installed";
   auto path = temp_path("probe.mp4");
   megaslide::io::write_mp4(path, smooth_frames(12, 16, 32, 3), megaslide::io::VideoWriteOptions().fps(10));
@@ -113,6 +116,7 @@ TEST(Video, ToRgbFramesMapsMinusOneToZeroAndOneTo255) {
 }
 
 TEST(Video, PngIsLossless) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
   auto frame = smooth_frames(1, 10, 14, 4)[0];
   auto path = temp_path("frame.png");
   megaslide::io::write_png(path, frame);
@@ -125,6 +129,7 @@ TEST(Video, PngIsLossless) {
 }
 
 TEST(Video, BadInputIsRefusedNamingTheFile) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
   auto expect_error = [](auto&& fn, const std::string& path, const std::string& needle) {
     try {
       fn();

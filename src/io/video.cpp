@@ -1,5 +1,6 @@
 #include "megaslide/io/video.h"
 
+#ifdef MEGASLIDE_WITH_VIDEO
 extern "C" {
 #include <libavcodec/avcodec.h>
 #include <libavformat/avformat.h>
@@ -7,6 +8,7 @@ extern "C" {
 #include <libavutil/opt.h>
 #include <libswscale/swscale.h>
 }
+#endif
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -18,6 +20,21 @@ extern "C" {
 #include <mutex>
 
 namespace megaslide::io {
+
+torch::Tensor to_rgb_frames(const torch::Tensor& video, int64_t upscale) {
+  TORCH_CHECK(video.dim() == 4 && (video.size(0) == 3 || video.size(0) == 1), "to_rgb_frames: expected [C, T, H, W] with C = 3 or 1, got ",
+              video.sizes());
+  TORCH_CHECK(upscale >= 1, "to_rgb_frames: upscale must be >= 1, got ", upscale);
+  auto v = ((video.detach().to(torch::kCPU, torch::kFloat32) + 1.0) * 127.5).round().clamp(0, 255).to(torch::kUInt8);
+  if (v.size(0) == 1) v = v.expand({3, v.size(1), v.size(2), v.size(3)});
+  v = v.permute({1, 2, 3, 0});  // [T, H, W, 3]
+  if (upscale > 1) v = v.repeat_interleave(upscale, 1).repeat_interleave(upscale, 2);
+  return v.contiguous();
+}
+
+#ifdef MEGASLIDE_WITH_VIDEO
+
+bool video_supported() { return true; }
 
 namespace {
 
@@ -87,17 +104,6 @@ void fsync_and_rename(const std::string& tmp, const std::string& path) {
 }
 
 }  // namespace
-
-torch::Tensor to_rgb_frames(const torch::Tensor& video, int64_t upscale) {
-  TORCH_CHECK(video.dim() == 4 && (video.size(0) == 3 || video.size(0) == 1), "to_rgb_frames: expected [C, T, H, W] with C = 3 or 1, got ",
-              video.sizes());
-  TORCH_CHECK(upscale >= 1, "to_rgb_frames: upscale must be >= 1, got ", upscale);
-  auto v = ((video.detach().to(torch::kCPU, torch::kFloat32) + 1.0) * 127.5).round().clamp(0, 255).to(torch::kUInt8);
-  if (v.size(0) == 1) v = v.expand({3, v.size(1), v.size(2), v.size(3)});
-  v = v.permute({1, 2, 3, 0});  // [T, H, W, 3]
-  if (upscale > 1) v = v.repeat_interleave(upscale, 1).repeat_interleave(upscale, 2);
-  return v.contiguous();
-}
 
 void write_mp4(const std::string& path, const torch::Tensor& frames_in, const VideoWriteOptions& options) {
   quiet_ffmpeg();
@@ -285,4 +291,20 @@ torch::Tensor read_video(const std::string& path, VideoInfo* info) {
   return torch::stack(frames);
 }
 
+#else  // built without FFmpeg (MEGASLIDE_VIDEO=OFF, or its libraries were not found)
+
+namespace {
+[[noreturn]] void no_video(const std::string& path) {
+  throw VideoError(path + ": this build of MegaSlide has no video support: FFmpeg's libraries were not found "
+                   "when it was configured (install libavformat-dev libavcodec-dev libswscale-dev libavutil-dev, "
+                   "or run tools/bootstrap.sh, and reconfigure; see MEGASLIDE_VIDEO in docs/building.md)");
+}
+}  // namespace
+
+bool video_supported() { return false; }
+void write_mp4(const std::string& path, const torch::Tensor&, const VideoWriteOptions&) { no_video(path); }
+void write_png(const std::string& path, const torch::Tensor&) { no_video(path); }
+torch::Tensor read_video(const std::string& path, VideoInfo*) { no_video(path); }
+
+#endif
 }  // namespace megaslide::io

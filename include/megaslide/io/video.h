@@ -25,6 +25,10 @@ class VideoError : public IoError {
   using IoError::IoError;
 };
 
+// False when the library was built without FFmpeg (MEGASLIDE_VIDEO=OFF, or its libraries were absent
+// at configure time); then write_mp4, write_png and read_video throw VideoError saying so.
+bool video_supported();
+
 struct VideoWriteOptions {
   TORCH_ARG(int64_t, fps) = 8;
   TORCH_ARG(int64_t, crf) = 17;                 // libx264 constant rate factor: 0 best, 51 worst; 17 ≈ visually lossless
