@@ -2,6 +2,8 @@
 // H.264 MP4s of the model's size and length, index.json, identical reruns, PNG frames, scores; and bad
 // input refused with exit code 2, naming the file, writing nothing.
 #include <gtest/gtest.h>
+
+#include "run_tool.h"
 #include <nlohmann/json.hpp>
 #include <unistd.h>
 
@@ -18,22 +20,9 @@ using megaslide::io::path_exists;
 
 namespace {
 
-struct Result {
-  int code;
-  std::string output;
-};
+using Result = megaslide::testing::ToolResult;
 
-Result run(const std::string& tool, const std::string& args) {
-  const std::string cmd = std::string(MEGASLIDE_BINARY_DIR) + "/bin/" + tool + " " + args + " 2>&1";
-  Result r{-1, ""};
-  FILE* pipe = popen(cmd.c_str(), "r");
-  if (pipe == nullptr) return r;
-  std::array<char, 4096> buf{};
-  while (fgets(buf.data(), buf.size(), pipe) != nullptr) r.output += buf.data();
-  const int status = pclose(pipe);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
+Result run(const std::string& tool, const std::string& args) { return megaslide::testing::run_tool(tool, args); }
 
 std::string scratch() {
   static const std::string dir = [] {

@@ -1,5 +1,7 @@
 // megaslide-train end to end: exit codes, the files a run writes, and that a bad config writes nothing.
 #include <gtest/gtest.h>
+
+#include "run_tool.h"
 #include <nlohmann/json.hpp>
 
 #include <array>
@@ -14,22 +16,9 @@ using megaslide::io::join_path;
 
 namespace {
 
-struct Result {
-  int code;
-  std::string output;  // stdout and stderr together
-};
+using Result = megaslide::testing::ToolResult;
 
-Result run(const std::string& args) {
-  const std::string cmd = std::string(MEGASLIDE_BINARY_DIR) + "/bin/megaslide-train " + args + " 2>&1";
-  Result r{-1, ""};
-  FILE* pipe = popen(cmd.c_str(), "r");
-  if (pipe == nullptr) return r;
-  std::array<char, 4096> buf{};
-  while (fgets(buf.data(), buf.size(), pipe) != nullptr) r.output += buf.data();
-  const int status = pclose(pipe);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
+Result run(const std::string& args) { return megaslide::testing::run_tool("megaslide-train", args); }
 
 std::string smoke() { return std::string(MEGASLIDE_SOURCE_DIR) + "/configs/smoke.yaml"; }
 
