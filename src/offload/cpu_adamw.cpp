@@ -73,6 +73,19 @@ void check_state_pointers(const AdamWBlockState& s) {
               "CpuAdamW: master, exp_avg, exp_avg_sq and grad must be non-null for numel ", s.numel);
 }
 
+// The arrays and sizes of a block as the kernels take them (scalars are the caller's to fill).
+AdamWKernelParams kernel_arrays(const AdamWBlockState& s) {
+  AdamWKernelParams p;
+  p.master = s.master;
+  p.exp_avg = s.exp_avg;
+  p.exp_avg_sq = s.exp_avg_sq;
+  p.grad = s.grad;
+  p.grad_type = grad_type(s.grad_dtype);
+  p.compute = s.compute;
+  p.numel = s.numel;
+  return p;
+}
+
 }  // namespace
 
 class CpuAdamW::Pool : public detail::TilePool {
@@ -143,15 +156,8 @@ void CpuAdamW::step_block(const AdamWBlockState& s, int64_t step, double lr, flo
   TORCH_CHECK(std::isfinite(lr) && lr >= 0, "CpuAdamW: lr must be finite and >= 0, got ", lr);
   TORCH_CHECK(std::isfinite(grad_scale), "CpuAdamW: grad_scale must be finite, got ", grad_scale);
 
-  AdamWKernelParams p;
-  p.master = s.master;
-  p.exp_avg = s.exp_avg;
-  p.exp_avg_sq = s.exp_avg_sq;
-  p.grad = s.grad;
-  p.grad_type = grad_type(s.grad_dtype);
-  p.compute = s.compute;
+  AdamWKernelParams p = kernel_arrays(s);
   p.compute_type = compute_type(s.compute, s.compute_dtype);
-  p.numel = s.numel;
   if (p.numel == 0) return;
 
   // The scalars as LibTorch's AdamW forms them: in double, then rounded once to fp32 where the fp32
@@ -216,15 +222,8 @@ void CpuAdamW::stream_probe(const AdamWBlockState& s, float grad_scale) {
   TORCH_CHECK(s.grad_dtype == c10::ScalarType::BFloat16 || s.grad_dtype == c10::ScalarType::Half,
               "CpuAdamW::stream_probe: grad dtype must be BFloat16 or Half, got ", s.grad_dtype);
   TORCH_CHECK(s.numel == 0 || s.compute != nullptr, "CpuAdamW::stream_probe: needs a compute copy to write");
-  AdamWKernelParams p;
-  p.master = s.master;
-  p.exp_avg = s.exp_avg;
-  p.exp_avg_sq = s.exp_avg_sq;
-  p.grad = s.grad;
-  p.grad_type = grad_type(s.grad_dtype);
-  p.compute = s.compute;
+  AdamWKernelParams p = kernel_arrays(s);
   p.compute_type = ComputeType::kBFloat16;
-  p.numel = s.numel;
   p.grad_scale = grad_scale;
   if (p.numel == 0) return;
   p.stream_compute = streaming(copy_stores_, p.numel);
