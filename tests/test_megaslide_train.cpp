@@ -6,11 +6,17 @@
 
 #include <array>
 #include <cstdio>
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include <csignal>
+#include <string>
+#include <vector>
 #include <fstream>
 
 #include "megaslide/config/run_config.h"
 #include "megaslide/io/files.h"
+#include "megaslide/io/safetensors.h"
 
 using megaslide::io::join_path;
 
@@ -77,5 +83,105 @@ TEST(MegaslideTrain, ShortRunWritesConfigMetricsAndLog) {
   std::ifstream log(join_path(dir, "train.log"));
   std::string log_text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
   EXPECT_NE(log_text.find("step 3/3"), std::string::npos) << log_text;
+  megaslide::io::remove_tree(dir);
+}
+
+namespace {
+std::vector<std::string> logged_losses(const std::string& run_dir) {
+  std::vector<std::string> out;
+  std::ifstream in(join_path(run_dir, "metrics.jsonl"));
+  std::string line;
+  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line)["loss"].dump());
+  return out;
+}
+
+size_t line_count(const std::string& path) {
+  std::ifstream in(path);
+  size_t n = 0;
+  std::string line;
+  while (std::getline(in, line)) ++n;
+  return n;
+}
+}  // namespace
+
+// The check: a run killed with SIGTERM part-way and resumed logs the uninterrupted run's losses
+// exactly. The signal lets the current step finish, saves a checkpoint and exits with 128 + 15.
+TEST(MegaslideTrain, SigtermSavesAndResumeReproducesTheUninterruptedLosses) {
+  const std::string args = "--config " + smoke() + " --set train.steps=24 --set output.progress=false --set train.threads=1";
+  const auto whole = fresh_dir("sigterm-whole"), parts = fresh_dir("sigterm-parts");
+  ASSERT_EQ(run(args + " --run-dir " + whole).code, 0);
+
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    const std::string log = "/tmp/megaslide-test-sigterm-" + std::to_string(::getpid()) + ".log";
+    std::freopen(log.c_str(), "w", stderr);
+    std::freopen(log.c_str(), "a", stdout);
+    const std::string bin = std::string(MEGASLIDE_BINARY_DIR) + "/bin/megaslide-train";
+    const std::string config = smoke();
+    ::execl(bin.c_str(), bin.c_str(), "--config", config.c_str(), "--run-dir", parts.c_str(), "--set", "train.steps=24", "--set",
+            "output.progress=false", "--set", "train.threads=1", static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  // Wait until some steps are logged, then ask it to stop.
+  const auto metrics = join_path(parts, "metrics.jsonl");
+  for (int i = 0; i < 6000 && line_count(metrics) < 5; ++i) ::usleep(10000);
+  ::kill(pid, SIGTERM);
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 128 + SIGTERM);
+  const size_t stopped_at = line_count(metrics);
+  ASSERT_GE(stopped_at, 5u);
+  ASSERT_LT(stopped_at, 24u) << "the run ended before the signal; the test proves nothing";
+  EXPECT_TRUE(megaslide::io::is_directory(join_path(parts, "checkpoints/step-" + std::string(7 - std::to_string(stopped_at).size(), '0') +
+                                                            std::to_string(stopped_at))));
+
+  auto r = run(args + " --run-dir " + parts + " --resume latest");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(logged_losses(parts), logged_losses(whole));
+  megaslide::io::remove_tree(whole);
+  megaslide::io::remove_tree(parts);
+}
+
+TEST(MegaslideTrain, CorruptCheckpointExitsTwoNamingTheFileAndChangesNothing) {
+  const auto dir = fresh_dir("corrupt");
+  const std::string args = "--config " + smoke() + " --set train.steps=6 --set train.checkpoint_every=3 --set output.progress=false --run-dir " + dir;
+  ASSERT_EQ(run(args).code, 0);
+  const auto metrics = megaslide::io::read_file(join_path(dir, "metrics.jsonl"));
+  const auto log = megaslide::io::read_file(join_path(dir, "train.log"));
+  const auto file = join_path(dir, "checkpoints/step-0000006/exp_avg.safetensors");
+  std::string bytes = megaslide::io::read_file(file);
+  bytes[bytes.size() - 3] ^= 1;
+  std::ofstream(file, std::ios::binary | std::ios::trunc) << bytes;
+  auto r = run(args + " --resume latest");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.output.find("exp_avg.safetensors"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("corrupted"), std::string::npos) << r.output;
+  EXPECT_EQ(megaslide::io::read_file(join_path(dir, "metrics.jsonl")), metrics);
+  EXPECT_EQ(megaslide::io::read_file(join_path(dir, "train.log")), log);
+  // A fresh run into the same folder is refused too: it would overwrite the run.
+  r = run(args);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.output.find("--resume latest"), std::string::npos) << r.output;
+  megaslide::io::remove_tree(dir);
+}
+
+TEST(MegaslideTrain, ExportWeightsFromACheckpointWritesTheBf16WeightsFile) {
+  const auto dir = fresh_dir("export");
+  const std::string args = "--config " + smoke() + " --set train.steps=4 --set train.checkpoint_every=2 --set output.progress=false --run-dir " + dir;
+  ASSERT_EQ(run(args).code, 0);
+  const auto out = dir + "/exported.safetensors";
+  auto r = run(args + " --resume " + join_path(dir, "checkpoints/step-0000004") + " --export-weights " + out);
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto header = megaslide::io::read_safetensors_header(out);
+  EXPECT_EQ(header.metadata.at("format"), "megaslide.weights");
+  bool has_block = false;
+  for (const auto& e : header.entries) {
+    EXPECT_EQ(e.dtype, torch::kBFloat16) << e.name;
+    has_block |= e.name == "dit.blocks.0.attn.q.weight";
+  }
+  EXPECT_TRUE(has_block);
+  EXPECT_EQ(megaslide::io::read_file(out), megaslide::io::read_file(join_path(dir, "checkpoints/step-0000004/model.safetensors")));
   megaslide::io::remove_tree(dir);
 }

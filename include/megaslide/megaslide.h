@@ -25,6 +25,8 @@
 #include "megaslide/offload/step_trace.h"
 #include "megaslide/offload/streamed_model.h"
 #include "megaslide/offload/weight_streamer.h"
+#include "megaslide/train/checkpoint.h"
 #include "megaslide/train/resident_trainer.h"
 #include "megaslide/train/run_outputs.h"
+#include "megaslide/train/training_run.h"
 #include "megaslide/util/build_info.h"

@@ -271,6 +271,9 @@ class Schema {
     integer("train.loss_scale_window", c.train.loss_scale_window, IntRange{1});
     real("train.peak_tflops", c.train.peak_tflops, RealRange{0.0});
     integer("train.sample_every", c.train.sample_every, IntRange{0});
+    integer("train.checkpoint_every", c.train.checkpoint_every, IntRange{0});
+    integer("train.keep_last", c.train.keep_last, IntRange{0});
+    integer("train.max_consecutive_skips", c.train.max_consecutive_skips, IntRange{0});
     // offload
     boolean("offload.enabled", c.offload.enabled);
     choice("offload.mode", c.offload.mode, {"async", "sync"});

@@ -157,6 +157,20 @@ void EpochSampler::reshuffle() {
   cursor_ = 0;
 }
 
+void EpochSampler::seek(int64_t epoch, int64_t cursor) {
+  TORCH_CHECK(epoch >= -1, "EpochSampler::seek: epoch must be >= -1, got ", epoch);
+  TORCH_CHECK(cursor >= 0 && cursor <= size_, "EpochSampler::seek: cursor must be in [0, ", size_, "], got ", cursor);
+  if (epoch < 0) {
+    epoch_ = -1;
+    order_.clear();
+    cursor_ = 0;
+    return;
+  }
+  epoch_ = epoch - 1;
+  reshuffle();
+  cursor_ = static_cast<size_t>(cursor);
+}
+
 std::vector<int64_t> EpochSampler::next(int64_t batch_size) {
   std::vector<int64_t> out;
   while (static_cast<int64_t>(out.size()) < batch_size) {

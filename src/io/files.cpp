@@ -1,16 +1,20 @@
 #include "megaslide/io/files.h"
 
 #include <fcntl.h>
+#include <dirent.h>
 #include <ftw.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <algorithm>
+#include <array>
 #include <cstring>
 #include <fstream>
 #include <sstream>
 
 namespace megaslide::io {
+
 
 namespace {
 [[noreturn]] void fail(const std::string& what, const std::string& path) {
@@ -55,39 +59,140 @@ void remove_tree(const std::string& path) {
 }
 
 void write_file_atomically(const std::string& path, const std::string& content) {
-  const std::string tmp = path + ".tmp";
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) fail("cannot create", tmp);
-  size_t written = 0;
-  while (written < content.size()) {
-    ssize_t n = ::write(fd, content.data() + written, content.size() - written);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      const int saved = errno;
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      errno = saved;
-      fail("cannot write", tmp);
-    }
-    written += static_cast<size_t>(n);
-  }
-  if (::fsync(fd) != 0 || ::close(fd) != 0) {
-    const int saved = errno;
-    ::unlink(tmp.c_str());
-    errno = saved;
-    fail("cannot flush", tmp);
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int saved = errno;
-    ::unlink(tmp.c_str());
-    errno = saved;
-    fail("cannot rename " + tmp + " to", path);
-  }
-  int dir = ::open(parent_of(path).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  AtomicFileWriter out(path);
+  out.write(content.data(), content.size());
+  out.commit();
+}
+
+void rename_durably(const std::string& from, const std::string& to) {
+  if (::rename(from.c_str(), to.c_str()) != 0) fail("cannot rename '" + from + "' to", to);
+  int dir = ::open(parent_of(to).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dir >= 0) {
     ::fsync(dir);  // best effort: makes the rename itself durable
     ::close(dir);
   }
+}
+
+AtomicFileWriter::AtomicFileWriter(const std::string& path) : path_(path), tmp_(path + ".tmp") {
+  fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd_ < 0) fail("cannot create", tmp_);
+}
+
+AtomicFileWriter::~AtomicFileWriter() {
+  if (fd_ >= 0) {
+    ::close(fd_);
+    ::unlink(tmp_.c_str());
+  }
+}
+
+void AtomicFileWriter::write(const void* data, size_t bytes) {
+  if (fd_ < 0) throw IoError("AtomicFileWriter: '" + path_ + "' was already committed");
+  const char* p = static_cast<const char*>(data);
+  size_t done = 0;
+  while (done < bytes) {
+    const ssize_t n = ::write(fd_, p + done, std::min<size_t>(bytes - done, size_t{1} << 30));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      fail("cannot write", tmp_);
+    }
+    done += static_cast<size_t>(n);
+  }
+  crc_ = io::crc32(data, bytes, crc_);
+  bytes_ += bytes;
+}
+
+void AtomicFileWriter::commit() {
+  if (fd_ < 0) throw IoError("AtomicFileWriter: '" + path_ + "' was already committed");
+  if (::fsync(fd_) != 0) fail("cannot flush", tmp_);
+  const int fd = fd_;
+  fd_ = -1;
+  if (::close(fd) != 0) {
+    const int saved = errno;
+    ::unlink(tmp_.c_str());
+    errno = saved;
+    fail("cannot flush", tmp_);
+  }
+  try {
+    rename_durably(tmp_, path_);
+  } catch (...) {
+    ::unlink(tmp_.c_str());
+    throw;
+  }
+}
+
+uint64_t file_size(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) fail("cannot read", path);
+  return static_cast<uint64_t>(st.st_size);
+}
+
+std::vector<std::string> list_directory(const std::string& path) {
+  DIR* dir = ::opendir(path.c_str());
+  if (dir == nullptr) fail("cannot list", path);
+  std::vector<std::string> names;
+  while (const dirent* entry = ::readdir(dir)) {
+    const std::string name = entry->d_name;
+    if (name != "." && name != "..") names.push_back(name);
+  }
+  ::closedir(dir);
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+namespace {
+// Slicing-by-8 tables for the reflected IEEE polynomial 0xEDB88320.
+struct Crc32Tables {
+  std::array<std::array<uint32_t, 256>, 8> t{};
+  Crc32Tables() {
+    for (uint32_t i = 0; i < 256; ++i) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+      t[0][i] = c;
+    }
+    for (uint32_t i = 0; i < 256; ++i)
+      for (size_t s = 1; s < 8; ++s) t[s][i] = (t[s - 1][i] >> 8) ^ t[0][t[s - 1][i] & 0xff];
+  }
+};
+}  // namespace
+
+uint32_t crc32(const void* data, size_t bytes, uint32_t previous) {
+  static const Crc32Tables tables;
+  const auto& t = tables.t;
+  const auto* p = static_cast<const unsigned char*>(data);
+  uint32_t c = ~previous;
+  while (bytes >= 8) {
+    uint32_t lo, hi;
+    std::memcpy(&lo, p, 4);
+    std::memcpy(&hi, p + 4, 4);
+    lo ^= c;
+    c = t[7][lo & 0xff] ^ t[6][(lo >> 8) & 0xff] ^ t[5][(lo >> 16) & 0xff] ^ t[4][lo >> 24] ^ t[3][hi & 0xff] ^
+        t[2][(hi >> 8) & 0xff] ^ t[1][(hi >> 16) & 0xff] ^ t[0][hi >> 24];
+    p += 8;
+    bytes -= 8;
+  }
+  while (bytes-- > 0) c = t[0][(c ^ *p++) & 0xff] ^ (c >> 8);
+  return ~c;
+}
+
+uint32_t file_crc32(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) fail("cannot open", path);
+  std::vector<char> buffer(size_t{4} << 20);
+  uint32_t c = 0;
+  for (;;) {
+    const ssize_t n = ::read(fd, buffer.data(), buffer.size());
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      const int saved = errno;
+      ::close(fd);
+      errno = saved;
+      fail("cannot read", path);
+    }
+    if (n == 0) break;
+    c = crc32(buffer.data(), static_cast<size_t>(n), c);
+  }
+  ::close(fd);
+  return c;
 }
 
 std::string read_file(const std::string& path) {

@@ -167,7 +167,11 @@ torch::ScalarType safetensors_dtype(const std::string& name) {
   throw SafetensorsError("unsupported dtype '" + name + "' (supported: F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL)");
 }
 
-std::string encode_safetensors(const NamedTensors& tensors, const std::map<std::string, std::string>& metadata) {
+namespace {
+// The header text (padded to 8 bytes) and the CPU-contiguous tensors it describes, in order. Tensors that
+// already are contiguous CPU tensors (the host store's views) are not copied.
+std::pair<std::string, std::vector<torch::Tensor>> layout(const NamedTensors& tensors,
+                                                          const std::map<std::string, std::string>& metadata) {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   std::vector<torch::Tensor> contiguous;
@@ -185,18 +189,29 @@ std::string encode_safetensors(const NamedTensors& tensors, const std::map<std::
   }
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');
-  std::string out;
-  out.reserve(8 + text.size() + offset);
-  uint64_t n = text.size();
-  for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>((n >> (8 * i)) & 0xff));
-  out += text;
-  for (const auto& t : contiguous)
-    out.append(static_cast<const char*>(t.data_ptr()), static_cast<size_t>(t.numel()) * static_cast<size_t>(t.element_size()));
+  std::string prefix;
+  const uint64_t n = text.size();
+  for (int i = 0; i < 8; ++i) prefix.push_back(static_cast<char>((n >> (8 * i)) & 0xff));
+  return {prefix + text, std::move(contiguous)};
+}
+
+size_t byte_size(const torch::Tensor& t) { return static_cast<size_t>(t.numel()) * static_cast<size_t>(t.element_size()); }
+}  // namespace
+
+std::string encode_safetensors(const NamedTensors& tensors, const std::map<std::string, std::string>& metadata) {
+  auto [head, contiguous] = layout(tensors, metadata);
+  std::string out = std::move(head);
+  for (const auto& t : contiguous) out.append(static_cast<const char*>(t.data_ptr()), byte_size(t));
   return out;
 }
 
-void write_safetensors(const std::string& path, const NamedTensors& tensors, const std::map<std::string, std::string>& metadata) {
-  write_file_atomically(path, encode_safetensors(tensors, metadata));
+WrittenFile write_safetensors(const std::string& path, const NamedTensors& tensors, const std::map<std::string, std::string>& metadata) {
+  auto [head, contiguous] = layout(tensors, metadata);
+  AtomicFileWriter out(path);
+  out.write(head.data(), head.size());
+  for (const auto& t : contiguous) out.write(t.data_ptr(), byte_size(t));
+  out.commit();
+  return {out.bytes_written(), out.crc32()};
 }
 
 SafetensorsHeader read_safetensors_header(const std::string& path) {
@@ -220,6 +235,41 @@ SafetensorsFile read_safetensors(const std::string& path) {
     out.tensors.emplace_back(e.name, std::move(t));
   }
   return out;
+}
+
+}  // namespace megaslide::io
+
+namespace megaslide::io {
+
+namespace {
+std::string shape_string(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+}  // namespace
+
+void read_safetensors_into(const std::string& path, const NamedTensors& targets) {
+  File file(path);
+  const auto header = parse_header(path, file);
+  std::map<std::string, const SafetensorsEntry*> entries;
+  for (const auto& e : header.entries) entries[e.name] = &e;
+  std::set<std::string> expected;
+  for (const auto& [name, target] : targets) {
+    expected.insert(name);
+    auto it = entries.find(name);
+    if (it == entries.end()) fail_tensor(path, name, "missing (the file has " + std::to_string(entries.size()) + " tensors)");
+    const auto& e = *it->second;
+    if (e.dtype != target.scalar_type())
+      fail_tensor(path, name, "dtype is " + safetensors_dtype_name(e.dtype) + ", expected " + safetensors_dtype_name(target.scalar_type()));
+    if (e.shape != target.sizes().vec())
+      fail_tensor(path, name, "shape is " + shape_string(e.shape) + ", expected " + shape_string(target.sizes().vec()));
+    TORCH_CHECK(target.device().is_cpu() && target.is_contiguous(), "read_safetensors_into: the target of '", name,
+                "' must be a contiguous CPU tensor");
+    if (e.end > e.begin) file.read_at(target.data_ptr(), e.end - e.begin, header.data_start + e.begin);
+  }
+  for (const auto& e : header.entries)
+    if (!expected.count(e.name)) fail_tensor(path, e.name, "is not expected here (an extra tensor: wrong file or model?)");
 }
 
 }  // namespace megaslide::io

@@ -24,12 +24,26 @@ io::NamedTensors weights_tensors(DiT& dit, TextEncoder& text_encoder, torch::Sca
   return out;
 }
 
-void save_weights(const std::string& path, const RunConfig& config, DiT& dit, TextEncoder& text_encoder, torch::ScalarType dtype) {
+io::WrittenFile save_weights(const std::string& path, const RunConfig& config, const io::NamedTensors& parameters,
+                             torch::ScalarType dtype) {
   std::map<std::string, std::string> metadata{{"format", kFormat},
                                               {"format_version", kFormatVersion},
                                               {"config", to_yaml(config)},
                                               {"megaslide_version", version()}};
-  io::write_safetensors(path, weights_tensors(dit, text_encoder, dtype), metadata);
+  io::NamedTensors tensors;
+  tensors.reserve(parameters.size());
+  for (const auto& [name, value] : parameters) {
+    const bool text = name.rfind("text_encoder.", 0) == 0;
+    tensors.emplace_back(text ? name : "dit." + name, value.detach().to(torch::kCPU, dtype));
+  }
+  return io::write_safetensors(path, tensors, metadata);
+}
+
+void save_weights(const std::string& path, const RunConfig& config, DiT& dit, TextEncoder& text_encoder, torch::ScalarType dtype) {
+  io::NamedTensors parameters;
+  for (const auto& p : dit->named_parameters(/*recurse=*/true)) parameters.emplace_back(p.key(), p.value());
+  for (const auto& p : text_encoder->named_parameters(/*recurse=*/true)) parameters.emplace_back("text_encoder." + p.key(), p.value());
+  save_weights(path, config, parameters, dtype);
 }
 
 TextToVideoModel load_weights(const std::string& path, torch::Device device, torch::ScalarType dtype) {

@@ -1,6 +1,7 @@
 #include "megaslide/offload/cpu_master_trainer.h"
 
 #include <chrono>
+#include <map>
 #include <cmath>
 #include <thread>
 
@@ -167,6 +168,14 @@ StepMetrics CPUMasterVideoDiT::step() {
   if (peak_flops_ > 0) m.mfu = flops_per_step_ / (r.step_time_s * peak_flops_);
   m.loss_scale = engine_->options().compute_dtype == at::kHalf ? r.loss_scale : 0.0;
   m.skipped = r.skipped;
+  if (r.skipped) {
+    ++skipped_total_;
+    ++consecutive_skips_;
+  } else {
+    consecutive_skips_ = 0;
+  }
+  m.skipped_total = skipped_total_;
+  m.consecutive_skips = consecutive_skips_;
   return m;
 }
 
@@ -203,6 +212,77 @@ void CPUMasterVideoDiT::copy_weights_to(DiT& dit, TextEncoder& text_encoder) {
   }
   TORCH_CHECK(copied == dit_params.size() + text_params.size(), "copy_weights_to: copied ", copied,
               " parameters but the target model has ", dit_params.size() + text_params.size());
+}
+
+TrainingState CPUMasterVideoDiT::training_state() {
+  engine_->synchronize();
+  TrainingState s;
+  s.step = steps_done_;
+  s.optimizer_steps = engine_->optimizer_steps();
+  s.loss_scale = engine_->loss_scale();
+  s.clean_steps = engine_->clean_steps();
+  s.skipped_steps = skipped_total_;
+  s.consecutive_skips = consecutive_skips_;
+  s.data_state = batches_.state();
+  auto* optimizer = engine_->resident_optimizer();
+  for (auto& [name, p] : stack_->named_resident_parameters()) {
+    auto moments = adamw_moments(*optimizer, p);
+    s.master.emplace_back(name, p.detach().to(torch::kCPU, torch::kFloat32).clone());
+    s.exp_avg.emplace_back(name, moments.exp_avg);
+    s.exp_avg_sq.emplace_back(name, moments.exp_avg_sq);
+  }
+  const auto& store = engine_->store();
+  for (int64_t l = 0; l < store.num_blocks(); ++l) {
+    const std::string prefix = "blocks." + std::to_string(l) + ".";
+    for (const auto& spec : store.block_spec(l).params) {
+      const auto views = store.param(l, spec.name);
+      s.master.emplace_back(prefix + spec.name, views.master);
+      s.exp_avg.emplace_back(prefix + spec.name, views.exp_avg);
+      s.exp_avg_sq.emplace_back(prefix + spec.name, views.exp_avg_sq);
+    }
+  }
+  return s;
+}
+
+void CPUMasterVideoDiT::load_training_state(const TrainingState& s) {
+  engine_->synchronize();
+  auto resident = stack_->named_resident_parameters();
+  const auto& store = engine_->store();
+  size_t expected = resident.size();
+  for (int64_t l = 0; l < store.num_blocks(); ++l) expected += store.block_spec(l).params.size();
+  TORCH_CHECK(s.master.size() == expected && s.exp_avg.size() == expected && s.exp_avg_sq.size() == expected,
+              "CPUMasterVideoDiT::load_training_state: expected ", expected, " parameters, got ", s.master.size());
+  batches_.restore(s.data_state);
+  std::map<std::string, size_t> index;
+  for (size_t i = 0; i < s.master.size(); ++i) index[s.master[i].first] = i;
+  auto find = [&](const std::string& name) {
+    auto it = index.find(name);
+    TORCH_CHECK(it != index.end(), "CPUMasterVideoDiT::load_training_state: no state for parameter '", name, "'");
+    return it->second;
+  };
+  torch::NoGradGuard no_grad;
+  auto* optimizer = engine_->resident_optimizer();
+  for (auto& [name, p] : resident) {
+    const size_t i = find(name);
+    p.copy_(s.master[i].second);
+    set_adamw_moments(*optimizer, p, s.exp_avg[i].second, s.exp_avg_sq[i].second, s.optimizer_steps);
+  }
+  for (int64_t l = 0; l < store.num_blocks(); ++l) {
+    const std::string prefix = "blocks." + std::to_string(l) + ".";
+    for (const auto& spec : store.block_spec(l).params) {
+      const size_t i = find(prefix + spec.name);
+      const auto views = store.param(l, spec.name);
+      const std::pair<const torch::Tensor*, const torch::Tensor*> parts[3] = {
+          {&views.master, &s.master[i].second}, {&views.exp_avg, &s.exp_avg[i].second}, {&views.exp_avg_sq, &s.exp_avg_sq[i].second}};
+      for (const auto& [target, source] : parts)
+        if (source->data_ptr() != target->data_ptr()) target->copy_(*source);  // not read in place
+    }
+  }
+  engine_->reload_blocks_from_masters();
+  engine_->restore_counters(s.optimizer_steps, s.loss_scale, s.clean_steps);
+  steps_done_ = s.step;
+  skipped_total_ = s.skipped_steps;
+  consecutive_skips_ = s.consecutive_skips;
 }
 
 }  // namespace megaslide

@@ -96,6 +96,24 @@ c10::ScalarType parse_compute_dtype(const std::string& name) {
   TORCH_CHECK(false, "offload.compute_dtype: expected bf16, fp16 or fp32, got '", name, "'");
 }
 
+namespace {
+// True when no element is NaN or infinite: the exponent bits of every element are not all ones.
+template <typename Bits>
+bool exponent_never_saturated(const Bits* p, int64_t n, Bits mask) {
+  bool ok = true;
+  for (int64_t i = 0; i < n; ++i) ok &= (p[i] & mask) != mask;
+  return ok;
+}
+bool all_finite(const at::Tensor& flat) {
+  switch (flat.scalar_type()) {
+    case at::kBFloat16: return exponent_never_saturated(static_cast<const uint16_t*>(flat.data_ptr()), flat.numel(), uint16_t{0x7f80});
+    case at::kHalf: return exponent_never_saturated(static_cast<const uint16_t*>(flat.data_ptr()), flat.numel(), uint16_t{0x7c00});
+    case at::kFloat: return exponent_never_saturated(static_cast<const uint32_t*>(flat.data_ptr()), flat.numel(), uint32_t{0x7f800000});
+    default: TORCH_CHECK(false, "all_finite: unsupported gradient dtype ", flat.scalar_type());
+  }
+}
+}  // namespace
+
 struct StreamedStackTrainer::Impl {
   std::shared_ptr<StreamedModel> model;
   std::vector<std::vector<ParamSlot>> params;  // per block, in the store's order
@@ -110,6 +128,7 @@ struct StreamedStackTrainer::Impl {
   at::Tensor staging[2];                                 // accumulation: D2H lands here, then added on the host
   std::shared_future<void> staging_free[2];
   std::atomic<int64_t> optimizer_ns{0};
+  std::atomic<int64_t> nonfinite_step{0};  // immediate updates: the AdamW step whose gradients were non-finite
   double optimizer_wait_s = 0.0;
   int64_t activation_bytes_peak = 0;
   StepTrace* trace = nullptr;
@@ -279,9 +298,18 @@ StackStepResult StreamedStackTrainer::step(const Prologue& prologue, const Epilo
     streamer_->prefetch(l, fp32_compute ? store_->master(l) : store_->compute(l));
   };
   // A CpuAdamW update of block l on the host task thread; `grad_scale` unscales and clips.
-  const auto submit_update = [&](int64_t l, float grad_scale) {
+  // `guard` (immediate updates, which start before the global norm is known): a block whose gradient
+  // holds a non-finite value is not updated, nor is any block after it in this step.
+  const auto submit_update = [&](int64_t l, float grad_scale, bool guard) {
     streamer_->invalidate(l);
-    im.pending_update[l] = im.tasks->submit([this, l, grad_scale, lr, adam_step, trace] {
+    im.pending_update[l] = im.tasks->submit([this, l, grad_scale, lr, adam_step, trace, guard] {
+      if (guard) {
+        if (impl_->nonfinite_step.load() == adam_step) return;
+        if (!all_finite(store_->grad(l))) {
+          impl_->nonfinite_step.store(adam_step);
+          return;
+        }
+      }
       const double t0 = trace != nullptr ? trace->now_s() : 0.0;
       const auto begin = Clock::now();
       AdamWBlockState s;
@@ -404,7 +432,7 @@ StackStepResult StreamedStackTrainer::step(const Prologue& prologue, const Epilo
         }
         streamer_->release(l);
         if (l > 0) prefetch(l - 1);
-        if (last && !deferred) submit_update(l, 1.f);
+        if (last && !deferred) submit_update(l, 1.f, /*guard=*/true);
       }
     }
 
@@ -451,7 +479,7 @@ StackStepResult StreamedStackTrainer::step(const Prologue& prologue, const Epilo
         clean_steps_ = 0;
       }
     }
-    r.skipped = overflow && dt == at::kHalf;
+    r.skipped = overflow;
     if (!r.skipped) {
       float coef = 1.f;
       if (options_.grad_clip > 0) {
@@ -461,9 +489,10 @@ StackStepResult StreamedStackTrainer::step(const Prologue& prologue, const Epilo
         for (auto& p : im.resident)
           if (p.grad().defined()) p.mutable_grad().mul_(coef);
       }
-      for (int64_t l = 0; l < L; ++l) submit_update(l, static_cast<float>(coef / scale));
+      for (int64_t l = 0; l < L; ++l) submit_update(l, static_cast<float>(coef / scale), /*guard=*/false);
     }
   }
+  if (!deferred) r.skipped = !std::isfinite(r.grad_norm);  // the host tasks skip the blocks themselves
   if (!r.skipped) {
     if (im.resident_optimizer) {
       for (auto& group : im.resident_optimizer->param_groups())
@@ -500,6 +529,23 @@ StackStepResult StreamedStackTrainer::step(const Prologue& prologue, const Epilo
   }
   r.step_time_s = seconds_since(start);
   return r;
+}
+
+void StreamedStackTrainer::restore_counters(int64_t optimizer_steps, double loss_scale, int64_t clean_steps) {
+  TORCH_CHECK(optimizer_steps >= 0 && clean_steps >= 0 && loss_scale > 0, "restore_counters: invalid counters");
+  adam_steps_ = optimizer_steps;
+  loss_scale_ = loss_scale;
+  clean_steps_ = clean_steps;
+}
+
+torch::optim::AdamW* StreamedStackTrainer::resident_optimizer() { return impl_->resident_optimizer.get(); }
+
+void StreamedStackTrainer::reload_blocks_from_masters() {
+  synchronize();
+  for (int64_t l = 0; l < store_->num_blocks(); ++l) {
+    if (options_.compute_dtype != at::kFloat) store_->compute(l).copy_(store_->master(l));  // round to nearest even
+    streamer_->invalidate(l);
+  }
 }
 
 }  // namespace megaslide::offload

@@ -2,7 +2,11 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <fmt/format.h>
+
 #include <chrono>
+#include <nlohmann/json.hpp>
+#include <sstream>
 #include <cmath>
 #include <limits>
 
@@ -43,6 +47,56 @@ DiffusionBatchSource::DiffusionBatchSource(const RunConfig& config)
                 config.diffusion.beta_end),
       caption_rng_(config.train.seed ^ 0x5DEECE66Dull),
       generator_(at::detail::createCPUGenerator(config.train.seed)) {}
+
+std::string DiffusionBatchSource::state() const {
+  std::ostringstream rng;
+  rng << caption_rng_;
+  const auto generator = generator_.get_state().contiguous();
+  const auto* bytes = generator.data_ptr<uint8_t>();
+  std::string hex;
+  for (int64_t i = 0; i < generator.numel(); ++i) hex += fmt::format("{:02x}", bytes[i]);
+  nlohmann::ordered_json j;
+  j["epoch"] = sampler_.epoch();
+  j["cursor"] = sampler_.cursor();
+  j["caption_rng"] = rng.str();
+  j["generator"] = hex;
+  return j.dump();
+}
+
+void DiffusionBatchSource::restore(const std::string& state) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(state);
+    const auto epoch = j.at("epoch").get<int64_t>(), cursor = j.at("cursor").get<int64_t>();
+    if (cursor < 0 || cursor > config_.data.num_clips || epoch < -1)
+      throw std::invalid_argument(fmt::format("data position epoch {} cursor {} is out of range for {} clips", epoch, cursor,
+                                              config_.data.num_clips));
+    std::istringstream rng(j.at("caption_rng").get<std::string>());
+    std::mt19937_64 caption_rng;
+    rng >> caption_rng;
+    if (rng.fail()) throw std::invalid_argument("caption_rng is not an mt19937_64 state");
+    const auto hex = j.at("generator").get<std::string>();
+    if (hex.size() % 2 != 0) throw std::invalid_argument("generator state has an odd number of hex digits");
+    auto bytes = torch::empty({static_cast<int64_t>(hex.size() / 2)}, torch::kUInt8);
+    auto* out = bytes.data_ptr<uint8_t>();
+    for (size_t i = 0; i < hex.size() / 2; ++i) {
+      const std::string pair = hex.substr(2 * i, 2);
+      if (pair.find_first_not_of("0123456789abcdef") != std::string::npos) throw std::invalid_argument("generator state is not hex");
+      out[i] = static_cast<uint8_t>(std::stoi(pair, nullptr, 16));
+    }
+    auto generator = at::detail::createCPUGenerator(config_.train.seed);
+    try {
+      generator.set_state(bytes);
+    } catch (const c10::Error& e) {
+      throw std::invalid_argument(std::string("generator state rejected: ") + e.what_without_backtrace());
+    }
+    sampler_.seek(epoch, cursor);
+    caption_rng_ = caption_rng;
+    generator_ = generator;
+  } catch (const nlohmann::json::exception& e) {
+    throw std::invalid_argument(std::string("data state: ") + e.what());
+  }
+}
 
 DiffusionBatch DiffusionBatchSource::next(torch::Device device) {
   if (device != schedule_device_) {
@@ -90,6 +144,48 @@ int64_t ResidentTrainer::parameter_count() const {
   return n;
 }
 
+std::vector<std::pair<std::string, torch::Tensor>> ResidentTrainer::named_parameters() {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (const auto& p : model_->named_parameters(true)) out.emplace_back(p.key(), p.value());
+  for (const auto& p : text_encoder_->named_parameters(true)) out.emplace_back("text_encoder." + p.key(), p.value());
+  return out;
+}
+
+TrainingState ResidentTrainer::training_state() {
+  TrainingState s;
+  s.step = steps_done_;
+  s.optimizer_steps = optimizer_steps_;
+  s.skipped_steps = skipped_total_;
+  s.consecutive_skips = consecutive_skips_;
+  s.data_state = batches_.state();
+  for (auto& [name, p] : named_parameters()) {
+    auto moments = adamw_moments(*optimizer_, p);
+    s.master.emplace_back(name, p.detach().to(torch::kCPU, torch::kFloat32).clone());
+    s.exp_avg.emplace_back(name, moments.exp_avg);
+    s.exp_avg_sq.emplace_back(name, moments.exp_avg_sq);
+  }
+  return s;
+}
+
+void ResidentTrainer::load_training_state(const TrainingState& s) {
+  auto params = named_parameters();
+  TORCH_CHECK(s.master.size() == params.size() && s.exp_avg.size() == params.size() && s.exp_avg_sq.size() == params.size(),
+              "ResidentTrainer::load_training_state: expected ", params.size(), " parameters, got ", s.master.size());
+  batches_.restore(s.data_state);
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto& [name, p] = params[i];
+    TORCH_CHECK(s.master[i].first == name, "ResidentTrainer::load_training_state: parameter ", i, " is '", s.master[i].first,
+                "', expected '", name, "'");
+    p.copy_(s.master[i].second);
+    set_adamw_moments(*optimizer_, p, s.exp_avg[i].second, s.exp_avg_sq[i].second, s.optimizer_steps);
+  }
+  steps_done_ = s.step;
+  optimizer_steps_ = s.optimizer_steps;
+  skipped_total_ = s.skipped_steps;
+  consecutive_skips_ = s.consecutive_skips;
+}
+
 StepMetrics ResidentTrainer::step() {
   const auto start = std::chrono::steady_clock::now();
   const auto& t = config_.train;
@@ -108,10 +204,19 @@ StepMetrics ResidentTrainer::step() {
   }
   const double max_norm = t.grad_clip > 0 ? t.grad_clip : std::numeric_limits<double>::infinity();
   const double grad_norm = torch::nn::utils::clip_grad_norm_(parameters_, max_norm);
-  optimizer_->step();
-
   StepMetrics m;
   m.loss = loss_sum / static_cast<double>(accum);
+  m.skipped = !std::isfinite(m.loss) || !std::isfinite(grad_norm);
+  if (m.skipped) {
+    ++skipped_total_;
+    ++consecutive_skips_;
+  } else {
+    optimizer_->step();
+    ++optimizer_steps_;
+    consecutive_skips_ = 0;
+  }
+  m.skipped_total = skipped_total_;
+  m.consecutive_skips = consecutive_skips_;
   if (device_.is_cuda()) torch::cuda::synchronize();
   m.step = ++steps_done_;
   m.lr = lr;

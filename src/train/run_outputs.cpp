@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <sstream>
 
 #include "megaslide/io/files.h"
 #include "megaslide/model/dit.h"
@@ -27,7 +28,31 @@ RunDirectory::RunDirectory(const std::string& path, const RunConfig& resolved) :
 
 std::string RunDirectory::file(const std::string& name) const { return io::join_path(path_, name); }
 
-MetricsWriter::MetricsWriter(const std::string& path) : path_(path), out_(path, std::ios::trunc) {
+MetricsWriter::MetricsWriter(const std::string& path, int64_t keep_through_step) : path_(path) {
+  if (keep_through_step >= 0 && io::path_exists(path)) {
+    // A resumed run: keep the lines of steps up to the checkpoint (the run may have gone further
+    // before it stopped), rewritten atomically, then append.
+    std::string kept;
+    std::istringstream in(io::read_file(path));
+    std::string line;
+    while (std::getline(in, line)) {
+      try {
+        const auto j = nlohmann::json::parse(line);
+        if (j.is_object() && j.contains("step") && j["step"].is_number_integer() && j["step"].get<int64_t>() <= keep_through_step)
+          kept += line + "\n";
+      } catch (const nlohmann::json::exception&) {
+        // A line torn by a crash: dropped.
+      }
+    }
+    try {
+      io::write_file_atomically(path, kept);
+    } catch (const io::IoError& e) {
+      throw OutputError(e.what());
+    }
+    out_.open(path, std::ios::app);
+  } else {
+    out_.open(path, std::ios::trunc);
+  }
   if (!out_) throw OutputError("cannot open '" + path + "' for writing: " + std::strerror(errno));
 }
 
@@ -46,10 +71,9 @@ void MetricsWriter::write(const StepMetrics& m) {
                    {"optimizer_s", m.optimizer_s},
                    {"peak_device_bytes", m.peak_device_bytes}};
   if (m.mfu > 0) j["mfu"] = m.mfu;
-  if (m.loss_scale > 0) {
-    j["loss_scale"] = m.loss_scale;
-    j["skipped"] = m.skipped;
-  }
+  if (m.loss_scale > 0) j["loss_scale"] = m.loss_scale;
+  j["skipped"] = m.skipped;
+  j["skipped_total"] = m.skipped_total;
   out_ << j.dump() << '\n';
   out_.flush();
   if (!out_) throw OutputError("cannot write to '" + path_ + "': " + std::strerror(errno));
@@ -59,9 +83,9 @@ struct TrainLog::Impl {
   std::shared_ptr<spdlog::logger> logger;
 };
 
-TrainLog::TrainLog(const std::string& path) : impl_(std::make_unique<Impl>()) {
+TrainLog::TrainLog(const std::string& path, bool append) : impl_(std::make_unique<Impl>()) {
   try {
-    auto file = std::make_shared<spdlog::sinks::basic_file_sink_mt>(path, /*truncate=*/true);
+    auto file = std::make_shared<spdlog::sinks::basic_file_sink_mt>(path, /*truncate=*/!append);
     auto console = std::make_shared<spdlog::sinks::stderr_color_sink_mt>();
     file->set_pattern("[%Y-%m-%d %H:%M:%S.%e] [%l] %v");
     console->set_pattern("%v");

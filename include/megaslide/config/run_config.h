@@ -95,6 +95,9 @@ struct TrainConfig {
   int64_t loss_scale_window = 1000;      // fp16: steps without overflow before the scale doubles
   double peak_tflops = 0.0;              // MFU denominator on a GPU; 0 = measure a matmul at start
   int64_t sample_every = 0;              // validation videos every N steps (RUN_DIR/samples/step-NNNNNNN/); 0 = never
+  int64_t checkpoint_every = 0;          // checkpoint every N steps and after the last (RUN_DIR/checkpoints/); 0 = never
+  int64_t keep_last = 3;                 // complete checkpoints kept (the newest); 0 = all
+  int64_t max_consecutive_skips = 5;     // stop after this many non-finite steps in a row; 0 = never stop
 };
 
 struct OffloadConfig {

@@ -75,6 +75,11 @@ class EpochSampler {
   EpochSampler(int64_t dataset_size, uint64_t seed);
   std::vector<int64_t> next(int64_t batch_size);
   int64_t epoch() const { return epoch_; }
+  // Where the sampler stands: the epoch being drawn (-1 before the first draw) and the index of the next
+  // clip in that epoch's order. seek() restores a position (checkpoint resume); the order of an epoch
+  // depends only on the seed and the epoch, so nothing else needs saving.
+  int64_t cursor() const { return static_cast<int64_t>(cursor_); }
+  void seek(int64_t epoch, int64_t cursor);
 
  private:
   void reshuffle();

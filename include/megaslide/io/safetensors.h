@@ -53,8 +53,16 @@ struct SafetensorsHeader {
 std::string safetensors_dtype_name(torch::ScalarType dtype);
 torch::ScalarType safetensors_dtype(const std::string& name);
 
-// Writes `tensors` (any device, any layout; names unique, not "__metadata__") to `path`.
-void write_safetensors(const std::string& path, const NamedTensors& tensors,
+// Size and CRC-32 (io::crc32) of a file as written.
+struct WrittenFile {
+  uint64_t bytes = 0;
+  uint32_t crc32 = 0;
+};
+
+// Writes `tensors` (any device, any layout; names unique, not "__metadata__") to `path`, streaming
+// them tensor by tensor (contiguous CPU tensors are written without a copy), atomically
+// (io::AtomicFileWriter): on any error `path` keeps its old content.
+WrittenFile write_safetensors(const std::string& path, const NamedTensors& tensors,
                        const std::map<std::string, std::string>& metadata = {});
 
 // The bytes write_safetensors would write (tests build corrupt files from them).
@@ -68,5 +76,11 @@ struct SafetensorsFile {
   std::map<std::string, std::string> metadata;
 };
 SafetensorsFile read_safetensors(const std::string& path);
+
+// Reads the file's tensors straight into `targets` (contiguous CPU tensors, e.g. views into a host
+// store), which must match it exactly: every target name present with the target's dtype and shape,
+// and no other tensor in the file. Errors name the file and the tensor. On error, targets read before
+// the bad one have been overwritten: callers load into state they can discard.
+void read_safetensors_into(const std::string& path, const NamedTensors& targets);
 
 }  // namespace megaslide::io

@@ -7,8 +7,8 @@
 //                 "config": the resolved run config as YAML (megaslide::to_yaml), from which the model's
 //                 shape is rebuilt, "megaslide_version"
 //
-// This is the weights-only file (forward passes, no optimizer state). The training checkpoint (fp32
-// master weights, AdamW moments) is a separate, later format.
+// This is the weights-only file (forward passes, no optimizer state). A training checkpoint
+// (train/checkpoint.h) holds one as its model.safetensors, beside the fp32 masters and AdamW moments.
 //
 // Loading checks the format, parses the config, builds the model and requires the file's tensor names
 // and shapes to match the model's exactly (a missing, extra or misshapen tensor is an error naming the
@@ -48,6 +48,10 @@ io::NamedTensors weights_tensors(DiT& dit, TextEncoder& text_encoder, torch::Sca
 void save_weights(const std::string& path, const RunConfig& config, DiT& dit, TextEncoder& text_encoder,
                   torch::ScalarType dtype = torch::kBFloat16);
 
+// Writes `path` atomically from parameters named as the trainers name them ("blocks.0.attn.q.weight"
+// for the DiT, "text_encoder.tokens.weight" for the caption encoder), cast to `dtype`.
+io::WrittenFile save_weights(const std::string& path, const RunConfig& config, const io::NamedTensors& parameters,
+                             torch::ScalarType dtype = torch::kBFloat16);
 // Rebuilds the model from `path` alone, on `device`, with parameters cast to `dtype`; both modules are
 // put in eval mode.
 TextToVideoModel load_weights(const std::string& path, torch::Device device = torch::kCPU,

@@ -88,6 +88,15 @@ class CPUMasterVideoDiT {
   // Host memory by component (the store's report) as a table.
   std::string host_memory_report() const;
 
+  // Checkpointing (train/checkpoint.h; synchronizes first). The blocks' master, m and v are views into
+  // the host store (nothing copied, so a checkpoint of a model that fills host RAM needs no second copy);
+  // the resident parameters' are CPU copies. load_training_state takes a state with the same names and
+  // shapes; when it is this trainer's own training_state() that a checkpoint was read into, the blocks'
+  // tensors are already in place. After it the next step() is the one the saved trainer would have
+  // taken, bit for bit on the CPU. Steps skipped for non-finite values are counted here too.
+  TrainingState training_state();
+  void load_training_state(const TrainingState& state);
+
  private:
   RunConfig config_;
   torch::Device device_;
@@ -96,6 +105,7 @@ class CPUMasterVideoDiT {
   std::unique_ptr<offload::StreamedStackTrainer> engine_;
   TokenGrid grid_;
   int64_t steps_done_ = 0;
+  int64_t skipped_total_ = 0, consecutive_skips_ = 0;
   double flops_per_step_ = 0.0, peak_flops_ = 0.0;
   std::string trace_path_;
 };

@@ -19,6 +19,11 @@
 //
 // fp16 compute: dynamic loss scaling; a non-finite gradient anywhere skips the whole step (no
 // update, AdamW step count unchanged) and halves the scale; loss_scale_window clean steps double it.
+// Non-finite gradients in any precision skip the step (StackStepResult::skipped): with deferred updates
+// nothing is updated; with immediate updates, which start before the global norm is known, the host
+// checks each block's gradient before updating it, and the first non-finite block and every block after
+// it in the step are left alone (blocks already updated keep their finite update), as is the resident
+// part. A non-finite loss makes every gradient non-finite, so such a step updates nothing in either mode.
 //
 // Memory: the trainer owns the store, the streamer and the resident optimizer; it shares ownership
 // of the model. After construction the blocks' own parameter tensors are empty: their values live in
@@ -91,6 +96,15 @@ class StreamedStackTrainer {
   bool deferred_updates() const;
   int64_t optimizer_steps() const { return adam_steps_; }  // updates taken (skipped steps excluded)
   double loss_scale() const { return loss_scale_; }
+  int64_t clean_steps() const { return clean_steps_; }
+  // Checkpoint resume: the counters above as they were saved.
+  void restore_counters(int64_t optimizer_steps, double loss_scale, int64_t clean_steps);
+  // LibTorch's AdamW of the resident parameters (nullptr when there are none).
+  torch::optim::AdamW* resident_optimizer();
+  // After a block's masters were rewritten in place (a checkpoint read into block_master's views):
+  // waits for pending updates, rounds every block's compute copy from its master and drops copies
+  // cached on the device.
+  void reload_blocks_from_masters();
   const HostParamStore& store() const { return *store_; }
   const WeightStreamer& streamer() const { return *streamer_; }
   int64_t streamed_parameter_count() const;

@@ -1,6 +1,8 @@
 // ResidentTrainer: the reference training loop — every weight and AdamW moment on the training device
 // (the GPU when there is one, else the CPU), LibTorch's torch::optim::AdamW.
 //
+// A step whose loss or gradient norm is not finite is skipped (no update; StepMetrics::skipped).
+//
 // One step: train.grad_accum_steps micro-batches (loss / accum each) of structured-motion clips, captions dropped to the empty prompt with probability
 // diffusion.caption_dropout, uniform DDPM timesteps, ε-prediction MSE, global-norm clipping, AdamW with
 // warmup then cosine or constant learning rate. Deterministic for a config (seeds train.seed and
@@ -19,6 +21,7 @@
 #include "megaslide/diffusion/ddpm.h"
 #include "megaslide/model/dit.h"
 #include "megaslide/model/text_encoder.h"
+#include "megaslide/train/checkpoint.h"
 
 namespace megaslide {
 
@@ -39,7 +42,9 @@ struct StepMetrics {
   int64_t peak_device_bytes = 0;    // GPU: allocator peak this step; CPU: the trainer's own accounting
   double mfu = 0.0;                 // GPU only: model FLOPs / (step time x peak); 0 elsewhere
   double loss_scale = 0.0;          // fp16 only: the loss scale used this step
-  bool skipped = false;             // fp16 only: an overflow skipped the update
+  bool skipped = false;             // a non-finite loss or gradient (fp16: an overflow) skipped the update
+  int64_t skipped_total = 0;        // steps skipped so far in the run
+  int64_t consecutive_skips = 0;    // skipped steps in a row, ending with this one
 };
 
 // One micro-batch of DDPM training data on a device.
@@ -58,6 +63,11 @@ class DiffusionBatchSource {
   DiffusionBatch next(torch::Device device);
   const CaptionTokenizer& tokenizer() const { return tokenizer_; }
   const DDPMSchedule& schedule() const { return schedule_; }
+  // The streams' position as JSON (clip order epoch and cursor, the caption-dropout engine, the
+  // timestep/noise generator), and its restoration: a source restored from state() draws exactly
+  // what the saved one would have drawn next. restore() throws std::invalid_argument on bad JSON.
+  std::string state() const;
+  void restore(const std::string& state);
 
  private:
   RunConfig config_;
@@ -91,7 +101,15 @@ class ResidentTrainer {
   int64_t parameter_count() const;
   int64_t tokens_per_sample() const { return grid_.numel(); }
 
+  // Checkpointing (train/checkpoint.h): the run's whole state as CPU copies, and its restoration from
+  // a state with the same names and shapes. After load_training_state the next step() is the one the
+  // saved trainer would have taken, bit for bit on the CPU.
+  TrainingState training_state();
+  void load_training_state(const TrainingState& state);
+
  private:
+  std::vector<std::pair<std::string, torch::Tensor>> named_parameters();
+
   RunConfig config_;
   torch::Device device_;
   DiffusionBatchSource batches_;  // the trainer's own random streams, not LibTorch's global one
@@ -101,6 +119,7 @@ class ResidentTrainer {
   std::vector<torch::Tensor> parameters_;
   TokenGrid grid_;
   int64_t steps_done_ = 0;
+  int64_t optimizer_steps_ = 0, skipped_total_ = 0, consecutive_skips_ = 0;
 };
 
 }  // namespace megaslide

@@ -38,7 +38,9 @@ class RunDirectory {
 
 class MetricsWriter {
  public:
-  explicit MetricsWriter(const std::string& path);  // truncates; throws OutputError
+  // Truncates `path`; or, with keep_through_step >= 0 (a resumed run), keeps its lines of steps up to
+  // that one and appends. Throws OutputError.
+  explicit MetricsWriter(const std::string& path, int64_t keep_through_step = -1);
   void write(const StepMetrics& m);                 // one line, flushed
 
  private:
@@ -49,7 +51,7 @@ class MetricsWriter {
 // The run log: a file plus the terminal (stderr).
 class TrainLog {
  public:
-  explicit TrainLog(const std::string& path);
+  explicit TrainLog(const std::string& path, bool append = false);
   ~TrainLog();
   void info(const std::string& message);
   void warn(const std::string& message);

@@ -1,0 +1,99 @@
+// Training checkpoints: everything needed to continue a run exactly where it stopped.
+//
+// Layout, under a run directory:
+//   DIR/checkpoints/step-0000200/model.safetensors       bf16 weights, the weights-file format
+//                                                         (io/weights.h): megaslide-sample reads it
+//                               master.safetensors      fp32 master weights  } keyed by parameter name:
+//                               exp_avg.safetensors     fp32 AdamW m         } "blocks.3.mlp.fc1.weight",
+//                               exp_avg_sq.safetensors  fp32 AdamW v         } "text_encoder.tokens.weight"
+//                               trainer_state.json      step, AdamW step count, loss scale, skip
+//                                                       counters, data position and RNG states, the
+//                                                       resolved config (YAML)
+//                               manifest.json           written last: every file's size and CRC-32
+//   DIR/checkpoints/latest                              the name of the newest complete checkpoint
+//
+// Saving is atomic at every level: the files go into a hidden temporary folder, each written to a
+// temporary name, fsynced and renamed; the manifest is written last; the folder is then renamed to
+// step-NNNNNNN and `latest` replaced by an atomic rename. A crash at any moment leaves the previous
+// checkpoint (and `latest`, which still names it) intact; a half-written folder is never named by
+// `latest`, has no manifest, and is ignored and cleaned up by the next save.
+//
+// Loading trusts nothing: the manifest must list every file with the right size and CRC-32, the
+// state's config must describe the same model and data as the run's, and each tensor file must hold
+// exactly the trainer's parameters with their shapes. Every failure is a CheckpointError naming the
+// file and, where there is one, the tensor or the key.
+//
+// Thread-safety: plain functions; one thread saves or loads a run's checkpoints at a time.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "megaslide/config/run_config.h"
+#include "megaslide/io/files.h"
+#include "megaslide/io/safetensors.h"
+
+namespace megaslide {
+
+class CheckpointError : public io::IoError {
+ public:
+  using io::IoError::IoError;
+};
+
+// What a trainer puts into a checkpoint and takes back from one. Tensor lists are parallel: the same
+// names in the same order, fp32, CPU (for the streamed trainer, views into its host store).
+struct TrainingState {
+  int64_t step = 0;             // optimizer steps done (the run's step counter)
+  int64_t optimizer_steps = 0;  // AdamW updates taken (steps minus skipped ones): bias correction
+  double loss_scale = 1.0;      // fp16 dynamic loss scale (1 otherwise)
+  int64_t clean_steps = 0;      // fp16: steps since the scale last changed
+  int64_t skipped_steps = 0;    // non-finite steps skipped so far
+  int64_t consecutive_skips = 0;
+  std::string data_state;       // DiffusionBatchSource::state(): data position and RNG states (JSON)
+  io::NamedTensors master, exp_avg, exp_avg_sq;
+};
+
+// LibTorch AdamW's state of one parameter as CPU fp32 copies (zeros and step 0 before its first
+// update), and its restoration (the state is created when missing): how the trainers put their
+// LibTorch-updated parameters into a TrainingState.
+struct AdamWMoments {
+  torch::Tensor exp_avg, exp_avg_sq;
+  int64_t step = 0;
+};
+AdamWMoments adamw_moments(torch::optim::AdamW& optimizer, const torch::Tensor& param);
+void set_adamw_moments(torch::optim::AdamW& optimizer, const torch::Tensor& param, const torch::Tensor& exp_avg,
+                       const torch::Tensor& exp_avg_sq, int64_t step);
+
+// "step-0000200".
+std::string checkpoint_name(int64_t step);
+
+// Writes a checkpoint of `state` under run_dir/checkpoints, points `latest` at it and returns its path.
+// An existing checkpoint of the same step is replaced only once the new one is complete. On failure
+// (no space, unwritable folder…) throws CheckpointError saying so and what is still intact; the
+// temporary folder is removed and `latest` still names the previous checkpoint.
+std::string save_checkpoint(const std::string& run_dir, const RunConfig& config, const TrainingState& state);
+
+// Removes the oldest complete checkpoints beyond the newest `keep_last` (0 keeps all), never the one
+// `latest` names, and leftover temporary folders of interrupted saves. Returns the removed paths.
+std::vector<std::string> prune_checkpoints(const std::string& run_dir, int64_t keep_last);
+
+// The checkpoint folder `spec` names: "latest" (run_dir/checkpoints/latest), or a path to a checkpoint
+// folder. Throws CheckpointError when there is none.
+std::string resolve_checkpoint(const std::string& run_dir, const std::string& spec);
+
+// The newest checkpoint `latest` names, or "" when the run has none.
+std::string latest_checkpoint(const std::string& run_dir);
+
+// Verifies the manifest (every file present, sizes and CRC-32s), parses the state and checks that its
+// config is compatible with `config` (model, data and diffusion sections, offload.compute_dtype; the
+// train section may differ, e.g. more steps), then reads master, m and v straight into `into`'s tensors,
+// whose names and shapes must match the files exactly. Fills `into`'s counters and data_state.
+void load_checkpoint(const std::string& path, const RunConfig& config, TrainingState& into);
+
+// Checks a checkpoint's manifest, sizes and checksums only; returns the path of its model.safetensors.
+std::string verify_checkpoint(const std::string& path);
+
+}  // namespace megaslide

@@ -1,0 +1,60 @@
+// A training run from start (or a checkpoint) to its last step: the loop megaslide-train drives, in
+// the library so that other drivers and the tests run exactly the same thing.
+//
+//   config -> trainer (streamed CPU-master, or resident with offload.enabled: false)
+//          -> [--resume: resolve, verify and load the checkpoint — nothing is written before this
+//              succeeds]
+//          -> run dir (config.yaml, train.log and metrics.jsonl, appended on resume after dropping
+//             lines past the checkpoint's step)
+//          -> steps, each logged; every train.checkpoint_every steps a checkpoint (train/checkpoint.h),
+//             train.keep_last kept; validation videos every train.sample_every steps;
+//             a stop request (SIGINT/SIGTERM in megaslide-train) ends the run after the current step
+//             with a checkpoint; a final checkpoint after the last step when checkpointing is on.
+//
+// Non-finite steps are skipped by the trainers and counted; train.max_consecutive_skips skipped steps
+// in a row stop the run with NonFiniteError (after saving nothing: the last good checkpoint stays
+// `latest`).
+//
+// Thread-safety: one thread runs a TrainingRun; `stop_requested` may be set from a signal handler.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "megaslide/config/run_config.h"
+
+namespace megaslide {
+
+// Too many consecutive non-finite steps.
+class NonFiniteError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct TrainingRunOptions {
+  std::string config_source = "config";  // for the log
+  std::string resume;                    // "", "latest" or a checkpoint folder
+  std::string trace_path;                // Chrome trace of step `trace_step` (streamed trainer)
+  int64_t trace_step = 2;
+  std::string export_weights;            // bf16 weights file written after the last step
+  const std::atomic<int>* stop_requested = nullptr;  // non-zero: save and stop after the current step
+};
+
+struct TrainingRunResult {
+  int64_t first_step = 0;     // steps already done when the run started (the checkpoint's step)
+  int64_t steps_done = 0;     // steps done when it ended
+  int stop_signal = 0;        // the value of *stop_requested that ended the run early, else 0
+  std::string last_checkpoint;  // the newest checkpoint written by this run ("" if none)
+};
+
+// Runs (or resumes) `config`. Throws ConfigError / CheckpointError for bad input (before writing
+// anything), OutputError when the run folder cannot be written, NonFiniteError as above.
+TrainingRunResult run_training(const RunConfig& config, const TrainingRunOptions& options);
+
+// `--resume` plus `--export-weights`: verifies the checkpoint and writes its bf16 weights (the weights
+// file format, io/weights.h) to `out` without building a trainer. Returns the checkpoint's path.
+std::string export_checkpoint_weights(const std::string& run_dir, const std::string& spec, const std::string& out);
+
+}  // namespace megaslide

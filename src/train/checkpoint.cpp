@@ -1,0 +1,295 @@
+#include "megaslide/train/checkpoint.h"
+
+#include <fmt/format.h>
+#include <unistd.h>
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "megaslide/io/weights.h"
+#include "megaslide/util/build_info.h"
+
+namespace megaslide {
+
+namespace {
+constexpr const char* kFormat = "megaslide.checkpoint";
+constexpr int kFormatVersion = 1;
+constexpr const char* kManifest = "manifest.json";
+constexpr const char* kState = "trainer_state.json";
+constexpr const char* kModel = "model.safetensors";
+const char* const kTensorFiles[3] = {"master.safetensors", "exp_avg.safetensors", "exp_avg_sq.safetensors"};
+constexpr const char* kTempPrefix = ".tmp-";
+
+std::string checkpoints_dir(const std::string& run_dir) { return io::join_path(run_dir, "checkpoints"); }
+
+[[noreturn]] void fail(const std::string& path, const std::string& problem) {
+  throw CheckpointError("checkpoint '" + path + "': " + problem);
+}
+
+bool is_checkpoint_name(const std::string& name) {
+  return name.size() == 12 && name.rfind("step-", 0) == 0 &&
+         std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+// The config keys a resumed run must share with its checkpoint: they fix the model's shape and the
+// data and noise streams. Everything else (steps, learning rate, logging, sampling) may change.
+bool must_match(const std::string& key) {
+  static const std::set<std::string> exact{"diffusion.timesteps",    "diffusion.beta_schedule", "diffusion.beta_start",
+                                           "diffusion.beta_end",     "diffusion.caption_dropout", "train.batch_size",
+                                           "train.seed",             "offload.compute_dtype"};
+  return key.rfind("model.", 0) == 0 || key.rfind("data.", 0) == 0 || exact.count(key) > 0;
+}
+
+YAML::Node lookup(const YAML::Node& root, const std::string& key) {
+  const auto dot = key.find('.');
+  return root[key.substr(0, dot)][key.substr(dot + 1)];
+}
+
+void check_config(const std::string& path, const std::string& saved_yaml, const RunConfig& config) {
+  RunConfig saved;
+  try {
+    saved = parse_run_config(saved_yaml, io::join_path(path, kState) + " (config)");
+  } catch (const ConfigError& e) {
+    fail(path, std::string("the saved config does not load: ") + e.what());
+  }
+  const YAML::Node a = YAML::Load(to_yaml(saved)), b = YAML::Load(to_yaml(config));
+  for (const auto& key : config_keys()) {
+    if (!must_match(key)) continue;
+    const std::string x = YAML::Dump(lookup(a, key)), y = YAML::Dump(lookup(b, key));
+    if (x != y)
+      fail(path, fmt::format("{}: {} is {} in the checkpoint but {} in this run's config; a run resumes only with the "
+                             "model, data and noise settings it was saved with",
+                             kState, key, x, y));
+  }
+}
+
+nlohmann::ordered_json manifest_entry(const io::WrittenFile& f) {
+  return {{"bytes", f.bytes}, {"crc32", fmt::format("{:08x}", f.crc32)}};
+}
+
+void write_tensor_files(const std::string& dir, const RunConfig& config, const TrainingState& state,
+                        nlohmann::ordered_json& files) {
+  TORCH_CHECK(state.master.size() == state.exp_avg.size() && state.master.size() == state.exp_avg_sq.size(),
+              "save_checkpoint: master, exp_avg and exp_avg_sq must list the same parameters");
+  const std::map<std::string, std::string> metadata{{"format", kFormat}, {"step", std::to_string(state.step)}};
+  files[kModel] = manifest_entry(save_weights(io::join_path(dir, kModel), config, state.master, torch::kBFloat16));
+  const io::NamedTensors* lists[3] = {&state.master, &state.exp_avg, &state.exp_avg_sq};
+  for (int i = 0; i < 3; ++i)
+    files[kTensorFiles[i]] = manifest_entry(io::write_safetensors(io::join_path(dir, kTensorFiles[i]), *lists[i], metadata));
+}
+}  // namespace
+
+AdamWMoments adamw_moments(torch::optim::AdamW& optimizer, const torch::Tensor& param) {
+  AdamWMoments out;
+  auto& state = optimizer.state();
+  auto it = state.find(param.unsafeGetTensorImpl());
+  if (it == state.end()) {
+    out.exp_avg = torch::zeros(param.sizes(), torch::kFloat32);
+    out.exp_avg_sq = torch::zeros(param.sizes(), torch::kFloat32);
+    return out;
+  }
+  auto& s = static_cast<torch::optim::AdamWParamState&>(*it->second);
+  out.exp_avg = s.exp_avg().detach().to(torch::kCPU, torch::kFloat32).clone();
+  out.exp_avg_sq = s.exp_avg_sq().detach().to(torch::kCPU, torch::kFloat32).clone();
+  out.step = s.step();
+  return out;
+}
+
+void set_adamw_moments(torch::optim::AdamW& optimizer, const torch::Tensor& param, const torch::Tensor& exp_avg,
+                       const torch::Tensor& exp_avg_sq, int64_t step) {
+  auto& state = optimizer.state();
+  auto key = param.unsafeGetTensorImpl();
+  if (step == 0) {  // LibTorch creates the state at the first update
+    state.erase(key);
+    return;
+  }
+  auto s = std::make_unique<torch::optim::AdamWParamState>();
+  s->step(step);
+  s->exp_avg(exp_avg.detach().to(param.device(), param.scalar_type()).clone());
+  s->exp_avg_sq(exp_avg_sq.detach().to(param.device(), param.scalar_type()).clone());
+  state[key] = std::move(s);
+}
+
+std::string checkpoint_name(int64_t step) { return fmt::format("step-{:07}", step); }
+
+std::string latest_checkpoint(const std::string& run_dir) {
+  const std::string pointer = io::join_path(checkpoints_dir(run_dir), "latest");
+  if (!io::path_exists(pointer)) return "";
+  std::string name = io::read_file(pointer);
+  while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+  if (!is_checkpoint_name(name)) fail(pointer, "does not name a checkpoint (expected step-NNNNNNN, found '" + name + "')");
+  return io::join_path(checkpoints_dir(run_dir), name);
+}
+
+std::string resolve_checkpoint(const std::string& run_dir, const std::string& spec) {
+  if (spec == "latest") {
+    const std::string path = latest_checkpoint(run_dir);
+    if (path.empty())
+      throw CheckpointError("--resume latest: run directory '" + run_dir + "' has no checkpoint (no " +
+                            io::join_path(checkpoints_dir(run_dir), "latest") + ")");
+    return path;
+  }
+  if (!io::is_directory(spec)) throw CheckpointError("checkpoint '" + spec + "' is not a folder");
+  return spec;
+}
+
+std::string save_checkpoint(const std::string& run_dir, const RunConfig& config, const TrainingState& state) {
+  const std::string root = checkpoints_dir(run_dir);
+  const std::string name = checkpoint_name(state.step);
+  const std::string final_path = io::join_path(root, name);
+  const std::string tmp = io::join_path(root, kTempPrefix + name + "-" + std::to_string(::getpid()));
+  const std::string previous = latest_checkpoint(run_dir);
+  try {
+    io::make_directories(root);
+    io::remove_tree(tmp);
+    io::make_directories(tmp);
+    nlohmann::ordered_json files = nlohmann::ordered_json::object();
+    write_tensor_files(tmp, config, state, files);
+
+    nlohmann::ordered_json s;
+    s["format"] = kFormat;
+    s["format_version"] = kFormatVersion;
+    s["megaslide_version"] = version();
+    s["step"] = state.step;
+    s["optimizer_steps"] = state.optimizer_steps;
+    s["loss_scale"] = state.loss_scale;
+    s["clean_steps"] = state.clean_steps;
+    s["skipped_steps"] = state.skipped_steps;
+    s["consecutive_skips"] = state.consecutive_skips;
+    s["data"] = nlohmann::ordered_json::parse(state.data_state.empty() ? "{}" : state.data_state);
+    s["config"] = to_yaml(config);
+    const std::string state_text = s.dump(2) + "\n";
+    {
+      io::AtomicFileWriter out(io::join_path(tmp, kState));
+      out.write(state_text.data(), state_text.size());
+      out.commit();
+      files[kState] = manifest_entry({out.bytes_written(), out.crc32()});
+    }
+    nlohmann::ordered_json manifest;
+    manifest["format"] = kFormat;
+    manifest["format_version"] = kFormatVersion;
+    manifest["step"] = state.step;
+    manifest["files"] = files;
+    io::write_file_atomically(io::join_path(tmp, kManifest), manifest.dump(2) + "\n");
+
+    // Same step saved again (a resumed run saving where it started): the old copy goes only once the
+    // new one is complete.
+    std::string replaced;
+    if (io::path_exists(final_path)) {
+      replaced = io::join_path(root, kTempPrefix + std::string("old-") + name + "-" + std::to_string(::getpid()));
+      io::rename_durably(final_path, replaced);
+    }
+    io::rename_durably(tmp, final_path);
+    io::write_file_atomically(io::join_path(root, "latest"), name + "\n");
+    if (!replaced.empty()) io::remove_tree(replaced);
+  } catch (const std::exception& e) {
+    try {
+      io::remove_tree(tmp);
+    } catch (...) {
+    }
+    const std::string intact = previous.empty() ? "there is no earlier checkpoint" : "the previous checkpoint " + previous + " is intact";
+    throw CheckpointError(fmt::format("saving checkpoint {} failed: {}; {}", final_path, e.what(), intact));
+  }
+  return final_path;
+}
+
+std::vector<std::string> prune_checkpoints(const std::string& run_dir, int64_t keep_last) {
+  const std::string root = checkpoints_dir(run_dir);
+  std::vector<std::string> removed;
+  if (!io::is_directory(root)) return removed;
+  const std::string latest = latest_checkpoint(run_dir);
+  std::vector<std::string> complete;
+  for (const auto& name : io::list_directory(root)) {
+    const std::string path = io::join_path(root, name);
+    if (name.rfind(kTempPrefix, 0) == 0) {
+      io::remove_tree(path);
+      removed.push_back(path);
+    } else if (is_checkpoint_name(name) && io::path_exists(io::join_path(path, kManifest))) {
+      complete.push_back(name);  // sorted: zero-padded steps
+    }
+  }
+  if (keep_last <= 0) return removed;
+  const int64_t excess = static_cast<int64_t>(complete.size()) - keep_last;
+  for (int64_t i = 0; i < excess; ++i) {
+    const std::string path = io::join_path(root, complete[static_cast<size_t>(i)]);
+    if (path == latest) continue;
+    io::remove_tree(path);
+    removed.push_back(path);
+  }
+  return removed;
+}
+
+std::string verify_checkpoint(const std::string& path) {
+  const std::string manifest_path = io::join_path(path, kManifest);
+  if (!io::path_exists(manifest_path)) fail(path, std::string("no ") + kManifest + " (an incomplete or interrupted save, or not a checkpoint)");
+  nlohmann::json manifest;
+  try {
+    manifest = nlohmann::json::parse(io::read_file(manifest_path));
+  } catch (const nlohmann::json::exception& e) {
+    fail(manifest_path, std::string("not valid JSON: ") + e.what());
+  }
+  if (!manifest.is_object() || manifest.value("format", "") != kFormat || !manifest.contains("files") || !manifest["files"].is_object())
+    fail(manifest_path, std::string("not a MegaSlide checkpoint manifest (expected format '") + kFormat + "' and a 'files' object)");
+  if (manifest.value("format_version", 0) != kFormatVersion)
+    fail(manifest_path, "format_version " + manifest["format_version"].dump() + " is not supported (this build reads " +
+                            std::to_string(kFormatVersion) + ")");
+  std::vector<std::string> required{kModel, kState};
+  for (const char* f : kTensorFiles) required.push_back(f);
+  for (const auto& file : required) {
+    if (!manifest["files"].contains(file)) fail(manifest_path, "does not list " + file);
+    const auto& entry = manifest["files"][file];
+    const std::string file_path = io::join_path(path, file);
+    if (!io::path_exists(file_path)) fail(path, file + " is missing");
+    if (!entry.is_object() || !entry.contains("bytes") || !entry["bytes"].is_number_unsigned() || !entry.contains("crc32") ||
+        !entry["crc32"].is_string())
+      fail(manifest_path, "entry for " + file + " needs 'bytes' and 'crc32'");
+    const uint64_t bytes = io::file_size(file_path);
+    if (bytes != entry["bytes"].get<uint64_t>())
+      fail(file_path, fmt::format("is {} bytes but the manifest says {} (truncated or replaced)", bytes, entry["bytes"].get<uint64_t>()));
+    const std::string crc = fmt::format("{:08x}", io::file_crc32(file_path));
+    if (crc != entry["crc32"].get<std::string>())
+      fail(file_path, "CRC-32 is " + crc + " but the manifest says " + entry["crc32"].get<std::string>() + " (the file is corrupted)");
+  }
+  return io::join_path(path, kModel);
+}
+
+void load_checkpoint(const std::string& path, const RunConfig& config, TrainingState& into) {
+  verify_checkpoint(path);
+  const std::string state_path = io::join_path(path, kState);
+  nlohmann::json s;
+  try {
+    s = nlohmann::json::parse(io::read_file(state_path));
+  } catch (const nlohmann::json::exception& e) {
+    fail(state_path, std::string("not valid JSON: ") + e.what());
+  }
+  auto field = [&](const char* key) -> const nlohmann::json& {
+    if (!s.is_object() || !s.contains(key)) fail(state_path, std::string("has no '") + key + "'");
+    return s[key];
+  };
+  try {
+    check_config(path, field("config").get<std::string>(), config);
+    into.step = field("step").get<int64_t>();
+    into.optimizer_steps = field("optimizer_steps").get<int64_t>();
+    into.loss_scale = field("loss_scale").get<double>();
+    into.clean_steps = field("clean_steps").get<int64_t>();
+    into.skipped_steps = field("skipped_steps").get<int64_t>();
+    into.consecutive_skips = field("consecutive_skips").get<int64_t>();
+    into.data_state = field("data").dump();
+  } catch (const nlohmann::json::exception& e) {
+    fail(state_path, std::string("a field has the wrong type: ") + e.what());
+  }
+  if (into.step < 0 || into.optimizer_steps < 0 || into.optimizer_steps > into.step)
+    fail(state_path, fmt::format("inconsistent counters: step {}, optimizer_steps {}", into.step, into.optimizer_steps));
+  const io::NamedTensors* lists[3] = {&into.master, &into.exp_avg, &into.exp_avg_sq};
+  for (int i = 0; i < 3; ++i) {
+    try {
+      io::read_safetensors_into(io::join_path(path, kTensorFiles[i]), *lists[i]);
+    } catch (const io::IoError& e) {
+      throw CheckpointError(e.what());
+    }
+  }
+}
+
+}  // namespace megaslide

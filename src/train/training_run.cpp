@@ -1,0 +1,214 @@
+#include "megaslide/train/training_run.h"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <fcntl.h>
+
+#include <cerrno>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "megaslide/diffusion/text_to_video.h"
+#include "megaslide/io/weights.h"
+#include "megaslide/offload/cpu_master_trainer.h"
+#include "megaslide/train/checkpoint.h"
+#include "megaslide/train/resident_trainer.h"
+#include "megaslide/train/run_outputs.h"
+#include "megaslide/util/build_info.h"
+
+namespace megaslide {
+
+namespace {
+
+// Either trainer behind one face.
+class Trainer {
+ public:
+  explicit Trainer(const RunConfig& config) {
+    if (config.offload.enabled) streamed_ = std::make_unique<CPUMasterVideoDiT>(config);
+    else resident_ = std::make_unique<ResidentTrainer>(config);
+  }
+  StepMetrics step() { return streamed_ ? streamed_->step() : resident_->step(); }
+  TrainingState state() { return streamed_ ? streamed_->training_state() : resident_->training_state(); }
+  void load(const TrainingState& s) { streamed_ ? streamed_->load_training_state(s) : resident_->load_training_state(s); }
+  int64_t parameter_count() const { return streamed_ ? streamed_->parameter_count() : resident_->parameter_count(); }
+  int64_t tokens_per_sample() const { return streamed_ ? streamed_->tokens_per_sample() : resident_->tokens_per_sample(); }
+  torch::Device device() const { return streamed_ ? streamed_->device() : resident_->device(); }
+  CPUMasterVideoDiT* streamed() { return streamed_.get(); }
+  void synchronize() {
+    if (streamed_) streamed_->synchronize();
+  }
+  // The model for sampling: the resident trainer's own modules, or a CPU copy of the streamed
+  // trainer's masters.
+  std::pair<DiT&, TextEncoder&> model(const RunConfig& config) {
+    if (resident_) return {resident_->model(), resident_->text_encoder()};
+    if (!snapshot_dit_) {
+      snapshot_dit_ = DiT(DiTOptions::from_config(config));
+      snapshot_text_ = TextEncoder(TextEncoderOptions(CaptionTokenizer().vocab_size(), config.model.text_dim, config.data.max_text_tokens));
+    }
+    streamed_->copy_weights_to(snapshot_dit_, snapshot_text_);
+    return {snapshot_dit_, snapshot_text_};
+  }
+
+ private:
+  std::unique_ptr<CPUMasterVideoDiT> streamed_;
+  std::unique_ptr<ResidentTrainer> resident_;
+  DiT snapshot_dit_{nullptr};
+  TextEncoder snapshot_text_{nullptr};
+};
+
+void copy_file_atomically(const std::string& from, const std::string& to) {
+  const int fd = ::open(from.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw io::IoError("cannot open '" + from + "': " + std::strerror(errno));
+  io::AtomicFileWriter out(to);
+  std::vector<char> buffer(size_t{8} << 20);
+  for (;;) {
+    const ssize_t n = ::read(fd, buffer.data(), buffer.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int saved = errno;
+      ::close(fd);
+      throw io::IoError("cannot read '" + from + "': " + std::strerror(saved));
+    }
+    if (n == 0) break;
+    out.write(buffer.data(), static_cast<size_t>(n));
+  }
+  ::close(fd);
+  out.commit();
+}
+
+}  // namespace
+
+std::string export_checkpoint_weights(const std::string& run_dir, const std::string& spec, const std::string& out) {
+  const std::string path = resolve_checkpoint(run_dir, spec);
+  const std::string weights = verify_checkpoint(path);
+  copy_file_atomically(weights, out);
+  return path;
+}
+
+TrainingRunResult run_training(const RunConfig& config, const TrainingRunOptions& options) {
+  const std::string& run_dir = config.output.run_dir;
+  const auto& train = config.train;
+  TrainingRunResult result;
+
+  // Everything that can refuse the input happens before the first byte is written.
+  std::string resume_path;
+  if (!options.resume.empty()) {
+    resume_path = resolve_checkpoint(run_dir, options.resume);
+    verify_checkpoint(resume_path);
+  } else if (const std::string existing = latest_checkpoint(run_dir); !existing.empty()) {
+    throw CheckpointError("run directory '" + run_dir + "' already holds a run with checkpoints (latest: " + existing +
+                          "); continue it with --resume latest, or choose another --run-dir");
+  }
+  Trainer trainer(config);
+  if (!resume_path.empty()) {
+    TrainingState state = trainer.state();
+    load_checkpoint(resume_path, config, state);
+    try {
+      trainer.load(state);
+    } catch (const std::invalid_argument& e) {
+      throw CheckpointError("checkpoint '" + resume_path + "': trainer_state.json: " + e.what());
+    }
+    result.first_step = state.step;
+  }
+
+  RunDirectory dir(run_dir, config);
+  TrainLog log(dir.file("train.log"), /*append=*/!resume_path.empty());
+  MetricsWriter metrics(dir.file("metrics.jsonl"), resume_path.empty() ? -1 : result.first_step);
+  log.info(build_summary());
+  log.info(fmt::format("config {} -> run dir {}", options.config_source, dir.path()));
+  log.info(fmt::format("model {} ({} parameters, text encoder included), {} tokens per sample, device {}, {} steps",
+                       to_string(config.model.arch), human_count(static_cast<double>(trainer.parameter_count())),
+                       trainer.tokens_per_sample(), trainer.device().str(), train.steps));
+  if (auto* streamed = trainer.streamed()) {
+    log.info(fmt::format("trainer: streamed CPU-master (offload.mode {}, compute {}, grad_accum_steps {}); host memory at start:\n{}",
+                         config.offload.mode, config.offload.compute_dtype, train.grad_accum_steps, streamed->host_memory_report()));
+  } else {
+    log.info("trainer: resident reference loop (offload.enabled: false)");
+  }
+  if (!options.trace_path.empty() && !trainer.streamed()) log.warn("--trace records the streamed trainer only (offload.enabled: true); ignored");
+  if (!resume_path.empty()) log.info(fmt::format("resumed from {} at step {}", resume_path, result.first_step));
+
+  int64_t last_saved = result.first_step;
+  auto save = [&](const char* why) {
+    trainer.synchronize();
+    const TrainingState state = trainer.state();
+    try {
+      result.last_checkpoint = save_checkpoint(run_dir, config, state);
+      last_saved = state.step;
+      log.info(fmt::format("step {}: checkpoint ({}) {}", state.step, why, result.last_checkpoint));
+      for (const auto& removed : prune_checkpoints(run_dir, train.keep_last)) log.info("removed old checkpoint " + removed);
+      return true;
+    } catch (const CheckpointError& e) {
+      log.warn(e.what());
+      return false;
+    }
+  };
+
+  const int64_t start = result.first_step;
+  ProgressLine progress(train.steps, train.log_every, config.output.progress);
+  double window = 0.0;
+  int64_t window_steps = 0;
+  result.steps_done = start;
+  for (int64_t i = start; i < train.steps; ++i) {
+    if (auto* streamed = trainer.streamed(); streamed && !options.trace_path.empty() && i + 1 == std::min(options.trace_step, train.steps))
+      streamed->trace_next_step(options.trace_path);
+    const StepMetrics m = trainer.step();
+    result.steps_done = m.step;
+    metrics.write(m);
+    progress.update(m);
+    if (m.skipped) {
+      log.warn(fmt::format("step {}: non-finite loss or gradient (loss {}, grad_norm {}); step skipped ({} in a row, {} in all)", m.step,
+                           m.loss, m.grad_norm, m.consecutive_skips, m.skipped_total));
+      if (train.max_consecutive_skips > 0 && m.consecutive_skips >= train.max_consecutive_skips) {
+        progress.finish();
+        throw NonFiniteError(fmt::format(
+            "stopping at step {}: {} consecutive steps had a non-finite loss or gradient (train.max_consecutive_skips: {}); "
+            "the weights were not updated by them. Lower train.lr, raise train.warmup_steps or set train.grad_clip; {}",
+            m.step, m.consecutive_skips, train.max_consecutive_skips,
+            result.last_checkpoint.empty() && latest_checkpoint(run_dir).empty()
+                ? std::string("there is no checkpoint to resume from")
+                : "the last checkpoint is " + latest_checkpoint(run_dir)));
+      }
+    }
+    if (train.sample_every > 0 && m.step % train.sample_every == 0) {
+      const auto samples = dir.file(fmt::format("samples/step-{:07}", m.step));
+      auto [dit, text] = trainer.model(config);
+      const auto files = write_validation_samples(samples, config, dit, text);
+      log.info(fmt::format("step {}: {} validation videos in {}", m.step, files.size(), samples));
+    }
+    window += m.loss;
+    ++window_steps;
+    if (m.step % train.log_every == 0 || m.step == train.steps) {
+      log.info(fmt::format("step {}/{} loss {:.5f} (mean of last {}: {:.5f}) lr {:.3g} grad_norm {:.3f} {:.3f} s/step", m.step, train.steps,
+                           m.loss, window_steps, window / static_cast<double>(window_steps), m.lr, m.grad_norm, m.step_time_s));
+      window = 0.0;
+      window_steps = 0;
+    }
+    if (options.stop_requested != nullptr && options.stop_requested->load() != 0) {
+      result.stop_signal = options.stop_requested->load();
+      progress.finish();
+      log.info(fmt::format("stop requested (signal {}) after step {}: saving a checkpoint", result.stop_signal, m.step));
+      if (!save("stop")) throw OutputError("could not save a checkpoint before stopping (see the warning above)");
+      log.info(fmt::format("stopped at step {}; continue with --resume latest", m.step));
+      return result;
+    }
+    if (train.checkpoint_every > 0 && m.step % train.checkpoint_every == 0 && m.step < train.steps) save("periodic");
+  }
+  progress.finish();
+  trainer.synchronize();
+  if (train.checkpoint_every > 0 && (last_saved != result.steps_done || result.last_checkpoint.empty()) && result.steps_done > start)
+    if (!save("final")) throw OutputError("could not save the final checkpoint (see the warning above)");
+  if (!options.trace_path.empty() && trainer.streamed())
+    log.info(fmt::format("trace of step {} in {}", std::min(options.trace_step, train.steps), options.trace_path));
+  log.info(fmt::format("done: {} steps; metrics in {}", result.steps_done, dir.file("metrics.jsonl")));
+  if (!options.export_weights.empty()) {
+    auto [dit, text] = trainer.model(config);
+    save_weights(options.export_weights, config, dit, text);
+    log.info(fmt::format("weights written to {}", options.export_weights));
+  }
+  return result;
+}
+
+}  // namespace megaslide

@@ -1,0 +1,393 @@
+// Checkpoints (train/checkpoint.h, train/training_run.h): exact resume for both trainers, atomic saves,
+// refusal of corrupt or mismatched checkpoints without touching the run's files, failed saves that keep
+// the previous checkpoint, pruning, and non-finite steps skipped and counted.
+#include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "megaslide/megaslide.h"
+
+using namespace megaslide;
+
+namespace {
+
+// 4 frames of 8x8 (64 tokens per clip), 2 blocks of hidden 16: a step takes milliseconds.
+RunConfig tiny(const std::string& dir, std::vector<std::string> extra = {}) {
+  std::vector<std::string> s{"model.layers=2", "model.dsa_kernel=[3,3,3]", "data.frames=4", "data.height=8", "data.width=8",
+                             "data.num_clips=16", "train.steps=8", "train.batch_size=2", "train.lr=3e-3", "train.warmup_steps=2",
+                             "train.device=cpu", "train.log_every=100", "offload.optimizer_threads=1", "output.progress=false",
+                             "output.run_dir=" + dir};
+  for (auto& e : extra) s.push_back(e);
+  return parse_run_config("", "test", s);
+}
+
+std::string fresh_dir(const std::string& name) {
+  auto dir = "/tmp/megaslide-test-ckpt-" + name + "-" + std::to_string(::getpid());
+  io::remove_tree(dir);
+  return dir;
+}
+
+std::vector<std::string> losses(const std::string& run_dir) {
+  std::vector<std::string> out;
+  std::ifstream in(io::join_path(run_dir, "metrics.jsonl"));
+  std::string line;
+  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line)["loss"].dump());  // exact decimal form
+  return out;
+}
+
+void flip_byte(const std::string& path, uint64_t offset) {
+  std::string bytes = io::read_file(path);
+  ASSERT_LT(offset, bytes.size());
+  bytes[offset] = static_cast<char>(bytes[offset] ^ 0x40);
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+}
+
+void truncate_file(const std::string& path, uint64_t keep) {
+  ASSERT_EQ(::truncate(path.c_str(), static_cast<off_t>(keep)), 0);
+}
+
+// Every file of a run folder outside checkpoints/, with its bytes.
+std::map<std::string, std::string> run_files(const std::string& dir) {
+  std::map<std::string, std::string> out;
+  for (const auto& name : io::list_directory(dir))
+    if (!io::is_directory(io::join_path(dir, name))) out[name] = io::read_file(io::join_path(dir, name));
+  return out;
+}
+
+}  // namespace
+
+TEST(Checkpoint, Crc32MatchesTheStandardCheckValue) {
+  // The CRC-32/ISO-HDLC check value (zlib, PNG): crc32("123456789") = 0xCBF43926, also when fed in pieces.
+  EXPECT_EQ(io::crc32("123456789", 9), 0xCBF43926u);
+  EXPECT_EQ(io::crc32("6789", 4, io::crc32("12345", 5)), 0xCBF43926u);
+  EXPECT_EQ(io::crc32("", 0), 0u);
+}
+
+TEST(Checkpoint, DataStreamsRestoredFromStateDrawTheSameBatches) {
+  const auto config = tiny("/tmp/unused");
+  DiffusionBatchSource a(config);
+  for (int i = 0; i < 11; ++i) a.next(torch::kCPU);  // past an epoch boundary (16 clips, 2 per batch)
+  DiffusionBatchSource b(config);
+  b.restore(a.state());
+  for (int i = 0; i < 5; ++i) {
+    auto x = a.next(torch::kCPU), y = b.next(torch::kCPU);
+    EXPECT_TRUE(torch::equal(x.x0, y.x0));
+    EXPECT_TRUE(torch::equal(x.noise, y.noise));
+    EXPECT_TRUE(torch::equal(x.timesteps, y.timesteps));
+    EXPECT_TRUE(torch::equal(x.text_ids, y.text_ids));
+  }
+  EXPECT_THROW(b.restore(R"({"epoch": 0, "cursor": 99, "caption_rng": "1", "generator": ""})"), std::invalid_argument);
+  EXPECT_THROW(b.restore("not json"), std::invalid_argument);
+}
+
+// Stopped at step 3 and resumed, a run logs the uninterrupted run's losses bit for bit: both trainers,
+// and with fp16 loss scaling (whose scale and counters are part of the state).
+class ExactResume : public ::testing::TestWithParam<std::vector<std::string>> {};
+
+TEST_P(ExactResume, ResumedRunLogsTheUninterruptedLossesBitForBit) {
+  const auto whole = fresh_dir("whole"), part = fresh_dir("part"), resumed = fresh_dir("resumed");
+  auto extra = GetParam();
+  extra.push_back("train.checkpoint_every=3");
+  run_training(tiny(whole, extra), {});
+  run_training(tiny(part, extra), {});
+  // The second run resumes in a new folder from the first run's step-3 checkpoint.
+  TrainingRunOptions options;
+  options.resume = io::join_path(part, "checkpoints/step-0000003");
+  const auto r = run_training(tiny(resumed, extra), options);
+  EXPECT_EQ(r.first_step, 3);
+  EXPECT_EQ(r.steps_done, 8);
+  const auto a = losses(whole), b = losses(resumed);
+  ASSERT_EQ(a.size(), 8u);
+  ASSERT_EQ(b.size(), 5u);
+  for (size_t i = 0; i < b.size(); ++i) EXPECT_EQ(a[i + 3], b[i]) << "step " << i + 4;
+  // The final checkpoints hold the same bits too.
+  for (const char* f : {"master.safetensors", "exp_avg.safetensors", "exp_avg_sq.safetensors", "model.safetensors"}) {
+    auto x = io::read_safetensors(io::join_path(whole, std::string("checkpoints/step-0000008/") + f));
+    auto y = io::read_safetensors(io::join_path(resumed, std::string("checkpoints/step-0000008/") + f));
+    ASSERT_EQ(x.tensors.size(), y.tensors.size()) << f;
+    for (size_t i = 0; i < x.tensors.size(); ++i) {
+      EXPECT_EQ(x.tensors[i].first, y.tensors[i].first) << f;
+      EXPECT_TRUE(torch::equal(x.tensors[i].second, y.tensors[i].second)) << f << " " << x.tensors[i].first;
+    }
+  }
+  for (const auto& d : {whole, part, resumed}) io::remove_tree(d);
+}
+
+INSTANTIATE_TEST_SUITE_P(Trainers, ExactResume,
+                         ::testing::Values(std::vector<std::string>{},                                     // streamed, bf16, deferred
+                                           std::vector<std::string>{"train.grad_clip=0"},                  // streamed, immediate
+                                           std::vector<std::string>{"offload.compute_dtype=fp16"},         // loss scaling
+                                           std::vector<std::string>{"offload.enabled=false"},              // resident
+                                           std::vector<std::string>{"train.grad_accum_steps=2"}));
+
+TEST(Checkpoint, LayoutManifestLatestAndKeepLast) {
+  const auto dir = fresh_dir("layout");
+  run_training(tiny(dir, {"train.checkpoint_every=2", "train.keep_last=2", "train.steps=7"}), {});
+  // Steps 2, 4, 6 periodic and 7 final; the newest two are kept; `latest` names the final one.
+  EXPECT_EQ(io::list_directory(io::join_path(dir, "checkpoints")),
+            (std::vector<std::string>{"latest", "step-0000006", "step-0000007"}));
+  EXPECT_EQ(latest_checkpoint(dir), io::join_path(dir, "checkpoints/step-0000007"));
+  EXPECT_EQ(io::list_directory(io::join_path(dir, "checkpoints/step-0000007")),
+            (std::vector<std::string>{"exp_avg.safetensors", "exp_avg_sq.safetensors", "manifest.json", "master.safetensors",
+                                      "model.safetensors", "trainer_state.json"}));
+  // The manifest's checksums are the files' CRC-32s; the weights file is what megaslide-sample loads.
+  const auto ckpt = io::join_path(dir, "checkpoints/step-0000007");
+  const auto manifest = nlohmann::json::parse(io::read_file(io::join_path(ckpt, "manifest.json")));
+  for (const auto& [file, entry] : manifest["files"].items()) {
+    EXPECT_EQ(entry["bytes"].get<uint64_t>(), io::file_size(io::join_path(ckpt, file))) << file;
+    char crc[16];
+    std::snprintf(crc, sizeof crc, "%08x", io::file_crc32(io::join_path(ckpt, file)));
+    EXPECT_EQ(entry["crc32"].get<std::string>(), crc) << file;
+  }
+  auto model = load_weights(io::join_path(ckpt, "model.safetensors"));
+  EXPECT_EQ(model.config.model.layers, 2);
+  auto state = nlohmann::json::parse(io::read_file(io::join_path(ckpt, "trainer_state.json")));
+  EXPECT_EQ(state["step"], 7);
+  EXPECT_EQ(state["optimizer_steps"], 7);
+  EXPECT_TRUE(state["data"].contains("generator"));
+  io::remove_tree(dir);
+}
+
+TEST(Checkpoint, CorruptTruncatedOrIncompleteCheckpointsAreRefusedAndTheRunFilesUntouched) {
+  const auto dir = fresh_dir("corrupt");
+  auto config = tiny(dir, {"train.checkpoint_every=4"});
+  run_training(config, {});
+  const auto before = run_files(dir);
+  const auto ckpt = latest_checkpoint(dir);
+  const auto master = io::join_path(ckpt, "master.safetensors");
+  const std::string original = io::read_file(master);
+  TrainingRunOptions resume;
+  resume.resume = "latest";
+  auto expect_refused = [&](const std::string& needle) {
+    try {
+      run_training(config, resume);
+      ADD_FAILURE() << "a damaged checkpoint was accepted";
+    } catch (const CheckpointError& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(run_files(dir), before) << "refusing a checkpoint must not touch the run's files";
+  };
+  flip_byte(master, original.size() / 2);  // one byte in the data section
+  expect_refused("master.safetensors");
+  expect_refused("CRC-32");
+  std::ofstream(master, std::ios::binary | std::ios::trunc) << original;
+  truncate_file(master, original.size() - 10);
+  expect_refused("truncated");
+  std::ofstream(master, std::ios::binary | std::ios::trunc) << original;
+  const auto manifest = io::read_file(io::join_path(ckpt, "manifest.json"));
+  ::unlink(io::join_path(ckpt, "manifest.json").c_str());
+  expect_refused("no manifest.json");
+  std::ofstream(io::join_path(ckpt, "manifest.json")) << manifest.substr(0, manifest.size() / 2);
+  expect_refused("manifest.json");
+  std::ofstream(io::join_path(ckpt, "manifest.json")) << manifest;
+  // Restored, it loads again.
+  EXPECT_EQ(run_training(config, resume).first_step, 8);
+  io::remove_tree(dir);
+}
+
+TEST(Checkpoint, MissingTensorShapeOrConfigMismatchNamesTheFileAndTheTensorOrKey) {
+  const auto dir = fresh_dir("mismatch");
+  auto config = tiny(dir);
+  ResidentTrainer trainer(config);
+  trainer.step();
+  auto state = trainer.training_state();
+  const std::string victim = state.master[3].first;
+
+  auto expect_load_error = [&](const TrainingState& saved, const RunConfig& load_config, const std::vector<std::string>& needles) {
+    io::remove_tree(dir);
+    const auto path = save_checkpoint(dir, config, saved);
+    ResidentTrainer fresh(load_config);
+    auto into = fresh.training_state();
+    try {
+      load_checkpoint(path, load_config, into);
+      ADD_FAILURE() << "accepted";
+    } catch (const CheckpointError& e) {
+      for (const auto& n : needles) EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what();
+    }
+  };
+  auto missing = state;
+  missing.master.erase(missing.master.begin() + 3);
+  missing.exp_avg.erase(missing.exp_avg.begin() + 3);
+  missing.exp_avg_sq.erase(missing.exp_avg_sq.begin() + 3);
+  expect_load_error(missing, config, {"master.safetensors", victim, "missing"});
+  auto reshaped = state;
+  reshaped.master[3].second = torch::zeros({7, 3});
+  expect_load_error(reshaped, config, {"master.safetensors", victim, "shape"});
+  expect_load_error(state, tiny(dir, {"model.hidden=32", "model.heads=2"}), {"trainer_state.json", "model.hidden"});
+  expect_load_error(state, tiny(dir, {"train.seed=5"}), {"train.seed"});
+  io::remove_tree(dir);
+}
+
+TEST(Checkpoint, FailedSaveKeepsThePreviousCheckpointAndSaysSo) {
+  const auto dir = fresh_dir("failsave");
+  auto config = tiny(dir);
+  ResidentTrainer trainer(config);
+  trainer.step();
+  const auto first = save_checkpoint(dir, config, trainer.training_state());
+  trainer.step();
+  // A file-size limit makes write(2) fail with EFBIG part-way through, as a full disk fails with ENOSPC.
+  struct rlimit old {};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old), 0);
+  auto previous_handler = std::signal(SIGXFSZ, SIG_IGN);
+  struct rlimit small = old;
+  small.rlim_cur = 32 * 1024;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+  try {
+    save_checkpoint(dir, config, trainer.training_state());
+    ADD_FAILURE() << "the save should have failed";
+  } catch (const CheckpointError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("step-0000002"), std::string::npos) << what;
+    EXPECT_NE(what.find("previous checkpoint " + first + " is intact"), std::string::npos) << what;
+  }
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &old), 0);
+  std::signal(SIGXFSZ, previous_handler);
+  EXPECT_EQ(latest_checkpoint(dir), first);
+  EXPECT_EQ(io::list_directory(io::join_path(dir, "checkpoints")), (std::vector<std::string>{"latest", "step-0000001"}))
+      << "no temporary folder may be left behind";
+  ResidentTrainer fresh(config);
+  auto into = fresh.training_state();
+  load_checkpoint(first, config, into);
+  EXPECT_EQ(into.step, 1);
+
+  // An unwritable checkpoints folder (a file in its place) fails the same way, naming the path.
+  const auto other = fresh_dir("failsave2");
+  io::make_directories(other);
+  std::ofstream(io::join_path(other, "checkpoints")) << "not a folder";
+  EXPECT_THROW(save_checkpoint(other, config, trainer.training_state()), CheckpointError);
+  io::remove_tree(dir);
+  io::remove_tree(other);
+}
+
+TEST(Checkpoint, InterruptedSaveLeavesLatestOnTheCompleteOneAndIsCleanedUp) {
+  const auto dir = fresh_dir("crash");
+  auto config = tiny(dir);
+  ResidentTrainer trainer(config);
+  trainer.step();
+  const auto first = save_checkpoint(dir, config, trainer.training_state());
+  // What a crash in the middle of the next save leaves: a temporary folder with some files, no manifest.
+  const auto partial = io::join_path(dir, "checkpoints/.tmp-step-0000002-1");
+  io::make_directories(partial);
+  std::ofstream(io::join_path(partial, "master.safetensors.tmp")) << "half a file";
+  EXPECT_EQ(latest_checkpoint(dir), first);
+  // A folder named like a checkpoint but without its manifest (a crash between rename and manifest cannot
+  // happen, but a hand-made copy can) is refused, not trusted.
+  io::make_directories(io::join_path(dir, "checkpoints/step-0000009"));
+  EXPECT_THROW(verify_checkpoint(io::join_path(dir, "checkpoints/step-0000009")), CheckpointError);
+  const auto removed = prune_checkpoints(dir, 3);
+  EXPECT_EQ(removed, std::vector<std::string>{partial});
+  TrainingRunOptions resume;
+  resume.resume = "latest";
+  EXPECT_EQ(run_training(tiny(dir, {"train.steps=2"}), resume).first_step, 1);
+  io::remove_tree(dir);
+}
+
+TEST(Checkpoint, FreshRunRefusesAFolderThatHoldsCheckpoints) {
+  const auto dir = fresh_dir("fresh");
+  run_training(tiny(dir, {"train.checkpoint_every=8"}), {});
+  try {
+    run_training(tiny(dir), {});
+    ADD_FAILURE() << "a fresh run overwrote a run with checkpoints";
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("--resume latest"), std::string::npos) << e.what();
+  }
+  try {
+    TrainingRunOptions none;
+    none.resume = "latest";
+    run_training(tiny(fresh_dir("empty")), none);
+    ADD_FAILURE() << "--resume latest without a checkpoint was accepted";
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("has no checkpoint"), std::string::npos) << e.what();
+  }
+  io::remove_tree(dir);
+}
+
+// Non-finite steps: a NaN planted in a resident weight makes the loss NaN; the step must update nothing
+// (every master and moment keeps its bits) and be counted; removing the NaN lets training go on.
+class NonFinite : public ::testing::TestWithParam<std::vector<std::string>> {};
+
+TEST_P(NonFinite, NonFiniteStepUpdatesNothingAndIsCounted) {
+  auto config = tiny("/tmp/unused", GetParam());
+  CPUMasterVideoDiT trainer(config);
+  trainer.step();
+  auto& weight = trainer.stack().model()->final_proj->weight;
+  const auto saved_weight = weight.detach().clone();
+  {
+    torch::NoGradGuard no_grad;
+    weight[0][0].fill_(std::numeric_limits<float>::quiet_NaN());
+  }
+  const auto before = trainer.training_state();
+  std::vector<torch::Tensor> copies;
+  for (const auto* list : {&before.master, &before.exp_avg, &before.exp_avg_sq})
+    for (const auto& [name, t] : *list) copies.push_back(t.clone());
+  auto m = trainer.step();
+  EXPECT_TRUE(m.skipped);
+  EXPECT_EQ(m.skipped_total, 1);
+  EXPECT_EQ(m.consecutive_skips, 1);
+  auto after = trainer.training_state();
+  EXPECT_EQ(after.optimizer_steps, before.optimizer_steps);
+  size_t k = 0;
+  for (const auto* list : {&after.master, &after.exp_avg, &after.exp_avg_sq})
+    for (const auto& [name, t] : *list) {
+      const auto& was = copies[k++];
+      EXPECT_TRUE(torch::equal(t.isnan(), was.isnan()) && torch::equal(t.nan_to_num(), was.nan_to_num())) << name;
+    }
+  EXPECT_TRUE(trainer.step().skipped);
+  {
+    torch::NoGradGuard no_grad;
+    weight.copy_(saved_weight);
+  }
+  m = trainer.step();
+  EXPECT_FALSE(m.skipped);
+  EXPECT_EQ(m.skipped_total, 2);
+  EXPECT_EQ(m.consecutive_skips, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, NonFinite,
+                         ::testing::Values(std::vector<std::string>{},                     // deferred updates (clipping)
+                                           std::vector<std::string>{"train.grad_clip=0"},  // immediate updates
+                                           std::vector<std::string>{"offload.compute_dtype=fp32", "train.grad_accum_steps=2"}));
+
+TEST(Checkpoint, ResidentTrainerSkipsNonFiniteSteps) {
+  auto config = tiny("/tmp/unused", {"offload.enabled=false"});
+  ResidentTrainer trainer(config);
+  trainer.step();
+  {
+    torch::NoGradGuard no_grad;
+    trainer.model()->final_proj->weight[0][0].fill_(std::numeric_limits<float>::infinity());
+  }
+  const auto before = trainer.model()->blocks[0]->parameters()[0].detach().clone();
+  const auto m = trainer.step();
+  EXPECT_TRUE(m.skipped);
+  EXPECT_EQ(m.skipped_total, 1);
+  EXPECT_TRUE(torch::equal(before, trainer.model()->blocks[0]->parameters()[0]));
+}
+
+TEST(Checkpoint, RunStopsAfterMaxConsecutiveNonFiniteSteps) {
+  // A checkpoint whose final projection holds a NaN: every step from it has a NaN loss.
+  const auto dir = fresh_dir("diverge");
+  auto config = tiny(dir, {"train.steps=20", "train.max_consecutive_skips=3"});
+  ResidentTrainer trainer(config);
+  trainer.step();
+  auto state = trainer.training_state();
+  for (auto& [name, t] : state.master)
+    if (name == "final_proj.weight") t[0][0] = std::numeric_limits<float>::quiet_NaN();
+  const auto poisoned = save_checkpoint(dir, config, state);
+  TrainingRunOptions resume;
+  resume.resume = "latest";
+  try {
+    run_training(config, resume);
+    ADD_FAILURE() << "a run of non-finite steps did not stop";
+  } catch (const NonFiniteError& e) {
+    EXPECT_NE(std::string(e.what()).find("3 consecutive steps"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("train.max_consecutive_skips"), std::string::npos) << e.what();
+  }
+  const auto lines = losses(dir);
+  EXPECT_EQ(lines.size(), 3u);  // steps 2, 3, 4, all skipped
+  EXPECT_EQ(latest_checkpoint(dir), poisoned) << "nothing is saved from a run stopped for non-finite steps";
+  io::remove_tree(dir);
+}
