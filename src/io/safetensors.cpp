@@ -146,10 +146,21 @@ SafetensorsHeader parse_header(const std::string& path, const File& file) {
   }
   std::sort(header.entries.begin(), header.entries.end(),
             [](const SafetensorsEntry& a, const SafetensorsEntry& b) { return a.begin != b.begin ? a.begin < b.begin : a.end < b.end; });
-  for (size_t i = 1; i < header.entries.size(); ++i) {
-    const auto &prev = header.entries[i - 1], &cur = header.entries[i];
-    if (cur.begin < prev.end) fail_tensor(path, cur.name, "bytes overlap those of tensor '" + prev.name + "'");
+  // As the reference implementation requires: the tensors cover the data section exactly, back to back
+  // (a gap or trailing bytes mean the file is not what its header says: damaged, or appended to).
+  uint64_t covered = 0;
+  for (size_t i = 0; i < header.entries.size(); ++i) {
+    const auto& cur = header.entries[i];
+    if (i > 0 && cur.begin < header.entries[i - 1].end)
+      fail_tensor(path, cur.name, "bytes overlap those of tensor '" + header.entries[i - 1].name + "'");
+    if (cur.begin != covered)
+      fail_tensor(path, cur.name, "data starts at byte " + std::to_string(cur.begin) + " of the data section, expected " +
+                                      std::to_string(covered) + " (a gap between tensors)");
+    covered = cur.end;
   }
+  if (covered != data_size)
+    fail(path, "the tensors cover " + std::to_string(covered) + " bytes of the data section but it holds " + std::to_string(data_size) +
+                   " (trailing bytes)");
   return header;
 }
 
