@@ -21,7 +21,8 @@ CUDA_EXTRA_WHEELS=(nvidia-cusparselt-cu13==0.8.0 nvidia-nvshmem-cu13==3.4.5 nvid
 DEBIAN_PACKAGES=(build-essential cmake ninja-build ccache pkg-config
                  libfmt-dev libspdlog-dev libyaml-cpp-dev libcli11-dev
                  libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev
-                 libavformat-dev libavcodec-dev libswscale-dev libavutil-dev ffmpeg)
+                 libavformat-dev libavcodec-dev libswscale-dev libavutil-dev ffmpeg
+                 clang)  # clang: the libFuzzer tests (tests/fuzz/)
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"

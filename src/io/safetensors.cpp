@@ -88,7 +88,7 @@ SafetensorsHeader parse_header(const std::string& path, const File& file) {
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {  // parse_error, and out_of_range for a number that overflows (found by fuzz.safetensors)
     fail(path, std::string("header is not valid JSON: ") + e.what());
   }
   if (!j.is_object()) fail(path, "header is not a JSON object");

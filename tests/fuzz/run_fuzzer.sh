@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Builds one libFuzzer target with clang (AddressSanitizer + UndefinedBehaviorSanitizer) and runs it for
+# a bounded time from the committed corpus (tests/corpus/NAME). ctest runs it as fuzz.NAME; by hand:
+#   tests/fuzz/run_fuzzer.sh run_config|safetensors SECONDS SOURCE_DIR BUILD_DIR TORCH_PREFIX [CLANGXX]
+# A finding (crash, sanitizer report, an exception other than the parser's own) fails the run and
+# leaves the input in BUILD_DIR/fuzz/ as crash-* for a regression corpus entry.
+set -euo pipefail
+name=$1 seconds=$2 src=$3 build=$4 torch=$5 cxx=${6:-clang++}
+out=$build/fuzz
+mkdir -p "$out"
+bin=$out/fuzz_$name
+flags=(-std=c++17 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -I"$src/include")
+case $name in
+  run_config) sources=("$src/tests/fuzz/fuzz_run_config.cpp" "$src/src/config/run_config.cpp"); libs=(-lyaml-cpp) ;;
+  safetensors)
+    sources=("$src/tests/fuzz/fuzz_safetensors.cpp" "$src/src/io/safetensors.cpp" "$src/src/io/files.cpp")
+    flags+=(-isystem "$torch/include" -isystem "$torch/include/torch/csrc/api/include")
+    libs=(-L"$torch/lib" -Wl,-rpath,"$torch/lib" -ltorch_cpu -lc10) ;;
+  *) echo "run_fuzzer.sh: unknown target '$name' (run_config | safetensors)" >&2; exit 2 ;;
+esac
+stale=0
+[ -x "$bin" ] || stale=1
+for s in "${sources[@]}" "$src"/include/megaslide/config/run_config.h "$src"/include/megaslide/io/*.h; do
+  [ "$s" -nt "$bin" ] && stale=1
+done
+if [ $stale = 1 ]; then
+  echo "building $bin with $cxx"
+  "$cxx" "${flags[@]}" "${sources[@]}" "${libs[@]}" -o "$bin"
+fi
+# The corpus is copied: libFuzzer adds the inputs it finds to its corpus folder.
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+cp "$src/tests/corpus/$name"/* "$work/"
+cd "$out"
+ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1 "$bin" -max_total_time="$seconds" -seed=1 -rss_limit_mb=4096 \
+  -timeout=10 -print_final_stats=1 "$work"
