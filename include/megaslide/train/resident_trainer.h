@@ -45,6 +45,7 @@ struct StepMetrics {
 // One micro-batch of DDPM training data on a device.
 struct DiffusionBatch {
   torch::Tensor x0, noise, timesteps, xt;  // video [B, C, T, H, W] and timesteps [B] (int64)
+  torch::Tensor target;                    // what the loss compares the model's output with (diffusion.prediction)
   torch::Tensor text_ids, text_mask;       // [B, L] int64 and bool
 };
 
@@ -65,6 +66,7 @@ class DiffusionBatchSource {
   EpochSampler sampler_;
   CaptionTokenizer tokenizer_;
   DDPMSchedule schedule_;
+  Prediction prediction_;
   std::mt19937_64 caption_rng_;
   at::Generator generator_;
   torch::Device schedule_device_ = torch::kCPU;
