@@ -2,7 +2,7 @@
 // (the GPU when there is one, else the CPU), LibTorch's torch::optim::AdamW.
 //
 // One step: train.grad_accum_steps micro-batches (loss / accum each) of structured-motion clips, captions dropped to the empty prompt with probability
-// diffusion.caption_dropout, uniform DDPM timesteps, ε-prediction MSE, global-norm clipping, AdamW with
+// diffusion.caption_dropout, uniform DDPM timesteps, MSE against the diffusion.prediction target (DiffusionBatch::target: ε, v or x0), global-norm clipping, AdamW with
 // warmup then cosine or constant learning rate. Deterministic for a config (seeds train.seed and
 // data.seed) on the CPU.
 //
