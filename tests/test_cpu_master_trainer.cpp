@@ -89,6 +89,21 @@ TEST(CPUMasterVideoDiT, StreamedEqualsResidentForEachDiT) {
   }
 }
 
+TEST(CPUMasterVideoDiT, StreamedEqualsResidentForEachPredictionTarget) {
+  // diffusion.prediction reaches both trainers through the shared batch source: the same targets, the
+  // same losses, the same weights. The targets differ, so the losses must too.
+  std::vector<double> first_losses;
+  for (std::string prediction : {"epsilon", "v", "x0"}) {
+    SCOPED_TRACE(prediction);
+    auto config = tiny_run(Architecture::kDense3D, {"train.grad_clip=0", "diffusion.prediction=" + prediction});
+    expect_streamed_matches_resident(config, 3, kWeightTolerance);
+    first_losses.push_back(ResidentTrainer(config).step().loss);
+  }
+  EXPECT_NE(first_losses[0], first_losses[1]);
+  EXPECT_NE(first_losses[0], first_losses[2]);
+  EXPECT_NE(first_losses[1], first_losses[2]);
+}
+
 TEST(CPUMasterVideoDiT, ClippingMatchesTheResidentReference) {
   // A small clip norm so that every step is clipped (the updates are deferred to after the backward).
   auto config = tiny_run(Architecture::kMegaSlide, {"train.grad_clip=0.05"});

@@ -1,4 +1,4 @@
-// DDPMSchedule: tables equal their closed forms; add_noise is sqrt(ᾱ) x0 + sqrt(1-ᾱ) ε.
+// DDPMSchedule: tables equal their closed forms; add_noise is sqrt(ᾱ) x0 + sqrt(1-ᾱ) ε; the ε, v and x0 training targets.
 #include "megaslide/diffusion/ddpm.h"
 
 #include <gtest/gtest.h>
@@ -51,4 +51,25 @@ TEST(DDPM, SampledTimestepsCoverTheRange) {
   auto t = s.sample_timesteps(2000, torch::kCPU);
   EXPECT_EQ(t.min().item<int64_t>(), 0);
   EXPECT_EQ(t.max().item<int64_t>(), 9);
+}
+
+TEST(DDPM, TrainingTargetsAreNoiseVAndX0) {
+  // v = sqrt(ᾱ_t)·ε − sqrt(1−ᾱ_t)·x0 with ᾱ_t from an independent running product of the linear β;
+  // ε and x0 targets are the inputs themselves.
+  DDPMSchedule s(1000, BetaSchedule::kLinear);
+  torch::manual_seed(2);
+  auto x0 = torch::rand({3, 2, 2, 2, 2}) * 2 - 1, noise = torch::randn({3, 2, 2, 2, 2});
+  auto t = torch::tensor({0, 400, 999}, torch::kLong);
+  EXPECT_TRUE(torch::equal(s.target(megaslide::Prediction::kEpsilon, x0, noise, t), noise));
+  EXPECT_TRUE(torch::equal(s.target(megaslide::Prediction::kX0, x0, noise, t), x0));
+  auto v = s.target(megaslide::Prediction::kV, x0, noise, t);
+  for (int64_t i = 0; i < 3; ++i) {
+    double abar = 1.0;
+    for (int64_t k = 0; k <= t[i].item<int64_t>(); ++k) abar *= 1.0 - (1e-4 + (0.02 - 1e-4) * static_cast<double>(k) / 999.0);
+    auto expected = std::sqrt(abar) * noise[i] - std::sqrt(1 - abar) * x0[i];
+    EXPECT_TRUE(torch::allclose(v[i], expected, 0, 1e-6)) << "t = " << t[i].item<int64_t>();
+  }
+  EXPECT_EQ(megaslide::parse_prediction("v"), megaslide::Prediction::kV);
+  EXPECT_STREQ(megaslide::to_string(megaslide::parse_prediction("x0")), "x0");
+  EXPECT_THROW(megaslide::parse_prediction("eps"), c10::Error);
 }

@@ -1,5 +1,5 @@
 // megaslide-train --export-weights -> megaslide-sample -> megaslide-eval, end to end: VBench file names,
-// H.264 MP4s of the model's size and length, index.json, identical reruns, PNG frames, scores; and bad
+// H.264 MP4s of the model's size and length, index.json, identical reruns, streamed sampling byte-identical, PNG frames, scores; and bad
 // input refused with exit code 2, naming the file, writing nothing.
 #include <gtest/gtest.h>
 
@@ -98,6 +98,12 @@ TEST(MegaslideSample, WritesVBenchNamedH264VideosAnIndexAndRerunsIdentically) {
   r = run("megaslide-sample", args + " --batch-size 1");
   ASSERT_EQ(r.code, 0) << r.output;
   for (const auto& [file, bytes] : first_bytes) EXPECT_EQ(megaslide::io::read_file(join_path(out, file)), bytes) << file;
+  // Streamed sampling (the DiT's blocks through the WeightStreamer, fp32) gives the resident videos, byte
+  // for byte.
+  r = run("megaslide-sample", args + " --batch-size 3 --streamed on");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("blocks streamed"), std::string::npos) << r.output;
+  for (const auto& [file, bytes] : first_bytes) EXPECT_EQ(megaslide::io::read_file(join_path(out, file)), bytes) << "streamed: " << file;
 
   auto e = run("megaslide-eval", out);
   ASSERT_EQ(e.code, 0) << e.output;
@@ -129,6 +135,7 @@ TEST(MegaslideSample, BadInputExitsTwoNamingItAndWritesNothing) {
   expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + out + " --samples-per-prompt 0", "--samples-per-prompt");
   expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + out + " --sampler euler", "--sampler");
   expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + out + " --steps 5000", "--steps");
+  expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + out + " --streamed maybe", "--streamed");
   expect_refused("--checkpoint " + weights() + " --prompts " + prompts, "--out");
 
   auto e = run("megaslide-eval", out);

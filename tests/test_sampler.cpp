@@ -1,6 +1,7 @@
 // Samplers: respacing, the schedule tables against closed forms (including Bayes' rule for the Gaussian
 // posterior, derived independently of the code's formulas), classifier-free guidance, DDIM(η = 1) =
-// DDPM, per-sample seeding, and sampling a known Gaussian data distribution with its exact ε-predictor.
+// DDPM, per-sample seeding, sampling a known Gaussian data distribution with its exact ε-predictor, and
+// the same sampling with the exact v- and x0-predictors.
 #include "megaslide/diffusion/sampler.h"
 
 #include <gtest/gtest.h>
@@ -36,21 +37,34 @@ Conditioning random_text(int64_t batch, int64_t tokens, uint64_t seed) {
   return c;
 }
 
-// ε-predictor that is exact for data x0 ~ N(mu, s²) i.i.d. per element: E[ε | x_t] =
-// sqrt(1−ᾱ)·(x_t − sqrt(ᾱ)·mu) / (ᾱ·s² + 1 − ᾱ). It ignores the text, so guidance does not change it.
+// Predictor that is exact for data x0 ~ N(mu, s²) i.i.d. per element: E[ε | x_t] =
+// sqrt(1−ᾱ)·(x_t − sqrt(ᾱ)·mu) / (ᾱ·s² + 1 − ᾱ), E[x0 | x_t] = mu + sqrt(ᾱ)·s²·(x_t − sqrt(ᾱ)·mu) / (ᾱ·s² + 1 − ᾱ)
+// (Gaussian conditioning, computed here independently of the ε form), and E[v | x_t] = sqrt(ᾱ)·E[ε] −
+// sqrt(1−ᾱ)·E[x0]. The ε form in float32 as before; x0 and v in float64, returned as float32. It ignores
+// the text, so guidance does not change it.
 class GaussianOracle final : public megaslide::Denoiser {
  public:
-  GaussianOracle(const DDPMSchedule& s, double mu, double sd) : abar_(s.alphas_cumprod()), mu_(mu), sd_(sd) {}
-  torch::Tensor predict_noise(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor&, const torch::Tensor&) override {
+  GaussianOracle(const DDPMSchedule& s, double mu, double sd, megaslide::Prediction prediction = megaslide::Prediction::kEpsilon)
+      : abar_(s.alphas_cumprod()), mu_(mu), sd_(sd), prediction_(prediction) {}
+  torch::Tensor predict(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor&, const torch::Tensor&) override {
     ++calls;
-    auto a = abar_.index_select(0, t).to(torch::kFloat32).view({-1, 1, 1, 1, 1});
-    return (1 - a).sqrt() * (x - a.sqrt() * mu_) / (a * sd_ * sd_ + 1 - a);
+    if (prediction_ == megaslide::Prediction::kEpsilon) {
+      auto a = abar_.index_select(0, t).to(torch::kFloat32).view({-1, 1, 1, 1, 1});
+      return (1 - a).sqrt() * (x - a.sqrt() * mu_) / (a * sd_ * sd_ + 1 - a);
+    }
+    auto a = abar_.index_select(0, t).view({-1, 1, 1, 1, 1});
+    auto xd = x.to(torch::kFloat64), denom = a * sd_ * sd_ + 1 - a;
+    auto x0 = mu_ + a.sqrt() * sd_ * sd_ * (xd - a.sqrt() * mu_) / denom;
+    if (prediction_ == megaslide::Prediction::kX0) return x0.to(torch::kFloat32);
+    auto eps = (1 - a).sqrt() * (xd - a.sqrt() * mu_) / denom;
+    return (a.sqrt() * eps - (1 - a).sqrt() * x0).to(torch::kFloat32);
   }
   int calls = 0;
 
  private:
   torch::Tensor abar_;
   double mu_, sd_;
+  megaslide::Prediction prediction_;
 };
 
 }  // namespace
@@ -125,18 +139,18 @@ TEST(Sampler, GuidanceScaleOneIsTheConditionalPredictionAndScaleMixesLinearly) {
   auto t = torch::tensor({17, 640}, torch::kLong);
   auto cond = random_text(2, 4, 7), uncond = random_text(1, 2, 8);
   // Separate, unbatched references: the conditional pass, and the unconditional one (batch-1 text
-  // broadcast by hand, padded to the conditional length as guided_noise does).
-  auto eps_c = denoiser.predict_noise(x, t, cond.text, cond.mask);
+  // broadcast by hand, padded to the conditional length as guided_prediction does).
+  auto eps_c = denoiser.predict(x, t, cond.text, cond.mask);
   auto ut = torch::cat({uncond.text, torch::zeros({1, 2, 8})}, 1).expand({2, 4, 8});
   auto um = torch::cat({uncond.mask, torch::zeros({1, 2}, torch::kBool)}, 1).expand({2, 4});
-  auto eps_u = denoiser.predict_noise(x, t, ut, um);
+  auto eps_u = denoiser.predict(x, t, ut, um);
   ASSERT_GT((eps_c - eps_u).abs().max().item<double>(), 1e-3) << "the text must matter for this test to mean anything";
   // Batched and unbatched float32 matmuls round differently (measured: 1.5e-6 of the largest |ε|), so
   // agreement is asked to 1e-5 of the largest |ε|, times (1 + 2s) for the mix.
   const double tol = 1e-5 * eps_c.abs().max().item<double>();
-  EXPECT_TRUE(torch::allclose(megaslide::guided_noise(denoiser, x, t, cond, uncond, 1.0), eps_c, 0, 3 * tol));
-  EXPECT_TRUE(torch::allclose(megaslide::guided_noise(denoiser, x, t, cond, uncond, 0.0), eps_u, 0, tol));
-  EXPECT_TRUE(torch::allclose(megaslide::guided_noise(denoiser, x, t, cond, uncond, 7.5), eps_u + 7.5 * (eps_c - eps_u), 0, 16 * tol));
+  EXPECT_TRUE(torch::allclose(megaslide::guided_prediction(denoiser, x, t, cond, uncond, 1.0), eps_c, 0, 3 * tol));
+  EXPECT_TRUE(torch::allclose(megaslide::guided_prediction(denoiser, x, t, cond, uncond, 0.0), eps_u, 0, tol));
+  EXPECT_TRUE(torch::allclose(megaslide::guided_prediction(denoiser, x, t, cond, uncond, 7.5), eps_u + 7.5 * (eps_c - eps_u), 0, 16 * tol));
 }
 
 TEST(Sampler, DdimWithEtaOneIsAncestralDdpm) {
@@ -230,4 +244,35 @@ TEST(Sampler, ExactPredictorGivesTheSamplersPredictedGaussian) {
       }
     }
   }
+}
+
+TEST(Sampler, ExactPredictorsOfEpsilonVAndX0SampleTheSameVideos) {
+  // The three parameterisations of one exact model are the same function of x_t, so every sampler must
+  // turn them into the same samples, draw for draw (same seeds), up to float32 rounding; clamping is on,
+  // as for pixel models (data N(0.3, 0.5²), so some x0 predictions are clamped).
+  DDPMSchedule train(1000, BetaSchedule::kLinear);
+  Conditioning cond{torch::zeros({3, 1, 8}), torch::ones({3, 1}, torch::kBool)};
+  using megaslide::Prediction;
+  for (auto kind : {SamplerKind::kDDPM, SamplerKind::kDDIM}) {
+    for (int64_t steps : {30, 100}) {
+      auto opts = SamplerOptions().kind(kind).steps(steps).guidance_scale(7.5).eta(kind == SamplerKind::kDDIM ? 0.5 : 0.0);
+      std::vector<torch::Tensor> out;
+      for (auto p : {Prediction::kEpsilon, Prediction::kV, Prediction::kX0}) {
+        GaussianOracle oracle(train, 0.3, 0.5, p);
+        out.push_back(
+            megaslide::sample(oracle, train, SamplerOptions(opts).prediction(p), {1, 4, 16, 16}, {7, 8, 9}, cond, cond, torch::kCPU));
+      }
+      const std::string what = std::string(megaslide::to_string(kind)) + " " + std::to_string(steps) + " steps";
+      ASSERT_GT(out[0].std().item<double>(), 0.1) << what << ": the samples must vary";
+      ASSERT_TRUE((out[0].abs() > 0.999999).any().item<bool>()) << what << ": some x0 predictions were clamped";
+      EXPECT_TRUE(torch::allclose(out[1], out[0], 0, 1e-4)) << what << ", v vs ε: " << (out[1] - out[0]).abs().max().item<double>();
+      EXPECT_TRUE(torch::allclose(out[2], out[0], 0, 1e-4)) << what << ", x0 vs ε: " << (out[2] - out[0]).abs().max().item<double>();
+    }
+  }
+  // The test can fail: a v-model sampled as if it predicted ε gives other videos.
+  GaussianOracle v_oracle(train, 0.3, 0.5, Prediction::kV), eps_oracle(train, 0.3, 0.5, Prediction::kEpsilon);
+  auto opts = SamplerOptions().steps(30);
+  auto right = megaslide::sample(eps_oracle, train, opts, {1, 4, 16, 16}, {7, 8, 9}, cond, cond, torch::kCPU);
+  auto wrong = megaslide::sample(v_oracle, train, opts, {1, 4, 16, 16}, {7, 8, 9}, cond, cond, torch::kCPU);
+  EXPECT_GT((right - wrong).abs().max().item<double>(), 0.1);
 }

@@ -49,7 +49,7 @@ class SampleProgress {
 
 int main(int argc, char** argv) {
   CLI::App app{"megaslide-sample: text-to-video sampling into VBench's layout (docs/sampling.md)"};
-  std::string checkpoint, prompts_path, out_dir, sampler = "ddpm", device_spec = "auto";
+  std::string checkpoint, prompts_path, out_dir, sampler = "ddpm", device_spec = "auto", streamed = "auto", stream_dtype = "fp32";
   int64_t samples_per_prompt = 5, batch_size = 4, fps = 8, crf = 17, upscale = 1, threads = 0;
   int64_t steps = 0;          // 0: the checkpoint config's diffusion.sample_steps
   double guidance = -1.0;     // < 0: the checkpoint config's diffusion.guidance_scale
@@ -82,6 +82,14 @@ int main(int argc, char** argv) {
   app.add_flag("--png", png, "also write every frame as DIR/frames/{prompt}-{index}/NNN.png");
   app.add_option("--device", device_spec, "auto, cpu, cuda or cuda:N")
       ->capture_default_str();
+  app.add_option("--streamed", streamed,
+                 "stream the DiT's blocks through the WeightStreamer: on, off, or auto (when its weights exceed half the "
+                 "device's free memory; never on the CPU)")
+      ->check(CLI::IsMember({"auto", "on", "off"}))
+      ->capture_default_str();
+  app.add_option("--stream-dtype", stream_dtype, "streamed blocks' weights and activations: fp32 (as resident), bf16 or fp16")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
+      ->capture_default_str();
   app.add_option("--threads", threads, "LibTorch intra-op threads (0: its default)")->check(CLI::NonNegativeNumber);
   app.add_flag("--no-progress", no_progress, "no progress bar");
   app.set_version_flag("--version", megaslide::build_summary());
@@ -96,11 +104,15 @@ int main(int argc, char** argv) {
   std::vector<megaslide::eval::SampleJob> jobs;
   megaslide::TextToVideoModel model;
   torch::Device device = torch::kCPU;
+  bool stream = false;
   try {
     auto prompts = megaslide::eval::read_prompt_file(prompts_path);
     jobs = megaslide::eval::plan_vbench_samples(prompts, samples_per_prompt, seed);
     device = megaslide::resolve_device(device_spec);
-    model = megaslide::load_weights(checkpoint, device);
+    model = megaslide::load_weights(checkpoint);  // on the CPU; moved below, whole or all but the blocks
+    int64_t weight_bytes = 0;
+    for (const auto& p : model.dit->parameters()) weight_bytes += static_cast<int64_t>(p.nbytes());
+    stream = megaslide::offload::should_stream(megaslide::offload::parse_stream_choice(streamed), device, weight_bytes);
     if (model.config.data.height * upscale % 2 != 0 || model.config.data.width * upscale % 2 != 0)
       throw std::invalid_argument(fmt::format("the model's frames are {}x{} (W x H); H.264 needs even sizes: use --upscale 2",
                                               model.config.data.width, model.config.data.height));
@@ -113,16 +125,24 @@ int main(int argc, char** argv) {
 
   try {
     if (threads > 0) torch::set_num_threads(static_cast<int>(threads));
-    megaslide::TextToVideo generator(std::move(model), device);
+    std::shared_ptr<megaslide::Denoiser> denoiser;
+    if (stream) {
+      megaslide::offload::StreamedDenoiserOptions so;
+      so.device = device;
+      so.compute_dtype = megaslide::offload::parse_compute_dtype(stream_dtype);
+      denoiser = std::make_shared<megaslide::offload::StreamedDenoiser>(model.dit, so);
+    }
+    megaslide::TextToVideo generator(std::move(model), device, denoiser);
     auto options = generator.default_options().kind(megaslide::parse_sampler_kind(sampler)).eta(eta);
     if (steps > 0) options.steps(steps);
     if (guidance >= 0) options.guidance_scale(guidance);
     const auto video_options = megaslide::io::VideoWriteOptions().fps(fps).crf(crf);
 
     megaslide::io::make_directories(out_dir);
-    std::cerr << fmt::format("megaslide-sample: {} prompt(s) x {} -> {} videos in {} ({} {} steps, guidance {}, device {})\n",
+    std::cerr << fmt::format("megaslide-sample: {} prompt(s) x {} -> {} videos in {} ({} {} steps, guidance {}, device {}, {})\n",
                              jobs.size() / static_cast<size_t>(samples_per_prompt), samples_per_prompt, jobs.size(), out_dir,
-                             megaslide::to_string(options.kind()), options.steps(), options.guidance_scale(), device.str());
+                             megaslide::to_string(options.kind()), options.steps(), options.guidance_scale(), device.str(),
+                             stream ? "blocks streamed, " + stream_dtype : std::string("resident"));
     SampleProgress progress(static_cast<int64_t>(jobs.size()), !no_progress);
     for (size_t start = 0; start < jobs.size(); start += static_cast<size_t>(batch_size)) {
       const size_t end = std::min(jobs.size(), start + static_cast<size_t>(batch_size));

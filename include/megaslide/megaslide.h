@@ -23,6 +23,7 @@
 #include "megaslide/offload/host_param_store.h"
 #include "megaslide/offload/stack_trainer.h"
 #include "megaslide/offload/step_trace.h"
+#include "megaslide/offload/streamed_denoiser.h"
 #include "megaslide/offload/streamed_model.h"
 #include "megaslide/offload/weight_streamer.h"
 #include "megaslide/train/checkpoint.h"

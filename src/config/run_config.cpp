@@ -241,6 +241,7 @@ class Schema {
     real("diffusion.beta_start", c.diffusion.beta_start, RealRange{0.0, 1.0, true, true});
     real("diffusion.beta_end", c.diffusion.beta_end, RealRange{0.0, 1.0, true, true});
     real("diffusion.caption_dropout", c.diffusion.caption_dropout, RealRange{0.0, 1.0});
+    choice("diffusion.prediction", c.diffusion.prediction, {"epsilon", "v", "x0"});
     integer("diffusion.sample_steps", c.diffusion.sample_steps, IntRange{1});
     real("diffusion.guidance_scale", c.diffusion.guidance_scale, RealRange{0.0});
     // train

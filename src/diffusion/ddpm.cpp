@@ -10,6 +10,22 @@ BetaSchedule parse_beta_schedule(const std::string& name) {
   TORCH_CHECK(false, "unknown beta schedule '", name, "' (expected linear or cosine)");
 }
 
+Prediction parse_prediction(const std::string& name) {
+  if (name == "epsilon") return Prediction::kEpsilon;
+  if (name == "v") return Prediction::kV;
+  if (name == "x0") return Prediction::kX0;
+  TORCH_CHECK(false, "unknown prediction '", name, "' (expected epsilon, v or x0)");
+}
+
+const char* to_string(Prediction prediction) {
+  switch (prediction) {
+    case Prediction::kEpsilon: return "epsilon";
+    case Prediction::kV: return "v";
+    case Prediction::kX0: return "x0";
+  }
+  return "?";
+}
+
 DDPMSchedule::DDPMSchedule(int64_t timesteps, BetaSchedule schedule, double beta_start, double beta_end)
     : timesteps_(timesteps) {
   TORCH_CHECK(timesteps >= 2, "DDPMSchedule: need at least 2 timesteps, got ", timesteps);
@@ -44,12 +60,27 @@ torch::Tensor DDPMSchedule::add_noise(const torch::Tensor& x0, const torch::Tens
   return (abar.sqrt() * x0.to(torch::kFloat64) + (1 - abar).sqrt() * noise.to(torch::kFloat64)).to(x0.scalar_type());
 }
 
+torch::Tensor DDPMSchedule::target(Prediction prediction, const torch::Tensor& x0, const torch::Tensor& noise,
+                                   const torch::Tensor& t) const {
+  TORCH_CHECK(x0.sizes() == noise.sizes(), "target: x0 ", x0.sizes(), " and noise ", noise.sizes(), " differ");
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == x0.size(0), "target: expected timesteps [B] with B = ", x0.size(0));
+  switch (prediction) {
+    case Prediction::kEpsilon: return noise;
+    case Prediction::kX0: return x0;
+    case Prediction::kV: break;
+  }
+  std::vector<int64_t> shape(static_cast<size_t>(x0.dim()), 1);
+  shape[0] = x0.size(0);
+  auto abar = alphas_cumprod_.to(x0.device()).index_select(0, t.to(x0.device())).view(shape);
+  return (abar.sqrt() * noise.to(torch::kFloat64) - (1 - abar).sqrt() * x0.to(torch::kFloat64)).to(x0.scalar_type());
+}
+
 torch::Tensor DDPMSchedule::sample_timesteps(int64_t batch, torch::Device device, std::optional<at::Generator> generator) const {
   return torch::randint(0, timesteps_, {batch}, generator, torch::TensorOptions().dtype(torch::kLong)).to(device);
 }
 
-torch::Tensor epsilon_loss(const torch::Tensor& predicted, const torch::Tensor& noise) {
-  return torch::mse_loss(predicted.to(torch::kFloat32), noise.to(torch::kFloat32));
+torch::Tensor diffusion_loss(const torch::Tensor& predicted, const torch::Tensor& target) {
+  return torch::mse_loss(predicted.to(torch::kFloat32), target.to(torch::kFloat32));
 }
 
 }  // namespace megaslide

@@ -39,20 +39,20 @@ SamplingSchedule::SamplingSchedule(const DDPMSchedule& train, const std::vector<
 
 ResidentDenoiser::ResidentDenoiser(DiT model) : model_(std::move(model)) {}
 
-torch::Tensor ResidentDenoiser::predict_noise(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& text,
-                                              const torch::Tensor& text_mask) {
+torch::Tensor ResidentDenoiser::predict(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& text,
+                                        const torch::Tensor& text_mask) {
   torch::NoGradGuard no_grad;
   return model_->forward(x, t, text, text_mask);
 }
 
-torch::Tensor guided_noise(Denoiser& denoiser, const torch::Tensor& x, const torch::Tensor& t, const Conditioning& cond,
+torch::Tensor guided_prediction(Denoiser& denoiser, const torch::Tensor& x, const torch::Tensor& t, const Conditioning& cond,
                            const Conditioning& uncond, double scale) {
   const int64_t B = x.size(0);
-  TORCH_CHECK(cond.text.dim() == 3 && cond.text.size(0) == B, "guided_noise: cond.text must be [B, L, D] with B = ", B, ", got ",
+  TORCH_CHECK(cond.text.dim() == 3 && cond.text.size(0) == B, "guided_prediction: cond.text must be [B, L, D] with B = ", B, ", got ",
               cond.text.sizes());
   TORCH_CHECK(uncond.text.dim() == 3 && (uncond.text.size(0) == B || uncond.text.size(0) == 1) &&
                   uncond.text.size(2) == cond.text.size(2),
-              "guided_noise: uncond.text must be [B or 1, L, D] matching cond.text ", cond.text.sizes(), ", got ", uncond.text.sizes());
+              "guided_prediction: uncond.text must be [B or 1, L, D] matching cond.text ", cond.text.sizes(), ", got ", uncond.text.sizes());
   // Pad the shorter token axis so the two can share one batch; padding is masked out.
   auto expand = [&](const Conditioning& c, int64_t L) {
     auto text = c.text.expand({B, c.text.size(1), c.text.size(2)});
@@ -68,9 +68,19 @@ torch::Tensor guided_noise(Denoiser& denoiser, const torch::Tensor& x, const tor
   auto [ct, cm] = expand(cond, L);
   auto [ut, um] = expand(uncond, L);
   torch::NoGradGuard no_grad;
-  auto eps = denoiser.predict_noise(torch::cat({x, x}), torch::cat({t, t}), torch::cat({ct, ut}), torch::cat({cm, um}));
-  auto eps_c = eps.slice(0, 0, B), eps_u = eps.slice(0, B);
-  return eps_u + scale * (eps_c - eps_u);
+  auto out = denoiser.predict(torch::cat({x, x}), torch::cat({t, t}), torch::cat({ct, ut}), torch::cat({cm, um}));
+  auto out_c = out.slice(0, 0, B), out_u = out.slice(0, B);
+  return out_u + scale * (out_c - out_u);
+}
+
+torch::Tensor predicted_x0(Prediction prediction, const torch::Tensor& output, const torch::Tensor& x, double abar) {
+  TORCH_CHECK(abar > 0 && abar <= 1, "predicted_x0: ᾱ must be in (0, 1], got ", abar);
+  switch (prediction) {
+    case Prediction::kEpsilon: return (1.0 / std::sqrt(abar)) * x - std::sqrt(1.0 / abar - 1.0) * output;
+    case Prediction::kV: return std::sqrt(abar) * x - std::sqrt(1.0 - abar) * output;
+    case Prediction::kX0: return output;
+  }
+  TORCH_CHECK(false, "predicted_x0: unknown prediction");
 }
 
 SamplerKind parse_sampler_kind(const std::string& name) {
@@ -112,9 +122,9 @@ torch::Tensor sample(Denoiser& denoiser, const DDPMSchedule& schedule, const Sam
   auto x = per_sample_noise(generators, sample_shape, device);
   for (int64_t i = S - 1; i >= 0; --i) {
     auto t = torch::full({B}, timesteps[i], torch::TensorOptions().dtype(torch::kLong).device(device));
-    auto eps = guided_noise(denoiser, x, t, cond, uncond, options.guidance_scale()).to(torch::kFloat32);
+    auto out = guided_prediction(denoiser, x, t, cond, uncond, options.guidance_scale()).to(torch::kFloat32);
     const double sqrt_recip = 1.0 / std::sqrt(abar[i]), sqrt_recipm1 = std::sqrt(1.0 / abar[i] - 1.0);
-    auto x0 = sqrt_recip * x - sqrt_recipm1 * eps;
+    auto x0 = predicted_x0(options.prediction(), out, x, abar[i]);
     if (options.clip_denoised()) x0 = x0.clamp(-1.0, 1.0);
     torch::Tensor z;
     if (i > 0) z = per_sample_noise(generators, sample_shape, device);

@@ -16,7 +16,7 @@ TextToVideo::TextToVideo(TextToVideoModel model, torch::Device device, std::shar
                 model_.config.diffusion.beta_start, model_.config.diffusion.beta_end),
       denoiser_(std::move(denoiser)),
       codec_(std::move(codec)) {
-  model_.dit->to(device_);
+  if (!denoiser_) model_.dit->to(device_);  // a given denoiser places the DiT itself (StreamedDenoiser keeps blocks on the host)
   model_.text_encoder->to(device_);
   model_.dit->eval();
   model_.text_encoder->eval();
@@ -25,7 +25,10 @@ TextToVideo::TextToVideo(TextToVideoModel model, torch::Device device, std::shar
 }
 
 SamplerOptions TextToVideo::default_options() const {
-  return SamplerOptions().steps(model_.config.diffusion.sample_steps).guidance_scale(model_.config.diffusion.guidance_scale);
+  return SamplerOptions()
+      .steps(model_.config.diffusion.sample_steps)
+      .guidance_scale(model_.config.diffusion.guidance_scale)
+      .prediction(parse_prediction(model_.config.diffusion.prediction));
 }
 
 std::vector<int64_t> TextToVideo::sample_shape() const {

@@ -121,11 +121,11 @@ StepMetrics CPUMasterVideoDiT::step() {
   const double lr = learning_rate(t, steps_done_);
   DiT& model = stack_->model();
   TextEncoder& text_encoder = stack_->text_encoder();
-  torch::Tensor noise, t_emb;
+  torch::Tensor target, t_emb;
   TokenGrid grid;
   auto prologue = [&] {
     auto b = batches_.next(device_);
-    noise = b.noise;
+    target = b.target;
     auto text = text_encoder(b.text_ids);
     auto e = model->embed(b.xt, b.timesteps, text, b.text_mask);
     t_emb = e.t_emb;
@@ -137,7 +137,7 @@ StepMetrics CPUMasterVideoDiT::step() {
     return in;
   };
   auto epilogue = [&](const torch::Tensor& last_hidden) {
-    return epsilon_loss(model->head(last_hidden, t_emb, grid), noise);
+    return diffusion_loss(model->head(last_hidden, t_emb, grid), target);
   };
   std::unique_ptr<offload::StepTrace> trace;
   if (!trace_path_.empty()) {

@@ -45,6 +45,7 @@ DiffusionBatchSource::DiffusionBatchSource(const RunConfig& config)
       sampler_(config.data.num_clips, config.train.seed),
       schedule_(config.diffusion.timesteps, parse_beta_schedule(config.diffusion.beta_schedule), config.diffusion.beta_start,
                 config.diffusion.beta_end),
+      prediction_(parse_prediction(config.diffusion.prediction)),
       caption_rng_(config.train.seed ^ 0x5DEECE66Dull),
       generator_(at::detail::createCPUGenerator(config.train.seed)) {}
 
@@ -116,6 +117,7 @@ DiffusionBatch DiffusionBatchSource::next(torch::Device device) {
   // Noise is drawn on the CPU so that a run's random stream is the same on every device.
   b.noise = torch::randn(clips.video.sizes(), generator_, torch::kFloat32).to(device);
   b.xt = schedule_.add_noise(b.x0, b.noise, b.timesteps);
+  b.target = schedule_.target(prediction_, b.x0, b.noise, b.timesteps);
   b.text_ids = tokens.ids.to(device);
   b.text_mask = tokens.mask.to(device);
   return b;
@@ -198,7 +200,7 @@ StepMetrics ResidentTrainer::step() {
   for (int64_t k = 0; k < accum; ++k) {
     auto b = batches_.next(device_);
     auto text = text_encoder_(b.text_ids);
-    auto loss = epsilon_loss(model_(b.xt, b.timesteps, text, b.text_mask), b.noise);
+    auto loss = diffusion_loss(model_(b.xt, b.timesteps, text, b.text_mask), b.target);
     (accum == 1 ? loss : loss / static_cast<double>(accum)).backward();
     loss_sum += loss.item<double>();  // synchronises with the device, so the timing below is complete
   }

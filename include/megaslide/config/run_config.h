@@ -70,6 +70,7 @@ struct DiffusionConfig {
   double beta_start = 1e-4;
   double beta_end = 0.02;
   double caption_dropout = 0.1;          // probability of training on the empty prompt (for CFG)
+  std::string prediction = "epsilon";    // what the model predicts and the loss compares: epsilon | v | x0
   int64_t sample_steps = 30;
   double guidance_scale = 7.5;
 };

@@ -1,4 +1,7 @@
-// DDPM noise schedule and the ε-prediction training objective (DESIGN.md §7).
+// DDPM noise schedule and the training objective (DESIGN.md §7): the model predicts ε (the default),
+// v = sqrt(ᾱ_t)·ε − sqrt(1−ᾱ_t)·x0 (Salimans & Ho) or x0 itself (diffusion.prediction); the loss is the
+// mean squared error against that target. The three are affine in each other given x_t, so the samplers
+// convert any of them to (x0̂, ε̂) (sampler.h).
 //
 // Tables are computed and stored in float64 on the CPU; to(device) copies them.
 // Thread-safety: immutable after construction.
@@ -12,6 +15,11 @@ namespace megaslide {
 
 enum class BetaSchedule { kLinear, kCosine };
 BetaSchedule parse_beta_schedule(const std::string& name);  // "linear" | "cosine"
+
+// What the model outputs (and is trained to output).
+enum class Prediction { kEpsilon, kV, kX0 };
+Prediction parse_prediction(const std::string& name);  // "epsilon" | "v" | "x0"
+const char* to_string(Prediction prediction);
 
 class DDPMSchedule {
  public:
@@ -28,6 +36,10 @@ class DDPMSchedule {
   // x_t = sqrt(ᾱ_t) x0 + sqrt(1 - ᾱ_t) ε for integer timesteps t [B]; x0, noise [B, ...].
   torch::Tensor add_noise(const torch::Tensor& x0, const torch::Tensor& noise, const torch::Tensor& t) const;
 
+  // The training target for x_t = add_noise(x0, noise, t): noise (ε), sqrt(ᾱ_t)·noise − sqrt(1−ᾱ_t)·x0 (v)
+  // or x0, in x0's dtype (computed in float64).
+  torch::Tensor target(Prediction prediction, const torch::Tensor& x0, const torch::Tensor& noise, const torch::Tensor& t) const;
+
   // Uniform integer timesteps in [0, T) for a batch, drawn on the CPU from `generator` (LibTorch's
   // global generator when none) and moved to `device`.
   torch::Tensor sample_timesteps(int64_t batch, torch::Device device, std::optional<at::Generator> generator = std::nullopt) const;
@@ -37,7 +49,9 @@ class DDPMSchedule {
   torch::Tensor betas_, alphas_cumprod_;
 };
 
-// Mean squared error between predicted and true noise.
-torch::Tensor epsilon_loss(const torch::Tensor& predicted, const torch::Tensor& noise);
+// Mean squared error between the prediction and its target (in float32).
+torch::Tensor diffusion_loss(const torch::Tensor& predicted, const torch::Tensor& target);
+// The ε-objective: diffusion_loss against the true noise.
+inline torch::Tensor epsilon_loss(const torch::Tensor& predicted, const torch::Tensor& noise) { return diffusion_loss(predicted, noise); }
 
 }  // namespace megaslide

@@ -1,13 +1,16 @@
-// Samplers for trained ε-prediction models (DESIGN.md §7): ancestral DDPM over respaced timesteps and
-// DDIM, both with classifier-free guidance.
+// Samplers for trained diffusion models (DESIGN.md §7): ancestral DDPM over respaced timesteps and
+// DDIM, both with classifier-free guidance, for models that predict ε, v or x0 (ddpm.h's Prediction).
+// Guidance mixes the model's raw outputs; since each parameterisation is affine in the others given x_t,
+// that is the same mix whichever the model predicts, and the steps below use the x0 it implies.
 //
 //   SamplingSchedule  the training schedule restricted to S of its T timesteps (improved-diffusion's
 //                     respacing: ᾱ is kept at the chosen timesteps, β is recomputed between them), with
 //                     the posterior tables of q(x_{s-1} | x_s, x0) in float64
-//   Denoiser          the one function a sampler needs: ε̂(x_t, t, text). ResidentDenoiser wraps a DiT
-//                     that fits the device; a streamed denoiser (weights block by block through the
-//                     WeightStreamer, forward only) will implement the same interface.
-//   guided_noise      ε̂ = ε_u + s·(ε_c − ε_u), the conditional and unconditional passes in one batch
+//   Denoiser          the one function a sampler needs: the model's output at (x_t, t, text).
+//                     ResidentDenoiser wraps a DiT that fits the device; StreamedDenoiser
+//                     (offload/streamed_denoiser.h) streams its blocks through the WeightStreamer.
+//   guided_prediction  out_u + s·(out_c − out_u), the conditional and unconditional passes in one batch
+//   predicted_x0      x0̂ from the output: ε: (x − sqrt(1−ᾱ)·ε̂)/sqrt(ᾱ); v: sqrt(ᾱ)·x − sqrt(1−ᾱ)·v̂; x0: x0̂
 //   sample            x_T ~ N(0, I) from each sample's own seed, then S reverse steps
 //
 // Randomness: every sample has its own CPU generator seeded by its seed; x_T and each step's noise are
@@ -58,9 +61,10 @@ class SamplingSchedule {
 class Denoiser {
  public:
   virtual ~Denoiser() = default;
-  // ε prediction for x [B, C, T, H, W] at training timesteps t [B] (int64), text [B, L, text_dim],
-  // text_mask [B, L] bool (true = real token). Called under torch::NoGradGuard.
-  virtual torch::Tensor predict_noise(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& text,
+  // The model's output (ε, v or x0, as it was trained) for x [B, C, T, H, W] at training timesteps t [B]
+  // (int64), text [B, L, text_dim], text_mask [B, L] bool (true = real token). Called under
+  // torch::NoGradGuard.
+  virtual torch::Tensor predict(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& text,
                                       const torch::Tensor& text_mask) = 0;
 };
 
@@ -68,8 +72,8 @@ class Denoiser {
 class ResidentDenoiser final : public Denoiser {
  public:
   explicit ResidentDenoiser(DiT model);
-  torch::Tensor predict_noise(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& text,
-                              const torch::Tensor& text_mask) override;
+  torch::Tensor predict(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& text,
+                        const torch::Tensor& text_mask) override;
 
  private:
   DiT model_;
@@ -80,10 +84,13 @@ struct Conditioning {
   torch::Tensor text, mask;
 };
 
-// ε̂ = ε_u + scale·(ε_c − ε_u). One denoiser call on [x; x] with [cond; uncond] (an uncond of batch 1 is
+// out_u + scale·(out_c − out_u). One denoiser call on [x; x] with [cond; uncond] (an uncond of batch 1 is
 // broadcast). Scale 1 is the conditional prediction, 0 the unconditional one.
-torch::Tensor guided_noise(Denoiser& denoiser, const torch::Tensor& x, const torch::Tensor& t, const Conditioning& cond,
+torch::Tensor guided_prediction(Denoiser& denoiser, const torch::Tensor& x, const torch::Tensor& t, const Conditioning& cond,
                            const Conditioning& uncond, double scale);
+
+// The x0 implied by a model output `output` at x_t = `x` with ᾱ_t = `abar` (float32 in, float32 out).
+torch::Tensor predicted_x0(Prediction prediction, const torch::Tensor& output, const torch::Tensor& x, double abar);
 
 enum class SamplerKind { kDDPM, kDDIM };
 SamplerKind parse_sampler_kind(const std::string& name);  // "ddpm" | "ddim"
@@ -95,13 +102,14 @@ struct SamplerOptions {
   TORCH_ARG(double, guidance_scale) = 7.5;
   TORCH_ARG(double, eta) = 0.0;                // DDIM only: 0 deterministic, 1 = ancestral DDPM's variance
   TORCH_ARG(bool, clip_denoised) = true;       // clamp each x0 prediction to [-1, 1] (pixel-space models)
+  TORCH_ARG(Prediction, prediction) = Prediction::kEpsilon;  // what the denoiser outputs (the model's diffusion.prediction)
 };
 
 // Samples a batch of B = seeds.size() videos of shape `sample_shape` ([C, T, H, W]) on `device`:
-// cond and uncond as for guided_noise. Returns x_0 [B, C, T, H, W] float32 on `device`.
+// cond and uncond as for guided_prediction. Returns x_0 [B, C, T, H, W] float32 on `device`.
 // `on_step(done, total)` is called after every reverse step.
 //
-// DDPM (ancestral):  x0̂ = (x_i − sqrt(1−ᾱ_i)·ε̂)/sqrt(ᾱ_i) (clamped), x_{i−1} = coef1·x0̂ + coef2·x_i + sqrt(var)·z
+// DDPM (ancestral):  x0̂ = predicted_x0(guided output) (clamped), x_{i−1} = coef1·x0̂ + coef2·x_i + sqrt(var)·z
 // DDIM:              ε̂' = ε̂ re-derived from the clamped x0̂, σ = η·sqrt((1−ᾱ_{i−1})/(1−ᾱ_i))·sqrt(1−ᾱ_i/ᾱ_{i−1}),
 //                    x_{i−1} = sqrt(ᾱ_{i−1})·x0̂ + sqrt(1−ᾱ_{i−1}−σ²)·ε̂' + σ·z
 // Both draw z at every step but the last, so DDIM with η = 1 equals DDPM for the same seeds.

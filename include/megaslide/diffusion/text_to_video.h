@@ -36,7 +36,9 @@ class PixelCodec final : public VideoCodec {
 
 class TextToVideo {
  public:
-  // The denoiser defaults to a ResidentDenoiser over model.dit; the codec to PixelCodec.
+  // The denoiser defaults to a ResidentDenoiser over model.dit, which is then moved to `device`; a given
+  // denoiser (e.g. offload::StreamedDenoiser over model.dit) places the DiT itself. The caption encoder
+  // runs on `device`. The codec defaults to PixelCodec.
   TextToVideo(TextToVideoModel model, torch::Device device, std::shared_ptr<Denoiser> denoiser = nullptr,
               std::shared_ptr<VideoCodec> codec = nullptr);
 

@@ -4,7 +4,7 @@
 // A step whose loss or gradient norm is not finite is skipped (no update; StepMetrics::skipped).
 //
 // One step: train.grad_accum_steps micro-batches (loss / accum each) of structured-motion clips, captions dropped to the empty prompt with probability
-// diffusion.caption_dropout, uniform DDPM timesteps, ε-prediction MSE, global-norm clipping, AdamW with
+// diffusion.caption_dropout, uniform DDPM timesteps, MSE against the diffusion.prediction target (DiffusionBatch::target: ε, v or x0), global-norm clipping, AdamW with
 // warmup then cosine or constant learning rate. Deterministic for a config (seeds train.seed and
 // data.seed) on the CPU.
 //
@@ -50,6 +50,7 @@ struct StepMetrics {
 // One micro-batch of DDPM training data on a device.
 struct DiffusionBatch {
   torch::Tensor x0, noise, timesteps, xt;  // video [B, C, T, H, W] and timesteps [B] (int64)
+  torch::Tensor target;                    // what the loss compares the model's output with (diffusion.prediction)
   torch::Tensor text_ids, text_mask;       // [B, L] int64 and bool
 };
 
@@ -75,6 +76,7 @@ class DiffusionBatchSource {
   EpochSampler sampler_;
   CaptionTokenizer tokenizer_;
   DDPMSchedule schedule_;
+  Prediction prediction_;
   std::mt19937_64 caption_rng_;
   at::Generator generator_;
   torch::Device schedule_device_ = torch::kCPU;

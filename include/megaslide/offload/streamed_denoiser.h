@@ -1,0 +1,73 @@
+// StreamedDenoiser: sampling a DiT whose blocks do not fit the device (issue #7, DESIGN.md §2, §7). The
+// blocks' weights stay in host RAM and visit the device block by block through a WeightStreamer — the
+// same two device slots, streams and events the streamed trainer uses — forward only: no gradients, no
+// optimizer state, no fp32 masters (only the compute-dtype copy the blocks run in). The prologue (patch,
+// timestep and position embeddings, t_mod) and the epilogue (final layer) stay resident in fp32.
+//
+//   predict(x, t, text): prologue -> for l: prefetch(l+1) ‖ bind slot views, block l, unbind -> epilogue
+//
+// With compute dtype fp32 the output equals ResidentDenoiser's over the same DiT (tested bit for bit on
+// the CPU); bf16/fp16 compute rounds the block weights and activations as the streamed trainer does.
+//
+// Ownership: the denoiser shares the DiT module and takes over its blocks' weights: at construction
+// each block's parameters are copied into one flat host buffer per block (compute dtype; page-locked
+// when the device is a GPU) and the module's own block parameters become empty tensors, so the DiT must
+// not be run by anything else afterwards. The resident parts are moved to the device.
+// Threading: one thread drives it (Denoiser's contract).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "megaslide/diffusion/sampler.h"
+#include "megaslide/model/dit.h"
+#include "megaslide/offload/weight_streamer.h"
+
+namespace megaslide::offload {
+
+struct StreamedDenoiserOptions {
+  torch::Device device = torch::kCPU;
+  c10::ScalarType compute_dtype = c10::ScalarType::Float;  // Float, BFloat16 or Half: the blocks' weights and activations
+  StreamMode mode = StreamMode::kAsync;
+  bool pin_host_memory = true;  // page-lock the host weights when the device is a GPU
+};
+
+class StreamedDenoiser final : public Denoiser {
+ public:
+  StreamedDenoiser(DiT model, StreamedDenoiserOptions options);
+  ~StreamedDenoiser() override;
+
+  torch::Tensor predict(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& text,
+                        const torch::Tensor& text_mask) override;
+
+  const WeightStreamer& streamer() const { return *streamer_; }
+  // Bytes of the blocks' weights held on the host (compute dtype).
+  int64_t host_weight_bytes() const;
+  const StreamedDenoiserOptions& options() const { return options_; }
+
+ private:
+  struct Param {
+    torch::Tensor param;  // the block module's parameter, bound to slot views while the block runs
+    int64_t offset = 0, numel = 0;
+    std::vector<int64_t> shape;
+  };
+  DiT model_;
+  StreamedDenoiserOptions options_;
+  std::vector<std::vector<Param>> params_;  // per block
+  std::vector<torch::Tensor> host_;         // per block: flat weights, compute dtype
+  std::unique_ptr<WeightStreamer> streamer_;
+};
+
+// --streamed auto|on|off of megaslide-sample. "on" / "off" decide; "auto" streams when the DiT's weights
+// (at `weight_bytes`) exceed `fraction` of the device's free memory, and never on the CPU (its "device"
+// is host memory: streaming would only copy).
+enum class StreamChoice { kAuto, kOn, kOff };
+StreamChoice parse_stream_choice(const std::string& name);  // "auto" | "on" | "off"
+bool should_stream(StreamChoice choice, torch::Device device, int64_t weight_bytes, double fraction = 0.5);
+// Free memory of a CUDA device in bytes (cudaMemGetInfo); throws for other devices or without CUDA.
+int64_t free_device_memory(torch::Device device);
+
+}  // namespace megaslide::offload
