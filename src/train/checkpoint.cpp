@@ -37,7 +37,7 @@ bool is_checkpoint_name(const std::string& name) {
 // data and noise streams. Everything else (steps, learning rate, logging, sampling) may change.
 bool must_match(const std::string& key) {
   static const std::set<std::string> exact{"diffusion.timesteps",    "diffusion.beta_schedule", "diffusion.beta_start",
-                                           "diffusion.beta_end",     "diffusion.caption_dropout", "train.batch_size",
+                                           "diffusion.beta_end",     "diffusion.caption_dropout", "diffusion.prediction", "train.batch_size",
                                            "train.seed",             "offload.compute_dtype"};
   return key.rfind("model.", 0) == 0 || key.rfind("data.", 0) == 0 || exact.count(key) > 0;
 }
