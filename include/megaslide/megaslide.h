@@ -26,6 +26,8 @@
 #include "megaslide/offload/streamed_denoiser.h"
 #include "megaslide/offload/streamed_model.h"
 #include "megaslide/offload/weight_streamer.h"
+#include "megaslide/plan/hardware_profile.h"
+#include "megaslide/plan/step_plan.h"
 #include "megaslide/train/checkpoint.h"
 #include "megaslide/train/resident_trainer.h"
 #include "megaslide/train/run_outputs.h"

@@ -15,3 +15,4 @@ cmake -S "$here" -B "$work/consumer" -G Ninja -DCMAKE_BUILD_TYPE=Release \
 cmake --build "$work/consumer"
 "$work/consumer/consumer"
 "$work/prefix/bin/megaslide-train" --config "$work/prefix/share/megaslide/configs/smoke.yaml" --dry-run --json
+"$work/prefix/bin/megaslide-plan" --config "$work/prefix/share/megaslide/configs/105b.yaml" --hardware h100nvl --json

@@ -1,0 +1,55 @@
+// HardwareProfile: the figures of one machine that bound a training step (DESIGN.md §6): PCIe bandwidth
+// each way, host memory bandwidth, the GPU's peak bf16 FLOP/s and memory, and host RAM. Profiles are
+// small YAML files users write (configs/hardware/*.yaml are examples, each figure with the vendor
+// document it comes from); the shipped ones are also compiled into the library under their file
+// stems ("h200", "h100nvl"), so a name works from any directory and from an installed package.
+//
+// File format (every key required except name and description; unknown keys are errors):
+//   name: h200                       # defaults to the file's stem
+//   description: free text
+//   device_memory_bytes: 141000000000
+//   peak_bf16_tflops: 835.5          # dense, 1e12 FLOP/s
+//   pcie_h2d_gbps: 31.5              # 1e9 B/s, host to device
+//   pcie_d2h_gbps: 31.5
+//   host_dram_gbps: 204.8
+//   host_memory_bytes: 1649267441664
+//
+// Errors: HardwareProfileError, whose message names the file (or built-in profile), the key and what
+// was expected. Thread-safety: plain values; the functions are pure apart from reading the file.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace megaslide::plan {
+
+class HardwareProfileError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct HardwareProfile {
+  std::string name;
+  std::string description;
+  std::string source;  // the file it was read from, or "built-in configs/hardware/NAME.yaml"
+  int64_t device_memory_bytes = 0;
+  double peak_bf16_tflops = 0.0;
+  double pcie_h2d_gbps = 0.0;
+  double pcie_d2h_gbps = 0.0;
+  double host_dram_gbps = 0.0;
+  int64_t host_memory_bytes = 0;
+};
+
+// Parses a profile's YAML text; `source` names it in messages and is the default name's origin.
+HardwareProfile parse_hardware_profile(const std::string& yaml_text, const std::string& source);
+
+// A built-in name (see builtin_hardware_profiles()) or a path to a YAML file. A path is anything that
+// contains '/' or ends in ".yaml"/".yml"; a bare word that is no built-in name is an error listing them.
+HardwareProfile load_hardware_profile(const std::string& name_or_path);
+
+// Names of the profiles compiled into the library, sorted.
+std::vector<std::string> builtin_hardware_profiles();
+
+}  // namespace megaslide::plan

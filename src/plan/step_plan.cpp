@@ -1,0 +1,500 @@
+#include "megaslide/plan/step_plan.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "megaslide/attention/dsa3d.h"
+#include "megaslide/model/attention.h"
+#include "megaslide/model/dit.h"
+#include "megaslide/model/text_encoder.h"
+#include "megaslide/offload/cpu_master_trainer.h"
+
+namespace megaslide::plan {
+namespace {
+
+// What does not change with frames, resolution or batch: the model's parameter layout.
+struct ModelShape {
+  int64_t params = 0, text_encoder_params = 0;
+  std::vector<int64_t> block_numels;
+  int64_t streamed = 0, largest_block = 0;
+};
+
+ModelShape model_shape(const RunConfig& config) {
+  ModelShape s;
+  DiT model(DiTOptions::from_config(config).device(torch::kMeta));
+  s.params = count_parameters(*model);
+  for (const auto& block : *model->blocks) {
+    const int64_t n = count_parameters(*block);
+    s.block_numels.push_back(n);
+    s.streamed += n;
+    s.largest_block = std::max(s.largest_block, n);
+  }
+  TextEncoder text(TextEncoderOptions(CaptionTokenizer().vocab_size(), config.model.text_dim, config.data.max_text_tokens)
+                       .device(torch::kMeta));
+  s.text_encoder_params = count_parameters(*text);
+  return s;
+}
+
+int64_t compute_element_bytes(const std::string& dtype) { return dtype == "fp32" ? 4 : 2; }
+
+// The WeightStreamer's slot cache, replayed over one optimizer step of StreamedStackTrainer::step:
+// forward uploads 0 … L-1 (prefetch of l+1 while l computes), the backward asks for L-1 … 0 and
+// finds what is still valid in its slot (slot = block % 2); one gradient copy per block per
+// micro-batch. Every block was updated at the end of the previous step, so a step starts with no
+// valid slot (the same holds for the first step, whose slots are empty).
+TransferPlan replay_transfers(const std::vector<int64_t>& numels, int64_t accum, int64_t element_bytes) {
+  TransferPlan t;
+  struct Slot {
+    int64_t block = -1;
+  } slots[2];
+  const int64_t L = static_cast<int64_t>(numels.size());
+  const auto prefetch = [&](int64_t l) {
+    Slot& s = slots[l % 2];
+    if (s.block == l) {
+      ++t.cache_hits;
+      return;
+    }
+    s.block = l;
+    t.h2d_bytes += numels[l] * element_bytes;
+    ++t.h2d_copies;
+  };
+  for (int64_t k = 0; k < accum; ++k) {
+    prefetch(0);
+    for (int64_t l = 0; l + 1 < L; ++l) prefetch(l + 1);
+    for (int64_t l = L - 1; l >= 0; --l) {
+      if (l == L - 1) prefetch(l);
+      t.d2h_bytes += numels[l] * element_bytes;
+      ++t.d2h_copies;
+      if (l > 0) prefetch(l - 1);
+    }
+  }
+  return t;
+}
+
+struct BlockActivation {
+  int64_t saved = 0, workspace = 0;
+};
+
+// The tensors autograd keeps while one block is recomputed with grad (its input excluded: that is a
+// checkpoint), and the largest set of transients of its backward. Units: X = B·N·D elements of the
+// compute dtype, Xm the same at the MLP's width. The count follows DiTBlockImpl::forward and the
+// attention modules; docs/planner.md lists it term by term.
+BlockActivation block_activation(const RunConfig& c, const TokenGrid& grid, int64_t e, bool dsa_reference) {
+  const auto& m = c.model;
+  const int64_t B = c.train.batch_size, N = grid.numel(), D = m.hidden, M = m.heads;
+  const int64_t Dm = static_cast<int64_t>(std::llround(static_cast<double>(D) * m.mlp_ratio));
+  const int64_t Nb = B * N, Lt = c.data.max_text_tokens;
+  const int64_t X = Nb * D * e, Xm = Nb * Dm * e, stats = Nb * 8, lse = Nb * M * 4;
+  BlockActivation a;
+  // Shared by every architecture: LN1 and its modulation, the gated self-attention output, the first
+  // residual, LN2, cross-attention (q, SDPA output, merged heads, its lse and the text's k and v), the
+  // second residual, LN3 and its modulation, fc1 and GELU outputs (Xm each), fc2's output, the block's
+  // output; LayerNorm statistics (fp32 mean and rstd per token) three times.
+  a.saved = 13 * X + 2 * Xm + 3 * stats + lse + 2 * B * Lt * D * e;
+  const int64_t mlp_stage = 2 * Xm + 2 * X;
+  int64_t attention_stage = 0;
+  switch (m.arch) {
+    case Architecture::kMegaSlide: {
+      const auto k = ops::effective_kernel(m.dsa_kernel, grid.dims());
+      const int64_t K = k[0] * k[1] * k[2], G = m.dsa_groups;
+      const int64_t offsets = Nb * G * K * 3 * e;
+      a.saved += 3 * X;  // q, k, v
+      // The offset network: the channels-first copy the depthwise conv reads, its output, GELU's
+      // output, the channels-last copy the pointwise projection reads; tanh's output and the offsets.
+      a.saved += m.freeze_offsets ? offsets : 4 * X + 2 * offsets;
+      if (!dsa_reference) {
+        a.saved += X + lse;  // out, lse (FusedDsa3d saves q, k, v, offsets, bias, out, lse)
+        // dq, dk, dv, dout and dx, the fp32 dk/dv accumulators, d(offsets).
+        attention_stage = 5 * X + 2 * Nb * D * 4 + offsets;
+      } else {
+        // grid_sample's sampled k and v (K per token), logits and probabilities, the sampling grid, out.
+        a.saved += 2 * K * X + 2 * Nb * M * K * e + offsets + X;
+        attention_stage = 2 * K * X + 2 * Nb * M * K * e + 5 * X;
+      }
+      break;
+    }
+    case Architecture::kDense3D:
+      // qkv, SDPA output (flash / memory-efficient kernels: no N×N matrix) and its lse, merged heads.
+      a.saved += 5 * X + lse;
+      attention_stage = 5 * X + Nb * D * 4;  // dq, dk, dv, dout, dx, an fp32 dq accumulator
+      break;
+    case Architecture::kSwin: {
+      const auto layout = window_layout(grid, m.swin_window, /*shifted=*/m.layers > 1);
+      const int64_t Np = B * layout.padded[0] * layout.padded[1] * layout.padded[2];
+      const int64_t Xp = Np * D * e;
+      const int64_t Wn = layout.window[0] * layout.window[1] * layout.window[2];
+      const int64_t windows = Np / B / Wn;
+      const auto dims = grid.dims();
+      bool masked = false;
+      for (int ax = 0; ax < 3; ++ax) masked |= layout.shift[ax] > 0 || layout.padded[ax] > dims[ax];
+      // Windows (the qkv input), qkv, SDPA output and lse, merged heads; the window mask expanded over
+      // the batch (bool) on blocks that shift or pad.
+      a.saved += 6 * Xp + Np * M * 4 + (masked ? B * windows * Wn * Wn : 0);
+      attention_stage = 5 * Xp + Np * D * 4;
+      break;
+    }
+  }
+  a.workspace = std::max(mlp_stage, attention_stage);
+  return a;
+}
+
+DeviceMemoryPlan device_memory(const RunConfig& c, const ModelShape& s, const TokenGrid& grid) {
+  DeviceMemoryPlan d;
+  const bool streamed = c.offload.enabled;
+  const int64_t e = streamed ? compute_element_bytes(c.offload.compute_dtype) : 4;  // the resident loop is fp32
+  const int64_t B = c.train.batch_size, N = grid.numel(), D = c.model.hidden, L = c.model.layers;
+  const int64_t Lt = c.data.max_text_tokens, Dt = c.model.text_dim;
+  const int64_t X = B * N * D * e;
+  const int64_t video = B * c.data.channels * c.data.frames * c.data.height * c.data.width * 4;
+  const int64_t resident = s.params - s.streamed + s.text_encoder_params;
+  // The batch (x_t, noise), the head's projection and unpatchified prediction: four fp32 videos; x_0
+  // (fp32 tokens, kept for the prologue's backward), the head's graph (its input, LayerNorm output,
+  // modulated input: retained until the step's backward ends) and the input gradient; the caption
+  // encoder's output and LayerNorm input.
+  d.prologue_epilogue = 4 * video + 5 * B * N * D * 4 + 2 * B * Lt * Dt * 4;
+  const BlockActivation fused = block_activation(c, grid, e, false);
+  if (streamed) {
+    d.weight_slots = d.gradient_slots = 2 * s.largest_block * e;
+    d.resident_state = 16 * resident;
+    d.checkpoints = (L + 1) * X;
+    d.block_inputs = 2 * (B * 6 * D + B * Lt * Dt) * e;  // leaves in the compute dtype and their grads
+    d.recompute_saved = fused.saved;
+    d.recompute_workspace = fused.workspace;
+    if (c.model.arch == Architecture::kMegaSlide) {
+      const BlockActivation ref = block_activation(c, grid, e, true);
+      d.recompute_saved_reference = ref.saved;
+      d.recompute_workspace_reference = ref.workspace;
+    }
+  } else {
+    // The resident loop: every weight, gradient and AdamW moment in fp32 on the device, and every
+    // block's graph kept for one backward (no checkpointing).
+    d.resident_state = 16 * (s.params + s.text_encoder_params);
+    d.checkpoints = X;  // the first block's input
+    d.recompute_saved = L * fused.saved;
+    d.recompute_workspace = fused.workspace;
+    if (c.model.arch == Architecture::kMegaSlide) {
+      const BlockActivation ref = block_activation(c, grid, e, true);
+      d.recompute_saved_reference = L * ref.saved;
+      d.recompute_workspace_reference = ref.workspace;
+    }
+  }
+  return d;
+}
+
+TokenGrid grid_of(const RunConfig& c) {
+  const auto& p = c.model.patch;
+  return {c.data.frames / p[0], c.data.height / p[1], c.data.width / p[2]};
+}
+
+bool device_fits(const RunConfig& c, const ModelShape& s, const HardwareProfile& hw) {
+  return device_memory(c, s, grid_of(c)).peak() <= hw.device_memory_bytes;
+}
+
+std::string gb(double bytes) { return fmt::format("{:.1f} GB", bytes / 1e9); }
+
+// Suggestions when the run does not fit: each one a change that was checked to fit with this model.
+std::vector<std::string> advise(const RunConfig& config, const ModelShape& s, const StepPlan& plan,
+                                const HardwareProfile& hw) {
+  std::vector<std::string> out;
+  if (!plan.fits_device) {
+    const auto& p = config.model.patch;
+    RunConfig c = config;
+    // The largest frame count (a multiple of the temporal patch) below the current one that fits.
+    for (int64_t f = config.data.frames - p[0]; f >= p[0]; f -= p[0]) {
+      c.data.frames = f;
+      if (device_fits(c, s, hw)) {
+        out.push_back(fmt::format("device: fewer frames: data.frames={} fits ({} now)", f, config.data.frames));
+        break;
+      }
+    }
+    c = config;
+    for (int64_t halvings = 1; halvings <= 6; ++halvings) {
+      const int64_t h = config.data.height >> halvings, w = config.data.width >> halvings;
+      if (h < p[1] || w < p[2]) break;
+      c.data.height = h / p[1] * p[1];
+      c.data.width = w / p[2] * p[2];
+      if (device_fits(c, s, hw)) {
+        out.push_back(fmt::format("device: lower resolution: data.height={} data.width={} fits", c.data.height, c.data.width));
+        break;
+      }
+    }
+    if (config.train.batch_size > 1) {
+      c = config;
+      for (int64_t b = config.train.batch_size - 1; b >= 1; --b) {
+        c.train.batch_size = b;
+        if (device_fits(c, s, hw)) {
+          out.push_back(fmt::format("device: smaller batch: train.batch_size={} fits (raise train.grad_accum_steps to keep "
+                                    "the samples per step)",
+                                    b));
+          break;
+        }
+      }
+    }
+    if (config.model.arch == Architecture::kDense3D) {
+      c = config;
+      c.model.arch = Architecture::kMegaSlide;
+      if (device_fits(c, model_shape(c), hw)) out.push_back("device: local attention: model.arch=megaslide fits");
+    }
+    const int64_t fixed = plan.device.weight_slots + plan.device.gradient_slots + plan.device.resident_state;
+    if (fixed > hw.device_memory_bytes) {
+      out.push_back(fmt::format("device: the weight and gradient slots and resident parts alone need {}: a narrower model "
+                                "(model.hidden) is the only way",
+                                gb(static_cast<double>(fixed))));
+    }
+    if (out.empty()) out.push_back("device: no single change of frames, resolution or batch fits this device");
+  }
+  if (!plan.fits_host && plan.streamed) {
+    out.push_back(fmt::format("host: more host RAM: at least {} ({} in the profile)", gb(static_cast<double>(plan.host.peak())),
+                              gb(static_cast<double>(hw.host_memory_bytes))));
+    if (plan.host.steady() <= hw.host_memory_bytes) {
+      out.push_back(fmt::format("host: the steady state ({}) fits; only construction does not: the trainer builds the whole "
+                                "model in fp32 on the CPU before moving the blocks into the host store",
+                                gb(static_cast<double>(plan.host.steady()))));
+    }
+    // Layers that fit at this width: host bytes grow by the same amount per block.
+    const int64_t L = config.model.layers;
+    const double per_block = static_cast<double>(plan.host.peak()) / static_cast<double>(L);
+    const int64_t layers = static_cast<int64_t>(std::floor(static_cast<double>(hw.host_memory_bytes) / per_block));
+    if (layers >= 1 && layers < L) out.push_back(fmt::format("host: fewer blocks: model.layers={} fits ({} now)", layers, L));
+  }
+  return out;
+}
+
+}  // namespace
+
+StepPlan plan_step(const RunConfig& config, const HardwareProfile& hw) {
+  validate(config, "megaslide-plan");
+  const ModelShape s = model_shape(config);
+  const TokenGrid grid = grid_of(config);
+  const auto& t = config.train;
+  StepPlan p;
+  p.arch = to_string(config.model.arch);
+  p.streamed = config.offload.enabled;
+  p.compute_dtype = p.streamed ? config.offload.compute_dtype : "fp32";
+  p.mode = config.offload.mode;
+  p.layers = config.model.layers;
+  p.hidden = config.model.hidden;
+  p.batch_size = t.batch_size;
+  p.grad_accum_steps = t.grad_accum_steps;
+  p.tokens_per_sample = grid.numel();
+  p.token_grid = {grid.t, grid.h, grid.w};
+  p.params = s.params;
+  p.text_encoder_params = s.text_encoder_params;
+  p.streamed_params = s.streamed;
+  p.resident_params = s.params - s.streamed + s.text_encoder_params;
+  p.params_per_block = s.largest_block;
+  p.hardware = hw;
+
+  const int64_t e = compute_element_bytes(p.compute_dtype);
+  const int64_t A = t.grad_accum_steps;
+  if (p.streamed) {
+    // HostParamStore as StreamedStackTrainer configures it.
+    const int64_t grad_e = A > 1 ? 4 : e;
+    p.host.master = p.host.exp_avg = p.host.exp_avg_sq = 4 * s.streamed;
+    p.host.compute = 2 * s.streamed;  // bf16 (fp16 with fp16 compute); kept even with fp32 compute
+    p.host.grad = grad_e * s.streamed;
+    p.host.staging = A > 1 ? 2 * s.largest_block * e : 0;
+    p.host.construction_peak = 4 * s.streamed + p.host.persistent() + p.host.grad;
+    p.transfer = replay_transfers(s.block_numels, A, e);
+  }
+  p.device = device_memory(config, s, grid);
+
+  // Time.
+  auto& tm = p.time;
+  tm.model_flops = model_flops_per_step(config);
+  const double samples = static_cast<double>(t.batch_size * A);
+  const double dense_flops = 6.0 * static_cast<double>(s.params) * samples * static_cast<double>(grid.numel());
+  const double attention_flops = tm.model_flops - dense_flops;
+  tm.executed_flops = tm.model_flops;
+  if (p.streamed) {
+    // Checkpointing recomputes every block's forward: 2 FLOPs per streamed weight and token, plus the
+    // attention's forward third (model_flops counts attention as 4 forward + 8 backward).
+    tm.executed_flops += 2.0 * static_cast<double>(s.streamed) * samples * static_cast<double>(grid.numel()) +
+                         attention_flops / 3.0;
+    // CpuAdamW reads master, m, v and the gradient and writes master, m, v and the compute copy (none
+    // with fp32 compute, which uploads the master); accumulation reads each staged micro-batch and
+    // writes (first) or reads and writes (later) the fp32 sum.
+    const int64_t grad_e = A > 1 ? 4 : e;
+    tm.optimizer_bytes = s.streamed * (12 + grad_e + 12 + (p.compute_dtype == "fp32" ? 0 : 2));
+    if (A > 1) tm.optimizer_bytes += s.streamed * (A * e + 4 + (A - 1) * 8);
+    tm.h2d_s = static_cast<double>(p.transfer.h2d_bytes) / (hw.pcie_h2d_gbps * 1e9);
+    tm.d2h_s = static_cast<double>(p.transfer.d2h_bytes) / (hw.pcie_d2h_gbps * 1e9);
+    tm.optimizer_s = static_cast<double>(tm.optimizer_bytes) / (hw.host_dram_gbps * 1e9);
+  }
+  tm.compute_s = tm.executed_flops / (hw.peak_bf16_tflops * 1e12);
+  tm.overlapped = !p.streamed || config.offload.mode == "async";
+  const std::pair<const char*, double> terms[] = {
+      {"compute", tm.compute_s}, {"h2d", tm.h2d_s}, {"d2h", tm.d2h_s}, {"host optimizer", tm.optimizer_s}};
+  double largest = -1.0, sum = 0.0;
+  for (const auto& [name, seconds] : terms) {
+    sum += seconds;
+    if (seconds > largest) {
+      largest = seconds;
+      tm.bottleneck = name;
+    }
+  }
+  tm.lower_bound_s = tm.overlapped ? largest : sum;
+  tm.mfu_upper_bound = tm.model_flops / (tm.lower_bound_s * hw.peak_bf16_tflops * 1e12);
+
+  p.fits_device = p.device.peak() <= hw.device_memory_bytes;
+  p.fits_host = !p.streamed || p.host.peak() <= hw.host_memory_bytes;
+  p.advice = advise(config, s, p, hw);
+  return p;
+}
+
+std::string to_json(const StepPlan& p) {
+  nlohmann::json j;
+  j["arch"] = p.arch;
+  j["trainer"] = p.streamed ? "streamed" : "resident";
+  j["compute_dtype"] = p.compute_dtype;
+  j["mode"] = p.mode;
+  j["layers"] = p.layers;
+  j["hidden"] = p.hidden;
+  j["batch_size"] = p.batch_size;
+  j["grad_accum_steps"] = p.grad_accum_steps;
+  j["tokens_per_sample"] = p.tokens_per_sample;
+  j["token_grid"] = p.token_grid;
+  j["params"] = p.params;
+  j["text_encoder_params"] = p.text_encoder_params;
+  j["streamed_params"] = p.streamed_params;
+  j["resident_params"] = p.resident_params;
+  j["params_per_block"] = p.params_per_block;
+  j["hardware"] = {{"name", p.hardware.name},
+                   {"source", p.hardware.source},
+                   {"device_memory_bytes", p.hardware.device_memory_bytes},
+                   {"peak_bf16_tflops", p.hardware.peak_bf16_tflops},
+                   {"pcie_h2d_gbps", p.hardware.pcie_h2d_gbps},
+                   {"pcie_d2h_gbps", p.hardware.pcie_d2h_gbps},
+                   {"host_dram_gbps", p.hardware.host_dram_gbps},
+                   {"host_memory_bytes", p.hardware.host_memory_bytes}};
+  const auto& h = p.host;
+  j["host_state_bytes"] = h.persistent();
+  j["host_state_bytes_per_param"] = p.params > 0 ? static_cast<double>(h.persistent()) / static_cast<double>(p.params) : 0.0;
+  j["host_master_bytes"] = h.master;
+  j["host_exp_avg_bytes"] = h.exp_avg;
+  j["host_exp_avg_sq_bytes"] = h.exp_avg_sq;
+  j["host_compute_bytes"] = h.compute;
+  j["host_grad_bytes"] = h.grad;
+  j["host_staging_bytes"] = h.staging;
+  j["host_steady_bytes"] = h.steady();
+  j["host_construction_peak_bytes"] = h.construction_peak;
+  j["host_peak_bytes"] = h.peak();
+  const auto& d = p.device;
+  j["device_peak_bytes"] = d.peak();
+  j["device_weight_slot_bytes"] = d.weight_slots;
+  j["device_gradient_slot_bytes"] = d.gradient_slots;
+  j["device_resident_state_bytes"] = d.resident_state;
+  j["device_checkpoint_bytes"] = d.checkpoints;
+  j["device_block_input_bytes"] = d.block_inputs;
+  j["device_prologue_epilogue_bytes"] = d.prologue_epilogue;
+  j["device_recompute_saved_bytes"] = d.recompute_saved;
+  j["device_recompute_workspace_bytes"] = d.recompute_workspace;
+  if (d.recompute_saved_reference > 0) {
+    j["device_recompute_saved_reference_bytes"] = d.recompute_saved_reference;
+    j["device_recompute_workspace_reference_bytes"] = d.recompute_workspace_reference;
+    j["device_peak_reference_bytes"] = d.peak() - d.recompute_saved - d.recompute_workspace +
+                                       d.recompute_saved_reference + d.recompute_workspace_reference;
+  }
+  j["h2d_bytes_per_step"] = p.transfer.h2d_bytes;
+  j["d2h_bytes_per_step"] = p.transfer.d2h_bytes;
+  j["h2d_copies_per_step"] = p.transfer.h2d_copies;
+  j["d2h_copies_per_step"] = p.transfer.d2h_copies;
+  j["slot_cache_hits_per_step"] = p.transfer.cache_hits;
+  const auto& t = p.time;
+  j["model_flops_per_step"] = t.model_flops;
+  j["executed_flops_per_step"] = t.executed_flops;
+  j["host_optimizer_bytes_per_step"] = t.optimizer_bytes;
+  j["compute_s"] = t.compute_s;
+  j["h2d_s"] = t.h2d_s;
+  j["d2h_s"] = t.d2h_s;
+  j["host_optimizer_s"] = t.optimizer_s;
+  j["overlapped"] = t.overlapped;
+  j["step_time_lower_bound_s"] = t.lower_bound_s;
+  j["bottleneck"] = t.bottleneck;
+  j["mfu_upper_bound"] = t.mfu_upper_bound;
+  j["fits_device"] = p.fits_device;
+  j["fits_host"] = p.fits_host;
+  j["advice"] = p.advice;
+  return j.dump();
+}
+
+std::string to_table(const StepPlan& p) {
+  const double n = p.params > 0 ? static_cast<double>(p.params) : 1.0;
+  std::string out = fmt::format(
+      "megaslide-plan: {} ({} trainer, {} compute, {}), {} layers x {} hidden, {} params ({} streamed, {} resident "
+      "incl. {} caption encoder)\n",
+      p.arch, p.streamed ? "streamed" : "resident", p.compute_dtype, p.streamed ? p.mode : "no offload", p.layers, p.hidden,
+      p.params, p.streamed_params, p.resident_params, p.text_encoder_params);
+  out += fmt::format("  tokens/sample {} (grid {}x{}x{}), batch {} x {} micro-batch(es)\n", p.tokens_per_sample,
+                     p.token_grid[0], p.token_grid[1], p.token_grid[2], p.batch_size, p.grad_accum_steps);
+  out += fmt::format("  hardware: {} ({})\n\n", p.hardware.name, p.hardware.source);
+  const auto row = [&](const std::string& name, int64_t bytes) {
+    out += fmt::format("  {:<44} {:>20} {:>11.2f} GB {:>8.2f} B/param\n", name, bytes, static_cast<double>(bytes) / 1e9,
+                       static_cast<double>(bytes) / n);
+  };
+  if (p.streamed) {
+    out += "host RAM                                                    bytes\n";
+    row("fp32 master", p.host.master);
+    row("fp32 AdamW m", p.host.exp_avg);
+    row("fp32 AdamW v", p.host.exp_avg_sq);
+    row(p.compute_dtype == "fp16" ? "fp16 compute copy" : "bf16 compute copy", p.host.compute);
+    row("persistent state", p.host.persistent());
+    row(p.grad_accum_steps > 1 ? "fp32 gradient buffers" : p.compute_dtype + " gradient buffers", p.host.grad);
+    if (p.host.staging > 0) row("accumulation staging (2 blocks)", p.host.staging);
+    row("steady total", p.host.steady());
+    row("construction peak (fp32 model + store)", p.host.construction_peak);
+    out += fmt::format("  -> {} the {:.1f} GB of host RAM\n\n", p.fits_host ? "fits" : "DOES NOT FIT",
+                       static_cast<double>(p.hardware.host_memory_bytes) / 1e9);
+  }
+  out += "device memory                                               bytes\n";
+  const auto& d = p.device;
+  if (p.streamed) {
+    row("weight slots (2 blocks)", d.weight_slots);
+    row("gradient slots (2 blocks)", d.gradient_slots);
+    row("resident parts: weights, grad, AdamW m, v", d.resident_state);
+    row("block-boundary checkpoints (L + 1)", d.checkpoints);
+    row("shared block inputs and their grads", d.block_inputs);
+  } else {
+    row("all parameters: weights, grad, AdamW m, v (fp32)", d.resident_state);
+    row("first block's input", d.checkpoints);
+  }
+  row("prologue/epilogue activations (fp32)", d.prologue_epilogue);
+  row(p.streamed ? "recompute one block: saved for backward" : "every block's graph", d.recompute_saved);
+  row("one block's backward: workspace", d.recompute_workspace);
+  row("peak", d.peak());
+  if (d.recompute_saved_reference > 0) {
+    row("  peak with the grid_sample 3D-DSA reference",
+        d.peak() - d.recompute_saved - d.recompute_workspace + d.recompute_saved_reference + d.recompute_workspace_reference);
+  }
+  out += fmt::format("  -> {} the {:.1f} GB of device memory\n\n", p.fits_device ? "fits" : "DOES NOT FIT",
+                     static_cast<double>(p.hardware.device_memory_bytes) / 1e9);
+  const auto& t = p.time;
+  if (p.streamed) {
+    out += fmt::format("PCIe per step: H2D {} B ({} copies, {} slot cache hits), D2H {} B ({} copies)\n",
+                       p.transfer.h2d_bytes, p.transfer.h2d_copies, p.transfer.cache_hits, p.transfer.d2h_bytes,
+                       p.transfer.d2h_copies);
+  }
+  out += fmt::format("model FLOPs per step {:.4g} (executed with recompute: {:.4g})\n", t.model_flops, t.executed_flops);
+  out += "lower bound on step time:\n";
+  out += fmt::format("  compute         {:>10.4g} s  ({:.4g} FLOP / {} TFLOP/s)\n", t.compute_s, t.executed_flops,
+                     p.hardware.peak_bf16_tflops);
+  if (p.streamed) {
+    out += fmt::format("  H2D             {:>10.4g} s  ({} GB/s)\n", t.h2d_s, p.hardware.pcie_h2d_gbps);
+    out += fmt::format("  D2H             {:>10.4g} s  ({} GB/s)\n", t.d2h_s, p.hardware.pcie_d2h_gbps);
+    out += fmt::format("  host optimizer  {:>10.4g} s  ({} B of host memory traffic / {} GB/s)\n", t.optimizer_s,
+                       t.optimizer_bytes, p.hardware.host_dram_gbps);
+  }
+  out += fmt::format("  step >= {:.4g} s ({} of the terms), bottleneck: {}; MFU <= {:.1f} %\n", t.lower_bound_s,
+                     t.overlapped ? "the largest" : "the sum, sync mode", t.bottleneck, 100.0 * t.mfu_upper_bound);
+  if (!p.advice.empty()) {
+    out += "\nto make it fit:\n";
+    for (const auto& a : p.advice) out += "  - " + a + "\n";
+  }
+  return out;
+}
+
+}  // namespace megaslide::plan

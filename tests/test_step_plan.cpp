@@ -1,0 +1,294 @@
+// The planner (plan/step_plan.h, plan/hardware_profile.h) and megaslide-plan: byte counts against
+// closed forms and against what the streamed trainer allocates and measures on the CPU, the 105 B
+// config's size, the time bound's arithmetic, the advice, hardware profile errors and the CLI.
+#include "megaslide/plan/step_plan.h"
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdlib>
+#include <fstream>
+
+#include "megaslide/io/files.h"
+#include "megaslide/model/dit.h"
+#include "megaslide/offload/cpu_master_trainer.h"
+#include "run_tool.h"
+
+using namespace megaslide;
+using megaslide::plan::HardwareProfile;
+using megaslide::plan::HardwareProfileError;
+
+namespace {
+
+// 4 frames of 8x8 (64 tokens per clip), hidden 16: a trainer step takes milliseconds on the CPU.
+RunConfig tiny_run(std::vector<std::string> extra = {}) {
+  std::vector<std::string> s{"model.layers=3",       "model.dsa_kernel=[3,3,3]", "model.swin_window=[2,2,2]",
+                             "data.frames=4",        "data.height=8",            "data.width=8",
+                             "data.num_clips=16",    "train.batch_size=2",       "train.warmup_steps=1",
+                             "train.device=cpu",     "train.threads=1",          "offload.optimizer_threads=1"};
+  for (auto& e : extra) s.push_back(e);
+  return parse_run_config("", "test", s);
+}
+
+HardwareProfile h200() { return plan::load_hardware_profile("h200"); }
+
+std::string source_path(const std::string& relative) { return std::string(MEGASLIDE_SOURCE_DIR) + "/" + relative; }
+
+// A scratch file under the build folder, removed at the end of the test.
+struct ScratchFile {
+  std::string path;
+  ScratchFile(const std::string& name, const std::string& text)
+      : path(std::string(MEGASLIDE_BINARY_DIR) + "/test_step_plan_" + name) {
+    io::write_file_atomically(path, text);
+  }
+  ~ScratchFile() { std::remove(path.c_str()); }
+};
+
+const char* kValidProfile =
+    "name: lab\ndevice_memory_bytes: 80000000000\npeak_bf16_tflops: 400\npcie_h2d_gbps: 25\npcie_d2h_gbps: 20\n"
+    "host_dram_gbps: 150\nhost_memory_bytes: 512000000000\n";
+
+}  // namespace
+
+// Property: with A micro-batches of L equal blocks of P_b parameters and e bytes per compute element,
+// uploads are (2L - 2)·P_b·e for the first micro-batch (the backward finds blocks L-1 and L-2 in the
+// slots) and (2L - 4)·P_b·e for each later one (its forward also finds blocks 0 and 1), one block
+// when L = 1; downloads are A·L·P_b·e. P_b comes from count_dit_parameters, independent of the plan.
+TEST(StepPlan, PcieBytesFollowTheClosedForm) {
+  for (int64_t L : {1, 2, 3, 5}) {
+    for (int64_t A : {1, 2, 3}) {
+      for (const char* dtype : {"bf16", "fp32"}) {
+        const auto config = tiny_run({"model.layers=" + std::to_string(L), "train.grad_accum_steps=" + std::to_string(A),
+                                      std::string("offload.compute_dtype=") + dtype});
+        const int64_t e = std::string(dtype) == "fp32" ? 4 : 2;
+        const int64_t Pb = count_dit_parameters(DiTOptions::from_config(config)).per_block;
+        const auto p = plan::plan_step(config, h200());
+        const int64_t uploads = L == 1 ? 1 : (2 * L - 2) + (A - 1) * (2 * L - 4);
+        EXPECT_EQ(p.transfer.h2d_bytes, uploads * Pb * e) << "L=" << L << " A=" << A << " " << dtype;
+        EXPECT_EQ(p.transfer.d2h_bytes, A * L * Pb * e) << "L=" << L << " A=" << A << " " << dtype;
+        EXPECT_EQ(p.params_per_block, Pb);
+        EXPECT_EQ(p.streamed_params, L * Pb);
+      }
+    }
+  }
+}
+
+// Property: host state is 4 + 4 + 4 + 2 = 14 B per streamed parameter (fp32 master, m, v and a
+// 16-bit compute copy), the gradient buffers are 2 B (4 B when accumulating), staging is two blocks
+// in the compute dtype only when accumulating, and the host optimizer moves 28 B per parameter
+// (docs/cpu-adamw.md) with bf16 compute and no accumulation.
+TEST(StepPlan, HostBytesFollowTheClosedForm) {
+  const auto one = plan::plan_step(tiny_run(), h200());
+  const int64_t P = one.streamed_params;
+  EXPECT_EQ(one.host.master, 4 * P);
+  EXPECT_EQ(one.host.exp_avg, 4 * P);
+  EXPECT_EQ(one.host.exp_avg_sq, 4 * P);
+  EXPECT_EQ(one.host.compute, 2 * P);
+  EXPECT_EQ(one.host.persistent(), 14 * P);
+  EXPECT_EQ(one.host.grad, 2 * P);
+  EXPECT_EQ(one.host.staging, 0);
+  EXPECT_EQ(one.time.optimizer_bytes, 28 * P);
+  const auto accum = plan::plan_step(tiny_run({"train.grad_accum_steps=2"}), h200());
+  EXPECT_EQ(accum.host.grad, 4 * P);
+  EXPECT_EQ(accum.host.staging, 2 * accum.params_per_block * 2);
+}
+
+// Property: the plan's PCIe bytes, host store components, parameter split and the device components
+// the trainer accounts on the CPU (slots + resident state + checkpoints) equal what CPUMasterVideoDiT
+// allocates and measures, step after step, for one and several micro-batches, bf16/fp16/fp32 compute,
+// immediate and deferred updates, and each architecture. The plan's device peak adds the modelled
+// activations, so it must exceed that accounting.
+TEST(StepPlan, MatchesWhatTheStreamedTrainerMeasures) {
+  const std::vector<std::vector<std::string>> variants{
+      {},
+      {"train.grad_clip=0"},
+      {"train.grad_accum_steps=2"},
+      {"offload.compute_dtype=fp32", "model.layers=2"},
+      {"offload.compute_dtype=fp16", "train.loss_scale_init=1"},
+      {"model.arch=dense3d", "train.grad_accum_steps=3"},
+      {"model.arch=swin", "model.layers=1"},
+      {"offload.mode=sync"}};
+  for (const auto& v : variants) {
+    const auto config = tiny_run(v);
+    std::string name;
+    for (const auto& s : v) name += s + " ";
+    const auto p = plan::plan_step(config, h200());
+    CPUMasterVideoDiT trainer(config);
+    EXPECT_EQ(p.streamed_params, trainer.engine().streamed_parameter_count()) << name;
+    EXPECT_EQ(p.resident_params, trainer.engine().resident_parameter_count()) << name;
+    const auto report = trainer.engine().store().memory_report();
+    EXPECT_EQ(p.host.master, report.master_bytes) << name;
+    EXPECT_EQ(p.host.exp_avg, report.exp_avg_bytes) << name;
+    EXPECT_EQ(p.host.exp_avg_sq, report.exp_avg_sq_bytes) << name;
+    EXPECT_EQ(p.host.compute, report.compute_bytes) << name;
+    EXPECT_EQ(p.host.grad, report.grad_bytes) << name;
+    EXPECT_EQ(p.device.weight_slots, trainer.engine().streamer().device_weight_bytes()) << name;
+    EXPECT_EQ(p.device.gradient_slots, trainer.engine().streamer().device_gradient_bytes()) << name;
+    for (int step = 0; step < 2; ++step) {
+      const auto m = trainer.step();
+      ASSERT_FALSE(m.skipped) << name;
+      EXPECT_EQ(p.transfer.h2d_bytes, m.h2d_bytes) << name << "step " << step;
+      EXPECT_EQ(p.transfer.d2h_bytes, m.d2h_bytes) << name << "step " << step;
+      EXPECT_EQ(p.device.trainer_cpu_accounting(), m.peak_device_bytes) << name << "step " << step;
+      EXPECT_GT(p.device.peak(), m.peak_device_bytes) << name;
+    }
+    trainer.synchronize();
+  }
+}
+
+// Property: the 105 B config plans to the parameter count the model reports (about 105 B) and 14 B of
+// persistent host state per streamed parameter, which is 13.9–14 B per parameter of the whole DiT
+// (the resident prologue/epilogue live on the device).
+TEST(StepPlan, The105BConfigHas105BParametersAnd14BytesPerParameter) {
+  const auto config = load_run_config(source_path("configs/105b.yaml"));
+  const auto p = plan::plan_step(config, h200());
+  EXPECT_EQ(p.params, count_dit_parameters(DiTOptions::from_config(config)).total);
+  EXPECT_NEAR(static_cast<double>(p.params) / 1e9, 105.0, 1.0);
+  EXPECT_EQ(p.host.persistent(), 14 * p.streamed_params);
+  const double per_param = static_cast<double>(p.host.persistent()) / static_cast<double>(p.params);
+  EXPECT_GT(per_param, 13.9);
+  EXPECT_LE(per_param, 14.0);
+}
+
+// Property: the bound is the largest term in async mode and their sum in sync mode, the bottleneck
+// names the largest term, each transfer term is bytes / bandwidth, model FLOPs are the trainer's MFU
+// numerator, and the recompute makes the executed FLOPs larger.
+TEST(StepPlan, TimeBoundIsTheLargestTermOrTheSum) {
+  const auto hw = h200();
+  for (const char* mode : {"async", "sync"}) {
+    const auto config = tiny_run({std::string("offload.mode=") + mode});
+    const auto p = plan::plan_step(config, hw);
+    const auto& t = p.time;
+    EXPECT_DOUBLE_EQ(t.h2d_s, static_cast<double>(p.transfer.h2d_bytes) / (hw.pcie_h2d_gbps * 1e9));
+    EXPECT_DOUBLE_EQ(t.d2h_s, static_cast<double>(p.transfer.d2h_bytes) / (hw.pcie_d2h_gbps * 1e9));
+    EXPECT_DOUBLE_EQ(t.optimizer_s, static_cast<double>(t.optimizer_bytes) / (hw.host_dram_gbps * 1e9));
+    EXPECT_DOUBLE_EQ(t.compute_s, t.executed_flops / (hw.peak_bf16_tflops * 1e12));
+    EXPECT_DOUBLE_EQ(t.model_flops, model_flops_per_step(config));
+    EXPECT_GT(t.executed_flops, t.model_flops);
+    const double largest = std::max({t.compute_s, t.h2d_s, t.d2h_s, t.optimizer_s});
+    if (std::string(mode) == "async") {
+      EXPECT_DOUBLE_EQ(t.lower_bound_s, largest);
+    } else {
+      EXPECT_DOUBLE_EQ(t.lower_bound_s, t.compute_s + t.h2d_s + t.d2h_s + t.optimizer_s);
+    }
+    const double named = t.bottleneck == "compute" ? t.compute_s
+                         : t.bottleneck == "h2d"   ? t.h2d_s
+                         : t.bottleneck == "d2h"   ? t.d2h_s
+                                                   : t.optimizer_s;
+    EXPECT_EQ(named, largest) << t.bottleneck;
+  }
+}
+
+// Property: device memory grows with frames for every architecture; the fused 3D-DSA needs less than
+// the grid_sample reference; and every change the advice names for a run that does not fit, applied,
+// makes it fit.
+TEST(StepPlan, DeviceMemoryGrowsWithFramesAndTheAdviceFits) {
+  for (const char* arch : {"megaslide", "dense3d", "swin"}) {
+    int64_t previous = 0;
+    for (int64_t frames : {4, 8, 16}) {
+      const auto p = plan::plan_step(tiny_run({std::string("model.arch=") + arch, "data.frames=" + std::to_string(frames)}), h200());
+      EXPECT_GT(p.device.peak(), previous) << arch << " frames " << frames;
+      previous = p.device.peak();
+    }
+  }
+  const auto dsa = plan::plan_step(tiny_run(), h200());
+  EXPECT_GT(dsa.device.recompute_saved_reference, dsa.device.recompute_saved);
+
+  const auto config = load_run_config(source_path("configs/105b.yaml"));
+  const auto p = plan::plan_step(config, h200());
+  ASSERT_FALSE(p.fits_device);
+  int checked = 0;
+  for (const auto& a : p.advice) {
+    const auto at = a.find("data.frames=");
+    if (a.rfind("device: fewer frames", 0) != 0 || at == std::string::npos) continue;
+    const std::string frames = a.substr(at + 12, a.find(' ', at) - at - 12);
+    const auto smaller = plan::plan_step(load_run_config(source_path("configs/105b.yaml"), {"data.frames=" + frames}), h200());
+    EXPECT_TRUE(smaller.fits_device) << a;
+    const auto one_more = plan::plan_step(
+        load_run_config(source_path("configs/105b.yaml"), {"data.frames=" + std::to_string(std::stoll(frames) + 1)}), h200());
+    EXPECT_FALSE(one_more.fits_device) << a << ": it was not the largest that fits";
+    ++checked;
+  }
+  EXPECT_EQ(checked, 1);
+}
+
+// Property: the shipped profiles load by name and are the files in configs/hardware; a file with a
+// missing, unknown, non-numeric, non-positive or fractional-byte key is refused with a message naming
+// the file and the key.
+TEST(HardwareProfile, BuiltInsAreTheShippedFilesAndBadFilesAreNamed) {
+  EXPECT_EQ(plan::builtin_hardware_profiles(), (std::vector<std::string>{"h100nvl", "h200"}));
+  for (const auto& name : plan::builtin_hardware_profiles()) {
+    const auto builtin = plan::load_hardware_profile(name);
+    const auto file = plan::load_hardware_profile(source_path("configs/hardware/" + name + ".yaml"));
+    EXPECT_EQ(builtin.name, name);
+    EXPECT_EQ(builtin.device_memory_bytes, file.device_memory_bytes);
+    EXPECT_EQ(builtin.host_memory_bytes, file.host_memory_bytes);
+    EXPECT_EQ(builtin.pcie_h2d_gbps, file.pcie_h2d_gbps);
+    EXPECT_EQ(builtin.host_dram_gbps, file.host_dram_gbps);
+    EXPECT_EQ(builtin.peak_bf16_tflops, file.peak_bf16_tflops);
+  }
+  const ScratchFile good("good.yaml", kValidProfile);
+  const auto lab = plan::load_hardware_profile(good.path);
+  EXPECT_EQ(lab.name, "lab");
+  EXPECT_EQ(lab.pcie_d2h_gbps, 20.0);
+  EXPECT_EQ(lab.device_memory_bytes, 80000000000);
+
+  const std::string base(kValidProfile);
+  const auto without = [&](const std::string& key) {
+    const auto at = base.find(key + ":");
+    return base.substr(0, at) + base.substr(base.find('\n', at) + 1);
+  };
+  const std::vector<std::pair<std::string, std::string>> bad{
+      {without("pcie_h2d_gbps"), "pcie_h2d_gbps"},
+      {base + "pcie_gbps: 3\n", "pcie_gbps"},
+      {without("host_dram_gbps") + "host_dram_gbps: fast\n", "host_dram_gbps"},
+      {without("peak_bf16_tflops") + "peak_bf16_tflops: -1\n", "peak_bf16_tflops"},
+      {without("host_memory_bytes") + "host_memory_bytes: 1.5\n", "host_memory_bytes"},
+      {"- just\n- a list\n", ""}};
+  for (const auto& [text, key] : bad) {
+    const ScratchFile f("bad.yaml", text);
+    try {
+      plan::load_hardware_profile(f.path);
+      ADD_FAILURE() << "accepted a bad profile (" << key << ")";
+    } catch (const HardwareProfileError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find(f.path), std::string::npos) << what;
+      EXPECT_NE(what.find(key), std::string::npos) << what;
+    }
+  }
+  EXPECT_THROW(plan::load_hardware_profile("a100"), HardwareProfileError);
+  EXPECT_THROW(plan::load_hardware_profile("/nonexistent/profile.yaml"), HardwareProfileError);
+}
+
+// Property: `megaslide-plan --json` prints one object with the keys the issue names, agreeing with the
+// library; a bad --hardware file exits 2 naming the file and the key; a missing file or unknown name
+// exits 2 naming it.
+TEST(MegaslidePlanCli, JsonHasTheKeysAndBadHardwareIsRefused) {
+  const auto r = megaslide::testing::run_tool("megaslide-plan", "--config " + source_path("configs/105b.yaml") + " --json");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  for (const char* key : {"params", "host_state_bytes", "device_peak_bytes", "h2d_bytes_per_step", "d2h_bytes_per_step",
+                          "step_time_lower_bound_s", "bottleneck", "fits_device", "fits_host", "host_master_bytes",
+                          "device_checkpoint_bytes", "model_flops_per_step"}) {
+    EXPECT_TRUE(j.contains(key)) << key;
+  }
+  const auto p = plan::plan_step(load_run_config(source_path("configs/105b.yaml")), h200());
+  EXPECT_EQ(j["params"].template get<int64_t>(), p.params);
+  EXPECT_EQ(j["h2d_bytes_per_step"].template get<int64_t>(), p.transfer.h2d_bytes);
+
+  const ScratchFile bad("cli_bad.yaml", std::string(kValidProfile) + "pcie_gbps: 3\n");
+  const auto refused = megaslide::testing::run_tool("megaslide-plan", "--config " + source_path("configs/smoke.yaml") + " --hardware " + bad.path);
+  EXPECT_EQ(refused.code, 2) << refused.output;
+  EXPECT_NE(refused.output.find(bad.path), std::string::npos) << refused.output;
+  EXPECT_NE(refused.output.find("pcie_gbps"), std::string::npos) << refused.output;
+  const auto missing =
+      megaslide::testing::run_tool("megaslide-plan", "--config " + source_path("configs/smoke.yaml") + " --hardware /nonexistent/hw.yaml");
+  EXPECT_EQ(missing.code, 2) << missing.output;
+  EXPECT_NE(missing.output.find("/nonexistent/hw.yaml"), std::string::npos) << missing.output;
+  const auto unknown = megaslide::testing::run_tool("megaslide-plan", "--config " + source_path("configs/smoke.yaml") + " --hardware a100");
+  EXPECT_EQ(unknown.code, 2) << unknown.output;
+  EXPECT_NE(unknown.output.find("a100"), std::string::npos) << unknown.output;
+  const auto table = megaslide::testing::run_tool("megaslide-plan", "--config " + source_path("configs/smoke.yaml") + " --hardware h100nvl");
+  EXPECT_EQ(table.code, 0) << table.output;
+  EXPECT_NE(table.output.find("bottleneck"), std::string::npos) << table.output;
+}

@@ -1,0 +1,51 @@
+// megaslide-plan: what one training step of a run config needs and moves, and how fast it can be, on
+// a given machine (docs/planner.md). Allocates nothing: the model is built on the meta device.
+//
+//   megaslide-plan --config configs/105b.yaml [--hardware h200|h100nvl|FILE] [--set key.path=value ...] [--json]
+//
+// Exit codes: 0 the plan was printed (whether or not the run fits: see fits_device / fits_host),
+// 2 bad flags, config or hardware profile (one message naming the file and key), 1 any other failure.
+#include <CLI/CLI.hpp>
+
+#include <iostream>
+
+#include "megaslide/megaslide.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"megaslide-plan: host and device memory, PCIe bytes, FLOPs and the step-time bound of a run"};
+  std::string config_path, hardware = "h200";
+  std::vector<std::string> overrides;
+  bool json = false;
+  app.add_option("--config", config_path, "run config (YAML), e.g. configs/105b.yaml")->required();
+  app.add_option("--hardware", hardware,
+                 "a built-in profile (h200, h100nvl) or a hardware profile YAML file (default h200; docs/planner.md)");
+  app.add_option("--set", overrides, "override a config value, e.g. --set data.frames=64 (repeatable)");
+  app.add_flag("--json", json, "print one JSON object");
+  app.set_version_flag("--version", megaslide::build_summary());
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int code = app.exit(e);
+    return code == 0 ? 0 : 2;
+  }
+  megaslide::RunConfig config;
+  megaslide::plan::HardwareProfile profile;
+  try {
+    config = megaslide::load_run_config(config_path, overrides);
+    profile = megaslide::plan::load_hardware_profile(hardware);
+  } catch (const megaslide::ConfigError& e) {
+    std::cerr << "megaslide-plan: " << e.what() << "\n";
+    return 2;
+  } catch (const megaslide::plan::HardwareProfileError& e) {
+    std::cerr << "megaslide-plan: --hardware: " << e.what() << "\n";
+    return 2;
+  }
+  try {
+    const auto plan = megaslide::plan::plan_step(config, profile);
+    std::cout << (json ? megaslide::plan::to_json(plan) + "\n" : megaslide::plan::to_table(plan));
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << "megaslide-plan: " << e.what() << "\n";
+    return 1;
+  }
+}
