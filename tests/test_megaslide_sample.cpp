@@ -105,6 +105,13 @@ TEST(MegaslideSample, WritesVBenchNamedH264VideosAnIndexAndRerunsIdentically) {
   EXPECT_NE(r.output.find("blocks streamed"), std::string::npos) << r.output;
   for (const auto& [file, bytes] : first_bytes) EXPECT_EQ(megaslide::io::read_file(join_path(out, file)), bytes) << "streamed: " << file;
 
+  // A training checkpoint folder works as --checkpoint: its model.safetensors holds the same bf16 weights
+  // as the exported file (both rounded from the same masters), so the same videos.
+  r = run("megaslide-sample", "--checkpoint " + join_path(scratch(), "run/checkpoints/step-0000003") + " --prompts " + prompts +
+                                  " --samples-per-prompt 2 --out " + out + " --steps 4 --no-progress --batch-size 3");
+  ASSERT_EQ(r.code, 0) << r.output;
+  for (const auto& [file, bytes] : first_bytes) EXPECT_EQ(megaslide::io::read_file(join_path(out, file)), bytes) << "checkpoint: " << file;
+
   auto e = run("megaslide-eval", out);
   ASSERT_EQ(e.code, 0) << e.output;
   EXPECT_NE(e.output.find("temporal_flickering"), std::string::npos) << e.output;

@@ -56,7 +56,10 @@ int main(int argc, char** argv) {
   double eta = 0.0;
   uint64_t seed = 0;
   bool png = false, no_progress = false;
-  app.add_option("--checkpoint", checkpoint, "weights file (safetensors) written by megaslide-train --export-weights")->required();
+  app.add_option("--checkpoint", checkpoint,
+                 "weights file (safetensors) written by megaslide-train --export-weights, or a training checkpoint folder "
+                 "(RUN_DIR/checkpoints/step-NNNNNNN)")
+      ->required();
   app.add_option("--prompts", prompts_path, "prompt file, one prompt per line (VBench's prompt files work as they are)")->required();
   app.add_option("--samples-per-prompt", samples_per_prompt, "videos per prompt (index 0..N-1)")->check(CLI::Range(int64_t{1}, int64_t{100000}))
       ->capture_default_str();
@@ -109,7 +112,9 @@ int main(int argc, char** argv) {
     auto prompts = megaslide::eval::read_prompt_file(prompts_path);
     jobs = megaslide::eval::plan_vbench_samples(prompts, samples_per_prompt, seed);
     device = megaslide::resolve_device(device_spec);
-    model = megaslide::load_weights(checkpoint);  // on the CPU; moved below, whole or all but the blocks
+    // A training checkpoint folder (docs/checkpoints.md) is verified and its bf16 weights file used.
+    const std::string weights = megaslide::io::is_directory(checkpoint) ? megaslide::verify_checkpoint(checkpoint) : checkpoint;
+    model = megaslide::load_weights(weights);  // on the CPU; moved below, whole or all but the blocks
     int64_t weight_bytes = 0;
     for (const auto& p : model.dit->parameters()) weight_bytes += static_cast<int64_t>(p.nbytes());
     stream = megaslide::offload::should_stream(megaslide::offload::parse_stream_choice(streamed), device, weight_bytes);

@@ -205,8 +205,10 @@ HostParamStore::HostParamStore(std::vector<BlockSpec> blocks, HostParamStoreOpti
     void* ptr = allocate_host(bytes, pinned_);
     if (ptr == nullptr) {
       throw_out_of_memory(plan_report, options_,
-                          fmt::format("allocating {} bytes for block '{}' component '{}' failed", bytes,
-                                      block_name, component));
+                          fmt::format("allocating {} bytes for block '{}' component '{}' failed{}", bytes, block_name, component,
+                                      pinned_ ? " (page-locked with cudaHostAlloc: the locked-memory limit, `ulimit -l` or the "
+                                                "container's memlock setting, may be what ran out)"
+                                              : ""));
     }
     const bool pinned = pinned_;
     return at::from_blob(ptr, {numel}, [pinned](void* p) { free_host(p, pinned); }, tensor_options);
