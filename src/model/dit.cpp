@@ -18,7 +18,7 @@ DiTOptions DiTOptions::from_config(const RunConfig& config) {
       .dsa_kernel(m.dsa_kernel)
       .dsa_groups(m.dsa_groups)
       .dsa_offset_range(m.dsa_offset_range)
-      .freeze_offsets(m.freeze_offsets)
+      .dsa_offsets(m.dsa_offsets)
       .swin_window(m.swin_window);
 }
 
@@ -104,7 +104,8 @@ void DiTBlockImpl::reset() {
                                                                         .kernel(options.dsa_kernel())
                                                                         .groups(options.dsa_groups())
                                                                         .offset_range(options.dsa_offset_range())
-                                                                        .freeze_offsets(options.freeze_offsets())
+                                                                        .offsets(options.dsa_offsets())
+                                                                        .frozen_offset_seed(static_cast<uint64_t>(index))
                                                                         .impl(options.dsa_impl())
                                                                         .device(dev)));
       break;
