@@ -242,6 +242,7 @@ class Schema {
           c.model.dsa_offsets = it->second;
         },
         [&c] { return YAML::Node(std::string(to_string(c.model.dsa_offsets))); });
+    choice("model.dense_attention", c.model.dense_attention, {"fused", "materialized"});
     triple("model.swin_window", c.model.swin_window, "positive integers", positive_int);
     // data
     choice("data.dataset", c.data.dataset, {"structured-motion"});

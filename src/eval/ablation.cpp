@@ -331,26 +331,33 @@ SuiteOutput memory_scaling(const AblationOptions& o, std::string& device) {
   out.csv.columns = {"arch", "frames", "tokens", "status", "peak_device_bytes", "peak_device_mib", "step_time_s",
                      "trainer_accounted_bytes", "device"};
   out.summary.columns = {"frames", "tokens"};
-  const std::vector<Architecture> archs{Architecture::kDense3D, Architecture::kSwin, Architecture::kMegaSlide};
-  for (auto a : archs) {
-    out.summary.columns.push_back(std::string(to_string(a)) + " peak MiB");
-    out.summary.columns.push_back(std::string(to_string(a)) + " s/step");
+  // The models: name and overrides. dense3d-materialized writes the N x N scores out (O(N²) memory);
+  // dense3d runs LibTorch's fused attention (no N x N matrix kept where a fused kernel exists).
+  const std::vector<std::pair<std::string, std::vector<std::string>>> models{
+      {"dense3d", {"model.arch=dense3d", "model.dense_attention=fused"}},
+      {"dense3d-materialized", {"model.arch=dense3d", "model.dense_attention=materialized"}},
+      {"swin", {"model.arch=swin"}},
+      {"megaslide", {"model.arch=megaslide"}}};
+  for (const auto& [a, unused] : models) {
+    out.summary.columns.push_back(a + " peak MiB");
+    out.summary.columns.push_back(a + " s/step");
   }
   const auto frames = scaling_frames(o.size);
-  std::map<std::pair<int, int64_t>, std::pair<std::string, std::string>> cells;  // (arch, frames) -> (MiB, s)
+  std::map<std::pair<std::string, int64_t>, std::pair<std::string, std::string>> cells;  // (model, frames) -> (MiB, s)
   PlotPanel memory{"peak device memory", "frames", "MiB", true, true, true, {}};
   PlotPanel time{"step time", "frames", "seconds per step", true, true, true, {}};
   std::map<int64_t, int64_t> tokens_of;
-  for (auto a : archs) {
-    PlotSeries mem_series{to_string(a), {}, {}}, time_series{to_string(a), {}, {}};
+  for (const auto& [a, model_overrides] : models) {
+    PlotSeries mem_series{a, {}, {}}, time_series{a, {}, {}};
     bool exceeded = false;
     for (int64_t f : frames) {
-      const auto config = make_config("memory-scaling", o.size,
-                                      {std::string("model.arch=") + to_string(a), "data.frames=" + std::to_string(f)}, o);
+      auto variant = model_overrides;
+      variant.push_back("data.frames=" + std::to_string(f));
+      const auto config = make_config("memory-scaling", o.size, variant, o);
       const int64_t tokens = (config.data.frames / config.model.patch[0]) * (config.data.height / config.model.patch[1]) *
                              (config.data.width / config.model.patch[2]);
       tokens_of[f] = tokens;
-      const std::string name = fmt::format("{} frames={}", to_string(a), f);
+      const std::string name = fmt::format("{} frames={}", a, f);
       VariantRun run;
       if (exceeded) {
         run.oom = true;
@@ -366,18 +373,17 @@ SuiteOutput memory_scaling(const AblationOptions& o, std::string& device) {
       time_series.x.push_back(static_cast<double>(f));
       if (run.oom) {
         exceeded = true;
-        out.csv.rows.push_back({to_string(a), std::to_string(f), std::to_string(tokens), "oom", "oom", "oom", "oom",
-                                "oom", run.device});
-        cells[{static_cast<int>(a), f}] = {"oom", "oom"};
+        out.csv.rows.push_back({a, std::to_string(f), std::to_string(tokens), "oom", "oom", "oom", "oom", "oom", run.device});
+        cells[{a, f}] = {"oom", "oom"};
         mem_series.y.push_back(std::numeric_limits<double>::quiet_NaN());
         time_series.y.push_back(std::numeric_limits<double>::quiet_NaN());
       } else {
         const int64_t peak = run.max_peak();
         const double step_time = run.mean_timed([](const StepMetrics& m) { return m.step_time_s; });
-        out.csv.rows.push_back({to_string(a), std::to_string(f), std::to_string(tokens), "ok", std::to_string(peak),
+        out.csv.rows.push_back({a, std::to_string(f), std::to_string(tokens), "ok", std::to_string(peak),
                                 mib(peak), general(step_time), std::to_string(run.steps.back().peak_device_bytes),
                                 run.device});
-        cells[{static_cast<int>(a), f}] = {mib(peak), sig3(step_time)};
+        cells[{a, f}] = {mib(peak), sig3(step_time)};
         mem_series.y.push_back(static_cast<double>(peak) / kMiB);
         time_series.y.push_back(step_time);
       }
@@ -387,8 +393,8 @@ SuiteOutput memory_scaling(const AblationOptions& o, std::string& device) {
   }
   for (int64_t f : frames) {
     std::vector<std::string> row{std::to_string(f), std::to_string(tokens_of[f])};
-    for (auto a : archs) {
-      const auto& c = cells[{static_cast<int>(a), f}];
+    for (const auto& [a, unused] : models) {
+      const auto& c = cells[{a, f}];
       row.push_back(c.first);
       row.push_back(c.second);
     }

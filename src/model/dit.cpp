@@ -19,6 +19,7 @@ DiTOptions DiTOptions::from_config(const RunConfig& config) {
       .dsa_groups(m.dsa_groups)
       .dsa_offset_range(m.dsa_offset_range)
       .dsa_offsets(m.dsa_offsets)
+      .dense_materialized(m.dense_attention == "materialized")
       .swin_window(m.swin_window);
 }
 
@@ -92,7 +93,8 @@ void DiTBlockImpl::reset() {
   norm1 = register_module("norm1", LayerNorm(LayerNormOptions(D).affine(false).device(dev)));
   switch (options.arch()) {
     case Architecture::kDense3D:
-      global_attn = register_module("attn", GlobalSelfAttention(SelfAttentionOptions(D, M).device(dev)));
+      global_attn = register_module("attn", GlobalSelfAttention(
+                                                SelfAttentionOptions(D, M).materialize_scores(options.dense_materialized()).device(dev)));
       break;
     case Architecture::kSwin:
       window_attn = register_module(

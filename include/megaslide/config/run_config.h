@@ -58,6 +58,7 @@ struct ModelConfig {
   int64_t dsa_groups = 1;                  // offset groups G; heads % G == 0
   std::array<double, 3> dsa_offset_range{1.0, 3.0, 3.0};  // tanh range per axis (t, h, w), tokens
   DsaOffsets dsa_offsets = DsaOffsets::kLearned;          // learned | zero | frozen (the offset ablation)
+  std::string dense_attention = "fused";                   // dense3d: fused (SDPA) | materialized (N x N scores kept)
   std::array<int64_t, 3> swin_window{3, 16, 16};           // in tokens (t, h, w)
 };
 

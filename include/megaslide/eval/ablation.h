@@ -5,8 +5,10 @@
 //   SUITE.png   a plot (render_plot, eval/plot.h; SUITE.dat and SUITE.gp beside it)
 //
 // Suites:
-//   memory-scaling      peak device memory and step time against data.frames for dense3d, swin and
-//                       megaslide (streamed trainer). A run that does not fit is recorded "oom": on a
+//   memory-scaling      peak device memory and step time against data.frames for dense3d (LibTorch's
+//                       fused attention), dense3d-materialized (model.dense_attention: materialized,
+//                       the N x N scores kept), swin and megaslide (streamed trainer), named so in the
+//                       CSV's arch column. A run that does not fit is recorded "oom": on a
 //                       GPU the caching allocator's c10::OutOfMemoryError is caught; on the CPU a run
 //                       whose measured peak exceeds the memory budget is "oom" (and larger frame counts
 //                       of that model are not run). CPU peak = the device-side state that lives across
