@@ -192,3 +192,16 @@ TEST(MegaslideAblate, ExitCodesAndOutputs) {
   EXPECT_TRUE(megaslide::io::path_exists(dir + "/streaming.csv"));
   EXPECT_TRUE(megaslide::io::path_exists(dir + "/streaming.md"));
 }
+
+// Every suite's base config loads at every size (the full sizes are only run on a GPU, so this is
+// where a bad key or an inconsistent value in them is caught).
+TEST(Ablation, EverySuiteConfigLoadsAtEverySize) {
+  for (const auto& suite : megaslide::ablation_suites()) {
+    for (auto size : {megaslide::AblationSize::kTest, megaslide::AblationSize::kQuick, megaslide::AblationSize::kFull}) {
+      EXPECT_NO_THROW(megaslide::parse_run_config("", suite, megaslide::ablation_base_overrides(suite, size)))
+          << suite << " " << megaslide::to_string(size);
+    }
+  }
+  EXPECT_THROW(megaslide::ablation_base_overrides("nope", megaslide::AblationSize::kTest), std::invalid_argument);
+  EXPECT_THROW(megaslide::parse_ablation_size("huge"), std::invalid_argument);
+}
