@@ -7,6 +7,7 @@
 
 #ifdef MEGASLIDE_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 #endif
 
 #include <algorithm>
@@ -106,10 +107,14 @@ class MemoryMeter {
   explicit MemoryMeter(torch::Device device) : device_(device) {
     if (!device_.is_cuda()) counting_cpu_allocator();
   }
+#ifdef MEGASLIDE_WITH_CUDA
+  // "cuda" without an index means the current device.
+  c10::DeviceIndex cuda_index() const { return device_.has_index() ? device_.index() : c10::cuda::current_device(); }
+#endif
   void reset() {
 #ifdef MEGASLIDE_WITH_CUDA
     if (device_.is_cuda()) {
-      c10::cuda::CUDACachingAllocator::resetPeakStats(device_.index());
+      c10::cuda::CUDACachingAllocator::resetPeakStats(cuda_index());
       return;
     }
 #endif
@@ -122,7 +127,7 @@ class MemoryMeter {
   int64_t peak_bytes(int64_t persistent_device_bytes) const {
 #ifdef MEGASLIDE_WITH_CUDA
     if (device_.is_cuda()) {
-      const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device_.index());
+      const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(cuda_index());
       return stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak;
     }
 #endif
