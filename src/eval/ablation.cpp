@@ -264,6 +264,11 @@ std::string general(double v) {
   if (!std::isfinite(v)) return "nan";
   return fmt::format("{:.6g}", v);
 }
+// Enough digits to tell every fp32 value apart (losses are fp32 values; the suites compare them).
+std::string exact(double v) {
+  if (!std::isfinite(v)) return "nan";
+  return fmt::format("{:.9g}", v);
+}
 // Three significant digits (timings span microseconds to minutes).
 std::string sig3(double v) {
   if (!std::isfinite(v)) return "nan";
@@ -425,7 +430,7 @@ AblationTable per_step_csv(const std::string& variant_column, const std::vector<
   for (const auto& r : runs) {
     for (size_t i = 0; i < r.steps.size(); ++i) {
       const auto& m = r.steps[i];
-      t.rows.push_back({r.name, std::to_string(m.step), general(m.loss), general(m.grad_norm), general(m.step_time_s),
+      t.rows.push_back({r.name, std::to_string(m.step), exact(m.loss), exact(m.grad_norm), general(m.step_time_s),
                         general(m.exposed_transfer_s), general(m.optimizer_wait_s), general(m.optimizer_s),
                         std::to_string(m.h2d_bytes), std::to_string(m.d2h_bytes), std::to_string(r.peak_bytes[i]), r.device});
     }
