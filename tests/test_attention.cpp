@@ -60,6 +60,30 @@ TEST(GlobalSelfAttention, EqualsNaiveSoftmaxAttention) {
   EXPECT_TRUE(torch::allclose(attn(x, g), expected, 1e-10, 1e-12));
 }
 
+// materialize_scores (model.dense_attention: materialized) computes the same function as the fused
+// SDPA path: output and the input and weight gradients agree with the fused module's (same weights).
+TEST(GlobalSelfAttention, MaterializedScoresEqualFusedAttention) {
+  torch::manual_seed(2);
+  GlobalSelfAttention fused(SelfAttentionOptions(24, 3));
+  GlobalSelfAttention written_out(SelfAttentionOptions(24, 3).materialize_scores(true));
+  fused->to(torch::kFloat64);
+  written_out->to(torch::kFloat64);
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : written_out->named_parameters()) p.value().copy_(fused->named_parameters()[p.key()]);
+  }
+  const TokenGrid g{2, 3, 4};
+  auto x = torch::randn({2, g.numel(), 24}, torch::kFloat64);
+  auto xa = x.clone().requires_grad_(true), xb = x.clone().requires_grad_(true);
+  auto a = fused(xa, g), b = written_out(xb, g);
+  EXPECT_TRUE(torch::allclose(a, b, 1e-10, 1e-12));
+  EXPECT_TRUE(torch::allclose(b, naive_attention(fused->qkv, fused->proj, x, 3, {}), 1e-10, 1e-12));
+  (a * a).sum().backward();
+  (b * b).sum().backward();
+  EXPECT_TRUE(torch::allclose(xa.grad(), xb.grad(), 1e-9, 1e-11));
+  EXPECT_TRUE(torch::allclose(fused->qkv->weight.grad(), written_out->qkv->weight.grad(), 1e-9, 1e-11));
+}
+
 struct WindowCase {
   TokenGrid grid;
   std::array<int64_t, 3> window;

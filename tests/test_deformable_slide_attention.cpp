@@ -1,6 +1,9 @@
 // DeformableSlideAttention3D: by default it runs the fused 3D-DSA kernel, which gives the same output
 // and parameter gradients as the grid_sample reference, and the module trains through it.
 #include "megaslide/attention/deformable_slide_attention.h"
+#include "megaslide/model/dit.h"
+#include "megaslide/offload/cpu_master_trainer.h"
+#include "megaslide/train/resident_trainer.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -113,4 +116,65 @@ TEST(DeformableSlideAttention, TrainsThroughTheFusedKernel) {
   EXPECT_LT(last, 0.9 * first);
   EXPECT_GT(m->offset_pw->weight.abs().max().item<double>(), 0.0);
   EXPECT_GT(m->rel_bias.abs().max().item<double>(), 0.0);
+}
+
+namespace {
+
+// Block 0's offsets for a fixed input, from a DiT trained by either trainer.
+torch::Tensor block0_offsets(megaslide::DiT& dit, const megaslide::RunConfig& c) {
+  const TokenGrid grid = dit->token_grid(c.data.frames, c.data.height, c.data.width);
+  torch::manual_seed(7);
+  auto x = torch::randn({1, grid.numel(), c.model.hidden});
+  torch::NoGradGuard no_grad;
+  return dit->blocks[0]->as<megaslide::DiTBlockImpl>()->dsa_attn->offsets(x, grid).clone();
+}
+
+bool has_offset_parameters(megaslide::DiT& dit) {
+  for (const auto& item : dit->named_parameters(true))
+    if (item.key().find("offset") != std::string::npos) return true;
+  return false;
+}
+
+megaslide::RunConfig offsets_config(const std::string& mode) {
+  // Weight decay on: AdamW would move any parameter, even one without gradient, in the streamed trainer.
+  return megaslide::parse_run_config("", "test", {"model.dsa_offsets=" + mode, "train.device=cpu", "train.lr=1e-2",
+                                                  "train.weight_decay=0.1", "train.warmup_steps=0", "train.batch_size=2",
+                                                  "offload.optimizer_threads=1"});
+}
+
+}  // namespace
+
+// model.dsa_offsets: "zero" has no offset network and Δ = 0; "frozen" has non-zero offsets that are not
+// parameters and stay exactly the same while both trainers train (weight decay included); the two
+// trainers build the same frozen offsets (seeded by block index). "learned" offsets start at zero
+// and move when trained.
+TEST(DeformableSlideAttention, ZeroAndFrozenOffsetsStayFixedWhileTraining) {
+  {
+    const auto c = offsets_config("zero");
+    megaslide::ResidentTrainer t(c);
+    EXPECT_FALSE(has_offset_parameters(t.model()));
+    for (int i = 0; i < 3; ++i) t.step();
+    EXPECT_EQ(block0_offsets(t.model(), c).abs().max().item<double>(), 0.0);
+  }
+  {
+    const auto c = offsets_config("frozen");
+    megaslide::ResidentTrainer resident(c);
+    megaslide::CPUMasterVideoDiT streamed(c);
+    EXPECT_FALSE(has_offset_parameters(resident.model()));
+    const auto before = block0_offsets(resident.model(), c);
+    EXPECT_GT(before.abs().max().item<double>(), 0.1);  // genuinely deformed, not zero
+    EXPECT_TRUE(torch::equal(before, block0_offsets(streamed.stack().model(), c)));
+    for (int i = 0; i < 3; ++i) resident.step(), streamed.step();
+    streamed.synchronize();
+    EXPECT_TRUE(torch::equal(before, block0_offsets(resident.model(), c)));
+    EXPECT_TRUE(torch::equal(before, block0_offsets(streamed.stack().model(), c)));
+  }
+  {
+    const auto c = offsets_config("learned");
+    megaslide::ResidentTrainer t(c);
+    EXPECT_TRUE(has_offset_parameters(t.model()));
+    EXPECT_EQ(block0_offsets(t.model(), c).abs().max().item<double>(), 0.0);  // zero-initialised last layer
+    for (int i = 0; i < 3; ++i) t.step();
+    EXPECT_GT(block0_offsets(t.model(), c).abs().max().item<double>(), 0.0);
+  }
 }

@@ -45,7 +45,8 @@ TEST(RunConfig, WrongTypeIsRefused) {
   expect_error("model:\n  hidden: 1.5\n", {}, "model.hidden", "expected an integer");
   expect_error("train:\n  lr: fast\n", {}, "train.lr", "expected a number");
   expect_error("model:\n  patch: 2\n", {}, "model.patch", "expected a list of 3");
-  expect_error("model:\n  freeze_offsets: maybe\n", {}, "model.freeze_offsets", "expected true or false");
+  expect_error("offload:\n  enabled: maybe\n", {}, "offload.enabled", "expected true or false");
+  expect_error("model:\n  dsa_offsets: maybe\n", {}, "model.dsa_offsets", "expected one of learned | zero | frozen");
   expect_error("model: 3\n", {}, "model", "expected a section");
   expect_error("model:\n  arch: resnet\n", {}, "model.arch", "megaslide | dense3d | swin");
 }

@@ -1,5 +1,9 @@
 #include "megaslide/attention/deformable_slide_attention.h"
 
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <cmath>
+
 namespace megaslide {
 
 DeformableSlideAttention3DImpl::DeformableSlideAttention3DImpl(DeformableSlideAttentionOptions options_)
@@ -24,10 +28,23 @@ void DeformableSlideAttention3DImpl::reset() {
   k = register_module("k", Linear(LinearOptions(D, D).device(dev)));
   v = register_module("v", Linear(LinearOptions(D, D).device(dev)));
   proj = register_module("proj", Linear(LinearOptions(D, D).device(dev)));
-  if (!options.freeze_offsets()) {
+  if (options.offsets() == DsaOffsets::kLearned) {
     offset_dw = register_module("offset_dw", Conv3d(Conv3dOptions(D, D, {3, 3, 3}).padding({1, 1, 1}).groups(D).device(dev)));
     offset_pw = register_module("offset_pw",
                                 Linear(LinearOptions(D, G * kernel_volume() * 3).zero_init(true).device(dev)));
+  } else if (options.offsets() == DsaOffsets::kFrozen) {
+    // U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weights and biases, as LibTorch initialises Conv3d and
+    // Linear, from the module's own generator (the global random stream is left alone).
+    auto gen = at::detail::createCPUGenerator(options.frozen_offset_seed());
+    auto uniform = [&](std::vector<int64_t> shape, int64_t fan_in) {
+      const double bound = 1.0 / std::sqrt(static_cast<double>(fan_in));
+      return (torch::rand(shape, gen, torch::kFloat32) * (2 * bound) - bound).to(dev);
+    };
+    const int64_t out = G * kernel_volume() * 3;
+    frozen_dw_weight = uniform({D, 1, 3, 3, 3}, 27);
+    frozen_dw_bias = uniform({D}, 27);
+    frozen_pw_weight = uniform({out, D}, D);
+    frozen_pw_bias = uniform({out}, D);
   }
   rel_bias = register_parameter("rel_bias", torch::zeros({M, kernel_volume()}, torch::TensorOptions().device(dev)));
 }
@@ -48,10 +65,19 @@ torch::Tensor DeformableSlideAttention3DImpl::offsets(const torch::Tensor& x, co
   const int64_t B = x.size(0), D = options.dim(), G = options.groups(), K = kernel_volume();
   auto subset = kernel_subset(grid);
   const int64_t Ke = subset.defined() ? subset.numel() : K;
-  if (options.freeze_offsets()) return torch::zeros({B, grid.t, grid.h, grid.w, G, Ke, 3}, x.options());
+  if (options.offsets() == DsaOffsets::kZero) return torch::zeros({B, grid.t, grid.h, grid.w, G, Ke, 3}, x.options());
   auto volume = x.view({B, grid.t, grid.h, grid.w, D}).permute({0, 4, 1, 2, 3});
-  auto hidden = torch::gelu(offset_dw(volume)).permute({0, 2, 3, 4, 1});  // [B, T, H, W, D]
-  auto o = offset_pw(hidden).view({B, grid.t, grid.h, grid.w, G, K, 3});
+  torch::Tensor o;
+  if (options.offsets() == DsaOffsets::kFrozen) {
+    const auto as_x = [&](const torch::Tensor& w) { return w.to(x.device(), x.scalar_type()); };
+    auto hidden = torch::gelu(torch::conv3d(volume, as_x(frozen_dw_weight), as_x(frozen_dw_bias), 1, 1, 1, D))
+                      .permute({0, 2, 3, 4, 1});
+    o = torch::linear(hidden, as_x(frozen_pw_weight), as_x(frozen_pw_bias));
+  } else {
+    auto hidden = torch::gelu(offset_dw(volume)).permute({0, 2, 3, 4, 1});  // [B, T, H, W, D]
+    o = offset_pw(hidden);
+  }
+  o = o.view({B, grid.t, grid.h, grid.w, G, K, 3});
   if (subset.defined()) o = o.index_select(5, subset.to(x.device()));
   const auto& r = options.offset_range();
   auto range = torch::tensor({r[0], r[1], r[2]}, x.options());

@@ -29,6 +29,15 @@ const char* to_string(Architecture arch) {
   return "?";
 }
 
+const char* to_string(DsaOffsets offsets) {
+  switch (offsets) {
+    case DsaOffsets::kLearned: return "learned";
+    case DsaOffsets::kZero: return "zero";
+    case DsaOffsets::kFrozen: return "frozen";
+  }
+  return "?";
+}
+
 namespace {
 
 // A value problem inside one field; the caller adds source and key.
@@ -224,7 +233,16 @@ class Schema {
     triple("model.dsa_kernel", c.model.dsa_kernel, "odd positive integers", odd_positive_int);
     integer("model.dsa_groups", c.model.dsa_groups, IntRange{1});
     triple("model.dsa_offset_range", c.model.dsa_offset_range, "numbers >= 0", nonnegative_real);
-    boolean("model.freeze_offsets", c.model.freeze_offsets);
+    add("model.dsa_offsets",
+        [&c](const YAML::Node& n) {
+          const std::map<std::string, DsaOffsets> names{
+              {"learned", DsaOffsets::kLearned}, {"zero", DsaOffsets::kZero}, {"frozen", DsaOffsets::kFrozen}};
+          auto it = n.IsScalar() ? names.find(n.Scalar()) : names.end();
+          if (it == names.end()) throw FieldProblem{"expected one of learned | zero | frozen, got " + describe(n)};
+          c.model.dsa_offsets = it->second;
+        },
+        [&c] { return YAML::Node(std::string(to_string(c.model.dsa_offsets))); });
+    choice("model.dense_attention", c.model.dense_attention, {"fused", "materialized"});
     triple("model.swin_window", c.model.swin_window, "positive integers", positive_int);
     // data
     choice("data.dataset", c.data.dataset, {"structured-motion"});

@@ -1,5 +1,7 @@
 #include "megaslide/model/attention.h"
 
+#include <cmath>
+
 namespace megaslide {
 
 torch::Tensor split_heads(const torch::Tensor& x, int64_t heads) {
@@ -40,6 +42,11 @@ void GlobalSelfAttentionImpl::reset() {
 torch::Tensor GlobalSelfAttentionImpl::forward(const torch::Tensor& x, const TokenGrid& grid) {
   check_tokens(x, grid, options.dim(), "GlobalSelfAttention");
   auto [q, k, v] = project_qkv(qkv, x, options.heads());
+  if (options.materialize_scores()) {
+    const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+    auto weights = torch::softmax(torch::matmul(q, k.transpose(-2, -1)) * scale, -1);  // [B, M, N, N]
+    return proj(merge_heads(torch::matmul(weights, v)));
+  }
   return proj(merge_heads(at::scaled_dot_product_attention(q, k, v)));
 }
 

@@ -18,7 +18,8 @@ DiTOptions DiTOptions::from_config(const RunConfig& config) {
       .dsa_kernel(m.dsa_kernel)
       .dsa_groups(m.dsa_groups)
       .dsa_offset_range(m.dsa_offset_range)
-      .freeze_offsets(m.freeze_offsets)
+      .dsa_offsets(m.dsa_offsets)
+      .dense_materialized(m.dense_attention == "materialized")
       .swin_window(m.swin_window);
 }
 
@@ -92,7 +93,8 @@ void DiTBlockImpl::reset() {
   norm1 = register_module("norm1", LayerNorm(LayerNormOptions(D).affine(false).device(dev)));
   switch (options.arch()) {
     case Architecture::kDense3D:
-      global_attn = register_module("attn", GlobalSelfAttention(SelfAttentionOptions(D, M).device(dev)));
+      global_attn = register_module("attn", GlobalSelfAttention(
+                                                SelfAttentionOptions(D, M).materialize_scores(options.dense_materialized()).device(dev)));
       break;
     case Architecture::kSwin:
       window_attn = register_module(
@@ -104,7 +106,8 @@ void DiTBlockImpl::reset() {
                                                                         .kernel(options.dsa_kernel())
                                                                         .groups(options.dsa_groups())
                                                                         .offset_range(options.dsa_offset_range())
-                                                                        .freeze_offsets(options.freeze_offsets())
+                                                                        .offsets(options.dsa_offsets())
+                                                                        .frozen_offset_seed(static_cast<uint64_t>(index))
                                                                         .impl(options.dsa_impl())
                                                                         .device(dev)));
       break;

@@ -204,6 +204,7 @@ StepMetrics ResidentTrainer::step() {
     (accum == 1 ? loss : loss / static_cast<double>(accum)).backward();
     loss_sum += loss.item<double>();  // synchronises with the device, so the timing below is complete
   }
+  const auto optimizer_start = std::chrono::steady_clock::now();  // the device is idle here (item() above)
   const double max_norm = t.grad_clip > 0 ? t.grad_clip : std::numeric_limits<double>::infinity();
   const double grad_norm = torch::nn::utils::clip_grad_norm_(parameters_, max_norm);
   StepMetrics m;
@@ -220,6 +221,7 @@ StepMetrics ResidentTrainer::step() {
   m.skipped_total = skipped_total_;
   m.consecutive_skips = consecutive_skips_;
   if (device_.is_cuda()) torch::cuda::synchronize();
+  m.optimizer_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - optimizer_start).count();
   m.step = ++steps_done_;
   m.lr = lr;
   m.grad_norm = grad_norm;

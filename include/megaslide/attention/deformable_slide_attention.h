@@ -9,7 +9,11 @@
 // input's device, trained through its autograd function; kReference: the grid_sample reference).
 //
 // At initialisation Δ = 0 and B = 0, so the module starts as plain neighbourhood attention.
-// `freeze_offsets` is the paper's fixed-offset ablation: the offset network is not built, Δ stays 0.
+// `offsets` is the paper's offset ablation (model.dsa_offsets): kLearned trains the offset network
+// above; kZero builds none and Δ stays 0 (fixed neighbourhood attention); kFrozen holds an offset
+// network of the same shape whose weights are drawn once from a generator seeded with
+// `frozen_offset_seed` (LibTorch's default Conv3d/Linear initialisation ranges, Wpw not zeroed) and are
+// not parameters: nothing trains them, they are not streamed or saved, and Δ is fixed per input.
 // Parameters are created for the full kernel; on a grid smaller than the kernel the sub-window of the
 // kernel's centre is used (the effective kernel of ops::effective_kernel).
 // Thread-safety: like any torch::nn::Module.
@@ -20,6 +24,7 @@
 #include <array>
 
 #include "megaslide/attention/dsa3d.h"
+#include "megaslide/config/run_config.h"
 #include "megaslide/model/attention.h"
 #include "megaslide/model/layers.h"
 
@@ -32,7 +37,8 @@ struct DeformableSlideAttentionOptions {
   TORCH_ARG(Int3, kernel) = Int3{3, 7, 7};
   TORCH_ARG(int64_t, groups) = 1;  // offset groups; heads of a group share offsets
   TORCH_ARG(Real3, offset_range) = Real3{1.0, 3.0, 3.0};
-  TORCH_ARG(bool, freeze_offsets) = false;
+  TORCH_ARG(DsaOffsets, offsets) = DsaOffsets::kLearned;
+  TORCH_ARG(uint64_t, frozen_offset_seed) = 0;  // kFrozen: seeds the fixed offset network's weights
   TORCH_ARG(ops::DsaImpl, impl) = ops::DsaImpl::kAuto;  // kAuto: the fused kernel of the input's device
   TORCH_ARG(bool, deterministic) = false;               // bit-identical fused backward (ops::dsa3d)
   TORCH_ARG(torch::Device, device) = torch::kCPU;
@@ -44,15 +50,17 @@ class DeformableSlideAttention3DImpl : public torch::nn::Cloneable<DeformableSli
   void reset() override;
   torch::Tensor forward(const torch::Tensor& x, const TokenGrid& grid);
 
-  // The offsets Δ [B, T, H, W, G, K, 3] the module would sample with (zeros when frozen).
+  // The offsets Δ [B, T, H, W, G, K, 3] the module would sample with (zeros for kZero).
   torch::Tensor offsets(const torch::Tensor& x, const TokenGrid& grid);
 
   int64_t kernel_volume() const;  // K of the full kernel
 
   DeformableSlideAttentionOptions options;
   Linear q{nullptr}, k{nullptr}, v{nullptr}, proj{nullptr};
-  Conv3d offset_dw{nullptr};  // depthwise 3x3x3 (groups = dim); absent when frozen
-  Linear offset_pw{nullptr};  // dim -> G*K*3, zero init; absent when frozen
+  Conv3d offset_dw{nullptr};  // depthwise 3x3x3 (groups = dim); kLearned only
+  Linear offset_pw{nullptr};  // dim -> G*K*3, zero init; kLearned only
+  // kFrozen: the fixed offset network's weights (plain tensors, not parameters or buffers).
+  torch::Tensor frozen_dw_weight, frozen_dw_bias, frozen_pw_weight, frozen_pw_bias;
   torch::Tensor rel_bias;     // [heads, K], zero init
 
  private:

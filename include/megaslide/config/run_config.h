@@ -38,6 +38,14 @@ enum class Architecture {
 };
 const char* to_string(Architecture arch);
 
+// Where 3D-DSA's sampling offsets Δ come from (model.dsa_offsets); the paper's offset ablation.
+enum class DsaOffsets {
+  kLearned,  // the offset network, trained ("learned"; its last layer starts at zero, so Δ starts at 0)
+  kZero,     // no offset network, Δ = 0: fixed neighbourhood attention ("zero")
+  kFrozen,   // a randomly initialised offset network that is never trained: fixed, input-dependent Δ ("frozen")
+};
+const char* to_string(DsaOffsets offsets);
+
 struct ModelConfig {
   Architecture arch = Architecture::kMegaSlide;
   std::array<int64_t, 3> patch{1, 2, 2};   // (pt, ph, pw)
@@ -49,7 +57,8 @@ struct ModelConfig {
   std::array<int64_t, 3> dsa_kernel{3, 7, 7};
   int64_t dsa_groups = 1;                  // offset groups G; heads % G == 0
   std::array<double, 3> dsa_offset_range{1.0, 3.0, 3.0};  // tanh range per axis (t, h, w), tokens
-  bool freeze_offsets = false;             // the paper's fixed-offset ablation
+  DsaOffsets dsa_offsets = DsaOffsets::kLearned;          // learned | zero | frozen (the offset ablation)
+  std::string dense_attention = "fused";                   // dense3d: fused (SDPA) | materialized (N x N scores kept)
   std::array<int64_t, 3> swin_window{3, 16, 16};           // in tokens (t, h, w)
 };
 

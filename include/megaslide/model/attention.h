@@ -29,11 +29,15 @@ struct SelfAttentionOptions {
   SelfAttentionOptions(int64_t dim, int64_t heads) : dim_(dim), heads_(heads) {}
   TORCH_ARG(int64_t, dim);
   TORCH_ARG(int64_t, heads);
+  // false: at::scaled_dot_product_attention (LibTorch picks a fused flash or memory-efficient kernel
+  // where it has one, the CPU included, which keeps no N x N matrix); true: softmax(q kᵀ / √d) v
+  // written out, so the N x N scores live until backward (the model.dense_attention ablation).
+  TORCH_ARG(bool, materialize_scores) = false;
   TORCH_ARG(torch::Device, device) = torch::kCPU;
 };
 
-// Global multi-head self-attention over all N tokens (scaled dot product; LibTorch picks flash or
-// memory-efficient kernels on a GPU). O(N²) time; the dense baseline.
+// Global multi-head self-attention over all N tokens. O(N²) time; O(N²) memory only with
+// materialize_scores. The dense baseline.
 class GlobalSelfAttentionImpl : public torch::nn::Cloneable<GlobalSelfAttentionImpl> {
  public:
   explicit GlobalSelfAttentionImpl(SelfAttentionOptions options);

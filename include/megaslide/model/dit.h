@@ -45,7 +45,8 @@ struct DiTOptions {
   TORCH_ARG(Int3, dsa_kernel) = Int3{3, 7, 7};
   TORCH_ARG(int64_t, dsa_groups) = 1;
   TORCH_ARG(Real3, dsa_offset_range) = Real3{1.0, 3.0, 3.0};
-  TORCH_ARG(bool, freeze_offsets) = false;
+  TORCH_ARG(DsaOffsets, dsa_offsets) = DsaOffsets::kLearned;
+  TORCH_ARG(bool, dense_materialized) = false;  // dense3d: N x N scores written out (model.dense_attention)
   TORCH_ARG(ops::DsaImpl, dsa_impl) = ops::DsaImpl::kAuto;
   TORCH_ARG(Int3, swin_window) = Int3{3, 16, 16};
   TORCH_ARG(int64_t, frequency_dim) = 256;  // sinusoidal timestep features before the MLP

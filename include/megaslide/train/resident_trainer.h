@@ -33,12 +33,13 @@ struct StepMetrics {
   double step_time_s = 0.0;
   double tokens_per_s = 0.0;
   double samples_per_s = 0.0;
-  // Streamed trainer only (zero for the resident loop, which moves nothing):
+  // Streamed trainer only (zero for the resident loop, which moves nothing), except optimizer_s:
   int64_t h2d_bytes = 0;            // weights copied host -> device this step
   int64_t d2h_bytes = 0;            // gradients copied device -> host this step
   double exposed_transfer_s = 0.0;  // time the compute stream waited on copies (CPU: the copies' own time)
   double optimizer_wait_s = 0.0;    // time the compute side waited for a block's host update
-  double optimizer_s = 0.0;         // host AdamW time (all CpuAdamW calls that finished during this step)
+  double optimizer_s = 0.0;         // streamed: host AdamW time (all CpuAdamW calls that finished during this step);
+                                    // resident: gradient clipping + torch::optim::AdamW step on the device
   int64_t peak_device_bytes = 0;    // GPU: allocator peak this step; CPU: the trainer's own accounting
   double mfu = 0.0;                 // GPU only: model FLOPs / (step time x peak); 0 elsewhere
   double loss_scale = 0.0;          // fp16 only: the loss scale used this step

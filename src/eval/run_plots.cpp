@@ -1,0 +1,130 @@
+#include "megaslide/eval/run_plots.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+
+#include "megaslide/io/files.h"
+
+namespace megaslide {
+namespace {
+
+double number(const nlohmann::json& j, const char* key, bool required, const std::string& where) {
+  auto it = j.find(key);
+  if (it == j.end()) {
+    if (required) throw MetricsFileError(fmt::format("{}: missing field \"{}\"", where, key));
+    return 0.0;
+  }
+  if (!it->is_number()) throw MetricsFileError(fmt::format("{}: field \"{}\" is not a number: {}", where, key, it->dump()));
+  const double v = it->get<double>();
+  if (!std::isfinite(v)) throw MetricsFileError(fmt::format("{}: field \"{}\" is not finite", where, key));
+  return v;
+}
+
+}  // namespace
+
+std::vector<StepMetrics> read_metrics_jsonl(const std::string& path) {
+  if (io::is_directory(path)) throw MetricsFileError(fmt::format("{}: is a folder, expected a metrics.jsonl file", path));
+  std::ifstream in(path);
+  if (!in) throw MetricsFileError(fmt::format("{}: cannot open (does the run folder hold a metrics.jsonl?)", path));
+  std::vector<StepMetrics> steps;
+  std::string line;
+  int64_t number_of_line = 0;
+  while (std::getline(in, line)) {
+    ++number_of_line;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const std::string where = fmt::format("{}:{}", path, number_of_line);
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::parse_error& e) {
+      throw MetricsFileError(fmt::format("{}: not valid JSON ({})", where, e.what()));
+    }
+    if (!j.is_object()) throw MetricsFileError(fmt::format("{}: expected a JSON object per line, got {}", where, j.type_name()));
+    StepMetrics m;
+    m.step = static_cast<int64_t>(number(j, "step", true, where));
+    m.loss = number(j, "loss", true, where);
+    m.step_time_s = number(j, "step_time_s", true, where);
+    m.tokens_per_s = number(j, "tokens_per_s", true, where);
+    m.samples_per_s = number(j, "samples_per_s", true, where);
+    m.lr = number(j, "lr", false, where);
+    m.grad_norm = number(j, "grad_norm", false, where);
+    m.h2d_bytes = static_cast<int64_t>(number(j, "h2d_bytes", false, where));
+    m.d2h_bytes = static_cast<int64_t>(number(j, "d2h_bytes", false, where));
+    m.exposed_transfer_s = number(j, "exposed_transfer_s", false, where);
+    m.optimizer_wait_s = number(j, "optimizer_wait_s", false, where);
+    m.optimizer_s = number(j, "optimizer_s", false, where);
+    m.peak_device_bytes = static_cast<int64_t>(number(j, "peak_device_bytes", false, where));
+    m.mfu = number(j, "mfu", false, where);
+    steps.push_back(m);
+  }
+  if (in.bad()) throw MetricsFileError(fmt::format("{}: read error after line {}", path, number_of_line));
+  if (steps.empty()) throw MetricsFileError(fmt::format("{}: no steps (the file is empty)", path));
+  return steps;
+}
+
+std::vector<std::string> plot_run(const std::string& run_dir, const std::string& out_dir, const PlotOptions& options) {
+  const std::string metrics_path = io::join_path(run_dir, "metrics.jsonl");
+  const auto steps = read_metrics_jsonl(metrics_path);
+  const std::string out = out_dir.empty() ? io::join_path(run_dir, "plots") : out_dir;
+  find_gnuplot(options);  // fail before writing anything when gnuplot is missing
+  try {
+    io::make_directories(out);
+  } catch (const io::IoError& e) {
+    throw PlotError(std::string("plot output folder: ") + e.what());
+  }
+
+  std::vector<double> x;
+  for (const auto& m : steps) x.push_back(static_cast<double>(m.step));
+  auto column = [&](auto get) {
+    std::vector<double> v;
+    for (const auto& m : steps) v.push_back(static_cast<double>(get(m)));
+    return v;
+  };
+  const std::string name = run_dir;
+  std::vector<std::string> pngs;
+
+  // Loss, with a trailing running mean over a tenth of the run (at least one step).
+  {
+    const auto loss = column([](const StepMetrics& m) { return m.loss; });
+    const size_t window = std::max<size_t>(1, loss.size() / 10);
+    std::vector<double> mean(loss.size());
+    double sum = 0.0;
+    for (size_t i = 0; i < loss.size(); ++i) {
+      sum += loss[i];
+      if (i >= window) sum -= loss[i - window];
+      mean[i] = sum / static_cast<double>(std::min(i + 1, window));
+    }
+    PlotPanel panel{"loss: " + name, "step", "loss (ε-MSE)", false, false, false,
+                    {{"loss", x, loss}, {fmt::format("running mean over {} steps", window), x, mean}}};
+    pngs.push_back(render_plot(PlotSpec{"", {panel}}, io::join_path(out, "loss.png"), options).png);
+  }
+  // Throughput.
+  {
+    PlotPanel tokens{"throughput: " + name, "step", "tokens/s", false, false, true,
+                     {{"tokens/s", x, column([](const StepMetrics& m) { return m.tokens_per_s; })}}};
+    PlotPanel samples{"", "step", "samples/s", false, false, true,
+                      {{"samples/s", x, column([](const StepMetrics& m) { return m.samples_per_s; })}}};
+    pngs.push_back(render_plot(PlotSpec{"", {tokens, samples}}, io::join_path(out, "throughput.png"), options).png);
+  }
+  // Memory and transfers.
+  {
+    const double MiB = 1024.0 * 1024.0;
+    PlotPanel peak{"device memory: " + name, "step", "MiB", false, false, true,
+                   {{"peak_device_bytes", x, column([&](const StepMetrics& m) { return m.peak_device_bytes / MiB; })}}};
+    PlotSpec spec{"", {peak}};
+    const bool moved = std::any_of(steps.begin(), steps.end(), [](const StepMetrics& m) { return m.h2d_bytes > 0 || m.d2h_bytes > 0; });
+    if (moved) {
+      spec.panels.push_back(PlotPanel{"bytes moved per step", "step", "MiB", false, false, true,
+                                      {{"host -> device (h2d_bytes)", x, column([&](const StepMetrics& m) { return m.h2d_bytes / MiB; })},
+                                       {"device -> host (d2h_bytes)", x, column([&](const StepMetrics& m) { return m.d2h_bytes / MiB; })}}});
+    }
+    pngs.push_back(render_plot(spec, io::join_path(out, "memory.png"), options).png);
+  }
+  return pngs;
+}
+
+}  // namespace megaslide

@@ -1,0 +1,163 @@
+// The gnuplot helper (eval/plot.h), reading metrics.jsonl and megaslide-plot (eval/run_plots.h).
+// These tests need gnuplot (tools/bootstrap.sh installs gnuplot-nox); without it they fail with the
+// helper's message naming the package, they do not skip.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <fstream>
+#include <limits>
+
+#include "megaslide/eval/plot.h"
+#include "megaslide/eval/run_plots.h"
+#include "megaslide/io/files.h"
+#include "run_tool.h"
+
+using megaslide::io::join_path;
+
+namespace {
+
+std::string fresh_dir(const std::string& name) {
+  auto dir = "/tmp/megaslide-test-plot-" + name + "-" + std::to_string(::getpid());
+  megaslide::io::remove_tree(dir);
+  megaslide::io::make_directories(dir);
+  return dir;
+}
+
+megaslide::PlotSpec two_panels() {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  megaslide::PlotPanel a{"panel a", "x", "y", false, false, true, {{"line", {1, 2, 3}, {1, 4, 9}}, {"gap", {1, 2, 3}, {2, nan, 6}}}};
+  megaslide::PlotPanel b{"panel b (log y)", "x", "y", false, true, true, {{"only bad points", {1, 2}, {0.0, -1.0}}}};
+  return megaslide::PlotSpec{"figure", {a, b}};
+}
+
+void write(const std::string& path, const std::string& text) {
+  std::ofstream out(path);
+  out << text;
+}
+
+}  // namespace
+
+// A plot leaves the PNG (by its signature), the data and the script; the data holds the points and a
+// gap as "?"; a panel with no plottable point (log scale, y <= 0) still renders.
+TEST(Plot, WritesPngDataAndScriptBesideEachOther) {
+  const auto dir = fresh_dir("render");
+  const auto files = megaslide::render_plot(two_panels(), join_path(dir, "fig.png"));
+  EXPECT_TRUE(megaslide::is_png_file(files.png));
+  EXPECT_EQ(files.data, join_path(dir, "fig.dat"));
+  EXPECT_EQ(files.script, join_path(dir, "fig.gp"));
+  const auto data = megaslide::io::read_file(files.data);
+  EXPECT_NE(data.find("3,9\n"), std::string::npos) << data;
+  EXPECT_NE(data.find("2,?\n"), std::string::npos) << data;
+  const auto script = megaslide::io::read_file(files.script);
+  EXPECT_NE(script.find("\"fig.dat\" index 0"), std::string::npos) << script;
+  EXPECT_NE(script.find("no data"), std::string::npos) << script;  // panel b has nothing to draw
+  EXPECT_FALSE(megaslide::io::path_exists(join_path(dir, "fig.gnuplot.log")));
+}
+
+// The kept script re-renders the PNG on its own when run in its folder (what a user does).
+TEST(Plot, KeptScriptRendersAgain) {
+  const auto dir = fresh_dir("rerender");
+  const auto files = megaslide::render_plot(two_panels(), join_path(dir, "fig.png"));
+  ASSERT_EQ(::unlink(files.png.c_str()), 0);
+  const std::string cmd = "cd " + dir + " && " + megaslide::find_gnuplot() + " fig.gp 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  EXPECT_TRUE(megaslide::is_png_file(files.png));
+}
+
+// No gnuplot: the error names the package to install.
+TEST(Plot, MissingGnuplotNamesThePackage) {
+  const auto dir = fresh_dir("missing");
+  megaslide::PlotOptions o;
+  o.gnuplot = "/nonexistent/gnuplot";
+  try {
+    megaslide::render_plot(two_panels(), join_path(dir, "fig.png"), o);
+    FAIL() << "expected PlotError";
+  } catch (const megaslide::PlotError& e) {
+    EXPECT_NE(std::string(e.what()).find("gnuplot-nox"), std::string::npos) << e.what();
+  }
+  o.gnuplot = "no-such-gnuplot-program";
+  EXPECT_THROW(megaslide::find_gnuplot(o), megaslide::PlotError);
+}
+
+// A gnuplot that exits non-zero is an error with the status, and no PNG passes for a result.
+TEST(Plot, FailingGnuplotIsAnError) {
+  const auto dir = fresh_dir("failing");
+  megaslide::PlotOptions o;
+  o.gnuplot = "/bin/false";
+  try {
+    megaslide::render_plot(two_panels(), join_path(dir, "fig.png"), o);
+    FAIL() << "expected PlotError";
+  } catch (const megaslide::PlotError& e) {
+    EXPECT_NE(std::string(e.what()).find("exit status 1"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(megaslide::io::path_exists(join_path(dir, "fig.png")));
+  EXPECT_THROW(megaslide::render_plot(two_panels(), join_path(dir, "fig.jpg")), megaslide::PlotError);
+}
+
+// metrics.jsonl problems name the file and the line.
+TEST(RunPlots, BadMetricsNameFileAndLine) {
+  const auto dir = fresh_dir("bad-metrics");
+  const auto path = join_path(dir, "metrics.jsonl");
+  const std::string good = R"({"step":1,"loss":1.0,"step_time_s":0.1,"tokens_per_s":10,"samples_per_s":1})";
+  auto expect_error = [&](const std::string& text, const std::string& needle) {
+    write(path, text);
+    try {
+      megaslide::read_metrics_jsonl(path);
+      ADD_FAILURE() << "expected MetricsFileError for: " << text;
+    } catch (const megaslide::MetricsFileError& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_error(good + "\n{not json\n", path + ":2: not valid JSON");
+  expect_error(good + "\n[1,2]\n", path + ":2: expected a JSON object");
+  expect_error(R"({"step":1,"step_time_s":0.1,"tokens_per_s":10,"samples_per_s":1})", path + ":1: missing field \"loss\"");
+  expect_error(good + "\n" + R"({"step":2,"loss":"low","step_time_s":0.1,"tokens_per_s":10,"samples_per_s":1})",
+               path + ":2: field \"loss\" is not a number");
+  expect_error("", "no steps");
+  EXPECT_THROW(megaslide::read_metrics_jsonl(join_path(dir, "absent.jsonl")), megaslide::MetricsFileError);
+  write(path, good + "\n\n" + good + "\n");  // blank lines are skipped
+  EXPECT_EQ(megaslide::read_metrics_jsonl(path).size(), 2u);
+}
+
+// megaslide-plot on a real 5-step smoke run of megaslide-train: three PNGs, and the memory plot has the
+// transfer panel because the streamed trainer moved bytes.
+TEST(MegaslidePlot, PlotsARealRun) {
+  const auto dir = fresh_dir("run");
+  const auto run_dir = join_path(dir, "run");
+  auto train = megaslide::testing::run_tool(
+      "megaslide-train", "--config " + std::string(MEGASLIDE_SOURCE_DIR) + "/configs/smoke.yaml --set train.steps=5 "
+                         "--set train.device=cpu --set output.progress=false --run-dir " + run_dir);
+  ASSERT_EQ(train.code, 0) << train.output;
+  const auto out = join_path(dir, "figs");
+  auto r = megaslide::testing::run_tool("megaslide-plot", run_dir + " --out " + out);
+  ASSERT_EQ(r.code, 0) << r.output;
+  for (const char* name : {"loss", "throughput", "memory"}) {
+    EXPECT_TRUE(megaslide::is_png_file(join_path(out, std::string(name) + ".png"))) << name;
+    EXPECT_TRUE(megaslide::io::path_exists(join_path(out, std::string(name) + ".gp"))) << name;
+  }
+  const auto memory = megaslide::io::read_file(join_path(out, "memory.dat"));
+  EXPECT_NE(memory.find("host -> device"), std::string::npos) << memory;
+  const auto loss = megaslide::io::read_file(join_path(out, "loss.dat"));
+  int lines = 0;
+  for (size_t p = loss.find("\n5,"); p != std::string::npos; p = loss.find("\n5,", p + 1)) ++lines;
+  EXPECT_EQ(lines, 2) << loss;  // step 5 in the loss and in its running mean
+  // Default output folder: RUN_DIR/plots.
+  r = megaslide::testing::run_tool("megaslide-plot", run_dir);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_TRUE(megaslide::is_png_file(join_path(run_dir, "plots/loss.png")));
+}
+
+// Bad input exits non-zero with a message naming the file (and line).
+TEST(MegaslidePlot, BadInputExitsNonZero) {
+  const auto dir = fresh_dir("tool-bad");
+  auto r = megaslide::testing::run_tool("megaslide-plot", dir);
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find(join_path(dir, "metrics.jsonl")), std::string::npos) << r.output;
+  write(join_path(dir, "metrics.jsonl"), "{\"step\":1}\n");
+  r = megaslide::testing::run_tool("megaslide-plot", dir);
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("metrics.jsonl:1: missing field"), std::string::npos) << r.output;
+  r = megaslide::testing::run_tool("megaslide-plot", "");
+  EXPECT_EQ(r.code, 2) << r.output;
+}
