@@ -105,7 +105,8 @@ BlockActivation block_activation(const RunConfig& c, const TokenGrid& grid, int6
       a.saved += 3 * X;  // q, k, v
       // The offset network: the channels-first copy the depthwise conv reads, its output, GELU's
       // output, the channels-last copy the pointwise projection reads; tanh's output and the offsets.
-      a.saved += m.freeze_offsets ? offsets : 4 * X + 2 * offsets;
+      // Zero or frozen offsets (model.dsa_offsets) keep only the offsets: no gradient flows into a network.
+      a.saved += m.dsa_offsets == DsaOffsets::kLearned ? 4 * X + 2 * offsets : offsets;
       if (!dsa_reference) {
         a.saved += X + lse;  // out, lse (FusedDsa3d saves q, k, v, offsets, bias, out, lse)
         // dq, dk, dv, dout and dx, the fp32 dk/dv accumulators, d(offsets).
@@ -118,9 +119,17 @@ BlockActivation block_activation(const RunConfig& c, const TokenGrid& grid, int6
       break;
     }
     case Architecture::kDense3D:
-      // qkv, SDPA output (flash / memory-efficient kernels: no N×N matrix) and its lse, merged heads.
-      a.saved += 5 * X + lse;
-      attention_stage = 5 * X + Nb * D * 4;  // dq, dk, dv, dout, dx, an fp32 dq accumulator
+      if (m.dense_attention == "materialized") {
+        // q, k, v, the softmax probabilities [B, M, N, N] (kept for backward), the merged output; the
+        // backward holds the probabilities' and the logits' gradients, N x N each.
+        const int64_t scores = B * M * N * N * e;
+        a.saved += 4 * X + scores;
+        attention_stage = 5 * X + 2 * scores;
+      } else {
+        // qkv, SDPA output (flash / memory-efficient kernels: no N×N matrix) and its lse, merged heads.
+        a.saved += 5 * X + lse;
+        attention_stage = 5 * X + Nb * D * 4;  // dq, dk, dv, dout, dx, an fp32 dq accumulator
+      }
       break;
     case Architecture::kSwin: {
       const auto layout = window_layout(grid, m.swin_window, /*shifted=*/m.layers > 1);
