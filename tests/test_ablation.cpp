@@ -169,8 +169,16 @@ TEST(Ablation, OptimizerLocationHostAndDeviceAgree) {
   ASSERT_EQ(host.size(), 3u);
   ASSERT_EQ(device.size(), 3u);
   for (const auto& [step, loss] : host) EXPECT_NEAR(loss, device.at(step), 1e-5 * std::max(1.0, std::abs(loss))) << step;
+  // Host updates are deferred (clipping) and overlap the next step, so a step's optimizer_s counts the
+  // updates that finished during it: one step may show 0 under load, the run as a whole may not.
   const size_t opt = column(t, "optimizer_s");
-  for (const auto& r : t.rows) EXPECT_GT(std::stod(r[opt]), 0) << r[0] << " step " << r[1];
+  std::map<std::string, double> total;
+  for (const auto& r : t.rows) {
+    EXPECT_GE(std::stod(r[opt]), 0) << r[0] << " step " << r[1];
+    total[r[0]] += std::stod(r[opt]);
+  }
+  EXPECT_GT(total["host"], 0);
+  EXPECT_GT(total["device"], 0);
 }
 
 // The driver: bad suite, size, device or override exits 2 before running; a suite run writes its files.
