@@ -364,8 +364,13 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::string& sour
   }
   if (root.IsDefined() && !root.IsNull()) {
     if (!root.IsMap()) throw ConfigError(source, "", "expected a mapping of sections (model, data, ...), got " + describe(root));
+    // Keys must be plain scalars: YAML also allows sequences or mappings as keys ("? [a]: 1").
+    const auto key_of = [&source](const YAML::Node& key, const std::string& where) {
+      if (!key.IsScalar()) throw ConfigError(source, where, "a key must be a plain name, got " + describe(key));
+      return key.Scalar();
+    };
     for (const auto& section : root) {
-      const std::string name = section.first.as<std::string>();
+      const std::string name = key_of(section.first, "");
       bool known_section = false;
       for (const auto& f : schema.fields()) known_section |= f.key.rfind(name + ".", 0) == 0;
       if (!known_section)
@@ -373,7 +378,7 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::string& sour
       if (!section.second.IsMap())
         throw ConfigError(source, name, "expected a section (a mapping of keys), got " + describe(section.second));
       for (const auto& entry : section.second) {
-        apply(schema, source, name + "." + entry.first.as<std::string>(), entry.second);
+        apply(schema, source, name + "." + key_of(entry.first, name), entry.second);
       }
     }
   }
