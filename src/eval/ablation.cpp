@@ -1,6 +1,5 @@
 #include "megaslide/eval/ablation.h"
 
-#include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
 #include <torch/torch.h>
@@ -11,18 +10,16 @@
 #endif
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <fstream>
 #include <limits>
 #include <map>
 #include <memory>
-#include <mutex>
-#include <unordered_map>
 #include <sstream>
 #include <stdexcept>
 
 #include "megaslide/io/files.h"
+#include "megaslide/util/cpu_memory_counter.h"
 #include "megaslide/offload/cpu_master_trainer.h"
 #include "megaslide/train/resident_trainer.h"
 
@@ -34,78 +31,11 @@ constexpr double kGiB = 1024.0 * kMiB;
 
 // --- measuring device memory ----------------------------------------------------------------------
 
-// LibTorch's CPU allocator wrapped to count the bytes live and their peak. Installed once, for the
-// rest of the process (a tensor it allocated may outlive any scope, and its deleter reads the counter).
-// Its pointers are "simple" (context == data, as LibTorch's raw_allocate requires): sizes and the
-// base allocator's deleters are kept in a table keyed by the pointer.
-class CountingCpuAllocator final : public c10::Allocator {
- public:
-  explicit CountingCpuAllocator(c10::Allocator* base) : base_(base) {}
-  c10::DataPtr allocate(size_t n) override {
-    c10::DataPtr inner = base_->allocate(n);
-    void* data = inner.get();
-    const c10::Device device = inner.device();
-    if (data == nullptr) return inner;
-    Entry entry{static_cast<int64_t>(n), inner.get_context(), inner.get_deleter()};
-    inner.release_context();
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      entries_[data] = entry;
-    }
-    const int64_t now = live_ += entry.bytes;
-    int64_t seen = peak_.load();
-    while (now > seen && !peak_.compare_exchange_weak(seen, now)) {
-    }
-    return {data, data, &CountingCpuAllocator::release, device};
-  }
-  c10::DeleterFnPtr raw_deleter() const override { return &CountingCpuAllocator::release; }
-  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
-  int64_t live() const { return live_.load(); }
-  int64_t peak() const { return peak_.load(); }
-  void reset_peak() { peak_.store(live_.load()); }
-  static CountingCpuAllocator* instance;
-
- private:
-  struct Entry {
-    int64_t bytes = 0;
-    void* context = nullptr;
-    c10::DeleterFnPtr deleter = nullptr;
-  };
-  static void release(void* ptr) {
-    CountingCpuAllocator* self = instance;
-    Entry entry;
-    {
-      std::lock_guard<std::mutex> lock(self->mutex_);
-      auto it = self->entries_.find(ptr);
-      if (it == self->entries_.end()) return;  // not ours: cannot happen for pointers we returned
-      entry = it->second;
-      self->entries_.erase(it);
-    }
-    self->live_ -= entry.bytes;
-    if (entry.deleter != nullptr) entry.deleter(entry.context);
-  }
-  c10::Allocator* base_;
-  std::mutex mutex_;
-  std::unordered_map<void*, Entry> entries_;
-  std::atomic<int64_t> live_{0}, peak_{0};
-};
-CountingCpuAllocator* CountingCpuAllocator::instance = nullptr;
-
-CountingCpuAllocator& counting_cpu_allocator() {
-  static CountingCpuAllocator* counter = [] {
-    auto* c = new CountingCpuAllocator(c10::GetCPUAllocator());  // never freed: see the class comment
-    CountingCpuAllocator::instance = c;
-    c10::SetCPUAllocator(c, /*priority=*/100);
-    return c;
-  }();
-  return *counter;
-}
-
 // Peak device memory of one step: reset() before it, peak_bytes() after.
 class MemoryMeter {
  public:
   explicit MemoryMeter(torch::Device device) : device_(device) {
-    if (!device_.is_cuda()) counting_cpu_allocator();
+    if (!device_.is_cuda()) util::cpu_memory_counter();
   }
 #ifdef MEGASLIDE_WITH_CUDA
   // "cuda" without an index means the current device.
@@ -118,7 +48,7 @@ class MemoryMeter {
       return;
     }
 #endif
-    auto& c = counting_cpu_allocator();
+    auto& c = util::cpu_memory_counter();
     c.reset_peak();
     start_ = c.live();
   }
@@ -131,7 +61,7 @@ class MemoryMeter {
       return stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak;
     }
 #endif
-    return persistent_device_bytes + std::max<int64_t>(0, counting_cpu_allocator().peak() - start_);
+    return persistent_device_bytes + std::max<int64_t>(0, util::cpu_memory_counter().peak() - start_);
   }
   void release_cache() {
 #ifdef MEGASLIDE_WITH_CUDA
