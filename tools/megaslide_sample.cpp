@@ -112,8 +112,8 @@ int main(int argc, char** argv) {
     auto prompts = megaslide::eval::read_prompt_file(prompts_path);
     jobs = megaslide::eval::plan_vbench_samples(prompts, samples_per_prompt, seed);
     device = megaslide::resolve_device(device_spec);
-    // A training checkpoint folder (docs/checkpoints.md) is verified and its bf16 weights file used.
-    const std::string weights = megaslide::io::is_directory(checkpoint) ? megaslide::verify_checkpoint(checkpoint) : checkpoint;
+    // A training checkpoint folder (docs/checkpoints.md): its bf16 weights file, checked against the manifest.
+    const std::string weights = megaslide::io::is_directory(checkpoint) ? megaslide::checkpoint_weights(checkpoint) : checkpoint;
     model = megaslide::load_weights(weights);  // on the CPU; moved below, whole or all but the blocks
     int64_t weight_bytes = 0;
     for (const auto& p : model.dit->parameters()) weight_bytes += static_cast<int64_t>(p.nbytes());

@@ -174,24 +174,28 @@ uint32_t crc32(const void* data, size_t bytes, uint32_t previous) {
   return ~c;
 }
 
-uint32_t file_crc32(const std::string& path) {
+void read_in_pieces(const std::string& path, const std::function<void(const char* data, size_t bytes)>& piece) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) fail("cannot open", path);
   std::vector<char> buffer(size_t{4} << 20);
-  uint32_t c = 0;
-  for (;;) {
-    const ssize_t n = ::read(fd, buffer.data(), buffer.size());
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      const int saved = errno;
-      ::close(fd);
-      errno = saved;
-      fail("cannot read", path);
+  try {
+    for (;;) {
+      const ssize_t n = ::read(fd, buffer.data(), buffer.size());
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) fail("cannot read", path);
+      if (n == 0) break;
+      piece(buffer.data(), static_cast<size_t>(n));
     }
-    if (n == 0) break;
-    c = crc32(buffer.data(), static_cast<size_t>(n), c);
+  } catch (...) {
+    ::close(fd);
+    throw;
   }
   ::close(fd);
+}
+
+uint32_t file_crc32(const std::string& path) {
+  uint32_t c = 0;
+  read_in_pieces(path, [&c](const char* data, size_t bytes) { c = crc32(data, bytes, c); });
   return c;
 }
 

@@ -221,7 +221,9 @@ std::vector<std::string> prune_checkpoints(const std::string& run_dir, int64_t k
   return removed;
 }
 
-std::string verify_checkpoint(const std::string& path) {
+namespace {
+// The manifest of the checkpoint at `path`, checked for format and version.
+nlohmann::json read_manifest(const std::string& path) {
   const std::string manifest_path = io::join_path(path, kManifest);
   if (!io::path_exists(manifest_path)) fail(path, std::string("no ") + kManifest + " (an incomplete or interrupted save, or not a checkpoint)");
   nlohmann::json manifest;
@@ -235,24 +237,63 @@ std::string verify_checkpoint(const std::string& path) {
   if (manifest.value("format_version", 0) != kFormatVersion)
     fail(manifest_path, "format_version " + manifest["format_version"].dump() + " is not supported (this build reads " +
                             std::to_string(kFormatVersion) + ")");
-  std::vector<std::string> required{kModel, kState};
-  for (const char* f : kTensorFiles) required.push_back(f);
-  for (const auto& file : required) {
-    if (!manifest["files"].contains(file)) fail(manifest_path, "does not list " + file);
-    const auto& entry = manifest["files"][file];
-    const std::string file_path = io::join_path(path, file);
-    if (!io::path_exists(file_path)) fail(path, file + " is missing");
-    if (!entry.is_object() || !entry.contains("bytes") || !entry["bytes"].is_number_unsigned() || !entry.contains("crc32") ||
-        !entry["crc32"].is_string())
-      fail(manifest_path, "entry for " + file + " needs 'bytes' and 'crc32'");
-    const uint64_t bytes = io::file_size(file_path);
-    if (bytes != entry["bytes"].get<uint64_t>())
-      fail(file_path, fmt::format("is {} bytes but the manifest says {} (truncated or replaced)", bytes, entry["bytes"].get<uint64_t>()));
-    const std::string crc = fmt::format("{:08x}", io::file_crc32(file_path));
-    if (crc != entry["crc32"].get<std::string>())
-      fail(file_path, "CRC-32 is " + crc + " but the manifest says " + entry["crc32"].get<std::string>() + " (the file is corrupted)");
+  return manifest;
+}
+
+// What the manifest says of `file` (listed, present, the size it has on disk): its expected CRC-32.
+std::string expected_crc32(const std::string& path, const nlohmann::json& manifest, const std::string& file) {
+  const std::string manifest_path = io::join_path(path, kManifest);
+  if (!manifest["files"].contains(file)) fail(manifest_path, "does not list " + file);
+  const auto& entry = manifest["files"][file];
+  const std::string file_path = io::join_path(path, file);
+  if (!io::path_exists(file_path)) fail(path, file + " is missing");
+  if (!entry.is_object() || !entry.contains("bytes") || !entry["bytes"].is_number_unsigned() || !entry.contains("crc32") ||
+      !entry["crc32"].is_string())
+    fail(manifest_path, "entry for " + file + " needs 'bytes' and 'crc32'");
+  const uint64_t bytes = io::file_size(file_path);
+  if (bytes != entry["bytes"].get<uint64_t>())
+    fail(file_path, fmt::format("is {} bytes but the manifest says {} (truncated or replaced)", bytes, entry["bytes"].get<uint64_t>()));
+  return entry["crc32"].get<std::string>();
+}
+
+void check_crc32(const std::string& file_path, uint32_t actual, const std::string& expected) {
+  const std::string crc = fmt::format("{:08x}", actual);
+  if (crc != expected) fail(file_path, "CRC-32 is " + crc + " but the manifest says " + expected + " (the file is corrupted)");
+}
+
+// Checks the manifest and `files` (size and CRC-32, each read once).
+void verify_files(const std::string& path, const std::vector<std::string>& files) {
+  const auto manifest = read_manifest(path);
+  for (const auto& file : files) {
+    const std::string expected = expected_crc32(path, manifest, file);
+    check_crc32(io::join_path(path, file), io::file_crc32(io::join_path(path, file)), expected);
   }
+}
+}  // namespace
+
+std::string verify_checkpoint(const std::string& path) {
+  std::vector<std::string> files{kModel, kState};
+  for (const char* f : kTensorFiles) files.push_back(f);
+  verify_files(path, files);
   return io::join_path(path, kModel);
+}
+
+std::string checkpoint_weights(const std::string& path) {
+  verify_files(path, {kModel});
+  return io::join_path(path, kModel);
+}
+
+std::string export_checkpoint_weights(const std::string& run_dir, const std::string& spec, const std::string& out) {
+  const std::string path = resolve_checkpoint(run_dir, spec);
+  const std::string weights = io::join_path(path, kModel);
+  const std::string expected = expected_crc32(path, read_manifest(path), kModel);
+  // One read: copied and checksummed together; a mismatch leaves `out` untouched (the writer's
+  // temporary file is removed when it is not committed).
+  io::AtomicFileWriter writer(out);
+  io::read_in_pieces(weights, [&writer](const char* data, size_t bytes) { writer.write(data, bytes); });
+  check_crc32(weights, writer.crc32(), expected);
+  writer.commit();
+  return path;
 }
 
 void load_checkpoint(const std::string& path, const RunConfig& config, TrainingState& into) {

@@ -1,14 +1,8 @@
 #include "megaslide/train/training_run.h"
 
 #include <fmt/format.h>
-#include <unistd.h>
 
-#include <fcntl.h>
-
-#include <cerrno>
-#include <cstring>
 #include <memory>
-#include <vector>
 
 #include "megaslide/diffusion/text_to_video.h"
 #include "megaslide/io/weights.h"
@@ -58,45 +52,18 @@ class Trainer {
   TextEncoder snapshot_text_{nullptr};
 };
 
-void copy_file_atomically(const std::string& from, const std::string& to) {
-  const int fd = ::open(from.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw io::IoError("cannot open '" + from + "': " + std::strerror(errno));
-  io::AtomicFileWriter out(to);
-  std::vector<char> buffer(size_t{8} << 20);
-  for (;;) {
-    const ssize_t n = ::read(fd, buffer.data(), buffer.size());
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      const int saved = errno;
-      ::close(fd);
-      throw io::IoError("cannot read '" + from + "': " + std::strerror(saved));
-    }
-    if (n == 0) break;
-    out.write(buffer.data(), static_cast<size_t>(n));
-  }
-  ::close(fd);
-  out.commit();
-}
-
 }  // namespace
-
-std::string export_checkpoint_weights(const std::string& run_dir, const std::string& spec, const std::string& out) {
-  const std::string path = resolve_checkpoint(run_dir, spec);
-  const std::string weights = verify_checkpoint(path);
-  copy_file_atomically(weights, out);
-  return path;
-}
 
 TrainingRunResult run_training(const RunConfig& config, const TrainingRunOptions& options) {
   const std::string& run_dir = config.output.run_dir;
   const auto& train = config.train;
   TrainingRunResult result;
 
-  // Everything that can refuse the input happens before the first byte is written.
+  // Everything that can refuse the input happens before the first byte is written: load_checkpoint
+  // verifies the checkpoint (every file read once for its checksum) before it reads a tensor.
   std::string resume_path;
   if (!options.resume.empty()) {
     resume_path = resolve_checkpoint(run_dir, options.resume);
-    verify_checkpoint(resume_path);
   } else if (const std::string existing = latest_checkpoint(run_dir); !existing.empty()) {
     throw CheckpointError("run directory '" + run_dir + "' already holds a run with checkpoints (latest: " + existing +
                           "); continue it with --resume latest, or choose another --run-dir");
@@ -132,8 +99,7 @@ TrainingRunResult run_training(const RunConfig& config, const TrainingRunOptions
 
   int64_t last_saved = result.first_step;
   auto save = [&](const char* why) {
-    trainer.synchronize();
-    const TrainingState state = trainer.state();
+    const TrainingState state = trainer.state();  // waits for host updates still running
     try {
       result.last_checkpoint = save_checkpoint(run_dir, config, state);
       last_saved = state.step;
@@ -163,13 +129,12 @@ TrainingRunResult run_training(const RunConfig& config, const TrainingRunOptions
                            m.loss, m.grad_norm, m.consecutive_skips, m.skipped_total));
       if (train.max_consecutive_skips > 0 && m.consecutive_skips >= train.max_consecutive_skips) {
         progress.finish();
+        const std::string last = latest_checkpoint(run_dir);
         throw NonFiniteError(fmt::format(
             "stopping at step {}: {} consecutive steps had a non-finite loss or gradient (train.max_consecutive_skips: {}); "
             "the weights were not updated by them. Lower train.lr, raise train.warmup_steps or set train.grad_clip; {}",
             m.step, m.consecutive_skips, train.max_consecutive_skips,
-            result.last_checkpoint.empty() && latest_checkpoint(run_dir).empty()
-                ? std::string("there is no checkpoint to resume from")
-                : "the last checkpoint is " + latest_checkpoint(run_dir)));
+            last.empty() ? std::string("there is no checkpoint to resume from") : "the last checkpoint is " + last));
       }
     }
     if (train.sample_every > 0 && m.step % train.sample_every == 0) {

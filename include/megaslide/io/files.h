@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -49,7 +50,9 @@ void rename_durably(const std::string& from, const std::string& to);
 // CRC-32 (the IEEE polynomial of zlib, PNG and Python's zlib.crc32): pass the previous value to
 // continue a running checksum. About 1–2 GB/s per core.
 uint32_t crc32(const void* data, size_t bytes, uint32_t previous = 0);
-// The CRC-32 of a whole file (read in 4 MiB pieces).
+// Reads `path` front to back in pieces of up to 4 MiB, handing each to `piece`.
+void read_in_pieces(const std::string& path, const std::function<void(const char* data, size_t bytes)>& piece);
+// The CRC-32 of a whole file.
 uint32_t file_crc32(const std::string& path);
 
 // Writes a file so that readers see the old file or the complete new one, never a torn one:

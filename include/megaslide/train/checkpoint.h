@@ -93,7 +93,16 @@ std::string latest_checkpoint(const std::string& run_dir);
 // whose names and shapes must match the files exactly. Fills `into`'s counters and data_state.
 void load_checkpoint(const std::string& path, const RunConfig& config, TrainingState& into);
 
-// Checks a checkpoint's manifest, sizes and checksums only; returns the path of its model.safetensors.
+// Checks a checkpoint's manifest and every file's size and checksum; returns the path of its
+// model.safetensors.
 std::string verify_checkpoint(const std::string& path);
+
+// Checks the manifest and model.safetensors only (what sampling reads); returns that file's path.
+std::string checkpoint_weights(const std::string& path);
+
+// `--resume` plus `--export-weights`: copies the checkpoint's bf16 weights file (the weights-file
+// format, io/weights.h) to `out`, checking its size and CRC-32 as it copies (one read, only of that
+// file), without building a trainer. Returns the checkpoint's path.
+std::string export_checkpoint_weights(const std::string& run_dir, const std::string& spec, const std::string& out);
 
 }  // namespace megaslide

@@ -53,8 +53,4 @@ struct TrainingRunResult {
 // anything), OutputError when the run folder cannot be written, NonFiniteError as above.
 TrainingRunResult run_training(const RunConfig& config, const TrainingRunOptions& options);
 
-// `--resume` plus `--export-weights`: verifies the checkpoint and writes its bf16 weights (the weights
-// file format, io/weights.h) to `out` without building a trainer. Returns the checkpoint's path.
-std::string export_checkpoint_weights(const std::string& run_dir, const std::string& spec, const std::string& out);
-
 }  // namespace megaslide
