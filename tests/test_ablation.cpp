@@ -213,5 +213,22 @@ TEST(Ablation, EverySuiteConfigLoadsAtEverySize) {
     }
   }
   EXPECT_THROW(megaslide::ablation_base_overrides("nope", megaslide::AblationSize::kTest), std::invalid_argument);
+  // Every run's config, not only the base one, at every size; an override that only a variant breaks
+  // (memory-scaling's 4-frame run cannot take a temporal patch of 8) is refused before anything runs.
+  for (const auto& suite : megaslide::ablation_suites()) {
+    for (auto size : {megaslide::AblationSize::kTest, megaslide::AblationSize::kQuick, megaslide::AblationSize::kFull}) {
+      megaslide::AblationOptions o;
+      o.suite = suite;
+      o.size = size;
+      o.device = "cpu";
+      EXPECT_NO_THROW(megaslide::check_ablation_configs(o)) << suite << " " << megaslide::to_string(size);
+    }
+  }
+  megaslide::AblationOptions bad;
+  bad.suite = "memory-scaling";
+  bad.size = megaslide::AblationSize::kQuick;
+  bad.device = "cpu";
+  bad.overrides = {"model.patch=[8,2,2]"};
+  EXPECT_THROW(megaslide::check_ablation_configs(bad), megaslide::ConfigError);
   EXPECT_THROW(megaslide::parse_ablation_size("huge"), std::invalid_argument);
 }

@@ -96,8 +96,7 @@ TEST(StreamedDenoiser, Fp32StreamingSamplesExactlyTheResidentVideosWithTwoBlocks
     EXPECT_EQ((stats.h2d_copies - copies_before) + (stats.cache_hits - hits_before), steps * L);
     EXPECT_GE(stats.h2d_copies - copies_before, steps * 2);
   }
-  EXPECT_LE(streamed.streamer().max_resident_blocks(), 2);
-  EXPECT_EQ(streamed.streamer().max_resident_blocks(), 2) << "both slots were used";
+  EXPECT_EQ(streamed.streamer().max_resident_blocks(), 2) << "never more than the two slots, and both were used";
   for (const auto& p : streamed_model.dit->blocks->parameters()) EXPECT_EQ(p.numel(), 0) << "blocks are unbound between calls";
 }
 

@@ -47,11 +47,14 @@ int main(int argc, char** argv) {
     if (!std::regex_match(device, std::regex("auto|cpu|cuda(:[0-9]+)?")))
       throw std::invalid_argument("--device: expected auto | cpu | cuda | cuda:N, got '" + device + "'");
     names = suite == "all" ? megaslide::ablation_suites() : std::vector<std::string>{suite};
+    // An unknown suite, or an override that breaks any run's config, stops here, before anything runs.
     for (const auto& n : names) {
-      std::vector<std::string> all = megaslide::ablation_base_overrides(n, options.size);  // throws on an unknown suite
-      all.push_back("train.device=" + device);
-      all.insert(all.end(), overrides.begin(), overrides.end());
-      megaslide::parse_run_config("", "--set", all);  // a bad override stops here, before anything runs
+      megaslide::ablation_base_overrides(n, options.size);  // throws on an unknown suite
+      auto checked = options;
+      checked.suite = n;
+      checked.device = device;
+      checked.overrides = overrides;
+      megaslide::check_ablation_configs(checked);
     }
   } catch (const std::invalid_argument& e) {
     std::cerr << "megaslide-ablate: " << e.what() << " (suites: " << suites << ")\n";

@@ -61,6 +61,15 @@ torch::Tensor DeformableSlideAttention3DImpl::kernel_subset(const TokenGrid& gri
   return torch::tensor(idx, torch::kLong);
 }
 
+const std::vector<torch::Tensor>& DeformableSlideAttention3DImpl::frozen_weights_like(const torch::Tensor& x) {
+  if (frozen_converted_.empty() || frozen_converted_[0].device() != x.device() || frozen_converted_[0].scalar_type() != x.scalar_type()) {
+    frozen_converted_.clear();
+    for (const auto* t : {&frozen_dw_weight, &frozen_dw_bias, &frozen_pw_weight, &frozen_pw_bias})
+      frozen_converted_.push_back(t->to(x.device(), x.scalar_type()));  // from the originals: no double rounding
+  }
+  return frozen_converted_;
+}
+
 torch::Tensor DeformableSlideAttention3DImpl::offsets(const torch::Tensor& x, const TokenGrid& grid) {
   const int64_t B = x.size(0), D = options.dim(), G = options.groups(), K = kernel_volume();
   auto subset = kernel_subset(grid);
@@ -69,10 +78,9 @@ torch::Tensor DeformableSlideAttention3DImpl::offsets(const torch::Tensor& x, co
   auto volume = x.view({B, grid.t, grid.h, grid.w, D}).permute({0, 4, 1, 2, 3});
   torch::Tensor o;
   if (options.offsets() == DsaOffsets::kFrozen) {
-    const auto as_x = [&](const torch::Tensor& w) { return w.to(x.device(), x.scalar_type()); };
-    auto hidden = torch::gelu(torch::conv3d(volume, as_x(frozen_dw_weight), as_x(frozen_dw_bias), 1, 1, 1, D))
-                      .permute({0, 2, 3, 4, 1});
-    o = torch::linear(hidden, as_x(frozen_pw_weight), as_x(frozen_pw_bias));
+    const auto& w = frozen_weights_like(x);
+    auto hidden = torch::gelu(torch::conv3d(volume, w[0], w[1], 1, 1, 1, D)).permute({0, 2, 3, 4, 1});
+    o = torch::linear(hidden, w[2], w[3]);
   } else {
     auto hidden = torch::gelu(offset_dw(volume)).permute({0, 2, 3, 4, 1});  // [B, T, H, W, D]
     o = offset_pw(hidden);

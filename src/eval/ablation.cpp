@@ -175,6 +175,32 @@ VariantRun train_variant(const std::string& suite, const std::string& name, cons
   return run;
 }
 
+// Each suite's runs: a name and the overrides that make it (on top of the suite's base overrides).
+using Variants = std::vector<std::pair<std::string, std::vector<std::string>>>;
+
+// memory-scaling's models. dense3d-materialized writes the N x N scores out (O(N²) memory); dense3d
+// runs LibTorch's fused attention (no N x N matrix kept where a fused kernel exists).
+Variants scaling_models() {
+  return {{"dense3d", {"model.arch=dense3d", "model.dense_attention=fused"}},
+          {"dense3d-materialized", {"model.arch=dense3d", "model.dense_attention=materialized"}},
+          {"swin", {"model.arch=swin"}},
+          {"megaslide", {"model.arch=megaslide"}}};
+}
+
+Variants offsets_variants() {
+  return {{"learned", {"model.arch=megaslide", "model.dsa_offsets=learned"}},
+          {"zero", {"model.arch=megaslide", "model.dsa_offsets=zero"}},
+          {"frozen", {"model.arch=megaslide", "model.dsa_offsets=frozen"}},
+          {"swin", {"model.arch=swin"}}};
+}
+
+// The two runs of streaming and optimizer-location.
+Variants paired_variants(const std::string& suite) {
+  if (suite == "streaming")
+    return {{"async", {"offload.enabled=true", "offload.mode=async"}}, {"sync", {"offload.enabled=true", "offload.mode=sync"}}};
+  return {{"host", {"offload.enabled=true", "offload.compute_dtype=fp32"}}, {"device", {"offload.enabled=false"}}};
+}
+
 RunConfig make_config(const std::string& suite, AblationSize size, const std::vector<std::string>& variant,
                       const AblationOptions& options) {
   std::vector<std::string> overrides = ablation_base_overrides(suite, size);
@@ -183,6 +209,7 @@ RunConfig make_config(const std::string& suite, AblationSize size, const std::ve
   overrides.insert(overrides.end(), options.overrides.begin(), options.overrides.end());
   return parse_run_config("", fmt::format("megaslide-ablate --suite {} ({})", suite, to_string(size)), overrides);
 }
+
 
 // --- output ---------------------------------------------------------------------------------------
 
@@ -273,11 +300,7 @@ SuiteOutput memory_scaling(const AblationOptions& o, std::string& device) {
   out.summary.columns = {"frames", "tokens"};
   // The models: name and overrides. dense3d-materialized writes the N x N scores out (O(N²) memory);
   // dense3d runs LibTorch's fused attention (no N x N matrix kept where a fused kernel exists).
-  const std::vector<std::pair<std::string, std::vector<std::string>>> models{
-      {"dense3d", {"model.arch=dense3d", "model.dense_attention=fused"}},
-      {"dense3d-materialized", {"model.arch=dense3d", "model.dense_attention=materialized"}},
-      {"swin", {"model.arch=swin"}},
-      {"megaslide", {"model.arch=megaslide"}}};
+  const Variants models = scaling_models();
   for (const auto& [a, unused] : models) {
     out.summary.columns.push_back(a + " peak MiB");
     out.summary.columns.push_back(a + " s/step");
@@ -370,11 +393,7 @@ AblationTable per_step_csv(const std::string& variant_column, const std::vector<
 
 SuiteOutput offsets(const AblationOptions& o, std::string& device) {
   const int64_t steps = suite_steps("offsets", o.size);
-  const std::vector<std::pair<std::string, std::vector<std::string>>> variants{
-      {"learned", {"model.arch=megaslide", "model.dsa_offsets=learned"}},
-      {"zero", {"model.arch=megaslide", "model.dsa_offsets=zero"}},
-      {"frozen", {"model.arch=megaslide", "model.dsa_offsets=frozen"}},
-      {"swin", {"model.arch=swin"}}};
+  const Variants variants = offsets_variants();
   std::vector<VariantRun> runs;
   for (const auto& [name, overrides] : variants) {
     auto v = overrides;
@@ -410,8 +429,8 @@ SuiteOutput offsets(const AblationOptions& o, std::string& device) {
 }
 
 // Two runs of the same model and data that should give the same losses: timings and the loss check.
-SuiteOutput paired(const AblationOptions& o, std::string& device, const std::string& suite, const std::string& column,
-                   const std::vector<std::pair<std::string, std::vector<std::string>>>& variants) {
+SuiteOutput paired(const AblationOptions& o, std::string& device, const std::string& suite, const std::string& column) {
+  const Variants variants = paired_variants(suite);
   const int64_t steps = suite_steps(suite, o.size);
   std::vector<VariantRun> runs;
   for (const auto& [name, overrides] : variants) {
@@ -569,6 +588,24 @@ AblationTable read_ablation_csv(const std::string& path) {
   return t;
 }
 
+void check_ablation_configs(const AblationOptions& o) {
+  if (o.suite == "memory-scaling") {
+    for (const auto& [name, overrides] : scaling_models())
+      for (int64_t f : scaling_frames(o.size)) {
+        auto v = overrides;
+        v.push_back("data.frames=" + std::to_string(f));
+        make_config(o.suite, o.size, v, o);
+      }
+    return;
+  }
+  const Variants variants = o.suite == "offsets" ? offsets_variants() : paired_variants(o.suite);
+  for (const auto& [name, overrides] : variants) {
+    auto v = overrides;
+    v.push_back("train.steps=" + std::to_string(suite_steps(o.suite, o.size)));
+    make_config(o.suite, o.size, v, o);
+  }
+}
+
 AblationReport run_ablation(const AblationOptions& options) {
   const auto suites = ablation_suites();
   if (std::find(suites.begin(), suites.end(), options.suite) == suites.end()) {
@@ -578,8 +615,8 @@ AblationReport run_ablation(const AblationOptions& options) {
   }
   if (options.out_dir.empty()) throw std::invalid_argument("ablation: no output folder given");
   if (options.memory_budget_gib < 0) throw std::invalid_argument("ablation: the memory budget must be >= 0 GiB");
-  // Every variant's config is checked, and gnuplot found, before anything runs or is written.
-  (void)make_config(options.suite, options.size, {}, options);
+  // Every run's config is checked, and gnuplot found, before anything runs or is written.
+  check_ablation_configs(options);
   find_gnuplot(options.plot);
   try {
     io::make_directories(options.out_dir);
@@ -595,12 +632,9 @@ AblationReport run_ablation(const AblationOptions& options) {
   } else if (options.suite == "offsets") {
     out = offsets(options, report.device);
   } else if (options.suite == "streaming") {
-    out = paired(options, report.device, "streaming", "mode",
-                 {{"async", {"offload.enabled=true", "offload.mode=async"}},
-                  {"sync", {"offload.enabled=true", "offload.mode=sync"}}});
+    out = paired(options, report.device, "streaming", "mode");
   } else {
-    out = paired(options, report.device, "optimizer-location", "location",
-                 {{"host", {"offload.enabled=true", "offload.compute_dtype=fp32"}}, {"device", {"offload.enabled=false"}}});
+    out = paired(options, report.device, "optimizer-location", "location");
   }
   const std::string stem = io::join_path(options.out_dir, options.suite);
   report.csv_path = stem + ".csv";

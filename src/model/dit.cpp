@@ -187,6 +187,15 @@ Embedded DiTImpl::embed(const torch::Tensor& x, const torch::Tensor& timesteps, 
   return e;
 }
 
+void DiTImpl::move_non_block_parts(torch::Device device) {
+  patch_embed->to(device);
+  t_embedder->to(device);
+  t_mod->to(device);
+  final_norm->to(device);
+  final_proj->to(device);
+  final_modulation.set_data(final_modulation.to(device));
+}
+
 torch::Tensor DiTImpl::head(const torch::Tensor& tokens, const torch::Tensor& t_emb, const TokenGrid& grid) {
   const int64_t B = tokens.size(0), C = options.in_channels();
   const auto& p = options.patch();

@@ -93,12 +93,7 @@ CPUMasterVideoDiT::CPUMasterVideoDiT(const RunConfig& config)
       TextEncoderOptions(batches_.tokenizer().vocab_size(), config_.model.text_dim, config_.data.max_text_tokens));
   grid_ = model->token_grid(config_.data.frames, config_.data.height, config_.data.width);
   // Resident parts to the device; the blocks' weights go to the host store inside the engine.
-  model->patch_embed->to(device_);
-  model->t_embedder->to(device_);
-  model->t_mod->to(device_);
-  model->final_norm->to(device_);
-  model->final_proj->to(device_);
-  model->final_modulation.set_data(model->final_modulation.to(device_));
+  model->move_non_block_parts(device_);
   text_encoder->to(device_);
   stack_ = std::make_shared<DiTStack>(model, text_encoder);
   engine_ = std::make_unique<offload::StreamedStackTrainer>(stack_, engine_options(config_, device_));

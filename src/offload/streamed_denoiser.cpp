@@ -43,12 +43,7 @@ StreamedDenoiser::StreamedDenoiser(DiT model, StreamedDenoiserOptions options) :
     numels.push_back(n);
   }
   // The resident parts: everything that is not a block.
-  model_->patch_embed->to(options_.device);
-  model_->t_embedder->to(options_.device);
-  model_->t_mod->to(options_.device);
-  model_->final_norm->to(options_.device);
-  model_->final_proj->to(options_.device);
-  model_->final_modulation.set_data(model_->final_modulation.to(options_.device));
+  model_->move_non_block_parts(options_.device);
   model_->eval();
   streamer_ = std::make_unique<WeightStreamer>(numels, WeightStreamerOptions{options_.device, dt, options_.mode});
 }

@@ -22,6 +22,7 @@
 #include <torch/torch.h>
 
 #include <array>
+#include <vector>
 
 #include "megaslide/attention/dsa3d.h"
 #include "megaslide/config/run_config.h"
@@ -66,6 +67,10 @@ class DeformableSlideAttention3DImpl : public torch::nn::Cloneable<DeformableSli
  private:
   // Indices into the full kernel's K of the sub-window used on `grid`, or undefined if all are used.
   torch::Tensor kernel_subset(const TokenGrid& grid) const;
+  // kFrozen: the four frozen tensors on the input's device and dtype, converted once per (device, dtype)
+  // rather than on every forward (they are not parameters, so Module::to() does not move them).
+  const std::vector<torch::Tensor>& frozen_weights_like(const torch::Tensor& x);
+  std::vector<torch::Tensor> frozen_converted_;
 };
 TORCH_MODULE(DeformableSlideAttention3D);
 

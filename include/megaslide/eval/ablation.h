@@ -76,6 +76,11 @@ std::vector<std::string> ablation_suites();
 // overrides): a tiny MegaSlideDiT for kTest/kQuick, the paper's size for kFull.
 std::vector<std::string> ablation_base_overrides(const std::string& suite, AblationSize size);
 
+// Builds the config of every run of options.suite at options.size (with options.device and
+// options.overrides) and throws ConfigError naming the first that does not load: what run_ablation and
+// megaslide-ablate check before anything runs or is written.
+void check_ablation_configs(const AblationOptions& options);
+
 // The default CPU memory budget of memory-scaling at a size, in GiB.
 double default_memory_budget_gib(AblationSize size);
 

@@ -139,6 +139,10 @@ class DiTImpl : public torch::nn::Cloneable<DiTImpl> {
 
   TokenGrid token_grid(int64_t frames, int64_t height, int64_t width) const;
 
+  // Moves everything but the blocks (the embed() and head() parts) to `device`: how the streamed trainer
+  // and the streamed sampler keep the prologue and epilogue resident while the blocks stream.
+  void move_non_block_parts(torch::Device device);
+
   DiTOptions options;
   Conv3d patch_embed{nullptr};
   TimestepEmbedder t_embedder{nullptr};
