@@ -175,9 +175,7 @@ StreamedStackTrainer::StreamedStackTrainer(std::shared_ptr<StreamedModel> model,
                 " registers buffers, which streamed blocks do not support (see offload/streamed_model.h)");
     specs.push_back(std::move(spec));
   }
-  HostParamStoreOptions store_options;
-  store_options.compute_dtype = dt == at::kHalf ? at::kHalf : at::kBFloat16;  // fp32 compute streams the master
-  store_options.grad_dtype = options_.grad_accum_steps > 1 ? at::kFloat : dt;
+  HostParamStoreOptions store_options = host_store_options(dt, options_.grad_accum_steps);
   store_options.pin_if_cuda = options_.pin_host_memory;
   store_ = std::make_unique<HostParamStore>(specs, store_options);
 
@@ -529,6 +527,13 @@ StackStepResult StreamedStackTrainer::step(const Prologue& prologue, const Epilo
   }
   r.step_time_s = seconds_since(start);
   return r;
+}
+
+HostParamStoreOptions host_store_options(c10::ScalarType compute_dtype, int64_t grad_accum_steps) {
+  HostParamStoreOptions o;
+  o.compute_dtype = compute_dtype == at::kHalf ? at::kHalf : at::kBFloat16;  // fp32 compute streams the master
+  o.grad_dtype = grad_accum_steps > 1 ? at::kFloat : compute_dtype;
+  return o;
 }
 
 void StreamedStackTrainer::restore_counters(int64_t optimizer_steps, double loss_scale, int64_t clean_steps) {

@@ -12,6 +12,8 @@
 #include "megaslide/model/dit.h"
 #include "megaslide/model/text_encoder.h"
 #include "megaslide/offload/cpu_master_trainer.h"
+#include "megaslide/offload/host_param_store.h"
+#include "megaslide/offload/stack_trainer.h"
 
 namespace megaslide::plan {
 namespace {
@@ -301,11 +303,17 @@ StepPlan plan_step(const RunConfig& config, const HardwareProfile& hw) {
   const int64_t e = compute_element_bytes(p.compute_dtype);
   const int64_t A = t.grad_accum_steps;
   if (p.streamed) {
-    // HostParamStore as StreamedStackTrainer configures it.
-    const int64_t grad_e = A > 1 ? 4 : e;
-    p.host.master = p.host.exp_avg = p.host.exp_avg_sq = 4 * s.streamed;
-    p.host.compute = 2 * s.streamed;  // bf16 (fp16 with fp16 compute); kept even with fp32 compute
-    p.host.grad = grad_e * s.streamed;
+    // The HostParamStore StreamedStackTrainer allocates, counted by the store itself.
+    std::vector<offload::BlockSpec> blocks;
+    for (size_t l = 0; l < s.block_numels.size(); ++l)
+      blocks.push_back({"blocks." + std::to_string(l), {{"all", {s.block_numels[l]}}}});
+    const auto store = offload::HostParamStore::plan(
+        blocks, offload::host_store_options(offload::parse_compute_dtype(p.compute_dtype), A));
+    p.host.master = store.master_bytes;
+    p.host.exp_avg = store.exp_avg_bytes;
+    p.host.exp_avg_sq = store.exp_avg_sq_bytes;
+    p.host.compute = store.compute_bytes;  // bf16 (fp16 with fp16 compute); kept even with fp32 compute
+    p.host.grad = store.grad_bytes;
     p.host.staging = A > 1 ? 2 * s.largest_block * e : 0;
     p.host.construction_peak = 4 * s.streamed + p.host.persistent() + p.host.grad;
     p.transfer = replay_transfers(s.block_numels, A, e);

@@ -50,6 +50,11 @@ namespace megaslide::offload {
 // "bf16" | "fp16" | "fp32".
 c10::ScalarType parse_compute_dtype(const std::string& name);
 
+// The host store a StreamedStackTrainer allocates for this compute dtype and accumulation (also what
+// megaslide-plan counts): bf16 copies (fp16 with fp16 compute; fp32 compute streams the master), and
+// gradients in the compute dtype, or fp32 when micro-batches accumulate.
+HostParamStoreOptions host_store_options(c10::ScalarType compute_dtype, int64_t grad_accum_steps);
+
 struct StackTrainerOptions {
   torch::Device device = torch::kCPU;
   c10::ScalarType compute_dtype = c10::ScalarType::BFloat16;  // BFloat16, Half (loss scaling) or Float
