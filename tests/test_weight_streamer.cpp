@@ -1,5 +1,6 @@
-// WeightStreamer: two slots, caching, byte accounting and gradient copies, on the CPU (streams are
-// no-ops there) and, when a GPU is present, on three CUDA streams.
+// WeightStreamer: two slots, caching, byte accounting and gradient copies, on the CPU (in line in sync
+// mode, emulated streams with copy threads and poisoned destinations in async mode) and, when a GPU is
+// present, on three CUDA streams.
 #include "megaslide/offload/weight_streamer.h"
 
 #include <gtest/gtest.h>
@@ -31,11 +32,11 @@ void sweep(WeightStreamer& s, const std::vector<at::Tensor>& host, std::vector<a
   }
 }
 
-void check_streams(torch::Device device, StreamMode mode) {
+void check_streams(torch::Device device, StreamMode mode, double delay_ms = 0.0) {
   torch::manual_seed(3);
   const std::vector<int64_t> numels{1000, 777, 1000, 1000, 5, 1000, 1000, 999};
   auto host = host_blocks(numels, at::kBFloat16);
-  WeightStreamer s(numels, {device, at::kBFloat16, mode});
+  WeightStreamer s(numels, {device, at::kBFloat16, mode, delay_ms});
   std::vector<at::Tensor> seen;
   sweep(s, host, &seen);
   s.synchronize();
@@ -52,7 +53,46 @@ void check_streams(torch::Device device, StreamMode mode) {
 
 TEST(WeightStreamer, ForwardAndBackwardSweepsSeeEachBlocksWeightsAndCountBytes) {
   check_streams(torch::kCPU, StreamMode::kAsync);
+  check_streams(torch::kCPU, StreamMode::kAsync, /*delay_ms=*/3.0);  // acquire must wait for late copies
   check_streams(torch::kCPU, StreamMode::kSync);
+}
+
+TEST(WeightStreamer, EmulatedCopyDestinationHoldsPoisonUntilItLands) {
+  // CPU async mode: the D2H copy runs on its own thread 100 ms late; until then its destination is NaN,
+  // so a reader that skips GradCopy::wait reads garbage, as it would on a GPU.
+  std::vector<int64_t> numels{64};
+  auto host = host_blocks(numels, at::kFloat);
+  WeightStreamer s(numels, {torch::kCPU, at::kFloat, StreamMode::kAsync, /*emulated_copy_delay_ms=*/100.0});
+  s.prefetch(0, host[0]);
+  s.acquire(0);
+  s.gradient_buffer(0).copy_(torch::arange(64, torch::kFloat));
+  auto dst = torch::zeros({64});
+  auto copy = s.offload_gradient(0, dst);
+  EXPECT_TRUE(dst.isnan().all().item<bool>()) << "not yet landed: poison";
+  copy.wait();
+  EXPECT_TRUE(torch::equal(dst, torch::arange(64, torch::kFloat))) << "landed: the gradient";
+  s.release(0);
+}
+
+TEST(WeightStreamer, ASlotsGradientIsZeroedOnlyAfterItsPreviousCopyLeft) {
+  // Blocks 0 and 2 share slot 0. The gradient of block 0 is still being copied out (late) when block 2
+  // asks for the slot's gradient buffer, which zeroes it: gradient_buffer must wait for the copy first,
+  // or block 0's host gradient would arrive as zeros.
+  std::vector<int64_t> numels{32, 32, 32};
+  auto host = host_blocks(numels, at::kFloat);
+  WeightStreamer s(numels, {torch::kCPU, at::kFloat, StreamMode::kAsync, /*emulated_copy_delay_ms=*/50.0});
+  s.prefetch(0, host[0]);
+  s.acquire(0);
+  s.gradient_buffer(0).fill_(3.f);
+  auto dst = torch::empty({32});
+  auto copy = s.offload_gradient(0, dst);
+  s.release(0);
+  s.prefetch(2, host[2]);
+  s.acquire(2);
+  EXPECT_EQ(s.gradient_buffer(2).abs().sum().item<float>(), 0.f);
+  copy.wait();
+  EXPECT_TRUE(torch::equal(dst, torch::full({32}, 3.f)));
+  s.release(2);
 }
 
 TEST(WeightStreamer, DeviceMemoryDoesNotGrowWithDepth) {
@@ -120,4 +160,29 @@ TEST(WeightStreamer, ThreeStreams_CUDA) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no GPU";
   check_streams(torch::Device(torch::kCUDA, 0), StreamMode::kAsync);
   check_streams(torch::Device(torch::kCUDA, 0), StreamMode::kSync);
+  check_streams(torch::kCUDA, StreamMode::kAsync);  // "cuda" without an index is the current GPU
+}
+
+TEST(WeightStreamer, GradientCopiesLandBeforeWaitReturns_CUDA) {
+  // A large gradient through pinned memory on the D2H stream: the host sees it only after wait().
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no GPU";
+  const int64_t n = int64_t{1} << 24;
+  std::vector<int64_t> numels{n, n};
+  auto host = host_blocks(numels, at::kBFloat16);
+  for (auto& h : host) h = h.pin_memory();
+  WeightStreamer s(numels, {torch::kCUDA, at::kBFloat16, StreamMode::kAsync});
+  for (int round = 0; round < 3; ++round) {
+    const int64_t l = round % 2;
+    s.prefetch(l, host[l]);
+    s.acquire(l);
+    auto g = s.gradient_buffer(l);
+    g.copy_(torch::full({n}, static_cast<float>(round + 1), g.options()));
+    auto dst = torch::empty({n}, torch::TensorOptions().dtype(at::kBFloat16).pinned_memory(true));
+    dst.fill_(-1.f);
+    auto copy = s.offload_gradient(l, dst);
+    s.release(l);
+    copy.wait();
+    EXPECT_EQ(dst.to(torch::kFloat).min().item<float>(), static_cast<float>(round + 1)) << "round " << round;
+    EXPECT_EQ(dst.to(torch::kFloat).max().item<float>(), static_cast<float>(round + 1)) << "round " << round;
+  }
 }

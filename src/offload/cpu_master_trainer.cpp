@@ -74,6 +74,7 @@ offload::StackTrainerOptions engine_options(const RunConfig& c, torch::Device de
   o.adamw = offload::AdamWOptions{c.train.lr, c.train.beta1, c.train.beta2, c.train.eps, c.train.weight_decay};
   const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   o.optimizer_threads = c.offload.optimizer_threads > 0 ? static_cast<int>(c.offload.optimizer_threads) : std::max(1, hw / 2);
+  o.emulated_copy_delay_ms = c.offload.emulated_copy_delay_ms;
   o.grad_clip = c.train.grad_clip;
   o.grad_accum_steps = c.train.grad_accum_steps;
   o.loss_scale_init = c.train.loss_scale_init;

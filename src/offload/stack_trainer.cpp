@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "offload/host_task_queue.h"
+#include "offload/streams.h"
 
 #ifdef MEGASLIDE_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -85,6 +86,8 @@ struct ParamSlot {
   torch::Tensor param;  // the block module's parameter (rebound to slot views)
   int64_t offset = 0, numel = 0;
   std::vector<int64_t> shape;
+  // Set by a gradient hook on `param` when the backward reaches it; cleared at the start of each step.
+  std::shared_ptr<std::atomic<bool>> received;
 };
 
 }  // namespace
@@ -112,6 +115,28 @@ bool all_finite(const at::Tensor& flat) {
     default: TORCH_CHECK(false, "all_finite: unsupported gradient dtype ", flat.scalar_type());
   }
 }
+// When block l's gradient of this step is complete in the host store's grad(l): the D2H copy itself
+// (one micro-batch), or the host task that added the last micro-batch's copy into it (accumulation).
+struct BlockGradient {
+  GradCopy copy;
+  std::shared_future<void> summed;
+  void wait() const {
+    copy.wait();
+    if (summed.valid()) summed.get();
+  }
+};
+
+// One micro-batch as it moves through the stack.
+struct MicroBatch {
+  StackInput in;
+  BlockInputs leaves;                  // what the blocks read: detached leaves in the compute dtype
+  std::vector<size_t> differentiable;  // indices of `leaves` whose gradients go back to the prologue
+  std::vector<torch::Tensor> saved;    // block inputs kept by the forward for the recompute
+  torch::Tensor last_hidden;           // the stack's output
+  torch::Tensor loss;
+  torch::Tensor grad;                  // dloss/d(input of the block the backward reached)
+};
+
 }  // namespace
 
 struct StreamedStackTrainer::Impl {
@@ -122,7 +147,6 @@ struct StreamedStackTrainer::Impl {
   std::unique_ptr<CpuAdamW> adamw;
   std::unique_ptr<detail::HostTaskQueue> tasks;
   std::vector<std::shared_future<void>> pending_update;  // per block: its last host update
-  std::vector<std::shared_future<void>> norm_done;       // per block: squared norm of this step's gradient
   std::vector<double> block_sq;                          // per block: Σ g² (scaled gradient), accumulation
   std::vector<torch::Tensor> block_norm;                 // per block: ‖g‖ on the device (no accumulation)
   at::Tensor staging[2];                                 // accumulation: D2H lands here, then added on the host
@@ -145,10 +169,369 @@ struct StreamedStackTrainer::Impl {
       p.param.mutable_grad().reset();
     }
   }
+  // The element ranges [offset, offset + numel) of block l's parameters that received a gradient in
+  // this step, adjacent ones merged. Like torch::optim::AdamW, the update leaves the others alone: no
+  // weight decay, no moment update.
+  std::vector<std::pair<int64_t, int64_t>> updated_ranges(int64_t block) const {
+    std::vector<std::pair<int64_t, int64_t>> ranges;
+    for (const auto& p : params[block]) {
+      if (!p.received->load()) continue;
+      if (!ranges.empty() && ranges.back().first + ranges.back().second == p.offset) ranges.back().second += p.numel;
+      else ranges.emplace_back(p.offset, p.numel);
+    }
+    return ranges;
+  }
+};
+
+// One optimizer step as a schedule of named phases; StreamedStackTrainer::step reads it top to bottom.
+// Every wait on a copy or an update is a call here:
+//   acquire(l)            the compute stream waits for block l's upload
+//   gradient_buffer(l)    the compute stream waits until the slot's previous gradient has left it
+//   upload(l)             the host waits for block l's pending update (it rewrites the compute copy)
+//   BlockGradient::wait   a host task waits for block l's gradient to land before reading it
+//   staging_free          the host waits until the last add has read a staging buffer before reusing it
+struct StreamedStackTrainer::StepRun {
+  StreamedStackTrainer& t;
+  Impl& im;
+  HostParamStore& store;
+  WeightStreamer& streamer;
+  const double lr;
+  const int64_t L;
+  const int64_t accum;
+  const bool deferred;
+  const c10::ScalarType dt;
+  const double scale;        // the loss scale of this step (1 unless fp16)
+  const int64_t adam_step;   // the AdamW step number this update would take
+  const torch::TensorOptions empty;
+  const Clock::time_point start = Clock::now();
+  std::vector<BlockGradient> gradient;  // per block
+  double loss_sum = 0.0;
+
+  StepRun(StreamedStackTrainer& trainer, double step_lr)
+      : t(trainer),
+        im(*trainer.impl_),
+        store(*trainer.store_),
+        streamer(*trainer.streamer_),
+        lr(step_lr),
+        L(trainer.streamer_->num_blocks()),
+        accum(trainer.options_.grad_accum_steps),
+        deferred(trainer.deferred_updates()),
+        dt(trainer.options_.compute_dtype),
+        scale(trainer.loss_scale_),
+        adam_step(trainer.adam_steps_ + 1),
+        empty(torch::TensorOptions().dtype(dt).device(trainer.options_.device)),
+        gradient(static_cast<size_t>(L)) {
+    if (im.trace != nullptr) streamer.set_trace(im.trace);
+    streamer.reset_stats();
+    im.optimizer_wait_s = 0.0;
+    im.activation_bytes_peak = 0;
+    for (auto& block : im.params)
+      for (auto& p : block) p.received->store(false);
+#ifdef MEGASLIDE_WITH_CUDA
+    if (t.options_.device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(t.options_.device.index());
+#endif
+    if (im.resident_optimizer) im.resident_optimizer->zero_grad();
+  }
+
+  const float* fp32_master(int64_t l) const { return store.master(l).data_ptr<float>(); }
+
+  // --- the building blocks ------------------------------------------------------------------------
+  void wait_for_update(int64_t l) {
+    auto& pending = im.pending_update[l];
+    if (!pending.valid()) return;
+    const auto wait = Clock::now();
+    pending.get();  // rethrows a failed update
+    im.optimizer_wait_s += seconds_since(wait);
+    pending = {};
+  }
+  at::Tensor upload_source(int64_t l) const { return dt == at::kFloat ? store.master(l) : store.compute(l); }
+  void upload(int64_t l) {
+    wait_for_update(l);
+    streamer.prefetch(l, upload_source(l));
+  }
+  // Uploads block l now unless its update is still running (then the caller uploads it later).
+  bool try_upload(int64_t l) {
+    auto& pending = im.pending_update[l];
+    if (pending.valid() && pending.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return false;
+    upload(l);
+    return true;
+  }
+
+  // A CpuAdamW update of block l on the host task thread, once its gradient has landed; `grad_scale`
+  // unscales and clips. `guard` (immediate updates, which start before the global norm is known): a
+  // block whose gradient holds a non-finite value is not updated, nor is any block after it in this step.
+  void dispatch_update(int64_t l, float grad_scale, bool guard) {
+    streamer.invalidate(l);
+    const BlockGradient landed = gradient[l];
+    const auto ranges = im.updated_ranges(l);
+    StreamedStackTrainer* self = &t;
+    const double step_lr = lr;
+    const int64_t step = adam_step;
+    StepTrace* trace = im.trace;
+    im.pending_update[l] = im.tasks->submit([self, l, landed, ranges, grad_scale, guard, step_lr, step, trace] {
+      landed.wait();
+      Impl& impl = *self->impl_;
+      const HostParamStore& st = *self->store_;
+      if (guard) {
+        if (impl.nonfinite_step.load() == step) return;
+        if (!all_finite(st.grad(l))) {
+          impl.nonfinite_step.store(step);
+          return;
+        }
+      }
+      const double t0 = trace != nullptr ? trace->now_s() : 0.0;
+      const auto begin = Clock::now();
+      const bool fp32_compute = self->options_.compute_dtype == at::kFloat;
+      const size_t grad_size = c10::elementSize(st.grad(l).scalar_type());
+      const size_t compute_size = c10::elementSize(st.options().compute_dtype);
+      for (const auto& [offset, numel] : ranges) {
+        AdamWBlockState s;
+        s.master = st.master(l).data_ptr<float>() + offset;
+        s.exp_avg = st.exp_avg(l).data_ptr<float>() + offset;
+        s.exp_avg_sq = st.exp_avg_sq(l).data_ptr<float>() + offset;
+        s.grad = static_cast<const char*>(st.grad(l).data_ptr()) + offset * grad_size;
+        s.grad_dtype = st.grad(l).scalar_type();
+        s.compute = fp32_compute ? nullptr : static_cast<char*>(st.compute(l).data_ptr()) + offset * compute_size;
+        s.compute_dtype = st.options().compute_dtype;
+        s.numel = numel;
+        impl.adamw->step_block(s, step, step_lr, grad_scale);
+      }
+      impl.optimizer_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - begin).count();
+      if (trace != nullptr) trace->add(TraceLane::kOptimizer, "adamw block " + std::to_string(l), t0, trace->now_s() - t0);
+    });
+  }
+
+  // The gradient of block l leaves its slot: straight into the store (one micro-batch), or through a
+  // staging buffer that a host task adds into the store's fp32 sum (accumulation).
+  void send_gradient_to_host(int64_t l, const at::Tensor& slot_grads, int64_t k, bool last) {
+    if (accum == 1) {
+      // The norm on the device, from the slot, before the copy (the compute thread's own ops).
+      im.block_norm[l] = at::linalg_vector_norm(slot_grads, 2, {}, false, at::kFloat);
+      gradient[l] = {streamer.offload_gradient(l, store.grad(l)), {}};
+      return;
+    }
+    const int64_t slot = WeightStreamer::slot_of(l);
+    if (im.staging_free[slot].valid()) im.staging_free[slot].get();  // the last add has read the buffer
+    auto staging = im.staging[slot].narrow(0, 0, store.block_numel(l));
+    const GradCopy copy = streamer.offload_gradient(l, staging);
+    StreamedStackTrainer* self = &t;
+    const int threads = t.options_.optimizer_threads;
+    im.staging_free[slot] = im.tasks->submit([self, l, staging, copy, k, last, threads] {
+      copy.wait();
+      const double sq = accumulate(self->store_->grad(l), staging, k == 0, last, threads);
+      if (last) self->impl_->block_sq[l] = sq;
+    });
+    if (last) gradient[l] = {GradCopy(), im.staging_free[slot]};
+  }
+
+  // --- the phases -----------------------------------------------------------------------------------
+  // The resident prologue under autograd; the blocks' shared inputs become leaves in the compute dtype.
+  MicroBatch run_prologue(const Prologue& prologue) {
+    MicroBatch mb;
+    const int span = streamer.begin_span(TraceLane::kCompute, "prologue");
+    mb.in = prologue();
+    streamer.end_span(span);
+    TORCH_CHECK(mb.in.hidden.defined() && mb.in.hidden.is_floating_point(),
+                "StreamedStackTrainer: the prologue must return a floating hidden tensor");
+    mb.leaves.info = mb.in.inputs.info;
+    for (size_t i = 0; i < mb.in.inputs.tensors.size(); ++i) {
+      const auto& x = mb.in.inputs.tensors[i];
+      if (!x.defined() || !x.is_floating_point()) {
+        mb.leaves.tensors.push_back(x);
+        continue;
+      }
+      auto leaf = x.detach().to(dt);
+      if (x.requires_grad()) {
+        leaf.requires_grad_(true);
+        mb.differentiable.push_back(i);
+      }
+      mb.leaves.tensors.push_back(leaf);
+    }
+    return mb;
+  }
+
+  // Blocks 0 … L-1 without grad, keeping each block's input. Block l+1's upload is queued as soon as
+  // block l holds its slot, unless l+1's update is still running.
+  void forward_sweep(MicroBatch& mb) {
+    NvtxRange range("forward");
+    torch::NoGradGuard no_grad;
+    mb.saved.assign(static_cast<size_t>(L), torch::Tensor());
+    torch::Tensor x = mb.in.hidden.detach().to(dt);
+    int64_t kept_bytes = 0;
+    upload(0);
+    for (int64_t l = 0; l < L; ++l) {
+      NvtxRange block_range("forward block " + std::to_string(l));
+      auto weights = streamer.acquire(l);
+      const bool next_queued = l + 1 < L && try_upload(l + 1);
+      im.bind(l, weights, {});
+      const int span = streamer.begin_span(TraceLane::kCompute, "forward block " + std::to_string(l));
+      mb.saved[l] = x;
+      kept_bytes += static_cast<int64_t>(x.nbytes());
+      x = im.model->forward_block(l, x, mb.leaves);
+      streamer.end_span(span);
+      im.unbind(l, empty);
+      streamer.release(l);
+      if (l + 1 < L && !next_queued) upload(l + 1);
+    }
+    im.activation_bytes_peak = std::max<int64_t>(im.activation_bytes_peak, kept_bytes + static_cast<int64_t>(x.nbytes()));
+    mb.last_hidden = x;
+  }
+
+  // The resident epilogue and loss under autograd, back to the stack's output.
+  void run_epilogue(MicroBatch& mb, const Epilogue& epilogue) {
+    const int span = streamer.begin_span(TraceLane::kCompute, "epilogue");
+    auto last_hidden = mb.last_hidden.to(mb.in.hidden.scalar_type()).detach().requires_grad_(true);
+    mb.loss = epilogue(last_hidden);
+    TORCH_CHECK(mb.loss.defined() && mb.loss.numel() == 1, "StreamedStackTrainer: the epilogue must return a scalar loss");
+    torch::Tensor objective = mb.loss;
+    if (scale != 1.0) objective = mb.loss * (scale / static_cast<double>(accum));
+    else if (accum > 1) objective = mb.loss / static_cast<double>(accum);
+    objective.backward({}, /*retain_graph=*/true);
+    streamer.end_span(span);
+    TORCH_CHECK(last_hidden.grad().defined(), "StreamedStackTrainer: the loss does not depend on the last block's output");
+    mb.grad = last_hidden.grad().to(dt);
+    mb.last_hidden = torch::Tensor();
+  }
+
+  // Blocks L-1 … 0: recompute with grad, backward into the slot, gradient to the host; block l-1's
+  // upload overlaps block l. After the last micro-batch, immediate updates start block by block.
+  void backward_sweep(MicroBatch& mb, int64_t k) {
+    NvtxRange range("backward");
+    const bool last = k + 1 == accum;
+    for (int64_t l = L - 1; l >= 0; --l) {
+      NvtxRange block_range("backward block " + std::to_string(l));
+      if (l == L - 1) upload(l);  // a cache hit: the forward just used it
+      auto weights = streamer.acquire(l);
+      if (l > 0) upload(l - 1);
+      auto grads = streamer.gradient_buffer(l);
+      im.bind(l, weights, grads);
+      const int span = streamer.begin_span(TraceLane::kCompute, "backward block " + std::to_string(l));
+      auto input = mb.saved[l].detach().requires_grad_(true);
+      {
+        torch::AutoGradMode grad_mode(true);
+        auto y = im.model->forward_block(l, input, mb.leaves);
+        torch::autograd::backward({y}, {mb.grad});
+      }
+      streamer.end_span(span);
+      mb.grad = input.grad();
+      TORCH_CHECK(mb.grad.defined(), "StreamedStackTrainer: block ", l, "'s output does not depend on its input");
+      mb.saved[l] = torch::Tensor();
+      im.unbind(l, empty);
+      send_gradient_to_host(l, grads, k, last);
+      streamer.release(l);
+      if (last && !deferred) dispatch_update(l, 1.f, /*guard=*/true);
+    }
+  }
+
+  // The prologue's backward: the first block's input gradient and every block's gradient of the inputs.
+  void prologue_backward(MicroBatch& mb) {
+    const int span = streamer.begin_span(TraceLane::kCompute, "prologue backward");
+    std::vector<torch::Tensor> roots{mb.in.hidden}, root_grads{mb.grad.to(mb.in.hidden.scalar_type())};
+    for (size_t i : mb.differentiable) {
+      const auto& g = mb.leaves.tensors[i].grad();
+      if (!g.defined()) continue;
+      roots.push_back(mb.in.inputs.tensors[i]);
+      root_grads.push_back(g.to(mb.in.inputs.tensors[i].scalar_type()));
+    }
+    if (mb.in.hidden.requires_grad()) torch::autograd::backward(roots, root_grads);
+    streamer.end_span(span);
+    loss_sum += mb.loss.item<double>();
+  }
+
+  // The global norm of the unscaled gradient: blocks from their device norms (or the host sums with
+  // accumulation), resident parameters on the device — which are unscaled in place here.
+  double global_norm() {
+    double sq = 0.0;
+    if (accum > 1) {
+      for (const auto& g : gradient) g.wait();
+      for (double b : im.block_sq) sq += b;
+    } else {
+      const auto norms = torch::stack(im.block_norm).to(torch::kCPU, torch::kDouble);
+      sq = norms.square().sum().item<double>();
+    }
+    sq /= scale * scale;
+    for (auto& p : im.resident) {
+      if (!p.grad().defined()) continue;
+      if (scale != 1.0) p.mutable_grad().mul_(1.0 / scale);
+      sq += std::pow(p.grad().norm().item<double>(), 2);
+    }
+    return std::sqrt(sq);
+  }
+
+  // Skip or take the step: the loss scale, the clip coefficient, the deferred block updates (each
+  // starts once its gradient has landed; the next forward waits for them block by block), the resident
+  // AdamW step; then the step's figures.
+  StackStepResult commit(double grad_norm) {
+    StackStepResult r;
+    r.grad_norm = grad_norm;
+    r.loss_scale = scale;
+    r.skipped = !std::isfinite(grad_norm);  // immediate updates: the host tasks skip the blocks themselves
+    if (deferred) {
+      if (dt == at::kHalf) {
+        if (r.skipped) {
+          t.loss_scale_ = std::max(1.0, t.loss_scale_ / 2);
+          t.clean_steps_ = 0;
+        } else if (++t.clean_steps_ >= t.options_.loss_scale_window) {
+          t.loss_scale_ *= 2;
+          t.clean_steps_ = 0;
+        }
+      }
+      if (!r.skipped) {
+        float coef = 1.f;
+        if (t.options_.grad_clip > 0)
+          coef = std::min(1.f, static_cast<float>(t.options_.grad_clip) / (static_cast<float>(grad_norm) + 1e-6f));
+        if (coef < 1.f) {
+          for (auto& p : im.resident)
+            if (p.grad().defined()) p.mutable_grad().mul_(coef);
+        }
+        for (int64_t l = 0; l < L; ++l) dispatch_update(l, static_cast<float>(coef / scale), /*guard=*/false);
+      }
+    }
+    if (!r.skipped) {
+      if (im.resident_optimizer) {
+        for (auto& group : im.resident_optimizer->param_groups())
+          static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+        im.resident_optimizer->step();
+      }
+      ++t.adam_steps_;
+    }
+    if (t.options_.mode == StreamMode::kSync) t.synchronize();
+    else streamer.synchronize();
+    return figures(r);
+  }
+
+  StackStepResult figures(StackStepResult r) {
+    const auto& st = streamer.stats();
+    r.loss = loss_sum / static_cast<double>(accum);
+    r.h2d_bytes = st.h2d_bytes;
+    r.d2h_bytes = st.d2h_bytes;
+    r.exposed_transfer_s = st.exposed_transfer_s;
+    r.optimizer_wait_s = im.optimizer_wait_s;
+    r.optimizer_s = static_cast<double>(im.optimizer_ns.exchange(0)) * 1e-9;
+#ifdef MEGASLIDE_WITH_CUDA
+    if (t.options_.device.is_cuda()) {
+      const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(t.options_.device.index());
+      r.peak_device_bytes = stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak;
+    }
+#endif
+    if (!t.options_.device.is_cuda()) {
+      int64_t resident_bytes = 0;
+      for (const auto& p : im.resident) resident_bytes += 4 * static_cast<int64_t>(p.nbytes());  // weights, gradient, m, v
+      r.peak_device_bytes = streamer.device_weight_bytes() + streamer.device_gradient_bytes() + resident_bytes +
+                            im.activation_bytes_peak;
+    }
+    if (im.trace != nullptr) {
+      streamer.resolve_trace();
+      t.set_trace(nullptr);
+    }
+    r.step_time_s = seconds_since(start);
+    return r;
+  }
 };
 
 StreamedStackTrainer::StreamedStackTrainer(std::shared_ptr<StreamedModel> model, StackTrainerOptions options)
     : impl_(std::make_unique<Impl>()), options_(options) {
+  options_.device = detail::canonical_device(options_.device);  // "cuda" means the current GPU
   TORCH_CHECK(model != nullptr, "StreamedStackTrainer: model is null");
   const auto dt = options_.compute_dtype;
   TORCH_CHECK(dt == at::kBFloat16 || dt == at::kHalf || dt == at::kFloat,
@@ -191,11 +574,14 @@ StreamedStackTrainer::StreamedStackTrainer(std::shared_ptr<StreamedModel> model,
         store_->set_param(l, item.key(), p.detach().to(torch::kCPU, torch::kFloat));
       }
       const auto views = store_->param(l, item.key());
-      impl_->params[l].push_back({p, views.offset, p.numel(), p.sizes().vec()});
+      auto received = std::make_shared<std::atomic<bool>>(false);
+      p.register_hook([received](const torch::Tensor&) { received->store(true); });
+      impl_->params[l].push_back({p, views.offset, p.numel(), p.sizes().vec(), received});
       p.set_data(torch::empty({0}, empty));
     }
   }
-  streamer_ = std::make_unique<WeightStreamer>(numels, WeightStreamerOptions{options_.device, dt, options_.mode});
+  streamer_ = std::make_unique<WeightStreamer>(
+      numels, WeightStreamerOptions{options_.device, dt, options_.mode, options_.emulated_copy_delay_ms});
 
   impl_->resident = model->resident_parameters();
   for (const auto& p : impl_->resident) {
@@ -212,16 +598,12 @@ StreamedStackTrainer::StreamedStackTrainer(std::shared_ptr<StreamedModel> model,
   impl_->adamw = std::make_unique<CpuAdamW>(a, options_.optimizer_threads);
   impl_->tasks = std::make_unique<detail::HostTaskQueue>(options_.mode == StreamMode::kSync);
   impl_->pending_update.resize(L);
-  impl_->norm_done.resize(L);
   impl_->block_sq.assign(L, 0.0);
   impl_->block_norm.resize(L);
   if (options_.grad_accum_steps > 1) {
     int64_t largest = 0;
     for (auto n : numels) largest = std::max(largest, n);
-    bool pin = false;
-#ifdef MEGASLIDE_WITH_CUDA
-    pin = options_.device.is_cuda() && options_.pin_host_memory;
-#endif
+    const bool pin = options_.device.is_cuda() && options_.pin_host_memory;
     for (auto& s : impl_->staging) s = torch::empty({largest}, torch::TensorOptions().dtype(dt).pinned_memory(pin));
   }
 }
@@ -264,269 +646,15 @@ void StreamedStackTrainer::synchronize() {
 }
 
 StackStepResult StreamedStackTrainer::step(const Prologue& prologue, const Epilogue& epilogue, double lr) {
-  const auto start = Clock::now();
-  Impl& im = *impl_;
-  const int64_t L = streamer_->num_blocks();
-  const int64_t accum = options_.grad_accum_steps;
-  const bool deferred = deferred_updates();
-  const auto dt = options_.compute_dtype;
-  const auto empty = torch::TensorOptions().dtype(dt).device(options_.device);
-  const bool fp32_compute = dt == at::kFloat;
-  StepTrace* trace = im.trace;
-  if (trace != nullptr) streamer_->set_trace(trace);
-  streamer_->reset_stats();
-  im.optimizer_wait_s = 0.0;
-  im.activation_bytes_peak = 0;
-#ifdef MEGASLIDE_WITH_CUDA
-  if (options_.device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(options_.device.index());
-#endif
-  if (im.resident_optimizer) im.resident_optimizer->zero_grad();
-  const double scale = loss_scale_;
-  const int64_t adam_step = adam_steps_ + 1;  // the step number this update would take
-
-  // Uploads block l (after its pending host update, which rewrites its compute copy).
-  const auto prefetch = [&](int64_t l) {
-    auto& pending = im.pending_update[l];
-    if (pending.valid()) {
-      const auto wait = Clock::now();
-      pending.get();
-      im.optimizer_wait_s += seconds_since(wait);
-      pending = {};
-    }
-    streamer_->prefetch(l, fp32_compute ? store_->master(l) : store_->compute(l));
-  };
-  // A CpuAdamW update of block l on the host task thread; `grad_scale` unscales and clips.
-  // `guard` (immediate updates, which start before the global norm is known): a block whose gradient
-  // holds a non-finite value is not updated, nor is any block after it in this step.
-  const auto submit_update = [&](int64_t l, float grad_scale, bool guard) {
-    streamer_->invalidate(l);
-    im.pending_update[l] = im.tasks->submit([this, l, grad_scale, lr, adam_step, trace, guard] {
-      if (guard) {
-        if (impl_->nonfinite_step.load() == adam_step) return;
-        if (!all_finite(store_->grad(l))) {
-          impl_->nonfinite_step.store(adam_step);
-          return;
-        }
-      }
-      const double t0 = trace != nullptr ? trace->now_s() : 0.0;
-      const auto begin = Clock::now();
-      AdamWBlockState s;
-      s.master = store_->master(l).data_ptr<float>();
-      s.exp_avg = store_->exp_avg(l).data_ptr<float>();
-      s.exp_avg_sq = store_->exp_avg_sq(l).data_ptr<float>();
-      s.grad = store_->grad(l).data_ptr();
-      s.grad_dtype = store_->grad(l).scalar_type();
-      s.compute = options_.compute_dtype == at::kFloat ? nullptr : store_->compute(l).data_ptr();
-      s.compute_dtype = store_->options().compute_dtype;
-      s.numel = store_->block_numel(l);
-      impl_->adamw->step_block(s, adam_step, lr, grad_scale);
-      impl_->optimizer_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - begin).count();
-      if (trace != nullptr) trace->add(TraceLane::kOptimizer, "adamw block " + std::to_string(l), t0, trace->now_s() - t0);
-    });
-  };
-
-  double loss_sum = 0.0;
-  for (int64_t k = 0; k < accum; ++k) {
-    const bool last = k == accum - 1;
-    NvtxRange micro_range("micro-batch " + std::to_string(k));
-    int span = streamer_->begin_span(TraceLane::kCompute, "prologue");
-    StackInput in = prologue();
-    streamer_->end_span(span);
-    TORCH_CHECK(in.hidden.defined() && in.hidden.is_floating_point(),
-                "StreamedStackTrainer: the prologue must return a floating hidden tensor");
-    // Leaves the blocks read: gradients from every block sum in their .grad.
-    BlockInputs leaves;
-    leaves.info = in.inputs.info;
-    std::vector<size_t> differentiable;
-    for (size_t i = 0; i < in.inputs.tensors.size(); ++i) {
-      const auto& t = in.inputs.tensors[i];
-      if (t.defined() && t.is_floating_point()) {
-        auto leaf = t.detach().to(dt);
-        if (t.requires_grad()) {
-          leaf.requires_grad_(true);
-          differentiable.push_back(i);
-        }
-        leaves.tensors.push_back(leaf);
-      } else {
-        leaves.tensors.push_back(t);
-      }
-    }
-
-    // Forward without grad, keeping only each block's input.
-    std::vector<torch::Tensor> saved(L);
-    torch::Tensor x = in.hidden.detach().to(dt);
-    {
-      NvtxRange range("forward");
-      torch::NoGradGuard no_grad;
-      prefetch(0);
-      int64_t kept_bytes = 0;
-      for (int64_t l = 0; l < L; ++l) {
-        NvtxRange block_range("forward block " + std::to_string(l));
-        auto weights = streamer_->acquire(l);
-        im.bind(l, weights, {});
-        span = streamer_->begin_span(TraceLane::kCompute, "forward block " + std::to_string(l));
-        saved[l] = x;
-        kept_bytes += static_cast<int64_t>(x.nbytes());
-        x = im.model->forward_block(l, x, leaves);
-        streamer_->end_span(span);
-        im.unbind(l, empty);
-        streamer_->release(l);
-        if (l + 1 < L) prefetch(l + 1);
-      }
-      im.activation_bytes_peak = std::max<int64_t>(im.activation_bytes_peak, kept_bytes + static_cast<int64_t>(x.nbytes()));
-    }
-
-    // Epilogue and loss.
-    span = streamer_->begin_span(TraceLane::kCompute, "epilogue");
-    auto last_hidden = x.to(in.hidden.scalar_type()).detach().requires_grad_(true);
-    torch::Tensor loss = epilogue(last_hidden);
-    TORCH_CHECK(loss.defined() && loss.numel() == 1, "StreamedStackTrainer: the epilogue must return a scalar loss");
-    torch::Tensor objective = loss;
-    if (scale != 1.0) objective = loss * (scale / static_cast<double>(accum));
-    else if (accum > 1) objective = loss / static_cast<double>(accum);
-    objective.backward({}, /*retain_graph=*/true);
-    streamer_->end_span(span);
-    TORCH_CHECK(last_hidden.grad().defined(), "StreamedStackTrainer: the loss does not depend on the last block's output");
-    torch::Tensor grad = last_hidden.grad().to(dt);
-
-    // Backward, last block first: recompute, backward into the slot, gradient to the host.
-    {
-      NvtxRange range("backward");
-      for (int64_t l = L - 1; l >= 0; --l) {
-        NvtxRange block_range("backward block " + std::to_string(l));
-        if (l == L - 1) prefetch(l);  // a cache hit: the forward just used it
-        auto weights = streamer_->acquire(l);
-        auto grads = streamer_->gradient_buffer(l);
-        im.bind(l, weights, grads);
-        span = streamer_->begin_span(TraceLane::kCompute, "backward block " + std::to_string(l));
-        auto input = saved[l].detach().requires_grad_(true);
-        {
-          torch::AutoGradMode grad_mode(true);
-          auto y = im.model->forward_block(l, input, leaves);
-          torch::autograd::backward({y}, {grad});
-        }
-        streamer_->end_span(span);
-        grad = input.grad();
-        TORCH_CHECK(grad.defined(), "StreamedStackTrainer: block ", l, "'s output does not depend on its input");
-        saved[l] = torch::Tensor();
-        im.unbind(l, empty);
-
-        const int64_t slot = WeightStreamer::slot_of(l);
-        GradCopy copy;
-        if (accum > 1) {
-          if (im.staging_free[slot].valid()) im.staging_free[slot].get();  // the previous add has read it
-          copy = streamer_->offload_gradient(l, im.staging[slot].narrow(0, 0, store_->block_numel(l)));
-          im.staging_free[slot] = im.tasks->submit([this, l, slot, k, copy, last] {
-            copy.wait();
-            auto src = impl_->staging[slot].narrow(0, 0, store_->block_numel(l));
-            const double sq = accumulate(store_->grad(l), src, k == 0, last, options_.optimizer_threads);
-            if (last) impl_->block_sq[l] = sq;
-          });
-          if (last) im.norm_done[l] = im.staging_free[slot];
-        } else {
-          // The norm on the device, from the slot, before the copy (the compute thread's own ops).
-          if (last) im.block_norm[l] = at::linalg_vector_norm(grads, 2, {}, false, at::kFloat);
-          copy = streamer_->offload_gradient(l, store_->grad(l));
-        }
-        streamer_->release(l);
-        if (l > 0) prefetch(l - 1);
-        if (last && !deferred) submit_update(l, 1.f, /*guard=*/true);
-      }
-    }
-
-    // Prologue backward: the first block's input gradient and every block's gradient of the inputs.
-    span = streamer_->begin_span(TraceLane::kCompute, "prologue backward");
-    std::vector<torch::Tensor> roots{in.hidden}, root_grads{grad.to(in.hidden.scalar_type())};
-    for (size_t i : differentiable) {
-      const auto& g = leaves.tensors[i].grad();
-      if (!g.defined()) continue;
-      roots.push_back(in.inputs.tensors[i]);
-      root_grads.push_back(g.to(in.inputs.tensors[i].scalar_type()));
-    }
-    if (in.hidden.requires_grad()) torch::autograd::backward(roots, root_grads);
-    streamer_->end_span(span);
-    loss_sum += loss.item<double>();
+  StepRun run(*this, lr);
+  for (int64_t k = 0; k < options_.grad_accum_steps; ++k) {
+    MicroBatch mb = run.run_prologue(prologue);
+    run.forward_sweep(mb);
+    run.run_epilogue(mb, epilogue);
+    run.backward_sweep(mb, k);  // immediate updates start here, each once its block's gradient has landed
+    run.prologue_backward(mb);
   }
-
-  // The global norm: blocks from the host tasks, resident parameters on the device.
-  double sq = 0.0;
-  if (accum > 1) {
-    for (auto& f : im.norm_done) f.get();
-    for (double b : im.block_sq) sq += b;
-  } else {
-    const auto norms = torch::stack(im.block_norm).to(torch::kCPU, torch::kDouble);
-    sq = norms.square().sum().item<double>();
-  }
-  sq /= scale * scale;
-  for (auto& p : im.resident) {
-    if (!p.grad().defined()) continue;
-    if (scale != 1.0) p.mutable_grad().mul_(1.0 / scale);
-    sq += std::pow(p.grad().norm().item<double>(), 2);
-  }
-  StackStepResult r;
-  r.grad_norm = std::sqrt(sq);
-  r.loss_scale = scale;
-  if (deferred) {
-    const bool overflow = !std::isfinite(r.grad_norm);
-    if (dt == at::kHalf) {
-      if (overflow) {
-        loss_scale_ = std::max(1.0, loss_scale_ / 2);
-        clean_steps_ = 0;
-      } else if (++clean_steps_ >= options_.loss_scale_window) {
-        loss_scale_ *= 2;
-        clean_steps_ = 0;
-      }
-    }
-    r.skipped = overflow;
-    if (!r.skipped) {
-      float coef = 1.f;
-      if (options_.grad_clip > 0) {
-        coef = std::min(1.f, static_cast<float>(options_.grad_clip) / (static_cast<float>(r.grad_norm) + 1e-6f));
-      }
-      if (coef < 1.f) {
-        for (auto& p : im.resident)
-          if (p.grad().defined()) p.mutable_grad().mul_(coef);
-      }
-      for (int64_t l = 0; l < L; ++l) submit_update(l, static_cast<float>(coef / scale), /*guard=*/false);
-    }
-  }
-  if (!deferred) r.skipped = !std::isfinite(r.grad_norm);  // the host tasks skip the blocks themselves
-  if (!r.skipped) {
-    if (im.resident_optimizer) {
-      for (auto& group : im.resident_optimizer->param_groups())
-        static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
-      im.resident_optimizer->step();
-    }
-    ++adam_steps_;
-  }
-  if (options_.mode == StreamMode::kSync) synchronize();
-  else streamer_->synchronize();
-
-  const auto& st = streamer_->stats();
-  r.loss = loss_sum / static_cast<double>(accum);
-  r.h2d_bytes = st.h2d_bytes;
-  r.d2h_bytes = st.d2h_bytes;
-  r.exposed_transfer_s = st.exposed_transfer_s;
-  r.optimizer_wait_s = im.optimizer_wait_s;
-  r.optimizer_s = static_cast<double>(im.optimizer_ns.exchange(0)) * 1e-9;
-#ifdef MEGASLIDE_WITH_CUDA
-  if (options_.device.is_cuda()) {
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(options_.device.index());
-    r.peak_device_bytes = stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak;
-  }
-#endif
-  if (!options_.device.is_cuda()) {
-    int64_t resident_bytes = 0;
-    for (const auto& p : im.resident) resident_bytes += 4 * static_cast<int64_t>(p.nbytes());  // weights, gradient, m, v
-    r.peak_device_bytes = streamer_->device_weight_bytes() + streamer_->device_gradient_bytes() + resident_bytes +
-                          im.activation_bytes_peak;
-  }
-  if (trace != nullptr) {
-    streamer_->resolve_trace();
-    set_trace(nullptr);
-  }
-  r.step_time_s = seconds_since(start);
-  return r;
+  return run.commit(run.global_norm());  // deferred updates start here, likewise
 }
 
 HostParamStoreOptions host_store_options(c10::ScalarType compute_dtype, int64_t grad_accum_steps) {

@@ -1,30 +1,11 @@
 #include "megaslide/offload/weight_streamer.h"
 
-#include <chrono>
-#include <optional>
-
-#ifdef MEGASLIDE_WITH_CUDA
-#include <ATen/cuda/CUDAEvent.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#endif
+#include "offload/streams.h"
 
 namespace megaslide::offload {
-namespace {
 
-using Clock = std::chrono::steady_clock;
-double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
-#ifdef MEGASLIDE_WITH_CUDA
-using EventPtr = std::shared_ptr<at::cuda::CUDAEvent>;
-EventPtr record_event(const c10::cuda::CUDAStream& stream, bool timing = false) {
-  auto e = std::make_shared<at::cuda::CUDAEvent>(timing ? cudaEventDefault : cudaEventDisableTiming);
-  e->record(stream);
-  return e;
-}
-#endif
-
-}  // namespace
+using detail::EventPtr;
+using detail::Lane;
 
 StreamMode parse_stream_mode(const std::string& name) {
   if (name == "async") return StreamMode::kAsync;
@@ -35,15 +16,11 @@ StreamMode parse_stream_mode(const std::string& name) {
 const char* to_string(StreamMode mode) { return mode == StreamMode::kAsync ? "async" : "sync"; }
 
 struct GradCopy::Impl {
-#ifdef MEGASLIDE_WITH_CUDA
   EventPtr done;
-#endif
 };
 
 void GradCopy::wait() const {
-#ifdef MEGASLIDE_WITH_CUDA
   if (impl_ && impl_->done) impl_->done->synchronize();
-#endif
 }
 
 struct WeightStreamer::Impl {
@@ -52,37 +29,12 @@ struct WeightStreamer::Impl {
     int64_t block = -1;  // whose weights the slot holds (or is receiving); -1: none
     bool valid = false;  // the held weights are the block's current host weights
     bool acquired = false;
-#ifdef MEGASLIDE_WITH_CUDA
-    EventPtr weights_ready, released, grad_copied;
-#endif
+    EventPtr weights_ready;  // H2D: the upload into the slot has landed
+    EventPtr released;       // compute: done with the slot's weights
+    EventPtr grad_copied;    // D2H: the slot's gradient has left for the host
   };
   Slot slots[2];
-  bool cuda = false;
-  bool async_streams = false;  // a GPU in async mode: copies on their own streams
-  StepTrace* trace = nullptr;
-
-  struct Span {
-    TraceLane lane = TraceLane::kCompute;
-    std::string name;
-    double host_start_s = 0.0;
-#ifdef MEGASLIDE_WITH_CUDA
-    EventPtr start, end;
-#endif
-  };
-  std::vector<Span> spans;
-#ifdef MEGASLIDE_WITH_CUDA
-  std::optional<c10::cuda::CUDAStream> h2d, d2h;
-  std::vector<std::pair<EventPtr, EventPtr>> waits;  // compute-stream events around each weight wait
-  EventPtr trace_origin;                             // on the compute stream, at set_trace
-  double trace_origin_s = 0.0;
-
-  c10::cuda::CUDAStream compute_stream(torch::Device d) const { return c10::cuda::getCurrentCUDAStream(d.index()); }
-  c10::cuda::CUDAStream lane_stream(TraceLane lane, torch::Device d) const {
-    if (async_streams && lane == TraceLane::kH2D) return *h2d;
-    if (async_streams && lane == TraceLane::kD2H) return *d2h;
-    return compute_stream(d);
-  }
-#endif
+  std::unique_ptr<detail::Streams> streams;
 };
 
 WeightStreamer::WeightStreamer(std::vector<int64_t> block_numels, WeightStreamerOptions options)
@@ -96,19 +48,8 @@ WeightStreamer::WeightStreamer(std::vector<int64_t> block_numels, WeightStreamer
     TORCH_CHECK(numels_[l] > 0, "WeightStreamer: block ", l, " has ", numels_[l], " elements; expected > 0");
     largest = std::max(largest, numels_[l]);
   }
-  impl_->cuda = options_.device.is_cuda();
-#ifndef MEGASLIDE_WITH_CUDA
-  TORCH_CHECK(!impl_->cuda, "WeightStreamer: device ", options_.device, " needs a build with CUDA (MEGASLIDE_WITH_CUDA)");
-#else
-  if (impl_->cuda) {
-    const c10::cuda::CUDAGuard guard(options_.device);
-    if (options_.mode == StreamMode::kAsync) {
-      impl_->async_streams = true;
-      impl_->h2d = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, options_.device.index());
-      impl_->d2h = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, options_.device.index());
-    }
-  }
-#endif
+  options_.device = detail::canonical_device(options_.device);
+  impl_->streams = detail::make_streams({options_.device, options_.mode, options_.emulated_copy_delay_ms});
   const auto opts = torch::TensorOptions().dtype(dt).device(options_.device);
   for (auto& s : impl_->slots) {
     s.weights = torch::empty({largest}, opts);
@@ -154,30 +95,10 @@ void WeightStreamer::prefetch(int64_t block, const at::Tensor& host_weights) {
   account_resident();
   stats_.h2d_bytes += n * static_cast<int64_t>(c10::elementSize(options_.compute_dtype));
   ++stats_.h2d_copies;
-  auto dst = slot.weights.narrow(0, 0, n);
-#ifdef MEGASLIDE_WITH_CUDA
-  if (impl_->async_streams) {
-    auto& h2d = *impl_->h2d;
-    if (slot.released) slot.released->block(h2d);  // the compute stream is done with the previous block
-    const int span = begin_span(TraceLane::kH2D, "h2d block " + std::to_string(block));
-    {
-      const c10::cuda::CUDAStreamGuard guard(h2d);
-      dst.copy_(host_weights, /*non_blocking=*/true);
-    }
-    end_span(span);
-    slot.weights_ready = record_event(h2d);
-    return;
-  }
-#endif
-  // CPU, or a GPU in sync mode: the copy runs in line and all of it is exposed.
-  const int span = begin_span(TraceLane::kH2D, "h2d block " + std::to_string(block));
-  const auto start = Clock::now();
-  dst.copy_(host_weights);
-#ifdef MEGASLIDE_WITH_CUDA
-  if (impl_->cuda) impl_->compute_stream(options_.device).synchronize();
-#endif
-  stats_.exposed_transfer_s += seconds_since(start);
-  end_span(span);
+  auto& streams = *impl_->streams;
+  streams.wait(Lane::kH2D, slot.released);  // the compute stream is done with the slot's previous block
+  streams.copy(Lane::kH2D, slot.weights.narrow(0, 0, n), host_weights, "h2d block " + std::to_string(block));
+  slot.weights_ready = streams.record(Lane::kH2D);
 }
 
 at::Tensor WeightStreamer::acquire(int64_t block) {
@@ -186,15 +107,8 @@ at::Tensor WeightStreamer::acquire(int64_t block) {
   TORCH_CHECK(slot.block == block && slot.valid, "WeightStreamer::acquire: block ", block,
               " is not in its slot (call prefetch(block) first)");
   slot.acquired = true;
-#ifdef MEGASLIDE_WITH_CUDA
-  if (impl_->async_streams && slot.weights_ready) {
-    auto compute = impl_->compute_stream(options_.device);
-    auto before = record_event(compute, /*timing=*/true);
-    slot.weights_ready->block(compute);
-    impl_->waits.emplace_back(before, record_event(compute, /*timing=*/true));
-    slot.weights_ready.reset();
-  }
-#endif
+  impl_->streams->wait(Lane::kCompute, slot.weights_ready);
+  slot.weights_ready.reset();
   return slot.weights.narrow(0, 0, numels_[block]);
 }
 
@@ -202,12 +116,8 @@ at::Tensor WeightStreamer::gradient_buffer(int64_t block) {
   auto& slot = impl_->slots[slot_of(block)];
   TORCH_CHECK(slot.block == block && slot.acquired, "WeightStreamer::gradient_buffer: block ", block,
               " is not acquired");
-#ifdef MEGASLIDE_WITH_CUDA
-  if (impl_->async_streams && slot.grad_copied) {
-    slot.grad_copied->block(impl_->compute_stream(options_.device));
-    slot.grad_copied.reset();
-  }
-#endif
+  impl_->streams->wait(Lane::kCompute, slot.grad_copied);  // the previous gradient has left the slot
+  slot.grad_copied.reset();
   auto g = slot.grads.narrow(0, 0, numels_[block]);
   g.zero_();
   return g;
@@ -223,37 +133,19 @@ GradCopy WeightStreamer::offload_gradient(int64_t block, const at::Tensor& host_
               " destination of ", n, " elements, got ", host_grad.scalar_type(), " with ", host_grad.numel());
   stats_.d2h_bytes += n * static_cast<int64_t>(c10::elementSize(options_.compute_dtype));
   ++stats_.d2h_copies;
-  auto src = slot.grads.narrow(0, 0, n);
-#ifdef MEGASLIDE_WITH_CUDA
-  if (impl_->async_streams) {
-    auto& d2h = *impl_->d2h;
-    record_event(impl_->compute_stream(options_.device))->block(d2h);  // the backward of `block` is done
-    const int span = begin_span(TraceLane::kD2H, "d2h block " + std::to_string(block));
-    {
-      const c10::cuda::CUDAStreamGuard guard(d2h);
-      host_grad.copy_(src, /*non_blocking=*/true);
-    }
-    end_span(span);
-    auto impl = std::make_shared<GradCopy::Impl>();
-    impl->done = slot.grad_copied = record_event(d2h);
-    return GradCopy(impl);
-  }
-#endif
-  const int span = begin_span(TraceLane::kD2H, "d2h block " + std::to_string(block));
-  const auto start = Clock::now();
-  host_grad.copy_(src);  // on a GPU a blocking copy: it waits for the backward, then for the copy
-  stats_.exposed_transfer_s += seconds_since(start);
-  end_span(span);
-  return GradCopy();
+  auto& streams = *impl_->streams;
+  streams.wait(Lane::kD2H, streams.record(Lane::kCompute));  // the backward of `block` has written the slot
+  streams.copy(Lane::kD2H, host_grad, slot.grads.narrow(0, 0, n), "d2h block " + std::to_string(block));
+  auto impl = std::make_shared<GradCopy::Impl>();
+  impl->done = slot.grad_copied = streams.record(Lane::kD2H);
+  return GradCopy(impl);
 }
 
 void WeightStreamer::release(int64_t block) {
   auto& slot = impl_->slots[slot_of(block)];
   TORCH_CHECK(slot.block == block && slot.acquired, "WeightStreamer::release: block ", block, " is not acquired");
   slot.acquired = false;
-#ifdef MEGASLIDE_WITH_CUDA
-  if (impl_->async_streams) slot.released = record_event(impl_->compute_stream(options_.device));
-#endif
+  slot.released = impl_->streams->record(Lane::kCompute);
 }
 
 void WeightStreamer::invalidate(int64_t block) {
@@ -261,71 +153,30 @@ void WeightStreamer::invalidate(int64_t block) {
   if (slot.block == block) slot.valid = false;
 }
 
-void WeightStreamer::reset_stats() { stats_ = StreamerStats{}; }
+void WeightStreamer::reset_stats() {
+  stats_ = StreamerStats{};
+  impl_->streams->take_exposed_transfer_s();  // stalls already measured belong to the previous stats
+}
 
 void WeightStreamer::synchronize() {
-#ifdef MEGASLIDE_WITH_CUDA
-  if (impl_->cuda) {
-    if (impl_->h2d) impl_->h2d->synchronize();
-    if (impl_->d2h) impl_->d2h->synchronize();
-    impl_->compute_stream(options_.device).synchronize();
-    for (auto& [before, after] : impl_->waits) stats_.exposed_transfer_s += before->elapsed_time(*after) / 1000.0;
-    impl_->waits.clear();
-  }
-#endif
+  impl_->streams->synchronize();
+  stats_.exposed_transfer_s += impl_->streams->take_exposed_transfer_s();
 }
 
-void WeightStreamer::set_trace(StepTrace* trace) {
-  impl_->trace = trace;
-  impl_->spans.clear();
-#ifdef MEGASLIDE_WITH_CUDA
-  if (trace != nullptr && impl_->cuda) {
-    auto compute = impl_->compute_stream(options_.device);
-    impl_->trace_origin = record_event(compute, /*timing=*/true);
-    impl_->trace_origin->synchronize();
-    impl_->trace_origin_s = trace->now_s();
-  }
-#endif
-}
+void WeightStreamer::set_trace(StepTrace* trace) { impl_->streams->set_trace(trace); }
 
 int WeightStreamer::begin_span(TraceLane lane, const std::string& name) {
-  if (impl_->trace == nullptr) return -1;
-  Impl::Span s;
-  s.lane = lane;
-  s.name = name;
-  s.host_start_s = impl_->trace->now_s();
-#ifdef MEGASLIDE_WITH_CUDA
-  if (impl_->cuda) s.start = record_event(impl_->lane_stream(lane, options_.device), /*timing=*/true);
-#endif
-  impl_->spans.push_back(std::move(s));
-  return static_cast<int>(impl_->spans.size()) - 1;
+  switch (lane) {
+    case TraceLane::kCompute: return impl_->streams->begin_span(Lane::kCompute, name);
+    case TraceLane::kH2D: return impl_->streams->begin_span(Lane::kH2D, name);
+    case TraceLane::kD2H: return impl_->streams->begin_span(Lane::kD2H, name);
+    case TraceLane::kOptimizer: break;
+  }
+  TORCH_CHECK(false, "WeightStreamer::begin_span: the optimizer lane is a host thread, not a stream");
 }
 
-void WeightStreamer::end_span(int span) {
-  if (impl_->trace == nullptr || span < 0) return;
-  auto& s = impl_->spans[static_cast<size_t>(span)];
-#ifdef MEGASLIDE_WITH_CUDA
-  if (impl_->cuda) {
-    s.end = record_event(impl_->lane_stream(s.lane, options_.device), /*timing=*/true);
-    return;
-  }
-#endif
-  const double now = impl_->trace->now_s();
-  impl_->trace->add(s.lane, s.name, s.host_start_s, now - s.host_start_s);
-}
+void WeightStreamer::end_span(int span) { impl_->streams->end_span(span); }
 
-void WeightStreamer::resolve_trace() {
-#ifdef MEGASLIDE_WITH_CUDA
-  if (impl_->trace != nullptr && impl_->cuda) {
-    synchronize();
-    for (auto& s : impl_->spans) {
-      if (!s.start || !s.end) continue;
-      const double start = impl_->trace_origin_s + impl_->trace_origin->elapsed_time(*s.start) / 1000.0;
-      impl_->trace->add(s.lane, s.name, start, s.start->elapsed_time(*s.end) / 1000.0);
-    }
-  }
-#endif
-  impl_->spans.clear();
-}
+void WeightStreamer::resolve_trace() { impl_->streams->resolve_trace(); }
 
 }  // namespace megaslide::offload

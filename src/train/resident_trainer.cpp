@@ -1,5 +1,7 @@
 #include "megaslide/train/resident_trainer.h"
 
+#include "offload/streams.h"
+
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <fmt/format.h>
@@ -21,7 +23,7 @@ torch::Device resolve_device(const std::string& spec) {
     TORCH_CHECK(!device.has_index() || device.index() < count, "train.device is '", spec, "' but only ", count,
                 " GPU(s) are visible");
   }
-  return device;
+  return offload::detail::canonical_device(device);  // "cuda" is the current GPU, with its index
 }
 
 double learning_rate(const TrainConfig& t, int64_t step) {

@@ -116,6 +116,7 @@ struct OffloadConfig {
   std::string mode = "async";            // async | sync (every copy and update in line: the ablation)
   std::string compute_dtype = "bf16";    // bf16 | fp16 (dynamic loss scaling) | fp32
   int64_t optimizer_threads = 0;         // CpuAdamW threads; 0 = half the hardware threads (at least 1)
+  double emulated_copy_delay_ms = 0.0;   // testing aid: CPU async copies land this much later (docs/offload.md)
 };
 
 struct OutputConfig {

@@ -10,7 +10,8 @@
 // One micro-batch: prologue (autograd) -> blocks forward without grad, keeping only each block's input
 // -> epilogue and loss -> for l = L-1 … 0: recompute block l from its input with grad, backward into
 // the slot's flat gradient buffer, copy that buffer to the host (D2H stream) -> prologue backward with
-// the summed gradients of the block inputs.
+// the summed gradients of the block inputs. A block's host update starts only once its gradient copy
+// has landed (it waits on the copy's event).
 // Updates: CpuAdamW on a host thread. When nothing needs every gradient first (grad_clip = 0 and no
 // fp16 loss scaling), block l's update starts as soon as its last gradient is on the host, while the
 // device goes on with block l-1 ("immediate"). Otherwise ("deferred") the updates run after the
@@ -24,6 +25,9 @@
 // checks each block's gradient before updating it, and the first non-finite block and every block after
 // it in the step are left alone (blocks already updated keep their finite update), as is the resident
 // part. A non-finite loss makes every gradient non-finite, so such a step updates nothing in either mode.
+//
+// Parameters of a block that received no gradient in a step (unused by the forward) are left alone by
+// the update, as torch::optim::AdamW leaves parameters without a gradient: no weight decay, no moments.
 //
 // Memory: the trainer owns the store, the streamer and the resident optimizer; it shares ownership
 // of the model. After construction the blocks' own parameter tensors are empty: their values live in
@@ -66,6 +70,9 @@ struct StackTrainerOptions {
   double loss_scale_init = 65536.0;  // fp16 only
   int64_t loss_scale_window = 1000;  // fp16 only
   bool pin_host_memory = true;       // page-lock the host state when CUDA runs
+  // CPU async mode only (a testing aid): every emulated copy starts this many milliseconds late, so a
+  // reader that does not wait for its copy reads the poison the copy's destination holds until then.
+  double emulated_copy_delay_ms = 0.0;
 };
 
 struct StackStepResult {
@@ -122,6 +129,7 @@ class StreamedStackTrainer {
 
  private:
   struct Impl;
+  struct StepRun;  // one step's schedule of phases (stack_trainer.cpp)
   std::unique_ptr<Impl> impl_;
   StackTrainerOptions options_;
   int64_t adam_steps_ = 0;

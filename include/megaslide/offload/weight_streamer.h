@@ -10,9 +10,12 @@
 // blocks of a forward are reused by the backward that follows, which is the "less what stays cached"
 // of DESIGN.md §6.
 //
-// Without a GPU (device = CPU) the same calls run with the slots as host tensors, copies as memcpy done
-// in line, and streams/events as no-ops; the byte accounting is the same. kSync mode does every copy on
-// the compute stream and waits for it: nothing overlaps (the ablation baseline).
+// The streams sit behind one interface (src/offload/streams.h): CUDA streams and events on a GPU; on
+// the CPU in async mode, emulated streams — a copy thread per copy stream, completion flags for events,
+// destinations poisoned (NaN) until their copy lands, and `emulated_copy_delay_ms` to make every copy
+// late — so that a reader that forgets to wait reads garbage in a CPU test, as it would on a GPU; in
+// sync mode every copy runs in line and is waited for (on a GPU, on the compute stream): nothing
+// overlaps (the ablation baseline). The byte accounting is the same in every mode.
 //
 // Memory: the streamer owns the two slots (weights and gradients, each as large as the largest
 // block, in the compute dtype) and nothing else; host tensors passed in must stay alive until the
@@ -42,14 +45,17 @@ struct WeightStreamerOptions {
   torch::Device device = torch::kCPU;
   c10::ScalarType compute_dtype = c10::ScalarType::BFloat16;  // slot dtype: BFloat16, Half or Float
   StreamMode mode = StreamMode::kAsync;
+  // CPU async mode only (a testing aid): every emulated copy starts this many milliseconds late.
+  double emulated_copy_delay_ms = 0.0;
 };
 
 // Cumulative counters (reset with reset_stats()).
 struct StreamerStats {
   int64_t h2d_bytes = 0, d2h_bytes = 0;
   int64_t h2d_copies = 0, d2h_copies = 0, cache_hits = 0;
-  // Time the compute stream waited on copies. GPU: measured between CUDA events recorded on the
-  // compute stream around each wait. CPU: the in-line copies' own wall time.
+  // Time the compute stream waited on copies. GPU async: measured between CUDA events recorded on the
+  // compute stream around each wait. Emulated (CPU async): the compute thread's waits. Sync: the
+  // copies' own wall time.
   double exposed_transfer_s = 0.0;
 };
 
@@ -99,12 +105,12 @@ class WeightStreamer {
   int64_t device_gradient_bytes() const;  // both gradient slots
   const StreamerStats& stats() const { return stats_; }
   void reset_stats();
-  // Waits for every copy on every stream (end of a step).
+  // Waits for every copy on every stream (end of a step) and adds the compute stream's stalls to stats().
   void synchronize();
 
   // Tracing (optional; nullptr stops it). Spans on the compute lane are opened by the trainer with
-  // begin/end; copies add their own spans. On a GPU, resolve_trace() (after synchronize) converts
-  // stream times onto the trace's clock.
+  // begin/end; copies add their own spans. resolve_trace() waits for the streams and (on a GPU)
+  // converts stream times onto the trace's clock.
   void set_trace(StepTrace* trace);
   int begin_span(TraceLane lane, const std::string& name);
   void end_span(int span);

@@ -84,6 +84,7 @@ class DiffusionBatchSource {
 };
 
 // "auto" -> the first GPU when LibTorch sees one, else the CPU; "cuda[:N]" fails clearly without GPUs.
+// A GPU always comes back with its index ("cuda" -> the current GPU, cuda:0 unless changed).
 torch::Device resolve_device(const std::string& spec);
 
 // Learning rate for the step with 0-based index `step`: linear warmup over warmup_steps to lr, then
