@@ -60,13 +60,13 @@ build_all() {
     cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
           -DMEGASLIDE_VIDEO=OFF > "$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; return 1; }
   fi
-  cmake --build "$build" -j"$jobs" --target "${targets[@]}" > "$out/build.log" 2>&1 || { grep -B2 -A12 'error' "$out/build.log" | head -80; return 1; }
+  # -k 0: a target that fails to compile does not stop the others; the stages below use what was built.
+  cmake --build "$build" -j"$jobs" --target "${targets[@]}" -- -k 0 > "$out/build.log" 2>&1 || { grep -B2 -A12 'error' "$out/build.log" | head -80; return 1; }
 }
 export -f build_all
 stage build 330 build_all
-if [ "${stage_ok[build]}" != true ]; then
-  echo "build failed; nothing else can run"
-fi
+built=false
+[ -f "$build/lib/libmegaslide.so" ] && built=true
 
 # 2. Every *_CUDA test (a skipped one means no GPU was visible: a failure here) ---------------------
 cuda_tests() {
@@ -80,12 +80,12 @@ cuda_tests() {
   return $rc
 }
 export -f cuda_tests
-[ "${stage_ok[build]}" = true ] && stage cuda_tests 150 cuda_tests
+[ "$built" = true ] && stage cuda_tests 150 cuda_tests
 
 # 3. 3D-DSA against flash SDPA (CUDA events) ------------------------------------------------------------
 dsa3d_bench() { "$build/bin/bench_dsa3d" --cuda --reps 10 | tee "$out/bench_dsa3d.txt"; }
 export -f dsa3d_bench
-[ "${stage_ok[build]}" = true ] && stage dsa3d_bench 90 dsa3d_bench
+[ "$built" = true ] && stage dsa3d_bench 90 dsa3d_bench
 
 # 4. The streamed trainer on the GPU: pinned bandwidth, async with a trace, sync, resident -------------
 trainer_runs() {
@@ -105,7 +105,7 @@ trainer_runs() {
   return $rc
 }
 export -f trainer_runs
-[ "${stage_ok[build]}" = true ] && stage trainer 150 trainer_runs
+[ "$built" = true ] && stage trainer 150 trainer_runs
 
 # 5. CpuAdamW on this CPU: every test (the AVX-512 path runs here) and the benchmark ------------------
 adamw() {
@@ -114,7 +114,7 @@ adamw() {
   "$build/bin/bench_cpu_adamw" --threads 12 --reps 5 --torch-reps 2 | tee "$out/bench_cpu_adamw.txt"
 }
 export -f adamw
-[ "${stage_ok[build]}" = true ] && stage cpu_adamw 60 adamw
+[ "$built" = true ] && stage cpu_adamw 60 adamw
 
 # 6. The figures as one JSON file ---------------------------------------------------------------------
 stages_json=$(for k in "${!stage_s[@]}"; do printf '"%s":{"seconds":%s,"ok":%s},' "$k" "${stage_s[$k]}" "${stage_ok[$k]}"; done)
