@@ -253,10 +253,264 @@ def section_sampler(out_dir):
 
 
 # --------------------------------------------------------------------------------------------------
+# clip_tokenizer: transformers' CLIPTokenizer ids for prompts, with the real CLIP vocabulary and a tiny one
+# --------------------------------------------------------------------------------------------------
+
+def _openai_bpe_path():
+    """OpenAI's bpe_simple_vocab_16e6.txt as tools/bootstrap.sh puts it (from the open-clip-torch wheel),
+    or where MEGASLIDE_CLIP_BPE points."""
+    path = os.environ.get("MEGASLIDE_CLIP_BPE", os.path.join(ROOT, ".deps", "clip", "bpe_simple_vocab_16e6.txt"))
+    if not os.path.exists(path):
+        sys.exit(f"make_fixtures: {path} not found: run tools/bootstrap.sh (it fetches CLIP's vocabulary) or set MEGASLIDE_CLIP_BPE")
+    return path
+
+
+def _bytes_to_unicode():
+    """GPT-2's byte -> printable character table, in OpenAI's order (printable bytes first)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, [chr(c) for c in cs]))
+
+
+def clip_vocabulary(merge_count=49152 - 256 - 2):
+    """transformers' vocab (token -> id) and merges for CLIP, built from OpenAI's merges file the way
+    OpenAI's CLIP builds its encoder: byte symbols, the same with </w>, merge results, two special tokens."""
+    with open(_openai_bpe_path(), encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    merges = [tuple(line.split()) for line in lines[1 : merge_count + 1]]
+    symbols = list(_bytes_to_unicode().values())
+    tokens = symbols + [s + "</w>" for s in symbols] + ["".join(m) for m in merges] + ["<|startoftext|>", "<|endoftext|>"]
+    return {t: i for i, t in enumerate(tokens)}, merges
+
+
+def _vbench_prompts(per_dimension=4):
+    """The first `per_dimension` prompts of each of VBench's 16 dimensions (VBench_full_info.json of the
+    vbench package, read as a file: `pip install --no-deps vbench`)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vbench")
+    if spec is None:
+        sys.exit("make_fixtures: the vbench package is needed for its prompt list (pip install --no-deps vbench==0.1.5)")
+    with open(os.path.join(spec.submodule_search_locations[0], "VBench_full_info.json"), encoding="utf-8") as f:
+        info = json.load(f)
+    chosen, count = [], {}
+    for entry in info:
+        for dim in entry["dimension"]:
+            if count.get(dim, 0) < per_dimension and entry["prompt_en"] not in chosen:
+                chosen.append(entry["prompt_en"])
+                count[dim] = count.get(dim, 0) + 1
+    return chosen
+
+
+_EDGE_PROMPTS = [
+    "",
+    "   ",
+    "A",
+    "Hello, World!!! ... (really?) [yes] {no} <maybe>",
+    "it's, they're, we've, I'm, you'll, she'd, don't, WON'T, It'S",
+    "rock'n'roll ''quoted'' 'single' \"double\" `back`",
+    "3.14159 and 2,718 and 1e-5; 1234567890 fps @ 60Hz, 4K/8K, 16:9",
+    "$100 50% #tag @user a&b a+b=c a*b/c x^2 ~approx~ under_score",
+    "café crème brûlée, naïve façade, jalapeño, São Paulo, Zürich, Øresund",
+    "cafe\u0301 (decomposed é) vs caf\u00e9",
+    "ΚΑΛΗΜΕΡΑ ΚΌΣΜΕ, ΟΔΥΣΣΕΥΣ",
+    "İstanbul IŞIK ılık, straße STRASSE, ǅemal",
+    "東京の夜景、桜が舞う。北京烤鸭 서울의 거리",
+    "Москва зимой, Київ навесні",
+    "مرحبا بالعالم שלום עולם नमस्ते दुनिया",
+    "a cat 🐱 plays with a dog 🐶 under the 🌈 rainbow",
+    "family 👨\u200d👩\u200d👧\u200d👦, thumbs 👍🏽, flag 🇯🇵, heart ❤️",
+    "tab\tseparated\nnew line\r\nand\u00a0non-breaking\u2003em space\u3000ideographic",
+    "zero\u200bwidth space and soft\u00adhyphen",
+    "full-width ＡＢＣ１２３ and ligature ﬁne ﬂow, ½ ², Ⅻ",
+    "<|startoftext|>a photo<|endoftext|> of a cat",
+    "HTML &amp; entities &lt;b&gt; stay as written",
+    "https://example.com/path?query=1&x=2 e-mail: someone@example.org",
+    "UPPERCASE lowercase MiXeD cAsE CamelCaseWords snake_case kebab-case",
+    "a" * 100,
+    "supercalifragilisticexpialidocious pneumonoultramicroscopicsilicovolcanoconiosis",
+    "The quick brown fox jumps over the lazy dog. " * 12,
+    " ".join(f"word{i}" for i in range(90)),
+    ", ".join(["a beautiful coastal beach in spring, waves lapping on sand, in cyberpunk style"] * 4),
+    "!!!???...,,,;;;:::---___===+++",
+    "1 2 3 4 5 6 7 8 9 10 11 12 100 1000 10000",
+    "émoji at end 🎉",
+    "\u00a0leading and trailing spaces\u00a0 ",
+    "Ａ ｂ ｃ (fullwidth letters with spaces)",
+    "ǆ ǈ ǋ titlecase digraphs; ǲ",
+    "ﬀ ﬃ ﬄ ligatures; ß ẞ capital sharp s",
+    "Σ at end ΟΔΟΣ and σ in the middle ΟΔΟΣ ΠΟΛΗΣ",
+    "1st 2nd 3rd 4th 21st 100th",
+    "don't stop; can't stop; won't stop",
+    "a red blob moves left quickly",
+    "blue vertical stripes oscillate slowly",
+]
+
+
+def _clip_tokenize(vocab, merges, prompts):
+    from transformers import CLIPTokenizer
+
+    tokenizer = CLIPTokenizer(vocab=vocab, merges=merges)
+    out = tokenizer(prompts, padding="max_length", max_length=77, truncation=True)
+    return np.array(out["input_ids"], dtype=np.int64), np.array(out["attention_mask"], dtype=np.int64)
+
+
+def _write_hf_vocabulary(out_dir, vocab, merges):
+    with open(os.path.join(out_dir, "vocab.json"), "w", encoding="utf-8") as f:
+        json.dump(vocab, f, ensure_ascii=False)
+    with open(os.path.join(out_dir, "merges.txt"), "w", encoding="utf-8") as f:
+        f.write("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+
+
+_TINY_MERGES = 120  # the tiny vocabulary: 512 byte symbols, 120 merges, 2 special tokens = 634 ids
+
+
+def section_clip_tokenizer(out_dir):
+    import transformers
+
+    prompts = _vbench_prompts() + _EDGE_PROMPTS
+    vocab, merges = clip_vocabulary()
+    assert len(vocab) == 49408 and vocab["!"] == 0 and vocab["<|endoftext|>"] == 49407
+    ids, mask = _clip_tokenize(vocab, merges, prompts)
+    tiny_vocab, tiny_merges = clip_vocabulary(_TINY_MERGES)
+    tiny_dir = os.path.join(out_dir, "tiny")
+    os.makedirs(tiny_dir)
+    _write_hf_vocabulary(tiny_dir, tiny_vocab, tiny_merges)
+    tiny_ids, tiny_mask = _clip_tokenize(tiny_vocab, tiny_merges, prompts)
+    meta = {"versions": versions(transformers), "prompts": json.dumps(prompts, ensure_ascii=False),
+            "what": "CLIPTokenizer(vocab, merges)(prompts, padding='max_length', max_length=77, truncation=True): ids and "
+                    "attention_mask with the full CLIP vocabulary (from OpenAI's bpe_simple_vocab_16e6.txt) and with tiny/ "
+                    f"(its first {_TINY_MERGES} merges)"}
+    save_safetensors(os.path.join(out_dir, "ids.safetensors"),
+                     {"ids": ids, "mask": mask, "tiny.ids": tiny_ids, "tiny.mask": tiny_mask}, meta)
+    print(f"  {len(prompts)} prompts ({len(prompts) - len(_EDGE_PROMPTS)} from VBench), "
+          f"{int((mask.sum(1) == 77).sum())} of them cut at 77 tokens")
+
+
+# --------------------------------------------------------------------------------------------------
+# clip: tiny random CLIP text models in the published layouts, and transformers' outputs
+# --------------------------------------------------------------------------------------------------
+
+def _randomize(module, seed):
+    """Every parameter redrawn at a scale that makes outputs depend on every weight (the default init is
+    so small that LayerNorm hides most of the model). LayerNorm weights around 1."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(module.named_parameters()):
+            if p.dim() == 0:
+                continue  # CLIPModel's logit_scale
+            if p.dim() == 1 and ("norm" in name or "layer_norm" in name) and name.endswith("weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            elif p.dim() == 1:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            else:
+                fan_in = p[0].numel()
+                p.copy_(torch.randn(p.shape, generator=g) / fan_in ** 0.5)
+
+
+def section_clip(out_dir):
+    import torch
+    import transformers
+    from transformers import CLIPConfig, CLIPModel, CLIPTextConfig, CLIPTextModel
+
+    tiny_vocab, tiny_merges = clip_vocabulary(_TINY_MERGES)
+    prompts = ["a red blob moves left quickly", "", "A cat 🐱 on a SKATEBOARD, at night!", "it's 3.14 o'clock",
+               "The quick brown fox jumps over the lazy dog. " * 12]
+    ids, mask = _clip_tokenize(tiny_vocab, tiny_merges, prompts)
+    bos, eos = tiny_vocab["<|startoftext|>"], tiny_vocab["<|endoftext|>"]
+    text = dict(vocab_size=len(tiny_vocab), hidden_size=32, intermediate_size=56, num_hidden_layers=3, num_attention_heads=2,
+                max_position_embeddings=77, bos_token_id=bos, pad_token_id=eos, attn_implementation="eager")
+    tensors = {"ids": ids, "mask": mask}
+    models = {
+        # transformers 5's CLIPTextModel file: a flat CLIPTextConfig, tensor names without a prefix.
+        "text_only": (CLIPTextModel(CLIPTextConfig(**text, hidden_act="quick_gelu", eos_token_id=eos)), 1),
+        # A whole CLIPModel (as openai/clip-vit-large-patch14): CLIPConfig with a text_config, text_model.*
+        # names beside a vision tower; the legacy eos_token_id 2 (pooling at the largest id); erf GELU.
+        "full_model": (CLIPModel(CLIPConfig(text_config=dict(text, hidden_act="gelu", eos_token_id=2),
+                                            vision_config=dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                                               num_attention_heads=2, image_size=8, patch_size=4),
+                                            projection_dim=8)), 2),
+    }
+    for name, (model, seed) in models.items():
+        _randomize(model, seed)
+        model.eval()
+        folder = os.path.join(out_dir, name)
+        os.makedirs(folder)
+        model.config.save_pretrained(folder)
+        save_safetensors(os.path.join(folder, "model.safetensors"), {k: v.numpy() for k, v in model.state_dict().items()}, {"format": "pt"})
+        text_model = model.text_model if isinstance(model, CLIPModel) else model
+        with torch.no_grad():
+            out = text_model(input_ids=torch.from_numpy(ids))  # no attention mask, as Stable Diffusion calls it
+        tensors[name + ".last_hidden_state"] = out.last_hidden_state.numpy()
+        tensors[name + ".pooled"] = out.pooler_output.numpy()
+    _write_hf_vocabulary(out_dir, tiny_vocab, tiny_merges)
+    meta = {"versions": versions(transformers, torch), "prompts": json.dumps(prompts, ensure_ascii=False),
+            "what": "tiny random CLIP text models (text_only/, full_model/) and their last_hidden_state and pooler_output "
+                    "for the ids of the prompts (tokenized with this folder's vocab.json/merges.txt), no attention mask"}
+    save_safetensors(os.path.join(out_dir, "reference.safetensors"), tensors, meta)
+    print(f"  2 models, {len(prompts)} prompts")
+
+
+# --------------------------------------------------------------------------------------------------
+# vae: a tiny random AutoencoderKL in diffusers' layout, and diffusers' outputs
+# --------------------------------------------------------------------------------------------------
+
+def section_vae(out_dir):
+    import diffusers
+    import torch
+    from diffusers import AutoencoderKL
+
+    # Non-default sizes throughout: 3 levels (downscale 4), 3 latent channels, 4 groups, 1 layer per block.
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=3, block_out_channels=(8, 16, 12), layers_per_block=1,
+                        down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3, norm_num_groups=4,
+                        sample_size=32, scaling_factor=0.3)
+    _randomize(vae, 3)
+    vae.eval()
+    folder = os.path.join(out_dir, "tiny")
+    os.makedirs(folder)
+    vae.save_config(folder)
+    save_safetensors(os.path.join(folder, "diffusion_pytorch_model.safetensors"), {k: v.numpy() for k, v in vae.state_dict().items()},
+                     {"format": "pt"})
+    g = torch.Generator().manual_seed(4)
+    images = torch.rand((2, 3, 24, 40), generator=g) * 2 - 1
+    latents = torch.randn((2, 3, 7, 9), generator=g)  # unscaled latents, an odd size
+    tiled_latents = torch.randn((1, 3, 13, 17), generator=g)
+    with torch.no_grad():
+        dist = vae.encode(images).latent_dist
+        decoded = vae.decode(latents).sample
+        # diffusers' tiled decode: 16-pixel tiles (4 latents), overlap factor 0.25 (stride 3 latents, 4-pixel blend).
+        vae.enable_tiling()
+        vae.tile_sample_min_size, vae.tile_latent_min_size, vae.tile_overlap_factor = 16, 4, 0.25
+        tiled = vae.tiled_decode(tiled_latents).sample
+        vae.disable_tiling()
+        untiled = vae.decode(tiled_latents).sample
+    tensors = {"images": images.numpy(), "mean": dist.mean.numpy(), "logvar": dist.logvar.numpy(), "latents": latents.numpy(),
+               "decoded": decoded.numpy(), "tiled.latents": tiled_latents.numpy(), "tiled.decoded": tiled.numpy(),
+               "tiled.untiled": untiled.numpy()}
+    meta = {"versions": versions(diffusers, torch), "tile_sample_min_size": "16", "tile_latent_min_size": "4", "tile_overlap_factor": "0.25",
+            "what": "tiny random AutoencoderKL (tiny/): encode(images).latent_dist mean/logvar, decode(latents) (unscaled), and "
+                    "tiled_decode at 16-pixel tiles with overlap factor 0.25"}
+    save_safetensors(os.path.join(out_dir, "reference.safetensors"), tensors, meta)
+    print(f"  encode {tuple(images.shape)} -> {tuple(dist.mean.shape)}, decode {tuple(latents.shape)} -> {tuple(decoded.shape)}, "
+          f"tiled {tuple(tiled_latents.shape)} -> {tuple(tiled.shape)} (differs from untiled by {float((tiled - untiled).abs().max()):.3g})")
+
+
+# --------------------------------------------------------------------------------------------------
 
 SECTIONS = {
     "video": (section_video, "H.264 clips and their frames as opencv-python decodes them, VBench's temporal flickering"),
     "sampler": (section_sampler, "diffusers DDPM/DDIM timestep tables (linspace/leading/trailing) and single steps"),
+    "clip_tokenizer": (section_clip_tokenizer, "CLIPTokenizer ids of VBench and edge-case prompts, real and tiny vocabularies"),
+    "clip": (section_clip, "tiny random CLIP text models (text-only and whole-CLIPModel layouts) and their outputs"),
+    "vae": (section_vae, "a tiny random AutoencoderKL: encode, decode and tiled decode outputs"),
 }
 
 
