@@ -9,8 +9,10 @@ Each section writes small files under tests/fixtures/<section>/ (safetensors, or
 reads); they are committed, so building and testing MegaSlide needs no Python. The package versions
 this was run with are pinned in tools/fixtures-requirements.txt. Every input is drawn from fixed seeds
 and the computations run on the CPU in one thread, so a rerun with those versions rewrites the same
-bytes (the video section also needs the `ffmpeg` program with libx264, which tools/bootstrap.sh
-installs).
+bytes. The video section also needs the `ffmpeg` program with libx264, and the CLIP sections OpenAI's
+CLIP vocabulary in .deps/clip/ (or MEGASLIDE_CLIP_BPE); tools/bootstrap.sh installs both. The
+clip_tokenizer section reads VBench's prompt list from the `vbench` package (installed without its
+dependencies, see tools/fixtures-requirements.txt).
 
 To add a section: write a function `section_NAME(out_dir)` that writes under `out_dir` and register it
 in SECTIONS with a one-line description; keep what it writes to a few hundred kB.
