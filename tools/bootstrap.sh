@@ -7,7 +7,7 @@
 #
 # What it installs (see docs/building.md):
 #   - Debian packages: compilers/tools (cmake, ninja, ccache) and the C++ libraries
-#     (fmt, spdlog, yaml-cpp, CLI11, GoogleTest, Google Benchmark, nlohmann-json), FFmpeg's libraries
+#     (fmt, spdlog, yaml-cpp, CLI11, GoogleTest, Google Benchmark, nlohmann-json, ICU), FFmpeg's libraries
 #     (libavformat/libavcodec/libswscale/libavutil, H.264 through libx264), the ffmpeg tools (ffprobe)
 #     and gnuplot (gnuplot-nox: the PNG plots of megaslide-plot and megaslide-ablate).
 #   - LibTorch from the PyPI `torch` wheel at the pinned version below, unpacked with pip into
@@ -18,12 +18,13 @@
 set -euo pipefail
 
 TORCH_VERSION=2.11.0
+OPEN_CLIP_VERSION=3.3.0  # only its CLIP vocabulary file is used
 CUDA_EXTRA_WHEELS=(nvidia-cusparselt-cu13==0.8.0 nvidia-nvshmem-cu13==3.4.5 nvidia-cufile==1.15.1.6)
 DEBIAN_PACKAGES=(build-essential cmake ninja-build ccache pkg-config
                  libfmt-dev libspdlog-dev libyaml-cpp-dev libcli11-dev
                  libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev
                  libavformat-dev libavcodec-dev libswscale-dev libavutil-dev ffmpeg
-                 gnuplot-nox clang)  # gnuplot: megaslide-plot/-ablate PNGs; clang: the libFuzzer tests (tests/fuzz/)
+                 libicu-dev gnuplot-nox clang)  # gnuplot: megaslide-plot/-ablate PNGs; clang: the libFuzzer tests (tests/fuzz/)
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -55,7 +56,29 @@ if [ ! -f "$stamp" ]; then
 fi
 torch_cmake="$pydeps/torch/share/cmake"
 
-# 3. Configure and build ------------------------------------------------------------------------------
+# 3. CLIP's BPE vocabulary --------------------------------------------------------------------------------
+# OpenAI's bpe_simple_vocab_16e6.txt (MIT), as the pinned open-clip-torch wheel carries it (gzipped), into
+# .deps/clip/ with the wheel's licence; the CLIP tokenizer's tests read it (docs/conditioning.md).
+clip_dir="$deps/clip"
+clip_stamp="$clip_dir/.megaslide-open-clip-torch-$OPEN_CLIP_VERSION"
+if [ ! -f "$clip_stamp" ]; then
+  log "fetching CLIP's BPE vocabulary from the PyPI wheel open-clip-torch==$OPEN_CLIP_VERSION into $clip_dir"
+  wheel_dir=$(mktemp -d)
+  python3 -m pip download --quiet --disable-pip-version-check --no-deps --dest "$wheel_dir" "open-clip-torch==$OPEN_CLIP_VERSION"
+  rm -rf "$clip_dir" && mkdir -p "$clip_dir"
+  python3 - "$wheel_dir" "$clip_dir" <<'PY'
+import glob, gzip, sys, zipfile
+wheel, = glob.glob(sys.argv[1] + "/open_clip_torch-*.whl")
+with zipfile.ZipFile(wheel) as z:
+    open(sys.argv[2] + "/bpe_simple_vocab_16e6.txt", "wb").write(gzip.decompress(z.read("open_clip/bpe_simple_vocab_16e6.txt.gz")))
+    licence = [n for n in z.namelist() if n.endswith("/LICENSE")]
+    open(sys.argv[2] + "/LICENSE", "wb").write(z.read(licence[0]))
+PY
+  rm -rf "$wheel_dir"
+  touch "$clip_stamp"
+fi
+
+# 4. Configure and build ------------------------------------------------------------------------------
 build_type=${MEGASLIDE_BUILD_TYPE:-Release}
 if [ ! -f build/CMakeCache.txt ]; then
   log "configuring build/ ($build_type)"

@@ -52,6 +52,7 @@ int main(int argc, char** argv) {
   std::string checkpoint, prompts_path, out_dir, sampler = "ddpm", device_spec = "auto", streamed = "auto", stream_dtype = "fp32";
   int64_t samples_per_prompt = 5, batch_size = 4, fps = 8, crf = 17, upscale = 1, threads = 0;
   int64_t steps = 0;          // 0: the checkpoint config's diffusion.sample_steps
+  std::string spacing;        // empty: the checkpoint config's diffusion.timestep_spacing
   double guidance = -1.0;     // < 0: the checkpoint config's diffusion.guidance_scale
   double eta = 0.0;
   uint64_t seed = 0;
@@ -68,6 +69,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--steps", steps, "sampling steps, respaced over the training timesteps (default: the config's diffusion.sample_steps)")
       ->check(CLI::PositiveNumber);
+  app.add_option("--timestep-spacing", spacing,
+                 "which timesteps the steps visit, as diffusers' timestep_spacing: linspace, leading or trailing (default: the "
+                 "config's diffusion.timestep_spacing)")
+      ->check(CLI::IsMember({"linspace", "leading", "trailing"}));
   app.add_option("--guidance", guidance, "classifier-free guidance scale (default: the config's diffusion.guidance_scale)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--eta", eta, "DDIM eta (0 deterministic, 1 ancestral variance)")->check(CLI::NonNegativeNumber)
@@ -140,13 +145,15 @@ int main(int argc, char** argv) {
     megaslide::TextToVideo generator(std::move(model), device, denoiser);
     auto options = generator.default_options().kind(megaslide::parse_sampler_kind(sampler)).eta(eta);
     if (steps > 0) options.steps(steps);
+    if (!spacing.empty()) options.timestep_spacing(megaslide::parse_timestep_spacing(spacing));
     if (guidance >= 0) options.guidance_scale(guidance);
     const auto video_options = megaslide::io::VideoWriteOptions().fps(fps).crf(crf);
 
     megaslide::io::make_directories(out_dir);
-    std::cerr << fmt::format("megaslide-sample: {} prompt(s) x {} -> {} videos in {} ({} {} steps, guidance {}, device {}, {})\n",
+    std::cerr << fmt::format("megaslide-sample: {} prompt(s) x {} -> {} videos in {} ({} {} steps {}, guidance {}, device {}, {})\n",
                              jobs.size() / static_cast<size_t>(samples_per_prompt), samples_per_prompt, jobs.size(), out_dir,
-                             megaslide::to_string(options.kind()), options.steps(), options.guidance_scale(), device.str(),
+                             megaslide::to_string(options.kind()), options.steps(), megaslide::to_string(options.timestep_spacing()),
+                             options.guidance_scale(), device.str(),
                              stream ? "blocks streamed, " + stream_dtype : std::string("resident"));
     SampleProgress progress(static_cast<int64_t>(jobs.size()), !no_progress);
     for (size_t start = 0; start < jobs.size(); start += static_cast<size_t>(batch_size)) {

@@ -261,6 +261,7 @@ class Schema {
     real("diffusion.caption_dropout", c.diffusion.caption_dropout, RealRange{0.0, 1.0});
     choice("diffusion.prediction", c.diffusion.prediction, {"epsilon", "v", "x0"});
     integer("diffusion.sample_steps", c.diffusion.sample_steps, IntRange{1});
+    choice("diffusion.timestep_spacing", c.diffusion.timestep_spacing, {"linspace", "leading", "trailing"});
     real("diffusion.guidance_scale", c.diffusion.guidance_scale, RealRange{0.0});
     // train
     integer("train.steps", c.train.steps, IntRange{1});

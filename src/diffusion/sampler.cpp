@@ -6,19 +6,67 @@
 
 namespace megaslide {
 
-std::vector<int64_t> SamplingSchedule::respaced_timesteps(int64_t train_timesteps, int64_t steps) {
+TimestepSpacing parse_timestep_spacing(const std::string& name) {
+  if (name == "linspace") return TimestepSpacing::kLinspace;
+  if (name == "leading") return TimestepSpacing::kLeading;
+  if (name == "trailing") return TimestepSpacing::kTrailing;
+  TORCH_CHECK(false, "unknown timestep spacing '", name, "' (expected linspace, leading or trailing)");
+}
+
+const char* to_string(TimestepSpacing spacing) {
+  switch (spacing) {
+    case TimestepSpacing::kLinspace: return "linspace";
+    case TimestepSpacing::kLeading: return "leading";
+    case TimestepSpacing::kTrailing: return "trailing";
+  }
+  return "?";
+}
+
+namespace {
+// numpy's round(): to the nearest integer, halves to even (std::nearbyint in the default rounding mode).
+int64_t round_half_even(double v) {
+  const double r = std::floor(v), frac = v - r;
+  if (frac > 0.5) return static_cast<int64_t>(r) + 1;
+  if (frac < 0.5) return static_cast<int64_t>(r);
+  const auto i = static_cast<int64_t>(r);
+  return i % 2 == 0 ? i : i + 1;
+}
+}  // namespace
+
+std::vector<int64_t> SamplingSchedule::respaced_timesteps(int64_t train_timesteps, int64_t steps, TimestepSpacing spacing) {
   TORCH_CHECK(train_timesteps >= 1, "respaced_timesteps: need at least one training timestep");
   TORCH_CHECK(steps >= 1 && steps <= train_timesteps, "respaced_timesteps: sampling steps must be in [1, ", train_timesteps,
               "] (the training timesteps), got ", steps);
-  if (steps == 1) return {train_timesteps - 1};
+  const auto T = static_cast<double>(train_timesteps), S = static_cast<double>(steps);
   std::vector<int64_t> out;
-  const double stride = static_cast<double>(train_timesteps - 1) / static_cast<double>(steps - 1);
-  for (int64_t i = 0; i < steps; ++i) out.push_back(std::llround(static_cast<double>(i) * stride));
+  out.reserve(static_cast<size_t>(steps));
+  switch (spacing) {
+    case TimestepSpacing::kLinspace: {
+      // numpy.linspace(0, T − 1, S): i·step, the last value exactly T − 1.
+      const double stride = steps > 1 ? (T - 1) / (S - 1) : 0.0;
+      for (int64_t i = 0; i < steps; ++i) out.push_back(round_half_even(i == steps - 1 && steps > 1 ? T - 1 : static_cast<double>(i) * stride));
+      break;
+    }
+    case TimestepSpacing::kLeading:
+      for (int64_t i = 0; i < steps; ++i) out.push_back(i * (train_timesteps / steps));
+      break;
+    case TimestepSpacing::kTrailing: {
+      // numpy.arange(T, 0, −T/S) computes its values as T, T + step, then T + k·(second − first): the same
+      // arithmetic here, so that halves round as diffusers rounds them. (numpy's arange can also return one
+      // value more, which diffusers turns into a timestep of −1; that one is not taken.)
+      const double step = -T / S, delta = (T + step) - T;
+      for (int64_t k = steps - 1; k >= 0; --k) {
+        const double v = k == 0 ? T : k == 1 ? T + step : T + static_cast<double>(k) * delta;
+        out.push_back(round_half_even(v) - 1);
+      }
+      break;
+    }
+  }
   return out;
 }
 
-SamplingSchedule::SamplingSchedule(const DDPMSchedule& train, int64_t steps)
-    : SamplingSchedule(train, respaced_timesteps(train.timesteps(), steps)) {}
+SamplingSchedule::SamplingSchedule(const DDPMSchedule& train, int64_t steps, TimestepSpacing spacing)
+    : SamplingSchedule(train, respaced_timesteps(train.timesteps(), steps, spacing)) {}
 
 SamplingSchedule::SamplingSchedule(const DDPMSchedule& train, const std::vector<int64_t>& timesteps) {
   TORCH_CHECK(!timesteps.empty(), "SamplingSchedule: no timesteps");
@@ -101,21 +149,38 @@ torch::Tensor per_sample_noise(std::vector<at::Generator>& generators, const std
 }
 }  // namespace
 
+torch::Tensor reverse_step(const SamplingSchedule& schedule, int64_t i, const torch::Tensor& x, const torch::Tensor& output,
+                           const torch::Tensor& noise, const SamplerOptions& options) {
+  TORCH_CHECK(i >= 0 && i < schedule.steps(), "reverse_step: step index ", i, " outside [0, ", schedule.steps(), ")");
+  TORCH_CHECK(output.sizes() == x.sizes(), "reverse_step: model output ", output.sizes(), " and x ", x.sizes(), " differ");
+  TORCH_CHECK(!noise.defined() || noise.sizes() == x.sizes(), "reverse_step: noise ", noise.sizes(), " and x ", x.sizes(), " differ");
+  const double abar = schedule.alphas_cumprod()[i].item<double>(), abar_prev = schedule.alphas_cumprod_prev()[i].item<double>();
+  auto x0 = predicted_x0(options.prediction(), output, x, abar);
+  if (options.clip_denoised()) x0 = x0.clamp(-1.0, 1.0);
+  torch::Tensor next;
+  if (options.kind() == SamplerKind::kDDPM) {
+    next = schedule.posterior_mean_coef1()[i].item<double>() * x0 + schedule.posterior_mean_coef2()[i].item<double>() * x;
+    if (noise.defined()) next = next + std::sqrt(schedule.posterior_variance()[i].item<double>()) * noise;
+  } else {
+    // ε re-derived from the (clamped) x0, so that x0 and ε stay consistent (GLIDE; diffusers'
+    // use_clipped_model_output).
+    auto eps = ((1.0 / std::sqrt(abar)) * x - x0) / std::sqrt(1.0 / abar - 1.0);
+    const double sigma = options.eta() * std::sqrt((1 - abar_prev) / (1 - abar)) * std::sqrt(1 - abar / abar_prev);
+    next = std::sqrt(abar_prev) * x0 + std::sqrt(std::max(0.0, 1 - abar_prev - sigma * sigma)) * eps;
+    if (noise.defined() && sigma > 0) next = next + sigma * noise;
+  }
+  return next;
+}
+
 torch::Tensor sample(Denoiser& denoiser, const DDPMSchedule& schedule, const SamplerOptions& options,
                      const std::vector<int64_t>& sample_shape, const std::vector<uint64_t>& seeds, const Conditioning& cond,
                      const Conditioning& uncond, torch::Device device, const std::function<void(int64_t, int64_t)>& on_step) {
   TORCH_CHECK(!seeds.empty(), "sample: no seeds (one per sample)");
   TORCH_CHECK(options.eta() >= 0, "sample: eta must be >= 0, got ", options.eta());
-  const SamplingSchedule s(schedule, options.steps());
+  const SamplingSchedule s(schedule, options.steps(), options.timestep_spacing());
   const int64_t B = static_cast<int64_t>(seeds.size()), S = s.steps();
   std::vector<at::Generator> generators;
   for (auto seed : seeds) generators.push_back(at::detail::createCPUGenerator(seed));
-
-  auto abar = s.alphas_cumprod().accessor<double, 1>();
-  auto abar_prev = s.alphas_cumprod_prev().accessor<double, 1>();
-  auto coef1 = s.posterior_mean_coef1().accessor<double, 1>();
-  auto coef2 = s.posterior_mean_coef2().accessor<double, 1>();
-  auto var = s.posterior_variance().accessor<double, 1>();
   auto timesteps = s.timesteps().accessor<int64_t, 1>();
 
   torch::NoGradGuard no_grad;
@@ -123,21 +188,9 @@ torch::Tensor sample(Denoiser& denoiser, const DDPMSchedule& schedule, const Sam
   for (int64_t i = S - 1; i >= 0; --i) {
     auto t = torch::full({B}, timesteps[i], torch::TensorOptions().dtype(torch::kLong).device(device));
     auto out = guided_prediction(denoiser, x, t, cond, uncond, options.guidance_scale()).to(torch::kFloat32);
-    const double sqrt_recip = 1.0 / std::sqrt(abar[i]), sqrt_recipm1 = std::sqrt(1.0 / abar[i] - 1.0);
-    auto x0 = predicted_x0(options.prediction(), out, x, abar[i]);
-    if (options.clip_denoised()) x0 = x0.clamp(-1.0, 1.0);
     torch::Tensor z;
     if (i > 0) z = per_sample_noise(generators, sample_shape, device);
-    if (options.kind() == SamplerKind::kDDPM) {
-      x = coef1[i] * x0 + coef2[i] * x;
-      if (i > 0) x = x + std::sqrt(var[i]) * z;
-    } else {
-      auto eps_x0 = (sqrt_recip * x - x0) / sqrt_recipm1;
-      const double sigma =
-          options.eta() * std::sqrt((1 - abar_prev[i]) / (1 - abar[i])) * std::sqrt(1 - abar[i] / abar_prev[i]);
-      x = std::sqrt(abar_prev[i]) * x0 + std::sqrt(std::max(0.0, 1 - abar_prev[i] - sigma * sigma)) * eps_x0;
-      if (i > 0) x = x + sigma * z;
-    }
+    x = reverse_step(s, i, x, out, z, options);
     if (on_step) on_step(S - i, S);
   }
   return x;

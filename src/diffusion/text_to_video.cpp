@@ -27,6 +27,7 @@ TextToVideo::TextToVideo(TextToVideoModel model, torch::Device device, std::shar
 SamplerOptions TextToVideo::default_options() const {
   return SamplerOptions()
       .steps(model_.config.diffusion.sample_steps)
+      .timestep_spacing(parse_timestep_spacing(model_.config.diffusion.timestep_spacing))
       .guidance_scale(model_.config.diffusion.guidance_scale)
       .prediction(parse_prediction(model_.config.diffusion.prediction));
 }

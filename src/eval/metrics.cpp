@@ -65,7 +65,8 @@ FolderEvaluation evaluate_folder(const std::string& folder) {
   double flicker = 0.0, consistent = 0.0;
   for (const auto& file : files) {
     io::VideoInfo info;
-    auto frames = io::read_video(io::join_path(folder, file), &info);
+    // Decoded as VBench decodes them (through OpenCV), so that the scores are the ones VBench reports.
+    auto frames = io::read_video(io::join_path(folder, file), &info, io::VideoReadOptions().rgb_conversion(io::RgbConversion::kOpenCV));
     VideoEvaluation v;
     v.file = file;
     auto it = prompts.find(file);

@@ -221,7 +221,7 @@ void write_png(const std::string& path, const torch::Tensor& frame_in) {
   write_file_atomically(path, bytes);
 }
 
-torch::Tensor read_video(const std::string& path, VideoInfo* info) {
+torch::Tensor read_video(const std::string& path, VideoInfo* info, const VideoReadOptions& options) {
   quiet_ffmpeg();
   AVFormatContext* raw_in = nullptr;
   check(avformat_open_input(&raw_in, path.c_str(), nullptr, nullptr), path, "cannot open");
@@ -242,8 +242,6 @@ torch::Tensor read_video(const std::string& path, VideoInfo* info) {
   FramePtr frame(av_frame_alloc()), rgb(av_frame_alloc());
   PacketPtr packet(av_packet_alloc());
   if (!frame || !rgb || !packet) fail(path, "out of memory");
-  rgb->format = AV_PIX_FMT_RGB24, rgb->width = W, rgb->height = H;
-  check(av_frame_get_buffer(rgb.get(), 0), path, "cannot allocate a frame");
   SwsPtr sws;
   std::vector<torch::Tensor> frames;
   auto receive = [&] {
@@ -253,11 +251,20 @@ torch::Tensor read_video(const std::string& path, VideoInfo* info) {
       check(r, path, "decoding failed");
       if (frame->width != W || frame->height != H) fail(path, "frame size changes mid-stream");
       if (!sws) {
-        // SWS_FULL_CHR_H_INT: without it swscale's YUV -> RGB path reads back grey 1.7 levels dark on
-        // average (measured on a ramp: bias −1.73 vs +0.007 with it).
-        sws.reset(sws_getContext(W, H, static_cast<AVPixelFormat>(frame->format), W, H, AV_PIX_FMT_RGB24,
-                                 SWS_BICUBIC | SWS_ACCURATE_RND | SWS_FULL_CHR_H_INT, nullptr, nullptr, nullptr));
+        // kInterpolatedChroma: SWS_FULL_CHR_H_INT, without which swscale's YUV -> RGB path reads back grey
+        // 1.7 levels dark on average (measured on a ramp: bias −1.73 vs +0.007 with it).
+        // kOpenCV: OpenCV's call as it is (video.h), at the coded size as OpenCV sizes it: with yuv420p the
+        // height decides whether swscale takes its unscaled path.
+        int cw = W, ch = H, flags = SWS_BICUBIC | SWS_ACCURATE_RND | SWS_FULL_CHR_H_INT;
+        if (options.rgb_conversion() == RgbConversion::kOpenCV) {
+          flags = SWS_BICUBIC;
+          if (dec->coded_width >= W && dec->coded_height >= H) cw = dec->coded_width, ch = dec->coded_height;
+        }
+        sws.reset(sws_getContext(cw, ch, static_cast<AVPixelFormat>(frame->format), cw, ch, AV_PIX_FMT_RGB24, flags, nullptr, nullptr,
+                                 nullptr));
         if (!sws) fail(path, "cannot set up the YUV -> RGB conversion");
+        rgb->format = AV_PIX_FMT_RGB24, rgb->width = cw, rgb->height = ch;
+        check(av_frame_get_buffer(rgb.get(), 0), path, "cannot allocate a frame");
       }
       sws_scale(sws.get(), frame->data, frame->linesize, 0, H, rgb->data, rgb->linesize);
       auto t = torch::empty({H, W, 3}, torch::kUInt8);
@@ -304,7 +311,7 @@ namespace {
 bool video_supported() { return false; }
 void write_mp4(const std::string& path, const torch::Tensor&, const VideoWriteOptions&) { no_video(path); }
 void write_png(const std::string& path, const torch::Tensor&) { no_video(path); }
-torch::Tensor read_video(const std::string& path, VideoInfo*) { no_video(path); }
+torch::Tensor read_video(const std::string& path, VideoInfo*, const VideoReadOptions&) { no_video(path); }
 
 #endif
 }  // namespace megaslide::io

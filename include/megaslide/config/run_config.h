@@ -81,6 +81,7 @@ struct DiffusionConfig {
   double caption_dropout = 0.1;          // probability of training on the empty prompt (for CFG)
   std::string prediction = "epsilon";    // what the model predicts and the loss compares: epsilon | v | x0
   int64_t sample_steps = 30;
+  std::string timestep_spacing = "linspace";  // linspace | leading | trailing (sampler.h)
   double guidance_scale = 7.5;
 };
 

@@ -5,13 +5,26 @@
 //
 //   SamplingSchedule  the training schedule restricted to S of its T timesteps (improved-diffusion's
 //                     respacing: ᾱ is kept at the chosen timesteps, β is recomputed between them), with
-//                     the posterior tables of q(x_{s-1} | x_s, x0) in float64
+//                     the posterior tables of q(x_{s-1} | x_s, x0) in float64; the S timesteps are
+//                     spaced as diffusers' `timestep_spacing` spaces them (linspace, leading, trailing)
 //   Denoiser          the one function a sampler needs: the model's output at (x_t, t, text).
 //                     ResidentDenoiser wraps a DiT that fits the device; StreamedDenoiser
 //                     (offload/streamed_denoiser.h) streams its blocks through the WeightStreamer.
 //   guided_prediction  out_u + s·(out_c − out_u), the conditional and unconditional passes in one batch
 //   predicted_x0      x0̂ from the output: ε: (x − sqrt(1−ᾱ)·ε̂)/sqrt(ᾱ); v: sqrt(ᾱ)·x − sqrt(1−ᾱ)·v̂; x0: x0̂
+//   reverse_step      one DDPM or DDIM step from kept timestep i to i − 1 for a given model output
 //   sample            x_T ~ N(0, I) from each sample's own seed, then S reverse steps
+//
+// Agreement with diffusers (checked against its schedulers' own outputs, tests/fixtures/sampler/):
+//   DDPM = DDPMScheduler(timestep_spacing = ours, steps_offset = 0, clip_sample = clip_denoised,
+//          clip_sample_range = 1, variance_type = "fixed_small", thresholding = False) for every spacing.
+//   DDIM = DDIMScheduler(timestep_spacing = ours, steps_offset = 0, clip_sample = clip_denoised,
+//          clip_sample_range = 1, set_alpha_to_one = True, thresholding = False) with
+//          step(..., eta, use_clipped_model_output = True), when the spacing is `leading`, or `trailing`
+//          with S dividing T. DDIMScheduler steps from t to t − T//S whatever its spacing, which is the next
+//          kept timestep only in those cases; this sampler always steps to the next kept timestep.
+//   beta_schedule "linear" / "squaredcos_cap_v2" = ours linear / cosine. diffusers keeps its tables in
+//   float32, these are float64: single steps agree within 1e-5.
 //
 // Randomness: every sample has its own CPU generator seeded by its seed; x_T and each step's noise are
 // drawn from it on the CPU in a fixed order and moved to the device. A sample therefore does not depend
@@ -31,13 +44,23 @@
 
 namespace megaslide {
 
+// How S sampling timesteps are picked from T training timesteps (the `timestep_spacing` of diffusers'
+// schedulers and Table 2 of Lin et al., "Common Diffusion Noise Schedules and Sample Steps are Flawed"):
+//   linspace  t_i = round(i·(T−1)/(S−1)): both ends (S = 1 gives {0}, as numpy's linspace does)
+//   leading   t_i = i·⌊T/S⌋: starts at 0; the largest is (S−1)·⌊T/S⌋, which can be far below T−1
+//   trailing  the values round(T − k·T/S) − 1, k = 0…S−1: ends at T−1; the smallest is ≈ T/S − 1
+// round() halves to even, as numpy's does.
+enum class TimestepSpacing { kLinspace, kLeading, kTrailing };
+TimestepSpacing parse_timestep_spacing(const std::string& name);  // "linspace" | "leading" | "trailing"
+const char* to_string(TimestepSpacing spacing);
+
 class SamplingSchedule {
  public:
-  // `steps` of the `train_timesteps` training timesteps, evenly spaced with both ends included:
-  // t_i = round(i·(T−1)/(S−1)), i = 0…S−1 (S = 1 gives {T−1}). Ascending, distinct.
-  static std::vector<int64_t> respaced_timesteps(int64_t train_timesteps, int64_t steps);
+  // `steps` of the `train_timesteps` training timesteps, spaced by `spacing`. Ascending, distinct.
+  static std::vector<int64_t> respaced_timesteps(int64_t train_timesteps, int64_t steps,
+                                                 TimestepSpacing spacing = TimestepSpacing::kLinspace);
 
-  SamplingSchedule(const DDPMSchedule& train, int64_t steps);
+  SamplingSchedule(const DDPMSchedule& train, int64_t steps, TimestepSpacing spacing = TimestepSpacing::kLinspace);
   SamplingSchedule(const DDPMSchedule& train, const std::vector<int64_t>& timesteps);  // ascending, distinct
 
   int64_t steps() const { return timesteps_.size(0); }
@@ -99,11 +122,18 @@ const char* to_string(SamplerKind kind);
 struct SamplerOptions {
   TORCH_ARG(SamplerKind, kind) = SamplerKind::kDDPM;
   TORCH_ARG(int64_t, steps) = 30;              // respaced timesteps (DESIGN.md §7: 30 of 1000)
+  TORCH_ARG(TimestepSpacing, timestep_spacing) = TimestepSpacing::kLinspace;
   TORCH_ARG(double, guidance_scale) = 7.5;
   TORCH_ARG(double, eta) = 0.0;                // DDIM only: 0 deterministic, 1 = ancestral DDPM's variance
   TORCH_ARG(bool, clip_denoised) = true;       // clamp each x0 prediction to [-1, 1] (pixel-space models)
   TORCH_ARG(Prediction, prediction) = Prediction::kEpsilon;  // what the denoiser outputs (the model's diffusion.prediction)
 };
+
+// One reverse step of options.kind() from x = x_{t_i} to x_{t_{i−1}} (to x_0 for i = 0), given the
+// (guided) model output at t_i; float32 in and out. `noise` ~ N(0, I) of x's shape, or undefined for
+// none: sample() passes it for every i > 0. DDPM adds sqrt(var_i)·noise, DDIM σ_i·noise (nothing at η = 0).
+torch::Tensor reverse_step(const SamplingSchedule& schedule, int64_t i, const torch::Tensor& x, const torch::Tensor& output,
+                           const torch::Tensor& noise, const SamplerOptions& options);
 
 // Samples a batch of B = seeds.size() videos of shape `sample_shape` ([C, T, H, W]) on `device`:
 // cond and uncond as for guided_prediction. Returns x_0 [B, C, T, H, W] float32 on `device`.

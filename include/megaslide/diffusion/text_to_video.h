@@ -46,7 +46,8 @@ class TextToVideo {
   torch::Tensor generate(const std::vector<std::string>& prompts, const std::vector<uint64_t>& seeds,
                          const SamplerOptions& options, const std::function<void(int64_t, int64_t)>& on_step = {});
 
-  // The sampler options of the model's run config (diffusion.sample_steps, diffusion.guidance_scale).
+  // The sampler options of the model's run config (diffusion.sample_steps, diffusion.timestep_spacing,
+  // diffusion.guidance_scale).
   SamplerOptions default_options() const;
   const RunConfig& config() const { return model_.config; }
   // [C, T, H, W] of the model's samples.

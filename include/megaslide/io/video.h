@@ -54,7 +54,25 @@ struct VideoInfo {
   double fps = 0.0;           // the stream's average frame rate
 };
 
+// How decoded frames (YUV for H.264) become RGB.
+//   kInterpolatedChroma  swscale with chroma interpolated to every pixel (bicubic) and accurate rounding
+//              (SWS_BICUBIC | SWS_ACCURATE_RND | SWS_FULL_CHR_H_INT): unbiased (grey reads back within
+//              0.01 levels on average), smooth colour; it blurs sharp colour edges.
+//   kOpenCV    exactly what OpenCV's FFmpeg backend does (cv2.VideoCapture.read, which VBench reads videos
+//              with; its cap_ffmpeg_impl.hpp): swscale with SWS_BICUBIC and nothing else, the conversion set
+//              up at the decoder's coded size (H.264: whole macroblocks), no sws_setColorspaceDetails, so
+//              BT.601 with the range of the pixel format (yuvj420p full, yuv420p limited) whatever the
+//              stream's colour tags say. For yuv420p that is swscale's unscaled YUV -> RGB path, which uses
+//              each chroma sample for its 2×2 pixels without interpolating, and whose tables read about one
+//              level dark. Metrics that stand for VBench's use this (eval/metrics.h); frames equal
+//              opencv-python's on tests/fixtures/video/.
+enum class RgbConversion { kInterpolatedChroma, kOpenCV };
+
+struct VideoReadOptions {
+  TORCH_ARG(RgbConversion, rgb_conversion) = RgbConversion::kInterpolatedChroma;
+};
+
 // Decodes every frame: [T, H, W, 3] uint8 RGB. `info`, when given, receives the stream's description.
-torch::Tensor read_video(const std::string& path, VideoInfo* info = nullptr);
+torch::Tensor read_video(const std::string& path, VideoInfo* info = nullptr, const VideoReadOptions& options = {});
 
 }  // namespace megaslide::io

@@ -1,0 +1,123 @@
+// bench_codecs: the frozen conditioning models at their real sizes (random weights: speed and memory do
+// not depend on the values) — Stable Diffusion's VAE (83.7 M parameters) encode and decode frames/s and
+// peak CPU memory at 256×256 and 512×512, the tiled decode's peak memory against the whole-frame decode
+// (the anchor, same run), and CLIP ViT-L/14's text encoder (123 M) in prompts/s.
+//
+//   build/bin/bench_codecs [--threads 2] [--device cpu|cuda] [--reps 1]
+//
+// Memory is LibTorch's CPU allocator's peak (util::cpu_memory_counter) above what was live before the call,
+// or the CUDA caching allocator's peak on a GPU. The last line is one JSON object.
+#include <fmt/format.h>
+
+#include <chrono>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "megaslide/megaslide.h"
+#include "megaslide/util/cpu_memory_counter.h"
+
+#ifdef MEGASLIDE_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+namespace {
+
+struct Measured {
+  double seconds = 0.0;   // per call, the best of `reps`
+  double peak_mib = 0.0;  // above what was live before
+};
+
+template <typename F>
+Measured measure(torch::Device device, int reps, F&& fn) {
+  Measured m;
+  m.seconds = 1e30;
+  for (int r = 0; r < reps; ++r) {
+    auto& counter = megaslide::util::cpu_memory_counter();
+    const int64_t before = counter.live();
+    counter.reset_peak();
+#ifdef MEGASLIDE_WITH_CUDA
+    if (device.is_cuda()) {
+      torch::cuda::synchronize();
+      c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+    }
+    const int64_t device_before =
+        device.is_cuda() ? c10::cuda::CUDACachingAllocator::getDeviceStats(device.index()).allocated_bytes[0].current : 0;
+#endif
+    const auto start = std::chrono::steady_clock::now();
+    fn();
+    if (device.is_cuda()) torch::cuda::synchronize();
+    m.seconds = std::min(m.seconds, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    double peak = static_cast<double>(counter.peak() - before);
+#ifdef MEGASLIDE_WITH_CUDA
+    if (device.is_cuda())
+      peak = static_cast<double>(c10::cuda::CUDACachingAllocator::getDeviceStats(device.index()).allocated_bytes[0].peak - device_before);
+#endif
+    m.peak_mib = peak / (1 << 20);
+  }
+  return m;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int threads = 2, reps = 1;
+  std::string device_spec = "cpu";
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i];
+    if (flag == "--threads") threads = std::stoi(argv[i + 1]);
+    else if (flag == "--device") device_spec = argv[i + 1];
+    else if (flag == "--reps") reps = std::stoi(argv[i + 1]);
+    else {
+      std::cerr << "bench_codecs: unknown flag " << flag << "\n";
+      return 2;
+    }
+  }
+  torch::set_num_threads(threads);
+  const torch::Device device = megaslide::resolve_device(device_spec);
+  megaslide::util::cpu_memory_counter();  // installed before the models are built: their weights are counted as live
+  torch::NoGradGuard no_grad;
+  nlohmann::ordered_json out;
+  out["device"] = device.str();
+  out["threads"] = threads;
+
+  auto vae = megaslide::SdVae::random(megaslide::SdVaeConfig{}, 1, device);
+  std::cout << fmt::format("SD VAE: {:.1f} M parameters, {} on {} thread(s)\n", vae.parameter_count() / 1e6, device.str(), threads);
+  std::cout << fmt::format("{:<34} {:>10} {:>10} {:>14}\n", "VAE (1 frame)", "s/frame", "frames/s", "peak MiB");
+  for (int64_t size : {256, 512}) {
+    auto image = (torch::rand({1, 3, size, size}) * 2 - 1).to(device);
+    torch::Tensor z;
+    auto enc = measure(device, reps, [&] { z = vae.encode(image); });
+    auto dec = measure(device, reps, [&] { vae.decode(z); });
+    std::cout << fmt::format("{:<34} {:>10.2f} {:>10.3f} {:>14.0f}\n", fmt::format("encode {}x{}", size, size), enc.seconds, 1 / enc.seconds,
+                             enc.peak_mib);
+    std::cout << fmt::format("{:<34} {:>10.2f} {:>10.3f} {:>14.0f}\n", fmt::format("decode {}x{}", size, size), dec.seconds, 1 / dec.seconds,
+                             dec.peak_mib);
+    out[fmt::format("encode_{}", size)] = {{"s_per_frame", enc.seconds}, {"peak_mib", enc.peak_mib}};
+    out[fmt::format("decode_{}", size)] = {{"s_per_frame", dec.seconds}, {"peak_mib", dec.peak_mib}};
+    if (size == 512) {
+      // Tiled: 256-pixel tiles (32 latents), overlap 0.25 -> 9 tiles for 512×512; the whole-frame decode above is the anchor.
+      auto tiled = measure(device, reps, [&] { vae.decode_tiled(z, megaslide::VaeTiling{256, 0.25}); });
+      std::cout << fmt::format("{:<34} {:>10.2f} {:>10.3f} {:>14.0f}\n", "decode 512x512, 256-px tiles", tiled.seconds, 1 / tiled.seconds,
+                               tiled.peak_mib);
+      std::cout << fmt::format("  tiled / whole frame: memory {:.3f}, time {:.2f}\n", tiled.peak_mib / dec.peak_mib, tiled.seconds / dec.seconds);
+      out["decode_512_tiled_256"] = {{"s_per_frame", tiled.seconds},
+                                     {"peak_mib", tiled.peak_mib},
+                                     {"memory_vs_whole", tiled.peak_mib / dec.peak_mib},
+                                     {"time_vs_whole", tiled.seconds / dec.seconds}};
+    }
+  }
+
+  megaslide::ClipTextConfig clip;  // ViT-L/14's text tower
+  clip.hidden_size = 768, clip.intermediate_size = 3072, clip.num_attention_heads = 12, clip.num_hidden_layers = 12;
+  auto text = megaslide::ClipTextEncoder::random(clip, 2, device);
+  const int64_t batch = 8;
+  auto ids = torch::randint(0, clip.vocab_size, {batch, 77}, torch::kLong);
+  auto t = measure(device, reps, [&] { text.forward(ids); });
+  std::cout << fmt::format("CLIP ViT-L/14 text encoder: {:.1f} M parameters; {} prompts x 77 tokens: {:.2f} s, {:.1f} prompts/s, peak {:.0f} MiB\n",
+                           text.parameter_count() / 1e6, batch, t.seconds, batch / t.seconds, t.peak_mib);
+  out["clip_prompts_per_s"] = batch / t.seconds;
+  out["clip_peak_mib"] = t.peak_mib;
+  std::cout << out.dump() << "\n";
+  return 0;
+}

@@ -1,0 +1,111 @@
+// megaslide-encode end to end on the tiny reference models (tests/fixtures/clip, tests/fixtures/vae): its
+// files hold what transformers and diffusers computed; bad input exits 2 naming it and writes nothing.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <unistd.h>
+
+#include <map>
+
+#include "megaslide/io/files.h"
+#include "megaslide/io/safetensors.h"
+#include "run_tool.h"
+
+using megaslide::testing::run_tool;
+
+namespace {
+
+const std::string kFixtures = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/";
+
+std::string temp_dir() {
+  auto d = "/tmp/megaslide-test-encode-" + std::to_string(::getpid());
+  megaslide::io::remove_tree(d);
+  megaslide::io::make_directories(d);
+  return d;
+}
+
+std::map<std::string, torch::Tensor> tensors(const std::string& path) {
+  std::map<std::string, torch::Tensor> out;
+  for (auto& [name, t] : megaslide::io::read_safetensors(path).tensors) out[name] = t;
+  return out;
+}
+
+double relative_error(const torch::Tensor& ours, const torch::Tensor& ref) {
+  const double scale = std::max(1.0, ref.abs().max().item<double>());
+  return (ours.to(torch::kFloat64) - ref.to(torch::kFloat64)).abs().max().item<double>() / scale;
+}
+
+}  // namespace
+
+TEST(MegaslideEncode, TextWritesTransformersIdsAndEmbeddings) {
+  auto dir = temp_dir();
+  auto file = megaslide::io::read_safetensors(kFixtures + "clip/reference.safetensors");
+  const auto prompts = nlohmann::json::parse(file.metadata.at("prompts")).get<std::vector<std::string>>();
+  std::string text;
+  for (const auto& p : prompts) text += p + "\n";
+  megaslide::io::write_file_atomically(dir + "/prompts.txt", text);
+  auto ref = tensors(kFixtures + "clip/reference.safetensors");
+  auto r = run_tool("megaslide-encode", "text --text-encoder clip --weights " + kFixtures + "clip/full_model --vocab " + kFixtures +
+                                            "clip --prompts " + dir + "/prompts.txt --out " + dir + "/text.safetensors");
+  ASSERT_EQ(r.code, 0) << r.output;
+  auto out = tensors(dir + "/text.safetensors");
+  EXPECT_TRUE(torch::equal(out.at("ids"), ref.at("ids")));
+  EXPECT_TRUE(torch::equal(out.at("mask"), ref.at("mask")));
+  EXPECT_LT(relative_error(out.at("embeddings"), ref.at("full_model.last_hidden_state")), 1e-4);
+  EXPECT_LT(relative_error(out.at("pooled"), ref.at("full_model.pooled")), 1e-4);
+  // --ids-only needs no model.
+  r = run_tool("megaslide-encode", "text --ids-only --vocab " + kFixtures + "clip --prompts " + dir + "/prompts.txt --out " + dir + "/ids.safetensors");
+  ASSERT_EQ(r.code, 0) << r.output;
+  auto ids = tensors(dir + "/ids.safetensors");
+  EXPECT_EQ(ids.size(), 2u);
+  EXPECT_TRUE(torch::equal(ids.at("ids"), ref.at("ids")));
+  megaslide::io::remove_tree(dir);
+}
+
+TEST(MegaslideEncode, VaeEncodeAndDecodeWriteDiffusersOutputs) {
+  auto dir = temp_dir();
+  auto ref = tensors(kFixtures + "vae/reference.safetensors");
+  const std::string vae = "--vae sd --weights " + kFixtures + "vae/tiny";
+  megaslide::io::write_safetensors(dir + "/images.safetensors", {{"x", ref.at("images")}});
+  auto r = run_tool("megaslide-encode", "vae-encode " + vae + " --in " + dir + "/images.safetensors --out " + dir + "/latents.safetensors");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_LT(relative_error(tensors(dir + "/latents.safetensors").at("y"), ref.at("mean") * 0.3), 1e-4);
+  megaslide::io::write_safetensors(dir + "/z.safetensors", {{"x", ref.at("latents") * 0.3}});
+  r = run_tool("megaslide-encode", "vae-decode " + vae + " --in " + dir + "/z.safetensors --out " + dir + "/decoded.safetensors");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_LT(relative_error(tensors(dir + "/decoded.safetensors").at("y"), ref.at("decoded")), 1e-4);
+  megaslide::io::write_safetensors(dir + "/zt.safetensors", {{"x", ref.at("tiled.latents") * 0.3}});
+  r = run_tool("megaslide-encode", "vae-decode " + vae + " --tile 16 --in " + dir + "/zt.safetensors --out " + dir + "/tiled.safetensors");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_LT(relative_error(tensors(dir + "/tiled.safetensors").at("y"), ref.at("tiled.decoded")), 1e-4);
+  megaslide::io::remove_tree(dir);
+}
+
+TEST(MegaslideEncode, BadInputExitsTwoNamingItAndWritesNothing) {
+  auto dir = temp_dir();
+  const std::string out = dir + "/out.safetensors";
+  const std::string vae = "--vae sd --weights " + kFixtures + "vae/tiny --out " + out;
+  auto expect_bad = [&](const std::string& args, const std::string& needle) {
+    auto r = run_tool("megaslide-encode", args);
+    EXPECT_EQ(r.code, 2) << args << "\n" << r.output;
+    EXPECT_NE(r.output.find(needle), std::string::npos) << "expected '" << needle << "' in:\n" << r.output;
+    EXPECT_FALSE(megaslide::io::path_exists(out)) << args;
+  };
+  megaslide::io::write_safetensors(dir + "/z.safetensors", {{"z", torch::zeros({1, 3, 4, 4})}});
+  expect_bad("vae-decode " + vae + " --in " + dir + "/z.safetensors", "has no tensor 'x' (it holds: z)");
+  megaslide::io::write_safetensors(dir + "/z.safetensors", {{"x", torch::zeros({1, 4, 4, 4})}});
+  expect_bad("vae-decode " + vae + " --in " + dir + "/z.safetensors", "tensor 'x' has shape [1, 4, 4, 4], expected [N, 3, H, W]");
+  megaslide::io::write_safetensors(dir + "/z.safetensors", {{"x", torch::zeros({1, 3, 4, 4}, torch::kInt32)}});
+  expect_bad("vae-decode " + vae + " --in " + dir + "/z.safetensors", "tensor 'x' is I32");
+  megaslide::io::write_safetensors(dir + "/i.safetensors", {{"x", torch::zeros({1, 3, 6, 8})}});
+  expect_bad("vae-encode " + vae + " --in " + dir + "/i.safetensors", "multiples of 4");
+  expect_bad("vae-encode " + vae + " --in " + dir + "/missing.safetensors", dir + "/missing.safetensors");
+  expect_bad("vae-encode --vae sd --weights " + dir + "/nowhere --out " + out + " --in " + dir + "/i.safetensors", dir + "/nowhere");
+  megaslide::io::write_file_atomically(dir + "/p.txt", "a cat\n");
+  expect_bad("text --weights " + kFixtures + "clip/text_only --prompts " + dir + "/p.txt --out " + out, "no CLIP vocabulary");
+  expect_bad("text --weights " + kFixtures + "vae/tiny --vocab " + kFixtures + "clip --prompts " + dir + "/p.txt --out " + out,
+             "no weights file (expected model.safetensors)");
+  expect_bad("text --weights " + kFixtures + "clip/text_only --vocab " + kFixtures + "clip --prompts " + dir + "/none.txt --out " + out,
+             "prompt file");
+  expect_bad("text --text-encoder t5 --prompts " + dir + "/p.txt --out " + out, "--text-encoder");
+  megaslide::io::remove_tree(dir);
+}

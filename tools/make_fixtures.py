@@ -1,0 +1,560 @@
+#!/usr/bin/env python3
+"""Reference fixtures for MegaSlide's C++ tests, made with the Python libraries users check us against.
+
+    python tools/make_fixtures.py                 # every section
+    python tools/make_fixtures.py video sampler   # only these
+    python tools/make_fixtures.py --list          # the sections and what each writes
+
+Each section writes small files under tests/fixtures/<section>/ (safetensors, or the media files a test
+reads); they are committed, so building and testing MegaSlide needs no Python. The package versions
+this was run with are pinned in tools/fixtures-requirements.txt. Every input is drawn from fixed seeds
+and the computations run on the CPU in one thread, so a rerun with those versions rewrites the same
+bytes. The video section also needs the `ffmpeg` program with libx264, and the CLIP sections OpenAI's
+CLIP vocabulary in .deps/clip/ (or MEGASLIDE_CLIP_BPE); tools/bootstrap.sh installs both. The
+clip_tokenizer section reads VBench's prompt list from the `vbench` package (installed without its
+dependencies, see tools/fixtures-requirements.txt).
+
+To add a section: write a function `section_NAME(out_dir)` that writes under `out_dir` and register it
+in SECTIONS with a one-line description; keep what it writes to a few hundred kB.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURES = os.path.join(ROOT, "tests", "fixtures")
+
+
+_SAFETENSORS_DTYPES = {np.dtype(np.float64): "F64", np.dtype(np.float32): "F32", np.dtype(np.int64): "I64",
+                       np.dtype(np.int32): "I32", np.dtype(np.uint8): "U8", np.dtype(np.bool_): "BOOL"}
+
+
+def save_safetensors(path, tensors, metadata=None):
+    """Writes {name: numpy array} as safetensors with names in sorted order and a JSON header whose key
+    order is fixed (the safetensors package orders its metadata by a hash map: its bytes vary from run
+    to run). Read back with the safetensors package as a check of the format."""
+    from safetensors.numpy import load_file
+
+    header, blobs, offset = {}, [], 0
+    if metadata:
+        header["__metadata__"] = {k: metadata[k] for k in sorted(metadata)}
+    for name in sorted(tensors):
+        array = np.asarray(tensors[name]).copy(order="C")  # (ascontiguousarray would make a 0-d array 1-d)
+        data = array.astype(array.dtype.newbyteorder("<")).tobytes()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[array.dtype], "shape": list(array.shape), "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for data in blobs:
+            f.write(data)
+    back = load_file(path)
+    assert sorted(back) == sorted(tensors), path
+    assert all(back[k].shape == np.shape(tensors[k]) and np.array_equal(back[k], tensors[k]) for k in tensors), path
+
+
+def versions(*modules):
+    out = {"python": sys.version.split()[0], "numpy": np.__version__}
+    for m in modules:
+        out[m.__name__] = m.__version__
+    return json.dumps(out, sort_keys=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# video: frames as OpenCV's FFmpeg backend decodes them (what VBench reads videos with)
+# --------------------------------------------------------------------------------------------------
+
+def _video_clips():
+    """(name, frames [T, H, W, 3] uint8 RGB, ffmpeg pixel format) for the clips the video test decodes."""
+    rng = np.random.default_rng(20240601)
+    clips = []
+
+    # What megaslide-sample writes for a small model: a coarse colour field that changes a little every
+    # frame, upscaled by repeating pixels (--upscale 4): sharp chroma edges on every 4th pixel.
+    coarse = rng.uniform(0, 255, (12, 16, 3))
+    frames = []
+    for _ in range(16):
+        coarse = np.clip(coarse + rng.normal(0, 18, coarse.shape), 0, 255)
+        frames.append(np.repeat(np.repeat(np.round(coarse), 4, 0), 4, 1))
+    clips.append(("blocks_64x48", np.stack(frames).astype(np.uint8), "yuv420p"))
+
+    # A size that is not a multiple of H.264's 16-pixel macroblocks (the decoder's coded size is larger),
+    # smooth colour waves with a moving hard-edged blue checkerboard and some noise.
+    H, W = 38, 70
+    yy, xx = np.mgrid[0:H, 0:W].astype(np.float64)
+    frames = []
+    for t in range(12):
+        r = 127 + 110 * np.sin(xx / 5.0 + 0.7 * t)
+        g = 127 + 110 * np.cos(yy / 4.0 - 0.5 * t)
+        b = np.where(((xx + 3 * t) // 6 + yy // 6) % 2 == 0, 235.0, 25.0)
+        f = np.stack([r, g, b], -1) + rng.normal(0, 5, (H, W, 3))
+        frames.append(np.clip(np.round(f), 0, 255))
+    clips.append(("waves_70x38", np.stack(frames).astype(np.uint8), "yuv420p"))
+
+    # Full-range ("JPEG") YUV, which some encoders write: the range comes from the pixel format.
+    H, W = 32, 32
+    yy, xx = np.mgrid[0:H, 0:W].astype(np.float64)
+    frames = []
+    for t in range(8):
+        r = np.clip(255 * (xx + 2 * t) / W, 0, 255)
+        g = 255 * ((yy // 4 + t) % 2)
+        b = 128 + 100 * np.sin((xx + yy) / 3.0 + t)
+        frames.append(np.round(np.stack([r, g, b], -1)))
+    clips.append(("fullrange_32x32", np.stack(frames).astype(np.uint8), "yuvj420p"))
+    return clips
+
+
+def _encode_h264(frames, pix_fmt, path):
+    T, H, W, _ = frames.shape
+    ffmpeg = shutil.which("ffmpeg")
+    if ffmpeg is None:
+        sys.exit("make_fixtures video: the ffmpeg program is needed (Debian package ffmpeg; tools/bootstrap.sh installs it)")
+    colour = ["-colorspace", "smpte170m", "-color_primaries", "smpte170m", "-color_trc", "smpte170m"]
+    colour += ["-color_range", "pc" if pix_fmt == "yuvj420p" else "tv"]
+    subprocess.run(
+        [ffmpeg, "-nostdin", "-loglevel", "error", "-y", "-f", "rawvideo", "-pix_fmt", "rgb24", "-s", f"{W}x{H}", "-r", "8",
+         "-i", "-", "-an", "-c:v", "libx264", "-preset", "medium", "-crf", "17", "-threads", "1", "-pix_fmt", pix_fmt, *colour,
+         "-map_metadata", "-1", "-fflags", "+bitexact", "-flags:v", "+bitexact", path],
+        input=frames.tobytes(), check=True)
+
+
+def _opencv_frames(path):
+    """Every frame as VBench reads it: cv2.VideoCapture(path).read() until it fails; BGR -> RGB."""
+    import cv2
+
+    cap = cv2.VideoCapture(path, cv2.CAP_FFMPEG)
+    if not cap.isOpened():
+        sys.exit(f"make_fixtures video: OpenCV cannot open {path}")
+    frames = []
+    while True:
+        ok, frame = cap.read()
+        if not ok:
+            break
+        frames.append(frame[:, :, ::-1])
+    cap.release()
+    return np.stack(frames)
+
+
+def _vbench_temporal_flickering(frames):
+    """VBench's temporal_flickering score of one video, with its arithmetic: the float32 mean absolute
+    difference of each pair of consecutive frames, the mean over pairs, then (255 − mean) / 255."""
+    maes = [np.mean(np.abs(frames[i].astype(np.float32) - frames[i + 1].astype(np.float32))) for i in range(len(frames) - 1)]
+    return (255.0 - np.mean(np.array(maes)).item()) / 255.0
+
+
+def section_video(out_dir):
+    import cv2
+
+    tensors = {}
+    for name, frames, pix_fmt in _video_clips():
+        mp4 = os.path.join(out_dir, name + ".mp4")
+        _encode_h264(frames, pix_fmt, mp4)
+        decoded = _opencv_frames(mp4)
+        tensors[name + ".frames"] = decoded
+        tensors[name + ".temporal_flickering"] = np.array([_vbench_temporal_flickering(decoded)], dtype=np.float64)
+        print(f"  {name}: {decoded.shape[0]} frames {decoded.shape[2]}x{decoded.shape[1]} {pix_fmt}, "
+              f"VBench temporal flickering {tensors[name + '.temporal_flickering'][0]:.6f}")
+    meta = {"versions": versions(cv2), "what": "uint8 RGB frames [T, H, W, 3] of each NAME.mp4 as OpenCV's FFmpeg backend "
+            "decodes them (cv2.VideoCapture.read, BGR flipped to RGB), and VBench's temporal_flickering of them"}
+    save_safetensors(os.path.join(out_dir, "opencv_frames.safetensors"), tensors, meta)
+
+
+# --------------------------------------------------------------------------------------------------
+# sampler: diffusers' DDPM/DDIM timestep tables and single steps
+# --------------------------------------------------------------------------------------------------
+
+_SPACINGS = ("linspace", "leading", "trailing")
+_PREDICTIONS = {"epsilon": "epsilon", "v": "v_prediction", "x0": "sample"}
+_BETAS = {"linear": "linear", "cosine": "squaredcos_cap_v2"}
+
+
+def _scheduler(kind, spacing, prediction, beta, train_timesteps, clip):
+    from diffusers import DDIMScheduler, DDPMScheduler
+
+    common = dict(num_train_timesteps=train_timesteps, beta_start=1e-4, beta_end=0.02, beta_schedule=_BETAS[beta],
+                  prediction_type=_PREDICTIONS[prediction], clip_sample=clip, clip_sample_range=1.0, thresholding=False,
+                  timestep_spacing=spacing, steps_offset=0)
+    if kind == "ddpm":
+        return DDPMScheduler(variance_type="fixed_small", **common)
+    return DDIMScheduler(set_alpha_to_one=True, **common)
+
+
+def section_sampler(out_dir):
+    import diffusers
+    import torch
+
+    torch.manual_seed(0)
+    tensors, tables, cases = {}, [], []
+
+    # Timestep tables: diffusers' set_timesteps (descending) for each spacing, at sizes whose rounding
+    # has ties (999/6 = 166.5) and where numpy's arange overshoots (trailing 61 of 1000 gives 62 values).
+    sizes = [(1000, s) for s in (1, 2, 3, 7, 10, 25, 30, 50, 61, 100, 103, 250, 333, 999, 1000)] + [(50, 7), (37, 5), (1001, 13)]
+    for spacing in _SPACINGS:
+        for T, S in sizes:
+            ddpm = _scheduler("ddpm", spacing, "epsilon", "linear", T, True)
+            ddpm.set_timesteps(S)
+            ddim = _scheduler("ddim", spacing, "epsilon", "linear", T, True)
+            ddim.set_timesteps(S)
+            assert torch.equal(ddpm.timesteps, ddim.timesteps), (spacing, T, S)
+            name = f"timesteps.{spacing}.T{T}.S{S}"
+            tensors[name] = ddpm.timesteps.numpy().astype(np.int64)
+            tables.append({"name": name, "spacing": spacing, "train_timesteps": T, "steps": S})
+
+    # Single steps at fixed inputs: the first, a middle and the last of S steps, for each sampler,
+    # spacing, prediction type and beta schedule. DDIM only where diffusers' DDIM steps to the next kept
+    # timestep (leading; trailing with S dividing T), and at η = 0 and η = 0.6.
+    shape = (2, 3, 2, 4)
+    T, S = 1000, 25
+    configs = []
+    for beta in _BETAS:
+        for prediction in _PREDICTIONS:
+            for spacing in _SPACINGS:
+                configs.append(("ddpm", spacing, prediction, beta, 0.0, True))
+            for spacing in ("leading", "trailing"):
+                for eta in (0.0, 0.6):
+                    configs.append(("ddim", spacing, prediction, beta, eta, True))
+    configs += [("ddpm", "linspace", "epsilon", "linear", 0.0, False), ("ddim", "leading", "v", "cosine", 0.6, False)]
+    for kind, spacing, prediction, beta, eta, clip in configs:
+        sched = _scheduler(kind, spacing, prediction, beta, T, clip)
+        sched.set_timesteps(S)
+        for position in (0, S // 2, S - 1):  # position in diffusers' descending order
+            t = int(sched.timesteps[position])
+            name = f"step{len(cases):03d}"
+            sample = torch.randn(shape, dtype=torch.float32)
+            output = torch.randn(shape, dtype=torch.float32)
+            if prediction == "x0":
+                output = output * 0.7  # a clean-sample prediction mostly inside [-1, 1]
+            seed = 1000 + len(cases)
+            noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
+            if kind == "ddpm":
+                # DDPMScheduler draws its noise inside step() from the generator: the same draw as `noise`.
+                result = sched.step(output, t, sample, generator=torch.Generator().manual_seed(seed))
+            else:
+                result = sched.step(output, t, sample, eta=eta, use_clipped_model_output=True, variance_noise=noise if eta > 0 else None)
+            tensors[name + ".sample"] = sample.numpy()
+            tensors[name + ".model_output"] = output.numpy()
+            tensors[name + ".noise"] = noise.numpy()
+            tensors[name + ".prev_sample"] = result.prev_sample.numpy()
+            tensors[name + ".pred_original_sample"] = result.pred_original_sample.numpy()
+            cases.append({"name": name, "kind": kind, "spacing": spacing, "prediction": prediction, "beta_schedule": beta,
+                          "train_timesteps": T, "steps": S, "position": position, "timestep": t, "eta": eta, "clip_sample": clip})
+    meta = {"versions": versions(diffusers, torch), "tables": json.dumps(tables), "cases": json.dumps(cases),
+            "what": "diffusers DDPMScheduler/DDIMScheduler: set_timesteps tables (descending) and step() at fixed inputs"}
+    save_safetensors(os.path.join(out_dir, "diffusers.safetensors"), tensors, meta)
+    print(f"  {len(tables)} timestep tables, {len(cases)} single steps")
+
+
+# --------------------------------------------------------------------------------------------------
+# clip_tokenizer: transformers' CLIPTokenizer ids for prompts, with the real CLIP vocabulary and a tiny one
+# --------------------------------------------------------------------------------------------------
+
+def _openai_bpe_path():
+    """OpenAI's bpe_simple_vocab_16e6.txt as tools/bootstrap.sh puts it (from the open-clip-torch wheel),
+    or where MEGASLIDE_CLIP_BPE points."""
+    path = os.environ.get("MEGASLIDE_CLIP_BPE", os.path.join(ROOT, ".deps", "clip", "bpe_simple_vocab_16e6.txt"))
+    if not os.path.exists(path):
+        sys.exit(f"make_fixtures: {path} not found: run tools/bootstrap.sh (it fetches CLIP's vocabulary) or set MEGASLIDE_CLIP_BPE")
+    return path
+
+
+def _bytes_to_unicode():
+    """GPT-2's byte -> printable character table, in OpenAI's order (printable bytes first)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, [chr(c) for c in cs]))
+
+
+def clip_vocabulary(merge_count=49152 - 256 - 2):
+    """transformers' vocab (token -> id) and merges for CLIP, built from OpenAI's merges file the way
+    OpenAI's CLIP builds its encoder: byte symbols, the same with </w>, merge results, two special tokens."""
+    with open(_openai_bpe_path(), encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    merges = [tuple(line.split()) for line in lines[1 : merge_count + 1]]
+    symbols = list(_bytes_to_unicode().values())
+    tokens = symbols + [s + "</w>" for s in symbols] + ["".join(m) for m in merges] + ["<|startoftext|>", "<|endoftext|>"]
+    return {t: i for i, t in enumerate(tokens)}, merges
+
+
+def _vbench_prompts(per_dimension=4):
+    """The first `per_dimension` prompts of each of VBench's 16 dimensions (VBench_full_info.json of the
+    vbench package, read as a file: `pip install --no-deps vbench`)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vbench")
+    if spec is None:
+        sys.exit("make_fixtures: the vbench package is needed for its prompt list (pip install --no-deps vbench==0.1.5)")
+    with open(os.path.join(spec.submodule_search_locations[0], "VBench_full_info.json"), encoding="utf-8") as f:
+        info = json.load(f)
+    chosen, count = [], {}
+    for entry in info:
+        for dim in entry["dimension"]:
+            if count.get(dim, 0) < per_dimension and entry["prompt_en"] not in chosen:
+                chosen.append(entry["prompt_en"])
+                count[dim] = count.get(dim, 0) + 1
+    return chosen
+
+
+_EDGE_PROMPTS = [
+    "",
+    "   ",
+    "A",
+    "Hello, World!!! ... (really?) [yes] {no} <maybe>",
+    "it's, they're, we've, I'm, you'll, she'd, don't, WON'T, It'S",
+    "rock'n'roll ''quoted'' 'single' \"double\" `back`",
+    "3.14159 and 2,718 and 1e-5; 1234567890 fps @ 60Hz, 4K/8K, 16:9",
+    "$100 50% #tag @user a&b a+b=c a*b/c x^2 ~approx~ under_score",
+    "café crème brûlée, naïve façade, jalapeño, São Paulo, Zürich, Øresund",
+    "cafe\u0301 (decomposed é) vs caf\u00e9",
+    "ΚΑΛΗΜΕΡΑ ΚΌΣΜΕ, ΟΔΥΣΣΕΥΣ",
+    "İstanbul IŞIK ılık, straße STRASSE, ǅemal",
+    "東京の夜景、桜が舞う。北京烤鸭 서울의 거리",
+    "Москва зимой, Київ навесні",
+    "مرحبا بالعالم שלום עולם नमस्ते दुनिया",
+    "a cat 🐱 plays with a dog 🐶 under the 🌈 rainbow",
+    "family 👨\u200d👩\u200d👧\u200d👦, thumbs 👍🏽, flag 🇯🇵, heart ❤️",
+    "tab\tseparated\nnew line\r\nand\u00a0non-breaking\u2003em space\u3000ideographic",
+    "zero\u200bwidth space and soft\u00adhyphen",
+    "full-width ＡＢＣ１２３ and ligature ﬁne ﬂow, ½ ², Ⅻ",
+    "<|startoftext|>a photo<|endoftext|> of a cat",
+    "HTML &amp; entities &lt;b&gt; stay as written",
+    "https://example.com/path?query=1&x=2 e-mail: someone@example.org",
+    "UPPERCASE lowercase MiXeD cAsE CamelCaseWords snake_case kebab-case",
+    "a" * 100,
+    "supercalifragilisticexpialidocious pneumonoultramicroscopicsilicovolcanoconiosis",
+    "The quick brown fox jumps over the lazy dog. " * 12,
+    " ".join(f"word{i}" for i in range(90)),
+    ", ".join(["a beautiful coastal beach in spring, waves lapping on sand, in cyberpunk style"] * 4),
+    "!!!???...,,,;;;:::---___===+++",
+    "1 2 3 4 5 6 7 8 9 10 11 12 100 1000 10000",
+    "émoji at end 🎉",
+    "\u00a0leading and trailing spaces\u00a0 ",
+    "Ａ ｂ ｃ (fullwidth letters with spaces)",
+    "ǆ ǈ ǋ titlecase digraphs; ǲ",
+    "ﬀ ﬃ ﬄ ligatures; ß ẞ capital sharp s",
+    "Σ at end ΟΔΟΣ and σ in the middle ΟΔΟΣ ΠΟΛΗΣ",
+    "1st 2nd 3rd 4th 21st 100th",
+    "don't stop; can't stop; won't stop",
+    "a red blob moves left quickly",
+    "blue vertical stripes oscillate slowly",
+]
+
+
+def _clip_tokenize(vocab, merges, prompts):
+    from transformers import CLIPTokenizer
+
+    tokenizer = CLIPTokenizer(vocab=vocab, merges=merges)
+    out = tokenizer(prompts, padding="max_length", max_length=77, truncation=True)
+    return np.array(out["input_ids"], dtype=np.int64), np.array(out["attention_mask"], dtype=np.int64)
+
+
+def _write_hf_vocabulary(out_dir, vocab, merges):
+    with open(os.path.join(out_dir, "vocab.json"), "w", encoding="utf-8") as f:
+        json.dump(vocab, f, ensure_ascii=False)
+    with open(os.path.join(out_dir, "merges.txt"), "w", encoding="utf-8") as f:
+        f.write("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+
+
+_TINY_MERGES = 120  # the tiny vocabulary: 512 byte symbols, 120 merges, 2 special tokens = 634 ids
+
+
+def section_clip_tokenizer(out_dir):
+    import transformers
+
+    prompts = _vbench_prompts() + _EDGE_PROMPTS
+    vocab, merges = clip_vocabulary()
+    assert len(vocab) == 49408 and vocab["!"] == 0 and vocab["<|endoftext|>"] == 49407
+    ids, mask = _clip_tokenize(vocab, merges, prompts)
+    tiny_vocab, tiny_merges = clip_vocabulary(_TINY_MERGES)
+    tiny_dir = os.path.join(out_dir, "tiny")
+    os.makedirs(tiny_dir)
+    _write_hf_vocabulary(tiny_dir, tiny_vocab, tiny_merges)
+    tiny_ids, tiny_mask = _clip_tokenize(tiny_vocab, tiny_merges, prompts)
+    meta = {"versions": versions(transformers), "prompts": json.dumps(prompts, ensure_ascii=False),
+            "what": "CLIPTokenizer(vocab, merges)(prompts, padding='max_length', max_length=77, truncation=True): ids and "
+                    "attention_mask with the full CLIP vocabulary (from OpenAI's bpe_simple_vocab_16e6.txt) and with tiny/ "
+                    f"(its first {_TINY_MERGES} merges)"}
+    save_safetensors(os.path.join(out_dir, "ids.safetensors"),
+                     {"ids": ids, "mask": mask, "tiny.ids": tiny_ids, "tiny.mask": tiny_mask}, meta)
+    print(f"  {len(prompts)} prompts ({len(prompts) - len(_EDGE_PROMPTS)} from VBench), "
+          f"{int((mask.sum(1) == 77).sum())} of them cut at 77 tokens")
+
+
+# --------------------------------------------------------------------------------------------------
+# clip: tiny random CLIP text models in the published layouts, and transformers' outputs
+# --------------------------------------------------------------------------------------------------
+
+def _randomize(module, seed):
+    """Every parameter redrawn at a scale that makes outputs depend on every weight (the default init is
+    so small that LayerNorm hides most of the model). LayerNorm weights around 1."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(module.named_parameters()):
+            if p.dim() == 0:
+                continue  # CLIPModel's logit_scale
+            if p.dim() == 1 and ("norm" in name or "layer_norm" in name) and name.endswith("weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            elif p.dim() == 1:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            else:
+                fan_in = p[0].numel()
+                p.copy_(torch.randn(p.shape, generator=g) / fan_in ** 0.5)
+
+
+def section_clip(out_dir):
+    import torch
+    import transformers
+    from transformers import CLIPConfig, CLIPModel, CLIPTextConfig, CLIPTextModel
+
+    tiny_vocab, tiny_merges = clip_vocabulary(_TINY_MERGES)
+    prompts = ["a red blob moves left quickly", "", "A cat 🐱 on a SKATEBOARD, at night!", "it's 3.14 o'clock",
+               "The quick brown fox jumps over the lazy dog. " * 12]
+    ids, mask = _clip_tokenize(tiny_vocab, tiny_merges, prompts)
+    bos, eos = tiny_vocab["<|startoftext|>"], tiny_vocab["<|endoftext|>"]
+    text = dict(vocab_size=len(tiny_vocab), hidden_size=32, intermediate_size=56, num_hidden_layers=3, num_attention_heads=2,
+                max_position_embeddings=77, bos_token_id=bos, pad_token_id=eos, attn_implementation="eager")
+    tensors = {"ids": ids, "mask": mask}
+    models = {
+        # transformers 5's CLIPTextModel file: a flat CLIPTextConfig, tensor names without a prefix.
+        "text_only": (CLIPTextModel(CLIPTextConfig(**text, hidden_act="quick_gelu", eos_token_id=eos)), 1),
+        # A whole CLIPModel (as openai/clip-vit-large-patch14): CLIPConfig with a text_config, text_model.*
+        # names beside a vision tower; the legacy eos_token_id 2 (pooling at the largest id); erf GELU.
+        "full_model": (CLIPModel(CLIPConfig(text_config=dict(text, hidden_act="gelu", eos_token_id=2),
+                                            vision_config=dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                                               num_attention_heads=2, image_size=8, patch_size=4),
+                                            projection_dim=8)), 2),
+    }
+    for name, (model, seed) in models.items():
+        _randomize(model, seed)
+        model.eval()
+        folder = os.path.join(out_dir, name)
+        os.makedirs(folder)
+        model.config.save_pretrained(folder)
+        save_safetensors(os.path.join(folder, "model.safetensors"), {k: v.numpy() for k, v in model.state_dict().items()}, {"format": "pt"})
+        text_model = model.text_model if isinstance(model, CLIPModel) else model
+        with torch.no_grad():
+            out = text_model(input_ids=torch.from_numpy(ids))  # no attention mask, as Stable Diffusion calls it
+        tensors[name + ".last_hidden_state"] = out.last_hidden_state.numpy()
+        tensors[name + ".pooled"] = out.pooler_output.numpy()
+    _write_hf_vocabulary(out_dir, tiny_vocab, tiny_merges)
+    meta = {"versions": versions(transformers, torch), "prompts": json.dumps(prompts, ensure_ascii=False),
+            "what": "tiny random CLIP text models (text_only/, full_model/) and their last_hidden_state and pooler_output "
+                    "for the ids of the prompts (tokenized with this folder's vocab.json/merges.txt), no attention mask"}
+    save_safetensors(os.path.join(out_dir, "reference.safetensors"), tensors, meta)
+    print(f"  2 models, {len(prompts)} prompts")
+
+
+# --------------------------------------------------------------------------------------------------
+# vae: a tiny random AutoencoderKL in diffusers' layout, and diffusers' outputs
+# --------------------------------------------------------------------------------------------------
+
+def section_vae(out_dir):
+    import diffusers
+    import torch
+    from diffusers import AutoencoderKL
+
+    # Non-default sizes throughout: 3 levels (downscale 4), 3 latent channels, 4 groups, 1 layer per block.
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=3, block_out_channels=(8, 16, 12), layers_per_block=1,
+                        down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3, norm_num_groups=4,
+                        sample_size=32, scaling_factor=0.3)
+    _randomize(vae, 3)
+    vae.eval()
+    folder = os.path.join(out_dir, "tiny")
+    os.makedirs(folder)
+    vae.save_config(folder)
+    save_safetensors(os.path.join(folder, "diffusion_pytorch_model.safetensors"), {k: v.numpy() for k, v in vae.state_dict().items()},
+                     {"format": "pt"})
+    g = torch.Generator().manual_seed(4)
+    images = torch.rand((2, 3, 24, 40), generator=g) * 2 - 1
+    latents = torch.randn((2, 3, 7, 9), generator=g)  # unscaled latents, an odd size
+    tiled_latents = torch.randn((1, 3, 13, 17), generator=g)
+    with torch.no_grad():
+        dist = vae.encode(images).latent_dist
+        decoded = vae.decode(latents).sample
+        # diffusers' tiled decode: 16-pixel tiles (4 latents), overlap factor 0.25 (stride 3 latents, 4-pixel blend).
+        vae.enable_tiling()
+        vae.tile_sample_min_size, vae.tile_latent_min_size, vae.tile_overlap_factor = 16, 4, 0.25
+        tiled = vae.tiled_decode(tiled_latents).sample
+        vae.disable_tiling()
+        untiled = vae.decode(tiled_latents).sample
+    tensors = {"images": images.numpy(), "mean": dist.mean.numpy(), "logvar": dist.logvar.numpy(), "latents": latents.numpy(),
+               "decoded": decoded.numpy(), "tiled.latents": tiled_latents.numpy(), "tiled.decoded": tiled.numpy(),
+               "tiled.untiled": untiled.numpy()}
+    meta = {"versions": versions(diffusers, torch), "tile_sample_min_size": "16", "tile_latent_min_size": "4", "tile_overlap_factor": "0.25",
+            "what": "tiny random AutoencoderKL (tiny/): encode(images).latent_dist mean/logvar, decode(latents) (unscaled), and "
+                    "tiled_decode at 16-pixel tiles with overlap factor 0.25"}
+    save_safetensors(os.path.join(out_dir, "reference.safetensors"), tensors, meta)
+    print(f"  encode {tuple(images.shape)} -> {tuple(dist.mean.shape)}, decode {tuple(latents.shape)} -> {tuple(decoded.shape)}, "
+          f"tiled {tuple(tiled_latents.shape)} -> {tuple(tiled.shape)} (differs from untiled by {float((tiled - untiled).abs().max()):.3g})")
+
+
+# --------------------------------------------------------------------------------------------------
+
+SECTIONS = {
+    "video": (section_video, "H.264 clips and their frames as opencv-python decodes them, VBench's temporal flickering"),
+    "sampler": (section_sampler, "diffusers DDPM/DDIM timestep tables (linspace/leading/trailing) and single steps"),
+    "clip_tokenizer": (section_clip_tokenizer, "CLIPTokenizer ids of VBench and edge-case prompts, real and tiny vocabularies"),
+    "clip": (section_clip, "tiny random CLIP text models (text-only and whole-CLIPModel layouts) and their outputs"),
+    "vae": (section_vae, "a tiny random AutoencoderKL: encode, decode and tiled decode outputs"),
+}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("sections", nargs="*", help="sections to make (default: all)")
+    parser.add_argument("--list", action="store_true", help="list the sections")
+    args = parser.parse_args()
+    if args.list:
+        for name, (_, what) in SECTIONS.items():
+            print(f"{name:10s} tests/fixtures/{name}/: {what}")
+        return
+    unknown = [s for s in args.sections if s not in SECTIONS]
+    if unknown:
+        parser.error(f"unknown section(s) {', '.join(unknown)}; known: {', '.join(SECTIONS)}")
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        torch.use_deterministic_algorithms(True)
+    except ImportError:
+        pass
+    for name in args.sections or list(SECTIONS):
+        out_dir = os.path.join(FIXTURES, name)
+        # Write into a fresh folder beside the old one, then swap: a failed run leaves the old fixtures.
+        os.makedirs(FIXTURES, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{name}-", dir=FIXTURES)
+        print(f"{name}: {SECTIONS[name][1]}")
+        try:
+            SECTIONS[name][0](tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.rename(tmp, out_dir)
+        for base, dirs, files in os.walk(out_dir):
+            os.chmod(base, 0o755)
+            for f in files:
+                os.chmod(os.path.join(base, f), 0o644)
+        total = sum(os.path.getsize(os.path.join(b, f)) for b, _, fs in os.walk(out_dir) for f in fs)
+        print(f"  -> tests/fixtures/{name}/ ({total / 1024:.0f} kB)")
+
+
+if __name__ == "__main__":
+    main()

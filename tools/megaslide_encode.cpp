@@ -1,0 +1,221 @@
+// megaslide-encode: the frozen conditioning models on their own — for caches, debugging and checking
+// against other implementations (docs/conditioning.md).
+//
+//   megaslide-encode text --text-encoder clip --weights DIR --prompts FILE --out F.safetensors [--ids-only]
+//       ids [N, 77] int64, mask [N, 77] int64, embeddings [N, 77, D] float32 (last_hidden_state),
+//       pooled [N, D] float32; one prompt per line of FILE (an empty line is the empty prompt)
+//   megaslide-encode vae-encode --vae sd --weights DIR --in F.safetensors --out F.safetensors [--sample --seed S]
+//       tensor x: images [N, 3, H, W] (or videos [B, 3, T, H, W]) in [-1, 1] -> y: scaled latents
+//   megaslide-encode vae-decode --vae sd --weights DIR --in F.safetensors --out F.safetensors [--tile P]
+//       tensor x: scaled latents [N, 4, h, w] (or [B, 4, T, h, w]) -> y: images (not clamped)
+//
+// Exit codes: 0 done; 2 bad flags or input (missing files, a tensor with the wrong name, shape or dtype, a
+// config.json that disagrees with the weights), with one message naming it, nothing written; 1 any other
+// failure.
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "megaslide/megaslide.h"
+
+namespace {
+
+struct BadInput : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+std::vector<std::string> read_lines(const std::string& path) {
+  std::string text;
+  try {
+    text = megaslide::io::read_file(path);
+  } catch (const std::exception& e) {
+    throw BadInput(std::string("prompt file: ") + e.what());
+  }
+  std::vector<std::string> lines;
+  size_t start = 0;
+  while (start < text.size()) {
+    size_t end = text.find('\n', start);
+    if (end == std::string::npos) end = text.size();
+    std::string line = text.substr(start, end - start);
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    lines.push_back(std::move(line));
+    start = end + 1;
+  }
+  if (lines.empty()) throw BadInput("prompt file '" + path + "' is empty");
+  return lines;
+}
+
+// The vocabulary for DIR: --vocab, else DIR itself, DIR/tokenizer or DIR/../tokenizer (a Stable Diffusion
+// checkpoint's text_encoder/ beside its tokenizer/).
+megaslide::ClipTokenizer find_tokenizer(const std::string& vocab, const std::string& weights) {
+  using megaslide::ClipTokenizer;
+  if (!vocab.empty()) {
+    if (megaslide::io::is_directory(vocab)) return ClipTokenizer::from_folder(vocab);
+    return ClipTokenizer::from_openai_bpe(vocab);
+  }
+  for (const auto& dir : {weights, weights + "/../tokenizer"})
+    if (!weights.empty() && ClipTokenizer::folder_has_vocabulary(dir)) return ClipTokenizer::from_folder(dir);
+  throw BadInput("no CLIP vocabulary: none in '" + weights + "' (vocab.json + merges.txt, there, in tokenizer/ or in ../tokenizer/); "
+                 "give --vocab DIR or --vocab bpe_simple_vocab_16e6.txt");
+}
+
+torch::Tensor input_tensor(const std::string& path) {
+  megaslide::io::SafetensorsFile file;
+  try {
+    file = megaslide::io::read_safetensors(path);
+  } catch (const std::exception& e) {
+    throw BadInput(e.what());
+  }
+  for (auto& [name, t] : file.tensors)
+    if (name == "x") {
+      if (!c10::isFloatingType(t.scalar_type()))
+        throw BadInput("'" + path + "': tensor 'x' is " + megaslide::io::safetensors_dtype_name(t.scalar_type()) + ", expected F32, F16 or BF16");
+      return t.to(torch::kFloat32);
+    }
+  std::string names;
+  for (auto& [name, t] : file.tensors) names += (names.empty() ? "" : ", ") + name;
+  throw BadInput("'" + path + "' has no tensor 'x' (it holds: " + (names.empty() ? "nothing" : names) + ")");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"megaslide-encode: CLIP text encoding and Stable Diffusion VAE encode/decode to safetensors (docs/conditioning.md)"};
+  app.require_subcommand(1);
+  std::string weights, prompts_path, out, in, vocab, device_spec = "auto", dtype_name = "fp32", encoder_kind = "clip", vae_kind = "sd";
+  bool ids_only = false, sample = false;
+  uint64_t seed = 0;
+  int64_t max_length = 77, frames_per_batch = 8, tile = 0;
+  double tile_overlap = 0.25;
+  auto common = [&](CLI::App* sub, bool needs_weights) {
+    auto* w = sub->add_option("--weights", weights, "model folder (config.json + safetensors weights)");
+    if (needs_weights) w->required();
+    sub->add_option("--out", out, "output safetensors file")->required();
+    sub->add_option("--device", device_spec, "auto, cpu, cuda or cuda:N")->capture_default_str();
+    sub->add_option("--dtype", dtype_name, "weights and compute: fp32, bf16 or fp16 (outputs are fp32)")
+        ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
+        ->capture_default_str();
+  };
+  auto* text = app.add_subcommand("text", "prompts -> CLIP token ids, mask, last_hidden_state and pooled embedding");
+  common(text, false);
+  text->add_option("--text-encoder", encoder_kind, "text encoder")->check(CLI::IsMember({"clip"}))->capture_default_str();
+  text->add_option("--prompts", prompts_path, "one prompt per line (an empty line is the empty prompt)")->required();
+  text->add_option("--vocab", vocab, "vocabulary folder (vocab.json + merges.txt) or OpenAI's bpe_simple_vocab_16e6.txt (default: in --weights)");
+  text->add_option("--max-length", max_length, "tokens per prompt, start and end tokens included")->check(CLI::Range(int64_t{2}, int64_t{4096}))
+      ->capture_default_str();
+  text->add_flag("--ids-only", ids_only, "only ids and mask (no model needed)");
+  auto* vae_encode = app.add_subcommand("vae-encode", "images (tensor x, in [-1, 1]) -> scaled latents (tensor y)");
+  auto* vae_decode = app.add_subcommand("vae-decode", "scaled latents (tensor x) -> images (tensor y)");
+  for (auto* sub : {vae_encode, vae_decode}) {
+    common(sub, true);
+    sub->add_option("--vae", vae_kind, "VAE")->check(CLI::IsMember({"sd"}))->capture_default_str();
+    sub->add_option("--in", in, "input safetensors file with tensor x")->required();
+    sub->add_option("--frames-per-batch", frames_per_batch, "frames per VAE call for videos [B, C, T, H, W]")
+        ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+        ->capture_default_str();
+  }
+  vae_encode->add_flag("--sample", sample, "a sample of the latent distribution instead of its mean");
+  vae_encode->add_option("--seed", seed, "seed of --sample's noise")->capture_default_str();
+  vae_decode->add_option("--tile", tile, "decode in tiles of P pixels, blended (0: whole frames)")->check(CLI::NonNegativeNumber);
+  vae_decode->add_option("--tile-overlap", tile_overlap, "overlap of tiles, a fraction of the tile")->check(CLI::Range(0.0, 0.9))
+      ->capture_default_str();
+  app.set_version_flag("--version", megaslide::build_summary());
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int code = app.exit(e);
+    return code == 0 ? 0 : 2;
+  }
+
+  // Everything that can be checked is loaded and checked before anything is computed or written.
+  torch::Device device = torch::kCPU;
+  const auto dtype = dtype_name == "bf16" ? torch::kBFloat16 : dtype_name == "fp16" ? torch::kHalf : torch::kFloat32;
+  std::optional<megaslide::ClipTokenizer> tokenizer;
+  std::optional<megaslide::ClipTextEncoder> encoder;
+  std::optional<megaslide::SdVae> vae;
+  std::vector<std::string> prompts;
+  torch::Tensor x;
+  try {
+    device = megaslide::resolve_device(device_spec);
+    if (text->parsed()) {
+      if (!ids_only && weights.empty()) throw BadInput("--weights is needed (or --ids-only)");
+      prompts = read_lines(prompts_path);
+      tokenizer = find_tokenizer(vocab, weights);
+      if (!ids_only) {
+        encoder = megaslide::ClipTextEncoder::load(weights, device, dtype);
+        if (max_length > encoder->config().max_position_embeddings)
+          throw BadInput(fmt::format("--max-length {} exceeds the model's {} positions", max_length, encoder->config().max_position_embeddings));
+        if (tokenizer->vocab_size() > encoder->config().vocab_size)
+          throw BadInput(fmt::format("the vocabulary has {} tokens, the model's embedding only {}", tokenizer->vocab_size(),
+                                     encoder->config().vocab_size));
+      }
+    } else {
+      vae = megaslide::SdVae::load(weights, device, dtype);
+      x = input_tensor(in);
+      const auto& c = vae->config();
+      const int64_t channels = vae_encode->parsed() ? c.in_channels : c.latent_channels;
+      if ((x.dim() != 4 && x.dim() != 5) || x.size(1) != channels)
+        throw BadInput(fmt::format("'{}': tensor 'x' has shape {}, expected [N, {}, H, W] or [B, {}, T, H, W]", in, c10::str(x.sizes()), channels, channels));
+      if (vae_encode->parsed() && (x.size(-1) % c.downscale() != 0 || x.size(-2) % c.downscale() != 0))
+        throw BadInput(fmt::format("'{}': images of {}x{} (W x H); the VAE needs multiples of {}", in, x.size(-1), x.size(-2), c.downscale()));
+      if (tile > 0 && tile % c.downscale() != 0) throw BadInput(fmt::format("--tile {} is not a multiple of {}", tile, c.downscale()));
+    }
+  } catch (const BadInput& e) {
+    std::cerr << "megaslide-encode: " << e.what() << "\n";
+    return 2;
+  } catch (const megaslide::io::IoError& e) {  // missing or malformed folders, files, tensors
+    std::cerr << "megaslide-encode: " << e.what() << "\n";
+    return 2;
+  } catch (const megaslide::ClipTokenizerError& e) {
+    std::cerr << "megaslide-encode: " << e.what() << "\n";
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "megaslide-encode: " << e.what() << "\n";
+    return 1;
+  }
+
+  try {
+    megaslide::io::NamedTensors outputs;
+    std::map<std::string, std::string> metadata{{"megaslide_version", megaslide::build_summary()}};
+    if (text->parsed()) {
+      auto tokens = tokenizer->encode(prompts, max_length);
+      outputs = {{"ids", tokens.ids}, {"mask", tokens.mask}};
+      if (encoder) {
+        auto result = encoder->forward(tokens.ids);
+        outputs.emplace_back("embeddings", result.last_hidden_state.cpu());
+        outputs.emplace_back("pooled", result.pooled.cpu());
+      }
+      metadata["prompts"] = nlohmann::json(prompts).dump();
+      std::cerr << fmt::format("megaslide-encode: {} prompt(s) -> {}{}\n", prompts.size(), out, encoder ? "" : " (ids only)");
+    } else {
+      torch::Tensor y;
+      if (vae_encode->parsed()) {
+        std::optional<at::Generator> generator;
+        if (sample) generator = at::detail::createCPUGenerator(seed);
+        y = x.dim() == 5 ? vae->encode_video(x, frames_per_batch, sample, generator) : vae->encode(x, sample, generator);
+      } else {
+        std::optional<megaslide::VaeTiling> tiling;
+        if (tile > 0) tiling = megaslide::VaeTiling{tile, tile_overlap};
+        if (x.dim() == 5) {
+          y = vae->decode_video(x, frames_per_batch, tiling);
+        } else {
+          std::vector<torch::Tensor> parts;
+          for (int64_t s = 0; s < x.size(0); s += frames_per_batch) {
+            auto chunk = x.slice(0, s, std::min(s + frames_per_batch, x.size(0)));
+            parts.push_back(tiling ? vae->decode_tiled(chunk, *tiling) : vae->decode(chunk));
+          }
+          y = torch::cat(parts);
+        }
+      }
+      outputs = {{"y", y.cpu()}};
+      std::cerr << fmt::format("megaslide-encode: x {} -> y {} in {}\n", c10::str(x.sizes()), c10::str(y.sizes()), out);
+    }
+    megaslide::io::write_safetensors(out, outputs, metadata);
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << "megaslide-encode: " << e.what() << "\n";
+    return 1;
+  }
+}
