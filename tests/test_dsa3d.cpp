@@ -623,24 +623,28 @@ TEST(Dsa3d, GradcheckTiledCpuFloat64) {
             1e-6);
 }
 
-// The tiled CPU kernel is deterministic in both modes: bit-identical across runs and 1 vs 2 threads
-// (colours of tiles with disjoint halos, partials summed in tile order), and deterministic = true
-// changes nothing.
-TEST(Dsa3d, TiledCpuIsBitIdenticalAcrossRunsAndThreadCounts) {
+// Determinism of the tiled CPU kernel: deterministic mode (tile colours) is bit-identical across runs
+// and 1 vs 2 threads; the default mode (a dK/dV copy per thread, added in order) repeats bit for bit
+// for a fixed thread count and equals deterministic mode up to summation order (1e-5).
+TEST(Dsa3d, TiledCpuDeterminism) {
   const auto pb = determinism_problem();
   const auto in = make_inputs(pb, torch::kFloat, Offsets::kRandom, 48);
-  Result one, two, again;
+  Result one, two, again, def1, def2;
   {
     ThreadCount threads(1);
-    one = run_kernel(in, pb.kernel, ms::DsaImpl::kCpuTiled);
+    one = run_kernel(in, pb.kernel, ms::DsaImpl::kCpuTiled, true);
   }
   {
     ThreadCount threads(2);
-    two = run_kernel(in, pb.kernel, ms::DsaImpl::kCpuTiled);
+    two = run_kernel(in, pb.kernel, ms::DsaImpl::kCpuTiled, true);
     again = run_kernel(in, pb.kernel, ms::DsaImpl::kCpuTiled, true);
+    def1 = run_kernel(in, pb.kernel, ms::DsaImpl::kCpuTiled);
+    def2 = run_kernel(in, pb.kernel, ms::DsaImpl::kCpuTiled);
   }
   expect_bit_identical(one, two);
   expect_bit_identical(two, again);
+  expect_bit_identical(def1, def2);
+  expect_results_close(def1, one, 1e-6, 1e-5);
 }
 
 // ---- gradients against finite differences ------------------------------------------------------------
@@ -725,7 +729,7 @@ TEST(Dsa3d, DefaultModeRepeatsForAFixedThreadCount) {
 
 // kAuto is the fused kernel on the CPU, and the result trains through the custom autograd function.
 TEST(Dsa3d, AutoPicksTheFusedCpuKernel) {
-  EXPECT_EQ(ms::resolve_impl(ms::DsaImpl::kAuto, torch::kCPU), ms::DsaImpl::kCpuTiled);
+  EXPECT_EQ(ms::resolve_impl(ms::DsaImpl::kAuto, torch::kCPU), ms::DsaImpl::kCpu);
   EXPECT_EQ(ms::resolve_impl(ms::DsaImpl::kReference, torch::kCPU), ms::DsaImpl::kReference);
   Problem pb;
   const auto in = make_inputs(pb, torch::kFloat, Offsets::kRandom, 14);
@@ -769,7 +773,129 @@ TEST(Dsa3d, ApiRejectsBadInputsWithClearMessages) {
 
 namespace {
 bool cuda_ready() { return torch::cuda::is_available(); }
+
+// Tolerances (of the largest expected value) against the float64 reference evaluated on the same,
+// already rounded inputs: float32 round-off amplified by the softmax (1e-5); bfloat16 and float16 the
+// rounding of the results (2^-9, 2^-11 relative) and, in the tiled kernel, of P' and dS' before the
+// tensor-core products (the same order): 1e-2 and 2e-3, as for the CPU kernels.
+double tolerance_of(torch::ScalarType t) { return t == torch::kBFloat16 ? 1e-2 : t == torch::kHalf ? 2e-3 : 1e-5; }
+
+const char* name_of(ms::DsaImpl impl) { return ms::to_string(impl); }
 }  // namespace
+
+// Both fused CUDA kernels (row and tiled) × bfloat16, float16, float32 × d = 32, 64, 128: forward and
+// every gradient (q, k, v, offsets, bias) against the float64 reference on the same inputs. A 3×9×7
+// volume (partial 1×4×4 tiles on two axes), 4 heads in 2 offset groups, bias, offsets in ±2.5 tokens
+// (samples beyond the borders), kernel (3, 5, 5). Outputs are NaN before each run, so an element a
+// kernel does not write fails. Prints every error.
+TEST(Dsa3dCuda, KernelsMatchFloat64Reference_CUDA) {
+  if (!cuda_ready()) GTEST_SKIP() << "no CUDA device";
+  report_errors = true;
+  for (int64_t d : {32, 64, 128}) {
+    Problem pb;
+    pb.B = 2, pb.T = 3, pb.H = 9, pb.W = 7, pb.M = 4, pb.d = d, pb.G = 2;
+    pb.kernel = {3, 5, 5};
+    const auto in32 = make_inputs(pb, torch::kFloat, Offsets::kRandom, 60 + uint64_t(d));
+    for (auto dtype : {torch::kBFloat16, torch::kHalf, torch::kFloat}) {
+      const auto in = to_device(cast(in32, dtype, torch::kFloat), torch::kCUDA);
+      const auto ref = run_kernel(cast(in, torch::kDouble, torch::kDouble), pb.kernel, ms::DsaImpl::kReference);
+      for (auto impl : {ms::DsaImpl::kCuda, ms::DsaImpl::kCudaTiled}) {
+        const std::string what = std::string(name_of(impl)) + " " + c10::toString(dtype) + " d=" + std::to_string(d);
+        SCOPED_TRACE(what);
+        std::printf("  %s\n", what.c_str());
+        expect_results_close(run_kernel(in, pb.kernel, impl), ref, 0, tolerance_of(dtype));
+      }
+    }
+  }
+  report_errors = false;
+}
+
+// The tiled kernel in float64 (its CUDA-core path: the tile algorithm without tensor-core rounding)
+// equals the reference to round-off (1e-10): random offsets, and zero offsets on 6×7×11 with kernel
+// (3, 5, 7) where every sample sits on a token centre (one-sided derivatives, border rule).
+TEST(Dsa3dCuda, TiledFloat64MatchesReference_CUDA) {
+  if (!cuda_ready()) GTEST_SKIP() << "no CUDA device";
+  report_errors = true;
+  Problem pb;
+  pb.B = 2, pb.T = 3, pb.H = 6, pb.W = 7, pb.M = 4, pb.d = 6, pb.G = 2;
+  pb.kernel = {3, 3, 5};
+  const auto in = make_inputs(pb, torch::kDouble, Offsets::kRandom, 70);
+  expect_results_close(run_kernel(to_device(in, torch::kCUDA), pb.kernel, ms::DsaImpl::kCudaTiled),
+                       run_kernel(in, pb.kernel, ms::DsaImpl::kReference), 1e-10, 0);
+  Problem centres;
+  centres.T = 6, centres.H = 7, centres.W = 11, centres.M = 2, centres.d = 8;
+  centres.kernel = {3, 5, 7};
+  const auto zero = make_inputs(centres, torch::kDouble, Offsets::kZero, 71);
+  expect_results_close(run_kernel(to_device(zero, torch::kCUDA), centres.kernel, ms::DsaImpl::kCudaTiled),
+                       run_kernel(zero, centres.kernel, ms::DsaImpl::kReference), 1e-10, 0);
+  report_errors = false;
+}
+
+// Halos larger than one shared-memory chunk (offsets up to ±9 tokens on 4×20×22: most halos span 2 or
+// more chunks in the forward and the backward), float32 and bfloat16, against the float64 reference.
+TEST(Dsa3dCuda, TiledAcrossHaloChunks_CUDA) {
+  if (!cuda_ready()) GTEST_SKIP() << "no CUDA device";
+  report_errors = true;
+  Problem pb;
+  pb.T = 4, pb.H = 20, pb.W = 22, pb.M = 2, pb.d = 64, pb.G = 1;
+  pb.kernel = {3, 3, 3};
+  auto in = make_inputs(pb, torch::kFloat, Offsets::kRandom, 72);
+  in.offsets = in.offsets * 3.6;
+  for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    const auto dev = to_device(cast(in, dtype, torch::kFloat), torch::kCUDA);
+    SCOPED_TRACE(c10::toString(dtype));
+    expect_results_close(run_kernel(dev, pb.kernel, ms::DsaImpl::kCudaTiled),
+                         run_kernel(cast(dev, torch::kDouble, torch::kDouble), pb.kernel, ms::DsaImpl::kReference), 0,
+                         tolerance_of(dtype));
+  }
+  report_errors = false;
+}
+
+// Determinism of the tiled kernel: the forward and dq, d(offsets), dbias have one writer each, so two
+// default runs agree bit for bit there (dk, dv are atomic sums in the default mode); two deterministic
+// runs (tile colours, plain adds) agree in every output; and deterministic equals default up to
+// summation order (float32, 1e-5).
+TEST(Dsa3dCuda, TiledDeterminism_CUDA) {
+  if (!cuda_ready()) GTEST_SKIP() << "no CUDA device";
+  const auto pb = determinism_problem();
+  for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const auto in = to_device(cast(make_inputs(pb, torch::kFloat, Offsets::kRandom, 73), dtype, torch::kFloat), torch::kCUDA);
+    const auto a = run_kernel(in, pb.kernel, ms::DsaImpl::kCudaTiled), b = run_kernel(in, pb.kernel, ms::DsaImpl::kCudaTiled);
+    EXPECT_TRUE(torch::equal(a.out, b.out));
+    EXPECT_TRUE(torch::equal(a.dq, b.dq));
+    EXPECT_TRUE(torch::equal(a.doffsets, b.doffsets));
+    EXPECT_TRUE(torch::equal(a.dbias, b.dbias));
+    const auto c = run_kernel(in, pb.kernel, ms::DsaImpl::kCudaTiled, true);
+    expect_bit_identical(c, run_kernel(in, pb.kernel, ms::DsaImpl::kCudaTiled, true));
+    if (dtype == torch::kFloat) expect_results_close(c, a, 1e-6, 1e-5);
+  }
+}
+
+// kAuto runs the tiled kernel for bfloat16/float16 (and trains through it), the row kernel for float32
+// and for head sizes the tiled kernel lacks; asking for the tiled kernel there names the limit.
+TEST(Dsa3dCuda, AutoPicksTheTiledKernelForHalfPrecision_CUDA) {
+  if (!cuda_ready()) GTEST_SKIP() << "no CUDA device";
+  EXPECT_EQ(ms::resolve_impl(ms::DsaImpl::kAuto, torch::kCUDA), ms::DsaImpl::kCudaTiled);
+  Problem pb;
+  pb.d = 16;
+  const auto in = to_device(cast(make_inputs(pb, torch::kFloat, Offsets::kRandom, 74), torch::kBFloat16, torch::kFloat),
+                            torch::kCUDA);
+  // The same kernel ran: bit-identical where it has one writer per element (dk, dv are atomic sums).
+  const auto expected = run_kernel(in, pb.kernel, ms::DsaImpl::kCudaTiled), got = run_kernel(in, pb.kernel, ms::DsaImpl::kAuto);
+  EXPECT_TRUE(torch::equal(got.out, expected.out));
+  EXPECT_TRUE(torch::equal(got.dq, expected.dq));
+  EXPECT_TRUE(torch::equal(got.doffsets, expected.doffsets));
+  Problem wide;
+  wide.d = 192;
+  const auto in_wide = to_device(cast(make_inputs(wide, torch::kFloat, Offsets::kRandom, 75), torch::kBFloat16,
+                                      torch::kFloat),
+                                 torch::kCUDA);
+  // It fell back to the row kernel: the same forward, bit for bit.
+  EXPECT_TRUE(torch::equal(run_kernel(in_wide, wide.kernel, ms::DsaImpl::kAuto).out,
+                           run_kernel(in_wide, wide.kernel, ms::DsaImpl::kCuda).out));
+  expect_error([&] { run_kernel(in_wide, wide.kernel, ms::DsaImpl::kCudaTiled); }, "head size d = 192");
+}
 
 // Fused CUDA against the reference (both on the GPU), float32: 1e-5 of the largest value, as on the CPU
 // (TF32 is off for the reference's einsum by LibTorch's default).

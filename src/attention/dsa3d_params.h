@@ -63,13 +63,14 @@ struct Dsa3dBackwardParams {
   // and logit gradients (allocated by the API layer; null otherwise).
   void* prob_scratch = nullptr;
   void* dlogit_scratch = nullptr;
-  // CPU only: the tokens are cut into cpu_chunks chunks run in parallel (default mode), and cpu_scratch
-  // holds dsa3d_cpu_scratch_elements() zeroed acc_t for the partial sums (null when that is 0).
+  // CPU only: the tokens (tiled kernel: the tiles) are cut into cpu_chunks chunks run in parallel
+  // (default mode), and cpu_scratch holds dsa3d_cpu_scratch_elements() zeroed acc_t for the partial
+  // sums (null when that is 0).
   int64_t cpu_chunks = 1;
   void* cpu_scratch = nullptr;
-  // Tiled kernels: max |offsets| per axis (t, h, w), which bounds every tile's halo; it sets the tile
-  // colours of the ordered dK/dV merge (CPU twin always, CUDA deterministic mode). A NaN or infinite
-  // bound means "unbounded" (one tile per colour: correct and serial).
+  // Tiled kernels, deterministic mode: max |offsets| per axis (t, h, w), which bounds every tile's
+  // halo; it sets the tile colours of the ordered dK/dV merge. A NaN or infinite bound means
+  // "unbounded" (one tile per colour: correct and serial).
   double offset_bound[3] = {0, 0, 0};
   // CUDA tiled only: [B · tiles, M, K] acc_t for the per-tile dbias partials (null when bias is null).
   void* tile_scratch = nullptr;

@@ -5,11 +5,13 @@
 // against the reference. What differs is only what the hardware does differently: the matrix
 // products are loops here (tensor cores there) and the 128 work items of a block are loops.
 //
-// Units of work: forward (batch, tile, head); backward (batch, tile, offset group) with the group's
-// heads in turn (it owns the tile's d(offsets)). dK and dV of a unit cover its halo, which overlaps
-// its neighbours'; units run in colours (dsa3d_tile::colour_period from the offsets' bound) whose
-// halos are disjoint, so each element is added by one thread at a time, colour after colour in a fixed
-// order: bit-identical for any thread count, no atomics, no per-thread copies of dK and dV.
+// Units of work: (batch, tile, offset group), the group's heads in turn: the samples' corners are
+// computed once per unit (the CUDA kernel recomputes them; see tile_corners); in the backward the unit
+// owns the tile's d(offsets). dK and dV of a unit cover its halo, which overlaps its neighbours':
+// default mode, one contiguous range of units per thread, each thread adding into its own copy
+// (same bits for the same thread count, as the row kernel); deterministic mode, colours of units whose
+// halos are disjoint (dsa3d_tile::colour_period from the offsets' bound), colour after colour, which
+// is what the CUDA kernel's deterministic mode does: bit-identical for any thread count.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -59,30 +61,45 @@ inline const acc_t* offsets_of(const Dsa3dShape& s, const acc_t* offsets, int64_
   return offsets + ((b * s.tokens() + token) * s.G + g) * s.K * 3;
 }
 
-// The exact halo of (batch b, tile, group g): the box of every corner of every sample of its queries.
+// Per-unit scratch (one per thread).
 template <typename acc_t>
-Halo tile_halo(const Geometry& geo, const Dsa3dShape& s, const acc_t* offsets, int64_t b, int tile, int64_t g) {
+struct Workspace {
+  Workspace(int64_t d, int64_t K)
+      : a(kQ * d), b(kQ * d), acc(kQ * d), rows_t(kQ * d), chunk(size_t(kQ) * kCpuChunkKeys), chunk2(size_t(kQ) * kCpuChunkKeys),
+        logit(kQ * K), odv(kQ * K), A(kQ * K * 3), dx(kQ * K * 3), points(kQ * K), corners(kQ * K * kCorners) {}
+  std::vector<acc_t> a, b, acc;   // [16, d]: q (or dout), dout, and the output/dq accumulator
+  std::vector<acc_t> rows_t;      // [d, 16]: chunk_scores' transposed rows
+  std::vector<acc_t> chunk, chunk2;  // [16, chunk]: S or T, then P' and dS'
+  std::vector<acc_t> logit, odv;  // [16, K]
+  std::vector<acc_t> A, dx;       // [16, K, 3]
+  std::vector<Point<acc_t>> points;    // [16, K]
+  std::vector<Corner<acc_t>> corners;  // [16, K, 8]: computed once per unit, used by every pass and head
+};
+
+// The unit's halo and every corner of its samples in halo coordinates (ws.corners). The CUDA kernel
+// recomputes these per pass from the same functions (its shared memory is better spent on keys).
+template <typename acc_t>
+Halo tile_corners(const Geometry& geo, const Dsa3dShape& s, const acc_t* offsets, int64_t b, int tile, int64_t g,
+                  Workspace<acc_t>& ws) {
   int lo[3] = {INT_MAX, INT_MAX, INT_MAX}, hi[3] = {-1, -1, -1};
   for (int q = 0; q < kQ; ++q) {
     const Query qr = tile_query(geo, tile, q);
     if (!qr.valid) continue;
     const acc_t* off = offsets_of(s, offsets, b, qr.token, g);
-    for (int j = 0; j < geo.K; ++j) halo_include(sample_point<acc_t>(geo, qr, j, off + 3 * j), lo, hi);
+    for (int j = 0; j < geo.K; ++j) {
+      ws.points[q * geo.K + j] = sample_point<acc_t>(geo, qr, j, off + 3 * j);
+      halo_include(ws.points[q * geo.K + j], lo, hi);
+    }
   }
-  return make_halo(lo, hi);
+  const Halo halo = make_halo(lo, hi);
+  for (int q = 0; q < kQ; ++q) {
+    if (!tile_query(geo, tile, q).valid) continue;
+    for (int j = 0; j < geo.K; ++j)
+      for (int c = 0; c < kCorners; ++c)
+        ws.corners[(q * geo.K + j) * kCorners + c] = corner_of(ws.points[q * geo.K + j], halo, c);
+  }
+  return halo;
 }
-
-// Per-unit scratch (one per thread).
-template <typename acc_t>
-struct Workspace {
-  Workspace(int64_t d, int64_t K)
-      : a(kQ * d), b(kQ * d), acc(kQ * d), chunk(size_t(kQ) * kCpuChunkKeys), chunk2(size_t(kQ) * kCpuChunkKeys),
-        logit(kQ * K), odv(kQ * K), A(kQ * K * 3), dx(kQ * K * 3) {}
-  std::vector<acc_t> a, b, acc;   // [16, d]: q (or dout), dout, and the output/dq accumulator
-  std::vector<acc_t> chunk, chunk2;  // [16, chunk]: S or T, then P' and dS'
-  std::vector<acc_t> logit, odv;  // [16, K]
-  std::vector<acc_t> A, dx;       // [16, K, 3]
-};
 
 // Zeroes columns [0, n) of the 16 rows of a chunk buffer.
 template <typename acc_t>
@@ -105,99 +122,107 @@ void load_rows(const Geometry& geo, const Dsa3dShape& s, const scalar_t* x, int6
   }
 }
 
-// out[q][l] = rows[q] · x[halo key base + l] for l < n (the S or T block of one chunk).
+// out[q][l] = rows[q] · x[halo key base + l] for l < n (the S or T block of one chunk). The 16
+// queries are the inner loop (rows transposed into rows_t, [d][16]): 16 independent sums the compiler
+// vectorises, no horizontal reductions.
 template <typename scalar_t, typename acc_t>
 void chunk_scores(const Geometry& geo, const Dsa3dShape& s, const Halo& halo, const scalar_t* x, int64_t b, int64_t m,
-                  const acc_t* rows, int base, int n, acc_t* out) {
+                  const acc_t* rows, int base, int n, acc_t* out, acc_t* rows_t) {
+  for (int q = 0; q < kQ; ++q)
+    for (int64_t c = 0; c < s.d; ++c) rows_t[c * kQ + q] = rows[q * s.d + c];
   for (int l = 0; l < n; ++l) {
     const scalar_t* key = x + ((b * s.tokens() + halo_token(geo, halo, base + l)) * s.M + m) * s.d;
-    for (int q = 0; q < kQ; ++q) out[q * kCpuChunkKeys + l] = dot(key, rows + q * s.d, s.d);
+    acc_t sum[kQ] = {};
+    for (int64_t c = 0; c < s.d; ++c) {
+      const acc_t kc = static_cast<acc_t>(key[c]);
+      const acc_t* r = rows_t + c * kQ;
+      for (int q = 0; q < kQ; ++q) sum[q] += r[q] * kc;
+    }
+    for (int q = 0; q < kQ; ++q) out[q * kCpuChunkKeys + l] = sum[q];
   }
 }
 
+// Forward of (batch b, tile, group g): every head of the group (the corners are shared).
 template <typename scalar_t, typename acc_t>
-void forward_unit(const Dsa3dForwardParams& p, const Geometry& geo, int64_t b, int tile, int64_t m, Workspace<acc_t>& ws) {
+void forward_unit(const Dsa3dForwardParams& p, const Geometry& geo, int64_t b, int tile, int64_t g, Workspace<acc_t>& ws) {
   const Dsa3dShape& s = p.shape;
   const int K = geo.K;
-  const int64_t d = s.d, g = m / (s.M / s.G);
-  const auto* offsets = static_cast<const acc_t*>(p.offsets);
+  const int64_t d = s.d, Mg = s.M / s.G;
   const auto* bias = static_cast<const acc_t*>(p.bias);
-  const acc_t scale = static_cast<acc_t>(s.scale);
-  const Halo halo = tile_halo(geo, s, offsets, b, tile, g);
-  const int HV = halo.volume();
-  load_rows(geo, s, static_cast<const scalar_t*>(p.q), b, tile, m, ws.a.data());
-  std::fill(ws.logit.begin(), ws.logit.end(), acc_t(0));
-
-  // Logits: Σ over chunks of the chunk's corner terms, each combined by reduce8.
-  for (int base = 0; base < HV; base += kCpuChunkKeys) {
-    const int n = std::min(kCpuChunkKeys, HV - base);
-    chunk_scores(geo, s, halo, static_cast<const scalar_t*>(p.k), b, m, ws.a.data(), base, n, ws.chunk.data());
-    for (int q = 0; q < kQ; ++q) {
-      const Query qr = tile_query(geo, tile, q);
-      if (!qr.valid) continue;
-      const acc_t* off = offsets_of(s, offsets, b, qr.token, g);
-      const acc_t* S = ws.chunk.data() + q * kCpuChunkKeys;
-      for (int j = 0; j < K; ++j) {
-        const Point<acc_t> pt = sample_point<acc_t>(geo, qr, j, off + 3 * j);
-        acc_t terms[kCorners];
-        for (int c = 0; c < kCorners; ++c) {
-          const Corner<acc_t> k = corner_of(pt, halo, c);
-          terms[c] = in_chunk(k, base, n) ? k.w * S[k.L - base] : acc_t(0);
-        }
-        ws.logit[q * K + j] += reduce8(terms);
-      }
-    }
-  }
-
-  // Softmax: probabilities a_j = exp(s_j - lse) replace the logits.
-  auto* lse = static_cast<acc_t*>(p.lse);
-  for (int q = 0; q < kQ; ++q) {
-    const Query qr = tile_query(geo, tile, q);
-    if (!qr.valid) continue;
-    acc_t* row = ws.logit.data() + q * K;
-    for (int j = 0; j < K; ++j) row[j] = row[j] * scale + (bias ? bias[m * K + j] : acc_t(0));
-    acc_t max = -INFINITY, parts[kCorners];
-    for (int c = 0; c < kCorners; ++c) max = std::max(max, part_max(row, K, c));
-    for (int c = 0; c < kCorners; ++c) parts[c] = part_sum_exp(row, K, c, max);
-    const acc_t l = max + dsa3d_math::log_of(reduce8(parts));
-    for (int j = 0; j < K; ++j) row[j] = dsa3d_math::exp_of(row[j] - l);
-    lse[(b * s.tokens() + qr.token) * s.M + m] = l;
-  }
-
-  // out = P'·V_halo, chunk by chunk; P' gathers a_j·w_jc at the corners, in j order.
-  std::fill(ws.acc.begin(), ws.acc.end(), acc_t(0));
   const auto* v = static_cast<const scalar_t*>(p.v);
-  for (int base = 0; base < HV; base += kCpuChunkKeys) {
-    const int n = std::min(kCpuChunkKeys, HV - base);
-    zero_columns(ws.chunk.data(), n);
-    for (int q = 0; q < kQ; ++q) {
-      const Query qr = tile_query(geo, tile, q);
-      if (!qr.valid) continue;
-      const acc_t* off = offsets_of(s, offsets, b, qr.token, g);
-      acc_t* P = ws.chunk.data() + q * kCpuChunkKeys;
-      for (int j = 0; j < K; ++j) {
-        const Point<acc_t> pt = sample_point<acc_t>(geo, qr, j, off + 3 * j);
-        const acc_t a = ws.logit[q * K + j];
-        for (int c = 0; c < kCorners; ++c) {
-          const Corner<acc_t> k = corner_of(pt, halo, c);
-          if (in_chunk(k, base, n)) P[k.L - base] += a * k.w;
+  const acc_t scale = static_cast<acc_t>(s.scale);
+  const Halo halo = tile_corners(geo, s, static_cast<const acc_t*>(p.offsets), b, tile, g, ws);
+  const int HV = halo.volume();
+  Query queries[kQ];
+  for (int q = 0; q < kQ; ++q) queries[q] = tile_query(geo, tile, q);
+  auto corner = [&](int q, int j, int c) -> const Corner<acc_t>& { return ws.corners[(q * K + j) * kCorners + c]; };
+
+  for (int64_t m = g * Mg; m < (g + 1) * Mg; ++m) {
+    load_rows(geo, s, static_cast<const scalar_t*>(p.q), b, tile, m, ws.a.data());
+    std::fill(ws.logit.begin(), ws.logit.end(), acc_t(0));
+
+    // Logits: Σ over chunks of the chunk's corner terms, each combined by reduce8.
+    for (int base = 0; base < HV; base += kCpuChunkKeys) {
+      const int n = std::min(kCpuChunkKeys, HV - base);
+      chunk_scores(geo, s, halo, static_cast<const scalar_t*>(p.k), b, m, ws.a.data(), base, n, ws.chunk.data(), ws.rows_t.data());
+      for (int q = 0; q < kQ; ++q) {
+        if (!queries[q].valid) continue;
+        const acc_t* S = ws.chunk.data() + q * kCpuChunkKeys;
+        for (int j = 0; j < K; ++j) {
+          acc_t terms[kCorners];
+          for (int c = 0; c < kCorners; ++c) {
+            const Corner<acc_t>& k = corner(q, j, c);
+            terms[c] = in_chunk(k, base, n) ? k.w * S[k.L - base] : acc_t(0);
+          }
+          ws.logit[q * K + j] += reduce8(terms);
         }
       }
     }
-    for (int l = 0; l < n; ++l) {
-      const scalar_t* val = v + ((b * s.tokens() + halo_token(geo, halo, base + l)) * s.M + m) * d;
+
+    // Softmax: probabilities a_j = exp(s_j - lse) replace the logits.
+    auto* lse = static_cast<acc_t*>(p.lse);
+    for (int q = 0; q < kQ; ++q) {
+      if (!queries[q].valid) continue;
+      acc_t* row = ws.logit.data() + q * K;
+      for (int j = 0; j < K; ++j) row[j] = row[j] * scale + (bias ? bias[m * K + j] : acc_t(0));
+      acc_t max = -INFINITY, parts[kCorners];
+      for (int c = 0; c < kCorners; ++c) max = std::max(max, part_max(row, K, c));
+      for (int c = 0; c < kCorners; ++c) parts[c] = part_sum_exp(row, K, c, max);
+      const acc_t l = max + dsa3d_math::log_of(reduce8(parts));
+      for (int j = 0; j < K; ++j) row[j] = dsa3d_math::exp_of(row[j] - l);
+      lse[(b * s.tokens() + queries[q].token) * s.M + m] = l;
+    }
+
+    // out = P'·V_halo, chunk by chunk; P' gathers a_j·w_jc at the corners, in j order.
+    std::fill(ws.acc.begin(), ws.acc.end(), acc_t(0));
+    for (int base = 0; base < HV; base += kCpuChunkKeys) {
+      const int n = std::min(kCpuChunkKeys, HV - base);
+      zero_columns(ws.chunk.data(), n);
       for (int q = 0; q < kQ; ++q) {
-        const acc_t w = ws.chunk[q * kCpuChunkKeys + l];
-        if (w != acc_t(0)) axpy(w, val, ws.acc.data() + q * d, d);
+        if (!queries[q].valid) continue;
+        acc_t* P = ws.chunk.data() + q * kCpuChunkKeys;
+        for (int j = 0; j < K; ++j) {
+          const acc_t a = ws.logit[q * K + j];
+          for (int c = 0; c < kCorners; ++c) {
+            const Corner<acc_t>& k = corner(q, j, c);
+            if (in_chunk(k, base, n)) P[k.L - base] += a * k.w;
+          }
+        }
+      }
+      for (int l = 0; l < n; ++l) {
+        const scalar_t* val = v + ((b * s.tokens() + halo_token(geo, halo, base + l)) * s.M + m) * d;
+        for (int q = 0; q < kQ; ++q) {
+          const acc_t w = ws.chunk[q * kCpuChunkKeys + l];
+          if (w != acc_t(0)) axpy(w, val, ws.acc.data() + q * d, d);
+        }
       }
     }
-  }
-  auto* out = static_cast<scalar_t*>(p.out);
-  for (int q = 0; q < kQ; ++q) {
-    const Query qr = tile_query(geo, tile, q);
-    if (!qr.valid) continue;
-    scalar_t* o = out + ((b * s.tokens() + qr.token) * s.M + m) * d;
-    for (int64_t c = 0; c < d; ++c) o[c] = static_cast<scalar_t>(ws.acc[q * d + c]);
+    auto* out = static_cast<scalar_t*>(p.out);
+    for (int q = 0; q < kQ; ++q) {
+      if (!queries[q].valid) continue;
+      scalar_t* o = out + ((b * s.tokens() + queries[q].token) * s.M + m) * d;
+      for (int64_t c = 0; c < d; ++c) o[c] = static_cast<scalar_t>(ws.acc[q * d + c]);
+    }
   }
 }
 
@@ -206,19 +231,19 @@ void forward_impl(const Dsa3dForwardParams& p) {
   const Dsa3dShape& s = p.shape;
   const Geometry geo = geometry_of(s);
   const int64_t tiles = geo.tiles();
-  at::parallel_for(0, s.B * tiles * s.M, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, s.B * tiles * s.G, 1, [&](int64_t begin, int64_t end) {
     Workspace<acc_t> ws(s.d, s.K);
     for (int64_t u = begin; u < end; ++u)
-      forward_unit<scalar_t, acc_t>(p, geo, u / (tiles * s.M), int((u / s.M) % tiles), u % s.M, ws);
+      forward_unit<scalar_t, acc_t>(p, geo, u / (tiles * s.G), int((u / s.G) % tiles), u % s.G, ws);
   });
 }
 
 // Backward of (batch b, tile, group g): every head of the group; writes dq and d(offsets) of the
-// tile's queries and its dbias partial [M, K], adds dK and dV over its halo (the caller guarantees no
-// other thread touches that halo meanwhile).
+// tile's queries and its dbias partial [M, K], adds dK and dV over its halo into dk, dv (the caller
+// guarantees no other thread touches them meanwhile).
 template <typename scalar_t, typename acc_t>
-void backward_unit(const Dsa3dBackwardParams& p, const Geometry& geo, int64_t b, int tile, int64_t g, acc_t* dbias_part,
-                   Workspace<acc_t>& ws) {
+void backward_unit(const Dsa3dBackwardParams& p, const Geometry& geo, int64_t b, int tile, int64_t g, acc_t* dk, acc_t* dv,
+                   acc_t* dbias_part, Workspace<acc_t>& ws) {
   const Dsa3dShape& s = p.shape;
   const int K = geo.K;
   const int64_t d = s.d, N = s.tokens(), Mg = s.M / s.G;
@@ -228,17 +253,13 @@ void backward_unit(const Dsa3dBackwardParams& p, const Geometry& geo, int64_t b,
   const auto* bias = static_cast<const acc_t*>(p.bias);
   const auto* lse = static_cast<const acc_t*>(p.lse);
   const auto* out = static_cast<const scalar_t*>(p.out);
-  auto* dk = static_cast<acc_t*>(p.dk);
-  auto* dv = static_cast<acc_t*>(p.dv);
   const acc_t scale = static_cast<acc_t>(s.scale);
-  const Halo halo = tile_halo(geo, s, offsets, b, tile, g);
+  const Halo halo = tile_corners(geo, s, offsets, b, tile, g, ws);
   const int HV = halo.volume();
   std::fill(ws.dx.begin(), ws.dx.end(), acc_t(0));
   Query queries[kQ];
   for (int q = 0; q < kQ; ++q) queries[q] = tile_query(geo, tile, q);
-  auto point = [&](int q, int j) {
-    return sample_point<acc_t>(geo, queries[q], j, offsets_of(s, offsets, b, queries[q].token, g) + 3 * j);
-  };
+  auto corner = [&](int q, int j, int c) -> const Corner<acc_t>& { return ws.corners[(q * K + j) * kCorners + c]; };
 
   for (int64_t m = g * Mg; m < (g + 1) * Mg; ++m) {
     acc_t* qf = ws.a.data();
@@ -252,15 +273,14 @@ void backward_unit(const Dsa3dBackwardParams& p, const Geometry& geo, int64_t b,
     // Pass 1, S = Q·K_haloᵀ: logits and A[a] = Σ_c ∂w_c/∂x_a · q·k_c.
     for (int base = 0; base < HV; base += kCpuChunkKeys) {
       const int n = std::min(kCpuChunkKeys, HV - base);
-      chunk_scores(geo, s, halo, k_in, b, m, qf, base, n, ws.chunk.data());
+      chunk_scores(geo, s, halo, k_in, b, m, qf, base, n, ws.chunk.data(), ws.rows_t.data());
       for (int q = 0; q < kQ; ++q) {
         if (!queries[q].valid) continue;
         const acc_t* S = ws.chunk.data() + q * kCpuChunkKeys;
         for (int j = 0; j < K; ++j) {
-          const Point<acc_t> pt = point(q, j);
           acc_t tw[kCorners], ta[3][kCorners];
           for (int c = 0; c < kCorners; ++c) {
-            const Corner<acc_t> k = corner_of(pt, halo, c);
+            const Corner<acc_t>& k = corner(q, j, c);
             const bool in = in_chunk(k, base, n);
             const acc_t sv = in ? S[k.L - base] : acc_t(0);
             tw[c] = in ? k.w * sv : acc_t(0);
@@ -285,15 +305,14 @@ void backward_unit(const Dsa3dBackwardParams& p, const Geometry& geo, int64_t b,
     // Pass 2, T = dO·V_haloᵀ: dout·ṽ_j, and the value part of d(offsets): a_j Σ_c ∂w_c/∂x_a · dout·v_c.
     for (int base = 0; base < HV; base += kCpuChunkKeys) {
       const int n = std::min(kCpuChunkKeys, HV - base);
-      chunk_scores(geo, s, halo, v_in, b, m, dof, base, n, ws.chunk.data());
+      chunk_scores(geo, s, halo, v_in, b, m, dof, base, n, ws.chunk.data(), ws.rows_t.data());
       for (int q = 0; q < kQ; ++q) {
         if (!queries[q].valid) continue;
         const acc_t* Tq = ws.chunk.data() + q * kCpuChunkKeys;
         for (int j = 0; j < K; ++j) {
-          const Point<acc_t> pt = point(q, j);
           acc_t tw[kCorners], ta[3][kCorners];
           for (int c = 0; c < kCorners; ++c) {
-            const Corner<acc_t> k = corner_of(pt, halo, c);
+            const Corner<acc_t>& k = corner(q, j, c);
             const bool in = in_chunk(k, base, n);
             const acc_t tv = in ? Tq[k.L - base] : acc_t(0);
             tw[c] = in ? k.w * tv : acc_t(0);
@@ -335,10 +354,9 @@ void backward_unit(const Dsa3dBackwardParams& p, const Geometry& geo, int64_t b,
         acc_t* P = ws.chunk.data() + q * kCpuChunkKeys;
         acc_t* dS = ws.chunk2.data() + q * kCpuChunkKeys;
         for (int j = 0; j < K; ++j) {
-          const Point<acc_t> pt = point(q, j);
           const acc_t a = ws.logit[q * K + j], sds = scale * ws.odv[q * K + j];
           for (int c = 0; c < kCorners; ++c) {
-            const Corner<acc_t> k = corner_of(pt, halo, c);
+            const Corner<acc_t>& k = corner(q, j, c);
             if (!in_chunk(k, base, n)) continue;
             P[k.L - base] += a * k.w;
             dS[k.L - base] += sds * k.w;
@@ -378,34 +396,65 @@ void backward_impl(const Dsa3dBackwardParams& p) {
   const Dsa3dShape& s = p.shape;
   const Geometry geo = geometry_of(s);
   const int tiles = geo.tiles();
-  const int period[3] = {
-      colour_period(geo.tiles_t, TileShape::kT, geo.kt, geo.T, p.offset_bound[0]),
-      colour_period(geo.tiles_h, TileShape::kH, geo.kh, geo.H, p.offset_bound[1]),
-      colour_period(geo.tiles_w, TileShape::kW, geo.kw, geo.W, p.offset_bound[2]),
-  };
   // dbias partials per (batch, tile), added in that order at the end.
   std::vector<acc_t> dbias_parts(p.dbias ? size_t(s.B * tiles * s.M * s.K) : 0);
-  for (int ct = 0; ct < period[0]; ++ct)
-    for (int ch = 0; ch < period[1]; ++ch)
-      for (int cw = 0; cw < period[2]; ++cw) {
-        // The colour's units: (batch, tile of this colour, group); their halos are disjoint per batch
-        // and head, so they run in parallel.
-        std::vector<int> colour_tiles;
-        for (int it = ct; it < geo.tiles_t; it += period[0])
-          for (int ih = ch; ih < geo.tiles_h; ih += period[1])
-            for (int iw = cw; iw < geo.tiles_w; iw += period[2])
-              colour_tiles.push_back((it * geo.tiles_h + ih) * geo.tiles_w + iw);
-        const int64_t units = s.B * int64_t(colour_tiles.size()) * s.G;
-        at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-          Workspace<acc_t> ws(s.d, s.K);
-          for (int64_t u = begin; u < end; ++u) {
-            const int64_t b = u / (int64_t(colour_tiles.size()) * s.G), g = u % s.G;
-            const int tile = colour_tiles[(u / s.G) % colour_tiles.size()];
-            acc_t* part = p.dbias ? dbias_parts.data() + (b * tiles + tile) * s.M * s.K : nullptr;
-            backward_unit<scalar_t, acc_t>(p, geo, b, tile, g, part, ws);
-          }
-        });
+  auto unit = [&](int64_t b, int tile, int64_t g, acc_t* dk, acc_t* dv, Workspace<acc_t>& ws) {
+    acc_t* part = p.dbias ? dbias_parts.data() + (b * tiles + tile) * s.M * s.K : nullptr;
+    backward_unit<scalar_t, acc_t>(p, geo, b, tile, g, dk, dv, part, ws);
+  };
+  auto* dk = static_cast<acc_t*>(p.dk);
+  auto* dv = static_cast<acc_t*>(p.dv);
+  if (!p.deterministic) {
+    // Default: the units (batch, tile, group) in one contiguous range per chunk; chunk 0 adds into dk,
+    // dv, chunk c > 0 into its zeroed part c - 1 of the scratch; the parts are added in chunk order.
+    // Same bits on every run with the same thread count (as the row kernel's default mode).
+    const int64_t units = s.B * tiles * s.G, volume = s.B * s.tokens() * s.M * s.d;
+    const int64_t chunks = std::max<int64_t>(1, std::min(p.cpu_chunks, units));
+    auto* scratch = static_cast<acc_t*>(p.cpu_scratch);
+    TORCH_CHECK(chunks == 1 || scratch, "dsa3d: the tiled CPU backward needs its scratch for ", chunks, " chunks");
+    const int64_t stride = 2 * volume + s.M * s.K;  // dsa3d_cpu_scratch_elements' layout per chunk
+    at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+      Workspace<acc_t> ws(s.d, s.K);
+      for (int64_t c = begin; c < end; ++c) {
+        acc_t* dk_c = c == 0 ? dk : scratch + (c - 1) * stride;
+        acc_t* dv_c = c == 0 ? dv : scratch + (c - 1) * stride + volume;
+        for (int64_t u = units * c / chunks; u < units * (c + 1) / chunks; ++u)
+          unit(u / (tiles * s.G), int((u / s.G) % tiles), u % s.G, dk_c, dv_c, ws);
       }
+    });
+    if (chunks > 1) {
+      at::parallel_for(0, volume, 1 << 15, [&](int64_t begin, int64_t end) {
+        for (int64_t c = 1; c < chunks; ++c) {
+          const acc_t* dk_c = scratch + (c - 1) * stride;
+          const acc_t* dv_c = dk_c + volume;
+          for (int64_t i = begin; i < end; ++i) dk[i] += dk_c[i], dv[i] += dv_c[i];
+        }
+      });
+    }
+  } else {
+    // Deterministic: colours of tiles whose halos are disjoint (from the offsets' bound); a colour's
+    // units add straight into dk, dv in parallel, colour after colour. Bit-identical for any thread
+    // count, no scratch; fewer units run at once (a colour holds tiles/periods of them).
+    const int period[3] = {
+        colour_period(geo.tiles_t, TileShape::kT, geo.kt, geo.T, p.offset_bound[0]),
+        colour_period(geo.tiles_h, TileShape::kH, geo.kh, geo.H, p.offset_bound[1]),
+        colour_period(geo.tiles_w, TileShape::kW, geo.kw, geo.W, p.offset_bound[2]),
+    };
+    for (int ct = 0; ct < period[0]; ++ct)
+      for (int ch = 0; ch < period[1]; ++ch)
+        for (int cw = 0; cw < period[2]; ++cw) {
+          std::vector<int> colour_tiles;
+          for (int it = ct; it < geo.tiles_t; it += period[0])
+            for (int ih = ch; ih < geo.tiles_h; ih += period[1])
+              for (int iw = cw; iw < geo.tiles_w; iw += period[2])
+                colour_tiles.push_back((it * geo.tiles_h + ih) * geo.tiles_w + iw);
+          const int64_t n = int64_t(colour_tiles.size());
+          at::parallel_for(0, s.B * n * s.G, 1, [&](int64_t begin, int64_t end) {
+            Workspace<acc_t> ws(s.d, s.K);
+            for (int64_t u = begin; u < end; ++u) unit(u / (n * s.G), colour_tiles[(u / s.G) % n], u % s.G, dk, dv, ws);
+          });
+        }
+  }
   if (p.dbias) {
     auto* dbias = static_cast<acc_t*>(p.dbias);
     const int64_t n = s.M * s.K;

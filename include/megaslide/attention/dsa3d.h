@@ -21,8 +21,8 @@
 // v, offsets and bias; the fused ones through a torch::autograd::Function that saves q, k, v, offsets,
 // bias, out and the log-sum-exp (no double backward). Half-precision inputs accumulate in float32.
 // `deterministic` makes the fused backward bit-identical across runs and thread counts (slower; see
-// docs/3d-dsa.md); the reference ignores it. The tiled CPU kernel is always deterministic; the tiled
-// CUDA forward is too, its default backward adds dK, dV with atomics.
+// docs/3d-dsa.md); the reference ignores it. The tiled forwards are deterministic in both modes; in
+// the default mode the tiled backwards add dK, dV per thread (CPU) or with atomics (CUDA).
 //
 // Gradient conventions (the fused kernels match the reference's autograd): the position of a sample
 // gets a gradient only strictly inside the volume, 0 < x < S-1 per axis (torch::clamp passes the
@@ -42,13 +42,13 @@
 namespace megaslide::ops {
 
 enum class DsaImpl {
-  kAuto,       // CPU tensors: kCpuTiled. CUDA tensors: kCudaTiled for bfloat16/float16 where it runs
+  kAuto,       // CPU tensors: kCpu. CUDA tensors: kCudaTiled for bfloat16/float16 where it runs
                // (head size d <= 128, its shared-memory tables fit), else kCuda (d <= 256), else the
                // reference (also for CUDA tensors in a build without kernels/, and other devices)
   kReference,  // stock LibTorch ops with grid_sample (differentiable through autograd)
   kCpu,        // fused CPU kernel, one query row at a time (at::parallel_for over tokens)
   kCuda,       // fused CUDA kernel, one warp per query row; builds with MEGASLIDE_WITH_CUDA, d <= 256
-  kCpuTiled,   // tiled CPU kernel: the host twin of kCudaTiled; always deterministic
+  kCpuTiled,   // tiled CPU kernel: the host twin of kCudaTiled
   kCudaTiled,  // tiled CUDA kernel (tensor cores for bfloat16/float16); d <= 128
 };
 
