@@ -48,11 +48,14 @@ struct TiledTraits {
   static_assert(kWarps * 16 == kSubKeys, "each warp owns 16 keys of a staged sub-chunk");
   // Elements added to each staged row (16 bytes): consecutive rows start in different banks.
   static constexpr int kPad = 8;
-  // Forward: ~112 KB lets two blocks share an SM (228 KB on Hopper); the halo chunk takes what the
-  // fixed tables leave (1408 keys at d = 64, K = 147: the default 1734-key halo in 2 chunks).
-  // Backward: its tables are ~4x larger; one block per SM. Untuned: to be measured on the device.
-  static constexpr int kForwardSmemTarget = 112 * 1024;
+  // Forward: 110 KB of dynamic shared memory lets two blocks share an SM (228 KB on Hopper, less 1 KB
+  // reserved and the static arrays per block); the halo chunk takes what the fixed tables leave
+  // (1344 keys at d = 64, K = 147: the default 1734-key halo in 2 chunks). Backward: its tables are
+  // ~4x larger; one block per SM. Untuned: to be measured on the device.
+  static constexpr int kForwardSmemTarget = 110 * 1024;
   static constexpr int kBackwardSmemTarget = 220 * 1024;
+  // The kernels' static __shared__ arrays (ptxas: 1408 bytes), kept free below the device's limit.
+  static constexpr int kStaticSmem = 2048;
   static constexpr int kMinChunk = 128;  // >= the largest padded head size (the output staging reuses S)
   static constexpr int kMaxChunk = 8192;
   static constexpr int kReduceThreads = 256;  // dbias reduction: one thread per (head, sample)
@@ -658,7 +661,7 @@ Layout choose_layout(const Dsa3dShape& s, bool backward, int budget) {
 std::string unsupported_reason(const Dsa3dShape& s, int device) {
   if (s.d > kCudaTiledMaxHeadDim)
     return "head size d = " + std::to_string(s.d) + " is above its limit " + std::to_string(kCudaTiledMaxHeadDim);
-  const int limit = smem_limit(device);
+  const int limit = smem_limit(device) - TiledTraits::kStaticSmem;
   for (bool backward : {false, true}) {
     const Layout l = make_layout(int(s.d), int(s.K), TiledTraits::kMinChunk, scalar_bytes(s.dtype), acc_bytes(s.dtype), backward);
     if (l.total > size_t(limit))
@@ -694,7 +697,7 @@ Layout checked_layout(const Dsa3dShape& s, bool backward, int device) {
   const std::string why = unsupported_reason(s, device);
   TORCH_CHECK(why.empty(), "dsa3d: the tiled CUDA kernel cannot run this shape: ", why);
   const int target = backward ? TiledTraits::kBackwardSmemTarget : TiledTraits::kForwardSmemTarget;
-  const Layout l = choose_layout(s, backward, std::min(target, smem_limit(device)));
+  const Layout l = choose_layout(s, backward, std::min(target, smem_limit(device) - TiledTraits::kStaticSmem));
   TORCH_CHECK(l.chunk >= TiledTraits::kMinChunk, "dsa3d: no halo chunk fits the shared memory");  // guarded above
   return l;
 }
