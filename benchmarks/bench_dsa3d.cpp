@@ -1,20 +1,34 @@
-// bench_dsa3d: the fused 3D-DSA kernel against its anchor, the grid_sample reference, forward +
-// backward (B = 1, M = 4 heads, d = 32, kernel 3x7x7, float32, on the CPU): time and peak memory at
-// 8x32x32 tokens, the fused time at 16x32x32 tokens (linear scaling), and global attention (SDPA) at
-// both sizes for comparison. Peak memory is measured, not computed: a counting wrapper around
-// LibTorch's CPU allocator (the GPU: the caching allocator's statistics) records the most bytes live
-// at once during forward + backward beyond the inputs. The last line is one JSON object with
-// fused_vs_reference_fwd_bwd_speedup (target >= 5), fused_vs_reference_peak_mem_ratio (<= 0.1) and
-// scaling_2x_tokens_time_ratio (<= 2.2).
+// bench_dsa3d: the fused 3D-DSA kernels against their anchors.
+//
+// CPU (default): forward + backward (B = 1, M = 4 heads, d = 32, kernel 3x7x7, float32): time and peak
+// memory of the row kernel (kCpu), the tiled kernel (kCpuTiled, the host twin of the CUDA tiled
+// kernel) and the grid_sample reference at 8x32x32 tokens, both fused kernels at 16x32x32 (linear
+// scaling), and global attention (SDPA) at both sizes. Peak memory is measured, not computed: a
+// counting wrapper around LibTorch's CPU allocator records the most bytes live at once during
+// forward + backward beyond the inputs. The last line is one JSON object with
+// fused_vs_reference_fwd_bwd_speedup (target >= 5), fused_vs_reference_peak_mem_ratio (<= 0.1),
+// scaling_2x_tokens_time_ratio (<= 2.2) and tiled_vs_row_cpu_fwd_bwd_speedup.
+//
+// CUDA (--cuda): bfloat16, offsets uniform in ±(1, 3, 3) tokens (the module's default range, all of
+// it), at (B=1, 16x64x64 tokens, M=16, d=64, 3x7x7) and (8x32x32, M=4, d=32, 3x7x7): forward and
+// forward + backward of the tiled kernel (default and deterministic), the row kernel, and flash SDPA
+// over the same tokens, timed with CUDA events (warm-up, median of --reps); achieved TFLOP/s and
+// ratios; the last line is one JSON object. About 30 s on an H200.
 //
 //   build/bin/bench_dsa3d                 # the CPU figures (LibTorch's thread count)
 //   build/bin/bench_dsa3d --threads 1     # ... on one thread
-//   build/bin/bench_dsa3d --cuda          # the GPU sweep of benchmarks/gpu/dsa3d.sh
+//   build/bin/bench_dsa3d --kernels-only  # row vs tiled CPU kernel only, interleaved (a few minutes)
+//   build/bin/bench_dsa3d --cuda          # the GPU figures (benchmarks/gpu/check.sh runs this)
 #include <c10/core/CPUAllocator.h>
 #include <torch/torch.h>
 
 #ifdef MEGASLIDE_WITH_CUDA
+#include <ATen/Context.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <cuda_runtime.h>
+
+#include "../src/attention/dsa3d_tile.h"
 #endif
 
 #include <algorithm>
@@ -206,33 +220,47 @@ Measurement measure_sdpa(const Case& c, torch::ScalarType dtype, int reps, const
   return r;
 }
 
-// Device-to-device copy bandwidth (read + write bytes per second) over a 1 GiB buffer.
-double copy_gbps(const torch::Device& device) {
-  auto src = torch::empty({int64_t{1} << 28}, torch::TensorOptions().dtype(torch::kFloat).device(device)).fill_(1);
-  auto dst = torch::empty_like(src);
-  dst.copy_(src);
-  sync(device);
-  const auto start = std::chrono::steady_clock::now();
-  const int reps = 10;
-  for (int i = 0; i < reps; ++i) dst.copy_(src);
-  sync(device);
-  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  return 2.0 * reps * src.numel() * src.element_size() / s / 1e9;
-}
-
 std::string fmt_double(double v) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "%.4g", v);
   return buf;
 }
 
-std::string json_or_null(const Measurement* m, double Measurement::*field) {
-  return m ? fmt_double(m->*field) : "null";
+// --kernels-only: the row and tiled CPU kernels alone, interleaved run by run (so load from other
+// processes hits both alike), forward + backward at both sizes; no reference, no SDPA.
+int cpu_kernels_mode(int reps, const Memory& memory) {
+  const torch::Device device(torch::kCPU);
+  std::printf("bench_dsa3d --kernels-only (cpu, float32, forward+backward, median of %d interleaved, %d threads)\n",
+              reps, torch::get_num_threads());
+  std::string json = "{\"bench\":\"dsa3d_cpu_kernels\",\"threads\":" + std::to_string(torch::get_num_threads()) + ",\"cases\":[";
+  int index = 0;
+  for (const Case& c : {Case{"8x32x32", 1, 8, 32, 32, 4, 32, {3, 7, 7}}, Case{"16x32x32", 1, 16, 32, 32, 4, 32, {3, 7, 7}}}) {
+    auto in = make_inputs(c, device);
+    std::vector<double> row, tiled;
+    for (int i = 0; i < reps + 1; ++i) {
+      for (auto impl : {ops::DsaImpl::kCpu, ops::DsaImpl::kCpuTiled}) {
+        clear_grads(in);
+        const auto start = std::chrono::steady_clock::now();
+        ops::dsa3d(in.q, in.k, in.v, in.offsets, in.bias, c.kernel, impl).backward(in.dout);
+        const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+        if (i > 0) (impl == ops::DsaImpl::kCpu ? row : tiled).push_back(ms);
+      }
+    }
+    std::sort(row.begin(), row.end());
+    std::sort(tiled.begin(), tiled.end());
+    const double r = row[row.size() / 2], t = tiled[tiled.size() / 2];
+    std::printf("%-10s row %9.1f ms   tiled %9.1f ms   tiled vs row %.2fx\n", c.name.c_str(), r, t, r / t);
+    json += std::string(index++ ? "," : "") + "{\"name\":\"" + c.name + "\",\"row_ms\":" + fmt_double(r) +
+            ",\"tiled_ms\":" + fmt_double(t) + ",\"tiled_vs_row\":" + fmt_double(r / t) + "}";
+  }
+  std::printf("%s]}\n", json.c_str());
+  (void)memory;
+  return 0;
 }
 
 int cpu_mode(int reps, const Memory& memory) {
   const torch::Device device(torch::kCPU);
-  // The issue's sizes: B = 1, M = 4 heads, d = 32, kernel (3, 7, 7); 8×32×32 tokens, then twice that.
+  // B = 1, M = 4 heads, d = 32, kernel (3, 7, 7); 8×32×32 tokens, then twice that.
   const Case base{"8x32x32", 1, 8, 32, 32, 4, 32, {3, 7, 7}};
   const Case twice{"16x32x32", 1, 16, 32, 32, 4, 32, {3, 7, 7}};
   std::printf("bench_dsa3d (cpu, float32, forward+backward, median, %d threads)\n", torch::get_num_threads());
@@ -240,94 +268,261 @@ int cpu_mode(int reps, const Memory& memory) {
   auto in = make_inputs(base, device);
   // The reference runs ~10 s a pass here: one timed pass after the memory pass (which warms it up).
   const Measurement ref = measure(in, base, ops::DsaImpl::kReference, 1, memory, device);
-  const Measurement fus = measure(in, base, ops::DsaImpl::kCpu, reps, memory, device);
-  const double err = std::max({max_rel_error(fus.out, ref.out), max_rel_error(fus.dq, ref.dq),
-                               max_rel_error(fus.doffsets, ref.doffsets)});
+  const Measurement row = measure(in, base, ops::DsaImpl::kCpu, reps, memory, device);
+  const Measurement tiled = measure(in, base, ops::DsaImpl::kCpuTiled, reps, memory, device);
+  auto error = [&](const Measurement& m) {
+    return std::max({max_rel_error(m.out, ref.out), max_rel_error(m.dq, ref.dq), max_rel_error(m.doffsets, ref.doffsets)});
+  };
+  const double row_err = error(row), tiled_err = error(tiled);
   in = Inputs{};
   auto in2 = make_inputs(twice, device);
-  const Measurement fus2 = measure(in2, twice, ops::DsaImpl::kCpu, reps, memory, device);
+  const Measurement row2 = measure(in2, twice, ops::DsaImpl::kCpu, reps, memory, device);
+  const Measurement tiled2 = measure(in2, twice, ops::DsaImpl::kCpuTiled, reps, memory, device);
   in2 = Inputs{};
   const Measurement sdpa = measure_sdpa(base, torch::kFloat, 1, memory, device);
   const Measurement sdpa2 = measure_sdpa(twice, torch::kFloat, 1, memory, device);
 
   auto mib = [](int64_t b) { return double(b) / (1 << 20); };
-  std::printf("%-10s %-22s %10s %12s\n", "tokens", "variant", "ms", "peak MiB");
-  std::printf("%-10s %-22s %10.1f %12.1f\n", "8x32x32", "reference (grid_sample)", ref.ms, mib(ref.peak_bytes));
-  std::printf("%-10s %-22s %10.1f %12.1f\n", "8x32x32", "fused cpu", fus.ms, mib(fus.peak_bytes));
-  std::printf("%-10s %-22s %10.1f %12.1f\n", "8x32x32", "global sdpa", sdpa.ms, mib(sdpa.peak_bytes));
-  std::printf("%-10s %-22s %10.1f %12.1f\n", "16x32x32", "fused cpu", fus2.ms, mib(fus2.peak_bytes));
-  std::printf("%-10s %-22s %10.1f %12.1f\n", "16x32x32", "global sdpa", sdpa2.ms, mib(sdpa2.peak_bytes));
+  std::printf("%-10s %-24s %10s %12s\n", "tokens", "variant", "ms", "peak MiB");
+  std::printf("%-10s %-24s %10.1f %12.1f\n", "8x32x32", "reference (grid_sample)", ref.ms, mib(ref.peak_bytes));
+  std::printf("%-10s %-24s %10.1f %12.1f\n", "8x32x32", "row kernel (cpu)", row.ms, mib(row.peak_bytes));
+  std::printf("%-10s %-24s %10.1f %12.1f\n", "8x32x32", "tiled kernel (cpu_tiled)", tiled.ms, mib(tiled.peak_bytes));
+  std::printf("%-10s %-24s %10.1f %12.1f\n", "8x32x32", "global sdpa", sdpa.ms, mib(sdpa.peak_bytes));
+  std::printf("%-10s %-24s %10.1f %12.1f\n", "16x32x32", "row kernel (cpu)", row2.ms, mib(row2.peak_bytes));
+  std::printf("%-10s %-24s %10.1f %12.1f\n", "16x32x32", "tiled kernel (cpu_tiled)", tiled2.ms, mib(tiled2.peak_bytes));
+  std::printf("%-10s %-24s %10.1f %12.1f\n", "16x32x32", "global sdpa", sdpa2.ms, mib(sdpa2.peak_bytes));
 
+  // The targets apply to the kernel kAuto runs on the CPU.
+  const bool auto_tiled = ops::resolve_impl(ops::DsaImpl::kAuto, device) == ops::DsaImpl::kCpuTiled;
+  const Measurement& fus = auto_tiled ? tiled : row;
+  const Measurement& fus2 = auto_tiled ? tiled2 : row2;
   const double speedup = ref.ms / fus.ms;
   const double mem_ratio = double(fus.peak_bytes) / double(ref.peak_bytes);
   const double scaling = fus2.ms / fus.ms;
+  const double tiled_vs_row = row.ms / tiled.ms;
   const bool met = speedup >= 5 && mem_ratio <= 0.1 && scaling <= 2.2;
-  std::printf("speedup %.2fx (target >= 5), peak memory ratio %.4f (target <= 0.1), 2x tokens time ratio %.2f "
-              "(target <= 2.2), max relative error vs reference %.1e: targets %s\n",
-              speedup, mem_ratio, scaling, err, met ? "met" : "NOT met");
+  std::printf("kAuto runs the %s kernel: speedup %.2fx (target >= 5), peak memory ratio %.4f (target <= 0.1), 2x "
+              "tokens time ratio %.2f (target <= 2.2): targets %s. Tiled vs row kernel %.2fx; max relative error "
+              "vs reference: row %.1e, tiled %.1e\n",
+              auto_tiled ? "tiled" : "row", speedup, mem_ratio, scaling, met ? "met" : "NOT met", tiled_vs_row, row_err,
+              tiled_err);
   std::printf(
       "{\"bench\":\"dsa3d\",\"device\":\"cpu\",\"threads\":%d,\"dtype\":\"float32\",\"B\":1,\"M\":4,\"d\":32,"
-      "\"kernel\":[3,7,7],\"tokens\":8192,\"reference_ms\":%.3f,\"fused_ms\":%.3f,\"fused_2x_tokens_ms\":%.3f,"
-      "\"sdpa_ms\":%.3f,\"sdpa_2x_tokens_ms\":%.3f,\"reference_peak_bytes\":%lld,\"fused_peak_bytes\":%lld,"
-      "\"sdpa_peak_bytes\":%lld,\"max_rel_err\":%.3e,\"fused_vs_reference_fwd_bwd_speedup\":%.3f,"
-      "\"fused_vs_reference_peak_mem_ratio\":%.5f,\"scaling_2x_tokens_time_ratio\":%.3f,\"targets_met\":%s}\n",
-      torch::get_num_threads(), ref.ms, fus.ms, fus2.ms, sdpa.ms, sdpa2.ms, (long long)ref.peak_bytes,
-      (long long)fus.peak_bytes, (long long)sdpa.peak_bytes, err, speedup, mem_ratio, scaling, met ? "true" : "false");
+      "\"kernel\":[3,7,7],\"tokens\":8192,\"auto_kernel\":\"%s\",\"reference_ms\":%.3f,\"row_ms\":%.3f,\"tiled_ms\":%.3f,"
+      "\"row_2x_tokens_ms\":%.3f,\"tiled_2x_tokens_ms\":%.3f,\"sdpa_ms\":%.3f,\"sdpa_2x_tokens_ms\":%.3f,"
+      "\"reference_peak_bytes\":%lld,\"row_peak_bytes\":%lld,\"tiled_peak_bytes\":%lld,\"sdpa_peak_bytes\":%lld,"
+      "\"row_max_rel_err\":%.3e,\"tiled_max_rel_err\":%.3e,\"tiled_vs_row_cpu_fwd_bwd_speedup\":%.3f,"
+      "\"fused_vs_reference_fwd_bwd_speedup\":%.3f,\"fused_vs_reference_peak_mem_ratio\":%.5f,"
+      "\"scaling_2x_tokens_time_ratio\":%.3f,\"targets_met\":%s}\n",
+      torch::get_num_threads(), auto_tiled ? "cpu_tiled" : "cpu", ref.ms, row.ms, tiled.ms, row2.ms, tiled2.ms, sdpa.ms,
+      sdpa2.ms, (long long)ref.peak_bytes, (long long)row.peak_bytes, (long long)tiled.peak_bytes,
+      (long long)sdpa.peak_bytes, row_err, tiled_err, tiled_vs_row, speedup, mem_ratio, scaling, met ? "true" : "false");
   return 0;
 }
 
 #ifdef MEGASLIDE_WITH_CUDA
-// The GPU sweep of benchmarks/gpu/dsa3d.sh: 16K to 256K tokens, d = 64 and 128, bfloat16: fused 3D-DSA,
-// the grid_sample reference (until it runs out of memory) and flash SDPA, forward + backward, and the
-// fused forward's achieved bandwidth against a device-to-device copy measured in the same run.
-int cuda_mode(int reps, const Memory& memory) {
-  const torch::Device device(torch::kCUDA, 0);
-  const double copy = copy_gbps(device);
-  std::printf("bench_dsa3d (cuda, bfloat16, forward+backward, median of %d); device copy %.0f GB/s\n", reps, copy);
-  std::printf("%-12s %4s %4s %10s %10s %10s %12s %10s\n", "tokens", "M", "d", "fused_ms", "ref_ms", "sdpa_ms",
-              "fwd_GB/s", "of_copy");
-  std::string json = "{\"bench\":\"dsa3d\",\"device\":\"cuda\",\"dtype\":\"bfloat16\",\"copy_gbps\":" + fmt_double(copy) +
-                     ",\"cases\":[";
-  bool first = true;
-  for (int64_t d : {64, 128}) {
-    for (auto dims : {std::array<int64_t, 3>{16, 32, 32}, std::array<int64_t, 3>{16, 64, 64}, std::array<int64_t, 3>{64, 64, 64}}) {
-      const Case c{std::to_string(dims[0]) + "x" + std::to_string(dims[1]) + "x" + std::to_string(dims[2]), 1, dims[0],
-                   dims[1], dims[2], 8, d, {3, 7, 7}};
-      auto in = make_inputs(c, device);
-      for (auto* t : {&in.q, &in.k, &in.v, &in.offsets, &in.bias})
-        *t = t->detach().to(torch::kBFloat16).requires_grad_(true);
-      in.dout = in.dout.to(torch::kBFloat16);
-      const Measurement fus = measure(in, c, ops::DsaImpl::kCuda, reps, memory, device);
-      // Fused forward alone: it reads q, k, v (k and v once per sample, mostly from cache) and offsets,
-      // and writes out and lse; bytes counted once each is the least it must move.
-      double fwd_ms;
-      {
-        torch::NoGradGuard no_grad;
-        ops::dsa3d(in.q, in.k, in.v, in.offsets, in.bias, c.kernel, ops::DsaImpl::kCuda);
-        sync(device);
-        const auto start = std::chrono::steady_clock::now();
-        for (int i = 0; i < reps; ++i) ops::dsa3d(in.q, in.k, in.v, in.offsets, in.bias, c.kernel, ops::DsaImpl::kCuda);
-        sync(device);
-        fwd_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count() / reps;
+// Dense bfloat16 tensor-core peak of an H100/H200 SXM (NVIDIA's datasheet figure without sparsity), the
+// denominator of the "fraction of peak" columns: a stated constant, not a measurement.
+constexpr double kTensorCorePeakTflops = 989.0;
+
+// Median milliseconds of `reps` runs of f after one warm-up, timed with CUDA events on the current stream.
+template <typename F>
+double cuda_median_ms(int reps, F&& f) {
+  f();
+  torch::cuda::synchronize();
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  std::vector<double> times;
+  for (int i = 0; i < reps; ++i) {
+    cudaEventRecord(start, stream);
+    f();
+    cudaEventRecord(stop, stream);
+    cudaEventSynchronize(stop);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, start, stop);
+    times.push_back(ms);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+struct CudaCase {
+  std::string name;
+  int64_t B, T, H, W, M, d;
+  std::array<int64_t, 3> kernel;
+  bool row_backward;  // time the row kernel's backward too (its atomics make it slow at the large size)
+};
+
+struct Timing {
+  double fwd_ms = -1, fwd_bwd_ms = -1;
+};
+
+Timing time_dsa(const CudaCase& c, Inputs& in, ops::DsaImpl impl, bool deterministic, bool with_backward, int reps) {
+  Timing t;
+  {
+    torch::NoGradGuard no_grad;
+    t.fwd_ms = cuda_median_ms(reps, [&] { ops::dsa3d(in.q, in.k, in.v, in.offsets, in.bias, c.kernel, impl, deterministic); });
+  }
+  if (with_backward)
+    t.fwd_bwd_ms = cuda_median_ms(reps, [&] {
+      clear_grads(in);
+      ops::dsa3d(in.q, in.k, in.v, in.offsets, in.bias, c.kernel, impl, deterministic).backward(in.dout);
+    });
+  return t;
+}
+
+// Executed matrix-product FLOPs of the tiled kernel on these offsets: per (tile, head) 2·16·HV·dp for
+// each product over the tile's exact halo HV (forward: S and P'·V; backward adds S, T, dV, dK, dQ).
+std::pair<double, double> tiled_flops(const CudaCase& c, const torch::Tensor& offsets) {
+  namespace tile = megaslide::dsa3d_tile;
+  const auto ke = ops::effective_kernel(c.kernel, {c.T, c.H, c.W});
+  const auto geo = tile::make_geometry(int(c.T), int(c.H), int(c.W), int(ke[0]), int(ke[1]), int(ke[2]));
+  const auto off = offsets.detach().to(torch::kCPU, torch::kFloat).contiguous();
+  const float* o = off.data_ptr<float>();
+  double halo_keys = 0;  // Σ over (batch, tile) of HV (G = 1 here)
+  for (int64_t b = 0; b < c.B; ++b)
+    for (int tl = 0; tl < geo.tiles(); ++tl) {
+      int lo[3] = {INT32_MAX, INT32_MAX, INT32_MAX}, hi[3] = {-1, -1, -1};
+      for (int q = 0; q < tile::TileShape::kQueries; ++q) {
+        const auto qr = tile::tile_query(geo, tl, q);
+        if (!qr.valid) continue;
+        const float* base = o + (b * geo.tokens() + qr.token) * geo.K * 3;
+        for (int j = 0; j < geo.K; ++j) tile::halo_include(tile::sample_point<float>(geo, qr, j, base + 3 * j), lo, hi);
       }
-      const double bytes = double(4 * in.q.numel() * 2 + in.offsets.numel() * 2 + c.T * c.H * c.W * c.M * 4);
-      const double fwd_gbps = bytes / (fwd_ms / 1e3) / 1e9;
-      std::unique_ptr<Measurement> ref;
-      try {
-        ref = std::make_unique<Measurement>(measure(in, c, ops::DsaImpl::kReference, 1, memory, device));
-      } catch (const c10::OutOfMemoryError&) {
-        c10::cuda::CUDACachingAllocator::emptyCache();
-      }
-      const Measurement sdpa = measure_sdpa(c, torch::kBFloat16, reps, memory, device);
-      std::printf("%-12s %4lld %4lld %10.2f %10s %10.2f %12.0f %9.2f\n", c.name.c_str(), (long long)c.M, (long long)d, fus.ms,
-                  ref ? fmt_double(ref->ms).c_str() : "OOM", sdpa.ms, fwd_gbps, fwd_gbps / copy);
-      json += std::string(first ? "" : ",") + "{\"tokens\":" + std::to_string(c.T * c.H * c.W) + ",\"name\":\"" + c.name +
-              "\",\"M\":8,\"d\":" + std::to_string(d) + ",\"fused_ms\":" + fmt_double(fus.ms) +
-              ",\"reference_ms\":" + json_or_null(ref.get(), &Measurement::ms) + ",\"sdpa_ms\":" + fmt_double(sdpa.ms) +
-              ",\"fused_fwd_gbps\":" + fmt_double(fwd_gbps) + ",\"fused_fwd_fraction_of_copy\":" +
-              fmt_double(fwd_gbps / copy) + "}";
-      first = false;
+      halo_keys += tile::make_halo(lo, hi).volume();
     }
+  const double dp = double((c.d + 15) / 16 * 16);
+  const double product = 2.0 * tile::TileShape::kQueries * halo_keys * dp * double(c.M);
+  return {2 * product, 7 * product};  // forward: S, P'V; backward: S, T, dV, dK, dQ
+}
+
+// Global attention over the same tokens with LibTorch's flash kernel (other SDPA backends disabled):
+// [B, M, N, d] bfloat16; forward and forward + backward.
+Timing time_flash(const CudaCase& c, int reps, bool& ran) {
+  const int64_t N = c.T * c.H * c.W;
+  const auto opts = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  torch::manual_seed(0);
+  auto q = torch::randn({c.B, c.M, N, c.d}, opts).requires_grad_(true);
+  auto k = torch::randn({c.B, c.M, N, c.d}, opts).requires_grad_(true);
+  auto v = torch::randn({c.B, c.M, N, c.d}, opts).requires_grad_(true);
+  auto dout = torch::randn({c.B, c.M, N, c.d}, opts);
+  auto& ctx = at::globalContext();
+  const bool mem = ctx.userEnabledMemEfficientSDP(), math = ctx.userEnabledMathSDP(), cudnn = ctx.userEnabledCuDNNSDP();
+  ctx.setSDPUseMemEfficient(false), ctx.setSDPUseMath(false), ctx.setSDPUseCuDNN(false);
+  Timing t;
+  ran = true;
+  try {
+    {
+      torch::NoGradGuard no_grad;
+      t.fwd_ms = cuda_median_ms(reps, [&] { at::scaled_dot_product_attention(q, k, v); });
+    }
+    t.fwd_bwd_ms = cuda_median_ms(reps, [&] {
+      for (auto* x : {&q, &k, &v}) x->mutable_grad() = torch::Tensor();
+      at::scaled_dot_product_attention(q, k, v).backward(dout);
+    });
+  } catch (const c10::Error& e) {
+    std::printf("flash SDPA unavailable: %s\n", e.what_without_backtrace());
+    ran = false;
+  }
+  ctx.setSDPUseMemEfficient(mem), ctx.setSDPUseMath(math), ctx.setSDPUseCuDNN(cudnn);
+  return t;
+}
+
+std::string num(double v) { return v < 0 ? "null" : fmt_double(v); }
+
+int cuda_mode(int reps) {
+  const torch::Device device(torch::kCUDA, 0);
+  const std::vector<CudaCase> cases{{"16x64x64", 1, 16, 64, 64, 16, 64, {3, 7, 7}, false},
+                                    {"8x32x32", 1, 8, 32, 32, 4, 32, {3, 7, 7}, true}};
+  std::printf("bench_dsa3d (cuda, bfloat16, offsets uniform in +-(1, 3, 3), CUDA events, median of %d after a warm-up)\n",
+              reps);
+  std::string json = "{\"bench\":\"dsa3d\",\"device\":\"cuda\",\"dtype\":\"bfloat16\",\"tensor_core_peak_tflops\":" +
+                     fmt_double(kTensorCorePeakTflops) + ",\"cases\":[";
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const CudaCase& c = cases[i];
+    const int64_t N = c.T * c.H * c.W;
+    const auto ke = ops::effective_kernel(c.kernel, {c.T, c.H, c.W});
+    const int64_t K = ke[0] * ke[1] * ke[2];
+    torch::manual_seed(0);
+    const auto opts = torch::TensorOptions().dtype(torch::kBFloat16).device(device);
+    Inputs in;
+    in.q = torch::randn({c.B, c.T, c.H, c.W, c.M, c.d}, opts).requires_grad_(true);
+    in.k = torch::randn({c.B, c.T, c.H, c.W, c.M, c.d}, opts).requires_grad_(true);
+    in.v = torch::randn({c.B, c.T, c.H, c.W, c.M, c.d}, opts).requires_grad_(true);
+    const auto range = torch::tensor({1.0f, 3.0f, 3.0f}, opts.dtype(torch::kFloat));
+    in.offsets = ((torch::rand({c.B, c.T, c.H, c.W, 1, K, 3}, opts.dtype(torch::kFloat)) * 2 - 1) * range)
+                     .to(torch::kBFloat16).requires_grad_(true);
+    in.bias = (0.1 * torch::randn({c.M, K}, opts)).requires_grad_(true);
+    in.dout = torch::randn({c.B, c.T, c.H, c.W, c.M, c.d}, opts);
+
+    const Timing tiled = time_dsa(c, in, ops::DsaImpl::kCudaTiled, false, true, reps);
+    const Timing tiled_det = time_dsa(c, in, ops::DsaImpl::kCudaTiled, true, true, reps);
+    const Timing row = time_dsa(c, in, ops::DsaImpl::kCuda, false, c.row_backward, c.row_backward ? reps : 1);
+    // Agreement of the two kernels on these inputs (bfloat16 outputs and gradients).
+    double agree = 0;
+    {
+      clear_grads(in);
+      auto out_t = ops::dsa3d(in.q, in.k, in.v, in.offsets, in.bias, c.kernel, ops::DsaImpl::kCudaTiled);
+      auto out_r = ops::dsa3d(in.q, in.k, in.v, in.offsets, in.bias, c.kernel, ops::DsaImpl::kCuda);
+      agree = max_rel_error(out_t.detach().to(torch::kFloat), out_r.detach().to(torch::kFloat));
+      if (c.row_backward) {
+        out_t.backward(in.dout);
+        const auto dq_t = in.q.grad().clone(), doff_t = in.offsets.grad().clone();
+        clear_grads(in);
+        out_r.backward(in.dout);
+        agree = std::max({agree, max_rel_error(dq_t.to(torch::kFloat), in.q.grad().to(torch::kFloat)),
+                          max_rel_error(doff_t.to(torch::kFloat), in.offsets.grad().to(torch::kFloat))});
+      }
+      clear_grads(in);
+    }
+    bool flash_ran = false;
+    const Timing flash = time_flash(c, reps, flash_ran);
+    const auto [tiled_fwd_flop, tiled_fwd_bwd_flop] = tiled_flops(c, in.offsets);
+    // Attention-equivalent FLOPs (K keys per query, as 4·N·K·d·M forward, 2.5x that backward: the
+    // convention FlashAttention reports) and flash's own (N keys per query).
+    const double eq_fwd = 4.0 * c.B * N * K * c.d * c.M, flash_fwd = 4.0 * c.B * N * N * c.d * c.M;
+    auto tflops = [](double flop, double ms) { return ms > 0 ? flop / (ms * 1e-3) / 1e12 : -1.0; };
+    const double tiled_fwd_tf = tflops(tiled_fwd_flop, tiled.fwd_ms), tiled_all_tf = tflops(tiled_fwd_bwd_flop, tiled.fwd_bwd_ms);
+    const double flash_fwd_tf = flash_ran ? tflops(flash_fwd, flash.fwd_ms) : -1;
+    const double flash_all_tf = flash_ran ? tflops(3.5 * flash_fwd, flash.fwd_bwd_ms) : -1;
+    std::printf("\n%s tokens (N = %lld), B = %lld, M = %lld, d = %lld, kernel 3x7x7 (K = %lld)\n", c.name.c_str(),
+                (long long)N, (long long)c.B, (long long)c.M, (long long)c.d, (long long)K);
+    std::printf("  %-28s %10s %12s %14s %14s\n", "variant", "fwd ms", "fwd+bwd ms", "fwd TFLOP/s", "fwd+bwd TFLOP/s");
+    std::printf("  %-28s %10.3f %12.3f %14.1f %14.1f   (executed matrix products; %.1f%% / %.1f%% of %.0f)\n",
+                "tiled (cuda_tiled)", tiled.fwd_ms, tiled.fwd_bwd_ms, tiled_fwd_tf, tiled_all_tf,
+                100 * tiled_fwd_tf / kTensorCorePeakTflops, 100 * tiled_all_tf / kTensorCorePeakTflops,
+                kTensorCorePeakTflops);
+    std::printf("  %-28s %10.3f %12.3f\n", "tiled, deterministic", tiled_det.fwd_ms, tiled_det.fwd_bwd_ms);
+    std::printf("  %-28s %10.3f %12s\n", "row kernel (cuda)", row.fwd_ms,
+                row.fwd_bwd_ms < 0 ? "not timed" : fmt_double(row.fwd_bwd_ms).c_str());
+    if (flash_ran)
+      std::printf("  %-28s %10.3f %12.3f %14.1f %14.1f\n", "flash SDPA, all N keys", flash.fwd_ms, flash.fwd_bwd_ms,
+                  flash_fwd_tf, flash_all_tf);
+    std::printf("  attention-equivalent TFLOP/s of tiled (4·N·K·d·M fwd): %.1f; ratios: row/tiled fwd %.2f%s%s; "
+                "deterministic/default fwd+bwd %.2f; tiled vs row max relative difference %.2e\n",
+                tflops(eq_fwd, tiled.fwd_ms), row.fwd_ms / tiled.fwd_ms,
+                row.fwd_bwd_ms > 0 ? (", fwd+bwd " + fmt_double(row.fwd_bwd_ms / tiled.fwd_bwd_ms)).c_str() : "",
+                flash_ran ? (", flash/tiled fwd " + fmt_double(flash.fwd_ms / tiled.fwd_ms) + ", fwd+bwd " +
+                             fmt_double(flash.fwd_bwd_ms / tiled.fwd_bwd_ms)).c_str()
+                          : "",
+                tiled_det.fwd_bwd_ms / tiled.fwd_bwd_ms, agree);
+    json += std::string(i ? "," : "") + "{\"name\":\"" + c.name + "\",\"tokens\":" + std::to_string(N) +
+            ",\"B\":" + std::to_string(c.B) + ",\"M\":" + std::to_string(c.M) + ",\"d\":" + std::to_string(c.d) +
+            ",\"K\":" + std::to_string(K) + ",\"tiled_fwd_ms\":" + num(tiled.fwd_ms) + ",\"tiled_fwd_bwd_ms\":" +
+            num(tiled.fwd_bwd_ms) + ",\"tiled_det_fwd_bwd_ms\":" + num(tiled_det.fwd_bwd_ms) + ",\"row_fwd_ms\":" +
+            num(row.fwd_ms) + ",\"row_fwd_bwd_ms\":" + num(row.fwd_bwd_ms) + ",\"flash_fwd_ms\":" +
+            num(flash_ran ? flash.fwd_ms : -1) + ",\"flash_fwd_bwd_ms\":" + num(flash_ran ? flash.fwd_bwd_ms : -1) +
+            ",\"tiled_fwd_tflops\":" + num(tiled_fwd_tf) + ",\"tiled_fwd_bwd_tflops\":" + num(tiled_all_tf) +
+            ",\"tiled_fwd_attention_equivalent_tflops\":" + num(tflops(eq_fwd, tiled.fwd_ms)) +
+            ",\"flash_fwd_tflops\":" + num(flash_fwd_tf) + ",\"flash_fwd_bwd_tflops\":" + num(flash_all_tf) +
+            ",\"row_vs_tiled_fwd\":" + num(row.fwd_ms / tiled.fwd_ms) + ",\"flash_vs_tiled_fwd\":" +
+            num(flash_ran ? flash.fwd_ms / tiled.fwd_ms : -1) + ",\"flash_vs_tiled_fwd_bwd\":" +
+            num(flash_ran ? flash.fwd_bwd_ms / tiled.fwd_bwd_ms : -1) + ",\"deterministic_vs_default_fwd_bwd\":" +
+            num(tiled_det.fwd_bwd_ms / tiled.fwd_bwd_ms) + ",\"tiled_vs_row_max_rel_diff\":" + fmt_double(agree) + "}";
   }
   std::printf("%s]}\n", json.c_str());
   return 0;
@@ -337,14 +532,15 @@ int cuda_mode(int reps, const Memory& memory) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool use_cuda = false;
+  bool use_cuda = false, kernels_only = false;
   int reps = 3, threads = 0;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--cuda")) use_cuda = true;
+    else if (!std::strcmp(argv[i], "--kernels-only")) kernels_only = true;
     else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::max(1, std::atoi(argv[++i]));
     else if (!std::strcmp(argv[i], "--threads") && i + 1 < argc) threads = std::atoi(argv[++i]);
     else {
-      std::fprintf(stderr, "usage: %s [--cuda] [--reps N] [--threads N]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--cuda] [--kernels-only] [--reps N] [--threads N]\n", argv[0]);
       return 2;
     }
   }
@@ -354,13 +550,13 @@ int main(int argc, char** argv) {
   static TrackingCpuAllocator tracker(c10::GetCPUAllocator());
   cpu_tracker = &tracker;
   c10::SetCPUAllocator(&tracker, /*priority*/ 100);
-  if (!use_cuda) return cpu_mode(reps, memory);
+  if (!use_cuda) return kernels_only ? cpu_kernels_mode(reps, memory) : cpu_mode(reps, memory);
 #ifdef MEGASLIDE_WITH_CUDA
   if (!torch::cuda::is_available()) {
     std::fprintf(stderr, "bench_dsa3d: --cuda given but no CUDA device is available\n");
     return 1;
   }
-  return cuda_mode(reps, memory);
+  return cuda_mode(reps);
 #else
   std::fprintf(stderr, "bench_dsa3d: this build has no CUDA kernels (nvcc was not found at configure time)\n");
   return 1;

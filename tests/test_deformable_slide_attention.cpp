@@ -8,6 +8,12 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#ifdef MEGASLIDE_WITH_CUDA
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
 #include <deque>
 #include <memory>
 #include <set>
@@ -96,6 +102,33 @@ TEST(DeformableSlideAttention, FusedAndReferenceGiveTheSameGradients) {
   EXPECT_GT(fused->offset_pw->weight.grad().abs().max().item<double>(), 1e-6);  // offsets do get gradient
 }
 
+// On a grid smaller than the kernel the offsets are those of the kernel's centre sub-window, scaled
+// per axis by the range (1, 2, 3): equal to an explicit index_select of the full kernel's offsets and
+// a multiplication by the range as a tensor (what the module no longer builds in its forward).
+TEST(DeformableSlideAttention, SmallGridOffsetsAreTheCentreWindowScaledByTheRange) {
+  torch::manual_seed(6);
+  const TokenGrid grid{2, 3, 9};
+  DeformableSlideAttention3D m(DeformableSlideAttentionOptions(8, 2).kernel({3, 5, 7}).offset_range({1.0, 2.0, 3.0}));
+  {
+    torch::NoGradGuard no_grad;
+    m->offset_pw->weight.normal_(0, 0.5);
+  }
+  auto x = torch::randn({2, grid.numel(), 8});
+  const auto eff = ops::effective_kernel({3, 5, 7}, grid.dims());
+  ASSERT_EQ(eff, (std::array<int64_t, 3>{2, 3, 7}));
+  std::vector<int64_t> index;
+  for (int64_t t = 0; t < eff[0]; ++t)
+    for (int64_t h = 0; h < eff[1]; ++h)
+      for (int64_t w = 0; w < eff[2]; ++w) index.push_back(((0 + t) * 5 + (1 + h)) * 7 + w);  // centred: (3-2)/2, (5-3)/2
+  torch::NoGradGuard no_grad;
+  auto volume = x.view({2, grid.t, grid.h, grid.w, 8}).permute({0, 4, 1, 2, 3});
+  auto o = m->offset_pw(torch::gelu(m->offset_dw(volume)).permute({0, 2, 3, 4, 1})).view({2, 2, 3, 9, 1, 105, 3});
+  auto expected = torch::tanh(o.index_select(5, torch::tensor(index))) * torch::tensor({1.0f, 2.0f, 3.0f});
+  const auto got = m->offsets(x, grid);
+  ASSERT_EQ(got.sizes(), expected.sizes());
+  EXPECT_TRUE(torch::allclose(got, expected, 0, 1e-7)) << (got - expected).abs().max().item<double>();
+}
+
 // Training through the fused path: 30 Adam steps fitting a fixed target lower the loss, and the
 // zero-initialised offset network leaves zero (its gradient flows through d(offsets)).
 TEST(DeformableSlideAttention, TrainsThroughTheFusedKernel) {
@@ -177,4 +210,46 @@ TEST(DeformableSlideAttention, ZeroAndFrozenOffsetsStayFixedWhileTraining) {
     for (int i = 0; i < 3; ++i) t.step();
     EXPECT_GT(block0_offsets(t.model(), c).abs().max().item<double>(), 0.0);
   }
+}
+
+// ---- CUDA (skipped without a GPU) -----------------------------------------------------------------------
+
+// The module's forward does no host-to-device copy and no host sync: it can be captured in a CUDA
+// graph (a pageable host-to-device copy during capture is an error) and replayed, giving the eager
+// result. Float32 (the row kernel) and bfloat16 (the tiled kernel), on a grid smaller than the kernel
+// (sub-window path) and a larger one; offset range (1, 3, 3) (per-axis scaling).
+TEST(DeformableSlideAttention, ForwardCapturesInACudaGraph_CUDA) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+#ifndef MEGASLIDE_WITH_CUDA
+  GTEST_SKIP() << "a build without CUDA kernels";
+#else
+  for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    for (const TokenGrid grid : {TokenGrid{2, 5, 6}, TokenGrid{4, 8, 8}}) {
+      SCOPED_TRACE(std::string(c10::toString(dtype)) + " grid " + std::to_string(grid.t) + "x" + std::to_string(grid.h) +
+                   "x" + std::to_string(grid.w));
+      torch::manual_seed(7);
+      DeformableSlideAttention3D m(DeformableSlideAttentionOptions(32, 2).kernel({3, 7, 7}).offset_range({1.0, 3.0, 3.0}));
+      {
+        torch::NoGradGuard no_grad;
+        m->offset_pw->weight.normal_(0, 0.3);
+      }
+      m->to(torch::kCUDA, dtype);
+      torch::NoGradGuard no_grad;
+      auto x = torch::randn({2, grid.numel(), 32}, torch::TensorOptions().device(torch::kCUDA).dtype(dtype));
+      const auto eager = m->forward(x, grid).clone();  // also the warm-up (kernel attributes set once)
+      at::cuda::CUDAStream stream = at::cuda::getStreamFromPool();
+      torch::Tensor captured;
+      at::cuda::CUDAGraph graph;
+      {
+        at::cuda::CUDAStreamGuard guard(stream);
+        graph.capture_begin();
+        captured = m->forward(x, grid);
+        graph.capture_end();
+      }
+      graph.replay();
+      torch::cuda::synchronize();
+      EXPECT_TRUE(torch::allclose(captured.to(torch::kFloat), eager.to(torch::kFloat), 1e-3, 1e-3));
+    }
+  }
+#endif
 }

@@ -5,11 +5,15 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <climits>
+#include <cstdio>
 #include <functional>
 #include <string>
 #include <vector>
 
 #include "../src/attention/dsa3d_math.h"
+#include "../src/attention/dsa3d_params.h"
+#include "../src/attention/dsa3d_tile.h"
 #include "megaslide/attention/dsa3d.h"
 
 namespace ms = megaslide::ops;
@@ -56,9 +60,17 @@ struct Result {
   torch::Tensor out, dq, dk, dv, doffsets, dbias;
 };
 
-// Forward, then backward of sum(out ⊙ dout) with a fixed random dout.
+// While alive, the fused kernels' outputs start as NaN (an element a kernel never writes stays NaN and
+// fails every comparison).
+struct PoisonOutputs {
+  PoisonOutputs() { ms::detail::dsa3d_set_poison_outputs(true); }
+  ~PoisonOutputs() { ms::detail::dsa3d_set_poison_outputs(false); }
+};
+
+// Forward, then backward of sum(out ⊙ dout) with a fixed random dout; outputs poisoned beforehand.
 Result run_kernel(const Inputs& in, std::array<int64_t, 3> kernel, ms::DsaImpl impl, bool deterministic = false,
                   uint64_t seed = 7) {
+  const PoisonOutputs poisoned;
   auto q = in.q.detach().clone().requires_grad_(true);
   auto k = in.k.detach().clone().requires_grad_(true);
   auto v = in.v.detach().clone().requires_grad_(true);
@@ -93,16 +105,23 @@ Inputs cast(const Inputs& in, torch::ScalarType qkv, torch::ScalarType rest) {
   return r;
 }
 
-// max |actual - expected| <= atol + rtol · max |expected|, compared in float64 on the CPU.
+// The GPU tests print every comparison's error (the one GPU run should tell everything).
+bool report_errors = false;
+
+// max |actual - expected| <= atol + rtol · max |expected|, compared in float64 on the CPU; no NaN.
 void expect_close(const torch::Tensor& actual, const torch::Tensor& expected, double atol, double rtol,
                   const std::string& what) {
   ASSERT_TRUE(actual.defined()) << what << " is undefined";
   ASSERT_TRUE(expected.defined()) << what << " (expected) is undefined";
   ASSERT_EQ(actual.sizes(), expected.sizes()) << what;
   const auto a = actual.detach().to(torch::kCPU, torch::kDouble), e = expected.detach().to(torch::kCPU, torch::kDouble);
+  EXPECT_FALSE(a.isnan().any().item<bool>()) << what << " has NaN elements (unwritten, or a NaN computed)";
   const double err = (a - e).abs().max().item<double>();
   const double scale = e.abs().max().item<double>();
   EXPECT_LE(err, atol + rtol * scale) << what << ": max abs error " << err << ", max |expected| " << scale;
+  if (report_errors)
+    std::printf("    %-10s max abs error %.3e = %.3e of max |expected| %.3e (tolerance %.1e)\n", what.c_str(), err,
+                scale > 0 ? err / scale : err, scale, atol + rtol * scale);
 }
 
 void expect_results_close(const Result& a, const Result& e, double atol, double rtol, bool with_offsets = true) {
@@ -301,18 +320,36 @@ TEST(Dsa3d, FusedCpuMatchesReferenceFloat64) {
 }
 
 // Zero offsets put every sample on a token centre, where the trilinear derivative is one-sided and the
-// border rule applies: d(offsets) must still equal the reference's. Axis lengths 1, 3, 5, 9 keep the
-// reference's coordinate round trip (x·2/(S-1) - 1 and back) exact, so both sit on the same side.
+// border rule applies: d(offsets) must still equal the reference's (float64, 1e-12). Axis lengths 6, 7,
+// 11 (S - 1 not a power of two) are where grid_sample's coordinate round trip used to bring an integer
+// position back a rounding below itself, so the reference took the left difference there; 1, 3, 5, 9
+// are the lengths where it was always exact. Kernel (3, 5, 7) and (3, 3, 5).
 TEST(Dsa3d, FusedCpuMatchesReferenceAtTokenCentresFloat64) {
-  for (auto vol : {std::array<int64_t, 3>{3, 5, 9}, std::array<int64_t, 3>{1, 5, 3}}) {
+  struct Case {
+    std::array<int64_t, 3> volume, kernel;
+  };
+  for (const Case& c : {Case{{6, 7, 11}, {3, 5, 7}}, Case{{7, 11, 6}, {3, 5, 7}}, Case{{3, 5, 9}, {3, 3, 5}},
+                        Case{{1, 5, 3}, {3, 3, 5}}}) {
     Problem pb;
-    pb.T = vol[0], pb.H = vol[1], pb.W = vol[2], pb.M = 2, pb.d = 3;
-    pb.kernel = {3, 3, 5};
+    pb.T = c.volume[0], pb.H = c.volume[1], pb.W = c.volume[2], pb.M = 2, pb.d = 3;
+    pb.kernel = c.kernel;
     const auto in = make_inputs(pb, torch::kDouble, Offsets::kZero, 3);
     const auto fused = run_kernel(in, pb.kernel, ms::DsaImpl::kCpu);
+    SCOPED_TRACE("volume " + std::to_string(pb.T) + "x" + std::to_string(pb.H) + "x" + std::to_string(pb.W));
     expect_results_close(fused, run_kernel(in, pb.kernel, ms::DsaImpl::kReference), 1e-12, 0);
     EXPECT_GT(fused.doffsets.abs().max().item<double>(), 0.1);  // the comparison is not vacuous
   }
+}
+
+// The same at float32 (what training runs): positions are exact integers in float32 too, so the
+// offsets gradients at zero offsets take the same side in both; 1e-5 of the largest value.
+TEST(Dsa3d, FusedCpuMatchesReferenceAtTokenCentresFloat32) {
+  Problem pb;
+  pb.T = 6, pb.H = 7, pb.W = 11, pb.M = 2, pb.d = 8;
+  pb.kernel = {3, 5, 7};
+  const auto in = make_inputs(pb, torch::kFloat, Offsets::kZero, 17);
+  expect_results_close(run_kernel(in, pb.kernel, ms::DsaImpl::kCpu), run_kernel(in, pb.kernel, ms::DsaImpl::kReference),
+                       0, 1e-5);
 }
 
 // Without a bias (bias = nullopt): forward and gradients still equal the reference (float64, 1e-12),
@@ -371,6 +408,245 @@ TEST(Dsa3d, FusedCpuFloat16MatchesFloat32Reference) {
                        2e-3);
 }
 
+namespace {
+Problem determinism_problem() {
+  Problem pb;
+  pb.B = 2, pb.T = 4, pb.H = 8, pb.W = 8, pb.M = 4, pb.d = 16, pb.G = 2;
+  pb.kernel = {3, 5, 5};
+  return pb;
+}
+
+void expect_bit_identical(const Result& a, const Result& b) {
+  EXPECT_TRUE(torch::equal(a.out, b.out));
+  EXPECT_TRUE(torch::equal(a.dq, b.dq));
+  EXPECT_TRUE(torch::equal(a.dk, b.dk));
+  EXPECT_TRUE(torch::equal(a.dv, b.dv));
+  EXPECT_TRUE(torch::equal(a.doffsets, b.doffsets));
+  EXPECT_TRUE(torch::equal(a.dbias, b.dbias));
+}
+
+struct ThreadCount {
+  explicit ThreadCount(int n) : saved(torch::get_num_threads()) { torch::set_num_threads(n); }
+  ~ThreadCount() { torch::set_num_threads(saved); }
+  int saved;
+};
+}  // namespace
+
+// ---- the tile algorithm's shared math (src/attention/dsa3d_tile.h) ------------------------------------
+
+namespace tile = megaslide::dsa3d_tile;
+
+// The int32 axis sample and corners of the tile header equal the per-sample math of the row kernels
+// (dsa3d_math.h) at integers, between tokens, at and beyond both borders, on axes of 1 to 7 tokens;
+// and a corner's halo key maps back to the row kernels' token index.
+TEST(Dsa3dTile, CornersEqualTheRowKernelsMath) {
+  for (int S : {1, 2, 3, 7}) {
+    for (double x : {-2.0, -0.5, 0.0, 0.25, 1.0, 1.5, 2.0, 2.75, 3.0, 5.5, 6.0, 6.5, 9.0}) {
+      const auto a = tile::axis_sample<double>(x, S);
+      const auto r = megaslide::dsa3d_math::sample_axis<double>(x, S);
+      EXPECT_EQ(a.i0, r.i0) << "S " << S << " x " << x;
+      EXPECT_EQ(a.i1, r.i1) << "S " << S << " x " << x;
+      EXPECT_EQ(a.w0, r.w0);
+      EXPECT_EQ(a.w1, r.w1);
+      EXPECT_EQ(a.dw, r.dw);
+    }
+  }
+  // A whole sample on a 4×6×5 volume, halo = the whole volume: same corner tokens, weights, derivatives.
+  const auto geo = tile::make_geometry(4, 6, 5, 3, 5, 3);
+  const int lo[3] = {0, 0, 0}, hi[3] = {3, 5, 4};
+  const tile::Halo halo = tile::make_halo(lo, hi);
+  const tile::Query qr = tile::tile_query(geo, /*tile*/ 3, /*q*/ 4);  // tile (0, 1, 1), query (0, 1, 0)
+  ASSERT_TRUE(qr.valid);
+  EXPECT_EQ(qr.t, 0);
+  EXPECT_EQ(qr.h, 5);
+  EXPECT_EQ(qr.w, 4);
+  EXPECT_EQ(qr.token, (0 * 6 + 5) * 5 + 4);
+  const tile::Query outside = tile::tile_query(geo, 3, 15);  // h = 7 > 5: a partial tile's padding
+  EXPECT_FALSE(outside.valid);
+  const double off[3] = {0.3, -1.0, 2.6};
+  for (int j : {0, 7, 44}) {
+    const auto pt = tile::sample_point<double>(geo, qr, j, off);
+    megaslide::dsa3d_math::Sample<double> ref;
+    megaslide::dsa3d_math::token_sample<double>(qr.t, qr.h, qr.w, j, off[0], off[1], off[2], 4, 6, 5, 3, 5, 3, ref);
+    for (int c = 0; c < 8; ++c) {
+      const auto k = tile::corner_of(pt, halo, c);
+      EXPECT_EQ(tile::halo_token(geo, halo, k.L), ref.index[c]) << "j " << j << " corner " << c;
+      EXPECT_EQ(k.w, ref.weight[c]);
+      for (int a = 0; a < 3; ++a) EXPECT_EQ(k.dw[a], ref.dweight[a][c]);
+    }
+  }
+}
+
+// The halo bound: with |Δ| <= r = (1, 2.5, 3), every tile's exact halo (the box of its corners) lies
+// inside halo_bound_interval, per axis; the bound is 6×17×17 = 1734 keys for kernel (3, 7, 7), r = (1, 3, 3)
+// away from the borders (what docs/3d-dsa.md states); and tiles one colour period apart never share
+// a key, for several bounds, kernels and axis lengths (brute force over every pair).
+TEST(Dsa3dTile, HaloBoundHoldsAndColoursAreDisjoint) {
+  const auto geo = tile::make_geometry(7, 13, 18, 3, 7, 7);
+  const double r[3] = {1.0, 2.5, 3.0};  // a fractional bound too (⌈r⌉ and ⌊r⌋ differ)
+  torch::manual_seed(30);
+  auto off = (torch::rand({geo.tokens(), geo.K, 3}, torch::kDouble) * 2 - 1) * torch::tensor({1.0, 2.5, 3.0}, torch::kDouble);
+  // Offsets at the bound exactly on every 5th sample (an integer one is the worst case for the floor).
+  off.index_put_({torch::indexing::Slice(), torch::indexing::Slice(0, torch::indexing::None, 5)},
+                 torch::tensor({-1.0, -2.5, 3.0}, torch::kDouble));
+  const auto* o = off.data_ptr<double>();
+  for (int tile_index = 0; tile_index < geo.tiles(); ++tile_index) {
+    int lo[3] = {INT_MAX, INT_MAX, INT_MAX}, hi[3] = {-1, -1, -1};
+    for (int q = 0; q < tile::TileShape::kQueries; ++q) {
+      const auto qr = tile::tile_query(geo, tile_index, q);
+      if (!qr.valid) continue;
+      for (int j = 0; j < geo.K; ++j) tile::halo_include(tile::sample_point<double>(geo, qr, j, o + (qr.token * geo.K + j) * 3), lo, hi);
+    }
+    const int idx[3] = {tile_index / (geo.tiles_h * geo.tiles_w), (tile_index / geo.tiles_w) % geo.tiles_h,
+                        tile_index % geo.tiles_w};
+    const int Q[3] = {tile::TileShape::kT, tile::TileShape::kH, tile::TileShape::kW}, k[3] = {3, 7, 7},
+              S[3] = {geo.T, geo.H, geo.W};
+    for (int a = 0; a < 3; ++a) {
+      int blo, bhi;
+      tile::halo_bound_interval(idx[a], Q[a], k[a], S[a], r[a], blo, bhi);
+      EXPECT_GE(lo[a], blo) << "tile " << tile_index << " axis " << a;
+      EXPECT_LE(hi[a], bhi) << "tile " << tile_index << " axis " << a;
+    }
+  }
+  int lo, hi;
+  tile::halo_bound_interval(3, 1, 3, 64, 1.0, lo, hi);
+  EXPECT_EQ(hi - lo + 1, 6);
+  tile::halo_bound_interval(5, 4, 7, 64, 3.0, lo, hi);
+  EXPECT_EQ(hi - lo + 1, 17);
+  for (double bound : {0.0, 0.5, 1.0, 1.5, 3.0, 7.25}) {
+    for (int kk : {1, 3, 7}) {
+      for (int S : {5, 16, 23, 64}) {
+        if (kk > S) continue;
+        for (int Qa : {1, 4}) {
+          const int tiles = (S + Qa - 1) / Qa, P = tile::colour_period(tiles, Qa, kk, S, bound);
+          for (int i = 0; i < tiles; ++i)
+            for (int i2 = i + P; i2 < tiles; i2 += P) {
+              int lo0, hi0, lo1, hi1;
+              tile::halo_bound_interval(i, Qa, kk, S, bound, lo0, hi0);
+              tile::halo_bound_interval(i2, Qa, kk, S, bound, lo1, hi1);
+              EXPECT_LT(hi0, lo1) << "bound " << bound << " k " << kk << " S " << S << " Q " << Qa << " tiles " << i
+                                  << ", " << i2;
+            }
+        }
+      }
+    }
+  }
+}
+
+// ---- the tiled CPU kernel (the host twin of the tiled CUDA kernel) against the references -----------
+
+// Random offsets beyond the borders, 2 offset groups of 2 heads (G < M), bias, a volume that is no
+// multiple of the 1×4×4 tile: forward and every gradient equal the reference in float64 (1e-12).
+TEST(Dsa3d, TiledCpuMatchesReferenceFloat64) {
+  Problem pb;
+  pb.B = 2, pb.T = 3, pb.H = 6, pb.W = 7, pb.M = 4, pb.d = 6, pb.G = 2;
+  pb.kernel = {3, 3, 5};
+  const auto in = make_inputs(pb, torch::kDouble, Offsets::kRandom, 40);
+  expect_results_close(run_kernel(in, pb.kernel, ms::DsaImpl::kCpuTiled),
+                       run_kernel(in, pb.kernel, ms::DsaImpl::kReference), 1e-12, 0);
+}
+
+// Halos larger than the CPU twin's chunk of 512 keys (offsets up to ±9 tokens on a 4×20×22 volume, so
+// most tiles' halos span 2 to 4 chunks and samples' corners fall on both sides of chunk boundaries):
+// still equal to the reference (float64, 1e-12).
+TEST(Dsa3d, TiledCpuAcrossHaloChunksMatchesReference) {
+  Problem pb;
+  pb.T = 4, pb.H = 20, pb.W = 22, pb.M = 2, pb.d = 3, pb.G = 1;
+  pb.kernel = {3, 3, 3};
+  auto in = make_inputs(pb, torch::kDouble, Offsets::kRandom, 41);
+  in.offsets = in.offsets * 3.6;  // uniform in ±9 tokens
+  expect_results_close(run_kernel(in, pb.kernel, ms::DsaImpl::kCpuTiled),
+                       run_kernel(in, pb.kernel, ms::DsaImpl::kReference), 1e-12, 0);
+}
+
+// Offsets at the clamp: integers in [-4, 4] put many positions exactly on the borders (x = 0, x = S - 1)
+// and beyond them, where the border rule zeroes the position gradient; the rest on token centres. An
+// axis shorter than the kernel (W = 5 < 7, T = 2 < 3). Equal to the reference (float64, 1e-12).
+TEST(Dsa3d, TiledCpuAtTheClampMatchesReference) {
+  Problem pb;
+  pb.B = 1, pb.T = 2, pb.H = 9, pb.W = 5, pb.M = 2, pb.d = 5, pb.G = 2;
+  pb.kernel = {3, 5, 7};
+  auto in = make_inputs(pb, torch::kDouble, Offsets::kZero, 42);
+  torch::manual_seed(43);
+  in.offsets = torch::randint(-4, 5, in.offsets.sizes(), torch::kDouble);
+  const auto tiled = run_kernel(in, pb.kernel, ms::DsaImpl::kCpuTiled);
+  expect_results_close(tiled, run_kernel(in, pb.kernel, ms::DsaImpl::kReference), 1e-12, 0);
+  EXPECT_GT(tiled.doffsets.abs().max().item<double>(), 0.1);
+}
+
+// Zero offsets: neighbourhood attention (the naive loop, 1e-12), and at token centres on axes whose
+// S - 1 is not a power of two the offsets gradients equal the reference's (kernel (3, 5, 7)).
+TEST(Dsa3d, TiledCpuAtTokenCentresMatchesReference) {
+  Problem pb;
+  pb.B = 2, pb.T = 6, pb.H = 7, pb.W = 11, pb.M = 2, pb.d = 3;
+  pb.kernel = {3, 5, 7};
+  const auto in = make_inputs(pb, torch::kDouble, Offsets::kZero, 44);
+  const auto tiled = run_kernel(in, pb.kernel, ms::DsaImpl::kCpuTiled);
+  expect_close(tiled.out, naive_neighbourhood_attention(in, pb.kernel), 1e-12, 0, "tiled vs naive");
+  expect_results_close(tiled, run_kernel(in, pb.kernel, ms::DsaImpl::kReference), 1e-12, 0);
+}
+
+// A volume smaller than the kernel and than one tile (2×3×1, kernel (3, 7, 7) -> (2, 3, 1)), no bias.
+TEST(Dsa3d, TiledCpuTinyVolumeWithoutBias) {
+  Problem pb;
+  pb.B = 2, pb.T = 2, pb.H = 3, pb.W = 1, pb.M = 2, pb.d = 4, pb.with_bias = false;
+  pb.kernel = {3, 7, 7};
+  const auto in = make_inputs(pb, torch::kDouble, Offsets::kRandom, 45);
+  const auto tiled = run_kernel(in, pb.kernel, ms::DsaImpl::kCpuTiled);
+  EXPECT_FALSE(tiled.dbias.defined());
+  expect_results_close(tiled, run_kernel(in, pb.kernel, ms::DsaImpl::kReference), 1e-12, 0);
+}
+
+// float32, bfloat16 and float16 inputs, as for the row kernel (same tolerances and reasons).
+TEST(Dsa3d, TiledCpuMatchesReferenceInFloat32AndHalfPrecision) {
+  Problem pb;
+  pb.B = 1, pb.T = 4, pb.H = 7, pb.W = 6, pb.M = 4, pb.d = 16, pb.G = 2;
+  pb.kernel = {3, 5, 5};
+  const auto in = make_inputs(pb, torch::kFloat, Offsets::kRandom, 46);
+  expect_results_close(run_kernel(in, pb.kernel, ms::DsaImpl::kCpuTiled),
+                       run_kernel(in, pb.kernel, ms::DsaImpl::kReference), 0, 1e-5);
+  for (auto [dtype, tol] : {std::pair{torch::kBFloat16, 1e-2}, std::pair{torch::kHalf, 2e-3}}) {
+    const auto in16 = cast(in, dtype, torch::kFloat);
+    SCOPED_TRACE(std::string("dtype ") + c10::toString(dtype));
+    expect_results_close(run_kernel(in16, pb.kernel, ms::DsaImpl::kCpuTiled),
+                         run_kernel(cast(in16, torch::kFloat, torch::kFloat), pb.kernel, ms::DsaImpl::kReference), 0,
+                         tol);
+  }
+}
+
+// Central finite differences on every input element (float64), as for the row kernel.
+TEST(Dsa3d, GradcheckTiledCpuFloat64) {
+  Problem pb;
+  pb.T = 3, pb.H = 5, pb.W = 2, pb.M = 2, pb.d = 3, pb.G = 2;  // both tile axes partial
+  pb.kernel = {3, 3, 1};
+  gradcheck(make_inputs(pb, torch::kDouble, Offsets::kBetweenTokens, 47), pb.kernel, ms::DsaImpl::kCpuTiled, 1e-6, 1e-7,
+            1e-6);
+}
+
+// Determinism of the tiled CPU kernel: deterministic mode (tile colours) is bit-identical across runs
+// and 1 vs 2 threads; the default mode (a dK/dV copy per thread, added in order) repeats bit for bit
+// for a fixed thread count and equals deterministic mode up to summation order (1e-5).
+TEST(Dsa3d, TiledCpuDeterminism) {
+  const auto pb = determinism_problem();
+  const auto in = make_inputs(pb, torch::kFloat, Offsets::kRandom, 48);
+  Result one, two, again, def1, def2;
+  {
+    ThreadCount threads(1);
+    one = run_kernel(in, pb.kernel, ms::DsaImpl::kCpuTiled, true);
+  }
+  {
+    ThreadCount threads(2);
+    two = run_kernel(in, pb.kernel, ms::DsaImpl::kCpuTiled, true);
+    again = run_kernel(in, pb.kernel, ms::DsaImpl::kCpuTiled, true);
+    def1 = run_kernel(in, pb.kernel, ms::DsaImpl::kCpuTiled);
+    def2 = run_kernel(in, pb.kernel, ms::DsaImpl::kCpuTiled);
+  }
+  expect_bit_identical(one, two);
+  expect_bit_identical(two, again);
+  expect_bit_identical(def1, def2);
+  expect_results_close(def1, one, 1e-6, 1e-5);
+}
+
 // ---- gradients against finite differences ------------------------------------------------------------
 
 // Central differences (eps 1e-6, float64) on every element of q, k, v, offsets and bias. Offsets land
@@ -420,29 +696,6 @@ TEST(Dsa3d, KernelLargerThanVolumeShrinks) {
 
 // ---- determinism -------------------------------------------------------------------------------------------
 
-namespace {
-Problem determinism_problem() {
-  Problem pb;
-  pb.B = 2, pb.T = 4, pb.H = 8, pb.W = 8, pb.M = 4, pb.d = 16, pb.G = 2;
-  pb.kernel = {3, 5, 5};
-  return pb;
-}
-
-void expect_bit_identical(const Result& a, const Result& b) {
-  EXPECT_TRUE(torch::equal(a.out, b.out));
-  EXPECT_TRUE(torch::equal(a.dq, b.dq));
-  EXPECT_TRUE(torch::equal(a.dk, b.dk));
-  EXPECT_TRUE(torch::equal(a.dv, b.dv));
-  EXPECT_TRUE(torch::equal(a.doffsets, b.doffsets));
-  EXPECT_TRUE(torch::equal(a.dbias, b.dbias));
-}
-
-struct ThreadCount {
-  explicit ThreadCount(int n) : saved(torch::get_num_threads()) { torch::set_num_threads(n); }
-  ~ThreadCount() { torch::set_num_threads(saved); }
-  int saved;
-};
-}  // namespace
 
 // Deterministic mode: two runs, and 1 thread against 2 threads, give bit-identical float32 results.
 TEST(Dsa3d, DeterministicModeIsBitIdenticalAcrossRunsAndThreadCounts) {
@@ -520,7 +773,129 @@ TEST(Dsa3d, ApiRejectsBadInputsWithClearMessages) {
 
 namespace {
 bool cuda_ready() { return torch::cuda::is_available(); }
+
+// Tolerances (of the largest expected value) against the float64 reference evaluated on the same,
+// already rounded inputs: float32 round-off amplified by the softmax (1e-5); bfloat16 and float16 the
+// rounding of the results (2^-9, 2^-11 relative) and, in the tiled kernel, of P' and dS' before the
+// tensor-core products (the same order): 1e-2 and 2e-3, as for the CPU kernels.
+double tolerance_of(torch::ScalarType t) { return t == torch::kBFloat16 ? 1e-2 : t == torch::kHalf ? 2e-3 : 1e-5; }
+
+const char* name_of(ms::DsaImpl impl) { return ms::to_string(impl); }
 }  // namespace
+
+// Both fused CUDA kernels (row and tiled) × bfloat16, float16, float32 × d = 32, 64, 128: forward and
+// every gradient (q, k, v, offsets, bias) against the float64 reference on the same inputs. A 3×9×7
+// volume (partial 1×4×4 tiles on two axes), 4 heads in 2 offset groups, bias, offsets in ±2.5 tokens
+// (samples beyond the borders), kernel (3, 5, 5). Outputs are NaN before each run, so an element a
+// kernel does not write fails. Prints every error.
+TEST(Dsa3dCuda, KernelsMatchFloat64Reference_CUDA) {
+  if (!cuda_ready()) GTEST_SKIP() << "no CUDA device";
+  report_errors = true;
+  for (int64_t d : {32, 64, 128}) {
+    Problem pb;
+    pb.B = 2, pb.T = 3, pb.H = 9, pb.W = 7, pb.M = 4, pb.d = d, pb.G = 2;
+    pb.kernel = {3, 5, 5};
+    const auto in32 = make_inputs(pb, torch::kFloat, Offsets::kRandom, 60 + uint64_t(d));
+    for (auto dtype : {torch::kBFloat16, torch::kHalf, torch::kFloat}) {
+      const auto in = to_device(cast(in32, dtype, torch::kFloat), torch::kCUDA);
+      const auto ref = run_kernel(cast(in, torch::kDouble, torch::kDouble), pb.kernel, ms::DsaImpl::kReference);
+      for (auto impl : {ms::DsaImpl::kCuda, ms::DsaImpl::kCudaTiled}) {
+        const std::string what = std::string(name_of(impl)) + " " + c10::toString(dtype) + " d=" + std::to_string(d);
+        SCOPED_TRACE(what);
+        std::printf("  %s\n", what.c_str());
+        expect_results_close(run_kernel(in, pb.kernel, impl), ref, 0, tolerance_of(dtype));
+      }
+    }
+  }
+  report_errors = false;
+}
+
+// The tiled kernel in float64 (its CUDA-core path: the tile algorithm without tensor-core rounding)
+// equals the reference to round-off (1e-10): random offsets, and zero offsets on 6×7×11 with kernel
+// (3, 5, 7) where every sample sits on a token centre (one-sided derivatives, border rule).
+TEST(Dsa3dCuda, TiledFloat64MatchesReference_CUDA) {
+  if (!cuda_ready()) GTEST_SKIP() << "no CUDA device";
+  report_errors = true;
+  Problem pb;
+  pb.B = 2, pb.T = 3, pb.H = 6, pb.W = 7, pb.M = 4, pb.d = 6, pb.G = 2;
+  pb.kernel = {3, 3, 5};
+  const auto in = make_inputs(pb, torch::kDouble, Offsets::kRandom, 70);
+  expect_results_close(run_kernel(to_device(in, torch::kCUDA), pb.kernel, ms::DsaImpl::kCudaTiled),
+                       run_kernel(in, pb.kernel, ms::DsaImpl::kReference), 1e-10, 0);
+  Problem centres;
+  centres.T = 6, centres.H = 7, centres.W = 11, centres.M = 2, centres.d = 8;
+  centres.kernel = {3, 5, 7};
+  const auto zero = make_inputs(centres, torch::kDouble, Offsets::kZero, 71);
+  expect_results_close(run_kernel(to_device(zero, torch::kCUDA), centres.kernel, ms::DsaImpl::kCudaTiled),
+                       run_kernel(zero, centres.kernel, ms::DsaImpl::kReference), 1e-10, 0);
+  report_errors = false;
+}
+
+// Halos larger than one shared-memory chunk (offsets up to ±9 tokens on 4×20×22: most halos span 2 or
+// more chunks in the forward and the backward), float32 and bfloat16, against the float64 reference.
+TEST(Dsa3dCuda, TiledAcrossHaloChunks_CUDA) {
+  if (!cuda_ready()) GTEST_SKIP() << "no CUDA device";
+  report_errors = true;
+  Problem pb;
+  pb.T = 4, pb.H = 20, pb.W = 22, pb.M = 2, pb.d = 64, pb.G = 1;
+  pb.kernel = {3, 3, 3};
+  auto in = make_inputs(pb, torch::kFloat, Offsets::kRandom, 72);
+  in.offsets = in.offsets * 3.6;
+  for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    const auto dev = to_device(cast(in, dtype, torch::kFloat), torch::kCUDA);
+    SCOPED_TRACE(c10::toString(dtype));
+    expect_results_close(run_kernel(dev, pb.kernel, ms::DsaImpl::kCudaTiled),
+                         run_kernel(cast(dev, torch::kDouble, torch::kDouble), pb.kernel, ms::DsaImpl::kReference), 0,
+                         tolerance_of(dtype));
+  }
+  report_errors = false;
+}
+
+// Determinism of the tiled kernel: the forward and dq, d(offsets), dbias have one writer each, so two
+// default runs agree bit for bit there (dk, dv are atomic sums in the default mode); two deterministic
+// runs (tile colours, plain adds) agree in every output; and deterministic equals default up to
+// summation order (float32, 1e-5).
+TEST(Dsa3dCuda, TiledDeterminism_CUDA) {
+  if (!cuda_ready()) GTEST_SKIP() << "no CUDA device";
+  const auto pb = determinism_problem();
+  for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const auto in = to_device(cast(make_inputs(pb, torch::kFloat, Offsets::kRandom, 73), dtype, torch::kFloat), torch::kCUDA);
+    const auto a = run_kernel(in, pb.kernel, ms::DsaImpl::kCudaTiled), b = run_kernel(in, pb.kernel, ms::DsaImpl::kCudaTiled);
+    EXPECT_TRUE(torch::equal(a.out, b.out));
+    EXPECT_TRUE(torch::equal(a.dq, b.dq));
+    EXPECT_TRUE(torch::equal(a.doffsets, b.doffsets));
+    EXPECT_TRUE(torch::equal(a.dbias, b.dbias));
+    const auto c = run_kernel(in, pb.kernel, ms::DsaImpl::kCudaTiled, true);
+    expect_bit_identical(c, run_kernel(in, pb.kernel, ms::DsaImpl::kCudaTiled, true));
+    if (dtype == torch::kFloat) expect_results_close(c, a, 1e-6, 1e-5);
+  }
+}
+
+// kAuto runs the tiled kernel for bfloat16/float16 (and trains through it), the row kernel for float32
+// and for head sizes the tiled kernel lacks; asking for the tiled kernel there names the limit.
+TEST(Dsa3dCuda, AutoPicksTheTiledKernelForHalfPrecision_CUDA) {
+  if (!cuda_ready()) GTEST_SKIP() << "no CUDA device";
+  EXPECT_EQ(ms::resolve_impl(ms::DsaImpl::kAuto, torch::kCUDA), ms::DsaImpl::kCudaTiled);
+  Problem pb;
+  pb.d = 16;
+  const auto in = to_device(cast(make_inputs(pb, torch::kFloat, Offsets::kRandom, 74), torch::kBFloat16, torch::kFloat),
+                            torch::kCUDA);
+  // The same kernel ran: bit-identical where it has one writer per element (dk, dv are atomic sums).
+  const auto expected = run_kernel(in, pb.kernel, ms::DsaImpl::kCudaTiled), got = run_kernel(in, pb.kernel, ms::DsaImpl::kAuto);
+  EXPECT_TRUE(torch::equal(got.out, expected.out));
+  EXPECT_TRUE(torch::equal(got.dq, expected.dq));
+  EXPECT_TRUE(torch::equal(got.doffsets, expected.doffsets));
+  Problem wide;
+  wide.d = 192;
+  const auto in_wide = to_device(cast(make_inputs(wide, torch::kFloat, Offsets::kRandom, 75), torch::kBFloat16,
+                                      torch::kFloat),
+                                 torch::kCUDA);
+  // It fell back to the row kernel: the same forward, bit for bit.
+  EXPECT_TRUE(torch::equal(run_kernel(in_wide, wide.kernel, ms::DsaImpl::kAuto).out,
+                           run_kernel(in_wide, wide.kernel, ms::DsaImpl::kCuda).out));
+  expect_error([&] { run_kernel(in_wide, wide.kernel, ms::DsaImpl::kCudaTiled); }, "head size d = 192");
+}
 
 // Fused CUDA against the reference (both on the GPU), float32: 1e-5 of the largest value, as on the CPU
 // (TF32 is off for the reference's einsum by LibTorch's default).

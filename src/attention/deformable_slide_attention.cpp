@@ -49,16 +49,20 @@ void DeformableSlideAttention3DImpl::reset() {
   rel_bias = register_parameter("rel_bias", torch::zeros({M, kernel_volume()}, torch::TensorOptions().device(dev)));
 }
 
-torch::Tensor DeformableSlideAttention3DImpl::kernel_subset(const TokenGrid& grid) const {
+torch::Tensor DeformableSlideAttention3DImpl::kernel_window(const torch::Tensor& full_kernel, int64_t dim,
+                                                            const TokenGrid& grid) const {
   const auto& full = options.kernel();
   const auto eff = ops::effective_kernel(full, grid.dims());
-  if (eff == full) return {};
-  std::vector<int64_t> idx;
-  const int64_t lt = (full[0] - eff[0]) / 2, lh = (full[1] - eff[1]) / 2, lw = (full[2] - eff[2]) / 2;
-  for (int64_t t = 0; t < eff[0]; ++t)
-    for (int64_t h = 0; h < eff[1]; ++h)
-      for (int64_t w = 0; w < eff[2]; ++w) idx.push_back(((lt + t) * full[1] + (lh + h)) * full[2] + (lw + w));
-  return torch::tensor(idx, torch::kLong);
+  if (eff == full) return full_kernel;
+  // The centred sub-window of the kernel, as views (no index tensor: nothing is copied to the device).
+  std::vector<int64_t> sizes(full_kernel.sizes().begin(), full_kernel.sizes().end());
+  sizes.erase(sizes.begin() + dim);
+  sizes.insert(sizes.begin() + dim, {full[0], full[1], full[2]});
+  auto window = full_kernel.view(sizes);
+  for (int a = 0; a < 3; ++a) window = window.narrow(dim + a, (full[a] - eff[a]) / 2, eff[a]);
+  std::vector<int64_t> out(full_kernel.sizes().begin(), full_kernel.sizes().end());
+  out[dim] = eff[0] * eff[1] * eff[2];
+  return window.reshape(out);
 }
 
 const std::vector<torch::Tensor>& DeformableSlideAttention3DImpl::frozen_weights_like(const torch::Tensor& x) {
@@ -72,9 +76,10 @@ const std::vector<torch::Tensor>& DeformableSlideAttention3DImpl::frozen_weights
 
 torch::Tensor DeformableSlideAttention3DImpl::offsets(const torch::Tensor& x, const TokenGrid& grid) {
   const int64_t B = x.size(0), D = options.dim(), G = options.groups(), K = kernel_volume();
-  auto subset = kernel_subset(grid);
-  const int64_t Ke = subset.defined() ? subset.numel() : K;
-  if (options.offsets() == DsaOffsets::kZero) return torch::zeros({B, grid.t, grid.h, grid.w, G, Ke, 3}, x.options());
+  if (options.offsets() == DsaOffsets::kZero) {
+    const auto eff = ops::effective_kernel(options.kernel(), grid.dims());
+    return torch::zeros({B, grid.t, grid.h, grid.w, G, eff[0] * eff[1] * eff[2], 3}, x.options());
+  }
   auto volume = x.view({B, grid.t, grid.h, grid.w, D}).permute({0, 4, 1, 2, 3});
   torch::Tensor o;
   if (options.offsets() == DsaOffsets::kFrozen) {
@@ -85,11 +90,13 @@ torch::Tensor DeformableSlideAttention3DImpl::offsets(const torch::Tensor& x, co
     auto hidden = torch::gelu(offset_dw(volume)).permute({0, 2, 3, 4, 1});  // [B, T, H, W, D]
     o = offset_pw(hidden);
   }
-  o = o.view({B, grid.t, grid.h, grid.w, G, K, 3});
-  if (subset.defined()) o = o.index_select(5, subset.to(x.device()));
+  o = kernel_window(o.view({B, grid.t, grid.h, grid.w, G, K, 3}), 5, grid);
+  // Δ = range ⊙ tanh(o), the range as plain numbers: a tensor built from them would be a blocking
+  // host-to-device copy in every forward (and rule out CUDA graphs).
   const auto& r = options.offset_range();
-  auto range = torch::tensor({r[0], r[1], r[2]}, x.options());
-  return torch::tanh(o) * range;
+  auto t = torch::tanh(o);
+  if (r[0] == r[1] && r[1] == r[2]) return t * r[0];
+  return torch::stack({t.select(-1, 0) * r[0], t.select(-1, 1) * r[1], t.select(-1, 2) * r[2]}, -1);
 }
 
 torch::Tensor DeformableSlideAttention3DImpl::forward(const torch::Tensor& x, const TokenGrid& grid) {
@@ -98,10 +105,8 @@ torch::Tensor DeformableSlideAttention3DImpl::forward(const torch::Tensor& x, co
               grid.numel(), ", ", D, "], got ", x.sizes());
   const int64_t B = x.size(0);
   auto as_heads = [&](Linear& proj_) { return proj_(x).view({B, grid.t, grid.h, grid.w, M, D / M}); };
-  auto subset = kernel_subset(grid);
-  auto bias = subset.defined() ? rel_bias.index_select(1, subset.to(x.device())) : rel_bias;
-  auto out = ops::dsa3d(as_heads(q), as_heads(k), as_heads(v), offsets(x, grid), bias, options.kernel(), options.impl(),
-                        options.deterministic());
+  auto out = ops::dsa3d(as_heads(q), as_heads(k), as_heads(v), offsets(x, grid), kernel_window(rel_bias, 1, grid),
+                        options.kernel(), options.impl(), options.deterministic());
   return proj(out.reshape({B, grid.numel(), D}));
 }
 

@@ -1,7 +1,10 @@
 #include "megaslide/attention/dsa3d.h"
 
 #include <algorithm>
+#include <atomic>
+#include <limits>
 #include <cmath>
+#include <vector>
 
 #include <ATen/Parallel.h>
 
@@ -97,16 +100,33 @@ torch::Tensor dsa3d_reference(const torch::Tensor& q, const torch::Tensor& k, co
   auto positions = torch::clamp(base.view({1, s.T, s.H, s.W, 1, s.K, 3}) + off, torch::zeros_like(upper), upper);
 
   // grid_sample's normalised coordinates (align_corners=True: -1 and 1 are the first and last token
-  // centres) in (x, y, z) = (w, h, t) order; an axis of length 1 maps everything to its only token.
-  auto scale = torch::tensor({s.T > 1 ? 2.0 / (s.T - 1) : 0.0, s.H > 1 ? 2.0 / (s.H - 1) : 0.0,
-                              s.W > 1 ? 2.0 / (s.W - 1) : 0.0},
-                             off.options());
+  // centres) in (x, y, z) = (w, h, t) order. ATen maps them back to token units as ((g + 1) / 2)·(S - 1),
+  // a round trip that is exact only when S - 1 is a power of two: otherwise an integer position can
+  // come back a rounding below itself, and grid_sample then takes the left instead of the right
+  // difference there (the fused kernels' convention, and what every sample does at zero offsets).
+  // So each axis is padded (replicating its last token) to S' = 2^e + 1 >= S tokens: g = P·2^(1-e) - 1
+  // and its unnormalisation are exact for every integer P (and round-off away from integers). Positions
+  // stay clamped to [0, S - 1], so the padding only ever meets zero-weight corners; its replicated
+  // values make the derivative at P = S - 1 zero, as the kernels' border rule.
+  std::array<int64_t, 3> padded{};
+  std::vector<double> scale_values(3);
+  for (int a = 0; a < 3; ++a) {
+    const int64_t S = std::array<int64_t, 3>{s.T, s.H, s.W}[a];
+    int64_t span = 1;  // S' - 1: the smallest power of two >= S - 1 (1 for S <= 2)
+    while (span < S - 1) span *= 2;
+    padded[a] = span + 1;
+    scale_values[a] = 2.0 / static_cast<double>(span);  // a power of two: exact
+  }
+  auto scale = torch::tensor(scale_values, off.options());
   auto grid = (positions * scale - 1.0).flip({-1});                          // [B, T, H, W, G, K, 3]
   grid = grid.permute({0, 4, 1, 2, 3, 5, 6}).reshape({s.B * s.G, N, s.K, 1, 3}).to(dtype);
 
-  // Feature maps per group: [B*G, Mg*d, T, H, W].
+  // Feature maps per group, padded: [B*G, Mg*d, T', H', W'].
   auto as_volume = [&](const torch::Tensor& x) {
-    return x.reshape({s.B, s.T, s.H, s.W, s.G, Mg * s.d}).permute({0, 4, 5, 1, 2, 3}).reshape({s.B * s.G, Mg * s.d, s.T, s.H, s.W});
+    auto volume = x.reshape({s.B, s.T, s.H, s.W, s.G, Mg * s.d}).permute({0, 4, 5, 1, 2, 3})
+                      .reshape({s.B * s.G, Mg * s.d, s.T, s.H, s.W});
+    if (padded == std::array<int64_t, 3>{s.T, s.H, s.W}) return volume;
+    return at::replication_pad3d(volume, {0, padded[2] - s.W, 0, padded[1] - s.H, 0, padded[0] - s.T});
   };
   auto sample = [&](const torch::Tensor& x) {
     auto y = torch::grid_sampler(as_volume(x.to(dtype)), grid, /*bilinear*/ 0, /*border*/ 1, /*align_corners*/ true);
@@ -128,18 +148,29 @@ const char* to_string(DsaImpl impl) {
     case DsaImpl::kReference: return "reference";
     case DsaImpl::kCpu: return "cpu";
     case DsaImpl::kCuda: return "cuda";
+    case DsaImpl::kCpuTiled: return "cpu_tiled";
+    case DsaImpl::kCudaTiled: return "cuda_tiled";
   }
   return "unknown";
 }
 
 DsaImpl resolve_impl(DsaImpl impl, const torch::Device& device) {
   if (impl != DsaImpl::kAuto) return impl;
+  // The tiled CPU kernel measured 0.9-1.15x the row kernel's speed (docs/3d-dsa.md): not the default.
   if (device.is_cpu()) return DsaImpl::kCpu;
 #ifdef MEGASLIDE_WITH_CUDA
-  if (device.is_cuda()) return DsaImpl::kCuda;
+  if (device.is_cuda()) return DsaImpl::kCudaTiled;
 #endif
   return DsaImpl::kReference;
 }
+
+namespace detail {
+namespace {
+std::atomic<bool> poison_outputs_flag{false};
+}  // namespace
+void dsa3d_set_poison_outputs(bool on) { poison_outputs_flag = on; }
+bool dsa3d_poison_outputs() { return poison_outputs_flag; }
+}  // namespace detail
 
 namespace {
 
@@ -173,10 +204,15 @@ detail::Dsa3dShape backend_shape(const torch::Tensor& q, const torch::Tensor& of
 CUstream_st* current_stream(const torch::Tensor& t) { return at::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
 #endif
 
+bool is_cpu_impl(DsaImpl impl) { return impl == DsaImpl::kCpu || impl == DsaImpl::kCpuTiled; }
+bool is_tiled_impl(DsaImpl impl) { return impl == DsaImpl::kCpuTiled || impl == DsaImpl::kCudaTiled; }
+
 void run_forward(DsaImpl impl, const detail::Dsa3dForwardParams& p, const torch::Tensor& q) {
   if (impl == DsaImpl::kCpu) return detail::dsa3d_forward_cpu(p);
+  if (impl == DsaImpl::kCpuTiled) return detail::dsa3d_forward_cpu_tiled(p);
 #ifdef MEGASLIDE_WITH_CUDA
   const c10::cuda::CUDAGuard guard(q.device());
+  if (impl == DsaImpl::kCudaTiled) return detail::dsa3d_forward_cuda_tiled(p, current_stream(q));
   return detail::dsa3d_forward_cuda(p, current_stream(q));
 #else
   TORCH_CHECK(false, "dsa3d: this build has no CUDA kernels (nvcc was not found when it was configured)");
@@ -185,12 +221,19 @@ void run_forward(DsaImpl impl, const detail::Dsa3dForwardParams& p, const torch:
 
 void run_backward(DsaImpl impl, const detail::Dsa3dBackwardParams& p, const torch::Tensor& q) {
   if (impl == DsaImpl::kCpu) return detail::dsa3d_backward_cpu(p);
+  if (impl == DsaImpl::kCpuTiled) return detail::dsa3d_backward_cpu_tiled(p);
 #ifdef MEGASLIDE_WITH_CUDA
   const c10::cuda::CUDAGuard guard(q.device());
+  if (impl == DsaImpl::kCudaTiled) return detail::dsa3d_backward_cuda_tiled(p, current_stream(q));
   return detail::dsa3d_backward_cuda(p, current_stream(q));
 #else
   TORCH_CHECK(false, "dsa3d: this build has no CUDA kernels (nvcc was not found when it was configured)");
 #endif
+}
+
+void poison(const std::vector<torch::Tensor>& outputs) {
+  if (!detail::dsa3d_poison_outputs()) return;
+  for (const auto& t : outputs) t.fill_(std::numeric_limits<double>::quiet_NaN());
 }
 
 // Autograd for the fused kernels. Saves q, k, v, offsets, bias, out and the log-sum-exp only.
@@ -215,6 +258,7 @@ class FusedDsa3d : public torch::autograd::Function<FusedDsa3d> {
     p.offsets = offsets_acc.data_ptr();
     p.bias = bias_acc.defined() ? bias_acc.data_ptr() : nullptr;
     p.out = out.data_ptr(), p.lse = lse.data_ptr();
+    poison({out, lse});
     run_forward(static_cast<DsaImpl>(impl), p, q);
 
     ctx->save_for_backward({q, k, v, offsets, bias, out, lse});
@@ -261,8 +305,21 @@ class FusedDsa3d : public torch::autograd::Function<FusedDsa3d> {
       p.prob_scratch = prob_scratch.data_ptr();
       p.dlogit_scratch = dlogit_scratch.data_ptr();
     }
+    poison({dq, doffsets});
+    if (is_tiled_impl(impl) && deterministic) {
+      // The bound of every tile's halo, for the colours of the ordered dK/dV merge (on a GPU, one
+      // device-to-host copy; deterministic mode only).
+      const auto bound = offsets_acc.abs().amax({0, 1, 2, 3, 4, 5}).to(torch::kCPU, torch::kDouble);
+      for (int a = 0; a < 3; ++a) p.offset_bound[a] = bound[a].item<double>();
+    }
+    torch::Tensor tile_scratch;
+    if (impl == DsaImpl::kCudaTiled && bias.defined()) {
+      tile_scratch = torch::empty({q.size(0) * detail::dsa3d_tile_count(p.shape), p.shape.M, p.shape.K},
+                                  q.options().dtype(acc));
+      p.tile_scratch = tile_scratch.data_ptr();
+    }
     torch::Tensor cpu_scratch;
-    if (impl == DsaImpl::kCpu) {
+    if (is_cpu_impl(impl)) {
       p.cpu_chunks = deterministic ? 1 : std::max<int64_t>(1, at::get_num_threads());
       const int64_t elements = detail::dsa3d_cpu_scratch_elements(p.shape, deterministic, p.cpu_chunks);
       if (elements > 0) {
@@ -288,23 +345,42 @@ torch::Tensor dsa3d(const torch::Tensor& q, const torch::Tensor& k, const torch:
                     bool deterministic) {
   const Shapes s = check_inputs(q, k, v, offsets, bias, kernel);
   DsaImpl chosen = resolve_impl(impl, q.device());
-  // kAuto never fails where the reference works: head sizes the CUDA kernel lacks fall back to it.
+  // kAuto never fails where the reference works: what the tiled CUDA kernel does not run goes to the
+  // row kernel, head sizes the row kernel lacks to the reference.
+  if (impl == DsaImpl::kAuto && chosen == DsaImpl::kCudaTiled) {
+    const bool half = q.scalar_type() == torch::kBFloat16 || q.scalar_type() == torch::kHalf;
+    bool runs = half && s.T * s.H * s.W < (int64_t{1} << 31);
+#ifdef MEGASLIDE_WITH_CUDA
+    runs = runs && detail::dsa3d_cuda_tiled_unsupported(backend_shape(q, offsets, s.kernel), q.device().index()).empty();
+#endif
+    if (!runs) chosen = DsaImpl::kCuda;
+  }
   if (impl == DsaImpl::kAuto && chosen == DsaImpl::kCuda && s.d > detail::kCudaMaxHeadDim) chosen = DsaImpl::kReference;
   if (chosen == DsaImpl::kReference) return dsa3d_reference(q, k, v, offsets, bias, kernel);
 
-  TORCH_CHECK(chosen == DsaImpl::kCpu || chosen == DsaImpl::kCuda, "dsa3d: unknown implementation ",
-              static_cast<int>(impl));
-  if (chosen == DsaImpl::kCpu) {
-    TORCH_CHECK(q.device().is_cpu(), "dsa3d: impl 'cpu' needs CPU tensors, got q on ", q.device());
+  TORCH_CHECK(chosen == DsaImpl::kCpu || chosen == DsaImpl::kCuda || is_tiled_impl(chosen),
+              "dsa3d: unknown implementation ", static_cast<int>(impl));
+  const char* name = to_string(chosen);
+  if (is_cpu_impl(chosen)) {
+    TORCH_CHECK(q.device().is_cpu(), "dsa3d: impl '", name, "' needs CPU tensors, got q on ", q.device());
   } else {
 #ifndef MEGASLIDE_WITH_CUDA
-    TORCH_CHECK(false, "dsa3d: impl 'cuda' is not available: this build has no CUDA kernels (nvcc was not found "
-                       "when it was configured); use 'auto' or 'reference'");
+    TORCH_CHECK(false, "dsa3d: impl '", name, "' is not available: this build has no CUDA kernels (nvcc was not "
+                "found when it was configured); use 'auto' or 'reference'");
 #endif
-    TORCH_CHECK(q.device().is_cuda(), "dsa3d: impl 'cuda' needs CUDA tensors, got q on ", q.device());
+    TORCH_CHECK(q.device().is_cuda(), "dsa3d: impl '", name, "' needs CUDA tensors, got q on ", q.device());
     TORCH_CHECK(s.d <= detail::kCudaMaxHeadDim, "dsa3d: impl 'cuda' supports head sizes d <= ",
                 detail::kCudaMaxHeadDim, ", got d = ", s.d);
   }
+  if (is_tiled_impl(chosen))
+    TORCH_CHECK(s.T * s.H * s.W < (int64_t{1} << 31), "dsa3d: impl '", name, "' indexes tokens in int32; the volume ",
+                s.T, "x", s.H, "x", s.W, " has too many");
+#ifdef MEGASLIDE_WITH_CUDA
+  if (chosen == DsaImpl::kCudaTiled) {
+    const std::string why = detail::dsa3d_cuda_tiled_unsupported(backend_shape(q, offsets, s.kernel), q.device().index());
+    TORCH_CHECK(why.empty(), "dsa3d: impl 'cuda_tiled' cannot run this shape: ", why);
+  }
+#endif
   backend_dtype(q.scalar_type());  // rejects dtypes the kernels do not take, with a message
   TORCH_CHECK(s.T >= 1 && s.H >= 1 && s.W >= 1 && s.M >= 1 && s.d >= 1,
               "dsa3d: the volume, heads and head size must be non-empty, got q ", q.sizes());

@@ -13,8 +13,9 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
-#include "attention/dsa3d_math.h"  // MEGASLIDE_HD
+#include "dsa3d_math.h"  // MEGASLIDE_HD
 
 struct CUstream_st;  // cudaStream_t without the CUDA headers (same declaration as driver_types.h)
 
@@ -62,10 +63,17 @@ struct Dsa3dBackwardParams {
   // and logit gradients (allocated by the API layer; null otherwise).
   void* prob_scratch = nullptr;
   void* dlogit_scratch = nullptr;
-  // CPU only: the tokens are cut into cpu_chunks chunks run in parallel (default mode), and cpu_scratch
-  // holds dsa3d_cpu_scratch_elements() zeroed acc_t for the partial sums (null when that is 0).
+  // CPU only: the tokens (tiled kernel: the tiles) are cut into cpu_chunks chunks run in parallel
+  // (default mode), and cpu_scratch holds dsa3d_cpu_scratch_elements() zeroed acc_t for the partial
+  // sums (null when that is 0).
   int64_t cpu_chunks = 1;
   void* cpu_scratch = nullptr;
+  // Tiled kernels, deterministic mode: max |offsets| per axis (t, h, w), which bounds every tile's
+  // halo; it sets the tile colours of the ordered dK/dV merge. A NaN or infinite bound means
+  // "unbounded" (one tile per colour: correct and serial).
+  double offset_bound[3] = {0, 0, 0};
+  // CUDA tiled only: [B · tiles, M, K] acc_t for the per-tile dbias partials (null when bias is null).
+  void* tile_scratch = nullptr;
 };
 
 // acc_t elements of CPU backward scratch. Default mode: (chunks - 1) · (2·B·N·M·d + M·K), the dk, dv
@@ -77,6 +85,11 @@ inline int64_t dsa3d_cpu_scratch_elements(const Dsa3dShape& s, bool deterministi
   return (chunks - 1) * (2 * s.B * s.tokens() * s.M * s.d + bias);
 }
 
+// Testing aid: while on, the API fills the outputs a backend must write in full (out, lse, dq,
+// d(offsets)) with NaN before calling it, so an element a kernel never writes shows up as NaN.
+void dsa3d_set_poison_outputs(bool on);
+bool dsa3d_poison_outputs();
+
 // CPU backend (src/attention/dsa3d_cpu.cpp): at::parallel_for over tokens.
 void dsa3d_forward_cpu(const Dsa3dForwardParams& p);
 void dsa3d_backward_cpu(const Dsa3dBackwardParams& p);
@@ -86,5 +99,21 @@ void dsa3d_backward_cpu(const Dsa3dBackwardParams& p);
 constexpr int64_t kCudaMaxHeadDim = 256;
 void dsa3d_forward_cuda(const Dsa3dForwardParams& p, CUstream_st* stream);
 void dsa3d_backward_cuda(const Dsa3dBackwardParams& p, CUstream_st* stream);
+
+// Tiled kernels (docs/3d-dsa.md, "Tiled kernels"; the shared math is attention/dsa3d_tile.h).
+// CPU twin (src/attention/dsa3d_tiled_cpu.cpp): any shape the API accepts.
+void dsa3d_forward_cpu_tiled(const Dsa3dForwardParams& p);
+void dsa3d_backward_cpu_tiled(const Dsa3dBackwardParams& p);
+// Tiles of the tile grid of a shape (the first dimension of tile_scratch is B · tiles).
+int64_t dsa3d_tile_count(const Dsa3dShape& s);
+
+// CUDA (kernels/dsa3d_tiled.cu): tensor cores for bfloat16/float16, CUDA cores for float32/float64
+// (the same tile algorithm, exact enough to test it in float64). Head size d <= kCudaTiledMaxHeadDim.
+constexpr int64_t kCudaTiledMaxHeadDim = 128;
+// Empty when the tiled CUDA kernels can run `s` on `device`; otherwise why not, naming the limit
+// (head size, or the shared memory the K-sized tables need against the device's limit).
+std::string dsa3d_cuda_tiled_unsupported(const Dsa3dShape& s, int device);
+void dsa3d_forward_cuda_tiled(const Dsa3dForwardParams& p, CUstream_st* stream);
+void dsa3d_backward_cuda_tiled(const Dsa3dBackwardParams& p, CUstream_st* stream);
 
 }  // namespace megaslide::ops::detail

@@ -65,8 +65,9 @@ class DeformableSlideAttention3DImpl : public torch::nn::Cloneable<DeformableSli
   torch::Tensor rel_bias;     // [heads, K], zero init
 
  private:
-  // Indices into the full kernel's K of the sub-window used on `grid`, or undefined if all are used.
-  torch::Tensor kernel_subset(const TokenGrid& grid) const;
+  // `full_kernel` (the full kernel's K along `dim`) restricted to the sub-window used on `grid`: views,
+  // so no index tensor is copied to the device; `full_kernel` itself when the whole kernel is used.
+  torch::Tensor kernel_window(const torch::Tensor& full_kernel, int64_t dim, const TokenGrid& grid) const;
   // kFrozen: the four frozen tensors on the input's device and dtype, converted once per (device, dtype)
   // rather than on every forward (they are not parameters, so Module::to() does not move them).
   const std::vector<torch::Tensor>& frozen_weights_like(const torch::Tensor& x);

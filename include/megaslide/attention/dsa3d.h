@@ -13,13 +13,16 @@
 // length (effective_kernel()); offsets and bias then carry that smaller K.
 //
 // Implementations (DsaImpl), one API: `reference` is stock LibTorch ops with grid_sample and
-// materialises the sampled keys and values (N·K·d elements per head), as the paper's code; `cpu` and
-// `cuda` are fused kernels that never do (online softmax over the K samples, log-sum-exp saved,
-// samples recomputed in the backward; O(N·d) extra memory). All three are differentiable w.r.t. q, k,
+// materialises the sampled keys and values (N·K·d elements per head), as the paper's code; the fused
+// kernels never do (log-sum-exp saved, samples recomputed in the backward; O(N·d) extra memory):
+// `cpu` and `cuda` walk each query's samples (online softmax), `cpu_tiled` and `cuda_tiled` work on
+// tiles of 16 queries in score space (S = Q·K_haloᵀ and out = P'·V_halo as dense matrix products,
+// tensor cores on the GPU for bfloat16/float16; docs/3d-dsa.md). All are differentiable w.r.t. q, k,
 // v, offsets and bias; the fused ones through a torch::autograd::Function that saves q, k, v, offsets,
 // bias, out and the log-sum-exp (no double backward). Half-precision inputs accumulate in float32.
 // `deterministic` makes the fused backward bit-identical across runs and thread counts (slower; see
-// docs/3d-dsa.md); the reference ignores it.
+// docs/3d-dsa.md); the reference ignores it. The tiled forwards are deterministic in both modes; in
+// the default mode the tiled backwards add dK, dV per thread (CPU) or with atomics (CUDA).
 //
 // Gradient conventions (the fused kernels match the reference's autograd): the position of a sample
 // gets a gradient only strictly inside the volume, 0 < x < S-1 per axis (torch::clamp passes the
@@ -39,17 +42,21 @@
 namespace megaslide::ops {
 
 enum class DsaImpl {
-  kAuto,       // the fused kernel of the tensors' device; the reference where none applies (CUDA tensors
-               // in a build without kernels/, CUDA head size d > 256, other devices)
+  kAuto,       // CPU tensors: kCpu. CUDA tensors: kCudaTiled for bfloat16/float16 where it runs
+               // (head size d <= 128, its shared-memory tables fit), else kCuda (d <= 256), else the
+               // reference (also for CUDA tensors in a build without kernels/, and other devices)
   kReference,  // stock LibTorch ops with grid_sample (differentiable through autograd)
-  kCpu,        // fused CPU kernel (at::parallel_for over tokens); CPU tensors only
-  kCuda,       // fused CUDA kernel; CUDA tensors, builds with MEGASLIDE_WITH_CUDA, head size d <= 256
+  kCpu,        // fused CPU kernel, one query row at a time (at::parallel_for over tokens)
+  kCuda,       // fused CUDA kernel, one warp per query row; builds with MEGASLIDE_WITH_CUDA, d <= 256
+  kCpuTiled,   // tiled CPU kernel: the host twin of kCudaTiled
+  kCudaTiled,  // tiled CUDA kernel (tensor cores for bfloat16/float16); d <= 128
 };
 
-// "auto", "reference", "cpu", "cuda".
+// "auto", "reference", "cpu", "cuda", "cpu_tiled", "cuda_tiled".
 const char* to_string(DsaImpl impl);
 
-// The implementation kAuto resolves to for tensors on `device` (before the head-size fallback above).
+// The implementation kAuto resolves to for tensors on `device`, before the shape checks above (CUDA:
+// kCudaTiled).
 DsaImpl resolve_impl(DsaImpl impl, const torch::Device& device);
 
 // The kernel actually used on a T×H×W volume: min(kernel[a], size[a]) per axis.
