@@ -296,7 +296,7 @@ class Schema {
     // offload
     boolean("offload.enabled", c.offload.enabled);
     choice("offload.mode", c.offload.mode, {"async", "sync"});
-    choice("offload.compute_dtype", c.offload.compute_dtype, {"bf16", "fp16", "fp32"});
+    choice("offload.compute_dtype", c.offload.compute_dtype, {"auto", "bf16", "fp16", "fp32"});
     integer("offload.optimizer_threads", c.offload.optimizer_threads, IntRange{0, 4096});
     // output
     text("output.run_dir", c.output.run_dir);
