@@ -67,7 +67,7 @@ TEST(MegaslideSample, WritesVBenchNamedH264VideosAnIndexAndRerunsIdentically) {
   auto prompts = prompts_file("prompts.txt", "a red blob moves left quickly\nthe scene darkens from the top\n");
   auto out = join_path(scratch(), "videos");
   const std::string args = "--checkpoint " + weights() + " --prompts " + prompts + " --samples-per-prompt 2 --out " + out +
-                           " --steps 4 --no-progress";
+                           " --steps 4 --no-progress --compute-dtype fp32";
   auto r = run("megaslide-sample", args + " --batch-size 3 --png");
   ASSERT_EQ(r.code, 0) << r.output;
 
