@@ -15,9 +15,11 @@ using namespace megaslide;
 
 namespace {
 
-// 4 frames of 8x8 (64 tokens per clip), 2 blocks of hidden 16: a step takes milliseconds.
+// 4 frames of 8x8 (64 tokens per clip), 2 blocks of hidden 16: a step takes milliseconds. bf16 compute
+// unless a case says otherwise (not `auto`, which is fp32 on CPUs without native bf16), so every machine
+// tests the same paths.
 RunConfig tiny(const std::string& dir, std::vector<std::string> extra = {}) {
-  std::vector<std::string> s{"model.layers=2", "model.dsa_kernel=[3,3,3]", "data.frames=4", "data.height=8", "data.width=8",
+  std::vector<std::string> s{"offload.compute_dtype=bf16", "model.layers=2", "model.dsa_kernel=[3,3,3]", "data.frames=4", "data.height=8", "data.width=8",
                              "data.num_clips=16", "train.steps=8", "train.batch_size=2", "train.lr=3e-3", "train.warmup_steps=2",
                              "train.device=cpu", "train.log_every=100", "offload.optimizer_threads=1", "output.progress=false",
                              "output.run_dir=" + dir};

@@ -67,7 +67,7 @@ TEST(MegaslideSample, WritesVBenchNamedH264VideosAnIndexAndRerunsIdentically) {
   auto prompts = prompts_file("prompts.txt", "a red blob moves left quickly\nthe scene darkens from the top\n");
   auto out = join_path(scratch(), "videos");
   const std::string args = "--checkpoint " + weights() + " --prompts " + prompts + " --samples-per-prompt 2 --out " + out +
-                           " --steps 4 --no-progress";
+                           " --steps 4 --no-progress --compute-dtype fp32";
   auto r = run("megaslide-sample", args + " --batch-size 3 --png");
   ASSERT_EQ(r.code, 0) << r.output;
 
@@ -108,7 +108,7 @@ TEST(MegaslideSample, WritesVBenchNamedH264VideosAnIndexAndRerunsIdentically) {
   // A training checkpoint folder works as --checkpoint: its model.safetensors holds the same bf16 weights
   // as the exported file (both rounded from the same masters), so the same videos.
   r = run("megaslide-sample", "--checkpoint " + join_path(scratch(), "run/checkpoints/step-0000003") + " --prompts " + prompts +
-                                  " --samples-per-prompt 2 --out " + out + " --steps 4 --no-progress --batch-size 3");
+                                  " --samples-per-prompt 2 --out " + out + " --steps 4 --no-progress --batch-size 3 --compute-dtype fp32");
   ASSERT_EQ(r.code, 0) << r.output;
   for (const auto& [file, bytes] : first_bytes) EXPECT_EQ(megaslide::io::read_file(join_path(out, file)), bytes) << "checkpoint: " << file;
 

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <csignal>
+#include <cstdlib>
 #include <string>
 #include <vector>
 #include <fstream>
@@ -218,4 +219,89 @@ TEST(MegaslideTrain, StreamedOnEmulatedAsyncStreamsMatchesTheResidentLoop) {
     megaslide::io::remove_tree(dir_s);
     megaslide::io::remove_tree(dir_r);
   }
+}
+
+namespace {
+// What `auto` must resolve to on this machine's CPU, from the kernel's CPU flags (not from the code
+// under test): bf16 where the CPU has AVX512-BF16 or AMX-BF16 and oneDNN is not capped, else fp32.
+std::string expected_cpu_auto_dtype() {
+  const std::string cpuinfo = megaslide::io::read_file("/proc/cpuinfo");
+  const bool native = cpuinfo.find(" avx512_bf16") != std::string::npos || cpuinfo.find(" amx_bf16") != std::string::npos;
+  const bool capped = std::getenv("ONEDNN_MAX_CPU_ISA") != nullptr || std::getenv("DNNL_MAX_CPU_ISA") != nullptr;
+  return native && !capped ? "bf16" : "fp32";
+}
+
+// Sets an environment variable for the programs a test starts; restores it when destroyed.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* old = std::getenv(name);
+    had_ = old != nullptr;
+    if (had_) old_ = old;
+    ::setenv(name, value, 1);
+  }
+  ~ScopedEnv() { had_ ? ::setenv(name_, old_.c_str(), 1) : ::unsetenv(name_); }
+
+ private:
+  const char* name_;
+  bool had_ = false;
+  std::string old_;
+};
+}  // namespace
+
+// offload.compute_dtype: auto (the shipped default) is resolved once: config.yaml, train.log and --dry-run
+// name the concrete dtype, and a resume of a checkpoint saved with another dtype is refused naming both.
+TEST(MegaslideTrain, AutoComputeDtypeIsResolvedIntoConfigLogAndDryRunAndAResumeWithAnotherIsRefused) {
+  const std::string expected = expected_cpu_auto_dtype();
+  const std::string cpu = "--config " + smoke() + " --set train.device=cpu --set output.progress=false";
+  auto r = run(cpu + " --dry-run --json");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(nlohmann::json::parse(r.output).at("compute_dtype"), expected) << r.output;
+  r = run(cpu + " --set offload.compute_dtype=fp16 --dry-run --json");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(nlohmann::json::parse(r.output).at("compute_dtype"), "fp16") << "explicit settings are kept";
+
+  const auto dir = fresh_dir("auto-dtype");
+  r = run(cpu + " --set train.steps=2 --run-dir " + dir);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(megaslide::load_run_config(join_path(dir, "config.yaml")).offload.compute_dtype, expected);
+  const auto log = megaslide::io::read_file(join_path(dir, "train.log"));
+  EXPECT_NE(log.find("compute dtype " + expected + " (auto: the CPU has"), std::string::npos) << log;
+  EXPECT_NE(log.find("threads: LibTorch intra-op"), std::string::npos) << log;
+  EXPECT_EQ(log.find("[warning]"), std::string::npos) << log;
+  megaslide::io::remove_tree(dir);
+
+  // Saved with fp16 (never what auto picks on a CPU), resumed with auto: refused, both dtypes named.
+  const std::string saved = cpu + " --set train.steps=2 --set train.checkpoint_every=2 --run-dir " + dir;
+  r = run(saved + " --set offload.compute_dtype=fp16");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto metrics = megaslide::io::read_file(join_path(dir, "metrics.jsonl"));
+  r = run(cpu + " --set train.steps=3 --run-dir " + dir + " --resume latest");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("offload.compute_dtype is fp16 in the checkpoint but " + expected), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("--set offload.compute_dtype=fp16"), std::string::npos) << r.output;
+  EXPECT_EQ(megaslide::io::read_file(join_path(dir, "metrics.jsonl")), metrics) << "nothing written";
+  megaslide::io::remove_tree(dir);
+}
+
+// An explicit bf16 on a CPU without native bf16 (here: oneDNN capped to AVX2, as LibTorch runs on such a
+// CPU) still trains, with one warning line saying how much slower it is and how to switch; auto picks fp32.
+TEST(MegaslideTrain, ExplicitBf16OnACpuWithoutNativeBf16TrainsWithOneWarning) {
+  ScopedEnv cap("ONEDNN_MAX_CPU_ISA", "AVX2");
+  const std::string cpu = "--config " + smoke() + " --set train.device=cpu --set output.progress=false";
+  auto r = run(cpu + " --dry-run --json");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(nlohmann::json::parse(r.output).at("compute_dtype"), "fp32");
+  const auto dir = fresh_dir("bf16-warning");
+  r = run(cpu + " --set train.steps=1 --set offload.compute_dtype=bf16 --run-dir " + dir);
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto log = megaslide::io::read_file(join_path(dir, "train.log"));
+  size_t warnings = 0;
+  for (size_t at = log.find("[warning]"); at != std::string::npos; at = log.find("[warning]", at + 1)) ++warnings;
+  EXPECT_EQ(warnings, 1u) << log;
+  EXPECT_NE(log.find("bf16 compute on a CPU without native bf16 arithmetic"), std::string::npos) << log;
+  EXPECT_NE(log.find("slower than in fp32"), std::string::npos) << log;
+  EXPECT_NE(log.find("set offload.compute_dtype: auto"), std::string::npos) << log;
+  EXPECT_NE(log.find("compute dtype bf16 (as configured)"), std::string::npos) << log;
+  megaslide::io::remove_tree(dir);
 }

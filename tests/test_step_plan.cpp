@@ -20,9 +20,11 @@ using megaslide::plan::HardwareProfileError;
 
 namespace {
 
-// 4 frames of 8x8 (64 tokens per clip), hidden 16: a trainer step takes milliseconds on the CPU.
+// 4 frames of 8x8 (64 tokens per clip), hidden 16: a trainer step takes milliseconds on the CPU. bf16
+// compute unless a case says otherwise: a plan resolves `auto` as on a GPU (bf16), a CPU trainer as the
+// CPU runs fast, so the two are compared at a dtype both use.
 RunConfig tiny_run(std::vector<std::string> extra = {}) {
-  std::vector<std::string> s{"model.layers=3",       "model.dsa_kernel=[3,3,3]", "model.swin_window=[2,2,2]",
+  std::vector<std::string> s{"offload.compute_dtype=bf16", "model.layers=3",       "model.dsa_kernel=[3,3,3]", "model.swin_window=[2,2,2]",
                              "data.frames=4",        "data.height=8",            "data.width=8",
                              "data.num_clips=16",    "train.batch_size=2",       "train.warmup_steps=1",
                              "train.device=cpu",     "train.threads=1",          "offload.optimizer_threads=1"};
@@ -291,4 +293,15 @@ TEST(MegaslidePlanCli, JsonHasTheKeysAndBadHardwareIsRefused) {
   const auto table = megaslide::testing::run_tool("megaslide-plan", "--config " + source_path("configs/smoke.yaml") + " --hardware h100nvl");
   EXPECT_EQ(table.code, 0) << table.output;
   EXPECT_NE(table.output.find("bottleneck"), std::string::npos) << table.output;
+}
+
+// `auto` compute dtype: a hardware profile is a GPU with bf16 arithmetic, so the plan is bf16's.
+TEST(StepPlan, AutoComputeDtypePlansWhatItResolvesToOnAGpu) {
+  const auto planned = plan::plan_step(tiny_run({"offload.compute_dtype=auto"}), h200());
+  const auto bf16 = plan::plan_step(tiny_run({"offload.compute_dtype=bf16"}), h200());
+  EXPECT_EQ(planned.compute_dtype, "bf16");
+  EXPECT_EQ(planned.host.compute, bf16.host.compute);
+  EXPECT_EQ(planned.host.grad, bf16.host.grad);
+  EXPECT_EQ(planned.device.peak(), bf16.device.peak());
+  EXPECT_EQ(planned.transfer.h2d_bytes, bf16.transfer.h2d_bytes);
 }

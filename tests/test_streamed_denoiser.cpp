@@ -143,6 +143,31 @@ TEST(StreamedDenoiser, Bf16StreamingStaysCloseToFp32) {
   EXPECT_LT(rel, 0.05) << rel;
 }
 
+// The resident sampler's bf16 mode (megaslide-sample --compute-dtype bf16 without streaming) keeps the
+// streamed sampler's precision layout — bf16 blocks between fp32 embeddings and final layer — so on the
+// CPU the two give the same output bit for bit, for bf16 and fp16 alike.
+TEST(StreamedDenoiser, ResidentDenoiserInBf16EqualsStreamedBf16) {
+  for (const auto dtype : {at::kBFloat16, at::kHalf}) {
+    auto config = small_config(3);
+    auto m_resident = random_model(config, 7), m_streamed = random_model(config, 7), m32 = random_model(config, 7);
+    megaslide::ResidentDenoiser resident(m_resident.dit, dtype), fp32(m32.dit);
+    EXPECT_EQ(m_resident.dit->blocks[0]->parameters()[0].scalar_type(), dtype) << "the blocks are converted in place";
+    EXPECT_EQ(m_resident.dit->final_proj->weight.scalar_type(), torch::kFloat32) << "the final layer stays fp32";
+    StreamedDenoiserOptions o;
+    o.compute_dtype = dtype;
+    StreamedDenoiser streamed(m_streamed.dit, o);
+    torch::manual_seed(8);
+    auto x = torch::randn({2, 3, 2, 4, 4});
+    auto t = torch::tensor({10, 700}, torch::kLong);
+    auto c = random_text(2, 9);
+    torch::NoGradGuard no_grad;
+    const auto a = resident.predict(x, t, c.text, c.mask), b = streamed.predict(x, t, c.text, c.mask);
+    EXPECT_EQ(a.scalar_type(), torch::kFloat32);
+    EXPECT_TRUE(torch::equal(a, b)) << c10::toString(dtype) << ": max difference " << (a - b).abs().max().item<double>();
+    EXPECT_FALSE(torch::equal(a, fp32.predict(x, t, c.text, c.mask))) << "the reduced precision must actually be used";
+  }
+}
+
 TEST(StreamedDenoiser, StreamChoice) {
   using megaslide::offload::StreamChoice;
   EXPECT_EQ(megaslide::offload::parse_stream_choice("auto"), StreamChoice::kAuto);

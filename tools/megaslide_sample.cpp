@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <iostream>
 
 #include "megaslide/megaslide.h"
@@ -49,7 +50,7 @@ class SampleProgress {
 
 int main(int argc, char** argv) {
   CLI::App app{"megaslide-sample: text-to-video sampling into VBench's layout (docs/sampling.md)"};
-  std::string checkpoint, prompts_path, out_dir, sampler = "ddpm", device_spec = "auto", streamed = "auto", stream_dtype = "fp32";
+  std::string checkpoint, prompts_path, out_dir, sampler = "ddpm", device_spec = "auto", streamed = "auto", compute_dtype = "auto";
   int64_t samples_per_prompt = 5, batch_size = 4, fps = 8, crf = 17, upscale = 1, threads = 0;
   int64_t steps = 0;          // 0: the checkpoint config's diffusion.sample_steps
   std::string spacing;        // empty: the checkpoint config's diffusion.timestep_spacing
@@ -95,10 +96,13 @@ int main(int argc, char** argv) {
                  "device's free memory; never on the CPU)")
       ->check(CLI::IsMember({"auto", "on", "off"}))
       ->capture_default_str();
-  app.add_option("--stream-dtype", stream_dtype, "streamed blocks' weights and activations: fp32 (as resident), bf16 or fp16")
-      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
+  app.add_option("--compute-dtype,--stream-dtype", compute_dtype,
+                 "the blocks' weights and activations, resident or streamed: auto (bf16 on a GPU, fp16 on one without "
+                 "bf16; on the CPU bf16 where it has AVX512-BF16 or AMX, else fp32), fp32, bf16 or fp16")
+      ->check(CLI::IsMember({"auto", "fp32", "bf16", "fp16"}))
       ->capture_default_str();
-  app.add_option("--threads", threads, "LibTorch intra-op threads (0: its default)")->check(CLI::NonNegativeNumber);
+  app.add_option("--threads", threads, "LibTorch intra-op threads (0: the cores available to this process)")
+      ->check(CLI::NonNegativeNumber);
   app.add_flag("--no-progress", no_progress, "no progress bar");
   app.set_version_flag("--version", megaslide::build_summary());
   try {
@@ -134,13 +138,25 @@ int main(int argc, char** argv) {
   }
 
   try {
-    if (threads > 0) torch::set_num_threads(static_cast<int>(threads));
+    megaslide::ThreadRequest thread_request;
+    thread_request.intra_op = static_cast<int>(threads);
+    thread_request.device = device;
+    const char* omp = std::getenv("OMP_NUM_THREADS");
+    const auto thread_plan = megaslide::plan_threads(thread_request, megaslide::available_cores(), omp ? omp : "");
+    megaslide::apply_threads(thread_plan);
+    const auto dtype = megaslide::resolve_compute_dtype(compute_dtype, device);
+    const std::string slow = megaslide::compute_dtype_warning(dtype.dtype, device, "use --compute-dtype auto (fp32 on this CPU) to sample faster");
+    if (!slow.empty()) std::cerr << "megaslide-sample: warning: " << slow << "\n";
+    const auto scalar_type = megaslide::offload::parse_compute_dtype(dtype.dtype);
     std::shared_ptr<megaslide::Denoiser> denoiser;
     if (stream) {
       megaslide::offload::StreamedDenoiserOptions so;
       so.device = device;
-      so.compute_dtype = megaslide::offload::parse_compute_dtype(stream_dtype);
+      so.compute_dtype = scalar_type;
       denoiser = std::make_shared<megaslide::offload::StreamedDenoiser>(model.dit, so);
+    } else if (scalar_type != torch::kFloat) {
+      model.dit->to(device);
+      denoiser = std::make_shared<megaslide::ResidentDenoiser>(model.dit, scalar_type);
     }
     megaslide::TextToVideo generator(std::move(model), device, denoiser);
     auto options = generator.default_options().kind(megaslide::parse_sampler_kind(sampler)).eta(eta);
@@ -150,11 +166,11 @@ int main(int argc, char** argv) {
     const auto video_options = megaslide::io::VideoWriteOptions().fps(fps).crf(crf);
 
     megaslide::io::make_directories(out_dir);
-    std::cerr << fmt::format("megaslide-sample: {} prompt(s) x {} -> {} videos in {} ({} {} steps {}, guidance {}, device {}, {})\n",
+    std::cerr << fmt::format("megaslide-sample: {} prompt(s) x {} -> {} videos in {} ({} {} steps {}, guidance {}, device {}, {}, "
+                             "compute dtype {} ({}), {})\n",
                              jobs.size() / static_cast<size_t>(samples_per_prompt), samples_per_prompt, jobs.size(), out_dir,
-                             megaslide::to_string(options.kind()), options.steps(), megaslide::to_string(options.timestep_spacing()),
-                             options.guidance_scale(), device.str(),
-                             stream ? "blocks streamed, " + stream_dtype : std::string("resident"));
+                             megaslide::to_string(options.kind()), options.steps(), megaslide::to_string(options.timestep_spacing()), options.guidance_scale(), device.str(),
+                             stream ? "blocks streamed" : "resident", dtype.dtype, dtype.reason, thread_plan.describe());
     SampleProgress progress(static_cast<int64_t>(jobs.size()), !no_progress);
     for (size_t start = 0; start < jobs.size(); start += static_cast<size_t>(batch_size)) {
       const size_t end = std::min(jobs.size(), start + static_cast<size_t>(batch_size));

@@ -297,7 +297,7 @@ class Schema {
     // offload
     boolean("offload.enabled", c.offload.enabled);
     choice("offload.mode", c.offload.mode, {"async", "sync"});
-    choice("offload.compute_dtype", c.offload.compute_dtype, {"bf16", "fp16", "fp32"});
+    choice("offload.compute_dtype", c.offload.compute_dtype, {"auto", "bf16", "fp16", "fp32"});
     integer("offload.optimizer_threads", c.offload.optimizer_threads, IntRange{0, 4096});
     real("offload.emulated_copy_delay_ms", c.offload.emulated_copy_delay_ms, RealRange{0.0, 10000.0});
     // output

@@ -85,12 +85,24 @@ SamplingSchedule::SamplingSchedule(const DDPMSchedule& train, const std::vector<
   posterior_variance_ = betas_ * (1 - alphas_cumprod_prev_) / (1 - alphas_cumprod_);
 }
 
-ResidentDenoiser::ResidentDenoiser(DiT model) : model_(std::move(model)) {}
+ResidentDenoiser::ResidentDenoiser(DiT model, c10::ScalarType compute_dtype) : model_(std::move(model)), compute_dtype_(compute_dtype) {
+  TORCH_CHECK(model_, "ResidentDenoiser: the model is null");
+  TORCH_CHECK(compute_dtype_ == at::kFloat || compute_dtype_ == at::kBFloat16 || compute_dtype_ == at::kHalf,
+              "ResidentDenoiser: compute dtype must be Float, BFloat16 or Half, got ", compute_dtype_);
+  if (compute_dtype_ != at::kFloat) model_->blocks->to(compute_dtype_);
+}
 
 torch::Tensor ResidentDenoiser::predict(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& text,
                                         const torch::Tensor& text_mask) {
   torch::NoGradGuard no_grad;
-  return model_->forward(x, t, text, text_mask);
+  if (compute_dtype_ == at::kFloat) return model_->forward(x, t, text, text_mask);
+  const auto e = model_->embed(x, t, text, text_mask);
+  BlockContext ctx = e.ctx;
+  ctx.t_mod = ctx.t_mod.to(compute_dtype_);
+  ctx.text = ctx.text.to(compute_dtype_);
+  auto h = e.tokens.to(compute_dtype_);
+  for (const auto& block : *model_->blocks) h = block->as<DiTBlockImpl>()->forward(h, ctx);
+  return model_->head(h.to(e.tokens.scalar_type()), e.t_emb, e.ctx.grid);
 }
 
 torch::Tensor guided_prediction(Denoiser& denoiser, const torch::Tensor& x, const torch::Tensor& t, const Conditioning& cond,

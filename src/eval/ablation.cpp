@@ -21,6 +21,7 @@
 #include "megaslide/io/files.h"
 #include "megaslide/util/cpu_memory_counter.h"
 #include "megaslide/offload/cpu_master_trainer.h"
+#include "megaslide/train/auto_settings.h"
 #include "megaslide/train/resident_trainer.h"
 
 namespace megaslide {
@@ -207,7 +208,8 @@ RunConfig make_config(const std::string& suite, AblationSize size, const std::ve
   overrides.insert(overrides.end(), variant.begin(), variant.end());
   overrides.push_back("train.device=" + options.device);
   overrides.insert(overrides.end(), options.overrides.begin(), options.overrides.end());
-  return parse_run_config("", fmt::format("megaslide-ablate --suite {} ({})", suite, to_string(size)), overrides);
+  // `auto` resolved here, so every run of a suite (and its record) uses the dtype the device runs fast.
+  return resolve_auto_settings(parse_run_config("", fmt::format("megaslide-ablate --suite {} ({})", suite, to_string(size)), overrides));
 }
 
 
@@ -451,7 +453,7 @@ SuiteOutput paired(const AblationOptions& o, std::string& device, const std::str
   for (const auto& r : runs) {
     const double t = r.mean_timed([](const StepMetrics& m) { return m.step_time_s; });
     out.summary.rows.push_back(
-        {r.name, r.config.offload.enabled ? "streamed" : "resident", sig3(t),
+        {r.name, r.config.offload.enabled ? "streamed, " + r.config.offload.compute_dtype : std::string("resident, fp32"), sig3(t),
          sig3(r.mean_timed([](const StepMetrics& m) { return m.exposed_transfer_s; })),
          sig3(r.mean_timed([](const StepMetrics& m) { return m.optimizer_wait_s; })),
          sig3(r.mean_timed([](const StepMetrics& m) { return m.optimizer_s; })),

@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "offload/adamw_kernels.h"
+#include "megaslide/util/cpu_resources.h"
 #include "offload/tile_pool.h"
 
 namespace megaslide::offload {
@@ -137,12 +138,12 @@ CpuAdamW::CpuAdamW(AdamWOptions options, int num_threads, SimdPath path) : optio
   TORCH_CHECK(options.beta2 >= 0 && options.beta2 < 1, "CpuAdamW: beta2 must be in [0, 1), got ", options.beta2);
   TORCH_CHECK(options.eps >= 0, "CpuAdamW: eps must be >= 0, got ", options.eps);
   TORCH_CHECK(options.weight_decay >= 0, "CpuAdamW: weight_decay must be >= 0, got ", options.weight_decay);
-  TORCH_CHECK(num_threads >= 0, "CpuAdamW: num_threads must be >= 0 (0 = hardware threads), got ", num_threads);
+  TORCH_CHECK(num_threads >= 0, "CpuAdamW: num_threads must be >= 0 (0 = the cores available), got ", num_threads);
   TORCH_CHECK(supported(path), "CpuAdamW: SIMD path '", to_string(path),
               "' was forced but this CPU does not support it; use SimdPath::kAuto (this CPU: '",
               to_string(detect()), "')");
   path_ = path == SimdPath::kAuto ? detect() : path;
-  if (num_threads == 0) num_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (num_threads == 0) num_threads = available_cores().cores;
   pool_ = std::make_unique<Pool>(num_threads);
 }
 

@@ -5,6 +5,8 @@
 #include <cmath>
 #include <thread>
 
+#include "megaslide/train/auto_settings.h"
+
 namespace megaslide {
 
 torch::Tensor DiTStack::forward_block(int64_t index, const torch::Tensor& x, const offload::BlockInputs& inputs) {
@@ -69,11 +71,10 @@ namespace {
 offload::StackTrainerOptions engine_options(const RunConfig& c, torch::Device device) {
   offload::StackTrainerOptions o;
   o.device = device;
-  o.compute_dtype = offload::parse_compute_dtype(c.offload.compute_dtype);
+  o.compute_dtype = offload::parse_compute_dtype(c.offload.compute_dtype);  // resolved by the constructor
   o.mode = offload::parse_stream_mode(c.offload.mode);
   o.adamw = offload::AdamWOptions{c.train.lr, c.train.beta1, c.train.beta2, c.train.eps, c.train.weight_decay};
-  const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  o.optimizer_threads = c.offload.optimizer_threads > 0 ? static_cast<int>(c.offload.optimizer_threads) : std::max(1, hw / 2);
+  o.optimizer_threads = plan_threads(c, device).optimizer;
   o.emulated_copy_delay_ms = c.offload.emulated_copy_delay_ms;
   o.grad_clip = c.train.grad_clip;
   o.grad_accum_steps = c.train.grad_accum_steps;
@@ -84,9 +85,9 @@ offload::StackTrainerOptions engine_options(const RunConfig& c, torch::Device de
 }  // namespace
 
 CPUMasterVideoDiT::CPUMasterVideoDiT(const RunConfig& config)
-    : config_(config), device_(resolve_device(config.train.device)), batches_(config) {
+    : config_(resolve_auto_settings(config)), device_(resolve_device(config.train.device)), batches_(config) {
   validate(config_, "CPUMasterVideoDiT");
-  if (config_.train.threads > 0) torch::set_num_threads(static_cast<int>(config_.train.threads));
+  apply_threads(plan_threads(config_, device_));
   // Exactly ResidentTrainer's initialisation: the same seed, the same construction order, on the CPU.
   torch::manual_seed(config_.train.seed);
   DiT model(DiTOptions::from_config(config_));

@@ -275,9 +275,17 @@ std::vector<std::string> advise(const RunConfig& config, const ModelShape& s, co
   return out;
 }
 
+// A hardware profile describes a GPU with bf16 arithmetic (its peak is peak_bf16_tflops), so `auto`
+// plans what it resolves to on one (train/auto_settings.h).
+RunConfig with_planned_compute_dtype(RunConfig config) {
+  if (config.offload.compute_dtype == "auto") config.offload.compute_dtype = "bf16";
+  return config;
+}
+
 }  // namespace
 
-StepPlan plan_step(const RunConfig& config, const HardwareProfile& hw) {
+StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw) {
+  const RunConfig config = with_planned_compute_dtype(requested);
   validate(config, "megaslide-plan");
   const ModelShape s = model_shape(config);
   const TokenGrid grid = grid_of(config);

@@ -58,6 +58,10 @@ void check_config(const std::string& path, const std::string& saved_yaml, const 
   for (const auto& key : config_keys()) {
     if (!must_match(key)) continue;
     const std::string x = YAML::Dump(lookup(a, key)), y = YAML::Dump(lookup(b, key));
+    if (x != y && key == "offload.compute_dtype")
+      fail(path, fmt::format("{}: offload.compute_dtype is {} in the checkpoint but {} in this run's config (`auto` "
+                             "resolves to the dtype this machine runs fast); resume with --set offload.compute_dtype={}",
+                             kState, x, y, x));
     if (x != y)
       fail(path, fmt::format("{}: {} is {} in the checkpoint but {} in this run's config; a run resumes only with the "
                              "model, data and noise settings it was saved with",

@@ -12,6 +12,8 @@
 #include <cmath>
 #include <limits>
 
+#include "megaslide/train/auto_settings.h"
+
 namespace megaslide {
 
 torch::Device resolve_device(const std::string& spec) {
@@ -128,7 +130,7 @@ DiffusionBatch DiffusionBatchSource::next(torch::Device device) {
 ResidentTrainer::ResidentTrainer(const RunConfig& config)
     : config_(config), device_(resolve_device(config.train.device)), batches_(config) {
   validate(config_, "ResidentTrainer");
-  if (config_.train.threads > 0) torch::set_num_threads(static_cast<int>(config_.train.threads));
+  apply_threads(plan_threads(config_, device_));
   torch::manual_seed(config_.train.seed);
   model_ = DiT(DiTOptions::from_config(config_));
   text_encoder_ = TextEncoder(TextEncoderOptions(batches_.tokenizer().vocab_size(), config_.model.text_dim, config_.data.max_text_tokens));

@@ -14,6 +14,7 @@
 
 #include "megaslide/io/files.h"
 #include "megaslide/model/dit.h"
+#include "megaslide/train/auto_settings.h"
 
 namespace megaslide {
 
@@ -153,7 +154,9 @@ std::string dry_run_json(const RunConfig& config) {
                    {"hidden", config.model.hidden},
                    {"tokens_per_sample", grid.numel()},
                    {"token_grid", {grid.t, grid.h, grid.w}},
-                   {"host_state_bytes", count.total * 14}};
+                   {"host_state_bytes", count.total * 14},
+                   {"device", config.train.device},
+                   {"compute_dtype", resolve_auto_settings(config).offload.compute_dtype}};
   return j.dump();
 }
 

@@ -7,6 +7,7 @@
 #include "megaslide/diffusion/text_to_video.h"
 #include "megaslide/io/weights.h"
 #include "megaslide/offload/cpu_master_trainer.h"
+#include "megaslide/train/auto_settings.h"
 #include "megaslide/train/checkpoint.h"
 #include "megaslide/train/resident_trainer.h"
 #include "megaslide/train/run_outputs.h"
@@ -54,7 +55,10 @@ class Trainer {
 
 }  // namespace
 
-TrainingRunResult run_training(const RunConfig& config, const TrainingRunOptions& options) {
+TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOptions& options) {
+  // `auto` settings resolved once: config.yaml, the log and checkpoints carry the resolved values, and a
+  // resume compares them with the checkpoint's.
+  const RunConfig config = resolve_auto_settings(requested);
   const std::string& run_dir = config.output.run_dir;
   const auto& train = config.train;
   TrainingRunResult result;
@@ -91,9 +95,15 @@ TrainingRunResult run_training(const RunConfig& config, const TrainingRunOptions
   if (auto* streamed = trainer.streamed()) {
     log.info(fmt::format("trainer: streamed CPU-master (offload.mode {}, compute {}, grad_accum_steps {}); host memory at start:\n{}",
                          config.offload.mode, config.offload.compute_dtype, train.grad_accum_steps, streamed->host_memory_report()));
+    log.info(fmt::format("compute dtype {} ({})", config.offload.compute_dtype,
+                         resolve_compute_dtype(requested.offload.compute_dtype, trainer.device()).reason));
+    const std::string slow = compute_dtype_warning(config.offload.compute_dtype, trainer.device(),
+                                                   "set offload.compute_dtype: auto (fp32 on this CPU) to run faster");
+    if (!slow.empty()) log.warn(slow);
   } else {
-    log.info("trainer: resident reference loop (offload.enabled: false)");
+    log.info("trainer: resident reference loop (offload.enabled: false), compute dtype fp32");
   }
+  log.info(plan_threads(config, trainer.device()).describe());
   if (!options.trace_path.empty() && !trainer.streamed()) log.warn("--trace records the streamed trainer only (offload.enabled: true); ignored");
   if (!resume_path.empty()) log.info(fmt::format("resumed from {} at step {}", resume_path, result.first_step));
 

@@ -99,7 +99,7 @@ struct TrainConfig {
   double grad_clip = 1.0;                // global-norm clip; 0 disables
   uint64_t seed = 0;
   std::string device = "auto";           // auto | cpu | cuda | cuda:N
-  int64_t threads = 0;                   // LibTorch intra-op threads; 0 = its default
+  int64_t threads = 0;                   // LibTorch intra-op threads; 0 = from the cores available (train/auto_settings.h)
   int64_t log_every = 10;                // lines in train.log (metrics.jsonl gets every step)
   int64_t grad_accum_steps = 1;          // micro-batches of batch_size per optimizer step
   double loss_scale_init = 65536.0;      // fp16 compute only: initial dynamic loss scale
@@ -115,8 +115,8 @@ struct OffloadConfig {
   // The streamed CPU-master trainer (CPUMasterVideoDiT); false runs the resident reference loop.
   bool enabled = true;
   std::string mode = "async";            // async | sync (every copy and update in line: the ablation)
-  std::string compute_dtype = "bf16";    // bf16 | fp16 (dynamic loss scaling) | fp32
-  int64_t optimizer_threads = 0;         // CpuAdamW threads; 0 = half the hardware threads (at least 1)
+  std::string compute_dtype = "auto";    // auto (train/auto_settings.h) | bf16 | fp16 (dynamic loss scaling) | fp32
+  int64_t optimizer_threads = 0;         // CpuAdamW threads; 0 = from the cores available (train/auto_settings.h)
   double emulated_copy_delay_ms = 0.0;   // testing aid: CPU async copies land this much later (docs/offload.md)
 };
 

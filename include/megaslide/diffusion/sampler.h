@@ -91,15 +91,20 @@ class Denoiser {
                                       const torch::Tensor& text_mask) = 0;
 };
 
-// A DiT held whole on its device (shares the module; does not copy it).
+// A DiT held whole on its device (shares the module; does not copy it). With a compute dtype other than
+// Float (BFloat16 or Half) the blocks' weights are converted to it in place at construction and the
+// blocks run in it, while the embeddings and the final layer stay fp32 — the precision layout of
+// offload::StreamedDenoiser, whose output it then equals.
 class ResidentDenoiser final : public Denoiser {
  public:
-  explicit ResidentDenoiser(DiT model);
+  explicit ResidentDenoiser(DiT model, c10::ScalarType compute_dtype = c10::ScalarType::Float);
   torch::Tensor predict(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& text,
                         const torch::Tensor& text_mask) override;
+  c10::ScalarType compute_dtype() const { return compute_dtype_; }
 
  private:
   DiT model_;
+  c10::ScalarType compute_dtype_;
 };
 
 // Encoded text for a batch: embeddings [B, L, text_dim] and mask [B, L] bool.

@@ -64,7 +64,7 @@ struct AdamWBlockState {
 
 class CpuAdamW {
  public:
-  // num_threads = 0 uses std::thread::hardware_concurrency(). kAuto picks the widest path CPUID
+  // num_threads = 0 uses the cores available to the process (util/cpu_resources.h). kAuto picks the widest path CPUID
   // allows; forcing a path the CPU lacks throws.
   explicit CpuAdamW(AdamWOptions options = {}, int num_threads = 0, SimdPath path = SimdPath::kAuto);
   ~CpuAdamW();

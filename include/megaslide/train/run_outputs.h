@@ -77,7 +77,8 @@ class ProgressLine {
 
 // `megaslide-train --dry-run --json`: the model built on the meta device (nothing allocated):
 // {"arch", "params", "params_per_block", "prologue_params", "epilogue_params", "layers",
-//  "tokens_per_sample", "host_state_bytes" (14 B per parameter, DESIGN.md §6)}.
+//  "tokens_per_sample", "host_state_bytes" (14 B per parameter, DESIGN.md §6), "device" (train.device),
+//  "compute_dtype" (offload.compute_dtype with `auto` resolved for that device: train/auto_settings.h)}.
 std::string dry_run_json(const RunConfig& config);
 
 // "1.23 M", "28.4 B": a count in engineering units for logs.

@@ -1,7 +1,8 @@
 // A training run from start (or a checkpoint) to its last step: the loop megaslide-train drives, in
 // the library so that other drivers and the tests run exactly the same thing.
 //
-//   config -> trainer (streamed CPU-master, or resident with offload.enabled: false)
+//   config -> `auto` settings resolved for this machine (train/auto_settings.h), once
+//          -> trainer (streamed CPU-master, or resident with offload.enabled: false)
 //          -> [--resume: resolve, verify and load the checkpoint — nothing is written before this
 //              succeeds]
 //          -> run dir (config.yaml, train.log and metrics.jsonl, appended on resume after dropping
@@ -49,7 +50,7 @@ struct TrainingRunResult {
   std::string last_checkpoint;  // the newest checkpoint written by this run ("" if none)
 };
 
-// Runs (or resumes) `config`. Throws ConfigError / CheckpointError for bad input (before writing
+// Runs (or resumes) `config` (its `auto` settings resolved first). Throws ConfigError / CheckpointError for bad input (before writing
 // anything), OutputError when the run folder cannot be written, NonFiniteError as above.
 TrainingRunResult run_training(const RunConfig& config, const TrainingRunOptions& options);
 
