@@ -511,6 +511,17 @@ TEST(Checkpoint, EveryNameOfACheckpointFindsIt) {
   EXPECT_EQ(find_weights(io::join_path(step4, "model.safetensors")), io::join_path(step4, "model.safetensors"));
   EXPECT_THROW(find_checkpoint(io::join_path(dir, "metrics.jsonl")), CheckpointError);
   EXPECT_THROW(find_checkpoint(io::join_path(dir, "missing")), CheckpointError);
+  // A `latest` that leads to a device is refused at once, not read until memory runs out.
+  const auto zero = fresh_dir("names-zero");
+  io::make_directories(io::join_path(zero, "checkpoints"));
+  ASSERT_EQ(::symlink("/dev/zero", io::join_path(zero, "checkpoints/latest").c_str()), 0);
+  try {
+    latest_checkpoint(zero);
+    ADD_FAILURE() << "a latest leading to /dev/zero was read";
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("is a device"), std::string::npos) << e.what();
+  }
+  io::remove_tree(zero);
   const auto plain = fresh_dir("names-plain");
   run_training(tiny(plain, {"train.steps=2"}), {});
   try {

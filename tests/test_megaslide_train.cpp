@@ -105,7 +105,7 @@ size_t line_count(const std::string& path) {
 }
 }  // namespace
 
-// The check: a run killed with SIGTERM part-way and resumed logs the uninterrupted run's losses
+// The property: a run killed with SIGTERM part-way and resumed logs the uninterrupted run's losses
 // exactly. The signal lets the current step finish, saves a checkpoint and exits with 128 + 15.
 TEST(MegaslideTrain, SigtermSavesAndResumeReproducesTheUninterruptedLosses) {
   const std::string args = "--config " + smoke() + " --set train.steps=24 --set output.progress=false --set train.threads=1";
