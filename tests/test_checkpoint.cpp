@@ -561,3 +561,20 @@ TEST(Checkpoint, ResumeBelowTheCheckpointsStepIsRefusedAndOtherThreadsAreNamed) 
   EXPECT_NE(warnings[0].find("train.threads=1"), std::string::npos) << warnings[0];
   io::remove_tree(dir);
 }
+
+// The memory check before a run: a lower bound (12 B a parameter where the weights and moments live in
+// host memory, the batch, the data order) against what the machine has, refused with the figures.
+TEST(TrainingRun, MemoryShortfallNamesTheFiguresAndSparesWhatFits) {
+  const auto config = tiny("/tmp/unused");
+  EXPECT_EQ(memory_shortfall(config, int64_t{1} << 30), "");
+  const auto why = memory_shortfall(config, 1000);
+  EXPECT_NE(why.find("this machine has 1 kB"), std::string::npos) << why;
+  EXPECT_NE(why.find("x 12 B of fp32 weights"), std::string::npos) << why;
+  // The resident loop on a GPU keeps weights and moments there: only the batch and the order count.
+  const auto big_batch = tiny("/tmp/unused", {"train.batch_size=100000"});
+  const int64_t batch_bytes = int64_t{100000} * 3 * 4 * 8 * 8 * 4;
+  EXPECT_EQ(memory_shortfall(big_batch, batch_bytes + 16 * 8, /*state_in_host_memory=*/false), "");
+  EXPECT_NE(memory_shortfall(big_batch, batch_bytes + 16 * 8, /*state_in_host_memory=*/true), "");
+  EXPECT_NE(memory_shortfall(big_batch, batch_bytes, false), "");
+  EXPECT_GT(this_machine_memory_bytes(), int64_t{1} << 28) << "this machine has more than 256 MiB";
+}

@@ -66,7 +66,7 @@ TEST(RunConfig, InconsistentValuesAreRefused) {
   expect_error("model:\n  heads: 4\n  hidden: 16\n  dsa_groups: 3\n", {}, "model.dsa_groups", "divisor of model.heads");
   expect_error("diffusion:\n  beta_start: 0.1\n  beta_end: 0.01\n", {}, "diffusion.beta_end", "above diffusion.beta_start");
   expect_error("offload:\n  compute_dtype: fp8\n", {}, "offload.compute_dtype", "bf16 | fp16 | fp32");
-  expect_error("train:\n  grad_accum_steps: 0\n", {}, "train.grad_accum_steps", "an integer >= 1");
+  expect_error("train:\n  grad_accum_steps: 0\n", {}, "train.grad_accum_steps", "an integer in [1, 65536]");
 }
 
 TEST(RunConfig, SetOverridesAnyFieldAndIsNamedInErrors) {

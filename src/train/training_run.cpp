@@ -77,20 +77,21 @@ int64_t this_machine_memory_bytes() {
   return bytes;
 }
 
-std::string memory_shortfall(const RunConfig& config, int64_t available_bytes) {
-  // A lower bound of what either trainer holds in host memory before its first step: fp32 weights,
-  // AdamW's two fp32 moments (12 B a parameter; the streamed trainer adds a compute copy), one batch
-  // of video in fp32 and the data sampler's order. The real need is larger (activations, the
-  // streamed trainer's buffers: megaslide-plan counts them); only a run that cannot fit even this
-  // bound is refused, so that it fails here in one line instead of swapping or being killed later.
+std::string memory_shortfall(const RunConfig& config, int64_t available_bytes, bool state_in_host_memory) {
+  // A lower bound of what a trainer holds in host memory before its first step: fp32 weights and
+  // AdamW's two fp32 moments (12 B a parameter; the streamed trainer adds a compute copy) where they
+  // live in host memory, one batch of video in fp32 and the data sampler's order. The real need is
+  // larger (activations, the streamed trainer's buffers: megaslide-plan counts them); only a run that
+  // cannot fit even this bound is refused, so that it fails here in one line instead of swapping or
+  // being killed later.
   const int64_t params = count_dit_parameters(DiTOptions::from_config(config)).total;
   const auto& d = config.data;
-  const int64_t state = params * 12;  // validate() bounded params * 14 below kMaxMachineBytes
+  const int64_t state = state_in_host_memory ? params * 12 : 0;  // validate() bounded params * 14 below kMaxMachineBytes
   const int64_t batch = config.train.batch_size * d.channels * d.frames * d.height * d.width * 4;
   const int64_t order = d.num_clips * 8;
   const int64_t needed = state + batch + order;
   if (available_bytes <= 0 || needed <= available_bytes) return "";
-  return fmt::format("this run needs at least {} of memory ({} parameters x 12 B of fp32 weights and AdamW moments = {}; one batch of "
+  return fmt::format("this run needs at least {} of memory ({} parameters x 12 B of fp32 weights and AdamW moments in host memory = {}; one batch of "
                      "video, train.batch_size {} x {}x{}x{}x{} in fp32 = {}; the sampler's order of data.num_clips {} = {}) but this "
                      "machine has {}: make the model, the batch or the video smaller (megaslide-plan --config ... shows where "
                      "memory goes)",
@@ -116,15 +117,17 @@ TrainingRunResult run_training(const RunConfig& config, const TrainingRunOptions
   } catch (const io::IoError& e) {
     throw ConfigError(options.config_source, "", e.what());
   }
+  bool state_in_host_memory = true;
   try {
-    resolve_device(train.device);
+    // The resident loop keeps its weights and moments on its device; the streamed trainer in host RAM.
+    state_in_host_memory = config.offload.enabled || resolve_device(train.device).is_cpu();
   } catch (const c10::Error& e) {
     throw ConfigError(options.config_source, "train.device", error_message(e));
   }
-  if (const std::string shortfall = memory_shortfall(config, this_machine_memory_bytes()); !shortfall.empty()) {
+  if (const std::string shortfall = memory_shortfall(config, this_machine_memory_bytes(), state_in_host_memory); !shortfall.empty()) {
     const auto& d = config.data;
-    const bool batch_dominates = config.train.batch_size * d.channels * d.frames * d.height * d.width * 4 >
-                                 count_dit_parameters(DiTOptions::from_config(config)).total * 12;
+    const bool batch_dominates = !state_in_host_memory || config.train.batch_size * d.channels * d.frames * d.height * d.width * 4 >
+                                                            count_dit_parameters(DiTOptions::from_config(config)).total * 12;
     throw ConfigError(options.config_source, batch_dominates ? "train.batch_size" : "model", shortfall);
   }
   std::string resume_path;

@@ -58,10 +58,11 @@ struct TrainingRunResult {
 // NonFiniteError as above.
 TrainingRunResult run_training(const RunConfig& config, const TrainingRunOptions& options);
 
-// "" when a lower bound of the host memory `config` needs (fp32 weights and AdamW moments, one batch
-// of video, the data order; counted on the meta device) fits `available_bytes`, else one sentence
-// with the figures. The bound undercounts on purpose: only a run that cannot possibly fit is refused.
-std::string memory_shortfall(const RunConfig& config, int64_t available_bytes);
+// "" when a lower bound of the host memory `config` needs (fp32 weights and AdamW moments when
+// `state_in_host_memory` — the streamed trainer, or any trainer on the CPU —, one batch of video, the
+// data order; counted on the meta device) fits `available_bytes`, else one sentence with the figures.
+// The bound undercounts on purpose: only a run that cannot possibly fit is refused.
+std::string memory_shortfall(const RunConfig& config, int64_t available_bytes, bool state_in_host_memory = true);
 
 // Physical memory, or the container's memory limit (cgroup) when that is lower; 0 when unknown.
 int64_t this_machine_memory_bytes();
