@@ -120,7 +120,8 @@ TrainingRunResult run_training(const RunConfig& config, const TrainingRunOptions
   bool state_in_host_memory = true;
   try {
     // The resident loop keeps its weights and moments on its device; the streamed trainer in host RAM.
-    state_in_host_memory = config.offload.enabled || resolve_device(train.device).is_cpu();
+    const bool on_cpu = resolve_device(train.device).is_cpu();  // checked whichever trainer runs
+    state_in_host_memory = config.offload.enabled || on_cpu;
   } catch (const c10::Error& e) {
     throw ConfigError(options.config_source, "train.device", error_message(e));
   }
