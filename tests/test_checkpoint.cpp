@@ -52,11 +52,12 @@ void truncate_file(const std::string& path, uint64_t keep) {
   ASSERT_EQ(::truncate(path.c_str(), static_cast<off_t>(keep)), 0);
 }
 
-// Every file of a run folder outside checkpoints/, with its bytes.
+// Every file of a run folder outside checkpoints/, with its bytes (not .lock: every run that takes the
+// folder, refused or not, writes its pid there).
 std::map<std::string, std::string> run_files(const std::string& dir) {
   std::map<std::string, std::string> out;
   for (const auto& name : io::list_directory(dir))
-    if (!io::is_directory(io::join_path(dir, name))) out[name] = io::read_file(io::join_path(dir, name));
+    if (!io::is_directory(io::join_path(dir, name)) && name != ".lock") out[name] = io::read_file(io::join_path(dir, name));
   return out;
 }
 
@@ -294,9 +295,21 @@ TEST(Checkpoint, FreshRunRefusesAFolderThatHoldsCheckpoints) {
   try {
     run_training(tiny(dir), {});
     ADD_FAILURE() << "a fresh run overwrote a run with checkpoints";
-  } catch (const CheckpointError& e) {
+  } catch (const RunFolderError& e) {
     EXPECT_NE(std::string(e.what()).find("--resume latest"), std::string::npos) << e.what();
   }
+  // Without checkpoints (train.checkpoint_every: 0, the default) a finished run is refused all the same.
+  const auto plain = fresh_dir("fresh-plain");
+  run_training(tiny(plain, {"train.steps=3"}), {});
+  const auto metrics = io::read_file(io::join_path(plain, "metrics.jsonl"));
+  try {
+    run_training(tiny(plain, {"train.steps=3"}), {});
+    ADD_FAILURE() << "a fresh run overwrote a finished run without checkpoints";
+  } catch (const RunFolderError& e) {
+    EXPECT_NE(std::string(e.what()).find("already holds a run"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(io::read_file(io::join_path(plain, "metrics.jsonl")), metrics) << "the finished run's metrics are untouched";
+  io::remove_tree(plain);
   try {
     TrainingRunOptions none;
     none.resume = "latest";
@@ -392,4 +405,178 @@ TEST(Checkpoint, RunStopsAfterMaxConsecutiveNonFiniteSteps) {
   EXPECT_EQ(lines.size(), 3u);  // steps 2, 3, 4, all skipped
   EXPECT_EQ(latest_checkpoint(dir), poisoned) << "nothing is saved from a run stopped for non-finite steps";
   io::remove_tree(dir);
+}
+
+namespace {
+// Thrown by a save observer to stop a save where a crash would: it is no std::exception, so no cleanup
+// handler of the save catches it (only destructors run, as the kernel's cleanup would after a kill).
+struct SimulatedCrash {};
+}  // namespace
+
+// The property: a run rolled back to an older checkpoint of its folder and then interrupted at any
+// moment of its next save leaves `latest` on a complete checkpoint, and continuing from `latest`
+// gives exactly the history an uninterrupted run would have (the folder's logs and `latest` agree).
+// History A trains 4 steps at lr 3e-3 (checkpoints 2 and 4); history B rolls back to step 2 at lr
+// 1e-3, so A's and B's step 4 differ, and B's save of step 4 replaces A's.
+TEST(Checkpoint, RollBackIsCrashSafeAtEveryStageOfTheNextSave) {
+  const std::vector<std::string> a{"train.steps=4", "train.checkpoint_every=2", "train.lr_schedule=constant", "train.keep_last=0"};
+  auto b = [&](int steps) {
+    auto v = a;
+    v[0] = "train.steps=" + std::to_string(steps);
+    v.push_back("train.lr=1e-3");
+    return v;
+  };
+  auto from_step_2 = [](const std::string& dir) {
+    TrainingRunOptions o;
+    o.resume = io::join_path(dir, "checkpoints/step-0000002");
+    return o;
+  };
+  TrainingRunOptions latest;
+  latest.resume = "latest";
+
+  const auto reference = fresh_dir("rollback-ref");
+  run_training(tiny(reference, a), {});
+  run_training(tiny(reference, b(4)), from_step_2(reference));
+  run_training(tiny(reference, b(6)), latest);
+  const auto expected = losses(reference);
+  ASSERT_EQ(expected.size(), 6u);
+
+  int crashes = 0;
+  for (const std::string stage : {"complete", "moved-aside", "in-place", "latest"}) {
+    SCOPED_TRACE("crash at stage " + stage);
+    const auto dir = fresh_dir("rollback-" + stage);
+    run_training(tiny(dir, a), {});
+    const auto a_step_4 = losses(dir);
+    bool fired = false;
+    megaslide::detail::set_save_checkpoint_observer([&](const std::string& s) {
+      if (s == stage && !fired) {
+        fired = true;
+        throw SimulatedCrash{};
+      }
+    });
+    try {
+      run_training(tiny(dir, b(4)), from_step_2(dir));
+    } catch (const SimulatedCrash&) {
+      ++crashes;
+    }
+    megaslide::detail::set_save_checkpoint_observer(nullptr);
+    const auto l = latest_checkpoint(dir);
+    ASSERT_FALSE(l.empty());
+    EXPECT_NO_THROW(verify_checkpoint(l)) << "`latest` names " << l;
+    run_training(tiny(dir, b(6)), latest);
+    EXPECT_EQ(losses(dir), expected) << "continuing from `latest` must give the rolled-back history";
+    EXPECT_NE(losses(dir)[3], a_step_4[3]) << "the test needs A and B to differ at step 4";
+    io::remove_tree(dir);
+  }
+  EXPECT_GE(crashes, 3) << "complete, in-place and latest are stages of every save";
+  io::remove_tree(reference);
+}
+
+// A failed save says what is true after it, not before: when `latest` names a checkpoint that is gone,
+// the message must not call it intact.
+TEST(Checkpoint, FailedSaveNeverCallsAMissingCheckpointIntact) {
+  const auto dir = fresh_dir("failmsg");
+  auto config = tiny(dir);
+  ResidentTrainer trainer(config);
+  trainer.step();
+  const auto first = save_checkpoint(dir, config, trainer.training_state());
+  io::remove_tree(first);  // `latest` now names nothing
+  trainer.step();
+  megaslide::detail::set_save_checkpoint_observer([](const std::string& s) {
+    if (s == "complete") throw std::runtime_error("injected failure");
+  });
+  try {
+    save_checkpoint(dir, config, trainer.training_state());
+    ADD_FAILURE() << "the save should have failed";
+  } catch (const CheckpointError& e) {
+    const std::string what = e.what();
+    EXPECT_EQ(what.find("is intact"), std::string::npos) << what;
+    EXPECT_NE(what.find("which is missing"), std::string::npos) << what;
+  }
+  megaslide::detail::set_save_checkpoint_observer(nullptr);
+  io::remove_tree(dir);
+}
+
+// Wherever a checkpoint is taken, each name a user types for it leads to it: the folder, the `latest`
+// file beside it, the checkpoints folder and the run folder; a weights file stays a weights file.
+TEST(Checkpoint, EveryNameOfACheckpointFindsIt) {
+  const auto dir = fresh_dir("names");
+  run_training(tiny(dir, {"train.steps=4", "train.checkpoint_every=2"}), {});
+  const auto step4 = io::join_path(dir, "checkpoints/step-0000004");
+  EXPECT_EQ(find_checkpoint(step4), step4);
+  EXPECT_EQ(find_checkpoint(io::join_path(dir, "checkpoints/latest")), step4);
+  EXPECT_EQ(find_checkpoint(io::join_path(dir, "checkpoints")), step4);
+  EXPECT_EQ(find_checkpoint(dir), step4);
+  EXPECT_EQ(resolve_checkpoint("/elsewhere", io::join_path(dir, "checkpoints/latest")), step4);
+  EXPECT_EQ(find_weights(io::join_path(dir, "checkpoints/latest")), io::join_path(step4, "model.safetensors"));
+  EXPECT_EQ(find_weights(dir), io::join_path(step4, "model.safetensors"));
+  EXPECT_EQ(find_weights(io::join_path(step4, "model.safetensors")), io::join_path(step4, "model.safetensors"));
+  EXPECT_THROW(find_checkpoint(io::join_path(dir, "metrics.jsonl")), CheckpointError);
+  EXPECT_THROW(find_checkpoint(io::join_path(dir, "missing")), CheckpointError);
+  // A `latest` that leads to a device is refused at once, not read until memory runs out.
+  const auto zero = fresh_dir("names-zero");
+  io::make_directories(io::join_path(zero, "checkpoints"));
+  ASSERT_EQ(::symlink("/dev/zero", io::join_path(zero, "checkpoints/latest").c_str()), 0);
+  try {
+    latest_checkpoint(zero);
+    ADD_FAILURE() << "a latest leading to /dev/zero was read";
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("is a device"), std::string::npos) << e.what();
+  }
+  io::remove_tree(zero);
+  const auto plain = fresh_dir("names-plain");
+  run_training(tiny(plain, {"train.steps=2"}), {});
+  try {
+    find_checkpoint(plain);
+    ADD_FAILURE() << "a run without checkpoints has none to find";
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("checkpoint_every"), std::string::npos) << e.what();
+  }
+  io::remove_tree(dir);
+  io::remove_tree(plain);
+}
+
+TEST(Checkpoint, ResumeBelowTheCheckpointsStepIsRefusedAndOtherThreadsAreNamed) {
+  const auto dir = fresh_dir("below");
+  run_training(tiny(dir, {"train.steps=4", "train.checkpoint_every=2", "train.threads=1"}), {});
+  const auto metrics = io::read_file(io::join_path(dir, "metrics.jsonl"));
+  TrainingRunOptions resume;
+  resume.resume = "latest";
+  try {
+    run_training(tiny(dir, {"train.steps=3", "train.checkpoint_every=2", "train.threads=1"}), resume);
+    ADD_FAILURE() << "a resume that trains nothing was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(e.key(), "train.steps");
+    EXPECT_NE(std::string(e.what()).find("already at step 4"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(io::read_file(io::join_path(dir, "metrics.jsonl")), metrics);
+  // Equal: the run is complete; nothing is trained, nothing is lost.
+  const auto done = run_training(tiny(dir, {"train.steps=4", "train.checkpoint_every=2", "train.threads=1"}), resume);
+  EXPECT_EQ(done.steps_done, 4);
+  EXPECT_EQ(io::read_file(io::join_path(dir, "metrics.jsonl")), metrics);
+  // Another thread count: allowed, and said.
+  const auto latest = latest_checkpoint(dir);
+  EXPECT_TRUE(resume_warnings(latest, tiny(dir, {"train.threads=1"})).empty());
+  const auto warnings = resume_warnings(latest, tiny(dir, {"train.threads=2"}));
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_NE(warnings[0].find("bit for bit"), std::string::npos) << warnings[0];
+  EXPECT_NE(warnings[0].find("train.threads=1"), std::string::npos) << warnings[0];
+  io::remove_tree(dir);
+}
+
+// The memory check before a run: a lower bound (12 B a parameter where the weights and moments live in
+// host memory, the batch, the data order) against what the machine has, refused with the figures.
+TEST(TrainingRun, MemoryShortfallNamesTheFiguresAndSparesWhatFits) {
+  const auto config = tiny("/tmp/unused");
+  EXPECT_EQ(memory_shortfall(config, int64_t{1} << 30), "");
+  const auto why = memory_shortfall(config, 1000);
+  EXPECT_NE(why.find("this machine has 1 kB"), std::string::npos) << why;
+  EXPECT_NE(why.find("x 12 B of fp32 weights"), std::string::npos) << why;
+  // The resident loop on a GPU keeps weights and moments there: only the batch and the order count.
+  const auto big_batch = tiny("/tmp/unused", {"train.batch_size=100000"});
+  const int64_t batch_bytes = int64_t{100000} * 3 * 4 * 8 * 8 * 4;
+  EXPECT_EQ(memory_shortfall(big_batch, batch_bytes + 16 * 8, /*state_in_host_memory=*/false), "");
+  EXPECT_NE(memory_shortfall(big_batch, batch_bytes + 16 * 8, /*state_in_host_memory=*/true), "");
+  EXPECT_NE(memory_shortfall(big_batch, batch_bytes, false), "");
+  EXPECT_GT(this_machine_memory_bytes(), int64_t{1} << 28) << "this machine has more than 256 MiB";
 }

@@ -1,20 +1,28 @@
-// Hostile inputs for the two parsers that read files users hand us: the run-config parser and the
-// safetensors reader (checkpoints and weights files). A committed corpus (tests/corpus/) of
-// hand-written malformed files is replayed, then a bounded, seeded mutation loop (bit flips, byte
-// overwrites, truncations, insertions, length-field edits) runs over every seed. The property: each
-// input either loads or raises the project's own error type (ConfigError, SafetensorsError) — never
-// another exception, a crash, or an allocation sized by an unchecked header field. The same seeds
-// drive the libFuzzer targets (tests/fuzz/) where clang is available.
+// Hostile inputs for what users hand us: the run-config parser and the safetensors reader
+// (checkpoints and weights files), prompt files, metrics files, and every command-line tool. A
+// committed corpus (tests/corpus/) of hand-written malformed inputs is replayed, then a bounded, seeded
+// mutation loop (bit flips, byte overwrites, truncations, insertions, length-field edits) runs over the
+// config and safetensors seeds. The property: each input either loads or raises the project's own error
+// type (ConfigError, SafetensorsError, MetricsFileError) — never another exception, a crash, or an
+// allocation sized by an unchecked field; each bad command line (tests/corpus/cli/) exits 2 with one
+// line and writes nothing. The same config and safetensors seeds drive the libFuzzer targets
+// (tests/fuzz/) where clang is available.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
-#include <fstream>
+#include <algorithm>
 #include <cstring>
+#include <fstream>
 #include <random>
+#include <set>
+#include <sstream>
 
 #include "megaslide/config/run_config.h"
+#include "megaslide/eval/run_plots.h"
+#include "megaslide/eval/vbench.h"
 #include "megaslide/io/files.h"
 #include "megaslide/io/safetensors.h"
+#include "run_tool.h"
 
 using namespace megaslide;
 
@@ -104,6 +112,8 @@ TEST(HostileInputs, SafetensorsCorpusIsRefusedWithClearErrorsOrLoaded) {
     } else {
       EXPECT_EQ(outcome, 1) << name << " was accepted";
       EXPECT_NE(message.find(scratch), std::string::npos) << "the message must name the file: " << message;
+      if (name == "latest_pointer.safetensors")  // a checkpoint's `latest` file handed over as weights
+        EXPECT_NE(message.find("not a safetensors file"), std::string::npos) << "say it plainly first: " << message;
       ++refused;
     }
   }
@@ -124,6 +134,106 @@ TEST(HostileInputs, RunConfigCorpusIsRefusedWithClearErrorsOrLoaded) {
   }
   EXPECT_GE(refused, 15);
 }
+
+// The bad configs a hostile user tried (numbers beyond a double or an int64, repeated keys, sizes no
+// machine holds or that overflow 64 bits) are each refused — not loaded, not aborted.
+TEST(HostileInputs, RunConfigsFromTheHostileUserAreAllRefused) {
+  for (const char* name : {"lr_overflow.yaml", "lr_underflow.yaml", "negative_overflow.yaml", "duplicate_key.yaml",
+                           "duplicate_section.yaml", "huge_layers.yaml", "huge_parameters.yaml", "size_product_overflow.yaml",
+                           "batch_beyond_any_machine.yaml", "huge_kernel.yaml", "dense_scores_beyond_any_machine.yaml",
+                           "huge_num_clips.yaml", "huge_grad_accum.yaml", "guidance_nan.yaml", "huge_text_dim.yaml",
+                           "device_index_overflow.yaml", "huge_int.yaml", "nan.yaml", "inf.yaml"}) {
+    std::string message;
+    EXPECT_EQ(feed_config(io::read_file(corpus("run_config") + "/" + name), &message), 1) << name << " was not refused: " << message;
+  }
+}
+
+// Prompt files: each is refused naming the file and the line (not UTF-8, not a file) or read, and then
+// every prompt has a file name that is safe, bounded (with room for NAME.tmp under 255 bytes) and its
+// own — decided before any sampling.
+TEST(HostileInputs, PromptFilesAreRefusedByLineOrGetSafeUniqueBoundedNames) {
+  int refused = 0, read = 0;
+  for (const auto& name : io::list_directory(corpus("prompts"))) {
+    const std::string path = corpus("prompts") + "/" + name;
+    std::vector<std::string> prompts;
+    try {
+      prompts = eval::read_prompt_file(path);
+    } catch (const std::runtime_error& e) {
+      EXPECT_EQ(name.rfind("invalid_utf8", 0), 0u) << name << " refused: " << e.what();
+      EXPECT_NE(std::string(e.what()).find(path + "' line "), std::string::npos) << e.what();
+      ++refused;
+      continue;
+    }
+    EXPECT_NE(name.rfind("invalid_utf8", 0), 0u) << name << " was read";
+    ++read;
+    const auto jobs = eval::plan_vbench_samples(prompts, 5, 0);
+    std::set<std::string> files;
+    for (const auto& job : jobs) {
+      const std::string& f = job.file;
+      EXPECT_LE(f.size() + 4, 255u) << f;
+      EXPECT_TRUE(std::none_of(f.begin(), f.end(), [](char c) { return c == '/' || static_cast<unsigned char>(c) < 0x20 || c == 0x7f; })) << f;
+      EXPECT_TRUE(f[0] != '-' && f[0] != '.') << f;
+      files.insert(f);
+    }
+    EXPECT_EQ(files.size(), jobs.size()) << name << ": two videos share a file name";
+  }
+  EXPECT_GE(refused, 5);
+  EXPECT_GE(read, 6);
+  EXPECT_THROW(eval::read_prompt_file("/dev/zero"), std::runtime_error);
+}
+
+// Metrics files as megaslide-plot reads them: a skipped step's nulls load (as NaN gaps); anything
+// else malformed is a MetricsFileError naming the file and the line.
+TEST(HostileInputs, MetricsFilesLoadOrNameTheLine) {
+  for (const auto& name : io::list_directory(corpus("metrics"))) {
+    const std::string path = corpus("metrics") + "/" + name;
+    const bool loads = name == "skipped_step_null.jsonl" || name == "all_steps_skipped.jsonl";
+    try {
+      const auto steps = read_metrics_jsonl(path);
+      EXPECT_TRUE(loads) << name << " was accepted";
+    } catch (const MetricsFileError& e) {
+      EXPECT_FALSE(loads) << name << ": " << e.what();
+      EXPECT_NE(std::string(e.what()).find(path + ":"), std::string::npos) << e.what();
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << name << ": unexpected exception type: " << e.what();
+    }
+  }
+}
+
+namespace {
+// Replays tests/corpus/cli/TOOL.txt: every line must exit 2 with at most two lines of output (the
+// message and CLI11's "Run with --help"), no LibTorch stack trace, and nothing left in the scratch
+// folder.
+void replay_cli_corpus(const std::string& tool) {
+  const std::string tmp = "/tmp/megaslide-test-hostile-cli-" + std::to_string(::getpid());
+  io::remove_tree(tmp);
+  io::make_directories(tmp);
+  std::istringstream lines(io::read_file(corpus("cli") + "/" + tool + ".txt"));
+  std::string line;
+  int cases = 0;
+  while (std::getline(lines, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    for (const auto& [key, value] : std::vector<std::pair<std::string, std::string>>{
+             {"{source}", MEGASLIDE_SOURCE_DIR}, {"{corpus}", corpus("")}, {"{tmp}", tmp}})
+      for (size_t p = line.find(key); p != std::string::npos; p = line.find(key)) line.replace(p, key.size(), value);
+    const auto r = megaslide::testing::run_tool(tool, line);
+    EXPECT_EQ(r.code, 2) << tool << " " << line << "\n" << r.output;
+    EXPECT_EQ(r.output.find("Exception raised from"), std::string::npos) << tool << " " << line << "\n" << r.output;
+    EXPECT_LE(std::count(r.output.begin(), r.output.end(), '\n'), 2) << tool << " " << line << "\n" << r.output;
+    EXPECT_TRUE(io::list_directory(tmp).empty()) << tool << " " << line << " wrote into " << tmp;
+    ++cases;
+  }
+  EXPECT_GT(cases, 0);
+  io::remove_tree(tmp);
+}
+}  // namespace
+
+TEST(HostileInputs, TrainCommandLinesExitTwoWithOneLine) { replay_cli_corpus("megaslide-train"); }
+TEST(HostileInputs, PlanCommandLinesExitTwoWithOneLine) { replay_cli_corpus("megaslide-plan"); }
+TEST(HostileInputs, SampleCommandLinesExitTwoWithOneLine) { replay_cli_corpus("megaslide-sample"); }
+TEST(HostileInputs, EvalCommandLinesExitTwoWithOneLine) { replay_cli_corpus("megaslide-eval"); }
+TEST(HostileInputs, PlotCommandLinesExitTwoWithOneLine) { replay_cli_corpus("megaslide-plot"); }
+TEST(HostileInputs, AblateCommandLinesExitTwoWithOneLine) { replay_cli_corpus("megaslide-ablate"); }
 
 TEST(HostileInputs, MutatedSafetensorsNeverEscapeTheReadersErrorType) {
   const std::string scratch = "/tmp/megaslide-test-mutated-" + std::to_string(::getpid()) + ".safetensors";

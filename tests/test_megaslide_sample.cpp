@@ -9,6 +9,7 @@
 
 #include <array>
 #include <cstdio>
+#include <set>
 #include <sstream>
 
 #include "megaslide/eval/vbench.h"
@@ -65,7 +66,8 @@ TEST(MegaslideSample, WritesVBenchNamedH264VideosAnIndexAndRerunsIdentically) {
   if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
   ASSERT_TRUE(path_exists(weights()));
   auto prompts = prompts_file("prompts.txt", "a red blob moves left quickly\nthe scene darkens from the top\n");
-  auto out = join_path(scratch(), "videos");
+  auto out = join_path(scratch(), "samples");
+  const auto videos = join_path(out, "videos");
   const std::string args = "--checkpoint " + weights() + " --prompts " + prompts + " --samples-per-prompt 2 --out " + out +
                            " --steps 4 --no-progress --compute-dtype fp32";
   auto r = run("megaslide-sample", args + " --batch-size 3 --png");
@@ -84,36 +86,52 @@ TEST(MegaslideSample, WritesVBenchNamedH264VideosAnIndexAndRerunsIdentically) {
     EXPECT_EQ(megaslide::eval::vbench_prompt_from_file_name(file), prompt);
     EXPECT_EQ(v.at("seed").get<uint64_t>(), megaslide::eval::vbench_seed(prompt, i, 0));
     megaslide::io::VideoInfo info;
-    auto frames = megaslide::io::read_video(join_path(out, file), &info);
+    auto frames = megaslide::io::read_video(join_path(videos, file), &info);
     EXPECT_EQ(info.codec, "h264");
     EXPECT_EQ(info.frames, 8);  // configs/smoke.yaml: 8 frames of 16 x 16
     EXPECT_EQ(info.width, 16);
     EXPECT_EQ(info.height, 16);
     EXPECT_NEAR(info.fps, 8.0, 1e-9);
     EXPECT_TRUE(path_exists(join_path(join_path(join_path(out, "frames"), file.substr(0, file.size() - 4)), "007.png")));
-    first_bytes[file] = megaslide::io::read_file(join_path(out, file));
+    first_bytes[file] = megaslide::io::read_file(join_path(videos, file));
   }
+  // VBench reads the videos folder and takes the extension from its first entry: only videos there.
+  for (const auto& name : megaslide::io::list_directory(videos)) EXPECT_EQ(name.substr(name.size() - 4), ".mp4") << name;
+  EXPECT_TRUE(path_exists(join_path(out, "index.json")));
   // A rerun (another batch size, so other batch neighbours) gives the same samples; the encoder is
   // deterministic, so the same bytes.
   r = run("megaslide-sample", args + " --batch-size 1");
   ASSERT_EQ(r.code, 0) << r.output;
-  for (const auto& [file, bytes] : first_bytes) EXPECT_EQ(megaslide::io::read_file(join_path(out, file)), bytes) << file;
+  for (const auto& [file, bytes] : first_bytes) EXPECT_EQ(megaslide::io::read_file(join_path(videos, file)), bytes) << file;
   // Streamed sampling (the DiT's blocks through the WeightStreamer, fp32) gives the resident videos, byte
   // for byte.
   r = run("megaslide-sample", args + " --batch-size 3 --streamed on");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_NE(r.output.find("blocks streamed"), std::string::npos) << r.output;
-  for (const auto& [file, bytes] : first_bytes) EXPECT_EQ(megaslide::io::read_file(join_path(out, file)), bytes) << "streamed: " << file;
+  for (const auto& [file, bytes] : first_bytes) EXPECT_EQ(megaslide::io::read_file(join_path(videos, file)), bytes) << "streamed: " << file;
 
   // A training checkpoint folder works as --checkpoint: its model.safetensors holds the same bf16 weights
   // as the exported file (both rounded from the same masters), so the same videos.
   r = run("megaslide-sample", "--checkpoint " + join_path(scratch(), "run/checkpoints/step-0000003") + " --prompts " + prompts +
                                   " --samples-per-prompt 2 --out " + out + " --steps 4 --no-progress --batch-size 3 --compute-dtype fp32");
   ASSERT_EQ(r.code, 0) << r.output;
-  for (const auto& [file, bytes] : first_bytes) EXPECT_EQ(megaslide::io::read_file(join_path(out, file)), bytes) << "checkpoint: " << file;
+  for (const auto& [file, bytes] : first_bytes) EXPECT_EQ(megaslide::io::read_file(join_path(videos, file)), bytes) << "checkpoint: " << file;
+  // So do the other names a user types for it — the `latest` file beside it, and the run folder — here
+  // for one video each (a video depends only on its prompt, index and seed).
+  const auto one = prompts_file("one.txt", "a red blob moves left quickly\n");
+  const std::string one_file = "a red blob moves left quickly-0.mp4";
+  for (const std::string spec : {"run/checkpoints/latest", "run"}) {
+    const auto other = join_path(scratch(), "by-name");
+    r = run("megaslide-sample", "--checkpoint " + join_path(scratch(), spec) + " --prompts " + one + " --samples-per-prompt 1 --out " +
+                                    other + " --steps 4 --no-progress");
+    ASSERT_EQ(r.code, 0) << spec << "\n" << r.output;
+    EXPECT_EQ(megaslide::io::read_file(join_path(other, "videos/" + one_file)), first_bytes.at(one_file)) << spec;
+    megaslide::io::remove_tree(other);
+  }
 
   auto e = run("megaslide-eval", out);
   ASSERT_EQ(e.code, 0) << e.output;
+  EXPECT_FALSE(path_exists(join_path(videos, "eval.json"))) << "nothing but videos in the videos folder";
   EXPECT_NE(e.output.find("temporal_flickering"), std::string::npos) << e.output;
   auto scores = nlohmann::json::parse(megaslide::io::read_file(join_path(out, "eval.json")));
   EXPECT_EQ(scores.at("count"), 4);
@@ -136,7 +154,16 @@ TEST(MegaslideSample, BadInputExitsTwoNamingItAndWritesNothing) {
   const std::string missing = join_path(scratch(), "missing.safetensors");
   expect_refused("--checkpoint " + missing + " --prompts " + prompts + " --out " + out, missing);
   auto corrupt = prompts_file("corrupt.safetensors", "definitely not safetensors");
-  expect_refused("--checkpoint " + corrupt + " --prompts " + prompts + " --out " + out, corrupt);
+  expect_refused("--checkpoint " + corrupt + " --prompts " + prompts + " --out " + out, corrupt + "': not a safetensors file");
+  auto pointer = prompts_file("latest", "step-0000200\n");  // a `latest` file with no checkpoint beside it
+  expect_refused("--checkpoint " + pointer + " --prompts " + prompts + " --out " + out, "step-0000200");
+  auto latin1 = prompts_file("latin1.txt", "a red blob\ncaf\xe9\n");
+  expect_refused("--checkpoint " + weights() + " --prompts " + latin1 + " --out " + out, "line 2: not valid UTF-8");
+  expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out ''", "--out");
+  expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + out + " --guidance nan", "--guidance");
+  expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + out + " --guidance 1e400", "--guidance");
+  expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + out + " --eta nan", "--eta");
+  expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + corrupt + "/sub", "--out");
   auto empty = prompts_file("empty.txt", "\n\n");
   expect_refused("--checkpoint " + weights() + " --prompts " + empty + " --out " + out, empty);
   expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + out + " --samples-per-prompt 0", "--samples-per-prompt");
@@ -180,9 +207,33 @@ TEST(MegaslideSample, TrainingWritesValidationVideosWithoutChangingTheRun) {
   EXPECT_EQ(index.at("steps"), 3);
   for (const auto& v : index.at("videos")) {
     megaslide::io::VideoInfo info;
-    megaslide::io::read_video(join_path(step_dir, v.at("file").get<std::string>()), &info);
+    megaslide::io::read_video(join_path(step_dir, "videos/" + v.at("file").get<std::string>()), &info);
     EXPECT_EQ(info.frames, 8);
     EXPECT_EQ(info.codec, "h264");
   }
   EXPECT_FALSE(path_exists(join_path(without, "samples")));
+}
+
+// The property: every prompt gets a safe, bounded, unique file name decided before any sampling, so a
+// run never fails at its end on a name — VBench's long (augmented) prompts, prompts that differ only
+// in what a file name cannot hold, and prompts with characters a shell would read as an option.
+TEST(MegaslideSample, LongAndOddPromptsAreNamedBeforeAnyWorkAndAllWritten) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  const std::string opening(260, 'x');
+  auto prompts = prompts_file("odd.txt", opening + " then a cat\n" + opening + " then a dog\na/b\na_b\n-rf *\n日本語の長い" + std::string(250, 'y') + "\n");
+  auto out = join_path(scratch(), "odd");
+  auto r = run("megaslide-sample", "--checkpoint " + weights() + " --prompts " + prompts + " --samples-per-prompt 1 --out " + out +
+                                       " --steps 2 --no-progress");
+  ASSERT_EQ(r.code, 0) << r.output;
+  auto index = nlohmann::json::parse(megaslide::io::read_file(join_path(out, "index.json")));
+  ASSERT_EQ(index.at("videos").size(), 6u);
+  std::set<std::string> files;
+  for (const auto& v : index.at("videos")) {
+    const auto file = v.at("file").get<std::string>();
+    EXPECT_LE(file.size(), megaslide::eval::kMaxFileNameBytes) << file;
+    EXPECT_NE(file[0], '-') << file;
+    EXPECT_TRUE(path_exists(join_path(out, "videos/" + file))) << file;
+    files.insert(file);
+  }
+  EXPECT_EQ(files.size(), 6u) << "one file per prompt";
 }

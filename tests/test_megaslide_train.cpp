@@ -4,6 +4,7 @@
 #include "run_tool.h"
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <sys/wait.h>
@@ -105,7 +106,7 @@ size_t line_count(const std::string& path) {
 }
 }  // namespace
 
-// The check: a run killed with SIGTERM part-way and resumed logs the uninterrupted run's losses
+// The property: a run killed with SIGTERM part-way and resumed logs the uninterrupted run's losses
 // exactly. The signal lets the current step finish, saves a checkpoint and exits with 128 + 15.
 TEST(MegaslideTrain, SigtermSavesAndResumeReproducesTheUninterruptedLosses) {
   const std::string args = "--config " + smoke() + " --set train.steps=24 --set output.progress=false --set train.threads=1";
@@ -303,5 +304,81 @@ TEST(MegaslideTrain, ExplicitBf16OnACpuWithoutNativeBf16TrainsWithOneWarning) {
   EXPECT_NE(log.find("slower than in fp32"), std::string::npos) << log;
   EXPECT_NE(log.find("set offload.compute_dtype: auto"), std::string::npos) << log;
   EXPECT_NE(log.find("compute dtype bf16 (as configured)"), std::string::npos) << log;
+  megaslide::io::remove_tree(dir);
+}
+
+namespace {
+// A refusal for people: one clear line (no LibTorch stack trace), exit 2, quickly.
+void expect_refused(const Result& r, const std::string& needle) {
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find(needle), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("Exception raised from"), std::string::npos) << "a stack trace reached the user:\n" << r.output;
+  EXPECT_LE(std::count(r.output.begin(), r.output.end(), '\n'), 2) << r.output;
+}
+}  // namespace
+
+TEST(MegaslideTrain, OutOfRangeNumbersExitTwoNamingTheKeyNotAbort) {
+  expect_refused(run("--config " + smoke() + " --dry-run --set train.lr=1e400"), "train.lr");
+  expect_refused(run("--config " + smoke() + " --dry-run --set train.lr=1e-400"), "train.lr");
+  expect_refused(run("--config " + smoke() + " --dry-run --set model.layers=999999999999"), "model.layers");
+}
+
+TEST(MegaslideTrain, ConfigThatIsAFolderOrADeviceIsRefused) {
+  expect_refused(run("--config /tmp --dry-run"), "is a folder");
+  expect_refused(run("--config /dev/zero --dry-run"), "is a device");
+}
+
+TEST(MegaslideTrain, EmptyOrUnwritableOutputPathsAreRefusedBeforeTheFirstStep) {
+  const auto dir = fresh_dir("outputs");
+  expect_refused(run("--config " + smoke() + " --run-dir ''"), "--run-dir");
+  expect_refused(run("--config " + smoke() + " --run-dir " + dir + " --trace /nonexistent/d/t.json"), "/nonexistent/d");
+  EXPECT_FALSE(megaslide::io::path_exists(dir)) << "a refused run leaves no folder";
+  megaslide::io::make_directories(dir + "-existing");
+  expect_refused(run("--config " + smoke() + " --run-dir " + dir + " --export-weights " + dir + "-existing"), "is a folder");
+  EXPECT_FALSE(megaslide::io::path_exists(join_path(dir, "metrics.jsonl"))) << "refused before training";
+  megaslide::io::remove_tree(dir + "-existing");
+  megaslide::io::remove_tree(dir);
+}
+
+// The property: a run that needs more memory than the machine has, or a device it does not have, is
+// refused in one line before anything is allocated or written.
+TEST(MegaslideTrain, ImpossibleSizesAndMissingDevicesAreOneLineRefusals) {
+  const auto dir = fresh_dir("sizes");
+  expect_refused(run("--config " + smoke() + " --run-dir " + dir + " --set model.hidden=20000 --set model.heads=2"), "this machine has");
+  expect_refused(run("--config " + smoke() + " --run-dir " + dir + " --set train.batch_size=99999999"), "this machine has");
+  if (!torch::cuda::is_available())
+    expect_refused(run("--config " + smoke() + " --run-dir " + dir + " --set train.device=cuda"), "no CUDA GPU");
+  EXPECT_FALSE(megaslide::io::path_exists(dir));
+}
+
+TEST(MegaslideTrain, RerunIntoAFinishedRunWithoutCheckpointsIsRefused) {
+  const auto dir = fresh_dir("rerun");
+  const std::string args = "--config " + smoke() + " --run-dir " + dir + " --set train.steps=2 --set output.progress=false";
+  ASSERT_EQ(run(args).code, 0);
+  const auto metrics = megaslide::io::read_file(join_path(dir, "metrics.jsonl"));
+  const auto r = run(args);
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("already holds a run"), std::string::npos) << r.output;
+  EXPECT_EQ(megaslide::io::read_file(join_path(dir, "metrics.jsonl")), metrics);
+  megaslide::io::remove_tree(dir);
+}
+
+// ulimit -f: the trainer must survive SIGXFSZ, report the failed save and keep what it had (the unit
+// test of save_checkpoint ignores the signal itself; this is the real process with its default).
+TEST(MegaslideTrain, FileSizeLimitIsAReportedFailedSaveNotASilentKill) {
+  const auto dir = fresh_dir("ulimit");
+  const std::string cmd = "bash -c 'ulimit -f 48; exec " + std::string(MEGASLIDE_BINARY_DIR) + "/bin/megaslide-train --config " + smoke() +
+                          " --run-dir " + dir + " --set train.steps=2 --set train.checkpoint_every=1 --set output.progress=false' 2>&1";
+  FILE* pipe = ::popen(cmd.c_str(), "r");
+  ASSERT_NE(pipe, nullptr);
+  std::string output;
+  char buf[4096];
+  while (std::fgets(buf, sizeof buf, pipe) != nullptr) output += buf;
+  const int status = ::pclose(pipe);
+  ASSERT_TRUE(WIFEXITED(status)) << output;
+  EXPECT_NE(WEXITSTATUS(status), 128 + SIGXFSZ) << "killed by SIGXFSZ without a word:\n" << output;
+  EXPECT_EQ(WEXITSTATUS(status), 1) << output;
+  EXPECT_NE(output.find("File too large"), std::string::npos) << output;
+  EXPECT_NE(output.find("could not save the final checkpoint"), std::string::npos) << output;
   megaslide::io::remove_tree(dir);
 }

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <fstream>
 #include <limits>
 
@@ -50,7 +51,7 @@ TEST(Plot, WritesPngDataAndScriptBesideEachOther) {
   EXPECT_NE(data.find("3,9\n"), std::string::npos) << data;
   EXPECT_NE(data.find("2,?\n"), std::string::npos) << data;
   const auto script = megaslide::io::read_file(files.script);
-  EXPECT_NE(script.find("\"fig.dat\" index 0"), std::string::npos) << script;
+  EXPECT_NE(script.find("'fig.dat' index 0"), std::string::npos) << script;
   EXPECT_NE(script.find("no data"), std::string::npos) << script;  // panel b has nothing to draw
   EXPECT_FALSE(megaslide::io::path_exists(join_path(dir, "fig.gnuplot.log")));
 }
@@ -160,4 +161,90 @@ TEST(MegaslidePlot, BadInputExitsNonZero) {
   EXPECT_NE(r.output.find("metrics.jsonl:1: missing field"), std::string::npos) << r.output;
   r = megaslide::testing::run_tool("megaslide-plot", "");
   EXPECT_EQ(r.code, 2) << r.output;
+}
+
+// The property: text from outside (a run folder's path, a series name) reaches gnuplot as data only.
+// gnuplot runs `backquoted` commands even inside double-quoted strings; a title holding one, or any
+// other character gnuplot might interpret, must neither run anything nor change: each title string in
+// the kept script prints back through gnuplot itself as exactly the text given (control characters as
+// spaces).
+TEST(Plot, HostileTitlesReachGnuplotAsDataOnly) {
+  const auto dir = fresh_dir("hostile");
+  const auto marker = join_path(dir, "pwned");
+  const std::vector<std::string> titles{"x`touch " + marker + "`y",
+                                        "it's \"quoted\" \\n \\\\ @macro $HOME; print 1 # not a comment",
+                                        "two\nlines\tand\rcontrol",
+                                        "'`touch " + marker + "2`'",
+                                        "system(\"touch " + marker + "3\")",
+                                        "日本語 ünïcödé",
+                                        "@GPVAL_VERSION @macro ' \" ' `touch " + marker + "4` \" '",
+                                        "'",
+                                        "ends with a backslash \\"};
+  megaslide::PlotSpec spec;
+  for (const auto& t : titles) spec.panels.push_back({t, t, t, false, false, true, {{t, {1, 2}, {1, 2}}}});
+  spec.title = titles[0];
+  const auto files = megaslide::render_plot(spec, join_path(dir, "fig.png"));
+  EXPECT_TRUE(megaslide::is_png_file(files.png));
+  for (const auto& m : {marker, marker + "2", marker + "3", marker + "4"}) EXPECT_FALSE(megaslide::io::path_exists(m)) << "gnuplot ran a command: " << m;
+
+  // Round trip: every `set title` string of the script, printed by gnuplot, is the title given.
+  const auto script = megaslide::io::read_file(files.script);
+  std::string check;
+  size_t found = 0;
+  for (size_t p = script.find("set title "); p != std::string::npos; p = script.find("set title ", p + 1)) {
+    check += "print " + script.substr(p + 10, script.find('\n', p) - p - 10) + "\n";
+    ++found;
+  }
+  ASSERT_EQ(found, titles.size());
+  write(join_path(dir, "check.gp"), check);
+  const std::string out_path = join_path(dir, "check.out");
+  ASSERT_EQ(std::system(("cd " + dir + " && gnuplot check.gp > check.out 2>&1").c_str()), 0);
+  std::string expected;
+  for (auto t : titles) {
+    for (auto& c : t)
+      if (static_cast<unsigned char>(c) < 0x20) c = ' ';
+    expected += t + "\n";
+  }
+  EXPECT_EQ(megaslide::io::read_file(out_path), expected);
+  for (const auto& m : {marker, marker + "2", marker + "3", marker + "4"}) EXPECT_FALSE(megaslide::io::path_exists(m));
+  megaslide::io::remove_tree(dir);
+}
+
+// megaslide-plot on a run folder whose path holds a command in backquotes: the plots are drawn, the
+// command never runs.
+TEST(MegaslidePlot, RunFolderPathWithBackquotesRunsNothing) {
+  const auto dir = fresh_dir("inject");
+  const auto marker = join_path(dir, "pwned");
+  const auto run_dir = join_path(dir, "x`touch " + marker + "`y");
+  megaslide::io::make_directories(run_dir);
+  write(join_path(run_dir, "metrics.jsonl"), R"({"step":1,"loss":1.0,"step_time_s":0.1,"tokens_per_s":10,"samples_per_s":1})" "\n"
+                                             R"({"step":2,"loss":0.5,"step_time_s":0.1,"tokens_per_s":10,"samples_per_s":1})" "\n");
+  const auto r = megaslide::testing::run_tool("megaslide-plot", "'" + run_dir + "'");
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_TRUE(megaslide::is_png_file(join_path(run_dir, "plots/loss.png")));
+  EXPECT_FALSE(megaslide::io::path_exists(marker)) << "the path's command ran";
+  megaslide::io::remove_tree(dir);
+}
+
+// A skipped step is logged by the trainer with "loss" and "grad_norm" null (JSON has no NaN): the run
+// still plots, with a gap at that step and a running mean the gap does not poison.
+TEST(RunPlots, SkippedStepsWithNullFieldsPlot) {
+  const auto dir = fresh_dir("skipped");
+  write(join_path(dir, "metrics.jsonl"),
+        R"({"step":1,"loss":1.0,"lr":0.001,"grad_norm":0.5,"step_time_s":0.1,"tokens_per_s":10,"samples_per_s":1,"skipped":false})" "\n"
+        R"({"step":2,"loss":null,"lr":0.001,"grad_norm":null,"step_time_s":0.1,"tokens_per_s":10,"samples_per_s":1,"skipped":true})" "\n"
+        R"({"step":3,"loss":0.5,"lr":0.001,"grad_norm":0.4,"step_time_s":0.1,"tokens_per_s":10,"samples_per_s":1,"skipped":false})" "\n");
+  const auto steps = megaslide::read_metrics_jsonl(join_path(dir, "metrics.jsonl"));
+  ASSERT_EQ(steps.size(), 3u);
+  EXPECT_TRUE(std::isnan(steps[1].loss));
+  EXPECT_TRUE(std::isnan(steps[1].grad_norm));
+  const auto pngs = megaslide::plot_run(dir);
+  ASSERT_EQ(pngs.size(), 3u);
+  const auto loss = megaslide::io::read_file(join_path(dir, "plots/loss.dat"));
+  EXPECT_NE(loss.find("\n2,?\n"), std::string::npos) << loss;
+  EXPECT_EQ(loss.find("nan"), std::string::npos) << loss;
+  // A step count that is null is still an error: it is no measurement.
+  write(join_path(dir, "metrics.jsonl"), R"({"step":null,"loss":1.0,"step_time_s":0.1,"tokens_per_s":10,"samples_per_s":1})" "\n");
+  EXPECT_THROW(megaslide::read_metrics_jsonl(join_path(dir, "metrics.jsonl")), megaslide::MetricsFileError);
+  megaslide::io::remove_tree(dir);
 }

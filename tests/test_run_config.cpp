@@ -66,7 +66,7 @@ TEST(RunConfig, InconsistentValuesAreRefused) {
   expect_error("model:\n  heads: 4\n  hidden: 16\n  dsa_groups: 3\n", {}, "model.dsa_groups", "divisor of model.heads");
   expect_error("diffusion:\n  beta_start: 0.1\n  beta_end: 0.01\n", {}, "diffusion.beta_end", "above diffusion.beta_start");
   expect_error("offload:\n  compute_dtype: fp8\n", {}, "offload.compute_dtype", "bf16 | fp16 | fp32");
-  expect_error("train:\n  grad_accum_steps: 0\n", {}, "train.grad_accum_steps", "an integer >= 1");
+  expect_error("train:\n  grad_accum_steps: 0\n", {}, "train.grad_accum_steps", "an integer in [1, 65536]");
 }
 
 TEST(RunConfig, SetOverridesAnyFieldAndIsNamedInErrors) {
@@ -143,4 +143,67 @@ TEST(RunConfig, EveryKeyIsDocumented) {
   std::string doc((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   for (const auto& key : megaslide::config_keys())
     EXPECT_NE(doc.find("`" + key + "`"), std::string::npos) << key << " is missing from docs/configs.md";
+}
+
+// The property: a number a double or an int64 cannot hold, in a file or in --set, is a ConfigError
+// naming the key (exit 2 in the tools), never std::out_of_range from std::stod (which aborted them).
+TEST(RunConfig, NumbersBeyondTheirTypeAreConfigErrorsNamingTheKey) {
+  expect_error("", {"train.lr=1e400"}, "train.lr", "beyond the largest double");
+  expect_error("", {"train.lr=1e-400"}, "train.lr", "too close to zero");
+  expect_error("train:\n  lr: 1e400\n", {}, "train.lr", "beyond the largest double");
+  expect_error("train:\n  lr: 1e-400\n", {}, "train.lr", "too close to zero");
+  expect_error("diffusion:\n  beta_start: 1e-400\n", {}, "diffusion.beta_start", "too close to zero");
+  expect_error("", {"model.dsa_offset_range=[1, 1e400, 1]"}, "model.dsa_offset_range", "beyond the largest double");
+  expect_error("", {"model.hidden=99999999999999999999"}, "model.hidden", "64-bit");
+  expect_error("", {"train.guidance=nan"}, "train.guidance", "unknown key");
+  expect_error("", {"diffusion.guidance_scale=nan"}, "diffusion.guidance_scale", "got 'nan'");
+  expect_error("", {"diffusion.guidance_scale=.inf"}, "diffusion.guidance_scale", "got '.inf'");
+}
+
+TEST(RunConfig, RepeatedKeysAndSectionsAreRefused) {
+  expect_error("model:\n  hidden: 16\n  hidden: 32\n", {}, "model.hidden", "appears twice");
+  expect_error("model:\n  hidden: 16\ntrain:\n  steps: 3\nmodel:\n  layers: 3\n", {}, "model", "appears twice");
+}
+
+// Sizes multiplied out: a product no machine could hold, or one that overflows 64 bits, is refused
+// with the factors named — never an overflowed negative size, never a hang building a huge model.
+TEST(RunConfig, SizesNoMachineCouldHoldAreRefusedNamingTheFactors) {
+  expect_error("", {"model.layers=999999999999"}, "model.layers", "expected an integer in [1, 10000]");
+  expect_error("", {"model.layers=10000", "model.hidden=1048576", "model.heads=2"}, "model.layers", "more than any machine holds");
+  expect_error("", {"data.frames=4096", "data.height=65536", "data.width=65536", "train.batch_size=4096"}, "train.batch_size",
+               "more than any machine holds");
+  expect_error("", {"data.frames=2147483648", "data.height=2147483648", "data.width=2147483648"}, "train.batch_size",
+               "overflows 64 bits");
+  expect_error("", {"model.dsa_kernel=[999999999, 999999999, 999999999]"}, "model.dsa_kernel", "more than any machine holds");
+  expect_error("", {"model.arch=dense3d", "model.dense_attention=materialized", "data.frames=256", "data.height=1024",
+                    "data.width=1024"},
+               "model.dense_attention", "more than any machine holds");
+  expect_error("", {"data.num_clips=9223372036854775807"}, "data.num_clips", "more than any machine holds");
+  expect_error("", {"model.text_dim=9223372036854775807"}, "model.layers", "more than any machine holds");
+  // The largest shipped config still loads (checked in EveryShippedConfigLoads as well).
+  EXPECT_NO_THROW(parse_run_config("", kSource, {"model.layers=104", "model.hidden=8192", "model.heads=64"}));
+}
+
+TEST(RunConfig, ConfigThatIsNotARegularFileIsRefusedWithoutReadingIt) {
+  for (const std::string path : {std::string("/dev/zero"), std::string("/tmp")}) {
+    try {
+      megaslide::load_run_config(path);
+      ADD_FAILURE() << path << " was accepted";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("not a file"), std::string::npos) << e.what();
+    }
+  }
+  const std::string big = "/tmp/megaslide-test-big-config.yaml";
+  {
+    std::ofstream out(big);
+    out << "model:\n  hidden: 16\n" << std::string(2 << 20, '#') << "\n";
+  }
+  try {
+    megaslide::load_run_config(big);
+    ADD_FAILURE() << "a 2 MiB config was read";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("more than the"), std::string::npos) << e.what();
+  }
+  std::remove(big.c_str());
 }

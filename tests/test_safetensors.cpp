@@ -116,10 +116,10 @@ TEST(Safetensors, RefusesCorruptFilesNamingFileAndTensor) {
   {
     auto path = temp_path("huge-header");
     megaslide::io::write_file_atomically(path, le64(1000) + "{}");
-    expect_refused(path, "header length 1000 exceeds");
+    expect_refused(path, "not a safetensors file (or a truncated one): its first 8 bytes, read as the header length, say 1000");
   }
   expect_refused(write_raw("badjson", R"({"w": {"dtype": "F32",)", f32x2), "not valid JSON");
-  expect_refused(write_raw("notobject", "[1, 2]", ""), "not a JSON object");
+  expect_refused(write_raw("notobject", "[1, 2]", ""), "not a safetensors file: the header after the 8-byte length does not begin with");
   expect_refused(write_raw("dtype", R"({"w":{"dtype":"F8_E4M3","shape":[2],"data_offsets":[0,8]}})", f32x2), "tensor 'w'");
   expect_refused(write_raw("range", R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,16]}})", f32x2), "reach past the data section");
   expect_refused(write_raw("count", R"({"w":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", f32x2), "needs 12 bytes");

@@ -262,7 +262,7 @@ TEST(HardwareProfile, BuiltInsAreTheShippedFilesAndBadFilesAreNamed) {
   EXPECT_THROW(plan::load_hardware_profile("/nonexistent/profile.yaml"), HardwareProfileError);
 }
 
-// Property: `megaslide-plan --json` prints one object with the keys the issue names, agreeing with the
+// Property: `megaslide-plan --json` prints one object with the keys docs/planner.md names, agreeing with the
 // library; a bad --hardware file exits 2 naming the file and the key; a missing file or unknown name
 // exits 2 naming it.
 TEST(MegaslidePlanCli, JsonHasTheKeysAndBadHardwareIsRefused) {

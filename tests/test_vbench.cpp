@@ -48,17 +48,31 @@ TEST(VBench, FileNamesMapBackToThePromptAsVBenchParsesThem) {
   }
 }
 
+// The property: every name is safe (no '/', no control character, no invalid UTF-8, no leading '-'
+// or '.'), bounded (it and a temporary "NAME.tmp" beside it fit a 255-byte file name), and unique per
+// prompt — a name that had to change carries the prompt's hash.
 TEST(VBench, UnsafeCharactersAreReplacedAndLongPromptsCutAtACharacterBoundary) {
-  EXPECT_EQ(vbench_file_name("left/right\tmotion", 1), "left_right_motion-1.mp4");
+  const auto slash = vbench_file_name("left/right\tmotion", 1);
+  EXPECT_EQ(slash.substr(0, 18), "left_right_motion~") << slash;
+  EXPECT_EQ(slash.size(), 18u + 8u + 6u) << slash;
+  EXPECT_EQ(slash.substr(slash.size() - 6), "-1.mp4");
+  EXPECT_NE(vbench_file_name("a/b", 0), vbench_file_name("a_b", 0)) << "unique";
+  EXPECT_EQ(vbench_file_name("a_b", 0), "a_b-0.mp4") << "a name that needs no change is VBench's";
+  EXPECT_EQ(vbench_file_name("-rf", 0).substr(0, 4), "_rf~");
+  EXPECT_EQ(vbench_file_name("..", 0).substr(0, 3), "_.~");
+  EXPECT_EQ(vbench_file_name(std::string("bad \xff byte"), 0).substr(0, 11), "bad _ byte~");
   std::string long_prompt;
-  for (int i = 0; i < 120; ++i) long_prompt += "日";  // 3 bytes each: the cap (248 bytes) falls inside one
+  for (int i = 0; i < 120; ++i) long_prompt += "日";  // 3 bytes each: the cap falls inside one
   const auto name = vbench_file_name(long_prompt, 99);
   EXPECT_LE(name.size(), kMaxFileNameBytes);
-  EXPECT_EQ(name.size(), 246u + 7u);  // 82 whole characters, then "-99.mp4"
+  EXPECT_LE(name.size() + 4, 255u) << "NAME.tmp must fit the file system's limit";
   EXPECT_TRUE(valid_utf8(name)) << name;
-  const auto recovered = vbench_prompt_from_file_name(name);
-  EXPECT_EQ(long_prompt.compare(0, recovered.size(), recovered), 0) << "the recovered prompt is a prefix of the prompt";
+  EXPECT_EQ(long_prompt.compare(0, name.find('~'), name.substr(0, name.find('~'))), 0) << "the name starts with a prefix of the prompt";
   EXPECT_EQ(name.substr(name.size() - 7), "-99.mp4");
+  // VBench's augmented prompts are long and share long openings: still one name each.
+  const std::string opening(300, 'a');
+  EXPECT_NE(vbench_file_name(opening + " cat", 0), vbench_file_name(opening + " dog", 0));
+  EXPECT_LE(vbench_file_name(opening + " cat", 0).size(), kMaxFileNameBytes);
 }
 
 TEST(VBench, SeedsDependOnlyOnBaseSeedPromptAndIndex) {
@@ -77,7 +91,8 @@ TEST(VBench, SeedsDependOnlyOnBaseSeedPromptAndIndex) {
   EXPECT_EQ(seeds.size(), jobs.size()) << "distinct per (prompt, index)";
   EXPECT_NE(vbench_seed("a", 0, 7), vbench_seed("a", 0, 8)) << "the base seed matters";
   EXPECT_THROW(plan_vbench_samples(prompts, 0, 7), std::invalid_argument);
-  EXPECT_THROW(plan_vbench_samples({"a/b", "a_b"}, 1, 7), std::invalid_argument) << "two prompts, one file name";
+  const auto both = plan_vbench_samples({"a/b", "a_b"}, 1, 7);
+  EXPECT_NE(both[0].file, both[1].file) << "two prompts, two file names";
 }
 
 TEST(VBench, PromptFilesOneLineEachBlankLinesAndRepeatsSkipped) {
@@ -98,6 +113,45 @@ TEST(VBench, PromptFilesOneLineEachBlankLinesAndRepeatsSkipped) {
     EXPECT_NE(std::string(e.what()).find(temp_path("missing.txt")), std::string::npos) << e.what();
   }
   megaslide::io::remove_tree(path);
+}
+
+// A prompt file that is not UTF-8 is refused before any work, naming the line and the byte; so is a
+// file that is no prompt file at all (a folder, a device).
+TEST(VBench, PromptFileThatIsNotUtf8IsRefusedNamingTheLine) {
+  auto path = temp_path("latin1.txt");
+  for (const std::string bad : {std::string("caf\xe9 au lait"), std::string("\xc0\xaf overlong slash"),
+                                std::string("\xed\xa0\x80 surrogate"), std::string("cut \xe6\x97")}) {
+    megaslide::io::write_file_atomically(path, "a fine prompt\n" + bad + "\n");
+    try {
+      read_prompt_file(path);
+      ADD_FAILURE() << "accepted " << bad;
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find(path + "' line 2: not valid UTF-8"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_THROW(read_prompt_file("/dev/zero"), std::runtime_error);
+  EXPECT_THROW(read_prompt_file("/tmp"), std::runtime_error);
+  megaslide::io::remove_tree(path);
+}
+
+TEST(VBench, SampleFolderIsFoundFromItsRootOrItsVideosFolder) {
+  auto dir = temp_path("layout");
+  megaslide::io::make_directories(dir + "/videos");
+  megaslide::io::write_file_atomically(dir + "/index.json", "{}");
+  auto f = find_sample_folder(dir);
+  EXPECT_EQ(f.videos, dir + "/videos");
+  EXPECT_EQ(f.index, dir + "/index.json");
+  f = find_sample_folder(dir + "/videos");
+  EXPECT_EQ(f.root, dir);
+  EXPECT_EQ(f.videos, dir + "/videos");
+  f = find_sample_folder(dir + "/videos/");
+  EXPECT_EQ(f.root, dir);
+  megaslide::io::remove_tree(dir);
+  megaslide::io::make_directories(dir);
+  f = find_sample_folder(dir);  // any folder of MP4s
+  EXPECT_EQ(f.root, dir);
+  EXPECT_EQ(f.videos, dir);
+  megaslide::io::remove_tree(dir);
 }
 
 TEST(VBench, IndexJsonListsEveryVideo) {

@@ -13,6 +13,7 @@
 #include <regex>
 
 #include "megaslide/megaslide.h"
+#include "tool_support.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"megaslide-ablate: the paper's ablation studies, measured (docs/ablations.md)"};
@@ -23,13 +24,13 @@ int main(int argc, char** argv) {
   std::string suites = "all";
   for (const auto& s : megaslide::ablation_suites()) suites += " | " + s;
   app.add_option("--suite", suite, suites)->required();
-  app.add_option("--out", out_dir, "output folder (created)")->required();
+  app.add_option("--out", out_dir, "output folder (created)")->required()->check(megaslide::tools::non_empty_path());
   app.add_flag("--quick", quick, "the small sizes that run on a few CPU cores in minutes (same as --size quick)");
   app.add_option("--size", size_name, "test | quick | full (default full: the paper's sizes, for a GPU)");
   app.add_option("--device", device, "auto | cpu | cuda | cuda:N (default auto)");
   app.add_option("--memory-budget-gib", budget,
                  "memory-scaling on the CPU: a measured peak above this is recorded as oom (default: per size)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(megaslide::tools::finite_real(0.0));
   app.add_option("--set", overrides, "override a config key in every run, e.g. --set train.steps=20 (repeatable)");
   try {
     app.parse(argc, argv);
@@ -47,6 +48,7 @@ int main(int argc, char** argv) {
     if (!std::regex_match(device, std::regex("auto|cpu|cuda(:[0-9]+)?")))
       throw std::invalid_argument("--device: expected auto | cpu | cuda | cuda:N, got '" + device + "'");
     names = suite == "all" ? megaslide::ablation_suites() : std::vector<std::string>{suite};
+    megaslide::io::check_output_folder(out_dir, "--out");
     // An unknown suite, or an override that breaks any run's config, stops here, before anything runs.
     for (const auto& n : names) {
       megaslide::ablation_base_overrides(n, options.size);  // throws on an unknown suite
@@ -62,7 +64,11 @@ int main(int argc, char** argv) {
   } catch (const megaslide::ConfigError& e) {
     std::cerr << "megaslide-ablate: " << e.what() << "\n";
     return 2;
+  } catch (const megaslide::io::IoError& e) {
+    std::cerr << "megaslide-ablate: " << e.what() << "\n";
+    return 2;
   }
+  megaslide::tools::survive_file_size_limit();
   options.out_dir = out_dir;
   options.device = device;
   options.memory_budget_gib = budget;
@@ -77,7 +83,7 @@ int main(int argc, char** argv) {
     }
     return 0;
   } catch (const std::exception& e) {
-    std::cerr << "megaslide-ablate: " << e.what() << "\n";
+    std::cerr << "megaslide-ablate: " << megaslide::error_message(e) << "\n";
     return 1;
   }
 }

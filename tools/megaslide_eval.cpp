@@ -1,20 +1,28 @@
-// megaslide-eval: scores every MP4 in a folder (VBench's temporal flickering and a frame-to-frame
-// consistency score, docs/sampling.md), writes a JSON and prints a table.
+// megaslide-eval: scores every MP4 of a sample folder (VBench's temporal flickering and a frame-to-frame
+// consistency score, docs/sampling.md), writes one JSON file and prints a table.
 //
-//   megaslide-eval DIR [--json FILE]      (default FILE: DIR/eval.json)
+//   megaslide-eval DIR [--json FILE]
 //
-// Exit codes: 0 done, 2 bad flags or a folder without readable MP4s (nothing written), 1 any other failure.
+// DIR is a megaslide-sample output folder (its videos/ and index.json), its videos/ folder, or any
+// folder of MP4s. The JSON goes to FILE; without --json to SAMPLE_DIR/eval.json beside the videos
+// folder (never into it: VBench reads that folder and must find only videos there). Exit codes: 0 done,
+// 2 bad flags, an unwritable --json path, or a folder without readable MP4s (nothing written), 1 any
+// other failure.
 #include <CLI/CLI.hpp>
 
 #include <iostream>
 
 #include "megaslide/megaslide.h"
+#include "tool_support.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"megaslide-eval: per-video metrics for a folder of MP4s (docs/sampling.md)"};
   std::string folder, json_path;
-  app.add_option("DIR", folder, "folder of .mp4 files (e.g. megaslide-sample --out)")->required();
-  app.add_option("--json", json_path, "where the JSON goes (default: DIR/eval.json)");
+  app.add_option("DIR", folder, "a megaslide-sample --out folder, its videos/ folder, or any folder of .mp4 files")
+      ->required()
+      ->check(megaslide::tools::non_empty_path());
+  app.add_option("--json", json_path, "where the JSON goes (default: eval.json beside the videos folder)")
+      ->check(megaslide::tools::non_empty_path());
   app.set_version_flag("--version", megaslide::build_summary());
   try {
     app.parse(argc, argv);
@@ -22,13 +30,19 @@ int main(int argc, char** argv) {
     const int code = app.exit(e);
     return code == 0 ? 0 : 2;
   }
-  if (json_path.empty()) json_path = megaslide::io::join_path(folder, "eval.json");
+  megaslide::tools::survive_file_size_limit();
+  if (json_path.empty()) {
+    const auto sample = megaslide::eval::find_sample_folder(folder);
+    // A bare folder of MP4s keeps its JSON in it, as before; a sample folder keeps it beside videos/.
+    json_path = megaslide::io::join_path(sample.root, "eval.json");
+  }
 
   megaslide::eval::FolderEvaluation evaluation;
   try {
+    megaslide::io::check_output_file(json_path, "--json");
     evaluation = megaslide::eval::evaluate_folder(folder);
   } catch (const std::exception& e) {
-    std::cerr << "megaslide-eval: " << e.what() << "\n";
+    std::cerr << "megaslide-eval: " << megaslide::error_message(e) << "\n";
     return 2;
   }
   try {
@@ -37,7 +51,7 @@ int main(int argc, char** argv) {
     std::cerr << "megaslide-eval: " << evaluation.videos.size() << " videos scored; JSON in " << json_path << "\n";
     return 0;
   } catch (const std::exception& e) {
-    std::cerr << "megaslide-eval: " << e.what() << "\n";
+    std::cerr << "megaslide-eval: " << megaslide::error_message(e) << "\n";
     return 1;
   }
 }

@@ -45,7 +45,7 @@ int main(int argc, char** argv) {
     std::cout << (json ? megaslide::plan::to_json(plan) + "\n" : megaslide::plan::to_table(plan));
     return 0;
   } catch (const std::exception& e) {
-    std::cerr << "megaslide-plan: " << e.what() << "\n";
+    std::cerr << "megaslide-plan: " << megaslide::error_message(e) << "\n";
     return 1;
   }
 }

@@ -9,17 +9,25 @@
 #include <iostream>
 
 #include "megaslide/megaslide.h"
+#include "tool_support.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"megaslide-plot: draw a run's metrics.jsonl as PNGs (docs/ablations.md)"};
   std::string run_dir, out_dir;
-  app.add_option("RUN_DIR", run_dir, "a megaslide-train run folder (holds metrics.jsonl)")->required();
-  app.add_option("--out", out_dir, "where the PNGs go (default: RUN_DIR/plots)");
+  app.add_option("RUN_DIR", run_dir, "a megaslide-train run folder (holds metrics.jsonl)")->required()->check(megaslide::tools::non_empty_path());
+  app.add_option("--out", out_dir, "where the PNGs go (default: RUN_DIR/plots)")->check(megaslide::tools::non_empty_path());
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     const int code = app.exit(e);
     return code == 0 ? 0 : 2;
+  }
+  megaslide::tools::survive_file_size_limit();
+  try {
+    megaslide::io::check_output_folder(out_dir.empty() ? megaslide::io::join_path(run_dir, "plots") : out_dir, "--out");
+  } catch (const megaslide::io::IoError& e) {
+    std::cerr << "megaslide-plot: " << e.what() << "\n";
+    return 2;
   }
   try {
     for (const auto& png : megaslide::plot_run(run_dir, out_dir)) std::cout << png << "\n";
@@ -28,7 +36,7 @@ int main(int argc, char** argv) {
     std::cerr << "megaslide-plot: " << e.what() << "\n";
     return 2;
   } catch (const std::exception& e) {
-    std::cerr << "megaslide-plot: " << e.what() << "\n";
+    std::cerr << "megaslide-plot: " << megaslide::error_message(e) << "\n";
     return 1;
   }
 }

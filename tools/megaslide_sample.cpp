@@ -1,9 +1,11 @@
 // megaslide-sample: generates videos for a prompt file in VBench's layout (docs/sampling.md).
 //
 //   megaslide-sample --checkpoint model.safetensors --prompts prompts.txt --samples-per-prompt 5 --out DIR
+//   megaslide-sample --checkpoint runs/smoke --prompts prompts.txt --out DIR     (a run's latest checkpoint)
 //
-// Writes DIR/{prompt}-{index}.mp4 (H.264), optionally DIR/frames/{prompt}-{index}/NNN.png, and
-// DIR/index.json. Exit codes: 0 done, 2 bad flags or unusable inputs (nothing written), 1 any other failure.
+// Writes DIR/videos/{prompt}-{index}.mp4 (H.264; VBench reads DIR/videos), optionally
+// DIR/frames/{prompt}-{index}/NNN.png, and DIR/index.json (eval/vbench.h). Exit codes: 0 done, 2 bad
+// flags or unusable inputs (nothing written), 1 any other failure.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <unistd.h>
@@ -13,6 +15,7 @@
 #include <iostream>
 
 #include "megaslide/megaslide.h"
+#include "tool_support.h"
 
 namespace {
 
@@ -59,13 +62,15 @@ int main(int argc, char** argv) {
   uint64_t seed = 0;
   bool png = false, no_progress = false;
   app.add_option("--checkpoint", checkpoint,
-                 "weights file (safetensors) written by megaslide-train --export-weights, or a training checkpoint folder "
-                 "(RUN_DIR/checkpoints/step-NNNNNNN)")
-      ->required();
+                 "weights file (safetensors) written by megaslide-train --export-weights, a training checkpoint folder "
+                 "(RUN_DIR/checkpoints/step-NNNNNNN), its `latest` file (RUN_DIR/checkpoints/latest) or a run folder (its latest "
+                 "checkpoint)")
+      ->required()
+      ->check(megaslide::tools::non_empty_path());
   app.add_option("--prompts", prompts_path, "prompt file, one prompt per line (VBench's prompt files work as they are)")->required();
   app.add_option("--samples-per-prompt", samples_per_prompt, "videos per prompt (index 0..N-1)")->check(CLI::Range(int64_t{1}, int64_t{100000}))
       ->capture_default_str();
-  app.add_option("--out", out_dir, "output folder")->required();
+  app.add_option("--out", out_dir, "output folder: DIR/videos/*.mp4, DIR/index.json")->required()->check(megaslide::tools::non_empty_path());
   app.add_option("--sampler", sampler, "ddpm (ancestral) or ddim")->check(CLI::IsMember({"ddpm", "ddim"}))
       ->capture_default_str();
   app.add_option("--steps", steps, "sampling steps, respaced over the training timesteps (default: the config's diffusion.sample_steps)")
@@ -75,8 +80,8 @@ int main(int argc, char** argv) {
                  "config's diffusion.timestep_spacing)")
       ->check(CLI::IsMember({"linspace", "leading", "trailing"}));
   app.add_option("--guidance", guidance, "classifier-free guidance scale (default: the config's diffusion.guidance_scale)")
-      ->check(CLI::NonNegativeNumber);
-  app.add_option("--eta", eta, "DDIM eta (0 deterministic, 1 ancestral variance)")->check(CLI::NonNegativeNumber)
+      ->check(megaslide::tools::finite_real(0.0));
+  app.add_option("--eta", eta, "DDIM eta (0 deterministic, 1 ancestral variance)")->check(megaslide::tools::finite_real(0.0, 1.0))
       ->capture_default_str();
   app.add_option("--seed", seed, "base seed: each video's seed derives from (seed, prompt, index)")->capture_default_str();
   app.add_option("--batch-size", batch_size, "videos sampled together")->check(CLI::Range(int64_t{1}, int64_t{4096}))
@@ -118,11 +123,14 @@ int main(int argc, char** argv) {
   torch::Device device = torch::kCPU;
   bool stream = false;
   try {
+    // Every video's file name is decided here, before any work (bounded, safe and unique; eval/vbench.h).
     auto prompts = megaslide::eval::read_prompt_file(prompts_path);
     jobs = megaslide::eval::plan_vbench_samples(prompts, samples_per_prompt, seed);
+    megaslide::io::check_output_folder(out_dir, "--out");
     device = megaslide::resolve_device(device_spec);
-    // A training checkpoint folder (docs/checkpoints.md): its bf16 weights file, checked against the manifest.
-    const std::string weights = megaslide::io::is_directory(checkpoint) ? megaslide::checkpoint_weights(checkpoint) : checkpoint;
+    // A weights file as it is; a checkpoint folder, its `latest` file or a run folder: the checkpoint's
+    // bf16 weights file, checked against its manifest (docs/checkpoints.md).
+    const std::string weights = megaslide::find_weights(checkpoint);
     model = megaslide::load_weights(weights);  // on the CPU; moved below, whole or all but the blocks
     int64_t weight_bytes = 0;
     for (const auto& p : model.dit->parameters()) weight_bytes += static_cast<int64_t>(p.nbytes());
@@ -133,10 +141,11 @@ int main(int argc, char** argv) {
     if (steps > model.config.diffusion.timesteps)
       throw std::invalid_argument(fmt::format("--steps {} exceeds the model's {} training timesteps", steps, model.config.diffusion.timesteps));
   } catch (const std::exception& e) {
-    std::cerr << "megaslide-sample: " << e.what() << "\n";
+    std::cerr << "megaslide-sample: " << megaslide::error_message(e) << "\n";
     return 2;
   }
 
+  megaslide::tools::survive_file_size_limit();
   try {
     megaslide::ThreadRequest thread_request;
     thread_request.intra_op = static_cast<int>(threads);
@@ -165,7 +174,8 @@ int main(int argc, char** argv) {
     if (guidance >= 0) options.guidance_scale(guidance);
     const auto video_options = megaslide::io::VideoWriteOptions().fps(fps).crf(crf);
 
-    megaslide::io::make_directories(out_dir);
+    const std::string videos_dir = megaslide::io::join_path(out_dir, megaslide::eval::kVideosFolder);
+    megaslide::io::make_directories(videos_dir);
     std::cerr << fmt::format("megaslide-sample: {} prompt(s) x {} -> {} videos in {} ({} {} steps {}, guidance {}, device {}, {}, "
                              "compute dtype {} ({}), {})\n",
                              jobs.size() / static_cast<size_t>(samples_per_prompt), samples_per_prompt, jobs.size(), out_dir,
@@ -183,7 +193,7 @@ int main(int argc, char** argv) {
       });
       for (size_t i = start; i < end; ++i) {
         auto frames = megaslide::io::to_rgb_frames(videos[static_cast<int64_t>(i - start)], upscale);
-        megaslide::io::write_mp4(megaslide::io::join_path(out_dir, jobs[i].file), frames, video_options);
+        megaslide::io::write_mp4(megaslide::io::join_path(videos_dir, jobs[i].file), frames, video_options);
         if (png) {
           auto stem = jobs[i].file.substr(0, jobs[i].file.size() - 4);
           auto frame_dir = megaslide::io::join_path(megaslide::io::join_path(out_dir, "frames"), stem);
@@ -201,7 +211,7 @@ int main(int argc, char** argv) {
     std::cerr << fmt::format("megaslide-sample: wrote {} videos and {}\n", jobs.size(), megaslide::io::join_path(out_dir, "index.json"));
     return 0;
   } catch (const std::exception& e) {
-    std::cerr << "\nmegaslide-sample: " << e.what() << "\n";
+    std::cerr << "\nmegaslide-sample: " << megaslide::error_message(e) << "\n";
     return 1;
   }
 }

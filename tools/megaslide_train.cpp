@@ -9,8 +9,10 @@
 //
 // SIGINT/SIGTERM: the current step finishes, a checkpoint is saved, and the run exits with 128 + the
 // signal's number (130, 143); a second signal stops at once.
-// Exit codes: 0 done, 2 bad config, flags or checkpoint (nothing written), 1 any other failure
-// (including too many non-finite steps), 130/143 stopped by a signal after saving.
+// Exit codes: 0 done, 2 bad config, flags, output path or checkpoint, a run folder in use by another
+// run or holding a finished one, a device or a memory size this machine does not have (nothing
+// written), 1 any other failure (including too many non-finite steps and a failed final save),
+// 130/143 stopped by a signal after saving.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
@@ -19,6 +21,7 @@
 #include <iostream>
 
 #include "megaslide/megaslide.h"
+#include "tool_support.h"
 
 namespace {
 std::atomic<int> g_stop{0};
@@ -37,15 +40,19 @@ int main(int argc, char** argv) {
   bool dry_run = false, json = false;
   app.add_option("--config", config_path, "run config (YAML), e.g. configs/smoke.yaml")->required();
   app.add_option("--set", overrides, "override a config value, e.g. --set train.steps=50 (repeatable)");
-  app.add_option("--run-dir", run_dir, "where outputs go (default: output.run_dir of the config)");
+  app.add_option("--run-dir", run_dir, "where outputs go (default: output.run_dir of the config)")->check(megaslide::tools::non_empty_path());
   app.add_option("--resume", resume,
-                 "continue from a checkpoint: 'latest' (RUN_DIR/checkpoints/latest) or a checkpoint folder (docs/checkpoints.md)");
+                 "continue from a checkpoint: 'latest' (RUN_DIR/checkpoints/latest), a checkpoint folder, its `latest` file or a "
+                 "run folder (docs/checkpoints.md)")
+      ->check(megaslide::tools::non_empty_path());
   app.add_option("--export-weights", export_weights,
                  "write the weights (bf16) and the resolved config to this safetensors file (megaslide-sample --checkpoint "
-                 "reads it): after training, or with --resume the checkpoint's weights without training");
+                 "reads it): after training, or with --resume the checkpoint's weights without training")
+      ->check(megaslide::tools::non_empty_path());
   app.add_flag("--dry-run", dry_run, "build the model on the meta device, print its size, train nothing");
   app.add_flag("--json", json, "with --dry-run: print one JSON object");
-  app.add_option("--trace", trace_path, "write a Chrome-trace JSON of one step (streamed trainer; opens in Perfetto)");
+  app.add_option("--trace", trace_path, "write a Chrome-trace JSON of one step (streamed trainer; opens in Perfetto)")
+      ->check(megaslide::tools::non_empty_path());
   app.add_option("--trace-step", trace_step, "which step --trace records (default 2: after warm-up)")->check(CLI::PositiveNumber);
   app.set_version_flag("--version", megaslide::build_summary());
   try {
@@ -63,14 +70,16 @@ int main(int argc, char** argv) {
     std::cerr << "megaslide-train: " << e.what() << "\n";
     return 2;
   }
-  if (!export_weights.empty()) {
-    const auto slash = export_weights.find_last_of('/');
-    const std::string parent = slash == std::string::npos ? "." : export_weights.substr(0, std::max<size_t>(slash, 1));
-    if (!megaslide::io::is_directory(parent)) {
-      std::cerr << "megaslide-train: --export-weights " << export_weights << ": folder '" << parent << "' does not exist\n";
-      return 2;
-    }
+  try {
+    // Output files are checked before any work: here for the export of a checkpoint, and by
+    // run_training for a run (once the run folder, which may hold the file, exists).
+    if (!export_weights.empty() && (!resume.empty() || megaslide::io::is_directory(export_weights)))
+      megaslide::io::check_output_file(export_weights, "--export-weights");
+  } catch (const megaslide::io::IoError& e) {
+    std::cerr << "megaslide-train: " << e.what() << "\n";
+    return 2;
   }
+  megaslide::tools::survive_file_size_limit();
 
   try {
     if (dry_run) {
@@ -100,8 +109,12 @@ int main(int argc, char** argv) {
   } catch (const megaslide::CheckpointError& e) {
     std::cerr << "megaslide-train: " << e.what() << "\n";
     return 2;
-  } catch (const std::exception& e) {
+  } catch (const megaslide::RunFolderError& e) {
     std::cerr << "megaslide-train: " << e.what() << "\n";
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "megaslide-train: " << megaslide::error_message(e)
+              << (megaslide::is_out_of_memory(e) ? " (out of memory: megaslide-plan --config ... shows what the run needs)" : "") << "\n";
     return 1;
   }
 }

@@ -4,13 +4,16 @@
 
 #include <algorithm>
 #include <cmath>
-#include <fstream>
 #include <functional>
 #include <limits>
 #include <map>
+#include <optional>
 #include <regex>
 #include <set>
 #include <sstream>
+
+#include "megaslide/io/files.h"
+#include "megaslide/util/numbers.h"
 
 namespace megaslide {
 
@@ -60,24 +63,20 @@ std::string format_number(double v) {
 
 int64_t parse_int(const YAML::Node& node, const std::string& expected) {
   if (!node.IsScalar()) throw FieldProblem{"expected " + expected + ", got " + describe(node)};
-  const std::string& text = node.Scalar();
-  static const std::regex kInt(R"([+-]?[0-9]+)");
-  if (!std::regex_match(text, kInt)) throw FieldProblem{"expected " + expected + ", got " + describe(node)};
   try {
-    return std::stoll(text);
-  } catch (const std::exception&) {
-    throw FieldProblem{"expected " + expected + ", got " + describe(node) + " (out of range)"};
+    return parse_integer(node.Scalar(), expected);
+  } catch (const NumberError& e) {
+    throw FieldProblem{e.what()};
   }
 }
 
 double parse_double(const YAML::Node& node, const std::string& expected) {
   if (!node.IsScalar()) throw FieldProblem{"expected " + expected + ", got " + describe(node)};
-  const std::string& text = node.Scalar();
-  static const std::regex kNumber(R"([+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?)");
-  if (!std::regex_match(text, kNumber)) throw FieldProblem{"expected " + expected + ", got " + describe(node)};
-  double v = std::stod(text);
-  if (!std::isfinite(v)) throw FieldProblem{"expected " + expected + ", got " + describe(node)};
-  return v;
+  try {
+    return parse_real(node.Scalar(), expected);
+  } catch (const NumberError& e) {
+    throw FieldProblem{e.what()};
+  }
 }
 
 struct IntRange {
@@ -226,7 +225,9 @@ class Schema {
         [&c] { return YAML::Node(std::string(to_string(c.model.arch))); });
     triple("model.patch", c.model.patch, "positive integers", positive_int);
     integer("model.hidden", c.model.hidden, IntRange{1});
-    integer("model.layers", c.model.layers, IntRange{1});
+    // Each block is a module object even on the meta device (~85 kB and ~0.3 ms to build, measured at
+    // 10,000 blocks): the cap, ~100x the deepest shipped config (105b: 104), keeps a typo from hanging.
+    integer("model.layers", c.model.layers, IntRange{1, 10000});
     integer("model.heads", c.model.heads, IntRange{1});
     real("model.mlp_ratio", c.model.mlp_ratio, RealRange{0.0, 64.0, true, false});
     integer("model.text_dim", c.model.text_dim, IntRange{1});
@@ -278,7 +279,7 @@ class Schema {
     seed("train.seed", c.train.seed);
     add("train.device",
         [&c](const YAML::Node& n) {
-          static const std::regex kDevice(R"(auto|cpu|cuda(:[0-9]+)?)");
+          static const std::regex kDevice(R"(auto|cpu|cuda(:[0-9]{1,4})?)");
           if (!n.IsScalar() || !std::regex_match(n.Scalar(), kDevice))
             throw FieldProblem{"expected auto | cpu | cuda | cuda:N, got " + describe(n)};
           c.train.device = n.Scalar();
@@ -286,7 +287,7 @@ class Schema {
         [&c] { return YAML::Node(c.train.device); });
     integer("train.threads", c.train.threads, IntRange{0, 4096});
     integer("train.log_every", c.train.log_every, IntRange{1});
-    integer("train.grad_accum_steps", c.train.grad_accum_steps, IntRange{1});
+    integer("train.grad_accum_steps", c.train.grad_accum_steps, IntRange{1, 65536});
     real("train.loss_scale_init", c.train.loss_scale_init, RealRange{1.0, 1e30});
     integer("train.loss_scale_window", c.train.loss_scale_window, IntRange{1});
     real("train.peak_tflops", c.train.peak_tflops, RealRange{0.0});
@@ -352,6 +353,78 @@ void apply(const Schema& schema, const std::string& source, const std::string& k
   }
 }
 
+// Sizes multiplied out: every tensor a run must hold (one batch of video, one block's activations,
+// the offsets 3D-DSA predicts, dense attention's score matrix, the parameters' host state) is computed
+// with overflow checks and refused when no machine could hold it (kMaxMachineBytes). Whether this
+// machine can is decided when a run starts (train/training_run.h); megaslide-plan reports the rest.
+void check_sizes(const RunConfig& c, const std::function<void(const std::string&, const std::string&)>& fail) {
+  struct Factor {
+    const char* name;
+    int64_t value;
+  };
+  // `factors` multiplied by `bytes_per_value` must stay below kMaxMachineBytes; `key` is the config key
+  // named first, the message lists every factor.
+  auto limit = [&](const std::string& key, const std::string& what, std::initializer_list<Factor> factors, int64_t bytes_per_value) {
+    std::string product;
+    std::optional<int64_t> n = 1;
+    for (const auto& f : factors) {
+      product += (product.empty() ? "" : " x ") + std::string(f.name) + " " + std::to_string(f.value);
+      n = n ? checked_product({*n, f.value}) : std::nullopt;
+    }
+    const auto bytes = n ? checked_product({*n, bytes_per_value}) : std::nullopt;
+    if (!bytes || *bytes > kMaxMachineBytes) {
+      const std::string size = bytes ? human_bytes(static_cast<double>(*bytes)) : std::string("beyond 9.2e18 bytes (the product overflows 64 bits)");
+      fail(key, what + " is " + product + (n ? " = " + std::to_string(*n) + " values, " : " values, ") + size +
+                    ": more than any machine holds (" + human_bytes(static_cast<double>(kMaxMachineBytes)) + "); a typo?");
+    }
+  };
+  const auto& m = c.model;
+  const auto& d = c.data;
+  const int64_t B = c.train.batch_size;
+  limit("train.batch_size", "one batch of video (fp32)",
+        {{"train.batch_size", B}, {"data.channels", d.channels}, {"data.frames", d.frames}, {"data.height", d.height}, {"data.width", d.width}},
+        4);
+  // Divisibility by the patch was checked above: the token grid is exact.
+  const int64_t T = d.frames / m.patch[0], H = d.height / m.patch[1], W = d.width / m.patch[2];
+  limit("train.batch_size", "one block's input activations (fp32)",
+        {{"train.batch_size", B}, {"tokens t", T}, {"tokens h", H}, {"tokens w", W}, {"model.hidden", m.hidden}}, 4);
+  // The streamed trainer keeps every block's input for the backward (megaslide-plan's "checkpoints").
+  limit("model.layers", "the block inputs kept for the backward (fp32)",
+        {{"model.layers", m.layers}, {"train.batch_size", B}, {"tokens", T * H * W}, {"model.hidden", m.hidden}}, 4);
+  // The host state is 14 bytes a parameter (docs/planner.md); each block holds at least its four
+  // hidden x hidden attention projections and its hidden x text_dim cross-attention inputs.
+  limit("model.layers", "a lower bound of the parameters (host state, 14 B each)",
+        {{"model.layers", m.layers}, {"model.hidden", m.hidden}, {"(4 x model.hidden + 2 x model.text_dim)", 4 * m.hidden + 2 * std::min<int64_t>(m.text_dim, int64_t{1} << 60)}},
+        14);
+  if (m.arch == Architecture::kMegaSlide) {
+    const auto& k = m.dsa_kernel;
+    limit("model.dsa_kernel", "3D-DSA's predicted offsets (fp32)",
+          {{"train.batch_size", B}, {"tokens", T * H * W}, {"model.dsa_groups", m.dsa_groups}, {"kernel t", k[0]}, {"kernel h", k[1]},
+           {"kernel w", k[2]}, {"3 axes", 3}},
+          4);
+    // The grid_sample reference (what the fused kernels are tested against) materialises K sampled keys
+    // and values per token; an axis shorter than the kernel shrinks it to the axis.
+    limit("model.dsa_kernel", "the 3D-DSA reference's sampled keys (fp32)",
+          {{"train.batch_size", B}, {"tokens", T * H * W}, {"kernel t", std::min(k[0], T)}, {"kernel h", std::min(k[1], H)},
+           {"kernel w", std::min(k[2], W)}, {"model.hidden", m.hidden}},
+          4);
+  }
+  if (m.arch == Architecture::kDense3D && m.dense_attention == "materialized") {
+    limit("model.dense_attention", "the materialized attention scores (fp32)",
+          {{"train.batch_size", B}, {"model.heads", m.heads}, {"tokens", T * H * W}, {"tokens", T * H * W}}, 4);
+  }
+  if (m.arch == Architecture::kSwin) {
+    const auto& w = m.swin_window;
+    // A window larger than the token grid is the grid. The shifted-window mask holds every token
+    // against every token of its window.
+    limit("model.swin_window", "the shifted windows' attention mask",
+          {{"train.batch_size", B}, {"tokens", T * H * W}, {"window t", std::min(w[0], T)}, {"window h", std::min(w[1], H)},
+           {"window w", std::min(w[2], W)}},
+          1);
+  }
+  limit("data.num_clips", "the data sampler's shuffled order (8 B a clip)", {{"data.num_clips", d.num_clips}}, 8);
+}
+
 }  // namespace
 
 RunConfig parse_run_config(const std::string& yaml_text, const std::string& source,
@@ -371,8 +444,13 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::string& sour
       if (!key.IsScalar()) throw ConfigError(source, where, "a key must be a plain name, got " + describe(key));
       return key.Scalar();
     };
+    // yaml-cpp keeps both entries of a repeated key; a file that says two things about one key is
+    // refused rather than read as whichever comes last.
+    std::set<std::string> seen;
     for (const auto& section : root) {
       const std::string name = key_of(section.first, "");
+      if (!seen.insert(name).second)
+        throw ConfigError(source, name, "section appears twice in the file (merge the two into one)");
       bool known_section = false;
       for (const auto& f : schema.fields()) known_section |= f.key.rfind(name + ".", 0) == 0;
       if (!known_section)
@@ -380,7 +458,9 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::string& sour
       if (!section.second.IsMap())
         throw ConfigError(source, name, "expected a section (a mapping of keys), got " + describe(section.second));
       for (const auto& entry : section.second) {
-        apply(schema, source, name + "." + key_of(entry.first, name), entry.second);
+        const std::string key = name + "." + key_of(entry.first, name);
+        if (!seen.insert(key).second) throw ConfigError(source, key, "key appears twice in the file (keep one)");
+        apply(schema, source, key, entry.second);
       }
     }
   }
@@ -403,11 +483,16 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::string& sour
 }
 
 RunConfig load_run_config(const std::string& path, const std::vector<std::string>& overrides) {
-  std::ifstream in(path);
-  if (!in) throw ConfigError(path, "", "cannot open the config file (does it exist and is it readable?)");
-  std::stringstream text;
-  text << in.rdbuf();
-  return parse_run_config(text.str(), path, overrides);
+  // A run file is a few kB: the cap refuses a wrong file (a video, /dev/zero) before it fills memory.
+  constexpr uint64_t kMaxConfigBytes = 1 << 20;
+  if (!io::path_exists(path)) throw ConfigError(path, "", "cannot open the config file (does it exist and is it readable?)");
+  std::string text;
+  try {
+    text = io::read_input_file(path, kMaxConfigBytes);
+  } catch (const io::IoError& e) {
+    throw ConfigError(path, "", std::string("cannot read the config file: ") + e.what());
+  }
+  return parse_run_config(text, path, overrides);
 }
 
 void validate(const RunConfig& c, const std::string& source) {
@@ -438,6 +523,7 @@ void validate(const RunConfig& c, const std::string& source) {
   if (d.sample_steps > d.timesteps)
     fail("diffusion.sample_steps", "expected at most diffusion.timesteps (" + std::to_string(d.timesteps) + "), got " +
                                        std::to_string(d.sample_steps));
+  check_sizes(c, fail);
 }
 
 std::string to_yaml(const RunConfig& config) {

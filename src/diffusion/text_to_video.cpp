@@ -89,10 +89,11 @@ std::vector<std::string> write_validation_samples(const std::string& dir, const 
   text_encoder->train(was_training);
 
   const int64_t upscale = (d.height % 2 != 0 || d.width % 2 != 0) ? 2 : 1;
-  io::make_directories(dir);
+  const std::string videos_dir = io::join_path(dir, eval::kVideosFolder);
+  io::make_directories(videos_dir);
   std::vector<std::string> files;
   for (size_t i = 0; i < jobs.size(); ++i) {
-    io::write_mp4(io::join_path(dir, jobs[i].file), io::to_rgb_frames(videos[static_cast<int64_t>(i)], upscale));
+    io::write_mp4(io::join_path(videos_dir, jobs[i].file), io::to_rgb_frames(videos[static_cast<int64_t>(i)], upscale));
     files.push_back(jobs[i].file);
   }
   eval::SamplingRecord record{"(training run)", to_string(options.kind()), options.steps(), options.guidance_scale(), options.eta(),

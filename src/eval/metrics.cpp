@@ -47,19 +47,23 @@ double frame_consistency_score(const torch::Tensor& frames) {
   return total / static_cast<double>(T - 1);
 }
 
-FolderEvaluation evaluate_folder(const std::string& folder) {
+FolderEvaluation evaluate_folder(const std::string& dir) {
+  const SampleFolder sample = find_sample_folder(dir);
+  const std::string& folder = sample.videos;
   FolderEvaluation out;
   out.folder = folder;
   const auto files = list_files(folder, "mp4");
   if (files.empty()) throw std::runtime_error("folder '" + folder + "' holds no .mp4 file");
   std::map<std::string, std::string> prompts;  // from index.json, when there is one
-  const auto index_path = io::join_path(folder, "index.json");
+  const auto& index_path = sample.index;
   if (io::path_exists(index_path)) {
     try {
-      auto j = nlohmann::json::parse(io::read_file(index_path));
+      auto j = nlohmann::json::parse(io::read_input_file(index_path, uint64_t{256} << 20));
       for (const auto& v : j.at("videos")) prompts[v.at("file").get<std::string>()] = v.at("prompt").get<std::string>();
     } catch (const nlohmann::json::exception& e) {
       throw std::runtime_error("'" + index_path + "' is not a valid index: " + e.what());
+    } catch (const io::IoError& e) {
+      throw std::runtime_error(std::string("index: ") + e.what());
     }
   }
   double flicker = 0.0, consistent = 0.0;

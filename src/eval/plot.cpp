@@ -23,18 +23,29 @@ constexpr const char* kInstallHint =
 
 bool executable(const std::string& path) { return access(path.c_str(), X_OK) == 0 && !io::is_directory(path); }
 
-// A double-quoted gnuplot string.
+// Text as one line: control characters (a newline would end a script command or a data comment)
+// become spaces.
+std::string one_line(const std::string& s) {
+  std::string out;
+  for (char c : s) out += static_cast<unsigned char>(c) < 0x20 || c == 0x7f ? ' ' : c;
+  return out;
+}
+
+// Text (a run's path, a series name) as a gnuplot string expression that gnuplot takes as data only.
+// gnuplot runs the command in `backquotes` wherever they appear in a line — inside "double-quoted"
+// strings too — except inside 'single-quoted' strings, which also undergo no backslash processing and
+// no @macro expansion. A single quote itself is joined in as sprintf('%c',39): the doubled '' that
+// gnuplot documents fails at the start of a string in gnuplot 5.4, and a "'" in double quotes throws
+// its quote tracking off (the rest of the line is then open to @macro expansion). Control characters
+// become spaces (a newline would end the command). Tested by printing hostile text back through
+// gnuplot itself (tests/test_plot.cpp).
 std::string quoted(const std::string& s) {
-  std::string out = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') out += '\\';
-    if (c == '\n') {
-      out += "\\n";
-      continue;
-    }
-    out += c;
+  std::string out = "'";
+  for (char c : one_line(s)) {
+    if (c == '\'') out += "'.sprintf('%c',39).'";
+    else out += c;
   }
-  return out + "\"";
+  return out + "'";
 }
 
 std::string basename_of(const std::string& path) {
@@ -130,8 +141,10 @@ PlotFiles render_plot(const PlotSpec& spec, const std::string& png_path, const P
 
   std::string data, script;
   int block = 0;
-  script += fmt::format("# Draws {} from {}: cd into this folder and run `gnuplot {}`.\n", basename_of(files.png),
-                        basename_of(files.data), basename_of(files.script));
+  // Every piece of text that did not come from this file reaches the script through quoted() (or, in
+  // this comment, one_line(): gnuplot ignores the rest of a line after '#').
+  script += fmt::format("# Draws {} from {}: cd into this folder and run: gnuplot {}\n", one_line(basename_of(files.png)),
+                        one_line(basename_of(files.data)), one_line(basename_of(files.script)));
   script += fmt::format("set terminal pngcairo size {},{} noenhanced font \",10\"\n", spec.width,
                         spec.panel_height * static_cast<int>(spec.panels.size()));
   script += fmt::format("set output {}\n", quoted(basename_of(files.png)));
@@ -151,7 +164,7 @@ PlotFiles render_plot(const PlotSpec& spec, const std::string& png_path, const P
       if (s.x.size() != s.y.size())
         throw PlotError(fmt::format("plot '{}': series '{}' has {} x values and {} y values", png_path, s.title,
                                     s.x.size(), s.y.size()));
-      data += fmt::format("# {} | {}\n", panel.title, s.title);
+      data += fmt::format("# {} | {}\n", one_line(panel.title), one_line(s.title));
       bool any = false;
       for (size_t i = 0; i < s.x.size(); ++i) {
         if (plottable(panel, s, i)) {

@@ -2,32 +2,50 @@
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <limits>
 
 #include "megaslide/io/files.h"
 
 namespace megaslide {
 namespace {
 
+// A measured value. JSON has no NaN or infinity: the trainer writes a non-finite value (the loss and
+// grad_norm of a skipped step) as null, read back here as NaN, which the plots draw as a gap.
 double number(const nlohmann::json& j, const char* key, bool required, const std::string& where) {
   auto it = j.find(key);
   if (it == j.end()) {
     if (required) throw MetricsFileError(fmt::format("{}: missing field \"{}\"", where, key));
     return 0.0;
   }
+  if (it->is_null()) return std::numeric_limits<double>::quiet_NaN();
   if (!it->is_number()) throw MetricsFileError(fmt::format("{}: field \"{}\" is not a number: {}", where, key, it->dump()));
   const double v = it->get<double>();
   if (!std::isfinite(v)) throw MetricsFileError(fmt::format("{}: field \"{}\" is not finite", where, key));
   return v;
 }
 
+// A count (a step, bytes): a finite whole number, never null.
+int64_t count(const nlohmann::json& j, const char* key, bool required, const std::string& where) {
+  auto it = j.find(key);
+  if (it != j.end() && !it->is_number())
+    throw MetricsFileError(fmt::format("{}: field \"{}\" is not a number: {}", where, key, it->dump()));
+  const double v = number(j, key, required, where);
+  if (std::abs(v) > 9.0e18) throw MetricsFileError(fmt::format("{}: field \"{}\" is out of range: {}", where, key, it->dump()));
+  return static_cast<int64_t>(v);
+}
+
 }  // namespace
 
 std::vector<StepMetrics> read_metrics_jsonl(const std::string& path) {
   if (io::is_directory(path)) throw MetricsFileError(fmt::format("{}: is a folder, expected a metrics.jsonl file", path));
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode))
+    throw MetricsFileError(fmt::format("{}: is not a regular file (a device or a pipe), expected a metrics.jsonl file", path));
   std::ifstream in(path);
   if (!in) throw MetricsFileError(fmt::format("{}: cannot open (does the run folder hold a metrics.jsonl?)", path));
   std::vector<StepMetrics> steps;
@@ -45,19 +63,19 @@ std::vector<StepMetrics> read_metrics_jsonl(const std::string& path) {
     }
     if (!j.is_object()) throw MetricsFileError(fmt::format("{}: expected a JSON object per line, got {}", where, j.type_name()));
     StepMetrics m;
-    m.step = static_cast<int64_t>(number(j, "step", true, where));
+    m.step = count(j, "step", true, where);
     m.loss = number(j, "loss", true, where);
     m.step_time_s = number(j, "step_time_s", true, where);
     m.tokens_per_s = number(j, "tokens_per_s", true, where);
     m.samples_per_s = number(j, "samples_per_s", true, where);
     m.lr = number(j, "lr", false, where);
     m.grad_norm = number(j, "grad_norm", false, where);
-    m.h2d_bytes = static_cast<int64_t>(number(j, "h2d_bytes", false, where));
-    m.d2h_bytes = static_cast<int64_t>(number(j, "d2h_bytes", false, where));
+    m.h2d_bytes = count(j, "h2d_bytes", false, where);
+    m.d2h_bytes = count(j, "d2h_bytes", false, where);
     m.exposed_transfer_s = number(j, "exposed_transfer_s", false, where);
     m.optimizer_wait_s = number(j, "optimizer_wait_s", false, where);
     m.optimizer_s = number(j, "optimizer_s", false, where);
-    m.peak_device_bytes = static_cast<int64_t>(number(j, "peak_device_bytes", false, where));
+    m.peak_device_bytes = count(j, "peak_device_bytes", false, where);
     m.mfu = number(j, "mfu", false, where);
     steps.push_back(m);
   }
@@ -93,10 +111,11 @@ std::vector<std::string> plot_run(const std::string& run_dir, const std::string&
     const size_t window = std::max<size_t>(1, loss.size() / 10);
     std::vector<double> mean(loss.size());
     double sum = 0.0;
+    size_t finite = 0;  // skipped steps (loss NaN) are left out of the mean, not allowed to poison it
     for (size_t i = 0; i < loss.size(); ++i) {
-      sum += loss[i];
-      if (i >= window) sum -= loss[i - window];
-      mean[i] = sum / static_cast<double>(std::min(i + 1, window));
+      if (std::isfinite(loss[i])) sum += loss[i], ++finite;
+      if (i >= window && std::isfinite(loss[i - window])) sum -= loss[i - window], --finite;
+      mean[i] = finite > 0 ? sum / static_cast<double>(finite) : std::numeric_limits<double>::quiet_NaN();
     }
     PlotPanel panel{"loss: " + name, "step", "loss (ε-MSE)", false, false, false,
                     {{"loss", x, loss}, {fmt::format("running mean over {} steps", window), x, mean}}};

@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <sys/stat.h>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -39,10 +40,32 @@ uint64_t fnv1a64(const std::string& s) {
 }
 }  // namespace
 
+static size_t utf8_error_offset(const std::string& s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    size_t n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+    if (n == 0 || i + n > s.size()) return i;
+    uint32_t cp = n == 1 ? c : c & (0x7F >> n);
+    for (size_t k = 1; k < n; ++k) {
+      const auto b = static_cast<unsigned char>(s[i + k]);
+      if ((b & 0xC0) != 0x80) return i;
+      cp = (cp << 6) | (b & 0x3F);
+    }
+    // Overlong forms, UTF-16 surrogates and code points past U+10FFFF are not UTF-8 either.
+    static const uint32_t kMin[5] = {0, 0, 0x80, 0x800, 0x10000};
+    if (cp < kMin[n] || (cp >= 0xD800 && cp <= 0xDFFF) || cp > 0x10FFFF) return i;
+    i += n;
+  }
+  return std::string::npos;
+}
+
 std::vector<std::string> read_prompt_file(const std::string& path) {
+  // A prompt file is text: VBench's largest is ~100 kB. The cap refuses a wrong file before it fills memory.
+  constexpr uint64_t kMaxPromptFileBytes = uint64_t{64} << 20;
   std::string text;
   try {
-    text = io::read_file(path);
+    text = io::read_input_file(path, kMaxPromptFileBytes, /*allow_pipe=*/true);
   } catch (const io::IoError& e) {
     throw std::runtime_error(std::string("prompt file: ") + e.what());
   }
@@ -50,7 +73,15 @@ std::vector<std::string> read_prompt_file(const std::string& path) {
   std::set<std::string> seen;
   std::istringstream lines(text);
   std::string line;
+  int64_t line_number = 0;
   while (std::getline(lines, line)) {
+    ++line_number;
+    // Refused here, before any work: a prompt is written into index.json (JSON is UTF-8) and into a
+    // file name, and a guess at the encoding would put a different prompt there than the one given.
+    if (const size_t bad = utf8_error_offset(line); bad != std::string::npos)
+      throw std::runtime_error(fmt::format("prompt file '{}' line {}: not valid UTF-8 (byte 0x{:02X} at byte {} of the line); save the "
+                                           "file as UTF-8",
+                                           path, line_number, static_cast<unsigned char>(line[bad]), bad + 1));
     auto p = trim(line);
     if (!p.empty() && seen.insert(p).second) prompts.push_back(p);
   }
@@ -60,16 +91,34 @@ std::vector<std::string> read_prompt_file(const std::string& path) {
 
 std::string vbench_file_name(const std::string& prompt, int64_t index, const std::string& extension) {
   if (index < 0) throw std::invalid_argument("vbench_file_name: negative index " + std::to_string(index));
+  // Safe: no '/', no control characters, no byte that is not part of valid UTF-8, and no leading '-'
+  // or '.' (an option to a shell command, a hidden file) — each becomes '_'.
   std::string name;
-  for (unsigned char c : prompt) name.push_back(c == '/' || c < 0x20 || c == 0x7f ? '_' : static_cast<char>(c));
+  for (size_t i = 0; i < prompt.size();) {
+    const auto c = static_cast<unsigned char>(prompt[i]);
+    const size_t n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+    if (n > 1 && utf8_error_offset(prompt.substr(i, n)) == std::string::npos) {
+      name += prompt.substr(i, n);
+      i += n;
+      continue;
+    }
+    const bool unsafe = n != 1 || c == '/' || c < 0x20 || c == 0x7f || (name.empty() && (c == '-' || c == '.'));
+    name.push_back(unsafe ? '_' : static_cast<char>(c));
+    ++i;
+  }
   const std::string suffix = "-" + std::to_string(index) + "." + extension;
-  if (name.size() + suffix.size() > kMaxFileNameBytes) {
-    size_t cut = kMaxFileNameBytes - suffix.size();
+  if (suffix.size() + 9 >= kMaxFileNameBytes) throw std::invalid_argument("vbench_file_name: extension '" + extension + "' is too long");
+  if (name == prompt && name.size() + suffix.size() <= kMaxFileNameBytes) return name + suffix;  // VBench's own name
+  // Bounded and unique: a name that had to change carries 8 hex digits of the prompt's hash, so two
+  // prompts that differ only in what was replaced or cut still get two files.
+  const std::string tag = fmt::format("~{:08x}", static_cast<uint32_t>(fnv1a64(prompt) >> 32));
+  const size_t room = kMaxFileNameBytes - suffix.size() - tag.size();
+  if (name.size() > room) {
+    size_t cut = room;
     while (cut > 0 && (static_cast<unsigned char>(name[cut]) & 0xC0) == 0x80) --cut;  // not inside a UTF-8 character
     name.resize(cut);
   }
-  if (name.empty()) name = "_";
-  return name + suffix;
+  return name + tag + suffix;
 }
 
 std::string vbench_prompt_from_file_name(const std::string& file_name) {
@@ -103,10 +152,21 @@ std::vector<SampleJob> plan_vbench_samples(const std::vector<std::string>& promp
   return jobs;
 }
 
+SampleFolder find_sample_folder(const std::string& dir) {
+  const std::string videos = io::join_path(dir, kVideosFolder);
+  if (io::is_directory(videos)) return {dir, videos, io::join_path(dir, "index.json")};
+  std::string trimmed = dir;
+  while (trimmed.size() > 1 && trimmed.back() == '/') trimmed.pop_back();
+  const std::string parent = io::parent_path(trimmed);
+  const std::string base = trimmed.substr(trimmed.find_last_of('/') == std::string::npos ? 0 : trimmed.find_last_of('/') + 1);
+  if (base == kVideosFolder && io::path_exists(io::join_path(parent, "index.json"))) return {parent, dir, io::join_path(parent, "index.json")};
+  return {dir, dir, io::join_path(dir, "index.json")};
+}
+
 std::string index_json(const std::vector<SampleJob>& jobs, const SamplingRecord& r) {
   nlohmann::ordered_json j{{"checkpoint", r.checkpoint}, {"sampler", r.sampler},   {"steps", r.steps},
                            {"guidance_scale", r.guidance_scale}, {"eta", r.eta}, {"base_seed", r.base_seed},
-                           {"fps", r.fps}, {"upscale", r.upscale}};
+                           {"fps", r.fps}, {"upscale", r.upscale}, {"videos_folder", kVideosFolder}};
   auto videos = nlohmann::ordered_json::array();
   for (const auto& job : jobs) videos.push_back({{"prompt", job.prompt}, {"index", job.index}, {"seed", job.seed}, {"file", job.file}});
   j["videos"] = std::move(videos);

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <dirent.h>
 #include <ftw.h>
+#include <stdio.h>  // renameat2, RENAME_EXCHANGE (glibc >= 2.28)
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -12,6 +13,7 @@
 #include <cstring>
 #include <fstream>
 #include <sstream>
+#include <vector>
 
 namespace megaslide::io {
 
@@ -71,6 +73,21 @@ void rename_durably(const std::string& from, const std::string& to) {
     ::fsync(dir);  // best effort: makes the rename itself durable
     ::close(dir);
   }
+}
+
+bool exchange_durably(const std::string& a, const std::string& b) {
+  if (::renameat2(AT_FDCWD, a.c_str(), AT_FDCWD, b.c_str(), RENAME_EXCHANGE) != 0) {
+    if (errno == EINVAL || errno == ENOSYS || errno == ENOTSUP) return false;
+    fail("cannot exchange '" + a + "' with", b);
+  }
+  for (const auto& dir_path : {parent_of(a), parent_of(b)}) {
+    int dir = ::open(dir_path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dir >= 0) {
+      ::fsync(dir);
+      ::close(dir);
+    }
+  }
+  return true;
 }
 
 AtomicFileWriter::AtomicFileWriter(const std::string& path) : path_(path), tmp_(path + ".tmp") {
@@ -197,6 +214,86 @@ uint32_t file_crc32(const std::string& path) {
   uint32_t c = 0;
   read_in_pieces(path, [&c](const char* data, size_t bytes) { c = crc32(data, bytes, c); });
   return c;
+}
+
+std::string read_input_file(const std::string& path, uint64_t max_bytes, bool allow_pipe) {
+  // O_NONBLOCK: opening a FIFO without a writer must not hang; cleared below for the reads.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+  if (fd < 0) fail("cannot open", path);
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    const int saved = errno;
+    ::close(fd);
+    errno = saved;
+    fail("cannot read", path);
+  }
+  const bool regular = S_ISREG(st.st_mode), pipe = S_ISFIFO(st.st_mode);
+  if (!regular && !(allow_pipe && pipe)) {
+    ::close(fd);
+    const char* kind = S_ISDIR(st.st_mode)                              ? "a folder"
+                       : S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode)     ? "a device"
+                       : pipe                                           ? "a pipe"
+                       : S_ISSOCK(st.st_mode)                           ? "a socket"
+                                                                        : "not a regular file";
+    throw IoError("'" + path + "' is " + kind + ", not a file" + (allow_pipe ? "" : " (only regular files are read)"));
+  }
+  if (regular && static_cast<uint64_t>(st.st_size) > max_bytes) {
+    ::close(fd);
+    throw IoError("'" + path + "' is " + std::to_string(st.st_size) + " bytes, more than the " + std::to_string(max_bytes) +
+                  " this file may hold (is it the right file?)");
+  }
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  std::string out;
+  std::vector<char> buffer(64 * 1024);
+  for (;;) {
+    const ssize_t n = ::read(fd, buffer.data(), buffer.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int saved = errno;
+      ::close(fd);
+      errno = saved;
+      fail("cannot read", path);
+    }
+    if (n == 0) break;
+    out.append(buffer.data(), static_cast<size_t>(n));
+    if (out.size() > max_bytes) {  // a file that grew, or a pipe: stop at the cap
+      ::close(fd);
+      throw IoError("'" + path + "' holds more than the " + std::to_string(max_bytes) + " bytes this file may hold (is it the right file?)");
+    }
+  }
+  ::close(fd);
+  return out;
+}
+
+std::string parent_path(const std::string& path) { return parent_of(path); }
+
+void check_output_file(const std::string& path, const std::string& flag) {
+  if (path.empty()) throw IoError(flag + ": an empty path names no file");
+  if (path.back() == '/' || is_directory(path)) throw IoError(flag + " '" + path + "': is a folder; expected a file name");
+  const std::string parent = parent_of(path);
+  if (!is_directory(parent))
+    throw IoError(flag + " '" + path + "': folder '" + parent + "' does not exist" + (path_exists(parent) ? " (a file is in its place)" : ""));
+  if (::access(parent.c_str(), W_OK | X_OK) != 0)
+    throw IoError(flag + " '" + path + "': folder '" + parent + "' is not writable: " + std::strerror(errno));
+  if (path_exists(path) && ::access(path.c_str(), W_OK) != 0)
+    throw IoError(flag + " '" + path + "': the existing file is not writable: " + std::strerror(errno));
+}
+
+void check_output_folder(const std::string& path, const std::string& flag) {
+  if (path.empty()) throw IoError(flag + ": an empty path names no folder");
+  std::string p = path;
+  while (p.size() > 1 && p.back() == '/') p.pop_back();
+  // The nearest ancestor that exists must be a folder we may write into.
+  std::string existing = p;
+  while (!path_exists(existing)) {
+    const std::string up = parent_of(existing);
+    if (up == existing) break;
+    existing = up;
+  }
+  if (!is_directory(existing))
+    throw IoError(flag + " '" + path + "': '" + existing + "' is a file, not a folder");
+  if (::access(existing.c_str(), W_OK | X_OK) != 0)
+    throw IoError(flag + " '" + path + "': folder '" + existing + "' is not writable: " + std::strerror(errno));
 }
 
 std::string read_file(const std::string& path) {

@@ -78,12 +78,22 @@ SafetensorsHeader parse_header(const std::string& path, const File& file) {
   file.read_at(length_bytes, 8, 0);
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | length_bytes[i];
+  // A safetensors file opens with the little-endian length of its JSON header, then the header, which
+  // begins with '{'. Anything else is said plainly first: a user who hands us the wrong file (a
+  // checkpoint's `latest` pointer, a video) needs that, not the arithmetic.
+  const auto opening = [&] {
+    std::string shown;
+    for (unsigned char c : length_bytes) shown += c >= 0x20 && c < 0x7f ? static_cast<char>(c) : '.';
+    return "; it begins with '" + shown + "'";
+  };
   if (n > file_size - 8)
-    fail(path, "header length " + std::to_string(n) + " exceeds the " + std::to_string(file_size - 8) +
-                   " bytes that follow it (not a safetensors file, or truncated)");
+    fail(path, "not a safetensors file (or a truncated one): its first 8 bytes, read as the header length, say " + std::to_string(n) +
+                   " but only " + std::to_string(file_size - 8) + " bytes follow" + opening());
   if (n > kMaxHeaderBytes) fail(path, "header length " + std::to_string(n) + " is above the 100 MB limit");
   std::string text(n, '\0');
   file.read_at(text.data(), n, 8);
+  if (n == 0 || text[0] != '{')
+    fail(path, "not a safetensors file: the header after the 8-byte length does not begin with '{'" + opening());
 
   nlohmann::json j;
   try {

@@ -8,6 +8,7 @@
 #include <set>
 
 #include "megaslide/io/files.h"
+#include "megaslide/util/numbers.h"
 #include "plan/builtin_hardware_profiles.h"
 
 namespace megaslide::plan {
@@ -27,18 +28,14 @@ std::string describe(const YAML::Node& node) {
 double positive_number(const YAML::Node& root, const std::string& source, const std::string& key) {
   const YAML::Node node = root[key];
   if (!node.IsDefined()) fail(source, key, "missing (every profile needs it; see configs/hardware/h200.yaml)");
+  if (!node.IsScalar()) fail(source, key, "expected a number > 0, got " + describe(node));
   double value = 0.0;
-  bool ok = node.IsScalar();
-  if (ok) {
-    try {
-      size_t used = 0;
-      value = std::stod(node.Scalar(), &used);
-      ok = used == node.Scalar().size();
-    } catch (const std::exception&) {
-      ok = false;
-    }
+  try {
+    value = parse_real(node.Scalar(), "a number > 0");
+  } catch (const NumberError& e) {
+    fail(source, key, e.what());
   }
-  if (!ok || !std::isfinite(value) || value <= 0) fail(source, key, "expected a number > 0, got " + describe(node));
+  if (value <= 0) fail(source, key, "expected a number > 0, got " + describe(node));
   return value;
 }
 
@@ -121,7 +118,7 @@ HardwareProfile load_hardware_profile(const std::string& name_or_path) {
   }
   std::string text;
   try {
-    text = io::read_file(name_or_path);
+    text = io::read_input_file(name_or_path, 1 << 20);  // a profile is a few hundred bytes
   } catch (const std::exception& e) {
     throw HardwareProfileError(std::string("hardware profile: ") + e.what());
   }

@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <nlohmann/json.hpp>
+#include <cstdlib>
+#include <functional>
 #include <set>
 
 #include "megaslide/io/weights.h"
@@ -21,6 +23,10 @@ constexpr const char* kState = "trainer_state.json";
 constexpr const char* kModel = "model.safetensors";
 const char* const kTensorFiles[3] = {"master.safetensors", "exp_avg.safetensors", "exp_avg_sq.safetensors"};
 constexpr const char* kTempPrefix = ".tmp-";
+// Caps on what is read of the small files: `latest` holds "step-NNNNNNN\n"; the JSON files a few kB
+// (the state's data position and RNG states, and the run config).
+constexpr uint64_t kMaxPointerBytes = 256;
+constexpr uint64_t kMaxJsonBytes = uint64_t{16} << 20;
 
 std::string checkpoints_dir(const std::string& run_dir) { return io::join_path(run_dir, "checkpoints"); }
 
@@ -118,13 +124,114 @@ void set_adamw_moments(torch::optim::AdamW& optimizer, const torch::Tensor& para
 
 std::string checkpoint_name(int64_t step) { return fmt::format("step-{:07}", step); }
 
+namespace {
+// The manifest of the checkpoint at `path`, checked for format and version.
+nlohmann::json read_manifest(const std::string& path) {
+  const std::string manifest_path = io::join_path(path, kManifest);
+  if (!io::path_exists(manifest_path)) fail(path, std::string("no ") + kManifest + " (an incomplete or interrupted save, or not a checkpoint)");
+  nlohmann::json manifest;
+  try {
+    manifest = nlohmann::json::parse(io::read_input_file(manifest_path, kMaxJsonBytes));
+  } catch (const nlohmann::json::exception& e) {
+    fail(manifest_path, std::string("not valid JSON: ") + e.what());
+  } catch (const io::IoError& e) {
+    fail(manifest_path, e.what());
+  }
+  if (!manifest.is_object() || manifest.value("format", "") != kFormat || !manifest.contains("files") || !manifest["files"].is_object())
+    fail(manifest_path, std::string("not a MegaSlide checkpoint manifest (expected format '") + kFormat + "' and a 'files' object)");
+  if (manifest.value("format_version", 0) != kFormatVersion)
+    fail(manifest_path, "format_version " + manifest["format_version"].dump() + " is not supported (this build reads " +
+                            std::to_string(kFormatVersion) + ")");
+  return manifest;
+}
+
+// What the manifest says of `file` (listed, present, the size it has on disk): its expected CRC-32.
+std::string expected_crc32(const std::string& path, const nlohmann::json& manifest, const std::string& file) {
+  const std::string manifest_path = io::join_path(path, kManifest);
+  if (!manifest["files"].contains(file)) fail(manifest_path, "does not list " + file);
+  const auto& entry = manifest["files"][file];
+  const std::string file_path = io::join_path(path, file);
+  if (!io::path_exists(file_path)) fail(path, file + " is missing");
+  if (!entry.is_object() || !entry.contains("bytes") || !entry["bytes"].is_number_unsigned() || !entry.contains("crc32") ||
+      !entry["crc32"].is_string())
+    fail(manifest_path, "entry for " + file + " needs 'bytes' and 'crc32'");
+  const uint64_t bytes = io::file_size(file_path);
+  if (bytes != entry["bytes"].get<uint64_t>())
+    fail(file_path, fmt::format("is {} bytes but the manifest says {} (truncated or replaced)", bytes, entry["bytes"].get<uint64_t>()));
+  return entry["crc32"].get<std::string>();
+}
+
+void check_crc32(const std::string& file_path, uint32_t actual, const std::string& expected) {
+  const std::string crc = fmt::format("{:08x}", actual);
+  if (crc != expected) fail(file_path, "CRC-32 is " + crc + " but the manifest says " + expected + " (the file is corrupted)");
+}
+
+// Checks the manifest and `files` (size and CRC-32, each read once).
+void verify_files(const std::string& path, const std::vector<std::string>& files) {
+  const auto manifest = read_manifest(path);
+  for (const auto& file : files) {
+    const std::string expected = expected_crc32(path, manifest, file);
+    check_crc32(io::join_path(path, file), io::file_crc32(io::join_path(path, file)), expected);
+  }
+}
+}  // namespace
+
+namespace {
+// The checkpoint a `latest` pointer file names (its folder beside it); CheckpointError when the file
+// is not a pointer.
+std::string follow_pointer(const std::string& pointer) {
+  std::string name;
+  try {
+    name = io::read_input_file(pointer, kMaxPointerBytes);
+  } catch (const io::IoError& e) {
+    fail(pointer, std::string("cannot be read as the `latest` pointer: ") + e.what());
+  }
+  while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+  if (!is_checkpoint_name(name)) fail(pointer, "does not name a checkpoint (expected step-NNNNNNN, found '" + name.substr(0, 40) + "')");
+  return io::join_path(io::parent_path(pointer), name);
+}
+
+bool looks_like_pointer(const std::string& path) {
+  if (io::is_directory(path) || !io::path_exists(path)) return false;
+  if (io::file_size(path) > kMaxPointerBytes) return false;
+  try {
+    std::string text = io::read_input_file(path, kMaxPointerBytes);
+    while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
+    return is_checkpoint_name(text);
+  } catch (const io::IoError&) {
+    return false;
+  }
+}
+}  // namespace
+
 std::string latest_checkpoint(const std::string& run_dir) {
   const std::string pointer = io::join_path(checkpoints_dir(run_dir), "latest");
   if (!io::path_exists(pointer)) return "";
-  std::string name = io::read_file(pointer);
-  while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
-  if (!is_checkpoint_name(name)) fail(pointer, "does not name a checkpoint (expected step-NNNNNNN, found '" + name + "')");
-  return io::join_path(checkpoints_dir(run_dir), name);
+  return follow_pointer(pointer);
+}
+
+std::string find_checkpoint(const std::string& spec) {
+  if (spec.empty()) throw CheckpointError("checkpoint: an empty path names no checkpoint");
+  if (!io::path_exists(spec)) throw CheckpointError("checkpoint '" + spec + "' does not exist");
+  if (io::is_directory(spec)) {
+    if (io::path_exists(io::join_path(spec, kManifest))) return spec;  // a checkpoint folder
+    if (io::path_exists(io::join_path(spec, "checkpoints"))) {       // a run folder
+      const std::string latest = latest_checkpoint(spec);
+      if (latest.empty()) throw CheckpointError("run folder '" + spec + "' has no checkpoint (no " + io::join_path(checkpoints_dir(spec), "latest") + ")");
+      return latest;
+    }
+    if (io::path_exists(io::join_path(spec, "latest"))) return follow_pointer(io::join_path(spec, "latest"));  // RUN/checkpoints
+    if (io::path_exists(io::join_path(spec, "metrics.jsonl")))
+      throw CheckpointError("run folder '" + spec + "' has no checkpoints (it was trained with train.checkpoint_every: 0)");
+    fail(spec, std::string("is a folder but neither a checkpoint (no ") + kManifest + ") nor a run folder (no checkpoints/)");
+  }
+  if (looks_like_pointer(spec)) return follow_pointer(spec);
+  fail(spec, "is a file; a checkpoint is a folder (RUN/checkpoints/step-NNNNNNN), the `latest` file beside it, or a run folder");
+}
+
+std::string find_weights(const std::string& spec) {
+  if (!spec.empty() && io::path_exists(spec) && !io::is_directory(spec) && !looks_like_pointer(spec)) return spec;  // a weights file
+  return checkpoint_weights(find_checkpoint(spec));
 }
 
 std::string resolve_checkpoint(const std::string& run_dir, const std::string& spec) {
@@ -135,8 +242,70 @@ std::string resolve_checkpoint(const std::string& run_dir, const std::string& sp
                             io::join_path(checkpoints_dir(run_dir), "latest") + ")");
     return path;
   }
-  if (!io::is_directory(spec)) throw CheckpointError("checkpoint '" + spec + "' is not a folder");
-  return spec;
+  return find_checkpoint(spec);
+}
+
+int64_t checkpoint_step(const std::string& path) {
+  const auto manifest = read_manifest(path);
+  if (!manifest.contains("step") || !manifest["step"].is_number_integer() || manifest["step"].get<int64_t>() < 0)
+    fail(io::join_path(path, kManifest), "has no valid 'step'");
+  return manifest["step"].get<int64_t>();
+}
+
+bool roll_back_latest(const std::string& run_dir, const std::string& checkpoint) {
+  const std::string latest = latest_checkpoint(run_dir);
+  if (latest.empty() || latest == checkpoint) return false;
+  // Only a checkpoint of this run's own folder is made `latest`: one taken from elsewhere starts this
+  // run's history afresh, and its own `latest` moves with its first save.
+  char* here = ::realpath(checkpoints_dir(run_dir).c_str(), nullptr);
+  char* there = ::realpath(io::parent_path(checkpoint).c_str(), nullptr);
+  const bool same = here != nullptr && there != nullptr && std::string(here) == there;
+  std::free(here);
+  std::free(there);
+  if (!same) return false;
+  const std::string name = checkpoint.substr(checkpoint.find_last_of('/') + 1);
+  if (!is_checkpoint_name(name) || checkpoint_step(checkpoint) >= checkpoint_step(latest)) return false;
+  try {
+    io::write_file_atomically(io::join_path(checkpoints_dir(run_dir), "latest"), name + "\n");
+  } catch (const io::IoError& e) {
+    throw CheckpointError(std::string("rolling back to ") + checkpoint + ": cannot update `latest`: " + e.what());
+  }
+  return true;
+}
+
+std::vector<std::string> resume_warnings(const std::string& path, const RunConfig& config) {
+  std::vector<std::string> out;
+  nlohmann::json s;
+  try {
+    s = nlohmann::json::parse(io::read_input_file(io::join_path(path, kState), kMaxJsonBytes));
+    const RunConfig saved = parse_run_config(s.at("config").get<std::string>(), io::join_path(path, kState) + " (config)");
+    const YAML::Node a = YAML::Load(to_yaml(saved)), b = YAML::Load(to_yaml(config));
+    // LibTorch's CPU reductions split their work by thread count: another count sums in another order.
+    for (const char* key : {"train.threads"}) {
+      const std::string x = YAML::Dump(lookup(a, key)), y = YAML::Dump(lookup(b, key));
+      if (x != y)
+        out.push_back(fmt::format("{} is {} here but was {} when {} was saved: the run continues, but its losses will no longer "
+                                  "match an uninterrupted run's bit for bit; resume with --set {}={} for an exact continuation",
+                                  key, y, x, path, key, x));
+    }
+  } catch (const std::exception&) {
+    // load_checkpoint reports a broken state file; warnings are only extra.
+  }
+  return out;
+}
+
+namespace {
+std::function<void(const std::string&)>& save_observer() {
+  static std::function<void(const std::string&)> observer;
+  return observer;
+}
+void observe(const char* stage) {
+  if (save_observer()) save_observer()(stage);
+}
+}  // namespace
+
+void detail::set_save_checkpoint_observer(std::function<void(const std::string& stage)> observer) {
+  save_observer() = std::move(observer);
 }
 
 std::string save_checkpoint(const std::string& run_dir, const RunConfig& config, const TrainingState& state) {
@@ -178,22 +347,43 @@ std::string save_checkpoint(const std::string& run_dir, const RunConfig& config,
     manifest["files"] = files;
     io::write_file_atomically(io::join_path(tmp, kManifest), manifest.dump(2) + "\n");
 
-    // Same step saved again (a resumed run saving where it started): the old copy goes only once the
-    // new one is complete.
-    std::string replaced;
+    observe("complete");
+
+    // Same step saved again (a run rolled back to an earlier checkpoint reaching this step again): the
+    // new folder and the old one swap names in one atomic exchange, so the name always holds a
+    // complete checkpoint; the old one then goes. Where the file system cannot exchange, two renames
+    // do it: `latest` never names this step then (a rolled-back run moved `latest` back first).
     if (io::path_exists(final_path)) {
-      replaced = io::join_path(root, kTempPrefix + std::string("old-") + name + "-" + std::to_string(::getpid()));
-      io::rename_durably(final_path, replaced);
+      if (!io::exchange_durably(tmp, final_path)) {
+        const std::string aside = io::join_path(root, kTempPrefix + std::string("old-") + name + "-" + std::to_string(::getpid()));
+        io::rename_durably(final_path, aside);
+        observe("moved-aside");
+        io::rename_durably(tmp, final_path);
+        io::remove_tree(aside);
+      }
+    } else {
+      io::rename_durably(tmp, final_path);
     }
-    io::rename_durably(tmp, final_path);
+    observe("in-place");
     io::write_file_atomically(io::join_path(root, "latest"), name + "\n");
-    if (!replaced.empty()) io::remove_tree(replaced);
+    observe("latest");
+    io::remove_tree(tmp);  // after an exchange: the replaced checkpoint
   } catch (const std::exception& e) {
     try {
       io::remove_tree(tmp);
     } catch (...) {
     }
-    const std::string intact = previous.empty() ? "there is no earlier checkpoint" : "the previous checkpoint " + previous + " is intact";
+    // Say what is true now, not what was true before the save began.
+    std::string intact;
+    try {
+      const std::string latest = latest_checkpoint(run_dir);
+      if (latest.empty()) intact = "there is no earlier checkpoint";
+      else if (io::path_exists(io::join_path(latest, kManifest)))
+        intact = latest == previous ? "the previous checkpoint " + latest + " is intact" : "`latest` names " + latest + ", which is intact";
+      else intact = "`latest` names " + latest + ", which is missing: resume from another checkpoint folder";
+    } catch (const std::exception& pointer_error) {
+      intact = std::string("`latest` cannot be read (") + pointer_error.what() + ")";
+    }
     throw CheckpointError(fmt::format("saving checkpoint {} failed: {}; {}", final_path, e.what(), intact));
   }
   return final_path;
@@ -214,6 +404,13 @@ std::vector<std::string> prune_checkpoints(const std::string& run_dir, int64_t k
       complete.push_back(name);  // sorted: zero-padded steps
     }
   }
+  // Checkpoints past `latest` belong to a run that was rolled back to an earlier one: they neither
+  // count towards keep_last nor are removed here; the rolled-back run replaces each when it saves
+  // that step again, and once it has gone past them they count as older ones.
+  if (!latest.empty()) {
+    const std::string latest_name = latest.substr(latest.find_last_of('/') + 1);
+    complete.erase(std::remove_if(complete.begin(), complete.end(), [&](const std::string& n) { return n > latest_name; }), complete.end());
+  }
   if (keep_last <= 0) return removed;
   const int64_t excess = static_cast<int64_t>(complete.size()) - keep_last;
   for (int64_t i = 0; i < excess; ++i) {
@@ -224,56 +421,6 @@ std::vector<std::string> prune_checkpoints(const std::string& run_dir, int64_t k
   }
   return removed;
 }
-
-namespace {
-// The manifest of the checkpoint at `path`, checked for format and version.
-nlohmann::json read_manifest(const std::string& path) {
-  const std::string manifest_path = io::join_path(path, kManifest);
-  if (!io::path_exists(manifest_path)) fail(path, std::string("no ") + kManifest + " (an incomplete or interrupted save, or not a checkpoint)");
-  nlohmann::json manifest;
-  try {
-    manifest = nlohmann::json::parse(io::read_file(manifest_path));
-  } catch (const nlohmann::json::exception& e) {
-    fail(manifest_path, std::string("not valid JSON: ") + e.what());
-  }
-  if (!manifest.is_object() || manifest.value("format", "") != kFormat || !manifest.contains("files") || !manifest["files"].is_object())
-    fail(manifest_path, std::string("not a MegaSlide checkpoint manifest (expected format '") + kFormat + "' and a 'files' object)");
-  if (manifest.value("format_version", 0) != kFormatVersion)
-    fail(manifest_path, "format_version " + manifest["format_version"].dump() + " is not supported (this build reads " +
-                            std::to_string(kFormatVersion) + ")");
-  return manifest;
-}
-
-// What the manifest says of `file` (listed, present, the size it has on disk): its expected CRC-32.
-std::string expected_crc32(const std::string& path, const nlohmann::json& manifest, const std::string& file) {
-  const std::string manifest_path = io::join_path(path, kManifest);
-  if (!manifest["files"].contains(file)) fail(manifest_path, "does not list " + file);
-  const auto& entry = manifest["files"][file];
-  const std::string file_path = io::join_path(path, file);
-  if (!io::path_exists(file_path)) fail(path, file + " is missing");
-  if (!entry.is_object() || !entry.contains("bytes") || !entry["bytes"].is_number_unsigned() || !entry.contains("crc32") ||
-      !entry["crc32"].is_string())
-    fail(manifest_path, "entry for " + file + " needs 'bytes' and 'crc32'");
-  const uint64_t bytes = io::file_size(file_path);
-  if (bytes != entry["bytes"].get<uint64_t>())
-    fail(file_path, fmt::format("is {} bytes but the manifest says {} (truncated or replaced)", bytes, entry["bytes"].get<uint64_t>()));
-  return entry["crc32"].get<std::string>();
-}
-
-void check_crc32(const std::string& file_path, uint32_t actual, const std::string& expected) {
-  const std::string crc = fmt::format("{:08x}", actual);
-  if (crc != expected) fail(file_path, "CRC-32 is " + crc + " but the manifest says " + expected + " (the file is corrupted)");
-}
-
-// Checks the manifest and `files` (size and CRC-32, each read once).
-void verify_files(const std::string& path, const std::vector<std::string>& files) {
-  const auto manifest = read_manifest(path);
-  for (const auto& file : files) {
-    const std::string expected = expected_crc32(path, manifest, file);
-    check_crc32(io::join_path(path, file), io::file_crc32(io::join_path(path, file)), expected);
-  }
-}
-}  // namespace
 
 std::string verify_checkpoint(const std::string& path) {
   std::vector<std::string> files{kModel, kState};
@@ -305,9 +452,11 @@ void load_checkpoint(const std::string& path, const RunConfig& config, TrainingS
   const std::string state_path = io::join_path(path, kState);
   nlohmann::json s;
   try {
-    s = nlohmann::json::parse(io::read_file(state_path));
+    s = nlohmann::json::parse(io::read_input_file(state_path, kMaxJsonBytes));
   } catch (const nlohmann::json::exception& e) {
     fail(state_path, std::string("not valid JSON: ") + e.what());
+  } catch (const io::IoError& e) {
+    fail(state_path, e.what());
   }
   auto field = [&](const char* key) -> const nlohmann::json& {
     if (!s.is_object() || !s.contains(key)) fail(state_path, std::string("has no '") + key + "'");

@@ -2,16 +2,23 @@
 
 #include <fmt/format.h>
 
+#include <unistd.h>
+
 #include <memory>
 
 #include "megaslide/diffusion/text_to_video.h"
+#include "megaslide/io/files.h"
 #include "megaslide/io/weights.h"
+#include "megaslide/model/dit.h"
 #include "megaslide/offload/cpu_master_trainer.h"
 #include "megaslide/train/auto_settings.h"
 #include "megaslide/train/checkpoint.h"
 #include "megaslide/train/resident_trainer.h"
+#include "megaslide/train/run_folder.h"
 #include "megaslide/train/run_outputs.h"
 #include "megaslide/util/build_info.h"
+#include "megaslide/util/errors.h"
+#include "megaslide/util/numbers.h"
 
 namespace megaslide {
 
@@ -55,6 +62,46 @@ class Trainer {
 
 }  // namespace
 
+int64_t this_machine_memory_bytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
+  int64_t bytes = pages > 0 && page > 0 ? static_cast<int64_t>(pages) * page : 0;
+  // A container's memory limit (cgroup v2, then v1) when it is lower than the machine's.
+  for (const char* limit_file : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    try {
+      const std::string text = io::read_input_file(limit_file, 64);
+      const int64_t limit = parse_integer(text.substr(0, text.find_first_of(" \n")), "bytes");
+      if (limit > 0 && (bytes == 0 || limit < bytes)) bytes = limit;
+    } catch (const std::exception&) {
+      // "max", absent or unreadable: no limit from there.
+    }
+  }
+  return bytes;
+}
+
+std::string memory_shortfall(const RunConfig& config, int64_t available_bytes, bool state_in_host_memory) {
+  // A lower bound of what a trainer holds in host memory before its first step: fp32 weights and
+  // AdamW's two fp32 moments (12 B a parameter; the streamed trainer adds a compute copy) where they
+  // live in host memory, one batch of video in fp32 and the data sampler's order. The real need is
+  // larger (activations, the streamed trainer's buffers: megaslide-plan counts them); only a run that
+  // cannot fit even this bound is refused, so that it fails here in one line instead of swapping or
+  // being killed later.
+  const int64_t params = count_dit_parameters(DiTOptions::from_config(config)).total;
+  const auto& d = config.data;
+  const int64_t state = state_in_host_memory ? params * 12 : 0;  // validate() bounded params * 14 below kMaxMachineBytes
+  const int64_t batch = config.train.batch_size * d.channels * d.frames * d.height * d.width * 4;
+  const int64_t order = d.num_clips * 8;
+  const int64_t needed = state + batch + order;
+  if (available_bytes <= 0 || needed <= available_bytes) return "";
+  return fmt::format("this run needs at least {} of memory ({} parameters x 12 B of fp32 weights and AdamW moments in host memory = {}; one batch of "
+                     "video, train.batch_size {} x {}x{}x{}x{} in fp32 = {}; the sampler's order of data.num_clips {} = {}) but this "
+                     "machine has {}: make the model, the batch or the video smaller (megaslide-plan --config ... shows where "
+                     "memory goes)",
+                     human_bytes(static_cast<double>(needed)), human_count(static_cast<double>(params)),
+                     human_bytes(static_cast<double>(state)), config.train.batch_size, d.channels, d.frames, d.height, d.width,
+                     human_bytes(static_cast<double>(batch)), d.num_clips, human_bytes(static_cast<double>(order)),
+                     human_bytes(static_cast<double>(available_bytes)));
+}
+
 TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOptions& options) {
   // `auto` settings resolved once: config.yaml, the log and checkpoints carry the resolved values, and a
   // resume compares them with the checkpoint's.
@@ -63,16 +110,43 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   const auto& train = config.train;
   TrainingRunResult result;
 
-  // Everything that can refuse the input happens before the first byte is written: load_checkpoint
-  // verifies the checkpoint (every file read once for its checksum) before it reads a tensor.
+  // Everything that can refuse the input happens before the first byte of the run is written: the run
+  // folder is locked (and a fresh run refused when the folder holds one), the output paths checked,
+  // the device and the memory the run needs checked, and load_checkpoint verifies the checkpoint
+  // (every file read once for its checksum) before it reads a tensor.
+  RunFolderGuard guard(run_dir, /*resuming=*/!options.resume.empty());
+  try {
+    if (!options.trace_path.empty()) io::check_output_file(options.trace_path, "--trace");
+    if (!options.export_weights.empty()) io::check_output_file(options.export_weights, "--export-weights");
+  } catch (const io::IoError& e) {
+    throw ConfigError(options.config_source, "", e.what());
+  }
+  bool state_in_host_memory = true;
+  try {
+    // The resident loop keeps its weights and moments on its device; the streamed trainer in host RAM.
+    const bool on_cpu = resolve_device(train.device).is_cpu();  // checked whichever trainer runs
+    state_in_host_memory = config.offload.enabled || on_cpu;
+  } catch (const c10::Error& e) {
+    throw ConfigError(options.config_source, "train.device", error_message(e));
+  }
+  if (const std::string shortfall = memory_shortfall(config, this_machine_memory_bytes(), state_in_host_memory); !shortfall.empty()) {
+    const auto& d = config.data;
+    const bool batch_dominates = !state_in_host_memory || config.train.batch_size * d.channels * d.frames * d.height * d.width * 4 >
+                                                            count_dit_parameters(DiTOptions::from_config(config)).total * 12;
+    throw ConfigError(options.config_source, batch_dominates ? "train.batch_size" : "model", shortfall);
+  }
   std::string resume_path;
   if (!options.resume.empty()) {
     resume_path = resolve_checkpoint(run_dir, options.resume);
-  } else if (const std::string existing = latest_checkpoint(run_dir); !existing.empty()) {
-    throw CheckpointError("run directory '" + run_dir + "' already holds a run with checkpoints (latest: " + existing +
-                          "); continue it with --resume latest, or choose another --run-dir");
+    const int64_t saved_step = checkpoint_step(resume_path);
+    if (saved_step > train.steps)
+      throw ConfigError(options.config_source, "train.steps",
+                        fmt::format("is {} but checkpoint {} is already at step {}: nothing would be trained; set train.steps "
+                                    "above {} to continue it",
+                                    train.steps, resume_path, saved_step, saved_step));
   }
   Trainer trainer(config);
+  std::vector<std::string> warnings;
   if (!resume_path.empty()) {
     TrainingState state = trainer.state();
     load_checkpoint(resume_path, config, state);
@@ -82,9 +156,15 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
       throw CheckpointError("checkpoint '" + resume_path + "': trainer_state.json: " + e.what());
     }
     result.first_step = state.step;
+    warnings = resume_warnings(resume_path, config);
+    if (roll_back_latest(run_dir, resume_path))
+      warnings.push_back(fmt::format("rolled back: {} now names {}; the newer checkpoints of the abandoned run are replaced as this run "
+                                     "saves their steps again",
+                                     io::join_path(run_dir, "checkpoints/latest"), resume_path));
   }
 
   RunDirectory dir(run_dir, config);
+  guard.started();
   TrainLog log(dir.file("train.log"), /*append=*/!resume_path.empty());
   MetricsWriter metrics(dir.file("metrics.jsonl"), resume_path.empty() ? -1 : result.first_step);
   log.info(build_summary());
@@ -106,6 +186,9 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   log.info(plan_threads(config, trainer.device()).describe());
   if (!options.trace_path.empty() && !trainer.streamed()) log.warn("--trace records the streamed trainer only (offload.enabled: true); ignored");
   if (!resume_path.empty()) log.info(fmt::format("resumed from {} at step {}", resume_path, result.first_step));
+  for (const auto& w : warnings) log.warn(w);
+  if (!resume_path.empty() && result.first_step == train.steps)
+    log.info(fmt::format("the checkpoint is at train.steps ({}): the run is complete, nothing to train", train.steps));
 
   int64_t last_saved = result.first_step;
   auto save = [&](const char* why) {

@@ -13,7 +13,9 @@ mkdir -p "$out"
 bin=$out/fuzz_$name
 flags=(-std=c++17 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -I"$src/include")
 case $name in
-  run_config) sources=("$src/tests/fuzz/fuzz_run_config.cpp" "$src/src/config/run_config.cpp"); libs=(-lyaml-cpp) ;;
+  run_config)
+    sources=("$src/tests/fuzz/fuzz_run_config.cpp" "$src/src/config/run_config.cpp" "$src/src/util/numbers.cpp" "$src/src/io/files.cpp")
+    libs=(-lyaml-cpp) ;;
   safetensors)
     sources=("$src/tests/fuzz/fuzz_safetensors.cpp" "$src/src/io/safetensors.cpp" "$src/src/io/files.cpp")
     flags+=(-isystem "$torch/include" -isystem "$torch/include/torch/csrc/api/include")
@@ -22,7 +24,7 @@ case $name in
 esac
 stale=0
 [ -x "$bin" ] || stale=1
-for s in "${sources[@]}" "$src"/include/megaslide/config/run_config.h "$src"/include/megaslide/io/*.h; do
+for s in "${sources[@]}" "$src"/include/megaslide/config/run_config.h "$src"/include/megaslide/io/*.h "$src"/include/megaslide/util/numbers.h; do
   [ "$s" -nt "$bin" ] && stale=1
 done
 if [ $stale = 1 ]; then

@@ -2,7 +2,7 @@
 //
 //   VideoCodec   maps the model's sample space to pixels. PixelCodec is the identity for pixel-space
 //                models (every model today); a latent codec (the Stable Diffusion VAE) implements the
-//                same interface in a later issue.
+//                same interface (not yet written).
 //   TextToVideo  holds a loaded model and samples videos for prompts with one seed per video.
 //
 // The unconditional branch of guidance is the empty prompt, as in training (caption dropout).
@@ -67,7 +67,7 @@ class TextToVideo {
 // Validation videos during training (train.sample_every): the captions of structured-motion clips
 // 0…count−1 of the run's dataset (fixed by data.seed), each with a fixed seed (eval::vbench_seed(caption,
 // 0, train.seed)), sampled with the config's sampler settings from the given modules (shared, not copied;
-// their training mode is restored afterwards) and written in the VBench layout — `dir`/{caption}-0.mp4
+// their training mode is restored afterwards) and written in the VBench layout — `dir`/videos/{caption}-0.mp4
 // and `dir`/index.json. Frames of odd size are upscaled 2× (H.264 needs even sizes). Sampling draws from
 // its own generators, so it leaves the training's random streams untouched. Returns the file names.
 std::vector<std::string> write_validation_samples(const std::string& dir, const RunConfig& config, DiT& dit,

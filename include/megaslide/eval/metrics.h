@@ -26,7 +26,7 @@ double frame_consistency_score(const torch::Tensor& frames);
 
 struct VideoEvaluation {
   std::string file;    // name inside the folder
-  std::string prompt;  // from DIR/index.json when it lists the file, else parsed from the name as VBench does
+  std::string prompt;  // from the sample folder's index.json when it lists the file, else parsed from the name as VBench does
   int64_t frames = 0, width = 0, height = 0;
   double mean_abs_frame_difference = 0, temporal_flickering = 0, frame_consistency = 0;
 };
@@ -37,9 +37,11 @@ struct FolderEvaluation {
   double mean_temporal_flickering = 0, mean_frame_consistency = 0;
 };
 
-// Reads and scores every *.mp4 in `folder`. Throws (naming the folder or the file) when the folder
-// cannot be read, holds no MP4, or a video cannot be decoded or has fewer than 2 frames.
-FolderEvaluation evaluate_folder(const std::string& folder);
+// Reads and scores every *.mp4 of a sample folder (eval/vbench.h: DIR/videos/ with DIR/index.json,
+// that videos folder itself, or any folder of MP4s); `folder` of the result is the videos folder.
+// Throws (naming the folder or the file) when the folder cannot be read, holds no MP4, or a video
+// cannot be decoded or has fewer than 2 frames.
+FolderEvaluation evaluate_folder(const std::string& dir);
 
 // {"folder", "count", "mean": {"temporal_flickering", "frame_consistency"}, "videos": [{...}, ...]}
 std::string to_json(const FolderEvaluation& evaluation);

@@ -1,11 +1,20 @@
-// The VBench sample layout: DIR/{prompt}-{index}.mp4, index 0…N−1, plus DIR/index.json.
+// The VBench sample layout, as megaslide-sample writes it:
+//   DIR/videos/{prompt}-{index}.mp4   index 0…N−1; this folder holds the MP4s and nothing else
+//   DIR/index.json                    every video's prompt, index, seed and file, and the sampler settings
+//   DIR/frames/{prompt}-{index}/      PNG frames (megaslide-sample --png)
+// VBench is pointed at DIR/videos. Its standard mode takes the video extension from the first entry it
+// lists in the folder, so any other file there (index.json sorts before most prompts) can make it find
+// no video at all: nothing but the videos goes into videos/.
 //
 // VBench finds a video's prompt from its file name: standard mode looks for "{prompt}-{index}.mp4",
 // custom mode takes the name without its extension and strips one final "-<digits>". So the name keeps
-// the prompt as it is, except for what a file name cannot hold: '/' and control characters become '_'
-// (a prompt VBench could not have saved either way), and the prompt is cut, at a UTF-8 character
-// boundary, so that the whole name fits the 255-byte limit of common file systems. For every prompt
-// that VBench's own prompt files contain the name is exactly VBench's.
+// the prompt as it is whenever a file name can: for every prompt of VBench's own prompt files the name
+// is exactly VBench's. A prompt a file name cannot hold as it is — with '/', control characters, bytes
+// that are not UTF-8, a leading '-' or '.', or too long for the cap below (VBench's augmented prompts
+// are) — is made safe (each such byte becomes '_'), cut at a UTF-8 character boundary, and tagged
+// with "~" and 8 hex digits of its FNV-1a hash, so that names stay unique; index.json then holds the
+// prompt. Names are decided before any sampling (plan_vbench_samples), so a run never fails at its
+// end on a name.
 //
 // Seeds: video (prompt, index) gets seed = SplitMix64(base_seed ⊕ FNV-1a-64(prompt) ⊕ index·φ) — a pure
 // function of the prompt text, the index and the base seed, so reruns, reordered prompt files and
@@ -20,15 +29,28 @@
 
 namespace megaslide::eval {
 
-// The longest file name (bytes) this layout produces.
-constexpr size_t kMaxFileNameBytes = 255;
+// The longest file name (bytes) this layout produces: 255 (the limit of common file systems) less room
+// for the suffix of a temporary file written beside it (NAME.tmp, renamed when complete).
+constexpr size_t kMaxFileNameBytes = 240;
+
+// The folder of the videos inside a sample folder.
+constexpr const char* kVideosFolder = "videos";
+
+// Where a sample folder's parts are, for a folder a user names: DIR in the layout above (`root` DIR,
+// `videos` DIR/videos), its videos folder (`root` the parent, when that holds index.json), or any
+// folder of MP4s (`root` and `videos` both DIR). `index` is root/index.json, which may not exist.
+struct SampleFolder {
+  std::string root, videos, index;
+};
+SampleFolder find_sample_folder(const std::string& dir);
 
 // Reads a prompt file: one prompt per line; '\r' and surrounding white space stripped; blank lines
 // skipped; a repeated prompt kept once (it would map to the same files). Throws std::runtime_error
-// naming the file when it cannot be read or holds no prompt.
+// naming the file when it cannot be read (a folder, a device, more than 64 MiB), holds no prompt, or a
+// line is not valid UTF-8 (naming the line and the byte).
 std::vector<std::string> read_prompt_file(const std::string& path);
 
-// "{sanitised, capped prompt}-{index}.mp4" (or another extension, without the dot).
+// "{prompt}-{index}.mp4", or the safe, bounded, tagged name above (or another extension, without the dot).
 std::string vbench_file_name(const std::string& prompt, int64_t index, const std::string& extension = "mp4");
 
 // What VBench's custom mode recovers from a file name: the stem with one final "-<digits>" removed.
@@ -56,6 +78,7 @@ struct SamplingRecord {
 };
 
 // DIR/index.json: {"checkpoint", "sampler", "steps", "guidance_scale", "eta", "base_seed", "fps", "upscale",
+// "videos_folder" ("videos"),
 // "videos": [{"prompt", "index", "seed", "file"}, …]}.
 std::string index_json(const std::vector<SampleJob>& jobs, const SamplingRecord& record);
 

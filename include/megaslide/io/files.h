@@ -38,6 +38,26 @@ void write_file_atomically(const std::string& path, const std::string& content);
 
 std::string read_file(const std::string& path);
 
+// Reads a file a user named (a config, a prompt file, a checkpoint's `latest` or manifest): only a
+// regular file — or, with allow_pipe, a FIFO such as a shell's <(...) — is read, and no more than
+// max_bytes of it. A folder, a device (/dev/zero), a socket or a longer file is refused with an
+// IoError naming the path and what it is; nothing beyond max_bytes + 1 bytes is ever read, so no
+// input can make the reader run out of memory.
+std::string read_input_file(const std::string& path, uint64_t max_bytes, bool allow_pipe = false);
+
+// Output paths checked before any work, so that a run never fails at its end for a path it could
+// have refused at its start. Each throws IoError naming `flag` (e.g. "--out"), the path and the
+// problem:
+//  - check_output_file: `path` is not empty and not an existing folder; its folder exists and is
+//    writable (nothing is created).
+//  - check_output_folder: `path` is not empty; it is a writable folder, or can be created as one
+//    (its nearest existing ancestor is a writable folder; nothing is created).
+void check_output_file(const std::string& path, const std::string& flag);
+void check_output_folder(const std::string& path, const std::string& flag);
+
+// The folder part of a path ("." for a bare name, "/" for a file at the root).
+std::string parent_path(const std::string& path);
+
 // Size of a regular file in bytes; throws IoError when it cannot be read.
 uint64_t file_size(const std::string& path);
 
@@ -46,6 +66,12 @@ std::vector<std::string> list_directory(const std::string& path);
 
 // rename(2) plus an fsync of the destination's folder, so the rename survives a crash.
 void rename_durably(const std::string& from, const std::string& to);
+
+// Swaps two existing paths (files or folders) in one atomic step (renameat2 RENAME_EXCHANGE), then
+// fsyncs their folder: at every moment each name holds one complete object. Returns false, changing
+// nothing, where the file system cannot exchange (then the caller falls back to renames); throws
+// IoError for any other failure.
+bool exchange_durably(const std::string& a, const std::string& b);
 
 // CRC-32 (the IEEE polynomial of zlib, PNG and Python's zlib.crc32): pass the previous value to
 // continue a running checksum. About 1–2 GB/s per core.

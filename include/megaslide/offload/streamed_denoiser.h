@@ -1,4 +1,4 @@
-// StreamedDenoiser: sampling a DiT whose blocks do not fit the device (issue #7, DESIGN.md §2, §7). The
+// StreamedDenoiser: sampling a DiT whose blocks do not fit the device (DESIGN.md §2, §7). The
 // blocks' weights stay in host RAM and visit the device block by block through a WeightStreamer — the
 // same two device slots, streams and events the streamed trainer uses — forward only: no gradients, no
 // optimizer state, no fp32 masters (only the compute-dtype copy the blocks run in). The prologue (patch,

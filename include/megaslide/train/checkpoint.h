@@ -29,6 +29,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -80,12 +81,44 @@ std::string save_checkpoint(const std::string& run_dir, const RunConfig& config,
 // `latest` names, and leftover temporary folders of interrupted saves. Returns the removed paths.
 std::vector<std::string> prune_checkpoints(const std::string& run_dir, int64_t keep_last);
 
-// The checkpoint folder `spec` names: "latest" (run_dir/checkpoints/latest), or a path to a checkpoint
-// folder. Throws CheckpointError when there is none.
+// The checkpoint folder `spec` names: "latest" (run_dir/checkpoints/latest), or anything
+// find_checkpoint accepts. Throws CheckpointError when there is none.
 std::string resolve_checkpoint(const std::string& run_dir, const std::string& spec);
 
-// The newest checkpoint `latest` names, or "" when the run has none.
+// The checkpoint folder a path names, whichever of the names a user types it is: a checkpoint folder
+// (RUN/checkpoints/step-NNNNNNN), the `latest` pointer file (RUN/checkpoints/latest), the checkpoints
+// folder, or a run folder (its checkpoints/latest). Throws CheckpointError saying which it is not.
+std::string find_checkpoint(const std::string& spec);
+
+// What a sampler reads for `spec`: a weights file as it is (megaslide-train --export-weights), or the
+// checked model.safetensors of the checkpoint find_checkpoint finds. Throws CheckpointError.
+std::string find_weights(const std::string& spec);
+
+// The newest checkpoint `latest` names, or "" when the run has none. Reads at most a few bytes.
 std::string latest_checkpoint(const std::string& run_dir);
+
+// The step a checkpoint's manifest records.
+int64_t checkpoint_step(const std::string& path);
+
+// Rolling back: a run resumed from an older checkpoint of its own folder first points `latest` at it
+// (one atomic rename), before it writes anything else, so that a crash at any later moment leaves
+// `latest` on a complete checkpoint of the history the folder's logs now describe. Newer checkpoints
+// of the abandoned history stay until this run saves their step again (replaced atomically) or
+// passes them (then pruned as older ones). Returns whether `latest` moved.
+bool roll_back_latest(const std::string& run_dir, const std::string& checkpoint);
+
+// Settings that a checkpoint allows to change but that make the continuation differ from an
+// uninterrupted run (train.threads: LibTorch's CPU reductions split by thread count), one sentence
+// each; empty when the resumed run continues bit for bit.
+std::vector<std::string> resume_warnings(const std::string& path, const RunConfig& config);
+
+namespace detail {
+// Test seam: called at each durable stage of save_checkpoint — "complete" (the new checkpoint is whole
+// in its temporary folder), "moved-aside" (only where the file system cannot exchange: the old copy of
+// the same step renamed away), "in-place" (the new one has its final name), "latest" (`latest` names
+// it). A test throws from it to stop a save exactly there, as a crash would. Empty: none (default).
+void set_save_checkpoint_observer(std::function<void(const std::string& stage)> observer);
+}  // namespace detail
 
 // Verifies the manifest (every file present, sizes and CRC-32s), parses the state and checks that its
 // config is compatible with `config` (model, data and diffusion sections, offload.compute_dtype; the

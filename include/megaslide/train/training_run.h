@@ -50,8 +50,22 @@ struct TrainingRunResult {
   std::string last_checkpoint;  // the newest checkpoint written by this run ("" if none)
 };
 
-// Runs (or resumes) `config` (its `auto` settings resolved first). Throws ConfigError / CheckpointError for bad input (before writing
-// anything), OutputError when the run folder cannot be written, NonFiniteError as above.
+// Runs (or resumes) `config` (its `auto` settings resolved first). Before anything is written: the run folder is taken with a
+// RunFolderGuard (train/run_folder.h) held until the run ends; --trace and --export-weights are
+// checked as output files; train.device must exist; the run must fit this machine's memory
+// (memory_shortfall); a resumed run's checkpoint must be verified and below train.steps (equal: the
+// run is complete and nothing is trained). Throws ConfigError / CheckpointError / RunFolderError for
+// bad input (before writing anything), OutputError when the run folder cannot be written,
+// NonFiniteError as above.
 TrainingRunResult run_training(const RunConfig& config, const TrainingRunOptions& options);
+
+// "" when a lower bound of the host memory `config` needs (fp32 weights and AdamW moments when
+// `state_in_host_memory` — the streamed trainer, or any trainer on the CPU —, one batch of video, the
+// data order; counted on the meta device) fits `available_bytes`, else one sentence with the figures.
+// The bound undercounts on purpose: only a run that cannot possibly fit is refused.
+std::string memory_shortfall(const RunConfig& config, int64_t available_bytes, bool state_in_host_memory = true);
+
+// Physical memory, or the container's memory limit (cgroup) when that is lower; 0 when unknown.
+int64_t this_machine_memory_bytes();
 
 }  // namespace megaslide
