@@ -63,8 +63,11 @@ ComputeType compute_type(const void* compute, c10::ScalarType t) {
   }
 }
 
-bool streaming(CopyStores stores, int64_t numel) {
-  return stores == CopyStores::kStreaming || (stores == CopyStores::kAuto && numel >= kStreamingMinElements);
+// kAuto streams large blocks, unless the gradient is the compute copy itself: then each line of the
+// copy has just been read, so a streaming store saves no read-for-ownership and only evicts the line.
+bool streaming(CopyStores stores, int64_t numel, bool grad_is_compute) {
+  return stores == CopyStores::kStreaming ||
+         (stores == CopyStores::kAuto && numel >= kStreamingMinElements && !grad_is_compute);
 }
 
 StateType state_type(StateDtype t) {
@@ -220,7 +223,7 @@ void CpuAdamW::step_block(const AdamWBlockState& s, int64_t step, double lr, flo
   p.sqrt_bias_correction2 = static_cast<float>(std::sqrt(bias_correction2));
   p.eps = static_cast<float>(o.eps);
   p.neg_step_size = static_cast<float>(-(lr / bias_correction1));
-  p.stream_compute = streaming(copy_stores_, p.numel);
+  p.stream_compute = streaming(copy_stores_, p.numel, p.grad == p.compute);
   pool_->for_tiles(p, adamw_kernel(path_));
 }
 
@@ -276,7 +279,7 @@ void CpuAdamW::stream_probe(const AdamWBlockState& s, float grad_scale) {
   p.compute_type = ComputeType::kBFloat16;
   p.grad_scale = grad_scale;
   if (p.numel == 0) return;
-  p.stream_compute = streaming(copy_stores_, p.numel);
+  p.stream_compute = streaming(copy_stores_, p.numel, p.grad == p.compute);
   pool_->for_tiles(p, probe_kernel(path_));
 }
 

@@ -47,7 +47,9 @@ const char* to_string(SimdPath path);
 // How the compute copy is written. Streaming (non-temporal) stores go straight to memory and skip
 // the read-for-ownership an ordinary store pays first (2 of the 28 B per parameter); they lose when
 // the copy would have stayed in cache for its next reader. kAuto streams blocks of at least
-// kStreamingMinElements elements (far larger than a core's caches).
+// kStreamingMinElements elements (far larger than a core's caches), except when the gradient is read
+// from the copy's own buffer (the trainer at accumulation 1): each line is then in cache already and a
+// streaming store would only evict it.
 enum class CopyStores { kAuto, kCached, kStreaming };
 constexpr int64_t kStreamingMinElements = int64_t{1} << 20;
 
