@@ -172,9 +172,9 @@ std::string MemoryReport::to_string() const {
   const double n = num_params > 0 ? static_cast<double>(num_params) : 1.0;
   std::string out = fmt::format("HostParamStore: {} parameters in {} blocks; {} bytes page-locked{}\n", num_params,
                                 num_blocks, pinned_bytes, pinned ? "" : " (no CUDA: everything pageable, page-aligned)");
-  out += fmt::format("  {:<36} {:>18} {:>14} {:>10}\n", "component", "bytes", "GiB", "B/param");
+  out += fmt::format("  {:<48} {:>18} {:>14} {:>10}\n", "component", "bytes", "GiB", "B/param");
   const auto row = [&](const std::string& name, int64_t bytes) {
-    out += fmt::format("  {:<36} {:>18} {:>14.3f} {:>10.3f}\n", name, bytes,
+    out += fmt::format("  {:<48} {:>18} {:>14.3f} {:>10.3f}\n", name, bytes,
                        static_cast<double>(bytes) / (1024.0 * 1024 * 1024), static_cast<double>(bytes) / n);
   };
   const char* state = offload::to_string(state_dtype);
