@@ -300,7 +300,7 @@ TEST(MegaslidePlanCli, JsonHasTheKeysAndBadHardwareIsRefused) {
   const auto j = nlohmann::json::parse(r.output);
   for (const char* key : {"params", "host_state_bytes", "device_peak_bytes", "h2d_bytes_per_step", "d2h_bytes_per_step",
                           "step_time_lower_bound_s", "bottleneck", "fits_device", "fits_host", "host_master_bytes",
-                          "device_checkpoint_bytes", "model_flops_per_step"}) {
+                          "device_checkpoint_bytes", "model_flops_per_step", "host_peak_bytes", "pinned_bytes", "state_dtype"}) {
     EXPECT_TRUE(j.contains(key)) << key;
   }
   const auto p = plan::plan_step(load_run_config(source_path("configs/105b.yaml")), h200());

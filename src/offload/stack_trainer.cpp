@@ -201,7 +201,7 @@ struct StreamedStackTrainer::Impl {
 //   gradient_buffer(l)    the compute stream waits until the slot's previous gradient has left it
 //   upload(l)             the host waits for block l's pending update or restore (both rewrite the
 //                         compute copy, which holds the block's gradient until then at accumulation 1)
-//   BlockGradient::wait   a host task waits for block l's gradient to land before reading it
+//   BlockGradient::wait   a host task (an update, or a restore of the copy) waits for block l's gradient to land
 //   staging_free          the host waits until the last add has read a staging buffer before reusing it
 struct StreamedStackTrainer::StepRun {
   StreamedStackTrainer& t;
