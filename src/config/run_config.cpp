@@ -301,6 +301,8 @@ class Schema {
     choice("offload.compute_dtype", c.offload.compute_dtype, {"auto", "bf16", "fp16", "fp32"});
     integer("offload.optimizer_threads", c.offload.optimizer_threads, IntRange{0, 4096});
     real("offload.emulated_copy_delay_ms", c.offload.emulated_copy_delay_ms, RealRange{0.0, 10000.0});
+    // optimizer
+    choice("optimizer.state_dtype", c.optimizer.state_dtype, {"fp32", "bf16", "int8"});
     // output
     text("output.run_dir", c.output.run_dir);
     boolean("output.progress", c.output.progress);
@@ -339,7 +341,7 @@ std::string unknown_key_problem(const Schema& schema, const std::string& key) {
   std::string problem = "unknown key";
   if (!best.empty()) problem += " (did you mean " + best + "?)";
   if (!known.empty()) problem += "; keys of section " + section + ": " + known;
-  else problem += "; sections are model, data, diffusion, train, offload, output";
+  else problem += "; sections are model, data, diffusion, train, offload, optimizer, output";
   return problem;
 }
 
@@ -454,7 +456,7 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::string& sour
       bool known_section = false;
       for (const auto& f : schema.fields()) known_section |= f.key.rfind(name + ".", 0) == 0;
       if (!known_section)
-        throw ConfigError(source, name, "unknown section; sections are model, data, diffusion, train, offload, output");
+        throw ConfigError(source, name, "unknown section; sections are model, data, diffusion, train, offload, optimizer, output");
       if (!section.second.IsMap())
         throw ConfigError(source, name, "expected a section (a mapping of keys), got " + describe(section.second));
       for (const auto& entry : section.second) {
@@ -524,6 +526,10 @@ void validate(const RunConfig& c, const std::string& source) {
     fail("diffusion.sample_steps", "expected at most diffusion.timesteps (" + std::to_string(d.timesteps) + "), got " +
                                        std::to_string(d.sample_steps));
   check_sizes(c, fail);
+  if (!c.offload.enabled && c.optimizer.state_dtype != "fp32")
+    fail("optimizer.state_dtype", "expected fp32 with offload.enabled: false (the resident reference loop keeps LibTorch's "
+                                  "fp32 moments; bf16 and int8 moments are the streamed trainer's), got " +
+                                      c.optimizer.state_dtype);
 }
 
 std::string to_yaml(const RunConfig& config) {

@@ -262,8 +262,13 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     log.info(fmt::format("trace of step {} in {}", std::min(options.trace_step, train.steps), options.trace_path));
   log.info(fmt::format("done: {} steps; metrics in {}", result.steps_done, dir.file("metrics.jsonl")));
   if (!options.export_weights.empty()) {
-    auto [dit, text] = trainer.model(config);
-    save_weights(options.export_weights, config, dit, text);
+    if (auto* streamed = trainer.streamed()) {
+      // Straight from the host store, one tensor at a time: no copy of the model.
+      save_weights(options.export_weights, config, streamed->master_views());
+    } else {
+      auto [dit, text] = trainer.model(config);
+      save_weights(options.export_weights, config, dit, text);
+    }
     log.info(fmt::format("weights written to {}", options.export_weights));
   }
   return result;

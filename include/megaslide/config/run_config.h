@@ -1,6 +1,6 @@
 // RunConfig: the typed form of a run's YAML file (configs/*.yaml).
 //
-// A run file has six sections — model, data, diffusion, train, offload, output — whose keys map one to
+// A run file has seven sections — model, data, diffusion, train, offload, optimizer, output — whose keys map one to
 // one onto the fields below (the key path `model.hidden` is RunConfig::model.hidden). Loading checks
 // every key: an unknown key, a value of the wrong type, an out-of-range or inconsistent value each
 // raise ConfigError naming the source (file or --set), the key path and what was expected. Nothing is
@@ -120,6 +120,12 @@ struct OffloadConfig {
   double emulated_copy_delay_ms = 0.0;   // testing aid: CPU async copies land this much later (docs/offload.md)
 };
 
+struct OptimizerConfig {
+  // How the streamed trainer keeps AdamW's m and v on the host: fp32 | bf16 | int8 (block-wise, 256
+  // elements per fp32 scale; offload/cpu_adamw.h). The resident loop keeps fp32 (LibTorch's AdamW).
+  std::string state_dtype = "fp32";
+};
+
 struct OutputConfig {
   std::string run_dir = "runs/default";
   bool progress = true;                  // live progress line on a terminal
@@ -131,6 +137,7 @@ struct RunConfig {
   DiffusionConfig diffusion;
   TrainConfig train;
   OffloadConfig offload;
+  OptimizerConfig optimizer;
   OutputConfig output;
 };
 
