@@ -100,6 +100,12 @@ int main(int argc, char** argv) {
   } catch (const megaslide::CheckpointError& e) {
     std::cerr << "megaslide-train: " << e.what() << "\n";
     return 2;
+  } catch (const megaslide::DatasetError& e) {
+    std::cerr << "megaslide-train: " << e.what() << "\n";
+    return 2;
+  } catch (const megaslide::InitFromError& e) {
+    std::cerr << "megaslide-train: " << e.what() << "\n";
+    return 2;
   } catch (const std::exception& e) {
     std::cerr << "megaslide-train: " << e.what() << "\n";
     return 1;
