@@ -27,7 +27,7 @@ std::string write_config(const VideoFixture& fx, const std::string& extra = "") 
   const std::string path = fx.dir + "/run.yaml";
   fx.write("run.yaml", "data:\n  dataset: videos\n  manifest: " + fx.dir + "/webvid.csv\n  frames: 4\n  height: 16\n  width: 16\n"
                        "  frame_stride: 2\n  max_bad_fraction: 0.5\n  clip_start: center\n" + extra +
-                       "train:\n  steps: 4\n  batch_size: 2\n  device: cpu\n  log_every: 1\n  warmup_steps: 0\noffload:\n  enabled: false\n"
+                       "train:\n  steps: 2\n  batch_size: 2\n  device: cpu\n  log_every: 1\n  warmup_steps: 0\noffload:\n  enabled: false\n"
                        "output:\n  progress: false\n");
   return path;
 }
@@ -73,7 +73,7 @@ TEST(MegaslideCache, AKilledBuildResumesKeepingItsFinishedShards) {
   r = run_tool("megaslide-cache", "--config " + config + " --out " + part + " --shard-items 2 --threads 1");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_NE(r.output.find("24 items in " + part), std::string::npos) << r.output;
-  EXPECT_EQ(r.output.find("kept from an earlier run with 0 items"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("items kept from an earlier run"), std::string::npos) << r.output;
   for (const auto& name : megaslide::io::list_directory(full)) {
     if (name == "cache.json") continue;
     EXPECT_EQ(megaslide::io::read_file(part + "/" + name), megaslide::io::read_file(full + "/" + name)) << name;
@@ -101,7 +101,7 @@ TEST(MegaslideCache, TrainingFromTheCacheAndFromDecodingReportsEachBadItemOnce) 
     for (const char* bad : {"corrupt.mp4", "short.mp4", "missing.mp4"}) EXPECT_EQ(count(log, "bad item skipped: " + fx.dir + "/videos/" + bad), 1u) << bad << "\n" << log;
     EXPECT_EQ(count(log, "bad item skipped"), 3u) << log;
     const std::string metrics = megaslide::io::read_file(run + "/metrics.jsonl");
-    EXPECT_EQ(count(metrics, "\"data_wait_s\""), 4u) << metrics;
+    EXPECT_EQ(count(metrics, "\"data_wait_s\""), 2u) << metrics;
     std::string loss_column;
     for (size_t at = metrics.find("\"loss\":"); at != std::string::npos; at = metrics.find("\"loss\":", at + 1))
       loss_column += metrics.substr(at, metrics.find(',', at) - at) + "\n";

@@ -80,9 +80,9 @@ int main(int argc, char** argv) {
   try {
     const auto r = megaslide::build_latent_cache(config, options);
     if (tty) std::cerr << "\n";
-    std::cerr << fmt::format("megaslide-cache: {} items in {} ({} shards written, {} kept from an earlier run with {} items); {} bad items; {:.1f} s\n",
-                             r.items, out, r.shards, r.shards_reused, r.items_reused, r.bad.size(),
-                             std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    const std::string kept = r.shards_reused > 0 ? fmt::format(", {} with {} items kept from an earlier run", r.shards_reused, r.items_reused) : "";
+    std::cerr << fmt::format("megaslide-cache: {} items in {} ({} shards written{}); {} bad items; {:.1f} s\n", r.items, out, r.shards, kept,
+                             r.bad.size(), std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     return 0;
   } catch (const megaslide::DatasetError& e) {
     std::cerr << (tty ? "\n" : "") << "megaslide-cache: " << e.what() << "\n";
