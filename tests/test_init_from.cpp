@@ -179,3 +179,26 @@ TEST(InitFrom, BothTrainersStartFromACheckpointsMastersAndContinueAtItsLoss) {
   EXPECT_NE(started_loss, fresh_loss);
   megaslide::io::remove_tree(dir);
 }
+
+TEST(InitFrom, AnExportedBf16WeightsFileStartsARunAtTheExportedWeightsLoss) {
+  const auto dir = temp_dir("exported");
+  auto config = smoke();
+  megaslide::ResidentTrainer a(config);
+  for (int i = 0; i < 6; ++i) a.step();
+  megaslide::save_weights(dir + "/a.safetensors", config, a.model(), a.text_encoder());  // bf16, as --export-weights
+  megaslide::ResidentTrainer b(config);
+  b.init_from(megaslide::plan_init_from(dir + "/a.safetensors", b.parameter_shapes(), {}));
+  // Every parameter is A's rounded to bf16.
+  const auto started = b.training_state(), saved = a.training_state();
+  for (size_t i = 0; i < saved.master.size(); ++i)
+    EXPECT_TRUE(torch::equal(started.master[i].second, saved.master[i].second.to(torch::kBFloat16).to(torch::kFloat32))) << saved.master[i].first;
+  // The first loss is A's weights' loss on that batch, within what bf16 rounding of the weights moves it.
+  megaslide::ResidentTrainer rewound(config);
+  auto state = saved;
+  state.data_state = megaslide::DiffusionBatchSource(config).state();
+  rewound.load_training_state(state);
+  const double expected = rewound.step().loss, got = b.step().loss;
+  std::cout << "first-batch loss: A's fp32 weights " << expected << ", started from A's bf16 export " << got << "\n";
+  EXPECT_NEAR(got, expected, 1e-2 * expected);
+  megaslide::io::remove_tree(dir);
+}
