@@ -166,3 +166,19 @@ TEST(ClipLoader, WorkersRunLibTorchOnOneThreadAndLeaveOthersAlone) {
   u.join();
   EXPECT_EQ(fresh, before) << "a new thread no longer gets the process's setting";
 }
+
+TEST(ClipLoader, PinnedBatchesCopyToTheGpuUnchanged_CUDA) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU";
+  auto source = std::make_shared<FakeSource>(mixed_buckets());
+  LoaderOptions o;
+  o.workers = 2, o.prefetch = 3, o.pin_memory = true;
+  ClipLoader loader(source, BucketBatchSampler(mixed_buckets(), 3, 2, 5), o);
+  for (int i = 0; i < 8; ++i) {
+    auto b = loader.next();
+    ASSERT_TRUE(b.video.is_pinned());
+    auto on_gpu = b.video.to(torch::Device(torch::kCUDA, 0), /*non_blocking=*/true);
+    auto expected = b.video.clone();
+    b = {};  // the pinned buffer is released while the copy may still run: the allocator must keep it
+    EXPECT_TRUE(torch::equal(on_gpu.cpu(), expected)) << "batch " << i;
+  }
+}
