@@ -109,7 +109,9 @@ TEST(VideoManifest, AManifestOfNoLayoutIsRefusedNamingIt) {
   c.video_path_template = "{folder}/{videoid}.mp4";
   EXPECT_THROW(megaslide::read_video_manifest(c), DatasetError);
   EXPECT_THROW(megaslide::read_video_manifest(config_for("/nonexistent/x.csv")), DatasetError);
-  EXPECT_THROW(megaslide::read_video_manifest(config_for(temp_file("m.txt", "x"))), DatasetError);
+  const auto txt = temp_file("m.txt", "x");
+  EXPECT_THROW(megaslide::read_video_manifest(config_for(txt)), DatasetError);
+  megaslide::io::remove_tree(txt);
   megaslide::io::remove_tree(csv);
   megaslide::io::remove_tree(webvid);
 }
