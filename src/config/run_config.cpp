@@ -185,6 +185,68 @@ class Schema {
         },
         [&slot] { return YAML::Node(slot); });
   }
+  // A string that may be empty ("" = unset).
+  void optional_text(std::string key, std::string& slot) {
+    add(std::move(key),
+        [&slot](const YAML::Node& n) {
+          if (!n.IsScalar()) throw FieldProblem{"expected a string, got " + describe(n)};
+          slot = n.Scalar();
+        },
+        [&slot] { return YAML::Node(slot); });
+  }
+  void text_list(std::string key, std::vector<std::string>& slot) {
+    add(std::move(key),
+        [&slot](const YAML::Node& n) {
+          if (!n.IsSequence()) throw FieldProblem{"expected a list of strings, got " + describe(n)};
+          std::vector<std::string> v;
+          for (const auto& item : n) {
+            if (!item.IsScalar() || item.Scalar().empty())
+              throw FieldProblem{"expected a list of non-empty strings, got an item " + describe(item)};
+            v.push_back(item.Scalar());
+          }
+          slot = v;
+        },
+        [&slot] {
+          YAML::Node n(YAML::NodeType::Sequence);
+          for (const auto& x : slot) n.push_back(x);
+          n.SetStyle(YAML::EmitterStyle::Flow);
+          return n;
+        });
+  }
+  // A list of [frames, height, width] triples of positive integers.
+  void triple_list(std::string key, std::vector<std::array<int64_t, 3>>& slot) {
+    add(std::move(key),
+        [&slot](const YAML::Node& n) {
+          if (!n.IsSequence()) throw FieldProblem{"expected a list of [frames, height, width] lists, got " + describe(n)};
+          std::vector<std::array<int64_t, 3>> v;
+          for (size_t i = 0; i < n.size(); ++i) {
+            const YAML::Node& item = n[i];
+            if (!item.IsSequence() || item.size() != 3)
+              throw FieldProblem{"item " + std::to_string(i) + ": expected [frames, height, width], got " + describe(item)};
+            std::array<int64_t, 3> t{};
+            for (size_t a = 0; a < 3; ++a) {
+              try {
+                t[a] = checked_int(item[a], IntRange{1});
+              } catch (const FieldProblem& p) {
+                throw FieldProblem{"item " + std::to_string(i) + ": " + p.text};
+              }
+            }
+            v.push_back(t);
+          }
+          slot = v;
+        },
+        [&slot] {
+          YAML::Node n(YAML::NodeType::Sequence);
+          for (const auto& t : slot) {
+            YAML::Node item(YAML::NodeType::Sequence);
+            for (auto x : t) item.push_back(x);
+            item.SetStyle(YAML::EmitterStyle::Flow);
+            n.push_back(item);
+          }
+          n.SetStyle(YAML::EmitterStyle::Flow);
+          return n;
+        });
+  }
   template <typename T, typename Check>
   void triple(std::string key, std::array<T, 3>& slot, std::string expected, Check check) {
     add(std::move(key),
@@ -246,7 +308,7 @@ class Schema {
     choice("model.dense_attention", c.model.dense_attention, {"fused", "materialized"});
     triple("model.swin_window", c.model.swin_window, "positive integers", positive_int);
     // data
-    choice("data.dataset", c.data.dataset, {"structured-motion"});
+    choice("data.dataset", c.data.dataset, {"structured-motion", "videos"});
     integer("data.channels", c.data.channels, IntRange{1, 64});
     integer("data.frames", c.data.frames, IntRange{1});
     integer("data.height", c.data.height, IntRange{1});
@@ -254,6 +316,18 @@ class Schema {
     integer("data.num_clips", c.data.num_clips, IntRange{1});
     integer("data.max_text_tokens", c.data.max_text_tokens, IntRange{2, 4096});
     seed("data.seed", c.data.seed);
+    optional_text("data.manifest", c.data.manifest);
+    optional_text("data.root", c.data.root);
+    text("data.video_path_template", c.data.video_path_template);
+    real("data.fps", c.data.fps, RealRange{0.0, 1000.0});
+    integer("data.frame_stride", c.data.frame_stride, IntRange{1, 10000});
+    choice("data.clip_start", c.data.clip_start, {"random", "center"});
+    choice("data.crop", c.data.crop, {"center", "random"});
+    triple_list("data.buckets", c.data.buckets);
+    real("data.max_bad_fraction", c.data.max_bad_fraction, RealRange{0.0, 1.0});
+    optional_text("data.cache", c.data.cache);
+    integer("data.workers", c.data.workers, IntRange{0, 256});
+    integer("data.prefetch", c.data.prefetch, IntRange{1, 1024});
     // diffusion
     integer("diffusion.timesteps", c.diffusion.timesteps, IntRange{2, 100000});
     choice("diffusion.beta_schedule", c.diffusion.beta_schedule, {"linear", "cosine"});
@@ -295,6 +369,8 @@ class Schema {
     integer("train.checkpoint_every", c.train.checkpoint_every, IntRange{0});
     integer("train.keep_last", c.train.keep_last, IntRange{0});
     integer("train.max_consecutive_skips", c.train.max_consecutive_skips, IntRange{0});
+    optional_text("train.init_from", c.train.init_from);
+    text_list("train.init_allow_missing", c.train.init_allow_missing);
     // offload
     boolean("offload.enabled", c.offload.enabled);
     choice("offload.mode", c.offload.mode, {"async", "sync"});
@@ -518,6 +594,25 @@ void validate(const RunConfig& c, const std::string& source) {
                                                std::to_string(a) + "] = " + std::to_string(m.patch[a]) + ", got " +
                                                std::to_string(sizes[a]));
   }
+  const auto& data = c.data;
+  if (data.dataset == "videos") {
+    if (data.manifest.empty() == data.root.empty())
+      fail(data.manifest.empty() ? "data.root" : "data.manifest",
+           "data.dataset: videos needs exactly one of data.manifest (a CSV or JSONL file) and data.root (a folder of videos with "
+           ".txt captions)");
+    if (data.fps > 0 && data.frame_stride != 1)
+      fail("data.frame_stride", "set either data.fps (frames sampled at that rate) or data.frame_stride, not both");
+    if (data.channels != 3) fail("data.channels", "expected 3 for data.dataset: videos (RGB), got " + std::to_string(data.channels));
+  }
+  for (size_t i = 0; i < data.buckets.size(); ++i) {
+    for (int a = 0; a < 3; ++a) {
+      if (data.buckets[i][a] % m.patch[a] != 0)
+        fail("data.buckets", "item " + std::to_string(i) + ": " + axes[a] + " " + std::to_string(data.buckets[i][a]) +
+                                 " is not a multiple of model.patch[" + std::to_string(a) + "] = " + std::to_string(m.patch[a]));
+    }
+  }
+  if (!data.buckets.empty() && data.dataset != "videos") fail("data.buckets", "only data.dataset: videos has buckets");
+  if (!data.cache.empty() && data.dataset != "videos") fail("data.cache", "only data.dataset: videos reads a cache");
   const auto& d = c.diffusion;
   if (d.beta_end <= d.beta_start)
     fail("diffusion.beta_end", "expected a value above diffusion.beta_start (" + format_number(d.beta_start) + "), got " +

@@ -135,8 +135,10 @@ StepMetrics CPUMasterVideoDiT::step() {
   TextEncoder& text_encoder = stack_->text_encoder();
   torch::Tensor target, t_emb;
   TokenGrid grid;
+  double data_wait_s = 0.0;
   auto prologue = [&] {
     auto b = batches_.next(device_);
+    data_wait_s += b.data_wait_s;
     target = b.target;
     auto text = text_encoder(b.text_ids);
     auto e = model->embed(b.xt, b.timesteps, text, b.text_mask);
@@ -168,6 +170,7 @@ StepMetrics CPUMasterVideoDiT::step() {
   m.loss = r.loss;
   m.lr = lr;
   m.grad_norm = r.grad_norm;
+  m.data_wait_s = data_wait_s;
   m.step_time_s = r.step_time_s;
   m.samples_per_s = static_cast<double>(t.batch_size * t.grad_accum_steps) / r.step_time_s;
   m.tokens_per_s = m.samples_per_s * static_cast<double>(grid_.numel());
@@ -230,6 +233,28 @@ void CPUMasterVideoDiT::copy_weights_to(DiT& dit, TextEncoder& text_encoder) {
   }
   TORCH_CHECK(copied == dit_params.size() + text_params.size(), "copy_weights_to: copied ", copied,
               " parameters but the target model has ", dit_params.size() + text_params.size());
+}
+
+ParameterShapes CPUMasterVideoDiT::parameter_shapes() const {
+  ParameterShapes out;
+  for (auto& [name, p] : stack_->named_resident_parameters()) out.emplace_back(name, p.sizes().vec());
+  const auto& store = engine_->store();
+  for (int64_t l = 0; l < store.num_blocks(); ++l)
+    for (const auto& spec : store.block_spec(l).params)
+      out.emplace_back("blocks." + std::to_string(l) + "." + spec.name, store.param(l, spec.name).master.sizes().vec());
+  return out;
+}
+
+void CPUMasterVideoDiT::init_from(const InitPlan& plan) {
+  engine_->synchronize();
+  std::map<std::string, torch::Tensor> targets;
+  for (auto& [name, p] : stack_->named_resident_parameters()) targets.emplace(name, p);
+  const auto& store = engine_->store();
+  for (int64_t l = 0; l < store.num_blocks(); ++l)
+    for (const auto& spec : store.block_spec(l).params)
+      targets.emplace("blocks." + std::to_string(l) + "." + spec.name, store.param(l, spec.name).master);
+  for (const auto& [name, source] : plan.tensors) source.read_into(targets.at(name));
+  engine_->reload_blocks_from_masters();
 }
 
 TrainingState CPUMasterVideoDiT::training_state() {

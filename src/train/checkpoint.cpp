@@ -47,6 +47,9 @@ bool must_match(const std::string& key) {
   static const std::set<std::string> exact{"diffusion.timesteps",    "diffusion.beta_schedule", "diffusion.beta_start",
                                            "diffusion.beta_end",     "diffusion.caption_dropout", "diffusion.prediction", "train.batch_size",
                                            "train.seed",             "offload.compute_dtype", "optimizer.state_dtype"};
+  // How data is loaded (threads, read-ahead, from the cache or by decoding) does not change what is drawn.
+  static const std::set<std::string> loading{"data.workers", "data.prefetch", "data.cache", "data.max_bad_fraction"};
+  if (loading.count(key) > 0) return false;
   return key.rfind("model.", 0) == 0 || key.rfind("data.", 0) == 0 || exact.count(key) > 0;
 }
 

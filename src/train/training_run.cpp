@@ -13,6 +13,7 @@
 #include "megaslide/offload/cpu_master_trainer.h"
 #include "megaslide/train/auto_settings.h"
 #include "megaslide/train/checkpoint.h"
+#include "megaslide/train/init_from.h"
 #include "megaslide/train/resident_trainer.h"
 #include "megaslide/train/run_folder.h"
 #include "megaslide/train/run_outputs.h"
@@ -38,6 +39,9 @@ class Trainer {
   int64_t tokens_per_sample() const { return streamed_ ? streamed_->tokens_per_sample() : resident_->tokens_per_sample(); }
   torch::Device device() const { return streamed_ ? streamed_->device() : resident_->device(); }
   CPUMasterVideoDiT* streamed() { return streamed_.get(); }
+  DiffusionBatchSource& data() { return streamed_ ? streamed_->data() : resident_->data(); }
+  ParameterShapes parameter_shapes() { return streamed_ ? streamed_->parameter_shapes() : resident_->parameter_shapes(); }
+  void init_from(const InitPlan& plan) { streamed_ ? streamed_->init_from(plan) : resident_->init_from(plan); }
   void synchronize() {
     if (streamed_) streamed_->synchronize();
   }
@@ -162,6 +166,11 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
                                      "saves their steps again",
                                      io::join_path(run_dir, "checkpoints/latest"), resume_path));
   }
+  InitPlan init;  // train.init_from: a fresh run only (a resumed one continues its checkpoint)
+  if (resume_path.empty() && !config.train.init_from.empty()) {
+    init = plan_init_from(config.train.init_from, trainer.parameter_shapes(), config.train.init_allow_missing);
+    trainer.init_from(init);
+  }
 
   RunDirectory dir(run_dir, config);
   guard.started();
@@ -189,6 +198,23 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   for (const auto& w : warnings) log.warn(w);
   if (!resume_path.empty() && result.first_step == train.steps)
     log.info(fmt::format("the checkpoint is at train.steps ({}): the run is complete, nothing to train", train.steps));
+  if (!init.path.empty()) {
+    std::string kept;
+    for (const auto& name : init.kept) kept += (kept.empty() ? "" : ", ") + name;
+    log.info(fmt::format("initialised from {}: {} tensors; {} parameters keep their initialisation{}{}", init.path, init.tensors.size(),
+                         init.kept.size(), init.kept.empty() ? "" : ": ", kept));
+  } else if (!resume_path.empty() && !config.train.init_from.empty()) {
+    log.info("train.init_from ignored: the run resumes from its checkpoint");
+  }
+  if (config.data.dataset == "videos")
+    log.info(config.data.cache.empty() ? fmt::format("data: decoding {} ({} loader workers, {} batches ahead)", config.data.manifest.empty() ? config.data.root : config.data.manifest,
+                                                     config.data.workers, config.data.prefetch)
+                                       : fmt::format("data: cache {} ({} loader workers, {} batches ahead)", config.data.cache,
+                                                     config.data.workers, config.data.prefetch));
+  auto report_bad_items = [&] {
+    for (const auto& b : trainer.data().take_new_bad_items()) log.warn(fmt::format("bad item skipped: {}: {}", b.path, b.reason));
+  };
+  report_bad_items();
 
   int64_t last_saved = result.first_step;
   auto save = [&](const char* why) {
@@ -214,6 +240,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     if (auto* streamed = trainer.streamed(); streamed && !options.trace_path.empty() && i + 1 == std::min(options.trace_step, train.steps))
       streamed->trace_next_step(options.trace_path);
     const StepMetrics m = trainer.step();
+    report_bad_items();
     result.steps_done = m.step;
     metrics.write(m);
     progress.update(m);
@@ -233,7 +260,8 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     if (train.sample_every > 0 && m.step % train.sample_every == 0) {
       const auto samples = dir.file(fmt::format("samples/step-{:07}", m.step));
       auto [dit, text] = trainer.model(config);
-      const auto files = write_validation_samples(samples, config, dit, text);
+      const auto files = write_validation_samples(samples, config, dit, text, 4,
+                                                  config.data.dataset == "videos" ? trainer.data().captions(4) : std::vector<std::string>{});
       log.info(fmt::format("step {}: {} validation videos in {}", m.step, files.size(), samples));
     }
     window += m.loss;

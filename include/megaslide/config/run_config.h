@@ -63,14 +63,27 @@ struct ModelConfig {
 };
 
 struct DataConfig {
-  std::string dataset = "structured-motion";
+  std::string dataset = "structured-motion";  // structured-motion | videos (docs/data.md)
   int64_t channels = 3;
   int64_t frames = 8;
   int64_t height = 16;
   int64_t width = 16;
   int64_t num_clips = 512;       // clips in one epoch of the synthetic dataset
   int64_t max_text_tokens = 12;  // captions are padded or cut to this many tokens
-  uint64_t seed = 1234;
+  uint64_t seed = 1234;          // structured-motion: the clips; videos: the augmentation draws
+  // videos: where the items are (one of manifest or root) and how they are decoded.
+  std::string manifest;                                // CSV (WebVid or Open-Sora columns) or JSONL; "" = none
+  std::string root;                                    // a folder of videos with a same-stem .txt caption each
+  std::string video_path_template = "{page_dir}/{videoid}.mp4";  // WebVid CSV: the file of a row
+  double fps = 0.0;                                    // sample frames at this rate; 0 = every frame_stride-th frame
+  int64_t frame_stride = 1;
+  std::string clip_start = "random";                   // random | center
+  std::string crop = "center";                         // center | random
+  std::vector<std::array<int64_t, 3>> buckets;         // [frames, height, width] each; empty = one bucket of frames x height x width
+  double max_bad_fraction = 0.05;                      // more bad items than this stops the run, listing them
+  std::string cache;                                   // a folder written by megaslide-cache: read instead of decoding
+  int64_t workers = 1;                                 // background loader threads (each single-threaded); 0 = load in line
+  int64_t prefetch = 2;                                // batches loaded ahead of the step that needs them
 };
 
 struct DiffusionConfig {
@@ -109,6 +122,8 @@ struct TrainConfig {
   int64_t checkpoint_every = 0;          // checkpoint every N steps and after the last (RUN_DIR/checkpoints/); 0 = never
   int64_t keep_last = 3;                 // complete checkpoints kept (the newest); 0 = all
   int64_t max_consecutive_skips = 5;     // stop after this many non-finite steps in a row; 0 = never stop
+  std::string init_from;                 // start from these weights (weights file, checkpoint folder, safetensors); "" = random
+  std::vector<std::string> init_allow_missing;  // parameter-name patterns (* any run) that init_from may lack
 };
 
 struct OffloadConfig {

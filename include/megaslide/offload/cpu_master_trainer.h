@@ -105,6 +105,12 @@ class CPUMasterVideoDiT {
   // taken, bit for bit on the CPU. Steps skipped for non-finite values are counted here too.
   TrainingState training_state();
   void load_training_state(const TrainingState& state);
+  DiffusionBatchSource& data() { return batches_; }
+  // train.init_from (train/init_from.h): names and shapes as training_state() names them, and loading
+  // a matched plan — resident parameters on the device, blocks' masters tensor by tensor straight into
+  // the host store, then their compute copies refreshed.
+  ParameterShapes parameter_shapes() const;
+  void init_from(const InitPlan& plan);
 
  private:
   RunConfig config_;
