@@ -1,0 +1,613 @@
+#include "megaslide/model/wan_vae.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <nlohmann/json.hpp>
+
+#include "io/mapped_safetensors.h"
+#include "io/pretrained.h"
+#include "megaslide/io/files.h"
+
+namespace megaslide {
+
+namespace {
+
+constexpr int64_t kCacheFrames = 2;  // frames a 3-tap causal conv needs from the previous chunk
+constexpr int64_t kChunkFrames = 4;  // video frames per encoder chunk after the first frame
+
+// Wan 2.1's published per-channel latent statistics (diffusers' AutoencoderKLWan defaults).
+const std::vector<double> kWan21Mean = {-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
+                                        0.4134,  -0.0715, 0.5517,  -0.3632, -0.1922, -0.9497, 0.2503,  -0.2921};
+const std::vector<double> kWan21Std = {2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
+                                       3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160};
+
+std::string shape_string(c10::IntArrayRef shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+void validate(const WanVaeConfig& c, const std::function<void(const std::string&)>& bad) {
+  for (auto v : {c.base_dim, c.decoder_base_dim, c.z_dim, c.num_res_blocks, c.in_channels, c.out_channels})
+    if (v < 1) bad("base_dim, decoder_base_dim, z_dim, num_res_blocks and the channel counts must be >= 1");
+  if (c.dim_mult.empty()) bad("\"dim_mult\" must not be empty");
+  for (auto m : c.dim_mult)
+    if (m < 1) bad("\"dim_mult\" must hold positive integers");
+  if (c.temporal_downsample.size() + 1 != c.dim_mult.size())
+    bad("\"temperal_downsample\" must have one entry per level but the last (" + std::to_string(c.dim_mult.size() - 1) + "), got " +
+        std::to_string(c.temporal_downsample.size()));
+  int64_t temporal = 0;
+  for (bool t : c.temporal_downsample) temporal += t ? 1 : 0;
+  if (temporal != 2) bad("\"temperal_downsample\" must downsample time at exactly two levels (4 frames per latent frame, as Wan)");
+  // The decoder halves the channels in its upsamplers: every level's decoder width must be even.
+  for (size_t i = 1; i < c.dim_mult.size(); ++i)
+    if ((c.decoder_base_dim * c.dim_mult[i]) % 2 != 0) bad("decoder widths decoder_base_dim·dim_mult must be even above the first level");
+  if (static_cast<int64_t>(c.latents_mean.size()) != c.z_dim || static_cast<int64_t>(c.latents_std.size()) != c.z_dim)
+    bad("\"latents_mean\" and \"latents_std\" must have z_dim (" + std::to_string(c.z_dim) + ") entries, got " +
+        std::to_string(c.latents_mean.size()) + " and " + std::to_string(c.latents_std.size()));
+  for (double s : c.latents_std)
+    if (!(s > 0) || !std::isfinite(s)) bad("\"latents_std\" must be positive");
+  for (double m : c.latents_mean)
+    if (!std::isfinite(m)) bad("\"latents_mean\" must be finite");
+}
+
+std::vector<double> json_reals(const nlohmann::json& j, const char* key, const std::vector<double>& fallback,
+                               const std::function<void(const std::string&)>& bad) {
+  if (!j.contains(key) || j.at(key).is_null()) return fallback;
+  const auto& v = j.at(key);
+  if (!v.is_array()) bad(std::string("\"") + key + "\" must be a list of numbers, got " + v.dump());
+  std::vector<double> out;
+  for (const auto& e : v) {
+    if (!e.is_number()) bad(std::string("\"") + key + "\" must be a list of numbers, got " + v.dump());
+    out.push_back(e.get<double>());
+  }
+  return out;
+}
+
+WanVaeConfig parse_config(const nlohmann::json& j, const std::string& source) {
+  WanVaeConfig c;
+  auto bad = [&](const std::string& what) { throw io::PretrainedError("'" + source + "': " + what); };
+  if (j.contains("_class_name") && j.at("_class_name") != "AutoencoderKLWan")
+    bad("\"_class_name\" is " + j.at("_class_name").dump() + ", expected \"AutoencoderKLWan\"");
+  c.base_dim = io::json_int(j, "base_dim", c.base_dim, source);
+  c.decoder_base_dim = io::json_int(j, "decoder_base_dim", c.base_dim, source);
+  c.z_dim = io::json_int(j, "z_dim", c.z_dim, source);
+  c.num_res_blocks = io::json_int(j, "num_res_blocks", c.num_res_blocks, source);
+  c.in_channels = io::json_int(j, "in_channels", c.in_channels, source);
+  c.out_channels = io::json_int(j, "out_channels", c.out_channels, source);
+  if (j.contains("dim_mult")) {
+    const auto& v = j.at("dim_mult");
+    if (!v.is_array()) bad("\"dim_mult\" must be a list of integers, got " + v.dump());
+    c.dim_mult.clear();
+    for (const auto& e : v) {
+      if (!e.is_number_integer()) bad("\"dim_mult\" must be a list of integers, got " + v.dump());
+      c.dim_mult.push_back(e.get<int64_t>());
+    }
+  }
+  if (j.contains("temperal_downsample")) {
+    const auto& v = j.at("temperal_downsample");
+    if (!v.is_array()) bad("\"temperal_downsample\" must be a list of true/false, got " + v.dump());
+    c.temporal_downsample.clear();
+    for (const auto& e : v) {
+      if (!e.is_boolean()) bad("\"temperal_downsample\" must be a list of true/false, got " + v.dump());
+      c.temporal_downsample.push_back(e.get<bool>());
+    }
+  }
+  if (j.contains("attn_scales") && !(j.at("attn_scales").is_array() && j.at("attn_scales").empty()))
+    bad("\"attn_scales\" must be empty (attention only in the mid blocks, as Wan 2.1), got " + j.at("attn_scales").dump());
+  if (j.contains("is_residual") && j.at("is_residual") != false) bad("\"is_residual\": only false (Wan 2.1's VAE) is supported");
+  if (j.contains("patch_size") && !j.at("patch_size").is_null()) bad("\"patch_size\": only null (Wan 2.1's VAE) is supported");
+  c.latents_mean = json_reals(j, "latents_mean", c.latents_mean, bad);
+  c.latents_std = json_reals(j, "latents_std", c.latents_std, bad);
+  validate(c, bad);
+  const int64_t spatial = io::json_int(j, "scale_factor_spatial", c.spatial_downscale(), source);
+  if (spatial != c.spatial_downscale())
+    bad("\"scale_factor_spatial\" " + std::to_string(spatial) + " disagrees with dim_mult (" + std::to_string(c.dim_mult.size()) +
+        " levels: " + std::to_string(c.spatial_downscale()) + ")");
+  const int64_t temporal = io::json_int(j, "scale_factor_temporal", 4, source);
+  if (temporal != 4) bad("\"scale_factor_temporal\" " + std::to_string(temporal) + " disagrees with temperal_downsample (4)");
+  return c;
+}
+
+// The sizes of a single file with the original Wan names, read off its tensors' shapes.
+WanVaeConfig infer_config(const io::MappedSafetensors& file) {
+  auto bad = [&](const std::string& what) { throw io::PretrainedError("'" + file.path() + "': " + what); };
+  auto need = [&](const std::string& name) -> const std::vector<int64_t>& {
+    if (!file.has(name)) bad("no tensor '" + name + "' (a Wan 2.1 VAE file with the original names has it)");
+    return file.shape(name);
+  };
+  WanVaeConfig c;
+  const auto& conv_in = need("encoder.conv1.weight");
+  if (conv_in.size() != 5) bad("tensor 'encoder.conv1.weight' has shape " + shape_string(conv_in) + ", expected 5 dimensions");
+  c.base_dim = conv_in[0];
+  c.in_channels = conv_in[1];
+  c.z_dim = need("conv2.weight")[0];
+  // encoder.downsamples.K: residual blocks (residual.0.gamma) and resamples (resample.1.weight), in order.
+  std::vector<int64_t> level_width;
+  int64_t blocks = 0, width = c.base_dim;
+  c.temporal_downsample.clear();
+  for (int64_t k = 0;; ++k) {
+    const auto p = "encoder.downsamples." + std::to_string(k);
+    if (file.has(p + ".residual.0.gamma")) {
+      width = need(p + ".residual.2.weight")[0];
+      ++blocks;
+    } else if (file.has(p + ".resample.1.weight")) {
+      level_width.push_back(width);
+      c.temporal_downsample.push_back(file.has(p + ".time_conv.weight"));
+    } else if (file.has(p + ".to_qkv.weight")) {
+      bad("tensor '" + p + ".to_qkv.weight': attention outside the mid block is not supported (Wan 2.1 has none)");
+    } else {
+      break;
+    }
+  }
+  level_width.push_back(width);
+  const auto levels = static_cast<int64_t>(level_width.size());
+  if (blocks == 0 || blocks % levels != 0)
+    bad(std::to_string(blocks) + " residual blocks in encoder.downsamples do not divide into " + std::to_string(levels) + " levels");
+  c.num_res_blocks = blocks / levels;
+  c.dim_mult.clear();
+  for (auto w : level_width) {
+    if (w % c.base_dim != 0) bad("encoder width " + std::to_string(w) + " is not a multiple of the base width " + std::to_string(c.base_dim));
+    c.dim_mult.push_back(w / c.base_dim);
+  }
+  const auto& head = need("decoder.head.2.weight");
+  if (head.size() != 5) bad("tensor 'decoder.head.2.weight' has shape " + shape_string(head) + ", expected 5 dimensions");
+  c.out_channels = head[0];
+  if (head[1] % c.dim_mult[0] != 0) bad("decoder width " + std::to_string(head[1]) + " does not match dim_mult");
+  c.decoder_base_dim = head[1] / c.dim_mult[0];
+  if (c.z_dim != 16)
+    bad("z_dim " + std::to_string(c.z_dim) + ": a single file carries no latents_mean/latents_std, and Wan 2.1's are for z_dim 16 "
+        "(use a diffusers folder with config.json)");
+  validate(c, bad);
+  return c;
+}
+
+}  // namespace
+
+WanVaeConfig::WanVaeConfig() : latents_mean(kWan21Mean), latents_std(kWan21Std) {}
+
+int64_t WanVaeConfig::temporal_downscale() const {
+  int64_t f = 1;
+  for (bool t : temporal_downsample) f *= t ? 2 : 1;
+  return f;
+}
+
+// The temporal feature cache: one slot per cached conv, visited in the same order for every chunk.
+struct WanVae::Cache {
+  std::vector<torch::Tensor> slots;
+  std::vector<bool> first_frame_only;  // an upsampler that has seen only the first frame (diffusers' "Rep")
+  size_t next = 0;
+  void start_chunk() { next = 0; }
+  size_t slot() {
+    if (next == slots.size()) slots.emplace_back(), first_frame_only.push_back(false);
+    return next++;
+  }
+};
+
+// (diffusers name, original name, shape) -> the tensor on the CPU in the compute dtype.
+struct WanVae::Source {
+  std::function<torch::Tensor(const std::string&, const std::string&, const std::vector<int64_t>&)> take;
+};
+
+WanVae WanVae::load(const std::string& path, torch::Device device, torch::ScalarType dtype) {
+  if (io::is_directory(path)) {
+    const auto config_path = io::join_path(path, "config.json");
+    if (!io::path_exists(config_path)) throw io::PretrainedError("model folder '" + path + "': no config.json");
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(io::read_file(config_path));
+    } catch (const nlohmann::json::exception& e) {
+      throw io::PretrainedError("'" + config_path + "' is not valid JSON: " + e.what());
+    }
+    if (!j.is_object()) throw io::PretrainedError("'" + config_path + "' is not a JSON object");
+    auto config = parse_config(j, config_path);
+    const auto weights = io::join_path(path, "diffusion_pytorch_model.safetensors");
+    if (!io::path_exists(weights)) throw io::PretrainedError("model folder '" + path + "': no weights file (expected diffusion_pytorch_model.safetensors)");
+    io::MappedSafetensors file(weights);
+    return build(config, device, dtype, Source{[&](const std::string& name, const std::string&, const std::vector<int64_t>& shape) {
+                   return file.take(name, shape, dtype, "from config.json");
+                 }});
+  }
+  if (!io::path_exists(path)) throw io::PretrainedError("'" + path + "': no such file or folder (expected a diffusers vae/ folder or a .safetensors file)");
+  io::MappedSafetensors file(path);
+  if (file.has("encoder.conv_in.weight"))
+    throw io::PretrainedError("'" + path + "' has diffusers' tensor names: give the folder holding it and its config.json");
+  auto config = infer_config(file);
+  return build(config, device, dtype, Source{[&](const std::string&, const std::string& original, const std::vector<int64_t>& shape) {
+                 return file.take(original, shape, dtype, "from the sizes of encoder.conv1, encoder.downsamples and decoder.head");
+               }});
+}
+
+WanVae WanVae::random(const WanVaeConfig& config, uint64_t seed, torch::Device device, torch::ScalarType dtype) {
+  validate(config, [](const std::string& what) { TORCH_CHECK(false, "WanVae::random: ", what); });
+  auto g = at::detail::createCPUGenerator(seed);
+  return build(config, device, dtype, Source{[&](const std::string& name, const std::string&, const std::vector<int64_t>& shape) {
+                 if (name.size() > 6 && name.substr(name.size() - 6) == ".gamma") return torch::ones(shape, dtype);
+                 if (shape.size() == 1) return torch::zeros(shape, dtype);
+                 const int64_t fan_in = c10::multiply_integers(shape.begin() + 1, shape.end());
+                 return (torch::randn(shape, g, torch::kFloat32) / std::sqrt(static_cast<double>(fan_in))).to(dtype);
+               }});
+}
+
+WanVae WanVae::build(const WanVaeConfig& config, torch::Device device, torch::ScalarType dtype, const Source& source) {
+  WanVae vae;
+  vae.config_ = config;
+  vae.device_ = device;
+  vae.dtype_ = dtype;
+  const auto& c = vae.config_;
+  // Every tensor by its diffusers name and its original Wan name: the one rename table.
+  auto take = [&](const std::string& name, const std::string& original, std::vector<int64_t> shape) {
+    vae.w_[name] = source.take(name, original, shape).to(device);
+    vae.original_[name] = original;
+  };
+  auto conv3d = [&](const std::string& p, const std::string& o, int64_t in, int64_t out, int64_t kt, int64_t ks) {
+    take(p + ".weight", o + ".weight", {out, in, kt, ks, ks});
+    take(p + ".bias", o + ".bias", {out});
+  };
+  auto conv2d = [&](const std::string& p, const std::string& o, int64_t in, int64_t out, int64_t k) {
+    take(p + ".weight", o + ".weight", {out, in, k, k});
+    take(p + ".bias", o + ".bias", {out});
+  };
+  auto residual = [&](const std::string& p, const std::string& o, int64_t in, int64_t out) {
+    take(p + ".norm1.gamma", o + ".residual.0.gamma", {in, 1, 1, 1});
+    conv3d(p + ".conv1", o + ".residual.2", in, out, 3, 3);
+    take(p + ".norm2.gamma", o + ".residual.3.gamma", {out, 1, 1, 1});
+    conv3d(p + ".conv2", o + ".residual.6", out, out, 3, 3);
+    if (in != out) conv3d(p + ".conv_shortcut", o + ".shortcut", in, out, 1, 1);
+  };
+  auto mid = [&](const std::string& p, const std::string& o, int64_t ch) {
+    residual(p + ".resnets.0", o + ".0", ch, ch);
+    take(p + ".attentions.0.norm.gamma", o + ".1.norm.gamma", {ch, 1, 1});
+    conv2d(p + ".attentions.0.to_qkv", o + ".1.to_qkv", ch, 3 * ch, 1);
+    conv2d(p + ".attentions.0.proj", o + ".1.proj", ch, ch, 1);
+    residual(p + ".resnets.1", o + ".2", ch, ch);
+  };
+  const auto levels = static_cast<int64_t>(c.dim_mult.size());
+  // Encoder: a flat list of residual blocks and resamples (the same index in both namings).
+  conv3d("encoder.conv_in", "encoder.conv1", c.in_channels, c.base_dim, 3, 3);
+  int64_t k = 0, in = c.base_dim;
+  for (int64_t i = 0; i < levels; ++i) {
+    const int64_t out = c.base_dim * c.dim_mult[static_cast<size_t>(i)];
+    for (int64_t j = 0; j < c.num_res_blocks; ++j, ++k) {
+      residual("encoder.down_blocks." + std::to_string(k), "encoder.downsamples." + std::to_string(k), in, out);
+      in = out;
+    }
+    if (i + 1 < levels) {
+      const auto p = "encoder.down_blocks." + std::to_string(k), o = "encoder.downsamples." + std::to_string(k);
+      conv2d(p + ".resample.1", o + ".resample.1", out, out, 3);
+      if (c.temporal_downsample[static_cast<size_t>(i)]) conv3d(p + ".time_conv", o + ".time_conv", out, out, 3, 1);
+      ++k;
+    }
+  }
+  mid("encoder.mid_block", "encoder.middle", in);
+  take("encoder.norm_out.gamma", "encoder.head.0.gamma", {in, 1, 1, 1});
+  conv3d("encoder.conv_out", "encoder.head.2", in, 2 * c.z_dim, 3, 3);
+  conv3d("quant_conv", "conv1", 2 * c.z_dim, 2 * c.z_dim, 1, 1);
+  // Decoder: diffusers groups the original flat list of upsamples into levels.
+  conv3d("post_quant_conv", "conv2", c.z_dim, c.z_dim, 1, 1);
+  const int64_t top = c.decoder_base_dim * c.dim_mult.back();
+  conv3d("decoder.conv_in", "decoder.conv1", c.z_dim, top, 3, 3);
+  mid("decoder.mid_block", "decoder.middle", top);
+  k = 0;
+  in = top;
+  for (int64_t i = 0; i < levels; ++i) {
+    const int64_t out = c.decoder_base_dim * c.dim_mult[static_cast<size_t>(levels - 1 - i)];
+    if (i > 0) in /= 2;  // the previous upsampler halved the channels
+    const auto p = "decoder.up_blocks." + std::to_string(i);
+    for (int64_t j = 0; j <= c.num_res_blocks; ++j, ++k) {
+      residual(p + ".resnets." + std::to_string(j), "decoder.upsamples." + std::to_string(k), in, out);
+      in = out;
+    }
+    if (i + 1 < levels) {
+      const auto o = "decoder.upsamples." + std::to_string(k);
+      conv2d(p + ".upsamplers.0.resample.1", o + ".resample.1", out, out / 2, 3);
+      if (c.temporal_downsample[static_cast<size_t>(levels - 2 - i)]) conv3d(p + ".upsamplers.0.time_conv", o + ".time_conv", out, 2 * out, 3, 1);
+      ++k;
+    }
+  }
+  take("decoder.norm_out.gamma", "decoder.head.0.gamma", {in, 1, 1, 1});
+  conv3d("decoder.conv_out", "decoder.head.2", in, c.out_channels, 3, 3);
+  auto stats = [&](const std::vector<double>& v) {
+    return torch::tensor(v, torch::TensorOptions().dtype(torch::kFloat64)).to(torch::kFloat32).view({1, c.z_dim, 1, 1, 1}).to(device);
+  };
+  vae.mean_ = stats(c.latents_mean);
+  vae.inv_std_ = 1.0 / stats(c.latents_std);
+  return vae;
+}
+
+int64_t WanVae::parameter_count() const {
+  int64_t n = 0;
+  for (const auto& [name, t] : w_) n += t.numel();
+  return n;
+}
+
+std::string WanVae::original_name(const std::string& diffusers_name) const {
+  auto it = original_.find(diffusers_name);
+  return it == original_.end() ? std::string() : it->second;
+}
+
+const torch::Tensor& WanVae::w(const std::string& name) const {
+  auto it = w_.find(name);
+  TORCH_CHECK(it != w_.end(), "WanVae: no weight ", name);
+  return it->second;
+}
+
+torch::Tensor WanVae::rms(const std::string& p, const torch::Tensor& x) const {
+  const auto& gamma = w(p + ".gamma");
+  const auto xf = x.scalar_type() == torch::kFloat32 ? x : x.to(torch::kFloat32);
+  const auto normalized = (xf / at::linalg_vector_norm(xf, 2, at::IntArrayRef{1}, /*keepdim=*/true).clamp_min(1e-12)).to(x.scalar_type());
+  return normalized * (std::sqrt(static_cast<double>(x.size(1))) * gamma);
+}
+
+// A causal conv of this chunk, with the previous chunk's last frames in front (zeros before the first).
+torch::Tensor WanVae::cached_conv(const std::string& p, const torch::Tensor& x, Cache& cache) const {
+  const auto& weight = w(p + ".weight");
+  const int64_t kt = weight.size(2), ks = weight.size(3);
+  const auto s = cache.slot();
+  auto next = x.narrow(2, std::max<int64_t>(0, x.size(2) - kCacheFrames), std::min(kCacheFrames, x.size(2)));
+  if (next.size(2) < kCacheFrames && cache.slots[s].defined()) next = torch::cat({cache.slots[s].narrow(2, cache.slots[s].size(2) - 1, 1), next}, 2);
+  auto input = x;
+  int64_t pad = kt - 1;
+  if (pad > 0 && cache.slots[s].defined()) {
+    input = torch::cat({cache.slots[s], input}, 2);
+    pad -= cache.slots[s].size(2);
+  }
+  if (pad > 0) {
+    auto shape = input.sizes().vec();
+    shape[2] = pad;
+    input = torch::cat({torch::zeros(shape, input.options()), input}, 2);
+  }
+  cache.slots[s] = next.clone();
+  return at::conv3d(input, weight, w(p + ".bias"), {1, 1, 1}, {0, (ks - 1) / 2, (ks - 1) / 2});
+}
+
+torch::Tensor WanVae::residual(const std::string& p, const torch::Tensor& x, Cache& cache) const {
+  auto shortcut = w_.count(p + ".conv_shortcut.weight") ? at::conv3d(x, w(p + ".conv_shortcut.weight"), w(p + ".conv_shortcut.bias")) : x;
+  auto h = cached_conv(p + ".conv1", at::silu(rms(p + ".norm1", x)), cache);
+  h = cached_conv(p + ".conv2", at::silu(rms(p + ".norm2", h)), cache);
+  return h + shortcut;
+}
+
+namespace {
+// [B, C, T, H, W] <-> [B·T, C, H, W]
+torch::Tensor frames_of(const torch::Tensor& x) {
+  return x.permute({0, 2, 1, 3, 4}).reshape({x.size(0) * x.size(2), x.size(1), x.size(3), x.size(4)});
+}
+torch::Tensor clip_of(const torch::Tensor& f, int64_t batch) {
+  return f.view({batch, f.size(0) / batch, f.size(1), f.size(2), f.size(3)}).permute({0, 2, 1, 3, 4});
+}
+}  // namespace
+
+torch::Tensor WanVae::attention(const std::string& p, const torch::Tensor& x) const {
+  const int64_t B = x.size(0), C = x.size(1), H = x.size(3), W = x.size(4);
+  auto f = rms(p + ".norm", frames_of(x));
+  auto qkv = at::conv2d(f, w(p + ".to_qkv.weight"), w(p + ".to_qkv.bias")).view({f.size(0), 1, 3 * C, H * W}).transpose(2, 3);
+  auto parts = qkv.chunk(3, -1);  // q, k, v [B·T, 1, H·W, C]
+  auto o = at::scaled_dot_product_attention(parts[0].contiguous(), parts[1].contiguous(), parts[2].contiguous());
+  o = o.squeeze(1).transpose(1, 2).reshape({f.size(0), C, H, W});
+  return clip_of(at::conv2d(o, w(p + ".proj.weight"), w(p + ".proj.bias")), B) + x;
+}
+
+torch::Tensor WanVae::downsample(const std::string& p, const torch::Tensor& x, bool temporal, Cache& cache) const {
+  auto f = at::constant_pad_nd(frames_of(x), {0, 1, 0, 1});
+  auto y = clip_of(at::conv2d(f, w(p + ".resample.1.weight"), w(p + ".resample.1.bias"), {2, 2}), x.size(0));
+  if (!temporal) return y;
+  // First chunk: kept as is (one frame). Later chunks: stride-2 conv over (the last frame before, this chunk).
+  const auto s = cache.slot();
+  auto last = y.narrow(2, y.size(2) - 1, 1).clone();
+  if (!cache.slots[s].defined()) {
+    cache.slots[s] = last;
+    return y;
+  }
+  auto input = torch::cat({cache.slots[s], y}, 2);
+  cache.slots[s] = last;
+  return at::conv3d(input, w(p + ".time_conv.weight"), w(p + ".time_conv.bias"), {2, 1, 1});
+}
+
+torch::Tensor WanVae::upsample(const std::string& p, const torch::Tensor& x, bool temporal, Cache& cache) const {
+  auto y = x;
+  if (temporal) {
+    const auto s = cache.slot();
+    if (!cache.slots[s].defined() && !cache.first_frame_only[s]) {
+      cache.first_frame_only[s] = true;  // the first frame stays one frame
+    } else {
+      // A causal conv to 2·C channels over the frames after the first (zeros before them), each frame
+      // becoming two: channels [0, C) the first, [C, 2C) the second.
+      auto next = x.narrow(2, std::max<int64_t>(0, x.size(2) - kCacheFrames), std::min(kCacheFrames, x.size(2)));
+      if (next.size(2) < kCacheFrames)
+        next = torch::cat({cache.first_frame_only[s] ? torch::zeros_like(next) : cache.slots[s].narrow(2, cache.slots[s].size(2) - 1, 1), next}, 2);
+      auto input = x;
+      if (cache.first_frame_only[s]) {
+        auto shape = x.sizes().vec();
+        shape[2] = kCacheFrames;
+        input = torch::cat({torch::zeros(shape, x.options()), x}, 2);
+      } else {
+        input = torch::cat({cache.slots[s], x}, 2);
+        if (cache.slots[s].size(2) < kCacheFrames) {
+          auto shape = x.sizes().vec();
+          shape[2] = kCacheFrames - cache.slots[s].size(2);
+          input = torch::cat({torch::zeros(shape, x.options()), input}, 2);
+        }
+      }
+      cache.slots[s] = next.clone();
+      cache.first_frame_only[s] = false;
+      const int64_t B = x.size(0), C = x.size(1), T = x.size(2), H = x.size(3), W = x.size(4);
+      auto t = at::conv3d(input, w(p + ".time_conv.weight"), w(p + ".time_conv.bias"));  // [B, 2C, T, H, W]
+      y = t.view({B, 2, C, T, H, W}).permute({0, 2, 3, 1, 4, 5}).reshape({B, C, 2 * T, H, W});
+    }
+  }
+  auto f = frames_of(y);
+  f = at::upsample_nearest2d(f, {f.size(2) * 2, f.size(3) * 2});
+  return clip_of(at::conv2d(f, w(p + ".resample.1.weight"), w(p + ".resample.1.bias"), {1, 1}, {1, 1}), y.size(0));
+}
+
+torch::Tensor WanVae::encoder_chunk(const torch::Tensor& x_in, Cache& cache) const {
+  const auto& c = config_;
+  cache.start_chunk();
+  auto x = cached_conv("encoder.conv_in", x_in, cache);
+  const auto levels = static_cast<int64_t>(c.dim_mult.size());
+  int64_t k = 0;
+  for (int64_t i = 0; i < levels; ++i) {
+    for (int64_t j = 0; j < c.num_res_blocks; ++j, ++k) x = residual("encoder.down_blocks." + std::to_string(k), x, cache);
+    if (i + 1 < levels) x = downsample("encoder.down_blocks." + std::to_string(k++), x, c.temporal_downsample[static_cast<size_t>(i)], cache);
+  }
+  x = residual("encoder.mid_block.resnets.0", x, cache);
+  x = attention("encoder.mid_block.attentions.0", x);
+  x = residual("encoder.mid_block.resnets.1", x, cache);
+  x = cached_conv("encoder.conv_out", at::silu(rms("encoder.norm_out", x)), cache);
+  return at::conv3d(x, w("quant_conv.weight"), w("quant_conv.bias"));
+}
+
+torch::Tensor WanVae::decoder_chunk(const torch::Tensor& z, Cache& cache) const {
+  const auto& c = config_;
+  cache.start_chunk();
+  auto x = at::conv3d(z, w("post_quant_conv.weight"), w("post_quant_conv.bias"));
+  x = cached_conv("decoder.conv_in", x, cache);
+  x = residual("decoder.mid_block.resnets.0", x, cache);
+  x = attention("decoder.mid_block.attentions.0", x);
+  x = residual("decoder.mid_block.resnets.1", x, cache);
+  const auto levels = static_cast<int64_t>(c.dim_mult.size());
+  for (int64_t i = 0; i < levels; ++i) {
+    const auto p = "decoder.up_blocks." + std::to_string(i);
+    for (int64_t j = 0; j <= c.num_res_blocks; ++j) x = residual(p + ".resnets." + std::to_string(j), x, cache);
+    if (i + 1 < levels) x = upsample(p + ".upsamplers.0", x, c.temporal_downsample[static_cast<size_t>(levels - 2 - i)], cache);
+  }
+  return cached_conv("decoder.conv_out", at::silu(rms("decoder.norm_out", x)), cache);
+}
+
+void WanVae::check_video(const torch::Tensor& videos, const char* what) const {
+  const auto& c = config_;
+  TORCH_CHECK(videos.dim() == 5 && videos.size(1) == c.in_channels, "WanVae::", what, ": expected videos [B, ", c.in_channels,
+              ", T, H, W], got ", videos.sizes());
+  TORCH_CHECK(videos.size(2) >= 1 && (videos.size(2) - 1) % kChunkFrames == 0, "WanVae::", what, ": ", videos.size(2),
+              " frames; the Wan VAE takes 1 + 4k frames (1, 5, 9, ..., 81)");
+  TORCH_CHECK(videos.size(3) % c.spatial_downscale() == 0 && videos.size(4) % c.spatial_downscale() == 0 && videos.size(3) > 0 &&
+                  videos.size(4) > 0,
+              "WanVae::", what, ": frames of ", videos.size(4), "x", videos.size(3), " (W x H); the VAE needs multiples of ", c.spatial_downscale());
+}
+
+torch::Tensor WanVae::encode_clip(const torch::Tensor& x) const {
+  Cache cache;
+  std::vector<torch::Tensor> parts;
+  parts.push_back(encoder_chunk(x.narrow(2, 0, 1), cache));
+  for (int64_t s = 1; s < x.size(2); s += kChunkFrames) parts.push_back(encoder_chunk(x.narrow(2, s, kChunkFrames), cache));
+  return torch::cat(parts, 2);
+}
+
+torch::Tensor WanVae::decode_clip(const torch::Tensor& z) const {
+  Cache cache;
+  std::vector<torch::Tensor> parts;
+  for (int64_t t = 0; t < z.size(2); ++t) parts.push_back(decoder_chunk(z.narrow(2, t, 1), cache));
+  return torch::cat(parts, 2);
+}
+
+namespace {
+
+void check_tiling(const WanVaeTiling& t, int64_t f) {
+  TORCH_CHECK(t.tile > 0 && t.tile % f == 0 && t.stride > 0 && t.stride % f == 0 && t.stride <= t.tile,
+              "WanVae tiling: tile and stride must be positive multiples of ", f, " with stride <= tile, got tile ", t.tile, ", stride ",
+              t.stride);
+}
+
+// diffusers' blend_v / blend_h: the first `extent` rows (dim 3) or columns (dim 4) of b become
+// a·(1 − y/extent) + b·(y/extent), a's from its end.
+void blend_into(const torch::Tensor& a, torch::Tensor& b, int64_t dim, int64_t extent) {
+  extent = std::min({a.size(dim), b.size(dim), extent});
+  if (extent <= 0) return;
+  auto wb = torch::arange(extent, torch::TensorOptions().dtype(torch::kFloat64)) / static_cast<double>(extent);
+  std::vector<int64_t> shape(5, 1);
+  shape[static_cast<size_t>(dim)] = extent;
+  auto head = b.narrow(dim, 0, extent);
+  head.copy_(a.narrow(dim, a.size(dim) - extent, extent) * (1 - wb).to(a.options()).view(shape) + head * wb.to(b.options()).view(shape));
+}
+
+// Tiles of `tile` every `stride` (input units) through `run`, blended over `blend` and cut to `keep` (output
+// units), then cut to (out_h, out_w) — diffusers' tiled_encode / tiled_decode.
+torch::Tensor tiled(const torch::Tensor& x, int64_t tile, int64_t stride, int64_t blend, int64_t keep, int64_t out_h, int64_t out_w,
+                    const std::function<torch::Tensor(const torch::Tensor&)>& run) {
+  std::vector<std::vector<torch::Tensor>> rows;
+  for (int64_t i = 0; i < x.size(3); i += stride) {
+    std::vector<torch::Tensor> row;
+    for (int64_t j = 0; j < x.size(4); j += stride)
+      row.push_back(run(x.slice(3, i, std::min(i + tile, x.size(3))).slice(4, j, std::min(j + tile, x.size(4)))));
+    rows.push_back(std::move(row));
+  }
+  std::vector<torch::Tensor> result_rows;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    std::vector<torch::Tensor> result_row;
+    for (size_t j = 0; j < rows[i].size(); ++j) {
+      auto& t = rows[i][j];
+      if (i > 0) blend_into(rows[i - 1][j], t, 3, blend);
+      if (j > 0) blend_into(rows[i][j - 1], t, 4, blend);
+      result_row.push_back(t.slice(3, 0, keep).slice(4, 0, keep));
+    }
+    result_rows.push_back(torch::cat(result_row, 4));
+  }
+  return torch::cat(result_rows, 3).slice(3, 0, out_h).slice(4, 0, out_w);
+}
+
+}  // namespace
+
+std::pair<torch::Tensor, torch::Tensor> WanVae::encode_distribution(const torch::Tensor& videos, const std::optional<WanVaeTiling>& tiling) const {
+  check_video(videos, "encode");
+  torch::NoGradGuard no_grad;
+  const int64_t f = config_.spatial_downscale();
+  auto x = videos.to(device_, dtype_);
+  torch::Tensor moments;
+  if (tiling && (x.size(3) > tiling->tile || x.size(4) > tiling->tile)) {
+    check_tiling(*tiling, f);
+    const int64_t latent_tile = tiling->tile / f, latent_stride = tiling->stride / f;
+    moments = tiled(x, tiling->tile, tiling->stride, latent_tile - latent_stride, latent_stride, x.size(3) / f, x.size(4) / f,
+                    [&](const torch::Tensor& t) { return encode_clip(t); });
+  } else {
+    moments = encode_clip(x);
+  }
+  moments = moments.to(torch::kFloat32);
+  return {moments.narrow(1, 0, config_.z_dim), moments.narrow(1, config_.z_dim, config_.z_dim).clamp(-30.0, 20.0)};
+}
+
+torch::Tensor WanVae::normalize(const torch::Tensor& latents) const {
+  TORCH_CHECK(latents.dim() == 5 && latents.size(1) == config_.z_dim, "WanVae: expected latents [B, ", config_.z_dim, ", t, h, w], got ",
+              latents.sizes());
+  return (latents.to(mean_.device(), torch::kFloat32) - mean_) * inv_std_;
+}
+
+torch::Tensor WanVae::denormalize(const torch::Tensor& latents) const {
+  TORCH_CHECK(latents.dim() == 5 && latents.size(1) == config_.z_dim, "WanVae: expected latents [B, ", config_.z_dim, ", t, h, w], got ",
+              latents.sizes());
+  return latents.to(mean_.device(), torch::kFloat32) / inv_std_ + mean_;
+}
+
+torch::Tensor WanVae::encode(const torch::Tensor& videos, bool sample, std::optional<at::Generator> generator,
+                             const std::optional<WanVaeTiling>& tiling) const {
+  auto [mean, logvar] = encode_distribution(videos, tiling);
+  auto z = mean;
+  if (sample) z = mean + (0.5 * logvar).exp() * torch::randn(mean.sizes(), generator, torch::kFloat32).to(mean.device());
+  return normalize(z);
+}
+
+torch::Tensor WanVae::decode_unscaled(const torch::Tensor& latents, const std::optional<WanVaeTiling>& tiling) const {
+  TORCH_CHECK(latents.dim() == 5 && latents.size(1) == config_.z_dim && latents.size(2) >= 1, "WanVae::decode: expected latents [B, ",
+              config_.z_dim, ", t, h, w], got ", latents.sizes());
+  torch::NoGradGuard no_grad;
+  const int64_t f = config_.spatial_downscale();
+  auto z = latents.to(device_, dtype_);
+  torch::Tensor x;
+  if (tiling && (z.size(3) * f > tiling->tile || z.size(4) * f > tiling->tile)) {
+    check_tiling(*tiling, f);
+    x = tiled(z, tiling->tile / f, tiling->stride / f, tiling->tile - tiling->stride, tiling->stride, z.size(3) * f, z.size(4) * f,
+              [&](const torch::Tensor& t) { return decode_clip(t); });
+  } else {
+    x = decode_clip(z);
+  }
+  return x.to(torch::kFloat32).clamp(-1.0, 1.0);
+}
+
+torch::Tensor WanVae::decode(const torch::Tensor& latents, const std::optional<WanVaeTiling>& tiling) const {
+  return decode_unscaled(denormalize(latents), tiling);
+}
+
+}  // namespace megaslide
