@@ -506,6 +506,141 @@ def section_vae(out_dir):
 
 
 # --------------------------------------------------------------------------------------------------
+# wan_vae: a tiny random AutoencoderKLWan in diffusers' layout and in the original Wan names, and
+# diffusers' outputs
+# --------------------------------------------------------------------------------------------------
+
+def _wan_original_names(config, state):
+    """diffusers' AutoencoderKLWan tensor names -> the original Wan 2.1 names (wan/modules/vae.py, as in
+    ComfyUI's wan_2.1_vae.safetensors), for any sizes: the inverse of diffusers' convert_wan_vae_to_diffusers
+    written out level by level (that function hard-codes num_res_blocks 2)."""
+    residual = {"norm1.gamma": "residual.0.gamma", "conv1.": "residual.2.", "norm2.gamma": "residual.3.gamma",
+                "conv2.": "residual.6.", "conv_shortcut.": "shortcut."}
+    levels, blocks = len(config["dim_mult"]), config["num_res_blocks"]
+    decoder_flat = {}  # (level, "resnets.j" | "upsamplers.0") -> flat index in decoder.upsamples
+    k = 0
+    for i in range(levels):
+        for j in range(blocks + 1):
+            decoder_flat[(i, f"resnets.{j}")] = k
+            k += 1
+        if i + 1 < levels:
+            decoder_flat[(i, "upsamplers.0")] = k
+            k += 1
+    out = {}
+    for name, value in state.items():
+        n = name
+        for side in ("encoder", "decoder"):
+            for j, o in ((0, 0), (1, 2)):
+                n = n.replace(f"{side}.mid_block.resnets.{j}.", f"{side}.middle.{o}.")
+            n = n.replace(f"{side}.mid_block.attentions.0.", f"{side}.middle.1.")
+            n = n.replace(f"{side}.norm_out.", f"{side}.head.0.").replace(f"{side}.conv_out.", f"{side}.head.2.")
+            n = n.replace(f"{side}.conv_in.", f"{side}.conv1.")
+        n = n.replace("encoder.down_blocks.", "encoder.downsamples.")
+        if n.startswith("decoder.up_blocks."):
+            parts = n.split(".")
+            level, rest = int(parts[2]), parts[3:]
+            key = ".".join(rest[:2])
+            n = "decoder.upsamples." + str(decoder_flat[(level, key)]) + "." + ".".join(rest[2:])
+        if n.startswith("quant_conv."):
+            n = "conv1." + n[len("quant_conv."):]
+        if n.startswith("post_quant_conv."):
+            n = "conv2." + n[len("post_quant_conv."):]
+        if ".middle.1." not in n and (".downsamples." in n or ".upsamples." in n or ".middle." in n):
+            for a, b in residual.items():
+                n = n.replace("." + a, "." + b)
+        out[n] = value
+    assert len(out) == len(state)
+    return out
+
+
+def _wan_randomize(vae, seed):
+    """Every parameter redrawn so that outputs depend on every weight: convolutions N(0, 1/fan_in), RMS
+    gammas around 1, biases around 0; the decoder's last conv smaller so that few outputs reach the clamp
+    to [-1, 1]."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(vae.named_parameters()):
+            if name.endswith("gamma"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            elif p.dim() == 1:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p[0].numel() ** 0.5)
+        vae.decoder.conv_out.weight.mul_(0.3)
+
+
+def section_wan_vae(out_dir):
+    import diffusers
+    import torch
+    from diffusers import AutoencoderKLWan
+
+    # Non-default sizes throughout: base width 4 (decoder 2), widths x[1, 2, 2, 2], one residual block per
+    # level, time downsampled at levels 0 and 2 (Wan: 1 and 2), so every resample mode runs; z_dim 16 as Wan
+    # (the single-file layout carries no latent statistics and takes Wan 2.1's), non-default statistics here.
+    g = torch.Generator().manual_seed(11)
+    latents_mean = [round(float(v), 4) for v in torch.randn(16, generator=g) * 0.5]
+    latents_std = [round(float(v), 4) for v in torch.rand(16, generator=g) * 2 + 0.5]
+    config = dict(base_dim=4, decoder_base_dim=2, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                  temperal_downsample=[True, False, True], latents_mean=latents_mean, latents_std=latents_std)
+    vae = AutoencoderKLWan(**config)
+    _wan_randomize(vae, 12)
+    vae.eval()
+    folder = os.path.join(out_dir, "tiny")
+    os.makedirs(folder)
+    vae.save_config(folder)
+    state = {k: v.numpy() for k, v in vae.state_dict().items()}
+    save_safetensors(os.path.join(folder, "diffusion_pytorch_model.safetensors"), state, {"format": "pt"})
+    original = _wan_original_names(config, state)
+    # The rename table against diffusers' own single-file converter, which hard-codes Wan 2.1's layout
+    # (num_res_blocks 2, four levels): on a model of that layout every original name converts back.
+    from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
+    wan21 = dict(base_dim=2, z_dim=16)
+    wan21_state = {k: v.numpy() for k, v in AutoencoderKLWan(**wan21).state_dict().items()}
+    back = convert_wan_vae_to_diffusers(_wan_original_names(dict(dim_mult=[1, 2, 4, 4], num_res_blocks=2), wan21_state))
+    assert sorted(back) == sorted(wan21_state), "the original names do not convert back with diffusers' converter"
+    save_safetensors(os.path.join(out_dir, "wan_2.1_vae_tiny.safetensors"), original)
+
+    tensors = {}
+    summary = []
+    with torch.no_grad():
+        for frames, size in ((1, (16, 24)), (5, (16, 24)), (9, (8, 16))):
+            videos = torch.rand((2 if frames == 5 else 1, 3, frames, *size), generator=g) * 2 - 1
+            dist = vae.encode(videos).latent_dist
+            t = 1 + (frames - 1) // 4
+            latents = torch.randn((1, 16, t, size[0] // 8 + 1, size[1] // 8), generator=g)
+            decoded = vae.decode(latents).sample
+            tensors.update({f"f{frames}.videos": videos.numpy(), f"f{frames}.mean": dist.mean.numpy(), f"f{frames}.logvar": dist.logvar.numpy(),
+                            f"f{frames}.latents": latents.numpy(), f"f{frames}.decoded": decoded.numpy()})
+            saturated = float((decoded.abs() >= 1).float().mean())
+            summary.append(f"{frames} frames: encode {tuple(videos.shape)} -> {tuple(dist.mean.shape)}, decode {tuple(latents.shape)} -> "
+                           f"{tuple(decoded.shape)} ({saturated:.0%} clamped)")
+        # diffusers' tiled encode and decode: 16-pixel tiles every 8 pixels, on 40 x 24 frames (not a multiple of
+        # the tile): 3 x 5 tiles, 1-latent / 8-pixel blends.
+        videos = torch.rand((1, 3, 5, 24, 40), generator=g) * 2 - 1
+        latents = torch.randn((1, 16, 2, 3, 5), generator=g)
+        vae.enable_tiling(tile_sample_min_height=16, tile_sample_min_width=16, tile_sample_stride_height=8, tile_sample_stride_width=8)
+        tiled_mean = vae.encode(videos).latent_dist.mean
+        tiled_decoded = vae.decode(latents).sample
+        vae.disable_tiling()
+        untiled_mean = vae.encode(videos).latent_dist.mean
+        untiled_decoded = vae.decode(latents).sample
+    tensors.update({"tiled.videos": videos.numpy(), "tiled.latents": latents.numpy(), "tiled.mean": tiled_mean.numpy(),
+                    "tiled.decoded": tiled_decoded.numpy(), "tiled.untiled_mean": untiled_mean.numpy(),
+                    "tiled.untiled_decoded": untiled_decoded.numpy()})
+    summary.append(f"tiled: mean differs from untiled by {float((tiled_mean - untiled_mean).abs().max()):.3g}, decode by "
+                   f"{float((tiled_decoded - untiled_decoded).abs().max()):.3g}")
+    meta = {"versions": versions(diffusers, torch), "tile_sample_min": "16", "tile_sample_stride": "8",
+            "what": "tiny random AutoencoderKLWan (tiny/, and wan_2.1_vae_tiny.safetensors with the original Wan names): "
+                    "encode(videos).latent_dist mean/logvar and decode(latents).sample for 1, 5 and 9 frames; tiled encode/decode "
+                    "with 16-pixel tiles every 8 pixels and the same untiled"}
+    save_safetensors(os.path.join(out_dir, "reference.safetensors"), tensors, meta)
+    for line in summary:
+        print("  " + line)
+
+
+# --------------------------------------------------------------------------------------------------
 
 SECTIONS = {
     "video": (section_video, "H.264 clips and their frames as opencv-python decodes them, VBench's temporal flickering"),
@@ -513,6 +648,7 @@ SECTIONS = {
     "clip_tokenizer": (section_clip_tokenizer, "CLIPTokenizer ids of VBench and edge-case prompts, real and tiny vocabularies"),
     "clip": (section_clip, "tiny random CLIP text models (text-only and whole-CLIPModel layouts) and their outputs"),
     "vae": (section_vae, "a tiny random AutoencoderKL: encode, decode and tiled decode outputs"),
+    "wan_vae": (section_wan_vae, "a tiny random AutoencoderKLWan (diffusers and original names): encode, decode, tiled"),
 }
 
 
