@@ -1,4 +1,4 @@
-// megaslide-encode end to end on the tiny reference models (tests/fixtures/clip, tests/fixtures/vae): its
+// megaslide-encode end to end on the tiny reference models (tests/fixtures/clip, vae, wan_vae): its
 // files hold what transformers and diffusers computed; bad input exits 2 naming it and writes nothing.
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -8,6 +8,7 @@
 
 #include "megaslide/io/files.h"
 #include "megaslide/io/safetensors.h"
+#include "megaslide/model/wan_vae.h"
 #include "run_tool.h"
 
 using megaslide::testing::run_tool;
@@ -77,6 +78,53 @@ TEST(MegaslideEncode, VaeEncodeAndDecodeWriteDiffusersOutputs) {
   r = run_tool("megaslide-encode", "vae-decode " + vae + " --tile 16 --in " + dir + "/zt.safetensors --out " + dir + "/tiled.safetensors");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_LT(relative_error(tensors(dir + "/tiled.safetensors").at("y"), ref.at("tiled.decoded")), 1e-4);
+  megaslide::io::remove_tree(dir);
+}
+
+// --vae wan from diffusers' folder and from the single file with the original names: normalised latents
+// and videos as diffusers computes them, whole and tiled; bad videos exit 2.
+TEST(MegaslideEncode, WanVaeEncodeAndDecodeWriteDiffusersOutputs) {
+  auto dir = temp_dir() + "-wan";
+  megaslide::io::remove_tree(dir);
+  megaslide::io::make_directories(dir);
+  auto ref = tensors(kFixtures + "wan_vae/reference.safetensors");
+  auto config = nlohmann::json::parse(megaslide::io::read_file(kFixtures + "wan_vae/tiny/config.json"));
+  auto stat = [](const nlohmann::json& v) { return torch::tensor(v.get<std::vector<double>>(), torch::kFloat64).to(torch::kFloat32).view({1, -1, 1, 1, 1}); };
+  const auto mean = stat(config["latents_mean"]), std = stat(config["latents_std"]);
+  const std::string folder = "--vae wan --weights " + kFixtures + "wan_vae/tiny";
+  megaslide::io::write_safetensors(dir + "/videos.safetensors", {{"x", ref.at("f5.videos")}});
+  auto r = run_tool("megaslide-encode", "vae-encode " + folder + " --in " + dir + "/videos.safetensors --out " + dir + "/latents.safetensors");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_LT(relative_error(tensors(dir + "/latents.safetensors").at("y"), (ref.at("f5.mean") - mean) / std), 1e-4);
+  // The single file takes Wan 2.1's published statistics.
+  megaslide::WanVaeConfig wan21;
+  const auto mean21 = torch::tensor(wan21.latents_mean, torch::kFloat64).to(torch::kFloat32).view({1, -1, 1, 1, 1});
+  const auto std21 = torch::tensor(wan21.latents_std, torch::kFloat64).to(torch::kFloat32).view({1, -1, 1, 1, 1});
+  megaslide::io::write_safetensors(dir + "/z.safetensors", {{"x", (ref.at("f9.latents") - mean21) / std21}});
+  r = run_tool("megaslide-encode", "vae-decode --vae wan --weights " + kFixtures + "wan_vae/wan_2.1_vae_tiny.safetensors --in " + dir +
+                                       "/z.safetensors --out " + dir + "/decoded.safetensors");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_LT(relative_error(tensors(dir + "/decoded.safetensors").at("y"), ref.at("f9.decoded")), 1e-4);
+  megaslide::io::write_safetensors(dir + "/zt.safetensors", {{"x", (ref.at("tiled.latents") - mean) / std}});
+  r = run_tool("megaslide-encode", "vae-decode " + folder + " --tile 16 --tile-stride 8 --in " + dir + "/zt.safetensors --out " + dir + "/tiled.safetensors");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_LT(relative_error(tensors(dir + "/tiled.safetensors").at("y"), ref.at("tiled.decoded")), 1e-4);
+  megaslide::io::write_safetensors(dir + "/vt.safetensors", {{"x", ref.at("tiled.videos")}});
+  r = run_tool("megaslide-encode", "vae-encode " + folder + " --tile 16 --tile-stride 8 --in " + dir + "/vt.safetensors --out " + dir + "/tiled_z.safetensors");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_LT(relative_error(tensors(dir + "/tiled_z.safetensors").at("y"), (ref.at("tiled.mean") - mean) / std), 1e-4);
+  const std::string out = dir + "/out.safetensors";
+  auto expect_bad = [&](const std::string& args, const std::string& needle) {
+    auto b = run_tool("megaslide-encode", args + " --out " + out);
+    EXPECT_EQ(b.code, 2) << args << "\n" << b.output;
+    EXPECT_NE(b.output.find(needle), std::string::npos) << "expected '" << needle << "' in:\n" << b.output;
+    EXPECT_FALSE(megaslide::io::path_exists(out)) << args;
+  };
+  megaslide::io::write_safetensors(dir + "/v4.safetensors", {{"x", torch::zeros({1, 3, 4, 16, 16})}});
+  expect_bad("vae-encode " + folder + " --in " + dir + "/v4.safetensors", "4 frames; the Wan VAE takes 1 + 4k frames");
+  expect_bad("vae-decode " + folder + " --in " + dir + "/videos.safetensors", "expected latents [N, 16, t, h, w]");
+  expect_bad("vae-decode " + folder + " --tile 12 --in " + dir + "/z.safetensors", "must be multiples of 8");
+  expect_bad("vae-encode --vae wan --weights " + dir + "/none.safetensors --in " + dir + "/videos.safetensors", dir + "/none.safetensors");
   megaslide::io::remove_tree(dir);
 }
 

@@ -8,6 +8,13 @@
 //       tensor x: images [N, 3, H, W] (or videos [B, 3, T, H, W]) in [-1, 1] -> y: scaled latents
 //   megaslide-encode vae-decode --vae sd --weights DIR --in F.safetensors --out F.safetensors [--tile P]
 //       tensor x: scaled latents [N, 4, h, w] (or [B, 4, T, h, w]) -> y: images (not clamped)
+//   megaslide-encode vae-encode --vae wan --weights DIR|FILE --in F.safetensors --out F.safetensors [--sample --seed S]
+//                               [--tile P --tile-stride S]
+//       tensor x: videos [N, 3, T, H, W] in [-1, 1], T = 1 + 4k -> y: normalised latents [N, 16, 1 + (T-1)/4, H/8, W/8]
+//   megaslide-encode vae-decode --vae wan --weights DIR|FILE --in F.safetensors --out F.safetensors [--tile P --tile-stride S]
+//       tensor x: normalised latents [N, 16, t, h, w] -> y: videos [N, 3, 1 + 4(t-1), 8h, 8w] clamped to [-1, 1]
+//   (--weights for wan: diffusers' vae/ folder, or the single file with the original names, e.g. ComfyUI's
+//   wan_2.1_vae.safetensors)
 //
 // Exit codes: 0 done; 2 bad flags or input (missing files, a tensor with the wrong name, shape or dtype, a
 // config.json that disagrees with the weights), with one message naming it, nothing written; 1 any other
@@ -82,15 +89,15 @@ torch::Tensor input_tensor(const std::string& path) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"megaslide-encode: CLIP text encoding and Stable Diffusion VAE encode/decode to safetensors (docs/conditioning.md)"};
+  CLI::App app{"megaslide-encode: CLIP text encoding, Stable Diffusion and Wan VAE encode/decode to safetensors (docs/conditioning.md)"};
   app.require_subcommand(1);
   std::string weights, prompts_path, out, in, vocab, device_spec = "auto", dtype_name = "fp32", encoder_kind = "clip", vae_kind = "sd";
   bool ids_only = false, sample = false;
   uint64_t seed = 0;
-  int64_t max_length = 77, frames_per_batch = 8, tile = 0;
+  int64_t max_length = 77, frames_per_batch = 8, tile = 0, tile_stride = 0;
   double tile_overlap = 0.25;
   auto common = [&](CLI::App* sub, bool needs_weights) {
-    auto* w = sub->add_option("--weights", weights, "model folder (config.json + safetensors weights)");
+    auto* w = sub->add_option("--weights", weights, "model folder (config.json + safetensors weights); for --vae wan also a single file");
     if (needs_weights) w->required();
     sub->add_option("--out", out, "output safetensors file")->required();
     sub->add_option("--device", device_spec, "auto, cpu, cuda or cuda:N")->capture_default_str();
@@ -110,12 +117,15 @@ int main(int argc, char** argv) {
   auto* vae_decode = app.add_subcommand("vae-decode", "scaled latents (tensor x) -> images (tensor y)");
   for (auto* sub : {vae_encode, vae_decode}) {
     common(sub, true);
-    sub->add_option("--vae", vae_kind, "VAE")->check(CLI::IsMember({"sd"}))->capture_default_str();
+    sub->add_option("--vae", vae_kind, "VAE: sd (images, or videos frame by frame) or wan (videos)")->check(CLI::IsMember({"sd", "wan"}))
+        ->capture_default_str();
     sub->add_option("--in", in, "input safetensors file with tensor x")->required();
-    sub->add_option("--frames-per-batch", frames_per_batch, "frames per VAE call for videos [B, C, T, H, W]")
+    sub->add_option("--frames-per-batch", frames_per_batch, "frames per VAE call for videos [B, C, T, H, W] (sd)")
         ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
         ->capture_default_str();
+    sub->add_option("--tile-stride", tile_stride, "wan: pixels between tile starts (default: 3/4 of --tile)")->check(CLI::NonNegativeNumber);
   }
+  vae_encode->add_option("--tile", tile, "wan: encode in tiles of P pixels, blended (0: whole frames)")->check(CLI::NonNegativeNumber);
   vae_encode->add_flag("--sample", sample, "a sample of the latent distribution instead of its mean");
   vae_encode->add_option("--seed", seed, "seed of --sample's noise")->capture_default_str();
   vae_decode->add_option("--tile", tile, "decode in tiles of P pixels, blended (0: whole frames)")->check(CLI::NonNegativeNumber);
@@ -135,6 +145,7 @@ int main(int argc, char** argv) {
   std::optional<megaslide::ClipTokenizer> tokenizer;
   std::optional<megaslide::ClipTextEncoder> encoder;
   std::optional<megaslide::SdVae> vae;
+  std::optional<megaslide::WanVae> wan;
   std::vector<std::string> prompts;
   torch::Tensor x;
   try {
@@ -151,7 +162,25 @@ int main(int argc, char** argv) {
           throw BadInput(fmt::format("the vocabulary has {} tokens, the model's embedding only {}", tokenizer->vocab_size(),
                                      encoder->config().vocab_size));
       }
+    } else if (vae_kind == "wan") {
+      wan = megaslide::WanVae::load(weights, device, dtype);
+      x = input_tensor(in);
+      const auto& c = wan->config();
+      const int64_t f = c.spatial_downscale();
+      if (vae_encode->parsed()) {
+        if (x.dim() != 5 || x.size(1) != c.in_channels)
+          throw BadInput(fmt::format("'{}': tensor 'x' has shape {}, expected videos [N, {}, T, H, W]", in, c10::str(x.sizes()), c.in_channels));
+        if ((x.size(2) - 1) % 4 != 0) throw BadInput(fmt::format("'{}': {} frames; the Wan VAE takes 1 + 4k frames (1, 5, ..., 81)", in, x.size(2)));
+        if (x.size(3) % f != 0 || x.size(4) % f != 0)
+          throw BadInput(fmt::format("'{}': frames of {}x{} (W x H); the VAE needs multiples of {}", in, x.size(4), x.size(3), f));
+      } else if (x.dim() != 5 || x.size(1) != c.z_dim) {
+        throw BadInput(fmt::format("'{}': tensor 'x' has shape {}, expected latents [N, {}, t, h, w]", in, c10::str(x.sizes()), c.z_dim));
+      }
+      if (tile_stride == 0) tile_stride = tile / 4 * 3 / f * f;
+      if (tile > 0 && (tile % f != 0 || tile_stride % f != 0 || tile_stride == 0 || tile_stride > tile))
+        throw BadInput(fmt::format("--tile {} and --tile-stride {} must be multiples of {} with 0 < stride <= tile", tile, tile_stride, f));
     } else {
+      if (vae_encode->parsed() && tile > 0) throw BadInput("--tile when encoding is for --vae wan only");
       vae = megaslide::SdVae::load(weights, device, dtype);
       x = input_tensor(in);
       const auto& c = vae->config();
@@ -191,7 +220,15 @@ int main(int argc, char** argv) {
       std::cerr << fmt::format("megaslide-encode: {} prompt(s) -> {}{}\n", prompts.size(), out, encoder ? "" : " (ids only)");
     } else {
       torch::Tensor y;
-      if (vae_encode->parsed()) {
+      std::optional<megaslide::WanVaeTiling> wan_tiling;
+      if (tile > 0) wan_tiling = megaslide::WanVaeTiling{tile, tile_stride};
+      if (wan && vae_encode->parsed()) {
+        std::optional<at::Generator> generator;
+        if (sample) generator = at::detail::createCPUGenerator(seed);
+        y = wan->encode(x, sample, generator, wan_tiling);
+      } else if (wan) {
+        y = wan->decode(x, wan_tiling);
+      } else if (vae_encode->parsed()) {
         std::optional<at::Generator> generator;
         if (sample) generator = at::detail::createCPUGenerator(seed);
         y = x.dim() == 5 ? vae->encode_video(x, frames_per_batch, sample, generator) : vae->encode(x, sample, generator);
