@@ -1,9 +1,11 @@
 // bench_codecs: the frozen conditioning models at their real sizes (random weights: speed and memory do
 // not depend on the values) — Stable Diffusion's VAE (83.7 M parameters) encode and decode frames/s and
 // peak CPU memory at 256×256 and 512×512, the tiled decode's peak memory against the whole-frame decode
-// (the anchor, same run), and CLIP ViT-L/14's text encoder (123 M) in prompts/s.
+// (the anchor, same run), CLIP ViT-L/14's text encoder (123 M) in prompts/s, and the Wan 2.1 VAE (126.9 M):
+// encode and decode of 5-frame clips (2 latent frames) in video frames/s and peak memory at 128×128 and
+// 256×256, and its tiled encode/decode (128-pixel tiles every 96) against the whole-frame ones (the anchor).
 //
-//   build/bin/bench_codecs [--threads 2] [--device cpu|cuda] [--reps 1]
+//   build/bin/bench_codecs [--threads 2] [--device cpu|cuda] [--reps 1] [--wan-only 1]
 //
 // Memory is LibTorch's CPU allocator's peak (util::cpu_memory_counter) above what was live before the call,
 // or the CUDA caching allocator's peak on a GPU. The last line is one JSON object.
@@ -61,13 +63,14 @@ Measured measure(torch::Device device, int reps, F&& fn) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int threads = 2, reps = 1;
+  int threads = 2, reps = 1, wan_only = 0;
   std::string device_spec = "cpu";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     if (flag == "--threads") threads = std::stoi(argv[i + 1]);
     else if (flag == "--device") device_spec = argv[i + 1];
     else if (flag == "--reps") reps = std::stoi(argv[i + 1]);
+    else if (flag == "--wan-only") wan_only = std::stoi(argv[i + 1]);
     else {
       std::cerr << "bench_codecs: unknown flag " << flag << "\n";
       return 2;
@@ -80,6 +83,44 @@ int main(int argc, char** argv) {
   nlohmann::ordered_json out;
   out["device"] = device.str();
   out["threads"] = threads;
+
+  auto wan_vae = [&] {
+    auto wan = megaslide::WanVae::random(megaslide::WanVaeConfig{}, 3, device);
+    std::cout << fmt::format("Wan 2.1 VAE: {:.1f} M parameters, {} on {} thread(s)\n", wan.parameter_count() / 1e6, device.str(), threads);
+    std::cout << fmt::format("{:<34} {:>10} {:>10} {:>14}\n", "Wan VAE (5 frames)", "s/clip", "frames/s", "peak MiB");
+    const int64_t frames = 5;
+    auto row = [&](const std::string& what, const Measured& m) {
+      std::cout << fmt::format("{:<34} {:>10.2f} {:>10.3f} {:>14.0f}\n", what, m.seconds, frames / m.seconds, m.peak_mib);
+    };
+    for (int64_t size : {128, 256}) {
+      auto video = (torch::rand({1, 3, frames, size, size}) * 2 - 1).to(device);
+      torch::Tensor z;
+      auto enc = measure(device, reps, [&] { z = wan.encode(video); });
+      auto dec = measure(device, reps, [&] { wan.decode(z); });
+      row(fmt::format("encode {}x{}", size, size), enc);
+      row(fmt::format("decode {}x{}", size, size), dec);
+      out[fmt::format("wan_encode_{}", size)] = {{"frames_per_s", frames / enc.seconds}, {"peak_mib", enc.peak_mib}};
+      out[fmt::format("wan_decode_{}", size)] = {{"frames_per_s", frames / dec.seconds}, {"peak_mib", dec.peak_mib}};
+      if (size == 256) {
+        const megaslide::WanVaeTiling tiling{128, 96};  // 3×3 tiles for 256×256
+        auto tenc = measure(device, reps, [&] { wan.encode(video, false, std::nullopt, tiling); });
+        auto tdec = measure(device, reps, [&] { wan.decode(z, tiling); });
+        row("encode 256x256, 128-px tiles", tenc);
+        row("decode 256x256, 128-px tiles", tdec);
+        std::cout << fmt::format("  tiled / whole frame: encode memory {:.3f} time {:.2f}; decode memory {:.3f} time {:.2f}\n",
+                                 tenc.peak_mib / enc.peak_mib, tenc.seconds / enc.seconds, tdec.peak_mib / dec.peak_mib, tdec.seconds / dec.seconds);
+        out["wan_encode_256_tiled_128"] = {{"frames_per_s", frames / tenc.seconds}, {"peak_mib", tenc.peak_mib},
+                                           {"memory_vs_whole", tenc.peak_mib / enc.peak_mib}, {"time_vs_whole", tenc.seconds / enc.seconds}};
+        out["wan_decode_256_tiled_128"] = {{"frames_per_s", frames / tdec.seconds}, {"peak_mib", tdec.peak_mib},
+                                           {"memory_vs_whole", tdec.peak_mib / dec.peak_mib}, {"time_vs_whole", tdec.seconds / dec.seconds}};
+      }
+    }
+  };
+  if (wan_only) {
+    wan_vae();
+    std::cout << out.dump() << "\n";
+    return 0;
+  }
 
   auto vae = megaslide::SdVae::random(megaslide::SdVaeConfig{}, 1, device);
   std::cout << fmt::format("SD VAE: {:.1f} M parameters, {} on {} thread(s)\n", vae.parameter_count() / 1e6, device.str(), threads);
@@ -118,6 +159,7 @@ int main(int argc, char** argv) {
                            text.parameter_count() / 1e6, batch, t.seconds, batch / t.seconds, t.peak_mib);
   out["clip_prompts_per_s"] = batch / t.seconds;
   out["clip_peak_mib"] = t.peak_mib;
+  wan_vae();
   std::cout << out.dump() << "\n";
   return 0;
 }
