@@ -117,33 +117,6 @@ TEST(WanVae, TiledEncodeAndDecodeAreDiffusersTiled) {
   EXPECT_THROW(vae.decode_unscaled(r.at("tiled.latents"), megaslide::WanVaeTiling{12, 8}), c10::Error) << "tile not a multiple of 8";
 }
 
-// Tiled ≈ untiled: on a random model with N(0, 1/fan_in) weights, encoding a smooth clip in 48-pixel tiles
-// every 16 pixels gives latents much closer to the untiled ones than the untiled latents of another clip
-// are — the tiles land where they belong and the blend joins them (tiles misplaced or not blended fail it).
-// They are not equal: each tile sees only its own pixels.
-TEST(WanVae, TiledIsCloseToUntiled) {
-  megaslide::WanVaeConfig c;
-  c.base_dim = 4, c.decoder_base_dim = 4, c.num_res_blocks = 1, c.dim_mult = {1, 2, 2, 2};
-  auto vae = WanVae::random(c, 3);
-  auto smooth_clip = [](uint64_t seed) {
-    auto coarse = torch::rand({1, 3, 5, 6, 8}, at::detail::createCPUGenerator(seed)) * 2 - 1;
-    return at::upsample_trilinear3d(coarse, {5, 96, 128}, /*align_corners=*/false);
-  };
-  auto clip = smooth_clip(1), other = smooth_clip(2);
-  auto untiled = vae.encode_distribution(clip).first;
-  auto tiled = vae.encode_distribution(clip, megaslide::WanVaeTiling{48, 16}).first;
-  ASSERT_EQ(tiled.sizes(), untiled.sizes());
-  const double tiling_error = (tiled - untiled).abs().mean().item<double>();
-  const double other_clip = (vae.encode_distribution(other).first - untiled).abs().mean().item<double>();
-  std::cout << "mean |tiled − untiled| " << tiling_error << ", mean |another clip − this clip| " << other_clip << "\n";
-  EXPECT_LT(tiling_error, 0.25 * other_clip);
-  auto decoded = vae.decode_unscaled(untiled), decoded_tiled = vae.decode_unscaled(untiled, megaslide::WanVaeTiling{48, 16});
-  const double decode_error = (decoded_tiled - decoded).abs().mean().item<double>();
-  const double decode_other = (vae.decode_unscaled(vae.encode_distribution(other).first) - decoded).abs().mean().item<double>();
-  std::cout << "decode: mean |tiled − untiled| " << decode_error << ", mean |another clip − this clip| " << decode_other << "\n";
-  EXPECT_LT(decode_error, 0.25 * decode_other);
-}
-
 TEST(WanVae, SingleFileWithOriginalNamesIsTheSameModel) {
   auto folder = WanVae::load(kTiny);
   auto file = WanVae::load(kSingleFile);
@@ -217,9 +190,9 @@ TEST(WanVae, BadInputIsNamed) {
   expect_error(kTiny + "/diffusion_pytorch_model.safetensors", "has diffusers' tensor names");
   megaslide::io::NamedTensors original;
   for (auto& [name, t] : megaslide::io::read_safetensors(kSingleFile).tensors)
-    if (name != "decoder.upsamples.3.time_conv.weight") original.emplace_back(name, t);
+    if (name != "decoder.upsamples.2.time_conv.weight") original.emplace_back(name, t);
   megaslide::io::write_safetensors(dir + "/vae.safetensors", original);
-  expect_error(dir + "/vae.safetensors", "no tensor 'decoder.upsamples.3.time_conv.weight'");
+  expect_error(dir + "/vae.safetensors", "no tensor 'decoder.upsamples.2.time_conv.weight'");
   const auto bytes = megaslide::io::read_file(kSingleFile);
   megaslide::io::write_file_atomically(dir + "/cut.safetensors", bytes.substr(0, bytes.size() / 2));
   expect_error(dir + "/cut.safetensors", "cut.safetensors");
