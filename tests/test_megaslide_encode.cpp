@@ -123,8 +123,6 @@ TEST(MegaslideEncode, WanVaeEncodeAndDecodeWriteDiffusersOutputs) {
   megaslide::io::write_safetensors(dir + "/v4.safetensors", {{"x", torch::zeros({1, 3, 4, 16, 16})}});
   expect_bad("vae-encode " + folder + " --in " + dir + "/v4.safetensors", "4 frames; the Wan VAE takes 1 + 4k frames");
   expect_bad("vae-decode " + folder + " --in " + dir + "/videos.safetensors", "expected latents [N, 16, t, h, w]");
-  expect_bad("vae-decode " + folder + " --tile 12 --in " + dir + "/z.safetensors", "must be multiples of 8");
-  expect_bad("vae-encode --vae wan --weights " + dir + "/none.safetensors --in " + dir + "/videos.safetensors", dir + "/none.safetensors");
   megaslide::io::remove_tree(dir);
 }
 
