@@ -36,19 +36,31 @@ _SAFETENSORS_DTYPES = {np.dtype(np.float64): "F64", np.dtype(np.float32): "F32",
                        np.dtype(np.int32): "I32", np.dtype(np.uint8): "U8", np.dtype(np.bool_): "BOOL"}
 
 
-def save_safetensors(path, tensors, metadata=None):
-    """Writes {name: numpy array} as safetensors with names in sorted order and a JSON header whose key
-    order is fixed (the safetensors package orders its metadata by a hash map: its bytes vary from run
-    to run). Read back with the safetensors package as a check of the format."""
-    from safetensors.numpy import load_file
+def _torch_tensor_bytes(tensor):
+    """(safetensors dtype name, shape, little-endian bytes) of a torch tensor (bf16 and fp16 included)."""
+    import torch
 
+    names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+    t = tensor.detach().contiguous().cpu()
+    raw = t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t
+    return names[t.dtype], list(t.shape), raw.numpy().astype(raw.numpy().dtype.newbyteorder("<")).tobytes()
+
+
+def save_safetensors(path, tensors, metadata=None):
+    """Writes {name: numpy array or torch tensor} as safetensors with names in sorted order and a JSON header
+    whose key order is fixed (the safetensors package orders its metadata by a hash map: its bytes vary
+    from run to run). Read back with the safetensors package as a check of the format."""
     header, blobs, offset = {}, [], 0
     if metadata:
         header["__metadata__"] = {k: metadata[k] for k in sorted(metadata)}
+    is_torch = any(not isinstance(v, np.ndarray) and hasattr(v, "detach") for v in tensors.values())
     for name in sorted(tensors):
-        array = np.asarray(tensors[name]).copy(order="C")  # (ascontiguousarray would make a 0-d array 1-d)
-        data = array.astype(array.dtype.newbyteorder("<")).tobytes()
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[array.dtype], "shape": list(array.shape), "data_offsets": [offset, offset + len(data)]}
+        if is_torch:
+            dtype, shape, data = _torch_tensor_bytes(tensors[name])
+        else:
+            array = np.asarray(tensors[name]).copy(order="C")  # (ascontiguousarray would make a 0-d array 1-d)
+            dtype, shape, data = _SAFETENSORS_DTYPES[array.dtype], list(array.shape), array.astype(array.dtype.newbyteorder("<")).tobytes()
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(data)]}
         blobs.append(data)
         offset += len(data)
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -58,6 +70,16 @@ def save_safetensors(path, tensors, metadata=None):
         f.write(text)
         for data in blobs:
             f.write(data)
+    if is_torch:
+        import torch
+        from safetensors.torch import load_file
+
+        back = load_file(path)
+        assert sorted(back) == sorted(tensors), path
+        assert all(back[k].dtype == tensors[k].dtype and torch.equal(back[k], tensors[k].cpu()) for k in tensors), path
+        return
+    from safetensors.numpy import load_file
+
     back = load_file(path)
     assert sorted(back) == sorted(tensors), path
     assert all(back[k].shape == np.shape(tensors[k]) and np.array_equal(back[k], tensors[k]) for k in tensors), path
@@ -506,6 +528,143 @@ def section_vae(out_dir):
 
 
 # --------------------------------------------------------------------------------------------------
+# wan: tiny random WanTransformer3DModels in the diffusers and the original layouts, forward outputs and
+# one flow-matching training step's gradients
+# --------------------------------------------------------------------------------------------------
+
+# diffusers' parameter name -> the original Wan / ComfyUI name (blocks.N. prefixes kept as they are). The
+# cross-attention LayerNorm is diffusers' norm2 but the original norm3.
+_WAN_ORIGINAL_NAMES = [
+    ("condition_embedder.time_embedder.linear_1.", "time_embedding.0."),
+    ("condition_embedder.time_embedder.linear_2.", "time_embedding.2."),
+    ("condition_embedder.text_embedder.linear_1.", "text_embedding.0."),
+    ("condition_embedder.text_embedder.linear_2.", "text_embedding.2."),
+    ("condition_embedder.time_proj.", "time_projection.1."),
+    (".attn1.", ".self_attn."), (".attn2.", ".cross_attn."),
+    (".to_q.", ".q."), (".to_k.", ".k."), (".to_v.", ".v."), (".to_out.0.", ".o."),
+    (".norm2.", ".norm3."),
+    (".ffn.net.0.proj.", ".ffn.0."), (".ffn.net.2.", ".ffn.2."),
+    ("proj_out.", "head.head."),
+]
+
+
+def _wan_original_name(name):
+    if name == "scale_shift_table":
+        return "head.modulation"
+    if name.endswith(".scale_shift_table"):
+        return name[: -len("scale_shift_table")] + "modulation"
+    for a, b in _WAN_ORIGINAL_NAMES:
+        name = name.replace(a, b) if a.startswith(".") else (b + name[len(a):] if name.startswith(a) else name)
+    return name
+
+
+# Two tiny models of sizes no published model has: the head size, its RoPE split, the patch and the
+# channels all differ from Wan's; "a" has both qk-norm and the cross-attention norm, "b" neither.
+_WAN_MODELS = {
+    "a": dict(config=dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
+                          text_dim=20, freq_dim=16, ffn_dim=40, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+                          eps=1e-6),
+              video=(2, 4, 3, 6, 8), text=(2, 7, 20), dtype="bf16", seed=11),
+    "b": dict(config=dict(patch_size=(2, 1, 2), num_attention_heads=3, attention_head_dim=8, in_channels=3, out_channels=3,
+                          text_dim=12, freq_dim=10, ffn_dim=20, num_layers=3, cross_attn_norm=False, qk_norm=None, eps=1e-5),
+              video=(2, 3, 4, 5, 6), text=(2, 5, 12), dtype="fp16", seed=12),
+}
+
+
+def _wan_original_config(c):
+    """Wan's own config.json (WanModel's arguments) for a diffusers config."""
+    return {"_class_name": "WanModel", "model_type": "t2v", "patch_size": list(c["patch_size"]), "text_len": 512, "in_dim": c["in_channels"],
+            "dim": c["num_attention_heads"] * c["attention_head_dim"], "ffn_dim": c["ffn_dim"], "freq_dim": c["freq_dim"],
+            "text_dim": c["text_dim"], "out_dim": c["out_channels"], "num_heads": c["num_attention_heads"], "num_layers": c["num_layers"],
+            "window_size": [-1, -1], "qk_norm": c["qk_norm"] is not None, "cross_attn_norm": c["cross_attn_norm"], "eps": c["eps"]}
+
+
+def _save_sharded(folder, tensors, shards):
+    """diffusers' sharded layout: diffusion_pytorch_model-0000i-of-0000n.safetensors and the index."""
+    names = sorted(tensors)
+    weight_map, total = {}, 0
+    for i in range(shards):
+        part = names[i * len(names) // shards:(i + 1) * len(names) // shards]
+        file = f"diffusion_pytorch_model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_safetensors(os.path.join(folder, file), {k: tensors[k] for k in part}, {"format": "pt"})
+        for k in part:
+            weight_map[k] = file
+            total += tensors[k].nbytes
+    with open(os.path.join(folder, "diffusion_pytorch_model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+
+
+def section_wan(out_dir):
+    import diffusers
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    tensors = {}
+    for key, spec in _WAN_MODELS.items():
+        c = spec["config"]
+        model = WanTransformer3DModel(**c)
+        if c["qk_norm"] is None:
+            # diffusers' WanAttention builds the q/k RMSNorms whatever qk_norm says; Wan's own model has none
+            # with qk_norm false (nn.Identity): the reference without them.
+            for block in model.blocks:
+                for attn in (block.attn1, block.attn2):
+                    attn.norm_q, attn.norm_k = torch.nn.Identity(), torch.nn.Identity()
+        _randomize(model, spec["seed"])
+        # The published files are bf16 or fp16: round the weights to the file's dtype so that every layout
+        # below holds exactly the model whose outputs are recorded.
+        low = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec["dtype"]]
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(low).float())
+        model.eval()
+        state = {k: v.detach() for k, v in model.state_dict().items()}
+        folder = os.path.join(out_dir, key)
+        os.makedirs(os.path.join(folder, "diffusers", "transformer"))
+        os.makedirs(os.path.join(folder, "original"))
+        # diffusers' layout: transformer/config.json, fp32 weights in two shards with their index.
+        model.save_config(os.path.join(folder, "diffusers", "transformer"))
+        _save_sharded(os.path.join(folder, "diffusers", "transformer"), {k: v.numpy() for k, v in state.items()}, 2)
+        # Wan-AI's layout: Wan's config.json and one file of original names in the low precision; and
+        # ComfyUI's: the same single file with the model.diffusion_model. prefix and no config.json.
+        original = {_wan_original_name(k): v.to(low) for k, v in state.items()}
+        with open(os.path.join(folder, "original", "config.json"), "w") as f:
+            json.dump(_wan_original_config(c), f, indent=2, sort_keys=True)
+        save_safetensors(os.path.join(folder, "original", "diffusion_pytorch_model.safetensors"), original, {"format": "pt"})
+        if key == "a":
+            save_safetensors(os.path.join(folder, "comfyui.safetensors"), {"model.diffusion_model." + k: v for k, v in original.items()},
+                             {"format": "pt"})
+
+        g = torch.Generator().manual_seed(spec["seed"] + 100)
+        x = torch.randn(spec["video"], generator=g)
+        text = torch.randn(spec["text"], generator=g)
+        timesteps = torch.tensor([937.5, 12.25])
+        with torch.no_grad():
+            out = model(x, timesteps, text, return_dict=False)[0]
+        tensors[f"{key}.x"], tensors[f"{key}.timesteps"], tensors[f"{key}.text"] = x.numpy(), timesteps.numpy(), text.numpy()
+        tensors[f"{key}.out"] = out.numpy()
+
+        # One flow-matching training step: x_t = (1 - σ)·x0 + σ·ε, t = 1000·σ, MSE against ε - x0.
+        x0, noise = torch.randn(spec["video"], generator=g), torch.randn(spec["video"], generator=g)
+        sigma = torch.tensor([0.8125, 0.3])
+        s = sigma.view(-1, 1, 1, 1, 1)
+        model.zero_grad()
+        prediction = model((1 - s) * x0 + s * noise, sigma * 1000, text, return_dict=False)[0]
+        loss = torch.nn.functional.mse_loss(prediction, noise - x0)
+        loss.backward()
+        tensors[f"{key}.train.x0"], tensors[f"{key}.train.noise"], tensors[f"{key}.train.sigma"] = x0.numpy(), noise.numpy(), sigma.numpy()
+        tensors[f"{key}.train.loss"] = np.array([loss.item()], dtype=np.float64)
+        for name, p in model.named_parameters():
+            tensors[f"{key}.grad.{name}"] = p.grad.numpy()
+        print(f"  {key}: {sum(p.numel() for p in model.parameters())} parameters, out {tuple(out.shape)}, loss {loss.item():.5f}")
+    meta = {"versions": versions(diffusers, torch), "models": json.dumps({k: v["config"] for k, v in _WAN_MODELS.items()}),
+            "what": "tiny random WanTransformer3DModels (K/diffusers/transformer: config.json and two fp32 shards; K/original: Wan's "
+                    "config.json and original names in bf16 (a) or fp16 (b); K/comfyui.safetensors: the same with the "
+                    "model.diffusion_model. prefix, a only); K.out = model(K.x, K.timesteps, K.text); K.grad.NAME: the gradients of "
+                    "mse(model((1-s)x0 + s noise, 1000 s, text), noise - x0) for K.train.*"}
+    save_safetensors(os.path.join(out_dir, "reference.safetensors"), tensors, meta)
+
+
+# --------------------------------------------------------------------------------------------------
 
 SECTIONS = {
     "video": (section_video, "H.264 clips and their frames as opencv-python decodes them, VBench's temporal flickering"),
@@ -513,6 +672,7 @@ SECTIONS = {
     "clip_tokenizer": (section_clip_tokenizer, "CLIPTokenizer ids of VBench and edge-case prompts, real and tiny vocabularies"),
     "clip": (section_clip, "tiny random CLIP text models (text-only and whole-CLIPModel layouts) and their outputs"),
     "vae": (section_vae, "a tiny random AutoencoderKL: encode, decode and tiled decode outputs"),
+    "wan": (section_wan, "tiny random WanTransformer3DModels (diffusers, original and ComfyUI layouts): outputs, one step's gradients"),
 }
 
 

@@ -28,6 +28,7 @@ const char* to_string(Architecture arch) {
     case Architecture::kMegaSlide: return "megaslide";
     case Architecture::kDense3D: return "dense3d";
     case Architecture::kSwin: return "swin";
+    case Architecture::kWan: return "wan";
   }
   return "?";
 }
@@ -177,6 +178,15 @@ class Schema {
         },
         [&slot] { return YAML::Node(slot); });
   }
+  // A path or name that may be empty ("" = none).
+  void optional_text(std::string key, std::string& slot) {
+    add(std::move(key),
+        [&slot](const YAML::Node& n) {
+          if (!n.IsScalar()) throw FieldProblem{"expected a string, got " + describe(n)};
+          slot = n.Scalar();
+        },
+        [&slot] { return YAML::Node(slot); });
+  }
   void text(std::string key, std::string& slot) {
     add(std::move(key),
         [&slot](const YAML::Node& n) {
@@ -217,9 +227,10 @@ class Schema {
     add("model.arch",
         [&c](const YAML::Node& n) {
           const std::map<std::string, Architecture> names{
-              {"megaslide", Architecture::kMegaSlide}, {"dense3d", Architecture::kDense3D}, {"swin", Architecture::kSwin}};
+              {"megaslide", Architecture::kMegaSlide}, {"dense3d", Architecture::kDense3D}, {"swin", Architecture::kSwin},
+              {"wan", Architecture::kWan}};
           auto it = n.IsScalar() ? names.find(n.Scalar()) : names.end();
-          if (it == names.end()) throw FieldProblem{"expected one of megaslide | dense3d | swin, got " + describe(n)};
+          if (it == names.end()) throw FieldProblem{"expected one of megaslide | dense3d | swin | wan, got " + describe(n)};
           c.model.arch = it->second;
         },
         [&c] { return YAML::Node(std::string(to_string(c.model.arch))); });
@@ -245,6 +256,21 @@ class Schema {
         [&c] { return YAML::Node(std::string(to_string(c.model.dsa_offsets))); });
     choice("model.dense_attention", c.model.dense_attention, {"fused", "materialized"});
     triple("model.swin_window", c.model.swin_window, "positive integers", positive_int);
+    choice("model.self_attention", c.model.self_attention, {"dense", "dsa3d"});
+    // model.wan: Wan2.1's hyper-parameters (model.arch wan)
+    integer("model.wan.dim", c.model.wan.dim, IntRange{1});
+    integer("model.wan.layers", c.model.wan.layers, IntRange{1, 10000});
+    integer("model.wan.heads", c.model.wan.heads, IntRange{1});
+    integer("model.wan.ffn_dim", c.model.wan.ffn_dim, IntRange{1});
+    integer("model.wan.freq_dim", c.model.wan.freq_dim, IntRange{2});
+    integer("model.wan.text_dim", c.model.wan.text_dim, IntRange{1});
+    triple("model.wan.patch", c.model.wan.patch, "positive integers", positive_int);
+    integer("model.wan.in_channels", c.model.wan.in_channels, IntRange{1, 64});
+    integer("model.wan.out_channels", c.model.wan.out_channels, IntRange{1, 64});
+    boolean("model.wan.qk_norm", c.model.wan.qk_norm);
+    boolean("model.wan.cross_attn_norm", c.model.wan.cross_attn_norm);
+    real("model.wan.eps", c.model.wan.eps, RealRange{0.0, 1.0, true, false});
+    optional_text("model.wan.weights", c.model.wan.weights);
     // data
     choice("data.dataset", c.data.dataset, {"structured-motion"});
     integer("data.channels", c.data.channels, IntRange{1, 64});
@@ -264,6 +290,11 @@ class Schema {
     integer("diffusion.sample_steps", c.diffusion.sample_steps, IntRange{1});
     choice("diffusion.timestep_spacing", c.diffusion.timestep_spacing, {"linspace", "leading", "trailing"});
     real("diffusion.guidance_scale", c.diffusion.guidance_scale, RealRange{0.0});
+    choice("diffusion.objective", c.diffusion.objective, {"ddpm", "flow"});
+    real("diffusion.shift", c.diffusion.shift, RealRange{0.0, 1e6, true, false});
+    choice("diffusion.timestep_sampling", c.diffusion.timestep_sampling, {"uniform", "logit_normal"});
+    real("diffusion.logit_mean", c.diffusion.logit_mean, RealRange{-20.0, 20.0});
+    real("diffusion.logit_std", c.diffusion.logit_std, RealRange{0.0, 20.0, true, false});
     // train
     integer("train.steps", c.train.steps, IntRange{1});
     integer("train.batch_size", c.train.batch_size, IntRange{1});
@@ -325,6 +356,36 @@ size_t edit_distance(const std::string& a, const std::string& b) {
   return row[b.size()];
 }
 
+// Keys of one family only: the DiT family's shape keys, or Wan's (model.wan.*, model.self_attention). A
+// config sets the keys of its own architecture; to_yaml writes only those.
+bool wan_only_key(const std::string& key) { return key.rfind("model.wan.", 0) == 0 || key == "model.self_attention"; }
+bool dit_only_key(const std::string& key) {
+  static const std::set<std::string> keys{"model.patch",   "model.hidden",          "model.layers",     "model.heads",
+                                          "model.mlp_ratio", "model.text_dim",      "model.dense_attention", "model.swin_window"};
+  return keys.count(key) > 0;
+}
+bool applies(const RunConfig& c, const std::string& key) {
+  return c.model.arch == Architecture::kWan ? !dit_only_key(key) : !wan_only_key(key);
+}
+
+// The problem with a key set for the other family, or "" when it applies.
+std::string inapplicable_key_problem(const RunConfig& c, const std::string& key) {
+  if (applies(c, key)) return "";
+  if (c.model.arch == Architecture::kWan) {
+    const std::string wan_key = key == "model.hidden" ? "model.wan.dim" : "model.wan." + key.substr(6);
+    const bool has_wan_twin = key == "model.hidden" || key == "model.layers" || key == "model.heads" || key == "model.patch" ||
+                              key == "model.text_dim";
+    return "does not apply to model.arch wan" + (has_wan_twin ? " (its hyper-parameters are under model.wan: set " + wan_key + ")" : std::string());
+  }
+  return std::string("applies to model.arch wan only (this config's model.arch is ") + to_string(c.model.arch) + ")";
+}
+
+bool has_keys_under(const Schema& schema, const std::string& prefix) {
+  for (const auto& f : schema.fields())
+    if (f.key.rfind(prefix, 0) == 0) return true;
+  return false;
+}
+
 std::string unknown_key_problem(const Schema& schema, const std::string& key) {
   std::string best;
   size_t best_distance = 4;  // suggest only near misses
@@ -381,22 +442,29 @@ void check_sizes(const RunConfig& c, const std::function<void(const std::string&
   const auto& m = c.model;
   const auto& d = c.data;
   const int64_t B = c.train.batch_size;
+  // Wan's shape keys are under model.wan; the products below name the keys of the run's architecture.
+  const bool wan = m.arch == Architecture::kWan;
+  const auto& patch = wan ? m.wan.patch : m.patch;
+  const int64_t hidden = wan ? m.wan.dim : m.hidden, layers = wan ? m.wan.layers : m.layers;
+  const int64_t text_dim = wan ? m.wan.text_dim : m.text_dim;
+  const char* hidden_key = wan ? "model.wan.dim" : "model.hidden";
+  const char* layers_key = wan ? "model.wan.layers" : "model.layers";
   limit("train.batch_size", "one batch of video (fp32)",
         {{"train.batch_size", B}, {"data.channels", d.channels}, {"data.frames", d.frames}, {"data.height", d.height}, {"data.width", d.width}},
         4);
   // Divisibility by the patch was checked above: the token grid is exact.
-  const int64_t T = d.frames / m.patch[0], H = d.height / m.patch[1], W = d.width / m.patch[2];
+  const int64_t T = d.frames / patch[0], H = d.height / patch[1], W = d.width / patch[2];
   limit("train.batch_size", "one block's input activations (fp32)",
-        {{"train.batch_size", B}, {"tokens t", T}, {"tokens h", H}, {"tokens w", W}, {"model.hidden", m.hidden}}, 4);
+        {{"train.batch_size", B}, {"tokens t", T}, {"tokens h", H}, {"tokens w", W}, {hidden_key, hidden}}, 4);
   // The streamed trainer keeps every block's input for the backward (megaslide-plan's "checkpoints").
-  limit("model.layers", "the block inputs kept for the backward (fp32)",
-        {{"model.layers", m.layers}, {"train.batch_size", B}, {"tokens", T * H * W}, {"model.hidden", m.hidden}}, 4);
+  limit(layers_key, "the block inputs kept for the backward (fp32)",
+        {{layers_key, layers}, {"train.batch_size", B}, {"tokens", T * H * W}, {hidden_key, hidden}}, 4);
   // The host state is 14 bytes a parameter (docs/planner.md); each block holds at least its four
   // hidden x hidden attention projections and its hidden x text_dim cross-attention inputs.
-  limit("model.layers", "a lower bound of the parameters (host state, 14 B each)",
-        {{"model.layers", m.layers}, {"model.hidden", m.hidden}, {"(4 x model.hidden + 2 x model.text_dim)", 4 * m.hidden + 2 * std::min<int64_t>(m.text_dim, int64_t{1} << 60)}},
+  limit(layers_key, "a lower bound of the parameters (host state, 14 B each)",
+        {{layers_key, layers}, {hidden_key, hidden}, {"(4 x hidden + 2 x text_dim)", 4 * hidden + 2 * std::min<int64_t>(text_dim, int64_t{1} << 60)}},
         14);
-  if (m.arch == Architecture::kMegaSlide) {
+  if (m.arch == Architecture::kMegaSlide || (wan && m.self_attention == "dsa3d")) {
     const auto& k = m.dsa_kernel;
     limit("model.dsa_kernel", "3D-DSA's predicted offsets (fp32)",
           {{"train.batch_size", B}, {"tokens", T * H * W}, {"model.dsa_groups", m.dsa_groups}, {"kernel t", k[0]}, {"kernel h", k[1]},
@@ -406,7 +474,7 @@ void check_sizes(const RunConfig& c, const std::function<void(const std::string&
     // and values per token; an axis shorter than the kernel shrinks it to the axis.
     limit("model.dsa_kernel", "the 3D-DSA reference's sampled keys (fp32)",
           {{"train.batch_size", B}, {"tokens", T * H * W}, {"kernel t", std::min(k[0], T)}, {"kernel h", std::min(k[1], H)},
-           {"kernel w", std::min(k[2], W)}, {"model.hidden", m.hidden}},
+           {"kernel w", std::min(k[2], W)}, {hidden_key, hidden}},
           4);
   }
   if (m.arch == Architecture::kDense3D && m.dense_attention == "materialized") {
@@ -431,6 +499,7 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::string& sour
                            const std::vector<std::string>& overrides) {
   RunConfig config;
   Schema schema(config);
+  std::vector<std::pair<std::string, std::string>> applied;  // (key, where it was set)
   YAML::Node root;
   try {
     root = YAML::Load(yaml_text);
@@ -447,6 +516,19 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::string& sour
     // yaml-cpp keeps both entries of a repeated key; a file that says two things about one key is
     // refused rather than read as whichever comes last.
     std::set<std::string> seen;
+    // A mapping inside a section (model.wan) holds keys one level further down.
+    std::function<void(const YAML::Node&, const std::string&)> read_keys = [&](const YAML::Node& map, const std::string& prefix) {
+      for (const auto& entry : map) {
+        const std::string key = prefix + "." + key_of(entry.first, prefix);
+        if (!seen.insert(key).second) throw ConfigError(source, key, "key appears twice in the file (keep one)");
+        if (entry.second.IsMap() && has_keys_under(schema, key + ".")) {
+          read_keys(entry.second, key);
+          continue;
+        }
+        apply(schema, source, key, entry.second);
+        applied.emplace_back(key, source);
+      }
+    };
     for (const auto& section : root) {
       const std::string name = key_of(section.first, "");
       if (!seen.insert(name).second)
@@ -457,11 +539,7 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::string& sour
         throw ConfigError(source, name, "unknown section; sections are model, data, diffusion, train, offload, output");
       if (!section.second.IsMap())
         throw ConfigError(source, name, "expected a section (a mapping of keys), got " + describe(section.second));
-      for (const auto& entry : section.second) {
-        const std::string key = name + "." + key_of(entry.first, name);
-        if (!seen.insert(key).second) throw ConfigError(source, key, "key appears twice in the file (keep one)");
-        apply(schema, source, key, entry.second);
-      }
+      read_keys(section.second, name);
     }
   }
   for (const auto& assignment : overrides) {
@@ -477,7 +555,10 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::string& sour
       throw ConfigError(where, key, "value is not valid YAML: " + e.msg);
     }
     apply(schema, where, key, value);
+    applied.emplace_back(key, where);
   }
+  for (const auto& [key, where] : applied)
+    if (const std::string problem = inapplicable_key_problem(config, key); !problem.empty()) throw ConfigError(where, key, problem);
   validate(config, overrides.empty() ? source : source + " with --set overrides");
   return config;
 }
@@ -495,28 +576,66 @@ RunConfig load_run_config(const std::string& path, const std::vector<std::string
   return parse_run_config(text, path, overrides);
 }
 
+namespace {
+// model.arch wan: the shape of Wan's blocks and what its trainer and samplers need.
+void validate_wan(const RunConfig& c, const std::function<void(const std::string&, const std::string&)>& fail) {
+  const auto& m = c.model;
+  const auto& w = m.wan;
+  if (w.dim % w.heads != 0)
+    fail("model.wan.dim", "expected a multiple of model.wan.heads (" + std::to_string(w.heads) + "), got " + std::to_string(w.dim));
+  if ((w.dim / w.heads) % 2 != 0)
+    fail("model.wan.dim", "expected model.wan.dim / model.wan.heads (the head size, " + std::to_string(w.dim / w.heads) +
+                              ") to be even: 3D RoPE rotates pairs of channels");
+  if (c.data.channels != w.in_channels)
+    fail("data.channels", "expected model.wan.in_channels (" + std::to_string(w.in_channels) + ") for model.arch wan, got " +
+                              std::to_string(c.data.channels));
+  if (w.out_channels != w.in_channels)
+    fail("model.wan.out_channels", "expected model.wan.in_channels (" + std::to_string(w.in_channels) +
+                                       "): the output is compared with and sampled back into the input latents, got " +
+                                       std::to_string(w.out_channels));
+  if (m.self_attention == "dsa3d") {
+    if (w.heads % m.dsa_groups != 0)
+      fail("model.dsa_groups", "expected a divisor of model.wan.heads (" + std::to_string(w.heads) + "), got " + std::to_string(m.dsa_groups));
+    if (m.dsa_offsets == DsaOffsets::kFrozen)
+      fail("model.dsa_offsets", "expected learned or zero for model.arch wan (frozen offsets are the DiT family's ablation)");
+  }
+}
+}  // namespace
+
 void validate(const RunConfig& c, const std::string& source) {
   auto fail = [&](const std::string& key, const std::string& problem) { throw ConfigError(source, key, problem); };
   const auto& m = c.model;
-  if (m.hidden % m.heads != 0)
-    fail("model.hidden", "expected a multiple of model.heads (" + std::to_string(m.heads) + "), got " + std::to_string(m.hidden));
-  if (m.hidden < 6 || m.hidden % 2 != 0)
-    fail("model.hidden", "expected an even number >= 6 (the 3D sin-cos position embedding splits it over t, h, w), got " +
-                             std::to_string(m.hidden));
-  if (m.heads % m.dsa_groups != 0)
-    fail("model.dsa_groups", "expected a divisor of model.heads (" + std::to_string(m.heads) + "), got " + std::to_string(m.dsa_groups));
-  if (static_cast<int64_t>(std::llround(m.hidden * m.mlp_ratio)) < 1)
-    fail("model.mlp_ratio", "expected model.hidden * model.mlp_ratio >= 1");
+  const bool wan = m.arch == Architecture::kWan;
+  if (wan) {
+    validate_wan(c, fail);
+  } else {
+    if (m.hidden % m.heads != 0)
+      fail("model.hidden", "expected a multiple of model.heads (" + std::to_string(m.heads) + "), got " + std::to_string(m.hidden));
+    if (m.hidden < 6 || m.hidden % 2 != 0)
+      fail("model.hidden", "expected an even number >= 6 (the 3D sin-cos position embedding splits it over t, h, w), got " +
+                               std::to_string(m.hidden));
+    if (m.heads % m.dsa_groups != 0)
+      fail("model.dsa_groups", "expected a divisor of model.heads (" + std::to_string(m.heads) + "), got " + std::to_string(m.dsa_groups));
+    if (static_cast<int64_t>(std::llround(m.hidden * m.mlp_ratio)) < 1)
+      fail("model.mlp_ratio", "expected model.hidden * model.mlp_ratio >= 1");
+  }
   const char* axes[3] = {"frames", "height", "width"};
   const int64_t sizes[3] = {c.data.frames, c.data.height, c.data.width};
   const char* patch_names[3] = {"temporal", "height", "width"};
+  const auto& patch = wan ? m.wan.patch : m.patch;
   for (int a = 0; a < 3; ++a) {
-    if (sizes[a] % m.patch[a] != 0)
-      fail(std::string("data.") + axes[a], "expected a multiple of the " + std::string(patch_names[a]) + " patch model.patch[" +
-                                               std::to_string(a) + "] = " + std::to_string(m.patch[a]) + ", got " +
-                                               std::to_string(sizes[a]));
+    if (sizes[a] % patch[a] != 0)
+      fail(std::string("data.") + axes[a], "expected a multiple of the " + std::string(patch_names[a]) + " patch " +
+                                               (wan ? "model.wan.patch[" : "model.patch[") + std::to_string(a) + "] = " +
+                                               std::to_string(patch[a]) + ", got " + std::to_string(sizes[a]));
   }
   const auto& d = c.diffusion;
+  if (d.objective == "flow" && !wan)
+    fail("diffusion.objective", std::string("flow matching is implemented for model.arch wan; the ") + to_string(m.arch) +
+                                    " DiT trains with ddpm");
+  if (d.objective == "flow" && d.prediction != "epsilon")
+    fail("diffusion.prediction", "applies to diffusion.objective ddpm; flow matching predicts the velocity ε − x0 (leave "
+                                 "diffusion.prediction at epsilon)");
   if (d.beta_end <= d.beta_start)
     fail("diffusion.beta_end", "expected a value above diffusion.beta_start (" + format_number(d.beta_start) + "), got " +
                                    format_number(d.beta_end));
@@ -531,17 +650,25 @@ std::string to_yaml(const RunConfig& config) {
   Schema schema(copy);
   YAML::Emitter out;
   out << YAML::BeginMap;
-  std::string section;
+  std::vector<std::string> open;  // the mappings open around the next key (section, then e.g. "wan")
   for (const auto& f : schema.fields()) {
-    std::string s = f.key.substr(0, f.key.find('.'));
-    if (s != section) {
-      if (!section.empty()) out << YAML::EndMap;
-      out << YAML::Key << s << YAML::Value << YAML::BeginMap;
-      section = s;
+    if (!applies(config, f.key)) continue;
+    std::vector<std::string> parts;
+    for (size_t begin = 0, dot; begin <= f.key.size(); begin = dot + 1) {
+      dot = f.key.find('.', begin);
+      if (dot == std::string::npos) dot = f.key.size();
+      parts.push_back(f.key.substr(begin, dot - begin));
     }
-    out << YAML::Key << f.key.substr(s.size() + 1) << YAML::Value << f.get();
+    size_t common = 0;
+    while (common < open.size() && common + 1 < parts.size() && open[common] == parts[common]) ++common;
+    for (; open.size() > common; open.pop_back()) out << YAML::EndMap;
+    for (size_t i = common; i + 1 < parts.size(); ++i) {
+      out << YAML::Key << parts[i] << YAML::Value << YAML::BeginMap;
+      open.push_back(parts[i]);
+    }
+    out << YAML::Key << parts.back() << YAML::Value << f.get();
   }
-  if (!section.empty()) out << YAML::EndMap;
+  for (; !open.empty(); open.pop_back()) out << YAML::EndMap;
   out << YAML::EndMap;
   return std::string(out.c_str()) + "\n";
 }

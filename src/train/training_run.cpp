@@ -10,6 +10,7 @@
 #include "megaslide/io/files.h"
 #include "megaslide/io/weights.h"
 #include "megaslide/model/dit.h"
+#include "megaslide/model/wan.h"
 #include "megaslide/offload/cpu_master_trainer.h"
 #include "megaslide/train/auto_settings.h"
 #include "megaslide/train/checkpoint.h"
@@ -85,7 +86,7 @@ std::string memory_shortfall(const RunConfig& config, int64_t available_bytes, b
   // larger (activations, the streamed trainer's buffers: megaslide-plan counts them); only a run that
   // cannot fit even this bound is refused, so that it fails here in one line instead of swapping or
   // being killed later.
-  const int64_t params = count_dit_parameters(DiTOptions::from_config(config)).total;
+  const int64_t params = count_run_parameters(config).total;
   const auto& d = config.data;
   const int64_t state = state_in_host_memory ? params * 12 : 0;  // validate() bounded params * 14 below kMaxMachineBytes
   const int64_t batch = config.train.batch_size * d.channels * d.frames * d.height * d.width * 4;
@@ -132,7 +133,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   if (const std::string shortfall = memory_shortfall(config, this_machine_memory_bytes(), state_in_host_memory); !shortfall.empty()) {
     const auto& d = config.data;
     const bool batch_dominates = !state_in_host_memory || config.train.batch_size * d.channels * d.frames * d.height * d.width * 4 >
-                                                            count_dit_parameters(DiTOptions::from_config(config)).total * 12;
+                                                            count_run_parameters(config).total * 12;
     throw ConfigError(options.config_source, batch_dominates ? "train.batch_size" : "model", shortfall);
   }
   std::string resume_path;

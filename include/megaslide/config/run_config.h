@@ -35,6 +35,7 @@ enum class Architecture {
   kMegaSlide,  // 3D Deformable Slide Attention ("megaslide")
   kDense3D,    // global scaled-dot-product attention over all tokens ("dense3d")
   kSwin,       // 3D shifted windows ("swin")
+  kWan,        // Wan2.1's video DiT, its hyper-parameters under model.wan ("wan"; model/wan.h)
 };
 const char* to_string(Architecture arch);
 
@@ -45,6 +46,26 @@ enum class DsaOffsets {
   kFrozen,   // a randomly initialised offset network that is never trained: fixed, input-dependent Δ ("frozen")
 };
 const char* to_string(DsaOffsets offsets);
+
+// Wan2.1's hyper-parameters (model.arch: wan; model/wan.h), named as Wan's own config.json names them.
+// The defaults are diffusers' WanTransformer3DModel defaults (the 14B model); configs/wan2.1-t2v-*.yaml
+// set every value. With `weights` set, the values come from the weights' config.json (or their tensor
+// shapes) when the run starts (model/wan_weights.h).
+struct WanConfig {
+  int64_t dim = 5120;
+  int64_t layers = 40;
+  int64_t heads = 40;
+  int64_t ffn_dim = 13824;
+  int64_t freq_dim = 256;                  // sinusoidal timestep features
+  int64_t text_dim = 4096;                 // width of the text embeddings (umT5-XXL: 4096)
+  std::array<int64_t, 3> patch{1, 2, 2};   // (pt, ph, pw)
+  int64_t in_channels = 16;                // latent channels in (= data.channels)
+  int64_t out_channels = 16;
+  bool qk_norm = true;                     // RMSNorm over q and k (across heads)
+  bool cross_attn_norm = true;             // affine LayerNorm before the cross-attention
+  double eps = 1e-6;
+  std::string weights;                     // published weights to start from ("": random initialisation)
+};
 
 struct ModelConfig {
   Architecture arch = Architecture::kMegaSlide;
@@ -60,6 +81,10 @@ struct ModelConfig {
   DsaOffsets dsa_offsets = DsaOffsets::kLearned;          // learned | zero | frozen (the offset ablation)
   std::string dense_attention = "fused";                   // dense3d: fused (SDPA) | materialized (N x N scores kept)
   std::array<int64_t, 3> swin_window{3, 16, 16};           // in tokens (t, h, w)
+  // model.arch wan only: the blocks' self-attention, Wan's global attention ("dense") or 3D-DSA over the
+  // latent token grid with Wan's own projections ("dsa3d", the retrofit; dsa_* keys above apply).
+  std::string self_attention = "dense";
+  WanConfig wan;
 };
 
 struct DataConfig {
@@ -83,6 +108,13 @@ struct DiffusionConfig {
   int64_t sample_steps = 30;
   std::string timestep_spacing = "linspace";  // linspace | leading | trailing (sampler.h)
   double guidance_scale = 7.5;
+  // ddpm: the DDPM objective above (prediction, beta schedule); flow: flow matching as Wan trains it
+  // (diffusion/flow_matching.h): x_t = (1 − σ)·x0 + σ·ε, target ε − x0, timestep σ·timesteps.
+  std::string objective = "ddpm";
+  double shift = 1.0;                          // flow: σ → shift·σ / (1 + (shift − 1)·σ)
+  std::string timestep_sampling = "uniform";   // flow: uniform | logit_normal (σ = sigmoid(N(logit_mean, logit_std)))
+  double logit_mean = 0.0;
+  double logit_std = 1.0;
 };
 
 struct TrainConfig {
