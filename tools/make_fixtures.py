@@ -82,7 +82,8 @@ def save_safetensors(path, tensors, metadata=None):
 
     back = load_file(path)
     assert sorted(back) == sorted(tensors), path
-    assert all(back[k].shape == np.shape(tensors[k]) and np.array_equal(back[k], tensors[k]) for k in tensors), path
+    assert all(back[k].shape == np.shape(tensors[k]) and np.array_equal(back[k], tensors[k], equal_nan=back[k].dtype.kind == "f")
+               for k in tensors), path
 
 
 def versions(*modules):
@@ -665,6 +666,71 @@ def section_wan(out_dir):
 
 
 # --------------------------------------------------------------------------------------------------
+# flow: diffusers' flow-matching samplers (Euler with shift, UniPC with flow sigmas as Wan uses it)
+# --------------------------------------------------------------------------------------------------
+
+def section_flow(out_dir):
+    import diffusers
+    import torch
+    from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+
+    def unipc(steps, shift, order, solver, T=1000):
+        sched = UniPCMultistepScheduler(num_train_timesteps=T, solver_order=order, prediction_type="flow_prediction", use_flow_sigmas=True,
+                                        flow_shift=shift, solver_type=solver, predict_x0=True, lower_order_final=True,
+                                        final_sigmas_type="zero")
+        sched.set_timesteps(steps)
+        return sched
+
+    tensors, tables, trajectories = {}, [], []
+    # Tables at step counts from 1 up, shifts of Wan's samplers (3 for 480p, 5 for 720p) and others, and
+    # another number of training timesteps.
+    for T in (1000, 37):
+        for shift in (1.0, 3.0, 5.0, 7.3):
+            for steps in (1, 2, 7, 30, 50):
+                if steps > T:
+                    continue
+                euler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=T, shift=shift)
+                euler.set_timesteps(steps)
+                name = f"euler.T{T}.shift{shift}.S{steps}"
+                tensors[name + ".sigmas"] = euler.sigmas.numpy()
+                tensors[name + ".timesteps"] = euler.timesteps.numpy()
+                u = unipc(steps, shift, 2, "bh2", T)
+                uname = f"unipc.T{T}.shift{shift}.S{steps}"
+                tensors[uname + ".sigmas"] = u.sigmas.numpy()
+                tensors[uname + ".timesteps"] = u.timesteps.numpy()
+                tables.append({"T": T, "shift": shift, "steps": steps, "euler": name, "unipc": uname})
+
+    # Whole sampling runs at fixed inputs: the model outputs of every step are drawn in advance, so the
+    # C++ sampler replays them and each step's result is compared (UniPC's steps depend on its history).
+    g = torch.Generator().manual_seed(5)
+    shape = (2, 3, 2, 4)
+    runs = [("euler", 10, 5.0, 0, ""), ("euler", 4, 3.0, 0, ""), ("unipc", 10, 5.0, 2, "bh2"), ("unipc", 7, 3.0, 1, "bh2"),
+            ("unipc", 9, 5.0, 3, "bh2"), ("unipc", 6, 3.0, 2, "bh1"), ("unipc", 8, 1.0, 3, "bh1"), ("unipc", 1, 5.0, 2, "bh2")]
+    for kind, steps, shift, order, solver in runs:
+        sched = FlowMatchEulerDiscreteScheduler(shift=shift) if kind == "euler" else unipc(steps, shift, order, solver)
+        if kind == "euler":
+            sched.set_timesteps(steps)
+        name = f"run{len(trajectories)}"
+        x = torch.randn(shape, generator=g)
+        tensors[name + ".x"] = x.numpy()
+        for i, t in enumerate(sched.timesteps):
+            v = torch.randn(shape, generator=g) + 0.3 * x  # a velocity that depends on the sample
+            x = sched.step(v, t, x).prev_sample
+            tensors[f"{name}.v{i}"] = v.numpy()
+            tensors[f"{name}.x{i + 1}"] = x.numpy()
+        # diffusers' bh1 solver with final_sigmas_type "zero" multiplies -inf by 0 at the last step: NaN.
+        trajectories.append({"name": name, "kind": kind, "steps": steps, "shift": shift, "order": order, "solver": solver,
+                             "last_step_nan": bool(torch.isnan(x).any())})
+    meta = {"versions": versions(diffusers, torch), "tables": json.dumps(tables), "runs": json.dumps(trajectories),
+            "what": "FlowMatchEulerDiscreteScheduler(num_train_timesteps=T, shift) and UniPCMultistepScheduler(use_flow_sigmas=True, "
+                    "prediction_type='flow_prediction', flow_shift, solver_order, solver_type, lower_order_final=True, "
+                    "final_sigmas_type='zero'): set_timesteps tables (sigmas, timesteps) and whole runs of step() at recorded "
+                    "model outputs (runK.x, runK.vI, runK.xI+1)"}
+    save_safetensors(os.path.join(out_dir, "diffusers.safetensors"), tensors, meta)
+    print(f"  {len(tables)} table pairs, {len(trajectories)} sampling runs")
+
+
+# --------------------------------------------------------------------------------------------------
 
 SECTIONS = {
     "video": (section_video, "H.264 clips and their frames as opencv-python decodes them, VBench's temporal flickering"),
@@ -672,6 +738,7 @@ SECTIONS = {
     "clip_tokenizer": (section_clip_tokenizer, "CLIPTokenizer ids of VBench and edge-case prompts, real and tiny vocabularies"),
     "clip": (section_clip, "tiny random CLIP text models (text-only and whole-CLIPModel layouts) and their outputs"),
     "vae": (section_vae, "a tiny random AutoencoderKL: encode, decode and tiled decode outputs"),
+    "flow": (section_flow, "diffusers' flow-matching Euler and UniPC (flow sigmas) tables and sampling runs"),
     "wan": (section_wan, "tiny random WanTransformer3DModels (diffusers, original and ComfyUI layouts): outputs, one step's gradients"),
 }
 
