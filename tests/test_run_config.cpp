@@ -230,7 +230,7 @@ TEST(RunConfig, WanKeysNestAndReadBack) {
 // The property: a key of the other model family is refused naming the key to use, and Wan's cross-key
 // rules (channels, head size, objective) are checked.
 TEST(RunConfig, WanAndDiTKeysDoNotMix) {
-  const std::string wan = "model:\n  arch: wan\n  wan:\n    dim: 48\n    heads: 4\n    in_channels: 4\n    out_channels: 4\ndata:\n  channels: 4\n";
+  const std::string wan = "model:\n  arch: wan\n  wan:\n    dim: 48\n    heads: 4\n    in_channels: 4\n    out_channels: 4\ndata:\n  dataset: latent-tensors\n  channels: 4\n";
   EXPECT_NO_THROW(parse_run_config(wan, kSource));
   expect_error(wan, {"model.hidden=32"}, "model.hidden", "set model.wan.dim");
   expect_error(wan, {"model.mlp_ratio=2"}, "model.mlp_ratio", "does not apply to model.arch wan");
@@ -246,4 +246,7 @@ TEST(RunConfig, WanAndDiTKeysDoNotMix) {
   expect_error(wan, {"model.self_attention=dsa3d", "model.dsa_groups=3"}, "model.dsa_groups", "divisor of model.wan.heads");
   expect_error(wan, {"model.wan.qk_norm=maybe"}, "model.wan.qk_norm", "true or false");
   expect_error(wan, {"model.wan.dimm=3"}, "model.wan.dimm", "did you mean model.wan.dim");
+  expect_error(wan, {"data.dataset=structured-motion"}, "data.dataset", "latent-tensors for model.arch wan");
+  expect_error("", {"data.dataset=latent-tensors"}, "data.dataset", "expected structured-motion");
+  expect_error("", {"data.tensors=x.safetensors"}, "data.tensors", "latent-tensors");
 }

@@ -5,7 +5,10 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <nlohmann/json.hpp>
+
 #include <cmath>
+#include <fstream>
 #include <iostream>
 #include <map>
 
@@ -13,6 +16,7 @@
 #include "megaslide/io/safetensors.h"
 #include "megaslide/model/wan_weights.h"
 #include "megaslide/train/checkpoint.h"
+#include "megaslide/train/training_run.h"
 #include "megaslide/train/wan_trainer.h"
 
 using megaslide::RunConfig;
@@ -36,7 +40,7 @@ RunConfig tiny_config(std::vector<std::string> overrides = {}) {
 model:
   arch: wan
   wan: {dim: 24, layers: 2, heads: 2, ffn_dim: 40, freq_dim: 16, text_dim: 20, patch: [1, 2, 2], in_channels: 4, out_channels: 4}
-data: {channels: 4, frames: 3, height: 6, width: 8, max_text_tokens: 7}
+data: {dataset: latent-tensors, channels: 4, frames: 3, height: 6, width: 8, max_text_tokens: 7}
 diffusion: {objective: flow, shift: 3.0, caption_dropout: 0.0}
 train: {steps: 50, batch_size: 2, lr: 0.002, warmup_steps: 0, lr_schedule: constant, grad_clip: 1.0, device: cpu, seed: 5}
 offload: {compute_dtype: fp32, mode: async, emulated_copy_delay_ms: 2}
@@ -236,4 +240,57 @@ TEST(WanTrainer, DataThatDoesNotFitIsNamed) {
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("empty_text"), std::string::npos) << e.what();
   }
+}
+
+namespace {
+std::vector<double> losses_of(const std::string& run_dir) {
+  std::vector<double> out;
+  std::ifstream in(megaslide::io::join_path(run_dir, "metrics.jsonl"));
+  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line).at("loss").get<double>());
+  return out;
+}
+}  // namespace
+
+// The property: megaslide-train's loop (run_training) trains Wan from data.tensors — fresh, and resumed
+// from a checkpoint into the same losses as an uninterrupted run, bit for bit; a missing data file, a
+// missing data.tensors and image-to-video-sized data are ConfigErrors naming the key.
+TEST(WanTrainer, TrainingRunTrainsAndResumesWan) {
+  const auto dir = temp_dir("run");
+  const auto data = tiny_data();
+  const std::string tensors = dir + "/latents.safetensors";
+  megaslide::io::write_safetensors(tensors, {{"latents", data.latents}, {"text", data.text}, {"empty_text", data.empty_text}});
+  const std::vector<std::string> common{"data.tensors=" + tensors, "offload.compute_dtype=bf16", "offload.emulated_copy_delay_ms=0",
+                                        "train.checkpoint_every=3", "output.progress=false", "diffusion.caption_dropout=0.25"};
+  auto with = [&](const std::string& run, const std::vector<std::string>& extra) {
+    auto overrides = common;
+    for (const auto& e : extra) overrides.push_back(e);  // after the common ones: they win
+    overrides.push_back("output.run_dir=" + dir + "/" + run);
+    return tiny_config(overrides);
+  };
+  megaslide::run_training(with("whole", {"train.steps=6"}), {});
+  megaslide::run_training(with("part", {"train.steps=3"}), {});
+  megaslide::TrainingRunOptions resume;
+  resume.resume = "latest";
+  const auto r = megaslide::run_training(with("part", {"train.steps=6"}), resume);
+  EXPECT_EQ(r.first_step, 3);
+  EXPECT_EQ(r.steps_done, 6);
+  const auto whole = losses_of(dir + "/whole"), part = losses_of(dir + "/part");
+  ASSERT_EQ(whole.size(), 6u);
+  ASSERT_EQ(part.size(), 6u);
+  for (size_t i = 0; i < 6; ++i) EXPECT_EQ(part[i], whole[i]) << "step " << i + 1;
+  EXPECT_TRUE(megaslide::io::path_exists(dir + "/whole/checkpoints/step-0000006/master.safetensors"));
+
+  auto expect_config_error = [&](const RunConfig& c, const std::string& key) {
+    try {
+      megaslide::run_training(c, {});
+      ADD_FAILURE() << "no error for " << key;
+    } catch (const megaslide::ConfigError& e) {
+      EXPECT_EQ(e.key(), key) << e.what();
+    }
+  };
+  expect_config_error(with("missing", {"data.tensors=" + dir + "/nothing.safetensors"}), "data.tensors");
+  expect_config_error(with("empty", {"data.tensors="}), "data.tensors");
+  expect_config_error(with("wide", {"model.wan.text_dim=21"}), "data.tensors");
+  expect_config_error(with("weights", {"model.wan.weights=" + dir + "/latents.safetensors"}), "model.wan.weights");
+  megaslide::io::remove_tree(dir);
 }

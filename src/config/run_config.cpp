@@ -178,10 +178,14 @@ class Schema {
         },
         [&slot] { return YAML::Node(slot); });
   }
-  // A path or name that may be empty ("" = none).
+  // A path or name that may be empty ("" or nothing = none).
   void optional_text(std::string key, std::string& slot) {
     add(std::move(key),
         [&slot](const YAML::Node& n) {
+          if (n.IsNull()) {
+            slot.clear();
+            return;
+          }
           if (!n.IsScalar()) throw FieldProblem{"expected a string, got " + describe(n)};
           slot = n.Scalar();
         },
@@ -272,7 +276,7 @@ class Schema {
     real("model.wan.eps", c.model.wan.eps, RealRange{0.0, 1.0, true, false});
     optional_text("model.wan.weights", c.model.wan.weights);
     // data
-    choice("data.dataset", c.data.dataset, {"structured-motion"});
+    choice("data.dataset", c.data.dataset, {"structured-motion", "latent-tensors"});
     integer("data.channels", c.data.channels, IntRange{1, 64});
     integer("data.frames", c.data.frames, IntRange{1});
     integer("data.height", c.data.height, IntRange{1});
@@ -280,6 +284,7 @@ class Schema {
     integer("data.num_clips", c.data.num_clips, IntRange{1});
     integer("data.max_text_tokens", c.data.max_text_tokens, IntRange{2, 4096});
     seed("data.seed", c.data.seed);
+    optional_text("data.tensors", c.data.tensors);
     // diffusion
     integer("diffusion.timesteps", c.diffusion.timesteps, IntRange{2, 100000});
     choice("diffusion.beta_schedule", c.diffusion.beta_schedule, {"linear", "cosine"});
@@ -630,6 +635,13 @@ void validate(const RunConfig& c, const std::string& source) {
                                                std::to_string(patch[a]) + ", got " + std::to_string(sizes[a]));
   }
   const auto& d = c.diffusion;
+  if (wan != (c.data.dataset == "latent-tensors"))
+    fail("data.dataset", wan ? "expected latent-tensors for model.arch wan (latent videos and text embeddings; structured-motion renders "
+                               "pixel videos for the DiT family)"
+                             : "latent-tensors holds Wan's latents and text embeddings: expected structured-motion for model.arch " +
+                                   std::string(to_string(m.arch)));
+  if (!c.data.tensors.empty() && c.data.dataset != "latent-tensors")
+    fail("data.tensors", "applies to data.dataset: latent-tensors");
   if (d.objective == "flow" && !wan)
     fail("diffusion.objective", std::string("flow matching is implemented for model.arch wan; the ") + to_string(m.arch) +
                                     " DiT trains with ddpm");

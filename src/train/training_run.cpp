@@ -11,6 +11,8 @@
 #include "megaslide/io/weights.h"
 #include "megaslide/model/dit.h"
 #include "megaslide/model/wan.h"
+#include "megaslide/model/wan_weights.h"
+#include "megaslide/train/wan_trainer.h"
 #include "megaslide/offload/cpu_master_trainer.h"
 #include "megaslide/train/auto_settings.h"
 #include "megaslide/train/checkpoint.h"
@@ -25,22 +27,46 @@ namespace megaslide {
 
 namespace {
 
-// Either trainer behind one face.
+// Every trainer behind one face: the DiT family's streamed or resident trainer, or Wan's (both modes).
 class Trainer {
  public:
-  explicit Trainer(const RunConfig& config) {
-    if (config.offload.enabled) streamed_ = std::make_unique<CPUMasterVideoDiT>(config);
-    else resident_ = std::make_unique<ResidentTrainer>(config);
+  Trainer(const RunConfig& config, const std::string& source) {
+    if (config.model.arch == Architecture::kWan) {
+      WanLatentData data;
+      try {
+        data = WanLatentData::load(config.data.tensors);
+        data.check(config);
+      } catch (const std::invalid_argument& e) {
+        throw ConfigError(source, "data.tensors", e.what());
+      }
+      try {
+        wan_ = std::make_unique<WanTrainer>(config, std::move(data));
+      } catch (const WanWeightsError& e) {
+        throw ConfigError(source, "model.wan.weights", e.what());
+      }
+    } else if (config.offload.enabled) {
+      streamed_ = std::make_unique<CPUMasterVideoDiT>(config);
+    } else {
+      resident_ = std::make_unique<ResidentTrainer>(config);
+    }
   }
-  StepMetrics step() { return streamed_ ? streamed_->step() : resident_->step(); }
-  TrainingState state() { return streamed_ ? streamed_->training_state() : resident_->training_state(); }
-  void load(const TrainingState& s) { streamed_ ? streamed_->load_training_state(s) : resident_->load_training_state(s); }
-  int64_t parameter_count() const { return streamed_ ? streamed_->parameter_count() : resident_->parameter_count(); }
-  int64_t tokens_per_sample() const { return streamed_ ? streamed_->tokens_per_sample() : resident_->tokens_per_sample(); }
-  torch::Device device() const { return streamed_ ? streamed_->device() : resident_->device(); }
+  StepMetrics step() { return wan_ ? wan_->step() : streamed_ ? streamed_->step() : resident_->step(); }
+  TrainingState state() { return wan_ ? wan_->training_state() : streamed_ ? streamed_->training_state() : resident_->training_state(); }
+  void load(const TrainingState& s) {
+    wan_ ? wan_->load_training_state(s) : streamed_ ? streamed_->load_training_state(s) : resident_->load_training_state(s);
+  }
+  int64_t parameter_count() const {
+    return wan_ ? wan_->parameter_count() : streamed_ ? streamed_->parameter_count() : resident_->parameter_count();
+  }
+  int64_t tokens_per_sample() const {
+    return wan_ ? wan_->tokens_per_sample() : streamed_ ? streamed_->tokens_per_sample() : resident_->tokens_per_sample();
+  }
+  torch::Device device() const { return wan_ ? wan_->device() : streamed_ ? streamed_->device() : resident_->device(); }
   CPUMasterVideoDiT* streamed() { return streamed_.get(); }
+  WanTrainer* wan() { return wan_.get(); }
   void synchronize() {
     if (streamed_) streamed_->synchronize();
+    if (wan_) wan_->synchronize();
   }
   // The model for sampling: the resident trainer's own modules, or a CPU copy of the streamed
   // trainer's masters.
@@ -57,6 +83,7 @@ class Trainer {
  private:
   std::unique_ptr<CPUMasterVideoDiT> streamed_;
   std::unique_ptr<ResidentTrainer> resident_;
+  std::unique_ptr<WanTrainer> wan_;
   DiT snapshot_dit_{nullptr};
   TextEncoder snapshot_text_{nullptr};
 };
@@ -106,7 +133,26 @@ std::string memory_shortfall(const RunConfig& config, int64_t available_bytes, b
 TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOptions& options) {
   // `auto` settings resolved once: config.yaml, the log and checkpoints carry the resolved values, and a
   // resume compares them with the checkpoint's.
-  const RunConfig config = resolve_auto_settings(requested);
+  RunConfig resolved = resolve_auto_settings(requested);
+  if (resolved.model.arch == Architecture::kWan) {
+    // Wan: the hyper-parameters of model.wan.weights when set; a run needs its latent tensors.
+    try {
+      resolved = with_wan_architecture_from_weights(resolved);
+    } catch (const WanWeightsError& e) {
+      throw ConfigError(options.config_source, "model.wan.weights", e.what());
+    }
+    if (resolved.data.tensors.empty())
+      throw ConfigError(options.config_source, "data.tensors",
+                        "is empty: model.arch wan trains on latent videos and text embeddings (a safetensors file of latents, text "
+                        "and empty_text; docs/wan.md)");
+    if (resolved.train.sample_every > 0)
+      throw ConfigError(options.config_source, "train.sample_every", "validation videos of Wan need its VAE and text encoder, which "
+                                                                      "this build does not have: set train.sample_every: 0");
+    if (!options.export_weights.empty())
+      throw ConfigError(options.config_source, "", "--export-weights writes the DiT family's weights file; a Wan run's weights are in "
+                                                   "its checkpoints (master.safetensors, diffusers' names)");
+  }
+  const RunConfig config = resolved;
   const std::string& run_dir = config.output.run_dir;
   const auto& train = config.train;
   TrainingRunResult result;
@@ -146,7 +192,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
                                     "above {} to continue it",
                                     train.steps, resume_path, saved_step, saved_step));
   }
-  Trainer trainer(config);
+  Trainer trainer(config, options.config_source);
   std::vector<std::string> warnings;
   if (!resume_path.empty()) {
     TrainingState state = trainer.state();
@@ -173,7 +219,14 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   log.info(fmt::format("model {} ({} parameters, text encoder included), {} tokens per sample, device {}, {} steps",
                        to_string(config.model.arch), human_count(static_cast<double>(trainer.parameter_count())),
                        trainer.tokens_per_sample(), trainer.device().str(), train.steps));
-  if (auto* streamed = trainer.streamed()) {
+  if (auto* wan = trainer.wan()) {
+    log.info(fmt::format("trainer: Wan, {} (offload.mode {}, compute {}, grad_accum_steps {}){}", wan->streamed() ? "streamed CPU-master" : "resident reference loop",
+                         config.offload.mode, wan->streamed() ? config.offload.compute_dtype : "fp32", train.grad_accum_steps,
+                         wan->streamed() ? "; host memory at start:\n" + wan->host_memory_report() : ""));
+    if (!wan->initialised_parameters().empty())
+      log.info(fmt::format("{} parameters not in model.wan.weights start from their initialisation (the 3D-DSA retrofit's)",
+                           wan->initialised_parameters().size()));
+  } else if (auto* streamed = trainer.streamed()) {
     log.info(fmt::format("trainer: streamed CPU-master (offload.mode {}, compute {}, grad_accum_steps {}); host memory at start:\n{}",
                          config.offload.mode, config.offload.compute_dtype, train.grad_accum_steps, streamed->host_memory_report()));
     log.info(fmt::format("compute dtype {} ({})", config.offload.compute_dtype,

@@ -88,7 +88,7 @@ struct ModelConfig {
 };
 
 struct DataConfig {
-  std::string dataset = "structured-motion";
+  std::string dataset = "structured-motion";  // structured-motion | latent-tensors (Wan)
   int64_t channels = 3;
   int64_t frames = 8;
   int64_t height = 16;
@@ -96,6 +96,9 @@ struct DataConfig {
   int64_t num_clips = 512;       // clips in one epoch of the synthetic dataset
   int64_t max_text_tokens = 12;  // captions are padded or cut to this many tokens
   uint64_t seed = 1234;
+  // dataset latent-tensors (model.arch wan): one safetensors file of latents [N, C, T, H, W], text
+  // [N, L, text_dim] and optionally empty_text [L, text_dim] (train/wan_trainer.h).
+  std::string tensors;
 };
 
 struct DiffusionConfig {
