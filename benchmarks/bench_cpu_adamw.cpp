@@ -1,12 +1,17 @@
-// bench_cpu_adamw: one AdamW step over 64 M parameters with 2 threads, three ways, in one run:
-//   - CpuAdamW::step_block: bf16 gradient in, fp32 master/m/v updated, bf16 compute copy out (with
-//     its default copy stores, and for comparison with ordinary stores forced);
+// bench_cpu_adamw: one AdamW step over 64 M parameters with 2 threads, in one run:
+//   - CpuAdamW::step_block as the streamed trainer runs it at accumulation 1: the bf16 gradient read from
+//     the block's compute-copy buffer and the new bf16 copy written over it, master updated in fp32, the
+//     moments m and v in each optimizer.state_dtype — fp32, bf16, int8 (with its group scales) — and, for
+//     fp32 moments, with ordinary stores forced for comparison;
 //   - torch::optim::AdamW::step on the same values (fp32 parameter, fp32 gradient), the anchor;
-//   - CpuAdamW::stream_probe: the same bytes with trivial arithmetic, the memory roofline, measured
-//     with ordinary and with streaming stores for the copy; the faster of the two is the roofline.
-// Bytes per step follow DESIGN.md §6: 28 B per parameter (read master, m, v, bf16 grad; write master,
-// m, v, bf16 copy). Each timing is the fastest of --reps runs, interleaved so that load from other
-// processes hits all three alike. The last line is one JSON object.
+//   - CpuAdamW::stream_probe on the same arrays for each state dtype: the same bytes with trivial
+//     arithmetic, the memory roofline, measured with ordinary and with streaming stores for the copy;
+//     the faster of the two is the roofline.
+// Bytes per parameter and step (DESIGN.md §6): read and write master (8), m and v (4 x 4 fp32, 4 x 2
+// bf16, 4 x 1 int8 plus 16 B of scales per 256), read the bf16 gradient (2), write the bf16 copy (2):
+// 28, 20 and 16.06. Each timing is the fastest of --reps runs, interleaved so that load from other
+// processes hits all of them alike. The last line is one JSON object (fp32 keys unprefixed, the others
+// prefixed bf16_ and int8_).
 //
 //   build/bin/bench_cpu_adamw [--params N] [--threads T] [--reps R] [--torch-reps R]
 #include <torch/torch.h>
@@ -16,6 +21,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -50,34 +56,60 @@ int64_t int_flag(int argc, char** argv, const char* name, int64_t fallback) {
 
 }  // namespace
 
+using megaslide::offload::StateDtype;
+
+// One state dtype's store and the timings of its kernel and its roofline.
+struct StateRun {
+  StateDtype dtype;
+  std::unique_ptr<megaslide::offload::HostParamStore> store;
+  AdamWBlockState s;
+  double bytes_per_step = 0;
+  std::vector<double> adamw, adamw_cached, probe_cached, probe_streaming;
+};
+
 int main(int argc, char** argv) {
   const int64_t n = int_flag(argc, argv, "--params", int64_t{64} << 20);
   const int threads = static_cast<int>(int_flag(argc, argv, "--threads", 2));
   const int reps = static_cast<int>(int_flag(argc, argv, "--reps", 20));
   const int torch_reps = static_cast<int>(int_flag(argc, argv, "--torch-reps", 5));
-  const double bytes_per_step = 28.0 * static_cast<double>(n);
   const megaslide::offload::AdamWOptions options;  // LibTorch's defaults, weight decay 1e-2
   const double lr = 1e-3;
 
-  // The optimizer state lives where the trainer keeps it: one HostParamStore block.
-  megaslide::offload::HostParamStore store({{"block0", {{"weight", {n}}}}});
+  // The optimizer state lives where the trainer keeps it: one HostParamStore block per state dtype, the
+  // gradient in the compute copy's buffer.
   torch::manual_seed(0);
-  store.master(0).copy_(torch::randn({n}) * 0.02);
-  store.grad(0).copy_(torch::randn({n}) * 1e-3);
-  AdamWBlockState s;
-  s.master = store.master(0).data_ptr<float>();
-  s.exp_avg = store.exp_avg(0).data_ptr<float>();
-  s.exp_avg_sq = store.exp_avg_sq(0).data_ptr<float>();
-  s.grad = store.grad(0).data_ptr();
-  s.grad_dtype = at::kBFloat16;
-  s.compute = store.compute(0).data_ptr();
-  s.compute_dtype = at::kBFloat16;
-  s.numel = n;
+  const torch::Tensor master0 = torch::randn({n}) * 0.02, grad0 = torch::randn({n}) * 1e-3;
+  std::vector<StateRun> runs;
+  for (StateDtype dtype : {StateDtype::kFloat32, StateDtype::kBFloat16, StateDtype::kInt8}) {
+    megaslide::offload::HostParamStoreOptions o;
+    o.state_dtype = dtype;
+    StateRun r{dtype, std::make_unique<megaslide::offload::HostParamStore>(
+                          std::vector<megaslide::offload::BlockSpec>{{"block0", {{"weight", {n}}}}}, o)};
+    auto& store = *r.store;
+    store.master(0).copy_(master0);
+    store.grad(0).copy_(grad0);
+    r.s.master = store.master(0).data_ptr<float>();
+    r.s.exp_avg = store.exp_avg(0).data_ptr();
+    r.s.exp_avg_sq = store.exp_avg_sq(0).data_ptr();
+    if (dtype == StateDtype::kInt8) {
+      r.s.exp_avg_scale = store.exp_avg_scale(0).data_ptr<float>();
+      r.s.exp_avg_sq_scale = store.exp_avg_sq_scale(0).data_ptr<float>();
+    }
+    r.s.state_dtype = dtype;
+    r.s.grad = store.grad(0).data_ptr();
+    r.s.grad_dtype = at::kBFloat16;
+    r.s.compute = store.compute(0).data_ptr();
+    r.s.compute_dtype = at::kBFloat16;
+    r.s.numel = n;
+    const double scales = dtype == StateDtype::kInt8 ? 2.0 * 2 * 4 * static_cast<double>(store.exp_avg_scale(0).numel()) : 0.0;
+    r.bytes_per_step = (8.0 + 4.0 * megaslide::offload::state_element_bytes(dtype) + 2 + 2) * static_cast<double>(n) + scales;
+    runs.push_back(std::move(r));
+  }
 
   // The anchor on the same values: fp32 parameter, the bf16 gradient widened to fp32.
   torch::set_num_threads(threads);
-  torch::Tensor param = store.master(0).clone();
-  param.mutable_grad() = store.grad(0).to(torch::kFloat);
+  torch::Tensor param = master0.clone();
+  param.mutable_grad() = grad0.to(torch::kBFloat16).to(torch::kFloat);
   torch::optim::AdamW torch_adamw({param}, torch::optim::AdamWOptions(lr)
                                                .betas({options.beta1, options.beta2})
                                                .eps(options.eps)
@@ -87,56 +119,76 @@ int main(int argc, char** argv) {
   CpuAdamW adamw_1thread(options, 1);
   // One untimed pass each, so no page is touched for the first time inside a timing.
   int64_t step = 1;
-  adamw.step_block(s, step++, lr);
-  adamw.stream_probe(s);
+  for (auto& r : runs) {
+    adamw.step_block(r.s, step, lr);
+    adamw.stream_probe(r.s);
+  }
+  ++step;
   torch_adamw.step();
 
   using megaslide::offload::CopyStores;
-  const auto probe = [&](CpuAdamW& optimizer, CopyStores stores) {
+  const auto probe = [&](CpuAdamW& optimizer, const AdamWBlockState& s, CopyStores stores) {
     optimizer.set_copy_stores(stores);
     const double t = time_s([&] { optimizer.stream_probe(s); });
     optimizer.set_copy_stores(CopyStores::kAuto);
     return t;
   };
-  std::vector<double> t_adamw, t_adamw_cached, t_cached, t_streaming, t_1thread, t_torch;
-  for (int r = 0; r < reps; ++r) {
-    t_adamw.push_back(time_s([&] { adamw.step_block(s, step++, lr); }));
-    adamw.set_copy_stores(CopyStores::kCached);
-    t_adamw_cached.push_back(time_s([&] { adamw.step_block(s, step++, lr); }));
-    adamw.set_copy_stores(CopyStores::kAuto);
-    t_cached.push_back(probe(adamw, CopyStores::kCached));
-    t_streaming.push_back(probe(adamw, CopyStores::kStreaming));
-    if (r < 3) t_1thread.push_back(std::min(probe(adamw_1thread, CopyStores::kCached),
-                                            probe(adamw_1thread, CopyStores::kStreaming)));
-    if (r < torch_reps) t_torch.push_back(time_s([&] { torch_adamw.step(); }));
+  std::vector<double> t_1thread, t_torch;
+  for (int rep = 0; rep < reps; ++rep) {
+    for (auto& r : runs) {
+      r.adamw.push_back(time_s([&] { adamw.step_block(r.s, step, lr); }));
+      if (r.dtype == StateDtype::kFloat32) {
+        adamw.set_copy_stores(CopyStores::kCached);
+        r.adamw_cached.push_back(time_s([&] { adamw.step_block(r.s, step, lr); }));
+        adamw.set_copy_stores(CopyStores::kAuto);
+      }
+      r.probe_cached.push_back(probe(adamw, r.s, CopyStores::kCached));
+      r.probe_streaming.push_back(probe(adamw, r.s, CopyStores::kStreaming));
+    }
+    ++step;
+    if (rep < 3) t_1thread.push_back(std::min(probe(adamw_1thread, runs[0].s, CopyStores::kCached),
+                                              probe(adamw_1thread, runs[0].s, CopyStores::kStreaming)));
+    if (rep < torch_reps) t_torch.push_back(time_s([&] { torch_adamw.step(); }));
   }
 
-  const auto gbps_of = [&](double seconds) { return bytes_per_step / seconds / 1e9; };
-  const double roofline_s = std::min(best(t_cached), best(t_streaming));
-  const double gbps = gbps_of(best(t_adamw));
-  const double roofline_gbps = gbps_of(roofline_s);
-  std::printf("CpuAdamW (%s, %d threads): %lld params, %.1f MB moved per step, best (median) of %d runs\n",
-              megaslide::offload::to_string(adamw.path()), threads, static_cast<long long>(n),
-              bytes_per_step / 1e6, reps);
-  const auto row = [&](const char* name, const std::vector<double>& t) {
-    std::printf("  %-44s %8.2f ms (%8.2f)  %6.1f GB/s\n", name, best(t) * 1e3, median(t) * 1e3, gbps_of(best(t)));
+  const StateRun& fp32 = runs[0];
+  const auto gbps_of = [&](const StateRun& r, double seconds) { return r.bytes_per_step / seconds / 1e9; };
+  const auto roofline_s = [](const StateRun& r) { return std::min(best(r.probe_cached), best(r.probe_streaming)); };
+  std::printf("CpuAdamW (%s, %d threads): %lld params, best (median) of %d runs; the gradient in the compute copy's buffer\n",
+              megaslide::offload::to_string(adamw.path()), threads, static_cast<long long>(n), reps);
+  const auto row = [&](const std::string& name, const StateRun& r, const std::vector<double>& t) {
+    std::printf("  %-52s %8.2f ms (%8.2f)  %6.1f GB/s\n", name.c_str(), best(t) * 1e3, median(t) * 1e3, gbps_of(r, best(t)));
   };
-  row("CpuAdamW::step_block, bf16 grad in, bf16 out", t_adamw);
-  row("  the same, forced cached copy stores", t_adamw_cached);
-  row("roofline: stream probe, cached copy stores", t_cached);
-  row("roofline: stream probe, streaming copy stores", t_streaming);
-  row("roofline: stream probe, 1 thread", t_1thread);
-  row("torch::optim::AdamW::step, fp32", t_torch);
+  for (const auto& r : runs) {
+    const std::string state = megaslide::offload::to_string(r.dtype);
+    std::printf(" %s moments: %.2f B per parameter, %.1f MB per step\n", state.c_str(), r.bytes_per_step / static_cast<double>(n),
+                r.bytes_per_step / 1e6);
+    row("CpuAdamW::step_block, bf16 grad in, bf16 copy out", r, r.adamw);
+    if (!r.adamw_cached.empty()) row("  the same, forced cached copy stores", r, r.adamw_cached);
+    row("roofline: stream probe, cached copy stores", r, r.probe_cached);
+    row("roofline: stream probe, streaming copy stores", r, r.probe_streaming);
+    std::printf("  %-52s %8.3f\n", "fraction of the roofline", roofline_s(r) / best(r.adamw));
+  }
+  row("fp32 roofline: stream probe, 1 thread", fp32, t_1thread);
+  row("torch::optim::AdamW::step, fp32 (fp32 moments' bytes)", fp32, t_torch);
+
+  const auto& b = runs[1];
+  const auto& q = runs[2];
   std::printf(
       "{\"bench\":\"cpu_adamw\",\"params\":%lld,\"threads\":%d,\"path\":\"%s\",\"bytes_per_step\":%.0f,"
       "\"adamw_ms\":%.3f,\"roofline_ms\":%.3f,\"torch_adamw_ms\":%.3f,\"gbps\":%.2f,\"adamw_cached_gbps\":%.2f,"
       "\"roofline_gbps\":%.2f,"
       "\"roofline_cached_gbps\":%.2f,\"roofline_streaming_gbps\":%.2f,\"roofline_gbps_1thread\":%.2f,"
-      "\"torch_adamw_gbps\":%.2f,\"speedup_vs_torch_adamw\":%.2f,\"fraction_of_roofline\":%.3f}\n",
-      static_cast<long long>(n), threads, megaslide::offload::to_string(adamw.path()), bytes_per_step,
-      best(t_adamw) * 1e3, roofline_s * 1e3, best(t_torch) * 1e3, gbps, gbps_of(best(t_adamw_cached)),
-      roofline_gbps, gbps_of(best(t_cached)),
-      gbps_of(best(t_streaming)), gbps_of(best(t_1thread)), gbps_of(best(t_torch)), best(t_torch) / best(t_adamw),
-      gbps / roofline_gbps);
+      "\"torch_adamw_gbps\":%.2f,\"speedup_vs_torch_adamw\":%.2f,\"fraction_of_roofline\":%.3f,"
+      "\"bf16_bytes_per_step\":%.0f,\"bf16_adamw_ms\":%.3f,\"bf16_gbps\":%.2f,\"bf16_roofline_gbps\":%.2f,"
+      "\"bf16_fraction_of_roofline\":%.3f,\"int8_bytes_per_step\":%.0f,\"int8_adamw_ms\":%.3f,\"int8_gbps\":%.2f,"
+      "\"int8_roofline_gbps\":%.2f,\"int8_fraction_of_roofline\":%.3f}\n",
+      static_cast<long long>(n), threads, megaslide::offload::to_string(adamw.path()), fp32.bytes_per_step,
+      best(fp32.adamw) * 1e3, roofline_s(fp32) * 1e3, best(t_torch) * 1e3, gbps_of(fp32, best(fp32.adamw)),
+      gbps_of(fp32, best(fp32.adamw_cached)), gbps_of(fp32, roofline_s(fp32)), gbps_of(fp32, best(fp32.probe_cached)),
+      gbps_of(fp32, best(fp32.probe_streaming)), gbps_of(fp32, best(t_1thread)), gbps_of(fp32, best(t_torch)),
+      best(t_torch) / best(fp32.adamw), roofline_s(fp32) / best(fp32.adamw), b.bytes_per_step, best(b.adamw) * 1e3,
+      gbps_of(b, best(b.adamw)), gbps_of(b, roofline_s(b)), roofline_s(b) / best(b.adamw), q.bytes_per_step,
+      best(q.adamw) * 1e3, gbps_of(q, best(q.adamw)), gbps_of(q, roofline_s(q)), roofline_s(q) / best(q.adamw));
   return 0;
 }

@@ -63,7 +63,7 @@ class ResidentCheckpointed {
       specs.push_back(spec);
     }
     offload::HostParamStoreOptions o;
-    o.grad_dtype = at::kFloat;
+    o.separate_grad = true;  // an fp32 gradient per block, where autograd accumulates
     store_ = std::make_unique<offload::HostParamStore>(specs, o);
     for (size_t l = 0; l < model_->blocks->size(); ++l) {
       for (const auto& item : model_->blocks[l]->named_parameters(true)) {

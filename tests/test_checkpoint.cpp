@@ -2,6 +2,8 @@
 // refusal of corrupt or mismatched checkpoints without touching the run's files, failed saves that keep
 // the previous checkpoint, pruning, and non-finite steps skipped and counted.
 #include <gtest/gtest.h>
+
+#include <algorithm>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -117,6 +119,16 @@ TEST_P(ExactResume, ResumedRunLogsTheUninterruptedLossesBitForBit) {
       EXPECT_TRUE(torch::equal(x.tensors[i].second, y.tensors[i].second)) << f << " " << x.tensors[i].first;
     }
   }
+  // int8 moments are saved as their codes and group scales, not widened.
+  const bool int8 = std::find(extra.begin(), extra.end(), "optimizer.state_dtype=int8") != extra.end();
+  const auto m = io::read_safetensors(io::join_path(whole, "checkpoints/step-0000008/exp_avg.safetensors"));
+  bool has_codes = false, has_scales = false;
+  for (const auto& [name, t] : m.tensors) {
+    has_codes |= t.scalar_type() == torch::kChar;
+    has_scales |= name.size() > 6 && name.compare(name.size() - 6, 6, "#scale") == 0;
+  }
+  EXPECT_EQ(has_codes, int8);
+  EXPECT_EQ(has_scales, int8);
   for (const auto& d : {whole, part, resumed}) io::remove_tree(d);
 }
 
@@ -125,7 +137,9 @@ INSTANTIATE_TEST_SUITE_P(Trainers, ExactResume,
                                            std::vector<std::string>{"train.grad_clip=0"},                  // streamed, immediate
                                            std::vector<std::string>{"offload.compute_dtype=fp16"},         // loss scaling
                                            std::vector<std::string>{"offload.enabled=false"},              // resident
-                                           std::vector<std::string>{"train.grad_accum_steps=2"}));
+                                           std::vector<std::string>{"train.grad_accum_steps=2"},
+                                           std::vector<std::string>{"optimizer.state_dtype=int8"},         // codes + scales
+                                           std::vector<std::string>{"optimizer.state_dtype=bf16", "train.grad_clip=0"}));
 
 TEST(Checkpoint, LayoutManifestLatestAndKeepLast) {
   const auto dir = fresh_dir("layout");

@@ -1,12 +1,15 @@
 // HostParamStore: layout (per-block flat buffers, parameters as views at packed offsets), memory
-// (page-aligned without CUDA, zeroed, owned by the views), the memory report against DESIGN.md §6,
-// and the error a too-large model gets.
+// (page-aligned without CUDA, zeroed through first_touch, owned by the views), the memory report per
+// state dtype and accumulation, and the error a too-large model gets.
 #include "megaslide/offload/host_param_store.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <atomic>
 #include <cstdint>
+#include <functional>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -33,7 +36,9 @@ TEST(HostParamStore, FlatBuffersAreTheConcatenationOfTheParameters) {
   EXPECT_EQ(store.exp_avg(0).scalar_type(), torch::kFloat);
   EXPECT_EQ(store.exp_avg_sq(0).scalar_type(), torch::kFloat);
   EXPECT_EQ(store.compute(0).scalar_type(), torch::kBFloat16);
-  EXPECT_EQ(store.grad(0).scalar_type(), torch::kBFloat16);
+  // At accumulation 1 the gradient lands in the compute copy's buffer: no buffer of its own.
+  EXPECT_TRUE(store.gradient_in_compute_buffer());
+  EXPECT_EQ(store.grad(0).data_ptr(), store.compute(0).data_ptr());
   EXPECT_EQ(store.master(1).sizes(), torch::IntArrayRef({18}));
 
   const auto bias = store.param(0, "attn.qkv.bias");
@@ -50,25 +55,63 @@ TEST(HostParamStore, FlatBuffersAreTheConcatenationOfTheParameters) {
   EXPECT_EQ(store.master(0)[48 * 16 + 47].item<float>(), 3.5f);
   EXPECT_EQ(store.master(0)[48 * 16 - 1].item<float>(), 0.f);
   EXPECT_EQ(store.master(0)[48 * 16 + 48].item<float>(), 0.f);
-  EXPECT_EQ(store.grad(0)[48 * 16].item<float>(), -2.0f);
+  EXPECT_EQ(store.compute(0)[48 * 16].item<float>(), -2.0f);
   EXPECT_EQ(store.master(0).data_ptr(), store.master(0).data_ptr());
 }
 
-TEST(HostParamStore, BuffersStartZeroedAndPageAlignedWithoutCuda) {
-  HostParamStore store(two_blocks());
-  if (torch::cuda::is_available()) {
-    EXPECT_TRUE(store.pinned());
-  } else {
-    EXPECT_FALSE(store.pinned());
-  }
-  for (int64_t b = 0; b < store.num_blocks(); ++b) {
-    for (const torch::Tensor& t :
-         {store.master(b), store.exp_avg(b), store.exp_avg_sq(b), store.compute(b), store.grad(b)}) {
-      EXPECT_EQ(reinterpret_cast<uintptr_t>(t.data_ptr()) % 4096, 0u) << "block " << b;
-      EXPECT_EQ(t.count_nonzero().item<int64_t>(), 0) << "block " << b;
-      EXPECT_TRUE(t.is_contiguous());
+// Every buffer starts at zero and page-aligned, zeroed through first_touch: here from two threads over
+// two halves of each block, as CpuAdamW's pool would (every byte was garbage before: the store does not
+// zero anything itself when first_touch is given).
+TEST(HostParamStore, BuffersStartZeroedThroughFirstTouchAndPageAligned) {
+  for (auto state : {megaslide::offload::StateDtype::kFloat32, megaslide::offload::StateDtype::kInt8}) {
+    for (bool separate_grad : {false, true}) {
+      HostParamStoreOptions options;
+      options.state_dtype = state;
+      options.separate_grad = separate_grad;
+      std::atomic<int64_t> touched{0};
+      options.first_touch = [&](int64_t numel, const std::function<void(int64_t, int64_t)>& zero) {
+        std::thread other([&] { zero(numel / 2, numel); });
+        zero(0, numel / 2);
+        other.join();
+        touched += numel;
+      };
+      HostParamStore store(two_blocks(), options);
+      EXPECT_EQ(touched.load(), store.block_numel(0) + store.block_numel(1));
+      EXPECT_EQ(store.pinned(), torch::cuda::is_available());
+      for (int64_t b = 0; b < store.num_blocks(); ++b) {
+        std::vector<torch::Tensor> buffers{store.master(b), store.exp_avg(b), store.exp_avg_sq(b), store.compute(b), store.grad(b)};
+        if (state == megaslide::offload::StateDtype::kInt8) {
+          buffers.push_back(store.exp_avg_scale(b));
+          buffers.push_back(store.exp_avg_sq_scale(b));
+        }
+        for (const torch::Tensor& t : buffers) {
+          EXPECT_EQ(reinterpret_cast<uintptr_t>(t.data_ptr()) % 4096, 0u) << "block " << b;
+          EXPECT_EQ(t.count_nonzero().item<int64_t>(), 0) << "block " << b;
+          EXPECT_TRUE(t.is_contiguous());
+        }
+      }
     }
   }
+}
+
+// int8 state: codes of one byte per element, and one fp32 scale per moment for each 256-element group
+// of each parameter (groups never straddle two parameters).
+TEST(HostParamStore, Int8StateHasPerParameterGroups) {
+  HostParamStoreOptions options;
+  options.state_dtype = megaslide::offload::StateDtype::kInt8;
+  HostParamStore store({{"b", {{"w", {300}}, {"bias", {7}}, {"big", {2, 256}}}}}, options);
+  EXPECT_EQ(store.exp_avg(0).scalar_type(), torch::kChar);
+  EXPECT_EQ(store.exp_avg_sq(0).scalar_type(), torch::kByte);
+  EXPECT_EQ(store.exp_avg_scale(0).numel(), 2 + 1 + 2);
+  const auto bias = store.param(0, "bias"), big = store.param(0, "big");
+  EXPECT_EQ(bias.group_offset, 2);
+  EXPECT_EQ(bias.exp_avg_scale.numel(), 1);
+  EXPECT_EQ(big.group_offset, 3);
+  EXPECT_EQ(big.exp_avg_sq_scale.numel(), 2);
+  const auto r = store.memory_report();
+  EXPECT_EQ(r.exp_avg_bytes, 819);
+  EXPECT_EQ(r.scale_bytes, 2 * 4 * 5);
+  EXPECT_EQ(r.total_bytes(), 819 * (4 + 1 + 1 + 2) + 40);
 }
 
 TEST(HostParamStore, ViewsKeepTheMemoryAliveAfterTheStoreIsGone) {
@@ -84,9 +127,13 @@ TEST(HostParamStore, ViewsKeepTheMemoryAliveAfterTheStoreIsGone) {
   EXPECT_EQ(master[0].item<float>(), 2.f);
 }
 
-// DESIGN.md §6: 14 B per parameter persistent (bf16 weight 2, fp32 master 4, m 4, v 4) plus a
-// transient bf16 gradient (2).
-TEST(HostParamStore, MemoryReportMatchesTheDesignModel) {
+// docs/offload.md's budget: 14 B per parameter with fp32 moments and a bf16 transfer buffer that also
+// takes the gradient (fp32 master 4, m 4, v 4, copy 2), 10 with bf16 moments, 8 with int8 moments plus
+// two fp32 scales per 256 elements; accumulation adds a 4 B fp32 gradient; fp32 compute a 4 B transfer
+// buffer (the gradient) and none with accumulation. Only the transfer buffer is pinnable (and an uploaded
+// fp32 master).
+TEST(HostParamStore, MemoryReportMatchesTheBudgetPerParameter) {
+  using megaslide::offload::StateDtype;
   HostParamStore store(two_blocks());
   const int64_t n = store.block_numel(0) + store.block_numel(1);
   const auto r = store.memory_report();
@@ -96,35 +143,54 @@ TEST(HostParamStore, MemoryReportMatchesTheDesignModel) {
   EXPECT_EQ(r.exp_avg_bytes, 4 * n);
   EXPECT_EQ(r.exp_avg_sq_bytes, 4 * n);
   EXPECT_EQ(r.compute_bytes, 2 * n);
-  EXPECT_EQ(r.grad_bytes, 2 * n);
-  EXPECT_EQ(r.persistent_bytes(), 14 * n);
-  EXPECT_EQ(r.total_bytes(), 16 * n);
+  EXPECT_EQ(r.grad_bytes, 0);
+  EXPECT_EQ(r.scale_bytes, 0);
+  EXPECT_EQ(r.total_bytes(), 14 * n);
+  EXPECT_EQ(r.pinnable_bytes, 2 * n);
+  EXPECT_EQ(r.pinned_bytes, torch::cuda::is_available() ? 2 * n : 0);
 
   const std::string table = r.to_string();
-  for (const char* row : {"fp32 master", "exp_avg (m)", "exp_avg_sq (v)", "bf16 compute copy", "persistent total",
-                          "bf16 gradient (transient)", "14.00", "16.00"}) {
+  for (const char* row : {"fp32 master", "fp32 exp_avg (m)", "fp32 exp_avg_sq (v)", "bf16 transfer buffer (compute copy / gradient)",
+                          "total", "14.000"}) {
     EXPECT_NE(table.find(row), std::string::npos) << "missing '" << row << "' in\n" << table;
   }
 
-  // plan() gives the same figures without allocating; an fp32 gradient costs 4 B.
-  const auto planned = HostParamStore::plan(two_blocks());
-  EXPECT_EQ(planned.total_bytes(), r.total_bytes());
-  HostParamStoreOptions fp32_grad;
-  fp32_grad.grad_dtype = torch::kFloat;
-  EXPECT_EQ(HostParamStore::plan(two_blocks(), fp32_grad).grad_bytes, 4 * n);
+  // plan() gives the same figures without allocating.
+  EXPECT_EQ(HostParamStore::plan(two_blocks()).total_bytes(), r.total_bytes());
+  const auto plan = [&](StateDtype state, c10::ScalarType compute, bool separate_grad) {
+    HostParamStoreOptions o;
+    o.state_dtype = state;
+    o.compute_dtype = compute;
+    o.separate_grad = separate_grad;
+    return HostParamStore::plan(two_blocks(), o);
+  };
+  // Groups: 768 + 48 + 105 elements -> 3 + 1 + 1 groups in block 0, 17 + 1 -> 1 + 1 in block 1.
+  const int64_t scales = 2 * 4 * 7;
+  EXPECT_EQ(plan(StateDtype::kBFloat16, torch::kBFloat16, false).total_bytes(), 10 * n);
+  EXPECT_EQ(plan(StateDtype::kInt8, torch::kBFloat16, false).total_bytes(), 8 * n + scales);
+  EXPECT_EQ(plan(StateDtype::kFloat32, torch::kBFloat16, true).total_bytes(), 18 * n);
+  EXPECT_EQ(plan(StateDtype::kInt8, torch::kHalf, true).grad_bytes, 4 * n);
+  EXPECT_EQ(plan(StateDtype::kFloat32, torch::kFloat, false).total_bytes(), 16 * n);
+  EXPECT_EQ(plan(StateDtype::kFloat32, torch::kFloat, false).pinnable_bytes, 8 * n);
+  EXPECT_EQ(plan(StateDtype::kFloat32, torch::kFloat, true).compute_bytes, 0);
+  EXPECT_EQ(plan(StateDtype::kFloat32, torch::kFloat, true).total_bytes(), 16 * n);
+  // The same layout, allocated, reports the same.
+  HostParamStoreOptions int8;
+  int8.state_dtype = StateDtype::kInt8;
+  EXPECT_EQ(HostParamStore(two_blocks(), int8).memory_report().total_bytes(), 8 * n + scales);
 }
 
 // A 105 B-parameter-class request on a small machine: the error must give the bytes asked for, the
 // bytes the machine has, and what to change, and must come before anything is allocated.
 TEST(HostParamStore, AbsurdSizeFailsWithBytesAskedBytesAvailableAndAdvice) {
-  const int64_t n = int64_t{1} << 46;  // 64 Ti parameters: 1 PiB at 16 B each
+  const int64_t n = int64_t{1} << 46;  // 64 Ti parameters: 896 TiB at 14 B each
   try {
     HostParamStore store({{"huge", {{"weight", {n}}}}});
     FAIL() << "a 1 PiB store was allocated";
   } catch (const HostMemoryError& e) {
     const std::string msg = e.what();
-    EXPECT_EQ(e.requested_bytes(), 16 * n);
-    EXPECT_NE(msg.find(std::to_string(16 * n)), std::string::npos) << msg;  // bytes asked for
+    EXPECT_EQ(e.requested_bytes(), 14 * n);
+    EXPECT_NE(msg.find(std::to_string(14 * n)), std::string::npos) << msg;  // bytes asked for
     EXPECT_GT(e.available_bytes(), 0);
     EXPECT_NE(msg.find(std::to_string(e.available_bytes())), std::string::npos) << msg;  // bytes it has
     EXPECT_NE(msg.find("available"), std::string::npos) << msg;
@@ -146,9 +212,9 @@ TEST(HostParamStore, RejectsInvalidSpecsNamingTheParameter) {
   };
   expect_error({{"b", {{"w", {4, -1}}}}}, {}, "parameter 'w' of block 'b' has a negative dimension");
   expect_error({{"b", {{"w", {4}}, {"w", {2}}}}}, {}, "declares parameter 'w' twice");
-  HostParamStoreOptions fp32_compute;
-  fp32_compute.compute_dtype = torch::kFloat;
-  expect_error({{"b", {{"w", {4}}}}}, fp32_compute, "compute_dtype must be BFloat16 or Half");
+  HostParamStoreOptions fp64_compute;
+  fp64_compute.compute_dtype = torch::kDouble;
+  expect_error({{"b", {{"w", {4}}}}}, fp64_compute, "compute_dtype must be BFloat16, Half or Float");
 
   HostParamStore store(two_blocks());
   EXPECT_THROW(store.master(2), c10::Error);
@@ -177,7 +243,8 @@ TEST(HostParamStore, SetParamWritesMasterAndItsRoundedCopy) {
   }
 }
 
-// The store's flat buffers are exactly what CpuAdamW's tensor overload takes: one call per block.
+// The store's flat buffers are exactly what CpuAdamW's tensor overload takes: one call per block, the
+// gradient read from the compute buffer it lands in and the new copy written over it.
 TEST(HostParamStore, FeedsCpuAdamWBlockByBlock) {
   HostParamStore store(two_blocks());
   torch::manual_seed(4);
@@ -194,6 +261,19 @@ TEST(HostParamStore, FeedsCpuAdamWBlockByBlock) {
   EXPECT_FALSE(torch::equal(store.master(0), master0));
   EXPECT_TRUE(torch::equal(store.compute(0), store.master(0).to(torch::kBFloat16)));
   EXPECT_GT(store.exp_avg_sq(1).min().item<float>(), 0.f);
+}
+
+// copy_master_to_compute rounds a range of the copy from the master, as CpuAdamW and set_param do.
+TEST(HostParamStore, CopyMasterToComputeRoundsARange) {
+  HostParamStore store(two_blocks());
+  torch::manual_seed(6);
+  store.master(0).copy_(torch::randn({store.block_numel(0)}));
+  store.compute(0).fill_(7.f);
+  store.copy_master_to_compute(0, 10, 100);
+  EXPECT_TRUE(torch::equal(store.compute(0).narrow(0, 10, 90), store.master(0).narrow(0, 10, 90).to(torch::kBFloat16)));
+  EXPECT_EQ(store.compute(0)[9].item<float>(), 7.f);
+  EXPECT_EQ(store.compute(0)[100].item<float>(), 7.f);
+  EXPECT_THROW(store.copy_master_to_compute(0, 10, store.block_numel(0) + 1), c10::Error);
 }
 
 }  // namespace

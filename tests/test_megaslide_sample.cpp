@@ -112,9 +112,11 @@ TEST(MegaslideSample, WritesVBenchNamedH264VideosAnIndexAndRerunsIdentically) {
 
   // A training checkpoint folder works as --checkpoint: its model.safetensors holds the same bf16 weights
   // as the exported file (both rounded from the same masters), so the same videos.
+  // (With the progress bar on: one line per batch when stderr is not a terminal.)
   r = run("megaslide-sample", "--checkpoint " + join_path(scratch(), "run/checkpoints/step-0000003") + " --prompts " + prompts +
-                                  " --samples-per-prompt 2 --out " + out + " --steps 4 --no-progress --batch-size 3 --compute-dtype fp32");
+                                  " --samples-per-prompt 2 --out " + out + " --steps 4 --batch-size 3 --compute-dtype fp32");
   ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("] 4/4 videos | step 4/4"), std::string::npos) << r.output;
   for (const auto& [file, bytes] : first_bytes) EXPECT_EQ(megaslide::io::read_file(join_path(videos, file)), bytes) << "checkpoint: " << file;
   // So do the other names a user types for it — the `latest` file beside it, and the run folder — here
   // for one video each (a video depends only on its prompt, index and seed).
@@ -123,7 +125,7 @@ TEST(MegaslideSample, WritesVBenchNamedH264VideosAnIndexAndRerunsIdentically) {
   for (const std::string spec : {"run/checkpoints/latest", "run"}) {
     const auto other = join_path(scratch(), "by-name");
     r = run("megaslide-sample", "--checkpoint " + join_path(scratch(), spec) + " --prompts " + one + " --samples-per-prompt 1 --out " +
-                                    other + " --steps 4 --no-progress");
+                                    other + " --steps 4 --no-progress --compute-dtype fp32");
     ASSERT_EQ(r.code, 0) << spec << "\n" << r.output;
     EXPECT_EQ(megaslide::io::read_file(join_path(other, "videos/" + one_file)), first_bytes.at(one_file)) << spec;
     megaslide::io::remove_tree(other);

@@ -250,3 +250,28 @@ TEST(RunConfig, WanAndDiTKeysDoNotMix) {
   expect_error("", {"data.dataset=latent-tensors"}, "data.dataset", "expected structured-motion");
   expect_error("", {"data.tensors=x.safetensors"}, "data.tensors", "latent-tensors");
 }
+
+TEST(RunConfig, VideoDatasetKeysParseCheckAndReadBack) {
+  const std::string yaml =
+      "data:\n  dataset: videos\n  manifest: data/train.csv\n  buckets: [[8, 16, 16], [4, 16, 32]]\n  fps: 8\n"
+      "  clip_start: center\n  workers: 2\n  prefetch: 3\n  cache: ''\ntrain:\n  init_from: runs/a/model.safetensors\n"
+      "  init_allow_missing: [\"blocks.*.attn.offset_*\"]\n";
+  const auto c = parse_run_config(yaml, kSource);
+  ASSERT_EQ(c.data.buckets.size(), 2u);
+  EXPECT_EQ(c.data.buckets[1], (std::array<int64_t, 3>{4, 16, 32}));
+  EXPECT_EQ(c.train.init_allow_missing, (std::vector<std::string>{"blocks.*.attn.offset_*"}));
+  const auto back = parse_run_config(megaslide::to_yaml(c), "resolved");
+  EXPECT_EQ(megaslide::to_yaml(back), megaslide::to_yaml(c));
+  EXPECT_EQ(back.data.buckets, c.data.buckets);
+  EXPECT_EQ(back.data.cache, "");
+  // Exactly one of manifest and root; fps or a stride; buckets divisible by the patch; only for videos.
+  expect_error("data: {dataset: videos}\n", {}, "data.root", "exactly one of data.manifest");
+  expect_error("data: {dataset: videos, manifest: a.csv, root: b}\n", {}, "data.manifest", "exactly one");
+  expect_error("data: {dataset: videos, root: b, fps: 8, frame_stride: 2}\n", {}, "data.frame_stride", "either data.fps");
+  expect_error("data: {dataset: videos, root: b, buckets: [[8, 15, 16]]}\n", {}, "data.buckets", "item 0: height 15");
+  expect_error("data: {dataset: videos, root: b, buckets: [[8, 16]]}\n", {}, "data.buckets", "item 0: expected [frames, height, width]");
+  expect_error("data: {buckets: [[8, 16, 16]]}\n", {}, "data.buckets", "only data.dataset: videos");
+  expect_error("data: {dataset: videos, root: b, channels: 1}\n", {}, "data.channels", "expected 3");
+  expect_error("train: {init_allow_missing: [a, '']}\n", {}, "train.init_allow_missing", "non-empty");
+  expect_error("data: {workers: -1}\n", {}, "data.workers", "integer in [0, 256]");
+}

@@ -75,24 +75,40 @@ TEST(StepPlan, PcieBytesFollowTheClosedForm) {
   }
 }
 
-// Property: host state is 4 + 4 + 4 + 2 = 14 B per streamed parameter (fp32 master, m, v and a
-// 16-bit compute copy), the gradient buffers are 2 B (4 B when accumulating), staging is two blocks
-// in the compute dtype only when accumulating, and the host optimizer moves 28 B per parameter
-// (docs/cpu-adamw.md) with bf16 compute and no accumulation.
+// Property: host state is 4 + 4 + 4 + 2 = 14 B per streamed parameter with fp32 moments (fp32 master,
+// m, v and a 16-bit transfer buffer that also takes the gradient: no gradient buffer at accumulation
+// 1), 10 with bf16 moments, 8 + 8/256 per parameter of whole groups with int8 moments; accumulation
+// adds a 4 B fp32 gradient and two staging blocks in the compute dtype; only the transfer buffer and
+// the staging are pinned; the start-up peak is the state plus two blocks' fp32 initial weights; the
+// host optimizer moves 28 B per parameter (docs/cpu-adamw.md) with fp32 moments and bf16 compute, 20
+// with bf16 moments, 16 (plus the scales) with int8.
 TEST(StepPlan, HostBytesFollowTheClosedForm) {
   const auto one = plan::plan_step(tiny_run(), h200());
-  const int64_t P = one.streamed_params;
+  const int64_t P = one.streamed_params, Pb = one.params_per_block;
   EXPECT_EQ(one.host.master, 4 * P);
   EXPECT_EQ(one.host.exp_avg, 4 * P);
   EXPECT_EQ(one.host.exp_avg_sq, 4 * P);
   EXPECT_EQ(one.host.compute, 2 * P);
-  EXPECT_EQ(one.host.persistent(), 14 * P);
-  EXPECT_EQ(one.host.grad, 2 * P);
+  EXPECT_EQ(one.host.grad, 0);
+  EXPECT_EQ(one.host.scales, 0);
+  EXPECT_EQ(one.host.state(), 14 * P);
   EXPECT_EQ(one.host.staging, 0);
+  EXPECT_EQ(one.host.pinned, 2 * P);
+  EXPECT_EQ(one.host.construction_peak, 14 * P + 2 * 4 * Pb);
+  EXPECT_EQ(one.host.peak(), one.host.construction_peak);
   EXPECT_EQ(one.time.optimizer_bytes, 28 * P);
+  const auto bf16 = plan::plan_step(tiny_run({"optimizer.state_dtype=bf16"}), h200());
+  EXPECT_EQ(bf16.host.state(), 10 * P);
+  EXPECT_EQ(bf16.time.optimizer_bytes, 20 * P);
+  const auto int8 = plan::plan_step(tiny_run({"optimizer.state_dtype=int8"}), h200());
+  EXPECT_GE(int8.host.scales, 2 * 4 * P / 256);
+  EXPECT_EQ(int8.host.state(), 8 * P + int8.host.scales);
+  EXPECT_EQ(int8.time.optimizer_bytes, 16 * P + 2 * int8.host.scales);
   const auto accum = plan::plan_step(tiny_run({"train.grad_accum_steps=2"}), h200());
   EXPECT_EQ(accum.host.grad, 4 * P);
-  EXPECT_EQ(accum.host.staging, 2 * accum.params_per_block * 2);
+  EXPECT_EQ(accum.host.state(), 18 * P);
+  EXPECT_EQ(accum.host.staging, 2 * Pb * 2);
+  EXPECT_EQ(accum.host.pinned, 2 * P + 2 * Pb * 2);
 }
 
 // Property: the plan's PCIe bytes, host store components, parameter split and the device components
@@ -109,6 +125,8 @@ TEST(StepPlan, MatchesWhatTheStreamedTrainerMeasures) {
       {"offload.compute_dtype=fp16", "train.loss_scale_init=1"},
       {"model.arch=dense3d", "train.grad_accum_steps=3"},
       {"model.arch=swin", "model.layers=1"},
+      {"optimizer.state_dtype=int8", "train.grad_clip=0"},
+      {"optimizer.state_dtype=bf16", "train.grad_accum_steps=2"},
       {"offload.mode=sync"}};
   for (const auto& v : variants) {
     const auto config = tiny_run(v);
@@ -124,6 +142,9 @@ TEST(StepPlan, MatchesWhatTheStreamedTrainerMeasures) {
     EXPECT_EQ(p.host.exp_avg_sq, report.exp_avg_sq_bytes) << name;
     EXPECT_EQ(p.host.compute, report.compute_bytes) << name;
     EXPECT_EQ(p.host.grad, report.grad_bytes) << name;
+    EXPECT_EQ(p.host.scales, report.scale_bytes) << name;
+    EXPECT_EQ(p.host.state(), report.total_bytes()) << name;
+    EXPECT_EQ(p.host.pinned, report.pinnable_bytes + p.host.staging) << name;
     EXPECT_EQ(p.device.weight_slots, trainer.engine().streamer().device_weight_bytes()) << name;
     EXPECT_EQ(p.device.gradient_slots, trainer.engine().streamer().device_gradient_bytes()) << name;
     for (int step = 0; step < 2; ++step) {
@@ -139,17 +160,27 @@ TEST(StepPlan, MatchesWhatTheStreamedTrainerMeasures) {
 }
 
 // Property: the 105 B config plans to the parameter count the model reports (about 105 B) and 14 B of
-// persistent host state per streamed parameter, which is 13.9–14 B per parameter of the whole DiT
-// (the resident prologue/epilogue live on the device).
+// host state per streamed parameter, which is 13.9–14 B per parameter of the whole DiT (the resident
+// prologue/epilogue live on the device); the start-up peak is within two blocks of the steady state;
+// the targets per parameter hold: <= 14.2 (fp32 moments), <= 10.2 (bf16), <= 8.2 (int8), and the
+// steady state fits 1.5 TB.
 TEST(StepPlan, The105BConfigHas105BParametersAnd14BytesPerParameter) {
   const auto config = load_run_config(source_path("configs/105b.yaml"));
   const auto p = plan::plan_step(config, h200());
   EXPECT_EQ(p.params, count_dit_parameters(DiTOptions::from_config(config)).total);
   EXPECT_NEAR(static_cast<double>(p.params) / 1e9, 105.0, 1.0);
-  EXPECT_EQ(p.host.persistent(), 14 * p.streamed_params);
-  const double per_param = static_cast<double>(p.host.persistent()) / static_cast<double>(p.params);
+  EXPECT_EQ(p.host.state(), 14 * p.streamed_params);
+  const double per_param = static_cast<double>(p.host.steady()) / static_cast<double>(p.params);
   EXPECT_GT(per_param, 13.9);
   EXPECT_LE(per_param, 14.0);
+  EXPECT_LE(p.host.steady(), 1500e9);
+  EXPECT_LE(p.host.peak(), p.host.steady() + 2 * 14 * p.params_per_block);
+  for (auto [dtype, bound] : {std::pair{"bf16", 10.2}, std::pair{"int8", 8.2}}) {
+    RunConfig c = config;
+    c.optimizer.state_dtype = dtype;
+    const auto q = plan::plan_step(c, h200());
+    EXPECT_LE(static_cast<double>(q.host.steady()) / static_cast<double>(q.params), bound) << dtype;
+  }
 }
 
 // Property: the bound is the largest term in async mode and their sum in sync mode, the bottleneck
@@ -271,7 +302,7 @@ TEST(MegaslidePlanCli, JsonHasTheKeysAndBadHardwareIsRefused) {
   const auto j = nlohmann::json::parse(r.output);
   for (const char* key : {"params", "host_state_bytes", "device_peak_bytes", "h2d_bytes_per_step", "d2h_bytes_per_step",
                           "step_time_lower_bound_s", "bottleneck", "fits_device", "fits_host", "host_master_bytes",
-                          "device_checkpoint_bytes", "model_flops_per_step"}) {
+                          "device_checkpoint_bytes", "model_flops_per_step", "host_peak_bytes", "pinned_bytes", "state_dtype"}) {
     EXPECT_TRUE(j.contains(key)) << key;
   }
   const auto p = plan::plan_step(load_run_config(source_path("configs/105b.yaml")), h200());

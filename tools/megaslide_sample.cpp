@@ -27,8 +27,10 @@ class SampleProgress {
   void update(int64_t done, int64_t steps_done, int64_t steps) {
     if (!enabled_) return;
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-    const double fraction = (static_cast<double>(done) + static_cast<double>(steps_done) / std::max<int64_t>(steps, 1) * batch_) /
-                            static_cast<double>(total_);
+    // `done` videos finished, plus the current batch's share while it is still sampling (the update after
+    // a batch passes done = its end and steps_done = steps: counted once).
+    const double running = steps_done < steps ? static_cast<double>(steps_done) / static_cast<double>(steps) * static_cast<double>(batch_) : 0.0;
+    const double fraction = std::min(1.0, (static_cast<double>(done) + running) / static_cast<double>(total_));
     const double eta = fraction > 0 ? elapsed / fraction * (1 - fraction) : 0.0;
     const int width = 24, filled = static_cast<int>(fraction * width);
     const std::string line = fmt::format("[{}{}] {}/{} videos | step {}/{} | {:.2f} s/video | ETA {}:{:02}", std::string(filled, '#'),

@@ -112,6 +112,12 @@ int main(int argc, char** argv) {
   } catch (const megaslide::RunFolderError& e) {
     std::cerr << "megaslide-train: " << e.what() << "\n";
     return 2;
+  } catch (const megaslide::DatasetError& e) {
+    std::cerr << "megaslide-train: " << e.what() << "\n";
+    return 2;
+  } catch (const megaslide::InitFromError& e) {
+    std::cerr << "megaslide-train: " << e.what() << "\n";
+    return 2;
   } catch (const std::exception& e) {
     std::cerr << "megaslide-train: " << megaslide::error_message(e)
               << (megaslide::is_out_of_memory(e) ? " (out of memory: megaslide-plan --config ... shows what the run needs)" : "") << "\n";

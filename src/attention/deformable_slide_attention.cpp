@@ -38,7 +38,8 @@ void DeformableSlideAttention3DImpl::reset() {
     auto gen = at::detail::createCPUGenerator(options.frozen_offset_seed());
     auto uniform = [&](std::vector<int64_t> shape, int64_t fan_in) {
       const double bound = 1.0 / std::sqrt(static_cast<double>(fan_in));
-      return (torch::rand(shape, gen, torch::kFloat32) * (2 * bound) - bound).to(dev);
+      // Not parameters, so a skeleton built on the meta device (the streamed trainer's) still needs them.
+      return (torch::rand(shape, gen, torch::kFloat32) * (2 * bound) - bound).to(dev.is_meta() ? torch::Device(torch::kCPU) : dev);
     };
     const int64_t out = G * kernel_volume() * 3;
     frozen_dw_weight = uniform({D, 1, 3, 3, 3}, 27);

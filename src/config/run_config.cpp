@@ -199,6 +199,59 @@ class Schema {
         },
         [&slot] { return YAML::Node(slot); });
   }
+  void text_list(std::string key, std::vector<std::string>& slot) {
+    add(std::move(key),
+        [&slot](const YAML::Node& n) {
+          if (!n.IsSequence()) throw FieldProblem{"expected a list of strings, got " + describe(n)};
+          std::vector<std::string> v;
+          for (const auto& item : n) {
+            if (!item.IsScalar() || item.Scalar().empty())
+              throw FieldProblem{"expected a list of non-empty strings, got an item " + describe(item)};
+            v.push_back(item.Scalar());
+          }
+          slot = v;
+        },
+        [&slot] {
+          YAML::Node n(YAML::NodeType::Sequence);
+          for (const auto& x : slot) n.push_back(x);
+          n.SetStyle(YAML::EmitterStyle::Flow);
+          return n;
+        });
+  }
+  // A list of [frames, height, width] triples of positive integers.
+  void triple_list(std::string key, std::vector<std::array<int64_t, 3>>& slot) {
+    add(std::move(key),
+        [&slot](const YAML::Node& n) {
+          if (!n.IsSequence()) throw FieldProblem{"expected a list of [frames, height, width] lists, got " + describe(n)};
+          std::vector<std::array<int64_t, 3>> v;
+          for (size_t i = 0; i < n.size(); ++i) {
+            const YAML::Node& item = n[i];
+            if (!item.IsSequence() || item.size() != 3)
+              throw FieldProblem{"item " + std::to_string(i) + ": expected [frames, height, width], got " + describe(item)};
+            std::array<int64_t, 3> t{};
+            for (size_t a = 0; a < 3; ++a) {
+              try {
+                t[a] = checked_int(item[a], IntRange{1});
+              } catch (const FieldProblem& p) {
+                throw FieldProblem{"item " + std::to_string(i) + ": " + p.text};
+              }
+            }
+            v.push_back(t);
+          }
+          slot = v;
+        },
+        [&slot] {
+          YAML::Node n(YAML::NodeType::Sequence);
+          for (const auto& t : slot) {
+            YAML::Node item(YAML::NodeType::Sequence);
+            for (auto x : t) item.push_back(x);
+            item.SetStyle(YAML::EmitterStyle::Flow);
+            n.push_back(item);
+          }
+          n.SetStyle(YAML::EmitterStyle::Flow);
+          return n;
+        });
+  }
   template <typename T, typename Check>
   void triple(std::string key, std::array<T, 3>& slot, std::string expected, Check check) {
     add(std::move(key),
@@ -276,7 +329,7 @@ class Schema {
     real("model.wan.eps", c.model.wan.eps, RealRange{0.0, 1.0, true, false});
     optional_text("model.wan.weights", c.model.wan.weights);
     // data
-    choice("data.dataset", c.data.dataset, {"structured-motion", "latent-tensors"});
+    choice("data.dataset", c.data.dataset, {"structured-motion", "videos", "latent-tensors"});
     integer("data.channels", c.data.channels, IntRange{1, 64});
     integer("data.frames", c.data.frames, IntRange{1});
     integer("data.height", c.data.height, IntRange{1});
@@ -284,6 +337,18 @@ class Schema {
     integer("data.num_clips", c.data.num_clips, IntRange{1});
     integer("data.max_text_tokens", c.data.max_text_tokens, IntRange{2, 4096});
     seed("data.seed", c.data.seed);
+    optional_text("data.manifest", c.data.manifest);
+    optional_text("data.root", c.data.root);
+    text("data.video_path_template", c.data.video_path_template);
+    real("data.fps", c.data.fps, RealRange{0.0, 1000.0});
+    integer("data.frame_stride", c.data.frame_stride, IntRange{1, 10000});
+    choice("data.clip_start", c.data.clip_start, {"random", "center"});
+    choice("data.crop", c.data.crop, {"center", "random"});
+    triple_list("data.buckets", c.data.buckets);
+    real("data.max_bad_fraction", c.data.max_bad_fraction, RealRange{0.0, 1.0});
+    optional_text("data.cache", c.data.cache);
+    integer("data.workers", c.data.workers, IntRange{0, 256});
+    integer("data.prefetch", c.data.prefetch, IntRange{1, 1024});
     optional_text("data.tensors", c.data.tensors);
     // diffusion
     integer("diffusion.timesteps", c.diffusion.timesteps, IntRange{2, 100000});
@@ -331,12 +396,16 @@ class Schema {
     integer("train.checkpoint_every", c.train.checkpoint_every, IntRange{0});
     integer("train.keep_last", c.train.keep_last, IntRange{0});
     integer("train.max_consecutive_skips", c.train.max_consecutive_skips, IntRange{0});
+    optional_text("train.init_from", c.train.init_from);
+    text_list("train.init_allow_missing", c.train.init_allow_missing);
     // offload
     boolean("offload.enabled", c.offload.enabled);
     choice("offload.mode", c.offload.mode, {"async", "sync"});
     choice("offload.compute_dtype", c.offload.compute_dtype, {"auto", "bf16", "fp16", "fp32"});
     integer("offload.optimizer_threads", c.offload.optimizer_threads, IntRange{0, 4096});
     real("offload.emulated_copy_delay_ms", c.offload.emulated_copy_delay_ms, RealRange{0.0, 10000.0});
+    // optimizer
+    choice("optimizer.state_dtype", c.optimizer.state_dtype, {"fp32", "bf16", "int8"});
     // output
     text("output.run_dir", c.output.run_dir);
     boolean("output.progress", c.output.progress);
@@ -405,7 +474,7 @@ std::string unknown_key_problem(const Schema& schema, const std::string& key) {
   std::string problem = "unknown key";
   if (!best.empty()) problem += " (did you mean " + best + "?)";
   if (!known.empty()) problem += "; keys of section " + section + ": " + known;
-  else problem += "; sections are model, data, diffusion, train, offload, output";
+  else problem += "; sections are model, data, diffusion, train, offload, optimizer, output";
   return problem;
 }
 
@@ -541,7 +610,7 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::string& sour
       bool known_section = false;
       for (const auto& f : schema.fields()) known_section |= f.key.rfind(name + ".", 0) == 0;
       if (!known_section)
-        throw ConfigError(source, name, "unknown section; sections are model, data, diffusion, train, offload, output");
+        throw ConfigError(source, name, "unknown section; sections are model, data, diffusion, train, offload, optimizer, output");
       if (!section.second.IsMap())
         throw ConfigError(source, name, "expected a section (a mapping of keys), got " + describe(section.second));
       read_keys(section.second, name);
@@ -634,6 +703,25 @@ void validate(const RunConfig& c, const std::string& source) {
                                                (wan ? "model.wan.patch[" : "model.patch[") + std::to_string(a) + "] = " +
                                                std::to_string(patch[a]) + ", got " + std::to_string(sizes[a]));
   }
+  const auto& data = c.data;
+  if (data.dataset == "videos") {
+    if (data.manifest.empty() == data.root.empty())
+      fail(data.manifest.empty() ? "data.root" : "data.manifest",
+           "data.dataset: videos needs exactly one of data.manifest (a CSV or JSONL file) and data.root (a folder of videos with "
+           ".txt captions)");
+    if (data.fps > 0 && data.frame_stride != 1)
+      fail("data.frame_stride", "set either data.fps (frames sampled at that rate) or data.frame_stride, not both");
+    if (data.channels != 3) fail("data.channels", "expected 3 for data.dataset: videos (RGB), got " + std::to_string(data.channels));
+  }
+  for (size_t i = 0; i < data.buckets.size(); ++i) {
+    for (int a = 0; a < 3; ++a) {
+      if (data.buckets[i][a] % m.patch[a] != 0)
+        fail("data.buckets", "item " + std::to_string(i) + ": " + axes[a] + " " + std::to_string(data.buckets[i][a]) +
+                                 " is not a multiple of model.patch[" + std::to_string(a) + "] = " + std::to_string(m.patch[a]));
+    }
+  }
+  if (!data.buckets.empty() && data.dataset != "videos") fail("data.buckets", "only data.dataset: videos has buckets");
+  if (!data.cache.empty() && data.dataset != "videos") fail("data.cache", "only data.dataset: videos reads a cache");
   const auto& d = c.diffusion;
   if (wan != (c.data.dataset == "latent-tensors"))
     fail("data.dataset", wan ? "expected latent-tensors for model.arch wan (latent videos and text embeddings; structured-motion renders "
@@ -655,6 +743,10 @@ void validate(const RunConfig& c, const std::string& source) {
     fail("diffusion.sample_steps", "expected at most diffusion.timesteps (" + std::to_string(d.timesteps) + "), got " +
                                        std::to_string(d.sample_steps));
   check_sizes(c, fail);
+  if (!c.offload.enabled && c.optimizer.state_dtype != "fp32")
+    fail("optimizer.state_dtype", "expected fp32 with offload.enabled: false (the resident reference loop keeps LibTorch's "
+                                  "fp32 moments; bf16 and int8 moments are the streamed trainer's), got " +
+                                      c.optimizer.state_dtype);
 }
 
 std::string to_yaml(const RunConfig& config) {

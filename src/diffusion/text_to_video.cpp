@@ -58,14 +58,18 @@ torch::Tensor TextToVideo::generate(const std::vector<std::string>& prompts, con
 }
 
 std::vector<std::string> write_validation_samples(const std::string& dir, const RunConfig& config, DiT& dit,
-                                                  TextEncoder& text_encoder, int64_t count) {
+                                                  TextEncoder& text_encoder, int64_t count, const std::vector<std::string>& dataset_captions) {
   TORCH_CHECK(count >= 1, "write_validation_samples: count must be >= 1, got ", count);
   const auto& d = config.data;
-  StructuredMotionDataset dataset(
-      StructuredMotionOptions().channels(d.channels).frames(d.frames).height(d.height).width(d.width).num_clips(d.num_clips).seed(d.seed));
+  std::vector<std::string> candidates = dataset_captions;
+  if (candidates.empty()) {
+    StructuredMotionDataset dataset(
+        StructuredMotionOptions().channels(d.channels).frames(d.frames).height(d.height).width(d.width).num_clips(d.num_clips).seed(d.seed));
+    for (int64_t i = 0; i < std::min(count, dataset.size()); ++i) candidates.push_back(dataset.get(i).caption);
+  }
   std::vector<std::string> captions;
-  for (int64_t i = 0; i < std::min(count, dataset.size()); ++i) {
-    auto caption = dataset.get(i).caption;
+  for (int64_t i = 0; i < std::min<int64_t>(count, static_cast<int64_t>(candidates.size())); ++i) {
+    const auto& caption = candidates[static_cast<size_t>(i)];
     if (std::find(captions.begin(), captions.end(), caption) == captions.end()) captions.push_back(caption);
   }
   auto jobs = eval::plan_vbench_samples(captions, 1, config.train.seed);

@@ -189,48 +189,59 @@ torch::ScalarType safetensors_dtype(const std::string& name) {
 }
 
 namespace {
-// The header text (padded to 8 bytes) and the CPU-contiguous tensors it describes, in order. Tensors that
-// already are contiguous CPU tensors (the host store's views) are not copied.
-std::pair<std::string, std::vector<torch::Tensor>> layout(const NamedTensors& tensors,
-                                                          const std::map<std::string, std::string>& metadata) {
+// The dtype a tensor is written in: `cast` when given and the tensor is floating, else its own.
+c10::ScalarType written_dtype(const torch::Tensor& t, std::optional<c10::ScalarType> cast) {
+  return cast && t.is_floating_point() ? *cast : t.scalar_type();
+}
+
+// The header text (padded to 8 bytes) for `tensors` written in written_dtype.
+std::string layout(const NamedTensors& tensors, const std::map<std::string, std::string>& metadata,
+                   std::optional<c10::ScalarType> cast) {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
-  std::vector<torch::Tensor> contiguous;
   std::set<std::string> names;
   uint64_t offset = 0;
   for (const auto& [name, tensor] : tensors) {
     TORCH_CHECK(!name.empty() && name != "__metadata__", "write_safetensors: invalid tensor name '", name, "'");
     TORCH_CHECK(names.insert(name).second, "write_safetensors: tensor name '", name, "' appears twice");
     TORCH_CHECK(tensor.defined(), "write_safetensors: tensor '", name, "' is undefined");
-    auto t = tensor.detach().to(torch::kCPU).contiguous();
-    const uint64_t bytes = static_cast<uint64_t>(t.numel()) * static_cast<uint64_t>(t.element_size());
-    header[name] = {{"dtype", safetensors_dtype_name(t.scalar_type())}, {"shape", t.sizes().vec()}, {"data_offsets", {offset, offset + bytes}}};
+    const auto dtype = written_dtype(tensor, cast);
+    const uint64_t bytes = static_cast<uint64_t>(tensor.numel()) * static_cast<uint64_t>(c10::elementSize(dtype));
+    header[name] = {{"dtype", safetensors_dtype_name(dtype)}, {"shape", tensor.sizes().vec()}, {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
-    contiguous.push_back(std::move(t));
   }
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');
   std::string prefix;
   const uint64_t n = text.size();
   for (int i = 0; i < 8; ++i) prefix.push_back(static_cast<char>((n >> (8 * i)) & 0xff));
-  return {prefix + text, std::move(contiguous)};
+  return prefix + text;
 }
 
-size_t byte_size(const torch::Tensor& t) { return static_cast<size_t>(t.numel()) * static_cast<size_t>(t.element_size()); }
+// Calls sink(data, bytes) for each tensor in turn, converted to a contiguous CPU tensor of its written
+// dtype just before (contiguous CPU tensors of that dtype, like the host store's views, are not copied):
+// at most one converted tensor exists at a time.
+template <typename Sink>
+void for_each_payload(const NamedTensors& tensors, std::optional<c10::ScalarType> cast, Sink&& sink) {
+  for (const auto& [name, tensor] : tensors) {
+    const auto t = tensor.detach().to(torch::kCPU, written_dtype(tensor, cast)).contiguous();
+    sink(t.data_ptr(), static_cast<size_t>(t.numel()) * static_cast<size_t>(t.element_size()));
+  }
+}
 }  // namespace
 
 std::string encode_safetensors(const NamedTensors& tensors, const std::map<std::string, std::string>& metadata) {
-  auto [head, contiguous] = layout(tensors, metadata);
-  std::string out = std::move(head);
-  for (const auto& t : contiguous) out.append(static_cast<const char*>(t.data_ptr()), byte_size(t));
+  std::string out = layout(tensors, metadata, std::nullopt);
+  for_each_payload(tensors, std::nullopt, [&](const void* data, size_t bytes) { out.append(static_cast<const char*>(data), bytes); });
   return out;
 }
 
-WrittenFile write_safetensors(const std::string& path, const NamedTensors& tensors, const std::map<std::string, std::string>& metadata) {
-  auto [head, contiguous] = layout(tensors, metadata);
+WrittenFile write_safetensors(const std::string& path, const NamedTensors& tensors, const std::map<std::string, std::string>& metadata,
+                              std::optional<c10::ScalarType> cast) {
+  const std::string head = layout(tensors, metadata, cast);
   AtomicFileWriter out(path);
   out.write(head.data(), head.size());
-  for (const auto& t : contiguous) out.write(t.data_ptr(), byte_size(t));
+  for_each_payload(tensors, cast, [&](const void* data, size_t bytes) { out.write(data, bytes); });
   out.commit();
   return {out.bytes_written(), out.crc32()};
 }

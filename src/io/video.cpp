@@ -13,9 +13,12 @@ extern "C" {
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 
@@ -40,7 +43,9 @@ namespace {
 
 void quiet_ffmpeg() {
   static std::once_flag once;
-  std::call_once(once, [] { av_log_set_level(AV_LOG_ERROR); });
+  // Fatal messages only: every failure reaches the caller as a VideoError naming the file, and a dataset
+  // with broken files would otherwise print FFmpeg's own lines for each ("moov atom not found").
+  std::call_once(once, [] { av_log_set_level(AV_LOG_FATAL); });
 }
 
 std::string av_error(int code) {
@@ -221,81 +226,159 @@ void write_png(const std::string& path, const torch::Tensor& frame_in) {
   write_file_atomically(path, bytes);
 }
 
-torch::Tensor read_video(const std::string& path, VideoInfo* info, const VideoReadOptions& options) {
+namespace {
+
+struct OpenedVideo {
+  std::unique_ptr<AVFormatContext, InputDeleter> in;
+  CodecContextPtr dec;
+  int index = -1;
+  AVStream* stream = nullptr;
+  int width = 0, height = 0;
+};
+
+OpenedVideo open_video(const std::string& path) {
   quiet_ffmpeg();
+  OpenedVideo v;
   AVFormatContext* raw_in = nullptr;
   check(avformat_open_input(&raw_in, path.c_str(), nullptr, nullptr), path, "cannot open");
-  std::unique_ptr<AVFormatContext, InputDeleter> in(raw_in);
-  check(avformat_find_stream_info(in.get(), nullptr), path, "cannot read stream information");
+  v.in.reset(raw_in);
+  check(avformat_find_stream_info(v.in.get(), nullptr), path, "cannot read stream information");
   const AVCodec* codec = nullptr;
-  const int index = av_find_best_stream(in.get(), AVMEDIA_TYPE_VIDEO, -1, -1, &codec, 0);
-  check(index, path, "no video stream");
+  v.index = av_find_best_stream(v.in.get(), AVMEDIA_TYPE_VIDEO, -1, -1, &codec, 0);
+  check(v.index, path, "no video stream");
   if (codec == nullptr) fail(path, "no decoder for its video stream");
-  AVStream* stream = in->streams[index];
-  CodecContextPtr dec(avcodec_alloc_context3(codec));
-  if (!dec) fail(path, "out of memory");
-  check(avcodec_parameters_to_context(dec.get(), stream->codecpar), path, "bad codec parameters");
-  check(avcodec_open2(dec.get(), codec, nullptr), path, std::string("cannot open decoder ") + codec->name);
+  v.stream = v.in->streams[v.index];
+  v.dec.reset(avcodec_alloc_context3(codec));
+  if (!v.dec) fail(path, "out of memory");
+  check(avcodec_parameters_to_context(v.dec.get(), v.stream->codecpar), path, "bad codec parameters");
+  v.dec->thread_count = 1;  // one thread per file: loaders decode several files at once (data/loader.h)
+  check(avcodec_open2(v.dec.get(), codec, nullptr), path, std::string("cannot open decoder ") + codec->name);
+  v.width = v.stream->codecpar->width, v.height = v.stream->codecpar->height;
+  if (v.width <= 0 || v.height <= 0) fail(path, "video stream has no frame size");
+  return v;
+}
 
-  const int W = stream->codecpar->width, H = stream->codecpar->height;
-  if (W <= 0 || H <= 0) fail(path, "video stream has no frame size");
+void describe_stream(const OpenedVideo& v, VideoInfo& info) {
+  info.codec = avcodec_get_name(v.stream->codecpar->codec_id);
+  const char* pf = av_get_pix_fmt_name(static_cast<AVPixelFormat>(v.stream->codecpar->format));
+  info.pixel_format = pf != nullptr ? pf : "unknown";
+  info.width = v.width, info.height = v.height;
+  info.container_frames = v.stream->nb_frames;
+  info.fps = v.stream->avg_frame_rate.den != 0 ? av_q2d(v.stream->avg_frame_rate) : 0.0;
+  if (info.fps <= 0 && v.stream->r_frame_rate.den != 0) info.fps = av_q2d(v.stream->r_frame_rate);
+}
+
+// Decodes frames in presentation order; `keep(index)` says whether frame `index` is converted to RGB and
+// handed to `take`. Stops after frame `last` (−1: the whole stream). Returns the number of frames decoded.
+int64_t decode_frames(const std::string& path, OpenedVideo& v, const VideoReadOptions& options, int64_t last,
+                      const std::function<bool(int64_t)>& keep, const std::function<void(int64_t, torch::Tensor)>& take) {
+  const int W = v.width, H = v.height;
+  AVCodecContext* dec = v.dec.get();
   FramePtr frame(av_frame_alloc()), rgb(av_frame_alloc());
   PacketPtr packet(av_packet_alloc());
   if (!frame || !rgb || !packet) fail(path, "out of memory");
   SwsPtr sws;
-  std::vector<torch::Tensor> frames;
+  int64_t decoded = 0;
+  bool done = false;
   auto receive = [&] {
-    while (true) {
-      int r = avcodec_receive_frame(dec.get(), frame.get());
+    while (!done) {
+      int r = avcodec_receive_frame(dec, frame.get());
       if (r == AVERROR(EAGAIN) || r == AVERROR_EOF) return;
       check(r, path, "decoding failed");
       if (frame->width != W || frame->height != H) fail(path, "frame size changes mid-stream");
-      if (!sws) {
-        // kInterpolatedChroma: SWS_FULL_CHR_H_INT, without which swscale's YUV -> RGB path reads back grey
-        // 1.7 levels dark on average (measured on a ramp: bias −1.73 vs +0.007 with it).
-        // kOpenCV: OpenCV's call as it is (video.h), at the coded size as OpenCV sizes it: with yuv420p the
-        // height decides whether swscale takes its unscaled path.
-        int cw = W, ch = H, flags = SWS_BICUBIC | SWS_ACCURATE_RND | SWS_FULL_CHR_H_INT;
-        if (options.rgb_conversion() == RgbConversion::kOpenCV) {
-          flags = SWS_BICUBIC;
-          if (dec->coded_width >= W && dec->coded_height >= H) cw = dec->coded_width, ch = dec->coded_height;
+      const int64_t index = decoded++;
+      if (keep(index)) {
+        if (!sws) {
+          // kInterpolatedChroma: SWS_FULL_CHR_H_INT, without which swscale's YUV -> RGB path reads back grey
+          // 1.7 levels dark on average (measured on a ramp: bias −1.73 vs +0.007 with it).
+          // kOpenCV: OpenCV's call as it is (video.h), at the coded size as OpenCV sizes it: with yuv420p the
+          // height decides whether swscale takes its unscaled path.
+          int cw = W, ch = H, flags = SWS_BICUBIC | SWS_ACCURATE_RND | SWS_FULL_CHR_H_INT;
+          if (options.rgb_conversion() == RgbConversion::kOpenCV) {
+            flags = SWS_BICUBIC;
+            if (dec->coded_width >= W && dec->coded_height >= H) cw = dec->coded_width, ch = dec->coded_height;
+          }
+          sws.reset(sws_getContext(cw, ch, static_cast<AVPixelFormat>(frame->format), cw, ch, AV_PIX_FMT_RGB24, flags, nullptr, nullptr,
+                                   nullptr));
+          if (!sws) fail(path, "cannot set up the YUV -> RGB conversion");
+          rgb->format = AV_PIX_FMT_RGB24, rgb->width = cw, rgb->height = ch;
+          check(av_frame_get_buffer(rgb.get(), 0), path, "cannot allocate a frame");
         }
-        sws.reset(sws_getContext(cw, ch, static_cast<AVPixelFormat>(frame->format), cw, ch, AV_PIX_FMT_RGB24, flags, nullptr, nullptr,
-                                 nullptr));
-        if (!sws) fail(path, "cannot set up the YUV -> RGB conversion");
-        rgb->format = AV_PIX_FMT_RGB24, rgb->width = cw, rgb->height = ch;
-        check(av_frame_get_buffer(rgb.get(), 0), path, "cannot allocate a frame");
+        sws_scale(sws.get(), frame->data, frame->linesize, 0, H, rgb->data, rgb->linesize);
+        auto t = torch::empty({H, W, 3}, torch::kUInt8);
+        for (int y = 0; y < H; ++y)
+          std::memcpy(t.data_ptr<uint8_t>() + static_cast<int64_t>(y) * W * 3, rgb->data[0] + y * rgb->linesize[0], static_cast<size_t>(W) * 3);
+        take(index, std::move(t));
       }
-      sws_scale(sws.get(), frame->data, frame->linesize, 0, H, rgb->data, rgb->linesize);
-      auto t = torch::empty({H, W, 3}, torch::kUInt8);
-      for (int y = 0; y < H; ++y) std::memcpy(t.data_ptr<uint8_t>() + static_cast<int64_t>(y) * W * 3, rgb->data[0] + y * rgb->linesize[0], static_cast<size_t>(W) * 3);
-      frames.push_back(t);
       av_frame_unref(frame.get());
+      if (last >= 0 && index >= last) done = true;
     }
   };
-  while (true) {
-    int r = av_read_frame(in.get(), packet.get());
+  while (!done) {
+    int r = av_read_frame(v.in.get(), packet.get());
     if (r == AVERROR_EOF) break;
     check(r, path, "cannot read a packet");
-    if (packet->stream_index == index) {
-      check(avcodec_send_packet(dec.get(), packet.get()), path, "decoding failed");
+    if (packet->stream_index == v.index) {
+      check(avcodec_send_packet(dec, packet.get()), path, "decoding failed");
       receive();
     }
     av_packet_unref(packet.get());
   }
-  check(avcodec_send_packet(dec.get(), nullptr), path, "flushing the decoder failed");
-  receive();
+  if (!done) {
+    check(avcodec_send_packet(dec, nullptr), path, "flushing the decoder failed");
+    receive();
+  }
+  return decoded;
+}
+
+}  // namespace
+
+torch::Tensor read_video(const std::string& path, VideoInfo* info, const VideoReadOptions& options) {
+  auto v = open_video(path);
+  std::vector<torch::Tensor> frames;
+  decode_frames(path, v, options, -1, [](int64_t) { return true; }, [&](int64_t, torch::Tensor t) { frames.push_back(std::move(t)); });
   if (frames.empty()) fail(path, "no frames decoded");
   if (info != nullptr) {
-    info->codec = avcodec_get_name(stream->codecpar->codec_id);
-    const char* pf = av_get_pix_fmt_name(static_cast<AVPixelFormat>(stream->codecpar->format));
-    info->pixel_format = pf != nullptr ? pf : "unknown";
-    info->width = W, info->height = H;
+    describe_stream(v, *info);
     info->frames = static_cast<int64_t>(frames.size());
-    info->container_frames = stream->nb_frames;
-    info->fps = stream->avg_frame_rate.den != 0 ? av_q2d(stream->avg_frame_rate) : 0.0;
   }
   return torch::stack(frames);
+}
+
+VideoInfo probe_video(const std::string& path) {
+  auto v = open_video(path);
+  VideoInfo info;
+  describe_stream(v, info);
+  info.frames = info.container_frames;
+  if (info.frames <= 0 && info.fps > 0) {
+    double seconds = 0.0;
+    if (v.stream->duration != AV_NOPTS_VALUE && v.stream->duration > 0) seconds = static_cast<double>(v.stream->duration) * av_q2d(v.stream->time_base);
+    else if (v.in->duration != AV_NOPTS_VALUE && v.in->duration > 0) seconds = static_cast<double>(v.in->duration) / AV_TIME_BASE;
+    info.frames = static_cast<int64_t>(std::llround(seconds * info.fps));
+  }
+  return info;
+}
+
+torch::Tensor read_video_frames(const std::string& path, const std::vector<int64_t>& indices, int64_t* frames_decoded,
+                                const VideoReadOptions& options) {
+  if (indices.empty()) fail(path, "read_video_frames: no frame indices asked for");
+  int64_t last = 0;
+  for (int64_t i : indices) {
+    if (i < 0) fail(path, "read_video_frames: negative frame index " + std::to_string(i));
+    last = std::max(last, i);
+  }
+  std::vector<char> wanted(static_cast<size_t>(last + 1), 0);
+  for (int64_t i : indices) wanted[static_cast<size_t>(i)] = 1;
+  std::map<int64_t, torch::Tensor> kept;
+  auto v = open_video(path);
+  const int64_t decoded = decode_frames(
+      path, v, options, last, [&](int64_t i) { return i <= last && wanted[static_cast<size_t>(i)] != 0; },
+      [&](int64_t i, torch::Tensor t) { kept.emplace(i, std::move(t)); });
+  if (frames_decoded != nullptr) *frames_decoded = decoded;
+  if (decoded <= last) return {};
+  auto out = torch::empty({static_cast<int64_t>(indices.size()), v.height, v.width, 3}, torch::kUInt8);
+  for (size_t k = 0; k < indices.size(); ++k) out[static_cast<int64_t>(k)].copy_(kept.at(indices[k]));
+  return out;
 }
 
 #else  // built without FFmpeg (MEGASLIDE_VIDEO=OFF, or its libraries were not found)
@@ -312,6 +395,8 @@ bool video_supported() { return false; }
 void write_mp4(const std::string& path, const torch::Tensor&, const VideoWriteOptions&) { no_video(path); }
 void write_png(const std::string& path, const torch::Tensor&) { no_video(path); }
 torch::Tensor read_video(const std::string& path, VideoInfo*, const VideoReadOptions&) { no_video(path); }
+VideoInfo probe_video(const std::string& path) { no_video(path); }
+torch::Tensor read_video_frames(const std::string& path, const std::vector<int64_t>&, int64_t*, const VideoReadOptions&) { no_video(path); }
 
 #endif
 }  // namespace megaslide::io

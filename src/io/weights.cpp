@@ -30,13 +30,15 @@ io::WrittenFile save_weights(const std::string& path, const RunConfig& config, c
                                               {"format_version", kFormatVersion},
                                               {"config", to_yaml(config)},
                                               {"megaslide_version", version()}};
+  // The tensors are cast one at a time as they are written: exporting a model whose masters fill host
+  // RAM needs one tensor's copy, not the model's.
   io::NamedTensors tensors;
   tensors.reserve(parameters.size());
   for (const auto& [name, value] : parameters) {
     const bool text = name.rfind("text_encoder.", 0) == 0;
-    tensors.emplace_back(text ? name : "dit." + name, value.detach().to(torch::kCPU, dtype));
+    tensors.emplace_back(text ? name : "dit." + name, value);
   }
-  return io::write_safetensors(path, tensors, metadata);
+  return io::write_safetensors(path, tensors, metadata, dtype);
 }
 
 void save_weights(const std::string& path, const RunConfig& config, DiT& dit, TextEncoder& text_encoder, torch::ScalarType dtype) {

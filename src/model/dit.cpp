@@ -1,5 +1,9 @@
 #include "megaslide/model/dit.h"
 
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <mutex>
+
 #include <cmath>
 
 namespace megaslide {
@@ -142,20 +146,53 @@ torch::Tensor DiTBlockImpl::forward(const torch::Tensor& x, const BlockContext& 
 
 DiTImpl::DiTImpl(DiTOptions options_) : options(std::move(options_)) { reset(); }
 
+namespace {
+// One 64-bit draw from the generator InitGenerator::current() names (the same on every device: meta
+// tensors draw nothing, so the draw is made here, explicitly).
+uint64_t draw_init_seed() {
+  at::Generator gen = InitGenerator::current();
+  if (!gen.defined()) gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get<at::CPUGeneratorImpl>()->random64();
+}
+}  // namespace
+
 void DiTImpl::reset() {
   const int64_t D = options.hidden(), C = options.in_channels();
   const auto& p = options.patch();
   const auto dev = options.device();
   TORCH_CHECK(D % options.heads() == 0, "DiT: hidden ", D, " is not divisible by heads ", options.heads());
   TORCH_CHECK(D >= 6 && D % 2 == 0, "DiT: hidden must be even and >= 6 (3D sin-cos positions), got ", D);
-  patch_embed = register_module("patch_embed", Conv3d(Conv3dOptions(C, D, p).stride(p).device(dev)));
-  t_embedder = register_module("t_embedder", TimestepEmbedder(D, options.frequency_dim(), dev));
-  t_mod = register_module("t_mod", Linear(LinearOptions(D, 6 * D).zero_init(true).device(dev)));
+  init_seed = draw_init_seed();
+  {
+    InitGenerator parts(derive_seed(init_seed, 0));
+    patch_embed = register_module("patch_embed", Conv3d(Conv3dOptions(C, D, p).stride(p).device(dev)));
+    t_embedder = register_module("t_embedder", TimestepEmbedder(D, options.frequency_dim(), dev));
+    t_mod = register_module("t_mod", Linear(LinearOptions(D, 6 * D).zero_init(true).device(dev)));
+  }
   blocks = register_module("blocks", torch::nn::ModuleList());
-  for (int64_t i = 0; i < options.layers(); ++i) blocks->push_back(DiTBlock(options, i));
+  for (int64_t i = 0; i < options.layers(); ++i) blocks->push_back(initial_block(i, options.block_device().value_or(dev)));
   final_norm = register_module("final_norm", LayerNorm(LayerNormOptions(D).affine(false).device(dev)));
   final_modulation = register_parameter("final_modulation", torch::zeros({2, D}, torch::TensorOptions().device(dev)));
   final_proj = register_module("final_proj", Linear(LinearOptions(D, p[0] * p[1] * p[2] * C).zero_init(true).device(dev)));
+}
+
+DiTBlock DiTImpl::initial_block(int64_t index, torch::Device device) const {
+  TORCH_CHECK(index >= 0 && index < options.layers(), "DiT::initial_block: block ", index, " out of range [0, ",
+              options.layers(), ")");
+  InitGenerator block_generator(derive_seed(init_seed, static_cast<uint64_t>(index) + 1));
+  DiTOptions block_options = options;
+  return DiTBlock(block_options.device(device), index);
+}
+
+void DiTImpl::replace_block(int64_t index, DiTBlock block) {
+  TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(blocks->size()), "DiT::replace_block: block ", index,
+              " out of range [0, ", blocks->size(), ")");
+  // ModuleList cannot swap an element in place: rebuild it (blocks are handles; nothing is copied).
+  torch::nn::ModuleList rebuilt;
+  for (size_t i = 0; i < blocks->size(); ++i)
+    rebuilt->push_back(static_cast<int64_t>(i) == index ? block.ptr() : blocks->ptr(i));
+  blocks = replace_module("blocks", rebuilt);
 }
 
 TokenGrid DiTImpl::token_grid(int64_t frames, int64_t height, int64_t width) const {

@@ -1,22 +1,48 @@
 #include "megaslide/model/layers.h"
 
+#include <ATen/CPUGeneratorImpl.h>
+
 #include <cmath>
 
 namespace megaslide {
 
 namespace {
+thread_local at::Generator current_init_generator;
+
 torch::TensorOptions on(torch::Device device) { return torch::TensorOptions().dtype(torch::kFloat32).device(device); }
 
-// torch.nn's default for Linear and Conv: weight Kaiming-uniform(a = sqrt(5)), bias U(±1/sqrt(fan_in)).
+// torch.nn's default for Linear and Conv: weight Kaiming-uniform(a = sqrt(5)), bias U(±1/sqrt(fan_in)),
+// drawn from InitGenerator::current(). The weight's bound is computed as torch::nn::init::kaiming_uniform_
+// computes it (gain sqrt(2 / (1 + a²)), std = gain / sqrt(fan_in), bound = sqrt(3) · std).
 void default_init(torch::Tensor& weight, torch::Tensor& bias, int64_t fan_in) {
   torch::NoGradGuard no_grad;
-  torch::nn::init::kaiming_uniform_(weight, std::sqrt(5.0));
+  const at::Generator gen = InitGenerator::current();
+  const double a = std::sqrt(5.0);
+  const double gain = std::sqrt(2.0 / (1 + a * a));
+  const double weight_bound = std::sqrt(3.0) * (gain / std::sqrt(static_cast<double>(fan_in)));
+  weight.uniform_(-weight_bound, weight_bound, gen);
   if (bias.defined()) {
     double bound = fan_in > 0 ? 1.0 / std::sqrt(static_cast<double>(fan_in)) : 0.0;
-    bias.uniform_(-bound, bound);
+    bias.uniform_(-bound, bound, gen);
   }
 }
 }  // namespace
+
+InitGenerator::InitGenerator(uint64_t seed)
+    : generator_(at::detail::createCPUGenerator(seed)), previous_(current_init_generator) {
+  current_init_generator = generator_;
+}
+
+InitGenerator::~InitGenerator() { current_init_generator = previous_; }
+
+at::Generator InitGenerator::current() { return current_init_generator; }
+
+uint64_t derive_seed(uint64_t seed, uint64_t index) {
+  uint64_t z = seed + 0x9E3779B97F4A7C15ull * (index + 1);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
 
 LinearImpl::LinearImpl(LinearOptions options_) : options(std::move(options_)) { reset(); }
 
@@ -75,7 +101,7 @@ EmbeddingImpl::EmbeddingImpl(EmbeddingOptions options_) : options(std::move(opti
 void EmbeddingImpl::reset() {
   weight = register_parameter("weight", torch::empty({options.num_embeddings(), options.dim()}, on(options.device())));
   torch::NoGradGuard no_grad;
-  weight.normal_(0.0, options.init_std());
+  weight.normal_(0.0, options.init_std(), InitGenerator::current());
 }
 
 torch::Tensor EmbeddingImpl::forward(const torch::Tensor& ids) { return torch::embedding(weight, ids); }

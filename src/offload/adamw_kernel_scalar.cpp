@@ -1,6 +1,7 @@
 // Scalar AdamW kernel, the exact fp16/bf16 conversions, and the project's CPUID checks. Compiled for baseline
 // x86-64 (no per-file ISA flags): this path must run on any x86-64 machine. Like the vector kernels
 // it includes no LibTorch header (see adamw_kernels.h).
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -45,32 +46,114 @@ void store_compute(void* compute, int64_t i, float w) {
   }
 }
 
-template <GradType G, ComputeType C>
-void adamw_scalar_typed(const AdamWKernelParams& p, int64_t begin, int64_t end) {
-  for (int64_t i = begin; i < end; ++i) {
-    // The operation order (and the one fma) is the contract of adamw_kernels.h; the vector kernels
-    // perform the same IEEE operations lane by lane, so all paths agree bit for bit.
-    const float g = load_grad<G>(p.grad, i) * p.grad_scale;
-    float w = p.master[i] * p.decay;
-    const float m = std::fma(g, p.one_minus_beta1, p.exp_avg[i] * p.beta1);
-    const float v = std::fma(p.one_minus_beta2 * g, g, p.exp_avg_sq[i] * p.beta2);
-    const float d = std::sqrt(v) / p.sqrt_bias_correction2 + p.eps;
-    w = w + (p.neg_step_size * m) / d;
-    p.master[i] = w;
-    p.exp_avg[i] = m;
-    p.exp_avg_sq[i] = v;
-    store_compute<C>(p.compute, i, w);
+// The moments of element i as fp32, from a kFloat32 or kBFloat16 state.
+template <StateType S>
+float load_state(const void* state, int64_t i) {
+  if constexpr (S == StateType::kFloat32) {
+    return static_cast<const float*>(state)[i];
+  } else {
+    return bf16_bits_to_float(static_cast<const uint16_t*>(state)[i]);
   }
 }
 
+template <StateType S>
+void store_state(void* state, int64_t i, float x) {
+  if constexpr (S == StateType::kFloat32) {
+    static_cast<float*>(state)[i] = x;
+  } else {
+    static_cast<uint16_t*>(state)[i] = float_to_bf16_bits(x);
+  }
+}
+
+struct Moments {
+  float m, v, u;  // u = sqrt(v)
+};
+
+// One element of the contract in adamw_kernels.h, from its old moments; writes master and the copy.
 template <GradType G, ComputeType C>
+Moments adamw_element(const AdamWKernelParams& p, int64_t i, float m_old, float v_old) {
+  // The operation order (and the one fma) is the contract of adamw_kernels.h; the vector kernels
+  // perform the same IEEE operations lane by lane, so all paths agree bit for bit.
+  const float g = load_grad<G>(p.grad, i) * p.grad_scale;
+  float w = p.master[i] * p.decay;
+  const float m = std::fma(g, p.one_minus_beta1, m_old * p.beta1);
+  const float v = std::fma(p.one_minus_beta2 * g, g, v_old * p.beta2);
+  const float u = std::sqrt(v);
+  const float d = u / p.sqrt_bias_correction2 + p.eps;
+  w = w + (p.neg_step_size * m) / d;
+  p.master[i] = w;
+  store_compute<C>(p.compute, i, w);
+  return {m, v, u};
+}
+
+// Quantises x * inv to the nearest integer (ties to even) clamped to [lo, hi].
+int32_t quantise(float x, float inv, float lo, float hi) {
+  return static_cast<int32_t>(std::nearbyint(std::fmin(std::fmax(x * inv, lo), hi)));
+}
+
+template <GradType G, ComputeType C>
+void adamw_int8_group(const AdamWKernelParams& p, int64_t begin, int64_t n) {
+  const int64_t q = begin / kQuantGroup;
+  auto* m_codes = static_cast<int8_t*>(p.exp_avg) + begin;
+  auto* u_codes = static_cast<uint8_t*>(p.exp_avg_sq) + begin;
+  const float m_scale = p.exp_avg_scale[q], u_scale = p.exp_avg_sq_scale[q];
+  float m_new[kQuantGroup], u_new[kQuantGroup];
+  float m_max = 0.f, u_max = 0.f;
+  for (int64_t j = 0; j < n; ++j) {
+    const float u_old = static_cast<float>(u_codes[j]) * u_scale;
+    const Moments r = adamw_element<G, C>(p, begin + j, static_cast<float>(m_codes[j]) * m_scale, u_old * u_old);
+    m_new[j] = r.m;
+    u_new[j] = r.u;
+    m_max = std::fmax(m_max, std::fabs(r.m));
+    u_max = std::fmax(u_max, r.u);
+  }
+  const float m_inv = m_max > 0.f ? 127.f / m_max : 0.f;
+  const float u_inv = u_max > 0.f ? 255.f / u_max : 0.f;
+  for (int64_t j = 0; j < n; ++j) {
+    m_codes[j] = static_cast<int8_t>(quantise(m_new[j], m_inv, -127.f, 127.f));
+    const int32_t code = quantise(u_new[j], u_inv, 0.f, 255.f);
+    u_codes[j] = static_cast<uint8_t>(code == 0 && u_new[j] > 0.f ? 1 : code);
+  }
+  p.exp_avg_scale[q] = m_max / 127.f;
+  p.exp_avg_sq_scale[q] = u_max / 255.f;
+}
+
+template <GradType G, ComputeType C, StateType S>
+void adamw_scalar_typed(const AdamWKernelParams& p, int64_t begin, int64_t end) {
+  if constexpr (S == StateType::kInt8) {
+    for (int64_t i = begin; i < end; i += kQuantGroup) adamw_int8_group<G, C>(p, i, std::min(kQuantGroup, end - i));
+  } else {
+    for (int64_t i = begin; i < end; ++i) {
+      const Moments r = adamw_element<G, C>(p, i, load_state<S>(p.exp_avg, i), load_state<S>(p.exp_avg_sq, i));
+      store_state<S>(p.exp_avg, i, r.m);
+      store_state<S>(p.exp_avg_sq, i, r.v);
+    }
+  }
+}
+
+// x + d for a narrow state element, through fp32 (exact when d = 0).
+template <StateType S>
+void probe_state(void* state, float* scales, int64_t i, float d) {
+  if constexpr (S == StateType::kFloat32) {
+    static_cast<float*>(state)[i] += d;
+  } else if constexpr (S == StateType::kBFloat16) {
+    auto* x = static_cast<uint16_t*>(state) + i;
+    *x = static_cast<uint16_t>(float_bits(bf16_bits_to_float(*x) + d) >> 16);
+  } else {
+    auto* x = static_cast<int8_t*>(state) + i;
+    *x = static_cast<int8_t>(static_cast<int32_t>(static_cast<float>(*x) + d));
+    if (i % kQuantGroup == 0) scales[i / kQuantGroup] += d;
+  }
+}
+
+template <GradType G, ComputeType C, StateType S>
 void stream_probe_scalar_typed(const AdamWKernelParams& p, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) {
     const float g = load_grad<G>(p.grad, i) * p.grad_scale;
     const float w = p.master[i] + g;
     p.master[i] = w;
-    p.exp_avg[i] += g;
-    p.exp_avg_sq[i] += g;
+    probe_state<S>(p.exp_avg, p.exp_avg_scale, i, g);
+    probe_state<S>(p.exp_avg_sq, p.exp_avg_sq_scale, i, g);
     static_cast<uint16_t*>(p.compute)[i] = static_cast<uint16_t>(float_bits(w) >> 16);
   }
 }
@@ -125,12 +208,15 @@ float fp16_bits_to_float(uint16_t h) {
 }
 
 void adamw_scalar(const AdamWKernelParams& p, int64_t begin, int64_t end) {
-  MEGASLIDE_ADAMW_DISPATCH(adamw_scalar_typed, p, begin, end)
+  dispatch(p, [&](auto g, auto c, auto s) { adamw_scalar_typed<g.value, c.value, s.value>(p, begin, end); });
 }
 
 void stream_probe_scalar(const AdamWKernelParams& p, int64_t begin, int64_t end) {
-  if (p.grad_type == GradType::kFloat16) return stream_probe_scalar_typed<GradType::kFloat16, ComputeType::kBFloat16>(p, begin, end);
-  return stream_probe_scalar_typed<GradType::kBFloat16, ComputeType::kBFloat16>(p, begin, end);
+  dispatch(p, [&](auto g, auto c, auto s) {
+    if constexpr (g.value != GradType::kFloat32 && c.value == ComputeType::kBFloat16) {
+      stream_probe_scalar_typed<g.value, c.value, s.value>(p, begin, end);
+    }
+  });
 }
 
 // __builtin_cpu_supports reads CPUID and, for AVX and AVX-512, also checks (XGETBV) that the OS saves

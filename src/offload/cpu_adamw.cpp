@@ -16,6 +16,7 @@ namespace {
 using detail::AdamWKernelParams;
 using detail::ComputeType;
 using detail::GradType;
+using detail::StateType;
 
 // Threads take contiguous runs of whole tiles. 4096 elements is 16 KiB of each fp32 array and 8 KiB of
 // each 16-bit one, so every thread's range starts on a page boundary of every array (when the arrays
@@ -63,8 +64,20 @@ ComputeType compute_type(const void* compute, c10::ScalarType t) {
   }
 }
 
-bool streaming(CopyStores stores, int64_t numel) {
-  return stores == CopyStores::kStreaming || (stores == CopyStores::kAuto && numel >= kStreamingMinElements);
+// kAuto streams large blocks, unless the gradient is the compute copy itself: then each line of the
+// copy has just been read, so a streaming store saves no read-for-ownership and only evicts the line.
+bool streaming(CopyStores stores, int64_t numel, bool grad_is_compute) {
+  return stores == CopyStores::kStreaming ||
+         (stores == CopyStores::kAuto && numel >= kStreamingMinElements && !grad_is_compute);
+}
+
+StateType state_type(StateDtype t) {
+  switch (t) {
+    case StateDtype::kFloat32: return StateType::kFloat32;
+    case StateDtype::kBFloat16: return StateType::kBFloat16;
+    case StateDtype::kInt8: return StateType::kInt8;
+  }
+  TORCH_CHECK(false, "CpuAdamW: unknown state dtype");
 }
 
 void check_state_pointers(const AdamWBlockState& s) {
@@ -72,6 +85,9 @@ void check_state_pointers(const AdamWBlockState& s) {
   if (s.numel == 0) return;
   TORCH_CHECK(s.master != nullptr && s.exp_avg != nullptr && s.exp_avg_sq != nullptr && s.grad != nullptr,
               "CpuAdamW: master, exp_avg, exp_avg_sq and grad must be non-null for numel ", s.numel);
+  TORCH_CHECK(s.state_dtype != StateDtype::kInt8 || (s.exp_avg_scale != nullptr && s.exp_avg_sq_scale != nullptr),
+              "CpuAdamW: int8 state needs exp_avg_scale and exp_avg_sq_scale (", state_groups(s.numel),
+              " groups each for numel ", s.numel, ")");
 }
 
 // The arrays and sizes of a block as the kernels take them (scalars are the caller's to fill).
@@ -80,6 +96,9 @@ AdamWKernelParams kernel_arrays(const AdamWBlockState& s) {
   p.master = s.master;
   p.exp_avg = s.exp_avg;
   p.exp_avg_sq = s.exp_avg_sq;
+  p.exp_avg_scale = s.exp_avg_scale;
+  p.exp_avg_sq_scale = s.exp_avg_sq_scale;
+  p.state_type = state_type(s.state_dtype);
   p.grad = s.grad;
   p.grad_type = grad_type(s.grad_dtype);
   p.compute = s.compute;
@@ -93,21 +112,46 @@ class CpuAdamW::Pool : public detail::TilePool {
  public:
   using detail::TilePool::TilePool;
 
-  // Splits [0, numel) into contiguous whole-tile ranges, one per worker, and runs kernel on them.
-  void for_tiles(const AdamWKernelParams& p, KernelFn kernel) {
-    if (p.numel < kMinParallelElements || num_threads() == 1) {
-      kernel(p, 0, p.numel);
+  // Splits [0, numel) into contiguous whole-tile ranges, one per worker, and runs fn(begin, end) on them
+  // (on the calling thread alone below kMinParallelElements).
+  template <typename Fn>
+  void for_ranges(int64_t numel, Fn&& fn) {
+    if (numel < kMinParallelElements || num_threads() == 1) {
+      if (numel > 0) fn(int64_t{0}, numel);
       return;
     }
-    const int64_t tiles = (p.numel + kTileElements - 1) / kTileElements;
+    const int64_t tiles = (numel + kTileElements - 1) / kTileElements;
     const int64_t workers = num_threads();
     run([&](int w) {
-      const int64_t begin = std::min(p.numel, tiles * w / workers * kTileElements);
-      const int64_t end = std::min(p.numel, tiles * (w + 1) / workers * kTileElements);
-      if (begin < end) kernel(p, begin, end);
+      const int64_t begin = std::min(numel, tiles * w / workers * kTileElements);
+      const int64_t end = std::min(numel, tiles * (w + 1) / workers * kTileElements);
+      if (begin < end) fn(begin, end);
     });
   }
+  void for_tiles(const AdamWKernelParams& p, KernelFn kernel) {
+    for_ranges(p.numel, [&](int64_t begin, int64_t end) { kernel(p, begin, end); });
+  }
 };
+
+StateDtype parse_state_dtype(const std::string& name) {
+  if (name == "fp32") return StateDtype::kFloat32;
+  if (name == "bf16") return StateDtype::kBFloat16;
+  if (name == "int8") return StateDtype::kInt8;
+  TORCH_CHECK(false, "optimizer.state_dtype: expected fp32, bf16 or int8, got '", name, "'");
+}
+
+const char* to_string(StateDtype dtype) {
+  switch (dtype) {
+    case StateDtype::kFloat32: return "fp32";
+    case StateDtype::kBFloat16: return "bf16";
+    case StateDtype::kInt8: return "int8";
+  }
+  return "unknown";
+}
+
+int64_t state_element_bytes(StateDtype dtype) {
+  return dtype == StateDtype::kFloat32 ? 4 : dtype == StateDtype::kBFloat16 ? 2 : 1;
+}
 
 const char* to_string(SimdPath path) {
   switch (path) {
@@ -151,6 +195,11 @@ CpuAdamW::~CpuAdamW() = default;
 
 int CpuAdamW::num_threads() const { return pool_->num_threads(); }
 
+void CpuAdamW::for_each_range(int64_t numel, const std::function<void(int64_t begin, int64_t end)>& fn) {
+  TORCH_CHECK(numel >= 0, "CpuAdamW::for_each_range: numel must be >= 0, got ", numel);
+  pool_->for_ranges(numel, fn);
+}
+
 void CpuAdamW::step_block(const AdamWBlockState& s, int64_t step, double lr, float grad_scale) {
   check_state_pointers(s);
   TORCH_CHECK(step >= 1, "CpuAdamW: step is 1-based (the count of steps including this one), got ", step);
@@ -175,23 +224,26 @@ void CpuAdamW::step_block(const AdamWBlockState& s, int64_t step, double lr, flo
   p.sqrt_bias_correction2 = static_cast<float>(std::sqrt(bias_correction2));
   p.eps = static_cast<float>(o.eps);
   p.neg_step_size = static_cast<float>(-(lr / bias_correction1));
-  p.stream_compute = streaming(copy_stores_, p.numel);
+  p.stream_compute = streaming(copy_stores_, p.numel, p.grad == p.compute);
   pool_->for_tiles(p, adamw_kernel(path_));
 }
 
 void CpuAdamW::step_block(const at::Tensor& master, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                           const at::Tensor& grad, const at::Tensor& compute, int64_t step, double lr,
                           float grad_scale) {
-  const auto check_fp32_state = [](const at::Tensor& t, const char* name) {
+  const auto check_state = [](const at::Tensor& t, const char* name, bool bf16_allowed) {
     TORCH_CHECK(t.defined(), "CpuAdamW: ", name, " is undefined");
     TORCH_CHECK(t.device().is_cpu(), "CpuAdamW: ", name, " must be a CPU tensor, got ", t.device());
-    TORCH_CHECK(t.scalar_type() == at::kFloat, "CpuAdamW: ", name, " must be Float (fp32), got ", t.scalar_type());
+    TORCH_CHECK(t.scalar_type() == at::kFloat || (bf16_allowed && t.scalar_type() == at::kBFloat16), "CpuAdamW: ", name,
+                bf16_allowed ? " must be Float (fp32) or BFloat16, got " : " must be Float (fp32), got ", t.scalar_type());
     TORCH_CHECK(t.is_contiguous(), "CpuAdamW: ", name, " must be contiguous (sizes ", t.sizes(), ", strides ",
                 t.strides(), ")");
   };
-  check_fp32_state(master, "master");
-  check_fp32_state(exp_avg, "exp_avg");
-  check_fp32_state(exp_avg_sq, "exp_avg_sq");
+  check_state(master, "master", false);
+  check_state(exp_avg, "exp_avg", true);
+  check_state(exp_avg_sq, "exp_avg_sq", true);
+  TORCH_CHECK(exp_avg.scalar_type() == exp_avg_sq.scalar_type(), "CpuAdamW: exp_avg (", exp_avg.scalar_type(),
+              ") and exp_avg_sq (", exp_avg_sq.scalar_type(), ") must have one dtype");
   const int64_t n = master.numel();
   TORCH_CHECK(exp_avg.numel() == n && exp_avg_sq.numel() == n, "CpuAdamW: exp_avg (", exp_avg.numel(),
               " elements) and exp_avg_sq (", exp_avg_sq.numel(), ") must have master's numel ", n);
@@ -202,8 +254,9 @@ void CpuAdamW::step_block(const at::Tensor& master, const at::Tensor& exp_avg, c
   TORCH_CHECK(grad.numel() == n, "CpuAdamW: grad has ", grad.numel(), " elements, expected master's ", n);
   AdamWBlockState s;
   s.master = master.data_ptr<float>();
-  s.exp_avg = exp_avg.data_ptr<float>();
-  s.exp_avg_sq = exp_avg_sq.data_ptr<float>();
+  s.exp_avg = exp_avg.data_ptr();
+  s.exp_avg_sq = exp_avg_sq.data_ptr();
+  s.state_dtype = exp_avg.scalar_type() == at::kBFloat16 ? StateDtype::kBFloat16 : StateDtype::kFloat32;
   s.grad = grad.data_ptr();
   s.grad_dtype = grad.scalar_type();
   if (compute.defined()) {
@@ -227,7 +280,7 @@ void CpuAdamW::stream_probe(const AdamWBlockState& s, float grad_scale) {
   p.compute_type = ComputeType::kBFloat16;
   p.grad_scale = grad_scale;
   if (p.numel == 0) return;
-  p.stream_compute = streaming(copy_stores_, p.numel);
+  p.stream_compute = streaming(copy_stores_, p.numel, p.grad == p.compute);
   pool_->for_tiles(p, probe_kernel(path_));
 }
 

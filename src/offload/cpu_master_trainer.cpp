@@ -27,6 +27,18 @@ std::vector<std::pair<std::string, torch::Tensor>> DiTStack::named_resident_para
   return out;
 }
 
+std::shared_ptr<torch::nn::Module> DiTStack::initial_block(int64_t index) {
+  const auto params = model_->blocks[index]->parameters();
+  if (params.empty() || !params.front().is_meta()) return nullptr;
+  return model_->initial_block(index, torch::kCPU).ptr();
+}
+
+void DiTStack::adopt_block(int64_t index, std::shared_ptr<torch::nn::Module> block) {
+  auto dit_block = std::dynamic_pointer_cast<DiTBlockImpl>(block);
+  TORCH_CHECK(dit_block != nullptr, "DiTStack::adopt_block: block ", index, " is not a DiTBlock");
+  model_->replace_block(index, DiTBlock(dit_block));
+}
+
 std::vector<torch::Tensor> DiTStack::resident_parameters() {
   std::vector<torch::Tensor> out;
   for (auto& [name, p] : named_resident_parameters()) out.push_back(p);
@@ -76,6 +88,7 @@ offload::StackTrainerOptions engine_options(const RunConfig& c, torch::Device de
   o.adamw = offload::AdamWOptions{c.train.lr, c.train.beta1, c.train.beta2, c.train.eps, c.train.weight_decay};
   o.optimizer_threads = plan_threads(c, device).optimizer;
   o.emulated_copy_delay_ms = c.offload.emulated_copy_delay_ms;
+  o.state_dtype = offload::parse_state_dtype(c.optimizer.state_dtype);
   o.grad_clip = c.train.grad_clip;
   o.grad_accum_steps = c.train.grad_accum_steps;
   o.loss_scale_init = c.train.loss_scale_init;
@@ -88,9 +101,11 @@ CPUMasterVideoDiT::CPUMasterVideoDiT(const RunConfig& config)
     : config_(resolve_auto_settings(config)), device_(resolve_device(config.train.device)), batches_(config) {
   validate(config_, "CPUMasterVideoDiT");
   apply_threads(plan_threads(config_, device_));
-  // Exactly ResidentTrainer's initialisation: the same seed, the same construction order, on the CPU.
+  // ResidentTrainer's initialisation without a full-model copy: the same seed and construction order,
+  // the blocks a meta skeleton whose weights initial_block builds one at a time into the host store
+  // (a block's weights depend only on the DiT's init seed and its index, dit.h).
   torch::manual_seed(config_.train.seed);
-  DiT model(DiTOptions::from_config(config_));
+  DiT model(DiTOptions::from_config(config_).block_device(torch::kMeta));
   TextEncoder text_encoder(
       TextEncoderOptions(batches_.tokenizer().vocab_size(), config_.model.text_dim, config_.data.max_text_tokens));
   grid_ = model->token_grid(config_.data.frames, config_.data.height, config_.data.width);
@@ -120,8 +135,10 @@ StepMetrics CPUMasterVideoDiT::step() {
   TextEncoder& text_encoder = stack_->text_encoder();
   torch::Tensor target, t_emb;
   TokenGrid grid;
+  double data_wait_s = 0.0;
   auto prologue = [&] {
     auto b = batches_.next(device_);
+    data_wait_s += b.data_wait_s;
     target = b.target;
     auto text = text_encoder(b.text_ids);
     auto e = model->embed(b.xt, b.timesteps, text, b.text_mask);
@@ -153,6 +170,7 @@ StepMetrics CPUMasterVideoDiT::step() {
   m.loss = r.loss;
   m.lr = lr;
   m.grad_norm = r.grad_norm;
+  m.data_wait_s = data_wait_s;
   m.step_time_s = r.step_time_s;
   m.samples_per_s = static_cast<double>(t.batch_size * t.grad_accum_steps) / r.step_time_s;
   m.tokens_per_s = m.samples_per_s * static_cast<double>(grid_.numel());
@@ -176,18 +194,24 @@ StepMetrics CPUMasterVideoDiT::step() {
   return m;
 }
 
-std::vector<std::pair<std::string, torch::Tensor>> CPUMasterVideoDiT::master_weights() {
+std::vector<std::pair<std::string, torch::Tensor>> CPUMasterVideoDiT::master_views() {
   engine_->synchronize();
   std::vector<std::pair<std::string, torch::Tensor>> out;
   for (auto& [name, p] : stack_->named_resident_parameters()) {
-    if (name.rfind("text_encoder.", 0) != 0) out.emplace_back(name, p.detach().to(torch::kCPU).clone());
+    if (name.rfind("text_encoder.", 0) != 0) out.emplace_back(name, p.detach());
   }
   for (int64_t l = 0; l < engine_->store().num_blocks(); ++l) {
-    for (auto& [name, p] : engine_->block_master(l)) out.emplace_back("blocks." + std::to_string(l) + "." + name, p.clone());
+    for (auto& [name, p] : engine_->block_master(l)) out.emplace_back("blocks." + std::to_string(l) + "." + name, p);
   }
   for (auto& [name, p] : stack_->named_resident_parameters()) {
-    if (name.rfind("text_encoder.", 0) == 0) out.emplace_back(name, p.detach().to(torch::kCPU).clone());
+    if (name.rfind("text_encoder.", 0) == 0) out.emplace_back(name, p.detach());
   }
+  return out;
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> CPUMasterVideoDiT::master_weights() {
+  auto out = master_views();
+  for (auto& [name, p] : out) p = p.to(torch::kCPU).clone();
   return out;
 }
 
@@ -196,7 +220,7 @@ void CPUMasterVideoDiT::copy_weights_to(DiT& dit, TextEncoder& text_encoder) {
   auto text_params = text_encoder->named_parameters();
   torch::NoGradGuard no_grad;
   size_t copied = 0;
-  for (auto& [name, master] : master_weights()) {
+  for (auto& [name, master] : master_views()) {  // one tensor at a time: no copy of the whole model
     const bool is_text = name.rfind("text_encoder.", 0) == 0;
     const std::string key = is_text ? name.substr(13) : name;
     torch::Tensor* target = is_text ? text_params.find(key) : dit_params.find(key);
@@ -209,6 +233,28 @@ void CPUMasterVideoDiT::copy_weights_to(DiT& dit, TextEncoder& text_encoder) {
   }
   TORCH_CHECK(copied == dit_params.size() + text_params.size(), "copy_weights_to: copied ", copied,
               " parameters but the target model has ", dit_params.size() + text_params.size());
+}
+
+ParameterShapes CPUMasterVideoDiT::parameter_shapes() const {
+  ParameterShapes out;
+  for (auto& [name, p] : stack_->named_resident_parameters()) out.emplace_back(name, p.sizes().vec());
+  const auto& store = engine_->store();
+  for (int64_t l = 0; l < store.num_blocks(); ++l)
+    for (const auto& spec : store.block_spec(l).params)
+      out.emplace_back("blocks." + std::to_string(l) + "." + spec.name, store.param(l, spec.name).master.sizes().vec());
+  return out;
+}
+
+void CPUMasterVideoDiT::init_from(const InitPlan& plan) {
+  engine_->synchronize();
+  std::map<std::string, torch::Tensor> targets;
+  for (auto& [name, p] : stack_->named_resident_parameters()) targets.emplace(name, p);
+  const auto& store = engine_->store();
+  for (int64_t l = 0; l < store.num_blocks(); ++l)
+    for (const auto& spec : store.block_spec(l).params)
+      targets.emplace("blocks." + std::to_string(l) + "." + spec.name, store.param(l, spec.name).master);
+  for (const auto& [name, source] : plan.tensors) source.read_into(targets.at(name));
+  engine_->reload_blocks_from_masters();
 }
 
 TrainingState CPUMasterVideoDiT::training_state() {
@@ -236,6 +282,10 @@ TrainingState CPUMasterVideoDiT::training_state() {
       s.master.emplace_back(prefix + spec.name, views.master);
       s.exp_avg.emplace_back(prefix + spec.name, views.exp_avg);
       s.exp_avg_sq.emplace_back(prefix + spec.name, views.exp_avg_sq);
+      if (views.exp_avg_scale.defined()) {
+        s.exp_avg_scale.emplace_back(prefix + spec.name, views.exp_avg_scale);
+        s.exp_avg_sq_scale.emplace_back(prefix + spec.name, views.exp_avg_sq_scale);
+      }
     }
   }
   return s;
@@ -257,6 +307,10 @@ void CPUMasterVideoDiT::load_training_state(const TrainingState& s) {
     TORCH_CHECK(it != index.end(), "CPUMasterVideoDiT::load_training_state: no state for parameter '", name, "'");
     return it->second;
   };
+  std::map<std::string, size_t> scale_index;  // int8 moments: where each block parameter's scales are
+  for (size_t q = 0; q < s.exp_avg_scale.size(); ++q) scale_index[s.exp_avg_scale[q].first] = q;
+  TORCH_CHECK(s.exp_avg_sq_scale.size() == s.exp_avg_scale.size(),
+              "CPUMasterVideoDiT::load_training_state: exp_avg and exp_avg_sq scales differ in number");
   torch::NoGradGuard no_grad;
   auto* optimizer = engine_->resident_optimizer();
   for (auto& [name, p] : resident) {
@@ -269,10 +323,19 @@ void CPUMasterVideoDiT::load_training_state(const TrainingState& s) {
     for (const auto& spec : store.block_spec(l).params) {
       const size_t i = find(prefix + spec.name);
       const auto views = store.param(l, spec.name);
-      const std::pair<const torch::Tensor*, const torch::Tensor*> parts[3] = {
+      std::vector<std::pair<const torch::Tensor*, const torch::Tensor*>> parts = {
           {&views.master, &s.master[i].second}, {&views.exp_avg, &s.exp_avg[i].second}, {&views.exp_avg_sq, &s.exp_avg_sq[i].second}};
-      for (const auto& [target, source] : parts)
+      if (views.exp_avg_scale.defined()) {
+        const size_t q = scale_index.at(prefix + spec.name);
+        parts.push_back({&views.exp_avg_scale, &s.exp_avg_scale[q].second});
+        parts.push_back({&views.exp_avg_sq_scale, &s.exp_avg_sq_scale[q].second});
+      }
+      for (const auto& [target, source] : parts) {
+        TORCH_CHECK(source->sizes() == target->sizes() && source->scalar_type() == target->scalar_type(),
+                    "CPUMasterVideoDiT::load_training_state: '", prefix + spec.name, "' is ", source->scalar_type(), " ",
+                    source->sizes(), ", the store holds ", target->scalar_type(), " ", target->sizes());
         if (source->data_ptr() != target->data_ptr()) target->copy_(*source);  // not read in place
+      }
     }
   }
   engine_->reload_blocks_from_masters();

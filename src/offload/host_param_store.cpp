@@ -24,10 +24,8 @@ constexpr int64_t kPageBytes = 4096;
 int64_t element_bytes(c10::ScalarType t) { return static_cast<int64_t>(c10::elementSize(t)); }
 
 void check_options(const HostParamStoreOptions& o) {
-  TORCH_CHECK(o.compute_dtype == at::kBFloat16 || o.compute_dtype == at::kHalf,
-              "HostParamStore: compute_dtype must be BFloat16 or Half, got ", o.compute_dtype);
-  TORCH_CHECK(o.grad_dtype == at::kBFloat16 || o.grad_dtype == at::kHalf || o.grad_dtype == at::kFloat,
-              "HostParamStore: grad_dtype must be BFloat16, Half or Float, got ", o.grad_dtype);
+  TORCH_CHECK(o.compute_dtype == at::kBFloat16 || o.compute_dtype == at::kHalf || o.compute_dtype == at::kFloat,
+              "HostParamStore: compute_dtype must be BFloat16, Half or Float, got ", o.compute_dtype);
 }
 
 int64_t param_numel(const BlockSpec& block, const ParamSpec& p) {
@@ -104,11 +102,12 @@ std::string human_bytes(int64_t bytes) {
                                           mem.available_bytes, human_bytes(mem.available_bytes), human_bytes(mem.total_bytes))
                             : "this machine's available memory could not be read";
   throw HostMemoryError(
-      fmt::format("HostParamStore: {}: the training state needs {} bytes ({}; {:.0f} B per parameter x {} "
-                  "parameters in {} blocks: fp32 master, m and v, {} compute copy, {} gradient), but {}. "
+      fmt::format("HostParamStore: {}: the training state needs {} bytes ({}; {:.2f} B per parameter x {} "
+                  "parameters in {} blocks: fp32 master, {} m and v, {} transfer buffer{}), but {}. "
                   "Use a smaller model (fewer or narrower blocks), or a machine with more RAM (at least {}).",
                   what_failed, plan.total_bytes(), human_bytes(plan.total_bytes()), per_param, plan.num_params,
-                  plan.num_blocks, c10::toString(o.compute_dtype), c10::toString(o.grad_dtype), machine,
+                  plan.num_blocks, to_string(o.state_dtype), c10::toString(o.compute_dtype),
+                  o.separate_grad ? ", fp32 gradient" : "", machine,
                   human_bytes(plan.total_bytes() + (mem.total_bytes - std::max<int64_t>(mem.available_bytes, 0)))),
       plan.total_bytes(), mem.available_bytes);
 }
@@ -124,7 +123,7 @@ void free_host(void* ptr, bool pinned) {
   std::free(ptr);
 }
 
-// Zeroed memory of `bytes`, page-locked when `pinned`; nullptr on failure.
+// Memory of `bytes`, page-locked when `pinned`, not yet zeroed (first_touch does it); nullptr on failure.
 void* allocate_host(int64_t bytes, bool pinned) {
   void* ptr = nullptr;
 #ifdef MEGASLIDE_WITH_CUDA
@@ -133,14 +132,12 @@ void* allocate_host(int64_t bytes, bool pinned) {
       (void)cudaGetLastError();  // clear the sticky-free error so later CUDA calls do not see it
       return nullptr;
     }
-    std::memset(ptr, 0, static_cast<size_t>(bytes));
     return ptr;
   }
 #endif
   (void)pinned;
   const int64_t rounded = (bytes + kPageBytes - 1) / kPageBytes * kPageBytes;
   if (posix_memalign(&ptr, kPageBytes, static_cast<size_t>(rounded)) != 0) return nullptr;
-  std::memset(ptr, 0, static_cast<size_t>(rounded));
   return ptr;
 }
 
@@ -148,26 +145,49 @@ void* allocate_host(int64_t bytes, bool pinned) {
 
 struct HostParamStore::Block {
   int64_t numel = 0;
-  std::vector<int64_t> offsets;  // per parameter, in elements
-  at::Tensor master, exp_avg, exp_avg_sq, compute, grad;
+  std::vector<int64_t> offsets;        // per parameter, in elements
+  std::vector<int64_t> group_offsets;  // per parameter, its first int8 group
+  int64_t groups = 0;
+  at::Tensor master, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, compute, grad;
 };
+
+namespace {
+
+int64_t groups_of(const BlockSpec& block) {
+  int64_t g = 0;
+  for (const auto& p : block.params) g += state_groups(param_numel(block, p));
+  return g;
+}
+
+bool master_uploaded(const HostParamStoreOptions& o) { return o.compute_dtype == at::kFloat; }
+bool has_transfer_buffer(const HostParamStoreOptions& o) { return !(o.compute_dtype == at::kFloat && o.separate_grad); }
+
+const char* dtype_name(c10::ScalarType t) {
+  return t == at::kFloat ? "fp32" : t == at::kHalf ? "fp16" : "bf16";
+}
+
+}  // namespace
 
 std::string MemoryReport::to_string() const {
   const double n = num_params > 0 ? static_cast<double>(num_params) : 1.0;
-  std::string out = fmt::format("HostParamStore: {} parameters in {} blocks, {} memory\n", num_params, num_blocks,
-                                pinned ? "pinned (page-locked)" : "pageable, page-aligned");
-  out += fmt::format("  {:<27} {:>18} {:>14} {:>10}\n", "component", "bytes", "GiB", "B/param");
+  std::string out = fmt::format("HostParamStore: {} parameters in {} blocks; {} bytes page-locked{}\n", num_params,
+                                num_blocks, pinned_bytes, pinned ? "" : " (no CUDA: everything pageable, page-aligned)");
+  out += fmt::format("  {:<48} {:>18} {:>14} {:>10}\n", "component", "bytes", "GiB", "B/param");
   const auto row = [&](const std::string& name, int64_t bytes) {
-    out += fmt::format("  {:<27} {:>18} {:>14.3f} {:>10.2f}\n", name, bytes,
+    out += fmt::format("  {:<48} {:>18} {:>14.3f} {:>10.3f}\n", name, bytes,
                        static_cast<double>(bytes) / (1024.0 * 1024 * 1024), static_cast<double>(bytes) / n);
   };
-  row("fp32 master", master_bytes);
-  row("fp32 exp_avg (m)", exp_avg_bytes);
-  row("fp32 exp_avg_sq (v)", exp_avg_sq_bytes);
-  row(fmt::format("{} compute copy", compute_dtype == at::kBFloat16 ? "bf16" : "fp16"), compute_bytes);
-  row("persistent total", persistent_bytes());
-  const char* grad_name = grad_dtype == at::kFloat ? "fp32" : grad_dtype == at::kHalf ? "fp16" : "bf16";
-  row(fmt::format("{} gradient (transient)", grad_name), grad_bytes);
+  const char* state = offload::to_string(state_dtype);
+  row(compute_dtype == at::kFloat ? "fp32 master (uploaded)" : "fp32 master", master_bytes);
+  row(fmt::format("{} exp_avg (m)", state), exp_avg_bytes);
+  row(fmt::format("{} exp_avg_sq (v{})", state, state_dtype == StateDtype::kInt8 ? ": sqrt codes" : ""), exp_avg_sq_bytes);
+  if (scale_bytes > 0) row("int8 group scales (fp32, m and v)", scale_bytes);
+  if (compute_bytes > 0) {
+    row(fmt::format("{} transfer buffer ({})", dtype_name(compute_dtype),
+                    compute_dtype == at::kFloat ? "gradient" : separate_grad ? "compute copy" : "compute copy / gradient"),
+        compute_bytes);
+  }
+  if (grad_bytes > 0) row("fp32 gradient (accumulation)", grad_bytes);
   row("total", total_bytes());
   return out;
 }
@@ -176,18 +196,28 @@ MemoryReport HostParamStore::plan(const std::vector<BlockSpec>& blocks, const Ho
   check_options(options);
   MemoryReport r;
   r.num_blocks = static_cast<int64_t>(blocks.size());
-  for (const auto& b : blocks) r.num_params += block_numel_of(b);
-  r.master_bytes = r.exp_avg_bytes = r.exp_avg_sq_bytes = 4 * r.num_params;
-  r.compute_bytes = element_bytes(options.compute_dtype) * r.num_params;
-  r.grad_bytes = element_bytes(options.grad_dtype) * r.num_params;
+  int64_t groups = 0;
+  for (const auto& b : blocks) {
+    r.num_params += block_numel_of(b);
+    groups += groups_of(b);
+  }
+  const int64_t state_bytes = state_element_bytes(options.state_dtype);
+  r.master_bytes = 4 * r.num_params;
+  r.exp_avg_bytes = r.exp_avg_sq_bytes = state_bytes * r.num_params;
+  r.scale_bytes = options.state_dtype == StateDtype::kInt8 ? 2 * 4 * groups : 0;
+  r.compute_bytes = has_transfer_buffer(options) ? element_bytes(options.compute_dtype) * r.num_params : 0;
+  r.grad_bytes = options.separate_grad ? 4 * r.num_params : 0;
+  r.pinnable_bytes = r.compute_bytes + (master_uploaded(options) ? r.master_bytes : 0);
   r.compute_dtype = options.compute_dtype;
-  r.grad_dtype = options.grad_dtype;
+  r.state_dtype = options.state_dtype;
+  r.separate_grad = options.separate_grad;
   r.pinned = cuda_pinning_available(options);
+  r.pinned_bytes = r.pinned ? r.pinnable_bytes : 0;
   return r;
 }
 
 HostParamStore::HostParamStore(std::vector<BlockSpec> blocks, HostParamStoreOptions options)
-    : specs_(std::move(blocks)), options_(options) {
+    : specs_(std::move(blocks)), options_(std::move(options)) {
   const MemoryReport plan_report = plan(specs_, options_);  // validates the spec
   pinned_ = plan_report.pinned;
   // Refuse up front rather than let the kernel's overcommit hand out memory that the zeroing below
@@ -197,35 +227,69 @@ HostParamStore::HostParamStore(std::vector<BlockSpec> blocks, HostParamStoreOpti
     throw_out_of_memory(plan_report, options_, "not enough host memory");
   }
 
-  const auto make_buffer = [&](int64_t numel, c10::ScalarType dtype, const char* component,
+  const auto make_buffer = [&](int64_t numel, c10::ScalarType dtype, bool pinned, const char* component,
                                const std::string& block_name) {
     const auto tensor_options = at::TensorOptions().dtype(dtype).device(at::kCPU);
     if (numel == 0) return at::empty({0}, tensor_options);
     const int64_t bytes = numel * element_bytes(dtype);
-    void* ptr = allocate_host(bytes, pinned_);
+    void* ptr = allocate_host(bytes, pinned);
     if (ptr == nullptr) {
       throw_out_of_memory(plan_report, options_,
                           fmt::format("allocating {} bytes for block '{}' component '{}' failed{}", bytes, block_name, component,
-                                      pinned_ ? " (page-locked with cudaHostAlloc: the locked-memory limit, `ulimit -l` or the "
-                                                "container's memlock setting, may be what ran out)"
-                                              : ""));
+                                      pinned ? " (page-locked with cudaHostAlloc: the locked-memory limit, `ulimit -l` or the "
+                                               "container's memlock setting, may be what ran out)"
+                                             : ""));
     }
-    const bool pinned = pinned_;
     return at::from_blob(ptr, {numel}, [pinned](void* p) { free_host(p, pinned); }, tensor_options);
   };
 
+  const StateDtype state = options_.state_dtype;
+  const c10::ScalarType m_dtype = state == StateDtype::kFloat32 ? at::kFloat : state == StateDtype::kBFloat16 ? at::kBFloat16 : at::kChar;
+  const c10::ScalarType v_dtype = state == StateDtype::kFloat32 ? at::kFloat : state == StateDtype::kBFloat16 ? at::kBFloat16 : at::kByte;
   blocks_.reserve(specs_.size());
   for (const auto& spec : specs_) {
     auto block = std::make_shared<Block>();
     for (const auto& p : spec.params) {
+      const int64_t n = param_numel(spec, p);
       block->offsets.push_back(block->numel);
-      block->numel += param_numel(spec, p);
+      block->group_offsets.push_back(block->groups);
+      block->numel += n;
+      block->groups += state_groups(n);
     }
-    block->master = make_buffer(block->numel, at::kFloat, "master", spec.name);
-    block->exp_avg = make_buffer(block->numel, at::kFloat, "exp_avg", spec.name);
-    block->exp_avg_sq = make_buffer(block->numel, at::kFloat, "exp_avg_sq", spec.name);
-    block->compute = make_buffer(block->numel, options_.compute_dtype, "compute", spec.name);
-    block->grad = make_buffer(block->numel, options_.grad_dtype, "grad", spec.name);
+    block->master = make_buffer(block->numel, at::kFloat, pinned_ && master_uploaded(options_), "master", spec.name);
+    block->exp_avg = make_buffer(block->numel, m_dtype, false, "exp_avg", spec.name);
+    block->exp_avg_sq = make_buffer(block->numel, v_dtype, false, "exp_avg_sq", spec.name);
+    if (state == StateDtype::kInt8) {
+      block->exp_avg_scale = make_buffer(block->groups, at::kFloat, false, "exp_avg_scale", spec.name);
+      block->exp_avg_sq_scale = make_buffer(block->groups, at::kFloat, false, "exp_avg_sq_scale", spec.name);
+    }
+    if (has_transfer_buffer(options_)) {
+      block->compute = make_buffer(block->numel, options_.compute_dtype, pinned_, "compute", spec.name);
+    }
+    if (options_.separate_grad) block->grad = make_buffer(block->numel, at::kFloat, false, "grad", spec.name);
+
+    // First touch: every byte of the block zeroed by whoever options_.first_touch says.
+    const Block& b = *block;
+    const std::function<void(int64_t, int64_t)> zero = [&b, &spec](int64_t begin, int64_t end) {
+      for (const at::Tensor* t : {&b.master, &b.exp_avg, &b.exp_avg_sq, &b.compute, &b.grad}) {
+        if (!t->defined() || t->numel() == 0) continue;
+        const int64_t size = t->element_size();
+        std::memset(static_cast<char*>(t->data_ptr()) + begin * size, 0, static_cast<size_t>((end - begin) * size));
+      }
+      if (!b.exp_avg_scale.defined()) return;
+      // The scales of the groups that start in [begin, end).
+      for (size_t i = 0; i < b.offsets.size(); ++i) {
+        const int64_t first = b.offsets[i], n = param_numel(spec, spec.params[i]);
+        for (int64_t g = 0; g * kStateQuantGroup < n; ++g) {
+          const int64_t start = first + g * kStateQuantGroup;
+          if (start < begin || start >= end) continue;
+          b.exp_avg_scale.data_ptr<float>()[b.group_offsets[i] + g] = 0.f;
+          b.exp_avg_sq_scale.data_ptr<float>()[b.group_offsets[i] + g] = 0.f;
+        }
+      }
+    };
+    if (options_.first_touch) options_.first_touch(block->numel, zero);
+    else zero(0, block->numel);
     blocks_.push_back(std::move(block));
   }
 }
@@ -246,6 +310,7 @@ int64_t HostParamStore::block_numel(int64_t block) const {
 MemoryReport HostParamStore::memory_report() const {
   MemoryReport r = plan(specs_, options_);
   r.pinned = pinned_;
+  r.pinned_bytes = pinned_ ? r.pinnable_bytes : 0;
   return r;
 }
 
@@ -254,19 +319,40 @@ at::Tensor HostParamStore::exp_avg(int64_t block) const { return (block_spec(blo
 at::Tensor HostParamStore::exp_avg_sq(int64_t block) const {
   return (block_spec(block), blocks_[block]->exp_avg_sq);
 }
+at::Tensor HostParamStore::exp_avg_scale(int64_t block) const {
+  return (block_spec(block), blocks_[block]->exp_avg_scale);
+}
+at::Tensor HostParamStore::exp_avg_sq_scale(int64_t block) const {
+  return (block_spec(block), blocks_[block]->exp_avg_sq_scale);
+}
 at::Tensor HostParamStore::compute(int64_t block) const { return (block_spec(block), blocks_[block]->compute); }
-at::Tensor HostParamStore::grad(int64_t block) const { return (block_spec(block), blocks_[block]->grad); }
+at::Tensor HostParamStore::grad(int64_t block) const {
+  block_spec(block);
+  return options_.separate_grad ? blocks_[block]->grad : blocks_[block]->compute;
+}
+
+HostParamStore::ParamViews HostParamStore::views(int64_t block, size_t i) const {
+  const BlockSpec& spec = specs_[block];
+  const Block& b = *blocks_[block];
+  const auto& shape = spec.params[i].shape;
+  const int64_t offset = b.offsets[i];
+  const int64_t numel = param_numel(spec, spec.params[i]);
+  const auto view = [&](const at::Tensor& flat) {
+    return flat.defined() ? flat.narrow(0, offset, numel).view(shape) : at::Tensor();
+  };
+  ParamViews v{view(b.master), view(b.exp_avg), view(b.exp_avg_sq), view(b.compute), view(grad(block)), {}, {}, offset,
+               b.group_offsets[i]};
+  if (b.exp_avg_scale.defined()) {
+    v.exp_avg_scale = b.exp_avg_scale.narrow(0, b.group_offsets[i], state_groups(numel));
+    v.exp_avg_sq_scale = b.exp_avg_sq_scale.narrow(0, b.group_offsets[i], state_groups(numel));
+  }
+  return v;
+}
 
 HostParamStore::ParamViews HostParamStore::param(int64_t block, const std::string& name) const {
   const BlockSpec& spec = block_spec(block);
-  const Block& b = *blocks_[block];
   for (size_t i = 0; i < spec.params.size(); ++i) {
-    if (spec.params[i].name != name) continue;
-    const auto& shape = spec.params[i].shape;
-    const int64_t offset = b.offsets[i];
-    const int64_t numel = param_numel(spec, spec.params[i]);
-    const auto view = [&](const at::Tensor& flat) { return flat.narrow(0, offset, numel).view(shape); };
-    return ParamViews{view(b.master), view(b.exp_avg), view(b.exp_avg_sq), view(b.compute), view(b.grad), offset};
+    if (spec.params[i].name == name) return views(block, i);
   }
   std::ostringstream names;
   for (const auto& p : spec.params) names << (names.tellp() > 0 ? ", " : "") << p.name;
@@ -274,18 +360,32 @@ HostParamStore::ParamViews HostParamStore::param(int64_t block, const std::strin
               "'; it has: ", names.str());
 }
 
+std::vector<HostParamStore::ParamViews> HostParamStore::params(int64_t block) const {
+  std::vector<ParamViews> out;
+  for (size_t i = 0; i < block_spec(block).params.size(); ++i) out.push_back(views(block, i));
+  return out;
+}
+
 void HostParamStore::set_param(int64_t block, const std::string& name, const at::Tensor& value) {
   ParamViews v = param(block, name);
   TORCH_CHECK(value.sizes() == v.master.sizes(), "HostParamStore::set_param: '", name, "' of block ", block,
               " has shape ", v.master.sizes(), ", got a value of shape ", value.sizes());
   v.master.copy_(value);
-  // Round with the optimizer's own conversion so a freshly loaded copy has exactly the bits a step
-  // would have written.
-  const float* src = v.master.data_ptr<float>();
-  auto* dst = static_cast<uint16_t*>(v.compute.data_ptr());
-  const bool bf16 = options_.compute_dtype == at::kBFloat16;
-  for (int64_t i = 0, n = v.master.numel(); i < n; ++i) {
-    dst[i] = bf16 ? detail::float_to_bf16_bits(src[i]) : detail::float_to_fp16_bits(src[i]);
+  copy_master_to_compute(block, v.offset, v.offset + v.master.numel());
+}
+
+void HostParamStore::copy_master_to_compute(int64_t block, int64_t begin, int64_t end) const {
+  const Block& b = *blocks_[(block_spec(block), block)];
+  TORCH_CHECK(0 <= begin && begin <= end && end <= b.numel, "HostParamStore::copy_master_to_compute: range [", begin,
+              ", ", end, ") is not within block ", block, "'s ", b.numel, " elements");
+  if (options_.compute_dtype == at::kFloat) return;
+  // Round with the optimizer's own conversion so the copy has exactly the bits a step would have written.
+  const float* src = b.master.data_ptr<float>();
+  auto* dst = static_cast<uint16_t*>(b.compute.data_ptr());
+  if (options_.compute_dtype == at::kBFloat16) {
+    for (int64_t i = begin; i < end; ++i) dst[i] = detail::float_to_bf16_bits(src[i]);
+  } else {
+    for (int64_t i = begin; i < end; ++i) dst[i] = detail::float_to_fp16_bits(src[i]);
   }
 }
 

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <future>
 #include <limits>
+#include <mutex>
 #include <thread>
 
 #include "offload/host_task_queue.h"
@@ -85,6 +86,7 @@ double accumulate(const at::Tensor& dst, const at::Tensor& src, bool overwrite, 
 struct ParamSlot {
   torch::Tensor param;  // the block module's parameter (rebound to slot views)
   int64_t offset = 0, numel = 0;
+  int64_t group_offset = 0;  // int8 state: the parameter's first scale in the block's scale buffers
   std::vector<int64_t> shape;
   // Set by a gradient hook on `param` when the backward reaches it; cleared at the start of each step.
   std::shared_ptr<std::atomic<bool>> received;
@@ -115,6 +117,11 @@ bool all_finite(const at::Tensor& flat) {
     default: TORCH_CHECK(false, "all_finite: unsupported gradient dtype ", flat.scalar_type());
   }
 }
+// A run of a block's elements that one CpuAdamW call updates.
+struct UpdateRange {
+  int64_t offset = 0, numel = 0, group_offset = 0;
+};
+
 // When block l's gradient of this step is complete in the host store's grad(l): the D2H copy itself
 // (one micro-batch), or the host task that added the last micro-batch's copy into it (accumulation).
 struct BlockGradient {
@@ -170,16 +177,21 @@ struct StreamedStackTrainer::Impl {
     }
   }
   // The element ranges [offset, offset + numel) of block l's parameters that received a gradient in
-  // this step, adjacent ones merged. Like torch::optim::AdamW, the update leaves the others alone: no
-  // weight decay, no moment update.
-  std::vector<std::pair<int64_t, int64_t>> updated_ranges(int64_t block) const {
-    std::vector<std::pair<int64_t, int64_t>> ranges;
+  // this step, adjacent ones merged (int8 state: one per parameter, whose quantisation groups start at
+  // its first element). Like torch::optim::AdamW, the update leaves the others alone: no weight decay,
+  // no moment update.
+  std::vector<UpdateRange> updated_ranges(int64_t block, bool merge) const {
+    std::vector<UpdateRange> ranges;
     for (const auto& p : params[block]) {
       if (!p.received->load()) continue;
-      if (!ranges.empty() && ranges.back().first + ranges.back().second == p.offset) ranges.back().second += p.numel;
-      else ranges.emplace_back(p.offset, p.numel);
+      if (merge && !ranges.empty() && ranges.back().offset + ranges.back().numel == p.offset) ranges.back().numel += p.numel;
+      else ranges.push_back({p.offset, p.numel, p.group_offset});
     }
     return ranges;
+  }
+  // Rounds block l's compute copy from its master over [begin, end), on the optimizer's threads.
+  void restore_compute(const HostParamStore& store, int64_t l, int64_t begin, int64_t end) {
+    adamw->for_each_range(end - begin, [&](int64_t b, int64_t e) { store.copy_master_to_compute(l, begin + b, begin + e); });
   }
 };
 
@@ -187,8 +199,9 @@ struct StreamedStackTrainer::Impl {
 // Every wait on a copy or an update is a call here:
 //   acquire(l)            the compute stream waits for block l's upload
 //   gradient_buffer(l)    the compute stream waits until the slot's previous gradient has left it
-//   upload(l)             the host waits for block l's pending update (it rewrites the compute copy)
-//   BlockGradient::wait   a host task waits for block l's gradient to land before reading it
+//   upload(l)             the host waits for block l's pending update or restore (both rewrite the
+//                         compute copy, which holds the block's gradient until then at accumulation 1)
+//   BlockGradient::wait   a host task (an update, or a restore of the copy) waits for block l's gradient to land
 //   staging_free          the host waits until the last add has read a staging buffer before reusing it
 struct StreamedStackTrainer::StepRun {
   StreamedStackTrainer& t;
@@ -260,10 +273,12 @@ struct StreamedStackTrainer::StepRun {
   // A CpuAdamW update of block l on the host task thread, once its gradient has landed; `grad_scale`
   // unscales and clips. `guard` (immediate updates, which start before the global norm is known): a
   // block whose gradient holds a non-finite value is not updated, nor is any block after it in this step.
+  // Where the gradient sat in the compute buffer, every element the update does not rewrite (a skipped
+  // block, parameters without a gradient) gets its copy back from the master.
   void dispatch_update(int64_t l, float grad_scale, bool guard) {
     streamer.invalidate(l);
     const BlockGradient landed = gradient[l];
-    const auto ranges = im.updated_ranges(l);
+    const auto ranges = im.updated_ranges(l, t.options_.state_dtype != StateDtype::kInt8);
     StreamedStackTrainer* self = &t;
     const double step_lr = lr;
     const int64_t step = adam_step;
@@ -272,32 +287,57 @@ struct StreamedStackTrainer::StepRun {
       landed.wait();
       Impl& impl = *self->impl_;
       const HostParamStore& st = *self->store_;
-      if (guard) {
-        if (impl.nonfinite_step.load() == step) return;
-        if (!all_finite(st.grad(l))) {
-          impl.nonfinite_step.store(step);
-          return;
-        }
+      const bool restore = st.gradient_in_compute_buffer();
+      if (guard && (impl.nonfinite_step.load() == step || !all_finite(st.grad(l)))) {
+        impl.nonfinite_step.store(step);
+        if (restore) impl.restore_compute(st, l, 0, st.block_numel(l));
+        return;
       }
       const double t0 = trace != nullptr ? trace->now_s() : 0.0;
       const auto begin = Clock::now();
       const bool fp32_compute = self->options_.compute_dtype == at::kFloat;
-      const size_t grad_size = c10::elementSize(st.grad(l).scalar_type());
+      const at::Tensor grad = st.grad(l), compute = st.compute(l);
+      const size_t grad_size = c10::elementSize(grad.scalar_type());
+      const size_t state_size = static_cast<size_t>(state_element_bytes(st.options().state_dtype));
       const size_t compute_size = c10::elementSize(st.options().compute_dtype);
-      for (const auto& [offset, numel] : ranges) {
+      const bool int8 = st.options().state_dtype == StateDtype::kInt8;
+      int64_t done = 0;  // elements before `done` are updated or restored
+      for (const auto& r : ranges) {
+        if (restore && r.offset > done) impl.restore_compute(st, l, done, r.offset);
         AdamWBlockState s;
-        s.master = st.master(l).data_ptr<float>() + offset;
-        s.exp_avg = st.exp_avg(l).data_ptr<float>() + offset;
-        s.exp_avg_sq = st.exp_avg_sq(l).data_ptr<float>() + offset;
-        s.grad = static_cast<const char*>(st.grad(l).data_ptr()) + offset * grad_size;
-        s.grad_dtype = st.grad(l).scalar_type();
-        s.compute = fp32_compute ? nullptr : static_cast<char*>(st.compute(l).data_ptr()) + offset * compute_size;
+        s.master = st.master(l).data_ptr<float>() + r.offset;
+        s.exp_avg = static_cast<char*>(st.exp_avg(l).data_ptr()) + r.offset * state_size;
+        s.exp_avg_sq = static_cast<char*>(st.exp_avg_sq(l).data_ptr()) + r.offset * state_size;
+        if (int8) {
+          s.exp_avg_scale = st.exp_avg_scale(l).data_ptr<float>() + r.group_offset;
+          s.exp_avg_sq_scale = st.exp_avg_sq_scale(l).data_ptr<float>() + r.group_offset;
+        }
+        s.state_dtype = st.options().state_dtype;
+        s.grad = static_cast<const char*>(grad.data_ptr()) + r.offset * grad_size;
+        s.grad_dtype = grad.scalar_type();
+        s.compute = fp32_compute ? nullptr : static_cast<char*>(compute.data_ptr()) + r.offset * compute_size;
         s.compute_dtype = st.options().compute_dtype;
-        s.numel = numel;
+        s.numel = r.numel;
         impl.adamw->step_block(s, step, step_lr, grad_scale);
+        done = r.offset + r.numel;
       }
+      if (restore && done < st.block_numel(l)) impl.restore_compute(st, l, done, st.block_numel(l));
       impl.optimizer_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - begin).count();
       if (trace != nullptr) trace->add(TraceLane::kOptimizer, "adamw block " + std::to_string(l), t0, trace->now_s() - t0);
+    });
+  }
+
+  // A skipped step leaves block l's master and moments alone; where its gradient sat in the compute
+  // buffer, the copy is rounded back from the master once the gradient copy has landed (a restore
+  // before it lands would be overwritten by it). The next upload of l waits for this like an update.
+  void dispatch_restore(int64_t l) {
+    if (!store.gradient_in_compute_buffer() || dt == at::kFloat) return;  // fp32: the master is what is uploaded
+    const BlockGradient landed = gradient[l];
+    StreamedStackTrainer* self = &t;
+    im.pending_update[l] = im.tasks->submit([self, l, landed] {
+      landed.wait();
+      const HostParamStore& st = *self->store_;
+      self->impl_->restore_compute(st, l, 0, st.block_numel(l));
     });
   }
 
@@ -459,8 +499,8 @@ struct StreamedStackTrainer::StepRun {
   }
 
   // Skip or take the step: the loss scale, the clip coefficient, the deferred block updates (each
-  // starts once its gradient has landed; the next forward waits for them block by block), the resident
-  // AdamW step; then the step's figures.
+  // starts once its gradient has landed; the next forward waits for them block by block) or, skipped,
+  // the restores of the compute copies that held gradients, the resident AdamW step; then the figures.
   StackStepResult commit(double grad_norm) {
     StackStepResult r;
     r.grad_norm = grad_norm;
@@ -485,6 +525,8 @@ struct StreamedStackTrainer::StepRun {
             if (p.grad().defined()) p.mutable_grad().mul_(coef);
         }
         for (int64_t l = 0; l < L; ++l) dispatch_update(l, static_cast<float>(coef / scale), /*guard=*/false);
+      } else {
+        for (int64_t l = 0; l < L; ++l) dispatch_restore(l);
       }
     }
     if (!r.skipped) {
@@ -541,12 +583,14 @@ StreamedStackTrainer::StreamedStackTrainer(std::shared_ptr<StreamedModel> model,
   TORCH_CHECK(options_.grad_clip >= 0, "StreamedStackTrainer: grad_clip must be >= 0, got ", options_.grad_clip);
   TORCH_CHECK(options_.optimizer_threads >= 1, "StreamedStackTrainer: optimizer_threads must be >= 1, got ",
               options_.optimizer_threads);
+  TORCH_CHECK(options_.init_threads >= 1, "StreamedStackTrainer: init_threads must be >= 1, got ", options_.init_threads);
   const int64_t L = model->num_blocks();
   TORCH_CHECK(L >= 1, "StreamedStackTrainer: the model has ", L, " blocks; expected at least 1");
   impl_->model = model;
   loss_scale_ = dt == at::kHalf ? options_.loss_scale_init : 1.0;
 
-  // The blocks' initial weights become the host state; the modules keep empty parameters.
+  // The blocks' initial weights become the host state, block by block; the modules keep empty
+  // parameters (on the meta device a block's skeleton never had any storage).
   std::vector<BlockSpec> specs;
   for (int64_t l = 0; l < L; ++l) {
     BlockSpec spec{"blocks." + std::to_string(l), {}};
@@ -558,9 +602,17 @@ StreamedStackTrainer::StreamedStackTrainer(std::shared_ptr<StreamedModel> model,
                 " registers buffers, which streamed blocks do not support (see offload/streamed_model.h)");
     specs.push_back(std::move(spec));
   }
-  HostParamStoreOptions store_options = host_store_options(dt, options_.grad_accum_steps);
+  const auto& a = options_.adamw;
+  impl_->adamw = std::make_unique<CpuAdamW>(a, options_.optimizer_threads);
+  HostParamStoreOptions store_options = host_store_options(dt, options_.grad_accum_steps, options_.state_dtype);
   store_options.pin_if_cuda = options_.pin_host_memory;
+  // Each block's pages first touched by the optimizer threads that will update them.
+  CpuAdamW* adamw = impl_->adamw.get();
+  store_options.first_touch = [adamw](int64_t numel, const std::function<void(int64_t, int64_t)>& zero) {
+    adamw->for_each_range(numel, zero);
+  };
   store_ = std::make_unique<HostParamStore>(specs, store_options);
+  load_initial_weights(*model, *store_, std::max(1, options_.init_threads));
 
   std::vector<int64_t> numels;
   const auto empty = torch::TensorOptions().dtype(dt).device(options_.device);
@@ -569,14 +621,11 @@ StreamedStackTrainer::StreamedStackTrainer(std::shared_ptr<StreamedModel> model,
     numels.push_back(store_->block_numel(l));
     for (const auto& item : model->block(l).named_parameters(true)) {
       torch::Tensor p = item.value();
-      {
-        torch::NoGradGuard no_grad;
-        store_->set_param(l, item.key(), p.detach().to(torch::kCPU, torch::kFloat));
-      }
       const auto views = store_->param(l, item.key());
       auto received = std::make_shared<std::atomic<bool>>(false);
       p.register_hook([received](const torch::Tensor&) { received->store(true); });
-      impl_->params[l].push_back({p, views.offset, p.numel(), p.sizes().vec(), received});
+      // Shapes from the store: a block built by initial_block already had its parameters emptied.
+      impl_->params[l].push_back({p, views.offset, views.master.numel(), views.group_offset, views.master.sizes().vec(), received});
       p.set_data(torch::empty({0}, empty));
     }
   }
@@ -589,13 +638,11 @@ StreamedStackTrainer::StreamedStackTrainer(std::shared_ptr<StreamedModel> model,
                 "StreamedStackTrainer: resident parameters must be fp32 on ", options_.device, ", got one ",
                 p.scalar_type(), " on ", p.device());
   }
-  const auto& a = options_.adamw;
   if (!impl_->resident.empty()) {
     impl_->resident_optimizer = std::make_unique<torch::optim::AdamW>(
         impl_->resident,
         torch::optim::AdamWOptions(a.lr).betas({a.beta1, a.beta2}).eps(a.eps).weight_decay(a.weight_decay));
   }
-  impl_->adamw = std::make_unique<CpuAdamW>(a, options_.optimizer_threads);
   impl_->tasks = std::make_unique<detail::HostTaskQueue>(options_.mode == StreamMode::kSync);
   impl_->pending_update.resize(L);
   impl_->block_sq.assign(L, 0.0);
@@ -657,11 +704,46 @@ StackStepResult StreamedStackTrainer::step(const Prologue& prologue, const Epilo
   return run.commit(run.global_norm());  // deferred updates start here, likewise
 }
 
-HostParamStoreOptions host_store_options(c10::ScalarType compute_dtype, int64_t grad_accum_steps) {
+HostParamStoreOptions host_store_options(c10::ScalarType compute_dtype, int64_t grad_accum_steps, StateDtype state_dtype) {
   HostParamStoreOptions o;
-  o.compute_dtype = compute_dtype == at::kHalf ? at::kHalf : at::kBFloat16;  // fp32 compute streams the master
-  o.grad_dtype = grad_accum_steps > 1 ? at::kFloat : compute_dtype;
+  o.compute_dtype = compute_dtype;
+  o.state_dtype = state_dtype;
+  o.separate_grad = grad_accum_steps > 1;
   return o;
+}
+
+void load_initial_weights(StreamedModel& model, HostParamStore& store, int threads) {
+  const int64_t L = store.num_blocks();
+  std::vector<std::shared_ptr<torch::nn::Module>> built(static_cast<size_t>(L));
+  std::atomic<int64_t> next{0};
+  std::exception_ptr failure;
+  std::mutex failure_mutex;
+  const auto worker = [&] {
+    torch::NoGradGuard no_grad;
+    for (int64_t l = next++; l < L; l = next++) {
+      try {
+        built[l] = model.initial_block(l);
+        torch::nn::Module& source = built[l] ? *built[l] : model.block(l);
+        for (const auto& item : source.named_parameters(/*recurse=*/true)) {
+          TORCH_CHECK(!item.value().is_meta(), "StreamedStackTrainer: block ", l, "'s parameter '", item.key(),
+                      "' is on the meta device and the model gives no initial_block(", l, ") (offload/streamed_model.h)");
+          store.set_param(l, item.key(), item.value().detach().to(torch::kCPU, torch::kFloat));
+          if (built[l]) item.value().set_data(torch::empty({0}, item.value().options()));  // the store has it now
+        }
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(failure_mutex);
+        if (!failure) failure = std::current_exception();
+        next = L;
+      }
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int k = 1; k < std::min<int64_t>(threads, L); ++k) pool.emplace_back(worker);
+  worker();
+  for (auto& th : pool) th.join();
+  if (failure) std::rethrow_exception(failure);
+  for (int64_t l = 0; l < L; ++l)
+    if (built[l]) model.adopt_block(l, std::move(built[l]));
 }
 
 void StreamedStackTrainer::restore_counters(int64_t optimizer_steps, double loss_scale, int64_t clean_steps) {
@@ -676,7 +758,7 @@ torch::optim::AdamW* StreamedStackTrainer::resident_optimizer() { return impl_->
 void StreamedStackTrainer::reload_blocks_from_masters() {
   synchronize();
   for (int64_t l = 0; l < store_->num_blocks(); ++l) {
-    if (options_.compute_dtype != at::kFloat) store_->compute(l).copy_(store_->master(l));  // round to nearest even
+    impl_->restore_compute(*store_, l, 0, store_->block_numel(l));  // rounded as CpuAdamW rounds
     streamer_->invalidate(l);
   }
 }

@@ -22,6 +22,7 @@ namespace {
 struct ModelShape {
   int64_t params = 0, text_encoder_params = 0;
   std::vector<int64_t> block_numels;
+  std::vector<offload::BlockSpec> blocks;  // every block's parameters, as the trainer's store lays them out
   int64_t streamed = 0, largest_block = 0;
 };
 
@@ -29,8 +30,12 @@ ModelShape model_shape(const RunConfig& config) {
   ModelShape s;
   DiT model(DiTOptions::from_config(config).device(torch::kMeta));
   s.params = count_parameters(*model);
-  for (const auto& block : *model->blocks) {
-    const int64_t n = count_parameters(*block);
+  for (size_t l = 0; l < model->blocks->size(); ++l) {
+    const auto& block = *model->blocks[l];
+    const int64_t n = count_parameters(block);
+    offload::BlockSpec spec{"blocks." + std::to_string(l), {}};
+    for (const auto& item : block.named_parameters(/*recurse=*/true)) spec.params.push_back({item.key(), item.value().sizes().vec()});
+    s.blocks.push_back(std::move(spec));
     s.block_numels.push_back(n);
     s.streamed += n;
     s.largest_block = std::max(s.largest_block, n);
@@ -261,10 +266,13 @@ std::vector<std::string> advise(const RunConfig& config, const ModelShape& s, co
   if (!plan.fits_host && plan.streamed) {
     out.push_back(fmt::format("host: more host RAM: at least {} ({} in the profile)", gb(static_cast<double>(plan.host.peak())),
                               gb(static_cast<double>(hw.host_memory_bytes))));
-    if (plan.host.steady() <= hw.host_memory_bytes) {
-      out.push_back(fmt::format("host: the steady state ({}) fits; only construction does not: the trainer builds the whole "
-                                "model in fp32 on the CPU before moving the blocks into the host store",
-                                gb(static_cast<double>(plan.host.steady()))));
+    if (config.optimizer.state_dtype != "int8") {
+      RunConfig c = config;
+      c.optimizer.state_dtype = "int8";
+      const StepPlan smaller = plan_step(c, hw);
+      if (smaller.fits_host)
+        out.push_back(fmt::format("host: int8 AdamW moments: optimizer.state_dtype=int8 fits ({} at peak)",
+                                  gb(static_cast<double>(smaller.host.peak()))));
     }
     // Layers that fit at this width: host bytes grow by the same amount per block.
     const int64_t L = config.model.layers;
@@ -294,6 +302,7 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw) {
   p.arch = to_string(config.model.arch);
   p.streamed = config.offload.enabled;
   p.compute_dtype = p.streamed ? config.offload.compute_dtype : "fp32";
+  p.state_dtype = "fp32";
   p.mode = config.offload.mode;
   p.layers = config.model.layers;
   p.hidden = config.model.hidden;
@@ -311,19 +320,23 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw) {
   const int64_t e = compute_element_bytes(p.compute_dtype);
   const int64_t A = t.grad_accum_steps;
   if (p.streamed) {
-    // The HostParamStore StreamedStackTrainer allocates, counted by the store itself.
-    std::vector<offload::BlockSpec> blocks;
-    for (size_t l = 0; l < s.block_numels.size(); ++l)
-      blocks.push_back({"blocks." + std::to_string(l), {{"all", {s.block_numels[l]}}}});
+    // The HostParamStore StreamedStackTrainer allocates, counted by the store itself from the blocks'
+    // real parameter lists (int8 scales are per parameter).
+    const auto state = offload::parse_state_dtype(config.optimizer.state_dtype);
     const auto store = offload::HostParamStore::plan(
-        blocks, offload::host_store_options(offload::parse_compute_dtype(p.compute_dtype), A));
+        s.blocks, offload::host_store_options(offload::parse_compute_dtype(p.compute_dtype), A, state));
+    p.state_dtype = config.optimizer.state_dtype;
     p.host.master = store.master_bytes;
     p.host.exp_avg = store.exp_avg_bytes;
     p.host.exp_avg_sq = store.exp_avg_sq_bytes;
-    p.host.compute = store.compute_bytes;  // bf16 (fp16 with fp16 compute); kept even with fp32 compute
+    p.host.scales = store.scale_bytes;
+    p.host.compute = store.compute_bytes;
     p.host.grad = store.grad_bytes;
     p.host.staging = A > 1 ? 2 * s.largest_block * e : 0;
-    p.host.construction_peak = 4 * s.streamed + p.host.persistent() + p.host.grad;
+    p.host.pinned = store.pinnable_bytes + p.host.staging;
+    // Start-up: the store, and the fp32 initial weights of the blocks being loaded into it
+    // (StackTrainerOptions::init_threads at once, 2 by default).
+    p.host.construction_peak = p.host.state() + 2 * 4 * s.largest_block;
     p.transfer = replay_transfers(s.block_numels, A, e);
   }
   p.device = device_memory(config, s, grid);
@@ -341,10 +354,13 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw) {
     tm.executed_flops += 2.0 * static_cast<double>(s.streamed) * samples * static_cast<double>(grid.numel()) +
                          attention_flops / 3.0;
     // CpuAdamW reads master, m, v and the gradient and writes master, m, v and the compute copy (none
-    // with fp32 compute, which uploads the master); accumulation reads each staged micro-batch and
-    // writes (first) or reads and writes (later) the fp32 sum.
+    // with fp32 compute, which uploads the master); m and v in the state dtype (int8: and their group
+    // scales, read and written); accumulation reads each staged micro-batch and writes (first) or reads
+    // and writes (later) the fp32 sum.
     const int64_t grad_e = A > 1 ? 4 : e;
-    tm.optimizer_bytes = s.streamed * (12 + grad_e + 12 + (p.compute_dtype == "fp32" ? 0 : 2));
+    tm.optimizer_bytes = s.streamed * (8 + 4 * offload::state_element_bytes(offload::parse_state_dtype(p.state_dtype)) +
+                                       grad_e + (p.compute_dtype == "fp32" ? 0 : 2)) +
+                         2 * p.host.scales;
     if (A > 1) tm.optimizer_bytes += s.streamed * (A * e + 4 + (A - 1) * 8);
     tm.h2d_s = static_cast<double>(p.transfer.h2d_bytes) / (hw.pcie_h2d_gbps * 1e9);
     tm.d2h_s = static_cast<double>(p.transfer.d2h_bytes) / (hw.pcie_d2h_gbps * 1e9);
@@ -397,17 +413,23 @@ std::string to_json(const StepPlan& p) {
                    {"host_dram_gbps", p.hardware.host_dram_gbps},
                    {"host_memory_bytes", p.hardware.host_memory_bytes}};
   const auto& h = p.host;
-  j["host_state_bytes"] = h.persistent();
-  j["host_state_bytes_per_param"] = p.params > 0 ? static_cast<double>(h.persistent()) / static_cast<double>(p.params) : 0.0;
+  j["state_dtype"] = p.state_dtype;
+  const auto per_param = [&](int64_t bytes) { return p.params > 0 ? static_cast<double>(bytes) / static_cast<double>(p.params) : 0.0; };
+  j["host_state_bytes"] = h.state();
+  j["host_state_bytes_per_param"] = per_param(h.state());
   j["host_master_bytes"] = h.master;
   j["host_exp_avg_bytes"] = h.exp_avg;
   j["host_exp_avg_sq_bytes"] = h.exp_avg_sq;
+  j["host_scale_bytes"] = h.scales;
   j["host_compute_bytes"] = h.compute;
   j["host_grad_bytes"] = h.grad;
   j["host_staging_bytes"] = h.staging;
   j["host_steady_bytes"] = h.steady();
+  j["host_steady_bytes_per_param"] = per_param(h.steady());
   j["host_construction_peak_bytes"] = h.construction_peak;
   j["host_peak_bytes"] = h.peak();
+  j["host_peak_bytes_per_param"] = per_param(h.peak());
+  j["pinned_bytes"] = h.pinned;
   const auto& d = p.device;
   j["device_peak_bytes"] = d.peak();
   j["device_weight_slot_bytes"] = d.weight_slots;
@@ -463,15 +485,21 @@ std::string to_table(const StepPlan& p) {
   };
   if (p.streamed) {
     out += "host RAM                                                    bytes\n";
+    const std::string state = p.state_dtype;
     row("fp32 master", p.host.master);
-    row("fp32 AdamW m", p.host.exp_avg);
-    row("fp32 AdamW v", p.host.exp_avg_sq);
-    row(p.compute_dtype == "fp16" ? "fp16 compute copy" : "bf16 compute copy", p.host.compute);
-    row("persistent state", p.host.persistent());
-    row(p.grad_accum_steps > 1 ? "fp32 gradient buffers" : p.compute_dtype + " gradient buffers", p.host.grad);
+    row(state + " AdamW m", p.host.exp_avg);
+    row(state == "int8" ? "int8 AdamW v (codes of sqrt v)" : state + " AdamW v", p.host.exp_avg_sq);
+    if (p.host.scales > 0) row("int8 group scales (fp32, m and v)", p.host.scales);
+    if (p.host.compute > 0)
+      row(p.compute_dtype + (p.grad_accum_steps > 1 ? " transfer buffer (compute copy)"
+                             : p.compute_dtype == "fp32" ? " transfer buffer (gradient)" : " transfer buffer (copy / gradient)"),
+          p.host.compute);
+    row("host state", p.host.state());
+    if (p.host.grad > 0) row("fp32 gradient sums (accumulation)", p.host.grad);
     if (p.host.staging > 0) row("accumulation staging (2 blocks)", p.host.staging);
     row("steady total", p.host.steady());
-    row("construction peak (fp32 model + store)", p.host.construction_peak);
+    row("start-up peak (state + 2 blocks' fp32 init)", p.host.construction_peak);
+    row("of the steady total, page-locked", p.host.pinned);
     out += fmt::format("  -> {} the {:.1f} GB of host RAM\n\n", p.fits_host ? "fits" : "DOES NOT FIT",
                        static_cast<double>(p.hardware.host_memory_bytes) / 1e9);
   }

@@ -1,5 +1,7 @@
 #include "megaslide/train/checkpoint.h"
 
+#include <array>
+
 #include <fmt/format.h>
 #include <unistd.h>
 #include <yaml-cpp/yaml.h>
@@ -44,10 +46,13 @@ bool is_checkpoint_name(const std::string& name) {
 bool must_match(const std::string& key) {
   static const std::set<std::string> exact{"diffusion.timesteps",    "diffusion.beta_schedule", "diffusion.beta_start",
                                            "diffusion.beta_end",     "diffusion.caption_dropout", "diffusion.prediction", "train.batch_size",
-                                           "train.seed",             "offload.compute_dtype", "diffusion.objective",
-                                           "diffusion.shift",        "diffusion.timestep_sampling", "diffusion.logit_mean",
-                                           "diffusion.logit_std"};
+                                           "train.seed",             "offload.compute_dtype", "optimizer.state_dtype",
+                                           "diffusion.objective",    "diffusion.shift",       "diffusion.timestep_sampling",
+                                           "diffusion.logit_mean",   "diffusion.logit_std"};
   if (key == "model.wan.weights") return false;  // where a run's initial weights came from: a resume reads its own
+  // How data is loaded (threads, read-ahead, from the cache or by decoding) does not change what is drawn.
+  static const std::set<std::string> loading{"data.workers", "data.prefetch", "data.cache", "data.max_bad_fraction"};
+  if (loading.count(key) > 0) return false;
   return key.rfind("model.", 0) == 0 || key.rfind("data.", 0) == 0 || exact.count(key) > 0;
 }
 
@@ -92,15 +97,24 @@ nlohmann::ordered_json manifest_entry(const io::WrittenFile& f) {
   return {{"bytes", f.bytes}, {"crc32", fmt::format("{:08x}", f.crc32)}};
 }
 
+// What each tensor file holds: the masters; m and v, each followed by its int8 group scales, if any.
+std::array<io::NamedTensors, 3> tensor_file_lists(const TrainingState& state) {
+  std::array<io::NamedTensors, 3> lists{state.master, state.exp_avg, state.exp_avg_sq};
+  const io::NamedTensors* scales[2] = {&state.exp_avg_scale, &state.exp_avg_sq_scale};
+  for (int i = 0; i < 2; ++i)
+    for (const auto& [name, tensor] : *scales[i]) lists[i + 1].emplace_back(name + "#scale", tensor);
+  return lists;
+}
+
 void write_tensor_files(const std::string& dir, const RunConfig& config, const TrainingState& state,
                         nlohmann::ordered_json& files) {
   TORCH_CHECK(state.master.size() == state.exp_avg.size() && state.master.size() == state.exp_avg_sq.size(),
               "save_checkpoint: master, exp_avg and exp_avg_sq must list the same parameters");
   const std::map<std::string, std::string> metadata{{"format", kFormat}, {"step", std::to_string(state.step)}};
   files[kModel] = manifest_entry(save_weights(io::join_path(dir, kModel), config, state.master, torch::kBFloat16));
-  const io::NamedTensors* lists[3] = {&state.master, &state.exp_avg, &state.exp_avg_sq};
+  const auto lists = tensor_file_lists(state);
   for (int i = 0; i < 3; ++i)
-    files[kTensorFiles[i]] = manifest_entry(io::write_safetensors(io::join_path(dir, kTensorFiles[i]), *lists[i], metadata));
+    files[kTensorFiles[i]] = manifest_entry(io::write_safetensors(io::join_path(dir, kTensorFiles[i]), lists[i], metadata));
 }
 }  // namespace
 
@@ -489,10 +503,10 @@ void load_checkpoint(const std::string& path, const RunConfig& config, TrainingS
   }
   if (into.step < 0 || into.optimizer_steps < 0 || into.optimizer_steps > into.step)
     fail(state_path, fmt::format("inconsistent counters: step {}, optimizer_steps {}", into.step, into.optimizer_steps));
-  const io::NamedTensors* lists[3] = {&into.master, &into.exp_avg, &into.exp_avg_sq};
+  const auto lists = tensor_file_lists(into);  // views of `into`'s tensors: read in place
   for (int i = 0; i < 3; ++i) {
     try {
-      io::read_safetensors_into(io::join_path(path, kTensorFiles[i]), *lists[i]);
+      io::read_safetensors_into(io::join_path(path, kTensorFiles[i]), lists[i]);
     } catch (const io::IoError& e) {
       throw CheckpointError(e.what());
     }

@@ -1,5 +1,8 @@
 #include "megaslide/train/resident_trainer.h"
 
+#include "megaslide/data/latent_cache.h"
+#include "megaslide/data/loader.h"
+#include "megaslide/data/video_dataset.h"
 #include "offload/streams.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -11,6 +14,8 @@
 #include <sstream>
 #include <cmath>
 #include <limits>
+#include <map>
+#include <set>
 
 #include "megaslide/train/auto_settings.h"
 
@@ -37,6 +42,28 @@ double learning_rate(const TrainConfig& t, int64_t step) {
   return min_lr + 0.5 * (t.lr - min_lr) * (1.0 + std::cos(M_PI * progress));
 }
 
+// data.dataset: videos — the clips come from a ClipLoader over the decoded files or the cache.
+struct DiffusionBatchSource::Videos {
+  std::shared_ptr<const ClipSource> source;
+  std::unique_ptr<ClipLoader> loader;
+  std::vector<BadItem> unreported;         // found and not yet handed to take_new_bad_items()
+  std::set<std::string> failed_paths;      // items that failed to load, each counted once
+  std::vector<BadItem> known_bad;          // from listing and probing (or the cache)
+  int64_t listed = 0;
+  ClipSample empty_prompt;                 // the cache's: text tensors of the empty prompt
+
+  // Throws DatasetError listing every bad item once more than data.max_bad_fraction of the items are bad.
+  void check(const DataConfig& data) const {
+    const int64_t bad = static_cast<int64_t>(known_bad.size() + failed_paths.size());
+    if (static_cast<double>(bad) <= data.max_bad_fraction * static_cast<double>(listed)) return;
+    std::string list;
+    for (const auto& b : known_bad) list += "\n  " + b.path + ": " + b.reason;
+    for (const auto& p : failed_paths) list += "\n  " + p + ": failed to load";
+    throw DatasetError(fmt::format("dataset: {} of {} items are bad, more than data.max_bad_fraction ({}) allows:{}", bad, listed,
+                                   data.max_bad_fraction, list));
+  }
+};
+
 DiffusionBatchSource::DiffusionBatchSource(const RunConfig& config)
     : config_(config),
       dataset_(StructuredMotionOptions()
@@ -51,7 +78,51 @@ DiffusionBatchSource::DiffusionBatchSource(const RunConfig& config)
                 config.diffusion.beta_end),
       prediction_(parse_prediction(config.diffusion.prediction)),
       caption_rng_(config.train.seed ^ 0x5DEECE66Dull),
-      generator_(at::detail::createCPUGenerator(config.train.seed)) {}
+      generator_(at::detail::createCPUGenerator(config.train.seed)) {
+  if (config.data.dataset != "videos") return;
+  videos_ = std::make_unique<Videos>();
+  const auto& d = config.data;
+  if (!d.cache.empty()) {
+    auto cache = LatentCache::open(config, d.cache);
+    videos_->known_bad = cache->bad();
+    videos_->listed = cache->listed();
+    videos_->empty_prompt = cache->empty_prompt();
+    videos_->source = cache;
+  } else {
+    auto dataset = std::make_shared<VideoDataset>(VideoDataset::open(d, static_cast<int>(std::max<int64_t>(1, d.workers))));
+    dataset->check_bad_fraction();
+    videos_->known_bad = dataset->bad();
+    videos_->listed = dataset->listed();
+    videos_->source = decoding_source(dataset);
+  }
+  videos_->unreported = videos_->known_bad;
+  std::vector<int64_t> bucket_of;
+  for (int64_t i = 0; i < videos_->source->size(); ++i) bucket_of.push_back(videos_->source->bucket_of(i));
+  LoaderOptions options;
+  options.workers = d.workers;
+  options.prefetch = d.prefetch;
+  options.pin_memory = resolve_device(config.train.device).is_cuda();
+  options.seed = config.train.seed;
+  videos_->loader = std::make_unique<ClipLoader>(
+      videos_->source, BucketBatchSampler(bucket_of, videos_->source->num_buckets(), config.train.batch_size, config.train.seed), options);
+}
+
+DiffusionBatchSource::~DiffusionBatchSource() = default;
+
+std::vector<BadItem> DiffusionBatchSource::take_new_bad_items() {
+  if (!videos_) return {};
+  return std::exchange(videos_->unreported, {});
+}
+
+std::vector<std::string> DiffusionBatchSource::captions(int64_t count) const {
+  std::vector<std::string> out;
+  if (videos_) {
+    for (int64_t i = 0; i < std::min(count, videos_->source->size()); ++i) out.push_back(videos_->source->caption(i));
+  } else {
+    for (int64_t i = 0; i < std::min(count, dataset_.size()); ++i) out.push_back(dataset_.get(i).caption);
+  }
+  return out;
+}
 
 std::string DiffusionBatchSource::state() const {
   std::ostringstream rng;
@@ -61,8 +132,15 @@ std::string DiffusionBatchSource::state() const {
   std::string hex;
   for (int64_t i = 0; i < generator.numel(); ++i) hex += fmt::format("{:02x}", bytes[i]);
   nlohmann::ordered_json j;
-  j["epoch"] = sampler_.epoch();
-  j["cursor"] = sampler_.cursor();
+  if (videos_) {
+    // The loader's position: the batch the next step takes (batches loaded ahead are not counted).
+    j["dataset"] = "videos";
+    j["epoch"] = videos_->loader->epoch();
+    j["cursor"] = videos_->loader->cursor();
+  } else {
+    j["epoch"] = sampler_.epoch();
+    j["cursor"] = sampler_.cursor();
+  }
   j["caption_rng"] = rng.str();
   j["generator"] = hex;
   return j.dump();
@@ -73,7 +151,14 @@ void DiffusionBatchSource::restore(const std::string& state) {
   try {
     j = nlohmann::json::parse(state);
     const auto epoch = j.at("epoch").get<int64_t>(), cursor = j.at("cursor").get<int64_t>();
-    if (cursor < 0 || cursor > config_.data.num_clips || epoch < -1)
+    const bool videos = j.value("dataset", std::string("structured-motion")) == "videos";
+    if (videos != static_cast<bool>(videos_))
+      throw std::invalid_argument(std::string("the data state is of ") + (videos ? "a videos" : "a structured-motion") + " dataset");
+    if (videos_) {
+      if (epoch < 0 || cursor < 0 || cursor >= videos_->loader->sampler().batches_per_epoch())
+        throw std::invalid_argument(fmt::format("data position epoch {} batch {} is out of range ({} batches per epoch)", epoch, cursor,
+                                                videos_->loader->sampler().batches_per_epoch()));
+    } else if (cursor < 0 || cursor > config_.data.num_clips || epoch < -1)
       throw std::invalid_argument(fmt::format("data position epoch {} cursor {} is out of range for {} clips", epoch, cursor,
                                               config_.data.num_clips));
     std::istringstream rng(j.at("caption_rng").get<std::string>());
@@ -95,7 +180,8 @@ void DiffusionBatchSource::restore(const std::string& state) {
     } catch (const c10::Error& e) {
       throw std::invalid_argument(std::string("generator state rejected: ") + e.what_without_backtrace());
     }
-    sampler_.seek(epoch, cursor);
+    if (videos_) videos_->loader->seek(epoch, cursor);
+    else sampler_.seek(epoch, cursor);
     caption_rng_ = caption_rng;
     generator_ = generator;
   } catch (const nlohmann::json::exception& e) {
@@ -109,21 +195,64 @@ DiffusionBatch DiffusionBatchSource::next(torch::Device device) {
     schedule_device_ = device;
   }
   const int64_t B = config_.train.batch_size;
-  auto clips = dataset_.batch(sampler_.next(B));
+  const auto data_start = std::chrono::steady_clock::now();
+  torch::Tensor video;  // [B, C, T, H, W] float
+  std::vector<std::string> captions;
+  LoadedBatch loaded;
+  if (videos_) {
+    loaded = videos_->loader->next();
+    for (const auto& f : loaded.failed) {
+      if (videos_->failed_paths.insert(f.path).second) videos_->unreported.push_back(f);
+    }
+    if (!loaded.failed.empty()) videos_->check(config_.data);
+    captions = loaded.captions;
+  } else {
+    auto clips = dataset_.batch(sampler_.next(B));
+    video = clips.video;
+    captions = std::move(clips.captions);
+  }
+  const double data_wait_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - data_start).count();
   std::bernoulli_distribution drop(config_.diffusion.caption_dropout);
-  for (auto& caption : clips.captions)
-    if (drop(caption_rng_)) caption.clear();
-  auto tokens = tokenizer_.encode_batch(clips.captions, config_.data.max_text_tokens);
+  std::vector<bool> dropped;
+  for (auto& caption : captions) {
+    dropped.push_back(drop(caption_rng_));
+    if (dropped.back()) caption.clear();
+  }
+  torch::Tensor text_ids, text_mask;
+  if (loaded.text_ids.defined()) {
+    // Precomputed by the cache: the empty prompt's for dropped captions.
+    text_ids = loaded.text_ids.clone();
+    text_mask = loaded.text_mask.clone();
+    for (int64_t i = 0; i < B; ++i) {
+      if (!dropped[static_cast<size_t>(i)]) continue;
+      text_ids[i].copy_(videos_->empty_prompt.text_ids);
+      text_mask[i].copy_(videos_->empty_prompt.text_mask);
+    }
+  } else {
+    auto tokens = tokenizer_.encode_batch(captions, config_.data.max_text_tokens);
+    text_ids = tokens.ids, text_mask = tokens.mask;
+  }
 
   DiffusionBatch b;
-  b.x0 = clips.video.to(device);
+  if (videos_) {
+    if (loaded.video.scalar_type() == torch::kUInt8) {
+      // Pixels [B, T, H, W, 3] uint8 -> [B, 3, T, H, W] in [-1, 1], mapped on the device.
+      auto pixels = loaded.video.to(device, /*non_blocking=*/loaded.video.is_pinned());
+      b.x0 = (pixels.permute({0, 4, 1, 2, 3}).to(torch::kFloat32) / 127.5 - 1.0).contiguous();
+    } else {
+      b.x0 = loaded.video.to(device, torch::kFloat32);
+    }
+  } else {
+    b.x0 = video.to(device);
+  }
   b.timesteps = schedule_.sample_timesteps(B, device, generator_);
   // Noise is drawn on the CPU so that a run's random stream is the same on every device.
-  b.noise = torch::randn(clips.video.sizes(), generator_, torch::kFloat32).to(device);
+  b.noise = torch::randn(b.x0.sizes(), generator_, torch::kFloat32).to(device);
   b.xt = schedule_.add_noise(b.x0, b.noise, b.timesteps);
   b.target = schedule_.target(prediction_, b.x0, b.noise, b.timesteps);
-  b.text_ids = tokens.ids.to(device);
-  b.text_mask = tokens.mask.to(device);
+  b.text_ids = text_ids.to(device);
+  b.text_mask = text_mask.to(device);
+  b.data_wait_s = data_wait_s;
   return b;
 }
 
@@ -155,6 +284,18 @@ std::vector<std::pair<std::string, torch::Tensor>> ResidentTrainer::named_parame
   for (const auto& p : model_->named_parameters(true)) out.emplace_back(p.key(), p.value());
   for (const auto& p : text_encoder_->named_parameters(true)) out.emplace_back("text_encoder." + p.key(), p.value());
   return out;
+}
+
+ParameterShapes ResidentTrainer::parameter_shapes() {
+  ParameterShapes out;
+  for (auto& [name, p] : named_parameters()) out.emplace_back(name, p.sizes().vec());
+  return out;
+}
+
+void ResidentTrainer::init_from(const InitPlan& plan) {
+  std::map<std::string, torch::Tensor> params;
+  for (auto& [name, p] : named_parameters()) params.emplace(name, p);
+  for (const auto& [name, source] : plan.tensors) source.read_into(params.at(name));
 }
 
 TrainingState ResidentTrainer::training_state() {
@@ -201,8 +342,10 @@ StepMetrics ResidentTrainer::step() {
   optimizer_->zero_grad();
   const int64_t accum = t.grad_accum_steps;
   double loss_sum = 0.0;
+  double data_wait_s = 0.0;
   for (int64_t k = 0; k < accum; ++k) {
     auto b = batches_.next(device_);
+    data_wait_s += b.data_wait_s;
     auto text = text_encoder_(b.text_ids);
     auto loss = diffusion_loss(model_(b.xt, b.timesteps, text, b.text_mask), b.target);
     (accum == 1 ? loss : loss / static_cast<double>(accum)).backward();
@@ -229,6 +372,7 @@ StepMetrics ResidentTrainer::step() {
   m.step = ++steps_done_;
   m.lr = lr;
   m.grad_norm = grad_norm;
+  m.data_wait_s = data_wait_s;
   m.step_time_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   m.samples_per_s = static_cast<double>(t.batch_size * accum) / m.step_time_s;
   m.tokens_per_s = m.samples_per_s * static_cast<double>(grid_.numel());

@@ -72,7 +72,8 @@ void MetricsWriter::write(const StepMetrics& m) {
                    {"exposed_transfer_s", m.exposed_transfer_s},
                    {"optimizer_wait_s", m.optimizer_wait_s},
                    {"optimizer_s", m.optimizer_s},
-                   {"peak_device_bytes", m.peak_device_bytes}};
+                   {"peak_device_bytes", m.peak_device_bytes},
+                   {"data_wait_s", m.data_wait_s}};
   if (m.mfu > 0) j["mfu"] = m.mfu;
   if (m.loss_scale > 0) j["loss_scale"] = m.loss_scale;
   j["skipped"] = m.skipped;

@@ -16,6 +16,7 @@
 #include "megaslide/offload/cpu_master_trainer.h"
 #include "megaslide/train/auto_settings.h"
 #include "megaslide/train/checkpoint.h"
+#include "megaslide/train/init_from.h"
 #include "megaslide/train/resident_trainer.h"
 #include "megaslide/train/run_folder.h"
 #include "megaslide/train/run_outputs.h"
@@ -30,7 +31,8 @@ namespace {
 // Every trainer behind one face: the DiT family's streamed or resident trainer, or Wan's (both modes).
 class Trainer {
  public:
-  Trainer(const RunConfig& config, const std::string& source) {
+  // `wan_init`: Wan's train.init_from (WanTrainer reads it into its model before placing the weights).
+  Trainer(const RunConfig& config, const std::string& source, const WanTrainer::InitPlanner& wan_init) {
     if (config.model.arch == Architecture::kWan) {
       WanLatentData data;
       try {
@@ -40,7 +42,7 @@ class Trainer {
         throw ConfigError(source, "data.tensors", e.what());
       }
       try {
-        wan_ = std::make_unique<WanTrainer>(config, std::move(data));
+        wan_ = std::make_unique<WanTrainer>(config, std::move(data), wan_init);
       } catch (const WanWeightsError& e) {
         throw ConfigError(source, "model.wan.weights", e.what());
       }
@@ -64,6 +66,10 @@ class Trainer {
   torch::Device device() const { return wan_ ? wan_->device() : streamed_ ? streamed_->device() : resident_->device(); }
   CPUMasterVideoDiT* streamed() { return streamed_.get(); }
   WanTrainer* wan() { return wan_.get(); }
+  // The DiT family's data (Wan's latent tensors are all in memory: no loader, no bad items).
+  DiffusionBatchSource* data() { return wan_ ? nullptr : streamed_ ? &streamed_->data() : &resident_->data(); }
+  ParameterShapes parameter_shapes() { return streamed_ ? streamed_->parameter_shapes() : resident_->parameter_shapes(); }
+  void init_from(const InitPlan& plan) { streamed_ ? streamed_->init_from(plan) : resident_->init_from(plan); }
   void synchronize() {
     if (streamed_) streamed_->synchronize();
     if (wan_) wan_->synchronize();
@@ -192,7 +198,18 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
                                     "above {} to continue it",
                                     train.steps, resume_path, saved_step, saved_step));
   }
-  Trainer trainer(config, options.config_source);
+  // train.init_from: a fresh run only (a resumed one continues its checkpoint). Wan's trainer reads the plan
+  // into its model as it builds it; the DiT family's trainers take it once built.
+  const bool init_wanted = resume_path.empty() && !config.train.init_from.empty();
+  WanTrainer::InitPlanner wan_init;
+  if (init_wanted && config.model.arch == Architecture::kWan)
+    wan_init = [&config](const ParameterShapes& shapes) {
+      auto allow = config.train.init_allow_missing;
+      if (config.model.self_attention == "dsa3d")  // the retrofit from a dense Wan checkpoint
+        for (const auto& glob : wan_dsa_parameter_globs()) allow.push_back(glob);
+      return plan_init_from(config.train.init_from, shapes, allow);
+    };
+  Trainer trainer(config, options.config_source, wan_init);
   std::vector<std::string> warnings;
   if (!resume_path.empty()) {
     TrainingState state = trainer.state();
@@ -208,6 +225,15 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
       warnings.push_back(fmt::format("rolled back: {} now names {}; the newer checkpoints of the abandoned run are replaced as this run "
                                      "saves their steps again",
                                      io::join_path(run_dir, "checkpoints/latest"), resume_path));
+  }
+  InitPlan init;
+  if (init_wanted) {
+    if (auto* wan = trainer.wan()) {
+      init = wan->init_plan();
+    } else {
+      init = plan_init_from(config.train.init_from, trainer.parameter_shapes(), config.train.init_allow_missing);
+      trainer.init_from(init);
+    }
   }
 
   RunDirectory dir(run_dir, config);
@@ -243,6 +269,24 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   for (const auto& w : warnings) log.warn(w);
   if (!resume_path.empty() && result.first_step == train.steps)
     log.info(fmt::format("the checkpoint is at train.steps ({}): the run is complete, nothing to train", train.steps));
+  if (!init.path.empty()) {
+    std::string kept;
+    for (const auto& name : init.kept) kept += (kept.empty() ? "" : ", ") + name;
+    log.info(fmt::format("initialised from {}: {} tensors; {} parameters keep their initialisation{}{}", init.path, init.tensors.size(),
+                         init.kept.size(), init.kept.empty() ? "" : ": ", kept));
+  } else if (!resume_path.empty() && !config.train.init_from.empty()) {
+    log.info("train.init_from ignored: the run resumes from its checkpoint");
+  }
+  if (config.data.dataset == "videos")
+    log.info(config.data.cache.empty() ? fmt::format("data: decoding {} ({} loader workers, {} batches ahead)", config.data.manifest.empty() ? config.data.root : config.data.manifest,
+                                                     config.data.workers, config.data.prefetch)
+                                       : fmt::format("data: cache {} ({} loader workers, {} batches ahead)", config.data.cache,
+                                                     config.data.workers, config.data.prefetch));
+  auto report_bad_items = [&] {
+    if (trainer.data() == nullptr) return;
+    for (const auto& b : trainer.data()->take_new_bad_items()) log.warn(fmt::format("bad item skipped: {}: {}", b.path, b.reason));
+  };
+  report_bad_items();
 
   int64_t last_saved = result.first_step;
   auto save = [&](const char* why) {
@@ -268,6 +312,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     if (auto* streamed = trainer.streamed(); streamed && !options.trace_path.empty() && i + 1 == std::min(options.trace_step, train.steps))
       streamed->trace_next_step(options.trace_path);
     const StepMetrics m = trainer.step();
+    report_bad_items();
     result.steps_done = m.step;
     metrics.write(m);
     progress.update(m);
@@ -287,7 +332,8 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     if (train.sample_every > 0 && m.step % train.sample_every == 0) {
       const auto samples = dir.file(fmt::format("samples/step-{:07}", m.step));
       auto [dit, text] = trainer.model(config);
-      const auto files = write_validation_samples(samples, config, dit, text);
+      const auto files = write_validation_samples(samples, config, dit, text, 4,
+                                                  config.data.dataset == "videos" ? trainer.data()->captions(4) : std::vector<std::string>{});
       log.info(fmt::format("step {}: {} validation videos in {}", m.step, files.size(), samples));
     }
     window += m.loss;
@@ -316,8 +362,13 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     log.info(fmt::format("trace of step {} in {}", std::min(options.trace_step, train.steps), options.trace_path));
   log.info(fmt::format("done: {} steps; metrics in {}", result.steps_done, dir.file("metrics.jsonl")));
   if (!options.export_weights.empty()) {
-    auto [dit, text] = trainer.model(config);
-    save_weights(options.export_weights, config, dit, text);
+    if (auto* streamed = trainer.streamed()) {
+      // Straight from the host store, one tensor at a time: no copy of the model.
+      save_weights(options.export_weights, config, streamed->master_views());
+    } else {
+      auto [dit, text] = trainer.model(config);
+      save_weights(options.export_weights, config, dit, text);
+    }
     log.info(fmt::format("weights written to {}", options.export_weights));
   }
   return result;

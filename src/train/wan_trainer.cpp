@@ -204,6 +204,7 @@ offload::StackTrainerOptions engine_options(const RunConfig& c, torch::Device de
   o.adamw = offload::AdamWOptions{c.train.lr, c.train.beta1, c.train.beta2, c.train.eps, c.train.weight_decay};
   o.optimizer_threads = plan_threads(c, device).optimizer;
   o.emulated_copy_delay_ms = c.offload.emulated_copy_delay_ms;
+  o.state_dtype = offload::parse_state_dtype(c.optimizer.state_dtype);
   o.grad_clip = c.train.grad_clip;
   o.grad_accum_steps = c.train.grad_accum_steps;
   o.loss_scale_init = c.train.loss_scale_init;
@@ -212,7 +213,7 @@ offload::StackTrainerOptions engine_options(const RunConfig& c, torch::Device de
 }
 }  // namespace
 
-WanTrainer::WanTrainer(const RunConfig& requested, WanLatentData data)
+WanTrainer::WanTrainer(const RunConfig& requested, WanLatentData data, const InitPlanner& init_from)
     : config_(resolve_auto_settings(with_wan_architecture_from_weights(requested))),
       device_(resolve_device(config_.train.device)),
       batches_(config_, std::move(data)) {
@@ -226,6 +227,17 @@ WanTrainer::WanTrainer(const RunConfig& requested, WanLatentData data)
     const auto weights = WanWeights::open(config_.model.wan.weights);
     initialised_ = load_wan_weights(weights, *model,
                                     config_.model.self_attention == "dsa3d" ? wan_dsa_parameter_globs() : std::vector<std::string>{});
+  }
+  if (init_from) {
+    ParameterShapes shapes;
+    std::map<std::string, torch::Tensor> params;
+    for (const auto& p : model->named_parameters(true)) {
+      shapes.emplace_back(p.key(), p.value().sizes().vec());
+      params.emplace(p.key(), p.value());
+    }
+    init_plan_ = init_from(shapes);
+    torch::NoGradGuard no_grad;
+    for (const auto& [name, source] : init_plan_.tensors) source.read_into(params.at(name));
   }
   grid_ = model->token_grid(config_.data.frames, config_.data.height, config_.data.width);
   stack_ = std::make_shared<WanStack>(model);

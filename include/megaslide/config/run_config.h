@@ -1,6 +1,6 @@
 // RunConfig: the typed form of a run's YAML file (configs/*.yaml).
 //
-// A run file has six sections — model, data, diffusion, train, offload, output — whose keys map one to
+// A run file has seven sections — model, data, diffusion, train, offload, optimizer, output — whose keys map one to
 // one onto the fields below (the key path `model.hidden` is RunConfig::model.hidden). Loading checks
 // every key: an unknown key, a value of the wrong type, an out-of-range or inconsistent value each
 // raise ConfigError naming the source (file or --set), the key path and what was expected. Nothing is
@@ -88,14 +88,27 @@ struct ModelConfig {
 };
 
 struct DataConfig {
-  std::string dataset = "structured-motion";  // structured-motion | latent-tensors (Wan)
+  std::string dataset = "structured-motion";  // structured-motion | videos (docs/data.md) | latent-tensors (Wan)
   int64_t channels = 3;
   int64_t frames = 8;
   int64_t height = 16;
   int64_t width = 16;
   int64_t num_clips = 512;       // clips in one epoch of the synthetic dataset
   int64_t max_text_tokens = 12;  // captions are padded or cut to this many tokens
-  uint64_t seed = 1234;
+  uint64_t seed = 1234;          // structured-motion: the clips; videos: the augmentation draws
+  // videos: where the items are (one of manifest or root) and how they are decoded.
+  std::string manifest;                                // CSV (WebVid or Open-Sora columns) or JSONL; "" = none
+  std::string root;                                    // a folder of videos with a same-stem .txt caption each
+  std::string video_path_template = "{page_dir}/{videoid}.mp4";  // WebVid CSV: the file of a row
+  double fps = 0.0;                                    // sample frames at this rate; 0 = every frame_stride-th frame
+  int64_t frame_stride = 1;
+  std::string clip_start = "random";                   // random | center
+  std::string crop = "center";                         // center | random
+  std::vector<std::array<int64_t, 3>> buckets;         // [frames, height, width] each; empty = one bucket of frames x height x width
+  double max_bad_fraction = 0.05;                      // more bad items than this stops the run, listing them
+  std::string cache;                                   // a folder written by megaslide-cache: read instead of decoding
+  int64_t workers = 1;                                 // background loader threads (each single-threaded); 0 = load in line
+  int64_t prefetch = 2;                                // batches loaded ahead of the step that needs them
   // dataset latent-tensors (model.arch wan): one safetensors file of latents [N, C, T, H, W], text
   // [N, L, text_dim] and optionally empty_text [L, text_dim] (train/wan_trainer.h).
   std::string tensors;
@@ -144,6 +157,8 @@ struct TrainConfig {
   int64_t checkpoint_every = 0;          // checkpoint every N steps and after the last (RUN_DIR/checkpoints/); 0 = never
   int64_t keep_last = 3;                 // complete checkpoints kept (the newest); 0 = all
   int64_t max_consecutive_skips = 5;     // stop after this many non-finite steps in a row; 0 = never stop
+  std::string init_from;                 // start from these weights (weights file, checkpoint folder, safetensors); "" = random
+  std::vector<std::string> init_allow_missing;  // parameter-name patterns (* any run) that init_from may lack
 };
 
 struct OffloadConfig {
@@ -153,6 +168,12 @@ struct OffloadConfig {
   std::string compute_dtype = "auto";    // auto (train/auto_settings.h) | bf16 | fp16 (dynamic loss scaling) | fp32
   int64_t optimizer_threads = 0;         // CpuAdamW threads; 0 = from the cores available (train/auto_settings.h)
   double emulated_copy_delay_ms = 0.0;   // testing aid: CPU async copies land this much later (docs/offload.md)
+};
+
+struct OptimizerConfig {
+  // How the streamed trainer keeps AdamW's m and v on the host: fp32 | bf16 | int8 (block-wise, 256
+  // elements per fp32 scale; offload/cpu_adamw.h). The resident loop keeps fp32 (LibTorch's AdamW).
+  std::string state_dtype = "fp32";
 };
 
 struct OutputConfig {
@@ -166,6 +187,7 @@ struct RunConfig {
   DiffusionConfig diffusion;
   TrainConfig train;
   OffloadConfig offload;
+  OptimizerConfig optimizer;
   OutputConfig output;
 };
 

@@ -65,12 +65,14 @@ class TextToVideo {
 };
 
 // Validation videos during training (train.sample_every): the captions of structured-motion clips
-// 0…count−1 of the run's dataset (fixed by data.seed), each with a fixed seed (eval::vbench_seed(caption,
+// 0…count−1 of the run's dataset (fixed by data.seed) — or the first `count` of `dataset_captions` when
+// given (a video dataset's) — each with a fixed seed (eval::vbench_seed(caption,
 // 0, train.seed)), sampled with the config's sampler settings from the given modules (shared, not copied;
 // their training mode is restored afterwards) and written in the VBench layout — `dir`/videos/{caption}-0.mp4
 // and `dir`/index.json. Frames of odd size are upscaled 2× (H.264 needs even sizes). Sampling draws from
 // its own generators, so it leaves the training's random streams untouched. Returns the file names.
 std::vector<std::string> write_validation_samples(const std::string& dir, const RunConfig& config, DiT& dit,
-                                                  TextEncoder& text_encoder, int64_t count = 4);
+                                                  TextEncoder& text_encoder, int64_t count = 4,
+                                                  const std::vector<std::string>& dataset_captions = {});
 
 }  // namespace megaslide

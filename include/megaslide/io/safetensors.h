@@ -21,6 +21,7 @@
 #include <torch/torch.h>
 
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -60,10 +61,13 @@ struct WrittenFile {
 };
 
 // Writes `tensors` (any device, any layout; names unique, not "__metadata__") to `path`, streaming
-// them tensor by tensor (contiguous CPU tensors are written without a copy), atomically
+// them tensor by tensor: each is converted (to the CPU, contiguous, and to `cast` when given and the
+// tensor is floating) just before it is written, so at most one converted tensor exists at a time, and
+// contiguous CPU tensors of the written dtype are written without a copy. Atomic
 // (io::AtomicFileWriter): on any error `path` keeps its old content.
 WrittenFile write_safetensors(const std::string& path, const NamedTensors& tensors,
-                       const std::map<std::string, std::string>& metadata = {});
+                              const std::map<std::string, std::string>& metadata = {},
+                              std::optional<c10::ScalarType> cast = std::nullopt);
 
 // The bytes write_safetensors would write (tests build corrupt files from them).
 std::string encode_safetensors(const NamedTensors& tensors, const std::map<std::string, std::string>& metadata = {});

@@ -1,5 +1,5 @@
 // Video files through FFmpeg's libraries (libavformat, libavcodec, libswscale): H.264 MP4 writing,
-// PNG frames, and reading a video back (for metrics and tests).
+// PNG frames, and reading a video back (for metrics, tests and datasets: probe_video, read_video_frames).
 //
 // Frames cross this API as uint8 RGB tensors [T, H, W, 3] (one frame: [H, W, 3]) on the CPU; the
 // caller owns them. to_rgb_frames() turns a model's [C, T, H, W] output in [-1, 1] into that form.
@@ -8,13 +8,15 @@
 // Files are written to `path.tmp`, then renamed over `path`, so a reader never sees a torn file.
 // Errors throw VideoError naming the path and FFmpeg's reason.
 //
-// FFmpeg's log level is set to errors only the first time this API is used (libx264 otherwise prints
-// its statistics for every file). Thread-safety: calls on different files may run concurrently.
+// FFmpeg's log level is set to fatal messages only the first time this API is used (libx264 otherwise
+// prints its statistics for every file, and each broken file of a dataset its own error lines: every
+// failure reaches the caller as a VideoError instead). Thread-safety: calls on different files may run concurrently.
 #pragma once
 
 #include <torch/torch.h>
 
 #include <string>
+#include <vector>
 
 #include "megaslide/io/files.h"
 
@@ -74,5 +76,18 @@ struct VideoReadOptions {
 
 // Decodes every frame: [T, H, W, 3] uint8 RGB. `info`, when given, receives the stream's description.
 torch::Tensor read_video(const std::string& path, VideoInfo* info = nullptr, const VideoReadOptions& options = {});
+
+// The stream's description without decoding it (the container's header and the first packets). `frames`
+// is the container's frame count or, when it states none, duration × fps rounded (an estimate: the
+// caller that needs exact counts decodes, below).
+VideoInfo probe_video(const std::string& path);
+
+// Decodes in presentation order up to the largest of `indices` (nothing after it) and returns those
+// frames in the order of `indices` (repeats allowed): [N, H, W, 3] uint8 RGB. Frames are counted as the
+// decoder outputs them (constant-rate streams: frame i is at i / fps). When the stream ends before the
+// largest index, returns an undefined tensor; `frames_decoded` (when given) receives how many frames were
+// decoded either way. Each call decodes on one thread.
+torch::Tensor read_video_frames(const std::string& path, const std::vector<int64_t>& indices, int64_t* frames_decoded = nullptr,
+                                const VideoReadOptions& options = {});
 
 }  // namespace megaslide::io

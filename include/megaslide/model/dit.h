@@ -16,12 +16,19 @@
 // unpatchify: head()); forward() is their composition.
 //
 // Build on torch::kMeta to count parameters of configs that would not fit in memory.
+//
+// Initialisation: construction draws one 64-bit seed from the current generator (InitGenerator's, or
+// LibTorch's default: torch::manual_seed), whatever the device; the non-block parts are drawn from a
+// generator seeded from it, and block i from its own, derive_seed(init_seed, i + 1). So block i's
+// weights depend only on that seed and i — initial_block(i) rebuilds them alone, in any order or thread
+// — and a model whose blocks are a meta skeleton has the very non-block weights of one built in full.
 // Thread-safety: like any torch::nn::Module.
 #pragma once
 
 #include <torch/torch.h>
 
 #include <array>
+#include <optional>
 
 #include "megaslide/attention/deformable_slide_attention.h"
 #include "megaslide/config/run_config.h"
@@ -51,6 +58,9 @@ struct DiTOptions {
   TORCH_ARG(Int3, swin_window) = Int3{3, 16, 16};
   TORCH_ARG(int64_t, frequency_dim) = 256;  // sinusoidal timestep features before the MLP
   TORCH_ARG(torch::Device, device) = torch::kCPU;
+  // The blocks are built here instead when set: torch::kMeta gives the streamed trainer a skeleton of
+  // names and shapes, whose weights DiTImpl::initial_block builds one block at a time.
+  TORCH_ARG(std::optional<torch::Device>, block_device) = std::nullopt;
 };
 
 // Sinusoidal features of (possibly fractional) timesteps [B] -> [B, dim] (DiT's convention: cos half
@@ -139,11 +149,19 @@ class DiTImpl : public torch::nn::Cloneable<DiTImpl> {
 
   TokenGrid token_grid(int64_t frames, int64_t height, int64_t width) const;
 
+  // Block `index` with its initial weights, built alone on `device` (what reset() builds as block index
+  // on options.device()).
+  DiTBlock initial_block(int64_t index, torch::Device device) const;
+  // Puts `block` in place of block `index` (the streamed trainer's block with its weights in the host
+  // store, replacing a meta skeleton's).
+  void replace_block(int64_t index, DiTBlock block);
+
   // Moves everything but the blocks (the embed() and head() parts) to `device`: how the streamed trainer
   // and the streamed sampler keep the prologue and epilogue resident while the blocks stream.
   void move_non_block_parts(torch::Device device);
 
   DiTOptions options;
+  uint64_t init_seed = 0;  // drawn at construction (see above)
   Conv3d patch_embed{nullptr};
   TimestepEmbedder t_embedder{nullptr};
   Linear t_mod{nullptr};  // SiLU(t_emb) -> 6D, zero init, shared by all blocks

@@ -14,6 +14,28 @@
 
 namespace megaslide {
 
+// Where the layers' reset() draws initial weights: while an InitGenerator lives on a thread, from its
+// own generator (seeded at construction), so a module built there depends only on that seed — not on
+// the global random stream, other threads or the order modules are built in; otherwise from LibTorch's
+// default CPU generator (torch::manual_seed). Nestable; one per thread at a time is in effect.
+class InitGenerator {
+ public:
+  explicit InitGenerator(uint64_t seed);
+  ~InitGenerator();
+  InitGenerator(const InitGenerator&) = delete;
+  InitGenerator& operator=(const InitGenerator&) = delete;
+  // The generator to draw from on this thread (undefined: the default generator).
+  static at::Generator current();
+
+ private:
+  at::Generator generator_;
+  at::Generator previous_;
+};
+
+// A seed for part `index` of something seeded with `seed` (splitmix64 of both): well spread, so
+// neighbouring indices give unrelated streams.
+uint64_t derive_seed(uint64_t seed, uint64_t index);
+
 // Three sizes in (t, h, w) order; aliases keep TORCH_ARG (a macro) happy.
 using Int3 = std::array<int64_t, 3>;
 using Real3 = std::array<double, 3>;

@@ -24,6 +24,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -46,15 +47,44 @@ const char* to_string(SimdPath path);
 // How the compute copy is written. Streaming (non-temporal) stores go straight to memory and skip
 // the read-for-ownership an ordinary store pays first (2 of the 28 B per parameter); they lose when
 // the copy would have stayed in cache for its next reader. kAuto streams blocks of at least
-// kStreamingMinElements elements (far larger than a core's caches).
+// kStreamingMinElements elements (far larger than a core's caches), except when the gradient is read
+// from the copy's own buffer (the trainer at accumulation 1): each line is then in cache already and a
+// streaming store would only evict it.
 enum class CopyStores { kAuto, kCached, kStreaming };
 constexpr int64_t kStreamingMinElements = int64_t{1} << 20;
 
-// One block's optimizer state as plain pointers, all `numel` elements long and not overlapping.
+// How the AdamW moments m and v are stored (optimizer.state_dtype):
+//   kFloat32  fp32, 8 B per parameter: LibTorch's AdamW, bit for bit in m and v.
+//   kBFloat16 bf16, rounded to nearest even after each update: 4 B per parameter.
+//   kInt8     block-wise quantised in groups of kStateQuantGroup elements with one fp32 scale per group
+//             and moment: m as int8 codes (symmetric, absmax / 127), v as uint8 codes of sqrt(v)
+//             (absmax / 255; a nonzero v never rounds to 0): 2 B per parameter plus 8 / 256.
+// Each step computes the new m and v in fp32 from the stored ones and uses them unrounded for that
+// step's update; only what is kept for the next step is narrowed (src/offload/adamw_kernels.h has the
+// exact rules).
+enum class StateDtype { kFloat32, kBFloat16, kInt8 };
+constexpr int64_t kStateQuantGroup = 256;
+
+// "fp32" | "bf16" | "int8".
+StateDtype parse_state_dtype(const std::string& name);
+const char* to_string(StateDtype dtype);
+// Bytes per element of one moment (4, 2 or 1), scales excluded.
+int64_t state_element_bytes(StateDtype dtype);
+// Quantisation groups of `numel` elements (kInt8: one scale each per moment), ceil(numel / 256).
+inline int64_t state_groups(int64_t numel) { return (numel + kStateQuantGroup - 1) / kStateQuantGroup; }
+
+// One block's optimizer state as plain pointers, all `numel` elements long and not overlapping,
+// except that `grad` may be `compute` itself (the same 16-bit dtype): each element's gradient is read
+// before its copy is written.
 struct AdamWBlockState {
   float* master = nullptr;      // fp32 master weights, updated in place
-  float* exp_avg = nullptr;     // m, updated in place (starts at zero)
-  float* exp_avg_sq = nullptr;  // v, updated in place (starts at zero)
+  void* exp_avg = nullptr;      // m, updated in place (starts at zero): float, bf16 or int8 (state_dtype)
+  void* exp_avg_sq = nullptr;   // v, updated in place (starts at zero): float, bf16, or uint8 codes of sqrt(v)
+  // kInt8 only: state_groups(numel) fp32 scales per moment (start at zero); group q covers elements
+  // [256 q, 256 q + 256) of these arrays.
+  float* exp_avg_scale = nullptr;
+  float* exp_avg_sq_scale = nullptr;
+  StateDtype state_dtype = StateDtype::kFloat32;
   const void* grad = nullptr;   // gradient, read only
   c10::ScalarType grad_dtype = c10::ScalarType::BFloat16;  // BFloat16, Half or Float
   void* compute = nullptr;      // compute copy written from the new master; may be null
@@ -89,12 +119,19 @@ class CpuAdamW {
   // use. Elements are tiled over the pool; returns when the whole block is updated.
   void step_block(const AdamWBlockState& state, int64_t step, double lr, float grad_scale = 1.f);
 
-  // The same on tensors: master, exp_avg and exp_avg_sq contiguous fp32 CPU tensors of one numel;
-  // grad contiguous bf16, fp16 or fp32 of that numel (any shape); compute an undefined tensor or a
+  // The same on tensors: master a contiguous fp32 CPU tensor, exp_avg and exp_avg_sq contiguous CPU
+  // tensors of its numel, both fp32 or both bf16 (the state dtype; int8 state goes through the
+  // pointer overload with its scales); grad contiguous bf16, fp16 or fp32 of that numel (any shape); compute an undefined tensor or a
   // contiguous bf16/fp16 one of that numel. Throws c10::Error naming the offending argument.
   void step_block(const at::Tensor& master, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                   const at::Tensor& grad, const at::Tensor& compute, int64_t step, double lr,
                   float grad_scale = 1.f);
+
+  // Runs fn(begin, end) over [0, numel) split exactly as step_block splits a block of numel elements
+  // among its threads, each range on the thread that would update it (the calling thread included):
+  // how HostParamStore's first touch puts a block's pages where its updates run. fn must not throw;
+  // like step_block, calls are serialised.
+  void for_each_range(int64_t numel, const std::function<void(int64_t begin, int64_t end)>& fn);
 
   // The memory roofline of step_block's access pattern, on the same arrays, pool, SIMD path and
   // copy stores:

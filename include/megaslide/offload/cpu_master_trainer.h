@@ -10,9 +10,10 @@
 // Prologue and epilogue stay on the device in fp32 and are updated there by LibTorch's AdamW; blocks
 // run in offload.compute_dtype and are updated by CpuAdamW on the host.
 //
-// Initialisation: the model is built exactly as ResidentTrainer builds it (same seed, same order), on
-// the CPU in fp32, and the blocks' weights are moved into the host store; so the two trainers start
-// from identical weights.
+// Initialisation: the model is built as ResidentTrainer builds it (same seed, same order), but its
+// blocks as a skeleton on the meta device; each block's initial weights are built on the CPU by
+// DiT::initial_block (seeded per block) straight into the host store, one or two blocks at a time. So
+// the two trainers start from identical weights and no full copy of the model ever exists.
 //
 // Threading: one thread drives a trainer.
 #pragma once
@@ -42,6 +43,10 @@ class DiTStack : public offload::StreamedModel {
   torch::nn::Module& block(int64_t index) override { return *model_->blocks[index]; }
   torch::Tensor forward_block(int64_t index, const torch::Tensor& x, const offload::BlockInputs& inputs) override;
   std::vector<torch::Tensor> resident_parameters() override;
+  // DiT::initial_block on the CPU, when the DiT's blocks are a meta skeleton (nullptr otherwise); the
+  // trainer's adopted module replaces the skeleton's block (DiT::replace_block).
+  std::shared_ptr<torch::nn::Module> initial_block(int64_t index) override;
+  void adopt_block(int64_t index, std::shared_ptr<torch::nn::Module> block) override;
   // Resident parameters by name (text encoder ones prefixed "text_encoder.").
   std::vector<std::pair<std::string, torch::Tensor>> named_resident_parameters();
   DiT& model() { return model_; }
@@ -82,8 +87,12 @@ class CPUMasterVideoDiT {
   // Every trained parameter's fp32 master as a CPU tensor copy, named as in DiT::named_parameters()
   // ("blocks.3.mlp.fc1.weight") and "text_encoder.<name>" (synchronizes first).
   std::vector<std::pair<std::string, torch::Tensor>> master_weights();
+  // The same without copies: the blocks' masters as views into the host store, the resident parameters
+  // as they are (on the training device). Exporting from these needs no second copy of the model
+  // (save_weights casts one tensor at a time). Valid until the next step (synchronizes first).
+  std::vector<std::pair<std::string, torch::Tensor>> master_views();
   // Copies the fp32 masters into a DiT and caption encoder built from the same config (any device),
-  // for sampling or exporting the weights while training goes on (synchronizes first).
+  // tensor by tensor from the store, for sampling while training goes on (synchronizes first).
   void copy_weights_to(DiT& dit, TextEncoder& text_encoder);
   // Host memory by component (the store's report) as a table.
   std::string host_memory_report() const;
@@ -96,6 +105,12 @@ class CPUMasterVideoDiT {
   // taken, bit for bit on the CPU. Steps skipped for non-finite values are counted here too.
   TrainingState training_state();
   void load_training_state(const TrainingState& state);
+  DiffusionBatchSource& data() { return batches_; }
+  // train.init_from (train/init_from.h): names and shapes as training_state() names them, and loading
+  // a matched plan — resident parameters on the device, blocks' masters tensor by tensor straight into
+  // the host store, then their compute copies refreshed.
+  ParameterShapes parameter_shapes() const;
+  void init_from(const InitPlan& plan);
 
  private:
   RunConfig config_;

@@ -1,32 +1,48 @@
 // HostParamStore: the persistent training state of the CPU-master design (DESIGN.md §2, §6), held in
 // host RAM block by block. For each block it allocates one flat buffer per component:
-//   master      fp32  the master weights AdamW updates
-//   exp_avg     fp32  AdamW's m (zero at construction)
-//   exp_avg_sq  fp32  AdamW's v (zero at construction)
-//   compute     bf16 or fp16: the copy the GPU streams in (H2D) and CpuAdamW rewrites each step
-//   grad        bf16, fp16 or fp32: where the block's gradient lands (D2H) before CpuAdamW reads it
+//   master        fp32  the master weights AdamW updates
+//   exp_avg       AdamW's m in the state dtype: fp32, bf16, or int8 codes (zero at construction)
+//   exp_avg_sq    AdamW's v in the state dtype: fp32, bf16, or uint8 codes of sqrt(v) (zero)
+//   *_scale       int8 state only: one fp32 scale per 256-element group of each parameter (zero)
+//   compute       the transfer buffer, in the compute dtype (bf16, fp16 or fp32). Between steps it holds
+//                 the block's compute copy, which the GPU streams in (H2D; with fp32 compute the master
+//                 itself is uploaded and this buffer holds only gradients). Without a separate gradient
+//                 buffer it also receives the block's gradient (D2H) after the block's backward, which
+//                 the update then reads before writing the new copy over it.
+//   grad          fp32, only with separate_grad (gradient accumulation): the sum of the micro-batches'
+//                 gradients
 // Every parameter of the block is a view at the same offset into each buffer, in declaration order,
-// packed without padding, so a block's flat tensors are the concatenation of its parameters.
-// Buffers are page-locked (cudaHostAlloc) when CUDA is available at run time, so the copy engines can
-// DMA them asynchronously; otherwise page-aligned (4096 B). All bytes start at zero.
+// packed without padding, so a block's flat tensors are the concatenation of its parameters. int8
+// scales are per parameter: groups of 256 elements start at each parameter's first element (the last
+// group of a parameter may be shorter); ParamViews::group_offset says where its scales start.
+//
+// Pinning: only what crosses PCIe is page-locked (cudaHostAlloc), when CUDA is available at run time:
+// the transfer buffer, and the master with fp32 compute (then it is uploaded). Masters, moments,
+// scales and the accumulation buffer are ordinary page-aligned (4096 B) memory, first touched — zeroed
+// — through HostParamStoreOptions::first_touch, which the trainer points at the optimizer threads that
+// will update them (on a NUMA machine the pages then sit on those threads' nodes). All bytes start at
+// zero.
 //
 // Memory: the store owns the buffers. Every tensor it hands out (flat or per-parameter) is a view that
 // shares ownership of its block's buffer, so a view stays valid even after the store is destroyed;
 // the memory is freed when the store and the last view are gone.
 //
-// Threading: construction and destruction are single-threaded. The accessors only read immutable
-// layout and may be called from any thread; writes through the views are the caller's to order
-// (the trainer: D2H into grad, then CpuAdamW, then H2D from compute).
+// Threading: construction and destruction are single-threaded (first_touch may fan out). The
+// accessors only read immutable layout and may be called from any thread; writes through the views are
+// the caller's to order (the trainer: D2H into the transfer buffer, then CpuAdamW, then H2D from it).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "megaslide/offload/cpu_adamw.h"
 
 namespace megaslide::offload {
 
@@ -41,11 +57,22 @@ struct BlockSpec {
 };
 
 struct HostParamStoreOptions {
-  c10::ScalarType compute_dtype = c10::ScalarType::BFloat16;  // BFloat16 or Half
-  c10::ScalarType grad_dtype = c10::ScalarType::BFloat16;     // BFloat16, Half or Float
-  // Page-lock the buffers when CUDA is available at run time. Turning it off keeps the memory
-  // pageable (and the H2D/D2H copies synchronous).
+  // The transfer buffer: BFloat16 or Half (the compute copy), or Float (fp32 compute: gradients only;
+  // the master is uploaded).
+  c10::ScalarType compute_dtype = c10::ScalarType::BFloat16;
+  StateDtype state_dtype = StateDtype::kFloat32;  // AdamW's m and v
+  // A separate fp32 gradient buffer per block: gradient accumulation sums the micro-batches into it,
+  // while the transfer buffer keeps the weights for the next micro-batch's upload. Without it the
+  // gradient lands in the transfer buffer.
+  bool separate_grad = false;
+  // Page-lock the transfer buffer (and an uploaded fp32 master) when CUDA is available at run time.
+  // Turning it off keeps the memory pageable (and the H2D/D2H copies synchronous).
   bool pin_if_cuda = true;
+  // Zeroes a block's buffers, each byte first touched here: called once per block with the block's
+  // element count and `zero(begin, end)`, which zeroes elements [begin, end) of every buffer (and the
+  // scales of the groups that start in that range). It may call `zero` from several threads over
+  // disjoint ranges that together cover [0, numel). Empty: the constructing thread zeroes everything.
+  std::function<void(int64_t numel, const std::function<void(int64_t begin, int64_t end)>& zero)> first_touch;
 };
 
 // Thrown when the store cannot get its memory. what() names the bytes asked for, the bytes the
@@ -62,23 +89,31 @@ class HostMemoryError : public std::runtime_error {
   int64_t available_bytes_;
 };
 
-// Bytes by component, whole store (DESIGN.md §6: 14 B per parameter persistent with a bf16 copy,
-// plus the transient gradient).
+// Bytes by component, whole store (docs/offload.md has the budget per parameter): 14 B per parameter
+// with fp32 moments and a bf16 copy, 10 with bf16 moments, 8 + 1/32 with int8 moments; gradient
+// accumulation adds a 4 B fp32 gradient.
 struct MemoryReport {
   int64_t num_blocks = 0;
   int64_t num_params = 0;  // parameter elements
   int64_t master_bytes = 0;
   int64_t exp_avg_bytes = 0;
   int64_t exp_avg_sq_bytes = 0;
-  int64_t compute_bytes = 0;
-  int64_t grad_bytes = 0;
+  int64_t scale_bytes = 0;    // int8 state: both moments' group scales
+  int64_t compute_bytes = 0;  // the transfer buffer (compute copy; the gradient at accumulation 1)
+  int64_t grad_bytes = 0;     // separate fp32 gradient buffers (accumulation), else 0
+  int64_t pinned_bytes = 0;   // of the above, page-locked (0 where CUDA is not available)
+  // Of the above, what is page-locked where CUDA is available (the transfer buffer; the master too
+  // with fp32 compute), whether or not this machine has CUDA.
+  int64_t pinnable_bytes = 0;
   c10::ScalarType compute_dtype = c10::ScalarType::BFloat16;
-  c10::ScalarType grad_dtype = c10::ScalarType::BFloat16;
-  bool pinned = false;
+  StateDtype state_dtype = StateDtype::kFloat32;
+  bool separate_grad = false;
+  bool pinned = false;  // whether page-locking is in effect
 
-  int64_t persistent_bytes() const { return master_bytes + exp_avg_bytes + exp_avg_sq_bytes + compute_bytes; }
-  int64_t total_bytes() const { return persistent_bytes() + grad_bytes; }
-  // A table: one row per component with bytes, GiB and bytes per parameter, then the totals.
+  int64_t total_bytes() const {
+    return master_bytes + exp_avg_bytes + exp_avg_sq_bytes + scale_bytes + compute_bytes + grad_bytes;
+  }
+  // A table: one row per component with bytes, GiB and bytes per parameter, then the total.
   std::string to_string() const;
 };
 
@@ -92,8 +127,8 @@ class HostParamStore {
   HostParamStore(const HostParamStore&) = delete;
   HostParamStore& operator=(const HostParamStore&) = delete;
 
-  // What a store of these blocks would take, without allocating (for planning tools). `pinned` is
-  // what the constructor would do on this machine.
+  // What a store of these blocks would take, without allocating (for planning tools). `pinned` and
+  // pinned_bytes are what the constructor would do on this machine.
   static MemoryReport plan(const std::vector<BlockSpec>& blocks, const HostParamStoreOptions& options = {});
 
   int64_t num_blocks() const { return static_cast<int64_t>(blocks_.size()); }
@@ -103,27 +138,42 @@ class HostParamStore {
   const HostParamStoreOptions& options() const { return options_; }
   MemoryReport memory_report() const;
 
-  // A block's flat 1-D buffers (block_numel elements each).
+  // A block's flat 1-D buffers (block_numel elements each; the scales: state_groups of each parameter,
+  // concatenated).
   at::Tensor master(int64_t block) const;
   at::Tensor exp_avg(int64_t block) const;
   at::Tensor exp_avg_sq(int64_t block) const;
+  at::Tensor exp_avg_scale(int64_t block) const;     // int8 state; undefined otherwise
+  at::Tensor exp_avg_sq_scale(int64_t block) const;  // int8 state; undefined otherwise
+  // The transfer buffer: the compute copy (with fp32 compute: where gradients land). Undefined with
+  // fp32 compute and a separate gradient buffer (nothing crosses PCIe through it then).
   at::Tensor compute(int64_t block) const;
+  // Where the update reads the block's gradient: the separate fp32 buffer, or compute(block).
   at::Tensor grad(int64_t block) const;
+  bool gradient_in_compute_buffer() const { return !options_.separate_grad; }
 
-  // One parameter's views, shaped as declared. Throws c10::Error naming the block and the parameter
-  // when there is no such parameter.
+  // One parameter's views, shaped as declared (scales 1-D, undefined unless int8). Throws c10::Error
+  // naming the block and the parameter when there is no such parameter.
   struct ParamViews {
     at::Tensor master, exp_avg, exp_avg_sq, compute, grad;
-    int64_t offset = 0;  // elements from the start of the block's flat buffers
+    at::Tensor exp_avg_scale, exp_avg_sq_scale;
+    int64_t offset = 0;        // elements from the start of the block's flat buffers
+    int64_t group_offset = 0;  // int8 state: this parameter's first scale in the block's scale buffers
   };
   ParamViews param(int64_t block, const std::string& name) const;
+  // Every parameter of a block, in declaration order.
+  std::vector<ParamViews> params(int64_t block) const;
 
   // Writes `value` (any dtype, the parameter's shape) into the parameter's master and, rounded to
-  // nearest even, its compute copy: how a trainer loads initial or checkpointed weights.
+  // nearest even, its compute copy (none with fp32 compute): how weights are loaded.
   void set_param(int64_t block, const std::string& name, const at::Tensor& value);
+  // Rounds elements [begin, end) of block's compute copy from its master, with CpuAdamW's rounding (a
+  // no-op with fp32 compute): the copy after a skipped update, or after masters were written in place.
+  void copy_master_to_compute(int64_t block, int64_t begin, int64_t end) const;
 
  private:
   struct Block;
+  ParamViews views(int64_t block, size_t index) const;
   std::vector<BlockSpec> specs_;
   std::vector<std::shared_ptr<Block>> blocks_;
   HostParamStoreOptions options_;

@@ -2,10 +2,17 @@
 // on the device (DESIGN.md §2). The engine under CPUMasterVideoDiT; use it directly for your own
 // block stack (docs/offload.md).
 //
-// State: every block's fp32 master weights, AdamW moments, compute copy and gradient live in a
-// HostParamStore (host RAM, pinned when CUDA runs); the device holds two weight slots, two gradient
-// slots (WeightStreamer), the block-boundary activations of the micro-batch in flight, and the
-// resident prologue/epilogue with their LibTorch AdamW state.
+// State: every block's fp32 master weights, AdamW moments (fp32, bf16 or int8: state_dtype) and
+// transfer buffer live in a HostParamStore (host RAM; only the transfer buffer is pinned when CUDA
+// runs); the device holds two weight slots, two gradient slots (WeightStreamer), the block-boundary
+// activations of the micro-batch in flight, and the resident prologue/epilogue with their LibTorch
+// AdamW state. At accumulation 1 there is no gradient buffer: a block's gradient is copied into its
+// transfer buffer, whose compute copy is not needed again until the block's update rewrites it (a
+// skipped update rounds it back from the master). Accumulation adds an fp32 gradient buffer (4 B per
+// parameter) and two pinned staging buffers of one block each.
+//
+// Construction: block by block (load_initial_weights), so a model whose blocks are skeletons on the
+// meta device (StreamedModel::initial_block) never exists in full anywhere but the store.
 //
 // One micro-batch: prologue (autograd) -> blocks forward without grad, keeping only each block's input
 // -> epilogue and loss -> for l = L-1 … 0: recompute block l from its input with grad, backward into
@@ -54,10 +61,20 @@ namespace megaslide::offload {
 // "bf16" | "fp16" | "fp32".
 c10::ScalarType parse_compute_dtype(const std::string& name);
 
-// The host store a StreamedStackTrainer allocates for this compute dtype and accumulation (also what
-// megaslide-plan counts): bf16 copies (fp16 with fp16 compute; fp32 compute streams the master), and
-// gradients in the compute dtype, or fp32 when micro-batches accumulate.
-HostParamStoreOptions host_store_options(c10::ScalarType compute_dtype, int64_t grad_accum_steps);
+// The host store a StreamedStackTrainer allocates for this compute dtype, accumulation and state dtype
+// (also what megaslide-plan counts): a transfer buffer in the compute dtype that holds the compute copy
+// and, at accumulation 1, each block's gradient between its backward and its update (fp32 compute
+// uploads the master; the buffer then holds only gradients); with accumulation a separate fp32
+// gradient buffer sums the micro-batches.
+HostParamStoreOptions host_store_options(c10::ScalarType compute_dtype, int64_t grad_accum_steps,
+                                         StateDtype state_dtype = StateDtype::kFloat32);
+
+// Writes every block's initial weights into `store`, one block at a time: StreamedModel::initial_block
+// (or the block's own parameters) converted to fp32 master and rounded compute copy, the built module's
+// parameters then emptied and the module handed to StreamedModel::adopt_block; so at most `threads`
+// blocks' initial weights exist at once besides the store. The result does not depend on `threads`
+// (a block's weights depend only on the model and its index).
+void load_initial_weights(StreamedModel& model, HostParamStore& store, int threads);
 
 struct StackTrainerOptions {
   torch::Device device = torch::kCPU;
@@ -65,6 +82,8 @@ struct StackTrainerOptions {
   StreamMode mode = StreamMode::kAsync;
   AdamWOptions adamw;                // lr here is unused: step() takes each step's lr
   int optimizer_threads = 1;         // CpuAdamW threads
+  StateDtype state_dtype = StateDtype::kFloat32;  // how AdamW's m and v are kept on the host
+  int init_threads = 2;              // blocks initialised at once at construction (load_initial_weights)
   double grad_clip = 0.0;            // global-norm clip over every parameter; 0 disables
   int64_t grad_accum_steps = 1;      // micro-batches per step (each loss divided by this)
   double loss_scale_init = 65536.0;  // fp16 only

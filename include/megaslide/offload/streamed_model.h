@@ -11,11 +11,17 @@
 //
 // Contract for implementers:
 //  - block(l) is an ordinary torch::nn::Module. Its parameters are read once, when the trainer is
-//    built (they are the initial weights); from then on the trainer owns their storage: it points
-//    them (set_data) at views into a device slot before each use of the block and at empty tensors
-//    between uses, and points their .grad at a flat per-slot gradient buffer. A block must therefore
-//    read its parameters in forward (not cache them), and hold no buffers that need to move between
-//    devices (register_buffer is not supported in streamed blocks).
+//    built (they are the initial weights), unless initial_block(l) gives a module: then block(l) may be
+//    a skeleton on the meta device (names and shapes, no storage: how a model larger than host RAM is
+//    described), initial_block(l) builds block l with its initial weights on the CPU — one block at a
+//    time, possibly from several threads for different blocks, so block l's weights must depend only
+//    on l — and the trainer, once it has copied them into its store, hands that module back through
+//    adopt_block(l, module): from then on block(l) must return it and forward_block(l) must run it.
+//    Either way the trainer owns the parameters' storage from then on: it points them (set_data) at
+//    views into a device slot before each use of the block and at empty tensors between uses, and
+//    points their .grad at a flat per-slot gradient buffer. A block must therefore read its parameters
+//    in forward (not cache them), and hold no buffers that need to move between devices
+//    (register_buffer is not supported in streamed blocks).
 //  - forward_block(l, x, inputs) runs block l; `x` and the floating tensors of `inputs` arrive in the
 //    trainer's compute dtype on the training device. It must be deterministic given its inputs (the
 //    backward recomputes it from x: activation checkpointing at block boundaries).
@@ -57,6 +63,13 @@ class StreamedModel {
   virtual torch::nn::Module& block(int64_t index) = 0;
   virtual torch::Tensor forward_block(int64_t index, const torch::Tensor& x, const BlockInputs& inputs) = 0;
   virtual std::vector<torch::Tensor> resident_parameters() = 0;
+  // Block `index` with its initial weights on the CPU (block(index)'s parameter names and shapes), for
+  // a model whose block(index) is a meta skeleton; nullptr (the default): block(index)'s own
+  // parameters are the initial weights and adopt_block is not called.
+  virtual std::shared_ptr<torch::nn::Module> initial_block(int64_t index) { return nullptr; }
+  // The module initial_block(index) gave, its weights now in the trainer's store (parameters emptied):
+  // the model's block `index` from now on.
+  virtual void adopt_block(int64_t index, std::shared_ptr<torch::nn::Module> block) {}
 };
 
 }  // namespace megaslide::offload

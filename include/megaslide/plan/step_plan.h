@@ -3,8 +3,10 @@
 // machine (DESIGN.md §6; `megaslide-plan`, docs/planner.md).
 //
 // Exact (equal to what the trainer allocates and measures, tested against CPUMasterVideoDiT):
-//   - host RAM by component: HostParamStore's fp32 master, m, v, compute copy and gradient buffers,
-//     plus the accumulation staging buffers (StreamedStackTrainer, grad_accum_steps > 1);
+//   - host RAM by component: HostParamStore's master, m, v (and int8 scales), transfer buffers and
+//     accumulation gradients, plus the accumulation staging buffers (StreamedStackTrainer,
+//     grad_accum_steps > 1), the start-up peak and the page-locked bytes (tested against the store and
+//     against the resident set size of a real run);
 //   - bytes over PCIe per step each way (WeightStreamer's counters: every upload a slot cache miss,
 //     every gradient one copy);
 //   - the device components the trainer itself accounts on the CPU: weight and gradient slots,
@@ -30,17 +32,21 @@
 
 namespace megaslide::plan {
 
-// Host RAM of the streamed trainer, bytes.
+// Host RAM of the streamed trainer, bytes (docs/offload.md's budget per parameter, line by line).
 struct HostMemoryPlan {
-  int64_t master = 0, exp_avg = 0, exp_avg_sq = 0;  // fp32 each
-  int64_t compute = 0;                               // bf16/fp16 copy that is uploaded
-  int64_t grad = 0;                                  // compute dtype; fp32 when accumulating
-  int64_t staging = 0;                               // accumulation: two D2H landing buffers
-  // While the trainer is built: the whole model in fp32 on the CPU (it builds the DiT there, then
-  // moves the blocks' weights into the store) next to the fully allocated store.
+  int64_t master = 0;                 // fp32
+  int64_t exp_avg = 0, exp_avg_sq = 0;  // optimizer.state_dtype: fp32, bf16 or int8
+  int64_t scales = 0;                 // int8 state: fp32 scale per 256 elements of each parameter, m and v
+  int64_t compute = 0;                // the transfer buffer: compute copy, and the gradient at accumulation 1
+  int64_t grad = 0;                   // fp32 gradient sums, accumulation only
+  int64_t staging = 0;                // accumulation: two D2H landing buffers of one block (pinned)
+  int64_t pinned = 0;                 // page-locked where CUDA runs: the transfer buffer (and an
+                                      // uploaded fp32 master), the staging buffers
+  // While the trainer is built: the store next to the fp32 initial weights of the blocks being loaded
+  // into it (two at a time); no full-model copy exists.
   int64_t construction_peak = 0;
-  int64_t persistent() const { return master + exp_avg + exp_avg_sq + compute; }  // 14 B/param with bf16
-  int64_t steady() const { return persistent() + grad + staging; }
+  int64_t state() const { return master + exp_avg + exp_avg_sq + scales + compute + grad; }  // HostParamStore
+  int64_t steady() const { return state() + staging; }
   int64_t peak() const { return construction_peak > steady() ? construction_peak : steady(); }
 };
 
@@ -85,6 +91,7 @@ struct StepPlan {
   std::string arch;
   bool streamed = true;  // offload.enabled
   std::string compute_dtype, mode;
+  std::string state_dtype;  // optimizer.state_dtype (fp32 for the resident loop)
   int64_t layers = 0, hidden = 0, batch_size = 0, grad_accum_steps = 0, tokens_per_sample = 0;
   std::vector<int64_t> token_grid;  // t, h, w
   // Parameters.

@@ -4,8 +4,11 @@
 //   DIR/checkpoints/step-0000200/model.safetensors       bf16 weights, the weights-file format
 //                                                         (io/weights.h): megaslide-sample reads it
 //                               master.safetensors      fp32 master weights  } keyed by parameter name:
-//                               exp_avg.safetensors     fp32 AdamW m         } "blocks.3.mlp.fc1.weight",
-//                               exp_avg_sq.safetensors  fp32 AdamW v         } "text_encoder.tokens.weight"
+//                               exp_avg.safetensors     AdamW m              } "blocks.3.mlp.fc1.weight",
+//                               exp_avg_sq.safetensors  AdamW v              } "text_encoder.tokens.weight"
+//                                 (m and v of the streamed blocks in optimizer.state_dtype: fp32, bf16, or
+//                                 int8 codes with their fp32 group scales as "<name>#scale"; the resident
+//                                 parts' in fp32)
 //                               trainer_state.json      step, AdamW step count, loss scale, skip
 //                                                       counters, data position and RNG states, the
 //                                                       resolved config (YAML)
@@ -55,6 +58,10 @@ struct TrainingState {
   int64_t consecutive_skips = 0;
   std::string data_state;       // DiffusionBatchSource::state(): data position and RNG states (JSON)
   io::NamedTensors master, exp_avg, exp_avg_sq;
+  // int8 moments (optimizer.state_dtype: int8): exp_avg / exp_avg_sq hold the codes, these the fp32
+  // group scales of the same parameters (named as they are; empty otherwise). Written into the moment
+  // files as "<name>#scale".
+  io::NamedTensors exp_avg_scale, exp_avg_sq_scale;
 };
 
 // LibTorch AdamW's state of one parameter as CPU fp32 copies (zeros and step 0 before its first

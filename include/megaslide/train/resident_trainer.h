@@ -18,10 +18,12 @@
 
 #include "megaslide/config/run_config.h"
 #include "megaslide/data/structured_motion.h"
+#include "megaslide/data/video_manifest.h"
 #include "megaslide/diffusion/ddpm.h"
 #include "megaslide/model/dit.h"
 #include "megaslide/model/text_encoder.h"
 #include "megaslide/train/checkpoint.h"
+#include "megaslide/train/init_from.h"
 
 namespace megaslide {
 
@@ -46,6 +48,7 @@ struct StepMetrics {
   bool skipped = false;             // a non-finite loss or gradient (fp16: an overflow) skipped the update
   int64_t skipped_total = 0;        // steps skipped so far in the run
   int64_t consecutive_skips = 0;    // skipped steps in a row, ending with this one
+  double data_wait_s = 0.0;         // time the step waited for its clips (the loader, or rendering in line)
 };
 
 // One micro-batch of DDPM training data on a device.
@@ -53,15 +56,19 @@ struct DiffusionBatch {
   torch::Tensor x0, noise, timesteps, xt;  // video [B, C, T, H, W] and timesteps [B] (int64)
   torch::Tensor target;                    // what the loss compares the model's output with (diffusion.prediction)
   torch::Tensor text_ids, text_mask;       // [B, L] int64 and bool
+  double data_wait_s = 0.0;                // time next() waited for the clips
 };
 
 // The random streams of a training run, shared by the resident and the streamed trainer so that
 // both see the same clips, captions, timesteps and noise in the same order: clip order from an
-// EpochSampler(train.seed), caption dropout from an mt19937_64, timesteps then noise from a CPU
-// generator seeded by train.seed.
+// EpochSampler(train.seed) (structured-motion) or a BucketBatchSampler(train.seed) behind a background
+// ClipLoader (videos, decoded or from data.cache; data/loader.h), caption dropout from an mt19937_64,
+// timesteps then noise from a CPU generator seeded by train.seed.
 class DiffusionBatchSource {
  public:
+  // videos: reads the manifest and probes the files, or opens the cache (DatasetError for bad input).
   explicit DiffusionBatchSource(const RunConfig& config);
+  ~DiffusionBatchSource();
   DiffusionBatch next(torch::Device device);
   const CaptionTokenizer& tokenizer() const { return tokenizer_; }
   const DDPMSchedule& schedule() const { return schedule_; }
@@ -70,11 +77,18 @@ class DiffusionBatchSource {
   // what the saved one would have drawn next. restore() throws std::invalid_argument on bad JSON.
   std::string state() const;
   void restore(const std::string& state);
+  // videos: bad items not reported yet — those found when listing and probing (or by megaslide-cache),
+  // then those that failed to load — each once. Empty for structured-motion.
+  std::vector<BadItem> take_new_bad_items();
+  // The first `count` captions of the dataset (validation samples).
+  std::vector<std::string> captions(int64_t count) const;
 
  private:
+  struct Videos;
   RunConfig config_;
   StructuredMotionDataset dataset_;
   EpochSampler sampler_;
+  std::unique_ptr<Videos> videos_;
   CaptionTokenizer tokenizer_;
   DDPMSchedule schedule_;
   Prediction prediction_;
@@ -110,6 +124,10 @@ class ResidentTrainer {
   // saved trainer would have taken, bit for bit on the CPU.
   TrainingState training_state();
   void load_training_state(const TrainingState& state);
+  DiffusionBatchSource& data() { return batches_; }
+  // train.init_from (train/init_from.h): every parameter's name and shape, and loading a matched plan.
+  ParameterShapes parameter_shapes();
+  void init_from(const InitPlan& plan);
 
  private:
   std::vector<std::pair<std::string, torch::Tensor>> named_parameters();

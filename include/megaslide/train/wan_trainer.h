@@ -17,8 +17,9 @@
 // sample order from an EpochSampler(train.seed), caption dropout from an mt19937_64 (the text of a dropped
 // sample becomes the empty prompt's embedding), σ (or t) then noise from a CPU generator seeded by
 // train.seed. Initialisation: the model is built on the CPU in fp32 after torch::manual_seed(train.seed),
-// then model.wan.weights are loaded into it when set (the 3D-DSA retrofit's parameters allowed missing);
-// both modes therefore start from identical weights.
+// then model.wan.weights are loaded into it when set (the 3D-DSA retrofit's parameters allowed missing),
+// then the tensors of `init_from` (train.init_from, e.g. a Wan checkpoint or run folder: init_from.h) when
+// given; both modes therefore start from identical weights.
 //
 // Checkpoints (train/checkpoint.h) name every parameter as diffusers does ("blocks.3.attn1.to_q.weight"),
 // in both modes; the streamed trainer's block state is views into its host store.
@@ -42,6 +43,7 @@
 #include "megaslide/offload/stack_trainer.h"
 #include "megaslide/offload/streamed_model.h"
 #include "megaslide/train/checkpoint.h"
+#include "megaslide/train/init_from.h"
 #include "megaslide/train/resident_trainer.h"
 
 namespace megaslide {
@@ -111,7 +113,11 @@ offload::StackStepResult wan_streamed_step(offload::StreamedStackTrainer& engine
 
 class WanTrainer {
  public:
-  WanTrainer(const RunConfig& config, WanLatentData data);
+  // `init_from`, when set, is called once with the model's parameter names (diffusers', as checkpoints
+  // name them) and shapes, before any weight reaches the device or the host store; the plan it returns
+  // (plan_init_from) is read into the fp32 model. Its InitFromError propagates.
+  using InitPlanner = std::function<InitPlan(const ParameterShapes&)>;
+  WanTrainer(const RunConfig& config, WanLatentData data, const InitPlanner& init_from = {});
 
   StepMetrics step();
   void synchronize();
@@ -126,6 +132,8 @@ class WanTrainer {
   WanTransformer& model() { return stack_->model(); }
   // Parameters the weights left at their initialisation (the 3D-DSA retrofit's, from a dense checkpoint).
   const std::vector<std::string>& initialised_parameters() const { return initialised_; }
+  // The plan init_from returned (empty path when none was given).
+  const InitPlan& init_plan() const { return init_plan_; }
   // Every parameter's fp32 master as a CPU copy, by model name (synchronizes first).
   std::vector<std::pair<std::string, torch::Tensor>> master_weights();
   // Host memory of the streamed trainer's store as a table ("" for the resident loop).
@@ -147,6 +155,7 @@ class WanTrainer {
   std::unique_ptr<offload::StreamedStackTrainer> engine_;    // streamed mode
   std::unique_ptr<torch::optim::AdamW> resident_optimizer_;  // resident mode
   std::vector<std::string> initialised_;
+  InitPlan init_plan_;
   TokenGrid grid_;
   int64_t steps_done_ = 0, optimizer_steps_ = 0;
   int64_t skipped_total_ = 0, consecutive_skips_ = 0;

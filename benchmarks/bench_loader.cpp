@@ -1,0 +1,126 @@
+// bench_loader: the video data path. Writes a dataset of H.264 clips at test time, then measures
+//   - decode: frames/s of VideoDataset::load (decode the planned frames, resize, crop) on one thread,
+//     against decoding every frame of the same files with io::read_video (the anchor, same run);
+//   - training: the fraction of step time the resident trainer waits for data with the loader in line
+//     (data.workers 0, the anchor) and in the background (data.workers N, data.prefetch 2), decoding and
+//     from a megaslide-cache cache.
+//
+//   build/bin/bench_loader [--clips 16] [--frames 48] [--height 144] [--width 256] [--clip-frames 16]
+//                          [--size 64] [--steps 12] [--workers 1] [--threads 1] [--hidden 32] [--device cpu|cuda]
+//
+// The last line is one JSON object.
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "megaslide/megaslide.h"
+
+namespace {
+
+int64_t flag(int argc, char** argv, const std::string& name, int64_t fallback) {
+  for (int i = 1; i + 1 < argc; ++i)
+    if (name == argv[i]) return std::stoll(argv[i + 1]);
+  return fallback;
+}
+
+std::string text_flag(int argc, char** argv, const std::string& name, const std::string& fallback) {
+  for (int i = 1; i + 1 < argc; ++i)
+    if (name == argv[i]) return argv[i + 1];
+  return fallback;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int64_t clips = flag(argc, argv, "--clips", 16), frames = flag(argc, argv, "--frames", 48);
+  const int64_t height = flag(argc, argv, "--height", 144), width = flag(argc, argv, "--width", 256);
+  const int64_t clip_frames = flag(argc, argv, "--clip-frames", 16), size = flag(argc, argv, "--size", 64);
+  const int64_t steps = flag(argc, argv, "--steps", 12), workers = flag(argc, argv, "--workers", 1);
+  const int64_t threads = flag(argc, argv, "--threads", 1), hidden = flag(argc, argv, "--hidden", 32);
+  const std::string device = text_flag(argc, argv, "--device", "cpu");
+  if (threads > 0) torch::set_num_threads(static_cast<int>(threads));
+  if (!megaslide::io::video_supported()) {
+    std::cerr << "bench_loader: built without FFmpeg\n";
+    return 1;
+  }
+  const std::string dir = "/tmp/megaslide-bench-loader-" + std::to_string(::getpid());
+  megaslide::io::make_directories(dir + "/videos");
+  for (int64_t k = 0; k < clips; ++k) {
+    auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(k));
+    auto coarse = torch::rand({frames, 3, height / 16 + 1, width / 16 + 1}, gen);
+    namespace F = torch::nn::functional;
+    auto fine = F::interpolate(coarse, F::InterpolateFuncOptions().size(std::vector<int64_t>{height, width}).mode(torch::kBilinear).align_corners(true));
+    auto rgb = (fine.permute({0, 2, 3, 1}) * 255).round().to(torch::kUInt8).contiguous();
+    megaslide::io::write_mp4(fmt::format("{}/videos/clip-{:03}.mp4", dir, k), rgb, megaslide::io::VideoWriteOptions().fps(24).preset("veryfast"));
+    megaslide::io::write_file_atomically(fmt::format("{}/videos/clip-{:03}.txt", dir, k), "a red blob moves left quickly");
+  }
+  std::vector<std::string> sets{"data.dataset=videos", "data.root=" + dir + "/videos", fmt::format("data.frames={}", clip_frames),
+                                fmt::format("data.height={}", size), fmt::format("data.width={}", size), "data.frame_stride=2",
+                                "train.batch_size=2", fmt::format("train.steps={}", steps), "train.device=" + device, "offload.enabled=false",
+                                fmt::format("model.hidden={}", hidden), "model.heads=2", "model.layers=2", "model.patch=[1,4,4]",
+                                "model.dsa_kernel=[3,3,3]", fmt::format("train.threads={}", threads), "output.progress=false"};
+  auto config = megaslide::parse_run_config("", "bench_loader", sets);
+  nlohmann::ordered_json out;
+
+  // Decode: the anchor decodes every frame; the dataset decodes up to the clip's last frame, converts
+  // only the planned ones, resizes and crops.
+  const auto dataset = megaslide::VideoDataset::open(config.data, 1);
+  auto start = std::chrono::steady_clock::now();
+  int64_t all_frames = 0;
+  for (int64_t i = 0; i < dataset.size(); ++i) all_frames += megaslide::io::read_video(dataset.item(i).path).size(0);
+  const double anchor_s = seconds_since(start);
+  start = std::chrono::steady_clock::now();
+  int64_t clip_total = 0;
+  for (int64_t i = 0; i < dataset.size(); ++i) clip_total += dataset.load(i, 0).size(0);
+  const double load_s = seconds_since(start);
+  out["decode_all_frames_per_s"] = static_cast<double>(all_frames) / anchor_s;
+  out["load_clip_frames_per_s"] = static_cast<double>(clip_total) / load_s;
+  out["load_clips_per_s"] = static_cast<double>(dataset.size()) / load_s;
+  std::cout << fmt::format("decode {}x{} H.264, one thread: every frame {:.0f} frames/s (anchor); clips of {} frames (stride 2, resize to {}, crop) {:.0f} "
+                           "frames/s, {:.1f} clips/s\n",
+                           width, height, static_cast<double>(all_frames) / anchor_s, clip_frames, size,
+                           static_cast<double>(clip_total) / load_s, static_cast<double>(dataset.size()) / load_s);
+
+  // The cache.
+  megaslide::CacheBuildOptions cache_options;
+  cache_options.out = dir + "/cache";
+  cache_options.threads = std::max<int64_t>(1, workers);
+  start = std::chrono::steady_clock::now();
+  megaslide::build_latent_cache(config, cache_options);
+  out["cache_build_s"] = seconds_since(start);
+
+  auto train = [&](int64_t w, const std::string& cache) {
+    auto c = config;
+    c.data.workers = w;
+    c.data.cache = cache;
+    megaslide::ResidentTrainer trainer(c);
+    trainer.step();  // warm-up (and the first batch, which nothing can hide)
+    double wait = 0.0, total = 0.0;
+    for (int64_t s = 1; s < steps; ++s) {
+      const auto m = trainer.step();
+      wait += m.data_wait_s;
+      total += m.step_time_s;
+    }
+    return std::make_pair(wait / total, total / static_cast<double>(steps - 1));
+  };
+  for (const auto& [name, w, cache] : {std::make_tuple("decode_inline", int64_t{0}, std::string()),
+                                       std::make_tuple("decode_background", workers, std::string()),
+                                       std::make_tuple("cache_inline", int64_t{0}, dir + "/cache"),
+                                       std::make_tuple("cache_background", workers, dir + "/cache")}) {
+    const auto [fraction, step_s] = train(w, cache);
+    out[std::string(name) + "_wait_fraction"] = fraction;
+    out[std::string(name) + "_step_s"] = step_s;
+    std::cout << fmt::format("{:18s} workers {}: {:.3f} s/step, waiting for data {:.1f} % of it\n", name, w, step_s, 100.0 * fraction);
+  }
+  megaslide::io::remove_tree(dir);
+  std::cout << out.dump() << "\n";
+  return 0;
+}

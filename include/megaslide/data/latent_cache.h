@@ -1,0 +1,116 @@
+// The latent and text cache of a video dataset (megaslide-cache, docs/data.md): every usable item decoded
+// once, run through the config's VAE and text encoder, and written as sharded safetensors, so that
+// training (data.cache: DIR) reads tensors instead of decoding videos and running frozen encoders.
+//
+//   DIR/shard-NNNNN.safetensors  per item i (its listing index): "i.latents" and the text tensors of the
+//                                encoder ("i.text_ids" and "i.text_mask" for the built-in one)
+//   DIR/empty_prompt.safetensors the text tensors of the empty prompt (caption dropout)
+//   DIR/cache.json               the manifest, replaced atomically after each shard: the encoders'
+//                                identity, the decode settings, every item (source path, size and mtime,
+//                                caption, bucket, shard, byte offset and size of its latents, their CRC-32),
+//                                every bad item with its reason, every finished shard (size, CRC-32), and
+//                                "complete" once all are written
+//
+// The encoders today are the built-in ones — the pixel codec (latents are the clip's uint8 frames
+// [T, H, W, 3]) and the caption tokenizer of the trained built-in text encoder (ids and mask; the
+// embedding itself is trained, so it cannot be cached). A frozen encoder (CLIP, the SD VAE) plugs in as
+// another CacheEncoders: its identity goes into the manifest, its tensors into the shards.
+//
+// A clip is cached with epoch 0's augmentation draws (video_dataset.h): training from the cache sees
+// that clip every epoch, where decoding draws afresh each epoch.
+//
+// Building resumes: a manifest of the same config keeps every finished shard that still verifies (size
+// and CRC-32) and writes the rest; a manifest of another config is refused, naming what differs.
+// Opening for training refuses an incomplete cache, other encoders or decode settings, and stale items
+// (a source whose size or mtime changed, an item of the dataset the cache does not hold), naming them.
+// Errors are DatasetError. Shards are memory-mapped; each item's CRC-32 is checked as it is read.
+//
+// Thread-safety: LatentCache::load may run on several threads at once; building is one call.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "megaslide/config/run_config.h"
+#include "megaslide/data/loader.h"
+#include "megaslide/io/safetensors.h"
+
+namespace megaslide {
+
+// The frozen part of conditioning and the codec, as the cache runs them.
+class CacheEncoders {
+ public:
+  virtual ~CacheEncoders() = default;
+  // What makes two caches interchangeable (JSON text): kind, sizes, weights' identity.
+  virtual std::string identity() const = 0;
+  // One item: "latents" and the text tensors ("text_ids" and "text_mask" for the built-in encoder).
+  virtual io::NamedTensors encode(const torch::Tensor& frames, const std::string& caption) const = 0;
+};
+
+// The encoders a config names (the built-in ones today).
+std::unique_ptr<CacheEncoders> cache_encoders(const RunConfig& config);
+
+struct CacheBuildOptions {
+  std::string out;                 // the cache folder (created)
+  int64_t shard_items = 64;        // items per shard
+  int64_t threads = 1;             // decoding threads
+  // Called after each item: (items done, items in all, items done by this call).
+  std::function<void(int64_t, int64_t, int64_t)> on_progress;
+  std::function<void(const std::string&)> on_warning;  // bad items (once each), shards that failed to verify
+};
+
+struct CacheBuildResult {
+  int64_t items = 0;            // cached
+  int64_t items_reused = 0;     // in shards kept from an earlier, interrupted build
+  int64_t shards = 0, shards_reused = 0;
+  std::vector<BadItem> bad;     // listing, probing and decoding
+};
+
+// Builds (or finishes) the cache of `config`'s dataset in options.out. Throws DatasetError.
+CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOptions& options);
+
+class LatentCache final : public ClipSource {
+ public:
+  // Opens DIR for training with `config` (checks as above; reads the dataset's listing to find items the
+  // cache lacks). Throws DatasetError.
+  static std::shared_ptr<LatentCache> open(const RunConfig& config, const std::string& dir);
+  ~LatentCache() override;
+
+  int64_t size() const override { return static_cast<int64_t>(items_.size()); }
+  int64_t num_buckets() const override { return num_buckets_; }
+  int64_t bucket_of(int64_t item) const override { return items_.at(static_cast<size_t>(item)).bucket; }
+  const std::string& caption(int64_t item) const override { return items_.at(static_cast<size_t>(item)).caption; }
+  const std::string& path(int64_t item) const override { return items_.at(static_cast<size_t>(item)).path; }
+  // Views into the mapped shard (valid while the cache lives); the epoch is ignored (see above).
+  ClipSample load(int64_t item, int64_t epoch) const override;
+  // The empty prompt's text tensors.
+  const ClipSample& empty_prompt() const { return empty_prompt_; }
+  const std::vector<BadItem>& bad() const { return bad_; }
+  int64_t listed() const { return listed_; }
+
+ private:
+  struct Item {
+    std::string path, caption;
+    int64_t index = 0, bucket = 0, shard = 0;
+    io::NamedTensors tensors;  // views into the mapping
+    uint64_t latents_offset = 0, latents_bytes = 0;
+    uint32_t latents_crc32 = 0;
+  };
+  struct Mapping;
+  LatentCache() = default;
+  static std::shared_ptr<LatentCache> open_checked(const RunConfig& config, const std::string& dir);
+
+  std::string dir_;
+  std::vector<Item> items_;
+  std::vector<BadItem> bad_;
+  std::vector<std::unique_ptr<Mapping>> shards_;
+  ClipSample empty_prompt_;
+  int64_t num_buckets_ = 1, listed_ = 0;
+};
+
+}  // namespace megaslide

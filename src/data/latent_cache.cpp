@@ -1,0 +1,459 @@
+#include "megaslide/data/latent_cache.h"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <thread>
+
+#include "megaslide/data/video_dataset.h"
+#include "megaslide/io/files.h"
+#include "megaslide/model/text_encoder.h"
+
+namespace megaslide {
+
+namespace {
+
+constexpr const char* kFormat = "megaslide.cache";
+constexpr int kFormatVersion = 1;
+constexpr const char* kManifest = "cache.json";
+constexpr const char* kEmptyPrompt = "empty_prompt.safetensors";
+
+using json = nlohmann::ordered_json;
+
+class BuiltinEncoders final : public CacheEncoders {
+ public:
+  explicit BuiltinEncoders(int64_t max_tokens) : max_tokens_(max_tokens) {}
+  std::string identity() const override {
+    std::string words;
+    for (const auto& w : tokenizer_.words()) words += w + "\n";
+    json j;
+    j["text_encoder"] = {{"kind", "builtin"},
+                         {"max_tokens", max_tokens_},
+                         {"vocabulary_crc32", fmt::format("{:08x}", io::crc32(words.data(), words.size()))}};
+    j["vae"] = {{"kind", "pixel"}, {"layout", "[T, H, W, 3] uint8"}};
+    return j.dump();
+  }
+  io::NamedTensors encode(const torch::Tensor& frames, const std::string& caption) const override {
+    const auto ids = tokenizer_.encode(caption, max_tokens_);
+    auto tokens = torch::tensor(ids, torch::kInt64);
+    return {{"latents", frames.contiguous()}, {"text_ids", tokens}, {"text_mask", tokens.ne(CaptionTokenizer::kPad)}};
+  }
+
+ private:
+  CaptionTokenizer tokenizer_;
+  int64_t max_tokens_;
+};
+
+// The data keys that shape a cached clip.
+json decode_settings(const DataConfig& d) {
+  json buckets = json::array();
+  for (const auto& b : clip_buckets(d)) buckets.push_back({b.frames, b.height, b.width});
+  return {{"buckets", buckets}, {"fps", d.fps},         {"frame_stride", d.frame_stride},
+          {"clip_start", d.clip_start}, {"crop", d.crop}, {"seed", d.seed}};
+}
+
+std::string dataset_source(const DataConfig& d) { return d.manifest.empty() ? d.root : d.manifest; }
+
+struct SourceStat {
+  uint64_t size = 0;
+  int64_t mtime_ns = 0;
+  bool exists = false;
+};
+
+SourceStat stat_source(const std::string& path) {
+  struct stat st {};
+  SourceStat s;
+  if (::stat(path.c_str(), &st) != 0) return s;
+  s.exists = true;
+  s.size = static_cast<uint64_t>(st.st_size);
+  s.mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+  return s;
+}
+
+std::string shard_name(int64_t k) { return fmt::format("shard-{:05}.safetensors", k); }
+
+json read_manifest(const std::string& path) {
+  try {
+    auto j = json::parse(io::read_file(path));
+    if (!j.is_object() || j.value("format", "") != kFormat)
+      throw DatasetError("cache '" + path + "': not a MegaSlide cache manifest (expected format '" + std::string(kFormat) + "')");
+    if (j.value("format_version", 0) != kFormatVersion)
+      throw DatasetError("cache '" + path + "': format_version " + j["format_version"].dump() + " is not supported (this build reads " +
+                         std::to_string(kFormatVersion) + ")");
+    return j;
+  } catch (const json::exception& e) {
+    throw DatasetError("cache '" + path + "': not valid JSON: " + e.what());
+  } catch (const io::IoError& e) {
+    throw DatasetError(std::string("cache: ") + e.what());
+  }
+}
+
+// The first key where a and b differ ("" when equal), for messages.
+std::string first_difference(const json& a, const json& b, const std::string& prefix) {
+  if (a.is_object() && b.is_object()) {
+    for (auto it = a.begin(); it != a.end(); ++it) {
+      if (!b.contains(it.key())) return prefix + it.key();
+      auto d = first_difference(it.value(), b[it.key()], prefix + it.key() + ".");
+      if (!d.empty()) return d;
+    }
+    for (auto it = b.begin(); it != b.end(); ++it)
+      if (!a.contains(it.key())) return prefix + it.key();
+    return "";
+  }
+  return a == b ? "" : (prefix.empty() ? std::string("(value)") : prefix.substr(0, prefix.size() - 1));
+}
+
+void check_same(const json& cached, const json& now, const std::string& what, const std::string& dir) {
+  const auto diff = first_difference(cached, now, "");
+  if (!diff.empty())
+    throw DatasetError(fmt::format("cache '{}' was made with other {} ({} is {} in the cache, {} now); rebuild it with megaslide-cache", dir,
+                                   what, diff, cached.dump(), now.dump()));
+}
+
+std::string list_paths(const std::vector<std::string>& lines, size_t max = 20) {
+  std::string out;
+  for (size_t i = 0; i < lines.size() && i < max; ++i) out += "\n  " + lines[i];
+  if (lines.size() > max) out += fmt::format("\n  ... and {} more", lines.size() - max);
+  return out;
+}
+
+}  // namespace
+
+std::unique_ptr<CacheEncoders> cache_encoders(const RunConfig& config) {
+  return std::make_unique<BuiltinEncoders>(config.data.max_text_tokens);
+}
+
+CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOptions& options) {
+  if (config.data.dataset != "videos") throw DatasetError("megaslide-cache: data.dataset is '" + config.data.dataset + "'; only videos are cached");
+  if (options.out.empty()) throw DatasetError("megaslide-cache: no output folder (--out or data.cache)");
+  const auto warn = [&](const std::string& m) {
+    if (options.on_warning) options.on_warning(m);
+  };
+  const auto dataset = VideoDataset::open(config.data, static_cast<int>(std::max<int64_t>(1, options.threads)));
+  dataset.check_bad_fraction();
+  const auto encoders = cache_encoders(config);
+  const json identity = json::parse(encoders->identity());
+  const json decode = decode_settings(config.data);
+  const std::string manifest_path = io::join_path(options.out, kManifest);
+
+  CacheBuildResult result;
+  result.bad = dataset.bad();
+  for (const auto& b : dataset.bad()) warn(fmt::format("bad item {}: {}", b.path, b.reason));
+
+  json manifest;
+  manifest["format"] = kFormat;
+  manifest["format_version"] = kFormatVersion;
+  manifest["complete"] = false;
+  manifest["encoders"] = identity;
+  manifest["decode"] = decode;
+  manifest["dataset"] = {{"source", dataset_source(config.data)}, {"listed", dataset.listed()}};
+  manifest["shard_items"] = options.shard_items;
+  json listing_bad = json::array();
+  for (const auto& b : dataset.bad()) listing_bad.push_back({{"index", b.index}, {"path", b.path}, {"reason", b.reason}});
+  manifest["listing_bad"] = listing_bad;
+
+  // Shard k holds usable items [k·S, (k+1)·S) of the dataset.
+  const int64_t S = std::max<int64_t>(1, options.shard_items), n = dataset.size();
+  const int64_t num_shards = (n + S - 1) / S;
+  std::vector<json> shard_records(static_cast<size_t>(num_shards));
+
+  try {
+    io::make_directories(options.out);
+    for (const auto& name : io::list_directory(options.out))  // temporaries of a killed build
+      if (name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0) io::remove_tree(io::join_path(options.out, name));
+    if (io::path_exists(manifest_path)) try {
+      const json old = read_manifest(manifest_path);
+      check_same(old.value("encoders", json()), identity, "encoders", options.out);
+      check_same(old.value("decode", json()), decode, "decode settings", options.out);
+      check_same(old.value("dataset", json()), manifest["dataset"], "dataset", options.out);
+      if (old.value("shard_items", int64_t{0}) == S && old.contains("shards") && old["shards"].is_array()) {
+        for (const auto& rec : old["shards"]) {
+          const int64_t k = rec.value("shard", int64_t{-1});
+          if (k < 0 || k >= num_shards) continue;
+          // Kept only when it holds the same items, from unchanged sources, and its file verifies.
+          bool same = rec.contains("sources") && rec["sources"].size() == static_cast<size_t>(std::min(S, n - k * S));
+          for (int64_t j = 0; same && j < std::min(S, n - k * S); ++j) {
+            const auto& src = rec["sources"][static_cast<size_t>(j)];
+            const auto& item = dataset.item(k * S + j);
+            const auto st = stat_source(item.path);
+            same = src.value("index", int64_t{-1}) == item.index && src.value("path", "") == item.path &&
+                   src.value("size", uint64_t{0}) == st.size && src.value("mtime_ns", int64_t{0}) == st.mtime_ns;
+          }
+          const std::string file = io::join_path(options.out, rec.value("file", ""));
+          if (!same) continue;
+          if (!io::path_exists(file) || io::file_size(file) != rec.value("bytes", uint64_t{0}) ||
+              fmt::format("{:08x}", io::file_crc32(file)) != rec.value("crc32", "")) {
+            warn("shard " + file + " does not verify (size or CRC-32); writing it again");
+            continue;
+          }
+          shard_records[static_cast<size_t>(k)] = rec;
+        }
+      }
+    } catch (const json::exception& e) {
+      throw DatasetError("megaslide-cache: " + manifest_path + " is malformed (" + e.what() + "); remove the folder or choose another --out");
+    }
+
+    // The empty prompt (caption dropout).
+    io::NamedTensors empty;
+    for (auto& [name, t] : encoders->encode(torch::zeros({1, 2, 2, 3}, torch::kUInt8), ""))
+      if (name != "latents") empty.emplace_back(name, t);
+    io::write_safetensors(io::join_path(options.out, kEmptyPrompt), empty, {{"format", "megaslide.cache.empty_prompt"}});
+
+    auto write_manifest = [&](bool complete) {
+      json shards = json::array();
+      for (const auto& rec : shard_records)
+        if (!rec.is_null()) shards.push_back(rec);
+      manifest["shards"] = shards;
+      manifest["complete"] = complete;
+      io::write_file_atomically(manifest_path, manifest.dump(1) + "\n");
+    };
+
+    int64_t done = 0;
+    for (int64_t k = 0; k < num_shards; ++k) {
+      const int64_t first = k * S, count = std::min(S, n - first);
+      if (!shard_records[static_cast<size_t>(k)].is_null()) {
+        for (const auto& b : shard_records[static_cast<size_t>(k)].value("bad", json::array()))
+          result.bad.push_back({b.value("index", int64_t{0}), b.value("path", ""), b.value("reason", "")});
+        const auto kept = static_cast<int64_t>(shard_records[static_cast<size_t>(k)].value("items", json::array()).size());
+        result.items_reused += kept;
+        result.items += kept;
+        ++result.shards_reused;
+        done += count;
+        if (options.on_progress) options.on_progress(done, n, 0);
+        continue;
+      }
+      // Decode the shard's items on `threads` threads (epoch 0's draws), then encode in order.
+      std::vector<torch::Tensor> clips(static_cast<size_t>(count));
+      std::vector<std::string> errors(static_cast<size_t>(count));
+      std::vector<SourceStat> stats(static_cast<size_t>(count));
+      std::atomic<int64_t> next{0};
+      auto work = [&] {
+        use_one_intra_op_thread();
+        for (int64_t j = next++; j < count; j = next++) {
+          const auto& item = dataset.item(first + j);
+          stats[static_cast<size_t>(j)] = stat_source(item.path);
+          try {
+            clips[static_cast<size_t>(j)] = dataset.load(first + j, 0);
+          } catch (const std::exception& e) {
+            errors[static_cast<size_t>(j)] = e.what();
+          }
+        }
+      };
+      std::vector<std::thread> pool;
+      for (int64_t t = 0; t < std::min<int64_t>(std::max<int64_t>(1, options.threads), count); ++t) pool.emplace_back(work);
+      for (auto& t : pool) t.join();
+
+      io::NamedTensors tensors;
+      json items = json::array(), bad = json::array(), sources = json::array();
+      std::vector<std::pair<size_t, torch::Tensor>> latents;  // item record -> its latents
+      for (int64_t j = 0; j < count; ++j) {
+        const auto& item = dataset.item(first + j);
+        const auto& st = stats[static_cast<size_t>(j)];
+        sources.push_back({{"index", item.index}, {"path", item.path}, {"size", st.size}, {"mtime_ns", st.mtime_ns}});
+        if (!errors[static_cast<size_t>(j)].empty()) {
+          bad.push_back({{"index", item.index}, {"path", item.path}, {"reason", errors[static_cast<size_t>(j)]}});
+          result.bad.push_back({item.index, item.path, errors[static_cast<size_t>(j)]});
+          warn(fmt::format("bad item {}: {}", item.path, errors[static_cast<size_t>(j)]));
+          continue;
+        }
+        for (auto& [name, t] : encoders->encode(clips[static_cast<size_t>(j)], item.caption)) {
+          if (name == "latents") latents.emplace_back(items.size(), t);
+          tensors.emplace_back(std::to_string(item.index) + "." + name, t);
+        }
+        items.push_back({{"index", item.index},
+                         {"path", item.path},
+                         {"caption", item.caption},
+                         {"size", st.size},
+                         {"mtime_ns", st.mtime_ns},
+                         {"bucket", dataset.info(first + j).bucket}});
+      }
+      const std::string file = shard_name(k);
+      const auto written = io::write_safetensors(io::join_path(options.out, file), tensors, {{"format", "megaslide.cache.shard"}});
+      const auto header = io::read_safetensors_header(io::join_path(options.out, file));
+      std::map<std::string, const io::SafetensorsEntry*> entries;
+      for (const auto& e : header.entries) entries[e.name] = &e;
+      for (const auto& [record, t] : latents) {
+        auto& rec = items[record];
+        const auto* e = entries.at(std::to_string(rec["index"].get<int64_t>()) + ".latents");
+        rec["offset"] = header.data_start + e->begin;
+        rec["bytes"] = e->end - e->begin;
+        rec["crc32"] = fmt::format("{:08x}", io::crc32(t.data_ptr(), static_cast<size_t>(t.numel() * t.element_size())));
+      }
+      shard_records[static_cast<size_t>(k)] = {{"shard", k},       {"file", file},  {"bytes", written.bytes},
+                                               {"crc32", fmt::format("{:08x}", written.crc32)},
+                                               {"items", items}, {"bad", bad}, {"sources", sources}};
+      write_manifest(false);
+      result.items += static_cast<int64_t>(items.size());
+      ++result.shards;
+      done += count;
+      if (options.on_progress) options.on_progress(done, n, done);
+    }
+    write_manifest(true);
+  } catch (const io::IoError& e) {
+    throw DatasetError(std::string("megaslide-cache: ") + e.what());
+  }
+  dataset.check_bad_fraction(static_cast<int64_t>(result.bad.size()));
+  return result;
+}
+
+struct LatentCache::Mapping {
+  std::string path;
+  void* base = nullptr;
+  size_t bytes = 0;
+  ~Mapping() {
+    if (base != nullptr && base != MAP_FAILED) ::munmap(base, bytes);
+  }
+};
+
+LatentCache::~LatentCache() = default;
+
+std::shared_ptr<LatentCache> LatentCache::open(const RunConfig& config, const std::string& dir) {
+  try {
+    return open_checked(config, dir);
+  } catch (const json::exception& e) {
+    throw DatasetError("data.cache '" + dir + "': " + kManifest + " is malformed: " + e.what());
+  }
+}
+
+std::shared_ptr<LatentCache> LatentCache::open_checked(const RunConfig& config, const std::string& dir) {
+  const std::string manifest_path = io::join_path(dir, kManifest);
+  if (!io::path_exists(manifest_path)) throw DatasetError("data.cache '" + dir + "': no " + kManifest + " (not a cache, or never built: run megaslide-cache)");
+  const json m = read_manifest(manifest_path);
+  if (!m.value("complete", false))
+    throw DatasetError("data.cache '" + dir + "' is incomplete (megaslide-cache was interrupted); run megaslide-cache again to finish it");
+  check_same(m.value("encoders", json()), json::parse(cache_encoders(config)->identity()), "encoders", dir);
+  check_same(m.value("decode", json()), decode_settings(config.data), "decode settings", dir);
+  const json dataset = {{"source", dataset_source(config.data)}, {"listed", m.value("dataset", json()).value("listed", int64_t{0})}};
+  check_same(m.value("dataset", json()), dataset, "dataset", dir);
+
+  std::shared_ptr<LatentCache> cache(new LatentCache());
+  cache->dir_ = dir;
+  cache->listed_ = m.at("dataset").at("listed").get<int64_t>();
+  cache->num_buckets_ = static_cast<int64_t>(m.at("decode").at("buckets").size());
+  std::set<int64_t> covered;
+  for (const auto& b : m.value("listing_bad", json::array())) {
+    cache->bad_.push_back({b.value("index", int64_t{0}), b.value("path", ""), b.value("reason", "")});
+    covered.insert(b.value("index", int64_t{0}));
+  }
+  std::vector<std::string> stale;
+  for (const auto& rec : m.value("shards", json::array())) {
+    for (const auto& b : rec.value("bad", json::array())) {
+      cache->bad_.push_back({b.value("index", int64_t{0}), b.value("path", ""), b.value("reason", "")});
+      covered.insert(b.value("index", int64_t{0}));
+    }
+    auto mapping = std::make_unique<Mapping>();
+    mapping->path = io::join_path(dir, rec.value("file", ""));
+    const int fd = ::open(mapping->path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) throw DatasetError("cache shard '" + mapping->path + "': " + std::strerror(errno));
+    struct stat st {};
+    ::fstat(fd, &st);
+    mapping->bytes = static_cast<size_t>(st.st_size);
+    if (static_cast<uint64_t>(st.st_size) != rec.value("bytes", uint64_t{0})) {
+      ::close(fd);
+      throw DatasetError(fmt::format("cache shard '{}' is {} bytes but the manifest says {} (truncated or replaced)", mapping->path,
+                                     st.st_size, rec.value("bytes", uint64_t{0})));
+    }
+    mapping->base = mapping->bytes > 0 ? ::mmap(nullptr, mapping->bytes, PROT_READ, MAP_PRIVATE, fd, 0) : nullptr;
+    ::close(fd);
+    if (mapping->base == MAP_FAILED) throw DatasetError("cache shard '" + mapping->path + "': cannot map: " + std::strerror(errno));
+    io::SafetensorsHeader header;
+    try {
+      header = io::read_safetensors_header(mapping->path);
+    } catch (const io::IoError& e) {
+      throw DatasetError(e.what());
+    }
+    std::map<std::string, const io::SafetensorsEntry*> entries;
+    for (const auto& e : header.entries) entries[e.name] = &e;
+    const int64_t shard = static_cast<int64_t>(cache->shards_.size());
+    for (const auto& r : rec.value("items", json::array())) {
+      Item item;
+      item.index = r.value("index", int64_t{0});
+      item.path = r.value("path", "");
+      item.caption = r.value("caption", "");
+      item.bucket = r.value("bucket", int64_t{0});
+      item.shard = shard;
+      item.latents_offset = r.value("offset", uint64_t{0});
+      item.latents_bytes = r.value("bytes", uint64_t{0});
+      item.latents_crc32 = static_cast<uint32_t>(std::stoul(r.value("crc32", "0"), nullptr, 16));
+      const std::string prefix = std::to_string(item.index) + ".";
+      for (const auto& [name, e] : entries) {
+        if (name.compare(0, prefix.size(), prefix) != 0) continue;
+        auto* data = static_cast<char*>(mapping->base) + header.data_start + e->begin;
+        item.tensors.emplace_back(name.substr(prefix.size()),
+                                  torch::from_blob(data, e->shape, torch::TensorOptions().dtype(e->dtype)));
+      }
+      const auto st_now = stat_source(item.path);
+      if (!st_now.exists) stale.push_back(item.path + ": the source is gone");
+      else if (st_now.size != r.value("size", uint64_t{0}) || st_now.mtime_ns != r.value("mtime_ns", int64_t{0}))
+        stale.push_back(item.path + ": the source changed since it was cached (size or mtime)");
+      bool has_latents = false;
+      for (const auto& [name, t] : item.tensors) has_latents |= name == "latents";
+      if (!has_latents) throw DatasetError("cache shard '" + mapping->path + "' lacks " + prefix + "latents");
+      covered.insert(item.index);
+      cache->items_.push_back(std::move(item));
+    }
+    cache->shards_.push_back(std::move(mapping));
+  }
+  std::sort(cache->items_.begin(), cache->items_.end(), [](const Item& a, const Item& b) { return a.index < b.index; });
+
+  // The dataset as it is listed now: every item must be in the cache (cached or known bad), at the same path.
+  const auto listing = read_video_manifest(config.data);
+  std::map<int64_t, std::string> cached_path;
+  for (const auto& it : cache->items_) cached_path[it.index] = it.path;
+  for (const auto& it : listing.items) {
+    if (!covered.count(it.index)) stale.push_back(it.path + ": listed but not in the cache");
+    else if (cached_path.count(it.index) && cached_path[it.index] != it.path)
+      stale.push_back(it.path + ": listed where the cache has " + cached_path[it.index]);
+  }
+  if (listing.listed() != cache->listed_)
+    stale.push_back(fmt::format("{}: lists {} items, the cache was built from {}", dataset_source(config.data), listing.listed(), cache->listed_));
+  if (!stale.empty())
+    throw DatasetError(fmt::format("data.cache '{}' is stale ({} items); rebuild it with megaslide-cache:{}", dir, stale.size(), list_paths(stale)));
+
+  // The empty prompt.
+  try {
+    const auto empty = io::read_safetensors(io::join_path(dir, kEmptyPrompt));
+    for (const auto& [name, t] : empty.tensors) {
+      if (name == "text_ids") cache->empty_prompt_.text_ids = t;
+      if (name == "text_mask") cache->empty_prompt_.text_mask = t;
+    }
+  } catch (const io::IoError& e) {
+    throw DatasetError(e.what());
+  }
+  if (cache->items_.empty()) throw DatasetError("data.cache '" + dir + "' holds no items");
+  const double allowed = config.data.max_bad_fraction * static_cast<double>(cache->listed_);
+  if (static_cast<double>(cache->bad_.size()) > allowed) {
+    std::vector<std::string> lines;
+    for (const auto& b : cache->bad_) lines.push_back(b.path + ": " + b.reason);
+    throw DatasetError(fmt::format("data.cache '{}': {} of {} items are bad, more than data.max_bad_fraction ({}) allows:{}", dir,
+                                   cache->bad_.size(), cache->listed_, config.data.max_bad_fraction, list_paths(lines, 1000)));
+  }
+  return cache;
+}
+
+ClipSample LatentCache::load(int64_t index, int64_t) const {
+  const auto& item = items_.at(static_cast<size_t>(index));
+  ClipSample s;
+  for (const auto& [name, t] : item.tensors) {
+    if (name == "latents") s.video = t;
+    else if (name == "text_ids") s.text_ids = t;
+    else if (name == "text_mask") s.text_mask = t;
+  }
+  const auto* bytes = static_cast<const char*>(shards_[static_cast<size_t>(item.shard)]->base) + item.latents_offset;
+  const uint32_t crc = io::crc32(bytes, item.latents_bytes);
+  if (crc != item.latents_crc32)
+    throw DatasetError(fmt::format("cache shard '{}': the latents of item {} ({}) have CRC-32 {:08x}, the manifest says {:08x} (corrupted)",
+                                   shards_[static_cast<size_t>(item.shard)]->path, item.index, item.path, crc, item.latents_crc32));
+  return s;
+}
+
+}  // namespace megaslide

@@ -1,0 +1,226 @@
+#include "megaslide/data/video_dataset.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <thread>
+
+#include "megaslide/io/video.h"
+
+namespace megaslide {
+
+namespace {
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// The distance between source frames of consecutive clip frames.
+double frame_step(const DataConfig& data, double source_fps) {
+  return data.fps > 0 ? source_fps / data.fps : static_cast<double>(data.frame_stride);
+}
+
+int64_t source_index(int64_t k, double step) { return static_cast<int64_t>(std::llround(static_cast<double>(k) * step)); }
+
+// Source frames a clip of `frames` frames spans.
+int64_t frame_span(int64_t frames, double step) { return source_index(frames - 1, step) + 1; }
+
+// The nearest bucket that fits, or -1 (see the header).
+int64_t nearest_bucket(const std::vector<ClipShape>& buckets, const VideoItemInfo& info, double step) {
+  int64_t best = -1;
+  double best_distance = std::numeric_limits<double>::infinity();
+  const double aspect = std::log(static_cast<double>(info.height) / static_cast<double>(info.width));
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    const auto& s = buckets[b];
+    if (frame_span(s.frames, step) > info.frames) continue;
+    const double d = std::abs(aspect - std::log(static_cast<double>(s.height) / static_cast<double>(s.width)));
+    bool better = best < 0 || d < best_distance - 1e-12;
+    if (!better && best >= 0 && std::abs(d - best_distance) <= 1e-12) {
+      const auto& c = buckets[static_cast<size_t>(best)];
+      better = s.frames > c.frames || (s.frames == c.frames && s.height * s.width > c.height * c.width);
+    }
+    if (better) best = static_cast<int64_t>(b), best_distance = d;
+  }
+  return best;
+}
+
+}  // namespace
+
+std::vector<ClipShape> clip_buckets(const DataConfig& data) {
+  std::vector<ClipShape> out;
+  for (const auto& b : data.buckets) out.push_back({b[0], b[1], b[2]});
+  if (out.empty()) out.push_back({data.frames, data.height, data.width});
+  return out;
+}
+
+double augmentation_draw(uint64_t seed, int64_t item_index, int64_t epoch, int stream) {
+  uint64_t h = splitmix64(seed);
+  h = splitmix64(h ^ static_cast<uint64_t>(item_index));
+  h = splitmix64(h ^ static_cast<uint64_t>(epoch));
+  h = splitmix64(h ^ static_cast<uint64_t>(stream));
+  return static_cast<double>(h >> 11) * (1.0 / 9007199254740992.0);  // 53 bits
+}
+
+VideoDataset::VideoDataset(DataConfig data, std::vector<VideoItem> items, std::vector<VideoItemInfo> info, std::vector<BadItem> bad,
+                           int64_t listed)
+    : data_(std::move(data)), buckets_(clip_buckets(data_)), items_(std::move(items)), info_(std::move(info)), bad_(std::move(bad)),
+      listed_(listed) {
+  TORCH_CHECK(items_.size() == info_.size(), "VideoDataset: ", items_.size(), " items but ", info_.size(), " infos");
+  for (const auto& i : info_)
+    TORCH_CHECK(i.bucket >= 0 && i.bucket < static_cast<int64_t>(buckets_.size()), "VideoDataset: bucket ", i.bucket, " out of range");
+}
+
+VideoDataset VideoDataset::open(const DataConfig& data, int threads, const std::function<void(int64_t, int64_t)>& on_progress) {
+  VideoManifest manifest = read_video_manifest(data);
+  const auto buckets = clip_buckets(data);
+  const size_t n = manifest.items.size();
+  std::vector<VideoItemInfo> info(n);
+  std::vector<std::string> problem(n);
+  std::atomic<size_t> next{0}, done{0};
+  auto work = [&] {
+    for (size_t i = next++; i < n; i = next++) {
+      const auto& item = manifest.items[i];
+      try {
+        if (!io::path_exists(item.path)) {
+          problem[i] = "missing file";
+        } else {
+          const auto v = io::probe_video(item.path);
+          auto& out = info[i];
+          out.frames = v.frames, out.width = v.width, out.height = v.height, out.fps = v.fps;
+          if (data.fps > 0 && v.fps <= 0) {
+            problem[i] = "its frame rate is unknown (data.fps needs one)";
+          } else if (v.frames <= 0) {
+            problem[i] = "no frames";
+          } else {
+            const double step = frame_step(data, v.fps);
+            out.bucket = nearest_bucket(buckets, out, step);
+            if (out.bucket < 0) {
+              int64_t needed = std::numeric_limits<int64_t>::max();
+              for (const auto& b : buckets) needed = std::min(needed, frame_span(b.frames, step));
+              problem[i] = fmt::format("too few frames ({}; the shortest clip spans {})", v.frames, needed);
+            }
+          }
+        }
+      } catch (const std::exception& e) {
+        problem[i] = std::string("unreadable: ") + e.what();
+      }
+      ++done;
+    }
+  };
+  const int workers = std::max(1, std::min<int>(threads, static_cast<int>(std::max<size_t>(n, 1))));
+  if (on_progress) {
+    // Probes on `workers` threads while the calling thread reports.
+    std::vector<std::thread> pool;
+    for (int t = 0; t < workers; ++t) pool.emplace_back(work);
+    while (done.load() < n) {
+      on_progress(static_cast<int64_t>(done.load()), static_cast<int64_t>(n));
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+    for (auto& t : pool) t.join();
+    on_progress(static_cast<int64_t>(n), static_cast<int64_t>(n));
+  } else {
+    std::vector<std::thread> pool;
+    for (int t = 1; t < workers; ++t) pool.emplace_back(work);
+    work();
+    for (auto& t : pool) t.join();
+  }
+
+  std::vector<VideoItem> items;
+  std::vector<VideoItemInfo> good;
+  std::vector<BadItem> bad = std::move(manifest.bad);
+  for (size_t i = 0; i < n; ++i) {
+    if (problem[i].empty()) {
+      items.push_back(std::move(manifest.items[i]));
+      good.push_back(info[i]);
+    } else {
+      bad.push_back({manifest.items[i].index, manifest.items[i].path, problem[i]});
+    }
+  }
+  std::sort(bad.begin(), bad.end(), [](const BadItem& a, const BadItem& b) { return a.index < b.index; });
+  return VideoDataset(data, std::move(items), std::move(good), std::move(bad), manifest.listed());
+}
+
+ClipPlan VideoDataset::plan(int64_t i, int64_t epoch, int64_t frames) const {
+  const auto& it = item(i);
+  const auto& in = info(i);
+  if (frames < 0) frames = in.frames;
+  ClipPlan p;
+  p.bucket = in.bucket;
+  const auto& shape = buckets_[static_cast<size_t>(in.bucket)];
+  const double step = frame_step(data_, in.fps);
+  const int64_t span = frame_span(shape.frames, step);
+  if (span > frames)
+    throw DatasetError(fmt::format("video '{}': too few frames ({}; its {}-frame clip spans {})", it.path, frames, shape.frames, span));
+  const int64_t starts = frames - span + 1;
+  const int64_t start = data_.clip_start == "center"
+                            ? (starts - 1) / 2
+                            : std::min<int64_t>(starts - 1, static_cast<int64_t>(augmentation_draw(data_.seed, it.index, epoch, 0) *
+                                                                                 static_cast<double>(starts)));
+  for (int64_t k = 0; k < shape.frames; ++k) p.frame_indices.push_back(start + source_index(k, step));
+  // Scale so that the frame just covers the bucket (the shorter side relative to the bucket's aspect).
+  const double scale = std::max(static_cast<double>(shape.height) / static_cast<double>(in.height),
+                                static_cast<double>(shape.width) / static_cast<double>(in.width));
+  p.resized_height = std::max(shape.height, static_cast<int64_t>(std::llround(static_cast<double>(in.height) * scale)));
+  p.resized_width = std::max(shape.width, static_cast<int64_t>(std::llround(static_cast<double>(in.width) * scale)));
+  const int64_t free_h = p.resized_height - shape.height, free_w = p.resized_width - shape.width;
+  if (data_.crop == "center") {
+    p.crop_top = free_h / 2, p.crop_left = free_w / 2;
+  } else {
+    p.crop_top = std::min(free_h, static_cast<int64_t>(augmentation_draw(data_.seed, it.index, epoch, 1) * static_cast<double>(free_h + 1)));
+    p.crop_left = std::min(free_w, static_cast<int64_t>(augmentation_draw(data_.seed, it.index, epoch, 2) * static_cast<double>(free_w + 1)));
+  }
+  return p;
+}
+
+torch::Tensor resize_and_crop(const torch::Tensor& frames, const ClipPlan& plan, const ClipShape& shape) {
+  TORCH_CHECK(frames.dim() == 4 && frames.size(3) == 3 && frames.scalar_type() == torch::kUInt8,
+              "resize_and_crop: expected [N, h, w, 3] uint8 frames, got ", frames.sizes());
+  torch::Tensor resized = frames;
+  if (frames.size(1) != plan.resized_height || frames.size(2) != plan.resized_width) {
+    namespace F = torch::nn::functional;
+    auto x = frames.permute({0, 3, 1, 2}).to(torch::kFloat32);
+    x = F::interpolate(x, F::InterpolateFuncOptions()
+                              .size(std::vector<int64_t>{plan.resized_height, plan.resized_width})
+                              .mode(torch::kBilinear)
+                              .align_corners(false)
+                              .antialias(true));
+    resized = x.round().clamp(0, 255).to(torch::kUInt8).permute({0, 2, 3, 1});
+  }
+  return resized.slice(1, plan.crop_top, plan.crop_top + shape.height).slice(2, plan.crop_left, plan.crop_left + shape.width).contiguous();
+}
+
+torch::Tensor VideoDataset::load(int64_t i, int64_t epoch) const {
+  const auto& it = item(i);
+  ClipPlan p = plan(i, epoch);
+  int64_t decoded = 0;
+  auto frames = io::read_video_frames(it.path, p.frame_indices, &decoded);
+  if (!frames.defined()) {
+    // The container promised more frames than the stream holds: plan again with the true count.
+    p = plan(i, epoch, decoded);
+    frames = io::read_video_frames(it.path, p.frame_indices, &decoded);
+    if (!frames.defined()) throw DatasetError(fmt::format("video '{}': decoding stopped after {} frames", it.path, decoded));
+  }
+  return resize_and_crop(frames, p, buckets_[static_cast<size_t>(p.bucket)]);
+}
+
+void VideoDataset::check_bad_fraction(int64_t bad_count) const {
+  if (bad_count < 0) bad_count = static_cast<int64_t>(bad_.size());
+  const double allowed = data_.max_bad_fraction * static_cast<double>(listed_);
+  if (size() > 0 && static_cast<double>(bad_count) <= allowed) return;
+  std::string list;
+  for (const auto& b : bad_) list += fmt::format("\n  {}: {}", b.path, b.reason);
+  const std::string source = data_.manifest.empty() ? data_.root : data_.manifest;
+  if (size() == 0)
+    throw DatasetError(fmt::format("dataset '{}': no usable video among {} listed{}", source, listed_, list));
+  throw DatasetError(fmt::format("dataset '{}': {} of {} items are bad, more than data.max_bad_fraction ({}) allows:{}", source, bad_count,
+                                 listed_, data_.max_bad_fraction, list));
+}
+
+}  // namespace megaslide

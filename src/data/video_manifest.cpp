@@ -1,0 +1,281 @@
+#include "megaslide/data/video_manifest.h"
+
+
+#include <algorithm>
+#include <cctype>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "megaslide/io/files.h"
+
+namespace megaslide {
+
+namespace {
+
+struct CsvRow {
+  int64_t line = 0;  // 1-based line where the row starts
+  std::vector<std::string> fields;
+};
+
+std::vector<CsvRow> csv_rows(const std::string& text, const std::string& source) {
+  std::vector<CsvRow> rows;
+  size_t i = 0;
+  if (text.compare(0, 3, "\xEF\xBB\xBF") == 0) i = 3;  // UTF-8 byte-order mark
+  int64_t line = 1;
+  CsvRow row;
+  row.line = 1;
+  std::string field;
+  bool quoted = false, field_started = false, row_started = false;
+  int64_t quote_line = 0;
+  auto end_field = [&] {
+    row.fields.push_back(field);
+    field.clear();
+    field_started = false;
+  };
+  auto end_row = [&] {
+    end_field();
+    // A blank line is no row.
+    if (!(row.fields.size() == 1 && row.fields[0].empty())) rows.push_back(row);
+    row = CsvRow{};
+    row_started = false;
+  };
+  for (; i < text.size(); ++i) {
+    const char c = text[i];
+    if (!row_started) {
+      row.line = line;
+      row_started = true;
+    }
+    if (quoted) {
+      if (c == '"') {
+        if (i + 1 < text.size() && text[i + 1] == '"') {
+          field += '"';
+          ++i;
+        } else {
+          quoted = false;
+        }
+      } else {
+        if (c == '\n') ++line;
+        field += c;
+      }
+      continue;
+    }
+    if (c == '"' && !field_started) {
+      quoted = true;
+      field_started = true;
+      quote_line = line;
+    } else if (c == ',') {
+      end_field();
+    } else if (c == '\r' && i + 1 < text.size() && text[i + 1] == '\n') {
+      // CRLF: the \n ends the row
+    } else if (c == '\n') {
+      end_row();
+      ++line;
+    } else {
+      field += c;
+      field_started = true;
+    }
+  }
+  if (quoted) throw DatasetError(source + ": line " + std::to_string(quote_line) + ": a quoted field is never closed");
+  if (row_started) end_row();
+  return rows;
+}
+
+std::string trim(const std::string& s) {
+  size_t a = 0, b = s.size();
+  while (a < b && std::isspace(static_cast<unsigned char>(s[a]))) ++a;
+  while (b > a && std::isspace(static_cast<unsigned char>(s[b - 1]))) --b;
+  return s.substr(a, b - a);
+}
+
+std::string lower(std::string s) {
+  for (auto& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+std::string parent_folder(const std::string& path) {
+  const auto slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  return slash == 0 ? "/" : path.substr(0, slash);
+}
+
+std::string resolve(const std::string& base, const std::string& path) {
+  if (path.empty() || path[0] == '/') return path;
+  return io::join_path(base, path);
+}
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// {column} -> the row's value; an unknown column or an unclosed brace is a DatasetError.
+std::string fill_template(const std::string& tmpl, const std::map<std::string, size_t>& columns, const std::vector<std::string>& fields,
+                          const std::string& source) {
+  std::string out;
+  for (size_t i = 0; i < tmpl.size(); ++i) {
+    if (tmpl[i] != '{') {
+      out += tmpl[i];
+      continue;
+    }
+    const auto close = tmpl.find('}', i);
+    if (close == std::string::npos)
+      throw DatasetError(source + ": data.video_path_template '" + tmpl + "' has an unclosed '{'");
+    const std::string name = lower(tmpl.substr(i + 1, close - i - 1));
+    auto it = columns.find(name);
+    if (it == columns.end())
+      throw DatasetError(source + ": data.video_path_template '" + tmpl + "' names column '" + name + "', which the header does not have");
+    out += it->second < fields.size() ? trim(fields[it->second]) : std::string();
+    i = close;
+  }
+  return out;
+}
+
+VideoManifest read_csv(const DataConfig& data) {
+  VideoManifest m;
+  m.source = data.manifest;
+  const auto rows = csv_rows(io::read_file(data.manifest), data.manifest);
+  if (rows.empty()) throw DatasetError(data.manifest + ": empty (expected a header row and one row per video)");
+  std::map<std::string, size_t> columns;
+  for (size_t c = 0; c < rows[0].fields.size(); ++c) columns.emplace(lower(trim(rows[0].fields[c])), c);
+  const bool webvid = columns.count("videoid") && columns.count("name");
+  const bool opensora = columns.count("path") && columns.count("text");
+  if (!webvid && !opensora) {
+    std::string header;
+    for (const auto& f : rows[0].fields) header += (header.empty() ? "" : ", ") + f;
+    throw DatasetError(data.manifest + ": line 1: the header (" + header +
+                       ") matches no layout: expected WebVid's (videoid, name, page_dir, ...) or Open-Sora's (path, text, ...)");
+  }
+  m.layout = opensora ? "opensora-csv" : "webvid-csv";
+  const std::string base = parent_folder(data.manifest);
+  const size_t caption_col = opensora ? columns["text"] : columns["name"];
+  for (size_t r = 1; r < rows.size(); ++r) {
+    const auto& fields = rows[r].fields;
+    const int64_t index = m.listed();
+    const std::string where = data.manifest + ":" + std::to_string(rows[r].line);
+    if (fields.size() != rows[0].fields.size()) {
+      m.bad.push_back({index, where,
+                       "has " + std::to_string(fields.size()) + " fields, the header has " + std::to_string(rows[0].fields.size())});
+      continue;
+    }
+    const std::string file = opensora ? trim(fields[columns["path"]]) : fill_template(data.video_path_template, columns, fields, data.manifest);
+    const std::string caption = trim(fields[caption_col]);
+    if (file.empty()) {
+      m.bad.push_back({index, where, "no video path"});
+    } else if (caption.empty()) {
+      m.bad.push_back({index, resolve(base, file), "missing caption (" + where + ")"});
+    } else {
+      m.items.push_back({index, resolve(base, file), caption, where});
+    }
+  }
+  return m;
+}
+
+VideoManifest read_jsonl(const DataConfig& data) {
+  VideoManifest m;
+  m.layout = "jsonl";
+  m.source = data.manifest;
+  const std::string text = io::read_file(data.manifest);
+  const std::string base = parent_folder(data.manifest);
+  size_t pos = 0;
+  int64_t line = 0;
+  while (pos < text.size()) {
+    size_t end = text.find('\n', pos);
+    if (end == std::string::npos) end = text.size();
+    std::string content = trim(text.substr(pos, end - pos));
+    pos = end + 1;
+    ++line;
+    if (content.empty()) continue;
+    const int64_t index = m.listed();
+    const std::string where = data.manifest + ":" + std::to_string(line);
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(content);
+    } catch (const nlohmann::json::exception&) {
+      m.bad.push_back({index, where, "not valid JSON"});
+      continue;
+    }
+    if (!j.is_object() || !j.contains("video") || !j["video"].is_string() || j["video"].get<std::string>().empty()) {
+      m.bad.push_back({index, where, "expected an object with a \"video\" path (string)"});
+      continue;
+    }
+    const std::string file = resolve(base, j["video"].get<std::string>());
+    if (!j.contains("caption") || !j["caption"].is_string() || trim(j["caption"].get<std::string>()).empty()) {
+      m.bad.push_back({index, file, "missing caption (" + where + ")"});
+      continue;
+    }
+    m.items.push_back({index, file, trim(j["caption"].get<std::string>()), where});
+  }
+  return m;
+}
+
+bool is_video_file(const std::string& name) {
+  static const char* kExtensions[] = {".mp4", ".mov", ".mkv", ".webm", ".avi", ".m4v"};
+  const std::string l = lower(name);
+  return std::any_of(std::begin(kExtensions), std::end(kExtensions), [&](const char* e) { return ends_with(l, e); });
+}
+
+void list_videos(const std::string& folder, const std::string& relative, std::vector<std::string>& out) {
+  for (const auto& name : io::list_directory(folder)) {
+    if (name.empty() || name[0] == '.') continue;
+    const std::string path = io::join_path(folder, name), rel = relative.empty() ? name : relative + "/" + name;
+    if (io::is_directory(path)) list_videos(path, rel, out);
+    else if (is_video_file(name)) out.push_back(rel);
+  }
+}
+
+VideoManifest read_folder(const DataConfig& data) {
+  VideoManifest m;
+  m.layout = "folder";
+  m.source = data.root;
+  if (!io::is_directory(data.root)) throw DatasetError("data.root '" + data.root + "' is not a folder");
+  std::vector<std::string> videos;
+  list_videos(data.root, "", videos);
+  std::sort(videos.begin(), videos.end());
+  for (const auto& rel : videos) {
+    const int64_t index = m.listed();
+    const std::string path = io::join_path(data.root, rel);
+    const std::string caption_path = path.substr(0, path.find_last_of('.')) + ".txt";
+    if (!io::path_exists(caption_path)) {
+      m.bad.push_back({index, path, "missing caption (no " + caption_path + ")"});
+      continue;
+    }
+    std::string caption;
+    try {
+      caption = trim(io::read_file(caption_path));
+    } catch (const io::IoError& e) {
+      m.bad.push_back({index, path, std::string("caption unreadable: ") + e.what()});
+      continue;
+    }
+    if (caption.empty()) {
+      m.bad.push_back({index, path, "missing caption (" + caption_path + " is empty)"});
+      continue;
+    }
+    m.items.push_back({index, path, caption, rel});
+  }
+  return m;
+}
+
+}  // namespace
+
+std::vector<std::vector<std::string>> parse_csv(const std::string& text, const std::string& source) {
+  std::vector<std::vector<std::string>> out;
+  for (auto& row : csv_rows(text, source)) out.push_back(std::move(row.fields));
+  return out;
+}
+
+VideoManifest read_video_manifest(const DataConfig& data) {
+  try {
+    if (!data.manifest.empty()) {
+      if (!io::path_exists(data.manifest)) throw DatasetError("data.manifest '" + data.manifest + "' does not exist");
+      const std::string l = lower(data.manifest);
+      if (ends_with(l, ".csv")) return read_csv(data);
+      if (ends_with(l, ".jsonl") || ends_with(l, ".json")) return read_jsonl(data);
+      throw DatasetError("data.manifest '" + data.manifest + "': expected a .csv or .jsonl file");
+    }
+    if (!data.root.empty()) return read_folder(data);
+  } catch (const io::IoError& e) {
+    throw DatasetError(e.what());
+  }
+  throw DatasetError("data.dataset: videos needs data.manifest or data.root");
+}
+
+}  // namespace megaslide

@@ -1,0 +1,204 @@
+// train.init_from: a weights file, a checkpoint folder (and its run folder) and a bare safetensors file
+// with the trainers' names all match; missing, unexpected and mis-shaped tensors are all listed at once
+// and refused; train.init_allow_missing lets named parameters keep their initialisation; a dense model's
+// fused qkv feeds a 3D-DSA model's q, k, v; both trainers start from exactly the file's values, and a
+// run started from a checkpoint's weights continues at that run's loss.
+#include "megaslide/train/init_from.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include "megaslide/io/weights.h"
+#include "megaslide/offload/cpu_master_trainer.h"
+#include "megaslide/train/checkpoint.h"
+#include "megaslide/train/resident_trainer.h"
+
+using megaslide::InitFromError;
+using megaslide::RunConfig;
+
+namespace {
+
+std::string temp_dir(const std::string& name) {
+  const std::string dir = "/tmp/megaslide-test-init-" + std::to_string(::getpid()) + "-" + name;
+  megaslide::io::remove_tree(dir);
+  megaslide::io::make_directories(dir);
+  return dir;
+}
+
+RunConfig smoke(const std::vector<std::string>& extra = {}) {
+  std::vector<std::string> sets{"train.device=cpu", "offload.enabled=false", "train.batch_size=2", "train.steps=20", "data.frames=4",
+                                "data.height=8", "data.width=8", "model.dsa_kernel=[3,3,3]", "offload.compute_dtype=fp32"};
+  sets.insert(sets.end(), extra.begin(), extra.end());
+  return megaslide::parse_run_config("", "test", sets);
+}
+
+std::string refusal(const std::string& path, const megaslide::ParameterShapes& shapes, const std::vector<std::string>& allow = {}) {
+  try {
+    megaslide::plan_init_from(path, shapes, allow);
+  } catch (const InitFromError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "accepted";
+  return "";
+}
+
+}  // namespace
+
+TEST(InitFrom, NamePatterns) {
+  EXPECT_TRUE(megaslide::name_matches("blocks.*.attn.offset_*", "blocks.12.attn.offset_pw.weight"));
+  EXPECT_TRUE(megaslide::name_matches("*rel_bias", "blocks.0.attn.rel_bias"));
+  EXPECT_TRUE(megaslide::name_matches("t_mod.weight", "t_mod.weight"));
+  EXPECT_FALSE(megaslide::name_matches("blocks.*.attn.q.*", "blocks.0.attn.qkv.weight"));
+  EXPECT_FALSE(megaslide::name_matches("t_mod.weight", "t_mod.weight2"));
+  EXPECT_TRUE(megaslide::name_matches("*", ""));
+}
+
+TEST(InitFrom, MissingUnexpectedAndMisshapedAreAllListedAndRefused) {
+  const auto dir = temp_dir("strict");
+  megaslide::ResidentTrainer trainer(smoke());
+  const auto shapes = trainer.parameter_shapes();
+  // The trainer's own names, bare: accepted, every parameter matched.
+  auto state = trainer.training_state();
+  megaslide::io::write_safetensors(dir + "/bare.safetensors", state.master);
+  const auto plan = megaslide::plan_init_from(dir + "/bare.safetensors", shapes, {});
+  EXPECT_EQ(plan.tensors.size(), shapes.size());
+  EXPECT_TRUE(plan.kept.empty());
+  // One missing, one extra, one of the wrong shape, one not floating point: all four named in one message.
+  auto bad = state.master;
+  const std::string gone = bad[3].first, reshaped = bad[5].first, integral = bad[6].first;
+  bad.erase(bad.begin() + 3);
+  bad[4].second = torch::zeros({3, 3});
+  bad[5].second = bad[5].second.to(torch::kInt32);
+  bad.emplace_back("blocks.9.extra.weight", torch::zeros({2}));
+  megaslide::io::write_safetensors(dir + "/bad.safetensors", bad);
+  const auto what = refusal(dir + "/bad.safetensors", shapes);
+  for (const auto& name : {gone, reshaped, integral, std::string("blocks.9.extra.weight")})
+    EXPECT_NE(what.find(name), std::string::npos) << name << " not named in:\n" << what;
+  EXPECT_NE(what.find("missing from the file (1)"), std::string::npos) << what;
+  EXPECT_NE(what.find("in the file but not in the model (1)"), std::string::npos) << what;
+  EXPECT_NE(what.find("wrong shape or dtype (2)"), std::string::npos) << what;
+  EXPECT_NE(refusal(dir + "/nothing.safetensors", shapes).find("does not exist"), std::string::npos);
+  megaslide::io::remove_tree(dir);
+}
+
+TEST(InitFrom, AllowMissingKeepsTheInitialisationOfNamedParameters) {
+  const auto dir = temp_dir("allow");
+  megaslide::ResidentTrainer trainer(smoke());
+  const auto state = trainer.training_state();
+  megaslide::io::NamedTensors without_offsets;
+  for (const auto& [name, t] : state.master)
+    if (name.find(".attn.offset_") == std::string::npos && name.find(".attn.rel_bias") == std::string::npos)
+      without_offsets.emplace_back(name, t + 1.0);  // values the model does not have
+  megaslide::io::write_safetensors(dir + "/w.safetensors", without_offsets);
+  const auto what = refusal(dir + "/w.safetensors", trainer.parameter_shapes());
+  EXPECT_NE(what.find("blocks.0.attn.offset_pw.weight"), std::string::npos) << what;
+  const std::vector<std::string> allow{"blocks.*.attn.offset_*", "blocks.*.attn.rel_bias"};
+  const auto plan = megaslide::plan_init_from(dir + "/w.safetensors", trainer.parameter_shapes(), allow);
+  EXPECT_EQ(plan.kept.size(), 2u * 5u);  // per block: offset_dw weight and bias, offset_pw weight and bias, rel_bias
+  megaslide::ResidentTrainer started(smoke());
+  started.init_from(plan);
+  const auto after = started.training_state();
+  for (size_t i = 0; i < after.master.size(); ++i) {
+    const auto& [name, t] = after.master[i];
+    const bool kept = std::find(plan.kept.begin(), plan.kept.end(), name) != plan.kept.end();
+    // Kept parameters hold the same seeded initialisation as `trainer`; loaded ones the file's values.
+    EXPECT_TRUE(torch::equal(t, kept ? state.master[i].second : state.master[i].second + 1.0)) << name;
+  }
+  megaslide::io::remove_tree(dir);
+}
+
+TEST(InitFrom, ADenseModelsFusedQkvFeedsDsaQueriesKeysAndValues) {
+  const auto dir = temp_dir("qkv");
+  megaslide::ResidentTrainer dense(smoke({"model.arch=dense3d"}));
+  megaslide::save_weights(dir + "/dense.safetensors", dense.config(), dense.model(), dense.text_encoder());
+  megaslide::ResidentTrainer dsa(smoke());
+  const std::vector<std::string> allow{"blocks.*.attn.offset_*", "blocks.*.attn.rel_bias"};
+  const auto plan = megaslide::plan_init_from(dir + "/dense.safetensors", dsa.parameter_shapes(), allow);
+  dsa.init_from(plan);
+  auto dense_params = dense.model()->named_parameters();
+  auto dsa_params = dsa.model()->named_parameters();
+  const int64_t D = dsa.config().model.hidden;
+  for (int64_t l = 0; l < dsa.config().model.layers; ++l) {
+    const std::string p = "blocks." + std::to_string(l) + ".attn.";
+    const auto fused = dense_params[p + "qkv.weight"].to(torch::kBFloat16).to(torch::kFloat32);  // the weights file is bf16
+    for (int k = 0; k < 3; ++k)
+      EXPECT_TRUE(torch::equal(dsa_params[p + std::string(1, "qkv"[k]) + ".weight"], fused.slice(0, k * D, (k + 1) * D))) << p << k;
+    EXPECT_TRUE(torch::equal(dsa_params[p + "proj.weight"], dense_params[p + "proj.weight"].to(torch::kBFloat16).to(torch::kFloat32)));
+  }
+  megaslide::io::remove_tree(dir);
+}
+
+TEST(InitFrom, BothTrainersStartFromACheckpointsMastersAndContinueAtItsLoss) {
+  const auto dir = temp_dir("trainers");
+  auto config = smoke({"output.run_dir=" + dir + "/run"});
+  // Run A: 6 steps, checkpoint.
+  megaslide::ResidentTrainer a(config);
+  double last_loss = 0.0;
+  for (int i = 0; i < 6; ++i) last_loss = a.step().loss;
+  const auto state = a.training_state();
+  const auto checkpoint = megaslide::save_checkpoint(config.output.run_dir, config, state);
+  // A fresh run of each trainer from the checkpoint folder, and from the run folder: the masters bit for bit.
+  for (bool streamed : {false, true}) {
+    for (const std::string& source : {checkpoint, config.output.run_dir}) {
+      auto c = config;
+      c.offload.enabled = streamed;
+      c.train.init_from = source;
+      megaslide::TrainingState started;
+      if (streamed) {
+        megaslide::CPUMasterVideoDiT t(c);
+        t.init_from(megaslide::plan_init_from(source, t.parameter_shapes(), {}));
+        started = t.training_state();
+        for (auto& [name, tensor] : started.master) tensor = tensor.clone();
+      } else {
+        megaslide::ResidentTrainer t(c);
+        t.init_from(megaslide::plan_init_from(source, t.parameter_shapes(), {}));
+        started = t.training_state();
+      }
+      ASSERT_EQ(started.master.size(), state.master.size());
+      std::map<std::string, torch::Tensor> saved(state.master.begin(), state.master.end());
+      for (const auto& [name, t] : started.master) EXPECT_TRUE(torch::equal(t, saved.at(name))) << name << (streamed ? " streamed" : " resident");
+    }
+  }
+  // The started run's first loss is run A's weights' loss on the first batch: what a trainer holding A's
+  // whole state, with the data streams rewound to the start, computes.
+  auto c = config;
+  c.train.init_from = checkpoint;
+  megaslide::ResidentTrainer b(c);
+  b.init_from(megaslide::plan_init_from(checkpoint, b.parameter_shapes(), {}));
+  const double started_loss = b.step().loss;
+  megaslide::ResidentTrainer rewound(config);
+  auto rewound_state = state;
+  rewound_state.data_state = megaslide::DiffusionBatchSource(config).state();
+  rewound.load_training_state(rewound_state);
+  const double expected = rewound.step().loss;
+  megaslide::ResidentTrainer fresh(config);
+  const double fresh_loss = fresh.step().loss;
+  std::cout << "first-batch loss: run A's weights " << expected << ", started from its checkpoint " << started_loss << ", random start "
+            << fresh_loss << " (run A's last step: " << last_loss << ")\n";
+  EXPECT_EQ(started_loss, expected);
+  EXPECT_NE(started_loss, fresh_loss);
+  megaslide::io::remove_tree(dir);
+}
+
+TEST(InitFrom, AnExportedBf16WeightsFileStartsARunAtTheExportedWeightsLoss) {
+  const auto dir = temp_dir("exported");
+  auto config = smoke();
+  megaslide::ResidentTrainer a(config);
+  for (int i = 0; i < 6; ++i) a.step();
+  megaslide::save_weights(dir + "/a.safetensors", config, a.model(), a.text_encoder());  // bf16, as --export-weights
+  megaslide::ResidentTrainer b(config);
+  b.init_from(megaslide::plan_init_from(dir + "/a.safetensors", b.parameter_shapes(), {}));
+  // Every parameter is A's rounded to bf16.
+  const auto started = b.training_state(), saved = a.training_state();
+  for (size_t i = 0; i < saved.master.size(); ++i)
+    EXPECT_TRUE(torch::equal(started.master[i].second, saved.master[i].second.to(torch::kBFloat16).to(torch::kFloat32))) << saved.master[i].first;
+  // The first loss is A's weights' loss on that batch, within what bf16 rounding of the weights moves it.
+  megaslide::ResidentTrainer rewound(config);
+  auto state = saved;
+  state.data_state = megaslide::DiffusionBatchSource(config).state();
+  rewound.load_training_state(state);
+  const double expected = rewound.step().loss, got = b.step().loss;
+  std::cout << "first-batch loss: A's fp32 weights " << expected << ", started from A's bf16 export " << got << "\n";
+  EXPECT_NEAR(got, expected, 1e-2 * expected);
+  megaslide::io::remove_tree(dir);
+}

@@ -1,0 +1,307 @@
+// The latent and text cache: a round trip gives the decoded clips and the tokenizer's ids bit for bit; an
+// interrupted build resumes keeping the shards that verify (and rewrites one that does not), ending with
+// the same files as an uninterrupted build; a stale cache (changed source, other decode settings or
+// encoder, an item it lacks) and a corrupted item are refused naming them; training from the cache equals
+// training from decoding, resuming either is bit-exact (in memory, and from a checkpoint while switching
+// from decoding to the cache); the streamed trainer trains on bucketed videos as the resident one; on a
+// GPU, pinned batches arrive as on the CPU.
+#include "megaslide/data/latent_cache.h"
+
+#include <gtest/gtest.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "megaslide/data/video_dataset.h"
+#include "megaslide/offload/cpu_master_trainer.h"
+#include "megaslide/train/resident_trainer.h"
+#include "megaslide/train/training_run.h"
+#include "video_fixture.h"
+
+using megaslide::DatasetError;
+using megaslide::LatentCache;
+using megaslide::RunConfig;
+using megaslide::testing::VideoFixture;
+
+namespace {
+
+RunConfig video_config(const VideoFixture& fx, const std::string& cache = "", const std::string& clip_start = "center") {
+  std::vector<std::string> sets{"data.dataset=videos",
+                                "data.clip_start=" + clip_start,
+                                "data.manifest=" + fx.dir + "/opensora.csv",
+                                "data.frames=4",
+                                "data.height=16",
+                                "data.width=16",
+                                "data.frame_stride=2",
+                                "data.max_bad_fraction=0.5",
+                                "data.workers=2",
+                                "train.batch_size=2",
+                                "train.steps=8",
+                                "train.device=cpu",
+                                "offload.enabled=false",
+                                "output.progress=false"};
+  if (!cache.empty()) sets.push_back("data.cache=" + cache);
+  return megaslide::parse_run_config("", "test", sets);
+}
+
+megaslide::CacheBuildResult build(const RunConfig& c, const std::string& out, int64_t shard_items = 2,
+                                  std::function<void(int64_t, int64_t, int64_t)> progress = {}) {
+  megaslide::CacheBuildOptions o;
+  o.out = out;
+  o.shard_items = shard_items;
+  o.threads = 2;
+  o.on_progress = std::move(progress);
+  return megaslide::build_latent_cache(c, o);
+}
+
+std::string expect_refused(const RunConfig& c, const std::string& dir) {
+  try {
+    LatentCache::open(c, dir);
+  } catch (const DatasetError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "the cache was accepted";
+  return "";
+}
+
+}  // namespace
+
+TEST(LatentCache, RoundTripGivesTheDecodedClipsAndIdsBitForBit) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  VideoFixture fx("cache-roundtrip", 5, 12, 48, 64);
+  const auto c = video_config(fx);
+  const std::string dir = fx.dir + "/cache";
+  const auto r = build(c, dir, 2);
+  EXPECT_EQ(r.items, 5);
+  EXPECT_EQ(r.shards, 3);
+  EXPECT_EQ(r.bad.size(), 3u);  // corrupt, short, missing
+  const auto cache = LatentCache::open(c, dir);
+  const auto ds = megaslide::VideoDataset::open(c.data, 1);
+  ASSERT_EQ(cache->size(), ds.size());
+  megaslide::CaptionTokenizer tokenizer;
+  for (int64_t i = 0; i < cache->size(); ++i) {
+    const auto s = cache->load(i, 5);  // the epoch does not matter: the cache holds epoch 0's clip
+    EXPECT_EQ(cache->caption(i), fx.captions[static_cast<size_t>(i)]);
+    EXPECT_TRUE(torch::equal(s.video, ds.load(i, 0))) << "item " << i;
+    EXPECT_TRUE(torch::equal(s.text_ids, torch::tensor(tokenizer.encode(cache->caption(i), c.data.max_text_tokens))));
+    EXPECT_TRUE(torch::equal(s.text_mask, s.text_ids.ne(0)));
+  }
+  EXPECT_TRUE(torch::equal(cache->empty_prompt().text_ids, torch::tensor(tokenizer.encode("", c.data.max_text_tokens))));
+  EXPECT_EQ(cache->bad().size(), 3u);
+}
+
+TEST(LatentCache, AnInterruptedBuildResumesAndEndsWithTheSameFiles) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  VideoFixture fx("cache-resume", 5, 12, 48, 64);
+  const auto c = video_config(fx);
+  const std::string full = fx.dir + "/full", part = fx.dir + "/part";
+  build(c, full, 2);
+  // Interrupted after the second shard (items 0-3 done).
+  EXPECT_THROW(build(c, part, 2, [](int64_t done, int64_t, int64_t) {
+                 if (done == 4) throw std::runtime_error("killed");
+               }),
+               std::runtime_error);
+  EXPECT_NE(expect_refused(c, part).find("incomplete"), std::string::npos);
+  // Damage the first shard: it must be written again, the second kept.
+  {
+    std::fstream f(part + "/shard-00000.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-1, std::ios::end);
+    f.put('\x7f');
+  }
+  std::vector<std::string> warnings;
+  megaslide::CacheBuildOptions o;
+  o.out = part, o.shard_items = 2, o.threads = 1;
+  o.on_warning = [&](const std::string& w) { warnings.push_back(w); };
+  const auto r = megaslide::build_latent_cache(c, o);
+  EXPECT_EQ(r.shards_reused, 1);
+  EXPECT_EQ(r.shards, 2);
+  EXPECT_EQ(r.items, 5);
+  bool warned = false;
+  for (const auto& w : warnings) warned |= w.find("shard-00000") != std::string::npos && w.find("does not verify") != std::string::npos;
+  EXPECT_TRUE(warned);
+  for (const char* f : {"shard-00000.safetensors", "shard-00001.safetensors", "shard-00002.safetensors", "empty_prompt.safetensors"})
+    EXPECT_EQ(megaslide::io::read_file(part + "/" + f), megaslide::io::read_file(full + "/" + f)) << f;
+  EXPECT_NO_THROW(LatentCache::open(c, part));
+  // Run again on a complete cache: everything kept.
+  const auto again = build(c, part, 2);
+  EXPECT_EQ(again.shards_reused, 3);
+  EXPECT_EQ(again.shards, 0);
+}
+
+TEST(LatentCache, AStaleCacheIsRefusedNamingWhatChanged) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  VideoFixture fx("cache-stale", 3, 12, 48, 64);
+  const auto c = video_config(fx);
+  const std::string dir = fx.dir + "/cache";
+  build(c, dir, 2);
+  ASSERT_NO_THROW(LatentCache::open(c, dir));
+  auto other = video_config(fx);
+  other.data.frames = 2;
+  EXPECT_NE(expect_refused(other, dir).find("decode settings"), std::string::npos);
+  other = video_config(fx);
+  other.data.max_text_tokens = 20;
+  EXPECT_NE(expect_refused(other, dir).find("encoders"), std::string::npos);
+  // Building into a folder of another config's cache is refused too (nothing overwritten).
+  EXPECT_THROW(build(other, dir, 2), DatasetError);
+  // A source touched since (mtime) is named.
+  const std::string clip1 = fx.dir + "/videos/clip-1.mp4";
+  struct timespec times[2] = {{0, UTIME_OMIT}, {1234567, 0}};
+  ASSERT_EQ(::utimensat(AT_FDCWD, clip1.c_str(), times, 0), 0);
+  auto what = expect_refused(c, dir);
+  EXPECT_NE(what.find("stale"), std::string::npos) << what;
+  EXPECT_NE(what.find(clip1 + ": the source changed"), std::string::npos) << what;
+  // An item added to the manifest is not in the cache.
+  build(c, dir, 2);  // refreshed: shard of clip-1 rewritten
+  ASSERT_NO_THROW(LatentCache::open(c, dir));
+  std::ofstream(fx.dir + "/opensora.csv", std::ios::app) << "videos/clip-0.mp4,\"again\",12\n";
+  what = expect_refused(c, dir);
+  EXPECT_NE(what.find("listed but not in the cache"), std::string::npos) << what;
+}
+
+TEST(LatentCache, ACorruptedItemFailsItsChecksum) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  VideoFixture fx("cache-crc", 3, 12, 48, 64);
+  const auto c = video_config(fx);
+  const std::string dir = fx.dir + "/cache";
+  build(c, dir, 4);
+  {
+    const auto header = megaslide::io::read_safetensors_header(dir + "/shard-00000.safetensors");
+    uint64_t offset = 0;
+    for (const auto& e : header.entries)
+      if (e.name == "1.latents") offset = header.data_start + e.begin + 17;
+    std::fstream f(dir + "/shard-00000.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(static_cast<std::streamoff>(offset));
+    const char old = static_cast<char>(f.get());
+    f.seekp(static_cast<std::streamoff>(offset));
+    f.put(static_cast<char>(old ^ 1));
+  }
+  const auto cache = LatentCache::open(c, dir);
+  EXPECT_NO_THROW(cache->load(0, 0));
+  try {
+    cache->load(1, 0);
+    FAIL();
+  } catch (const DatasetError& e) {
+    EXPECT_NE(std::string(e.what()).find("CRC-32"), std::string::npos) << e.what();
+  }
+}
+
+TEST(LatentCache, TrainingFromTheCacheEqualsTrainingFromDecodingAndResumesBitExact) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  VideoFixture fx("cache-train", 5, 12, 48, 64);
+  const std::string dir = fx.dir + "/cache";
+  build(video_config(fx), dir, 2);
+  auto losses = [](const RunConfig& c, int steps) {
+    megaslide::ResidentTrainer t(c);
+    std::vector<double> out;
+    for (int i = 0; i < steps; ++i) out.push_back(t.step().loss);
+    return std::make_pair(out, t.training_state());
+  };
+  // 5 items in batches of 2: 3 batches an epoch, so 7 steps cross two epoch boundaries.
+  const auto [decoded, decoded_state] = losses(video_config(fx), 7);
+  const auto [cached, cached_state] = losses(video_config(fx, dir), 7);
+  ASSERT_EQ(decoded.size(), cached.size());
+  for (size_t i = 0; i < decoded.size(); ++i) EXPECT_EQ(decoded[i], cached[i]) << "step " << i + 1;
+  for (size_t i = 0; i < decoded_state.master.size(); ++i)
+    EXPECT_TRUE(torch::equal(decoded_state.master[i].second, cached_state.master[i].second)) << decoded_state.master[i].first;
+  EXPECT_EQ(decoded_state.data_state, cached_state.data_state);
+  // Resume after 3 steps (the state as a checkpoint holds it), from the cache and from decoding — with
+  // random clip starts and crops, whose draws differ every epoch.
+  const auto random_config = [&](const std::string& cache) {
+    auto c = video_config(fx, cache, "random");
+    c.data.crop = "random";
+    return c;
+  };
+  const auto [random_decoded, unused] = losses(random_config(""), 7);
+  EXPECT_NE(random_decoded, decoded) << "random draws changed nothing";
+  for (const auto& [c, straight] : {std::make_pair(video_config(fx, dir), decoded), std::make_pair(random_config(""), random_decoded)}) {
+    megaslide::ResidentTrainer first(c);
+    for (int i = 0; i < 3; ++i) first.step();
+    const auto state = first.training_state();
+    megaslide::ResidentTrainer second(c);
+    second.load_training_state(state);
+    for (int i = 3; i < 7; ++i)
+      EXPECT_EQ(second.step().loss, straight[static_cast<size_t>(i)]) << "step " << i + 1 << " cache '" << c.data.cache << "'";
+  }
+}
+
+TEST(LatentCache, TheStreamedTrainerTrainsOnBucketedVideosLikeTheResidentOne) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  // Clips 0-2 landscape, 3-4 portrait: two buckets (2 + 1 batches an epoch), batches of either shape.
+  VideoFixture fx("cache-streamed", 5, 12, 48, 64, {3, 4});
+  auto c = video_config(fx);
+  c.data.buckets = {{4, 16, 16}, {4, 16, 8}};
+  c.data.frames = 4, c.data.height = 16, c.data.width = 16;
+  c.offload.compute_dtype = "fp32";
+  const std::string dir = fx.dir + "/cache";
+  build(c, dir, 4);
+  c.data.cache = dir;
+  megaslide::ResidentTrainer resident(c);
+  auto sc = c;
+  sc.offload.enabled = true;
+  megaslide::CPUMasterVideoDiT streamed(sc);
+  for (int i = 0; i < 6; ++i) {
+    const auto a = resident.step(), b = streamed.step();
+    EXPECT_NEAR(a.loss, b.loss, 1e-5 * std::max(1.0, std::abs(a.loss))) << "step " << i + 1;
+    EXPECT_GE(b.data_wait_s, 0.0);
+  }
+  EXPECT_EQ(resident.data().state(), streamed.data().state());
+}
+
+TEST(LatentCache, PinnedBatchesReachTheGpuAsOnTheCpu_CUDA) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU";
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  VideoFixture fx("cache-cuda", 4, 12, 48, 64);
+  auto c = video_config(fx);
+  const std::string dir = fx.dir + "/cache";
+  build(c, dir, 2);
+  for (const std::string& cache : {std::string(), dir}) {
+    auto gpu = c, cpu = c;
+    gpu.data.cache = cpu.data.cache = cache;
+    gpu.train.device = "cuda";
+    megaslide::DiffusionBatchSource on_gpu(gpu), on_cpu(cpu);
+    for (int i = 0; i < 4; ++i) {
+      const auto a = on_gpu.next(torch::Device(torch::kCUDA, 0)), b = on_cpu.next(torch::kCPU);
+      EXPECT_TRUE(torch::equal(a.x0.cpu(), b.x0)) << "batch " << i << " cache '" << cache << "'";
+      EXPECT_TRUE(torch::equal(a.noise.cpu(), b.noise));
+      EXPECT_TRUE(torch::equal(a.text_ids.cpu(), b.text_ids));
+    }
+  }
+  megaslide::LoaderOptions o;
+  o.pin_memory = true;
+  auto cache = LatentCache::open(c, dir);
+  std::vector<int64_t> buckets(static_cast<size_t>(cache->size()), 0);
+  megaslide::ClipLoader loader(cache, megaslide::BucketBatchSampler(buckets, 1, 2, 0), o);
+  EXPECT_TRUE(loader.next().video.is_pinned());
+}
+
+TEST(LatentCache, ARunResumedFromItsCheckpointMaySwitchFromDecodingToTheCache) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  VideoFixture fx("cache-resume-run", 5, 12, 48, 64);
+  const std::string dir = fx.dir + "/cache";
+  build(video_config(fx), dir, 2);
+  auto losses_of = [](const std::string& run) {
+    std::vector<std::string> out;
+    std::istringstream in(megaslide::io::read_file(run + "/metrics.jsonl"));
+    for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line)["loss"].dump());
+    return out;
+  };
+  auto straight = video_config(fx);
+  straight.train.steps = 6;
+  straight.output.run_dir = fx.dir + "/straight";
+  megaslide::run_training(straight, {});
+  auto stopped = straight;
+  stopped.output.run_dir = fx.dir + "/stopped";
+  stopped.train.steps = 3;
+  stopped.train.checkpoint_every = 3;
+  megaslide::run_training(stopped, {});
+  auto resumed = stopped;
+  resumed.train.steps = 6;
+  resumed.data.cache = dir;  // decoded before the checkpoint, read from the cache after it
+  resumed.data.workers = 0;
+  megaslide::TrainingRunOptions options;
+  options.resume = "latest";
+  megaslide::run_training(resumed, options);
+  EXPECT_EQ(losses_of(stopped.output.run_dir), losses_of(straight.output.run_dir));
+}

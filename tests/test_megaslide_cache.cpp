@@ -1,0 +1,143 @@
+// megaslide-cache and megaslide-train on a video dataset, as a user runs them: a cache killed with SIGKILL
+// part-way resumes (keeping its finished shards) and ends with the files of an uninterrupted build; bad
+// input exits 2; a run trains from the cache and from decoding, reporting each bad item once and losing
+// no good one; data_wait_s is in metrics.jsonl; bad train.init_from is refused with exit 2 before
+// anything is written.
+#include <gtest/gtest.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+
+#include <chrono>
+#include <thread>
+
+#include "megaslide/data/latent_cache.h"
+#include "run_tool.h"
+#include "video_fixture.h"
+
+extern char** environ;
+
+using megaslide::testing::run_tool;
+using megaslide::testing::VideoFixture;
+
+namespace {
+
+std::string write_config(const VideoFixture& fx, const std::string& extra = "") {
+  const std::string path = fx.dir + "/run.yaml";
+  fx.write("run.yaml", "data:\n  dataset: videos\n  manifest: " + fx.dir + "/webvid.csv\n  frames: 4\n  height: 16\n  width: 16\n"
+                       "  frame_stride: 2\n  max_bad_fraction: 0.5\n  clip_start: center\n" + extra +
+                       "train:\n  steps: 2\n  batch_size: 2\n  device: cpu\n  log_every: 1\n  warmup_steps: 0\noffload:\n  enabled: false\n"
+                       "output:\n  progress: false\n");
+  return path;
+}
+
+size_t count(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
+}  // namespace
+
+TEST(MegaslideCache, AKilledBuildResumesKeepingItsFinishedShards) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  VideoFixture fx("cli-cache-kill", 24, 16, 64, 96);
+  const auto config = write_config(fx);
+  const std::string full = fx.dir + "/full", part = fx.dir + "/part";
+  auto r = run_tool("megaslide-cache", "--config " + config + " --out " + full + " --shard-items 2 --threads 1");
+  ASSERT_EQ(r.code, 0) << r.output;
+
+  const std::string tool = std::string(MEGASLIDE_BINARY_DIR) + "/bin/megaslide-cache";
+  std::vector<std::string> args{tool, "--config", config, "--out", part, "--shard-items", "2", "--threads", "1"};
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 2, "/dev/null", O_WRONLY, 0);
+  pid_t pid = 0;
+  ASSERT_EQ(posix_spawn(&pid, tool.c_str(), &actions, nullptr, argv.data(), environ), 0);
+  // Killed once two shards are finished (the third is being written or about to be).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!megaslide::io::path_exists(part + "/shard-00001.safetensors") && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  ::kill(pid, SIGKILL);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  posix_spawn_file_actions_destroy(&actions);
+  ASSERT_TRUE(WIFSIGNALED(status)) << "megaslide-cache finished before it could be killed";
+  const std::string manifest = megaslide::io::read_file(part + "/cache.json");
+  EXPECT_NE(manifest.find("\"complete\": false"), std::string::npos);
+
+  r = run_tool("megaslide-cache", "--config " + config + " --out " + part + " --shard-items 2 --threads 1");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("24 items in " + part), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("items kept from an earlier run"), std::string::npos) << r.output;
+  for (const auto& name : megaslide::io::list_directory(full)) {
+    if (name == "cache.json") continue;
+    EXPECT_EQ(megaslide::io::read_file(part + "/" + name), megaslide::io::read_file(full + "/" + name)) << name;
+  }
+  for (const auto& name : megaslide::io::list_directory(part)) EXPECT_EQ(name.find(".tmp"), std::string::npos) << name;
+}
+
+TEST(MegaslideCache, TrainingFromTheCacheAndFromDecodingReportsEachBadItemOnce) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  VideoFixture fx("cli-cache-train", 4, 12, 48, 64);
+  const auto config = write_config(fx);
+  auto r = run_tool("megaslide-cache", "--config " + config + " --out " + fx.dir + "/cache");
+  ASSERT_EQ(r.code, 0) << r.output;
+  for (const char* bad : {"corrupt.mp4", "short.mp4", "missing.mp4"})
+    EXPECT_EQ(count(r.output, "bad item " + fx.dir + "/videos/" + bad), 1u) << bad << "\n" << r.output;
+  EXPECT_NE(r.output.find("4 items"), std::string::npos) << r.output;
+
+  std::map<std::string, std::string> losses;
+  for (const std::string& source : {std::string("decode"), std::string("cache")}) {
+    const std::string run = fx.dir + "/run-" + source;
+    const std::string extra = source == "cache" ? " --set data.cache=" + fx.dir + "/cache" : "";
+    r = run_tool("megaslide-train", "--config " + config + " --run-dir " + run + extra);
+    ASSERT_EQ(r.code, 0) << r.output;
+    const std::string log = megaslide::io::read_file(run + "/train.log");
+    for (const char* bad : {"corrupt.mp4", "short.mp4", "missing.mp4"}) EXPECT_EQ(count(log, "bad item skipped: " + fx.dir + "/videos/" + bad), 1u) << bad << "\n" << log;
+    EXPECT_EQ(count(log, "bad item skipped"), 3u) << log;
+    const std::string metrics = megaslide::io::read_file(run + "/metrics.jsonl");
+    EXPECT_EQ(count(metrics, "\"data_wait_s\""), 2u) << metrics;
+    std::string loss_column;
+    for (size_t at = metrics.find("\"loss\":"); at != std::string::npos; at = metrics.find("\"loss\":", at + 1))
+      loss_column += metrics.substr(at, metrics.find(',', at) - at) + "\n";
+    losses[source] = loss_column;
+  }
+  EXPECT_EQ(losses["decode"], losses["cache"]);
+
+  // Too many bad items for the fraction: exit 2 naming them, nothing written.
+  r = run_tool("megaslide-train", "--config " + config + " --run-dir " + fx.dir + "/strict --set data.max_bad_fraction=0.1");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("corrupt.mp4"), std::string::npos) << r.output;
+  EXPECT_FALSE(megaslide::io::path_exists(fx.dir + "/strict"));
+}
+
+TEST(MegaslideCache, BadInputExitsTwoWritingNothing) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  VideoFixture fx("cli-cache-bad", 3, 12, 48, 64);
+  const auto config = write_config(fx);
+  auto r = run_tool("megaslide-cache", "--config " + config);
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("--out"), std::string::npos) << r.output;
+  r = run_tool("megaslide-cache", "--config " + config + " --out " + fx.dir + "/c --set data.frame_stride=0");
+  EXPECT_EQ(r.code, 2) << r.output;
+  r = run_tool("megaslide-cache", "--config " + std::string(MEGASLIDE_SOURCE_DIR) + "/configs/smoke.yaml --out " + fx.dir + "/c");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_FALSE(megaslide::io::path_exists(fx.dir + "/c"));
+  // A cache of another config is not overwritten.
+  ASSERT_EQ(run_tool("megaslide-cache", "--config " + config + " --out " + fx.dir + "/c").code, 0);
+  const std::string before = megaslide::io::read_file(fx.dir + "/c/cache.json");
+  r = run_tool("megaslide-cache", "--config " + config + " --out " + fx.dir + "/c --set data.frames=2");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("decode settings"), std::string::npos) << r.output;
+  EXPECT_EQ(megaslide::io::read_file(fx.dir + "/c/cache.json"), before);
+  // train.init_from that does not fit the model: exit 2, run folder not created.
+  r = run_tool("megaslide-train", "--config " + config + " --run-dir " + fx.dir + "/init --set train.init_from=" + fx.dir + "/c/shard-00000.safetensors");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("missing from the file"), std::string::npos) << r.output;
+  EXPECT_FALSE(megaslide::io::path_exists(fx.dir + "/init"));
+}

@@ -1,0 +1,179 @@
+// VideoDataset: clips decoded from H.264 files written at test time are the source frames (PSNR >= 35 dB
+// after the round trip) at the planned frames and crop; the resize matches an independent 2×2 box
+// average; frame sampling by stride and by fps picks the right source frames; random draws are fixed by
+// (seed, item, epoch); items go to their nearest bucket; bad items (corrupt, two frames, missing file,
+// missing caption) are skipped with a reason and stop the run only beyond data.max_bad_fraction.
+#include "megaslide/data/video_dataset.h"
+
+#include <gtest/gtest.h>
+
+#include "video_fixture.h"
+
+using megaslide::ClipPlan;
+using megaslide::DataConfig;
+using megaslide::VideoDataset;
+using megaslide::testing::psnr;
+using megaslide::testing::VideoFixture;
+
+namespace {
+
+DataConfig folder_config(const VideoFixture& fx) {
+  DataConfig d;
+  d.dataset = "videos";
+  d.root = fx.dir + "/videos";
+  d.frames = 4;
+  d.height = 48;
+  d.width = 48;
+  d.frame_stride = 2;
+  d.clip_start = "center";
+  d.crop = "center";
+  d.max_bad_fraction = 0.5;
+  return d;
+}
+
+// The source frames a plan names, cropped as it says (no resize).
+torch::Tensor expected_clip(const torch::Tensor& source, const ClipPlan& p, int64_t H, int64_t W) {
+  auto frames = source.index_select(0, torch::tensor(p.frame_indices, torch::kInt64));
+  return frames.slice(1, p.crop_top, p.crop_top + H).slice(2, p.crop_left, p.crop_left + W);
+}
+
+}  // namespace
+
+TEST(VideoDataset, ClipsAreTheSourceFramesAtThePlannedFramesAndCrop) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  VideoFixture fx("dataset-frames", 3, 12, 48, 64);
+  auto d = folder_config(fx);
+  const auto ds = VideoDataset::open(d, 2);
+  ASSERT_EQ(ds.size(), 3);
+  for (int64_t i = 0; i < ds.size(); ++i) {
+    const auto p = ds.plan(i, 0);
+    // 12 frames, 4 at stride 2 span 7: starts 0..5, centred at 2; 48x64 covers 48x48 unscaled, centred at column 8.
+    EXPECT_EQ(p.frame_indices, (std::vector<int64_t>{2, 4, 6, 8}));
+    EXPECT_EQ(p.resized_height, 48);
+    EXPECT_EQ(p.resized_width, 64);
+    EXPECT_EQ(p.crop_left, 8);
+    EXPECT_EQ(p.crop_top, 0);
+    const auto clip = ds.load(i, 0);
+    ASSERT_EQ(clip.sizes(), (std::vector<int64_t>{4, 48, 48, 3}));
+    const auto expected = expected_clip(fx.sources[static_cast<size_t>(i)], p, 48, 48);
+    const double db = psnr(clip, expected);
+    std::cout << "item " << i << ": PSNR " << db << " dB against the source frames\n";
+    EXPECT_GE(db, 35.0);
+    // The same check notices a clip one frame off or one column off (the content changes every frame).
+    ClipPlan shifted = p;
+    for (auto& f : shifted.frame_indices) f += 1;
+    EXPECT_LT(psnr(clip, expected_clip(fx.sources[static_cast<size_t>(i)], shifted, 48, 48)), 30.0);
+  }
+}
+
+TEST(VideoDataset, ResizeCoversTheBucketAndMatchesABoxAverage) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  VideoFixture fx("dataset-resize", 1, 6, 48, 64);
+  auto d = folder_config(fx);
+  d.frames = 2, d.height = 24, d.width = 24, d.frame_stride = 1;
+  const auto ds = VideoDataset::open(d, 1);
+  const auto p = ds.plan(0, 0);
+  EXPECT_EQ(p.resized_height, 24);  // the shorter side (48) to 24: 48x64 -> 24x32
+  EXPECT_EQ(p.resized_width, 32);
+  EXPECT_EQ(p.crop_left, 4);
+  const auto clip = ds.load(0, 0);
+  // Independent reference: each 2×2 block of the source averaged, then the same crop.
+  auto src = fx.sources[0].index_select(0, torch::tensor(p.frame_indices, torch::kInt64)).to(torch::kFloat64);
+  auto box = src.view({2, 24, 2, 32, 2, 3}).mean({2, 4});
+  const double db = psnr(clip, box.slice(2, 4, 28));
+  std::cout << "PSNR " << db << " dB against a 2x2 box average (antialiased bilinear is a slightly wider filter)\n";
+  EXPECT_GE(db, 35.0);
+}
+
+TEST(VideoDataset, FrameSamplingByFpsAndDrawsFixedBySeedItemAndEpoch) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  VideoFixture fx("dataset-draws", 2, 24, 48, 64);
+  auto d = folder_config(fx);
+  d.frame_stride = 1;
+  d.fps = 3.0;  // the files are 8 fps: source frame of clip frame k is round(k * 8/3)
+  d.clip_start = "random";
+  d.crop = "random";  // 48x48 out of 48x64: no resize, a random column offset
+  const auto ds = VideoDataset::open(d, 1);
+  std::set<std::vector<int64_t>> starts;
+  for (int64_t epoch = 0; epoch < 6; ++epoch) {
+    const auto p = ds.plan(0, epoch);
+    ASSERT_EQ(p.frame_indices.size(), 4u);
+    const int64_t s = p.frame_indices[0];
+    EXPECT_EQ(p.frame_indices, (std::vector<int64_t>{s, s + 3, s + 5, s + 8}));  // 0, 2.67, 5.33, 8 rounded
+    EXPECT_GE(s, 0);
+    EXPECT_LE(s + 8, 23);
+    EXPECT_EQ(p.crop_top, 0);
+    EXPECT_LE(p.crop_left, 16);
+    const auto again = ds.plan(0, epoch);  // a pure function of (seed, item, epoch)
+    EXPECT_EQ(again.frame_indices, p.frame_indices);
+    EXPECT_EQ(again.crop_left, p.crop_left);
+    starts.insert({s, p.crop_top, p.crop_left});
+  }
+  EXPECT_GT(starts.size(), 2u) << "the draws do not change between epochs";
+  // Another data.seed draws differently.
+  auto d2 = d;
+  d2.seed = d.seed + 1;
+  const auto ds2 = VideoDataset(d2, {ds.item(0)}, {ds.info(0)}, {}, 1);
+  bool differs = false;
+  for (int64_t epoch = 0; epoch < 6; ++epoch) differs |= ds2.plan(0, epoch).frame_indices != ds.plan(0, epoch).frame_indices;
+  EXPECT_TRUE(differs);
+  // The decoded clip follows the plan at 8/3 source frames per clip frame.
+  const auto p = ds.plan(1, 3);
+  const auto clip = ds.load(1, 3);
+  EXPECT_GE(psnr(clip, expected_clip(fx.sources[1], p, 48, 48)), 35.0);
+}
+
+TEST(VideoDataset, ItemsGoToTheirNearestBucketThatFits) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  // Clips 0-1 landscape 48x64, clip 2 portrait 64x48; all 12 frames.
+  VideoFixture fx("dataset-buckets", 3, 12, 48, 64, {2});
+  auto d = folder_config(fx);
+  d.frame_stride = 1;
+  d.buckets = {{4, 32, 48}, {4, 48, 32}, {16, 32, 48}};  // the 16-frame bucket fits no 12-frame clip
+  const auto ds = VideoDataset::open(d, 2);
+  ASSERT_EQ(ds.size(), 3);
+  EXPECT_EQ(ds.info(0).bucket, 0);
+  EXPECT_EQ(ds.info(1).bucket, 0);
+  EXPECT_EQ(ds.info(2).bucket, 1);
+  const auto clip = ds.load(2, 0);
+  EXPECT_EQ(clip.sizes(), (std::vector<int64_t>{4, 48, 32, 3}));
+  // With 12 frames allowed, the longer bucket of the same aspect wins.
+  d.buckets = {{4, 32, 48}, {12, 32, 48}};
+  EXPECT_EQ(VideoDataset::open(d, 1).info(0).bucket, 1);
+}
+
+TEST(VideoDataset, BadItemsAreSkippedWithAReasonAndCountAgainstTheFraction) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  VideoFixture fx("dataset-bad", 3, 12, 48, 64);
+  auto d = folder_config(fx);
+  d.root.clear();
+  d.manifest = fx.dir + "/opensora.csv";
+  const auto ds = VideoDataset::open(d, 2);
+  EXPECT_EQ(ds.size(), 3);
+  EXPECT_EQ(ds.listed(), 6);
+  ASSERT_EQ(ds.bad().size(), 3u);
+  std::map<std::string, std::string> reasons;
+  for (const auto& b : ds.bad()) reasons[b.path.substr(b.path.find_last_of('/') + 1)] = b.reason;
+  EXPECT_NE(reasons["corrupt.mp4"].find("unreadable"), std::string::npos) << reasons["corrupt.mp4"];
+  EXPECT_NE(reasons["short.mp4"].find("too few frames (2"), std::string::npos) << reasons["short.mp4"];
+  EXPECT_NE(reasons["missing.mp4"].find("missing file"), std::string::npos) << reasons["missing.mp4"];
+  EXPECT_NO_THROW(ds.check_bad_fraction());  // 3 of 6 <= 0.5
+  d.max_bad_fraction = 0.4;
+  const auto strict = VideoDataset::open(d, 2);
+  try {
+    strict.check_bad_fraction();
+    FAIL() << "3 bad items of 6 passed data.max_bad_fraction 0.4";
+  } catch (const megaslide::DatasetError& e) {
+    const std::string what = e.what();
+    for (const char* name : {"corrupt.mp4", "short.mp4", "missing.mp4"}) EXPECT_NE(what.find(name), std::string::npos) << what;
+    EXPECT_NE(what.find("3 of 6"), std::string::npos) << what;
+  }
+  // An item whose file breaks after probing fails to load with its path named.
+  fx.write("videos/clip-1.mp4", "garbage now");
+  try {
+    ds.load(1, 0);
+    FAIL();
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("clip-1.mp4"), std::string::npos) << e.what();
+  }
+}

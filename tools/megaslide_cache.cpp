@@ -1,0 +1,94 @@
+// megaslide-cache: decodes a video dataset once and writes its latents and text tensors as sharded
+// safetensors (data/latent_cache.h, docs/data.md); training reads them with data.cache: DIR.
+//
+//   megaslide-cache --config run.yaml [--out DIR] [--set key.path=value ...] [--shard-items N] [--threads N]
+//
+// --out defaults to the config's data.cache. Killed, it resumes when run again: finished shards are
+// verified and kept. Exit codes: 0 done, 2 bad config, flags or dataset (or a folder holding another
+// config's cache), 1 any other failure.
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+
+#include "megaslide/megaslide.h"
+
+namespace {
+std::string clock_text(double seconds) {
+  const auto s = static_cast<int64_t>(seconds + 0.5);
+  return s >= 3600 ? fmt::format("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60) : fmt::format("{}:{:02}", s / 60, s % 60);
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"megaslide-cache: a video dataset's latents and text tensors, written once for training (docs/data.md)"};
+  std::string config_path, out;
+  std::vector<std::string> overrides;
+  int64_t shard_items = 64, threads = 0;
+  app.add_option("--config", config_path, "run config (YAML) with data.dataset: videos")->required();
+  app.add_option("--out", out, "the cache folder (default: data.cache of the config)");
+  app.add_option("--set", overrides, "override a config value, e.g. --set data.frames=16 (repeatable)");
+  app.add_option("--shard-items", shard_items, "items per shard file (default 64)")->check(CLI::PositiveNumber);
+  app.add_option("--threads", threads, "decoding threads (default: data.workers, at least 1)")->check(CLI::NonNegativeNumber);
+  app.set_version_flag("--version", megaslide::build_summary());
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int code = app.exit(e);
+    return code == 0 ? 0 : 2;
+  }
+  megaslide::RunConfig config;
+  try {
+    config = megaslide::load_run_config(config_path, overrides);
+  } catch (const megaslide::ConfigError& e) {
+    std::cerr << "megaslide-cache: " << e.what() << "\n";
+    return 2;
+  }
+  if (config.data.dataset != "videos") {
+    std::cerr << "megaslide-cache: " << config_path << ": data.dataset is '" << config.data.dataset << "'; only data.dataset: videos is cached\n";
+    return 2;
+  }
+  if (out.empty()) out = config.data.cache;
+  if (out.empty()) {
+    std::cerr << "megaslide-cache: no output folder: pass --out DIR or set data.cache\n";
+    return 2;
+  }
+
+  const bool tty = ::isatty(STDERR_FILENO) != 0;
+  const auto start = std::chrono::steady_clock::now();
+  megaslide::CacheBuildOptions options;
+  options.out = out;
+  options.shard_items = shard_items;
+  options.threads = threads > 0 ? threads : std::max<int64_t>(1, config.data.workers);
+  int64_t last_report = -1;
+  options.on_progress = [&](int64_t done, int64_t total, int64_t done_here) {
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double rate = s > 0 ? static_cast<double>(done_here) / s : 0.0;
+    const std::string eta = rate > 0 ? clock_text(static_cast<double>(total - done) / rate) : "?";
+    const std::string line = fmt::format("[cache] {}/{} items, {:.1f} items/s, elapsed {}, ETA {}", done, total, rate, clock_text(s), eta);
+    if (tty) {
+      std::cerr << "\r" << line << "\x1b[K" << std::flush;
+    } else if (done == total || done - last_report >= std::max<int64_t>(1, total / 20)) {
+      std::cerr << line << "\n";
+      last_report = done;
+    }
+  };
+  options.on_warning = [&](const std::string& message) { std::cerr << (tty ? "\r\x1b[K" : "") << "megaslide-cache: " << message << "\n"; };
+  try {
+    const auto r = megaslide::build_latent_cache(config, options);
+    if (tty) std::cerr << "\n";
+    const std::string kept = r.shards_reused > 0 ? fmt::format(", {} with {} items kept from an earlier run", r.shards_reused, r.items_reused) : "";
+    std::cerr << fmt::format("megaslide-cache: {} items in {} ({} shards written{}); {} bad items; {:.1f} s\n", r.items, out, r.shards, kept,
+                             r.bad.size(), std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    return 0;
+  } catch (const megaslide::DatasetError& e) {
+    std::cerr << (tty ? "\n" : "") << "megaslide-cache: " << e.what() << "\n";
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << (tty ? "\n" : "") << "megaslide-cache: " << e.what() << "\n";
+    return 1;
+  }
+}
