@@ -280,6 +280,23 @@ TEST(WanTrainer, TrainingRunTrainsAndResumesWan) {
   for (size_t i = 0; i < 6; ++i) EXPECT_EQ(part[i], whole[i]) << "step " << i + 1;
   EXPECT_TRUE(megaslide::io::path_exists(dir + "/whole/checkpoints/step-0000006/master.safetensors"));
 
+  // train.init_from a Wan run folder: a fresh trainer (streamed, bf16 blocks) starts from the latest
+  // checkpoint's fp32 masters bit for bit, every parameter matched by its diffusers name.
+  {
+    const auto masters = megaslide::io::read_safetensors(dir + "/whole/checkpoints/step-0000006/master.safetensors").tensors;
+    WanTrainer from(with("unused", {}), tiny_data(), [&](const megaslide::ParameterShapes& shapes) {
+      return megaslide::plan_init_from(dir + "/whole", shapes, {});
+    });
+    EXPECT_EQ(from.init_plan().tensors.size(), masters.size());
+    std::map<std::string, torch::Tensor> expected(masters.begin(), masters.end());
+    const auto got = from.master_weights();
+    ASSERT_EQ(got.size(), expected.size());
+    for (const auto& [name, value] : got) {
+      ASSERT_TRUE(expected.count(name)) << name;
+      EXPECT_TRUE(torch::equal(value, expected.at(name))) << name;
+    }
+  }
+
   auto expect_config_error = [&](const RunConfig& c, const std::string& key) {
     try {
       megaslide::run_training(c, {});
