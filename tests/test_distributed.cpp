@@ -48,13 +48,15 @@ std::string fresh_dir(const std::string& name) {
   return dir;
 }
 
-std::vector<double> logged_losses(const std::string& run_dir) {
+std::vector<double> logged(const std::string& run_dir, const char* key) {
   std::ifstream in(join_path(run_dir, "metrics.jsonl"));
-  std::vector<double> losses;
+  std::vector<double> values;
   std::string line;
-  while (std::getline(in, line)) losses.push_back(nlohmann::json::parse(line)["loss"].get<double>());
-  return losses;
+  while (std::getline(in, line)) values.push_back(nlohmann::json::parse(line)[key].get<double>());
+  return values;
 }
+
+std::vector<double> logged_losses(const std::string& run_dir) { return logged(run_dir, "loss"); }
 
 size_t line_count(const std::string& path) {
   std::ifstream in(path);
@@ -212,8 +214,9 @@ TEST(DiffusionBatchSource, RankSlicesConcatenateToTheSingleProcessBatch) {
   EXPECT_THROW(odd.take_slice(0, 4), std::invalid_argument);  // 6 items do not split over 4 ranks
 }
 
-// The property: 2 and 3 Gloo ranks on localhost train with the losses of one process with the same
-// global batch (fp32; the ranks' gradients are averaged in another order of additions: within 1e-5).
+// The property: 2 and 3 Gloo ranks on localhost train with the losses and gradient norms of one process
+// with the same global batch (fp32; the ranks' gradients are averaged in another order of additions:
+// within 1e-5).
 TEST(DistributedTraining, RanksReproduceTheSingleProcessLosses) {
   if (!gloo_available()) GTEST_SKIP() << "this build has no Gloo backend";
   for (int64_t ranks : {2, 3}) {
@@ -227,6 +230,11 @@ TEST(DistributedTraining, RanksReproduceTheSingleProcessLosses) {
     ASSERT_EQ(a.size(), 5u);
     ASSERT_EQ(b.size(), 5u) << "rank 0 alone writes metrics.jsonl, one line a step";
     for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-5) << ranks << " ranks, step " << i + 1;
+    // The gradient norm before clipping too: AdamW is blind to a gradient's scale, so a sum over the
+    // ranks not divided by their number would leave the losses nearly unchanged but not this.
+    const auto na = logged(one, "grad_norm"), nb = logged(many, "grad_norm");
+    ASSERT_EQ(nb.size(), na.size());
+    for (size_t i = 0; i < na.size(); ++i) EXPECT_NEAR(na[i], nb[i], 1e-5 * na[i]) << ranks << " ranks, step " << i + 1;
     std::ifstream log(join_path(many, "train.log"));
     std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
     EXPECT_NE(text.find("data parallel: " + std::to_string(ranks) + " ranks (gloo backend"), std::string::npos) << text;
