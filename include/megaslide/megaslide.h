@@ -41,6 +41,7 @@
 #include "megaslide/plan/step_plan.h"
 #include "megaslide/train/auto_settings.h"
 #include "megaslide/train/checkpoint.h"
+#include "megaslide/train/distributed.h"
 #include "megaslide/train/init_from.h"
 #include "megaslide/train/resident_trainer.h"
 #include "megaslide/train/run_folder.h"

@@ -409,6 +409,10 @@ class Schema {
     // output
     text("output.run_dir", c.output.run_dir);
     boolean("output.progress", c.output.progress);
+    // distributed
+    choice("distributed.backend", c.distributed.backend, {"auto", "nccl", "gloo"});
+    real("distributed.timeout_s", c.distributed.timeout_s, RealRange{0.0, 86400.0, true, false});
+    boolean("distributed.rank_logs", c.distributed.rank_logs);
     (void)kBig;
   }
 
@@ -474,7 +478,7 @@ std::string unknown_key_problem(const Schema& schema, const std::string& key) {
   std::string problem = "unknown key";
   if (!best.empty()) problem += " (did you mean " + best + "?)";
   if (!known.empty()) problem += "; keys of section " + section + ": " + known;
-  else problem += "; sections are model, data, diffusion, train, offload, optimizer, output";
+  else problem += "; sections are model, data, diffusion, train, offload, optimizer, output, distributed";
   return problem;
 }
 
@@ -610,7 +614,7 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::string& sour
       bool known_section = false;
       for (const auto& f : schema.fields()) known_section |= f.key.rfind(name + ".", 0) == 0;
       if (!known_section)
-        throw ConfigError(source, name, "unknown section; sections are model, data, diffusion, train, offload, optimizer, output");
+        throw ConfigError(source, name, "unknown section; sections are model, data, diffusion, train, offload, optimizer, output, distributed");
       if (!section.second.IsMap())
         throw ConfigError(source, name, "expected a section (a mapping of keys), got " + describe(section.second));
       read_keys(section.second, name);

@@ -18,6 +18,7 @@
 #include <set>
 
 #include "megaslide/train/auto_settings.h"
+#include "megaslide/train/distributed.h"
 
 namespace megaslide {
 
@@ -189,14 +190,27 @@ void DiffusionBatchSource::restore(const std::string& state) {
   }
 }
 
+void DiffusionBatchSource::take_slice(int64_t rank, int64_t world_size) {
+  const int64_t B = config_.train.batch_size;
+  if (world_size < 1 || rank < 0 || rank >= world_size)
+    throw std::invalid_argument(fmt::format("rank {} is outside a world of {} ranks", rank, world_size));
+  if (B % world_size != 0)
+    throw std::invalid_argument(fmt::format("train.batch_size {} does not split evenly over {} ranks: set it to a multiple of {}", B,
+                                            world_size, world_size));
+  slice_rank_ = rank;
+  slice_count_ = world_size;
+}
+
 DiffusionBatch DiffusionBatchSource::next(torch::Device device) {
   if (device != schedule_device_) {
     schedule_ = schedule_.to(device);
     schedule_device_ = device;
   }
-  const int64_t B = config_.train.batch_size;
+  const int64_t B = config_.train.batch_size;       // the global batch: every draw below is made for all of it
+  const int64_t local = B / slice_count_;           // this rank's items: [first, first + local)
+  const int64_t first = slice_rank_ * local;
   const auto data_start = std::chrono::steady_clock::now();
-  torch::Tensor video;  // [B, C, T, H, W] float
+  torch::Tensor video;  // [local, C, T, H, W] float
   std::vector<std::string> captions;
   LoadedBatch loaded;
   if (videos_) {
@@ -206,24 +220,37 @@ DiffusionBatch DiffusionBatchSource::next(torch::Device device) {
     }
     if (!loaded.failed.empty()) videos_->check(config_.data);
     captions = loaded.captions;
+    if (slice_count_ > 1) {
+      captions = std::vector<std::string>(captions.begin() + first, captions.begin() + first + local);
+      loaded.video = loaded.video.narrow(0, first, local);
+      if (loaded.text_ids.defined()) {
+        loaded.text_ids = loaded.text_ids.narrow(0, first, local);
+        loaded.text_mask = loaded.text_mask.narrow(0, first, local);
+      }
+    }
   } else {
-    auto clips = dataset_.batch(sampler_.next(B));
+    auto order = sampler_.next(B);
+    if (slice_count_ > 1) order = std::vector<int64_t>(order.begin() + first, order.begin() + first + local);
+    auto clips = dataset_.batch(order);
     video = clips.video;
     captions = std::move(clips.captions);
   }
   const double data_wait_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - data_start).count();
+  // Caption dropout: one draw per item of the global batch, in order; the rank keeps its items' draws.
   std::bernoulli_distribution drop(config_.diffusion.caption_dropout);
   std::vector<bool> dropped;
-  for (auto& caption : captions) {
-    dropped.push_back(drop(caption_rng_));
-    if (dropped.back()) caption.clear();
+  for (int64_t i = 0; i < B; ++i) {
+    const bool d = drop(caption_rng_);
+    if (i >= first && i < first + local) dropped.push_back(d);
   }
+  for (size_t i = 0; i < captions.size(); ++i)
+    if (dropped[i]) captions[i].clear();
   torch::Tensor text_ids, text_mask;
   if (loaded.text_ids.defined()) {
     // Precomputed by the cache: the empty prompt's for dropped captions.
     text_ids = loaded.text_ids.clone();
     text_mask = loaded.text_mask.clone();
-    for (int64_t i = 0; i < B; ++i) {
+    for (int64_t i = 0; i < local; ++i) {
       if (!dropped[static_cast<size_t>(i)]) continue;
       text_ids[i].copy_(videos_->empty_prompt.text_ids);
       text_mask[i].copy_(videos_->empty_prompt.text_mask);
@@ -245,9 +272,17 @@ DiffusionBatch DiffusionBatchSource::next(torch::Device device) {
   } else {
     b.x0 = video.to(device);
   }
+  // Timesteps then noise for the whole global batch (the single-process stream), then the rank's rows.
   b.timesteps = schedule_.sample_timesteps(B, device, generator_);
+  auto global_shape = b.x0.sizes().vec();
+  global_shape[0] = B;
   // Noise is drawn on the CPU so that a run's random stream is the same on every device.
-  b.noise = torch::randn(b.x0.sizes(), generator_, torch::kFloat32).to(device);
+  b.noise = torch::randn(global_shape, generator_, torch::kFloat32);
+  if (slice_count_ > 1) {
+    b.timesteps = b.timesteps.narrow(0, first, local);
+    b.noise = b.noise.narrow(0, first, local);
+  }
+  b.noise = b.noise.to(device);
   b.xt = schedule_.add_noise(b.x0, b.noise, b.timesteps);
   b.target = schedule_.target(prediction_, b.x0, b.noise, b.timesteps);
   b.text_ids = text_ids.to(device);
@@ -256,9 +291,10 @@ DiffusionBatch DiffusionBatchSource::next(torch::Device device) {
   return b;
 }
 
-ResidentTrainer::ResidentTrainer(const RunConfig& config)
-    : config_(config), device_(resolve_device(config.train.device)), batches_(config) {
+ResidentTrainer::ResidentTrainer(const RunConfig& config, Communicator* communicator)
+    : config_(config), device_(resolve_device(config.train.device)), batches_(config), communicator_(communicator) {
   validate(config_, "ResidentTrainer");
+  if (communicator_ != nullptr) batches_.take_slice(communicator_->rank(), communicator_->world_size());
   apply_threads(plan_threads(config_, device_));
   torch::manual_seed(config_.train.seed);
   model_ = DiT(DiTOptions::from_config(config_));
@@ -333,6 +369,35 @@ void ResidentTrainer::load_training_state(const TrainingState& s) {
   consecutive_skips_ = s.consecutive_skips;
 }
 
+void ResidentTrainer::average_over_ranks(double& loss_sum) {
+  if (communicator_ == nullptr) return;
+  // One flat buffer of every defined gradient: one collective a step, not one per parameter.
+  std::vector<torch::Tensor> grads;
+  for (auto& p : parameters_)
+    if (p.grad().defined()) grads.push_back(p.grad());
+  std::vector<torch::Tensor> pieces;
+  for (auto& g : grads) pieces.push_back(g.reshape({-1}));
+  std::vector<torch::Tensor> flat{torch::cat(pieces)};
+  // The loss and the count of defined gradients (which must agree on every rank, else the ranks'
+  // buffers would not line up), in float64 on the device (NCCL reduces GPU tensors only).
+  std::vector<torch::Tensor> scalars{
+      torch::tensor({loss_sum, static_cast<double>(grads.size())}, torch::kFloat64).to(device_)};
+  communicator_->all_reduce_sum(scalars);
+  const double ranks = static_cast<double>(communicator_->world_size());
+  const auto sums = scalars[0].cpu();
+  const double defined = sums[1].item<double>();
+  TORCH_CHECK(defined == ranks * static_cast<double>(grads.size()), "data parallelism: this rank has ", grads.size(),
+              " parameters with a gradient but the ranks together have ", defined, "; every rank must train the same parameters");
+  communicator_->all_reduce_sum(flat);
+  loss_sum = sums[0].item<double>() / ranks;
+  torch::NoGradGuard no_grad;
+  int64_t offset = 0;
+  for (auto& g : grads) {
+    g.copy_(flat[0].narrow(0, offset, g.numel()).view(g.sizes()).div_(ranks));
+    offset += g.numel();
+  }
+}
+
 StepMetrics ResidentTrainer::step() {
   const auto start = std::chrono::steady_clock::now();
   const auto& t = config_.train;
@@ -351,6 +416,7 @@ StepMetrics ResidentTrainer::step() {
     (accum == 1 ? loss : loss / static_cast<double>(accum)).backward();
     loss_sum += loss.item<double>();  // synchronises with the device, so the timing below is complete
   }
+  average_over_ranks(loss_sum);
   const auto optimizer_start = std::chrono::steady_clock::now();  // the device is idle here (item() above)
   const double max_norm = t.grad_clip > 0 ? t.grad_clip : std::numeric_limits<double>::infinity();
   const double grad_norm = torch::nn::utils::clip_grad_norm_(parameters_, max_norm);

@@ -87,13 +87,14 @@ struct TrainLog::Impl {
   std::shared_ptr<spdlog::logger> logger;
 };
 
-TrainLog::TrainLog(const std::string& path, bool append) : impl_(std::make_unique<Impl>()) {
+TrainLog::TrainLog(const std::string& path, bool append, bool echo) : impl_(std::make_unique<Impl>()) {
   try {
     auto file = std::make_shared<spdlog::sinks::basic_file_sink_mt>(path, /*truncate=*/!append);
     auto console = std::make_shared<spdlog::sinks::stderr_color_sink_mt>();
     file->set_pattern("[%Y-%m-%d %H:%M:%S.%e] [%l] %v");
     console->set_pattern("%v");
-    impl_->logger = std::make_shared<spdlog::logger>("megaslide", spdlog::sinks_init_list{file, console});
+    impl_->logger = echo ? std::make_shared<spdlog::logger>("megaslide", spdlog::sinks_init_list{file, console})
+                         : std::make_shared<spdlog::logger>("megaslide", file);
     impl_->logger->flush_on(spdlog::level::info);
   } catch (const spdlog::spdlog_ex& e) {
     throw OutputError("cannot open the log '" + path + "': " + e.what());

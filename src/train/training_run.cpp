@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <memory>
+#include <optional>
 
 #include "megaslide/diffusion/text_to_video.h"
 #include "megaslide/io/files.h"
@@ -16,6 +17,7 @@
 #include "megaslide/offload/cpu_master_trainer.h"
 #include "megaslide/train/auto_settings.h"
 #include "megaslide/train/checkpoint.h"
+#include "megaslide/train/distributed.h"
 #include "megaslide/train/init_from.h"
 #include "megaslide/train/resident_trainer.h"
 #include "megaslide/train/run_folder.h"
@@ -32,7 +34,7 @@ namespace {
 class Trainer {
  public:
   // `wan_init`: Wan's train.init_from (WanTrainer reads it into its model before placing the weights).
-  Trainer(const RunConfig& config, const std::string& source, const WanTrainer::InitPlanner& wan_init) {
+  Trainer(const RunConfig& config, const std::string& source, const WanTrainer::InitPlanner& wan_init, Communicator* communicator) {
     if (config.model.arch == Architecture::kWan) {
       WanLatentData data;
       try {
@@ -49,7 +51,7 @@ class Trainer {
     } else if (config.offload.enabled) {
       streamed_ = std::make_unique<CPUMasterVideoDiT>(config);
     } else {
-      resident_ = std::make_unique<ResidentTrainer>(config);
+      resident_ = std::make_unique<ResidentTrainer>(config, communicator);
     }
   }
   StepMetrics step() { return wan_ ? wan_->step() : streamed_ ? streamed_->step() : resident_->step(); }
@@ -92,6 +94,22 @@ class Trainer {
   std::unique_ptr<WanTrainer> wan_;
   DiT snapshot_dit_{nullptr};
   TextEncoder snapshot_text_{nullptr};
+};
+
+// The run log on rank 0; other ranks write RUN_DIR/logs/rank-N.log with distributed.rank_logs, else
+// nothing (their errors reach their own stderr).
+class RankLog {
+ public:
+  void open(const std::string& path, bool append, bool echo = true) { log_ = std::make_unique<TrainLog>(path, append, echo); }
+  void info(const std::string& message) {
+    if (log_) log_->info(message);
+  }
+  void warn(const std::string& message) {
+    if (log_) log_->warn(message);
+  }
+
+ private:
+  std::unique_ptr<TrainLog> log_;
 };
 
 }  // namespace
@@ -137,9 +155,34 @@ std::string memory_shortfall(const RunConfig& config, int64_t available_bytes, b
 }
 
 TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOptions& options) {
+  // Several ranks (train/distributed.h): the launcher's environment says which this process is. Each
+  // rank trains on its GPU (train.device auto/cuda -> cuda:LOCAL_RANK); rank 0 alone writes the run
+  // folder (log, metrics, checkpoints, samples, export).
+  LaunchEnv launch;
+  try {
+    launch = read_launch_env();
+  } catch (const DistributedError& e) {
+    throw ConfigError(options.config_source, "", e.what());
+  }
+  RunConfig per_rank = requested;
+  per_rank.train.device = rank_device_spec(requested.train.device, launch);
+  if (launch.distributed()) {
+    if (requested.model.arch == Architecture::kWan)
+      throw ConfigError(options.config_source, "model.arch",
+                        fmt::format("{} ranks were launched, but Wan trains as one process so far (docs/distributed.md)", launch.world_size));
+    if (requested.offload.enabled)
+      throw ConfigError(options.config_source, "offload.enabled",
+                        fmt::format("{} ranks were launched, but the streamed CPU-master trainer runs as one process so far "
+                                    "(docs/distributed.md); set offload.enabled: false for data parallelism of the resident trainer",
+                                    launch.world_size));
+    if (requested.train.batch_size % launch.world_size != 0)
+      throw ConfigError(options.config_source, "train.batch_size",
+                        fmt::format("is {}, the global batch, which must split evenly over the {} ranks: set a multiple of {}",
+                                    requested.train.batch_size, launch.world_size, launch.world_size));
+  }
   // `auto` settings resolved once: config.yaml, the log and checkpoints carry the resolved values, and a
   // resume compares them with the checkpoint's.
-  RunConfig resolved = resolve_auto_settings(requested);
+  RunConfig resolved = resolve_auto_settings(per_rank);
   if (resolved.model.arch == Architecture::kWan) {
     // Wan: the hyper-parameters of model.wan.weights when set; a run needs its latent tensors.
     try {
@@ -161,13 +204,29 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   const RunConfig config = resolved;
   const std::string& run_dir = config.output.run_dir;
   const auto& train = config.train;
+  const bool writer = launch.rank == 0;  // the rank that writes the run folder
   TrainingRunResult result;
+  std::unique_ptr<Communicator> communicator;
+  // Launched ranks of the resident trainer talk through a process group, one rank included (the GPU
+  // check runs NCCL that way on its one GPU); the streamed trainer is refused above for several ranks.
+  if (launch.distributed() || (launch.launcher != "none" && !config.offload.enabled)) {
+    torch::Device device = torch::kCPU;
+    try {
+      device = resolve_device(train.device);
+    } catch (const c10::Error& e) {
+      throw ConfigError(options.config_source, "train.device", error_message(e));
+    }
+    // First, so that a rank refusing its input below ends the others' waits at once (its sockets close).
+    communicator = std::make_unique<Communicator>(launch, resolve_backend(config.distributed, device, options.config_source),
+                                                  config.distributed.timeout_s, device);
+  }
 
   // Everything that can refuse the input happens before the first byte of the run is written: the run
   // folder is locked (and a fresh run refused when the folder holds one), the output paths checked,
   // the device and the memory the run needs checked, and load_checkpoint verifies the checkpoint
   // (every file read once for its checksum) before it reads a tensor.
-  RunFolderGuard guard(run_dir, /*resuming=*/!options.resume.empty());
+  std::optional<RunFolderGuard> guard;
+  if (writer) guard.emplace(run_dir, /*resuming=*/!options.resume.empty());
   try {
     if (!options.trace_path.empty()) io::check_output_file(options.trace_path, "--trace");
     if (!options.export_weights.empty()) io::check_output_file(options.export_weights, "--export-weights");
@@ -209,7 +268,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
         for (const auto& glob : wan_dsa_parameter_globs()) allow.push_back(glob);
       return plan_init_from(config.train.init_from, shapes, allow);
     };
-  Trainer trainer(config, options.config_source, wan_init);
+  Trainer trainer(config, options.config_source, wan_init, communicator.get());
   std::vector<std::string> warnings;
   if (!resume_path.empty()) {
     TrainingState state = trainer.state();
@@ -221,7 +280,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     }
     result.first_step = state.step;
     warnings = resume_warnings(resume_path, config);
-    if (roll_back_latest(run_dir, resume_path))
+    if (writer && roll_back_latest(run_dir, resume_path))
       warnings.push_back(fmt::format("rolled back: {} now names {}; the newer checkpoints of the abandoned run are replaced as this run "
                                      "saves their steps again",
                                      io::join_path(run_dir, "checkpoints/latest"), resume_path));
@@ -236,12 +295,32 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     }
   }
 
-  RunDirectory dir(run_dir, config);
-  guard.started();
-  TrainLog log(dir.file("train.log"), /*append=*/!resume_path.empty());
-  MetricsWriter metrics(dir.file("metrics.jsonl"), resume_path.empty() ? -1 : result.first_step);
+  std::optional<RunDirectory> dir;
+  std::optional<MetricsWriter> metrics;
+  RankLog log;
+  if (writer) {
+    dir.emplace(run_dir, config);
+    guard->started();
+    log.open(dir->file("train.log"), /*append=*/!resume_path.empty());
+    metrics.emplace(dir->file("metrics.jsonl"), resume_path.empty() ? -1 : result.first_step);
+  }
+  if (communicator) {
+    communicator->barrier();  // rank 0 has taken and written the run folder
+    if (!writer && config.distributed.rank_logs) {
+      try {
+        io::make_directories(io::join_path(run_dir, "logs"));
+      } catch (const io::IoError& e) {
+        throw OutputError(e.what());
+      }
+      log.open(io::join_path(run_dir, fmt::format("logs/rank-{}.log", launch.rank)), !resume_path.empty(), /*echo=*/false);
+    }
+  }
   log.info(build_summary());
-  log.info(fmt::format("config {} -> run dir {}", options.config_source, dir.path()));
+  if (communicator)
+    log.info(fmt::format("rank {}: data parallel: {} ranks ({} backend, launched by {}, rendezvous {}:{}), {} items of each global batch of {} per rank",
+                         launch.rank, communicator->world_size(), communicator->backend(), launch.launcher, launch.master_addr, launch.master_port,
+                         train.batch_size / communicator->world_size(), train.batch_size));
+  log.info(fmt::format("config {} -> run dir {}", options.config_source, run_dir));
   log.info(fmt::format("model {} ({} parameters, text encoder included), {} tokens per sample, device {}, {} steps",
                        to_string(config.model.arch), human_count(static_cast<double>(trainer.parameter_count())),
                        trainer.tokens_per_sample(), trainer.device().str(), train.steps));
@@ -290,6 +369,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
 
   int64_t last_saved = result.first_step;
   auto save = [&](const char* why) {
+    if (!writer) return true;  // every rank holds the same state; rank 0 saves it
     const TrainingState state = trainer.state();  // waits for host updates still running
     try {
       result.last_checkpoint = save_checkpoint(run_dir, config, state);
@@ -304,7 +384,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   };
 
   const int64_t start = result.first_step;
-  ProgressLine progress(train.steps, train.log_every, config.output.progress);
+  ProgressLine progress(train.steps, train.log_every, config.output.progress && writer);
   double window = 0.0;
   int64_t window_steps = 0;
   result.steps_done = start;
@@ -314,7 +394,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     const StepMetrics m = trainer.step();
     report_bad_items();
     result.steps_done = m.step;
-    metrics.write(m);
+    if (metrics) metrics->write(m);
     progress.update(m);
     if (m.skipped) {
       log.warn(fmt::format("step {}: non-finite loss or gradient (loss {}, grad_norm {}); step skipped ({} in a row, {} in all)", m.step,
@@ -329,8 +409,8 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
             last.empty() ? std::string("there is no checkpoint to resume from") : "the last checkpoint is " + last));
       }
     }
-    if (train.sample_every > 0 && m.step % train.sample_every == 0) {
-      const auto samples = dir.file(fmt::format("samples/step-{:07}", m.step));
+    if (writer && train.sample_every > 0 && m.step % train.sample_every == 0) {
+      const auto samples = dir->file(fmt::format("samples/step-{:07}", m.step));
       auto [dit, text] = trainer.model(config);
       const auto files = write_validation_samples(samples, config, dit, text, 4,
                                                   config.data.dataset == "videos" ? trainer.data()->captions(4) : std::vector<std::string>{});
@@ -344,8 +424,15 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
       window = 0.0;
       window_steps = 0;
     }
-    if (options.stop_requested != nullptr && options.stop_requested->load() != 0) {
-      result.stop_signal = options.stop_requested->load();
+    int stop_signal = options.stop_requested != nullptr ? options.stop_requested->load() : 0;
+    if (communicator) {
+      // A signal may reach the ranks after different steps: they stop after the same one.
+      std::vector<torch::Tensor> flag{torch::tensor({static_cast<int64_t>(stop_signal)}, torch::kInt64).to(trainer.device())};
+      communicator->all_reduce_max(flag);
+      stop_signal = static_cast<int>(flag[0].cpu().item<int64_t>());
+    }
+    if (stop_signal != 0) {
+      result.stop_signal = stop_signal;
       progress.finish();
       log.info(fmt::format("stop requested (signal {}) after step {}: saving a checkpoint", result.stop_signal, m.step));
       if (!save("stop")) throw OutputError("could not save a checkpoint before stopping (see the warning above)");
@@ -360,8 +447,8 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     if (!save("final")) throw OutputError("could not save the final checkpoint (see the warning above)");
   if (!options.trace_path.empty() && trainer.streamed())
     log.info(fmt::format("trace of step {} in {}", std::min(options.trace_step, train.steps), options.trace_path));
-  log.info(fmt::format("done: {} steps; metrics in {}", result.steps_done, dir.file("metrics.jsonl")));
-  if (!options.export_weights.empty()) {
+  log.info(fmt::format("done: {} steps; metrics in {}", result.steps_done, io::join_path(run_dir, "metrics.jsonl")));
+  if (writer && !options.export_weights.empty()) {
     if (auto* streamed = trainer.streamed()) {
       // Straight from the host store, one tensor at a time: no copy of the model.
       save_weights(options.export_weights, config, streamed->master_views());

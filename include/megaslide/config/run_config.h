@@ -181,6 +181,14 @@ struct OutputConfig {
   bool progress = true;                  // live progress line on a terminal
 };
 
+struct DistributedConfig {
+  // Several processes (ranks) training one model (train/distributed.h, docs/distributed.md). How many and
+  // which rank this process is come from the launcher's environment, not from here.
+  std::string backend = "auto";          // auto (nccl on GPUs, gloo on the CPU) | nccl | gloo
+  double timeout_s = 300.0;              // rendezvous and every collective; a rank gone for this long stops the others
+  bool rank_logs = false;                // ranks other than 0 also write RUN_DIR/logs/rank-N.log
+};
+
 struct RunConfig {
   ModelConfig model;
   DataConfig data;
@@ -189,6 +197,7 @@ struct RunConfig {
   OffloadConfig offload;
   OptimizerConfig optimizer;
   OutputConfig output;
+  DistributedConfig distributed;
 };
 
 // Loads `path`, applies `overrides` ("key.path=value", YAML scalars or flow sequences such as

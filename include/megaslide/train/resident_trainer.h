@@ -82,6 +82,13 @@ class DiffusionBatchSource {
   std::vector<BadItem> take_new_bad_items();
   // The first `count` captions of the dataset (validation samples).
   std::vector<std::string> captions(int64_t count) const;
+  // Data parallelism: next() returns the rank-th contiguous 1/world_size of each global batch of
+  // train.batch_size items. Every random draw (clip order, caption dropout, timestep, noise) is still
+  // made for the whole global batch in the single-process order, so item i of the global batch gets the
+  // same draws at any world size; only the rank's clips are rendered (structured-motion) — videos are
+  // loaded for the whole batch, then sliced. Throws std::invalid_argument unless world_size divides
+  // train.batch_size and 0 <= rank < world_size.
+  void take_slice(int64_t rank, int64_t world_size);
 
  private:
   struct Videos;
@@ -95,6 +102,7 @@ class DiffusionBatchSource {
   std::mt19937_64 caption_rng_;
   at::Generator generator_;
   torch::Device schedule_device_ = torch::kCPU;
+  int64_t slice_rank_ = 0, slice_count_ = 1;
 };
 
 // "auto" -> the first GPU when LibTorch sees one, else the CPU; "cuda[:N]" fails clearly without GPUs.
@@ -105,9 +113,18 @@ torch::Device resolve_device(const std::string& spec);
 // cosine decay to lr * min_lr_ratio at the last step, or constant.
 double learning_rate(const TrainConfig& train, int64_t step);
 
+class Communicator;
+
 class ResidentTrainer {
  public:
-  explicit ResidentTrainer(const RunConfig& config);
+  // With a communicator of R > 1 ranks (train/distributed.h; it must outlive the trainer): plain data
+  // parallelism. Every rank holds the whole model and its AdamW state, built identically from
+  // train.seed; each takes its contiguous 1/R of every global batch (DiffusionBatchSource::take_slice),
+  // and after the backward passes of a step the gradients and the loss are summed over the ranks and
+  // divided by R (one all-reduce of one flat buffer), so every rank takes the same AdamW step as a
+  // single process with the same global batch, up to the order of float additions. Throws
+  // std::invalid_argument when R does not divide train.batch_size.
+  explicit ResidentTrainer(const RunConfig& config, Communicator* communicator = nullptr);
 
   StepMetrics step();
 
@@ -132,9 +149,14 @@ class ResidentTrainer {
  private:
   std::vector<std::pair<std::string, torch::Tensor>> named_parameters();
 
+  // Sums the gradients (and `loss_sum`) over the ranks and divides by their number; no-op without a
+  // communicator (one rank with a communicator still runs the collectives: the NCCL check on one GPU).
+  void average_over_ranks(double& loss_sum);
+
   RunConfig config_;
   torch::Device device_;
   DiffusionBatchSource batches_;  // the trainer's own random streams, not LibTorch's global one
+  Communicator* communicator_ = nullptr;
   DiT model_{nullptr};
   TextEncoder text_encoder_{nullptr};
   std::unique_ptr<torch::optim::AdamW> optimizer_;
