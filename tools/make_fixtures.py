@@ -4,6 +4,7 @@
     python tools/make_fixtures.py                 # every section
     python tools/make_fixtures.py video sampler   # only these
     python tools/make_fixtures.py --list          # the sections and what each writes
+    python tools/make_fixtures.py --umt5-ids DIR OUT.safetensors   # transformers' ids with a real umT5 tokenizer
 
 Each section writes small files under tests/fixtures/<section>/ (safetensors, or the media files a test
 reads); they are committed, so building and testing MegaSlide needs no Python. The package versions
@@ -32,7 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")
 
 
-_SAFETENSORS_DTYPES = {np.dtype(np.float64): "F64", np.dtype(np.float32): "F32", np.dtype(np.int64): "I64",
+_SAFETENSORS_DTYPES = {np.dtype(np.float64): "F64", np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.int64): "I64",
                        np.dtype(np.int32): "I32", np.dtype(np.uint8): "U8", np.dtype(np.bool_): "BOOL"}
 
 
@@ -731,6 +732,173 @@ def section_flow(out_dir):
 
 
 # --------------------------------------------------------------------------------------------------
+# umt5_tokenizer: a tiny SentencePiece model and transformers' T5Tokenizer ids (umT5's tokenizer class)
+# --------------------------------------------------------------------------------------------------
+
+_UMT5_EXTRA_PROMPTS = [
+    "</s> written in the text, and <pad> and <unk> too",
+    "a prompt that ends with the end token</s>",
+    "<unk><unk> twice then text",
+    "multiple   spaces    inside   and\ttabs\t\there",
+    "   leading spaces and trailing ones   ",
+    "▁already has a meta space ▁ and ▁▁ two",
+    "mixed 中文 and English words 和 日本語 テキスト",
+    "一只熊猫在竹林里吃竹子，阳光明媚",
+    "비가 오는 날의 서울 거리 풍경",
+    "rare script: ᚠᚢᚦᚨᚱᚲ ꦲꦏ and math 𝔸𝔹ℂ ∑∫√∞",
+    "long " + " ".join(["a camera slowly pans across a mountain valley at sunrise with fog"] * 60),
+]
+
+
+def _umt5_prompts():
+    return _vbench_prompts() + _EDGE_PROMPTS + _UMT5_EXTRA_PROMPTS
+
+
+def _train_tiny_spiece(path_prefix, corpus, vocab_size=700, normalization="nmt_nfkc"):
+    """A tiny unigram SentencePiece model as umT5's is configured: pad 0, eos 1, unk 2 (no bos), NFKC-based
+    nmt normalisation (its character map is 240 kB: "identity" makes a model of a few kB), dummy prefix,
+    extra white space removed; rare characters (emoji, rare scripts) left out of the vocabulary so that
+    they come out as <unk>."""
+    import sentencepiece as spm
+
+    text = os.path.join(os.path.dirname(path_prefix), "corpus.txt")
+    with open(text, "w", encoding="utf-8") as f:
+        for line in corpus:
+            f.write(" ".join(line.split()) + "\n")
+    spm.SentencePieceTrainer.train(input=text, model_prefix=path_prefix, model_type="unigram", vocab_size=vocab_size, hard_vocab_limit=False,
+                                   character_coverage=0.995, pad_id=0, eos_id=1, unk_id=2, bos_id=-1,
+                                   normalization_rule_name=normalization, add_dummy_prefix=True, remove_extra_whitespaces=True,
+                                   split_by_whitespace=True, num_threads=1, seed_sentencepiece_size=100000, shuffle_input_sentence=False,
+                                   minloglevel=2)
+    os.remove(text)
+
+
+def _umt5_tokenize(spiece_dir, prompts, max_length=512):
+    """transformers' tokenizer for umT5 (T5Tokenizer) called as Wan calls it: padding to 512, truncation,
+    the end token appended, attention mask returned."""
+    from transformers import T5Tokenizer
+
+    tokenizer = T5Tokenizer.from_pretrained(spiece_dir, extra_ids=0)
+    assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id) == (0, 1, 2)
+    out = tokenizer(prompts, padding="max_length", max_length=max_length, truncation=True, add_special_tokens=True,
+                    return_attention_mask=True)
+    return np.array(out["input_ids"], dtype=np.int64), np.array(out["attention_mask"], dtype=np.int64)
+
+
+def section_umt5_tokenizer(out_dir):
+    import sentencepiece
+    import transformers
+
+    prompts = _umt5_prompts()
+    # Trained on other text than the prompts it is checked on: VBench's prompts beyond the first few of
+    # each dimension, in several languages' worth of the edge prompts' characters.
+    import importlib.util
+
+    spec = importlib.util.find_spec("vbench")
+    with open(os.path.join(spec.submodule_search_locations[0], "VBench_full_info.json"), encoding="utf-8") as f:
+        corpus = [e["prompt_en"] for e in json.load(f)][200:1200]
+    corpus += [p for p in _EDGE_PROMPTS + _UMT5_EXTRA_PROMPTS if p.strip()][::2]
+    _train_tiny_spiece(os.path.join(out_dir, "spiece"), corpus)
+    os.remove(os.path.join(out_dir, "spiece.vocab"))
+    ids, mask = _umt5_tokenize(out_dir, prompts)
+    import re
+
+    # The white-space step of Wan's prompt cleaning (diffusers' WanPipeline, Wan's own code): \s+ -> " ", strip.
+    cleaned = [re.sub(r"\s+", " ", p).strip() for p in prompts]
+    meta = {"versions": versions(transformers, sentencepiece), "prompts": json.dumps(prompts, ensure_ascii=False),
+            "cleaned": json.dumps(cleaned, ensure_ascii=False),
+            "what": "T5Tokenizer.from_pretrained(this folder, extra_ids=0)(prompts, padding='max_length', max_length=512, "
+                    "truncation=True): ids and attention_mask, with the tiny spiece.model trained here; cleaned: "
+                    "re.sub(r'\\s+', ' ', prompt).strip() of each prompt"}
+    # int32 ids and uint8 mask: 116 prompts of 512 tokens stay under 300 kB.
+    save_safetensors(os.path.join(out_dir, "ids.safetensors"), {"ids": ids.astype(np.int32), "mask": mask.astype(np.uint8)}, meta)
+    print(f"  {len(prompts)} prompts, vocabulary {sentencepiece.SentencePieceProcessor(model_file=os.path.join(out_dir, 'spiece.model')).get_piece_size()}, "
+          f"{int((ids == 2).any(1).sum())} with <unk>, {int((mask.sum(1) == 512).sum())} cut at 512 tokens")
+
+
+# --------------------------------------------------------------------------------------------------
+# umt5: a tiny random UMT5EncoderModel in the HF layouts (single file, sharded) and ComfyUI's single file
+# --------------------------------------------------------------------------------------------------
+
+def section_umt5(out_dir):
+    import torch
+    import transformers
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    # A small tokenizer of its own (no NFKC map: a few kB), as the model's files carry it three times.
+    tok_dir = os.path.join(out_dir, "tokenizer")
+    os.makedirs(tok_dir)
+    _train_tiny_spiece(os.path.join(tok_dir, "spiece"), _umt5_prompts(), vocab_size=300, normalization="identity")
+    os.remove(os.path.join(tok_dir, "spiece.vocab"))
+    prompts = ["a red blob moves left quickly", "", "A cat 🐱 on a SKATEBOARD, at night!", "一只熊猫在竹林里吃竹子",
+               "The quick brown fox jumps over the lazy dog. " * 8]
+    L = 40  # a short padded length keeps the fixture small; Wan's 512 is checked on the tokenizer fixture
+    ids, mask = _umt5_tokenize(tok_dir, prompts, max_length=L)
+    vocab = int(ids.max()) + 37
+    # Non-default sizes throughout: d_kv * num_heads != d_model, 3 layers, few buckets, a short max distance.
+    config = UMT5Config(vocab_size=vocab, d_model=24, d_kv=10, d_ff=40, num_layers=3, num_heads=3,
+                        relative_attention_num_buckets=12, relative_attention_max_distance=20, layer_norm_epsilon=1e-5,
+                        feed_forward_proj="gated-gelu", dropout_rate=0.0, attn_implementation="eager")
+    model = UMT5EncoderModel(config)
+    _randomize(model, 5)
+    with torch.no_grad():  # layer norm weights of T5 models vary more than CLIP's: widen them
+        for name, p in model.named_parameters():
+            if "relative_attention_bias" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(6)) * 2.0)
+    model.eval()
+    state = {k: v.numpy().copy() for k, v in model.state_dict().items()}
+    assert "shared.weight" in state
+    # 1. transformers' single file: config.json + model.safetensors.
+    single = os.path.join(out_dir, "hf")
+    os.makedirs(single)
+    model.config.save_pretrained(single)
+    save_safetensors(os.path.join(single, "model.safetensors"), state, {"format": "pt"})
+    # 2. transformers' sharded layout (as the Wan diffusers repository's text_encoder/): two shards + index.
+    sharded = os.path.join(out_dir, "sharded", "text_encoder")
+    os.makedirs(sharded)
+    model.config.save_pretrained(sharded)
+    names = sorted(state)
+    halves = [names[: len(names) // 2], names[len(names) // 2:]]
+    weight_map = {}
+    for i, part in enumerate(halves):
+        fname = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_safetensors(os.path.join(sharded, fname), {k: state[k] for k in part}, {"format": "pt"})
+        weight_map.update({k: fname for k in part})
+    with open(os.path.join(sharded, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": int(sum(v.nbytes for v in state.values()))}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+    os.makedirs(os.path.join(out_dir, "sharded", "tokenizer"))
+    shutil.copy(os.path.join(tok_dir, "spiece.model"), os.path.join(out_dir, "sharded", "tokenizer", "spiece.model"))
+    # 3. ComfyUI's single file (umt5_xxl_fp16.safetensors): the same tensor names, no config.json, fp16, and
+    #    the tokenizer's model inside as a U8 tensor "spiece_model".
+    comfy = {k: v.astype(np.float16) for k, v in state.items()}
+    with open(os.path.join(tok_dir, "spiece.model"), "rb") as f:
+        comfy["spiece_model"] = np.frombuffer(f.read(), dtype=np.uint8).copy()
+    save_safetensors(os.path.join(out_dir, "comfy_umt5_fp16.safetensors"), comfy)
+    # ComfyUI's loader takes the sizes from the tensors' shapes and fixes the rest as umT5-XXL has them:
+    # max distance 128, epsilon 1e-6; the reference for that file is the same weights under those values.
+    comfy_config = UMT5Config(**{**config.to_dict(), "relative_attention_max_distance": 128, "layer_norm_epsilon": 1e-6})
+    comfy_config._attn_implementation = "eager"
+    comfy_model = UMT5EncoderModel(comfy_config)
+    comfy_model.load_state_dict({k: torch.from_numpy(v.astype(np.float32)) for k, v in comfy.items() if k != "spiece_model"}, strict=False)
+    comfy_model.eval()
+    tensors = {"ids": ids, "mask": mask}
+    with torch.no_grad():
+        for name, m in (("hf", model), ("comfy", comfy_model)):
+            out = m(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).last_hidden_state
+            # Wan's convention: the embeddings past each prompt's tokens (its end token included) are zeros.
+            out = out * torch.from_numpy(mask)[:, :, None].to(out.dtype)
+            tensors[name + ".hidden"] = out.numpy()
+        tensors["hf.hidden_unmasked"] = model(input_ids=torch.from_numpy(ids)).last_hidden_state.numpy()
+    meta = {"versions": versions(transformers, torch), "prompts": json.dumps(prompts, ensure_ascii=False), "length": str(L),
+            "what": "tiny random UMT5EncoderModel in hf/ (config.json + model.safetensors), sharded/text_encoder/ (two shards + "
+                    "index) and comfy_umt5_fp16.safetensors (fp16, no config, spiece_model inside: read with max distance 128 and epsilon "
+                    "1e-6 as ComfyUI does); last_hidden_state for the ids with "
+                    "the attention mask, zeroed past each prompt (hf from fp32 weights, comfy from the fp16 ones), and without a mask"}
+    save_safetensors(os.path.join(out_dir, "reference.safetensors"), tensors, meta)
+    print(f"  vocab {vocab}, {len(prompts)} prompts of {L} tokens")
+
+
+# --------------------------------------------------------------------------------------------------
 
 SECTIONS = {
     "video": (section_video, "H.264 clips and their frames as opencv-python decodes them, VBench's temporal flickering"),
@@ -740,6 +908,8 @@ SECTIONS = {
     "vae": (section_vae, "a tiny random AutoencoderKL: encode, decode and tiled decode outputs"),
     "flow": (section_flow, "diffusers' flow-matching Euler and UniPC (flow sigmas) tables and sampling runs"),
     "wan": (section_wan, "tiny random WanTransformer3DModels (diffusers, original and ComfyUI layouts): outputs, one step's gradients"),
+    "umt5_tokenizer": (section_umt5_tokenizer, "a tiny SentencePiece model and T5Tokenizer ids of VBench and edge-case prompts"),
+    "umt5": (section_umt5, "a tiny random UMT5EncoderModel (HF single/sharded, ComfyUI fp16 file) and its hidden states"),
 }
 
 
@@ -747,7 +917,23 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("sections", nargs="*", help="sections to make (default: all)")
     parser.add_argument("--list", action="store_true", help="list the sections")
+    parser.add_argument("--umt5-ids", nargs=2, metavar=("TOKENIZER_DIR", "OUT"),
+                        help="only write transformers' ids of the umt5_tokenizer prompts with the real umT5 tokenizer in TOKENIZER_DIR "
+                             "(its spiece.model, with tokenizer_config.json if present) to OUT, for the C++ test's "
+                             "MEGASLIDE_UMT5_TOKENIZER_IDS (not committed: the model is a download)")
     args = parser.parse_args()
+    if args.umt5_ids:
+        import transformers
+        from transformers import T5Tokenizer  # umT5's tokenizer class
+
+        prompts = _umt5_prompts()
+        tokenizer = T5Tokenizer.from_pretrained(args.umt5_ids[0])
+        out = tokenizer(prompts, padding="max_length", max_length=512, truncation=True, add_special_tokens=True, return_attention_mask=True)
+        meta = {"versions": versions(transformers), "prompts": json.dumps(prompts, ensure_ascii=False),
+                "what": f"T5Tokenizer.from_pretrained({args.umt5_ids[0]!r})(prompts, padding='max_length', max_length=512, truncation=True)"}
+        save_safetensors(args.umt5_ids[1], {"ids": np.array(out["input_ids"], dtype=np.int64),
+                                            "mask": np.array(out["attention_mask"], dtype=np.int64)}, meta)
+        return
     if args.list:
         for name, (_, what) in SECTIONS.items():
             print(f"{name:10s} tests/fixtures/{name}/: {what}")

@@ -28,6 +28,8 @@
 #include "megaslide/model/dit.h"
 #include "megaslide/model/layers.h"
 #include "megaslide/model/sd_vae.h"
+#include "megaslide/model/umt5_encoder.h"
+#include "megaslide/model/umt5_tokenizer.h"
 #include "megaslide/model/text_encoder.h"
 #include "megaslide/offload/cpu_adamw.h"
 #include "megaslide/offload/cpu_master_trainer.h"
