@@ -48,14 +48,27 @@ bool must_match(const std::string& key) {
                                            "diffusion.beta_end",     "diffusion.caption_dropout", "diffusion.prediction", "train.batch_size",
                                            "train.seed",             "offload.compute_dtype", "optimizer.state_dtype"};
   // How data is loaded (threads, read-ahead, from the cache or by decoding) does not change what is drawn.
-  static const std::set<std::string> loading{"data.workers", "data.prefetch", "data.cache", "data.max_bad_fraction"};
+  // Nor do how many frames the VAE takes per call and how validation videos are decoded.
+  static const std::set<std::string> loading{"data.workers",           "data.prefetch",     "data.cache", "data.max_bad_fraction",
+                                             "model.vae.frames_per_batch", "model.vae.tile_size", "model.vae.tile_overlap"};
   if (loading.count(key) > 0) return false;
   return key.rfind("model.", 0) == 0 || key.rfind("data.", 0) == 0 || exact.count(key) > 0;
 }
 
+// The value at a key path (model.vae.kind: root["model"]["vae"]["kind"]); undefined when absent.
 YAML::Node lookup(const YAML::Node& root, const std::string& key) {
-  const auto dot = key.find('.');
-  return root[key.substr(0, dot)][key.substr(dot + 1)];
+  YAML::Node node;
+  node.reset(root);  // yaml-cpp's operator= would write into the tree: reset() rebinds
+  size_t start = 0;
+  while (true) {
+    const auto dot = key.find('.', start);
+    const std::string part = key.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
+    if (!node.IsMap()) return YAML::Node(YAML::NodeType::Undefined);
+    const YAML::Node& current = node;
+    node.reset(current[part]);
+    if (dot == std::string::npos) return node;
+    start = dot + 1;
+  }
 }
 
 void check_config(const std::string& path, const std::string& saved_yaml, const RunConfig& config) {

@@ -145,7 +145,8 @@ std::string dry_run_json(const RunConfig& config) {
   auto options = DiTOptions::from_config(config);
   auto count = count_dit_parameters(options);
   const auto& p = config.model.patch;  // validated: the video divides into whole patches
-  const TokenGrid grid{config.data.frames / p[0], config.data.height / p[1], config.data.width / p[2]};
+  const auto shape = model_sample_shape(config);
+  const TokenGrid grid{shape[1] / p[0], shape[2] / p[1], shape[3] / p[2]};
   nlohmann::json j{{"arch", to_string(config.model.arch)},
                    {"params", count.total},
                    {"params_per_block", count.per_block},
