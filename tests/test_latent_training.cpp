@@ -184,16 +184,16 @@ TEST(LatentTraining, ResidentAndStreamedTrainersTrainTheLatentDiTAlike) {
 TEST(LatentTraining, PaperSmallTrainsWithFallingLossAndSamplesPlayableVideos) {
   const auto dir = fresh_dir("run");
   auto r = megaslide::testing::run_tool("megaslide-train", "--config " + paper_small() + absolute_sets() + " --run-dir " + dir +
-                                                               " --set train.steps=60 --set train.checkpoint_every=60 --set train.log_every=20");
+                                                               " --set train.steps=20 --set train.checkpoint_every=20 --set train.log_every=10 --set offload.compute_dtype=fp32");
   ASSERT_EQ(r.code, 0) << r.output;
   std::ifstream metrics(join_path(dir, "metrics.jsonl"));
   std::vector<double> losses;
   for (std::string line; std::getline(metrics, line);) losses.push_back(nlohmann::json::parse(line)["loss"].get<double>());
-  ASSERT_EQ(losses.size(), 60u);
+  ASSERT_EQ(losses.size(), 20u);
   double first = 0, last = 0;
-  for (int i = 0; i < 10; ++i) first += losses[static_cast<size_t>(i)] / 10, last += losses[losses.size() - 1 - static_cast<size_t>(i)] / 10;
-  std::cout << "paper-small latent run: mean loss of steps 1-10 " << first << ", of steps 51-60 " << last << "\n";
-  EXPECT_LT(last, 0.8 * first) << "the loss did not fall";
+  for (int i = 0; i < 5; ++i) first += losses[static_cast<size_t>(i)] / 5, last += losses[losses.size() - 1 - static_cast<size_t>(i)] / 5;
+  std::cout << "paper-small latent run: mean loss of steps 1-5 " << first << ", of steps 16-20 " << last << "\n";
+  EXPECT_LT(last, 0.7 * first) << "the loss did not fall";
   std::string log;
   {
     std::ifstream in(join_path(dir, "train.log"));
@@ -209,7 +209,7 @@ TEST(LatentTraining, PaperSmallTrainsWithFallingLossAndSamplesPlayableVideos) {
     p << "a red ball moves left\nblue stripes oscillate\n";
   }
   auto s = megaslide::testing::run_tool("megaslide-sample", "--checkpoint " + dir + " --prompts " + prompts + " --out " + out +
-                                                                " --steps 4 --device cpu --no-progress");
+                                                                " --samples-per-prompt 1 --steps 4 --device cpu --no-progress");
   ASSERT_EQ(s.code, 0) << s.output;
   int videos = 0;
   for (const auto& name : megaslide::io::list_directory(join_path(out, "videos"))) {
@@ -224,7 +224,7 @@ TEST(LatentTraining, PaperSmallTrainsWithFallingLossAndSamplesPlayableVideos) {
 
   // Resume with the built-in text encoder instead of CLIP: refused, naming the key.
   auto resume = megaslide::testing::run_tool("megaslide-train", "--config " + paper_small() + absolute_sets() + " --run-dir " + dir +
-                                                                    " --set train.steps=70 --resume latest --set model.text_encoder.kind=builtin "
+                                                                    " --set train.steps=30 --resume latest --set model.text_encoder.kind=builtin "
                                                                     "--set \"model.text_encoder.weights=''\" --set \"model.text_encoder.vocab=''\"");
   EXPECT_EQ(resume.code, 2) << resume.output;
   EXPECT_NE(resume.output.find("model.text_encoder.kind"), std::string::npos) << resume.output;
@@ -252,7 +252,9 @@ TEST(LatentTraining, PaperConfigPlansWithoutTheWeights) {
   auto r = megaslide::testing::run_tool("megaslide-train", "--config " + source_path("configs/paper-105b.yaml") + " --dry-run --json");
   ASSERT_EQ(r.code, 0) << r.output;
   auto j = nlohmann::json::parse(r.output);
-  EXPECT_NEAR(j["params"].get<double>() / 1e9, 105.0, 2.0);
+  // The 105b architecture (104 x 8192) with CLIP's 768-wide text instead of 4096: narrower cross-attention
+  // inputs, 99.9 B trained parameters (CLIP and the VAE are frozen and not counted).
+  EXPECT_NEAR(j["params"].get<double>() / 1e9, 99.9, 0.1);
   EXPECT_EQ(j["tokens_per_sample"].get<int64_t>(), 256 * 68 * 120);  // 1088x1920 pixels -> 136x240 latents -> 68x120 tokens
-  EXPECT_EQ(j["text_encoder_params"].get<int64_t>(), 0);  // CLIP is frozen, not trained
+  EXPECT_EQ(j["token_grid"], nlohmann::json::array({256, 68, 120}));
 }
