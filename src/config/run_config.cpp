@@ -139,6 +139,18 @@ class Schema {
       if (f.key == key) return &f;
     return nullptr;
   }
+  // model.vae is a group: the prefix of nested keys (model.vae.kind, ...).
+  bool is_group(const std::string& key) const {
+    for (const auto& f : fields_)
+      if (f.key.rfind(key + ".", 0) == 0) return true;
+    return false;
+  }
+  std::string group_keys(const std::string& key) const {
+    std::string out;
+    for (const auto& f : fields_)
+      if (f.key.rfind(key + ".", 0) == 0) out += (out.empty() ? "" : ", ") + f.key.substr(key.size() + 1);
+    return out;
+  }
 
  private:
   void add(std::string key, std::function<void(const YAML::Node&)> set, std::function<YAML::Node()> get) {
@@ -328,6 +340,19 @@ class Schema {
     boolean("model.wan.cross_attn_norm", c.model.wan.cross_attn_norm);
     real("model.wan.eps", c.model.wan.eps, RealRange{0.0, 1.0, true, false});
     optional_text("model.wan.weights", c.model.wan.weights);
+    // Nested keys: model.text_encoder: {kind: clip, weights: DIR} in a file, --set model.vae.kind=sd.
+    choice("model.text_encoder.kind", c.model.text_encoder.kind, {"builtin", "clip"});
+    optional_text("model.text_encoder.weights", c.model.text_encoder.weights);
+    optional_text("model.text_encoder.vocab", c.model.text_encoder.vocab);
+    choice("model.text_encoder.dtype", c.model.text_encoder.dtype, {"fp32", "bf16"});
+    choice("model.vae.kind", c.model.vae.kind, {"none", "sd"});
+    optional_text("model.vae.weights", c.model.vae.weights);
+    integer("model.vae.latent_channels", c.model.vae.latent_channels, IntRange{1, 64});
+    integer("model.vae.downscale", c.model.vae.downscale, IntRange{1, 64});
+    integer("model.vae.frames_per_batch", c.model.vae.frames_per_batch, IntRange{1, 4096});
+    choice("model.vae.dtype", c.model.vae.dtype, {"fp32", "bf16"});
+    integer("model.vae.tile_size", c.model.vae.tile_size, IntRange{0, 1 << 16});
+    real("model.vae.tile_overlap", c.model.vae.tile_overlap, RealRange{0.0, 1.0, false, true});
     // data
     choice("data.dataset", c.data.dataset, {"structured-motion", "videos", "latent-tensors"});
     integer("data.channels", c.data.channels, IntRange{1, 64});
@@ -438,6 +463,8 @@ size_t edit_distance(const std::string& a, const std::string& b) {
 // config sets the keys of its own architecture; to_yaml writes only those.
 bool wan_only_key(const std::string& key) { return key.rfind("model.wan.", 0) == 0 || key == "model.self_attention"; }
 bool dit_only_key(const std::string& key) {
+  // The frozen CLIP and SD VAE condition the DiT family (Wan has its own encoder and VAE).
+  if (key.rfind("model.text_encoder.", 0) == 0 || key.rfind("model.vae.", 0) == 0) return true;
   static const std::set<std::string> keys{"model.patch",   "model.hidden",          "model.layers",     "model.heads",
                                           "model.mlp_ratio", "model.text_dim",      "model.dense_attention", "model.swin_window"};
   return keys.count(key) > 0;
@@ -531,7 +558,8 @@ void check_sizes(const RunConfig& c, const std::function<void(const std::string&
         {{"train.batch_size", B}, {"data.channels", d.channels}, {"data.frames", d.frames}, {"data.height", d.height}, {"data.width", d.width}},
         4);
   // Divisibility by the patch was checked above: the token grid is exact.
-  const int64_t T = d.frames / patch[0], H = d.height / patch[1], W = d.width / patch[2];
+  const auto shape = model_sample_shape(c);  // pixels, or the VAE's latents
+  const int64_t T = shape[1] / patch[0], H = shape[2] / patch[1], W = shape[3] / patch[2];
   limit("train.batch_size", "one block's input activations (fp32)",
         {{"train.batch_size", B}, {"tokens t", T}, {"tokens h", H}, {"tokens w", W}, {hidden_key, hidden}}, 4);
   // The streamed trainer keeps every block's input for the backward (megaslide-plan's "checkpoints").
@@ -603,6 +631,8 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::string& sour
           read_keys(entry.second, key);
           continue;
         }
+        if (schema.find(key) == nullptr && has_keys_under(schema, key + "."))  // a group (model.vae) given a scalar or a list
+          throw ConfigError(source, key, "expected a mapping of " + schema.group_keys(key) + ", got " + describe(entry.second));
         apply(schema, source, key, entry.second);
         applied.emplace_back(key, source);
       }
@@ -696,6 +726,46 @@ void validate(const RunConfig& c, const std::string& source) {
       fail("model.dsa_groups", "expected a divisor of model.heads (" + std::to_string(m.heads) + "), got " + std::to_string(m.dsa_groups));
     if (static_cast<int64_t>(std::llround(m.hidden * m.mlp_ratio)) < 1)
       fail("model.mlp_ratio", "expected model.hidden * model.mlp_ratio >= 1");
+    const auto& te = m.text_encoder;
+    if (te.kind == "clip" && te.weights.empty())
+      fail("model.text_encoder.weights", "model.text_encoder.kind: clip needs the folder of CLIP's text encoder (docs/conditioning.md)");
+    if (te.kind == "builtin" && !te.weights.empty())
+      fail("model.text_encoder.weights", "the built-in text encoder is trained with the DiT and reads no weights; set "
+                                         "model.text_encoder.kind: clip to load CLIP from '" + te.weights + "'");
+    if (te.kind == "clip" && c.data.max_text_tokens > 77)
+      fail("data.max_text_tokens", "expected at most 77 with model.text_encoder.kind: clip (CLIP's positions), got " +
+                                       std::to_string(c.data.max_text_tokens));
+    const auto& vae = m.vae;
+    if (vae.kind == "sd" && vae.weights.empty())
+      fail("model.vae.weights", "model.vae.kind: sd needs the folder of the Stable Diffusion VAE (docs/conditioning.md)");
+    if (vae.kind == "none" && !vae.weights.empty())
+      fail("model.vae.weights", "model.vae.kind is none (the DiT works on pixels); set model.vae.kind: sd to load the VAE from '" +
+                                    vae.weights + "'");
+    if (vae.kind == "sd" && c.data.channels != 3)
+      fail("data.channels", "expected 3 with model.vae.kind: sd (the VAE encodes RGB frames), got " + std::to_string(c.data.channels));
+    if (vae.kind == "sd" && vae.tile_size > 0 && vae.tile_size % vae.downscale != 0)
+      fail("model.vae.tile_size", "expected a multiple of model.vae.downscale (" + std::to_string(vae.downscale) + "), got " +
+                                      std::to_string(vae.tile_size));
+    if (vae.kind == "sd" && !c.data.cache.empty())
+      fail("data.cache", "the cache holds the built-in codec's frames; with model.vae.kind: sd train from the videos (the cache of "
+                         "VAE latents is not written yet)");
+    if (te.kind == "clip" && !c.data.cache.empty())
+      fail("data.cache", "the cache holds the built-in encoder's tokens; with model.text_encoder.kind: clip train from the videos "
+                         "(the cache of CLIP embeddings is not written yet)");
+    if (vae.kind == "sd") {
+      const char* pixel_axes[2] = {"height", "width"};
+      const int64_t pixel_sizes[2] = {c.data.height, c.data.width};
+      for (int a = 0; a < 2; ++a)
+        if (pixel_sizes[a] % (vae.downscale * m.patch[a + 1]) != 0)
+          fail(std::string("data.") + pixel_axes[a], "expected a multiple of model.vae.downscale x model.patch[" + std::to_string(a + 1) +
+                                                         "] = " + std::to_string(vae.downscale * m.patch[a + 1]) + " (the DiT patches the VAE's latents), got " +
+                                                         std::to_string(pixel_sizes[a]));
+      for (size_t i = 0; i < c.data.buckets.size(); ++i)
+        for (int a = 0; a < 2; ++a)
+          if (c.data.buckets[i][a + 1] % (vae.downscale * m.patch[a + 1]) != 0)
+            fail("data.buckets", "item " + std::to_string(i) + ": " + pixel_axes[a] + " " + std::to_string(c.data.buckets[i][a + 1]) +
+                                     " is not a multiple of model.vae.downscale x model.patch[" + std::to_string(a + 1) + "] = " +
+                                     std::to_string(vae.downscale * m.patch[a + 1]));
   }
   const char* axes[3] = {"frames", "height", "width"};
   const int64_t sizes[3] = {c.data.frames, c.data.height, c.data.width};
@@ -751,6 +821,15 @@ void validate(const RunConfig& c, const std::string& source) {
     fail("optimizer.state_dtype", "expected fp32 with offload.enabled: false (the resident reference loop keeps LibTorch's "
                                   "fp32 moments; bf16 and int8 moments are the streamed trainer's), got " +
                                       c.optimizer.state_dtype);
+}
+
+std::array<int64_t, 4> model_sample_shape(const RunConfig& c) {
+  const auto& d = c.data;
+  if (c.model.vae.kind == "sd") {
+    const auto& v = c.model.vae;
+    return {v.latent_channels, d.frames, d.height / v.downscale, d.width / v.downscale};
+  }
+  return {d.channels, d.frames, d.height, d.width};
 }
 
 std::string to_yaml(const RunConfig& config) {

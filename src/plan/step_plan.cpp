@@ -43,9 +43,11 @@ ModelShape model_shape(const RunConfig& config) {
     s.streamed += n;
     s.largest_block = std::max(s.largest_block, n);
   }
-  TextEncoder text(TextEncoderOptions(CaptionTokenizer().vocab_size(), config.model.text_dim, config.data.max_text_tokens)
-                       .device(torch::kMeta));
-  s.text_encoder_params = count_parameters(*text);
+  if (config.model.text_encoder.kind == "builtin") {  // CLIP is frozen: not trained, not counted here
+    TextEncoder text(TextEncoderOptions(CaptionTokenizer().vocab_size(), config.model.text_dim, config.data.max_text_tokens)
+                         .device(torch::kMeta));
+    s.text_encoder_params = count_parameters(*text);
+  }
   s.resident = s.params - s.streamed + s.text_encoder_params;
   return s;
 }
@@ -171,7 +173,8 @@ DeviceMemoryPlan device_memory(const RunConfig& c, const ModelShape& s, const To
   const int64_t B = c.train.batch_size, N = grid.numel(), D = c.model.hidden, L = c.model.layers;
   const int64_t Lt = c.data.max_text_tokens, Dt = c.model.text_dim;
   const int64_t X = B * N * D * e;
-  const int64_t video = B * c.data.channels * c.data.frames * c.data.height * c.data.width * 4;
+  const auto shape = model_sample_shape(c);  // the DiT's samples: pixels or the VAE's latents
+  const int64_t video = B * shape[0] * shape[1] * shape[2] * shape[3] * 4;
   const int64_t resident = s.params - s.streamed + s.text_encoder_params;
   // The batch (x_t, noise), the head's projection and unpatchified prediction: four fp32 videos; x_0
   // (fp32 tokens, kept for the prologue's backward), the head's graph (its input, LayerNorm output,
@@ -349,7 +352,8 @@ DeviceMemoryPlan wan_device_memory(const RunConfig& c, const ModelShape& s, cons
 
 TokenGrid grid_of(const RunConfig& c) {
   const auto& p = patch_of(c);
-  return {c.data.frames / p[0], c.data.height / p[1], c.data.width / p[2]};
+  const auto shape = model_sample_shape(c);  // pixels, or the VAE's latents
+  return {shape[1] / p[0], shape[2] / p[1], shape[3] / p[2]};
 }
 
 bool device_fits(const RunConfig& c, const ModelShape& s, const HardwareProfile& hw) {
@@ -376,9 +380,10 @@ std::vector<std::string> advise(const RunConfig& config, const ModelShape& s, co
     c = config;
     for (int64_t halvings = 1; halvings <= 6; ++halvings) {
       const int64_t h = config.data.height >> halvings, w = config.data.width >> halvings;
-      if (h < p[1] || w < p[2]) break;
-      c.data.height = h / p[1] * p[1];
-      c.data.width = w / p[2] * p[2];
+      const int64_t unit = c.model.vae.kind == "sd" ? c.model.vae.downscale : 1;  // pixels per latent
+      if (h < p[1] * unit || w < p[2] * unit) break;
+      c.data.height = h / (p[1] * unit) * (p[1] * unit);
+      c.data.width = w / (p[2] * unit) * (p[2] * unit);
       if (device_fits(c, s, hw)) {
         out.push_back(fmt::format("device: lower resolution: data.height={} data.width={} fits", c.data.height, c.data.width));
         break;

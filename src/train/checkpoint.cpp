@@ -51,7 +51,9 @@ bool must_match(const std::string& key) {
                                            "diffusion.logit_mean",   "diffusion.logit_std"};
   if (key == "model.wan.weights") return false;  // where a run's initial weights came from: a resume reads its own
   // How data is loaded (threads, read-ahead, from the cache or by decoding) does not change what is drawn.
-  static const std::set<std::string> loading{"data.workers", "data.prefetch", "data.cache", "data.max_bad_fraction"};
+  // Nor do how many frames the VAE takes per call and how validation videos are decoded.
+  static const std::set<std::string> loading{"data.workers",           "data.prefetch",     "data.cache", "data.max_bad_fraction",
+                                             "model.vae.frames_per_batch", "model.vae.tile_size", "model.vae.tile_overlap"};
   if (loading.count(key) > 0) return false;
   return key.rfind("model.", 0) == 0 || key.rfind("data.", 0) == 0 || exact.count(key) > 0;
 }

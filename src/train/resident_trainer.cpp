@@ -80,6 +80,7 @@ DiffusionBatchSource::DiffusionBatchSource(const RunConfig& config)
       prediction_(parse_prediction(config.diffusion.prediction)),
       caption_rng_(config.train.seed ^ 0x5DEECE66Dull),
       generator_(at::detail::createCPUGenerator(config.train.seed)) {
+  frozen_ = FrozenEncoders::load(config, resolve_device(config.train.device), "config");
   if (config.data.dataset != "videos") return;
   videos_ = std::make_unique<Videos>();
   const auto& d = config.data;
@@ -245,8 +246,10 @@ DiffusionBatch DiffusionBatchSource::next(torch::Device device) {
   }
   for (size_t i = 0; i < captions.size(); ++i)
     if (dropped[i]) captions[i].clear();
-  torch::Tensor text_ids, text_mask;
-  if (loaded.text_ids.defined()) {
+  torch::Tensor text_ids, text_mask, text;
+  if (frozen_ && frozen_->has_text()) {
+    std::tie(text, text_mask) = frozen_->encode_text(captions);  // dropped captions are the empty prompt
+  } else if (loaded.text_ids.defined()) {
     // Precomputed by the cache: the empty prompt's for dropped captions.
     text_ids = loaded.text_ids.clone();
     text_mask = loaded.text_mask.clone();
@@ -272,6 +275,7 @@ DiffusionBatch DiffusionBatchSource::next(torch::Device device) {
   } else {
     b.x0 = video.to(device);
   }
+  if (frozen_ && frozen_->has_vae()) b.x0 = frozen_->encode_video(b.x0).to(device);  // pixels -> scaled latents
   // Timesteps then noise for the whole global batch (the single-process stream), then the rank's rows.
   b.timesteps = schedule_.sample_timesteps(B, device, generator_);
   auto global_shape = b.x0.sizes().vec();
@@ -285,7 +289,8 @@ DiffusionBatch DiffusionBatchSource::next(torch::Device device) {
   b.noise = b.noise.to(device);
   b.xt = schedule_.add_noise(b.x0, b.noise, b.timesteps);
   b.target = schedule_.target(prediction_, b.x0, b.noise, b.timesteps);
-  b.text_ids = text_ids.to(device);
+  if (text.defined()) b.text = text.to(device);
+  else b.text_ids = text_ids.to(device);
   b.text_mask = text_mask.to(device);
   b.data_wait_s = data_wait_s;
   return b;
@@ -298,15 +303,19 @@ ResidentTrainer::ResidentTrainer(const RunConfig& config, Communicator* communic
   apply_threads(plan_threads(config_, device_));
   torch::manual_seed(config_.train.seed);
   model_ = DiT(DiTOptions::from_config(config_));
-  text_encoder_ = TextEncoder(TextEncoderOptions(batches_.tokenizer().vocab_size(), config_.model.text_dim, config_.data.max_text_tokens));
+  if (config_.model.text_encoder.kind == "builtin") {  // CLIP is frozen and lives in batches_.frozen()
+    text_encoder_ = TextEncoder(TextEncoderOptions(batches_.tokenizer().vocab_size(), config_.model.text_dim, config_.data.max_text_tokens));
+    text_encoder_->to(device_);
+  }
   model_->to(device_);
-  text_encoder_->to(device_);
   for (auto& p : model_->parameters()) parameters_.push_back(p);
-  for (auto& p : text_encoder_->parameters()) parameters_.push_back(p);
+  if (text_encoder_)
+    for (auto& p : text_encoder_->parameters()) parameters_.push_back(p);
   const auto& t = config_.train;
   optimizer_ = std::make_unique<torch::optim::AdamW>(
       parameters_, torch::optim::AdamWOptions(t.lr).betas({t.beta1, t.beta2}).eps(t.eps).weight_decay(t.weight_decay));
-  grid_ = model_->token_grid(config_.data.frames, config_.data.height, config_.data.width);
+  const auto shape = model_sample_shape(config_);
+  grid_ = model_->token_grid(shape[1], shape[2], shape[3]);
 }
 
 int64_t ResidentTrainer::parameter_count() const {
@@ -318,7 +327,8 @@ int64_t ResidentTrainer::parameter_count() const {
 std::vector<std::pair<std::string, torch::Tensor>> ResidentTrainer::named_parameters() {
   std::vector<std::pair<std::string, torch::Tensor>> out;
   for (const auto& p : model_->named_parameters(true)) out.emplace_back(p.key(), p.value());
-  for (const auto& p : text_encoder_->named_parameters(true)) out.emplace_back("text_encoder." + p.key(), p.value());
+  if (text_encoder_)
+    for (const auto& p : text_encoder_->named_parameters(true)) out.emplace_back("text_encoder." + p.key(), p.value());
   return out;
 }
 
@@ -411,7 +421,7 @@ StepMetrics ResidentTrainer::step() {
   for (int64_t k = 0; k < accum; ++k) {
     auto b = batches_.next(device_);
     data_wait_s += b.data_wait_s;
-    auto text = text_encoder_(b.text_ids);
+    auto text = b.text.defined() ? b.text : text_encoder_(b.text_ids);
     auto loss = diffusion_loss(model_(b.xt, b.timesteps, text, b.text_mask), b.target);
     (accum == 1 ? loss : loss / static_cast<double>(accum)).backward();
     loss_sum += loss.item<double>();  // synchronises with the device, so the timing below is complete

@@ -150,7 +150,8 @@ std::string dry_run_json(const RunConfig& requested) {
   const bool wan = config.model.arch == Architecture::kWan;
   const auto count = count_run_parameters(config);
   const auto& p = wan ? config.model.wan.patch : config.model.patch;  // validated: the video divides into whole patches
-  const TokenGrid grid{config.data.frames / p[0], config.data.height / p[1], config.data.width / p[2]};
+  const auto shape = model_sample_shape(config);  // pixels, or the VAE's latents
+  const TokenGrid grid{shape[1] / p[0], shape[2] / p[1], shape[3] / p[2]};
   nlohmann::json j{{"arch", to_string(config.model.arch)},
                    {"params", count.total},
                    {"params_per_block", count.per_block},

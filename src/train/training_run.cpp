@@ -82,7 +82,8 @@ class Trainer {
     if (resident_) return {resident_->model(), resident_->text_encoder()};
     if (!snapshot_dit_) {
       snapshot_dit_ = DiT(DiTOptions::from_config(config));
-      snapshot_text_ = TextEncoder(TextEncoderOptions(CaptionTokenizer().vocab_size(), config.model.text_dim, config.data.max_text_tokens));
+      if (config.model.text_encoder.kind == "builtin")  // CLIP is frozen: no trained text encoder to copy
+        snapshot_text_ = TextEncoder(TextEncoderOptions(CaptionTokenizer().vocab_size(), config.model.text_dim, config.data.max_text_tokens));
     }
     streamed_->copy_weights_to(snapshot_dit_, snapshot_text_);
     return {snapshot_dit_, snapshot_text_};
@@ -268,7 +269,15 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
         for (const auto& glob : wan_dsa_parameter_globs()) allow.push_back(glob);
       return plan_init_from(config.train.init_from, shapes, allow);
     };
-  Trainer trainer(config, options.config_source, wan_init, communicator.get());
+  // The trainers load the frozen encoders the config names (CLIP, the VAE): bad folders or sizes that
+  // disagree with the config are the config's errors.
+  std::unique_ptr<Trainer> trainer_holder;
+  try {
+    trainer_holder = std::make_unique<Trainer>(config, options.config_source, wan_init, communicator.get());
+  } catch (const ConfigError& e) {
+    throw ConfigError(options.config_source, e.key(), e.problem());
+  }
+  Trainer& trainer = *trainer_holder;
   std::vector<std::string> warnings;
   if (!resume_path.empty()) {
     TrainingState state = trainer.state();
@@ -343,6 +352,15 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     log.info("trainer: resident reference loop (offload.enabled: false), compute dtype fp32");
   }
   log.info(plan_threads(config, trainer.device()).describe());
+  if (config.model.text_encoder.kind == "clip")
+    log.info(fmt::format("text encoder: CLIP from {} (frozen), {} tokens of width {}", config.model.text_encoder.weights,
+                         config.data.max_text_tokens, config.model.text_dim));
+  if (config.model.vae.kind == "sd") {
+    const auto shape = model_sample_shape(config);
+    log.info(fmt::format("latent space: SD VAE from {} (frozen, {} frames per call): {}x{}x{} pixels -> latents {}x{}x{}x{}",
+                         config.model.vae.weights, config.model.vae.frames_per_batch, config.data.frames, config.data.height,
+                         config.data.width, shape[0], shape[1], shape[2], shape[3]));
+  }
   if (!options.trace_path.empty() && !trainer.streamed()) log.warn("--trace records the streamed trainer only (offload.enabled: true); ignored");
   if (!resume_path.empty()) log.info(fmt::format("resumed from {} at step {}", resume_path, result.first_step));
   for (const auto& w : warnings) log.warn(w);
@@ -413,7 +431,8 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
       const auto samples = dir->file(fmt::format("samples/step-{:07}", m.step));
       auto [dit, text] = trainer.model(config);
       const auto files = write_validation_samples(samples, config, dit, text, 4,
-                                                  config.data.dataset == "videos" ? trainer.data()->captions(4) : std::vector<std::string>{});
+                                                  config.data.dataset == "videos" ? trainer.data()->captions(4) : std::vector<std::string>{},
+                                                  trainer.data()->frozen());
       log.info(fmt::format("step {}: {} validation videos in {}", m.step, files.size(), samples));
     }
     window += m.loss;

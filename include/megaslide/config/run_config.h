@@ -67,6 +67,28 @@ struct WanConfig {
   std::string weights;                     // published weights to start from ("": random initialisation)
 };
 
+// The prompt encoder (model.text_encoder, docs/conditioning.md): the small built-in caption encoder,
+// trained with the DiT, or CLIP's text transformer loaded from `weights` and frozen.
+struct TextEncoderConfig {
+  std::string kind = "builtin";  // builtin | clip
+  std::string weights;           // clip: the folder (config.json, model.safetensors, the vocabulary)
+  std::string vocab;              // clip: vocab.json + merges.txt folder or OpenAI's bpe file; "" = found from weights
+  std::string dtype = "fp32";    // clip's weights and compute: fp32 | bf16 (outputs are fp32)
+};
+
+// The video codec (model.vae): none (the DiT works on pixels) or the Stable Diffusion VAE loaded from
+// `weights` and frozen (the DiT works on its scaled latents).
+struct VaeConfig {
+  std::string kind = "none";       // none | sd
+  std::string weights;             // sd: the folder (config.json, diffusion_pytorch_model.safetensors)
+  int64_t latent_channels = 4;     // sd: must equal config.json's latent_channels (checked when loaded)
+  int64_t downscale = 8;           // sd: pixels per latent along each side, 2^(levels - 1) (checked when loaded)
+  int64_t frames_per_batch = 8;    // frames per VAE call (encode and decode)
+  std::string dtype = "fp32";      // weights and compute: fp32 | bf16 (outputs are fp32)
+  int64_t tile_size = 0;           // decode in tiles of this many pixels (0 = whole frames)
+  double tile_overlap = 0.25;      // fraction of a tile its neighbours overlap and blend
+};
+
 struct ModelConfig {
   Architecture arch = Architecture::kMegaSlide;
   std::array<int64_t, 3> patch{1, 2, 2};   // (pt, ph, pw)
@@ -85,6 +107,8 @@ struct ModelConfig {
   // latent token grid with Wan's own projections ("dsa3d", the retrofit; dsa_* keys above apply).
   std::string self_attention = "dense";
   WanConfig wan;
+  TextEncoderConfig text_encoder;                          // text_dim must equal the encoder's width (clip: checked when loaded)
+  VaeConfig vae;                                           // the DiT's samples: pixels, or latents of the VAE
 };
 
 struct DataConfig {
@@ -199,6 +223,10 @@ struct RunConfig {
   OutputConfig output;
   DistributedConfig distributed;
 };
+
+// The shape [C, T, H, W] of the DiT's samples: the video's (data.channels x frames x height x width),
+// or under model.vae: sd its latents' (latent_channels x frames x height/downscale x width/downscale).
+std::array<int64_t, 4> model_sample_shape(const RunConfig& config);
 
 // Loads `path`, applies `overrides` ("key.path=value", YAML scalars or flow sequences such as
 // "[1,2,2]") in order, then validates. Throws ConfigError.

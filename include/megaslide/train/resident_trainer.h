@@ -21,6 +21,7 @@
 #include "megaslide/data/video_manifest.h"
 #include "megaslide/diffusion/ddpm.h"
 #include "megaslide/model/dit.h"
+#include "megaslide/model/frozen_encoders.h"
 #include "megaslide/model/text_encoder.h"
 #include "megaslide/train/checkpoint.h"
 #include "megaslide/train/init_from.h"
@@ -56,6 +57,8 @@ struct DiffusionBatch {
   torch::Tensor x0, noise, timesteps, xt;  // video [B, C, T, H, W] and timesteps [B] (int64)
   torch::Tensor target;                    // what the loss compares the model's output with (diffusion.prediction)
   torch::Tensor text_ids, text_mask;       // [B, L] int64 and bool
+  torch::Tensor text;                      // [B, L, model.text_dim] float32: the frozen CLIP's embeddings (text_ids undefined),
+                                           // or undefined for the built-in encoder, which the trainer runs on text_ids
   double data_wait_s = 0.0;                // time next() waited for the clips
 };
 
@@ -64,6 +67,9 @@ struct DiffusionBatch {
 // EpochSampler(train.seed) (structured-motion) or a BucketBatchSampler(train.seed) behind a background
 // ClipLoader (videos, decoded or from data.cache; data/loader.h), caption dropout from an mt19937_64,
 // timesteps then noise from a CPU generator seeded by train.seed.
+// With frozen encoders (model.text_encoder.kind: clip, model.vae.kind: sd; model/frozen_encoders.h), the
+// batch's captions become CLIP embeddings (DiffusionBatch::text) and its pixels the VAE's scaled latents,
+// on the training device, before the noise is drawn: x0, noise and target are latents.
 class DiffusionBatchSource {
  public:
   // videos: reads the manifest and probes the files, or opens the cache (DatasetError for bad input).
@@ -72,6 +78,8 @@ class DiffusionBatchSource {
   DiffusionBatch next(torch::Device device);
   const CaptionTokenizer& tokenizer() const { return tokenizer_; }
   const DDPMSchedule& schedule() const { return schedule_; }
+  // The frozen CLIP / VAE the config names (nullptr for the built-in encoder without a VAE).
+  const std::shared_ptr<FrozenEncoders>& frozen() const { return frozen_; }
   // The streams' position as JSON (clip order epoch and cursor, the caption-dropout engine, the
   // timestep/noise generator), and its restoration: a source restored from state() draws exactly
   // what the saved one would have drawn next. restore() throws std::invalid_argument on bad JSON.
@@ -103,6 +111,7 @@ class DiffusionBatchSource {
   at::Generator generator_;
   torch::Device schedule_device_ = torch::kCPU;
   int64_t slice_rank_ = 0, slice_count_ = 1;
+  std::shared_ptr<FrozenEncoders> frozen_;
 };
 
 // "auto" -> the first GPU when LibTorch sees one, else the CPU; "cuda[:N]" fails clearly without GPUs.
@@ -132,7 +141,7 @@ class ResidentTrainer {
   torch::Device device() const { return device_; }
   const RunConfig& config() const { return config_; }
   DiT& model() { return model_; }
-  TextEncoder& text_encoder() { return text_encoder_; }
+  TextEncoder& text_encoder() { return text_encoder_; }  // null with model.text_encoder.kind: clip (frozen, in data().frozen())
   int64_t parameter_count() const;
   int64_t tokens_per_sample() const { return grid_.numel(); }
 
