@@ -766,6 +766,7 @@ void validate(const RunConfig& c, const std::string& source) {
             fail("data.buckets", "item " + std::to_string(i) + ": " + pixel_axes[a] + " " + std::to_string(c.data.buckets[i][a + 1]) +
                                      " is not a multiple of model.vae.downscale x model.patch[" + std::to_string(a + 1) + "] = " +
                                      std::to_string(vae.downscale * m.patch[a + 1]));
+    }
   }
   const char* axes[3] = {"frames", "height", "width"};
   const int64_t sizes[3] = {c.data.frames, c.data.height, c.data.width};
