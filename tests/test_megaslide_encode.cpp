@@ -1,4 +1,4 @@
-// megaslide-encode end to end on the tiny reference models (tests/fixtures/clip, vae, wan_vae): its
+// megaslide-encode end to end on the tiny reference models (tests/fixtures/clip, vae, umt5, wan_vae): its
 // files hold what transformers and diffusers computed; bad input exits 2 naming it and writes nothing.
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -59,6 +59,40 @@ TEST(MegaslideEncode, TextWritesTransformersIdsAndEmbeddings) {
   auto ids = tensors(dir + "/ids.safetensors");
   EXPECT_EQ(ids.size(), 2u);
   EXPECT_TRUE(torch::equal(ids.at("ids"), ref.at("ids")));
+  megaslide::io::remove_tree(dir);
+}
+
+TEST(MegaslideEncode, Umt5TextWritesWansEmbeddings) {
+  auto dir = temp_dir();
+  auto file = megaslide::io::read_safetensors(kFixtures + "umt5/reference.safetensors");
+  const auto prompts = nlohmann::json::parse(file.metadata.at("prompts")).get<std::vector<std::string>>();
+  std::string text;
+  for (const auto& p : prompts) text += p + "\n";
+  megaslide::io::write_file_atomically(dir + "/prompts.txt", text);
+  auto ref = tensors(kFixtures + "umt5/reference.safetensors");
+  // The diffusers-style root (text_encoder/ shards + tokenizer/) and ComfyUI's single file.
+  for (const auto& [weights, hidden] : std::vector<std::pair<std::string, std::string>>{{"umt5/sharded", "hf.hidden"},
+                                                                                       {"umt5/comfy_umt5_fp16.safetensors", "comfy.hidden"}}) {
+    auto r = run_tool("megaslide-encode", "text --text-encoder umt5 --max-length 40 --batch 2 --weights " + kFixtures + weights + " --prompts " + dir +
+                                              "/prompts.txt --out " + dir + "/umt5.safetensors");
+    ASSERT_EQ(r.code, 0) << r.output;
+    auto out = tensors(dir + "/umt5.safetensors");
+    EXPECT_TRUE(torch::equal(out.at("ids"), ref.at("ids").to(torch::kLong))) << weights;
+    EXPECT_TRUE(torch::equal(out.at("mask"), ref.at("mask").to(torch::kLong))) << weights;
+    ASSERT_EQ(out.at("embeddings").sizes(), ref.at(hidden).sizes());
+    EXPECT_LT((out.at("embeddings") - ref.at(hidden)).abs().max().item<double>(), 1e-4) << weights;
+  }
+  // Wan's default length: 512 tokens, embeddings zero past the prompt.
+  auto r = run_tool("megaslide-encode", "text --text-encoder umt5 --weights " + kFixtures + "umt5/hf --prompts " + dir + "/prompts.txt --out " +
+                                            dir + "/wan.safetensors");
+  ASSERT_EQ(r.code, 0) << r.output;
+  auto out = tensors(dir + "/wan.safetensors");
+  EXPECT_EQ(out.at("embeddings").sizes(), (std::vector<int64_t>{static_cast<int64_t>(prompts.size()), 512, 24}));
+  const auto& emb = out.at("embeddings");
+  const auto& mask = out.at("mask");
+  EXPECT_GT(mask.sum(1).max().item<int64_t>(), 40);  // the long prompt, cut at 40 above, is whole here
+  EXPECT_TRUE(emb.masked_select(mask.eq(0).unsqueeze(-1).expand_as(emb)).eq(0).all().item<bool>());
+  EXPECT_TRUE(emb.abs().sum(-1).masked_select(mask.eq(1)).gt(0).all().item<bool>());
   megaslide::io::remove_tree(dir);
 }
 
@@ -153,5 +187,12 @@ TEST(MegaslideEncode, BadInputExitsTwoNamingItAndWritesNothing) {
   expect_bad("text --weights " + kFixtures + "clip/text_only --vocab " + kFixtures + "clip --prompts " + dir + "/none.txt --out " + out,
              "prompt file");
   expect_bad("text --text-encoder t5 --prompts " + dir + "/p.txt --out " + out, "--text-encoder");
+  const std::string umt5 = "text --text-encoder umt5 --prompts " + dir + "/p.txt --out " + out;
+  expect_bad(umt5 + " --weights " + dir + "/nowhere", dir + "/nowhere");
+  expect_bad(umt5 + " --weights " + kFixtures + "umt5/hf --tokenizer " + dir + "/p.txt", "not a SentencePiece model");
+  expect_bad(umt5 + " --weights " + kFixtures + "vae/tiny", "no SentencePiece model found");
+  expect_bad(umt5 + " --weights " + kFixtures + "vae/tiny --tokenizer " + kFixtures + "umt5/tokenizer", "no weights (expected model.safetensors");
+  expect_bad(umt5 + " --weights " + kFixtures + "umt5/hf --tokenizer " + kFixtures + "umt5_tokenizer/spiece.model",
+             "has 700 pieces, the model's embedding only 332");
   megaslide::io::remove_tree(dir);
 }

@@ -208,6 +208,49 @@ TEST(RunConfig, ConfigThatIsNotARegularFileIsRefusedWithoutReadingIt) {
   std::remove(big.c_str());
 }
 
+// The property: Wan's hyper-parameters are a nested mapping (model.wan.*), set from a file or with
+// --set model.wan.KEY=..., and the resolved YAML (which writes only the keys of the run's model family)
+// reads back to the same config.
+TEST(RunConfig, WanKeysNestAndReadBack) {
+  auto c = megaslide::load_run_config(std::string(MEGASLIDE_SOURCE_DIR) + "/configs/wan2.1-t2v-1.3b.yaml", {"model.wan.heads=24"});
+  EXPECT_EQ(c.model.arch, megaslide::Architecture::kWan);
+  EXPECT_EQ(c.model.wan.dim, 1536);
+  EXPECT_EQ(c.model.wan.heads, 24);
+  EXPECT_EQ(c.diffusion.objective, "flow");
+  const std::string yaml = megaslide::to_yaml(c);
+  EXPECT_NE(yaml.find("  wan:\n    dim: 1536"), std::string::npos) << yaml;
+  EXPECT_EQ(yaml.find("hidden:"), std::string::npos) << "DiT keys are not written for a Wan config";
+  auto again = parse_run_config(yaml, "resolved");
+  EXPECT_EQ(megaslide::to_yaml(again), yaml);
+  EXPECT_EQ(again.model.wan.heads, 24);
+  // And a DiT config does not write Wan's keys.
+  EXPECT_EQ(megaslide::to_yaml(parse_run_config("", kSource)).find("wan:"), std::string::npos);
+}
+
+// The property: a key of the other model family is refused naming the key to use, and Wan's cross-key
+// rules (channels, head size, objective) are checked.
+TEST(RunConfig, WanAndDiTKeysDoNotMix) {
+  const std::string wan = "model:\n  arch: wan\n  wan:\n    dim: 48\n    heads: 4\n    in_channels: 4\n    out_channels: 4\ndata:\n  dataset: latent-tensors\n  channels: 4\n";
+  EXPECT_NO_THROW(parse_run_config(wan, kSource));
+  expect_error(wan, {"model.hidden=32"}, "model.hidden", "set model.wan.dim");
+  expect_error(wan, {"model.mlp_ratio=2"}, "model.mlp_ratio", "does not apply to model.arch wan");
+  expect_error("", {"model.wan.dim=32"}, "model.wan.dim", "applies to model.arch wan only");
+  expect_error("", {"model.self_attention=dsa3d"}, "model.self_attention", "applies to model.arch wan only");
+  expect_error(wan, {"data.channels=3"}, "data.channels", "model.wan.in_channels (4)");
+  expect_error(wan, {"model.wan.out_channels=3"}, "model.wan.out_channels", "expected model.wan.in_channels");
+  expect_error(wan, {"model.wan.heads=16"}, "model.wan.dim", "even");
+  expect_error(wan, {"model.wan.dim=50"}, "model.wan.dim", "multiple of model.wan.heads");
+  expect_error(wan, {"data.height=15"}, "data.height", "model.wan.patch[1]");
+  expect_error("", {"diffusion.objective=flow"}, "diffusion.objective", "model.arch wan");
+  expect_error(wan, {"diffusion.objective=flow", "diffusion.prediction=v"}, "diffusion.prediction", "velocity");
+  expect_error(wan, {"model.self_attention=dsa3d", "model.dsa_groups=3"}, "model.dsa_groups", "divisor of model.wan.heads");
+  expect_error(wan, {"model.wan.qk_norm=maybe"}, "model.wan.qk_norm", "true or false");
+  expect_error(wan, {"model.wan.dimm=3"}, "model.wan.dimm", "did you mean model.wan.dim");
+  expect_error(wan, {"data.dataset=structured-motion"}, "data.dataset", "latent-tensors for model.arch wan");
+  expect_error("", {"data.dataset=latent-tensors"}, "data.dataset", "expected structured-motion");
+  expect_error("", {"data.tensors=x.safetensors"}, "data.tensors", "latent-tensors");
+}
+
 TEST(RunConfig, VideoDatasetKeysParseCheckAndReadBack) {
   const std::string yaml =
       "data:\n  dataset: videos\n  manifest: data/train.csv\n  buckets: [[8, 16, 16], [4, 16, 32]]\n  fps: 8\n"

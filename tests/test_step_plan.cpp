@@ -8,10 +8,13 @@
 
 #include <cstdlib>
 #include <fstream>
+#include <iostream>
+#include <tuple>
 
 #include "megaslide/io/files.h"
 #include "megaslide/model/dit.h"
 #include "megaslide/offload/cpu_master_trainer.h"
+#include "megaslide/train/wan_trainer.h"
 #include "run_tool.h"
 
 using namespace megaslide;
@@ -335,4 +338,87 @@ TEST(StepPlan, AutoComputeDtypePlansWhatItResolvesToOnAGpu) {
   EXPECT_EQ(planned.host.grad, bf16.host.grad);
   EXPECT_EQ(planned.device.peak(), bf16.device.peak());
   EXPECT_EQ(planned.transfer.h2d_bytes, bf16.transfer.h2d_bytes);
+}
+
+namespace {
+RunConfig tiny_wan(std::vector<std::string> extra = {}) {
+  std::vector<std::string> s{"model.arch=wan", "model.wan.dim=24", "model.wan.layers=3", "model.wan.heads=2", "model.wan.ffn_dim=40",
+                             "model.wan.freq_dim=16", "model.wan.text_dim=20", "model.wan.in_channels=4", "model.wan.out_channels=4",
+                             "data.dataset=latent-tensors", "data.channels=4", "data.frames=3", "data.height=6", "data.width=8",
+                             "data.max_text_tokens=7", "diffusion.objective=flow", "offload.compute_dtype=bf16", "train.batch_size=2",
+                             "train.device=cpu", "train.threads=1", "offload.optimizer_threads=1", "model.dsa_kernel=[3,3,3]"};
+  for (auto& e : extra) s.push_back(e);
+  return parse_run_config("", "test", s);
+}
+}  // namespace
+
+// Property: for Wan the plan's exact parts are what WanTrainer's streamed engine allocates and moves —
+// streamed (attn1, attn2, ffn of each block) and resident (prologue, head, every block's fp32 table and
+// norm2) parameter counts, the host store's bytes, the device slots, H2D and D2H bytes of real steps and
+// the trainer's own device accounting — dense and 3D-DSA, bf16 and fp32 compute, with accumulation.
+TEST(StepPlan, WanMatchesWhatTheWanTrainerMeasures) {
+  const std::vector<std::vector<std::string>> variants{
+      {}, {"model.self_attention=dsa3d"}, {"offload.compute_dtype=fp32"}, {"train.grad_accum_steps=2"}, {"optimizer.state_dtype=int8"}};
+  for (const auto& v : variants) {
+    const auto config = tiny_wan(v);
+    std::string name;
+    for (const auto& s : v) name += s + " ";
+    const auto p = plan::plan_step(config, h200());
+    WanLatentData data;
+    torch::manual_seed(1);
+    data.latents = torch::randn({4, 4, 3, 6, 8});
+    data.text = torch::randn({4, 7, 20});
+    data.empty_text = torch::zeros({7, 20});
+    WanTrainer trainer(config, data);
+    ASSERT_TRUE(trainer.streamed());
+    auto& engine = *trainer.engine();
+    EXPECT_EQ(p.params, trainer.parameter_count()) << name;
+    EXPECT_EQ(p.streamed_params, engine.streamed_parameter_count()) << name;
+    EXPECT_EQ(p.resident_params, engine.resident_parameter_count()) << name;
+    const auto report = engine.store().memory_report();
+    EXPECT_EQ(p.host.state(), report.total_bytes()) << name;
+    EXPECT_EQ(p.host.master, report.master_bytes) << name;
+    EXPECT_EQ(p.device.weight_slots, engine.streamer().device_weight_bytes()) << name;
+    EXPECT_EQ(p.device.gradient_slots, engine.streamer().device_gradient_bytes()) << name;
+    for (int step = 0; step < 2; ++step) {
+      const auto m = trainer.step();
+      ASSERT_FALSE(m.skipped) << name;
+      EXPECT_EQ(p.transfer.h2d_bytes, m.h2d_bytes) << name << "step " << step;
+      EXPECT_EQ(p.transfer.d2h_bytes, m.d2h_bytes) << name << "step " << step;
+      EXPECT_EQ(p.device.trainer_cpu_accounting(), m.peak_device_bytes) << name << "step " << step;
+      EXPECT_GT(p.device.peak(), m.peak_device_bytes) << name;
+    }
+    trainer.synchronize();
+  }
+}
+
+// Property: the shipped Wan2.1 configs plan Wan's published sizes at its 480p default (81 frames of
+// 480x832 -> latents 21x60x104, 21x30x52 = 32,760 tokens): 1,418,996,800 and 14,288,491,584 parameters,
+// split into streamed and resident parts that sum to them; bf16 PCIe bytes per step follow the closed
+// form ((2L - 2) uploads and L downloads of a block); the store holds 4 B of fp32 master per streamed
+// parameter; 3D-DSA (kernel 3x7x7) needs under 0.55x dense attention's model FLOPs at this length (0.31x for 1.3B, 0.49x for 14B)
+// and streams its offset parameters too (more host bytes and PCIe traffic than dense, by its block's
+// extra parameters exactly).
+TEST(StepPlan, Wan21ConfigsAt480p) {
+  for (const auto& [file, params, layers] :
+       std::vector<std::tuple<std::string, int64_t, int64_t>>{{"configs/wan2.1-t2v-1.3b.yaml", 1418996800, 30},
+                                                              {"configs/wan2.1-t2v-14b.yaml", 14288491584, 40}}) {
+    const auto dense_config = load_run_config(source_path(file), {"offload.compute_dtype=bf16"});
+    const auto dense = plan::plan_step(dense_config, h200());
+    EXPECT_EQ(dense.params, params) << file;
+    EXPECT_EQ(dense.layers, layers) << file;
+    EXPECT_EQ(dense.tokens_per_sample, 21 * 30 * 52) << file;
+    EXPECT_EQ(dense.streamed_params + dense.resident_params, params) << file;
+    EXPECT_EQ(dense.streamed_params, layers * dense.params_per_block) << file;
+    EXPECT_EQ(dense.host.master, 4 * dense.streamed_params) << file;
+    EXPECT_EQ(dense.transfer.h2d_bytes, (2 * layers - 2) * dense.params_per_block * 2) << file;
+    EXPECT_EQ(dense.transfer.d2h_bytes, layers * dense.params_per_block * 2) << file;
+    const auto dsa = plan::plan_step(load_run_config(source_path(file), {"offload.compute_dtype=bf16", "model.self_attention=dsa3d"}), h200());
+    EXPECT_GT(dsa.params, dense.params) << file;
+    EXPECT_EQ(dsa.resident_params, dense.resident_params) << file;
+    EXPECT_LT(dsa.time.model_flops, 0.55 * dense.time.model_flops) << file;
+    EXPECT_EQ(dsa.transfer.h2d_bytes - dense.transfer.h2d_bytes, (2 * layers - 2) * (dsa.params_per_block - dense.params_per_block) * 2) << file;
+    EXPECT_EQ(dsa.host.master - dense.host.master, 4 * (dsa.streamed_params - dense.streamed_params)) << file;
+    std::cout << file << ": dense " << plan::to_json(dense) << "\n" << file << ": dsa3d " << plan::to_json(dsa) << "\n";
+  }
 }

@@ -7,9 +7,10 @@
 #
 # What it installs (see docs/building.md):
 #   - Debian packages: compilers/tools (cmake, ninja, ccache) and the C++ libraries
-#     (fmt, spdlog, yaml-cpp, CLI11, GoogleTest, Google Benchmark, nlohmann-json, ICU), FFmpeg's libraries
+#     (fmt, spdlog, yaml-cpp, CLI11, GoogleTest, Google Benchmark, nlohmann-json, ICU, SentencePiece), FFmpeg's libraries
 #     (libavformat/libavcodec/libswscale/libavutil, H.264 through libx264), the ffmpeg tools (ffprobe)
-#     and gnuplot (gnuplot-nox: the PNG plots of megaslide-plot and megaslide-ablate).
+#     and gnuplot (gnuplot-nox: the PNG plots of megaslide-plot and megaslide-ablate), Gloo's headers
+#     (libgloo-dev: LibTorch's ProcessGroupGloo.hpp includes them; data parallelism on the CPU).
 #   - LibTorch from the PyPI `torch` wheel at the pinned version below, unpacked with pip into
 #     .deps/python (no virtualenv, no Python import needed). The wheel is built against CUDA 13.0; the
 #     CUDA libraries it links (cudart, cuBLAS, cuDNN, NCCL, ...) are taken from the machine's CUDA 13.0
@@ -24,7 +25,7 @@ DEBIAN_PACKAGES=(build-essential cmake ninja-build ccache pkg-config
                  libfmt-dev libspdlog-dev libyaml-cpp-dev libcli11-dev
                  libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev
                  libavformat-dev libavcodec-dev libswscale-dev libavutil-dev ffmpeg
-                 libicu-dev gnuplot-nox clang)  # gnuplot: megaslide-plot/-ablate PNGs; clang: the libFuzzer tests (tests/fuzz/)
+                 libicu-dev libsentencepiece-dev gnuplot-nox clang libgloo-dev)  # gnuplot: megaslide-plot/-ablate PNGs; clang: the libFuzzer tests (tests/fuzz/)
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -82,7 +83,7 @@ fi
 build_type=${MEGASLIDE_BUILD_TYPE:-Release}
 if [ ! -f build/CMakeCache.txt ]; then
   log "configuring build/ ($build_type)"
-  cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE="$build_type" -DCMAKE_PREFIX_PATH="$torch_cmake"
+  cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE="$build_type" -DCMAKE_PREFIX_PATH="$torch_cmake" -DMEGASLIDE_SENTENCEPIECE=ON
 fi
 log "building"
 cmake --build build --parallel "$(nproc)"

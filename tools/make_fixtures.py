@@ -4,6 +4,7 @@
     python tools/make_fixtures.py                 # every section
     python tools/make_fixtures.py video sampler   # only these
     python tools/make_fixtures.py --list          # the sections and what each writes
+    python tools/make_fixtures.py --umt5-ids DIR OUT.safetensors   # transformers' ids with a real umT5 tokenizer
 
 Each section writes small files under tests/fixtures/<section>/ (safetensors, or the media files a test
 reads); they are committed, so building and testing MegaSlide needs no Python. The package versions
@@ -32,23 +33,35 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")
 
 
-_SAFETENSORS_DTYPES = {np.dtype(np.float64): "F64", np.dtype(np.float32): "F32", np.dtype(np.int64): "I64",
+_SAFETENSORS_DTYPES = {np.dtype(np.float64): "F64", np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.int64): "I64",
                        np.dtype(np.int32): "I32", np.dtype(np.uint8): "U8", np.dtype(np.bool_): "BOOL"}
 
 
-def save_safetensors(path, tensors, metadata=None):
-    """Writes {name: numpy array} as safetensors with names in sorted order and a JSON header whose key
-    order is fixed (the safetensors package orders its metadata by a hash map: its bytes vary from run
-    to run). Read back with the safetensors package as a check of the format."""
-    from safetensors.numpy import load_file
+def _torch_tensor_bytes(tensor):
+    """(safetensors dtype name, shape, little-endian bytes) of a torch tensor (bf16 and fp16 included)."""
+    import torch
 
+    names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+    t = tensor.detach().contiguous().cpu()
+    raw = t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t
+    return names[t.dtype], list(t.shape), raw.numpy().astype(raw.numpy().dtype.newbyteorder("<")).tobytes()
+
+
+def save_safetensors(path, tensors, metadata=None):
+    """Writes {name: numpy array or torch tensor} as safetensors with names in sorted order and a JSON header
+    whose key order is fixed (the safetensors package orders its metadata by a hash map: its bytes vary
+    from run to run). Read back with the safetensors package as a check of the format."""
     header, blobs, offset = {}, [], 0
     if metadata:
         header["__metadata__"] = {k: metadata[k] for k in sorted(metadata)}
+    is_torch = any(not isinstance(v, np.ndarray) and hasattr(v, "detach") for v in tensors.values())
     for name in sorted(tensors):
-        array = np.asarray(tensors[name]).copy(order="C")  # (ascontiguousarray would make a 0-d array 1-d)
-        data = array.astype(array.dtype.newbyteorder("<")).tobytes()
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[array.dtype], "shape": list(array.shape), "data_offsets": [offset, offset + len(data)]}
+        if is_torch:
+            dtype, shape, data = _torch_tensor_bytes(tensors[name])
+        else:
+            array = np.asarray(tensors[name]).copy(order="C")  # (ascontiguousarray would make a 0-d array 1-d)
+            dtype, shape, data = _SAFETENSORS_DTYPES[array.dtype], list(array.shape), array.astype(array.dtype.newbyteorder("<")).tobytes()
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(data)]}
         blobs.append(data)
         offset += len(data)
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -58,9 +71,20 @@ def save_safetensors(path, tensors, metadata=None):
         f.write(text)
         for data in blobs:
             f.write(data)
+    if is_torch:
+        import torch
+        from safetensors.torch import load_file
+
+        back = load_file(path)
+        assert sorted(back) == sorted(tensors), path
+        assert all(back[k].dtype == tensors[k].dtype and torch.equal(back[k], tensors[k].cpu()) for k in tensors), path
+        return
+    from safetensors.numpy import load_file
+
     back = load_file(path)
     assert sorted(back) == sorted(tensors), path
-    assert all(back[k].shape == np.shape(tensors[k]) and np.array_equal(back[k], tensors[k]) for k in tensors), path
+    assert all(back[k].shape == np.shape(tensors[k]) and np.array_equal(back[k], tensors[k], equal_nan=back[k].dtype.kind == "f")
+               for k in tensors), path
 
 
 def versions(*modules):
@@ -641,6 +665,375 @@ def section_wan_vae(out_dir):
 
 
 # --------------------------------------------------------------------------------------------------
+# wan: tiny random WanTransformer3DModels in the diffusers and the original layouts, forward outputs and
+# one flow-matching training step's gradients
+# --------------------------------------------------------------------------------------------------
+
+# diffusers' parameter name -> the original Wan / ComfyUI name (blocks.N. prefixes kept as they are). The
+# cross-attention LayerNorm is diffusers' norm2 but the original norm3.
+_WAN_ORIGINAL_NAMES = [
+    ("condition_embedder.time_embedder.linear_1.", "time_embedding.0."),
+    ("condition_embedder.time_embedder.linear_2.", "time_embedding.2."),
+    ("condition_embedder.text_embedder.linear_1.", "text_embedding.0."),
+    ("condition_embedder.text_embedder.linear_2.", "text_embedding.2."),
+    ("condition_embedder.time_proj.", "time_projection.1."),
+    (".attn1.", ".self_attn."), (".attn2.", ".cross_attn."),
+    (".to_q.", ".q."), (".to_k.", ".k."), (".to_v.", ".v."), (".to_out.0.", ".o."),
+    (".norm2.", ".norm3."),
+    (".ffn.net.0.proj.", ".ffn.0."), (".ffn.net.2.", ".ffn.2."),
+    ("proj_out.", "head.head."),
+]
+
+
+def _wan_original_name(name):
+    if name == "scale_shift_table":
+        return "head.modulation"
+    if name.endswith(".scale_shift_table"):
+        return name[: -len("scale_shift_table")] + "modulation"
+    for a, b in _WAN_ORIGINAL_NAMES:
+        name = name.replace(a, b) if a.startswith(".") else (b + name[len(a):] if name.startswith(a) else name)
+    return name
+
+
+# Two tiny models of sizes no published model has: the head size, its RoPE split, the patch and the
+# channels all differ from Wan's; "a" has both qk-norm and the cross-attention norm, "b" neither.
+_WAN_MODELS = {
+    "a": dict(config=dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
+                          text_dim=20, freq_dim=16, ffn_dim=40, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+                          eps=1e-6),
+              video=(2, 4, 3, 6, 8), text=(2, 7, 20), dtype="bf16", seed=11),
+    "b": dict(config=dict(patch_size=(2, 1, 2), num_attention_heads=3, attention_head_dim=8, in_channels=3, out_channels=3,
+                          text_dim=12, freq_dim=10, ffn_dim=20, num_layers=3, cross_attn_norm=False, qk_norm=None, eps=1e-5),
+              video=(2, 3, 4, 5, 6), text=(2, 5, 12), dtype="fp16", seed=12),
+}
+
+
+def _wan_original_config(c):
+    """Wan's own config.json (WanModel's arguments) for a diffusers config."""
+    return {"_class_name": "WanModel", "model_type": "t2v", "patch_size": list(c["patch_size"]), "text_len": 512, "in_dim": c["in_channels"],
+            "dim": c["num_attention_heads"] * c["attention_head_dim"], "ffn_dim": c["ffn_dim"], "freq_dim": c["freq_dim"],
+            "text_dim": c["text_dim"], "out_dim": c["out_channels"], "num_heads": c["num_attention_heads"], "num_layers": c["num_layers"],
+            "window_size": [-1, -1], "qk_norm": c["qk_norm"] is not None, "cross_attn_norm": c["cross_attn_norm"], "eps": c["eps"]}
+
+
+def _save_sharded(folder, tensors, shards):
+    """diffusers' sharded layout: diffusion_pytorch_model-0000i-of-0000n.safetensors and the index."""
+    names = sorted(tensors)
+    weight_map, total = {}, 0
+    for i in range(shards):
+        part = names[i * len(names) // shards:(i + 1) * len(names) // shards]
+        file = f"diffusion_pytorch_model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_safetensors(os.path.join(folder, file), {k: tensors[k] for k in part}, {"format": "pt"})
+        for k in part:
+            weight_map[k] = file
+            total += tensors[k].nbytes
+    with open(os.path.join(folder, "diffusion_pytorch_model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+
+
+def section_wan(out_dir):
+    import diffusers
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    tensors = {}
+    for key, spec in _WAN_MODELS.items():
+        c = spec["config"]
+        model = WanTransformer3DModel(**c)
+        if c["qk_norm"] is None:
+            # diffusers' WanAttention builds the q/k RMSNorms whatever qk_norm says; Wan's own model has none
+            # with qk_norm false (nn.Identity): the reference without them.
+            for block in model.blocks:
+                for attn in (block.attn1, block.attn2):
+                    attn.norm_q, attn.norm_k = torch.nn.Identity(), torch.nn.Identity()
+        _randomize(model, spec["seed"])
+        # The published files are bf16 or fp16: round the weights to the file's dtype so that every layout
+        # below holds exactly the model whose outputs are recorded.
+        low = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec["dtype"]]
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(low).float())
+        model.eval()
+        state = {k: v.detach() for k, v in model.state_dict().items()}
+        folder = os.path.join(out_dir, key)
+        os.makedirs(os.path.join(folder, "diffusers", "transformer"))
+        os.makedirs(os.path.join(folder, "original"))
+        # diffusers' layout: transformer/config.json, fp32 weights in two shards with their index.
+        model.save_config(os.path.join(folder, "diffusers", "transformer"))
+        _save_sharded(os.path.join(folder, "diffusers", "transformer"), {k: v.numpy() for k, v in state.items()}, 2)
+        # Wan-AI's layout: Wan's config.json and one file of original names in the low precision; and
+        # ComfyUI's: the same single file with the model.diffusion_model. prefix and no config.json.
+        original = {_wan_original_name(k): v.to(low) for k, v in state.items()}
+        with open(os.path.join(folder, "original", "config.json"), "w") as f:
+            json.dump(_wan_original_config(c), f, indent=2, sort_keys=True)
+        save_safetensors(os.path.join(folder, "original", "diffusion_pytorch_model.safetensors"), original, {"format": "pt"})
+        if key == "a":
+            save_safetensors(os.path.join(folder, "comfyui.safetensors"), {"model.diffusion_model." + k: v for k, v in original.items()},
+                             {"format": "pt"})
+
+        g = torch.Generator().manual_seed(spec["seed"] + 100)
+        x = torch.randn(spec["video"], generator=g)
+        text = torch.randn(spec["text"], generator=g)
+        timesteps = torch.tensor([937.5, 12.25])
+        with torch.no_grad():
+            out = model(x, timesteps, text, return_dict=False)[0]
+        tensors[f"{key}.x"], tensors[f"{key}.timesteps"], tensors[f"{key}.text"] = x.numpy(), timesteps.numpy(), text.numpy()
+        tensors[f"{key}.out"] = out.numpy()
+
+        # One flow-matching training step: x_t = (1 - σ)·x0 + σ·ε, t = 1000·σ, MSE against ε - x0.
+        x0, noise = torch.randn(spec["video"], generator=g), torch.randn(spec["video"], generator=g)
+        sigma = torch.tensor([0.8125, 0.3])
+        s = sigma.view(-1, 1, 1, 1, 1)
+        model.zero_grad()
+        prediction = model((1 - s) * x0 + s * noise, sigma * 1000, text, return_dict=False)[0]
+        loss = torch.nn.functional.mse_loss(prediction, noise - x0)
+        loss.backward()
+        tensors[f"{key}.train.x0"], tensors[f"{key}.train.noise"], tensors[f"{key}.train.sigma"] = x0.numpy(), noise.numpy(), sigma.numpy()
+        tensors[f"{key}.train.loss"] = np.array([loss.item()], dtype=np.float64)
+        for name, p in model.named_parameters():
+            tensors[f"{key}.grad.{name}"] = p.grad.numpy()
+        print(f"  {key}: {sum(p.numel() for p in model.parameters())} parameters, out {tuple(out.shape)}, loss {loss.item():.5f}")
+    meta = {"versions": versions(diffusers, torch), "models": json.dumps({k: v["config"] for k, v in _WAN_MODELS.items()}),
+            "what": "tiny random WanTransformer3DModels (K/diffusers/transformer: config.json and two fp32 shards; K/original: Wan's "
+                    "config.json and original names in bf16 (a) or fp16 (b); K/comfyui.safetensors: the same with the "
+                    "model.diffusion_model. prefix, a only); K.out = model(K.x, K.timesteps, K.text); K.grad.NAME: the gradients of "
+                    "mse(model((1-s)x0 + s noise, 1000 s, text), noise - x0) for K.train.*"}
+    save_safetensors(os.path.join(out_dir, "reference.safetensors"), tensors, meta)
+
+
+# --------------------------------------------------------------------------------------------------
+# flow: diffusers' flow-matching samplers (Euler with shift, UniPC with flow sigmas as Wan uses it)
+# --------------------------------------------------------------------------------------------------
+
+def section_flow(out_dir):
+    import diffusers
+    import torch
+    from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+
+    def unipc(steps, shift, order, solver, T=1000):
+        sched = UniPCMultistepScheduler(num_train_timesteps=T, solver_order=order, prediction_type="flow_prediction", use_flow_sigmas=True,
+                                        flow_shift=shift, solver_type=solver, predict_x0=True, lower_order_final=True,
+                                        final_sigmas_type="zero")
+        sched.set_timesteps(steps)
+        return sched
+
+    tensors, tables, trajectories = {}, [], []
+    # Tables at step counts from 1 up, shifts of Wan's samplers (3 for 480p, 5 for 720p) and others, and
+    # another number of training timesteps.
+    for T in (1000, 37):
+        for shift in (1.0, 3.0, 5.0, 7.3):
+            for steps in (1, 2, 7, 30, 50):
+                if steps > T:
+                    continue
+                euler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=T, shift=shift)
+                euler.set_timesteps(steps)
+                name = f"euler.T{T}.shift{shift}.S{steps}"
+                tensors[name + ".sigmas"] = euler.sigmas.numpy()
+                tensors[name + ".timesteps"] = euler.timesteps.numpy()
+                u = unipc(steps, shift, 2, "bh2", T)
+                uname = f"unipc.T{T}.shift{shift}.S{steps}"
+                tensors[uname + ".sigmas"] = u.sigmas.numpy()
+                tensors[uname + ".timesteps"] = u.timesteps.numpy()
+                tables.append({"T": T, "shift": shift, "steps": steps, "euler": name, "unipc": uname})
+
+    # Whole sampling runs at fixed inputs: the model outputs of every step are drawn in advance, so the
+    # C++ sampler replays them and each step's result is compared (UniPC's steps depend on its history).
+    g = torch.Generator().manual_seed(5)
+    shape = (2, 3, 2, 4)
+    runs = [("euler", 10, 5.0, 0, ""), ("euler", 4, 3.0, 0, ""), ("unipc", 10, 5.0, 2, "bh2"), ("unipc", 7, 3.0, 1, "bh2"),
+            ("unipc", 9, 5.0, 3, "bh2"), ("unipc", 6, 3.0, 2, "bh1"), ("unipc", 8, 1.0, 3, "bh1"), ("unipc", 1, 5.0, 2, "bh2")]
+    for kind, steps, shift, order, solver in runs:
+        sched = FlowMatchEulerDiscreteScheduler(shift=shift) if kind == "euler" else unipc(steps, shift, order, solver)
+        if kind == "euler":
+            sched.set_timesteps(steps)
+        name = f"run{len(trajectories)}"
+        x = torch.randn(shape, generator=g)
+        tensors[name + ".x"] = x.numpy()
+        for i, t in enumerate(sched.timesteps):
+            v = torch.randn(shape, generator=g) + 0.3 * x  # a velocity that depends on the sample
+            x = sched.step(v, t, x).prev_sample
+            tensors[f"{name}.v{i}"] = v.numpy()
+            tensors[f"{name}.x{i + 1}"] = x.numpy()
+        # diffusers' bh1 solver with final_sigmas_type "zero" multiplies -inf by 0 at the last step: NaN.
+        trajectories.append({"name": name, "kind": kind, "steps": steps, "shift": shift, "order": order, "solver": solver,
+                             "last_step_nan": bool(torch.isnan(x).any())})
+    meta = {"versions": versions(diffusers, torch), "tables": json.dumps(tables), "runs": json.dumps(trajectories),
+            "what": "FlowMatchEulerDiscreteScheduler(num_train_timesteps=T, shift) and UniPCMultistepScheduler(use_flow_sigmas=True, "
+                    "prediction_type='flow_prediction', flow_shift, solver_order, solver_type, lower_order_final=True, "
+                    "final_sigmas_type='zero'): set_timesteps tables (sigmas, timesteps) and whole runs of step() at recorded "
+                    "model outputs (runK.x, runK.vI, runK.xI+1)"}
+    save_safetensors(os.path.join(out_dir, "diffusers.safetensors"), tensors, meta)
+    print(f"  {len(tables)} table pairs, {len(trajectories)} sampling runs")
+
+
+# --------------------------------------------------------------------------------------------------
+# umt5_tokenizer: a tiny SentencePiece model and transformers' T5Tokenizer ids (umT5's tokenizer class)
+# --------------------------------------------------------------------------------------------------
+
+_UMT5_EXTRA_PROMPTS = [
+    "</s> written in the text, and <pad> and <unk> too",
+    "a prompt that ends with the end token</s>",
+    "<unk><unk> twice then text",
+    "multiple   spaces    inside   and\ttabs\t\there",
+    "   leading spaces and trailing ones   ",
+    "▁already has a meta space ▁ and ▁▁ two",
+    "mixed 中文 and English words 和 日本語 テキスト",
+    "一只熊猫在竹林里吃竹子，阳光明媚",
+    "비가 오는 날의 서울 거리 풍경",
+    "rare script: ᚠᚢᚦᚨᚱᚲ ꦲꦏ and math 𝔸𝔹ℂ ∑∫√∞",
+    "long " + " ".join(["a camera slowly pans across a mountain valley at sunrise with fog"] * 60),
+]
+
+
+def _umt5_prompts():
+    return _vbench_prompts() + _EDGE_PROMPTS + _UMT5_EXTRA_PROMPTS
+
+
+def _train_tiny_spiece(path_prefix, corpus, vocab_size=700, normalization="nmt_nfkc"):
+    """A tiny unigram SentencePiece model as umT5's is configured: pad 0, eos 1, unk 2 (no bos), NFKC-based
+    nmt normalisation (its character map is 240 kB: "identity" makes a model of a few kB), dummy prefix,
+    extra white space removed; rare characters (emoji, rare scripts) left out of the vocabulary so that
+    they come out as <unk>."""
+    import sentencepiece as spm
+
+    text = os.path.join(os.path.dirname(path_prefix), "corpus.txt")
+    with open(text, "w", encoding="utf-8") as f:
+        for line in corpus:
+            f.write(" ".join(line.split()) + "\n")
+    spm.SentencePieceTrainer.train(input=text, model_prefix=path_prefix, model_type="unigram", vocab_size=vocab_size, hard_vocab_limit=False,
+                                   character_coverage=0.995, pad_id=0, eos_id=1, unk_id=2, bos_id=-1,
+                                   normalization_rule_name=normalization, add_dummy_prefix=True, remove_extra_whitespaces=True,
+                                   split_by_whitespace=True, num_threads=1, seed_sentencepiece_size=100000, shuffle_input_sentence=False,
+                                   minloglevel=2)
+    os.remove(text)
+
+
+def _umt5_tokenize(spiece_dir, prompts, max_length=512):
+    """transformers' tokenizer for umT5 (T5Tokenizer) called as Wan calls it: padding to 512, truncation,
+    the end token appended, attention mask returned."""
+    from transformers import T5Tokenizer
+
+    tokenizer = T5Tokenizer.from_pretrained(spiece_dir, extra_ids=0)
+    assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id) == (0, 1, 2)
+    out = tokenizer(prompts, padding="max_length", max_length=max_length, truncation=True, add_special_tokens=True,
+                    return_attention_mask=True)
+    return np.array(out["input_ids"], dtype=np.int64), np.array(out["attention_mask"], dtype=np.int64)
+
+
+def section_umt5_tokenizer(out_dir):
+    import sentencepiece
+    import transformers
+
+    prompts = _umt5_prompts()
+    # Trained on other text than the prompts it is checked on: VBench's prompts beyond the first few of
+    # each dimension, in several languages' worth of the edge prompts' characters.
+    import importlib.util
+
+    spec = importlib.util.find_spec("vbench")
+    with open(os.path.join(spec.submodule_search_locations[0], "VBench_full_info.json"), encoding="utf-8") as f:
+        corpus = [e["prompt_en"] for e in json.load(f)][200:1200]
+    corpus += [p for p in _EDGE_PROMPTS + _UMT5_EXTRA_PROMPTS if p.strip()][::2]
+    _train_tiny_spiece(os.path.join(out_dir, "spiece"), corpus)
+    os.remove(os.path.join(out_dir, "spiece.vocab"))
+    ids, mask = _umt5_tokenize(out_dir, prompts)
+    import re
+
+    # The white-space step of Wan's prompt cleaning (diffusers' WanPipeline, Wan's own code): \s+ -> " ", strip.
+    cleaned = [re.sub(r"\s+", " ", p).strip() for p in prompts]
+    meta = {"versions": versions(transformers, sentencepiece), "prompts": json.dumps(prompts, ensure_ascii=False),
+            "cleaned": json.dumps(cleaned, ensure_ascii=False),
+            "what": "T5Tokenizer.from_pretrained(this folder, extra_ids=0)(prompts, padding='max_length', max_length=512, "
+                    "truncation=True): ids and attention_mask, with the tiny spiece.model trained here; cleaned: "
+                    "re.sub(r'\\s+', ' ', prompt).strip() of each prompt"}
+    # int32 ids and uint8 mask: 116 prompts of 512 tokens stay under 300 kB.
+    save_safetensors(os.path.join(out_dir, "ids.safetensors"), {"ids": ids.astype(np.int32), "mask": mask.astype(np.uint8)}, meta)
+    print(f"  {len(prompts)} prompts, vocabulary {sentencepiece.SentencePieceProcessor(model_file=os.path.join(out_dir, 'spiece.model')).get_piece_size()}, "
+          f"{int((ids == 2).any(1).sum())} with <unk>, {int((mask.sum(1) == 512).sum())} cut at 512 tokens")
+
+
+# --------------------------------------------------------------------------------------------------
+# umt5: a tiny random UMT5EncoderModel in the HF layouts (single file, sharded) and ComfyUI's single file
+# --------------------------------------------------------------------------------------------------
+
+def section_umt5(out_dir):
+    import torch
+    import transformers
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    # A small tokenizer of its own (no NFKC map: a few kB), as the model's files carry it three times.
+    tok_dir = os.path.join(out_dir, "tokenizer")
+    os.makedirs(tok_dir)
+    _train_tiny_spiece(os.path.join(tok_dir, "spiece"), _umt5_prompts(), vocab_size=300, normalization="identity")
+    os.remove(os.path.join(tok_dir, "spiece.vocab"))
+    prompts = ["a red blob moves left quickly", "", "A cat 🐱 on a SKATEBOARD, at night!", "一只熊猫在竹林里吃竹子",
+               "The quick brown fox jumps over the lazy dog. " * 8]
+    L = 40  # a short padded length keeps the fixture small; Wan's 512 is checked on the tokenizer fixture
+    ids, mask = _umt5_tokenize(tok_dir, prompts, max_length=L)
+    vocab = int(ids.max()) + 37
+    # Non-default sizes throughout: d_kv * num_heads != d_model, 3 layers, few buckets, a short max distance.
+    config = UMT5Config(vocab_size=vocab, d_model=24, d_kv=10, d_ff=40, num_layers=3, num_heads=3,
+                        relative_attention_num_buckets=12, relative_attention_max_distance=20, layer_norm_epsilon=1e-5,
+                        feed_forward_proj="gated-gelu", dropout_rate=0.0, attn_implementation="eager")
+    model = UMT5EncoderModel(config)
+    _randomize(model, 5)
+    with torch.no_grad():  # layer norm weights of T5 models vary more than CLIP's: widen them
+        for name, p in model.named_parameters():
+            if "relative_attention_bias" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(6)) * 2.0)
+    model.eval()
+    state = {k: v.numpy().copy() for k, v in model.state_dict().items()}
+    assert "shared.weight" in state
+    # 1. transformers' single file: config.json + model.safetensors.
+    single = os.path.join(out_dir, "hf")
+    os.makedirs(single)
+    model.config.save_pretrained(single)
+    save_safetensors(os.path.join(single, "model.safetensors"), state, {"format": "pt"})
+    # 2. transformers' sharded layout (as the Wan diffusers repository's text_encoder/): two shards + index.
+    sharded = os.path.join(out_dir, "sharded", "text_encoder")
+    os.makedirs(sharded)
+    model.config.save_pretrained(sharded)
+    names = sorted(state)
+    halves = [names[: len(names) // 2], names[len(names) // 2:]]
+    weight_map = {}
+    for i, part in enumerate(halves):
+        fname = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_safetensors(os.path.join(sharded, fname), {k: state[k] for k in part}, {"format": "pt"})
+        weight_map.update({k: fname for k in part})
+    with open(os.path.join(sharded, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": int(sum(v.nbytes for v in state.values()))}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+    os.makedirs(os.path.join(out_dir, "sharded", "tokenizer"))
+    shutil.copy(os.path.join(tok_dir, "spiece.model"), os.path.join(out_dir, "sharded", "tokenizer", "spiece.model"))
+    # 3. ComfyUI's single file (umt5_xxl_fp16.safetensors): the same tensor names, no config.json, fp16, and
+    #    the tokenizer's model inside as a U8 tensor "spiece_model".
+    comfy = {k: v.astype(np.float16) for k, v in state.items()}
+    with open(os.path.join(tok_dir, "spiece.model"), "rb") as f:
+        comfy["spiece_model"] = np.frombuffer(f.read(), dtype=np.uint8).copy()
+    save_safetensors(os.path.join(out_dir, "comfy_umt5_fp16.safetensors"), comfy)
+    # ComfyUI's loader takes the sizes from the tensors' shapes and fixes the rest as umT5-XXL has them:
+    # max distance 128, epsilon 1e-6; the reference for that file is the same weights under those values.
+    comfy_config = UMT5Config(**{**config.to_dict(), "relative_attention_max_distance": 128, "layer_norm_epsilon": 1e-6})
+    comfy_config._attn_implementation = "eager"
+    comfy_model = UMT5EncoderModel(comfy_config)
+    comfy_model.load_state_dict({k: torch.from_numpy(v.astype(np.float32)) for k, v in comfy.items() if k != "spiece_model"}, strict=False)
+    comfy_model.eval()
+    tensors = {"ids": ids, "mask": mask}
+    with torch.no_grad():
+        for name, m in (("hf", model), ("comfy", comfy_model)):
+            out = m(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).last_hidden_state
+            # Wan's convention: the embeddings past each prompt's tokens (its end token included) are zeros.
+            out = out * torch.from_numpy(mask)[:, :, None].to(out.dtype)
+            tensors[name + ".hidden"] = out.numpy()
+        tensors["hf.hidden_unmasked"] = model(input_ids=torch.from_numpy(ids)).last_hidden_state.numpy()
+    meta = {"versions": versions(transformers, torch), "prompts": json.dumps(prompts, ensure_ascii=False), "length": str(L),
+            "what": "tiny random UMT5EncoderModel in hf/ (config.json + model.safetensors), sharded/text_encoder/ (two shards + "
+                    "index) and comfy_umt5_fp16.safetensors (fp16, no config, spiece_model inside: read with max distance 128 and epsilon "
+                    "1e-6 as ComfyUI does); last_hidden_state for the ids with "
+                    "the attention mask, zeroed past each prompt (hf from fp32 weights, comfy from the fp16 ones), and without a mask"}
+    save_safetensors(os.path.join(out_dir, "reference.safetensors"), tensors, meta)
+    print(f"  vocab {vocab}, {len(prompts)} prompts of {L} tokens")
+
+
+# --------------------------------------------------------------------------------------------------
 
 SECTIONS = {
     "video": (section_video, "H.264 clips and their frames as opencv-python decodes them, VBench's temporal flickering"),
@@ -649,6 +1042,10 @@ SECTIONS = {
     "clip": (section_clip, "tiny random CLIP text models (text-only and whole-CLIPModel layouts) and their outputs"),
     "vae": (section_vae, "a tiny random AutoencoderKL: encode, decode and tiled decode outputs"),
     "wan_vae": (section_wan_vae, "a tiny random AutoencoderKLWan (diffusers and original names): encode, decode, tiled"),
+    "flow": (section_flow, "diffusers' flow-matching Euler and UniPC (flow sigmas) tables and sampling runs"),
+    "wan": (section_wan, "tiny random WanTransformer3DModels (diffusers, original and ComfyUI layouts): outputs, one step's gradients"),
+    "umt5_tokenizer": (section_umt5_tokenizer, "a tiny SentencePiece model and T5Tokenizer ids of VBench and edge-case prompts"),
+    "umt5": (section_umt5, "a tiny random UMT5EncoderModel (HF single/sharded, ComfyUI fp16 file) and its hidden states"),
 }
 
 
@@ -656,7 +1053,23 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("sections", nargs="*", help="sections to make (default: all)")
     parser.add_argument("--list", action="store_true", help="list the sections")
+    parser.add_argument("--umt5-ids", nargs=2, metavar=("TOKENIZER_DIR", "OUT"),
+                        help="only write transformers' ids of the umt5_tokenizer prompts with the real umT5 tokenizer in TOKENIZER_DIR "
+                             "(its spiece.model, with tokenizer_config.json if present) to OUT, for the C++ test's "
+                             "MEGASLIDE_UMT5_TOKENIZER_IDS (not committed: the model is a download)")
     args = parser.parse_args()
+    if args.umt5_ids:
+        import transformers
+        from transformers import T5Tokenizer  # umT5's tokenizer class
+
+        prompts = _umt5_prompts()
+        tokenizer = T5Tokenizer.from_pretrained(args.umt5_ids[0])
+        out = tokenizer(prompts, padding="max_length", max_length=512, truncation=True, add_special_tokens=True, return_attention_mask=True)
+        meta = {"versions": versions(transformers), "prompts": json.dumps(prompts, ensure_ascii=False),
+                "what": f"T5Tokenizer.from_pretrained({args.umt5_ids[0]!r})(prompts, padding='max_length', max_length=512, truncation=True)"}
+        save_safetensors(args.umt5_ids[1], {"ids": np.array(out["input_ids"], dtype=np.int64),
+                                            "mask": np.array(out["attention_mask"], dtype=np.int64)}, meta)
+        return
     if args.list:
         for name, (_, what) in SECTIONS.items():
             print(f"{name:10s} tests/fixtures/{name}/: {what}")

@@ -4,6 +4,11 @@
 //   megaslide-encode text --text-encoder clip --weights DIR --prompts FILE --out F.safetensors [--ids-only]
 //       ids [N, 77] int64, mask [N, 77] int64, embeddings [N, 77, D] float32 (last_hidden_state),
 //       pooled [N, D] float32; one prompt per line of FILE (an empty line is the empty prompt)
+//   megaslide-encode text --text-encoder umt5 --weights PATH --prompts FILE --out F.safetensors [--ids-only]
+//       Wan's text conditioning: ids [N, 512] int64, mask [N, 512] int64, embeddings [N, 512, d_model]
+//       float32 (umT5's last_hidden_state, zero past each prompt); PATH: a folder in transformers' layout
+//       (or a diffusers repository with text_encoder/) or ComfyUI's umt5_xxl_fp16.safetensors; the
+//       tokenizer's spiece.model is found from it (--tokenizer overrides)
 //   megaslide-encode vae-encode --vae sd --weights DIR --in F.safetensors --out F.safetensors [--sample --seed S]
 //       tensor x: images [N, 3, H, W] (or videos [B, 3, T, H, W]) in [-1, 1] -> y: scaled latents
 //   megaslide-encode vae-decode --vae sd --weights DIR --in F.safetensors --out F.safetensors [--tile P]
@@ -91,10 +96,10 @@ torch::Tensor input_tensor(const std::string& path) {
 int main(int argc, char** argv) {
   CLI::App app{"megaslide-encode: CLIP text encoding, Stable Diffusion and Wan VAE encode/decode to safetensors (docs/conditioning.md)"};
   app.require_subcommand(1);
-  std::string weights, prompts_path, out, in, vocab, device_spec = "auto", dtype_name = "fp32", encoder_kind = "clip", vae_kind = "sd";
+  std::string weights, prompts_path, out, in, vocab, spiece, clean = "whitespace", device_spec = "auto", dtype_name = "fp32", encoder_kind = "clip", vae_kind = "sd";
   bool ids_only = false, sample = false;
   uint64_t seed = 0;
-  int64_t max_length = 77, frames_per_batch = 8, tile = 0, tile_stride = 0;
+  int64_t max_length = 0, frames_per_batch = 8, tile = 0, tile_stride = 0, batch = 8;
   double tile_overlap = 0.25;
   auto common = [&](CLI::App* sub, bool needs_weights) {
     auto* w = sub->add_option("--weights", weights, "model folder (config.json + safetensors weights); for --vae wan also a single file");
@@ -105,13 +110,18 @@ int main(int argc, char** argv) {
         ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
         ->capture_default_str();
   };
-  auto* text = app.add_subcommand("text", "prompts -> CLIP token ids, mask, last_hidden_state and pooled embedding");
+  auto* text = app.add_subcommand("text", "prompts -> token ids, mask and embeddings (CLIP: last_hidden_state and pooled; umT5: Wan's)");
   common(text, false);
-  text->add_option("--text-encoder", encoder_kind, "text encoder")->check(CLI::IsMember({"clip"}))->capture_default_str();
+  text->add_option("--text-encoder", encoder_kind, "text encoder")->check(CLI::IsMember({"clip", "umt5"}))->capture_default_str();
+  text->add_option("--tokenizer", spiece, "umt5: spiece.model, or a folder or .safetensors file holding it (default: found from --weights)");
+  text->add_option("--clean", clean, "umt5: prompt cleaning before tokenizing: whitespace (Wan's white-space runs to one space, trimmed) or none")
+      ->check(CLI::IsMember({"whitespace", "none"}))
+      ->capture_default_str();
+  text->add_option("--batch", batch, "umt5: prompts per encoder call")->check(CLI::Range(int64_t{1}, int64_t{1} << 20))->capture_default_str();
   text->add_option("--prompts", prompts_path, "one prompt per line (an empty line is the empty prompt)")->required();
   text->add_option("--vocab", vocab, "vocabulary folder (vocab.json + merges.txt) or OpenAI's bpe_simple_vocab_16e6.txt (default: in --weights)");
-  text->add_option("--max-length", max_length, "tokens per prompt, start and end tokens included")->check(CLI::Range(int64_t{2}, int64_t{4096}))
-      ->capture_default_str();
+  text->add_option("--max-length", max_length, "tokens per prompt, special tokens included (default: clip 77, umt5 512)")
+      ->check(CLI::Range(int64_t{2}, int64_t{4096}));
   text->add_flag("--ids-only", ids_only, "only ids and mask (no model needed)");
   auto* vae_encode = app.add_subcommand("vae-encode", "images (tensor x, in [-1, 1]) -> scaled latents (tensor y)");
   auto* vae_decode = app.add_subcommand("vae-decode", "scaled latents (tensor x) -> images (tensor y)");
@@ -144,13 +154,30 @@ int main(int argc, char** argv) {
   const auto dtype = dtype_name == "bf16" ? torch::kBFloat16 : dtype_name == "fp16" ? torch::kHalf : torch::kFloat32;
   std::optional<megaslide::ClipTokenizer> tokenizer;
   std::optional<megaslide::ClipTextEncoder> encoder;
+  std::optional<megaslide::Umt5Tokenizer> umt5_tokenizer;
+  std::optional<megaslide::Umt5Encoder> umt5;
   std::optional<megaslide::SdVae> vae;
   std::optional<megaslide::WanVae> wan;
   std::vector<std::string> prompts;
   torch::Tensor x;
   try {
     device = megaslide::resolve_device(device_spec);
-    if (text->parsed()) {
+    if (text->parsed() && encoder_kind == "umt5") {
+      if (max_length == 0) max_length = 512;
+      if (!ids_only && weights.empty()) throw BadInput("--weights is needed (or --ids-only)");
+      if (spiece.empty() && weights.empty()) throw BadInput("--tokenizer or --weights is needed to find umT5's spiece.model");
+      prompts = read_lines(prompts_path);
+      if (clean == "whitespace")
+        for (auto& p : prompts) p = megaslide::wan_clean(p);
+      umt5_tokenizer = megaslide::Umt5Tokenizer::find(spiece.empty() ? weights : spiece);
+      if (!ids_only) {
+        umt5 = megaslide::Umt5Encoder::load(weights, device, dtype);
+        if (umt5_tokenizer->vocab_size() > umt5->config().vocab_size)
+          throw BadInput(fmt::format("the tokenizer '{}' has {} pieces, the model's embedding only {}", umt5_tokenizer->source(),
+                                     umt5_tokenizer->vocab_size(), umt5->config().vocab_size));
+      }
+    } else if (text->parsed()) {
+      if (max_length == 0) max_length = 77;
       if (!ids_only && weights.empty()) throw BadInput("--weights is needed (or --ids-only)");
       prompts = read_lines(prompts_path);
       tokenizer = find_tokenizer(vocab, weights);
@@ -200,6 +227,9 @@ int main(int argc, char** argv) {
   } catch (const megaslide::ClipTokenizerError& e) {
     std::cerr << "megaslide-encode: " << e.what() << "\n";
     return 2;
+  } catch (const megaslide::Umt5TokenizerError& e) {
+    std::cerr << "megaslide-encode: " << e.what() << "\n";
+    return 2;
   } catch (const std::exception& e) {
     std::cerr << "megaslide-encode: " << e.what() << "\n";
     return 1;
@@ -208,7 +238,21 @@ int main(int argc, char** argv) {
   try {
     megaslide::io::NamedTensors outputs;
     std::map<std::string, std::string> metadata{{"megaslide_version", megaslide::build_summary()}};
-    if (text->parsed()) {
+    if (umt5_tokenizer) {
+      auto tokens = umt5_tokenizer->encode(prompts, max_length);
+      outputs = {{"ids", tokens.ids}, {"mask", tokens.mask}};
+      if (umt5) {
+        std::vector<torch::Tensor> parts;
+        for (int64_t s = 0; s < tokens.ids.size(0); s += batch) {
+          const int64_t e = std::min(s + batch, tokens.ids.size(0));
+          parts.push_back(umt5->embed(tokens.ids.slice(0, s, e), tokens.mask.slice(0, s, e)).cpu());
+        }
+        outputs.emplace_back("embeddings", torch::cat(parts));
+      }
+      metadata["prompts"] = nlohmann::json(prompts).dump();
+      metadata["text_encoder"] = "umt5";
+      std::cerr << fmt::format("megaslide-encode: {} prompt(s) -> {}{}\n", prompts.size(), out, umt5 ? "" : " (ids only)");
+    } else if (text->parsed()) {
       auto tokens = tokenizer->encode(prompts, max_length);
       outputs = {{"ids", tokens.ids}, {"mask", tokens.mask}};
       if (encoder) {

@@ -134,6 +134,8 @@ int main(int argc, char** argv) {
     // bf16 weights file, checked against its manifest (docs/checkpoints.md).
     const std::string weights = megaslide::find_weights(checkpoint);
     model = megaslide::load_weights(weights);  // on the CPU; moved below, whole or all but the blocks
+    // A latent model's frozen CLIP and VAE, from the folders its config names, on the device.
+    model.frozen = megaslide::FrozenEncoders::load(model.config, device, weights + " (its config)");
     int64_t weight_bytes = 0;
     for (const auto& p : model.dit->parameters()) weight_bytes += static_cast<int64_t>(p.nbytes());
     stream = megaslide::offload::should_stream(megaslide::offload::parse_stream_choice(streamed), device, weight_bytes);

@@ -6,9 +6,12 @@
 //   megaslide-train --config configs/smoke.yaml --export-weights model.safetensors   (after training, bf16)
 //   megaslide-train --config configs/smoke.yaml --run-dir DIR --resume latest --export-weights model.safetensors
 //                                                  (the checkpoint's weights, no training)
+//   megaslide-train --config C --nproc-per-node 2 --set offload.enabled=false   (2 local ranks; docs/distributed.md)
+//   torchrun --nproc-per-node 8 --no-python megaslide-train --config C ...      (or srun: Slurm's environment)
 //
 // SIGINT/SIGTERM: the current step finishes, a checkpoint is saved, and the run exits with 128 + the
 // signal's number (130, 143); a second signal stops at once.
+// With --nproc-per-node the process starts the ranks and returns the first failing rank's exit code.
 // Exit codes: 0 done, 2 bad config, flags, output path or checkpoint, a run folder in use by another
 // run or holding a finished one, a device or a memory size this machine does not have (nothing
 // written), 1 any other failure (including too many non-finite steps and a failed final save),
@@ -18,6 +21,7 @@
 
 #include <atomic>
 #include <csignal>
+#include <cstdlib>
 #include <iostream>
 
 #include "megaslide/megaslide.h"
@@ -35,7 +39,7 @@ void on_stop_signal(int signal) {
 int main(int argc, char** argv) {
   CLI::App app{"megaslide-train: full-parameter training of video DiTs (docs/training.md)"};
   std::string config_path, run_dir, trace_path, export_weights, resume;
-  int64_t trace_step = 2;
+  int64_t trace_step = 2, nproc_per_node = 0, master_port = 0;
   std::vector<std::string> overrides;
   bool dry_run = false, json = false;
   app.add_option("--config", config_path, "run config (YAML), e.g. configs/smoke.yaml")->required();
@@ -54,6 +58,11 @@ int main(int argc, char** argv) {
   app.add_option("--trace", trace_path, "write a Chrome-trace JSON of one step (streamed trainer; opens in Perfetto)")
       ->check(megaslide::tools::non_empty_path());
   app.add_option("--trace-step", trace_step, "which step --trace records (default 2: after warm-up)")->check(CLI::PositiveNumber);
+  app.add_option("--nproc-per-node", nproc_per_node,
+                 "start this many ranks on this machine (data parallelism over c10d; docs/distributed.md)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1024}));
+  app.add_option("--master-port", master_port, "with --nproc-per-node: the rendezvous port on 127.0.0.1 (default: a free one)")
+      ->check(CLI::Range(int64_t{1}, int64_t{65535}));
   app.set_version_flag("--version", megaslide::build_summary());
   try {
     app.parse(argc, argv);
@@ -80,6 +89,21 @@ int main(int argc, char** argv) {
     return 2;
   }
   megaslide::tools::survive_file_size_limit();
+
+  const char* launched_here = std::getenv("MEGASLIDE_LOCAL_LAUNCH");
+  if (nproc_per_node > 0 && !dry_run && (launched_here == nullptr || *launched_here == '\0')) {
+    if (std::getenv("RANK") != nullptr || std::getenv("SLURM_PROCID") != nullptr) {
+      std::cerr << "megaslide-train: --nproc-per-node starts the ranks itself, but this process was already started by a launcher "
+                   "(RANK or SLURM_PROCID is set): drop --nproc-per-node\n";
+      return 2;
+    }
+    try {
+      return megaslide::launch_local_ranks(std::vector<std::string>(argv, argv + argc), nproc_per_node, master_port);
+    } catch (const std::exception& e) {
+      std::cerr << "megaslide-train: " << e.what() << "\n";
+      return 1;
+    }
+  }
 
   try {
     if (dry_run) {
@@ -118,6 +142,9 @@ int main(int argc, char** argv) {
   } catch (const megaslide::InitFromError& e) {
     std::cerr << "megaslide-train: " << e.what() << "\n";
     return 2;
+  } catch (const megaslide::DistributedError& e) {
+    std::cerr << "megaslide-train: " << e.what() << "\n";
+    return 1;
   } catch (const std::exception& e) {
     std::cerr << "megaslide-train: " << megaslide::error_message(e)
               << (megaslide::is_out_of_memory(e) ? " (out of memory: megaslide-plan --config ... shows what the run needs)" : "") << "\n";

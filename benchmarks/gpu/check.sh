@@ -111,7 +111,29 @@ trainer_runs() {
   return $rc
 }
 export -f trainer_runs
-[ "$built" = true ] && stage trainer 120 35 trainer_runs
+[ "$built" = true ] && stage trainer 120 65 trainer_runs
+
+# 4b. Data parallelism over NCCL with one rank (the machine has one GPU): the resident trainer launched
+# by --nproc-per-node 1 runs its gradient all-reduce through ProcessGroupNCCL; its losses must equal a
+# plain run's (a sum over one rank is the identity; within 1e-4 relative, as GPU backward kernels with
+# atomics may sum in another order from run to run). docs/distributed.md.
+nccl_world1() {
+  local common=(--config configs/smoke.yaml --set offload.enabled=false --set train.device=cuda --set train.steps=5
+                --set train.checkpoint_every=0 --set output.progress=false --set train.batch_size=4)
+  "$build/bin/megaslide-train" "${common[@]}" --run-dir "$out/run-plain" > "$out/run-plain.log" 2>&1 \
+      || { echo "plain run failed"; tail -20 "$out/run-plain.log"; return 1; }
+  "$build/bin/megaslide-train" "${common[@]}" --set distributed.backend=nccl --set distributed.timeout_s=60 --nproc-per-node 1 \
+      --run-dir "$out/run-nccl1" > "$out/run-nccl1.log" 2>&1 || { echo "NCCL run failed"; tail -20 "$out/run-nccl1.log"; return 1; }
+  grep -q 'data parallel: 1 ranks (nccl backend' "$out/run-nccl1/train.log" || { echo "the run did not use NCCL"; return 1; }
+  python3 - "$out/run-plain/metrics.jsonl" "$out/run-nccl1/metrics.jsonl" <<'PY'
+import json, sys
+a, b = ([json.loads(l)["loss"] for l in open(p)] for p in sys.argv[1:3])
+print("plain losses", a); print("nccl  losses", b)
+sys.exit(0 if len(a) == 5 and len(b) == 5 and all(abs(x - y) <= 1e-4 * abs(x) for x, y in zip(a, b)) else 1)
+PY
+}
+export -f nccl_world1
+[ "$built" = true ] && stage nccl_world1 30 35 nccl_world1
 
 # 5. CpuAdamW on this CPU: every test (the AVX-512 path runs here) and the benchmark ------------------
 adamw() {

@@ -28,6 +28,7 @@ const char* to_string(Architecture arch) {
     case Architecture::kMegaSlide: return "megaslide";
     case Architecture::kDense3D: return "dense3d";
     case Architecture::kSwin: return "swin";
+    case Architecture::kWan: return "wan";
   }
   return "?";
 }
@@ -138,6 +139,18 @@ class Schema {
       if (f.key == key) return &f;
     return nullptr;
   }
+  // model.vae is a group: the prefix of nested keys (model.vae.kind, ...).
+  bool is_group(const std::string& key) const {
+    for (const auto& f : fields_)
+      if (f.key.rfind(key + ".", 0) == 0) return true;
+    return false;
+  }
+  std::string group_keys(const std::string& key) const {
+    std::string out;
+    for (const auto& f : fields_)
+      if (f.key.rfind(key + ".", 0) == 0) out += (out.empty() ? "" : ", ") + f.key.substr(key.size() + 1);
+    return out;
+  }
 
  private:
   void add(std::string key, std::function<void(const YAML::Node&)> set, std::function<YAML::Node()> get) {
@@ -177,19 +190,23 @@ class Schema {
         },
         [&slot] { return YAML::Node(slot); });
   }
-  void text(std::string key, std::string& slot) {
+  // A path or name that may be empty ("" or nothing = none).
+  void optional_text(std::string key, std::string& slot) {
     add(std::move(key),
         [&slot](const YAML::Node& n) {
-          if (!n.IsScalar() || n.Scalar().empty()) throw FieldProblem{"expected a non-empty string, got " + describe(n)};
+          if (n.IsNull()) {
+            slot.clear();
+            return;
+          }
+          if (!n.IsScalar()) throw FieldProblem{"expected a string, got " + describe(n)};
           slot = n.Scalar();
         },
         [&slot] { return YAML::Node(slot); });
   }
-  // A string that may be empty ("" = unset).
-  void optional_text(std::string key, std::string& slot) {
+  void text(std::string key, std::string& slot) {
     add(std::move(key),
         [&slot](const YAML::Node& n) {
-          if (!n.IsScalar()) throw FieldProblem{"expected a string, got " + describe(n)};
+          if (!n.IsScalar() || n.Scalar().empty()) throw FieldProblem{"expected a non-empty string, got " + describe(n)};
           slot = n.Scalar();
         },
         [&slot] { return YAML::Node(slot); });
@@ -279,9 +296,10 @@ class Schema {
     add("model.arch",
         [&c](const YAML::Node& n) {
           const std::map<std::string, Architecture> names{
-              {"megaslide", Architecture::kMegaSlide}, {"dense3d", Architecture::kDense3D}, {"swin", Architecture::kSwin}};
+              {"megaslide", Architecture::kMegaSlide}, {"dense3d", Architecture::kDense3D}, {"swin", Architecture::kSwin},
+              {"wan", Architecture::kWan}};
           auto it = n.IsScalar() ? names.find(n.Scalar()) : names.end();
-          if (it == names.end()) throw FieldProblem{"expected one of megaslide | dense3d | swin, got " + describe(n)};
+          if (it == names.end()) throw FieldProblem{"expected one of megaslide | dense3d | swin | wan, got " + describe(n)};
           c.model.arch = it->second;
         },
         [&c] { return YAML::Node(std::string(to_string(c.model.arch))); });
@@ -307,8 +325,36 @@ class Schema {
         [&c] { return YAML::Node(std::string(to_string(c.model.dsa_offsets))); });
     choice("model.dense_attention", c.model.dense_attention, {"fused", "materialized"});
     triple("model.swin_window", c.model.swin_window, "positive integers", positive_int);
+    choice("model.self_attention", c.model.self_attention, {"dense", "dsa3d"});
+    // model.wan: Wan2.1's hyper-parameters (model.arch wan)
+    integer("model.wan.dim", c.model.wan.dim, IntRange{1});
+    integer("model.wan.layers", c.model.wan.layers, IntRange{1, 10000});
+    integer("model.wan.heads", c.model.wan.heads, IntRange{1});
+    integer("model.wan.ffn_dim", c.model.wan.ffn_dim, IntRange{1});
+    integer("model.wan.freq_dim", c.model.wan.freq_dim, IntRange{2});
+    integer("model.wan.text_dim", c.model.wan.text_dim, IntRange{1});
+    triple("model.wan.patch", c.model.wan.patch, "positive integers", positive_int);
+    integer("model.wan.in_channels", c.model.wan.in_channels, IntRange{1, 64});
+    integer("model.wan.out_channels", c.model.wan.out_channels, IntRange{1, 64});
+    boolean("model.wan.qk_norm", c.model.wan.qk_norm);
+    boolean("model.wan.cross_attn_norm", c.model.wan.cross_attn_norm);
+    real("model.wan.eps", c.model.wan.eps, RealRange{0.0, 1.0, true, false});
+    optional_text("model.wan.weights", c.model.wan.weights);
+    // Nested keys: model.text_encoder: {kind: clip, weights: DIR} in a file, --set model.vae.kind=sd.
+    choice("model.text_encoder.kind", c.model.text_encoder.kind, {"builtin", "clip"});
+    optional_text("model.text_encoder.weights", c.model.text_encoder.weights);
+    optional_text("model.text_encoder.vocab", c.model.text_encoder.vocab);
+    choice("model.text_encoder.dtype", c.model.text_encoder.dtype, {"fp32", "bf16"});
+    choice("model.vae.kind", c.model.vae.kind, {"none", "sd"});
+    optional_text("model.vae.weights", c.model.vae.weights);
+    integer("model.vae.latent_channels", c.model.vae.latent_channels, IntRange{1, 64});
+    integer("model.vae.downscale", c.model.vae.downscale, IntRange{1, 64});
+    integer("model.vae.frames_per_batch", c.model.vae.frames_per_batch, IntRange{1, 4096});
+    choice("model.vae.dtype", c.model.vae.dtype, {"fp32", "bf16"});
+    integer("model.vae.tile_size", c.model.vae.tile_size, IntRange{0, 1 << 16});
+    real("model.vae.tile_overlap", c.model.vae.tile_overlap, RealRange{0.0, 1.0, false, true});
     // data
-    choice("data.dataset", c.data.dataset, {"structured-motion", "videos"});
+    choice("data.dataset", c.data.dataset, {"structured-motion", "videos", "latent-tensors"});
     integer("data.channels", c.data.channels, IntRange{1, 64});
     integer("data.frames", c.data.frames, IntRange{1});
     integer("data.height", c.data.height, IntRange{1});
@@ -328,6 +374,7 @@ class Schema {
     optional_text("data.cache", c.data.cache);
     integer("data.workers", c.data.workers, IntRange{0, 256});
     integer("data.prefetch", c.data.prefetch, IntRange{1, 1024});
+    optional_text("data.tensors", c.data.tensors);
     // diffusion
     integer("diffusion.timesteps", c.diffusion.timesteps, IntRange{2, 100000});
     choice("diffusion.beta_schedule", c.diffusion.beta_schedule, {"linear", "cosine"});
@@ -338,6 +385,11 @@ class Schema {
     integer("diffusion.sample_steps", c.diffusion.sample_steps, IntRange{1});
     choice("diffusion.timestep_spacing", c.diffusion.timestep_spacing, {"linspace", "leading", "trailing"});
     real("diffusion.guidance_scale", c.diffusion.guidance_scale, RealRange{0.0});
+    choice("diffusion.objective", c.diffusion.objective, {"ddpm", "flow"});
+    real("diffusion.shift", c.diffusion.shift, RealRange{0.0, 1e6, true, false});
+    choice("diffusion.timestep_sampling", c.diffusion.timestep_sampling, {"uniform", "logit_normal"});
+    real("diffusion.logit_mean", c.diffusion.logit_mean, RealRange{-20.0, 20.0});
+    real("diffusion.logit_std", c.diffusion.logit_std, RealRange{0.0, 20.0, true, false});
     // train
     integer("train.steps", c.train.steps, IntRange{1});
     integer("train.batch_size", c.train.batch_size, IntRange{1});
@@ -382,6 +434,10 @@ class Schema {
     // output
     text("output.run_dir", c.output.run_dir);
     boolean("output.progress", c.output.progress);
+    // distributed
+    choice("distributed.backend", c.distributed.backend, {"auto", "nccl", "gloo"});
+    real("distributed.timeout_s", c.distributed.timeout_s, RealRange{0.0, 86400.0, true, false});
+    boolean("distributed.rank_logs", c.distributed.rank_logs);
     (void)kBig;
   }
 
@@ -403,6 +459,38 @@ size_t edit_distance(const std::string& a, const std::string& b) {
   return row[b.size()];
 }
 
+// Keys of one family only: the DiT family's shape keys, or Wan's (model.wan.*, model.self_attention). A
+// config sets the keys of its own architecture; to_yaml writes only those.
+bool wan_only_key(const std::string& key) { return key.rfind("model.wan.", 0) == 0 || key == "model.self_attention"; }
+bool dit_only_key(const std::string& key) {
+  // The frozen CLIP and SD VAE condition the DiT family (Wan has its own encoder and VAE).
+  if (key.rfind("model.text_encoder.", 0) == 0 || key.rfind("model.vae.", 0) == 0) return true;
+  static const std::set<std::string> keys{"model.patch",   "model.hidden",          "model.layers",     "model.heads",
+                                          "model.mlp_ratio", "model.text_dim",      "model.dense_attention", "model.swin_window"};
+  return keys.count(key) > 0;
+}
+bool applies(const RunConfig& c, const std::string& key) {
+  return c.model.arch == Architecture::kWan ? !dit_only_key(key) : !wan_only_key(key);
+}
+
+// The problem with a key set for the other family, or "" when it applies.
+std::string inapplicable_key_problem(const RunConfig& c, const std::string& key) {
+  if (applies(c, key)) return "";
+  if (c.model.arch == Architecture::kWan) {
+    const std::string wan_key = key == "model.hidden" ? "model.wan.dim" : "model.wan." + key.substr(6);
+    const bool has_wan_twin = key == "model.hidden" || key == "model.layers" || key == "model.heads" || key == "model.patch" ||
+                              key == "model.text_dim";
+    return "does not apply to model.arch wan" + (has_wan_twin ? " (its hyper-parameters are under model.wan: set " + wan_key + ")" : std::string());
+  }
+  return std::string("applies to model.arch wan only (this config's model.arch is ") + to_string(c.model.arch) + ")";
+}
+
+bool has_keys_under(const Schema& schema, const std::string& prefix) {
+  for (const auto& f : schema.fields())
+    if (f.key.rfind(prefix, 0) == 0) return true;
+  return false;
+}
+
 std::string unknown_key_problem(const Schema& schema, const std::string& key) {
   std::string best;
   size_t best_distance = 4;  // suggest only near misses
@@ -417,7 +505,7 @@ std::string unknown_key_problem(const Schema& schema, const std::string& key) {
   std::string problem = "unknown key";
   if (!best.empty()) problem += " (did you mean " + best + "?)";
   if (!known.empty()) problem += "; keys of section " + section + ": " + known;
-  else problem += "; sections are model, data, diffusion, train, offload, optimizer, output";
+  else problem += "; sections are model, data, diffusion, train, offload, optimizer, output, distributed";
   return problem;
 }
 
@@ -459,22 +547,30 @@ void check_sizes(const RunConfig& c, const std::function<void(const std::string&
   const auto& m = c.model;
   const auto& d = c.data;
   const int64_t B = c.train.batch_size;
+  // Wan's shape keys are under model.wan; the products below name the keys of the run's architecture.
+  const bool wan = m.arch == Architecture::kWan;
+  const auto& patch = wan ? m.wan.patch : m.patch;
+  const int64_t hidden = wan ? m.wan.dim : m.hidden, layers = wan ? m.wan.layers : m.layers;
+  const int64_t text_dim = wan ? m.wan.text_dim : m.text_dim;
+  const char* hidden_key = wan ? "model.wan.dim" : "model.hidden";
+  const char* layers_key = wan ? "model.wan.layers" : "model.layers";
   limit("train.batch_size", "one batch of video (fp32)",
         {{"train.batch_size", B}, {"data.channels", d.channels}, {"data.frames", d.frames}, {"data.height", d.height}, {"data.width", d.width}},
         4);
   // Divisibility by the patch was checked above: the token grid is exact.
-  const int64_t T = d.frames / m.patch[0], H = d.height / m.patch[1], W = d.width / m.patch[2];
+  const auto shape = model_sample_shape(c);  // pixels, or the VAE's latents
+  const int64_t T = shape[1] / patch[0], H = shape[2] / patch[1], W = shape[3] / patch[2];
   limit("train.batch_size", "one block's input activations (fp32)",
-        {{"train.batch_size", B}, {"tokens t", T}, {"tokens h", H}, {"tokens w", W}, {"model.hidden", m.hidden}}, 4);
+        {{"train.batch_size", B}, {"tokens t", T}, {"tokens h", H}, {"tokens w", W}, {hidden_key, hidden}}, 4);
   // The streamed trainer keeps every block's input for the backward (megaslide-plan's "checkpoints").
-  limit("model.layers", "the block inputs kept for the backward (fp32)",
-        {{"model.layers", m.layers}, {"train.batch_size", B}, {"tokens", T * H * W}, {"model.hidden", m.hidden}}, 4);
+  limit(layers_key, "the block inputs kept for the backward (fp32)",
+        {{layers_key, layers}, {"train.batch_size", B}, {"tokens", T * H * W}, {hidden_key, hidden}}, 4);
   // The host state is 14 bytes a parameter (docs/planner.md); each block holds at least its four
   // hidden x hidden attention projections and its hidden x text_dim cross-attention inputs.
-  limit("model.layers", "a lower bound of the parameters (host state, 14 B each)",
-        {{"model.layers", m.layers}, {"model.hidden", m.hidden}, {"(4 x model.hidden + 2 x model.text_dim)", 4 * m.hidden + 2 * std::min<int64_t>(m.text_dim, int64_t{1} << 60)}},
+  limit(layers_key, "a lower bound of the parameters (host state, 14 B each)",
+        {{layers_key, layers}, {hidden_key, hidden}, {"(4 x hidden + 2 x text_dim)", 4 * hidden + 2 * std::min<int64_t>(text_dim, int64_t{1} << 60)}},
         14);
-  if (m.arch == Architecture::kMegaSlide) {
+  if (m.arch == Architecture::kMegaSlide || (wan && m.self_attention == "dsa3d")) {
     const auto& k = m.dsa_kernel;
     limit("model.dsa_kernel", "3D-DSA's predicted offsets (fp32)",
           {{"train.batch_size", B}, {"tokens", T * H * W}, {"model.dsa_groups", m.dsa_groups}, {"kernel t", k[0]}, {"kernel h", k[1]},
@@ -484,7 +580,7 @@ void check_sizes(const RunConfig& c, const std::function<void(const std::string&
     // and values per token; an axis shorter than the kernel shrinks it to the axis.
     limit("model.dsa_kernel", "the 3D-DSA reference's sampled keys (fp32)",
           {{"train.batch_size", B}, {"tokens", T * H * W}, {"kernel t", std::min(k[0], T)}, {"kernel h", std::min(k[1], H)},
-           {"kernel w", std::min(k[2], W)}, {"model.hidden", m.hidden}},
+           {"kernel w", std::min(k[2], W)}, {hidden_key, hidden}},
           4);
   }
   if (m.arch == Architecture::kDense3D && m.dense_attention == "materialized") {
@@ -509,6 +605,7 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::string& sour
                            const std::vector<std::string>& overrides) {
   RunConfig config;
   Schema schema(config);
+  std::vector<std::pair<std::string, std::string>> applied;  // (key, where it was set)
   YAML::Node root;
   try {
     root = YAML::Load(yaml_text);
@@ -525,6 +622,21 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::string& sour
     // yaml-cpp keeps both entries of a repeated key; a file that says two things about one key is
     // refused rather than read as whichever comes last.
     std::set<std::string> seen;
+    // A mapping inside a section (model.wan) holds keys one level further down.
+    std::function<void(const YAML::Node&, const std::string&)> read_keys = [&](const YAML::Node& map, const std::string& prefix) {
+      for (const auto& entry : map) {
+        const std::string key = prefix + "." + key_of(entry.first, prefix);
+        if (!seen.insert(key).second) throw ConfigError(source, key, "key appears twice in the file (keep one)");
+        if (entry.second.IsMap() && has_keys_under(schema, key + ".")) {
+          read_keys(entry.second, key);
+          continue;
+        }
+        if (schema.find(key) == nullptr && has_keys_under(schema, key + "."))  // a group (model.vae) given a scalar or a list
+          throw ConfigError(source, key, "expected a mapping of " + schema.group_keys(key) + ", got " + describe(entry.second));
+        apply(schema, source, key, entry.second);
+        applied.emplace_back(key, source);
+      }
+    };
     for (const auto& section : root) {
       const std::string name = key_of(section.first, "");
       if (!seen.insert(name).second)
@@ -532,14 +644,10 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::string& sour
       bool known_section = false;
       for (const auto& f : schema.fields()) known_section |= f.key.rfind(name + ".", 0) == 0;
       if (!known_section)
-        throw ConfigError(source, name, "unknown section; sections are model, data, diffusion, train, offload, optimizer, output");
+        throw ConfigError(source, name, "unknown section; sections are model, data, diffusion, train, offload, optimizer, output, distributed");
       if (!section.second.IsMap())
         throw ConfigError(source, name, "expected a section (a mapping of keys), got " + describe(section.second));
-      for (const auto& entry : section.second) {
-        const std::string key = name + "." + key_of(entry.first, name);
-        if (!seen.insert(key).second) throw ConfigError(source, key, "key appears twice in the file (keep one)");
-        apply(schema, source, key, entry.second);
-      }
+      read_keys(section.second, name);
     }
   }
   for (const auto& assignment : overrides) {
@@ -555,7 +663,10 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::string& sour
       throw ConfigError(where, key, "value is not valid YAML: " + e.msg);
     }
     apply(schema, where, key, value);
+    applied.emplace_back(key, where);
   }
+  for (const auto& [key, where] : applied)
+    if (const std::string problem = inapplicable_key_problem(config, key); !problem.empty()) throw ConfigError(where, key, problem);
   validate(config, overrides.empty() ? source : source + " with --set overrides");
   return config;
 }
@@ -573,26 +684,99 @@ RunConfig load_run_config(const std::string& path, const std::vector<std::string
   return parse_run_config(text, path, overrides);
 }
 
+namespace {
+// model.arch wan: the shape of Wan's blocks and what its trainer and samplers need.
+void validate_wan(const RunConfig& c, const std::function<void(const std::string&, const std::string&)>& fail) {
+  const auto& m = c.model;
+  const auto& w = m.wan;
+  if (w.dim % w.heads != 0)
+    fail("model.wan.dim", "expected a multiple of model.wan.heads (" + std::to_string(w.heads) + "), got " + std::to_string(w.dim));
+  if ((w.dim / w.heads) % 2 != 0)
+    fail("model.wan.dim", "expected model.wan.dim / model.wan.heads (the head size, " + std::to_string(w.dim / w.heads) +
+                              ") to be even: 3D RoPE rotates pairs of channels");
+  if (c.data.channels != w.in_channels)
+    fail("data.channels", "expected model.wan.in_channels (" + std::to_string(w.in_channels) + ") for model.arch wan, got " +
+                              std::to_string(c.data.channels));
+  if (w.out_channels != w.in_channels)
+    fail("model.wan.out_channels", "expected model.wan.in_channels (" + std::to_string(w.in_channels) +
+                                       "): the output is compared with and sampled back into the input latents, got " +
+                                       std::to_string(w.out_channels));
+  if (m.self_attention == "dsa3d") {
+    if (w.heads % m.dsa_groups != 0)
+      fail("model.dsa_groups", "expected a divisor of model.wan.heads (" + std::to_string(w.heads) + "), got " + std::to_string(m.dsa_groups));
+    if (m.dsa_offsets == DsaOffsets::kFrozen)
+      fail("model.dsa_offsets", "expected learned or zero for model.arch wan (frozen offsets are the DiT family's ablation)");
+  }
+}
+}  // namespace
+
 void validate(const RunConfig& c, const std::string& source) {
   auto fail = [&](const std::string& key, const std::string& problem) { throw ConfigError(source, key, problem); };
   const auto& m = c.model;
-  if (m.hidden % m.heads != 0)
-    fail("model.hidden", "expected a multiple of model.heads (" + std::to_string(m.heads) + "), got " + std::to_string(m.hidden));
-  if (m.hidden < 6 || m.hidden % 2 != 0)
-    fail("model.hidden", "expected an even number >= 6 (the 3D sin-cos position embedding splits it over t, h, w), got " +
-                             std::to_string(m.hidden));
-  if (m.heads % m.dsa_groups != 0)
-    fail("model.dsa_groups", "expected a divisor of model.heads (" + std::to_string(m.heads) + "), got " + std::to_string(m.dsa_groups));
-  if (static_cast<int64_t>(std::llround(m.hidden * m.mlp_ratio)) < 1)
-    fail("model.mlp_ratio", "expected model.hidden * model.mlp_ratio >= 1");
+  const bool wan = m.arch == Architecture::kWan;
+  if (wan) {
+    validate_wan(c, fail);
+  } else {
+    if (m.hidden % m.heads != 0)
+      fail("model.hidden", "expected a multiple of model.heads (" + std::to_string(m.heads) + "), got " + std::to_string(m.hidden));
+    if (m.hidden < 6 || m.hidden % 2 != 0)
+      fail("model.hidden", "expected an even number >= 6 (the 3D sin-cos position embedding splits it over t, h, w), got " +
+                               std::to_string(m.hidden));
+    if (m.heads % m.dsa_groups != 0)
+      fail("model.dsa_groups", "expected a divisor of model.heads (" + std::to_string(m.heads) + "), got " + std::to_string(m.dsa_groups));
+    if (static_cast<int64_t>(std::llround(m.hidden * m.mlp_ratio)) < 1)
+      fail("model.mlp_ratio", "expected model.hidden * model.mlp_ratio >= 1");
+    const auto& te = m.text_encoder;
+    if (te.kind == "clip" && te.weights.empty())
+      fail("model.text_encoder.weights", "model.text_encoder.kind: clip needs the folder of CLIP's text encoder (docs/conditioning.md)");
+    if (te.kind == "builtin" && !te.weights.empty())
+      fail("model.text_encoder.weights", "the built-in text encoder is trained with the DiT and reads no weights; set "
+                                         "model.text_encoder.kind: clip to load CLIP from '" + te.weights + "'");
+    if (te.kind == "clip" && c.data.max_text_tokens > 77)
+      fail("data.max_text_tokens", "expected at most 77 with model.text_encoder.kind: clip (CLIP's positions), got " +
+                                       std::to_string(c.data.max_text_tokens));
+    const auto& vae = m.vae;
+    if (vae.kind == "sd" && vae.weights.empty())
+      fail("model.vae.weights", "model.vae.kind: sd needs the folder of the Stable Diffusion VAE (docs/conditioning.md)");
+    if (vae.kind == "none" && !vae.weights.empty())
+      fail("model.vae.weights", "model.vae.kind is none (the DiT works on pixels); set model.vae.kind: sd to load the VAE from '" +
+                                    vae.weights + "'");
+    if (vae.kind == "sd" && c.data.channels != 3)
+      fail("data.channels", "expected 3 with model.vae.kind: sd (the VAE encodes RGB frames), got " + std::to_string(c.data.channels));
+    if (vae.kind == "sd" && vae.tile_size > 0 && vae.tile_size % vae.downscale != 0)
+      fail("model.vae.tile_size", "expected a multiple of model.vae.downscale (" + std::to_string(vae.downscale) + "), got " +
+                                      std::to_string(vae.tile_size));
+    if (vae.kind == "sd" && !c.data.cache.empty())
+      fail("data.cache", "the cache holds the built-in codec's frames; with model.vae.kind: sd train from the videos (the cache of "
+                         "VAE latents is not written yet)");
+    if (te.kind == "clip" && !c.data.cache.empty())
+      fail("data.cache", "the cache holds the built-in encoder's tokens; with model.text_encoder.kind: clip train from the videos "
+                         "(the cache of CLIP embeddings is not written yet)");
+    if (vae.kind == "sd") {
+      const char* pixel_axes[2] = {"height", "width"};
+      const int64_t pixel_sizes[2] = {c.data.height, c.data.width};
+      for (int a = 0; a < 2; ++a)
+        if (pixel_sizes[a] % (vae.downscale * m.patch[a + 1]) != 0)
+          fail(std::string("data.") + pixel_axes[a], "expected a multiple of model.vae.downscale x model.patch[" + std::to_string(a + 1) +
+                                                         "] = " + std::to_string(vae.downscale * m.patch[a + 1]) + " (the DiT patches the VAE's latents), got " +
+                                                         std::to_string(pixel_sizes[a]));
+      for (size_t i = 0; i < c.data.buckets.size(); ++i)
+        for (int a = 0; a < 2; ++a)
+          if (c.data.buckets[i][a + 1] % (vae.downscale * m.patch[a + 1]) != 0)
+            fail("data.buckets", "item " + std::to_string(i) + ": " + pixel_axes[a] + " " + std::to_string(c.data.buckets[i][a + 1]) +
+                                     " is not a multiple of model.vae.downscale x model.patch[" + std::to_string(a + 1) + "] = " +
+                                     std::to_string(vae.downscale * m.patch[a + 1]));
+    }
+  }
   const char* axes[3] = {"frames", "height", "width"};
   const int64_t sizes[3] = {c.data.frames, c.data.height, c.data.width};
   const char* patch_names[3] = {"temporal", "height", "width"};
+  const auto& patch = wan ? m.wan.patch : m.patch;
   for (int a = 0; a < 3; ++a) {
-    if (sizes[a] % m.patch[a] != 0)
-      fail(std::string("data.") + axes[a], "expected a multiple of the " + std::string(patch_names[a]) + " patch model.patch[" +
-                                               std::to_string(a) + "] = " + std::to_string(m.patch[a]) + ", got " +
-                                               std::to_string(sizes[a]));
+    if (sizes[a] % patch[a] != 0)
+      fail(std::string("data.") + axes[a], "expected a multiple of the " + std::string(patch_names[a]) + " patch " +
+                                               (wan ? "model.wan.patch[" : "model.patch[") + std::to_string(a) + "] = " +
+                                               std::to_string(patch[a]) + ", got " + std::to_string(sizes[a]));
   }
   const auto& data = c.data;
   if (data.dataset == "videos") {
@@ -614,6 +798,19 @@ void validate(const RunConfig& c, const std::string& source) {
   if (!data.buckets.empty() && data.dataset != "videos") fail("data.buckets", "only data.dataset: videos has buckets");
   if (!data.cache.empty() && data.dataset != "videos") fail("data.cache", "only data.dataset: videos reads a cache");
   const auto& d = c.diffusion;
+  if (wan != (c.data.dataset == "latent-tensors"))
+    fail("data.dataset", wan ? "expected latent-tensors for model.arch wan (latent videos and text embeddings; structured-motion renders "
+                               "pixel videos for the DiT family)"
+                             : "latent-tensors holds Wan's latents and text embeddings: expected structured-motion for model.arch " +
+                                   std::string(to_string(m.arch)));
+  if (!c.data.tensors.empty() && c.data.dataset != "latent-tensors")
+    fail("data.tensors", "applies to data.dataset: latent-tensors");
+  if (d.objective == "flow" && !wan)
+    fail("diffusion.objective", std::string("flow matching is implemented for model.arch wan; the ") + to_string(m.arch) +
+                                    " DiT trains with ddpm");
+  if (d.objective == "flow" && d.prediction != "epsilon")
+    fail("diffusion.prediction", "applies to diffusion.objective ddpm; flow matching predicts the velocity ε − x0 (leave "
+                                 "diffusion.prediction at epsilon)");
   if (d.beta_end <= d.beta_start)
     fail("diffusion.beta_end", "expected a value above diffusion.beta_start (" + format_number(d.beta_start) + "), got " +
                                    format_number(d.beta_end));
@@ -627,22 +824,39 @@ void validate(const RunConfig& c, const std::string& source) {
                                       c.optimizer.state_dtype);
 }
 
+std::array<int64_t, 4> model_sample_shape(const RunConfig& c) {
+  const auto& d = c.data;
+  if (c.model.vae.kind == "sd") {
+    const auto& v = c.model.vae;
+    return {v.latent_channels, d.frames, d.height / v.downscale, d.width / v.downscale};
+  }
+  return {d.channels, d.frames, d.height, d.width};
+}
+
 std::string to_yaml(const RunConfig& config) {
   RunConfig copy = config;
   Schema schema(copy);
   YAML::Emitter out;
   out << YAML::BeginMap;
-  std::string section;
+  std::vector<std::string> open;  // the mappings open around the next key (section, then e.g. "wan")
   for (const auto& f : schema.fields()) {
-    std::string s = f.key.substr(0, f.key.find('.'));
-    if (s != section) {
-      if (!section.empty()) out << YAML::EndMap;
-      out << YAML::Key << s << YAML::Value << YAML::BeginMap;
-      section = s;
+    if (!applies(config, f.key)) continue;
+    std::vector<std::string> parts;
+    for (size_t begin = 0, dot; begin <= f.key.size(); begin = dot + 1) {
+      dot = f.key.find('.', begin);
+      if (dot == std::string::npos) dot = f.key.size();
+      parts.push_back(f.key.substr(begin, dot - begin));
     }
-    out << YAML::Key << f.key.substr(s.size() + 1) << YAML::Value << f.get();
+    size_t common = 0;
+    while (common < open.size() && common + 1 < parts.size() && open[common] == parts[common]) ++common;
+    for (; open.size() > common; open.pop_back()) out << YAML::EndMap;
+    for (size_t i = common; i + 1 < parts.size(); ++i) {
+      out << YAML::Key << parts[i] << YAML::Value << YAML::BeginMap;
+      open.push_back(parts[i]);
+    }
+    out << YAML::Key << parts.back() << YAML::Value << f.get();
   }
-  if (!section.empty()) out << YAML::EndMap;
+  for (; !open.empty(); open.pop_back()) out << YAML::EndMap;
   out << YAML::EndMap;
   return std::string(out.c_str()) + "\n";
 }

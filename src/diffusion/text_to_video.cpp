@@ -17,11 +17,19 @@ TextToVideo::TextToVideo(TextToVideoModel model, torch::Device device, std::shar
       denoiser_(std::move(denoiser)),
       codec_(std::move(codec)) {
   if (!denoiser_) model_.dit->to(device_);  // a given denoiser places the DiT itself (StreamedDenoiser keeps blocks on the host)
-  model_.text_encoder->to(device_);
+  if (!model_.frozen) model_.frozen = FrozenEncoders::load(model_.config, device_, "the model's config");
+  const bool clip = model_.frozen && model_.frozen->has_text();
+  TORCH_CHECK(clip || model_.text_encoder, "TextToVideo: the model has neither a built-in text encoder nor CLIP");
+  if (!clip) {
+    model_.text_encoder->to(device_);
+    model_.text_encoder->eval();
+  }
   model_.dit->eval();
-  model_.text_encoder->eval();
   if (!denoiser_) denoiser_ = std::make_shared<ResidentDenoiser>(model_.dit);
-  if (!codec_) codec_ = std::make_shared<PixelCodec>();
+  if (!codec_) {
+    if (model_.frozen && model_.frozen->has_vae()) codec_ = std::make_shared<VaeCodec>(model_.frozen);
+    else codec_ = std::make_shared<PixelCodec>();
+  }
 }
 
 SamplerOptions TextToVideo::default_options() const {
@@ -33,14 +41,20 @@ SamplerOptions TextToVideo::default_options() const {
 }
 
 std::vector<int64_t> TextToVideo::sample_shape() const {
-  const auto& d = model_.config.data;
-  return {d.channels, d.frames, d.height, d.width};
+  const auto shape = model_sample_shape(model_.config);
+  return {shape.begin(), shape.end()};
 }
 
 Conditioning TextToVideo::encode(const std::vector<std::string>& prompts) {
   torch::NoGradGuard no_grad;
-  auto tokens = tokenizer_.encode_batch(prompts, model_.config.data.max_text_tokens);
   Conditioning c;
+  if (model_.frozen && model_.frozen->has_text()) {
+    auto [text, mask] = model_.frozen->encode_text(prompts);
+    c.text = text.to(device_, model_.dit->parameters().front().scalar_type());  // the DiT's dtype, as the built-in encoder's output
+    c.mask = mask.to(device_);
+    return c;
+  }
+  auto tokens = tokenizer_.encode_batch(prompts, model_.config.data.max_text_tokens);
   c.text = model_.text_encoder->forward(tokens.ids.to(device_));
   c.mask = tokens.mask.to(device_);
   return c;
@@ -58,7 +72,8 @@ torch::Tensor TextToVideo::generate(const std::vector<std::string>& prompts, con
 }
 
 std::vector<std::string> write_validation_samples(const std::string& dir, const RunConfig& config, DiT& dit,
-                                                  TextEncoder& text_encoder, int64_t count, const std::vector<std::string>& dataset_captions) {
+                                                  TextEncoder& text_encoder, int64_t count, const std::vector<std::string>& dataset_captions,
+                                                  std::shared_ptr<FrozenEncoders> frozen) {
   TORCH_CHECK(count >= 1, "write_validation_samples: count must be >= 1, got ", count);
   const auto& d = config.data;
   std::vector<std::string> candidates = dataset_captions;
@@ -79,18 +94,18 @@ std::vector<std::string> write_validation_samples(const std::string& dir, const 
 
   const bool was_training = dit->is_training();
   const auto device = dit->parameters().front().device();
-  TextToVideo generator(TextToVideoModel{config, dit, text_encoder}, device);
+  TextToVideo generator(TextToVideoModel{config, dit, text_encoder, std::move(frozen)}, device);
   const auto options = generator.default_options();
   torch::Tensor videos;
   try {
     videos = generator.generate(prompts, seeds, options);
   } catch (...) {
     dit->train(was_training);
-    text_encoder->train(was_training);
+    if (text_encoder) text_encoder->train(was_training);
     throw;
   }
   dit->train(was_training);
-  text_encoder->train(was_training);
+  if (text_encoder) text_encoder->train(was_training);
 
   const int64_t upscale = (d.height % 2 != 0 || d.width % 2 != 0) ? 2 : 1;
   const std::string videos_dir = io::join_path(dir, eval::kVideosFolder);

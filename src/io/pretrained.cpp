@@ -1,6 +1,8 @@
 #include "io/pretrained.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -97,6 +99,141 @@ torch::Tensor PretrainedFolder::take_any(const std::vector<std::string>& names, 
   for (const auto& n : names)
     if (has(n)) return take(n, shape, dtype);
   return take(names.front(), shape, dtype);
+}
+
+// --- MappedWeights ------------------------------------------------------------------------------------
+
+struct MappedWeights::Mapping {
+  std::string path;
+  SafetensorsHeader header;
+  void* base = nullptr;
+  size_t bytes = 0;
+  ~Mapping() {
+    if (base != nullptr) ::munmap(base, bytes);
+  }
+};
+
+namespace {
+std::string parent_of(const std::string& path) {
+  const auto slash = path.find_last_of('/');
+  return slash == std::string::npos ? "." : path.substr(0, slash);
+}
+}  // namespace
+
+MappedWeights::MappedWeights(const std::string& path) : path_(path) {
+  if (!path_exists(path) || is_directory(path)) throw PretrainedError("'" + path + "': no such weights file");
+  auto open_file = [&](const std::string& file) {
+    auto m = std::make_unique<Mapping>();
+    m->path = file;
+    try {
+      m->header = read_safetensors_header(file);
+    } catch (const SafetensorsError& e) {
+      throw PretrainedError(e.what());
+    }
+    const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) throw PretrainedError("'" + file + "': cannot open: " + std::strerror(errno));
+    struct stat st {};
+    if (::fstat(fd, &st) != 0) {
+      ::close(fd);
+      throw PretrainedError("'" + file + "': cannot stat: " + std::strerror(errno));
+    }
+    m->bytes = static_cast<size_t>(st.st_size);
+    if (m->bytes > 0) {
+      m->base = ::mmap(nullptr, m->bytes, PROT_READ, MAP_PRIVATE, fd, 0);
+      if (m->base == MAP_FAILED) {
+        m->base = nullptr;
+        ::close(fd);
+        throw PretrainedError("'" + file + "': cannot map: " + std::strerror(errno));
+      }
+    }
+    ::close(fd);
+    files_.push_back(std::move(m));
+    return files_.size() - 1;
+  };
+  const bool index = path.size() >= 11 && path.compare(path.size() - 11, 11, ".index.json") == 0;
+  if (!index) {
+    const size_t f = open_file(path);
+    for (const auto& e : files_[f]->header.entries) where_[e.name] = Location{f, &e};
+    return;
+  }
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(read_file(path));
+  } catch (const nlohmann::json::exception& e) {
+    throw PretrainedError("'" + path + "' is not valid JSON: " + e.what());
+  }
+  if (!j.is_object() || !j.contains("weight_map") || !j.at("weight_map").is_object())
+    throw PretrainedError("'" + path + "': expected an object with a \"weight_map\" object (tensor name -> shard file)");
+  std::map<std::string, size_t> shard_index;
+  for (const auto& [name, file] : j.at("weight_map").items()) {
+    if (!file.is_string()) throw PretrainedError("'" + path + "': weight_map[\"" + name + "\"] must be a file name, got " + file.dump());
+    const auto fname = file.get<std::string>();
+    if (fname.empty() || fname.find('/') != std::string::npos)
+      throw PretrainedError("'" + path + "': weight_map[\"" + name + "\"] = \"" + fname + "\" is not a file name beside the index");
+    if (!shard_index.count(fname)) {
+      const auto shard = join_path(parent_of(path), fname);
+      if (!path_exists(shard)) throw PretrainedError("'" + path + "': shard '" + shard + "' (of tensor '" + name + "') is missing");
+      shard_index[fname] = open_file(shard);
+    }
+  }
+  for (const auto& [fname, f] : shard_index)
+    for (const auto& e : files_[f]->header.entries) {
+      if (where_.count(e.name))
+        throw PretrainedError("'" + path + "': tensor '" + e.name + "' is in both '" + files_[where_[e.name].file]->path + "' and '" +
+                              files_[f]->path + "'");
+      where_[e.name] = Location{f, &e};
+    }
+  for (const auto& [name, file] : j.at("weight_map").items()) {
+    auto it = where_.find(name);
+    if (it == where_.end() || files_[it->second.file]->path != join_path(parent_of(path), file.get<std::string>()))
+      throw PretrainedError("'" + path + "': tensor '" + name + "' is not in the shard the index names ('" + file.get<std::string>() + "')");
+  }
+}
+
+MappedWeights::~MappedWeights() = default;
+
+bool MappedWeights::has(const std::string& name) const { return where_.count(name) > 0; }
+
+std::vector<std::string> MappedWeights::names() const {
+  std::vector<std::string> out;
+  for (const auto& [name, loc] : where_) out.push_back(name);
+  return out;
+}
+
+const MappedWeights::Location& MappedWeights::locate(const std::string& name) const {
+  auto it = where_.find(name);
+  if (it == where_.end()) throw PretrainedError("'" + path_ + "': no tensor '" + name + "'");
+  return it->second;
+}
+
+const std::string& MappedWeights::file_of(const std::string& name) const { return files_[locate(name).file]->path; }
+
+const std::vector<int64_t>& MappedWeights::shape(const std::string& name) const { return locate(name).entry->shape; }
+
+torch::Tensor MappedWeights::take(const std::string& name, const std::vector<int64_t>& shape, torch::ScalarType dtype) const {
+  auto it = where_.find(name);
+  if (it == where_.end()) throw PretrainedError("'" + path_ + "': no tensor '" + name + "' (expected shape " + shape_string(shape) + ")");
+  const auto& m = *files_[it->second.file];
+  const auto& e = *it->second.entry;
+  if (e.shape != shape)
+    throw PretrainedError("'" + m.path + "': tensor '" + name + "' has shape " + shape_string(e.shape) + ", expected " + shape_string(shape) +
+                          " (from the model's configuration)");
+  if (!c10::isFloatingType(e.dtype))
+    throw PretrainedError("'" + m.path + "': tensor '" + name + "' is " + safetensors_dtype_name(e.dtype) +
+                          ", expected floating point (F32, F16 or BF16)");
+  auto* data = static_cast<char*>(m.base) + m.header.data_start + e.begin;
+  auto view = torch::from_blob(data, e.shape, torch::TensorOptions().dtype(e.dtype));
+  // A copy in any case: the result must not keep pointing into the mapping.
+  return view.to(dtype, /*non_blocking=*/false, /*copy=*/true);
+}
+
+std::string MappedWeights::bytes(const std::string& name) const {
+  const auto& loc = locate(name);
+  const auto& m = *files_[loc.file];
+  if (loc.entry->dtype != torch::kUInt8)
+    throw PretrainedError("'" + m.path + "': tensor '" + name + "' is " + safetensors_dtype_name(loc.entry->dtype) + ", expected U8 bytes");
+  const auto* data = static_cast<const char*>(m.base) + m.header.data_start + loc.entry->begin;
+  return std::string(data, loc.entry->end - loc.entry->begin);
 }
 
 namespace {

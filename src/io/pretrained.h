@@ -1,6 +1,7 @@
 // Internal to the library (not installed): reading published model folders (transformers / diffusers
 // layout): `config.json` beside one safetensors file of weights. Used by the CLIP text encoder and the
-// Stable Diffusion VAE.
+// Stable Diffusion VAE. MappedWeights reads one safetensors file or a sharded set (an index.json's
+// weight_map) through read-only memory maps; used by the umT5 encoder.
 //
 //   PretrainedFolder  opens DIR/config.json (parsed) and the weights file (header only); take() reads a
 //                     tensor by name straight from the file (only the tensors asked for are read: a
@@ -16,6 +17,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -54,6 +56,45 @@ class PretrainedFolder {
   std::string dir_, weights_path_;
   std::unique_ptr<nlohmann::json> config_;
   SafetensorsHeader header_;
+};
+
+// One safetensors file, or the shards an `*.safetensors.index.json` names ({"weight_map": {tensor: file}},
+// files relative to the index), each memory-mapped read-only. Every shard's header is validated at open
+// (read_safetensors_header), the index must name only files that exist and tensors they hold, and no
+// tensor may be in two shards. take() converts one tensor from the mapping to a fresh CPU tensor of the
+// requested dtype (the file's pages are only touched then, so a model is converted tensor by tensor and
+// the resident copy of the file is the page cache's, not the process's). Errors: PretrainedError naming
+// the file and the tensor. Thread-safety: take() may be called from several threads.
+class MappedWeights {
+ public:
+  // `path`: a .safetensors file or an index.json.
+  explicit MappedWeights(const std::string& path);
+  ~MappedWeights();
+  MappedWeights(const MappedWeights&) = delete;
+  MappedWeights& operator=(const MappedWeights&) = delete;
+
+  const std::string& path() const { return path_; }
+  bool has(const std::string& name) const;
+  std::vector<std::string> names() const;
+  // The file that holds `name` (for errors).
+  const std::string& file_of(const std::string& name) const;
+  // The shape of `name` (it must exist).
+  const std::vector<int64_t>& shape(const std::string& name) const;
+  // The tensor `name`, which must have `shape` and a floating-point dtype, as a new CPU tensor of `dtype`.
+  torch::Tensor take(const std::string& name, const std::vector<int64_t>& shape, torch::ScalarType dtype = torch::kFloat32) const;
+  // The bytes of a U8 tensor (e.g. a tokenizer model stored in the weights file).
+  std::string bytes(const std::string& name) const;
+
+ private:
+  struct Mapping;
+  struct Location {
+    size_t file = 0;
+    const SafetensorsEntry* entry = nullptr;
+  };
+  const Location& locate(const std::string& name) const;
+  std::string path_;
+  std::vector<std::unique_ptr<Mapping>> files_;
+  std::map<std::string, Location> where_;
 };
 
 // Helpers for config.json values: `key` from `j` with a default when absent; a present value of the

@@ -20,7 +20,7 @@ void add_module(io::NamedTensors& out, const std::string& prefix, const torch::n
 io::NamedTensors weights_tensors(DiT& dit, TextEncoder& text_encoder, torch::ScalarType dtype) {
   io::NamedTensors out;
   add_module(out, "dit.", *dit, dtype);
-  add_module(out, "text_encoder.", *text_encoder, dtype);
+  if (text_encoder) add_module(out, "text_encoder.", *text_encoder, dtype);  // none with CLIP (frozen)
   return out;
 }
 
@@ -44,7 +44,8 @@ io::WrittenFile save_weights(const std::string& path, const RunConfig& config, c
 void save_weights(const std::string& path, const RunConfig& config, DiT& dit, TextEncoder& text_encoder, torch::ScalarType dtype) {
   io::NamedTensors parameters;
   for (const auto& p : dit->named_parameters(/*recurse=*/true)) parameters.emplace_back(p.key(), p.value());
-  for (const auto& p : text_encoder->named_parameters(/*recurse=*/true)) parameters.emplace_back("text_encoder." + p.key(), p.value());
+  if (text_encoder)
+    for (const auto& p : text_encoder->named_parameters(/*recurse=*/true)) parameters.emplace_back("text_encoder." + p.key(), p.value());
   save_weights(path, config, parameters, dtype);
 }
 
@@ -66,8 +67,9 @@ TextToVideoModel load_weights(const std::string& path, torch::Device device, tor
   model.config = parse_run_config(meta("config"), path + " (__metadata__.config)");
   CaptionTokenizer tokenizer;
   model.dit = DiT(DiTOptions::from_config(model.config));
-  model.text_encoder =
-      TextEncoder(TextEncoderOptions(tokenizer.vocab_size(), model.config.model.text_dim, model.config.data.max_text_tokens));
+  if (model.config.model.text_encoder.kind == "builtin")  // CLIP is frozen: loaded from its own folder, not stored here
+    model.text_encoder =
+        TextEncoder(TextEncoderOptions(tokenizer.vocab_size(), model.config.model.text_dim, model.config.data.max_text_tokens));
 
   std::map<std::string, torch::Tensor> by_name(file.tensors.begin(), file.tensors.end());
   std::set<std::string> used;
@@ -88,14 +90,14 @@ TextToVideoModel load_weights(const std::string& path, torch::Device device, tor
     }
   };
   fill("dit.", *model.dit);
-  fill("text_encoder.", *model.text_encoder);
+  if (model.text_encoder) fill("text_encoder.", *model.text_encoder);
   for (const auto& [name, tensor] : file.tensors)
     if (!used.count(name)) throw WeightsError("weights file '" + path + "': tensor '" + name + "' is not a parameter of the model its config describes");
 
   model.dit->to(device, dtype);
-  model.text_encoder->to(device, dtype);
+  if (model.text_encoder) model.text_encoder->to(device, dtype);
   model.dit->eval();
-  model.text_encoder->eval();
+  if (model.text_encoder) model.text_encoder->eval();
   return model;
 }
 

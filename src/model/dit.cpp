@@ -12,7 +12,7 @@ DiTOptions DiTOptions::from_config(const RunConfig& config) {
   const auto& m = config.model;
   return DiTOptions()
       .arch(m.arch)
-      .in_channels(config.data.channels)
+      .in_channels(model_sample_shape(config)[0])
       .patch(m.patch)
       .hidden(m.hidden)
       .layers(m.layers)

@@ -23,7 +23,8 @@ std::vector<std::pair<std::string, torch::Tensor>> DiTStack::named_resident_para
   std::vector<std::pair<std::string, torch::Tensor>> out;
   for (const auto& item : model_->named_parameters(true))
     if (item.key().rfind("blocks.", 0) != 0) out.emplace_back(item.key(), item.value());
-  for (const auto& item : text_encoder_->named_parameters(true)) out.emplace_back("text_encoder." + item.key(), item.value());
+  if (text_encoder_)
+    for (const auto& item : text_encoder_->named_parameters(true)) out.emplace_back("text_encoder." + item.key(), item.value());
   return out;
 }
 
@@ -48,7 +49,8 @@ std::vector<torch::Tensor> DiTStack::resident_parameters() {
 double model_flops_per_step(const RunConfig& config) {
   const auto count = count_dit_parameters(DiTOptions::from_config(config));
   const auto& m = config.model;
-  const TokenGrid grid{config.data.frames / m.patch[0], config.data.height / m.patch[1], config.data.width / m.patch[2]};
+  const auto shape = model_sample_shape(config);
+  const TokenGrid grid{shape[1] / m.patch[0], shape[2] / m.patch[1], shape[3] / m.patch[2]};
   const double N = static_cast<double>(grid.numel());
   const double B = static_cast<double>(config.train.batch_size * config.train.grad_accum_steps);
   double keys = N;  // dense
@@ -106,12 +108,14 @@ CPUMasterVideoDiT::CPUMasterVideoDiT(const RunConfig& config)
   // (a block's weights depend only on the DiT's init seed and its index, dit.h).
   torch::manual_seed(config_.train.seed);
   DiT model(DiTOptions::from_config(config_).block_device(torch::kMeta));
-  TextEncoder text_encoder(
-      TextEncoderOptions(batches_.tokenizer().vocab_size(), config_.model.text_dim, config_.data.max_text_tokens));
-  grid_ = model->token_grid(config_.data.frames, config_.data.height, config_.data.width);
+  TextEncoder text_encoder{nullptr};  // CLIP (model.text_encoder.kind: clip) is frozen and lives in batches_.frozen()
+  if (config_.model.text_encoder.kind == "builtin")
+    text_encoder = TextEncoder(TextEncoderOptions(batches_.tokenizer().vocab_size(), config_.model.text_dim, config_.data.max_text_tokens));
+  const auto shape = model_sample_shape(config_);
+  grid_ = model->token_grid(shape[1], shape[2], shape[3]);
   // Resident parts to the device; the blocks' weights go to the host store inside the engine.
   model->move_non_block_parts(device_);
-  text_encoder->to(device_);
+  if (text_encoder) text_encoder->to(device_);
   stack_ = std::make_shared<DiTStack>(model, text_encoder);
   engine_ = std::make_unique<offload::StreamedStackTrainer>(stack_, engine_options(config_, device_));
   if (device_.is_cuda()) {
@@ -140,7 +144,7 @@ StepMetrics CPUMasterVideoDiT::step() {
     auto b = batches_.next(device_);
     data_wait_s += b.data_wait_s;
     target = b.target;
-    auto text = text_encoder(b.text_ids);
+    auto text = b.text.defined() ? b.text : text_encoder(b.text_ids);
     auto e = model->embed(b.xt, b.timesteps, text, b.text_mask);
     t_emb = e.t_emb;
     grid = e.ctx.grid;
@@ -217,13 +221,13 @@ std::vector<std::pair<std::string, torch::Tensor>> CPUMasterVideoDiT::master_wei
 
 void CPUMasterVideoDiT::copy_weights_to(DiT& dit, TextEncoder& text_encoder) {
   auto dit_params = dit->named_parameters();
-  auto text_params = text_encoder->named_parameters();
+  auto text_params = text_encoder ? text_encoder->named_parameters() : torch::OrderedDict<std::string, torch::Tensor>();
   torch::NoGradGuard no_grad;
   size_t copied = 0;
   for (auto& [name, master] : master_views()) {  // one tensor at a time: no copy of the whole model
     const bool is_text = name.rfind("text_encoder.", 0) == 0;
     const std::string key = is_text ? name.substr(13) : name;
-    torch::Tensor* target = is_text ? text_params.find(key) : dit_params.find(key);
+    torch::Tensor* target = is_text ? text_params.find(key) : dit_params.find(key);  // no text_encoder.* with CLIP
     TORCH_CHECK(target != nullptr, "copy_weights_to: the target model has no parameter '", name,
                 "' (was it built from this trainer's config?)");
     TORCH_CHECK(target->sizes() == master.sizes(), "copy_weights_to: '", name, "' is ", target->sizes(),

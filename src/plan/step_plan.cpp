@@ -11,6 +11,8 @@
 #include "megaslide/model/attention.h"
 #include "megaslide/model/dit.h"
 #include "megaslide/model/text_encoder.h"
+#include "megaslide/model/wan.h"
+#include "megaslide/model/wan_weights.h"
 #include "megaslide/offload/cpu_master_trainer.h"
 #include "megaslide/offload/host_param_store.h"
 #include "megaslide/offload/stack_trainer.h"
@@ -21,6 +23,7 @@ namespace {
 // What does not change with frames, resolution or batch: the model's parameter layout.
 struct ModelShape {
   int64_t params = 0, text_encoder_params = 0;
+  int64_t resident = 0;  // on the device, outside the store: prologue, epilogue, caption encoder (Wan: the blocks' fp32 tables)
   std::vector<int64_t> block_numels;
   std::vector<offload::BlockSpec> blocks;  // every block's parameters, as the trainer's store lays them out
   int64_t streamed = 0, largest_block = 0;
@@ -40,9 +43,12 @@ ModelShape model_shape(const RunConfig& config) {
     s.streamed += n;
     s.largest_block = std::max(s.largest_block, n);
   }
-  TextEncoder text(TextEncoderOptions(CaptionTokenizer().vocab_size(), config.model.text_dim, config.data.max_text_tokens)
-                       .device(torch::kMeta));
-  s.text_encoder_params = count_parameters(*text);
+  if (config.model.text_encoder.kind == "builtin") {  // CLIP is frozen: not trained, not counted here
+    TextEncoder text(TextEncoderOptions(CaptionTokenizer().vocab_size(), config.model.text_dim, config.data.max_text_tokens)
+                         .device(torch::kMeta));
+    s.text_encoder_params = count_parameters(*text);
+  }
+  s.resident = s.params - s.streamed + s.text_encoder_params;
   return s;
 }
 
@@ -153,6 +159,8 @@ BlockActivation block_activation(const RunConfig& c, const TokenGrid& grid, int6
       attention_stage = 5 * Xp + Np * D * 4;
       break;
     }
+    case Architecture::kWan:  // wan_block_activation
+      break;
   }
   a.workspace = std::max(mlp_stage, attention_stage);
   return a;
@@ -165,7 +173,8 @@ DeviceMemoryPlan device_memory(const RunConfig& c, const ModelShape& s, const To
   const int64_t B = c.train.batch_size, N = grid.numel(), D = c.model.hidden, L = c.model.layers;
   const int64_t Lt = c.data.max_text_tokens, Dt = c.model.text_dim;
   const int64_t X = B * N * D * e;
-  const int64_t video = B * c.data.channels * c.data.frames * c.data.height * c.data.width * 4;
+  const auto shape = model_sample_shape(c);  // the DiT's samples: pixels or the VAE's latents
+  const int64_t video = B * shape[0] * shape[1] * shape[2] * shape[3] * 4;
   const int64_t resident = s.params - s.streamed + s.text_encoder_params;
   // The batch (x_t, noise), the head's projection and unpatchified prediction: four fp32 videos; x_0
   // (fp32 tokens, kept for the prologue's backward), the head's graph (its input, LayerNorm output,
@@ -201,13 +210,154 @@ DeviceMemoryPlan device_memory(const RunConfig& c, const ModelShape& s, const To
   return d;
 }
 
+bool is_wan(const RunConfig& c) { return c.model.arch == Architecture::kWan; }
+
+// Wan: the store holds each block's attn1, attn2 and ffn (WanBlock::streamed(), as WanStack streams
+// them); every block's fp32 scale_shift_table and norm2, the prologue and the head stay on the device.
+// The text encoder (umT5) is not part of the run: its embeddings are data.
+ModelShape wan_model_shape(const RunConfig& config) {
+  ModelShape s;
+  WanTransformer model(WanOptions::from_config(config).device(torch::kMeta));
+  s.params = count_parameters(*model);
+  for (size_t l = 0; l < model->blocks->size(); ++l) {
+    auto& block = model->blocks[l]->as<WanBlockImpl>()->streamed();
+    offload::BlockSpec spec{"blocks." + std::to_string(l), {}};
+    int64_t n = 0;
+    for (const auto& item : block.named_parameters(/*recurse=*/true)) {
+      spec.params.push_back({item.key(), item.value().sizes().vec()});
+      n += item.value().numel();
+    }
+    s.blocks.push_back(std::move(spec));
+    s.block_numels.push_back(n);
+    s.streamed += n;
+    s.largest_block = std::max(s.largest_block, n);
+  }
+  s.resident = s.params - s.streamed;
+  return s;
+}
+
+ModelShape shape_of(const RunConfig& c) { return is_wan(c) ? wan_model_shape(c) : model_shape(c); }
+const std::array<int64_t, 3>& patch_of(const RunConfig& c) { return is_wan(c) ? c.model.wan.patch : c.model.patch; }
+
+// Model FLOPs of one Wan step, counted as model_flops_per_step counts the DiT's: 6 per weight and token
+// for every linear map (the cross-attention's k and v run over the text tokens, everything else over the
+// video tokens), attention as 12·N·keys·D per layer (4 forward, 8 backward), keys = N (dense) or the
+// 3D-DSA kernel's volume, plus the text tokens of the cross-attention.
+double wan_model_flops(const RunConfig& c, const TokenGrid& grid) {
+  const auto& w = c.model.wan;
+  const auto count = count_wan_parameters(WanOptions::from_config(c));
+  const double N = static_cast<double>(grid.numel()), Lt = static_cast<double>(c.data.max_text_tokens);
+  const double B = static_cast<double>(c.train.batch_size * c.train.grad_accum_steps);
+  const double D = static_cast<double>(w.dim), L = static_cast<double>(w.layers);
+  const double cross_kv = 2.0 * (D * D + D) * L;  // attn2.to_k, attn2.to_v
+  const double text_mlp = static_cast<double>(w.text_dim) * D + D + D * D + D;  // condition_embedder.text_embedder
+  const double per_video_token = static_cast<double>(count.total) - cross_kv - text_mlp;
+  double keys = N;
+  if (c.model.self_attention == "dsa3d") {
+    const auto& k = c.model.dsa_kernel;
+    keys = static_cast<double>(std::min(k[0], grid.t) * std::min(k[1], grid.h) * std::min(k[2], grid.w));
+  }
+  const double attention = 12.0 * L * B * N * (keys + Lt) * D;
+  return 6.0 * B * (per_video_token * N + (cross_kv + text_mlp) * Lt) + attention;
+}
+
+// The tensors autograd keeps while one Wan block is recomputed with grad, following WanBlock::forward
+// (docs/planner.md): X = B·N·D in the compute dtype, F the same in fp32 (the block's LayerNorms,
+// modulation and gated residuals run in fp32 as diffusers keeps them), Xm at the FFN's width, C = B·Lt·D
+// for the text side of the cross-attention.
+BlockActivation wan_block_activation(const RunConfig& c, const TokenGrid& grid, int64_t e, bool dsa_reference) {
+  const auto& w = c.model.wan;
+  const int64_t B = c.train.batch_size, N = grid.numel(), D = w.dim, M = w.heads, Lt = c.data.max_text_tokens;
+  const int64_t Nb = B * N;
+  const int64_t X = Nb * D * e, F = Nb * D * 4, Xm = Nb * w.ffn_dim * e, C = B * Lt * D * e;
+  const int64_t stats = Nb * 8, lse = Nb * M * 4;
+  BlockActivation a;
+  // Three fp32 LayerNorms: their fp32 input and output (the output is multiplied by the learned
+  // modulation) and statistics; the modulated inputs h of attn1, attn2 (cross_attn_norm) and the FFN.
+  a.saved = 6 * F + 3 * stats + 3 * X;
+  // attn1: q, k, v projections; RoPE's fp32 views of q and k and its outputs; the projection's input
+  // (merged heads) and output (multiplied by the gate in fp32).
+  a.saved += 3 * X + 2 * F + 2 * X + 2 * X;
+  // attn2: q and its output's projection input; the text's k and v, and the context cast to the compute dtype.
+  a.saved += 2 * X + 3 * C + lse;
+  // The first gated residual's output in the compute dtype, the second residual's output.
+  a.saved += 2 * X;
+  // RMSNorm over q and k (both attentions): their outputs and per-token fp32 rstd.
+  if (w.qk_norm) a.saved += 3 * X + C + 3 * Nb * 4 + B * Lt * 4;
+  // FFN: fc1's output, GELU's output (fc2's input), fc2's output in fp32 (multiplied by the gate).
+  a.saved += 2 * Xm + F;
+  const int64_t mlp_stage = 2 * Xm + 2 * X + F;
+  int64_t attention_stage = 0;
+  if (c.model.self_attention == "dsa3d") {
+    const auto k = ops::effective_kernel(c.model.dsa_kernel, grid.dims());
+    const int64_t K = k[0] * k[1] * k[2], G = c.model.dsa_groups;
+    const int64_t offsets = Nb * G * K * 3 * e;
+    // The offset network (learned): channels-first copy, depthwise output, GELU output, channels-last
+    // copy; tanh's output and the offsets. Zero offsets keep the offsets only.
+    a.saved += c.model.dsa_offsets == DsaOffsets::kLearned ? 4 * X + 2 * offsets : offsets;
+    if (!dsa_reference) {
+      a.saved += X + lse;  // FusedDsa3d's out and lse
+      attention_stage = 5 * X + 2 * Nb * D * 4 + offsets;
+    } else {
+      a.saved += 2 * K * X + 2 * Nb * M * K * e + offsets + X;
+      attention_stage = 2 * K * X + 2 * Nb * M * K * e + 5 * X;
+    }
+  } else {
+    a.saved += X + lse;  // SDPA's output and lse (flash / memory-efficient kernels: no N×N matrix)
+    attention_stage = 5 * X + Nb * D * 4;  // dq, dk, dv, dout, dx, an fp32 dq accumulator
+  }
+  a.workspace = std::max(mlp_stage, attention_stage);
+  return a;
+}
+
+DeviceMemoryPlan wan_device_memory(const RunConfig& c, const ModelShape& s, const TokenGrid& grid) {
+  DeviceMemoryPlan d;
+  const auto& w = c.model.wan;
+  const bool streamed = c.offload.enabled;
+  const int64_t e = streamed ? compute_element_bytes(c.offload.compute_dtype) : 4;
+  const int64_t B = c.train.batch_size, N = grid.numel(), D = w.dim, L = w.layers, Lt = c.data.max_text_tokens;
+  const int64_t X = B * N * D * e;
+  const int64_t video = B * c.data.channels * c.data.frames * c.data.height * c.data.width * 4;
+  // The batch (x0, noise, x_t, target) and the prediction: five fp32 latent videos; the patch embedding's
+  // fp32 tokens, the head's LayerNorm input, output and modulated input, the input gradient; the text
+  // embedder's input [B, Lt, text_dim] and its fp32 intermediates; the RoPE tables (fp32 cos and sin).
+  d.prologue_epilogue = 5 * video + 5 * B * N * D * 4 + B * Lt * (w.text_dim + 3 * D) * 4 + N * (D / w.heads) * 4;
+  const BlockActivation fused = wan_block_activation(c, grid, e, false);
+  const bool dsa = c.model.self_attention == "dsa3d";
+  if (streamed) {
+    d.weight_slots = d.gradient_slots = 2 * s.largest_block * e;
+    d.resident_state = 16 * s.resident;
+    d.checkpoints = (L + 1) * X;
+    d.block_inputs = 2 * (B * 6 * D * 4 + B * Lt * D * e);  // tproj (fp32) and the text context, with grads
+    d.recompute_saved = fused.saved;
+    d.recompute_workspace = fused.workspace;
+    if (dsa) {
+      const BlockActivation ref = wan_block_activation(c, grid, e, true);
+      d.recompute_saved_reference = ref.saved;
+      d.recompute_workspace_reference = ref.workspace;
+    }
+  } else {
+    d.resident_state = 16 * s.params;
+    d.checkpoints = X;
+    d.recompute_saved = L * fused.saved;
+    d.recompute_workspace = fused.workspace;
+    if (dsa) {
+      const BlockActivation ref = wan_block_activation(c, grid, e, true);
+      d.recompute_saved_reference = L * ref.saved;
+      d.recompute_workspace_reference = ref.workspace;
+    }
+  }
+  return d;
+}
+
 TokenGrid grid_of(const RunConfig& c) {
-  const auto& p = c.model.patch;
-  return {c.data.frames / p[0], c.data.height / p[1], c.data.width / p[2]};
+  const auto& p = patch_of(c);
+  const auto shape = model_sample_shape(c);  // pixels, or the VAE's latents
+  return {shape[1] / p[0], shape[2] / p[1], shape[3] / p[2]};
 }
 
 bool device_fits(const RunConfig& c, const ModelShape& s, const HardwareProfile& hw) {
-  return device_memory(c, s, grid_of(c)).peak() <= hw.device_memory_bytes;
+  return (is_wan(c) ? wan_device_memory(c, s, grid_of(c)) : device_memory(c, s, grid_of(c))).peak() <= hw.device_memory_bytes;
 }
 
 std::string gb(double bytes) { return fmt::format("{:.1f} GB", bytes / 1e9); }
@@ -217,7 +367,7 @@ std::vector<std::string> advise(const RunConfig& config, const ModelShape& s, co
                                 const HardwareProfile& hw) {
   std::vector<std::string> out;
   if (!plan.fits_device) {
-    const auto& p = config.model.patch;
+    const auto& p = patch_of(config);
     RunConfig c = config;
     // The largest frame count (a multiple of the temporal patch) below the current one that fits.
     for (int64_t f = config.data.frames - p[0]; f >= p[0]; f -= p[0]) {
@@ -230,9 +380,10 @@ std::vector<std::string> advise(const RunConfig& config, const ModelShape& s, co
     c = config;
     for (int64_t halvings = 1; halvings <= 6; ++halvings) {
       const int64_t h = config.data.height >> halvings, w = config.data.width >> halvings;
-      if (h < p[1] || w < p[2]) break;
-      c.data.height = h / p[1] * p[1];
-      c.data.width = w / p[2] * p[2];
+      const int64_t unit = c.model.vae.kind == "sd" ? c.model.vae.downscale : 1;  // pixels per latent
+      if (h < p[1] * unit || w < p[2] * unit) break;
+      c.data.height = h / (p[1] * unit) * (p[1] * unit);
+      c.data.width = w / (p[2] * unit) * (p[2] * unit);
       if (device_fits(c, s, hw)) {
         out.push_back(fmt::format("device: lower resolution: data.height={} data.width={} fits", c.data.height, c.data.width));
         break;
@@ -255,11 +406,16 @@ std::vector<std::string> advise(const RunConfig& config, const ModelShape& s, co
       c.model.arch = Architecture::kMegaSlide;
       if (device_fits(c, model_shape(c), hw)) out.push_back("device: local attention: model.arch=megaslide fits");
     }
+    if (is_wan(config) && config.model.self_attention == "dense") {
+      c = config;
+      c.model.self_attention = "dsa3d";
+      if (device_fits(c, wan_model_shape(c), hw)) out.push_back("device: the 3D-DSA retrofit: model.self_attention=dsa3d fits");
+    }
     const int64_t fixed = plan.device.weight_slots + plan.device.gradient_slots + plan.device.resident_state;
     if (fixed > hw.device_memory_bytes) {
       out.push_back(fmt::format("device: the weight and gradient slots and resident parts alone need {}: a narrower model "
-                                "(model.hidden) is the only way",
-                                gb(static_cast<double>(fixed))));
+                                "({}) is the only way",
+                                gb(static_cast<double>(fixed)), is_wan(config) ? "model.wan.dim" : "model.hidden"));
     }
     if (out.empty()) out.push_back("device: no single change of frames, resolution or batch fits this device");
   }
@@ -275,10 +431,10 @@ std::vector<std::string> advise(const RunConfig& config, const ModelShape& s, co
                                   gb(static_cast<double>(smaller.host.peak()))));
     }
     // Layers that fit at this width: host bytes grow by the same amount per block.
-    const int64_t L = config.model.layers;
+    const int64_t L = is_wan(config) ? config.model.wan.layers : config.model.layers;
     const double per_block = static_cast<double>(plan.host.peak()) / static_cast<double>(L);
     const int64_t layers = static_cast<int64_t>(std::floor(static_cast<double>(hw.host_memory_bytes) / per_block));
-    if (layers >= 1 && layers < L) out.push_back(fmt::format("host: fewer blocks: model.layers={} fits ({} now)", layers, L));
+    if (layers >= 1 && layers < L) out.push_back(fmt::format("host: fewer blocks: {}={} fits ({} now)", is_wan(config) ? "model.wan.layers" : "model.layers", layers, L));
   }
   return out;
 }
@@ -293,9 +449,16 @@ RunConfig with_planned_compute_dtype(RunConfig config) {
 }  // namespace
 
 StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw) {
-  const RunConfig config = with_planned_compute_dtype(requested);
+  RunConfig sized = requested;
+  try {  // Wan: the sizes of model.wan.weights when set, as megaslide-train reads them
+    sized = with_wan_architecture_from_weights(requested);
+  } catch (const WanWeightsError& e) {
+    throw ConfigError("megaslide-plan", "model.wan.weights", e.what());
+  }
+  const RunConfig config = with_planned_compute_dtype(sized);
   validate(config, "megaslide-plan");
-  const ModelShape s = model_shape(config);
+  const bool wan = is_wan(config);
+  const ModelShape s = shape_of(config);
   const TokenGrid grid = grid_of(config);
   const auto& t = config.train;
   StepPlan p;
@@ -304,8 +467,8 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw) {
   p.compute_dtype = p.streamed ? config.offload.compute_dtype : "fp32";
   p.state_dtype = "fp32";
   p.mode = config.offload.mode;
-  p.layers = config.model.layers;
-  p.hidden = config.model.hidden;
+  p.layers = wan ? config.model.wan.layers : config.model.layers;
+  p.hidden = wan ? config.model.wan.dim : config.model.hidden;
   p.batch_size = t.batch_size;
   p.grad_accum_steps = t.grad_accum_steps;
   p.tokens_per_sample = grid.numel();
@@ -313,7 +476,7 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw) {
   p.params = s.params;
   p.text_encoder_params = s.text_encoder_params;
   p.streamed_params = s.streamed;
-  p.resident_params = s.params - s.streamed + s.text_encoder_params;
+  p.resident_params = s.resident;
   p.params_per_block = s.largest_block;
   p.hardware = hw;
 
@@ -337,22 +500,35 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw) {
     // Start-up: the store, and the fp32 initial weights of the blocks being loaded into it
     // (StackTrainerOptions::init_threads at once, 2 by default).
     p.host.construction_peak = p.host.state() + 2 * 4 * s.largest_block;
+    // WanTrainer builds (and loads) the whole model in fp32 on the CPU before the store takes its blocks.
+    if (wan) p.host.construction_peak = p.host.state() + 4 * s.params;
     p.transfer = replay_transfers(s.block_numels, A, e);
   }
-  p.device = device_memory(config, s, grid);
+  p.device = wan ? wan_device_memory(config, s, grid) : device_memory(config, s, grid);
 
   // Time.
   auto& tm = p.time;
-  tm.model_flops = model_flops_per_step(config);
+  tm.model_flops = wan ? wan_model_flops(config, grid) : model_flops_per_step(config);
   const double samples = static_cast<double>(t.batch_size * A);
-  const double dense_flops = 6.0 * static_cast<double>(s.params) * samples * static_cast<double>(grid.numel());
+  double dense_flops = 6.0 * static_cast<double>(s.params) * samples * static_cast<double>(grid.numel());
+  if (wan) {  // the linear maps' part of wan_model_flops: the same count without attention's N·keys terms
+    const double N = static_cast<double>(grid.numel()), Lt = static_cast<double>(config.data.max_text_tokens);
+    double keys = N;
+    if (config.model.self_attention == "dsa3d") {
+      const auto& k = config.model.dsa_kernel;
+      keys = static_cast<double>(std::min(k[0], grid.t) * std::min(k[1], grid.h) * std::min(k[2], grid.w));
+    }
+    dense_flops = tm.model_flops - 12.0 * static_cast<double>(p.layers) * samples * N * (keys + Lt) * static_cast<double>(p.hidden);
+  }
   const double attention_flops = tm.model_flops - dense_flops;
   tm.executed_flops = tm.model_flops;
   if (p.streamed) {
     // Checkpointing recomputes every block's forward: 2 FLOPs per streamed weight and token, plus the
     // attention's forward third (model_flops counts attention as 4 forward + 8 backward).
-    tm.executed_flops += 2.0 * static_cast<double>(s.streamed) * samples * static_cast<double>(grid.numel()) +
-                         attention_flops / 3.0;
+    // (Wan: the cross-attention's k and v projections run over the text tokens.)
+    const double cross_kv = wan ? 2.0 * static_cast<double>(p.hidden * p.hidden + p.hidden) * static_cast<double>(p.layers) : 0.0;
+    tm.executed_flops += 2.0 * (static_cast<double>(s.streamed) - cross_kv) * samples * static_cast<double>(grid.numel()) +
+                         2.0 * cross_kv * samples * static_cast<double>(config.data.max_text_tokens) + attention_flops / 3.0;
     // CpuAdamW reads master, m, v and the gradient and writes master, m, v and the compute copy (none
     // with fp32 compute, which uploads the master); m and v in the state dtype (int8: and their group
     // scales, read and written); accumulation reads each staged micro-batch and writes (first) or reads
@@ -498,7 +674,7 @@ std::string to_table(const StepPlan& p) {
     if (p.host.grad > 0) row("fp32 gradient sums (accumulation)", p.host.grad);
     if (p.host.staging > 0) row("accumulation staging (2 blocks)", p.host.staging);
     row("steady total", p.host.steady());
-    row("start-up peak (state + 2 blocks' fp32 init)", p.host.construction_peak);
+    row(p.arch == "wan" ? "start-up peak (state + the model in fp32)" : "start-up peak (state + 2 blocks' fp32 init)", p.host.construction_peak);
     row("of the steady total, page-locked", p.host.pinned);
     out += fmt::format("  -> {} the {:.1f} GB of host RAM\n\n", p.fits_host ? "fits" : "DOES NOT FIT",
                        static_cast<double>(p.hardware.host_memory_bytes) / 1e9);

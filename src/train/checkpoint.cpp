@@ -46,16 +46,31 @@ bool is_checkpoint_name(const std::string& name) {
 bool must_match(const std::string& key) {
   static const std::set<std::string> exact{"diffusion.timesteps",    "diffusion.beta_schedule", "diffusion.beta_start",
                                            "diffusion.beta_end",     "diffusion.caption_dropout", "diffusion.prediction", "train.batch_size",
-                                           "train.seed",             "offload.compute_dtype", "optimizer.state_dtype"};
+                                           "train.seed",             "offload.compute_dtype", "optimizer.state_dtype",
+                                           "diffusion.objective",    "diffusion.shift",       "diffusion.timestep_sampling",
+                                           "diffusion.logit_mean",   "diffusion.logit_std"};
+  if (key == "model.wan.weights") return false;  // where a run's initial weights came from: a resume reads its own
   // How data is loaded (threads, read-ahead, from the cache or by decoding) does not change what is drawn.
-  static const std::set<std::string> loading{"data.workers", "data.prefetch", "data.cache", "data.max_bad_fraction"};
+  // Nor do how many frames the VAE takes per call and how validation videos are decoded.
+  static const std::set<std::string> loading{"data.workers",           "data.prefetch",     "data.cache", "data.max_bad_fraction",
+                                             "model.vae.frames_per_batch", "model.vae.tile_size", "model.vae.tile_overlap"};
   if (loading.count(key) > 0) return false;
   return key.rfind("model.", 0) == 0 || key.rfind("data.", 0) == 0 || exact.count(key) > 0;
 }
 
-YAML::Node lookup(const YAML::Node& root, const std::string& key) {
-  const auto dot = key.find('.');
-  return root[key.substr(0, dot)][key.substr(dot + 1)];
+// The value at a key path ("model.wan.dim") as YAML text; "" when the config has no such key (to_yaml
+// writes only the keys of the run's model family).
+std::string lookup(const YAML::Node& root, const std::string& key) {
+  YAML::Node node = root;
+  for (size_t begin = 0, dot; begin <= key.size(); begin = dot + 1) {
+    dot = key.find('.', begin);
+    if (dot == std::string::npos) dot = key.size();
+    if (!node.IsMap()) return "";
+    const YAML::Node next = node[key.substr(begin, dot - begin)];
+    if (!next.IsDefined()) return "";
+    node.reset(next);  // rebinds `node` (plain assignment would overwrite the value it refers to)
+  }
+  return YAML::Dump(node);
 }
 
 void check_config(const std::string& path, const std::string& saved_yaml, const RunConfig& config) {
@@ -68,7 +83,7 @@ void check_config(const std::string& path, const std::string& saved_yaml, const 
   const YAML::Node a = YAML::Load(to_yaml(saved)), b = YAML::Load(to_yaml(config));
   for (const auto& key : config_keys()) {
     if (!must_match(key)) continue;
-    const std::string x = YAML::Dump(lookup(a, key)), y = YAML::Dump(lookup(b, key));
+    const std::string x = lookup(a, key), y = lookup(b, key);
     if (x != y && key == "offload.compute_dtype")
       fail(path, fmt::format("{}: offload.compute_dtype is {} in the checkpoint but {} in this run's config (`auto` "
                              "resolves to the dtype this machine runs fast); resume with --set offload.compute_dtype={}",
@@ -296,7 +311,7 @@ std::vector<std::string> resume_warnings(const std::string& path, const RunConfi
     const YAML::Node a = YAML::Load(to_yaml(saved)), b = YAML::Load(to_yaml(config));
     // LibTorch's CPU reductions split their work by thread count: another count sums in another order.
     for (const char* key : {"train.threads"}) {
-      const std::string x = YAML::Dump(lookup(a, key)), y = YAML::Dump(lookup(b, key));
+      const std::string x = lookup(a, key), y = lookup(b, key);
       if (x != y)
         out.push_back(fmt::format("{} is {} here but was {} when {} was saved: the run continues, but its losses will no longer "
                                   "match an uninterrupted run's bit for bit; resume with --set {}={} for an exact continuation",

@@ -18,6 +18,7 @@
 #include <set>
 
 #include "megaslide/train/auto_settings.h"
+#include "megaslide/train/distributed.h"
 
 namespace megaslide {
 
@@ -79,6 +80,7 @@ DiffusionBatchSource::DiffusionBatchSource(const RunConfig& config)
       prediction_(parse_prediction(config.diffusion.prediction)),
       caption_rng_(config.train.seed ^ 0x5DEECE66Dull),
       generator_(at::detail::createCPUGenerator(config.train.seed)) {
+  frozen_ = FrozenEncoders::load(config, resolve_device(config.train.device), "config");
   if (config.data.dataset != "videos") return;
   videos_ = std::make_unique<Videos>();
   const auto& d = config.data;
@@ -189,14 +191,27 @@ void DiffusionBatchSource::restore(const std::string& state) {
   }
 }
 
+void DiffusionBatchSource::take_slice(int64_t rank, int64_t world_size) {
+  const int64_t B = config_.train.batch_size;
+  if (world_size < 1 || rank < 0 || rank >= world_size)
+    throw std::invalid_argument(fmt::format("rank {} is outside a world of {} ranks", rank, world_size));
+  if (B % world_size != 0)
+    throw std::invalid_argument(fmt::format("train.batch_size {} does not split evenly over {} ranks: set it to a multiple of {}", B,
+                                            world_size, world_size));
+  slice_rank_ = rank;
+  slice_count_ = world_size;
+}
+
 DiffusionBatch DiffusionBatchSource::next(torch::Device device) {
   if (device != schedule_device_) {
     schedule_ = schedule_.to(device);
     schedule_device_ = device;
   }
-  const int64_t B = config_.train.batch_size;
+  const int64_t B = config_.train.batch_size;       // the global batch: every draw below is made for all of it
+  const int64_t local = B / slice_count_;           // this rank's items: [first, first + local)
+  const int64_t first = slice_rank_ * local;
   const auto data_start = std::chrono::steady_clock::now();
-  torch::Tensor video;  // [B, C, T, H, W] float
+  torch::Tensor video;  // [local, C, T, H, W] float
   std::vector<std::string> captions;
   LoadedBatch loaded;
   if (videos_) {
@@ -206,24 +221,39 @@ DiffusionBatch DiffusionBatchSource::next(torch::Device device) {
     }
     if (!loaded.failed.empty()) videos_->check(config_.data);
     captions = loaded.captions;
+    if (slice_count_ > 1) {
+      captions = std::vector<std::string>(captions.begin() + first, captions.begin() + first + local);
+      loaded.video = loaded.video.narrow(0, first, local);
+      if (loaded.text_ids.defined()) {
+        loaded.text_ids = loaded.text_ids.narrow(0, first, local);
+        loaded.text_mask = loaded.text_mask.narrow(0, first, local);
+      }
+    }
   } else {
-    auto clips = dataset_.batch(sampler_.next(B));
+    auto order = sampler_.next(B);
+    if (slice_count_ > 1) order = std::vector<int64_t>(order.begin() + first, order.begin() + first + local);
+    auto clips = dataset_.batch(order);
     video = clips.video;
     captions = std::move(clips.captions);
   }
   const double data_wait_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - data_start).count();
+  // Caption dropout: one draw per item of the global batch, in order; the rank keeps its items' draws.
   std::bernoulli_distribution drop(config_.diffusion.caption_dropout);
   std::vector<bool> dropped;
-  for (auto& caption : captions) {
-    dropped.push_back(drop(caption_rng_));
-    if (dropped.back()) caption.clear();
+  for (int64_t i = 0; i < B; ++i) {
+    const bool d = drop(caption_rng_);
+    if (i >= first && i < first + local) dropped.push_back(d);
   }
-  torch::Tensor text_ids, text_mask;
-  if (loaded.text_ids.defined()) {
+  for (size_t i = 0; i < captions.size(); ++i)
+    if (dropped[i]) captions[i].clear();
+  torch::Tensor text_ids, text_mask, text;
+  if (frozen_ && frozen_->has_text()) {
+    std::tie(text, text_mask) = frozen_->encode_text(captions);  // dropped captions are the empty prompt
+  } else if (loaded.text_ids.defined()) {
     // Precomputed by the cache: the empty prompt's for dropped captions.
     text_ids = loaded.text_ids.clone();
     text_mask = loaded.text_mask.clone();
-    for (int64_t i = 0; i < B; ++i) {
+    for (int64_t i = 0; i < local; ++i) {
       if (!dropped[static_cast<size_t>(i)]) continue;
       text_ids[i].copy_(videos_->empty_prompt.text_ids);
       text_mask[i].copy_(videos_->empty_prompt.text_mask);
@@ -245,32 +275,47 @@ DiffusionBatch DiffusionBatchSource::next(torch::Device device) {
   } else {
     b.x0 = video.to(device);
   }
+  if (frozen_ && frozen_->has_vae()) b.x0 = frozen_->encode_video(b.x0).to(device);  // pixels -> scaled latents
+  // Timesteps then noise for the whole global batch (the single-process stream), then the rank's rows.
   b.timesteps = schedule_.sample_timesteps(B, device, generator_);
+  auto global_shape = b.x0.sizes().vec();
+  global_shape[0] = B;
   // Noise is drawn on the CPU so that a run's random stream is the same on every device.
-  b.noise = torch::randn(b.x0.sizes(), generator_, torch::kFloat32).to(device);
+  b.noise = torch::randn(global_shape, generator_, torch::kFloat32);
+  if (slice_count_ > 1) {
+    b.timesteps = b.timesteps.narrow(0, first, local);
+    b.noise = b.noise.narrow(0, first, local);
+  }
+  b.noise = b.noise.to(device);
   b.xt = schedule_.add_noise(b.x0, b.noise, b.timesteps);
   b.target = schedule_.target(prediction_, b.x0, b.noise, b.timesteps);
-  b.text_ids = text_ids.to(device);
+  if (text.defined()) b.text = text.to(device);
+  else b.text_ids = text_ids.to(device);
   b.text_mask = text_mask.to(device);
   b.data_wait_s = data_wait_s;
   return b;
 }
 
-ResidentTrainer::ResidentTrainer(const RunConfig& config)
-    : config_(config), device_(resolve_device(config.train.device)), batches_(config) {
+ResidentTrainer::ResidentTrainer(const RunConfig& config, Communicator* communicator)
+    : config_(config), device_(resolve_device(config.train.device)), batches_(config), communicator_(communicator) {
   validate(config_, "ResidentTrainer");
+  if (communicator_ != nullptr) batches_.take_slice(communicator_->rank(), communicator_->world_size());
   apply_threads(plan_threads(config_, device_));
   torch::manual_seed(config_.train.seed);
   model_ = DiT(DiTOptions::from_config(config_));
-  text_encoder_ = TextEncoder(TextEncoderOptions(batches_.tokenizer().vocab_size(), config_.model.text_dim, config_.data.max_text_tokens));
+  if (config_.model.text_encoder.kind == "builtin") {  // CLIP is frozen and lives in batches_.frozen()
+    text_encoder_ = TextEncoder(TextEncoderOptions(batches_.tokenizer().vocab_size(), config_.model.text_dim, config_.data.max_text_tokens));
+    text_encoder_->to(device_);
+  }
   model_->to(device_);
-  text_encoder_->to(device_);
   for (auto& p : model_->parameters()) parameters_.push_back(p);
-  for (auto& p : text_encoder_->parameters()) parameters_.push_back(p);
+  if (text_encoder_)
+    for (auto& p : text_encoder_->parameters()) parameters_.push_back(p);
   const auto& t = config_.train;
   optimizer_ = std::make_unique<torch::optim::AdamW>(
       parameters_, torch::optim::AdamWOptions(t.lr).betas({t.beta1, t.beta2}).eps(t.eps).weight_decay(t.weight_decay));
-  grid_ = model_->token_grid(config_.data.frames, config_.data.height, config_.data.width);
+  const auto shape = model_sample_shape(config_);
+  grid_ = model_->token_grid(shape[1], shape[2], shape[3]);
 }
 
 int64_t ResidentTrainer::parameter_count() const {
@@ -282,7 +327,8 @@ int64_t ResidentTrainer::parameter_count() const {
 std::vector<std::pair<std::string, torch::Tensor>> ResidentTrainer::named_parameters() {
   std::vector<std::pair<std::string, torch::Tensor>> out;
   for (const auto& p : model_->named_parameters(true)) out.emplace_back(p.key(), p.value());
-  for (const auto& p : text_encoder_->named_parameters(true)) out.emplace_back("text_encoder." + p.key(), p.value());
+  if (text_encoder_)
+    for (const auto& p : text_encoder_->named_parameters(true)) out.emplace_back("text_encoder." + p.key(), p.value());
   return out;
 }
 
@@ -333,6 +379,35 @@ void ResidentTrainer::load_training_state(const TrainingState& s) {
   consecutive_skips_ = s.consecutive_skips;
 }
 
+void ResidentTrainer::average_over_ranks(double& loss_sum) {
+  if (communicator_ == nullptr) return;
+  // One flat buffer of every defined gradient: one collective a step, not one per parameter.
+  std::vector<torch::Tensor> grads;
+  for (auto& p : parameters_)
+    if (p.grad().defined()) grads.push_back(p.grad());
+  std::vector<torch::Tensor> pieces;
+  for (auto& g : grads) pieces.push_back(g.reshape({-1}));
+  std::vector<torch::Tensor> flat{torch::cat(pieces)};
+  // The loss and the count of defined gradients (which must agree on every rank, else the ranks'
+  // buffers would not line up), in float64 on the device (NCCL reduces GPU tensors only).
+  std::vector<torch::Tensor> scalars{
+      torch::tensor({loss_sum, static_cast<double>(grads.size())}, torch::kFloat64).to(device_)};
+  communicator_->all_reduce_sum(scalars);
+  const double ranks = static_cast<double>(communicator_->world_size());
+  const auto sums = scalars[0].cpu();
+  const double defined = sums[1].item<double>();
+  TORCH_CHECK(defined == ranks * static_cast<double>(grads.size()), "data parallelism: this rank has ", grads.size(),
+              " parameters with a gradient but the ranks together have ", defined, "; every rank must train the same parameters");
+  communicator_->all_reduce_sum(flat);
+  loss_sum = sums[0].item<double>() / ranks;
+  torch::NoGradGuard no_grad;
+  int64_t offset = 0;
+  for (auto& g : grads) {
+    g.copy_(flat[0].narrow(0, offset, g.numel()).view(g.sizes()).div_(ranks));
+    offset += g.numel();
+  }
+}
+
 StepMetrics ResidentTrainer::step() {
   const auto start = std::chrono::steady_clock::now();
   const auto& t = config_.train;
@@ -346,11 +421,12 @@ StepMetrics ResidentTrainer::step() {
   for (int64_t k = 0; k < accum; ++k) {
     auto b = batches_.next(device_);
     data_wait_s += b.data_wait_s;
-    auto text = text_encoder_(b.text_ids);
+    auto text = b.text.defined() ? b.text : text_encoder_(b.text_ids);
     auto loss = diffusion_loss(model_(b.xt, b.timesteps, text, b.text_mask), b.target);
     (accum == 1 ? loss : loss / static_cast<double>(accum)).backward();
     loss_sum += loss.item<double>();  // synchronises with the device, so the timing below is complete
   }
+  average_over_ranks(loss_sum);
   const auto optimizer_start = std::chrono::steady_clock::now();  // the device is idle here (item() above)
   const double max_norm = t.grad_clip > 0 ? t.grad_clip : std::numeric_limits<double>::infinity();
   const double grad_norm = torch::nn::utils::clip_grad_norm_(parameters_, max_norm);

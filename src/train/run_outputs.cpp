@@ -14,6 +14,8 @@
 
 #include "megaslide/io/files.h"
 #include "megaslide/model/dit.h"
+#include "megaslide/model/wan.h"
+#include "megaslide/model/wan_weights.h"
 #include "megaslide/train/auto_settings.h"
 
 namespace megaslide {
@@ -85,13 +87,14 @@ struct TrainLog::Impl {
   std::shared_ptr<spdlog::logger> logger;
 };
 
-TrainLog::TrainLog(const std::string& path, bool append) : impl_(std::make_unique<Impl>()) {
+TrainLog::TrainLog(const std::string& path, bool append, bool echo) : impl_(std::make_unique<Impl>()) {
   try {
     auto file = std::make_shared<spdlog::sinks::basic_file_sink_mt>(path, /*truncate=*/!append);
     auto console = std::make_shared<spdlog::sinks::stderr_color_sink_mt>();
     file->set_pattern("[%Y-%m-%d %H:%M:%S.%e] [%l] %v");
     console->set_pattern("%v");
-    impl_->logger = std::make_shared<spdlog::logger>("megaslide", spdlog::sinks_init_list{file, console});
+    impl_->logger = echo ? std::make_shared<spdlog::logger>("megaslide", spdlog::sinks_init_list{file, console})
+                         : std::make_shared<spdlog::logger>("megaslide", file);
     impl_->logger->flush_on(spdlog::level::info);
   } catch (const spdlog::spdlog_ex& e) {
     throw OutputError("cannot open the log '" + path + "': " + e.what());
@@ -141,18 +144,21 @@ std::string human_count(double n) {
   return fmt::format("{:.{}f}{}", n, u == 0 ? 0 : 2, units[u]);
 }
 
-std::string dry_run_json(const RunConfig& config) {
-  auto options = DiTOptions::from_config(config);
-  auto count = count_dit_parameters(options);
-  const auto& p = config.model.patch;  // validated: the video divides into whole patches
-  const TokenGrid grid{config.data.frames / p[0], config.data.height / p[1], config.data.width / p[2]};
+std::string dry_run_json(const RunConfig& requested) {
+  // Wan: the hyper-parameters of model.wan.weights when set (their config.json or shapes).
+  const RunConfig config = with_wan_architecture_from_weights(requested);
+  const bool wan = config.model.arch == Architecture::kWan;
+  const auto count = count_run_parameters(config);
+  const auto& p = wan ? config.model.wan.patch : config.model.patch;  // validated: the video divides into whole patches
+  const auto shape = model_sample_shape(config);  // pixels, or the VAE's latents
+  const TokenGrid grid{shape[1] / p[0], shape[2] / p[1], shape[3] / p[2]};
   nlohmann::json j{{"arch", to_string(config.model.arch)},
                    {"params", count.total},
                    {"params_per_block", count.per_block},
                    {"prologue_params", count.prologue},
                    {"epilogue_params", count.epilogue},
-                   {"layers", config.model.layers},
-                   {"hidden", config.model.hidden},
+                   {"layers", wan ? config.model.wan.layers : config.model.layers},
+                   {"hidden", wan ? config.model.wan.dim : config.model.hidden},
                    {"tokens_per_sample", grid.numel()},
                    {"token_grid", {grid.t, grid.h, grid.w}},
                    {"host_state_bytes", count.total * 14},

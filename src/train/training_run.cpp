@@ -5,14 +5,19 @@
 #include <unistd.h>
 
 #include <memory>
+#include <optional>
 
 #include "megaslide/diffusion/text_to_video.h"
 #include "megaslide/io/files.h"
 #include "megaslide/io/weights.h"
 #include "megaslide/model/dit.h"
+#include "megaslide/model/wan.h"
+#include "megaslide/model/wan_weights.h"
+#include "megaslide/train/wan_trainer.h"
 #include "megaslide/offload/cpu_master_trainer.h"
 #include "megaslide/train/auto_settings.h"
 #include "megaslide/train/checkpoint.h"
+#include "megaslide/train/distributed.h"
 #include "megaslide/train/init_from.h"
 #include "megaslide/train/resident_trainer.h"
 #include "megaslide/train/run_folder.h"
@@ -25,25 +30,51 @@ namespace megaslide {
 
 namespace {
 
-// Either trainer behind one face.
+// Every trainer behind one face: the DiT family's streamed or resident trainer, or Wan's (both modes).
 class Trainer {
  public:
-  explicit Trainer(const RunConfig& config) {
-    if (config.offload.enabled) streamed_ = std::make_unique<CPUMasterVideoDiT>(config);
-    else resident_ = std::make_unique<ResidentTrainer>(config);
+  // `wan_init`: Wan's train.init_from (WanTrainer reads it into its model before placing the weights).
+  Trainer(const RunConfig& config, const std::string& source, const WanTrainer::InitPlanner& wan_init, Communicator* communicator) {
+    if (config.model.arch == Architecture::kWan) {
+      WanLatentData data;
+      try {
+        data = WanLatentData::load(config.data.tensors);
+        data.check(config);
+      } catch (const std::invalid_argument& e) {
+        throw ConfigError(source, "data.tensors", e.what());
+      }
+      try {
+        wan_ = std::make_unique<WanTrainer>(config, std::move(data), wan_init);
+      } catch (const WanWeightsError& e) {
+        throw ConfigError(source, "model.wan.weights", e.what());
+      }
+    } else if (config.offload.enabled) {
+      streamed_ = std::make_unique<CPUMasterVideoDiT>(config);
+    } else {
+      resident_ = std::make_unique<ResidentTrainer>(config, communicator);
+    }
   }
-  StepMetrics step() { return streamed_ ? streamed_->step() : resident_->step(); }
-  TrainingState state() { return streamed_ ? streamed_->training_state() : resident_->training_state(); }
-  void load(const TrainingState& s) { streamed_ ? streamed_->load_training_state(s) : resident_->load_training_state(s); }
-  int64_t parameter_count() const { return streamed_ ? streamed_->parameter_count() : resident_->parameter_count(); }
-  int64_t tokens_per_sample() const { return streamed_ ? streamed_->tokens_per_sample() : resident_->tokens_per_sample(); }
-  torch::Device device() const { return streamed_ ? streamed_->device() : resident_->device(); }
+  StepMetrics step() { return wan_ ? wan_->step() : streamed_ ? streamed_->step() : resident_->step(); }
+  TrainingState state() { return wan_ ? wan_->training_state() : streamed_ ? streamed_->training_state() : resident_->training_state(); }
+  void load(const TrainingState& s) {
+    wan_ ? wan_->load_training_state(s) : streamed_ ? streamed_->load_training_state(s) : resident_->load_training_state(s);
+  }
+  int64_t parameter_count() const {
+    return wan_ ? wan_->parameter_count() : streamed_ ? streamed_->parameter_count() : resident_->parameter_count();
+  }
+  int64_t tokens_per_sample() const {
+    return wan_ ? wan_->tokens_per_sample() : streamed_ ? streamed_->tokens_per_sample() : resident_->tokens_per_sample();
+  }
+  torch::Device device() const { return wan_ ? wan_->device() : streamed_ ? streamed_->device() : resident_->device(); }
   CPUMasterVideoDiT* streamed() { return streamed_.get(); }
-  DiffusionBatchSource& data() { return streamed_ ? streamed_->data() : resident_->data(); }
+  WanTrainer* wan() { return wan_.get(); }
+  // The DiT family's data (Wan's latent tensors are all in memory: no loader, no bad items).
+  DiffusionBatchSource* data() { return wan_ ? nullptr : streamed_ ? &streamed_->data() : &resident_->data(); }
   ParameterShapes parameter_shapes() { return streamed_ ? streamed_->parameter_shapes() : resident_->parameter_shapes(); }
   void init_from(const InitPlan& plan) { streamed_ ? streamed_->init_from(plan) : resident_->init_from(plan); }
   void synchronize() {
     if (streamed_) streamed_->synchronize();
+    if (wan_) wan_->synchronize();
   }
   // The model for sampling: the resident trainer's own modules, or a CPU copy of the streamed
   // trainer's masters.
@@ -51,7 +82,8 @@ class Trainer {
     if (resident_) return {resident_->model(), resident_->text_encoder()};
     if (!snapshot_dit_) {
       snapshot_dit_ = DiT(DiTOptions::from_config(config));
-      snapshot_text_ = TextEncoder(TextEncoderOptions(CaptionTokenizer().vocab_size(), config.model.text_dim, config.data.max_text_tokens));
+      if (config.model.text_encoder.kind == "builtin")  // CLIP is frozen: no trained text encoder to copy
+        snapshot_text_ = TextEncoder(TextEncoderOptions(CaptionTokenizer().vocab_size(), config.model.text_dim, config.data.max_text_tokens));
     }
     streamed_->copy_weights_to(snapshot_dit_, snapshot_text_);
     return {snapshot_dit_, snapshot_text_};
@@ -60,8 +92,25 @@ class Trainer {
  private:
   std::unique_ptr<CPUMasterVideoDiT> streamed_;
   std::unique_ptr<ResidentTrainer> resident_;
+  std::unique_ptr<WanTrainer> wan_;
   DiT snapshot_dit_{nullptr};
   TextEncoder snapshot_text_{nullptr};
+};
+
+// The run log on rank 0; other ranks write RUN_DIR/logs/rank-N.log with distributed.rank_logs, else
+// nothing (their errors reach their own stderr).
+class RankLog {
+ public:
+  void open(const std::string& path, bool append, bool echo = true) { log_ = std::make_unique<TrainLog>(path, append, echo); }
+  void info(const std::string& message) {
+    if (log_) log_->info(message);
+  }
+  void warn(const std::string& message) {
+    if (log_) log_->warn(message);
+  }
+
+ private:
+  std::unique_ptr<TrainLog> log_;
 };
 
 }  // namespace
@@ -89,7 +138,7 @@ std::string memory_shortfall(const RunConfig& config, int64_t available_bytes, b
   // larger (activations, the streamed trainer's buffers: megaslide-plan counts them); only a run that
   // cannot fit even this bound is refused, so that it fails here in one line instead of swapping or
   // being killed later.
-  const int64_t params = count_dit_parameters(DiTOptions::from_config(config)).total;
+  const int64_t params = count_run_parameters(config).total;
   const auto& d = config.data;
   const int64_t state = state_in_host_memory ? params * 12 : 0;  // validate() bounded params * 14 below kMaxMachineBytes
   const int64_t batch = config.train.batch_size * d.channels * d.frames * d.height * d.width * 4;
@@ -107,18 +156,78 @@ std::string memory_shortfall(const RunConfig& config, int64_t available_bytes, b
 }
 
 TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOptions& options) {
+  // Several ranks (train/distributed.h): the launcher's environment says which this process is. Each
+  // rank trains on its GPU (train.device auto/cuda -> cuda:LOCAL_RANK); rank 0 alone writes the run
+  // folder (log, metrics, checkpoints, samples, export).
+  LaunchEnv launch;
+  try {
+    launch = read_launch_env();
+  } catch (const DistributedError& e) {
+    throw ConfigError(options.config_source, "", e.what());
+  }
+  RunConfig per_rank = requested;
+  per_rank.train.device = rank_device_spec(requested.train.device, launch);
+  if (launch.distributed()) {
+    if (requested.model.arch == Architecture::kWan)
+      throw ConfigError(options.config_source, "model.arch",
+                        fmt::format("{} ranks were launched, but Wan trains as one process so far (docs/distributed.md)", launch.world_size));
+    if (requested.offload.enabled)
+      throw ConfigError(options.config_source, "offload.enabled",
+                        fmt::format("{} ranks were launched, but the streamed CPU-master trainer runs as one process so far "
+                                    "(docs/distributed.md); set offload.enabled: false for data parallelism of the resident trainer",
+                                    launch.world_size));
+    if (requested.train.batch_size % launch.world_size != 0)
+      throw ConfigError(options.config_source, "train.batch_size",
+                        fmt::format("is {}, the global batch, which must split evenly over the {} ranks: set a multiple of {}",
+                                    requested.train.batch_size, launch.world_size, launch.world_size));
+  }
   // `auto` settings resolved once: config.yaml, the log and checkpoints carry the resolved values, and a
   // resume compares them with the checkpoint's.
-  const RunConfig config = resolve_auto_settings(requested);
+  RunConfig resolved = resolve_auto_settings(per_rank);
+  if (resolved.model.arch == Architecture::kWan) {
+    // Wan: the hyper-parameters of model.wan.weights when set; a run needs its latent tensors.
+    try {
+      resolved = with_wan_architecture_from_weights(resolved);
+    } catch (const WanWeightsError& e) {
+      throw ConfigError(options.config_source, "model.wan.weights", e.what());
+    }
+    if (resolved.data.tensors.empty())
+      throw ConfigError(options.config_source, "data.tensors",
+                        "is empty: model.arch wan trains on latent videos and text embeddings (a safetensors file of latents, text "
+                        "and empty_text; docs/wan.md)");
+    if (resolved.train.sample_every > 0)
+      throw ConfigError(options.config_source, "train.sample_every", "validation videos of Wan need its VAE and text encoder, which "
+                                                                      "this build does not have: set train.sample_every: 0");
+    if (!options.export_weights.empty())
+      throw ConfigError(options.config_source, "", "--export-weights writes the DiT family's weights file; a Wan run's weights are in "
+                                                   "its checkpoints (master.safetensors, diffusers' names)");
+  }
+  const RunConfig config = resolved;
   const std::string& run_dir = config.output.run_dir;
   const auto& train = config.train;
+  const bool writer = launch.rank == 0;  // the rank that writes the run folder
   TrainingRunResult result;
+  std::unique_ptr<Communicator> communicator;
+  // Launched ranks of the resident trainer talk through a process group, one rank included (the GPU
+  // check runs NCCL that way on its one GPU); the streamed trainer is refused above for several ranks.
+  if (launch.distributed() || (launch.launcher != "none" && !config.offload.enabled)) {
+    torch::Device device = torch::kCPU;
+    try {
+      device = resolve_device(train.device);
+    } catch (const c10::Error& e) {
+      throw ConfigError(options.config_source, "train.device", error_message(e));
+    }
+    // First, so that a rank refusing its input below ends the others' waits at once (its sockets close).
+    communicator = std::make_unique<Communicator>(launch, resolve_backend(config.distributed, device, options.config_source),
+                                                  config.distributed.timeout_s, device);
+  }
 
   // Everything that can refuse the input happens before the first byte of the run is written: the run
   // folder is locked (and a fresh run refused when the folder holds one), the output paths checked,
   // the device and the memory the run needs checked, and load_checkpoint verifies the checkpoint
   // (every file read once for its checksum) before it reads a tensor.
-  RunFolderGuard guard(run_dir, /*resuming=*/!options.resume.empty());
+  std::optional<RunFolderGuard> guard;
+  if (writer) guard.emplace(run_dir, /*resuming=*/!options.resume.empty());
   try {
     if (!options.trace_path.empty()) io::check_output_file(options.trace_path, "--trace");
     if (!options.export_weights.empty()) io::check_output_file(options.export_weights, "--export-weights");
@@ -136,7 +245,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   if (const std::string shortfall = memory_shortfall(config, this_machine_memory_bytes(), state_in_host_memory); !shortfall.empty()) {
     const auto& d = config.data;
     const bool batch_dominates = !state_in_host_memory || config.train.batch_size * d.channels * d.frames * d.height * d.width * 4 >
-                                                            count_dit_parameters(DiTOptions::from_config(config)).total * 12;
+                                                            count_run_parameters(config).total * 12;
     throw ConfigError(options.config_source, batch_dominates ? "train.batch_size" : "model", shortfall);
   }
   std::string resume_path;
@@ -149,7 +258,26 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
                                     "above {} to continue it",
                                     train.steps, resume_path, saved_step, saved_step));
   }
-  Trainer trainer(config);
+  // train.init_from: a fresh run only (a resumed one continues its checkpoint). Wan's trainer reads the plan
+  // into its model as it builds it; the DiT family's trainers take it once built.
+  const bool init_wanted = resume_path.empty() && !config.train.init_from.empty();
+  WanTrainer::InitPlanner wan_init;
+  if (init_wanted && config.model.arch == Architecture::kWan)
+    wan_init = [&config](const ParameterShapes& shapes) {
+      auto allow = config.train.init_allow_missing;
+      if (config.model.self_attention == "dsa3d")  // the retrofit from a dense Wan checkpoint
+        for (const auto& glob : wan_dsa_parameter_globs()) allow.push_back(glob);
+      return plan_init_from(config.train.init_from, shapes, allow);
+    };
+  // The trainers load the frozen encoders the config names (CLIP, the VAE): bad folders or sizes that
+  // disagree with the config are the config's errors.
+  std::unique_ptr<Trainer> trainer_holder;
+  try {
+    trainer_holder = std::make_unique<Trainer>(config, options.config_source, wan_init, communicator.get());
+  } catch (const ConfigError& e) {
+    throw ConfigError(options.config_source, e.key(), e.problem());
+  }
+  Trainer& trainer = *trainer_holder;
   std::vector<std::string> warnings;
   if (!resume_path.empty()) {
     TrainingState state = trainer.state();
@@ -161,27 +289,58 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     }
     result.first_step = state.step;
     warnings = resume_warnings(resume_path, config);
-    if (roll_back_latest(run_dir, resume_path))
+    if (writer && roll_back_latest(run_dir, resume_path))
       warnings.push_back(fmt::format("rolled back: {} now names {}; the newer checkpoints of the abandoned run are replaced as this run "
                                      "saves their steps again",
                                      io::join_path(run_dir, "checkpoints/latest"), resume_path));
   }
-  InitPlan init;  // train.init_from: a fresh run only (a resumed one continues its checkpoint)
-  if (resume_path.empty() && !config.train.init_from.empty()) {
-    init = plan_init_from(config.train.init_from, trainer.parameter_shapes(), config.train.init_allow_missing);
-    trainer.init_from(init);
+  InitPlan init;
+  if (init_wanted) {
+    if (auto* wan = trainer.wan()) {
+      init = wan->init_plan();
+    } else {
+      init = plan_init_from(config.train.init_from, trainer.parameter_shapes(), config.train.init_allow_missing);
+      trainer.init_from(init);
+    }
   }
 
-  RunDirectory dir(run_dir, config);
-  guard.started();
-  TrainLog log(dir.file("train.log"), /*append=*/!resume_path.empty());
-  MetricsWriter metrics(dir.file("metrics.jsonl"), resume_path.empty() ? -1 : result.first_step);
+  std::optional<RunDirectory> dir;
+  std::optional<MetricsWriter> metrics;
+  RankLog log;
+  if (writer) {
+    dir.emplace(run_dir, config);
+    guard->started();
+    log.open(dir->file("train.log"), /*append=*/!resume_path.empty());
+    metrics.emplace(dir->file("metrics.jsonl"), resume_path.empty() ? -1 : result.first_step);
+  }
+  if (communicator) {
+    communicator->barrier();  // rank 0 has taken and written the run folder
+    if (!writer && config.distributed.rank_logs) {
+      try {
+        io::make_directories(io::join_path(run_dir, "logs"));
+      } catch (const io::IoError& e) {
+        throw OutputError(e.what());
+      }
+      log.open(io::join_path(run_dir, fmt::format("logs/rank-{}.log", launch.rank)), !resume_path.empty(), /*echo=*/false);
+    }
+  }
   log.info(build_summary());
-  log.info(fmt::format("config {} -> run dir {}", options.config_source, dir.path()));
+  if (communicator)
+    log.info(fmt::format("rank {}: data parallel: {} ranks ({} backend, launched by {}, rendezvous {}:{}), {} items of each global batch of {} per rank",
+                         launch.rank, communicator->world_size(), communicator->backend(), launch.launcher, launch.master_addr, launch.master_port,
+                         train.batch_size / communicator->world_size(), train.batch_size));
+  log.info(fmt::format("config {} -> run dir {}", options.config_source, run_dir));
   log.info(fmt::format("model {} ({} parameters, text encoder included), {} tokens per sample, device {}, {} steps",
                        to_string(config.model.arch), human_count(static_cast<double>(trainer.parameter_count())),
                        trainer.tokens_per_sample(), trainer.device().str(), train.steps));
-  if (auto* streamed = trainer.streamed()) {
+  if (auto* wan = trainer.wan()) {
+    log.info(fmt::format("trainer: Wan, {} (offload.mode {}, compute {}, grad_accum_steps {}){}", wan->streamed() ? "streamed CPU-master" : "resident reference loop",
+                         config.offload.mode, wan->streamed() ? config.offload.compute_dtype : "fp32", train.grad_accum_steps,
+                         wan->streamed() ? "; host memory at start:\n" + wan->host_memory_report() : ""));
+    if (!wan->initialised_parameters().empty())
+      log.info(fmt::format("{} parameters not in model.wan.weights start from their initialisation (the 3D-DSA retrofit's)",
+                           wan->initialised_parameters().size()));
+  } else if (auto* streamed = trainer.streamed()) {
     log.info(fmt::format("trainer: streamed CPU-master (offload.mode {}, compute {}, grad_accum_steps {}); host memory at start:\n{}",
                          config.offload.mode, config.offload.compute_dtype, train.grad_accum_steps, streamed->host_memory_report()));
     log.info(fmt::format("compute dtype {} ({})", config.offload.compute_dtype,
@@ -193,6 +352,15 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     log.info("trainer: resident reference loop (offload.enabled: false), compute dtype fp32");
   }
   log.info(plan_threads(config, trainer.device()).describe());
+  if (config.model.text_encoder.kind == "clip")
+    log.info(fmt::format("text encoder: CLIP from {} (frozen), {} tokens of width {}", config.model.text_encoder.weights,
+                         config.data.max_text_tokens, config.model.text_dim));
+  if (config.model.vae.kind == "sd") {
+    const auto shape = model_sample_shape(config);
+    log.info(fmt::format("latent space: SD VAE from {} (frozen, {} frames per call): {}x{}x{} pixels -> latents {}x{}x{}x{}",
+                         config.model.vae.weights, config.model.vae.frames_per_batch, config.data.frames, config.data.height,
+                         config.data.width, shape[0], shape[1], shape[2], shape[3]));
+  }
   if (!options.trace_path.empty() && !trainer.streamed()) log.warn("--trace records the streamed trainer only (offload.enabled: true); ignored");
   if (!resume_path.empty()) log.info(fmt::format("resumed from {} at step {}", resume_path, result.first_step));
   for (const auto& w : warnings) log.warn(w);
@@ -212,12 +380,14 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
                                        : fmt::format("data: cache {} ({} loader workers, {} batches ahead)", config.data.cache,
                                                      config.data.workers, config.data.prefetch));
   auto report_bad_items = [&] {
-    for (const auto& b : trainer.data().take_new_bad_items()) log.warn(fmt::format("bad item skipped: {}: {}", b.path, b.reason));
+    if (trainer.data() == nullptr) return;
+    for (const auto& b : trainer.data()->take_new_bad_items()) log.warn(fmt::format("bad item skipped: {}: {}", b.path, b.reason));
   };
   report_bad_items();
 
   int64_t last_saved = result.first_step;
   auto save = [&](const char* why) {
+    if (!writer) return true;  // every rank holds the same state; rank 0 saves it
     const TrainingState state = trainer.state();  // waits for host updates still running
     try {
       result.last_checkpoint = save_checkpoint(run_dir, config, state);
@@ -232,7 +402,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   };
 
   const int64_t start = result.first_step;
-  ProgressLine progress(train.steps, train.log_every, config.output.progress);
+  ProgressLine progress(train.steps, train.log_every, config.output.progress && writer);
   double window = 0.0;
   int64_t window_steps = 0;
   result.steps_done = start;
@@ -242,7 +412,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     const StepMetrics m = trainer.step();
     report_bad_items();
     result.steps_done = m.step;
-    metrics.write(m);
+    if (metrics) metrics->write(m);
     progress.update(m);
     if (m.skipped) {
       log.warn(fmt::format("step {}: non-finite loss or gradient (loss {}, grad_norm {}); step skipped ({} in a row, {} in all)", m.step,
@@ -257,11 +427,12 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
             last.empty() ? std::string("there is no checkpoint to resume from") : "the last checkpoint is " + last));
       }
     }
-    if (train.sample_every > 0 && m.step % train.sample_every == 0) {
-      const auto samples = dir.file(fmt::format("samples/step-{:07}", m.step));
+    if (writer && train.sample_every > 0 && m.step % train.sample_every == 0) {
+      const auto samples = dir->file(fmt::format("samples/step-{:07}", m.step));
       auto [dit, text] = trainer.model(config);
       const auto files = write_validation_samples(samples, config, dit, text, 4,
-                                                  config.data.dataset == "videos" ? trainer.data().captions(4) : std::vector<std::string>{});
+                                                  config.data.dataset == "videos" ? trainer.data()->captions(4) : std::vector<std::string>{},
+                                                  trainer.data()->frozen());
       log.info(fmt::format("step {}: {} validation videos in {}", m.step, files.size(), samples));
     }
     window += m.loss;
@@ -272,8 +443,15 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
       window = 0.0;
       window_steps = 0;
     }
-    if (options.stop_requested != nullptr && options.stop_requested->load() != 0) {
-      result.stop_signal = options.stop_requested->load();
+    int stop_signal = options.stop_requested != nullptr ? options.stop_requested->load() : 0;
+    if (communicator) {
+      // A signal may reach the ranks after different steps: they stop after the same one.
+      std::vector<torch::Tensor> flag{torch::tensor({static_cast<int64_t>(stop_signal)}, torch::kInt64).to(trainer.device())};
+      communicator->all_reduce_max(flag);
+      stop_signal = static_cast<int>(flag[0].cpu().item<int64_t>());
+    }
+    if (stop_signal != 0) {
+      result.stop_signal = stop_signal;
       progress.finish();
       log.info(fmt::format("stop requested (signal {}) after step {}: saving a checkpoint", result.stop_signal, m.step));
       if (!save("stop")) throw OutputError("could not save a checkpoint before stopping (see the warning above)");
@@ -288,8 +466,8 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     if (!save("final")) throw OutputError("could not save the final checkpoint (see the warning above)");
   if (!options.trace_path.empty() && trainer.streamed())
     log.info(fmt::format("trace of step {} in {}", std::min(options.trace_step, train.steps), options.trace_path));
-  log.info(fmt::format("done: {} steps; metrics in {}", result.steps_done, dir.file("metrics.jsonl")));
-  if (!options.export_weights.empty()) {
+  log.info(fmt::format("done: {} steps; metrics in {}", result.steps_done, io::join_path(run_dir, "metrics.jsonl")));
+  if (writer && !options.export_weights.empty()) {
     if (auto* streamed = trainer.streamed()) {
       // Straight from the host store, one tensor at a time: no copy of the model.
       save_weights(options.export_weights, config, streamed->master_views());

@@ -35,6 +35,7 @@ enum class Architecture {
   kMegaSlide,  // 3D Deformable Slide Attention ("megaslide")
   kDense3D,    // global scaled-dot-product attention over all tokens ("dense3d")
   kSwin,       // 3D shifted windows ("swin")
+  kWan,        // Wan2.1's video DiT, its hyper-parameters under model.wan ("wan"; model/wan.h)
 };
 const char* to_string(Architecture arch);
 
@@ -45,6 +46,48 @@ enum class DsaOffsets {
   kFrozen,   // a randomly initialised offset network that is never trained: fixed, input-dependent Δ ("frozen")
 };
 const char* to_string(DsaOffsets offsets);
+
+// Wan2.1's hyper-parameters (model.arch: wan; model/wan.h), named as Wan's own config.json names them.
+// The defaults are diffusers' WanTransformer3DModel defaults (the 14B model); configs/wan2.1-t2v-*.yaml
+// set every value. With `weights` set, the values come from the weights' config.json (or their tensor
+// shapes) when the run starts (model/wan_weights.h).
+struct WanConfig {
+  int64_t dim = 5120;
+  int64_t layers = 40;
+  int64_t heads = 40;
+  int64_t ffn_dim = 13824;
+  int64_t freq_dim = 256;                  // sinusoidal timestep features
+  int64_t text_dim = 4096;                 // width of the text embeddings (umT5-XXL: 4096)
+  std::array<int64_t, 3> patch{1, 2, 2};   // (pt, ph, pw)
+  int64_t in_channels = 16;                // latent channels in (= data.channels)
+  int64_t out_channels = 16;
+  bool qk_norm = true;                     // RMSNorm over q and k (across heads)
+  bool cross_attn_norm = true;             // affine LayerNorm before the cross-attention
+  double eps = 1e-6;
+  std::string weights;                     // published weights to start from ("": random initialisation)
+};
+
+// The prompt encoder (model.text_encoder, docs/conditioning.md): the small built-in caption encoder,
+// trained with the DiT, or CLIP's text transformer loaded from `weights` and frozen.
+struct TextEncoderConfig {
+  std::string kind = "builtin";  // builtin | clip
+  std::string weights;           // clip: the folder (config.json, model.safetensors, the vocabulary)
+  std::string vocab;              // clip: vocab.json + merges.txt folder or OpenAI's bpe file; "" = found from weights
+  std::string dtype = "fp32";    // clip's weights and compute: fp32 | bf16 (outputs are fp32)
+};
+
+// The video codec (model.vae): none (the DiT works on pixels) or the Stable Diffusion VAE loaded from
+// `weights` and frozen (the DiT works on its scaled latents).
+struct VaeConfig {
+  std::string kind = "none";       // none | sd
+  std::string weights;             // sd: the folder (config.json, diffusion_pytorch_model.safetensors)
+  int64_t latent_channels = 4;     // sd: must equal config.json's latent_channels (checked when loaded)
+  int64_t downscale = 8;           // sd: pixels per latent along each side, 2^(levels - 1) (checked when loaded)
+  int64_t frames_per_batch = 8;    // frames per VAE call (encode and decode)
+  std::string dtype = "fp32";      // weights and compute: fp32 | bf16 (outputs are fp32)
+  int64_t tile_size = 0;           // decode in tiles of this many pixels (0 = whole frames)
+  double tile_overlap = 0.25;      // fraction of a tile its neighbours overlap and blend
+};
 
 struct ModelConfig {
   Architecture arch = Architecture::kMegaSlide;
@@ -60,10 +103,16 @@ struct ModelConfig {
   DsaOffsets dsa_offsets = DsaOffsets::kLearned;          // learned | zero | frozen (the offset ablation)
   std::string dense_attention = "fused";                   // dense3d: fused (SDPA) | materialized (N x N scores kept)
   std::array<int64_t, 3> swin_window{3, 16, 16};           // in tokens (t, h, w)
+  // model.arch wan only: the blocks' self-attention, Wan's global attention ("dense") or 3D-DSA over the
+  // latent token grid with Wan's own projections ("dsa3d", the retrofit; dsa_* keys above apply).
+  std::string self_attention = "dense";
+  WanConfig wan;
+  TextEncoderConfig text_encoder;                          // text_dim must equal the encoder's width (clip: checked when loaded)
+  VaeConfig vae;                                           // the DiT's samples: pixels, or latents of the VAE
 };
 
 struct DataConfig {
-  std::string dataset = "structured-motion";  // structured-motion | videos (docs/data.md)
+  std::string dataset = "structured-motion";  // structured-motion | videos (docs/data.md) | latent-tensors (Wan)
   int64_t channels = 3;
   int64_t frames = 8;
   int64_t height = 16;
@@ -84,6 +133,9 @@ struct DataConfig {
   std::string cache;                                   // a folder written by megaslide-cache: read instead of decoding
   int64_t workers = 1;                                 // background loader threads (each single-threaded); 0 = load in line
   int64_t prefetch = 2;                                // batches loaded ahead of the step that needs them
+  // dataset latent-tensors (model.arch wan): one safetensors file of latents [N, C, T, H, W], text
+  // [N, L, text_dim] and optionally empty_text [L, text_dim] (train/wan_trainer.h).
+  std::string tensors;
 };
 
 struct DiffusionConfig {
@@ -96,6 +148,13 @@ struct DiffusionConfig {
   int64_t sample_steps = 30;
   std::string timestep_spacing = "linspace";  // linspace | leading | trailing (sampler.h)
   double guidance_scale = 7.5;
+  // ddpm: the DDPM objective above (prediction, beta schedule); flow: flow matching as Wan trains it
+  // (diffusion/flow_matching.h): x_t = (1 − σ)·x0 + σ·ε, target ε − x0, timestep σ·timesteps.
+  std::string objective = "ddpm";
+  double shift = 1.0;                          // flow: σ → shift·σ / (1 + (shift − 1)·σ)
+  std::string timestep_sampling = "uniform";   // flow: uniform | logit_normal (σ = sigmoid(N(logit_mean, logit_std)))
+  double logit_mean = 0.0;
+  double logit_std = 1.0;
 };
 
 struct TrainConfig {
@@ -146,6 +205,14 @@ struct OutputConfig {
   bool progress = true;                  // live progress line on a terminal
 };
 
+struct DistributedConfig {
+  // Several processes (ranks) training one model (train/distributed.h, docs/distributed.md). How many and
+  // which rank this process is come from the launcher's environment, not from here.
+  std::string backend = "auto";          // auto (nccl on GPUs, gloo on the CPU) | nccl | gloo
+  double timeout_s = 300.0;              // rendezvous and every collective; a rank gone for this long stops the others
+  bool rank_logs = false;                // ranks other than 0 also write RUN_DIR/logs/rank-N.log
+};
+
 struct RunConfig {
   ModelConfig model;
   DataConfig data;
@@ -154,7 +221,12 @@ struct RunConfig {
   OffloadConfig offload;
   OptimizerConfig optimizer;
   OutputConfig output;
+  DistributedConfig distributed;
 };
+
+// The shape [C, T, H, W] of the DiT's samples: the video's (data.channels x frames x height x width),
+// or under model.vae: sd its latents' (latent_channels x frames x height/downscale x width/downscale).
+std::array<int64_t, 4> model_sample_shape(const RunConfig& config);
 
 // Loads `path`, applies `overrides` ("key.path=value", YAML scalars or flow sequences such as
 // "[1,2,2]") in order, then validates. Throws ConfigError.

@@ -1,8 +1,9 @@
 // Text to video: captions -> caption encoder -> sampler (with classifier-free guidance) -> codec -> pixels.
 //
 //   VideoCodec   maps the model's sample space to pixels. PixelCodec is the identity for pixel-space
-//                models (every model today); a latent codec (the Stable Diffusion VAE) implements the
-//                same interface (not yet written).
+//                models; VaeCodec decodes a latent model's samples through the frozen Stable Diffusion
+//                VAE (model.vae.kind: sd). TextToVideo picks the codec and the prompt encoder (the
+//                built-in one, or the frozen CLIP) from the model's config.
 //   TextToVideo  holds a loaded model and samples videos for prompts with one seed per video.
 //
 // The unconditional branch of guidance is the empty prompt, as in training (caption dropout).
@@ -18,6 +19,7 @@
 
 #include "megaslide/diffusion/sampler.h"
 #include "megaslide/io/weights.h"
+#include "megaslide/model/frozen_encoders.h"
 #include "megaslide/model/text_encoder.h"
 
 namespace megaslide {
@@ -34,11 +36,23 @@ class PixelCodec final : public VideoCodec {
   torch::Tensor decode(const torch::Tensor& samples) override { return samples.clamp(-1.0, 1.0); }
 };
 
+// Latents [B, C, T, h, w] -> pixels through the frozen VAE (model/frozen_encoders.h), clamped.
+class VaeCodec final : public VideoCodec {
+ public:
+  explicit VaeCodec(std::shared_ptr<FrozenEncoders> encoders) : encoders_(std::move(encoders)) {}
+  torch::Tensor decode(const torch::Tensor& samples) override { return encoders_->decode_video(samples); }
+
+ private:
+  std::shared_ptr<FrozenEncoders> encoders_;
+};
+
 class TextToVideo {
  public:
   // The denoiser defaults to a ResidentDenoiser over model.dit, which is then moved to `device`; a given
   // denoiser (e.g. offload::StreamedDenoiser over model.dit) places the DiT itself. The caption encoder
-  // runs on `device`. The codec defaults to PixelCodec.
+  // runs on `device`. The frozen encoders the config names (CLIP, the VAE) are model.frozen, or loaded
+  // from their folders onto `device` (ConfigError naming the key when they cannot be). The codec
+  // defaults to VaeCodec for latent models, else PixelCodec.
   TextToVideo(TextToVideoModel model, torch::Device device, std::shared_ptr<Denoiser> denoiser = nullptr,
               std::shared_ptr<VideoCodec> codec = nullptr);
 
@@ -50,7 +64,7 @@ class TextToVideo {
   // diffusion.guidance_scale).
   SamplerOptions default_options() const;
   const RunConfig& config() const { return model_.config; }
-  // [C, T, H, W] of the model's samples.
+  // [C, T, H, W] of the model's samples (latents for a latent model).
   std::vector<int64_t> sample_shape() const;
 
  private:
@@ -58,7 +72,7 @@ class TextToVideo {
 
   TextToVideoModel model_;
   torch::Device device_;
-  CaptionTokenizer tokenizer_;
+  CaptionTokenizer tokenizer_;  // the built-in encoder's
   DDPMSchedule schedule_;
   std::shared_ptr<Denoiser> denoiser_;
   std::shared_ptr<VideoCodec> codec_;
@@ -71,8 +85,10 @@ class TextToVideo {
 // their training mode is restored afterwards) and written in the VBench layout — `dir`/videos/{caption}-0.mp4
 // and `dir`/index.json. Frames of odd size are upscaled 2× (H.264 needs even sizes). Sampling draws from
 // its own generators, so it leaves the training's random streams untouched. Returns the file names.
+// `frozen`: the trainer's CLIP / VAE when the config names them.
 std::vector<std::string> write_validation_samples(const std::string& dir, const RunConfig& config, DiT& dit,
                                                   TextEncoder& text_encoder, int64_t count = 4,
-                                                  const std::vector<std::string>& dataset_captions = {});
+                                                  const std::vector<std::string>& dataset_captions = {},
+                                                  std::shared_ptr<FrozenEncoders> frozen = nullptr);
 
 }  // namespace megaslide

@@ -1,7 +1,9 @@
 // The weights file: everything needed to rebuild a trained text-to-video model, in one safetensors file.
 //
 //   tensors       the DiT's parameters as "dit.<module path>" (e.g. "dit.blocks.0.attn.q.weight") and
-//                 the caption encoder's as "text_encoder.<module path>" ("text_encoder.tokens.weight"),
+//                 the built-in caption encoder's as "text_encoder.<module path>" ("text_encoder.tokens.weight";
+//                 none when model.text_encoder.kind is clip: CLIP and the VAE are frozen and read from
+//                 the folders the config names, never stored here),
 //                 in bf16 by default
 //   __metadata__  "format": "megaslide.weights", "format_version": "1",
 //                 "config": the resolved run config as YAML (megaslide::to_yaml), from which the model's
@@ -25,6 +27,7 @@
 #include "megaslide/config/run_config.h"
 #include "megaslide/io/safetensors.h"
 #include "megaslide/model/dit.h"
+#include "megaslide/model/frozen_encoders.h"
 #include "megaslide/model/text_encoder.h"
 
 namespace megaslide {
@@ -38,7 +41,8 @@ class WeightsError : public io::IoError {
 struct TextToVideoModel {
   RunConfig config;
   DiT dit{nullptr};
-  TextEncoder text_encoder{nullptr};
+  TextEncoder text_encoder{nullptr};          // null with model.text_encoder.kind: clip
+  std::shared_ptr<FrozenEncoders> frozen;     // CLIP / the VAE; TextToVideo loads them from the config when null
 };
 
 // The tensors of a weights file, named as above, cast to `dtype` (CPU copies).

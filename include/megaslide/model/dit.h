@@ -38,7 +38,7 @@
 namespace megaslide {
 
 struct DiTOptions {
-  // The model section of a run config (in_channels from data.channels).
+  // The model section of a run config (in_channels from model_sample_shape: data.channels, or the VAE's latent channels).
   static DiTOptions from_config(const RunConfig& config);
 
   TORCH_ARG(Architecture, arch) = Architecture::kMegaSlide;

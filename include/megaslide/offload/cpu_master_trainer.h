@@ -47,7 +47,8 @@ class DiTStack : public offload::StreamedModel {
   // trainer's adopted module replaces the skeleton's block (DiT::replace_block).
   std::shared_ptr<torch::nn::Module> initial_block(int64_t index) override;
   void adopt_block(int64_t index, std::shared_ptr<torch::nn::Module> block) override;
-  // Resident parameters by name (text encoder ones prefixed "text_encoder.").
+  // Resident parameters by name (text encoder ones prefixed "text_encoder."; none when the text encoder
+  // is CLIP, frozen outside the stack: a null TextEncoder).
   std::vector<std::pair<std::string, torch::Tensor>> named_resident_parameters();
   DiT& model() { return model_; }
   TextEncoder& text_encoder() { return text_encoder_; }

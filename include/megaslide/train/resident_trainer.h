@@ -21,6 +21,7 @@
 #include "megaslide/data/video_manifest.h"
 #include "megaslide/diffusion/ddpm.h"
 #include "megaslide/model/dit.h"
+#include "megaslide/model/frozen_encoders.h"
 #include "megaslide/model/text_encoder.h"
 #include "megaslide/train/checkpoint.h"
 #include "megaslide/train/init_from.h"
@@ -56,6 +57,8 @@ struct DiffusionBatch {
   torch::Tensor x0, noise, timesteps, xt;  // video [B, C, T, H, W] and timesteps [B] (int64)
   torch::Tensor target;                    // what the loss compares the model's output with (diffusion.prediction)
   torch::Tensor text_ids, text_mask;       // [B, L] int64 and bool
+  torch::Tensor text;                      // [B, L, model.text_dim] float32: the frozen CLIP's embeddings (text_ids undefined),
+                                           // or undefined for the built-in encoder, which the trainer runs on text_ids
   double data_wait_s = 0.0;                // time next() waited for the clips
 };
 
@@ -64,6 +67,9 @@ struct DiffusionBatch {
 // EpochSampler(train.seed) (structured-motion) or a BucketBatchSampler(train.seed) behind a background
 // ClipLoader (videos, decoded or from data.cache; data/loader.h), caption dropout from an mt19937_64,
 // timesteps then noise from a CPU generator seeded by train.seed.
+// With frozen encoders (model.text_encoder.kind: clip, model.vae.kind: sd; model/frozen_encoders.h), the
+// batch's captions become CLIP embeddings (DiffusionBatch::text) and its pixels the VAE's scaled latents,
+// on the training device, before the noise is drawn: x0, noise and target are latents.
 class DiffusionBatchSource {
  public:
   // videos: reads the manifest and probes the files, or opens the cache (DatasetError for bad input).
@@ -72,6 +78,8 @@ class DiffusionBatchSource {
   DiffusionBatch next(torch::Device device);
   const CaptionTokenizer& tokenizer() const { return tokenizer_; }
   const DDPMSchedule& schedule() const { return schedule_; }
+  // The frozen CLIP / VAE the config names (nullptr for the built-in encoder without a VAE).
+  const std::shared_ptr<FrozenEncoders>& frozen() const { return frozen_; }
   // The streams' position as JSON (clip order epoch and cursor, the caption-dropout engine, the
   // timestep/noise generator), and its restoration: a source restored from state() draws exactly
   // what the saved one would have drawn next. restore() throws std::invalid_argument on bad JSON.
@@ -82,6 +90,13 @@ class DiffusionBatchSource {
   std::vector<BadItem> take_new_bad_items();
   // The first `count` captions of the dataset (validation samples).
   std::vector<std::string> captions(int64_t count) const;
+  // Data parallelism: next() returns the rank-th contiguous 1/world_size of each global batch of
+  // train.batch_size items. Every random draw (clip order, caption dropout, timestep, noise) is still
+  // made for the whole global batch in the single-process order, so item i of the global batch gets the
+  // same draws at any world size; only the rank's clips are rendered (structured-motion) — videos are
+  // loaded for the whole batch, then sliced. Throws std::invalid_argument unless world_size divides
+  // train.batch_size and 0 <= rank < world_size.
+  void take_slice(int64_t rank, int64_t world_size);
 
  private:
   struct Videos;
@@ -95,6 +110,8 @@ class DiffusionBatchSource {
   std::mt19937_64 caption_rng_;
   at::Generator generator_;
   torch::Device schedule_device_ = torch::kCPU;
+  int64_t slice_rank_ = 0, slice_count_ = 1;
+  std::shared_ptr<FrozenEncoders> frozen_;
 };
 
 // "auto" -> the first GPU when LibTorch sees one, else the CPU; "cuda[:N]" fails clearly without GPUs.
@@ -105,9 +122,18 @@ torch::Device resolve_device(const std::string& spec);
 // cosine decay to lr * min_lr_ratio at the last step, or constant.
 double learning_rate(const TrainConfig& train, int64_t step);
 
+class Communicator;
+
 class ResidentTrainer {
  public:
-  explicit ResidentTrainer(const RunConfig& config);
+  // With a communicator of R > 1 ranks (train/distributed.h; it must outlive the trainer): plain data
+  // parallelism. Every rank holds the whole model and its AdamW state, built identically from
+  // train.seed; each takes its contiguous 1/R of every global batch (DiffusionBatchSource::take_slice),
+  // and after the backward passes of a step the gradients and the loss are summed over the ranks and
+  // divided by R (one all-reduce of one flat buffer), so every rank takes the same AdamW step as a
+  // single process with the same global batch, up to the order of float additions. Throws
+  // std::invalid_argument when R does not divide train.batch_size.
+  explicit ResidentTrainer(const RunConfig& config, Communicator* communicator = nullptr);
 
   StepMetrics step();
 
@@ -115,7 +141,7 @@ class ResidentTrainer {
   torch::Device device() const { return device_; }
   const RunConfig& config() const { return config_; }
   DiT& model() { return model_; }
-  TextEncoder& text_encoder() { return text_encoder_; }
+  TextEncoder& text_encoder() { return text_encoder_; }  // null with model.text_encoder.kind: clip (frozen, in data().frozen())
   int64_t parameter_count() const;
   int64_t tokens_per_sample() const { return grid_.numel(); }
 
@@ -132,9 +158,14 @@ class ResidentTrainer {
  private:
   std::vector<std::pair<std::string, torch::Tensor>> named_parameters();
 
+  // Sums the gradients (and `loss_sum`) over the ranks and divides by their number; no-op without a
+  // communicator (one rank with a communicator still runs the collectives: the NCCL check on one GPU).
+  void average_over_ranks(double& loss_sum);
+
   RunConfig config_;
   torch::Device device_;
   DiffusionBatchSource batches_;  // the trainer's own random streams, not LibTorch's global one
+  Communicator* communicator_ = nullptr;
   DiT model_{nullptr};
   TextEncoder text_encoder_{nullptr};
   std::unique_ptr<torch::optim::AdamW> optimizer_;

@@ -48,10 +48,10 @@ class MetricsWriter {
   std::ofstream out_;
 };
 
-// The run log: a file plus the terminal (stderr).
+// The run log: a file plus the terminal (stderr), or the file alone with echo false.
 class TrainLog {
  public:
-  explicit TrainLog(const std::string& path, bool append = false);
+  explicit TrainLog(const std::string& path, bool append = false, bool echo = true);
   ~TrainLog();
   void info(const std::string& message);
   void warn(const std::string& message);

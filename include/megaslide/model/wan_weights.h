@@ -1,0 +1,106 @@
+// The published Wan2.1 DiT weights, read tensor by tensor: one name table for the layouts people
+// download, memory-mapped safetensors, conversion to the dtype the caller asks for.
+//
+// Layouts (`WanWeights::open(path)`):
+//   - diffusers: a folder (a repository's `transformer/`, or the repository itself, which has one) with
+//     config.json (WanTransformer3DModel's) and diffusion_pytorch_model.safetensors, or its shards
+//     diffusion_pytorch_model-0000i-of-0000n.safetensors with diffusion_pytorch_model.safetensors.index.json;
+//   - Wan-AI's original repositories: the same file names with Wan's own config.json (WanModel's keys:
+//     dim, num_heads, in_dim, ...) and the original tensor names (blocks.N.self_attn.q.weight, ...);
+//   - ComfyUI's single file (e.g. wan2.1_t2v_1.3B_bf16.safetensors): original names, optionally prefixed
+//     model.diffusion_model., no config.json: the hyper-parameters come from the tensor shapes (all but the
+//     number of heads, which the caller supplies: model.wan.heads; Wan2.1's heads are 128 wide).
+// Tensor names are detected, not assumed from the layout: either naming may sit in either container.
+// Every name is exposed in diffusers' naming (the names WanTransformer registers); the original names map
+// one to one: time_embedding.{0,2} -> condition_embedder.time_embedder.linear_{1,2}, text_embedding.{0,2}
+// -> condition_embedder.text_embedder.linear_{1,2}, time_projection.1 -> condition_embedder.time_proj,
+// self_attn/cross_attn -> attn1/attn2, {q,k,v,o} -> {to_q,to_k,to_v,to_out.0}, ffn.{0,2} ->
+// ffn.net.{0.proj,2}, modulation -> scale_shift_table, head.head -> proj_out, head.modulation ->
+// scale_shift_table, and the cross-attention LayerNorm norm3 -> norm2 (the two names swap).
+//
+// Files are memory-mapped; read() converts one tensor (bf16, fp16 or fp32 in the file) into a fresh CPU
+// tensor of the asked dtype, so a loader that fills a host store block by block never holds more than
+// one tensor's copy beside the mapping (the page cache is the kernel's to drop).
+// Not read: PyTorch pickles (.pth, .pt, .bin, .ckpt), which can run code when loaded — the error says
+// to use the .safetensors files Wan's repositories ship; image-to-video and VACE weights (image_dim,
+// img_emb.*, k_img): the error names them.
+//
+// Errors: WanWeightsError naming the path, the file and the tensor. Thread-safety: read() may be called
+// from several threads at once; open() returns an object that owns its mappings.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "megaslide/config/run_config.h"
+#include "megaslide/io/files.h"
+
+namespace megaslide {
+
+class WanTransformerImpl;
+
+class WanWeightsError : public io::IoError {
+ public:
+  using io::IoError::IoError;
+};
+
+enum class WanNaming { kDiffusers, kOriginal };
+const char* to_string(WanNaming naming);
+
+// The original (Wan-AI / ComfyUI) name of a diffusers-named parameter, and back ("" when a name has no
+// counterpart).
+std::string wan_original_name(const std::string& diffusers_name);
+std::string wan_diffusers_name(const std::string& original_name);
+
+class WanWeights {
+ public:
+  static WanWeights open(const std::string& path);
+  WanWeights(WanWeights&&) noexcept;
+  WanWeights& operator=(WanWeights&&) noexcept;
+  ~WanWeights();
+
+  const std::string& path() const;
+  WanNaming naming() const;
+  const std::vector<std::string>& files() const;  // the safetensors files read
+  // The config.json used ("" when none: hyper-parameters from the shapes).
+  const std::string& config_path() const;
+  // model.wan as the weights describe it; `fallback` supplies what they cannot say (heads and eps
+  // without a config.json) and keeps its `weights` path.
+  WanConfig architecture(const WanConfig& fallback) const;
+
+  std::vector<std::string> names() const;  // diffusers' names, sorted
+  bool has(const std::string& name) const;
+  std::vector<int64_t> shape(const std::string& name) const;
+  // The tensor `name` (diffusers' naming) as `dtype` on the CPU.
+  torch::Tensor read(const std::string& name, torch::ScalarType dtype = torch::kFloat32) const;
+
+  // Checks that the weights hold exactly `expected` (diffusers' names and shapes): every name present
+  // with its shape and a floating dtype, except those matching one of `allow_missing` (globs, `*` any
+  // run of characters), and nothing else. One WanWeightsError lists every problem. Returns the names that
+  // were allowed to be missing and are.
+  std::vector<std::string> check(const std::vector<std::pair<std::string, std::vector<int64_t>>>& expected,
+                                 const std::vector<std::string>& allow_missing = {}) const;
+
+  struct Impl;
+
+ private:
+  explicit WanWeights(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// Copies the weights into `model` (any device; each tensor read, converted and copied in turn) after
+// check(); returns the parameters left at their initialisation (allowed missing).
+std::vector<std::string> load_wan_weights(const WanWeights& weights, WanTransformerImpl& model,
+                                          const std::vector<std::string>& allow_missing = {});
+
+// The parameters a dense Wan checkpoint lacks when the model uses the 3D-DSA retrofit.
+std::vector<std::string> wan_dsa_parameter_globs();
+
+// `config` with model.wan taken from model.wan.weights when set (unchanged otherwise).
+RunConfig with_wan_architecture_from_weights(const RunConfig& config);
+
+}  // namespace megaslide

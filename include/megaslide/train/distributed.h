@@ -1,0 +1,108 @@
+// Several processes (ranks) training one model: how a process learns its place from the launcher, the
+// process group the ranks talk through, and `megaslide-train --nproc-per-node N`, which starts the local
+// ranks itself. The communication is LibTorch's c10d (TCPStore rendezvous, ProcessGroupGloo on the CPU,
+// ProcessGroupNCCL on GPUs); nothing here moves bytes by itself. docs/distributed.md.
+//
+//   LaunchEnv  — rank, world size, local rank and the rendezvous address, read from torchrun's variables
+//                (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or Slurm's (SLURM_PROCID,
+//                SLURM_NTASKS, SLURM_LOCALID, with MASTER_ADDR/MASTER_PORT from the job script); one
+//                process when neither is set.
+//   Communicator — one process group: in-place sum all-reduce, barrier. Every rank must make the same
+//                calls in the same order. A peer that dies or stalls makes the call throw
+//                DistributedError within distributed.timeout_s; it never hangs past it.
+//
+// Thread-safety: one thread drives a Communicator. Tensors passed in are owned by the caller and must
+// stay alive and untouched until the call returns (every call here waits for its collective).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "megaslide/config/run_config.h"
+
+namespace megaslide {
+
+// A collective that failed (a peer died, a timeout, a rendezvous that never completed) or a launcher
+// environment that does not make sense. The message names the rank and what it was doing.
+class DistributedError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct LaunchEnv {
+  int64_t rank = 0;
+  int64_t world_size = 1;
+  int64_t local_rank = 0;        // the process's index on its node: picks its GPU
+  int64_t local_world_size = 1;  // ranks on this node (LOCAL_WORLD_SIZE, SLURM_NTASKS_PER_NODE); 1 if unknown
+  std::string master_addr;       // rank 0's host, where the TCPStore listens
+  int64_t master_port = 0;
+  std::string launcher = "none"; // none | torchrun | slurm
+  bool distributed() const { return world_size > 1; }
+};
+
+// Reads the launcher's variables through `getenv` (std::getenv by default). torchrun's take precedence
+// over Slurm's. Throws DistributedError naming the variable for a value that is not an integer, a rank
+// outside [0, world size), or a multi-rank launch without MASTER_ADDR (Slurm: set it in the job script,
+// docs/distributed.md); MASTER_PORT defaults to 29500 as in torchrun.
+LaunchEnv read_launch_env(const std::function<const char*(const char*)>& getenv = nullptr);
+
+// The training device of this rank: with several ranks, train.device auto or cuda means cuda:LOCAL_RANK
+// (an explicit cuda:N is kept); otherwise train.device as given.
+std::string rank_device_spec(const std::string& train_device, const LaunchEnv& env);
+
+// distributed.backend resolved for a device: auto -> nccl on a GPU, gloo on the CPU. Throws ConfigError
+// (key distributed.backend) for nccl on the CPU or in a build without CUDA.
+std::string resolve_backend(const DistributedConfig& config, c10::Device device, const std::string& source);
+
+class Communicator {
+ public:
+  // Rendezvous through a TCPStore at env.master_addr:env.master_port (rank 0 serves it) and build the
+  // process group of `backend` (gloo | nccl). Waits for every rank up to `timeout_s`, then throws
+  // DistributedError.
+  Communicator(const LaunchEnv& env, const std::string& backend, double timeout_s, c10::Device device);
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int64_t rank() const { return rank_; }
+  int64_t world_size() const { return world_size_; }
+  const std::string& backend() const { return backend_; }
+
+  // In place: every tensor becomes the element-wise sum over the ranks (same shapes and dtypes on every
+  // rank). NCCL takes the tensors where they are (the rank's GPU); Gloo reduces CPU tensors, so GPU
+  // tensors go through a host copy.
+  void all_reduce_sum(std::vector<at::Tensor>& tensors);
+  // In place: the element-wise maximum over the ranks.
+  void all_reduce_max(std::vector<at::Tensor>& tensors);
+  void barrier();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  int64_t rank_ = 0, world_size_ = 1;
+  std::string backend_;
+  double timeout_s_ = 0.0;
+};
+
+// megaslide-train --nproc-per-node N: runs `argv` (the program's own path first) N times as local ranks
+// 0..N-1 of a one-node job (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1,
+// MASTER_PORT=`master_port`, or a free port when 0; MEGASLIDE_LOCAL_LAUNCH=1, which tells a rank it was
+// started here) and waits. SIGINT/SIGTERM are passed on to every
+// rank. When a rank fails the others get SIGTERM, then SIGKILL after `grace_s`. Returns the first failing
+// rank's exit code (128 + signal for a rank killed by a signal), else 0. Never returns in the children.
+int launch_local_ranks(const std::vector<std::string>& argv, int64_t nproc, int64_t master_port, double grace_s = 10.0);
+
+// Whether this build has the Gloo backend (built where Gloo's headers were found: docs/building.md).
+bool gloo_available();
+
+// A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0, then closed).
+int64_t free_local_port();
+
+}  // namespace megaslide

@@ -1,0 +1,164 @@
+// Full-parameter fine-tuning of Wan2.1 (model.arch: wan): the streamed CPU-master trainer
+// (offload.enabled: true, StreamedStackTrainer) or the resident reference loop (offload.enabled: false),
+// on latent videos and text embeddings held in memory (WanLatentData).
+//
+//   prologue (resident, fp32):  patch_embedding, condition_embedder (time, text) -> tokens, tproj, context,
+//                               the RoPE tables
+//   stack (streamed):           the blocks' attn1, attn2 and ffn weights (WanBlock::streamed()), in
+//                               offload.compute_dtype, checkpointed at block boundaries
+//   resident fp32 per block:    scale_shift_table and norm2 — diffusers keeps them in fp32
+//                               (_keep_in_fp32_modules); they stay on the device in fp32, are read by the
+//                               streamed block's forward and updated with the prologue and epilogue
+//   epilogue (resident, fp32):  head (scale_shift_table, proj_out), unpatchify, MSE against the target
+//
+// Objective: diffusion.objective flow (x_t = (1 − σ)·x0 + σ·ε, target ε − x0, timestep σ·T; σ as
+// diffusion.shift and diffusion.timestep_sampling say; diffusion/flow_matching.h) or ddpm (DDPMSchedule
+// with diffusion.prediction). Random streams, shared by both modes so that they see the same batches: the
+// sample order from an EpochSampler(train.seed), caption dropout from an mt19937_64 (the text of a dropped
+// sample becomes the empty prompt's embedding), σ (or t) then noise from a CPU generator seeded by
+// train.seed. Initialisation: the model is built on the CPU in fp32 after torch::manual_seed(train.seed),
+// then model.wan.weights are loaded into it when set (the 3D-DSA retrofit's parameters allowed missing),
+// then the tensors of `init_from` (train.init_from, e.g. a Wan checkpoint or run folder: init_from.h) when
+// given; both modes therefore start from identical weights.
+//
+// Checkpoints (train/checkpoint.h) name every parameter as diffusers does ("blocks.3.attn1.to_q.weight"),
+// in both modes; the streamed trainer's block state is views into its host store.
+// Thread-safety: one thread drives a trainer.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "megaslide/config/run_config.h"
+#include "megaslide/data/structured_motion.h"
+#include "megaslide/diffusion/ddpm.h"
+#include "megaslide/diffusion/flow_matching.h"
+#include "megaslide/model/wan.h"
+#include "megaslide/offload/stack_trainer.h"
+#include "megaslide/offload/streamed_model.h"
+#include "megaslide/train/checkpoint.h"
+#include "megaslide/train/init_from.h"
+#include "megaslide/train/resident_trainer.h"
+
+namespace megaslide {
+
+// Latent videos and their text embeddings, in memory.
+struct WanLatentData {
+  torch::Tensor latents;     // [N, C, T, H, W] float32: Wan VAE latents (normalised as Wan's pipeline does)
+  torch::Tensor text;        // [N, L, text_dim] float32: umT5 embeddings, zero past the prompt (Wan's convention)
+  torch::Tensor empty_text;  // [L, text_dim]: the empty prompt's embedding (caption dropout); optional
+  // Reads a safetensors file holding "latents", "text" and optionally "empty_text" (float32, bf16 or fp16);
+  // errors (std::invalid_argument) name the file and the tensor.
+  static WanLatentData load(const std::string& path);
+  // Checks the shapes against a config (data.channels/frames/height/width, model.wan.text_dim); throws
+  // std::invalid_argument naming what differs.
+  void check(const RunConfig& config) const;
+};
+
+// One micro-batch.
+struct WanBatch {
+  torch::Tensor x0, noise, xt;  // [B, C, T, H, W]
+  torch::Tensor timesteps;      // [B] float32, what the model is given (σ·T, or the DDPM timestep)
+  torch::Tensor target;         // [B, C, T, H, W]
+  torch::Tensor text;           // [B, L, text_dim]
+};
+
+class WanBatchSource {
+ public:
+  WanBatchSource(const RunConfig& config, WanLatentData data);
+  WanBatch next(torch::Device device);
+  int64_t size() const { return data_.latents.size(0); }
+  // The streams' position (JSON) and its restoration, as DiffusionBatchSource's.
+  std::string state() const;
+  void restore(const std::string& state);
+
+ private:
+  RunConfig config_;
+  WanLatentData data_;
+  EpochSampler sampler_;
+  bool flow_;
+  FlowMatchingOptions flow_options_;
+  DDPMSchedule schedule_;
+  Prediction prediction_;
+  std::mt19937_64 caption_rng_;
+  at::Generator generator_;
+};
+
+// Wan as a StreamedModel. BlockInputs: tensors {tproj, context}; info: the token grid and RoPE tables.
+class WanStack : public offload::StreamedModel {
+ public:
+  explicit WanStack(WanTransformer model) : model_(std::move(model)) {}
+  int64_t num_blocks() const override { return static_cast<int64_t>(model_->blocks->size()); }
+  torch::nn::Module& block(int64_t index) override;
+  torch::Tensor forward_block(int64_t index, const torch::Tensor& x, const offload::BlockInputs& inputs) override;
+  std::vector<torch::Tensor> resident_parameters() override;
+  // Every parameter not streamed, by its model name (prologue, the blocks' fp32 tables and norm2, head).
+  std::vector<std::pair<std::string, torch::Tensor>> named_resident_parameters();
+  WanTransformer& model() { return model_; }
+
+ private:
+  WanTransformer model_;
+};
+
+// One step of `engine` (built over a WanStack of `model`) with the prologue, stack and epilogue WanTrainer
+// runs; `next_batch` supplies each micro-batch (on the engine's device). For custom loops and tests.
+offload::StackStepResult wan_streamed_step(offload::StreamedStackTrainer& engine, WanTransformer& model,
+                                           const std::function<WanBatch()>& next_batch, double lr);
+
+class WanTrainer {
+ public:
+  // `init_from`, when set, is called once with the model's parameter names (diffusers', as checkpoints
+  // name them) and shapes, before any weight reaches the device or the host store; the plan it returns
+  // (plan_init_from) is read into the fp32 model. Its InitFromError propagates.
+  using InitPlanner = std::function<InitPlan(const ParameterShapes&)>;
+  WanTrainer(const RunConfig& config, WanLatentData data, const InitPlanner& init_from = {});
+
+  StepMetrics step();
+  void synchronize();
+
+  const RunConfig& config() const { return config_; }
+  torch::Device device() const { return device_; }
+  int64_t steps_done() const { return steps_done_; }
+  int64_t parameter_count() const;
+  int64_t tokens_per_sample() const { return grid_.numel(); }
+  bool streamed() const { return engine_ != nullptr; }
+  offload::StreamedStackTrainer* engine() { return engine_.get(); }
+  WanTransformer& model() { return stack_->model(); }
+  // Parameters the weights left at their initialisation (the 3D-DSA retrofit's, from a dense checkpoint).
+  const std::vector<std::string>& initialised_parameters() const { return initialised_; }
+  // The plan init_from returned (empty path when none was given).
+  const InitPlan& init_plan() const { return init_plan_; }
+  // Every parameter's fp32 master as a CPU copy, by model name (synchronizes first).
+  std::vector<std::pair<std::string, torch::Tensor>> master_weights();
+  // Host memory of the streamed trainer's store as a table ("" for the resident loop).
+  std::string host_memory_report() const;
+
+  // Checkpointing, as CPUMasterVideoDiT's and ResidentTrainer's (train/checkpoint.h).
+  TrainingState training_state();
+  void load_training_state(const TrainingState& state);
+
+ private:
+  StepMetrics resident_step(double lr);
+  StepMetrics streamed_step(double lr);
+  std::vector<std::pair<std::string, torch::Tensor>> named_parameters();
+
+  RunConfig config_;
+  torch::Device device_;
+  WanBatchSource batches_;
+  std::shared_ptr<WanStack> stack_;
+  std::unique_ptr<offload::StreamedStackTrainer> engine_;    // streamed mode
+  std::unique_ptr<torch::optim::AdamW> resident_optimizer_;  // resident mode
+  std::vector<std::string> initialised_;
+  InitPlan init_plan_;
+  TokenGrid grid_;
+  int64_t steps_done_ = 0, optimizer_steps_ = 0;
+  int64_t skipped_total_ = 0, consecutive_skips_ = 0;
+};
+
+}  // namespace megaslide

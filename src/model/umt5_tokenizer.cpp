@@ -1,0 +1,222 @@
+#include "megaslide/model/umt5_tokenizer.h"
+
+#include <algorithm>
+#include <array>
+
+#include "io/pretrained.h"
+#include "megaslide/io/files.h"
+
+#ifdef MEGASLIDE_WITH_SENTENCEPIECE
+#include <sentencepiece_processor.h>
+#endif
+
+namespace megaslide {
+
+namespace {
+
+[[noreturn]] void fail(const std::string& source, const std::string& what) {
+  throw Umt5TokenizerError("umT5 tokenizer '" + source + "': " + what);
+}
+
+// The special tokens transformers matches in the text before tokenizing, with their ids.
+constexpr std::array<std::pair<const char*, int64_t>, 3> kSpecial{{{"<pad>", Umt5Tokenizer::kPad},
+                                                                    {"</s>", Umt5Tokenizer::kEos},
+                                                                    {"<unk>", Umt5Tokenizer::kUnk}}};
+
+// Decodes one UTF-8 code point at s[i] and advances i past it; a byte that does not start a complete
+// sequence is taken on its own.
+uint32_t next_code_point(const std::string& s, size_t& i) {
+  const auto b = static_cast<unsigned char>(s[i]);
+  size_t extra = b >= 0xF8 ? 0 : b >= 0xF0 ? 3 : b >= 0xE0 ? 2 : b >= 0xC0 ? 1 : 0;
+  if (i + extra >= s.size()) extra = 0;
+  uint32_t cp = extra == 0 ? b : (b & (0x3Fu >> extra));
+  for (size_t k = 1; k <= extra; ++k) {
+    const auto c = static_cast<unsigned char>(s[i + k]);
+    if ((c & 0xC0) != 0x80) {
+      ++i;
+      return b;
+    }
+    cp = (cp << 6) | (c & 0x3Fu);
+  }
+  i += extra + 1;
+  return cp;
+}
+
+// Python's str.isspace(): what `\s` matches in a str regular expression.
+bool is_python_space(uint32_t c) {
+  return (c >= 0x09 && c <= 0x0D) || (c >= 0x1C && c <= 0x20) || c == 0x85 || c == 0xA0 || c == 0x1680 || (c >= 0x2000 && c <= 0x200A) ||
+         c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
+}
+
+}  // namespace
+
+std::string wan_clean(const std::string& prompt) {
+  std::string out;
+  bool space = false;
+  for (size_t i = 0; i < prompt.size();) {
+    const size_t start = i;
+    const uint32_t cp = next_code_point(prompt, i);
+    if (is_python_space(cp)) {
+      space = true;
+      continue;
+    }
+    if (space && !out.empty()) out += ' ';
+    space = false;
+    out.append(prompt, start, i - start);
+  }
+  return out;
+}
+
+#ifdef MEGASLIDE_WITH_SENTENCEPIECE
+
+struct Umt5Tokenizer::Impl {
+  sentencepiece::SentencePieceProcessor sp;
+};
+
+bool umt5_tokenizer_supported() { return true; }
+
+namespace {
+std::unique_ptr<Umt5Tokenizer::Impl> checked(std::unique_ptr<Umt5Tokenizer::Impl> impl, const std::string& source) {
+  const auto& sp = impl->sp;
+  for (const auto& [piece, id] : kSpecial) {
+    if (sp.GetPieceSize() <= id || sp.IdToPiece(static_cast<int>(id)) != piece)
+      fail(source, "id " + std::to_string(id) + " must be " + piece + " (umT5's special tokens: <pad> 0, </s> 1, <unk> 2), it is '" +
+                       (sp.GetPieceSize() > id ? sp.IdToPiece(static_cast<int>(id)) : std::string("(none)")) + "'");
+  }
+  if (!sp.IsUnknown(Umt5Tokenizer::kUnk)) fail(source, "<unk> (id 2) is not the model's unknown piece");
+  return impl;
+}
+}  // namespace
+
+Umt5Tokenizer Umt5Tokenizer::from_file(const std::string& path) {
+  if (!io::path_exists(path) || io::is_directory(path)) fail(path, "no such file (expected a SentencePiece model, spiece.model)");
+  std::string bytes;
+  try {
+    bytes = io::read_file(path);
+  } catch (const std::exception& e) {
+    fail(path, e.what());
+  }
+  return from_bytes(bytes, path);
+}
+
+Umt5Tokenizer Umt5Tokenizer::from_bytes(const std::string& serialized, const std::string& source) {
+  auto impl = std::make_unique<Impl>();
+  const auto status = impl->sp.LoadFromSerializedProto(serialized);
+  if (!status.ok()) fail(source, "not a SentencePiece model: " + status.ToString());
+  return Umt5Tokenizer(checked(std::move(impl), source), source);
+}
+
+std::vector<int64_t> Umt5Tokenizer::encode_text(const std::string& text) const {
+  std::vector<int64_t> out;
+  size_t pos = 0;
+  auto piece_ids = [&](const std::string& part) {
+    if (part.empty()) return;
+    std::vector<int> ids;
+    const auto status = impl_->sp.Encode(part, &ids);
+    if (!status.ok()) fail(source_, "cannot encode text: " + status.ToString());
+    out.insert(out.end(), ids.begin(), ids.end());
+  };
+  while (pos < text.size()) {
+    // The leftmost special token (the longest at one position: they cannot overlap anyway).
+    size_t best = std::string::npos, best_len = 0;
+    int64_t best_id = 0;
+    for (const auto& [piece, id] : kSpecial) {
+      const auto at = text.find(piece, pos);
+      if (at != std::string::npos && (at < best || (at == best && std::string(piece).size() > best_len))) {
+        best = at, best_len = std::string(piece).size(), best_id = id;
+      }
+    }
+    if (best == std::string::npos) {
+      piece_ids(text.substr(pos));
+      break;
+    }
+    piece_ids(text.substr(pos, best - pos));
+    out.push_back(best_id);
+    pos = best + best_len;
+  }
+  return out;
+}
+
+int64_t Umt5Tokenizer::vocab_size() const { return impl_->sp.GetPieceSize(); }
+
+std::string Umt5Tokenizer::piece(int64_t id) const {
+  if (id < 0 || id >= vocab_size()) fail(source_, "no piece " + std::to_string(id));
+  return impl_->sp.IdToPiece(static_cast<int>(id));
+}
+
+double Umt5Tokenizer::score(int64_t id) const {
+  if (id < 0 || id >= vocab_size()) fail(source_, "no piece " + std::to_string(id));
+  return impl_->sp.GetScore(static_cast<int>(id));
+}
+
+#else  // built without SentencePiece
+
+struct Umt5Tokenizer::Impl {};
+
+bool umt5_tokenizer_supported() { return false; }
+
+namespace {
+[[noreturn]] void unsupported(const std::string& source) {
+  fail(source, "this build has no SentencePiece (install libsentencepiece-dev, as tools/bootstrap.sh does, and reconfigure)");
+}
+}  // namespace
+
+Umt5Tokenizer Umt5Tokenizer::from_file(const std::string& path) { unsupported(path); }
+Umt5Tokenizer Umt5Tokenizer::from_bytes(const std::string&, const std::string& source) { unsupported(source); }
+std::vector<int64_t> Umt5Tokenizer::encode_text(const std::string&) const { unsupported(source_); }
+int64_t Umt5Tokenizer::vocab_size() const { unsupported(source_); }
+std::string Umt5Tokenizer::piece(int64_t) const { unsupported(source_); }
+double Umt5Tokenizer::score(int64_t) const { unsupported(source_); }
+
+#endif
+
+Umt5Tokenizer::Umt5Tokenizer(std::unique_ptr<Impl> impl, std::string source) : impl_(std::move(impl)), source_(std::move(source)) {}
+Umt5Tokenizer::Umt5Tokenizer(Umt5Tokenizer&&) noexcept = default;
+Umt5Tokenizer& Umt5Tokenizer::operator=(Umt5Tokenizer&&) noexcept = default;
+Umt5Tokenizer::~Umt5Tokenizer() = default;
+
+Umt5Tokenizer Umt5Tokenizer::find(const std::string& path) {
+  if (!io::path_exists(path)) fail(path, "no such file or folder (expected spiece.model, a model folder or a .safetensors file)");
+  std::vector<std::string> candidates;
+  if (io::is_directory(path)) {
+    candidates = {io::join_path(path, "spiece.model"), io::join_path(path, "tokenizer/spiece.model"),
+                  io::join_path(path, "../tokenizer/spiece.model")};
+  } else if (path.size() > 12 && path.compare(path.size() - 12, 12, ".safetensors") == 0) {
+    try {
+      io::MappedWeights weights(path);
+      if (weights.has("spiece_model")) return from_bytes(weights.bytes("spiece_model"), path + " (tensor spiece_model)");
+    } catch (const io::PretrainedError& e) {
+      fail(path, e.what());
+    }
+    const auto slash = path.find_last_of('/');
+    candidates = {io::join_path(slash == std::string::npos ? "." : path.substr(0, slash), "spiece.model")};
+  } else {
+    return from_file(path);
+  }
+  for (const auto& c : candidates)
+    if (io::path_exists(c)) return from_file(c);
+  std::string list;
+  for (const auto& c : candidates) list += (list.empty() ? "" : ", ") + c;
+  fail(path, "no SentencePiece model found (looked for " + list + (io::is_directory(path) ? "" : " and a tensor spiece_model") + ")");
+}
+
+Umt5Tokens Umt5Tokenizer::encode(const std::vector<std::string>& prompts, int64_t max_length) const {
+  if (max_length < 1) fail(source_, "max_length must be >= 1, got " + std::to_string(max_length));
+  const auto n = static_cast<int64_t>(prompts.size());
+  auto ids = at::full({n, max_length}, kPad, at::kLong);
+  auto mask = at::zeros({n, max_length}, at::kLong);
+  auto ids_a = ids.accessor<int64_t, 2>();
+  auto mask_a = mask.accessor<int64_t, 2>();
+  for (int64_t i = 0; i < n; ++i) {
+    auto text = encode_text(prompts[static_cast<size_t>(i)]);
+    if (static_cast<int64_t>(text.size()) > max_length - 1) text.resize(static_cast<size_t>(max_length - 1));
+    text.push_back(kEos);
+    for (size_t j = 0; j < text.size(); ++j) {
+      ids_a[i][static_cast<int64_t>(j)] = text[j];
+      mask_a[i][static_cast<int64_t>(j)] = 1;
+    }
+  }
+  return {ids, mask};
+}
+
+}  // namespace megaslide

@@ -1,0 +1,375 @@
+#include "megaslide/model/wan.h"
+
+#include <cmath>
+
+namespace megaslide {
+
+namespace {
+torch::TensorOptions fp32_on(torch::Device device) { return torch::TensorOptions().dtype(torch::kFloat32).device(device); }
+
+// LayerNorm over the last dimension in fp32, rounded back to x's dtype by the caller (FP32LayerNorm).
+torch::Tensor fp32_layer_norm(const torch::Tensor& x, int64_t dim, double eps, const torch::Tensor& weight = {},
+                              const torch::Tensor& bias = {}) {
+  return torch::layer_norm(x.to(torch::kFloat32), {dim}, weight.defined() ? weight.to(torch::kFloat32) : weight,
+                           bias.defined() ? bias.to(torch::kFloat32) : bias, eps);
+}
+
+// The centred sub-window of a kernel-indexed dimension `dim` of `full` ([.., K, ..] with K = kt·kh·kw)
+// for the effective kernel on `grid`: 3D-DSA on a grid smaller than the kernel uses the kernel's centre.
+torch::Tensor kernel_window(const torch::Tensor& full, int64_t dim, const Int3& kernel, const TokenGrid& grid) {
+  const auto eff = ops::effective_kernel(kernel, grid.dims());
+  if (eff == kernel) return full;
+  std::vector<int64_t> sizes(full.sizes().begin(), full.sizes().end());
+  sizes.erase(sizes.begin() + dim);
+  sizes.insert(sizes.begin() + dim, {kernel[0], kernel[1], kernel[2]});
+  auto window = full.view(sizes);
+  for (int a = 0; a < 3; ++a) window = window.narrow(dim + a, (kernel[a] - eff[a]) / 2, eff[a]);
+  std::vector<int64_t> out(full.sizes().begin(), full.sizes().end());
+  out[dim] = eff[0] * eff[1] * eff[2];
+  return window.reshape(out);
+}
+}  // namespace
+
+WanSelfAttention parse_wan_self_attention(const std::string& name) {
+  if (name == "dense") return WanSelfAttention::kDense;
+  if (name == "dsa3d") return WanSelfAttention::kDsa3d;
+  TORCH_CHECK(false, "model.self_attention: expected dense or dsa3d, got '", name, "'");
+}
+
+WanOptions WanOptions::from_config(const RunConfig& config) {
+  const auto& m = config.model;
+  const auto& w = m.wan;
+  return WanOptions()
+      .dim(w.dim)
+      .layers(w.layers)
+      .heads(w.heads)
+      .ffn_dim(w.ffn_dim)
+      .freq_dim(w.freq_dim)
+      .text_dim(w.text_dim)
+      .patch(w.patch)
+      .in_channels(w.in_channels)
+      .out_channels(w.out_channels)
+      .qk_norm(w.qk_norm)
+      .cross_attn_norm(w.cross_attn_norm)
+      .eps(w.eps)
+      .self_attention(parse_wan_self_attention(m.self_attention))
+      .dsa_kernel(m.dsa_kernel)
+      .dsa_groups(m.dsa_groups)
+      .dsa_offset_range(m.dsa_offset_range)
+      .dsa_offsets(m.dsa_offsets);
+}
+
+torch::Tensor wan_timestep_features(const torch::Tensor& t, int64_t dim) {
+  TORCH_CHECK(t.dim() == 1, "wan_timestep_features: expected timesteps [B], got ", t.sizes());
+  const int64_t half = dim / 2;
+  // diffusers' get_timestep_embedding, op for op in float32.
+  auto exponent = torch::arange(0, half, fp32_on(t.device())) * (-std::log(10000.0));
+  exponent = exponent / static_cast<double>(half);
+  auto emb = t.to(torch::kFloat32).unsqueeze(1) * torch::exp(exponent).unsqueeze(0);
+  auto out = torch::cat({torch::cos(emb), torch::sin(emb)}, -1);
+  if (dim % 2 == 1) out = torch::constant_pad_nd(out, {0, 1});
+  return out;
+}
+
+WanRope wan_rope(const TokenGrid& grid, int64_t head_dim, double theta, torch::Device device) {
+  TORCH_CHECK(head_dim % 2 == 0, "wan_rope: the head size must be even, got ", head_dim);
+  const int64_t hw_dim = 2 * (head_dim / 6), t_dim = head_dim - 2 * hw_dim;
+  const int64_t sizes[3] = {grid.t, grid.h, grid.w};
+  const int64_t dims[3] = {t_dim, hw_dim, hw_dim};
+  const auto f64 = torch::TensorOptions().dtype(torch::kFloat64);
+  std::vector<torch::Tensor> angles;
+  for (int a = 0; a < 3; ++a) {
+    if (dims[a] == 0) continue;
+    // θ^(−2j/n) for j < n/2 and positions 0 … size−1, all in float64 (diffusers' freqs_dtype).
+    auto freqs = 1.0 / torch::pow(theta, torch::arange(0, dims[a], 2, f64) / static_cast<double>(dims[a]));
+    auto axis = torch::outer(torch::arange(sizes[a], f64), freqs);  // [size, n/2]
+    std::vector<int64_t> shape{1, 1, 1, dims[a] / 2};
+    shape[a] = sizes[a];
+    angles.push_back(axis.view(shape).expand({grid.t, grid.h, grid.w, dims[a] / 2}));
+  }
+  auto all = torch::cat(angles, -1).reshape({grid.numel(), head_dim / 2});
+  return {all.cos().to(torch::kFloat32).to(device), all.sin().to(torch::kFloat32).to(device)};
+}
+
+torch::Tensor apply_wan_rope(const torch::Tensor& x, const WanRope& rope) {
+  const int64_t N = x.size(1), d = x.size(3);
+  TORCH_CHECK(rope.cos.size(0) == N && rope.cos.size(1) * 2 == d, "apply_wan_rope: tables [", rope.cos.size(0), ", ",
+              rope.cos.size(1), "] do not fit x ", x.sizes());
+  auto pairs = x.unflatten(-1, {d / 2, 2});
+  auto x1 = pairs.select(-1, 0), x2 = pairs.select(-1, 1);
+  auto cos = rope.cos.view({1, N, 1, d / 2}), sin = rope.sin.view({1, N, 1, d / 2});
+  auto even = x1 * cos - x2 * sin;
+  auto odd = x1 * sin + x2 * cos;
+  return torch::stack({even, odd}, -1).flatten(-2).to(x.scalar_type());
+}
+
+WanRmsNormImpl::WanRmsNormImpl(int64_t dim_, double eps_, torch::Device device_) : dim(dim_), eps(eps_), device(device_) { reset(); }
+
+void WanRmsNormImpl::reset() { weight = register_parameter("weight", torch::ones({dim}, fp32_on(device))); }
+
+torch::Tensor WanRmsNormImpl::forward(const torch::Tensor& x) { return at::rms_norm(x, {dim}, weight, eps); }
+
+WanAttentionImpl::WanAttentionImpl(const WanOptions& options_, bool self_attention) : options(options_), is_self(self_attention) {
+  reset();
+}
+
+void WanAttentionImpl::reset() {
+  const int64_t D = options.dim();
+  const auto dev = options.device();
+  to_q = register_module("to_q", Linear(LinearOptions(D, D).device(dev)));
+  to_k = register_module("to_k", Linear(LinearOptions(D, D).device(dev)));
+  to_v = register_module("to_v", Linear(LinearOptions(D, D).device(dev)));
+  out = Linear(LinearOptions(D, D).device(dev));
+  to_out = register_module("to_out", torch::nn::ModuleList(out));
+  if (options.qk_norm()) {
+    norm_q = register_module("norm_q", WanRmsNorm(D, options.eps(), dev));
+    norm_k = register_module("norm_k", WanRmsNorm(D, options.eps(), dev));
+  }
+  if (is_self && options.self_attention() == WanSelfAttention::kDsa3d) {
+    const auto& k = options.dsa_kernel();
+    const int64_t K = k[0] * k[1] * k[2], G = options.dsa_groups(), M = options.heads();
+    TORCH_CHECK(M % G == 0, "Wan 3D-DSA: offset groups ", G, " must divide heads ", M);
+    for (int a = 0; a < 3; ++a) TORCH_CHECK(k[a] >= 1 && k[a] % 2 == 1, "Wan 3D-DSA: kernel sizes must be odd and positive");
+    TORCH_CHECK(options.dsa_offsets() != DsaOffsets::kFrozen, "Wan 3D-DSA: offsets must be learned or zero");
+    if (options.dsa_offsets() == DsaOffsets::kLearned) {
+      offset_dw = register_module("offset_dw", Conv3d(Conv3dOptions(D, D, {3, 3, 3}).padding({1, 1, 1}).groups(D).device(dev)));
+      offset_pw = register_module("offset_pw", Linear(LinearOptions(D, G * K * 3).zero_init(true).device(dev)));
+    }
+    rel_bias = register_parameter("rel_bias", torch::zeros({M, K}, fp32_on(dev)));
+  }
+}
+
+std::pair<torch::Tensor, torch::Tensor> WanAttentionImpl::normed_qk(const torch::Tensor& q, const torch::Tensor& k) {
+  if (!options.qk_norm()) return {q, k};
+  return {norm_q(q), norm_k(k)};
+}
+
+torch::Tensor WanAttentionImpl::dsa_offsets(const torch::Tensor& x, const TokenGrid& grid) {
+  const int64_t B = x.size(0), D = options.dim(), G = options.dsa_groups();
+  const auto& kernel = options.dsa_kernel();
+  const int64_t K = kernel[0] * kernel[1] * kernel[2];
+  if (options.dsa_offsets() == DsaOffsets::kZero) {
+    const auto eff = ops::effective_kernel(kernel, grid.dims());
+    return torch::zeros({B, grid.t, grid.h, grid.w, G, eff[0] * eff[1] * eff[2], 3}, x.options());
+  }
+  auto volume = x.view({B, grid.t, grid.h, grid.w, D}).permute({0, 4, 1, 2, 3});
+  auto o = offset_pw(torch::gelu(offset_dw(volume)).permute({0, 2, 3, 4, 1}));
+  o = kernel_window(o.view({B, grid.t, grid.h, grid.w, G, K, 3}), 5, kernel, grid);
+  const auto& r = options.dsa_offset_range();
+  auto t = torch::tanh(o);
+  return torch::stack({t.select(-1, 0) * r[0], t.select(-1, 1) * r[1], t.select(-1, 2) * r[2]}, -1);
+}
+
+torch::Tensor WanAttentionImpl::forward_self(const torch::Tensor& x, const TokenGrid& grid, const WanRope& rope) {
+  const int64_t B = x.size(0), N = x.size(1), D = options.dim(), M = options.heads();
+  TORCH_CHECK(N == grid.numel(), "Wan self-attention: ", N, " tokens but the grid has ", grid.numel());
+  auto [q, k] = normed_qk(to_q(x), to_k(x));
+  auto v = to_v(x).unflatten(2, {M, D / M});
+  q = apply_wan_rope(q.unflatten(2, {M, D / M}), rope);
+  k = apply_wan_rope(k.unflatten(2, {M, D / M}), rope);
+  torch::Tensor o;
+  if (options.self_attention() == WanSelfAttention::kDsa3d) {
+    auto on_grid = [&](const torch::Tensor& t) { return t.reshape({B, grid.t, grid.h, grid.w, M, D / M}); };
+    auto bias = kernel_window(rel_bias, 1, options.dsa_kernel(), grid).to(q.scalar_type());
+    o = ops::dsa3d(on_grid(q), on_grid(k), on_grid(v), dsa_offsets(x, grid).to(q.scalar_type()), bias, options.dsa_kernel(),
+                   options.dsa_impl())
+            .reshape({B, N, D});
+  } else {
+    o = at::scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2).reshape({B, N, D});
+  }
+  return out(o.to(x.scalar_type()));
+}
+
+torch::Tensor WanAttentionImpl::forward_cross(const torch::Tensor& x, const torch::Tensor& context) {
+  const int64_t B = x.size(0), N = x.size(1), D = options.dim(), M = options.heads();
+  auto [q, k] = normed_qk(to_q(x), to_k(context));
+  auto v = to_v(context);
+  auto heads = [&](const torch::Tensor& t) { return t.unflatten(2, {M, D / M}).transpose(1, 2); };
+  auto o = at::scaled_dot_product_attention(heads(q), heads(k), heads(v)).transpose(1, 2).reshape({B, N, D});
+  return out(o.to(x.scalar_type()));
+}
+
+WanFeedForwardImpl::WanFeedForwardImpl(int64_t dim_, int64_t ffn_dim_, torch::Device device_)
+    : dim(dim_), ffn_dim(ffn_dim_), device(device_) {
+  reset();
+}
+
+void WanFeedForwardImpl::reset() {
+  // diffusers' FeedForward: net = [GELU(proj = Linear), Dropout, Linear]; the names keep the positions.
+  struct GeluProjImpl : torch::nn::Module {
+    explicit GeluProjImpl(Linear linear) { register_module("proj", std::move(linear)); }
+  };
+  fc1 = Linear(LinearOptions(dim, ffn_dim).device(device));
+  fc2 = Linear(LinearOptions(ffn_dim, dim).device(device));
+  net = register_module("net", torch::nn::ModuleList());
+  net->push_back(std::make_shared<GeluProjImpl>(fc1));
+  net->push_back(torch::nn::Identity());
+  net->push_back(fc2);
+}
+
+torch::Tensor WanFeedForwardImpl::forward(const torch::Tensor& x) { return fc2(torch::gelu(fc1(x), "tanh")); }
+
+WanBlockImpl::WanBlockImpl(const WanOptions& options_) : options(options_) { reset(); }
+
+void WanBlockImpl::reset() {
+  const int64_t D = options.dim();
+  const auto dev = options.device();
+  attn1 = register_module("attn1", WanAttention(options, /*self_attention=*/true));
+  attn2 = register_module("attn2", WanAttention(options, /*self_attention=*/false));
+  if (options.cross_attn_norm()) norm2 = register_module("norm2", LayerNorm(LayerNormOptions(D).eps(options.eps()).device(dev)));
+  ffn = register_module("ffn", WanFeedForward(D, options.ffn_dim(), dev));
+  scale_shift_table = register_parameter("scale_shift_table", torch::empty({1, 6, D}, fp32_on(dev)));
+  if (!dev.is_meta()) {
+    torch::NoGradGuard no_grad;
+    scale_shift_table.normal_().div_(std::sqrt(static_cast<double>(D)));
+  }
+  streamed_ = std::make_shared<torch::nn::Module>("WanBlockStreamed");
+  streamed_->register_module("attn1", attn1.ptr());
+  streamed_->register_module("attn2", attn2.ptr());
+  streamed_->register_module("ffn", ffn.ptr());
+}
+
+torch::nn::Module& WanBlockImpl::streamed() { return *streamed_; }
+
+torch::Tensor WanBlockImpl::forward(const torch::Tensor& x, const WanBlockContext& ctx) {
+  return forward(x, ctx, scale_shift_table, norm2 ? norm2->weight : torch::Tensor(), norm2 ? norm2->bias : torch::Tensor());
+}
+
+torch::Tensor WanBlockImpl::forward(const torch::Tensor& x, const WanBlockContext& ctx, const torch::Tensor& table,
+                                    const torch::Tensor& norm2_weight, const torch::Tensor& norm2_bias) {
+  const int64_t D = options.dim();
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(x.dim() == 3 && x.size(2) == D, "WanBlock: expected tokens [B, N, ", D, "], got ", x.sizes());
+  const auto mod = (table.to(torch::kFloat32) + ctx.tproj.to(torch::kFloat32)).chunk(6, 1);  // each [B, 1, D]
+  const double eps = options.eps();
+  auto h = (fp32_layer_norm(x, D, eps) * (1 + mod[1]) + mod[0]).to(dtype);
+  auto y = (x.to(torch::kFloat32) + attn1->forward_self(h, ctx.grid, ctx.rope) * mod[2]).to(dtype);
+  h = options.cross_attn_norm() ? fp32_layer_norm(y, D, eps, norm2_weight, norm2_bias).to(dtype) : y;
+  y = y + attn2->forward_cross(h, ctx.context.to(dtype));
+  h = (fp32_layer_norm(y, D, eps) * (1 + mod[4]) + mod[3]).to(dtype);
+  return (y.to(torch::kFloat32) + ffn(h).to(torch::kFloat32) * mod[5]).to(dtype);
+}
+
+WanMlpImpl::WanMlpImpl(int64_t in_, int64_t out_, bool gelu_tanh_, torch::Device device_)
+    : in(in_), out(out_), gelu_tanh(gelu_tanh_), device(device_) {
+  reset();
+}
+
+void WanMlpImpl::reset() {
+  linear_1 = register_module("linear_1", Linear(LinearOptions(in, out).device(device)));
+  linear_2 = register_module("linear_2", Linear(LinearOptions(out, out).device(device)));
+}
+
+torch::Tensor WanMlpImpl::forward(const torch::Tensor& x) {
+  auto h = linear_1(x);
+  return linear_2(gelu_tanh ? torch::gelu(h, "tanh") : torch::silu(h));
+}
+
+WanConditionEmbedderImpl::WanConditionEmbedderImpl(const WanOptions& options_) : options(options_) { reset(); }
+
+void WanConditionEmbedderImpl::reset() {
+  const int64_t D = options.dim();
+  const auto dev = options.device();
+  time_embedder = register_module("time_embedder", WanMlp(options.freq_dim(), D, /*gelu_tanh=*/false, dev));
+  time_proj = register_module("time_proj", Linear(LinearOptions(D, 6 * D).device(dev)));
+  text_embedder = register_module("text_embedder", WanMlp(options.text_dim(), D, /*gelu_tanh=*/true, dev));
+}
+
+WanTransformerImpl::WanTransformerImpl(WanOptions options_) : options(std::move(options_)) { reset(); }
+
+void WanTransformerImpl::reset() {
+  const int64_t D = options.dim();
+  const auto dev = options.device();
+  TORCH_CHECK(options.heads() > 0 && D % options.heads() == 0, "WanTransformer: dim ", D, " is not a multiple of heads ", options.heads());
+  TORCH_CHECK(options.head_dim() % 2 == 0, "WanTransformer: the head size (dim / heads = ", options.head_dim(),
+              ") must be even for 3D RoPE");
+  const auto& p = options.patch();
+  patch_embedding = register_module(
+      "patch_embedding", Conv3d(Conv3dOptions(options.in_channels(), D, {p[0], p[1], p[2]}).stride({p[0], p[1], p[2]}).device(dev)));
+  condition_embedder = register_module("condition_embedder", WanConditionEmbedder(options));
+  blocks = register_module("blocks", torch::nn::ModuleList());
+  for (int64_t l = 0; l < options.layers(); ++l) blocks->push_back(WanBlock(options));
+  proj_out = register_module("proj_out", Linear(LinearOptions(D, options.out_channels() * p[0] * p[1] * p[2]).device(dev)));
+  scale_shift_table = register_parameter("scale_shift_table", torch::empty({1, 2, D}, fp32_on(dev)));
+  if (!dev.is_meta()) {
+    torch::NoGradGuard no_grad;
+    scale_shift_table.normal_().div_(std::sqrt(static_cast<double>(D)));
+  }
+}
+
+TokenGrid WanTransformerImpl::token_grid(int64_t frames, int64_t height, int64_t width) const {
+  const auto& p = options.patch();
+  TORCH_CHECK(frames % p[0] == 0 && height % p[1] == 0 && width % p[2] == 0, "WanTransformer: video ", frames, "x", height, "x",
+              width, " is not a whole number of ", p[0], "x", p[1], "x", p[2], " patches");
+  return {frames / p[0], height / p[1], width / p[2]};
+}
+
+WanEmbedded WanTransformerImpl::embed(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text) {
+  TORCH_CHECK(x.dim() == 5 && x.size(1) == options.in_channels(), "WanTransformer: expected latents [B, ", options.in_channels(),
+              ", T, H, W], got ", x.sizes());
+  TORCH_CHECK(timesteps.dim() == 1 && timesteps.size(0) == x.size(0), "WanTransformer: expected timesteps [", x.size(0), "], got ",
+              timesteps.sizes());
+  TORCH_CHECK(text.dim() == 3 && text.size(0) == x.size(0) && text.size(2) == options.text_dim(),
+              "WanTransformer: expected text [", x.size(0), ", L, ", options.text_dim(), "], got ", text.sizes());
+  WanEmbedded e;
+  e.ctx.grid = token_grid(x.size(2), x.size(3), x.size(4));
+  e.ctx.rope = wan_rope(e.ctx.grid, options.head_dim(), options.rope_theta(), x.device());
+  e.tokens = patch_embedding(x).flatten(2).transpose(1, 2).contiguous();
+  auto& ce = *condition_embedder;
+  e.temb = ce.time_embedder(wan_timestep_features(timesteps, options.freq_dim()).to(x.device()));
+  e.ctx.tproj = ce.time_proj(torch::silu(e.temb)).unflatten(1, {6, options.dim()});
+  e.ctx.context = ce.text_embedder(text);
+  return e;
+}
+
+torch::Tensor WanTransformerImpl::head(const torch::Tensor& tokens, const torch::Tensor& temb, const TokenGrid& grid) {
+  const int64_t B = tokens.size(0), D = options.dim();
+  const auto mod = (scale_shift_table + temb.unsqueeze(1)).chunk(2, 1);  // shift, scale [B, 1, D]
+  auto h = (fp32_layer_norm(tokens, D, options.eps()) * (1 + mod[1]) + mod[0]).to(tokens.scalar_type());
+  h = proj_out(h);
+  const auto& p = options.patch();
+  // [B, t, h, w, pt, ph, pw, C] -> [B, C, t, pt, h, ph, w, pw] -> [B, C, T, H, W]
+  h = h.reshape({B, grid.t, grid.h, grid.w, p[0], p[1], p[2], options.out_channels()}).permute({0, 7, 1, 4, 2, 5, 3, 6});
+  return h.reshape({B, options.out_channels(), grid.t * p[0], grid.h * p[1], grid.w * p[2]});
+}
+
+torch::Tensor WanTransformerImpl::forward(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text) {
+  auto e = embed(x, timesteps, text);
+  auto h = e.tokens;
+  for (const auto& block : *blocks) h = block->as<WanBlockImpl>()->forward(h, e.ctx);
+  return head(h, e.temb, e.ctx.grid);
+}
+
+WanParameterCount count_wan_parameters(WanOptions options) {
+  const int64_t layers = options.layers();
+  options.device(torch::kMeta).layers(1);  // blocks are identical: count one
+  WanTransformer one(options);
+  WanParameterCount c;
+  auto* block = (*one->blocks)[0]->as<WanBlockImpl>();
+  c.per_block = count_parameters(*block);
+  c.per_block_streamed = count_parameters(block->streamed());
+  c.prologue = count_parameters(*one->patch_embedding) + count_parameters(*one->condition_embedder);
+  c.epilogue = count_parameters(*one->proj_out) + one->scale_shift_table.numel();
+  c.total = c.prologue + layers * c.per_block + c.epilogue;
+  return c;
+}
+
+ParameterCount count_run_parameters(const RunConfig& config) {
+  if (config.model.arch != Architecture::kWan) return count_dit_parameters(DiTOptions::from_config(config));
+  const auto w = count_wan_parameters(WanOptions::from_config(config));
+  ParameterCount c;
+  c.total = w.total;
+  c.per_block = w.per_block;
+  c.prologue = w.prologue;
+  c.epilogue = w.epilogue;
+  return c;
+}
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> wan_parameter_shapes(WanOptions options) {
+  WanTransformer model(options.device(torch::kMeta));
+  std::vector<std::pair<std::string, std::vector<int64_t>>> out;
+  for (const auto& p : model->named_parameters(true)) out.emplace_back(p.key(), p.value().sizes().vec());
+  return out;
+}
+
+}  // namespace megaslide

@@ -1,0 +1,502 @@
+#include "megaslide/model/wan_weights.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <map>
+#include <regex>
+#include <set>
+
+#include "megaslide/io/safetensors.h"
+#include "megaslide/model/wan.h"
+
+namespace megaslide {
+
+namespace {
+
+[[noreturn]] void fail(const std::string& message) { throw WanWeightsError(message); }
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+bool glob_matches(const std::string& pattern, const std::string& name) {
+  // '*' matches any run of characters (dots included); iterative with backtracking to the last star.
+  size_t p = 0, n = 0, star = std::string::npos, mark = 0;
+  while (n < name.size()) {
+    if (p < pattern.size() && pattern[p] == '*') {
+      star = p++;
+      mark = n;
+    } else if (p < pattern.size() && pattern[p] == name[n]) {
+      ++p, ++n;
+    } else if (star != std::string::npos) {
+      p = star + 1;
+      n = ++mark;
+    } else {
+      return false;
+    }
+  }
+  while (p < pattern.size() && pattern[p] == '*') ++p;
+  return p == pattern.size();
+}
+
+// The one rename table: (diffusers, original) for the names outside the blocks, and for the parts of a
+// block's parameter name after "blocks.N.".
+const std::vector<std::pair<std::string, std::string>>& top_level_names() {
+  static const std::vector<std::pair<std::string, std::string>> table{
+      {"condition_embedder.time_embedder.linear_1.", "time_embedding.0."},
+      {"condition_embedder.time_embedder.linear_2.", "time_embedding.2."},
+      {"condition_embedder.text_embedder.linear_1.", "text_embedding.0."},
+      {"condition_embedder.text_embedder.linear_2.", "text_embedding.2."},
+      {"condition_embedder.time_proj.", "time_projection.1."},
+      {"proj_out.", "head.head."},
+      {"patch_embedding.", "patch_embedding."},
+  };
+  return table;
+}
+const std::vector<std::pair<std::string, std::string>>& block_names() {
+  static const std::vector<std::pair<std::string, std::string>> table{
+      {"attn1.to_q.", "self_attn.q."},   {"attn1.to_k.", "self_attn.k."},       {"attn1.to_v.", "self_attn.v."},
+      {"attn1.to_out.0.", "self_attn.o."}, {"attn1.norm_q.", "self_attn.norm_q."}, {"attn1.norm_k.", "self_attn.norm_k."},
+      {"attn2.to_q.", "cross_attn.q."},  {"attn2.to_k.", "cross_attn.k."},      {"attn2.to_v.", "cross_attn.v."},
+      {"attn2.to_out.0.", "cross_attn.o."}, {"attn2.norm_q.", "cross_attn.norm_q."}, {"attn2.norm_k.", "cross_attn.norm_k."},
+      {"norm2.", "norm3."},              {"ffn.net.0.proj.", "ffn.0."},          {"ffn.net.2.", "ffn.2."},
+      {"attn1.offset_dw.", "self_attn.offset_dw."}, {"attn1.offset_pw.", "self_attn.offset_pw."},
+  };
+  return table;
+}
+
+// Renames `name` with `table` from column `from` to the other; "" when no row applies.
+std::string rename(const std::string& name, bool to_original) {
+  static const std::regex kBlock(R"(blocks\.([0-9]+)\.(.*))");
+  const auto convert = [&](const std::string& rest, const std::vector<std::pair<std::string, std::string>>& table) -> std::string {
+    for (const auto& [diffusers, original] : table) {
+      const std::string& a = to_original ? diffusers : original;
+      const std::string& b = to_original ? original : diffusers;
+      if (rest.rfind(a, 0) == 0) return b + rest.substr(a.size());
+    }
+    return "";
+  };
+  std::smatch m;
+  if (std::regex_match(name, m, kBlock)) {
+    const std::string rest = m[2];
+    const std::string prefix = "blocks." + m[1].str() + ".";
+    if (rest == (to_original ? "scale_shift_table" : "modulation")) return prefix + (to_original ? "modulation" : "scale_shift_table");
+    if (rest == (to_original ? "attn1.rel_bias" : "self_attn.rel_bias")) return prefix + (to_original ? "self_attn.rel_bias" : "attn1.rel_bias");
+    const std::string converted = convert(rest, block_names());
+    return converted.empty() ? "" : prefix + converted;
+  }
+  if (name == (to_original ? "scale_shift_table" : "head.modulation")) return to_original ? "head.modulation" : "scale_shift_table";
+  return convert(name, top_level_names());
+}
+
+// One memory-mapped safetensors file.
+struct MappedFile {
+  std::string path;
+  io::SafetensorsHeader header;
+  void* base = nullptr;
+  size_t bytes = 0;
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+  explicit MappedFile(std::string path_) : path(std::move(path_)) {
+    try {
+      header = io::read_safetensors_header(path);
+    } catch (const io::IoError& e) {
+      fail(e.what());
+    }
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) fail("'" + path + "': cannot open: " + std::strerror(errno));
+    struct stat st {};
+    if (::fstat(fd, &st) != 0) {
+      ::close(fd);
+      fail("'" + path + "': cannot stat: " + std::strerror(errno));
+    }
+    bytes = static_cast<size_t>(st.st_size);
+    base = bytes > 0 ? ::mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, 0) : nullptr;
+    ::close(fd);
+    if (base == MAP_FAILED) {
+      base = nullptr;
+      fail("'" + path + "': cannot map: " + std::strerror(errno));
+    }
+  }
+  ~MappedFile() {
+    if (base != nullptr) ::munmap(base, bytes);
+  }
+};
+
+struct Source {
+  std::shared_ptr<MappedFile> file;
+  const io::SafetensorsEntry* entry = nullptr;
+  std::string file_name;  // the tensor's name in the file
+};
+
+bool is_pickle_name(const std::string& path) {
+  for (const char* suffix : {".pth", ".pt", ".bin", ".ckpt", ".pkl"})
+    if (ends_with(path, suffix)) return true;
+  return false;
+}
+
+[[noreturn]] void refuse_pickle(const std::string& path) {
+  fail("'" + path + "' is a PyTorch pickle: MegaSlide reads weights only from safetensors files (loading a pickle can run "
+       "code). Use the .safetensors files the model ships (Wan-AI's and the diffusers repositories both have "
+       "diffusion_pytorch_model*.safetensors, ComfyUI's are single .safetensors files)");
+}
+
+// The safetensors files of a folder: the index's shards, or the one weights file.
+std::vector<std::string> weight_files_of_folder(const std::string& dir) {
+  for (const std::string index_name : {"diffusion_pytorch_model.safetensors.index.json", "model.safetensors.index.json"}) {
+    const std::string index_path = io::join_path(dir, index_name);
+    if (!io::path_exists(index_path)) continue;
+    nlohmann::json index;
+    try {
+      index = nlohmann::json::parse(io::read_input_file(index_path, 64u << 20));
+    } catch (const std::exception& e) {
+      fail("'" + index_path + "' is not a valid index (JSON): " + e.what());
+    }
+    if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
+      fail("'" + index_path + "' has no \"weight_map\" object");
+    std::set<std::string> shards;
+    for (const auto& [name, file] : index["weight_map"].items()) {
+      if (!file.is_string()) fail("'" + index_path + "': the shard of '" + name + "' is not a file name");
+      const std::string f = file.get<std::string>();
+      if (f.find('/') != std::string::npos || f == "." || f == "..") fail("'" + index_path + "': shard '" + f + "' is not a file name");
+      shards.insert(f);
+    }
+    std::vector<std::string> out;
+    for (const auto& f : shards) {
+      const std::string p = io::join_path(dir, f);
+      if (!io::path_exists(p)) fail("'" + index_path + "' names shard '" + f + "', which is not in " + dir);
+      out.push_back(p);
+    }
+    if (out.empty()) fail("'" + index_path + "' lists no shards");
+    return out;
+  }
+  const std::string single = io::join_path(dir, "diffusion_pytorch_model.safetensors");
+  if (io::path_exists(single)) return {single};
+  std::vector<std::string> found, pickles;
+  for (const auto& name : io::list_directory(dir)) {
+    if (ends_with(name, ".safetensors")) found.push_back(io::join_path(dir, name));
+    if (is_pickle_name(name)) pickles.push_back(name);
+  }
+  if (found.size() == 1) return found;
+  if (found.empty() && !pickles.empty()) refuse_pickle(io::join_path(dir, pickles.front()));
+  fail("'" + dir + "': expected Wan DiT weights: diffusion_pytorch_model.safetensors, its shards with "
+       "diffusion_pytorch_model.safetensors.index.json, or a single .safetensors file (found " + std::to_string(found.size()) +
+       " .safetensors files)");
+}
+
+int64_t json_int(const nlohmann::json& j, const char* key, int64_t fallback, const std::string& source) {
+  if (!j.contains(key) || j[key].is_null()) return fallback;
+  if (!j[key].is_number_integer()) fail("'" + source + "': \"" + key + "\" must be an integer, got " + j[key].dump());
+  return j[key].get<int64_t>();
+}
+double json_real(const nlohmann::json& j, const char* key, double fallback, const std::string& source) {
+  if (!j.contains(key) || j[key].is_null()) return fallback;
+  if (!j[key].is_number()) fail("'" + source + "': \"" + key + "\" must be a number, got " + j[key].dump());
+  return j[key].get<double>();
+}
+bool json_bool(const nlohmann::json& j, const char* key, bool fallback, const std::string& source) {
+  if (!j.contains(key) || j[key].is_null()) return fallback;
+  if (!j[key].is_boolean()) fail("'" + source + "': \"" + key + "\" must be true or false, got " + j[key].dump());
+  return j[key].get<bool>();
+}
+std::array<int64_t, 3> json_patch(const nlohmann::json& j, const std::array<int64_t, 3>& fallback, const std::string& source) {
+  if (!j.contains("patch_size") || j["patch_size"].is_null()) return fallback;
+  const auto& v = j["patch_size"];
+  if (!v.is_array() || v.size() != 3 || !v[0].is_number_integer() || !v[1].is_number_integer() || !v[2].is_number_integer())
+    fail("'" + source + "': \"patch_size\" must be a list of 3 integers, got " + v.dump());
+  return {v[0].get<int64_t>(), v[1].get<int64_t>(), v[2].get<int64_t>()};
+}
+
+}  // namespace
+
+const char* to_string(WanNaming naming) { return naming == WanNaming::kDiffusers ? "diffusers" : "original"; }
+
+std::string wan_original_name(const std::string& diffusers_name) { return rename(diffusers_name, /*to_original=*/true); }
+std::string wan_diffusers_name(const std::string& original_name) { return rename(original_name, /*to_original=*/false); }
+
+struct WanWeights::Impl {
+  std::string path, config_path;
+  nlohmann::json config;  // null without a config.json
+  WanNaming naming = WanNaming::kDiffusers;
+  std::vector<std::string> file_paths;
+  std::map<std::string, Source> sources;  // by diffusers name
+  std::vector<std::string> unknown;       // file names with no diffusers counterpart
+};
+
+WanWeights::WanWeights(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+WanWeights::WanWeights(WanWeights&&) noexcept = default;
+WanWeights& WanWeights::operator=(WanWeights&&) noexcept = default;
+WanWeights::~WanWeights() = default;
+
+const std::string& WanWeights::path() const { return impl_->path; }
+WanNaming WanWeights::naming() const { return impl_->naming; }
+const std::vector<std::string>& WanWeights::files() const { return impl_->file_paths; }
+const std::string& WanWeights::config_path() const { return impl_->config_path; }
+
+WanWeights WanWeights::open(const std::string& path) {
+  auto impl = std::make_unique<Impl>();
+  impl->path = path;
+  if (path.empty()) fail("model.wan.weights is empty");
+  if (!io::path_exists(path)) fail("Wan weights '" + path + "' do not exist");
+  std::string dir;
+  if (io::is_directory(path)) {
+    dir = path;
+    // A diffusers repository: its DiT is in transformer/.
+    if (io::is_directory(io::join_path(dir, "transformer")) && !io::path_exists(io::join_path(dir, "diffusion_pytorch_model.safetensors")) &&
+        !io::path_exists(io::join_path(dir, "diffusion_pytorch_model.safetensors.index.json")))
+      dir = io::join_path(dir, "transformer");
+    impl->file_paths = weight_files_of_folder(dir);
+    if (io::path_exists(io::join_path(dir, "config.json"))) impl->config_path = io::join_path(dir, "config.json");
+  } else if (is_pickle_name(path)) {
+    refuse_pickle(path);
+  } else if (ends_with(path, ".index.json")) {
+    dir = io::parent_path(path);
+    impl->file_paths = weight_files_of_folder(dir);
+    if (io::path_exists(io::join_path(dir, "config.json"))) impl->config_path = io::join_path(dir, "config.json");
+  } else {
+    impl->file_paths = {path};
+  }
+  if (!impl->config_path.empty()) {
+    try {
+      impl->config = nlohmann::json::parse(io::read_input_file(impl->config_path, 1u << 20));
+    } catch (const std::exception& e) {
+      fail("'" + impl->config_path + "' is not valid JSON: " + e.what());
+    }
+    if (!impl->config.is_object()) fail("'" + impl->config_path + "' is not a JSON object");
+  }
+
+  // Every tensor of every file, the names as the files have them.
+  std::vector<std::pair<std::string, Source>> raw;
+  for (const auto& file_path : impl->file_paths) {
+    std::shared_ptr<MappedFile> file;
+    try {
+      file = std::make_shared<MappedFile>(file_path);
+    } catch (const WanWeightsError& e) {
+      // A pickle with a .safetensors name, or any other file that is not safetensors.
+      fail(std::string(e.what()) + (is_pickle_name(file_path) ? "" : " (Wan weights must be safetensors files)"));
+    }
+    for (const auto& entry : file->header.entries) raw.push_back({entry.name, Source{file, &entry, entry.name}});
+  }
+  if (raw.empty()) fail("'" + path + "' holds no tensors");
+  // ComfyUI's prefix, on every name or none.
+  const std::string prefix = "model.diffusion_model.";
+  const bool prefixed = std::all_of(raw.begin(), raw.end(), [&](const auto& r) { return r.first.rfind(prefix, 0) == 0; });
+  bool diffusers = false, original = false;
+  for (auto& [name, source] : raw) {
+    if (prefixed) name = name.substr(prefix.size());
+    diffusers |= name.rfind("condition_embedder.", 0) == 0 || name.find(".attn1.") != std::string::npos;
+    original |= name.rfind("time_embedding.", 0) == 0 || name.find(".self_attn.") != std::string::npos;
+  }
+  if (diffusers == original)
+    fail("'" + path + "' does not hold a Wan DiT" + std::string(diffusers ? " (it mixes diffusers' and Wan's original tensor names)" :
+                                                                           " (no condition_embedder.* or time_embedding.* tensors)"));
+  impl->naming = diffusers ? WanNaming::kDiffusers : WanNaming::kOriginal;
+  for (auto& [name, source] : raw) {
+    std::string ours = name;
+    if (original) {
+      ours = wan_diffusers_name(name);
+      if (ours.empty()) {
+        impl->unknown.push_back(source.file_name);
+        continue;
+      }
+    }
+    if (!impl->sources.emplace(ours, source).second) fail("'" + path + "': tensor '" + source.file_name + "' appears twice");
+  }
+  return WanWeights(std::move(impl));
+}
+
+WanConfig WanWeights::architecture(const WanConfig& fallback) const {
+  WanConfig c = fallback;
+  const auto& j = impl_->config;
+  const std::string& src = impl_->config_path;
+  if (!j.is_null()) {
+    const bool original_keys = j.contains("dim") || j.contains("num_heads") || j.value("_class_name", "") == "WanModel";
+    if (original_keys) {
+      const std::string type = j.contains("model_type") && j["model_type"].is_string() ? j["model_type"].get<std::string>() : "t2v";
+      if (type != "t2v") fail("'" + src + "': model_type '" + type + "' is not supported (text-to-video, t2v, only)");
+      c.dim = json_int(j, "dim", c.dim, src);
+      c.heads = json_int(j, "num_heads", c.heads, src);
+      c.layers = json_int(j, "num_layers", c.layers, src);
+      c.ffn_dim = json_int(j, "ffn_dim", c.ffn_dim, src);
+      c.freq_dim = json_int(j, "freq_dim", c.freq_dim, src);
+      c.text_dim = json_int(j, "text_dim", 4096, src);
+      c.in_channels = json_int(j, "in_dim", c.in_channels, src);
+      c.out_channels = json_int(j, "out_dim", c.out_channels, src);
+      c.qk_norm = json_bool(j, "qk_norm", true, src);
+      c.cross_attn_norm = json_bool(j, "cross_attn_norm", true, src);
+      c.eps = json_real(j, "eps", 1e-6, src);
+      c.patch = json_patch(j, {1, 2, 2}, src);
+    } else {
+      // diffusers' WanTransformer3DModel; missing keys take its defaults.
+      for (const char* key : {"image_dim", "added_kv_proj_dim", "pos_embed_seq_len"})
+        if (j.contains(key) && !j[key].is_null())
+          fail("'" + src + "': \"" + key + "\" is set: image-to-video / VACE Wan models are not supported (text-to-video only)");
+      c.heads = json_int(j, "num_attention_heads", 40, src);
+      c.dim = c.heads * json_int(j, "attention_head_dim", 128, src);
+      c.layers = json_int(j, "num_layers", 40, src);
+      c.ffn_dim = json_int(j, "ffn_dim", 13824, src);
+      c.freq_dim = json_int(j, "freq_dim", 256, src);
+      c.text_dim = json_int(j, "text_dim", 4096, src);
+      c.in_channels = json_int(j, "in_channels", 16, src);
+      c.out_channels = json_int(j, "out_channels", c.in_channels, src);
+      c.cross_attn_norm = json_bool(j, "cross_attn_norm", true, src);
+      c.eps = json_real(j, "eps", 1e-6, src);
+      c.patch = json_patch(j, {1, 2, 2}, src);
+      if (!j.contains("qk_norm")) {
+        c.qk_norm = true;
+      } else if (j["qk_norm"].is_null()) {
+        c.qk_norm = false;
+      } else if (j["qk_norm"].is_string() && j["qk_norm"].get<std::string>() == "rms_norm_across_heads") {
+        c.qk_norm = true;
+      } else {
+        fail("'" + src + "': \"qk_norm\" must be \"rms_norm_across_heads\" or null, got " + j["qk_norm"].dump());
+      }
+    }
+    return c;
+  }
+  // No config.json: the shapes say everything but the number of heads.
+  const auto need = [&](const std::string& name) {
+    if (!has(name)) fail("'" + path() + "': no config.json and no tensor '" + name + "' to read the model's size from");
+    return shape(name);
+  };
+  const auto pe = need("patch_embedding.weight");
+  if (pe.size() != 5) fail("'" + path() + "': patch_embedding.weight is " + shape_text(pe) + ", expected 5 dimensions");
+  c.dim = pe[0];
+  c.in_channels = pe[1];
+  c.patch = {pe[2], pe[3], pe[4]};
+  c.ffn_dim = need("blocks.0.ffn.net.0.proj.weight")[0];
+  c.freq_dim = need("condition_embedder.time_embedder.linear_1.weight")[1];
+  c.text_dim = need("condition_embedder.text_embedder.linear_1.weight")[1];
+  c.out_channels = need("proj_out.weight")[0] / std::max<int64_t>(1, pe[2] * pe[3] * pe[4]);
+  int64_t layers = 0;
+  static const std::regex kBlock(R"(blocks\.([0-9]+)\..*)");
+  for (const auto& [name, source] : impl_->sources) {
+    std::smatch m;
+    if (std::regex_match(name, m, kBlock)) layers = std::max<int64_t>(layers, std::stoll(m[1].str()) + 1);
+  }
+  c.layers = layers;
+  c.qk_norm = has("blocks.0.attn1.norm_q.weight");
+  c.cross_attn_norm = has("blocks.0.norm2.weight");
+  return c;
+}
+
+std::vector<std::string> WanWeights::names() const {
+  std::vector<std::string> out;
+  for (const auto& [name, source] : impl_->sources) out.push_back(name);
+  return out;
+}
+
+bool WanWeights::has(const std::string& name) const { return impl_->sources.count(name) > 0; }
+
+std::vector<int64_t> WanWeights::shape(const std::string& name) const {
+  auto it = impl_->sources.find(name);
+  if (it == impl_->sources.end()) fail("'" + path() + "': no tensor '" + name + "'");
+  return it->second.entry->shape;
+}
+
+torch::Tensor WanWeights::read(const std::string& name, torch::ScalarType dtype) const {
+  auto it = impl_->sources.find(name);
+  if (it == impl_->sources.end()) fail("'" + path() + "': no tensor '" + name + "'");
+  const Source& s = it->second;
+  const auto& e = *s.entry;
+  if (!c10::isFloatingType(e.dtype))
+    fail("'" + s.file->path + "': tensor '" + s.file_name + "' is " + io::safetensors_dtype_name(e.dtype) + ", expected F32, F16 or BF16");
+  const uint64_t begin = s.file->header.data_start + e.begin;
+  auto* data = static_cast<char*>(s.file->base) + begin;
+  // A view of the mapping (read only: nothing writes through it); the conversion or clone is the copy.
+  auto view = torch::from_blob(data, e.shape, torch::TensorOptions().dtype(e.dtype));
+  return e.dtype == dtype ? view.clone() : view.to(dtype);
+}
+
+std::vector<std::string> WanWeights::check(const std::vector<std::pair<std::string, std::vector<int64_t>>>& expected,
+                                           const std::vector<std::string>& allow_missing) const {
+  std::vector<std::string> missing, kept, wrong_shape, wrong_dtype, unexpected;
+  std::set<std::string> wanted;
+  const auto file_name = [&](const std::string& ours) {
+    if (naming() == WanNaming::kDiffusers) return ours;
+    const std::string o = wan_original_name(ours);
+    return o.empty() ? ours : o + " (" + ours + ")";
+  };
+  for (const auto& [name, shape_] : expected) {
+    wanted.insert(name);
+    auto it = impl_->sources.find(name);
+    if (it == impl_->sources.end()) {
+      const bool allowed = std::any_of(allow_missing.begin(), allow_missing.end(), [&](const auto& g) { return glob_matches(g, name); });
+      (allowed ? kept : missing).push_back(name);
+      continue;
+    }
+    if (it->second.entry->shape != shape_)
+      wrong_shape.push_back(fmt::format("{} is {}, the model needs {}", it->second.file_name, shape_text(it->second.entry->shape), shape_text(shape_)));
+    if (!c10::isFloatingType(it->second.entry->dtype))
+      wrong_dtype.push_back(it->second.file_name + " is " + io::safetensors_dtype_name(it->second.entry->dtype));
+  }
+  for (const auto& [name, source] : impl_->sources)
+    if (!wanted.count(name)) unexpected.push_back(source.file_name);
+  for (const auto& name : impl_->unknown) unexpected.push_back(name);
+  if (missing.empty() && wrong_shape.empty() && wrong_dtype.empty() && unexpected.empty()) return kept;
+  std::string message = fmt::format("Wan weights '{}' ({} names) do not match the model ({} parameters):", path(), to_string(naming()),
+                                    expected.size());
+  const auto list = [&](const char* what, const std::vector<std::string>& items, const std::function<std::string(const std::string&)>& show) {
+    if (items.empty()) return;
+    message += fmt::format(" {} {}:", items.size(), what);
+    for (size_t i = 0; i < items.size() && i < 8; ++i) message += (i ? ", " : " ") + show(items[i]);
+    if (items.size() > 8) message += fmt::format(", ... ({} more)", items.size() - 8);
+    message += ";";
+  };
+  const auto same = [](const std::string& s) { return s; };
+  list("missing", missing, file_name);
+  list("of the wrong shape", wrong_shape, same);
+  list("not floating point", wrong_dtype, same);
+  list("not in the model", unexpected, same);
+  const bool image = std::any_of(unexpected.begin(), unexpected.end(), [](const std::string& n) {
+    return n.find("img_emb") != std::string::npos || n.find("k_img") != std::string::npos || n.find("image_embedder") != std::string::npos ||
+           n.find("add_k_proj") != std::string::npos;
+  });
+  if (image) message += " these are image-to-video weights, which are not supported (text-to-video only);";
+  else if (!wrong_shape.empty() || !missing.empty()) message += " does the config (model.wan, or the weights' config.json) describe these weights?";
+  message.pop_back();
+  fail(message);
+}
+
+std::vector<std::string> load_wan_weights(const WanWeights& weights, WanTransformerImpl& model, const std::vector<std::string>& allow_missing) {
+  std::vector<std::pair<std::string, std::vector<int64_t>>> expected;
+  auto params = model.named_parameters(true);
+  for (const auto& p : params) expected.emplace_back(p.key(), p.value().sizes().vec());
+  auto kept = weights.check(expected, allow_missing);
+  torch::NoGradGuard no_grad;
+  for (auto& p : params) {
+    if (!weights.has(p.key())) continue;
+    p.value().copy_(weights.read(p.key(), p.value().scalar_type()));
+  }
+  return kept;
+}
+
+std::vector<std::string> wan_dsa_parameter_globs() {
+  return {"blocks.*.attn1.offset_dw.*", "blocks.*.attn1.offset_pw.*", "blocks.*.attn1.rel_bias"};
+}
+
+RunConfig with_wan_architecture_from_weights(const RunConfig& config) {
+  if (config.model.arch != Architecture::kWan || config.model.wan.weights.empty()) return config;
+  RunConfig c = config;
+  c.model.wan = WanWeights::open(config.model.wan.weights).architecture(config.model.wan);
+  c.model.wan.weights = config.model.wan.weights;
+  validate(c, "model.wan.weights '" + config.model.wan.weights + "'");
+  return c;
+}
+
+}  // namespace megaslide

@@ -1,0 +1,331 @@
+#include "megaslide/train/distributed.h"
+
+// The c10d headers declare ProcessGroupGloo / ProcessGroupNCCL only under USE_C10D_GLOO / USE_C10D_NCCL,
+// which LibTorch's CMake flags define (the wheel's libraries hold both). ProcessGroupGloo.hpp includes
+// Gloo's own headers (Debian's libgloo-dev: declarations only; the code is the wheel's): a build without
+// them (MEGASLIDE_WITH_GLOO unset) has NCCL only.
+#ifdef MEGASLIDE_WITH_GLOO
+#ifndef USE_C10D_GLOO
+#define USE_C10D_GLOO 1
+#endif
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#endif
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef MEGASLIDE_WITH_CUDA
+#ifndef USE_C10D_NCCL
+#define USE_C10D_NCCL 1
+#endif
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+#include <ATen/ATen.h>
+#include <torch/cuda.h>
+#include <fmt/format.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <thread>
+
+#include "megaslide/util/errors.h"
+
+namespace megaslide {
+
+namespace {
+
+int64_t env_integer(const char* name, const char* value) {
+  try {
+    size_t used = 0;
+    const long long v = std::stoll(value, &used);
+    if (used == std::string(value).size()) return v;
+  } catch (const std::exception&) {
+  }
+  throw DistributedError(fmt::format("launch environment: {}={} is not an integer", name, value));
+}
+
+}  // namespace
+
+LaunchEnv read_launch_env(const std::function<const char*(const char*)>& getenv_fn) {
+  auto get = [&](const char* name) -> const char* {
+    const char* v = getenv_fn ? getenv_fn(name) : std::getenv(name);
+    return v != nullptr && *v != '\0' ? v : nullptr;
+  };
+  auto integer = [&](const char* name, int64_t fallback) {
+    const char* v = get(name);
+    return v == nullptr ? fallback : env_integer(name, v);
+  };
+  LaunchEnv env;
+  const char *rank_name = "RANK", *world_name = "WORLD_SIZE";
+  if (get("RANK") != nullptr || get("WORLD_SIZE") != nullptr) {
+    env.launcher = "torchrun";
+    if (get("RANK") == nullptr || get("WORLD_SIZE") == nullptr)
+      throw DistributedError("launch environment: RANK and WORLD_SIZE must be set together (torchrun sets both)");
+    env.rank = integer("RANK", 0);
+    env.world_size = integer("WORLD_SIZE", 1);
+    env.local_rank = integer("LOCAL_RANK", env.rank);
+    env.local_world_size = integer("LOCAL_WORLD_SIZE", 1);
+  } else if (get("SLURM_PROCID") != nullptr && get("SLURM_NTASKS") != nullptr) {
+    env.launcher = "slurm";
+    rank_name = "SLURM_PROCID", world_name = "SLURM_NTASKS";
+    env.rank = integer("SLURM_PROCID", 0);
+    env.world_size = integer("SLURM_NTASKS", 1);
+    env.local_rank = integer("SLURM_LOCALID", 0);
+    // SLURM_NTASKS_PER_NODE may read "4(x2)" on heterogeneous layouts: only a plain number is used.
+    const char* per_node = get("SLURM_NTASKS_PER_NODE");
+    if (per_node != nullptr && std::string(per_node).find_first_not_of("0123456789") == std::string::npos)
+      env.local_world_size = env_integer("SLURM_NTASKS_PER_NODE", per_node);
+  } else {
+    return env;
+  }
+  if (env.world_size < 1) throw DistributedError(fmt::format("launch environment: {}={} must be at least 1", world_name, env.world_size));
+  if (env.rank < 0 || env.rank >= env.world_size)
+    throw DistributedError(fmt::format("launch environment: {}={} is outside [0, {}={})", rank_name, env.rank, world_name, env.world_size));
+  if (env.local_rank < 0) throw DistributedError(fmt::format("launch environment: the local rank {} is negative", env.local_rank));
+  env.master_port = integer("MASTER_PORT", 29500);
+  if (env.master_port < 1 || env.master_port > 65535)
+    throw DistributedError(fmt::format("launch environment: MASTER_PORT={} is not a TCP port", env.master_port));
+  if (const char* addr = get("MASTER_ADDR")) env.master_addr = addr;
+  else if (env.world_size == 1) env.master_addr = "127.0.0.1";
+  else
+    throw DistributedError(fmt::format("launch environment: {} ranks ({}) but MASTER_ADDR is not set: it names rank 0's host{}", env.world_size,
+                                       env.launcher,
+                                       env.launcher == "slurm"
+                                           ? " (in the job script: export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n1))"
+                                           : ""));
+  return env;
+}
+
+std::string rank_device_spec(const std::string& train_device, const LaunchEnv& env) {
+  if (!env.distributed()) return train_device;
+  if (train_device == "cuda" || (train_device == "auto" && torch::cuda::is_available())) return fmt::format("cuda:{}", env.local_rank);
+  return train_device == "auto" ? "cpu" : train_device;
+}
+
+std::string resolve_backend(const DistributedConfig& config, c10::Device device, const std::string& source) {
+  const std::string backend = config.backend == "auto" ? (device.is_cuda() ? "nccl" : "gloo") : config.backend;
+  if (backend == "gloo" && !gloo_available())
+    throw ConfigError(source, "distributed.backend",
+                      "gloo is not in this build (Gloo's headers, Debian's libgloo-dev, were missing when it was built)" +
+                          std::string(device.is_cuda() ? "; use nccl or auto" : ""));
+  if (backend == "nccl") {
+#ifndef MEGASLIDE_WITH_CUDA
+    throw ConfigError(source, "distributed.backend", "nccl needs a build with CUDA (this one has none); use gloo or auto");
+#endif
+    if (!device.is_cuda())
+      throw ConfigError(source, "distributed.backend", "nccl reduces GPU tensors but train.device is " + device.str() + "; use gloo or auto");
+  }
+  return backend;
+}
+
+struct Communicator::Impl {
+  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<c10d::Backend> group;
+};
+
+Communicator::Communicator(const LaunchEnv& env, const std::string& backend, double timeout_s, c10::Device device)
+    : impl_(std::make_unique<Impl>()), rank_(env.rank), world_size_(env.world_size), backend_(backend), timeout_s_(timeout_s) {
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0));
+  try {
+    c10d::TCPStoreOptions options;
+    options.port = static_cast<uint16_t>(env.master_port);
+    options.isServer = env.rank == 0;
+    options.numWorkers = static_cast<size_t>(env.world_size);
+    options.waitWorkers = true;
+    options.timeout = timeout;
+    impl_->store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, options);
+    if (backend == "gloo") {
+#ifdef MEGASLIDE_WITH_GLOO
+      auto gloo = c10d::ProcessGroupGloo::Options::create(timeout);
+      // The address other ranks reach this one at: this host's name, or loopback on one machine.
+      gloo->devices.push_back(env.master_addr == "127.0.0.1" || env.master_addr == "localhost"
+                                  ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
+                                  : c10d::ProcessGroupGloo::createDefaultDevice());
+      impl_->group = c10::make_intrusive<c10d::ProcessGroupGloo>(impl_->store, static_cast<int>(env.rank),
+                                                                 static_cast<int>(env.world_size), gloo);
+#else
+      throw DistributedError("this build has no Gloo backend (Gloo's headers, Debian's libgloo-dev, were missing when it was built); use nccl");
+#endif
+    } else if (backend == "nccl") {
+#ifdef MEGASLIDE_WITH_CUDA
+      TORCH_CHECK(device.is_cuda(), "the nccl backend needs a GPU device, got ", device.str());
+      c10::cuda::set_device(device.index());
+      auto nccl = c10d::ProcessGroupNCCL::Options::create();
+      nccl->timeout = timeout;
+      impl_->group = c10::make_intrusive<c10d::ProcessGroupNCCL>(impl_->store, static_cast<int>(env.rank),
+                                                                 static_cast<int>(env.world_size), nccl);
+#else
+      throw DistributedError("the nccl backend needs a build with CUDA");
+#endif
+    } else {
+      throw DistributedError("unknown distributed backend '" + backend + "' (expected gloo or nccl)");
+    }
+  } catch (const DistributedError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw DistributedError(fmt::format("rank {} of {}: rendezvous at {}:{} ({}) failed within distributed.timeout_s ({} s): {}", env.rank,
+                                       env.world_size, env.master_addr, env.master_port, backend, timeout_s, error_message(e)));
+  }
+}
+
+Communicator::~Communicator() = default;
+
+namespace {
+
+void run_all_reduce(c10d::Backend& group, const std::string& backend, std::vector<at::Tensor>& tensors, c10d::ReduceOp op,
+                    const char* what, int64_t rank, int64_t world_size, double timeout_s) {
+  try {
+    for (auto& t : tensors) {
+      const bool staged = backend == "gloo" && !t.is_cpu();
+      std::vector<at::Tensor> io{staged ? t.to(at::kCPU) : t};
+      c10d::AllreduceOptions options;
+      options.reduceOp = op;
+      group.allreduce(io, options)->wait();
+      if (staged) t.copy_(io[0]);
+    }
+  } catch (const std::exception& e) {
+    throw DistributedError(fmt::format("rank {} of {}: {} failed (a rank stopped, or none answered within distributed.timeout_s = {} s): {}",
+                                       rank, world_size, what, timeout_s, error_message(e)));
+  }
+}
+
+}  // namespace
+
+void Communicator::all_reduce_sum(std::vector<at::Tensor>& tensors) {
+  run_all_reduce(*impl_->group, backend_, tensors, c10d::ReduceOp::SUM, "all-reduce (sum)", rank_, world_size_, timeout_s_);
+}
+
+void Communicator::all_reduce_max(std::vector<at::Tensor>& tensors) {
+  run_all_reduce(*impl_->group, backend_, tensors, c10d::ReduceOp::MAX, "all-reduce (max)", rank_, world_size_, timeout_s_);
+}
+
+void Communicator::barrier() {
+  try {
+    impl_->group->barrier()->wait();
+  } catch (const std::exception& e) {
+    throw DistributedError(fmt::format("rank {} of {}: barrier failed (a rank stopped, or none answered within distributed.timeout_s = {} s): {}",
+                                       rank_, world_size_, timeout_s_, error_message(e)));
+  }
+}
+
+bool gloo_available() {
+#ifdef MEGASLIDE_WITH_GLOO
+  return true;
+#else
+  return false;
+#endif
+}
+
+int64_t free_local_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) throw DistributedError("cannot open a socket to find a free port");
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  ::close(fd);
+  if (!ok) throw DistributedError("cannot bind a socket on 127.0.0.1 to find a free port");
+  return ntohs(addr.sin_port);
+}
+
+namespace {
+volatile sig_atomic_t g_forward_signal = 0;
+void remember_signal(int signal) { g_forward_signal = signal; }
+
+int exit_code(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return 1;
+}
+}  // namespace
+
+int launch_local_ranks(const std::vector<std::string>& argv, int64_t nproc, int64_t master_port, double grace_s) {
+  if (nproc < 1) throw DistributedError(fmt::format("--nproc-per-node must be at least 1, got {}", nproc));
+  if (master_port == 0) master_port = free_local_port();
+  std::vector<pid_t> children;
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  for (int64_t rank = 0; rank < nproc; ++rank) {
+    const pid_t pid = ::fork();
+    if (pid < 0) {
+      for (pid_t c : children) ::kill(c, SIGKILL);
+      for (pid_t c : children) ::waitpid(c, nullptr, 0);
+      throw DistributedError("fork failed while starting local rank " + std::to_string(rank));
+    }
+    if (pid == 0) {
+      // Its own process group, so that a terminal's Ctrl-C reaches the launcher alone, which passes it on
+      // once (a second signal would stop a rank without its checkpoint); and it ends with the launcher.
+      ::setpgid(0, 0);
+      ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+      ::setenv("RANK", std::to_string(rank).c_str(), 1);
+      ::setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
+      ::setenv("WORLD_SIZE", std::to_string(nproc).c_str(), 1);
+      ::setenv("LOCAL_WORLD_SIZE", std::to_string(nproc).c_str(), 1);
+      ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+      ::setenv("MASTER_PORT", std::to_string(master_port).c_str(), 1);
+      ::setenv("MEGASLIDE_LOCAL_LAUNCH", "1", 1);
+      ::execv("/proc/self/exe", args.data());
+      ::_exit(127);
+    }
+    children.push_back(pid);
+  }
+  struct sigaction forward {}, old_int{}, old_term{};
+  forward.sa_handler = remember_signal;
+  sigemptyset(&forward.sa_mask);
+  ::sigaction(SIGINT, &forward, &old_int);
+  ::sigaction(SIGTERM, &forward, &old_term);
+
+  int result = 0;
+  size_t running = children.size();
+  std::vector<bool> done(children.size(), false);
+  auto kill_deadline = std::chrono::steady_clock::time_point::max();
+  bool terminating = false;
+  while (running > 0) {
+    if (g_forward_signal != 0) {
+      for (size_t i = 0; i < children.size(); ++i)
+        if (!done[i]) ::kill(children[i], g_forward_signal);
+      g_forward_signal = 0;
+    }
+    int status = 0;
+    const pid_t pid = ::waitpid(-1, &status, WNOHANG);
+    if (pid > 0) {
+      for (size_t i = 0; i < children.size(); ++i) {
+        if (children[i] != pid || done[i]) continue;
+        done[i] = true;
+        --running;
+        const int code = exit_code(status);
+        if (code != 0 && result == 0) {
+          result = code;
+          if (!terminating) {
+            terminating = true;
+            for (size_t j = 0; j < children.size(); ++j)
+              if (!done[j]) ::kill(children[j], SIGTERM);
+            kill_deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(grace_s * 1000));
+          }
+        }
+      }
+      continue;
+    }
+    if (terminating && std::chrono::steady_clock::now() > kill_deadline) {
+      for (size_t j = 0; j < children.size(); ++j)
+        if (!done[j]) ::kill(children[j], SIGKILL);
+      kill_deadline = std::chrono::steady_clock::time_point::max();
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ::sigaction(SIGINT, &old_int, nullptr);
+  ::sigaction(SIGTERM, &old_term, nullptr);
+  return result;
+}
+
+}  // namespace megaslide

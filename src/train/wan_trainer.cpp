@@ -1,0 +1,455 @@
+#include "megaslide/train/wan_trainer.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+
+#include "megaslide/io/safetensors.h"
+#include "megaslide/model/wan_weights.h"
+#include "megaslide/offload/cpu_master_trainer.h"
+#include "megaslide/train/auto_settings.h"
+
+namespace megaslide {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// What every streamed block reads besides its input and the shared tensors.
+struct WanStackInfo {
+  TokenGrid grid;
+  WanRope rope;
+};
+
+// Generator state as hex and back (the data position of a checkpoint).
+std::string generator_hex(const at::Generator& g) {
+  const auto state = g.get_state().contiguous();
+  std::string hex;
+  for (int64_t i = 0; i < state.numel(); ++i) hex += fmt::format("{:02x}", state.data_ptr<uint8_t>()[i]);
+  return hex;
+}
+at::Generator generator_from_hex(const std::string& hex, uint64_t seed) {
+  if (hex.size() % 2 != 0 || hex.find_first_not_of("0123456789abcdef") != std::string::npos)
+    throw std::invalid_argument("generator state is not an even number of hex digits");
+  auto bytes = torch::empty({static_cast<int64_t>(hex.size() / 2)}, torch::kUInt8);
+  for (size_t i = 0; i < hex.size() / 2; ++i) bytes.data_ptr<uint8_t>()[i] = static_cast<uint8_t>(std::stoi(hex.substr(2 * i, 2), nullptr, 16));
+  auto g = at::detail::createCPUGenerator(seed);
+  try {
+    g.set_state(bytes);
+  } catch (const c10::Error& e) {
+    throw std::invalid_argument(std::string("generator state rejected: ") + e.what_without_backtrace());
+  }
+  return g;
+}
+
+// Moves a registered parameter's data to `device` in place (its identity, and so the module's and any
+// optimizer's references to it, kept).
+void move_parameter(torch::Tensor& p, torch::Device device) {
+  if (p.defined() && p.device() != device) p.set_data(p.data().to(device));
+}
+}  // namespace
+
+WanLatentData WanLatentData::load(const std::string& path) {
+  io::SafetensorsFile file;
+  try {
+    file = io::read_safetensors(path);
+  } catch (const io::IoError& e) {
+    throw std::invalid_argument(e.what());
+  }
+  WanLatentData d;
+  for (auto& [name, t] : file.tensors) {
+    if (!t.is_floating_point()) throw std::invalid_argument("'" + path + "': tensor '" + name + "' is not floating point");
+    if (name == "latents") d.latents = t.to(torch::kFloat32);
+    else if (name == "text") d.text = t.to(torch::kFloat32);
+    else if (name == "empty_text") d.empty_text = t.to(torch::kFloat32);
+    else throw std::invalid_argument("'" + path + "': unexpected tensor '" + name + "' (expected latents, text, empty_text)");
+  }
+  if (!d.latents.defined() || !d.text.defined()) throw std::invalid_argument("'" + path + "': needs tensors 'latents' and 'text'");
+  return d;
+}
+
+void WanLatentData::check(const RunConfig& c) const {
+  const auto& d = c.data;
+  const std::vector<int64_t> clip{d.channels, d.frames, d.height, d.width};
+  if (!latents.defined() || latents.dim() != 5 || latents.sizes().slice(1).vec() != clip || latents.size(0) < 1)
+    throw std::invalid_argument(fmt::format("latents are {}, expected [N, {}, {}, {}, {}] (data.channels, frames, height, width)",
+                                            latents.defined() ? c10::str(latents.sizes()) : "missing", d.channels, d.frames, d.height,
+                                            d.width));
+  if (!text.defined() || text.dim() != 3 || text.size(0) != latents.size(0) || text.size(2) != c.model.wan.text_dim)
+    throw std::invalid_argument(fmt::format("text is {}, expected [{}, L, {}] (one per latent video, model.wan.text_dim)",
+                                            text.defined() ? c10::str(text.sizes()) : "missing", latents.size(0), c.model.wan.text_dim));
+  if (empty_text.defined() && (empty_text.dim() != 2 || empty_text.size(0) != text.size(1) || empty_text.size(1) != text.size(2)))
+    throw std::invalid_argument(fmt::format("empty_text is {}, expected [{}, {}]", c10::str(empty_text.sizes()), text.size(1), text.size(2)));
+  if (c.diffusion.caption_dropout > 0 && !empty_text.defined())
+    throw std::invalid_argument("diffusion.caption_dropout is " + std::to_string(c.diffusion.caption_dropout) +
+                                " but the data has no empty_text (the empty prompt's embedding a dropped caption becomes)");
+}
+
+WanBatchSource::WanBatchSource(const RunConfig& config, WanLatentData data)
+    : config_(config),
+      data_(std::move(data)),
+      sampler_(data_.latents.defined() ? data_.latents.size(0) : 1, config.train.seed),
+      flow_(config.diffusion.objective == "flow"),
+      flow_options_(FlowMatchingOptions::from_config(config)),
+      schedule_(config.diffusion.timesteps, parse_beta_schedule(config.diffusion.beta_schedule), config.diffusion.beta_start,
+                config.diffusion.beta_end),
+      prediction_(parse_prediction(config.diffusion.prediction)),
+      caption_rng_(config.train.seed ^ 0x5DEECE66Dull),
+      generator_(at::detail::createCPUGenerator(config.train.seed)) {
+  data_.check(config_);
+}
+
+WanBatch WanBatchSource::next(torch::Device device) {
+  const int64_t B = config_.train.batch_size;
+  const auto index = torch::tensor(sampler_.next(B), torch::kInt64);
+  WanBatch b;
+  const auto x0 = data_.latents.index_select(0, index);
+  auto text = data_.text.index_select(0, index);
+  std::bernoulli_distribution drop(config_.diffusion.caption_dropout);
+  for (int64_t i = 0; i < B; ++i)
+    if (drop(caption_rng_)) text[i].copy_(data_.empty_text);
+  torch::Tensor noise;
+  if (flow_) {
+    const auto sigma = sample_flow_sigmas(B, flow_options_, generator_);
+    noise = torch::randn(x0.sizes(), generator_, torch::kFloat32);
+    b.xt = flow_noisy(x0, noise, sigma).to(device);
+    b.target = flow_target(x0, noise).to(device);
+    b.timesteps = (sigma * static_cast<float>(config_.diffusion.timesteps)).to(device);
+  } else {
+    const auto t = schedule_.sample_timesteps(B, torch::kCPU, generator_);
+    noise = torch::randn(x0.sizes(), generator_, torch::kFloat32);
+    b.xt = schedule_.add_noise(x0, noise, t).to(device);
+    b.target = schedule_.target(prediction_, x0, noise, t).to(device);
+    b.timesteps = t.to(torch::kFloat32).to(device);
+  }
+  b.x0 = x0.to(device);
+  b.noise = noise.to(device);
+  b.text = text.to(device);
+  return b;
+}
+
+std::string WanBatchSource::state() const {
+  std::ostringstream rng;
+  rng << caption_rng_;
+  nlohmann::ordered_json j;
+  j["epoch"] = sampler_.epoch();
+  j["cursor"] = sampler_.cursor();
+  j["caption_rng"] = rng.str();
+  j["generator"] = generator_hex(generator_);
+  return j.dump();
+}
+
+void WanBatchSource::restore(const std::string& state) {
+  try {
+    const auto j = nlohmann::json::parse(state);
+    const auto epoch = j.at("epoch").get<int64_t>(), cursor = j.at("cursor").get<int64_t>();
+    if (cursor < 0 || cursor > size() || epoch < -1)
+      throw std::invalid_argument(fmt::format("data position epoch {} cursor {} is out of range for {} latent videos", epoch, cursor, size()));
+    std::istringstream rng(j.at("caption_rng").get<std::string>());
+    std::mt19937_64 caption_rng;
+    rng >> caption_rng;
+    if (rng.fail()) throw std::invalid_argument("caption_rng is not an mt19937_64 state");
+    auto generator = generator_from_hex(j.at("generator").get<std::string>(), config_.train.seed);
+    sampler_.seek(epoch, cursor);
+    caption_rng_ = caption_rng;
+    generator_ = generator;
+  } catch (const nlohmann::json::exception& e) {
+    throw std::invalid_argument(std::string("data state: ") + e.what());
+  }
+}
+
+torch::nn::Module& WanStack::block(int64_t index) { return model_->blocks[index]->as<WanBlockImpl>()->streamed(); }
+
+torch::Tensor WanStack::forward_block(int64_t index, const torch::Tensor& x, const offload::BlockInputs& inputs) {
+  TORCH_CHECK(inputs.tensors.size() == 2, "WanStack: expected block inputs {tproj, context}");
+  const auto& info = std::any_cast<const WanStackInfo&>(inputs.info);
+  WanBlockContext ctx;
+  ctx.grid = info.grid;
+  ctx.rope = info.rope;
+  ctx.tproj = inputs.tensors[0];
+  ctx.context = inputs.tensors[1];
+  return model_->blocks[index]->as<WanBlockImpl>()->forward(x, ctx);
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> WanStack::named_resident_parameters() {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  std::set<const void*> streamed;
+  for (int64_t l = 0; l < num_blocks(); ++l)
+    for (const auto& p : block(l).parameters(true)) streamed.insert(p.unsafeGetTensorImpl());
+  for (const auto& p : model_->named_parameters(true))
+    if (!streamed.count(p.value().unsafeGetTensorImpl())) out.emplace_back(p.key(), p.value());
+  return out;
+}
+
+std::vector<torch::Tensor> WanStack::resident_parameters() {
+  std::vector<torch::Tensor> out;
+  for (auto& [name, p] : named_resident_parameters()) out.push_back(p);
+  return out;
+}
+
+namespace {
+offload::StackTrainerOptions engine_options(const RunConfig& c, torch::Device device) {
+  offload::StackTrainerOptions o;
+  o.device = device;
+  o.compute_dtype = offload::parse_compute_dtype(c.offload.compute_dtype);
+  o.mode = offload::parse_stream_mode(c.offload.mode);
+  o.adamw = offload::AdamWOptions{c.train.lr, c.train.beta1, c.train.beta2, c.train.eps, c.train.weight_decay};
+  o.optimizer_threads = plan_threads(c, device).optimizer;
+  o.emulated_copy_delay_ms = c.offload.emulated_copy_delay_ms;
+  o.state_dtype = offload::parse_state_dtype(c.optimizer.state_dtype);
+  o.grad_clip = c.train.grad_clip;
+  o.grad_accum_steps = c.train.grad_accum_steps;
+  o.loss_scale_init = c.train.loss_scale_init;
+  o.loss_scale_window = c.train.loss_scale_window;
+  return o;
+}
+}  // namespace
+
+WanTrainer::WanTrainer(const RunConfig& requested, WanLatentData data, const InitPlanner& init_from)
+    : config_(resolve_auto_settings(with_wan_architecture_from_weights(requested))),
+      device_(resolve_device(config_.train.device)),
+      batches_(config_, std::move(data)) {
+  TORCH_CHECK(config_.model.arch == Architecture::kWan, "WanTrainer: model.arch is ", to_string(config_.model.arch), ", expected wan");
+  validate(config_, "WanTrainer");
+  apply_threads(plan_threads(config_, device_));
+  // One initialisation for both modes: the same seed and construction order, on the CPU in fp32.
+  torch::manual_seed(config_.train.seed);
+  WanTransformer model(WanOptions::from_config(config_));
+  if (!config_.model.wan.weights.empty()) {
+    const auto weights = WanWeights::open(config_.model.wan.weights);
+    initialised_ = load_wan_weights(weights, *model,
+                                    config_.model.self_attention == "dsa3d" ? wan_dsa_parameter_globs() : std::vector<std::string>{});
+  }
+  if (init_from) {
+    ParameterShapes shapes;
+    std::map<std::string, torch::Tensor> params;
+    for (const auto& p : model->named_parameters(true)) {
+      shapes.emplace_back(p.key(), p.value().sizes().vec());
+      params.emplace(p.key(), p.value());
+    }
+    init_plan_ = init_from(shapes);
+    torch::NoGradGuard no_grad;
+    for (const auto& [name, source] : init_plan_.tensors) source.read_into(params.at(name));
+  }
+  grid_ = model->token_grid(config_.data.frames, config_.data.height, config_.data.width);
+  stack_ = std::make_shared<WanStack>(model);
+  const auto& t = config_.train;
+  if (config_.offload.enabled) {
+    // The resident parts to the device in fp32; the streamed blocks' weights go to the host store.
+    for (auto& [name, p] : stack_->named_resident_parameters()) move_parameter(p, device_);
+    engine_ = std::make_unique<offload::StreamedStackTrainer>(stack_, engine_options(config_, device_));
+  } else {
+    model->to(device_);
+    std::vector<torch::Tensor> params;
+    for (auto& [name, p] : named_parameters()) params.push_back(p);
+    resident_optimizer_ = std::make_unique<torch::optim::AdamW>(
+        params, torch::optim::AdamWOptions(t.lr).betas({t.beta1, t.beta2}).eps(t.eps).weight_decay(t.weight_decay));
+  }
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> WanTrainer::named_parameters() {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (const auto& p : stack_->model()->named_parameters(true)) out.emplace_back(p.key(), p.value());
+  return out;
+}
+
+int64_t WanTrainer::parameter_count() const {
+  if (engine_) return engine_->streamed_parameter_count() + engine_->resident_parameter_count();
+  return count_parameters(*stack_->model());
+}
+
+void WanTrainer::synchronize() {
+  if (engine_) engine_->synchronize();
+}
+
+std::string WanTrainer::host_memory_report() const { return engine_ ? engine_->store().memory_report().to_string() : ""; }
+
+StepMetrics WanTrainer::step() {
+  const double lr = learning_rate(config_.train, steps_done_);
+  StepMetrics m = engine_ ? streamed_step(lr) : resident_step(lr);
+  m.step = ++steps_done_;
+  m.lr = lr;
+  if (m.skipped) {
+    ++skipped_total_;
+    ++consecutive_skips_;
+  } else {
+    consecutive_skips_ = 0;
+  }
+  m.skipped_total = skipped_total_;
+  m.consecutive_skips = consecutive_skips_;
+  const auto& t = config_.train;
+  m.samples_per_s = static_cast<double>(t.batch_size * t.grad_accum_steps) / m.step_time_s;
+  m.tokens_per_s = m.samples_per_s * static_cast<double>(grid_.numel());
+  return m;
+}
+
+StepMetrics WanTrainer::resident_step(double lr) {
+  const auto start = Clock::now();
+  const auto& t = config_.train;
+  auto& model = stack_->model();
+  for (auto& group : resident_optimizer_->param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+  resident_optimizer_->zero_grad();
+  double loss_sum = 0.0;
+  for (int64_t k = 0; k < t.grad_accum_steps; ++k) {
+    auto b = batches_.next(device_);
+    auto loss = diffusion_loss(model->forward(b.xt, b.timesteps, b.text), b.target);
+    (t.grad_accum_steps == 1 ? loss : loss / static_cast<double>(t.grad_accum_steps)).backward();
+    loss_sum += loss.item<double>();
+  }
+  const auto optimizer_start = Clock::now();
+  std::vector<torch::Tensor> params;
+  for (auto& group : resident_optimizer_->param_groups())
+    for (auto& p : group.params()) params.push_back(p);
+  const double max_norm = t.grad_clip > 0 ? t.grad_clip : std::numeric_limits<double>::infinity();
+  const double grad_norm = torch::nn::utils::clip_grad_norm_(params, max_norm);
+  StepMetrics m;
+  m.loss = loss_sum / static_cast<double>(t.grad_accum_steps);
+  m.grad_norm = grad_norm;
+  m.skipped = !std::isfinite(m.loss) || !std::isfinite(grad_norm);
+  if (!m.skipped) {
+    resident_optimizer_->step();
+    ++optimizer_steps_;
+  }
+  if (device_.is_cuda()) torch::cuda::synchronize();
+  m.optimizer_s = seconds_since(optimizer_start);
+  m.step_time_s = seconds_since(start);
+  return m;
+}
+
+offload::StackStepResult wan_streamed_step(offload::StreamedStackTrainer& engine, WanTransformer& model,
+                                           const std::function<WanBatch()>& next_batch, double lr) {
+  torch::Tensor target, temb;
+  TokenGrid grid;
+  auto prologue = [&] {
+    const auto b = next_batch();
+    target = b.target;
+    auto e = model->embed(b.xt, b.timesteps, b.text);
+    temb = e.temb;
+    grid = e.ctx.grid;
+    offload::StackInput in;
+    in.hidden = e.tokens;
+    in.inputs.tensors = {e.ctx.tproj, e.ctx.context};
+    in.inputs.info = WanStackInfo{e.ctx.grid, e.ctx.rope};  // fp32 RoPE tables: not cast to the compute dtype
+    return in;
+  };
+  auto epilogue = [&](const torch::Tensor& last_hidden) { return diffusion_loss(model->head(last_hidden, temb, grid), target); };
+  return engine.step(prologue, epilogue, lr);
+}
+
+StepMetrics WanTrainer::streamed_step(double lr) {
+  const auto r = wan_streamed_step(*engine_, stack_->model(), [&] { return batches_.next(device_); }, lr);
+  StepMetrics m;
+  m.loss = r.loss;
+  m.grad_norm = r.grad_norm;
+  m.skipped = r.skipped;
+  m.step_time_s = r.step_time_s;
+  m.h2d_bytes = r.h2d_bytes;
+  m.d2h_bytes = r.d2h_bytes;
+  m.exposed_transfer_s = r.exposed_transfer_s;
+  m.optimizer_wait_s = r.optimizer_wait_s;
+  m.optimizer_s = r.optimizer_s;
+  m.peak_device_bytes = r.peak_device_bytes;
+  m.loss_scale = engine_->options().compute_dtype == at::kHalf ? r.loss_scale : 0.0;
+  return m;
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> WanTrainer::master_weights() {
+  synchronize();
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (auto& [name, p] : training_state().master) out.emplace_back(name, p.clone());
+  return out;
+}
+
+TrainingState WanTrainer::training_state() {
+  synchronize();
+  TrainingState s;
+  s.step = steps_done_;
+  s.skipped_steps = skipped_total_;
+  s.consecutive_skips = consecutive_skips_;
+  s.data_state = batches_.state();
+  if (!engine_) {
+    s.optimizer_steps = optimizer_steps_;
+    for (auto& [name, p] : named_parameters()) {
+      auto moments = adamw_moments(*resident_optimizer_, p);
+      s.master.emplace_back(name, p.detach().to(torch::kCPU, torch::kFloat32).clone());
+      s.exp_avg.emplace_back(name, moments.exp_avg);
+      s.exp_avg_sq.emplace_back(name, moments.exp_avg_sq);
+    }
+    return s;
+  }
+  s.optimizer_steps = engine_->optimizer_steps();
+  s.loss_scale = engine_->loss_scale();
+  s.clean_steps = engine_->clean_steps();
+  // In the model's order: the streamed parameters as views into the store, the others as CPU copies.
+  const auto& store = engine_->store();
+  std::map<std::string, std::pair<int64_t, std::string>> streamed;
+  for (int64_t l = 0; l < store.num_blocks(); ++l)
+    for (const auto& spec : store.block_spec(l).params) streamed["blocks." + std::to_string(l) + "." + spec.name] = {l, spec.name};
+  auto* optimizer = engine_->resident_optimizer();
+  for (auto& [name, p] : named_parameters()) {
+    auto it = streamed.find(name);
+    if (it != streamed.end()) {
+      const auto views = store.param(it->second.first, it->second.second);
+      s.master.emplace_back(name, views.master);
+      s.exp_avg.emplace_back(name, views.exp_avg);
+      s.exp_avg_sq.emplace_back(name, views.exp_avg_sq);
+    } else {
+      auto moments = adamw_moments(*optimizer, p);
+      s.master.emplace_back(name, p.detach().to(torch::kCPU, torch::kFloat32).clone());
+      s.exp_avg.emplace_back(name, moments.exp_avg);
+      s.exp_avg_sq.emplace_back(name, moments.exp_avg_sq);
+    }
+  }
+  return s;
+}
+
+void WanTrainer::load_training_state(const TrainingState& s) {
+  synchronize();
+  auto params = named_parameters();
+  TORCH_CHECK(s.master.size() == params.size() && s.exp_avg.size() == params.size() && s.exp_avg_sq.size() == params.size(),
+              "WanTrainer::load_training_state: expected ", params.size(), " parameters, got ", s.master.size());
+  batches_.restore(s.data_state);
+  std::map<std::string, std::pair<int64_t, std::string>> streamed;
+  if (engine_) {
+    const auto& store = engine_->store();
+    for (int64_t l = 0; l < store.num_blocks(); ++l)
+      for (const auto& spec : store.block_spec(l).params) streamed["blocks." + std::to_string(l) + "." + spec.name] = {l, spec.name};
+  }
+  torch::optim::AdamW* optimizer = engine_ ? engine_->resident_optimizer() : resident_optimizer_.get();
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto& [name, p] = params[i];
+    TORCH_CHECK(s.master[i].first == name, "WanTrainer::load_training_state: parameter ", i, " is '", s.master[i].first,
+                "', expected '", name, "'");
+    auto it = streamed.find(name);
+    if (it != streamed.end()) {
+      const auto views = engine_->store().param(it->second.first, it->second.second);
+      const std::pair<const torch::Tensor*, const torch::Tensor*> parts[3] = {
+          {&views.master, &s.master[i].second}, {&views.exp_avg, &s.exp_avg[i].second}, {&views.exp_avg_sq, &s.exp_avg_sq[i].second}};
+      for (const auto& [target, source] : parts)
+        if (source->data_ptr() != target->data_ptr()) target->copy_(*source);  // not read in place
+    } else {
+      p.copy_(s.master[i].second);
+      set_adamw_moments(*optimizer, p, s.exp_avg[i].second, s.exp_avg_sq[i].second, s.optimizer_steps);
+    }
+  }
+  if (engine_) {
+    engine_->reload_blocks_from_masters();
+    engine_->restore_counters(s.optimizer_steps, s.loss_scale, s.clean_steps);
+  } else {
+    optimizer_steps_ = s.optimizer_steps;
+  }
+  steps_done_ = s.step;
+  skipped_total_ = s.skipped_steps;
+  consecutive_skips_ = s.consecutive_skips;
+}
+
+}  // namespace megaslide

@@ -1,0 +1,345 @@
+// Data parallelism over c10d (train/distributed.h): the launcher's environment, Gloo collectives between
+// ranks, each rank's slice of the global batch, and megaslide-train with several ranks on localhost
+// against one process with the same global batch.
+#include "megaslide/train/distributed.h"
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <fstream>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "megaslide/io/files.h"
+#include "megaslide/train/resident_trainer.h"
+#include "run_tool.h"
+
+using namespace megaslide;
+using megaslide::io::join_path;
+
+namespace {
+
+std::function<const char*(const char*)> env_of(const std::map<std::string, std::string>& vars) {
+  return [vars](const char* name) -> const char* {
+    auto it = vars.find(name);
+    return it == vars.end() ? nullptr : it->second.c_str();
+  };
+}
+
+std::string launch_error(const std::map<std::string, std::string>& vars) {
+  try {
+    read_launch_env(env_of(vars));
+  } catch (const DistributedError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+std::string fresh_dir(const std::string& name) {
+  auto dir = "/tmp/megaslide-test-dist-" + name + "-" + std::to_string(::getpid());
+  io::remove_tree(dir);
+  return dir;
+}
+
+std::vector<double> logged(const std::string& run_dir, const char* key) {
+  std::ifstream in(join_path(run_dir, "metrics.jsonl"));
+  std::vector<double> values;
+  std::string line;
+  while (std::getline(in, line)) values.push_back(nlohmann::json::parse(line)[key].get<double>());
+  return values;
+}
+
+std::vector<double> logged_losses(const std::string& run_dir) { return logged(run_dir, "loss"); }
+
+size_t line_count(const std::string& path) {
+  std::ifstream in(path);
+  size_t n = 0;
+  std::string line;
+  while (std::getline(in, line)) ++n;
+  return n;
+}
+
+std::string smoke() { return std::string(MEGASLIDE_SOURCE_DIR) + "/configs/smoke.yaml"; }
+
+// The resident trainer in fp32 on the CPU, one thread a rank (2 cores), 5 steps, no checkpoints.
+std::string resident_args(int64_t batch) {
+  return "--config " + smoke() + " --set offload.enabled=false --set train.device=cpu --set train.threads=1 --set train.steps=5" +
+         " --set train.checkpoint_every=0 --set output.progress=false --set diffusion.caption_dropout=0.5 --set train.batch_size=" +
+         std::to_string(batch);
+}
+
+megaslide::testing::ToolResult train(const std::string& args) { return megaslide::testing::run_tool("megaslide-train", args); }
+
+}  // namespace
+
+TEST(LaunchEnv, NoLauncherIsOneProcess) {
+  const auto env = read_launch_env(env_of({}));
+  EXPECT_FALSE(env.distributed());
+  EXPECT_EQ(env.rank, 0);
+  EXPECT_EQ(env.world_size, 1);
+  EXPECT_EQ(env.launcher, "none");
+}
+
+TEST(LaunchEnv, ReadsTorchrunsVariables) {
+  const auto env = read_launch_env(env_of({{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "4"},
+                                           {"MASTER_ADDR", "node-0"}, {"MASTER_PORT", "29611"}}));
+  EXPECT_EQ(env.launcher, "torchrun");
+  EXPECT_EQ(env.rank, 5);
+  EXPECT_EQ(env.world_size, 8);
+  EXPECT_EQ(env.local_rank, 1);
+  EXPECT_EQ(env.local_world_size, 4);
+  EXPECT_EQ(env.master_addr, "node-0");
+  EXPECT_EQ(env.master_port, 29611);
+}
+
+TEST(LaunchEnv, ReadsSlurmsVariablesAndDefaultsThePort) {
+  const auto env = read_launch_env(env_of({{"SLURM_PROCID", "3"}, {"SLURM_NTASKS", "4"}, {"SLURM_LOCALID", "1"},
+                                           {"SLURM_NTASKS_PER_NODE", "2"}, {"MASTER_ADDR", "gpu-17"}}));
+  EXPECT_EQ(env.launcher, "slurm");
+  EXPECT_EQ(env.rank, 3);
+  EXPECT_EQ(env.world_size, 4);
+  EXPECT_EQ(env.local_rank, 1);
+  EXPECT_EQ(env.local_world_size, 2);
+  EXPECT_EQ(env.master_port, 29500);
+  // torchrun's variables win when both are present (torchrun inside a Slurm allocation).
+  const auto both = read_launch_env(env_of({{"SLURM_PROCID", "3"}, {"SLURM_NTASKS", "4"}, {"RANK", "0"}, {"WORLD_SIZE", "2"},
+                                            {"MASTER_ADDR", "a"}}));
+  EXPECT_EQ(both.launcher, "torchrun");
+  EXPECT_EQ(both.world_size, 2);
+}
+
+// The property: a launch environment that cannot be right is one error naming the variable.
+TEST(LaunchEnv, BadValuesAreErrorsNamingTheVariable) {
+  EXPECT_NE(launch_error({{"RANK", "2"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}}).find("RANK=2 is outside [0, WORLD_SIZE=2)"),
+            std::string::npos);
+  EXPECT_NE(launch_error({{"RANK", "x"}, {"WORLD_SIZE", "2"}}).find("RANK=x is not an integer"), std::string::npos);
+  EXPECT_NE(launch_error({{"RANK", "0"}}).find("RANK and WORLD_SIZE"), std::string::npos);
+  EXPECT_NE(launch_error({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "70000"}}).find("MASTER_PORT"),
+            std::string::npos);
+  const auto slurm = launch_error({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}});
+  EXPECT_NE(slurm.find("MASTER_ADDR is not set"), std::string::npos) << slurm;
+  EXPECT_NE(slurm.find("scontrol show hostnames"), std::string::npos) << slurm;
+}
+
+TEST(LaunchEnv, RanksTakeTheGpuOfTheirLocalRank) {
+  LaunchEnv env;
+  env.world_size = 4, env.rank = 3, env.local_rank = 1;
+  EXPECT_EQ(rank_device_spec("cuda", env), "cuda:1");
+  EXPECT_EQ(rank_device_spec("cuda:3", env), "cuda:3");
+  EXPECT_EQ(rank_device_spec("cpu", env), "cpu");
+  LaunchEnv one;
+  EXPECT_EQ(rank_device_spec("cuda", one), "cuda");
+}
+
+TEST(LaunchEnv, NcclOnTheCpuIsAConfigError) {
+  DistributedConfig d;
+  if (gloo_available()) EXPECT_EQ(resolve_backend(d, torch::kCPU, "test"), "gloo");
+  d.backend = "nccl";
+  try {
+    resolve_backend(d, torch::kCPU, "test");
+    FAIL() << "nccl on the CPU was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("distributed.backend"), std::string::npos) << e.what();
+  }
+}
+
+// The property: Gloo sums (and takes maxima) over the ranks in place, two ranks as two threads.
+TEST(Communicator, GlooAllReduceSumsAndMaximaOverTwoRanks) {
+  if (!gloo_available()) GTEST_SKIP() << "this build has no Gloo backend";
+  const int64_t port = free_local_port();
+  torch::manual_seed(3);
+  const std::vector<torch::Tensor> inputs{torch::randn({37, 5}), torch::randn({37, 5})};
+  std::vector<torch::Tensor> sums(2), maxima(2);
+  std::vector<std::string> errors(2);
+  auto rank_main = [&](int64_t rank) {
+    try {
+      LaunchEnv env;
+      env.rank = rank, env.world_size = 2, env.master_addr = "127.0.0.1", env.master_port = port;
+      Communicator comm(env, "gloo", 30.0, torch::kCPU);
+      std::vector<torch::Tensor> s{inputs[rank].clone()}, m{inputs[rank].clone()};
+      comm.all_reduce_sum(s);
+      comm.all_reduce_max(m);
+      comm.barrier();
+      sums[rank] = s[0], maxima[rank] = m[0];
+    } catch (const std::exception& e) {
+      errors[rank] = e.what();
+    }
+  };
+  std::thread other(rank_main, 1);
+  rank_main(0);
+  other.join();
+  ASSERT_EQ(errors[0], "");
+  ASSERT_EQ(errors[1], "");
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(torch::allclose(sums[r], inputs[0] + inputs[1], 0, 1e-6)) << "rank " << r;
+    EXPECT_TRUE(torch::equal(maxima[r], torch::maximum(inputs[0], inputs[1]))) << "rank " << r;
+  }
+}
+
+// The property: the ranks' slices, side by side, are the single-process batch — the same clips, caption
+// dropout, timesteps and noise for every item of the global batch, batch after batch.
+TEST(DiffusionBatchSource, RankSlicesConcatenateToTheSingleProcessBatch) {
+  const auto config = parse_run_config("", "test", {"data.frames=4", "data.height=8", "data.width=8", "data.num_clips=16",
+                                                    "train.batch_size=6", "diffusion.caption_dropout=0.5", "train.device=cpu"});
+  DiffusionBatchSource whole(config);
+  std::vector<std::unique_ptr<DiffusionBatchSource>> ranks;
+  for (int64_t r = 0; r < 3; ++r) {
+    ranks.push_back(std::make_unique<DiffusionBatchSource>(config));
+    ranks.back()->take_slice(r, 3);
+  }
+  for (int batch = 0; batch < 4; ++batch) {  // 24 items: crosses an epoch of 16 clips
+    const auto w = whole.next(torch::kCPU);
+    std::vector<DiffusionBatch> parts;
+    for (auto& r : ranks) parts.push_back(r->next(torch::kCPU));
+    auto cat = [&](auto field) {
+      std::vector<torch::Tensor> pieces;
+      for (auto& p : parts) pieces.push_back(field(p));
+      return torch::cat(pieces);
+    };
+    EXPECT_EQ(parts[0].x0.size(0), 2);
+    EXPECT_TRUE(torch::equal(cat([](auto& b) { return b.x0; }), w.x0)) << "batch " << batch;
+    EXPECT_TRUE(torch::equal(cat([](auto& b) { return b.noise; }), w.noise)) << "batch " << batch;
+    EXPECT_TRUE(torch::equal(cat([](auto& b) { return b.timesteps; }), w.timesteps)) << "batch " << batch;
+    EXPECT_TRUE(torch::equal(cat([](auto& b) { return b.xt; }), w.xt)) << "batch " << batch;
+    EXPECT_TRUE(torch::equal(cat([](auto& b) { return b.text_ids; }), w.text_ids)) << "batch " << batch;
+  }
+  DiffusionBatchSource odd(config);
+  EXPECT_THROW(odd.take_slice(0, 4), std::invalid_argument);  // 6 items do not split over 4 ranks
+}
+
+// The property: 2 and 3 Gloo ranks on localhost train with the losses and gradient norms of one process
+// with the same global batch (fp32; the ranks' gradients are averaged in another order of additions:
+// within 1e-5).
+TEST(DistributedTraining, RanksReproduceTheSingleProcessLosses) {
+  if (!gloo_available()) GTEST_SKIP() << "this build has no Gloo backend";
+  for (int64_t ranks : {2, 3}) {
+    const int64_t batch = 6;
+    const auto one = fresh_dir("one-" + std::to_string(ranks)), many = fresh_dir("many-" + std::to_string(ranks));
+    auto r1 = train(resident_args(batch) + " --run-dir " + one);
+    ASSERT_EQ(r1.code, 0) << r1.output;
+    auto rn = train(resident_args(batch) + " --run-dir " + many + " --nproc-per-node " + std::to_string(ranks));
+    ASSERT_EQ(rn.code, 0) << rn.output;
+    const auto a = logged_losses(one), b = logged_losses(many);
+    ASSERT_EQ(a.size(), 5u);
+    ASSERT_EQ(b.size(), 5u) << "rank 0 alone writes metrics.jsonl, one line a step";
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-5) << ranks << " ranks, step " << i + 1;
+    // The gradient norm before clipping too: AdamW is blind to a gradient's scale, so a sum over the
+    // ranks not divided by their number would leave the losses nearly unchanged but not this.
+    const auto na = logged(one, "grad_norm"), nb = logged(many, "grad_norm");
+    ASSERT_EQ(nb.size(), na.size());
+    for (size_t i = 0; i < na.size(); ++i) EXPECT_NEAR(na[i], nb[i], 1e-5 * na[i]) << ranks << " ranks, step " << i + 1;
+    std::ifstream log(join_path(many, "train.log"));
+    std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+    EXPECT_NE(text.find("data parallel: " + std::to_string(ranks) + " ranks (gloo backend"), std::string::npos) << text;
+    io::remove_tree(one);
+    io::remove_tree(many);
+  }
+}
+
+// The property: a checkpoint of a 2-rank run resumes on 1 and on 3 ranks with the losses of the
+// uninterrupted single-process run (the resident trainer's state is the same on every rank).
+TEST(DistributedTraining, CheckpointResumesAtAnotherWorldSize) {
+  if (!gloo_available()) GTEST_SKIP() << "this build has no Gloo backend";
+  const std::string args = resident_args(6) + " --set train.checkpoint_every=3";
+  const auto whole = fresh_dir("whole"), parts = fresh_dir("parts");
+  ASSERT_EQ(train(args + " --run-dir " + whole).code, 0);
+  auto r = train(args + " --run-dir " + parts + " --nproc-per-node 2");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto expected = logged_losses(whole);
+  ASSERT_EQ(expected.size(), 5u);
+  for (const char* world : {"1", "3"}) {
+    auto resumed = train(args + " --run-dir " + parts + " --resume " + join_path(parts, "checkpoints/step-0000003") +
+                         (std::string(world) == "1" ? "" : std::string(" --nproc-per-node ") + world));
+    ASSERT_EQ(resumed.code, 0) << resumed.output;
+    const auto got = logged_losses(parts);
+    ASSERT_EQ(got.size(), 5u) << world << " ranks";
+    for (size_t i = 0; i < 5; ++i) EXPECT_NEAR(got[i], expected[i], 1e-5) << world << " ranks, step " << i + 1;
+  }
+  io::remove_tree(whole);
+  io::remove_tree(parts);
+}
+
+TEST(DistributedTraining, UnevenBatchAndTheStreamedTrainerAreRefusedNamingTheKey) {
+  if (!gloo_available()) GTEST_SKIP() << "this build has no Gloo backend";
+  const auto dir = fresh_dir("refused");
+  auto uneven = train(resident_args(5) + " --run-dir " + dir + " --nproc-per-node 2");
+  EXPECT_EQ(uneven.code, 2) << uneven.output;
+  EXPECT_NE(uneven.output.find("train.batch_size"), std::string::npos) << uneven.output;
+  auto streamed = train(resident_args(4) + " --set offload.enabled=true --run-dir " + dir + " --nproc-per-node 2");
+  EXPECT_EQ(streamed.code, 2) << streamed.output;
+  EXPECT_NE(streamed.output.find("offload.enabled"), std::string::npos) << streamed.output;
+  io::remove_tree(dir);
+}
+
+// The property: when one rank dies (SIGKILL, no goodbye), the other stops with a non-zero exit and an
+// error naming the failed collective within distributed.timeout_s — it does not hang. The ranks are
+// started as torchrun would start them (environment variables), without the local launcher, which
+// would stop the survivor itself.
+TEST(DistributedTraining, AKilledRankMakesTheOtherExitNonZeroWithinTheTimeout) {
+  if (!gloo_available()) GTEST_SKIP() << "this build has no Gloo backend";
+  const auto dir = fresh_dir("killed");
+  const int64_t port = free_local_port();
+  const double timeout_s = 20.0;
+  const std::string bin = std::string(MEGASLIDE_BINARY_DIR) + "/bin/megaslide-train";
+  const std::string log0 = dir + "-rank0.log";
+  std::vector<pid_t> pids;
+  for (int rank = 0; rank < 2; ++rank) {
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      const std::string log = rank == 0 ? log0 : "/dev/null";
+      std::freopen(log.c_str(), "w", stderr);
+      std::freopen(log.c_str(), "a", stdout);
+      ::setenv("RANK", std::to_string(rank).c_str(), 1);
+      ::setenv("WORLD_SIZE", "2", 1);
+      ::setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
+      ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+      ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      const std::string config = smoke();
+      const std::string timeout = "distributed.timeout_s=" + std::to_string(timeout_s);
+      ::execl(bin.c_str(), bin.c_str(), "--config", config.c_str(), "--run-dir", dir.c_str(), "--set", "offload.enabled=false", "--set",
+              "train.device=cpu", "--set", "train.threads=1", "--set", "train.steps=100000", "--set", "train.checkpoint_every=0",
+              "--set", "output.progress=false", "--set", timeout.c_str(), static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    pids.push_back(pid);
+  }
+  auto cleanup = [&] {
+    for (pid_t p : pids) ::kill(p, SIGKILL);
+    for (pid_t p : pids) ::waitpid(p, nullptr, 0);
+    io::remove_tree(dir);
+    std::remove(log0.c_str());
+  };
+  const auto metrics = join_path(dir, "metrics.jsonl");
+  for (int i = 0; i < 6000 && line_count(metrics) < 2; ++i) ::usleep(10000);
+  if (line_count(metrics) < 2) {
+    cleanup();
+    FAIL() << "the 2-rank run did not start training within 60 s";
+  }
+  ::kill(pids[1], SIGKILL);
+  ::waitpid(pids[1], nullptr, 0);
+  const auto killed_at = std::chrono::steady_clock::now();
+  int status = 0;
+  pid_t done = 0;
+  while ((done = ::waitpid(pids[0], &status, WNOHANG)) == 0 &&
+         std::chrono::steady_clock::now() - killed_at < std::chrono::duration<double>(timeout_s + 30.0))
+    ::usleep(20000);
+  const double waited_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - killed_at).count();
+  std::ifstream in(log0);
+  const std::string output((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (done == pids[0]) pids = {};  // both reaped
+  else pids = {pids[0]};
+  cleanup();
+  ASSERT_NE(done, 0) << "rank 0 still ran " << waited_s << " s after rank 1 died (timeout " << timeout_s << " s)";
+  ASSERT_TRUE(WIFEXITED(status)) << output;
+  EXPECT_NE(WEXITSTATUS(status), 0) << output;
+  EXPECT_LE(waited_s, timeout_s + 10.0) << output;
+  EXPECT_NE(output.find("rank 0 of 2"), std::string::npos) << output;
+}

@@ -1,0 +1,341 @@
+// umT5 (Wan's text encoder): the SentencePiece tokenizer's ids against transformers' T5Tokenizer (umT5's
+// tokenizer class) on 116 prompts (VBench, punctuation, unicode, emoji, special tokens written in the text,
+// a prompt cut at 512 tokens) with a tiny spiece.model trained offline; the encoder's hidden states against
+// transformers' UMT5EncoderModel on a tiny random model of non-default sizes in three layouts
+// (transformers' single file, sharded with an index, ComfyUI's fp16 file with the tokenizer inside)
+// (tests/fixtures/umt5*, tools/make_fixtures.py); bad files named in the errors; the real tokenizer when
+// MEGASLIDE_UMT5_TOKENIZER points at one.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <map>
+
+#include "megaslide/io/files.h"
+#include "megaslide/io/safetensors.h"
+#include "megaslide/model/umt5_encoder.h"
+#include "megaslide/model/umt5_tokenizer.h"
+
+using megaslide::Umt5Encoder;
+using megaslide::Umt5Tokenizer;
+
+namespace {
+
+const std::string kFixtures = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/";
+
+std::string temp_dir(const std::string& name) {
+  auto d = "/tmp/megaslide-test-umt5-" + std::to_string(::getpid()) + "-" + name;
+  megaslide::io::remove_tree(d);
+  megaslide::io::make_directories(d);
+  return d;
+}
+
+struct Fixture {
+  std::map<std::string, torch::Tensor> tensors;
+  std::map<std::string, std::string> metadata;
+};
+
+Fixture read_fixture(const std::string& path) {
+  auto f = megaslide::io::read_safetensors(path);
+  Fixture out;
+  for (auto& [name, t] : f.tensors) out.tensors[name] = t;
+  out.metadata = f.metadata;
+  return out;
+}
+
+std::vector<std::string> json_strings(const std::string& text) { return nlohmann::json::parse(text).get<std::vector<std::string>>(); }
+
+// The first prompt whose ids or mask differ, with both id lists (up to the first padding); empty when all agree.
+std::string first_difference(const std::vector<std::string>& prompts, const megaslide::Umt5Tokens& ours, const torch::Tensor& ids,
+                             const torch::Tensor& mask) {
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const auto n = static_cast<int64_t>(i);
+    if (!torch::equal(ours.ids[n], ids[n].to(torch::kLong)) || !torch::equal(ours.mask[n], mask[n].to(torch::kLong))) {
+      const int64_t len = std::max(ours.mask[n].sum().item<int64_t>(), mask[n].to(torch::kLong).sum().item<int64_t>());
+      std::ostringstream s;
+      s << "prompt " << i << " '" << prompts[i] << "'\n  ours:         " << ours.ids[n].slice(0, 0, len)
+        << "\n  transformers: " << ids[n].slice(0, 0, len);
+      return s.str();
+    }
+  }
+  return "";
+}
+
+double max_error(const torch::Tensor& ours, const torch::Tensor& ref) {
+  return (ours.to(torch::kFloat64) - ref.to(torch::kFloat64)).abs().max().item<double>();
+}
+
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+void copy_file(const std::string& from, const std::string& to) { megaslide::io::write_file_atomically(to, megaslide::io::read_file(from)); }
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------------------
+// Tokenizer
+// ------------------------------------------------------------------------------------------------
+
+TEST(Umt5Tokenizer, IdsAreTransformersOnTheTinyModel) {
+  ASSERT_TRUE(megaslide::umt5_tokenizer_supported()) << "built without SentencePiece (libsentencepiece-dev)";
+  auto tokenizer = Umt5Tokenizer::from_file(kFixtures + "umt5_tokenizer/spiece.model");
+  EXPECT_EQ(tokenizer.piece(0), "<pad>");
+  EXPECT_EQ(tokenizer.piece(1), "</s>");
+  EXPECT_EQ(tokenizer.piece(2), "<unk>");
+  auto f = read_fixture(kFixtures + "umt5_tokenizer/ids.safetensors");
+  const auto prompts = json_strings(f.metadata.at("prompts"));
+  ASSERT_GE(prompts.size(), 100u);
+  const auto& ids = f.tensors.at("ids");
+  ASSERT_EQ(ids.size(1), 512);
+  // The fixture exercises what it is meant to: unknown characters, a prompt cut at 512, special tokens.
+  EXPECT_GT(ids.eq(Umt5Tokenizer::kUnk).any(1).sum().item<int64_t>(), 10);
+  EXPECT_GE(f.tensors.at("mask").to(torch::kLong).sum(1).eq(512).sum().item<int64_t>(), 1);
+  auto ours = tokenizer.encode(prompts, 512);
+  // Identical, except where both segmentations have exactly the same total score (a tie between orders
+  // of the same pieces, which Debian's SentencePiece 0.1.97 may break the other way than transformers).
+  int ties = 0;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const auto n = static_cast<int64_t>(i);
+    const auto theirs = ids[n].to(torch::kLong);
+    if (torch::equal(ours.ids[n], theirs)) continue;
+    ASSERT_TRUE(torch::equal(ours.mask[n], f.tensors.at("mask")[n].to(torch::kLong))) << "prompt " << i << " '" << prompts[i] << "'";
+    double a = 0, b = 0;
+    for (int64_t j = 0; j < ours.mask[n].sum().item<int64_t>(); ++j) {
+      a += tokenizer.score(ours.ids[n][j].item<int64_t>());
+      b += tokenizer.score(theirs[j].item<int64_t>());
+    }
+    EXPECT_DOUBLE_EQ(a, b) << first_difference({prompts[i]}, {ours.ids.slice(0, n, n + 1), ours.mask.slice(0, n, n + 1)},
+                                                ids.slice(0, n, n + 1), f.tensors.at("mask").slice(0, n, n + 1));
+    ++ties;
+  }
+  std::cout << "[ info ] " << prompts.size() - static_cast<size_t>(ties) << " of " << prompts.size() << " prompts identical, " << ties
+            << " differ by a tie-break between equally scored segmentations\n";
+  EXPECT_LE(ties, 2);
+}
+
+TEST(Umt5Tokenizer, EndTokenPaddingAndCutting) {
+  auto tokenizer = Umt5Tokenizer::from_file(kFixtures + "umt5_tokenizer/spiece.model");
+  auto t = tokenizer.encode({"", "a cat", std::string(2000, 'x') + " y"}, 16);
+  // The empty prompt is </s> alone.
+  EXPECT_EQ(t.ids[0][0].item<int64_t>(), Umt5Tokenizer::kEos);
+  EXPECT_EQ(t.mask[0].sum().item<int64_t>(), 1);
+  EXPECT_TRUE(t.ids[0].slice(0, 1).eq(Umt5Tokenizer::kPad).all().item<bool>());
+  // Text, then </s>, then <pad> with mask 0.
+  const auto text = tokenizer.encode_text("a cat");
+  const auto n = static_cast<int64_t>(text.size());
+  ASSERT_GE(n, 1);
+  for (int64_t j = 0; j < n; ++j) EXPECT_EQ(t.ids[1][j].item<int64_t>(), text[static_cast<size_t>(j)]);
+  EXPECT_EQ(t.ids[1][n].item<int64_t>(), Umt5Tokenizer::kEos);
+  EXPECT_EQ(t.mask[1].sum().item<int64_t>(), n + 1);
+  // Cut: 15 text tokens and </s> last.
+  EXPECT_EQ(t.mask[2].sum().item<int64_t>(), 16);
+  EXPECT_EQ(t.ids[2][15].item<int64_t>(), Umt5Tokenizer::kEos);
+  // Special tokens written in the text are those tokens.
+  EXPECT_EQ(tokenizer.encode_text("</s><pad><unk>"), (std::vector<int64_t>{1, 0, 2}));
+}
+
+TEST(Umt5Tokenizer, WanCleanIsPythonsWhitespaceClean) {
+  auto f = read_fixture(kFixtures + "umt5_tokenizer/ids.safetensors");
+  const auto prompts = json_strings(f.metadata.at("prompts"));
+  const auto cleaned = json_strings(f.metadata.at("cleaned"));
+  ASSERT_EQ(prompts.size(), cleaned.size());
+  int changed = 0;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EXPECT_EQ(megaslide::wan_clean(prompts[i]), cleaned[i]) << "prompt " << i;
+    changed += prompts[i] != cleaned[i];
+  }
+  EXPECT_GE(changed, 5);  // tabs, newlines, no-break and ideographic spaces, leading and trailing runs
+}
+
+TEST(Umt5Tokenizer, RealModelWhenGiven) {
+  const char* path = std::getenv("MEGASLIDE_UMT5_TOKENIZER");
+  if (path == nullptr) GTEST_SKIP() << "MEGASLIDE_UMT5_TOKENIZER is not set (umT5's spiece.model, or a folder holding it)";
+  auto tokenizer = Umt5Tokenizer::find(path);
+  EXPECT_GE(tokenizer.vocab_size(), 256000);
+  EXPECT_LE(tokenizer.vocab_size(), 256384);
+  // With transformers' ids for the same model (tools/make_fixtures.py --umt5-ids SPIECE OUT), all must agree.
+  const char* ids_path = std::getenv("MEGASLIDE_UMT5_TOKENIZER_IDS");
+  if (ids_path == nullptr) {
+    std::cout << "[ info ] MEGASLIDE_UMT5_TOKENIZER_IDS is not set: only the special tokens and the size were checked\n";
+    return;
+  }
+  auto f = read_fixture(ids_path);
+  const auto prompts = json_strings(f.metadata.at("prompts"));
+  auto ours = tokenizer.encode(prompts, f.tensors.at("ids").size(1));
+  EXPECT_EQ(first_difference(prompts, ours, f.tensors.at("ids"), f.tensors.at("mask")), "");
+}
+
+TEST(Umt5Tokenizer, BadFilesAreNamed) {
+  auto dir = temp_dir("badtok");
+  EXPECT_NE(error_of([&] { Umt5Tokenizer::from_file(dir + "/none.model"); }).find(dir + "/none.model"), std::string::npos);
+  megaslide::io::write_file_atomically(dir + "/garbage.model", "this is not a protobuf");
+  const auto garbage = error_of([&] { Umt5Tokenizer::from_file(dir + "/garbage.model"); });
+  EXPECT_NE(garbage.find(dir + "/garbage.model"), std::string::npos) << garbage;
+  EXPECT_NE(garbage.find("not a SentencePiece model"), std::string::npos) << garbage;
+  const auto empty = error_of([&] { Umt5Tokenizer::find(dir); });
+  EXPECT_NE(empty.find("no SentencePiece model found"), std::string::npos) << empty;
+  EXPECT_NE(empty.find(dir + "/spiece.model"), std::string::npos) << empty;
+  megaslide::io::remove_tree(dir);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Encoder
+// ------------------------------------------------------------------------------------------------
+
+class Umt5EncoderGolden : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ref_ = read_fixture(kFixtures + "umt5/reference.safetensors");
+    ids_ = ref_.tensors.at("ids").to(torch::kLong);
+    mask_ = ref_.tensors.at("mask").to(torch::kLong);
+  }
+  Fixture ref_;
+  torch::Tensor ids_, mask_;
+};
+
+TEST_F(Umt5EncoderGolden, TransformersSingleFileWithinOneInTenThousand) {
+  auto e = Umt5Encoder::load(kFixtures + "umt5/hf");
+  EXPECT_EQ(e.config().d_model, 24);
+  EXPECT_EQ(e.config().d_kv, 10);
+  EXPECT_EQ(e.config().relative_attention_num_buckets, 12);
+  EXPECT_EQ(e.config().relative_attention_max_distance, 20);
+  EXPECT_LT(max_error(e.embed(ids_, mask_), ref_.tensors.at("hf.hidden")), 1e-4);
+  EXPECT_LT(max_error(e.forward(ids_), ref_.tensors.at("hf.hidden_unmasked")), 1e-4);
+  // The padding matters (the masked and unmasked outputs differ), and embed() zeroes past the prompt.
+  EXPECT_GT(max_error(e.forward(ids_) * mask_.unsqueeze(-1), ref_.tensors.at("hf.hidden")), 1e-2);
+  auto embedded = e.embed(ids_, mask_);
+  EXPECT_TRUE(embedded.masked_select(mask_.eq(0).unsqueeze(-1).expand_as(embedded)).eq(0).all().item<bool>());
+}
+
+TEST_F(Umt5EncoderGolden, ShardedFolderAndDiffusersRoot) {
+  for (const auto& path : {kFixtures + "umt5/sharded/text_encoder", kFixtures + "umt5/sharded",
+                           kFixtures + "umt5/sharded/text_encoder/model.safetensors.index.json"}) {
+    auto e = Umt5Encoder::load(path);
+    EXPECT_NE(e.source().find("model.safetensors.index.json"), std::string::npos) << path;
+    EXPECT_LT(max_error(e.embed(ids_, mask_), ref_.tensors.at("hf.hidden")), 1e-4) << path;
+  }
+  // The tokenizer from a checkpoint's text_encoder/ is ../tokenizer/spiece.model: the ids of the fixture.
+  auto tokenizer = Umt5Tokenizer::find(kFixtures + "umt5/sharded/text_encoder");
+  const auto prompts = json_strings(ref_.metadata.at("prompts"));
+  auto t = tokenizer.encode(prompts, ids_.size(1));
+  EXPECT_TRUE(torch::equal(t.ids, ids_));
+  EXPECT_TRUE(torch::equal(t.mask, mask_));
+}
+
+TEST_F(Umt5EncoderGolden, ComfyUiSingleFileWithItsTokenizer) {
+  const auto file = kFixtures + "umt5/comfy_umt5_fp16.safetensors";
+  auto e = Umt5Encoder::load(file);
+  EXPECT_EQ(e.config().num_layers, 3);
+  EXPECT_EQ(e.config().num_heads, 3);
+  EXPECT_EQ(e.config().d_ff, 40);
+  EXPECT_EQ(e.config().relative_attention_max_distance, 128);
+  EXPECT_LT(max_error(e.embed(ids_, mask_), ref_.tensors.at("comfy.hidden")), 1e-4);
+  auto tokenizer = Umt5Tokenizer::find(file);
+  EXPECT_NE(tokenizer.source().find("spiece_model"), std::string::npos);
+  auto t = tokenizer.encode(json_strings(ref_.metadata.at("prompts")), ids_.size(1));
+  EXPECT_TRUE(torch::equal(t.ids, ids_));
+}
+
+TEST_F(Umt5EncoderGolden, Bf16WeightsStayClose) {
+  auto e = Umt5Encoder::load(kFixtures + "umt5/hf", torch::kCPU, torch::kBFloat16);
+  const auto ref = ref_.tensors.at("hf.hidden");
+  const double err = max_error(e.embed(ids_, mask_), ref) / ref.abs().max().item<double>();
+  EXPECT_LT(err, 0.25);  // the tiny model's large random weights amplify bf16 rounding; a broken cast gives O(1)
+}
+
+TEST(Umt5Encoder, RandomXxlShapesAndParameterCount) {
+  // umT5-XXL's published size: 5.68 B parameters in the encoder (embedding 1.05 B).
+  const auto c = megaslide::Umt5Config::xxl();
+  const int64_t per_layer = 4 * c.d_model * c.inner_dim() + c.relative_attention_num_buckets * c.num_heads + 2 * c.d_model + 3 * c.d_model * c.d_ff;
+  EXPECT_NEAR(static_cast<double>(c.vocab_size * c.d_model + c.num_layers * per_layer + c.d_model) / 1e9, 5.68, 0.01);
+  megaslide::Umt5Config small = c;
+  small.vocab_size = 100, small.d_model = 16, small.d_kv = 4, small.num_heads = 2, small.d_ff = 8, small.num_layers = 2;
+  auto e = Umt5Encoder::random(small, 3);
+  auto ids = torch::randint(0, 100, {2, 7}, torch::kLong);
+  auto out = e.forward(ids, torch::ones({2, 7}, torch::kLong));
+  EXPECT_EQ(out.sizes(), (std::vector<int64_t>{2, 7, 16}));
+  EXPECT_TRUE(out.isfinite().all().item<bool>());
+}
+
+TEST(Umt5Encoder, BadInputIsNamed) {
+  auto dir = temp_dir("bad");
+  const auto hf = kFixtures + "umt5/hf";
+  auto fresh = [&](const std::string& name) {
+    auto d = dir + "/" + name;
+    megaslide::io::make_directories(d);
+    copy_file(hf + "/config.json", d + "/config.json");
+    copy_file(hf + "/model.safetensors", d + "/model.safetensors");
+    return d;
+  };
+  auto config_with = [&](const std::string& d, const std::string& key, const nlohmann::json& value) {
+    auto j = nlohmann::json::parse(megaslide::io::read_file(d + "/config.json"));
+    if (value.is_null()) j.erase(key);
+    else j[key] = value;
+    megaslide::io::write_file_atomically(d + "/config.json", j.dump());
+  };
+  auto expect = [&](const std::string& path, const std::string& needle) {
+    const auto what = error_of([&] { Umt5Encoder::load(path); });
+    EXPECT_NE(what.find(needle), std::string::npos) << "expected '" << needle << "' in: " << what;
+  };
+  expect(dir + "/nowhere", dir + "/nowhere");
+  // config.json disagreeing with the weights.
+  auto d = fresh("dmodel");
+  config_with(d, "d_model", 32);
+  expect(d, "tensor 'shared.weight' has shape [332, 24], expected [332, 32]");
+  d = fresh("layers");
+  config_with(d, "num_layers", 2);
+  expect(d, "more than the 2 layers");
+  d = fresh("layers4");
+  config_with(d, "num_layers", 4);
+  expect(d, "no tensor 'encoder.block.3.layer.0.SelfAttention.q.weight'");
+  d = fresh("type");
+  config_with(d, "model_type", "t5");
+  expect(d, "is not umT5");
+  d = fresh("act");
+  config_with(d, "feed_forward_proj", "gated-swish");
+  expect(d, "\"gated-swish\" is not supported");
+  d = fresh("json");
+  megaslide::io::write_file_atomically(d + "/config.json", "{ not json");
+  expect(d, d + "/config.json' is not valid JSON");
+  d = fresh("noconfig");
+  megaslide::io::remove_tree(d + "/config.json");
+  expect(d, "no config.json");
+  // A tensor of the wrong dtype.
+  d = fresh("dtype");
+  {
+    auto file = megaslide::io::read_safetensors(hf + "/model.safetensors");
+    for (auto& [name, t] : file.tensors)
+      if (name == "encoder.final_layer_norm.weight") t = t.to(torch::kInt32);
+    megaslide::io::write_safetensors(d + "/model.safetensors", file.tensors);
+  }
+  expect(d, "tensor 'encoder.final_layer_norm.weight' is I32, expected floating point");
+  // A sharded folder whose index names a missing shard.
+  d = dir + "/shards";
+  megaslide::io::make_directories(d);
+  const auto sharded = kFixtures + "umt5/sharded/text_encoder";
+  copy_file(sharded + "/config.json", d + "/config.json");
+  copy_file(sharded + "/model.safetensors.index.json", d + "/model.safetensors.index.json");
+  copy_file(sharded + "/model-00001-of-00002.safetensors", d + "/model-00001-of-00002.safetensors");
+  expect(d, "shard '" + d + "/model-00002-of-00002.safetensors'");
+  // A T5 (not umT5) single file: one relative-attention bias in the first layer only.
+  {
+    auto file = megaslide::io::read_safetensors(kFixtures + "umt5/comfy_umt5_fp16.safetensors");
+    megaslide::io::NamedTensors kept;
+    for (auto& [name, t] : file.tensors)
+      if (name.find("relative_attention_bias") == std::string::npos || name.find("block.0.") != std::string::npos) kept.emplace_back(name, t);
+    megaslide::io::write_safetensors(dir + "/t5.safetensors", kept);
+  }
+  expect(dir + "/t5.safetensors", "a T5 encoder, not umT5");
+  megaslide::io::write_file_atomically(dir + "/junk.safetensors", "junk");
+  expect(dir + "/junk.safetensors", dir + "/junk.safetensors");
+  megaslide::io::remove_tree(dir);
+}
