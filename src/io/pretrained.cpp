@@ -210,21 +210,29 @@ const std::string& MappedWeights::file_of(const std::string& name) const { retur
 
 const std::vector<int64_t>& MappedWeights::shape(const std::string& name) const { return locate(name).entry->shape; }
 
-torch::Tensor MappedWeights::take(const std::string& name, const std::vector<int64_t>& shape, torch::ScalarType dtype) const {
+torch::Tensor MappedWeights::take(const std::string& name, const std::vector<int64_t>& shape, torch::ScalarType dtype,
+                                  const std::string& context) const {
   auto it = where_.find(name);
   if (it == where_.end()) throw PretrainedError("'" + path_ + "': no tensor '" + name + "' (expected shape " + shape_string(shape) + ")");
   const auto& m = *files_[it->second.file];
   const auto& e = *it->second.entry;
   if (e.shape != shape)
     throw PretrainedError("'" + m.path + "': tensor '" + name + "' has shape " + shape_string(e.shape) + ", expected " + shape_string(shape) +
-                          " (from the model's configuration)");
+                          " (" + context + ")");
   if (!c10::isFloatingType(e.dtype))
     throw PretrainedError("'" + m.path + "': tensor '" + name + "' is " + safetensors_dtype_name(e.dtype) +
                           ", expected floating point (F32, F16 or BF16)");
-  auto* data = static_cast<char*>(m.base) + m.header.data_start + e.begin;
-  auto view = torch::from_blob(data, e.shape, torch::TensorOptions().dtype(e.dtype));
-  // A copy in any case: the result must not keep pointing into the mapping.
-  return view.to(dtype, /*non_blocking=*/false, /*copy=*/true);
+  const size_t offset = m.header.data_start + e.begin;
+  if (offset + (e.end - e.begin) > m.bytes) throw PretrainedError("'" + m.path + "': tensor '" + name + "' lies past the end of the file");
+  auto* data = static_cast<char*>(m.base) + offset;
+  const auto options = torch::TensorOptions().dtype(e.dtype);
+  // A copy in any case: the result must not keep pointing into the mapping. Safetensors aligns data to its
+  // element size only by convention: an unaligned tensor is copied through an aligned buffer.
+  if (reinterpret_cast<uintptr_t>(data) % c10::elementSize(e.dtype) == 0)
+    return torch::from_blob(data, e.shape, options).to(dtype, /*non_blocking=*/false, /*copy=*/true);
+  auto aligned = torch::empty(e.shape, options);
+  std::memcpy(aligned.data_ptr(), data, e.end - e.begin);
+  return aligned.to(dtype);
 }
 
 std::string MappedWeights::bytes(const std::string& name) const {

@@ -80,8 +80,10 @@ class MappedWeights {
   const std::string& file_of(const std::string& name) const;
   // The shape of `name` (it must exist).
   const std::vector<int64_t>& shape(const std::string& name) const;
-  // The tensor `name`, which must have `shape` and a floating-point dtype, as a new CPU tensor of `dtype`.
-  torch::Tensor take(const std::string& name, const std::vector<int64_t>& shape, torch::ScalarType dtype = torch::kFloat32) const;
+  // The tensor `name`, which must have `shape` and a floating-point dtype, as a new CPU tensor of `dtype`;
+  // `context` says in a shape error where the expected shape came from.
+  torch::Tensor take(const std::string& name, const std::vector<int64_t>& shape, torch::ScalarType dtype = torch::kFloat32,
+                     const std::string& context = "from the model's configuration") const;
   // The bytes of a U8 tensor (e.g. a tokenizer model stored in the weights file).
   std::string bytes(const std::string& name) const;
 

@@ -7,7 +7,6 @@
 #include <functional>
 #include <nlohmann/json.hpp>
 
-#include "io/mapped_safetensors.h"
 #include "io/pretrained.h"
 #include "megaslide/io/files.h"
 
@@ -113,7 +112,7 @@ WanVaeConfig parse_config(const nlohmann::json& j, const std::string& source) {
 }
 
 // The sizes of a single file with the original Wan names, read off its tensors' shapes.
-WanVaeConfig infer_config(const io::MappedSafetensors& file) {
+WanVaeConfig infer_config(const io::MappedWeights& file) {
   auto bad = [&](const std::string& what) { throw io::PretrainedError("'" + file.path() + "': " + what); };
   auto need = [&](const std::string& name) -> const std::vector<int64_t>& {
     if (!file.has(name)) bad("no tensor '" + name + "' (a Wan 2.1 VAE file with the original names has it)");
@@ -206,13 +205,13 @@ WanVae WanVae::load(const std::string& path, torch::Device device, torch::Scalar
     auto config = parse_config(j, config_path);
     const auto weights = io::join_path(path, "diffusion_pytorch_model.safetensors");
     if (!io::path_exists(weights)) throw io::PretrainedError("model folder '" + path + "': no weights file (expected diffusion_pytorch_model.safetensors)");
-    io::MappedSafetensors file(weights);
+    io::MappedWeights file(weights);
     return build(config, device, dtype, Source{[&](const std::string& name, const std::string&, const std::vector<int64_t>& shape) {
                    return file.take(name, shape, dtype, "from config.json");
                  }});
   }
   if (!io::path_exists(path)) throw io::PretrainedError("'" + path + "': no such file or folder (expected a diffusers vae/ folder or a .safetensors file)");
-  io::MappedSafetensors file(path);
+  io::MappedWeights file(path);
   if (file.has("encoder.conv_in.weight"))
     throw io::PretrainedError("'" + path + "' has diffusers' tensor names: give the folder holding it and its config.json");
   auto config = infer_config(file);
