@@ -197,7 +197,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
                         "and empty_text; docs/wan.md)");
     if (resolved.train.sample_every > 0)
       throw ConfigError(options.config_source, "train.sample_every", "validation videos of Wan need its VAE and text encoder, which "
-                                                                      "this build does not have: set train.sample_every: 0");
+                                                                      "training does not call yet: set train.sample_every: 0");
     if (!options.export_weights.empty())
       throw ConfigError(options.config_source, "", "--export-weights writes the DiT family's weights file; a Wan run's weights are in "
                                                    "its checkpoints (master.safetensors, diffusers' names)");
