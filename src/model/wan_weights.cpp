@@ -17,6 +17,7 @@
 
 #include "megaslide/io/safetensors.h"
 #include "megaslide/model/wan.h"
+#include "megaslide/train/init_from.h"
 
 namespace megaslide {
 
@@ -32,26 +33,6 @@ std::string shape_text(const std::vector<int64_t>& shape) {
 
 bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
-bool glob_matches(const std::string& pattern, const std::string& name) {
-  // '*' matches any run of characters (dots included); iterative with backtracking to the last star.
-  size_t p = 0, n = 0, star = std::string::npos, mark = 0;
-  while (n < name.size()) {
-    if (p < pattern.size() && pattern[p] == '*') {
-      star = p++;
-      mark = n;
-    } else if (p < pattern.size() && pattern[p] == name[n]) {
-      ++p, ++n;
-    } else if (star != std::string::npos) {
-      p = star + 1;
-      n = ++mark;
-    } else {
-      return false;
-    }
-  }
-  while (p < pattern.size() && pattern[p] == '*') ++p;
-  return p == pattern.size();
 }
 
 // The one rename table: (diffusers, original) for the names outside the blocks, and for the parts of a
@@ -436,7 +417,7 @@ std::vector<std::string> WanWeights::check(const std::vector<std::pair<std::stri
     wanted.insert(name);
     auto it = impl_->sources.find(name);
     if (it == impl_->sources.end()) {
-      const bool allowed = std::any_of(allow_missing.begin(), allow_missing.end(), [&](const auto& g) { return glob_matches(g, name); });
+      const bool allowed = std::any_of(allow_missing.begin(), allow_missing.end(), [&](const auto& g) { return name_matches(g, name); });
       (allowed ? kept : missing).push_back(name);
       continue;
     }

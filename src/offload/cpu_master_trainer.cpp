@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "megaslide/train/auto_settings.h"
+#include "offload/engine_options.h"
 
 namespace megaslide {
 
@@ -81,11 +82,10 @@ double measure_peak_tflops(torch::Device device) {
   return 2.0 * n * n * n * iters / s / 1e12;
 }
 
-namespace {
 offload::StackTrainerOptions engine_options(const RunConfig& c, torch::Device device) {
   offload::StackTrainerOptions o;
   o.device = device;
-  o.compute_dtype = offload::parse_compute_dtype(c.offload.compute_dtype);  // resolved by the constructor
+  o.compute_dtype = offload::parse_compute_dtype(c.offload.compute_dtype);  // resolved by the caller
   o.mode = offload::parse_stream_mode(c.offload.mode);
   o.adamw = offload::AdamWOptions{c.train.lr, c.train.beta1, c.train.beta2, c.train.eps, c.train.weight_decay};
   o.optimizer_threads = plan_threads(c, device).optimizer;
@@ -97,7 +97,6 @@ offload::StackTrainerOptions engine_options(const RunConfig& c, torch::Device de
   o.loss_scale_window = c.train.loss_scale_window;
   return o;
 }
-}  // namespace
 
 CPUMasterVideoDiT::CPUMasterVideoDiT(const RunConfig& config)
     : config_(resolve_auto_settings(config)), device_(resolve_device(config.train.device)), batches_(config) {

@@ -16,6 +16,7 @@
 #include "megaslide/model/wan_weights.h"
 #include "megaslide/offload/cpu_master_trainer.h"
 #include "megaslide/train/auto_settings.h"
+#include "offload/engine_options.h"
 
 namespace megaslide {
 
@@ -195,23 +196,6 @@ std::vector<torch::Tensor> WanStack::resident_parameters() {
   return out;
 }
 
-namespace {
-offload::StackTrainerOptions engine_options(const RunConfig& c, torch::Device device) {
-  offload::StackTrainerOptions o;
-  o.device = device;
-  o.compute_dtype = offload::parse_compute_dtype(c.offload.compute_dtype);
-  o.mode = offload::parse_stream_mode(c.offload.mode);
-  o.adamw = offload::AdamWOptions{c.train.lr, c.train.beta1, c.train.beta2, c.train.eps, c.train.weight_decay};
-  o.optimizer_threads = plan_threads(c, device).optimizer;
-  o.emulated_copy_delay_ms = c.offload.emulated_copy_delay_ms;
-  o.state_dtype = offload::parse_state_dtype(c.optimizer.state_dtype);
-  o.grad_clip = c.train.grad_clip;
-  o.grad_accum_steps = c.train.grad_accum_steps;
-  o.loss_scale_init = c.train.loss_scale_init;
-  o.loss_scale_window = c.train.loss_scale_window;
-  return o;
-}
-}  // namespace
 
 WanTrainer::WanTrainer(const RunConfig& requested, WanLatentData data, const InitPlanner& init_from)
     : config_(resolve_auto_settings(with_wan_architecture_from_weights(requested))),
