@@ -311,3 +311,56 @@ TEST(WanTrainer, TrainingRunTrainsAndResumesWan) {
   expect_config_error(with("weights", {"model.wan.weights=" + dir + "/latents.safetensors"}), "model.wan.weights");
   megaslide::io::remove_tree(dir);
 }
+
+// The property: the streamed trainer builds its blocks one at a time into the host store (a meta skeleton,
+// WanStack::initial_block) yet starts from the resident loop's weights — the whole model drawn after
+// torch::manual_seed(train.seed), overwritten by model.wan.weights, then by train.init_from — bit for bit,
+// and leaves LibTorch's default generator where the whole model's construction leaves it. Random
+// initialisation, the 3D-DSA retrofit from a dense checkpoint, and init_from a file holding a few tensors
+// (of the prologue, a block and the head).
+TEST(WanTrainer, StreamedStartsFromTheWholeModelsWeightsBitForBit) {
+  const auto dir = temp_dir("init");
+  torch::manual_seed(9);
+  const std::string partial = dir + "/partial.safetensors";
+  megaslide::io::write_safetensors(partial, {{"condition_embedder.time_proj.weight", torch::randn({144, 24})},
+                                             {"blocks.1.ffn.net.2.weight", torch::randn({24, 40})},
+                                             {"blocks.0.attn2.norm_k.weight", torch::randn({24})},
+                                             {"proj_out.bias", torch::randn({16})},
+                                             {"scale_shift_table", torch::randn({1, 2, 24})}});
+  struct Variant {
+    std::vector<std::string> overrides;
+    bool init_from;
+  };
+  const std::vector<Variant> variants{
+      {{}, false},
+      {{"model.self_attention=dsa3d", "model.dsa_kernel=[3, 3, 3]", "model.wan.weights=" + kFixtures + "/a/diffusers"}, false},
+      {{"model.wan.weights=" + kFixtures + "/a/diffusers"}, true}};
+  for (const auto& v : variants) {
+    SCOPED_TRACE(v.overrides.empty() ? "random" : v.overrides.back() + (v.init_from ? " + init_from" : ""));
+    WanTrainer::InitPlanner init;
+    if (v.init_from)
+      init = [&](const megaslide::ParameterShapes& shapes) { return megaslide::plan_init_from(partial, shapes, {"*"}); };
+    auto resident_config = tiny_config(v.overrides);
+    resident_config.offload.enabled = false;
+    WanTrainer streamed(tiny_config(v.overrides), tiny_data(), init);
+    const auto after_streamed = torch::rand({8});
+    WanTrainer resident(resident_config, tiny_data(), init);
+    const auto after_resident = torch::rand({8});
+    ASSERT_TRUE(streamed.streamed());
+    EXPECT_EQ(streamed.initialised_parameters(), resident.initialised_parameters());
+    const auto a = streamed.master_weights(), b = resident.master_weights();
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_EQ(a[i].first, b[i].first);
+      EXPECT_TRUE(torch::equal(a[i].second, b[i].second)) << a[i].first;
+    }
+    EXPECT_TRUE(torch::equal(after_streamed, after_resident)) << "the default generator after construction";
+    if (v.init_from) {
+      std::map<std::string, torch::Tensor> m(a.begin(), a.end());
+      for (const auto& [name, value] : megaslide::io::read_safetensors(partial).tensors)
+        EXPECT_TRUE(torch::equal(m.at(name), value)) << name;
+    }
+  }
+  megaslide::io::remove_tree(dir);
+}
+

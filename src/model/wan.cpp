@@ -277,24 +277,70 @@ void WanConditionEmbedderImpl::reset() {
 
 WanTransformerImpl::WanTransformerImpl(WanOptions options_) : options(std::move(options_)) { reset(); }
 
+namespace {
+// The parts reset() draws, each from the default CPU generator's current state.
+Conv3d draw_patch_embedding(const WanOptions& o, torch::Device device) {
+  const auto& p = o.patch();
+  return Conv3d(Conv3dOptions(o.in_channels(), o.dim(), {p[0], p[1], p[2]}).stride({p[0], p[1], p[2]}).device(device));
+}
+Linear draw_proj_out(const WanOptions& o, torch::Device device) {
+  const auto& p = o.patch();
+  return Linear(LinearOptions(o.dim(), o.out_channels() * p[0] * p[1] * p[2]).device(device));
+}
+torch::Tensor draw_head_table(const WanOptions& o, torch::Device device) {
+  auto table = torch::empty({1, 2, o.dim()}, fp32_on(device));
+  if (!device.is_meta()) {
+    torch::NoGradGuard no_grad;
+    table.normal_().div_(std::sqrt(static_cast<double>(o.dim())));
+  }
+  return table;
+}
+// Copies `from`'s parameters into `to`'s, name by name (same module type).
+void copy_parameters(torch::nn::Module& to, const torch::nn::Module& from) {
+  torch::NoGradGuard no_grad;
+  const auto source = from.named_parameters(true);
+  for (auto& p : to.named_parameters(true)) p.value().copy_(source[p.key()]);
+}
+}  // namespace
+
 void WanTransformerImpl::reset() {
   const int64_t D = options.dim();
   const auto dev = options.device();
   TORCH_CHECK(options.heads() > 0 && D % options.heads() == 0, "WanTransformer: dim ", D, " is not a multiple of heads ", options.heads());
   TORCH_CHECK(options.head_dim() % 2 == 0, "WanTransformer: the head size (dim / heads = ", options.head_dim(),
               ") must be even for 3D RoPE");
-  const auto& p = options.patch();
-  patch_embedding = register_module(
-      "patch_embedding", Conv3d(Conv3dOptions(options.in_channels(), D, {p[0], p[1], p[2]}).stride({p[0], p[1], p[2]}).device(dev)));
+  patch_embedding = register_module("patch_embedding", draw_patch_embedding(options, dev));
   condition_embedder = register_module("condition_embedder", WanConditionEmbedder(options));
   blocks = register_module("blocks", torch::nn::ModuleList());
-  for (int64_t l = 0; l < options.layers(); ++l) blocks->push_back(WanBlock(options));
-  proj_out = register_module("proj_out", Linear(LinearOptions(D, options.out_channels() * p[0] * p[1] * p[2]).device(dev)));
-  scale_shift_table = register_parameter("scale_shift_table", torch::empty({1, 2, D}, fp32_on(dev)));
-  if (!dev.is_meta()) {
-    torch::NoGradGuard no_grad;
-    scale_shift_table.normal_().div_(std::sqrt(static_cast<double>(D)));
-  }
+  for (int64_t l = 0; l < options.layers(); ++l) blocks->push_back(new_block(options.block_device().value_or(dev)));
+  proj_out = register_module("proj_out", draw_proj_out(options, dev));
+  scale_shift_table = register_parameter("scale_shift_table", draw_head_table(options, dev));
+}
+
+void WanTransformerImpl::initialise_prologue() {
+  copy_parameters(*patch_embedding, *draw_patch_embedding(options, torch::kCPU));
+  WanOptions cpu = options;
+  copy_parameters(*condition_embedder, *WanConditionEmbedder(cpu.device(torch::kCPU)));
+}
+
+WanBlock WanTransformerImpl::new_block(torch::Device device) const {
+  WanOptions block_options = options;
+  return WanBlock(block_options.device(device));
+}
+
+void WanTransformerImpl::initialise_head() {
+  copy_parameters(*proj_out, *draw_proj_out(options, torch::kCPU));
+  torch::NoGradGuard no_grad;
+  scale_shift_table.copy_(draw_head_table(options, torch::kCPU));
+}
+
+void WanTransformerImpl::replace_block(int64_t index, WanBlock block) {
+  TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(blocks->size()), "WanTransformer::replace_block: block ", index,
+              " out of range [0, ", blocks->size(), ")");
+  // ModuleList cannot swap an element in place: rebuild it (blocks are handles; nothing is copied).
+  torch::nn::ModuleList rebuilt;
+  for (size_t i = 0; i < blocks->size(); ++i) rebuilt->push_back(static_cast<int64_t>(i) == index ? block.ptr() : blocks->ptr(i));
+  blocks = replace_module("blocks", rebuilt);
 }
 
 TokenGrid WanTransformerImpl::token_grid(int64_t frames, int64_t height, int64_t width) const {

@@ -498,10 +498,8 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw) {
     p.host.staging = A > 1 ? 2 * s.largest_block * e : 0;
     p.host.pinned = store.pinnable_bytes + p.host.staging;
     // Start-up: the store, and the fp32 initial weights of the blocks being loaded into it
-    // (StackTrainerOptions::init_threads at once, 2 by default).
+    // (StackTrainerOptions::init_threads at once, 2 by default; CPUMasterVideoDiT and WanTrainer alike).
     p.host.construction_peak = p.host.state() + 2 * 4 * s.largest_block;
-    // WanTrainer builds (and loads) the whole model in fp32 on the CPU before the store takes its blocks.
-    if (wan) p.host.construction_peak = p.host.state() + 4 * s.params;
     p.transfer = replay_transfers(s.block_numels, A, e);
   }
   p.device = wan ? wan_device_memory(config, s, grid) : device_memory(config, s, grid);
@@ -674,7 +672,7 @@ std::string to_table(const StepPlan& p) {
     if (p.host.grad > 0) row("fp32 gradient sums (accumulation)", p.host.grad);
     if (p.host.staging > 0) row("accumulation staging (2 blocks)", p.host.staging);
     row("steady total", p.host.steady());
-    row(p.arch == "wan" ? "start-up peak (state + the model in fp32)" : "start-up peak (state + 2 blocks' fp32 init)", p.host.construction_peak);
+    row("start-up peak (state + 2 blocks' fp32 init)", p.host.construction_peak);
     row("of the steady total, page-locked", p.host.pinned);
     out += fmt::format("  -> {} the {:.1f} GB of host RAM\n\n", p.fits_host ? "fits" : "DOES NOT FIT",
                        static_cast<double>(p.hardware.host_memory_bytes) / 1e9);

@@ -8,6 +8,8 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <mutex>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <stdexcept>
@@ -56,6 +58,83 @@ at::Generator generator_from_hex(const std::string& hex, uint64_t seed) {
 void move_parameter(torch::Tensor& p, torch::Device device) {
   if (p.defined() && p.device() != device) p.set_data(p.data().to(device));
 }
+
+// The streamed trainer's initial weights, part by part (wan_trainer.h): the blocks drawn in
+// WanTransformer's order from the default CPU generator, each from the state reset() would start it at
+// (recorded as the blocks are drawn, so blocks asked for in order are drawn once; a block asked for ahead
+// of its predecessors draws them first and keeps them for their own request), then overwritten by the
+// weights and init_from's tensors. Drawing is serialised (the default generator is process-wide);
+// overwriting is not (WanWeights::read and InitTensor::read_into may run at once).
+class WanInitialWeights {
+ public:
+  WanInitialWeights(WanTransformer model_, std::optional<WanWeights> weights_)
+      : model(std::move(model_)), weights(std::move(weights_)) {}
+
+  void start_blocks() { states_ = {at::detail::getDefaultCPUGenerator().get_state()}; }
+
+  WanBlock block(int64_t index) {
+    TORCH_CHECK(!released_, "WanTrainer: block ", index, " asked for after the trainer was built");
+    WanBlock b = draw(index);
+    overwrite("blocks." + std::to_string(index) + ".", *b);
+    return b;
+  }
+
+  // The generator where reset() draws the head: after the last block.
+  void restore_state_after_blocks() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(static_cast<int64_t>(states_.size()) == model->options.layers() + 1, "WanTrainer: ", states_.size() - 1, " of ",
+                model->options.layers(), " blocks drawn");
+    auto generator = at::detail::getDefaultCPUGenerator();
+    generator.set_state(states_.back());
+  }
+
+  // The weights', then init_from's values of `part`'s parameters where they have them.
+  void overwrite(const std::string& prefix, torch::nn::Module& part) const {
+    for (auto& p : part.named_parameters(true)) overwrite_table(prefix + p.key(), p.value());
+  }
+  void overwrite_table(const std::string& name, const torch::Tensor& p) const {
+    torch::NoGradGuard no_grad;
+    if (weights && weights->has(name)) p.copy_(weights->read(name, p.scalar_type()));
+    auto it = init_sources.find(name);
+    if (it != init_sources.end()) it->second.read_into(p);
+  }
+
+  void release() {
+    released_ = true;
+    weights.reset();
+    init_sources.clear();
+  }
+
+  WanTransformer model;
+  std::optional<WanWeights> weights;
+  std::map<std::string, InitTensor> init_sources;
+
+ private:
+  WanBlock draw(int64_t index) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto kept = kept_.find(index);
+    if (kept != kept_.end()) {
+      WanBlock b = std::move(kept->second);
+      kept_.erase(kept);
+      return b;
+    }
+    auto generator = at::detail::getDefaultCPUGenerator();
+    for (int64_t k = static_cast<int64_t>(states_.size()) - 1; k < index; ++k) {  // predecessors not yet drawn
+      generator.set_state(states_[k]);
+      kept_.emplace(k, model->new_block(torch::kCPU));
+      states_.push_back(generator.get_state());
+    }
+    generator.set_state(states_.at(index));
+    WanBlock b = model->new_block(torch::kCPU);
+    if (static_cast<int64_t>(states_.size()) == index + 1) states_.push_back(generator.get_state());
+    return b;
+  }
+
+  std::mutex mutex_;
+  std::vector<torch::Tensor> states_;  // states_[l]: the generator where block l's draw starts
+  std::map<int64_t, WanBlock> kept_;
+  bool released_ = false;
+};
 }  // namespace
 
 WanLatentData WanLatentData::load(const std::string& path) {
@@ -196,6 +275,35 @@ std::vector<torch::Tensor> WanStack::resident_parameters() {
   return out;
 }
 
+std::shared_ptr<torch::nn::Module> WanStack::initial_block(int64_t index) {
+  const auto params = block(index).parameters(true);
+  if (params.empty() || !params.front().is_meta()) return nullptr;
+  TORCH_CHECK(builder_, "WanStack: block ", index, " is a meta skeleton and the stack has no block builder");
+  WanBlock built = builder_(index);
+  auto streamed = built->streamed().shared_from_this();
+  std::lock_guard<std::mutex> lock(built_mutex_);
+  built_.emplace(index, std::move(built));
+  return streamed;
+}
+
+void WanStack::adopt_block(int64_t index, std::shared_ptr<torch::nn::Module> module) {
+  WanBlock built{nullptr};
+  {
+    std::lock_guard<std::mutex> lock(built_mutex_);
+    auto it = built_.find(index);
+    TORCH_CHECK(it != built_.end() && &it->second->streamed() == module.get(), "WanStack::adopt_block: block ", index,
+                " is not the one initial_block built");
+    built = std::move(it->second);
+    built_.erase(it);
+  }
+  // Its resident fp32 parameters (not in the streamed module) to the device, identities kept.
+  std::set<const void*> streamed;
+  for (const auto& p : module->parameters(true)) streamed.insert(p.unsafeGetTensorImpl());
+  for (auto& p : built->parameters(true))
+    if (!streamed.count(p.unsafeGetTensorImpl())) move_parameter(p, resident_device_);
+  model_->replace_block(index, built);
+}
+
 
 WanTrainer::WanTrainer(const RunConfig& requested, WanLatentData data, const InitPlanner& init_from)
     : config_(resolve_auto_settings(with_wan_architecture_from_weights(requested))),
@@ -204,39 +312,63 @@ WanTrainer::WanTrainer(const RunConfig& requested, WanLatentData data, const Ini
   TORCH_CHECK(config_.model.arch == Architecture::kWan, "WanTrainer: model.arch is ", to_string(config_.model.arch), ", expected wan");
   validate(config_, "WanTrainer");
   apply_threads(plan_threads(config_, device_));
-  // One initialisation for both modes: the same seed and construction order, on the CPU in fp32.
   torch::manual_seed(config_.train.seed);
-  WanTransformer model(WanOptions::from_config(config_));
-  if (!config_.model.wan.weights.empty()) {
-    const auto weights = WanWeights::open(config_.model.wan.weights);
-    initialised_ = load_wan_weights(weights, *model,
-                                    config_.model.self_attention == "dsa3d" ? wan_dsa_parameter_globs() : std::vector<std::string>{});
-  }
-  if (init_from) {
-    ParameterShapes shapes;
-    std::map<std::string, torch::Tensor> params;
-    for (const auto& p : model->named_parameters(true)) {
-      shapes.emplace_back(p.key(), p.value().sizes().vec());
-      params.emplace(p.key(), p.value());
-    }
-    init_plan_ = init_from(shapes);
-    torch::NoGradGuard no_grad;
-    for (const auto& [name, source] : init_plan_.tensors) source.read_into(params.at(name));
-  }
-  grid_ = model->token_grid(config_.data.frames, config_.data.height, config_.data.width);
-  stack_ = std::make_shared<WanStack>(model);
+  std::optional<WanWeights> weights;
+  if (!config_.model.wan.weights.empty()) weights.emplace(WanWeights::open(config_.model.wan.weights));
+  const auto allow_missing = config_.model.self_attention == "dsa3d" ? wan_dsa_parameter_globs() : std::vector<std::string>{};
   const auto& t = config_.train;
-  if (config_.offload.enabled) {
-    // The resident parts to the device in fp32; the streamed blocks' weights go to the host store.
-    for (auto& [name, p] : stack_->named_resident_parameters()) move_parameter(p, device_);
-    engine_ = std::make_unique<offload::StreamedStackTrainer>(stack_, engine_options(config_, device_));
-  } else {
+  if (!config_.offload.enabled) {
+    // The whole model on the CPU in fp32 (the reference the streamed trainer's initialisation equals).
+    WanTransformer model(WanOptions::from_config(config_));
+    if (weights) initialised_ = load_wan_weights(*weights, *model, allow_missing);
+    if (init_from) {
+      ParameterShapes shapes;
+      std::map<std::string, torch::Tensor> params;
+      for (const auto& p : model->named_parameters(true)) {
+        shapes.emplace_back(p.key(), p.value().sizes().vec());
+        params.emplace(p.key(), p.value());
+      }
+      init_plan_ = init_from(shapes);
+      torch::NoGradGuard no_grad;
+      for (const auto& [name, source] : init_plan_.tensors) source.read_into(params.at(name));
+    }
+    grid_ = model->token_grid(config_.data.frames, config_.data.height, config_.data.width);
     model->to(device_);
+    stack_ = std::make_shared<WanStack>(model);
     std::vector<torch::Tensor> params;
     for (auto& [name, p] : named_parameters()) params.push_back(p);
     resident_optimizer_ = std::make_unique<torch::optim::AdamW>(
         params, torch::optim::AdamWOptions(t.lr).betas({t.beta1, t.beta2}).eps(t.eps).weight_decay(t.weight_decay));
+    return;
   }
+  // Streamed: the blocks a meta skeleton whose weights the engine has built one at a time; the prologue
+  // and head real (the head drawn again after the blocks, where reset() draws it).
+  auto init = std::make_shared<WanInitialWeights>(WanTransformer(WanOptions::from_config(config_).block_device(torch::kMeta)),
+                                                  std::move(weights));
+  auto& model = init->model;
+  ParameterShapes shapes;
+  for (const auto& p : model->named_parameters(true)) shapes.emplace_back(p.key(), p.value().sizes().vec());
+  if (init->weights) initialised_ = init->weights->check(shapes, allow_missing);
+  if (init_from) {
+    init_plan_ = init_from(shapes);
+    for (const auto& [name, source] : init_plan_.tensors) init->init_sources.emplace(name, source);
+  }
+  torch::manual_seed(config_.train.seed);
+  model->initialise_prologue();  // as the skeleton's construction drew it; the generator now where block 0 starts
+  init->overwrite("patch_embedding.", *model->patch_embedding);
+  init->overwrite("condition_embedder.", *model->condition_embedder);
+  init->start_blocks();
+  grid_ = model->token_grid(config_.data.frames, config_.data.height, config_.data.width);
+  stack_ = std::make_shared<WanStack>(model, [init](int64_t l) { return init->block(l); }, device_);
+  for (auto& [name, p] : stack_->named_resident_parameters())
+    if (!p.is_meta()) move_parameter(p, device_);  // the blocks' tables and norm2 follow in adopt_block
+  engine_ = std::make_unique<offload::StreamedStackTrainer>(stack_, engine_options(config_, device_));
+  // The head into the device parameters the engine's resident optimizer holds.
+  init->restore_state_after_blocks();
+  model->initialise_head();
+  init->overwrite("proj_out.", *model->proj_out);
+  init->overwrite_table("scale_shift_table", model->scale_shift_table);
+  init->release();  // the weights' mappings closed; a later initial_block is an error
 }
 
 std::vector<std::pair<std::string, torch::Tensor>> WanTrainer::named_parameters() {

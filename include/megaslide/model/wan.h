@@ -77,6 +77,9 @@ struct WanOptions {
   TORCH_ARG(DsaOffsets, dsa_offsets) = DsaOffsets::kLearned;  // kLearned or kZero
   TORCH_ARG(ops::DsaImpl, dsa_impl) = ops::DsaImpl::kAuto;
   TORCH_ARG(torch::Device, device) = torch::kCPU;
+  // Where the blocks are built when not `device`: torch::kMeta gives a skeleton of the blocks (names and
+  // shapes, no storage, nothing drawn) whose weights WanTransformerImpl::new_block draws one at a time.
+  TORCH_ARG(std::optional<torch::Device>, block_device) = std::nullopt;
 
  public:  // (TORCH_ARG leaves the struct private)
   int64_t head_dim() const { return dim() / heads(); }
@@ -221,6 +224,18 @@ class WanTransformerImpl : public torch::nn::Cloneable<WanTransformerImpl> {
   WanEmbedded embed(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text);
   torch::Tensor head(const torch::Tensor& tokens, const torch::Tensor& temb, const TokenGrid& grid);
   TokenGrid token_grid(int64_t frames, int64_t height, int64_t width) const;
+
+  // Construction part by part, for a trainer that never holds every block's weights at once
+  // (train/wan_trainer.h). reset() draws, from LibTorch's default CPU generator in turn: the prologue
+  // (patch_embedding, condition_embedder), blocks 0 … L−1, the head (proj_out, scale_shift_table). Each
+  // of these draws its part exactly as reset() does, from the generator's current state: so a caller that
+  // replays reset()'s order (restoring the generator's state at each part) gets reset()'s weights bit for
+  // bit. initialise_prologue and initialise_head write the drawn values into the existing parameters
+  // (identity and device kept); new_block returns block weights on `device` for replace_block.
+  void initialise_prologue();
+  WanBlock new_block(torch::Device device) const;
+  void initialise_head();
+  void replace_block(int64_t index, WanBlock block);
 
   WanOptions options;
   Conv3d patch_embedding{nullptr};

@@ -16,10 +16,15 @@
 // with diffusion.prediction). Random streams, shared by both modes so that they see the same batches: the
 // sample order from an EpochSampler(train.seed), caption dropout from an mt19937_64 (the text of a dropped
 // sample becomes the empty prompt's embedding), σ (or t) then noise from a CPU generator seeded by
-// train.seed. Initialisation: the model is built on the CPU in fp32 after torch::manual_seed(train.seed),
-// then model.wan.weights are loaded into it when set (the 3D-DSA retrofit's parameters allowed missing),
-// then the tensors of `init_from` (train.init_from, e.g. a Wan checkpoint or run folder: init_from.h) when
-// given; both modes therefore start from identical weights.
+// train.seed. Initialisation: the weights of the model WanTransformer builds on the CPU in fp32 after
+// torch::manual_seed(train.seed), overwritten by model.wan.weights when set (the 3D-DSA retrofit's
+// parameters allowed missing), then by the tensors of `init_from` (train.init_from, e.g. a Wan checkpoint
+// or run folder: init_from.h) when given; both modes start from identical weights. The resident loop builds
+// exactly that. The streamed trainer never holds every block in fp32: it replays WanTransformer's drawing
+// order part by part (WanTransformerImpl::initialise_prologue, new_block, initialise_head, restoring the
+// generator's state at each part), and each block, drawn, overwritten from the memory-mapped weights
+// (converted from bf16, fp16 or fp32) and from `init_from`, goes into the host store before the next is
+// made (at most StackTrainerOptions::init_threads blocks at once): the same weights bit for bit.
 //
 // Checkpoints (train/checkpoint.h) name every parameter as diffusers does ("blocks.3.attn1.to_q.weight"),
 // in both modes; the streamed trainer's block state is views into its host store.
@@ -29,6 +34,8 @@
 #include <torch/torch.h>
 
 #include <functional>
+#include <map>
+#include <mutex>
 #include <memory>
 #include <random>
 #include <string>
@@ -91,19 +98,32 @@ class WanBatchSource {
 };
 
 // Wan as a StreamedModel. BlockInputs: tensors {tproj, context}; info: the token grid and RoPE tables.
+// Either over a whole model (its blocks' weights are the initial ones), or over a model whose blocks are
+// a meta skeleton (WanOptions::block_device(torch::kMeta)) with a `builder` that returns block l's
+// initial weights on the CPU: the engine then builds the blocks one at a time (StreamedModel::initial_block,
+// possibly from several threads), and adopt_block moves each block's resident fp32 parameters
+// (scale_shift_table, norm2) to `resident_device` and swaps the block into the model.
 class WanStack : public offload::StreamedModel {
  public:
-  explicit WanStack(WanTransformer model) : model_(std::move(model)) {}
+  using BlockBuilder = std::function<WanBlock(int64_t index)>;
+  explicit WanStack(WanTransformer model, BlockBuilder builder = {}, torch::Device resident_device = torch::kCPU)
+      : model_(std::move(model)), builder_(std::move(builder)), resident_device_(resident_device) {}
   int64_t num_blocks() const override { return static_cast<int64_t>(model_->blocks->size()); }
   torch::nn::Module& block(int64_t index) override;
   torch::Tensor forward_block(int64_t index, const torch::Tensor& x, const offload::BlockInputs& inputs) override;
   std::vector<torch::Tensor> resident_parameters() override;
+  std::shared_ptr<torch::nn::Module> initial_block(int64_t index) override;
+  void adopt_block(int64_t index, std::shared_ptr<torch::nn::Module> block) override;
   // Every parameter not streamed, by its model name (prologue, the blocks' fp32 tables and norm2, head).
   std::vector<std::pair<std::string, torch::Tensor>> named_resident_parameters();
   WanTransformer& model() { return model_; }
 
  private:
   WanTransformer model_;
+  BlockBuilder builder_;
+  torch::Device resident_device_;
+  std::mutex built_mutex_;
+  std::map<int64_t, WanBlock> built_;  // built by initial_block, not yet adopted
 };
 
 // One step of `engine` (built over a WanStack of `model`) with the prologue, stack and epilogue WanTrainer
@@ -115,7 +135,8 @@ class WanTrainer {
  public:
   // `init_from`, when set, is called once with the model's parameter names (diffusers', as checkpoints
   // name them) and shapes, before any weight reaches the device or the host store; the plan it returns
-  // (plan_init_from) is read into the fp32 model. Its InitFromError propagates.
+  // (plan_init_from) is read into the fp32 initial weights (in the streamed mode block by block, as each
+  // block is built). Its InitFromError propagates.
   using InitPlanner = std::function<InitPlan(const ParameterShapes&)>;
   WanTrainer(const RunConfig& config, WanLatentData data, const InitPlanner& init_from = {});
 
