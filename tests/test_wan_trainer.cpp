@@ -364,3 +364,67 @@ TEST(WanTrainer, StreamedStartsFromTheWholeModelsWeightsBitForBit) {
   megaslide::io::remove_tree(dir);
 }
 
+// The property: --export-weights writes a Wan run's weights under diffusers' names, in bf16, with diffusers'
+// config in the metadata, and, named diffusion_pytorch_model.safetensors, as a diffusers folder with its
+// config.json: WanWeights reads both back with the run's architecture; the model they give computes exactly
+// what the trained masters rounded to bf16 compute; model.wan.weights and train.init_from of the exported
+// file start a trainer from those weights.
+TEST(WanTrainer, ExportedWeightsLoadBackAsDiffusersWeights) {
+  const auto dir = temp_dir("export");
+  const auto data = tiny_data();
+  const std::string tensors = dir + "/latents.safetensors";
+  megaslide::io::write_safetensors(tensors, {{"latents", data.latents}, {"text", data.text}, {"empty_text", data.empty_text}});
+  const auto config = tiny_config({"data.tensors=" + tensors, "offload.compute_dtype=bf16", "offload.emulated_copy_delay_ms=0",
+                                   "train.steps=3", "train.checkpoint_every=3", "output.progress=false", "output.run_dir=" + dir + "/run"});
+  megaslide::io::make_directories(dir + "/transformer");
+  const std::string exported = dir + "/transformer/diffusion_pytorch_model.safetensors";
+  megaslide::TrainingRunOptions options;
+  options.export_weights = exported;
+  megaslide::run_training(config, options);
+  EXPECT_TRUE(megaslide::io::path_exists(dir + "/transformer/config.json"));
+
+  // The trained masters, rounded to bf16, in a model built from the config.
+  std::map<std::string, torch::Tensor> masters;
+  for (auto& [name, t] : megaslide::io::read_safetensors(dir + "/run/checkpoints/step-0000003/master.safetensors").tensors)
+    masters[name] = t.to(torch::kBFloat16).to(torch::kFloat32);
+  const auto options_of = [](const RunConfig& c) { return megaslide::WanOptions::from_config(c); };
+  megaslide::WanTransformer trained(options_of(config));
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : trained->named_parameters(true)) p.value().copy_(masters.at(p.key()));
+  }
+  torch::manual_seed(3);
+  const auto x = torch::randn({2, 4, 3, 6, 8}), t = torch::rand({2}) * 1000, text = torch::randn({2, 7, 20});
+  const auto expected = trained->forward(x, t, text);
+
+  for (const std::string& path : {exported, dir + "/transformer"}) {
+    SCOPED_TRACE(path);
+    const auto weights = megaslide::WanWeights::open(path);
+    EXPECT_EQ(weights.naming(), megaslide::WanNaming::kDiffusers);
+    EXPECT_FALSE(weights.config_path().empty());
+    EXPECT_EQ(weights.read("blocks.0.attn1.to_q.weight", torch::kBFloat16).scalar_type(), torch::kBFloat16);
+    megaslide::WanConfig fallback;  // the library's defaults: every size must come from the weights' config
+    const auto arch = weights.architecture(fallback);
+    const auto& w = config.model.wan;
+    EXPECT_EQ(std::vector<int64_t>({arch.dim, arch.layers, arch.heads, arch.ffn_dim, arch.freq_dim, arch.text_dim, arch.in_channels,
+                                    arch.out_channels}),
+              std::vector<int64_t>({w.dim, w.layers, w.heads, w.ffn_dim, w.freq_dim, w.text_dim, w.in_channels, w.out_channels}));
+    EXPECT_EQ(arch.qk_norm, w.qk_norm);
+    EXPECT_EQ(arch.eps, w.eps);
+    megaslide::WanTransformer loaded(options_of(config));
+    megaslide::load_wan_weights(weights, *loaded);
+    EXPECT_TRUE(torch::equal(loaded->forward(x, t, text), expected));
+  }
+
+  // model.wan.weights and train.init_from of the exported file.
+  const auto expect_masters = [&](WanTrainer& trainer) {
+    for (const auto& [name, value] : trainer.master_weights()) EXPECT_TRUE(torch::equal(value, masters.at(name))) << name;
+  };
+  WanTrainer from_weights(tiny_config({"model.wan.weights=" + exported, "model.wan.heads=4"}), tiny_data());
+  EXPECT_EQ(from_weights.config().model.wan.heads, 2) << "the exported config's heads, not the fallback's";
+  expect_masters(from_weights);
+  WanTrainer from_init(tiny_config({"offload.compute_dtype=bf16"}), tiny_data(),
+                       [&](const megaslide::ParameterShapes& shapes) { return megaslide::plan_init_from(exported, shapes, {}); });
+  expect_masters(from_init);
+  megaslide::io::remove_tree(dir);
+}

@@ -205,6 +205,10 @@ std::array<int64_t, 3> json_patch(const nlohmann::json& j, const std::array<int6
 
 }  // namespace
 
+namespace {
+constexpr const char* kWanWeightsFormat = "megaslide.wan_weights";
+}  // namespace
+
 const char* to_string(WanNaming naming) { return naming == WanNaming::kDiffusers ? "diffusers" : "original"; }
 
 std::string wan_original_name(const std::string& diffusers_name) { return rename(diffusers_name, /*to_original=*/true); }
@@ -272,6 +276,19 @@ WanWeights WanWeights::open(const std::string& path) {
       fail(std::string(e.what()) + (is_pickle_name(file_path) ? "" : " (Wan weights must be safetensors files)"));
     }
     for (const auto& entry : file->header.entries) raw.push_back({entry.name, Source{file, &entry, entry.name}});
+    // A file save_wan_weights wrote carries its config.json in its metadata.
+    const auto& meta = file->header.metadata;
+    const auto format = meta.find("format"), config = meta.find("config");
+    if (impl->config_path.empty() && impl->file_paths.size() == 1 && format != meta.end() && format->second == kWanWeightsFormat &&
+        config != meta.end()) {
+      impl->config_path = file_path + " (metadata \"config\")";
+      try {
+        impl->config = nlohmann::json::parse(config->second);
+      } catch (const std::exception& e) {
+        fail("'" + impl->config_path + "' is not valid JSON: " + e.what());
+      }
+      if (!impl->config.is_object()) fail("'" + impl->config_path + "' is not a JSON object");
+    }
   }
   if (raw.empty()) fail("'" + path + "' holds no tensors");
   // ComfyUI's prefix, on every name or none.
@@ -465,6 +482,39 @@ std::vector<std::string> load_wan_weights(const WanWeights& weights, WanTransfor
     p.value().copy_(weights.read(p.key(), p.value().scalar_type()));
   }
   return kept;
+}
+
+std::string wan_diffusers_config(const WanConfig& w) {
+  nlohmann::ordered_json j;
+  j["_class_name"] = "WanTransformer3DModel";
+  j["patch_size"] = {w.patch[0], w.patch[1], w.patch[2]};
+  j["num_attention_heads"] = w.heads;
+  j["attention_head_dim"] = w.dim / w.heads;
+  j["in_channels"] = w.in_channels;
+  j["out_channels"] = w.out_channels;
+  j["text_dim"] = w.text_dim;
+  j["freq_dim"] = w.freq_dim;
+  j["ffn_dim"] = w.ffn_dim;
+  j["num_layers"] = w.layers;
+  j["cross_attn_norm"] = w.cross_attn_norm;
+  j["qk_norm"] = w.qk_norm ? nlohmann::ordered_json("rms_norm_across_heads") : nlohmann::ordered_json(nullptr);
+  j["eps"] = w.eps;
+  j["image_dim"] = nullptr;
+  j["added_kv_proj_dim"] = nullptr;
+  j["rope_max_seq_len"] = 1024;
+  return j.dump(2) + "\n";
+}
+
+io::WrittenFile save_wan_weights(const std::string& path, const WanConfig& wan, const io::NamedTensors& parameters,
+                                 torch::ScalarType dtype) {
+  const std::string config = wan_diffusers_config(wan);
+  const std::string name = "diffusion_pytorch_model.safetensors";
+  const bool diffusers_folder = path == name || (path.size() > name.size() && path.compare(path.size() - name.size(), name.size(), name) == 0 &&
+                                                 path[path.size() - name.size() - 1] == '/');
+  // The tensors are cast one at a time as they are written (write_safetensors): one tensor's copy at most.
+  auto written = io::write_safetensors(path, parameters, {{"format", kWanWeightsFormat}, {"config", config}}, dtype);
+  if (diffusers_folder) io::write_file_atomically(io::join_path(io::parent_path(path), "config.json"), config);
+  return written;
 }
 
 std::vector<std::string> wan_dsa_parameter_globs() {

@@ -198,9 +198,6 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     if (resolved.train.sample_every > 0)
       throw ConfigError(options.config_source, "train.sample_every", "validation videos of Wan need its VAE and text encoder, which "
                                                                       "training does not call yet: set train.sample_every: 0");
-    if (!options.export_weights.empty())
-      throw ConfigError(options.config_source, "", "--export-weights writes the DiT family's weights file; a Wan run's weights are in "
-                                                   "its checkpoints (master.safetensors, diffusers' names)");
   }
   const RunConfig config = resolved;
   const std::string& run_dir = config.output.run_dir;
@@ -468,7 +465,10 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     log.info(fmt::format("trace of step {} in {}", std::min(options.trace_step, train.steps), options.trace_path));
   log.info(fmt::format("done: {} steps; metrics in {}", result.steps_done, io::join_path(run_dir, "metrics.jsonl")));
   if (writer && !options.export_weights.empty()) {
-    if (auto* streamed = trainer.streamed()) {
+    if (auto* wan = trainer.wan()) {
+      // diffusers' names and layout (model/wan_weights.h); the streamed blocks straight from the host store.
+      save_wan_weights(options.export_weights, config.model.wan, wan->training_state().master);
+    } else if (auto* streamed = trainer.streamed()) {
       // Straight from the host store, one tensor at a time: no copy of the model.
       save_weights(options.export_weights, config, streamed->master_views());
     } else {

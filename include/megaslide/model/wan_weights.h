@@ -38,6 +38,7 @@
 
 #include "megaslide/config/run_config.h"
 #include "megaslide/io/files.h"
+#include "megaslide/io/safetensors.h"
 
 namespace megaslide {
 
@@ -99,6 +100,19 @@ std::vector<std::string> load_wan_weights(const WanWeights& weights, WanTransfor
 
 // The parameters a dense Wan checkpoint lacks when the model uses the 3D-DSA retrofit.
 std::vector<std::string> wan_dsa_parameter_globs();
+
+// diffusers' config.json of WanTransformer3DModel for `wan` (what architecture() reads back).
+std::string wan_diffusers_config(const WanConfig& wan);
+
+// Writes a trained Wan's weights as one safetensors file in diffusers' layout: `parameters` under
+// diffusers' names (as WanTrainer names them: "blocks.0.attn1.to_q.weight"), each cast to `dtype` as it
+// is written (one tensor's copy at a time), with wan_diffusers_config in the metadata ("format":
+// "megaslide.wan_weights", "config"), from which WanWeights::open(path) reads the architecture. When
+// `path` is named diffusion_pytorch_model.safetensors, the config is also written as config.json beside
+// it: the folder is then diffusers' transformer/ folder (WanTransformer3DModel.from_pretrained reads
+// it; the 3D-DSA retrofit's extra tensors are not diffusers'). Atomic per file; errors are io::IoError.
+io::WrittenFile save_wan_weights(const std::string& path, const WanConfig& wan, const io::NamedTensors& parameters,
+                                 torch::ScalarType dtype = torch::kBFloat16);
 
 // `config` with model.wan taken from model.wan.weights when set (unchanged otherwise).
 RunConfig with_wan_architecture_from_weights(const RunConfig& config);
