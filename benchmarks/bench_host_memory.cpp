@@ -1,6 +1,7 @@
 // bench_host_memory: the planner's host bytes against the resident set size of a real streamed run of
 // any config on the CPU, for models too large for a unit test (tests/test_host_memory.cpp runs
-// small-50m). Builds CPUMasterVideoDiT, runs --steps steps, and compares the growth of the resident set
+// small-50m and a small Wan). Builds CPUMasterVideoDiT (WanTrainer for model.arch wan, on random latents of
+// the config's shapes), runs --steps steps, and compares the growth of the resident set
 // with the plan (megaslide-plan's figures) at start-up (VmHWM while the trainer is built) and after the
 // steps (VmRSS, after malloc_trim). On the CPU the "device" is host memory too, so the device
 // components the trainer keeps (slots, resident parts with gradients and AdamW state) are added to the
@@ -16,11 +17,13 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "megaslide/offload/cpu_master_trainer.h"
 #include "megaslide/plan/step_plan.h"
+#include "megaslide/train/wan_trainer.h"
 
 namespace {
 
@@ -70,6 +73,15 @@ int main(int argc, char** argv) {
       resident_weights + std::max(plan.host.construction_peak, plan.host.steady() + d.weight_slots + d.gradient_slots));
   const double expected_steady = static_cast<double>(plan.host.steady() + d.weight_slots + d.gradient_slots + d.resident_state);
 
+  // Wan (model.arch: wan) trains on latent videos and text embeddings in memory: random ones of the
+  // config's shapes (their values change nothing that is allocated), made before the baseline.
+  megaslide::WanLatentData wan_data;
+  if (config.model.arch == megaslide::Architecture::kWan) {
+    const auto& d = config.data;
+    wan_data.latents = torch::randn({1, d.channels, d.frames, d.height, d.width});
+    wan_data.text = torch::randn({1, d.max_text_tokens, config.model.wan.text_dim});
+    wan_data.empty_text = torch::zeros({d.max_text_tokens, config.model.wan.text_dim});
+  }
   malloc_trim(0);
   const int64_t before = proc_status_bytes("VmRSS");
   {
@@ -77,12 +89,15 @@ int main(int argc, char** argv) {
     clear << "5";
   }
   auto t0 = std::chrono::steady_clock::now();
-  megaslide::CPUMasterVideoDiT trainer(config);
+  std::unique_ptr<megaslide::CPUMasterVideoDiT> dit;
+  std::unique_ptr<megaslide::WanTrainer> wan;
+  if (wan_data.latents.defined()) wan = std::make_unique<megaslide::WanTrainer>(config, std::move(wan_data));
+  else dit = std::make_unique<megaslide::CPUMasterVideoDiT>(config);
   const double construct_s = seconds_since(t0);
   const int64_t start = proc_status_bytes("VmHWM") - before;
   t0 = std::chrono::steady_clock::now();
-  for (int s = 0; s < steps; ++s) trainer.step();
-  trainer.synchronize();
+  for (int s = 0; s < steps; ++s) wan ? wan->step() : dit->step();
+  wan ? wan->synchronize() : dit->synchronize();
   const double steps_s = seconds_since(t0);
   const int64_t untrimmed = proc_status_bytes("VmRSS") - before;
   malloc_trim(0);

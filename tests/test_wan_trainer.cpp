@@ -428,3 +428,36 @@ TEST(WanTrainer, ExportedWeightsLoadBackAsDiffusersWeights) {
   expect_masters(from_init);
   megaslide::io::remove_tree(dir);
 }
+
+// The property: WanBlockDraws gives WanTransformer's blocks bit for bit in whatever order they are asked
+// for (2, 0, 3, 1: a block ahead of its predecessors draws and keeps them), whatever else drew from the
+// default generator between two draws, and afterwards sets the generator where the whole model's
+// construction draws the head: with initialise_prologue and initialise_head, the whole model part by part.
+TEST(WanTrainer, BlockDrawsAreTheWholeModelsBlocksInAnyOrder) {
+  auto options = megaslide::WanOptions::from_config(tiny_config({"model.wan.layers=4"}));
+  torch::manual_seed(21);
+  megaslide::WanTransformer whole(options);
+  const auto after_whole = torch::rand({8});
+  auto skeleton_options = options;
+  megaslide::WanTransformer skeleton(skeleton_options.block_device(torch::kMeta));
+  torch::manual_seed(21);
+  skeleton->initialise_prologue();
+  megaslide::WanBlockDraws draws(skeleton);
+  const auto expect_equal = [](torch::nn::Module& got, torch::nn::Module& expected, const std::string& what) {
+    const auto e = expected.named_parameters(true);
+    const auto g = got.named_parameters(true);
+    ASSERT_EQ(g.size(), e.size()) << what;
+    for (const auto& p : g) EXPECT_TRUE(torch::equal(p.value(), e[p.key()])) << what << " " << p.key();
+  };
+  for (int64_t l : {2, 0, 3, 1}) {
+    auto block = draws.draw(l);
+    expect_equal(*block, *whole->blocks[l], "block " + std::to_string(l));
+    torch::rand({3});  // another draw from the default generator between two blocks
+  }
+  draws.restore_state_after_blocks();
+  skeleton->initialise_head();
+  for (const char* part : {"patch_embedding", "condition_embedder", "proj_out"})
+    expect_equal(*skeleton->named_children()[part], *whole->named_children()[part], part);
+  EXPECT_TRUE(torch::equal(skeleton->scale_shift_table, whole->scale_shift_table));
+  EXPECT_TRUE(torch::equal(torch::rand({8}), after_whole)) << "the default generator after the head";
+}

@@ -59,34 +59,25 @@ void move_parameter(torch::Tensor& p, torch::Device device) {
   if (p.defined() && p.device() != device) p.set_data(p.data().to(device));
 }
 
-// The streamed trainer's initial weights, part by part (wan_trainer.h): the blocks drawn in
-// WanTransformer's order from the default CPU generator, each from the state reset() would start it at
-// (recorded as the blocks are drawn, so blocks asked for in order are drawn once; a block asked for ahead
-// of its predecessors draws them first and keeps them for their own request), then overwritten by the
-// weights and init_from's tensors. Drawing is serialised (the default generator is process-wide);
-// overwriting is not (WanWeights::read and InitTensor::read_into may run at once).
+// The streamed trainer's initial weights, part by part (wan_trainer.h): the blocks as WanBlockDraws draws
+// them, overwritten by the weights and init_from's tensors (not serialised: WanWeights::read and
+// InitTensor::read_into may run at once).
 class WanInitialWeights {
  public:
   WanInitialWeights(WanTransformer model_, std::optional<WanWeights> weights_)
       : model(std::move(model_)), weights(std::move(weights_)) {}
 
-  void start_blocks() { states_ = {at::detail::getDefaultCPUGenerator().get_state()}; }
+  // The default generator is where block 0's draw starts.
+  void start_blocks() { draws_.emplace(model); }
 
   WanBlock block(int64_t index) {
-    TORCH_CHECK(!released_, "WanTrainer: block ", index, " asked for after the trainer was built");
-    WanBlock b = draw(index);
+    TORCH_CHECK(!released_ && draws_, "WanTrainer: block ", index, " asked for outside the trainer's construction");
+    WanBlock b = draws_->draw(index);
     overwrite("blocks." + std::to_string(index) + ".", *b);
     return b;
   }
 
-  // The generator where reset() draws the head: after the last block.
-  void restore_state_after_blocks() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    TORCH_CHECK(static_cast<int64_t>(states_.size()) == model->options.layers() + 1, "WanTrainer: ", states_.size() - 1, " of ",
-                model->options.layers(), " blocks drawn");
-    auto generator = at::detail::getDefaultCPUGenerator();
-    generator.set_state(states_.back());
-  }
+  void restore_state_after_blocks() { draws_->restore_state_after_blocks(); }
 
   // The weights', then init_from's values of `part`'s parameters where they have them.
   void overwrite(const std::string& prefix, torch::nn::Module& part) const {
@@ -103,6 +94,7 @@ class WanInitialWeights {
     released_ = true;
     weights.reset();
     init_sources.clear();
+    draws_.reset();
   }
 
   WanTransformer model;
@@ -110,29 +102,7 @@ class WanInitialWeights {
   std::map<std::string, InitTensor> init_sources;
 
  private:
-  WanBlock draw(int64_t index) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto kept = kept_.find(index);
-    if (kept != kept_.end()) {
-      WanBlock b = std::move(kept->second);
-      kept_.erase(kept);
-      return b;
-    }
-    auto generator = at::detail::getDefaultCPUGenerator();
-    for (int64_t k = static_cast<int64_t>(states_.size()) - 1; k < index; ++k) {  // predecessors not yet drawn
-      generator.set_state(states_[k]);
-      kept_.emplace(k, model->new_block(torch::kCPU));
-      states_.push_back(generator.get_state());
-    }
-    generator.set_state(states_.at(index));
-    WanBlock b = model->new_block(torch::kCPU);
-    if (static_cast<int64_t>(states_.size()) == index + 1) states_.push_back(generator.get_state());
-    return b;
-  }
-
-  std::mutex mutex_;
-  std::vector<torch::Tensor> states_;  // states_[l]: the generator where block l's draw starts
-  std::map<int64_t, WanBlock> kept_;
+  std::optional<WanBlockDraws> draws_;
   bool released_ = false;
 };
 }  // namespace
@@ -244,6 +214,38 @@ void WanBatchSource::restore(const std::string& state) {
   } catch (const nlohmann::json::exception& e) {
     throw std::invalid_argument(std::string("data state: ") + e.what());
   }
+}
+
+WanBlockDraws::WanBlockDraws(WanTransformer model) : model_(std::move(model)), states_{at::detail::getDefaultCPUGenerator().get_state()} {}
+
+WanBlock WanBlockDraws::draw(int64_t index) {
+  TORCH_CHECK(index >= 0 && index < model_->options.layers(), "WanBlockDraws: block ", index, " out of range [0, ",
+              model_->options.layers(), ")");
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto kept = kept_.find(index);
+  if (kept != kept_.end()) {
+    WanBlock b = std::move(kept->second);
+    kept_.erase(kept);
+    return b;
+  }
+  auto generator = at::detail::getDefaultCPUGenerator();
+  for (int64_t k = static_cast<int64_t>(states_.size()) - 1; k < index; ++k) {  // predecessors not yet drawn
+    generator.set_state(states_[k]);
+    kept_.emplace(k, model_->new_block(torch::kCPU));
+    states_.push_back(generator.get_state());
+  }
+  generator.set_state(states_.at(index));
+  WanBlock b = model_->new_block(torch::kCPU);
+  if (static_cast<int64_t>(states_.size()) == index + 1) states_.push_back(generator.get_state());
+  return b;
+}
+
+void WanBlockDraws::restore_state_after_blocks() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(static_cast<int64_t>(states_.size()) == model_->options.layers() + 1, "WanBlockDraws: ", states_.size() - 1, " of ",
+              model_->options.layers(), " blocks drawn");
+  auto generator = at::detail::getDefaultCPUGenerator();
+  generator.set_state(states_.back());
 }
 
 torch::nn::Module& WanStack::block(int64_t index) { return model_->blocks[index]->as<WanBlockImpl>()->streamed(); }

@@ -126,6 +126,28 @@ class WanStack : public offload::StreamedModel {
   std::map<int64_t, WanBlock> built_;  // built by initial_block, not yet adopted
 };
 
+// Wan's blocks as WanTransformer's construction draws them, one at a time and in any order, without
+// drawing the whole model: reset() draws block 0 … L−1 in turn from LibTorch's default CPU generator, so
+// block l is drawn from the generator's state where block l starts, recorded as the blocks are drawn (in
+// order, each block is drawn once; a block asked for ahead of its predecessors draws them first and keeps
+// them, at most one each, for their own request). Construct it where the blocks start (the default
+// generator just past the prologue: WanTransformerImpl::initialise_prologue); after every block was
+// drawn, restore_state_after_blocks() sets the default generator where reset() draws the head.
+// Thread-safety: draw() may be called from several threads (the draws are serialised: the default
+// generator is process-wide, and nothing else may draw from it meanwhile).
+class WanBlockDraws {
+ public:
+  explicit WanBlockDraws(WanTransformer model);
+  WanBlock draw(int64_t index);  // on the CPU, fp32
+  void restore_state_after_blocks();
+
+ private:
+  WanTransformer model_;
+  std::mutex mutex_;
+  std::vector<torch::Tensor> states_;  // states_[l]: the generator where block l's draw starts
+  std::map<int64_t, WanBlock> kept_;
+};
+
 // One step of `engine` (built over a WanStack of `model`) with the prologue, stack and epilogue WanTrainer
 // runs; `next_batch` supplies each micro-batch (on the engine's device). For custom loops and tests.
 offload::StackStepResult wan_streamed_step(offload::StreamedStackTrainer& engine, WanTransformer& model,
