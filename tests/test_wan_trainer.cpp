@@ -366,9 +366,9 @@ TEST(WanTrainer, StreamedStartsFromTheWholeModelsWeightsBitForBit) {
 
 // The property: --export-weights writes a Wan run's weights under diffusers' names, in bf16, with diffusers'
 // config in the metadata, and, named diffusion_pytorch_model.safetensors, as a diffusers folder with its
-// config.json: WanWeights reads both back with the run's architecture; the model they give computes exactly
-// what the trained masters rounded to bf16 compute; model.wan.weights and train.init_from of the exported
-// file start a trainer from those weights.
+// config.json; --resume X --export-weights writes a checkpoint's the same way: WanWeights reads each back
+// with the run's architecture; the model they give computes exactly what the trained masters rounded to
+// bf16 compute; model.wan.weights and train.init_from of the exported file start a trainer from them.
 TEST(WanTrainer, ExportedWeightsLoadBackAsDiffusersWeights) {
   const auto dir = temp_dir("export");
   const auto data = tiny_data();
@@ -397,7 +397,10 @@ TEST(WanTrainer, ExportedWeightsLoadBackAsDiffusersWeights) {
   const auto x = torch::randn({2, 4, 3, 6, 8}), t = torch::rand({2}) * 1000, text = torch::randn({2, 7, 20});
   const auto expected = trained->forward(x, t, text);
 
-  for (const std::string& path : {exported, dir + "/transformer"}) {
+  // --resume X --export-weights: the checkpoint's weights file rewritten the same way.
+  const std::string from_checkpoint = dir + "/from-checkpoint.safetensors";
+  megaslide::export_checkpoint_weights(dir + "/run", "latest", from_checkpoint);
+  for (const std::string& path : {exported, dir + "/transformer", from_checkpoint}) {
     SCOPED_TRACE(path);
     const auto weights = megaslide::WanWeights::open(path);
     EXPECT_EQ(weights.naming(), megaslide::WanNaming::kDiffusers);

@@ -142,7 +142,9 @@ std::string checkpoint_weights(const std::string& path);
 
 // `--resume` plus `--export-weights`: copies the checkpoint's bf16 weights file (the weights-file
 // format, io/weights.h) to `out`, checking its size and CRC-32 as it copies (one read, only of that
-// file), without building a trainer. Returns the checkpoint's path.
+// file), without building a trainer; a Wan run's checkpoint is written as --export-weights writes Wan's
+// weights instead (diffusers' names, save_wan_weights), after its checksum is verified. Returns the
+// checkpoint's path.
 std::string export_checkpoint_weights(const std::string& run_dir, const std::string& spec, const std::string& out);
 
 }  // namespace megaslide
