@@ -21,7 +21,7 @@
 // parameters allowed missing), then by the tensors of `init_from` (train.init_from, e.g. a Wan checkpoint
 // or run folder: init_from.h) when given; both modes start from identical weights. The resident loop builds
 // exactly that. The streamed trainer never holds every block in fp32: it replays WanTransformer's drawing
-// order part by part (WanTransformerImpl::initialise_prologue, new_block, initialise_head, restoring the
+// order part by part (WanTransformerImpl::initialise_prologue, WanBlockDraws, initialise_head, restoring the
 // generator's state at each part), and each block, drawn, overwritten from the memory-mapped weights
 // (converted from bf16, fp16 or fp32) and from `init_from`, goes into the host store before the next is
 // made (at most StackTrainerOptions::init_threads blocks at once): the same weights bit for bit.
