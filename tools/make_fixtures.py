@@ -1126,7 +1126,15 @@ def section_wan_pipeline(out_dir):
     assert not embeds[:, used:].any()
     tensors["prompt_embeds"] = embeds[:, :used].numpy()
 
-    def html_and_whitespace(text):  # prompt_clean without ftfy: what the C++ cleaning implements
+    def ours(text):
+        """What the C++ cleaning implements: prompt_clean with only the character-wise steps of ftfy.fix_text
+        (ligatures, character width, curly quotes, control characters) and its final NFC."""
+        import unicodedata
+
+        from ftfy import fixes
+
+        text = fixes.remove_control_chars(fixes.uncurl_quotes(fixes.fix_character_width(fixes.fix_latin_ligatures(text))))
+        text = unicodedata.normalize("NFC", text)
         return re.sub(r"\s+", " ", html.unescape(html.unescape(text)).strip()).strip()
 
     meta = {"versions": versions(diffusers, transformers, torch, ftfy), "config": json.dumps(config),
@@ -1135,15 +1143,16 @@ def section_wan_pipeline(out_dir):
             "sampling": json.dumps({"frames": frames, "height": height, "width": width, "steps": steps, "shift": shift,
                                     "guidance": guidance}),
             "clean_prompts": json.dumps(_CLEAN_PROMPTS, ensure_ascii=False),
-            "clean_html_whitespace": json.dumps([html_and_whitespace(p) for p in _CLEAN_PROMPTS], ensure_ascii=False),
-            "clean_prompt_clean": json.dumps([prompt_clean(p) for p in _CLEAN_PROMPTS], ensure_ascii=False),
+            "clean_expected": json.dumps([ours(p) for p in _CLEAN_PROMPTS + [WAN_NEGATIVE_PROMPT]], ensure_ascii=False),
+            "clean_prompt_clean": json.dumps([prompt_clean(p) for p in _CLEAN_PROMPTS + [WAN_NEGATIVE_PROMPT]], ensure_ascii=False),
             "what": "transformer/: a tiny random WanTransformer3DModel (fp32); WanPipeline(tokenizer = T5Tokenizer(umt5/tokenizer), "
                     "text_encoder = umt5/hf, vae = wan_vae/tiny, scheduler = UniPCMultistepScheduler(flow_prediction, use_flow_sigmas, "
                     "flow_shift) or FlowMatchEulerDiscreteScheduler(shift)) for each prompt with Wan's negative prompt and "
                     "generator manual_seed(seed): output_type='latent' latents (KIND.I.latents) and, for unipc, the pipeline's "
                     "decode of the first (unipc.0.video); prompt_embeds: _get_t5_prompt_embeds(prompts + [negative], 512) up to the "
                     "longest prompt's tokens (zeros beyond); "
-                    "clean_*: html.unescape twice + white space (the C++ cleaning) and diffusers' prompt_clean (with ftfy)"}
+                    "clean_expected: prompt_clean with only ftfy's character-wise fixes and NFC (the C++ cleaning), clean_prompt_clean: "
+                    "diffusers' prompt_clean (all of ftfy), of the clean prompts and the negative prompt"}
     save_safetensors(os.path.join(out_dir, "reference.safetensors"), tensors, meta)
     print(f"  {sum(p.numel() for p in transformer.parameters())} DiT parameters, latents {tuple(latents.shape)}")
 
