@@ -274,6 +274,15 @@ TEST_F(Umt5EncoderGolden, StreamedLayersEqualResidentBitForBit) {
   EXPECT_LT(max_error(streamed.embed(ids_, mask_), ref_.tensors.at("hf.hidden")), 1e-4);
 }
 
+TEST_F(Umt5EncoderGolden, StreamedLayersOnTheGpu_CUDA) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no GPU";
+  // CUDA streams and pinned host layers: transformers' output within 1e-4, as the resident encoder.
+  auto streamed = Umt5Encoder::streamed(Umt5Encoder::load(kFixtures + "umt5/hf"), torch::kCUDA);
+  auto resident = Umt5Encoder::load(kFixtures + "umt5/hf", torch::kCUDA);
+  EXPECT_LT(max_error(streamed.embed(ids_, mask_).cpu(), ref_.tensors.at("hf.hidden")), 1e-4);
+  EXPECT_LT(max_error(streamed.embed(ids_, mask_).cpu(), resident.embed(ids_, mask_).cpu()), 1e-5);
+}
+
 TEST(Umt5Encoder, RandomXxlShapesAndParameterCount) {
   // umT5-XXL's published size: 5.68 B parameters in the encoder (embedding 1.05 B).
   const auto c = megaslide::Umt5Config::xxl();
