@@ -252,6 +252,37 @@ TEST_F(Umt5EncoderGolden, Bf16WeightsStayClose) {
   EXPECT_LT(err, 0.25);  // the tiny model's large random weights amplify bf16 rounding; a broken cast gives O(1)
 }
 
+TEST_F(Umt5EncoderGolden, StreamedLayersEqualResidentBitForBit) {
+  // The layers' matrices through the WeightStreamer (emulated async streams on the CPU, or in line) give
+  // exactly the resident encoder's output, call after call, in fp32 and bf16.
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    const auto resident = Umt5Encoder::load(kFixtures + "umt5/hf", torch::kCPU, dtype);
+    const auto expected = resident.embed(ids_, mask_);
+    for (bool async : {true, false}) {
+      auto streamed = Umt5Encoder::streamed(Umt5Encoder::load(kFixtures + "umt5/hf", torch::kCPU, dtype), torch::kCPU, async);
+      EXPECT_TRUE(streamed.is_streamed());
+      EXPECT_EQ(streamed.parameter_count(), resident.parameter_count());
+      EXPECT_EQ(streamed.weight_bytes(), resident.weight_bytes());
+      EXPECT_TRUE(torch::equal(streamed.embed(ids_, mask_), expected)) << dtype << " async " << async;
+      EXPECT_TRUE(torch::equal(streamed.embed(ids_, mask_), expected)) << dtype << " async " << async << ", second call";
+      EXPECT_TRUE(torch::equal(streamed.forward(ids_), resident.forward(ids_))) << dtype;
+    }
+  }
+  // A failed call leaves the streamer usable.
+  auto streamed = Umt5Encoder::streamed(Umt5Encoder::load(kFixtures + "umt5/hf"), torch::kCPU);
+  EXPECT_ANY_THROW(streamed.forward(ids_, mask_.narrow(1, 0, 3)));
+  EXPECT_LT(max_error(streamed.embed(ids_, mask_), ref_.tensors.at("hf.hidden")), 1e-4);
+}
+
+TEST_F(Umt5EncoderGolden, StreamedLayersOnTheGpu_CUDA) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no GPU";
+  // CUDA streams and pinned host layers: transformers' output within 1e-4, as the resident encoder.
+  auto streamed = Umt5Encoder::streamed(Umt5Encoder::load(kFixtures + "umt5/hf"), torch::kCUDA);
+  auto resident = Umt5Encoder::load(kFixtures + "umt5/hf", torch::kCUDA);
+  EXPECT_LT(max_error(streamed.embed(ids_, mask_).cpu(), ref_.tensors.at("hf.hidden")), 1e-4);
+  EXPECT_LT(max_error(streamed.embed(ids_, mask_).cpu(), resident.embed(ids_, mask_).cpu()), 1e-5);
+}
+
 TEST(Umt5Encoder, RandomXxlShapesAndParameterCount) {
   // umT5-XXL's published size: 5.68 B parameters in the encoder (embedding 1.05 B).
   const auto c = megaslide::Umt5Config::xxl();

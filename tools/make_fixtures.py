@@ -1034,6 +1034,130 @@ def section_umt5(out_dir):
 
 
 # --------------------------------------------------------------------------------------------------
+# wan_pipeline: diffusers' WanPipeline end to end on tiny models (the umt5 and wan_vae fixtures and a tiny
+# random WanTransformer3DModel matched to them), and Wan's prompt cleaning
+# --------------------------------------------------------------------------------------------------
+
+# Wan2.1's default negative prompt (Wan's wan/configs/shared_config.py, sample_neg_prompt).
+WAN_NEGATIVE_PROMPT = ("色调艳丽，过曝，静态，细节模糊不清，字幕，风格，作品，画作，画面，静止，整体发灰，最差质量，低质量，JPEG压缩残留，丑陋的，"
+                       "残缺的，多余的手指，画得不好的手部，画得不好的脸部，畸形的，毁容的，形态畸形的肢体，手指融合，静止不动的画面，杂乱的背景，"
+                       "三条腿，背景人很多，倒着走")
+
+# Prompts for Wan's cleaning: HTML entities (named, numeric, nested once and twice, without semicolons,
+# invalid), white space of every kind, and text ftfy would change (mojibake, curly quotes, ligatures).
+_CLEAN_PROMPTS = [
+    "a red blob moves left quickly",
+    "  spaces\tand\ttabs\n\nand newlines  ",
+    "\u00a0no-break\u2003em space\u3000ideographic\u200bzero-width\u2028line sep\u0085nel\x1cfs\x1dgs\x1ers\x1fus\x0bvt\x0cff ",
+    "cats &amp; dogs &lt;3 &gt; &quot;quoted&quot; &apos;apos&apos; &#39;39&#39;",
+    "double: &amp;amp; &amp;lt;b&amp;gt; &amp;#65; triple &amp;amp;amp;",
+    "numeric &#65;&#x42;&#X43; &#0; &#x110000; &#xD800; &#128; &#150; &#x9F; &#1114111; &#65 &#x42 z",
+    "named without semicolon: &amp &lt &gt &copy &reg &nbsp &eacute &notin &notit; &ampx &AMP",
+    "rare named: &hellip; &mdash; &ndash; &lsquo;&rsquo; &ldquo;&rdquo; &euro; &trade; &frac12; &NotNestedGreaterGreater;",
+    "unknown &foo; &zzz &; & alone &#; &#x; &#xZZ;",
+    "a&b&c=d &amp;&amp; &&amp;",
+    "mixed 中文 &amp; English&nbsp;words 和 日本語",
+    "",
+    "   ",
+    "&nbsp;&nbsp;padded with entities&nbsp;",
+    "mojibake: cafÃ© crÃ¨me, â€œsmartâ€\x9d",
+    "ligature: ﬁne ﬂow and curly ‘quotes’ “here”",
+]
+
+
+def section_wan_pipeline(out_dir):
+    import html
+    import re
+
+    import diffusers
+    import ftfy
+    import torch
+    import transformers
+    from diffusers import (AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler, WanPipeline,
+                           WanTransformer3DModel)
+    from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+    from transformers import T5Tokenizer, UMT5EncoderModel
+
+    # The text encoder, tokenizer and VAE are the committed umt5 and wan_vae fixtures; the DiT is new and
+    # sized to them (text_dim = umT5's d_model 24, in/out channels = the VAE's z_dim 16), non-default sizes.
+    config = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=16, out_channels=16, text_dim=24,
+                  freq_dim=16, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
+                  rope_max_seq_len=1024)
+    transformer = WanTransformer3DModel(**config)
+    _randomize(transformer, 21)
+    transformer.eval()
+    folder = os.path.join(out_dir, "transformer")
+    os.makedirs(folder)
+    transformer.save_config(folder)
+    save_safetensors(os.path.join(folder, "diffusion_pytorch_model.safetensors"),
+                     {k: v.detach().numpy() for k, v in transformer.state_dict().items()}, {"format": "pt"})
+
+    text_encoder = UMT5EncoderModel.from_pretrained(os.path.join(FIXTURES, "umt5", "hf"), attn_implementation="eager").eval()
+    tokenizer = T5Tokenizer.from_pretrained(os.path.join(FIXTURES, "umt5", "tokenizer"), extra_ids=0)
+    vae = AutoencoderKLWan.from_pretrained(os.path.join(FIXTURES, "wan_vae", "tiny")).eval()
+
+    prompts = ["a red blob moves left quickly", "cats &amp;amp; dogs   on\tthe beach"]
+    seeds = [7, 1234]
+    frames, height, width, steps, shift, guidance = 5, 32, 48, 4, 5.0, 5.0
+    tensors = {}
+    for kind in ("unipc", "euler"):
+        if kind == "unipc":
+            scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift,
+                                                num_train_timesteps=1000)
+        else:
+            scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift)
+        pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer, vae=vae, scheduler=scheduler)
+        pipe.set_progress_bar_config(disable=True)
+        for i, (prompt, seed) in enumerate(zip(prompts, seeds)):
+            with torch.no_grad():
+                latents = pipe(prompt=prompt, negative_prompt=WAN_NEGATIVE_PROMPT, height=height, width=width, num_frames=frames,
+                               num_inference_steps=steps, guidance_scale=guidance, generator=torch.Generator().manual_seed(seed),
+                               output_type="latent", max_sequence_length=512).frames
+                tensors[f"{kind}.{i}.latents"] = latents.numpy()
+                if kind == "unipc" and i == 0:
+                    # The pipeline's decode: latents / (1 / std) + mean through the VAE (its output clamped to [-1, 1]).
+                    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+                    inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+                    tensors[f"{kind}.{i}.video"] = vae.decode(latents / inv_std + mean, return_dict=False)[0].numpy()
+    with torch.no_grad():
+        embeds = pipe._get_t5_prompt_embeds(prompts + [WAN_NEGATIVE_PROMPT], max_sequence_length=512)
+    # Every position past the longest prompt is zero (checked here, and by the C++ test on its side): kept short.
+    used = int((embeds.abs().sum(-1) > 0).sum(1).max())
+    assert not embeds[:, used:].any()
+    tensors["prompt_embeds"] = embeds[:, :used].numpy()
+
+    def ours(text):
+        """What the C++ cleaning implements: prompt_clean with only the character-wise steps of ftfy.fix_text
+        (ligatures, character width, curly quotes, control characters) and its final NFC."""
+        import unicodedata
+
+        from ftfy import fixes
+
+        text = fixes.remove_control_chars(fixes.uncurl_quotes(fixes.fix_character_width(fixes.fix_latin_ligatures(text))))
+        text = unicodedata.normalize("NFC", text)
+        return re.sub(r"\s+", " ", html.unescape(html.unescape(text)).strip()).strip()
+
+    meta = {"versions": versions(diffusers, transformers, torch, ftfy), "config": json.dumps(config),
+            "prompts": json.dumps(prompts, ensure_ascii=False), "seeds": json.dumps(seeds),
+            "negative_prompt": WAN_NEGATIVE_PROMPT,
+            "sampling": json.dumps({"frames": frames, "height": height, "width": width, "steps": steps, "shift": shift,
+                                    "guidance": guidance}),
+            "clean_prompts": json.dumps(_CLEAN_PROMPTS, ensure_ascii=False),
+            "clean_expected": json.dumps([ours(p) for p in _CLEAN_PROMPTS + [WAN_NEGATIVE_PROMPT]], ensure_ascii=False),
+            "clean_prompt_clean": json.dumps([prompt_clean(p) for p in _CLEAN_PROMPTS + [WAN_NEGATIVE_PROMPT]], ensure_ascii=False),
+            "what": "transformer/: a tiny random WanTransformer3DModel (fp32); WanPipeline(tokenizer = T5Tokenizer(umt5/tokenizer), "
+                    "text_encoder = umt5/hf, vae = wan_vae/tiny, scheduler = UniPCMultistepScheduler(flow_prediction, use_flow_sigmas, "
+                    "flow_shift) or FlowMatchEulerDiscreteScheduler(shift)) for each prompt with Wan's negative prompt and "
+                    "generator manual_seed(seed): output_type='latent' latents (KIND.I.latents) and, for unipc, the pipeline's "
+                    "decode of the first (unipc.0.video); prompt_embeds: _get_t5_prompt_embeds(prompts + [negative], 512) up to the "
+                    "longest prompt's tokens (zeros beyond); "
+                    "clean_expected: prompt_clean with only ftfy's character-wise fixes and NFC (the C++ cleaning), clean_prompt_clean: "
+                    "diffusers' prompt_clean (all of ftfy), of the clean prompts and the negative prompt"}
+    save_safetensors(os.path.join(out_dir, "reference.safetensors"), tensors, meta)
+    print(f"  {sum(p.numel() for p in transformer.parameters())} DiT parameters, latents {tuple(latents.shape)}")
+
+
+# --------------------------------------------------------------------------------------------------
 
 SECTIONS = {
     "video": (section_video, "H.264 clips and their frames as opencv-python decodes them, VBench's temporal flickering"),
@@ -1046,6 +1170,7 @@ SECTIONS = {
     "wan": (section_wan, "tiny random WanTransformer3DModels (diffusers, original and ComfyUI layouts): outputs, one step's gradients"),
     "umt5_tokenizer": (section_umt5_tokenizer, "a tiny SentencePiece model and T5Tokenizer ids of VBench and edge-case prompts"),
     "umt5": (section_umt5, "a tiny random UMT5EncoderModel (HF single/sharded, ComfyUI fp16 file) and its hidden states"),
+    "wan_pipeline": (section_wan_pipeline, "WanPipeline on the tiny umT5, Wan VAE and a matching tiny DiT: latents, video; prompt cleaning"),
 }
 
 

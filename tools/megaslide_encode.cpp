@@ -96,7 +96,7 @@ torch::Tensor input_tensor(const std::string& path) {
 int main(int argc, char** argv) {
   CLI::App app{"megaslide-encode: CLIP text encoding, Stable Diffusion and Wan VAE encode/decode to safetensors (docs/conditioning.md)"};
   app.require_subcommand(1);
-  std::string weights, prompts_path, out, in, vocab, spiece, clean = "whitespace", device_spec = "auto", dtype_name = "fp32", encoder_kind = "clip", vae_kind = "sd";
+  std::string weights, prompts_path, out, in, vocab, spiece, clean = "wan", device_spec = "auto", dtype_name = "fp32", encoder_kind = "clip", vae_kind = "sd";
   bool ids_only = false, sample = false;
   uint64_t seed = 0;
   int64_t max_length = 0, frames_per_batch = 8, tile = 0, tile_stride = 0, batch = 8;
@@ -114,8 +114,9 @@ int main(int argc, char** argv) {
   common(text, false);
   text->add_option("--text-encoder", encoder_kind, "text encoder")->check(CLI::IsMember({"clip", "umt5"}))->capture_default_str();
   text->add_option("--tokenizer", spiece, "umt5: spiece.model, or a folder or .safetensors file holding it (default: found from --weights)");
-  text->add_option("--clean", clean, "umt5: prompt cleaning before tokenizing: whitespace (Wan's white-space runs to one space, trimmed) or none")
-      ->check(CLI::IsMember({"whitespace", "none"}))
+  text->add_option("--clean", clean, "umt5: prompt cleaning before tokenizing: wan (Wan's prompt_clean without ftfy: HTML unescaped twice, white-space runs "
+                  "to one space, trimmed; what megaslide-sample does), whitespace (the white-space step alone) or none")
+      ->check(CLI::IsMember({"wan", "whitespace", "none"}))
       ->capture_default_str();
   text->add_option("--batch", batch, "umt5: prompts per encoder call")->check(CLI::Range(int64_t{1}, int64_t{1} << 20))->capture_default_str();
   text->add_option("--prompts", prompts_path, "one prompt per line (an empty line is the empty prompt)")->required();
@@ -167,6 +168,8 @@ int main(int argc, char** argv) {
       if (!ids_only && weights.empty()) throw BadInput("--weights is needed (or --ids-only)");
       if (spiece.empty() && weights.empty()) throw BadInput("--tokenizer or --weights is needed to find umT5's spiece.model");
       prompts = read_lines(prompts_path);
+      if (clean == "wan")
+        for (auto& p : prompts) p = megaslide::wan_prompt_clean(p);
       if (clean == "whitespace")
         for (auto& p : prompts) p = megaslide::wan_clean(p);
       umt5_tokenizer = megaslide::Umt5Tokenizer::find(spiece.empty() ? weights : spiece);

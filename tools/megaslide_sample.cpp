@@ -2,6 +2,10 @@
 //
 //   megaslide-sample --checkpoint model.safetensors --prompts prompts.txt --samples-per-prompt 5 --out DIR
 //   megaslide-sample --checkpoint runs/smoke --prompts prompts.txt --out DIR     (a run's latest checkpoint)
+//   Wan (docs/wan.md): a Wan run's checkpoint, or published weights through a config, with umT5 and the VAE:
+//   megaslide-sample --checkpoint runs/wan --text-encoder T5 --vae VAE --prompts prompts.txt --out DIR
+//   megaslide-sample --config configs/wan2.1-t2v-1.3b.yaml --set model.wan.weights=/models/Wan2.1-T2V-1.3B-Diffusers \
+//       --prompts prompts.txt --out DIR     (a diffusers repository: its text_encoder/ and vae/ are found)
 //
 // Writes DIR/videos/{prompt}-{index}.mp4 (H.264; VBench reads DIR/videos), optionally
 // DIR/frames/{prompt}-{index}/NNN.png, and DIR/index.json (eval/vbench.h). Exit codes: 0 done, 2 bad
@@ -13,6 +17,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <iostream>
+#include <optional>
 
 #include "megaslide/megaslide.h"
 #include "tool_support.h"
@@ -51,12 +56,173 @@ class SampleProgress {
   std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
 };
 
+// Wan's flags and what they resolve to.
+struct WanFlags {
+  std::string text_encoder, tokenizer, vae, negative_prompt;
+  bool negative_prompt_set = false;
+  double shift = -1.0;  // < 0: the config's diffusion.shift
+  bool latents = false;
+};
+
+// Bad input to the Wan path: exit 2.
+struct BadInput : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+
+// Samples a Wan model (docs/wan.md). Returns the exit code.
+int sample_wan(megaslide::WanModel model, const WanFlags& wan, const std::vector<megaslide::eval::SampleJob>& jobs, const std::string& out_dir,
+               const std::string& source, const std::string& sampler, int64_t steps, double guidance, uint64_t seed, int64_t batch_size,
+               int64_t fps, int64_t crf, int64_t upscale, bool png, torch::Device device, const std::string& streamed,
+               const std::string& compute_dtype, int64_t threads, bool no_progress) {
+  std::shared_ptr<megaslide::WanTextToVideo> pipeline;
+  megaslide::WanSampleOptions options;
+  bool pipeline_t5_streamed = false;
+  try {
+    // umT5 and the VAE: the flags, or a diffusers repository's text_encoder/ and vae/ beside the DiT's weights.
+    const std::string repo = model.config.model.wan.weights;
+    auto beside = [&](const std::string& flag, const std::string& value, const std::string& sub, const std::string& what) {
+      if (!value.empty()) return value;
+      if (!repo.empty() && megaslide::io::is_directory(megaslide::io::join_path(repo, sub))) return megaslide::io::join_path(repo, sub);
+      throw BadInput(flag + ": Wan sampling needs " + what + " (set " + flag + " PATH, or model.wan.weights to a diffusers repository with " + sub +
+                     "/)");
+    };
+    const std::string t5_path = beside("--text-encoder", wan.text_encoder, "text_encoder", "umT5's weights");
+    const std::string vae_path = beside("--vae", wan.vae, "vae", "the Wan VAE's weights");
+    auto check_path = [](const std::string& flag, const std::string& path) {
+      if (!megaslide::io::path_exists(path)) throw BadInput(flag + ": '" + path + "' does not exist");
+    };
+    check_path("--text-encoder", t5_path);
+    check_path("--vae", vae_path);
+    if (!wan.tokenizer.empty()) check_path("--tokenizer", wan.tokenizer);
+    const auto& d = model.config.data;
+    const int64_t frames = 1 + (d.frames - 1) * 4, height = d.height * 8, width = d.width * 8;
+    if (height * upscale % 2 != 0 || width * upscale % 2 != 0)
+      throw BadInput(fmt::format("the videos are {}x{} (W x H); H.264 needs even sizes: use --upscale 2", width, height));
+    options = megaslide::WanSampleOptions::from_config(model.config);
+    if (!sampler.empty()) options.kind(megaslide::parse_flow_sampler(sampler));
+    if (steps > 0) options.steps(steps);
+    if (guidance >= 0) options.guidance_scale(guidance);
+    if (wan.shift >= 0) options.shift(wan.shift);
+    if (wan.negative_prompt_set) options.negative_prompt(wan.negative_prompt);
+
+    megaslide::ThreadRequest thread_request;
+    thread_request.intra_op = static_cast<int>(threads);
+    thread_request.device = device;
+    const char* omp = std::getenv("OMP_NUM_THREADS");
+    megaslide::apply_threads(megaslide::plan_threads(thread_request, megaslide::available_cores(), omp ? omp : ""));
+
+    const auto t5_dtype = device.is_cuda() ? torch::kBFloat16 : torch::kFloat32;  // as Wan runs umT5 (bf16) on a GPU
+    std::optional<megaslide::Umt5Encoder> t5;
+    std::optional<megaslide::Umt5Tokenizer> tokenizer;
+    std::optional<megaslide::WanVae> vae;
+    try {
+      t5.emplace(megaslide::Umt5Encoder::load(t5_path, torch::kCPU, t5_dtype));
+    } catch (const std::exception& e) {
+      throw BadInput(std::string("--text-encoder: ") + megaslide::error_message(e));
+    }
+    // umT5 (11.4 GB in bf16 for XXL) streamed layer by layer when it does not fit, as the DiT's blocks.
+    pipeline_t5_streamed = megaslide::offload::should_stream(megaslide::offload::parse_stream_choice(streamed), device, t5->weight_bytes());
+    t5.emplace(pipeline_t5_streamed ? megaslide::Umt5Encoder::streamed(std::move(*t5), device) : megaslide::Umt5Encoder::resident(std::move(*t5), device));
+    try {
+      tokenizer.emplace(megaslide::Umt5Tokenizer::find(wan.tokenizer.empty() ? t5_path : wan.tokenizer));
+    } catch (const std::exception& e) {
+      throw BadInput(std::string(wan.tokenizer.empty() ? "--text-encoder (its tokenizer; or set --tokenizer): " : "--tokenizer: ") +
+                     megaslide::error_message(e));
+    }
+    try {
+      vae.emplace(megaslide::WanVae::load(vae_path, device, torch::kFloat32));
+    } catch (const std::exception& e) {
+      throw BadInput(std::string("--vae: ") + megaslide::error_message(e));
+    }
+
+    int64_t weight_bytes = 0;
+    for (const auto& p : model.dit->parameters()) weight_bytes += static_cast<int64_t>(p.nbytes());
+    const bool stream = megaslide::offload::should_stream(megaslide::offload::parse_stream_choice(streamed), device, weight_bytes);
+    const auto dtype = megaslide::resolve_compute_dtype(compute_dtype, device);
+    const auto scalar_type = megaslide::offload::parse_compute_dtype(dtype.dtype);
+    std::shared_ptr<megaslide::WanDenoiser> denoiser;
+    if (stream) {
+      megaslide::offload::StreamedDenoiserOptions so;
+      so.device = device;
+      so.compute_dtype = scalar_type;
+      denoiser = std::make_shared<megaslide::StreamedWanDenoiser>(model.dit, so);
+    } else {
+      denoiser = std::make_shared<megaslide::ResidentWanDenoiser>(model.dit, device, scalar_type);
+    }
+    try {
+      pipeline = std::make_shared<megaslide::WanTextToVideo>(model.config, std::move(*t5), std::move(*tokenizer), denoiser, std::move(*vae));
+    } catch (const std::invalid_argument& e) {
+      throw BadInput(e.what());
+    }
+    std::cerr << fmt::format("megaslide-sample: Wan {} -> {} videos of {} frames {}x{} in {} ({} {} steps, shift {}, guidance {}, device {}, DiT {}, "
+                             "umT5 {}, compute dtype {} ({}))\n",
+                             source, jobs.size(), frames, width, height, out_dir,
+                             options.kind() == megaslide::FlowSamplerKind::kUniPC ? "unipc" : "euler", options.steps(), options.shift(),
+                             options.guidance_scale(), device.str(), stream ? "blocks streamed" : "resident",
+                             pipeline_t5_streamed ? "layers streamed" : "resident", dtype.dtype, dtype.reason);
+  } catch (const BadInput& e) {
+    std::cerr << "megaslide-sample: " << e.what() << "\n";
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "megaslide-sample: " << megaslide::error_message(e) << "\n";
+    return 1;
+  }
+
+  try {
+    const auto video_options = megaslide::io::VideoWriteOptions().fps(fps).crf(crf);
+    const std::string videos_dir = megaslide::io::join_path(out_dir, megaslide::eval::kVideosFolder);
+    const std::string latents_dir = megaslide::io::join_path(out_dir, "latents");
+    megaslide::io::make_directories(videos_dir);
+    if (wan.latents) megaslide::io::make_directories(latents_dir);
+    SampleProgress progress(static_cast<int64_t>(jobs.size()), !no_progress);
+    for (size_t start = 0; start < jobs.size(); start += static_cast<size_t>(batch_size)) {
+      const size_t end = std::min(jobs.size(), start + static_cast<size_t>(batch_size));
+      std::vector<std::string> prompts;
+      std::vector<uint64_t> seeds;
+      for (size_t i = start; i < end; ++i) prompts.push_back(jobs[i].prompt), seeds.push_back(jobs[i].seed);
+      progress.set_batch(static_cast<int64_t>(end - start));
+      auto latents = pipeline->sample(prompts, seeds, options, [&](int64_t done, int64_t total) {
+        if (done < total) progress.update(static_cast<int64_t>(start), done, total);
+      });
+      auto videos = pipeline->decode(latents);
+      for (size_t i = start; i < end; ++i) {
+        const auto b = static_cast<int64_t>(i - start);
+        auto frames = megaslide::io::to_rgb_frames(videos[b], upscale);
+        megaslide::io::write_mp4(megaslide::io::join_path(videos_dir, jobs[i].file), frames, video_options);
+        const auto stem = jobs[i].file.substr(0, jobs[i].file.size() - 4);
+        if (wan.latents)
+          megaslide::io::write_safetensors(megaslide::io::join_path(latents_dir, stem + ".safetensors"),
+                                           {{"latents", latents[b].to(torch::kCPU).contiguous()}}, {{"prompt", jobs[i].prompt},
+                                                                                                    {"seed", std::to_string(jobs[i].seed)}});
+        if (png) {
+          auto frame_dir = megaslide::io::join_path(megaslide::io::join_path(out_dir, "frames"), stem);
+          megaslide::io::make_directories(frame_dir);
+          for (int64_t t = 0; t < frames.size(0); ++t)
+            megaslide::io::write_png(megaslide::io::join_path(frame_dir, fmt::format("{:03}.png", t)), frames[t]);
+        }
+      }
+      progress.update(static_cast<int64_t>(end), options.steps(), options.steps());
+    }
+    progress.finish();
+    const megaslide::eval::SamplingRecord record{source, options.kind() == megaslide::FlowSamplerKind::kUniPC ? "unipc" : "euler",
+                                                 options.steps(), options.guidance_scale(), 0.0, seed, fps, upscale};
+    megaslide::io::write_file_atomically(megaslide::io::join_path(out_dir, "index.json"), megaslide::eval::index_json(jobs, record));
+    std::cerr << fmt::format("megaslide-sample: wrote {} videos and {}\n", jobs.size(), megaslide::io::join_path(out_dir, "index.json"));
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << "\nmegaslide-sample: " << megaslide::error_message(e) << "\n";
+    return 1;
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"megaslide-sample: text-to-video sampling into VBench's layout (docs/sampling.md)"};
-  std::string checkpoint, prompts_path, out_dir, sampler = "ddpm", device_spec = "auto", streamed = "auto", compute_dtype = "auto";
-  int64_t samples_per_prompt = 5, batch_size = 4, fps = 8, crf = 17, upscale = 1, threads = 0;
+  std::string checkpoint, config_path, prompts_path, out_dir, sampler, device_spec = "auto", streamed = "auto", compute_dtype = "auto";
+  std::vector<std::string> overrides;
+  WanFlags wan;
+  int64_t samples_per_prompt = 5, batch_size = 4, fps = 0, crf = 17, upscale = 1, threads = 0;
   int64_t steps = 0;          // 0: the checkpoint config's diffusion.sample_steps
   std::string spacing;        // empty: the checkpoint config's diffusion.timestep_spacing
   double guidance = -1.0;     // < 0: the checkpoint config's diffusion.guidance_scale
@@ -66,15 +232,31 @@ int main(int argc, char** argv) {
   app.add_option("--checkpoint", checkpoint,
                  "weights file (safetensors) written by megaslide-train --export-weights, a training checkpoint folder "
                  "(RUN_DIR/checkpoints/step-NNNNNNN), its `latest` file (RUN_DIR/checkpoints/latest) or a run folder (its latest "
-                 "checkpoint)")
-      ->required()
+                 "checkpoint); a Wan run's as well")
       ->check(megaslide::tools::non_empty_path());
+  app.add_option("--config", config_path,
+                 "Wan: a run config (model.arch wan) whose model.wan.weights are published weights (a diffusers repository, "
+                 "Wan-AI's or ComfyUI's file); data.frames/height/width give the latents' size. Instead of --checkpoint")
+      ->check(megaslide::tools::non_empty_path());
+  app.add_option("--set", overrides, "with --config: override a config value, e.g. --set data.frames=21 (repeatable)");
+  app.add_option("--text-encoder", wan.text_encoder,
+                 "Wan: umT5's weights (transformers' folder, a diffusers repository's text_encoder/, or ComfyUI's "
+                 "umt5_xxl_fp16.safetensors); default: text_encoder/ of the diffusers repository model.wan.weights names");
+  app.add_option("--tokenizer", wan.tokenizer, "Wan: umT5's spiece.model, or a folder holding it (default: found from --text-encoder)");
+  app.add_option("--vae", wan.vae,
+                 "Wan: the Wan VAE (diffusers' vae/ folder or ComfyUI's wan_2.1_vae.safetensors); default: vae/ of the diffusers "
+                 "repository model.wan.weights names");
+  app.add_option("--negative-prompt", wan.negative_prompt, "Wan: the negative prompt of guidance (default: Wan2.1's, docs/wan.md)")
+      ->each([&wan](const std::string&) { wan.negative_prompt_set = true; });
+  app.add_option("--shift", wan.shift, "Wan: the flow sampler's shift (default: the config's diffusion.shift)")
+      ->check(megaslide::tools::finite_real(0.0));
+  app.add_flag("--latents", wan.latents, "Wan: also write each video's latents (normalised, before the VAE) as DIR/latents/{prompt}-{index}.safetensors");
   app.add_option("--prompts", prompts_path, "prompt file, one prompt per line (VBench's prompt files work as they are)")->required();
   app.add_option("--samples-per-prompt", samples_per_prompt, "videos per prompt (index 0..N-1)")->check(CLI::Range(int64_t{1}, int64_t{100000}))
       ->capture_default_str();
   app.add_option("--out", out_dir, "output folder: DIR/videos/*.mp4, DIR/index.json")->required()->check(megaslide::tools::non_empty_path());
-  app.add_option("--sampler", sampler, "ddpm (ancestral) or ddim")->check(CLI::IsMember({"ddpm", "ddim"}))
-      ->capture_default_str();
+  app.add_option("--sampler", sampler, "ddpm (ancestral, the default) or ddim; Wan: unipc (the default) or euler")
+      ->check(CLI::IsMember({"ddpm", "ddim", "unipc", "euler"}));
   app.add_option("--steps", steps, "sampling steps, respaced over the training timesteps (default: the config's diffusion.sample_steps)")
       ->check(CLI::PositiveNumber);
   app.add_option("--timestep-spacing", spacing,
@@ -88,8 +270,7 @@ int main(int argc, char** argv) {
   app.add_option("--seed", seed, "base seed: each video's seed derives from (seed, prompt, index)")->capture_default_str();
   app.add_option("--batch-size", batch_size, "videos sampled together")->check(CLI::Range(int64_t{1}, int64_t{4096}))
       ->capture_default_str();
-  app.add_option("--fps", fps, "frames per second of the MP4s")->check(CLI::Range(int64_t{1}, int64_t{240}))
-      ->capture_default_str();
+  app.add_option("--fps", fps, "frames per second of the MP4s (default 8; Wan: 16, Wan2.1's sample_fps)")->check(CLI::Range(int64_t{1}, int64_t{240}));
   app.add_option("--crf", crf, "libx264 constant rate factor (0 best .. 51 worst)")->check(CLI::Range(int64_t{0}, int64_t{51}))
       ->capture_default_str();
   app.add_option("--upscale", upscale, "repeat pixels N times in each direction (small models' frames are tiny)")
@@ -99,8 +280,8 @@ int main(int argc, char** argv) {
   app.add_option("--device", device_spec, "auto, cpu, cuda or cuda:N")
       ->capture_default_str();
   app.add_option("--streamed", streamed,
-                 "stream the DiT's blocks through the WeightStreamer: on, off, or auto (when its weights exceed half the "
-                 "device's free memory; never on the CPU)")
+                 "stream the DiT's blocks (Wan: and umT5's layers) through the WeightStreamer: on, off, or auto (each when its "
+                 "weights exceed half the device's free memory; never on the CPU)")
       ->check(CLI::IsMember({"auto", "on", "off"}))
       ->capture_default_str();
   app.add_option("--compute-dtype,--stream-dtype", compute_dtype,
@@ -124,7 +305,11 @@ int main(int argc, char** argv) {
   megaslide::TextToVideoModel model;
   torch::Device device = torch::kCPU;
   bool stream = false;
+  std::optional<megaslide::WanModel> wan_model;
+  std::string source = checkpoint;
   try {
+    if (checkpoint.empty() == config_path.empty()) throw std::invalid_argument("give one of --checkpoint and --config");
+    if (!overrides.empty() && config_path.empty()) throw std::invalid_argument("--set applies to --config");
     // Every video's file name is decided here, before any work (bounded, safe and unique; eval/vbench.h).
     auto prompts = megaslide::eval::read_prompt_file(prompts_path);
     jobs = megaslide::eval::plan_vbench_samples(prompts, samples_per_prompt, seed);
@@ -132,24 +317,54 @@ int main(int argc, char** argv) {
     device = megaslide::resolve_device(device_spec);
     // A weights file as it is; a checkpoint folder, its `latest` file or a run folder: the checkpoint's
     // bf16 weights file, checked against its manifest (docs/checkpoints.md).
-    const std::string weights = megaslide::find_weights(checkpoint);
-    model = megaslide::load_weights(weights);  // on the CPU; moved below, whole or all but the blocks
-    // A latent model's frozen CLIP and VAE, from the folders its config names, on the device.
-    model.frozen = megaslide::FrozenEncoders::load(model.config, device, weights + " (its config)");
-    int64_t weight_bytes = 0;
-    for (const auto& p : model.dit->parameters()) weight_bytes += static_cast<int64_t>(p.nbytes());
-    stream = megaslide::offload::should_stream(megaslide::offload::parse_stream_choice(streamed), device, weight_bytes);
-    if (model.config.data.height * upscale % 2 != 0 || model.config.data.width * upscale % 2 != 0)
-      throw std::invalid_argument(fmt::format("the model's frames are {}x{} (W x H); H.264 needs even sizes: use --upscale 2",
-                                              model.config.data.width, model.config.data.height));
-    if (steps > model.config.diffusion.timesteps)
-      throw std::invalid_argument(fmt::format("--steps {} exceeds the model's {} training timesteps", steps, model.config.diffusion.timesteps));
+    const std::string weights = checkpoint.empty() ? std::string() : megaslide::find_weights(checkpoint);
+    if (!config_path.empty()) {
+      const auto config = megaslide::load_run_config(config_path, overrides);
+      if (config.model.arch != megaslide::Architecture::kWan)
+        throw std::invalid_argument("--config '" + config_path + "': model.arch is " + megaslide::to_string(config.model.arch) +
+                                    "; --config is for Wan's published weights, sample the DiT family with --checkpoint");
+      wan_model = megaslide::wan_model_from_config(config, config_path);
+      source = config.model.wan.weights;
+    } else if (megaslide::is_wan_weights_file(weights)) {
+      wan_model = megaslide::load_wan_model(weights);
+    }
+    const bool is_wan = wan_model.has_value();
+    if (!is_wan && (!wan.text_encoder.empty() || !wan.tokenizer.empty() || !wan.vae.empty() || wan.negative_prompt_set || wan.shift >= 0 ||
+                    wan.latents))
+      throw std::invalid_argument("--text-encoder, --tokenizer, --vae, --negative-prompt, --shift and --latents are for Wan models; '" +
+                                  checkpoint + "' is not one");
+    if (is_wan && (sampler == "ddpm" || sampler == "ddim"))
+      throw std::invalid_argument("--sampler " + sampler + ": Wan samples with flow matching: unipc or euler");
+    if (!is_wan && (sampler == "unipc" || sampler == "euler"))
+      throw std::invalid_argument("--sampler " + sampler + " is for Wan models: this model samples with ddpm or ddim");
+    if (is_wan && !spacing.empty()) throw std::invalid_argument("--timestep-spacing is for the DiT family's DDPM/DDIM samplers, not Wan's");
+    if (is_wan) {
+      if (steps > 0 && steps > wan_model->config.diffusion.timesteps)
+        throw std::invalid_argument(fmt::format("--steps {} exceeds the model's {} training timesteps", steps, wan_model->config.diffusion.timesteps));
+    } else {
+      if (fps == 0) fps = 8;
+      if (sampler.empty()) sampler = "ddpm";
+      model = megaslide::load_weights(weights);  // on the CPU; moved below, whole or all but the blocks
+      // A latent model's frozen CLIP and VAE, from the folders its config names, on the device.
+      model.frozen = megaslide::FrozenEncoders::load(model.config, device, weights + " (its config)");
+      int64_t weight_bytes = 0;
+      for (const auto& p : model.dit->parameters()) weight_bytes += static_cast<int64_t>(p.nbytes());
+      stream = megaslide::offload::should_stream(megaslide::offload::parse_stream_choice(streamed), device, weight_bytes);
+      if (model.config.data.height * upscale % 2 != 0 || model.config.data.width * upscale % 2 != 0)
+        throw std::invalid_argument(fmt::format("the model's frames are {}x{} (W x H); H.264 needs even sizes: use --upscale 2",
+                                                model.config.data.width, model.config.data.height));
+      if (steps > model.config.diffusion.timesteps)
+        throw std::invalid_argument(fmt::format("--steps {} exceeds the model's {} training timesteps", steps, model.config.diffusion.timesteps));
+    }
   } catch (const std::exception& e) {
     std::cerr << "megaslide-sample: " << megaslide::error_message(e) << "\n";
     return 2;
   }
 
   megaslide::tools::survive_file_size_limit();
+  if (wan_model)
+    return sample_wan(std::move(*wan_model), wan, jobs, out_dir, source, sampler, steps, guidance, seed, batch_size, fps == 0 ? 16 : fps, crf,
+                      upscale, png, device, streamed, compute_dtype, threads, no_progress);
   try {
     megaslide::ThreadRequest thread_request;
     thread_request.intra_op = static_cast<int>(threads);

@@ -13,6 +13,7 @@
 #include "megaslide/diffusion/ddpm.h"
 #include "megaslide/diffusion/sampler.h"
 #include "megaslide/diffusion/text_to_video.h"
+#include "megaslide/diffusion/wan_text_to_video.h"
 #include "megaslide/eval/ablation.h"
 #include "megaslide/eval/metrics.h"
 #include "megaslide/eval/plot.h"

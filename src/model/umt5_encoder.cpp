@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "io/pretrained.h"
+#include "megaslide/offload/weight_streamer.h"
 
 namespace megaslide {
 
@@ -15,6 +16,21 @@ constexpr const char* kEmbedding = "shared.weight";
 constexpr const char* kEmbeddingAlt = "encoder.embed_tokens.weight";
 
 std::string block(int64_t l) { return "encoder.block." + std::to_string(l) + "."; }
+
+// The matrices of a layer, in the order they sit in its flat streamed buffer.
+std::vector<std::string> layer_matrices(int64_t l, bool gated) {
+  const auto p = block(l);
+  std::vector<std::string> out;
+  for (const char* proj : {"q", "k", "v", "o"}) out.push_back(p + "layer.0.SelfAttention." + proj + ".weight");
+  if (gated) {
+    out.push_back(p + "layer.1.DenseReluDense.wi_0.weight");
+    out.push_back(p + "layer.1.DenseReluDense.wi_1.weight");
+  } else {
+    out.push_back(p + "layer.1.DenseReluDense.wi.weight");
+  }
+  out.push_back(p + "layer.1.DenseReluDense.wo.weight");
+  return out;
+}
 
 // "gated-gelu" -> (gated, "gelu_new") as UMT5Config maps it; "gated-X" -> (gated, X); "X" -> (not, X).
 std::pair<bool, std::string> activation(const std::string& proj) {
@@ -229,9 +245,87 @@ Umt5Encoder Umt5Encoder::build(const Umt5Config& config, at::Device device, at::
   return e;
 }
 
+struct Umt5Encoder::Stream {
+  struct Matrix {
+    std::string name;
+    int64_t offset = 0, numel = 0;
+    std::vector<int64_t> shape;
+  };
+  std::vector<std::vector<Matrix>> layers;
+  std::vector<at::Tensor> host;  // per layer, flat, the weights' dtype
+  at::Tensor embedding;          // on the CPU
+  std::unique_ptr<offload::WeightStreamer> streamer;
+  ~Stream() {
+    try {
+      if (streamer) streamer->synchronize();
+    } catch (...) {
+    }
+  }
+};
+
+Umt5Encoder Umt5Encoder::resident(Umt5Encoder encoder, at::Device device) {
+  TORCH_CHECK(!encoder.stream_, "Umt5Encoder::resident: the encoder is streamed");
+  for (auto& [name, t] : encoder.w_) t = t.to(device);
+  encoder.device_ = device;
+  return encoder;
+}
+
+Umt5Encoder Umt5Encoder::streamed(Umt5Encoder encoder, at::Device device, bool async) {
+  TORCH_CHECK(!encoder.stream_, "Umt5Encoder::streamed: the encoder is streamed already");
+  for (const auto& [name, t] : encoder.w_)
+    TORCH_CHECK(t.device().is_cpu(), "Umt5Encoder::streamed: the weights must be on the CPU, '", name, "' is on ", t.device());
+  bool pin = false;
+#ifdef MEGASLIDE_WITH_CUDA
+  pin = device.is_cuda();
+#endif
+  auto s = std::make_shared<Stream>();
+  const auto& c = encoder.config_;
+  const bool gated = activation(c.feed_forward_proj).first;
+  std::vector<int64_t> numels;
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    std::vector<Stream::Matrix> matrices;
+    int64_t n = 0;
+    for (const auto& name : layer_matrices(l, gated)) {
+      const auto& t = encoder.w_.at(name);
+      matrices.push_back({name, n, t.numel(), t.sizes().vec()});
+      n += t.numel();
+    }
+    auto flat = at::empty({n}, at::TensorOptions().dtype(encoder.dtype_).pinned_memory(pin));
+    for (const auto& m : matrices) {
+      flat.narrow(0, m.offset, m.numel).copy_(encoder.w_.at(m.name).reshape({-1}));
+      encoder.w_.erase(m.name);  // the copy above is now the only one
+    }
+    s->layers.push_back(std::move(matrices));
+    s->host.push_back(flat);
+    numels.push_back(n);
+  }
+  s->embedding = encoder.w_.at(kEmbedding);
+  encoder.w_.erase(kEmbedding);
+  for (auto& [name, t] : encoder.w_) t = t.to(device);  // norms and relative-attention tables: small
+  s->streamer = std::make_unique<offload::WeightStreamer>(
+      numels, offload::WeightStreamerOptions{device, encoder.dtype_, async ? offload::StreamMode::kAsync : offload::StreamMode::kSync});
+  encoder.device_ = device;
+  encoder.stream_ = std::move(s);
+  return encoder;
+}
+
+int64_t Umt5Encoder::weight_bytes() const {
+  int64_t n = 0;
+  for (const auto& [name, t] : w_) n += static_cast<int64_t>(t.nbytes());
+  if (stream_) {
+    n += static_cast<int64_t>(stream_->embedding.nbytes());
+    for (const auto& h : stream_->host) n += static_cast<int64_t>(h.nbytes());
+  }
+  return n;
+}
+
 int64_t Umt5Encoder::parameter_count() const {
   int64_t n = 0;
   for (const auto& [name, t] : w_) n += t.numel();
+  if (stream_) {
+    n += stream_->embedding.numel();
+    for (const auto& h : stream_->host) n += h.numel();
+  }
   return n;
 }
 
@@ -244,7 +338,11 @@ at::Tensor Umt5Encoder::forward(const at::Tensor& ids_in, const at::Tensor& mask
   TORCH_CHECK(ids_in.numel() == 0 || (ids_in.min().item<int64_t>() >= 0 && ids_in.max().item<int64_t>() < c.vocab_size),
               "Umt5Encoder: token ids must be in [0, ", c.vocab_size, ")");
   at::NoGradGuard no_grad;
-  auto w = [this](const std::string& name) -> const at::Tensor& { return w_.at(name); };
+  std::map<std::string, at::Tensor> slot;  // streamed: the layer's matrices, views into its device slot
+  auto w = [&](const std::string& name) -> const at::Tensor& {
+    const auto it = slot.find(name);
+    return it != slot.end() ? it->second : w_.at(name);
+  };
   const auto ids = ids_in.to(device_);
   // Additive key mask [B, 1, 1, L]: -inf at padding.
   at::Tensor key_bias;
@@ -257,9 +355,28 @@ at::Tensor Umt5Encoder::forward(const at::Tensor& ids_in, const at::Tensor& mask
   }
   const auto buckets = relative_buckets(L, c.relative_attention_num_buckets, c.relative_attention_max_distance).to(device_);
   const auto [gated, act_name] = activation(c.feed_forward_proj);
-  auto h = at::embedding(w(kEmbedding), ids).to(at::kFloat);
+  auto h = stream_ ? at::embedding(stream_->embedding, ids_in.cpu()).to(device_, at::kFloat) : at::embedding(w(kEmbedding), ids).to(at::kFloat);
+  // An acquired layer is released however the layer ends (an exception included).
+  struct Release {
+    offload::WeightStreamer* streamer = nullptr;
+    int64_t layer = -1;
+    ~Release() {
+      if (streamer != nullptr && layer >= 0) try {
+          streamer->release(layer);
+        } catch (...) {
+        }
+    }
+  } acquired;
+  if (stream_) stream_->streamer->prefetch(0, stream_->host[0]);
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const auto p = block(l);
+    if (stream_) {
+      const auto weights = stream_->streamer->acquire(l);
+      acquired.streamer = stream_->streamer.get();
+      acquired.layer = l;
+      slot.clear();
+      for (const auto& m : stream_->layers[static_cast<size_t>(l)]) slot[m.name] = weights.narrow(0, m.offset, m.numel).view(m.shape);
+    }
     auto x = rms_norm(h, w(p + "layer.0.layer_norm.weight"), c.layer_norm_epsilon).to(dtype_);
     auto heads = [&](const char* proj) {
       return at::linear(x, w(p + "layer.0.SelfAttention." + proj + ".weight")).view({B, L, H, c.d_kv}).transpose(1, 2);
@@ -279,6 +396,12 @@ at::Tensor Umt5Encoder::forward(const at::Tensor& ids_in, const at::Tensor& mask
       ff = act(at::linear(x, w(p + "layer.1.DenseReluDense.wi.weight")), act_name);
     }
     h = h + at::linear(ff, w(p + "layer.1.DenseReluDense.wo.weight")).to(at::kFloat);
+    if (stream_) {
+      slot.clear();
+      acquired.layer = -1;
+      stream_->streamer->release(l);
+      if (l + 1 < c.num_layers) stream_->streamer->prefetch(l + 1, stream_->host[static_cast<size_t>(l + 1)]);
+    }
   }
   return rms_norm(h, w("encoder.final_layer_norm.weight"), c.layer_norm_epsilon);
 }

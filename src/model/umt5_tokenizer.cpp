@@ -2,6 +2,11 @@
 
 #include <algorithm>
 #include <array>
+#include <iterator>
+#include <string_view>
+
+#include <unicode/normalizer2.h>
+#include <unicode/unistr.h>
 
 #include "io/pretrained.h"
 #include "megaslide/io/files.h"
@@ -48,7 +53,162 @@ bool is_python_space(uint32_t c) {
          c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
 }
 
+void append_utf8(std::string& out, uint32_t cp) {
+  if (cp < 0x80) {
+    out += static_cast<char>(cp);
+  } else if (cp < 0x800) {
+    out += static_cast<char>(0xC0 | (cp >> 6));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else if (cp < 0x10000) {
+    out += static_cast<char>(0xE0 | (cp >> 12));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else {
+    out += static_cast<char>(0xF0 | (cp >> 18));
+    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+}
+
+struct Entity {
+  const char* name;
+  const char* text;
+};
+constexpr Entity kEntities[] = {
+#include "html5_entities.inc"
+};
+
+const char* find_entity(const std::string& name) {
+  const auto* end = std::end(kEntities);
+  const auto* it = std::lower_bound(std::begin(kEntities), end, name, [](const Entity& e, const std::string& n) { return std::string_view(e.name) < n; });
+  return it != end && name == it->name ? it->text : nullptr;
+}
+
+// Python's html._replace_charref for a numeric reference: the code point `num` (saturated above 0x10FFFF).
+void append_numeric_reference(std::string& out, uint64_t num) {
+  // Windows-1252's characters for the C1 range, as HTML5 maps them (html._invalid_charrefs).
+  static constexpr uint32_t kC1[32] = {0x20AC, 0x81,   0x201A, 0x0192, 0x201E, 0x2026, 0x2020, 0x2021, 0x02C6, 0x2030, 0x0160,
+                                       0x2039, 0x0152, 0x8D,   0x017D, 0x8F,   0x90,   0x2018, 0x2019, 0x201C, 0x201D, 0x2022,
+                                       0x2013, 0x2014, 0x02DC, 0x2122, 0x0161, 0x203A, 0x0153, 0x9D,   0x017E, 0x0178};
+  if (num == 0) return append_utf8(out, 0xFFFD);
+  if (num == 0x0D) return append_utf8(out, 0x0D);
+  if (num >= 0x80 && num <= 0x9F) return append_utf8(out, kC1[num - 0x80]);
+  if ((num >= 0xD800 && num <= 0xDFFF) || num > 0x10FFFF) return append_utf8(out, 0xFFFD);
+  const auto c = static_cast<uint32_t>(num);
+  // html._invalid_codepoints: dropped.
+  if ((c >= 0x1 && c <= 0x8) || c == 0xB || (c >= 0xE && c <= 0x1F) || (c >= 0x7F && c <= 0x9F) || (c >= 0xFDD0 && c <= 0xFDEF) ||
+      (c & 0xFFFE) == 0xFFFE)
+    return;
+  append_utf8(out, c);
+}
+
+struct CharacterFix {
+  uint32_t code_point;
+  const char* replacement;
+};
+constexpr CharacterFix kFtfyCharacters[] = {
+#include "ftfy_characters.inc"
+};
+
+bool is_digit(char c) { return c >= '0' && c <= '9'; }
+bool is_hex(char c) { return is_digit(c) || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F'); }
+
 }  // namespace
+
+std::string html_unescape(const std::string& text) {
+  std::string out;
+  out.reserve(text.size());
+  size_t i = 0;
+  while (i < text.size()) {
+    const size_t amp = text.find('&', i);
+    if (amp == std::string::npos) break;
+    out.append(text, i, amp - i);
+    size_t j = amp + 1;
+    if (j < text.size() && text[j] == '#') {
+      // &#[0-9]+;?  or  &#[xX][0-9a-fA-F]+;?
+      const bool hex = j + 1 < text.size() && (text[j + 1] == 'x' || text[j + 1] == 'X');
+      size_t k = j + (hex ? 2 : 1);
+      const size_t digits = k;
+      uint64_t num = 0;
+      while (k < text.size() && (hex ? is_hex(text[k]) : is_digit(text[k]))) {
+        const char c = text[k];
+        const uint64_t d = is_digit(c) ? static_cast<uint64_t>(c - '0') : static_cast<uint64_t>((c | 0x20) - 'a' + 10);
+        num = std::min<uint64_t>(num * (hex ? 16 : 10) + d, uint64_t{1} << 40);  // saturated: anything above 0x10FFFF is U+FFFD
+        ++k;
+      }
+      if (k == digits) {  // no digits: not a reference
+        out += '&';
+        i = amp + 1;
+        continue;
+      }
+      if (k < text.size() && text[k] == ';') ++k;
+      append_numeric_reference(out, num);
+      i = k;
+      continue;
+    }
+    // [^\t\n\f <&#;]{1,32};?  (32 code points), then the whole name, else its longest prefix of at least
+    // two characters that is a name without ';', the rest kept; else the text as it was.
+    size_t k = j;
+    int count = 0;
+    while (k < text.size() && count < 32) {
+      const char c = text[k];
+      if (c == '\t' || c == '\n' || c == '\f' || c == ' ' || c == '<' || c == '&' || c == '#' || c == ';') break;
+      size_t next = k;
+      next_code_point(text, next);
+      k = next;
+      ++count;
+    }
+    if (count == 0) {
+      out += '&';
+      i = amp + 1;
+      continue;
+    }
+    if (k < text.size() && text[k] == ';') ++k;
+    const std::string name = text.substr(j, k - j);
+    if (const char* replacement = find_entity(name)) {
+      out += replacement;
+      i = k;
+      continue;
+    }
+    bool found = false;
+    for (size_t len = name.size() - 1; len >= 2 && !found; --len) {  // entity names are ASCII: bytes are characters
+      if (const char* replacement = find_entity(name.substr(0, len))) {
+        out += replacement;
+        out.append(name, len, std::string::npos);
+        found = true;
+      }
+    }
+    if (!found) out += "&" + name;
+    i = k;
+  }
+  out.append(text, i, std::string::npos);
+  return out;
+}
+
+std::string ftfy_character_fixes(const std::string& text) {
+  std::string out;
+  out.reserve(text.size());
+  for (size_t i = 0; i < text.size();) {
+    const size_t start = i;
+    const uint32_t cp = next_code_point(text, i);
+    const auto* end = std::end(kFtfyCharacters);
+    const auto* it = std::lower_bound(std::begin(kFtfyCharacters), end, cp,
+                                      [](const CharacterFix& f, uint32_t c) { return f.code_point < c; });
+    if (it != end && it->code_point == cp) out += it->replacement;
+    else out.append(text, start, i - start);
+  }
+  UErrorCode status = U_ZERO_ERROR;
+  const icu::Normalizer2* nfc = icu::Normalizer2::getNFCInstance(status);
+  if (U_FAILURE(status)) return out;
+  const icu::UnicodeString normalized = nfc->normalize(icu::UnicodeString::fromUTF8(out), status);
+  if (U_FAILURE(status)) return out;
+  std::string result;
+  normalized.toUTF8String(result);
+  return result;
+}
+
+std::string wan_prompt_clean(const std::string& prompt) { return wan_clean(html_unescape(html_unescape(ftfy_character_fixes(prompt)))); }
 
 std::string wan_clean(const std::string& prompt) {
   std::string out;

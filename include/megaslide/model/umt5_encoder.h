@@ -27,7 +27,14 @@
 // embed(): Wan's convention: last_hidden_state with every position past the prompt (mask 0) zeroed.
 //
 // Frozen: no gradients. Weights live on `device` in `dtype` (fp32, or bf16/fp16); norms, the residual
-// stream and the output are fp32. Errors: Umt5Error (io::IoError) naming the file, the tensor and what was
+// stream and the output are fp32.
+//
+// Streamed (Umt5Encoder::streamed, for a device umT5-XXL does not fit): every layer's seven matrices (q, k,
+// v, o, wi_0, wi_1, wo) stay in host RAM, one flat buffer per layer (page-locked for a GPU), and visit the
+// device layer by layer through a WeightStreamer (offload/weight_streamer.h: two slots, the next layer
+// copied while this one computes); the embedding stays in host RAM (rows gathered there, the hidden
+// states then moved), the norms and relative-attention tables on the device. The output equals the
+// resident encoder's for the same dtype (bit for bit on the CPU). Errors: Umt5Error (io::IoError) naming the file, the tensor and what was
 // expected. Thread-safety: forward may be called from one thread at a time.
 #pragma once
 
@@ -35,6 +42,7 @@
 
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -70,6 +78,13 @@ class Umt5Encoder {
   // `path`: a folder in transformers' layout (or a diffusers repository root with text_encoder/), an
   // index.json, or a single .safetensors file (ComfyUI's layout).
   static Umt5Encoder load(const std::string& path, at::Device device = at::kCPU, at::ScalarType dtype = at::kFloat);
+  // `encoder` (whose weights must be on the CPU) moved to `device` whole, or with its layers streamed as
+  // above. `async`: copies overlap compute (CUDA streams; emulated copy threads on the CPU); else in line.
+  static Umt5Encoder resident(Umt5Encoder encoder, at::Device device);
+  static Umt5Encoder streamed(Umt5Encoder encoder, at::Device device, bool async = true);
+  bool is_streamed() const { return stream_ != nullptr; }
+  // Bytes of the weights (all of them, wherever they live).
+  int64_t weight_bytes() const;
   // The architecture of `config` with random weights: for benchmarks without the download.
   static Umt5Encoder random(const Umt5Config& config, uint64_t seed = 0, at::Device device = at::kCPU, at::ScalarType dtype = at::kFloat);
 
@@ -95,6 +110,8 @@ class Umt5Encoder {
   at::ScalarType dtype_ = at::kFloat;
   std::string source_;
   std::map<std::string, at::Tensor> w_;  // transformers' names, shared.weight for the embedding
+  struct Stream;                         // the streamed layers (null when resident)
+  std::shared_ptr<Stream> stream_;
 };
 
 // The weights file Umt5Encoder::load reads for `path` (the index.json, model.safetensors or the file

@@ -1,0 +1,154 @@
+// Wan2.1 text to video (model.arch: wan), as diffusers' WanPipeline and Wan's own generate.py compute it:
+//
+//   prompts ─ wan_prompt_clean ─ umT5 tokenizer (512 tokens) ─ umT5 encoder, embeddings past each prompt zeroed
+//   x_1 ~ N(0, I) per seed ─ flow sampler (UniPC or Euler, shift) with classifier-free guidance against the
+//   negative prompt's embeddings:  v̂ = v(x, t, negative) + s·(v(x, t, prompt) − v(x, t, negative))
+//   ─ normalised latents [B, 16, t, h, w] ─ Wan VAE: z·std + mean, decode ─ pixels [B, 3, 1 + 4(t − 1), 8h, 8w]
+//
+// Defaults (WanSampleOptions), from Wan2.1's generate.py and wan/configs (t2v): 50 steps, shift 5.0,
+// guidance 5.0, the UniPC solver, the Chinese negative prompt of shared_config.py (kWanNegativePrompt),
+// 512 text tokens. diffusers' WanPipeline has the same steps and guidance; its negative prompt defaults to
+// "" and its shift is its scheduler config's flow_shift. Checked against WanPipeline(output_type="latent")
+// on tiny models (tests/test_wan_sample.cpp, tests/fixtures/wan_pipeline/).
+//
+// The DiT runs through a WanDenoiser: ResidentWanDenoiser holds it whole on the device; StreamedWanDenoiser
+// keeps each block's attention and FFN weights (WanBlock::streamed()) in host RAM in the compute dtype and
+// streams them block by block through the WeightStreamer (the StreamedDenoiser's scheme for the DiT
+// family). In both, the patch and condition embeddings, the head, and each block's scale_shift_table and
+// norm2 stay fp32 (diffusers' _keep_in_fp32_modules); the blocks' matrices and the tokens between blocks
+// are in the compute dtype. With the same compute dtype both give the same output (bit for bit on the CPU).
+//
+// Ownership: the denoisers take over the module they are given (StreamedWanDenoiser empties its blocks'
+// streamed parameters). Thread-safety: one thread drives a pipeline.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "megaslide/config/run_config.h"
+#include "megaslide/diffusion/flow_matching.h"
+#include "megaslide/model/umt5_encoder.h"
+#include "megaslide/model/umt5_tokenizer.h"
+#include "megaslide/model/wan.h"
+#include "megaslide/model/wan_vae.h"
+#include "megaslide/offload/streamed_denoiser.h"
+#include "megaslide/offload/weight_streamer.h"
+
+namespace megaslide {
+
+// Wan2.1's default negative prompt (shared_config.py's sample_neg_prompt), UTF-8.
+extern const char* const kWanNegativePrompt;
+
+struct WanSampleOptions {
+  TORCH_ARG(FlowSamplerKind, kind) = FlowSamplerKind::kUniPC;
+  TORCH_ARG(int64_t, steps) = 50;
+  TORCH_ARG(double, shift) = 5.0;
+  TORCH_ARG(double, guidance_scale) = 5.0;
+  TORCH_ARG(std::string, negative_prompt) = kWanNegativePrompt;
+  TORCH_ARG(int64_t, text_tokens) = 512;  // umT5 tokens per prompt (Wan's text_len)
+  TORCH_ARG(bool, clean_prompts) = true;  // wan_prompt_clean before tokenizing, as WanPipeline does
+
+ public:
+  // The defaults above with a run config's diffusion.sample_steps, diffusion.shift, diffusion.guidance_scale
+  // and data.max_text_tokens (what a Wan run trained with).
+  static WanSampleOptions from_config(const RunConfig& config);
+  FlowSamplerOptions flow() const;
+};
+
+// The Wan DiT's output (the flow velocity) for latents x [B, C, T, H, W] at timesteps [B] (float) and text
+// [B, L, text_dim]; float32 out, on the denoiser's device. Called under NoGradGuard.
+class WanDenoiser {
+ public:
+  virtual ~WanDenoiser() = default;
+  virtual torch::Tensor predict(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text) = 0;
+  virtual torch::Device device() const = 0;
+};
+
+class ResidentWanDenoiser final : public WanDenoiser {
+ public:
+  // Moves `model` to `device`; with a compute dtype other than Float converts the blocks' streamed
+  // parameters to it in place.
+  ResidentWanDenoiser(WanTransformer model, torch::Device device, c10::ScalarType compute_dtype = c10::ScalarType::Float);
+  torch::Tensor predict(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text) override;
+  torch::Device device() const override { return device_; }
+
+ private:
+  WanTransformer model_;
+  torch::Device device_;
+  c10::ScalarType compute_dtype_;
+};
+
+class StreamedWanDenoiser final : public WanDenoiser {
+ public:
+  StreamedWanDenoiser(WanTransformer model, offload::StreamedDenoiserOptions options);
+  ~StreamedWanDenoiser() override;
+  torch::Tensor predict(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text) override;
+  torch::Device device() const override { return options_.device; }
+  const offload::WeightStreamer& streamer() const { return *streamer_; }
+  int64_t host_weight_bytes() const;  // the blocks' streamed weights on the host (compute dtype)
+
+ private:
+  struct Param {
+    torch::Tensor param;
+    int64_t offset = 0, numel = 0;
+    std::vector<int64_t> shape;
+  };
+  WanTransformer model_;
+  offload::StreamedDenoiserOptions options_;
+  std::vector<std::vector<Param>> params_;
+  std::vector<torch::Tensor> host_;
+  std::unique_ptr<offload::WeightStreamer> streamer_;
+};
+
+// A Wan DiT and the run config it belongs to.
+struct WanModel {
+  RunConfig config;
+  WanTransformer dit{nullptr};
+  std::string source;  // the file or folder the weights came from
+};
+
+// True when `path` is a megaslide weights file (io/weights.h: a Wan run's checkpoint model.safetensors
+// or an exported file) whose embedded config has model.arch wan; reads the header only.
+bool is_wan_weights_file(const std::string& path);
+// The Wan DiT of a megaslide weights file ("dit.<name>" tensors, the config in its metadata), fp32 on the
+// CPU. Throws WeightsError naming the file and the tensor.
+WanModel load_wan_model(const std::string& weights_file);
+// The Wan DiT `config` describes, with model.wan.weights (published weights: model/wan_weights.h) loaded
+// into it, fp32 on the CPU. The config must name the weights (ConfigError otherwise).
+WanModel wan_model_from_config(const RunConfig& config, const std::string& source);
+
+class WanTextToVideo {
+ public:
+  // `config` gives the latents' shape (data.channels x data.frames x data.height x data.width, in latents)
+  // and the DiT's sizes; the encoder's width must be model.wan.text_dim and the VAE's z_dim data.channels
+  // (std::invalid_argument otherwise). umT5 and the VAE run on their own devices; the latents are
+  // sampled on the denoiser's.
+  WanTextToVideo(RunConfig config, Umt5Encoder text_encoder, Umt5Tokenizer tokenizer, std::shared_ptr<WanDenoiser> denoiser,
+                 WanVae vae);
+
+  // Wan's text embeddings [N, text_tokens, d_model] float32 on the denoiser's device (cleaned first when
+  // options.clean_prompts()).
+  torch::Tensor encode(const std::vector<std::string>& prompts, const WanSampleOptions& options) const;
+  // Normalised latents [B, C, T, H, W] float32 on the denoiser's device, one per (prompt, seed).
+  torch::Tensor sample(const std::vector<std::string>& prompts, const std::vector<uint64_t>& seeds, const WanSampleOptions& options,
+                       const std::function<void(int64_t, int64_t)>& on_step = {});
+  // Normalised latents -> pixels [B, 3, T', H', W'] in [-1, 1], float32 on the CPU.
+  torch::Tensor decode(const torch::Tensor& latents) const;
+
+  const RunConfig& config() const { return config_; }
+  std::vector<int64_t> latent_shape() const;  // [C, T, H, W]
+  const WanVae& vae() const { return vae_; }
+
+ private:
+  RunConfig config_;
+  Umt5Encoder text_encoder_;
+  Umt5Tokenizer tokenizer_;
+  std::shared_ptr<WanDenoiser> denoiser_;
+  WanVae vae_;
+};
+
+}  // namespace megaslide

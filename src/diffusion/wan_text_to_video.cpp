@@ -1,0 +1,264 @@
+#include "megaslide/diffusion/wan_text_to_video.h"
+
+#include <set>
+
+#include "io/pretrained.h"
+#include "megaslide/io/safetensors.h"
+#include "megaslide/io/weights.h"
+#include "megaslide/model/wan_weights.h"
+
+namespace megaslide {
+
+const char* const kWanNegativePrompt =
+    "色调艳丽，过曝，静态，细节模糊不清，字幕，风格，作品，画作，画面，静止，整体发灰，最差质量，低质量，JPEG压缩残留，丑陋的，"
+    "残缺的，多余的手指，画得不好的手部，画得不好的脸部，畸形的，毁容的，形态畸形的肢体，手指融合，静止不动的画面，杂乱的背景，"
+    "三条腿，背景人很多，倒着走";
+
+WanSampleOptions WanSampleOptions::from_config(const RunConfig& config) {
+  return WanSampleOptions()
+      .steps(config.diffusion.sample_steps)
+      .shift(config.diffusion.shift)
+      .guidance_scale(config.diffusion.guidance_scale)
+      .text_tokens(config.data.max_text_tokens);
+}
+
+FlowSamplerOptions WanSampleOptions::flow() const {
+  return FlowSamplerOptions().kind(kind()).steps(steps()).shift(shift()).guidance_scale(guidance_scale());
+}
+
+namespace {
+
+// The parameters of block l's attention and FFN (what is streamed, and what a compute dtype applies to).
+std::set<const void*> streamed_parameter_set(WanTransformer& model) {
+  std::set<const void*> out;
+  for (const auto& block : *model->blocks)
+    for (const auto& p : block->as<WanBlockImpl>()->streamed().parameters(true)) out.insert(p.unsafeGetTensorImpl());
+  return out;
+}
+
+// The forward pass both denoisers share: fp32 prologue and head, blocks in the tokens' dtype `dt`.
+template <typename RunBlock>
+torch::Tensor wan_predict(WanTransformer& model, torch::Device device, c10::ScalarType dt, const torch::Tensor& x,
+                          const torch::Tensor& timesteps, const torch::Tensor& text, const RunBlock& run_block) {
+  torch::NoGradGuard no_grad;
+  auto e = model->embed(x.to(device, torch::kFloat32), timesteps.to(device, torch::kFloat32), text.to(device, torch::kFloat32));
+  auto h = e.tokens.to(dt);
+  e.ctx.context = e.ctx.context.to(dt);
+  const int64_t L = static_cast<int64_t>(model->blocks->size());
+  for (int64_t l = 0; l < L; ++l) h = run_block(l, h, e.ctx);
+  return model->head(h.to(torch::kFloat32), e.temb, e.ctx.grid).to(torch::kFloat32);
+}
+
+}  // namespace
+
+ResidentWanDenoiser::ResidentWanDenoiser(WanTransformer model, torch::Device device, c10::ScalarType compute_dtype)
+    : model_(std::move(model)), device_(device), compute_dtype_(compute_dtype) {
+  TORCH_CHECK(model_, "ResidentWanDenoiser: the model is null");
+  TORCH_CHECK(compute_dtype == at::kFloat || compute_dtype == at::kBFloat16 || compute_dtype == at::kHalf,
+              "ResidentWanDenoiser: compute dtype must be Float, BFloat16 or Half, got ", compute_dtype);
+  torch::NoGradGuard no_grad;
+  model_->to(device_);
+  model_->eval();
+  if (compute_dtype_ != at::kFloat)
+    for (const auto& block : *model_->blocks)
+      for (auto& p : block->as<WanBlockImpl>()->streamed().parameters(true)) p.set_data(p.detach().to(compute_dtype_));
+}
+
+torch::Tensor ResidentWanDenoiser::predict(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text) {
+  return wan_predict(model_, device_, compute_dtype_, x, timesteps, text, [&](int64_t l, const torch::Tensor& h, const WanBlockContext& ctx) {
+    return model_->blocks[l]->as<WanBlockImpl>()->forward(h, ctx);
+  });
+}
+
+StreamedWanDenoiser::StreamedWanDenoiser(WanTransformer model, offload::StreamedDenoiserOptions options)
+    : model_(std::move(model)), options_(options) {
+  TORCH_CHECK(model_, "StreamedWanDenoiser: the model is null");
+  const auto dt = options_.compute_dtype;
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
+              "StreamedWanDenoiser: compute dtype must be Float, BFloat16 or Half, got ", dt);
+  const int64_t L = static_cast<int64_t>(model_->blocks->size());
+  TORCH_CHECK(L >= 1, "StreamedWanDenoiser: the model has no blocks");
+  bool pin = false;
+#ifdef MEGASLIDE_WITH_CUDA
+  pin = options_.device.is_cuda() && options_.pin_host_memory;
+#endif
+  torch::NoGradGuard no_grad;
+  const auto empty = torch::TensorOptions().dtype(dt).device(options_.device);
+  std::vector<int64_t> numels;
+  params_.resize(static_cast<size_t>(L));
+  for (int64_t l = 0; l < L; ++l) {
+    auto& streamed = model_->blocks[l]->as<WanBlockImpl>()->streamed();
+    int64_t n = 0;
+    for (const auto& item : streamed.named_parameters(true)) {
+      TORCH_CHECK(item.value().numel() > 0, "StreamedWanDenoiser: block ", l, "'s parameter '", item.key(),
+                  "' is empty (is this model already streamed by another denoiser?)");
+      params_[l].push_back({item.value(), n, item.value().numel(), item.value().sizes().vec()});
+      n += item.value().numel();
+    }
+    auto flat = torch::empty({n}, torch::TensorOptions().dtype(dt).pinned_memory(pin));
+    for (auto& p : params_[l]) {
+      flat.narrow(0, p.offset, p.numel).copy_(p.param.detach().reshape({-1}).to(torch::kCPU, dt));
+      p.param.set_data(torch::empty({0}, empty));  // the fp32 copy is freed block by block
+    }
+    host_.push_back(flat);
+    numels.push_back(n);
+  }
+  // Everything else stays resident in fp32: the prologue, the head, each block's scale_shift_table and norm2.
+  const auto streamed = streamed_parameter_set(model_);
+  for (auto& p : model_->parameters(true))
+    if (!streamed.count(p.unsafeGetTensorImpl())) p.set_data(p.detach().to(options_.device));
+  model_->eval();
+  streamer_ = std::make_unique<offload::WeightStreamer>(numels, offload::WeightStreamerOptions{options_.device, dt, options_.mode});
+}
+
+StreamedWanDenoiser::~StreamedWanDenoiser() {
+  try {
+    if (streamer_) streamer_->synchronize();
+  } catch (...) {
+  }
+}
+
+int64_t StreamedWanDenoiser::host_weight_bytes() const {
+  int64_t n = 0;
+  for (const auto& h : host_) n += static_cast<int64_t>(h.nbytes());
+  return n;
+}
+
+torch::Tensor StreamedWanDenoiser::predict(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text) {
+  const auto empty = torch::TensorOptions().dtype(options_.compute_dtype).device(options_.device);
+  const int64_t L = streamer_->num_blocks();
+  streamer_->prefetch(0, host_[0]);
+  return wan_predict(model_, options_.device, options_.compute_dtype, x, timesteps, text,
+                     [&](int64_t l, const torch::Tensor& h, const WanBlockContext& ctx) {
+                       auto weights = streamer_->acquire(l);
+                       auto& params = params_[static_cast<size_t>(l)];
+                       for (auto& p : params) p.param.set_data(weights.narrow(0, p.offset, p.numel).view(p.shape));
+                       torch::Tensor out;
+                       try {
+                         out = model_->blocks[l]->as<WanBlockImpl>()->forward(h, ctx);
+                       } catch (...) {
+                         for (auto& p : params) p.param.set_data(torch::empty({0}, empty));
+                         streamer_->release(l);
+                         throw;
+                       }
+                       for (auto& p : params) p.param.set_data(torch::empty({0}, empty));
+                       streamer_->release(l);
+                       if (l + 1 < L) streamer_->prefetch(l + 1, host_[static_cast<size_t>(l + 1)]);
+                       return out;
+                     });
+}
+
+bool is_wan_weights_file(const std::string& path) {
+  const auto header = io::read_safetensors_header(path);
+  const auto format = header.metadata.find("format");
+  const auto config = header.metadata.find("config");
+  if (format == header.metadata.end() || format->second != "megaslide.weights" || config == header.metadata.end()) return false;
+  return parse_run_config(config->second, path + " (__metadata__.config)").model.arch == Architecture::kWan;
+}
+
+WanModel load_wan_model(const std::string& weights_file) {
+  const auto header = io::read_safetensors_header(weights_file);
+  const auto config_text = header.metadata.find("config");
+  if (config_text == header.metadata.end())
+    throw WeightsError("weights file '" + weights_file + "': __metadata__ has no 'config' (not a megaslide weights file)");
+  WanModel out;
+  out.config = parse_run_config(config_text->second, weights_file + " (__metadata__.config)");
+  if (out.config.model.arch != Architecture::kWan)
+    throw WeightsError("weights file '" + weights_file + "': its config's model.arch is " + to_string(out.config.model.arch) + ", not wan");
+  out.source = weights_file;
+  out.dit = WanTransformer(WanOptions::from_config(out.config));
+  io::MappedWeights file(weights_file);
+  std::set<std::string> used;
+  torch::NoGradGuard no_grad;
+  for (auto& p : out.dit->named_parameters(true)) {
+    const std::string name = "dit." + p.key();
+    if (!file.has(name)) throw WeightsError("weights file '" + weights_file + "': tensor '" + name + "' is missing");
+    try {
+      p.value().copy_(file.take(name, p.value().sizes().vec(), torch::kFloat32, "by the Wan model its config describes"));
+    } catch (const std::exception& e) {
+      throw WeightsError("weights file '" + weights_file + "': " + e.what());
+    }
+    used.insert(name);
+  }
+  for (const auto& name : file.names())
+    if (!used.count(name))
+      throw WeightsError("weights file '" + weights_file + "': tensor '" + name + "' is not a parameter of the Wan model its config describes");
+  out.dit->eval();
+  return out;
+}
+
+WanModel wan_model_from_config(const RunConfig& config, const std::string& source) {
+  if (config.model.arch != Architecture::kWan) throw ConfigError(source, "model.arch", std::string("is ") + to_string(config.model.arch) + ", not wan");
+  if (config.model.wan.weights.empty())
+    throw ConfigError(source, "model.wan.weights", "is empty: sampling needs the DiT's weights (a Wan download, or use a run's checkpoint)");
+  WanModel out;
+  try {
+    out.config = with_wan_architecture_from_weights(config);
+    const auto weights = WanWeights::open(config.model.wan.weights);
+    out.dit = WanTransformer(WanOptions::from_config(out.config));
+    std::vector<std::string> allow_missing;
+    if (config.model.self_attention == "dsa3d") allow_missing = wan_dsa_parameter_globs();
+    load_wan_weights(weights, *out.dit, allow_missing);
+  } catch (const ConfigError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw ConfigError(source, "model.wan.weights", e.what());
+  }
+  out.source = config.model.wan.weights;
+  out.dit->eval();
+  return out;
+}
+
+WanTextToVideo::WanTextToVideo(RunConfig config, Umt5Encoder text_encoder, Umt5Tokenizer tokenizer, std::shared_ptr<WanDenoiser> denoiser,
+                               WanVae vae)
+    : config_(std::move(config)),
+      text_encoder_(std::move(text_encoder)),
+      tokenizer_(std::move(tokenizer)),
+      denoiser_(std::move(denoiser)),
+      vae_(std::move(vae)) {
+  TORCH_CHECK(denoiser_, "WanTextToVideo: no denoiser");
+  if (text_encoder_.config().d_model != config_.model.wan.text_dim)
+    throw std::invalid_argument("the umT5 encoder '" + text_encoder_.source() + "' is " + std::to_string(text_encoder_.config().d_model) +
+                                " wide but the Wan DiT's model.wan.text_dim is " + std::to_string(config_.model.wan.text_dim));
+  if (tokenizer_.vocab_size() > text_encoder_.config().vocab_size)
+    throw std::invalid_argument("the umT5 tokenizer '" + tokenizer_.source() + "' has " + std::to_string(tokenizer_.vocab_size()) +
+                                " pieces, the encoder's embedding only " + std::to_string(text_encoder_.config().vocab_size));
+  if (vae_.config().z_dim != config_.model.wan.in_channels)
+    throw std::invalid_argument("the Wan VAE has " + std::to_string(vae_.config().z_dim) + " latent channels but the DiT's model.wan.in_channels is " +
+                                std::to_string(config_.model.wan.in_channels));
+}
+
+std::vector<int64_t> WanTextToVideo::latent_shape() const {
+  const auto& d = config_.data;
+  return {config_.model.wan.in_channels, d.frames, d.height, d.width};
+}
+
+torch::Tensor WanTextToVideo::encode(const std::vector<std::string>& prompts, const WanSampleOptions& options) const {
+  torch::NoGradGuard no_grad;
+  std::vector<std::string> cleaned = prompts;
+  if (options.clean_prompts())
+    for (auto& p : cleaned) p = wan_prompt_clean(p);
+  const auto tokens = tokenizer_.encode(cleaned, options.text_tokens());
+  return text_encoder_.embed(tokens.ids.to(text_encoder_.device()), tokens.mask.to(text_encoder_.device()))
+      .to(denoiser_->device(), torch::kFloat32);
+}
+
+torch::Tensor WanTextToVideo::sample(const std::vector<std::string>& prompts, const std::vector<uint64_t>& seeds,
+                                     const WanSampleOptions& options, const std::function<void(int64_t, int64_t)>& on_step) {
+  TORCH_CHECK(prompts.size() == seeds.size() && !prompts.empty(), "WanTextToVideo::sample: need one seed per prompt, got ", prompts.size(),
+              " prompts and ", seeds.size(), " seeds");
+  Conditioning cond, uncond;
+  cond.text = encode(prompts, options);
+  if (options.guidance_scale() != 1.0) uncond.text = encode({options.negative_prompt()}, options);
+  auto model = [&](const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& text, const torch::Tensor&) {
+    return denoiser_->predict(x, t, text);
+  };
+  return flow_sample(model, options.flow(), latent_shape(), seeds, cond, uncond, denoiser_->device(), on_step);
+}
+
+torch::Tensor WanTextToVideo::decode(const torch::Tensor& latents) const {
+  torch::NoGradGuard no_grad;
+  return vae_.decode(latents.to(vae_.device(), torch::kFloat32)).to(torch::kCPU, torch::kFloat32);
+}
+
+}  // namespace megaslide

@@ -1,0 +1,332 @@
+// Wan text to video (diffusion/wan_text_to_video.h) and megaslide-sample on Wan, against diffusers'
+// WanPipeline on tiny models (tests/fixtures/wan_pipeline/, tools/make_fixtures.py wan_pipeline: the umt5
+// and wan_vae fixtures and a tiny DiT sized to them):
+//   - Wan's prompt cleaning equals Python's html.unescape twice + white space on a prompt set, and differs
+//     from diffusers' prompt_clean only where ftfy changes the text;
+//   - the text embeddings, the sampled latents (UniPC and Euler, with guidance against Wan's negative
+//     prompt) and the decoded video equal WanPipeline's within 1e-4 (fp32);
+//   - the streamed DiT equals the resident one bit for bit (fp32 and bf16);
+//   - megaslide-sample writes playable H.264 MP4s in VBench's layout with the expected frame count and
+//     size, from published weights (--config) and from a Wan weights file (--checkpoint), resident and
+//     streamed, deterministic per seed, whose latents equal umT5 -> flow_sample -> the DiT composed here;
+//   - bad paths are one-line errors with exit code 2, nothing written.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <unistd.h>
+
+#include "megaslide/diffusion/wan_text_to_video.h"
+#include "megaslide/io/files.h"
+#include "megaslide/io/safetensors.h"
+#include "megaslide/io/video.h"
+#include "megaslide/io/weights.h"
+#include "megaslide/model/wan_weights.h"
+#include "run_tool.h"
+
+namespace {
+
+using megaslide::io::join_path;
+
+const std::string kFixtures = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/";
+const std::string kReference = kFixtures + "wan_pipeline/reference.safetensors";
+const std::string kTransformer = kFixtures + "wan_pipeline/transformer";
+const std::string kUmt5 = kFixtures + "umt5/hf";
+const std::string kTokenizer = kFixtures + "umt5/tokenizer";
+const std::string kVae = kFixtures + "wan_vae/tiny";
+
+struct Reference {
+  std::map<std::string, torch::Tensor> tensors;
+  std::map<std::string, std::string> meta;
+  nlohmann::json json(const std::string& key) const { return nlohmann::json::parse(meta.at(key)); }
+};
+
+const Reference& reference() {
+  static const Reference r = [] {
+    auto f = megaslide::io::read_safetensors(kReference);
+    Reference out;
+    for (auto& [k, v] : f.tensors) out.tensors[k] = v;
+    out.meta = f.metadata;
+    return out;
+  }();
+  return r;
+}
+
+std::string scratch() {
+  static const std::string dir = [] {
+    auto d = "/tmp/megaslide-test-wan-sample-" + std::to_string(::getpid());
+    megaslide::io::remove_tree(d);
+    megaslide::io::make_directories(d);
+    return d;
+  }();
+  return dir;
+}
+class RemoveScratch : public ::testing::Environment {
+ public:
+  void TearDown() override { megaslide::io::remove_tree(scratch()); }
+};
+const ::testing::Environment* const kRemoveScratch = ::testing::AddGlobalTestEnvironment(new RemoveScratch);
+
+// A Wan run config of the fixture DiT's sizes: latents 16 x 2 x 4 x 6 (5 frames of 32 x 48).
+std::string config_yaml(const std::string& weights) {
+  return "model:\n  arch: wan\n  wan:\n    dim: 16\n    layers: 2\n    heads: 2\n    ffn_dim: 32\n    freq_dim: 16\n    text_dim: 24\n"
+         "    patch: [1, 2, 2]\n    in_channels: 16\n    out_channels: 16\n    qk_norm: true\n    cross_attn_norm: true\n"
+         "    eps: 1.0e-6\n    weights: \"" + weights + "\"\n"
+         "data:\n  dataset: latent-tensors\n  channels: 16\n  frames: 2\n  height: 4\n  width: 6\n  max_text_tokens: 512\n"
+         "diffusion:\n  objective: flow\n  timesteps: 1000\n  shift: 5.0\n  sample_steps: 4\n  guidance_scale: 5.0\n"
+         "offload:\n  enabled: false\n";
+}
+
+megaslide::RunConfig fixture_config() { return megaslide::parse_run_config(config_yaml(kTransformer), "test config"); }
+
+std::shared_ptr<megaslide::WanTextToVideo> pipeline(std::shared_ptr<megaslide::WanDenoiser> denoiser = nullptr) {
+  auto model = megaslide::wan_model_from_config(fixture_config(), "test config");
+  if (!denoiser) denoiser = std::make_shared<megaslide::ResidentWanDenoiser>(model.dit, torch::kCPU);
+  return std::make_shared<megaslide::WanTextToVideo>(model.config, megaslide::Umt5Encoder::load(kUmt5),
+                                                     megaslide::Umt5Tokenizer::from_file(kTokenizer + "/spiece.model"), denoiser,
+                                                     megaslide::WanVae::load(kVae));
+}
+
+megaslide::WanSampleOptions reference_options(megaslide::FlowSamplerKind kind) {
+  const auto s = reference().json("sampling");
+  return megaslide::WanSampleOptions()
+      .kind(kind)
+      .steps(s.at("steps").get<int64_t>())
+      .shift(s.at("shift").get<double>())
+      .guidance_scale(s.at("guidance").get<double>())
+      .negative_prompt(reference().meta.at("negative_prompt"));
+}
+
+const megaslide::offload::StreamerStats& streamer_stats(const megaslide::StreamedWanDenoiser& d) { return d.streamer().stats(); }
+
+double max_diff(const torch::Tensor& a, const torch::Tensor& b) { return (a.to(torch::kDouble) - b.to(torch::kDouble)).abs().max().item<double>(); }
+
+}  // namespace
+
+TEST(WanPromptClean, EqualsPromptCleanWithFtfysCharacterFixesAndDiffersOnlyWhereFtfyDoesMore) {
+  auto prompts = reference().json("clean_prompts").get<std::vector<std::string>>();
+  prompts.push_back(reference().meta.at("negative_prompt"));
+  const auto expected = reference().json("clean_expected");
+  const auto with_ftfy = reference().json("clean_prompt_clean");
+  ASSERT_EQ(prompts.size(), expected.size());
+  std::vector<size_t> ftfy_differs;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EXPECT_EQ(megaslide::wan_prompt_clean(prompts[i]), expected[i].get<std::string>()) << "prompt " << i << ": " << prompts[i];
+    if (expected[i] != with_ftfy[i]) ftfy_differs.push_back(i);
+  }
+  // What the rest of ftfy.fix_text does (not done here): C1 controls and line separators (2), a third
+  // unescape of text without '<' (4), quotes uncurled after its own unescaping (7), mojibake (14). Every
+  // other prompt, Wan's negative prompt (fullwidth commas) included, cleans exactly as diffusers' prompt_clean.
+  EXPECT_EQ(ftfy_differs, (std::vector<size_t>{2, 4, 7, 14}));
+  EXPECT_EQ(std::string(megaslide::kWanNegativePrompt), reference().meta.at("negative_prompt"));
+  EXPECT_EQ(megaslide::wan_prompt_clean(megaslide::kWanNegativePrompt).find("\xEF\xBC\x8C"), std::string::npos);  // no U+FF0C left
+}
+
+TEST(WanPromptClean, HtmlUnescapeEdgeCases) {
+  using megaslide::html_unescape;
+  EXPECT_EQ(html_unescape("&amp;amp;"), "&amp;");
+  EXPECT_EQ(html_unescape("&#x1F600;"), "\xF0\x9F\x98\x80");
+  EXPECT_EQ(html_unescape("&#99999999999999999999;"), "\xEF\xBF\xBD");  // huge: U+FFFD, no overflow
+  EXPECT_EQ(html_unescape("&notit;"), "\xC2\xACit;");                 // longest prefix without ';'
+  EXPECT_EQ(html_unescape("&"), "&");
+  EXPECT_EQ(html_unescape("&#"), "&#");
+  EXPECT_EQ(html_unescape("&#x"), "&#x");
+  EXPECT_EQ(html_unescape("x&#x41"), "xA");
+}
+
+TEST(WanTextToVideo, EmbeddingsEqualWanPipelines) {
+  const auto& ref = reference();
+  auto prompts = ref.json("prompts").get<std::vector<std::string>>();
+  prompts.push_back(ref.meta.at("negative_prompt"));
+  auto p = pipeline();
+  const auto embeds = p->encode(prompts, megaslide::WanSampleOptions());
+  const auto& expected = ref.tensors.at("prompt_embeds");
+  const int64_t used = expected.size(1);
+  ASSERT_EQ(embeds.sizes(), (std::vector<int64_t>{3, 512, 24}));
+  EXPECT_LT(max_diff(embeds.narrow(1, 0, used), expected), 1e-4);
+  EXPECT_EQ(embeds.narrow(1, used, 512 - used).abs().max().item<float>(), 0.0f);  // Wan's zeros past the prompt
+}
+
+TEST(WanTextToVideo, LatentsAndVideoEqualWanPipelinesForUniPCAndEuler) {
+  const auto& ref = reference();
+  const auto prompts = ref.json("prompts").get<std::vector<std::string>>();
+  const auto seeds = ref.json("seeds").get<std::vector<uint64_t>>();
+  auto p = pipeline();
+  for (auto [kind, name] : {std::pair{megaslide::FlowSamplerKind::kUniPC, "unipc"}, std::pair{megaslide::FlowSamplerKind::kEuler, "euler"}}) {
+    // Both prompts in one batch: each sample depends on its own seed only.
+    const auto latents = p->sample(prompts, seeds, reference_options(kind));
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      const auto& expected = ref.tensors.at(std::string(name) + "." + std::to_string(i) + ".latents");
+      const double d = max_diff(latents.narrow(0, static_cast<int64_t>(i), 1), expected);
+      EXPECT_LT(d, 1e-4) << name << " prompt " << i;
+    }
+  }
+  const auto latents = p->sample({prompts[0]}, {seeds[0]}, reference_options(megaslide::FlowSamplerKind::kUniPC));
+  // The decode of WanPipeline's own latents is its video (the VAE's denormalisation and decode); the whole
+  // chain's video is as close as the latents' last-bit differences, amplified by the tiny VAE, allow.
+  EXPECT_LT(max_diff(p->decode(ref.tensors.at("unipc.0.latents")), ref.tensors.at("unipc.0.video")), 1e-4);
+  EXPECT_LT(max_diff(p->decode(latents), ref.tensors.at("unipc.0.video")), 2e-3)
+      << "latents " << max_diff(latents, ref.tensors.at("unipc.0.latents"));
+  // The guidance is really applied: without it the latents are far from WanPipeline's.
+  const auto unguided = p->sample({prompts[0]}, {seeds[0]}, reference_options(megaslide::FlowSamplerKind::kUniPC).guidance_scale(1.0));
+  EXPECT_GT(max_diff(unguided, ref.tensors.at("unipc.0.latents")), 1e-2);
+}
+
+TEST(WanTextToVideo, StreamedDenoiserEqualsResidentBitForBit) {
+  auto config = fixture_config();
+  torch::manual_seed(3);
+  const auto x = torch::randn({2, 16, 2, 4, 6});
+  const auto t = torch::tensor({937.0f, 15.0f});
+  const auto text = torch::randn({2, 7, 24});
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    megaslide::ResidentWanDenoiser resident(megaslide::wan_model_from_config(config, "test").dit, torch::kCPU, dtype);
+    megaslide::offload::StreamedDenoiserOptions so;
+    so.compute_dtype = dtype;
+    megaslide::StreamedWanDenoiser streamed(megaslide::wan_model_from_config(config, "test").dit, so);
+    const auto a = resident.predict(x, t, text), b = streamed.predict(x, t, text);
+    EXPECT_TRUE(torch::equal(a, b)) << dtype << ": " << max_diff(a, b);
+    EXPECT_TRUE(torch::equal(b, streamed.predict(x, t, text)));  // the slots are reused correctly
+    const auto& stats = streamer_stats(streamed);
+    EXPECT_EQ(stats.h2d_copies + stats.cache_hits, 4);  // 2 blocks x 2 calls through the (emulated async) streams
+    EXPECT_GE(stats.h2d_copies, 2);
+  }
+  // fp32 resident = the module's own forward.
+  auto model = megaslide::wan_model_from_config(config, "test").dit;
+  torch::NoGradGuard no_grad;
+  const auto direct = model->forward(x, t, text);
+  EXPECT_TRUE(torch::equal(megaslide::ResidentWanDenoiser(model, torch::kCPU).predict(x, t, text), direct));
+}
+
+TEST(WanTextToVideo, StreamedEqualsResidentOnTheGpu_CUDA) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no GPU";
+  // On a GPU: CUDA streams and pinned host weights. Equal to the resident denoiser within float rounding
+  // (kernels may differ for weights read from the slot's views), and the pipeline's latents match
+  // WanPipeline's as on the CPU.
+  auto config = fixture_config();
+  torch::manual_seed(3);
+  const auto x = torch::randn({2, 16, 2, 4, 6});
+  const auto t = torch::tensor({937.0f, 15.0f});
+  const auto text = torch::randn({2, 7, 24});
+  megaslide::ResidentWanDenoiser resident(megaslide::wan_model_from_config(config, "test").dit, torch::kCUDA);
+  megaslide::offload::StreamedDenoiserOptions so;
+  so.device = torch::kCUDA;
+  megaslide::StreamedWanDenoiser streamed(megaslide::wan_model_from_config(config, "test").dit, so);
+  EXPECT_LT(max_diff(resident.predict(x, t, text).cpu(), streamed.predict(x, t, text).cpu()), 1e-5);
+  const auto& ref = reference();
+  auto p = pipeline(std::make_shared<megaslide::StreamedWanDenoiser>(megaslide::wan_model_from_config(config, "test").dit, so));
+  const auto latents = p->sample({ref.json("prompts")[0].get<std::string>()}, {ref.json("seeds")[0].get<uint64_t>()},
+                                 reference_options(megaslide::FlowSamplerKind::kUniPC));
+  EXPECT_LT(max_diff(latents.cpu(), ref.tensors.at("unipc.0.latents")), 1e-4);
+}
+
+namespace {
+
+using Result = megaslide::testing::ToolResult;
+Result run(const std::string& args) { return megaslide::testing::run_tool("megaslide-sample", args); }
+
+std::string write(const std::string& name, const std::string& text) {
+  auto p = join_path(scratch(), name);
+  megaslide::io::write_file_atomically(p, text);
+  return p;
+}
+
+const std::string kEncoders = " --text-encoder " + kUmt5 + " --tokenizer " + kTokenizer + " --vae " + kVae;
+
+// The latents umT5 -> flow_sample -> the DiT give, composed here without WanTextToVideo.
+torch::Tensor composed_latents(const std::string& prompt, uint64_t seed, int64_t steps) {
+  auto model = megaslide::wan_model_from_config(fixture_config(), "test");
+  const auto t5 = megaslide::Umt5Encoder::load(kUmt5);
+  const auto tok = megaslide::Umt5Tokenizer::from_file(kTokenizer + "/spiece.model");
+  auto embed = [&](const std::string& p) {
+    auto ids = tok.encode({megaslide::wan_prompt_clean(p)}, 512);
+    return t5.embed(ids.ids, ids.mask);
+  };
+  megaslide::Conditioning cond{embed(prompt), {}}, uncond{embed(megaslide::kWanNegativePrompt), {}};
+  auto fn = [&](const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& text, const torch::Tensor&) {
+    return model.dit->forward(x, t, text);
+  };
+  return megaslide::flow_sample(fn, megaslide::FlowSamplerOptions().steps(steps).shift(5.0).guidance_scale(5.0), {16, 2, 4, 6}, {seed}, cond,
+                                uncond, torch::kCPU)[0];
+}
+
+}  // namespace
+
+TEST(MegaslideSampleWan, WritesPlayableVBenchVideosWhoseLatentsAreTheComposedPipelines) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  const auto config = write("wan.yaml", config_yaml(kTransformer));
+  const auto prompts = write("prompts.txt", "a red blob moves left quickly\ncats &amp; dogs on the beach\n");
+  const auto out = join_path(scratch(), "config-run");
+  const std::string common = " --prompts " + prompts + " --samples-per-prompt 2 --steps 3 --no-progress --compute-dtype fp32 --latents";
+  auto r = run("--config " + config + kEncoders + common + " --batch-size 3 --out " + out);
+  ASSERT_EQ(r.code, 0) << r.output;
+
+  const auto index = nlohmann::json::parse(megaslide::io::read_file(join_path(out, "index.json")));
+  ASSERT_EQ(index.at("videos").size(), 4u);
+  EXPECT_EQ(index.at("sampler"), "unipc");
+  EXPECT_EQ(index.at("steps"), 3);
+  EXPECT_EQ(index.at("guidance_scale"), 5.0);
+  EXPECT_EQ(index.at("fps"), 16);
+  for (const auto& v : index.at("videos")) {
+    const std::string file = v.at("file");
+    const std::string stem = file.substr(0, file.size() - 4);
+    megaslide::io::VideoInfo info;
+    const auto frames = megaslide::io::read_video(join_path(join_path(out, "videos"), file), &info);
+    EXPECT_EQ(frames.sizes(), (std::vector<int64_t>{5, 32, 48, 3})) << file;  // 1 + 4·(2 − 1) frames of 8·4 x 8·6
+    EXPECT_EQ(info.codec, "h264");
+    // The latents before the VAE equal umT5 -> flow_sample -> the DiT for this prompt and seed.
+    const auto latents = megaslide::io::read_safetensors(join_path(join_path(out, "latents"), stem + ".safetensors")).tensors.at(0).second;
+    const auto composed = composed_latents(v.at("prompt"), v.at("seed").get<uint64_t>(), 3);
+    EXPECT_LT(max_diff(latents, composed), 1e-4) << file;
+  }
+
+  // Deterministic per seed: a rerun (another batch size, blocks streamed) writes the same videos and latents.
+  const auto again = join_path(scratch(), "config-run-again");
+  r = run("--config " + config + kEncoders + common + " --batch-size 1 --streamed on --out " + again);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("blocks streamed"), std::string::npos) << r.output;
+  for (const auto& v : index.at("videos")) {
+    const std::string file = v.at("file");
+    const std::string stem = file.substr(0, file.size() - 4);
+    auto latents = [&](const std::string& dir) {
+      return megaslide::io::read_safetensors(join_path(join_path(dir, "latents"), stem + ".safetensors")).tensors.at(0).second;
+    };
+    EXPECT_LT(max_diff(latents(out), latents(again)), 1e-4) << file;
+  }
+
+  // A Wan run's weights file (what its checkpoints hold) samples the same model: the same latents.
+  auto model = megaslide::wan_model_from_config(fixture_config(), "test");
+  megaslide::io::NamedTensors params;
+  for (const auto& p : model.dit->named_parameters(true)) params.emplace_back(p.key(), p.value());
+  auto run_config = model.config;
+  run_config.model.wan.weights.clear();
+  const auto weights = join_path(scratch(), "wan.safetensors");
+  megaslide::save_weights(weights, run_config, params, torch::kFloat32);
+  ASSERT_TRUE(megaslide::is_wan_weights_file(weights));
+  const auto from_checkpoint = join_path(scratch(), "checkpoint-run");
+  r = run("--checkpoint " + weights + kEncoders + common + " --batch-size 3 --out " + from_checkpoint);
+  ASSERT_EQ(r.code, 0) << r.output;
+  for (const auto& v : index.at("videos")) {
+    const std::string file = v.at("file");
+    const std::string stem = file.substr(0, file.size() - 4);
+    auto latents = [&](const std::string& dir) {
+      return megaslide::io::read_safetensors(join_path(join_path(dir, "latents"), stem + ".safetensors")).tensors.at(0).second;
+    };
+    EXPECT_LT(max_diff(latents(out), latents(from_checkpoint)), 1e-4) << file;
+    EXPECT_EQ(megaslide::io::read_video(join_path(join_path(from_checkpoint, "videos"), file)).size(0), 5) << file;
+  }
+}
+
+TEST(MegaslideSampleWan, BadPathsAreOneLineErrorsWithExitCode2AndWriteNothing) {
+  const auto config = write("wan-bad.yaml", config_yaml(kTransformer));
+  const auto prompts = write("prompts-bad.txt", "a prompt\n");
+  const auto out = join_path(scratch(), "never");
+  auto expect_refused = [&](const std::string& args, const std::string& names) {
+    auto r = run("--config " + config + " --prompts " + prompts + " --out " + out + " --no-progress " + args);
+    EXPECT_EQ(r.code, 2) << args << "\n" << r.output;
+    EXPECT_NE(r.output.find(names), std::string::npos) << args << "\n" << r.output;
+    EXPECT_FALSE(megaslide::io::path_exists(out)) << args;
+  };
+  expect_refused("--tokenizer " + kTokenizer + " --vae " + kVae, "--text-encoder: Wan sampling needs umT5");
+  expect_refused("--text-encoder /nonexistent/t5" + std::string(" --vae ") + kVae, "--text-encoder: '/nonexistent/t5' does not exist");
+  expect_refused("--text-encoder " + kUmt5 + " --tokenizer " + kTokenizer + " --vae " + kFixtures + "umt5/hf", "--vae: ");
+  expect_refused(kEncoders + " --sampler ddim", "Wan samples with flow matching");
+  expect_refused(kEncoders + " --set model.wan.weights=/nonexistent/wan", "model.wan.weights");
+}
