@@ -244,11 +244,25 @@ std::string first_difference(const json& a, const json& b, const std::string& pr
   return a == b ? "" : (prefix.empty() ? std::string("(value)") : prefix.substr(0, prefix.size() - 1));
 }
 
+// The value at a dotted path of first_difference's ("(absent)" where a key is missing).
+std::string value_at(const json& j, const std::string& path) {
+  if (path == "(value)") return j.dump();
+  const json* at = &j;
+  for (size_t begin = 0; begin <= path.size();) {
+    const size_t dot = std::min(path.find('.', begin), path.size());
+    const std::string key = path.substr(begin, dot - begin);
+    if (!at->is_object() || !at->contains(key)) return "(absent)";
+    at = &(*at)[key];
+    begin = dot + 1;
+  }
+  return at->dump();
+}
+
 void check_same(const json& cached, const json& now, const std::string& what, const std::string& dir) {
   const auto diff = first_difference(cached, now, "");
   if (!diff.empty())
     throw DatasetError(fmt::format("cache '{}' was made with other {} ({} is {} in the cache, {} now); rebuild it with megaslide-cache", dir,
-                                   what, diff, cached.dump(), now.dump()));
+                                   what, diff, value_at(cached, diff), value_at(now, diff)));
 }
 
 std::string list_paths(const std::vector<std::string>& lines, size_t max = 20) {
