@@ -3,7 +3,9 @@
 //     against decoding every frame of the same files with io::read_video (the anchor, same run);
 //   - training: the fraction of step time the resident trainer waits for data with the loader in line
 //     (data.workers 0, the anchor) and in the background (data.workers N, data.prefetch 2), decoding and
-//     from a megaslide-cache cache.
+//     from a megaslide-cache cache;
+//   - cache read: items/s and MB/s of LatentCache::load (the latents of any encoder are read the same
+//     way: a mapped shard, each item's CRC-32), against a memory copy of the same bytes (the anchor).
 //
 //   build/bin/bench_loader [--clips 16] [--frames 48] [--height 144] [--width 256] [--clip-frames 16]
 //                          [--size 64] [--steps 12] [--workers 1] [--threads 1] [--hidden 32] [--device cpu|cuda]
@@ -119,6 +121,29 @@ int main(int argc, char** argv) {
     out[std::string(name) + "_wait_fraction"] = fraction;
     out[std::string(name) + "_step_s"] = step_s;
     std::cout << fmt::format("{:18s} workers {}: {:.3f} s/step, waiting for data {:.1f} % of it\n", name, w, step_s, 100.0 * fraction);
+  }
+  // Reading the cache: every item through LatentCache::load (the mapped shard, the item's CRC-32 checked)
+  // and copied out, as a worker does; the anchor copies the same bytes from memory (same run).
+  {
+    auto c = config;
+    c.data.cache = dir + "/cache";
+    const auto cache = megaslide::LatentCache::open(c, c.data.cache);
+    const int64_t reps = 20;
+    int64_t bytes = 0;
+    start = std::chrono::steady_clock::now();
+    for (int64_t r = 0; r < reps; ++r)
+      for (int64_t i = 0; i < cache->size(); ++i) bytes += cache->load(i, 0).video.clone().nbytes();
+    const double read_s = seconds_since(start);
+    auto source = torch::empty({bytes / reps}, torch::kUInt8).fill_(1);
+    start = std::chrono::steady_clock::now();
+    for (int64_t r = 0; r < reps; ++r) source.clone();
+    const double copy_s = seconds_since(start);
+    out["cache_read_items_per_s"] = static_cast<double>(reps * cache->size()) / read_s;
+    out["cache_read_mb_per_s"] = static_cast<double>(bytes) / read_s / 1e6;
+    out["memory_copy_mb_per_s"] = static_cast<double>(bytes) / copy_s / 1e6;
+    std::cout << fmt::format("cache read (mapped, CRC-32 checked, copied): {:.0f} items/s, {:.0f} MB/s; memory copy (anchor) {:.0f} MB/s\n",
+                             static_cast<double>(reps * cache->size()) / read_s, static_cast<double>(bytes) / read_s / 1e6,
+                             static_cast<double>(bytes) / copy_s / 1e6);
   }
   megaslide::io::remove_tree(dir);
   std::cout << out.dump() << "\n";

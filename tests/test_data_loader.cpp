@@ -32,7 +32,7 @@ class FakeSource : public megaslide::ClipSource {
     ++loads;
     if (broken_.count(item)) throw std::runtime_error("item " + std::to_string(item) + " is broken");
     const int64_t side = 2 + bucket_of(item);  // each bucket its own shape
-    return {torch::full({2, side, side, 3}, static_cast<uint8_t>(item * 10 + epoch), torch::kUInt8), {}, {}};
+    return {torch::full({2, side, side, 3}, static_cast<uint8_t>(item * 10 + epoch), torch::kUInt8), {}, {}, {}};
   }
   mutable std::atomic<int64_t> loads{0};
 

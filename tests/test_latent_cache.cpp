@@ -15,6 +15,12 @@
 #include <sstream>
 
 #include "megaslide/data/video_dataset.h"
+#include "megaslide/io/safetensors.h"
+#include "megaslide/model/frozen_encoders.h"
+#include "megaslide/model/umt5_encoder.h"
+#include "megaslide/model/umt5_tokenizer.h"
+#include "megaslide/model/wan_vae.h"
+#include "megaslide/train/wan_trainer.h"
 #include "megaslide/offload/cpu_master_trainer.h"
 #include "megaslide/train/resident_trainer.h"
 #include "megaslide/train/training_run.h"
@@ -304,4 +310,227 @@ TEST(LatentCache, ARunResumedFromItsCheckpointMaySwitchFromDecodingToTheCache) {
   options.resume = "latest";
   megaslide::run_training(resumed, options);
   EXPECT_EQ(losses_of(stopped.output.run_dir), losses_of(straight.output.run_dir));
+}
+
+// ---- Caches of frozen encoders: umT5 and the Wan VAE (Wan), CLIP and the SD VAE (the DiT family) ----
+
+namespace {
+
+std::string fixture(const std::string& relative) { return std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/" + relative; }
+
+// A tiny Wan over the videos: pixel clips of 5 frames of 32x32 -> Wan VAE latents 16 x 2 x 4 x 4; umT5's
+// embeddings 512 x 24. fp32 compute pinned (this CPU would pick bf16).
+RunConfig wan_video_config(const VideoFixture& fx, const std::string& cache = "", std::vector<std::string> extra = {}) {
+  std::vector<std::string> sets{"model.arch=wan",
+                                "model.wan.dim=24",
+                                "model.wan.layers=2",
+                                "model.wan.heads=2",
+                                "model.wan.ffn_dim=40",
+                                "model.wan.freq_dim=16",
+                                "model.wan.text_dim=24",
+                                "model.wan.in_channels=16",
+                                "model.wan.out_channels=16",
+                                "model.text_encoder.kind=umt5",
+                                "model.text_encoder.weights=" + fixture("umt5/hf"),
+                                "model.text_encoder.vocab=" + fixture("umt5/tokenizer/spiece.model"),
+                                "model.vae.kind=wan",
+                                "model.vae.weights=" + fixture("wan_vae/tiny"),
+                                "model.vae.latent_channels=16",
+                                "data.dataset=videos",
+                                "data.channels=3",
+                                "data.clip_start=center",
+                                "data.manifest=" + fx.dir + "/opensora.csv",
+                                "data.frames=5",
+                                "data.height=32",
+                                "data.width=32",
+                                "data.frame_stride=2",
+                                "data.max_bad_fraction=0.5",
+                                "diffusion.objective=flow",
+                                "diffusion.shift=3.0",
+                                "diffusion.caption_dropout=0.3",
+                                "train.batch_size=2",
+                                "train.steps=8",
+                                "train.lr=0.002",
+                                "train.warmup_steps=0",
+                                "train.device=cpu",
+                                "train.seed=5",
+                                "offload.enabled=false",
+                                "offload.compute_dtype=fp32",
+                                "output.progress=false"};
+  if (!cache.empty()) sets.push_back("data.cache=" + cache);
+  sets.insert(sets.end(), extra.begin(), extra.end());
+  return megaslide::parse_run_config("", "test", sets);
+}
+
+// What the encoders give directly for item i of the dataset (epoch 0's clip), as Wan's pipeline runs them.
+struct WanDirect {
+  torch::Tensor latents, text, empty_text;
+};
+WanDirect wan_direct(const RunConfig& c) {
+  const auto ds = megaslide::VideoDataset::open(c.data, 1);
+  const auto vae = megaslide::WanVae::load(fixture("wan_vae/tiny"));
+  const auto umt5 = megaslide::Umt5Encoder::load(fixture("umt5/hf"));
+  const auto tokenizer = megaslide::Umt5Tokenizer::from_file(fixture("umt5/tokenizer/spiece.model"));
+  auto text_of = [&](const std::string& caption) {
+    const auto tokens = tokenizer.encode({megaslide::wan_prompt_clean(caption)}, 512);
+    return umt5.embed(tokens.ids, tokens.mask)[0];
+  };
+  std::vector<torch::Tensor> latents, text;
+  for (int64_t i = 0; i < ds.size(); ++i) {
+    const auto pixels = ds.load(i, 0).permute({3, 0, 1, 2}).unsqueeze(0).to(torch::kFloat32) / 127.5 - 1.0;
+    latents.push_back(vae.encode(pixels)[0]);
+    text.push_back(text_of(ds.item(i).caption));
+  }
+  return {torch::stack(latents), torch::stack(text), text_of("")};
+}
+
+std::vector<double> wan_losses(const RunConfig& c, megaslide::WanLatentData data, int steps) {
+  megaslide::WanTrainer t(c, std::move(data));
+  std::vector<double> out;
+  for (int i = 0; i < steps; ++i) out.push_back(t.step().loss);
+  return out;
+}
+
+}  // namespace
+
+// The cache of a Wan config holds the Wan VAE's normalised latents and umT5's 512-token embeddings (zero
+// past the prompt) of every usable item, and the empty prompt's, equal to the encoders run directly.
+TEST(WanCache, HoldsWhatTheWanVaeAndUmt5GiveDirectly) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  if (!megaslide::umt5_tokenizer_supported()) GTEST_SKIP() << "built without SentencePiece";
+  VideoFixture fx("wancache-direct", 3, 12, 48, 64);
+  const auto c = wan_video_config(fx);
+  const std::string dir = fx.dir + "/cache";
+  const auto r = build(c, dir, 2);
+  EXPECT_EQ(r.items, 3);
+  const auto data = megaslide::WanLatentData::from_cache(c, dir);
+  const auto direct = wan_direct(c);
+  ASSERT_EQ(data.latents.sizes(), (std::vector<int64_t>{3, 16, 2, 4, 4}));
+  ASSERT_EQ(data.text.sizes(), (std::vector<int64_t>{3, 512, 24}));
+  EXPECT_TRUE(torch::equal(data.latents, direct.latents));
+  EXPECT_TRUE(torch::equal(data.text, direct.text));
+  EXPECT_TRUE(torch::equal(data.empty_text, direct.empty_text));
+  EXPECT_GT(data.text.abs().sum().item<double>(), 0.0);
+  EXPECT_EQ(data.text.slice(1, 40).abs().max().item<double>(), 0.0) << "Wan's convention: zero past the prompt";
+  // The manifest says what made it.
+  const auto m = nlohmann::json::parse(megaslide::io::read_file(dir + "/cache.json"));
+  EXPECT_EQ(m["encoders"]["text_encoder"]["kind"], "umt5");
+  EXPECT_EQ(m["encoders"]["text_encoder"]["max_tokens"], 512);
+  EXPECT_EQ(m["encoders"]["vae"]["kind"], "wan");
+  EXPECT_EQ(m["encoders"]["vae"]["files"][1]["file"], "diffusion_pytorch_model.safetensors");
+  EXPECT_EQ(m["decode"]["frame_stride"], 2);
+}
+
+// Training Wan from the cache is training from the data.tensors file of the same latents and embeddings:
+// the same losses, bit for bit (fp32; caption dropout draws the cached empty prompt as it draws the file's
+// empty_text). An interrupted cache (not marked complete) and one of other encoders, sizes or frame
+// sampling are refused, naming the mismatch.
+TEST(WanCache, TrainingFromTheCacheEqualsTrainingFromTheTensorsFileAndMismatchesAreRefused) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  if (!megaslide::umt5_tokenizer_supported()) GTEST_SKIP() << "built without SentencePiece";
+  VideoFixture fx("wancache-train", 3, 12, 48, 64);
+  const std::string dir = fx.dir + "/cache";
+  const auto c = wan_video_config(fx, dir);
+  build(c, dir, 2);
+  const auto direct = wan_direct(c);
+  const std::string file = fx.dir + "/latents.safetensors";
+  megaslide::io::write_safetensors(file, {{"latents", direct.latents}, {"text", direct.text}, {"empty_text", direct.empty_text}});
+  const auto latent = megaslide::wan_latent_config(c);
+  EXPECT_EQ(latent.data.dataset, "latent-tensors");
+  EXPECT_EQ(latent.data.channels, 16);
+  EXPECT_EQ(latent.data.frames, 2);
+  EXPECT_EQ(latent.data.height, 4);
+  const auto from_cache = wan_losses(latent, megaslide::WanLatentData::from_cache(c, dir), 8);
+  const auto from_file = wan_losses(latent, megaslide::WanLatentData::load(file), 8);
+  EXPECT_EQ(from_cache, from_file);
+  auto no_dropout = latent;
+  no_dropout.diffusion.caption_dropout = 0.0;
+  EXPECT_NE(wan_losses(no_dropout, megaslide::WanLatentData::load(file), 8), from_file) << "caption dropout changed nothing";
+
+  auto refused = [&](const RunConfig& other) {
+    try {
+      megaslide::WanLatentData::from_cache(other, dir);
+    } catch (const DatasetError& e) {
+      return std::string(e.what());
+    }
+    ADD_FAILURE() << "the cache was accepted";
+    return std::string();
+  };
+  // Another umT5 file (ComfyUI's fp16 single file of the same model), another VAE file, other sizes and
+  // frame sampling.
+  auto what = refused(wan_video_config(fx, dir, {"model.text_encoder.weights=" + fixture("umt5/comfy_umt5_fp16.safetensors")}));
+  EXPECT_NE(what.find("other encoders (text_encoder.files"), std::string::npos) << what;
+  EXPECT_NE(what.find("comfy_umt5_fp16.safetensors"), std::string::npos) << what;  // the values that differ, not the rest
+  EXPECT_EQ(what.find("diffusion_pytorch_model"), std::string::npos) << what;
+  what = refused(wan_video_config(fx, dir, {"model.vae.weights=" + fixture("wan_vae/wan_2.1_vae_tiny.safetensors")}));
+  EXPECT_NE(what.find("other encoders (vae.files"), std::string::npos) << what;
+  what = refused(wan_video_config(fx, dir, {"data.frames=9"}));
+  EXPECT_NE(what.find("other decode settings (buckets is [[5,32,32]] in the cache, [[9,32,32]] now)"), std::string::npos) << what;
+  what = refused(wan_video_config(fx, dir, {"data.frame_stride=1"}));
+  EXPECT_NE(what.find("other decode settings (frame_stride"), std::string::npos) << what;
+  what = refused(wan_video_config(fx, dir, {"model.vae.tile_size=16"}));
+  EXPECT_NE(what.find("other encoders (vae.tiling"), std::string::npos) << what;
+  // Interrupted: the manifest is marked complete only after the last shard.
+  const std::string manifest = megaslide::io::read_file(dir + "/cache.json");
+  auto m = nlohmann::json::parse(manifest);
+  m["complete"] = false;
+  megaslide::io::write_file_atomically(dir + "/cache.json", m.dump(1));
+  what = refused(c);
+  EXPECT_NE(what.find("incomplete"), std::string::npos) << what;
+}
+
+// The DiT family's latent path: a cache of CLIP embeddings and SD VAE latents equals the frozen encoders'
+// outputs, and training from it equals training from decoding (which runs the encoders every step).
+TEST(LatentCache, ClipAndSdVaeCacheEqualsTheFrozenEncodersAndTrainsAsDecoding) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  VideoFixture fx("cache-clip-sd", 3, 12, 48, 64);
+  const std::string dir = fx.dir + "/cache";
+  auto config = [&](const std::string& cache) {
+    auto c = video_config(fx, cache);
+    c.model.text_encoder.kind = "clip";
+    c.model.text_encoder.weights = fixture("clip/text_only");
+    c.model.text_encoder.vocab = fixture("clip");
+    c.model.vae.kind = "sd";
+    c.model.vae.weights = fixture("vae/tiny");
+    c.model.vae.latent_channels = 3;  // the tiny fixtures' sizes (configs/paper-small.yaml)
+    c.model.vae.downscale = 4;
+    c.model.text_dim = 32;
+    c.model.dsa_kernel = {3, 3, 3};
+    c.data.max_text_tokens = 16;
+    c.data.height = 32;
+    c.data.width = 32;
+    c.diffusion.caption_dropout = 0.3;
+    megaslide::validate(c, "test");
+    return c;
+  };
+  RunConfig c;
+  try {
+    c = config("");
+  } catch (const megaslide::ConfigError& e) {
+    FAIL() << e.what();
+  }
+  const auto frozen = megaslide::FrozenEncoders::load(c, torch::kCPU, "test");
+  build(c, dir, 2);
+  const auto cache = LatentCache::open(config(dir), dir);
+  const auto ds = megaslide::VideoDataset::open(c.data, 1);
+  ASSERT_EQ(cache->size(), ds.size());
+  for (int64_t i = 0; i < cache->size(); ++i) {
+    const auto s = cache->load(i, 0);
+    const auto pixels = ds.load(i, 0).permute({3, 0, 1, 2}).unsqueeze(0).to(torch::kFloat32) / 127.5 - 1.0;
+    EXPECT_TRUE(torch::allclose(s.video, frozen->encode_video(pixels)[0], 1e-5, 1e-6)) << "item " << i;
+    const auto [text, mask] = frozen->encode_text({ds.item(i).caption});
+    EXPECT_TRUE(torch::equal(s.text, text[0])) << "item " << i;
+    EXPECT_TRUE(torch::equal(s.text_mask, mask[0])) << "item " << i;
+  }
+  const auto [empty, empty_mask] = frozen->encode_text({""});
+  EXPECT_TRUE(torch::equal(cache->empty_prompt().text, empty[0]));
+  auto losses = [](const RunConfig& rc) {
+    megaslide::ResidentTrainer t(rc);
+    std::vector<double> out;
+    for (int i = 0; i < 5; ++i) out.push_back(t.step().loss);
+    return out;
+  };
+  const auto decoded = losses(c), cached = losses(config(dir));
+  ASSERT_EQ(decoded.size(), cached.size());
+  for (size_t i = 0; i < decoded.size(); ++i) EXPECT_EQ(decoded[i], cached[i]) << "step " << i + 1;
 }

@@ -141,3 +141,45 @@ TEST(MegaslideCache, BadInputExitsTwoWritingNothing) {
   EXPECT_NE(r.output.find("missing from the file"), std::string::npos) << r.output;
   EXPECT_FALSE(megaslide::io::path_exists(fx.dir + "/init"));
 }
+
+// Wan fine-tuned on videos as a user runs it: megaslide-cache through umT5 and the Wan VAE (tiny fixtures),
+// then megaslide-train from the cache; a Wan run over videos without data.cache, and a cache made with
+// another umT5 file, exit 2 naming them.
+TEST(MegaslideCache, WanCachesItsVideosAndTrainsFromTheCache) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  VideoFixture fx("cli-cache-wan", 3, 12, 48, 64);
+  const std::string fixtures = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures";
+  const std::string config = fx.dir + "/wan.yaml";
+  fx.write("wan.yaml", "model:\n  arch: wan\n  wan: {dim: 24, layers: 2, heads: 2, ffn_dim: 40, freq_dim: 16, text_dim: 24, in_channels: 16, out_channels: 16}\n"
+                       "  text_encoder: {kind: umt5, weights: " + fixtures + "/umt5/hf, vocab: " + fixtures + "/umt5/tokenizer/spiece.model}\n"
+                       "  vae: {kind: wan, weights: " + fixtures + "/wan_vae/tiny, latent_channels: 16}\n"
+                       "data:\n  dataset: videos\n  channels: 3\n  manifest: " + fx.dir + "/webvid.csv\n  frames: 5\n  height: 32\n  width: 32\n"
+                       "  frame_stride: 2\n  max_bad_fraction: 0.5\n  clip_start: center\n  cache: " + fx.dir + "/cache\n"
+                       "diffusion: {objective: flow, shift: 3.0, caption_dropout: 0.2}\n"
+                       "train:\n  steps: 3\n  batch_size: 2\n  device: cpu\n  log_every: 1\n  warmup_steps: 0\n"
+                       "offload:\n  enabled: false\n  compute_dtype: fp32\noutput:\n  progress: false\n");
+  auto r = run_tool("megaslide-train", "--config " + config + " --run-dir " + fx.dir + "/early");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("cache.json"), std::string::npos) << r.output;  // not built yet
+  r = run_tool("megaslide-train", "--config " + config + " --run-dir " + fx.dir + "/nocache --set data.cache=");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("data.cache"), std::string::npos) << r.output;
+
+  r = run_tool("megaslide-cache", "--config " + config);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("3 items in " + fx.dir + "/cache"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("items/s"), std::string::npos) << r.output;
+  r = run_tool("megaslide-train", "--config " + config + " --run-dir " + fx.dir + "/run");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const std::string metrics = megaslide::io::read_file(fx.dir + "/run/metrics.jsonl");
+  EXPECT_EQ(count(metrics, "\"loss\":"), 3u) << metrics;
+
+  const std::string other = "--set model.text_encoder.weights=" + fixtures + "/umt5/comfy_umt5_fp16.safetensors";
+  r = run_tool("megaslide-train", "--config " + config + " --run-dir " + fx.dir + "/other " + other);
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("other encoders (text_encoder.files"), std::string::npos) << r.output;
+  EXPECT_FALSE(megaslide::io::path_exists(fx.dir + "/other"));
+  r = run_tool("megaslide-cache", "--config " + config + " " + other);
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("other encoders"), std::string::npos) << r.output;
+}

@@ -246,7 +246,29 @@ TEST(RunConfig, WanAndDiTKeysDoNotMix) {
   expect_error(wan, {"model.self_attention=dsa3d", "model.dsa_groups=3"}, "model.dsa_groups", "divisor of model.wan.heads");
   expect_error(wan, {"model.wan.qk_norm=maybe"}, "model.wan.qk_norm", "true or false");
   expect_error(wan, {"model.wan.dimm=3"}, "model.wan.dimm", "did you mean model.wan.dim");
-  expect_error(wan, {"data.dataset=structured-motion"}, "data.dataset", "latent-tensors for model.arch wan");
+  expect_error(wan, {"data.dataset=structured-motion"}, "data.dataset", "expected latent-tensors (latent videos and text embeddings) or videos");
+  // Wan over videos: pixel sizes in data.*, umT5 and the Wan VAE named (their latents are what the
+  // patches must divide), one clip size; the DiT family refuses Wan's encoders and Wan the DiT family's.
+  const std::vector<std::string> videos{"data.dataset=videos",        "data.channels=3",         "data.manifest=x.csv",
+                                        "data.frames=5",              "data.height=16",          "data.width=16",
+                                        "model.text_encoder.kind=umt5", "model.text_encoder.weights=u",
+                                        "model.vae.kind=wan",         "model.vae.weights=v",     "model.vae.latent_channels=4"};
+  EXPECT_NO_THROW(parse_run_config(wan, kSource, videos));
+  auto with = [&](std::vector<std::string> extra) {
+    auto all = videos;
+    all.insert(all.end(), extra.begin(), extra.end());
+    return all;
+  };
+  expect_error(wan, with({"data.frames=6"}), "data.frames", "1 + 4k");
+  expect_error(wan, with({"data.height=12"}), "data.height", "multiple of model.vae.downscale");
+  expect_error(wan, with({"data.height=8"}), "data.height", "latent height");
+  expect_error(wan, with({"model.vae.latent_channels=16"}), "model.vae.latent_channels", "model.wan.in_channels (4");
+  expect_error(wan, with({"model.text_encoder.kind=builtin", "model.text_encoder.weights="}), "model.text_encoder.kind", "expected umt5");
+  expect_error(wan, with({"model.vae.weights="}), "model.vae.weights", "Wan VAE");
+  expect_error(wan, with({"model.text_encoder.kind=clip"}), "model.text_encoder.kind", "DiT family");
+  expect_error(wan, with({"data.buckets=[[5, 16, 16]]"}), "data.buckets", "one clip size");
+  expect_error("", {"model.text_encoder.kind=umt5", "model.text_encoder.weights=u"}, "model.text_encoder.kind", "Wan's text encoder");
+  expect_error("", {"model.vae.kind=wan", "model.vae.weights=v"}, "model.vae.kind", "Wan's VAE");
   expect_error("", {"data.dataset=latent-tensors"}, "data.dataset", "expected structured-motion");
   expect_error("", {"data.tensors=x.safetensors"}, "data.tensors", "latent-tensors");
 }

@@ -1,5 +1,7 @@
-// megaslide-cache: decodes a video dataset once and writes its latents and text tensors as sharded
-// safetensors (data/latent_cache.h, docs/data.md); training reads them with data.cache: DIR.
+// megaslide-cache: decodes a video dataset once, runs the config's VAE and text encoder over it (the
+// pixel codec and the built-in tokenizer, CLIP and the SD VAE, or umT5 and the Wan VAE) and writes the
+// latents and text tensors as sharded safetensors (data/latent_cache.h, docs/data.md); training reads
+// them with data.cache: DIR.
 //
 //   megaslide-cache --config run.yaml [--out DIR] [--set key.path=value ...] [--shard-items N] [--threads N]
 //
@@ -85,6 +87,9 @@ int main(int argc, char** argv) {
                              r.bad.size(), std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     return 0;
   } catch (const megaslide::DatasetError& e) {
+    std::cerr << (tty ? "\n" : "") << "megaslide-cache: " << e.what() << "\n";
+    return 2;
+  } catch (const megaslide::ConfigError& e) {
     std::cerr << (tty ? "\n" : "") << "megaslide-cache: " << e.what() << "\n";
     return 2;
   } catch (const std::exception& e) {

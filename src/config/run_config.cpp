@@ -341,11 +341,11 @@ class Schema {
     real("model.wan.eps", c.model.wan.eps, RealRange{0.0, 1.0, true, false});
     optional_text("model.wan.weights", c.model.wan.weights);
     // Nested keys: model.text_encoder: {kind: clip, weights: DIR} in a file, --set model.vae.kind=sd.
-    choice("model.text_encoder.kind", c.model.text_encoder.kind, {"builtin", "clip"});
+    choice("model.text_encoder.kind", c.model.text_encoder.kind, {"builtin", "clip", "umt5"});
     optional_text("model.text_encoder.weights", c.model.text_encoder.weights);
     optional_text("model.text_encoder.vocab", c.model.text_encoder.vocab);
     choice("model.text_encoder.dtype", c.model.text_encoder.dtype, {"fp32", "bf16"});
-    choice("model.vae.kind", c.model.vae.kind, {"none", "sd"});
+    choice("model.vae.kind", c.model.vae.kind, {"none", "sd", "wan"});
     optional_text("model.vae.weights", c.model.vae.weights);
     integer("model.vae.latent_channels", c.model.vae.latent_channels, IntRange{1, 64});
     integer("model.vae.downscale", c.model.vae.downscale, IntRange{1, 64});
@@ -463,8 +463,8 @@ size_t edit_distance(const std::string& a, const std::string& b) {
 // config sets the keys of its own architecture; to_yaml writes only those.
 bool wan_only_key(const std::string& key) { return key.rfind("model.wan.", 0) == 0 || key == "model.self_attention"; }
 bool dit_only_key(const std::string& key) {
-  // The frozen CLIP and SD VAE condition the DiT family (Wan has its own encoder and VAE).
-  if (key.rfind("model.text_encoder.", 0) == 0 || key.rfind("model.vae.", 0) == 0) return true;
+  // model.text_encoder and model.vae apply to both families (CLIP and the SD VAE for the DiT family, umT5
+  // and the Wan VAE for Wan: validate() checks the kind against the architecture).
   static const std::set<std::string> keys{"model.patch",   "model.hidden",          "model.layers",     "model.heads",
                                           "model.mlp_ratio", "model.text_dim",      "model.dense_attention", "model.swin_window"};
   return keys.count(key) > 0;
@@ -694,9 +694,40 @@ void validate_wan(const RunConfig& c, const std::function<void(const std::string
   if ((w.dim / w.heads) % 2 != 0)
     fail("model.wan.dim", "expected model.wan.dim / model.wan.heads (the head size, " + std::to_string(w.dim / w.heads) +
                               ") to be even: 3D RoPE rotates pairs of channels");
-  if (c.data.channels != w.in_channels)
+  const auto& te = m.text_encoder;
+  const auto& vae = m.vae;
+  if (te.kind == "clip")
+    fail("model.text_encoder.kind", "clip conditions the DiT family; Wan's text encoder is umt5 (or builtin: the data brings its "
+                                    "text embeddings)");
+  if (vae.kind == "sd") fail("model.vae.kind", "sd is the DiT family's VAE; Wan's is wan (or none: the data brings its latents)");
+  if (te.kind == "umt5" && te.weights.empty())
+    fail("model.text_encoder.weights", "model.text_encoder.kind: umt5 needs umT5's weights (a transformers folder, a diffusers "
+                                       "repository or umt5_xxl_fp16.safetensors; docs/wan.md)");
+  if (vae.kind == "wan" && vae.weights.empty())
+    fail("model.vae.weights", "model.vae.kind: wan needs the Wan VAE's weights (diffusers' vae/ folder or wan_2.1_vae.safetensors; "
+                              "docs/wan.md)");
+  if (c.data.dataset == "videos") {
+    // Pixels in data.*, latents from the Wan VAE (cached by megaslide-cache; data/latent_cache.h).
+    if (te.kind != "umt5")
+      fail("model.text_encoder.kind", "expected umt5 for model.arch wan with data.dataset: videos (the cache holds umT5's embeddings)");
+    if (vae.kind != "wan")
+      fail("model.vae.kind", "expected wan for model.arch wan with data.dataset: videos (the cache holds the Wan VAE's latents)");
+    if (vae.latent_channels != w.in_channels)
+      fail("model.vae.latent_channels", "expected model.wan.in_channels (" + std::to_string(w.in_channels) +
+                                            ": the Wan VAE's z_dim is the DiT's input), got " + std::to_string(vae.latent_channels));
+    if ((c.data.frames - 1) % 4 != 0)
+      fail("data.frames", "expected 1 + 4k frames for the Wan VAE (it keeps the first frame and every 4 after), got " +
+                              std::to_string(c.data.frames));
+    for (const auto& [axis, size] : {std::pair<const char*, int64_t>{"height", c.data.height}, {"width", c.data.width}})
+      if (size % vae.downscale != 0)
+        fail(std::string("data.") + axis, "expected a multiple of model.vae.downscale (" + std::to_string(vae.downscale) + "), got " +
+                                              std::to_string(size));
+    if (!c.data.buckets.empty())
+      fail("data.buckets", "model.arch wan trains on one clip size (data.frames x height x width); buckets are the DiT family's");
+  } else if (c.data.channels != w.in_channels) {
     fail("data.channels", "expected model.wan.in_channels (" + std::to_string(w.in_channels) + ") for model.arch wan, got " +
                               std::to_string(c.data.channels));
+  }
   if (w.out_channels != w.in_channels)
     fail("model.wan.out_channels", "expected model.wan.in_channels (" + std::to_string(w.in_channels) +
                                        "): the output is compared with and sampled back into the input latents, got " +
@@ -727,6 +758,8 @@ void validate(const RunConfig& c, const std::string& source) {
     if (static_cast<int64_t>(std::llround(m.hidden * m.mlp_ratio)) < 1)
       fail("model.mlp_ratio", "expected model.hidden * model.mlp_ratio >= 1");
     const auto& te = m.text_encoder;
+    if (te.kind == "umt5") fail("model.text_encoder.kind", "umt5 is Wan's text encoder (model.arch wan); the DiT family's is builtin or clip");
+    if (m.vae.kind == "wan") fail("model.vae.kind", "wan is Wan's VAE (model.arch wan); the DiT family's is none or sd");
     if (te.kind == "clip" && te.weights.empty())
       fail("model.text_encoder.weights", "model.text_encoder.kind: clip needs the folder of CLIP's text encoder (docs/conditioning.md)");
     if (te.kind == "builtin" && !te.weights.empty())
@@ -746,12 +779,6 @@ void validate(const RunConfig& c, const std::string& source) {
     if (vae.kind == "sd" && vae.tile_size > 0 && vae.tile_size % vae.downscale != 0)
       fail("model.vae.tile_size", "expected a multiple of model.vae.downscale (" + std::to_string(vae.downscale) + "), got " +
                                       std::to_string(vae.tile_size));
-    if (vae.kind == "sd" && !c.data.cache.empty())
-      fail("data.cache", "the cache holds the built-in codec's frames; with model.vae.kind: sd train from the videos (the cache of "
-                         "VAE latents is not written yet)");
-    if (te.kind == "clip" && !c.data.cache.empty())
-      fail("data.cache", "the cache holds the built-in encoder's tokens; with model.text_encoder.kind: clip train from the videos "
-                         "(the cache of CLIP embeddings is not written yet)");
     if (vae.kind == "sd") {
       const char* pixel_axes[2] = {"height", "width"};
       const int64_t pixel_sizes[2] = {c.data.height, c.data.width};
@@ -769,14 +796,17 @@ void validate(const RunConfig& c, const std::string& source) {
     }
   }
   const char* axes[3] = {"frames", "height", "width"};
-  const int64_t sizes[3] = {c.data.frames, c.data.height, c.data.width};
+  // Wan's patches apply to its latents (the Wan VAE's, for videos).
+  const auto latent = model_sample_shape(c);
+  const int64_t sizes[3] = {wan ? latent[1] : c.data.frames, wan ? latent[2] : c.data.height, wan ? latent[3] : c.data.width};
   const char* patch_names[3] = {"temporal", "height", "width"};
   const auto& patch = wan ? m.wan.patch : m.patch;
   for (int a = 0; a < 3; ++a) {
     if (sizes[a] % patch[a] != 0)
       fail(std::string("data.") + axes[a], "expected a multiple of the " + std::string(patch_names[a]) + " patch " +
                                                (wan ? "model.wan.patch[" : "model.patch[") + std::to_string(a) + "] = " +
-                                               std::to_string(patch[a]) + ", got " + std::to_string(sizes[a]));
+                                               std::to_string(patch[a]) + ", got " + std::to_string(sizes[a]) +
+                                               (wan && c.data.dataset == "videos" ? " latent " + std::string(axes[a]) + " (the Wan VAE's)" : ""));
   }
   const auto& data = c.data;
   if (data.dataset == "videos") {
@@ -798,9 +828,9 @@ void validate(const RunConfig& c, const std::string& source) {
   if (!data.buckets.empty() && data.dataset != "videos") fail("data.buckets", "only data.dataset: videos has buckets");
   if (!data.cache.empty() && data.dataset != "videos") fail("data.cache", "only data.dataset: videos reads a cache");
   const auto& d = c.diffusion;
-  if (wan != (c.data.dataset == "latent-tensors"))
-    fail("data.dataset", wan ? "expected latent-tensors for model.arch wan (latent videos and text embeddings; structured-motion renders "
-                               "pixel videos for the DiT family)"
+  if (wan ? c.data.dataset == "structured-motion" : c.data.dataset == "latent-tensors")
+    fail("data.dataset", wan ? "expected latent-tensors (latent videos and text embeddings) or videos (cached through umT5 and the Wan "
+                               "VAE) for model.arch wan; structured-motion renders pixel videos for the DiT family"
                              : "latent-tensors holds Wan's latents and text embeddings: expected structured-motion for model.arch " +
                                    std::string(to_string(m.arch)));
   if (!c.data.tensors.empty() && c.data.dataset != "latent-tensors")
@@ -826,6 +856,10 @@ void validate(const RunConfig& c, const std::string& source) {
 
 std::array<int64_t, 4> model_sample_shape(const RunConfig& c) {
   const auto& d = c.data;
+  if (c.model.arch == Architecture::kWan && d.dataset == "videos") {  // the Wan VAE: 1 + 4k frames -> 1 + k latent frames
+    const auto& v = c.model.vae;
+    return {v.latent_channels, 1 + (d.frames - 1) / 4, d.height / v.downscale, d.width / v.downscale};
+  }
   if (c.model.vae.kind == "sd") {
     const auto& v = c.model.vae;
     return {v.latent_channels, d.frames, d.height / v.downscale, d.width / v.downscale};

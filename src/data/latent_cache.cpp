@@ -9,14 +9,22 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <fstream>
 #include <map>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <thread>
 
 #include "megaslide/data/video_dataset.h"
 #include "megaslide/io/files.h"
+#include "megaslide/model/clip_tokenizer.h"
+#include "megaslide/model/frozen_encoders.h"
 #include "megaslide/model/text_encoder.h"
+#include "megaslide/model/umt5_encoder.h"
+#include "megaslide/model/umt5_tokenizer.h"
+#include "megaslide/model/wan_vae.h"
+#include "megaslide/train/resident_trainer.h"
 
 namespace megaslide {
 
@@ -29,28 +37,152 @@ constexpr const char* kEmptyPrompt = "empty_prompt.safetensors";
 
 using json = nlohmann::ordered_json;
 
-class BuiltinEncoders final : public CacheEncoders {
- public:
-  explicit BuiltinEncoders(int64_t max_tokens) : max_tokens_(max_tokens) {}
-  std::string identity() const override {
-    std::string words;
-    for (const auto& w : tokenizer_.words()) words += w + "\n";
-    json j;
-    j["text_encoder"] = {{"kind", "builtin"},
-                         {"max_tokens", max_tokens_},
-                         {"vocabulary_crc32", fmt::format("{:08x}", io::crc32(words.data(), words.size()))}};
-    j["vae"] = {{"kind", "pixel"}, {"layout", "[T, H, W, 3] uint8"}};
-    return j.dump();
+// A file's fingerprint: its name, size and the CRC-32 of its first and last MiB (for a safetensors file,
+// the header — names, shapes, offsets — and the first tensors). Cheap on a 10 GB checkpoint.
+json fingerprint(const std::string& path, const std::string& key) {
+  constexpr uint64_t kSpan = uint64_t{1} << 20;
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw ConfigError("config", key, "cannot read '" + path + "' (to fingerprint the encoder's files for the cache)");
+  const uint64_t size = io::file_size(path);
+  std::string buffer;
+  uint32_t crc = 0;
+  auto add = [&](uint64_t begin, uint64_t bytes) {
+    buffer.resize(static_cast<size_t>(bytes));
+    in.seekg(static_cast<std::streamoff>(begin));
+    in.read(buffer.data(), static_cast<std::streamsize>(bytes));
+    if (!in) throw ConfigError("config", key, "cannot read '" + path + "' (to fingerprint the encoder's files for the cache)");
+    crc = io::crc32(buffer.data(), buffer.size(), crc);
+  };
+  add(0, std::min(size, kSpan));
+  if (size > kSpan) add(std::max(kSpan, size - kSpan), size - std::max(kSpan, size - kSpan));
+  const auto slash = path.find_last_of('/');
+  return {{"file", slash == std::string::npos ? path : path.substr(slash + 1)}, {"bytes", size}, {"crc32", fmt::format("{:08x}", crc)}};
+}
+
+// The files of a weights path: the file itself, or a folder's weights, configs and vocabularies.
+json fingerprints(const std::string& path, const std::string& key) {
+  json out = json::array();
+  if (!io::is_directory(path)) {
+    out.push_back(fingerprint(path, key));
+    return out;
   }
-  io::NamedTensors encode(const torch::Tensor& frames, const std::string& caption) const override {
-    const auto ids = tokenizer_.encode(caption, max_tokens_);
+  auto names = io::list_directory(path);
+  std::sort(names.begin(), names.end());
+  for (const auto& name : names) {
+    const std::string file = io::join_path(path, name);
+    const auto ends = [&](const std::string& suffix) {
+      return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+    };
+    if (io::is_directory(file)) continue;
+    if (ends(".safetensors") || ends(".json") || ends(".model") || ends(".txt")) out.push_back(fingerprint(file, key));
+  }
+  if (out.empty()) throw ConfigError("config", key, "'" + path + "' holds no weights (.safetensors) to fingerprint");
+  return out;
+}
+
+// The folder umT5's weights are read from (a diffusers root's text_encoder/), or the file.
+std::string umt5_weights_path(const std::string& weights) {
+  if (!io::is_directory(weights)) return weights;
+  try {
+    const std::string file = umt5_weights_file(weights);
+    const auto slash = file.find_last_of('/');
+    return slash == std::string::npos ? std::string(".") : file.substr(0, slash);
+  } catch (const std::exception& e) {
+    throw ConfigError("config", "model.text_encoder.weights", e.what());
+  }
+}
+
+torch::ScalarType encoder_dtype(const std::string& name, torch::Device device) {
+  // As FrozenEncoders: bf16 applies on a GPU; on a CPU the encoders run in fp32.
+  return name == "bf16" && device.is_cuda() ? torch::kBFloat16 : torch::kFloat32;
+}
+
+std::optional<WanVaeTiling> wan_tiling(const VaeConfig& v) {
+  if (v.tile_size <= 0) return std::nullopt;
+  const int64_t overlap = static_cast<int64_t>(std::llround(static_cast<double>(v.tile_size) * v.tile_overlap)) / v.downscale * v.downscale;
+  return WanVaeTiling{v.tile_size, std::max<int64_t>(v.downscale, v.tile_size - overlap)};
+}
+
+// Wan's convention: 512 tokens per prompt.
+constexpr int64_t kUmt5Tokens = 512;
+
+class ConfiguredEncoders final : public CacheEncoders {
+ public:
+  ConfiguredEncoders(const RunConfig& config, torch::Device device) : config_(config), device_(device) {
+    const auto& te = config.model.text_encoder;
+    const auto& v = config.model.vae;
+    auto fail = [](const std::string& key, const std::string& problem) { throw ConfigError("config", key, problem); };
+    frozen_ = FrozenEncoders::load(config, device, "config");  // CLIP and the SD VAE (nullptr when neither)
+    if (te.kind == "umt5") {
+      try {
+        tokenizer_.emplace(Umt5Tokenizer::find(te.vocab.empty() ? te.weights : te.vocab));
+      } catch (const std::exception& e) {
+        fail(te.vocab.empty() ? "model.text_encoder.weights" : "model.text_encoder.vocab", e.what());
+      }
+      try {
+        umt5_.emplace(Umt5Encoder::load(te.weights, device, encoder_dtype(te.dtype, device)));
+      } catch (const std::exception& e) {
+        fail("model.text_encoder.weights", e.what());
+      }
+      if (umt5_->config().d_model != config.model.wan.text_dim)
+        fail("model.wan.text_dim", fmt::format("is {} but umT5 in '{}' is {} wide (d_model): set model.wan.text_dim: {}", config.model.wan.text_dim,
+                                               te.weights, umt5_->config().d_model, umt5_->config().d_model));
+      if (tokenizer_->vocab_size() > umt5_->config().vocab_size)
+        fail("model.text_encoder.vocab", fmt::format("the tokenizer '{}' has {} pieces, umT5's embedding only {}: not this model's tokenizer",
+                                                     tokenizer_->source(), tokenizer_->vocab_size(), umt5_->config().vocab_size));
+    }
+    if (v.kind == "wan") {
+      try {
+        wan_vae_.emplace(WanVae::load(v.weights, device, encoder_dtype(v.dtype, device)));
+      } catch (const std::exception& e) {
+        fail("model.vae.weights", e.what());
+      }
+      const auto& c = wan_vae_->config();
+      if (c.z_dim != v.latent_channels)
+        fail("model.vae.latent_channels", fmt::format("is {} but the Wan VAE in '{}' has z_dim {}: set model.vae.latent_channels: {} (and "
+                                                      "model.wan.in_channels)", v.latent_channels, v.weights, c.z_dim, c.z_dim));
+      if (c.spatial_downscale() != v.downscale || c.temporal_downscale() != 4)
+        fail("model.vae.downscale", fmt::format("is {} but the Wan VAE in '{}' maps {} pixels and {} frames to a latent (this cache "
+                                                "expects 8 and 4, as Wan 2.1's)", v.downscale, v.weights, c.spatial_downscale(),
+                                                c.temporal_downscale()));
+      if (c.in_channels != 3) fail("model.vae.weights", fmt::format("the Wan VAE in '{}' encodes {}-channel videos, not RGB", v.weights, c.in_channels));
+    }
+  }
+
+  io::NamedTensors encode_text(const std::string& caption) const override {
+    torch::NoGradGuard no_grad;
+    if (umt5_) {
+      const auto tokens = tokenizer_->encode({wan_prompt_clean(caption)}, kUmt5Tokens);
+      const auto text = umt5_->embed(tokens.ids.to(device_), tokens.mask.to(device_));
+      return {{"text", text[0].to(torch::kCPU, torch::kFloat32).contiguous()}};
+    }
+    if (frozen_ && frozen_->has_text()) {
+      auto [text, mask] = frozen_->encode_text({caption});
+      return {{"text", text[0].to(torch::kCPU, torch::kFloat32).contiguous()}, {"text_mask", mask[0].to(torch::kCPU).contiguous()}};
+    }
+    const auto ids = builtin_.encode(caption, config_.data.max_text_tokens);
     auto tokens = torch::tensor(ids, torch::kInt64);
-    return {{"latents", frames.contiguous()}, {"text_ids", tokens}, {"text_mask", tokens.ne(CaptionTokenizer::kPad)}};
+    return {{"text_ids", tokens}, {"text_mask", tokens.ne(CaptionTokenizer::kPad)}};
+  }
+
+  torch::Tensor encode_video(const torch::Tensor& frames) const override {
+    if (!wan_vae_ && !(frozen_ && frozen_->has_vae())) return frames.contiguous();  // the pixel codec
+    torch::NoGradGuard no_grad;
+    // [T, H, W, 3] uint8 -> [1, 3, T, H, W] in [-1, 1], as the trainer maps a decoded batch.
+    const auto pixels = (frames.unsqueeze(0).permute({0, 4, 1, 2, 3}).to(torch::kFloat32) / 127.5 - 1.0).contiguous();
+    const auto latents = wan_vae_ ? wan_vae_->encode(pixels.to(device_), false, std::nullopt, wan_tiling(config_.model.vae))
+                                  : frozen_->encode_video(pixels);
+    return latents[0].to(torch::kCPU, torch::kFloat32).contiguous();
   }
 
  private:
-  CaptionTokenizer tokenizer_;
-  int64_t max_tokens_;
+  RunConfig config_;
+  torch::Device device_;
+  CaptionTokenizer builtin_;
+  std::shared_ptr<FrozenEncoders> frozen_;
+  std::optional<Umt5Tokenizer> tokenizer_;
+  std::optional<Umt5Encoder> umt5_;
+  std::optional<WanVae> wan_vae_;
 };
 
 // The data keys that shape a cached clip.
@@ -112,11 +244,25 @@ std::string first_difference(const json& a, const json& b, const std::string& pr
   return a == b ? "" : (prefix.empty() ? std::string("(value)") : prefix.substr(0, prefix.size() - 1));
 }
 
+// The value at a dotted path of first_difference's ("(absent)" where a key is missing).
+std::string value_at(const json& j, const std::string& path) {
+  if (path == "(value)") return j.dump();
+  const json* at = &j;
+  for (size_t begin = 0; begin <= path.size();) {
+    const size_t dot = std::min(path.find('.', begin), path.size());
+    const std::string key = path.substr(begin, dot - begin);
+    if (!at->is_object() || !at->contains(key)) return "(absent)";
+    at = &(*at)[key];
+    begin = dot + 1;
+  }
+  return at->dump();
+}
+
 void check_same(const json& cached, const json& now, const std::string& what, const std::string& dir) {
   const auto diff = first_difference(cached, now, "");
   if (!diff.empty())
     throw DatasetError(fmt::format("cache '{}' was made with other {} ({} is {} in the cache, {} now); rebuild it with megaslide-cache", dir,
-                                   what, diff, cached.dump(), now.dump()));
+                                   what, diff, value_at(cached, diff), value_at(now, diff)));
 }
 
 std::string list_paths(const std::vector<std::string>& lines, size_t max = 20) {
@@ -128,8 +274,51 @@ std::string list_paths(const std::vector<std::string>& lines, size_t max = 20) {
 
 }  // namespace
 
-std::unique_ptr<CacheEncoders> cache_encoders(const RunConfig& config) {
-  return std::make_unique<BuiltinEncoders>(config.data.max_text_tokens);
+std::unique_ptr<CacheEncoders> cache_encoders(const RunConfig& config, torch::Device device) {
+  return std::make_unique<ConfiguredEncoders>(config, device);
+}
+
+std::string cache_identity(const RunConfig& config) {
+  const auto& te = config.model.text_encoder;
+  const auto& v = config.model.vae;
+  json j;
+  if (te.kind == "clip") {
+    json vocab = fingerprints(te.weights, "model.text_encoder.weights");
+    if (!te.vocab.empty()) vocab = fingerprints(te.vocab, "model.text_encoder.vocab");
+    else if (ClipTokenizer::folder_has_vocabulary(te.weights + "/../tokenizer") && !ClipTokenizer::folder_has_vocabulary(te.weights))
+      vocab = fingerprints(te.weights + "/../tokenizer", "model.text_encoder.weights");
+    j["text_encoder"] = {{"kind", "clip"}, {"max_tokens", config.data.max_text_tokens}, {"dtype", te.dtype},
+                         {"files", fingerprints(te.weights, "model.text_encoder.weights")}, {"vocabulary", vocab}};
+  } else if (te.kind == "umt5") {
+    json tokenizer;
+    try {
+      const std::string source = Umt5Tokenizer::find(te.vocab.empty() ? te.weights : te.vocab).source();
+      tokenizer = io::path_exists(source) && !io::is_directory(source) ? fingerprint(source, "model.text_encoder.vocab") : json(source);
+    } catch (const Umt5TokenizerError& e) {
+      throw ConfigError("config", te.vocab.empty() ? "model.text_encoder.weights" : "model.text_encoder.vocab", e.what());
+    }
+    j["text_encoder"] = {{"kind", "umt5"}, {"max_tokens", kUmt5Tokens}, {"clean", "wan"}, {"dtype", te.dtype},
+                         {"files", fingerprints(umt5_weights_path(te.weights), "model.text_encoder.weights")}, {"tokenizer", tokenizer}};
+  } else {
+    const CaptionTokenizer tokenizer;
+    std::string words;
+    for (const auto& w : tokenizer.words()) words += w + "\n";
+    j["text_encoder"] = {{"kind", "builtin"},
+                         {"max_tokens", config.data.max_text_tokens},
+                         {"vocabulary_crc32", fmt::format("{:08x}", io::crc32(words.data(), words.size()))}};
+  }
+  if (v.kind == "sd") {
+    j["vae"] = {{"kind", "sd"}, {"latents", "scaled mean [C, T, H/ds, W/ds] float32"}, {"dtype", v.dtype},
+                {"files", fingerprints(v.weights, "model.vae.weights")}};
+  } else if (v.kind == "wan") {
+    const auto tiling = wan_tiling(v);
+    j["vae"] = {{"kind", "wan"}, {"latents", "normalised mean [z, 1 + (T-1)/4, H/8, W/8] float32"}, {"dtype", v.dtype},
+                {"tiling", tiling ? json{{"tile", tiling->tile}, {"stride", tiling->stride}} : json()},
+                {"files", fingerprints(v.weights, "model.vae.weights")}};
+  } else {
+    j["vae"] = {{"kind", "pixel"}, {"layout", "[T, H, W, 3] uint8"}};
+  }
+  return j.dump();
 }
 
 CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOptions& options) {
@@ -140,8 +329,7 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
   };
   const auto dataset = VideoDataset::open(config.data, static_cast<int>(std::max<int64_t>(1, options.threads)));
   dataset.check_bad_fraction();
-  const auto encoders = cache_encoders(config);
-  const json identity = json::parse(encoders->identity());
+  const json identity = json::parse(cache_identity(config));
   const json decode = decode_settings(config.data);
   const std::string manifest_path = io::join_path(options.out, kManifest);
 
@@ -202,10 +390,10 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
       throw DatasetError("megaslide-cache: " + manifest_path + " is malformed (" + e.what() + "); remove the folder or choose another --out");
     }
 
-    // The empty prompt (caption dropout).
-    io::NamedTensors empty;
-    for (auto& [name, t] : encoders->encode(torch::zeros({1, 2, 2, 3}, torch::kUInt8), ""))
-      if (name != "latents") empty.emplace_back(name, t);
+    // The encoders (after the checks above: a mismatch is refused before loading gigabytes), then the
+    // empty prompt (caption dropout).
+    const auto encoders = cache_encoders(config, resolve_device(config.train.device));
+    const io::NamedTensors empty = encoders->encode_text("");
     io::write_safetensors(io::join_path(options.out, kEmptyPrompt), empty, {{"format", "megaslide.cache.empty_prompt"}});
 
     auto write_manifest = [&](bool complete) {
@@ -265,10 +453,10 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
           warn(fmt::format("bad item {}: {}", item.path, errors[static_cast<size_t>(j)]));
           continue;
         }
-        for (auto& [name, t] : encoders->encode(clips[static_cast<size_t>(j)], item.caption)) {
-          if (name == "latents") latents.emplace_back(items.size(), t);
-          tensors.emplace_back(std::to_string(item.index) + "." + name, t);
-        }
+        const auto video = encoders->encode_video(clips[static_cast<size_t>(j)]);
+        latents.emplace_back(items.size(), video);
+        tensors.emplace_back(std::to_string(item.index) + ".latents", video);
+        for (auto& [name, t] : encoders->encode_text(item.caption)) tensors.emplace_back(std::to_string(item.index) + "." + name, t);
         items.push_back({{"index", item.index},
                          {"path", item.path},
                          {"caption", item.caption},
@@ -330,7 +518,7 @@ std::shared_ptr<LatentCache> LatentCache::open_checked(const RunConfig& config, 
   const json m = read_manifest(manifest_path);
   if (!m.value("complete", false))
     throw DatasetError("data.cache '" + dir + "' is incomplete (megaslide-cache was interrupted); run megaslide-cache again to finish it");
-  check_same(m.value("encoders", json()), json::parse(cache_encoders(config)->identity()), "encoders", dir);
+  check_same(m.value("encoders", json()), json::parse(cache_identity(config)), "encoders", dir);
   check_same(m.value("decode", json()), decode_settings(config.data), "decode settings", dir);
   const json dataset = {{"source", dataset_source(config.data)}, {"listed", m.value("dataset", json()).value("listed", int64_t{0})}};
   check_same(m.value("dataset", json()), dataset, "dataset", dir);
@@ -425,6 +613,7 @@ std::shared_ptr<LatentCache> LatentCache::open_checked(const RunConfig& config, 
     for (const auto& [name, t] : empty.tensors) {
       if (name == "text_ids") cache->empty_prompt_.text_ids = t;
       if (name == "text_mask") cache->empty_prompt_.text_mask = t;
+      if (name == "text") cache->empty_prompt_.text = t;
     }
   } catch (const io::IoError& e) {
     throw DatasetError(e.what());
@@ -447,6 +636,7 @@ ClipSample LatentCache::load(int64_t index, int64_t) const {
     if (name == "latents") s.video = t;
     else if (name == "text_ids") s.text_ids = t;
     else if (name == "text_mask") s.text_mask = t;
+    else if (name == "text") s.text = t;
   }
   const auto* bytes = static_cast<const char*>(shards_[static_cast<size_t>(item.shard)]->base) + item.latents_offset;
   const uint32_t crc = io::crc32(bytes, item.latents_bytes);
@@ -454,6 +644,26 @@ ClipSample LatentCache::load(int64_t index, int64_t) const {
     throw DatasetError(fmt::format("cache shard '{}': the latents of item {} ({}) have CRC-32 {:08x}, the manifest says {:08x} (corrupted)",
                                    shards_[static_cast<size_t>(item.shard)]->path, item.index, item.path, crc, item.latents_crc32));
   return s;
+}
+
+torch::Tensor LatentCache::stacked(const std::string& name) const {
+  std::vector<torch::Tensor> parts;
+  for (const auto& item : items_) {
+    torch::Tensor found;
+    for (const auto& [n, t] : item.tensors)
+      if (n == name) found = t;
+    if (!found.defined())
+      throw DatasetError(fmt::format("data.cache '{}': item {} ({}) has no tensor '{}' (a cache of other encoders?)", dir_, item.index, item.path, name));
+    if (!parts.empty() && found.sizes() != parts.front().sizes())
+      throw DatasetError(fmt::format("data.cache '{}': item {} ({}) has {} {} where the first item has {}: these items cannot be stacked "
+                                     "(one clip size is needed)", dir_, item.index, item.path, name, c10::str(found.sizes()),
+                                     c10::str(parts.front().sizes())));
+    parts.push_back(found);
+  }
+  if (parts.empty()) throw DatasetError("data.cache '" + dir_ + "' holds no items");
+  for (int64_t i = 0; i < static_cast<int64_t>(items_.size()); ++i) load(i, 0);  // checks every item's CRC-32
+  auto out = torch::stack(parts);
+  return out.is_floating_point() ? out.to(torch::kFloat32) : out;
 }
 
 }  // namespace megaslide

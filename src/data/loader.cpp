@@ -19,7 +19,7 @@ class DecodingSource final : public ClipSource {
   int64_t bucket_of(int64_t item) const override { return dataset_->info(item).bucket; }
   const std::string& caption(int64_t item) const override { return dataset_->item(item).caption; }
   const std::string& path(int64_t item) const override { return dataset_->item(item).path; }
-  ClipSample load(int64_t item, int64_t epoch) const override { return {dataset_->load(item, epoch), {}, {}}; }
+  ClipSample load(int64_t item, int64_t epoch) const override { return {dataset_->load(item, epoch), {}, {}, {}}; }
 
  private:
   std::shared_ptr<const VideoDataset> dataset_;
@@ -108,6 +108,15 @@ LoadedBatch ClipLoader::load(const PlannedBatch& plan) const {
     for (const auto& s : samples) ids.push_back(s.text_ids), masks.push_back(s.text_mask);
     out.text_ids = torch::stack(ids);
     out.text_mask = torch::stack(masks);
+  }
+  if (samples.front().text.defined()) {
+    std::vector<torch::Tensor> text, masks;
+    for (const auto& s : samples) {
+      text.push_back(s.text);
+      if (s.text_mask.defined()) masks.push_back(s.text_mask);
+    }
+    out.text = torch::stack(text);
+    if (masks.size() == samples.size()) out.text_mask = torch::stack(masks);
   }
   return out;
 }

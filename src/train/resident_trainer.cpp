@@ -80,7 +80,9 @@ DiffusionBatchSource::DiffusionBatchSource(const RunConfig& config)
       prediction_(parse_prediction(config.diffusion.prediction)),
       caption_rng_(config.train.seed ^ 0x5DEECE66Dull),
       generator_(at::detail::createCPUGenerator(config.train.seed)) {
-  frozen_ = FrozenEncoders::load(config, resolve_device(config.train.device), "config");
+  // A cache holds the frozen encoders' outputs: training then loads neither (sampling loads them itself).
+  if (config.data.dataset != "videos" || config.data.cache.empty())
+    frozen_ = FrozenEncoders::load(config, resolve_device(config.train.device), "config");
   if (config.data.dataset != "videos") return;
   videos_ = std::make_unique<Videos>();
   const auto& d = config.data;
@@ -224,10 +226,9 @@ DiffusionBatch DiffusionBatchSource::next(torch::Device device) {
     if (slice_count_ > 1) {
       captions = std::vector<std::string>(captions.begin() + first, captions.begin() + first + local);
       loaded.video = loaded.video.narrow(0, first, local);
-      if (loaded.text_ids.defined()) {
-        loaded.text_ids = loaded.text_ids.narrow(0, first, local);
-        loaded.text_mask = loaded.text_mask.narrow(0, first, local);
-      }
+      if (loaded.text_ids.defined()) loaded.text_ids = loaded.text_ids.narrow(0, first, local);
+      if (loaded.text_mask.defined()) loaded.text_mask = loaded.text_mask.narrow(0, first, local);
+      if (loaded.text.defined()) loaded.text = loaded.text.narrow(0, first, local);
     }
   } else {
     auto order = sampler_.next(B);
@@ -247,7 +248,18 @@ DiffusionBatch DiffusionBatchSource::next(torch::Device device) {
   for (size_t i = 0; i < captions.size(); ++i)
     if (dropped[i]) captions[i].clear();
   torch::Tensor text_ids, text_mask, text;
-  if (frozen_ && frozen_->has_text()) {
+  if (loaded.text.defined()) {
+    // A frozen encoder's embeddings from the cache: the empty prompt's for dropped captions.
+    text = loaded.text.clone();
+    text_mask = loaded.text_mask.clone();
+    for (int64_t i = 0; i < local; ++i) {
+      if (!dropped[static_cast<size_t>(i)]) continue;
+      text[i].copy_(videos_->empty_prompt.text);
+      text_mask[i].copy_(videos_->empty_prompt.text_mask);
+    }
+    text = text.to(device, torch::kFloat32);
+    text_mask = text_mask.to(device);
+  } else if (frozen_ && frozen_->has_text()) {
     std::tie(text, text_mask) = frozen_->encode_text(captions);  // dropped captions are the empty prompt
   } else if (loaded.text_ids.defined()) {
     // Precomputed by the cache: the empty prompt's for dropped captions.

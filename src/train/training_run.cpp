@@ -36,15 +36,18 @@ class Trainer {
   // `wan_init`: Wan's train.init_from (WanTrainer reads it into its model before placing the weights).
   Trainer(const RunConfig& config, const std::string& source, const WanTrainer::InitPlanner& wan_init, Communicator* communicator) {
     if (config.model.arch == Architecture::kWan) {
+      // Latents and text embeddings: a data.tensors file, or a megaslide-cache folder of the videos.
       WanLatentData data;
+      const RunConfig latent = wan_latent_config(config);
+      const bool cached = config.data.dataset == "videos";
       try {
-        data = WanLatentData::load(config.data.tensors);
-        data.check(config);
+        data = cached ? WanLatentData::from_cache(config, config.data.cache) : WanLatentData::load(config.data.tensors);
+        data.check(latent);
       } catch (const std::invalid_argument& e) {
-        throw ConfigError(source, "data.tensors", e.what());
+        throw ConfigError(source, cached ? "data.cache" : "data.tensors", e.what());
       }
       try {
-        wan_ = std::make_unique<WanTrainer>(config, std::move(data), wan_init);
+        wan_ = std::make_unique<WanTrainer>(latent, std::move(data), wan_init);
       } catch (const WanWeightsError& e) {
         throw ConfigError(source, "model.wan.weights", e.what());
       }
@@ -191,10 +194,14 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     } catch (const WanWeightsError& e) {
       throw ConfigError(options.config_source, "model.wan.weights", e.what());
     }
-    if (resolved.data.tensors.empty())
+    if (resolved.data.dataset == "videos" && resolved.data.cache.empty())
+      throw ConfigError(options.config_source, "data.cache",
+                        "is empty: model.arch wan trains on videos through their cache of Wan VAE latents and umT5 embeddings: run "
+                        "megaslide-cache --config with this config, then set data.cache to its folder (docs/wan.md)");
+    if (resolved.data.dataset == "latent-tensors" && resolved.data.tensors.empty())
       throw ConfigError(options.config_source, "data.tensors",
                         "is empty: model.arch wan trains on latent videos and text embeddings (a safetensors file of latents, text "
-                        "and empty_text; docs/wan.md)");
+                        "and empty_text, or data.dataset: videos with data.cache; docs/wan.md)");
     if (resolved.train.sample_every > 0)
       throw ConfigError(options.config_source, "train.sample_every", "validation videos of Wan need its VAE and text encoder, which "
                                                                       "training does not call yet: set train.sample_every: 0");
@@ -239,8 +246,10 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   } catch (const c10::Error& e) {
     throw ConfigError(options.config_source, "train.device", error_message(e));
   }
-  if (const std::string shortfall = memory_shortfall(config, this_machine_memory_bytes(), state_in_host_memory); !shortfall.empty()) {
-    const auto& d = config.data;
+  // Wan's samples are latents (of the videos' cache, or data.tensors').
+  const RunConfig sized = wan_latent_config(config);
+  if (const std::string shortfall = memory_shortfall(sized, this_machine_memory_bytes(), state_in_host_memory); !shortfall.empty()) {
+    const auto& d = sized.data;
     const bool batch_dominates = !state_in_host_memory || config.train.batch_size * d.channels * d.frames * d.height * d.width * 4 >
                                                             count_run_parameters(config).total * 12;
     throw ConfigError(options.config_source, batch_dominates ? "train.batch_size" : "model", shortfall);

@@ -14,6 +14,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "megaslide/data/latent_cache.h"
 #include "megaslide/io/safetensors.h"
 #include "megaslide/model/wan_weights.h"
 #include "megaslide/offload/cpu_master_trainer.h"
@@ -124,6 +125,32 @@ WanLatentData WanLatentData::load(const std::string& path) {
   }
   if (!d.latents.defined() || !d.text.defined()) throw std::invalid_argument("'" + path + "': needs tensors 'latents' and 'text'");
   return d;
+}
+
+WanLatentData WanLatentData::from_cache(const RunConfig& config, const std::string& dir) {
+  const auto cache = LatentCache::open(config, dir);
+  WanLatentData d;
+  d.latents = cache->stacked("latents");
+  d.text = cache->stacked("text");
+  if (cache->empty_prompt().text.defined()) d.empty_text = cache->empty_prompt().text.to(torch::kFloat32).clone();
+  return d;
+}
+
+RunConfig wan_latent_config(const RunConfig& config) {
+  if (config.data.dataset != "videos") return config;
+  RunConfig c = config;
+  const auto shape = model_sample_shape(config);
+  c.data = DataConfig();
+  c.data.dataset = "latent-tensors";
+  c.data.channels = shape[0];
+  c.data.frames = shape[1];
+  c.data.height = shape[2];
+  c.data.width = shape[3];
+  c.data.seed = config.data.seed;
+  c.data.max_text_tokens = config.data.max_text_tokens;
+  c.model.text_encoder = TextEncoderConfig();
+  c.model.vae = VaeConfig();
+  return c;
 }
 
 void WanLatentData::check(const RunConfig& c) const {

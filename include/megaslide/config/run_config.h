@@ -68,24 +68,24 @@ struct WanConfig {
 };
 
 // The prompt encoder (model.text_encoder, docs/conditioning.md): the small built-in caption encoder,
-// trained with the DiT, or CLIP's text transformer loaded from `weights` and frozen.
+// trained with the DiT, or CLIP's (DiT family) or umT5's (Wan, cached) loaded from `weights`, frozen.
 struct TextEncoderConfig {
-  std::string kind = "builtin";  // builtin | clip
-  std::string weights;           // clip: the folder (config.json, model.safetensors, the vocabulary)
-  std::string vocab;              // clip: vocab.json + merges.txt folder or OpenAI's bpe file; "" = found from weights
+  std::string kind = "builtin";  // builtin | clip | umt5 (Wan)
+  std::string weights;           // clip: the folder (config.json, model.safetensors, the vocabulary); umt5: folder or file
+  std::string vocab;              // clip: vocab.json + merges.txt folder or OpenAI's bpe file; umt5: spiece.model; "" = found
   std::string dtype = "fp32";    // clip's weights and compute: fp32 | bf16 (outputs are fp32)
 };
 
-// The video codec (model.vae): none (the DiT works on pixels) or the Stable Diffusion VAE loaded from
-// `weights` and frozen (the DiT works on its scaled latents).
+// The video codec (model.vae): none (the DiT works on pixels) or the Stable Diffusion VAE (DiT family) or
+// the Wan VAE (Wan, cached) loaded from `weights` and frozen (the model works on its latents).
 struct VaeConfig {
-  std::string kind = "none";       // none | sd
+  std::string kind = "none";       // none | sd | wan (Wan)
   std::string weights;             // sd: the folder (config.json, diffusion_pytorch_model.safetensors)
   int64_t latent_channels = 4;     // sd: must equal config.json's latent_channels (checked when loaded)
   int64_t downscale = 8;           // sd: pixels per latent along each side, 2^(levels - 1) (checked when loaded)
   int64_t frames_per_batch = 8;    // frames per VAE call (encode and decode)
   std::string dtype = "fp32";      // weights and compute: fp32 | bf16 (outputs are fp32)
-  int64_t tile_size = 0;           // decode in tiles of this many pixels (0 = whole frames)
+  int64_t tile_size = 0;           // decode (wan: encode) in tiles of this many pixels (0 = whole frames)
   double tile_overlap = 0.25;      // fraction of a tile its neighbours overlap and blend
 };
 
@@ -225,7 +225,7 @@ struct RunConfig {
 };
 
 // The shape [C, T, H, W] of the DiT's samples: the video's (data.channels x frames x height x width),
-// or under model.vae: sd its latents' (latent_channels x frames x height/downscale x width/downscale).
+// or the VAE's latents' (latent_channels x frames (wan: 1 + (frames-1)/4) x height/ds x width/ds).
 std::array<int64_t, 4> model_sample_shape(const RunConfig& config);
 
 // Loads `path`, applies `overrides` ("key.path=value", YAML scalars or flow sequences such as

@@ -3,7 +3,7 @@
 // training (data.cache: DIR) reads tensors instead of decoding videos and running frozen encoders.
 //
 //   DIR/shard-NNNNN.safetensors  per item i (its listing index): "i.latents" and the text tensors of the
-//                                encoder ("i.text_ids" and "i.text_mask" for the built-in one)
+//                                encoder (see CacheEncoders)
 //   DIR/empty_prompt.safetensors the text tensors of the empty prompt (caption dropout)
 //   DIR/cache.json               the manifest, replaced atomically after each shard: the encoders'
 //                                identity, the decode settings, every item (source path, size and mtime,
@@ -11,10 +11,25 @@
 //                                every bad item with its reason, every finished shard (size, CRC-32), and
 //                                "complete" once all are written
 //
-// The encoders today are the built-in ones — the pixel codec (latents are the clip's uint8 frames
-// [T, H, W, 3]) and the caption tokenizer of the trained built-in text encoder (ids and mask; the
-// embedding itself is trained, so it cannot be cached). A frozen encoder (CLIP, the SD VAE) plugs in as
-// another CacheEncoders: its identity goes into the manifest, its tensors into the shards.
+// The encoders are the config's (model.text_encoder, model.vae):
+//   text  builtin  the caption tokenizer of the trained built-in text encoder: "text_ids" [L] int64 and
+//                  "text_mask" [L] bool (data.max_text_tokens; the embedding itself is trained, so it
+//                  cannot be cached)
+//         clip     CLIP's last_hidden_state "text" [L, width] float32 and "text_mask" [L] bool
+//                  (data.max_text_tokens), as FrozenEncoders::encode_text gives them
+//         umt5     Wan's convention: the caption cleaned as Wan's prompt_clean (wan_prompt_clean), 512 tokens, umT5's
+//                  embeddings zeroed past the prompt: "text" [512, width] float32
+//   video none     the pixel codec: the clip's uint8 frames [T, H, W, 3]
+//         sd       the SD VAE's scaled latents [C, T, H/8, W/8] float32 (FrozenEncoders::encode_video)
+//         wan      the Wan VAE's normalised latents of the distribution's mean [16, 1 + (T−1)/4, H/8, W/8]
+//                  float32 (WanVae::encode; in model.vae.tile_size tiles when set)
+// The empty prompt's text tensors go into empty_prompt.safetensors: caption dropout from a cache.
+//
+// The manifest's "encoders" (cache_identity) is what makes two caches interchangeable: per encoder its
+// kind, the settings that change its output (dtype, tokens, cleaning, tiling) and a fingerprint of each
+// of its files (name, size and the CRC-32 of its first and last MiB, which hold a safetensors file's
+// header and first tensors) — another checkpoint, another size or another tokenizer is a mismatch. Paths
+// are not part of it: moving the weights keeps a cache valid.
 //
 // A clip is cached with epoch 0's augmentation draws (video_dataset.h): training from the cache sees
 // that clip every epoch, where decoding draws afresh each epoch.
@@ -46,14 +61,17 @@ namespace megaslide {
 class CacheEncoders {
  public:
   virtual ~CacheEncoders() = default;
-  // What makes two caches interchangeable (JSON text): kind, sizes, weights' identity.
-  virtual std::string identity() const = 0;
-  // One item: "latents" and the text tensors ("text_ids" and "text_mask" for the built-in encoder).
-  virtual io::NamedTensors encode(const torch::Tensor& frames, const std::string& caption) const = 0;
+  // One caption's text tensors (above), on the CPU.
+  virtual io::NamedTensors encode_text(const std::string& caption) const = 0;
+  // One clip [T, H, W, 3] uint8 -> what the model trains on (above), on the CPU.
+  virtual torch::Tensor encode_video(const torch::Tensor& frames) const = 0;
 };
 
-// The encoders a config names (the built-in ones today).
-std::unique_ptr<CacheEncoders> cache_encoders(const RunConfig& config);
+// The encoders `config` names, loaded on `device`. Throws ConfigError naming the key.
+std::unique_ptr<CacheEncoders> cache_encoders(const RunConfig& config, torch::Device device = torch::kCPU);
+// Their identity (JSON text, as above), from the config and the files' fingerprints (no weights loaded).
+// Throws ConfigError naming the key when a file cannot be read.
+std::string cache_identity(const RunConfig& config);
 
 struct CacheBuildOptions {
   std::string out;                 // the cache folder (created)
@@ -90,6 +108,10 @@ class LatentCache final : public ClipSource {
   ClipSample load(int64_t item, int64_t epoch) const override;
   // The empty prompt's text tensors.
   const ClipSample& empty_prompt() const { return empty_prompt_; }
+  // Every item's tensor `name` ("latents", "text", ...) stacked in item order [N, ...], as float32 for
+  // floating-point tensors (Wan trains on all of them in memory: WanLatentData::from_cache). Throws
+  // DatasetError naming the first item whose shape differs from the first's, or a tensor the cache lacks.
+  torch::Tensor stacked(const std::string& name) const;
   const std::vector<BadItem>& bad() const { return bad_; }
   int64_t listed() const { return listed_; }
 

@@ -33,6 +33,7 @@ namespace megaslide {
 struct ClipSample {
   torch::Tensor video;                // pixels [T, H, W, 3] uint8, or latents [C, T, h, w] float
   torch::Tensor text_ids, text_mask;  // [L] int64 / bool when the source has them precomputed, else undefined
+  torch::Tensor text;                 // [L, width] float: a frozen encoder's embeddings when cached (mask in text_mask)
 };
 
 // Where a loader's items come from: a VideoDataset decoding files (decoding_source) or a cache
@@ -60,6 +61,7 @@ struct LoadedBatch {
   PlannedBatch plan;
   torch::Tensor video;                // [B, ...] the samples stacked (pinned when the loader pins)
   torch::Tensor text_ids, text_mask;  // [B, L] when the source has them
+  torch::Tensor text;                 // [B, L, width] when the source has cached embeddings
   std::vector<std::string> captions;
   std::vector<BadItem> failed;        // items that failed to load (each replaced by a stand-in)
   double wait_s = 0.0;                // how long next() waited for this batch

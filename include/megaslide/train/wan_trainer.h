@@ -63,10 +63,21 @@ struct WanLatentData {
   // Reads a safetensors file holding "latents", "text" and optionally "empty_text" (float32, bf16 or fp16);
   // errors (std::invalid_argument) name the file and the tensor.
   static WanLatentData load(const std::string& path);
+  // Every item of a megaslide-cache folder made through umT5 and the Wan VAE (data/latent_cache.h), in
+  // item order: latents, umT5 text and the empty prompt's as empty_text. `config` is the run's (data.dataset:
+  // videos, pixel sizes): the cache is opened with its checks (encoders, decode settings, stale items).
+  // Throws DatasetError.
+  static WanLatentData from_cache(const RunConfig& config, const std::string& dir);
   // Checks the shapes against a config (data.channels/frames/height/width, model.wan.text_dim); throws
   // std::invalid_argument naming what differs.
   void check(const RunConfig& config) const;
 };
+
+// The config a WanTrainer is given for a run over data.dataset: videos (pixel sizes in data.*, umT5 and
+// the Wan VAE named, read from data.cache): data.dataset latent-tensors with the latents' shape
+// (model_sample_shape) in data.channels/frames/height/width and no encoders — the trainer works on
+// latents either way. A config of data.dataset latent-tensors is returned unchanged.
+RunConfig wan_latent_config(const RunConfig& config);
 
 // One micro-batch.
 struct WanBatch {
