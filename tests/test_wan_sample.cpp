@@ -6,6 +6,8 @@
 //   - the text embeddings, the sampled latents (UniPC and Euler, with guidance against Wan's negative
 //     prompt) and the decoded video equal WanPipeline's within 1e-4 (fp32);
 //   - the streamed DiT equals the resident one bit for bit (fp32 and bf16);
+//   - the blocks read on demand (meta skeleton, one block at a time) are the whole load's, including the
+//     3D-DSA retrofit's drawn parameters, and stream to the same predictions bit for bit;
 //   - megaslide-sample writes playable H.264 MP4s in VBench's layout with the expected frame count and
 //     size, from published weights (--config) and from a Wan weights file (--checkpoint), resident and
 //     streamed, deterministic per seed, whose latents equal umT5 -> flow_sample -> the DiT composed here;
