@@ -6,6 +6,8 @@
 //   - the text embeddings, the sampled latents (UniPC and Euler, with guidance against Wan's negative
 //     prompt) and the decoded video equal WanPipeline's within 1e-4 (fp32);
 //   - the streamed DiT equals the resident one bit for bit (fp32 and bf16);
+//   - the blocks read on demand (meta skeleton, one block at a time) are the whole load's, including the
+//     3D-DSA retrofit's drawn parameters, and stream to the same predictions bit for bit;
 //   - megaslide-sample writes playable H.264 MP4s in VBench's layout with the expected frame count and
 //     size, from published weights (--config) and from a Wan weights file (--checkpoint), resident and
 //     streamed, deterministic per seed, whose latents equal umT5 -> flow_sample -> the DiT composed here;
@@ -193,6 +195,69 @@ TEST(WanTextToVideo, StreamedDenoiserEqualsResidentBitForBit) {
   torch::NoGradGuard no_grad;
   const auto direct = model->forward(x, t, text);
   EXPECT_TRUE(torch::equal(megaslide::ResidentWanDenoiser(model, torch::kCPU).predict(x, t, text), direct));
+}
+
+// Property: the blocks read on demand (a meta skeleton, one block at a time from the mapped weights) are
+// the old whole load's, parameter for parameter (WanTransformer's constructor, then load_wan_weights): from
+// published weights, from published weights without the 3D-DSA retrofit's parameters (which keep the
+// values the constructor draws for them), and from a Wan weights file; and the streamed denoiser built
+// block by block from them predicts what the one built from the whole model does, bit for bit.
+TEST(WanTextToVideo, BlocksOnDemandAreTheWholeLoadsAndStreamTheSame) {
+  auto expect_same = [](const megaslide::WanTransformer& a, const megaslide::WanTransformer& b, const std::string& what) {
+    const auto pa = a->named_parameters(true), pb = b->named_parameters(true);
+    ASSERT_EQ(pa.size(), pb.size()) << what;
+    for (const auto& p : pa) EXPECT_TRUE(torch::equal(p.value(), pb[p.key()])) << what << ": " << p.key();
+  };
+  for (const bool dsa : {false, true}) {
+    auto config = fixture_config();
+    if (dsa) {
+      config.model.self_attention = "dsa3d";
+      config.model.dsa_kernel = {3, 3, 3};
+    }
+    const std::string what = dsa ? "dsa3d" : "dense";
+    torch::manual_seed(21);
+    megaslide::WanTransformer old(megaslide::WanOptions::from_config(megaslide::with_wan_architecture_from_weights(config)));
+    const auto kept = megaslide::load_wan_weights(megaslide::WanWeights::open(kTransformer), *old,
+                                                  dsa ? megaslide::wan_dsa_parameter_globs() : std::vector<std::string>{});
+    EXPECT_EQ(kept.empty(), !dsa) << what;  // the retrofit's parameters are really drawn, not read
+    torch::manual_seed(21);
+    auto whole = megaslide::wan_model_from_config(config, "test");
+    expect_same(old, whole.dit, what + " whole");
+    torch::manual_seed(21);
+    auto on_demand = megaslide::wan_model_from_config(config, "test", /*blocks_on_demand=*/true);
+    ASSERT_TRUE(on_demand.block) << what;
+    EXPECT_TRUE(on_demand.dit->blocks[1]->parameters().front().is_meta()) << what;
+    on_demand.load_blocks();
+    expect_same(old, on_demand.dit, what + " on demand");
+  }
+  // Streamed from blocks read on demand = streamed from the whole model, from published weights and from a
+  // Wan weights file.
+  auto model = megaslide::wan_model_from_config(fixture_config(), "test");
+  megaslide::io::NamedTensors params;
+  for (const auto& p : model.dit->named_parameters(true)) params.emplace_back(p.key(), p.value());
+  auto run_config = model.config;
+  run_config.model.wan.weights.clear();
+  const auto weights = join_path(scratch(), "on-demand.safetensors");
+  megaslide::save_weights(weights, run_config, params, torch::kFloat32);
+  torch::manual_seed(3);
+  const auto x = torch::randn({2, 16, 2, 4, 6});
+  const auto t = torch::tensor({937.0f, 15.0f});
+  const auto text = torch::randn({2, 7, 24});
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    megaslide::offload::StreamedDenoiserOptions so;
+    so.compute_dtype = dtype;
+    megaslide::StreamedWanDenoiser whole(megaslide::wan_model_from_config(fixture_config(), "test").dit, so);
+    megaslide::StreamedWanDenoiser published(megaslide::wan_model_from_config(fixture_config(), "test", true), so);
+    megaslide::StreamedWanDenoiser from_file(megaslide::load_wan_model(weights, true), so);
+    EXPECT_EQ(published.host_weight_bytes(), whole.host_weight_bytes());
+    const auto a = whole.predict(x, t, text);
+    EXPECT_TRUE(torch::equal(a, published.predict(x, t, text))) << dtype;
+    EXPECT_TRUE(torch::equal(a, from_file.predict(x, t, text))) << dtype;
+  }
+  // A meta skeleton without its block source is an error, not a silent empty model.
+  auto skeleton = megaslide::wan_model_from_config(fixture_config(), "test", true);
+  EXPECT_THROW(megaslide::StreamedWanDenoiser(skeleton.dit, megaslide::offload::StreamedDenoiserOptions()), c10::Error);
+  EXPECT_THROW(megaslide::ResidentWanDenoiser(skeleton.dit, torch::kCPU), c10::Error);
 }
 
 TEST(WanTextToVideo, StreamedEqualsResidentOnTheGpu_CUDA) {

@@ -145,8 +145,10 @@ int sample_wan(megaslide::WanModel model, const WanFlags& wan, const std::vector
       megaslide::offload::StreamedDenoiserOptions so;
       so.device = device;
       so.compute_dtype = scalar_type;
-      denoiser = std::make_shared<megaslide::StreamedWanDenoiser>(model.dit, so);
+      denoiser = std::make_shared<megaslide::StreamedWanDenoiser>(model, so);  // block by block from the weights
+      model.block = nullptr;                                                    // the weights' mapping closed
     } else {
+      model.load_blocks();
       denoiser = std::make_shared<megaslide::ResidentWanDenoiser>(model.dit, device, scalar_type);
     }
     try {
@@ -323,10 +325,10 @@ int main(int argc, char** argv) {
       if (config.model.arch != megaslide::Architecture::kWan)
         throw std::invalid_argument("--config '" + config_path + "': model.arch is " + megaslide::to_string(config.model.arch) +
                                     "; --config is for Wan's published weights, sample the DiT family with --checkpoint");
-      wan_model = megaslide::wan_model_from_config(config, config_path);
+      wan_model = megaslide::wan_model_from_config(config, config_path, /*blocks_on_demand=*/true);
       source = config.model.wan.weights;
     } else if (megaslide::is_wan_weights_file(weights)) {
-      wan_model = megaslide::load_wan_model(weights);
+      wan_model = megaslide::load_wan_model(weights, /*blocks_on_demand=*/true);
     }
     const bool is_wan = wan_model.has_value();
     if (!is_wan && (!wan.text_encoder.empty() || !wan.tokenizer.empty() || !wan.vae.empty() || wan.negative_prompt_set || wan.shift >= 0 ||

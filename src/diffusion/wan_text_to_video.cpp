@@ -1,6 +1,10 @@
 #include "megaslide/diffusion/wan_text_to_video.h"
 
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <functional>
 #include <set>
+#include <utility>
 
 #include "io/pretrained.h"
 #include "megaslide/io/safetensors.h"
@@ -49,11 +53,63 @@ torch::Tensor wan_predict(WanTransformer& model, torch::Device device, c10::Scal
   return model->head(h.to(torch::kFloat32), e.temb, e.ctx.grid).to(torch::kFloat32);
 }
 
+bool is_meta_block(WanTransformer model, int64_t l) {
+  const auto params = model->blocks[l]->parameters(true);
+  return !params.empty() && params.front().is_meta();
+}
+
+// Block l's initial weights as WanTransformer's constructor draws them from the default CPU generator,
+// blocks asked for in order; the caller's generator state is kept.
+class InOrderBlockDraws {
+ public:
+  InOrderBlockDraws(WanTransformer model, torch::Tensor first_state) : model_(std::move(model)), state_(std::move(first_state)) {}
+  WanBlock draw(int64_t l) {
+    TORCH_CHECK(l == next_, "Wan blocks on demand: block ", l, " asked for, but the blocks are read in order and ", next_, " is next");
+    auto generator = at::detail::getDefaultCPUGenerator();
+    const auto saved = generator.get_state();
+    generator.set_state(state_);
+    WanBlock block = model_->new_block(torch::kCPU);
+    state_ = generator.get_state();
+    generator.set_state(saved);
+    ++next_;
+    return block;
+  }
+
+ private:
+  WanTransformer model_;
+  torch::Tensor state_;
+  int64_t next_ = 0;
+};
+
+// A meta-block skeleton of the DiT `options` describes, and the draws its blocks would have had: the
+// generator state after the prologue's draws, as in WanTransformer's constructor.
+std::pair<WanTransformer, std::shared_ptr<InOrderBlockDraws>> wan_skeleton(WanOptions options) {
+  auto generator = at::detail::getDefaultCPUGenerator();
+  const auto start = generator.get_state();
+  WanTransformer dit(options.block_device(torch::kMeta));
+  const auto after = generator.get_state();
+  generator.set_state(start);
+  dit->initialise_prologue();  // the constructor's first draws again: the blocks' draws start where these end
+  auto draws = std::make_shared<InOrderBlockDraws>(dit, generator.get_state());
+  generator.set_state(after);
+  return {dit, draws};
+}
+
 }  // namespace
+
+void WanModel::load_blocks() {
+  if (!block) return;
+  for (int64_t l = 0; l < static_cast<int64_t>(dit->blocks->size()); ++l)
+    if (is_meta_block(dit, l)) dit->replace_block(l, block(l));
+  block = nullptr;
+  dit->eval();
+}
 
 ResidentWanDenoiser::ResidentWanDenoiser(WanTransformer model, torch::Device device, c10::ScalarType compute_dtype)
     : model_(std::move(model)), device_(device), compute_dtype_(compute_dtype) {
   TORCH_CHECK(model_, "ResidentWanDenoiser: the model is null");
+  for (int64_t l = 0; l < static_cast<int64_t>(model_->blocks->size()); ++l)
+    TORCH_CHECK(!is_meta_block(model_, l), "ResidentWanDenoiser: block ", l, " is a meta skeleton (WanModel::load_blocks reads it)");
   TORCH_CHECK(compute_dtype == at::kFloat || compute_dtype == at::kBFloat16 || compute_dtype == at::kHalf,
               "ResidentWanDenoiser: compute dtype must be Float, BFloat16 or Half, got ", compute_dtype);
   torch::NoGradGuard no_grad;
@@ -72,6 +128,15 @@ torch::Tensor ResidentWanDenoiser::predict(const torch::Tensor& x, const torch::
 
 StreamedWanDenoiser::StreamedWanDenoiser(WanTransformer model, offload::StreamedDenoiserOptions options)
     : model_(std::move(model)), options_(options) {
+  build({});
+}
+
+StreamedWanDenoiser::StreamedWanDenoiser(WanModel model, offload::StreamedDenoiserOptions options)
+    : model_(std::move(model.dit)), options_(options) {
+  build(model.block);
+}
+
+void StreamedWanDenoiser::build(const std::function<WanBlock(int64_t)>& block_source) {
   TORCH_CHECK(model_, "StreamedWanDenoiser: the model is null");
   const auto dt = options_.compute_dtype;
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
@@ -87,6 +152,10 @@ StreamedWanDenoiser::StreamedWanDenoiser(WanTransformer model, offload::Streamed
   std::vector<int64_t> numels;
   params_.resize(static_cast<size_t>(L));
   for (int64_t l = 0; l < L; ++l) {
+    if (is_meta_block(model_, l)) {  // read from the weights now: one fp32 block at a time
+      TORCH_CHECK(block_source, "StreamedWanDenoiser: block ", l, " is a meta skeleton and no block source was given");
+      model_->replace_block(l, block_source(l));
+    }
     auto& streamed = model_->blocks[l]->as<WanBlockImpl>()->streamed();
     int64_t n = 0;
     for (const auto& item : streamed.named_parameters(true)) {
@@ -156,7 +225,7 @@ bool is_wan_weights_file(const std::string& path) {
   return parse_run_config(config->second, path + " (__metadata__.config)").model.arch == Architecture::kWan;
 }
 
-WanModel load_wan_model(const std::string& weights_file) {
+WanModel load_wan_model(const std::string& weights_file, bool blocks_on_demand) {
   const auto header = io::read_safetensors_header(weights_file);
   const auto config_text = header.metadata.find("config");
   if (config_text == header.metadata.end())
@@ -166,39 +235,73 @@ WanModel load_wan_model(const std::string& weights_file) {
   if (out.config.model.arch != Architecture::kWan)
     throw WeightsError("weights file '" + weights_file + "': its config's model.arch is " + to_string(out.config.model.arch) + ", not wan");
   out.source = weights_file;
-  out.dit = WanTransformer(WanOptions::from_config(out.config));
-  io::MappedWeights file(weights_file);
+  auto skeleton = wan_skeleton(WanOptions::from_config(out.config));
+  out.dit = skeleton.first;
+  auto file = std::make_shared<io::MappedWeights>(weights_file);
+  auto take = [file, weights_file](const std::string& name, torch::Tensor& p) {
+    try {
+      p.copy_(file->take(name, p.sizes().vec(), torch::kFloat32, "by the Wan model its config describes"));
+    } catch (const std::exception& e) {
+      throw WeightsError("weights file '" + weights_file + "': " + e.what());
+    }
+  };
   std::set<std::string> used;
   torch::NoGradGuard no_grad;
   for (auto& p : out.dit->named_parameters(true)) {
     const std::string name = "dit." + p.key();
-    if (!file.has(name)) throw WeightsError("weights file '" + weights_file + "': tensor '" + name + "' is missing");
-    try {
-      p.value().copy_(file.take(name, p.value().sizes().vec(), torch::kFloat32, "by the Wan model its config describes"));
-    } catch (const std::exception& e) {
-      throw WeightsError("weights file '" + weights_file + "': " + e.what());
-    }
+    if (!file->has(name)) throw WeightsError("weights file '" + weights_file + "': tensor '" + name + "' is missing");
+    if (file->shape(name) != p.value().sizes().vec())
+      throw WeightsError("weights file '" + weights_file + "': tensor '" + name + "' has shape " + c10::str(c10::IntArrayRef(file->shape(name))) +
+                         ", the Wan model its config describes has " + c10::str(p.value().sizes()));
+    if (!p.value().is_meta()) take(name, p.value());  // the prologue, the head; the blocks below or on demand
     used.insert(name);
   }
-  for (const auto& name : file.names())
+  for (const auto& name : file->names())
     if (!used.count(name))
       throw WeightsError("weights file '" + weights_file + "': tensor '" + name + "' is not a parameter of the Wan model its config describes");
+  auto draws = skeleton.second;
+  out.block = [draws, take](int64_t l) {
+    WanBlock block = draws->draw(l);
+    torch::NoGradGuard no_grad;
+    for (auto& p : block->named_parameters(true)) take("dit.blocks." + std::to_string(l) + "." + p.key(), p.value());
+    return block;
+  };
+  if (!blocks_on_demand) out.load_blocks();
   out.dit->eval();
   return out;
 }
 
-WanModel wan_model_from_config(const RunConfig& config, const std::string& source) {
+WanModel wan_model_from_config(const RunConfig& config, const std::string& source, bool blocks_on_demand) {
   if (config.model.arch != Architecture::kWan) throw ConfigError(source, "model.arch", std::string("is ") + to_string(config.model.arch) + ", not wan");
   if (config.model.wan.weights.empty())
     throw ConfigError(source, "model.wan.weights", "is empty: sampling needs the DiT's weights (a Wan download, or use a run's checkpoint)");
   WanModel out;
   try {
     out.config = with_wan_architecture_from_weights(config);
-    const auto weights = WanWeights::open(config.model.wan.weights);
-    out.dit = WanTransformer(WanOptions::from_config(out.config));
+    auto weights = std::make_shared<WanWeights>(WanWeights::open(config.model.wan.weights));
+    auto skeleton = wan_skeleton(WanOptions::from_config(out.config));
+    out.dit = skeleton.first;
     std::vector<std::string> allow_missing;
     if (config.model.self_attention == "dsa3d") allow_missing = wan_dsa_parameter_globs();
-    load_wan_weights(weights, *out.dit, allow_missing);
+    // load_wan_weights' check on the whole model (the skeleton has every shape), then the reads: the
+    // prologue and head now, the blocks on demand; a parameter allowed missing keeps its drawn value.
+    std::vector<std::pair<std::string, std::vector<int64_t>>> expected;
+    for (const auto& p : out.dit->named_parameters(true)) expected.emplace_back(p.key(), p.value().sizes().vec());
+    weights->check(expected, allow_missing);
+    torch::NoGradGuard no_grad;
+    for (auto& p : out.dit->named_parameters(true))
+      if (!p.value().is_meta() && weights->has(p.key())) p.value().copy_(weights->read(p.key(), torch::kFloat32));
+    auto draws = skeleton.second;
+    out.block = [draws, weights](int64_t l) {
+      WanBlock block = draws->draw(l);
+      torch::NoGradGuard no_grad;
+      for (auto& p : block->named_parameters(true)) {
+        const std::string name = "blocks." + std::to_string(l) + "." + p.key();
+        if (weights->has(name)) p.value().copy_(weights->read(name, torch::kFloat32));
+      }
+      return block;
+    };
+    if (!blocks_on_demand) out.load_blocks();
   } catch (const ConfigError&) {
     throw;
   } catch (const std::exception& e) {

@@ -18,6 +18,12 @@
 // norm2 stay fp32 (diffusers' _keep_in_fp32_modules); the blocks' matrices and the tokens between blocks
 // are in the compute dtype. With the same compute dtype both give the same output (bit for bit on the CPU).
 //
+// Start-up without a full fp32 copy: load_wan_model and wan_model_from_config with blocks_on_demand build
+// the DiT with meta blocks (WanOptions::block_device(torch::kMeta)) and a WanModel::block source that
+// reads one block at a time from the memory-mapped weights; StreamedWanDenoiser(WanModel, ...) fills each
+// block's compute-dtype host buffer from it, so that the host holds the compute-dtype blocks, the fp32
+// resident parts and one fp32 block at a time (plus the mapping's page cache), never the whole fp32 DiT.
+//
 // Ownership: the denoisers take over the module they are given (StreamedWanDenoiser empties its blocks'
 // streamed parameters). Thread-safety: one thread drives a pipeline.
 #pragma once
@@ -82,9 +88,13 @@ class ResidentWanDenoiser final : public WanDenoiser {
   c10::ScalarType compute_dtype_;
 };
 
+struct WanModel;
+
 class StreamedWanDenoiser final : public WanDenoiser {
  public:
   StreamedWanDenoiser(WanTransformer model, offload::StreamedDenoiserOptions options);
+  // `model.dit`'s meta blocks are read from `model.block` one at a time, in order, into the host buffers.
+  StreamedWanDenoiser(WanModel model, offload::StreamedDenoiserOptions options);
   ~StreamedWanDenoiser() override;
   torch::Tensor predict(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text) override;
   torch::Device device() const override { return options_.device; }
@@ -102,6 +112,7 @@ class StreamedWanDenoiser final : public WanDenoiser {
   std::vector<std::vector<Param>> params_;
   std::vector<torch::Tensor> host_;
   std::unique_ptr<offload::WeightStreamer> streamer_;
+  void build(const std::function<WanBlock(int64_t)>& block_source);
 };
 
 // A Wan DiT and the run config it belongs to.
@@ -109,17 +120,27 @@ struct WanModel {
   RunConfig config;
   WanTransformer dit{nullptr};
   std::string source;  // the file or folder the weights came from
+  // Set when dit's blocks are meta skeletons (loaded with blocks_on_demand): block(l) returns block l's
+  // weights, fp32 on the CPU, as a new WanBlock for WanTransformerImpl::replace_block (the weights' mapping
+  // stays open while it is set). Blocks must be asked for in order 0, 1, ... (each once): a block's
+  // parameters the weights lack (the 3D-DSA retrofit's) take the values WanTransformer's constructor
+  // would have drawn for them.
+  std::function<WanBlock(int64_t)> block;
+  // Reads every meta block into dit (the whole DiT in fp32 on the CPU) and clears `block`.
+  void load_blocks();
 };
 
 // True when `path` is a megaslide weights file (io/weights.h: a Wan run's checkpoint model.safetensors
 // or an exported file) whose embedded config has model.arch wan; reads the header only.
 bool is_wan_weights_file(const std::string& path);
 // The Wan DiT of a megaslide weights file ("dit.<name>" tensors, the config in its metadata), fp32 on the
-// CPU. Throws WeightsError naming the file and the tensor.
-WanModel load_wan_model(const std::string& weights_file);
+// CPU. Throws WeightsError naming the file and the tensor. With blocks_on_demand the blocks are meta
+// skeletons read by WanModel::block (names and shapes are all checked here).
+WanModel load_wan_model(const std::string& weights_file, bool blocks_on_demand = false);
 // The Wan DiT `config` describes, with model.wan.weights (published weights: model/wan_weights.h) loaded
-// into it, fp32 on the CPU. The config must name the weights (ConfigError otherwise).
-WanModel wan_model_from_config(const RunConfig& config, const std::string& source);
+// into it, fp32 on the CPU. The config must name the weights (ConfigError otherwise). With
+// blocks_on_demand as above.
+WanModel wan_model_from_config(const RunConfig& config, const std::string& source, bool blocks_on_demand = false);
 
 class WanTextToVideo {
  public:
