@@ -56,6 +56,14 @@ class SampleProgress {
   std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
 };
 
+// With --png, each video's frames also as frames/<stem>/000.png, 001.png, ...
+void write_png_frames(const std::string& out_dir, const std::string& stem, const torch::Tensor& frames) {
+  auto frame_dir = megaslide::io::join_path(megaslide::io::join_path(out_dir, "frames"), stem);
+  megaslide::io::make_directories(frame_dir);
+  for (int64_t t = 0; t < frames.size(0); ++t)
+    megaslide::io::write_png(megaslide::io::join_path(frame_dir, fmt::format("{:03}.png", t)), frames[t]);
+}
+
 // Wan's flags and what they resolve to.
 struct WanFlags {
   std::string text_encoder, tokenizer, vae, negative_prompt;
@@ -196,12 +204,7 @@ int sample_wan(megaslide::WanModel model, const WanFlags& wan, const std::vector
           megaslide::io::write_safetensors(megaslide::io::join_path(latents_dir, stem + ".safetensors"),
                                            {{"latents", latents[b].to(torch::kCPU).contiguous()}}, {{"prompt", jobs[i].prompt},
                                                                                                     {"seed", std::to_string(jobs[i].seed)}});
-        if (png) {
-          auto frame_dir = megaslide::io::join_path(megaslide::io::join_path(out_dir, "frames"), stem);
-          megaslide::io::make_directories(frame_dir);
-          for (int64_t t = 0; t < frames.size(0); ++t)
-            megaslide::io::write_png(megaslide::io::join_path(frame_dir, fmt::format("{:03}.png", t)), frames[t]);
-        }
+        if (png) write_png_frames(out_dir, stem, frames);
       }
       progress.update(static_cast<int64_t>(end), options.steps(), options.steps());
     }
@@ -415,13 +418,7 @@ int main(int argc, char** argv) {
       for (size_t i = start; i < end; ++i) {
         auto frames = megaslide::io::to_rgb_frames(videos[static_cast<int64_t>(i - start)], upscale);
         megaslide::io::write_mp4(megaslide::io::join_path(videos_dir, jobs[i].file), frames, video_options);
-        if (png) {
-          auto stem = jobs[i].file.substr(0, jobs[i].file.size() - 4);
-          auto frame_dir = megaslide::io::join_path(megaslide::io::join_path(out_dir, "frames"), stem);
-          megaslide::io::make_directories(frame_dir);
-          for (int64_t t = 0; t < frames.size(0); ++t)
-            megaslide::io::write_png(megaslide::io::join_path(frame_dir, fmt::format("{:03}.png", t)), frames[t]);
-        }
+        if (png) write_png_frames(out_dir, jobs[i].file.substr(0, jobs[i].file.size() - 4), frames);
       }
       progress.update(static_cast<int64_t>(end), options.steps(), options.steps());
     }
