@@ -805,7 +805,7 @@ std::string to_table(const StepPlan& p) {
   row("prologue/epilogue activations (fp32)", d.prologue_epilogue);
   row(p.streamed ? "recompute one block: saved for backward" : "every block's graph", d.recompute_saved);
   row("one block's backward: workspace", d.recompute_workspace);
-  if (d.gradient_all_reduce > 0) row("all-reduce buffer, every gradient (after backward)", d.gradient_all_reduce);
+  if (d.gradient_all_reduce > 0) row("all-reduce buffer (every gradient, fp32)", d.gradient_all_reduce);
   row("peak", d.peak());
   if (d.recompute_saved_reference > 0) row("  peak with the grid_sample 3D-DSA reference", d.peak_reference());
   out += fmt::format("  -> {} the {:.1f} GB of device memory\n\n", p.fits_device ? "fits" : "DOES NOT FIT",
@@ -838,9 +838,11 @@ std::string to_table(const StepPlan& p) {
                        p.exchange.wire_bytes, p.hardware.network_gbps,
                        p.hardware.network_gbps_assumed ? ", assumed: the profile has no network_gbps" : "");
   }
-  const char* combined = t.overlapped ? "the largest" : p.streamed ? "the sum, sync mode" : "the sum: the all-reduce follows the backward";
-  out += fmt::format("  step >= {:.4g} s ({} of the terms), bottleneck: {}; MFU <= {:.1f} %\n", t.lower_bound_s, combined,
-                     t.bottleneck, 100.0 * t.mfu_upper_bound);
+  const char* combined = t.overlapped ? "the largest of the terms"
+                         : p.streamed  ? "the sum, sync mode of the terms"
+                                       : "the sum of the terms: the all-reduce follows the backward";
+  out += fmt::format("  step >= {:.4g} s ({}), bottleneck: {}; MFU <= {:.1f} %\n", t.lower_bound_s, combined, t.bottleneck,
+                     100.0 * t.mfu_upper_bound);
   if (!p.advice.empty()) {
     out += "\nto make it fit:\n";
     for (const auto& a : p.advice) out += "  - " + a + "\n";
