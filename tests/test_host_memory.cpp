@@ -57,10 +57,14 @@ bool reset_peak_rss() {
   return static_cast<bool>(clear);
 }
 
+// The compute dtype is pinned: `auto` resolves by CPU for the trainer (bf16 where the CPU has AVX512-BF16,
+// fp32 elsewhere) but always plans bf16 (a hardware profile is a GPU), so on most CPUs the two would
+// count different transfer buffers and slots.
 RunConfig small_50m(const std::string& state_dtype) {
   return load_run_config(std::string(MEGASLIDE_SOURCE_DIR) + "/configs/small-50m.yaml",
                          {"data.frames=2", "data.height=16", "data.width=16", "train.batch_size=1", "train.device=cpu",
-                          "train.threads=2", "offload.optimizer_threads=2", "optimizer.state_dtype=" + state_dtype});
+                          "train.threads=2", "offload.optimizer_threads=2", "offload.compute_dtype=fp32",
+                          "optimizer.state_dtype=" + state_dtype});
 }
 
 struct Measured {

@@ -104,14 +104,18 @@ TEST(SdVae, VideosGoFrameByFrameInAnyChunkSize) {
   auto vae = SdVae::load(kTiny);
   torch::manual_seed(7);
   auto videos = torch::rand({2, 3, 5, 8, 12}) * 2 - 1;  // [B, C, T, H, W]
+  // Chunks of different sizes are convolutions over different batch sizes, for which oneDNN may pick
+  // other kernels (other orders of fp32 additions, by CPU): equal within fp32 rounding, not bit for bit.
   auto z1 = vae.encode_video(videos, 1), z3 = vae.encode_video(videos, 3);
   ASSERT_EQ(z1.sizes(), (std::vector<int64_t>{2, 3, 5, 2, 3}));
-  EXPECT_TRUE(torch::allclose(z1, z3, 1e-5, 1e-6));
+  EXPECT_TRUE(torch::allclose(z1, z3, 1e-4, 1e-5)) << (z1 - z3).abs().max().item<double>();
   // Frame t of video b is the image encoding of that frame.
-  EXPECT_TRUE(torch::allclose(z1.select(2, 4)[1], vae.encode(videos.select(2, 4).slice(0, 1, 2))[0], 1e-5, 1e-6));
+  const auto frame = vae.encode(videos.select(2, 4).slice(0, 1, 2))[0];
+  EXPECT_TRUE(torch::allclose(z1.select(2, 4)[1], frame, 1e-4, 1e-5)) << (z1.select(2, 4)[1] - frame).abs().max().item<double>();
   auto x = vae.decode_video(z1, 4);
   ASSERT_EQ(x.sizes(), videos.sizes());
-  EXPECT_TRUE(torch::allclose(x.select(2, 2)[0], vae.decode(z1.select(2, 2).slice(0, 0, 1))[0], 1e-5, 1e-6));
+  const auto decoded = vae.decode(z1.select(2, 2).slice(0, 0, 1))[0];
+  EXPECT_TRUE(torch::allclose(x.select(2, 2)[0], decoded, 1e-4, 1e-5)) << (x.select(2, 2)[0] - decoded).abs().max().item<double>();
   EXPECT_THROW(vae.encode_video(videos, 0), c10::Error);
   EXPECT_THROW(vae.encode(torch::zeros({1, 3, 6, 8})), c10::Error) << "H not a multiple of 4";
 }

@@ -450,15 +450,21 @@ int64_t shard_numel(int64_t n, int64_t ranks) { return (n + ranks - 1) / ranks; 
 // rank 0's shard of every block's fp32 master and AdamW m and v; the whole transfer buffer (the compute
 // copy in the compute dtype, also with fp32 compute: the master is no longer the upload); the whole fp32
 // gradient sums with accumulation; two exchange buffers of R·s_max elements of the exchange dtype.
-HostMemoryPlan sharded_host_memory(const ModelShape& s, int64_t ranks, int64_t e, int64_t state_e, int64_t accum) {
+HostMemoryPlan sharded_host_memory(const ModelShape& s, int64_t ranks, const std::string& compute_dtype, offload::StateDtype state,
+                                   int64_t accum) {
+  // Rank 0's HostParamStore, counted by the store itself (the largest shard of every block).
+  auto options = offload::host_store_options(offload::parse_compute_dtype(compute_dtype), accum, state);
+  options.shard_rank = 0;
+  options.shard_count = ranks;
+  const auto store = offload::HostParamStore::plan(s.blocks, options);
+  const int64_t e = compute_element_bytes(compute_dtype);
   HostMemoryPlan h;
-  int64_t shard = 0;
-  for (const int64_t n : s.block_numels) shard += shard_numel(n, ranks);
   const int64_t exchange_e = accum > 1 ? 4 : e;
-  h.master = 4 * shard;
-  h.exp_avg = h.exp_avg_sq = state_e * shard;
-  h.compute = e * s.streamed;
-  h.grad = accum > 1 ? 4 * s.streamed : 0;
+  h.master = store.master_bytes;
+  h.exp_avg = store.exp_avg_bytes;
+  h.exp_avg_sq = store.exp_avg_sq_bytes;
+  h.compute = store.compute_bytes;
+  h.grad = store.grad_bytes;
   h.exchange = 2 * ranks * shard_numel(s.largest_block, ranks) * exchange_e;
   h.staging = accum > 1 ? 2 * s.largest_block * e : 0;
   h.pinned = h.compute + h.staging;  // the transfer buffer; the exchange buffers are Gloo's (pageable)
@@ -535,7 +541,7 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
   if (p.streamed && R > 1) {
     const auto state = offload::parse_state_dtype(config.optimizer.state_dtype);
     p.state_dtype = config.optimizer.state_dtype;
-    p.host = sharded_host_memory(s, R, e, offload::state_element_bytes(state), A);
+    p.host = sharded_host_memory(s, R, p.compute_dtype, state, A);
     for (const int64_t n : s.block_numels) p.sharded_params_per_rank += shard_numel(n, R);
     p.host.construction_peak = p.host.state() + 2 * 4 * s.largest_block;
     // Every rank's store: the shards add up to one whole master and moments; the rest is on every rank.
