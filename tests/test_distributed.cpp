@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <string>
@@ -76,6 +77,29 @@ std::string resident_args(int64_t batch) {
 }
 
 megaslide::testing::ToolResult train(const std::string& args) { return megaslide::testing::run_tool("megaslide-train", args); }
+
+// The streamed CPU-master trainer in fp32 on the CPU (the ranks' host state sharded), 5 steps.
+std::string streamed_args(int64_t batch, const std::string& extra = "") {
+  return "--config " + smoke() + " --set offload.enabled=true --set offload.compute_dtype=fp32 --set train.device=cpu" +
+         " --set train.threads=1 --set train.steps=5 --set train.checkpoint_every=0 --set output.progress=false" +
+         " --set diffusion.caption_dropout=0.5 --set train.batch_size=" + std::to_string(batch) + " " + extra;
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+// A number that follows `key` in the run log's first line holding it ("HostParamStore: 1234 parameters").
+int64_t logged_integer(const std::string& run_dir, const std::string& key) {
+  const std::string text = read_text(join_path(run_dir, "train.log"));
+  const auto at = text.find(key);
+  if (at == std::string::npos) return -1;
+  return std::stoll(text.substr(at + key.size()));
+}
+
+// The "total" row of the host memory table in the run log: bytes of the host store (rank 0's).
+int64_t logged_host_bytes(const std::string& run_dir) { return logged_integer(run_dir, "  total"); }
 
 }  // namespace
 
@@ -266,25 +290,124 @@ TEST(DistributedTraining, CheckpointResumesAtAnotherWorldSize) {
   io::remove_tree(parts);
 }
 
-TEST(DistributedTraining, UnevenBatchAndTheStreamedTrainerAreRefusedNamingTheKey) {
+TEST(DistributedTraining, UnevenBatchAndShardedInt8MomentsAreRefusedNamingTheKey) {
   if (!gloo_available()) GTEST_SKIP() << "this build has no Gloo backend";
   const auto dir = fresh_dir("refused");
   auto uneven = train(resident_args(5) + " --run-dir " + dir + " --nproc-per-node 2");
   EXPECT_EQ(uneven.code, 2) << uneven.output;
   EXPECT_NE(uneven.output.find("train.batch_size"), std::string::npos) << uneven.output;
-  auto streamed = train(resident_args(4) + " --set offload.enabled=true --run-dir " + dir + " --nproc-per-node 2");
-  EXPECT_EQ(streamed.code, 2) << streamed.output;
-  EXPECT_NE(streamed.output.find("offload.enabled"), std::string::npos) << streamed.output;
+  auto int8 = train(streamed_args(4, "--set optimizer.state_dtype=int8") + " --run-dir " + dir + " --nproc-per-node 2");
+  EXPECT_EQ(int8.code, 2) << int8.output;
+  EXPECT_NE(int8.output.find("optimizer.state_dtype"), std::string::npos) << int8.output;
   io::remove_tree(dir);
 }
 
+// The property: the streamed trainer over 2 and 3 Gloo ranks, its masters and moments sharded, logs the
+// losses and gradient norms of one process with the same global batch (fp32, within 1e-5) — with
+// block updates as gradients land (no clipping), with clipping (updates after the global norm), and
+// with gradient accumulation; and each rank hands the block exchange 2 × 4 B per streamed parameter a
+// step (a reduce-scatter of the gradient, an all-gather of the weights) plus padding.
+TEST(DistributedTraining, ShardedStreamedRanksReproduceTheSingleProcessLosses) {
+  if (!gloo_available()) GTEST_SKIP() << "this build has no Gloo backend";
+  struct Case {
+    int64_t ranks;
+    std::string extra;
+  };
+  for (const Case& c : {Case{2, "--set train.grad_clip=0"}, Case{3, "--set train.grad_clip=0.05"},
+                        Case{2, "--set train.grad_clip=0.5 --set train.grad_accum_steps=2"}}) {
+    const auto one = fresh_dir("s-one"), many = fresh_dir("s-many");
+    auto r1 = train(streamed_args(6, c.extra) + " --run-dir " + one);
+    ASSERT_EQ(r1.code, 0) << r1.output;
+    auto rn = train(streamed_args(6, c.extra) + " --run-dir " + many + " --nproc-per-node " + std::to_string(c.ranks));
+    ASSERT_EQ(rn.code, 0) << rn.output;
+    const auto a = logged_losses(one), b = logged_losses(many);
+    ASSERT_EQ(a.size(), 5u);
+    ASSERT_EQ(b.size(), 5u);
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-5) << c.ranks << " ranks " << c.extra << ", step " << i + 1;
+    const auto na = logged(one, "grad_norm"), nb = logged(many, "grad_norm");
+    for (size_t i = 0; i < na.size(); ++i) EXPECT_NEAR(na[i], nb[i], 1e-5 * na[i]) << c.ranks << " ranks " << c.extra << ", step " << i + 1;
+    const int64_t streamed = logged_integer(many, "HostParamStore: ");
+    ASSERT_GT(streamed, 0);
+    for (double bytes : logged(many, "exchange_bytes")) {
+      EXPECT_GE(bytes, 2.0 * 4 * static_cast<double>(streamed));
+      EXPECT_LE(bytes, 2.0 * 4 * static_cast<double>(streamed) * 1.01 + 64.0 * static_cast<double>(c.ranks));
+    }
+    io::remove_tree(one);
+    io::remove_tree(many);
+  }
+}
+
+// The property: with the masters and moments sharded, each of 2 ranks holds half of them: its host
+// store is the single process's minus half the master and moments (fp32 compute: 16 B a parameter for
+// one process, 4 + 12/2 per rank; the whole compute copy stays on every rank).
+TEST(DistributedTraining, EachRankHoldsItsShareOfTheHostState) {
+  if (!gloo_available()) GTEST_SKIP() << "this build has no Gloo backend";
+  const auto one = fresh_dir("h-one"), many = fresh_dir("h-many");
+  ASSERT_EQ(train(streamed_args(4, "--set train.steps=1") + " --run-dir " + one).code, 0);
+  auto r = train(streamed_args(4, "--set train.steps=1") + " --run-dir " + many + " --nproc-per-node 2");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const int64_t params = logged_integer(one, "HostParamStore: ");
+  const int64_t single = logged_host_bytes(one), rank0 = logged_host_bytes(many);
+  EXPECT_EQ(single, 16 * params);
+  // Rank 0's shard of each block is ceil(n / 2) elements: at most one more than half of it.
+  EXPECT_GE(rank0, 4 * params + 6 * params);
+  EXPECT_LE(rank0, 4 * params + 6 * params + 12 * 2 /*blocks*/);
+  io::remove_tree(one);
+  io::remove_tree(many);
+}
+
+// The property: a 2-rank run's checkpoint holds one shard file per rank (listed with their checksums
+// in the manifest); resumed on 2 ranks it continues bit for bit; resumed on 1 and 3 ranks it
+// re-shards and follows the single-process run within 1e-5.
+TEST(DistributedTraining, ShardedCheckpointsResumeExactlyAndAtOtherWorldSizes) {
+  if (!gloo_available()) GTEST_SKIP() << "this build has no Gloo backend";
+  const std::string args = streamed_args(6, "--set train.checkpoint_every=3 --set train.grad_clip=0.05");
+  const auto whole = fresh_dir("sc-whole"), two = fresh_dir("sc-two"), parts = fresh_dir("sc-parts");
+  ASSERT_EQ(train(args + " --run-dir " + whole).code, 0);
+  auto r = train(args + " --run-dir " + two + " --nproc-per-node 2");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto single = logged_losses(whole), uninterrupted = logged_losses(two);
+  ASSERT_EQ(uninterrupted.size(), 5u);
+  const auto checkpoint = join_path(two, "checkpoints/step-0000003");
+  const std::string manifest = read_text(join_path(checkpoint, "manifest.json"));
+  for (const char* shard : {"shards/rank-00000-of-00002.safetensors", "shards/rank-00001-of-00002.safetensors"}) {
+    EXPECT_TRUE(io::path_exists(join_path(checkpoint, shard))) << shard;
+    EXPECT_NE(manifest.find(shard), std::string::npos) << manifest;
+  }
+  for (const char* world : {"2", "1", "3"}) {
+    io::remove_tree(parts);
+    ASSERT_EQ(std::system(("cp -r " + two + " " + parts).c_str()), 0);
+    auto resumed = train(args + " --run-dir " + parts + " --resume " + join_path(parts, "checkpoints/step-0000003") +
+                         (std::string(world) == "1" ? "" : std::string(" --nproc-per-node ") + world));
+    ASSERT_EQ(resumed.code, 0) << resumed.output;
+    const auto got = logged_losses(parts);
+    ASSERT_EQ(got.size(), 5u) << world << " ranks";
+    for (size_t i = 3; i < 5; ++i) {
+      if (std::string(world) == "2") EXPECT_EQ(got[i], uninterrupted[i]) << "same world size, step " << i + 1;
+      else EXPECT_NEAR(got[i], single[i], 1e-5) << world << " ranks, step " << i + 1;
+    }
+  }
+  // A single-process checkpoint (keyed by parameter name) resumes on 2 ranks, sharded.
+  auto resumed = train(args + " --run-dir " + whole + " --resume " + join_path(whole, "checkpoints/step-0000003") + " --nproc-per-node 2");
+  ASSERT_EQ(resumed.code, 0) << resumed.output;
+  const auto got = logged_losses(whole);
+  for (size_t i = 3; i < 5; ++i) EXPECT_NEAR(got[i], single[i], 1e-5) << "1 -> 2 ranks, step " << i + 1;
+  io::remove_tree(whole);
+  io::remove_tree(two);
+  io::remove_tree(parts);
+}
+
 // The property: when one rank dies (SIGKILL, no goodbye), the other stops with a non-zero exit and an
-// error naming the failed collective within distributed.timeout_s — it does not hang. The ranks are
+// error naming the failed collective within distributed.timeout_s — it does not hang — with either
+// trainer (the streamed one also waits on the block exchange of its host thread). The ranks are
 // started as torchrun would start them (environment variables), without the local launcher, which
 // would stop the survivor itself.
-TEST(DistributedTraining, AKilledRankMakesTheOtherExitNonZeroWithinTheTimeout) {
+class KilledRank : public ::testing::TestWithParam<bool> {};
+
+TEST_P(KilledRank, MakesTheOtherExitNonZeroWithinTheTimeout) {
   if (!gloo_available()) GTEST_SKIP() << "this build has no Gloo backend";
-  const auto dir = fresh_dir("killed");
+  const std::string offload = std::string("offload.enabled=") + (GetParam() ? "true" : "false");
+  const auto dir = fresh_dir(GetParam() ? "killed-streamed" : "killed");
   const int64_t port = free_local_port();
   const double timeout_s = 20.0;
   const std::string bin = std::string(MEGASLIDE_BINARY_DIR) + "/bin/megaslide-train";
@@ -304,7 +427,7 @@ TEST(DistributedTraining, AKilledRankMakesTheOtherExitNonZeroWithinTheTimeout) {
       ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
       const std::string config = smoke();
       const std::string timeout = "distributed.timeout_s=" + std::to_string(timeout_s);
-      ::execl(bin.c_str(), bin.c_str(), "--config", config.c_str(), "--run-dir", dir.c_str(), "--set", "offload.enabled=false", "--set",
+      ::execl(bin.c_str(), bin.c_str(), "--config", config.c_str(), "--run-dir", dir.c_str(), "--set", offload.c_str(), "--set",
               "train.device=cpu", "--set", "train.threads=1", "--set", "train.steps=100000", "--set", "train.checkpoint_every=0",
               "--set", "output.progress=false", "--set", timeout.c_str(), static_cast<char*>(nullptr));
       ::_exit(127);
@@ -343,3 +466,6 @@ TEST(DistributedTraining, AKilledRankMakesTheOtherExitNonZeroWithinTheTimeout) {
   EXPECT_LE(waited_s, timeout_s + 10.0) << output;
   EXPECT_NE(output.find("rank 0 of 2"), std::string::npos) << output;
 }
+
+INSTANTIATE_TEST_SUITE_P(DistributedTraining, KilledRank, ::testing::Values(false, true),
+                         [](const auto& info) { return info.param ? std::string("Streamed") : std::string("Resident"); });

@@ -6,7 +6,7 @@
 //   megaslide-train --config configs/smoke.yaml --export-weights model.safetensors   (after training, bf16)
 //   megaslide-train --config configs/smoke.yaml --run-dir DIR --resume latest --export-weights model.safetensors
 //                                                  (the checkpoint's weights, no training)
-//   megaslide-train --config C --nproc-per-node 2 --set offload.enabled=false   (2 local ranks; docs/distributed.md)
+//   megaslide-train --config C --nproc-per-node 2                               (2 local ranks; docs/distributed.md)
 //   torchrun --nproc-per-node 8 --no-python megaslide-train --config C ...      (or srun: Slurm's environment)
 //
 // SIGINT/SIGTERM: the current step finishes, a checkpoint is saved, and the run exits with 128 + the

@@ -281,7 +281,7 @@ std::string shape_string(const std::vector<int64_t>& shape) {
 }
 }  // namespace
 
-void read_safetensors_into(const std::string& path, const NamedTensors& targets) {
+void read_safetensors_into(const std::string& path, const NamedTensors& targets, bool allow_extra) {
   File file(path);
   const auto header = parse_header(path, file);
   std::map<std::string, const SafetensorsEntry*> entries;
@@ -300,8 +300,29 @@ void read_safetensors_into(const std::string& path, const NamedTensors& targets)
                 "' must be a contiguous CPU tensor");
     if (e.end > e.begin) file.read_at(target.data_ptr(), e.end - e.begin, header.data_start + e.begin);
   }
+  if (allow_extra) return;
   for (const auto& e : header.entries)
     if (!expected.count(e.name)) fail_tensor(path, e.name, "is not expected here (an extra tensor: wrong file or model?)");
+}
+
+void read_safetensors_range_into(const std::string& path, const std::string& name, int64_t offset, const torch::Tensor& target) {
+  File file(path);
+  const auto header = parse_header(path, file);
+  const SafetensorsEntry* entry = nullptr;
+  for (const auto& e : header.entries)
+    if (e.name == name) entry = &e;
+  if (entry == nullptr) fail_tensor(path, name, "missing (the file has " + std::to_string(header.entries.size()) + " tensors)");
+  if (entry->dtype != target.scalar_type())
+    fail_tensor(path, name, "dtype is " + safetensors_dtype_name(entry->dtype) + ", expected " + safetensors_dtype_name(target.scalar_type()));
+  const auto element = static_cast<uint64_t>(target.element_size());
+  const uint64_t numel = (entry->end - entry->begin) / element;
+  if (offset < 0 || static_cast<uint64_t>(offset + target.numel()) > numel)
+    fail_tensor(path, name, "has " + std::to_string(numel) + " elements; elements [" + std::to_string(offset) + ", " +
+                                std::to_string(offset + target.numel()) + ") were asked for");
+  TORCH_CHECK(target.device().is_cpu() && target.is_contiguous(), "read_safetensors_range_into: the target of '", name,
+              "' must be a contiguous CPU tensor");
+  if (target.numel() > 0)
+    file.read_at(target.data_ptr(), static_cast<uint64_t>(target.numel()) * element, header.data_start + entry->begin + static_cast<uint64_t>(offset) * element);
 }
 
 }  // namespace megaslide::io

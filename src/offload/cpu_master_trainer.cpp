@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "megaslide/train/auto_settings.h"
+#include "megaslide/train/distributed.h"
 #include "offload/engine_options.h"
 
 namespace megaslide {
@@ -98,9 +99,11 @@ offload::StackTrainerOptions engine_options(const RunConfig& c, torch::Device de
   return o;
 }
 
-CPUMasterVideoDiT::CPUMasterVideoDiT(const RunConfig& config)
+CPUMasterVideoDiT::CPUMasterVideoDiT(const RunConfig& config, Communicator* communicator)
     : config_(resolve_auto_settings(config)), device_(resolve_device(config.train.device)), batches_(config) {
   validate(config_, "CPUMasterVideoDiT");
+  const bool shard = communicator != nullptr && communicator->world_size() > 1;
+  if (shard) batches_.take_slice(communicator->rank(), communicator->world_size());
   apply_threads(plan_threads(config_, device_));
   // ResidentTrainer's initialisation without a full-model copy: the same seed and construction order,
   // the blocks a meta skeleton whose weights initial_block builds one at a time into the host store
@@ -116,7 +119,9 @@ CPUMasterVideoDiT::CPUMasterVideoDiT(const RunConfig& config)
   model->move_non_block_parts(device_);
   if (text_encoder) text_encoder->to(device_);
   stack_ = std::make_shared<DiTStack>(model, text_encoder);
-  engine_ = std::make_unique<offload::StreamedStackTrainer>(stack_, engine_options(config_, device_));
+  auto options = engine_options(config_, device_);
+  if (shard) options.exchange = communicator->shard_exchange();
+  engine_ = std::make_unique<offload::StreamedStackTrainer>(stack_, options);
   if (device_.is_cuda()) {
     flops_per_step_ = model_flops_per_step(config_);
     peak_flops_ = (config_.train.peak_tflops > 0 ? config_.train.peak_tflops : measure_peak_tflops(device_)) * 1e12;
@@ -175,7 +180,9 @@ StepMetrics CPUMasterVideoDiT::step() {
   m.grad_norm = r.grad_norm;
   m.data_wait_s = data_wait_s;
   m.step_time_s = r.step_time_s;
-  m.samples_per_s = static_cast<double>(t.batch_size * t.grad_accum_steps) / r.step_time_s;
+  m.samples_per_s = static_cast<double>(t.batch_size * t.grad_accum_steps) / r.step_time_s;  // the global batch
+  m.exchange_bytes = r.exchange_bytes;
+  m.exchange_s = r.exchange_s;
   m.tokens_per_s = m.samples_per_s * static_cast<double>(grid_.numel());
   m.h2d_bytes = r.h2d_bytes;
   m.d2h_bytes = r.d2h_bytes;
@@ -203,8 +210,14 @@ std::vector<std::pair<std::string, torch::Tensor>> CPUMasterVideoDiT::master_vie
   for (auto& [name, p] : stack_->named_resident_parameters()) {
     if (name.rfind("text_encoder.", 0) != 0) out.emplace_back(name, p.detach());
   }
-  for (int64_t l = 0; l < engine_->store().num_blocks(); ++l) {
-    for (auto& [name, p] : engine_->block_master(l)) out.emplace_back("blocks." + std::to_string(l) + "." + name, p);
+  const auto& store = engine_->store();
+  for (int64_t l = 0; l < store.num_blocks(); ++l) {
+    const std::string prefix = "blocks." + std::to_string(l) + ".";
+    if (store.sharded()) {  // no whole master here: the compute copy (copy_ converts it)
+      for (const auto& spec : store.block_spec(l).params) out.emplace_back(prefix + spec.name, store.param(l, spec.name).compute);
+    } else {
+      for (auto& [name, p] : engine_->block_master(l)) out.emplace_back(prefix + name, p);
+    }
   }
   for (auto& [name, p] : stack_->named_resident_parameters()) {
     if (name.rfind("text_encoder.", 0) == 0) out.emplace_back(name, p.detach());
@@ -244,7 +257,7 @@ ParameterShapes CPUMasterVideoDiT::parameter_shapes() const {
   const auto& store = engine_->store();
   for (int64_t l = 0; l < store.num_blocks(); ++l)
     for (const auto& spec : store.block_spec(l).params)
-      out.emplace_back("blocks." + std::to_string(l) + "." + spec.name, store.param(l, spec.name).master.sizes().vec());
+      out.emplace_back("blocks." + std::to_string(l) + "." + spec.name, spec.shape);
   return out;
 }
 
@@ -253,10 +266,22 @@ void CPUMasterVideoDiT::init_from(const InitPlan& plan) {
   std::map<std::string, torch::Tensor> targets;
   for (auto& [name, p] : stack_->named_resident_parameters()) targets.emplace(name, p);
   const auto& store = engine_->store();
+  std::map<std::string, std::pair<int64_t, std::string>> sharded_blocks;  // name -> (block, parameter)
   for (int64_t l = 0; l < store.num_blocks(); ++l)
-    for (const auto& spec : store.block_spec(l).params)
-      targets.emplace("blocks." + std::to_string(l) + "." + spec.name, store.param(l, spec.name).master);
-  for (const auto& [name, source] : plan.tensors) source.read_into(targets.at(name));
+    for (const auto& spec : store.block_spec(l).params) {
+      const std::string name = "blocks." + std::to_string(l) + "." + spec.name;
+      if (store.sharded()) sharded_blocks.emplace(name, std::make_pair(l, spec.name));
+      else targets.emplace(name, store.param(l, spec.name).master);
+    }
+  for (const auto& [name, source] : plan.tensors) {
+    if (auto it = sharded_blocks.find(name); it != sharded_blocks.end()) {
+      // Sharded: the whole value through a temporary; its part goes to the master, all of it to the copy.
+      const auto& [block, param] = it->second;
+      engine_->set_block_parameter(block, param, source.read());
+      continue;
+    }
+    source.read_into(targets.at(name));
+  }
   engine_->reload_blocks_from_masters();
 }
 
@@ -278,6 +303,26 @@ TrainingState CPUMasterVideoDiT::training_state() {
     s.exp_avg_sq.emplace_back(name, moments.exp_avg_sq);
   }
   const auto& store = engine_->store();
+  // The blocks' flat buffers (this rank's shard of them when sharded).
+  TrainingState::BlockShards shards;
+  shards.rank = store.options().shard_rank;
+  shards.world_size = store.options().shard_count;
+  for (int64_t l = 0; l < store.num_blocks(); ++l) {
+    TrainingState::BlockShards::Block b;
+    b.name = "blocks." + std::to_string(l);
+    b.numel = store.block_numel(l);
+    b.begin = store.shard(l).begin;
+    b.end = store.shard(l).end;
+    for (const auto& spec : store.block_spec(l).params) b.params.emplace_back(spec.name, spec.shape);
+    b.master = store.master(l);
+    b.exp_avg = store.exp_avg(l);
+    b.exp_avg_sq = store.exp_avg_sq(l);
+    if (store.sharded())
+      for (const auto& spec : store.block_spec(l).params) shards.weights.emplace_back(b.name + "." + spec.name, store.param(l, spec.name).compute);
+    shards.blocks.push_back(std::move(b));
+  }
+  s.shards = std::move(shards);
+  if (store.sharded()) return s;  // the blocks are in s.shards only
   for (int64_t l = 0; l < store.num_blocks(); ++l) {
     const std::string prefix = "blocks." + std::to_string(l) + ".";
     for (const auto& spec : store.block_spec(l).params) {
@@ -299,7 +344,8 @@ void CPUMasterVideoDiT::load_training_state(const TrainingState& s) {
   auto resident = stack_->named_resident_parameters();
   const auto& store = engine_->store();
   size_t expected = resident.size();
-  for (int64_t l = 0; l < store.num_blocks(); ++l) expected += store.block_spec(l).params.size();
+  if (!store.sharded())
+    for (int64_t l = 0; l < store.num_blocks(); ++l) expected += store.block_spec(l).params.size();
   TORCH_CHECK(s.master.size() == expected && s.exp_avg.size() == expected && s.exp_avg_sq.size() == expected,
               "CPUMasterVideoDiT::load_training_state: expected ", expected, " parameters, got ", s.master.size());
   batches_.restore(s.data_state);
@@ -321,7 +367,23 @@ void CPUMasterVideoDiT::load_training_state(const TrainingState& s) {
     p.copy_(s.master[i].second);
     set_adamw_moments(*optimizer, p, s.exp_avg[i].second, s.exp_avg_sq[i].second, s.optimizer_steps);
   }
-  for (int64_t l = 0; l < store.num_blocks(); ++l) {
+  if (store.sharded()) {
+    // The blocks' shards: read in place when the state is this trainer's own (load_checkpoint), else copied.
+    TORCH_CHECK(s.shards && s.shards->blocks.size() == static_cast<size_t>(store.num_blocks()),
+                "CPUMasterVideoDiT::load_training_state: a sharded trainer needs the blocks' shards (TrainingState::shards)");
+    for (int64_t l = 0; l < store.num_blocks(); ++l) {
+      const auto& b = s.shards->blocks[l];
+      const std::pair<at::Tensor, const torch::Tensor*> parts[3] = {{store.master(l), &b.master}, {store.exp_avg(l), &b.exp_avg},
+                                                                    {store.exp_avg_sq(l), &b.exp_avg_sq}};
+      for (const auto& [target, source] : parts) {
+        TORCH_CHECK(source->sizes() == target.sizes() && source->scalar_type() == target.scalar_type(),
+                    "CPUMasterVideoDiT::load_training_state: ", b.name, "'s shard is ", source->scalar_type(), " ", source->sizes(),
+                    ", the store holds ", target.scalar_type(), " ", target.sizes());
+        if (source->data_ptr() != target.data_ptr()) target.copy_(*source);
+      }
+    }
+  }
+  for (int64_t l = 0; l < (store.sharded() ? 0 : store.num_blocks()); ++l) {
     const std::string prefix = "blocks." + std::to_string(l) + ".";
     for (const auto& spec : store.block_spec(l).params) {
       const size_t i = find(prefix + spec.name);

@@ -26,6 +26,11 @@ int64_t element_bytes(c10::ScalarType t) { return static_cast<int64_t>(c10::elem
 void check_options(const HostParamStoreOptions& o) {
   TORCH_CHECK(o.compute_dtype == at::kBFloat16 || o.compute_dtype == at::kHalf || o.compute_dtype == at::kFloat,
               "HostParamStore: compute_dtype must be BFloat16, Half or Float, got ", o.compute_dtype);
+  TORCH_CHECK(o.shard_count >= 1 && o.shard_rank >= 0 && o.shard_rank < o.shard_count, "HostParamStore: shard rank ",
+              o.shard_rank, " is outside [0, ", o.shard_count, ")");
+  TORCH_CHECK(o.shard_count == 1 || o.state_dtype != StateDtype::kInt8,
+              "HostParamStore: int8 moments cannot be sharded over ranks (their groups start at each parameter's first "
+              "element); use optimizer.state_dtype fp32 or bf16 with several ranks");
 }
 
 int64_t param_numel(const BlockSpec& block, const ParamSpec& p) {
@@ -143,8 +148,17 @@ void* allocate_host(int64_t bytes, bool pinned) {
 
 }  // namespace
 
+ShardRange shard_range(int64_t numel, int64_t rank, int64_t count) {
+  TORCH_CHECK(numel >= 0 && count >= 1 && rank >= 0 && rank < count, "shard_range: rank ", rank, " of ", count,
+              " ranks, ", numel, " elements");
+  const int64_t stride = shard_stride(numel, count);
+  const int64_t begin = std::min(numel, rank * stride);
+  return {begin, std::min(numel, begin + stride)};
+}
+
 struct HostParamStore::Block {
   int64_t numel = 0;
+  ShardRange shard;                    // this rank's elements of master and moments
   std::vector<int64_t> offsets;        // per parameter, in elements
   std::vector<int64_t> group_offsets;  // per parameter, its first int8 group
   int64_t groups = 0;
@@ -159,8 +173,11 @@ int64_t groups_of(const BlockSpec& block) {
   return g;
 }
 
-bool master_uploaded(const HostParamStoreOptions& o) { return o.compute_dtype == at::kFloat; }
-bool has_transfer_buffer(const HostParamStoreOptions& o) { return !(o.compute_dtype == at::kFloat && o.separate_grad); }
+// Sharded, no rank holds a whole master: the transfer buffer then holds the whole compute copy (fp32 too).
+bool master_uploaded(const HostParamStoreOptions& o) { return o.compute_dtype == at::kFloat && o.shard_count == 1; }
+bool has_transfer_buffer(const HostParamStoreOptions& o) {
+  return o.shard_count > 1 || !(o.compute_dtype == at::kFloat && o.separate_grad);
+}
 
 const char* dtype_name(c10::ScalarType t) {
   return t == at::kFloat ? "fp32" : t == at::kHalf ? "fp16" : "bf16";
@@ -170,21 +187,24 @@ const char* dtype_name(c10::ScalarType t) {
 
 std::string MemoryReport::to_string() const {
   const double n = num_params > 0 ? static_cast<double>(num_params) : 1.0;
-  std::string out = fmt::format("HostParamStore: {} parameters in {} blocks; {} bytes page-locked{}\n", num_params,
-                                num_blocks, pinned_bytes, pinned ? "" : " (no CUDA: everything pageable, page-aligned)");
+  std::string out = fmt::format("HostParamStore: {} parameters in {} blocks; {} bytes page-locked{}{}\n", num_params,
+                                num_blocks, pinned_bytes, pinned ? "" : " (no CUDA: everything pageable, page-aligned)",
+                                shard_count > 1 ? fmt::format("; master and moments: this rank's shard of {}", shard_count) : "");
   out += fmt::format("  {:<48} {:>18} {:>14} {:>10}\n", "component", "bytes", "GiB", "B/param");
   const auto row = [&](const std::string& name, int64_t bytes) {
     out += fmt::format("  {:<48} {:>18} {:>14.3f} {:>10.3f}\n", name, bytes,
                        static_cast<double>(bytes) / (1024.0 * 1024 * 1024), static_cast<double>(bytes) / n);
   };
   const char* state = offload::to_string(state_dtype);
-  row(compute_dtype == at::kFloat ? "fp32 master (uploaded)" : "fp32 master", master_bytes);
+  row(compute_dtype == at::kFloat && shard_count == 1 ? "fp32 master (uploaded)" : "fp32 master", master_bytes);
   row(fmt::format("{} exp_avg (m)", state), exp_avg_bytes);
   row(fmt::format("{} exp_avg_sq (v{})", state, state_dtype == StateDtype::kInt8 ? ": sqrt codes" : ""), exp_avg_sq_bytes);
   if (scale_bytes > 0) row("int8 group scales (fp32, m and v)", scale_bytes);
   if (compute_bytes > 0) {
     row(fmt::format("{} transfer buffer ({})", dtype_name(compute_dtype),
-                    compute_dtype == at::kFloat ? "gradient" : separate_grad ? "compute copy" : "compute copy / gradient"),
+                    compute_dtype == at::kFloat && shard_count == 1 ? "gradient"
+                    : separate_grad                                  ? "compute copy"
+                                                                     : "compute copy / gradient"),
         compute_bytes);
   }
   if (grad_bytes > 0) row("fp32 gradient (accumulation)", grad_bytes);
@@ -196,14 +216,16 @@ MemoryReport HostParamStore::plan(const std::vector<BlockSpec>& blocks, const Ho
   check_options(options);
   MemoryReport r;
   r.num_blocks = static_cast<int64_t>(blocks.size());
-  int64_t groups = 0;
+  int64_t groups = 0, owned = 0;  // owned: master and moment elements this rank keeps
   for (const auto& b : blocks) {
-    r.num_params += block_numel_of(b);
+    const int64_t n = block_numel_of(b);
+    r.num_params += n;
+    owned += shard_range(n, options.shard_rank, options.shard_count).size();
     groups += groups_of(b);
   }
   const int64_t state_bytes = state_element_bytes(options.state_dtype);
-  r.master_bytes = 4 * r.num_params;
-  r.exp_avg_bytes = r.exp_avg_sq_bytes = state_bytes * r.num_params;
+  r.master_bytes = 4 * owned;
+  r.exp_avg_bytes = r.exp_avg_sq_bytes = state_bytes * owned;
   r.scale_bytes = options.state_dtype == StateDtype::kInt8 ? 2 * 4 * groups : 0;
   r.compute_bytes = has_transfer_buffer(options) ? element_bytes(options.compute_dtype) * r.num_params : 0;
   r.grad_bytes = options.separate_grad ? 4 * r.num_params : 0;
@@ -211,6 +233,7 @@ MemoryReport HostParamStore::plan(const std::vector<BlockSpec>& blocks, const Ho
   r.compute_dtype = options.compute_dtype;
   r.state_dtype = options.state_dtype;
   r.separate_grad = options.separate_grad;
+  r.shard_count = options.shard_count;
   r.pinned = cuda_pinning_available(options);
   r.pinned_bytes = r.pinned ? r.pinnable_bytes : 0;
   return r;
@@ -256,9 +279,11 @@ HostParamStore::HostParamStore(std::vector<BlockSpec> blocks, HostParamStoreOpti
       block->numel += n;
       block->groups += state_groups(n);
     }
-    block->master = make_buffer(block->numel, at::kFloat, pinned_ && master_uploaded(options_), "master", spec.name);
-    block->exp_avg = make_buffer(block->numel, m_dtype, false, "exp_avg", spec.name);
-    block->exp_avg_sq = make_buffer(block->numel, v_dtype, false, "exp_avg_sq", spec.name);
+    block->shard = shard_range(block->numel, options_.shard_rank, options_.shard_count);
+    const int64_t owned = block->shard.size();
+    block->master = make_buffer(owned, at::kFloat, pinned_ && master_uploaded(options_), "master", spec.name);
+    block->exp_avg = make_buffer(owned, m_dtype, false, "exp_avg", spec.name);
+    block->exp_avg_sq = make_buffer(owned, v_dtype, false, "exp_avg_sq", spec.name);
     if (state == StateDtype::kInt8) {
       block->exp_avg_scale = make_buffer(block->groups, at::kFloat, false, "exp_avg_scale", spec.name);
       block->exp_avg_sq_scale = make_buffer(block->groups, at::kFloat, false, "exp_avg_sq_scale", spec.name);
@@ -271,11 +296,15 @@ HostParamStore::HostParamStore(std::vector<BlockSpec> blocks, HostParamStoreOpti
     // First touch: every byte of the block zeroed by whoever options_.first_touch says.
     const Block& b = *block;
     const std::function<void(int64_t, int64_t)> zero = [&b, &spec](int64_t begin, int64_t end) {
-      for (const at::Tensor* t : {&b.master, &b.exp_avg, &b.exp_avg_sq, &b.compute, &b.grad}) {
-        if (!t->defined() || t->numel() == 0) continue;
-        const int64_t size = t->element_size();
-        std::memset(static_cast<char*>(t->data_ptr()) + begin * size, 0, static_cast<size_t>((end - begin) * size));
-      }
+      const auto clear = [](const at::Tensor& t, int64_t from, int64_t to) {
+        if (!t.defined() || t.numel() == 0 || to <= from) return;
+        const int64_t size = t.element_size();
+        std::memset(static_cast<char*>(t.data_ptr()) + from * size, 0, static_cast<size_t>((to - from) * size));
+      };
+      // Master and moments hold the shard: the part of [begin, end) inside it, in shard coordinates.
+      const int64_t from = std::max(begin, b.shard.begin) - b.shard.begin, to = std::min(end, b.shard.end) - b.shard.begin;
+      for (const at::Tensor* t : {&b.master, &b.exp_avg, &b.exp_avg_sq}) clear(*t, from, to);
+      for (const at::Tensor* t : {&b.compute, &b.grad}) clear(*t, begin, end);
       if (!b.exp_avg_scale.defined()) return;
       // The scales of the groups that start in [begin, end).
       for (size_t i = 0; i < b.offsets.size(); ++i) {
@@ -306,6 +335,8 @@ int64_t HostParamStore::block_numel(int64_t block) const {
   block_spec(block);
   return blocks_[block]->numel;
 }
+
+ShardRange HostParamStore::shard(int64_t block) const { return (block_spec(block), blocks_[block]->shard); }
 
 MemoryReport HostParamStore::memory_report() const {
   MemoryReport r = plan(specs_, options_);
@@ -340,7 +371,8 @@ HostParamStore::ParamViews HostParamStore::views(int64_t block, size_t i) const 
   const auto view = [&](const at::Tensor& flat) {
     return flat.defined() ? flat.narrow(0, offset, numel).view(shape) : at::Tensor();
   };
-  ParamViews v{view(b.master), view(b.exp_avg), view(b.exp_avg_sq), view(b.compute), view(grad(block)), {}, {}, offset,
+  const auto owned_view = [&](const at::Tensor& flat) { return sharded() ? at::Tensor() : view(flat); };
+  ParamViews v{owned_view(b.master), owned_view(b.exp_avg), owned_view(b.exp_avg_sq), view(b.compute), view(grad(block)), {}, {}, offset,
                b.group_offsets[i]};
   if (b.exp_avg_scale.defined()) {
     v.exp_avg_scale = b.exp_avg_scale.narrow(0, b.group_offsets[i], state_groups(numel));
@@ -368,24 +400,49 @@ std::vector<HostParamStore::ParamViews> HostParamStore::params(int64_t block) co
 
 void HostParamStore::set_param(int64_t block, const std::string& name, const at::Tensor& value) {
   ParamViews v = param(block, name);
-  TORCH_CHECK(value.sizes() == v.master.sizes(), "HostParamStore::set_param: '", name, "' of block ", block,
-              " has shape ", v.master.sizes(), ", got a value of shape ", value.sizes());
-  v.master.copy_(value);
-  copy_master_to_compute(block, v.offset, v.offset + v.master.numel());
+  TORCH_CHECK(value.sizes() == v.compute.sizes() || (v.master.defined() && value.sizes() == v.master.sizes()),
+              "HostParamStore::set_param: '", name, "' of block ", block, " has shape ",
+              (v.master.defined() ? v.master : v.compute).sizes(), ", got a value of shape ", value.sizes());
+  if (!sharded()) {
+    v.master.copy_(value);
+    copy_master_to_compute(block, v.offset, v.offset + v.master.numel());
+    return;
+  }
+  // Sharded: the part of the parameter in this rank's shard into the master; the whole compute copy
+  // from the fp32 value, rounded as the master's own elements would be.
+  const Block& b = *blocks_[block];
+  const at::Tensor flat = value.to(at::kCPU, at::kFloat).contiguous().view(-1);
+  const int64_t n = flat.numel();
+  const int64_t from = std::max(v.offset, b.shard.begin), to = std::min(v.offset + n, b.shard.end);
+  if (from < to) b.master.narrow(0, from - b.shard.begin, to - from).copy_(flat.narrow(0, from - v.offset, to - from));
+  const float* src = flat.data_ptr<float>();
+  if (options_.compute_dtype == at::kFloat) {
+    std::memcpy(b.compute.data_ptr<float>() + v.offset, src, static_cast<size_t>(n) * sizeof(float));
+    return;
+  }
+  auto* dst = static_cast<uint16_t*>(b.compute.data_ptr()) + v.offset;
+  const bool bf16 = options_.compute_dtype == at::kBFloat16;
+  for (int64_t i = 0; i < n; ++i) dst[i] = bf16 ? detail::float_to_bf16_bits(src[i]) : detail::float_to_fp16_bits(src[i]);
 }
 
 void HostParamStore::copy_master_to_compute(int64_t block, int64_t begin, int64_t end) const {
   const Block& b = *blocks_[(block_spec(block), block)];
-  TORCH_CHECK(0 <= begin && begin <= end && end <= b.numel, "HostParamStore::copy_master_to_compute: range [", begin,
-              ", ", end, ") is not within block ", block, "'s ", b.numel, " elements");
-  if (options_.compute_dtype == at::kFloat) return;
+  TORCH_CHECK(b.shard.begin <= begin && begin <= end && end <= b.shard.end, "HostParamStore::copy_master_to_compute: range [",
+              begin, ", ", end, ") is not within block ", block, "'s ", sharded() ? "shard [" : "elements [", b.shard.begin,
+              ", ", b.shard.end, ")");
+  const float* master = b.master.data_ptr<float>();  // master[i - base] is element i of the block
+  const int64_t base = b.shard.begin;
+  if (options_.compute_dtype == at::kFloat) {
+    if (sharded() && end > begin)
+      std::memcpy(b.compute.data_ptr<float>() + begin, master + (begin - base), static_cast<size_t>(end - begin) * sizeof(float));
+    return;
+  }
   // Round with the optimizer's own conversion so the copy has exactly the bits a step would have written.
-  const float* src = b.master.data_ptr<float>();
   auto* dst = static_cast<uint16_t*>(b.compute.data_ptr());
   if (options_.compute_dtype == at::kBFloat16) {
-    for (int64_t i = begin; i < end; ++i) dst[i] = detail::float_to_bf16_bits(src[i]);
+    for (int64_t i = begin; i < end; ++i) dst[i] = detail::float_to_bf16_bits(master[i - base]);
   } else {
-    for (int64_t i = begin; i < end; ++i) dst[i] = detail::float_to_fp16_bits(src[i]);
+    for (int64_t i = begin; i < end; ++i) dst[i] = detail::float_to_fp16_bits(master[i - base]);
   }
 }
 

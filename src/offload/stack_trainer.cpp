@@ -1,12 +1,15 @@
 #include "megaslide/offload/stack_trainer.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <cmath>
 #include <future>
 #include <limits>
 #include <mutex>
 #include <thread>
+#include <utility>
 
 #include "offload/host_task_queue.h"
 #include "offload/streams.h"
@@ -62,6 +65,25 @@ float element(const at::Tensor& t, const void* data, int64_t i) {
     case at::kHalf: return static_cast<float>(static_cast<const c10::Half*>(data)[i]);
     default: return static_cast<const float*>(data)[i];
   }
+}
+
+void set_element(const at::Tensor& t, void* data, int64_t i, float v) {
+  switch (t.scalar_type()) {
+    case at::kBFloat16: static_cast<c10::BFloat16*>(data)[i] = c10::BFloat16(v); break;
+    case at::kHalf: static_cast<c10::Half*>(data)[i] = c10::Half(v); break;
+    default: static_cast<float*>(data)[i] = v;
+  }
+}
+
+// Σ t[i]² over [begin, end) in double.
+double sum_of_squares(const at::Tensor& t, int64_t begin, int64_t end) {
+  const void* data = t.data_ptr();
+  double sq = 0.0;
+  for (int64_t i = begin; i < end; ++i) {
+    const double v = element(t, data, i);
+    sq += v * v;
+  }
+  return sq;
 }
 
 // dst (fp32) = src or dst += src (src in the compute dtype); returns Σ dst² when `norm`.
@@ -148,6 +170,19 @@ struct MicroBatch {
 
 struct StreamedStackTrainer::Impl {
   std::shared_ptr<StreamedModel> model;
+  std::shared_ptr<ShardExchange> exchange;  // several ranks; null for one process
+  std::vector<std::shared_future<void>> reduced;  // sharded, per block: its gradient of this step reduced
+  std::vector<char> reduced_nonfinite;            // sharded, per block: some rank's gradient was non-finite
+  at::Tensor reduce_in, reduce_out, gather_in, gather_out;  // sharded: the host task thread's exchange buffers
+  std::atomic<int64_t> exchange_ns{0};
+  int64_t exchange_bytes = 0;  // handed to the exchange by this step's tasks (counted as they are queued)
+
+  // What block l's reduce-scatter (or all-gather) hands to the exchange: R parts of ⌈n/R⌉ elements (+1
+  // for the reduce-scatter's non-finite count) of the gradient's (the compute copy's) dtype.
+  int64_t exchange_size(const HostParamStore& st, int64_t l, bool reduce) const {
+    const int64_t R = exchange->world_size(), s = shard_stride(st.block_numel(l), R);
+    return reduce ? R * (s + 1) * static_cast<int64_t>(reduce_in.element_size()) : R * s * static_cast<int64_t>(gather_in.element_size());
+  }
   std::vector<std::vector<ParamSlot>> params;  // per block, in the store's order
   std::vector<torch::Tensor> resident;
   std::unique_ptr<torch::optim::AdamW> resident_optimizer;
@@ -191,7 +226,53 @@ struct StreamedStackTrainer::Impl {
   }
   // Rounds block l's compute copy from its master over [begin, end), on the optimizer's threads.
   void restore_compute(const HostParamStore& store, int64_t l, int64_t begin, int64_t end) {
+    if (end <= begin) return;
     adamw->for_each_range(end - begin, [&](int64_t b, int64_t e) { store.copy_master_to_compute(l, begin + b, begin + e); });
+  }
+
+  // Sharded, on the host task thread: block l's gradient (whole, in store.grad(l)) summed over the ranks
+  // by a reduce-scatter; this rank's shard of the sum is written back in place. Each rank's part of
+  // the exchange carries one more element, the count of ranks whose gradient held a non-finite value,
+  // so every rank takes the same skip decision. Leaves Σ g² of the shard in block_sq[l].
+  void reduce_gradient(const HostParamStore& st, int64_t l) {
+    const auto start = Clock::now();
+    const at::Tensor g = st.grad(l);
+    const int64_t n = g.numel(), R = exchange->world_size(), s = shard_stride(n, R), part = s + 1;
+    const auto es = static_cast<int64_t>(g.element_size());
+    const at::Tensor in = reduce_in.narrow(0, 0, R * part), out = reduce_out.narrow(0, 0, part);
+    TORCH_CHECK(in.scalar_type() == g.scalar_type(), "StreamedStackTrainer: exchange buffer dtype mismatch");
+    const float nonfinite = all_finite(g) ? 0.f : 1.f;
+    char* dst = static_cast<char*>(in.data_ptr());
+    const char* src = static_cast<const char*>(g.data_ptr());
+    for (int64_t r = 0; r < R; ++r) {
+      const ShardRange range = shard_range(n, r, R);
+      std::memcpy(dst + r * part * es, src + range.begin * es, static_cast<size_t>(range.size() * es));
+      std::memset(dst + (r * part + range.size()) * es, 0, static_cast<size_t>((s - range.size()) * es));
+      set_element(in, dst, r * part + s, nonfinite);
+    }
+    exchange->reduce_scatter_sum(in, out);
+    const ShardRange mine = st.shard(l);
+    std::memcpy(static_cast<char*>(g.data_ptr()) + mine.begin * es, out.data_ptr(), static_cast<size_t>(mine.size() * es));
+    reduced_nonfinite[l] = element(out, out.data_ptr(), s) != 0.f;
+    block_sq[l] = sum_of_squares(g, mine.begin, mine.end);
+    exchange_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
+  }
+
+  // Sharded, on the host task thread: every rank's shard of block l's compute copy into every rank's
+  // whole copy (an all-gather), after this rank's shard was updated or restored.
+  void gather_compute(const HostParamStore& st, int64_t l) {
+    const auto start = Clock::now();
+    const at::Tensor c = st.compute(l);
+    const int64_t n = c.numel(), R = exchange->world_size(), s = shard_stride(n, R);
+    const auto es = static_cast<int64_t>(c.element_size());
+    const at::Tensor in = gather_in.narrow(0, 0, s), out = gather_out.narrow(0, 0, R * s);
+    const ShardRange mine = st.shard(l);
+    char* copy = static_cast<char*>(c.data_ptr());
+    std::memcpy(in.data_ptr(), copy + mine.begin * es, static_cast<size_t>(mine.size() * es));
+    std::memset(static_cast<char*>(in.data_ptr()) + mine.size() * es, 0, static_cast<size_t>((s - mine.size()) * es));
+    exchange->all_gather(in, out);
+    std::memcpy(copy, out.data_ptr(), static_cast<size_t>(n * es));  // shard r starts at r·s in both
+    exchange_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
   }
 };
 
@@ -257,7 +338,7 @@ struct StreamedStackTrainer::StepRun {
     im.optimizer_wait_s += seconds_since(wait);
     pending = {};
   }
-  at::Tensor upload_source(int64_t l) const { return dt == at::kFloat ? store.master(l) : store.compute(l); }
+  at::Tensor upload_source(int64_t l) const { return dt == at::kFloat && !store.sharded() ? store.master(l) : store.compute(l); }
   void upload(int64_t l) {
     wait_for_update(l);
     streamer.prefetch(l, upload_source(l));
@@ -277,6 +358,10 @@ struct StreamedStackTrainer::StepRun {
   // block, parameters without a gradient) gets its copy back from the master.
   void dispatch_update(int64_t l, float grad_scale, bool guard) {
     streamer.invalidate(l);
+    if (im.exchange) {
+      grad_scale /= static_cast<float>(im.exchange->world_size());  // the sum over ranks -> the mean
+      im.exchange_bytes += im.exchange_size(store, l, /*reduce=*/false);
+    }
     const BlockGradient landed = gradient[l];
     const auto ranges = im.updated_ranges(l, t.options_.state_dtype != StateDtype::kInt8);
     StreamedStackTrainer* self = &t;
@@ -287,10 +372,15 @@ struct StreamedStackTrainer::StepRun {
       landed.wait();
       Impl& impl = *self->impl_;
       const HostParamStore& st = *self->store_;
+      const bool sharded = impl.exchange != nullptr;
+      if (sharded) impl.reduced[l].get();  // queued before this task: done
+      const ShardRange mine = st.shard(l);  // the elements this rank updates: all, or its shard
       const bool restore = st.gradient_in_compute_buffer();
-      if (guard && (impl.nonfinite_step.load() == step || !all_finite(st.grad(l)))) {
+      const bool nonfinite = sharded ? impl.reduced_nonfinite[l] != 0 : !all_finite(st.grad(l));
+      if (guard && (impl.nonfinite_step.load() == step || nonfinite)) {
         impl.nonfinite_step.store(step);
-        if (restore) impl.restore_compute(st, l, 0, st.block_numel(l));
+        if (restore) impl.restore_compute(st, l, mine.begin, mine.end);
+        if (sharded) impl.gather_compute(st, l);
         return;
       }
       const double t0 = trace != nullptr ? trace->now_s() : 0.0;
@@ -301,13 +391,19 @@ struct StreamedStackTrainer::StepRun {
       const size_t state_size = static_cast<size_t>(state_element_bytes(st.options().state_dtype));
       const size_t compute_size = c10::elementSize(st.options().compute_dtype);
       const bool int8 = st.options().state_dtype == StateDtype::kInt8;
-      int64_t done = 0;  // elements before `done` are updated or restored
-      for (const auto& r : ranges) {
+      int64_t done = mine.begin;  // elements of the shard before `done` are updated or restored
+      for (UpdateRange r : ranges) {
+        // Sharded: the part of the range in this rank's shard; master and moments are shard-indexed.
+        const int64_t first = std::max(r.offset, mine.begin), last = std::min(r.offset + r.numel, mine.end);
+        if (first >= last) continue;
+        r.numel = last - first;
+        r.offset = first;
         if (restore && r.offset > done) impl.restore_compute(st, l, done, r.offset);
+        const int64_t local = r.offset - mine.begin;
         AdamWBlockState s;
-        s.master = st.master(l).data_ptr<float>() + r.offset;
-        s.exp_avg = static_cast<char*>(st.exp_avg(l).data_ptr()) + r.offset * state_size;
-        s.exp_avg_sq = static_cast<char*>(st.exp_avg_sq(l).data_ptr()) + r.offset * state_size;
+        s.master = st.master(l).data_ptr<float>() + local;
+        s.exp_avg = static_cast<char*>(st.exp_avg(l).data_ptr()) + local * state_size;
+        s.exp_avg_sq = static_cast<char*>(st.exp_avg_sq(l).data_ptr()) + local * state_size;
         if (int8) {
           s.exp_avg_scale = st.exp_avg_scale(l).data_ptr<float>() + r.group_offset;
           s.exp_avg_sq_scale = st.exp_avg_sq_scale(l).data_ptr<float>() + r.group_offset;
@@ -321,9 +417,12 @@ struct StreamedStackTrainer::StepRun {
         impl.adamw->step_block(s, step, step_lr, grad_scale);
         done = r.offset + r.numel;
       }
-      if (restore && done < st.block_numel(l)) impl.restore_compute(st, l, done, st.block_numel(l));
+      if (restore && done < mine.end) impl.restore_compute(st, l, done, mine.end);
+      // fp32 compute, sharded: the shard's copy is the master itself (nothing above wrote it).
+      if (sharded && fp32_compute) impl.restore_compute(st, l, mine.begin, mine.end);
       impl.optimizer_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - begin).count();
       if (trace != nullptr) trace->add(TraceLane::kOptimizer, "adamw block " + std::to_string(l), t0, trace->now_s() - t0);
+      if (sharded) impl.gather_compute(st, l);
     });
   }
 
@@ -331,13 +430,29 @@ struct StreamedStackTrainer::StepRun {
   // buffer, the copy is rounded back from the master once the gradient copy has landed (a restore
   // before it lands would be overwritten by it). The next upload of l waits for this like an update.
   void dispatch_restore(int64_t l) {
-    if (!store.gradient_in_compute_buffer() || dt == at::kFloat) return;  // fp32: the master is what is uploaded
+    if (!store.gradient_in_compute_buffer()) return;  // the copy was never overwritten
+    if (dt == at::kFloat && !store.sharded()) return;   // fp32: the master is what is uploaded
     const BlockGradient landed = gradient[l];
     StreamedStackTrainer* self = &t;
+    if (im.exchange) im.exchange_bytes += im.exchange_size(store, l, /*reduce=*/false);
     im.pending_update[l] = im.tasks->submit([self, l, landed] {
       landed.wait();
       const HostParamStore& st = *self->store_;
-      self->impl_->restore_compute(st, l, 0, st.block_numel(l));
+      const ShardRange mine = st.shard(l);
+      self->impl_->restore_compute(st, l, mine.begin, mine.end);
+      if (self->impl_->exchange) self->impl_->gather_compute(st, l);
+    });
+  }
+
+  // Sharded: once block l's gradient of the step is complete on the host, a host task sums it over
+  // the ranks (Impl::reduce_gradient). Queued before the block's update, which reads its result.
+  void dispatch_reduce(int64_t l) {
+    im.exchange_bytes += im.exchange_size(store, l, /*reduce=*/true);
+    const BlockGradient landed = gradient[l];
+    StreamedStackTrainer* self = &t;
+    im.reduced[l] = im.tasks->submit([self, l, landed] {
+      landed.wait();
+      self->impl_->reduce_gradient(*self->store_, l);
     });
   }
 
@@ -345,8 +460,9 @@ struct StreamedStackTrainer::StepRun {
   // staging buffer that a host task adds into the store's fp32 sum (accumulation).
   void send_gradient_to_host(int64_t l, const at::Tensor& slot_grads, int64_t k, bool last) {
     if (accum == 1) {
-      // The norm on the device, from the slot, before the copy (the compute thread's own ops).
-      im.block_norm[l] = at::linalg_vector_norm(slot_grads, 2, {}, false, at::kFloat);
+      // The norm on the device, from the slot, before the copy (the compute thread's own ops); sharded,
+      // the host computes it from the reduced gradient.
+      if (!im.exchange) im.block_norm[l] = at::linalg_vector_norm(slot_grads, 2, {}, false, at::kFloat);
       gradient[l] = {streamer.offload_gradient(l, store.grad(l)), {}};
       return;
     }
@@ -459,6 +575,7 @@ struct StreamedStackTrainer::StepRun {
       im.unbind(l, empty);
       send_gradient_to_host(l, grads, k, last);
       streamer.release(l);
+      if (last && im.exchange) dispatch_reduce(l);
       if (last && !deferred) dispatch_update(l, 1.f, /*guard=*/true);
     }
   }
@@ -481,6 +598,7 @@ struct StreamedStackTrainer::StepRun {
   // The global norm of the unscaled gradient: blocks from their device norms (or the host sums with
   // accumulation), resident parameters on the device — which are unscaled in place here.
   double global_norm() {
+    if (im.exchange) return global_norm_over_ranks();
     double sq = 0.0;
     if (accum > 1) {
       for (const auto& g : gradient) g.wait();
@@ -494,6 +612,46 @@ struct StreamedStackTrainer::StepRun {
       if (!p.grad().defined()) continue;
       if (scale != 1.0) p.mutable_grad().mul_(1.0 / scale);
       sq += std::pow(p.grad().norm().item<double>(), 2);
+    }
+    return std::sqrt(sq);
+  }
+
+  // Several ranks: the blocks' Σ g² of each rank's reduced shard, the resident gradients and the losses
+  // summed over the ranks (one all-reduce for the gradients, one for the two sums), then divided by R:
+  // the mean gradient over the global batch and the mean loss, the same on every rank.
+  double global_norm_over_ranks() {
+    for (int64_t l = 0; l < L; ++l) im.reduced[l].get();  // rethrows a failed exchange
+    double block_sq = 0.0;
+    for (int64_t l = 0; l < L; ++l) block_sq += im.block_sq[l];
+    const double R = static_cast<double>(im.exchange->world_size());
+    std::vector<torch::Tensor> with_grad;
+    for (auto& p : im.resident)
+      if (p.grad().defined()) with_grad.push_back(p);
+    auto sums = torch::tensor({block_sq, loss_sum, static_cast<double>(with_grad.size())}, torch::kDouble);
+    std::vector<at::Tensor> collectives{sums};
+    torch::Tensor flat;
+    if (!with_grad.empty()) {
+      std::vector<torch::Tensor> parts;
+      for (auto& p : with_grad) parts.push_back(p.grad().flatten().to(torch::kFloat));
+      flat = torch::cat(parts);
+      collectives.push_back(flat);
+    }
+    im.exchange->all_reduce_sum(collectives);
+    sums = collectives[0];
+    TORCH_CHECK(sums[2].item<double>() == R * static_cast<double>(with_grad.size()), "StreamedStackTrainer: this rank has ",
+                with_grad.size(), " resident parameters with a gradient but the ranks together have ", sums[2].item<double>(),
+                "; every rank must train the same parameters");
+    loss_sum = sums[1].item<double>() / R;
+    double sq = sums[0].item<double>() / (R * R * scale * scale);
+    if (!with_grad.empty()) {
+      flat = collectives[1].div_(R * scale);  // the mean over the ranks, unscaled
+      int64_t offset = 0;
+      for (auto& p : with_grad) {
+        auto g = flat.narrow(0, offset, p.numel()).view(p.sizes());
+        offset += p.numel();
+        p.mutable_grad().copy_(g);
+        sq += std::pow(g.norm().item<double>(), 2);
+      }
     }
     return std::sqrt(sq);
   }
@@ -567,6 +725,8 @@ struct StreamedStackTrainer::StepRun {
       t.set_trace(nullptr);
     }
     r.step_time_s = seconds_since(start);
+    r.exchange_bytes = std::exchange(im.exchange_bytes, 0);
+    r.exchange_s = static_cast<double>(im.exchange_ns.exchange(0)) * 1e-9;
     return r;
   }
 };
@@ -606,6 +766,10 @@ StreamedStackTrainer::StreamedStackTrainer(std::shared_ptr<StreamedModel> model,
   impl_->adamw = std::make_unique<CpuAdamW>(a, options_.optimizer_threads);
   HostParamStoreOptions store_options = host_store_options(dt, options_.grad_accum_steps, options_.state_dtype);
   store_options.pin_if_cuda = options_.pin_host_memory;
+  if (options_.exchange) {
+    store_options.shard_rank = options_.exchange->rank();
+    store_options.shard_count = options_.exchange->world_size();
+  }
   // Each block's pages first touched by the optimizer threads that will update them.
   CpuAdamW* adamw = impl_->adamw.get();
   store_options.first_touch = [adamw](int64_t numel, const std::function<void(int64_t, int64_t)>& zero) {
@@ -625,7 +789,7 @@ StreamedStackTrainer::StreamedStackTrainer(std::shared_ptr<StreamedModel> model,
       auto received = std::make_shared<std::atomic<bool>>(false);
       p.register_hook([received](const torch::Tensor&) { received->store(true); });
       // Shapes from the store: a block built by initial_block already had its parameters emptied.
-      impl_->params[l].push_back({p, views.offset, views.master.numel(), views.group_offset, views.master.sizes().vec(), received});
+      impl_->params[l].push_back({p, views.offset, views.grad.numel(), views.group_offset, views.grad.sizes().vec(), received});
       p.set_data(torch::empty({0}, empty));
     }
   }
@@ -647,6 +811,19 @@ StreamedStackTrainer::StreamedStackTrainer(std::shared_ptr<StreamedModel> model,
   impl_->pending_update.resize(L);
   impl_->block_sq.assign(L, 0.0);
   impl_->block_norm.resize(L);
+  if (options_.exchange && options_.exchange->world_size() > 1) {
+    impl_->exchange = options_.exchange;
+    impl_->reduced.resize(L);
+    impl_->reduced_nonfinite.assign(L, 0);
+    int64_t largest = 0;
+    for (auto n : numels) largest = std::max(largest, n);
+    const int64_t R = options_.exchange->world_size(), s = shard_stride(largest, R);
+    const auto grad_dtype = store_->grad(0).scalar_type();
+    impl_->reduce_in = torch::zeros({R * (s + 1)}, torch::TensorOptions().dtype(grad_dtype));
+    impl_->reduce_out = torch::zeros({s + 1}, torch::TensorOptions().dtype(grad_dtype));
+    impl_->gather_in = torch::zeros({s}, torch::TensorOptions().dtype(dt));
+    impl_->gather_out = torch::zeros({R * s}, torch::TensorOptions().dtype(dt));
+  }
   if (options_.grad_accum_steps > 1) {
     int64_t largest = 0;
     for (auto n : numels) largest = std::max(largest, n);
@@ -678,6 +855,12 @@ std::vector<std::pair<std::string, torch::Tensor>> StreamedStackTrainer::block_m
   std::vector<std::pair<std::string, torch::Tensor>> out;
   for (const auto& p : store_->block_spec(block).params) out.emplace_back(p.name, store_->param(block, p.name).master);
   return out;
+}
+
+void StreamedStackTrainer::set_block_parameter(int64_t block, const std::string& name, const torch::Tensor& value) {
+  synchronize();
+  store_->set_param(block, name, value);
+  streamer_->invalidate(block);
 }
 
 void StreamedStackTrainer::set_trace(StepTrace* trace) {
@@ -758,8 +941,16 @@ torch::optim::AdamW* StreamedStackTrainer::resident_optimizer() { return impl_->
 void StreamedStackTrainer::reload_blocks_from_masters() {
   synchronize();
   for (int64_t l = 0; l < store_->num_blocks(); ++l) {
-    impl_->restore_compute(*store_, l, 0, store_->block_numel(l));  // rounded as CpuAdamW rounds
+    const ShardRange mine = store_->shard(l);
+    impl_->restore_compute(*store_, l, mine.begin, mine.end);  // rounded as CpuAdamW rounds
     streamer_->invalidate(l);
+  }
+  if (impl_->exchange) {  // every rank's shards into every rank's copy, on the host channel's thread
+    Impl* impl = impl_.get();
+    const HostParamStore* store = store_.get();
+    for (int64_t l = 0; l < store_->num_blocks(); ++l) impl_->pending_update[l] = impl_->tasks->submit([impl, store, l] { impl->gather_compute(*store, l); });
+    synchronize();
+    impl_->exchange_ns = 0;
   }
 }
 

@@ -19,6 +19,7 @@
 
 #include "megaslide/io/weights.h"
 #include "megaslide/model/wan_weights.h"
+#include "megaslide/offload/host_param_store.h"
 #include "megaslide/util/build_info.h"
 
 namespace megaslide {
@@ -119,7 +120,9 @@ void write_tensor_files(const std::string& dir, const RunConfig& config, const T
   TORCH_CHECK(state.master.size() == state.exp_avg.size() && state.master.size() == state.exp_avg_sq.size(),
               "save_checkpoint: master, exp_avg and exp_avg_sq must list the same parameters");
   const std::map<std::string, std::string> metadata{{"format", kFormat}, {"step", std::to_string(state.step)}};
-  files[kModel] = manifest_entry(save_weights(io::join_path(dir, kModel), config, state.master, torch::kBFloat16));
+  io::NamedTensors weights = state.master;
+  if (state.shards) weights.insert(weights.end(), state.shards->weights.begin(), state.shards->weights.end());
+  files[kModel] = manifest_entry(save_weights(io::join_path(dir, kModel), config, weights, torch::kBFloat16));
   const auto lists = tensor_file_lists(state);
   for (int i = 0; i < 3; ++i)
     files[kTensorFiles[i]] = manifest_entry(io::write_safetensors(io::join_path(dir, kTensorFiles[i]), lists[i], metadata));
@@ -343,7 +346,174 @@ void detail::set_save_checkpoint_observer(std::function<void(const std::string& 
   save_observer() = std::move(observer);
 }
 
-std::string save_checkpoint(const std::string& run_dir, const RunConfig& config, const TrainingState& state) {
+namespace {
+
+bool sharded(const TrainingState& state) { return state.shards && state.shards->world_size > 1; }
+
+std::string shard_file(int64_t rank, int64_t world_size) {
+  return fmt::format("shards/rank-{:05}-of-{:05}.safetensors", rank, world_size);
+}
+
+// The blocks' flat layouts of a sharded state, for trainer_state.json: how a shard maps to parameters.
+nlohmann::ordered_json shard_layout(const TrainingState::BlockShards& shards) {
+  nlohmann::ordered_json blocks = nlohmann::ordered_json::array();
+  for (const auto& b : shards.blocks) {
+    nlohmann::ordered_json params = nlohmann::ordered_json::array();
+    for (const auto& [name, shape] : b.params) params.push_back({{"name", name}, {"shape", shape}});
+    blocks.push_back({{"name", b.name}, {"numel", b.numel}, {"params", params}});
+  }
+  return {{"world_size", shards.world_size}, {"blocks", blocks}};
+}
+
+// trainer_state.json and the manifest (written last) into `tmp`, then the folder published under its
+// step's name and `latest` pointed at it.
+void finish_checkpoint(const std::string& root, const std::string& name, const std::string& tmp, const RunConfig& config,
+                       const TrainingState& state, nlohmann::ordered_json& files) {
+  const std::string final_path = io::join_path(root, name);
+  nlohmann::ordered_json s;
+  s["format"] = kFormat;
+  s["format_version"] = kFormatVersion;
+  s["megaslide_version"] = version();
+  s["step"] = state.step;
+  s["optimizer_steps"] = state.optimizer_steps;
+  s["loss_scale"] = state.loss_scale;
+  s["clean_steps"] = state.clean_steps;
+  s["skipped_steps"] = state.skipped_steps;
+  s["consecutive_skips"] = state.consecutive_skips;
+  s["data"] = nlohmann::ordered_json::parse(state.data_state.empty() ? "{}" : state.data_state);
+  if (sharded(state)) s["shards"] = shard_layout(*state.shards);
+  s["config"] = to_yaml(config);
+  const std::string state_text = s.dump(2) + "\n";
+  {
+    io::AtomicFileWriter out(io::join_path(tmp, kState));
+    out.write(state_text.data(), state_text.size());
+    out.commit();
+    files[kState] = manifest_entry({out.bytes_written(), out.crc32()});
+  }
+  nlohmann::ordered_json manifest;
+  manifest["format"] = kFormat;
+  manifest["format_version"] = kFormatVersion;
+  manifest["step"] = state.step;
+  manifest["files"] = files;
+  io::write_file_atomically(io::join_path(tmp, kManifest), manifest.dump(2) + "\n");
+
+  observe("complete");
+
+  // Same step saved again (a run rolled back to an earlier checkpoint reaching this step again): the
+  // new folder and the old one swap names in one atomic exchange, so the name always holds a
+  // complete checkpoint; the old one then goes. Where the file system cannot exchange, two renames
+  // do it: `latest` never names this step then (a rolled-back run moved `latest` back first).
+  if (io::path_exists(final_path)) {
+    if (!io::exchange_durably(tmp, final_path)) {
+      const std::string aside = io::join_path(root, kTempPrefix + std::string("old-") + name + "-" + std::to_string(::getpid()));
+      io::rename_durably(final_path, aside);
+      observe("moved-aside");
+      io::rename_durably(tmp, final_path);
+      io::remove_tree(aside);
+    }
+  } else {
+    io::rename_durably(tmp, final_path);
+  }
+  observe("in-place");
+  io::write_file_atomically(io::join_path(root, "latest"), name + "\n");
+  observe("latest");
+  io::remove_tree(tmp);  // after an exchange: the replaced checkpoint
+}
+
+// What is true of the run's checkpoints after a failed save, for its message.
+std::string what_is_intact(const std::string& run_dir, const std::string& previous) {
+  try {
+    const std::string latest = latest_checkpoint(run_dir);
+    if (latest.empty()) return "there is no earlier checkpoint";
+    if (io::path_exists(io::join_path(latest, kManifest)))
+      return latest == previous ? "the previous checkpoint " + latest + " is intact" : "`latest` names " + latest + ", which is intact";
+    return "`latest` names " + latest + ", which is missing: resume from another checkpoint folder";
+  } catch (const std::exception& pointer_error) {
+    return std::string("`latest` cannot be read (") + pointer_error.what() + ")";
+  }
+}
+
+// A sharded state: three agreements among the ranks (the temporary folder is ready; every shard is
+// written, with its size and CRC-32; rank 0 has published), so that every rank returns or throws
+// alike and no rank waits for one that gave up.
+std::string save_sharded_checkpoint(const std::string& run_dir, const RunConfig& config, const TrainingState& state, const RankSum& sum) {
+  TORCH_CHECK(sum != nullptr, "save_checkpoint: a sharded state needs the ranks' sum");
+  const auto& shards = *state.shards;
+  const int64_t rank = shards.rank, world = shards.world_size;
+  const std::string root = checkpoints_dir(run_dir);
+  const std::string name = checkpoint_name(state.step);
+  const std::string final_path = io::join_path(root, name);
+  // The same name on every rank (a shared file system), unlike a one-process save's.
+  const std::string tmp = io::join_path(root, kTempPrefix + name + fmt::format("-{}-ranks", world));
+  const std::string previous = rank == 0 ? latest_checkpoint(run_dir) : "";
+  std::string error;  // this rank's failure
+  const auto attempt = [&](const std::function<void()>& fn) {
+    if (!error.empty()) return;
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  };
+  // Agreement: every rank's failure flag (plus `extra` values per rank) summed; the failed ranks named.
+  const auto agree = [&](const char* stage, std::vector<int64_t> mine) {
+    const size_t per = mine.size() + 1;
+    std::vector<int64_t> all(per * static_cast<size_t>(world), 0);
+    all[per * rank] = error.empty() ? 0 : 1;
+    std::copy(mine.begin(), mine.end(), all.begin() + static_cast<std::ptrdiff_t>(per * rank + 1));
+    sum(all);
+    std::string failed;
+    for (int64_t r = 0; r < world; ++r)
+      if (all[per * r] != 0) failed += (failed.empty() ? "" : ", ") + std::to_string(r);
+    if (!failed.empty()) {
+      if (rank == 0) {
+        try {
+          io::remove_tree(tmp);
+        } catch (...) {
+        }
+      }
+      throw CheckpointError(fmt::format("saving checkpoint {} failed {} on rank(s) {}{}; {}", final_path, stage, failed,
+                                        error.empty() ? " (their logs say why)" : ": " + error,
+                                        rank == 0 ? what_is_intact(run_dir, previous) : "rank 0's log says what is intact"));
+    }
+    return all;
+  };
+  if (rank == 0)
+    attempt([&] {
+      io::make_directories(root);
+      io::remove_tree(tmp);
+      io::make_directories(io::join_path(tmp, "shards"));
+    });
+  agree("preparing the folder", {});
+  io::WrittenFile written;
+  attempt([&] {
+    io::NamedTensors tensors;
+    for (const auto& b : shards.blocks) {
+      tensors.emplace_back(b.name + "#master", b.master);
+      tensors.emplace_back(b.name + "#exp_avg", b.exp_avg);
+      tensors.emplace_back(b.name + "#exp_avg_sq", b.exp_avg_sq);
+    }
+    const std::map<std::string, std::string> metadata{{"format", kFormat}, {"step", std::to_string(state.step)},
+                                                      {"rank", std::to_string(rank)}, {"world_size", std::to_string(world)}};
+    written = io::write_safetensors(io::join_path(tmp, shard_file(rank, world)), tensors, metadata);
+  });
+  const auto written_all = agree("writing the shards", {static_cast<int64_t>(written.bytes), static_cast<int64_t>(written.crc32)});
+  if (rank == 0)
+    attempt([&] {
+      nlohmann::ordered_json files = nlohmann::ordered_json::object();
+      write_tensor_files(tmp, config, state, files);
+      for (int64_t r = 0; r < world; ++r)
+        files[shard_file(r, world)] = manifest_entry({static_cast<uint64_t>(written_all[3 * r + 1]), static_cast<uint32_t>(written_all[3 * r + 2])});
+      finish_checkpoint(root, name, tmp, config, state, files);
+    });
+  agree("publishing", {});
+  return final_path;
+}
+
+}  // namespace
+
+std::string save_checkpoint(const std::string& run_dir, const RunConfig& config, const TrainingState& state, const RankSum& sum) {
+  if (sharded(state)) return save_sharded_checkpoint(run_dir, config, state, sum);
   const std::string root = checkpoints_dir(run_dir);
   const std::string name = checkpoint_name(state.step);
   const std::string final_path = io::join_path(root, name);
@@ -355,71 +525,14 @@ std::string save_checkpoint(const std::string& run_dir, const RunConfig& config,
     io::make_directories(tmp);
     nlohmann::ordered_json files = nlohmann::ordered_json::object();
     write_tensor_files(tmp, config, state, files);
-
-    nlohmann::ordered_json s;
-    s["format"] = kFormat;
-    s["format_version"] = kFormatVersion;
-    s["megaslide_version"] = version();
-    s["step"] = state.step;
-    s["optimizer_steps"] = state.optimizer_steps;
-    s["loss_scale"] = state.loss_scale;
-    s["clean_steps"] = state.clean_steps;
-    s["skipped_steps"] = state.skipped_steps;
-    s["consecutive_skips"] = state.consecutive_skips;
-    s["data"] = nlohmann::ordered_json::parse(state.data_state.empty() ? "{}" : state.data_state);
-    s["config"] = to_yaml(config);
-    const std::string state_text = s.dump(2) + "\n";
-    {
-      io::AtomicFileWriter out(io::join_path(tmp, kState));
-      out.write(state_text.data(), state_text.size());
-      out.commit();
-      files[kState] = manifest_entry({out.bytes_written(), out.crc32()});
-    }
-    nlohmann::ordered_json manifest;
-    manifest["format"] = kFormat;
-    manifest["format_version"] = kFormatVersion;
-    manifest["step"] = state.step;
-    manifest["files"] = files;
-    io::write_file_atomically(io::join_path(tmp, kManifest), manifest.dump(2) + "\n");
-
-    observe("complete");
-
-    // Same step saved again (a run rolled back to an earlier checkpoint reaching this step again): the
-    // new folder and the old one swap names in one atomic exchange, so the name always holds a
-    // complete checkpoint; the old one then goes. Where the file system cannot exchange, two renames
-    // do it: `latest` never names this step then (a rolled-back run moved `latest` back first).
-    if (io::path_exists(final_path)) {
-      if (!io::exchange_durably(tmp, final_path)) {
-        const std::string aside = io::join_path(root, kTempPrefix + std::string("old-") + name + "-" + std::to_string(::getpid()));
-        io::rename_durably(final_path, aside);
-        observe("moved-aside");
-        io::rename_durably(tmp, final_path);
-        io::remove_tree(aside);
-      }
-    } else {
-      io::rename_durably(tmp, final_path);
-    }
-    observe("in-place");
-    io::write_file_atomically(io::join_path(root, "latest"), name + "\n");
-    observe("latest");
-    io::remove_tree(tmp);  // after an exchange: the replaced checkpoint
+    finish_checkpoint(root, name, tmp, config, state, files);
   } catch (const std::exception& e) {
     try {
       io::remove_tree(tmp);
     } catch (...) {
     }
     // Say what is true now, not what was true before the save began.
-    std::string intact;
-    try {
-      const std::string latest = latest_checkpoint(run_dir);
-      if (latest.empty()) intact = "there is no earlier checkpoint";
-      else if (io::path_exists(io::join_path(latest, kManifest)))
-        intact = latest == previous ? "the previous checkpoint " + latest + " is intact" : "`latest` names " + latest + ", which is intact";
-      else intact = "`latest` names " + latest + ", which is missing: resume from another checkpoint folder";
-    } catch (const std::exception& pointer_error) {
-      intact = std::string("`latest` cannot be read (") + pointer_error.what() + ")";
-    }
-    throw CheckpointError(fmt::format("saving checkpoint {} failed: {}; {}", final_path, e.what(), intact));
+    throw CheckpointError(fmt::format("saving checkpoint {} failed: {}; {}", final_path, e.what(), what_is_intact(run_dir, previous)));
   }
   return final_path;
 }
@@ -460,6 +573,12 @@ std::vector<std::string> prune_checkpoints(const std::string& run_dir, int64_t k
 std::string verify_checkpoint(const std::string& path) {
   std::vector<std::string> files{kModel, kState};
   for (const char* f : kTensorFiles) files.push_back(f);
+  for (const auto& item : read_manifest(path)["files"].items()) {  // a sharded run's shard files too
+    if (std::find(files.begin(), files.end(), item.key()) != files.end()) continue;
+    if (item.key().rfind("shards/rank-", 0) != 0 || item.key().find("..") != std::string::npos)
+      fail(io::join_path(path, kManifest), "lists '" + item.key() + "', which is not a file of a checkpoint");
+    files.push_back(item.key());
+  }
   verify_files(path, files);
   return io::join_path(path, kModel);
 }
@@ -527,6 +646,61 @@ std::string export_checkpoint_weights(const std::string& run_dir, const std::str
   return path;
 }
 
+namespace {
+// Fills each block's range [begin, end) of master, m and v: from the shard files of the world size
+// that saved them (`saved`: trainer_state.json's "shards"; the ranges that overlap), or, without
+// shards, from the per-parameter files through the block's layout.
+void read_block_ranges(const std::string& path, const nlohmann::json* saved, const TrainingState::BlockShards& shards) {
+  const std::string state_path = io::join_path(path, kState);
+  int64_t saved_world = 1;
+  if (saved != nullptr) {
+    if (!saved->is_object() || !saved->contains("world_size") || !saved->at("world_size").is_number_integer() ||
+        !saved->contains("blocks") || !saved->at("blocks").is_array())
+      fail(state_path, "'shards' needs 'world_size' and 'blocks'");
+    saved_world = (*saved)["world_size"].get<int64_t>();
+    if (saved_world < 1 || (*saved)["blocks"].size() != shards.blocks.size())
+      fail(state_path, fmt::format("'shards' describes {} blocks over {} ranks; this model has {} blocks", (*saved)["blocks"].size(),
+                                   saved_world, shards.blocks.size()));
+  }
+  const char* const parts[3] = {"master", "exp_avg", "exp_avg_sq"};
+  for (size_t l = 0; l < shards.blocks.size(); ++l) {
+    const auto& b = shards.blocks[l];
+    const torch::Tensor targets[3] = {b.master, b.exp_avg, b.exp_avg_sq};
+    if (saved != nullptr) {
+      const auto& layout = (*saved)["blocks"][l];
+      bool same = layout.is_object() && layout.value("name", "") == b.name && layout.value("numel", int64_t{-1}) == b.numel &&
+                  layout.contains("params") && layout.at("params").is_array() && layout.at("params").size() == b.params.size();
+      for (size_t i = 0; same && i < b.params.size(); ++i) {
+        const auto& p = layout.at("params")[i];
+        same = p.is_object() && p.value("name", "") == b.params[i].first && p.contains("shape") && p.at("shape").is_array() &&
+               p.at("shape") == nlohmann::json(b.params[i].second);
+      }
+      if (!same) fail(state_path, "the flat layout of " + b.name + " differs from this model's (another model, or another version of it)");
+      for (int64_t q = 0; q < saved_world; ++q) {
+        const auto range = offload::shard_range(b.numel, q, saved_world);
+        const int64_t first = std::max(range.begin, b.begin), last = std::min(range.end, b.end);
+        if (first >= last) continue;
+        for (int c = 0; c < 3; ++c)
+          io::read_safetensors_range_into(io::join_path(path, shard_file(q, saved_world)), b.name + "#" + parts[c], first - range.begin,
+                                          targets[c].narrow(0, first - b.begin, last - first));
+      }
+      continue;
+    }
+    int64_t offset = 0;
+    for (const auto& [name, shape] : b.params) {
+      int64_t n = 1;
+      for (int64_t d : shape) n *= d;
+      const int64_t first = std::max(offset, b.begin), last = std::min(offset + n, b.end);
+      if (first < last)
+        for (int c = 0; c < 3; ++c)
+          io::read_safetensors_range_into(io::join_path(path, kTensorFiles[c]), b.name + "." + name, first - offset,
+                                          targets[c].narrow(0, first - b.begin, last - first));
+      offset += n;
+    }
+  }
+}
+}  // namespace
+
 void load_checkpoint(const std::string& path, const RunConfig& config, TrainingState& into) {
   verify_checkpoint(path);
   const std::string state_path = io::join_path(path, kState);
@@ -556,13 +730,24 @@ void load_checkpoint(const std::string& path, const RunConfig& config, TrainingS
   }
   if (into.step < 0 || into.optimizer_steps < 0 || into.optimizer_steps > into.step)
     fail(state_path, fmt::format("inconsistent counters: step {}, optimizer_steps {}", into.step, into.optimizer_steps));
-  const auto lists = tensor_file_lists(into);  // views of `into`'s tensors: read in place
-  for (int i = 0; i < 3; ++i) {
-    try {
-      io::read_safetensors_into(io::join_path(path, kTensorFiles[i]), lists[i]);
-    } catch (const io::IoError& e) {
-      throw CheckpointError(e.what());
-    }
+  const bool saved_sharded = s.is_object() && s.contains("shards");
+  const bool wants_shards = into.shards && into.shards->world_size > 1;
+  if (saved_sharded && !into.shards)
+    fail(state_path, "holds the blocks of a sharded run of the streamed trainer (offload.enabled: true), which this trainer cannot read");
+  // Block parameters the shard ranges cover (a one-process trainer lists them too, as views of the
+  // same memory): read through the ranges, not by name, whenever shards are involved.
+  std::set<std::string> by_range;
+  if (saved_sharded || wants_shards)
+    for (const auto& b : into.shards->blocks)
+      for (const auto& p : b.params) by_range.insert(b.name + "." + p.first);
+  auto lists = tensor_file_lists(into);  // views of `into`'s tensors: read in place
+  for (auto& list : lists)
+    list.erase(std::remove_if(list.begin(), list.end(), [&](const auto& item) { return by_range.count(item.first) > 0; }), list.end());
+  try {
+    for (int i = 0; i < 3; ++i) io::read_safetensors_into(io::join_path(path, kTensorFiles[i]), lists[i], /*allow_extra=*/!saved_sharded && wants_shards);
+    if (!by_range.empty()) read_block_ranges(path, saved_sharded ? &s["shards"] : nullptr, *into.shards);
+  } catch (const io::IoError& e) {
+    throw CheckpointError(e.what());
   }
 }
 

@@ -10,6 +10,7 @@
 #endif
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #endif
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #ifdef MEGASLIDE_WITH_CUDA
 #ifndef USE_C10D_NCCL
@@ -124,13 +125,27 @@ std::string resolve_backend(const DistributedConfig& config, c10::Device device,
   return backend;
 }
 
+#ifdef MEGASLIDE_WITH_GLOO
+namespace {
+// The address other ranks reach this one at: this host's name, or loopback on one machine.
+std::shared_ptr<::gloo::transport::Device> gloo_device(const LaunchEnv& env) {
+  return env.master_addr == "127.0.0.1" || env.master_addr == "localhost" ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
+                                                                          : c10d::ProcessGroupGloo::createDefaultDevice();
+}
+}  // namespace
+#endif
+
 struct Communicator::Impl {
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::Backend> group;
+  LaunchEnv env;
+  c10::Device device = c10::kCPU;
 };
 
 Communicator::Communicator(const LaunchEnv& env, const std::string& backend, double timeout_s, c10::Device device)
     : impl_(std::make_unique<Impl>()), rank_(env.rank), world_size_(env.world_size), backend_(backend), timeout_s_(timeout_s) {
+  impl_->env = env;
+  impl_->device = device;
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0));
   try {
     c10d::TCPStoreOptions options;
@@ -143,10 +158,7 @@ Communicator::Communicator(const LaunchEnv& env, const std::string& backend, dou
     if (backend == "gloo") {
 #ifdef MEGASLIDE_WITH_GLOO
       auto gloo = c10d::ProcessGroupGloo::Options::create(timeout);
-      // The address other ranks reach this one at: this host's name, or loopback on one machine.
-      gloo->devices.push_back(env.master_addr == "127.0.0.1" || env.master_addr == "localhost"
-                                  ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
-                                  : c10d::ProcessGroupGloo::createDefaultDevice());
+      gloo->devices.push_back(gloo_device(env));
       impl_->group = c10::make_intrusive<c10d::ProcessGroupGloo>(impl_->store, static_cast<int>(env.rank),
                                                                  static_cast<int>(env.world_size), gloo);
 #else
@@ -178,12 +190,12 @@ Communicator::~Communicator() = default;
 
 namespace {
 
-void run_all_reduce(c10d::Backend& group, const std::string& backend, std::vector<at::Tensor>& tensors, c10d::ReduceOp op,
-                    const char* what, int64_t rank, int64_t world_size, double timeout_s) {
+void run_all_reduce(c10d::Backend& group, const std::string& backend, c10::Device device, std::vector<at::Tensor>& tensors,
+                    c10d::ReduceOp op, const char* what, int64_t rank, int64_t world_size, double timeout_s) {
   try {
     for (auto& t : tensors) {
-      const bool staged = backend == "gloo" && !t.is_cpu();
-      std::vector<at::Tensor> io{staged ? t.to(at::kCPU) : t};
+      const bool staged = t.is_cpu() != (backend == "gloo");
+      std::vector<at::Tensor> io{staged ? t.to(backend == "gloo" ? c10::Device(at::kCPU) : device) : t};
       c10d::AllreduceOptions options;
       options.reduceOp = op;
       group.allreduce(io, options)->wait();
@@ -198,11 +210,11 @@ void run_all_reduce(c10d::Backend& group, const std::string& backend, std::vecto
 }  // namespace
 
 void Communicator::all_reduce_sum(std::vector<at::Tensor>& tensors) {
-  run_all_reduce(*impl_->group, backend_, tensors, c10d::ReduceOp::SUM, "all-reduce (sum)", rank_, world_size_, timeout_s_);
+  run_all_reduce(*impl_->group, backend_, impl_->device, tensors, c10d::ReduceOp::SUM, "all-reduce (sum)", rank_, world_size_, timeout_s_);
 }
 
 void Communicator::all_reduce_max(std::vector<at::Tensor>& tensors) {
-  run_all_reduce(*impl_->group, backend_, tensors, c10d::ReduceOp::MAX, "all-reduce (max)", rank_, world_size_, timeout_s_);
+  run_all_reduce(*impl_->group, backend_, impl_->device, tensors, c10d::ReduceOp::MAX, "all-reduce (max)", rank_, world_size_, timeout_s_);
 }
 
 void Communicator::barrier() {
@@ -212,6 +224,94 @@ void Communicator::barrier() {
     throw DistributedError(fmt::format("rank {} of {}: barrier failed (a rank stopped, or none answered within distributed.timeout_s = {} s): {}",
                                        rank_, world_size_, timeout_s_, error_message(e)));
   }
+}
+
+namespace {
+
+// The block exchange: host tensors over a Gloo group of their own (the host channel), the step
+// channel through the communicator. 16-bit tensors travel as they are where Gloo reduces them, else
+// widened to fp32 (decided at the first exchange, the same on every rank: same build, same dtype).
+class GlooShardExchange : public offload::ShardExchange {
+ public:
+  GlooShardExchange(Communicator& step, c10::intrusive_ptr<c10d::Backend> group, double timeout_s)
+      : step_(step), group_(std::move(group)), timeout_s_(timeout_s) {}
+  int64_t rank() const override { return step_.rank(); }
+  int64_t world_size() const override { return step_.world_size(); }
+
+  void reduce_scatter_sum(const at::Tensor& input, const at::Tensor& output) override {
+    run("reduce-scatter of a block's gradient", [&] {
+      at::Tensor in = input, out = output;
+      if (widen(input)) {
+        in = input.to(at::kFloat);
+        out = at::empty({output.numel()}, in.options());
+      }
+      c10d::ReduceScatterOptions options;
+      options.reduceOp = c10d::ReduceOp::SUM;
+      group_->_reduce_scatter_base(out, in, options)->wait();
+      if (!out.is_same(output)) output.copy_(out);
+    });
+  }
+  void all_gather(const at::Tensor& input, const at::Tensor& output) override {
+    run("all-gather of a block's weights", [&] {
+      at::Tensor in = input, out = output;
+      if (widen(input)) {
+        in = input.to(at::kFloat);
+        out = at::empty({output.numel()}, in.options());
+      }
+      group_->_allgather_base(out, in)->wait();
+      if (!out.is_same(output)) output.copy_(out);
+    });
+  }
+  void all_reduce_sum(std::vector<at::Tensor>& tensors) override { step_.all_reduce_sum(tensors); }
+
+ private:
+  // Gloo's reductions cover fp32/fp64 and, in recent releases, fp16/bf16; a 16-bit dtype it refuses is
+  // widened from then on.
+  bool widen(const at::Tensor& t) const { return t.element_size() == 2 && widen_16bit_; }
+  template <typename Fn>
+  void run(const char* what, Fn&& fn) {
+    try {
+      try {
+        fn();
+      } catch (const c10::Error& e) {
+        const std::string message = e.what();
+        if (widen_16bit_ || message.find("type") == std::string::npos) throw;
+        widen_16bit_ = true;  // a 16-bit dtype Gloo does not reduce: retry in fp32
+        fn();
+      }
+    } catch (const std::exception& e) {
+      throw DistributedError(fmt::format("rank {} of {}: {} failed (a rank stopped, or none answered within distributed.timeout_s = {} s): {}",
+                                         rank(), world_size(), what, timeout_s_, error_message(e)));
+    }
+  }
+  Communicator& step_;
+  c10::intrusive_ptr<c10d::Backend> group_;
+  double timeout_s_;
+  bool widen_16bit_ = false;
+};
+
+}  // namespace
+
+std::shared_ptr<offload::ShardExchange> Communicator::shard_exchange() {
+  if (exchange_) return exchange_;
+#ifdef MEGASLIDE_WITH_GLOO
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s_ * 1000.0));
+  try {
+    auto gloo = c10d::ProcessGroupGloo::Options::create(timeout);
+    const auto& env = impl_->env;
+    gloo->devices.push_back(gloo_device(env));
+    auto store = c10::make_intrusive<c10d::PrefixStore>("megaslide-shards", impl_->store);
+    auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, static_cast<int>(rank_), static_cast<int>(world_size_), gloo);
+    exchange_ = std::make_shared<GlooShardExchange>(*this, group, timeout_s_);
+  } catch (const std::exception& e) {
+    throw DistributedError(fmt::format("rank {} of {}: setting up the block exchange (a Gloo group) failed within distributed.timeout_s ({} s): {}",
+                                       rank_, world_size_, timeout_s_, error_message(e)));
+  }
+  return exchange_;
+#else
+  throw DistributedError("the sharded streamed trainer exchanges host shards over Gloo, which this build lacks (Gloo's headers, Debian's "
+                         "libgloo-dev, were missing when it was built)");
+#endif
 }
 
 bool gloo_available() {

@@ -57,7 +57,7 @@ class Trainer {
         throw ConfigError(source, "model.wan.weights", e.what());
       }
     } else if (config.offload.enabled) {
-      streamed_ = std::make_unique<CPUMasterVideoDiT>(config);
+      streamed_ = std::make_unique<CPUMasterVideoDiT>(config, communicator);
     } else {
       resident_ = std::make_unique<ResidentTrainer>(config, communicator);
     }
@@ -139,7 +139,7 @@ int64_t this_machine_memory_bytes() {
   return bytes;
 }
 
-std::string memory_shortfall(const RunConfig& config, int64_t available_bytes, bool state_in_host_memory) {
+std::string memory_shortfall(const RunConfig& config, int64_t available_bytes, bool state_in_host_memory, int64_t state_shards) {
   // A lower bound of what a trainer holds in host memory before its first step: fp32 weights and
   // AdamW's two fp32 moments (12 B a parameter; the streamed trainer adds a compute copy) where they
   // live in host memory, one batch of video in fp32 and the data sampler's order. The real need is
@@ -148,7 +148,7 @@ std::string memory_shortfall(const RunConfig& config, int64_t available_bytes, b
   // being killed later.
   const int64_t params = count_run_parameters(config).total;
   const auto& d = config.data;
-  const int64_t state = state_in_host_memory ? params * 12 : 0;  // validate() bounded params * 14 below kMaxMachineBytes
+  const int64_t state = state_in_host_memory ? params * 12 / std::max<int64_t>(1, state_shards) : 0;  // validate() bounded params * 14 below kMaxMachineBytes
   const int64_t batch = config.train.batch_size * d.channels * d.frames * d.height * d.width * 4;
   const int64_t order = d.num_clips * 8;
   const int64_t needed = state + batch + order;
@@ -179,10 +179,10 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     if (requested.model.arch == Architecture::kWan)
       throw ConfigError(options.config_source, "model.arch",
                         fmt::format("{} ranks were launched, but Wan trains as one process so far (docs/distributed.md)", launch.world_size));
-    if (requested.offload.enabled)
-      throw ConfigError(options.config_source, "offload.enabled",
-                        fmt::format("{} ranks were launched, but the streamed CPU-master trainer runs as one process so far "
-                                    "(docs/distributed.md); set offload.enabled: false for data parallelism of the resident trainer",
+    if (requested.offload.enabled && requested.optimizer.state_dtype == "int8")
+      throw ConfigError(options.config_source, "optimizer.state_dtype",
+                        fmt::format("is int8, whose moments cannot be sharded over the {} ranks launched (their quantisation groups start "
+                                    "at each parameter's first element): use fp32 or bf16 (docs/distributed.md)",
                                     launch.world_size));
     if (requested.train.batch_size % launch.world_size != 0)
       throw ConfigError(options.config_source, "train.batch_size",
@@ -215,8 +215,8 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   const bool writer = launch.rank == 0;  // the rank that writes the run folder
   TrainingRunResult result;
   std::unique_ptr<Communicator> communicator;
-  // Launched ranks of the resident trainer talk through a process group, one rank included (the GPU
-  // check runs NCCL that way on its one GPU); the streamed trainer is refused above for several ranks.
+  // Launched ranks talk through a process group: several ranks, or the resident trainer's one rank (the
+  // GPU check runs NCCL that way on its one GPU).
   if (launch.distributed() || (launch.launcher != "none" && !config.offload.enabled)) {
     torch::Device device = torch::kCPU;
     try {
@@ -251,7 +251,9 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   }
   // Wan's samples are latents (of the videos' cache, or data.tensors').
   const RunConfig sized = wan_latent_config(config);
-  if (const std::string shortfall = memory_shortfall(sized, this_machine_memory_bytes(), state_in_host_memory); !shortfall.empty()) {
+  // The sharded streamed trainer keeps 1/R of the weights and moments per rank; ranks on one machine share it.
+  const int64_t state_shards = config.offload.enabled && launch.distributed() ? launch.world_size / std::max<int64_t>(1, launch.local_world_size) : 1;
+  if (const std::string shortfall = memory_shortfall(sized, this_machine_memory_bytes(), state_in_host_memory, state_shards); !shortfall.empty()) {
     const auto& d = sized.data;
     const bool batch_dominates = !state_in_host_memory || config.train.batch_size * d.channels * d.frames * d.height * d.width * 4 >
                                                             count_run_parameters(config).total * 12;
@@ -421,14 +423,25 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   report_bad_items();
 
   int64_t last_saved = result.first_step;
+  // Sharded (the streamed trainer over several ranks): every rank saves its shard, rank 0 the rest.
+  const bool sharded = trainer.streamed() != nullptr && trainer.streamed()->sharded();
+  RankSum rank_sum;
+  if (sharded)
+    rank_sum = [&communicator](std::vector<int64_t>& values) {
+      std::vector<torch::Tensor> t{torch::tensor(values, torch::kInt64)};
+      communicator->all_reduce_sum(t);
+      const auto summed = t[0].cpu();
+      for (size_t i = 0; i < values.size(); ++i) values[i] = summed[static_cast<int64_t>(i)].item<int64_t>();
+    };
   auto save = [&](const char* why) {
-    if (!writer) return true;  // every rank holds the same state; rank 0 saves it
+    if (!writer && !sharded) return true;  // every rank holds the same state; rank 0 saves it
     const TrainingState state = trainer.state();  // waits for host updates still running
     try {
-      result.last_checkpoint = save_checkpoint(run_dir, config, state);
+      result.last_checkpoint = save_checkpoint(run_dir, config, state, rank_sum);
       last_saved = state.step;
       log.info(fmt::format("step {}: checkpoint ({}) {}", state.step, why, result.last_checkpoint));
-      for (const auto& removed : prune_checkpoints(run_dir, train.keep_last)) log.info("removed old checkpoint " + removed);
+      if (writer)
+        for (const auto& removed : prune_checkpoints(run_dir, train.keep_last)) log.info("removed old checkpoint " + removed);
       return true;
     } catch (const CheckpointError& e) {
       log.warn(e.what());

@@ -83,8 +83,12 @@ SafetensorsFile read_safetensors(const std::string& path);
 
 // Reads the file's tensors straight into `targets` (contiguous CPU tensors, e.g. views into a host
 // store), which must match it exactly: every target name present with the target's dtype and shape,
-// and no other tensor in the file. Errors name the file and the tensor. On error, targets read before
-// the bad one have been overwritten: callers load into state they can discard.
-void read_safetensors_into(const std::string& path, const NamedTensors& targets);
+// and no other tensor in the file (unless `allow_extra`). Errors name the file and the tensor. On error,
+// targets read before the bad one have been overwritten: callers load into state they can discard.
+void read_safetensors_into(const std::string& path, const NamedTensors& targets, bool allow_extra = false);
+
+// Reads elements [offset, offset + target.numel()) of tensor `name`, taken flat, into `target` (a
+// contiguous CPU tensor of the file's dtype). Errors name the file and the tensor.
+void read_safetensors_range_into(const std::string& path, const std::string& name, int64_t offset, const torch::Tensor& target);
 
 }  // namespace megaslide::io

@@ -66,9 +66,16 @@ double model_flops_per_step(const RunConfig& config);
 // a GPU.
 double measure_peak_tflops(torch::Device device);
 
+class Communicator;
+
 class CPUMasterVideoDiT {
  public:
-  explicit CPUMasterVideoDiT(const RunConfig& config);
+  // With a communicator of R > 1 ranks (train/distributed.h; it must outlive the trainer): data
+  // parallelism with the host state sharded over the ranks (StreamedStackTrainer's sharding): each rank
+  // trains on its slice of every global batch (DiffusionBatchSource::take_slice), keeps the whole
+  // compute copy of every block and 1/R of the masters and moments. Every rank builds the same initial
+  // weights from train.seed. Construction is collective (the block exchange's process group).
+  explicit CPUMasterVideoDiT(const RunConfig& config, Communicator* communicator = nullptr);
 
   // One optimizer step (train.grad_accum_steps micro-batches). With a trace set, it records this step
   // and writes the file once the step's host updates have finished.
@@ -79,6 +86,8 @@ class CPUMasterVideoDiT {
   void trace_next_step(const std::string& path);
 
   int64_t steps_done() const { return steps_done_; }
+  // Whether the host state is sharded over several ranks.
+  bool sharded() const { return engine_->store().sharded(); }
   torch::Device device() const { return device_; }
   const RunConfig& config() const { return config_; }
   int64_t parameter_count() const;
@@ -86,7 +95,9 @@ class CPUMasterVideoDiT {
   offload::StreamedStackTrainer& engine() { return *engine_; }
   DiTStack& stack() { return *stack_; }
   // Every trained parameter's fp32 master as a CPU tensor copy, named as in DiT::named_parameters()
-  // ("blocks.3.mlp.fc1.weight") and "text_encoder.<name>" (synchronizes first).
+  // ("blocks.3.mlp.fc1.weight") and "text_encoder.<name>" (synchronizes first). Sharded over ranks, no
+  // rank holds the blocks' whole masters: the blocks' entries are then their compute copies (fp32
+  // compute: the masters' values; bf16: rounded as the checkpoint's model.safetensors is).
   std::vector<std::pair<std::string, torch::Tensor>> master_weights();
   // The same without copies: the blocks' masters as views into the host store, the resident parameters
   // as they are (on the training device). Exporting from these needs no second copy of the model
@@ -100,7 +111,10 @@ class CPUMasterVideoDiT {
 
   // Checkpointing (train/checkpoint.h; synchronizes first). The blocks' master, m and v are views into
   // the host store (nothing copied, so a checkpoint of a model that fills host RAM needs no second copy);
-  // the resident parameters' are CPU copies. load_training_state takes a state with the same names and
+  // the resident parameters' are CPU copies. TrainingState::shards describes the blocks' flat buffers
+  // (sharded: the blocks are there only; checkpoints then keep a shard per rank, and any world size
+  // resumes them). Sharded, every rank calls these at the same point (load_training_state gathers the
+  // compute copies). load_training_state takes a state with the same names and
   // shapes; when it is this trainer's own training_state() that a checkpoint was read into, the blocks'
   // tensors are already in place. After it the next step() is the one the saved trainer would have
   // taken, bit for bit on the CPU. Steps skipped for non-finite values are counted here too.

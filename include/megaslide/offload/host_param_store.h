@@ -16,6 +16,14 @@
 // scales are per parameter: groups of 256 elements start at each parameter's first element (the last
 // group of a parameter may be shorter); ParamViews::group_offset says where its scales start.
 //
+// Sharding (data parallelism over R ranks, shard_count = R): every rank streams every block, so each
+// keeps the whole transfer buffer (and accumulation buffer), but only its shard of the master and the
+// moments: elements [shard.begin, shard.end) of each block's flat buffers (shard_range). master(),
+// exp_avg() and exp_avg_sq() are then shard-long; the per-parameter views of them are undefined (a
+// parameter may straddle two shards). The transfer buffer always exists and always holds the whole
+// compute copy, with fp32 compute too (no rank has the whole master to upload). int8 moments are not
+// sharded (their groups start at each parameter's first element).
+//
 // Pinning: only what crosses PCIe is page-locked (cudaHostAlloc), when CUDA is available at run time:
 // the transfer buffer, and the master with fp32 compute (then it is uploaded). Masters, moments,
 // scales and the accumulation buffer are ordinary page-aligned (4096 B) memory, first touched — zeroed
@@ -68,6 +76,8 @@ struct HostParamStoreOptions {
   // Page-lock the transfer buffer (and an uploaded fp32 master) when CUDA is available at run time.
   // Turning it off keeps the memory pageable (and the H2D/D2H copies synchronous).
   bool pin_if_cuda = true;
+  // This rank's shard of every block (see Sharding above): rank shard_rank of shard_count.
+  int64_t shard_rank = 0, shard_count = 1;
   // Zeroes a block's buffers, each byte first touched here: called once per block with the block's
   // element count and `zero(begin, end)`, which zeroes elements [begin, end) of every buffer (and the
   // scales of the groups that start in that range). It may call `zero` from several threads over
@@ -89,6 +99,16 @@ class HostMemoryError : public std::runtime_error {
   int64_t available_bytes_;
 };
 
+// Rank `rank`'s shard of a block of `numel` elements split over `count` ranks: contiguous shards of
+// ceil(numel / count) elements (the last ones shorter or empty).
+struct ShardRange {
+  int64_t begin = 0, end = 0;
+  int64_t size() const { return end - begin; }
+};
+ShardRange shard_range(int64_t numel, int64_t rank, int64_t count);
+// ceil(numel / count): the padded length every rank's shard has in a collective.
+inline int64_t shard_stride(int64_t numel, int64_t count) { return (numel + count - 1) / count; }
+
 // Bytes by component, whole store (docs/offload.md has the budget per parameter): 14 B per parameter
 // with fp32 moments and a bf16 copy, 10 with bf16 moments, 8 + 1/32 with int8 moments; gradient
 // accumulation adds a 4 B fp32 gradient.
@@ -109,6 +129,7 @@ struct MemoryReport {
   StateDtype state_dtype = StateDtype::kFloat32;
   bool separate_grad = false;
   bool pinned = false;  // whether page-locking is in effect
+  int64_t shard_count = 1;  // > 1: master and moments are this rank's shard only
 
   int64_t total_bytes() const {
     return master_bytes + exp_avg_bytes + exp_avg_sq_bytes + scale_bytes + compute_bytes + grad_bytes;
@@ -134,12 +155,15 @@ class HostParamStore {
   int64_t num_blocks() const { return static_cast<int64_t>(blocks_.size()); }
   const BlockSpec& block_spec(int64_t block) const;
   int64_t block_numel(int64_t block) const;
+  // This rank's elements of block l's flat buffers ([0, block_numel) unless sharded).
+  ShardRange shard(int64_t block) const;
+  bool sharded() const { return options_.shard_count > 1; }
   bool pinned() const { return pinned_; }
   const HostParamStoreOptions& options() const { return options_; }
   MemoryReport memory_report() const;
 
-  // A block's flat 1-D buffers (block_numel elements each; the scales: state_groups of each parameter,
-  // concatenated).
+  // A block's flat 1-D buffers (block_numel elements each, master and moments shard(block).size() when
+  // sharded; the scales: state_groups of each parameter, concatenated).
   at::Tensor master(int64_t block) const;
   at::Tensor exp_avg(int64_t block) const;
   at::Tensor exp_avg_sq(int64_t block) const;
@@ -152,8 +176,9 @@ class HostParamStore {
   at::Tensor grad(int64_t block) const;
   bool gradient_in_compute_buffer() const { return !options_.separate_grad; }
 
-  // One parameter's views, shaped as declared (scales 1-D, undefined unless int8). Throws c10::Error
-  // naming the block and the parameter when there is no such parameter.
+  // One parameter's views, shaped as declared (scales 1-D, undefined unless int8; master and moments
+  // undefined when sharded). Throws c10::Error naming the block and the parameter when there is no
+  // such parameter.
   struct ParamViews {
     at::Tensor master, exp_avg, exp_avg_sq, compute, grad;
     at::Tensor exp_avg_scale, exp_avg_sq_scale;
@@ -164,11 +189,13 @@ class HostParamStore {
   // Every parameter of a block, in declaration order.
   std::vector<ParamViews> params(int64_t block) const;
 
-  // Writes `value` (any dtype, the parameter's shape) into the parameter's master and, rounded to
-  // nearest even, its compute copy (none with fp32 compute): how weights are loaded.
+  // Writes `value` (any dtype, the parameter's shape) into the parameter's master (sharded: the part in
+  // this rank's shard) and, rounded to nearest even, its compute copy (none with fp32 compute unless
+  // sharded): how weights are loaded.
   void set_param(int64_t block, const std::string& name, const at::Tensor& value);
   // Rounds elements [begin, end) of block's compute copy from its master, with CpuAdamW's rounding (a
-  // no-op with fp32 compute): the copy after a skipped update, or after masters were written in place.
+  // no-op with fp32 compute unless sharded, where it copies): the copy after a skipped update, or after
+  // masters were written in place. Sharded: [begin, end) lies within shard(block) (block coordinates).
   void copy_master_to_compute(int64_t block, int64_t begin, int64_t end) const;
 
  private:

@@ -36,6 +36,17 @@
 // Parameters of a block that received no gradient in a step (unused by the forward) are left alone by
 // the update, as torch::optim::AdamW leaves parameters without a gradient: no weight decay, no moments.
 //
+// Data parallelism over R ranks (options.exchange; docs/distributed.md): each rank runs this schedule on
+// its own micro-batches and keeps the whole compute copy of every block but only its shard of the
+// masters and moments (HostParamStore sharding). Once a block's gradient of the step is on the host, a
+// host task reduce-scatters it (the sum over the ranks; each rank receives its shard, with a count of the
+// ranks whose gradient held a non-finite value), the rank's CpuAdamW updates its shard with the
+// gradient divided by R (the gradient of the mean loss over the global batch), and an all-gather puts
+// every rank's updated shard into every rank's compute copy before the block's next upload. The
+// resident parameters' gradients and the losses are summed over the ranks (one all-reduce on the
+// driving thread), so the clip coefficient, the skip decision and the resident AdamW step are the
+// same on every rank. int8 moments are refused with several ranks.
+//
 // Memory: the trainer owns the store, the streamer and the resident optimizer; it shares ownership
 // of the model. After construction the blocks' own parameter tensors are empty: their values live in
 // the store (block_master).
@@ -52,6 +63,7 @@
 
 #include "megaslide/offload/cpu_adamw.h"
 #include "megaslide/offload/host_param_store.h"
+#include "megaslide/offload/shard_exchange.h"
 #include "megaslide/offload/step_trace.h"
 #include "megaslide/offload/streamed_model.h"
 #include "megaslide/offload/weight_streamer.h"
@@ -92,6 +104,8 @@ struct StackTrainerOptions {
   // CPU async mode only (a testing aid): every emulated copy starts this many milliseconds late, so a
   // reader that does not wait for its copy reads the poison the copy's destination holds until then.
   double emulated_copy_delay_ms = 0.0;
+  // Data parallelism: the ranks' communication (nullptr: one process). It must outlive the trainer.
+  std::shared_ptr<ShardExchange> exchange;
 };
 
 struct StackStepResult {
@@ -103,6 +117,12 @@ struct StackStepResult {
   double exposed_transfer_s = 0.0, optimizer_wait_s = 0.0, optimizer_s = 0.0;
   int64_t peak_device_bytes = 0;  // GPU: allocator peak; CPU: slots + resident state + activations kept
   double step_time_s = 0.0;
+  // Sharded (several ranks): bytes this step's block exchanges take from this rank (reduce-scatter
+  // inputs + all-gather outputs, ≈ 2 × compute-dtype bytes × streamed parameters), counted as they
+  // are queued, and the host task thread's seconds inside such collectives that finished during this
+  // step (some of a step's run while the next one computes).
+  int64_t exchange_bytes = 0;
+  double exchange_s = 0.0;
 };
 
 class StreamedStackTrainer {
@@ -140,6 +160,10 @@ class StreamedStackTrainer {
   const WeightStreamer& streamer() const { return *streamer_; }
   int64_t streamed_parameter_count() const;
   int64_t resident_parameter_count() const;
+  // Writes one parameter's value into block l's master (sharded: this rank's part) and compute copy
+  // (HostParamStore::set_param; waits for pending updates first). Call reload_blocks_from_masters
+  // after the last one.
+  void set_block_parameter(int64_t block, const std::string& name, const torch::Tensor& value);
   // Block l's fp32 master weights, by parameter name (views into the store; call synchronize first).
   std::vector<std::pair<std::string, torch::Tensor>> block_master(int64_t block) const;
 

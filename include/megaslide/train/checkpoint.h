@@ -12,6 +12,12 @@
 //                               trainer_state.json      step, AdamW step count, loss scale, skip
 //                                                       counters, data position and RNG states, the
 //                                                       resolved config (YAML)
+//                               shards/rank-00001-of-00004.safetensors   a sharded run (several ranks
+//                                                       of the streamed trainer): each rank's shard of
+//                                                       the blocks' flat master, m and v ("blocks.3#master",
+//                                                       …); master/exp_avg/exp_avg_sq then hold the
+//                                                       resident parameters only, and trainer_state.json
+//                                                       the blocks' flat layouts ("shards")
 //                               manifest.json           written last: every file's size and CRC-32
 //   DIR/checkpoints/latest                              the name of the newest complete checkpoint
 //
@@ -33,7 +39,9 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "megaslide/config/run_config.h"
@@ -62,7 +70,33 @@ struct TrainingState {
   // group scales of the same parameters (named as they are; empty otherwise). Written into the moment
   // files as "<name>#scale".
   io::NamedTensors exp_avg_scale, exp_avg_sq_scale;
+
+  // The streamed trainer's blocks as flat buffers (offload/host_param_store.h: a block's parameters
+  // packed in declaration order): this rank's elements [begin, end) of each block's master, m and v.
+  // world_size > 1 (a sharded run): the lists above hold the resident parameters only, and a checkpoint
+  // keeps one shard file per rank. One process: the lists hold the blocks too (views of the same
+  // memory) and the checkpoint is keyed by parameter name. Loading fills these ranges from a checkpoint
+  // of either kind and any world size (re-sharding).
+  struct BlockShards {
+    int64_t rank = 0, world_size = 1;
+    struct Block {
+      std::string name;   // "blocks.3"
+      int64_t numel = 0;  // the whole block's elements
+      int64_t begin = 0, end = 0;
+      std::vector<std::pair<std::string, std::vector<int64_t>>> params;  // the flat layout, in order
+      torch::Tensor master, exp_avg, exp_avg_sq;                         // end - begin elements each
+    };
+    std::vector<Block> blocks;
+    // Sharded: the blocks' whole compute copies by parameter name ("blocks.3.attn.q.weight"), which
+    // every rank holds: model.safetensors is written from them.
+    io::NamedTensors weights;
+  };
+  std::optional<BlockShards> shards;
 };
+
+// Several ranks saving one checkpoint together: an in-place sum of a vector over the ranks (a
+// collective every rank calls at the same points).
+using RankSum = std::function<void(std::vector<int64_t>&)>;
 
 // LibTorch AdamW's state of one parameter as CPU fp32 copies (zeros and step 0 before its first
 // update), and its restoration (the state is created when missing): how the trainers put their
@@ -82,7 +116,12 @@ std::string checkpoint_name(int64_t step);
 // An existing checkpoint of the same step is replaced only once the new one is complete. On failure
 // (no space, unwritable folder…) throws CheckpointError saying so and what is still intact; the
 // temporary folder is removed and `latest` still names the previous checkpoint.
-std::string save_checkpoint(const std::string& run_dir, const RunConfig& config, const TrainingState& state);
+//
+// A sharded state (state.shards with world_size > 1): every rank calls this at the same step with its
+// own state and `sum`; rank 0 prepares the folder and writes everything but the shards, each rank its
+// shard file, and every rank returns or throws the same way (a rank that failed is named).
+std::string save_checkpoint(const std::string& run_dir, const RunConfig& config, const TrainingState& state,
+                            const RankSum& sum = nullptr);
 
 // Removes the oldest complete checkpoints beyond the newest `keep_last` (0 keeps all), never the one
 // `latest` names, and leftover temporary folders of interrupted saves. Returns the removed paths.
@@ -131,6 +170,9 @@ void set_save_checkpoint_observer(std::function<void(const std::string& stage)> 
 // config is compatible with `config` (model, data and diffusion sections, offload.compute_dtype; the
 // train section may differ, e.g. more steps), then reads master, m and v straight into `into`'s tensors,
 // whose names and shapes must match the files exactly. Fills `into`'s counters and data_state.
+// into.shards: the blocks' ranges are filled from per-parameter files or from the shard files of any
+// number of ranks (the blocks' layouts must match); a checkpoint of the same world size is read in
+// place, bit for bit.
 void load_checkpoint(const std::string& path, const RunConfig& config, TrainingState& into);
 
 // Checks a checkpoint's manifest and every file's size and checksum; returns the path of its

@@ -8,7 +8,8 @@
 //                SLURM_NTASKS, SLURM_LOCALID, with MASTER_ADDR/MASTER_PORT from the job script); one
 //                process when neither is set.
 //   Communicator — one process group: in-place sum all-reduce, barrier. Every rank must make the same
-//                calls in the same order. A peer that dies or stalls makes the call throw
+//                calls in the same order. shard_exchange() adds the second group a sharded streamed
+//                trainer exchanges block shards through, from its host task thread. A peer that dies or stalls makes the call throw
 //                DistributedError within distributed.timeout_s; it never hangs past it.
 //
 // Thread-safety: one thread drives a Communicator. Tensors passed in are owned by the caller and must
@@ -26,6 +27,7 @@
 #include <vector>
 
 #include "megaslide/config/run_config.h"
+#include "megaslide/offload/shard_exchange.h"
 
 namespace megaslide {
 
@@ -76,12 +78,18 @@ class Communicator {
   const std::string& backend() const { return backend_; }
 
   // In place: every tensor becomes the element-wise sum over the ranks (same shapes and dtypes on every
-  // rank). NCCL takes the tensors where they are (the rank's GPU); Gloo reduces CPU tensors, so GPU
-  // tensors go through a host copy.
+  // rank). NCCL reduces GPU tensors and Gloo CPU tensors; a tensor on the other side goes through a
+  // copy.
   void all_reduce_sum(std::vector<at::Tensor>& tensors);
   // In place: the element-wise maximum over the ranks.
   void all_reduce_max(std::vector<at::Tensor>& tensors);
   void barrier();
+  // The block exchange of a streamed trainer sharded over these ranks (offload/shard_exchange.h): its
+  // step channel is this communicator; its host channel a second process group, Gloo over TCP with
+  // either backend (the block shards live in host memory), made at the first call — a collective:
+  // every rank calls it at the same point. It shares this communicator's state and must not outlive it.
+  // Throws DistributedError when the rendezvous fails or the build has no Gloo.
+  std::shared_ptr<offload::ShardExchange> shard_exchange();
 
  private:
   struct Impl;
@@ -89,6 +97,7 @@ class Communicator {
   int64_t rank_ = 0, world_size_ = 1;
   std::string backend_;
   double timeout_s_ = 0.0;
+  std::shared_ptr<offload::ShardExchange> exchange_;
 };
 
 // megaslide-train --nproc-per-node N: runs `argv` (the program's own path first) N times as local ranks

@@ -50,6 +50,10 @@ struct StepMetrics {
   int64_t skipped_total = 0;        // steps skipped so far in the run
   int64_t consecutive_skips = 0;    // skipped steps in a row, ending with this one
   double data_wait_s = 0.0;         // time the step waited for its clips (the loader, or rendering in line)
+  // The streamed trainer sharded over several ranks: bytes this rank handed to the block exchange
+  // (reduce-scatter + all-gather) and its host thread's seconds in those collectives; 0 otherwise.
+  int64_t exchange_bytes = 0;
+  double exchange_s = 0.0;
 };
 
 // One micro-batch of DDPM training data on a device.

@@ -63,7 +63,10 @@ TrainingRunResult run_training(const RunConfig& config, const TrainingRunOptions
 // `state_in_host_memory` — the streamed trainer, or any trainer on the CPU —, one batch of video, the
 // data order; counted on the meta device) fits `available_bytes`, else one sentence with the figures.
 // The bound undercounts on purpose: only a run that cannot possibly fit is refused.
-std::string memory_shortfall(const RunConfig& config, int64_t available_bytes, bool state_in_host_memory = true);
+// `state_shards`: the ranks on other machines sharing the sharded streamed trainer's state (this
+// machine keeps 1/state_shards of it).
+std::string memory_shortfall(const RunConfig& config, int64_t available_bytes, bool state_in_host_memory = true,
+                             int64_t state_shards = 1);
 
 // Physical memory, or the container's memory limit (cgroup) when that is lower; 0 when unknown.
 int64_t this_machine_memory_bytes();
