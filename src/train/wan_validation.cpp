@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <memory>
 #include <optional>
 #include <utility>
@@ -152,17 +153,18 @@ torch::Tensor WanValidation::sample(WanTrainer& trainer) const {
   std::shared_ptr<WanDenoiser> denoiser;
   if (auto* engine = trainer.engine()) {
     // Each block from the store as the trainer's next step uploads it: the compute copy, or the master
-    // with fp32 compute (the transfer buffer then holds gradients).
+    // with fp32 compute (the transfer buffer then holds gradients; a sharded store's holds the copy).
     const auto& store = engine->store();
     const auto dtype = engine->options().compute_dtype;
     std::vector<WanBlockWeights> blocks;
     for (int64_t l = 0; l < store.num_blocks(); ++l) {
       WanBlockWeights w;
-      w.flat = dtype == at::kFloat ? store.master(l) : store.compute(l);
+      w.flat = dtype == at::kFloat && !store.sharded() ? store.master(l) : store.compute(l);
+      std::map<std::string, std::vector<int64_t>> shapes;
+      for (const auto& spec : store.block_spec(l).params) shapes.emplace(spec.name, spec.shape);
       for (const auto& item : model->blocks[l]->as<WanBlockImpl>()->streamed().named_parameters(true)) {
-        const auto views = store.param(l, item.key());
-        w.offsets.push_back(views.offset);
-        w.shapes.push_back(views.master.sizes().vec());
+        w.offsets.push_back(store.param(l, item.key()).offset);
+        w.shapes.push_back(shapes.at(item.key()));
       }
       blocks.push_back(std::move(w));
     }
