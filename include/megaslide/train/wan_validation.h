@@ -26,7 +26,8 @@
 // compute dtype gives (tested bit for bit on the CPU: tests/test_wan_validation.cpp).
 //
 // Memory, besides the training's: while write runs, the sampler's streamer (two weight and two gradient
-// slots of the largest block, compute dtype, on the device; streamed trainer only), the VAE's weights
+// slots of the largest block, compute dtype, on the device; streamed trainer only; measured against the
+// resident set in tests/test_host_memory.cpp), the VAE's weights
 // (127 M parameters for Wan 2.1's: 0.5 GB in fp32), one video's sampling activations (the DiT on 2 ×
 // tokens, guidance's two halves) and its decode; all freed when it returns. At construction umT5 (5.7 B
 // parameters for umT5-XXL: 11.4 GB in bf16, 22.8 GB in fp32) is held until the prompts are encoded —
