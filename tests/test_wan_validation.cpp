@@ -8,8 +8,9 @@
 //     weights of one that does not, bit for bit, and keeps its module's training mode;
 //   - megaslide-train with train.sample_every writes playable H.264 videos (5 frames of 32 x 48) and
 //     index.json under samples/step-NNNNNNN/ at each validation step, with the same prompts and seeds each
-//     time, and logs them; a Wan run with train.sample_every but without umT5 or the Wan VAE is refused
-//     with exit 2 naming the key, before anything is written, as is a VAE that does not load.
+//     time, and logs them; a run trained without the encoders writes them once resumed with them; a Wan
+//     run with train.sample_every but without umT5 or the Wan VAE is refused with exit 2 naming the key,
+//     before anything is written, as is a VAE that does not load.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -182,6 +183,16 @@ TEST(WanValidation, MegaslideTrainWritesPlayableVideosAtEachValidationStep) {
   const auto log = megaslide::io::read_file(join_path(dir, "run/train.log"));
   EXPECT_NE(log.find("step 2: 2 validation videos in " + join_path(dir, "run/samples/step-0000002")), std::string::npos) << log;
   EXPECT_NE(log.find("step 4: 2 validation videos in"), std::string::npos) << log;
+
+  // A run trained without the encoders gets validation videos when it resumes with them (they do not
+  // change what Wan trains on, so the checkpoint does not hold them to its config).
+  r = megaslide::testing::run_tool("megaslide-train", "--config " + bare + " --run-dir " + join_path(dir, "later") +
+                                                          " --set train.steps=2 --set train.checkpoint_every=2");
+  ASSERT_EQ(r.code, 0) << r.output;
+  r = train("--config " + config + " --run-dir " + join_path(dir, "later") + " --resume latest");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_TRUE(megaslide::io::path_exists(join_path(dir, "later/samples/step-0000004/index.json")));
+  EXPECT_FALSE(megaslide::io::path_exists(join_path(dir, "later/samples/step-0000002")));
 
   // Refused before anything is written, naming the key.
   r = train("--config " + bare + " --run-dir " + join_path(dir, "no-umt5"));
