@@ -277,3 +277,49 @@ TEST(HostParamStore, CopyMasterToComputeRoundsARange) {
 }
 
 }  // namespace
+
+// The property: sharded over R ranks, the R stores' shards of every block tile it exactly (contiguous
+// pieces of ceil(n / R), the last ones shorter or empty), each store holds only its piece of the
+// master and moments (the plan counts exactly those bytes) but the whole compute copy, and set_param
+// writes each rank's part of the master and the whole copy — so the ranks' pieces side by side are one
+// process's master, and every rank's copy is one process's copy.
+TEST(HostParamStore, ShardsTileEachBlockAndKeepTheWholeComputeCopy) {
+  using megaslide::offload::shard_range;
+  for (auto dtype : {torch::kBFloat16, torch::kFloat}) {
+    HostParamStoreOptions base;
+    base.compute_dtype = dtype;
+    HostParamStore whole(two_blocks(), base);
+    torch::manual_seed(4);
+    const auto value = torch::randn({3, 5, 7});
+    whole.set_param(0, "mlp.fc1.weight", value);
+    for (int64_t R : {2, 3, 5}) {
+      std::vector<torch::Tensor> pieces;
+      int64_t owned_total = 0;
+      for (int64_t r = 0; r < R; ++r) {
+        HostParamStoreOptions o = base;
+        o.shard_rank = r, o.shard_count = R;
+        HostParamStore store(two_blocks(), o);
+        store.set_param(0, "mlp.fc1.weight", value);
+        const auto mine = store.shard(0);
+        EXPECT_EQ(mine.begin, shard_range(store.block_numel(0), r, R).begin);
+        EXPECT_EQ(store.master(0).numel(), mine.size());
+        EXPECT_EQ(store.exp_avg(0).numel(), mine.size());
+        EXPECT_FALSE(store.param(0, "mlp.fc1.weight").master.defined());
+        // fp32 compute: one process uploads its master and keeps no copy; a rank's copy is the master's values.
+        const torch::Tensor expected = dtype == torch::kFloat ? whole.master(0) : whole.compute(0);
+        EXPECT_TRUE(torch::equal(store.compute(0), expected)) << R << " ranks, rank " << r;
+        pieces.push_back(store.master(0));
+        for (int64_t l = 0; l < 2; ++l) owned_total += store.shard(l).size();
+        const auto report = store.memory_report();
+        EXPECT_EQ(report.master_bytes, 4 * (store.shard(0).size() + store.shard(1).size()));
+        EXPECT_EQ(report.compute_bytes, static_cast<int64_t>(c10::elementSize(dtype)) * report.num_params);
+      }
+      EXPECT_EQ(owned_total, whole.block_numel(0) + whole.block_numel(1)) << R << " ranks";
+      EXPECT_TRUE(torch::equal(torch::cat(pieces), whole.master(0))) << R << " ranks";
+    }
+  }
+  HostParamStoreOptions int8;
+  int8.state_dtype = megaslide::offload::StateDtype::kInt8;
+  int8.shard_count = 2;
+  EXPECT_THROW(HostParamStore(two_blocks(), int8), c10::Error);
+}

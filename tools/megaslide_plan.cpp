@@ -1,7 +1,7 @@
 // megaslide-plan: what one training step of a run config needs and moves, and how fast it can be, on
 // a given machine (docs/planner.md). Allocates nothing: the model is built on the meta device.
 //
-//   megaslide-plan --config configs/105b.yaml [--hardware h200|h100nvl|FILE] [--set key.path=value ...] [--json]
+//   megaslide-plan --config configs/105b.yaml [--hardware h200|h100nvl|FILE] [--world-size R] [--set key.path=value ...] [--json]
 //
 // Exit codes: 0 the plan was printed (whether or not the run fits: see fits_device / fits_host),
 // 2 bad flags, config or hardware profile (one message naming the file and key), 1 any other failure.
@@ -16,9 +16,13 @@ int main(int argc, char** argv) {
   std::string config_path, hardware = "h200";
   std::vector<std::string> overrides;
   bool json = false;
+  int64_t world_size = 1;
   app.add_option("--config", config_path, "run config (YAML), e.g. configs/105b.yaml")->required();
   app.add_option("--hardware", hardware,
                  "a built-in profile (h200, h100nvl) or a hardware profile YAML file (default h200; docs/planner.md)");
+  app.add_option("--world-size", world_size,
+                 "data-parallel ranks R (default 1): plan one rank of R, the global train.batch_size split over them")
+      ->check(CLI::PositiveNumber);
   app.add_option("--set", overrides, "override a config value, e.g. --set data.frames=64 (repeatable)");
   app.add_flag("--json", json, "print one JSON object");
   app.set_version_flag("--version", megaslide::build_summary());
@@ -41,9 +45,12 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
-    const auto plan = megaslide::plan::plan_step(config, profile);
+    const auto plan = megaslide::plan::plan_step(config, profile, world_size);
     std::cout << (json ? megaslide::plan::to_json(plan) + "\n" : megaslide::plan::to_table(plan));
     return 0;
+  } catch (const megaslide::ConfigError& e) {  // e.g. a batch the ranks do not divide (its source is megaslide-plan)
+    std::cerr << "megaslide-plan: " << (e.key().empty() ? "" : e.key() + ": ") << e.problem() << "\n";
+    return 2;
   } catch (const std::exception& e) {
     std::cerr << "megaslide-plan: " << megaslide::error_message(e) << "\n";
     return 1;

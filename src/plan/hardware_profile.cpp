@@ -68,8 +68,9 @@ HardwareProfile parse_hardware_profile(const std::string& yaml_text, const std::
     fail(source, "", std::string("not valid YAML: ") + e.what());
   }
   if (!root.IsMap()) fail(source, "", "expected a mapping of keys (see configs/hardware/h200.yaml), got " + describe(root));
-  static const std::set<std::string> kKeys{"name",           "description",   "device_memory_bytes", "peak_bf16_tflops",
-                                            "pcie_h2d_gbps",  "pcie_d2h_gbps", "host_dram_gbps",      "host_memory_bytes"};
+  static const std::set<std::string> kKeys{"name",          "description",    "device_memory_bytes", "peak_bf16_tflops",
+                                            "pcie_h2d_gbps", "pcie_d2h_gbps",  "host_dram_gbps",      "host_memory_bytes",
+                                            "network_gbps"};
   for (const auto& item : root) {
     const std::string key = item.first.as<std::string>();
     if (kKeys.count(key) == 0) {
@@ -94,6 +95,10 @@ HardwareProfile parse_hardware_profile(const std::string& yaml_text, const std::
   p.pcie_d2h_gbps = positive_number(root, source, "pcie_d2h_gbps");
   p.host_dram_gbps = positive_number(root, source, "host_dram_gbps");
   p.host_memory_bytes = positive_bytes(root, source, "host_memory_bytes");
+  if (root["network_gbps"].IsDefined()) {
+    p.network_gbps = positive_number(root, source, "network_gbps");
+    p.network_gbps_assumed = false;
+  }
   return p;
 }
 

@@ -363,8 +363,11 @@ bool device_fits(const RunConfig& c, const ModelShape& s, const HardwareProfile&
 std::string gb(double bytes) { return fmt::format("{:.1f} GB", bytes / 1e9); }
 
 // Suggestions when the run does not fit: each one a change that was checked to fit with this model.
+// `config` is one rank's (its train.batch_size is the per-rank batch); a batch is advised as the global
+// one, world_size times that.
 std::vector<std::string> advise(const RunConfig& config, const ModelShape& s, const StepPlan& plan,
                                 const HardwareProfile& hw) {
+  const int64_t ranks = plan.world_size;
   std::vector<std::string> out;
   if (!plan.fits_device) {
     const auto& p = patch_of(config);
@@ -396,7 +399,7 @@ std::vector<std::string> advise(const RunConfig& config, const ModelShape& s, co
         if (device_fits(c, s, hw)) {
           out.push_back(fmt::format("device: smaller batch: train.batch_size={} fits (raise train.grad_accum_steps to keep "
                                     "the samples per step)",
-                                    b));
+                                    b * ranks));
           break;
         }
       }
@@ -422,7 +425,7 @@ std::vector<std::string> advise(const RunConfig& config, const ModelShape& s, co
   if (!plan.fits_host && plan.streamed) {
     out.push_back(fmt::format("host: more host RAM: at least {} ({} in the profile)", gb(static_cast<double>(plan.host.peak())),
                               gb(static_cast<double>(hw.host_memory_bytes))));
-    if (config.optimizer.state_dtype != "int8") {
+    if (config.optimizer.state_dtype != "int8" && ranks == 1) {  // the sharded store refuses int8 moments
       RunConfig c = config;
       c.optimizer.state_dtype = "int8";
       const StepPlan smaller = plan_step(c, hw);
@@ -439,6 +442,33 @@ std::vector<std::string> advise(const RunConfig& config, const ModelShape& s, co
   return out;
 }
 
+// Rank 0's shard of a block of n elements split over R ranks: s = ceil(n/R) (rank r owns
+// [min(n, r·s), min(n, r·s + s)); rank 0 has the largest shard).
+int64_t shard_numel(int64_t n, int64_t ranks) { return (n + ranks - 1) / ranks; }
+
+// One rank's host memory of the streamed trainer sharded over R > 1 ranks (the sharded HostParamStore):
+// rank 0's shard of every block's fp32 master and AdamW m and v; the whole transfer buffer (the compute
+// copy in the compute dtype, also with fp32 compute: the master is no longer the upload); the whole fp32
+// gradient sums with accumulation; two exchange buffers of R·s_max elements of the exchange dtype.
+HostMemoryPlan sharded_host_memory(const ModelShape& s, int64_t ranks, int64_t e, int64_t state_e, int64_t accum) {
+  HostMemoryPlan h;
+  int64_t shard = 0;
+  for (const int64_t n : s.block_numels) shard += shard_numel(n, ranks);
+  const int64_t exchange_e = accum > 1 ? 4 : e;
+  h.master = 4 * shard;
+  h.exp_avg = h.exp_avg_sq = state_e * shard;
+  h.compute = e * s.streamed;
+  h.grad = accum > 1 ? 4 * s.streamed : 0;
+  h.exchange = 2 * ranks * shard_numel(s.largest_block, ranks) * exchange_e;
+  h.staging = accum > 1 ? 2 * s.largest_block * e : 0;
+  h.pinned = h.compute + h.staging;  // the transfer buffer; the exchange buffers are Gloo's (pageable)
+  return h;
+}
+
+// A ring's bytes sent by each rank for a reduce-scatter or an all-gather of n elements of `bytes` each:
+// R − 1 chunks of ceil(n/R) elements.
+int64_t ring_bytes(int64_t n, int64_t ranks, int64_t bytes) { return (ranks - 1) * shard_numel(n, ranks) * bytes; }
+
 // A hardware profile describes a GPU with bf16 arithmetic (its peak is peak_bf16_tflops), so `auto`
 // plans what it resolves to on one (train/auto_settings.h).
 RunConfig with_planned_compute_dtype(RunConfig config) {
@@ -448,15 +478,32 @@ RunConfig with_planned_compute_dtype(RunConfig config) {
 
 }  // namespace
 
-StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw) {
+StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_t world_size) {
   RunConfig sized = requested;
   try {  // Wan: the sizes of model.wan.weights when set, as megaslide-train reads them
     sized = with_wan_architecture_from_weights(requested);
   } catch (const WanWeightsError& e) {
     throw ConfigError("megaslide-plan", "model.wan.weights", e.what());
   }
-  const RunConfig config = with_planned_compute_dtype(sized);
-  validate(config, "megaslide-plan");
+  const RunConfig global = with_planned_compute_dtype(sized);
+  validate(global, "megaslide-plan");
+  const int64_t R = world_size;
+  if (R < 1) throw ConfigError("megaslide-plan", "--world-size", fmt::format("is {}; expected 1 or more ranks", R));
+  if (global.train.batch_size % R != 0) {
+    throw ConfigError("megaslide-plan", "train.batch_size",
+                      fmt::format("is {}, the global batch, which must split evenly over the {} ranks of --world-size: set a "
+                                  "multiple of {}",
+                                  global.train.batch_size, R, R));
+  }
+  if (R > 1 && global.offload.enabled && global.optimizer.state_dtype == "int8") {
+    throw ConfigError("megaslide-plan", "optimizer.state_dtype",
+                      fmt::format("is int8, which the streamed trainer sharded over {} ranks does not keep (its shards hold "
+                                  "fp32 or bf16 moments): set fp32 or bf16",
+                                  R));
+  }
+  // One rank's run: its share of the global batch (the device memory and the FLOPs are one rank's).
+  RunConfig config = global;
+  config.train.batch_size = global.train.batch_size / R;
   const bool wan = is_wan(config);
   const ModelShape s = shape_of(config);
   const TokenGrid grid = grid_of(config);
@@ -469,7 +516,9 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw) {
   p.mode = config.offload.mode;
   p.layers = wan ? config.model.wan.layers : config.model.layers;
   p.hidden = wan ? config.model.wan.dim : config.model.hidden;
-  p.batch_size = t.batch_size;
+  p.batch_size = global.train.batch_size;
+  p.world_size = R;
+  p.batch_size_per_rank = t.batch_size;
   p.grad_accum_steps = t.grad_accum_steps;
   p.tokens_per_sample = grid.numel();
   p.token_grid = {grid.t, grid.h, grid.w};
@@ -482,7 +531,23 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw) {
 
   const int64_t e = compute_element_bytes(p.compute_dtype);
   const int64_t A = t.grad_accum_steps;
-  if (p.streamed) {
+  const int64_t exchange_e = A > 1 ? 4 : e;  // the gradients' dtype in the exchange (sharded trainer)
+  if (p.streamed && R > 1) {
+    const auto state = offload::parse_state_dtype(config.optimizer.state_dtype);
+    p.state_dtype = config.optimizer.state_dtype;
+    p.host = sharded_host_memory(s, R, e, offload::state_element_bytes(state), A);
+    for (const int64_t n : s.block_numels) p.sharded_params_per_rank += shard_numel(n, R);
+    p.host.construction_peak = p.host.state() + 2 * 4 * s.largest_block;
+    // Every rank's store: the shards add up to one whole master and moments; the rest is on every rank.
+    p.host_state_bytes_all_ranks = (4 + 2 * offload::state_element_bytes(state)) * s.streamed +
+                                   R * (p.host.compute + p.host.grad + p.host.exchange);
+    p.transfer = replay_transfers(s.block_numels, A, e);  // every rank streams every whole block
+    for (const int64_t n : s.block_numels) {
+      p.exchange.wire_bytes += ring_bytes(n, R, exchange_e) + ring_bytes(n, R, e);
+      p.exchange.collectives += 2;
+    }
+    p.exchange.payload_bytes = (exchange_e + e) * s.streamed;
+  } else if (p.streamed) {
     // The HostParamStore StreamedStackTrainer allocates, counted by the store itself from the blocks'
     // real parameter lists (int8 scales are per parameter).
     const auto state = offload::parse_state_dtype(config.optimizer.state_dtype);
@@ -503,6 +568,15 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw) {
     p.transfer = replay_transfers(s.block_numels, A, e);
   }
   p.device = wan ? wan_device_memory(config, s, grid) : device_memory(config, s, grid);
+  if (!p.streamed && R > 1) {
+    // ResidentTrainer::average_over_ranks: one flat fp32 buffer of every gradient, all-reduced (a ring:
+    // a reduce-scatter and an all-gather of it).
+    const int64_t trained = s.params + s.text_encoder_params;
+    p.device.gradient_all_reduce = 4 * trained;
+    p.exchange.payload_bytes = 4 * trained;
+    p.exchange.wire_bytes = 2 * ring_bytes(trained, R, 4);
+    p.exchange.collectives = 1;
+  }
 
   // Time.
   auto& tm = p.time;
@@ -531,19 +605,28 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw) {
     // with fp32 compute, which uploads the master); m and v in the state dtype (int8: and their group
     // scales, read and written); accumulation reads each staged micro-batch and writes (first) or reads
     // and writes (later) the fp32 sum.
+    // Sharded over R > 1 ranks, AdamW runs over rank 0's shard: it reads the reduced gradient shard in
+    // the exchange dtype and writes the shard of the compute copy in the compute dtype (fp32 too).
     const int64_t grad_e = A > 1 ? 4 : e;
-    tm.optimizer_bytes = s.streamed * (8 + 4 * offload::state_element_bytes(offload::parse_state_dtype(p.state_dtype)) +
-                                       grad_e + (p.compute_dtype == "fp32" ? 0 : 2)) +
-                         2 * p.host.scales;
+    const int64_t state_e = offload::state_element_bytes(offload::parse_state_dtype(p.state_dtype));
+    tm.optimizer_bytes = R > 1 ? p.sharded_params_per_rank * (8 + 4 * state_e + grad_e + e)
+                               : s.streamed * (8 + 4 * state_e + grad_e + (p.compute_dtype == "fp32" ? 0 : 2)) +
+                                     2 * p.host.scales;
     if (A > 1) tm.optimizer_bytes += s.streamed * (A * e + 4 + (A - 1) * 8);
     tm.h2d_s = static_cast<double>(p.transfer.h2d_bytes) / (hw.pcie_h2d_gbps * 1e9);
     tm.d2h_s = static_cast<double>(p.transfer.d2h_bytes) / (hw.pcie_d2h_gbps * 1e9);
     tm.optimizer_s = static_cast<double>(tm.optimizer_bytes) / (hw.host_dram_gbps * 1e9);
   }
   tm.compute_s = tm.executed_flops / (hw.peak_bf16_tflops * 1e12);
-  tm.overlapped = !p.streamed || config.offload.mode == "async";
-  const std::pair<const char*, double> terms[] = {
-      {"compute", tm.compute_s}, {"h2d", tm.h2d_s}, {"d2h", tm.d2h_s}, {"host optimizer", tm.optimizer_s}};
+  if (R > 1) tm.exchange_s = static_cast<double>(p.exchange.wire_bytes) / (hw.network_gbps * 1e9);
+  // The streamed trainer's exchange runs beside the other terms (async); the resident trainer's
+  // all-reduce waits for the whole backward.
+  tm.overlapped = p.streamed ? config.offload.mode == "async" : R == 1;
+  const std::pair<const char*, double> terms[] = {{"compute", tm.compute_s},
+                                                  {"h2d", tm.h2d_s},
+                                                  {"d2h", tm.d2h_s},
+                                                  {"host optimizer", tm.optimizer_s},
+                                                  {"exchange", tm.exchange_s}};
   double largest = -1.0, sum = 0.0;
   for (const auto& [name, seconds] : terms) {
     sum += seconds;
@@ -617,8 +700,7 @@ std::string to_json(const StepPlan& p) {
   if (d.recompute_saved_reference > 0) {
     j["device_recompute_saved_reference_bytes"] = d.recompute_saved_reference;
     j["device_recompute_workspace_reference_bytes"] = d.recompute_workspace_reference;
-    j["device_peak_reference_bytes"] = d.peak() - d.recompute_saved - d.recompute_workspace +
-                                       d.recompute_saved_reference + d.recompute_workspace_reference;
+    j["device_peak_reference_bytes"] = d.peak_reference();
   }
   j["h2d_bytes_per_step"] = p.transfer.h2d_bytes;
   j["d2h_bytes_per_step"] = p.transfer.d2h_bytes;
@@ -640,6 +722,26 @@ std::string to_json(const StepPlan& p) {
   j["fits_device"] = p.fits_device;
   j["fits_host"] = p.fits_host;
   j["advice"] = p.advice;
+  if (p.world_size > 1) {  // one process: the keys above alone, as before data parallelism was planned
+    j["world_size"] = p.world_size;
+    j["batch_size_per_rank"] = p.batch_size_per_rank;
+    j["hardware"]["network_gbps"] = p.hardware.network_gbps;
+    j["hardware"]["network_gbps_assumed"] = p.hardware.network_gbps_assumed;
+    j["host_state_bytes_per_rank"] = h.state();
+    j["host_peak_bytes_per_rank"] = h.peak();
+    j["device_peak_bytes_per_rank"] = d.peak();
+    if (p.streamed) {
+      j["sharded_params_per_rank"] = p.sharded_params_per_rank;
+      j["host_exchange_bytes"] = h.exchange;
+      j["host_state_bytes_all_ranks"] = p.host_state_bytes_all_ranks;
+    } else {
+      j["device_gradient_all_reduce_bytes"] = d.gradient_all_reduce;
+    }
+    j["exchange_bytes_per_step"] = p.exchange.payload_bytes;
+    j["exchange_wire_bytes_per_step"] = p.exchange.wire_bytes;
+    j["exchange_collectives_per_step"] = p.exchange.collectives;
+    j["exchange_s"] = t.exchange_s;
+  }
   return j.dump();
 }
 
@@ -652,30 +754,41 @@ std::string to_table(const StepPlan& p) {
       p.params, p.streamed_params, p.resident_params, p.text_encoder_params);
   out += fmt::format("  tokens/sample {} (grid {}x{}x{}), batch {} x {} micro-batch(es)\n", p.tokens_per_sample,
                      p.token_grid[0], p.token_grid[1], p.token_grid[2], p.batch_size, p.grad_accum_steps);
+  if (p.world_size > 1) {
+    out += fmt::format("  data parallel over {} ranks: every figure below is one rank's (batch {} of the global {}{})\n",
+                       p.world_size, p.batch_size_per_rank, p.batch_size,
+                       p.streamed ? "; fp32 master and AdamW moments sharded, rank 0's shard: the largest" : "");
+  }
   out += fmt::format("  hardware: {} ({})\n\n", p.hardware.name, p.hardware.source);
   const auto row = [&](const std::string& name, int64_t bytes) {
     out += fmt::format("  {:<44} {:>20} {:>11.2f} GB {:>8.2f} B/param\n", name, bytes, static_cast<double>(bytes) / 1e9,
                        static_cast<double>(bytes) / n);
   };
+  const bool sharded = p.streamed && p.world_size > 1;
   if (p.streamed) {
-    out += "host RAM                                                    bytes\n";
+    out += sharded ? "host RAM per rank                                           bytes\n"
+                   : "host RAM                                                    bytes\n";
     const std::string state = p.state_dtype;
-    row("fp32 master", p.host.master);
-    row(state + " AdamW m", p.host.exp_avg);
-    row(state == "int8" ? "int8 AdamW v (codes of sqrt v)" : state + " AdamW v", p.host.exp_avg_sq);
+    const std::string shard = sharded ? fmt::format(" (shard, 1/{})", p.world_size) : "";
+    row("fp32 master" + shard, p.host.master);
+    row(state + " AdamW m" + shard, p.host.exp_avg);
+    row((state == "int8" ? "int8 AdamW v (codes of sqrt v)" : state + " AdamW v") + shard, p.host.exp_avg_sq);
     if (p.host.scales > 0) row("int8 group scales (fp32, m and v)", p.host.scales);
     if (p.host.compute > 0)
-      row(p.compute_dtype + (p.grad_accum_steps > 1 ? " transfer buffer (compute copy)"
+      row(p.compute_dtype + (sharded || p.grad_accum_steps > 1 ? " transfer buffer (compute copy)"
                              : p.compute_dtype == "fp32" ? " transfer buffer (gradient)" : " transfer buffer (copy / gradient)"),
           p.host.compute);
+    if (p.host.grad > 0 && sharded) row("fp32 gradient sums (accumulation)", p.host.grad);
+    if (p.host.exchange > 0) row(fmt::format("exchange buffers (2 x {} ranks x largest shard)", p.world_size), p.host.exchange);
     row("host state", p.host.state());
-    if (p.host.grad > 0) row("fp32 gradient sums (accumulation)", p.host.grad);
+    if (p.host.grad > 0 && !sharded) row("fp32 gradient sums (accumulation)", p.host.grad);
     if (p.host.staging > 0) row("accumulation staging (2 blocks)", p.host.staging);
     row("steady total", p.host.steady());
     row("start-up peak (state + 2 blocks' fp32 init)", p.host.construction_peak);
     row("of the steady total, page-locked", p.host.pinned);
-    out += fmt::format("  -> {} the {:.1f} GB of host RAM\n\n", p.fits_host ? "fits" : "DOES NOT FIT",
-                       static_cast<double>(p.hardware.host_memory_bytes) / 1e9);
+    if (sharded) row(fmt::format("host state of all {} ranks", p.world_size), p.host_state_bytes_all_ranks);
+    out += fmt::format("  -> {} the {:.1f} GB of host RAM{}\n\n", p.fits_host ? "fits" : "DOES NOT FIT",
+                       static_cast<double>(p.hardware.host_memory_bytes) / 1e9, sharded ? " (one rank's)" : "");
   }
   out += "device memory                                               bytes\n";
   const auto& d = p.device;
@@ -692,11 +805,9 @@ std::string to_table(const StepPlan& p) {
   row("prologue/epilogue activations (fp32)", d.prologue_epilogue);
   row(p.streamed ? "recompute one block: saved for backward" : "every block's graph", d.recompute_saved);
   row("one block's backward: workspace", d.recompute_workspace);
+  if (d.gradient_all_reduce > 0) row("all-reduce buffer (every gradient, fp32)", d.gradient_all_reduce);
   row("peak", d.peak());
-  if (d.recompute_saved_reference > 0) {
-    row("  peak with the grid_sample 3D-DSA reference",
-        d.peak() - d.recompute_saved - d.recompute_workspace + d.recompute_saved_reference + d.recompute_workspace_reference);
-  }
+  if (d.recompute_saved_reference > 0) row("  peak with the grid_sample 3D-DSA reference", d.peak_reference());
   out += fmt::format("  -> {} the {:.1f} GB of device memory\n\n", p.fits_device ? "fits" : "DOES NOT FIT",
                      static_cast<double>(p.hardware.device_memory_bytes) / 1e9);
   const auto& t = p.time;
@@ -705,7 +816,14 @@ std::string to_table(const StepPlan& p) {
                        p.transfer.h2d_bytes, p.transfer.h2d_copies, p.transfer.cache_hits, p.transfer.d2h_bytes,
                        p.transfer.d2h_copies);
   }
-  out += fmt::format("model FLOPs per step {:.4g} (executed with recompute: {:.4g})\n", t.model_flops, t.executed_flops);
+  if (p.world_size > 1) {
+    out += fmt::format("exchange per step per rank: {}; {} B, on the wire {} B each way (ring), {} collectives\n",
+                       p.streamed ? "reduce-scatter of every block's gradient, all-gather of every compute copy (Gloo, host)"
+                                  : "all-reduce of every gradient (fp32)",
+                       p.exchange.payload_bytes, p.exchange.wire_bytes, p.exchange.collectives);
+  }
+  out += fmt::format("model FLOPs per step {:.4g} (executed with recompute: {:.4g}){}\n", t.model_flops, t.executed_flops,
+                     p.world_size > 1 ? " per rank" : "");
   out += "lower bound on step time:\n";
   out += fmt::format("  compute         {:>10.4g} s  ({:.4g} FLOP / {} TFLOP/s)\n", t.compute_s, t.executed_flops,
                      p.hardware.peak_bf16_tflops);
@@ -715,8 +833,16 @@ std::string to_table(const StepPlan& p) {
     out += fmt::format("  host optimizer  {:>10.4g} s  ({} B of host memory traffic / {} GB/s)\n", t.optimizer_s,
                        t.optimizer_bytes, p.hardware.host_dram_gbps);
   }
-  out += fmt::format("  step >= {:.4g} s ({} of the terms), bottleneck: {}; MFU <= {:.1f} %\n", t.lower_bound_s,
-                     t.overlapped ? "the largest" : "the sum, sync mode", t.bottleneck, 100.0 * t.mfu_upper_bound);
+  if (p.world_size > 1) {
+    out += fmt::format("  exchange        {:>10.4g} s  ({} B on the wire / {} GB/s network{})\n", t.exchange_s,
+                       p.exchange.wire_bytes, p.hardware.network_gbps,
+                       p.hardware.network_gbps_assumed ? ", assumed: the profile has no network_gbps" : "");
+  }
+  const char* combined = t.overlapped ? "the largest of the terms"
+                         : p.streamed  ? "the sum, sync mode of the terms"
+                                       : "the sum of the terms: the all-reduce follows the backward";
+  out += fmt::format("  step >= {:.4g} s ({}), bottleneck: {}; MFU <= {:.1f} %\n", t.lower_bound_s, combined, t.bottleneck,
+                     100.0 * t.mfu_upper_bound);
   if (!p.advice.empty()) {
     out += "\nto make it fit:\n";
     for (const auto& a : p.advice) out += "  - " + a + "\n";

@@ -4,7 +4,7 @@
 // document it comes from); the shipped ones are also compiled into the library under their file
 // stems ("h200", "h100nvl"), so a name works from any directory and from an installed package.
 //
-// File format (every key required except name and description; unknown keys are errors):
+// File format (every key required except name, description and network_gbps; unknown keys are errors):
 //   name: h200                       # defaults to the file's stem
 //   description: free text
 //   device_memory_bytes: 141000000000
@@ -13,6 +13,7 @@
 //   pcie_d2h_gbps: 31.5
 //   host_dram_gbps: 204.8
 //   host_memory_bytes: 1649267441664
+//   network_gbps: 12.5               # optional: 1e9 B/s per rank each way, for --world-size > 1
 //
 // Errors: HardwareProfileError, whose message names the file (or built-in profile), the key and what
 // was expected. Thread-safety: plain values; the functions are pure apart from reading the file.
@@ -30,6 +31,11 @@ class HardwareProfileError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// What the planner assumes for a profile without network_gbps: one 100 Gb/s Ethernet link per rank
+// (12.5e9 B/s each way). An assumption, not a measurement: the shipped profiles describe one GPU's
+// machine and carry no network figure.
+inline constexpr double kAssumedNetworkGbps = 12.5;
+
 struct HardwareProfile {
   std::string name;
   std::string description;
@@ -40,6 +46,10 @@ struct HardwareProfile {
   double pcie_d2h_gbps = 0.0;
   double host_dram_gbps = 0.0;
   int64_t host_memory_bytes = 0;
+  // The bandwidth each rank's collectives get, 1e9 B/s each way (the exchange of a data-parallel run:
+  // Gloo over TCP for the streamed trainer's host buffers, NCCL or Gloo for the resident trainer's).
+  double network_gbps = kAssumedNetworkGbps;
+  bool network_gbps_assumed = true;  // false when the profile gives network_gbps
 };
 
 // Parses a profile's YAML text; `source` names it in messages and is the default name's origin.

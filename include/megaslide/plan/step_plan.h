@@ -20,9 +20,19 @@
 // recompute; the step can be no faster than the largest of compute/peak, H2D/PCIe, D2H/PCIe and the
 // host optimizer's memory traffic/DRAM bandwidth (async), or their sum (offload.mode: sync).
 //
+// Data parallelism (world_size R > 1, docs/planner.md "Several ranks"): every figure is one rank's. The
+// global batch train.batch_size splits into R per-rank batches (the device plan and the FLOPs use
+// B/R); the streamed trainer shards each block's fp32 master and AdamW moments over the ranks (rank r owns
+// the contiguous [min(n, r·s), min(n, r·s + s)) of a block of n elements, s = ceil(n/R); the plan
+// counts rank 0's, the largest) while every rank keeps the whole transfer buffer; the resident trainer
+// keeps everything on every rank. The exchange (reduce-scatter of the gradients and all-gather of the
+// compute copies, or the resident trainer's all-reduce) is counted per rank with a ring's bytes on the
+// wire and timed at the profile's network_gbps. R = 1 is the single-process plan, unchanged.
+//
 // Thread-safety: pure functions of their arguments.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -39,13 +49,15 @@ struct HostMemoryPlan {
   int64_t scales = 0;                 // int8 state: fp32 scale per 256 elements of each parameter, m and v
   int64_t compute = 0;                // the transfer buffer: compute copy, and the gradient at accumulation 1
   int64_t grad = 0;                   // fp32 gradient sums, accumulation only
+  int64_t exchange = 0;               // world_size > 1: two scratch buffers of R·s_max elements of the
+                                      // exchange dtype (compute; fp32 with accumulation), s_max = ceil(largest block / R)
   int64_t staging = 0;                // accumulation: two D2H landing buffers of one block (pinned)
   int64_t pinned = 0;                 // page-locked where CUDA runs: the transfer buffer (and an
                                       // uploaded fp32 master), the staging buffers
   // While the trainer is built: the store next to the fp32 initial weights of the blocks being loaded
   // into it (two at a time); no full-model copy exists.
   int64_t construction_peak = 0;
-  int64_t state() const { return master + exp_avg + exp_avg_sq + scales + compute + grad; }  // HostParamStore
+  int64_t state() const { return master + exp_avg + exp_avg_sq + scales + compute + grad + exchange; }  // HostParamStore
   int64_t steady() const { return state() + staging; }
   int64_t peak() const { return construction_peak > steady() ? construction_peak : steady(); }
 };
@@ -62,9 +74,22 @@ struct DeviceMemoryPlan {
   int64_t recompute_workspace = 0;   // its backward's transients (3D-DSA fused: fp32 dk/dv scratch)
   int64_t recompute_saved_reference = 0;  // 3D-DSA only: the same with the grid_sample reference
   int64_t recompute_workspace_reference = 0;
+  // The resident trainer with world_size > 1: the flat fp32 buffer of every gradient that one all-reduce
+  // sums (ResidentTrainer::average_over_ranks). It exists after the backward, when the activations are
+  // gone, so the peak takes the larger of the two.
+  int64_t gradient_all_reduce = 0;
+  int64_t activations() const {
+    return checkpoints + block_inputs + prologue_epilogue + recompute_saved + recompute_workspace;
+  }
   int64_t peak() const {
-    return weight_slots + gradient_slots + resident_state + checkpoints + block_inputs + prologue_epilogue +
-           recompute_saved + recompute_workspace;
+    return weight_slots + gradient_slots + resident_state + std::max(activations(), gradient_all_reduce);
+  }
+  // The same with the grid_sample 3D-DSA reference (0 when there is none).
+  int64_t peak_reference() const {
+    if (recompute_saved_reference == 0) return 0;
+    const int64_t a = activations() - recompute_saved - recompute_workspace + recompute_saved_reference +
+                      recompute_workspace_reference;
+    return weight_slots + gradient_slots + resident_state + std::max(a, gradient_all_reduce);
   }
   // What StreamedStackTrainer reports as peak_device_bytes when the device is the CPU.
   int64_t trainer_cpu_accounting() const { return weight_slots + gradient_slots + resident_state + checkpoints; }
@@ -75,14 +100,28 @@ struct TransferPlan {
   int64_t h2d_copies = 0, d2h_copies = 0, cache_hits = 0;
 };
 
+// The collectives of one optimizer step of a data-parallel run (world_size > 1), per rank. Streamed
+// trainer: a reduce-scatter of every block's gradient (the exchange dtype: the compute dtype, fp32 with
+// accumulation) and an all-gather of every block's updated compute copy, on the host over Gloo; resident
+// trainer: one all-reduce of every gradient in fp32.
+struct ExchangePlan {
+  int64_t payload_bytes = 0;  // the buffers reduced or gathered: (exchange + compute bytes) per streamed
+                              // parameter; resident: 4 per trained parameter
+  int64_t wire_bytes = 0;     // a ring's bytes each rank sends (and receives): (R − 1) chunks of ceil(n/R) elements
+                              // per reduce-scatter or all-gather of n elements, twice that per all-reduce
+  int64_t collectives = 0;    // per step: two per block (streamed) or one (resident)
+};
+
 struct TimePlan {
   double model_flops = 0.0;     // model_flops_per_step (the MFU numerator)
   double executed_flops = 0.0;  // plus the checkpointing recompute (a second forward of the blocks)
   int64_t optimizer_bytes = 0;  // host memory traffic of CpuAdamW and gradient accumulation per step
   double compute_s = 0.0, h2d_s = 0.0, d2h_s = 0.0, optimizer_s = 0.0;
+  double exchange_s = 0.0;     // world_size > 1: the exchange's bytes on the wire / network_gbps
   double lower_bound_s = 0.0;
-  std::string bottleneck;      // "compute" | "h2d" | "d2h" | "host optimizer"
-  bool overlapped = true;      // async: the bound is the max; sync: the sum
+  std::string bottleneck;      // "compute" | "h2d" | "d2h" | "host optimizer" | "exchange"
+  bool overlapped = true;      // async: the bound is the max; sync (and the resident trainer's all-reduce,
+                               // which follows its backward): the sum
   double mfu_upper_bound = 0.0;  // model_flops / (lower_bound_s · peak)
 };
 
@@ -93,6 +132,8 @@ struct StepPlan {
   std::string compute_dtype, mode;
   std::string state_dtype;  // optimizer.state_dtype (fp32 for the resident loop)
   int64_t layers = 0, hidden = 0, batch_size = 0, grad_accum_steps = 0, tokens_per_sample = 0;
+  int64_t world_size = 1;           // data-parallel ranks; every figure below is one rank's
+  int64_t batch_size_per_rank = 0;  // batch_size / world_size
   std::vector<int64_t> token_grid;  // t, h, w
   // Parameters.
   int64_t params = 0;               // the DiT (as megaslide-train --dry-run)
@@ -100,21 +141,27 @@ struct StepPlan {
   int64_t streamed_params = 0;      // every block
   int64_t resident_params = 0;      // prologue + epilogue + caption encoder
   int64_t params_per_block = 0;     // largest block
+  int64_t sharded_params_per_rank = 0;  // streamed: rank 0's shard of every block, Σ ceil(n_b / world_size)
   HardwareProfile hardware;
-  HostMemoryPlan host;
+  HostMemoryPlan host;                  // one rank's
+  int64_t host_state_bytes_all_ranks = 0;  // streamed, world_size > 1: the stores of all ranks together
   DeviceMemoryPlan device;
   TransferPlan transfer;
+  ExchangePlan exchange;
   TimePlan time;
   bool fits_device = false, fits_host = false;
   std::vector<std::string> advice;  // what to change when it does not fit (empty when it does)
 };
 
-// The plan of `config` on `hardware`. Throws ConfigError for an invalid config.
-StepPlan plan_step(const RunConfig& config, const HardwareProfile& hardware);
+// The plan of one rank of `config` on `hardware` with `world_size` data-parallel ranks (1: one process).
+// Throws ConfigError for an invalid config, and with world_size > 1 for a train.batch_size the ranks do
+// not divide and for int8 AdamW moments with the streamed trainer (the sharded store keeps fp32 or bf16).
+StepPlan plan_step(const RunConfig& config, const HardwareProfile& hardware, int64_t world_size = 1);
 
 // One JSON object: params, host_state_bytes, device_peak_bytes, h2d_bytes_per_step,
 // d2h_bytes_per_step, step_time_lower_bound_s, bottleneck, fits_device, fits_host, and every
-// component (docs/planner.md lists the keys).
+// component (docs/planner.md lists the keys); with world_size > 1 also world_size,
+// batch_size_per_rank, host_state_bytes_per_rank, exchange_bytes_per_step and the exchange's others.
 std::string to_json(const StepPlan& plan);
 // A table for people.
 std::string to_table(const StepPlan& plan);
