@@ -53,7 +53,7 @@ const std::string kEncoders = "  text_encoder: {kind: umt5, weights: " + kUmt5 +
 std::string run_sections(const std::string& tensors) {
   return "data: {dataset: latent-tensors, tensors: " + tensors + ", channels: 16, frames: 2, height: 4, width: 6, max_text_tokens: 8}\n"
          "diffusion: {objective: flow, shift: 3.0, sample_steps: 2, guidance_scale: 4.0}\n"
-         "train: {steps: 4, batch_size: 2, lr: 0.01, warmup_steps: 0, lr_schedule: constant, device: cpu, seed: 3, log_every: 1}\n"
+         "train: {steps: 4, batch_size: 2, lr: 0.01, warmup_steps: 0, lr_schedule: constant, device: cpu, seed: 3, log_every: 1, threads: 1}\n"
          "offload: {compute_dtype: fp32, mode: async, emulated_copy_delay_ms: 1}\noutput: {progress: false}\n";
 }
 
