@@ -2,17 +2,20 @@
 // part-way resumes (keeping its finished shards) and ends with the files of an uninterrupted build; bad
 // input exits 2; a run trains from the cache and from decoding, reporting each bad item once and losing
 // no good one; data_wait_s is in metrics.jsonl; bad train.init_from is refused with exit 2 before
-// anything is written.
+// anything is written; Wan trains from its cache and writes validation videos of its first captions.
 #include <gtest/gtest.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
 
+#include <nlohmann/json.hpp>
+
 #include <chrono>
 #include <thread>
 
 #include "megaslide/data/latent_cache.h"
+#include "megaslide/io/video.h"
 #include "run_tool.h"
 #include "video_fixture.h"
 
@@ -143,7 +146,7 @@ TEST(MegaslideCache, BadInputExitsTwoWritingNothing) {
 }
 
 // Wan fine-tuned on videos as a user runs it: megaslide-cache through umT5 and the Wan VAE (tiny fixtures),
-// then megaslide-train from the cache; a Wan run over videos without data.cache, and a cache made with
+// then megaslide-train from the cache, writing validation videos of the cache's first captions; a Wan run over videos without data.cache, and a cache made with
 // another umT5 file, exit 2 naming them.
 TEST(MegaslideCache, WanCachesItsVideosAndTrainsFromTheCache) {
   if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
@@ -169,10 +172,18 @@ TEST(MegaslideCache, WanCachesItsVideosAndTrainsFromTheCache) {
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_NE(r.output.find("3 items in " + fx.dir + "/cache"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("items/s"), std::string::npos) << r.output;
-  r = run_tool("megaslide-train", "--config " + config + " --run-dir " + fx.dir + "/run");
+  r = run_tool("megaslide-train", "--config " + config + " --run-dir " + fx.dir + "/run --set train.sample_every=3 --set diffusion.sample_steps=2");
   ASSERT_EQ(r.code, 0) << r.output;
   const std::string metrics = megaslide::io::read_file(fx.dir + "/run/metrics.jsonl");
   EXPECT_EQ(count(metrics, "\"loss\":"), 3u) << metrics;
+  // Validation videos of the cache's first two captions (train/wan_validation.h).
+  const auto index = nlohmann::json::parse(megaslide::io::read_file(fx.dir + "/run/samples/step-0000003/index.json"));
+  ASSERT_EQ(index.at("videos").size(), 2u) << index.dump();
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(index.at("videos")[i].at("prompt").get<std::string>(), fx.captions[i]);
+    const auto frames = megaslide::io::read_video(fx.dir + "/run/samples/step-0000003/videos/" + index.at("videos")[i].at("file").get<std::string>());
+    EXPECT_EQ(frames.sizes(), (std::vector<int64_t>{5, 32, 32, 3}));
+  }
 
   const std::string other = "--set model.text_encoder.weights=" + fixtures + "/umt5/comfy_umt5_fp16.safetensors";
   r = run_tool("megaslide-train", "--config " + config + " --run-dir " + fx.dir + "/other " + other);

@@ -52,6 +52,8 @@
 #include "megaslide/train/run_folder.h"
 #include "megaslide/train/run_outputs.h"
 #include "megaslide/train/training_run.h"
+#include "megaslide/train/wan_trainer.h"
+#include "megaslide/train/wan_validation.h"
 #include "megaslide/util/build_info.h"
 #include "megaslide/util/cpu_resources.h"
 #include "megaslide/util/errors.h"

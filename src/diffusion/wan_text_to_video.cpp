@@ -1,6 +1,7 @@
 #include "megaslide/diffusion/wan_text_to_video.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <c10/util/accumulate.h>
 
 #include <functional>
 #include <set>
@@ -136,6 +137,51 @@ StreamedWanDenoiser::StreamedWanDenoiser(WanModel model, offload::StreamedDenois
   build(model.block);
 }
 
+StreamedWanDenoiser::StreamedWanDenoiser(WanTransformer model, std::vector<WanBlockWeights> blocks, offload::StreamedDenoiserOptions options)
+    : model_(std::move(model)), options_(options) {
+  TORCH_CHECK(model_, "StreamedWanDenoiser: the model is null");
+  const auto dt = options_.compute_dtype;
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
+              "StreamedWanDenoiser: compute dtype must be Float, BFloat16 or Half, got ", dt);
+  const int64_t L = static_cast<int64_t>(model_->blocks->size());
+  TORCH_CHECK(L >= 1, "StreamedWanDenoiser: the model has no blocks");
+  TORCH_CHECK(static_cast<int64_t>(blocks.size()) == L, "StreamedWanDenoiser: ", blocks.size(), " blocks of weights for a model of ", L,
+              " blocks");
+  params_.resize(static_cast<size_t>(L));
+  for (int64_t l = 0; l < L; ++l) {
+    auto& w = blocks[static_cast<size_t>(l)];
+    TORCH_CHECK(w.flat.defined() && w.flat.dim() == 1 && w.flat.device().is_cpu() && w.flat.scalar_type() == dt,
+                "StreamedWanDenoiser: block ", l, "'s weights must be a 1-D host tensor of the compute dtype ", dt);
+    const auto named = model_->blocks[l]->as<WanBlockImpl>()->streamed().named_parameters(true);
+    TORCH_CHECK(named.size() == w.offsets.size() && named.size() == w.shapes.size(), "StreamedWanDenoiser: block ", l, " has ",
+                named.size(), " streamed parameters, its weights describe ", w.offsets.size());
+    for (size_t i = 0; i < named.size(); ++i) {
+      const int64_t numel = c10::multiply_integers(w.shapes[i]);
+      TORCH_CHECK(w.offsets[i] >= 0 && w.offsets[i] + numel <= w.flat.numel(), "StreamedWanDenoiser: block ", l, "'s parameter '",
+                  named[i].key(), "' lies outside its ", w.flat.numel(), " weights");
+      params_[static_cast<size_t>(l)].push_back({named[i].value(), w.offsets[i], numel, w.shapes[i]});
+    }
+    host_.push_back(w.flat);
+  }
+  const auto streamed = streamed_parameter_set(model_);
+  for (const auto& p : model_->parameters(true))
+    if (!streamed.count(p.unsafeGetTensorImpl()))
+      TORCH_CHECK(p.device() == options_.device && p.scalar_type() == at::kFloat, "StreamedWanDenoiser: the resident parameters must be fp32 on ",
+                  options_.device, ", got one ", p.scalar_type(), " on ", p.device());
+  torch::NoGradGuard no_grad;
+  const auto empty = torch::TensorOptions().dtype(dt).device(options_.device);
+  for (auto& block : params_)
+    for (auto& p : block) p.param.set_data(torch::empty({0}, empty));  // bound to slot views only while a block runs
+  model_->eval();
+  make_streamer();
+}
+
+void StreamedWanDenoiser::make_streamer() {
+  std::vector<int64_t> numels;
+  for (const auto& h : host_) numels.push_back(h.numel());
+  streamer_ = std::make_unique<offload::WeightStreamer>(numels, offload::WeightStreamerOptions{options_.device, options_.compute_dtype, options_.mode});
+}
+
 void StreamedWanDenoiser::build(const std::function<WanBlock(int64_t)>& block_source) {
   TORCH_CHECK(model_, "StreamedWanDenoiser: the model is null");
   const auto dt = options_.compute_dtype;
@@ -149,7 +195,6 @@ void StreamedWanDenoiser::build(const std::function<WanBlock(int64_t)>& block_so
 #endif
   torch::NoGradGuard no_grad;
   const auto empty = torch::TensorOptions().dtype(dt).device(options_.device);
-  std::vector<int64_t> numels;
   params_.resize(static_cast<size_t>(L));
   for (int64_t l = 0; l < L; ++l) {
     if (is_meta_block(model_, l)) {  // read from the weights now: one fp32 block at a time
@@ -170,14 +215,13 @@ void StreamedWanDenoiser::build(const std::function<WanBlock(int64_t)>& block_so
       p.param.set_data(torch::empty({0}, empty));  // the fp32 copy is freed block by block
     }
     host_.push_back(flat);
-    numels.push_back(n);
   }
   // Everything else stays resident in fp32: the prologue, the head, each block's scale_shift_table and norm2.
   const auto streamed = streamed_parameter_set(model_);
   for (auto& p : model_->parameters(true))
     if (!streamed.count(p.unsafeGetTensorImpl())) p.set_data(p.detach().to(options_.device));
   model_->eval();
-  streamer_ = std::make_unique<offload::WeightStreamer>(numels, offload::WeightStreamerOptions{options_.device, dt, options_.mode});
+  make_streamer();
 }
 
 StreamedWanDenoiser::~StreamedWanDenoiser() {

@@ -4,9 +4,13 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
 #include <memory>
 #include <optional>
 
+#include "megaslide/data/latent_cache.h"
+#include "megaslide/data/video_manifest.h"
 #include "megaslide/diffusion/text_to_video.h"
 #include "megaslide/io/files.h"
 #include "megaslide/io/weights.h"
@@ -22,6 +26,7 @@
 #include "megaslide/train/resident_trainer.h"
 #include "megaslide/train/run_folder.h"
 #include "megaslide/train/run_outputs.h"
+#include "megaslide/train/wan_validation.h"
 #include "megaslide/util/build_info.h"
 #include "megaslide/util/errors.h"
 #include "megaslide/util/numbers.h"
@@ -202,9 +207,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
       throw ConfigError(options.config_source, "data.tensors",
                         "is empty: model.arch wan trains on latent videos and text embeddings (a safetensors file of latents, text "
                         "and empty_text, or data.dataset: videos with data.cache; docs/wan.md)");
-    if (resolved.train.sample_every > 0)
-      throw ConfigError(options.config_source, "train.sample_every", "validation videos of Wan need its VAE and text encoder, which "
-                                                                      "training does not call yet: set train.sample_every: 0");
+    check_wan_validation_config(resolved, options.config_source);  // umT5 and the Wan VAE named for validation videos
   }
   const RunConfig config = resolved;
   const std::string& run_dir = config.output.run_dir;
@@ -277,6 +280,23 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
         for (const auto& glob : wan_dsa_parameter_globs()) allow.push_back(glob);
       return plan_init_from(config.train.init_from, shapes, allow);
     };
+  // Wan's validation videos: umT5 encodes the prompts now, before the trainer's state exists, and is freed
+  // (train/wan_validation.h); the prompts are the cache's first captions.
+  std::optional<WanValidation> wan_validation;
+  if (writer && config.model.arch == Architecture::kWan && train.sample_every > 0) {
+    std::vector<std::string> captions;
+    if (config.data.dataset == "videos") {
+      try {
+        const auto cache = LatentCache::open(config, config.data.cache);
+        for (int64_t i = 0; i < cache->size() && static_cast<int64_t>(captions.size()) < kWanValidationVideos; ++i)
+          if (!cache->caption(i).empty() && std::find(captions.begin(), captions.end(), cache->caption(i)) == captions.end())
+            captions.push_back(cache->caption(i));
+      } catch (const DatasetError& e) {
+        throw ConfigError(options.config_source, "data.cache", e.what());
+      }
+    }
+    wan_validation.emplace(config, captions, options.config_source);
+  }
   // The trainers load the frozen encoders the config names (CLIP, the VAE): bad folders or sizes that
   // disagree with the config are the config's errors.
   std::unique_ptr<Trainer> trainer_holder;
@@ -360,6 +380,15 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     log.info("trainer: resident reference loop (offload.enabled: false), compute dtype fp32");
   }
   log.info(plan_threads(config, trainer.device()).describe());
+  if (wan_validation) {
+    std::string prompts;
+    for (const auto& job : wan_validation->jobs()) prompts += (prompts.empty() ? "\"" : ", \"") + job.prompt + "\"";
+    const auto& so = wan_validation->options();
+    log.info(fmt::format("validation videos every {} steps into {}: {} ({} {} steps, shift {}, guidance {}; umT5 {} and the Wan VAE {})",
+                         train.sample_every, io::join_path(run_dir, "samples/step-NNNNNNN"), prompts,
+                         so.kind() == FlowSamplerKind::kUniPC ? "unipc" : "euler", so.steps(), so.shift(), so.guidance_scale(),
+                         config.model.text_encoder.weights, config.model.vae.weights));
+  }
   if (config.model.text_encoder.kind == "clip")
     log.info(fmt::format("text encoder: CLIP from {} (frozen), {} tokens of width {}", config.model.text_encoder.weights,
                          config.data.max_text_tokens, config.model.text_dim));
@@ -446,7 +475,13 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
             last.empty() ? std::string("there is no checkpoint to resume from") : "the last checkpoint is " + last));
       }
     }
-    if (writer && train.sample_every > 0 && m.step % train.sample_every == 0) {
+    if (wan_validation && m.step % train.sample_every == 0) {
+      const auto samples = dir->file(fmt::format("samples/step-{:07}", m.step));
+      const auto started = std::chrono::steady_clock::now();
+      const auto files = wan_validation->write(samples, *trainer.wan());
+      log.info(fmt::format("step {}: {} validation videos in {} ({:.1f} s)", m.step, files.size(), samples,
+                           std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count()));
+    } else if (writer && train.sample_every > 0 && m.step % train.sample_every == 0) {
       const auto samples = dir->file(fmt::format("samples/step-{:07}", m.step));
       auto [dit, text] = trainer.model(config);
       const auto files = write_validation_samples(samples, config, dit, text, 4,

@@ -24,8 +24,14 @@
 // block's compute-dtype host buffer from it, so that the host holds the compute-dtype blocks, the fp32
 // resident parts and one fp32 block at a time (plus the mapping's page cache), never the whole fp32 DiT.
 //
+// Weights held elsewhere: StreamedWanDenoiser over WanBlockWeights streams each block from a host buffer it
+// does not own — a streamed trainer's host store (train/wan_validation.h samples a Wan run's current weights
+// so, without a copy of the DiT).
+//
 // Ownership: the denoisers take over the module they are given (StreamedWanDenoiser empties its blocks'
-// streamed parameters). Thread-safety: one thread drives a pipeline.
+// streamed parameters), except StreamedWanDenoiser over WanBlockWeights, which shares the module and the
+// buffers: it leaves the resident parts where they are and the blocks' streamed parameters empty, as a
+// streamed trainer keeps them between its steps. Thread-safety: one thread drives a pipeline.
 #pragma once
 
 #include <torch/torch.h>
@@ -90,16 +96,30 @@ class ResidentWanDenoiser final : public WanDenoiser {
 
 struct WanModel;
 
+// Block l's streamed weights kept outside a denoiser (a streamed trainer's host store): `flat` is a 1-D
+// host tensor in the compute dtype, and parameter i of the block's streamed() module (in named_parameters
+// order) is flat[offsets[i], offsets[i] + numel(shapes[i])) viewed as shapes[i].
+struct WanBlockWeights {
+  torch::Tensor flat;
+  std::vector<int64_t> offsets;
+  std::vector<std::vector<int64_t>> shapes;
+};
+
 class StreamedWanDenoiser final : public WanDenoiser {
  public:
   StreamedWanDenoiser(WanTransformer model, offload::StreamedDenoiserOptions options);
   // `model.dit`'s meta blocks are read from `model.block` one at a time, in order, into the host buffers.
   StreamedWanDenoiser(WanModel model, offload::StreamedDenoiserOptions options);
+  // Streams `blocks` (one per block of `model`, flat in options.compute_dtype) as they are, without a copy:
+  // they must stay alive and unchanged while the denoiser predicts. `model`'s resident parts (prologue,
+  // head, the blocks' scale_shift_table and norm2) must already be fp32 on options.device; its blocks'
+  // streamed parameters may be empty (a streamed trainer's). Sets the model to eval mode.
+  StreamedWanDenoiser(WanTransformer model, std::vector<WanBlockWeights> blocks, offload::StreamedDenoiserOptions options);
   ~StreamedWanDenoiser() override;
   torch::Tensor predict(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text) override;
   torch::Device device() const override { return options_.device; }
   const offload::WeightStreamer& streamer() const { return *streamer_; }
-  int64_t host_weight_bytes() const;  // the blocks' streamed weights on the host (compute dtype)
+  int64_t host_weight_bytes() const;  // the blocks' streamed weights on the host (compute dtype; borrowed ones included)
 
  private:
   struct Param {
@@ -113,6 +133,7 @@ class StreamedWanDenoiser final : public WanDenoiser {
   std::vector<torch::Tensor> host_;
   std::unique_ptr<offload::WeightStreamer> streamer_;
   void build(const std::function<WanBlock(int64_t)>& block_source);
+  void make_streamer();
 };
 
 // A Wan DiT and the run config it belongs to.

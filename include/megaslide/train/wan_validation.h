@@ -1,0 +1,98 @@
+// Validation videos of a Wan run (model.arch: wan, train.sample_every > 0; docs/wan.md): what
+// write_validation_samples (diffusion/text_to_video.h) writes for the DiT family, made with Wan's pipeline
+// (diffusion/wan_text_to_video.h) from the trainer's current weights.
+//
+//   construction   the prompts: the first kWanValidationVideos distinct captions of the run's data (a
+//                  megaslide-cache folder's items, in item order) or, when the data has none (data.tensors),
+//                  kWanValidationPrompts; each with its fixed seed (eval::plan_vbench_samples: one video per
+//                  prompt, from train.seed), so that successive validations are comparable. umT5
+//                  (model.text_encoder: weights, vocab, dtype as megaslide-cache runs it) encodes them and
+//                  the negative prompt once, on the run's device (its layers streamed when it would take
+//                  more than half of a GPU's free memory), and is freed; the Wan VAE (model.vae.weights) is
+//                  loaded once to check it, and freed.
+//   write          per prompt, one video at a time: the flow sampler with guidance (WanSampleOptions::
+//                  from_config: diffusion.sample_steps, shift, guidance_scale, data.max_text_tokens; Wan's
+//                  negative prompt) over the trainer's DiT, then the Wan VAE, loaded on the run's device for
+//                  this call (model.vae.dtype; model.vae.tile_size tiles), decodes it. Writes
+//                  DIR/videos/{prompt}-0.mp4 (H.264, 16 fps, Wan's sample_fps) and DIR/index.json, VBench's
+//                  layout as megaslide-sample's.
+//
+// The DiT's weights are the trainer's, read in place (no copy of the model): the resident loop's module
+// runs as it is (ResidentWanDenoiser, fp32); the streamed trainer's blocks stream from its host store —
+// each block's compute copy, or its fp32 master with offload.compute_dtype fp32, exactly what its next
+// step uploads — through a WeightStreamer of the sampler's own (StreamedWanDenoiser over
+// WanBlockWeights), with the prologue, head and the blocks' fp32 tables where the trainer keeps them on
+// the device. So a streamed run's videos are what a resident model holding the masters rounded to the
+// compute dtype gives (tested bit for bit on the CPU: tests/test_wan_validation.cpp).
+//
+// Memory, besides the training's: while write runs, the sampler's streamer (two weight and two gradient
+// slots of the largest block, compute dtype, on the device; streamed trainer only; measured against the
+// resident set in tests/test_host_memory.cpp), the VAE's weights
+// (127 M parameters for Wan 2.1's: 0.5 GB in fp32), one video's sampling activations (the DiT on 2 ×
+// tokens, guidance's two halves) and its decode; all freed when it returns. At construction umT5 (5.7 B
+// parameters for umT5-XXL: 11.4 GB in bf16, 22.8 GB in fp32) is held until the prompts are encoded —
+// run_training builds this before the trainer, so that it never coexists with the trainer's state. Kept
+// for the run: the prompts' embeddings (kWanValidationVideos + 1 of [data.max_text_tokens, text_dim]
+// fp32: 8.4 MB each at 512 × 4096).
+//
+// Sampling draws from its own generators (one per video's seed): the training's random streams, its
+// weights and its optimizer state are untouched (tested: a run that writes validation videos trains
+// bit for bit as one that does not).
+//
+// Thread-safety: the thread that drives the trainer calls write (it waits for the trainer's host
+// updates first).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "megaslide/config/run_config.h"
+#include "megaslide/diffusion/wan_text_to_video.h"
+#include "megaslide/eval/vbench.h"
+#include "megaslide/train/wan_trainer.h"
+
+namespace megaslide {
+
+// Videos per validation.
+constexpr int64_t kWanValidationVideos = 2;
+// The prompts when the data has no captions (latent tensors).
+const std::vector<std::string>& wan_validation_prompts();
+
+// Throws ConfigError(source, key, ...) naming the first key Wan's validation videos need that `config`
+// lacks: model.text_encoder.kind (umt5) and .weights, model.vae.kind (wan) and .weights. A no-op when
+// train.sample_every is 0 or the model is not Wan.
+void check_wan_validation_config(const RunConfig& config, const std::string& source);
+
+class WanValidation {
+ public:
+  // `config`: the run's (model.arch wan, the encoders named; data.dataset videos with pixel sizes or
+  // latent-tensors with latent sizes). `captions`: the data's first captions in item order (empty for
+  // latent tensors). Throws ConfigError naming the key of an encoder that cannot be loaded or does not
+  // fit the DiT (model.text_encoder.*, model.vae.*, model.wan.text_dim).
+  WanValidation(const RunConfig& config, const std::vector<std::string>& captions, const std::string& source);
+
+  const std::vector<eval::SampleJob>& jobs() const { return jobs_; }
+  const WanSampleOptions& options() const { return options_; }
+  const RunConfig& latent_config() const { return latent_; }
+
+  // The normalised latents [kWanValidationVideos, C, T, H, W] float32 on the CPU, sampled with the
+  // trainer's current weights (waits for its pending updates; its weights and modes are as before on
+  // return).
+  torch::Tensor sample(WanTrainer& trainer) const;
+  // sample, decoded and written into `dir` (created) as above. Returns the videos' file names.
+  std::vector<std::string> write(const std::string& dir, WanTrainer& trainer) const;
+
+ private:
+  RunConfig config_;  // the run's (encoders named)
+  std::string source_;  // where the config came from (errors name it)
+  RunConfig latent_;  // wan_latent_config: the latents' shape
+  WanSampleOptions options_;
+  std::vector<eval::SampleJob> jobs_;
+  std::vector<torch::Tensor> text_;  // per job [1, L, text_dim] float32, CPU
+  torch::Tensor negative_;           // [1, L, text_dim] float32, CPU (undefined when guidance is 1)
+};
+
+}  // namespace megaslide

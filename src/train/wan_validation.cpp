@@ -1,0 +1,218 @@
+#include "megaslide/train/wan_validation.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <memory>
+#include <optional>
+#include <utility>
+
+#include "megaslide/io/files.h"
+#include "megaslide/io/video.h"
+#include "megaslide/model/umt5_encoder.h"
+#include "megaslide/model/umt5_tokenizer.h"
+#include "megaslide/model/wan_vae.h"
+#include "megaslide/offload/streamed_denoiser.h"
+#include "megaslide/util/errors.h"
+
+namespace megaslide {
+
+namespace {
+
+constexpr int64_t kWanFps = 16;  // Wan2.1's sample_fps, as megaslide-sample writes Wan's videos
+
+// As megaslide-cache runs the encoders: bf16 applies on a GPU; on a CPU they run in fp32.
+torch::ScalarType encoder_dtype(const std::string& name, torch::Device device) {
+  return name == "bf16" && device.is_cuda() ? torch::kBFloat16 : torch::kFloat32;
+}
+
+// model.vae.tile_size as megaslide-cache tiles its encodes.
+std::optional<WanVaeTiling> vae_tiling(const VaeConfig& v) {
+  if (v.tile_size <= 0) return std::nullopt;
+  const int64_t overlap = static_cast<int64_t>(std::llround(static_cast<double>(v.tile_size) * v.tile_overlap)) / v.downscale * v.downscale;
+  return WanVaeTiling{v.tile_size, std::max<int64_t>(v.downscale, v.tile_size - overlap)};
+}
+
+WanVae load_vae(const RunConfig& config, torch::Device device, const std::string& source) {
+  const auto& v = config.model.vae;
+  try {
+    return WanVae::load(v.weights, device, encoder_dtype(v.dtype, device));
+  } catch (const std::exception& e) {
+    throw ConfigError(source, "model.vae.weights", error_message(e));
+  }
+}
+
+// The missing key, whatever train.sample_every says.
+void check_encoders_named(const RunConfig& config, const std::string& source) {
+  const auto& te = config.model.text_encoder;
+  const auto& v = config.model.vae;
+  const std::string why = fmt::format("train.sample_every is {}: Wan's validation videos", config.train.sample_every);
+  const std::string fix = " (docs/wan.md), or set train.sample_every: 0";
+  if (te.kind != "umt5")
+    throw ConfigError(source, "model.text_encoder.kind",
+                      fmt::format("is {}, but {} encode their prompts with umT5: set model.text_encoder.kind: umt5 and "
+                                  "model.text_encoder.weights{}", te.kind, why, fix));
+  if (te.weights.empty())
+    throw ConfigError(source, "model.text_encoder.weights", fmt::format("is empty, but {} encode their prompts with umT5: set it{}", why, fix));
+  if (v.kind != "wan")
+    throw ConfigError(source, "model.vae.kind",
+                      fmt::format("is {}, but {} are decoded by the Wan VAE: set model.vae.kind: wan and model.vae.weights{}", v.kind, why, fix));
+  if (v.weights.empty())
+    throw ConfigError(source, "model.vae.weights", fmt::format("is empty, but {} are decoded by the Wan VAE: set it{}", why, fix));
+}
+
+// Restores a module's training mode on scope exit (sampling sets eval mode).
+class TrainingModeGuard {
+ public:
+  explicit TrainingModeGuard(WanTransformer model) : model_(std::move(model)), was_training_(model_->is_training()) {}
+  ~TrainingModeGuard() { model_->train(was_training_); }
+  TrainingModeGuard(const TrainingModeGuard&) = delete;
+  TrainingModeGuard& operator=(const TrainingModeGuard&) = delete;
+
+ private:
+  WanTransformer model_;
+  bool was_training_;
+};
+
+}  // namespace
+
+const std::vector<std::string>& wan_validation_prompts() {
+  static const std::vector<std::string> prompts{"a red fox runs through fresh snow in a pine forest, morning light",
+                                                "waves break on a rocky shore at sunset, seen from a drone"};
+  return prompts;
+}
+
+void check_wan_validation_config(const RunConfig& config, const std::string& source) {
+  if (config.model.arch != Architecture::kWan || config.train.sample_every <= 0) return;
+  check_encoders_named(config, source);
+}
+
+WanValidation::WanValidation(const RunConfig& config, const std::vector<std::string>& captions, const std::string& source)
+    : config_(config), source_(source), latent_(wan_latent_config(config)), options_(WanSampleOptions::from_config(config)) {
+  TORCH_CHECK(config.model.arch == Architecture::kWan, "WanValidation: model.arch is ", to_string(config.model.arch), ", expected wan");
+  check_encoders_named(config, source);
+  std::vector<std::string> prompts;
+  for (const auto& caption : captions)
+    if (static_cast<int64_t>(prompts.size()) < kWanValidationVideos && !caption.empty() &&
+        std::find(prompts.begin(), prompts.end(), caption) == prompts.end())
+      prompts.push_back(caption);
+  if (prompts.empty()) prompts.assign(wan_validation_prompts().begin(), wan_validation_prompts().begin() + kWanValidationVideos);
+  jobs_ = eval::plan_vbench_samples(prompts, 1, config.train.seed);
+
+  torch::Device device = torch::kCPU;
+  try {
+    device = resolve_device(config.train.device);
+  } catch (const c10::Error& e) {
+    throw ConfigError(source, "train.device", error_message(e));
+  }
+  const auto& te = config.model.text_encoder;
+  std::optional<Umt5Tokenizer> tokenizer;
+  std::optional<Umt5Encoder> t5;
+  try {
+    tokenizer.emplace(Umt5Tokenizer::find(te.vocab.empty() ? te.weights : te.vocab));
+  } catch (const std::exception& e) {
+    throw ConfigError(source, te.vocab.empty() ? "model.text_encoder.weights" : "model.text_encoder.vocab", error_message(e));
+  }
+  try {
+    t5.emplace(Umt5Encoder::load(te.weights, torch::kCPU, encoder_dtype(te.dtype, device)));
+  } catch (const std::exception& e) {
+    throw ConfigError(source, "model.text_encoder.weights", error_message(e));
+  }
+  if (t5->config().d_model != config.model.wan.text_dim)
+    throw ConfigError(source, "model.wan.text_dim", fmt::format("is {} but umT5 in '{}' is {} wide (d_model)", config.model.wan.text_dim, te.weights,
+                                                                t5->config().d_model));
+  if (tokenizer->vocab_size() > t5->config().vocab_size)
+    throw ConfigError(source, "model.text_encoder.vocab", fmt::format("the tokenizer '{}' has {} pieces, umT5's embedding only {}: not this model's tokenizer",
+                                                                      tokenizer->source(), tokenizer->vocab_size(), t5->config().vocab_size));
+  // umT5-XXL (11.4 GB in bf16) streamed layer by layer when it would take more than half of the GPU, as megaslide-sample decides.
+  const bool stream = offload::should_stream(offload::StreamChoice::kAuto, device, t5->weight_bytes());
+  t5.emplace(stream ? Umt5Encoder::streamed(std::move(*t5), device) : Umt5Encoder::resident(std::move(*t5), device));
+  // WanTextToVideo::encode's steps, one prompt at a time.
+  auto encode = [&](const std::string& prompt) {
+    torch::NoGradGuard no_grad;
+    const auto tokens = tokenizer->encode({options_.clean_prompts() ? wan_prompt_clean(prompt) : prompt}, options_.text_tokens());
+    return t5->embed(tokens.ids.to(t5->device()), tokens.mask.to(t5->device())).to(torch::kCPU, torch::kFloat32);
+  };
+  for (const auto& job : jobs_) text_.push_back(encode(job.prompt));
+  if (options_.guidance_scale() != 1.0) negative_ = encode(options_.negative_prompt());
+  t5.reset();  // umT5 is not needed again
+
+  // The VAE now, so that a bad one stops the run before it trains; loaded again for each validation.
+  const WanVae vae = load_vae(config, torch::kCPU, source);
+  if (vae.config().z_dim != config.model.wan.in_channels)
+    throw ConfigError(source, "model.vae.weights", fmt::format("the Wan VAE in '{}' has {} latent channels but the DiT's model.wan.in_channels is {}",
+                                                               config.model.vae.weights, vae.config().z_dim, config.model.wan.in_channels));
+}
+
+torch::Tensor WanValidation::sample(WanTrainer& trainer) const {
+  trainer.synchronize();  // the host updates of the last step have landed in the store
+  WanTransformer model = trainer.model();
+  TrainingModeGuard mode(model);
+  std::shared_ptr<WanDenoiser> denoiser;
+  if (auto* engine = trainer.engine()) {
+    // Each block from the store as the trainer's next step uploads it: the compute copy, or the master
+    // with fp32 compute (the transfer buffer then holds gradients; a sharded store's holds the copy).
+    const auto& store = engine->store();
+    const auto dtype = engine->options().compute_dtype;
+    std::vector<WanBlockWeights> blocks;
+    for (int64_t l = 0; l < store.num_blocks(); ++l) {
+      WanBlockWeights w;
+      w.flat = dtype == at::kFloat && !store.sharded() ? store.master(l) : store.compute(l);
+      std::map<std::string, std::vector<int64_t>> shapes;
+      for (const auto& spec : store.block_spec(l).params) shapes.emplace(spec.name, spec.shape);
+      for (const auto& item : model->blocks[l]->as<WanBlockImpl>()->streamed().named_parameters(true)) {
+        w.offsets.push_back(store.param(l, item.key()).offset);
+        w.shapes.push_back(shapes.at(item.key()));
+      }
+      blocks.push_back(std::move(w));
+    }
+    offload::StreamedDenoiserOptions streamed;
+    streamed.device = trainer.device();
+    streamed.compute_dtype = dtype;
+    streamed.mode = engine->options().mode;
+    denoiser = std::make_shared<StreamedWanDenoiser>(model, std::move(blocks), streamed);
+  } else {
+    denoiser = std::make_shared<ResidentWanDenoiser>(model, trainer.device(), at::kFloat);  // the module itself: fp32, on its device
+  }
+  const auto& d = latent_.data;
+  const std::vector<int64_t> shape{config_.model.wan.in_channels, d.frames, d.height, d.width};
+  auto predict = [&](const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& text, const torch::Tensor&) {
+    return denoiser->predict(x, t, text);
+  };
+  std::vector<torch::Tensor> latents;
+  for (size_t i = 0; i < jobs_.size(); ++i) {
+    Conditioning cond, uncond;
+    cond.text = text_[i].to(denoiser->device());
+    if (negative_.defined()) uncond.text = negative_.to(denoiser->device());
+    latents.push_back(flow_sample(predict, options_.flow(), shape, {jobs_[i].seed}, cond, uncond, denoiser->device()).to(torch::kCPU));
+  }
+  return torch::cat(latents);
+}
+
+std::vector<std::string> WanValidation::write(const std::string& dir, WanTrainer& trainer) const {
+  const auto latents = sample(trainer);
+  const WanVae vae = load_vae(config_, trainer.device(), source_);
+  const auto tiling = vae_tiling(config_.model.vae);
+  const std::string videos_dir = io::join_path(dir, eval::kVideosFolder);
+  io::make_directories(videos_dir);
+  std::vector<std::string> files;
+  int64_t upscale = 1;
+  for (size_t i = 0; i < jobs_.size(); ++i) {
+    torch::Tensor video;
+    {
+      torch::NoGradGuard no_grad;
+      video = vae.decode(latents.narrow(0, static_cast<int64_t>(i), 1).to(vae.device(), torch::kFloat32), tiling)[0].to(torch::kCPU, torch::kFloat32);
+    }
+    upscale = (video.size(2) % 2 != 0 || video.size(3) % 2 != 0) ? 2 : 1;  // H.264 needs even sizes
+    io::write_mp4(io::join_path(videos_dir, jobs_[i].file), io::to_rgb_frames(video, upscale), io::VideoWriteOptions().fps(kWanFps));
+    files.push_back(jobs_[i].file);
+  }
+  const eval::SamplingRecord record{"(training run)", options_.kind() == FlowSamplerKind::kUniPC ? "unipc" : "euler", options_.steps(),
+                                    options_.guidance_scale(), 0.0, config_.train.seed, kWanFps, upscale};
+  io::write_file_atomically(io::join_path(dir, "index.json"), eval::index_json(jobs_, record));
+  return files;
+}
+
+}  // namespace megaslide
