@@ -64,7 +64,7 @@ bool reset_peak_rss() {
 RunConfig small_50m(const std::string& state_dtype) {
   return load_run_config(std::string(MEGASLIDE_SOURCE_DIR) + "/configs/small-50m.yaml",
                          {"data.frames=2", "data.height=16", "data.width=16", "train.batch_size=1", "train.device=cpu",
-                          "train.threads=2", "offload.optimizer_threads=2", "offload.compute_dtype=fp32",
+                          "train.threads=2", "offload.optimizer_threads=2", "offload.compute_dtype=bf16",
                           "optimizer.state_dtype=" + state_dtype});
 }
 
