@@ -132,6 +132,19 @@ StreamedWanDenoiser::StreamedWanDenoiser(WanTransformer model, offload::Streamed
   build({});
 }
 
+namespace {
+// What both of StreamedWanDenoiser's constructions check first: a model with blocks and a compute dtype
+// the streamer takes. Returns the number of blocks.
+int64_t checked_block_count(const WanTransformer& model, c10::ScalarType dt) {
+  TORCH_CHECK(model, "StreamedWanDenoiser: the model is null");
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
+              "StreamedWanDenoiser: compute dtype must be Float, BFloat16 or Half, got ", dt);
+  const int64_t L = static_cast<int64_t>(model->blocks->size());
+  TORCH_CHECK(L >= 1, "StreamedWanDenoiser: the model has no blocks");
+  return L;
+}
+}  // namespace
+
 StreamedWanDenoiser::StreamedWanDenoiser(WanModel model, offload::StreamedDenoiserOptions options)
     : model_(std::move(model.dit)), options_(options) {
   build(model.block);
@@ -139,12 +152,8 @@ StreamedWanDenoiser::StreamedWanDenoiser(WanModel model, offload::StreamedDenois
 
 StreamedWanDenoiser::StreamedWanDenoiser(WanTransformer model, std::vector<WanBlockWeights> blocks, offload::StreamedDenoiserOptions options)
     : model_(std::move(model)), options_(options) {
-  TORCH_CHECK(model_, "StreamedWanDenoiser: the model is null");
   const auto dt = options_.compute_dtype;
-  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
-              "StreamedWanDenoiser: compute dtype must be Float, BFloat16 or Half, got ", dt);
-  const int64_t L = static_cast<int64_t>(model_->blocks->size());
-  TORCH_CHECK(L >= 1, "StreamedWanDenoiser: the model has no blocks");
+  const int64_t L = checked_block_count(model_, dt);
   TORCH_CHECK(static_cast<int64_t>(blocks.size()) == L, "StreamedWanDenoiser: ", blocks.size(), " blocks of weights for a model of ", L,
               " blocks");
   params_.resize(static_cast<size_t>(L));
@@ -183,12 +192,8 @@ void StreamedWanDenoiser::make_streamer() {
 }
 
 void StreamedWanDenoiser::build(const std::function<WanBlock(int64_t)>& block_source) {
-  TORCH_CHECK(model_, "StreamedWanDenoiser: the model is null");
   const auto dt = options_.compute_dtype;
-  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
-              "StreamedWanDenoiser: compute dtype must be Float, BFloat16 or Half, got ", dt);
-  const int64_t L = static_cast<int64_t>(model_->blocks->size());
-  TORCH_CHECK(L >= 1, "StreamedWanDenoiser: the model has no blocks");
+  const int64_t L = checked_block_count(model_, dt);
   bool pin = false;
 #ifdef MEGASLIDE_WITH_CUDA
   pin = options_.device.is_cuda() && options_.pin_host_memory;

@@ -239,45 +239,39 @@ class GlooShardExchange : public offload::ShardExchange {
   int64_t world_size() const override { return step_.world_size(); }
 
   void reduce_scatter_sum(const at::Tensor& input, const at::Tensor& output) override {
-    run("reduce-scatter of a block's gradient", [&] {
-      at::Tensor in = input, out = output;
-      if (widen(input)) {
-        in = input.to(at::kFloat);
-        out = at::empty({output.numel()}, in.options());
-      }
+    run("reduce-scatter of a block's gradient", input, output, [&](at::Tensor& in, at::Tensor& out) {
       c10d::ReduceScatterOptions options;
       options.reduceOp = c10d::ReduceOp::SUM;
       group_->_reduce_scatter_base(out, in, options)->wait();
-      if (!out.is_same(output)) output.copy_(out);
     });
   }
   void all_gather(const at::Tensor& input, const at::Tensor& output) override {
-    run("all-gather of a block's weights", [&] {
-      at::Tensor in = input, out = output;
-      if (widen(input)) {
-        in = input.to(at::kFloat);
-        out = at::empty({output.numel()}, in.options());
-      }
-      group_->_allgather_base(out, in)->wait();
-      if (!out.is_same(output)) output.copy_(out);
-    });
+    run("all-gather of a block's weights", input, output,
+        [&](at::Tensor& in, at::Tensor& out) { group_->_allgather_base(out, in)->wait(); });
   }
   void all_reduce_sum(std::vector<at::Tensor>& tensors) override { step_.all_reduce_sum(tensors); }
 
  private:
-  // Gloo's reductions cover fp32/fp64 and, in recent releases, fp16/bf16; a 16-bit dtype it refuses is
-  // widened from then on.
-  bool widen(const at::Tensor& t) const { return t.element_size() == 2 && widen_16bit_; }
-  template <typename Fn>
-  void run(const char* what, Fn&& fn) {
+  // Runs `collective(in, out)` on `input` and `output`, or, for a 16-bit dtype Gloo refuses (its
+  // reductions cover fp32/fp64 and, in recent releases, fp16/bf16), on fp32 copies from then on.
+  template <typename Collective>
+  void run(const char* what, const at::Tensor& input, const at::Tensor& output, Collective&& collective) {
+    const auto attempt = [&] {
+      at::Tensor in = input, out = output;
+      if (widen_16bit_ && input.element_size() == 2) {
+        in = input.to(at::kFloat);
+        out = at::empty({output.numel()}, in.options());
+      }
+      collective(in, out);
+      if (!out.is_same(output)) output.copy_(out);
+    };
     try {
       try {
-        fn();
+        attempt();
       } catch (const c10::Error& e) {
-        const std::string message = e.what();
-        if (widen_16bit_ || message.find("type") == std::string::npos) throw;
-        widen_16bit_ = true;  // a 16-bit dtype Gloo does not reduce: retry in fp32
-        fn();
+        if (widen_16bit_ || input.element_size() != 2 || std::string(e.what()).find("type") == std::string::npos) throw;
+        widen_16bit_ = true;
+        attempt();
       }
     } catch (const std::exception& e) {
       throw DistributedError(fmt::format("rank {} of {}: {} failed (a rank stopped, or none answered within distributed.timeout_s = {} s): {}",
