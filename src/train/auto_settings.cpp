@@ -1,5 +1,7 @@
 #include "megaslide/train/auto_settings.h"
 
+#include "megaslide/train/distributed.h"
+
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
 
@@ -87,7 +89,9 @@ std::string compute_dtype_warning(const std::string& dtype, c10::Device device, 
 std::string ThreadPlan::describe() const {
   std::string s = fmt::format("threads: LibTorch intra-op {} ({})", intra_op, intra_op_source);
   if (optimizer > 0) s += fmt::format(", CpuAdamW {} ({}; the host task thread is one of them)", optimizer, optimizer_source);
-  return s + ", from " + cores.describe();
+  s += ", from " + cores.describe();
+  if (local_ranks > 1) s += fmt::format(": this rank's share of the machine, which {} local ranks share", local_ranks);
+  return s;
 }
 
 ThreadPlan plan_threads(const ThreadRequest& request, const CoreCount& cores, const std::string& omp_num_threads) {
@@ -122,7 +126,17 @@ ThreadPlan plan_threads(const RunConfig& config, c10::Device device) {
   request.host_optimizer = config.offload.enabled;
   request.device = device;
   const char* omp = std::getenv("OMP_NUM_THREADS");
-  return plan_threads(request, available_cores(), omp ? omp : "");
+  CoreCount cores = available_cores();
+  int64_t local_ranks = 1;
+  try {
+    local_ranks = read_launch_env().local_world_size;
+  } catch (const DistributedError&) {
+    // A launch environment that does not parse is refused where the run starts; here: one rank.
+  }
+  if (local_ranks > 1) cores.cores = std::max<int>(1, cores.cores / static_cast<int>(local_ranks));
+  ThreadPlan plan = plan_threads(request, cores, omp ? omp : "");
+  plan.local_ranks = static_cast<int>(std::max<int64_t>(1, local_ranks));
+  return plan;
 }
 
 void apply_threads(const ThreadPlan& plan) {

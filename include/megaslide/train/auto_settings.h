@@ -70,6 +70,7 @@ struct ThreadPlan {
   int optimizer = 0;            // CpuAdamW threads (0 without a host optimizer)
   std::string optimizer_source; // "offload.optimizer_threads" or "auto"
   bool set_intra_op = true;     // false when OMP_NUM_THREADS decides (LibTorch already honours it)
+  int local_ranks = 1;          // ranks of one run on this machine, sharing its cores (cores is one's share)
   // One line for train.log, e.g. "threads: LibTorch intra-op 2 (auto), CpuAdamW 1 (auto), from 2 cores
   // (affinity mask 2 CPUs, no cgroup CPU quota)".
   std::string describe() const;
@@ -85,7 +86,9 @@ struct ThreadPlan {
 //                         deferred updates are still going.
 // `omp_num_threads` is the OMP_NUM_THREADS value ("" = unset).
 ThreadPlan plan_threads(const ThreadRequest& request, const CoreCount& cores, const std::string& omp_num_threads);
-// For a run config's trainer on `device`, with this process's available_cores() and environment.
+// For a run config's trainer on `device`, with this process's available_cores() and environment. When
+// the launcher says several ranks run on this machine (LOCAL_WORLD_SIZE, SLURM_NTASKS_PER_NODE:
+// train/distributed.h), each budgets its share of the cores, cores / ranks (at least 1).
 ThreadPlan plan_threads(const RunConfig& config, c10::Device device);
 // Sets LibTorch's intra-op thread count to plan.intra_op (unless OMP_NUM_THREADS decides).
 void apply_threads(const ThreadPlan& plan);
