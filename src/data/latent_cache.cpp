@@ -1,5 +1,7 @@
 #include "megaslide/data/latent_cache.h"
 
+#include "megaslide/model/encoder_settings.h"
+
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <sys/mman.h>
@@ -92,17 +94,6 @@ std::string umt5_weights_path(const std::string& weights) {
   }
 }
 
-torch::ScalarType encoder_dtype(const std::string& name, torch::Device device) {
-  // As FrozenEncoders: bf16 applies on a GPU; on a CPU the encoders run in fp32.
-  return name == "bf16" && device.is_cuda() ? torch::kBFloat16 : torch::kFloat32;
-}
-
-std::optional<WanVaeTiling> wan_tiling(const VaeConfig& v) {
-  if (v.tile_size <= 0) return std::nullopt;
-  const int64_t overlap = static_cast<int64_t>(std::llround(static_cast<double>(v.tile_size) * v.tile_overlap)) / v.downscale * v.downscale;
-  return WanVaeTiling{v.tile_size, std::max<int64_t>(v.downscale, v.tile_size - overlap)};
-}
-
 // Wan's convention: 512 tokens per prompt.
 constexpr int64_t kUmt5Tokens = 512;
 
@@ -120,7 +111,7 @@ class ConfiguredEncoders final : public CacheEncoders {
         fail(te.vocab.empty() ? "model.text_encoder.weights" : "model.text_encoder.vocab", e.what());
       }
       try {
-        umt5_.emplace(Umt5Encoder::load(te.weights, device, encoder_dtype(te.dtype, device)));
+        umt5_.emplace(Umt5Encoder::load(te.weights, device, frozen_encoder_dtype(te.dtype, device)));
       } catch (const std::exception& e) {
         fail("model.text_encoder.weights", e.what());
       }
@@ -133,7 +124,7 @@ class ConfiguredEncoders final : public CacheEncoders {
     }
     if (v.kind == "wan") {
       try {
-        wan_vae_.emplace(WanVae::load(v.weights, device, encoder_dtype(v.dtype, device)));
+        wan_vae_.emplace(WanVae::load(v.weights, device, frozen_encoder_dtype(v.dtype, device)));
       } catch (const std::exception& e) {
         fail("model.vae.weights", e.what());
       }
@@ -170,7 +161,7 @@ class ConfiguredEncoders final : public CacheEncoders {
     torch::NoGradGuard no_grad;
     // [T, H, W, 3] uint8 -> [1, 3, T, H, W] in [-1, 1], as the trainer maps a decoded batch.
     const auto pixels = (frames.unsqueeze(0).permute({0, 4, 1, 2, 3}).to(torch::kFloat32) / 127.5 - 1.0).contiguous();
-    const auto latents = wan_vae_ ? wan_vae_->encode(pixels.to(device_), false, std::nullopt, wan_tiling(config_.model.vae))
+    const auto latents = wan_vae_ ? wan_vae_->encode(pixels.to(device_), false, std::nullopt, wan_vae_tiling(config_.model.vae))
                                   : frozen_->encode_video(pixels);
     return latents[0].to(torch::kCPU, torch::kFloat32).contiguous();
   }
@@ -311,7 +302,7 @@ std::string cache_identity(const RunConfig& config) {
     j["vae"] = {{"kind", "sd"}, {"latents", "scaled mean [C, T, H/ds, W/ds] float32"}, {"dtype", v.dtype},
                 {"files", fingerprints(v.weights, "model.vae.weights")}};
   } else if (v.kind == "wan") {
-    const auto tiling = wan_tiling(v);
+    const auto tiling = wan_vae_tiling(v);
     j["vae"] = {{"kind", "wan"}, {"latents", "normalised mean [z, 1 + (T-1)/4, H/8, W/8] float32"}, {"dtype", v.dtype},
                 {"tiling", tiling ? json{{"tile", tiling->tile}, {"stride", tiling->stride}} : json()},
                 {"files", fingerprints(v.weights, "model.vae.weights")}};
@@ -664,6 +655,16 @@ torch::Tensor LatentCache::stacked(const std::string& name) const {
   for (int64_t i = 0; i < static_cast<int64_t>(items_.size()); ++i) load(i, 0);  // checks every item's CRC-32
   auto out = torch::stack(parts);
   return out.is_floating_point() ? out.to(torch::kFloat32) : out;
+}
+
+torch::ScalarType frozen_encoder_dtype(const std::string& name, torch::Device device) {
+  return name == "bf16" && device.is_cuda() ? torch::kBFloat16 : torch::kFloat32;
+}
+
+std::optional<WanVaeTiling> wan_vae_tiling(const VaeConfig& v) {
+  if (v.tile_size <= 0) return std::nullopt;
+  const int64_t overlap = static_cast<int64_t>(std::llround(static_cast<double>(v.tile_size) * v.tile_overlap)) / v.downscale * v.downscale;
+  return WanVaeTiling{v.tile_size, std::max<int64_t>(v.downscale, v.tile_size - overlap)};
 }
 
 }  // namespace megaslide

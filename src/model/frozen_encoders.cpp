@@ -1,17 +1,9 @@
 #include "megaslide/model/frozen_encoders.h"
 
 #include "megaslide/io/files.h"
+#include "megaslide/model/encoder_settings.h"
 
 namespace megaslide {
-
-namespace {
-
-torch::ScalarType dtype_of(const std::string& name, torch::Device device) {
-  // bf16 on a CPU is slow and gains nothing here: the config's dtype applies on a GPU.
-  return name == "bf16" && device.is_cuda() ? torch::kBFloat16 : torch::kFloat32;
-}
-
-}  // namespace
 
 std::shared_ptr<FrozenEncoders> FrozenEncoders::load(const RunConfig& config, torch::Device device, const std::string& source) {
   const auto& te = config.model.text_encoder;
@@ -22,7 +14,7 @@ std::shared_ptr<FrozenEncoders> FrozenEncoders::load(const RunConfig& config, to
   if (te.kind == "clip") {
     if (!io::is_directory(te.weights)) fail("model.text_encoder.weights", "'" + te.weights + "' is not a folder (CLIP's text encoder: config.json + model.safetensors)");
     try {
-      out->text_.emplace(ClipTextEncoder::load(te.weights, device, dtype_of(te.dtype, device)));
+      out->text_.emplace(ClipTextEncoder::load(te.weights, device, frozen_encoder_dtype(te.dtype, device)));
     } catch (const std::exception& e) {
       fail("model.text_encoder.weights", e.what());
     }
@@ -56,7 +48,7 @@ std::shared_ptr<FrozenEncoders> FrozenEncoders::load(const RunConfig& config, to
     if (!io::is_directory(v.weights))
       fail("model.vae.weights", "'" + v.weights + "' is not a folder (the SD VAE: config.json + diffusion_pytorch_model.safetensors)");
     try {
-      out->vae_.emplace(SdVae::load(v.weights, device, dtype_of(v.dtype, device)));
+      out->vae_.emplace(SdVae::load(v.weights, device, frozen_encoder_dtype(v.dtype, device)));
     } catch (const std::exception& e) {
       fail("model.vae.weights", e.what());
     }

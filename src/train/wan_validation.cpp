@@ -11,6 +11,7 @@
 
 #include "megaslide/io/files.h"
 #include "megaslide/io/video.h"
+#include "megaslide/model/encoder_settings.h"
 #include "megaslide/model/umt5_encoder.h"
 #include "megaslide/model/umt5_tokenizer.h"
 #include "megaslide/model/wan_vae.h"
@@ -23,22 +24,10 @@ namespace {
 
 constexpr int64_t kWanFps = 16;  // Wan2.1's sample_fps, as megaslide-sample writes Wan's videos
 
-// As megaslide-cache runs the encoders: bf16 applies on a GPU; on a CPU they run in fp32.
-torch::ScalarType encoder_dtype(const std::string& name, torch::Device device) {
-  return name == "bf16" && device.is_cuda() ? torch::kBFloat16 : torch::kFloat32;
-}
-
-// model.vae.tile_size as megaslide-cache tiles its encodes.
-std::optional<WanVaeTiling> vae_tiling(const VaeConfig& v) {
-  if (v.tile_size <= 0) return std::nullopt;
-  const int64_t overlap = static_cast<int64_t>(std::llround(static_cast<double>(v.tile_size) * v.tile_overlap)) / v.downscale * v.downscale;
-  return WanVaeTiling{v.tile_size, std::max<int64_t>(v.downscale, v.tile_size - overlap)};
-}
-
 WanVae load_vae(const RunConfig& config, torch::Device device, const std::string& source) {
   const auto& v = config.model.vae;
   try {
-    return WanVae::load(v.weights, device, encoder_dtype(v.dtype, device));
+    return WanVae::load(v.weights, device, frozen_encoder_dtype(v.dtype, device));
   } catch (const std::exception& e) {
     throw ConfigError(source, "model.vae.weights", error_message(e));
   }
@@ -116,7 +105,7 @@ WanValidation::WanValidation(const RunConfig& config, const std::vector<std::str
     throw ConfigError(source, te.vocab.empty() ? "model.text_encoder.weights" : "model.text_encoder.vocab", error_message(e));
   }
   try {
-    t5.emplace(Umt5Encoder::load(te.weights, torch::kCPU, encoder_dtype(te.dtype, device)));
+    t5.emplace(Umt5Encoder::load(te.weights, torch::kCPU, frozen_encoder_dtype(te.dtype, device)));
   } catch (const std::exception& e) {
     throw ConfigError(source, "model.text_encoder.weights", error_message(e));
   }
@@ -194,7 +183,7 @@ torch::Tensor WanValidation::sample(WanTrainer& trainer) const {
 std::vector<std::string> WanValidation::write(const std::string& dir, WanTrainer& trainer) const {
   const auto latents = sample(trainer);
   const WanVae vae = load_vae(config_, trainer.device(), source_);
-  const auto tiling = vae_tiling(config_.model.vae);
+  const auto tiling = wan_vae_tiling(config_.model.vae);
   const std::string videos_dir = io::join_path(dir, eval::kVideosFolder);
   io::make_directories(videos_dir);
   std::vector<std::string> files;

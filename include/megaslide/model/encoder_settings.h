@@ -1,0 +1,23 @@
+// How a run config's frozen encoders run, shared by the trainers' data paths (FrozenEncoders,
+// megaslide-cache's encoders) and Wan's validation videos, so that all of them run an encoder alike.
+#pragma once
+
+#include <torch/types.h>
+
+#include <optional>
+#include <string>
+
+#include "megaslide/config/run_config.h"
+#include "megaslide/model/wan_vae.h"
+
+namespace megaslide {
+
+// The dtype an encoder runs in for model.text_encoder.dtype / model.vae.dtype `name` on `device`: bf16
+// applies on a GPU; on a CPU (slow there, and nothing to gain) the encoders run in fp32.
+torch::ScalarType frozen_encoder_dtype(const std::string& name, torch::Device device);
+
+// model.vae.tile_size and tile_overlap as the Wan VAE's tiling (nullopt: whole frames): the overlap
+// rounded down to whole latents (model.vae.downscale pixels), the stride at least one latent.
+std::optional<WanVaeTiling> wan_vae_tiling(const VaeConfig& vae);
+
+}  // namespace megaslide
