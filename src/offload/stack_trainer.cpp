@@ -327,8 +327,6 @@ struct StreamedStackTrainer::StepRun {
     if (im.resident_optimizer) im.resident_optimizer->zero_grad();
   }
 
-  const float* fp32_master(int64_t l) const { return store.master(l).data_ptr<float>(); }
-
   // --- the building blocks ------------------------------------------------------------------------
   void wait_for_update(int64_t l) {
     auto& pending = im.pending_update[l];
