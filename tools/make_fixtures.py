@@ -34,7 +34,7 @@ FIXTURES = os.path.join(ROOT, "tests", "fixtures")
 
 
 _SAFETENSORS_DTYPES = {np.dtype(np.float64): "F64", np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.int64): "I64",
-                       np.dtype(np.int32): "I32", np.dtype(np.uint8): "U8", np.dtype(np.bool_): "BOOL"}
+                       np.dtype(np.int32): "I32", np.dtype(np.int16): "I16", np.dtype(np.uint8): "U8", np.dtype(np.bool_): "BOOL"}
 
 
 def _torch_tensor_bytes(tensor):
@@ -952,6 +952,50 @@ def section_umt5_tokenizer(out_dir):
 
 
 # --------------------------------------------------------------------------------------------------
+# umt5_ties: transformers' ids of text where several segmentations score the same, with the committed
+# umt5_tokenizer/spiece.model
+# --------------------------------------------------------------------------------------------------
+
+def section_umt5_ties(out_dir):
+    """Runs of one letter (2 to 60 long), random strings over two or three letters and random concatenations
+    of the model's pieces: where pieces of one root ("a", "aa", "aaa") or of equal total score can be put in
+    another order, the best segmentation is not unique and the tokenizer's tie-break decides."""
+    import random
+    import string
+
+    import sentencepiece
+    import transformers
+
+    spiece = os.path.join(FIXTURES, "umt5_tokenizer", "spiece.model")
+    sp = sentencepiece.SentencePieceProcessor(model_file=spiece)
+    rng = random.Random(5)
+    letters = list(string.ascii_lowercase)
+    prompts = [c * n for c in letters for n in range(2, 61)]
+    for _ in range(800):
+        alphabet = rng.sample(letters, rng.choice([2, 3]))
+        prompts.append("".join(rng.choice(alphabet) for _ in range(rng.randint(4, 40))))
+    pieces = [p for p in (sp.id_to_piece(i).replace("\u2581", "") for i in range(3, sp.get_piece_size())) if p]
+    for _ in range(800):
+        prompts.append("".join(rng.choice(pieces) for _ in range(rng.randint(2, 8))))
+    tokenizer_dir = os.path.join(out_dir, "tokenizer")
+    os.makedirs(tokenizer_dir)
+    shutil.copy(spiece, tokenizer_dir)
+    from transformers import T5Tokenizer
+
+    tokenizer = T5Tokenizer.from_pretrained(tokenizer_dir, extra_ids=0)
+    shutil.rmtree(tokenizer_dir)
+    ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    # The text's ids one prompt after another (int16: 700 pieces), and where each prompt's start.
+    flat = np.array([i for row in ids for i in row], dtype=np.int16)
+    offsets = np.cumsum([0] + [len(row) for row in ids]).astype(np.int32)
+    meta = {"versions": versions(transformers, sentencepiece), "prompts": json.dumps(prompts, ensure_ascii=False),
+            "what": "T5Tokenizer.from_pretrained(umt5_tokenizer's spiece.model, extra_ids=0)(prompt, add_special_tokens=False) "
+                    "for each prompt: ids[offsets[i]:offsets[i + 1]]"}
+    save_safetensors(os.path.join(out_dir, "ids.safetensors"), {"ids": flat, "offsets": offsets}, meta)
+    print(f"  {len(prompts)} prompts, {len(flat)} ids")
+
+
+# --------------------------------------------------------------------------------------------------
 # umt5: a tiny random UMT5EncoderModel in the HF layouts (single file, sharded) and ComfyUI's single file
 # --------------------------------------------------------------------------------------------------
 
@@ -1169,6 +1213,7 @@ SECTIONS = {
     "flow": (section_flow, "diffusers' flow-matching Euler and UniPC (flow sigmas) tables and sampling runs"),
     "wan": (section_wan, "tiny random WanTransformer3DModels (diffusers, original and ComfyUI layouts): outputs, one step's gradients"),
     "umt5_tokenizer": (section_umt5_tokenizer, "a tiny SentencePiece model and T5Tokenizer ids of VBench and edge-case prompts"),
+    "umt5_ties": (section_umt5_ties, "T5Tokenizer ids of text whose best segmentation is not unique (repeated letters, pieces)"),
     "umt5": (section_umt5, "a tiny random UMT5EncoderModel (HF single/sharded, ComfyUI fp16 file) and its hidden states"),
     "wan_pipeline": (section_wan_pipeline, "WanPipeline on the tiny umT5, Wan VAE and a matching tiny DiT: latents, video; prompt cleaning"),
 }

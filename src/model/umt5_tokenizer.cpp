@@ -4,6 +4,7 @@
 #include <array>
 #include <iterator>
 #include <string_view>
+#include <unordered_map>
 
 #include <unicode/normalizer2.h>
 #include <unicode/unistr.h>
@@ -231,6 +232,81 @@ std::string wan_clean(const std::string& prompt) {
 
 struct Umt5Tokenizer::Impl {
   sentencepiece::SentencePieceProcessor sp;
+  // The pieces the unigram search may use (not control, unknown, unused or byte pieces): text → (id, score).
+  // The keys view the processor's own piece strings.
+  std::unordered_map<std::string_view, std::pair<int, double>> pieces;
+  std::vector<bool> searchable;  // by id
+  size_t longest = 0;            // bytes of the longest searchable piece
+  double unknown_score = 0;      // the lowest score of any piece, minus 10 (transformers' unknown-character penalty)
+
+  void index() {
+    const int n = sp.GetPieceSize();
+    searchable.assign(static_cast<size_t>(n), false);
+    double lowest = 0;
+    for (int id = 0; id < n; ++id) {
+      lowest = std::min(lowest, static_cast<double>(sp.GetScore(id)));
+      if (sp.IsControl(id) || sp.IsUnknown(id) || sp.IsUnused(id) || sp.IsByte(id)) continue;
+      const std::string& piece = sp.IdToPiece(id);
+      pieces.emplace(std::string_view(piece), std::make_pair(id, static_cast<double>(sp.GetScore(id))));
+      searchable[static_cast<size_t>(id)] = true;
+      longest = std::max(longest, piece.size());
+    }
+    unknown_score = lowest - 10.0;
+  }
+
+  // One word (from one "▁" to the next) segmented as the tokenizers library's unigram model does it (the
+  // library transformers' T5 tokenizer runs): a best-score path over the word's bytes where, at each end
+  // position, the first candidate found (the earliest start) keeps the place unless a later one scores
+  // strictly more; scores are summed in double; a character with no piece of its own is <unk> with
+  // `unknown_score`, consecutive ones one <unk>.
+  void segment_word(std::string_view word, std::vector<int64_t>& out) const {
+    struct Node {
+      double score = 0;
+      int64_t start = -1;
+      int64_t id = 0;
+    };
+    std::vector<Node> best(word.size() + 1);
+    for (size_t s = 0; s < word.size();) {
+      const auto lead = static_cast<unsigned char>(word[s]);
+      const size_t width = std::min(word.size() - s, size_t{lead >= 0xF0 ? 4u : lead >= 0xE0 ? 3u : lead >= 0xC0 ? 2u : 1u});
+      const double base = best[s].score;
+      bool single = false;
+      for (size_t len = 1; len <= longest && s + len <= word.size(); ++len) {
+        const auto it = pieces.find(word.substr(s, len));
+        if (it == pieces.end()) continue;
+        Node& end = best[s + len];
+        const double candidate = base + it->second.second;
+        if (end.start < 0 || candidate > end.score) end = {candidate, static_cast<int64_t>(s), it->second.first};
+        single = single || len == width;
+      }
+      if (!single) {
+        Node& end = best[s + width];
+        const double candidate = base + unknown_score;
+        if (end.start < 0 || candidate > end.score) end = {candidate, static_cast<int64_t>(s), Umt5Tokenizer::kUnk};
+      }
+      s += width;
+    }
+    const size_t first = out.size();
+    for (auto end = static_cast<int64_t>(word.size()); end > 0; end = best[static_cast<size_t>(end)].start) {
+      const int64_t id = best[static_cast<size_t>(end)].id;
+      if (!(id == Umt5Tokenizer::kUnk && out.size() > first && out.back() == Umt5Tokenizer::kUnk)) out.push_back(id);
+    }
+    std::reverse(out.begin() + static_cast<std::ptrdiff_t>(first), out.end());
+  }
+
+  // A run of searchable pieces SentencePiece chose, segmented again word by word as above: the same
+  // total score (both are best paths over the same pieces), the same pieces where the best is unique;
+  // where several paths tie, the one transformers picks.
+  void segment_run(const std::string& run, std::vector<int64_t>& out) const {
+    static constexpr std::string_view kSpace = "\xE2\x96\x81";  // U+2581, SentencePiece's space
+    size_t begin = 0;
+    while (begin < run.size()) {
+      size_t next = run.find(kSpace, begin + 1);
+      if (next == std::string::npos) next = run.size();
+      segment_word(std::string_view(run).substr(begin, next - begin), out);
+      begin = next;
+    }
+  }
 };
 
 bool umt5_tokenizer_supported() { return true; }
@@ -263,18 +339,33 @@ Umt5Tokenizer Umt5Tokenizer::from_bytes(const std::string& serialized, const std
   auto impl = std::make_unique<Impl>();
   const auto status = impl->sp.LoadFromSerializedProto(serialized);
   if (!status.ok()) fail(source, "not a SentencePiece model: " + status.ToString());
-  return Umt5Tokenizer(checked(std::move(impl), source), source);
+  impl = checked(std::move(impl), source);
+  impl->index();
+  return Umt5Tokenizer(std::move(impl), source);
 }
 
 std::vector<int64_t> Umt5Tokenizer::encode_text(const std::string& text) const {
   std::vector<int64_t> out;
   size_t pos = 0;
+  // SentencePiece's normalisation and segmentation; then each run of ordinary pieces segmented again with
+  // transformers' tie-break (Impl::segment_run); unknown and byte pieces as SentencePiece gives them.
   auto piece_ids = [&](const std::string& part) {
     if (part.empty()) return;
-    std::vector<int> ids;
-    const auto status = impl_->sp.Encode(part, &ids);
+    sentencepiece::ImmutableSentencePieceText text;
+    const auto status = impl_->sp.Encode(part, text.mutable_proto());
     if (!status.ok()) fail(source_, "cannot encode text: " + status.ToString());
-    out.insert(out.end(), ids.begin(), ids.end());
+    std::string run;
+    for (const auto& p : text.pieces()) {
+      const auto id = static_cast<size_t>(p.id());
+      if (id < impl_->searchable.size() && impl_->searchable[id]) {
+        run += p.piece();
+        continue;
+      }
+      impl_->segment_run(run, out);
+      run.clear();
+      out.push_back(static_cast<int64_t>(id));
+    }
+    impl_->segment_run(run, out);
   };
   while (pos < text.size()) {
     // The leftmost special token (the longest at one position: they cannot overlap anyway).

@@ -6,12 +6,11 @@
 //   2. Each piece of text: the SentencePiece model's own normalisation (umT5's: NFKC-based "nmt_nfkc",
 //      white-space runs to one space, leading and trailing white space dropped, "▁" prefixed), then the
 //      unigram model's best segmentation; characters outside the vocabulary become <unk> (2), a run of
-//      them one <unk>.
+//      them one <unk>. Where several segmentations score the same, the one transformers (the tokenizers
+//      library) picks: SentencePiece's runs of ordinary pieces are segmented again word by word by the
+//      search tokenizers runs (at each end, the earliest start unless a later one scores strictly more).
 //   3. ids + </s> (1), cut to max_length with </s> kept last, padded with <pad> (0); mask 1 up to and
 //      including </s>.
-// Known difference: where two segmentations have exactly the same score (the same pieces in another order,
-// as in runs of one repeated character), Debian's SentencePiece 0.1.97 may pick the other one than
-// transformers (the tokenizers library) does; the test checks that every difference is such a tie.
 // The SentencePiece model (spiece.model) is read with the SentencePiece C++ library (Debian's
 // libsentencepiece-dev); it must have <pad>, </s> and <unk> at ids 0, 1 and 2, as umT5's has. umT5's
 // model has 256 000 pieces (the encoder's embedding has 256 384 rows: the rest are never produced).
