@@ -1,6 +1,8 @@
 // safetensors: the byte layout is the format's (checked against hand-built bytes), every dtype round
-// trips bit for bit, and every kind of corrupt file is refused with the file and the tensor named.
+// trips bit for bit, every kind of corrupt file is refused with the file and the tensor named, and a range
+// reader serves element ranges of any tensor.
 #include "megaslide/io/safetensors.h"
+#include "megaslide/io/safetensors_ranges.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -144,4 +146,45 @@ TEST(Safetensors, RefusesCorruptFilesNamingFileAndTensor) {
 TEST(Safetensors, WriterRefusesDuplicateNames) {
   EXPECT_THROW(megaslide::io::encode_safetensors({{"a", torch::ones({1})}, {"a", torch::ones({1})}}), c10::Error);
   EXPECT_THROW(megaslide::io::encode_safetensors({{"__metadata__", torch::ones({1})}}), c10::Error);
+}
+
+// A range reader parses the header once and serves any range of any tensor of the file: each range equals
+// the same elements of the tensor read whole; ranges outside a tensor, a missing tensor or another dtype are
+// refused naming the file and the tensor; the reader keeps working after a refused read.
+TEST(Safetensors, RangeReaderReadsAnyRangeOfAnyTensor) {
+  torch::manual_seed(5);
+  const NamedTensors tensors{{"a", torch::randn({7, 5})}, {"b", torch::arange(0, 100, torch::kLong)}, {"c", torch::randn({3}).to(torch::kBFloat16)}};
+  const auto path = temp_path("ranges.safetensors");
+  megaslide::io::write_safetensors(path, tensors);
+  megaslide::io::SafetensorsRangeReaders files;
+  const auto& reader = files(path);
+  EXPECT_EQ(&reader, &files(path)) << "one reader per file";
+  for (const auto& [name, whole] : tensors) {
+    const auto flat = whole.reshape({-1});
+    for (int64_t begin = 0; begin <= flat.numel(); begin += 3)
+      for (int64_t end = begin; end <= flat.numel(); end += 4) {
+        auto target = torch::empty({end - begin}, flat.options());
+        reader.read_into(name, begin, target);
+        EXPECT_TRUE(torch::equal(target, flat.slice(0, begin, end))) << name << " [" << begin << ", " << end << ")";
+      }
+  }
+  auto refused = [&](auto&& read, const std::string& needle) {
+    try {
+      read();
+      ADD_FAILURE() << "accepted; expected '" << needle << "'";
+    } catch (const SafetensorsError& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find(path), std::string::npos) << msg;
+      EXPECT_NE(msg.find(needle), std::string::npos) << msg;
+    }
+  };
+  refused([&] { reader.read_into("a", 30, torch::empty({6})); }, "elements [30, 36) were asked for");
+  refused([&] { reader.read_into("a", -1, torch::empty({1})); }, "'a'");
+  refused([&] { reader.read_into("z", 0, torch::empty({1})); }, "'z': missing");
+  refused([&] { reader.read_into("b", 0, torch::empty({1})); }, "dtype is I64, expected F32");
+  auto target = torch::empty({2});
+  reader.read_into("a", 33, target);
+  EXPECT_TRUE(torch::equal(target, tensors[0].second.reshape({-1}).slice(0, 33, 35)));
+  refused([&] { megaslide::io::SafetensorsRangeReader(path + ".missing"); }, "cannot open");
+  std::remove(path.c_str());
 }

@@ -1,4 +1,5 @@
 #include "megaslide/io/safetensors.h"
+#include "megaslide/io/safetensors_ranges.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -305,24 +306,46 @@ void read_safetensors_into(const std::string& path, const NamedTensors& targets,
     if (!expected.count(e.name)) fail_tensor(path, e.name, "is not expected here (an extra tensor: wrong file or model?)");
 }
 
-void read_safetensors_range_into(const std::string& path, const std::string& name, int64_t offset, const torch::Tensor& target) {
-  File file(path);
-  const auto header = parse_header(path, file);
-  const SafetensorsEntry* entry = nullptr;
-  for (const auto& e : header.entries)
-    if (e.name == name) entry = &e;
-  if (entry == nullptr) fail_tensor(path, name, "missing (the file has " + std::to_string(header.entries.size()) + " tensors)");
-  if (entry->dtype != target.scalar_type())
-    fail_tensor(path, name, "dtype is " + safetensors_dtype_name(entry->dtype) + ", expected " + safetensors_dtype_name(target.scalar_type()));
+struct SafetensorsRangeReader::Impl {
+  File file;
+  SafetensorsHeader header;
+  std::map<std::string, const SafetensorsEntry*> entries;
+  explicit Impl(const std::string& path) : file(path), header(parse_header(path, file)) {
+    for (const auto& e : header.entries) entries[e.name] = &e;
+  }
+};
+
+SafetensorsRangeReader::SafetensorsRangeReader(const std::string& path) : path_(path), impl_(std::make_unique<Impl>(path)) {}
+SafetensorsRangeReader::SafetensorsRangeReader(SafetensorsRangeReader&&) noexcept = default;
+SafetensorsRangeReader& SafetensorsRangeReader::operator=(SafetensorsRangeReader&&) noexcept = default;
+SafetensorsRangeReader::~SafetensorsRangeReader() = default;
+
+void SafetensorsRangeReader::read_into(const std::string& name, int64_t offset, const at::Tensor& target) const {
+  const auto it = impl_->entries.find(name);
+  if (it == impl_->entries.end()) fail_tensor(path_, name, "missing (the file has " + std::to_string(impl_->entries.size()) + " tensors)");
+  const SafetensorsEntry& entry = *it->second;
+  if (entry.dtype != target.scalar_type())
+    fail_tensor(path_, name, "dtype is " + safetensors_dtype_name(entry.dtype) + ", expected " + safetensors_dtype_name(target.scalar_type()));
   const auto element = static_cast<uint64_t>(target.element_size());
-  const uint64_t numel = (entry->end - entry->begin) / element;
+  const uint64_t numel = (entry.end - entry.begin) / element;
   if (offset < 0 || static_cast<uint64_t>(offset + target.numel()) > numel)
-    fail_tensor(path, name, "has " + std::to_string(numel) + " elements; elements [" + std::to_string(offset) + ", " +
-                                std::to_string(offset + target.numel()) + ") were asked for");
-  TORCH_CHECK(target.device().is_cpu() && target.is_contiguous(), "read_safetensors_range_into: the target of '", name,
+    fail_tensor(path_, name, "has " + std::to_string(numel) + " elements; elements [" + std::to_string(offset) + ", " +
+                                 std::to_string(offset + target.numel()) + ") were asked for");
+  TORCH_CHECK(target.device().is_cpu() && target.is_contiguous(), "SafetensorsRangeReader: the target of '", name,
               "' must be a contiguous CPU tensor");
   if (target.numel() > 0)
-    file.read_at(target.data_ptr(), static_cast<uint64_t>(target.numel()) * element, header.data_start + entry->begin + static_cast<uint64_t>(offset) * element);
+    impl_->file.read_at(target.data_ptr(), static_cast<uint64_t>(target.numel()) * element,
+                        impl_->header.data_start + entry.begin + static_cast<uint64_t>(offset) * element);
+}
+
+const SafetensorsRangeReader& SafetensorsRangeReaders::operator()(const std::string& path) {
+  auto it = readers_.find(path);
+  if (it == readers_.end()) it = readers_.emplace(path, SafetensorsRangeReader(path)).first;
+  return it->second;
+}
+
+void read_safetensors_range_into(const std::string& path, const std::string& name, int64_t offset, const torch::Tensor& target) {
+  SafetensorsRangeReader(path).read_into(name, offset, target);
 }
 
 }  // namespace megaslide::io

@@ -17,6 +17,7 @@
 #include <optional>
 #include <set>
 
+#include "megaslide/io/safetensors_ranges.h"
 #include "megaslide/io/weights.h"
 #include "megaslide/model/wan_weights.h"
 #include "megaslide/offload/host_param_store.h"
@@ -670,6 +671,7 @@ void read_block_ranges(const std::string& path, const nlohmann::json* saved, con
                                    saved_world, shards.blocks.size()));
   }
   const char* const parts[3] = {"master", "exp_avg", "exp_avg_sq"};
+  io::SafetensorsRangeReaders file;  // each file's header parsed once
   for (size_t l = 0; l < shards.blocks.size(); ++l) {
     const auto& b = shards.blocks[l];
     const torch::Tensor targets[3] = {b.master, b.exp_avg, b.exp_avg_sq};
@@ -688,8 +690,8 @@ void read_block_ranges(const std::string& path, const nlohmann::json* saved, con
         const int64_t first = std::max(range.begin, b.begin), last = std::min(range.end, b.end);
         if (first >= last) continue;
         for (int c = 0; c < 3; ++c)
-          io::read_safetensors_range_into(io::join_path(path, shard_file(q, saved_world)), b.name + "#" + parts[c], first - range.begin,
-                                          targets[c].narrow(0, first - b.begin, last - first));
+          file(io::join_path(path, shard_file(q, saved_world)))
+              .read_into(b.name + "#" + parts[c], first - range.begin, targets[c].narrow(0, first - b.begin, last - first));
       }
       continue;
     }
@@ -700,8 +702,7 @@ void read_block_ranges(const std::string& path, const nlohmann::json* saved, con
       const int64_t first = std::max(offset, b.begin), last = std::min(offset + n, b.end);
       if (first < last)
         for (int c = 0; c < 3; ++c)
-          io::read_safetensors_range_into(io::join_path(path, kTensorFiles[c]), b.name + "." + name, first - offset,
-                                          targets[c].narrow(0, first - b.begin, last - first));
+          file(io::join_path(path, kTensorFiles[c])).read_into(b.name + "." + name, first - offset, targets[c].narrow(0, first - b.begin, last - first));
       offset += n;
     }
   }
