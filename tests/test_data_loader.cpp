@@ -151,6 +151,34 @@ TEST(ClipLoader, AFailingItemIsReplacedByTheSameStandInEveryTime) {
   EXPECT_THROW(loader.next(), megaslide::DatasetError);
 }
 
+// A data-parallel rank loads only its slots of each planned batch: they are exactly those rows of the whole
+// batch (stand-ins of failing items included), captions too, and only its items are loaded.
+TEST(ClipLoader, ASliceOfSlotsIsThoseRowsOfTheWholeBatch) {
+  const std::vector<int64_t> buckets{0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 0, 1, 0, 1, 1, 0};
+  auto make = [&](int64_t begin, int64_t count, const std::shared_ptr<FakeSource>& source) {
+    LoaderOptions o;
+    o.workers = 2, o.prefetch = 2, o.seed = 7, o.slots_begin = begin, o.slots_count = count;
+    return std::make_unique<ClipLoader>(source, BucketBatchSampler(buckets, 2, 4, 9), o);
+  };
+  auto whole_source = std::make_shared<FakeSource>(buckets, std::set<int64_t>{1, 8, 12});
+  auto whole = make(0, -1, whole_source);
+  std::vector<megaslide::LoadedBatch> reference;
+  for (int i = 0; i < 10; ++i) reference.push_back(whole->next());
+  for (auto [begin, count] : {std::pair<int64_t, int64_t>{0, 2}, {2, 2}, {1, 3}, {3, 1}}) {
+    auto source = std::make_shared<FakeSource>(buckets, std::set<int64_t>{1, 8, 12});
+    auto part = make(begin, count, source);
+    for (size_t i = 0; i < reference.size(); ++i) {
+      const auto b = part->next();
+      EXPECT_TRUE(torch::equal(b.video, reference[i].video.narrow(0, begin, count))) << "batch " << i << " slots " << begin << "+" << count;
+      EXPECT_EQ(b.captions, std::vector<std::string>(reference[i].captions.begin() + begin, reference[i].captions.begin() + begin + count));
+    }
+    part.reset();  // workers joined: no load in flight
+    EXPECT_LT(source->loads.load(), whole_source->loads.load()) << "slots " << begin << "+" << count;
+  }
+  auto source = std::make_shared<FakeSource>(buckets);
+  EXPECT_THROW(make(3, 2, source)->next(), megaslide::DatasetError);  // past the batch of 4
+}
+
 TEST(ClipLoader, WorkersRunLibTorchOnOneThreadAndLeaveOthersAlone) {
   const int before = at::get_num_threads();
   int in_worker = -1;

@@ -21,6 +21,7 @@
 #include "megaslide/io/files.h"
 #include "megaslide/train/resident_trainer.h"
 #include "run_tool.h"
+#include "video_fixture.h"
 
 using namespace megaslide;
 using megaslide::io::join_path;
@@ -236,6 +237,30 @@ TEST(DiffusionBatchSource, RankSlicesConcatenateToTheSingleProcessBatch) {
   }
   DiffusionBatchSource odd(config);
   EXPECT_THROW(odd.take_slice(0, 4), std::invalid_argument);  // 6 items do not split over 4 ranks
+}
+
+// The same with a folder of videos, where each rank's loader decodes only its rows: side by side they are
+// the single process's batch, the corrupt files' stand-ins included.
+TEST(DiffusionBatchSource, RankSlicesOfAVideoFolderConcatenateToTheSingleProcessBatch) {
+  megaslide::testing::VideoFixture fx("dist-slices", 6);
+  const auto config = parse_run_config("", "test", {"data.dataset=videos", "data.manifest=" + fx.dir + "/opensora.csv", "data.frames=4",
+                                                    "data.height=16", "data.width=16", "data.frame_stride=2", "data.max_bad_fraction=0.5",
+                                                    "data.workers=1", "train.batch_size=4", "diffusion.caption_dropout=0.5",
+                                                    "train.device=cpu"});
+  DiffusionBatchSource whole(config);
+  std::vector<std::unique_ptr<DiffusionBatchSource>> ranks;
+  for (int64_t r = 0; r < 2; ++r) {
+    ranks.push_back(std::make_unique<DiffusionBatchSource>(config));
+    ranks.back()->take_slice(r, 2);
+  }
+  for (int batch = 0; batch < 3; ++batch) {
+    const auto w = whole.next(torch::kCPU);
+    const auto a = ranks[0]->next(torch::kCPU), b = ranks[1]->next(torch::kCPU);
+    EXPECT_EQ(a.x0.size(0), 2);
+    EXPECT_TRUE(torch::equal(torch::cat({a.x0, b.x0}), w.x0)) << "batch " << batch;
+    EXPECT_TRUE(torch::equal(torch::cat({a.xt, b.xt}), w.xt)) << "batch " << batch;
+    EXPECT_TRUE(torch::equal(torch::cat({a.text_ids, b.text_ids}), w.text_ids)) << "batch " << batch;
+  }
 }
 
 // The property: 2 and 3 Gloo ranks on localhost train with the losses and gradient norms of one process

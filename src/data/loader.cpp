@@ -55,6 +55,8 @@ struct ClipLoader::Slot {
 ClipLoader::ClipLoader(std::shared_ptr<const ClipSource> source, BucketBatchSampler sampler, LoaderOptions options)
     : source_(std::move(source)), sampler_(std::move(sampler)), options_(options) {
   TORCH_CHECK(options_.workers >= 0 && options_.prefetch >= 1, "ClipLoader: workers must be >= 0 and prefetch >= 1");
+  TORCH_CHECK(options_.slots_begin >= 0 && (options_.slots_count == -1 || options_.slots_count >= 1),
+              "ClipLoader: slots_begin must be >= 0 and slots_count >= 1 (or -1: all)");
   epoch_ = sampler_.epoch(), cursor_ = sampler_.cursor();
   for (int64_t t = 0; t < options_.workers; ++t) threads_.emplace_back([this] { worker(); });
 }
@@ -74,7 +76,12 @@ LoadedBatch ClipLoader::load(const PlannedBatch& plan) const {
   out.plan = plan;
   std::vector<ClipSample> samples;
   const auto& candidates = sampler_.bucket_items(plan.bucket);
-  for (size_t slot = 0; slot < plan.items.size(); ++slot) {
+  const auto slots = static_cast<int64_t>(plan.items.size());
+  const int64_t last = options_.slots_count < 0 ? slots : options_.slots_begin + options_.slots_count;
+  if (options_.slots_begin >= slots || last > slots)
+    throw DatasetError(fmt::format("batch {} of epoch {} has {} items; slots [{}, {}) were asked for", plan.index, plan.epoch, slots,
+                                   options_.slots_begin, last));
+  for (auto slot = static_cast<size_t>(options_.slots_begin); slot < static_cast<size_t>(last); ++slot) {
     int64_t item = plan.items[slot];
     for (int64_t attempt = 0;; ++attempt) {
       try {

@@ -100,15 +100,21 @@ DiffusionBatchSource::DiffusionBatchSource(const RunConfig& config)
     videos_->source = decoding_source(dataset);
   }
   videos_->unreported = videos_->known_bad;
+  videos_->loader = make_loader(0, -1);
+}
+
+std::unique_ptr<ClipLoader> DiffusionBatchSource::make_loader(int64_t slots_begin, int64_t slots_count) const {
   std::vector<int64_t> bucket_of;
   for (int64_t i = 0; i < videos_->source->size(); ++i) bucket_of.push_back(videos_->source->bucket_of(i));
   LoaderOptions options;
-  options.workers = d.workers;
-  options.prefetch = d.prefetch;
-  options.pin_memory = resolve_device(config.train.device).is_cuda();
-  options.seed = config.train.seed;
-  videos_->loader = std::make_unique<ClipLoader>(
-      videos_->source, BucketBatchSampler(bucket_of, videos_->source->num_buckets(), config.train.batch_size, config.train.seed), options);
+  options.workers = config_.data.workers;
+  options.prefetch = config_.data.prefetch;
+  options.pin_memory = resolve_device(config_.train.device).is_cuda();
+  options.seed = config_.train.seed;
+  options.slots_begin = slots_begin;
+  options.slots_count = slots_count;
+  return std::make_unique<ClipLoader>(
+      videos_->source, BucketBatchSampler(bucket_of, videos_->source->num_buckets(), config_.train.batch_size, config_.train.seed), options);
 }
 
 DiffusionBatchSource::~DiffusionBatchSource() = default;
@@ -202,6 +208,13 @@ void DiffusionBatchSource::take_slice(int64_t rank, int64_t world_size) {
                                             world_size, world_size));
   slice_rank_ = rank;
   slice_count_ = world_size;
+  if (videos_ && world_size > 1) {
+    // The rank loads (decodes) only its rows of each global batch, at the loader's position.
+    const int64_t local = B / world_size;
+    const int64_t epoch = videos_->loader->epoch(), cursor = videos_->loader->cursor();
+    videos_->loader = make_loader(rank * local, local);
+    videos_->loader->seek(epoch, cursor);
+  }
 }
 
 DiffusionBatch DiffusionBatchSource::next(torch::Device device) {
@@ -222,14 +235,9 @@ DiffusionBatch DiffusionBatchSource::next(torch::Device device) {
       if (videos_->failed_paths.insert(f.path).second) videos_->unreported.push_back(f);
     }
     if (!loaded.failed.empty()) videos_->check(config_.data);
-    captions = loaded.captions;
-    if (slice_count_ > 1) {
-      captions = std::vector<std::string>(captions.begin() + first, captions.begin() + first + local);
-      loaded.video = loaded.video.narrow(0, first, local);
-      if (loaded.text_ids.defined()) loaded.text_ids = loaded.text_ids.narrow(0, first, local);
-      if (loaded.text_mask.defined()) loaded.text_mask = loaded.text_mask.narrow(0, first, local);
-      if (loaded.text.defined()) loaded.text = loaded.text.narrow(0, first, local);
-    }
+    captions = loaded.captions;  // the loader loads this rank's rows only (take_slice)
+    TORCH_CHECK(static_cast<int64_t>(captions.size()) == local, "DiffusionBatchSource: the loader gave ", captions.size(), " items, expected ",
+                local);
   } else {
     auto order = sampler_.next(B);
     if (slice_count_ > 1) order = std::vector<int64_t>(order.begin() + first, order.begin() + first + local);

@@ -59,7 +59,7 @@ void use_one_intra_op_thread();
 
 struct LoadedBatch {
   PlannedBatch plan;
-  torch::Tensor video;                // [B, ...] the samples stacked (pinned when the loader pins)
+  torch::Tensor video;                // [B, ...] the samples stacked (pinned when the loader pins); B: the slots loaded
   torch::Tensor text_ids, text_mask;  // [B, L] when the source has them
   torch::Tensor text;                 // [B, L, width] when the source has cached embeddings
   std::vector<std::string> captions;
@@ -73,6 +73,10 @@ struct LoaderOptions {
   bool pin_memory = false; // stack into page-locked memory (needs CUDA)
   uint64_t seed = 0;       // stand-in draws
   int64_t max_attempts = 16;  // stand-ins tried for one slot before the batch fails
+  // Only slots [slots_begin, slots_begin + slots_count) of each planned batch are loaded (a data-parallel
+  // rank's part; -1: all). A slot's item and stand-ins do not depend on the other slots, so the part is
+  // exactly those rows of the whole batch.
+  int64_t slots_begin = 0, slots_count = -1;
 };
 
 class ClipLoader {

@@ -66,6 +66,8 @@ struct DiffusionBatch {
   double data_wait_s = 0.0;                // time next() waited for the clips
 };
 
+class ClipLoader;
+
 // The random streams of a training run, shared by the resident and the streamed trainer so that
 // both see the same clips, captions, timesteps and noise in the same order: clip order from an
 // EpochSampler(train.seed) (structured-motion) or a BucketBatchSampler(train.seed) behind a background
@@ -97,13 +99,15 @@ class DiffusionBatchSource {
   // Data parallelism: next() returns the rank-th contiguous 1/world_size of each global batch of
   // train.batch_size items. Every random draw (clip order, caption dropout, timestep, noise) is still
   // made for the whole global batch in the single-process order, so item i of the global batch gets the
-  // same draws at any world size; only the rank's clips are rendered (structured-motion) — videos are
-  // loaded for the whole batch, then sliced. Throws std::invalid_argument unless world_size divides
-  // train.batch_size and 0 <= rank < world_size.
+  // same draws at any world size; only the rank's clips are rendered (structured-motion) or loaded
+  // (videos: decoded or read from the cache; a failed item's stand-in is drawn per slot, so the rows are
+  // the whole batch's). Throws std::invalid_argument unless world_size divides train.batch_size and
+  // 0 <= rank < world_size.
   void take_slice(int64_t rank, int64_t world_size);
 
  private:
   struct Videos;
+  std::unique_ptr<ClipLoader> make_loader(int64_t slots_begin, int64_t slots_count) const;
   RunConfig config_;
   StructuredMotionDataset dataset_;
   EpochSampler sampler_;
