@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <string>
 #include <thread>
@@ -206,6 +207,58 @@ TEST(Communicator, GlooAllReduceSumsAndMaximaOverTwoRanks) {
     EXPECT_TRUE(torch::allclose(sums[r], inputs[0] + inputs[1], 0, 1e-6)) << "rank " << r;
     EXPECT_TRUE(torch::equal(maxima[r], torch::maximum(inputs[0], inputs[1]))) << "rank " << r;
   }
+}
+
+// The property: work on rank 0 may take longer than distributed.timeout_s while the other ranks wait for it
+// (a plain barrier would have timed out), and the ranks then go on together; work that throws on rank 0
+// reaches the other ranks as a DistributedError with its message; a rank 0 that never starts the work (no
+// heartbeat) ends the wait after the timeout.
+TEST(Communicator, RunOnRank0OutlastsTheTimeoutWhileRank0IsAlive) {
+  if (!gloo_available()) GTEST_SKIP() << "this build has no Gloo backend";
+  const double timeout_s = 1.5;  // rendezvous included: not tighter on a loaded machine
+  auto run = [&](const std::function<void(Communicator&, int64_t)>& body) {
+    const int64_t port = free_local_port();
+    std::vector<std::string> errors(2);
+    auto rank_main = [&](int64_t rank) {
+      try {
+        LaunchEnv env;
+        env.rank = rank, env.world_size = 2, env.master_addr = "127.0.0.1", env.master_port = port;
+        Communicator comm(env, "gloo", timeout_s, torch::kCPU);
+        body(comm, rank);
+      } catch (const std::exception& e) {
+        errors[rank] = e.what();
+      }
+    };
+    std::thread other(rank_main, 1);
+    rank_main(0);
+    other.join();
+    return errors;
+  };
+  // Rank 0 works for 2 timeouts, twice; then an all-reduce sums both ranks' values.
+  std::vector<double> sums(2);
+  auto errors = run([&](Communicator& comm, int64_t rank) {
+    for (int i = 0; i < 2; ++i)
+      comm.run_on_rank0("slow work", [&] { std::this_thread::sleep_for(std::chrono::duration<double>(2 * timeout_s)); });
+    std::vector<torch::Tensor> t{torch::full({1}, static_cast<double>(rank + 1), torch::kFloat64)};
+    comm.all_reduce_sum(t);
+    sums[rank] = t[0].item<double>();
+  });
+  EXPECT_EQ(errors[0], "");
+  EXPECT_EQ(errors[1], "");
+  EXPECT_EQ(sums[0], 3.0);
+  EXPECT_EQ(sums[1], 3.0);
+  // Work that throws on rank 0.
+  errors = run([&](Communicator& comm, int64_t) { comm.run_on_rank0("the videos", [] { throw std::runtime_error("disk full"); }); });
+  EXPECT_EQ(errors[0], "disk full");
+  EXPECT_NE(errors[1].find("rank 0 failed: disk full (the videos)"), std::string::npos) << errors[1];
+  // Rank 0 does not come: rank 1 gives up after about the timeout.
+  const auto started = std::chrono::steady_clock::now();
+  errors = run([&](Communicator& comm, int64_t rank) {
+    if (rank == 0) std::this_thread::sleep_for(std::chrono::duration<double>(3 * timeout_s));
+    else comm.run_on_rank0("the videos", [] {});
+  });
+  EXPECT_NE(errors[1].find("rank 0 stopped answering during the videos"), std::string::npos) << errors[1];
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count(), 30.0);
 }
 
 // The property: the ranks' slices, side by side, are the single-process batch — the same clips, caption

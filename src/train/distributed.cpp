@@ -31,7 +31,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
 #include <cstdlib>
 #include <thread>
 
@@ -187,6 +190,106 @@ Communicator::Communicator(const LaunchEnv& env, const std::string& backend, dou
 }
 
 Communicator::~Communicator() = default;
+
+namespace {
+
+std::vector<uint8_t> store_bytes(const std::string& text) { return std::vector<uint8_t>(text.begin(), text.end()); }
+std::string store_text(const std::vector<uint8_t>& bytes) { return std::string(bytes.begin(), bytes.end()); }
+
+}  // namespace
+
+void Communicator::run_on_rank0(const std::string& what, const std::function<void()>& work) {
+  if (world_size_ == 1) return work();
+  const std::string key = fmt::format("megaslide/rank0-work/{}", rank0_runs_++);
+  // Beats often enough that a waiting rank sees several within its timeout.
+  const auto beat_every = std::chrono::milliseconds(std::clamp<int64_t>(static_cast<int64_t>(timeout_s_ * 1000.0 / 8.0), 10, 5000));
+  auto& store = *impl_->store;
+  if (rank_ == 0) {
+    std::mutex mutex;
+    std::condition_variable finished;
+    bool done = false;
+    std::string beat_error;
+    std::thread beat([&] {
+      std::unique_lock<std::mutex> lock(mutex);
+      for (int64_t n = 1; !done; ++n) {
+        try {
+          store.set(key + "/beat", store_bytes(std::to_string(n)));
+        } catch (const std::exception& e) {
+          beat_error = error_message(e);
+          return;
+        }
+        finished.wait_for(lock, beat_every, [&] { return done; });
+      }
+    });
+    std::exception_ptr failure;
+    try {
+      work();
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      done = true;
+    }
+    finished.notify_all();
+    beat.join();
+    std::string outcome = "ok";
+    if (failure) {
+      try {
+        std::rethrow_exception(failure);
+      } catch (const std::exception& e) {
+        outcome = "failed: " + error_message(e);
+      } catch (...) {
+        outcome = "failed";
+      }
+    }
+    try {
+      store.set(key + "/done", store_bytes(outcome));
+    } catch (const std::exception& e) {
+      if (!failure)
+        throw DistributedError(fmt::format("rank 0 of {}: telling the other ranks that {} finished failed: {}", world_size_, what, error_message(e)));
+    }
+    if (failure) {
+      // The store lives in this process: keep it up until every rank has read the outcome (or the timeout).
+      const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s_);
+      try {
+        while (store.add(key + "/seen", 0) < world_size_ - 1 && std::chrono::steady_clock::now() < until)
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      } catch (const std::exception&) {
+        // Rank 0's own failure is what to report.
+      }
+      std::rethrow_exception(failure);
+    }
+    if (!beat_error.empty()) throw DistributedError(fmt::format("rank 0 of {}: the heartbeat of {} failed: {}", world_size_, what, beat_error));
+    return;
+  }
+  try {
+    std::string last_beat;
+    auto last_change = std::chrono::steady_clock::now();
+    const auto poll = std::min<std::chrono::milliseconds>(beat_every, std::chrono::milliseconds(500));
+    while (true) {
+      if (store.check({key + "/done"})) {
+        const std::string outcome = store_text(store.get(key + "/done"));
+        store.add(key + "/seen", 1);
+        if (outcome != "ok") throw DistributedError(fmt::format("rank {} of {}: rank 0 {} ({})", rank_, world_size_, outcome, what));
+        return;
+      }
+      if (store.check({key + "/beat"})) {
+        std::string beat_now = store_text(store.get(key + "/beat"));
+        if (beat_now != last_beat) last_beat = std::move(beat_now), last_change = std::chrono::steady_clock::now();
+      }
+      if (std::chrono::duration<double>(std::chrono::steady_clock::now() - last_change).count() > timeout_s_)
+        throw DistributedError(fmt::format("rank {} of {}: rank 0 stopped answering during {} (no heartbeat for distributed.timeout_s = {} s)",
+                                           rank_, world_size_, what, timeout_s_));
+      std::this_thread::sleep_for(poll);
+    }
+  } catch (const DistributedError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw DistributedError(fmt::format("rank {} of {}: waiting for rank 0's {} failed (rank 0 stopped?): {}", rank_, world_size_, what,
+                                       error_message(e)));
+  }
+}
 
 namespace {
 

@@ -475,19 +475,27 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
             last.empty() ? std::string("there is no checkpoint to resume from") : "the last checkpoint is " + last));
       }
     }
-    if (wan_validation && m.step % train.sample_every == 0) {
-      const auto samples = dir->file(fmt::format("samples/step-{:07}", m.step));
-      const auto started = std::chrono::steady_clock::now();
-      const auto files = wan_validation->write(samples, *trainer.wan());
-      log.info(fmt::format("step {}: {} validation videos in {} ({:.1f} s)", m.step, files.size(), samples,
-                           std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count()));
-    } else if (writer && train.sample_every > 0 && m.step % train.sample_every == 0) {
-      const auto samples = dir->file(fmt::format("samples/step-{:07}", m.step));
-      auto [dit, text] = trainer.model(config);
-      const auto files = write_validation_samples(samples, config, dit, text, 4,
-                                                  config.data.dataset == "videos" ? trainer.data()->captions(4) : std::vector<std::string>{},
-                                                  trainer.data()->frozen());
-      log.info(fmt::format("step {}: {} validation videos in {}", m.step, files.size(), samples));
+    if (train.sample_every > 0 && m.step % train.sample_every == 0) {
+      // Validation videos on rank 0; the other ranks wait for it however long it takes, while it is alive
+      // (Communicator::run_on_rank0), instead of in the next collective with its timeout.
+      auto validate = [&] {
+        if (!writer) return;
+        const auto samples = dir->file(fmt::format("samples/step-{:07}", m.step));
+        const auto started = std::chrono::steady_clock::now();
+        std::vector<std::string> files;
+        if (wan_validation) {
+          files = wan_validation->write(samples, *trainer.wan());
+        } else {
+          auto [dit, text] = trainer.model(config);
+          files = write_validation_samples(samples, config, dit, text, 4,
+                                           config.data.dataset == "videos" ? trainer.data()->captions(4) : std::vector<std::string>{},
+                                           trainer.data()->frozen());
+        }
+        log.info(fmt::format("step {}: {} validation videos in {} ({:.1f} s)", m.step, files.size(), samples,
+                             std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count()));
+      };
+      if (communicator) communicator->run_on_rank0(fmt::format("the validation videos of step {}", m.step), validate);
+      else validate();
     }
     window += m.loss;
     ++window_steps;

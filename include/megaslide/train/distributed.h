@@ -84,6 +84,13 @@ class Communicator {
   // In place: the element-wise maximum over the ranks.
   void all_reduce_max(std::vector<at::Tensor>& tensors);
   void barrier();
+  // Runs `work` on rank 0 while the other ranks wait for it, however long it takes (validation videos can
+  // outlast a collective's timeout): while `work` runs, rank 0 bumps a heartbeat in the rendezvous store
+  // every few seconds; a waiting rank throws DistributedError when the heartbeat stops for
+  // distributed.timeout_s (rank 0 died or stalled) or when `work` threw on rank 0 (its message included;
+  // rank 0 rethrows what `work` threw). `what` names the work in the errors. Every rank calls it at the
+  // same point.
+  void run_on_rank0(const std::string& what, const std::function<void()>& work);
   // The block exchange of a streamed trainer sharded over these ranks (offload/shard_exchange.h): its
   // step channel is this communicator; its host channel a second process group, Gloo over TCP with
   // either backend (the block shards live in host memory), made at the first call — a collective:
@@ -97,6 +104,7 @@ class Communicator {
   int64_t rank_ = 0, world_size_ = 1;
   std::string backend_;
   double timeout_s_ = 0.0;
+  int64_t rank0_runs_ = 0;  // run_on_rank0 calls so far: each call's store keys are its own
   std::shared_ptr<offload::ShardExchange> exchange_;
 };
 
