@@ -258,6 +258,56 @@ TEST(HostMemory, StreamedWanSamplingStartsWithoutAFullFp32Copy) {
   EXPECT_LT(peak, 0.85 * static_cast<double>(fp32_bytes));
 }
 
+// Property: resident sampling (megaslide-sample without streaming) reads the blocks one by one onto the
+// device in the compute dtype (ResidentWanDenoiser from a model with blocks on demand): the resident set
+// grows by the bf16 blocks, the fp32 parts outside them and about two fp32 blocks, not by the DiT in fp32.
+// The device here is the CPU, so the blocks' bf16 copies count as host memory too.
+TEST(HostMemory, ResidentWanSamplingStartsWithoutAFullFp32Copy) {
+  mallopt(M_MMAP_THRESHOLD, 1 << 20);
+  const std::string dir = "/tmp/megaslide-test-host-memory-resident-" + std::to_string(::getpid());
+  io::make_directories(dir);
+  const std::string weights = dir + "/wan.safetensors";
+  auto config = wan_8x512(16);
+  int64_t fp32_bytes = 0, block_fp32_bytes = 0, streamed_numel = 0;
+  {
+    torch::manual_seed(5);
+    WanTransformer dit(WanOptions::from_config(config));
+    io::NamedTensors params;
+    for (const auto& p : dit->named_parameters(true)) {
+      params.emplace_back(p.key(), p.value());
+      fp32_bytes += static_cast<int64_t>(p.value().nbytes());
+    }
+    for (const auto& p : dit->blocks[0]->parameters(true)) block_fp32_bytes += static_cast<int64_t>(p.nbytes());
+    for (const auto& block : *dit->blocks)
+      for (const auto& p : block->as<WanBlockImpl>()->streamed().parameters(true)) streamed_numel += p.numel();
+    save_wan_weights(weights, config.model.wan, params, torch::kBFloat16);
+  }
+  config.model.wan.weights = weights;
+  const auto file_bytes = static_cast<int64_t>(io::file_size(weights));
+  {  // warm-up: the loaders' first use
+    ResidentWanDenoiser warm(wan_model_from_config(config, "test", /*blocks_on_demand=*/true), torch::kCPU, torch::kBFloat16);
+  }
+  malloc_trim(0);
+  const int64_t before = proc_status_bytes("VmRSS");
+  if (!reset_peak_rss()) GTEST_SKIP() << "/proc/self/clear_refs is not writable here";
+  int64_t peak = 0;
+  {
+    ResidentWanDenoiser denoiser(wan_model_from_config(config, "test", /*blocks_on_demand=*/true), torch::kCPU, torch::kBFloat16);
+    peak = proc_status_bytes("VmHWM") - before - file_bytes;
+  }
+  io::remove_tree(dir);
+  const int64_t bf16_bytes = 2 * streamed_numel;
+  const int64_t other_bytes = fp32_bytes - 4 * streamed_numel;  // all but the blocks' streamed parameters, in fp32
+  const double expected = static_cast<double>(bf16_bytes + other_bytes + 2 * block_fp32_bytes);
+  std::printf("resident Wan sampling start-up: %.1f MB measured (resident set peak less the %.1f MB file), %.1f MB expected (bf16 blocks "
+              "%.1f MB, fp32 parts %.1f MB, two fp32 blocks %.1f MB): %.3f; the model in fp32 is %.1f MB (%.3f)\n",
+              peak / 1e6, file_bytes / 1e6, expected / 1e6, bf16_bytes / 1e6, other_bytes / 1e6, 2 * block_fp32_bytes / 1e6, peak / expected,
+              fp32_bytes / 1e6, peak / static_cast<double>(fp32_bytes));
+  EXPECT_GE(peak, bf16_bytes);
+  EXPECT_LE(peak, 1.3 * expected);
+  EXPECT_LT(peak, 0.85 * static_cast<double>(fp32_bytes));
+}
+
 // Property: a streamed Wan run's validation videos (train/wan_validation.h) sample the trainer's weights in
 // place. WanValidation::sample on a streamed WanTrainer raises the resident-set peak by the sampler's
 // streamer (two weight and two gradient slots of one block in the compute dtype: its device memory, host

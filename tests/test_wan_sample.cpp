@@ -201,7 +201,8 @@ TEST(WanTextToVideo, StreamedDenoiserEqualsResidentBitForBit) {
 // the old whole load's, parameter for parameter (WanTransformer's constructor, then load_wan_weights): from
 // published weights, from published weights without the 3D-DSA retrofit's parameters (which keep the
 // values the constructor draws for them), and from a Wan weights file; and the streamed denoiser built
-// block by block from them predicts what the one built from the whole model does, bit for bit.
+// block by block from them predicts what the one built from the whole model does, bit for bit; so does the
+// resident denoiser that reads them one by one onto its device.
 TEST(WanTextToVideo, BlocksOnDemandAreTheWholeLoadsAndStreamTheSame) {
   auto expect_same = [](const megaslide::WanTransformer& a, const megaslide::WanTransformer& b, const std::string& what) {
     const auto pa = a->named_parameters(true), pb = b->named_parameters(true);
@@ -253,6 +254,13 @@ TEST(WanTextToVideo, BlocksOnDemandAreTheWholeLoadsAndStreamTheSame) {
     const auto a = whole.predict(x, t, text);
     EXPECT_TRUE(torch::equal(a, published.predict(x, t, text))) << dtype;
     EXPECT_TRUE(torch::equal(a, from_file.predict(x, t, text))) << dtype;
+    // Resident, read block by block onto the device = resident from the whole model.
+    megaslide::ResidentWanDenoiser resident_whole(megaslide::wan_model_from_config(fixture_config(), "test").dit, torch::kCPU, dtype);
+    megaslide::ResidentWanDenoiser resident_on_demand(megaslide::wan_model_from_config(fixture_config(), "test", true), torch::kCPU, dtype);
+    megaslide::ResidentWanDenoiser resident_from_file(megaslide::load_wan_model(weights, true), torch::kCPU, dtype);
+    const auto r = resident_whole.predict(x, t, text);
+    EXPECT_TRUE(torch::equal(r, resident_on_demand.predict(x, t, text))) << dtype;
+    EXPECT_TRUE(torch::equal(r, resident_from_file.predict(x, t, text))) << dtype;
   }
   // A meta skeleton without its block source is an error, not a silent empty model.
   auto skeleton = megaslide::wan_model_from_config(fixture_config(), "test", true);

@@ -156,8 +156,9 @@ int sample_wan(megaslide::WanModel model, const WanFlags& wan, const std::vector
       denoiser = std::make_shared<megaslide::StreamedWanDenoiser>(model, so);  // block by block from the weights
       model.block = nullptr;                                                    // the weights' mapping closed
     } else {
-      model.load_blocks();
-      denoiser = std::make_shared<megaslide::ResidentWanDenoiser>(model.dit, device, scalar_type);
+      // Block by block onto the device: the host never holds the whole DiT in fp32.
+      denoiser = std::make_shared<megaslide::ResidentWanDenoiser>(model, device, scalar_type);
+      model.block = nullptr;  // the weights' mapping closed
     }
     try {
       pipeline = std::make_shared<megaslide::WanTextToVideo>(model.config, std::move(*t5), std::move(*tokenizer), denoiser, std::move(*vae));

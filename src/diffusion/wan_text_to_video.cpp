@@ -121,6 +121,28 @@ ResidentWanDenoiser::ResidentWanDenoiser(WanTransformer model, torch::Device dev
       for (auto& p : block->as<WanBlockImpl>()->streamed().parameters(true)) p.set_data(p.detach().to(compute_dtype_));
 }
 
+namespace {
+// The blocks of a model loaded with blocks_on_demand, read one by one onto `device` in `compute_dtype`.
+WanTransformer blocks_onto(WanModel model, torch::Device device, c10::ScalarType compute_dtype) {
+  TORCH_CHECK(model.dit, "ResidentWanDenoiser: the model is null");
+  if (!model.block) return model.dit;
+  torch::NoGradGuard no_grad;
+  for (int64_t l = 0; l < static_cast<int64_t>(model.dit->blocks->size()); ++l) {
+    if (!is_meta_block(model.dit, l)) continue;
+    WanBlock block = model.block(l);
+    block->to(device);
+    if (compute_dtype != at::kFloat)
+      for (auto& p : block->streamed().parameters(true)) p.set_data(p.detach().to(compute_dtype));
+    model.dit->replace_block(l, block);
+  }
+  model.block = nullptr;  // the weights' mapping closed
+  return model.dit;
+}
+}  // namespace
+
+ResidentWanDenoiser::ResidentWanDenoiser(WanModel model, torch::Device device, c10::ScalarType compute_dtype)
+    : ResidentWanDenoiser(blocks_onto(std::move(model), device, compute_dtype), device, compute_dtype) {}
+
 torch::Tensor ResidentWanDenoiser::predict(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text) {
   return wan_predict(model_, device_, compute_dtype_, x, timesteps, text, [&](int64_t l, const torch::Tensor& h, const WanBlockContext& ctx) {
     return model_->blocks[l]->as<WanBlockImpl>()->forward(h, ctx);

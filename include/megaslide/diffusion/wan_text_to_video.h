@@ -85,6 +85,9 @@ class ResidentWanDenoiser final : public WanDenoiser {
   // Moves `model` to `device`; with a compute dtype other than Float converts the blocks' streamed
   // parameters to it in place.
   ResidentWanDenoiser(WanTransformer model, torch::Device device, c10::ScalarType compute_dtype = c10::ScalarType::Float);
+  // The same from a model loaded with blocks_on_demand: each block is read (fp32 on the CPU), moved to
+  // `device` and converted before the next is read, so the host holds one block in fp32, not the DiT.
+  ResidentWanDenoiser(struct WanModel model, torch::Device device, c10::ScalarType compute_dtype = c10::ScalarType::Float);
   torch::Tensor predict(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text) override;
   torch::Device device() const override { return device_; }
 
