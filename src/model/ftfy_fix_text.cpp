@@ -194,21 +194,15 @@ bool decode_utf8_variants(const Bytes& b, Text& out) {
 
 // ---- character classes ----------------------------------------------------------------------------
 
-bool in_set(int set, char32_t c) {
-  const SetSpan span = kSets[set];
-  const CodeRange* first = kSetRanges + span.begin;
-  const CodeRange* last = first + span.count;
-  const CodeRange* it = std::upper_bound(first, last, c, [](char32_t v, const CodeRange& r) { return v < r.first; });
-  return it != first && c <= (it - 1)->last;
-}
-
 bool in_ranges(const CodeRange* first, const CodeRange* last, char32_t c) {
   const CodeRange* it = std::upper_bound(first, last, c, [](char32_t v, const CodeRange& r) { return v < r.first; });
   return it != first && c <= (it - 1)->last;
 }
 
+bool in_set(int set, char32_t c) { return in_ranges(kSetRanges + kSets[set].begin, kSetRanges + kSets[set].begin + kSets[set].count, c); }
+
 bool is_bad(const char32_t* text, size_t n) {
-  // Does alternative `branch` match from step k at position i? (Only '\s?' needs a second try.)
+  // Do steps[k..count) match at text[i]? (Only the optional '\s?' needs a second try.)
   const auto match = [&](auto&& self, const BadnessStep* steps, size_t count, size_t k, size_t i) -> bool {
     if (k == count) return true;
     const BadnessStep s = steps[k];
