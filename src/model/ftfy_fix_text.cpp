@@ -201,13 +201,34 @@ bool in_ranges(const CodeRange* first, const CodeRange* last, char32_t c) {
 
 bool in_set(int set, char32_t c) { return in_ranges(kSetRanges + kSets[set].begin, kSetRanges + kSets[set].begin + kSets[set].count, c); }
 
+// Which of the classes a code point is in.
+using SetMask = std::bitset<std::size(kSets)>;
+SetMask set_mask(char32_t c) {
+  SetMask mask;
+  for (size_t set = 0; set < std::size(kSets); ++set) mask[set] = in_set(static_cast<int>(set), c);
+  return mask;
+}
+// Below U+2600 (Latin, Greek, Cyrillic, the punctuation, symbols and box drawing mojibake is made of) from
+// a table built once; above, looked up.
+SetMask cached_set_mask(char32_t c) {
+  constexpr char32_t kCached = 0x2600;
+  static const std::vector<SetMask> table = [] {
+    std::vector<SetMask> t(kCached);
+    for (char32_t x = 0; x < kCached; ++x) t[x] = set_mask(x);
+    return t;
+  }();
+  return c < kCached ? table[c] : set_mask(c);
+}
+
 bool is_bad(const char32_t* text, size_t n) {
+  std::vector<SetMask> masks(n);
+  for (size_t i = 0; i < n; ++i) masks[i] = cached_set_mask(text[i]);
   // Do steps[k..count) match at text[i]? (Only the optional '\s?' needs a second try.)
   const auto match = [&](auto&& self, const BadnessStep* steps, size_t count, size_t k, size_t i) -> bool {
     if (k == count) return true;
     const BadnessStep s = steps[k];
     if (s.kind == BadnessStep::kStart) return i == 0 && self(self, steps, count, k + 1, i);
-    const bool hit = i < n && in_set(s.set, text[i]);
+    const bool hit = i < n && masks[i][s.set];
     if (s.kind == BadnessStep::kOptional) return (hit && self(self, steps, count, k + 1, i + 1)) || self(self, steps, count, k + 1, i);
     return hit && self(self, steps, count, k + 1, i + 1);
   };
