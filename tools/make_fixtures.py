@@ -1202,6 +1202,170 @@ def section_wan_pipeline(out_dir):
 
 
 # --------------------------------------------------------------------------------------------------
+# ftfy: ftfy.fix_text and diffusers' Wan prompt_clean of prompt-like text broken in the ways ftfy repairs
+# --------------------------------------------------------------------------------------------------
+
+# Prompt-like sentences in several scripts; each is also kept as it is (legitimate text ftfy leaves alone,
+# but for its character-wise fixes such as curly quotes).
+_FTFY_SENTENCES = [
+    "a red fox runs through the snowy forest at dawn",
+    "Un café crème à la terrasse, déjà l'été à Paris.",
+    "Über den Dächern fährt ein grüner Zug – schön, groß und weiß.",
+    "El niño español come jamón en la montaña, ¿verdad? ¡Sí!",
+    "A menina está às margens do rio, àquela hora, com o pão.",
+    "Zażółć gęślą jaźń: źrebię łka w deszczu.",
+    "Příliš žluťoučký kůň úpěl ďábelské ódy.",
+    "Árvíztűrő tükörfúrógép a Dunán ősszel.",
+    "Çağrı ışık görünce İstanbul'da koştu, ğüşöç.",
+    "Ένας γάτος περπατά στην παραλία τη νύχτα.",
+    "Кошка идёт по пляжу под луной, съешь же ещё этих булок.",
+    "Їжак біжить полем, ґанок і єнот.",
+    "一只猫在海滩上散步，夕阳西下，画面温暖。",
+    "桜の木の下で、猫が静かに眠っている。",
+    "고양이가 해변을 걷고 있다, 노을이 진다.",
+    "قطة تمشي على الشاطئ عند الغروب",
+    "חתול הולך על החוף בשקיעה",
+    "एक बिल्ली समुद्र तट पर चल रही है",
+    "Con mèo đi dạo trên bãi biển lúc hoàng hôn.",
+    "a cat 🐱 surfing a wave 🌊 at sunset 🌅, 4K 👍🏽",
+    "“Smart quotes” and ‘single ones’ — with dashes… and ellipses",
+    "price: 5 € or £4 — 30 °C, ±2 µm, ½ cup × 3, © 2024 ™",
+    "Øresund bridge, Ålesund fjord, Æbleskiver",
+    "naïve façade, coöperate, Noël, señor, résumé",
+    "ﬁne ﬂow of ＦＵＬＬＷＩＤＴＨ text and ｶﾀｶﾅ",
+    "(╯°□°)╯︵ ┻━┻ and ¯\\_(ツ)_/¯",
+]
+
+# Known cases from ftfy's documentation and edge cases of its steps.
+_FTFY_CASES = [
+    "âœ” No problems", "&macr;\\_(ã\x83\x84)_/&macr;", "Broken text&hellip; it&#x2019;s ﬂubberiﬁc!", "ＬＯＵＤ　ＮＯＩＳＥＳ",
+    "voilÃ le travail", "schÃ¶n", "sÃ³", "Ã³", "&ATILDE;&SUP3;", "P&EACUTE;REZ", "BUNDESSTRA&SZLIG;E",
+    "&ntilde; &Ntilde; &NTILDE; &nTILDE;", "&lt;tag&gt;", "&Jscr;ohn &HilbertSpace;ancock", "&checkmark;",
+    "this&not that", "&amp;amp;amp;", "&amp;amp;lt;b&amp;amp;gt;", "&ldquo;quoted&rdquo; &lsquo;single&rsquo;",
+    "&#8220;numeric&#8221; &#x201C;hex&#x201D; &#150; &#x96; &#0; &#65a; &#xZZ; &#;", "<b>bold</b> &amp; &lt;kept&gt;",
+    "first line &amp;\n<p>second</p> &amp;\nthird &amp;", "no < here &amp;\nbut &amp; here", "&#12345678901234567890123456;",
+    "&abcdefghijklmnopqrstuvwxyz;", "&AMP; &LT; &GT; &QUOT; &NBSP;", "&Eacute; &EACUTE; &eACUTE; &ouml; &OUML;",
+    "\x1b[36;44mI'm blue, da ba dee\x1b[0m", "\x1b[1mbold\x1b[m and \x1b[٣m arabic digit \x1b[;;Z \x1b[ x \x1b]0;title",
+    "CRLF\r\nline\rCR\u2028LS\u2029PS\x85NEL", "tabs\tand\x0bvt\x0cff\x00nul\x07bell\x7fdel\ufeffbom\ufffcobj\u206atag",
+    "C1: \x80\x81\x8d\x8f\x90\x9d\x9f and \x96dash\x97", "caf\xe9 \x93quoted\x94 \x85", "\x93\x94 only C1s",
+    "\u00a0\u2003\u3000\u200b spaces", "", " ", "\n", "\r\n\r\n", "a\n\nb\n",
+    "Ã la mode, Ã s vezes, Ã quela, Ã  deux", "fÃ cil Ã\xa0 la", "Ã© Ã¨ Ãª", "â€œ like this â€�", "â€œ like this â€?",
+    "Ã\x81rvÃ\xadztÅ±rÅ‘", "ÐšÐ¾ÑˆÐºÐ°", "Ð¿Ñ€Ð¸Ð²ÐµÑ‚", "Ã¢â‚¬Å“doubleÃ¢â‚¬Â\x9d", "ÃƒÂ©", "ÃƒÆ’Ã‚Â©",
+    "The Mona Lisa doesnÃƒÂ¢Ã¢â€šÂ¬Ã¢â€žÂ¢t have eyebrows.", "Ã\xa0 ", "Ãƒ ", "Â» Â« Â° Â·", "Ø³Ù„Ø§Ù…", "à²¨à²®à²¸à³à²•à²¾à²°",
+    "ÎšÎ±Î»Î·Î¼Î­ÏÎ±", "Ã°Å¸ËœÂ€", "ðŸ˜€ emoji", "√±", "‚Äú macroman quotes ‚Äù", "‚àö", "вЂњquotesвЂќ", "ГўВЂВњ quote",
+    "Ð¡â€šÐ â„–", "β€™ greek", "ā€ baltic", "íí", "\ud83d\ude00 pair", "\ud800 lone high", "\udc00\ud800 reversed",
+    "a\ud83dz", "Œuvre œuvre œ1", "ÈÉ° and Ô°", "× ² ×²", "ØØ Ø±Ø§", "à²", "√≠", "≈°", "‚Äú", "‚âà", "ВЂВ",
+    "latin-1 \xc3\xa9 mixed with real é", "real café and fake cafÃ©", "éèê normal accents only",
+    "l’été — c’est déjà ça", "Ã¼ber", "Ã¼ber und über", "ÉÉÉ", "Ã", "Â", "Â ", "x Â y", "a.Â ©",
+    # ftfy's utf-8-variants expressions end in '$', which also matches before a final '\n' (kept as it is).
+    "Ã© À\n", "Ã© À", "Ã©í\xa0\x80í°\n", "Ã©í\xa0\x80í°\x80", "Ã©í\xa0\x80í°\x80x\n", "Ã©\x1b[1;٣m", "Ã©\x1a\n",
+]
+
+
+def _ftfy_inputs():
+    """A few hundred strings from fixed seeds: the sentences as they are, and broken as mojibake (single,
+    double, lossy, A0 lost to a space, UTF-8 variants, mixed with good text), with HTML entities, line
+    breaks, terminal escapes and control characters."""
+    import html
+    import random
+
+    import ftfy.bad_codecs  # noqa: F401  (sloppy-windows-*, as mojibake makers use them)
+
+    rng = random.Random(20240613)
+    encodings = ["sloppy-windows-1252", "latin-1", "macroman", "cp437", "sloppy-windows-1251", "sloppy-windows-1250",
+                 "sloppy-windows-1253", "iso-8859-2", "sloppy-windows-1254", "sloppy-windows-1257"]
+    out = list(_FTFY_CASES)
+
+    def mojibake(text, encoding):
+        return text.encode("utf-8").decode(encoding, errors="replace")
+
+    for s in _FTFY_SENTENCES:
+        out.append(s)
+        for encoding in rng.sample(encodings, 4):
+            out.append(mojibake(s, encoding))
+        broken = mojibake(s, "sloppy-windows-1252")
+        out.append(mojibake(broken, rng.choice(["sloppy-windows-1252", "latin-1", "macroman"])))  # twice
+        out.append(mojibake(s, "windows-1252"))  # strict: undefined bytes became U+FFFD
+        out.append(s.encode("utf-8").decode("latin-1"))  # C1 controls
+        out.append(broken.replace("\xa0", " "))  # byte A0 read as a space
+        out.append(broken.replace("\x9d", "?").replace("\x81", "?"))
+        words = s.split(" ")
+        k = rng.randrange(len(words))
+        words[k] = mojibake(words[k], rng.choice(encodings[:3]))  # one word broken in good text
+        out.append(" ".join(words))
+        words = s.split(" ")
+        cut = rng.randrange(1, len(words) + 1)
+        out.append(" ".join(words[:cut]) + " " + mojibake(" ".join(words[cut:]), "sloppy-windows-1251"))
+        out.append(html.escape(s))
+        out.append(html.escape(html.escape(s)) + " &lt;b&gt;")
+        out.append(html.escape(html.escape(html.escape(s))))
+        out.append("".join(f"&#{ord(c)};" if ord(c) > 127 and rng.random() < 0.5 else c for c in s))
+        out.append(s.replace(" ", "\r\n", 2).replace(" ", "\u2028", 1) + "\x1b[0m")
+    # UTF-8 variants: CESU-8 (surrogate pairs as two 3-byte sequences) and Java's C0 80, read as Windows-1252.
+    def cesu8(text):
+        units = text.encode("utf-16-be", "surrogatepass")
+        halves = "".join(chr(int.from_bytes(units[i:i + 2], "big")) for i in range(0, len(units), 2))
+        return halves.encode("utf-8", "surrogatepass").replace(b"\x00", b"\xc0\x80")
+
+    for s in ["emoji 😀 here", "🐱🌊", "null\x00byte and é", "😀"]:
+        for encoding in ("sloppy-windows-1252", "latin-1"):
+            out.append(cesu8(s).decode(encoding))
+    # Random fragments of broken text glued together.
+    pieces = [s for s in out if s]
+    for _ in range(60):
+        a, b = rng.sample(pieces, 2)
+        out.append(a[: rng.randint(0, len(a))] + rng.choice([" ", "\n", "", " &amp; ", "\r\n"]) + b[rng.randint(0, len(b)):])
+    return out
+
+
+def _diffusers_wan_prompt_clean():
+    """diffusers' WanPipeline prompt_clean: its own functions, taken from pipeline_wan.py's source and run with
+    ftfy, html and re (importing the module would need torch and transformers' umT5 as well)."""
+    import ast
+    import html
+    import importlib.util
+    import re
+
+    import ftfy
+
+    path = importlib.util.find_spec("diffusers").submodule_search_locations[0] + "/pipelines/wan/pipeline_wan.py"
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    wanted = {"basic_clean", "whitespace_clean", "prompt_clean"}
+    functions = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in wanted]
+    assert {f.name for f in functions} == wanted, path
+    scope = {"ftfy": ftfy, "html": html, "re": re, "is_ftfy_available": lambda: True}
+    exec(compile(ast.Module(body=functions, type_ignores=[]), path, "exec"), scope)
+    return scope["prompt_clean"]
+
+
+def section_ftfy(out_dir):
+    import diffusers
+    import ftfy
+
+    prompt_clean = _diffusers_wan_prompt_clean()
+
+    def value(text):
+        try:
+            text.encode("utf-8")
+            return text
+        except UnicodeEncodeError:  # a lone surrogate: the UTF-8 of each code point (as C++ reads it)
+            return {"utf8_hex": text.encode("utf-8", "surrogatepass").hex()}
+
+    inputs = list(dict.fromkeys(_ftfy_inputs() + [WAN_NEGATIVE_PROMPT]))
+    cases = [{"in": value(s), "fix_text": value(ftfy.fix_text(s)), "prompt_clean": value(prompt_clean(s))} for s in inputs]
+    changed = sum(c["in"] != c["fix_text"] for c in cases)
+    doc = {"versions": json.loads(versions(ftfy, diffusers)),
+           "what": "ftfy.fix_text(in) (default configuration) and diffusers' WanPipeline prompt_clean(in) for each input; "
+                   "a string that holds a lone surrogate is written as {'utf8_hex': its UTF-8, surrogates encoded as such}",
+           "cases": cases}
+    with open(os.path.join(out_dir, "fix_text.json"), "w", encoding="utf-8") as f:
+        json.dump(doc, f, ensure_ascii=False, indent=0)
+        f.write("\n")
+    print(f"  {len(cases)} strings, {changed} changed by fix_text")
+
+
+# --------------------------------------------------------------------------------------------------
 
 SECTIONS = {
     "video": (section_video, "H.264 clips and their frames as opencv-python decodes them, VBench's temporal flickering"),
@@ -1215,6 +1379,7 @@ SECTIONS = {
     "umt5_tokenizer": (section_umt5_tokenizer, "a tiny SentencePiece model and T5Tokenizer ids of VBench and edge-case prompts"),
     "umt5_ties": (section_umt5_ties, "T5Tokenizer ids of text whose best segmentation is not unique (repeated letters, pieces)"),
     "umt5": (section_umt5, "a tiny random UMT5EncoderModel (HF single/sharded, ComfyUI fp16 file) and its hidden states"),
+    "ftfy": (section_ftfy, "ftfy.fix_text and Wan's prompt_clean of prompts broken as mojibake, HTML, line breaks, controls"),
     "wan_pipeline": (section_wan_pipeline, "WanPipeline on the tiny umT5, Wan VAE and a matching tiny DiT: latents, video; prompt cleaning"),
 }
 

@@ -114,8 +114,8 @@ int main(int argc, char** argv) {
   common(text, false);
   text->add_option("--text-encoder", encoder_kind, "text encoder")->check(CLI::IsMember({"clip", "umt5"}))->capture_default_str();
   text->add_option("--tokenizer", spiece, "umt5: spiece.model, or a folder or .safetensors file holding it (default: found from --weights)");
-  text->add_option("--clean", clean, "umt5: prompt cleaning before tokenizing: wan (Wan's prompt_clean without ftfy: HTML unescaped twice, white-space runs "
-                  "to one space, trimmed; what megaslide-sample does), whitespace (the white-space step alone) or none")
+  text->add_option("--clean", clean, "umt5: prompt cleaning before tokenizing: wan (Wan's prompt_clean: ftfy.fix_text, HTML unescaped twice, white-space "
+                  "runs to one space, trimmed; what megaslide-sample does), whitespace (the white-space step alone) or none")
       ->check(CLI::IsMember({"wan", "whitespace", "none"}))
       ->capture_default_str();
   text->add_option("--batch", batch, "umt5: prompts per encoder call")->check(CLI::Range(int64_t{1}, int64_t{1} << 20))->capture_default_str();

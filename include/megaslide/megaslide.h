@@ -27,6 +27,7 @@
 #include "megaslide/model/clip_text_encoder.h"
 #include "megaslide/model/clip_tokenizer.h"
 #include "megaslide/model/frozen_encoders.h"
+#include "megaslide/model/ftfy.h"
 #include "megaslide/model/dit.h"
 #include "megaslide/model/layers.h"
 #include "megaslide/model/sd_vae.h"

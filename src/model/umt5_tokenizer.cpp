@@ -11,6 +11,7 @@
 
 #include "io/pretrained.h"
 #include "megaslide/io/files.h"
+#include "megaslide/model/ftfy.h"
 
 #ifdef MEGASLIDE_WITH_SENTENCEPIECE
 #include <sentencepiece_processor.h>
@@ -209,7 +210,7 @@ std::string ftfy_character_fixes(const std::string& text) {
   return result;
 }
 
-std::string wan_prompt_clean(const std::string& prompt) { return wan_clean(html_unescape(html_unescape(ftfy_character_fixes(prompt)))); }
+std::string wan_prompt_clean(const std::string& prompt) { return wan_clean(html_unescape(html_unescape(ftfy_fix_text(prompt)))); }
 
 std::string wan_clean(const std::string& prompt) {
   std::string out;

@@ -15,12 +15,11 @@
 // libsentencepiece-dev); it must have <pad>, </s> and <unk> at ids 0, 1 and 2, as umT5's has. umT5's
 // model has 256 000 pieces (the encoder's embedding has 256 384 rows: the rest are never produced).
 //
-// wan_prompt_clean() is Wan's prompt cleaning (diffusers' WanPipeline prompt_clean, Wan's own): ftfy.fix_text,
-// HTML unescaping twice, then white-space runs to one space, trimmed. Of ftfy.fix_text it does the
-// character-wise steps (ligatures, fullwidth/halfwidth forms — Wan's Chinese negative prompt has fullwidth
-// commas —, curly quotes, control characters) and the final NFC; not its mojibake repair (fix_encoding,
-// C1 controls decoded as Windows-1252) nor its own extra HTML unescaping of text without '<'.
-// wan_clean() is the white-space part alone.
+// wan_prompt_clean() is Wan's prompt cleaning (diffusers' WanPipeline prompt_clean, Wan's own): ftfy.fix_text
+// (the whole of ftfy 6.3.1's, ftfy_fix_text() in model/ftfy.h: mojibake repair, its own HTML unescaping of
+// lines without '<', ligatures, fullwidth/halfwidth forms — Wan's Chinese negative prompt has fullwidth
+// commas —, curly quotes, line breaks, control characters, NFC), HTML unescaping twice, then white-space runs
+// to one space, trimmed. wan_clean() is the white-space part alone.
 //
 // Built without SentencePiece (umt5_tokenizer_supported() false), every constructor throws. Errors:
 // Umt5TokenizerError naming the file. Thread-safety: immutable after construction; encode is const.
@@ -90,11 +89,10 @@ std::string wan_clean(const std::string& prompt);
 // unknown name), decimal and hexadecimal references (code 0, surrogates and values above U+10FFFF become
 // U+FFFD, 0x80–0x9F Windows-1252's characters, the other control and non-characters are dropped).
 std::string html_unescape(const std::string& text);
-// ftfy.fix_text's character-wise steps (fix_latin_ligatures, fix_character_width, uncurl_quotes,
-// remove_control_chars, as ftfy 6.3's tables give them), then NFC.
+// Only ftfy.fix_text's character-wise steps (fix_latin_ligatures, fix_character_width, uncurl_quotes,
+// remove_control_chars, as ftfy 6.3's tables give them), then NFC; ftfy_fix_text() is the whole.
 std::string ftfy_character_fixes(const std::string& text);
-// wan_clean(html_unescape(html_unescape(ftfy_character_fixes(prompt)))): Wan's prompt_clean but for the
-// parts of ftfy.fix_text named above.
+// wan_clean(html_unescape(html_unescape(ftfy_fix_text(prompt)))): diffusers' prompt_clean.
 std::string wan_prompt_clean(const std::string& prompt);
 
 }  // namespace megaslide
