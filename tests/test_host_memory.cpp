@@ -198,6 +198,28 @@ TEST(HostMemory, WanStartsWithoutAFullCopyOfTheModel) {
   EXPECT_NEAR(steady_ratio, 1.0, 0.05);
 }
 
+// A Wan of `config`'s sizes drawn from seed 5 and saved as bf16 Wan weights at `path`, with its sizes.
+struct WanWeightsOnDisk {
+  int64_t fp32_bytes = 0;        // the whole DiT in fp32
+  int64_t block_fp32_bytes = 0;  // one block in fp32
+  int64_t streamed_numel = 0;    // the blocks' streamed (attention and FFN) parameters
+};
+WanWeightsOnDisk write_bf16_wan(const RunConfig& config, const std::string& path) {
+  WanWeightsOnDisk out;
+  torch::manual_seed(5);
+  WanTransformer dit(WanOptions::from_config(config));
+  io::NamedTensors params;
+  for (const auto& p : dit->named_parameters(true)) {
+    params.emplace_back(p.key(), p.value());
+    out.fp32_bytes += static_cast<int64_t>(p.value().nbytes());
+  }
+  for (const auto& p : dit->blocks[0]->parameters(true)) out.block_fp32_bytes += static_cast<int64_t>(p.nbytes());
+  for (const auto& block : *dit->blocks)
+    for (const auto& p : block->as<WanBlockImpl>()->streamed().parameters(true)) out.streamed_numel += p.numel();
+  save_wan_weights(path, config.model.wan, params, torch::kBFloat16);
+  return out;
+}
+
 // Property: megaslide-sample's streamed start-up never holds the whole Wan DiT in fp32. Building the
 // StreamedWanDenoiser from blocks read on demand (wan_model_from_config with blocks_on_demand: a meta
 // skeleton, each block read from the memory-mapped bf16 weights into fp32 and copied into its bf16 host
@@ -216,18 +238,8 @@ TEST(HostMemory, StreamedWanSamplingStartsWithoutAFullFp32Copy) {
   io::make_directories(dir);
   const std::string weights = dir + "/wan.safetensors";
   auto config = wan_8x512(16);
-  int64_t fp32_bytes = 0, block_fp32_bytes = 0;
-  {
-    torch::manual_seed(5);
-    WanTransformer dit(WanOptions::from_config(config));
-    io::NamedTensors params;
-    for (const auto& p : dit->named_parameters(true)) {
-      params.emplace_back(p.key(), p.value());
-      fp32_bytes += static_cast<int64_t>(p.value().nbytes());
-    }
-    for (const auto& p : dit->blocks[0]->parameters(true)) block_fp32_bytes += static_cast<int64_t>(p.nbytes());
-    save_wan_weights(weights, config.model.wan, params, torch::kBFloat16);
-  }
+  const auto sizes = write_bf16_wan(config, weights);
+  const int64_t fp32_bytes = sizes.fp32_bytes, block_fp32_bytes = sizes.block_fp32_bytes;
   config.model.wan.weights = weights;
   const auto file_bytes = static_cast<int64_t>(io::file_size(weights));
   offload::StreamedDenoiserOptions so;
@@ -268,20 +280,8 @@ TEST(HostMemory, ResidentWanSamplingStartsWithoutAFullFp32Copy) {
   io::make_directories(dir);
   const std::string weights = dir + "/wan.safetensors";
   auto config = wan_8x512(16);
-  int64_t fp32_bytes = 0, block_fp32_bytes = 0, streamed_numel = 0;
-  {
-    torch::manual_seed(5);
-    WanTransformer dit(WanOptions::from_config(config));
-    io::NamedTensors params;
-    for (const auto& p : dit->named_parameters(true)) {
-      params.emplace_back(p.key(), p.value());
-      fp32_bytes += static_cast<int64_t>(p.value().nbytes());
-    }
-    for (const auto& p : dit->blocks[0]->parameters(true)) block_fp32_bytes += static_cast<int64_t>(p.nbytes());
-    for (const auto& block : *dit->blocks)
-      for (const auto& p : block->as<WanBlockImpl>()->streamed().parameters(true)) streamed_numel += p.numel();
-    save_wan_weights(weights, config.model.wan, params, torch::kBFloat16);
-  }
+  const auto sizes = write_bf16_wan(config, weights);
+  const int64_t fp32_bytes = sizes.fp32_bytes, block_fp32_bytes = sizes.block_fp32_bytes, streamed_numel = sizes.streamed_numel;
   config.model.wan.weights = weights;
   const auto file_bytes = static_cast<int64_t>(io::file_size(weights));
   {  // warm-up: the loaders' first use

@@ -13,6 +13,7 @@
 #include <unicode/unistr.h>
 
 #include "megaslide/model/umt5_tokenizer.h"  // html_unescape (Python's html.unescape)
+#include "model/utf8.h"
 
 namespace megaslide {
 
@@ -79,23 +80,7 @@ Text decode_lenient(const std::string& s) {
   return out;
 }
 
-void append_utf8(std::string& out, char32_t cp) {
-  if (cp < 0x80) {
-    out += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    out += static_cast<char>(0xC0 | (cp >> 6));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    out += static_cast<char>(0xE0 | (cp >> 12));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    out += static_cast<char>(0xF0 | (cp >> 18));
-    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  }
-}
+void append_utf8(std::string& out, char32_t cp) { utf8::append(out, static_cast<uint32_t>(cp)); }
 
 std::string encode_utf8(const Text& text) {
   std::string out;
