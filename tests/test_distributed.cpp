@@ -134,6 +134,19 @@ TEST(LaunchEnv, ReadsSlurmsVariablesAndDefaultsThePort) {
   EXPECT_EQ(env.local_rank, 1);
   EXPECT_EQ(env.local_world_size, 2);
   EXPECT_EQ(env.master_port, 29500);
+  // Ranks per node from Slurm's compressed SLURM_TASKS_PER_NODE ("2(x3),1": three nodes of 2, one of 1) at
+  // this node's SLURM_NODEID, or the count all nodes share; 1 when it cannot be read.
+  auto local = [&](std::map<std::string, std::string> vars) {
+    vars.insert({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "7"}, {"MASTER_ADDR", "a"}});
+    return read_launch_env(env_of(vars)).local_world_size;
+  };
+  EXPECT_EQ(local({{"SLURM_TASKS_PER_NODE", "2(x3),1"}, {"SLURM_NODEID", "1"}}), 2);
+  EXPECT_EQ(local({{"SLURM_TASKS_PER_NODE", "2(x3),1"}, {"SLURM_NODEID", "3"}}), 1);
+  EXPECT_EQ(local({{"SLURM_TASKS_PER_NODE", "2(x3),1"}}), 1);  // nodes differ and no node id: unknown
+  EXPECT_EQ(local({{"SLURM_TASKS_PER_NODE", "4(x2)"}}), 4);
+  EXPECT_EQ(local({{"SLURM_TASKS_PER_NODE", "3"}}), 3);
+  EXPECT_EQ(local({{"SLURM_NTASKS_PER_NODE", "4(x2)"}, {"SLURM_TASKS_PER_NODE", "1"}}), 4);
+  for (const char* bad : {"", "x", "2(x", "2(x0)", "0", "2,,1", "2,", "(x2)"}) EXPECT_EQ(local({{"SLURM_TASKS_PER_NODE", bad}}), 1) << bad;
   // torchrun's variables win when both are present (torchrun inside a Slurm allocation).
   const auto both = read_launch_env(env_of({{"SLURM_PROCID", "3"}, {"SLURM_NTASKS", "4"}, {"RANK", "0"}, {"WORLD_SIZE", "2"},
                                             {"MASTER_ADDR", "a"}}));

@@ -32,6 +32,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
@@ -52,6 +53,33 @@ int64_t env_integer(const char* name, const char* value) {
   } catch (const std::exception&) {
   }
   throw DistributedError(fmt::format("launch environment: {}={} is not an integer", name, value));
+}
+
+// Slurm's tasks per node in its compressed form, "2(x3),1" = {2, 2, 2, 1}; empty when the text is not
+// of that form.
+std::vector<int64_t> slurm_tasks_per_node(const std::string& text) {
+  std::vector<int64_t> out;
+  size_t i = 0;
+  auto number = [&](int64_t& value) {
+    const size_t start = i;
+    value = 0;
+    while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i])) && i - start < 9) value = value * 10 + (text[i++] - '0');
+    return i > start && (i == text.size() || !std::isdigit(static_cast<unsigned char>(text[i])));
+  };
+  while (i < text.size()) {
+    int64_t count = 0, repeat = 1;
+    if (!number(count) || count < 1) return {};
+    if (text.compare(i, 2, "(x") == 0) {
+      i += 2;
+      if (!number(repeat) || repeat < 1 || i >= text.size() || text[i] != ')') return {};
+      ++i;
+    }
+    if (out.size() + static_cast<size_t>(repeat) > 100000) return {};
+    out.insert(out.end(), static_cast<size_t>(repeat), count);
+    if (i < text.size() && text[i++] != ',') return {};
+    if (i == text.size() && text.back() == ',') return {};
+  }
+  return out;
 }
 
 }  // namespace
@@ -81,10 +109,23 @@ LaunchEnv read_launch_env(const std::function<const char*(const char*)>& getenv_
     env.rank = integer("SLURM_PROCID", 0);
     env.world_size = integer("SLURM_NTASKS", 1);
     env.local_rank = integer("SLURM_LOCALID", 0);
-    // SLURM_NTASKS_PER_NODE may read "4(x2)" on heterogeneous layouts: only a plain number is used.
-    const char* per_node = get("SLURM_NTASKS_PER_NODE");
-    if (per_node != nullptr && std::string(per_node).find_first_not_of("0123456789") == std::string::npos)
-      env.local_world_size = env_integer("SLURM_NTASKS_PER_NODE", per_node);
+    // Tasks on this node: SLURM_NTASKS_PER_NODE (set with --ntasks-per-node), else SLURM_TASKS_PER_NODE
+    // (always set), both in Slurm's compressed form ("2(x3),1"); this node's entry by SLURM_NODEID, or the
+    // count every node shares. Unreadable: 1 (the ranks' thread and memory budgets then count one rank
+    // per machine).
+    const int64_t node = get("SLURM_NODEID") != nullptr ? integer("SLURM_NODEID", -1) : -1;
+    for (const char* name : {"SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"}) {
+      const auto counts = get(name) != nullptr ? slurm_tasks_per_node(get(name)) : std::vector<int64_t>{};
+      if (counts.empty()) continue;
+      if (node >= 0 && node < static_cast<int64_t>(counts.size())) {
+        env.local_world_size = counts[static_cast<size_t>(node)];
+        break;
+      }
+      if (std::all_of(counts.begin(), counts.end(), [&](int64_t c) { return c == counts.front(); })) {
+        env.local_world_size = counts.front();
+        break;
+      }
+    }
   } else {
     return env;
   }

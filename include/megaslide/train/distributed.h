@@ -42,7 +42,8 @@ struct LaunchEnv {
   int64_t rank = 0;
   int64_t world_size = 1;
   int64_t local_rank = 0;        // the process's index on its node: picks its GPU
-  int64_t local_world_size = 1;  // ranks on this node (LOCAL_WORLD_SIZE, SLURM_NTASKS_PER_NODE); 1 if unknown
+  int64_t local_world_size = 1;  // ranks on this node (LOCAL_WORLD_SIZE; Slurm's SLURM_NTASKS_PER_NODE or
+                                 // SLURM_TASKS_PER_NODE, "2(x3),1" read at SLURM_NODEID); 1 if unknown
   std::string master_addr;       // rank 0's host, where the TCPStore listens
   int64_t master_port = 0;
   std::string launcher = "none"; // none | torchrun | slurm
