@@ -23,6 +23,7 @@
 
 #include "megaslide/offload/cpu_master_trainer.h"
 #include "megaslide/plan/step_plan.h"
+#include "megaslide/train/auto_settings.h"
 #include "megaslide/train/wan_trainer.h"
 
 namespace {
@@ -65,12 +66,18 @@ int main(int argc, char** argv) {
     return 2;
   }
   mallopt(M_MMAP_THRESHOLD, 1 << 20);
-  const auto config = megaslide::load_run_config(config_path, overrides);
+  auto config = megaslide::load_run_config(config_path, overrides);
+  // The compute dtype the trainer runs in here (auto: bf16 only where this CPU computes it natively), so
+  // that the plan is of the same run.
+  const auto compute = megaslide::resolve_compute_dtype(config.offload.compute_dtype, torch::kCPU);
+  config.offload.compute_dtype = compute.dtype;
+  std::printf("compute dtype %s (%s)\n", compute.dtype.c_str(), compute.reason.c_str());
   const auto plan = megaslide::plan::plan_step(config, megaslide::plan::load_hardware_profile("h200"));
   const auto& d = plan.device;
   const int64_t resident_weights = d.resident_state / 4;
-  const double expected_start = static_cast<double>(
-      resident_weights + std::max(plan.host.construction_peak, plan.host.steady() + d.weight_slots + d.gradient_slots));
+  // The gradient slots (host memory on the CPU) get pages only when the first backward writes them.
+  const double expected_start =
+      static_cast<double>(resident_weights + std::max(plan.host.construction_peak, plan.host.steady() + d.weight_slots));
   const double expected_steady = static_cast<double>(plan.host.steady() + d.weight_slots + d.gradient_slots + d.resident_state);
 
   // Wan (model.arch: wan) trains on latent videos and text embeddings in memory: random ones of the

@@ -74,6 +74,21 @@ struct Measured {
   int64_t untrimmed = 0;          // the same before malloc_trim
 };
 
+// What the plan says a streamed run on the CPU holds beyond the process's baseline: at start-up the resident
+// parts' fp32 weights, then the larger of the store with two blocks' fp32 initial weights and the store with
+// the weight slots (the gradient slots have no pages until the first backward writes them); after a step
+// the store, both kinds of slots and the resident parts with their gradients and AdamW state. On the CPU
+// the "device" slots and resident parts are host memory.
+struct Expected {
+  double start = 0, steady = 0;
+};
+Expected expected_host(const plan::StepPlan& plan) {
+  const auto& d = plan.device;
+  const int64_t resident_weights = d.resident_state / 4;
+  return {static_cast<double>(resident_weights + std::max(plan.host.construction_peak, plan.host.steady() + d.weight_slots)),
+          static_cast<double>(plan.host.steady() + d.weight_slots + d.gradient_slots + d.resident_state)};
+}
+
 // `make()` builds the trainer (CPUMasterVideoDiT or WanTrainer).
 template <typename Make>
 Measured measure(const Make& make) {
@@ -121,14 +136,7 @@ TEST(HostMemory, PlanMatchesTheResidentSetSizeOfAStreamedRun) {
     const auto plan = plan::plan_step(config, plan::load_hardware_profile("h200"));
     const auto m = measure([&] { return std::make_unique<CPUMasterVideoDiT>(config); });
     if (m.construction_peak < 0) GTEST_SKIP() << "/proc/self/clear_refs is not writable here";
-    const auto& d = plan.device;
-    const int64_t resident_weights = d.resident_state / 4;  // fp32 weights of the resident parts
-    // At start-up the resident parts are built first, then the store and the blocks' initial weights
-    // (two at a time), then the slots once those are gone: on the CPU the peak is the larger of the two
-    // (the gradient slots untouched yet).
-    const double expected_start =
-        static_cast<double>(resident_weights + std::max(plan.host.construction_peak, plan.host.steady() + d.weight_slots));
-    const double expected_steady = static_cast<double>(plan.host.steady() + d.weight_slots + d.gradient_slots + d.resident_state);
+    const auto [expected_start, expected_steady] = expected_host(plan);
     const double start_ratio = static_cast<double>(m.construction_peak) / expected_start;
     const double steady_ratio = static_cast<double>(m.steady) / expected_steady;
     RecordProperty(state + "_" + compute + "_start_ratio", std::to_string(start_ratio));
@@ -185,11 +193,7 @@ TEST(HostMemory, WanStartsWithoutAFullCopyOfTheModel) {
   const auto plan = plan::plan_step(config, plan::load_hardware_profile("h200"));
   const auto m = measure([&] { return std::make_unique<WanTrainer>(config, wan_data()); });
   if (m.construction_peak < 0) GTEST_SKIP() << "/proc/self/clear_refs is not writable here";
-  const auto& d = plan.device;
-  const int64_t resident_weights = d.resident_state / 4;
-  const double expected_start = static_cast<double>(
-      resident_weights + std::max(plan.host.construction_peak, plan.host.steady() + d.weight_slots + d.gradient_slots));
-  const double expected_steady = static_cast<double>(plan.host.steady() + d.weight_slots + d.gradient_slots + d.resident_state);
+  const auto [expected_start, expected_steady] = expected_host(plan);
   const double start_ratio = static_cast<double>(m.construction_peak) / expected_start;
   const double steady_ratio = static_cast<double>(m.steady) / expected_steady;
   RecordProperty("wan_start_ratio", std::to_string(start_ratio));
