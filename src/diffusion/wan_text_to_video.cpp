@@ -106,6 +106,14 @@ void WanModel::load_blocks() {
   dit->eval();
 }
 
+namespace {
+// A block's streamed parameters (attention and FFN) converted in place to the compute dtype.
+void streamed_to(WanBlockImpl& block, c10::ScalarType compute_dtype) {
+  if (compute_dtype == at::kFloat) return;
+  for (auto& p : block.streamed().parameters(true)) p.set_data(p.detach().to(compute_dtype));
+}
+}  // namespace
+
 ResidentWanDenoiser::ResidentWanDenoiser(WanTransformer model, torch::Device device, c10::ScalarType compute_dtype)
     : model_(std::move(model)), device_(device), compute_dtype_(compute_dtype) {
   TORCH_CHECK(model_, "ResidentWanDenoiser: the model is null");
@@ -116,9 +124,7 @@ ResidentWanDenoiser::ResidentWanDenoiser(WanTransformer model, torch::Device dev
   torch::NoGradGuard no_grad;
   model_->to(device_);
   model_->eval();
-  if (compute_dtype_ != at::kFloat)
-    for (const auto& block : *model_->blocks)
-      for (auto& p : block->as<WanBlockImpl>()->streamed().parameters(true)) p.set_data(p.detach().to(compute_dtype_));
+  for (const auto& block : *model_->blocks) streamed_to(*block->as<WanBlockImpl>(), compute_dtype_);
 }
 
 namespace {
@@ -131,8 +137,7 @@ WanTransformer blocks_onto(WanModel model, torch::Device device, c10::ScalarType
     if (!is_meta_block(model.dit, l)) continue;
     WanBlock block = model.block(l);
     block->to(device);
-    if (compute_dtype != at::kFloat)
-      for (auto& p : block->streamed().parameters(true)) p.set_data(p.detach().to(compute_dtype));
+    streamed_to(*block, compute_dtype);
     model.dit->replace_block(l, block);
   }
   model.block = nullptr;  // the weights' mapping closed

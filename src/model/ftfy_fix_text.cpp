@@ -80,12 +80,10 @@ Text decode_lenient(const std::string& s) {
   return out;
 }
 
-void append_utf8(std::string& out, char32_t cp) { utf8::append(out, static_cast<uint32_t>(cp)); }
-
 std::string encode_utf8(const Text& text) {
   std::string out;
   out.reserve(text.size());
-  for (char32_t c : text) append_utf8(out, c);
+  for (char32_t c : text) utf8::append(out, static_cast<uint32_t>(c));
   return out;
 }
 

@@ -56,8 +56,6 @@ bool is_python_space(uint32_t c) {
          c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
 }
 
-void append_utf8(std::string& out, uint32_t cp) { utf8::append(out, static_cast<uint32_t>(cp)); }
-
 struct Entity {
   const char* name;
   const char* text;
@@ -78,16 +76,16 @@ void append_numeric_reference(std::string& out, uint64_t num) {
   static constexpr uint32_t kC1[32] = {0x20AC, 0x81,   0x201A, 0x0192, 0x201E, 0x2026, 0x2020, 0x2021, 0x02C6, 0x2030, 0x0160,
                                        0x2039, 0x0152, 0x8D,   0x017D, 0x8F,   0x90,   0x2018, 0x2019, 0x201C, 0x201D, 0x2022,
                                        0x2013, 0x2014, 0x02DC, 0x2122, 0x0161, 0x203A, 0x0153, 0x9D,   0x017E, 0x0178};
-  if (num == 0) return append_utf8(out, 0xFFFD);
-  if (num == 0x0D) return append_utf8(out, 0x0D);
-  if (num >= 0x80 && num <= 0x9F) return append_utf8(out, kC1[num - 0x80]);
-  if ((num >= 0xD800 && num <= 0xDFFF) || num > 0x10FFFF) return append_utf8(out, 0xFFFD);
+  if (num == 0) return utf8::append(out, 0xFFFD);
+  if (num == 0x0D) return utf8::append(out, 0x0D);
+  if (num >= 0x80 && num <= 0x9F) return utf8::append(out, kC1[num - 0x80]);
+  if ((num >= 0xD800 && num <= 0xDFFF) || num > 0x10FFFF) return utf8::append(out, 0xFFFD);
   const auto c = static_cast<uint32_t>(num);
   // html._invalid_codepoints: dropped.
   if ((c >= 0x1 && c <= 0x8) || c == 0xB || (c >= 0xE && c <= 0x1F) || (c >= 0x7F && c <= 0x9F) || (c >= 0xFDD0 && c <= 0xFDEF) ||
       (c & 0xFFFE) == 0xFFFE)
     return;
-  append_utf8(out, c);
+  utf8::append(out, c);
 }
 
 struct CharacterFix {
