@@ -83,7 +83,7 @@ fi
 build_type=${MEGASLIDE_BUILD_TYPE:-Release}
 if [ ! -f build/CMakeCache.txt ]; then
   log "configuring build/ ($build_type)"
-  cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE="$build_type" -DCMAKE_PREFIX_PATH="$torch_cmake" -DMEGASLIDE_SENTENCEPIECE=ON
+  cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE="$build_type" -DCMAKE_PREFIX_PATH="$torch_cmake" -DMEGASLIDE_SENTENCEPIECE=ON -DMEGASLIDE_ICU=ON
 fi
 log "building"
 cmake --build build --parallel "$(nproc)"

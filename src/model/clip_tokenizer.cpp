@@ -1,16 +1,13 @@
 #include "megaslide/model/clip_tokenizer.h"
 
 #include <nlohmann/json.hpp>
-#include <unicode/normalizer2.h>
-#include <unicode/uchar.h>
-#include <unicode/unistr.h>
-#include <unicode/ustring.h>
-#include <unicode/utf8.h>
 
 #include <limits>
 #include <sstream>
 
 #include "megaslide/io/files.h"
+#include "model/unicode.h"
+#include "model/utf8.h"
 
 namespace megaslide {
 
@@ -32,9 +29,9 @@ std::string read_text(const std::string& path) {
   }
 }
 
-std::string utf8(UChar32 c) {
+std::string utf8_of(uint32_t c) {
   std::string out;
-  icu::UnicodeString(c).toUTF8String(out);
+  utf8::append(out, c);
   return out;
 }
 
@@ -48,7 +45,7 @@ const std::vector<std::string>& byte_symbols() {
     for (int b = 161; b <= 172; ++b) printable[b] = true;
     for (int b = 174; b <= 255; ++b) printable[b] = true;
     int moved = 0;
-    for (int b = 0; b < 256; ++b) out[static_cast<size_t>(b)] = utf8(printable[b] ? b : 256 + moved++);
+    for (int b = 0; b < 256; ++b) out[static_cast<size_t>(b)] = utf8_of(static_cast<uint32_t>(printable[b] ? b : 256 + moved++));
     return out;
   }();
   return table;
@@ -87,92 +84,12 @@ std::pair<std::string, std::string> split_merge(const std::string& line, const s
   return {line.substr(0, space), line.substr(space + 1)};
 }
 
-bool is_letter(UChar32 c) { return (U_GET_GC_MASK(c) & U_GC_L_MASK) != 0; }
-bool is_number(UChar32 c) { return (U_GET_GC_MASK(c) & U_GC_N_MASK) != 0; }
-bool is_space(UChar32 c) { return u_isUWhiteSpace(c) != 0; }
-
-// Step 2: NFC, white-space runs to one space, per-character full lower-casing.
-icu::UnicodeString normalise(const std::string& text) {
-  UErrorCode status = U_ZERO_ERROR;
-  const icu::Normalizer2* nfc = icu::Normalizer2::getNFCInstance(status);
-  if (U_FAILURE(status)) throw ClipTokenizerError(std::string("ICU: no NFC normaliser: ") + u_errorName(status));
-  icu::UnicodeString normalized = nfc->normalize(icu::UnicodeString::fromUTF8(text), status);
-  if (U_FAILURE(status)) throw ClipTokenizerError(std::string("ICU: NFC failed: ") + u_errorName(status));
-  icu::UnicodeString out;
-  bool in_space = false;
-  for (int32_t i = 0; i < normalized.length();) {
-    const UChar32 c = normalized.char32At(i);
-    i += U16_LENGTH(c);
-    if (is_space(c)) {
-      if (!in_space) out.append(static_cast<UChar>(' '));
-      in_space = true;
-      continue;
-    }
-    in_space = false;
-    // Full lower-case mapping of the character alone (no context: a final capital sigma becomes σ).
-    UChar src[2], dst[8];
-    int32_t n = 0;
-    U16_APPEND_UNSAFE(src, n, c);
-    status = U_ZERO_ERROR;
-    const int32_t len = u_strToLower(dst, 8, src, n, "", &status);
-    if (U_FAILURE(status)) out.append(c);
-    else out.append(dst, len);
-  }
-  return out;
-}
-
-// Step 3: CLIP's word pattern over the normalised text, leftmost first.
-std::vector<std::string> words_of(const icu::UnicodeString& text) {
-  static const std::vector<std::u16string> contractions = {u"'s", u"'t", u"'re", u"'ve", u"'m", u"'ll", u"'d"};
-  std::vector<std::string> words;
-  const int32_t n = text.length();
-  int32_t i = 0;
-  auto char_at = [&](int32_t k) { return text.char32At(k); };
-  while (i < n) {
-    const UChar32 c = char_at(i);
-    if (c == '\'') {
-      bool matched = false;
-      for (const auto& k : contractions) {
-        const auto len = static_cast<int32_t>(k.size());
-        if (i + len <= n && text.compare(i, len, k.data(), 0, len) == 0) {
-          std::string w;
-          text.tempSubString(i, len).toUTF8String(w);
-          words.push_back(std::move(w));
-          i += len;
-          matched = true;
-          break;
-        }
-      }
-      if (matched) continue;
-    }
-    int32_t j = i;
-    if (is_letter(c)) {
-      while (j < n && is_letter(char_at(j))) j += U16_LENGTH(char_at(j));
-    } else if (is_number(c)) {
-      j += U16_LENGTH(c);
-    } else if (!is_space(c)) {
-      while (j < n) {
-        const UChar32 d = char_at(j);
-        if (is_space(d) || is_letter(d) || is_number(d)) break;
-        j += U16_LENGTH(d);
-      }
-    } else {
-      i += U16_LENGTH(c);
-      continue;
-    }
-    std::string w;
-    text.tempSubString(i, j - i).toUTF8String(w);
-    words.push_back(std::move(w));
-    i = j;
-  }
-  return words;
-}
-
 }  // namespace
 
 ClipTokenizer::ClipTokenizer(std::unordered_map<std::string, int64_t> vocab, const std::vector<std::pair<std::string, std::string>>& merges,
                              const std::string& source)
     : vocab_(std::move(vocab)) {
+  if (!unicode::available()) throw ClipTokenizerError(unicode::UnicodeUnavailable("the CLIP tokenizer").what());
   int64_t max_id = -1;
   for (const auto& [token, id] : vocab_) {
     if (id < 0) fail(source, "token '" + token + "' has the negative id " + std::to_string(id));
@@ -283,7 +200,13 @@ std::vector<int64_t> ClipTokenizer::bpe(const std::string& word) const {
 std::vector<int64_t> ClipTokenizer::encode_text(const std::string& text) const {
   std::vector<int64_t> ids;
   auto encode_segment = [&](const std::string& segment) {
-    for (const auto& word : words_of(normalise(segment))) {
+    std::vector<std::string> words;
+    try {
+      words = unicode::clip_words(segment);
+    } catch (const std::runtime_error& e) {
+      throw ClipTokenizerError(e.what());
+    }
+    for (const auto& word : words) {
       auto w = bpe(word);
       ids.insert(ids.end(), w.begin(), w.end());
     }

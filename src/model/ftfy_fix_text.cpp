@@ -9,10 +9,8 @@
 #include <utility>
 #include <vector>
 
-#include <unicode/normalizer2.h>
-#include <unicode/unistr.h>
-
 #include "megaslide/model/umt5_tokenizer.h"  // html_unescape (Python's html.unescape)
+#include "model/unicode.h"
 #include "model/utf8.h"
 
 namespace megaslide {
@@ -582,17 +580,7 @@ Text remove_control_chars(const Text& text) {
   return out;
 }
 
-Text nfc(const Text& text) {
-  UErrorCode status = U_ZERO_ERROR;
-  const icu::Normalizer2* normalizer = icu::Normalizer2::getNFCInstance(status);
-  if (U_FAILURE(status)) return text;
-  const icu::UnicodeString in = icu::UnicodeString::fromUTF32(reinterpret_cast<const UChar32*>(text.data()), static_cast<int32_t>(text.size()));
-  const icu::UnicodeString normalized = normalizer->normalize(in, status);
-  if (U_FAILURE(status)) return text;
-  Text out(static_cast<size_t>(normalized.countChar32()), U'\0');
-  normalized.toUTF32(reinterpret_cast<UChar32*>(out.data()), static_cast<int32_t>(out.size()), status);
-  return U_FAILURE(status) ? text : out;
-}
+Text nfc(const Text& text) { return unicode::nfc(text, "ftfy_fix_text (NFC)"); }
 
 // ftfy's fix_and_explain on one segment, without the explanation.
 Text fix_segment(Text text, bool unescape) {

@@ -6,10 +6,8 @@
 #include <string_view>
 #include <unordered_map>
 
-#include <unicode/normalizer2.h>
-#include <unicode/unistr.h>
-
 #include "io/pretrained.h"
+#include "model/unicode.h"
 #include "model/utf8.h"
 #include "megaslide/io/files.h"
 #include "megaslide/model/ftfy.h"
@@ -183,14 +181,7 @@ std::string ftfy_character_fixes(const std::string& text) {
     if (it != end && it->code_point == cp) out += it->replacement;
     else out.append(text, start, i - start);
   }
-  UErrorCode status = U_ZERO_ERROR;
-  const icu::Normalizer2* nfc = icu::Normalizer2::getNFCInstance(status);
-  if (U_FAILURE(status)) return out;
-  const icu::UnicodeString normalized = nfc->normalize(icu::UnicodeString::fromUTF8(out), status);
-  if (U_FAILURE(status)) return out;
-  std::string result;
-  normalized.toUTF8String(result);
-  return result;
+  return unicode::nfc(out, "ftfy_character_fixes (NFC)");
 }
 
 std::string wan_prompt_clean(const std::string& prompt) { return wan_clean(html_unescape(html_unescape(ftfy_fix_text(prompt)))); }
