@@ -12,11 +12,15 @@
 #endif
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
-#ifdef MEGASLIDE_WITH_CUDA
+// ProcessGroupNCCL.hpp includes nccl.h: MEGASLIDE_WITH_NCCL is set (src/CMakeLists.txt) only where CUDA is
+// compiled in and the header of the NCCL that LibTorch loads was found; Communicator checks at run time
+// that the two agree (nccl_version_mismatch).
+#ifdef MEGASLIDE_WITH_NCCL
 #ifndef USE_C10D_NCCL
 #define USE_C10D_NCCL 1
 #endif
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#include <dlfcn.h>
 #endif
 
 #include <ATen/ATen.h>
@@ -37,6 +41,7 @@
 #include <condition_variable>
 #include <mutex>
 #include <cstdlib>
+#include <exception>
 #include <thread>
 
 #include "megaslide/util/errors.h"
@@ -160,9 +165,9 @@ std::string resolve_backend(const DistributedConfig& config, c10::Device device,
                       "gloo is not in this build (Gloo's headers, Debian's libgloo-dev, were missing when it was built)" +
                           std::string(device.is_cuda() ? "; use nccl or auto" : ""));
   if (backend == "nccl") {
-#ifndef MEGASLIDE_WITH_CUDA
-    throw ConfigError(source, "distributed.backend", "nccl needs a build with CUDA (this one has none); use gloo or auto");
-#endif
+    if (!nccl_available())
+      throw ConfigError(source, "distributed.backend",
+                        "nccl is not in this build (it needs CUDA and NCCL's header, nccl.h, when it is built); use gloo or auto");
     if (!device.is_cuda())
       throw ConfigError(source, "distributed.backend", "nccl reduces GPU tensors but train.device is " + device.str() + "; use gloo or auto");
   }
@@ -209,15 +214,16 @@ Communicator::Communicator(const LaunchEnv& env, const std::string& backend, dou
       throw DistributedError("this build has no Gloo backend (Gloo's headers, Debian's libgloo-dev, were missing when it was built); use nccl");
 #endif
     } else if (backend == "nccl") {
-#ifdef MEGASLIDE_WITH_CUDA
+#ifdef MEGASLIDE_WITH_NCCL
       TORCH_CHECK(device.is_cuda(), "the nccl backend needs a GPU device, got ", device.str());
+      if (const std::string why = nccl_version_mismatch(); !why.empty()) throw DistributedError(why);
       c10::cuda::set_device(device.index());
       auto nccl = c10d::ProcessGroupNCCL::Options::create();
       nccl->timeout = timeout;
       impl_->group = c10::make_intrusive<c10d::ProcessGroupNCCL>(impl_->store, static_cast<int>(env.rank),
                                                                  static_cast<int>(env.world_size), nccl);
 #else
-      throw DistributedError("the nccl backend needs a build with CUDA");
+      throw DistributedError("this build has no nccl backend (it needs CUDA and NCCL's header, nccl.h, when it is built)");
 #endif
     } else {
       throw DistributedError("unknown distributed backend '" + backend + "' (expected gloo or nccl)");
@@ -230,7 +236,19 @@ Communicator::Communicator(const LaunchEnv& env, const std::string& backend, dou
   }
 }
 
-Communicator::~Communicator() = default;
+Communicator::~Communicator() {
+  // A process group with communicators of its own (NCCL's) is shut down before it is destroyed, as
+  // LibTorch asks: normally by shutdown(), which may wait for the other ranks; while an exception unwinds
+  // (a rank failed, the others may be gone) by abort(), which does not wait.
+  if (impl_ && impl_->group) {
+    try {
+      if (std::uncaught_exceptions() > 0) impl_->group->abort();
+      else impl_->group->shutdown();
+    } catch (const std::exception&) {
+      // Nothing to do at teardown: the process is ending its use of the group either way.
+    }
+  }
+}
 
 namespace {
 
@@ -450,6 +468,54 @@ std::shared_ptr<offload::ShardExchange> Communicator::shard_exchange() {
   throw DistributedError("the sharded streamed trainer exchanges host shards over Gloo, which this build lacks (Gloo's headers, Debian's "
                          "libgloo-dev, were missing when it was built)");
 #endif
+}
+
+bool nccl_available() {
+#ifdef MEGASLIDE_WITH_NCCL
+  return true;
+#else
+  return false;
+#endif
+}
+
+namespace {
+std::string nccl_version_text(int code) {
+  // NCCL_VERSION_CODE since 2.9: major·10000 + minor·100 + patch.
+  return fmt::format("{}.{}.{}", code / 10000, code / 100 % 100, code % 100);
+}
+}  // namespace
+
+std::string nccl_header_version() {
+#ifdef MEGASLIDE_WITH_NCCL
+  return nccl_version_text(NCCL_VERSION_CODE);
+#else
+  return {};
+#endif
+}
+
+std::string nccl_loaded_version() {
+#ifdef MEGASLIDE_WITH_NCCL
+  // libnccl.so.2 is loaded with libtorch_cuda (its NEEDED entry); this build does not link it itself.
+  using GetVersion = int (*)(int*);
+  auto get = reinterpret_cast<GetVersion>(::dlsym(RTLD_DEFAULT, "ncclGetVersion"));
+  int code = 0;
+  if (get == nullptr || get(&code) != 0) return {};
+  return nccl_version_text(code);
+#else
+  return {};
+#endif
+}
+
+std::string nccl_version_mismatch() {
+  const std::string header = nccl_header_version(), loaded = nccl_loaded_version();
+  if (header.empty() || loaded.empty()) return {};
+  auto major_minor = [](const std::string& v) { return v.substr(0, v.rfind('.')); };
+  if (major_minor(header) == major_minor(loaded)) return {};
+  return fmt::format("this build was compiled with NCCL {}'s header but LibTorch loads NCCL {}: ProcessGroupNCCL's options "
+                     "(ncclConfig_t) would be laid out by one and read by the other. Reconfigure with "
+                     "-DMEGASLIDE_NCCL_INCLUDE_DIR=<the include folder of NCCL {}> (for a pip torch: nvidia/nccl/include "
+                     "beside the torch folder) and rebuild (docs/building.md)",
+                     header, loaded, loaded);
 }
 
 bool gloo_available() {

@@ -120,6 +120,17 @@ int launch_local_ranks(const std::vector<std::string>& argv, int64_t nproc, int6
 // Whether this build has the Gloo backend (built where Gloo's headers were found: docs/building.md).
 bool gloo_available();
 
+// Whether this build has the NCCL backend (CUDA compiled in and NCCL's header found: docs/building.md).
+bool nccl_available();
+// "MAJOR.MINOR.PATCH" of the nccl.h this build was compiled with, and of the NCCL library LibTorch has
+// loaded (empty when there is none, or no NCCL in this build).
+std::string nccl_header_version();
+std::string nccl_loaded_version();
+// Empty when the two agree in major and minor version (or one is unknown); else the error to report:
+// ProcessGroupNCCL::Options::create() is inline, so a header of another NCCL sizes ncclConfig_t
+// differently from the library that fills it.
+std::string nccl_version_mismatch();
+
 // A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0, then closed).
 int64_t free_local_port();
 
