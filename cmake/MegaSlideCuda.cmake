@@ -16,6 +16,10 @@ if(NOT MEGASLIDE_CUDA STREQUAL "OFF")
     if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
       set(CMAKE_CUDA_ARCHITECTURES 90)
     endif()
+    # The shared CUDA runtime, the one LibTorch loads: a static one linked into libmegaslide would be a
+    # second runtime in the process (its own error state and module registry beside LibTorch's), working
+    # only as long as link order happened to put LibTorch's first.
+    set(CMAKE_CUDA_RUNTIME_LIBRARY Shared)
     set(CMAKE_CUDA_STANDARD 17)
     set(CMAKE_CUDA_STANDARD_REQUIRED ON)
     enable_language(CUDA)
