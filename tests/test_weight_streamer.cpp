@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
+
 using namespace megaslide::offload;
 
 namespace {
@@ -72,6 +74,29 @@ TEST(WeightStreamer, EmulatedCopyDestinationHoldsPoisonUntilItLands) {
   copy.wait();
   EXPECT_TRUE(torch::equal(dst, torch::arange(64, torch::kFloat))) << "landed: the gradient";
   s.release(0);
+}
+
+TEST(WeightStreamer, FirstUploadIntoASlotWaitsForComputeQueuedBeforeTheSlotsWereMade) {
+  // The slots' memory may be what the caching allocator took back from tensors that kernels queued on
+  // the compute stream still use; the first upload into each slot must wait for that work as later ones
+  // wait for release(). Emulated streams whose compute lane runs 300 ms behind the host: an upload
+  // ordered after the compute work queued when the streamer was made lands no earlier than 300 ms after
+  // that; an unordered one lands at once.
+  constexpr double kLagMs = 300.0;
+  std::vector<int64_t> numels{64, 64};
+  auto host = host_blocks(numels, at::kFloat);
+  const auto made = std::chrono::steady_clock::now();
+  WeightStreamerOptions options{torch::kCPU, at::kFloat, StreamMode::kAsync};
+  options.emulated_compute_lag_ms = kLagMs;
+  WeightStreamer s(numels, options);
+  for (int64_t l = 0; l < 2; ++l) {
+    s.prefetch(l, host[l]);
+    auto w = s.acquire(l);  // the calling thread waits for the upload to land
+    const double landed_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - made).count();
+    EXPECT_GE(landed_ms, kLagMs) << "slot " << l << "'s first upload did not wait for the compute work queued before it";
+    EXPECT_TRUE(torch::equal(w, host[l])) << "slot " << l;
+    s.release(l);
+  }
 }
 
 TEST(WeightStreamer, ASlotsGradientIsZeroedOnlyAfterItsPreviousCopyLeft) {

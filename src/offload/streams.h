@@ -9,7 +9,9 @@
 //                destination is filled with poison (NaN) when the copy is queued and receives the data
 //                only when its lane reaches it, after an optional delay: a reader that did not wait for
 //                the copy reads NaN, as on a GPU it would read whatever the memory held. This is how the
-//                CPU tests catch a missing wait.
+//                CPU tests catch a missing wait. Optionally the compute lane lags: its events complete a
+//                fixed time after they are recorded, so a copy that is not ordered after earlier compute
+//                work runs visibly early.
 //   inline       the CPU in sync mode: every copy runs on the calling thread when queued; events are
 //                complete when recorded.
 //
@@ -74,6 +76,10 @@ struct StreamsOptions {
   c10::Device device = c10::kCPU;
   StreamMode mode = StreamMode::kAsync;
   double emulated_copy_delay_ms = 0.0;  // emulated streams only: each copy starts this much later
+  // Emulated streams only: an event recorded on the compute lane completes this much after it is
+  // recorded, as when the GPU runs behind the host with kernels still queued (a testing aid: copy lanes
+  // that wait for such an event start late; one that does not wait starts at once).
+  double emulated_compute_lag_ms = 0.0;
 };
 
 // The implementation for the options (see above). A CUDA device needs a build with CUDA.

@@ -77,6 +77,9 @@ class CudaStreams final : public Streams {
       return;
     }
     // Sync mode: the copy runs on the compute stream and the host waits for it; all of it is exposed.
+    // The compute work queued before it (the previous block's forward or backward) is waited for first,
+    // outside the timing: the copy's own time is what is exposed, not the kernels ahead of it.
+    s.synchronize();
     const auto start = std::chrono::steady_clock::now();
     dst.copy_(src);
     s.synchronize();

@@ -49,11 +49,16 @@ WeightStreamer::WeightStreamer(std::vector<int64_t> block_numels, WeightStreamer
     largest = std::max(largest, numels_[l]);
   }
   options_.device = detail::canonical_device(options_.device);
-  impl_->streams = detail::make_streams({options_.device, options_.mode, options_.emulated_copy_delay_ms});
+  impl_->streams = detail::make_streams(
+      {options_.device, options_.mode, options_.emulated_copy_delay_ms, options_.emulated_compute_lag_ms});
   const auto opts = torch::TensorOptions().dtype(dt).device(options_.device);
   for (auto& s : impl_->slots) {
     s.weights = torch::empty({largest}, opts);
     s.grads = torch::empty({largest}, opts);
+    // The slots' memory may be what the caching allocator just took back from tensors that kernels still
+    // queued on the compute stream read or write (validation sampling, a streamed encoder before the
+    // trainer): the first upload into a slot waits for that work, like every later one waits for release().
+    s.released = impl_->streams->record(Lane::kCompute);
   }
 }
 

@@ -47,6 +47,9 @@ struct WeightStreamerOptions {
   StreamMode mode = StreamMode::kAsync;
   // CPU async mode only (a testing aid): every emulated copy starts this many milliseconds late.
   double emulated_copy_delay_ms = 0.0;
+  // CPU async mode only (a testing aid): the emulated compute lane runs this many milliseconds behind the
+  // host, as a GPU with kernels still queued does (src/offload/streams.h).
+  double emulated_compute_lag_ms = 0.0;
 };
 
 // Cumulative counters (reset with reset_stats()).
