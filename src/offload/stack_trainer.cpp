@@ -131,11 +131,13 @@ bool exponent_never_saturated(const Bits* p, int64_t n, Bits mask) {
   for (int64_t i = 0; i < n; ++i) ok &= (p[i] & mask) != mask;
   return ok;
 }
-bool all_finite(const at::Tensor& flat) {
+// Elements [begin, end) of a flat gradient.
+bool all_finite(const at::Tensor& flat, int64_t begin, int64_t end) {
+  const int64_t n = end - begin;
   switch (flat.scalar_type()) {
-    case at::kBFloat16: return exponent_never_saturated(static_cast<const uint16_t*>(flat.data_ptr()), flat.numel(), uint16_t{0x7f80});
-    case at::kHalf: return exponent_never_saturated(static_cast<const uint16_t*>(flat.data_ptr()), flat.numel(), uint16_t{0x7c00});
-    case at::kFloat: return exponent_never_saturated(static_cast<const uint32_t*>(flat.data_ptr()), flat.numel(), uint32_t{0x7f800000});
+    case at::kBFloat16: return exponent_never_saturated(static_cast<const uint16_t*>(flat.data_ptr()) + begin, n, uint16_t{0x7f80});
+    case at::kHalf: return exponent_never_saturated(static_cast<const uint16_t*>(flat.data_ptr()) + begin, n, uint16_t{0x7c00});
+    case at::kFloat: return exponent_never_saturated(static_cast<const uint32_t*>(flat.data_ptr()) + begin, n, uint32_t{0x7f800000});
     default: TORCH_CHECK(false, "all_finite: unsupported gradient dtype ", flat.scalar_type());
   }
 }
@@ -224,6 +226,17 @@ struct StreamedStackTrainer::Impl {
     }
     return ranges;
   }
+  // True when block l's gradient holds no NaN or infinity: one pass on the optimizer's threads, each over
+  // the range it updates (the scan is on the update's critical path, once per block and step).
+  bool gradient_finite(const at::Tensor& grad) {
+    TORCH_CHECK(grad.scalar_type() == at::kBFloat16 || grad.scalar_type() == at::kHalf || grad.scalar_type() == at::kFloat,
+                "StreamedStackTrainer: unsupported gradient dtype ", grad.scalar_type());
+    std::atomic<bool> finite{true};
+    adamw->for_each_range(grad.numel(), [&](int64_t b, int64_t e) {
+      if (!all_finite(grad, b, e)) finite.store(false, std::memory_order_relaxed);
+    });
+    return finite.load();
+  }
   // Rounds block l's compute copy from its master over [begin, end), on the optimizer's threads.
   void restore_compute(const HostParamStore& store, int64_t l, int64_t begin, int64_t end) {
     if (end <= begin) return;
@@ -233,15 +246,16 @@ struct StreamedStackTrainer::Impl {
   // Sharded, on the host task thread: block l's gradient (whole, in store.grad(l)) summed over the ranks
   // by a reduce-scatter; this rank's shard of the sum is written back in place. Each rank's part of
   // the exchange carries one more element, the count of ranks whose gradient held a non-finite value,
-  // so every rank takes the same skip decision. Leaves Σ g² of the shard in block_sq[l].
-  void reduce_gradient(const HostParamStore& st, int64_t l) {
+  // so every rank takes the same skip decision (immediate updates only, `count_nonfinite`: deferred
+  // ones decide from the global norm). Leaves Σ g² of the shard in block_sq[l].
+  void reduce_gradient(const HostParamStore& st, int64_t l, bool count_nonfinite) {
     const auto start = Clock::now();
     const at::Tensor g = st.grad(l);
     const int64_t n = g.numel(), R = exchange->world_size(), s = shard_stride(n, R), part = s + 1;
     const auto es = static_cast<int64_t>(g.element_size());
     const at::Tensor in = reduce_in.narrow(0, 0, R * part), out = reduce_out.narrow(0, 0, part);
     TORCH_CHECK(in.scalar_type() == g.scalar_type(), "StreamedStackTrainer: exchange buffer dtype mismatch");
-    const float nonfinite = all_finite(g) ? 0.f : 1.f;
+    const float nonfinite = count_nonfinite && !gradient_finite(g) ? 1.f : 0.f;
     char* dst = static_cast<char*>(in.data_ptr());
     const char* src = static_cast<const char*>(g.data_ptr());
     for (int64_t r = 0; r < R; ++r) {
@@ -374,8 +388,10 @@ struct StreamedStackTrainer::StepRun {
       if (sharded) impl.reduced[l].get();  // queued before this task: done
       const ShardRange mine = st.shard(l);  // the elements this rank updates: all, or its shard
       const bool restore = st.gradient_in_compute_buffer();
-      const bool nonfinite = sharded ? impl.reduced_nonfinite[l] != 0 : !all_finite(st.grad(l));
-      if (guard && (impl.nonfinite_step.load() == step || nonfinite)) {
+      // Only immediate updates (`guard`) look: deferred ones were already decided by the global norm.
+      const bool skip = guard && (impl.nonfinite_step.load() == step ||
+                                  (sharded ? impl.reduced_nonfinite[l] != 0 : !impl.gradient_finite(st.grad(l))));
+      if (skip) {
         impl.nonfinite_step.store(step);
         if (restore) impl.restore_compute(st, l, mine.begin, mine.end);
         if (sharded) impl.gather_compute(st, l);
@@ -448,9 +464,10 @@ struct StreamedStackTrainer::StepRun {
     im.exchange_bytes += im.exchange_size(store, l, /*reduce=*/true);
     const BlockGradient landed = gradient[l];
     StreamedStackTrainer* self = &t;
-    im.reduced[l] = im.tasks->submit([self, l, landed] {
+    const bool count_nonfinite = !deferred;
+    im.reduced[l] = im.tasks->submit([self, l, landed, count_nonfinite] {
       landed.wait();
-      self->impl_->reduce_gradient(*self->store_, l);
+      self->impl_->reduce_gradient(*self->store_, l, count_nonfinite);
     });
   }
 
@@ -595,23 +612,35 @@ struct StreamedStackTrainer::StepRun {
 
   // The global norm of the unscaled gradient: blocks from their device norms (or the host sums with
   // accumulation), resident parameters on the device — which are unscaled in place here.
+  // Every norm computed on the device comes to the host in one copy (one synchronisation per step, not
+  // one per resident parameter).
   double global_norm() {
     if (im.exchange) return global_norm_over_ranks();
+    std::vector<torch::Tensor> norms;  // [block norms (no accumulation)..., resident norms...], double on the device
+    if (accum == 1) norms.push_back(torch::stack(im.block_norm).to(torch::kDouble));
+    const size_t blocks = accum == 1 ? im.block_norm.size() : 0;
+    for (auto& p : im.resident) {
+      if (!p.grad().defined()) continue;
+      if (scale != 1.0) p.mutable_grad().mul_(1.0 / scale);
+      norms.push_back(p.grad().norm().to(torch::kDouble).reshape({1}));
+    }
+    const auto host = norms.empty() ? torch::Tensor() : torch::cat(norms).to(torch::kCPU);
     double sq = 0.0;
     if (accum > 1) {
       for (const auto& g : gradient) g.wait();
       for (double b : im.block_sq) sq += b;
     } else {
-      const auto norms = torch::stack(im.block_norm).to(torch::kCPU, torch::kDouble);
-      sq = norms.square().sum().item<double>();
+      sq = host.narrow(0, 0, static_cast<int64_t>(blocks)).square().sum().item<double>();
     }
     sq /= scale * scale;
-    for (auto& p : im.resident) {
-      if (!p.grad().defined()) continue;
-      if (scale != 1.0) p.mutable_grad().mul_(1.0 / scale);
-      sq += std::pow(p.grad().norm().item<double>(), 2);
-    }
-    return std::sqrt(sq);
+    return std::sqrt(add_resident_sq(sq, host, blocks));
+  }
+  // sq + the resident norms² (host doubles from index `first` on), added in parameter order.
+  static double add_resident_sq(double sq, const torch::Tensor& host, size_t first) {
+    if (!host.defined()) return sq;
+    const double* n = host.data_ptr<double>();
+    for (int64_t i = static_cast<int64_t>(first); i < host.numel(); ++i) sq += std::pow(n[i], 2);
+    return sq;
   }
 
   // Several ranks: the blocks' Σ g² of each rank's reduced shard, the resident gradients and the losses
@@ -644,12 +673,14 @@ struct StreamedStackTrainer::StepRun {
     if (!with_grad.empty()) {
       flat = collectives[1].div_(R * scale);  // the mean over the ranks, unscaled
       int64_t offset = 0;
+      std::vector<torch::Tensor> norms;
       for (auto& p : with_grad) {
         auto g = flat.narrow(0, offset, p.numel()).view(p.sizes());
         offset += p.numel();
         p.mutable_grad().copy_(g);
-        sq += std::pow(g.norm().item<double>(), 2);
+        norms.push_back(g.norm().to(torch::kDouble));
       }
+      sq = add_resident_sq(sq, torch::stack(norms).to(torch::kCPU), 0);  // one copy to the host
     }
     return std::sqrt(sq);
   }
