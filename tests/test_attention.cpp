@@ -125,6 +125,25 @@ TEST(ShiftedWindowAttention3D, LayoutFollowsVideoSwinRule) {
   EXPECT_EQ(l.padded, (std::array<int64_t, 3>{2, 32, 10}));
 }
 
+TEST(ShiftedWindowAttention3D, TheMaskIsBuiltOncePerGridAndLayout) {
+  // Every Swin block's forward asks for its mask: built once per (grid, layout, device), not on the CPU
+  // and copied to the device in every block of every step.
+  const TokenGrid grid{5, 6, 7};
+  const auto shifted = window_layout(grid, {3, 4, 4}, true), plain = window_layout(grid, {3, 4, 4}, false);
+  const auto a = shifted_window_mask(grid, shifted, torch::kCPU);
+  ShiftedWindowAttention3D attn(WindowAttentionOptions(8, 2).window({3, 4, 4}).shifted(true));
+  attn(torch::randn({1, grid.numel(), 8}), grid);
+  const auto b = shifted_window_mask(grid, shifted, torch::kCPU);
+  ASSERT_TRUE(a.defined() && b.defined());
+  EXPECT_EQ(a.data_ptr(), b.data_ptr()) << "the same grid and layout: the kept mask";
+  const auto c = shifted_window_mask(grid, plain, torch::kCPU);
+  ASSERT_TRUE(c.defined());  // padding only
+  EXPECT_NE(c.data_ptr(), a.data_ptr());
+  EXPECT_FALSE(torch::equal(c, a)) << "another layout: another mask";
+  EXPECT_FALSE(shifted_window_mask({4, 8, 8}, window_layout({4, 8, 8}, {2, 4, 4}, false), torch::kCPU).defined())
+      << "whole windows without a shift need no mask";
+}
+
 TEST(CrossAttention, MaskedTokensAreIgnored) {
   torch::manual_seed(2);
   CrossAttention cross(CrossAttentionOptions(16, 8, 2));

@@ -151,6 +151,18 @@ TEST(DiT, MetaDeviceModelsHoldNoStorage) {
   for (const auto& p : model->parameters()) EXPECT_TRUE(p.is_meta());
 }
 
+TEST(DiT, ThePositionTableIsBuiltOncePerGridDeviceAndDtype) {
+  // The dense and Swin DiTs add it in every step's prologue: built once, not on the CPU and copied.
+  const TokenGrid grid{3, 4, 5};
+  const auto a = sincos_position_table(grid, 16, torch::kCPU, torch::kFloat);
+  EXPECT_TRUE(torch::equal(a, sincos_position_embedding_3d(grid, 16)));
+  EXPECT_EQ(sincos_position_table(grid, 16, torch::kCPU, torch::kFloat).data_ptr(), a.data_ptr()) << "kept";
+  const auto b = sincos_position_table(grid, 16, torch::kCPU, torch::kBFloat16);
+  EXPECT_EQ(b.scalar_type(), torch::kBFloat16);
+  EXPECT_TRUE(torch::equal(b, a.to(torch::kBFloat16))) << "another dtype: its own table, rounded from the same one";
+  EXPECT_EQ(sincos_position_table({3, 4, 6}, 16, torch::kCPU, torch::kFloat).size(0), 72) << "another grid: its own table";
+}
+
 TEST(DiT, SinCosPositionsAreDistinctPerToken) {
   auto pe = sincos_position_embedding_3d({3, 4, 5}, 16);
   ASSERT_EQ(pe.sizes(), (std::vector<int64_t>{60, 16}));

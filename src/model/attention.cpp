@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "model/table_cache.h"
+
 namespace megaslide {
 
 torch::Tensor split_heads(const torch::Tensor& x, int64_t heads) {
@@ -96,12 +98,9 @@ torch::Tensor unpartition(const torch::Tensor& windows, const WindowLayout& l, i
       .reshape({B, l.padded[0], l.padded[1], l.padded[2], C});
 }
 
-// Which keys each query of each window may see: [windows, Wn, Wn] bool, or undefined when all may.
-torch::Tensor window_mask(const TokenGrid& grid, const WindowLayout& l, torch::Device device) {
+// Which keys each query of each window may see, built on the CPU: [windows, Wn, Wn] bool.
+torch::Tensor build_window_mask(const TokenGrid& grid, const WindowLayout& l) {
   const auto dims = grid.dims();
-  bool needed = false;
-  for (int a = 0; a < 3; ++a) needed |= l.shift[a] > 0 || l.padded[a] > dims[a];
-  if (!needed) return {};
   // Per axis, in rolled coordinates r: the token came from p = (r + shift) mod padded; it wrapped
   // around when p < shift, and it is padding when p >= the axis' length.
   std::array<torch::Tensor, 3> wrapped, real;
@@ -118,10 +117,22 @@ torch::Tensor window_mask(const TokenGrid& grid, const WindowLayout& l, torch::D
   // A padding query may see nothing else; letting every query see itself keeps softmax finite (and
   // changes nothing for real queries, which always see themselves).
   mask = mask | torch::eye(code_w.size(1), torch::kBool).unsqueeze(0);
-  return mask.to(device);
+  return mask;
 }
 
 }  // namespace
+
+torch::Tensor shifted_window_mask(const TokenGrid& grid, const WindowLayout& l, torch::Device device) {
+  const auto dims = grid.dims();
+  bool needed = false;
+  for (int a = 0; a < 3; ++a) needed |= l.shift[a] > 0 || l.padded[a] > dims[a];
+  if (!needed) return {};
+  // A stack's blocks alternate between two layouts on one grid; a few grids (buckets) are in use.
+  static detail::TableCache cache(16);
+  std::vector<int64_t> key(dims.begin(), dims.end());
+  for (const auto* v : {&l.window, &l.shift, &l.padded}) key.insert(key.end(), v->begin(), v->end());
+  return cache.get(key, device, torch::kBool, [&] { return build_window_mask(grid, l); });
+}
 
 torch::Tensor ShiftedWindowAttention3DImpl::forward(const torch::Tensor& x, const TokenGrid& grid) {
   check_tokens(x, grid, options.dim(), "ShiftedWindowAttention3D");
@@ -134,7 +145,7 @@ torch::Tensor ShiftedWindowAttention3DImpl::forward(const torch::Tensor& x, cons
   auto windows = partition(v, l);  // [B * nW, Wn, D]
   auto [q, k, vv] = project_qkv(qkv, windows, options.heads());
   std::optional<torch::Tensor> mask;
-  if (auto m = window_mask(grid, l, x.device()); m.defined()) {
+  if (auto m = shifted_window_mask(grid, l, x.device()); m.defined()) {
     const int64_t nW = m.size(0), Wn = m.size(1);
     mask = m.unsqueeze(0).expand({B, nW, Wn, Wn}).reshape({B * nW, 1, Wn, Wn});
   }

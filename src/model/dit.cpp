@@ -6,6 +6,8 @@
 
 #include <cmath>
 
+#include "model/table_cache.h"
+
 namespace megaslide {
 
 DiTOptions DiTOptions::from_config(const RunConfig& config) {
@@ -59,6 +61,11 @@ torch::Tensor sincos_position_embedding_3d(const TokenGrid& grid, int64_t dim) {
   auto eh = sincos_1d(grid.h, dh).view({1, grid.h, 1, dh}).expand({grid.t, grid.h, grid.w, dh});
   auto ew = sincos_1d(grid.w, dw).view({1, 1, grid.w, dw}).expand({grid.t, grid.h, grid.w, dw});
   return torch::cat({et, eh, ew}, -1).reshape({grid.numel(), dim});
+}
+
+torch::Tensor sincos_position_table(const TokenGrid& grid, int64_t dim, torch::Device device, c10::ScalarType dtype) {
+  static detail::TableCache cache(8);  // one per grid in use (buckets), device and dtype
+  return cache.get({grid.t, grid.h, grid.w, dim}, device, dtype, [&] { return sincos_position_embedding_3d(grid, dim); });
 }
 
 // --- small modules --------------------------------------------------------------------------------------
@@ -214,7 +221,7 @@ Embedded DiTImpl::embed(const torch::Tensor& x, const torch::Tensor& timesteps, 
   Embedded e;
   e.tokens = patch_embed(x).flatten(2).transpose(1, 2);  // [B, N, D]
   if (options.arch() != Architecture::kMegaSlide) {
-    e.tokens = e.tokens + sincos_position_embedding_3d(grid, options.hidden()).to(e.tokens.device(), e.tokens.scalar_type());
+    e.tokens = e.tokens + sincos_position_table(grid, options.hidden(), e.tokens.device(), e.tokens.scalar_type());
   }
   e.t_emb = t_embedder(timesteps);
   e.ctx.grid = grid;

@@ -65,6 +65,11 @@ struct WindowLayout {
 };
 WindowLayout window_layout(const TokenGrid& grid, std::array<int64_t, 3> window, bool shifted);
 
+// Which keys each query of each window may see under layout `l` of `grid` (see below): [windows, Wn, Wn]
+// bool on `device`, or undefined when every query may see every key of its window. Built once per
+// (grid, layout, device) and kept: every later call returns the same tensor (read-only).
+torch::Tensor shifted_window_mask(const TokenGrid& grid, const WindowLayout& l, torch::Device device);
+
 // 3D (shifted) window attention, as Video Swin: the grid is padded to whole windows, cyclically rolled
 // by -shift, and attention runs inside each window. A token attends to a key of its window only when
 // both come from the same side of the roll's wrap on every axis and the key is not padding.

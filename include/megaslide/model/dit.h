@@ -70,6 +70,9 @@ torch::Tensor timestep_features(const torch::Tensor& t, int64_t dim, double max_
 // Fixed 3D sin-cos position embedding [t*h*w, dim]: dim is split over (t, h, w) as
 // (dim - 2·⌊dim/6⌋·2, 2·⌊dim/6⌋, 2·⌊dim/6⌋), each a 1D sin-cos embedding of that axis' index.
 torch::Tensor sincos_position_embedding_3d(const TokenGrid& grid, int64_t dim);
+// The same on `device` as `dtype`, built once per (grid, dim, device, dtype) and kept: every later call
+// returns the same tensor (read-only). What the DiT's prologue adds in every step.
+torch::Tensor sincos_position_table(const TokenGrid& grid, int64_t dim, torch::Device device, c10::ScalarType dtype);
 
 class TimestepEmbedderImpl : public torch::nn::Cloneable<TimestepEmbedderImpl> {
  public:
