@@ -12,12 +12,16 @@
 //             halo keys S = Q·Kᵀ (smem, fp32) and the logits gathered from it; softmax (8 threads a
 //             query); per chunk P' scattered (fp32, one sample per step) and out += P'·V. No atomics:
 //             bit-identical run to run.
-//   backward  block per (tile, offset group, batch), the group's heads in turn: S -> logits and the
-//             key part of d(offsets); T = dO·Vᵀ -> dout·ṽ and the value part; ds; per chunk P' and dS'
-//             scattered, then dV = P'ᵀ·dO and dK = dS'ᵀ·Q merged into the fp32 dk, dv once per halo
-//             element (atomicAdd; deterministic mode: tile colours whose halos are disjoint, launched
-//             one after the other, plain adds), and dQ += dS'·K. d(offsets) and dq are owned by the
-//             block; dbias goes through per-tile partials summed in tile order by a second kernel.
+//   backward  block per (tile, head, batch): S -> logits and the key part of d(offsets); T = dO·Vᵀ ->
+//             dout·ṽ and the value part; ds; per chunk P' and dS' scattered, then dV = P'ᵀ·dO and
+//             dK = dS'ᵀ·Q merged into the fp32 dk, dv once per halo element (atomicAdd; deterministic
+//             mode: tile colours whose halos are disjoint, launched one after the other, plain adds),
+//             and dQ += dS'·K. dq is owned by the block; so is d(offsets) when a group is one head,
+//             else the group's heads (separate blocks) sum into it by atomicAdd or, deterministic, write
+//             per-head partials that a second kernel sums in head order. dbias goes through per-tile
+//             partials summed in tile order by another kernel. Heads on the grid rather than in a loop
+//             of the block: one block per SM fits the backward's shared memory, and a serial loop over
+//             a group's heads left the grid G/M as wide and the tail as long.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -466,7 +470,7 @@ __global__ void __launch_bounds__(TiledTraits::kThreads, 1)
   const Dsa3dShape& s = p.shape;
   const Geometry geo = geometry_of(s);
   const int K = geo.K, tile = tile_of(geo, tiles, blockIdx.x), chunk = lay.chunk;
-  const int64_t g = blockIdx.y, b = blockIdx.z, N = s.tokens(), M = s.M, d = s.d, Mg = M / s.G;
+  const int64_t m = blockIdx.y, b = blockIdx.z, N = s.tokens(), M = s.M, d = s.d, Mg = M / s.G, g = m / Mg;
   const int q = threadIdx.x / kCorners, c = threadIdx.x % kCorners;
   const Query qr = tile_query(geo, tile, q);
   const auto* off = static_cast<const acc_t*>(p.offsets) + ((b * N + qr.token) * s.G + g) * K * 3;
@@ -478,9 +482,8 @@ __global__ void __launch_bounds__(TiledTraits::kThreads, 1)
   const int HV = halo.volume();
   for (int i = threadIdx.x; i < TileShape::kQueries * K * 3; i += blockDim.x) dx_s[i] = 0;
 
-
-  for (int64_t m = g * Mg; m < (g + 1) * Mg; ++m) {
-    __syncthreads();  // the previous head is done with every buffer
+  {
+    __syncthreads();  // dx_s is zeroed
     stage_rows(static_cast<const scalar_t*>(p.q), token_s, TileShape::kQueries, b, N, M, m, d, lay.ld, q_s);
     stage_rows(static_cast<const scalar_t*>(p.dout), token_s, TileShape::kQueries, b, N, M, m, d, lay.ld, do_s);
     for (int i = threadIdx.x; i < TileShape::kQueries * K; i += blockDim.x) prob_s[i] = ds_s[i] = 0;
@@ -610,9 +613,34 @@ __global__ void __launch_bounds__(TiledTraits::kThreads, 1)
   }
   __syncthreads();
   if (qr.valid) {
-    auto* dst = static_cast<acc_t*>(p.doffsets) + ((b * N + qr.token) * s.G + g) * K * 3;
-    for (int i = c; i < K * 3; i += kCorners) dst[i] = dx_s[q * K * 3 + i];
+    const acc_t* mine = dx_s + q * K * 3;
+    if (p.offset_scratch != nullptr) {  // deterministic, several heads a group: this head's partial
+      auto* dst = static_cast<acc_t*>(p.offset_scratch) + ((b * N + qr.token) * M + m) * K * 3;
+      for (int i = c; i < K * 3; i += kCorners) dst[i] = mine[i];
+    } else {
+      auto* dst = static_cast<acc_t*>(p.doffsets) + ((b * N + qr.token) * s.G + g) * K * 3;
+      if (p.doffsets_accumulated) {
+        for (int i = c; i < K * 3; i += kCorners) atomicAdd(dst + i, mine[i]);
+      } else {  // one head a group: the block owns the group's d(offsets)
+        for (int i = c; i < K * 3; i += kCorners) dst[i] = mine[i];
+      }
+    }
   }
+}
+
+// Deterministic mode with several heads a group: d(offsets)[b, n, g, :] = Σ over the group's heads, in
+// head order, of the per-head partials (one thread per element).
+template <typename acc_t>
+__global__ void tiled_doffsets_kernel(const Dsa3dBackwardParams p) {
+  const Dsa3dShape& s = p.shape;
+  const int64_t K3 = s.K * 3, n = s.B * s.tokens() * s.G * K3;
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const int64_t e = i % K3, bng = i / K3, g = bng % s.G, bn = bng / s.G, Mg = s.M / s.G;
+  const auto* part = static_cast<const acc_t*>(p.offset_scratch) + (bn * s.M + g * Mg) * K3 + e;
+  acc_t sum = 0;
+  for (int64_t h = 0; h < Mg; ++h) sum += part[h * K3];
+  static_cast<acc_t*>(p.doffsets)[i] = sum;
 }
 
 // dbias[m, j] += Σ over (batch, tile) of the partials, in that order.
@@ -732,8 +760,11 @@ void dsa3d_backward_cuda_tiled(const Dsa3dBackwardParams& p, CUstream_st* stream
   C10_CUDA_CHECK(cudaGetDevice(&device));
   const Layout lay = checked_layout(s, true, device);
   const Geometry geo = make_geometry(int(s.T), int(s.H), int(s.W), int(s.kt), int(s.kh), int(s.kw));
-  TORCH_CHECK(s.G <= 65535 && s.B <= 65535, "dsa3d: the tiled CUDA kernel takes at most 65535 groups and batch entries");
+  TORCH_CHECK(s.M <= 65535 && s.B <= 65535, "dsa3d: the tiled CUDA kernel takes at most 65535 heads and batch entries");
   TORCH_CHECK(!p.bias || p.tile_scratch, "dsa3d: the tiled CUDA backward needs its dbias scratch");
+  TORCH_CHECK(p.doffsets_accumulated == dsa3d_cuda_tiled_accumulates_doffsets(s, p.deterministic) &&
+                  (p.offset_scratch != nullptr) == dsa3d_cuda_tiled_needs_offset_scratch(s, p.deterministic),
+              "dsa3d: the tiled CUDA backward's d(offsets) sum over a group's heads is not set up (zeroed output or partials)");
   // Default: every tile in one launch, dK/dV by atomics. Deterministic: colours of tiles whose halos
   // are disjoint (from the offsets' bound), one launch each, in a fixed order, plain adds.
   int period[3] = {1, 1, 1};
@@ -761,9 +792,15 @@ void dsa3d_backward_cuda_tiled(const Dsa3dBackwardParams& p, CUstream_st* stream
           }
           const int blocks = ts.count[0] * ts.count[1] * ts.count[2];
           if (blocks == 0) continue;
-          kernel<<<dim3(blocks, unsigned(s.G), unsigned(s.B)), TiledTraits::kThreads, lay.total, stream>>>(p, lay, ts);
+          kernel<<<dim3(blocks, unsigned(s.M), unsigned(s.B)), TiledTraits::kThreads, lay.total, stream>>>(p, lay, ts);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         }
+    if (p.offset_scratch != nullptr) {
+      const int64_t n = s.B * s.tokens() * s.G * s.K * 3;
+      tiled_doffsets_kernel<acc_t><<<unsigned((n + TiledTraits::kReduceThreads - 1) / TiledTraits::kReduceThreads),
+                                     TiledTraits::kReduceThreads, 0, stream>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
     if (p.dbias) {
       const int64_t n = s.M * s.K;
       tiled_dbias_kernel<acc_t><<<unsigned((n + TiledTraits::kReduceThreads - 1) / TiledTraits::kReduceThreads),

@@ -284,11 +284,14 @@ class FusedDsa3d : public torch::autograd::Function<FusedDsa3d> {
     auto dq = torch::empty_like(q);
     auto dk = torch::zeros(q.sizes(), q.options().dtype(acc));
     auto dv = torch::zeros(q.sizes(), q.options().dtype(acc));
-    auto doffsets = torch::empty(offsets.sizes(), offsets.options().dtype(acc));
-    auto dbias = bias.defined() ? torch::zeros(bias.sizes(), bias.options().dtype(acc)) : torch::Tensor();
-
     detail::Dsa3dBackwardParams p;
     p.shape = backend_shape(q, offsets, {kernel[0], kernel[1], kernel[2]});
+    // The tiled CUDA kernel runs each head in its own block: a group's d(offsets) is summed over its
+    // heads, by atomics into zeros (default mode) or through per-head partials (deterministic mode).
+    p.doffsets_accumulated = impl == DsaImpl::kCudaTiled && detail::dsa3d_cuda_tiled_accumulates_doffsets(p.shape, deterministic);
+    auto doffsets = p.doffsets_accumulated ? torch::zeros(offsets.sizes(), offsets.options().dtype(acc))
+                                           : torch::empty(offsets.sizes(), offsets.options().dtype(acc));
+    auto dbias = bias.defined() ? torch::zeros(bias.sizes(), bias.options().dtype(acc)) : torch::Tensor();
     p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr();
     p.offsets = offsets_acc.data_ptr();
     p.bias = bias_acc.defined() ? bias_acc.data_ptr() : nullptr;
@@ -305,12 +308,18 @@ class FusedDsa3d : public torch::autograd::Function<FusedDsa3d> {
       p.prob_scratch = prob_scratch.data_ptr();
       p.dlogit_scratch = dlogit_scratch.data_ptr();
     }
-    poison({dq, doffsets});
+    poison({dq});
+    if (!p.doffsets_accumulated) poison({doffsets});
     if (is_tiled_impl(impl) && deterministic) {
       // The bound of every tile's halo, for the colours of the ordered dK/dV merge (on a GPU, one
       // device-to-host copy; deterministic mode only).
       const auto bound = offsets_acc.abs().amax({0, 1, 2, 3, 4, 5}).to(torch::kCPU, torch::kDouble);
       for (int a = 0; a < 3; ++a) p.offset_bound[a] = bound[a].item<double>();
+    }
+    torch::Tensor offset_scratch;
+    if (impl == DsaImpl::kCudaTiled && detail::dsa3d_cuda_tiled_needs_offset_scratch(p.shape, deterministic)) {
+      offset_scratch = torch::empty({p.shape.B * p.shape.tokens() * p.shape.M * p.shape.K * 3}, q.options().dtype(acc));
+      p.offset_scratch = offset_scratch.data_ptr();
     }
     torch::Tensor tile_scratch;
     if (impl == DsaImpl::kCudaTiled && bias.defined()) {

@@ -74,7 +74,17 @@ struct Dsa3dBackwardParams {
   double offset_bound[3] = {0, 0, 0};
   // CUDA tiled only: [B · tiles, M, K] acc_t for the per-tile dbias partials (null when bias is null).
   void* tile_scratch = nullptr;
+  // CUDA tiled only, where a group has several heads (G < M): each head is its own block, so the
+  // group's d(offsets) is a sum over its heads. Default mode: accumulated by atomics into doffsets
+  // (which must then be zero on entry, `doffsets_accumulated`). Deterministic mode: [B, N, M, K, 3]
+  // acc_t per-head partials here, summed in head order by a second kernel (null otherwise).
+  bool doffsets_accumulated = false;
+  void* offset_scratch = nullptr;
 };
+
+// CUDA tiled backward: how d(offsets) is summed over the heads of a group (see offset_scratch).
+inline bool dsa3d_cuda_tiled_accumulates_doffsets(const Dsa3dShape& s, bool deterministic) { return !deterministic && s.G < s.M; }
+inline bool dsa3d_cuda_tiled_needs_offset_scratch(const Dsa3dShape& s, bool deterministic) { return deterministic && s.G < s.M; }
 
 // acc_t elements of CPU backward scratch. Default mode: (chunks - 1) · (2·B·N·M·d + M·K), the dk, dv
 // and dbias partials of every chunk but the first (which accumulates into the outputs). Deterministic
