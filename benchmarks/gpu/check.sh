@@ -1,16 +1,35 @@
 #!/usr/bin/env bash
-# The one GPU check for a lent GPU machine (one H200, 16 cores, no package registry): builds only the
-# targets it needs, runs the *_CUDA tests (all but those that need FFmpeg, which it builds without), times 3D-DSA against flash SDPA, runs the AVX-512 CpuAdamW
-# tests and bench_cpu_adamw on that machine's CPU, runs the streamed trainer a few steps with a Chrome
-# trace (async and sync) beside the resident loop and derives the overlap figures, then writes every
-# figure as one JSON file. Exits non-zero when any stage fails; later stages still run.
+# The one GPU check for a lent GPU machine (one H200, 16 cores, python3 3.12 with torch 2.11+cu130 in a
+# virtual environment, nvcc 13.0, no package registry, no Debian -dev packages), in one device call:
+#
+#   0. preflight (seconds): nvcc, cmake, ninja, a C++ compiler, a python3 whose torch sees the GPU, the
+#      NCCL header of that torch, the carried C++ headers; prints versions, cores, memory, `ulimit -l`.
+#      What is missing fails here, with check.json written, instead of minutes later;
+#   1. build of the targets below only (no FFmpeg, ICU or SentencePiece: none is needed here), with the
+#      NCCL header of the torch it links first on the include path;
+#   2. the *_CUDA tests of the streamer, both trainers' engines, 3D-DSA, its module and the loader;
+#   3. one compute-sanitizer memcheck pass over the 3D-DSA CUDA tests;
+#   4. the streamed trainer a few steps: async bf16 with a Chrome trace (clipped: deferred updates),
+#      async bf16 with grad_clip 0 (immediate updates), sync bf16, async fp32 beside the resident fp32 loop
+#      (the same arithmetic, so their ratio is the streaming's cost); each run's figures are the median of
+#      its steps 2-4 (step 1 warms up; the traced step is step 5 and not among them);
+#   5. bench_dsa3d --cuda (3D-DSA against flash SDPA); a one-rank NCCL run against a plain one;
+#      the AVX-512 CpuAdamW tests and bench_cpu_adamw on that machine's CPU;
+#   6. every figure as one JSON file. Exits non-zero when any stage fails; later stages still run.
 #
 # On this machine first (once): ../shared/tools/device-deps.sh .devdeps && echo /.devdeps/ >> .git/info/exclude
-# Then with the device tool: carry [".devdeps"],
+# Then with the device tool: carry [".devdeps"], timeout_s 600,
 #   command: MEGASLIDE_COMMIT=<sha> bash benchmarks/gpu/check.sh
 # Results: $OUT/check.json (commit it as benchmarks/results/<date>-<machine>.json), $OUT/check.log (all
-# output), $OUT/trace-async.json (open in ui.perfetto.dev). Sized to finish in about 9 minutes (MEGASLIDE_CHECK_BUDGET_S), the
-# build included (docs/benchmarks.md has the measured budget).
+# output), $OUT/trace-async.json (open in ui.perfetto.dev), $OUT/details.tar.gz (every log). Sized to end
+# within MEGASLIDE_CHECK_BUDGET_S (default 510 s); benchmarks/gpu/rehearse.sh runs it here in a root that
+# holds only what the lent machine holds (docs/benchmarks.md has its log, the build stage's measured time
+# and how it scales to 16 cores).
+#
+# MEGASLIDE_CHECK_REHEARSAL=1 (set by rehearse.sh, on a machine without a GPU): the missing GPU is
+# recorded instead of ending the check in the preflight; every stage that needs the GPU then fails at
+# once with "no GPU". MEGASLIDE_CHECK_TIME_SCALE=N (rehearse.sh: 16 / its cores) gives every stage N
+# times its time.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-build-gpu/results}
@@ -18,10 +37,12 @@ mkdir -p "$out"
 exec > >(tee -a "$out/check.log") 2>&1
 build=${MEGASLIDE_CHECK_BUILD:-build-gpu}  # an existing build folder is reused as configured
 jobs=$(nproc)
+rehearsal=${MEGASLIDE_CHECK_REHEARSAL:-0}
 start_s=$(date +%s)
-# The whole check must end inside one device call: every stage's limit is cut so that the stages after
-# it keep their reserve (MEGASLIDE_CHECK_BUDGET_S, default 550 s).
-deadline_s=$(( start_s + ${MEGASLIDE_CHECK_BUDGET_S:-550} ))
+# Every stage's limit is cut so that the stages after it keep their reserve. MEGASLIDE_CHECK_TIME_SCALE
+# multiplies the budget and every limit and reserve (rehearse.sh: 16 / its cores).
+time_scale=${MEGASLIDE_CHECK_TIME_SCALE:-1}
+deadline_s=$(( start_s + ${MEGASLIDE_CHECK_BUDGET_S:-510} * time_scale ))
 failures=()
 declare -A stage_s
 declare -A stage_ok
@@ -30,7 +51,7 @@ elapsed() { echo $(( $(date +%s) - start_s )); }
 # stage NAME TIMEOUT_S RESERVE_S FUNCTION: runs one stage (an exported function) under a timeout of at
 # most TIMEOUT_S that leaves RESERVE_S of the budget to the stages after it; records its time and status.
 stage() {
-  local name=$1 limit=$2 reserve=$3 fn=$4
+  local name=$1 limit=$(( $2 * time_scale )) reserve=$(( $3 * time_scale )) fn=$4
   local t0; t0=$(date +%s)
   local left=$(( deadline_s - t0 - reserve ))
   (( left < limit )) && limit=$left
@@ -47,35 +68,72 @@ stage() {
   stage_s[$name]=$(( $(date +%s) - t0 ))
 }
 
-torch_cmake=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
+# The report: check.json from whatever the stages left in $out (also after a failed preflight).
+write_report() {
+  local stages_json failures_json
+  stages_json=$(for k in "${!stage_s[@]}"; do printf '"%s":{"seconds":%s,"ok":%s},' "$k" "${stage_s[$k]}" "${stage_ok[$k]}"; done)
+  failures_json=$(printf '%s\n' "${failures[@]:-}" | python3 -c 'import json,sys; print(json.dumps([l.strip() for l in sys.stdin if l.strip()]))' 2>/dev/null || echo '[]')
+  python3 benchmarks/gpu/check_report.py "$out" "{${stages_json%,}}" "$failures_json" "${MEGASLIDE_COMMIT:-unknown}" "$(elapsed)" "$rehearsal" \
+    || echo "could not write check.json"
+}
+
+# 0. Preflight ---------------------------------------------------------------------------------------
+echo "=== [$(elapsed) s] preflight"
+if ! command -v python3 > /dev/null; then
+  echo "preflight: no python3 on PATH (the lent machine's holds torch)"
+  printf '{"preflight":{"fatal":["no python3 on PATH"]},"failures":["preflight"]}\n' > "$out/check.json"
+  exit 1
+fi
+python3 benchmarks/gpu/preflight.py "$out/preflight.json" "$rehearsal"
+preflight_rc=$?
+stage_s[preflight]=$(elapsed)
+if [ $preflight_rc -ne 0 ]; then
+  stage_ok[preflight]=false
+  failures+=("preflight (see preflight.json: fatal)")
+  write_report
+  echo "=== [$(elapsed) s] stopped: an essential is missing"
+  exit 1
+fi
+stage_ok[preflight]=true
+# The preflight's findings, for the stages: the torch, its NCCL header, the GPU.
+torch_cmake="" nccl_include="" gpu_visible=""
+. "$out/preflight.env"
 prefix="$torch_cmake"
 if [ -d .devdeps/usr ]; then
   prefix="$PWD/.devdeps/usr;$torch_cmake"
   export LD_LIBRARY_PATH="$PWD/.devdeps/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
 fi
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$out/gpu.txt"
-lscpu | grep -E 'Model name|^CPU\(s\)|Flags' | sed 's/^Flags:.*\(avx512f\).*/Flags: avx512f present/' | tee "$out/cpu.txt"
+export build out prefix jobs nccl_include gpu_visible
 
-export build out prefix jobs
+# Every GPU stage starts with this: without a GPU (the rehearsal) it fails at once, saying so.
+need_gpu() { [ "$gpu_visible" = True ] || { echo "no GPU: this stage needs one (torch.cuda.is_available() is false)"; return 1; }; }
+export -f need_gpu
 
 # 1. Build ------------------------------------------------------------------------------------------
 build_all() {
   local targets=(megaslide megaslide-train test_weight_streamer test_cpu_master_trainer test_dsa3d
                  test_deformable_slide_attention test_data_loader test_cpu_adamw bench_dsa3d bench_cpu_adamw bench_streamer)
   if [ ! -f "$build/CMakeCache.txt" ]; then
-    cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
-          -DMEGASLIDE_VIDEO=OFF > "$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; return 1; }
+    local nccl=()
+    [ -n "$nccl_include" ] && nccl=(-DMEGASLIDE_NCCL_INCLUDE_DIR="$nccl_include")
+    cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" "${nccl[@]}" \
+          -DMEGASLIDE_VIDEO=OFF -DMEGASLIDE_ICU=OFF -DMEGASLIDE_SENTENCEPIECE=OFF -DMEGASLIDE_CUDA=ON \
+          > "$out/configure.log" 2>&1 || { tail -40 "$out/configure.log"; return 1; }
+    grep -E '^-- MegaSlide:' "$out/configure.log"
   fi
   # -k 0: a target that fails to compile does not stop the others; the stages below use what was built.
-  cmake --build "$build" -j"$jobs" --target "${targets[@]}" -- -k 0 > "$out/build.log" 2>&1 || { grep -B2 -A12 'error' "$out/build.log" | head -80; return 1; }
+  cmake --build "$build" -j"$jobs" --target "${targets[@]}" -- -k 0 > "$out/build.log" 2>&1 \
+    || { grep -B2 -A12 'error' "$out/build.log" | head -80; return 1; }
+  cp "$build/.ninja_log" "$out/ninja_log.txt" 2>/dev/null || true
 }
 export -f build_all
-stage build 330 200 build_all
+stage build 330 170 build_all
 built=false
 [ -f "$build/lib/libmegaslide.so" ] && built=true
 
 # 2. The *_CUDA tests (a skipped one means no GPU was visible: a failure here) ---------------------
 cuda_tests() {
+  need_gpu || return 1
   local rc=0
   for t in test_weight_streamer test_cpu_master_trainer test_dsa3d test_deformable_slide_attention test_data_loader; do
     [ -x "$build/bin/$t" ] || { echo "$t not built"; rc=1; continue; }
@@ -86,38 +144,60 @@ cuda_tests() {
   return $rc
 }
 export -f cuda_tests
-[ "$built" = true ] && stage cuda_tests 100 170 cuda_tests
+[ "$built" = true ] && stage cuda_tests 100 140 cuda_tests
 
-# 3. 3D-DSA against flash SDPA (CUDA events) ------------------------------------------------------------
-dsa3d_bench() { "$build/bin/bench_dsa3d" --cuda --reps 5 | tee "$out/bench_dsa3d.txt"; }
-export -f dsa3d_bench
-[ "$built" = true ] && stage dsa3d_bench 75 120 dsa3d_bench
+# 3. compute-sanitizer memcheck over the 3D-DSA kernels (out-of-bounds and misaligned accesses, errors
+# of the API calls); the tests' shapes are small, but memcheck runs kernels tens of times slower.
+memcheck() {
+  need_gpu || return 1
+  command -v compute-sanitizer > /dev/null || { echo "compute-sanitizer not on PATH"; return 1; }
+  compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 "$build/bin/test_dsa3d" \
+      --gtest_filter='Dsa3dCuda.TiledFloat64MatchesReference_CUDA:Dsa3dCuda.TiledAcrossHaloChunks_CUDA:Dsa3dCuda.KernelsMatchFloat64Reference_CUDA:Dsa3dCuda.TiledDeterminism_CUDA' \
+      > "$out/memcheck.log" 2>&1
+  local rc=$?
+  grep -E 'ERROR SUMMARY|^\[  (PASSED|FAILED) |Invalid|out of bounds' "$out/memcheck.log" | head -30
+  return $rc
+}
+export -f memcheck
+[ "$built" = true ] && stage memcheck 60 110 memcheck
 
-# 4. The streamed trainer on the GPU: pinned bandwidth, async with a trace, sync, resident -------------
+# 4. The streamed trainer on the GPU: pinned bandwidth, then five runs of one model ---------------------
 trainer_runs() {
+  need_gpu || return 1
   "$build/bin/bench_streamer" --pinned-bandwidth 1 | tail -1 > "$out/pinned.json" || return 1
   cat "$out/pinned.json"
   local common=(--config configs/h100nvl-1b.yaml --set model.layers=8 --set model.hidden=2048 --set model.heads=16
                 --set model.text_dim=1024 --set model.patch=[1,4,4] --set train.batch_size=2 --set train.steps=4
                 --set train.log_every=1 --set train.device=cuda --set output.progress=false
-                --set train.checkpoint_every=0)  # threads and compute dtype: the shipped defaults
+                --set train.checkpoint_every=0)  # threads: the shipped defaults
   local rc=0
-  "$build/bin/megaslide-train" "${common[@]}" --set offload.mode=async --run-dir "$out/run-async" \
-      --trace "$out/trace-async.json" --trace-step 4 > "$out/run-async.log" 2>&1 || { echo "async run failed"; tail -20 "$out/run-async.log"; rc=1; }
-  "$build/bin/megaslide-train" "${common[@]}" --set offload.enabled=false --run-dir "$out/run-resident" > "$out/run-resident.log" 2>&1 \
-      || { echo "resident run failed"; tail -20 "$out/run-resident.log"; rc=1; }
-  "$build/bin/megaslide-train" "${common[@]}" --set offload.mode=sync --run-dir "$out/run-sync" > "$out/run-sync.log" 2>&1 \
-      || { echo "sync run failed"; tail -20 "$out/run-sync.log"; rc=1; }
+  run() {  # run NAME ARGS...: one megaslide-train run into $out/run-NAME
+    local name=$1; shift
+    "$build/bin/megaslide-train" "${common[@]}" "$@" --run-dir "$out/run-$name" > "$out/run-$name.log" 2>&1 \
+      || { echo "$name run failed"; tail -20 "$out/run-$name.log"; rc=1; }
+  }
+  run async --set offload.mode=async --set offload.compute_dtype=bf16 --set train.steps=5 \
+      --trace "$out/trace-async.json" --trace-step 5
+  run async-noclip --set offload.mode=async --set offload.compute_dtype=bf16 --set train.grad_clip=0
+  run sync --set offload.mode=sync --set offload.compute_dtype=bf16
+  run async-fp32 --set offload.mode=async --set offload.compute_dtype=fp32
+  run resident --set offload.enabled=false
   return $rc
 }
 export -f trainer_runs
-[ "$built" = true ] && stage trainer 120 65 trainer_runs
+[ "$built" = true ] && stage trainer 150 75 trainer_runs
 
-# 4b. Data parallelism over NCCL with one rank (the machine has one GPU): the resident trainer launched
+# 5. 3D-DSA against flash SDPA (CUDA events) ------------------------------------------------------------
+dsa3d_bench() { need_gpu || return 1; "$build/bin/bench_dsa3d" --cuda --reps 5 | tee "$out/bench_dsa3d.txt"; }
+export -f dsa3d_bench
+[ "$built" = true ] && stage dsa3d_bench 60 60 dsa3d_bench
+
+# 5b. Data parallelism over NCCL with one rank (the machine has one GPU): the resident trainer launched
 # by --nproc-per-node 1 runs its gradient all-reduce through ProcessGroupNCCL; its losses must equal a
 # plain run's (a sum over one rank is the identity; within 1e-4 relative, as GPU backward kernels with
 # atomics may sum in another order from run to run). docs/distributed.md.
 nccl_world1() {
+  need_gpu || return 1
   local common=(--config configs/smoke.yaml --set offload.enabled=false --set train.device=cuda --set train.steps=5
                 --set train.checkpoint_every=0 --set output.progress=false --set train.batch_size=4)
   "$build/bin/megaslide-train" "${common[@]}" --run-dir "$out/run-plain" > "$out/run-plain.log" 2>&1 \
@@ -135,95 +215,17 @@ PY
 export -f nccl_world1
 [ "$built" = true ] && stage nccl_world1 30 35 nccl_world1
 
-# 5. CpuAdamW on this CPU: every test (the AVX-512 path runs here) and the benchmark ------------------
+# 6. CpuAdamW on this CPU: every test (the AVX-512 path runs here) and the benchmark (no GPU needed) ----
 adamw() {
   "$build/bin/test_cpu_adamw" > "$out/test_cpu_adamw.log" 2>&1 || { tail -30 "$out/test_cpu_adamw.log"; return 1; }
   tail -3 "$out/test_cpu_adamw.log"
-  "$build/bin/bench_cpu_adamw" --threads 12 --reps 5 --torch-reps 2 | tee "$out/bench_cpu_adamw.txt"
+  "$build/bin/bench_cpu_adamw" --threads $(( jobs > 4 ? jobs - 4 : jobs )) --reps 5 --torch-reps 2 | tee "$out/bench_cpu_adamw.txt"
 }
 export -f adamw
 [ "$built" = true ] && stage cpu_adamw 45 0 adamw
 
-# 6. The figures as one JSON file ---------------------------------------------------------------------
-stages_json=$(for k in "${!stage_s[@]}"; do printf '"%s":{"seconds":%s,"ok":%s},' "$k" "${stage_s[$k]}" "${stage_ok[$k]}"; done)
-failures_json=$(printf '%s\n' "${failures[@]:-}" | python3 -c 'import json,sys; print(json.dumps([l.strip() for l in sys.stdin if l.strip()]))')
-python3 - "$out" "{${stages_json%,}}" "$failures_json" "${MEGASLIDE_COMMIT:-unknown}" "$(elapsed)" <<'PY'
-import json, os, sys, datetime
-out, stages, failures, commit, total = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4], int(sys.argv[5])
-
-def last_json_line(path):
-    try:
-        lines = [l for l in open(path) if l.strip().startswith("{")]
-        return json.loads(lines[-1]) if lines else None
-    except (OSError, ValueError):
-        return None
-
-def metrics(run):
-    try:
-        return [json.loads(l) for l in open(os.path.join(out, run, "metrics.jsonl")) if l.strip()]
-    except (OSError, ValueError):
-        return []
-
-def gtest(name):
-    try:
-        j = json.load(open(os.path.join(out, f"gtest-{name}.json")))
-    except (OSError, ValueError):
-        return None
-    cases = [{"name": f"{s['name']}.{t['name']}", "result": "failed" if t.get("failures") else t.get("result", "?"),
-              "seconds": float(t.get("time", "0s").rstrip("s"))} for s in j.get("testsuites", []) for t in s.get("testsuite", [])]
-    return {"tests": j.get("tests"), "failures": j.get("failures"), "cases": cases}
-
-report = {
-    "date": datetime.datetime.utcnow().strftime("%Y-%m-%dT%H:%M:%SZ"),
-    "commit": commit,
-    "gpu": open(os.path.join(out, "gpu.txt")).read().strip() if os.path.exists(os.path.join(out, "gpu.txt")) else None,
-    "cpu": open(os.path.join(out, "cpu.txt")).read().strip() if os.path.exists(os.path.join(out, "cpu.txt")) else None,
-    "total_seconds": total,
-    "stages": stages,
-    "failures": failures,
-    "cuda_tests": {t: gtest(t) for t in ["test_weight_streamer", "test_cpu_master_trainer", "test_dsa3d", "test_deformable_slide_attention"]},
-    "dsa3d": last_json_line(os.path.join(out, "bench_dsa3d.txt")),
-    "cpu_adamw": last_json_line(os.path.join(out, "bench_cpu_adamw.txt")),
-    "pinned_bandwidth": last_json_line(os.path.join(out, "pinned.json")),
-}
-
-# The streamed trainer: the last step of each run (the first ones warm up), overlap figures.
-trainer = {}
-for run in ["async", "sync", "resident"]:
-    rows = metrics(f"run-{run}")
-    if rows:
-        r = rows[-1]
-        trainer[run] = {k: r.get(k) for k in ["step", "loss", "step_time_s", "h2d_bytes", "d2h_bytes", "exposed_transfer_s",
-                                              "optimizer_wait_s", "optimizer_s", "peak_device_bytes", "mfu", "tokens_per_s"]}
-        trainer[run]["step_times_s"] = [x.get("step_time_s") for x in rows]
-for run in ["async", "sync"]:
-    if run in trainer and trainer[run]["step_time_s"]:
-        t = trainer[run]
-        t["exposed_transfer_fraction"] = t["exposed_transfer_s"] / t["step_time_s"]
-        if "resident" in trainer:
-            t["step_time_vs_resident"] = t["step_time_s"] / trainer["resident"]["step_time_s"]
-# From the trace: how long each stream was busy, the H2D rate while copying, and the overlap of copies
-# with compute.
-try:
-    events = [e for e in json.load(open(os.path.join(out, "trace-async.json")))["traceEvents"] if e.get("ph") == "X"]
-    lanes = {1: "compute", 2: "h2d", 3: "d2h", 4: "optimizer"}
-    busy = {name: sum(e["dur"] for e in events if e["tid"] == tid) / 1e6 for tid, name in lanes.items()}
-    span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / 1e6
-    trace = {"span_s": span, "busy_s": busy}
-    if "async" in trainer and busy["h2d"] > 0:
-        trace["h2d_gbps_while_copying"] = trainer["async"]["h2d_bytes"] / busy["h2d"] / 1e9
-    if "async" in trainer and busy["d2h"] > 0:
-        trace["d2h_gbps_while_copying"] = trainer["async"]["d2h_bytes"] / busy["d2h"] / 1e9
-    trainer["trace_step"] = trace
-except (OSError, ValueError, KeyError):
-    pass
-report["streamed_trainer"] = trainer
-with open(os.path.join(out, "check.json"), "w") as f:
-    json.dump(report, f, indent=1)
-print(json.dumps({k: report[k] for k in ["commit", "total_seconds", "stages", "failures"]}, indent=1))
-for run, t in trainer.items():
-    print(run, json.dumps(t))
-PY
+# 7. The figures as one JSON file -----------------------------------------------------------------------
+write_report
 
 # What comes back from the device is a few files: check.json, check.log, the trace, and every other log,
 # gtest report and metrics file packed into details.tar.gz.
