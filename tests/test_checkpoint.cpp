@@ -9,6 +9,7 @@
 
 #include <csignal>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 
 #include "megaslide/megaslide.h"
@@ -200,7 +201,31 @@ TEST(Checkpoint, CorruptTruncatedOrIncompleteCheckpointsAreRefusedAndTheRunFiles
   expect_refused("no manifest.json");
   std::ofstream(io::join_path(ckpt, "manifest.json")) << manifest.substr(0, manifest.size() / 2);
   expect_refused("manifest.json");
-  std::ofstream(io::join_path(ckpt, "manifest.json")) << manifest;
+  // The one manifest reader accepts only what MegaSlide writes: the same bytes, its keys, the
+  // checkpoint's own files (never a path outside the folder).
+  const auto write_manifest = [&](const std::string& text) { std::ofstream(io::join_path(ckpt, "manifest.json"), std::ios::trunc) << text; };
+  const auto edited = [&](const std::function<void(nlohmann::ordered_json&)>& edit) {
+    auto j = nlohmann::ordered_json::parse(manifest);
+    edit(j);
+    return j.dump(2) + "\n";
+  };
+  const auto entry = nlohmann::ordered_json{{"bytes", 5}, {"crc32", "00000000"}};
+  for (const auto& [text, needle] : std::vector<std::pair<std::string, std::string>>{
+           {manifest.substr(0, manifest.size() - 1), "byte for byte"},  // truncated by one byte
+           {manifest + " ", "byte for byte"},                           // one byte appended
+           {manifest.substr(0, manifest.size() - 1) + " \n", "byte for byte"},
+           {edited([&](auto& j) { j["files"]["../../etc/passwd"] = entry; }), "'../../etc/passwd', which is not a file of a checkpoint"},
+           {edited([&](auto& j) { j["files"]["shards/../../x"] = entry; }), "which is not a file of a checkpoint"},
+           {edited([&](auto& j) { j["files"]["shards/rank-00001-of-00002.safetensors"] = entry; }), "1 of the 2 shard files"},
+           {edited([&](auto& j) { j["extra"] = 1; }), "unknown key 'extra'"},
+           {edited([&](auto& j) { j["files"].erase("exp_avg.safetensors"); }), "does not list exp_avg.safetensors"},
+           {edited([&](auto& j) { j["files"]["model.safetensors"]["crc32"] = "XYZ"; }), "8 hex digits"},
+           {edited([&](auto& j) { j["files"]["model.safetensors"]["note"] = "x"; }), "exactly 'bytes'"}}) {
+    SCOPED_TRACE(needle);
+    write_manifest(text);
+    expect_refused(needle);
+  }
+  write_manifest(manifest);
   // Restored, it loads again.
   EXPECT_EQ(run_training(config, resume).first_step, 8);
   io::remove_tree(dir);

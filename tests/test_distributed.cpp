@@ -103,6 +103,21 @@ int64_t logged_integer(const std::string& run_dir, const std::string& key) {
 // The "total" row of the host memory table in the run log: bytes of the host store (rank 0's).
 int64_t logged_host_bytes(const std::string& run_dir) { return logged_integer(run_dir, "  total"); }
 
+// Every file under `dir` (the lock file aside: every run that takes the folder writes its pid there)
+// with its bytes.
+std::map<std::string, std::string> tree_listing(const std::string& dir, const std::string& under = "") {
+  std::map<std::string, std::string> out;
+  for (const auto& name : io::list_directory(join_path(dir, under))) {
+    const std::string rel = under.empty() ? name : join_path(under, name);
+    if (io::is_directory(join_path(dir, rel))) {
+      for (auto& entry : tree_listing(dir, rel)) out.insert(std::move(entry));
+    } else if (name != ".lock") {
+      out[rel] = read_text(join_path(dir, rel));
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 TEST(LaunchEnv, NoLauncherIsOneProcess) {
@@ -477,6 +492,22 @@ TEST(DistributedTraining, ShardedCheckpointsResumeExactlyAndAtOtherWorldSizes) {
       if (std::string(world) == "2") EXPECT_EQ(got[i], uninterrupted[i]) << "same world size, step " << i + 1;
       else EXPECT_NEAR(got[i], single[i], 1e-5) << world << " ranks, step " << i + 1;
     }
+  }
+  // A modified shard is refused (its CRC-32), on any world size, and nothing in the run folder changes.
+  for (const char* world : {"2", "1"}) {
+    io::remove_tree(parts);
+    ASSERT_EQ(std::system(("cp -r " + two + " " + parts).c_str()), 0);
+    const auto shard = join_path(parts, "checkpoints/step-0000003/shards/rank-00001-of-00002.safetensors");
+    std::string bytes = read_text(shard);
+    bytes[bytes.size() - 7] = static_cast<char>(bytes[bytes.size() - 7] ^ 0x20);  // in the data section
+    std::ofstream(shard, std::ios::binary | std::ios::trunc) << bytes;
+    const auto before = tree_listing(parts);
+    auto refused = train(args + " --run-dir " + parts + " --resume " + join_path(parts, "checkpoints/step-0000003") +
+                         (std::string(world) == "1" ? "" : std::string(" --nproc-per-node ") + world));
+    EXPECT_EQ(refused.code, 2) << refused.output;
+    EXPECT_NE(refused.output.find("rank-00001-of-00002.safetensors"), std::string::npos) << refused.output;
+    EXPECT_NE(refused.output.find("CRC-32"), std::string::npos) << refused.output;
+    EXPECT_EQ(tree_listing(parts), before) << world << " ranks: the run folder must be untouched";
   }
   // A single-process checkpoint (keyed by parameter name) resumes on 2 ranks, sharded.
   auto resumed = train(args + " --run-dir " + whole + " --resume " + join_path(whole, "checkpoints/step-0000003") + " --nproc-per-node 2");

@@ -1,4 +1,5 @@
 #include "megaslide/train/checkpoint.h"
+#include "megaslide/io/files.h"
 
 #include <array>
 
@@ -16,6 +17,7 @@
 #include <functional>
 #include <optional>
 #include <set>
+#include <string_view>
 
 #include "megaslide/io/safetensors_ranges.h"
 #include "megaslide/io/weights.h"
@@ -171,40 +173,110 @@ void set_adamw_moments(torch::optim::AdamW& optimizer, const torch::Tensor& para
 std::string checkpoint_name(int64_t step) { return fmt::format("step-{:07}", step); }
 
 namespace {
-// The manifest of the checkpoint at `path`, checked for format and version.
-nlohmann::json read_manifest(const std::string& path) {
+// A checkpoint's manifest.json, as read_manifest accepts it.
+struct ManifestFile {
+  std::string name;  // relative to the checkpoint folder
+  uint64_t bytes = 0;
+  std::string crc32;  // 8 lower-case hex digits
+};
+struct Manifest {
+  int64_t step = 0;
+  int64_t shard_world = 1;  // the ranks whose shard files it lists (1: none)
+  std::vector<ManifestFile> files;
+  const ManifestFile* find(const std::string& name) const {
+    for (const auto& f : files)
+      if (f.name == name) return &f;
+    return nullptr;
+  }
+};
+
+bool is_hex_crc32(const std::string& s) {
+  return s.size() == 8 && std::all_of(s.begin(), s.end(), [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
+}
+
+// "shards/rank-RRRRR-of-WWWWW.safetensors" with R < W and W >= 2: (R, W); nullopt for any other name.
+std::optional<std::pair<int64_t, int64_t>> shard_of(const std::string& name) {
+  static constexpr std::string_view kHead = "shards/rank-", kMid = "-of-", kTail = ".safetensors";
+  if (name.size() != kHead.size() + 5 + kMid.size() + 5 + kTail.size() || name.compare(0, kHead.size(), kHead) != 0 ||
+      name.compare(kHead.size() + 5, kMid.size(), kMid) != 0 || name.compare(name.size() - kTail.size(), kTail.size(), kTail) != 0)
+    return std::nullopt;
+  const std::string r = name.substr(kHead.size(), 5), w = name.substr(kHead.size() + 5 + kMid.size(), 5);
+  const auto digits = [](const std::string& x) { return std::all_of(x.begin(), x.end(), [](char c) { return c >= '0' && c <= '9'; }); };
+  if (!digits(r) || !digits(w)) return std::nullopt;
+  const int64_t rank = std::stoll(r), world = std::stoll(w);
+  if (world < 2 || rank >= world) return std::nullopt;
+  return std::make_pair(rank, world);
+}
+
+// The one reader of manifest.json. It accepts exactly what finish_checkpoint writes: the same bytes
+// as its own serialisation (so a byte added, removed or changed outside a value is refused), the
+// keys format, format_version, step and files and no other, files that are the checkpoint's own
+// (the weights, the trainer state, the three tensor files, and the shard files of one world size,
+// every rank's) each with its size and CRC-32 — never a path outside the folder.
+Manifest read_manifest(const std::string& path) {
   const std::string manifest_path = io::join_path(path, kManifest);
   if (!io::path_exists(manifest_path)) fail(path, std::string("no ") + kManifest + " (an incomplete or interrupted save, or not a checkpoint)");
-  nlohmann::json manifest;
+  const auto bad = [&](const std::string& what) { fail(manifest_path, what); };
+  std::string text;
   try {
-    manifest = nlohmann::json::parse(io::read_input_file(manifest_path, kMaxJsonBytes));
-  } catch (const nlohmann::json::exception& e) {
-    fail(manifest_path, std::string("not valid JSON: ") + e.what());
+    text = io::read_input_file(manifest_path, kMaxJsonBytes);
   } catch (const io::IoError& e) {
-    fail(manifest_path, e.what());
+    bad(e.what());
   }
-  if (!manifest.is_object() || manifest.value("format", "") != kFormat || !manifest.contains("files") || !manifest["files"].is_object())
-    fail(manifest_path, std::string("not a MegaSlide checkpoint manifest (expected format '") + kFormat + "' and a 'files' object)");
-  if (manifest.value("format_version", 0) != kFormatVersion)
-    fail(manifest_path, "format_version " + manifest["format_version"].dump() + " is not supported (this build reads " +
-                            std::to_string(kFormatVersion) + ")");
-  return manifest;
+  nlohmann::ordered_json j;
+  try {
+    j = nlohmann::ordered_json::parse(text);
+    if (j.dump(2) + "\n" != text)
+      bad(fmt::format("is not byte for byte what MegaSlide writes ({} bytes: edited, truncated or appended to)", text.size()));
+  } catch (const nlohmann::json::exception& e) {
+    bad(std::string("not valid JSON: ") + e.what());
+  }
+  if (!j.is_object() || j.value("format", "") != kFormat || !j.contains("files") || !j["files"].is_object())
+    bad(std::string("not a MegaSlide checkpoint manifest (expected format '") + kFormat + "' and a 'files' object)");
+  if (!j.contains("format_version") || !j["format_version"].is_number_integer() || j["format_version"].get<int64_t>() != kFormatVersion)
+    bad("format_version " + (j.contains("format_version") ? j["format_version"].dump() : std::string("(none)")) +
+        " is not supported (this build reads " + std::to_string(kFormatVersion) + ")");
+  for (const auto& item : j.items())
+    if (item.key() != "format" && item.key() != "format_version" && item.key() != "step" && item.key() != "files")
+      bad("has the unknown key '" + item.key() + "'");
+  if (!j.contains("step") || !j["step"].is_number_integer() || j["step"].get<int64_t>() < 0) bad("has no valid 'step'");
+  Manifest m;
+  m.step = j["step"].get<int64_t>();
+  std::set<int64_t> worlds, ranks;
+  for (const auto& item : j["files"].items()) {
+    const std::string& name = item.key();
+    const bool own = name == kModel || name == kState || std::find(std::begin(kTensorFiles), std::end(kTensorFiles), name) != std::end(kTensorFiles);
+    const auto shard = shard_of(name);
+    if (!own && !shard) bad("lists '" + name + "', which is not a file of a checkpoint");
+    if (shard) worlds.insert(shard->second), ranks.insert(shard->first);
+    const auto& e = item.value();
+    if (!e.is_object() || e.size() != 2 || !e.contains("bytes") || !e["bytes"].is_number_unsigned() || !e.contains("crc32") ||
+        !e["crc32"].is_string() || !is_hex_crc32(e["crc32"].get<std::string>()))
+      bad("entry for " + name + " needs exactly 'bytes' (a size) and 'crc32' (8 hex digits)");
+    m.files.push_back({name, e["bytes"].get<uint64_t>(), e["crc32"].get<std::string>()});
+  }
+  for (const std::string need : {kModel, kState, kTensorFiles[0], kTensorFiles[1], kTensorFiles[2]})
+    if (m.find(need) == nullptr) bad("does not list " + need);
+  if (worlds.size() > 1) bad("lists the shards of several world sizes");
+  if (!worlds.empty()) {
+    m.shard_world = *worlds.begin();
+    if (static_cast<int64_t>(ranks.size()) != m.shard_world)
+      bad(fmt::format("lists {} of the {} shard files of its ranks", ranks.size(), m.shard_world));
+  }
+  return m;
 }
 
 // What the manifest says of `file` (listed, present, the size it has on disk): its expected CRC-32.
-std::string expected_crc32(const std::string& path, const nlohmann::json& manifest, const std::string& file) {
+std::string expected_crc32(const std::string& path, const Manifest& manifest, const std::string& file) {
   const std::string manifest_path = io::join_path(path, kManifest);
-  if (!manifest["files"].contains(file)) fail(manifest_path, "does not list " + file);
-  const auto& entry = manifest["files"][file];
+  const ManifestFile* entry = manifest.find(file);
+  if (entry == nullptr) fail(manifest_path, "does not list " + file);
   const std::string file_path = io::join_path(path, file);
   if (!io::path_exists(file_path)) fail(path, file + " is missing");
-  if (!entry.is_object() || !entry.contains("bytes") || !entry["bytes"].is_number_unsigned() || !entry.contains("crc32") ||
-      !entry["crc32"].is_string())
-    fail(manifest_path, "entry for " + file + " needs 'bytes' and 'crc32'");
   const uint64_t bytes = io::file_size(file_path);
-  if (bytes != entry["bytes"].get<uint64_t>())
-    fail(file_path, fmt::format("is {} bytes but the manifest says {} (truncated or replaced)", bytes, entry["bytes"].get<uint64_t>()));
-  return entry["crc32"].get<std::string>();
+  if (bytes != entry->bytes)
+    fail(file_path, fmt::format("is {} bytes but the manifest says {} (truncated or replaced)", bytes, entry->bytes));
+  return entry->crc32;
 }
 
 void check_crc32(const std::string& file_path, uint32_t actual, const std::string& expected) {
@@ -212,9 +284,8 @@ void check_crc32(const std::string& file_path, uint32_t actual, const std::strin
   if (crc != expected) fail(file_path, "CRC-32 is " + crc + " but the manifest says " + expected + " (the file is corrupted)");
 }
 
-// Checks the manifest and `files` (size and CRC-32, each read once).
-void verify_files(const std::string& path, const std::vector<std::string>& files) {
-  const auto manifest = read_manifest(path);
+// Checks `files` against the manifest (size and CRC-32, each read once).
+void verify_files(const std::string& path, const Manifest& manifest, const std::vector<std::string>& files) {
   for (const auto& file : files) {
     const std::string expected = expected_crc32(path, manifest, file);
     check_crc32(io::join_path(path, file), io::file_crc32(io::join_path(path, file)), expected);
@@ -291,12 +362,7 @@ std::string resolve_checkpoint(const std::string& run_dir, const std::string& sp
   return find_checkpoint(spec);
 }
 
-int64_t checkpoint_step(const std::string& path) {
-  const auto manifest = read_manifest(path);
-  if (!manifest.contains("step") || !manifest["step"].is_number_integer() || manifest["step"].get<int64_t>() < 0)
-    fail(io::join_path(path, kManifest), "has no valid 'step'");
-  return manifest["step"].get<int64_t>();
-}
+int64_t checkpoint_step(const std::string& path) { return read_manifest(path).step; }
 
 bool roll_back_latest(const std::string& run_dir, const std::string& checkpoint) {
   const std::string latest = latest_checkpoint(run_dir);
@@ -578,21 +644,24 @@ std::vector<std::string> prune_checkpoints(const std::string& run_dir, int64_t k
   return removed;
 }
 
+namespace {
+// The manifest, and every file it lists (a sharded run's shard files too) checked for size and CRC-32.
+Manifest verified_manifest(const std::string& path) {
+  Manifest manifest = read_manifest(path);
+  std::vector<std::string> files;
+  for (const auto& f : manifest.files) files.push_back(f.name);
+  verify_files(path, manifest, files);
+  return manifest;
+}
+}  // namespace
+
 std::string verify_checkpoint(const std::string& path) {
-  std::vector<std::string> files{kModel, kState};
-  for (const char* f : kTensorFiles) files.push_back(f);
-  for (const auto& item : read_manifest(path)["files"].items()) {  // a sharded run's shard files too
-    if (std::find(files.begin(), files.end(), item.key()) != files.end()) continue;
-    if (item.key().rfind("shards/rank-", 0) != 0 || item.key().find("..") != std::string::npos)
-      fail(io::join_path(path, kManifest), "lists '" + item.key() + "', which is not a file of a checkpoint");
-    files.push_back(item.key());
-  }
-  verify_files(path, files);
+  verified_manifest(path);
   return io::join_path(path, kModel);
 }
 
 std::string checkpoint_weights(const std::string& path) {
-  verify_files(path, {kModel});
+  verify_files(path, read_manifest(path), {kModel});
   return io::join_path(path, kModel);
 }
 
@@ -602,9 +671,13 @@ namespace {
 // (no copy of the model in RAM). The file's checksum is verified first.
 void export_wan_weights(const std::string& checkpoint, const std::string& weights, const io::SafetensorsHeader& header,
                         const WanConfig& wan, const std::string& out) {
-  verify_files(checkpoint, {kModel});
-  const int fd = ::open(weights.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail(weights, std::string("cannot open: ") + std::strerror(errno));
+  verify_files(checkpoint, read_manifest(checkpoint), {kModel});
+  int fd = -1;
+  try {
+    fd = io::open_input_file(weights);
+  } catch (const io::IoError& e) {
+    fail(weights, e.what());
+  }
   const uint64_t bytes = io::file_size(weights);
   void* base = ::mmap(nullptr, bytes, PROT_READ, MAP_PRIVATE, fd, 0);
   ::close(fd);
@@ -710,7 +783,7 @@ void read_block_ranges(const std::string& path, const nlohmann::json* saved, con
 }  // namespace
 
 void load_checkpoint(const std::string& path, const RunConfig& config, TrainingState& into) {
-  verify_checkpoint(path);
+  const Manifest manifest = verified_manifest(path);
   const std::string state_path = io::join_path(path, kState);
   nlohmann::json s;
   try {
@@ -740,6 +813,13 @@ void load_checkpoint(const std::string& path, const RunConfig& config, TrainingS
     fail(state_path, fmt::format("inconsistent counters: step {}, optimizer_steps {}", into.step, into.optimizer_steps));
   const bool saved_sharded = s.is_object() && s.contains("shards");
   const bool wants_shards = into.shards && into.shards->world_size > 1;
+  // Only files the manifest lists (hence verified) are read: the state's world size must be its shards'.
+  const int64_t state_world = saved_sharded && s["shards"].is_object() && s["shards"].contains("world_size") &&
+                                      s["shards"]["world_size"].is_number_integer()
+                                  ? s["shards"]["world_size"].get<int64_t>()
+                                  : 1;
+  if (state_world != manifest.shard_world)
+    fail(state_path, fmt::format("describes shards of {} rank(s) but {} lists those of {}", state_world, kManifest, manifest.shard_world));
   if (saved_sharded && !into.shards)
     fail(state_path, "holds the blocks of a sharded run of the streamed trainer (offload.enabled: true), which this trainer cannot read");
   // Block parameters the shard ranges cover (a one-process trainer lists them too, as views of the
