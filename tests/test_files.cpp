@@ -9,6 +9,8 @@
 #include <chrono>
 #include <fstream>
 #include <functional>
+#include <set>
+#include <vector>
 
 using namespace megaslide::io;
 
@@ -63,6 +65,70 @@ TEST(Files, OutputPathsAreCheckedWithoutCreatingAnything) {
   EXPECT_NE(error_of([&] { check_output_folder(join_path(dir, "file/sub"), "--out"); }).find("is a file"), std::string::npos);
   EXPECT_NE(error_of([&] { check_output_file(join_path(dir, "file/t.json"), "--trace"); }).find("a file is in its place"), std::string::npos);
   EXPECT_NE(error_of([&] { check_output_folder("", "--run-dir"); }).find("--run-dir: an empty path"), std::string::npos);
+  remove_tree(dir);
+}
+
+// The property: a FIFO (or a device) a user names is refused at once by the one checked open, by every
+// reader that goes through it (read_file, read_in_pieces, the CRC of a file), never waited on.
+TEST(Files, FifosAndDevicesAreRefusedAtOnceByEveryReader) {
+  const auto dir = fresh("fifo");
+  const auto fifo = join_path(dir, "weights.safetensors");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const auto start = std::chrono::steady_clock::now();
+  for (const std::function<void()>& read : std::vector<std::function<void()>>{
+           [&] { read_file(fifo); }, [&] { file_crc32(fifo); }, [&] { ::close(open_input_file(fifo)); },
+           [&] { check_input_file(fifo); }, [&] { read_file("/dev/null"); }}) {
+    const auto message = error_of(read);
+    EXPECT_TRUE(message.find("is a pipe") != std::string::npos || message.find("is a device") != std::string::npos) << message;
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(1)) << "refused at once, not waited on";
+  EXPECT_NE(open_input_file(fifo, /*allow_pipe=*/true), -1) << "where pipes are allowed, the open does not block either";
+  remove_tree(dir);
+}
+
+// The property: writing never goes through a symbolic link planted at the output's name or at a
+// temporary name, never replaces a device, a FIFO or a folder, and never leaves a world-writable file.
+TEST(Files, OutputsFollowNoPlantedLinkAndReplaceOnlyRegularFiles) {
+  const auto dir = fresh("links");
+  const auto victim = join_path(dir, "victim");
+  write_file_atomically(victim, "precious");
+  // Links at the names the writers used to take for their temporaries, and at the outputs themselves.
+  for (const char* name : {"latest.tmp", "metrics.jsonl.tmp", "out.safetensors.tmp"})
+    ASSERT_EQ(::symlink(victim.c_str(), join_path(dir, name).c_str()), 0);
+  write_file_atomically(join_path(dir, "latest"), "step-0000002\n");
+  { AtomicFileWriter w(join_path(dir, "out.safetensors")); w.write("abc", 3); w.commit(); }
+  ASSERT_EQ(::symlink(victim.c_str(), join_path(dir, "train.log").c_str()), 0);
+  EXPECT_NE(error_of([&] { OutputFile log(join_path(dir, "train.log"), true); }).find("is a symbolic link"), std::string::npos);
+  EXPECT_NE(error_of([&] { write_file_atomically(join_path(dir, "train.log"), "x"); }).find("is a symbolic link"), std::string::npos);
+  EXPECT_EQ(read_file(victim), "precious") << "no write went through a link";
+  for (const char* name : {"latest.tmp", "metrics.jsonl.tmp", "out.safetensors.tmp", "train.log"}) {
+    struct stat st {};
+    EXPECT_EQ(::lstat(join_path(dir, name).c_str(), &st), 0);
+    EXPECT_TRUE(S_ISLNK(st.st_mode)) << name << " is still the planted link, untouched";
+  }
+  EXPECT_EQ(read_file(join_path(dir, "latest")), "step-0000002\n");
+  // A device, a FIFO or a folder in the output's place is refused, never replaced.
+  EXPECT_NE(error_of([] { write_file_atomically("/dev/full", "x"); }).find("is a device"), std::string::npos);
+  EXPECT_NE(error_of([] { check_output_file("/dev/full", "--export-weights"); }).find("is a device"), std::string::npos);
+  struct stat st {};
+  ASSERT_EQ(::stat("/dev/full", &st), 0);
+  EXPECT_TRUE(S_ISCHR(st.st_mode)) << "/dev/full is still a device";
+  const auto fifo = join_path(dir, "fifo");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_NE(error_of([&] { OutputFile f(fifo, false); }).find("is a pipe"), std::string::npos);
+  // Under umask 000 nothing is world-writable (0644 less the umask).
+  const mode_t saved = ::umask(0);
+  write_file_atomically(join_path(dir, "a"), "x");
+  { OutputFile f(join_path(dir, "b"), true); f.write("y"); }
+  ::umask(saved);
+  for (const char* name : {"a", "b"}) {
+    ASSERT_EQ(::stat(join_path(dir, name).c_str(), &st), 0);
+    EXPECT_EQ(st.st_mode & 0777, 0644u) << name;
+  }
+  // No temporary is left behind (the planted links aside).
+  const std::set<std::string> planted{"latest.tmp", "metrics.jsonl.tmp", "out.safetensors.tmp"};
+  for (const auto& name : list_directory(dir))
+    EXPECT_TRUE(planted.count(name) > 0 || name.size() < 4 || name.compare(name.size() - 4, 4, ".tmp") != 0) << name;
   remove_tree(dir);
 }
 

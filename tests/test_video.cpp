@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <array>
@@ -149,13 +150,44 @@ TEST(Video, BadInputIsRefusedNamingTheFile) {
   expect_error([&] { megaslide::io::write_mp4(odd, torch::zeros({2, 16, 16, 3})); }, odd, "expected uint8 RGB");
   EXPECT_FALSE(megaslide::io::path_exists(odd));
   auto missing_dir = std::string("/nonexistent-megaslide/x.mp4");
-  expect_error([&] { megaslide::io::write_mp4(missing_dir, torch::zeros({2, 16, 16, 3}, torch::kUInt8)); }, missing_dir + ".tmp",
+  expect_error([&] { megaslide::io::write_mp4(missing_dir, torch::zeros({2, 16, 16, 3}, torch::kUInt8)); }, missing_dir,
                "cannot create");
+  expect_error([&] { megaslide::io::write_mp4("/dev/null", torch::zeros({2, 16, 16, 3}, torch::kUInt8)); }, "/dev/null", "is a device");
   auto text = temp_path("not-a-video.mp4");
   megaslide::io::write_file_atomically(text, "this is not a video");
   expect_error([&] { megaslide::io::read_video(text); }, text, "");
   expect_error([&] { megaslide::io::read_video(temp_path("missing.mp4")); }, temp_path("missing.mp4"), "cannot open");
   megaslide::io::remove_tree(text);
+  // A FIFO named as a video is refused at once (FFmpeg's own open would wait for a writer for ever).
+  const auto fifo = temp_path("fifo.mp4");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  expect_error([&] { megaslide::io::read_video(fifo); }, fifo, "is a pipe");
+  expect_error([&] { megaslide::io::probe_video(fifo); }, fifo, "is a pipe");
+  ::unlink(fifo.c_str());
+}
+
+// The property: what a read holds is bounded (VideoReadOptions::max_bytes, by default a quarter of the
+// memory available): a file whose frames would take more is refused naming its frame size, how many
+// frames and the limit, counted as they are decoded (a container's frame count may lie).
+TEST(Video, ReadsHoldNoMoreFramesThanTheirLimit) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  const auto path = temp_path("budget.mp4");
+  megaslide::io::write_mp4(path, smooth_frames(12, 32, 48, 5));
+  const int64_t frame_bytes = 32 * 48 * 3;
+  EXPECT_EQ(megaslide::io::read_video(path, nullptr, megaslide::io::VideoReadOptions().max_bytes(24 * frame_bytes)).size(0), 12);
+  try {
+    megaslide::io::read_video(path, nullptr, megaslide::io::VideoReadOptions().max_bytes(10 * frame_bytes));
+    ADD_FAILURE() << "a read past its limit was allowed";
+  } catch (const VideoError& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("of 48x32 (W x H)"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("VideoReadOptions::max_bytes"), std::string::npos) << msg;
+  }
+  EXPECT_EQ(megaslide::io::read_video_frames(path, {0, 11}, nullptr, megaslide::io::VideoReadOptions().max_bytes(4 * frame_bytes)).size(0), 2);
+  EXPECT_THROW(megaslide::io::read_video_frames(path, {0, 1, 2, 3, 11}, nullptr, megaslide::io::VideoReadOptions().max_bytes(4 * frame_bytes)),
+               VideoError);
+  EXPECT_EQ(megaslide::io::read_video(path).size(0), 12) << "the default limit (a quarter of the available memory) allows it";
+  megaslide::io::remove_tree(path);
 }
 
 namespace {

@@ -43,6 +43,11 @@ using json = nlohmann::ordered_json;
 // the header — names, shapes, offsets — and the first tensors). Cheap on a 10 GB checkpoint.
 json fingerprint(const std::string& path, const std::string& key) {
   constexpr uint64_t kSpan = uint64_t{1} << 20;
+  try {
+    io::check_input_file(path);  // a regular file: never a FIFO the stream below would hang on
+  } catch (const io::IoError& e) {
+    throw ConfigError("config", key, std::string(e.what()) + " (to fingerprint the encoder's files for the cache)");
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) throw ConfigError("config", key, "cannot read '" + path + "' (to fingerprint the encoder's files for the cache)");
   const uint64_t size = io::file_size(path);
@@ -531,8 +536,12 @@ std::shared_ptr<LatentCache> LatentCache::open_checked(const RunConfig& config, 
     }
     auto mapping = std::make_unique<Mapping>();
     mapping->path = io::join_path(dir, rec.value("file", ""));
-    const int fd = ::open(mapping->path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) throw DatasetError("cache shard '" + mapping->path + "': " + std::strerror(errno));
+    int fd = -1;
+    try {
+      fd = io::open_input_file(mapping->path);
+    } catch (const io::IoError& e) {
+      throw DatasetError(std::string("cache shard: ") + e.what());
+    }
     struct stat st {};
     ::fstat(fd, &st);
     mapping->bytes = static_cast<size_t>(st.st_size);

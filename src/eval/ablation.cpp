@@ -566,8 +566,7 @@ std::string AblationTable::markdown() const {
 }
 
 AblationTable read_ablation_csv(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw std::runtime_error("cannot open '" + path + "'");
+  std::istringstream in(io::read_file(path));  // the checked open: a regular file only
   AblationTable t;
   std::string line;
   int64_t n = 0;

@@ -7,6 +7,7 @@
 
 #include <cerrno>
 #include <cmath>
+#include <memory>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -69,13 +70,15 @@ bool plottable(const PlotPanel& panel, const PlotSeries& s, size_t i) {
 // Runs `program script` in `dir`; returns the exit status (-1: did not exit normally) and its output.
 int run_in(const std::string& dir, const std::string& program, const std::string& script, const std::string& log_path,
            std::string& output) {
-  const int log_fd = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (log_fd < 0) throw PlotError(fmt::format("cannot write '{}': {}", log_path, std::strerror(errno)));
-  const pid_t pid = fork();
-  if (pid < 0) {
-    close(log_fd);
-    throw PlotError(fmt::format("cannot start gnuplot: fork failed: {}", std::strerror(errno)));
+  std::unique_ptr<io::OutputFile> log;
+  try {
+    log = std::make_unique<io::OutputFile>(log_path, /*append=*/false);
+  } catch (const io::IoError& e) {
+    throw PlotError(e.what());
   }
+  const int log_fd = log->fd();
+  const pid_t pid = fork();
+  if (pid < 0) throw PlotError(fmt::format("cannot start gnuplot: fork failed: {}", std::strerror(errno)));
   if (pid == 0) {
     // The child: only async-signal-safe calls until exec.
     if (chdir(dir.c_str()) != 0) _exit(126);
@@ -87,7 +90,7 @@ int run_in(const std::string& dir, const std::string& program, const std::string
     execv(program.c_str(), argv);
     _exit(127);
   }
-  close(log_fd);
+  log.reset();
   int status = 0;
   while (waitpid(pid, &status, 0) < 0) {
     if (errno != EINTR) throw PlotError(fmt::format("waiting for gnuplot failed: {}", std::strerror(errno)));

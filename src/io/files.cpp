@@ -10,9 +10,8 @@
 #include <cerrno>
 #include <algorithm>
 #include <array>
+#include <cstdio>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 #include <vector>
 
 namespace megaslide::io {
@@ -29,7 +28,112 @@ std::string parent_of(const std::string& path) {
   if (slash == 0) return "/";
   return path.substr(0, slash);
 }
+
+const char* kind_of(mode_t mode) {
+  return S_ISDIR(mode)                       ? "a folder"
+         : S_ISCHR(mode) || S_ISBLK(mode)    ? "a device"
+         : S_ISFIFO(mode)                    ? "a pipe (FIFO)"
+         : S_ISSOCK(mode)                    ? "a socket"
+         : S_ISLNK(mode)                     ? "a symbolic link"
+                                             : "not a regular file";
+}
+
+// The process's file-mode creation mask, read without changing it (umask(2) can only set it, which
+// would race with other threads creating files): Linux's /proc/self/status "Umask:", else 022.
+mode_t process_umask() {
+  FILE* f = std::fopen("/proc/self/status", "re");
+  unsigned value = 022;
+  if (f != nullptr) {
+    char line[256];
+    while (std::fgets(line, sizeof line, f) != nullptr)
+      if (std::sscanf(line, "Umask: %o", &value) == 1) break;
+    std::fclose(f);
+  }
+  return static_cast<mode_t>(value & 0777);
+}
+
+// Writes all of [data, data + bytes) to fd; false with errno set on failure.
+bool write_all(int fd, const void* data, size_t bytes) {
+  const char* p = static_cast<const char*>(data);
+  size_t done = 0;
+  while (done < bytes) {
+    const ssize_t n = ::write(fd, p + done, std::min<size_t>(bytes - done, size_t{1} << 30));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return false;
+    }
+    done += static_cast<size_t>(n);
+  }
+  return true;
+}
 }  // namespace
+
+int open_input_file(const std::string& path, bool allow_pipe) {
+  // O_NONBLOCK: opening a FIFO without a writer must not hang; cleared below for the reads.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+  if (fd < 0) fail("cannot open", path);
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    const int saved = errno;
+    ::close(fd);
+    errno = saved;
+    fail("cannot read", path);
+  }
+  if (!S_ISREG(st.st_mode) && !(allow_pipe && S_ISFIFO(st.st_mode))) {
+    ::close(fd);
+    throw IoError("'" + path + "' is " + kind_of(st.st_mode) + ", not a file (only regular files are read)");
+  }
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  return fd;
+}
+
+void check_input_file(const std::string& path) { ::close(open_input_file(path)); }
+
+void check_replaceable_output(const std::string& path) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT) return;
+    fail("cannot inspect", path);
+  }
+  if (!S_ISREG(st.st_mode))
+    throw IoError("'" + path + "' exists and is " + kind_of(st.st_mode) +
+                  "; MegaSlide writes only over regular files (remove it or name another output)");
+}
+
+int create_temporary_beside(const std::string& path, std::string& name) {
+  std::string pattern = path + ".XXXXXX.tmp";
+  const int fd = ::mkostemps(pattern.data(), 4, O_CLOEXEC);  // O_CREAT | O_EXCL: never through a link
+  if (fd < 0) fail("cannot create a temporary file beside", path);
+  if (::fchmod(fd, 0644 & ~process_umask()) != 0) {
+    const int saved = errno;
+    ::close(fd);
+    ::unlink(pattern.c_str());
+    errno = saved;
+    fail("cannot set the mode of", pattern);
+  }
+  name = pattern;
+  return fd;
+}
+
+OutputFile::OutputFile(const std::string& path, bool append) : path_(path) {
+  check_replaceable_output(path);
+  fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NOCTTY | (append ? O_APPEND : O_TRUNC), 0644);
+  if (fd_ < 0) fail("cannot open for writing", path);
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode)) {  // replaced by something else since the check
+    ::close(fd_);
+    fd_ = -1;
+    throw IoError("'" + path + "' is not a regular file; MegaSlide writes only regular files");
+  }
+}
+
+OutputFile::~OutputFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void OutputFile::write(const void* data, size_t bytes) {
+  if (!write_all(fd_, data, bytes)) fail("cannot write", path_);
+}
 
 bool path_exists(const std::string& path) {
   struct stat st {};
@@ -90,9 +194,9 @@ bool exchange_durably(const std::string& a, const std::string& b) {
   return true;
 }
 
-AtomicFileWriter::AtomicFileWriter(const std::string& path) : path_(path), tmp_(path + ".tmp") {
-  fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd_ < 0) fail("cannot create", tmp_);
+AtomicFileWriter::AtomicFileWriter(const std::string& path) : path_(path) {
+  check_replaceable_output(path_);
+  fd_ = create_temporary_beside(path_, tmp_);
 }
 
 AtomicFileWriter::~AtomicFileWriter() {
@@ -104,16 +208,7 @@ AtomicFileWriter::~AtomicFileWriter() {
 
 void AtomicFileWriter::write(const void* data, size_t bytes) {
   if (fd_ < 0) throw IoError("AtomicFileWriter: '" + path_ + "' was already committed");
-  const char* p = static_cast<const char*>(data);
-  size_t done = 0;
-  while (done < bytes) {
-    const ssize_t n = ::write(fd_, p + done, std::min<size_t>(bytes - done, size_t{1} << 30));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      fail("cannot write", tmp_);
-    }
-    done += static_cast<size_t>(n);
-  }
+  if (!write_all(fd_, data, bytes)) fail("cannot write", tmp_);
   crc_ = io::crc32(data, bytes, crc_);
   bytes_ += bytes;
 }
@@ -192,9 +287,10 @@ uint32_t crc32(const void* data, size_t bytes, uint32_t previous) {
 }
 
 void read_in_pieces(const std::string& path, const std::function<void(const char* data, size_t bytes)>& piece) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail("cannot open", path);
-  std::vector<char> buffer(size_t{4} << 20);
+  const int fd = open_input_file(path);
+  struct stat st {};
+  const size_t size = ::fstat(fd, &st) == 0 ? static_cast<size_t>(st.st_size) : 0;
+  std::vector<char> buffer(std::clamp<size_t>(size + 1, size_t{64} << 10, size_t{4} << 20));
   try {
     for (;;) {
       const ssize_t n = ::read(fd, buffer.data(), buffer.size());
@@ -217,32 +313,13 @@ uint32_t file_crc32(const std::string& path) {
 }
 
 std::string read_input_file(const std::string& path, uint64_t max_bytes, bool allow_pipe) {
-  // O_NONBLOCK: opening a FIFO without a writer must not hang; cleared below for the reads.
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
-  if (fd < 0) fail("cannot open", path);
+  const int fd = open_input_file(path, allow_pipe);
   struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    const int saved = errno;
-    ::close(fd);
-    errno = saved;
-    fail("cannot read", path);
-  }
-  const bool regular = S_ISREG(st.st_mode), pipe = S_ISFIFO(st.st_mode);
-  if (!regular && !(allow_pipe && pipe)) {
-    ::close(fd);
-    const char* kind = S_ISDIR(st.st_mode)                              ? "a folder"
-                       : S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode)     ? "a device"
-                       : pipe                                           ? "a pipe"
-                       : S_ISSOCK(st.st_mode)                           ? "a socket"
-                                                                        : "not a regular file";
-    throw IoError("'" + path + "' is " + kind + ", not a file" + (allow_pipe ? "" : " (only regular files are read)"));
-  }
-  if (regular && static_cast<uint64_t>(st.st_size) > max_bytes) {
+  if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && static_cast<uint64_t>(st.st_size) > max_bytes) {
     ::close(fd);
     throw IoError("'" + path + "' is " + std::to_string(st.st_size) + " bytes, more than the " + std::to_string(max_bytes) +
                   " this file may hold (is it the right file?)");
   }
-  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
   std::string out;
   std::vector<char> buffer(64 * 1024);
   for (;;) {
@@ -277,6 +354,11 @@ void check_output_file(const std::string& path, const std::string& flag) {
     throw IoError(flag + " '" + path + "': folder '" + parent + "' is not writable: " + std::strerror(errno));
   if (path_exists(path) && ::access(path.c_str(), W_OK) != 0)
     throw IoError(flag + " '" + path + "': the existing file is not writable: " + std::strerror(errno));
+  try {
+    check_replaceable_output(path);
+  } catch (const IoError& e) {
+    throw IoError(flag + ": " + e.what());
+  }
 }
 
 void check_output_folder(const std::string& path, const std::string& flag) {
@@ -297,11 +379,9 @@ void check_output_folder(const std::string& path, const std::string& flag) {
 }
 
 std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("cannot open", path);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
+  std::string out;
+  read_in_pieces(path, [&out](const char* data, size_t bytes) { out.append(data, bytes); });
+  return out;
 }
 
 }  // namespace megaslide::io

@@ -1,4 +1,5 @@
 #include "io/pretrained.h"
+#include "megaslide/io/files.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -79,8 +80,12 @@ torch::Tensor PretrainedFolder::take(const std::string& name, const std::vector<
                           ", expected floating point (F32, F16 or BF16)");
   auto t = torch::empty(entry->shape, torch::TensorOptions().dtype(entry->dtype));
   uint64_t bytes = entry->end - entry->begin, offset = header_.data_start + entry->begin;
-  const int fd = ::open(weights_path_.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw PretrainedError("'" + weights_path_ + "': cannot open: " + std::strerror(errno));
+  int fd = -1;
+  try {
+    fd = io::open_input_file(weights_path_);
+  } catch (const io::IoError& e) {
+    throw PretrainedError(e.what());
+  }
   auto* p = static_cast<char*>(t.data_ptr());
   while (bytes > 0) {
     const ssize_t n = ::pread(fd, p, std::min<uint64_t>(bytes, 1ull << 30), static_cast<off_t>(offset));
@@ -130,8 +135,12 @@ MappedWeights::MappedWeights(const std::string& path) : path_(path) {
     } catch (const SafetensorsError& e) {
       throw PretrainedError(e.what());
     }
-    const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) throw PretrainedError("'" + file + "': cannot open: " + std::strerror(errno));
+    int fd = -1;
+    try {
+      fd = io::open_input_file(file);
+    } catch (const io::IoError& e) {
+      throw PretrainedError(e.what());
+    }
     struct stat st {};
     if (::fstat(fd, &st) != 0) {
       ::close(fd);

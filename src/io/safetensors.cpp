@@ -1,4 +1,5 @@
 #include "megaslide/io/safetensors.h"
+#include "megaslide/io/files.h"
 #include "megaslide/io/safetensors_ranges.h"
 
 #include <fcntl.h>
@@ -43,8 +44,12 @@ constexpr DtypeName kDtypes[] = {
 
 class File {
  public:
-  explicit File(const std::string& path) : path_(path), fd_(::open(path.c_str(), O_RDONLY | O_CLOEXEC)) {
-    if (fd_ < 0) fail(path, std::string("cannot open: ") + std::strerror(errno));
+  explicit File(const std::string& path) : path_(path) {
+    try {
+      fd_ = open_input_file(path);
+    } catch (const IoError& e) {
+      fail(path, e.what());
+    }
   }
   ~File() { ::close(fd_); }
   File(const File&) = delete;
@@ -69,7 +74,7 @@ class File {
 
  private:
   std::string path_;
-  int fd_;
+  int fd_ = -1;
 };
 
 SafetensorsHeader parse_header(const std::string& path, const File& file) {

@@ -11,6 +11,7 @@ extern "C" {
 #endif
 
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -21,6 +22,7 @@ extern "C" {
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 
 namespace megaslide::io {
 
@@ -124,9 +126,25 @@ void write_mp4(const std::string& path, const torch::Tensor& frames_in, const Vi
   if (codec == nullptr) codec = avcodec_find_encoder(AV_CODEC_ID_H264);
   if (codec == nullptr) fail(path, "this FFmpeg build has no H.264 encoder (Debian's libavcodec59 links libx264)");
 
-  const std::string tmp = path + ".tmp";
+  // The temporary file is created here (exclusively, a random name: never through a planted link), and
+  // FFmpeg is given it as a file: URL, so that no protocol (tcp:, http:, pipe:) is ever parsed from a path.
+  std::string tmp;
+  try {
+    check_replaceable_output(path);
+    ::close(create_temporary_beside(path, tmp));
+  } catch (const IoError& e) {
+    fail(path, e.what());
+  }
+  struct RemoveUnlessRenamed {
+    const std::string& file;
+    bool renamed = false;
+    ~RemoveUnlessRenamed() {
+      if (!renamed) ::unlink(file.c_str());
+    }
+  } cleanup{tmp};
+  const std::string url = "file:" + tmp;
   AVFormatContext* raw_out = nullptr;
-  check(avformat_alloc_output_context2(&raw_out, nullptr, "mp4", tmp.c_str()), path, "cannot set up the MP4 muxer");
+  check(avformat_alloc_output_context2(&raw_out, nullptr, "mp4", url.c_str()), path, "cannot set up the MP4 muxer");
   std::unique_ptr<AVFormatContext, OutputDeleter> out(raw_out);
 
   CodecContextPtr enc(avcodec_alloc_context3(codec));
@@ -152,7 +170,7 @@ void write_mp4(const std::string& path, const torch::Tensor& frames_in, const Vi
   stream->time_base = enc->time_base;
   stream->avg_frame_rate = enc->framerate;
   check(avcodec_parameters_from_context(stream->codecpar, enc.get()), path, "cannot copy encoder parameters");
-  check(avio_open(&out->pb, tmp.c_str(), AVIO_FLAG_WRITE), tmp, "cannot create");
+  check(avio_open(&out->pb, url.c_str(), AVIO_FLAG_WRITE), tmp, "cannot create");
   check(avformat_write_header(out.get(), nullptr), path, "cannot write the MP4 header");
 
   SwsPtr sws(sws_getContext(static_cast<int>(W), static_cast<int>(H), AV_PIX_FMT_RGB24, static_cast<int>(W), static_cast<int>(H),
@@ -189,6 +207,7 @@ void write_mp4(const std::string& path, const torch::Tensor& frames_in, const Vi
   check(av_write_trailer(out.get()), path, "cannot finish the MP4");
   out.reset();  // closes the file
   fsync_and_rename(tmp, path);
+  cleanup.renamed = true;
 }
 
 void write_png(const std::string& path, const torch::Tensor& frame_in) {
@@ -239,8 +258,15 @@ struct OpenedVideo {
 OpenedVideo open_video(const std::string& path) {
   quiet_ffmpeg();
   OpenedVideo v;
+  // A regular file only (a FIFO would hang FFmpeg's open), handed over as a file: URL (no protocol is
+  // ever parsed from a path).
+  try {
+    check_input_file(path);
+  } catch (const IoError& e) {
+    fail(path, e.what());
+  }
   AVFormatContext* raw_in = nullptr;
-  check(avformat_open_input(&raw_in, path.c_str(), nullptr, nullptr), path, "cannot open");
+  check(avformat_open_input(&raw_in, ("file:" + path).c_str(), nullptr, nullptr), path, "cannot open");
   v.in.reset(raw_in);
   check(avformat_find_stream_info(v.in.get(), nullptr), path, "cannot read stream information");
   const AVCodec* codec = nullptr;
@@ -333,10 +359,41 @@ int64_t decode_frames(const std::string& path, OpenedVideo& v, const VideoReadOp
 
 }  // namespace
 
+namespace {
+// MemAvailable of /proc/meminfo in bytes (0 when it cannot be read).
+int64_t available_memory_bytes() {
+  std::FILE* f = std::fopen("/proc/meminfo", "re");
+  if (f == nullptr) return 0;
+  char line[256];
+  long long kib = 0;
+  while (std::fgets(line, sizeof line, f) != nullptr)
+    if (std::sscanf(line, "MemAvailable: %lld kB", &kib) == 1) break;
+  std::fclose(f);
+  return static_cast<int64_t>(kib) * 1024;
+}
+
+// Refuses a read that would hold `frames` RGB frames of the video's size beyond the options' limit.
+void check_frame_budget(const std::string& path, const OpenedVideo& v, int64_t frames, const VideoReadOptions& options) {
+  const int64_t limit = options.max_bytes() > 0 ? options.max_bytes() : available_memory_bytes() / 4;
+  const int64_t frame_bytes = int64_t{v.width} * v.height * 3;
+  if (limit <= 0 || frames * frame_bytes <= limit) return;
+  fail(path, fmt::format("{} frames of {}x{} (W x H) would take {:.1f} GB as RGB, more than the {:.1f} GB a read may hold ({}): "
+                         "is it the right file?",
+                         frames, v.width, v.height, static_cast<double>(frames * frame_bytes) / 1e9, static_cast<double>(limit) / 1e9,
+                         options.max_bytes() > 0 ? "VideoReadOptions::max_bytes" : "a quarter of this machine's available memory"));
+}
+}  // namespace
+
 torch::Tensor read_video(const std::string& path, VideoInfo* info, const VideoReadOptions& options) {
   auto v = open_video(path);
   std::vector<torch::Tensor> frames;
-  decode_frames(path, v, options, -1, [](int64_t) { return true; }, [&](int64_t, torch::Tensor t) { frames.push_back(std::move(t)); });
+  check_frame_budget(path, v, 1, options);
+  // Every frame is kept, then stacked (twice the frames at the end): checked as they come, not from the
+  // container's frame count, which a file may state falsely.
+  decode_frames(path, v, options, -1, [](int64_t) { return true; }, [&](int64_t, torch::Tensor t) {
+    check_frame_budget(path, v, 2 * static_cast<int64_t>(frames.size() + 1), options);
+    frames.push_back(std::move(t));
+  });
   if (frames.empty()) fail(path, "no frames decoded");
   if (info != nullptr) {
     describe_stream(v, *info);
@@ -371,6 +428,7 @@ torch::Tensor read_video_frames(const std::string& path, const std::vector<int64
   for (int64_t i : indices) wanted[static_cast<size_t>(i)] = 1;
   std::map<int64_t, torch::Tensor> kept;
   auto v = open_video(path);
+  check_frame_budget(path, v, static_cast<int64_t>(indices.size() + std::set<int64_t>(indices.begin(), indices.end()).size()), options);
   const int64_t decoded = decode_frames(
       path, v, options, last, [&](int64_t i) { return i <= last && wanted[static_cast<size_t>(i)] != 0; },
       [&](int64_t i, torch::Tensor t) { kept.emplace(i, std::move(t)); });

@@ -1,4 +1,5 @@
 #include "megaslide/model/wan_weights.h"
+#include "megaslide/io/files.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -99,8 +100,12 @@ struct MappedFile {
     } catch (const io::IoError& e) {
       fail(e.what());
     }
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) fail("'" + path + "': cannot open: " + std::strerror(errno));
+    int fd = -1;
+    try {
+      fd = io::open_input_file(path);
+    } catch (const io::IoError& e) {
+      fail(e.what());
+    }
     struct stat st {};
     if (::fstat(fd, &st) != 0) {
       ::close(fd);

@@ -1,4 +1,5 @@
 #include "megaslide/train/init_from.h"
+#include "megaslide/io/files.h"
 
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -77,8 +78,12 @@ torch::Tensor InitTensor::read(torch::ScalarType dtype) const {
   const uint64_t offset = data_start + entry.begin + row_bytes * static_cast<uint64_t>(begin);
   uint64_t remaining = row_bytes * static_cast<uint64_t>(end - begin);
   if (entry.shape.empty()) remaining = total;
-  const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw InitFromError("train.init_from '" + file + "': cannot open: " + std::strerror(errno));
+  int fd = -1;
+  try {
+    fd = io::open_input_file(file);
+  } catch (const io::IoError& e) {
+    throw InitFromError(std::string("train.init_from: ") + e.what());
+  }
   auto* out = static_cast<char*>(raw.data_ptr());
   uint64_t done = 0;
   while (done < remaining) {

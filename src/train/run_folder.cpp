@@ -10,6 +10,7 @@
 #include <cstring>
 #include <ctime>
 #include <fstream>
+#include <sstream>
 
 #include "megaslide/io/files.h"
 #include "megaslide/train/checkpoint.h"
@@ -45,7 +46,12 @@ std::string holder_of(int fd) {
 }
 
 int64_t logged_steps(const std::string& metrics) {
-  std::ifstream in(metrics);
+  std::istringstream in;
+  try {
+    in.str(io::read_file(metrics));  // a regular file only: a FIFO planted there is refused, not waited on
+  } catch (const io::IoError& e) {
+    return 0;
+  }
   int64_t n = 0;
   std::string line;
   while (std::getline(in, line)) n += line.find_first_not_of(" \t\r") != std::string::npos;

@@ -2,7 +2,7 @@
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
-#include <spdlog/sinks/basic_file_sink.h>
+#include <spdlog/sinks/base_sink.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <mutex>
 #include <sstream>
 
 #include "megaslide/io/files.h"
@@ -52,11 +53,12 @@ MetricsWriter::MetricsWriter(const std::string& path, int64_t keep_through_step)
     } catch (const io::IoError& e) {
       throw OutputError(e.what());
     }
-    out_.open(path, std::ios::app);
-  } else {
-    out_.open(path, std::ios::trunc);
   }
-  if (!out_) throw OutputError("cannot open '" + path + "' for writing: " + std::strerror(errno));
+  try {
+    out_ = std::make_unique<io::OutputFile>(path, /*append=*/keep_through_step >= 0);
+  } catch (const io::IoError& e) {
+    throw OutputError(e.what());
+  }
 }
 
 void MetricsWriter::write(const StepMetrics& m) {
@@ -82,10 +84,32 @@ void MetricsWriter::write(const StepMetrics& m) {
   }
   j["skipped"] = m.skipped;
   j["skipped_total"] = m.skipped_total;
-  out_ << j.dump() << '\n';
-  out_.flush();
-  if (!out_) throw OutputError("cannot write to '" + path_ + "': " + std::strerror(errno));
+  try {
+    out_->write(j.dump() + "\n");
+  } catch (const io::IoError& e) {
+    throw OutputError(e.what());
+  }
 }
+
+namespace {
+// spdlog's file sink opens its file with fopen, which follows a symbolic link at the name; this one
+// writes through io::OutputFile (no link followed, 0644, regular files only).
+class OutputFileSink final : public spdlog::sinks::base_sink<std::mutex> {
+ public:
+  OutputFileSink(const std::string& path, bool append) : file_(path, append) {}
+
+ protected:
+  void sink_it_(const spdlog::details::log_msg& msg) override {
+    spdlog::memory_buf_t text;
+    formatter_->format(msg, text);
+    file_.write(text.data(), text.size());
+  }
+  void flush_() override {}  // every write goes straight to the file
+
+ private:
+  io::OutputFile file_;
+};
+}  // namespace
 
 struct TrainLog::Impl {
   std::shared_ptr<spdlog::logger> logger;
@@ -93,7 +117,12 @@ struct TrainLog::Impl {
 
 TrainLog::TrainLog(const std::string& path, bool append, bool echo) : impl_(std::make_unique<Impl>()) {
   try {
-    auto file = std::make_shared<spdlog::sinks::basic_file_sink_mt>(path, /*truncate=*/!append);
+    std::shared_ptr<spdlog::sinks::sink> file;
+    try {
+      file = std::make_shared<OutputFileSink>(path, append);
+    } catch (const io::IoError& e) {
+      throw OutputError(std::string("cannot open the log: ") + e.what());
+    }
     auto console = std::make_shared<spdlog::sinks::stderr_color_sink_mt>();
     file->set_pattern("[%Y-%m-%d %H:%M:%S.%e] [%l] %v");
     console->set_pattern("%v");

@@ -32,11 +32,21 @@ void make_directories(const std::string& path);
 // rm -rf; a missing path is not an error.
 void remove_tree(const std::string& path);
 
-// Writes `content` to `path` so that readers see the old file or the new one, never a torn one:
-// write to `path.tmp`, fsync, rename over `path`, fsync the folder.
+// Writes `content` to `path` so that readers see the old file or the new one, never a torn one (through
+// AtomicFileWriter, below).
 void write_file_atomically(const std::string& path, const std::string& content);
 
+// Reads a whole regular file (through open_input_file: a FIFO or a device is refused, not read).
 std::string read_file(const std::string& path);
+
+// The one checked open of a file a user names for reading — weights, checkpoints, configs, captions,
+// manifests, tensors: a regular file, or with allow_pipe also a FIFO such as a shell's <(...). A FIFO
+// (otherwise), a device, a socket or a folder is refused at once with an IoError naming the path and
+// what it is: the open is non-blocking, so a FIFO without a writer cannot hang it. Returns a file
+// descriptor the caller closes (close-on-exec, blocking again).
+int open_input_file(const std::string& path, bool allow_pipe = false);
+// The same check for readers that open the path themselves (FFmpeg): opened, checked, closed.
+void check_input_file(const std::string& path);
 
 // Reads a file a user named (a config, a prompt file, a checkpoint's `latest` or manifest): only a
 // regular file — or, with allow_pipe, a FIFO such as a shell's <(...) — is read, and no more than
@@ -49,7 +59,7 @@ std::string read_input_file(const std::string& path, uint64_t max_bytes, bool al
 // have refused at its start. Each throws IoError naming `flag` (e.g. "--out"), the path and the
 // problem:
 //  - check_output_file: `path` is not empty and not an existing folder; its folder exists and is
-//    writable (nothing is created).
+//    writable; if it exists it is a regular file (check_replaceable_output; nothing is created).
 //  - check_output_folder: `path` is not empty; it is a writable folder, or can be created as one
 //    (its nearest existing ancestor is a writable folder; nothing is created).
 void check_output_file(const std::string& path, const std::string& flag);
@@ -81,11 +91,21 @@ void read_in_pieces(const std::string& path, const std::function<void(const char
 // The CRC-32 of a whole file.
 uint32_t file_crc32(const std::string& path);
 
+// Refuses (IoError) an output path that exists and is not a regular file — a device such as /dev/full,
+// a FIFO, a socket, a folder or a symbolic link: MegaSlide replaces or appends to regular files only.
+void check_replaceable_output(const std::string& path);
+
+// A file created next to `path` for this process alone: `path.XXXXXX.tmp` with six random
+// characters, created exclusively (O_EXCL: never an existing name, never through a symbolic link
+// planted there), mode 0644 less the umask. Returns the descriptor; `name` receives the name.
+int create_temporary_beside(const std::string& path, std::string& name);
+
 // Writes a file so that readers see the old file or the complete new one, never a torn one:
-// bytes go to `path.tmp`; commit() fsyncs, renames over `path` and fsyncs the folder. If commit() is
-// never reached (an error, an exception), the destructor removes the temporary file and `path` is
-// untouched. Keeps the size and the CRC-32 of what it wrote. Errors are IoError naming the path and
-// the system's reason (no space, file too large, read-only…).
+// bytes go to a temporary file beside it (create_temporary_beside); commit() fsyncs, renames over
+// `path` and fsyncs the folder. If commit() is never reached (an error, an exception), the destructor
+// removes the temporary file and `path` is untouched. `path` itself must be absent or a regular file
+// (check_replaceable_output). Keeps the size and the CRC-32 of what it wrote. Errors are IoError
+// naming the path and the system's reason (no space, file too large, read-only…).
 class AtomicFileWriter {
  public:
   explicit AtomicFileWriter(const std::string& path);
@@ -102,6 +122,27 @@ class AtomicFileWriter {
   int fd_ = -1;
   uint64_t bytes_ = 0;
   uint32_t crc_ = 0;
+};
+
+// A file this program writes in place — a log it appends to, a file it truncates and rewrites: opened
+// without following a symbolic link at its name (O_NOFOLLOW), created with mode 0644 less the umask (never
+// world-writable, even under umask 000), refused when the path exists and is not a regular file.
+// Closes on destruction.
+class OutputFile {
+ public:
+  OutputFile(const std::string& path, bool append);
+  ~OutputFile();
+  OutputFile(const OutputFile&) = delete;
+  OutputFile& operator=(const OutputFile&) = delete;
+  // Writes all of `data` (IoError naming the path on failure).
+  void write(const void* data, size_t bytes);
+  void write(const std::string& text) { write(text.data(), text.size()); }
+  int fd() const { return fd_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
 };
 
 }  // namespace megaslide::io

@@ -72,6 +72,11 @@ enum class RgbConversion { kInterpolatedChroma, kOpenCV };
 
 struct VideoReadOptions {
   TORCH_ARG(RgbConversion, rgb_conversion) = RgbConversion::kInterpolatedChroma;
+  // The most bytes of RGB frames a read may hold (what a file's frame size and count could otherwise
+  // make it allocate: a 105 KB MP4 can declare 8192x4320 frames); 0: a quarter of the memory this
+  // machine has available (MemAvailable) when the read starts. A read that would pass it throws
+  // VideoError naming the frame size, the frames and the limit.
+  TORCH_ARG(int64_t, max_bytes) = 0;
 };
 
 // Decodes every frame: [T, H, W, 3] uint8 RGB. `info`, when given, receives the stream's description.

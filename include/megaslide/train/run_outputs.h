@@ -16,6 +16,7 @@
 
 #include "megaslide/config/run_config.h"
 #include "megaslide/train/resident_trainer.h"
+#include "megaslide/io/files.h"
 
 namespace megaslide {
 
@@ -45,7 +46,7 @@ class MetricsWriter {
 
  private:
   std::string path_;
-  std::ofstream out_;
+  std::unique_ptr<io::OutputFile> out_;
 };
 
 // The run log: a file plus the terminal (stderr), or the file alone with echo false.
