@@ -142,7 +142,8 @@ TEST(HostileInputs, RunConfigsFromTheHostileUserAreAllRefused) {
                            "duplicate_section.yaml", "huge_layers.yaml", "huge_parameters.yaml", "size_product_overflow.yaml",
                            "batch_beyond_any_machine.yaml", "huge_kernel.yaml", "dense_scores_beyond_any_machine.yaml",
                            "huge_num_clips.yaml", "huge_grad_accum.yaml", "guidance_nan.yaml", "huge_text_dim.yaml",
-                           "device_index_overflow.yaml", "huge_int.yaml", "nan.yaml", "inf.yaml"}) {
+                           "device_index_overflow.yaml", "huge_int.yaml", "nan.yaml", "inf.yaml", "two_documents.yaml",
+                           "non_utf8_path.yaml", "non_utf8_root.yaml"}) {
     std::string message;
     EXPECT_EQ(feed_config(io::read_file(corpus("run_config") + "/" + name), &message), 1) << name << " was not refused: " << message;
   }

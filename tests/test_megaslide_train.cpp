@@ -342,6 +342,51 @@ TEST(MegaslideTrain, EmptyOrUnwritableOutputPathsAreRefusedBeforeTheFirstStep) {
   megaslide::io::remove_tree(dir);
 }
 
+// The property: a path given as a flag is the path, not YAML ('exp #3' is not 'exp'); one that is not
+// UTF-8, or an output that is a device, is refused before the first step with nothing written; and
+// symbolic links planted at the names a run's files used to be staged under are never followed (their
+// victim untouched, the links left as they were).
+TEST(MegaslideTrain, FlagPathsAreTakenAsTheyAreAndNoPlantedLinkIsFollowed) {
+  const auto base = fresh_dir("paths");
+  megaslide::io::make_directories(base);
+  const auto dir = join_path(base, "exp #3");
+  const auto victim = join_path(base, "victim");
+  megaslide::io::write_file_atomically(victim, "precious\n");
+  const std::string args = "--config " + smoke() + " --run-dir '" + dir + "' --set train.checkpoint_every=2 --set train.threads=1 "
+                           "--set output.progress=false --set train.batch_size=2";
+  auto r = run(args + " --set train.steps=2");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_TRUE(megaslide::io::path_exists(join_path(dir, "metrics.jsonl"))) << "the run trained into 'exp #3'";
+  EXPECT_FALSE(megaslide::io::path_exists(join_path(base, "exp"))) << "not into 'exp'";
+  // Links planted at the old fixed temporary names, then a resume that rewrites `latest`, config.yaml,
+  // metrics.jsonl and exports the weights.
+  for (const char* name : {"checkpoints/latest.tmp", "config.yaml.tmp", "metrics.jsonl.tmp"})
+    ASSERT_EQ(::symlink(victim.c_str(), join_path(dir, name).c_str()), 0) << name;
+  ASSERT_EQ(::symlink(victim.c_str(), join_path(base, "w.safetensors.tmp").c_str()), 0);
+  r = run(args + " --set train.steps=4 --resume latest");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_TRUE(megaslide::io::path_exists(join_path(dir, "checkpoints/step-0000004")));
+  r = run(args + " --set train.steps=4 --resume latest --export-weights '" + join_path(base, "w.safetensors") + "'");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_TRUE(megaslide::io::path_exists(join_path(base, "w.safetensors")));
+  EXPECT_EQ(megaslide::io::read_file(victim), "precious\n");
+  for (const auto& link : {join_path(dir, "checkpoints/latest.tmp"), join_path(dir, "config.yaml.tmp"), join_path(dir, "metrics.jsonl.tmp"),
+                           join_path(base, "w.safetensors.tmp")}) {
+    char target[4096] = {};
+    EXPECT_GT(::readlink(link.c_str(), target, sizeof target - 1), 0) << link << " is still the planted link";
+  }
+  const auto before = megaslide::io::list_directory(base);
+  r = run("--config " + smoke() + " --run-dir '" + join_path(base, "r-\xff") + "' --set train.steps=1");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("output.run_dir"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("not UTF-8"), std::string::npos) << r.output;
+  r = run("--config " + smoke() + " --run-dir '" + join_path(base, "r2") + "' --set train.steps=1 --export-weights /dev/full");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("is a device"), std::string::npos) << r.output;
+  EXPECT_EQ(megaslide::io::list_directory(base), before) << "the refused runs wrote nothing";
+  megaslide::io::remove_tree(base);
+}
+
 // The property: a run that needs more memory than the machine has, or a device it does not have, is
 // refused in one line before anything is allocated or written.
 TEST(MegaslideTrain, ImpossibleSizesAndMissingDevicesAreOneLineRefusals) {

@@ -297,3 +297,31 @@ TEST(RunConfig, VideoDatasetKeysParseCheckAndReadBack) {
   expect_error("train: {init_allow_missing: [a, '']}\n", {}, "train.init_allow_missing", "non-empty");
   expect_error("data: {workers: -1}\n", {}, "data.workers", "integer in [0, 256]");
 }
+
+// The property: a file holds one YAML document (a second one used to be ignored without a word; an
+// explicit "---" start of the first is fine), and every value is UTF-8 text, so that a path of another
+// encoding is refused at load, naming the key, not at the first checkpoint save of the run.
+TEST(RunConfig, OneDocumentOfUtf8Text) {
+  EXPECT_EQ(parse_run_config("--- # a run\nmodel:\n  hidden: 32\n", kSource).model.hidden, 32);
+  EXPECT_EQ(parse_run_config("---\nmodel: {hidden: 32}\n...\n# done\n", kSource).model.hidden, 32);
+  for (const char* text : {"model:\n  hidden: 32\n---\nmodel:\n  hidden: 64\n", "model: {hidden: 32}\n...\ntrain: {lr: 1}\n",
+                           "--- {model: {hidden: 32}}\n--- {}\n"}) {
+    try {
+      parse_run_config(text, kSource);
+      ADD_FAILURE() << "a second document was accepted: " << text;
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("more than one YAML document"), std::string::npos) << e.what();
+    }
+  }
+  expect_error("output:\n  run_dir: \"runs/x\xff\"\n", {}, "output.run_dir", "not UTF-8 text (byte 0xff at offset 6)");
+  expect_error("", {"data.root=caf\xc3\x28"}, "data.root", "not UTF-8");
+  auto c = parse_run_config("", kSource);
+  c.output.run_dir = "r-\xe9";  // set directly, as megaslide-train sets --run-dir
+  try {
+    megaslide::validate(c, "--run-dir");
+    ADD_FAILURE() << "validate accepted a run folder that is not UTF-8";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(e.key(), "output.run_dir");
+  }
+  EXPECT_EQ(parse_run_config("data:\n  root: \"vid\xc3\xa9os/\xe6\x97\xa5\"\n", kSource).data.root, "vid\xc3\xa9os/\xe6\x97\xa5");
+}

@@ -59,13 +59,13 @@ int main(int argc, char** argv) {
       megaslide::check_ablation_configs(checked);
     }
   } catch (const std::invalid_argument& e) {
-    std::cerr << "megaslide-ablate: " << e.what() << " (suites: " << suites << ")\n";
+    std::cerr << "megaslide-ablate: " << megaslide::error_message(e) << " (suites: " << suites << ")\n";
     return 2;
   } catch (const megaslide::ConfigError& e) {
-    std::cerr << "megaslide-ablate: " << e.what() << "\n";
+    std::cerr << "megaslide-ablate: " << megaslide::error_message(e) << "\n";
     return 2;
   } catch (const megaslide::io::IoError& e) {
-    std::cerr << "megaslide-ablate: " << e.what() << "\n";
+    std::cerr << "megaslide-ablate: " << megaslide::error_message(e) << "\n";
     return 2;
   }
   megaslide::tools::survive_file_size_limit();

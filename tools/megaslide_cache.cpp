@@ -17,6 +17,7 @@
 #include <iostream>
 
 #include "megaslide/megaslide.h"
+#include "tool_support.h"
 
 namespace {
 std::string clock_text(double seconds) {
@@ -33,8 +34,8 @@ int main(int argc, char** argv) {
   app.add_option("--config", config_path, "run config (YAML) with data.dataset: videos")->required();
   app.add_option("--out", out, "the cache folder (default: data.cache of the config)");
   app.add_option("--set", overrides, "override a config value, e.g. --set data.frames=16 (repeatable)");
-  app.add_option("--shard-items", shard_items, "items per shard file (default 64)")->check(CLI::PositiveNumber);
-  app.add_option("--threads", threads, "decoding threads (default: data.workers, at least 1)")->check(CLI::NonNegativeNumber);
+  app.add_option("--shard-items", shard_items, "items per shard file (default 64)")->check(megaslide::tools::integer_in(1, int64_t{1} << 40));
+  app.add_option("--threads", threads, "decoding threads (default: data.workers, at least 1)")->check(megaslide::tools::integer_in(0, 4096));
   app.set_version_flag("--version", megaslide::build_summary());
   try {
     app.parse(argc, argv);
@@ -42,11 +43,13 @@ int main(int argc, char** argv) {
     const int code = app.exit(e);
     return code == 0 ? 0 : 2;
   }
+  megaslide::tools::survive_file_size_limit();
+
   megaslide::RunConfig config;
   try {
     config = megaslide::load_run_config(config_path, overrides);
   } catch (const megaslide::ConfigError& e) {
-    std::cerr << "megaslide-cache: " << e.what() << "\n";
+    std::cerr << "megaslide-cache: " << megaslide::error_message(e) << "\n";
     return 2;
   }
   if (config.data.dataset != "videos") {
@@ -87,13 +90,13 @@ int main(int argc, char** argv) {
                              r.bad.size(), std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     return 0;
   } catch (const megaslide::DatasetError& e) {
-    std::cerr << (tty ? "\n" : "") << "megaslide-cache: " << e.what() << "\n";
+    std::cerr << (tty ? "\n" : "") << "megaslide-cache: " << megaslide::error_message(e) << "\n";
     return 2;
   } catch (const megaslide::ConfigError& e) {
-    std::cerr << (tty ? "\n" : "") << "megaslide-cache: " << e.what() << "\n";
+    std::cerr << (tty ? "\n" : "") << "megaslide-cache: " << megaslide::error_message(e) << "\n";
     return 2;
   } catch (const std::exception& e) {
-    std::cerr << (tty ? "\n" : "") << "megaslide-cache: " << e.what() << "\n";
+    std::cerr << (tty ? "\n" : "") << "megaslide-cache: " << megaslide::error_message(e) << "\n";
     return 1;
   }
 }

@@ -31,6 +31,7 @@
 #include <nlohmann/json.hpp>
 
 #include "megaslide/megaslide.h"
+#include "tool_support.h"
 
 namespace {
 
@@ -138,7 +139,7 @@ int main(int argc, char** argv) {
   }
   vae_encode->add_option("--tile", tile, "wan: encode in tiles of P pixels, blended (0: whole frames)")->check(CLI::NonNegativeNumber);
   vae_encode->add_flag("--sample", sample, "a sample of the latent distribution instead of its mean");
-  vae_encode->add_option("--seed", seed, "seed of --sample's noise")->capture_default_str();
+  vae_encode->add_option("--seed", seed, "seed of --sample's noise")->check(megaslide::tools::integer_in(0))->capture_default_str();
   vae_decode->add_option("--tile", tile, "decode in tiles of P pixels, blended (0: whole frames)")->check(CLI::NonNegativeNumber);
   vae_decode->add_option("--tile-overlap", tile_overlap, "overlap of tiles, a fraction of the tile")->check(CLI::Range(0.0, 0.9))
       ->capture_default_str();
@@ -149,6 +150,8 @@ int main(int argc, char** argv) {
     const int code = app.exit(e);
     return code == 0 ? 0 : 2;
   }
+  megaslide::tools::survive_file_size_limit();
+
 
   // Everything that can be checked is loaded and checked before anything is computed or written.
   torch::Device device = torch::kCPU;
@@ -162,7 +165,11 @@ int main(int argc, char** argv) {
   std::vector<std::string> prompts;
   torch::Tensor x;
   try {
-    device = megaslide::resolve_device(device_spec);
+    try {
+      device = megaslide::resolve_device(device_spec);
+    } catch (const c10::Error& e) {
+      throw BadInput("--device: " + megaslide::error_message(e));
+    }
     if (text->parsed() && encoder_kind == "umt5") {
       if (max_length == 0) max_length = 512;
       if (!ids_only && weights.empty()) throw BadInput("--weights is needed (or --ids-only)");
@@ -222,19 +229,19 @@ int main(int argc, char** argv) {
       if (tile > 0 && tile % c.downscale() != 0) throw BadInput(fmt::format("--tile {} is not a multiple of {}", tile, c.downscale()));
     }
   } catch (const BadInput& e) {
-    std::cerr << "megaslide-encode: " << e.what() << "\n";
+    std::cerr << "megaslide-encode: " << megaslide::error_message(e) << "\n";
     return 2;
   } catch (const megaslide::io::IoError& e) {  // missing or malformed folders, files, tensors
-    std::cerr << "megaslide-encode: " << e.what() << "\n";
+    std::cerr << "megaslide-encode: " << megaslide::error_message(e) << "\n";
     return 2;
   } catch (const megaslide::ClipTokenizerError& e) {
-    std::cerr << "megaslide-encode: " << e.what() << "\n";
+    std::cerr << "megaslide-encode: " << megaslide::error_message(e) << "\n";
     return 2;
   } catch (const megaslide::Umt5TokenizerError& e) {
-    std::cerr << "megaslide-encode: " << e.what() << "\n";
+    std::cerr << "megaslide-encode: " << megaslide::error_message(e) << "\n";
     return 2;
   } catch (const std::exception& e) {
-    std::cerr << "megaslide-encode: " << e.what() << "\n";
+    std::cerr << "megaslide-encode: " << megaslide::error_message(e) << "\n";
     return 1;
   }
 
@@ -299,7 +306,7 @@ int main(int argc, char** argv) {
     megaslide::io::write_safetensors(out, outputs, metadata);
     return 0;
   } catch (const std::exception& e) {
-    std::cerr << "megaslide-encode: " << e.what() << "\n";
+    std::cerr << "megaslide-encode: " << megaslide::error_message(e) << "\n";
     return 1;
   }
 }

@@ -38,10 +38,10 @@ int main(int argc, char** argv) {
     config = megaslide::load_run_config(config_path, overrides);
     profile = megaslide::plan::load_hardware_profile(hardware);
   } catch (const megaslide::ConfigError& e) {
-    std::cerr << "megaslide-plan: " << e.what() << "\n";
+    std::cerr << "megaslide-plan: " << megaslide::error_message(e) << "\n";
     return 2;
   } catch (const megaslide::plan::HardwareProfileError& e) {
-    std::cerr << "megaslide-plan: --hardware: " << e.what() << "\n";
+    std::cerr << "megaslide-plan: --hardware: " << megaslide::error_message(e) << "\n";
     return 2;
   }
   try {

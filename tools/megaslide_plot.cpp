@@ -26,14 +26,14 @@ int main(int argc, char** argv) {
   try {
     megaslide::io::check_output_folder(out_dir.empty() ? megaslide::io::join_path(run_dir, "plots") : out_dir, "--out");
   } catch (const megaslide::io::IoError& e) {
-    std::cerr << "megaslide-plot: " << e.what() << "\n";
+    std::cerr << "megaslide-plot: " << megaslide::error_message(e) << "\n";
     return 2;
   }
   try {
     for (const auto& png : megaslide::plot_run(run_dir, out_dir)) std::cout << png << "\n";
     return 0;
   } catch (const megaslide::MetricsFileError& e) {
-    std::cerr << "megaslide-plot: " << e.what() << "\n";
+    std::cerr << "megaslide-plot: " << megaslide::error_message(e) << "\n";
     return 2;
   } catch (const std::exception& e) {
     std::cerr << "megaslide-plot: " << megaslide::error_message(e) << "\n";

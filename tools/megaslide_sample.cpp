@@ -172,7 +172,7 @@ int sample_wan(megaslide::WanModel model, const WanFlags& wan, const std::vector
                              options.guidance_scale(), device.str(), stream ? "blocks streamed" : "resident",
                              pipeline_t5_streamed ? "layers streamed" : "resident", dtype.dtype, dtype.reason);
   } catch (const BadInput& e) {
-    std::cerr << "megaslide-sample: " << e.what() << "\n";
+    std::cerr << "megaslide-sample: " << megaslide::error_message(e) << "\n";
     return 2;
   } catch (const std::exception& e) {
     std::cerr << "megaslide-sample: " << megaslide::error_message(e) << "\n";
@@ -273,7 +273,9 @@ int main(int argc, char** argv) {
       ->check(megaslide::tools::finite_real(0.0));
   app.add_option("--eta", eta, "DDIM eta (0 deterministic, 1 ancestral variance)")->check(megaslide::tools::finite_real(0.0, 1.0))
       ->capture_default_str();
-  app.add_option("--seed", seed, "base seed: each video's seed derives from (seed, prompt, index)")->capture_default_str();
+  app.add_option("--seed", seed, "base seed: each video's seed derives from (seed, prompt, index)")
+      ->check(megaslide::tools::integer_in(0))
+      ->capture_default_str();
   app.add_option("--batch-size", batch_size, "videos sampled together")->check(CLI::Range(int64_t{1}, int64_t{4096}))
       ->capture_default_str();
   app.add_option("--fps", fps, "frames per second of the MP4s (default 8; Wan: 16, Wan2.1's sample_fps)")->check(CLI::Range(int64_t{1}, int64_t{240}));
@@ -296,7 +298,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"auto", "fp32", "bf16", "fp16"}))
       ->capture_default_str();
   app.add_option("--threads", threads, "LibTorch intra-op threads (0: the cores available to this process)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(megaslide::tools::integer_in(0, 4096));
   app.add_flag("--no-progress", no_progress, "no progress bar");
   app.set_version_flag("--version", megaslide::build_summary());
   try {

@@ -57,12 +57,12 @@ int main(int argc, char** argv) {
   app.add_flag("--json", json, "with --dry-run: print one JSON object");
   app.add_option("--trace", trace_path, "write a Chrome-trace JSON of one step (streamed trainer; opens in Perfetto)")
       ->check(megaslide::tools::non_empty_path());
-  app.add_option("--trace-step", trace_step, "which step --trace records (default 2: after warm-up)")->check(CLI::PositiveNumber);
+  app.add_option("--trace-step", trace_step, "which step --trace records (default 2: after warm-up)")->check(megaslide::tools::integer_in(1, int64_t{1} << 40));
   app.add_option("--nproc-per-node", nproc_per_node,
                  "start this many ranks on this machine (data parallelism over c10d; docs/distributed.md)")
-      ->check(CLI::Range(int64_t{1}, int64_t{1024}));
+      ->check(megaslide::tools::integer_in(1, 1024));
   app.add_option("--master-port", master_port, "with --nproc-per-node: the rendezvous port on 127.0.0.1 (default: a free one)")
-      ->check(CLI::Range(int64_t{1}, int64_t{65535}));
+      ->check(megaslide::tools::integer_in(1, 65535));
   app.set_version_flag("--version", megaslide::build_summary());
   try {
     app.parse(argc, argv);
@@ -71,12 +71,19 @@ int main(int argc, char** argv) {
     return code == 0 ? 0 : 2;
   }
 
+  if (json && !dry_run) {
+    std::cerr << "megaslide-train: --json applies to --dry-run (it would otherwise start a run)\n";
+    return 2;
+  }
   megaslide::RunConfig config;
   try {
-    if (!run_dir.empty()) overrides.push_back("output.run_dir=" + run_dir);
     config = megaslide::load_run_config(config_path, overrides);
+    if (!run_dir.empty()) {  // a path, taken as it is (never parsed as YAML: 'exp #3' is not 'exp')
+      config.output.run_dir = run_dir;
+      megaslide::validate(config, "--run-dir");
+    }
   } catch (const megaslide::ConfigError& e) {
-    std::cerr << "megaslide-train: " << e.what() << "\n";
+    std::cerr << "megaslide-train: " << megaslide::error_message(e) << "\n";
     return 2;
   }
   try {
@@ -85,7 +92,7 @@ int main(int argc, char** argv) {
     if (!export_weights.empty() && (!resume.empty() || megaslide::io::is_directory(export_weights)))
       megaslide::io::check_output_file(export_weights, "--export-weights");
   } catch (const megaslide::io::IoError& e) {
-    std::cerr << "megaslide-train: " << e.what() << "\n";
+    std::cerr << "megaslide-train: " << megaslide::error_message(e) << "\n";
     return 2;
   }
   megaslide::tools::survive_file_size_limit();
@@ -100,7 +107,7 @@ int main(int argc, char** argv) {
     try {
       return megaslide::launch_local_ranks(std::vector<std::string>(argv, argv + argc), nproc_per_node, master_port);
     } catch (const std::exception& e) {
-      std::cerr << "megaslide-train: " << e.what() << "\n";
+      std::cerr << "megaslide-train: " << megaslide::error_message(e) << "\n";
       return 1;
     }
   }
@@ -128,22 +135,22 @@ int main(int argc, char** argv) {
     const auto result = megaslide::run_training(config, options);
     return result.stop_signal != 0 ? 128 + result.stop_signal : 0;
   } catch (const megaslide::ConfigError& e) {
-    std::cerr << "megaslide-train: " << e.what() << "\n";
+    std::cerr << "megaslide-train: " << megaslide::error_message(e) << "\n";
     return 2;
   } catch (const megaslide::CheckpointError& e) {
-    std::cerr << "megaslide-train: " << e.what() << "\n";
+    std::cerr << "megaslide-train: " << megaslide::error_message(e) << "\n";
     return 2;
   } catch (const megaslide::RunFolderError& e) {
-    std::cerr << "megaslide-train: " << e.what() << "\n";
+    std::cerr << "megaslide-train: " << megaslide::error_message(e) << "\n";
     return 2;
   } catch (const megaslide::DatasetError& e) {
-    std::cerr << "megaslide-train: " << e.what() << "\n";
+    std::cerr << "megaslide-train: " << megaslide::error_message(e) << "\n";
     return 2;
   } catch (const megaslide::InitFromError& e) {
-    std::cerr << "megaslide-train: " << e.what() << "\n";
+    std::cerr << "megaslide-train: " << megaslide::error_message(e) << "\n";
     return 2;
   } catch (const megaslide::DistributedError& e) {
-    std::cerr << "megaslide-train: " << e.what() << "\n";
+    std::cerr << "megaslide-train: " << megaslide::error_message(e) << "\n";
     return 1;
   } catch (const std::exception& e) {
     std::cerr << "megaslide-train: " << megaslide::error_message(e)

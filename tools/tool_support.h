@@ -32,6 +32,26 @@ inline CLI::Validator finite_real(double lo = -std::numeric_limits<double>::infi
       "FINITE");
 }
 
+// An integer in [lo, hi], read by the library's parser: one that overflows int64 is an error, not the
+// largest int64 (which CLI11's own conversion lets through) or a wrapped value.
+inline CLI::Validator integer_in(int64_t lo = std::numeric_limits<int64_t>::min(), int64_t hi = std::numeric_limits<int64_t>::max()) {
+  std::string expected = "an integer";
+  if (lo > std::numeric_limits<int64_t>::min()) expected += " >= " + std::to_string(lo);
+  if (hi < std::numeric_limits<int64_t>::max()) expected += " <= " + std::to_string(hi);
+  return CLI::Validator(
+      [lo, hi, expected](std::string& text) -> std::string {
+        try {
+          const int64_t v = parse_integer(text, expected);
+          if (v < lo || v > hi) return "expected " + expected + ", got '" + text + "'";
+          text = std::to_string(v);  // what CLI11 converts next: plain decimal (it would read "010" as octal)
+          return "";
+        } catch (const NumberError& e) {
+          return e.what();
+        }
+      },
+      "INTEGER");
+}
+
 // A path flag that was given must name something: an empty string ("--out ''") would silently mean
 // the current folder or the default.
 inline CLI::Validator non_empty_path() {

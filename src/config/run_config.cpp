@@ -1,5 +1,6 @@
 #include "megaslide/config/run_config.h"
 
+#include <fmt/format.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -11,9 +12,11 @@
 #include <regex>
 #include <set>
 #include <sstream>
+#include <string_view>
 
 #include "megaslide/io/files.h"
 #include "megaslide/util/numbers.h"
+#include "util/utf8.h"
 
 namespace megaslide {
 
@@ -601,12 +604,49 @@ void check_sizes(const RunConfig& c, const std::function<void(const std::string&
 
 }  // namespace
 
+namespace {
+// Whether YAML text holds a second document (yaml-cpp's Load reads the first alone, and its LoadAll
+// loops without end on some malformed inputs): a "---" line at column 0 after content, or content after
+// a "..." line. Document markers cannot occur inside a scalar at column 0, so lines suffice.
+bool has_second_document(const std::string& text) {
+  bool content = false, ended = false;
+  size_t begin = 0;
+  while (begin < text.size()) {
+    size_t end = text.find('\n', begin);
+    if (end == std::string::npos) end = text.size();
+    std::string_view line(text.data() + begin, end - begin);
+    begin = end + 1;
+    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+    const auto marker = [&](const char* m) {
+      return line.compare(0, 3, m) == 0 && (line.size() == 3 || line[3] == ' ' || line[3] == '\t');
+    };
+    if (marker("---")) {
+      if (content || ended) return true;
+      const auto rest = line.substr(3).find_first_not_of(" \t");
+      if (rest != std::string_view::npos && line[3 + rest] != '#') content = true;  // "--- value"
+      continue;
+    }
+    if (marker("...")) {
+      ended = true;
+      continue;
+    }
+    const auto first = line.find_first_not_of(" \t");
+    if (first == std::string_view::npos || line[first] == '#') continue;
+    if (ended) return true;
+    content = true;
+  }
+  return false;
+}
+}  // namespace
+
 RunConfig parse_run_config(const std::string& yaml_text, const std::string& source,
                            const std::vector<std::string>& overrides) {
   RunConfig config;
   Schema schema(config);
   std::vector<std::pair<std::string, std::string>> applied;  // (key, where it was set)
   YAML::Node root;
+  if (has_second_document(yaml_text))
+    throw ConfigError(source, "", "holds more than one YAML document (a second one after ---); a run config is one");
   try {
     root = YAML::Load(yaml_text);
   } catch (const YAML::Exception& e) {
@@ -743,6 +783,23 @@ void validate_wan(const RunConfig& c, const std::function<void(const std::string
 
 void validate(const RunConfig& c, const std::string& source) {
   auto fail = [&](const std::string& key, const std::string& problem) { throw ConfigError(source, key, problem); };
+  {
+    // Every value is stored as UTF-8 text (config.yaml, checkpoints' JSON, logs): a path with another
+    // encoding's byte is refused here, before anything is written, not at the first checkpoint save.
+    RunConfig copy = c;
+    const Schema schema(copy);
+    std::function<void(const std::string&, const YAML::Node&)> check = [&](const std::string& key, const YAML::Node& v) {
+      if (v.IsScalar()) {
+        const size_t at = utf8::first_invalid(v.Scalar());
+        if (at != std::string::npos)
+          fail(key, fmt::format("is not UTF-8 text (byte 0x{:02x} at offset {}); paths and values must be UTF-8 (rename the file "
+                                "or folder)", static_cast<unsigned char>(v.Scalar()[at]), at));
+      } else if (v.IsSequence() || v.IsMap()) {
+        for (const auto& item : v) check(key, item.IsDefined() ? item : item.second);
+      }
+    };
+    for (const auto& f : schema.fields()) check(f.key, f.get());
+  }
   const auto& m = c.model;
   const bool wan = m.arch == Architecture::kWan;
   if (wan) {
@@ -893,6 +950,25 @@ std::string to_yaml(const RunConfig& config) {
   for (; !open.empty(); open.pop_back()) out << YAML::EndMap;
   out << YAML::EndMap;
   return std::string(out.c_str()) + "\n";
+}
+
+std::vector<std::string> differing_keys(const RunConfig& a, const RunConfig& b) {
+  RunConfig x = a, y = b;
+  const Schema sx(x), sy(y);
+  std::vector<std::string> out;
+  for (size_t i = 0; i < sx.fields().size(); ++i)
+    if (YAML::Dump(sx.fields()[i].get()) != YAML::Dump(sy.fields()[i].get())) out.push_back(sx.fields()[i].key);
+  return out;
+}
+
+std::string config_value_text(const RunConfig& config, const std::string& key) {
+  RunConfig copy = config;
+  const Schema schema(copy);
+  const Field* f = schema.find(key);
+  if (f == nullptr) return "";
+  YAML::Emitter out;
+  out << YAML::Flow << f->get();
+  return out.c_str();
 }
 
 std::vector<std::string> config_keys() {

@@ -7,7 +7,7 @@
 
 #include "megaslide/io/files.h"
 #include "model/unicode.h"
-#include "model/utf8.h"
+#include "util/utf8.h"
 
 namespace megaslide {
 

@@ -11,7 +11,7 @@
 
 #include "megaslide/model/umt5_tokenizer.h"  // html_unescape (Python's html.unescape)
 #include "model/unicode.h"
-#include "model/utf8.h"
+#include "util/utf8.h"
 
 namespace megaslide {
 

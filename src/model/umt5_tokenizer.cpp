@@ -8,7 +8,7 @@
 
 #include "io/pretrained.h"
 #include "model/unicode.h"
-#include "model/utf8.h"
+#include "util/utf8.h"
 #include "megaslide/io/files.h"
 #include "megaslide/model/ftfy.h"
 

@@ -27,9 +27,9 @@ torch::Device resolve_device(const std::string& spec) {
   torch::Device device(spec);
   if (device.is_cuda()) {
     const auto count = static_cast<int64_t>(torch::cuda::device_count());
-    TORCH_CHECK(count > 0, "train.device is '", spec, "' but no CUDA GPU is visible; use train.device: cpu or auto");
-    TORCH_CHECK(!device.has_index() || device.index() < count, "train.device is '", spec, "' but only ", count,
-                " GPU(s) are visible");
+    TORCH_CHECK(count > 0, "device '", spec, "': no CUDA GPU is visible; use cpu or auto");
+    TORCH_CHECK(!device.has_index() || device.index() < count, "device '", spec, "': only ", count, " GPU(s) are visible (cuda:0",
+                count > 1 ? " to cuda:" + std::to_string(count - 1) : std::string(), ")");
   }
   return offload::detail::canonical_device(device);  // "cuda" is the current GPU, with its index
 }

@@ -245,4 +245,9 @@ std::string to_yaml(const RunConfig& config);
 // Every key path the schema knows, in file order (for docs and error hints).
 std::vector<std::string> config_keys();
 
+// The keys whose values differ between two configs, in file order (empty when they are equal).
+std::vector<std::string> differing_keys(const RunConfig& a, const RunConfig& b);
+// The value of `key` in `config` as one line of YAML ("" for an unknown key).
+std::string config_value_text(const RunConfig& config, const std::string& key);
+
 }  // namespace megaslide
