@@ -5,6 +5,9 @@
 #include "megaslide/data/video_manifest.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <fstream>
 
 #include "video_fixture.h"
 
@@ -93,6 +96,36 @@ TEST(VideoManifest, UnusableRowsAreBadItemsWithAReason) {
   EXPECT_NE(j.bad[2].reason.find("missing caption"), std::string::npos);
   megaslide::io::remove_tree(csv);
   megaslide::io::remove_tree(jsonl);
+}
+
+// The property: a folder lists each video once however many symbolic links lead back into it (one
+// link to an ancestor used to list everything again at each level, two never ended), and an item whose
+// caption or file name is not UTF-8 is a bad item with a reason naming the byte, named in UTF-8 itself
+// (the cache's manifest and the logs store names as UTF-8) — not the failure of the whole listing.
+TEST(VideoManifest, LinkLoopsListEachVideoOnceAndNonUtf8ItemsAreBadItems) {
+  const std::string root = "/tmp/megaslide-test-manifest-loops-" + std::to_string(::getpid());
+  megaslide::io::remove_tree(root);
+  megaslide::io::make_directories(root + "/sub");
+  for (const std::string name : {"a", "sub/b", "latin1-\xe9t\xe9", "badcaption"}) {
+    std::ofstream(root + "/" + name + ".mp4") << "x";
+    std::ofstream(root + "/" + name + ".txt") << (name == "badcaption" ? "a caf\xe9 at night" : "a caption");
+  }
+  ASSERT_EQ(::symlink(".", (root + "/loop").c_str()), 0);
+  ASSERT_EQ(::symlink("..", (root + "/sub/up").c_str()), 0);
+  const auto m = megaslide::read_video_manifest(config_for("", root));
+  std::vector<std::string> listed;
+  for (const auto& item : m.items) listed.push_back(item.where);
+  EXPECT_EQ(listed, (std::vector<std::string>{"a.mp4", "sub/b.mp4"}));
+  ASSERT_EQ(m.bad.size(), 2u);
+  for (const auto& b : m.bad) {
+    EXPECT_NE(b.reason.find("is not UTF-8 text (byte 0xe9"), std::string::npos) << b.reason;
+    EXPECT_EQ(b.path.find('\xe9'), std::string::npos) << "named in UTF-8: " << b.path;
+  }
+  EXPECT_NE(m.bad[0].reason.find("its caption"), std::string::npos) << m.bad[0].reason;     // badcaption.mp4
+  EXPECT_NE(m.bad[1].reason.find("its file name"), std::string::npos) << m.bad[1].reason;   // latin1-\xe9t\xe9.mp4
+  EXPECT_NE(m.bad[1].path.find("latin1-\\xe9t\\xe9.mp4"), std::string::npos) << m.bad[1].path;
+  EXPECT_EQ(m.listed(), 4);
+  megaslide::io::remove_tree(root);
 }
 
 TEST(VideoManifest, AManifestOfNoLayoutIsRefusedNamingIt) {

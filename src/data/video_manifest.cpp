@@ -4,9 +4,14 @@
 #include <algorithm>
 #include <cctype>
 #include <map>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
+#include <sys/stat.h>
+
+#include <set>
 
 #include "megaslide/io/files.h"
+#include "util/utf8.h"
 
 namespace megaslide {
 
@@ -213,13 +218,42 @@ bool is_video_file(const std::string& name) {
   return std::any_of(std::begin(kExtensions), std::end(kExtensions), [&](const char* e) { return ends_with(l, e); });
 }
 
-void list_videos(const std::string& folder, const std::string& relative, std::vector<std::string>& out) {
+// The videos under `folder`, recursively. Each real folder is listed once, however many links lead to it
+// (`visited`: device and inode): a link back to an ancestor (`loop -> .`) would list every video again at
+// each level, and two such links without end.
+void list_videos(const std::string& folder, const std::string& relative, std::vector<std::string>& out,
+                 std::set<std::pair<dev_t, ino_t>>& visited) {
+  struct stat st {};
+  if (::stat(folder.c_str(), &st) != 0 || !visited.insert({st.st_dev, st.st_ino}).second) return;
   for (const auto& name : io::list_directory(folder)) {
     if (name.empty() || name[0] == '.') continue;
     const std::string path = io::join_path(folder, name), rel = relative.empty() ? name : relative + "/" + name;
-    if (io::is_directory(path)) list_videos(path, rel, out);
+    if (io::is_directory(path)) list_videos(path, rel, out, visited);
     else if (is_video_file(name)) out.push_back(rel);
   }
+}
+
+// Items whose path or caption is not UTF-8 text become bad items (the cache's manifest, logs and
+// checkpoints store both as UTF-8): skipped and reported like any unreadable item, not a failed run.
+void move_non_utf8_items_to_bad(VideoManifest& m) {
+  for (auto& b : m.bad) {  // already bad (a missing caption, say): named in UTF-8 all the same
+    b.path = utf8::escaped(b.path);
+    b.reason = utf8::escaped(b.reason);
+  }
+  std::vector<VideoItem> kept;
+  for (auto& item : m.items) {
+    const size_t in_path = utf8::first_invalid(item.path), in_caption = utf8::first_invalid(item.caption);
+    if (in_path == std::string::npos && in_caption == std::string::npos) {
+      kept.push_back(std::move(item));
+      continue;
+    }
+    const bool path_bad = in_path != std::string::npos;
+    const unsigned char byte = static_cast<unsigned char>(path_bad ? item.path[in_path] : item.caption[in_caption]);
+    m.bad.push_back({item.index, utf8::escaped(item.path), fmt::format("its {} is not UTF-8 text (byte 0x{:02x} at offset {})",
+                                                        path_bad ? "file name" : "caption", byte, path_bad ? in_path : in_caption)});
+  }
+  m.items = std::move(kept);
+  std::sort(m.bad.begin(), m.bad.end(), [](const BadItem& a, const BadItem& b) { return a.index < b.index; });
 }
 
 VideoManifest read_folder(const DataConfig& data) {
@@ -228,7 +262,8 @@ VideoManifest read_folder(const DataConfig& data) {
   m.source = data.root;
   if (!io::is_directory(data.root)) throw DatasetError("data.root '" + data.root + "' is not a folder");
   std::vector<std::string> videos;
-  list_videos(data.root, "", videos);
+  std::set<std::pair<dev_t, ino_t>> visited;
+  list_videos(data.root, "", videos, visited);
   std::sort(videos.begin(), videos.end());
   for (const auto& rel : videos) {
     const int64_t index = m.listed();
@@ -262,7 +297,8 @@ std::vector<std::vector<std::string>> parse_csv(const std::string& text, const s
   return out;
 }
 
-VideoManifest read_video_manifest(const DataConfig& data) {
+namespace {
+VideoManifest read_any_layout(const DataConfig& data) {
   try {
     if (!data.manifest.empty()) {
       if (!io::path_exists(data.manifest)) throw DatasetError("data.manifest '" + data.manifest + "' does not exist");
@@ -276,6 +312,13 @@ VideoManifest read_video_manifest(const DataConfig& data) {
     throw DatasetError(e.what());
   }
   throw DatasetError("data.dataset: videos needs data.manifest or data.root");
+}
+}  // namespace
+
+VideoManifest read_video_manifest(const DataConfig& data) {
+  VideoManifest m = read_any_layout(data);
+  move_non_utf8_items_to_bad(m);
+  return m;
 }
 
 }  // namespace megaslide
