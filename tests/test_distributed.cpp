@@ -519,6 +519,52 @@ TEST(DistributedTraining, ShardedCheckpointsResumeExactlyAndAtOtherWorldSizes) {
   io::remove_tree(parts);
 }
 
+// The property: ranks whose configs differ are refused at start-up, before a step or a byte of the run:
+// every rank exits 2, the differing one naming the first key that differs and both values, rank 0
+// naming the ranks that differ. Ranks started as torchrun starts them (each with its own flags).
+TEST(DistributedTraining, RanksWithDifferentConfigsAreRefusedNamingTheKey) {
+  if (!gloo_available()) GTEST_SKIP() << "this build has no Gloo backend";
+  const auto dir = fresh_dir("mismatch");
+  const int64_t port = free_local_port();
+  const std::string bin = std::string(MEGASLIDE_BINARY_DIR) + "/bin/megaslide-train";
+  std::vector<pid_t> pids;
+  std::vector<std::string> logs;
+  for (int rank = 0; rank < 2; ++rank) {
+    logs.push_back(dir + "-rank" + std::to_string(rank) + ".log");
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      std::freopen(logs.back().c_str(), "w", stderr);
+      std::freopen(logs.back().c_str(), "a", stdout);
+      ::setenv("RANK", std::to_string(rank).c_str(), 1);
+      ::setenv("WORLD_SIZE", "2", 1);
+      ::setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
+      ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+      ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      const std::string config = smoke(), lr = rank == 0 ? "train.lr=0.001" : "train.lr=0.002";
+      ::execl(bin.c_str(), bin.c_str(), "--config", config.c_str(), "--run-dir", dir.c_str(), "--set", lr.c_str(), "--set",
+              "train.device=cpu", "--set", "train.threads=1", "--set", "offload.enabled=false", "--set", "train.batch_size=2",
+              "--set", "distributed.timeout_s=30", static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    pids.push_back(pid);
+  }
+  std::vector<int> codes;
+  std::vector<std::string> outputs;
+  for (size_t r = 0; r < pids.size(); ++r) {
+    int status = 0;
+    ::waitpid(pids[r], &status, 0);
+    codes.push_back(WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+    outputs.push_back(read_text(logs[r]));
+    std::remove(logs[r].c_str());
+  }
+  EXPECT_EQ(codes, (std::vector<int>{2, 2})) << outputs[0] << outputs[1];
+  EXPECT_NE(outputs[1].find("train.lr is 0.002 on this rank (rank 1) but 0.001 on rank 0"), std::string::npos) << outputs[1];
+  EXPECT_NE(outputs[0].find("rank(s) 1 run a config that differs"), std::string::npos) << outputs[0];
+  EXPECT_FALSE(io::path_exists(join_path(dir, "metrics.jsonl"))) << "nothing of the run is written";
+  io::remove_tree(dir);
+}
+
 // The property: when one rank dies (SIGKILL, no goodbye), the other stops with a non-zero exit and an
 // error naming the failed collective within distributed.timeout_s — it does not hang — with either
 // trainer (the streamed one also waits on the block exchange of its host thread). The ranks are

@@ -257,6 +257,21 @@ std::string store_text(const std::vector<uint8_t>& bytes) { return std::string(b
 
 }  // namespace
 
+std::string Communicator::text_from_rank0(const std::string& name, const std::string& mine) {
+  if (world_size_ == 1) return mine;
+  const std::string key = "megaslide/rank0-text/" + name;
+  try {
+    if (rank_ == 0) {
+      impl_->store->set(key, store_bytes(mine));
+      return mine;
+    }
+    return store_text(impl_->store->get(key));
+  } catch (const std::exception& e) {
+    throw DistributedError(fmt::format("rank {} of {}: exchanging {} with rank 0 failed within distributed.timeout_s ({} s): {}", rank_,
+                                       world_size_, name, timeout_s_, error_message(e)));
+  }
+}
+
 void Communicator::run_on_rank0(const std::string& what, const std::function<void()>& work) {
   if (world_size_ == 1) return work();
   const std::string key = fmt::format("megaslide/rank0-work/{}", rank0_runs_++);

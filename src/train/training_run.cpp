@@ -163,6 +163,39 @@ std::string memory_shortfall(const RunConfig& config, int64_t available_bytes, b
                      human_bytes(static_cast<double>(available_bytes)));
 }
 
+namespace {
+// Every rank must train the same config (a rank with another lr, seed or batch would train another
+// model without a word; another model.hidden would abort rank 0 in a collective): rank 0's config as
+// requested (before `auto` settings, which may differ with each machine's cores) goes to every rank,
+// which compares it with its own, and all ranks learn whether any differed. A mismatch is a ConfigError
+// on every rank: the differing one names the first key that differs, rank 0 the ranks that differ.
+void check_ranks_run_one_config(Communicator& communicator, const RunConfig& mine, const std::string& source) {
+  if (communicator.world_size() == 1) return;
+  const std::string theirs_text = communicator.text_from_rank0("config", to_yaml(mine));
+  std::string problem;
+  try {
+    const RunConfig theirs = parse_run_config(theirs_text, "rank 0's config");
+    if (const auto keys = differing_keys(mine, theirs); !keys.empty())
+      problem = fmt::format("{} is {} on this rank (rank {}) but {} on rank 0{}", keys.front(), config_value_text(mine, keys.front()),
+                            communicator.rank(), config_value_text(theirs, keys.front()),
+                            keys.size() > 1 ? fmt::format(" ({} keys differ)", keys.size()) : "");
+  } catch (const ConfigError& e) {
+    problem = std::string("rank 0's config does not load here: ") + e.what();
+  }
+  std::vector<at::Tensor> flags{torch::full({static_cast<int64_t>(communicator.world_size())}, 0, torch::kInt64)};
+  flags[0][communicator.rank()] = problem.empty() ? 0 : 1;
+  communicator.all_reduce_sum(flags);
+  const auto differ = flags[0].cpu();
+  std::string ranks;
+  for (int64_t r = 0; r < communicator.world_size(); ++r)
+    if (differ[r].item<int64_t>() != 0) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+  if (ranks.empty()) return;
+  if (!problem.empty()) throw ConfigError(source, "", problem + "; every rank must run the same config");
+  throw ConfigError(source, "", fmt::format("rank(s) {} run a config that differs from rank 0's (each one's error names the first "
+                                            "differing key); every rank must run the same config", ranks));
+}
+}  // namespace
+
 TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOptions& options) {
   // Several ranks (train/distributed.h): the launcher's environment says which this process is. Each
   // rank trains on its GPU (train.device auto/cuda -> cuda:LOCAL_RANK); rank 0 alone writes the run
@@ -227,6 +260,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     // First, so that a rank refusing its input below ends the others' waits at once (its sockets close).
     communicator = std::make_unique<Communicator>(launch, resolve_backend(config.distributed, device, options.config_source),
                                                   config.distributed.timeout_s, device);
+    check_ranks_run_one_config(*communicator, requested, options.config_source);
   }
 
   // Everything that can refuse the input happens before the first byte of the run is written: the run

@@ -85,6 +85,9 @@ class Communicator {
   // In place: the element-wise maximum over the ranks.
   void all_reduce_max(std::vector<at::Tensor>& tensors);
   void barrier();
+  // Rank 0's `mine` on every rank (through the rendezvous store; rank 0 gets its own back). Every rank
+  // calls it at the same point with the same `name`. Throws DistributedError after the timeout.
+  std::string text_from_rank0(const std::string& name, const std::string& mine);
   // Runs `work` on rank 0 while the other ranks wait for it, however long it takes (validation videos can
   // outlast a collective's timeout): while `work` runs, rank 0 bumps a heartbeat in the rendezvous store
   // every few seconds; a waiting rank throws DistributedError when the heartbeat stops for
