@@ -6,6 +6,10 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <limits>
+
+#include "megaslide/io/finite_weights.h"
+
 using megaslide::WeightsError;
 
 namespace {
@@ -126,5 +130,38 @@ TEST(Weights, FilesThatDoNotDescribeTheModelAreRefused) {
 
   megaslide::io::write_safetensors(path, tensors);
   expect_weights_error(path, "not a megaslide weights file");
+  megaslide::io::remove_tree(path);
+}
+
+// The property: weights holding a NaN or an infinity are refused at load, naming the file, the tensor and
+// the element (sampling from them wrote black videos with exit 0), unless the process allows them; the
+// scan finds one non-finite value anywhere in any floating dtype, the strided tail included, and nothing
+// in finite data.
+TEST(Weights, NonFiniteWeightsAreRefusedNamingTheTensorUnlessAllowed) {
+  for (auto dtype : {torch::kFloat32, torch::kFloat64, torch::kBFloat16, torch::kHalf}) {
+    for (int64_t n : {1, 63, 64, 65, 1000}) {
+      auto t = torch::randn({n}).to(dtype);
+      EXPECT_EQ(megaslide::io::first_nonfinite(t.data_ptr(), n, dtype), -1) << c10::toString(dtype) << " " << n;
+      for (int64_t at : {int64_t{0}, n / 2, n - 1}) {
+        for (double bad : {std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity(), -std::numeric_limits<double>::infinity()}) {
+          auto u = t.clone();
+          u[at] = bad;
+          EXPECT_EQ(megaslide::io::first_nonfinite(u.data_ptr(), n, dtype), at) << c10::toString(dtype) << " n=" << n << " at " << at;
+        }
+      }
+    }
+  }
+  auto config = small_config(megaslide::Architecture::kMegaSlide);
+  auto b = build_random(config, 5);
+  {
+    torch::NoGradGuard no_grad;
+    b.dit->named_parameters()["blocks.1.mlp.fc1.weight"].view(-1)[7] = std::numeric_limits<float>::quiet_NaN();
+  }
+  const auto path = temp_path("nan.safetensors");
+  megaslide::save_weights(path, config, b.dit, b.text);
+  expect_weights_error(path, "tensor 'dit.blocks.1.mlp.fc1.weight' holds a NaN or an infinity (element 7 of");
+  megaslide::io::set_nonfinite_weights_allowed(true);
+  EXPECT_NO_THROW(megaslide::load_weights(path)) << "allowed: loaded as they are";
+  megaslide::io::set_nonfinite_weights_allowed(false);
   megaslide::io::remove_tree(path);
 }

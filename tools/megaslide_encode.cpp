@@ -107,6 +107,8 @@ int main(int argc, char** argv) {
     if (needs_weights) w->required();
     sub->add_option("--out", out, "output safetensors file")->required();
     sub->add_option("--device", device_spec, "auto, cpu, cuda or cuda:N")->capture_default_str();
+    sub->add_flag_callback("--allow-nonfinite-weights", [] { megaslide::io::set_nonfinite_weights_allowed(true); },
+                           "load weights that hold NaN or infinite values instead of refusing them");
     sub->add_option("--dtype", dtype_name, "weights and compute: fp32, bf16 or fp16 (outputs are fp32)")
         ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
         ->capture_default_str();

@@ -300,6 +300,8 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "LibTorch intra-op threads (0: the cores available to this process)")
       ->check(megaslide::tools::integer_in(0, 4096));
   app.add_flag("--no-progress", no_progress, "no progress bar");
+  app.add_flag_callback("--allow-nonfinite-weights", [] { megaslide::io::set_nonfinite_weights_allowed(true); },
+                        "load weights that hold NaN or infinite values instead of refusing them");
   app.set_version_flag("--version", megaslide::build_summary());
   try {
     app.parse(argc, argv);

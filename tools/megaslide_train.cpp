@@ -55,6 +55,8 @@ int main(int argc, char** argv) {
       ->check(megaslide::tools::non_empty_path());
   app.add_flag("--dry-run", dry_run, "build the model on the meta device, print its size, train nothing");
   app.add_flag("--json", json, "with --dry-run: print one JSON object");
+  app.add_flag_callback("--allow-nonfinite-weights", [] { megaslide::io::set_nonfinite_weights_allowed(true); },
+                        "train.init_from and model.wan.weights: load weights that hold NaN or infinite values instead of refusing them");
   app.add_option("--trace", trace_path, "write a Chrome-trace JSON of one step (streamed trainer; opens in Perfetto)")
       ->check(megaslide::tools::non_empty_path());
   app.add_option("--trace-step", trace_step, "which step --trace records (default 2: after warm-up)")->check(megaslide::tools::integer_in(1, int64_t{1} << 40));

@@ -1,4 +1,5 @@
 #include "io/pretrained.h"
+#include "megaslide/io/finite_weights.h"
 #include "megaslide/io/files.h"
 
 #include <fcntl.h>
@@ -96,6 +97,11 @@ torch::Tensor PretrainedFolder::take(const std::string& name, const std::vector<
     p += n, bytes -= static_cast<uint64_t>(n), offset += static_cast<uint64_t>(n);
   }
   ::close(fd);
+  try {
+    io::require_finite(t.data_ptr(), t.numel(), t.scalar_type(), weights_path_, name);
+  } catch (const io::NonFiniteWeightsError& e) {
+    throw PretrainedError(e.what());
+  }
   return t.to(dtype);
 }
 
@@ -235,6 +241,13 @@ torch::Tensor MappedWeights::take(const std::string& name, const std::vector<int
   if (offset + (e.end - e.begin) > m.bytes) throw PretrainedError("'" + m.path + "': tensor '" + name + "' lies past the end of the file");
   auto* data = static_cast<char*>(m.base) + offset;
   const auto options = torch::TensorOptions().dtype(e.dtype);
+  try {
+    const int64_t n = static_cast<int64_t>((e.end - e.begin) / c10::elementSize(e.dtype));
+    if (reinterpret_cast<uintptr_t>(data) % c10::elementSize(e.dtype) == 0) io::require_finite(data, n, e.dtype, m.path, name);
+    else io::require_finite(torch::from_blob(data, {static_cast<int64_t>(e.end - e.begin)}, torch::kUInt8).clone().data_ptr(), n, e.dtype, m.path, name);
+  } catch (const io::NonFiniteWeightsError& err) {
+    throw PretrainedError(err.what());
+  }
   // A copy in any case: the result must not keep pointing into the mapping. Safetensors aligns data to its
   // element size only by convention: an unaligned tensor is copied through an aligned buffer.
   if (reinterpret_cast<uintptr_t>(data) % c10::elementSize(e.dtype) == 0)

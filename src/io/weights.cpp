@@ -1,4 +1,5 @@
 #include "megaslide/io/weights.h"
+#include "megaslide/io/finite_weights.h"
 
 #include <map>
 #include <set>
@@ -85,7 +86,13 @@ TextToVideoModel load_weights(const std::string& path, torch::Device device, tor
       if (!it->second.is_floating_point())
         throw WeightsError("weights file '" + path + "': tensor '" + name + "' is " + c10::toString(it->second.scalar_type()) +
                            ", expected a floating-point type");
-      p.value().copy_(it->second);
+      const auto values = it->second.contiguous();
+      try {
+        io::require_finite(values.data_ptr(), values.numel(), values.scalar_type(), path, name);
+      } catch (const io::NonFiniteWeightsError& e) {
+        throw WeightsError(std::string("weights file ") + e.what());
+      }
+      p.value().copy_(values);
       used.insert(name);
     }
   };

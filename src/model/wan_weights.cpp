@@ -1,4 +1,5 @@
 #include "megaslide/model/wan_weights.h"
+#include "megaslide/io/finite_weights.h"
 #include "megaslide/io/files.h"
 
 #include <fcntl.h>
@@ -423,6 +424,11 @@ torch::Tensor WanWeights::read(const std::string& name, torch::ScalarType dtype)
   auto* data = static_cast<char*>(s.file->base) + begin;
   // A view of the mapping (read only: nothing writes through it); the conversion or clone is the copy.
   auto view = torch::from_blob(data, e.shape, torch::TensorOptions().dtype(e.dtype));
+  try {
+    io::require_finite(data, view.numel(), e.dtype, s.file->path, s.file_name);
+  } catch (const io::NonFiniteWeightsError& err) {
+    fail(err.what());
+  }
   return e.dtype == dtype ? view.clone() : view.to(dtype);
 }
 

@@ -11,6 +11,11 @@
 #include <thread>
 #include <utility>
 
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
+
+#include "megaslide/io/finite_weights.h"
 #include "offload/host_task_queue.h"
 #include "offload/streams.h"
 
@@ -124,22 +129,10 @@ c10::ScalarType parse_compute_dtype(const std::string& name) {
 }
 
 namespace {
-// True when no element is NaN or infinite: the exponent bits of every element are not all ones.
-template <typename Bits>
-bool exponent_never_saturated(const Bits* p, int64_t n, Bits mask) {
-  bool ok = true;
-  for (int64_t i = 0; i < n; ++i) ok &= (p[i] & mask) != mask;
-  return ok;
-}
-// Elements [begin, end) of a flat gradient.
+// Elements [begin, end) of a flat gradient hold no NaN or infinity.
 bool all_finite(const at::Tensor& flat, int64_t begin, int64_t end) {
-  const int64_t n = end - begin;
-  switch (flat.scalar_type()) {
-    case at::kBFloat16: return exponent_never_saturated(static_cast<const uint16_t*>(flat.data_ptr()) + begin, n, uint16_t{0x7f80});
-    case at::kHalf: return exponent_never_saturated(static_cast<const uint16_t*>(flat.data_ptr()) + begin, n, uint16_t{0x7c00});
-    case at::kFloat: return exponent_never_saturated(static_cast<const uint32_t*>(flat.data_ptr()) + begin, n, uint32_t{0x7f800000});
-    default: TORCH_CHECK(false, "all_finite: unsupported gradient dtype ", flat.scalar_type());
-  }
+  const auto* base = static_cast<const char*>(flat.data_ptr()) + begin * static_cast<int64_t>(flat.element_size());
+  return io::first_nonfinite(base, end - begin, flat.scalar_type()) < 0;
 }
 // A run of a block's elements that one CpuAdamW call updates.
 struct UpdateRange {

@@ -1,4 +1,5 @@
 #include "megaslide/train/init_from.h"
+#include "megaslide/io/finite_weights.h"
 #include "megaslide/io/files.h"
 
 #include <fcntl.h>
@@ -95,6 +96,11 @@ torch::Tensor InitTensor::read(torch::ScalarType dtype) const {
     done += static_cast<uint64_t>(r);
   }
   ::close(fd);
+  try {
+    io::require_finite(raw.data_ptr(), raw.numel(), raw.scalar_type(), file, entry.name);
+  } catch (const io::NonFiniteWeightsError& e) {
+    throw InitFromError(std::string("train.init_from ") + e.what());
+  }
   return raw.to(dtype);
 }
 
