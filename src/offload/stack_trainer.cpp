@@ -935,6 +935,14 @@ void load_initial_weights(StreamedModel& model, HostParamStore& store, int threa
           store.set_param(l, item.key(), item.value().detach().to(torch::kCPU, torch::kFloat));
           if (built[l]) item.value().set_data(torch::empty({0}, item.value().options()));  // the store has it now
         }
+#ifdef __GLIBC__
+        // The block's initial tensors are freed now, but glibc keeps such memory in its heaps once its
+        // dynamic mmap threshold has risen past their size, and between the blocks' allocations it cannot
+        // reuse all of it: a run's peak resident set grew by 2.6 B a streamed parameter beyond the store
+        // (16.7 measured, 14.1 planned; small-50m at 8 and 24 blocks, bf16 compute). Handing it back after
+        // each block keeps the start-up at the plan.
+        ::malloc_trim(0);
+#endif
       } catch (...) {
         std::lock_guard<std::mutex> lock(failure_mutex);
         if (!failure) failure = std::current_exception();
