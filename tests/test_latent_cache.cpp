@@ -74,6 +74,30 @@ std::string expect_refused(const RunConfig& c, const std::string& dir) {
 
 }  // namespace
 
+// The property: two builds into one folder do not run at once (they would write the same shards): the
+// second is refused at once naming the first's pid and host, and writes nothing; once the first is done
+// the folder builds.
+TEST(LatentCache, ASecondBuildIntoTheSameFolderIsRefusedWhileTheFirstRuns) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  VideoFixture fx("cache-lock", 5, 12, 16, 16);
+  const auto c = video_config(fx);
+  const std::string dir = fx.dir + "/cache";
+  megaslide::io::make_directories(dir);
+  std::string holder;
+  auto first = megaslide::io::FileLock::try_acquire(dir + "/.lock", "megaslide-cache", &holder);  // the first build
+  ASSERT_TRUE(first);
+  try {
+    build(c, dir, 2);
+    ADD_FAILURE() << "a second build ran beside the first";
+  } catch (const megaslide::DatasetError& e) {
+    EXPECT_NE(std::string(e.what()).find("being written by another megaslide-cache: pid " + std::to_string(::getpid())), std::string::npos)
+        << e.what();
+  }
+  EXPECT_FALSE(megaslide::io::path_exists(dir + "/cache.json")) << "the refused build wrote nothing";
+  first.reset();
+  EXPECT_EQ(build(c, dir, 2).items, 5);
+}
+
 TEST(LatentCache, RoundTripGivesTheDecodedClipsAndIdsBitForBit) {
   if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
   VideoFixture fx("cache-roundtrip", 5, 12, 48, 64);

@@ -350,8 +350,14 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
   const int64_t num_shards = (n + S - 1) / S;
   std::vector<json> shard_records(static_cast<size_t>(num_shards));
 
+  std::unique_ptr<io::FileLock> lock;  // one build at a time into a folder (two would write the same shards)
   try {
     io::make_directories(options.out);
+    std::string holder;
+    lock = io::FileLock::try_acquire(io::join_path(options.out, ".lock"), "megaslide-cache", &holder);
+    if (!lock)
+      throw DatasetError("cache folder '" + options.out + "' is being written by another megaslide-cache: " + holder +
+                         " (lock file " + io::join_path(options.out, ".lock") + "); wait for it to end, or choose another --out");
     for (const auto& name : io::list_directory(options.out))  // temporaries of a killed build
       if (name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0) io::remove_tree(io::join_path(options.out, name));
     if (io::path_exists(manifest_path)) try {
@@ -481,11 +487,13 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
       done += count;
       if (options.on_progress) options.on_progress(done, n, done);
     }
+    // Too many bad items found decoding: the cache stays incomplete (training refuses it), and the error
+    // lists every bad item, the listing's and the decoder's.
+    dataset.check_bad_fraction(&result.bad);
     write_manifest(true);
   } catch (const io::IoError& e) {
     throw DatasetError(std::string("megaslide-cache: ") + e.what());
   }
-  dataset.check_bad_fraction(static_cast<int64_t>(result.bad.size()));
   return result;
 }
 

@@ -210,12 +210,13 @@ torch::Tensor VideoDataset::load(int64_t i, int64_t epoch) const {
   return resize_and_crop(frames, p, buckets_[static_cast<size_t>(p.bucket)]);
 }
 
-void VideoDataset::check_bad_fraction(int64_t bad_count) const {
-  if (bad_count < 0) bad_count = static_cast<int64_t>(bad_.size());
+void VideoDataset::check_bad_fraction(const std::vector<BadItem>* all_bad) const {
+  const auto& bad = all_bad != nullptr ? *all_bad : bad_;
+  const auto bad_count = static_cast<int64_t>(bad.size());
   const double allowed = data_.max_bad_fraction * static_cast<double>(listed_);
   if (size() > 0 && static_cast<double>(bad_count) <= allowed) return;
   std::string list;
-  for (const auto& b : bad_) list += fmt::format("\n  {}: {}", b.path, b.reason);
+  for (const auto& b : bad) list += fmt::format("\n  {}: {}", b.path, b.reason);
   const std::string source = data_.manifest.empty() ? data_.root : data_.manifest;
   if (size() == 0)
     throw DatasetError(fmt::format("dataset '{}': no usable video among {} listed{}", source, listed_, list));

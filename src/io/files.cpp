@@ -4,6 +4,7 @@
 #include <dirent.h>
 #include <ftw.h>
 #include <stdio.h>  // renameat2, RENAME_EXCHANGE (glibc >= 2.28)
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -12,6 +13,7 @@
 #include <array>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <vector>
 
 namespace megaslide::io {
@@ -113,6 +115,67 @@ int create_temporary_beside(const std::string& path, std::string& name) {
   }
   name = pattern;
   return fd;
+}
+
+namespace {
+std::string this_host() {
+  char name[256] = {};
+  if (::gethostname(name, sizeof name - 1) != 0) return "?";
+  return name;
+}
+
+std::string now_text() {
+  const std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  ::localtime_r(&t, &tm);
+  char buf[64];
+  std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M:%S", &tm);
+  return buf;
+}
+
+// What the holder wrote into the lock file (read through our own descriptor: the same file).
+std::string holder_of(int fd) {
+  char buf[512] = {};
+  const ssize_t n = ::pread(fd, buf, sizeof buf - 1, 0);
+  std::string text = n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string();
+  while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
+  return text.empty() ? "a process that has not yet written its pid and host" : text;
+}
+}  // namespace
+
+std::unique_ptr<FileLock> FileLock::try_acquire(const std::string& path, const std::string& who, std::string* holder) {
+  // The file may be unlinked by a refused holder cleaning up after itself between our open and our
+  // flock: then we would hold a lock on a file no one else can find. Locking, then checking that the
+  // name still leads to the locked file, closes that gap.
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
+    if (fd < 0) fail("cannot open the lock file", path);
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      const int error = errno;
+      const std::string note = error == EWOULDBLOCK ? holder_of(fd) : "";
+      ::close(fd);
+      if (error == EWOULDBLOCK) {
+        if (holder != nullptr) *holder = note;
+        return nullptr;
+      }
+      errno = error;
+      fail("cannot lock", path);
+    }
+    struct stat held {}, named {};
+    if (::fstat(fd, &held) == 0 && ::stat(path.c_str(), &named) == 0 && held.st_dev == named.st_dev && held.st_ino == named.st_ino) {
+      const std::string note = "pid " + std::to_string(::getpid()) + " on host " + this_host() + " since " + now_text() + " (" + who + ")\n";
+      if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, note.data(), note.size(), 0) != static_cast<ssize_t>(note.size())) {
+        // The lock holds without the note; only the message of a refused holder would lack the pid.
+      }
+      return std::unique_ptr<FileLock>(new FileLock(path, fd));
+    }
+    ::close(fd);
+  }
+  throw IoError("the lock file '" + path + "' keeps being replaced; is another program removing it?");
+}
+
+FileLock::~FileLock() {
+  if (fd_ >= 0) ::close(fd_);
 }
 
 OutputFile::OutputFile(const std::string& path, bool append) : path_(path) {

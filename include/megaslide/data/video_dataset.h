@@ -86,9 +86,10 @@ class VideoDataset {
   // DatasetError when the item is bad (unreadable, too few frames).
   torch::Tensor load(int64_t i, int64_t epoch) const;
 
-  // Throws DatasetError listing every bad item when `bad_count` (default: bad().size()) exceeds
-  // data.max_bad_fraction of the listed items, or when no item is usable.
-  void check_bad_fraction(int64_t bad_count = -1) const;
+  // Throws DatasetError listing every bad item when they exceed data.max_bad_fraction of the listed
+  // items, or when no item is usable. The bad items are those of the listing (bad()), or `all_bad`
+  // when given: the listing's and those found later, decoding (megaslide-cache).
+  void check_bad_fraction(const std::vector<BadItem>* all_bad = nullptr) const;
 
  private:
   DataConfig data_;

@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -122,6 +123,25 @@ class AtomicFileWriter {
   int fd_ = -1;
   uint64_t bytes_ = 0;
   uint32_t crc_ = 0;
+};
+
+// An exclusive advisory lock (flock(2), never waited for) on the file `path`, created 0644 if missing
+// and never through a symbolic link, held until destruction; the holder's note "pid N on host H since
+// T (who)" is written into it. The lock is the kernel's: it ends with the process in any way (exit,
+// crash, kill -9), so a stale file never blocks a later holder. try_acquire returns null when another
+// process holds it, with that holder's note in `holder`; other failures throw IoError.
+class FileLock {
+ public:
+  static std::unique_ptr<FileLock> try_acquire(const std::string& path, const std::string& who, std::string* holder);
+  ~FileLock();
+  FileLock(const FileLock&) = delete;
+  FileLock& operator=(const FileLock&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  FileLock(std::string path, int fd) : path_(std::move(path)), fd_(fd) {}
+  std::string path_;
+  int fd_ = -1;
 };
 
 // A file this program writes in place — a log it appends to, a file it truncates and rewrites: opened

@@ -17,6 +17,10 @@
 // such as gnuplot do not inherit the lock).
 #pragma once
 
+#include <memory>
+
+#include "megaslide/io/files.h"
+
 #include <stdexcept>
 #include <string>
 
@@ -46,7 +50,7 @@ class RunFolderGuard {
 
  private:
   std::string run_dir_;
-  int fd_ = -1;
+  std::unique_ptr<io::FileLock> lock_;
   bool created_ = false, started_ = false;
 };
 
