@@ -7,9 +7,11 @@
 #include <algorithm>
 #include <array>
 #include <cstdio>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <csignal>
 #include <cstdlib>
 #include <string>
@@ -514,4 +516,24 @@ TEST(MegaslideTrain, WanTrainsFromLatentTensorsAndResumesBitExactly) {
   EXPECT_NE(r.output.find("ffn"), std::string::npos) << r.output;
   EXPECT_FALSE(megaslide::io::path_exists(join_path(dir, "wide")));
   megaslide::io::remove_tree(dir);
+}
+
+// The property: a FIFO named as any input (weights to start from, latent tensors, a checkpoint) is refused
+// within a second with exit 2 naming it, not waited on for ever (SIGTERM did not end such a wait).
+TEST(MegaslideTrain, FifosNamedAsInputsAreRefusedAtOnce) {
+  const auto base = fresh_dir("fifos");
+  megaslide::io::make_directories(base);
+  const auto fifo = join_path(base, "weights.safetensors");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const auto wan = write_tiny_wan(join_path(base, "wan"));
+  for (const std::string& input : {"--config " + smoke() + " --set train.init_from=" + fifo,
+                                   "--config " + wan + " --set data.tensors=" + fifo, "--config " + smoke() + " --resume " + fifo}) {
+    const auto start = std::chrono::steady_clock::now();
+    const auto r = run(input + " --run-dir " + join_path(base, "run") + " --set train.steps=1");
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10)) << input;
+    EXPECT_EQ(r.code, 2) << input << "\n" << r.output;
+    EXPECT_NE(r.output.find(fifo), std::string::npos) << input << "\n" << r.output;
+    EXPECT_FALSE(megaslide::io::path_exists(join_path(base, "run/metrics.jsonl"))) << input;
+  }
+  megaslide::io::remove_tree(base);
 }

@@ -11,11 +11,11 @@ name=$1 runs=$2 src=$3 build=$4 torch=$5 cxx=${6:-clang++}
 out=$build/fuzz
 mkdir -p "$out"
 bin=$out/fuzz_$name
-flags=(-std=c++17 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -I"$src/include")
+flags=(-std=c++17 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -I"$src/include" -I"$src/src")
 case $name in
   run_config)
     sources=("$src/tests/fuzz/fuzz_run_config.cpp" "$src/src/config/run_config.cpp" "$src/src/util/numbers.cpp" "$src/src/io/files.cpp")
-    libs=(-lyaml-cpp) ;;
+    libs=(-lyaml-cpp -lfmt) ;;
   safetensors)
     sources=("$src/tests/fuzz/fuzz_safetensors.cpp" "$src/src/io/safetensors.cpp" "$src/src/io/files.cpp")
     flags+=(-isystem "$torch/include" -isystem "$torch/include/torch/csrc/api/include")
@@ -24,7 +24,8 @@ case $name in
 esac
 stale=0
 [ -x "$bin" ] || stale=1
-for s in "${sources[@]}" "$src"/include/megaslide/config/run_config.h "$src"/include/megaslide/io/*.h "$src"/include/megaslide/util/numbers.h; do
+for s in "${sources[@]}" "$src"/include/megaslide/config/run_config.h "$src"/include/megaslide/io/*.h "$src"/include/megaslide/util/numbers.h \
+         "$src"/src/util/*.h; do
   [ "$s" -nt "$bin" ] && stale=1
 done
 if [ $stale = 1 ]; then
