@@ -16,7 +16,8 @@ install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/megaslide DESTINATION ${CMAKE_IN
 install(EXPORT MegaSlideTargets NAMESPACE MegaSlide:: DESTINATION ${MEGASLIDE_CMAKE_INSTALL_DIR})
 
 if(MEGASLIDE_BUILD_TOOLS)
-  install(TARGETS megaslide-train megaslide-sample megaslide-eval megaslide-plan megaslide-plot megaslide-ablate
+  install(TARGETS megaslide-train megaslide-sample megaslide-eval megaslide-plan megaslide-plot megaslide-ablate megaslide-cache
+                  megaslide-encode
           RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 endif()
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/configs/ DESTINATION ${CMAKE_INSTALL_DATADIR}/megaslide/configs)

@@ -227,12 +227,16 @@ TEST_F(Umt5EncoderGolden, ShardedFolderAndDiffusersRoot) {
     EXPECT_NE(e.source().find("model.safetensors.index.json"), std::string::npos) << path;
     EXPECT_LT(max_error(e.embed(ids_, mask_), ref_.tensors.at("hf.hidden")), 1e-4) << path;
   }
-  // The tokenizer from a checkpoint's text_encoder/ is ../tokenizer/spiece.model: the ids of the fixture.
-  auto tokenizer = Umt5Tokenizer::find(kFixtures + "umt5/sharded/text_encoder");
+  // The tokenizer from a checkpoint's text_encoder/ is ../tokenizer/spiece.model: the ids of the fixture;
+  // found the same from the folder, its index file or one of its shards (what --weights may name).
   const auto prompts = json_strings(ref_.metadata.at("prompts"));
-  auto t = tokenizer.encode(prompts, ids_.size(1));
-  EXPECT_TRUE(torch::equal(t.ids, ids_));
-  EXPECT_TRUE(torch::equal(t.mask, mask_));
+  for (const std::string weights : {"", "/model.safetensors.index.json", "/model-00001-of-00002.safetensors"}) {
+    auto tokenizer = Umt5Tokenizer::find(kFixtures + "umt5/sharded/text_encoder" + weights);
+    EXPECT_NE(tokenizer.source().find("text_encoder/../tokenizer/spiece.model"), std::string::npos) << weights << ": " << tokenizer.source();
+    auto t = tokenizer.encode(prompts, ids_.size(1));
+    EXPECT_TRUE(torch::equal(t.ids, ids_)) << weights;
+    EXPECT_TRUE(torch::equal(t.mask, mask_)) << weights;
+  }
 }
 
 TEST_F(Umt5EncoderGolden, ComfyUiSingleFileWithItsTokenizer) {

@@ -250,6 +250,15 @@ TEST(WanWeights, BadWeightsAreNamed) {
   config.replace(config.find(null_image), null_image.size(), "\"image_dim\": 1280");
   megaslide::io::write_file_atomically(i2v + "/config.json", config);
   expect_error([&] { WanWeights::open(i2v).architecture(WanConfig()); }, {"config.json", "image_dim", "not supported"});
+  // "qk_norm": null with the norms in the weights (what diffusers after 0.42 saves: its WanAttention makes
+  // them whatever the flag says) loads with the norms; without them (fixture "b", 0.42) without.
+  config.replace(config.find("\"image_dim\": 1280"), std::string("\"image_dim\": 1280").size(), null_image);
+  const std::string string_norm = "\"qk_norm\": \"rms_norm_across_heads\"";
+  ASSERT_NE(config.find(string_norm), std::string::npos);
+  config.replace(config.find(string_norm), string_norm.size(), "\"qk_norm\": null");
+  megaslide::io::write_file_atomically(i2v + "/config.json", config);
+  EXPECT_TRUE(WanWeights::open(i2v).architecture(WanConfig()).qk_norm) << "the norms are in the weights";
+  EXPECT_FALSE(WanWeights::open(kFixtures + "/b/diffusers/transformer").architecture(WanConfig()).qk_norm) << "fixture b has none";
   megaslide::io::remove_tree(i2v);
   megaslide::io::remove_tree(dir);
 }

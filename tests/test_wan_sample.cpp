@@ -152,6 +152,25 @@ TEST(WanTextToVideo, EmbeddingsEqualWanPipelines) {
   EXPECT_EQ(embeds.narrow(1, used, 512 - used).abs().max().item<float>(), 0.0f);  // Wan's zeros past the prompt
 }
 
+// The property: a run trained from a videos cache keeps its data sizes in pixels (data.dataset: videos,
+// 5 frames of 32 x 48 here); sampling it makes latents of those videos' size (2 x 4 x 6), not latents of
+// the pixel sizes taken as latent sizes (a 9x64x64 run used to sample 33x512x512 videos).
+TEST(WanTextToVideo, ARunOfVideosSamplesAtItsVideosSize) {
+  const auto latent = pipeline()->latent_shape();
+  auto videos = fixture_config();
+  videos.data.dataset = "videos";
+  videos.data.channels = 3, videos.data.frames = 5, videos.data.height = 32, videos.data.width = 48;
+  videos.model.vae.kind = "wan";
+  videos.model.vae.latent_channels = 16;
+  videos.model.vae.downscale = 8;
+  auto model = megaslide::wan_model_from_config(fixture_config(), "test config");
+  const megaslide::WanTextToVideo from_videos(videos, megaslide::Umt5Encoder::load(kUmt5),
+                                              megaslide::Umt5Tokenizer::from_file(kTokenizer + "/spiece.model"),
+                                              std::make_shared<megaslide::ResidentWanDenoiser>(model.dit, torch::kCPU), megaslide::WanVae::load(kVae));
+  EXPECT_EQ(from_videos.latent_shape(), latent);
+  EXPECT_EQ(latent, (std::vector<int64_t>{16, 2, 4, 6}));
+}
+
 TEST(WanTextToVideo, LatentsAndVideoEqualWanPipelinesForUniPCAndEuler) {
   const auto& ref = reference();
   const auto prompts = ref.json("prompts").get<std::vector<std::string>>();

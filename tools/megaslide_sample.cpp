@@ -102,8 +102,9 @@ int sample_wan(megaslide::WanModel model, const WanFlags& wan, const std::vector
     check_path("--text-encoder", t5_path);
     check_path("--vae", vae_path);
     if (!wan.tokenizer.empty()) check_path("--tokenizer", wan.tokenizer);
-    const auto& d = model.config.data;
-    const int64_t frames = 1 + (d.frames - 1) * 4, height = d.height * 8, width = d.width * 8;
+    // The latents' size (a run trained from a videos cache keeps its data sizes in pixels), in pixels.
+    const auto latent = megaslide::model_sample_shape(model.config);
+    const int64_t frames = 1 + (latent[1] - 1) * 4, height = latent[2] * 8, width = latent[3] * 8;
     if (height * upscale % 2 != 0 || width * upscale % 2 != 0)
       throw BadInput(fmt::format("the videos are {}x{} (W x H); H.264 needs even sizes: use --upscale 2", width, height));
     options = megaslide::WanSampleOptions::from_config(model.config);

@@ -408,8 +408,10 @@ WanTextToVideo::WanTextToVideo(RunConfig config, Umt5Encoder text_encoder, Umt5T
 }
 
 std::vector<int64_t> WanTextToVideo::latent_shape() const {
-  const auto& d = config_.data;
-  return {config_.model.wan.in_channels, d.frames, d.height, d.width};
+  // The DiT's samples: a latent dataset's sizes, or the latents of a videos dataset's pixel sizes (a run
+  // trained from a videos cache keeps data.frames/height/width in pixels).
+  const auto shape = model_sample_shape(config_);
+  return {config_.model.wan.in_channels, shape[1], shape[2], shape[3]};
 }
 
 torch::Tensor WanTextToVideo::encode(const std::vector<std::string>& prompts, const WanSampleOptions& options) const {

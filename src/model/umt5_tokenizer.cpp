@@ -403,19 +403,27 @@ Umt5Tokenizer::~Umt5Tokenizer() = default;
 
 Umt5Tokenizer Umt5Tokenizer::find(const std::string& path) {
   if (!io::path_exists(path)) fail(path, "no such file or folder (expected spiece.model, a model folder or a .safetensors file)");
+  // Where a model folder keeps its tokenizer: beside the weights, in tokenizer/, or in the pipeline's
+  // tokenizer/ beside text_encoder/.
+  const auto in_folder = [](const std::string& dir) {
+    return std::vector<std::string>{io::join_path(dir, "spiece.model"), io::join_path(dir, "tokenizer/spiece.model"),
+                                    io::join_path(dir, "../tokenizer/spiece.model")};
+  };
+  const auto ends_with = [&](const char* tail) {
+    const size_t n = std::char_traits<char>::length(tail);
+    return path.size() > n && path.compare(path.size() - n, n, tail) == 0;
+  };
   std::vector<std::string> candidates;
   if (io::is_directory(path)) {
-    candidates = {io::join_path(path, "spiece.model"), io::join_path(path, "tokenizer/spiece.model"),
-                  io::join_path(path, "../tokenizer/spiece.model")};
-  } else if (path.size() > 12 && path.compare(path.size() - 12, 12, ".safetensors") == 0) {
-    try {
-      io::MappedWeights weights(path);
-      if (weights.has("spiece_model")) return from_bytes(weights.bytes("spiece_model"), path + " (tensor spiece_model)");
-    } catch (const io::PretrainedError& e) {
-      fail(path, e.what());
-    }
-    const auto slash = path.find_last_of('/');
-    candidates = {io::join_path(slash == std::string::npos ? "." : path.substr(0, slash), "spiece.model")};
+    candidates = in_folder(path);
+  } else if (ends_with(".safetensors") || ends_with(".safetensors.index.json")) {  // a weights file or a sharded one's index
+    if (ends_with(".safetensors")) try {
+        io::MappedWeights weights(path);
+        if (weights.has("spiece_model")) return from_bytes(weights.bytes("spiece_model"), path + " (tensor spiece_model)");
+      } catch (const io::PretrainedError& e) {
+        fail(path, e.what());
+      }
+    candidates = in_folder(io::parent_path(path));
   } else {
     return from_file(path);
   }

@@ -361,10 +361,12 @@ WanConfig WanWeights::architecture(const WanConfig& fallback) const {
       c.cross_attn_norm = json_bool(j, "cross_attn_norm", true, src);
       c.eps = json_real(j, "eps", 1e-6, src);
       c.patch = json_patch(j, {1, 2, 2}, src);
+      // "qk_norm": null meant no q/k RMSNorm in diffusers 0.42 (the fixtures' version), while later
+      // versions' WanAttention makes the norms whatever it says: with null, the weights decide.
       if (!j.contains("qk_norm")) {
         c.qk_norm = true;
       } else if (j["qk_norm"].is_null()) {
-        c.qk_norm = false;
+        c.qk_norm = has("blocks.0.attn1.norm_q.weight");
       } else if (j["qk_norm"].is_string() && j["qk_norm"].get<std::string>() == "rms_norm_across_heads") {
         c.qk_norm = true;
       } else {

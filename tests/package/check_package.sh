@@ -16,3 +16,5 @@ cmake --build "$work/consumer"
 "$work/consumer/consumer"
 "$work/prefix/bin/megaslide-train" --config "$work/prefix/share/megaslide/configs/smoke.yaml" --dry-run --json
 "$work/prefix/bin/megaslide-plan" --config "$work/prefix/share/megaslide/configs/105b.yaml" --hardware h100nvl --json
+# Every driver is installed.
+for tool in train sample eval plan plot ablate cache encode; do "$work/prefix/bin/megaslide-$tool" --help > /dev/null; done
