@@ -8,6 +8,9 @@
 #include "megaslide/data/latent_cache.h"
 
 #include <gtest/gtest.h>
+
+#include <cmath>
+#include <set>
 #include <fcntl.h>
 #include <sys/stat.h>
 
@@ -261,7 +264,9 @@ TEST(LatentCache, TheStreamedTrainerTrainsOnBucketedVideosLikeTheResidentOne) {
   // Clips 0-2 landscape, 3-4 portrait: two buckets (2 + 1 batches an epoch), batches of either shape.
   VideoFixture fx("cache-streamed", 5, 12, 48, 64, {3, 4});
   auto c = video_config(fx);
-  c.data.buckets = {{4, 16, 16}, {4, 16, 8}};
+  // Buckets of 12x16 (the landscape clips' own aspect) and 16x8 (nearer the portrait ones' 4:3 than
+  // 12x16 is), of different token counts.
+  c.data.buckets = {{4, 12, 16}, {4, 16, 8}};
   c.data.frames = 4, c.data.height = 16, c.data.width = 16;
   c.offload.compute_dtype = "fp32";
   const std::string dir = fx.dir + "/cache";
@@ -271,12 +276,21 @@ TEST(LatentCache, TheStreamedTrainerTrainsOnBucketedVideosLikeTheResidentOne) {
   auto sc = c;
   sc.offload.enabled = true;
   megaslide::CPUMasterVideoDiT streamed(sc);
+  // Throughput counts the tokens of each step's own bucket (4x12x16 or 4x16x8 pixels: 3 to 2), not the
+  // largest one's every step.
+  std::set<int64_t> tokens_per_step;
   for (int i = 0; i < 6; ++i) {
     const auto a = resident.step(), b = streamed.step();
     EXPECT_NEAR(a.loss, b.loss, 1e-5 * std::max(1.0, std::abs(a.loss))) << "step " << i + 1;
     EXPECT_GE(b.data_wait_s, 0.0);
+    const auto tokens = [](const megaslide::StepMetrics& m) { return std::llround(m.tokens_per_s * m.step_time_s); };
+    EXPECT_EQ(tokens(a), tokens(b)) << "step " << i + 1;
+    tokens_per_step.insert(tokens(a));
   }
   EXPECT_EQ(resident.data().state(), streamed.data().state());
+  const auto& p = c.model.patch;
+  const auto tokens_of = [&](int64_t f, int64_t h, int64_t w) { return c.train.batch_size * (f / p[0]) * (h / p[1]) * (w / p[2]); };
+  EXPECT_EQ(tokens_per_step, (std::set<int64_t>{tokens_of(4, 12, 16), tokens_of(4, 16, 8)})) << "both buckets' batches, each counted at its own size";
 }
 
 TEST(LatentCache, PinnedBatchesReachTheGpuAsOnTheCpu_CUDA) {

@@ -438,9 +438,11 @@ StepMetrics ResidentTrainer::step() {
   const int64_t accum = t.grad_accum_steps;
   double loss_sum = 0.0;
   double data_wait_s = 0.0;
+  int64_t tokens_per_sample = 0;  // summed over the micro-batches: their bucket's grid, not the largest
   for (int64_t k = 0; k < accum; ++k) {
     auto b = batches_.next(device_);
     data_wait_s += b.data_wait_s;
+    tokens_per_sample += model_->token_grid(b.xt.size(2), b.xt.size(3), b.xt.size(4)).numel();
     auto text = b.text.defined() ? b.text : text_encoder_(b.text_ids);
     auto loss = diffusion_loss(model_(b.xt, b.timesteps, text, b.text_mask), b.target);
     (accum == 1 ? loss : loss / static_cast<double>(accum)).backward();
@@ -471,7 +473,7 @@ StepMetrics ResidentTrainer::step() {
   m.data_wait_s = data_wait_s;
   m.step_time_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   m.samples_per_s = static_cast<double>(t.batch_size * accum) / m.step_time_s;
-  m.tokens_per_s = m.samples_per_s * static_cast<double>(grid_.numel());
+  m.tokens_per_s = static_cast<double>(t.batch_size * tokens_per_sample) / m.step_time_s;
   return m;
 }
 
