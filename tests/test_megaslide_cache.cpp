@@ -78,7 +78,7 @@ TEST(MegaslideCache, AKilledBuildResumesKeepingItsFinishedShards) {
   EXPECT_NE(r.output.find("24 items in " + part), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("items kept from an earlier run"), std::string::npos) << r.output;
   for (const auto& name : megaslide::io::list_directory(full)) {
-    if (name == "cache.json") continue;
+    if (name == "cache.json" || name == ".lock") continue;  // the lock holds its holder's pid
     EXPECT_EQ(megaslide::io::read_file(part + "/" + name), megaslide::io::read_file(full + "/" + name)) << name;
   }
   for (const auto& name : megaslide::io::list_directory(part)) EXPECT_EQ(name.find(".tmp"), std::string::npos) << name;
@@ -103,6 +103,8 @@ TEST(MegaslideCache, TrainingFromTheCacheAndFromDecodingReportsEachBadItemOnce) 
     const std::string log = megaslide::io::read_file(run + "/train.log");
     for (const char* bad : {"corrupt.mp4", "short.mp4", "missing.mp4"}) EXPECT_EQ(count(log, "bad item skipped: " + fx.dir + "/videos/" + bad), 1u) << bad << "\n" << log;
     EXPECT_EQ(count(log, "bad item skipped"), 3u) << log;
+    EXPECT_NE(log.find("data: 4 usable items of 7 listed (3 bad); buckets (frames x height x width: items) one size 4x16x16; "
+                       "2 steps of 2 items = 1.00 epochs"), std::string::npos) << log;
     const std::string metrics = megaslide::io::read_file(run + "/metrics.jsonl");
     EXPECT_EQ(count(metrics, "\"data_wait_s\""), 2u) << metrics;
     std::string loss_column;
@@ -167,6 +169,12 @@ TEST(MegaslideCache, WanCachesItsVideosAndTrainsFromTheCache) {
   r = run_tool("megaslide-train", "--config " + config + " --run-dir " + fx.dir + "/nocache --set data.cache=");
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("data.cache"), std::string::npos) << r.output;
+
+  // An encoder that does not fit the config is refused with nothing left behind, not even the --out folder.
+  r = run_tool("megaslide-cache", "--config " + config + " --out " + fx.dir + "/wrong-width --set model.wan.text_dim=32");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("model.wan.text_dim"), std::string::npos) << r.output;
+  EXPECT_FALSE(megaslide::io::path_exists(fx.dir + "/wrong-width")) << "a refused build leaves no folder";
 
   r = run_tool("megaslide-cache", "--config " + config);
   ASSERT_EQ(r.code, 0) << r.output;

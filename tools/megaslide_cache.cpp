@@ -48,8 +48,14 @@ int main(int argc, char** argv) {
   megaslide::RunConfig config;
   try {
     config = megaslide::load_run_config(config_path, overrides);
+    // Wan: the sizes of model.wan.weights (as megaslide-train reads them) before the encoders are checked
+    // against them.
+    if (config.model.arch == megaslide::Architecture::kWan) config = megaslide::with_wan_architecture_from_weights(config);
   } catch (const megaslide::ConfigError& e) {
     std::cerr << "megaslide-cache: " << megaslide::error_message(e) << "\n";
+    return 2;
+  } catch (const megaslide::WanWeightsError& e) {
+    std::cerr << "megaslide-cache: " << config_path << ": model.wan.weights: " << megaslide::error_message(e) << "\n";
     return 2;
   }
   if (config.data.dataset != "videos") {

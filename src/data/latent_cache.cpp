@@ -351,6 +351,25 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
   std::vector<json> shard_records(static_cast<size_t>(num_shards));
 
   std::unique_ptr<io::FileLock> lock;  // one build at a time into a folder (two would write the same shards)
+  // A build refused before it wrote anything (an encoder that does not fit the config, say) takes back the
+  // folder it made: nothing but its lock is left in it then.
+  struct RemoveIfStillEmpty {
+    const std::string& dir;
+    std::unique_ptr<io::FileLock>& lock;
+    bool created = false, done = false;
+    ~RemoveIfStillEmpty() {
+      if (!created || done) return;
+      try {
+        const auto names = io::list_directory(dir);
+        if (names.empty() || (names.size() == 1 && names[0] == ".lock")) {
+          lock.reset();
+          io::remove_tree(dir);
+        }
+      } catch (const std::exception&) {
+        // Leaving the folder is all that can happen.
+      }
+    }
+  } cleanup{options.out, lock, !io::path_exists(options.out)};
   try {
     io::make_directories(options.out);
     std::string holder;
@@ -494,6 +513,7 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
   } catch (const io::IoError& e) {
     throw DatasetError(std::string("megaslide-cache: ") + e.what());
   }
+  cleanup.done = true;
   return result;
 }
 

@@ -124,6 +124,25 @@ std::vector<BadItem> DiffusionBatchSource::take_new_bad_items() {
   return std::exchange(videos_->unreported, {});
 }
 
+std::string DiffusionBatchSource::describe(int64_t steps) const {
+  if (!videos_) return "";
+  const auto& src = *videos_->source;
+  std::vector<int64_t> per_bucket(static_cast<size_t>(std::max<int64_t>(1, src.num_buckets())), 0);
+  for (int64_t i = 0; i < src.size(); ++i) ++per_bucket[static_cast<size_t>(src.bucket_of(i))];
+  const auto& d = config_.data;
+  std::string buckets;
+  if (d.buckets.empty()) {
+    buckets = fmt::format("one size {}x{}x{}", d.frames, d.height, d.width);
+  } else {
+    for (size_t b = 0; b < d.buckets.size() && b < per_bucket.size(); ++b)
+      buckets += fmt::format("{}{}x{}x{}: {}", b ? ", " : "", d.buckets[b][0], d.buckets[b][1], d.buckets[b][2], per_bucket[b]);
+  }
+  const int64_t items_per_step = config_.train.batch_size * config_.train.grad_accum_steps;
+  return fmt::format("{} usable items of {} listed ({} bad); buckets (frames x height x width: items) {}; {} steps of {} items = {:.2f} epochs",
+                     src.size(), videos_->listed, videos_->listed - src.size(), buckets, steps, items_per_step,
+                     static_cast<double>(steps * items_per_step) / static_cast<double>(std::max<int64_t>(1, src.size())));
+}
+
 std::vector<std::string> DiffusionBatchSource::captions(int64_t count) const {
   std::vector<std::string> out;
   if (videos_) {

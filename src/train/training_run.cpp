@@ -450,6 +450,8 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
                                                      config.data.workers, config.data.prefetch)
                                        : fmt::format("data: cache {} ({} loader workers, {} batches ahead)", config.data.cache,
                                                      config.data.workers, config.data.prefetch));
+  if (trainer.data() != nullptr)
+    if (const std::string what = trainer.data()->describe(train.steps); !what.empty()) log.info("data: " + what);
   auto report_bad_items = [&] {
     if (trainer.data() == nullptr) return;
     for (const auto& b : trainer.data()->take_new_bad_items()) log.warn(fmt::format("bad item skipped: {}: {}", b.path, b.reason));

@@ -96,6 +96,9 @@ class DiffusionBatchSource {
   std::vector<BadItem> take_new_bad_items();
   // The first `count` captions of the dataset (validation samples).
   std::vector<std::string> captions(int64_t count) const;
+  // One line for the log: the usable items, those listed and found bad, each bucket's size and items, and
+  // the epochs `steps` steps of global batches make ("" for structured-motion).
+  std::string describe(int64_t steps) const;
   // Data parallelism: next() returns the rank-th contiguous 1/world_size of each global batch of
   // train.batch_size items. Every random draw (clip order, caption dropout, timestep, noise) is still
   // made for the whole global batch in the single-process order, so item i of the global batch gets the
