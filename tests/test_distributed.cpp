@@ -138,6 +138,13 @@ TEST(LaunchEnv, ReadsTorchrunsVariables) {
   EXPECT_EQ(env.local_world_size, 4);
   EXPECT_EQ(env.master_addr, "node-0");
   EXPECT_EQ(env.master_port, 29611);
+  EXPECT_FALSE(env.agent_store);
+  // torchrun's elastic agent serves the store itself: rank 0 joins it instead of binding the port again.
+  EXPECT_TRUE(read_launch_env(env_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"TORCHELASTIC_USE_AGENT_STORE", "True"}}))
+                  .agent_store);
+  // The same variables set by megaslide-train --nproc-per-node for its ranks: logged as what started them.
+  EXPECT_EQ(read_launch_env(env_of({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MEGASLIDE_LOCAL_LAUNCH", "1"}})).launcher,
+            "megaslide-train --nproc-per-node");
 }
 
 TEST(LaunchEnv, ReadsSlurmsVariablesAndDefaultsThePort) {

@@ -101,7 +101,10 @@ LaunchEnv read_launch_env(const std::function<const char*(const char*)>& getenv_
   LaunchEnv env;
   const char *rank_name = "RANK", *world_name = "WORLD_SIZE";
   if (get("RANK") != nullptr || get("WORLD_SIZE") != nullptr) {
-    env.launcher = "torchrun";
+    // The same variables from megaslide-train --nproc-per-node (which marks its children) or torchrun.
+    env.launcher = get("MEGASLIDE_LOCAL_LAUNCH") != nullptr ? "megaslide-train --nproc-per-node" : "torchrun";
+    const char* agent = get("TORCHELASTIC_USE_AGENT_STORE");
+    env.agent_store = agent != nullptr && (std::string(agent) == "True" || std::string(agent) == "1");
     if (get("RANK") == nullptr || get("WORLD_SIZE") == nullptr)
       throw DistributedError("launch environment: RANK and WORLD_SIZE must be set together (torchrun sets both)");
     env.rank = integer("RANK", 0);
@@ -199,11 +202,18 @@ Communicator::Communicator(const LaunchEnv& env, const std::string& backend, dou
   try {
     c10d::TCPStoreOptions options;
     options.port = static_cast<uint16_t>(env.master_port);
-    options.isServer = env.rank == 0;
+    // Under torchrun the agent's store already listens on the port (rank 0 binding it as well failed with a
+    // warning on every run): join it.
+    options.isServer = env.rank == 0 && !env.agent_store;
     options.numWorkers = static_cast<size_t>(env.world_size);
     options.waitWorkers = true;
     options.timeout = timeout;
     impl_->store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, options);
+    if (env.agent_store) {
+      // The agent's store outlives a restart of the ranks: this attempt's keys under their own prefix.
+      const char* restarts = std::getenv("TORCHELASTIC_RESTART_COUNT");
+      impl_->store = c10::make_intrusive<c10d::PrefixStore>(std::string("megaslide/attempt-") + (restarts ? restarts : "0"), impl_->store);
+    }
     if (backend == "gloo") {
 #ifdef MEGASLIDE_WITH_GLOO
       auto gloo = c10d::ProcessGroupGloo::Options::create(timeout);

@@ -46,7 +46,10 @@ struct LaunchEnv {
                                  // SLURM_TASKS_PER_NODE, "2(x3),1" read at SLURM_NODEID); 1 if unknown
   std::string master_addr;       // rank 0's host, where the TCPStore listens
   int64_t master_port = 0;
-  std::string launcher = "none"; // none | torchrun | slurm
+  std::string launcher = "none"; // none | torchrun | megaslide-train --nproc-per-node | slurm
+  // torchrun's elastic agent already serves the rendezvous store at master_port
+  // (TORCHELASTIC_USE_AGENT_STORE=True): every rank, rank 0 too, joins it as a client.
+  bool agent_store = false;
   bool distributed() const { return world_size > 1; }
 };
 
