@@ -239,7 +239,12 @@ TEST(RunPlots, SkippedStepsWithNullFieldsPlot) {
   EXPECT_TRUE(std::isnan(steps[1].loss));
   EXPECT_TRUE(std::isnan(steps[1].grad_norm));
   const auto pngs = megaslide::plot_run(dir);
-  ASSERT_EQ(pngs.size(), 3u);
+  ASSERT_EQ(pngs.size(), 4u);  // loss, throughput, memory, optimizer (lr and grad norm)
+  EXPECT_EQ(pngs[3], join_path(dir, "plots/optimizer.png"));
+  const auto optimizer = megaslide::io::read_file(join_path(dir, "plots/optimizer.dat"));
+  EXPECT_NE(optimizer.find("\n3,0.4\n"), std::string::npos) << optimizer;
+  // Sizes start at 0: a constant memory curve is a flat line at its height, not gnuplot's ±1 % autoscale.
+  EXPECT_NE(megaslide::io::read_file(join_path(dir, "plots/memory.gp")).find("set yrange [0:*]"), std::string::npos);
   const auto loss = megaslide::io::read_file(join_path(dir, "plots/loss.dat"));
   EXPECT_NE(loss.find("\n2,?\n"), std::string::npos) << loss;
   EXPECT_EQ(loss.find("nan"), std::string::npos) << loss;

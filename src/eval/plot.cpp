@@ -161,6 +161,7 @@ PlotFiles render_plot(const PlotSpec& spec, const std::string& png_path, const P
     script += fmt::format("set title {}\nset xlabel {}\nset ylabel {}\n", quoted(panel.title), quoted(panel.xlabel),
                           quoted(panel.ylabel));
     script += panel.log_y ? "set logscale y\n" : "unset logscale y\n";
+    script += panel.y_from_zero && !panel.log_y ? "set yrange [0:*]\n" : "set yrange [*:*]\n";
     script += panel.log_x ? "set logscale x\n" : "unset logscale x\n";
     std::vector<std::string> plots;
     for (const auto& s : panel.series) {

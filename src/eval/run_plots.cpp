@@ -134,14 +134,24 @@ std::vector<std::string> plot_run(const std::string& run_dir, const std::string&
     const double MiB = 1024.0 * 1024.0;
     PlotPanel peak{"device memory: " + name, "step", "MiB", false, false, true,
                    {{"peak_device_bytes", x, column([&](const StepMetrics& m) { return m.peak_device_bytes / MiB; })}}};
+    peak.y_from_zero = true;
     PlotSpec spec{"", {peak}};
     const bool moved = std::any_of(steps.begin(), steps.end(), [](const StepMetrics& m) { return m.h2d_bytes > 0 || m.d2h_bytes > 0; });
     if (moved) {
       spec.panels.push_back(PlotPanel{"bytes moved per step", "step", "MiB", false, false, true,
                                       {{"host -> device (h2d_bytes)", x, column([&](const StepMetrics& m) { return m.h2d_bytes / MiB; })},
                                        {"device -> host (d2h_bytes)", x, column([&](const StepMetrics& m) { return m.d2h_bytes / MiB; })}}});
+      spec.panels.back().y_from_zero = true;
     }
     pngs.push_back(render_plot(spec, io::join_path(out, "memory.png"), options).png);
+  }
+  // The optimizer: the learning rate of each step and the gradient norm before clipping.
+  {
+    PlotPanel lr{"learning rate: " + name, "step", "lr", false, false, false, {{"lr", x, column([](const StepMetrics& m) { return m.lr; })}}};
+    lr.y_from_zero = true;
+    PlotPanel norm{"gradient norm (before clipping)", "step", "grad_norm", false, true, true,
+                   {{"grad_norm", x, column([](const StepMetrics& m) { return m.grad_norm; })}}};
+    pngs.push_back(render_plot(PlotSpec{"", {lr, norm}}, io::join_path(out, "optimizer.png"), options).png);
   }
   return pngs;
 }

@@ -35,6 +35,9 @@ struct PlotPanel {
   bool log_x = false, log_y = false;
   bool points = true;  // draw markers as well as lines
   std::vector<PlotSeries> series;
+  // The y axis starts at 0 (sizes, byte counts: a constant is a flat line at its height, not the middle
+  // of gnuplot's ±1 % autoscale); otherwise it fits the data. Ignored with log_y.
+  bool y_from_zero = false;
 };
 
 struct PlotSpec {
