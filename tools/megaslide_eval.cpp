@@ -10,6 +10,11 @@
 // other failure.
 #include <CLI/CLI.hpp>
 
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
 #include <iostream>
 
 #include "megaslide/megaslide.h"
@@ -40,7 +45,16 @@ int main(int argc, char** argv) {
   megaslide::eval::FolderEvaluation evaluation;
   try {
     megaslide::io::check_output_file(json_path, "--json");
-    evaluation = megaslide::eval::evaluate_folder(folder);
+    // Progress on stderr: one line, rewritten on a terminal; every tenth of the videos otherwise.
+    const bool tty = ::isatty(STDERR_FILENO) == 1;
+    const auto start = std::chrono::steady_clock::now();
+    evaluation = megaslide::eval::evaluate_folder(folder, [&](int64_t done, int64_t total) {
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      const std::string line = fmt::format("[eval] {}/{} videos, {:.1f} s/video, ETA {:.0f} s", done, total, s / static_cast<double>(done),
+                                           s / static_cast<double>(done) * static_cast<double>(total - done));
+      if (tty) std::cerr << "\r" << line << "\x1b[K" << (done == total ? "\n" : "") << std::flush;
+      else if (done == total || done % std::max<int64_t>(1, total / 10) == 0) std::cerr << line << "\n";
+    });
   } catch (const std::exception& e) {
     std::cerr << "megaslide-eval: " << megaslide::error_message(e) << "\n";
     return 2;

@@ -47,7 +47,7 @@ double frame_consistency_score(const torch::Tensor& frames) {
   return total / static_cast<double>(T - 1);
 }
 
-FolderEvaluation evaluate_folder(const std::string& dir) {
+FolderEvaluation evaluate_folder(const std::string& dir, const std::function<void(int64_t, int64_t)>& on_video) {
   const SampleFolder sample = find_sample_folder(dir);
   const std::string& folder = sample.videos;
   FolderEvaluation out;
@@ -86,6 +86,7 @@ FolderEvaluation evaluate_folder(const std::string& dir) {
     flicker += v.temporal_flickering;
     consistent += v.frame_consistency;
     out.videos.push_back(std::move(v));
+    if (on_video) on_video(static_cast<int64_t>(out.videos.size()), static_cast<int64_t>(files.size()));
   }
   out.mean_temporal_flickering = flicker / static_cast<double>(out.videos.size());
   out.mean_frame_consistency = consistent / static_cast<double>(out.videos.size());

@@ -15,6 +15,7 @@
 
 #include <torch/torch.h>
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -41,7 +42,8 @@ struct FolderEvaluation {
 // that videos folder itself, or any folder of MP4s); `folder` of the result is the videos folder.
 // Throws (naming the folder or the file) when the folder cannot be read, holds no MP4, or a video
 // cannot be decoded or has fewer than 2 frames.
-FolderEvaluation evaluate_folder(const std::string& dir);
+// `on_video(done, total)` (optional) is called after each video is scored.
+FolderEvaluation evaluate_folder(const std::string& dir, const std::function<void(int64_t done, int64_t total)>& on_video = {});
 
 // {"folder", "count", "mean": {"temporal_flickering", "frame_consistency"}, "videos": [{...}, ...]}
 std::string to_json(const FolderEvaluation& evaluation);
