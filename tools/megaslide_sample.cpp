@@ -116,6 +116,7 @@ int sample_wan(megaslide::WanModel model, const WanFlags& wan, const std::vector
 
     megaslide::ThreadRequest thread_request;
     thread_request.intra_op = static_cast<int>(threads);
+    thread_request.intra_op_from = "--threads";
     thread_request.device = device;
     const char* omp = std::getenv("OMP_NUM_THREADS");
     megaslide::apply_threads(megaslide::plan_threads(thread_request, megaslide::available_cores(), omp ? omp : ""));
@@ -379,6 +380,7 @@ int main(int argc, char** argv) {
   try {
     megaslide::ThreadRequest thread_request;
     thread_request.intra_op = static_cast<int>(threads);
+    thread_request.intra_op_from = "--threads";
     thread_request.device = device;
     const char* omp = std::getenv("OMP_NUM_THREADS");
     const auto thread_plan = megaslide::plan_threads(thread_request, megaslide::available_cores(), omp ? omp : "");

@@ -109,7 +109,7 @@ ThreadPlan plan_threads(const ThreadRequest& request, const CoreCount& cores, co
     }
   }
   if (request.intra_op > 0) {
-    plan.intra_op = request.intra_op, plan.intra_op_source = "train.threads";
+    plan.intra_op = request.intra_op, plan.intra_op_source = request.intra_op_from;
   } else if (omp > 0) {
     plan.intra_op = omp, plan.intra_op_source = "OMP_NUM_THREADS", plan.set_intra_op = false;
   } else {

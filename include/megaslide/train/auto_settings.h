@@ -61,6 +61,7 @@ struct ThreadRequest {
   int optimizer = 0;             // CpuAdamW threads; 0 = auto (used when host_optimizer)
   bool host_optimizer = false;   // CpuAdamW runs beside the compute (the streamed trainer)
   c10::Device device = c10::kCPU;
+  std::string intra_op_from = "train.threads";  // where intra_op came from, for the log (a tool's flag)
 };
 
 struct ThreadPlan {
