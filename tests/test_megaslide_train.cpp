@@ -59,13 +59,24 @@ TEST(MegaslideTrain, BadFlagOrMissingConfigExitsTwo) {
 }
 
 TEST(MegaslideTrain, DryRunPrintsTheModelSizeAsJson) {
-  auto r = run("--config " + std::string(MEGASLIDE_SOURCE_DIR) + "/configs/105b.yaml --dry-run --json");
+  const std::string big = "--config " + std::string(MEGASLIDE_SOURCE_DIR) + "/configs/105b.yaml --dry-run --json --set offload.compute_dtype=bf16";
+  auto r = run(big);
   ASSERT_EQ(r.code, 0) << r.output;
   auto j = nlohmann::json::parse(r.output);
   EXPECT_NEAR(j["params"].get<double>() / 1e9, 105.0, 2.0);
   EXPECT_EQ(j["tokens_per_sample"].get<int64_t>(), 256 * 68 * 120);
+  // Host state: 4 B master + 2 x 4 B moments + 2 B bf16 copy; int8 moments 1 B each and a 4 B scale per 256.
   EXPECT_EQ(j["host_state_bytes"].get<int64_t>(), 14 * j["params"].get<int64_t>());
+  r = run(big + " --set optimizer.state_dtype=int8");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NEAR(nlohmann::json::parse(r.output)["host_state_bytes"].get<double>() / j["params"].get<double>(), 8.0 + 8.0 / 256, 1e-6);
   EXPECT_GT(j["params_per_block"].get<int64_t>(), 0);
+  // Without --json: the same figures for people, no JSON.
+  r = run("--config " + std::string(MEGASLIDE_SOURCE_DIR) + "/configs/105b.yaml --dry-run");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(r.output.find('{'), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("model megaslide: "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(std::to_string(256 * 68 * 120) + " tokens a sample"), std::string::npos) << r.output;
 }
 
 TEST(MegaslideTrain, ShortRunWritesConfigMetricsAndLog) {

@@ -18,7 +18,9 @@
 // 130/143 stopped by a signal after saving.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <csignal>
 #include <cstdlib>
@@ -117,7 +119,23 @@ int main(int argc, char** argv) {
   try {
     if (dry_run) {
       const std::string summary = megaslide::dry_run_json(config);
-      std::cout << (json ? summary : megaslide::build_summary() + "\n" + summary) << "\n";
+      if (json) {
+        std::cout << summary << "\n";
+        return 0;
+      }
+      const auto j = nlohmann::json::parse(summary);
+      const auto millions = [](const nlohmann::json& v) { return fmt::format("{:.2f} M", v.get<double>() / 1e6); };
+      std::cout << megaslide::build_summary() << "\n"
+                << fmt::format("model {}: {} parameters ({} a block x {} layers, prologue {}, epilogue {}), hidden {}\n",
+                               j["arch"].get<std::string>(), millions(j["params"]), millions(j["params_per_block"]),
+                               j["layers"].get<int64_t>(), millions(j["prologue_params"]), millions(j["epilogue_params"]),
+                               j["hidden"].get<int64_t>())
+                << fmt::format("{} tokens a sample (grid {}x{}x{}), host state {:.2f} GB ({:.1f} B a parameter), device {}, compute {}\n",
+                               j["tokens_per_sample"].get<int64_t>(), j["token_grid"][0].get<int64_t>(), j["token_grid"][1].get<int64_t>(),
+                               j["token_grid"][2].get<int64_t>(), j["host_state_bytes"].get<double>() / 1e9,
+                               j["host_state_bytes"].get<double>() / std::max(1.0, j["params"].get<double>()),
+                               j["device"].get<std::string>(), j["compute_dtype"].get<std::string>())
+                << "(--json prints this as one JSON object; megaslide-plan shows memory and time on a machine)\n";
       return 0;
     }
     if (!resume.empty() && !export_weights.empty()) {

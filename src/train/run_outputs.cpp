@@ -17,6 +17,7 @@
 #include "megaslide/model/dit.h"
 #include "megaslide/model/wan.h"
 #include "megaslide/model/wan_weights.h"
+#include "megaslide/offload/cpu_adamw.h"
 #include "megaslide/train/auto_settings.h"
 
 namespace megaslide {
@@ -125,7 +126,9 @@ TrainLog::TrainLog(const std::string& path, bool append, bool echo) : impl_(std:
     }
     auto console = std::make_shared<spdlog::sinks::stderr_color_sink_mt>();
     file->set_pattern("[%Y-%m-%d %H:%M:%S.%e] [%l] %v");
-    console->set_pattern("%v");
+    // On a terminal the progress bar stays on its line without a newline: a log line first clears it
+    // (the next step redraws the bar below) instead of continuing it.
+    console->set_pattern(isatty(STDERR_FILENO) == 1 ? "\r\033[K%v" : "%v");
     impl_->logger = echo ? std::make_shared<spdlog::logger>("megaslide", spdlog::sinks_init_list{file, console})
                          : std::make_shared<spdlog::logger>("megaslide", file);
     impl_->logger->flush_on(spdlog::level::info);
@@ -185,6 +188,12 @@ std::string dry_run_json(const RunConfig& requested) {
   const auto& p = wan ? config.model.wan.patch : config.model.patch;  // validated: the video divides into whole patches
   const auto shape = model_sample_shape(config);  // pixels, or the VAE's latents
   const TokenGrid grid{shape[1] / p[0], shape[2] / p[1], shape[3] / p[2]};
+  // Host bytes a parameter: the fp32 master, AdamW's two moments as optimizer.state_dtype keeps them
+  // (int8: a code and one fp32 scale per 256), and the compute-dtype copy the blocks stream from.
+  const auto resolved = resolve_auto_settings(config);
+  const auto state = offload::parse_state_dtype(config.optimizer.state_dtype);
+  const double moment_bytes = static_cast<double>(offload::state_element_bytes(state)) + (state == offload::StateDtype::kInt8 ? 4.0 / 256 : 0.0);
+  const double per_param = 4.0 + 2.0 * moment_bytes + (resolved.offload.compute_dtype == "fp32" ? 4.0 : 2.0);
   nlohmann::json j{{"arch", to_string(config.model.arch)},
                    {"params", count.total},
                    {"params_per_block", count.per_block},
@@ -194,9 +203,9 @@ std::string dry_run_json(const RunConfig& requested) {
                    {"hidden", wan ? config.model.wan.dim : config.model.hidden},
                    {"tokens_per_sample", grid.numel()},
                    {"token_grid", {grid.t, grid.h, grid.w}},
-                   {"host_state_bytes", count.total * 14},
+                   {"host_state_bytes", std::llround(per_param * static_cast<double>(count.total))},
                    {"device", config.train.device},
-                   {"compute_dtype", resolve_auto_settings(config).offload.compute_dtype}};
+                   {"compute_dtype", resolved.offload.compute_dtype}};
   return j.dump();
 }
 
