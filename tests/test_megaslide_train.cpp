@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include "run_tool.h"
+#include "tiny_wan.h"
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
+#include <set>
 #include <string>
 #include <vector>
 #include <fstream>
@@ -445,32 +447,7 @@ TEST(MegaslideTrain, FileSizeLimitIsAReportedFailedSaveNotASilentKill) {
 
 namespace {
 
-// A tiny Wan run: its config file and its latent tensors (smooth waves whose phase depends on the clip,
-// a random text embedding per clip, the empty prompt's zeros), written into `dir`.
-std::string write_tiny_wan(const std::string& dir) {
-  megaslide::io::make_directories(dir);
-  const int64_t n = 4;
-  auto t = torch::arange(3).view({1, 1, 3, 1, 1}).to(torch::kFloat32);
-  auto h = torch::arange(6).view({1, 1, 1, 6, 1}).to(torch::kFloat32);
-  auto w = torch::arange(8).view({1, 1, 1, 1, 8}).to(torch::kFloat32);
-  auto phase = torch::arange(n).view({n, 1, 1, 1, 1}).to(torch::kFloat32);
-  auto c = torch::arange(4).view({1, 4, 1, 1, 1}).to(torch::kFloat32);
-  torch::manual_seed(42);
-  const std::string tensors = join_path(dir, "latents.safetensors");
-  megaslide::io::write_safetensors(tensors, {{"latents", torch::sin(0.7 * w + 0.5 * h + 0.3 * t + phase + c)},
-                                             {"text", torch::randn({n, 7, 20}).to(torch::kBFloat16)},
-                                             {"empty_text", torch::zeros({7, 20})}});
-  const std::string config = join_path(dir, "wan.yaml");
-  std::ofstream(config) << "model:\n  arch: wan\n  wan: {dim: 24, layers: 2, heads: 2, ffn_dim: 40, freq_dim: 16, text_dim: 20, "
-                           "patch: [1, 2, 2], in_channels: 4, out_channels: 4}\n"
-                           "data: {dataset: latent-tensors, tensors: " << tensors << ", channels: 4, frames: 3, height: 6, width: 8, "
-                           "max_text_tokens: 7}\n"
-                           "diffusion: {objective: flow, shift: 3.0, caption_dropout: 0.1}\n"
-                           "train: {steps: 30, batch_size: 2, lr: 0.003, warmup_steps: 0, lr_schedule: constant, grad_clip: 1.0, "
-                           "device: cpu, seed: 5, checkpoint_every: 15, log_every: 10}\n"
-                           "offload: {compute_dtype: bf16}\noutput: {progress: false}\n";
-  return config;
-}
+using megaslide::testing::write_tiny_wan;
 
 std::vector<double> wan_losses(const std::string& run_dir) {
   std::vector<double> out;
@@ -526,6 +503,30 @@ TEST(MegaslideTrain, WanTrainsFromLatentTensorsAndResumesBitExactly) {
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("ffn"), std::string::npos) << r.output;
   EXPECT_FALSE(megaslide::io::path_exists(join_path(dir, "wide")));
+  megaslide::io::remove_tree(dir);
+}
+
+// The property: --trace on a streamed Wan run writes a Chrome trace of the step asked for, with the
+// stream lanes' events (uploads, compute, host AdamW of each block), and the log says where it is.
+TEST(MegaslideTrain, TraceRecordsAStreamedWanStep) {
+  const auto dir = fresh_dir("wan-trace");
+  const auto config = write_tiny_wan(join_path(dir, "data"));
+  const auto trace = join_path(dir, "step.json");
+  auto r = run("--config " + config + " --run-dir " + join_path(dir, "run") + " --set train.steps=3 --set train.checkpoint_every=0" +
+               " --trace " + trace + " --trace-step 2");
+  ASSERT_EQ(r.code, 0) << r.output;
+  std::ifstream in(trace);
+  ASSERT_TRUE(in.good()) << r.output;
+  const auto j = nlohmann::json::parse(in);
+  std::set<std::string> names;
+  for (const auto& e : j.at("traceEvents"))
+    if (e.at("ph") == "X") names.insert(e.at("name").get<std::string>());
+  for (const char* expected : {"adamw block 0", "adamw block 1"}) EXPECT_TRUE(names.count(expected)) << expected << " in " << j.dump().substr(0, 2000);
+  EXPECT_GT(names.size(), 4u);
+  std::ifstream log(join_path(dir, "run/train.log"));
+  const std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find("trace of step 2 in " + trace), std::string::npos) << text;
+  EXPECT_EQ(text.find("ignored"), std::string::npos) << text;
   megaslide::io::remove_tree(dir);
 }
 

@@ -171,8 +171,11 @@ TEST(WanTrainer, LossFallsWithBf16Blocks) {
 // losses of steps 4–6 and every master weight and AdamW moment after step 6 are bit-identical to the
 // uninterrupted run's (bf16 blocks, clipping, asynchronous copies).
 TEST(WanTrainer, CheckpointResumesBitExactly) {
-  auto config = tiny_config({"offload.compute_dtype=bf16", "offload.emulated_copy_delay_ms=1"});
-  const auto dir = temp_dir("resume");
+  // fp32 moments, and int8 moments, whose per-group scales the checkpoint must keep too.
+  for (const char* moments : {"fp32", "int8"}) {
+  SCOPED_TRACE(std::string(moments) + " moments");
+  auto config = tiny_config({"offload.compute_dtype=bf16", "offload.emulated_copy_delay_ms=1", std::string("optimizer.state_dtype=") + moments});
+  const auto dir = temp_dir(std::string("resume-") + moments);
   std::vector<double> losses;
   megaslide::TrainingState after;
   {
@@ -182,7 +185,7 @@ TEST(WanTrainer, CheckpointResumesBitExactly) {
       if (s == 2) megaslide::save_checkpoint(dir, config, trainer.training_state());
     }
     after = trainer.training_state();
-    for (auto* list : {&after.master, &after.exp_avg, &after.exp_avg_sq})
+    for (auto* list : {&after.master, &after.exp_avg, &after.exp_avg_sq, &after.exp_avg_scale, &after.exp_avg_sq_scale})
       for (auto& [name, t] : *list) t = t.clone();  // the store's views outlive the trainer only as copies
   }
   WanTrainer resumed(config, tiny_data());
@@ -199,7 +202,52 @@ TEST(WanTrainer, CheckpointResumesBitExactly) {
     for (size_t i = 0; i < a->size(); ++i) EXPECT_TRUE(torch::equal((*a)[i].second, (*b)[i].second)) << (*a)[i].first;
   }
   EXPECT_EQ(again.optimizer_steps, after.optimizer_steps);
+  if (std::string(moments) == "int8") {
+    ASSERT_FALSE(after.exp_avg_scale.empty());
+    ASSERT_EQ(again.exp_avg_scale.size(), after.exp_avg_scale.size());
+    for (size_t i = 0; i < after.exp_avg_scale.size(); ++i) {
+      EXPECT_TRUE(torch::equal(after.exp_avg_scale[i].second, again.exp_avg_scale[i].second)) << after.exp_avg_scale[i].first;
+      EXPECT_TRUE(torch::equal(after.exp_avg_sq_scale[i].second, again.exp_avg_sq_scale[i].second)) << after.exp_avg_sq_scale[i].first;
+    }
+  } else {
+    EXPECT_TRUE(again.exp_avg_scale.empty());
+  }
   megaslide::io::remove_tree(dir);
+  }
+}
+
+// The property: the ranks' slices of WanBatchSource, side by side, are the single-process batch — the
+// same latents, caption dropout, σ and noise for every item of the global batch, batch after batch, for
+// flow matching and DDPM; a batch that does not split over the ranks is refused.
+TEST(WanBatchSource, RankSlicesConcatenateToTheSingleProcessBatch) {
+  for (const char* objective : {"flow", "ddpm"}) {
+    const auto config = tiny_config({"train.batch_size=6", "diffusion.caption_dropout=0.5", std::string("diffusion.objective=") + objective});
+    megaslide::WanBatchSource whole(config, tiny_data(5));
+    std::vector<std::unique_ptr<megaslide::WanBatchSource>> ranks;
+    for (int64_t r = 0; r < 3; ++r) {
+      ranks.push_back(std::make_unique<megaslide::WanBatchSource>(config, tiny_data(5)));
+      ranks.back()->take_slice(r, 3);
+    }
+    for (int batch = 0; batch < 3; ++batch) {  // 18 items: crosses epochs of 5 videos
+      const auto w = whole.next(torch::kCPU);
+      std::vector<megaslide::WanBatch> parts;
+      for (auto& r : ranks) parts.push_back(r->next(torch::kCPU));
+      auto cat = [&](auto field) {
+        std::vector<torch::Tensor> pieces;
+        for (auto& p : parts) pieces.push_back(field(p));
+        return torch::cat(pieces);
+      };
+      EXPECT_EQ(parts[0].x0.size(0), 2);
+      EXPECT_TRUE(torch::equal(cat([](auto& b) { return b.x0; }), w.x0)) << objective << " batch " << batch;
+      EXPECT_TRUE(torch::equal(cat([](auto& b) { return b.noise; }), w.noise)) << objective << " batch " << batch;
+      EXPECT_TRUE(torch::equal(cat([](auto& b) { return b.timesteps; }), w.timesteps)) << objective << " batch " << batch;
+      EXPECT_TRUE(torch::equal(cat([](auto& b) { return b.xt; }), w.xt)) << objective << " batch " << batch;
+      EXPECT_TRUE(torch::equal(cat([](auto& b) { return b.target; }), w.target)) << objective << " batch " << batch;
+      EXPECT_TRUE(torch::equal(cat([](auto& b) { return b.text; }), w.text)) << objective << " batch " << batch;
+    }
+    megaslide::WanBatchSource odd(config, tiny_data(5));
+    EXPECT_THROW(odd.take_slice(0, 4), std::invalid_argument);  // 6 items do not split over 4 ranks
+  }
 }
 
 // The property: a 3D-DSA Wan starts from a dense checkpoint with only the retrofit's parameters at their

@@ -7,6 +7,7 @@
 
 #include "megaslide/train/auto_settings.h"
 #include "megaslide/train/distributed.h"
+#include "megaslide/train/streamed_state.h"
 #include "offload/engine_options.h"
 
 namespace megaslide {
@@ -257,159 +258,24 @@ void CPUMasterVideoDiT::copy_weights_to(DiT& dit, TextEncoder& text_encoder) {
 }
 
 ParameterShapes CPUMasterVideoDiT::parameter_shapes() const {
-  ParameterShapes out;
-  for (auto& [name, p] : stack_->named_resident_parameters()) out.emplace_back(name, p.sizes().vec());
-  const auto& store = engine_->store();
-  for (int64_t l = 0; l < store.num_blocks(); ++l)
-    for (const auto& spec : store.block_spec(l).params)
-      out.emplace_back("blocks." + std::to_string(l) + "." + spec.name, spec.shape);
-  return out;
+  return streamed_parameter_shapes(*engine_, stack_->named_resident_parameters());
 }
 
-void CPUMasterVideoDiT::init_from(const InitPlan& plan) {
-  engine_->synchronize();
-  std::map<std::string, torch::Tensor> targets;
-  for (auto& [name, p] : stack_->named_resident_parameters()) targets.emplace(name, p);
-  const auto& store = engine_->store();
-  std::map<std::string, std::pair<int64_t, std::string>> sharded_blocks;  // name -> (block, parameter)
-  for (int64_t l = 0; l < store.num_blocks(); ++l)
-    for (const auto& spec : store.block_spec(l).params) {
-      const std::string name = "blocks." + std::to_string(l) + "." + spec.name;
-      if (store.sharded()) sharded_blocks.emplace(name, std::make_pair(l, spec.name));
-      else targets.emplace(name, store.param(l, spec.name).master);
-    }
-  for (const auto& [name, source] : plan.tensors) {
-    if (auto it = sharded_blocks.find(name); it != sharded_blocks.end()) {
-      // Sharded: the whole value through a temporary; its part goes to the master, all of it to the copy.
-      const auto& [block, param] = it->second;
-      engine_->set_block_parameter(block, param, source.read());
-      continue;
-    }
-    source.read_into(targets.at(name));
-  }
-  engine_->reload_blocks_from_masters();
-}
+void CPUMasterVideoDiT::init_from(const InitPlan& plan) { streamed_init_from(*engine_, stack_->named_resident_parameters(), plan); }
 
 TrainingState CPUMasterVideoDiT::training_state() {
-  engine_->synchronize();
-  TrainingState s;
+  TrainingState s = streamed_training_state(*engine_, stack_->named_resident_parameters());
   s.step = steps_done_;
-  s.optimizer_steps = engine_->optimizer_steps();
-  s.loss_scale = engine_->loss_scale();
-  s.clean_steps = engine_->clean_steps();
   s.skipped_steps = skipped_total_;
   s.consecutive_skips = consecutive_skips_;
   s.data_state = batches_.state();
-  auto* optimizer = engine_->resident_optimizer();
-  for (auto& [name, p] : stack_->named_resident_parameters()) {
-    auto moments = adamw_moments(*optimizer, p);
-    s.master.emplace_back(name, p.detach().to(torch::kCPU, torch::kFloat32).clone());
-    s.exp_avg.emplace_back(name, moments.exp_avg);
-    s.exp_avg_sq.emplace_back(name, moments.exp_avg_sq);
-  }
-  const auto& store = engine_->store();
-  // The blocks' flat buffers (this rank's shard of them when sharded).
-  TrainingState::BlockShards shards;
-  shards.rank = store.options().shard_rank;
-  shards.world_size = store.options().shard_count;
-  for (int64_t l = 0; l < store.num_blocks(); ++l) {
-    TrainingState::BlockShards::Block b;
-    b.name = "blocks." + std::to_string(l);
-    b.numel = store.block_numel(l);
-    b.begin = store.shard(l).begin;
-    b.end = store.shard(l).end;
-    for (const auto& spec : store.block_spec(l).params) b.params.emplace_back(spec.name, spec.shape);
-    b.master = store.master(l);
-    b.exp_avg = store.exp_avg(l);
-    b.exp_avg_sq = store.exp_avg_sq(l);
-    if (store.sharded())
-      for (const auto& spec : store.block_spec(l).params) shards.weights.emplace_back(b.name + "." + spec.name, store.param(l, spec.name).compute);
-    shards.blocks.push_back(std::move(b));
-  }
-  s.shards = std::move(shards);
-  if (store.sharded()) return s;  // the blocks are in s.shards only
-  for (int64_t l = 0; l < store.num_blocks(); ++l) {
-    const std::string prefix = "blocks." + std::to_string(l) + ".";
-    for (const auto& spec : store.block_spec(l).params) {
-      const auto views = store.param(l, spec.name);
-      s.master.emplace_back(prefix + spec.name, views.master);
-      s.exp_avg.emplace_back(prefix + spec.name, views.exp_avg);
-      s.exp_avg_sq.emplace_back(prefix + spec.name, views.exp_avg_sq);
-      if (views.exp_avg_scale.defined()) {
-        s.exp_avg_scale.emplace_back(prefix + spec.name, views.exp_avg_scale);
-        s.exp_avg_sq_scale.emplace_back(prefix + spec.name, views.exp_avg_sq_scale);
-      }
-    }
-  }
   return s;
 }
 
 void CPUMasterVideoDiT::load_training_state(const TrainingState& s) {
   engine_->synchronize();
-  auto resident = stack_->named_resident_parameters();
-  const auto& store = engine_->store();
-  size_t expected = resident.size();
-  if (!store.sharded())
-    for (int64_t l = 0; l < store.num_blocks(); ++l) expected += store.block_spec(l).params.size();
-  TORCH_CHECK(s.master.size() == expected && s.exp_avg.size() == expected && s.exp_avg_sq.size() == expected,
-              "CPUMasterVideoDiT::load_training_state: expected ", expected, " parameters, got ", s.master.size());
   batches_.restore(s.data_state);
-  std::map<std::string, size_t> index;
-  for (size_t i = 0; i < s.master.size(); ++i) index[s.master[i].first] = i;
-  auto find = [&](const std::string& name) {
-    auto it = index.find(name);
-    TORCH_CHECK(it != index.end(), "CPUMasterVideoDiT::load_training_state: no state for parameter '", name, "'");
-    return it->second;
-  };
-  std::map<std::string, size_t> scale_index;  // int8 moments: where each block parameter's scales are
-  for (size_t q = 0; q < s.exp_avg_scale.size(); ++q) scale_index[s.exp_avg_scale[q].first] = q;
-  TORCH_CHECK(s.exp_avg_sq_scale.size() == s.exp_avg_scale.size(),
-              "CPUMasterVideoDiT::load_training_state: exp_avg and exp_avg_sq scales differ in number");
-  torch::NoGradGuard no_grad;
-  auto* optimizer = engine_->resident_optimizer();
-  for (auto& [name, p] : resident) {
-    const size_t i = find(name);
-    p.copy_(s.master[i].second);
-    set_adamw_moments(*optimizer, p, s.exp_avg[i].second, s.exp_avg_sq[i].second, s.optimizer_steps);
-  }
-  if (store.sharded()) {
-    // The blocks' shards: read in place when the state is this trainer's own (load_checkpoint), else copied.
-    TORCH_CHECK(s.shards && s.shards->blocks.size() == static_cast<size_t>(store.num_blocks()),
-                "CPUMasterVideoDiT::load_training_state: a sharded trainer needs the blocks' shards (TrainingState::shards)");
-    for (int64_t l = 0; l < store.num_blocks(); ++l) {
-      const auto& b = s.shards->blocks[l];
-      const std::pair<at::Tensor, const torch::Tensor*> parts[3] = {{store.master(l), &b.master}, {store.exp_avg(l), &b.exp_avg},
-                                                                    {store.exp_avg_sq(l), &b.exp_avg_sq}};
-      for (const auto& [target, source] : parts) {
-        TORCH_CHECK(source->sizes() == target.sizes() && source->scalar_type() == target.scalar_type(),
-                    "CPUMasterVideoDiT::load_training_state: ", b.name, "'s shard is ", source->scalar_type(), " ", source->sizes(),
-                    ", the store holds ", target.scalar_type(), " ", target.sizes());
-        if (source->data_ptr() != target.data_ptr()) target.copy_(*source);
-      }
-    }
-  }
-  for (int64_t l = 0; l < (store.sharded() ? 0 : store.num_blocks()); ++l) {
-    const std::string prefix = "blocks." + std::to_string(l) + ".";
-    for (const auto& spec : store.block_spec(l).params) {
-      const size_t i = find(prefix + spec.name);
-      const auto views = store.param(l, spec.name);
-      std::vector<std::pair<const torch::Tensor*, const torch::Tensor*>> parts = {
-          {&views.master, &s.master[i].second}, {&views.exp_avg, &s.exp_avg[i].second}, {&views.exp_avg_sq, &s.exp_avg_sq[i].second}};
-      if (views.exp_avg_scale.defined()) {
-        const size_t q = scale_index.at(prefix + spec.name);
-        parts.push_back({&views.exp_avg_scale, &s.exp_avg_scale[q].second});
-        parts.push_back({&views.exp_avg_sq_scale, &s.exp_avg_sq_scale[q].second});
-      }
-      for (const auto& [target, source] : parts) {
-        TORCH_CHECK(source->sizes() == target->sizes() && source->scalar_type() == target->scalar_type(),
-                    "CPUMasterVideoDiT::load_training_state: '", prefix + spec.name, "' is ", source->scalar_type(), " ",
-                    source->sizes(), ", the store holds ", target->scalar_type(), " ", target->sizes());
-        if (source->data_ptr() != target->data_ptr()) target->copy_(*source);  // not read in place
-      }
-    }
-  }
-  engine_->reload_blocks_from_masters();
-  engine_->restore_counters(s.optimizer_steps, s.loss_scale, s.clean_steps);
+  load_streamed_training_state(*engine_, stack_->named_resident_parameters(), s, "CPUMasterVideoDiT");
   steps_done_ = s.step;
   skipped_total_ = s.skipped_steps;
   consecutive_skips_ = s.consecutive_skips;

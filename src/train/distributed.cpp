@@ -658,3 +658,38 @@ int launch_local_ranks(const std::vector<std::string>& argv, int64_t nproc, int6
 }
 
 }  // namespace megaslide
+
+namespace megaslide {
+
+void average_gradients_over_ranks(Communicator& communicator, const std::vector<at::Tensor>& parameters, double& loss_sum,
+                                  c10::Device device) {
+  // One flat buffer of every defined gradient: one collective a step, not one per parameter.
+  std::vector<at::Tensor> grads;
+  for (const auto& p : parameters)
+    if (p.grad().defined()) grads.push_back(p.grad());
+  std::vector<at::Tensor> pieces;
+  for (auto& g : grads) pieces.push_back(g.reshape({-1}));
+  std::vector<at::Tensor> flat{at::cat(pieces)};
+  // The loss and the count of defined gradients (which must agree on every rank, else the ranks'
+  // buffers would not line up), in float64 on the device (NCCL reduces GPU tensors only).
+  auto host = at::empty({2}, at::kDouble);
+  host[0] = loss_sum;
+  host[1] = static_cast<double>(grads.size());
+  std::vector<at::Tensor> scalars{host.to(device)};
+  communicator.all_reduce_sum(scalars);
+  const double ranks = static_cast<double>(communicator.world_size());
+  const auto sums = scalars[0].cpu();
+  const double defined = sums[1].item<double>();
+  TORCH_CHECK(defined == ranks * static_cast<double>(grads.size()), "data parallelism: this rank has ", grads.size(),
+              " parameters with a gradient but the ranks together have ", defined, "; every rank must train the same parameters");
+  communicator.all_reduce_sum(flat);
+  loss_sum = sums[0].item<double>() / ranks;
+  at::NoGradGuard no_grad;
+  int64_t offset = 0;
+  for (auto& g : grads) {
+    g.copy_(flat[0].narrow(0, offset, g.numel()).view(g.sizes()).div_(ranks));
+    offset += g.numel();
+  }
+}
+
+}  // namespace megaslide

@@ -419,32 +419,7 @@ void ResidentTrainer::load_training_state(const TrainingState& s) {
 }
 
 void ResidentTrainer::average_over_ranks(double& loss_sum) {
-  if (communicator_ == nullptr) return;
-  // One flat buffer of every defined gradient: one collective a step, not one per parameter.
-  std::vector<torch::Tensor> grads;
-  for (auto& p : parameters_)
-    if (p.grad().defined()) grads.push_back(p.grad());
-  std::vector<torch::Tensor> pieces;
-  for (auto& g : grads) pieces.push_back(g.reshape({-1}));
-  std::vector<torch::Tensor> flat{torch::cat(pieces)};
-  // The loss and the count of defined gradients (which must agree on every rank, else the ranks'
-  // buffers would not line up), in float64 on the device (NCCL reduces GPU tensors only).
-  std::vector<torch::Tensor> scalars{
-      torch::tensor({loss_sum, static_cast<double>(grads.size())}, torch::kFloat64).to(device_)};
-  communicator_->all_reduce_sum(scalars);
-  const double ranks = static_cast<double>(communicator_->world_size());
-  const auto sums = scalars[0].cpu();
-  const double defined = sums[1].item<double>();
-  TORCH_CHECK(defined == ranks * static_cast<double>(grads.size()), "data parallelism: this rank has ", grads.size(),
-              " parameters with a gradient but the ranks together have ", defined, "; every rank must train the same parameters");
-  communicator_->all_reduce_sum(flat);
-  loss_sum = sums[0].item<double>() / ranks;
-  torch::NoGradGuard no_grad;
-  int64_t offset = 0;
-  for (auto& g : grads) {
-    g.copy_(flat[0].narrow(0, offset, g.numel()).view(g.sizes()).div_(ranks));
-    offset += g.numel();
-  }
+  if (communicator_ != nullptr) average_gradients_over_ranks(*communicator_, parameters_, loss_sum, device_);
 }
 
 StepMetrics ResidentTrainer::step() {

@@ -52,7 +52,7 @@ class Trainer {
         throw ConfigError(source, cached ? "data.cache" : "data.tensors", e.what());
       }
       try {
-        wan_ = std::make_unique<WanTrainer>(latent, std::move(data), wan_init);
+        wan_ = std::make_unique<WanTrainer>(latent, std::move(data), wan_init, communicator);
       } catch (const WanWeightsError& e) {
         throw ConfigError(source, "model.wan.weights", e.what());
       }
@@ -75,6 +75,13 @@ class Trainer {
   }
   torch::Device device() const { return wan_ ? wan_->device() : streamed_ ? streamed_->device() : resident_->device(); }
   CPUMasterVideoDiT* streamed() { return streamed_.get(); }
+  // Whether the trainer streams its blocks (the DiT family's CPU-master trainer, or Wan's streamed mode).
+  bool sharded() const { return streamed_ ? streamed_->sharded() : wan_ && wan_->sharded(); }
+  bool streams() const { return streamed_ != nullptr || (wan_ && wan_->streamed()); }
+  void trace_next_step(const std::string& path) {
+    if (streamed_) streamed_->trace_next_step(path);
+    if (wan_) wan_->trace_next_step(path);
+  }
   WanTrainer* wan() { return wan_.get(); }
   // The DiT family's data (Wan's latent tensors are all in memory: no loader, no bad items).
   DiffusionBatchSource* data() { return wan_ ? nullptr : streamed_ ? &streamed_->data() : &resident_->data(); }
@@ -209,9 +216,6 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   RunConfig per_rank = requested;
   per_rank.train.device = rank_device_spec(requested.train.device, launch);
   if (launch.distributed()) {
-    if (requested.model.arch == Architecture::kWan)
-      throw ConfigError(options.config_source, "model.arch",
-                        fmt::format("{} ranks were launched, but Wan trains as one process so far (docs/distributed.md)", launch.world_size));
     if (requested.offload.enabled && requested.optimizer.state_dtype == "int8")
       throw ConfigError(options.config_source, "optimizer.state_dtype",
                         fmt::format("is int8, whose moments cannot be sharded over the {} ranks launched (their quantisation groups start "
@@ -432,7 +436,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
                          config.model.vae.weights, config.model.vae.frames_per_batch, config.data.frames, config.data.height,
                          config.data.width, shape[0], shape[1], shape[2], shape[3]));
   }
-  if (!options.trace_path.empty() && !trainer.streamed()) log.warn("--trace records the streamed trainer only (offload.enabled: true); ignored");
+  if (!options.trace_path.empty() && !trainer.streams()) log.warn("--trace records the streamed trainer only (offload.enabled: true); ignored");
   if (!resume_path.empty()) log.info(fmt::format("resumed from {} at step {}", resume_path, result.first_step));
   for (const auto& w : warnings) log.warn(w);
   if (!resume_path.empty() && result.first_step == train.steps)
@@ -460,7 +464,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
 
   int64_t last_saved = result.first_step;
   // Sharded (the streamed trainer over several ranks): every rank saves its shard, rank 0 the rest.
-  const bool sharded = trainer.streamed() != nullptr && trainer.streamed()->sharded();
+  const bool sharded = trainer.sharded();
   RankSum rank_sum;
   if (sharded)
     rank_sum = [&communicator](std::vector<int64_t>& values) {
@@ -491,8 +495,8 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   int64_t window_steps = 0;
   result.steps_done = start;
   for (int64_t i = start; i < train.steps; ++i) {
-    if (auto* streamed = trainer.streamed(); streamed && !options.trace_path.empty() && i + 1 == std::min(options.trace_step, train.steps))
-      streamed->trace_next_step(options.trace_path);
+    if (trainer.streams() && !options.trace_path.empty() && i + 1 == std::min(options.trace_step, train.steps))
+      trainer.trace_next_step(options.trace_path);
     const StepMetrics m = trainer.step();
     report_bad_items();
     result.steps_done = m.step;
@@ -562,13 +566,13 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   trainer.synchronize();
   if (train.checkpoint_every > 0 && (last_saved != result.steps_done || result.last_checkpoint.empty()) && result.steps_done > start)
     if (!save("final")) throw OutputError("could not save the final checkpoint (see the warning above)");
-  if (!options.trace_path.empty() && trainer.streamed())
+  if (!options.trace_path.empty() && trainer.streams())
     log.info(fmt::format("trace of step {} in {}", std::min(options.trace_step, train.steps), options.trace_path));
   log.info(fmt::format("done: {} steps; metrics in {}", result.steps_done, io::join_path(run_dir, "metrics.jsonl")));
   if (writer && !options.export_weights.empty()) {
     if (auto* wan = trainer.wan()) {
       // diffusers' names and layout (model/wan_weights.h); the streamed blocks straight from the host store.
-      save_wan_weights(options.export_weights, config.model.wan, wan->training_state().master);
+      save_wan_weights(options.export_weights, config.model.wan, wan->weight_views());
     } else if (auto* streamed = trainer.streamed()) {
       // Straight from the host store, one tensor at a time: no copy of the model.
       save_weights(options.export_weights, config, streamed->master_views());

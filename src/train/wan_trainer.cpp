@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -18,7 +19,10 @@
 #include "megaslide/io/safetensors.h"
 #include "megaslide/model/wan_weights.h"
 #include "megaslide/offload/cpu_master_trainer.h"
+#include "megaslide/offload/step_trace.h"
 #include "megaslide/train/auto_settings.h"
+#include "megaslide/train/distributed.h"
+#include "megaslide/train/streamed_state.h"
 #include "offload/engine_options.h"
 
 namespace megaslide {
@@ -184,8 +188,19 @@ WanBatchSource::WanBatchSource(const RunConfig& config, WanLatentData data)
   data_.check(config_);
 }
 
-WanBatch WanBatchSource::next(torch::Device device) {
+void WanBatchSource::take_slice(int64_t rank, int64_t world_size) {
   const int64_t B = config_.train.batch_size;
+  if (world_size < 1 || rank < 0 || rank >= world_size)
+    throw std::invalid_argument(fmt::format("rank {} is outside a world of {} ranks", rank, world_size));
+  if (B % world_size != 0)
+    throw std::invalid_argument(fmt::format("train.batch_size {} does not split evenly over {} ranks: set it to a multiple of {}", B,
+                                            world_size, world_size));
+  slice_rank_ = rank;
+  slice_count_ = world_size;
+}
+
+WanBatch WanBatchSource::next(torch::Device device) {
+  const int64_t B = config_.train.batch_size;  // the global batch: every draw below is made for all of it
   const auto index = torch::tensor(sampler_.next(B), torch::kInt64);
   WanBatch b;
   const auto x0 = data_.latents.index_select(0, index);
@@ -210,6 +225,10 @@ WanBatch WanBatchSource::next(torch::Device device) {
   b.x0 = x0.to(device);
   b.noise = noise.to(device);
   b.text = text.to(device);
+  if (slice_count_ > 1) {  // this rank's rows [first, first + local) of the global batch
+    const int64_t local = B / slice_count_, first = slice_rank_ * local;
+    for (auto* t : {&b.x0, &b.noise, &b.xt, &b.timesteps, &b.target, &b.text}) *t = t->narrow(0, first, local).contiguous();
+  }
   return b;
 }
 
@@ -334,12 +353,15 @@ void WanStack::adopt_block(int64_t index, std::shared_ptr<torch::nn::Module> mod
 }
 
 
-WanTrainer::WanTrainer(const RunConfig& requested, WanLatentData data, const InitPlanner& init_from)
+WanTrainer::WanTrainer(const RunConfig& requested, WanLatentData data, const InitPlanner& init_from, Communicator* communicator)
     : config_(resolve_auto_settings(with_wan_architecture_from_weights(requested))),
       device_(resolve_device(config_.train.device)),
-      batches_(config_, std::move(data)) {
+      batches_(config_, std::move(data)),
+      communicator_(communicator) {
   TORCH_CHECK(config_.model.arch == Architecture::kWan, "WanTrainer: model.arch is ", to_string(config_.model.arch), ", expected wan");
   validate(config_, "WanTrainer");
+  const bool shard = communicator != nullptr && communicator->world_size() > 1;
+  if (shard) batches_.take_slice(communicator->rank(), communicator->world_size());
   apply_threads(plan_threads(config_, device_));
   torch::manual_seed(config_.train.seed);
   std::optional<WanWeights> weights;
@@ -368,6 +390,7 @@ WanTrainer::WanTrainer(const RunConfig& requested, WanLatentData data, const Ini
     for (auto& [name, p] : named_parameters()) params.push_back(p);
     resident_optimizer_ = std::make_unique<torch::optim::AdamW>(
         params, torch::optim::AdamWOptions(t.lr).betas({t.beta1, t.beta2}).eps(t.eps).weight_decay(t.weight_decay));
+    measure_flops();
     return;
   }
   // Streamed: the blocks a meta skeleton whose weights the engine has built one at a time; the prologue
@@ -391,14 +414,40 @@ WanTrainer::WanTrainer(const RunConfig& requested, WanLatentData data, const Ini
   stack_ = std::make_shared<WanStack>(model, [init](int64_t l) { return init->block(l); }, device_);
   for (auto& [name, p] : stack_->named_resident_parameters())
     if (!p.is_meta()) move_parameter(p, device_);  // the blocks' tables and norm2 follow in adopt_block
-  engine_ = std::make_unique<offload::StreamedStackTrainer>(stack_, engine_options(config_, device_));
+  auto options = engine_options(config_, device_);
+  if (shard) options.exchange = communicator->shard_exchange();
+  engine_ = std::make_unique<offload::StreamedStackTrainer>(stack_, options);
   // The head into the device parameters the engine's resident optimizer holds.
   init->restore_state_after_blocks();
   model->initialise_head();
   init->overwrite("proj_out.", *model->proj_out);
   init->overwrite_table("scale_shift_table", model->scale_shift_table);
   init->release();  // the weights' mappings closed; a later initial_block is an error
+  measure_flops();
 }
+
+double wan_model_flops_per_step(const RunConfig& config, int64_t parameters) {
+  const auto& w = config.model.wan;
+  const auto shape = model_sample_shape(config);
+  const TokenGrid grid{shape[1] / w.patch[0], shape[2] / w.patch[1], shape[3] / w.patch[2]};
+  const double N = static_cast<double>(grid.numel());
+  const double B = static_cast<double>(config.train.batch_size * config.train.grad_accum_steps);
+  double keys = N;  // dense self-attention
+  if (config.model.self_attention == "dsa3d") {
+    const auto& k = config.model.dsa_kernel;
+    keys = static_cast<double>(std::min(k[0], grid.t) * std::min(k[1], grid.h) * std::min(k[2], grid.w));
+  }
+  keys += static_cast<double>(config.data.max_text_tokens);  // cross-attention
+  return 6.0 * static_cast<double>(parameters) * B * N + 12.0 * static_cast<double>(w.layers) * B * N * keys * static_cast<double>(w.dim);
+}
+
+void WanTrainer::measure_flops() {
+  if (!device_.is_cuda()) return;
+  flops_per_step_ = wan_model_flops_per_step(config_, parameter_count());
+  peak_flops_ = (config_.train.peak_tflops > 0 ? config_.train.peak_tflops : measure_peak_tflops(device_)) * 1e12;
+}
+
+void WanTrainer::trace_next_step(const std::string& path) { trace_path_ = path; }
 
 std::vector<std::pair<std::string, torch::Tensor>> WanTrainer::named_parameters() {
   std::vector<std::pair<std::string, torch::Tensor>> out;
@@ -431,8 +480,9 @@ StepMetrics WanTrainer::step() {
   m.skipped_total = skipped_total_;
   m.consecutive_skips = consecutive_skips_;
   const auto& t = config_.train;
-  m.samples_per_s = static_cast<double>(t.batch_size * t.grad_accum_steps) / m.step_time_s;
+  m.samples_per_s = static_cast<double>(t.batch_size * t.grad_accum_steps) / m.step_time_s;  // the global batch
   m.tokens_per_s = m.samples_per_s * static_cast<double>(grid_.numel());
+  if (peak_flops_ > 0) m.mfu = flops_per_step_ / (m.step_time_s * peak_flops_);
   return m;
 }
 
@@ -449,10 +499,11 @@ StepMetrics WanTrainer::resident_step(double lr) {
     (t.grad_accum_steps == 1 ? loss : loss / static_cast<double>(t.grad_accum_steps)).backward();
     loss_sum += loss.item<double>();
   }
-  const auto optimizer_start = Clock::now();
   std::vector<torch::Tensor> params;
   for (auto& group : resident_optimizer_->param_groups())
     for (auto& p : group.params()) params.push_back(p);
+  if (communicator_ != nullptr) average_gradients_over_ranks(*communicator_, params, loss_sum, device_);
+  const auto optimizer_start = Clock::now();
   const double max_norm = t.grad_clip > 0 ? t.grad_clip : std::numeric_limits<double>::infinity();
   const double grad_norm = torch::nn::utils::clip_grad_norm_(params, max_norm);
   StepMetrics m;
@@ -490,8 +541,20 @@ offload::StackStepResult wan_streamed_step(offload::StreamedStackTrainer& engine
 }
 
 StepMetrics WanTrainer::streamed_step(double lr) {
+  std::unique_ptr<offload::StepTrace> trace;
+  if (!trace_path_.empty()) {
+    trace = std::make_unique<offload::StepTrace>();
+    engine_->set_trace(trace.get());
+  }
   const auto r = wan_streamed_step(*engine_, stack_->model(), [&] { return batches_.next(device_); }, lr);
+  if (trace) {
+    engine_->synchronize();  // the step's host updates are in the trace
+    trace->write(trace_path_);
+    trace_path_.clear();
+  }
   StepMetrics m;
+  m.exchange_bytes = r.exchange_bytes;
+  m.exchange_s = r.exchange_s;
   m.loss = r.loss;
   m.grad_norm = r.grad_norm;
   m.skipped = r.skipped;
@@ -507,20 +570,33 @@ StepMetrics WanTrainer::streamed_step(double lr) {
 }
 
 std::vector<std::pair<std::string, torch::Tensor>> WanTrainer::master_weights() {
-  synchronize();
   std::vector<std::pair<std::string, torch::Tensor>> out;
-  for (auto& [name, p] : training_state().master) out.emplace_back(name, p.clone());
+  for (auto& [name, p] : weight_views()) out.emplace_back(name, p.detach().to(torch::kCPU, torch::kFloat32).clone());
+  return out;
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> WanTrainer::weight_views() {
+  synchronize();
+  if (!engine_) return named_parameters();
+  std::map<std::string, torch::Tensor> by_name;
+  for (auto& [name, p] : stack_->named_resident_parameters()) by_name.emplace(name, p);
+  const auto& store = engine_->store();
+  for (int64_t l = 0; l < store.num_blocks(); ++l)
+    for (const auto& spec : store.block_spec(l).params) {
+      const auto views = store.param(l, spec.name);
+      by_name.emplace("blocks." + std::to_string(l) + "." + spec.name, store.sharded() ? views.compute : views.master);
+    }
+  std::vector<std::pair<std::string, torch::Tensor>> out;  // in the model's order
+  for (auto& [name, p] : named_parameters()) out.emplace_back(name, by_name.at(name));
   return out;
 }
 
 TrainingState WanTrainer::training_state() {
   synchronize();
   TrainingState s;
-  s.step = steps_done_;
-  s.skipped_steps = skipped_total_;
-  s.consecutive_skips = consecutive_skips_;
-  s.data_state = batches_.state();
-  if (!engine_) {
+  if (engine_) {
+    s = streamed_training_state(*engine_, stack_->named_resident_parameters());
+  } else {
     s.optimizer_steps = optimizer_steps_;
     for (auto& [name, p] : named_parameters()) {
       auto moments = adamw_moments(*resident_optimizer_, p);
@@ -528,68 +604,32 @@ TrainingState WanTrainer::training_state() {
       s.exp_avg.emplace_back(name, moments.exp_avg);
       s.exp_avg_sq.emplace_back(name, moments.exp_avg_sq);
     }
-    return s;
   }
-  s.optimizer_steps = engine_->optimizer_steps();
-  s.loss_scale = engine_->loss_scale();
-  s.clean_steps = engine_->clean_steps();
-  // In the model's order: the streamed parameters as views into the store, the others as CPU copies.
-  const auto& store = engine_->store();
-  std::map<std::string, std::pair<int64_t, std::string>> streamed;
-  for (int64_t l = 0; l < store.num_blocks(); ++l)
-    for (const auto& spec : store.block_spec(l).params) streamed["blocks." + std::to_string(l) + "." + spec.name] = {l, spec.name};
-  auto* optimizer = engine_->resident_optimizer();
-  for (auto& [name, p] : named_parameters()) {
-    auto it = streamed.find(name);
-    if (it != streamed.end()) {
-      const auto views = store.param(it->second.first, it->second.second);
-      s.master.emplace_back(name, views.master);
-      s.exp_avg.emplace_back(name, views.exp_avg);
-      s.exp_avg_sq.emplace_back(name, views.exp_avg_sq);
-    } else {
-      auto moments = adamw_moments(*optimizer, p);
-      s.master.emplace_back(name, p.detach().to(torch::kCPU, torch::kFloat32).clone());
-      s.exp_avg.emplace_back(name, moments.exp_avg);
-      s.exp_avg_sq.emplace_back(name, moments.exp_avg_sq);
-    }
-  }
+  s.step = steps_done_;
+  s.skipped_steps = skipped_total_;
+  s.consecutive_skips = consecutive_skips_;
+  s.data_state = batches_.state();
   return s;
 }
 
 void WanTrainer::load_training_state(const TrainingState& s) {
   synchronize();
-  auto params = named_parameters();
-  TORCH_CHECK(s.master.size() == params.size() && s.exp_avg.size() == params.size() && s.exp_avg_sq.size() == params.size(),
-              "WanTrainer::load_training_state: expected ", params.size(), " parameters, got ", s.master.size());
   batches_.restore(s.data_state);
-  std::map<std::string, std::pair<int64_t, std::string>> streamed;
   if (engine_) {
-    const auto& store = engine_->store();
-    for (int64_t l = 0; l < store.num_blocks(); ++l)
-      for (const auto& spec : store.block_spec(l).params) streamed["blocks." + std::to_string(l) + "." + spec.name] = {l, spec.name};
-  }
-  torch::optim::AdamW* optimizer = engine_ ? engine_->resident_optimizer() : resident_optimizer_.get();
-  torch::NoGradGuard no_grad;
-  for (size_t i = 0; i < params.size(); ++i) {
-    auto& [name, p] = params[i];
-    TORCH_CHECK(s.master[i].first == name, "WanTrainer::load_training_state: parameter ", i, " is '", s.master[i].first,
-                "', expected '", name, "'");
-    auto it = streamed.find(name);
-    if (it != streamed.end()) {
-      const auto views = engine_->store().param(it->second.first, it->second.second);
-      const std::pair<const torch::Tensor*, const torch::Tensor*> parts[3] = {
-          {&views.master, &s.master[i].second}, {&views.exp_avg, &s.exp_avg[i].second}, {&views.exp_avg_sq, &s.exp_avg_sq[i].second}};
-      for (const auto& [target, source] : parts)
-        if (source->data_ptr() != target->data_ptr()) target->copy_(*source);  // not read in place
-    } else {
-      p.copy_(s.master[i].second);
-      set_adamw_moments(*optimizer, p, s.exp_avg[i].second, s.exp_avg_sq[i].second, s.optimizer_steps);
-    }
-  }
-  if (engine_) {
-    engine_->reload_blocks_from_masters();
-    engine_->restore_counters(s.optimizer_steps, s.loss_scale, s.clean_steps);
+    load_streamed_training_state(*engine_, stack_->named_resident_parameters(), s, "WanTrainer");
   } else {
+    auto params = named_parameters();
+    TORCH_CHECK(s.master.size() == params.size() && s.exp_avg.size() == params.size() && s.exp_avg_sq.size() == params.size(),
+                "WanTrainer::load_training_state: expected ", params.size(), " parameters, got ", s.master.size());
+    std::map<std::string, size_t> index;  // by name: a streamed run's state lists the blocks last
+    for (size_t i = 0; i < s.master.size(); ++i) index[s.master[i].first] = i;
+    torch::NoGradGuard no_grad;
+    for (auto& [name, p] : params) {
+      auto it = index.find(name);
+      TORCH_CHECK(it != index.end(), "WanTrainer::load_training_state: no state for parameter '", name, "'");
+      p.copy_(s.master[it->second].second);
+      set_adamw_moments(*resident_optimizer_, p, s.exp_avg[it->second].second, s.exp_avg_sq[it->second].second, s.optimizer_steps);
+    }
     optimizer_steps_ = s.optimizer_steps;
   }
   steps_done_ = s.step;

@@ -115,6 +115,14 @@ class Communicator {
   std::shared_ptr<offload::ShardExchange> exchange_;
 };
 
+// Plain data parallelism of a resident trainer (every rank holds the whole model): after a step's backward
+// passes, sums the defined gradients of `parameters` (one all-reduce of one flat buffer) and `loss_sum`
+// over the ranks and divides both by their number, so every rank takes the single process's AdamW step
+// on the global batch, up to the order of float additions. Throws (c10::Error) when the ranks' numbers
+// of defined gradients differ. `device`: where the scalars are reduced (NCCL reduces GPU tensors only).
+void average_gradients_over_ranks(Communicator& communicator, const std::vector<at::Tensor>& parameters, double& loss_sum,
+                                  c10::Device device);
+
 // megaslide-train --nproc-per-node N: runs `argv` (the program's own path first) N times as local ranks
 // 0..N-1 of a one-node job (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1,
 // MASTER_PORT=`master_port`, or a free port when 0; MEGASLIDE_LOCAL_LAUNCH=1, which tells a rank it was

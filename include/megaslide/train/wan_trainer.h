@@ -95,6 +95,11 @@ class WanBatchSource {
   // The streams' position (JSON) and its restoration, as DiffusionBatchSource's.
   std::string state() const;
   void restore(const std::string& state);
+  // Data parallelism, as DiffusionBatchSource::take_slice: next() returns the rank-th contiguous
+  // 1/world_size of each global batch of train.batch_size items, every draw (order, caption dropout, σ or
+  // t, noise) made for the whole global batch in the single-process order. Throws std::invalid_argument
+  // unless world_size divides train.batch_size and 0 <= rank < world_size.
+  void take_slice(int64_t rank, int64_t world_size);
 
  private:
   RunConfig config_;
@@ -106,6 +111,7 @@ class WanBatchSource {
   Prediction prediction_;
   std::mt19937_64 caption_rng_;
   at::Generator generator_;
+  int64_t slice_rank_ = 0, slice_count_ = 1;
 };
 
 // Wan as a StreamedModel. BlockInputs: tensors {tproj, context}; info: the token grid and RoPE tables.
@@ -159,10 +165,17 @@ class WanBlockDraws {
   std::map<int64_t, WanBlock> kept_;
 };
 
+// Model FLOPs of one Wan training step (forward + backward, recompute not counted), as
+// model_flops_per_step counts the DiT family's: 6 · parameters · tokens plus 12 · L · B · N · (keys per
+// query: every token, or 3D-DSA's window, plus the text tokens) · dim.
+double wan_model_flops_per_step(const RunConfig& config, int64_t parameters);
+
 // One step of `engine` (built over a WanStack of `model`) with the prologue, stack and epilogue WanTrainer
 // runs; `next_batch` supplies each micro-batch (on the engine's device). For custom loops and tests.
 offload::StackStepResult wan_streamed_step(offload::StreamedStackTrainer& engine, WanTransformer& model,
                                            const std::function<WanBatch()>& next_batch, double lr);
+
+class Communicator;
 
 class WanTrainer {
  public:
@@ -171,10 +184,21 @@ class WanTrainer {
   // (plan_init_from) is read into the fp32 initial weights (in the streamed mode block by block, as each
   // block is built). Its InitFromError propagates.
   using InitPlanner = std::function<InitPlan(const ParameterShapes&)>;
-  WanTrainer(const RunConfig& config, WanLatentData data, const InitPlanner& init_from = {});
+  // With a communicator of R > 1 ranks (train/distributed.h; it must outlive the trainer): data
+  // parallelism as the DiT family's trainers have it. Each rank trains on its slice of every global batch
+  // (WanBatchSource::take_slice); resident, the gradients and the loss are averaged over the ranks after
+  // the backward passes (average_gradients_over_ranks); streamed, the host state is sharded over the ranks
+  // (StreamedStackTrainer's block exchange) and every rank keeps the whole compute copy. Every rank builds
+  // the same initial weights. Construction is collective. Throws std::invalid_argument when R does not
+  // divide train.batch_size.
+  WanTrainer(const RunConfig& config, WanLatentData data, const InitPlanner& init_from = {}, Communicator* communicator = nullptr);
 
   StepMetrics step();
   void synchronize();
+  // Streamed: writes a Chrome trace of the next step to `path` (as CPUMasterVideoDiT::trace_next_step).
+  void trace_next_step(const std::string& path);
+  // Whether the host state is sharded over several ranks.
+  bool sharded() const { return engine_ && engine_->store().sharded(); }
 
   const RunConfig& config() const { return config_; }
   torch::Device device() const { return device_; }
@@ -190,6 +214,10 @@ class WanTrainer {
   const InitPlan& init_plan() const { return init_plan_; }
   // Every parameter's fp32 master as a CPU copy, by model name (synchronizes first).
   std::vector<std::pair<std::string, torch::Tensor>> master_weights();
+  // The same without copies, for exporting: the blocks' masters as views into the host store (sharded
+  // over ranks, where no rank holds a whole master: their compute copies), the others as they are.
+  // Valid until the next step (synchronizes first).
+  std::vector<std::pair<std::string, torch::Tensor>> weight_views();
   // Host memory of the streamed trainer's store as a table ("" for the resident loop).
   std::string host_memory_report() const;
 
@@ -201,6 +229,7 @@ class WanTrainer {
   StepMetrics resident_step(double lr);
   StepMetrics streamed_step(double lr);
   std::vector<std::pair<std::string, torch::Tensor>> named_parameters();
+  void measure_flops();  // MFU's model FLOPs and the GPU's peak (GPU runs only)
 
   RunConfig config_;
   torch::Device device_;
@@ -213,6 +242,9 @@ class WanTrainer {
   TokenGrid grid_;
   int64_t steps_done_ = 0, optimizer_steps_ = 0;
   int64_t skipped_total_ = 0, consecutive_skips_ = 0;
+  Communicator* communicator_ = nullptr;  // resident mode with several ranks: the gradient all-reduce
+  double flops_per_step_ = 0.0, peak_flops_ = 0.0;
+  std::string trace_path_;
 };
 
 }  // namespace megaslide

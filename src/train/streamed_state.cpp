@@ -1,0 +1,164 @@
+#include "megaslide/train/streamed_state.h"
+
+#include <map>
+
+#include "megaslide/train/checkpoint.h"
+
+namespace megaslide {
+
+namespace {
+std::string block_name(int64_t l) { return "blocks." + std::to_string(l); }
+}  // namespace
+
+ParameterShapes streamed_parameter_shapes(const offload::StreamedStackTrainer& engine, const io::NamedTensors& resident) {
+  ParameterShapes out;
+  for (const auto& [name, p] : resident) out.emplace_back(name, p.sizes().vec());
+  const auto& store = engine.store();
+  for (int64_t l = 0; l < store.num_blocks(); ++l)
+    for (const auto& spec : store.block_spec(l).params) out.emplace_back(block_name(l) + "." + spec.name, spec.shape);
+  return out;
+}
+
+void streamed_init_from(offload::StreamedStackTrainer& engine, const io::NamedTensors& resident, const InitPlan& plan) {
+  engine.synchronize();
+  std::map<std::string, torch::Tensor> targets(resident.begin(), resident.end());
+  const auto& store = engine.store();
+  std::map<std::string, std::pair<int64_t, std::string>> sharded_blocks;  // name -> (block, parameter)
+  for (int64_t l = 0; l < store.num_blocks(); ++l)
+    for (const auto& spec : store.block_spec(l).params) {
+      const std::string name = block_name(l) + "." + spec.name;
+      if (store.sharded()) sharded_blocks.emplace(name, std::make_pair(l, spec.name));
+      else targets.emplace(name, store.param(l, spec.name).master);
+    }
+  for (const auto& [name, source] : plan.tensors) {
+    if (auto it = sharded_blocks.find(name); it != sharded_blocks.end()) {
+      // Sharded: the whole value through a temporary; its part goes to the master, all of it to the copy.
+      const auto& [block, param] = it->second;
+      engine.set_block_parameter(block, param, source.read());
+      continue;
+    }
+    source.read_into(targets.at(name));
+  }
+  engine.reload_blocks_from_masters();
+}
+
+TrainingState streamed_training_state(offload::StreamedStackTrainer& engine, const io::NamedTensors& resident) {
+  engine.synchronize();
+  TrainingState s;
+  s.optimizer_steps = engine.optimizer_steps();
+  s.loss_scale = engine.loss_scale();
+  s.clean_steps = engine.clean_steps();
+  auto* optimizer = engine.resident_optimizer();
+  for (const auto& [name, p] : resident) {
+    auto moments = adamw_moments(*optimizer, p);
+    s.master.emplace_back(name, p.detach().to(torch::kCPU, torch::kFloat32).clone());
+    s.exp_avg.emplace_back(name, moments.exp_avg);
+    s.exp_avg_sq.emplace_back(name, moments.exp_avg_sq);
+  }
+  const auto& store = engine.store();
+  // The blocks' flat buffers (this rank's shard of them when sharded).
+  TrainingState::BlockShards shards;
+  shards.rank = store.options().shard_rank;
+  shards.world_size = store.options().shard_count;
+  for (int64_t l = 0; l < store.num_blocks(); ++l) {
+    TrainingState::BlockShards::Block b;
+    b.name = block_name(l);
+    b.numel = store.block_numel(l);
+    b.begin = store.shard(l).begin;
+    b.end = store.shard(l).end;
+    for (const auto& spec : store.block_spec(l).params) b.params.emplace_back(spec.name, spec.shape);
+    b.master = store.master(l);
+    b.exp_avg = store.exp_avg(l);
+    b.exp_avg_sq = store.exp_avg_sq(l);
+    if (store.sharded())
+      for (const auto& spec : store.block_spec(l).params) shards.weights.emplace_back(b.name + "." + spec.name, store.param(l, spec.name).compute);
+    shards.blocks.push_back(std::move(b));
+  }
+  s.shards = std::move(shards);
+  if (store.sharded()) return s;  // the blocks are in s.shards only
+  for (int64_t l = 0; l < store.num_blocks(); ++l) {
+    const std::string prefix = block_name(l) + ".";
+    for (const auto& spec : store.block_spec(l).params) {
+      const auto views = store.param(l, spec.name);
+      s.master.emplace_back(prefix + spec.name, views.master);
+      s.exp_avg.emplace_back(prefix + spec.name, views.exp_avg);
+      s.exp_avg_sq.emplace_back(prefix + spec.name, views.exp_avg_sq);
+      if (views.exp_avg_scale.defined()) {
+        s.exp_avg_scale.emplace_back(prefix + spec.name, views.exp_avg_scale);
+        s.exp_avg_sq_scale.emplace_back(prefix + spec.name, views.exp_avg_sq_scale);
+      }
+    }
+  }
+  return s;
+}
+
+void load_streamed_training_state(offload::StreamedStackTrainer& engine, const io::NamedTensors& resident, const TrainingState& s,
+                                  const std::string& who) {
+  engine.synchronize();
+  const auto& store = engine.store();
+  size_t expected = resident.size();
+  if (!store.sharded())
+    for (int64_t l = 0; l < store.num_blocks(); ++l) expected += store.block_spec(l).params.size();
+  TORCH_CHECK(s.master.size() == expected && s.exp_avg.size() == expected && s.exp_avg_sq.size() == expected, who,
+              "::load_training_state: expected ", expected, " parameters, got ", s.master.size());
+  std::map<std::string, size_t> index;
+  for (size_t i = 0; i < s.master.size(); ++i) index[s.master[i].first] = i;
+  auto find = [&](const std::string& name) {
+    auto it = index.find(name);
+    TORCH_CHECK(it != index.end(), who, "::load_training_state: no state for parameter '", name, "'");
+    return it->second;
+  };
+  std::map<std::string, size_t> scale_index;  // int8 moments: where each block parameter's scales are
+  for (size_t q = 0; q < s.exp_avg_scale.size(); ++q) scale_index[s.exp_avg_scale[q].first] = q;
+  TORCH_CHECK(s.exp_avg_sq_scale.size() == s.exp_avg_scale.size(), who, "::load_training_state: exp_avg and exp_avg_sq scales differ in number");
+  torch::NoGradGuard no_grad;
+  auto* optimizer = engine.resident_optimizer();
+  for (const auto& [name, p] : resident) {
+    const size_t i = find(name);
+    TORCH_CHECK(s.master[i].second.sizes() == p.sizes(), who, "::load_training_state: '", name, "' is ", s.master[i].second.sizes(),
+                ", the model's is ", p.sizes());
+    p.copy_(s.master[i].second);
+    set_adamw_moments(*optimizer, p, s.exp_avg[i].second, s.exp_avg_sq[i].second, s.optimizer_steps);
+  }
+  if (store.sharded()) {
+    // The blocks' shards: read in place when the state is this trainer's own (load_checkpoint), else copied.
+    TORCH_CHECK(s.shards && s.shards->blocks.size() == static_cast<size_t>(store.num_blocks()), who,
+                "::load_training_state: a sharded trainer needs the blocks' shards (TrainingState::shards)");
+    for (int64_t l = 0; l < store.num_blocks(); ++l) {
+      const auto& b = s.shards->blocks[l];
+      const std::pair<at::Tensor, const torch::Tensor*> parts[3] = {{store.master(l), &b.master}, {store.exp_avg(l), &b.exp_avg},
+                                                                    {store.exp_avg_sq(l), &b.exp_avg_sq}};
+      for (const auto& [target, source] : parts) {
+        TORCH_CHECK(source->sizes() == target.sizes() && source->scalar_type() == target.scalar_type(), who, "::load_training_state: ",
+                    b.name, "'s shard is ", source->scalar_type(), " ", source->sizes(), ", the store holds ", target.scalar_type(), " ",
+                    target.sizes());
+        if (source->data_ptr() != target.data_ptr()) target.copy_(*source);
+      }
+    }
+  }
+  for (int64_t l = 0; l < (store.sharded() ? 0 : store.num_blocks()); ++l) {
+    const std::string prefix = block_name(l) + ".";
+    for (const auto& spec : store.block_spec(l).params) {
+      const size_t i = find(prefix + spec.name);
+      const auto views = store.param(l, spec.name);
+      std::vector<std::pair<const torch::Tensor*, const torch::Tensor*>> parts = {
+          {&views.master, &s.master[i].second}, {&views.exp_avg, &s.exp_avg[i].second}, {&views.exp_avg_sq, &s.exp_avg_sq[i].second}};
+      if (views.exp_avg_scale.defined()) {
+        auto q = scale_index.find(prefix + spec.name);
+        TORCH_CHECK(q != scale_index.end(), who, "::load_training_state: no int8 moment scales for '", prefix + spec.name, "'");
+        parts.push_back({&views.exp_avg_scale, &s.exp_avg_scale[q->second].second});
+        parts.push_back({&views.exp_avg_sq_scale, &s.exp_avg_sq_scale[q->second].second});
+      }
+      for (const auto& [target, source] : parts) {
+        TORCH_CHECK(source->sizes() == target->sizes() && source->scalar_type() == target->scalar_type(), who, "::load_training_state: '",
+                    prefix + spec.name, "' is ", source->scalar_type(), " ", source->sizes(), ", the store holds ", target->scalar_type(), " ",
+                    target->sizes());
+        if (source->data_ptr() != target->data_ptr()) target->copy_(*source);  // not read in place
+      }
+    }
+  }
+  engine.reload_blocks_from_masters();
+  engine.restore_counters(s.optimizer_steps, s.loss_scale, s.clean_steps);
+}
+
+}  // namespace megaslide
