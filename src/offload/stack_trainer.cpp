@@ -12,6 +12,7 @@
 #include <utility>
 
 #ifdef __GLIBC__
+#include <dlfcn.h>
 #include <malloc.h>
 #endif
 
@@ -28,6 +29,20 @@
 #endif
 
 namespace megaslide::offload {
+
+#ifdef __GLIBC__
+namespace {
+// Whether malloc is glibc's own, not one interposed by a sanitizer or another allocator, whose heaps
+// glibc's malloc_trim knows nothing of (under AddressSanitizer it crashed in glibc's mtrim).
+bool malloc_is_glibcs() {
+  static const bool glibc = [] {
+    void* used = ::dlsym(RTLD_DEFAULT, "malloc");
+    return used != nullptr && used == ::dlsym(RTLD_DEFAULT, "__libc_malloc");
+  }();
+  return glibc;
+}
+}  // namespace
+#endif
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -941,7 +956,7 @@ void load_initial_weights(StreamedModel& model, HostParamStore& store, int threa
         // reuse all of it: a run's peak resident set grew by 2.6 B a streamed parameter beyond the store
         // (16.7 measured, 14.1 planned; small-50m at 8 and 24 blocks, bf16 compute). Handing it back after
         // each block keeps the start-up at the plan.
-        ::malloc_trim(0);
+        if (malloc_is_glibcs()) ::malloc_trim(0);
 #endif
       } catch (...) {
         std::lock_guard<std::mutex> lock(failure_mutex);
