@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "megaslide/config/run_config.h"
-#include "megaslide/offload/cpu_master_trainer.h"
+#include "megaslide/train/cpu_master_trainer.h"
 #include "megaslide/train/distributed.h"
 
 namespace {

@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "megaslide/offload/cpu_master_trainer.h"
+#include "megaslide/train/cpu_master_trainer.h"
 #include "megaslide/plan/step_plan.h"
 #include "megaslide/train/auto_settings.h"
 #include "megaslide/train/wan_trainer.h"

@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "megaslide/offload/cpu_adamw.h"
-#include "megaslide/offload/cpu_master_trainer.h"
+#include "megaslide/train/cpu_master_trainer.h"
 #include "megaslide/offload/host_param_store.h"
 #include "megaslide/train/resident_trainer.h"
 

@@ -3,7 +3,7 @@
 // user-defined block stack. On the CPU, async mode runs on emulated streams (copy threads, destinations
 // poisoned until their copy lands) and every test here delays each copy by 2 ms, so an update that reads
 // a gradient before its copy has landed reads NaN and the comparisons fail.
-#include "megaslide/offload/cpu_master_trainer.h"
+#include "megaslide/train/cpu_master_trainer.h"
 
 #include <ATen/record_function.h>
 #include <gtest/gtest.h>

@@ -1,8 +1,8 @@
 // DeformableSlideAttention3D: by default it runs the fused 3D-DSA kernel, which gives the same output
 // and parameter gradients as the grid_sample reference, and the module trains through it.
-#include "megaslide/attention/deformable_slide_attention.h"
+#include "megaslide/model/deformable_slide_attention.h"
 #include "megaslide/model/dit.h"
-#include "megaslide/offload/cpu_master_trainer.h"
+#include "megaslide/train/cpu_master_trainer.h"
 #include "megaslide/train/resident_trainer.h"
 
 #include <gtest/gtest.h>

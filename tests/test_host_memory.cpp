@@ -33,7 +33,7 @@
 #include "megaslide/diffusion/wan_text_to_video.h"
 #include "megaslide/io/files.h"
 #include "megaslide/model/wan_weights.h"
-#include "megaslide/offload/cpu_master_trainer.h"
+#include "megaslide/train/cpu_master_trainer.h"
 #include "megaslide/plan/step_plan.h"
 #include "megaslide/train/auto_settings.h"
 #include "megaslide/train/wan_trainer.h"
@@ -326,7 +326,7 @@ TEST(HostMemory, StreamedWanSamplingStartsWithoutAFullFp32Copy) {
   const int64_t fp32_bytes = sizes.fp32_bytes, block_fp32_bytes = sizes.block_fp32_bytes;
   config.model.wan.weights = weights;
   const auto file_bytes = static_cast<int64_t>(io::file_size(weights));
-  offload::StreamedDenoiserOptions so;
+  StreamedDenoiserOptions so;
   so.compute_dtype = torch::kBFloat16;
   {  // warm-up: the loaders' and the streamer's first use
     StreamedWanDenoiser warm(wan_model_from_config(config, "test", /*blocks_on_demand=*/true), so);

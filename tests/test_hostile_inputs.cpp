@@ -19,7 +19,7 @@
 
 #include "megaslide/config/run_config.h"
 #include "megaslide/eval/run_plots.h"
-#include "megaslide/eval/vbench.h"
+#include "megaslide/io/vbench_layout.h"
 #include "megaslide/io/files.h"
 #include "megaslide/io/safetensors.h"
 #include "run_tool.h"
@@ -158,7 +158,7 @@ TEST(HostileInputs, PromptFilesAreRefusedByLineOrGetSafeUniqueBoundedNames) {
     const std::string path = corpus("prompts") + "/" + name;
     std::vector<std::string> prompts;
     try {
-      prompts = eval::read_prompt_file(path);
+      prompts = io::read_prompt_file(path);
     } catch (const std::runtime_error& e) {
       EXPECT_EQ(name.rfind("invalid_utf8", 0), 0u) << name << " refused: " << e.what();
       EXPECT_NE(std::string(e.what()).find(path + "' line "), std::string::npos) << e.what();
@@ -167,7 +167,7 @@ TEST(HostileInputs, PromptFilesAreRefusedByLineOrGetSafeUniqueBoundedNames) {
     }
     EXPECT_NE(name.rfind("invalid_utf8", 0), 0u) << name << " was read";
     ++read;
-    const auto jobs = eval::plan_vbench_samples(prompts, 5, 0);
+    const auto jobs = io::plan_vbench_samples(prompts, 5, 0);
     std::set<std::string> files;
     for (const auto& job : jobs) {
       const std::string& f = job.file;
@@ -180,7 +180,7 @@ TEST(HostileInputs, PromptFilesAreRefusedByLineOrGetSafeUniqueBoundedNames) {
   }
   EXPECT_GE(refused, 5);
   EXPECT_GE(read, 6);
-  EXPECT_THROW(eval::read_prompt_file("/dev/zero"), std::runtime_error);
+  EXPECT_THROW(io::read_prompt_file("/dev/zero"), std::runtime_error);
 }
 
 // Metrics files as megaslide-plot reads them: a skipped step's nulls load (as NaN gaps); anything

@@ -8,8 +8,8 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
-#include "megaslide/io/weights.h"
-#include "megaslide/offload/cpu_master_trainer.h"
+#include "megaslide/model/dit_weights.h"
+#include "megaslide/train/cpu_master_trainer.h"
 #include "megaslide/train/checkpoint.h"
 #include "megaslide/train/resident_trainer.h"
 

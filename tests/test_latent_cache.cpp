@@ -24,7 +24,7 @@
 #include "megaslide/model/umt5_tokenizer.h"
 #include "megaslide/model/wan_vae.h"
 #include "megaslide/train/wan_trainer.h"
-#include "megaslide/offload/cpu_master_trainer.h"
+#include "megaslide/train/cpu_master_trainer.h"
 #include "megaslide/train/resident_trainer.h"
 #include "megaslide/train/training_run.h"
 #include "video_fixture.h"

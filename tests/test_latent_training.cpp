@@ -17,7 +17,7 @@
 #include "megaslide/io/files.h"
 #include "megaslide/io/video.h"
 #include "megaslide/model/frozen_encoders.h"
-#include "megaslide/offload/cpu_master_trainer.h"
+#include "megaslide/train/cpu_master_trainer.h"
 #include "megaslide/train/resident_trainer.h"
 
 using megaslide::ConfigError;

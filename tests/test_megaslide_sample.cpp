@@ -12,7 +12,7 @@
 #include <set>
 #include <sstream>
 
-#include "megaslide/eval/vbench.h"
+#include "megaslide/io/vbench_layout.h"
 #include "megaslide/io/files.h"
 #include "megaslide/io/video.h"
 
@@ -83,8 +83,8 @@ TEST(MegaslideSample, WritesVBenchNamedH264VideosAnIndexAndRerunsIdentically) {
     const auto i = v.at("index").get<int64_t>();
     const auto file = v.at("file").get<std::string>();
     EXPECT_EQ(file, prompt + "-" + std::to_string(i) + ".mp4");
-    EXPECT_EQ(megaslide::eval::vbench_prompt_from_file_name(file), prompt);
-    EXPECT_EQ(v.at("seed").get<uint64_t>(), megaslide::eval::vbench_seed(prompt, i, 0));
+    EXPECT_EQ(megaslide::io::vbench_prompt_from_file_name(file), prompt);
+    EXPECT_EQ(v.at("seed").get<uint64_t>(), megaslide::io::vbench_seed(prompt, i, 0));
     megaslide::io::VideoInfo info;
     auto frames = megaslide::io::read_video(join_path(videos, file), &info);
     EXPECT_EQ(info.codec, "h264");
@@ -232,7 +232,7 @@ TEST(MegaslideSample, LongAndOddPromptsAreNamedBeforeAnyWorkAndAllWritten) {
   std::set<std::string> files;
   for (const auto& v : index.at("videos")) {
     const auto file = v.at("file").get<std::string>();
-    EXPECT_LE(file.size(), megaslide::eval::kMaxFileNameBytes) << file;
+    EXPECT_LE(file.size(), megaslide::io::kMaxFileNameBytes) << file;
     EXPECT_NE(file[0], '-') << file;
     EXPECT_TRUE(path_exists(join_path(out, "videos/" + file))) << file;
     files.insert(file);

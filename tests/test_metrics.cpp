@@ -11,7 +11,7 @@
 #include <iostream>
 #include <map>
 
-#include "megaslide/eval/vbench.h"
+#include "megaslide/io/vbench_layout.h"
 #include "megaslide/io/files.h"
 #include "megaslide/io/safetensors.h"
 #include "megaslide/io/video.h"

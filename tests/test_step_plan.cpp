@@ -13,7 +13,7 @@
 
 #include "megaslide/io/files.h"
 #include "megaslide/model/dit.h"
-#include "megaslide/offload/cpu_master_trainer.h"
+#include "megaslide/train/cpu_master_trainer.h"
 #include "megaslide/train/wan_trainer.h"
 #include "run_tool.h"
 

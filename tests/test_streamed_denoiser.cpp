@@ -3,7 +3,7 @@
 // most two blocks' weights on the "device" (the CPU's slots), leaves the block modules empty between
 // calls, and uploads every block once per model call unless its slot still holds it; bf16 streaming
 // stays close. Also the --streamed auto|on|off decision.
-#include "megaslide/offload/streamed_denoiser.h"
+#include "megaslide/diffusion/streamed_denoiser.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -12,10 +12,10 @@
 
 #include "megaslide/diffusion/text_to_video.h"
 #include "megaslide/io/files.h"
-#include "megaslide/io/weights.h"
+#include "megaslide/model/dit_weights.h"
 
-using megaslide::offload::StreamedDenoiser;
-using megaslide::offload::StreamedDenoiserOptions;
+using megaslide::StreamedDenoiser;
+using megaslide::StreamedDenoiserOptions;
 
 namespace {
 
@@ -169,13 +169,13 @@ TEST(StreamedDenoiser, ResidentDenoiserInBf16EqualsStreamedBf16) {
 }
 
 TEST(StreamedDenoiser, StreamChoice) {
-  using megaslide::offload::StreamChoice;
-  EXPECT_EQ(megaslide::offload::parse_stream_choice("auto"), StreamChoice::kAuto);
-  EXPECT_EQ(megaslide::offload::parse_stream_choice("on"), StreamChoice::kOn);
-  EXPECT_EQ(megaslide::offload::parse_stream_choice("off"), StreamChoice::kOff);
-  EXPECT_THROW(megaslide::offload::parse_stream_choice("yes"), c10::Error);
-  EXPECT_TRUE(megaslide::offload::should_stream(StreamChoice::kOn, torch::kCPU, 1));
-  EXPECT_FALSE(megaslide::offload::should_stream(StreamChoice::kOff, torch::kCPU, int64_t{1} << 50));
-  EXPECT_FALSE(megaslide::offload::should_stream(StreamChoice::kAuto, torch::kCPU, int64_t{1} << 50)) << "never on the CPU";
-  EXPECT_THROW(megaslide::offload::free_device_memory(torch::kCPU), c10::Error);
+  using megaslide::StreamChoice;
+  EXPECT_EQ(megaslide::parse_stream_choice("auto"), StreamChoice::kAuto);
+  EXPECT_EQ(megaslide::parse_stream_choice("on"), StreamChoice::kOn);
+  EXPECT_EQ(megaslide::parse_stream_choice("off"), StreamChoice::kOff);
+  EXPECT_THROW(megaslide::parse_stream_choice("yes"), c10::Error);
+  EXPECT_TRUE(megaslide::should_stream(StreamChoice::kOn, torch::kCPU, 1));
+  EXPECT_FALSE(megaslide::should_stream(StreamChoice::kOff, torch::kCPU, int64_t{1} << 50));
+  EXPECT_FALSE(megaslide::should_stream(StreamChoice::kAuto, torch::kCPU, int64_t{1} << 50)) << "never on the CPU";
+  EXPECT_THROW(megaslide::free_device_memory(torch::kCPU), c10::Error);
 }

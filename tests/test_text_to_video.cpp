@@ -15,7 +15,7 @@
 #include <random>
 
 #include "megaslide/data/structured_motion.h"
-#include "megaslide/io/weights.h"
+#include "megaslide/model/dit_weights.h"
 
 namespace {
 

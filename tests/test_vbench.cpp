@@ -1,6 +1,6 @@
 // VBench layout: file names VBench's parser maps back to the prompt, the length cap at a UTF-8 boundary,
 // seeds that depend only on (base seed, prompt, index), prompt files, index.json.
-#include "megaslide/eval/vbench.h"
+#include "megaslide/io/vbench_layout.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -10,7 +10,7 @@
 
 #include "megaslide/io/files.h"
 
-using namespace megaslide::eval;
+using namespace megaslide::io;
 
 namespace {
 std::string temp_path(const std::string& name) { return "/tmp/megaslide-test-vbench-" + std::to_string(::getpid()) + "-" + name; }

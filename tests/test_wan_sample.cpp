@@ -21,7 +21,7 @@
 #include "megaslide/io/files.h"
 #include "megaslide/io/safetensors.h"
 #include "megaslide/io/video.h"
-#include "megaslide/io/weights.h"
+#include "megaslide/model/dit_weights.h"
 #include "megaslide/model/wan_weights.h"
 #include "run_tool.h"
 
@@ -204,7 +204,7 @@ TEST(WanTextToVideo, StreamedDenoiserEqualsResidentBitForBit) {
   const auto text = torch::randn({2, 7, 24});
   for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
     megaslide::ResidentWanDenoiser resident(megaslide::wan_model_from_config(config, "test").dit, torch::kCPU, dtype);
-    megaslide::offload::StreamedDenoiserOptions so;
+    megaslide::StreamedDenoiserOptions so;
     so.compute_dtype = dtype;
     megaslide::StreamedWanDenoiser streamed(megaslide::wan_model_from_config(config, "test").dit, so);
     const auto a = resident.predict(x, t, text), b = streamed.predict(x, t, text);
@@ -269,7 +269,7 @@ TEST(WanTextToVideo, BlocksOnDemandAreTheWholeLoadsAndStreamTheSame) {
   const auto t = torch::tensor({937.0f, 15.0f});
   const auto text = torch::randn({2, 7, 24});
   for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
-    megaslide::offload::StreamedDenoiserOptions so;
+    megaslide::StreamedDenoiserOptions so;
     so.compute_dtype = dtype;
     megaslide::StreamedWanDenoiser whole(megaslide::wan_model_from_config(fixture_config(), "test").dit, so);
     megaslide::StreamedWanDenoiser published(megaslide::wan_model_from_config(fixture_config(), "test", true), so);
@@ -288,7 +288,7 @@ TEST(WanTextToVideo, BlocksOnDemandAreTheWholeLoadsAndStreamTheSame) {
   }
   // A meta skeleton without its block source is an error, not a silent empty model.
   auto skeleton = megaslide::wan_model_from_config(fixture_config(), "test", true);
-  EXPECT_THROW(megaslide::StreamedWanDenoiser(skeleton.dit, megaslide::offload::StreamedDenoiserOptions()), c10::Error);
+  EXPECT_THROW(megaslide::StreamedWanDenoiser(skeleton.dit, megaslide::StreamedDenoiserOptions()), c10::Error);
   EXPECT_THROW(megaslide::ResidentWanDenoiser(skeleton.dit, torch::kCPU), c10::Error);
 }
 
@@ -303,7 +303,7 @@ TEST(WanTextToVideo, StreamedEqualsResidentOnTheGpu_CUDA) {
   const auto t = torch::tensor({937.0f, 15.0f});
   const auto text = torch::randn({2, 7, 24});
   megaslide::ResidentWanDenoiser resident(megaslide::wan_model_from_config(config, "test").dit, torch::kCUDA);
-  megaslide::offload::StreamedDenoiserOptions so;
+  megaslide::StreamedDenoiserOptions so;
   so.device = torch::kCUDA;
   megaslide::StreamedWanDenoiser streamed(megaslide::wan_model_from_config(config, "test").dit, so);
   EXPECT_LT(max_diff(resident.predict(x, t, text).cpu(), streamed.predict(x, t, text).cpu()), 1e-5);

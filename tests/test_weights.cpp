@@ -1,7 +1,7 @@
 // Weights files: the model is rebuilt from the file alone (config from __metadata__, every parameter by
 // its module name), bf16 by default; files that do not describe the model are refused, naming the file
 // and the tensor.
-#include "megaslide/io/weights.h"
+#include "megaslide/model/dit_weights.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>

@@ -37,7 +37,7 @@ int main(int argc, char** argv) {
   }
   megaslide::tools::survive_file_size_limit();
   if (json_path.empty()) {
-    const auto sample = megaslide::eval::find_sample_folder(folder);
+    const auto sample = megaslide::io::find_sample_folder(folder);
     // A bare folder of MP4s keeps its JSON in it, as before; a sample folder keeps it beside videos/.
     json_path = megaslide::io::join_path(sample.root, "eval.json");
   }

@@ -8,7 +8,7 @@
 //       --prompts prompts.txt --out DIR     (a diffusers repository: its text_encoder/ and vae/ are found)
 //
 // Writes DIR/videos/{prompt}-{index}.mp4 (H.264; VBench reads DIR/videos), optionally
-// DIR/frames/{prompt}-{index}/NNN.png, and DIR/index.json (eval/vbench.h). Exit codes: 0 done, 2 bad
+// DIR/frames/{prompt}-{index}/NNN.png, and DIR/index.json (io/vbench_layout.h). Exit codes: 0 done, 2 bad
 // flags or unusable inputs (nothing written), 1 any other failure.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -78,7 +78,7 @@ struct BadInput : std::invalid_argument {
 };
 
 // Samples a Wan model (docs/wan.md). Returns the exit code.
-int sample_wan(megaslide::WanModel model, const WanFlags& wan, const std::vector<megaslide::eval::SampleJob>& jobs, const std::string& out_dir,
+int sample_wan(megaslide::WanModel model, const WanFlags& wan, const std::vector<megaslide::io::SampleJob>& jobs, const std::string& out_dir,
                const std::string& source, const std::string& sampler, int64_t steps, double guidance, uint64_t seed, int64_t batch_size,
                int64_t fps, int64_t crf, int64_t upscale, bool png, torch::Device device, const std::string& streamed,
                const std::string& compute_dtype, int64_t threads, bool no_progress) {
@@ -131,7 +131,7 @@ int sample_wan(megaslide::WanModel model, const WanFlags& wan, const std::vector
       throw BadInput(std::string("--text-encoder: ") + megaslide::error_message(e));
     }
     // umT5 (11.4 GB in bf16 for XXL) streamed layer by layer when it does not fit, as the DiT's blocks.
-    pipeline_t5_streamed = megaslide::offload::should_stream(megaslide::offload::parse_stream_choice(streamed), device, t5->weight_bytes());
+    pipeline_t5_streamed = megaslide::should_stream(megaslide::parse_stream_choice(streamed), device, t5->weight_bytes());
     t5.emplace(pipeline_t5_streamed ? megaslide::Umt5Encoder::streamed(std::move(*t5), device) : megaslide::Umt5Encoder::resident(std::move(*t5), device));
     try {
       tokenizer.emplace(megaslide::Umt5Tokenizer::find(wan.tokenizer.empty() ? t5_path : wan.tokenizer));
@@ -147,12 +147,12 @@ int sample_wan(megaslide::WanModel model, const WanFlags& wan, const std::vector
 
     int64_t weight_bytes = 0;
     for (const auto& p : model.dit->parameters()) weight_bytes += static_cast<int64_t>(p.nbytes());
-    const bool stream = megaslide::offload::should_stream(megaslide::offload::parse_stream_choice(streamed), device, weight_bytes);
+    const bool stream = megaslide::should_stream(megaslide::parse_stream_choice(streamed), device, weight_bytes);
     const auto dtype = megaslide::resolve_compute_dtype(compute_dtype, device);
     const auto scalar_type = megaslide::offload::parse_compute_dtype(dtype.dtype);
     std::shared_ptr<megaslide::WanDenoiser> denoiser;
     if (stream) {
-      megaslide::offload::StreamedDenoiserOptions so;
+      megaslide::StreamedDenoiserOptions so;
       so.device = device;
       so.compute_dtype = scalar_type;
       denoiser = std::make_shared<megaslide::StreamedWanDenoiser>(model, so);  // block by block from the weights
@@ -183,7 +183,7 @@ int sample_wan(megaslide::WanModel model, const WanFlags& wan, const std::vector
 
   try {
     const auto video_options = megaslide::io::VideoWriteOptions().fps(fps).crf(crf);
-    const std::string videos_dir = megaslide::io::join_path(out_dir, megaslide::eval::kVideosFolder);
+    const std::string videos_dir = megaslide::io::join_path(out_dir, megaslide::io::kVideosFolder);
     const std::string latents_dir = megaslide::io::join_path(out_dir, "latents");
     megaslide::io::make_directories(videos_dir);
     if (wan.latents) megaslide::io::make_directories(latents_dir);
@@ -212,9 +212,9 @@ int sample_wan(megaslide::WanModel model, const WanFlags& wan, const std::vector
       progress.update(static_cast<int64_t>(end), options.steps(), options.steps());
     }
     progress.finish();
-    const megaslide::eval::SamplingRecord record{source, options.kind() == megaslide::FlowSamplerKind::kUniPC ? "unipc" : "euler",
+    const megaslide::io::SamplingRecord record{source, options.kind() == megaslide::FlowSamplerKind::kUniPC ? "unipc" : "euler",
                                                  options.steps(), options.guidance_scale(), 0.0, seed, fps, upscale};
-    megaslide::io::write_file_atomically(megaslide::io::join_path(out_dir, "index.json"), megaslide::eval::index_json(jobs, record));
+    megaslide::io::write_file_atomically(megaslide::io::join_path(out_dir, "index.json"), megaslide::io::index_json(jobs, record));
     std::cerr << fmt::format("megaslide-sample: wrote {} videos and {}\n", jobs.size(), megaslide::io::join_path(out_dir, "index.json"));
     return 0;
   } catch (const std::exception& e) {
@@ -313,7 +313,7 @@ int main(int argc, char** argv) {
   }
 
   // Everything that can be checked is checked before anything is written.
-  std::vector<megaslide::eval::SampleJob> jobs;
+  std::vector<megaslide::io::SampleJob> jobs;
   megaslide::TextToVideoModel model;
   torch::Device device = torch::kCPU;
   bool stream = false;
@@ -322,9 +322,9 @@ int main(int argc, char** argv) {
   try {
     if (checkpoint.empty() == config_path.empty()) throw std::invalid_argument("give one of --checkpoint and --config");
     if (!overrides.empty() && config_path.empty()) throw std::invalid_argument("--set applies to --config");
-    // Every video's file name is decided here, before any work (bounded, safe and unique; eval/vbench.h).
-    auto prompts = megaslide::eval::read_prompt_file(prompts_path);
-    jobs = megaslide::eval::plan_vbench_samples(prompts, samples_per_prompt, seed);
+    // Every video's file name is decided here, before any work (bounded, safe and unique; io/vbench_layout.h).
+    auto prompts = megaslide::io::read_prompt_file(prompts_path);
+    jobs = megaslide::io::plan_vbench_samples(prompts, samples_per_prompt, seed);
     megaslide::io::check_output_folder(out_dir, "--out");
     device = megaslide::resolve_device(device_spec);
     // A weights file as it is; a checkpoint folder, its `latest` file or a run folder: the checkpoint's
@@ -361,7 +361,7 @@ int main(int argc, char** argv) {
       model.frozen = megaslide::FrozenEncoders::load(model.config, device, weights + " (its config)");
       int64_t weight_bytes = 0;
       for (const auto& p : model.dit->parameters()) weight_bytes += static_cast<int64_t>(p.nbytes());
-      stream = megaslide::offload::should_stream(megaslide::offload::parse_stream_choice(streamed), device, weight_bytes);
+      stream = megaslide::should_stream(megaslide::parse_stream_choice(streamed), device, weight_bytes);
       if (model.config.data.height * upscale % 2 != 0 || model.config.data.width * upscale % 2 != 0)
         throw std::invalid_argument(fmt::format("the model's frames are {}x{} (W x H); H.264 needs even sizes: use --upscale 2",
                                                 model.config.data.width, model.config.data.height));
@@ -391,10 +391,10 @@ int main(int argc, char** argv) {
     const auto scalar_type = megaslide::offload::parse_compute_dtype(dtype.dtype);
     std::shared_ptr<megaslide::Denoiser> denoiser;
     if (stream) {
-      megaslide::offload::StreamedDenoiserOptions so;
+      megaslide::StreamedDenoiserOptions so;
       so.device = device;
       so.compute_dtype = scalar_type;
-      denoiser = std::make_shared<megaslide::offload::StreamedDenoiser>(model.dit, so);
+      denoiser = std::make_shared<megaslide::StreamedDenoiser>(model.dit, so);
     } else if (scalar_type != torch::kFloat) {
       model.dit->to(device);
       denoiser = std::make_shared<megaslide::ResidentDenoiser>(model.dit, scalar_type);
@@ -406,7 +406,7 @@ int main(int argc, char** argv) {
     if (guidance >= 0) options.guidance_scale(guidance);
     const auto video_options = megaslide::io::VideoWriteOptions().fps(fps).crf(crf);
 
-    const std::string videos_dir = megaslide::io::join_path(out_dir, megaslide::eval::kVideosFolder);
+    const std::string videos_dir = megaslide::io::join_path(out_dir, megaslide::io::kVideosFolder);
     megaslide::io::make_directories(videos_dir);
     std::cerr << fmt::format("megaslide-sample: {} prompt(s) x {} -> {} videos in {} ({} {} steps {}, guidance {}, device {}, {}, "
                              "compute dtype {} ({}), {})\n",
@@ -431,9 +431,9 @@ int main(int argc, char** argv) {
       progress.update(static_cast<int64_t>(end), options.steps(), options.steps());
     }
     progress.finish();
-    const megaslide::eval::SamplingRecord record{checkpoint, megaslide::to_string(options.kind()), options.steps(),
+    const megaslide::io::SamplingRecord record{checkpoint, megaslide::to_string(options.kind()), options.steps(),
                                                  options.guidance_scale(), options.eta(), seed, fps, upscale};
-    megaslide::io::write_file_atomically(megaslide::io::join_path(out_dir, "index.json"), megaslide::eval::index_json(jobs, record));
+    megaslide::io::write_file_atomically(megaslide::io::join_path(out_dir, "index.json"), megaslide::io::index_json(jobs, record));
     std::cerr << fmt::format("megaslide-sample: wrote {} videos and {}\n", jobs.size(), megaslide::io::join_path(out_dir, "index.json"));
     return 0;
   } catch (const std::exception& e) {

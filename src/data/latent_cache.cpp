@@ -26,7 +26,7 @@
 #include "megaslide/model/umt5_encoder.h"
 #include "megaslide/model/umt5_tokenizer.h"
 #include "megaslide/model/wan_vae.h"
-#include "megaslide/train/resident_trainer.h"
+#include "megaslide/util/device.h"
 
 namespace megaslide {
 

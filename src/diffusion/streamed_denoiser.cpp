@@ -1,11 +1,11 @@
-#include "megaslide/offload/streamed_denoiser.h"
+#include "megaslide/diffusion/streamed_denoiser.h"
 
 #ifdef MEGASLIDE_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
 #endif
 
-namespace megaslide::offload {
+namespace megaslide {
 
 StreamedDenoiser::StreamedDenoiser(DiT model, StreamedDenoiserOptions options) : model_(std::move(model)), options_(options) {
   TORCH_CHECK(model_, "StreamedDenoiser: the model is null");
@@ -45,7 +45,7 @@ StreamedDenoiser::StreamedDenoiser(DiT model, StreamedDenoiserOptions options) :
   // The resident parts: everything that is not a block.
   model_->move_non_block_parts(options_.device);
   model_->eval();
-  streamer_ = std::make_unique<WeightStreamer>(numels, WeightStreamerOptions{options_.device, dt, options_.mode});
+  streamer_ = std::make_unique<offload::WeightStreamer>(numels, offload::WeightStreamerOptions{options_.device, dt, options_.mode});
 }
 
 StreamedDenoiser::~StreamedDenoiser() {
@@ -121,4 +121,4 @@ bool should_stream(StreamChoice choice, torch::Device device, int64_t weight_byt
   return static_cast<double>(weight_bytes) > fraction * static_cast<double>(free_device_memory(device));
 }
 
-}  // namespace megaslide::offload
+}  // namespace megaslide

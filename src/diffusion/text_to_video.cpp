@@ -3,7 +3,7 @@
 #include <algorithm>
 
 #include "megaslide/data/structured_motion.h"
-#include "megaslide/eval/vbench.h"
+#include "megaslide/io/vbench_layout.h"
 #include "megaslide/io/video.h"
 
 namespace megaslide {
@@ -87,7 +87,7 @@ std::vector<std::string> write_validation_samples(const std::string& dir, const 
     const auto& caption = candidates[static_cast<size_t>(i)];
     if (std::find(captions.begin(), captions.end(), caption) == captions.end()) captions.push_back(caption);
   }
-  auto jobs = eval::plan_vbench_samples(captions, 1, config.train.seed);
+  auto jobs = io::plan_vbench_samples(captions, 1, config.train.seed);
   std::vector<std::string> prompts;
   std::vector<uint64_t> seeds;
   for (const auto& job : jobs) prompts.push_back(job.prompt), seeds.push_back(job.seed);
@@ -108,16 +108,16 @@ std::vector<std::string> write_validation_samples(const std::string& dir, const 
   if (text_encoder) text_encoder->train(was_training);
 
   const int64_t upscale = (d.height % 2 != 0 || d.width % 2 != 0) ? 2 : 1;
-  const std::string videos_dir = io::join_path(dir, eval::kVideosFolder);
+  const std::string videos_dir = io::join_path(dir, io::kVideosFolder);
   io::make_directories(videos_dir);
   std::vector<std::string> files;
   for (size_t i = 0; i < jobs.size(); ++i) {
     io::write_mp4(io::join_path(videos_dir, jobs[i].file), io::to_rgb_frames(videos[static_cast<int64_t>(i)], upscale));
     files.push_back(jobs[i].file);
   }
-  eval::SamplingRecord record{"(training run)", to_string(options.kind()), options.steps(), options.guidance_scale(), options.eta(),
+  io::SamplingRecord record{"(training run)", to_string(options.kind()), options.steps(), options.guidance_scale(), options.eta(),
                               config.train.seed, 8, upscale};
-  io::write_file_atomically(io::join_path(dir, "index.json"), eval::index_json(jobs, record));
+  io::write_file_atomically(io::join_path(dir, "index.json"), io::index_json(jobs, record));
   return files;
 }
 

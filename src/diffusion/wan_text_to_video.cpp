@@ -9,7 +9,7 @@
 
 #include "io/pretrained.h"
 #include "megaslide/io/safetensors.h"
-#include "megaslide/io/weights.h"
+#include "megaslide/model/dit_weights.h"
 #include "megaslide/model/wan_weights.h"
 
 namespace megaslide {
@@ -154,7 +154,7 @@ torch::Tensor ResidentWanDenoiser::predict(const torch::Tensor& x, const torch::
   });
 }
 
-StreamedWanDenoiser::StreamedWanDenoiser(WanTransformer model, offload::StreamedDenoiserOptions options)
+StreamedWanDenoiser::StreamedWanDenoiser(WanTransformer model, StreamedDenoiserOptions options)
     : model_(std::move(model)), options_(options) {
   build({});
 }
@@ -172,12 +172,12 @@ int64_t checked_block_count(const WanTransformer& model, c10::ScalarType dt) {
 }
 }  // namespace
 
-StreamedWanDenoiser::StreamedWanDenoiser(WanModel model, offload::StreamedDenoiserOptions options)
+StreamedWanDenoiser::StreamedWanDenoiser(WanModel model, StreamedDenoiserOptions options)
     : model_(std::move(model.dit)), options_(options) {
   build(model.block);
 }
 
-StreamedWanDenoiser::StreamedWanDenoiser(WanTransformer model, std::vector<WanBlockWeights> blocks, offload::StreamedDenoiserOptions options)
+StreamedWanDenoiser::StreamedWanDenoiser(WanTransformer model, std::vector<WanBlockWeights> blocks, StreamedDenoiserOptions options)
     : model_(std::move(model)), options_(options) {
   const auto dt = options_.compute_dtype;
   const int64_t L = checked_block_count(model_, dt);

@@ -20,7 +20,7 @@
 
 #include "megaslide/io/files.h"
 #include "megaslide/util/cpu_memory_counter.h"
-#include "megaslide/offload/cpu_master_trainer.h"
+#include "megaslide/train/cpu_master_trainer.h"
 #include "megaslide/train/auto_settings.h"
 #include "megaslide/train/resident_trainer.h"
 

@@ -7,7 +7,7 @@
 #include <map>
 #include <stdexcept>
 
-#include "megaslide/eval/vbench.h"
+#include "megaslide/io/vbench_layout.h"
 #include "megaslide/io/files.h"
 #include "megaslide/io/video.h"
 
@@ -48,11 +48,11 @@ double frame_consistency_score(const torch::Tensor& frames) {
 }
 
 FolderEvaluation evaluate_folder(const std::string& dir, const std::function<void(int64_t, int64_t)>& on_video) {
-  const SampleFolder sample = find_sample_folder(dir);
+  const io::SampleFolder sample = io::find_sample_folder(dir);
   const std::string& folder = sample.videos;
   FolderEvaluation out;
   out.folder = folder;
-  const auto files = list_files(folder, "mp4");
+  const auto files = io::list_files(folder, "mp4");
   if (files.empty()) throw std::runtime_error("folder '" + folder + "' holds no .mp4 file");
   std::map<std::string, std::string> prompts;  // from index.json, when there is one
   const auto& index_path = sample.index;
@@ -74,7 +74,7 @@ FolderEvaluation evaluate_folder(const std::string& dir, const std::function<voi
     VideoEvaluation v;
     v.file = file;
     auto it = prompts.find(file);
-    v.prompt = it != prompts.end() ? it->second : vbench_prompt_from_file_name(file);
+    v.prompt = it != prompts.end() ? it->second : io::vbench_prompt_from_file_name(file);
     v.frames = info.frames, v.width = info.width, v.height = info.height;
     try {
       v.mean_abs_frame_difference = mean_abs_frame_difference(frames);

@@ -1,4 +1,4 @@
-#include "megaslide/eval/vbench.h"
+#include "megaslide/io/vbench_layout.h"
 
 #include <dirent.h>
 #include <sys/stat.h>
@@ -16,7 +16,7 @@
 
 #include "megaslide/io/files.h"
 
-namespace megaslide::eval {
+namespace megaslide::io {
 
 namespace {
 std::string trim(const std::string& s) {
@@ -189,4 +189,4 @@ std::vector<std::string> list_files(const std::string& dir, const std::string& e
   return out;
 }
 
-}  // namespace megaslide::eval
+}  // namespace megaslide::io

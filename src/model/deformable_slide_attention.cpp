@@ -1,4 +1,4 @@
-#include "megaslide/attention/deformable_slide_attention.h"
+#include "megaslide/model/deformable_slide_attention.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 

@@ -1,4 +1,4 @@
-#include "megaslide/io/weights.h"
+#include "megaslide/model/dit_weights.h"
 #include "megaslide/io/finite_weights.h"
 
 #include <map>

@@ -19,7 +19,7 @@
 
 #include "megaslide/io/safetensors.h"
 #include "megaslide/model/wan.h"
-#include "megaslide/train/init_from.h"
+#include "megaslide/util/glob.h"
 
 namespace megaslide {
 

@@ -1,13 +1,9 @@
-// Scalar AdamW kernel, the exact fp16/bf16 conversions, and the project's CPUID checks. Compiled for baseline
+// Scalar AdamW kernel and the exact fp16/bf16 conversions. Compiled for baseline
 // x86-64 (no per-file ISA flags): this path must run on any x86-64 machine. Like the vector kernels
 // it includes no LibTorch header (see adamw_kernels.h).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <cpuid.h>
-#endif
 
 #include "offload/adamw_kernels.h"
 
@@ -217,42 +213,6 @@ void stream_probe_scalar(const AdamWKernelParams& p, int64_t begin, int64_t end)
       stream_probe_scalar_typed<g.value, c.value, s.value>(p, begin, end);
     }
   });
-}
-
-// __builtin_cpu_supports reads CPUID and, for AVX and AVX-512, also checks (XGETBV) that the OS saves
-// the wider registers, so a hypervisor that hides them turns the path off.
-bool cpu_has_avx512() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl");
-}
-
-bool cpu_has_avx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-}
-
-bool cpu_has_avx512_bf16() {
-  __builtin_cpu_init();
-  return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
-}
-
-// AMX-BF16 from CPUID leaf 7 (EDX bit 22, with AMX-TILE bit 24), and XCR0 bits 17-18: the OS saves the
-// tile configuration and data (Linux then grants them to a process on request, as oneDNN makes it).
-// Read by hand: not every compiler's __builtin_cpu_supports knows "amx-bf16" (clang 14 does not).
-bool cpu_has_amx_bf16() {
-#if defined(__x86_64__) || defined(__i386__)
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (__get_cpuid(1, &a, &b, &c, &d) == 0 || (c & (1u << 27)) == 0) return false;  // OSXSAVE: XGETBV works
-  if (__get_cpuid_count(7, 0, &a, &b, &c, &d) == 0) return false;
-  const bool amx = (d & (1u << 22)) != 0 && (d & (1u << 24)) != 0;
-  uint32_t xcr0_low = 0, xcr0_high = 0;
-  __asm__ volatile("xgetbv" : "=a"(xcr0_low), "=d"(xcr0_high) : "c"(0));
-  constexpr uint32_t kTileState = (1u << 17) | (1u << 18);
-  return amx && (xcr0_low & kTileState) == kTileState;
-#else
-  return false;
-#endif
 }
 
 }  // namespace megaslide::offload::detail

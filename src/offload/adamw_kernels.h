@@ -42,6 +42,7 @@
 // an element's gradient before it writes that element's copy.
 #pragma once
 
+#include "util/cpu_features.h"
 #include <cstdint>
 #include <type_traits>
 
@@ -98,12 +99,11 @@ void stream_probe_scalar(const AdamWKernelParams& p, int64_t begin, int64_t end)
 void stream_probe_avx2(const AdamWKernelParams& p, int64_t begin, int64_t end);
 void stream_probe_avx512(const AdamWKernelParams& p, int64_t begin, int64_t end);
 
-// CPUID (and OS register-state) checks for the instruction sets each kernel needs, and the two that say
-// the CPU does bf16 arithmetic natively (util/cpu_resources.h's cpu_bf16_support asks these).
-bool cpu_has_avx512();       // avx512f + avx512bw + avx512vl
-bool cpu_has_avx2();         // avx2 + fma + f16c
-bool cpu_has_avx512_bf16();  // cpu_has_avx512() + avx512_bf16 (VCVTNE2PS2BF16, VDPBF16PS)
-bool cpu_has_amx_bf16();     // amx-bf16 + amx-tile, tile state enabled by the OS
+// The instruction sets each kernel needs (util/cpu_features.h).
+using megaslide::cpu_has_amx_bf16;
+using megaslide::cpu_has_avx2;
+using megaslide::cpu_has_avx512;
+using megaslide::cpu_has_avx512_bf16;
 
 // Exact scalar conversions shared by the scalar kernel and the vector kernels' definitions of
 // rounding. bf16 rounding is c10::BFloat16's (nearest even; NaN -> 0x7FC0); fp16 rounding is

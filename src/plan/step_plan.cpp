@@ -13,7 +13,8 @@
 #include "megaslide/model/text_encoder.h"
 #include "megaslide/model/wan.h"
 #include "megaslide/model/wan_weights.h"
-#include "megaslide/offload/cpu_master_trainer.h"
+#include "megaslide/train/cpu_master_trainer.h"
+#include "megaslide/train/wan_trainer.h"
 #include "megaslide/offload/host_param_store.h"
 #include "megaslide/offload/stack_trainer.h"
 
@@ -239,27 +240,6 @@ ModelShape wan_model_shape(const RunConfig& config) {
 ModelShape shape_of(const RunConfig& c) { return is_wan(c) ? wan_model_shape(c) : model_shape(c); }
 const std::array<int64_t, 3>& patch_of(const RunConfig& c) { return is_wan(c) ? c.model.wan.patch : c.model.patch; }
 
-// Model FLOPs of one Wan step, counted as model_flops_per_step counts the DiT's: 6 per weight and token
-// for every linear map (the cross-attention's k and v run over the text tokens, everything else over the
-// video tokens), attention as 12·N·keys·D per layer (4 forward, 8 backward), keys = N (dense) or the
-// 3D-DSA kernel's volume, plus the text tokens of the cross-attention.
-double wan_model_flops(const RunConfig& c, const TokenGrid& grid) {
-  const auto& w = c.model.wan;
-  const auto count = count_wan_parameters(WanOptions::from_config(c));
-  const double N = static_cast<double>(grid.numel()), Lt = static_cast<double>(c.data.max_text_tokens);
-  const double B = static_cast<double>(c.train.batch_size * c.train.grad_accum_steps);
-  const double D = static_cast<double>(w.dim), L = static_cast<double>(w.layers);
-  const double cross_kv = 2.0 * (D * D + D) * L;  // attn2.to_k, attn2.to_v
-  const double text_mlp = static_cast<double>(w.text_dim) * D + D + D * D + D;  // condition_embedder.text_embedder
-  const double per_video_token = static_cast<double>(count.total) - cross_kv - text_mlp;
-  double keys = N;
-  if (c.model.self_attention == "dsa3d") {
-    const auto& k = c.model.dsa_kernel;
-    keys = static_cast<double>(std::min(k[0], grid.t) * std::min(k[1], grid.h) * std::min(k[2], grid.w));
-  }
-  const double attention = 12.0 * L * B * N * (keys + Lt) * D;
-  return 6.0 * B * (per_video_token * N + (cross_kv + text_mlp) * Lt) + attention;
-}
 
 // The tensors autograd keeps while one Wan block is recomputed with grad, following WanBlock::forward
 // (docs/planner.md): X = B·N·D in the compute dtype, F the same in fp32 (the block's LayerNorms,
@@ -586,7 +566,7 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
 
   // Time.
   auto& tm = p.time;
-  tm.model_flops = wan ? wan_model_flops(config, grid) : model_flops_per_step(config);
+  tm.model_flops = wan ? wan_model_flops_per_step(config) : model_flops_per_step(config);
   const double samples = static_cast<double>(t.batch_size * A);
   double dense_flops = 6.0 * static_cast<double>(s.params) * samples * static_cast<double>(grid.numel());
   if (wan) {  // the linear maps' part of wan_model_flops: the same count without attention's N·keys terms

@@ -20,7 +20,7 @@
 #include <string_view>
 
 #include "megaslide/io/safetensors_ranges.h"
-#include "megaslide/io/weights.h"
+#include "megaslide/model/dit_weights.h"
 #include "megaslide/model/wan_weights.h"
 #include "megaslide/offload/host_param_store.h"
 #include "megaslide/util/build_info.h"

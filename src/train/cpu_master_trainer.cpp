@@ -1,4 +1,4 @@
-#include "megaslide/offload/cpu_master_trainer.h"
+#include "megaslide/train/cpu_master_trainer.h"
 
 #include <chrono>
 #include <map>

@@ -48,26 +48,6 @@ std::string resolve_source(const std::string& path) {
 
 }  // namespace
 
-bool name_matches(const std::string& pattern, const std::string& name) {
-  // Iterative glob with backtracking to the last '*'.
-  size_t p = 0, n = 0, star = std::string::npos, resume = 0;
-  while (n < name.size()) {
-    if (p < pattern.size() && pattern[p] == '*') {
-      star = p++;
-      resume = n;
-    } else if (p < pattern.size() && pattern[p] == name[n]) {
-      ++p, ++n;
-    } else if (star != std::string::npos) {
-      p = star + 1;
-      n = ++resume;
-    } else {
-      return false;
-    }
-  }
-  while (p < pattern.size() && pattern[p] == '*') ++p;
-  return p == pattern.size();
-}
-
 torch::Tensor InitTensor::read(torch::ScalarType dtype) const {
   const int64_t rows = entry.shape.empty() ? 1 : entry.shape[0];
   const int64_t begin = row_end < 0 ? 0 : row_begin, end = row_end < 0 ? rows : row_end;

@@ -22,18 +22,6 @@
 
 namespace megaslide {
 
-torch::Device resolve_device(const std::string& spec) {
-  if (spec == "auto") return torch::cuda::is_available() ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
-  torch::Device device(spec);
-  if (device.is_cuda()) {
-    const auto count = static_cast<int64_t>(torch::cuda::device_count());
-    TORCH_CHECK(count > 0, "device '", spec, "': no CUDA GPU is visible; use cpu or auto");
-    TORCH_CHECK(!device.has_index() || device.index() < count, "device '", spec, "': only ", count, " GPU(s) are visible (cuda:0",
-                count > 1 ? " to cuda:" + std::to_string(count - 1) : std::string(), ")");
-  }
-  return offload::detail::canonical_device(device);  // "cuda" is the current GPU, with its index
-}
-
 double learning_rate(const TrainConfig& t, int64_t step) {
   if (t.warmup_steps > 0 && step < t.warmup_steps) return t.lr * static_cast<double>(step + 1) / static_cast<double>(t.warmup_steps);
   if (t.lr_schedule == "constant") return t.lr;
@@ -218,13 +206,17 @@ void DiffusionBatchSource::restore(const std::string& state) {
   }
 }
 
-void DiffusionBatchSource::take_slice(int64_t rank, int64_t world_size) {
-  const int64_t B = config_.train.batch_size;
+void check_batch_slice(int64_t batch_size, int64_t rank, int64_t world_size) {
   if (world_size < 1 || rank < 0 || rank >= world_size)
     throw std::invalid_argument(fmt::format("rank {} is outside a world of {} ranks", rank, world_size));
-  if (B % world_size != 0)
-    throw std::invalid_argument(fmt::format("train.batch_size {} does not split evenly over {} ranks: set it to a multiple of {}", B,
-                                            world_size, world_size));
+  if (batch_size % world_size != 0)
+    throw std::invalid_argument(fmt::format("train.batch_size {} does not split evenly over {} ranks: set it to a multiple of {}",
+                                            batch_size, world_size, world_size));
+}
+
+void DiffusionBatchSource::take_slice(int64_t rank, int64_t world_size) {
+  const int64_t B = config_.train.batch_size;
+  check_batch_slice(B, rank, world_size);
   slice_rank_ = rank;
   slice_count_ = world_size;
   if (videos_ && world_size > 1) {

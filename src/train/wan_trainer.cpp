@@ -18,7 +18,7 @@
 #include "megaslide/data/latent_cache.h"
 #include "megaslide/io/safetensors.h"
 #include "megaslide/model/wan_weights.h"
-#include "megaslide/offload/cpu_master_trainer.h"
+#include "megaslide/train/cpu_master_trainer.h"
 #include "megaslide/offload/step_trace.h"
 #include "megaslide/train/auto_settings.h"
 #include "megaslide/train/distributed.h"
@@ -189,12 +189,7 @@ WanBatchSource::WanBatchSource(const RunConfig& config, WanLatentData data)
 }
 
 void WanBatchSource::take_slice(int64_t rank, int64_t world_size) {
-  const int64_t B = config_.train.batch_size;
-  if (world_size < 1 || rank < 0 || rank >= world_size)
-    throw std::invalid_argument(fmt::format("rank {} is outside a world of {} ranks", rank, world_size));
-  if (B % world_size != 0)
-    throw std::invalid_argument(fmt::format("train.batch_size {} does not split evenly over {} ranks: set it to a multiple of {}", B,
-                                            world_size, world_size));
+  check_batch_slice(config_.train.batch_size, rank, world_size);
   slice_rank_ = rank;
   slice_count_ = world_size;
 }
@@ -426,24 +421,29 @@ WanTrainer::WanTrainer(const RunConfig& requested, WanLatentData data, const Ini
   measure_flops();
 }
 
-double wan_model_flops_per_step(const RunConfig& config, int64_t parameters) {
-  const auto& w = config.model.wan;
-  const auto shape = model_sample_shape(config);
+double wan_model_flops_per_step(const RunConfig& c) {
+  const auto& w = c.model.wan;
+  const auto shape = model_sample_shape(c);
   const TokenGrid grid{shape[1] / w.patch[0], shape[2] / w.patch[1], shape[3] / w.patch[2]};
-  const double N = static_cast<double>(grid.numel());
-  const double B = static_cast<double>(config.train.batch_size * config.train.grad_accum_steps);
-  double keys = N;  // dense self-attention
-  if (config.model.self_attention == "dsa3d") {
-    const auto& k = config.model.dsa_kernel;
+  const auto count = count_wan_parameters(WanOptions::from_config(c));
+  const double N = static_cast<double>(grid.numel()), Lt = static_cast<double>(c.data.max_text_tokens);
+  const double B = static_cast<double>(c.train.batch_size * c.train.grad_accum_steps);
+  const double D = static_cast<double>(w.dim), L = static_cast<double>(w.layers);
+  const double cross_kv = 2.0 * (D * D + D) * L;  // attn2.to_k, attn2.to_v
+  const double text_mlp = static_cast<double>(w.text_dim) * D + D + D * D + D;  // condition_embedder.text_embedder
+  const double per_video_token = static_cast<double>(count.total) - cross_kv - text_mlp;
+  double keys = N;
+  if (c.model.self_attention == "dsa3d") {
+    const auto& k = c.model.dsa_kernel;
     keys = static_cast<double>(std::min(k[0], grid.t) * std::min(k[1], grid.h) * std::min(k[2], grid.w));
   }
-  keys += static_cast<double>(config.data.max_text_tokens);  // cross-attention
-  return 6.0 * static_cast<double>(parameters) * B * N + 12.0 * static_cast<double>(w.layers) * B * N * keys * static_cast<double>(w.dim);
+  const double attention = 12.0 * L * B * N * (keys + Lt) * D;
+  return 6.0 * B * (per_video_token * N + (cross_kv + text_mlp) * Lt) + attention;
 }
 
 void WanTrainer::measure_flops() {
   if (!device_.is_cuda()) return;
-  flops_per_step_ = wan_model_flops_per_step(config_, parameter_count());
+  flops_per_step_ = wan_model_flops_per_step(config_);
   peak_flops_ = (config_.train.peak_tflops > 0 ? config_.train.peak_tflops : measure_peak_tflops(device_)) * 1e12;
 }
 

@@ -15,7 +15,7 @@
 #include "megaslide/model/umt5_encoder.h"
 #include "megaslide/model/umt5_tokenizer.h"
 #include "megaslide/model/wan_vae.h"
-#include "megaslide/offload/streamed_denoiser.h"
+#include "megaslide/diffusion/streamed_denoiser.h"
 #include "megaslide/util/errors.h"
 
 namespace megaslide {
@@ -88,7 +88,7 @@ WanValidation::WanValidation(const RunConfig& config, const std::vector<std::str
         std::find(prompts.begin(), prompts.end(), caption) == prompts.end())
       prompts.push_back(caption);
   if (prompts.empty()) prompts.assign(wan_validation_prompts().begin(), wan_validation_prompts().begin() + kWanValidationVideos);
-  jobs_ = eval::plan_vbench_samples(prompts, 1, config.train.seed);
+  jobs_ = io::plan_vbench_samples(prompts, 1, config.train.seed);
 
   torch::Device device = torch::kCPU;
   try {
@@ -116,7 +116,7 @@ WanValidation::WanValidation(const RunConfig& config, const std::vector<std::str
     throw ConfigError(source, "model.text_encoder.vocab", fmt::format("the tokenizer '{}' has {} pieces, umT5's embedding only {}: not this model's tokenizer",
                                                                       tokenizer->source(), tokenizer->vocab_size(), t5->config().vocab_size));
   // umT5-XXL (11.4 GB in bf16) streamed layer by layer when it would take more than half of the GPU, as megaslide-sample decides.
-  const bool stream = offload::should_stream(offload::StreamChoice::kAuto, device, t5->weight_bytes());
+  const bool stream = should_stream(StreamChoice::kAuto, device, t5->weight_bytes());
   t5.emplace(stream ? Umt5Encoder::streamed(std::move(*t5), device) : Umt5Encoder::resident(std::move(*t5), device));
   // WanTextToVideo::encode's steps, one prompt at a time.
   auto encode = [&](const std::string& prompt) {
@@ -157,7 +157,7 @@ torch::Tensor WanValidation::sample(WanTrainer& trainer) const {
       }
       blocks.push_back(std::move(w));
     }
-    offload::StreamedDenoiserOptions streamed;
+    StreamedDenoiserOptions streamed;
     streamed.device = trainer.device();
     streamed.compute_dtype = dtype;
     streamed.mode = engine->options().mode;
@@ -184,7 +184,7 @@ std::vector<std::string> WanValidation::write(const std::string& dir, WanTrainer
   const auto latents = sample(trainer);
   const WanVae vae = load_vae(config_, trainer.device(), source_);
   const auto tiling = wan_vae_tiling(config_.model.vae);
-  const std::string videos_dir = io::join_path(dir, eval::kVideosFolder);
+  const std::string videos_dir = io::join_path(dir, io::kVideosFolder);
   io::make_directories(videos_dir);
   std::vector<std::string> files;
   int64_t upscale = 1;
@@ -198,9 +198,9 @@ std::vector<std::string> WanValidation::write(const std::string& dir, WanTrainer
     io::write_mp4(io::join_path(videos_dir, jobs_[i].file), io::to_rgb_frames(video, upscale), io::VideoWriteOptions().fps(kWanFps));
     files.push_back(jobs_[i].file);
   }
-  const eval::SamplingRecord record{"(training run)", options_.kind() == FlowSamplerKind::kUniPC ? "unipc" : "euler", options_.steps(),
+  const io::SamplingRecord record{"(training run)", options_.kind() == FlowSamplerKind::kUniPC ? "unipc" : "euler", options_.steps(),
                                     options_.guidance_scale(), 0.0, config_.train.seed, kWanFps, upscale};
-  io::write_file_atomically(io::join_path(dir, "index.json"), eval::index_json(jobs_, record));
+  io::write_file_atomically(io::join_path(dir, "index.json"), io::index_json(jobs_, record));
   return files;
 }
 

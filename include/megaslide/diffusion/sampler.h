@@ -9,7 +9,7 @@
 //                     spaced as diffusers' `timestep_spacing` spaces them (linspace, leading, trailing)
 //   Denoiser          the one function a sampler needs: the model's output at (x_t, t, text).
 //                     ResidentDenoiser wraps a DiT that fits the device; StreamedDenoiser
-//                     (offload/streamed_denoiser.h) streams its blocks through the WeightStreamer.
+//                     (diffusion/streamed_denoiser.h) streams its blocks through the WeightStreamer.
 //   guided_prediction  out_u + s·(out_c − out_u), the conditional and unconditional passes in one batch
 //   predicted_x0      x0̂ from the output: ε: (x − sqrt(1−ᾱ)·ε̂)/sqrt(ᾱ); v: sqrt(ᾱ)·x − sqrt(1−ᾱ)·v̂; x0: x0̂
 //   reverse_step      one DDPM or DDIM step from kept timestep i to i − 1 for a given model output
@@ -94,7 +94,7 @@ class Denoiser {
 // A DiT held whole on its device (shares the module; does not copy it). With a compute dtype other than
 // Float (BFloat16 or Half) the blocks' weights are converted to it in place at construction and the
 // blocks run in it, while the embeddings and the final layer stay fp32 — the precision layout of
-// offload::StreamedDenoiser, whose output it then equals.
+// StreamedDenoiser, whose output it then equals.
 class ResidentDenoiser final : public Denoiser {
  public:
   explicit ResidentDenoiser(DiT model, c10::ScalarType compute_dtype = c10::ScalarType::Float);

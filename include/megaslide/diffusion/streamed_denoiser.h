@@ -26,12 +26,12 @@
 #include "megaslide/model/dit.h"
 #include "megaslide/offload/weight_streamer.h"
 
-namespace megaslide::offload {
+namespace megaslide {
 
 struct StreamedDenoiserOptions {
   torch::Device device = torch::kCPU;
   c10::ScalarType compute_dtype = c10::ScalarType::Float;  // Float, BFloat16 or Half: the blocks' weights and activations
-  StreamMode mode = StreamMode::kAsync;
+  offload::StreamMode mode = offload::StreamMode::kAsync;
   bool pin_host_memory = true;  // page-lock the host weights when the device is a GPU
 };
 
@@ -43,7 +43,7 @@ class StreamedDenoiser final : public Denoiser {
   torch::Tensor predict(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& text,
                         const torch::Tensor& text_mask) override;
 
-  const WeightStreamer& streamer() const { return *streamer_; }
+  const offload::WeightStreamer& streamer() const { return *streamer_; }
   // Bytes of the blocks' weights held on the host (compute dtype).
   int64_t host_weight_bytes() const;
   const StreamedDenoiserOptions& options() const { return options_; }
@@ -58,7 +58,7 @@ class StreamedDenoiser final : public Denoiser {
   StreamedDenoiserOptions options_;
   std::vector<std::vector<Param>> params_;  // per block
   std::vector<torch::Tensor> host_;         // per block: flat weights, compute dtype
-  std::unique_ptr<WeightStreamer> streamer_;
+  std::unique_ptr<offload::WeightStreamer> streamer_;
 };
 
 // --streamed auto|on|off of megaslide-sample. "on" / "off" decide; "auto" streams when the DiT's weights
@@ -70,4 +70,4 @@ bool should_stream(StreamChoice choice, torch::Device device, int64_t weight_byt
 // Free memory of a CUDA device in bytes (cudaMemGetInfo); throws for other devices or without CUDA.
 int64_t free_device_memory(torch::Device device);
 
-}  // namespace megaslide::offload
+}  // namespace megaslide

@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "megaslide/diffusion/sampler.h"
-#include "megaslide/io/weights.h"
+#include "megaslide/model/dit_weights.h"
 #include "megaslide/model/frozen_encoders.h"
 #include "megaslide/model/text_encoder.h"
 
@@ -49,7 +49,7 @@ class VaeCodec final : public VideoCodec {
 class TextToVideo {
  public:
   // The denoiser defaults to a ResidentDenoiser over model.dit, which is then moved to `device`; a given
-  // denoiser (e.g. offload::StreamedDenoiser over model.dit) places the DiT itself. The caption encoder
+  // denoiser (e.g. StreamedDenoiser over model.dit) places the DiT itself. The caption encoder
   // runs on `device`. The frozen encoders the config names (CLIP, the VAE) are model.frozen, or loaded
   // from their folders onto `device` (ConfigError naming the key when they cannot be). The codec
   // defaults to VaeCodec for latent models, else PixelCodec.
@@ -80,7 +80,7 @@ class TextToVideo {
 
 // Validation videos during training (train.sample_every): the captions of structured-motion clips
 // 0…count−1 of the run's dataset (fixed by data.seed) — or the first `count` of `dataset_captions` when
-// given (a video dataset's) — each with a fixed seed (eval::vbench_seed(caption,
+// given (a video dataset's) — each with a fixed seed (io::vbench_seed(caption,
 // 0, train.seed)), sampled with the config's sampler settings from the given modules (shared, not copied;
 // their training mode is restored afterwards) and written in the VBench layout — `dir`/videos/{caption}-0.mp4
 // and `dir`/index.json. Frames of odd size are upscaled 2× (H.264 needs even sizes). Sampling draws from

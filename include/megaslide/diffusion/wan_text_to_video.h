@@ -47,7 +47,7 @@
 #include "megaslide/model/umt5_tokenizer.h"
 #include "megaslide/model/wan.h"
 #include "megaslide/model/wan_vae.h"
-#include "megaslide/offload/streamed_denoiser.h"
+#include "megaslide/diffusion/streamed_denoiser.h"
 #include "megaslide/offload/weight_streamer.h"
 
 namespace megaslide {
@@ -110,14 +110,14 @@ struct WanBlockWeights {
 
 class StreamedWanDenoiser final : public WanDenoiser {
  public:
-  StreamedWanDenoiser(WanTransformer model, offload::StreamedDenoiserOptions options);
+  StreamedWanDenoiser(WanTransformer model, StreamedDenoiserOptions options);
   // `model.dit`'s meta blocks are read from `model.block` one at a time, in order, into the host buffers.
-  StreamedWanDenoiser(WanModel model, offload::StreamedDenoiserOptions options);
+  StreamedWanDenoiser(WanModel model, StreamedDenoiserOptions options);
   // Streams `blocks` (one per block of `model`, flat in options.compute_dtype) as they are, without a copy:
   // they must stay alive and unchanged while the denoiser predicts. `model`'s resident parts (prologue,
   // head, the blocks' scale_shift_table and norm2) must already be fp32 on options.device; its blocks'
   // streamed parameters may be empty (a streamed trainer's). Sets the model to eval mode.
-  StreamedWanDenoiser(WanTransformer model, std::vector<WanBlockWeights> blocks, offload::StreamedDenoiserOptions options);
+  StreamedWanDenoiser(WanTransformer model, std::vector<WanBlockWeights> blocks, StreamedDenoiserOptions options);
   ~StreamedWanDenoiser() override;
   torch::Tensor predict(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text) override;
   torch::Device device() const override { return options_.device; }
@@ -131,7 +131,7 @@ class StreamedWanDenoiser final : public WanDenoiser {
     std::vector<int64_t> shape;
   };
   WanTransformer model_;
-  offload::StreamedDenoiserOptions options_;
+  StreamedDenoiserOptions options_;
   std::vector<std::vector<Param>> params_;
   std::vector<torch::Tensor> host_;
   std::unique_ptr<offload::WeightStreamer> streamer_;
@@ -154,7 +154,7 @@ struct WanModel {
   void load_blocks();
 };
 
-// True when `path` is a megaslide weights file (io/weights.h: a Wan run's checkpoint model.safetensors
+// True when `path` is a megaslide weights file (model/dit_weights.h: a Wan run's checkpoint model.safetensors
 // or an exported file) whose embedded config has model.arch wan; reads the header only.
 bool is_wan_weights_file(const std::string& path);
 // The Wan DiT of a megaslide weights file ("dit.<name>" tensors, the config in its metadata), fp32 on the

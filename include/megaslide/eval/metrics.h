@@ -38,7 +38,7 @@ struct FolderEvaluation {
   double mean_temporal_flickering = 0, mean_frame_consistency = 0;
 };
 
-// Reads and scores every *.mp4 of a sample folder (eval/vbench.h: DIR/videos/ with DIR/index.json,
+// Reads and scores every *.mp4 of a sample folder (io/vbench_layout.h: DIR/videos/ with DIR/index.json,
 // that videos folder itself, or any folder of MP4s); `folder` of the result is the videos folder.
 // Throws (naming the folder or the file) when the folder cannot be read, holds no MP4, or a video
 // cannot be decoded or has fewer than 2 frames.

@@ -27,7 +27,7 @@
 #include <string>
 #include <vector>
 
-namespace megaslide::eval {
+namespace megaslide::io {
 
 // The longest file name (bytes) this layout produces: 255 (the limit of common file systems) less room
 // for the suffix of a temporary file written beside it (NAME.tmp, renamed when complete).
@@ -86,4 +86,4 @@ std::string index_json(const std::vector<SampleJob>& jobs, const SamplingRecord&
 // naming the folder when it cannot be read.
 std::vector<std::string> list_files(const std::string& dir, const std::string& extension);
 
-}  // namespace megaslide::eval
+}  // namespace megaslide::io

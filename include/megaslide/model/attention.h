@@ -2,7 +2,7 @@
 //
 // Every self-attention maps tokens x [B, N, D] laid out row-major on a TokenGrid (N = t·h·w) to
 // [B, N, D]: GlobalSelfAttention (all pairs, the dense baseline), ShiftedWindowAttention3D (Swin) and
-// DeformableSlideAttention3D (attention/deformable_slide_attention.h). All own their projections.
+// DeformableSlideAttention3D (model/deformable_slide_attention.h). All own their projections.
 // Thread-safety: like any torch::nn::Module.
 #pragma once
 

@@ -30,7 +30,7 @@
 #include <array>
 #include <optional>
 
-#include "megaslide/attention/deformable_slide_attention.h"
+#include "megaslide/model/deformable_slide_attention.h"
 #include "megaslide/config/run_config.h"
 #include "megaslide/model/attention.h"
 #include "megaslide/model/layers.h"

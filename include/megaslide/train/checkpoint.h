@@ -2,7 +2,7 @@
 //
 // Layout, under a run directory:
 //   DIR/checkpoints/step-0000200/model.safetensors       bf16 weights, the weights-file format
-//                                                         (io/weights.h): megaslide-sample reads it
+//                                                         (model/dit_weights.h): megaslide-sample reads it
 //                               master.safetensors      fp32 master weights  } keyed by parameter name:
 //                               exp_avg.safetensors     AdamW m              } "blocks.3.mlp.fc1.weight",
 //                               exp_avg_sq.safetensors  AdamW v              } "text_encoder.tokens.weight"
@@ -183,7 +183,7 @@ std::string verify_checkpoint(const std::string& path);
 std::string checkpoint_weights(const std::string& path);
 
 // `--resume` plus `--export-weights`: copies the checkpoint's bf16 weights file (the weights-file
-// format, io/weights.h) to `out`, checking its size and CRC-32 as it copies (one read, only of that
+// format, model/dit_weights.h) to `out`, checking its size and CRC-32 as it copies (one read, only of that
 // file), without building a trainer; a Wan run's checkpoint is written as --export-weights writes Wan's
 // weights instead (diffusers' names, save_wan_weights), after its checksum is verified. Returns the
 // checkpoint's path.

@@ -115,6 +115,11 @@ class Communicator {
   std::shared_ptr<offload::ShardExchange> exchange_;
 };
 
+// Data parallelism's slices of a global batch: throws std::invalid_argument unless 0 <= rank <
+// world_size and world_size divides batch_size (train.batch_size, named in the message). Defined with
+// the batch sources (resident_trainer.cpp).
+void check_batch_slice(int64_t batch_size, int64_t rank, int64_t world_size);
+
 // Plain data parallelism of a resident trainer (every rank holds the whole model): after a step's backward
 // passes, sums the defined gradients of `parameters` (one all-reduce of one flat buffer) and `loss_sum`
 // over the ranks and divides both by their number, so every rank takes the single process's AdamW step

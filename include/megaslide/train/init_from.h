@@ -34,6 +34,7 @@
 
 #include "megaslide/io/files.h"
 #include "megaslide/io/safetensors.h"
+#include "megaslide/util/glob.h"
 
 namespace megaslide {
 
@@ -66,7 +67,5 @@ using ParameterShapes = std::vector<std::pair<std::string, std::vector<int64_t>>
 // Resolves `path` (see above), matches its tensors to `parameters` and checks them. Throws InitFromError.
 InitPlan plan_init_from(const std::string& path, const ParameterShapes& parameters, const std::vector<std::string>& allow_missing);
 
-// Glob match of a parameter name: '*' matches any run of characters (dots included), everything else itself.
-bool name_matches(const std::string& pattern, const std::string& name);
 
 }  // namespace megaslide

@@ -25,6 +25,7 @@
 #include "megaslide/model/text_encoder.h"
 #include "megaslide/train/checkpoint.h"
 #include "megaslide/train/init_from.h"
+#include "megaslide/util/device.h"
 
 namespace megaslide {
 
@@ -125,9 +126,6 @@ class DiffusionBatchSource {
   std::shared_ptr<FrozenEncoders> frozen_;
 };
 
-// "auto" -> the first GPU when LibTorch sees one, else the CPU; "cuda[:N]" fails clearly without GPUs.
-// A GPU always comes back with its index ("cuda" -> the current GPU, cuda:0 unless changed).
-torch::Device resolve_device(const std::string& spec);
 
 // Learning rate for the step with 0-based index `step`: linear warmup over warmup_steps to lr, then
 // cosine decay to lr * min_lr_ratio at the last step, or constant.

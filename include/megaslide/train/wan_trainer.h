@@ -166,9 +166,11 @@ class WanBlockDraws {
 };
 
 // Model FLOPs of one Wan training step (forward + backward, recompute not counted), as
-// model_flops_per_step counts the DiT family's: 6 · parameters · tokens plus 12 · L · B · N · (keys per
-// query: every token, or 3D-DSA's window, plus the text tokens) · dim.
-double wan_model_flops_per_step(const RunConfig& config, int64_t parameters);
+// model_flops_per_step counts the DiT family's: 6 per weight and token for every linear map (the
+// cross-attention's k and v and the text embedder over the text tokens, everything else over the video
+// tokens), attention as 12·N·keys·D per layer (4 forward, 8 backward), keys = N (dense) or the 3D-DSA
+// kernel's volume, plus the text tokens of the cross-attention.
+double wan_model_flops_per_step(const RunConfig& config);
 
 // One step of `engine` (built over a WanStack of `model`) with the prologue, stack and epilogue WanTrainer
 // runs; `next_batch` supplies each micro-batch (on the engine's device). For custom loops and tests.

@@ -4,7 +4,7 @@
 //
 //   construction   the prompts: the first kWanValidationVideos distinct captions of the run's data (a
 //                  megaslide-cache folder's items, in item order) or, when the data has none (data.tensors),
-//                  kWanValidationPrompts; each with its fixed seed (eval::plan_vbench_samples: one video per
+//                  kWanValidationPrompts; each with its fixed seed (io::plan_vbench_samples: one video per
 //                  prompt, from train.seed), so that successive validations are comparable. umT5
 //                  (model.text_encoder: weights, vocab, dtype as megaslide-cache runs it) encodes them and
 //                  the negative prompt once, on the run's device (its layers streamed when it would take
@@ -51,7 +51,7 @@
 
 #include "megaslide/config/run_config.h"
 #include "megaslide/diffusion/wan_text_to_video.h"
-#include "megaslide/eval/vbench.h"
+#include "megaslide/io/vbench_layout.h"
 #include "megaslide/train/wan_trainer.h"
 
 namespace megaslide {
@@ -74,7 +74,7 @@ class WanValidation {
   // fit the DiT (model.text_encoder.*, model.vae.*, model.wan.text_dim).
   WanValidation(const RunConfig& config, const std::vector<std::string>& captions, const std::string& source);
 
-  const std::vector<eval::SampleJob>& jobs() const { return jobs_; }
+  const std::vector<io::SampleJob>& jobs() const { return jobs_; }
   const WanSampleOptions& options() const { return options_; }
   const RunConfig& latent_config() const { return latent_; }
 
@@ -90,7 +90,7 @@ class WanValidation {
   std::string source_;  // where the config came from (errors name it)
   RunConfig latent_;  // wan_latent_config: the latents' shape
   WanSampleOptions options_;
-  std::vector<eval::SampleJob> jobs_;
+  std::vector<io::SampleJob> jobs_;
   std::vector<torch::Tensor> text_;  // per job [1, L, text_dim] float32, CPU
   torch::Tensor negative_;           // [1, L, text_dim] float32, CPU (undefined when guidance is 1)
 };
