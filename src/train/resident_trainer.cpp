@@ -206,14 +206,6 @@ void DiffusionBatchSource::restore(const std::string& state) {
   }
 }
 
-void check_batch_slice(int64_t batch_size, int64_t rank, int64_t world_size) {
-  if (world_size < 1 || rank < 0 || rank >= world_size)
-    throw std::invalid_argument(fmt::format("rank {} is outside a world of {} ranks", rank, world_size));
-  if (batch_size % world_size != 0)
-    throw std::invalid_argument(fmt::format("train.batch_size {} does not split evenly over {} ranks: set it to a multiple of {}",
-                                            batch_size, world_size, world_size));
-}
-
 void DiffusionBatchSource::take_slice(int64_t rank, int64_t world_size) {
   const int64_t B = config_.train.batch_size;
   check_batch_slice(B, rank, world_size);
