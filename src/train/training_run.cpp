@@ -9,108 +9,24 @@
 #include <memory>
 #include <optional>
 
-#include "megaslide/data/latent_cache.h"
-#include "megaslide/data/video_manifest.h"
-#include "megaslide/diffusion/text_to_video.h"
 #include "megaslide/io/files.h"
-#include "megaslide/model/dit_weights.h"
-#include "megaslide/model/dit.h"
 #include "megaslide/model/wan.h"
-#include "megaslide/model/wan_weights.h"
-#include "megaslide/train/wan_trainer.h"
-#include "megaslide/train/cpu_master_trainer.h"
 #include "megaslide/train/auto_settings.h"
 #include "megaslide/train/checkpoint.h"
 #include "megaslide/train/distributed.h"
-#include "megaslide/train/init_from.h"
-#include "megaslide/train/resident_trainer.h"
+#include "megaslide/train/model_family.h"
 #include "megaslide/train/run_folder.h"
 #include "megaslide/train/run_outputs.h"
-#include "megaslide/train/wan_validation.h"
 #include "megaslide/util/build_info.h"
 #include "megaslide/util/errors.h"
 #include "megaslide/util/numbers.h"
 
 namespace megaslide {
 
+// The families (train/model_family.h): a new one adds its line here.
+const ModelFamily& model_family(Architecture arch) { return arch == Architecture::kWan ? wan_family() : dit_family(); }
+
 namespace {
-
-// Every trainer behind one face: the DiT family's streamed or resident trainer, or Wan's (both modes).
-class Trainer {
- public:
-  // `wan_init`: Wan's train.init_from (WanTrainer reads it into its model before placing the weights).
-  Trainer(const RunConfig& config, const std::string& source, const WanTrainer::InitPlanner& wan_init, Communicator* communicator) {
-    if (config.model.arch == Architecture::kWan) {
-      // Latents and text embeddings: a data.tensors file, or a megaslide-cache folder of the videos.
-      WanLatentData data;
-      const RunConfig latent = wan_latent_config(config);
-      const bool cached = config.data.dataset == "videos";
-      try {
-        data = cached ? WanLatentData::from_cache(config, config.data.cache) : WanLatentData::load(config.data.tensors);
-        data.check(latent);
-      } catch (const std::invalid_argument& e) {
-        throw ConfigError(source, cached ? "data.cache" : "data.tensors", e.what());
-      }
-      try {
-        wan_ = std::make_unique<WanTrainer>(latent, std::move(data), wan_init, communicator);
-      } catch (const WanWeightsError& e) {
-        throw ConfigError(source, "model.wan.weights", e.what());
-      }
-    } else if (config.offload.enabled) {
-      streamed_ = std::make_unique<CPUMasterVideoDiT>(config, communicator);
-    } else {
-      resident_ = std::make_unique<ResidentTrainer>(config, communicator);
-    }
-  }
-  StepMetrics step() { return wan_ ? wan_->step() : streamed_ ? streamed_->step() : resident_->step(); }
-  TrainingState state() { return wan_ ? wan_->training_state() : streamed_ ? streamed_->training_state() : resident_->training_state(); }
-  void load(const TrainingState& s) {
-    wan_ ? wan_->load_training_state(s) : streamed_ ? streamed_->load_training_state(s) : resident_->load_training_state(s);
-  }
-  int64_t parameter_count() const {
-    return wan_ ? wan_->parameter_count() : streamed_ ? streamed_->parameter_count() : resident_->parameter_count();
-  }
-  int64_t tokens_per_sample() const {
-    return wan_ ? wan_->tokens_per_sample() : streamed_ ? streamed_->tokens_per_sample() : resident_->tokens_per_sample();
-  }
-  torch::Device device() const { return wan_ ? wan_->device() : streamed_ ? streamed_->device() : resident_->device(); }
-  CPUMasterVideoDiT* streamed() { return streamed_.get(); }
-  // Whether the trainer streams its blocks (the DiT family's CPU-master trainer, or Wan's streamed mode).
-  bool sharded() const { return streamed_ ? streamed_->sharded() : wan_ && wan_->sharded(); }
-  bool streams() const { return streamed_ != nullptr || (wan_ && wan_->streamed()); }
-  void trace_next_step(const std::string& path) {
-    if (streamed_) streamed_->trace_next_step(path);
-    if (wan_) wan_->trace_next_step(path);
-  }
-  WanTrainer* wan() { return wan_.get(); }
-  // The DiT family's data (Wan's latent tensors are all in memory: no loader, no bad items).
-  DiffusionBatchSource* data() { return wan_ ? nullptr : streamed_ ? &streamed_->data() : &resident_->data(); }
-  ParameterShapes parameter_shapes() { return streamed_ ? streamed_->parameter_shapes() : resident_->parameter_shapes(); }
-  void init_from(const InitPlan& plan) { streamed_ ? streamed_->init_from(plan) : resident_->init_from(plan); }
-  void synchronize() {
-    if (streamed_) streamed_->synchronize();
-    if (wan_) wan_->synchronize();
-  }
-  // The model for sampling: the resident trainer's own modules, or a CPU copy of the streamed
-  // trainer's masters.
-  std::pair<DiT&, TextEncoder&> model(const RunConfig& config) {
-    if (resident_) return {resident_->model(), resident_->text_encoder()};
-    if (!snapshot_dit_) {
-      snapshot_dit_ = DiT(DiTOptions::from_config(config));
-      if (config.model.text_encoder.kind == "builtin")  // CLIP is frozen: no trained text encoder to copy
-        snapshot_text_ = TextEncoder(TextEncoderOptions(CaptionTokenizer().vocab_size(), config.model.text_dim, config.data.max_text_tokens));
-    }
-    streamed_->copy_weights_to(snapshot_dit_, snapshot_text_);
-    return {snapshot_dit_, snapshot_text_};
-  }
-
- private:
-  std::unique_ptr<CPUMasterVideoDiT> streamed_;
-  std::unique_ptr<ResidentTrainer> resident_;
-  std::unique_ptr<WanTrainer> wan_;
-  DiT snapshot_dit_{nullptr};
-  TextEncoder snapshot_text_{nullptr};
-};
 
 // The run log on rank 0; other ranks write RUN_DIR/logs/rank-N.log with distributed.rank_logs, else
 // nothing (their errors reach their own stderr).
@@ -228,25 +144,8 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   }
   // `auto` settings resolved once: config.yaml, the log and checkpoints carry the resolved values, and a
   // resume compares them with the checkpoint's.
-  RunConfig resolved = resolve_auto_settings(per_rank);
-  if (resolved.model.arch == Architecture::kWan) {
-    // Wan: the hyper-parameters of model.wan.weights when set; a run needs its latent tensors.
-    try {
-      resolved = with_wan_architecture_from_weights(resolved);
-    } catch (const WanWeightsError& e) {
-      throw ConfigError(options.config_source, "model.wan.weights", e.what());
-    }
-    if (resolved.data.dataset == "videos" && resolved.data.cache.empty())
-      throw ConfigError(options.config_source, "data.cache",
-                        "is empty: model.arch wan trains on videos through their cache of Wan VAE latents and umT5 embeddings: run "
-                        "megaslide-cache --config with this config, then set data.cache to its folder (docs/wan.md)");
-    if (resolved.data.dataset == "latent-tensors" && resolved.data.tensors.empty())
-      throw ConfigError(options.config_source, "data.tensors",
-                        "is empty: model.arch wan trains on latent videos and text embeddings (a safetensors file of latents, text "
-                        "and empty_text, or data.dataset: videos with data.cache; docs/wan.md)");
-    check_wan_validation_config(resolved, options.config_source);  // umT5 and the Wan VAE named for validation videos
-  }
-  const RunConfig config = resolved;
+  const ModelFamily& family = model_family(requested.model.arch);
+  const RunConfig config = family.resolve(resolve_auto_settings(per_rank), options.config_source);
   const std::string& run_dir = config.output.run_dir;
   const auto& train = config.train;
   const bool writer = launch.rank == 0;  // the rank that writes the run folder
@@ -287,8 +186,8 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   } catch (const c10::Error& e) {
     throw ConfigError(options.config_source, "train.device", error_message(e));
   }
-  // Wan's samples are latents (of the videos' cache, or data.tensors').
-  const RunConfig sized = wan_latent_config(config);
+  // The trainer's samples (Wan's are latents of the videos' cache, or data.tensors').
+  const RunConfig sized = family.sample_config(config);
   // The sharded streamed trainer keeps 1/R of the weights and moments per rank; ranks on one machine share it.
   const int64_t state_shards = config.offload.enabled && launch.distributed() ? launch.world_size / std::max<int64_t>(1, launch.local_world_size) : 1;
   if (const std::string shortfall = memory_shortfall(sized, this_machine_memory_bytes(), state_in_host_memory, state_shards); !shortfall.empty()) {
@@ -307,49 +206,29 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
                                     "above {} to continue it",
                                     train.steps, resume_path, saved_step, saved_step));
   }
-  // train.init_from: a fresh run only (a resumed one continues its checkpoint). Wan's trainer reads the plan
-  // into its model as it builds it; the DiT family's trainers take it once built.
-  const bool init_wanted = resume_path.empty() && !config.train.init_from.empty();
-  WanTrainer::InitPlanner wan_init;
-  if (init_wanted && config.model.arch == Architecture::kWan)
-    wan_init = [&config](const ParameterShapes& shapes) {
-      auto allow = config.train.init_allow_missing;
-      if (config.model.self_attention == "dsa3d")  // the retrofit from a dense Wan checkpoint
-        for (const auto& glob : wan_dsa_parameter_globs()) allow.push_back(glob);
-      return plan_init_from(config.train.init_from, shapes, allow);
-    };
-  // Wan's validation videos: umT5 encodes the prompts now, before the trainer's state exists, and is freed
-  // (train/wan_validation.h); the prompts are the cache's first captions.
-  std::optional<WanValidation> wan_validation;
-  if (writer && config.model.arch == Architecture::kWan && train.sample_every > 0) {
-    std::vector<std::string> captions;
-    if (config.data.dataset == "videos") {
-      try {
-        const auto cache = LatentCache::open(config, config.data.cache);
-        for (int64_t i = 0; i < cache->size() && static_cast<int64_t>(captions.size()) < kWanValidationVideos; ++i)
-          if (!cache->caption(i).empty() && std::find(captions.begin(), captions.end(), cache->caption(i)) == captions.end())
-            captions.push_back(cache->caption(i));
-      } catch (const DatasetError& e) {
-        throw ConfigError(options.config_source, "data.cache", e.what());
-      }
-    }
-    wan_validation.emplace(config, captions, options.config_source);
-  }
-  // The trainers load the frozen encoders the config names (CLIP, the VAE): bad folders or sizes that
-  // disagree with the config are the config's errors.
-  std::unique_ptr<Trainer> trainer_holder;
+  // The trainer, from train.init_from on a fresh run (a resumed one continues its checkpoint). It loads
+  // the frozen encoders the config names (CLIP, the VAE, umT5): bad folders or sizes that disagree with
+  // the config are the config's errors.
+  TrainerRequest request;
+  request.config = &config;
+  request.requested = &requested;
+  request.source = options.config_source;
+  request.init_from = resume_path.empty() && !config.train.init_from.empty();
+  request.validation = writer && train.sample_every > 0;
+  request.communicator = communicator.get();
+  std::unique_ptr<FamilyTrainer> trainer_holder;
   try {
-    trainer_holder = std::make_unique<Trainer>(config, options.config_source, wan_init, communicator.get());
+    trainer_holder = family.make_trainer(request);
   } catch (const ConfigError& e) {
     throw ConfigError(options.config_source, e.key(), e.problem());
   }
-  Trainer& trainer = *trainer_holder;
+  FamilyTrainer& trainer = *trainer_holder;
   std::vector<std::string> warnings;
   if (!resume_path.empty()) {
-    TrainingState state = trainer.state();
+    TrainingState state = trainer.training_state();
     load_checkpoint(resume_path, config, state);
     try {
-      trainer.load(state);
+      trainer.load_training_state(state);
     } catch (const std::invalid_argument& e) {
       throw CheckpointError("checkpoint '" + resume_path + "': trainer_state.json: " + e.what());
     }
@@ -360,15 +239,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
                                      "saves their steps again",
                                      io::join_path(run_dir, "checkpoints/latest"), resume_path));
   }
-  InitPlan init;
-  if (init_wanted) {
-    if (auto* wan = trainer.wan()) {
-      init = wan->init_plan();
-    } else {
-      init = plan_init_from(config.train.init_from, trainer.parameter_shapes(), config.train.init_allow_missing);
-      trainer.init_from(init);
-    }
-  }
+  const InitPlan& init = trainer.init_plan();
 
   std::optional<RunDirectory> dir;
   std::optional<MetricsWriter> metrics;
@@ -399,44 +270,15 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   log.info(fmt::format("model {} ({} parameters, text encoder included), {} tokens per sample, device {}, {} steps",
                        to_string(config.model.arch), human_count(static_cast<double>(trainer.parameter_count())),
                        trainer.tokens_per_sample(), trainer.device().str(), train.steps));
-  if (auto* wan = trainer.wan()) {
-    log.info(fmt::format("trainer: Wan, {} (offload.mode {}, compute {}, grad_accum_steps {}){}", wan->streamed() ? "streamed CPU-master" : "resident reference loop",
-                         config.offload.mode, wan->streamed() ? config.offload.compute_dtype : "fp32", train.grad_accum_steps,
-                         wan->streamed() ? "; host memory at start:\n" + wan->host_memory_report() : ""));
-    if (!wan->initialised_parameters().empty())
-      log.info(fmt::format("{} parameters not in model.wan.weights start from their initialisation (the 3D-DSA retrofit's)",
-                           wan->initialised_parameters().size()));
-  } else if (auto* streamed = trainer.streamed()) {
-    log.info(fmt::format("trainer: streamed CPU-master (offload.mode {}, compute {}, grad_accum_steps {}); host memory at start:\n{}",
-                         config.offload.mode, config.offload.compute_dtype, train.grad_accum_steps, streamed->host_memory_report()));
-    log.info(fmt::format("compute dtype {} ({})", config.offload.compute_dtype,
-                         resolve_compute_dtype(requested.offload.compute_dtype, trainer.device()).reason));
-    const std::string slow = compute_dtype_warning(config.offload.compute_dtype, trainer.device(),
-                                                   "set offload.compute_dtype: auto (fp32 on this CPU) to run faster");
-    if (!slow.empty()) log.warn(slow);
-  } else {
-    log.info("trainer: resident reference loop (offload.enabled: false), compute dtype fp32");
+  std::vector<std::string> family_warnings;
+  {
+    std::vector<std::string> lines;
+    trainer.describe(lines, family_warnings);
+    for (const auto& line : lines) log.info(line);
   }
+  for (const auto& w : family_warnings) log.warn(w);
   log.info(plan_threads(config, trainer.device()).describe());
-  if (wan_validation) {
-    std::string prompts;
-    for (const auto& job : wan_validation->jobs()) prompts += (prompts.empty() ? "\"" : ", \"") + job.prompt + "\"";
-    const auto& so = wan_validation->options();
-    log.info(fmt::format("validation videos every {} steps into {}: {} ({} {} steps, shift {}, guidance {}; umT5 {} and the Wan VAE {})",
-                         train.sample_every, io::join_path(run_dir, "samples/step-NNNNNNN"), prompts,
-                         so.kind() == FlowSamplerKind::kUniPC ? "unipc" : "euler", so.steps(), so.shift(), so.guidance_scale(),
-                         config.model.text_encoder.weights, config.model.vae.weights));
-  }
-  if (config.model.text_encoder.kind == "clip")
-    log.info(fmt::format("text encoder: CLIP from {} (frozen), {} tokens of width {}", config.model.text_encoder.weights,
-                         config.data.max_text_tokens, config.model.text_dim));
-  if (config.model.vae.kind == "sd") {
-    const auto shape = model_sample_shape(config);
-    log.info(fmt::format("latent space: SD VAE from {} (frozen, {} frames per call): {}x{}x{} pixels -> latents {}x{}x{}x{}",
-                         config.model.vae.weights, config.model.vae.frames_per_batch, config.data.frames, config.data.height,
-                         config.data.width, shape[0], shape[1], shape[2], shape[3]));
-  }
-  if (!options.trace_path.empty() && !trainer.streams()) log.warn("--trace records the streamed trainer only (offload.enabled: true); ignored");
+  if (!options.trace_path.empty() && !trainer.streams()) log.warn("--trace records a streamed trainer only (offload.enabled: true); ignored");
   if (!resume_path.empty()) log.info(fmt::format("resumed from {} at step {}", resume_path, result.first_step));
   for (const auto& w : warnings) log.warn(w);
   if (!resume_path.empty() && result.first_step == train.steps)
@@ -449,16 +291,9 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   } else if (!resume_path.empty() && !config.train.init_from.empty()) {
     log.info("train.init_from ignored: the run resumes from its checkpoint");
   }
-  if (config.data.dataset == "videos")
-    log.info(config.data.cache.empty() ? fmt::format("data: decoding {} ({} loader workers, {} batches ahead)", config.data.manifest.empty() ? config.data.root : config.data.manifest,
-                                                     config.data.workers, config.data.prefetch)
-                                       : fmt::format("data: cache {} ({} loader workers, {} batches ahead)", config.data.cache,
-                                                     config.data.workers, config.data.prefetch));
-  if (trainer.data() != nullptr)
-    if (const std::string what = trainer.data()->describe(train.steps); !what.empty()) log.info("data: " + what);
+  if (const std::string what = trainer.describe_data(train.steps); !what.empty()) log.info("data: " + what);
   auto report_bad_items = [&] {
-    if (trainer.data() == nullptr) return;
-    for (const auto& b : trainer.data()->take_new_bad_items()) log.warn(fmt::format("bad item skipped: {}: {}", b.path, b.reason));
+    for (const auto& b : trainer.take_new_bad_items()) log.warn(fmt::format("bad item skipped: {}: {}", b.path, b.reason));
   };
   report_bad_items();
 
@@ -475,7 +310,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     };
   auto save = [&](const char* why) {
     if (!writer && !sharded) return true;  // every rank holds the same state; rank 0 saves it
-    const TrainingState state = trainer.state();  // waits for host updates still running
+    const TrainingState state = trainer.training_state();  // waits for host updates still running
     try {
       result.last_checkpoint = save_checkpoint(run_dir, config, state, rank_sum);
       last_saved = state.step;
@@ -522,15 +357,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
         if (!writer) return;
         const auto samples = dir->file(fmt::format("samples/step-{:07}", m.step));
         const auto started = std::chrono::steady_clock::now();
-        std::vector<std::string> files;
-        if (wan_validation) {
-          files = wan_validation->write(samples, *trainer.wan());
-        } else {
-          auto [dit, text] = trainer.model(config);
-          files = write_validation_samples(samples, config, dit, text, 4,
-                                           config.data.dataset == "videos" ? trainer.data()->captions(4) : std::vector<std::string>{},
-                                           trainer.data()->frozen());
-        }
+        const std::vector<std::string> files = trainer.write_validation(samples);
         log.info(fmt::format("step {}: {} validation videos in {} ({:.1f} s)", m.step, files.size(), samples,
                              std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count()));
       };
@@ -570,16 +397,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     log.info(fmt::format("trace of step {} in {}", std::min(options.trace_step, train.steps), options.trace_path));
   log.info(fmt::format("done: {} steps; metrics in {}", result.steps_done, io::join_path(run_dir, "metrics.jsonl")));
   if (writer && !options.export_weights.empty()) {
-    if (auto* wan = trainer.wan()) {
-      // diffusers' names and layout (model/wan_weights.h); the streamed blocks straight from the host store.
-      save_wan_weights(options.export_weights, config.model.wan, wan->weight_views());
-    } else if (auto* streamed = trainer.streamed()) {
-      // Straight from the host store, one tensor at a time: no copy of the model.
-      save_weights(options.export_weights, config, streamed->master_views());
-    } else {
-      auto [dit, text] = trainer.model(config);
-      save_weights(options.export_weights, config, dit, text);
-    }
+    trainer.export_weights(options.export_weights);
     log.info(fmt::format("weights written to {}", options.export_weights));
   }
   return result;

@@ -1,0 +1,158 @@
+// Every model family's trainer, in both modes, driven only through the seam the training run uses
+// (train/model_family.h): the same properties hold for each family without a test of its own.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <map>
+
+#include "megaslide/io/files.h"
+#include "megaslide/train/auto_settings.h"
+#include "megaslide/train/model_family.h"
+#include "tiny_wan.h"
+
+using namespace megaslide;
+
+namespace {
+
+// The tiny run of a family: "dit" (3D-DSA, 2 blocks of hidden 16 on 4x8x8 frames) or "wan" (2 blocks of
+// width 24, megaslide::testing::write_tiny_wan), streamed or resident, fp32 compute, no checkpoints or videos.
+RunConfig tiny(const std::string& family, bool streamed, const std::string& dir) {
+  std::vector<std::string> sets{"offload.enabled=" + std::string(streamed ? "true" : "false"), "offload.compute_dtype=fp32",
+                                "offload.optimizer_threads=1", "train.checkpoint_every=0", "train.sample_every=0",
+                                "train.grad_clip=1.0", "train.device=cpu", "train.threads=1"};
+  RunConfig config;
+  if (family == "wan") {
+    config = load_run_config(megaslide::testing::write_tiny_wan(dir), sets);
+  } else {
+    for (const char* s : {"model.arch=megaslide", "model.layers=2", "model.hidden=16", "model.heads=2", "model.text_dim=16",
+                          "model.dsa_kernel=[3,3,3]", "data.frames=4", "data.height=8", "data.width=8", "data.num_clips=16",
+                          "train.batch_size=2", "train.lr=3e-3", "train.warmup_steps=0", "train.seed=3"})
+      sets.push_back(s);
+    config = parse_run_config("", "test", sets);
+  }
+  return model_family(config.model.arch).resolve(resolve_auto_settings(config), "test");
+}
+
+std::unique_ptr<FamilyTrainer> make_trainer(const RunConfig& config) {
+  TrainerRequest request;
+  request.config = &config;
+  request.requested = &config;
+  request.source = "test";
+  return model_family(config.model.arch).make_trainer(request);
+}
+
+std::map<std::string, torch::Tensor> masters(FamilyTrainer& trainer) {
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& [name, t] : trainer.training_state().master) out[name] = t.clone();
+  return out;
+}
+
+std::string scratch(const std::string& name) { return "/tmp/megaslide-test-trainer-" + name + "-" + std::to_string(::getpid()); }
+
+class FamilyTrainers : public ::testing::TestWithParam<std::string> {};
+
+}  // namespace
+
+// Property: each family's streamed trainer (fp32 compute) trains as its resident reference loop does:
+// the same losses within 1e-4 relative over 3 steps, the same parameter names, and masters within 1e-4.
+TEST_P(FamilyTrainers, StreamedFollowsTheResidentLoop) {
+  const std::string dir = scratch(GetParam() + "-modes");
+  const auto resident_config = tiny(GetParam(), false, dir), streamed_config = tiny(GetParam(), true, dir);
+  auto resident = make_trainer(resident_config);
+  auto streamed = make_trainer(streamed_config);
+  EXPECT_FALSE(resident->streams());
+  EXPECT_TRUE(streamed->streams());
+  EXPECT_EQ(resident->parameter_count(), streamed->parameter_count());
+  for (int i = 0; i < 3; ++i) {
+    const auto a = resident->step(), b = streamed->step();
+    ASSERT_FALSE(a.skipped || b.skipped);
+    EXPECT_NEAR(b.loss, a.loss, 1e-4 * std::abs(a.loss)) << "step " << i + 1;
+  }
+  streamed->synchronize();
+  const auto ra = masters(*resident), sa = masters(*streamed);
+  ASSERT_EQ(ra.size(), sa.size());
+  for (const auto& [name, t] : ra) {
+    ASSERT_TRUE(sa.count(name)) << name << " is missing from the streamed trainer's state";
+    EXPECT_LT((sa.at(name) - t).abs().max().item<double>(), 1e-4) << name;
+  }
+  io::remove_tree(dir);
+}
+
+// Property: a trainer given another's training_state after 2 steps continues it bit for bit: its next
+// 2 losses and its masters equal those of the run that was never interrupted, in both modes.
+TEST_P(FamilyTrainers, AStateCarriedToANewTrainerContinuesBitExactly) {
+  const std::string dir = scratch(GetParam() + "-resume");
+  for (const bool streamed : {false, true}) {
+    SCOPED_TRACE(streamed ? "streamed" : "resident");
+    const auto config = tiny(GetParam(), streamed, dir);
+    auto whole = make_trainer(config);
+    auto first = make_trainer(config);
+    for (int i = 0; i < 2; ++i) {
+      whole->step();
+      first->step();
+    }
+    auto second = make_trainer(config);
+    second->load_training_state(first->training_state());
+    first.reset();
+    for (int i = 0; i < 2; ++i) {
+      const auto a = whole->step(), b = second->step();
+      EXPECT_EQ(a.step, b.step);
+      EXPECT_EQ(a.loss, b.loss) << "step " << a.step;
+    }
+    const auto wa = masters(*whole), sa = masters(*second);
+    for (const auto& [name, t] : wa) EXPECT_TRUE(torch::equal(t, sa.at(name))) << name;
+  }
+  io::remove_tree(dir);
+}
+
+// Property: a NaN in a master weight makes the step non-finite: it is skipped and counted, and updates
+// no master or moment; with the weight restored, training goes on — each family, both modes.
+TEST_P(FamilyTrainers, ANonFiniteStepIsSkippedAndUpdatesNothing) {
+  const std::string dir = scratch(GetParam() + "-nan");
+  for (const bool streamed : {false, true}) {
+    SCOPED_TRACE(streamed ? "streamed" : "resident");
+    auto trainer = make_trainer(tiny(GetParam(), streamed, dir));
+    trainer->step();
+    const auto good = trainer->training_state();  // the streamed trainer's: views of its host store
+    io::NamedTensors clean;
+    for (const auto& [name, t] : good.master) clean.emplace_back(name, t.clone());
+    std::vector<torch::Tensor> saved;
+    for (const auto* list : {&good.master, &good.exp_avg, &good.exp_avg_sq})
+      for (const auto& [name, t] : *list) saved.push_back(t.clone());
+    TrainingState poisoned = good;
+    poisoned.master = {};
+    for (const auto& [name, t] : clean) poisoned.master.emplace_back(name, t.clone());
+    poisoned.master.back().second.view(-1)[0] = std::numeric_limits<float>::quiet_NaN();  // the output layer's last tensor
+    trainer->load_training_state(poisoned);
+    const auto m = trainer->step();
+    EXPECT_TRUE(m.skipped);
+    EXPECT_EQ(m.skipped_total, 1);
+    EXPECT_EQ(m.consecutive_skips, 1);
+    const auto after = trainer->training_state();
+    EXPECT_EQ(after.optimizer_steps, good.optimizer_steps);
+    size_t k = 0;
+    for (const auto* list : {&after.master, &after.exp_avg, &after.exp_avg_sq})
+      for (const auto& [name, t] : *list) {
+        const auto& was = k < poisoned.master.size() ? poisoned.master[k].second : saved[k];
+        EXPECT_TRUE(torch::equal(t.isnan(), was.isnan()) && torch::equal(t.nan_to_num(), was.nan_to_num())) << name;
+        ++k;
+      }
+    TrainingState restored = trainer->training_state();
+    restored.master = clean;
+    trainer->load_training_state(restored);
+    const auto next = trainer->step();
+    EXPECT_FALSE(next.skipped);
+    EXPECT_TRUE(std::isfinite(next.loss));
+  }
+  io::remove_tree(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, FamilyTrainers, ::testing::Values("dit", "wan"));
+
+// Property: every model.arch has its family, and the DiT family's architectures share one.
+TEST(ModelFamily, EveryArchitectureHasItsFamily) {
+  EXPECT_EQ(model_family(Architecture::kWan).name(), "Wan");
+  for (const auto arch : {Architecture::kMegaSlide, Architecture::kDense3D, Architecture::kSwin})
+    EXPECT_EQ(&model_family(arch), &dit_family()) << to_string(arch);
+}
