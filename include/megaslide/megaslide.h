@@ -56,6 +56,7 @@
 #include "megaslide/train/checkpoint.h"
 #include "megaslide/train/distributed.h"
 #include "megaslide/train/init_from.h"
+#include "megaslide/train/model_family.h"
 #include "megaslide/train/resident_trainer.h"
 #include "megaslide/train/run_folder.h"
 #include "megaslide/train/run_outputs.h"

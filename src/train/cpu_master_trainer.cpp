@@ -164,49 +164,17 @@ StepMetrics CPUMasterVideoDiT::step() {
   auto epilogue = [&](const torch::Tensor& last_hidden) {
     return diffusion_loss(model->head(last_hidden, t_emb, grid), target);
   };
-  std::unique_ptr<offload::StepTrace> trace;
-  if (!trace_path_.empty()) {
-    trace = std::make_unique<offload::StepTrace>();
-    engine_->set_trace(trace.get());
-  }
-  const auto r = engine_->step(prologue, epilogue, lr);
-  if (trace) {
-    engine_->synchronize();  // the step's host updates are in the trace
-    trace->write(trace_path_);
-    trace_path_.clear();
-  }
-
-  StepMetrics m;
+  StepMetrics m = traced_engine_step(*engine_, trace_path_, [&] { return engine_->step(prologue, epilogue, lr); });
   m.step = ++steps_done_;
-  m.loss = r.loss;
   m.lr = lr;
-  m.grad_norm = r.grad_norm;
   m.data_wait_s = data_wait_s;
-  m.step_time_s = r.step_time_s;
-  m.samples_per_s = static_cast<double>(t.batch_size * t.grad_accum_steps) / r.step_time_s;  // the global batch
-  m.exchange_bytes = r.exchange_bytes;
-  m.exchange_s = r.exchange_s;
-  m.tokens_per_s = static_cast<double>(t.batch_size * tokens_per_sample) / r.step_time_s;
-  m.h2d_bytes = r.h2d_bytes;
-  m.d2h_bytes = r.d2h_bytes;
-  m.exposed_transfer_s = r.exposed_transfer_s;
-  m.optimizer_wait_s = r.optimizer_wait_s;
-  m.optimizer_s = r.optimizer_s;
-  m.peak_device_bytes = r.peak_device_bytes;
+  m.samples_per_s = static_cast<double>(t.batch_size * t.grad_accum_steps) / m.step_time_s;  // the global batch
+  m.tokens_per_s = static_cast<double>(t.batch_size * tokens_per_sample) / m.step_time_s;
   // The model's FLOPs are counted at the largest bucket; a smaller one's in proportion to its tokens
   // (exact for the projections and MLPs, which dominate; 3D-DSA is linear in tokens too).
   const double bucket_share = static_cast<double>(tokens_per_sample) / static_cast<double>(grid_.numel() * t.grad_accum_steps);
-  if (peak_flops_ > 0) m.mfu = flops_per_step_ * bucket_share / (r.step_time_s * peak_flops_);
-  m.loss_scale = engine_->options().compute_dtype == at::kHalf ? r.loss_scale : 0.0;
-  m.skipped = r.skipped;
-  if (r.skipped) {
-    ++skipped_total_;
-    ++consecutive_skips_;
-  } else {
-    consecutive_skips_ = 0;
-  }
-  m.skipped_total = skipped_total_;
-  m.consecutive_skips = consecutive_skips_;
+  if (peak_flops_ > 0) m.mfu = flops_per_step_ * bucket_share / (m.step_time_s * peak_flops_);
+  count_skip(m, skipped_total_, consecutive_skips_);
   return m;
 }
 

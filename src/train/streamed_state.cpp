@@ -161,4 +161,45 @@ void load_streamed_training_state(offload::StreamedStackTrainer& engine, const i
   engine.restore_counters(s.optimizer_steps, s.loss_scale, s.clean_steps);
 }
 
+StepMetrics traced_engine_step(offload::StreamedStackTrainer& engine, std::string& trace_path,
+                               const std::function<offload::StackStepResult()>& run) {
+  std::unique_ptr<offload::StepTrace> trace;
+  if (!trace_path.empty()) {
+    trace = std::make_unique<offload::StepTrace>();
+    engine.set_trace(trace.get());
+  }
+  const auto r = run();
+  if (trace) {
+    engine.synchronize();  // the step's host updates are in the trace
+    trace->write(trace_path);
+    trace_path.clear();
+  }
+  StepMetrics m;
+  m.loss = r.loss;
+  m.grad_norm = r.grad_norm;
+  m.skipped = r.skipped;
+  m.step_time_s = r.step_time_s;
+  m.exchange_bytes = r.exchange_bytes;
+  m.exchange_s = r.exchange_s;
+  m.h2d_bytes = r.h2d_bytes;
+  m.d2h_bytes = r.d2h_bytes;
+  m.exposed_transfer_s = r.exposed_transfer_s;
+  m.optimizer_wait_s = r.optimizer_wait_s;
+  m.optimizer_s = r.optimizer_s;
+  m.peak_device_bytes = r.peak_device_bytes;
+  m.loss_scale = engine.options().compute_dtype == at::kHalf ? r.loss_scale : 0.0;
+  return m;
+}
+
+void count_skip(StepMetrics& m, int64_t& skipped_total, int64_t& consecutive_skips) {
+  if (m.skipped) {
+    ++skipped_total;
+    ++consecutive_skips;
+  } else {
+    consecutive_skips = 0;
+  }
+  m.skipped_total = skipped_total;
+  m.consecutive_skips = consecutive_skips;
+}
+
 }  // namespace megaslide

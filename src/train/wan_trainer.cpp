@@ -471,14 +471,7 @@ StepMetrics WanTrainer::step() {
   StepMetrics m = engine_ ? streamed_step(lr) : resident_step(lr);
   m.step = ++steps_done_;
   m.lr = lr;
-  if (m.skipped) {
-    ++skipped_total_;
-    ++consecutive_skips_;
-  } else {
-    consecutive_skips_ = 0;
-  }
-  m.skipped_total = skipped_total_;
-  m.consecutive_skips = consecutive_skips_;
+  count_skip(m, skipped_total_, consecutive_skips_);
   const auto& t = config_.train;
   m.samples_per_s = static_cast<double>(t.batch_size * t.grad_accum_steps) / m.step_time_s;  // the global batch
   m.tokens_per_s = m.samples_per_s * static_cast<double>(grid_.numel());
@@ -541,32 +534,8 @@ offload::StackStepResult wan_streamed_step(offload::StreamedStackTrainer& engine
 }
 
 StepMetrics WanTrainer::streamed_step(double lr) {
-  std::unique_ptr<offload::StepTrace> trace;
-  if (!trace_path_.empty()) {
-    trace = std::make_unique<offload::StepTrace>();
-    engine_->set_trace(trace.get());
-  }
-  const auto r = wan_streamed_step(*engine_, stack_->model(), [&] { return batches_.next(device_); }, lr);
-  if (trace) {
-    engine_->synchronize();  // the step's host updates are in the trace
-    trace->write(trace_path_);
-    trace_path_.clear();
-  }
-  StepMetrics m;
-  m.exchange_bytes = r.exchange_bytes;
-  m.exchange_s = r.exchange_s;
-  m.loss = r.loss;
-  m.grad_norm = r.grad_norm;
-  m.skipped = r.skipped;
-  m.step_time_s = r.step_time_s;
-  m.h2d_bytes = r.h2d_bytes;
-  m.d2h_bytes = r.d2h_bytes;
-  m.exposed_transfer_s = r.exposed_transfer_s;
-  m.optimizer_wait_s = r.optimizer_wait_s;
-  m.optimizer_s = r.optimizer_s;
-  m.peak_device_bytes = r.peak_device_bytes;
-  m.loss_scale = engine_->options().compute_dtype == at::kHalf ? r.loss_scale : 0.0;
-  return m;
+  return traced_engine_step(*engine_, trace_path_,
+                            [&] { return wan_streamed_step(*engine_, stack_->model(), [&] { return batches_.next(device_); }, lr); });
 }
 
 std::vector<std::pair<std::string, torch::Tensor>> WanTrainer::master_weights() {

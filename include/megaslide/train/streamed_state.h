@@ -1,6 +1,6 @@
 // The training state of a StreamedStackTrainer, whatever model family it streams: one protocol for
 // checkpoints, resuming and train.init_from, shared by every family's streamed trainer
-// (CPUMasterVideoDiT, WanTrainer).
+// (CPUMasterVideoDiT, WanTrainer); and their one way of running an engine step into StepMetrics.
 //
 // Names: the resident parameters as the family names them (`resident`, in its order), then every
 // block parameter as "blocks.<l>.<name in the block's streamed module>". The blocks' master, m and v
@@ -12,6 +12,7 @@
 // every rank calls them at the same point.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -20,6 +21,7 @@
 #include "megaslide/offload/stack_trainer.h"
 #include "megaslide/train/checkpoint.h"
 #include "megaslide/train/init_from.h"
+#include "megaslide/train/resident_trainer.h"
 
 namespace megaslide {
 
@@ -40,5 +42,16 @@ ParameterShapes streamed_parameter_shapes(const offload::StreamedStackTrainer& e
 // tensor straight into the host store (sharded: each value through a temporary), then their compute
 // copies refreshed.
 void streamed_init_from(offload::StreamedStackTrainer& engine, const io::NamedTensors& resident, const InitPlan& plan);
+
+// Runs one engine step (`run`: engine.step with the family's prologue and epilogue) and returns what
+// the engine measured as StepMetrics: loss, gradient norm, skip, times, transfers, exchange, peak device
+// memory, the loss scale with fp16 compute. With `trace_path` set, the step is recorded into a Chrome
+// trace written there after the step's host updates, and `trace_path` cleared. The caller fills the
+// run's own fields (step, lr, skip counters, throughput, MFU).
+StepMetrics traced_engine_step(offload::StreamedStackTrainer& engine, std::string& trace_path,
+                               const std::function<offload::StackStepResult()>& run);
+
+// Counts `m`'s skip into the trainer's counters and copies them into `m`.
+void count_skip(StepMetrics& m, int64_t& skipped_total, int64_t& consecutive_skips);
 
 }  // namespace megaslide
