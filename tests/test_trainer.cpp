@@ -7,6 +7,7 @@
 #include <map>
 
 #include "megaslide/io/files.h"
+#include "megaslide/plan/step_plan.h"
 #include "megaslide/train/auto_settings.h"
 #include "megaslide/train/model_family.h"
 #include "tiny_wan.h"
@@ -155,4 +156,20 @@ TEST(ModelFamily, EveryArchitectureHasItsFamily) {
   EXPECT_EQ(model_family(Architecture::kWan).name(), "Wan");
   for (const auto arch : {Architecture::kMegaSlide, Architecture::kDense3D, Architecture::kSwin})
     EXPECT_EQ(&model_family(arch), &dit_family()) << to_string(arch);
+}
+
+// Property: the device memory a family's trainer keeps across steps is the planner's (plan/step_plan.h:
+// the weight and gradient slots, and the resident state less its gradients, which are each step's own),
+// for each family in both modes: the ablations' memory accounting and megaslide-plan agree.
+TEST_P(FamilyTrainers, PersistentDeviceBytesAreThePlans) {
+  const std::string dir = scratch(GetParam() + "-persistent");
+  for (const bool streamed : {false, true}) {
+    SCOPED_TRACE(streamed ? "streamed" : "resident");
+    const auto config = tiny(GetParam(), streamed, dir);
+    auto trainer = make_trainer(config);
+    const auto plan = plan::plan_step(config, plan::load_hardware_profile("h200"));
+    EXPECT_GT(trainer->persistent_device_bytes(), 0);
+    EXPECT_EQ(trainer->persistent_device_bytes(), plan.device.weight_slots + plan.device.gradient_slots + plan.device.resident_state / 4 * 3);
+  }
+  io::remove_tree(dir);
 }

@@ -20,9 +20,8 @@
 
 #include "megaslide/io/files.h"
 #include "megaslide/util/cpu_memory_counter.h"
-#include "megaslide/train/cpu_master_trainer.h"
 #include "megaslide/train/auto_settings.h"
-#include "megaslide/train/resident_trainer.h"
+#include "megaslide/train/model_family.h"
 
 namespace megaslide {
 namespace {
@@ -107,12 +106,6 @@ struct VariantRun {
 
 using Progress = std::function<void(const std::string&)>;
 
-int64_t tensor_bytes(const std::vector<torch::Tensor>& ts) {
-  int64_t n = 0;
-  for (const auto& t : ts) n += static_cast<int64_t>(t.nbytes());
-  return n;
-}
-
 // Trains `config` for config.train.steps steps with the trainer offload.enabled picks, measuring each
 // step's peak device memory. `budget_bytes` (CPU only, 0 = none): a step above it stops the run as "oom".
 VariantRun train_variant(const std::string& suite, const std::string& name, const RunConfig& config, int64_t budget_bytes,
@@ -127,31 +120,23 @@ VariantRun train_variant(const std::string& suite, const std::string& name, cons
     if (progress) progress(fmt::format("[{}] {}: {}", suite, name, line));
   };
   try {
-    std::unique_ptr<CPUMasterVideoDiT> streamed;
-    std::unique_ptr<ResidentTrainer> resident;
-    if (config.offload.enabled) streamed = std::make_unique<CPUMasterVideoDiT>(config);
-    else resident = std::make_unique<ResidentTrainer>(config);
-    // Device state that lives across steps (CPU accounting; on a GPU the allocator sees it all):
-    // streamed: weight + gradient slots and the resident parameters with their two AdamW moments;
-    // resident: every parameter with its two moments. Gradients are freed between steps and counted
-    // as a step's own allocations.
-    int64_t persistent = 0;
-    if (streamed) {
-      const auto& e = streamed->engine();
-      persistent = e.streamer().device_weight_bytes() + e.streamer().device_gradient_bytes() +
-                   3 * tensor_bytes(streamed->stack().resident_parameters());
-    } else {
-      auto params = resident->model()->parameters();
-      for (auto& p : resident->text_encoder()->parameters()) params.push_back(p);
-      persistent = 3 * tensor_bytes(params);
-    }
-    say(fmt::format("{} trainer, {} tokens/sample, device {}, {} steps",
-                    streamed ? "streamed (host AdamW)" : "resident (device AdamW)",
-                    streamed ? streamed->tokens_per_sample() : resident->tokens_per_sample(), run.device,
+    // The family's trainer as a training run builds it (train/model_family.h).
+    const ModelFamily& family = model_family(config.model.arch);
+    const RunConfig resolved = family.resolve(config, suite + " ablation");
+    TrainerRequest request;
+    request.config = &resolved;
+    request.requested = &config;
+    request.source = suite + " ablation";
+    const auto trainer = family.make_trainer(request);
+    // Device state that lives across steps (CPU accounting; on a GPU the allocator sees it all); a
+    // step's gradients and activations are its own allocations.
+    const int64_t persistent = trainer->persistent_device_bytes();
+    say(fmt::format("{} {} trainer, {} tokens/sample, device {}, {} steps", family.name(),
+                    trainer->streams() ? "streamed (host AdamW)" : "resident (device AdamW)", trainer->tokens_per_sample(), run.device,
                     config.train.steps));
     for (int64_t i = 0; i < config.train.steps; ++i) {
       meter.reset();
-      StepMetrics m = streamed ? streamed->step() : resident->step();
+      StepMetrics m = trainer->step();
       const int64_t peak = meter.peak_bytes(persistent);
       run.steps.push_back(m);
       run.peak_bytes.push_back(peak);
@@ -165,7 +150,7 @@ VariantRun train_variant(const std::string& suite, const std::string& name, cons
         break;
       }
     }
-    if (streamed) streamed->synchronize();
+    trainer->synchronize();
   } catch (const c10::OutOfMemoryError& e) {
     run.oom = true;
     const std::string what = e.what_without_backtrace();

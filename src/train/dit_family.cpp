@@ -10,6 +10,7 @@
 #include "megaslide/train/auto_settings.h"
 #include "megaslide/train/cpu_master_trainer.h"
 #include "megaslide/train/model_family.h"
+#include "megaslide/train/streamed_state.h"
 
 namespace megaslide {
 
@@ -45,6 +46,14 @@ class DiTFamilyTrainer final : public FamilyTrainer {
   bool sharded() const override { return streamed_ && streamed_->sharded(); }
   void trace_next_step(const std::string& path) override {
     if (streamed_) streamed_->trace_next_step(path);
+  }
+  int64_t persistent_device_bytes() override {
+    if (streamed_) return streamed_persistent_device_bytes(streamed_->engine());
+    int64_t bytes = 0;
+    for (const auto& p : resident_->model()->parameters()) bytes += static_cast<int64_t>(p.nbytes());
+    if (resident_->text_encoder())
+      for (const auto& p : resident_->text_encoder()->parameters()) bytes += static_cast<int64_t>(p.nbytes());
+    return 3 * bytes;
   }
   const InitPlan& init_plan() const override { return init_; }
 

@@ -191,6 +191,14 @@ StepMetrics traced_engine_step(offload::StreamedStackTrainer& engine, std::strin
   return m;
 }
 
+int64_t streamed_persistent_device_bytes(offload::StreamedStackTrainer& engine) {
+  int64_t resident = 0;
+  if (auto* optimizer = engine.resident_optimizer())
+    for (const auto& group : optimizer->param_groups())
+      for (const auto& p : group.params()) resident += static_cast<int64_t>(p.nbytes());
+  return engine.streamer().device_weight_bytes() + engine.streamer().device_gradient_bytes() + 3 * resident;
+}
+
 void count_skip(StepMetrics& m, int64_t& skipped_total, int64_t& consecutive_skips) {
   if (m.skipped) {
     ++skipped_total;

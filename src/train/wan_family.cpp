@@ -9,6 +9,7 @@
 #include "megaslide/data/latent_cache.h"
 #include "megaslide/model/wan_weights.h"
 #include "megaslide/train/model_family.h"
+#include "megaslide/train/streamed_state.h"
 #include "megaslide/train/wan_trainer.h"
 #include "megaslide/train/wan_validation.h"
 #include "megaslide/util/errors.h"
@@ -74,6 +75,12 @@ class WanFamilyTrainer final : public FamilyTrainer {
   bool streams() const override { return trainer_->streamed(); }
   bool sharded() const override { return trainer_->sharded(); }
   void trace_next_step(const std::string& path) override { trainer_->trace_next_step(path); }
+  int64_t persistent_device_bytes() override {
+    if (trainer_->streamed()) return streamed_persistent_device_bytes(*trainer_->engine());
+    int64_t bytes = 0;
+    for (const auto& p : trainer_->model()->parameters()) bytes += static_cast<int64_t>(p.nbytes());
+    return 3 * bytes;
+  }
   const InitPlan& init_plan() const override { return trainer_->init_plan(); }
 
   void describe(std::vector<std::string>& info, std::vector<std::string>& /*warnings*/) const override {

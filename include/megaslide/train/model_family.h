@@ -44,6 +44,10 @@ class FamilyTrainer {
   virtual bool streams() const = 0;  // blocks streamed through offload::StreamedStackTrainer (--trace records it)
   virtual bool sharded() const = 0;  // host state sharded over the ranks: every rank saves its shard
   virtual void trace_next_step(const std::string& path) = 0;
+  // Device memory that lives across steps (what each step's own allocations add to): streamed, the
+  // weight and gradient slots and the resident parameters with their two AdamW moments; resident, every
+  // trained parameter with its two moments.
+  virtual int64_t persistent_device_bytes() = 0;
 
   // The train.init_from the trainer was built with (empty path: none).
   virtual const InitPlan& init_plan() const = 0;

@@ -51,6 +51,10 @@ void streamed_init_from(offload::StreamedStackTrainer& engine, const io::NamedTe
 StepMetrics traced_engine_step(offload::StreamedStackTrainer& engine, std::string& trace_path,
                                const std::function<offload::StackStepResult()>& run);
 
+// FamilyTrainer::persistent_device_bytes of a streamed trainer: its weight and gradient slots, and its
+// resident parameters with their two AdamW moments.
+int64_t streamed_persistent_device_bytes(offload::StreamedStackTrainer& engine);
+
 // Counts `m`'s skip into the trainer's counters and copies them into `m`.
 void count_skip(StepMetrics& m, int64_t& skipped_total, int64_t& consecutive_skips);
 
