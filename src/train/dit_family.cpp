@@ -79,17 +79,13 @@ class DiTFamilyTrainer final : public FamilyTrainer {
                                  config_.model.vae.weights, config_.model.vae.frames_per_batch, config_.data.frames, config_.data.height,
                                  config_.data.width, shape[0], shape[1], shape[2], shape[3]));
     }
-  }
-  std::string describe_data(int64_t steps) const override {
-    std::string lines;
     const auto& d = config_.data;
     if (d.dataset == "videos")
-      lines = d.cache.empty() ? fmt::format("decoding {} ({} loader workers, {} batches ahead)", d.manifest.empty() ? d.root : d.manifest,
-                                            d.workers, d.prefetch)
-                              : fmt::format("cache {} ({} loader workers, {} batches ahead)", d.cache, d.workers, d.prefetch);
-    if (const std::string what = data().describe(steps); !what.empty()) lines += (lines.empty() ? "" : "\ndata: ") + what;
-    return lines;
+      info.push_back(d.cache.empty() ? fmt::format("data: decoding {} ({} loader workers, {} batches ahead)",
+                                                   d.manifest.empty() ? d.root : d.manifest, d.workers, d.prefetch)
+                                     : fmt::format("data: cache {} ({} loader workers, {} batches ahead)", d.cache, d.workers, d.prefetch));
   }
+  std::string describe_data(int64_t steps) const override { return data().describe(steps); }
   std::vector<BadItem> take_new_bad_items() override { return data().take_new_bad_items(); }
 
   std::vector<std::string> write_validation(const std::string& folder) override {
