@@ -25,6 +25,7 @@
 #include "megaslide/config/run_config.h"
 #include "megaslide/io/files.h"
 #include "megaslide/io/safetensors.h"
+#include "megaslide/io/video.h"
 
 using megaslide::io::join_path;
 
@@ -102,6 +103,58 @@ TEST(MegaslideTrain, ShortRunWritesConfigMetricsAndLog) {
   std::ifstream log(join_path(dir, "train.log"));
   std::string log_text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
   EXPECT_NE(log_text.find("step 3/3"), std::string::npos) << log_text;
+  megaslide::io::remove_tree(dir);
+}
+
+// The property: train.sample_prompts gives each validation video its line's size, seed, steps,
+// guidance and negative prompt (recorded in index.json), a repeated prompt the next VBench index, the
+// other lines the run's size and settings; a line the model cannot sample refuses the run before
+// anything is written, naming the key, the file and the line.
+TEST(MegaslideTrain, ValidationPromptFileSetsEachVideosSizeSeedAndSettings) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  const auto dir = fresh_dir("prompt-file");
+  megaslide::io::make_directories(dir);
+  const auto prompts = join_path(dir, "prompts.txt");
+  megaslide::io::write_file_atomically(prompts, "# two sizes of one prompt\n"
+                                                "a red square moves left --f 4 --h 12 --w 20 --d 7 --s 3 --g 2.5 --n a blue square\n"
+                                                "a red square moves left\n");
+  const auto run_dir = join_path(dir, "run");
+  auto r = run("--config " + smoke() + " --run-dir " + run_dir + " --set train.steps=2 --set train.sample_every=2 --set diffusion.sample_steps=2" +
+               " --set train.sample_prompts=" + prompts);
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto samples = join_path(run_dir, "samples/step-0000002");
+  const auto index = nlohmann::json::parse(megaslide::io::read_file(join_path(samples, "index.json")));
+  const auto& videos = index.at("videos");
+  ASSERT_EQ(videos.size(), 2u) << index.dump();
+  EXPECT_EQ(index.at("steps").get<int64_t>(), 2);  // the run's
+  const auto& own = videos[0];
+  EXPECT_EQ(own.at("prompt").get<std::string>(), "a red square moves left");
+  EXPECT_EQ(own.at("index").get<int64_t>(), 0);
+  EXPECT_EQ(own.at("seed").get<uint64_t>(), 7u);
+  EXPECT_EQ(own.at("steps").get<int64_t>(), 3);
+  EXPECT_EQ(own.at("guidance_scale").get<double>(), 2.5);
+  EXPECT_EQ(own.at("negative_prompt").get<std::string>(), "a blue square");
+  EXPECT_EQ(own.at("frames").get<int64_t>(), 4);
+  const auto& plain = videos[1];
+  EXPECT_EQ(plain.at("index").get<int64_t>(), 1);
+  EXPECT_EQ(plain.at("file").get<std::string>(), "a red square moves left-1.mp4");
+  EXPECT_FALSE(plain.contains("steps") || plain.contains("frames") || plain.contains("negative_prompt")) << plain.dump();
+  megaslide::io::VideoInfo info;
+  EXPECT_EQ(megaslide::io::read_video(join_path(samples, "videos/" + own.at("file").get<std::string>()), &info).sizes(),
+            (std::vector<int64_t>{4, 12, 20, 3}));
+  EXPECT_EQ(megaslide::io::read_video(join_path(samples, "videos/" + plain.at("file").get<std::string>()), &info).sizes(),
+            (std::vector<int64_t>{8, 16, 16, 3}));  // smoke.yaml's clips
+  const auto log = megaslide::io::read_file(join_path(run_dir, "train.log"));
+  EXPECT_NE(log.find("(from " + prompts + ")"), std::string::npos) << log;
+
+  // An odd width cannot be patched (model.patch [1, 2, 2]): refused before the run folder exists.
+  megaslide::io::write_file_atomically(prompts, "a red square moves left\na blue square moves up --w 15\n");
+  const auto refused = join_path(dir, "refused");
+  r = run("--config " + smoke() + " --run-dir " + refused + " --set train.sample_every=2 --set train.sample_prompts=" + prompts);
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("train.sample_prompts"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("line 2: this model cannot sample 8x16x15"), std::string::npos) << r.output;
+  EXPECT_FALSE(megaslide::io::path_exists(refused));
   megaslide::io::remove_tree(dir);
 }
 

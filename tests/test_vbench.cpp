@@ -7,6 +7,8 @@
 #include <unistd.h>
 
 #include <set>
+#include <utility>
+#include <vector>
 
 #include "megaslide/io/files.h"
 
@@ -111,6 +113,70 @@ TEST(VBench, PromptFilesOneLineEachBlankLinesAndRepeatsSkipped) {
     ADD_FAILURE() << "a missing prompt file was accepted";
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find(temp_path("missing.txt")), std::string::npos) << e.what();
+  }
+  megaslide::io::remove_tree(path);
+}
+
+// A prompt line's settings are read from " --X value" after the prompt: numbers checked, the negative
+// prompt up to the next setting, "--" inside prompt text left alone; lines kept in order with repeats.
+TEST(VBench, PromptSpecsCarryEachLinesOwnSettings) {
+  auto spec = parse_prompt_spec("a red fox runs -- fast --w 832 --h 480 --f 81 --d 42 --s 30 --g 5.5 --n blurry, low quality", "here");
+  EXPECT_EQ(spec.prompt, "a red fox runs -- fast");
+  EXPECT_EQ(spec.width, 832);
+  EXPECT_EQ(spec.height, 480);
+  EXPECT_EQ(spec.frames, 81);
+  EXPECT_EQ(spec.seed, 42u);
+  EXPECT_EQ(spec.steps, 30);
+  EXPECT_EQ(spec.guidance, 5.5);
+  EXPECT_EQ(spec.negative, "blurry, low quality");
+  EXPECT_TRUE(spec.has_size());
+  spec = parse_prompt_spec("a blue blob --n ugly, --text-like words --d 18446744073709551615", "here");
+  EXPECT_EQ(spec.negative, "ugly, --text-like words");  // "--text-like" is not a setting: no space after its letters
+  EXPECT_EQ(spec.seed, UINT64_MAX);
+  EXPECT_FALSE(spec.has_size());
+  EXPECT_FALSE(spec.steps || spec.guidance || spec.width);
+  spec = parse_prompt_spec("plain prompt", "here");
+  EXPECT_EQ(spec.prompt, "plain prompt");
+  EXPECT_FALSE(spec.seed || spec.negative || spec.has_size());
+
+  for (const auto& [line, problem] : std::vector<std::pair<std::string, std::string>>{
+           {"a cat --q 3", "unknown setting '--q'"},
+           {"a cat --width 3", "unknown setting '--width'"},
+           {"a cat --w 64 --w 32", "--w is given twice"},
+           {"a cat --w 0", "--w '0' is not a whole number from 1"},
+           {"a cat --h -8", "--h '-8' is not a whole number"},
+           {"a cat --f 2.5", "--f '2.5' is not a whole number"},
+           {"a cat --d 18446744073709551616", "--d '18446744073709551616' is not a whole number"},
+           {"a cat --g lots", "--g 'lots' is not a number"},
+           {"a cat --s", "--s '' is not a whole number"},
+           {"--w 64", "settings but no prompt"}}) {
+    try {
+      parse_prompt_spec(" " + line, "prompts.txt line 4");
+      ADD_FAILURE() << "accepted " << line;
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find("prompts.txt line 4: " + problem), std::string::npos) << line << ": " << e.what();
+    }
+  }
+
+  const auto path = temp_path("specs.txt");
+  megaslide::io::write_file_atomically(path, "# validation prompts\na red blob --w 64\n\na red blob --d 9\na blue blob\n");
+  const auto specs = read_prompt_specs(path);
+  ASSERT_EQ(specs.size(), 3u);
+  EXPECT_EQ(specs[1].line, 4);
+  EXPECT_EQ(specs[1].file, path);
+  const auto jobs = plan_prompt_specs(specs, 5);
+  EXPECT_EQ(jobs[0].index, 0);
+  EXPECT_EQ(jobs[1].index, 1);  // the same prompt again: the next VBench index
+  EXPECT_EQ(jobs[1].file, vbench_file_name("a red blob", 1));
+  EXPECT_EQ(jobs[1].seed, 9u);
+  EXPECT_EQ(jobs[0].seed, vbench_seed("a red blob", 0, 5));
+  EXPECT_EQ(jobs[2].seed, vbench_seed("a blue blob", 0, 5));
+  megaslide::io::write_file_atomically(path, "a cat\na dog --s x\n");
+  try {
+    read_prompt_specs(path);
+    ADD_FAILURE() << "a bad setting was accepted";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("prompt file '" + path + "' line 2: --s 'x'"), std::string::npos) << e.what();
   }
   megaslide::io::remove_tree(path);
 }

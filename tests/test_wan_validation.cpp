@@ -18,6 +18,8 @@
 
 #include <fstream>
 #include <map>
+#include <utility>
+#include <vector>
 
 #include "megaslide/diffusion/wan_text_to_video.h"
 #include "megaslide/io/files.h"
@@ -114,18 +116,68 @@ TEST(WanValidation, SamplesTheTrainersCurrentWeights) {
     EXPECT_EQ(validation.jobs()[1].prompt, megaslide::wan_validation_prompts()[1]);
     megaslide::WanTrainer trainer(config, tiny_data());
     EXPECT_EQ(trainer.streamed(), std::string(mode.name) != "resident");
-    const auto initial = validation.sample(trainer);
+    const auto initial = torch::cat(validation.sample(trainer));
     ASSERT_EQ(initial.sizes(), (std::vector<int64_t>{2, 16, 2, 4, 6}));
     const auto initial_reference = reference_latents(validation, trainer, mode.blocks);
     EXPECT_TRUE(torch::equal(initial, initial_reference)) << max_diff(initial, initial_reference);
 
     trainer.step();
     trainer.step();
-    const auto trained = validation.sample(trainer);
+    const auto trained = torch::cat(validation.sample(trainer));
     const auto trained_reference = reference_latents(validation, trainer, mode.blocks);
     EXPECT_TRUE(torch::equal(trained, trained_reference)) << max_diff(trained, trained_reference);
     EXPECT_GT(max_diff(trained, initial), 1e-3);  // the weights moved, and the videos with them
   }
+}
+
+// The property: a prompt file's line samples at its own size, seed, steps and guidance — exactly what
+// WanTextToVideo gives for that size and those settings over the same weights — while a line without
+// settings keeps the run's; sizes the Wan VAE or the patch cannot take are refused naming the line.
+TEST(WanValidation, PromptFileLinesSampleAtTheirOwnSizeAndSettings) {
+  const auto dir = temp_dir("prompts");
+  const auto prompts = join_path(dir, "prompts.txt");
+  megaslide::io::write_file_atomically(prompts, "a fox in snow --f 9 --h 16 --w 32 --d 3 --s 1 --g 1\na fox in snow\n");
+  const auto config = tiny_config({"offload.enabled=false", "train.sample_prompts=" + prompts});
+  const megaslide::WanValidation validation(config, {}, "test");
+  ASSERT_EQ(validation.jobs().size(), 2u);
+  EXPECT_EQ(validation.jobs()[0].seed, 3u);
+  EXPECT_EQ(validation.jobs()[1].index, 1);
+  megaslide::WanTrainer trainer(config, tiny_data());
+  trainer.step();
+  const auto latents = validation.sample(trainer);
+  ASSERT_EQ(latents.size(), 2u);
+  EXPECT_EQ(latents[0].sizes(), (std::vector<int64_t>{1, 16, 3, 2, 4}));  // 1 + 8/4 latent frames of 16/8 x 32/8
+  EXPECT_EQ(latents[1].sizes(), (std::vector<int64_t>{1, 16, 2, 4, 6}));  // the run's
+
+  auto sized = validation.latent_config();
+  sized.data.frames = 3, sized.data.height = 2, sized.data.width = 4;
+  megaslide::WanTransformer model(megaslide::WanOptions::from_config(trainer.config()));
+  {
+    torch::NoGradGuard no_grad;
+    std::map<std::string, torch::Tensor> params;
+    for (auto& p : model->named_parameters(true)) params.emplace(p.key(), p.value());
+    for (const auto& [name, value] : trainer.master_weights()) params.at(name).copy_(value);
+  }
+  megaslide::WanTextToVideo pipeline(sized, megaslide::Umt5Encoder::load(kUmt5), megaslide::Umt5Tokenizer::from_file(kSpiece),
+                                     std::make_shared<megaslide::ResidentWanDenoiser>(model, torch::kCPU, at::kFloat), megaslide::WanVae::load(kVae));
+  auto options = validation.options();
+  options.steps(1).guidance_scale(1.0);
+  const auto reference = pipeline.sample({"a fox in snow"}, {3}, options);
+  EXPECT_TRUE(torch::equal(latents[0], reference)) << max_diff(latents[0], reference);
+
+  for (const auto& [line, problem] : std::vector<std::pair<std::string, std::string>>{
+           {"a fox --f 8", "line 1: this model cannot sample 8x32x48 (frames x height x width): 8 frames: the Wan VAE takes 1 + 4k frames"},
+           {"a fox --h 24", "line 1: this model cannot sample 5x24x48 (frames x height x width): height 24: not a multiple of 16"}}) {
+    megaslide::io::write_file_atomically(prompts, line + "\n");
+    try {
+      const megaslide::WanValidation refused(config, {}, "test");
+      ADD_FAILURE() << "accepted " << line;
+    } catch (const megaslide::ConfigError& e) {
+      EXPECT_EQ(e.key(), "train.sample_prompts");
+      EXPECT_NE(std::string(e.what()).find(problem), std::string::npos) << e.what();
+    }
+  }
+  megaslide::io::remove_tree(dir);
 }
 
 TEST(WanValidation, SamplingBetweenStepsLeavesTrainingBitForBit) {

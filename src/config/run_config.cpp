@@ -12,7 +12,9 @@
 #include <regex>
 #include <set>
 #include <sstream>
+#include <stdexcept>
 #include <string_view>
+#include <utility>
 
 #include "megaslide/io/files.h"
 #include "megaslide/util/numbers.h"
@@ -421,6 +423,7 @@ class Schema {
     integer("train.loss_scale_window", c.train.loss_scale_window, IntRange{1});
     real("train.peak_tflops", c.train.peak_tflops, RealRange{0.0});
     integer("train.sample_every", c.train.sample_every, IntRange{0});
+    optional_text("train.sample_prompts", c.train.sample_prompts);
     integer("train.checkpoint_every", c.train.checkpoint_every, IntRange{0});
     integer("train.keep_last", c.train.keep_last, IntRange{0});
     integer("train.max_consecutive_skips", c.train.max_consecutive_skips, IntRange{0});
@@ -922,6 +925,34 @@ std::array<int64_t, 4> model_sample_shape(const RunConfig& c) {
     return {v.latent_channels, d.frames, d.height / v.downscale, d.width / v.downscale};
   }
   return {d.channels, d.frames, d.height, d.width};
+}
+
+VideoSize run_video_size(const RunConfig& c) {
+  const auto& d = c.data;
+  if (c.model.arch == Architecture::kWan && d.dataset != "videos")
+    return {4 * (d.frames - 1) + 1, d.height * c.model.vae.downscale, d.width * c.model.vae.downscale};
+  return {d.frames, d.height, d.width};
+}
+
+std::array<int64_t, 4> model_sample_shape_at(const RunConfig& c, VideoSize size) {
+  const bool wan = c.model.arch == Architecture::kWan;
+  const bool latent = wan || c.model.vae.kind == "sd";
+  const int64_t ds = latent ? c.model.vae.downscale : 1;
+  const auto& patch = wan ? c.model.wan.patch : c.model.patch;
+  if (wan && (size.frames - 1) % 4 != 0)
+    throw std::invalid_argument(fmt::format("{} frames: the Wan VAE takes 1 + 4k frames (e.g. {} or {})", size.frames,
+                                            1 + 4 * ((size.frames - 1) / 4), 1 + 4 * ((size.frames - 1) / 4 + 1)));
+  const int64_t t = wan ? 1 + (size.frames - 1) / 4 : size.frames;
+  if (t % patch[0] != 0)
+    throw std::invalid_argument(fmt::format("{} frames{}: not a multiple of the temporal patch {}", size.frames,
+                                            wan ? fmt::format(" ({} latent frames)", t) : "", patch[0]));
+  const std::pair<const char*, int64_t> sides[2] = {{"height", size.height}, {"width", size.width}};
+  for (int a = 0; a < 2; ++a)
+    if (sides[a].second % (ds * patch[a + 1]) != 0)
+      throw std::invalid_argument(fmt::format("{} {}: not a multiple of {} ({}the patch {})", sides[a].first, sides[a].second,
+                                              ds * patch[a + 1], latent ? fmt::format("the VAE's downscale {} x ", ds) : "", patch[a + 1]));
+  const int64_t channels = wan ? c.model.wan.in_channels : latent ? c.model.vae.latent_channels : c.data.channels;
+  return {channels, t, size.height / ds, size.width / ds};
 }
 
 std::string to_yaml(const RunConfig& config) {

@@ -1,5 +1,7 @@
 #include "megaslide/diffusion/text_to_video.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 
 #include "megaslide/data/structured_motion.h"
@@ -61,20 +63,61 @@ Conditioning TextToVideo::encode(const std::vector<std::string>& prompts) {
 }
 
 torch::Tensor TextToVideo::generate(const std::vector<std::string>& prompts, const std::vector<uint64_t>& seeds,
-                                    const SamplerOptions& options, const std::function<void(int64_t, int64_t)>& on_step) {
+                                    const SamplerOptions& options, const std::function<void(int64_t, int64_t)>& on_step,
+                                    const std::vector<int64_t>& shape, const std::string& negative) {
   TORCH_CHECK(prompts.size() == seeds.size() && !prompts.empty(), "TextToVideo::generate: need one seed per prompt, got ",
               prompts.size(), " prompts and ", seeds.size(), " seeds");
   auto cond = encode(prompts);
-  auto uncond = encode({""});
-  auto samples = sample(*denoiser_, schedule_, options, sample_shape(), seeds, cond, uncond, device_, on_step);
+  auto uncond = encode({negative});
+  auto samples = sample(*denoiser_, schedule_, options, shape.empty() ? sample_shape() : shape, seeds, cond, uncond, device_, on_step);
   torch::NoGradGuard no_grad;
   return codec_->decode(samples).to(torch::kCPU, torch::kFloat32);
 }
 
-std::vector<std::string> write_validation_samples(const std::string& dir, const RunConfig& config, DiT& dit,
-                                                  TextEncoder& text_encoder, int64_t count, const std::vector<std::string>& dataset_captions,
-                                                  std::shared_ptr<FrozenEncoders> frozen) {
-  TORCH_CHECK(count >= 1, "write_validation_samples: count must be >= 1, got ", count);
+std::vector<ValidationVideo> plan_validation_videos(const RunConfig& config, const std::vector<std::string>& prompts,
+                                                    const std::string& source) {
+  const auto run = model_sample_shape(config);
+  const std::vector<int64_t> run_shape(run.begin(), run.end());
+  std::vector<ValidationVideo> out;
+  if (config.train.sample_prompts.empty()) {
+    for (auto& job : io::plan_vbench_samples(prompts, 1, config.train.seed)) out.push_back({std::move(job), run_shape});
+    return out;
+  }
+  constexpr const char* kKey = "train.sample_prompts";
+  std::vector<io::PromptSpec> specs;
+  std::vector<io::SampleJob> jobs;
+  try {
+    specs = io::read_prompt_specs(config.train.sample_prompts);
+    jobs = io::plan_prompt_specs(specs, config.train.seed);
+  } catch (const std::exception& e) {
+    throw ConfigError(source, kKey, e.what());
+  }
+  const VideoSize size = run_video_size(config);
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const auto& spec = specs[i];
+    ValidationVideo video{std::move(jobs[i]), run_shape};
+    const std::string where = fmt::format("prompt file '{}' line {}", spec.file, spec.line);
+    if (spec.has_size()) {
+      const VideoSize own{spec.frames.value_or(size.frames), spec.height.value_or(size.height), spec.width.value_or(size.width)};
+      try {
+        const auto shape = model_sample_shape_at(config, own);
+        video.shape.assign(shape.begin(), shape.end());
+      } catch (const std::invalid_argument& e) {
+        throw ConfigError(source, kKey, fmt::format("{}: this model cannot sample {}x{}x{} (frames x height x width): {}", where,
+                                                    own.frames, own.height, own.width, e.what()));
+      }
+      video.job.frames = own.frames, video.job.height = own.height, video.job.width = own.width;
+    }
+    if (spec.steps && config.diffusion.objective == "ddpm" && *spec.steps > config.diffusion.timesteps)
+      throw ConfigError(source, kKey, fmt::format("{}: --s {} exceeds diffusion.timesteps ({}): DDPM sampling respaces the training "
+                                                  "timesteps", where, *spec.steps, config.diffusion.timesteps));
+    out.push_back(std::move(video));
+  }
+  return out;
+}
+
+std::vector<std::string> dit_validation_prompts(const RunConfig& config, int64_t count, const std::vector<std::string>& dataset_captions) {
+  TORCH_CHECK(count >= 1, "dit_validation_prompts: count must be >= 1, got ", count);
   const auto& d = config.data;
   std::vector<std::string> candidates = dataset_captions;
   if (candidates.empty()) {
@@ -87,18 +130,41 @@ std::vector<std::string> write_validation_samples(const std::string& dir, const 
     const auto& caption = candidates[static_cast<size_t>(i)];
     if (std::find(captions.begin(), captions.end(), caption) == captions.end()) captions.push_back(caption);
   }
-  auto jobs = io::plan_vbench_samples(captions, 1, config.train.seed);
-  std::vector<std::string> prompts;
-  std::vector<uint64_t> seeds;
-  for (const auto& job : jobs) prompts.push_back(job.prompt), seeds.push_back(job.seed);
+  return captions;
+}
 
+std::vector<std::string> write_validation_samples(const std::string& dir, const RunConfig& config, DiT& dit,
+                                                  TextEncoder& text_encoder, const std::vector<ValidationVideo>& videos,
+                                                  std::shared_ptr<FrozenEncoders> frozen) {
+  TORCH_CHECK(!videos.empty(), "write_validation_samples: no videos");
   const bool was_training = dit->is_training();
   const auto device = dit->parameters().front().device();
   TextToVideo generator(TextToVideoModel{config, dit, text_encoder, std::move(frozen)}, device);
-  const auto options = generator.default_options();
-  torch::Tensor videos;
+  const auto defaults = generator.default_options();
+  const auto run_shape = generator.sample_shape();
+  const auto own_settings = [&](const ValidationVideo& v) {
+    return v.shape != run_shape || v.job.steps || v.job.guidance_scale || v.job.negative_prompt;
+  };
+  std::vector<torch::Tensor> pixels(videos.size());  // each [C, T, H, W]
   try {
-    videos = generator.generate(prompts, seeds, options);
+    // The videos at the run's settings in one batch, as before prompt files; the others one at a time.
+    std::vector<std::string> prompts;
+    std::vector<uint64_t> seeds;
+    std::vector<size_t> batched;
+    for (size_t i = 0; i < videos.size(); ++i)
+      if (!own_settings(videos[i])) prompts.push_back(videos[i].job.prompt), seeds.push_back(videos[i].job.seed), batched.push_back(i);
+    if (!batched.empty()) {
+      const auto batch = generator.generate(prompts, seeds, defaults);
+      for (size_t k = 0; k < batched.size(); ++k) pixels[batched[k]] = batch[static_cast<int64_t>(k)];
+    }
+    for (size_t i = 0; i < videos.size(); ++i) {
+      if (!own_settings(videos[i])) continue;
+      const auto& job = videos[i].job;
+      auto options = defaults;
+      if (job.steps) options.steps(*job.steps);
+      if (job.guidance_scale) options.guidance_scale(*job.guidance_scale);
+      pixels[i] = generator.generate({job.prompt}, {job.seed}, options, {}, videos[i].shape, job.negative_prompt.value_or(""))[0];
+    }
   } catch (...) {
     dit->train(was_training);
     if (text_encoder) text_encoder->train(was_training);
@@ -107,15 +173,19 @@ std::vector<std::string> write_validation_samples(const std::string& dir, const 
   dit->train(was_training);
   if (text_encoder) text_encoder->train(was_training);
 
-  const int64_t upscale = (d.height % 2 != 0 || d.width % 2 != 0) ? 2 : 1;
+  int64_t upscale = 1;  // H.264 needs even sizes: every video upscaled when one has an odd side
+  for (const auto& p : pixels)
+    if (p.size(2) % 2 != 0 || p.size(3) % 2 != 0) upscale = 2;
   const std::string videos_dir = io::join_path(dir, io::kVideosFolder);
   io::make_directories(videos_dir);
   std::vector<std::string> files;
-  for (size_t i = 0; i < jobs.size(); ++i) {
-    io::write_mp4(io::join_path(videos_dir, jobs[i].file), io::to_rgb_frames(videos[static_cast<int64_t>(i)], upscale));
-    files.push_back(jobs[i].file);
+  std::vector<io::SampleJob> jobs;
+  for (size_t i = 0; i < videos.size(); ++i) {
+    io::write_mp4(io::join_path(videos_dir, videos[i].job.file), io::to_rgb_frames(pixels[i], upscale));
+    files.push_back(videos[i].job.file);
+    jobs.push_back(videos[i].job);
   }
-  io::SamplingRecord record{"(training run)", to_string(options.kind()), options.steps(), options.guidance_scale(), options.eta(),
+  io::SamplingRecord record{"(training run)", to_string(defaults.kind()), defaults.steps(), defaults.guidance_scale(), defaults.eta(),
                               config.train.seed, 8, upscale};
   io::write_file_atomically(io::join_path(dir, "index.json"), io::index_json(jobs, record));
   return files;

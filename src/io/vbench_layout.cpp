@@ -10,9 +10,13 @@
 #include <cctype>
 #include <cerrno>
 #include <cstring>
+#include <map>
 #include <set>
 #include <sstream>
 #include <stdexcept>
+#include <string_view>
+#include <type_traits>
+#include <utility>
 
 #include "megaslide/io/files.h"
 
@@ -60,7 +64,9 @@ static size_t utf8_error_offset(const std::string& s) {
   return std::string::npos;
 }
 
-std::vector<std::string> read_prompt_file(const std::string& path) {
+namespace {
+// A prompt file's non-blank lines, trimmed, with their line numbers; refused as read_prompt_file says.
+std::vector<std::pair<int64_t, std::string>> read_prompt_lines(const std::string& path) {
   // A prompt file is text: VBench's largest is ~100 kB. The cap refuses a wrong file before it fills memory.
   constexpr uint64_t kMaxPromptFileBytes = uint64_t{64} << 20;
   std::string text;
@@ -69,8 +75,7 @@ std::vector<std::string> read_prompt_file(const std::string& path) {
   } catch (const io::IoError& e) {
     throw std::runtime_error(std::string("prompt file: ") + e.what());
   }
-  std::vector<std::string> prompts;
-  std::set<std::string> seen;
+  std::vector<std::pair<int64_t, std::string>> out;
   std::istringstream lines(text);
   std::string line;
   int64_t line_number = 0;
@@ -83,10 +88,129 @@ std::vector<std::string> read_prompt_file(const std::string& path) {
                                            "file as UTF-8",
                                            path, line_number, static_cast<unsigned char>(line[bad]), bad + 1));
     auto p = trim(line);
-    if (!p.empty() && seen.insert(p).second) prompts.push_back(p);
+    if (!p.empty()) out.emplace_back(line_number, std::move(p));
   }
+  return out;
+}
+
+// The settings of a prompt line: " --X " with X one of these letters.
+constexpr std::string_view kSettings = "whfdsgn";
+
+// Where the next setting of `line` starts at or after `from` (the position of its " --"), or npos.
+size_t next_setting(const std::string& line, size_t from, char& letter) {
+  for (size_t at = line.find(" --", from); at != std::string::npos; at = line.find(" --", at + 1)) {
+    size_t end = at + 3;
+    while (end < line.size() && std::isalpha(static_cast<unsigned char>(line[end]))) ++end;
+    if (end == at + 3 || (end < line.size() && line[end] != ' ' && line[end] != '\t')) continue;  // "a -- b", "--x=1": prompt text
+    letter = end == at + 4 ? line[at + 3] : '?';
+    return at;
+  }
+  return std::string::npos;
+}
+
+template <typename T>
+T setting_number(const std::string& value, const std::string& where, char letter, T low, T high) {
+  const auto fail = [&]() -> T {
+    throw std::runtime_error(fmt::format("{}: --{} '{}' is not {} from {} to {}", where, letter, value,
+                                         std::is_integral_v<T> ? "a whole number" : "a number", low, high));
+  };
+  if (value.empty()) fail();
+  size_t used = 0;
+  T v{};
+  try {
+    if constexpr (std::is_integral_v<T>) {
+      if (value[0] == '-' || value[0] == '+') fail();
+      const unsigned long long u = std::stoull(value, &used);  // out of its range: std::out_of_range
+      if (u > static_cast<unsigned long long>(high)) fail();
+      v = static_cast<T>(u);
+    } else {
+      v = static_cast<T>(std::stod(value, &used));
+    }
+  } catch (const std::logic_error&) {
+    fail();
+  }
+  if (used != value.size() || !(v >= low && v <= high)) fail();
+  return v;
+}
+}  // namespace
+
+std::vector<std::string> read_prompt_file(const std::string& path) {
+  std::vector<std::string> prompts;
+  std::set<std::string> seen;
+  for (auto& [line, p] : read_prompt_lines(path))
+    if (seen.insert(p).second) prompts.push_back(std::move(p));
   if (prompts.empty()) throw std::runtime_error("prompt file '" + path + "' holds no prompt (one prompt per line expected)");
   return prompts;
+}
+
+PromptSpec parse_prompt_spec(const std::string& line, const std::string& where) {
+  PromptSpec spec;
+  char letter = 0;
+  size_t at = next_setting(line, 0, letter);
+  spec.prompt = trim(line.substr(0, at));
+  if (spec.prompt.empty()) throw std::runtime_error(fmt::format("{}: settings but no prompt before them", where));
+  std::string seen;
+  while (at != std::string::npos) {
+    const size_t name_end = line.find_first_of(" \t", at + 3);
+    const std::string name = line.substr(at + 1, name_end == std::string::npos ? std::string::npos : name_end - at - 1);
+    if (letter == '?' || kSettings.find(letter) == std::string_view::npos)
+      throw std::runtime_error(fmt::format("{}: unknown setting '{}' (known: --w width, --h height, --f frames, --d seed, --s steps, "
+                                           "--g guidance scale, --n negative prompt)", where, name));
+    if (seen.find(letter) != std::string::npos) throw std::runtime_error(fmt::format("{}: --{} is given twice", where, letter));
+    seen += letter;
+    char next_letter = 0;
+    const size_t next = next_setting(line, at + 3, next_letter);
+    const std::string value =
+        name_end == std::string::npos ? "" : trim(line.substr(name_end, next == std::string::npos ? std::string::npos : next - name_end));
+    constexpr int64_t kMaxSize = 1 << 16;  // pixels or frames: far beyond any video model
+    switch (letter) {
+      case 'w': spec.width = setting_number<int64_t>(value, where, letter, 1, kMaxSize); break;
+      case 'h': spec.height = setting_number<int64_t>(value, where, letter, 1, kMaxSize); break;
+      case 'f': spec.frames = setting_number<int64_t>(value, where, letter, 1, kMaxSize); break;
+      case 's': spec.steps = setting_number<int64_t>(value, where, letter, 1, 100000); break;
+      case 'd': spec.seed = setting_number<uint64_t>(value, where, letter, 0, UINT64_MAX); break;
+      case 'g': spec.guidance = setting_number<double>(value, where, letter, 0.0, 1000.0); break;
+      case 'n': spec.negative = value; break;
+      default: break;
+    }
+    at = next, letter = next_letter;
+  }
+  return spec;
+}
+
+std::vector<PromptSpec> read_prompt_specs(const std::string& path) {
+  std::vector<PromptSpec> specs;
+  for (const auto& [line, text] : read_prompt_lines(path)) {
+    if (text[0] == '#') continue;
+    auto spec = parse_prompt_spec(text, fmt::format("prompt file '{}' line {}", path, line));
+    spec.file = path;
+    spec.line = line;
+    specs.push_back(std::move(spec));
+  }
+  if (specs.empty()) throw std::runtime_error("prompt file '" + path + "' holds no prompt (one prompt per line expected)");
+  return specs;
+}
+
+std::vector<SampleJob> plan_prompt_specs(const std::vector<PromptSpec>& specs, uint64_t base_seed) {
+  std::vector<SampleJob> jobs;
+  std::map<std::string, int64_t> count;
+  std::set<std::string> files;
+  for (const auto& spec : specs) {
+    const int64_t index = count[spec.prompt]++;
+    SampleJob job;
+    job.prompt = spec.prompt;
+    job.index = index;
+    job.seed = spec.seed ? *spec.seed : vbench_seed(spec.prompt, index, base_seed);
+    job.file = vbench_file_name(spec.prompt, index);
+    job.steps = spec.steps;
+    job.guidance_scale = spec.guidance;
+    job.negative_prompt = spec.negative;
+    if (!files.insert(job.file).second)
+      throw std::invalid_argument(fmt::format("prompt file '{}' line {}: its prompt maps to the file name '{}' of an earlier line (they differ only "
+                                              "in characters a file name cannot hold, or beyond the length cap)", spec.file, spec.line, job.file));
+    jobs.push_back(std::move(job));
+  }
+  return jobs;
 }
 
 std::string vbench_file_name(const std::string& prompt, int64_t index, const std::string& extension) {
@@ -143,7 +267,11 @@ std::vector<SampleJob> plan_vbench_samples(const std::vector<std::string>& promp
   std::set<std::string> files;
   for (const auto& prompt : prompts) {
     for (int64_t i = 0; i < samples_per_prompt; ++i) {
-      SampleJob job{prompt, i, vbench_seed(prompt, i, base_seed), vbench_file_name(prompt, i)};
+      SampleJob job;
+      job.prompt = prompt;
+      job.index = i;
+      job.seed = vbench_seed(prompt, i, base_seed);
+      job.file = vbench_file_name(prompt, i);
       if (!files.insert(job.file).second)
         throw std::invalid_argument("two prompts map to the same file name '" + job.file + "' (they differ only in characters a file name cannot hold, or beyond the length cap)");
       jobs.push_back(std::move(job));
@@ -168,7 +296,16 @@ std::string index_json(const std::vector<SampleJob>& jobs, const SamplingRecord&
                            {"guidance_scale", r.guidance_scale}, {"eta", r.eta}, {"base_seed", r.base_seed},
                            {"fps", r.fps}, {"upscale", r.upscale}, {"videos_folder", kVideosFolder}};
   auto videos = nlohmann::ordered_json::array();
-  for (const auto& job : jobs) videos.push_back({{"prompt", job.prompt}, {"index", job.index}, {"seed", job.seed}, {"file", job.file}});
+  for (const auto& job : jobs) {
+    nlohmann::ordered_json v{{"prompt", job.prompt}, {"index", job.index}, {"seed", job.seed}, {"file", job.file}};
+    if (job.steps) v["steps"] = *job.steps;
+    if (job.guidance_scale) v["guidance_scale"] = *job.guidance_scale;
+    if (job.negative_prompt) v["negative_prompt"] = *job.negative_prompt;
+    if (job.frames) v["frames"] = *job.frames;
+    if (job.height) v["height"] = *job.height;
+    if (job.width) v["width"] = *job.width;
+    videos.push_back(std::move(v));
+  }
   j["videos"] = std::move(videos);
   return j.dump(2) + "\n";
 }

@@ -5,6 +5,7 @@
 #include <memory>
 
 #include "megaslide/diffusion/text_to_video.h"
+#include "megaslide/io/files.h"
 #include "megaslide/model/dit.h"
 #include "megaslide/model/dit_weights.h"
 #include "megaslide/train/auto_settings.h"
@@ -29,6 +30,10 @@ class DiTFamilyTrainer final : public FamilyTrainer {
                              config_.train.init_allow_missing);
       streamed_ ? streamed_->init_from(init_) : resident_->init_from(init_);
     }
+    if (request.validation)  // a bad prompt file stops the run now, not at its first validation
+      validation_ = plan_validation_videos(
+          config_, dit_validation_prompts(config_, 4, config_.data.dataset == "videos" ? data().captions(4) : std::vector<std::string>{}),
+          request.source);
   }
 
   StepMetrics step() override { return streamed_ ? streamed_->step() : resident_->step(); }
@@ -70,6 +75,13 @@ class DiTFamilyTrainer final : public FamilyTrainer {
     } else {
       info.push_back("trainer: resident reference loop (offload.enabled: false), compute dtype fp32");
     }
+    if (!validation_.empty()) {
+      std::string prompts;
+      for (const auto& v : validation_) prompts += (prompts.empty() ? "\"" : ", \"") + v.job.prompt + "\"";
+      info.push_back(fmt::format("validation videos every {} steps into {}: {}{}", config_.train.sample_every,
+                                 io::join_path(config_.output.run_dir, "samples/step-NNNNNNN"), prompts,
+                                 config_.train.sample_prompts.empty() ? "" : " (from " + config_.train.sample_prompts + ")"));
+    }
     if (config_.model.text_encoder.kind == "clip")
       info.push_back(fmt::format("text encoder: CLIP from {} (frozen), {} tokens of width {}", config_.model.text_encoder.weights,
                                  config_.data.max_text_tokens, config_.model.text_dim));
@@ -90,8 +102,7 @@ class DiTFamilyTrainer final : public FamilyTrainer {
 
   std::vector<std::string> write_validation(const std::string& folder) override {
     auto [dit, text] = model();
-    return write_validation_samples(folder, config_, dit, text, 4,
-                                    config_.data.dataset == "videos" ? data().captions(4) : std::vector<std::string>{}, data().frozen());
+    return write_validation_samples(folder, config_, dit, text, validation_, data().frozen());
   }
   void export_weights(const std::string& path) override {
     if (streamed_) {
@@ -122,6 +133,7 @@ class DiTFamilyTrainer final : public FamilyTrainer {
   std::unique_ptr<CPUMasterVideoDiT> streamed_;
   std::unique_ptr<ResidentTrainer> resident_;
   InitPlan init_;
+  std::vector<ValidationVideo> validation_;
   DiT snapshot_dit_{nullptr};
   TextEncoder snapshot_text_{nullptr};
 };

@@ -9,6 +9,7 @@
 #include <memory>
 #include <optional>
 
+#include "megaslide/diffusion/text_to_video.h"
 #include "megaslide/io/files.h"
 #include "megaslide/model/wan.h"
 #include "megaslide/train/auto_settings.h"
@@ -149,6 +150,9 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   const std::string& run_dir = config.output.run_dir;
   const auto& train = config.train;
   const bool writer = launch.rank == 0;  // the rank that writes the run folder
+  // A validation prompt file that cannot be read or asks for what the model cannot sample refuses the
+  // run here, before anything is written (the trainer plans the videos again from it).
+  if (writer && train.sample_every > 0 && !train.sample_prompts.empty()) plan_validation_videos(config, {}, options.config_source);
   TrainingRunResult result;
   std::unique_ptr<Communicator> communicator;
   // Launched ranks talk through a process group: several ranks, or the resident trainer's one rank (the

@@ -88,7 +88,8 @@ WanValidation::WanValidation(const RunConfig& config, const std::vector<std::str
         std::find(prompts.begin(), prompts.end(), caption) == prompts.end())
       prompts.push_back(caption);
   if (prompts.empty()) prompts.assign(wan_validation_prompts().begin(), wan_validation_prompts().begin() + kWanValidationVideos);
-  jobs_ = io::plan_vbench_samples(prompts, 1, config.train.seed);
+  videos_ = plan_validation_videos(config, prompts, source);
+  for (const auto& v : videos_) jobs_.push_back(v.job);
 
   torch::Device device = torch::kCPU;
   try {
@@ -124,8 +125,12 @@ WanValidation::WanValidation(const RunConfig& config, const std::vector<std::str
     const auto tokens = tokenizer->encode({options_.clean_prompts() ? wan_prompt_clean(prompt) : prompt}, options_.text_tokens());
     return t5->embed(tokens.ids.to(t5->device()), tokens.mask.to(t5->device())).to(torch::kCPU, torch::kFloat32);
   };
-  for (const auto& job : jobs_) text_.push_back(encode(job.prompt));
-  if (options_.guidance_scale() != 1.0) negative_ = encode(options_.negative_prompt());
+  for (const auto& job : jobs_) {
+    text_.push_back(encode(job.prompt));
+    // The negative prompt of each video that uses guidance: its own, or the run's; each text encoded once.
+    const std::string negative = job.negative_prompt.value_or(options_.negative_prompt());
+    if (job.guidance_scale.value_or(options_.guidance_scale()) != 1.0 && !negatives_.count(negative)) negatives_.emplace(negative, encode(negative));
+  }
   t5.reset();  // umT5 is not needed again
 
   // The VAE now, so that a bad one stops the run before it trains; loaded again for each validation.
@@ -135,7 +140,7 @@ WanValidation::WanValidation(const RunConfig& config, const std::vector<std::str
                                                                config.model.vae.weights, vae.config().z_dim, config.model.wan.in_channels));
 }
 
-torch::Tensor WanValidation::sample(WanTrainer& trainer) const {
+std::vector<torch::Tensor> WanValidation::sample(WanTrainer& trainer) const {
   trainer.synchronize();  // the host updates of the last step have landed in the store
   WanTransformer model = trainer.model();
   TrainingModeGuard mode(model);
@@ -165,19 +170,21 @@ torch::Tensor WanValidation::sample(WanTrainer& trainer) const {
   } else {
     denoiser = std::make_shared<ResidentWanDenoiser>(model, trainer.device(), at::kFloat);  // the module itself: fp32, on its device
   }
-  const auto& d = latent_.data;
-  const std::vector<int64_t> shape{config_.model.wan.in_channels, d.frames, d.height, d.width};
   auto predict = [&](const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& text, const torch::Tensor&) {
     return denoiser->predict(x, t, text);
   };
   std::vector<torch::Tensor> latents;
-  for (size_t i = 0; i < jobs_.size(); ++i) {
+  for (size_t i = 0; i < videos_.size(); ++i) {
+    const auto& job = videos_[i].job;
+    auto flow = options_.flow();
+    if (job.steps) flow.steps(*job.steps);
+    if (job.guidance_scale) flow.guidance_scale(*job.guidance_scale);
     Conditioning cond, uncond;
     cond.text = text_[i].to(denoiser->device());
-    if (negative_.defined()) uncond.text = negative_.to(denoiser->device());
-    latents.push_back(flow_sample(predict, options_.flow(), shape, {jobs_[i].seed}, cond, uncond, denoiser->device()).to(torch::kCPU));
+    if (flow.guidance_scale() != 1.0) uncond.text = negatives_.at(job.negative_prompt.value_or(options_.negative_prompt())).to(denoiser->device());
+    latents.push_back(flow_sample(predict, flow, videos_[i].shape, {job.seed}, cond, uncond, denoiser->device()).to(torch::kCPU));
   }
-  return torch::cat(latents);
+  return latents;
 }
 
 std::vector<std::string> WanValidation::write(const std::string& dir, WanTrainer& trainer) const {
@@ -192,7 +199,7 @@ std::vector<std::string> WanValidation::write(const std::string& dir, WanTrainer
     torch::Tensor video;
     {
       torch::NoGradGuard no_grad;
-      video = vae.decode(latents.narrow(0, static_cast<int64_t>(i), 1).to(vae.device(), torch::kFloat32), tiling)[0].to(torch::kCPU, torch::kFloat32);
+      video = vae.decode(latents[i].to(vae.device(), torch::kFloat32), tiling)[0].to(torch::kCPU, torch::kFloat32);
     }
     upscale = (video.size(2) % 2 != 0 || video.size(3) % 2 != 0) ? 2 : 1;  // H.264 needs even sizes
     io::write_mp4(io::join_path(videos_dir, jobs_[i].file), io::to_rgb_frames(video, upscale), io::VideoWriteOptions().fps(kWanFps));

@@ -178,6 +178,8 @@ struct TrainConfig {
   int64_t loss_scale_window = 1000;      // fp16: steps without overflow before the scale doubles
   double peak_tflops = 0.0;              // MFU denominator on a GPU; 0 = measure a matmul at start
   int64_t sample_every = 0;              // validation videos every N steps (RUN_DIR/samples/step-NNNNNNN/); 0 = never
+  std::string sample_prompts;            // the validation videos' prompt file (io::read_prompt_specs: per-line size, seed,
+                                         // steps, guidance, negative prompt); "" = the data's first captions
   int64_t checkpoint_every = 0;          // checkpoint every N steps and after the last (RUN_DIR/checkpoints/); 0 = never
   int64_t keep_last = 3;                 // complete checkpoints kept (the newest); 0 = all
   int64_t max_consecutive_skips = 5;     // stop after this many non-finite steps in a row; 0 = never stop
@@ -227,6 +229,18 @@ struct RunConfig {
 // The shape [C, T, H, W] of the DiT's samples: the video's (data.channels x frames x height x width),
 // or the VAE's latents' (latent_channels x frames (wan: 1 + (frames-1)/4) x height/ds x width/ds).
 std::array<int64_t, 4> model_sample_shape(const RunConfig& config);
+
+// A video's size in pixels.
+struct VideoSize {
+  int64_t frames = 0, height = 0, width = 0;
+};
+// The run's videos' size in pixels: data.frames x height x width, or for Wan's latent tensors what the
+// Wan VAE decodes them to (4(T − 1) + 1 frames, H and W times model.vae.downscale).
+VideoSize run_video_size(const RunConfig& config);
+// model_sample_shape for videos of `size` instead of the data's (a validation prompt's own size).
+// Throws std::invalid_argument saying which axis the model cannot take and what it needs (the Wan
+// VAE's 1 + 4k frames, the VAE's downscale times the patch, the patch).
+std::array<int64_t, 4> model_sample_shape_at(const RunConfig& config, VideoSize size);
 
 // Loads `path`, applies `overrides` ("key.path=value", YAML scalars or flow sequences such as
 // "[1,2,2]") in order, then validates. Throws ConfigError.

@@ -6,7 +6,8 @@
 //                built-in one, or the frozen CLIP) from the model's config.
 //   TextToVideo  holds a loaded model and samples videos for prompts with one seed per video.
 //
-// The unconditional branch of guidance is the empty prompt, as in training (caption dropout).
+// The unconditional branch of guidance is the empty prompt, as in training (caption dropout), or a
+// negative prompt given to generate.
 // Ownership: TextToVideo shares the model's modules (no copies). Thread-safety: one thread drives it.
 #pragma once
 
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "megaslide/diffusion/sampler.h"
+#include "megaslide/io/vbench_layout.h"
 #include "megaslide/model/dit_weights.h"
 #include "megaslide/model/frozen_encoders.h"
 #include "megaslide/model/text_encoder.h"
@@ -56,9 +58,11 @@ class TextToVideo {
   TextToVideo(TextToVideoModel model, torch::Device device, std::shared_ptr<Denoiser> denoiser = nullptr,
               std::shared_ptr<VideoCodec> codec = nullptr);
 
-  // One video per (prompt, seed) pair: pixels [B, C, T, H, W] float32 in [-1, 1] on the CPU.
+  // One video per (prompt, seed) pair: pixels [B, C, T, H, W] float32 in [-1, 1] on the CPU. `shape`:
+  // the samples' [C, T, H, W] (empty: sample_shape()); `negative`: the unconditional branch's prompt.
   torch::Tensor generate(const std::vector<std::string>& prompts, const std::vector<uint64_t>& seeds,
-                         const SamplerOptions& options, const std::function<void(int64_t, int64_t)>& on_step = {});
+                         const SamplerOptions& options, const std::function<void(int64_t, int64_t)>& on_step = {},
+                         const std::vector<int64_t>& shape = {}, const std::string& negative = "");
 
   // The sampler options of the model's run config (diffusion.sample_steps, diffusion.timestep_spacing,
   // diffusion.guidance_scale).
@@ -78,17 +82,36 @@ class TextToVideo {
   std::shared_ptr<VideoCodec> codec_;
 };
 
-// Validation videos during training (train.sample_every): the captions of structured-motion clips
-// 0…count−1 of the run's dataset (fixed by data.seed) — or the first `count` of `dataset_captions` when
-// given (a video dataset's) — each with a fixed seed (io::vbench_seed(caption,
-// 0, train.seed)), sampled with the config's sampler settings from the given modules (shared, not copied;
-// their training mode is restored afterwards) and written in the VBench layout — `dir`/videos/{caption}-0.mp4
-// and `dir`/index.json. Frames of odd size are upscaled 2× (H.264 needs even sizes). Sampling draws from
-// its own generators, so it leaves the training's random streams untouched. Returns the file names.
-// `frozen`: the trainer's CLIP / VAE when the config names them.
+// One validation video: its job (prompt, VBench index, seed, file name and a prompt file's own steps,
+// guidance, negative prompt and size) and the shape [C, T, H, W] it is sampled at.
+struct ValidationVideo {
+  io::SampleJob job;
+  std::vector<int64_t> shape;
+};
+
+// A run's validation videos (both model families'): the lines of train.sample_prompts when it is set
+// (io::read_prompt_specs, read and checked now: a ConfigError naming train.sample_prompts, the file,
+// the line and the problem: a size the model cannot take (model_sample_shape_at), more DDPM steps than
+// diffusion.timesteps), else one video per prompt of `prompts` at the run's size and settings. Seeds as
+// io::plan_prompt_specs / io::plan_vbench_samples give them (from train.seed). `config`: the run's, with
+// pixel sizes for the data that has them.
+std::vector<ValidationVideo> plan_validation_videos(const RunConfig& config, const std::vector<std::string>& prompts,
+                                                    const std::string& source);
+
+// The DiT family's validation prompts without a prompt file: the first `count` distinct of
+// `dataset_captions` (a video dataset's), else the captions of structured-motion clips 0…count−1 of the
+// run's dataset (fixed by data.seed).
+std::vector<std::string> dit_validation_prompts(const RunConfig& config, int64_t count, const std::vector<std::string>& dataset_captions);
+
+// Validation videos during training (train.sample_every): `videos` sampled with the config's sampler
+// settings (a video's own steps, guidance and negative prompt where it has them) from the given
+// modules (shared, not copied; their training mode is restored afterwards) and written in the VBench
+// layout — `dir`/videos/{prompt}-{index}.mp4 and `dir`/index.json. Videos at the run's settings are
+// sampled as one batch, the others one at a time. Frames of odd size are upscaled 2× (H.264 needs
+// even sizes). Sampling draws from its own generators, so it leaves the training's random streams
+// untouched. Returns the file names. `frozen`: the trainer's CLIP / VAE when the config names them.
 std::vector<std::string> write_validation_samples(const std::string& dir, const RunConfig& config, DiT& dit,
-                                                  TextEncoder& text_encoder, int64_t count = 4,
-                                                  const std::vector<std::string>& dataset_captions = {},
+                                                  TextEncoder& text_encoder, const std::vector<ValidationVideo>& videos,
                                                   std::shared_ptr<FrozenEncoders> frozen = nullptr);
 
 }  // namespace megaslide

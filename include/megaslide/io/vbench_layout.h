@@ -24,6 +24,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -63,10 +64,47 @@ struct SampleJob {
   int64_t index = 0;
   uint64_t seed = 0;
   std::string file;  // file name inside the output folder
+  // This video's own settings where they differ from the folder's (a prompt file's --s, --g, --n and
+  // size: PromptSpec); index.json records those present with the video.
+  std::optional<int64_t> steps;
+  std::optional<double> guidance_scale;
+  std::optional<std::string> negative_prompt;
+  std::optional<int64_t> frames, height, width;
 };
 
 // Prompt-major: every index of the first prompt, then the next prompt, …
 std::vector<SampleJob> plan_vbench_samples(const std::vector<std::string>& prompts, int64_t samples_per_prompt, uint64_t base_seed);
+
+// A prompt file with per-line settings (train.sample_prompts; megaslide-sample --prompts): each line a
+// prompt, then optionally any of
+//   --w WIDTH  --h HEIGHT  --f FRAMES   the video's size in pixels and frames
+//   --d SEED   --s STEPS   --g SCALE    its seed, sampling steps and guidance scale
+//   --n TEXT                             its negative prompt (everything up to the next setting)
+// e.g. "a red fox runs through snow --w 832 --h 480 --f 81 --d 42 --g 5.0". A setting starts at " --"
+// followed by its letter and a space; an unknown one, a repeated one, a value that is not a number in
+// range or a line with settings but no prompt is refused naming the file, the line and the setting.
+// Blank lines and lines starting with '#' are skipped; lines are kept in order, repeats included (a
+// prompt given twice, e.g. at two sizes, gets the next VBench index: plan_prompt_specs). Reading and
+// UTF-8 checks as read_prompt_file. What a caller cannot honour (a size its model cannot take) it
+// refuses itself, naming `file` and `line`.
+struct PromptSpec {
+  std::string prompt;
+  std::optional<int64_t> width, height, frames, steps;
+  std::optional<uint64_t> seed;
+  std::optional<double> guidance;
+  std::optional<std::string> negative;
+  std::string file;
+  int64_t line = 0;
+  bool has_size() const { return width || height || frames; }
+};
+std::vector<PromptSpec> read_prompt_specs(const std::string& path);
+// One line's prompt and settings (`where` names it in errors, e.g. "prompts.txt line 3").
+PromptSpec parse_prompt_spec(const std::string& line, const std::string& where);
+
+// One job per spec, in order: index = how many earlier specs had the same prompt, seed = the spec's
+// --d or vbench_seed(prompt, index, base_seed), file = vbench_file_name(prompt, index), and the spec's
+// steps, guidance and negative prompt (its size is the caller's to resolve and record).
+std::vector<SampleJob> plan_prompt_specs(const std::vector<PromptSpec>& specs, uint64_t base_seed);
 
 // How a folder's videos were made (recorded in index.json).
 struct SamplingRecord {
@@ -79,7 +117,8 @@ struct SamplingRecord {
 
 // DIR/index.json: {"checkpoint", "sampler", "steps", "guidance_scale", "eta", "base_seed", "fps", "upscale",
 // "videos_folder" ("videos"),
-// "videos": [{"prompt", "index", "seed", "file"}, …]}.
+// "videos": [{"prompt", "index", "seed", "file"[, "steps", "guidance_scale", "negative_prompt", "frames",
+// "height", "width"]}, …]} (a video's own settings where it has them).
 std::string index_json(const std::vector<SampleJob>& jobs, const SamplingRecord& record);
 
 // Names of the regular files in `dir` that end in `.extension`, sorted. Throws std::runtime_error

@@ -2,10 +2,11 @@
 // write_validation_samples (diffusion/text_to_video.h) writes for the DiT family, made with Wan's pipeline
 // (diffusion/wan_text_to_video.h) from the trainer's current weights.
 //
-//   construction   the prompts: the first kWanValidationVideos distinct captions of the run's data (a
-//                  megaslide-cache folder's items, in item order) or, when the data has none (data.tensors),
-//                  kWanValidationPrompts; each with its fixed seed (io::plan_vbench_samples: one video per
-//                  prompt, from train.seed), so that successive validations are comparable. umT5
+//   construction   the prompts: train.sample_prompts' lines with their own sizes, seeds, steps, guidance
+//                  and negative prompts (plan_validation_videos, diffusion/text_to_video.h), or the first
+//                  kWanValidationVideos distinct captions of the run's data (a megaslide-cache folder's
+//                  items, in item order) or, when the data has none (data.tensors), wan_validation_prompts();
+//                  each with its fixed seed (from train.seed), so that successive validations are comparable. umT5
 //                  (model.text_encoder: weights, vocab, dtype as megaslide-cache runs it) encodes them and
 //                  the negative prompt once, on the run's device (its layers streamed when it would take
 //                  more than half of a GPU's free memory), and is freed; the Wan VAE (model.vae.weights) is
@@ -14,7 +15,7 @@
 //                  from_config: diffusion.sample_steps, shift, guidance_scale, data.max_text_tokens; Wan's
 //                  negative prompt) over the trainer's DiT, then the Wan VAE, loaded on the run's device for
 //                  this call (model.vae.dtype; model.vae.tile_size tiles), decodes it. Writes
-//                  DIR/videos/{prompt}-0.mp4 (H.264, 16 fps, Wan's sample_fps) and DIR/index.json, VBench's
+//                  DIR/videos/{prompt}-{index}.mp4 (H.264, 16 fps, Wan's sample_fps) and DIR/index.json, VBench's
 //                  layout as megaslide-sample's.
 //
 // The DiT's weights are the trainer's, read in place (no copy of the model): the resident loop's module
@@ -32,8 +33,8 @@
 // tokens, guidance's two halves) and its decode; all freed when it returns. At construction umT5 (5.7 B
 // parameters for umT5-XXL: 11.4 GB in bf16, 22.8 GB in fp32) is held until the prompts are encoded —
 // run_training builds this before the trainer, so that it never coexists with the trainer's state. Kept
-// for the run: the prompts' embeddings (kWanValidationVideos + 1 of [data.max_text_tokens, text_dim]
-// fp32: 8.4 MB each at 512 × 4096).
+// for the run: the prompts' and negative prompts' embeddings ([data.max_text_tokens, text_dim] fp32 each:
+// 8.4 MB at 512 × 4096).
 //
 // Sampling draws from its own generators (one per video's seed): the training's random streams, its
 // weights and its optimizer state are untouched (tested: a run that writes validation videos trains
@@ -46,10 +47,12 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
 #include "megaslide/config/run_config.h"
+#include "megaslide/diffusion/text_to_video.h"
 #include "megaslide/diffusion/wan_text_to_video.h"
 #include "megaslide/io/vbench_layout.h"
 #include "megaslide/train/wan_trainer.h"
@@ -78,10 +81,9 @@ class WanValidation {
   const WanSampleOptions& options() const { return options_; }
   const RunConfig& latent_config() const { return latent_; }
 
-  // The normalised latents [kWanValidationVideos, C, T, H, W] float32 on the CPU, sampled with the
-  // trainer's current weights (waits for its pending updates; its weights and modes are as before on
-  // return).
-  torch::Tensor sample(WanTrainer& trainer) const;
+  // Each video's normalised latents [1, C, T, H, W] float32 on the CPU, sampled with the trainer's
+  // current weights (waits for its pending updates; its weights and modes are as before on return).
+  std::vector<torch::Tensor> sample(WanTrainer& trainer) const;
   // sample, decoded and written into `dir` (created) as above. Returns the videos' file names.
   std::vector<std::string> write(const std::string& dir, WanTrainer& trainer) const;
 
@@ -90,9 +92,10 @@ class WanValidation {
   std::string source_;  // where the config came from (errors name it)
   RunConfig latent_;  // wan_latent_config: the latents' shape
   WanSampleOptions options_;
-  std::vector<io::SampleJob> jobs_;
-  std::vector<torch::Tensor> text_;  // per job [1, L, text_dim] float32, CPU
-  torch::Tensor negative_;           // [1, L, text_dim] float32, CPU (undefined when guidance is 1)
+  std::vector<ValidationVideo> videos_;  // train.sample_prompts' lines, or the captions (plan_validation_videos)
+  std::vector<io::SampleJob> jobs_;      // videos_' jobs
+  std::vector<torch::Tensor> text_;      // per job [1, L, text_dim] float32, CPU
+  std::map<std::string, torch::Tensor> negatives_;  // per negative prompt of a video with guidance: [1, L, text_dim] float32, CPU
 };
 
 }  // namespace megaslide
