@@ -1,7 +1,7 @@
 // Video files: an MP4 read back with libavformat is H.264/yuv420p with the frames, size and rate
 // written, its pixels are close to the input, ffprobe (an independent reader) agrees, PNGs are
-// lossless, bad input is refused naming the file, and the OpenCV conversion gives opencv-python's frames
-// (tests/fixtures/video/).
+// lossless, bad input is refused naming the file, the OpenCV conversion gives opencv-python's frames
+// (tests/fixtures/video/), and a display matrix (a phone's rotate=90) reads upright, as ffmpeg shows it.
 #include "megaslide/io/video.h"
 
 #include <gtest/gtest.h>
@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <iostream>
 #include <map>
+#include <utility>
 
 #include "megaslide/io/safetensors.h"
 
@@ -237,4 +238,132 @@ TEST(Video, InterpolatedChromaIsNotWhatOpenCvReads) {
     std::cout << clip << ": interpolated chroma vs opencv-python: mean |difference| " << mean_diff << " levels\n";
     EXPECT_GT(mean_diff, 1.0) << clip;
   }
+}
+
+namespace {
+
+// Four flat quadrants of distinct colours (top-left red, top-right green, bottom-left blue, bottom-right
+// white) and a dark stripe along the top edge: tells left from right and top from bottom. [T, H, W, 3].
+torch::Tensor quadrant_frames(int64_t T, int64_t H, int64_t W) {
+  auto f = torch::zeros({T, H, W, 3}, torch::kUInt8);
+  using torch::indexing::Slice;
+  f.index_put_({Slice(), Slice(0, H / 2), Slice(0, W / 2)}, torch::tensor({220, 30, 30}, torch::kUInt8));
+  f.index_put_({Slice(), Slice(0, H / 2), Slice(W / 2, W)}, torch::tensor({30, 200, 40}, torch::kUInt8));
+  f.index_put_({Slice(), Slice(H / 2, H), Slice(0, W / 2)}, torch::tensor({40, 50, 210}, torch::kUInt8));
+  f.index_put_({Slice(), Slice(H / 2, H), Slice(W / 2, W)}, torch::tensor({230, 230, 230}, torch::kUInt8));
+  f.index_put_({Slice(), Slice(0, 4), Slice()}, torch::tensor({16, 16, 16}, torch::kUInt8));
+  return f;
+}
+
+// What a player shows: turned `degrees` clockwise (torch::rot90 turns from dim 1 towards dim 2, i.e.
+// counter-clockwise on an image, for k = 1), then mirrored left-right.
+torch::Tensor upright(const torch::Tensor& stored, int64_t degrees, bool hflip) {
+  auto t = torch::rot90(stored, -degrees / 90, {1, 2});
+  return (hflip ? t.flip({2}) : t).contiguous();
+}
+
+double psnr(const torch::Tensor& a, const torch::Tensor& b) {
+  const double mse = (a.to(torch::kFloat64) - b.to(torch::kFloat64)).pow(2).mean().item<double>();
+  return 10.0 * std::log10(255.0 * 255.0 / std::max(mse, 1e-12));
+}
+
+double mean_abs_diff(const torch::Tensor& a, const torch::Tensor& b) {
+  return (a.to(torch::kFloat64) - b.to(torch::kFloat64)).abs().mean().item<double>();
+}
+
+// ffmpeg's own frames (its default autorotate), or an undefined tensor when ffmpeg is missing.
+torch::Tensor ffmpeg_frames(const std::string& path, int64_t T, int64_t H, int64_t W) {
+  std::string bytes;
+  FILE* pipe = popen(("ffmpeg -v error -i '" + path + "' -f rawvideo -pix_fmt rgb24 - 2>/dev/null").c_str(), "r");
+  if (pipe == nullptr) return {};
+  std::array<char, 65536> buf{};
+  for (size_t n; (n = fread(buf.data(), 1, buf.size(), pipe)) > 0;) bytes.append(buf.data(), n);
+  pclose(pipe);
+  if (static_cast<int64_t>(bytes.size()) != T * H * W * 3) return {};
+  return torch::from_blob(bytes.data(), {T, H, W, 3}, torch::kUInt8).clone();
+}
+
+}  // namespace
+
+// A phone's portrait video is stored landscape with a display matrix; it must read upright, at the
+// displayed size, for 90, 180 and 270 degrees and with a mirror. libx264 at crf 0 (lossless luma; the
+// 4:2:0 chroma is what differs from the source, at the quadrants' edges).
+TEST(Video, DisplayMatrixTurnsFramesUpright) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  const int64_t T = 3, H = 32, W = 48;
+  const auto source = quadrant_frames(T, H, W);
+  const auto options = megaslide::io::VideoWriteOptions().fps(8).crf(0).preset("veryfast");
+  const auto plain_path = temp_path("upright-plain.mp4");
+  megaslide::io::write_mp4(plain_path, source, options);
+  const auto plain = megaslide::io::read_video(plain_path);
+  ASSERT_EQ(plain.sizes(), source.sizes());
+  const bool have_ffmpeg = !run("command -v ffmpeg").empty();
+  const auto plain_reference = have_ffmpeg ? ffmpeg_frames(plain_path, T, H, W) : torch::Tensor();
+  if (have_ffmpeg) ASSERT_TRUE(plain_reference.defined()) << "ffmpeg could not read " << plain_path;
+  for (const auto& [degrees, hflip] : std::vector<std::pair<int64_t, bool>>{{90, false}, {180, false}, {270, false}, {90, true}, {0, true}}) {
+    SCOPED_TRACE("rotation " + std::to_string(degrees) + (hflip ? " mirrored" : ""));
+    const auto path = temp_path("upright-" + std::to_string(degrees) + (hflip ? "-flip" : "") + ".mp4");
+    megaslide::io::write_mp4(path, source, megaslide::io::VideoWriteOptions(options).display_rotation_degrees(static_cast<double>(degrees)).display_hflip(hflip));
+    const auto expected = upright(source, degrees, hflip);
+    const bool sideways = degrees % 180 != 0;
+    const auto info = megaslide::io::probe_video(path);
+    EXPECT_EQ(info.width, sideways ? H : W);
+    EXPECT_EQ(info.height, sideways ? W : H);
+    EXPECT_EQ(info.stored_width, W);
+    EXPECT_EQ(info.rotation_degrees, degrees);
+    EXPECT_EQ(info.hflip, hflip);
+    VideoInfo read_info;
+    const auto frames = megaslide::io::read_video(path, &read_info);
+    ASSERT_EQ(frames.sizes(), expected.sizes());
+    EXPECT_EQ(read_info.width, info.width);
+    // The same bitstream as the plain file, turned after the RGB conversion: exact.
+    EXPECT_TRUE(torch::equal(frames, upright(plain, degrees, hflip)));
+    // And the source turned: of the eight turns and mirrors of the source, the expected one is by far the
+    // closest (the quadrants' 4:2:0 chroma edges are what keeps it from exact).
+    const double right = psnr(frames, expected);
+    EXPECT_GT(right, 20.0);
+    for (int64_t d = 0; d < 360; d += 90)
+      for (bool f : {false, true}) {
+        const auto other = upright(source, d, f);
+        if ((d == degrees && f == hflip) || other.sizes() != frames.sizes()) continue;
+        EXPECT_GT(right, psnr(frames, other) + 6.0) << "as close to the turn " << d << (f ? " mirrored" : "");
+      }
+    const auto some = megaslide::io::read_video_frames(path, {2, 0});
+    ASSERT_TRUE(some.defined());
+    EXPECT_TRUE(torch::equal(some[0], frames[2]));
+    EXPECT_TRUE(torch::equal(some[1], frames[0]));
+    if (sideways) EXPECT_GT(frames.size(1), frames.size(2)) << "a quarter-turned landscape file reads portrait";
+    if (have_ffmpeg) {
+      const auto reference = ffmpeg_frames(path, T, expected.size(1), expected.size(2));
+      ASSERT_TRUE(reference.defined()) << "ffmpeg gave no frames of the displayed size";
+      // ffmpeg turns what it shows of the plain file the same way; its frames differ from ours by its
+      // YUV -> RGB conversion only (uninterpolated chroma): as much as they do for the plain file.
+      EXPECT_LT(mean_abs_diff(reference, upright(plain_reference, degrees, hflip)), 0.5);
+      EXPECT_NEAR(mean_abs_diff(frames, reference), mean_abs_diff(plain, plain_reference), 0.5);
+    }
+    ::unlink(path.c_str());
+  }
+  ::unlink(plain_path.c_str());
+  if (!have_ffmpeg) GTEST_SKIP() << "ffmpeg not installed: the comparison with ffmpeg's autorotated frames did not run";
+}
+
+// An angle that is not a quarter turn is read at the nearest one, with one warning per file.
+TEST(Video, OddDisplayAngleReadsAtTheNearestQuarterTurnWithOneWarning) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  const int64_t T = 2, H = 32, W = 48;
+  const auto source = quadrant_frames(T, H, W);
+  const auto path = temp_path("upright-100.mp4");
+  megaslide::io::write_mp4(path, source, megaslide::io::VideoWriteOptions().fps(8).crf(0).preset("veryfast").display_rotation_degrees(100));
+  ::testing::internal::CaptureStderr();
+  const auto info = megaslide::io::probe_video(path);
+  const auto frames = megaslide::io::read_video(path);
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(info.rotation_degrees, 90);
+  EXPECT_NEAR(info.display_angle_degrees, 100.0, 0.01);
+  EXPECT_EQ(frames.size(1), W);
+  EXPECT_EQ(frames.size(2), H);
+  EXPECT_GT(psnr(frames, upright(source, 90, false)), psnr(frames, upright(source, 270, false)) + 6.0);
+  EXPECT_NE(err.find(path), std::string::npos) << err;
+  EXPECT_EQ(err.find(path), err.rfind(path)) << "warned more than once: " << err;
+  ::unlink(path.c_str());
 }

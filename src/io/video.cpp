@@ -4,6 +4,7 @@
 extern "C" {
 #include <libavcodec/avcodec.h>
 #include <libavformat/avformat.h>
+#include <libavutil/display.h>
 #include <libavutil/imgutils.h>
 #include <libavutil/opt.h>
 #include <libswscale/swscale.h>
@@ -16,6 +17,7 @@ extern "C" {
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <functional>
@@ -170,6 +172,22 @@ void write_mp4(const std::string& path, const torch::Tensor& frames_in, const Vi
   stream->time_base = enc->time_base;
   stream->avg_frame_rate = enc->framerate;
   check(avcodec_parameters_from_context(stream->codecpar, enc.get()), path, "cannot copy encoder parameters");
+  if (options.display_rotation_degrees() != 0.0 || options.display_hflip()) {
+    if (!std::isfinite(options.display_rotation_degrees()))
+      fail(path, "display rotation must be a finite angle, got " + std::to_string(options.display_rotation_degrees()));
+    constexpr size_t kMatrixBytes = 9 * sizeof(int32_t);
+#if LIBAVFORMAT_VERSION_INT >= AV_VERSION_INT(60, 15, 100)  // FFmpeg 6.1: stream side data moved into codecpar
+    AVPacketSideData* sd = av_packet_side_data_new(&stream->codecpar->coded_side_data, &stream->codecpar->nb_coded_side_data,
+                                                   AV_PKT_DATA_DISPLAYMATRIX, kMatrixBytes, 0);
+    auto* matrix = sd != nullptr ? reinterpret_cast<int32_t*>(sd->data) : nullptr;
+#else
+    auto* matrix = reinterpret_cast<int32_t*>(av_stream_new_side_data(stream, AV_PKT_DATA_DISPLAYMATRIX, kMatrixBytes));
+#endif
+    if (matrix == nullptr) fail(path, "out of memory");
+    // av_display_rotation_set's angle is clockwise; the flip negates the displayed x, after the turn.
+    av_display_rotation_set(matrix, options.display_rotation_degrees());
+    av_display_matrix_flip(matrix, options.display_hflip() ? 1 : 0, 0);
+  }
   check(avio_open(&out->pb, url.c_str(), AVIO_FLAG_WRITE), tmp, "cannot create");
   check(avformat_write_header(out.get(), nullptr), path, "cannot write the MP4 header");
 
@@ -247,12 +265,77 @@ void write_png(const std::string& path, const torch::Tensor& frame_in) {
 
 namespace {
 
+// How a stream's frames are shown: its stored frames turned `rotation` degrees clockwise (a quarter
+// turn multiple), then mirrored left-right when `hflip`.
+struct DisplayTransform {
+  int rotation = 0;
+  bool hflip = false;
+  double angle = 0.0;      // the matrix's clockwise angle, degrees in (-180, 180]
+  bool snapped = false;    // the angle was not a quarter turn: read at the nearest one
+};
+
+const int32_t* stream_display_matrix(const AVStream* stream) {
+  constexpr size_t kMatrixBytes = 9 * sizeof(int32_t);
+#if LIBAVFORMAT_VERSION_INT >= AV_VERSION_INT(60, 15, 100)  // FFmpeg 6.1: stream side data moved into codecpar
+  const AVPacketSideData* sd =
+      av_packet_side_data_get(stream->codecpar->coded_side_data, stream->codecpar->nb_coded_side_data, AV_PKT_DATA_DISPLAYMATRIX);
+  if (sd == nullptr || sd->size < kMatrixBytes) return nullptr;
+  return reinterpret_cast<const int32_t*>(sd->data);
+#else
+  size_t size = 0;
+  const uint8_t* data = av_stream_get_side_data(stream, AV_PKT_DATA_DISPLAYMATRIX, &size);
+  if (data == nullptr || size < kMatrixBytes) return nullptr;
+  return reinterpret_cast<const int32_t*>(data);
+#endif
+}
+
+// The display matrix maps a stored pixel (x, y), y downwards, to the displayed (x', y') = (m0·x + m3·y,
+// m1·x + m4·y) (FFmpeg's libavutil/display.h convention; the ffmpeg CLI's autorotate applies exactly this
+// map for quarter turns). A turn by φ clockwise is m0 = m4 = cos φ, m1 = −m3 = sin φ; a left-right mirror
+// after it negates m0 and m3, so in both cases φ = atan2(m1, m4) and the determinant's sign tells the
+// mirror. Scale factors (a matrix may carry them) change neither.
+DisplayTransform display_transform(const int32_t* m) {
+  DisplayTransform t;
+  if (m == nullptr) return t;
+  const double a = m[0], b = m[1], c = m[3], d = m[4];
+  const double det = a * d - b * c;
+  if (det == 0.0 || !std::isfinite(det)) return t;  // degenerate: shown as stored, as the CLI does
+  t.angle = std::atan2(b, d) * 180.0 / M_PI;
+  t.hflip = det < 0;
+  const double quarters = std::round(t.angle / 90.0);
+  // The CLI rounds the angle to whole degrees and turns by a quarter only when that is exact; any other
+  // angle it rotates arbitrarily (corners cut, black fill), which a training clip is better without.
+  t.snapped = std::abs(t.angle - 90.0 * quarters) >= 0.5;
+  t.rotation = static_cast<int>(((static_cast<int64_t>(quarters) % 4) + 4) % 4) * 90;
+  return t;
+}
+
+void warn_snapped_once(const std::string& path, const DisplayTransform& t) {
+  static std::mutex mutex;
+  static std::set<std::string> warned;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (!warned.insert(path).second) return;
+  std::fprintf(stderr, "megaslide: warning: video '%s': its display matrix turns it %.1f degrees, not a quarter turn; read turned %d\n",
+               path.c_str(), t.angle, t.rotation);
+}
+
+// [H, W, 3] stored -> as displayed.
+torch::Tensor apply_display_transform(torch::Tensor frame, const DisplayTransform& t) {
+  if (t.rotation == 90) frame = frame.transpose(0, 1).flip({1});        // out[i][j] = in[H-1-j][i]
+  else if (t.rotation == 180) frame = frame.flip({0, 1});
+  else if (t.rotation == 270) frame = frame.transpose(0, 1).flip({0});  // out[i][j] = in[j][W-1-i]
+  if (t.hflip) frame = frame.flip({1});
+  return t.rotation == 0 && !t.hflip ? frame : frame.contiguous();
+}
+
 struct OpenedVideo {
   std::unique_ptr<AVFormatContext, InputDeleter> in;
   CodecContextPtr dec;
   int index = -1;
   AVStream* stream = nullptr;
-  int width = 0, height = 0;
+  int width = 0, height = 0;                  // stored (coded) frame size
+  int shown_width = 0, shown_height = 0;      // after the display transform
+  DisplayTransform display;
 };
 
 OpenedVideo open_video(const std::string& path) {
@@ -281,6 +364,10 @@ OpenedVideo open_video(const std::string& path) {
   check(avcodec_open2(v.dec.get(), codec, nullptr), path, std::string("cannot open decoder ") + codec->name);
   v.width = v.stream->codecpar->width, v.height = v.stream->codecpar->height;
   if (v.width <= 0 || v.height <= 0) fail(path, "video stream has no frame size");
+  v.display = display_transform(stream_display_matrix(v.stream));
+  if (v.display.snapped) warn_snapped_once(path, v.display);
+  const bool sideways = v.display.rotation == 90 || v.display.rotation == 270;
+  v.shown_width = sideways ? v.height : v.width, v.shown_height = sideways ? v.width : v.height;
   return v;
 }
 
@@ -288,7 +375,9 @@ void describe_stream(const OpenedVideo& v, VideoInfo& info) {
   info.codec = avcodec_get_name(v.stream->codecpar->codec_id);
   const char* pf = av_get_pix_fmt_name(static_cast<AVPixelFormat>(v.stream->codecpar->format));
   info.pixel_format = pf != nullptr ? pf : "unknown";
-  info.width = v.width, info.height = v.height;
+  info.width = v.shown_width, info.height = v.shown_height;
+  info.stored_width = v.width, info.stored_height = v.height;
+  info.rotation_degrees = v.display.rotation, info.hflip = v.display.hflip, info.display_angle_degrees = v.display.angle;
   info.container_frames = v.stream->nb_frames;
   info.fps = v.stream->avg_frame_rate.den != 0 ? av_q2d(v.stream->avg_frame_rate) : 0.0;
   if (info.fps <= 0 && v.stream->r_frame_rate.den != 0) info.fps = av_q2d(v.stream->r_frame_rate);
@@ -334,7 +423,7 @@ int64_t decode_frames(const std::string& path, OpenedVideo& v, const VideoReadOp
         auto t = torch::empty({H, W, 3}, torch::kUInt8);
         for (int y = 0; y < H; ++y)
           std::memcpy(t.data_ptr<uint8_t>() + static_cast<int64_t>(y) * W * 3, rgb->data[0] + y * rgb->linesize[0], static_cast<size_t>(W) * 3);
-        take(index, std::move(t));
+        take(index, apply_display_transform(std::move(t), v.display));
       }
       av_frame_unref(frame.get());
       if (last >= 0 && index >= last) done = true;
@@ -434,7 +523,7 @@ torch::Tensor read_video_frames(const std::string& path, const std::vector<int64
       [&](int64_t i, torch::Tensor t) { kept.emplace(i, std::move(t)); });
   if (frames_decoded != nullptr) *frames_decoded = decoded;
   if (decoded <= last) return {};
-  auto out = torch::empty({static_cast<int64_t>(indices.size()), v.height, v.width, 3}, torch::kUInt8);
+  auto out = torch::empty({static_cast<int64_t>(indices.size()), v.shown_height, v.shown_width, 3}, torch::kUInt8);
   for (size_t k = 0; k < indices.size(); ++k) out[static_cast<int64_t>(k)].copy_(kept.at(indices[k]));
   return out;
 }

@@ -35,6 +35,11 @@ struct VideoWriteOptions {
   TORCH_ARG(int64_t, fps) = 8;
   TORCH_ARG(int64_t, crf) = 17;                 // libx264 constant rate factor: 0 best, 51 worst; 17 ≈ visually lossless
   TORCH_ARG(std::string, preset) = "medium";    // libx264 speed/size trade-off
+  // A display matrix for the stream (what a phone writes for a video held upright): players show the
+  // frames turned display_rotation_degrees clockwise, then mirrored left-right when display_hflip. The
+  // frames are stored as given. 0 and false: no matrix is written.
+  TORCH_ARG(double, display_rotation_degrees) = 0.0;
+  TORCH_ARG(bool, display_hflip) = false;
 };
 
 // [C, T, H, W] float in [-1, 1] (C = 3: RGB; C = 1: grey) -> [T, H·upscale, W·upscale, 3] uint8, values
@@ -50,7 +55,16 @@ void write_png(const std::string& path, const torch::Tensor& frame);
 struct VideoInfo {
   std::string codec;          // e.g. "h264"
   std::string pixel_format;   // e.g. "yuv420p"
-  int64_t width = 0, height = 0;
+  int64_t width = 0, height = 0;  // of the frames as read: displayed (upright), after the turn below
+  // The stream's display matrix (phones: rotate=90), applied as the ffmpeg CLI's autorotate does: the
+  // stored frames turned `rotation_degrees` clockwise (0, 90, 180 or 270), then mirrored left-right when
+  // `hflip`. `display_angle_degrees` is the matrix's own clockwise angle; one that is not within half a
+  // degree of a quarter turn is read at the nearest quarter turn (ffmpeg would rotate it by the exact
+  // angle), with one warning per file on stderr.
+  int64_t rotation_degrees = 0;
+  bool hflip = false;
+  double display_angle_degrees = 0.0;
+  int64_t stored_width = 0, stored_height = 0;  // the coded frame size, before the turn
   int64_t frames = 0;         // frames decoded
   int64_t container_frames = 0;  // the stream's frame count as the container states it (0 if unknown)
   double fps = 0.0;           // the stream's average frame rate
@@ -78,6 +92,8 @@ struct VideoReadOptions {
   // VideoError naming the frame size, the frames and the limit.
   TORCH_ARG(int64_t, max_bytes) = 0;
 };
+
+// Every read returns frames upright: turned and mirrored as the stream's display matrix says (VideoInfo).
 
 // Decodes every frame: [T, H, W, 3] uint8 RGB. `info`, when given, receives the stream's description.
 torch::Tensor read_video(const std::string& path, VideoInfo* info = nullptr, const VideoReadOptions& options = {});
