@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <fstream>
 #include <map>
@@ -103,6 +104,56 @@ TEST(Umt5Tokenizer, IdsAreTransformersOnTheTinyModel) {
   auto ours = tokenizer.encode(prompts, 512);
   EXPECT_TRUE(torch::equal(ours.ids, ids.to(torch::kLong)) && torch::equal(ours.mask, f.tensors.at("mask").to(torch::kLong)))
       << first_difference(prompts, ours, ids, f.tensors.at("mask"));
+}
+
+// A SentencePiece model trained with byte fallback (as mT5's is) spells a character outside its
+// vocabulary in byte pieces; transformers' T5Tokenizer, which WanPipeline runs, gives <unk> for it
+// (consecutive ones one <unk>) and matches a written-out "<0x41>" as that piece. The fixture's 126
+// prompts include emoji, rare scripts and written-out byte pieces; SentencePiece's own ids differ from
+// transformers' on 55 of them.
+TEST(Umt5Tokenizer, ByteFallbackModelGivesTransformersIds) {
+  ASSERT_TRUE(megaslide::umt5_tokenizer_supported()) << "built without SentencePiece (libsentencepiece-dev)";
+  auto tokenizer = Umt5Tokenizer::from_file(kFixtures + "umt5_bytefallback/spiece.model");
+  ASSERT_EQ(tokenizer.vocab_size(), 613);
+  ASSERT_EQ(tokenizer.piece(243), "<0xF0>");  // the model has byte pieces
+  auto f = read_fixture(kFixtures + "umt5_bytefallback/ids.safetensors");
+  const auto prompts = json_strings(f.metadata.at("prompts"));
+  const auto& ids = f.tensors.at("ids");
+  // The fixture holds what the test is about: characters outside the vocabulary (<unk> in transformers'
+  // ids), and written-out "<0xHH>" text, which transformers matches as the byte pieces (ids 3..258).
+  EXPECT_GT(ids.eq(Umt5Tokenizer::kUnk).any(1).sum().item<int64_t>(), 30);
+  const auto bytes = ids.ge(3).logical_and(ids.le(258));
+  EXPECT_GE(bytes.sum().item<int64_t>(), 4) << "the written-out <0xHH> prompts";
+  auto ours = tokenizer.encode(prompts, 512);
+  EXPECT_TRUE(torch::equal(ours.ids, ids.to(torch::kLong)) && torch::equal(ours.mask, f.tensors.at("mask").to(torch::kLong)))
+      << first_difference(prompts, ours, ids, f.tensors.at("mask"));
+  // "a cat <cat emoji> chases": SentencePiece gives its four bytes, transformers one <unk>.
+  const auto cat = tokenizer.encode_text("a cat \U0001F431 chases");
+  EXPECT_EQ(std::count(cat.begin(), cat.end(), Umt5Tokenizer::kUnk), 1);
+  EXPECT_EQ(std::count_if(cat.begin(), cat.end(), [](int64_t id) { return id >= 3 && id <= 258; }), 0);
+}
+
+// 600 random strings over what tells SentencePiece's segmentation and transformers' apart — pieces of
+// the vocabulary, white space of every kind (tabs, U+3000, no-break spaces: words split there), literal
+// "▁" (a word that starts with one gets no other), characters outside the vocabulary, written-out byte
+// pieces, special tokens — tokenized by the byte-fallback model: transformers' ids, every one.
+TEST(Umt5Tokenizer, RandomTextOfTheByteFallbackModelIsTransformers) {
+  auto tokenizer = Umt5Tokenizer::from_file(kFixtures + "umt5_bytefallback/spiece.model");
+  auto f = read_fixture(kFixtures + "umt5_bytefallback/random.safetensors");
+  const auto texts = json_strings(f.metadata.at("prompts"));
+  const auto ids = f.tensors.at("ids").to(torch::kLong);
+  const auto offsets = f.tensors.at("offsets").to(torch::kLong);
+  ASSERT_EQ(offsets.numel(), static_cast<int64_t>(texts.size()) + 1);
+  ASSERT_EQ(texts.size(), 600u);
+  int differ = 0;
+  for (size_t i = 0; i < texts.size(); ++i) {
+    const auto n = static_cast<int64_t>(i);
+    const auto theirs = ids.slice(0, offsets[n].item<int64_t>(), offsets[n + 1].item<int64_t>());
+    const auto ours = torch::tensor(tokenizer.encode_text(texts[i]), torch::kLong);
+    if (torch::equal(ours, theirs)) continue;
+    if (++differ <= 3) ADD_FAILURE() << "'" << texts[i] << "': ours " << ours << " transformers " << theirs;
+  }
+  EXPECT_EQ(differ, 0) << "of " << texts.size();
 }
 
 // Where several segmentations have the same total score (pieces of one root — "a", "aa", "aaa" — in

@@ -996,6 +996,105 @@ def section_umt5_ties(out_dir):
 
 
 # --------------------------------------------------------------------------------------------------
+# umt5_bytefallback: a tiny SentencePiece model with byte fallback (as mT5's and umT5's are trained) and
+# transformers' T5Tokenizer ids, which never contain byte pieces for characters outside the vocabulary
+# --------------------------------------------------------------------------------------------------
+
+_BYTE_FALLBACK_PROMPTS = [
+    "a cat \U0001F431 chases a dog",
+    "\U0001F431\U0001F436 two emoji side by side, then \U0001F308 alone",
+    "rare letters \u16a0\u16a2\u16a6 and \ua9b2\ua98f between words",
+    "written-out byte pieces: <0x41> <0xF0><0x9F> <0xff> <0xZZ> <0x4> <0x100>",
+    "<0x41>glued<0x42> and \U0001F431<0x43>\U0001F436",
+    "an unknown character at the end \U0001F389",
+    "\U0001F389 at the start",
+    "mixed \u4e2d\u6587 \ud55c\uad6d\uc5b4 \u0939\u093f\u0928\u094d\u0926\u0940 \u0627\u0644\u0639\u0631\u0628\u064a\u0629 text",
+    "</s> and <unk> and <pad> around \U0001F431",
+    "math \U0001D538\U0001D539\u2102 \u2211\u222b\u221a\u221e",
+    # White space the identity normaliser keeps (transformers splits words there) and literal meta spaces
+    "\t\u2581tab then a meta space",
+    "x\u3000\u2581y\u00a0\u2581\u2581z \u2581",
+    "\u2581",
+    "\u2581\u2581\u2581 three",
+    "a \u2581\tb\u2028c\u0085d\u200be",
+    "</s>\u2581after a special token and \u2581</s>",
+]
+
+
+def section_umt5_bytefallback(out_dir):
+    """A unigram model trained with byte_fallback=True (its 256 <0xHH> pieces in the vocabulary; SentencePiece
+    itself spells characters outside the vocabulary in them) and the ids transformers' T5Tokenizer gives:
+    its converted unigram model has no byte fallback, so such a character is <unk> (consecutive ones one
+    <unk>) and a written-out "<0x41>" is matched as that piece's text."""
+    import importlib.util
+
+    import sentencepiece as spm
+    import transformers
+
+    spec = importlib.util.find_spec("vbench")
+    with open(os.path.join(spec.submodule_search_locations[0], "VBench_full_info.json"), encoding="utf-8") as f:
+        corpus = [e["prompt_en"] for e in json.load(f)][200:1200]
+    corpus += [p for p in _EDGE_PROMPTS + _UMT5_EXTRA_PROMPTS if p.strip()][::2]
+    text = os.path.join(out_dir, "corpus.txt")
+    with open(text, "w", encoding="utf-8") as f:
+        for line in corpus:
+            f.write(" ".join(line.split()) + "\n")
+    spm.SentencePieceTrainer.train(input=text, model_prefix=os.path.join(out_dir, "spiece"), model_type="unigram", vocab_size=613,
+                                   hard_vocab_limit=False, character_coverage=0.99, byte_fallback=True, pad_id=0, eos_id=1, unk_id=2,
+                                   bos_id=-1, normalization_rule_name="identity", add_dummy_prefix=True, remove_extra_whitespaces=True,
+                                   split_by_whitespace=True, num_threads=1, seed_sentencepiece_size=100000, shuffle_input_sentence=False,
+                                   minloglevel=2)
+    os.remove(text)
+    os.remove(os.path.join(out_dir, "spiece.vocab"))
+    # The trainer's record of where it ran (the temporary folder's paths) cleared: a rerun writes the same bytes.
+    from sentencepiece import sentencepiece_model_pb2
+
+    model = sentencepiece_model_pb2.ModelProto()
+    with open(os.path.join(out_dir, "spiece.model"), "rb") as f:
+        model.ParseFromString(f.read())
+    del model.trainer_spec.input[:]
+    model.trainer_spec.model_prefix = "spiece"
+    with open(os.path.join(out_dir, "spiece.model"), "wb") as f:
+        f.write(model.SerializeToString())
+    sp = spm.SentencePieceProcessor(model_file=os.path.join(out_dir, "spiece.model"))
+    assert sp.piece_to_id("<0xF0>") != sp.unk_id(), "the model has no byte pieces"
+    prompts = _umt5_prompts() + _BYTE_FALLBACK_PROMPTS
+    ids, mask = _umt5_tokenize(out_dir, prompts)
+    own = sp.encode(prompts)
+    differ = sum(1 for row, m, o in zip(ids, mask, own) if list(row[: int(m.sum()) - 1]) != o[:511])
+    meta = {"versions": versions(transformers, spm), "prompts": json.dumps(prompts, ensure_ascii=False),
+            "what": "T5Tokenizer.from_pretrained(this folder, extra_ids=0)(prompts, padding='max_length', max_length=512, "
+                    "truncation=True): ids and attention_mask, with the tiny byte-fallback spiece.model trained here"}
+    save_safetensors(os.path.join(out_dir, "ids.safetensors"), {"ids": ids.astype(np.int32), "mask": mask.astype(np.uint8)}, meta)
+    # Random strings over a palette of what tells the two apart: pieces of the vocabulary, white space of
+    # every kind, literal meta spaces, characters outside the vocabulary, written-out byte pieces, special
+    # tokens. Their ids flat (int16) with each string's offset, as umt5_ties keeps them.
+    import random
+
+    from transformers import T5Tokenizer
+
+    rng = random.Random(17)
+    vocabulary = [p for p in (sp.id_to_piece(i) for i in range(259, sp.get_piece_size())) if p]
+    palette = [" ", "  ", "\t", "\n", "\u3000", "\u00a0", "\u2003", "\u2581", "\u2581\u2581", "\U0001F431", "\u16a0", "-", "<0x41>",
+               "<0xF0>", "</s>", "<unk>", "\u200b", "\u2028", "\u0085"]
+    texts = []
+    for _ in range(600):
+        parts = [rng.choice(vocabulary).replace("\u2581", rng.choice(["", " ", "\u2581"])) if rng.random() < 0.6 else rng.choice(palette)
+                 for _ in range(rng.randint(1, 12))]
+        texts.append("".join(parts))
+    tokenizer = T5Tokenizer.from_pretrained(out_dir, extra_ids=0)
+    rows = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    flat = np.array([i for row in rows for i in row], dtype=np.int16)
+    offsets = np.cumsum([0] + [len(row) for row in rows]).astype(np.int32)
+    save_safetensors(os.path.join(out_dir, "random.safetensors"), {"ids": flat, "offsets": offsets},
+                     {"versions": versions(transformers, spm), "prompts": json.dumps(texts, ensure_ascii=False),
+                      "what": "T5Tokenizer.from_pretrained(this folder, extra_ids=0)(text, add_special_tokens=False) for each of "
+                              "600 random strings: ids[offsets[i]:offsets[i + 1]]"})
+    print(f"  {len(prompts)} prompts, vocabulary {sp.get_piece_size()} (256 byte pieces), {int((ids == 2).any(1).sum())} with <unk>; "
+          f"SentencePiece's own ids differ from transformers' on {differ}")
+
+
+# --------------------------------------------------------------------------------------------------
 # umt5: a tiny random UMT5EncoderModel in the HF layouts (single file, sharded) and ComfyUI's single file
 # --------------------------------------------------------------------------------------------------
 
@@ -1378,6 +1477,7 @@ SECTIONS = {
     "wan": (section_wan, "tiny random WanTransformer3DModels (diffusers, original and ComfyUI layouts): outputs, one step's gradients"),
     "umt5_tokenizer": (section_umt5_tokenizer, "a tiny SentencePiece model and T5Tokenizer ids of VBench and edge-case prompts"),
     "umt5_ties": (section_umt5_ties, "T5Tokenizer ids of text whose best segmentation is not unique (repeated letters, pieces)"),
+    "umt5_bytefallback": (section_umt5_bytefallback, "a tiny byte-fallback SentencePiece model and T5Tokenizer ids (never byte pieces)"),
     "umt5": (section_umt5, "a tiny random UMT5EncoderModel (HF single/sharded, ComfyUI fp16 file) and its hidden states"),
     "ftfy": (section_ftfy, "ftfy.fix_text and Wan's prompt_clean of prompts broken as mojibake, HTML, line breaks, controls"),
     "wan_pipeline": (section_wan_pipeline, "WanPipeline on the tiny umT5, Wan VAE and a matching tiny DiT: latents, video; prompt cleaning"),

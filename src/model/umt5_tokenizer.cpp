@@ -54,6 +54,49 @@ bool is_python_space(uint32_t c) {
          c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
 }
 
+// Unicode's White_Space property (Rust's char::is_whitespace): where the tokenizers library's
+// WhitespaceSplit, the first pre-tokenizer of transformers' T5 tokenizer, splits the text into words.
+bool is_white_space(uint32_t c) {
+  return (c >= 0x09 && c <= 0x0D) || c == 0x20 || c == 0x85 || c == 0xA0 || c == 0x1680 || (c >= 0x2000 && c <= 0x200A) || c == 0x2028 ||
+         c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
+}
+
+// The text as SentencePiece must see it to split into the words transformers' pre-tokenizers make
+// (WhitespaceSplit, then Metaspace: "▁" put before each word that does not start with one already):
+// every White_Space character a plain space (a model whose normaliser maps them to spaces, as umT5's
+// NFKC-based one does, is unchanged; one with identity normalisation would keep a tab or U+3000 inside a
+// word, or spell it in byte pieces), and no space before a word that starts with "▁" (SentencePiece
+// would make that space a second "▁"). `meta_first`: the first word starts with "▁" (SentencePiece's
+// dummy prefix then doubles it); `meta_last`: how many "▁" end the last word (SentencePiece drops every
+// "▁" at the end of the text, transformers keeps them).
+std::string as_transformers_words(const std::string& text, bool& meta_first, size_t& meta_last) {
+  static constexpr std::string_view kMeta = "\xE2\x96\x81";  // U+2581
+  std::string out;
+  out.reserve(text.size());
+  size_t pending = 0;  // spaces not yet written
+  for (size_t i = 0; i < text.size();) {
+    const size_t start = i;
+    const uint32_t cp = next_code_point(text, i);
+    if (is_white_space(cp)) {
+      ++pending;
+      continue;
+    }
+    const bool meta = std::string_view(text).substr(start, kMeta.size()) == kMeta;
+    if (!meta || out.empty()) out.append(pending, ' ');
+    pending = 0;
+    out.append(text, start, i - start);
+  }
+  out.append(pending, ' ');
+  const size_t first = out.find_first_not_of(' ');
+  meta_first = first != std::string::npos && std::string_view(out).substr(first, kMeta.size()) == kMeta;
+  meta_last = 0;
+  const size_t last = out.find_last_not_of(' ');
+  for (size_t end = last == std::string::npos ? 0 : last + 1;
+       end >= kMeta.size() && std::string_view(out).substr(end - kMeta.size(), kMeta.size()) == kMeta; end -= kMeta.size())
+    ++meta_last;
+  return out;
+}
+
 struct Entity {
   const char* name;
   const char* text;
@@ -207,7 +250,9 @@ std::string wan_clean(const std::string& prompt) {
 
 struct Umt5Tokenizer::Impl {
   sentencepiece::SentencePieceProcessor sp;
-  // The pieces the unigram search may use (not control, unknown, unused or byte pieces): text → (id, score).
+  // The pieces the unigram search may use (not control, unknown or unused pieces): text → (id, score).
+  // Byte pieces are searched by their text ("<0x41>"), as transformers' unigram model (built without byte
+  // fallback) matches them in written-out text.
   // The keys view the processor's own piece strings.
   std::unordered_map<std::string_view, std::pair<int, double>> pieces;
   std::vector<bool> searchable;  // by id
@@ -220,7 +265,7 @@ struct Umt5Tokenizer::Impl {
     double lowest = 0;
     for (int id = 0; id < n; ++id) {
       lowest = std::min(lowest, static_cast<double>(sp.GetScore(id)));
-      if (sp.IsControl(id) || sp.IsUnknown(id) || sp.IsUnused(id) || sp.IsByte(id)) continue;
+      if (sp.IsControl(id) || sp.IsUnknown(id) || sp.IsUnused(id)) continue;
       const std::string& piece = sp.IdToPiece(id);
       pieces.emplace(std::string_view(piece), std::make_pair(id, static_cast<double>(sp.GetScore(id))));
       searchable[static_cast<size_t>(id)] = true;
@@ -323,24 +368,43 @@ std::vector<int64_t> Umt5Tokenizer::encode_text(const std::string& text) const {
   std::vector<int64_t> out;
   size_t pos = 0;
   // SentencePiece's normalisation and segmentation; then each run of ordinary pieces segmented again with
-  // transformers' tie-break (Impl::segment_run); unknown and byte pieces as SentencePiece gives them.
+  // transformers' tie-break (Impl::segment_run); unknown pieces as SentencePiece gives them. A model with
+  // byte fallback spells a character outside its vocabulary in byte pieces (<0xF0><0x9F><0x90><0xB1>);
+  // transformers never does (its unigram model has no byte fallback: the character is <unk>, consecutive
+  // ones one <unk>), so the bytes go back into the run as the character they spell and are segmented there.
   auto piece_ids = [&](const std::string& part) {
     if (part.empty()) return;
     sentencepiece::ImmutableSentencePieceText text;
-    const auto status = impl_->sp.Encode(part, text.mutable_proto());
+    bool meta_first = false;
+    size_t meta_last = 0;
+    const auto status = impl_->sp.Encode(as_transformers_words(part, meta_first, meta_last), text.mutable_proto());
     if (!status.ok()) fail(source_, "cannot encode text: " + status.ToString());
     std::string run;
+    // A first word that starts with "▁" keeps that one (transformers adds none before it): the dummy
+    // prefix SentencePiece put before it goes. The "▁" that end the text come back at its end.
+    bool first_run = true;
+    const auto flush = [&](bool last) {
+      static constexpr std::string_view kDoubled = "\xE2\x96\x81\xE2\x96\x81";
+      if (first_run && meta_first && std::string_view(run).substr(0, kDoubled.size()) == kDoubled) run.erase(0, 3);
+      first_run = false;
+      for (size_t k = 0; last && k < meta_last; ++k) run += "\xE2\x96\x81";
+      impl_->segment_run(run, out);
+      run.clear();
+    };
     for (const auto& p : text.pieces()) {
       const auto id = static_cast<size_t>(p.id());
+      if (impl_->sp.IsByte(static_cast<int>(id))) {
+        run += static_cast<char>(std::stoi(p.piece().substr(3, 2), nullptr, 16));  // "<0xHH>"
+        continue;
+      }
       if (id < impl_->searchable.size() && impl_->searchable[id]) {
         run += p.piece();
         continue;
       }
-      impl_->segment_run(run, out);
-      run.clear();
+      flush(false);
       out.push_back(static_cast<int64_t>(id));
     }
-    impl_->segment_run(run, out);
+    flush(true);
   };
   while (pos < text.size()) {
     // The leftmost special token (the longest at one position: they cannot overlap anyway).
