@@ -239,3 +239,67 @@ TEST(MegaslideSample, LongAndOddPromptsAreNamedBeforeAnyWorkAndAllWritten) {
   }
   EXPECT_EQ(files.size(), 6u) << "one file per prompt";
 }
+
+// A prompt file's lines carry their own settings (--w --h --f --d --s --g --n, as train.sample_prompts'
+// lines do): a line's videos are sampled at its size, seed, steps and guidance; --samples-per-prompt
+// videos per line, numbered on across the lines of one prompt, seeds d, d+1, … for a line's --d; and a
+// line with --s/--g equals a plain line sampled with --steps/--guidance at the same seed, byte for byte.
+TEST(MegaslideSample, PromptFileLinesSampleAtTheirOwnSizeSeedAndSettings) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  ASSERT_TRUE(path_exists(weights()));
+  const std::string blob = "a red blob moves left quickly", dark = "the scene darkens from the top";
+  auto prompts = prompts_file("settings.txt", "# validation prompts\n" + blob + "\n" + blob + " --w 20 --h 12 --f 4 --d 7\n" + dark +
+                                                  " --s 3 --g 2.5\n");
+  auto out = join_path(scratch(), "per-line");
+  auto r = run("megaslide-sample", "--checkpoint " + weights() + " --prompts " + prompts + " --samples-per-prompt 2 --out " + out +
+                                       " --steps 4 --no-progress --compute-dtype fp32 --batch-size 4");
+  ASSERT_EQ(r.code, 0) << r.output;
+  auto index = nlohmann::json::parse(megaslide::io::read_file(join_path(out, "index.json")));
+  ASSERT_EQ(index.at("videos").size(), 6u);
+  std::map<std::string, nlohmann::json> by_file;
+  for (const auto& v : index.at("videos")) by_file[v.at("file").get<std::string>()] = v;
+  auto info_of = [&](const std::string& file) {
+    megaslide::io::VideoInfo info;
+    megaslide::io::read_video(join_path(out, "videos/" + file), &info);
+    return info;
+  };
+  for (const std::string file : {blob + "-0.mp4", blob + "-1.mp4"}) {  // the plain line: the run's size
+    ASSERT_TRUE(by_file.count(file)) << file;
+    EXPECT_FALSE(by_file[file].contains("frames"));
+    const auto info = info_of(file);
+    EXPECT_EQ(info.frames, 8);
+    EXPECT_EQ(info.width, 16);
+  }
+  for (int k = 0; k < 2; ++k) {  // the sized line: its size and seeds 7, 8; indices 2, 3 of the prompt
+    const auto file = blob + "-" + std::to_string(2 + k) + ".mp4";
+    ASSERT_TRUE(by_file.count(file)) << file;
+    EXPECT_EQ(by_file[file].at("seed"), 7 + k);
+    EXPECT_EQ(by_file[file].at("frames"), 4);
+    EXPECT_EQ(by_file[file].at("width"), 20);
+    const auto info = info_of(file);
+    EXPECT_EQ(info.frames, 4);
+    EXPECT_EQ(info.width, 20);
+    EXPECT_EQ(info.height, 12);
+  }
+  ASSERT_TRUE(by_file.count(dark + "-1.mp4"));
+  EXPECT_EQ(by_file[dark + "-1.mp4"].at("steps"), 3);
+  EXPECT_EQ(by_file[dark + "-1.mp4"].at("guidance_scale"), 2.5);
+
+  // The --s/--g line against a plain line with the flags: the same videos.
+  auto plain = prompts_file("plain.txt", dark + "\n");
+  auto flags = join_path(scratch(), "per-line-flags");
+  r = run("megaslide-sample", "--checkpoint " + weights() + " --prompts " + plain + " --samples-per-prompt 2 --out " + flags +
+                                  " --steps 3 --guidance 2.5 --no-progress --compute-dtype fp32");
+  ASSERT_EQ(r.code, 0) << r.output;
+  for (const std::string file : {dark + "-0.mp4", dark + "-1.mp4"})
+    EXPECT_EQ(megaslide::io::read_file(join_path(out, "videos/" + file)), megaslide::io::read_file(join_path(flags, "videos/" + file))) << file;
+
+  // A size the model cannot take is refused before anything is written, naming the file and line.
+  auto bad = prompts_file("bad-size.txt", blob + "\n" + blob + " --w 15\n");
+  auto never = join_path(scratch(), "per-line-never");
+  r = run("megaslide-sample", "--checkpoint " + weights() + " --prompts " + bad + " --out " + never + " --steps 2 --no-progress");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("line 2"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("width 15"), std::string::npos) << r.output;
+  EXPECT_FALSE(path_exists(never));
+}

@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <iostream>
 #include <optional>
+#include <set>
 
 #include "megaslide/megaslide.h"
 #include "tool_support.h"
@@ -64,6 +65,21 @@ void write_png_frames(const std::string& out_dir, const std::string& stem, const
     megaslide::io::write_png(megaslide::io::join_path(frame_dir, fmt::format("{:03}.png", t)), frames[t]);
 }
 
+// The videos in [start, end) of one batch: consecutive videos with the same size and settings (a prompt
+// file's lines may each have their own), at most `batch_size`.
+size_t batch_end(const std::vector<megaslide::ValidationVideo>& videos, size_t start, int64_t batch_size) {
+  size_t end = start + 1;
+  while (end < videos.size() && end - start < static_cast<size_t>(batch_size) && megaslide::same_sampling_settings(videos[start], videos[end]))
+    ++end;
+  return end;
+}
+
+std::vector<megaslide::io::SampleJob> jobs_of(const std::vector<megaslide::ValidationVideo>& videos) {
+  std::vector<megaslide::io::SampleJob> jobs;
+  for (const auto& v : videos) jobs.push_back(v.job);
+  return jobs;
+}
+
 // Wan's flags and what they resolve to.
 struct WanFlags {
   std::string text_encoder, tokenizer, vae, negative_prompt;
@@ -78,7 +94,7 @@ struct BadInput : std::invalid_argument {
 };
 
 // Samples a Wan model (docs/wan.md). Returns the exit code.
-int sample_wan(megaslide::WanModel model, const WanFlags& wan, const std::vector<megaslide::io::SampleJob>& jobs, const std::string& out_dir,
+int sample_wan(megaslide::WanModel model, const WanFlags& wan, const std::vector<megaslide::ValidationVideo>& videos, const std::string& out_dir,
                const std::string& source, const std::string& sampler, int64_t steps, double guidance, uint64_t seed, int64_t batch_size,
                int64_t fps, int64_t crf, int64_t upscale, bool png, torch::Device device, const std::string& streamed,
                const std::string& compute_dtype, int64_t threads, bool no_progress) {
@@ -102,11 +118,10 @@ int sample_wan(megaslide::WanModel model, const WanFlags& wan, const std::vector
     check_path("--text-encoder", t5_path);
     check_path("--vae", vae_path);
     if (!wan.tokenizer.empty()) check_path("--tokenizer", wan.tokenizer);
-    // The latents' size (a run trained from a videos cache keeps its data sizes in pixels), in pixels.
-    const auto latent = megaslide::model_sample_shape(model.config);
-    const int64_t frames = 1 + (latent[1] - 1) * 4, height = latent[2] * 8, width = latent[3] * 8;
-    if (height * upscale % 2 != 0 || width * upscale % 2 != 0)
-      throw BadInput(fmt::format("the videos are {}x{} (W x H); H.264 needs even sizes: use --upscale 2", width, height));
+    // The run's size in pixels (a run trained from a videos cache keeps its data sizes in pixels; a
+    // prompt file's line may give its own, checked when the videos were planned).
+    const auto size = megaslide::run_video_size(model.config);
+    const int64_t frames = size.frames, height = size.height, width = size.width;
     options = megaslide::WanSampleOptions::from_config(model.config);
     if (!sampler.empty()) options.kind(megaslide::parse_flow_sampler(sampler));
     if (steps > 0) options.steps(steps);
@@ -169,7 +184,7 @@ int sample_wan(megaslide::WanModel model, const WanFlags& wan, const std::vector
     }
     std::cerr << fmt::format("megaslide-sample: Wan {} -> {} videos of {} frames {}x{} in {} ({} {} steps, shift {}, guidance {}, device {}, DiT {}, "
                              "umT5 {}, compute dtype {} ({}))\n",
-                             source, jobs.size(), frames, width, height, out_dir,
+                             source, videos.size(), frames, width, height, out_dir,
                              options.kind() == megaslide::FlowSamplerKind::kUniPC ? "unipc" : "euler", options.steps(), options.shift(),
                              options.guidance_scale(), device.str(), stream ? "blocks streamed" : "resident",
                              pipeline_t5_streamed ? "layers streamed" : "resident", dtype.dtype, dtype.reason);
@@ -187,20 +202,25 @@ int sample_wan(megaslide::WanModel model, const WanFlags& wan, const std::vector
     const std::string latents_dir = megaslide::io::join_path(out_dir, "latents");
     megaslide::io::make_directories(videos_dir);
     if (wan.latents) megaslide::io::make_directories(latents_dir);
+    const auto jobs = jobs_of(videos);
     SampleProgress progress(static_cast<int64_t>(jobs.size()), !no_progress);
-    for (size_t start = 0; start < jobs.size(); start += static_cast<size_t>(batch_size)) {
-      const size_t end = std::min(jobs.size(), start + static_cast<size_t>(batch_size));
+    for (size_t start = 0, end = 0; start < jobs.size(); start = end) {
+      end = batch_end(videos, start, batch_size);
       std::vector<std::string> prompts;
       std::vector<uint64_t> seeds;
       for (size_t i = start; i < end; ++i) prompts.push_back(jobs[i].prompt), seeds.push_back(jobs[i].seed);
+      auto batch_options = options;  // a prompt file line's own steps, guidance and negative prompt
+      if (jobs[start].steps) batch_options.steps(*jobs[start].steps);
+      if (jobs[start].guidance_scale) batch_options.guidance_scale(*jobs[start].guidance_scale);
+      if (jobs[start].negative_prompt) batch_options.negative_prompt(*jobs[start].negative_prompt);
       progress.set_batch(static_cast<int64_t>(end - start));
-      auto latents = pipeline->sample(prompts, seeds, options, [&](int64_t done, int64_t total) {
+      auto latents = pipeline->sample(prompts, seeds, batch_options, [&](int64_t done, int64_t total) {
         if (done < total) progress.update(static_cast<int64_t>(start), done, total);
-      });
-      auto videos = pipeline->decode(latents);
+      }, videos[start].shape);
+      auto pixels = pipeline->decode(latents);
       for (size_t i = start; i < end; ++i) {
         const auto b = static_cast<int64_t>(i - start);
-        auto frames = megaslide::io::to_rgb_frames(videos[b], upscale);
+        auto frames = megaslide::io::to_rgb_frames(pixels[b], upscale);
         megaslide::io::write_mp4(megaslide::io::join_path(videos_dir, jobs[i].file), frames, video_options);
         const auto stem = jobs[i].file.substr(0, jobs[i].file.size() - 4);
         if (wan.latents)
@@ -209,7 +229,7 @@ int sample_wan(megaslide::WanModel model, const WanFlags& wan, const std::vector
                                                                                                     {"seed", std::to_string(jobs[i].seed)}});
         if (png) write_png_frames(out_dir, stem, frames);
       }
-      progress.update(static_cast<int64_t>(end), options.steps(), options.steps());
+      progress.update(static_cast<int64_t>(end), batch_options.steps(), batch_options.steps());
     }
     progress.finish();
     const megaslide::io::SamplingRecord record{source, options.kind() == megaslide::FlowSamplerKind::kUniPC ? "unipc" : "euler",
@@ -259,8 +279,13 @@ int main(int argc, char** argv) {
   app.add_option("--shift", wan.shift, "Wan: the flow sampler's shift (default: the config's diffusion.shift)")
       ->check(megaslide::tools::finite_real(0.0));
   app.add_flag("--latents", wan.latents, "Wan: also write each video's latents (normalised, before the VAE) as DIR/latents/{prompt}-{index}.safetensors");
-  app.add_option("--prompts", prompts_path, "prompt file, one prompt per line (VBench's prompt files work as they are)")->required();
-  app.add_option("--samples-per-prompt", samples_per_prompt, "videos per prompt (index 0..N-1)")->check(CLI::Range(int64_t{1}, int64_t{100000}))
+  app.add_option("--prompts", prompts_path,
+                 "prompt file, one prompt per line (VBench's prompt files work as they are); a line may end in its own settings: "
+                 "--w WIDTH --h HEIGHT --f FRAMES (pixels), --d SEED, --s STEPS, --g GUIDANCE, --n NEGATIVE PROMPT "
+                 "(docs/sampling.md); '#' starts a comment line")->required();
+  app.add_option("--samples-per-prompt", samples_per_prompt,
+                 "videos per line of the prompt file (a prompt's videos are numbered 0, 1, ... across its lines; a line's --d seed "
+                 "gives its videos seeds d, d+1, ...)")->check(CLI::Range(int64_t{1}, int64_t{100000}))
       ->capture_default_str();
   app.add_option("--out", out_dir, "output folder: DIR/videos/*.mp4, DIR/index.json")->required()->check(megaslide::tools::non_empty_path());
   app.add_option("--sampler", sampler, "ddpm (ancestral, the default) or ddim; Wan: unipc (the default) or euler")
@@ -313,7 +338,7 @@ int main(int argc, char** argv) {
   }
 
   // Everything that can be checked is checked before anything is written.
-  std::vector<megaslide::io::SampleJob> jobs;
+  std::vector<megaslide::ValidationVideo> videos;
   megaslide::TextToVideoModel model;
   torch::Device device = torch::kCPU;
   bool stream = false;
@@ -323,8 +348,15 @@ int main(int argc, char** argv) {
     if (checkpoint.empty() == config_path.empty()) throw std::invalid_argument("give one of --checkpoint and --config");
     if (!overrides.empty() && config_path.empty()) throw std::invalid_argument("--set applies to --config");
     // Every video's file name is decided here, before any work (bounded, safe and unique; io/vbench_layout.h).
-    auto prompts = megaslide::io::read_prompt_file(prompts_path);
-    jobs = megaslide::io::plan_vbench_samples(prompts, samples_per_prompt, seed);
+    // A line without settings that repeats an earlier such line is sampled once, as VBench's prompt
+    // files expect; a line with its own settings always gets its videos.
+    std::vector<megaslide::io::PromptSpec> specs;
+    std::set<std::string> plain;
+    for (auto& spec : megaslide::io::read_prompt_specs(prompts_path)) {
+      const bool settings = spec.has_size() || spec.steps || spec.seed || spec.guidance || spec.negative;
+      if (!settings && !plain.insert(spec.prompt).second) continue;
+      specs.push_back(std::move(spec));
+    }
     megaslide::io::check_output_folder(out_dir, "--out");
     device = megaslide::resolve_device(device_spec);
     // A weights file as it is; a checkpoint folder, its `latest` file or a run folder: the checkpoint's
@@ -362,11 +394,22 @@ int main(int argc, char** argv) {
       int64_t weight_bytes = 0;
       for (const auto& p : model.dit->parameters()) weight_bytes += static_cast<int64_t>(p.nbytes());
       stream = megaslide::should_stream(megaslide::parse_stream_choice(streamed), device, weight_bytes);
-      if (model.config.data.height * upscale % 2 != 0 || model.config.data.width * upscale % 2 != 0)
-        throw std::invalid_argument(fmt::format("the model's frames are {}x{} (W x H); H.264 needs even sizes: use --upscale 2",
-                                                model.config.data.width, model.config.data.height));
       if (steps > model.config.diffusion.timesteps)
         throw std::invalid_argument(fmt::format("--steps {} exceeds the model's {} training timesteps", steps, model.config.diffusion.timesteps));
+    }
+    // Every video's file name, size and settings are decided here, before any work (bounded, safe and
+    // unique names; io/vbench_layout.h), each line's size checked against what the model can take.
+    const auto& config = is_wan ? wan_model->config : model.config;
+    videos = megaslide::plan_prompt_videos(config, specs, samples_per_prompt, seed);
+    const auto run_size = megaslide::run_video_size(config);
+    for (const auto& v : videos) {
+      const int64_t height = v.job.height.value_or(run_size.height), width = v.job.width.value_or(run_size.width);
+      const std::string what = v.job.height || v.job.width ? fmt::format("'{}' (prompt file line) is", v.job.prompt) : "the model's frames are";
+      if (height * upscale % 2 != 0 || width * upscale % 2 != 0)
+        throw std::invalid_argument(fmt::format("{} {}x{} (W x H); H.264 needs even sizes: use --upscale 2", what, width, height));
+      if (is_wan && v.job.steps && *v.job.steps > config.diffusion.timesteps)
+        throw std::invalid_argument(fmt::format("'{}' (prompt file line): --s {} exceeds the model's {} training timesteps", v.job.prompt,
+                                                *v.job.steps, config.diffusion.timesteps));
     }
   } catch (const std::exception& e) {
     std::cerr << "megaslide-sample: " << megaslide::error_message(e) << "\n";
@@ -375,7 +418,7 @@ int main(int argc, char** argv) {
 
   megaslide::tools::survive_file_size_limit();
   if (wan_model)
-    return sample_wan(std::move(*wan_model), wan, jobs, out_dir, source, sampler, steps, guidance, seed, batch_size, fps == 0 ? 16 : fps, crf,
+    return sample_wan(std::move(*wan_model), wan, videos, out_dir, source, sampler, steps, guidance, seed, batch_size, fps == 0 ? 16 : fps, crf,
                       upscale, png, device, streamed, compute_dtype, threads, no_progress);
   try {
     megaslide::ThreadRequest thread_request;
@@ -410,28 +453,32 @@ int main(int argc, char** argv) {
     megaslide::io::make_directories(videos_dir);
     std::cerr << fmt::format("megaslide-sample: {} prompt(s) x {} -> {} videos in {} ({} {} steps {}, guidance {}, device {}, {}, "
                              "compute dtype {} ({}), {})\n",
-                             jobs.size() / static_cast<size_t>(samples_per_prompt), samples_per_prompt, jobs.size(), out_dir,
+                             videos.size() / static_cast<size_t>(samples_per_prompt), samples_per_prompt, videos.size(), out_dir,
                              megaslide::to_string(options.kind()), options.steps(), megaslide::to_string(options.timestep_spacing()), options.guidance_scale(), device.str(),
                              stream ? "blocks streamed" : "resident", dtype.dtype, dtype.reason, thread_plan.describe());
+    const auto jobs = jobs_of(videos);
     SampleProgress progress(static_cast<int64_t>(jobs.size()), !no_progress);
-    for (size_t start = 0; start < jobs.size(); start += static_cast<size_t>(batch_size)) {
-      const size_t end = std::min(jobs.size(), start + static_cast<size_t>(batch_size));
+    for (size_t start = 0, end = 0; start < jobs.size(); start = end) {
+      end = batch_end(videos, start, batch_size);
       std::vector<std::string> prompts;
       std::vector<uint64_t> seeds;
       for (size_t i = start; i < end; ++i) prompts.push_back(jobs[i].prompt), seeds.push_back(jobs[i].seed);
+      auto batch_options = options;  // a prompt file line's own steps and guidance
+      if (jobs[start].steps) batch_options.steps(*jobs[start].steps);
+      if (jobs[start].guidance_scale) batch_options.guidance_scale(*jobs[start].guidance_scale);
       progress.set_batch(static_cast<int64_t>(end - start));
-      auto videos = generator.generate(prompts, seeds, options, [&](int64_t done, int64_t total) {
+      auto pixels = generator.generate(prompts, seeds, batch_options, [&](int64_t done, int64_t total) {
         if (done < total) progress.update(static_cast<int64_t>(start), done, total);
-      });
+      }, videos[start].shape, jobs[start].negative_prompt.value_or(""));
       for (size_t i = start; i < end; ++i) {
-        auto frames = megaslide::io::to_rgb_frames(videos[static_cast<int64_t>(i - start)], upscale);
+        auto frames = megaslide::io::to_rgb_frames(pixels[static_cast<int64_t>(i - start)], upscale);
         megaslide::io::write_mp4(megaslide::io::join_path(videos_dir, jobs[i].file), frames, video_options);
         if (png) write_png_frames(out_dir, jobs[i].file.substr(0, jobs[i].file.size() - 4), frames);
       }
-      progress.update(static_cast<int64_t>(end), options.steps(), options.steps());
+      progress.update(static_cast<int64_t>(end), batch_options.steps(), batch_options.steps());
     }
     progress.finish();
-    const megaslide::io::SamplingRecord record{checkpoint, megaslide::to_string(options.kind()), options.steps(),
+    const megaslide::io::SamplingRecord record{source, megaslide::to_string(options.kind()), options.steps(),
                                                  options.guidance_scale(), options.eta(), seed, fps, upscale};
     megaslide::io::write_file_atomically(megaslide::io::join_path(out_dir, "index.json"), megaslide::io::index_json(jobs, record));
     std::cerr << fmt::format("megaslide-sample: wrote {} videos and {}\n", jobs.size(), megaslide::io::join_path(out_dir, "index.json"));

@@ -83,18 +83,22 @@ std::vector<ValidationVideo> plan_validation_videos(const RunConfig& config, con
     for (auto& job : io::plan_vbench_samples(prompts, 1, config.train.seed)) out.push_back({std::move(job), run_shape});
     return out;
   }
-  constexpr const char* kKey = "train.sample_prompts";
-  std::vector<io::PromptSpec> specs;
-  std::vector<io::SampleJob> jobs;
   try {
-    specs = io::read_prompt_specs(config.train.sample_prompts);
-    jobs = io::plan_prompt_specs(specs, config.train.seed);
+    return plan_prompt_videos(config, io::read_prompt_specs(config.train.sample_prompts), 1, config.train.seed);
   } catch (const std::exception& e) {
-    throw ConfigError(source, kKey, e.what());
+    throw ConfigError(source, "train.sample_prompts", e.what());
   }
+}
+
+std::vector<ValidationVideo> plan_prompt_videos(const RunConfig& config, const std::vector<io::PromptSpec>& specs,
+                                                int64_t samples_per_line, uint64_t base_seed) {
+  const auto run = model_sample_shape(config);
+  const std::vector<int64_t> run_shape(run.begin(), run.end());
+  auto jobs = io::plan_prompt_specs(specs, base_seed, samples_per_line);
   const VideoSize size = run_video_size(config);
-  for (size_t i = 0; i < specs.size(); ++i) {
-    const auto& spec = specs[i];
+  std::vector<ValidationVideo> out;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    const auto& spec = specs[i / static_cast<size_t>(samples_per_line)];
     ValidationVideo video{std::move(jobs[i]), run_shape};
     const std::string where = fmt::format("prompt file '{}' line {}", spec.file, spec.line);
     if (spec.has_size()) {
@@ -103,17 +107,22 @@ std::vector<ValidationVideo> plan_validation_videos(const RunConfig& config, con
         const auto shape = model_sample_shape_at(config, own);
         video.shape.assign(shape.begin(), shape.end());
       } catch (const std::invalid_argument& e) {
-        throw ConfigError(source, kKey, fmt::format("{}: this model cannot sample {}x{}x{} (frames x height x width): {}", where,
-                                                    own.frames, own.height, own.width, e.what()));
+        throw std::invalid_argument(fmt::format("{}: this model cannot sample {}x{}x{} (frames x height x width): {}", where, own.frames,
+                                                own.height, own.width, e.what()));
       }
       video.job.frames = own.frames, video.job.height = own.height, video.job.width = own.width;
     }
     if (spec.steps && config.diffusion.objective == "ddpm" && *spec.steps > config.diffusion.timesteps)
-      throw ConfigError(source, kKey, fmt::format("{}: --s {} exceeds diffusion.timesteps ({}): DDPM sampling respaces the training "
-                                                  "timesteps", where, *spec.steps, config.diffusion.timesteps));
+      throw std::invalid_argument(fmt::format("{}: --s {} exceeds diffusion.timesteps ({}): DDPM sampling respaces the training "
+                                              "timesteps", where, *spec.steps, config.diffusion.timesteps));
     out.push_back(std::move(video));
   }
   return out;
+}
+
+bool same_sampling_settings(const ValidationVideo& a, const ValidationVideo& b) {
+  return a.shape == b.shape && a.job.steps == b.job.steps && a.job.guidance_scale == b.job.guidance_scale &&
+         a.job.negative_prompt == b.job.negative_prompt;
 }
 
 std::vector<std::string> dit_validation_prompts(const RunConfig& config, int64_t count, const std::vector<std::string>& dataset_captions) {

@@ -425,7 +425,8 @@ torch::Tensor WanTextToVideo::encode(const std::vector<std::string>& prompts, co
 }
 
 torch::Tensor WanTextToVideo::sample(const std::vector<std::string>& prompts, const std::vector<uint64_t>& seeds,
-                                     const WanSampleOptions& options, const std::function<void(int64_t, int64_t)>& on_step) {
+                                     const WanSampleOptions& options, const std::function<void(int64_t, int64_t)>& on_step,
+                                     const std::vector<int64_t>& shape) {
   TORCH_CHECK(prompts.size() == seeds.size() && !prompts.empty(), "WanTextToVideo::sample: need one seed per prompt, got ", prompts.size(),
               " prompts and ", seeds.size(), " seeds");
   Conditioning cond, uncond;
@@ -434,7 +435,7 @@ torch::Tensor WanTextToVideo::sample(const std::vector<std::string>& prompts, co
   auto model = [&](const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& text, const torch::Tensor&) {
     return denoiser_->predict(x, t, text);
   };
-  return flow_sample(model, options.flow(), latent_shape(), seeds, cond, uncond, denoiser_->device(), on_step);
+  return flow_sample(model, options.flow(), shape.empty() ? latent_shape() : shape, seeds, cond, uncond, denoiser_->device(), on_step);
 }
 
 torch::Tensor WanTextToVideo::decode(const torch::Tensor& latents) const {

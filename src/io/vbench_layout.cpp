@@ -191,24 +191,27 @@ std::vector<PromptSpec> read_prompt_specs(const std::string& path) {
   return specs;
 }
 
-std::vector<SampleJob> plan_prompt_specs(const std::vector<PromptSpec>& specs, uint64_t base_seed) {
+std::vector<SampleJob> plan_prompt_specs(const std::vector<PromptSpec>& specs, uint64_t base_seed, int64_t samples_per_spec) {
+  if (samples_per_spec < 1) throw std::invalid_argument("plan_prompt_specs: samples_per_spec must be >= 1, got " + std::to_string(samples_per_spec));
   std::vector<SampleJob> jobs;
   std::map<std::string, int64_t> count;
   std::set<std::string> files;
   for (const auto& spec : specs) {
-    const int64_t index = count[spec.prompt]++;
-    SampleJob job;
-    job.prompt = spec.prompt;
-    job.index = index;
-    job.seed = spec.seed ? *spec.seed : vbench_seed(spec.prompt, index, base_seed);
-    job.file = vbench_file_name(spec.prompt, index);
-    job.steps = spec.steps;
-    job.guidance_scale = spec.guidance;
-    job.negative_prompt = spec.negative;
-    if (!files.insert(job.file).second)
-      throw std::invalid_argument(fmt::format("prompt file '{}' line {}: its prompt maps to the file name '{}' of an earlier line (they differ only "
-                                              "in characters a file name cannot hold, or beyond the length cap)", spec.file, spec.line, job.file));
-    jobs.push_back(std::move(job));
+    for (int64_t k = 0; k < samples_per_spec; ++k) {
+      const int64_t index = count[spec.prompt]++;
+      SampleJob job;
+      job.prompt = spec.prompt;
+      job.index = index;
+      job.seed = spec.seed ? *spec.seed + static_cast<uint64_t>(k) : vbench_seed(spec.prompt, index, base_seed);
+      job.file = vbench_file_name(spec.prompt, index);
+      job.steps = spec.steps;
+      job.guidance_scale = spec.guidance;
+      job.negative_prompt = spec.negative;
+      if (!files.insert(job.file).second)
+        throw std::invalid_argument(fmt::format("prompt file '{}' line {}: its prompt maps to the file name '{}' of an earlier line (they differ only "
+                                                "in characters a file name cannot hold, or beyond the length cap)", spec.file, spec.line, job.file));
+      jobs.push_back(std::move(job));
+    }
   }
   return jobs;
 }

@@ -98,6 +98,16 @@ struct ValidationVideo {
 std::vector<ValidationVideo> plan_validation_videos(const RunConfig& config, const std::vector<std::string>& prompts,
                                                     const std::string& source);
 
+// The videos of a prompt file's lines (io::read_prompt_specs) for a model of `config` (both families;
+// pixel sizes for the data that has them): `samples_per_line` per line (io::plan_prompt_specs), each
+// at the line's size (--w --h --f over the run's) or the run's. Throws std::invalid_argument naming the
+// file and line of a size the model cannot take or of more DDPM steps than diffusion.timesteps.
+std::vector<ValidationVideo> plan_prompt_videos(const RunConfig& config, const std::vector<io::PromptSpec>& specs,
+                                                int64_t samples_per_line, uint64_t base_seed);
+
+// Whether two videos can be sampled in one batch: the same shape, steps, guidance and negative prompt.
+bool same_sampling_settings(const ValidationVideo& a, const ValidationVideo& b);
+
 // The DiT family's validation prompts without a prompt file: the first `count` distinct of
 // `dataset_captions` (a video dataset's), else the captions of structured-motion clips 0…count−1 of the
 // run's dataset (fixed by data.seed).

@@ -178,9 +178,10 @@ class WanTextToVideo {
   // Wan's text embeddings [N, text_tokens, d_model] float32 on the denoiser's device (cleaned first when
   // options.clean_prompts()).
   torch::Tensor encode(const std::vector<std::string>& prompts, const WanSampleOptions& options) const;
-  // Normalised latents [B, C, T, H, W] float32 on the denoiser's device, one per (prompt, seed).
+  // Normalised latents [B, C, T, H, W] float32 on the denoiser's device, one per (prompt, seed); `shape`:
+  // the latents' [C, T, H, W] (empty: latent_shape()).
   torch::Tensor sample(const std::vector<std::string>& prompts, const std::vector<uint64_t>& seeds, const WanSampleOptions& options,
-                       const std::function<void(int64_t, int64_t)>& on_step = {});
+                       const std::function<void(int64_t, int64_t)>& on_step = {}, const std::vector<int64_t>& shape = {});
   // Normalised latents -> pixels [B, 3, T', H', W'] in [-1, 1], float32 on the CPU.
   torch::Tensor decode(const torch::Tensor& latents) const;
 

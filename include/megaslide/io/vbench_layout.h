@@ -101,10 +101,11 @@ std::vector<PromptSpec> read_prompt_specs(const std::string& path);
 // One line's prompt and settings (`where` names it in errors, e.g. "prompts.txt line 3").
 PromptSpec parse_prompt_spec(const std::string& line, const std::string& where);
 
-// One job per spec, in order: index = how many earlier specs had the same prompt, seed = the spec's
-// --d or vbench_seed(prompt, index, base_seed), file = vbench_file_name(prompt, index), and the spec's
-// steps, guidance and negative prompt (its size is the caller's to resolve and record).
-std::vector<SampleJob> plan_prompt_specs(const std::vector<PromptSpec>& specs, uint64_t base_seed);
+// `samples_per_spec` jobs per spec, in order: index = how many earlier jobs had the same prompt, seed =
+// the spec's --d plus k for its k-th video (k = 0 … samples_per_spec − 1) or vbench_seed(prompt, index,
+// base_seed), file = vbench_file_name(prompt, index), and the spec's steps, guidance and negative
+// prompt (its size is the caller's to resolve and record).
+std::vector<SampleJob> plan_prompt_specs(const std::vector<PromptSpec>& specs, uint64_t base_seed, int64_t samples_per_spec = 1);
 
 // How a folder's videos were made (recorded in index.json).
 struct SamplingRecord {
