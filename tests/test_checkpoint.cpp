@@ -111,7 +111,13 @@ TEST_P(ExactResume, ResumedRunLogsTheUninterruptedLossesBitForBit) {
   ASSERT_EQ(b.size(), 5u);
   for (size_t i = 0; i < b.size(); ++i) EXPECT_EQ(a[i + 3], b[i]) << "step " << i + 4;
   // The final checkpoints hold the same bits too.
-  for (const char* f : {"master.safetensors", "exp_avg.safetensors", "exp_avg_sq.safetensors", "model.safetensors"}) {
+  // With train.ema_decay: the EMA and its weights file too, and megaslide-sample's default is that file.
+  const bool ema = std::find(extra.begin(), extra.end(), "train.ema_decay=0.9") != extra.end();
+  std::vector<std::string> files{"master.safetensors", "exp_avg.safetensors", "exp_avg_sq.safetensors", "model.safetensors"};
+  if (ema) files.insert(files.end(), {"ema.safetensors", "model_ema.safetensors"});
+  EXPECT_EQ(io::path_exists(io::join_path(whole, "checkpoints/step-0000008/ema.safetensors")), ema);
+  EXPECT_EQ(find_ema_weights(whole), ema ? io::join_path(whole, "checkpoints/step-0000008/model_ema.safetensors") : "");
+  for (const auto& f : files) {
     auto x = io::read_safetensors(io::join_path(whole, std::string("checkpoints/step-0000008/") + f));
     auto y = io::read_safetensors(io::join_path(resumed, std::string("checkpoints/step-0000008/") + f));
     ASSERT_EQ(x.tensors.size(), y.tensors.size()) << f;
@@ -140,7 +146,9 @@ INSTANTIATE_TEST_SUITE_P(Trainers, ExactResume,
                                            std::vector<std::string>{"offload.enabled=false"},              // resident
                                            std::vector<std::string>{"train.grad_accum_steps=2"},
                                            std::vector<std::string>{"optimizer.state_dtype=int8"},         // codes + scales
-                                           std::vector<std::string>{"optimizer.state_dtype=bf16", "train.grad_clip=0"}));
+                                           std::vector<std::string>{"optimizer.state_dtype=bf16", "train.grad_clip=0"},
+                                           std::vector<std::string>{"train.ema_decay=0.9"},                // EMA, streamed
+                                           std::vector<std::string>{"offload.enabled=false", "train.ema_decay=0.9"}));
 
 TEST(Checkpoint, LayoutManifestLatestAndKeepLast) {
   const auto dir = fresh_dir("layout");

@@ -470,12 +470,26 @@ TEST(DistributedTraining, EachRankHoldsItsShareOfTheHostState) {
   io::remove_tree(many);
 }
 
+// The EMA of the weights (train.ema_decay) of a sharded run: each rank's shard of it in its shard file,
+// put together into model_ema.safetensors; `a` and `b` are two such files whose tensors agree to within
+// bf16 rounding (both rounded from fp32 EMAs that differ by float rounding only).
+static void expect_same_ema_weights(const std::string& a, const std::string& b, const std::string& what) {
+  const auto x = io::read_safetensors(a), y = io::read_safetensors(b);
+  ASSERT_EQ(x.tensors.size(), y.tensors.size()) << what;
+  for (size_t i = 0; i < x.tensors.size(); ++i) {
+    ASSERT_EQ(x.tensors[i].first, y.tensors[i].first) << what;
+    const auto u = x.tensors[i].second.to(torch::kFloat32), v = y.tensors[i].second.to(torch::kFloat32);
+    EXPECT_TRUE(((u - v).abs() <= 0.008 * u.abs() + 1e-6).all().item<bool>()) << what << ": " << x.tensors[i].first;
+  }
+}
+
 // The property: a 2-rank run's checkpoint holds one shard file per rank (listed with their checksums
 // in the manifest); resumed on 2 ranks it continues bit for bit; resumed on 1 and 3 ranks it
-// re-shards and follows the single-process run within 1e-5.
+// re-shards and follows the single-process run within 1e-5; its EMA of the weights, put together from
+// the ranks' shards, is the single process's, and continues with the resumed run.
 TEST(DistributedTraining, ShardedCheckpointsResumeExactlyAndAtOtherWorldSizes) {
   if (!gloo_available()) GTEST_SKIP() << "this build has no Gloo backend";
-  const std::string args = streamed_args(6, "--set train.checkpoint_every=3 --set train.grad_clip=0.05");
+  const std::string args = streamed_args(6, "--set train.checkpoint_every=3 --set train.grad_clip=0.05 --set train.ema_decay=0.5");
   const auto whole = fresh_dir("sc-whole"), two = fresh_dir("sc-two"), parts = fresh_dir("sc-parts");
   ASSERT_EQ(train(args + " --run-dir " + whole).code, 0);
   auto r = train(args + " --run-dir " + two + " --nproc-per-node 2");
@@ -488,6 +502,9 @@ TEST(DistributedTraining, ShardedCheckpointsResumeExactlyAndAtOtherWorldSizes) {
     EXPECT_TRUE(io::path_exists(join_path(checkpoint, shard))) << shard;
     EXPECT_NE(manifest.find(shard), std::string::npos) << manifest;
   }
+  // The EMA: every rank's shard put together is the single process's.
+  expect_same_ema_weights(join_path(whole, "checkpoints/step-0000005/model_ema.safetensors"),
+                          join_path(two, "checkpoints/step-0000005/model_ema.safetensors"), "2 ranks against 1");
   for (const char* world : {"2", "1", "3"}) {
     io::remove_tree(parts);
     ASSERT_EQ(std::system(("cp -r " + two + " " + parts).c_str()), 0);
@@ -500,6 +517,14 @@ TEST(DistributedTraining, ShardedCheckpointsResumeExactlyAndAtOtherWorldSizes) {
       if (std::string(world) == "2") EXPECT_EQ(got[i], uninterrupted[i]) << "same world size, step " << i + 1;
       else EXPECT_NEAR(got[i], single[i], 1e-5) << world << " ranks, step " << i + 1;
     }
+    const auto ema = join_path(parts, "checkpoints/step-0000005/model_ema.safetensors");
+    if (std::string(world) == "2") {  // the same tensors, bit for bit (the files' configs name other run folders)
+      const auto x = io::read_safetensors(ema), y = io::read_safetensors(join_path(two, "checkpoints/step-0000005/model_ema.safetensors"));
+      ASSERT_EQ(x.tensors.size(), y.tensors.size());
+      for (size_t i = 0; i < x.tensors.size(); ++i)
+        EXPECT_TRUE(torch::equal(x.tensors[i].second, y.tensors[i].second)) << "the resumed EMA: " << x.tensors[i].first;
+    } else
+      expect_same_ema_weights(join_path(whole, "checkpoints/step-0000005/model_ema.safetensors"), ema, std::string(world) + " ranks resumed");
   }
   // A modified shard is refused (its CRC-32), on any world size, and nothing in the run folder changes.
   for (const char* world : {"2", "1"}) {

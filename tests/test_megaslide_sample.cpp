@@ -14,6 +14,7 @@
 
 #include "megaslide/io/vbench_layout.h"
 #include "megaslide/io/files.h"
+#include "megaslide/io/safetensors.h"
 #include "megaslide/io/video.h"
 
 using megaslide::io::join_path;
@@ -301,5 +302,63 @@ TEST(MegaslideSample, PromptFileLinesSampleAtTheirOwnSizeSeedAndSettings) {
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("line 2"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("width 15"), std::string::npos) << r.output;
+  EXPECT_FALSE(path_exists(never));
+}
+
+// A run with train.ema_decay: its checkpoint holds the EMA as a weights file, which megaslide-sample
+// samples by default (saying so; index.json names it) and --no-ema passes over for the trained weights;
+// megaslide-train --export-ema writes the same EMA after training and, with --resume, from the checkpoint;
+// a checkpoint without EMA is refused by --export-ema (exit 2, naming it), as is --export-ema on a run
+// without train.ema_decay.
+TEST(MegaslideSample, ARunsEmaIsSampledByDefaultAndExported) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  const std::string run_dir = join_path(scratch(), "ema-run"), exported = join_path(scratch(), "ema-exported.safetensors");
+  const std::string train = "--config " + std::string(MEGASLIDE_SOURCE_DIR) + "/configs/smoke.yaml --set train.steps=3 --set output.progress=false";
+  auto r = megaslide::testing::run_tool("megaslide-train", train + " --run-dir " + run_dir +
+                                                             " --set train.ema_decay=0.5 --set train.checkpoint_every=3 --export-ema " + exported);
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto checkpoint = join_path(run_dir, "checkpoints/step-0000003");
+  const auto ema_file = join_path(checkpoint, "model_ema.safetensors");
+  ASSERT_TRUE(path_exists(ema_file));
+  const auto a = megaslide::io::read_safetensors(ema_file), b = megaslide::io::read_safetensors(exported);
+  ASSERT_EQ(a.tensors.size(), b.tensors.size());
+  for (size_t i = 0; i < a.tensors.size(); ++i) EXPECT_TRUE(torch::equal(a.tensors[i].second, b.tensors[i].second)) << a.tensors[i].first;
+
+  auto prompts = prompts_file("ema-prompts.txt", "a red blob moves left quickly\n");
+  const std::string file = "videos/a red blob moves left quickly-0.mp4";
+  const std::string args = " --prompts " + prompts + " --samples-per-prompt 1 --steps 3 --no-progress --compute-dtype fp32 --out ";
+  const auto by_default = join_path(scratch(), "ema-default"), trained = join_path(scratch(), "ema-none"),
+             ema_direct = join_path(scratch(), "ema-direct"), model_direct = join_path(scratch(), "ema-model");
+  r = run("megaslide-sample", "--checkpoint " + run_dir + args + by_default);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("sampling the EMA of the weights"), std::string::npos) << r.output;
+  auto index = nlohmann::json::parse(megaslide::io::read_file(join_path(by_default, "index.json")));
+  EXPECT_EQ(index.at("checkpoint"), ema_file);
+  r = run("megaslide-sample", "--checkpoint " + run_dir + args + trained + " --no-ema");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(r.output.find("sampling the EMA"), std::string::npos) << r.output;
+  ASSERT_EQ(run("megaslide-sample", "--checkpoint " + ema_file + args + ema_direct).code, 0);
+  ASSERT_EQ(run("megaslide-sample", "--checkpoint " + join_path(checkpoint, "model.safetensors") + args + model_direct).code, 0);
+  const auto video = [&](const std::string& dir) { return megaslide::io::read_file(join_path(dir, file)); };
+  EXPECT_EQ(video(by_default), video(ema_direct)) << "the default is the EMA's weights file";
+  EXPECT_EQ(video(trained), video(model_direct)) << "--no-ema is the trained weights";
+  EXPECT_NE(video(by_default), video(trained)) << "the EMA after 3 steps (decay 0.5) is not the weights";
+
+  // --resume with --export-ema: the checkpoint's EMA file, without training.
+  const auto from_checkpoint = join_path(scratch(), "ema-from-checkpoint.safetensors");
+  r = megaslide::testing::run_tool("megaslide-train", train + " --run-dir " + run_dir + " --resume latest --export-ema " + from_checkpoint);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(megaslide::io::read_file(from_checkpoint), megaslide::io::read_file(ema_file));
+  // Refusals: a checkpoint without EMA (exit 2, naming it), a run without train.ema_decay.
+  r = megaslide::testing::run_tool("megaslide-train", train + " --run-dir " + join_path(scratch(), "ema-plain") + " --set train.checkpoint_every=3");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto never = join_path(scratch(), "ema-never.safetensors");
+  r = megaslide::testing::run_tool("megaslide-train", train + " --run-dir " + join_path(scratch(), "ema-plain") + " --resume latest --export-ema " + never);
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("has no EMA of the weights"), std::string::npos) << r.output;
+  EXPECT_FALSE(path_exists(never));
+  r = megaslide::testing::run_tool("megaslide-train", train + " --run-dir " + join_path(scratch(), "ema-refused") + " --export-ema " + never);
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("train.ema_decay"), std::string::npos) << r.output;
   EXPECT_FALSE(path_exists(never));
 }

@@ -112,6 +112,16 @@ TEST(StepPlan, HostBytesFollowTheClosedForm) {
   EXPECT_EQ(accum.host.state(), 18 * P);
   EXPECT_EQ(accum.host.staging, 2 * Pb * 2);
   EXPECT_EQ(accum.host.pinned, 2 * P + 2 * Pb * 2);
+  // The EMA of the weights: 4 B a streamed parameter on the host and one pass of 12 B (read master and
+  // EMA, write EMA); the resident parts keep 20 B a parameter on the device instead of 16.
+  const auto ema = plan::plan_step(tiny_run({"train.ema_decay=0.999"}), h200());
+  EXPECT_TRUE(ema.ema);
+  EXPECT_EQ(ema.host.ema, 4 * P);
+  EXPECT_EQ(ema.host.state(), 18 * P);
+  EXPECT_EQ(ema.time.optimizer_bytes, 40 * P);
+  EXPECT_EQ(ema.device.resident_state / 20, one.device.resident_state / 16);
+  EXPECT_NE(plan::to_table(ema).find("fp32 EMA of the weights"), std::string::npos);
+  EXPECT_EQ(nlohmann::json::parse(plan::to_json(ema)).at("host_ema_bytes"), 4 * P);
 }
 
 // Property: the plan's PCIe bytes, host store components, parameter split and the device components

@@ -50,7 +50,7 @@ const std::set<std::string> kOneProcessKeys{
     "arch", "trainer", "compute_dtype", "mode", "layers", "hidden", "batch_size", "grad_accum_steps", "tokens_per_sample",
     "token_grid", "params", "text_encoder_params", "streamed_params", "resident_params", "params_per_block", "hardware",
     "state_dtype", "host_state_bytes", "host_state_bytes_per_param", "host_master_bytes", "host_exp_avg_bytes",
-    "host_exp_avg_sq_bytes", "host_scale_bytes", "host_compute_bytes", "host_grad_bytes", "host_staging_bytes",
+    "host_exp_avg_sq_bytes", "host_ema_bytes", "host_scale_bytes", "host_compute_bytes", "host_grad_bytes", "host_staging_bytes",
     "host_steady_bytes", "host_steady_bytes_per_param", "host_construction_peak_bytes", "host_peak_bytes",
     "host_peak_bytes_per_param", "pinned_bytes", "device_peak_bytes", "device_weight_slot_bytes",
     "device_gradient_slot_bytes", "device_resident_state_bytes", "device_checkpoint_bytes", "device_block_input_bytes",

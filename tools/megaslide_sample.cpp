@@ -256,7 +256,7 @@ int main(int argc, char** argv) {
   double guidance = -1.0;     // < 0: the checkpoint config's diffusion.guidance_scale
   double eta = 0.0;
   uint64_t seed = 0;
-  bool png = false, no_progress = false;
+  bool png = false, no_progress = false, no_ema = false;
   app.add_option("--checkpoint", checkpoint,
                  "weights file (safetensors) written by megaslide-train --export-weights, a training checkpoint folder "
                  "(RUN_DIR/checkpoints/step-NNNNNNN), its `latest` file (RUN_DIR/checkpoints/latest) or a run folder (its latest "
@@ -311,6 +311,9 @@ int main(int argc, char** argv) {
   app.add_option("--upscale", upscale, "repeat pixels N times in each direction (small models' frames are tiny)")
       ->check(CLI::Range(int64_t{1}, int64_t{64}))
       ->capture_default_str();
+  app.add_flag("--no-ema", no_ema,
+               "a checkpoint of a run with train.ema_decay: sample its trained weights (model.safetensors), not the EMA of them "
+               "(model_ema.safetensors, the default)");
   app.add_flag("--png", png, "also write every frame as DIR/frames/{prompt}-{index}/NNN.png");
   app.add_option("--device", device_spec, "auto, cpu, cuda or cuda:N")
       ->capture_default_str();
@@ -361,7 +364,13 @@ int main(int argc, char** argv) {
     device = megaslide::resolve_device(device_spec);
     // A weights file as it is; a checkpoint folder, its `latest` file or a run folder: the checkpoint's
     // bf16 weights file, checked against its manifest (docs/checkpoints.md).
-    const std::string weights = checkpoint.empty() ? std::string() : megaslide::find_weights(checkpoint);
+    // A checkpoint of a run with train.ema_decay: its EMA of the weights unless --no-ema.
+    const std::string ema_weights = checkpoint.empty() || no_ema ? std::string() : megaslide::find_ema_weights(checkpoint);
+    const std::string weights = checkpoint.empty() ? std::string() : !ema_weights.empty() ? ema_weights : megaslide::find_weights(checkpoint);
+    if (!ema_weights.empty()) {
+      source = ema_weights;
+      std::cerr << "megaslide-sample: sampling the EMA of the weights (" << ema_weights << "; --no-ema samples the trained weights)\n";
+    }
     if (!config_path.empty()) {
       const auto config = megaslide::load_run_config(config_path, overrides);
       if (config.model.arch != megaslide::Architecture::kWan)

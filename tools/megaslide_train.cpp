@@ -40,7 +40,7 @@ void on_stop_signal(int signal) {
 
 int main(int argc, char** argv) {
   CLI::App app{"megaslide-train: full-parameter training of video DiTs (docs/training.md)"};
-  std::string config_path, run_dir, trace_path, export_weights, resume;
+  std::string config_path, run_dir, trace_path, export_weights, export_ema, resume;
   int64_t trace_step = 2, nproc_per_node = 0, master_port = 0;
   std::vector<std::string> overrides;
   bool dry_run = false, json = false;
@@ -54,6 +54,10 @@ int main(int argc, char** argv) {
   app.add_option("--export-weights", export_weights,
                  "write the weights (bf16) and the resolved config to this safetensors file (megaslide-sample --checkpoint "
                  "reads it): after training, or with --resume the checkpoint's weights without training")
+      ->check(megaslide::tools::non_empty_path());
+  app.add_option("--export-ema", export_ema,
+                 "write the EMA of the weights (train.ema_decay; bf16) to this safetensors file, as --export-weights writes the "
+                 "weights: after training, or with --resume the checkpoint's EMA (model_ema.safetensors) without training")
       ->check(megaslide::tools::non_empty_path());
   app.add_flag("--dry-run", dry_run, "build the model on the meta device, print its size, train nothing");
   app.add_flag("--json", json, "with --dry-run: print one JSON object");
@@ -95,6 +99,8 @@ int main(int argc, char** argv) {
     // run_training for a run (once the run folder, which may hold the file, exists).
     if (!export_weights.empty() && (!resume.empty() || megaslide::io::is_directory(export_weights)))
       megaslide::io::check_output_file(export_weights, "--export-weights");
+    if (!export_ema.empty() && (!resume.empty() || megaslide::io::is_directory(export_ema)))
+      megaslide::io::check_output_file(export_ema, "--export-ema");
   } catch (const megaslide::io::IoError& e) {
     std::cerr << "megaslide-train: " << megaslide::error_message(e) << "\n";
     return 2;
@@ -138,9 +144,20 @@ int main(int argc, char** argv) {
                 << "(--json prints this as one JSON object; megaslide-plan shows memory and time on a machine)\n";
       return 0;
     }
-    if (!resume.empty() && !export_weights.empty()) {
-      const auto from = megaslide::export_checkpoint_weights(config.output.run_dir, resume, export_weights);
-      std::cerr << "megaslide-train: weights of " << from << " written to " << export_weights << "\n";
+    if (!resume.empty() && (!export_weights.empty() || !export_ema.empty())) {
+      // Both files or neither: a checkpoint without an EMA is refused before the weights are written.
+      if (!export_ema.empty() && megaslide::find_ema_weights(megaslide::resolve_checkpoint(config.output.run_dir, resume)).empty())
+        throw megaslide::CheckpointError("checkpoint '" + megaslide::resolve_checkpoint(config.output.run_dir, resume) +
+                                         "': has no EMA of the weights (model_ema.safetensors) for --export-ema: it was saved by a run "
+                                         "without train.ema_decay");
+      if (!export_weights.empty()) {
+        const auto from = megaslide::export_checkpoint_weights(config.output.run_dir, resume, export_weights);
+        std::cerr << "megaslide-train: weights of " << from << " written to " << export_weights << "\n";
+      }
+      if (!export_ema.empty()) {
+        const auto from = megaslide::export_checkpoint_weights(config.output.run_dir, resume, export_ema, /*ema=*/true);
+        std::cerr << "megaslide-train: EMA of the weights of " << from << " written to " << export_ema << "\n";
+      }
       return 0;
     }
     std::signal(SIGINT, on_stop_signal);
@@ -151,6 +168,7 @@ int main(int argc, char** argv) {
     options.trace_path = trace_path;
     options.trace_step = trace_step;
     options.export_weights = export_weights;
+    options.export_ema = export_ema;
     options.stop_requested = &g_stop;
     const auto result = megaslide::run_training(config, options);
     return result.stop_signal != 0 ? 128 + result.stop_signal : 0;

@@ -63,6 +63,7 @@
 #include "megaslide/train/training_run.h"
 #include "megaslide/train/wan_trainer.h"
 #include "megaslide/train/wan_validation.h"
+#include "megaslide/train/weights_ema.h"
 #include "megaslide/util/build_info.h"
 #include "megaslide/util/cpu_memory_counter.h"
 #include "megaslide/util/cpu_resources.h"

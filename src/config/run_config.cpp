@@ -407,6 +407,7 @@ class Schema {
     real("train.beta2", c.train.beta2, RealRange{0.0, 1.0, false, true});
     real("train.eps", c.train.eps, RealRange{0.0, 1.0, true, false});
     real("train.grad_clip", c.train.grad_clip, RealRange{0.0});
+    real("train.ema_decay", c.train.ema_decay, RealRange{0.0, 1.0, false, true});
     seed("train.seed", c.train.seed);
     add("train.device",
         [&c](const YAML::Node& n) {

@@ -108,11 +108,11 @@ std::string human_bytes(int64_t bytes) {
                             : "this machine's available memory could not be read";
   throw HostMemoryError(
       fmt::format("HostParamStore: {}: the training state needs {} bytes ({}; {:.2f} B per parameter x {} "
-                  "parameters in {} blocks: fp32 master, {} m and v, {} transfer buffer{}), but {}. "
+                  "parameters in {} blocks: fp32 master, {} m and v, {} transfer buffer{}{}), but {}. "
                   "Use a smaller model (fewer or narrower blocks), or a machine with more RAM (at least {}).",
                   what_failed, plan.total_bytes(), human_bytes(plan.total_bytes()), per_param, plan.num_params,
                   plan.num_blocks, to_string(o.state_dtype), c10::toString(o.compute_dtype),
-                  o.separate_grad ? ", fp32 gradient" : "", machine,
+                  o.separate_grad ? ", fp32 gradient" : "", o.ema ? ", fp32 EMA" : "", machine,
                   human_bytes(plan.total_bytes() + (mem.total_bytes - std::max<int64_t>(mem.available_bytes, 0)))),
       plan.total_bytes(), mem.available_bytes);
 }
@@ -162,7 +162,7 @@ struct HostParamStore::Block {
   std::vector<int64_t> offsets;        // per parameter, in elements
   std::vector<int64_t> group_offsets;  // per parameter, its first int8 group
   int64_t groups = 0;
-  at::Tensor master, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, compute, grad;
+  at::Tensor master, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, compute, grad, ema;
 };
 
 namespace {
@@ -208,6 +208,7 @@ std::string MemoryReport::to_string() const {
         compute_bytes);
   }
   if (grad_bytes > 0) row("fp32 gradient (accumulation)", grad_bytes);
+  if (ema_bytes > 0) row("fp32 EMA of the weights", ema_bytes);
   row("total", total_bytes());
   return out;
 }
@@ -229,6 +230,7 @@ MemoryReport HostParamStore::plan(const std::vector<BlockSpec>& blocks, const Ho
   r.scale_bytes = options.state_dtype == StateDtype::kInt8 ? 2 * 4 * groups : 0;
   r.compute_bytes = has_transfer_buffer(options) ? element_bytes(options.compute_dtype) * r.num_params : 0;
   r.grad_bytes = options.separate_grad ? 4 * r.num_params : 0;
+  r.ema_bytes = options.ema ? 4 * owned : 0;
   r.pinnable_bytes = r.compute_bytes + (master_uploaded(options) ? r.master_bytes : 0);
   r.compute_dtype = options.compute_dtype;
   r.state_dtype = options.state_dtype;
@@ -292,6 +294,7 @@ HostParamStore::HostParamStore(std::vector<BlockSpec> blocks, HostParamStoreOpti
       block->compute = make_buffer(block->numel, options_.compute_dtype, pinned_, "compute", spec.name);
     }
     if (options_.separate_grad) block->grad = make_buffer(block->numel, at::kFloat, false, "grad", spec.name);
+    if (options_.ema) block->ema = make_buffer(owned, at::kFloat, false, "ema", spec.name);
 
     // First touch: every byte of the block zeroed by whoever options_.first_touch says.
     const Block& b = *block;
@@ -303,7 +306,7 @@ HostParamStore::HostParamStore(std::vector<BlockSpec> blocks, HostParamStoreOpti
       };
       // Master and moments hold the shard: the part of [begin, end) inside it, in shard coordinates.
       const int64_t from = std::max(begin, b.shard.begin) - b.shard.begin, to = std::min(end, b.shard.end) - b.shard.begin;
-      for (const at::Tensor* t : {&b.master, &b.exp_avg, &b.exp_avg_sq}) clear(*t, from, to);
+      for (const at::Tensor* t : {&b.master, &b.exp_avg, &b.exp_avg_sq, &b.ema}) clear(*t, from, to);
       for (const at::Tensor* t : {&b.compute, &b.grad}) clear(*t, begin, end);
       if (!b.exp_avg_scale.defined()) return;
       // The scales of the groups that start in [begin, end).
@@ -356,6 +359,7 @@ at::Tensor HostParamStore::exp_avg_scale(int64_t block) const {
 at::Tensor HostParamStore::exp_avg_sq_scale(int64_t block) const {
   return (block_spec(block), blocks_[block]->exp_avg_sq_scale);
 }
+at::Tensor HostParamStore::ema(int64_t block) const { return (block_spec(block), blocks_[block]->ema); }
 at::Tensor HostParamStore::compute(int64_t block) const { return (block_spec(block), blocks_[block]->compute); }
 at::Tensor HostParamStore::grad(int64_t block) const {
   block_spec(block);
@@ -373,7 +377,7 @@ HostParamStore::ParamViews HostParamStore::views(int64_t block, size_t i) const 
   };
   const auto owned_view = [&](const at::Tensor& flat) { return sharded() ? at::Tensor() : view(flat); };
   ParamViews v{owned_view(b.master), owned_view(b.exp_avg), owned_view(b.exp_avg_sq), view(b.compute), view(grad(block)), {}, {}, offset,
-               b.group_offsets[i]};
+               b.group_offsets[i], owned_view(b.ema)};
   if (b.exp_avg_scale.defined()) {
     v.exp_avg_scale = b.exp_avg_scale.narrow(0, b.group_offsets[i], state_groups(numel));
     v.exp_avg_sq_scale = b.exp_avg_sq_scale.narrow(0, b.group_offsets[i], state_groups(numel));

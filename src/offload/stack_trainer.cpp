@@ -143,6 +143,36 @@ c10::ScalarType parse_compute_dtype(const std::string& name) {
   TORCH_CHECK(false, "offload.compute_dtype: expected bf16, fp16 or fp32, got '", name, "'");
 }
 
+double ema_decay_at(double decay, int64_t update) {
+  if (update <= 1) return 0.0;
+  const double n = static_cast<double>(update);
+  return std::min(decay, n / (n + 9.0));
+}
+
+void ema_update(const at::Tensor& ema, const at::Tensor& value, double decay) {
+  TORCH_CHECK(ema.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat && ema.sizes() == value.sizes() &&
+                  ema.device() == value.device(),
+              "ema_update: expected two fp32 tensors of one shape on one device, got ", ema.scalar_type(), " ", ema.sizes(), " on ",
+              ema.device(), " and ", value.scalar_type(), " ", value.sizes(), " on ", value.device());
+  const double weight = 1.0 - decay;
+  if (!ema.device().is_cpu() || !ema.is_contiguous() || !value.is_contiguous()) {
+    ema.lerp_(value, weight);
+    return;
+  }
+  // at::lerp's two forms (the one that keeps its precision for the weight), without ATen's thread pool:
+  // this runs on the optimizer's threads.
+  float* e = ema.data_ptr<float>();
+  const float* v = value.data_ptr<float>();
+  const int64_t n = ema.numel();
+  const auto w = static_cast<float>(weight);
+  if (std::abs(w) < 0.5f) {
+    for (int64_t i = 0; i < n; ++i) e[i] = e[i] + w * (v[i] - e[i]);
+  } else {
+    const float rest = 1.0f - w;
+    for (int64_t i = 0; i < n; ++i) e[i] = v[i] - (v[i] - e[i]) * rest;
+  }
+}
+
 namespace {
 // Elements [begin, end) of a flat gradient hold no NaN or infinity.
 bool all_finite(const at::Tensor& flat, int64_t begin, int64_t end) {
@@ -195,6 +225,7 @@ struct StreamedStackTrainer::Impl {
   }
   std::vector<std::vector<ParamSlot>> params;  // per block, in the store's order
   std::vector<torch::Tensor> resident;
+  std::vector<torch::Tensor> resident_ema;  // options.ema_decay > 0: per resident parameter, on the device
   std::unique_ptr<torch::optim::AdamW> resident_optimizer;
   std::unique_ptr<CpuAdamW> adamw;
   std::unique_ptr<detail::HostTaskQueue> tasks;
@@ -244,6 +275,11 @@ struct StreamedStackTrainer::Impl {
       if (!all_finite(grad, b, e)) finite.store(false, std::memory_order_relaxed);
     });
     return finite.load();
+  }
+  // Block l's EMA (this rank's shard) moved towards its master, on the optimizer's threads.
+  void update_block_ema(const HostParamStore& store, int64_t l, double decay) {
+    const at::Tensor ema = store.ema(l), master = store.master(l);
+    adamw->for_each_range(ema.numel(), [&](int64_t b, int64_t e) { ema_update(ema.narrow(0, b, e - b), master.narrow(0, b, e - b), decay); });
   }
   // Rounds block l's compute copy from its master over [begin, end), on the optimizer's threads.
   void restore_compute(const HostParamStore& store, int64_t l, int64_t begin, int64_t end) {
@@ -442,6 +478,7 @@ struct StreamedStackTrainer::StepRun {
       if (restore && done < mine.end) impl.restore_compute(st, l, done, mine.end);
       // fp32 compute, sharded: the shard's copy is the master itself (nothing above wrote it).
       if (sharded && fp32_compute) impl.restore_compute(st, l, mine.begin, mine.end);
+      if (self->has_ema()) impl.update_block_ema(st, l, ema_decay_at(self->options_.ema_decay, step));
       impl.optimizer_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - begin).count();
       if (trace != nullptr) trace->add(TraceLane::kOptimizer, "adamw block " + std::to_string(l), t0, trace->now_s() - t0);
       if (sharded) impl.gather_compute(st, l);
@@ -731,6 +768,11 @@ struct StreamedStackTrainer::StepRun {
         im.resident_optimizer->step();
       }
       ++t.adam_steps_;
+      if (t.has_ema()) {
+        torch::NoGradGuard no_grad;
+        const double decay = ema_decay_at(t.options_.ema_decay, t.adam_steps_);
+        for (size_t i = 0; i < im.resident.size(); ++i) ema_update(im.resident_ema[i], im.resident[i].detach(), decay);
+      }
     }
     if (t.options_.mode == StreamMode::kSync) t.synchronize();
     else streamer.synchronize();
@@ -753,7 +795,8 @@ struct StreamedStackTrainer::StepRun {
 #endif
     if (!t.options_.device.is_cuda()) {
       int64_t resident_bytes = 0;
-      for (const auto& p : im.resident) resident_bytes += 4 * static_cast<int64_t>(p.nbytes());  // weights, gradient, m, v
+      for (const auto& p : im.resident)  // weights, gradient, m, v (and the EMA)
+        resident_bytes += (t.has_ema() ? 5 : 4) * static_cast<int64_t>(p.nbytes());
       r.peak_device_bytes = streamer.device_weight_bytes() + streamer.device_gradient_bytes() + resident_bytes +
                             im.activation_bytes_peak;
     }
@@ -801,8 +844,11 @@ StreamedStackTrainer::StreamedStackTrainer(std::shared_ptr<StreamedModel> model,
   }
   const auto& a = options_.adamw;
   impl_->adamw = std::make_unique<CpuAdamW>(a, options_.optimizer_threads);
+  TORCH_CHECK(options_.ema_decay >= 0 && options_.ema_decay < 1, "StreamedStackTrainer: ema_decay must be in [0, 1), got ",
+              options_.ema_decay);
   HostParamStoreOptions store_options = host_store_options(dt, options_.grad_accum_steps, options_.state_dtype);
   store_options.pin_if_cuda = options_.pin_host_memory;
+  store_options.ema = has_ema();
   if (options_.exchange) {
     store_options.shard_rank = options_.exchange->rank();
     store_options.shard_count = options_.exchange->world_size();
@@ -839,6 +885,8 @@ StreamedStackTrainer::StreamedStackTrainer(std::shared_ptr<StreamedModel> model,
                 "StreamedStackTrainer: resident parameters must be fp32 on ", options_.device, ", got one ",
                 p.scalar_type(), " on ", p.device());
   }
+  if (has_ema())  // zero until the first update makes it the weights (ema_decay_at(·, 1) = 0)
+    for (const auto& p : impl_->resident) impl_->resident_ema.push_back(torch::zeros_like(p));
   if (!impl_->resident.empty()) {
     impl_->resident_optimizer = std::make_unique<torch::optim::AdamW>(
         impl_->resident,
@@ -892,6 +940,41 @@ std::vector<std::pair<std::string, torch::Tensor>> StreamedStackTrainer::block_m
   std::vector<std::pair<std::string, torch::Tensor>> out;
   for (const auto& p : store_->block_spec(block).params) out.emplace_back(p.name, store_->param(block, p.name).master);
   return out;
+}
+
+torch::Tensor StreamedStackTrainer::resident_ema(const torch::Tensor& param) const {
+  for (size_t i = 0; i < impl_->resident_ema.size(); ++i)
+    if (impl_->resident[i].unsafeGetTensorImpl() == param.unsafeGetTensorImpl()) return impl_->resident_ema[i];
+  return {};
+}
+
+void StreamedStackTrainer::reset_ema_to_weights() {
+  TORCH_CHECK(has_ema(), "StreamedStackTrainer::reset_ema_to_weights: the trainer keeps no EMA (ema_decay 0)");
+  synchronize();
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < impl_->resident.size(); ++i) impl_->resident_ema[i].copy_(impl_->resident[i]);
+  for (int64_t l = 0; l < store_->num_blocks(); ++l) store_->ema(l).copy_(store_->master(l));
+}
+
+torch::Tensor StreamedStackTrainer::gathered_block_ema(int64_t block) {
+  TORCH_CHECK(has_ema(), "StreamedStackTrainer::gathered_block_ema: the trainer keeps no EMA (ema_decay 0)");
+  synchronize();
+  const auto dt = options_.compute_dtype;
+  if (!impl_->exchange) return store_->ema(block).to(dt, /*non_blocking=*/false, /*copy=*/true);
+  // Rounded as the compute copy is rounded from the master; gathered through the host channel's buffers.
+  const HostParamStore& st = *store_;
+  Impl& im = *impl_;
+  auto whole = torch::empty({st.block_numel(block)}, torch::TensorOptions().dtype(dt));
+  im.tasks->submit([&st, &im, block, &whole, dt] {
+    const int64_t n = st.block_numel(block), R = im.exchange->world_size(), s = shard_stride(n, R);
+    const ShardRange mine = st.shard(block);
+    const at::Tensor in = im.gather_in.narrow(0, 0, s), out = im.gather_out.narrow(0, 0, R * s);
+    in.zero_();
+    in.narrow(0, 0, mine.size()).copy_(st.ema(block).to(dt));
+    im.exchange->all_gather(in, out);
+    whole.copy_(out.narrow(0, 0, n));
+  }).get();
+  return whole;
 }
 
 void StreamedStackTrainer::set_block_parameter(int64_t block, const std::string& name, const torch::Tensor& value) {

@@ -167,6 +167,10 @@ BlockActivation block_activation(const RunConfig& c, const TokenGrid& grid, int6
   return a;
 }
 
+// Bytes a trained parameter keeps on the device in the resident parts: fp32 weight, gradient, AdamW m
+// and v, and with train.ema_decay its fp32 EMA.
+int64_t resident_bytes_per_param(const RunConfig& c) { return c.train.ema_decay > 0 ? 20 : 16; }
+
 DeviceMemoryPlan device_memory(const RunConfig& c, const ModelShape& s, const TokenGrid& grid) {
   DeviceMemoryPlan d;
   const bool streamed = c.offload.enabled;
@@ -185,7 +189,7 @@ DeviceMemoryPlan device_memory(const RunConfig& c, const ModelShape& s, const To
   const BlockActivation fused = block_activation(c, grid, e, false);
   if (streamed) {
     d.weight_slots = d.gradient_slots = 2 * s.largest_block * e;
-    d.resident_state = 16 * resident;
+    d.resident_state = resident_bytes_per_param(c) * resident;
     d.checkpoints = (L + 1) * X;
     d.block_inputs = 2 * (B * 6 * D + B * Lt * Dt) * e;  // leaves in the compute dtype and their grads
     d.recompute_saved = fused.saved;
@@ -198,7 +202,7 @@ DeviceMemoryPlan device_memory(const RunConfig& c, const ModelShape& s, const To
   } else {
     // The resident loop: every weight, gradient and AdamW moment in fp32 on the device, and every
     // block's graph kept for one backward (no checkpointing).
-    d.resident_state = 16 * (s.params + s.text_encoder_params);
+    d.resident_state = resident_bytes_per_param(c) * (s.params + s.text_encoder_params);
     d.checkpoints = X;  // the first block's input
     d.recompute_saved = L * fused.saved;
     d.recompute_workspace = fused.workspace;
@@ -306,7 +310,7 @@ DeviceMemoryPlan wan_device_memory(const RunConfig& c, const ModelShape& s, cons
   const bool dsa = c.model.self_attention == "dsa3d";
   if (streamed) {
     d.weight_slots = d.gradient_slots = 2 * s.largest_block * e;
-    d.resident_state = 16 * s.resident;
+    d.resident_state = resident_bytes_per_param(c) * s.resident;
     d.checkpoints = (L + 1) * X;
     d.block_inputs = 2 * (B * 6 * D * 4 + B * Lt * D * e);  // tproj (fp32) and the text context, with grads
     d.recompute_saved = fused.saved;
@@ -317,7 +321,7 @@ DeviceMemoryPlan wan_device_memory(const RunConfig& c, const ModelShape& s, cons
       d.recompute_workspace_reference = ref.workspace;
     }
   } else {
-    d.resident_state = 16 * s.params;
+    d.resident_state = resident_bytes_per_param(c) * s.params;
     d.checkpoints = X;
     d.recompute_saved = L * fused.saved;
     d.recompute_workspace = fused.workspace;
@@ -413,6 +417,14 @@ std::vector<std::string> advise(const RunConfig& config, const ModelShape& s, co
         out.push_back(fmt::format("host: int8 AdamW moments: optimizer.state_dtype=int8 fits ({} at peak)",
                                   gb(static_cast<double>(smaller.host.peak()))));
     }
+    if (config.train.ema_decay > 0) {
+      RunConfig c = config;
+      c.train.ema_decay = 0;
+      const StepPlan without = plan_step(c, hw, ranks);
+      if (without.fits_host)
+        out.push_back(fmt::format("host: no EMA of the weights: train.ema_decay=0 fits ({} at peak; the EMA takes 4 B a parameter)",
+                                  gb(static_cast<double>(without.host.peak()))));
+    }
     // Layers that fit at this width: host bytes grow by the same amount per block.
     const int64_t L = is_wan(config) ? config.model.wan.layers : config.model.layers;
     const double per_block = static_cast<double>(plan.host.peak()) / static_cast<double>(L);
@@ -431,9 +443,10 @@ int64_t shard_numel(int64_t n, int64_t ranks) { return (n + ranks - 1) / ranks; 
 // copy in the compute dtype, also with fp32 compute: the master is no longer the upload); the whole fp32
 // gradient sums with accumulation; two exchange buffers of R·s_max elements of the exchange dtype.
 HostMemoryPlan sharded_host_memory(const ModelShape& s, int64_t ranks, const std::string& compute_dtype, offload::StateDtype state,
-                                   int64_t accum) {
+                                   int64_t accum, bool ema) {
   // Rank 0's HostParamStore, counted by the store itself (the largest shard of every block).
   auto options = offload::host_store_options(offload::parse_compute_dtype(compute_dtype), accum, state);
+  options.ema = ema;
   options.shard_rank = 0;
   options.shard_count = ranks;
   const auto store = offload::HostParamStore::plan(s.blocks, options);
@@ -445,6 +458,7 @@ HostMemoryPlan sharded_host_memory(const ModelShape& s, int64_t ranks, const std
   h.exp_avg_sq = store.exp_avg_sq_bytes;
   h.compute = store.compute_bytes;
   h.grad = store.grad_bytes;
+  h.ema = store.ema_bytes;
   h.exchange = 2 * ranks * shard_numel(s.largest_block, ranks) * exchange_e;
   h.staging = accum > 1 ? 2 * s.largest_block * e : 0;
   h.pinned = h.compute + h.staging;  // the transfer buffer; the exchange buffers are Gloo's (pageable)
@@ -499,6 +513,7 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
   p.streamed = config.offload.enabled;
   p.compute_dtype = p.streamed ? config.offload.compute_dtype : "fp32";
   p.state_dtype = "fp32";
+  p.ema = t.ema_decay > 0;
   p.mode = config.offload.mode;
   p.layers = wan ? config.model.wan.layers : config.model.layers;
   p.hidden = wan ? config.model.wan.dim : config.model.hidden;
@@ -518,14 +533,15 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
   const int64_t e = compute_element_bytes(p.compute_dtype);
   const int64_t A = t.grad_accum_steps;
   const int64_t exchange_e = A > 1 ? 4 : e;  // the gradients' dtype in the exchange (sharded trainer)
+  const bool ema = t.ema_decay > 0;
   if (p.streamed && R > 1) {
     const auto state = offload::parse_state_dtype(config.optimizer.state_dtype);
     p.state_dtype = config.optimizer.state_dtype;
-    p.host = sharded_host_memory(s, R, p.compute_dtype, state, A);
+    p.host = sharded_host_memory(s, R, p.compute_dtype, state, A, ema);
     for (const int64_t n : s.block_numels) p.sharded_params_per_rank += shard_numel(n, R);
     p.host.construction_peak = p.host.state() + 2 * 4 * s.largest_block;
     // Every rank's store: the shards add up to one whole master and moments; the rest is on every rank.
-    p.host_state_bytes_all_ranks = (4 + 2 * offload::state_element_bytes(state)) * s.streamed +
+    p.host_state_bytes_all_ranks = (4 + 2 * offload::state_element_bytes(state) + (ema ? 4 : 0)) * s.streamed +
                                    R * (p.host.compute + p.host.grad + p.host.exchange);
     p.transfer = replay_transfers(s.block_numels, A, e);  // every rank streams every whole block
     for (const int64_t n : s.block_numels) {
@@ -537,8 +553,9 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
     // The HostParamStore StreamedStackTrainer allocates, counted by the store itself from the blocks'
     // real parameter lists (int8 scales are per parameter).
     const auto state = offload::parse_state_dtype(config.optimizer.state_dtype);
-    const auto store = offload::HostParamStore::plan(
-        s.blocks, offload::host_store_options(offload::parse_compute_dtype(p.compute_dtype), A, state));
+    auto store_options = offload::host_store_options(offload::parse_compute_dtype(p.compute_dtype), A, state);
+    store_options.ema = ema;
+    const auto store = offload::HostParamStore::plan(s.blocks, store_options);
     p.state_dtype = config.optimizer.state_dtype;
     p.host.master = store.master_bytes;
     p.host.exp_avg = store.exp_avg_bytes;
@@ -546,6 +563,7 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
     p.host.scales = store.scale_bytes;
     p.host.compute = store.compute_bytes;
     p.host.grad = store.grad_bytes;
+    p.host.ema = store.ema_bytes;
     p.host.staging = A > 1 ? 2 * s.largest_block * e : 0;
     p.host.pinned = store.pinnable_bytes + p.host.staging;
     // Start-up: the store, and the fp32 initial weights of the blocks being loaded into it
@@ -599,6 +617,8 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
                                : s.streamed * (8 + 4 * state_e + grad_e + (p.compute_dtype == "fp32" ? 0 : 2)) +
                                      2 * p.host.scales;
     if (A > 1) tm.optimizer_bytes += s.streamed * (A * e + 4 + (A - 1) * 8);
+    // The EMA pass after each block's update: reads the master and the EMA, writes the EMA.
+    if (ema) tm.optimizer_bytes += 12 * (R > 1 ? p.sharded_params_per_rank : s.streamed);
     tm.h2d_s = static_cast<double>(p.transfer.h2d_bytes) / (hw.pcie_h2d_gbps * 1e9);
     tm.d2h_s = static_cast<double>(p.transfer.d2h_bytes) / (hw.pcie_d2h_gbps * 1e9);
     tm.optimizer_s = static_cast<double>(tm.optimizer_bytes) / (hw.host_dram_gbps * 1e9);
@@ -663,6 +683,7 @@ std::string to_json(const StepPlan& p) {
   j["host_master_bytes"] = h.master;
   j["host_exp_avg_bytes"] = h.exp_avg;
   j["host_exp_avg_sq_bytes"] = h.exp_avg_sq;
+  j["host_ema_bytes"] = h.ema;
   j["host_scale_bytes"] = h.scales;
   j["host_compute_bytes"] = h.compute;
   j["host_grad_bytes"] = h.grad;
@@ -765,6 +786,7 @@ std::string to_table(const StepPlan& p) {
                              : p.compute_dtype == "fp32" ? " transfer buffer (gradient)" : " transfer buffer (copy / gradient)"),
           p.host.compute);
     if (p.host.grad > 0 && sharded) row("fp32 gradient sums (accumulation)", p.host.grad);
+    if (p.host.ema > 0) row("fp32 EMA of the weights" + shard, p.host.ema);
     if (p.host.exchange > 0) row(fmt::format("exchange buffers (2 x {} ranks x largest shard)", p.world_size), p.host.exchange);
     row("host state", p.host.state());
     if (p.host.grad > 0 && !sharded) row("fp32 gradient sums (accumulation)", p.host.grad);
@@ -781,11 +803,11 @@ std::string to_table(const StepPlan& p) {
   if (p.streamed) {
     row("weight slots (2 blocks)", d.weight_slots);
     row("gradient slots (2 blocks)", d.gradient_slots);
-    row("resident parts: weights, grad, AdamW m, v", d.resident_state);
+    row(p.ema ? "resident parts: weights, grad, AdamW m, v, EMA" : "resident parts: weights, grad, AdamW m, v", d.resident_state);
     row("block-boundary checkpoints (L + 1)", d.checkpoints);
     row("shared block inputs and their grads", d.block_inputs);
   } else {
-    row("all parameters: weights, grad, AdamW m, v (fp32)", d.resident_state);
+    row(p.ema ? "all parameters: weights, grad, AdamW m, v, EMA (fp32)" : "all parameters: weights, grad, AdamW m, v (fp32)", d.resident_state);
     row("first block's input", d.checkpoints);
   }
   row("prologue/epilogue activations (fp32)", d.prologue_epilogue);

@@ -34,6 +34,8 @@ constexpr const char* kManifest = "manifest.json";
 constexpr const char* kState = "trainer_state.json";
 constexpr const char* kModel = "model.safetensors";
 const char* const kTensorFiles[3] = {"master.safetensors", "exp_avg.safetensors", "exp_avg_sq.safetensors"};
+constexpr const char* kEma = "ema.safetensors";             // with train.ema_decay: the fp32 EMA, keyed like the masters
+constexpr const char* kModelEma = "model_ema.safetensors";  // ... and as a bf16 weights file
 constexpr const char* kTempPrefix = ".tmp-";
 // Caps on what is read of the small files: `latest` holds "step-NNNNNNN\n"; the JSON files a few kB
 // (the state's data position and RNG states, and the run config).
@@ -125,7 +127,7 @@ std::array<io::NamedTensors, 3> tensor_file_lists(const TrainingState& state) {
   return lists;
 }
 
-void write_tensor_files(const std::string& dir, const RunConfig& config, const TrainingState& state,
+void write_tensor_files(const std::string& dir, const RunConfig& config, const TrainingState& state, const io::NamedTensors& ema_weights,
                         nlohmann::ordered_json& files) {
   TORCH_CHECK(state.master.size() == state.exp_avg.size() && state.master.size() == state.exp_avg_sq.size(),
               "save_checkpoint: master, exp_avg and exp_avg_sq must list the same parameters");
@@ -136,8 +138,31 @@ void write_tensor_files(const std::string& dir, const RunConfig& config, const T
   const auto lists = tensor_file_lists(state);
   for (int i = 0; i < 3; ++i)
     files[kTensorFiles[i]] = manifest_entry(io::write_safetensors(io::join_path(dir, kTensorFiles[i]), lists[i], metadata));
+  if (!state.ema_valid) return;
+  TORCH_CHECK(state.ema.size() == state.master.size(), "save_checkpoint: the EMA must list the masters' parameters");
+  files[kEma] = manifest_entry(io::write_safetensors(io::join_path(dir, kEma), state.ema, metadata));
+  files[kModelEma] = manifest_entry(save_weights(io::join_path(dir, kModelEma), config, ema_weights, torch::kBFloat16));
 }
 }  // namespace
+
+io::NamedTensors gather_ema_weights(const TrainingState& state, bool keep) {
+  if (!state.ema_valid) return {};
+  if (!state.shards || state.shards->world_size <= 1 || !state.shards->gather_ema) return state.ema;
+  io::NamedTensors out = keep ? state.ema : io::NamedTensors{};
+  for (size_t l = 0; l < state.shards->blocks.size(); ++l) {
+    const auto& b = state.shards->blocks[l];
+    const torch::Tensor whole = state.shards->gather_ema(static_cast<int64_t>(l));
+    if (!keep) continue;
+    int64_t offset = 0;
+    for (const auto& [name, shape] : b.params) {
+      int64_t n = 1;
+      for (const int64_t d : shape) n *= d;
+      out.emplace_back(b.name + "." + name, whole.narrow(0, offset, n).view(shape));
+      offset += n;
+    }
+  }
+  return out;
+}
 
 AdamWMoments adamw_moments(torch::optim::AdamW& optimizer, const torch::Tensor& param) {
   AdamWMoments out;
@@ -245,7 +270,8 @@ Manifest read_manifest(const std::string& path) {
   std::set<int64_t> worlds, ranks;
   for (const auto& item : j["files"].items()) {
     const std::string& name = item.key();
-    const bool own = name == kModel || name == kState || std::find(std::begin(kTensorFiles), std::end(kTensorFiles), name) != std::end(kTensorFiles);
+    const bool own = name == kModel || name == kState || name == kEma || name == kModelEma ||
+                     std::find(std::begin(kTensorFiles), std::end(kTensorFiles), name) != std::end(kTensorFiles);
     const auto shard = shard_of(name);
     if (!own && !shard) bad("lists '" + name + "', which is not a file of a checkpoint");
     if (shard) worlds.insert(shard->second), ranks.insert(shard->first);
@@ -257,6 +283,7 @@ Manifest read_manifest(const std::string& path) {
   }
   for (const std::string need : {kModel, kState, kTensorFiles[0], kTensorFiles[1], kTensorFiles[2]})
     if (m.find(need) == nullptr) bad("does not list " + need);
+  if ((m.find(kEma) == nullptr) != (m.find(kModelEma) == nullptr)) bad(std::string("lists one of ") + kEma + " and " + kModelEma + " without the other");
   if (worlds.size() > 1) bad("lists the shards of several world sizes");
   if (!worlds.empty()) {
     m.shard_world = *worlds.begin();
@@ -349,6 +376,15 @@ std::string find_checkpoint(const std::string& spec) {
 std::string find_weights(const std::string& spec) {
   if (!spec.empty() && io::path_exists(spec) && !io::is_directory(spec) && !looks_like_pointer(spec)) return spec;  // a weights file
   return checkpoint_weights(find_checkpoint(spec));
+}
+
+std::string find_ema_weights(const std::string& spec) {
+  if (!spec.empty() && io::path_exists(spec) && !io::is_directory(spec) && !looks_like_pointer(spec)) return "";  // a weights file
+  const std::string path = find_checkpoint(spec);
+  const Manifest manifest = read_manifest(path);
+  if (manifest.find(kModelEma) == nullptr) return "";
+  verify_files(path, manifest, {kModelEma});
+  return io::join_path(path, kModelEma);
 }
 
 std::string resolve_checkpoint(const std::string& run_dir, const std::string& spec) {
@@ -566,16 +602,20 @@ std::string save_sharded_checkpoint(const std::string& run_dir, const RunConfig&
       tensors.emplace_back(b.name + "#master", b.master);
       tensors.emplace_back(b.name + "#exp_avg", b.exp_avg);
       tensors.emplace_back(b.name + "#exp_avg_sq", b.exp_avg_sq);
+      if (state.ema_valid) tensors.emplace_back(b.name + "#ema", b.ema);
     }
     const std::map<std::string, std::string> metadata{{"format", kFormat}, {"step", std::to_string(state.step)},
                                                       {"rank", std::to_string(rank)}, {"world_size", std::to_string(world)}};
     written = io::write_safetensors(io::join_path(tmp, shard_file(rank, world)), tensors, metadata);
   });
   const auto written_all = agree("writing the shards", {static_cast<int64_t>(written.bytes), static_cast<int64_t>(written.crc32)});
+  // The EMA's weights file: every rank's shard of each block put together (every rank takes part; rank 0
+  // keeps them for model_ema.safetensors, the others one block at a time).
+  const io::NamedTensors ema_weights = gather_ema_weights(state, rank == 0);
   if (rank == 0)
     attempt([&] {
       nlohmann::ordered_json files = nlohmann::ordered_json::object();
-      write_tensor_files(tmp, config, state, files);
+      write_tensor_files(tmp, config, state, ema_weights, files);
       for (int64_t r = 0; r < world; ++r)
         files[shard_file(r, world)] = manifest_entry({static_cast<uint64_t>(written_all[3 * r + 1]), static_cast<uint32_t>(written_all[3 * r + 2])});
       finish_checkpoint(root, name, tmp, config, state, files);
@@ -598,7 +638,7 @@ std::string save_checkpoint(const std::string& run_dir, const RunConfig& config,
     io::remove_tree(tmp);
     io::make_directories(tmp);
     nlohmann::ordered_json files = nlohmann::ordered_json::object();
-    write_tensor_files(tmp, config, state, files);
+    write_tensor_files(tmp, config, state, state.ema, files);
     finish_checkpoint(root, name, tmp, config, state, files);
   } catch (const std::exception& e) {
     try {
@@ -669,9 +709,10 @@ namespace {
 // A Wan checkpoint's weights file (the weights-file format: "dit." + diffusers' names) rewritten as
 // --export-weights writes Wan's (model/wan_weights.h), its tensors read through a read-only mapping
 // (no copy of the model in RAM). The file's checksum is verified first.
-void export_wan_weights(const std::string& checkpoint, const std::string& weights, const io::SafetensorsHeader& header,
+void export_wan_weights(const std::string& checkpoint, const std::string& file, const io::SafetensorsHeader& header,
                         const WanConfig& wan, const std::string& out) {
-  verify_files(checkpoint, read_manifest(checkpoint), {kModel});
+  verify_files(checkpoint, read_manifest(checkpoint), {file});
+  const std::string weights = io::join_path(checkpoint, file);
   int fd = -1;
   try {
     fd = io::open_input_file(weights);
@@ -698,9 +739,12 @@ void export_wan_weights(const std::string& checkpoint, const std::string& weight
 }
 }  // namespace
 
-std::string export_checkpoint_weights(const std::string& run_dir, const std::string& spec, const std::string& out) {
+std::string export_checkpoint_weights(const std::string& run_dir, const std::string& spec, const std::string& out, bool ema) {
   const std::string path = resolve_checkpoint(run_dir, spec);
-  const std::string weights = io::join_path(path, kModel);
+  const char* file = ema ? kModelEma : kModel;
+  if (ema && read_manifest(path).find(kModelEma) == nullptr)
+    fail(path, std::string("has no EMA of the weights (") + kModelEma + "): it was saved by a run without train.ema_decay");
+  const std::string weights = io::join_path(path, file);
   io::SafetensorsHeader header;
   std::optional<WanConfig> wan;
   try {
@@ -714,10 +758,10 @@ std::string export_checkpoint_weights(const std::string& run_dir, const std::str
     // Unreadable: the copy below names what is wrong (its size or checksum).
   }
   if (wan) {
-    export_wan_weights(path, weights, header, *wan, out);
+    export_wan_weights(path, file, header, *wan, out);
     return path;
   }
-  const std::string expected = expected_crc32(path, read_manifest(path), kModel);
+  const std::string expected = expected_crc32(path, read_manifest(path), file);
   // One read: copied and checksummed together; a mismatch leaves `out` untouched (the writer's
   // temporary file is removed when it is not committed).
   io::AtomicFileWriter writer(out);
@@ -731,7 +775,7 @@ namespace {
 // Fills each block's range [begin, end) of master, m and v: from the shard files of the world size
 // that saved them (`saved`: trainer_state.json's "shards"; the ranges that overlap), or, without
 // shards, from the per-parameter files through the block's layout.
-void read_block_ranges(const std::string& path, const nlohmann::json* saved, const TrainingState::BlockShards& shards) {
+void read_block_ranges(const std::string& path, const nlohmann::json* saved, const TrainingState::BlockShards& shards, bool ema) {
   const std::string state_path = io::join_path(path, kState);
   int64_t saved_world = 1;
   if (saved != nullptr) {
@@ -743,11 +787,13 @@ void read_block_ranges(const std::string& path, const nlohmann::json* saved, con
       fail(state_path, fmt::format("'shards' describes {} blocks over {} ranks; this model has {} blocks", (*saved)["blocks"].size(),
                                    saved_world, shards.blocks.size()));
   }
-  const char* const parts[3] = {"master", "exp_avg", "exp_avg_sq"};
+  const char* const parts[4] = {"master", "exp_avg", "exp_avg_sq", "ema"};
+  const char* const part_files[4] = {kTensorFiles[0], kTensorFiles[1], kTensorFiles[2], kEma};
+  const int components = ema ? 4 : 3;  // the EMA's ranges too
   io::SafetensorsRangeReaders file;  // each file's header parsed once
   for (size_t l = 0; l < shards.blocks.size(); ++l) {
     const auto& b = shards.blocks[l];
-    const torch::Tensor targets[3] = {b.master, b.exp_avg, b.exp_avg_sq};
+    const torch::Tensor targets[4] = {b.master, b.exp_avg, b.exp_avg_sq, b.ema};
     if (saved != nullptr) {
       const auto& layout = (*saved)["blocks"][l];
       bool same = layout.is_object() && layout.value("name", "") == b.name && layout.value("numel", int64_t{-1}) == b.numel &&
@@ -762,7 +808,7 @@ void read_block_ranges(const std::string& path, const nlohmann::json* saved, con
         const auto range = offload::shard_range(b.numel, q, saved_world);
         const int64_t first = std::max(range.begin, b.begin), last = std::min(range.end, b.end);
         if (first >= last) continue;
-        for (int c = 0; c < 3; ++c)
+        for (int c = 0; c < components; ++c)
           file(io::join_path(path, shard_file(q, saved_world)))
               .read_into(b.name + "#" + parts[c], first - range.begin, targets[c].narrow(0, first - b.begin, last - first));
       }
@@ -774,8 +820,8 @@ void read_block_ranges(const std::string& path, const nlohmann::json* saved, con
       for (int64_t d : shape) n *= d;
       const int64_t first = std::max(offset, b.begin), last = std::min(offset + n, b.end);
       if (first < last)
-        for (int c = 0; c < 3; ++c)
-          file(io::join_path(path, kTensorFiles[c])).read_into(b.name + "." + name, first - offset, targets[c].narrow(0, first - b.begin, last - first));
+        for (int c = 0; c < components; ++c)
+          file(io::join_path(path, part_files[c])).read_into(b.name + "." + name, first - offset, targets[c].narrow(0, first - b.begin, last - first));
       offset += n;
     }
   }
@@ -828,12 +874,20 @@ void load_checkpoint(const std::string& path, const RunConfig& config, TrainingS
   if (saved_sharded || wants_shards)
     for (const auto& b : into.shards->blocks)
       for (const auto& p : b.params) by_range.insert(b.name + "." + p.first);
+  // The EMA when the trainer keeps one (`ema`, or the shards' ema, defined) and the checkpoint has it.
+  bool wants_ema = !into.ema.empty();
+  if (into.shards)
+    for (const auto& b : into.shards->blocks) wants_ema = wants_ema || b.ema.defined();
+  into.ema_valid = wants_ema && manifest.find(kEma) != nullptr;
   auto lists = tensor_file_lists(into);  // views of `into`'s tensors: read in place
-  for (auto& list : lists)
+  std::vector<std::pair<std::string, io::NamedTensors>> files;
+  for (int i = 0; i < 3; ++i) files.emplace_back(kTensorFiles[i], std::move(lists[i]));
+  if (into.ema_valid) files.emplace_back(kEma, into.ema);
+  for (auto& [file, list] : files)
     list.erase(std::remove_if(list.begin(), list.end(), [&](const auto& item) { return by_range.count(item.first) > 0; }), list.end());
   try {
-    for (int i = 0; i < 3; ++i) io::read_safetensors_into(io::join_path(path, kTensorFiles[i]), lists[i], /*allow_extra=*/!saved_sharded && wants_shards);
-    if (!by_range.empty()) read_block_ranges(path, saved_sharded ? &s["shards"] : nullptr, *into.shards);
+    for (const auto& [file, list] : files) io::read_safetensors_into(io::join_path(path, file), list, /*allow_extra=*/!saved_sharded && wants_shards);
+    if (!by_range.empty()) read_block_ranges(path, saved_sharded ? &s["shards"] : nullptr, *into.shards, into.ema_valid);
   } catch (const io::IoError& e) {
     throw CheckpointError(e.what());
   }

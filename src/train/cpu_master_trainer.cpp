@@ -97,6 +97,7 @@ offload::StackTrainerOptions engine_options(const RunConfig& c, torch::Device de
   o.grad_accum_steps = c.train.grad_accum_steps;
   o.loss_scale_init = c.train.loss_scale_init;
   o.loss_scale_window = c.train.loss_scale_window;
+  o.ema_decay = c.train.ema_decay;
   return o;
 }
 

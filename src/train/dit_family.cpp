@@ -58,7 +58,7 @@ class DiTFamilyTrainer final : public FamilyTrainer {
     for (const auto& p : resident_->model()->parameters()) bytes += static_cast<int64_t>(p.nbytes());
     if (resident_->text_encoder())
       for (const auto& p : resident_->text_encoder()->parameters()) bytes += static_cast<int64_t>(p.nbytes());
-    return 3 * bytes;
+    return (config_.train.ema_decay > 0 ? 4 : 3) * bytes;  // weights, AdamW m and v (and the EMA)
   }
   const InitPlan& init_plan() const override { return init_; }
 
@@ -112,6 +112,7 @@ class DiTFamilyTrainer final : public FamilyTrainer {
       save_weights(path, config_, dit, text);
     }
   }
+  void write_weights(const std::string& path, const io::NamedTensors& weights) override { save_weights(path, config_, weights); }
 
  private:
   DiffusionBatchSource& data() const { return streamed_ ? streamed_->data() : resident_->data(); }

@@ -337,6 +337,7 @@ ResidentTrainer::ResidentTrainer(const RunConfig& config, Communicator* communic
   const auto& t = config_.train;
   optimizer_ = std::make_unique<torch::optim::AdamW>(
       parameters_, torch::optim::AdamWOptions(t.lr).betas({t.beta1, t.beta2}).eps(t.eps).weight_decay(t.weight_decay));
+  ema_ = WeightsEma(t.ema_decay, named_parameters());
   const auto shape = model_sample_shape(config_);
   grid_ = model_->token_grid(shape[1], shape[2], shape[3]);
 }
@@ -380,6 +381,7 @@ TrainingState ResidentTrainer::training_state() {
     s.exp_avg.emplace_back(name, moments.exp_avg);
     s.exp_avg_sq.emplace_back(name, moments.exp_avg_sq);
   }
+  ema_.save(s);
   return s;
 }
 
@@ -396,6 +398,7 @@ void ResidentTrainer::load_training_state(const TrainingState& s) {
     p.copy_(s.master[i].second);
     set_adamw_moments(*optimizer_, p, s.exp_avg[i].second, s.exp_avg_sq[i].second, s.optimizer_steps);
   }
+  ema_.load(s, params, "ResidentTrainer");
   steps_done_ = s.step;
   optimizer_steps_ = s.optimizer_steps;
   skipped_total_ = s.skipped_steps;
@@ -439,6 +442,7 @@ StepMetrics ResidentTrainer::step() {
   } else {
     optimizer_->step();
     ++optimizer_steps_;
+    ema_.update(named_parameters(), optimizer_steps_);
     consecutive_skips_ = 0;
   }
   m.skipped_total = skipped_total_;

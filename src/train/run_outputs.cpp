@@ -189,11 +189,12 @@ std::string dry_run_json(const RunConfig& requested) {
   const auto shape = model_sample_shape(config);  // pixels, or the VAE's latents
   const TokenGrid grid{shape[1] / p[0], shape[2] / p[1], shape[3] / p[2]};
   // Host bytes a parameter: the fp32 master, AdamW's two moments as optimizer.state_dtype keeps them
-  // (int8: a code and one fp32 scale per 256), and the compute-dtype copy the blocks stream from.
+  // (int8: a code and one fp32 scale per 256), the compute-dtype copy the blocks stream from, and the EMA.
   const auto resolved = resolve_auto_settings(config);
   const auto state = offload::parse_state_dtype(config.optimizer.state_dtype);
   const double moment_bytes = static_cast<double>(offload::state_element_bytes(state)) + (state == offload::StateDtype::kInt8 ? 4.0 / 256 : 0.0);
-  const double per_param = 4.0 + 2.0 * moment_bytes + (resolved.offload.compute_dtype == "fp32" ? 4.0 : 2.0);
+  const double per_param = 4.0 + 2.0 * moment_bytes + (resolved.offload.compute_dtype == "fp32" ? 4.0 : 2.0) +
+                           (config.train.ema_decay > 0 ? 4.0 : 0.0);  // the fp32 EMA
   nlohmann::json j{{"arch", to_string(config.model.arch)},
                    {"params", count.total},
                    {"params_per_block", count.per_block},

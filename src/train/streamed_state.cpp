@@ -49,11 +49,14 @@ TrainingState streamed_training_state(offload::StreamedStackTrainer& engine, con
   s.loss_scale = engine.loss_scale();
   s.clean_steps = engine.clean_steps();
   auto* optimizer = engine.resident_optimizer();
+  const bool ema = engine.has_ema();
+  s.ema_valid = ema;
   for (const auto& [name, p] : resident) {
     auto moments = adamw_moments(*optimizer, p);
     s.master.emplace_back(name, p.detach().to(torch::kCPU, torch::kFloat32).clone());
     s.exp_avg.emplace_back(name, moments.exp_avg);
     s.exp_avg_sq.emplace_back(name, moments.exp_avg_sq);
+    if (ema) s.ema.emplace_back(name, engine.resident_ema(p).to(torch::kCPU).clone());
   }
   const auto& store = engine.store();
   // The blocks' flat buffers (this rank's shard of them when sharded).
@@ -70,10 +73,13 @@ TrainingState streamed_training_state(offload::StreamedStackTrainer& engine, con
     b.master = store.master(l);
     b.exp_avg = store.exp_avg(l);
     b.exp_avg_sq = store.exp_avg_sq(l);
-    if (store.sharded())
+    if (ema) b.ema = store.ema(l);
+    if (store.sharded()) {
       for (const auto& spec : store.block_spec(l).params) shards.weights.emplace_back(b.name + "." + spec.name, store.param(l, spec.name).compute);
+    }
     shards.blocks.push_back(std::move(b));
   }
+  if (ema && store.sharded()) shards.gather_ema = [&engine](int64_t l) { return engine.gathered_block_ema(l); };
   s.shards = std::move(shards);
   if (store.sharded()) return s;  // the blocks are in s.shards only
   for (int64_t l = 0; l < store.num_blocks(); ++l) {
@@ -83,6 +89,7 @@ TrainingState streamed_training_state(offload::StreamedStackTrainer& engine, con
       s.master.emplace_back(prefix + spec.name, views.master);
       s.exp_avg.emplace_back(prefix + spec.name, views.exp_avg);
       s.exp_avg_sq.emplace_back(prefix + spec.name, views.exp_avg_sq);
+      if (ema) s.ema.emplace_back(prefix + spec.name, views.ema);
       if (views.exp_avg_scale.defined()) {
         s.exp_avg_scale.emplace_back(prefix + spec.name, views.exp_avg_scale);
         s.exp_avg_sq_scale.emplace_back(prefix + spec.name, views.exp_avg_sq_scale);
@@ -101,6 +108,10 @@ void load_streamed_training_state(offload::StreamedStackTrainer& engine, const i
     for (int64_t l = 0; l < store.num_blocks(); ++l) expected += store.block_spec(l).params.size();
   TORCH_CHECK(s.master.size() == expected && s.exp_avg.size() == expected && s.exp_avg_sq.size() == expected, who,
               "::load_training_state: expected ", expected, " parameters, got ", s.master.size());
+  // The EMA, when this trainer keeps one and the state holds one (else it starts from the loaded weights).
+  const bool ema = engine.has_ema() && s.ema_valid;
+  TORCH_CHECK(!ema || s.ema.size() == s.master.size(), who, "::load_training_state: the EMA lists ", s.ema.size(), " parameters, the masters ",
+              s.master.size());
   std::map<std::string, size_t> index;
   for (size_t i = 0; i < s.master.size(); ++i) index[s.master[i].first] = i;
   auto find = [&](const std::string& name) {
@@ -119,6 +130,11 @@ void load_streamed_training_state(offload::StreamedStackTrainer& engine, const i
                 ", the model's is ", p.sizes());
     p.copy_(s.master[i].second);
     set_adamw_moments(*optimizer, p, s.exp_avg[i].second, s.exp_avg_sq[i].second, s.optimizer_steps);
+    if (ema) {
+      TORCH_CHECK(s.ema[i].first == name && s.ema[i].second.sizes() == p.sizes(), who, "::load_training_state: the EMA of '", name,
+                  "' is missing or has another shape");
+      engine.resident_ema(p).copy_(s.ema[i].second);
+    }
   }
   if (store.sharded()) {
     // The blocks' shards: read in place when the state is this trainer's own (load_checkpoint), else copied.
@@ -126,8 +142,12 @@ void load_streamed_training_state(offload::StreamedStackTrainer& engine, const i
                 "::load_training_state: a sharded trainer needs the blocks' shards (TrainingState::shards)");
     for (int64_t l = 0; l < store.num_blocks(); ++l) {
       const auto& b = s.shards->blocks[l];
-      const std::pair<at::Tensor, const torch::Tensor*> parts[3] = {{store.master(l), &b.master}, {store.exp_avg(l), &b.exp_avg},
-                                                                    {store.exp_avg_sq(l), &b.exp_avg_sq}};
+      std::vector<std::pair<at::Tensor, const torch::Tensor*>> parts = {{store.master(l), &b.master}, {store.exp_avg(l), &b.exp_avg},
+                                                                         {store.exp_avg_sq(l), &b.exp_avg_sq}};
+      if (ema) {
+        TORCH_CHECK(b.ema.defined(), who, "::load_training_state: ", b.name, "'s shard has no EMA");
+        parts.emplace_back(store.ema(l), &b.ema);
+      }
       for (const auto& [target, source] : parts) {
         TORCH_CHECK(source->sizes() == target.sizes() && source->scalar_type() == target.scalar_type(), who, "::load_training_state: ",
                     b.name, "'s shard is ", source->scalar_type(), " ", source->sizes(), ", the store holds ", target.scalar_type(), " ",
@@ -143,6 +163,10 @@ void load_streamed_training_state(offload::StreamedStackTrainer& engine, const i
       const auto views = store.param(l, spec.name);
       std::vector<std::pair<const torch::Tensor*, const torch::Tensor*>> parts = {
           {&views.master, &s.master[i].second}, {&views.exp_avg, &s.exp_avg[i].second}, {&views.exp_avg_sq, &s.exp_avg_sq[i].second}};
+      if (ema) {
+        TORCH_CHECK(s.ema[i].first == prefix + spec.name, who, "::load_training_state: the EMA of '", prefix + spec.name, "' is missing");
+        parts.push_back({&views.ema, &s.ema[i].second});
+      }
       if (views.exp_avg_scale.defined()) {
         auto q = scale_index.find(prefix + spec.name);
         TORCH_CHECK(q != scale_index.end(), who, "::load_training_state: no int8 moment scales for '", prefix + spec.name, "'");
@@ -159,6 +183,7 @@ void load_streamed_training_state(offload::StreamedStackTrainer& engine, const i
   }
   engine.reload_blocks_from_masters();
   engine.restore_counters(s.optimizer_steps, s.loss_scale, s.clean_steps);
+  if (engine.has_ema() && !ema) engine.reset_ema_to_weights();
 }
 
 StepMetrics traced_engine_step(offload::StreamedStackTrainer& engine, std::string& trace_path,
@@ -196,7 +221,7 @@ int64_t streamed_persistent_device_bytes(offload::StreamedStackTrainer& engine) 
   if (auto* optimizer = engine.resident_optimizer())
     for (const auto& group : optimizer->param_groups())
       for (const auto& p : group.params()) resident += static_cast<int64_t>(p.nbytes());
-  return engine.streamer().device_weight_bytes() + engine.streamer().device_gradient_bytes() + 3 * resident;
+  return engine.streamer().device_weight_bytes() + engine.streamer().device_gradient_bytes() + (engine.has_ema() ? 4 : 3) * resident;
 }
 
 void count_skip(StepMetrics& m, int64_t& skipped_total, int64_t& consecutive_skips) {

@@ -130,6 +130,8 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   } catch (const DistributedError& e) {
     throw ConfigError(options.config_source, "", e.what());
   }
+  if (!options.export_ema.empty() && requested.train.ema_decay <= 0)
+    throw ConfigError(options.config_source, "train.ema_decay", "is 0: this run keeps no EMA of the weights for --export-ema to write");
   RunConfig per_rank = requested;
   per_rank.train.device = rank_device_spec(requested.train.device, launch);
   if (launch.distributed()) {
@@ -179,6 +181,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   try {
     if (!options.trace_path.empty()) io::check_output_file(options.trace_path, "--trace");
     if (!options.export_weights.empty()) io::check_output_file(options.export_weights, "--export-weights");
+    if (!options.export_ema.empty()) io::check_output_file(options.export_ema, "--export-ema");
   } catch (const io::IoError& e) {
     throw ConfigError(options.config_source, "", e.what());
   }
@@ -403,6 +406,14 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   if (writer && !options.export_weights.empty()) {
     trainer.export_weights(options.export_weights);
     log.info(fmt::format("weights written to {}", options.export_weights));
+  }
+  if (!options.export_ema.empty()) {
+    const auto state = trainer.training_state();
+    const io::NamedTensors ema = gather_ema_weights(state, writer);  // every rank: a sharded trainer's blocks put together
+    if (writer) {
+      trainer.write_weights(options.export_ema, ema);
+      log.info(fmt::format("EMA of the weights written to {}", options.export_ema));
+    }
   }
   return result;
 }

@@ -79,7 +79,7 @@ class WanFamilyTrainer final : public FamilyTrainer {
     if (trainer_->streamed()) return streamed_persistent_device_bytes(*trainer_->engine());
     int64_t bytes = 0;
     for (const auto& p : trainer_->model()->parameters()) bytes += static_cast<int64_t>(p.nbytes());
-    return 3 * bytes;
+    return (config_.train.ema_decay > 0 ? 4 : 3) * bytes;  // weights, AdamW m and v (and the EMA)
   }
   const InitPlan& init_plan() const override { return trainer_->init_plan(); }
 
@@ -112,6 +112,9 @@ class WanFamilyTrainer final : public FamilyTrainer {
   void export_weights(const std::string& path) override {
     // diffusers' names and layout (model/wan_weights.h); the streamed blocks straight from the host store.
     save_wan_weights(path, config_.model.wan, trainer_->weight_views());
+  }
+  void write_weights(const std::string& path, const io::NamedTensors& weights) override {
+    save_wan_weights(path, config_.model.wan, weights);
   }
 
  private:

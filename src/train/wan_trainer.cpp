@@ -385,6 +385,7 @@ WanTrainer::WanTrainer(const RunConfig& requested, WanLatentData data, const Ini
     for (auto& [name, p] : named_parameters()) params.push_back(p);
     resident_optimizer_ = std::make_unique<torch::optim::AdamW>(
         params, torch::optim::AdamWOptions(t.lr).betas({t.beta1, t.beta2}).eps(t.eps).weight_decay(t.weight_decay));
+    ema_ = WeightsEma(t.ema_decay, named_parameters());
     measure_flops();
     return;
   }
@@ -506,6 +507,7 @@ StepMetrics WanTrainer::resident_step(double lr) {
   if (!m.skipped) {
     resident_optimizer_->step();
     ++optimizer_steps_;
+    ema_.update(named_parameters(), optimizer_steps_);
   }
   if (device_.is_cuda()) torch::cuda::synchronize();
   m.optimizer_s = seconds_since(optimizer_start);
@@ -573,6 +575,7 @@ TrainingState WanTrainer::training_state() {
       s.exp_avg.emplace_back(name, moments.exp_avg);
       s.exp_avg_sq.emplace_back(name, moments.exp_avg_sq);
     }
+    ema_.save(s);
   }
   s.step = steps_done_;
   s.skipped_steps = skipped_total_;
@@ -599,6 +602,7 @@ void WanTrainer::load_training_state(const TrainingState& s) {
       p.copy_(s.master[it->second].second);
       set_adamw_moments(*resident_optimizer_, p, s.exp_avg[it->second].second, s.exp_avg_sq[it->second].second, s.optimizer_steps);
     }
+    ema_.load(s, params, "WanTrainer");
     optimizer_steps_ = s.optimizer_steps;
   }
   steps_done_ = s.step;

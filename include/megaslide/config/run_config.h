@@ -169,6 +169,7 @@ struct TrainConfig {
   double beta2 = 0.999;
   double eps = 1e-8;
   double grad_clip = 1.0;                // global-norm clip; 0 disables
+  double ema_decay = 0.0;                // EMA of the weights, decay min(ema_decay, n/(n+9)) at update n > 1; 0 = none
   uint64_t seed = 0;
   std::string device = "auto";           // auto | cpu | cuda | cuda:N
   int64_t threads = 0;                   // LibTorch intra-op threads; 0 = from the cores available (train/auto_settings.h)

@@ -11,6 +11,8 @@
 //                 the update then reads before writing the new copy over it.
 //   grad          fp32, only with separate_grad (gradient accumulation): the sum of the micro-batches'
 //                 gradients
+//   ema           fp32, only with `ema` (train.ema_decay): the exponential moving average of the master,
+//                 which the trainer updates after each block's AdamW update (sharded like the master)
 // Every parameter of the block is a view at the same offset into each buffer, in declaration order,
 // packed without padding, so a block's flat tensors are the concatenation of its parameters. int8
 // scales are per parameter: groups of 256 elements start at each parameter's first element (the last
@@ -73,6 +75,8 @@ struct HostParamStoreOptions {
   // while the transfer buffer keeps the weights for the next micro-batch's upload. Without it the
   // gradient lands in the transfer buffer.
   bool separate_grad = false;
+  // An fp32 EMA buffer beside the master (4 B per parameter, sharded like it).
+  bool ema = false;
   // Page-lock the transfer buffer (and an uploaded fp32 master) when CUDA is available at run time.
   // Turning it off keeps the memory pageable (and the H2D/D2H copies synchronous).
   bool pin_if_cuda = true;
@@ -121,6 +125,7 @@ struct MemoryReport {
   int64_t scale_bytes = 0;    // int8 state: both moments' group scales
   int64_t compute_bytes = 0;  // the transfer buffer (compute copy; the gradient at accumulation 1)
   int64_t grad_bytes = 0;     // separate fp32 gradient buffers (accumulation), else 0
+  int64_t ema_bytes = 0;      // the fp32 EMA of the master (HostParamStoreOptions::ema), else 0
   int64_t pinned_bytes = 0;   // of the above, page-locked (0 where CUDA is not available)
   // Of the above, what is page-locked where CUDA is available (the transfer buffer; the master too
   // with fp32 compute), whether or not this machine has CUDA.
@@ -132,7 +137,7 @@ struct MemoryReport {
   int64_t shard_count = 1;  // > 1: master and moments are this rank's shard only
 
   int64_t total_bytes() const {
-    return master_bytes + exp_avg_bytes + exp_avg_sq_bytes + scale_bytes + compute_bytes + grad_bytes;
+    return master_bytes + exp_avg_bytes + exp_avg_sq_bytes + scale_bytes + compute_bytes + grad_bytes + ema_bytes;
   }
   // A table: one row per component with bytes, GiB and bytes per parameter, then the total.
   std::string to_string() const;
@@ -169,6 +174,7 @@ class HostParamStore {
   at::Tensor exp_avg_sq(int64_t block) const;
   at::Tensor exp_avg_scale(int64_t block) const;     // int8 state; undefined otherwise
   at::Tensor exp_avg_sq_scale(int64_t block) const;  // int8 state; undefined otherwise
+  at::Tensor ema(int64_t block) const;               // the master's EMA (options.ema); undefined otherwise
   // The transfer buffer: the compute copy (with fp32 compute: where gradients land). Undefined with
   // fp32 compute and a separate gradient buffer (nothing crosses PCIe through it then).
   at::Tensor compute(int64_t block) const;
@@ -184,6 +190,7 @@ class HostParamStore {
     at::Tensor exp_avg_scale, exp_avg_sq_scale;
     int64_t offset = 0;        // elements from the start of the block's flat buffers
     int64_t group_offset = 0;  // int8 state: this parameter's first scale in the block's scale buffers
+    at::Tensor ema;            // options.ema and not sharded; undefined otherwise
   };
   ParamViews param(int64_t block, const std::string& name) const;
   // Every parameter of a block, in declaration order.

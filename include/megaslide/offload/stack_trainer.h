@@ -47,6 +47,14 @@
 // driving thread), so the clip coefficient, the skip decision and the resident AdamW step are the
 // same on every rank. int8 moments are refused with several ranks.
 //
+// EMA of the weights (options.ema_decay > 0): an fp32 exponential moving average of every parameter —
+// the blocks' in the host store beside their masters (sharded like them), the resident parameters' on
+// the device beside them. Each block's EMA is updated on the host task right after its AdamW update
+// (one more pass over the block: 12 B per parameter read and written), the resident parameters' after
+// their AdamW step: the EMA follows the masters exactly as they are updated (a step skipped as a whole
+// updates no EMA; with immediate updates the blocks updated before a non-finite one are, as their
+// masters). ema_decay_at gives the decay, from the AdamW step count.
+//
 // Memory: the trainer owns the store, the streamer and the resident optimizer; it shares ownership
 // of the model. After construction the blocks' own parameter tensors are empty: their values live in
 // the store (block_master).
@@ -72,6 +80,13 @@ namespace megaslide::offload {
 
 // "bf16" | "fp16" | "fp32".
 c10::ScalarType parse_compute_dtype(const std::string& name);
+
+// The decay of the n-th EMA update (n >= 1) for train.ema_decay `decay`: 0 at n = 1 (the EMA becomes the
+// weights after the first update), then min(decay, n / (n + 9)) — diffusers' EMAModel's default warm-up.
+double ema_decay_at(double decay, int64_t update);
+// ema ← decay · ema + (1 − decay) · value, element by element: at::lerp's arithmetic (fp32 tensors of one
+// shape on one device; the CPU path is a plain loop, safe on any thread).
+void ema_update(const at::Tensor& ema, const at::Tensor& value, double decay);
 
 // The host store a StreamedStackTrainer allocates for this compute dtype, accumulation and state dtype
 // (also what megaslide-plan counts): a transfer buffer in the compute dtype that holds the compute copy
@@ -106,6 +121,8 @@ struct StackTrainerOptions {
   double emulated_copy_delay_ms = 0.0;
   // Data parallelism: the ranks' communication (nullptr: one process). It must outlive the trainer.
   std::shared_ptr<ShardExchange> exchange;
+  // > 0: keep an fp32 EMA of every parameter with this decay (ema_decay_at; train.ema_decay).
+  double ema_decay = 0.0;
 };
 
 struct StackStepResult {
@@ -166,6 +183,17 @@ class StreamedStackTrainer {
   void set_block_parameter(int64_t block, const std::string& name, const torch::Tensor& value);
   // Block l's fp32 master weights, by parameter name (views into the store; call synchronize first).
   std::vector<std::pair<std::string, torch::Tensor>> block_master(int64_t block) const;
+
+  // EMA (options.ema_decay > 0; call synchronize first). The EMA of a resident parameter (a tensor beside
+  // it on the device; undefined without EMA or for a tensor that is not a resident parameter).
+  bool has_ema() const { return options_.ema_decay > 0; }
+  torch::Tensor resident_ema(const torch::Tensor& param) const;
+  // Every EMA set to the current weights (a resumed run whose checkpoint has none).
+  void reset_ema_to_weights();
+  // Sharded: block l's whole EMA in the compute dtype, put together from every rank's shard (a host
+  // channel all-gather: every rank calls it for the same blocks in the same order). One process: the
+  // store's EMA converted to the compute dtype.
+  torch::Tensor gathered_block_ema(int64_t block);
 
   // Records the next step() into `trace` (nullptr: stop). Lanes: compute, H2D, D2H, optimizer.
   void set_trace(StepTrace* trace);

@@ -49,6 +49,7 @@ struct HostMemoryPlan {
   int64_t scales = 0;                 // int8 state: fp32 scale per 256 elements of each parameter, m and v
   int64_t compute = 0;                // the transfer buffer: compute copy, and the gradient at accumulation 1
   int64_t grad = 0;                   // fp32 gradient sums, accumulation only
+  int64_t ema = 0;                    // train.ema_decay: the fp32 EMA of the masters (this rank's shard)
   int64_t exchange = 0;               // world_size > 1: two scratch buffers of R·s_max elements of the
                                       // exchange dtype (compute; fp32 with accumulation), s_max = ceil(largest block / R)
   int64_t staging = 0;                // accumulation: two D2H landing buffers of one block (pinned)
@@ -57,7 +58,7 @@ struct HostMemoryPlan {
   // While the trainer is built: the store next to the fp32 initial weights of the blocks being loaded
   // into it (two at a time); no full-model copy exists.
   int64_t construction_peak = 0;
-  int64_t state() const { return master + exp_avg + exp_avg_sq + scales + compute + grad + exchange; }  // HostParamStore
+  int64_t state() const { return master + exp_avg + exp_avg_sq + scales + compute + grad + ema + exchange; }  // HostParamStore
   int64_t steady() const { return state() + staging; }
   int64_t peak() const { return construction_peak > steady() ? construction_peak : steady(); }
 };
@@ -66,7 +67,7 @@ struct HostMemoryPlan {
 struct DeviceMemoryPlan {
   int64_t weight_slots = 0;          // 2 x largest block, compute dtype
   int64_t gradient_slots = 0;        // 2 x largest block, compute dtype
-  int64_t resident_state = 0;        // prologue + epilogue + caption encoder: fp32 weights, grad, m, v
+  int64_t resident_state = 0;        // prologue + epilogue + caption encoder: fp32 weights, grad, m, v (+ EMA)
   int64_t checkpoints = 0;           // every block's input kept by the forward, plus the last output
   int64_t block_inputs = 0;          // shared block inputs (t_mod, text) in the compute dtype, with grads
   int64_t prologue_epilogue = 0;     // fp32 activations of the resident parts (batch, x_0, the head's graph)
@@ -131,6 +132,7 @@ struct StepPlan {
   bool streamed = true;  // offload.enabled
   std::string compute_dtype, mode;
   std::string state_dtype;  // optimizer.state_dtype (fp32 for the resident loop)
+  bool ema = false;         // train.ema_decay > 0: an fp32 EMA of every parameter (host store / resident parts)
   int64_t layers = 0, hidden = 0, batch_size = 0, grad_accum_steps = 0, tokens_per_sample = 0;
   int64_t world_size = 1;           // data-parallel ranks; every figure below is one rank's
   int64_t batch_size_per_rank = 0;  // batch_size / world_size

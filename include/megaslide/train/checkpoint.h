@@ -9,13 +9,17 @@
 //                                 (m and v of the streamed blocks in optimizer.state_dtype: fp32, bf16, or
 //                                 int8 codes with their fp32 group scales as "<name>#scale"; the resident
 //                                 parts' in fp32)
+//                               ema.safetensors         fp32 EMA of the weights (train.ema_decay), keyed
+//                                                       like master.safetensors
+//                               model_ema.safetensors   the EMA as a bf16 weights file (what megaslide-sample
+//                                                       reads by default when it is there)
 //                               trainer_state.json      step, AdamW step count, loss scale, skip
 //                                                       counters, data position and RNG states, the
 //                                                       resolved config (YAML)
 //                               shards/rank-00001-of-00004.safetensors   a sharded run (several ranks
 //                                                       of the streamed trainer): each rank's shard of
 //                                                       the blocks' flat master, m and v ("blocks.3#master",
-//                                                       …); master/exp_avg/exp_avg_sq then hold the
+//                                                       …, "blocks.3#ema" with EMA); master/exp_avg/exp_avg_sq/ema then hold the
 //                                                       resident parameters only, and trainer_state.json
 //                                                       the blocks' flat layouts ("shards")
 //                               manifest.json           written last: every file's size and CRC-32
@@ -70,6 +74,12 @@ struct TrainingState {
   // group scales of the same parameters (named as they are; empty otherwise). Written into the moment
   // files as "<name>#scale".
   io::NamedTensors exp_avg_scale, exp_avg_sq_scale;
+  // EMA of the weights (train.ema_decay; empty without): fp32, parallel to `master` (the same names).
+  io::NamedTensors ema;
+  // Whether `ema` (and the shards' `ema`) hold an EMA: a trainer that keeps one sets it; load_checkpoint
+  // sets it to whether the checkpoint held the EMA asked for (one saved without EMA: false, the tensors
+  // untouched), and a trainer loading a state without one starts its EMA from the loaded weights.
+  bool ema_valid = false;
 
   // The streamed trainer's blocks as flat buffers (offload/host_param_store.h: a block's parameters
   // packed in declaration order): this rank's elements [begin, end) of each block's master, m and v.
@@ -85,11 +95,16 @@ struct TrainingState {
       int64_t begin = 0, end = 0;
       std::vector<std::pair<std::string, std::vector<int64_t>>> params;  // the flat layout, in order
       torch::Tensor master, exp_avg, exp_avg_sq;                         // end - begin elements each
+      torch::Tensor ema;                                                 // with EMA (end - begin), else undefined
     };
     std::vector<Block> blocks;
     // Sharded: the blocks' whole compute copies by parameter name ("blocks.3.attn.q.weight"), which
     // every rank holds: model.safetensors is written from them.
     io::NamedTensors weights;
+    // Sharded with EMA: block l's whole EMA (flat, the compute dtype) put together from every rank's
+    // shard — a collective every rank calls for the same blocks in the same order
+    // (StreamedStackTrainer::gathered_block_ema); gather_ema_weights calls it.
+    std::function<torch::Tensor(int64_t block)> gather_ema;
   };
   std::optional<BlockShards> shards;
 };
@@ -108,6 +123,11 @@ struct AdamWMoments {
 AdamWMoments adamw_moments(torch::optim::AdamW& optimizer, const torch::Tensor& param);
 void set_adamw_moments(torch::optim::AdamW& optimizer, const torch::Tensor& param, const torch::Tensor& exp_avg,
                        const torch::Tensor& exp_avg_sq, int64_t step);
+
+// The EMA of `state` (ema_valid) as weights by parameter name: `state.ema` of one process; sharded, the
+// resident parameters' and every block's EMA put together block by block (every rank calls this at the
+// same point; only where `keep` are the blocks kept, so the other ranks hold one block at a time).
+io::NamedTensors gather_ema_weights(const TrainingState& state, bool keep);
 
 // "step-0000200".
 std::string checkpoint_name(int64_t step);
@@ -139,6 +159,9 @@ std::string find_checkpoint(const std::string& spec);
 // What a sampler reads for `spec`: a weights file as it is (megaslide-train --export-weights), or the
 // checked model.safetensors of the checkpoint find_checkpoint finds. Throws CheckpointError.
 std::string find_weights(const std::string& spec);
+// The checked model_ema.safetensors (the EMA of the weights, train.ema_decay) of the checkpoint `spec`
+// names, or "" when `spec` is a weights file or the checkpoint has no EMA. Throws CheckpointError.
+std::string find_ema_weights(const std::string& spec);
 
 // The newest checkpoint `latest` names, or "" when the run has none. Reads at most a few bytes.
 std::string latest_checkpoint(const std::string& run_dir);
@@ -185,8 +208,9 @@ std::string checkpoint_weights(const std::string& path);
 // `--resume` plus `--export-weights`: copies the checkpoint's bf16 weights file (the weights-file
 // format, model/dit_weights.h) to `out`, checking its size and CRC-32 as it copies (one read, only of that
 // file), without building a trainer; a Wan run's checkpoint is written as --export-weights writes Wan's
-// weights instead (diffusers' names, save_wan_weights), after its checksum is verified. Returns the
-// checkpoint's path.
-std::string export_checkpoint_weights(const std::string& run_dir, const std::string& spec, const std::string& out);
+// weights instead (diffusers' names, save_wan_weights), after its checksum is verified. `ema`: the
+// checkpoint's EMA (model_ema.safetensors) instead; a checkpoint without one is a CheckpointError.
+// Returns the checkpoint's path.
+std::string export_checkpoint_weights(const std::string& run_dir, const std::string& spec, const std::string& out, bool ema = false);
 
 }  // namespace megaslide

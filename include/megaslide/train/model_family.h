@@ -45,8 +45,8 @@ class FamilyTrainer {
   virtual bool sharded() const = 0;  // host state sharded over the ranks: every rank saves its shard
   virtual void trace_next_step(const std::string& path) = 0;
   // Device memory that lives across steps (what each step's own allocations add to): streamed, the
-  // weight and gradient slots and the resident parameters with their two AdamW moments; resident, every
-  // trained parameter with its two moments.
+  // weight and gradient slots and the resident parameters with their two AdamW moments (and their EMA
+  // with train.ema_decay); resident, every trained parameter with its two moments (and its EMA).
   virtual int64_t persistent_device_bytes() = 0;
 
   // The train.init_from the trainer was built with (empty path: none).
@@ -62,6 +62,8 @@ class FamilyTrainer {
   virtual std::vector<std::string> write_validation(const std::string& folder) = 0;
   // The family's weights file of the current weights (model/dit_weights.h, model/wan_weights.h).
   virtual void export_weights(const std::string& path) = 0;
+  // The family's weights file of `weights`, named as training_state() names the parameters (the EMA).
+  virtual void write_weights(const std::string& path, const io::NamedTensors& weights) = 0;
 };
 
 // What run_training hands a family to build its trainer.

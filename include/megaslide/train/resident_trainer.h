@@ -25,6 +25,7 @@
 #include "megaslide/model/text_encoder.h"
 #include "megaslide/train/checkpoint.h"
 #include "megaslide/train/init_from.h"
+#include "megaslide/train/weights_ema.h"
 #include "megaslide/util/device.h"
 
 namespace megaslide {
@@ -179,6 +180,7 @@ class ResidentTrainer {
   TextEncoder text_encoder_{nullptr};
   std::unique_ptr<torch::optim::AdamW> optimizer_;
   std::vector<torch::Tensor> parameters_;
+  WeightsEma ema_;  // train.ema_decay
   TokenGrid grid_;
   int64_t steps_done_ = 0;
   int64_t optimizer_steps_ = 0, skipped_total_ = 0, consecutive_skips_ = 0;

@@ -52,7 +52,7 @@ StepMetrics traced_engine_step(offload::StreamedStackTrainer& engine, std::strin
                                const std::function<offload::StackStepResult()>& run);
 
 // FamilyTrainer::persistent_device_bytes of a streamed trainer: its weight and gradient slots, and its
-// resident parameters with their two AdamW moments.
+// resident parameters with their two AdamW moments (and their EMA with train.ema_decay).
 int64_t streamed_persistent_device_bytes(offload::StreamedStackTrainer& engine);
 
 // Counts `m`'s skip into the trainer's counters and copies them into `m`.

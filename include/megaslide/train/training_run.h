@@ -40,6 +40,7 @@ struct TrainingRunOptions {
   std::string trace_path;                // Chrome trace of step `trace_step` (streamed trainer)
   int64_t trace_step = 2;
   std::string export_weights;            // bf16 weights file written after the last step
+  std::string export_ema;                // ... of the EMA of the weights (train.ema_decay)
   const std::atomic<int>* stop_requested = nullptr;  // non-zero: save and stop after the current step
 };
 

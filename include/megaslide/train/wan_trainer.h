@@ -52,6 +52,7 @@
 #include "megaslide/train/checkpoint.h"
 #include "megaslide/train/init_from.h"
 #include "megaslide/train/resident_trainer.h"
+#include "megaslide/train/weights_ema.h"
 
 namespace megaslide {
 
@@ -239,6 +240,7 @@ class WanTrainer {
   std::shared_ptr<WanStack> stack_;
   std::unique_ptr<offload::StreamedStackTrainer> engine_;    // streamed mode
   std::unique_ptr<torch::optim::AdamW> resident_optimizer_;  // resident mode
+  WeightsEma ema_;                                           // resident mode, train.ema_decay (streamed: the engine's)
   std::vector<std::string> initialised_;
   InitPlan init_plan_;
   TokenGrid grid_;
