@@ -10,7 +10,8 @@
 #     (fmt, spdlog, yaml-cpp, CLI11, GoogleTest, Google Benchmark, nlohmann-json, ICU, SentencePiece), FFmpeg's libraries
 #     (libavformat/libavcodec/libswscale/libavutil, H.264 through libx264), the ffmpeg tools (ffprobe)
 #     and gnuplot (gnuplot-nox: the PNG plots of megaslide-plot and megaslide-ablate), Gloo's headers
-#     (libgloo-dev: LibTorch's ProcessGroupGloo.hpp includes them; data parallelism on the CPU).
+#     (libgloo-dev: LibTorch's ProcessGroupGloo.hpp includes them; data parallelism on the CPU), and
+#     protobuf (libprotobuf-dev, protobuf-compiler: the reference the TensorBoard event encoding is tested against).
 #   - LibTorch from the PyPI `torch` wheel at the pinned version below, unpacked with pip into
 #     .deps/python (no virtualenv, no Python import needed). The wheel is built against CUDA 13.0; the
 #     CUDA libraries it links (cudart, cuBLAS, cuDNN, NCCL, ...) are taken from the machine's CUDA 13.0
@@ -25,7 +26,8 @@ DEBIAN_PACKAGES=(build-essential cmake ninja-build ccache pkg-config
                  libfmt-dev libspdlog-dev libyaml-cpp-dev libcli11-dev
                  libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev
                  libavformat-dev libavcodec-dev libswscale-dev libavutil-dev ffmpeg
-                 libicu-dev libsentencepiece-dev gnuplot-nox clang libgloo-dev)  # gnuplot: megaslide-plot/-ablate PNGs; clang: the libFuzzer tests (tests/fuzz/)
+                 libicu-dev libsentencepiece-dev gnuplot-nox clang libgloo-dev
+                 libprotobuf-dev protobuf-compiler)  # gnuplot: megaslide-plot/-ablate PNGs; clang: the libFuzzer tests (tests/fuzz/); protobuf: tests/event_protobuf/
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"

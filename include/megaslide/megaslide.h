@@ -20,6 +20,7 @@
 #include "megaslide/eval/plot.h"
 #include "megaslide/eval/run_plots.h"
 #include "megaslide/io/vbench_layout.h"
+#include "megaslide/io/event_file.h"
 #include "megaslide/io/files.h"
 #include "megaslide/io/finite_weights.h"
 #include "megaslide/io/safetensors.h"

@@ -441,6 +441,7 @@ class Schema {
     // output
     text("output.run_dir", c.output.run_dir);
     boolean("output.progress", c.output.progress);
+    boolean("output.tensorboard", c.output.tensorboard);
     // distributed
     choice("distributed.backend", c.distributed.backend, {"auto", "nccl", "gloo"});
     real("distributed.timeout_s", c.distributed.timeout_s, RealRange{0.0, 86400.0, true, false});

@@ -13,7 +13,10 @@
 #include <mutex>
 #include <sstream>
 
+#include "megaslide/io/event_file.h"
 #include "megaslide/io/files.h"
+#include "megaslide/io/vbench_layout.h"
+#include "megaslide/io/video.h"
 #include "megaslide/model/dit.h"
 #include "megaslide/model/wan.h"
 #include "megaslide/model/wan_weights.h"
@@ -89,6 +92,76 @@ void MetricsWriter::write(const StepMetrics& m) {
     out_->write(j.dump() + "\n");
   } catch (const io::IoError& e) {
     throw OutputError(e.what());
+  }
+}
+
+namespace {
+double wall_time_now() {
+  return static_cast<double>(std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch()).count()) *
+         1e-6;
+}
+}  // namespace
+
+struct TensorBoardLog::Impl {
+  std::unique_ptr<io::EventFileWriter> events;
+  std::string dir;
+};
+
+TensorBoardLog::TensorBoardLog(const std::string& dir, const RunConfig& resolved, int64_t first_step) : impl_(std::make_unique<Impl>()) {
+  impl_->dir = dir;
+  try {
+    impl_->events = std::make_unique<io::EventFileWriter>(dir);
+    if (first_step > 0) impl_->events->restart(first_step + 1, wall_time_now());  // a resumed run: its steps from here on
+    impl_->events->text("config", first_step, "```yaml\n" + to_yaml(resolved) + "```\n", wall_time_now());
+  } catch (const io::IoError& e) {
+    throw OutputError(std::string("output.tensorboard: ") + e.what());
+  }
+}
+
+TensorBoardLog::~TensorBoardLog() = default;
+
+const std::string& TensorBoardLog::path() const { return impl_->events->path(); }
+
+void TensorBoardLog::step(const StepMetrics& m) {
+  std::vector<std::pair<std::string, double>> v{{"train/loss", m.loss},
+                                                {"train/lr", m.lr},
+                                                {"train/grad_norm", m.grad_norm},
+                                                {"throughput/samples_per_s", m.samples_per_s},
+                                                {"throughput/tokens_per_s", m.tokens_per_s},
+                                                {"time/step_s", m.step_time_s},
+                                                {"time/data_wait_s", m.data_wait_s},
+                                                {"time/optimizer_s", m.optimizer_s},
+                                                {"time/exposed_transfer_s", m.exposed_transfer_s},
+                                                {"memory/peak_device_bytes", static_cast<double>(m.peak_device_bytes)},
+                                                {"transfer/h2d_bytes", static_cast<double>(m.h2d_bytes)},
+                                                {"transfer/d2h_bytes", static_cast<double>(m.d2h_bytes)},
+                                                {"train/skipped_total", static_cast<double>(m.skipped_total)}};
+  if (m.mfu > 0) v.emplace_back("throughput/mfu", m.mfu);
+  if (m.loss_scale > 0) v.emplace_back("train/loss_scale", m.loss_scale);
+  if (m.exchange_bytes > 0) v.emplace_back("exchange/bytes", static_cast<double>(m.exchange_bytes));
+  try {
+    impl_->events->scalars(m.step, v, wall_time_now());
+  } catch (const io::IoError& e) {
+    throw OutputError(std::string("output.tensorboard: ") + e.what());
+  }
+}
+
+void TensorBoardLog::videos(int64_t step, const std::string& folder, const std::vector<std::string>& files) {
+  const std::string strip_path = io::join_path(impl_->dir, ".strip.png");
+  for (const auto& file : files) {
+    try {
+      const auto frames = io::read_video(io::join_path(io::join_path(folder, io::kVideosFolder), file));  // [T, H, W, 3] uint8
+      const int64_t T = frames.size(0), shown = std::min<int64_t>(T, 8);
+      std::vector<torch::Tensor> picked;
+      for (int64_t k = 0; k < shown; ++k) picked.push_back(frames[shown == 1 ? 0 : k * (T - 1) / (shown - 1)]);
+      const auto strip = torch::cat(picked, 1).contiguous();  // [H, shown·W, 3]
+      io::write_png(strip_path, strip);
+      const std::string png = io::read_file(strip_path);
+      io::remove_tree(strip_path);
+      impl_->events->image("validation/" + file, step, png, strip.size(0), strip.size(1), wall_time_now());
+    } catch (const std::exception& e) {
+      throw OutputError(fmt::format("output.tensorboard: the validation video {}: {}", file, e.what()));
+    }
   }
 }
 

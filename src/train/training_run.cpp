@@ -250,12 +250,14 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
 
   std::optional<RunDirectory> dir;
   std::optional<MetricsWriter> metrics;
+  std::optional<TensorBoardLog> tensorboard;
   RankLog log;
   if (writer) {
     dir.emplace(run_dir, config);
     guard->started();
     log.open(dir->file("train.log"), /*append=*/!resume_path.empty());
     metrics.emplace(dir->file("metrics.jsonl"), resume_path.empty() ? -1 : result.first_step);
+    if (config.output.tensorboard) tensorboard.emplace(dir->file("tensorboard"), config, result.first_step);
   }
   if (communicator) {
     communicator->barrier();  // rank 0 has taken and written the run folder
@@ -287,6 +289,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   log.info(plan_threads(config, trainer.device()).describe());
   if (!options.trace_path.empty() && !trainer.streams()) log.warn("--trace records a streamed trainer only (offload.enabled: true); ignored");
   if (!resume_path.empty()) log.info(fmt::format("resumed from {} at step {}", resume_path, result.first_step));
+  if (tensorboard) log.info(fmt::format("TensorBoard: {} (tensorboard --logdir {})", tensorboard->path(), dir->file("tensorboard")));
   for (const auto& w : warnings) log.warn(w);
   if (!resume_path.empty() && result.first_step == train.steps)
     log.info(fmt::format("the checkpoint is at train.steps ({}): the run is complete, nothing to train", train.steps));
@@ -343,6 +346,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     report_bad_items();
     result.steps_done = m.step;
     if (metrics) metrics->write(m);
+    if (tensorboard) tensorboard->step(m);
     progress.update(m);
     if (m.skipped) {
       log.warn(fmt::format("step {}: non-finite loss or gradient (loss {}, grad_norm {}); step skipped ({} in a row, {} in all)", m.step,
@@ -365,6 +369,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
         const auto samples = dir->file(fmt::format("samples/step-{:07}", m.step));
         const auto started = std::chrono::steady_clock::now();
         const std::vector<std::string> files = trainer.write_validation(samples);
+        if (tensorboard) tensorboard->videos(m.step, samples, files);
         log.info(fmt::format("step {}: {} validation videos in {} ({:.1f} s)", m.step, files.size(), samples,
                              std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count()));
       };

@@ -206,6 +206,7 @@ struct OptimizerConfig {
 struct OutputConfig {
   std::string run_dir = "runs/default";
   bool progress = true;                  // live progress line on a terminal
+  bool tensorboard = false;              // TensorBoard event files in RUN_DIR/tensorboard (train/run_outputs.h)
 };
 
 struct DistributedConfig {

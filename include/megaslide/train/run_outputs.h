@@ -2,6 +2,7 @@
 //   DIR/config.yaml    the resolved config (the file plus every --set), readable by --config
 //   DIR/metrics.jsonl  one JSON object per step
 //   DIR/train.log      the run's log (also echoed to the terminal)
+//   DIR/tensorboard/   TensorBoard event files (output.tensorboard: true; io/event_file.h)
 // and a live progress line (step/total, loss, it/s, ETA).
 //
 // RunDirectory is created only once the config has loaded, so a bad config writes nothing.
@@ -13,6 +14,7 @@
 #include <fstream>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "megaslide/config/run_config.h"
 #include "megaslide/train/resident_trainer.h"
@@ -47,6 +49,29 @@ class MetricsWriter {
  private:
   std::string path_;
   std::unique_ptr<io::OutputFile> out_;
+};
+
+// TensorBoard's view of a run (output.tensorboard): one event file per start of the run in DIR (a resumed
+// run adds a file, opened with a session START at its first step, so TensorBoard shows the steps of an
+// abandoned history past the checkpoint no more; TensorBoard reads the folder's files together). At start the resolved config as text
+// (tag "config"); each step the scalars metrics.jsonl holds (train/loss, train/lr, train/grad_norm,
+// throughput/samples_per_s, throughput/tokens_per_s, throughput/mfu, time/step_s, time/data_wait_s,
+// time/optimizer_s, time/exposed_transfer_s, memory/peak_device_bytes, transfer/h2d_bytes,
+// transfer/d2h_bytes, exchange/bytes, train/loss_scale, train/skipped_total; those a run does not
+// measure are left out); and each validation video as one PNG strip of up to 8 of its frames, evenly
+// spaced (tag "validation/{file name}"). Throws OutputError naming the folder when it cannot be written.
+class TensorBoardLog {
+ public:
+  TensorBoardLog(const std::string& dir, const RunConfig& resolved, int64_t first_step);
+  ~TensorBoardLog();
+  void step(const StepMetrics& m);
+  // The videos `files` (names inside `folder`/videos) written at `step`.
+  void videos(int64_t step, const std::string& folder, const std::vector<std::string>& files);
+  const std::string& path() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
 };
 
 // The run log: a file plus the terminal (stderr), or the file alone with echo false.
