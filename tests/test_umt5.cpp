@@ -106,6 +106,28 @@ TEST(Umt5Tokenizer, IdsAreTransformersOnTheTinyModel) {
       << first_difference(prompts, ours, ids, f.tensors.at("mask"));
 }
 
+// How many of a flat-ids fixture's texts (its metadata "prompts"; ids[offsets[i]:offsets[i + 1]], as
+// tools/make_fixtures.py writes umt5_ties and umt5_bytefallback/random) `tokenizer` gives other ids for
+// than transformers; the first three are reported.
+static int texts_with_other_ids(const Umt5Tokenizer& tokenizer, const std::string& fixture, size_t expected_texts) {
+  auto f = read_fixture(fixture);
+  const auto texts = json_strings(f.metadata.at("prompts"));
+  const auto ids = f.tensors.at("ids").to(torch::kLong);
+  const auto offsets = f.tensors.at("offsets").to(torch::kLong);
+  EXPECT_EQ(texts.size(), expected_texts);
+  EXPECT_EQ(offsets.numel(), static_cast<int64_t>(texts.size()) + 1);
+  if (offsets.numel() != static_cast<int64_t>(texts.size()) + 1) return -1;
+  int differ = 0;
+  for (size_t i = 0; i < texts.size(); ++i) {
+    const auto n = static_cast<int64_t>(i);
+    const auto theirs = ids.slice(0, offsets[n].item<int64_t>(), offsets[n + 1].item<int64_t>());
+    const auto ours = torch::tensor(tokenizer.encode_text(texts[i]), torch::kLong);
+    if (torch::equal(ours, theirs)) continue;
+    if (++differ <= 3) ADD_FAILURE() << "'" << texts[i] << "': ours " << ours << " transformers " << theirs;
+  }
+  return differ;
+}
+
 // A SentencePiece model trained with byte fallback (as mT5's is) spells a character outside its
 // vocabulary in byte pieces; transformers' T5Tokenizer, which WanPipeline runs, gives <unk> for it
 // (consecutive ones one <unk>) and matches a written-out "<0x41>" as that piece. The fixture's 126
@@ -138,43 +160,16 @@ TEST(Umt5Tokenizer, ByteFallbackModelGivesTransformersIds) {
 // "▁" (a word that starts with one gets no other), characters outside the vocabulary, written-out byte
 // pieces, special tokens — tokenized by the byte-fallback model: transformers' ids, every one.
 TEST(Umt5Tokenizer, RandomTextOfTheByteFallbackModelIsTransformers) {
-  auto tokenizer = Umt5Tokenizer::from_file(kFixtures + "umt5_bytefallback/spiece.model");
-  auto f = read_fixture(kFixtures + "umt5_bytefallback/random.safetensors");
-  const auto texts = json_strings(f.metadata.at("prompts"));
-  const auto ids = f.tensors.at("ids").to(torch::kLong);
-  const auto offsets = f.tensors.at("offsets").to(torch::kLong);
-  ASSERT_EQ(offsets.numel(), static_cast<int64_t>(texts.size()) + 1);
-  ASSERT_EQ(texts.size(), 600u);
-  int differ = 0;
-  for (size_t i = 0; i < texts.size(); ++i) {
-    const auto n = static_cast<int64_t>(i);
-    const auto theirs = ids.slice(0, offsets[n].item<int64_t>(), offsets[n + 1].item<int64_t>());
-    const auto ours = torch::tensor(tokenizer.encode_text(texts[i]), torch::kLong);
-    if (torch::equal(ours, theirs)) continue;
-    if (++differ <= 3) ADD_FAILURE() << "'" << texts[i] << "': ours " << ours << " transformers " << theirs;
-  }
-  EXPECT_EQ(differ, 0) << "of " << texts.size();
+  const auto tokenizer = Umt5Tokenizer::from_file(kFixtures + "umt5_bytefallback/spiece.model");
+  EXPECT_EQ(texts_with_other_ids(tokenizer, kFixtures + "umt5_bytefallback/random.safetensors", 600), 0) << "of 600";
 }
 
 // Where several segmentations have the same total score (pieces of one root — "a", "aa", "aaa" — in
 // another order), the tie is broken as transformers breaks it (the tokenizers library's unigram search),
 // not as SentencePiece's library does: Debian's 0.1.97 picks another order on 63 of these 3134 texts.
 TEST(Umt5Tokenizer, TiesAreBrokenAsTransformersBreaksThem) {
-  auto tokenizer = Umt5Tokenizer::from_file(kFixtures + "umt5_tokenizer/spiece.model");
-  auto f = read_fixture(kFixtures + "umt5_ties/ids.safetensors");
-  const auto prompts = json_strings(f.metadata.at("prompts"));
-  const auto ids = f.tensors.at("ids").to(torch::kLong);
-  const auto offsets = f.tensors.at("offsets").to(torch::kLong);
-  ASSERT_EQ(offsets.numel(), static_cast<int64_t>(prompts.size()) + 1);
-  int differ = 0;
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    const auto n = static_cast<int64_t>(i);
-    const auto theirs = ids.slice(0, offsets[n].item<int64_t>(), offsets[n + 1].item<int64_t>());
-    const auto ours = tokenizer.encode_text(prompts[i]);
-    if (torch::equal(torch::tensor(ours, torch::kLong), theirs)) continue;
-    if (++differ <= 3) ADD_FAILURE() << "'" << prompts[i] << "': ours " << torch::tensor(ours, torch::kLong) << " transformers " << theirs;
-  }
-  EXPECT_EQ(differ, 0) << "of " << prompts.size();
+  const auto tokenizer = Umt5Tokenizer::from_file(kFixtures + "umt5_tokenizer/spiece.model");
+  EXPECT_EQ(texts_with_other_ids(tokenizer, kFixtures + "umt5_ties/ids.safetensors", 3134), 0) << "of 3134";
 }
 
 TEST(Umt5Tokenizer, EndTokenPaddingAndCutting) {

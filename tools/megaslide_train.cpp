@@ -146,9 +146,9 @@ int main(int argc, char** argv) {
     }
     if (!resume.empty() && (!export_weights.empty() || !export_ema.empty())) {
       // Both files or neither: a checkpoint without an EMA is refused before the weights are written.
-      if (!export_ema.empty() && megaslide::find_ema_weights(megaslide::resolve_checkpoint(config.output.run_dir, resume)).empty())
-        throw megaslide::CheckpointError("checkpoint '" + megaslide::resolve_checkpoint(config.output.run_dir, resume) +
-                                         "': has no EMA of the weights (model_ema.safetensors) for --export-ema: it was saved by a run "
+      const std::string checkpoint = megaslide::resolve_checkpoint(config.output.run_dir, resume);
+      if (!export_ema.empty() && megaslide::find_ema_weights(checkpoint).empty())
+        throw megaslide::CheckpointError("checkpoint '" + checkpoint + "': has no EMA of the weights (model_ema.safetensors) for --export-ema: it was saved by a run "
                                          "without train.ema_decay");
       if (!export_weights.empty()) {
         const auto from = megaslide::export_checkpoint_weights(config.output.run_dir, resume, export_weights);

@@ -179,74 +179,87 @@ inline std::string encode(const Event& e) {
   return out;
 }
 
+namespace detail {
+inline void expect(wire::Type got, wire::Type want, const char* what) {
+  if (got != want) throw std::runtime_error(std::string(what) + " has wire type " + std::to_string(static_cast<int>(got)));
+}
+
+// Calls field(number, type, reader) for each field of a length-delimited message.
+template <typename Field>
+void each_field(const std::string& message, Field&& field) {
+  wire::Reader r(message);
+  uint32_t number;
+  wire::Type type;
+  while (r.next(number, type)) field(number, type, r);
+}
+
+inline Value decode_value(const std::string& message) {
+  using namespace wire;
+  Value v;
+  each_field(message, [&v](uint32_t number, Type type, Reader& r) {
+    if (number == 1) {
+      expect(type, kBytes, "Value.tag");
+      v.tag = r.bytes();
+    } else if (number == 2) {
+      expect(type, kFixed32, "Value.simple_value");
+      v.kind = Value::Kind::kScalar;
+      v.scalar = r.fixed32();
+    } else if (number == 4) {  // Image
+      expect(type, kBytes, "Value.image");
+      v.kind = Value::Kind::kImage;
+      each_field(r.bytes(), [&v](uint32_t n, Type t, Reader& i) {
+        if (n == 1 && t == kVarint) v.height = static_cast<int64_t>(i.varint());
+        else if (n == 2 && t == kVarint) v.width = static_cast<int64_t>(i.varint());
+        else if (n == 4 && t == kBytes) v.data = i.bytes();
+        else i.skip(t);
+      });
+    } else if (number == 8) {  // Tensor: a text's string_val
+      expect(type, kBytes, "Value.tensor");
+      each_field(r.bytes(), [&v](uint32_t n, Type t, Reader& tensor) {
+        if (n == 8 && t == kBytes) v.kind = Value::Kind::kText, v.data = tensor.bytes();
+        else tensor.skip(t);
+      });
+    } else {
+      r.skip(type);
+    }
+  });
+  return v;
+}
+}  // namespace detail
+
 // The inverse of encode, for any valid encoding of these messages (fields in any order, unknown ones
 // skipped). Throws std::runtime_error for a malformed one.
 inline Event decode(const std::string& data) {
   using namespace wire;
+  using detail::expect;
   Event e;
-  Reader r(data);
-  uint32_t field;
-  Type type;
-  const auto expect = [](Type got, Type want, const char* what) {
-    if (got != want) throw std::runtime_error(std::string(what) + " has wire type " + std::to_string(static_cast<int>(got)));
-  };
-  while (r.next(field, type)) {
-    if (field == 1) expect(type, kFixed64, "Event.wall_time"), e.wall_time = r.fixed64();
-    else if (field == 2) expect(type, kVarint, "Event.step"), e.step = static_cast<int64_t>(r.varint());
-    else if (field == 3) expect(type, kBytes, "Event.file_version"), e.file_version = r.bytes();
-    else if (field == 6) {
-      expect(type, kBytes, "Event.session_log");
-      const std::string log = r.bytes();
-      Reader l(log);
-      while (l.next(field, type)) {
-        if (field == 1 && type == kVarint) e.session_start = l.varint() == 1;
-        else l.skip(type);
-      }
-    } else if (field == 5) {
+  detail::each_field(data, [&e](uint32_t number, Type type, Reader& r) {
+    if (number == 1) {
+      expect(type, kFixed64, "Event.wall_time");
+      e.wall_time = r.fixed64();
+    } else if (number == 2) {
+      expect(type, kVarint, "Event.step");
+      e.step = static_cast<int64_t>(r.varint());
+    } else if (number == 3) {
+      expect(type, kBytes, "Event.file_version");
+      e.file_version = r.bytes();
+    } else if (number == 5) {  // Summary: its values
       expect(type, kBytes, "Event.summary");
-      const std::string summary = r.bytes();
-      Reader s(summary);
-      while (s.next(field, type)) {
-        if (field != 1) {
-          s.skip(type);
-          continue;
-        }
-        expect(type, kBytes, "Summary.value");
-        const std::string value = s.bytes();
-        Value v;
-        Reader f(value);
-        while (f.next(field, type)) {
-          if (field == 1) expect(type, kBytes, "Value.tag"), v.tag = f.bytes();
-          else if (field == 2) expect(type, kFixed32, "Value.simple_value"), v.kind = Value::Kind::kScalar, v.scalar = f.fixed32();
-          else if (field == 4) {
-            expect(type, kBytes, "Value.image");
-            v.kind = Value::Kind::kImage;
-            const std::string image = f.bytes();
-            Reader i(image);
-            while (i.next(field, type)) {
-              if (field == 1 && type == kVarint) v.height = static_cast<int64_t>(i.varint());
-              else if (field == 2 && type == kVarint) v.width = static_cast<int64_t>(i.varint());
-              else if (field == 4 && type == kBytes) v.data = i.bytes();
-              else i.skip(type);
-            }
-          } else if (field == 8) {
-            expect(type, kBytes, "Value.tensor");
-            const std::string tensor = f.bytes();
-            Reader t(tensor);
-            while (t.next(field, type)) {
-              if (field == 8 && type == kBytes) v.kind = Value::Kind::kText, v.data = t.bytes();
-              else t.skip(type);
-            }
-          } else {
-            f.skip(type);
-          }
-        }
-        e.values.push_back(std::move(v));
-      }
+      detail::each_field(r.bytes(), [&e](uint32_t n, Type t, Reader& s) {
+        if (n != 1) return s.skip(t);
+        expect(t, kBytes, "Summary.value");
+        e.values.push_back(detail::decode_value(s.bytes()));
+      });
+    } else if (number == 6) {  // SessionLog: status START
+      expect(type, kBytes, "Event.session_log");
+      detail::each_field(r.bytes(), [&e](uint32_t n, Type t, Reader& l) {
+        if (n == 1 && t == kVarint) e.session_start = l.varint() == 1;
+        else l.skip(t);
+      });
     } else {
       r.skip(type);
     }
-  }
+  });
   return e;
 }
 

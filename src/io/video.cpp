@@ -228,7 +228,9 @@ void write_mp4(const std::string& path, const torch::Tensor& frames_in, const Vi
   cleanup.renamed = true;
 }
 
-void write_png(const std::string& path, const torch::Tensor& frame_in) {
+void write_png(const std::string& path, const torch::Tensor& frame) { write_file_atomically(path, encode_png(frame, path)); }
+
+std::string encode_png(const torch::Tensor& frame_in, const std::string& path) {
   quiet_ffmpeg();
   check_rgb_frames(frame_in, 3, path);
   auto frame = frame_in.contiguous();
@@ -260,7 +262,7 @@ void write_png(const std::string& path, const torch::Tensor& frame_in) {
     av_packet_unref(packet.get());
   }
   if (bytes.empty()) fail(path, "the PNG encoder produced nothing");
-  write_file_atomically(path, bytes);
+  return bytes;
 }
 
 namespace {
@@ -541,6 +543,7 @@ namespace {
 bool video_supported() { return false; }
 void write_mp4(const std::string& path, const torch::Tensor&, const VideoWriteOptions&) { no_video(path); }
 void write_png(const std::string& path, const torch::Tensor&) { no_video(path); }
+std::string encode_png(const torch::Tensor&, const std::string& what) { no_video(what); }
 torch::Tensor read_video(const std::string& path, VideoInfo*, const VideoReadOptions&) { no_video(path); }
 VideoInfo probe_video(const std::string& path) { no_video(path); }
 torch::Tensor read_video_frames(const std::string& path, const std::vector<int64_t>&, int64_t*, const VideoReadOptions&) { no_video(path); }

@@ -373,13 +373,20 @@ std::string find_checkpoint(const std::string& spec) {
   fail(spec, "is a file; a checkpoint is a folder (RUN/checkpoints/step-NNNNNNN), the `latest` file beside it, or a run folder");
 }
 
+namespace {
+// `spec` names a weights file (megaslide-train --export-weights), not a checkpoint by one of its names.
+bool is_weights_file(const std::string& spec) {
+  return !spec.empty() && io::path_exists(spec) && !io::is_directory(spec) && !looks_like_pointer(spec);
+}
+}  // namespace
+
 std::string find_weights(const std::string& spec) {
-  if (!spec.empty() && io::path_exists(spec) && !io::is_directory(spec) && !looks_like_pointer(spec)) return spec;  // a weights file
+  if (is_weights_file(spec)) return spec;
   return checkpoint_weights(find_checkpoint(spec));
 }
 
 std::string find_ema_weights(const std::string& spec) {
-  if (!spec.empty() && io::path_exists(spec) && !io::is_directory(spec) && !looks_like_pointer(spec)) return "";  // a weights file
+  if (is_weights_file(spec)) return "";
   const std::string path = find_checkpoint(spec);
   const Manifest manifest = read_manifest(path);
   if (manifest.find(kModelEma) == nullptr) return "";

@@ -104,11 +104,9 @@ double wall_time_now() {
 
 struct TensorBoardLog::Impl {
   std::unique_ptr<io::EventFileWriter> events;
-  std::string dir;
 };
 
 TensorBoardLog::TensorBoardLog(const std::string& dir, const RunConfig& resolved, int64_t first_step) : impl_(std::make_unique<Impl>()) {
-  impl_->dir = dir;
   try {
     impl_->events = std::make_unique<io::EventFileWriter>(dir);
     if (first_step > 0) impl_->events->restart(first_step + 1, wall_time_now());  // a resumed run: its steps from here on
@@ -147,7 +145,6 @@ void TensorBoardLog::step(const StepMetrics& m) {
 }
 
 void TensorBoardLog::videos(int64_t step, const std::string& folder, const std::vector<std::string>& files) {
-  const std::string strip_path = io::join_path(impl_->dir, ".strip.png");
   for (const auto& file : files) {
     try {
       const auto frames = io::read_video(io::join_path(io::join_path(folder, io::kVideosFolder), file));  // [T, H, W, 3] uint8
@@ -155,9 +152,7 @@ void TensorBoardLog::videos(int64_t step, const std::string& folder, const std::
       std::vector<torch::Tensor> picked;
       for (int64_t k = 0; k < shown; ++k) picked.push_back(frames[shown == 1 ? 0 : k * (T - 1) / (shown - 1)]);
       const auto strip = torch::cat(picked, 1).contiguous();  // [H, shown·W, 3]
-      io::write_png(strip_path, strip);
-      const std::string png = io::read_file(strip_path);
-      io::remove_tree(strip_path);
+      const std::string png = io::encode_png(strip, "the validation strip of " + file);
       impl_->events->image("validation/" + file, step, png, strip.size(0), strip.size(1), wall_time_now());
     } catch (const std::exception& e) {
       throw OutputError(fmt::format("output.tensorboard: the validation video {}: {}", file, e.what()));

@@ -51,6 +51,8 @@ void write_mp4(const std::string& path, const torch::Tensor& frames, const Video
 
 // frame [H, W, 3] uint8 RGB -> an 8-bit RGB PNG.
 void write_png(const std::string& path, const torch::Tensor& frame);
+// The same PNG's bytes, in memory; errors name `what`.
+std::string encode_png(const torch::Tensor& frame, const std::string& what);
 
 struct VideoInfo {
   std::string codec;          // e.g. "h264"
