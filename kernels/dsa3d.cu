@@ -18,8 +18,6 @@
 //                               atomics), and a third sums dbias over tokens in order. Slower (the
 //                               scatter runs B·M·⌈d/32⌉ warps), bit-identical run to run.
 // Everything launches on the stream the API layer passes (LibTorch's current stream) and is checked.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <c10/cuda/CUDAException.h>
@@ -28,6 +26,7 @@
 
 #include "attention/dsa3d_math.h"
 #include "attention/dsa3d_params.h"
+#include "dsa3d_cuda.cuh"
 
 namespace megaslide::ops::detail {
 namespace {
@@ -46,22 +45,6 @@ struct DsaCudaTraits {
   // Threads a block for the dbias reduction (one thread per bias element).
   static constexpr int kReduceThreads = 256;
 };
-
-__device__ __forceinline__ float to_acc(float x) { return x; }
-__device__ __forceinline__ double to_acc(double x) { return x; }
-__device__ __forceinline__ float to_acc(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_acc(__half x) { return __half2float(x); }
-
-template <typename scalar_t>
-__device__ __forceinline__ scalar_t from_acc(float x);
-template <>
-__device__ __forceinline__ float from_acc<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-template <>
-__device__ __forceinline__ __half from_acc<__half>(float x) { return __float2half_rn(x); }
-template <typename scalar_t>
-__device__ __forceinline__ scalar_t from_acc(double x) { return x; }
 
 template <typename acc_t>
 __device__ __forceinline__ acc_t warp_sum(acc_t x) {
@@ -324,16 +307,6 @@ void chunks_switch(int64_t d, F&& f) {
   if (d <= 64) return f(std::integral_constant<int, 2>{});
   if (d <= 128) return f(std::integral_constant<int, 4>{});
   return f(std::integral_constant<int, 8>{});
-}
-
-template <typename F>
-void dtype_switch(DsaDtype dtype, F&& f) {
-  switch (dtype) {
-    case DsaDtype::kFloat32: return f(float{}, float{});
-    case DsaDtype::kFloat64: return f(double{}, double{});
-    case DsaDtype::kBFloat16: return f(__nv_bfloat16{}, float{});
-    case DsaDtype::kFloat16: return f(__half{}, float{});
-  }
 }
 
 }  // namespace

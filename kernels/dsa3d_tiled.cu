@@ -22,8 +22,6 @@
 //             partials summed in tile order by another kernel. Heads on the grid rather than in a loop
 //             of the block: one block per SM fits the backward's shared memory, and a serial loop over
 //             a group's heads left the grid G/M as wide and the tail as long.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <mma.h>
 
@@ -37,6 +35,7 @@
 
 #include "attention/dsa3d_params.h"
 #include "attention/dsa3d_tile.h"
+#include "dsa3d_cuda.cuh"
 
 namespace megaslide::ops::detail {
 namespace {
@@ -110,28 +109,6 @@ __host__ __device__ inline Layout make_layout(int d, int K, int chunk, int scala
   }
   l.total = at;
   return l;
-}
-
-__device__ __forceinline__ float to_acc(float x) { return x; }
-__device__ __forceinline__ double to_acc(double x) { return x; }
-__device__ __forceinline__ float to_acc(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_acc(__half x) { return __half2float(x); }
-
-template <typename T>
-__device__ __forceinline__ T from_acc(float x);
-template <>
-__device__ __forceinline__ float from_acc<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-template <>
-__device__ __forceinline__ __half from_acc<__half>(float x) { return __float2half_rn(x); }
-template <typename T>
-__device__ __forceinline__ T from_acc(double x) { return T(x); }
-
-template <typename T>
-__device__ __forceinline__ T zero_of() {
-  if constexpr (std::is_same_v<T, double>) return 0.0;
-  else return from_acc<T>(0.0f);
 }
 
 // Sum over the 8 threads of a query, in reduce8's order (dsa3d_tile.h); every thread gets the sum.
@@ -709,16 +686,6 @@ void allow_smem(Kernel kernel, size_t bytes, int device, std::atomic<int>* allow
   if (cached && allowed[device].load() >= int(bytes)) return;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
   if (cached) allowed[device] = std::max(allowed[device].load(), int(bytes));
-}
-
-template <typename F>
-void dtype_switch(DsaDtype dtype, F&& f) {
-  switch (dtype) {
-    case DsaDtype::kFloat32: return f(float{}, float{});
-    case DsaDtype::kFloat64: return f(double{}, double{});
-    case DsaDtype::kBFloat16: return f(__nv_bfloat16{}, float{});
-    case DsaDtype::kFloat16: return f(__half{}, float{});
-  }
 }
 
 Layout checked_layout(const Dsa3dShape& s, bool backward, int device) {

@@ -436,14 +436,14 @@ struct ThreadCount {
 
 namespace tile = megaslide::dsa3d_tile;
 
-// The int32 axis sample and corners of the tile header equal the per-sample math of the row kernels
+// The int32 axis sample (the tile kernels' instantiation) and the corners of the tile header equal the per-sample math of the row kernels
 // (dsa3d_math.h) at integers, between tokens, at and beyond both borders, on axes of 1 to 7 tokens;
 // and a corner's halo key maps back to the row kernels' token index.
 TEST(Dsa3dTile, CornersEqualTheRowKernelsMath) {
   for (int S : {1, 2, 3, 7}) {
     for (double x : {-2.0, -0.5, 0.0, 0.25, 1.0, 1.5, 2.0, 2.75, 3.0, 5.5, 6.0, 6.5, 9.0}) {
-      const auto a = tile::axis_sample<double>(x, S);
-      const auto r = megaslide::dsa3d_math::sample_axis<double>(x, S);
+      const auto a = megaslide::dsa3d_math::sample_axis<double, int>(x, S);
+      const auto r = megaslide::dsa3d_math::sample_axis<double, int64_t>(x, S);
       EXPECT_EQ(a.i0, r.i0) << "S " << S << " x " << x;
       EXPECT_EQ(a.i1, r.i1) << "S " << S << " x " << x;
       EXPECT_EQ(a.w0, r.w0);

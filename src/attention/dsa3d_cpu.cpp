@@ -259,21 +259,15 @@ void backward_impl(const Dsa3dBackwardParams& p) {
 }  // namespace
 
 void dsa3d_forward_cpu(const Dsa3dForwardParams& p) {
-  switch (p.shape.dtype) {
-    case DsaDtype::kFloat32: return forward_impl<float, float>(p);
-    case DsaDtype::kFloat64: return forward_impl<double, double>(p);
-    case DsaDtype::kBFloat16: return forward_impl<c10::BFloat16, float>(p);
-    case DsaDtype::kFloat16: return forward_impl<c10::Half, float>(p);
-  }
+  dispatch_dtype<c10::BFloat16, c10::Half>(p.shape.dtype, [&](auto scalar, auto acc) {
+    forward_impl<decltype(scalar), decltype(acc)>(p);
+  });
 }
 
 void dsa3d_backward_cpu(const Dsa3dBackwardParams& p) {
-  switch (p.shape.dtype) {
-    case DsaDtype::kFloat32: return backward_impl<float, float>(p);
-    case DsaDtype::kFloat64: return backward_impl<double, double>(p);
-    case DsaDtype::kBFloat16: return backward_impl<c10::BFloat16, float>(p);
-    case DsaDtype::kFloat16: return backward_impl<c10::Half, float>(p);
-  }
+  dispatch_dtype<c10::BFloat16, c10::Half>(p.shape.dtype, [&](auto scalar, auto acc) {
+    backward_impl<decltype(scalar), decltype(acc)>(p);
+  });
 }
 
 }  // namespace megaslide::ops::detail

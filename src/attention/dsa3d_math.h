@@ -35,9 +35,11 @@ MEGASLIDE_HD double exp_of(double x) { return exp(x); }
 MEGASLIDE_HD float log_of(float x) { return logf(x); }
 MEGASLIDE_HD double log_of(double x) { return log(x); }
 
-// First index of the regular k-window of the token at p on an axis of length S (k <= S).
-MEGASLIDE_HD int64_t window_start(int64_t p, int64_t k, int64_t S) {
-  int64_t s = p - k / 2;
+// First index of the regular k-window of the token at p on an axis of length S (k <= S). Index types:
+// int64_t for the per-sample kernels, int for the tile kernels (dsa3d_tile.h), the same rule.
+template <typename index_t>
+MEGASLIDE_HD index_t window_start(index_t p, index_t k, index_t S) {
+  index_t s = p - k / 2;
   s = s < 0 ? 0 : s;
   return s > S - k ? S - k : s;
 }
@@ -50,23 +52,23 @@ MEGASLIDE_HD void regular_offset(int64_t j, int64_t kh, int64_t kw, int64_t& rt,
 }
 
 // One axis of a sample at the unclamped position x on an axis of length S.
-template <typename acc_t>
+template <typename acc_t, typename index_t = int64_t>
 struct AxisSample {
-  int64_t i0, i1;  // corner indices (i1 == i0 at the upper border)
+  index_t i0, i1;  // corner indices (i1 == i0 at the upper border)
   acc_t w0, w1;    // linear weights, w0 + w1 = 1
   acc_t dw;        // ∂w1/∂x = -∂w0/∂x: 1 when 0 < x < S-1, else 0 (see the file comment)
 };
 
-template <typename acc_t>
-MEGASLIDE_HD AxisSample<acc_t> sample_axis(acc_t x, int64_t S) {
+template <typename acc_t, typename index_t = int64_t>
+MEGASLIDE_HD AxisSample<acc_t, index_t> sample_axis(acc_t x, index_t S) {
   const acc_t hi = acc_t(S - 1);
   acc_t P = x < acc_t(0) ? acc_t(0) : x;
   P = P > hi ? hi : P;
-  AxisSample<acc_t> a;
+  AxisSample<acc_t, index_t> a;
   const acc_t f0 = floor_of(P);
   // A NaN position reads token 0 with NaN weights: the result is NaN, as the reference's, and no
   // index is ever formed from a NaN.
-  a.i0 = (P >= acc_t(0) && P <= hi) ? int64_t(f0) : 0;
+  a.i0 = (P >= acc_t(0) && P <= hi) ? index_t(f0) : 0;
   a.i1 = a.i0 + 1 < S ? a.i0 + 1 : S - 1;
   const acc_t f = P - f0;
   a.w0 = acc_t(1) - f;

@@ -23,6 +23,19 @@ namespace megaslide::ops::detail {
 
 enum class DsaDtype { kFloat32, kFloat64, kBFloat16, kFloat16 };
 
+// The one dtype dispatch of every backend: f(scalar_t{}, acc_t{}) with the storage type of `dtype` and
+// its accumulation type (float, or double for float64). The 16-bit storage types are the backend's:
+// c10::BFloat16 and c10::Half on the CPU, __nv_bfloat16 and __half on the GPU (kernels/dsa3d_cuda.cuh).
+template <typename BFloat16, typename Half, typename F>
+void dispatch_dtype(DsaDtype dtype, F&& f) {
+  switch (dtype) {
+    case DsaDtype::kFloat32: return f(float{}, float{});
+    case DsaDtype::kFloat64: return f(double{}, double{});
+    case DsaDtype::kBFloat16: return f(BFloat16{}, float{});
+    case DsaDtype::kFloat16: return f(Half{}, float{});
+  }
+}
+
 struct Dsa3dShape {
   DsaDtype dtype = DsaDtype::kFloat32;
   int64_t B = 0, T = 0, H = 0, W = 0, M = 0, d = 0, G = 0;

@@ -79,37 +79,11 @@ MEGASLIDE_HD Query tile_query(const Geometry& g, int tile, int q) {
   return r;
 }
 
-// First index of the regular k-window of the token at p on an axis of length S (k <= S); the same
-// rule as dsa3d_math::window_start, in int32.
-MEGASLIDE_HD int window_start(int p, int k, int S) {
-  int s = p - k / 2;
-  s = s < 0 ? 0 : s;
-  return s > S - k ? S - k : s;
-}
-
-// One axis of a sample at the unclamped position x: dsa3d_math::sample_axis in int32 (same clamp,
-// floor-based corners and border rule; see dsa3d_math.h).
+// The axis math is dsa3d_math's, in int32: window_start<int> and sample_axis<acc_t, int> (the same
+// clamp, floor-based corners and border rule; see dsa3d_math.h).
+using dsa3d_math::window_start;
 template <typename acc_t>
-struct Axis {
-  int i0, i1;
-  acc_t w0, w1, dw;
-};
-
-template <typename acc_t>
-MEGASLIDE_HD Axis<acc_t> axis_sample(acc_t x, int S) {
-  const acc_t hi = acc_t(S - 1);
-  acc_t P = x < acc_t(0) ? acc_t(0) : x;
-  P = P > hi ? hi : P;
-  Axis<acc_t> a;
-  const acc_t f0 = dsa3d_math::floor_of(P);
-  a.i0 = (P >= acc_t(0) && P <= hi) ? int(f0) : 0;  // a NaN position reads token 0 with NaN weights
-  a.i1 = a.i0 + 1 < S ? a.i0 + 1 : S - 1;
-  const acc_t f = P - f0;
-  a.w0 = acc_t(1) - f;
-  a.w1 = f;
-  a.dw = (x > acc_t(0) && x < hi) ? acc_t(1) : acc_t(0);
-  return a;
-}
+using Axis = dsa3d_math::AxisSample<acc_t, int>;
 
 // The three axes (t, h, w) of sample j of a query; `off` points at its 3 offsets (t, h, w).
 template <typename acc_t>
@@ -121,9 +95,9 @@ template <typename acc_t>
 MEGASLIDE_HD Point<acc_t> sample_point(const Geometry& g, const Query& qr, int j, const acc_t* off) {
   const int rw = j % g.kw, rh = (j / g.kw) % g.kh, rt = j / (g.kw * g.kh);
   Point<acc_t> p;
-  p.a[0] = axis_sample<acc_t>(acc_t(window_start(qr.t, g.kt, g.T) + rt) + off[0], g.T);
-  p.a[1] = axis_sample<acc_t>(acc_t(window_start(qr.h, g.kh, g.H) + rh) + off[1], g.H);
-  p.a[2] = axis_sample<acc_t>(acc_t(window_start(qr.w, g.kw, g.W) + rw) + off[2], g.W);
+  p.a[0] = dsa3d_math::sample_axis<acc_t, int>(acc_t(window_start(qr.t, g.kt, g.T) + rt) + off[0], g.T);
+  p.a[1] = dsa3d_math::sample_axis<acc_t, int>(acc_t(window_start(qr.h, g.kh, g.H) + rh) + off[1], g.H);
+  p.a[2] = dsa3d_math::sample_axis<acc_t, int>(acc_t(window_start(qr.w, g.kw, g.W) + rw) + off[2], g.W);
   return p;
 }
 
