@@ -32,49 +32,39 @@ int main(int argc, char** argv) {
                  "memory-scaling on the CPU: a measured peak above this is recorded as oom (default: per size)")
       ->check(megaslide::tools::finite_real(0.0));
   app.add_option("--set", overrides, "override a config key in every run, e.g. --set train.steps=20 (repeatable)");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    const int code = app.exit(e);
-    return code == 0 ? 0 : 2;
-  }
+  if (const auto code = megaslide::tools::parse_flags(app, argc, argv)) return *code;
 
   megaslide::AblationOptions options;
   std::vector<std::string> names;
-  try {
-    if (quick && !size_name.empty() && size_name != "quick") throw std::invalid_argument("--quick and --size " + size_name + " disagree");
-    options.size = quick ? megaslide::AblationSize::kQuick
-                         : size_name.empty() ? megaslide::AblationSize::kFull : megaslide::parse_ablation_size(size_name);
-    if (!std::regex_match(device, std::regex("auto|cpu|cuda(:[0-9]+)?")))
-      throw std::invalid_argument("--device: expected auto | cpu | cuda | cuda:N, got '" + device + "'");
-    names = suite == "all" ? megaslide::ablation_suites() : std::vector<std::string>{suite};
-    megaslide::io::check_output_folder(out_dir, "--out");
-    // An unknown suite, or an override that breaks any run's config, stops here, before anything runs.
-    for (const auto& n : names) {
-      megaslide::ablation_base_overrides(n, options.size);  // throws on an unknown suite
-      auto checked = options;
-      checked.suite = n;
-      checked.device = device;
-      checked.overrides = overrides;
-      megaslide::check_ablation_configs(checked);
-    }
-  } catch (const std::invalid_argument& e) {
-    std::cerr << "megaslide-ablate: " << megaslide::error_message(e) << " (suites: " << suites << ")\n";
-    return 2;
-  } catch (const megaslide::ConfigError& e) {
-    std::cerr << "megaslide-ablate: " << megaslide::error_message(e) << "\n";
-    return 2;
-  } catch (const megaslide::io::IoError& e) {
-    std::cerr << "megaslide-ablate: " << megaslide::error_message(e) << "\n";
-    return 2;
-  }
-  megaslide::tools::survive_file_size_limit();
-  options.out_dir = out_dir;
-  options.device = device;
-  options.memory_budget_gib = budget;
-  options.overrides = overrides;
-  options.progress = [](const std::string& line) { std::cerr << line << std::endl; };
-  try {
+  return megaslide::tools::run_tool("megaslide-ablate", [&] {
+    megaslide::tools::checking_input([&] {
+      try {
+        if (quick && !size_name.empty() && size_name != "quick") throw std::invalid_argument("--quick and --size " + size_name + " disagree");
+        options.size = quick ? megaslide::AblationSize::kQuick
+                             : size_name.empty() ? megaslide::AblationSize::kFull : megaslide::parse_ablation_size(size_name);
+        if (!std::regex_match(device, std::regex("auto|cpu|cuda(:[0-9]+)?")))
+          throw std::invalid_argument("--device: expected auto | cpu | cuda | cuda:N, got '" + device + "'");
+        names = suite == "all" ? megaslide::ablation_suites() : std::vector<std::string>{suite};
+        megaslide::io::check_output_folder(out_dir, "--out");
+        // An unknown suite, or an override that breaks any run's config, stops here, before anything runs.
+        for (const auto& n : names) {
+          megaslide::ablation_base_overrides(n, options.size);  // throws on an unknown suite
+          auto checked = options;
+          checked.suite = n;
+          checked.device = device;
+          checked.overrides = overrides;
+          megaslide::check_ablation_configs(checked);
+        }
+      } catch (const std::invalid_argument& e) {
+        throw megaslide::tools::UsageError(megaslide::error_message(e) + " (suites: " + suites + ")");
+      }
+    });
+    megaslide::tools::survive_file_size_limit();
+    options.out_dir = out_dir;
+    options.device = device;
+    options.memory_budget_gib = budget;
+    options.overrides = overrides;
+    options.progress = [](const std::string& line) { std::cerr << line << std::endl; };
     for (const auto& n : names) {
       options.suite = n;
       const auto report = megaslide::run_ablation(options);
@@ -82,8 +72,5 @@ int main(int argc, char** argv) {
       std::cout << report.csv_path << "\n" << report.markdown_path << "\n" << report.png_path << "\n";
     }
     return 0;
-  } catch (const std::exception& e) {
-    std::cerr << "megaslide-ablate: " << megaslide::error_message(e) << "\n";
-    return 1;
-  }
+  });
 }

@@ -37,72 +37,53 @@ int main(int argc, char** argv) {
   app.add_option("--shard-items", shard_items, "items per shard file (default 64)")->check(megaslide::tools::integer_in(1, int64_t{1} << 40));
   app.add_option("--threads", threads, "decoding threads (default: data.workers, at least 1)")->check(megaslide::tools::integer_in(0, 4096));
   app.set_version_flag("--version", megaslide::build_summary());
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    const int code = app.exit(e);
-    return code == 0 ? 0 : 2;
-  }
+  if (const auto code = megaslide::tools::parse_flags(app, argc, argv)) return *code;
   megaslide::tools::survive_file_size_limit();
 
-  megaslide::RunConfig config;
-  try {
-    config = megaslide::load_run_config(config_path, overrides);
+  const bool tty = ::isatty(STDERR_FILENO) != 0;
+  return megaslide::tools::run_tool("megaslide-cache", [&] {
+    auto config = megaslide::load_run_config(config_path, overrides);
     // Wan: the sizes of model.wan.weights (as megaslide-train reads them) before the encoders are checked
     // against them.
-    if (config.model.arch == megaslide::Architecture::kWan) config = megaslide::with_wan_architecture_from_weights(config);
-  } catch (const megaslide::ConfigError& e) {
-    std::cerr << "megaslide-cache: " << megaslide::error_message(e) << "\n";
-    return 2;
-  } catch (const megaslide::WanWeightsError& e) {
-    std::cerr << "megaslide-cache: " << config_path << ": model.wan.weights: " << megaslide::error_message(e) << "\n";
-    return 2;
-  }
-  if (config.data.dataset != "videos") {
-    std::cerr << "megaslide-cache: " << config_path << ": data.dataset is '" << config.data.dataset << "'; only data.dataset: videos is cached\n";
-    return 2;
-  }
-  if (out.empty()) out = config.data.cache;
-  if (out.empty()) {
-    std::cerr << "megaslide-cache: no output folder: pass --out DIR or set data.cache\n";
-    return 2;
-  }
+    if (config.model.arch == megaslide::Architecture::kWan)
+      config = megaslide::tools::checking_input([&] { return megaslide::with_wan_architecture_from_weights(config); },
+                                                config_path + ": model.wan.weights: ");
+    if (config.data.dataset != "videos")
+      throw megaslide::tools::UsageError(config_path + ": data.dataset is '" + config.data.dataset + "'; only data.dataset: videos is cached");
+    if (out.empty()) out = config.data.cache;
+    if (out.empty()) throw megaslide::tools::UsageError("no output folder: pass --out DIR or set data.cache");
 
-  const bool tty = ::isatty(STDERR_FILENO) != 0;
-  const auto start = std::chrono::steady_clock::now();
-  megaslide::CacheBuildOptions options;
-  options.out = out;
-  options.shard_items = shard_items;
-  options.threads = threads > 0 ? threads : std::max<int64_t>(1, config.data.workers);
-  int64_t last_report = -1;
-  options.on_progress = [&](int64_t done, int64_t total, int64_t done_here) {
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    const double rate = s > 0 ? static_cast<double>(done_here) / s : 0.0;
-    const std::string eta = rate > 0 ? clock_text(static_cast<double>(total - done) / rate) : "?";
-    const std::string line = fmt::format("[cache] {}/{} items, {:.1f} items/s, elapsed {}, ETA {}", done, total, rate, clock_text(s), eta);
-    if (tty) {
-      std::cerr << "\r" << line << "\x1b[K" << std::flush;
-    } else if (done == total || done - last_report >= std::max<int64_t>(1, total / 20)) {
-      std::cerr << line << "\n";
-      last_report = done;
+    const auto start = std::chrono::steady_clock::now();
+    megaslide::CacheBuildOptions options;
+    options.out = out;
+    options.shard_items = shard_items;
+    options.threads = threads > 0 ? threads : std::max<int64_t>(1, config.data.workers);
+    int64_t last_report = -1;
+    bool line_open = false;  // a progress line without its newline on the terminal
+    options.on_progress = [&](int64_t done, int64_t total, int64_t done_here) {
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      const double rate = s > 0 ? static_cast<double>(done_here) / s : 0.0;
+      const std::string eta = rate > 0 ? clock_text(static_cast<double>(total - done) / rate) : "?";
+      const std::string line = fmt::format("[cache] {}/{} items, {:.1f} items/s, elapsed {}, ETA {}", done, total, rate, clock_text(s), eta);
+      if (tty) {
+        std::cerr << "\r" << line << "\x1b[K" << std::flush;
+        line_open = true;
+      } else if (done == total || done - last_report >= std::max<int64_t>(1, total / 20)) {
+        std::cerr << line << "\n";
+        last_report = done;
+      }
+    };
+    options.on_warning = [&](const std::string& message) { std::cerr << (tty ? "\r\x1b[K" : "") << "megaslide-cache: " << message << "\n"; };
+    try {
+      const auto r = megaslide::build_latent_cache(config, options);
+      if (line_open) std::cerr << "\n";
+      const std::string kept = r.shards_reused > 0 ? fmt::format(", {} with {} items kept from an earlier run", r.shards_reused, r.items_reused) : "";
+      std::cerr << fmt::format("megaslide-cache: {} items in {} ({} shards written{}); {} bad items; {:.1f} s\n", r.items, out, r.shards, kept,
+                               r.bad.size(), std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      return 0;
+    } catch (...) {
+      if (line_open) std::cerr << "\n";  // the error on a line of its own
+      throw;
     }
-  };
-  options.on_warning = [&](const std::string& message) { std::cerr << (tty ? "\r\x1b[K" : "") << "megaslide-cache: " << message << "\n"; };
-  try {
-    const auto r = megaslide::build_latent_cache(config, options);
-    if (tty) std::cerr << "\n";
-    const std::string kept = r.shards_reused > 0 ? fmt::format(", {} with {} items kept from an earlier run", r.shards_reused, r.items_reused) : "";
-    std::cerr << fmt::format("megaslide-cache: {} items in {} ({} shards written{}); {} bad items; {:.1f} s\n", r.items, out, r.shards, kept,
-                             r.bad.size(), std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-    return 0;
-  } catch (const megaslide::DatasetError& e) {
-    std::cerr << (tty ? "\n" : "") << "megaslide-cache: " << megaslide::error_message(e) << "\n";
-    return 2;
-  } catch (const megaslide::ConfigError& e) {
-    std::cerr << (tty ? "\n" : "") << "megaslide-cache: " << megaslide::error_message(e) << "\n";
-    return 2;
-  } catch (const std::exception& e) {
-    std::cerr << (tty ? "\n" : "") << "megaslide-cache: " << megaslide::error_message(e) << "\n";
-    return 1;
-  }
+  });
 }

@@ -35,16 +35,12 @@
 
 namespace {
 
-struct BadInput : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
 std::vector<std::string> read_lines(const std::string& path) {
   std::string text;
   try {
     text = megaslide::io::read_file(path);
   } catch (const std::exception& e) {
-    throw BadInput(std::string("prompt file: ") + e.what());
+    throw megaslide::tools::UsageError(std::string("prompt file: ") + e.what());
   }
   std::vector<std::string> lines;
   size_t start = 0;
@@ -56,22 +52,8 @@ std::vector<std::string> read_lines(const std::string& path) {
     lines.push_back(std::move(line));
     start = end + 1;
   }
-  if (lines.empty()) throw BadInput("prompt file '" + path + "' is empty");
+  if (lines.empty()) throw megaslide::tools::UsageError("prompt file '" + path + "' is empty");
   return lines;
-}
-
-// The vocabulary for DIR: --vocab, else DIR itself, DIR/tokenizer or DIR/../tokenizer (a Stable Diffusion
-// checkpoint's text_encoder/ beside its tokenizer/).
-megaslide::ClipTokenizer find_tokenizer(const std::string& vocab, const std::string& weights) {
-  using megaslide::ClipTokenizer;
-  if (!vocab.empty()) {
-    if (megaslide::io::is_directory(vocab)) return ClipTokenizer::from_folder(vocab);
-    return ClipTokenizer::from_openai_bpe(vocab);
-  }
-  for (const auto& dir : {weights, weights + "/../tokenizer"})
-    if (!weights.empty() && ClipTokenizer::folder_has_vocabulary(dir)) return ClipTokenizer::from_folder(dir);
-  throw BadInput("no CLIP vocabulary: none in '" + weights + "' (vocab.json + merges.txt, there, in tokenizer/ or in ../tokenizer/); "
-                 "give --vocab DIR or --vocab bpe_simple_vocab_16e6.txt");
 }
 
 torch::Tensor input_tensor(const std::string& path) {
@@ -79,17 +61,17 @@ torch::Tensor input_tensor(const std::string& path) {
   try {
     file = megaslide::io::read_safetensors(path);
   } catch (const std::exception& e) {
-    throw BadInput(e.what());
+    throw megaslide::tools::UsageError(e.what());
   }
   for (auto& [name, t] : file.tensors)
     if (name == "x") {
       if (!c10::isFloatingType(t.scalar_type()))
-        throw BadInput("'" + path + "': tensor 'x' is " + megaslide::io::safetensors_dtype_name(t.scalar_type()) + ", expected F32, F16 or BF16");
+        throw megaslide::tools::UsageError("'" + path + "': tensor 'x' is " + megaslide::io::safetensors_dtype_name(t.scalar_type()) + ", expected F32, F16 or BF16");
       return t.to(torch::kFloat32);
     }
   std::string names;
   for (auto& [name, t] : file.tensors) names += (names.empty() ? "" : ", ") + name;
-  throw BadInput("'" + path + "' has no tensor 'x' (it holds: " + (names.empty() ? "nothing" : names) + ")");
+  throw megaslide::tools::UsageError("'" + path + "' has no tensor 'x' (it holds: " + (names.empty() ? "nothing" : names) + ")");
 }
 
 }  // namespace
@@ -146,12 +128,7 @@ int main(int argc, char** argv) {
   vae_decode->add_option("--tile-overlap", tile_overlap, "overlap of tiles, a fraction of the tile")->check(CLI::Range(0.0, 0.9))
       ->capture_default_str();
   app.set_version_flag("--version", megaslide::build_summary());
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    const int code = app.exit(e);
-    return code == 0 ? 0 : 2;
-  }
+  if (const auto code = megaslide::tools::parse_flags(app, argc, argv)) return *code;
   megaslide::tools::survive_file_size_limit();
 
 
@@ -166,149 +143,129 @@ int main(int argc, char** argv) {
   std::optional<megaslide::WanVae> wan;
   std::vector<std::string> prompts;
   torch::Tensor x;
-  try {
-    try {
-      device = megaslide::resolve_device(device_spec);
-    } catch (const c10::Error& e) {
-      throw BadInput("--device: " + megaslide::error_message(e));
-    }
-    if (text->parsed() && encoder_kind == "umt5") {
-      if (max_length == 0) max_length = 512;
-      if (!ids_only && weights.empty()) throw BadInput("--weights is needed (or --ids-only)");
-      if (spiece.empty() && weights.empty()) throw BadInput("--tokenizer or --weights is needed to find umT5's spiece.model");
-      prompts = read_lines(prompts_path);
-      if (clean == "wan")
-        for (auto& p : prompts) p = megaslide::wan_prompt_clean(p);
-      if (clean == "whitespace")
-        for (auto& p : prompts) p = megaslide::wan_clean(p);
-      umt5_tokenizer = megaslide::Umt5Tokenizer::find(spiece.empty() ? weights : spiece);
-      if (!ids_only) {
-        umt5 = megaslide::Umt5Encoder::load(weights, device, dtype);
-        if (umt5_tokenizer->vocab_size() > umt5->config().vocab_size)
-          throw BadInput(fmt::format("the tokenizer '{}' has {} pieces, the model's embedding only {}", umt5_tokenizer->source(),
-                                     umt5_tokenizer->vocab_size(), umt5->config().vocab_size));
-      }
-    } else if (text->parsed()) {
-      if (max_length == 0) max_length = 77;
-      if (!ids_only && weights.empty()) throw BadInput("--weights is needed (or --ids-only)");
-      prompts = read_lines(prompts_path);
-      tokenizer = find_tokenizer(vocab, weights);
-      if (!ids_only) {
-        encoder = megaslide::ClipTextEncoder::load(weights, device, dtype);
-        if (max_length > encoder->config().max_position_embeddings)
-          throw BadInput(fmt::format("--max-length {} exceeds the model's {} positions", max_length, encoder->config().max_position_embeddings));
-        if (tokenizer->vocab_size() > encoder->config().vocab_size)
-          throw BadInput(fmt::format("the vocabulary has {} tokens, the model's embedding only {}", tokenizer->vocab_size(),
-                                     encoder->config().vocab_size));
-      }
-    } else if (vae_kind == "wan") {
-      wan = megaslide::WanVae::load(weights, device, dtype);
-      x = input_tensor(in);
-      const auto& c = wan->config();
-      const int64_t f = c.spatial_downscale();
-      if (vae_encode->parsed()) {
-        if (x.dim() != 5 || x.size(1) != c.in_channels)
-          throw BadInput(fmt::format("'{}': tensor 'x' has shape {}, expected videos [N, {}, T, H, W]", in, c10::str(x.sizes()), c.in_channels));
-        if ((x.size(2) - 1) % 4 != 0) throw BadInput(fmt::format("'{}': {} frames; the Wan VAE takes 1 + 4k frames (1, 5, ..., 81)", in, x.size(2)));
-        if (x.size(3) % f != 0 || x.size(4) % f != 0)
-          throw BadInput(fmt::format("'{}': frames of {}x{} (W x H); the VAE needs multiples of {}", in, x.size(4), x.size(3), f));
-      } else if (x.dim() != 5 || x.size(1) != c.z_dim) {
-        throw BadInput(fmt::format("'{}': tensor 'x' has shape {}, expected latents [N, {}, t, h, w]", in, c10::str(x.sizes()), c.z_dim));
-      }
-      if (tile_stride == 0) tile_stride = tile / 4 * 3 / f * f;
-      if (tile > 0 && (tile % f != 0 || tile_stride % f != 0 || tile_stride == 0 || tile_stride > tile))
-        throw BadInput(fmt::format("--tile {} and --tile-stride {} must be multiples of {} with 0 < stride <= tile", tile, tile_stride, f));
-    } else {
-      if (vae_encode->parsed() && tile > 0) throw BadInput("--tile when encoding is for --vae wan only");
-      vae = megaslide::SdVae::load(weights, device, dtype);
-      x = input_tensor(in);
-      const auto& c = vae->config();
-      const int64_t channels = vae_encode->parsed() ? c.in_channels : c.latent_channels;
-      if ((x.dim() != 4 && x.dim() != 5) || x.size(1) != channels)
-        throw BadInput(fmt::format("'{}': tensor 'x' has shape {}, expected [N, {}, H, W] or [B, {}, T, H, W]", in, c10::str(x.sizes()), channels, channels));
-      if (vae_encode->parsed() && (x.size(-1) % c.downscale() != 0 || x.size(-2) % c.downscale() != 0))
-        throw BadInput(fmt::format("'{}': images of {}x{} (W x H); the VAE needs multiples of {}", in, x.size(-1), x.size(-2), c.downscale()));
-      if (tile > 0 && tile % c.downscale() != 0) throw BadInput(fmt::format("--tile {} is not a multiple of {}", tile, c.downscale()));
-    }
-  } catch (const BadInput& e) {
-    std::cerr << "megaslide-encode: " << megaslide::error_message(e) << "\n";
-    return 2;
-  } catch (const megaslide::io::IoError& e) {  // missing or malformed folders, files, tensors
-    std::cerr << "megaslide-encode: " << megaslide::error_message(e) << "\n";
-    return 2;
-  } catch (const megaslide::ClipTokenizerError& e) {
-    std::cerr << "megaslide-encode: " << megaslide::error_message(e) << "\n";
-    return 2;
-  } catch (const megaslide::Umt5TokenizerError& e) {
-    std::cerr << "megaslide-encode: " << megaslide::error_message(e) << "\n";
-    return 2;
-  } catch (const std::exception& e) {
-    std::cerr << "megaslide-encode: " << megaslide::error_message(e) << "\n";
-    return 1;
-  }
-
-  try {
-    megaslide::io::NamedTensors outputs;
-    std::map<std::string, std::string> metadata{{"megaslide_version", megaslide::build_summary()}};
-    if (umt5_tokenizer) {
-      auto tokens = umt5_tokenizer->encode(prompts, max_length);
-      outputs = {{"ids", tokens.ids}, {"mask", tokens.mask}};
-      if (umt5) {
-        std::vector<torch::Tensor> parts;
-        for (int64_t s = 0; s < tokens.ids.size(0); s += batch) {
-          const int64_t e = std::min(s + batch, tokens.ids.size(0));
-          parts.push_back(umt5->embed(tokens.ids.slice(0, s, e), tokens.mask.slice(0, s, e)).cpu());
+  return megaslide::tools::run_tool("megaslide-encode", [&] {
+    megaslide::tools::checking_input([&] {
+      device = megaslide::tools::checking_input([&] { return megaslide::resolve_device(device_spec); }, "--device: ");
+      if (text->parsed() && encoder_kind == "umt5") {
+        if (max_length == 0) max_length = 512;
+        if (!ids_only && weights.empty()) throw megaslide::tools::UsageError("--weights is needed (or --ids-only)");
+        if (spiece.empty() && weights.empty()) throw megaslide::tools::UsageError("--tokenizer or --weights is needed to find umT5's spiece.model");
+        prompts = read_lines(prompts_path);
+        if (clean == "wan")
+          for (auto& p : prompts) p = megaslide::wan_prompt_clean(p);
+        if (clean == "whitespace")
+          for (auto& p : prompts) p = megaslide::wan_clean(p);
+        umt5_tokenizer = megaslide::Umt5Tokenizer::find(spiece.empty() ? weights : spiece);
+        if (!ids_only) {
+          umt5 = megaslide::Umt5Encoder::load(weights, device, dtype);
+          if (umt5_tokenizer->vocab_size() > umt5->config().vocab_size)
+            throw megaslide::tools::UsageError(fmt::format("the tokenizer '{}' has {} pieces, the model's embedding only {}", umt5_tokenizer->source(),
+                                       umt5_tokenizer->vocab_size(), umt5->config().vocab_size));
         }
-        outputs.emplace_back("embeddings", torch::cat(parts));
-      }
-      metadata["prompts"] = nlohmann::json(prompts).dump();
-      metadata["text_encoder"] = "umt5";
-      std::cerr << fmt::format("megaslide-encode: {} prompt(s) -> {}{}\n", prompts.size(), out, umt5 ? "" : " (ids only)");
-    } else if (text->parsed()) {
-      auto tokens = tokenizer->encode(prompts, max_length);
-      outputs = {{"ids", tokens.ids}, {"mask", tokens.mask}};
-      if (encoder) {
-        auto result = encoder->forward(tokens.ids);
-        outputs.emplace_back("embeddings", result.last_hidden_state.cpu());
-        outputs.emplace_back("pooled", result.pooled.cpu());
-      }
-      metadata["prompts"] = nlohmann::json(prompts).dump();
-      std::cerr << fmt::format("megaslide-encode: {} prompt(s) -> {}{}\n", prompts.size(), out, encoder ? "" : " (ids only)");
-    } else {
-      torch::Tensor y;
-      std::optional<megaslide::WanVaeTiling> wan_tiling;
-      if (tile > 0) wan_tiling = megaslide::WanVaeTiling{tile, tile_stride};
-      if (wan && vae_encode->parsed()) {
-        std::optional<at::Generator> generator;
-        if (sample) generator = at::detail::createCPUGenerator(seed);
-        y = wan->encode(x, sample, generator, wan_tiling);
-      } else if (wan) {
-        y = wan->decode(x, wan_tiling);
-      } else if (vae_encode->parsed()) {
-        std::optional<at::Generator> generator;
-        if (sample) generator = at::detail::createCPUGenerator(seed);
-        y = x.dim() == 5 ? vae->encode_video(x, frames_per_batch, sample, generator) : vae->encode(x, sample, generator);
+      } else if (text->parsed()) {
+        if (max_length == 0) max_length = 77;
+        if (!ids_only && weights.empty()) throw megaslide::tools::UsageError("--weights is needed (or --ids-only)");
+        prompts = read_lines(prompts_path);
+        tokenizer = megaslide::ClipTokenizer::find(vocab, weights);
+        if (!ids_only) {
+          encoder = megaslide::ClipTextEncoder::load(weights, device, dtype);
+          if (max_length > encoder->config().max_position_embeddings)
+            throw megaslide::tools::UsageError(fmt::format("--max-length {} exceeds the model's {} positions", max_length, encoder->config().max_position_embeddings));
+          if (tokenizer->vocab_size() > encoder->config().vocab_size)
+            throw megaslide::tools::UsageError(fmt::format("the vocabulary has {} tokens, the model's embedding only {}", tokenizer->vocab_size(),
+                                       encoder->config().vocab_size));
+        }
+      } else if (vae_kind == "wan") {
+        wan = megaslide::WanVae::load(weights, device, dtype);
+        x = input_tensor(in);
+        const auto& c = wan->config();
+        const int64_t f = c.spatial_downscale();
+        if (vae_encode->parsed()) {
+          if (x.dim() != 5 || x.size(1) != c.in_channels)
+            throw megaslide::tools::UsageError(fmt::format("'{}': tensor 'x' has shape {}, expected videos [N, {}, T, H, W]", in, c10::str(x.sizes()), c.in_channels));
+          if ((x.size(2) - 1) % 4 != 0) throw megaslide::tools::UsageError(fmt::format("'{}': {} frames; the Wan VAE takes 1 + 4k frames (1, 5, ..., 81)", in, x.size(2)));
+          if (x.size(3) % f != 0 || x.size(4) % f != 0)
+            throw megaslide::tools::UsageError(fmt::format("'{}': frames of {}x{} (W x H); the VAE needs multiples of {}", in, x.size(4), x.size(3), f));
+        } else if (x.dim() != 5 || x.size(1) != c.z_dim) {
+          throw megaslide::tools::UsageError(fmt::format("'{}': tensor 'x' has shape {}, expected latents [N, {}, t, h, w]", in, c10::str(x.sizes()), c.z_dim));
+        }
+        if (tile_stride == 0) tile_stride = tile / 4 * 3 / f * f;
+        if (tile > 0 && (tile % f != 0 || tile_stride % f != 0 || tile_stride == 0 || tile_stride > tile))
+          throw megaslide::tools::UsageError(fmt::format("--tile {} and --tile-stride {} must be multiples of {} with 0 < stride <= tile", tile, tile_stride, f));
       } else {
-        std::optional<megaslide::VaeTiling> tiling;
-        if (tile > 0) tiling = megaslide::VaeTiling{tile, tile_overlap};
-        if (x.dim() == 5) {
-          y = vae->decode_video(x, frames_per_batch, tiling);
-        } else {
-          std::vector<torch::Tensor> parts;
-          for (int64_t s = 0; s < x.size(0); s += frames_per_batch) {
-            auto chunk = x.slice(0, s, std::min(s + frames_per_batch, x.size(0)));
-            parts.push_back(tiling ? vae->decode_tiled(chunk, *tiling) : vae->decode(chunk));
-          }
-          y = torch::cat(parts);
-        }
+        if (vae_encode->parsed() && tile > 0) throw megaslide::tools::UsageError("--tile when encoding is for --vae wan only");
+        vae = megaslide::SdVae::load(weights, device, dtype);
+        x = input_tensor(in);
+        const auto& c = vae->config();
+        const int64_t channels = vae_encode->parsed() ? c.in_channels : c.latent_channels;
+        if ((x.dim() != 4 && x.dim() != 5) || x.size(1) != channels)
+          throw megaslide::tools::UsageError(fmt::format("'{}': tensor 'x' has shape {}, expected [N, {}, H, W] or [B, {}, T, H, W]", in, c10::str(x.sizes()), channels, channels));
+        if (vae_encode->parsed() && (x.size(-1) % c.downscale() != 0 || x.size(-2) % c.downscale() != 0))
+          throw megaslide::tools::UsageError(fmt::format("'{}': images of {}x{} (W x H); the VAE needs multiples of {}", in, x.size(-1), x.size(-2), c.downscale()));
+        if (tile > 0 && tile % c.downscale() != 0) throw megaslide::tools::UsageError(fmt::format("--tile {} is not a multiple of {}", tile, c.downscale()));
       }
-      outputs = {{"y", y.cpu()}};
-      std::cerr << fmt::format("megaslide-encode: x {} -> y {} in {}\n", c10::str(x.sizes()), c10::str(y.sizes()), out);
+    });
+
+    {
+      megaslide::io::NamedTensors outputs;
+      std::map<std::string, std::string> metadata{{"megaslide_version", megaslide::build_summary()}};
+      if (umt5_tokenizer) {
+        auto tokens = umt5_tokenizer->encode(prompts, max_length);
+        outputs = {{"ids", tokens.ids}, {"mask", tokens.mask}};
+        if (umt5) {
+          std::vector<torch::Tensor> parts;
+          for (int64_t s = 0; s < tokens.ids.size(0); s += batch) {
+            const int64_t e = std::min(s + batch, tokens.ids.size(0));
+            parts.push_back(umt5->embed(tokens.ids.slice(0, s, e), tokens.mask.slice(0, s, e)).cpu());
+          }
+          outputs.emplace_back("embeddings", torch::cat(parts));
+        }
+        metadata["prompts"] = nlohmann::json(prompts).dump();
+        metadata["text_encoder"] = "umt5";
+        std::cerr << fmt::format("megaslide-encode: {} prompt(s) -> {}{}\n", prompts.size(), out, umt5 ? "" : " (ids only)");
+      } else if (text->parsed()) {
+        auto tokens = tokenizer->encode(prompts, max_length);
+        outputs = {{"ids", tokens.ids}, {"mask", tokens.mask}};
+        if (encoder) {
+          auto result = encoder->forward(tokens.ids);
+          outputs.emplace_back("embeddings", result.last_hidden_state.cpu());
+          outputs.emplace_back("pooled", result.pooled.cpu());
+        }
+        metadata["prompts"] = nlohmann::json(prompts).dump();
+        std::cerr << fmt::format("megaslide-encode: {} prompt(s) -> {}{}\n", prompts.size(), out, encoder ? "" : " (ids only)");
+      } else {
+        torch::Tensor y;
+        std::optional<megaslide::WanVaeTiling> wan_tiling;
+        if (tile > 0) wan_tiling = megaslide::WanVaeTiling{tile, tile_stride};
+        if (wan && vae_encode->parsed()) {
+          std::optional<at::Generator> generator;
+          if (sample) generator = at::detail::createCPUGenerator(seed);
+          y = wan->encode(x, sample, generator, wan_tiling);
+        } else if (wan) {
+          y = wan->decode(x, wan_tiling);
+        } else if (vae_encode->parsed()) {
+          std::optional<at::Generator> generator;
+          if (sample) generator = at::detail::createCPUGenerator(seed);
+          y = x.dim() == 5 ? vae->encode_video(x, frames_per_batch, sample, generator) : vae->encode(x, sample, generator);
+        } else {
+          std::optional<megaslide::VaeTiling> tiling;
+          if (tile > 0) tiling = megaslide::VaeTiling{tile, tile_overlap};
+          if (x.dim() == 5) {
+            y = vae->decode_video(x, frames_per_batch, tiling);
+          } else {
+            std::vector<torch::Tensor> parts;
+            for (int64_t s = 0; s < x.size(0); s += frames_per_batch) {
+              auto chunk = x.slice(0, s, std::min(s + frames_per_batch, x.size(0)));
+              parts.push_back(tiling ? vae->decode_tiled(chunk, *tiling) : vae->decode(chunk));
+            }
+            y = torch::cat(parts);
+          }
+        }
+        outputs = {{"y", y.cpu()}};
+        std::cerr << fmt::format("megaslide-encode: x {} -> y {} in {}\n", c10::str(x.sizes()), c10::str(y.sizes()), out);
+      }
+      megaslide::io::write_safetensors(out, outputs, metadata);
+      return 0;
     }
-    megaslide::io::write_safetensors(out, outputs, metadata);
-    return 0;
-  } catch (const std::exception& e) {
-    std::cerr << "megaslide-encode: " << megaslide::error_message(e) << "\n";
-    return 1;
-  }
+  });
 }

@@ -29,43 +29,28 @@ int main(int argc, char** argv) {
   app.add_option("--json", json_path, "where the JSON goes (default: eval.json beside the videos folder)")
       ->check(megaslide::tools::non_empty_path());
   app.set_version_flag("--version", megaslide::build_summary());
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    const int code = app.exit(e);
-    return code == 0 ? 0 : 2;
-  }
+  if (const auto code = megaslide::tools::parse_flags(app, argc, argv)) return *code;
   megaslide::tools::survive_file_size_limit();
-  if (json_path.empty()) {
-    const auto sample = megaslide::io::find_sample_folder(folder);
-    // A bare folder of MP4s keeps its JSON in it, as before; a sample folder keeps it beside videos/.
-    json_path = megaslide::io::join_path(sample.root, "eval.json");
-  }
-
-  megaslide::eval::FolderEvaluation evaluation;
-  try {
-    megaslide::io::check_output_file(json_path, "--json");
-    // Progress on stderr: one line, rewritten on a terminal; every tenth of the videos otherwise.
-    const bool tty = ::isatty(STDERR_FILENO) == 1;
-    const auto start = std::chrono::steady_clock::now();
-    evaluation = megaslide::eval::evaluate_folder(folder, [&](int64_t done, int64_t total) {
-      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      const std::string line = fmt::format("[eval] {}/{} videos, {:.1f} s/video, ETA {:.0f} s", done, total, s / static_cast<double>(done),
-                                           s / static_cast<double>(done) * static_cast<double>(total - done));
-      if (tty) std::cerr << "\r" << line << "\x1b[K" << (done == total ? "\n" : "") << std::flush;
-      else if (done == total || done % std::max<int64_t>(1, total / 10) == 0) std::cerr << line << "\n";
+  return megaslide::tools::run_tool("megaslide-eval", [&] {
+    megaslide::eval::FolderEvaluation evaluation;
+    megaslide::tools::checking_input([&] {
+      // A bare folder of MP4s keeps its JSON in it, as before; a sample folder keeps it beside videos/.
+      if (json_path.empty()) json_path = megaslide::io::join_path(megaslide::io::find_sample_folder(folder).root, "eval.json");
+      megaslide::io::check_output_file(json_path, "--json");
+      // Progress on stderr: one line, rewritten on a terminal; every tenth of the videos otherwise.
+      const bool tty = ::isatty(STDERR_FILENO) == 1;
+      const auto start = std::chrono::steady_clock::now();
+      evaluation = megaslide::eval::evaluate_folder(folder, [&](int64_t done, int64_t total) {
+        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        const std::string line = fmt::format("[eval] {}/{} videos, {:.1f} s/video, ETA {:.0f} s", done, total, s / static_cast<double>(done),
+                                             s / static_cast<double>(done) * static_cast<double>(total - done));
+        if (tty) std::cerr << "\r" << line << "\x1b[K" << (done == total ? "\n" : "") << std::flush;
+        else if (done == total || done % std::max<int64_t>(1, total / 10) == 0) std::cerr << line << "\n";
+      });
     });
-  } catch (const std::exception& e) {
-    std::cerr << "megaslide-eval: " << megaslide::error_message(e) << "\n";
-    return 2;
-  }
-  try {
     megaslide::io::write_file_atomically(json_path, megaslide::eval::to_json(evaluation));
     std::cout << megaslide::eval::to_table(evaluation);
     std::cerr << "megaslide-eval: " << evaluation.videos.size() << " videos scored; JSON in " << json_path << "\n";
     return 0;
-  } catch (const std::exception& e) {
-    std::cerr << "megaslide-eval: " << megaslide::error_message(e) << "\n";
-    return 1;
-  }
+  });
 }

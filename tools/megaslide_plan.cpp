@@ -10,6 +10,7 @@
 #include <iostream>
 
 #include "megaslide/megaslide.h"
+#include "tool_support.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"megaslide-plan: host and device memory, PCIe bytes, FLOPs and the step-time bound of a run"};
@@ -26,33 +27,17 @@ int main(int argc, char** argv) {
   app.add_option("--set", overrides, "override a config value, e.g. --set data.frames=64 (repeatable)");
   app.add_flag("--json", json, "print one JSON object");
   app.set_version_flag("--version", megaslide::build_summary());
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    const int code = app.exit(e);
-    return code == 0 ? 0 : 2;
-  }
-  megaslide::RunConfig config;
-  megaslide::plan::HardwareProfile profile;
-  try {
-    config = megaslide::load_run_config(config_path, overrides);
-    profile = megaslide::plan::load_hardware_profile(hardware);
-  } catch (const megaslide::ConfigError& e) {
-    std::cerr << "megaslide-plan: " << megaslide::error_message(e) << "\n";
-    return 2;
-  } catch (const megaslide::plan::HardwareProfileError& e) {
-    std::cerr << "megaslide-plan: --hardware: " << megaslide::error_message(e) << "\n";
-    return 2;
-  }
-  try {
-    const auto plan = megaslide::plan::plan_step(config, profile, world_size);
+  if (const auto code = megaslide::tools::parse_flags(app, argc, argv)) return *code;
+  return megaslide::tools::run_tool("megaslide-plan", [&] {
+    const auto config = megaslide::load_run_config(config_path, overrides);
+    const auto profile = megaslide::tools::checking_input([&] { return megaslide::plan::load_hardware_profile(hardware); }, "--hardware: ");
+    megaslide::plan::StepPlan plan;
+    try {
+      plan = megaslide::plan::plan_step(config, profile, world_size);
+    } catch (const megaslide::ConfigError& e) {  // e.g. a batch the ranks do not divide (its source is megaslide-plan)
+      throw megaslide::tools::UsageError((e.key().empty() ? "" : e.key() + ": ") + e.problem());
+    }
     std::cout << (json ? megaslide::plan::to_json(plan) + "\n" : megaslide::plan::to_table(plan));
     return 0;
-  } catch (const megaslide::ConfigError& e) {  // e.g. a batch the ranks do not divide (its source is megaslide-plan)
-    std::cerr << "megaslide-plan: " << (e.key().empty() ? "" : e.key() + ": ") << e.problem() << "\n";
-    return 2;
-  } catch (const std::exception& e) {
-    std::cerr << "megaslide-plan: " << megaslide::error_message(e) << "\n";
-    return 1;
-  }
+  });
 }

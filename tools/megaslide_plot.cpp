@@ -16,27 +16,12 @@ int main(int argc, char** argv) {
   std::string run_dir, out_dir;
   app.add_option("RUN_DIR", run_dir, "a megaslide-train run folder (holds metrics.jsonl)")->required()->check(megaslide::tools::non_empty_path());
   app.add_option("--out", out_dir, "where the PNGs go (default: RUN_DIR/plots)")->check(megaslide::tools::non_empty_path());
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    const int code = app.exit(e);
-    return code == 0 ? 0 : 2;
-  }
+  if (const auto code = megaslide::tools::parse_flags(app, argc, argv)) return *code;
   megaslide::tools::survive_file_size_limit();
-  try {
-    megaslide::io::check_output_folder(out_dir.empty() ? megaslide::io::join_path(run_dir, "plots") : out_dir, "--out");
-  } catch (const megaslide::io::IoError& e) {
-    std::cerr << "megaslide-plot: " << megaslide::error_message(e) << "\n";
-    return 2;
-  }
-  try {
+  return megaslide::tools::run_tool("megaslide-plot", [&] {
+    megaslide::tools::checking_input(
+        [&] { megaslide::io::check_output_folder(out_dir.empty() ? megaslide::io::join_path(run_dir, "plots") : out_dir, "--out"); });
     for (const auto& png : megaslide::plot_run(run_dir, out_dir)) std::cout << png << "\n";
     return 0;
-  } catch (const megaslide::MetricsFileError& e) {
-    std::cerr << "megaslide-plot: " << megaslide::error_message(e) << "\n";
-    return 2;
-  } catch (const std::exception& e) {
-    std::cerr << "megaslide-plot: " << megaslide::error_message(e) << "\n";
-    return 1;
-  }
+  });
 }

@@ -80,7 +80,7 @@ std::vector<megaslide::io::SampleJob> jobs_of(const std::vector<megaslide::Valid
   return jobs;
 }
 
-// Wan's flags and what they resolve to.
+// Wan's flags.
 struct WanFlags {
   std::string text_encoder, tokenizer, vae, negative_prompt;
   bool negative_prompt_set = false;
@@ -88,159 +88,165 @@ struct WanFlags {
   bool latents = false;
 };
 
-// Bad input to the Wan path: exit 2.
-struct BadInput : std::invalid_argument {
-  using std::invalid_argument::invalid_argument;
+// --threads (or OMP_NUM_THREADS, or the cores available) applied to LibTorch; the plan for the log.
+megaslide::ThreadPlan apply_sampling_threads(int64_t threads, torch::Device device) {
+  megaslide::ThreadRequest request;
+  request.intra_op = static_cast<int>(threads);
+  request.intra_op_from = "--threads";
+  request.device = device;
+  const char* omp = std::getenv("OMP_NUM_THREADS");
+  auto plan = megaslide::plan_threads(request, megaslide::available_cores(), omp ? omp : "");
+  megaslide::apply_threads(plan);
+  return plan;
+}
+
+// One batch's videos: pixels [B, 3, T, H, W] in [-1, 1] on the CPU; Wan's normalised latents as well.
+struct SampledBatch {
+  torch::Tensor pixels, latents;
+};
+// Samples the videos of one batch (same size and settings as `first`'s) for their prompts and seeds.
+using SampleBatch = std::function<SampledBatch(const std::vector<std::string>& prompts, const std::vector<uint64_t>& seeds,
+                                               const megaslide::ValidationVideo& first, const std::function<void(int64_t, int64_t)>& on_step)>;
+
+// What the videos are written with.
+struct VideoOutput {
+  std::string out_dir;
+  int64_t batch_size = 4, fps = 8, crf = 17, upscale = 1;
+  bool png = false, latents = false, progress = true;
 };
 
-// Samples a Wan model (docs/wan.md). Returns the exit code.
-int sample_wan(megaslide::WanModel model, const WanFlags& wan, const std::vector<megaslide::ValidationVideo>& videos, const std::string& out_dir,
-               const std::string& source, const std::string& sampler, int64_t steps, double guidance, uint64_t seed, int64_t batch_size,
-               int64_t fps, int64_t crf, int64_t upscale, bool png, torch::Device device, const std::string& streamed,
-               const std::string& compute_dtype, int64_t threads, bool no_progress) {
-  std::shared_ptr<megaslide::WanTextToVideo> pipeline;
-  megaslide::WanSampleOptions options;
-  bool pipeline_t5_streamed = false;
+// Samples `videos` batch by batch and writes DIR/videos/*.mp4 (and frames, latents) and index.json.
+void write_videos(const std::vector<megaslide::ValidationVideo>& videos, const VideoOutput& out, const megaslide::io::SamplingRecord& record,
+                  const SampleBatch& sample_batch) {
+  const auto video_options = megaslide::io::VideoWriteOptions().fps(out.fps).crf(out.crf);
+  const std::string videos_dir = megaslide::io::join_path(out.out_dir, megaslide::io::kVideosFolder);
+  const std::string latents_dir = megaslide::io::join_path(out.out_dir, "latents");
+  megaslide::io::make_directories(videos_dir);
+  if (out.latents) megaslide::io::make_directories(latents_dir);
+  const auto jobs = jobs_of(videos);
+  SampleProgress progress(static_cast<int64_t>(jobs.size()), out.progress);
   try {
-    // umT5 and the VAE: the flags, or a diffusers repository's text_encoder/ and vae/ beside the DiT's weights.
-    const std::string repo = model.config.model.wan.weights;
-    auto beside = [&](const std::string& flag, const std::string& value, const std::string& sub, const std::string& what) {
-      if (!value.empty()) return value;
-      if (!repo.empty() && megaslide::io::is_directory(megaslide::io::join_path(repo, sub))) return megaslide::io::join_path(repo, sub);
-      throw BadInput(flag + ": Wan sampling needs " + what + " (set " + flag + " PATH, or model.wan.weights to a diffusers repository with " + sub +
-                     "/)");
-    };
-    const std::string t5_path = beside("--text-encoder", wan.text_encoder, "text_encoder", "umT5's weights");
-    const std::string vae_path = beside("--vae", wan.vae, "vae", "the Wan VAE's weights");
-    auto check_path = [](const std::string& flag, const std::string& path) {
-      if (!megaslide::io::path_exists(path)) throw BadInput(flag + ": '" + path + "' does not exist");
-    };
-    check_path("--text-encoder", t5_path);
-    check_path("--vae", vae_path);
-    if (!wan.tokenizer.empty()) check_path("--tokenizer", wan.tokenizer);
-    // The run's size in pixels (a run trained from a videos cache keeps its data sizes in pixels; a
-    // prompt file's line may give its own, checked when the videos were planned).
-    const auto size = megaslide::run_video_size(model.config);
-    const int64_t frames = size.frames, height = size.height, width = size.width;
-    options = megaslide::WanSampleOptions::from_config(model.config);
-    if (!sampler.empty()) options.kind(megaslide::parse_flow_sampler(sampler));
-    if (steps > 0) options.steps(steps);
-    if (guidance >= 0) options.guidance_scale(guidance);
-    if (wan.shift >= 0) options.shift(wan.shift);
-    if (wan.negative_prompt_set) options.negative_prompt(wan.negative_prompt);
-
-    megaslide::ThreadRequest thread_request;
-    thread_request.intra_op = static_cast<int>(threads);
-    thread_request.intra_op_from = "--threads";
-    thread_request.device = device;
-    const char* omp = std::getenv("OMP_NUM_THREADS");
-    megaslide::apply_threads(megaslide::plan_threads(thread_request, megaslide::available_cores(), omp ? omp : ""));
-
-    const auto t5_dtype = device.is_cuda() ? torch::kBFloat16 : torch::kFloat32;  // as Wan runs umT5 (bf16) on a GPU
-    std::optional<megaslide::Umt5Encoder> t5;
-    std::optional<megaslide::Umt5Tokenizer> tokenizer;
-    std::optional<megaslide::WanVae> vae;
-    try {
-      t5.emplace(megaslide::Umt5Encoder::load(t5_path, torch::kCPU, t5_dtype));
-    } catch (const std::exception& e) {
-      throw BadInput(std::string("--text-encoder: ") + megaslide::error_message(e));
-    }
-    // umT5 (11.4 GB in bf16 for XXL) streamed layer by layer when it does not fit, as the DiT's blocks.
-    pipeline_t5_streamed = megaslide::should_stream(megaslide::parse_stream_choice(streamed), device, t5->weight_bytes());
-    t5.emplace(pipeline_t5_streamed ? megaslide::Umt5Encoder::streamed(std::move(*t5), device) : megaslide::Umt5Encoder::resident(std::move(*t5), device));
-    try {
-      tokenizer.emplace(megaslide::Umt5Tokenizer::find(wan.tokenizer.empty() ? t5_path : wan.tokenizer));
-    } catch (const std::exception& e) {
-      throw BadInput(std::string(wan.tokenizer.empty() ? "--text-encoder (its tokenizer; or set --tokenizer): " : "--tokenizer: ") +
-                     megaslide::error_message(e));
-    }
-    try {
-      vae.emplace(megaslide::WanVae::load(vae_path, device, torch::kFloat32));
-    } catch (const std::exception& e) {
-      throw BadInput(std::string("--vae: ") + megaslide::error_message(e));
-    }
-
-    int64_t weight_bytes = 0;
-    for (const auto& p : model.dit->parameters()) weight_bytes += static_cast<int64_t>(p.nbytes());
-    const bool stream = megaslide::should_stream(megaslide::parse_stream_choice(streamed), device, weight_bytes);
-    const auto dtype = megaslide::resolve_compute_dtype(compute_dtype, device);
-    const auto scalar_type = megaslide::offload::parse_compute_dtype(dtype.dtype);
-    std::shared_ptr<megaslide::WanDenoiser> denoiser;
-    if (stream) {
-      megaslide::StreamedDenoiserOptions so;
-      so.device = device;
-      so.compute_dtype = scalar_type;
-      denoiser = std::make_shared<megaslide::StreamedWanDenoiser>(model, so);  // block by block from the weights
-      model.block = nullptr;                                                    // the weights' mapping closed
-    } else {
-      // Block by block onto the device: the host never holds the whole DiT in fp32.
-      denoiser = std::make_shared<megaslide::ResidentWanDenoiser>(model, device, scalar_type);
-      model.block = nullptr;  // the weights' mapping closed
-    }
-    try {
-      pipeline = std::make_shared<megaslide::WanTextToVideo>(model.config, std::move(*t5), std::move(*tokenizer), denoiser, std::move(*vae));
-    } catch (const std::invalid_argument& e) {
-      throw BadInput(e.what());
-    }
-    std::cerr << fmt::format("megaslide-sample: Wan {} -> {} videos of {} frames {}x{} in {} ({} {} steps, shift {}, guidance {}, device {}, DiT {}, "
-                             "umT5 {}, compute dtype {} ({}))\n",
-                             source, videos.size(), frames, width, height, out_dir,
-                             options.kind() == megaslide::FlowSamplerKind::kUniPC ? "unipc" : "euler", options.steps(), options.shift(),
-                             options.guidance_scale(), device.str(), stream ? "blocks streamed" : "resident",
-                             pipeline_t5_streamed ? "layers streamed" : "resident", dtype.dtype, dtype.reason);
-  } catch (const BadInput& e) {
-    std::cerr << "megaslide-sample: " << megaslide::error_message(e) << "\n";
-    return 2;
-  } catch (const std::exception& e) {
-    std::cerr << "megaslide-sample: " << megaslide::error_message(e) << "\n";
-    return 1;
-  }
-
-  try {
-    const auto video_options = megaslide::io::VideoWriteOptions().fps(fps).crf(crf);
-    const std::string videos_dir = megaslide::io::join_path(out_dir, megaslide::io::kVideosFolder);
-    const std::string latents_dir = megaslide::io::join_path(out_dir, "latents");
-    megaslide::io::make_directories(videos_dir);
-    if (wan.latents) megaslide::io::make_directories(latents_dir);
-    const auto jobs = jobs_of(videos);
-    SampleProgress progress(static_cast<int64_t>(jobs.size()), !no_progress);
     for (size_t start = 0, end = 0; start < jobs.size(); start = end) {
-      end = batch_end(videos, start, batch_size);
+      end = batch_end(videos, start, out.batch_size);
       std::vector<std::string> prompts;
       std::vector<uint64_t> seeds;
       for (size_t i = start; i < end; ++i) prompts.push_back(jobs[i].prompt), seeds.push_back(jobs[i].seed);
-      auto batch_options = options;  // a prompt file line's own steps, guidance and negative prompt
-      if (jobs[start].steps) batch_options.steps(*jobs[start].steps);
-      if (jobs[start].guidance_scale) batch_options.guidance_scale(*jobs[start].guidance_scale);
-      if (jobs[start].negative_prompt) batch_options.negative_prompt(*jobs[start].negative_prompt);
       progress.set_batch(static_cast<int64_t>(end - start));
-      auto latents = pipeline->sample(prompts, seeds, batch_options, [&](int64_t done, int64_t total) {
+      int64_t steps = 0;
+      const auto batch = sample_batch(prompts, seeds, videos[start], [&](int64_t done, int64_t total) {
+        steps = total;
         if (done < total) progress.update(static_cast<int64_t>(start), done, total);
-      }, videos[start].shape);
-      auto pixels = pipeline->decode(latents);
+      });
       for (size_t i = start; i < end; ++i) {
         const auto b = static_cast<int64_t>(i - start);
-        auto frames = megaslide::io::to_rgb_frames(pixels[b], upscale);
+        auto frames = megaslide::io::to_rgb_frames(batch.pixels[b], out.upscale);
         megaslide::io::write_mp4(megaslide::io::join_path(videos_dir, jobs[i].file), frames, video_options);
         const auto stem = jobs[i].file.substr(0, jobs[i].file.size() - 4);
-        if (wan.latents)
+        if (out.latents)
           megaslide::io::write_safetensors(megaslide::io::join_path(latents_dir, stem + ".safetensors"),
-                                           {{"latents", latents[b].to(torch::kCPU).contiguous()}}, {{"prompt", jobs[i].prompt},
-                                                                                                    {"seed", std::to_string(jobs[i].seed)}});
-        if (png) write_png_frames(out_dir, stem, frames);
+                                           {{"latents", batch.latents[b].to(torch::kCPU).contiguous()}},
+                                           {{"prompt", jobs[i].prompt}, {"seed", std::to_string(jobs[i].seed)}});
+        if (out.png) write_png_frames(out.out_dir, stem, frames);
       }
-      progress.update(static_cast<int64_t>(end), batch_options.steps(), batch_options.steps());
+      progress.update(static_cast<int64_t>(end), steps, steps);
     }
-    progress.finish();
-    const megaslide::io::SamplingRecord record{source, options.kind() == megaslide::FlowSamplerKind::kUniPC ? "unipc" : "euler",
-                                                 options.steps(), options.guidance_scale(), 0.0, seed, fps, upscale};
-    megaslide::io::write_file_atomically(megaslide::io::join_path(out_dir, "index.json"), megaslide::io::index_json(jobs, record));
-    std::cerr << fmt::format("megaslide-sample: wrote {} videos and {}\n", jobs.size(), megaslide::io::join_path(out_dir, "index.json"));
-    return 0;
-  } catch (const std::exception& e) {
-    std::cerr << "\nmegaslide-sample: " << megaslide::error_message(e) << "\n";
-    return 1;
+  } catch (...) {
+    progress.finish();  // the error on a line of its own
+    throw;
   }
+  progress.finish();
+  megaslide::io::write_file_atomically(megaslide::io::join_path(out.out_dir, "index.json"), megaslide::io::index_json(jobs, record));
+  std::cerr << fmt::format("megaslide-sample: wrote {} videos and {}\n", jobs.size(), megaslide::io::join_path(out.out_dir, "index.json"));
+}
+
+// The Wan model's pipeline and the batches it samples (docs/wan.md).
+SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan, size_t video_count, const std::string& out_dir, const std::string& source,
+                        const std::string& sampler, int64_t steps, double guidance, torch::Device device, const std::string& streamed,
+                        const std::string& compute_dtype, megaslide::io::SamplingRecord& record) {
+  // The run's size in pixels (a run trained from a videos cache keeps its data sizes in pixels; a
+  // prompt file's line may give its own, checked when the videos were planned).
+  const auto size = megaslide::run_video_size(model.config);
+  auto options = megaslide::WanSampleOptions::from_config(model.config);
+  if (!sampler.empty()) options.kind(megaslide::parse_flow_sampler(sampler));
+  if (steps > 0) options.steps(steps);
+  if (guidance >= 0) options.guidance_scale(guidance);
+  if (wan.shift >= 0) options.shift(wan.shift);
+  if (wan.negative_prompt_set) options.negative_prompt(wan.negative_prompt);
+
+  const auto dtype = megaslide::resolve_compute_dtype(compute_dtype, device);
+  megaslide::WanPipelineRequest request;
+  request.text_encoder = wan.text_encoder;
+  request.tokenizer = wan.tokenizer;
+  request.vae = wan.vae;
+  request.device = device;
+  request.stream = megaslide::parse_stream_choice(streamed);
+  request.compute_dtype = megaslide::offload::parse_compute_dtype(dtype.dtype);
+  megaslide::OpenedWanPipeline opened;
+  try {
+    opened = megaslide::open_wan_pipeline(std::move(model), request);
+  } catch (const megaslide::WanPipelineError& e) {
+    const std::string flag = e.component() == "vae" ? "--vae" : e.component() == "tokenizer" ? "--tokenizer" : "--text-encoder";
+    throw megaslide::tools::UsageError(flag + ": " + megaslide::error_message(e));
+  } catch (const std::invalid_argument& e) {  // components that do not fit each other
+    throw megaslide::tools::UsageError(megaslide::error_message(e));
+  }
+  const char* kind = options.kind() == megaslide::FlowSamplerKind::kUniPC ? "unipc" : "euler";
+  std::cerr << fmt::format("megaslide-sample: Wan {} -> {} videos of {} frames {}x{} in {} ({} {} steps, shift {}, guidance {}, device {}, DiT {}, "
+                           "umT5 {}, compute dtype {} ({}))\n",
+                           source, video_count, size.frames, size.width, size.height, out_dir, kind, options.steps(), options.shift(),
+                           options.guidance_scale(), device.str(), opened.dit_streamed ? "blocks streamed" : "resident",
+                           opened.text_encoder_streamed ? "layers streamed" : "resident", dtype.dtype, dtype.reason);
+  record.sampler = kind;
+  record.steps = options.steps();
+  record.guidance_scale = options.guidance_scale();
+  record.eta = 0.0;
+  return [pipeline = opened.pipeline, options](const std::vector<std::string>& prompts, const std::vector<uint64_t>& seeds,
+                                               const megaslide::ValidationVideo& first, const std::function<void(int64_t, int64_t)>& on_step) {
+    auto batch_options = options;  // a prompt file line's own steps, guidance and negative prompt
+    if (first.job.steps) batch_options.steps(*first.job.steps);
+    if (first.job.guidance_scale) batch_options.guidance_scale(*first.job.guidance_scale);
+    if (first.job.negative_prompt) batch_options.negative_prompt(*first.job.negative_prompt);
+    SampledBatch batch;
+    batch.latents = pipeline->sample(prompts, seeds, batch_options, on_step, first.shape);
+    batch.pixels = pipeline->decode(batch.latents);
+    return batch;
+  };
+}
+
+// The DiT family's generator and the batches it samples.
+SampleBatch dit_sampler(megaslide::TextToVideoModel model, size_t video_count, int64_t samples_per_prompt, const std::string& out_dir,
+                        const std::string& sampler, int64_t steps, const std::string& spacing, double guidance, double eta,
+                        torch::Device device, const std::string& streamed, const std::string& compute_dtype, const std::string& threads,
+                        megaslide::io::SamplingRecord& record) {
+  const auto dtype = megaslide::resolve_compute_dtype(compute_dtype, device);
+  const std::string slow = megaslide::compute_dtype_warning(dtype.dtype, device, "use --compute-dtype auto (fp32 on this CPU) to sample faster");
+  if (!slow.empty()) std::cerr << "megaslide-sample: warning: " << slow << "\n";
+  bool stream = false;
+  auto denoiser = megaslide::sampling_denoiser(model.dit, device, megaslide::parse_stream_choice(streamed),
+                                               megaslide::offload::parse_compute_dtype(dtype.dtype), &stream);
+  auto generator = std::make_shared<megaslide::TextToVideo>(std::move(model), device, denoiser);
+  auto options = generator->default_options().kind(megaslide::parse_sampler_kind(sampler)).eta(eta);
+  if (steps > 0) options.steps(steps);
+  if (!spacing.empty()) options.timestep_spacing(megaslide::parse_timestep_spacing(spacing));
+  if (guidance >= 0) options.guidance_scale(guidance);
+  std::cerr << fmt::format("megaslide-sample: {} prompt(s) x {} -> {} videos in {} ({} {} steps {}, guidance {}, device {}, {}, "
+                           "compute dtype {} ({}), {})\n",
+                           video_count / static_cast<size_t>(samples_per_prompt), samples_per_prompt, video_count, out_dir,
+                           megaslide::to_string(options.kind()), options.steps(), megaslide::to_string(options.timestep_spacing()),
+                           options.guidance_scale(), device.str(), stream ? "blocks streamed" : "resident", dtype.dtype, dtype.reason, threads);
+  record.sampler = megaslide::to_string(options.kind());
+  record.steps = options.steps();
+  record.guidance_scale = options.guidance_scale();
+  record.eta = options.eta();
+  return [generator, options](const std::vector<std::string>& prompts, const std::vector<uint64_t>& seeds, const megaslide::ValidationVideo& first,
+                              const std::function<void(int64_t, int64_t)>& on_step) {
+    auto batch_options = options;  // a prompt file line's own steps and guidance
+    if (first.job.steps) batch_options.steps(*first.job.steps);
+    if (first.job.guidance_scale) batch_options.guidance_scale(*first.job.guidance_scale);
+    SampledBatch batch;
+    batch.pixels = generator->generate(prompts, seeds, batch_options, on_step, first.shape, first.job.negative_prompt.value_or(""));
+    return batch;
+  };
 }
 
 }  // namespace
@@ -333,167 +339,104 @@ int main(int argc, char** argv) {
   app.add_flag_callback("--allow-nonfinite-weights", [] { megaslide::io::set_nonfinite_weights_allowed(true); },
                         "load weights that hold NaN or infinite values instead of refusing them");
   app.set_version_flag("--version", megaslide::build_summary());
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    const int code = app.exit(e);
-    return code == 0 ? 0 : 2;
-  }
+  if (const auto code = megaslide::tools::parse_flags(app, argc, argv)) return *code;
 
   // Everything that can be checked is checked before anything is written.
   std::vector<megaslide::ValidationVideo> videos;
   megaslide::TextToVideoModel model;
   torch::Device device = torch::kCPU;
-  bool stream = false;
   std::optional<megaslide::WanModel> wan_model;
   std::string source = checkpoint;
-  try {
-    if (checkpoint.empty() == config_path.empty()) throw std::invalid_argument("give one of --checkpoint and --config");
-    if (!overrides.empty() && config_path.empty()) throw std::invalid_argument("--set applies to --config");
-    // Every video's file name is decided here, before any work (bounded, safe and unique; io/vbench_layout.h).
-    // A line without settings that repeats an earlier such line is sampled once, as VBench's prompt
-    // files expect; a line with its own settings always gets its videos.
-    std::vector<megaslide::io::PromptSpec> specs;
-    std::set<std::string> plain;
-    for (auto& spec : megaslide::io::read_prompt_specs(prompts_path)) {
-      const bool settings = spec.has_size() || spec.steps || spec.seed || spec.guidance || spec.negative;
-      if (!settings && !plain.insert(spec.prompt).second) continue;
-      specs.push_back(std::move(spec));
-    }
-    megaslide::io::check_output_folder(out_dir, "--out");
-    device = megaslide::resolve_device(device_spec);
-    // A weights file as it is; a checkpoint folder, its `latest` file or a run folder: the checkpoint's
-    // bf16 weights file, checked against its manifest (docs/checkpoints.md).
-    // A checkpoint of a run with train.ema_decay: its EMA of the weights unless --no-ema.
-    const std::string ema_weights = checkpoint.empty() || no_ema ? std::string() : megaslide::find_ema_weights(checkpoint);
-    const std::string weights = checkpoint.empty() ? std::string() : !ema_weights.empty() ? ema_weights : megaslide::find_weights(checkpoint);
-    if (!ema_weights.empty()) {
-      source = ema_weights;
-      std::cerr << "megaslide-sample: sampling the EMA of the weights (" << ema_weights << "; --no-ema samples the trained weights)\n";
-    }
-    if (!config_path.empty()) {
-      const auto config = megaslide::load_run_config(config_path, overrides);
-      if (config.model.arch != megaslide::Architecture::kWan)
-        throw std::invalid_argument("--config '" + config_path + "': model.arch is " + megaslide::to_string(config.model.arch) +
-                                    "; --config is for Wan's published weights, sample the DiT family with --checkpoint");
-      wan_model = megaslide::wan_model_from_config(config, config_path, /*blocks_on_demand=*/true);
-      source = config.model.wan.weights;
-    } else if (megaslide::is_wan_weights_file(weights)) {
-      wan_model = megaslide::load_wan_model(weights, /*blocks_on_demand=*/true);
-    }
-    const bool is_wan = wan_model.has_value();
-    if (!is_wan && (!wan.text_encoder.empty() || !wan.tokenizer.empty() || !wan.vae.empty() || wan.negative_prompt_set || wan.shift >= 0 ||
-                    wan.latents))
-      throw std::invalid_argument("--text-encoder, --tokenizer, --vae, --negative-prompt, --shift and --latents are for Wan models; '" +
-                                  checkpoint + "' is not one");
-    if (is_wan && (sampler == "ddpm" || sampler == "ddim"))
-      throw std::invalid_argument("--sampler " + sampler + ": Wan samples with flow matching: unipc or euler");
-    if (!is_wan && (sampler == "unipc" || sampler == "euler"))
-      throw std::invalid_argument("--sampler " + sampler + " is for Wan models: this model samples with ddpm or ddim");
-    if (is_wan && !spacing.empty()) throw std::invalid_argument("--timestep-spacing is for the DiT family's DDPM/DDIM samplers, not Wan's");
-    if (is_wan) {
-      if (steps > 0 && steps > wan_model->config.diffusion.timesteps)
-        throw std::invalid_argument(fmt::format("--steps {} exceeds the model's {} training timesteps", steps, wan_model->config.diffusion.timesteps));
-    } else {
-      if (fps == 0) fps = 8;
-      if (sampler.empty()) sampler = "ddpm";
-      model = megaslide::load_weights(weights);  // on the CPU; moved below, whole or all but the blocks
-      // A latent model's frozen CLIP and VAE, from the folders its config names, on the device.
-      model.frozen = megaslide::FrozenEncoders::load(model.config, device, weights + " (its config)");
-      int64_t weight_bytes = 0;
-      for (const auto& p : model.dit->parameters()) weight_bytes += static_cast<int64_t>(p.nbytes());
-      stream = megaslide::should_stream(megaslide::parse_stream_choice(streamed), device, weight_bytes);
-      if (steps > model.config.diffusion.timesteps)
-        throw std::invalid_argument(fmt::format("--steps {} exceeds the model's {} training timesteps", steps, model.config.diffusion.timesteps));
-    }
-    // Every video's file name, size and settings are decided here, before any work (bounded, safe and
-    // unique names; io/vbench_layout.h), each line's size checked against what the model can take.
-    const auto& config = is_wan ? wan_model->config : model.config;
-    videos = megaslide::plan_prompt_videos(config, specs, samples_per_prompt, seed);
-    const auto run_size = megaslide::run_video_size(config);
-    for (const auto& v : videos) {
-      const int64_t height = v.job.height.value_or(run_size.height), width = v.job.width.value_or(run_size.width);
-      const std::string what = v.job.height || v.job.width ? fmt::format("'{}' (prompt file line) is", v.job.prompt) : "the model's frames are";
-      if (height * upscale % 2 != 0 || width * upscale % 2 != 0)
-        throw std::invalid_argument(fmt::format("{} {}x{} (W x H); H.264 needs even sizes: use --upscale 2", what, width, height));
-      if (is_wan && v.job.steps && *v.job.steps > config.diffusion.timesteps)
-        throw std::invalid_argument(fmt::format("'{}' (prompt file line): --s {} exceeds the model's {} training timesteps", v.job.prompt,
-                                                *v.job.steps, config.diffusion.timesteps));
-    }
-  } catch (const std::exception& e) {
-    std::cerr << "megaslide-sample: " << megaslide::error_message(e) << "\n";
-    return 2;
-  }
-
-  megaslide::tools::survive_file_size_limit();
-  if (wan_model)
-    return sample_wan(std::move(*wan_model), wan, videos, out_dir, source, sampler, steps, guidance, seed, batch_size, fps == 0 ? 16 : fps, crf,
-                      upscale, png, device, streamed, compute_dtype, threads, no_progress);
-  try {
-    megaslide::ThreadRequest thread_request;
-    thread_request.intra_op = static_cast<int>(threads);
-    thread_request.intra_op_from = "--threads";
-    thread_request.device = device;
-    const char* omp = std::getenv("OMP_NUM_THREADS");
-    const auto thread_plan = megaslide::plan_threads(thread_request, megaslide::available_cores(), omp ? omp : "");
-    megaslide::apply_threads(thread_plan);
-    const auto dtype = megaslide::resolve_compute_dtype(compute_dtype, device);
-    const std::string slow = megaslide::compute_dtype_warning(dtype.dtype, device, "use --compute-dtype auto (fp32 on this CPU) to sample faster");
-    if (!slow.empty()) std::cerr << "megaslide-sample: warning: " << slow << "\n";
-    const auto scalar_type = megaslide::offload::parse_compute_dtype(dtype.dtype);
-    std::shared_ptr<megaslide::Denoiser> denoiser;
-    if (stream) {
-      megaslide::StreamedDenoiserOptions so;
-      so.device = device;
-      so.compute_dtype = scalar_type;
-      denoiser = std::make_shared<megaslide::StreamedDenoiser>(model.dit, so);
-    } else if (scalar_type != torch::kFloat) {
-      model.dit->to(device);
-      denoiser = std::make_shared<megaslide::ResidentDenoiser>(model.dit, scalar_type);
-    }
-    megaslide::TextToVideo generator(std::move(model), device, denoiser);
-    auto options = generator.default_options().kind(megaslide::parse_sampler_kind(sampler)).eta(eta);
-    if (steps > 0) options.steps(steps);
-    if (!spacing.empty()) options.timestep_spacing(megaslide::parse_timestep_spacing(spacing));
-    if (guidance >= 0) options.guidance_scale(guidance);
-    const auto video_options = megaslide::io::VideoWriteOptions().fps(fps).crf(crf);
-
-    const std::string videos_dir = megaslide::io::join_path(out_dir, megaslide::io::kVideosFolder);
-    megaslide::io::make_directories(videos_dir);
-    std::cerr << fmt::format("megaslide-sample: {} prompt(s) x {} -> {} videos in {} ({} {} steps {}, guidance {}, device {}, {}, "
-                             "compute dtype {} ({}), {})\n",
-                             videos.size() / static_cast<size_t>(samples_per_prompt), samples_per_prompt, videos.size(), out_dir,
-                             megaslide::to_string(options.kind()), options.steps(), megaslide::to_string(options.timestep_spacing()), options.guidance_scale(), device.str(),
-                             stream ? "blocks streamed" : "resident", dtype.dtype, dtype.reason, thread_plan.describe());
-    const auto jobs = jobs_of(videos);
-    SampleProgress progress(static_cast<int64_t>(jobs.size()), !no_progress);
-    for (size_t start = 0, end = 0; start < jobs.size(); start = end) {
-      end = batch_end(videos, start, batch_size);
-      std::vector<std::string> prompts;
-      std::vector<uint64_t> seeds;
-      for (size_t i = start; i < end; ++i) prompts.push_back(jobs[i].prompt), seeds.push_back(jobs[i].seed);
-      auto batch_options = options;  // a prompt file line's own steps and guidance
-      if (jobs[start].steps) batch_options.steps(*jobs[start].steps);
-      if (jobs[start].guidance_scale) batch_options.guidance_scale(*jobs[start].guidance_scale);
-      progress.set_batch(static_cast<int64_t>(end - start));
-      auto pixels = generator.generate(prompts, seeds, batch_options, [&](int64_t done, int64_t total) {
-        if (done < total) progress.update(static_cast<int64_t>(start), done, total);
-      }, videos[start].shape, jobs[start].negative_prompt.value_or(""));
-      for (size_t i = start; i < end; ++i) {
-        auto frames = megaslide::io::to_rgb_frames(pixels[static_cast<int64_t>(i - start)], upscale);
-        megaslide::io::write_mp4(megaslide::io::join_path(videos_dir, jobs[i].file), frames, video_options);
-        if (png) write_png_frames(out_dir, jobs[i].file.substr(0, jobs[i].file.size() - 4), frames);
+  return megaslide::tools::run_tool("megaslide-sample", [&] {
+    megaslide::tools::checking_input([&] {
+      if (checkpoint.empty() == config_path.empty()) throw std::invalid_argument("give one of --checkpoint and --config");
+      if (!overrides.empty() && config_path.empty()) throw std::invalid_argument("--set applies to --config");
+      // Every video's file name is decided here, before any work (bounded, safe and unique; io/vbench_layout.h).
+      // A line without settings that repeats an earlier such line is sampled once, as VBench's prompt
+      // files expect; a line with its own settings always gets its videos.
+      std::vector<megaslide::io::PromptSpec> specs;
+      std::set<std::string> plain;
+      for (auto& spec : megaslide::io::read_prompt_specs(prompts_path)) {
+        const bool settings = spec.has_size() || spec.steps || spec.seed || spec.guidance || spec.negative;
+        if (!settings && !plain.insert(spec.prompt).second) continue;
+        specs.push_back(std::move(spec));
       }
-      progress.update(static_cast<int64_t>(end), batch_options.steps(), batch_options.steps());
-    }
-    progress.finish();
-    const megaslide::io::SamplingRecord record{source, megaslide::to_string(options.kind()), options.steps(),
-                                                 options.guidance_scale(), options.eta(), seed, fps, upscale};
-    megaslide::io::write_file_atomically(megaslide::io::join_path(out_dir, "index.json"), megaslide::io::index_json(jobs, record));
-    std::cerr << fmt::format("megaslide-sample: wrote {} videos and {}\n", jobs.size(), megaslide::io::join_path(out_dir, "index.json"));
+      megaslide::io::check_output_folder(out_dir, "--out");
+      device = megaslide::resolve_device(device_spec);
+      // A weights file as it is; a checkpoint folder, its `latest` file or a run folder: the checkpoint's
+      // bf16 weights file, checked against its manifest (docs/checkpoints.md).
+      // A checkpoint of a run with train.ema_decay: its EMA of the weights unless --no-ema.
+      const std::string ema_weights = checkpoint.empty() || no_ema ? std::string() : megaslide::find_ema_weights(checkpoint);
+      const std::string weights = checkpoint.empty() ? std::string() : !ema_weights.empty() ? ema_weights : megaslide::find_weights(checkpoint);
+      if (!ema_weights.empty()) {
+        source = ema_weights;
+        std::cerr << "megaslide-sample: sampling the EMA of the weights (" << ema_weights << "; --no-ema samples the trained weights)\n";
+      }
+      if (!config_path.empty()) {
+        const auto config = megaslide::load_run_config(config_path, overrides);
+        if (config.model.arch != megaslide::Architecture::kWan)
+          throw std::invalid_argument("--config '" + config_path + "': model.arch is " + megaslide::to_string(config.model.arch) +
+                                      "; --config is for Wan's published weights, sample the DiT family with --checkpoint");
+        wan_model = megaslide::wan_model_from_config(config, config_path, /*blocks_on_demand=*/true);
+        source = config.model.wan.weights;
+      } else if (megaslide::is_wan_weights_file(weights)) {
+        wan_model = megaslide::load_wan_model(weights, /*blocks_on_demand=*/true);
+      }
+      const bool is_wan = wan_model.has_value();
+      if (!is_wan && (!wan.text_encoder.empty() || !wan.tokenizer.empty() || !wan.vae.empty() || wan.negative_prompt_set || wan.shift >= 0 ||
+                      wan.latents))
+        throw std::invalid_argument("--text-encoder, --tokenizer, --vae, --negative-prompt, --shift and --latents are for Wan models; '" +
+                                    checkpoint + "' is not one");
+      if (is_wan && (sampler == "ddpm" || sampler == "ddim"))
+        throw std::invalid_argument("--sampler " + sampler + ": Wan samples with flow matching: unipc or euler");
+      if (!is_wan && (sampler == "unipc" || sampler == "euler"))
+        throw std::invalid_argument("--sampler " + sampler + " is for Wan models: this model samples with ddpm or ddim");
+      if (is_wan && !spacing.empty()) throw std::invalid_argument("--timestep-spacing is for the DiT family's DDPM/DDIM samplers, not Wan's");
+      if (is_wan) {
+        if (steps > 0 && steps > wan_model->config.diffusion.timesteps)
+          throw std::invalid_argument(fmt::format("--steps {} exceeds the model's {} training timesteps", steps, wan_model->config.diffusion.timesteps));
+      } else {
+        if (sampler.empty()) sampler = "ddpm";
+        model = megaslide::load_weights(weights);  // on the CPU; moved below, whole or all but the blocks
+        // A latent model's frozen CLIP and VAE, from the folders its config names, on the device.
+        model.frozen = megaslide::FrozenEncoders::load(model.config, device, weights + " (its config)");
+        if (steps > model.config.diffusion.timesteps)
+          throw std::invalid_argument(fmt::format("--steps {} exceeds the model's {} training timesteps", steps, model.config.diffusion.timesteps));
+      }
+      // Every video's file name, size and settings are decided here, before any work (bounded, safe and
+      // unique names; io/vbench_layout.h), each line's size checked against what the model can take.
+      const auto& config = is_wan ? wan_model->config : model.config;
+      videos = megaslide::plan_prompt_videos(config, specs, samples_per_prompt, seed);
+      const auto run_size = megaslide::run_video_size(config);
+      for (const auto& v : videos) {
+        const int64_t height = v.job.height.value_or(run_size.height), width = v.job.width.value_or(run_size.width);
+        const std::string what = v.job.height || v.job.width ? fmt::format("'{}' (prompt file line) is", v.job.prompt) : "the model's frames are";
+        if (height * upscale % 2 != 0 || width * upscale % 2 != 0)
+          throw std::invalid_argument(fmt::format("{} {}x{} (W x H); H.264 needs even sizes: use --upscale 2", what, width, height));
+        if (is_wan && v.job.steps && *v.job.steps > config.diffusion.timesteps)
+          throw std::invalid_argument(fmt::format("'{}' (prompt file line): --s {} exceeds the model's {} training timesteps", v.job.prompt,
+                                                  *v.job.steps, config.diffusion.timesteps));
+      }
+    });
+
+    megaslide::tools::survive_file_size_limit();
+    const auto thread_plan = apply_sampling_threads(threads, device);
+    VideoOutput output;
+    output.out_dir = out_dir;
+    output.batch_size = batch_size;
+    output.fps = fps == 0 ? (wan_model ? 16 : 8) : fps;
+    output.crf = crf;
+    output.upscale = upscale;
+    output.png = png;
+    output.latents = wan.latents;
+    output.progress = !no_progress;
+    megaslide::io::SamplingRecord record{source, "", 0, 0.0, 0.0, seed, output.fps, upscale};
+    const SampleBatch sample_batch =
+        wan_model ? wan_sampler(std::move(*wan_model), wan, videos.size(), out_dir, source, sampler, steps, guidance, device, streamed, compute_dtype,
+                                record)
+                  : dit_sampler(std::move(model), videos.size(), samples_per_prompt, out_dir, sampler, steps, spacing, guidance, eta, device,
+                                streamed, compute_dtype, thread_plan.describe(), record);
+    write_videos(videos, output, record, sample_batch);
     return 0;
-  } catch (const std::exception& e) {
-    std::cerr << "\nmegaslide-sample: " << megaslide::error_message(e) << "\n";
-    return 1;
-  }
+  });
 }

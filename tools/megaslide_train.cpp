@@ -36,6 +36,29 @@ void on_stop_signal(int signal) {
   g_stop.store(signal);
   std::signal(signal, SIG_DFL);  // a second one ends the process at once
 }
+
+// --dry-run: the model's size and the run's memory in a few lines, or one JSON object.
+int print_dry_run(const megaslide::RunConfig& config, bool json) {
+  const std::string summary = megaslide::dry_run_json(config);
+  if (json) {
+    std::cout << summary << "\n";
+    return 0;
+  }
+  const auto j = nlohmann::json::parse(summary);
+  const auto millions = [](const nlohmann::json& v) { return fmt::format("{:.2f} M", v.get<double>() / 1e6); };
+  std::cout << megaslide::build_summary() << "\n"
+            << fmt::format("model {}: {} parameters ({} a block x {} layers, prologue {}, epilogue {}), hidden {}\n",
+                           j["arch"].get<std::string>(), millions(j["params"]), millions(j["params_per_block"]),
+                           j["layers"].get<int64_t>(), millions(j["prologue_params"]), millions(j["epilogue_params"]),
+                           j["hidden"].get<int64_t>())
+            << fmt::format("{} tokens a sample (grid {}x{}x{}), host state {:.2f} GB ({:.1f} B a parameter), device {}, compute {}\n",
+                           j["tokens_per_sample"].get<int64_t>(), j["token_grid"][0].get<int64_t>(), j["token_grid"][1].get<int64_t>(),
+                           j["token_grid"][2].get<int64_t>(), j["host_state_bytes"].get<double>() / 1e9,
+                           j["host_state_bytes"].get<double>() / std::max(1.0, j["params"].get<double>()),
+                           j["device"].get<std::string>(), j["compute_dtype"].get<std::string>())
+            << "(--json prints this as one JSON object; megaslide-plan shows memory and time on a machine)\n";
+  return 0;
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -72,127 +95,62 @@ int main(int argc, char** argv) {
   app.add_option("--master-port", master_port, "with --nproc-per-node: the rendezvous port on 127.0.0.1 (default: a free one)")
       ->check(megaslide::tools::integer_in(1, 65535));
   app.set_version_flag("--version", megaslide::build_summary());
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    const int code = app.exit(e);
-    return code == 0 ? 0 : 2;
-  }
+  if (const auto code = megaslide::tools::parse_flags(app, argc, argv)) return *code;
+  return megaslide::tools::run_tool(
+      "megaslide-train",
+      [&] {
+        if (json && !dry_run) throw megaslide::tools::UsageError("--json applies to --dry-run (it would otherwise start a run)");
+        auto config = megaslide::load_run_config(config_path, overrides);
+        if (!run_dir.empty()) {  // a path, taken as it is (never parsed as YAML: 'exp #3' is not 'exp')
+          config.output.run_dir = run_dir;
+          megaslide::validate(config, "--run-dir");
+        }
+        // Output files are checked before any work: here for the export of a checkpoint, and by
+        // run_training for a run (once the run folder, which may hold the file, exists).
+        megaslide::tools::checking_input([&] {
+          if (!export_weights.empty() && (!resume.empty() || megaslide::io::is_directory(export_weights)))
+            megaslide::io::check_output_file(export_weights, "--export-weights");
+          if (!export_ema.empty() && (!resume.empty() || megaslide::io::is_directory(export_ema)))
+            megaslide::io::check_output_file(export_ema, "--export-ema");
+        });
+        megaslide::tools::survive_file_size_limit();
 
-  if (json && !dry_run) {
-    std::cerr << "megaslide-train: --json applies to --dry-run (it would otherwise start a run)\n";
-    return 2;
-  }
-  megaslide::RunConfig config;
-  try {
-    config = megaslide::load_run_config(config_path, overrides);
-    if (!run_dir.empty()) {  // a path, taken as it is (never parsed as YAML: 'exp #3' is not 'exp')
-      config.output.run_dir = run_dir;
-      megaslide::validate(config, "--run-dir");
-    }
-  } catch (const megaslide::ConfigError& e) {
-    std::cerr << "megaslide-train: " << megaslide::error_message(e) << "\n";
-    return 2;
-  }
-  try {
-    // Output files are checked before any work: here for the export of a checkpoint, and by
-    // run_training for a run (once the run folder, which may hold the file, exists).
-    if (!export_weights.empty() && (!resume.empty() || megaslide::io::is_directory(export_weights)))
-      megaslide::io::check_output_file(export_weights, "--export-weights");
-    if (!export_ema.empty() && (!resume.empty() || megaslide::io::is_directory(export_ema)))
-      megaslide::io::check_output_file(export_ema, "--export-ema");
-  } catch (const megaslide::io::IoError& e) {
-    std::cerr << "megaslide-train: " << megaslide::error_message(e) << "\n";
-    return 2;
-  }
-  megaslide::tools::survive_file_size_limit();
-
-  const char* launched_here = std::getenv("MEGASLIDE_LOCAL_LAUNCH");
-  if (nproc_per_node > 0 && !dry_run && (launched_here == nullptr || *launched_here == '\0')) {
-    if (std::getenv("RANK") != nullptr || std::getenv("SLURM_PROCID") != nullptr) {
-      std::cerr << "megaslide-train: --nproc-per-node starts the ranks itself, but this process was already started by a launcher "
-                   "(RANK or SLURM_PROCID is set): drop --nproc-per-node\n";
-      return 2;
-    }
-    try {
-      return megaslide::launch_local_ranks(std::vector<std::string>(argv, argv + argc), nproc_per_node, master_port);
-    } catch (const std::exception& e) {
-      std::cerr << "megaslide-train: " << megaslide::error_message(e) << "\n";
-      return 1;
-    }
-  }
-
-  try {
-    if (dry_run) {
-      const std::string summary = megaslide::dry_run_json(config);
-      if (json) {
-        std::cout << summary << "\n";
-        return 0;
-      }
-      const auto j = nlohmann::json::parse(summary);
-      const auto millions = [](const nlohmann::json& v) { return fmt::format("{:.2f} M", v.get<double>() / 1e6); };
-      std::cout << megaslide::build_summary() << "\n"
-                << fmt::format("model {}: {} parameters ({} a block x {} layers, prologue {}, epilogue {}), hidden {}\n",
-                               j["arch"].get<std::string>(), millions(j["params"]), millions(j["params_per_block"]),
-                               j["layers"].get<int64_t>(), millions(j["prologue_params"]), millions(j["epilogue_params"]),
-                               j["hidden"].get<int64_t>())
-                << fmt::format("{} tokens a sample (grid {}x{}x{}), host state {:.2f} GB ({:.1f} B a parameter), device {}, compute {}\n",
-                               j["tokens_per_sample"].get<int64_t>(), j["token_grid"][0].get<int64_t>(), j["token_grid"][1].get<int64_t>(),
-                               j["token_grid"][2].get<int64_t>(), j["host_state_bytes"].get<double>() / 1e9,
-                               j["host_state_bytes"].get<double>() / std::max(1.0, j["params"].get<double>()),
-                               j["device"].get<std::string>(), j["compute_dtype"].get<std::string>())
-                << "(--json prints this as one JSON object; megaslide-plan shows memory and time on a machine)\n";
-      return 0;
-    }
-    if (!resume.empty() && (!export_weights.empty() || !export_ema.empty())) {
-      // Both files or neither: a checkpoint without an EMA is refused before the weights are written.
-      const std::string checkpoint = megaslide::resolve_checkpoint(config.output.run_dir, resume);
-      if (!export_ema.empty() && megaslide::find_ema_weights(checkpoint).empty())
-        throw megaslide::CheckpointError("checkpoint '" + checkpoint + "': has no EMA of the weights (model_ema.safetensors) for --export-ema: it was saved by a run "
-                                         "without train.ema_decay");
-      if (!export_weights.empty()) {
-        const auto from = megaslide::export_checkpoint_weights(config.output.run_dir, resume, export_weights);
-        std::cerr << "megaslide-train: weights of " << from << " written to " << export_weights << "\n";
-      }
-      if (!export_ema.empty()) {
-        const auto from = megaslide::export_checkpoint_weights(config.output.run_dir, resume, export_ema, /*ema=*/true);
-        std::cerr << "megaslide-train: EMA of the weights of " << from << " written to " << export_ema << "\n";
-      }
-      return 0;
-    }
-    std::signal(SIGINT, on_stop_signal);
-    std::signal(SIGTERM, on_stop_signal);
-    megaslide::TrainingRunOptions options;
-    options.config_source = config_path;
-    options.resume = resume;
-    options.trace_path = trace_path;
-    options.trace_step = trace_step;
-    options.export_weights = export_weights;
-    options.export_ema = export_ema;
-    options.stop_requested = &g_stop;
-    const auto result = megaslide::run_training(config, options);
-    return result.stop_signal != 0 ? 128 + result.stop_signal : 0;
-  } catch (const megaslide::ConfigError& e) {
-    std::cerr << "megaslide-train: " << megaslide::error_message(e) << "\n";
-    return 2;
-  } catch (const megaslide::CheckpointError& e) {
-    std::cerr << "megaslide-train: " << megaslide::error_message(e) << "\n";
-    return 2;
-  } catch (const megaslide::RunFolderError& e) {
-    std::cerr << "megaslide-train: " << megaslide::error_message(e) << "\n";
-    return 2;
-  } catch (const megaslide::DatasetError& e) {
-    std::cerr << "megaslide-train: " << megaslide::error_message(e) << "\n";
-    return 2;
-  } catch (const megaslide::InitFromError& e) {
-    std::cerr << "megaslide-train: " << megaslide::error_message(e) << "\n";
-    return 2;
-  } catch (const megaslide::DistributedError& e) {
-    std::cerr << "megaslide-train: " << megaslide::error_message(e) << "\n";
-    return 1;
-  } catch (const std::exception& e) {
-    std::cerr << "megaslide-train: " << megaslide::error_message(e)
-              << (megaslide::is_out_of_memory(e) ? " (out of memory: megaslide-plan --config ... shows what the run needs)" : "") << "\n";
-    return 1;
-  }
+        const char* launched_here = std::getenv("MEGASLIDE_LOCAL_LAUNCH");
+        if (nproc_per_node > 0 && !dry_run && (launched_here == nullptr || *launched_here == '\0')) {
+          if (std::getenv("RANK") != nullptr || std::getenv("SLURM_PROCID") != nullptr)
+            throw megaslide::tools::UsageError("--nproc-per-node starts the ranks itself, but this process was already started by a launcher "
+                                               "(RANK or SLURM_PROCID is set): drop --nproc-per-node");
+          return megaslide::launch_local_ranks(std::vector<std::string>(argv, argv + argc), nproc_per_node, master_port);
+        }
+        if (dry_run) return print_dry_run(config, json);
+        if (!resume.empty() && (!export_weights.empty() || !export_ema.empty())) {
+          // Both files or neither: a checkpoint without an EMA is refused before the weights are written.
+          const std::string checkpoint = megaslide::resolve_checkpoint(config.output.run_dir, resume);
+          if (!export_ema.empty() && megaslide::find_ema_weights(checkpoint).empty())
+            throw megaslide::CheckpointError("checkpoint '" + checkpoint + "': has no EMA of the weights (model_ema.safetensors) for --export-ema: it was saved by a run "
+                                             "without train.ema_decay");
+          if (!export_weights.empty()) {
+            const auto from = megaslide::export_checkpoint_weights(config.output.run_dir, resume, export_weights);
+            std::cerr << "megaslide-train: weights of " << from << " written to " << export_weights << "\n";
+          }
+          if (!export_ema.empty()) {
+            const auto from = megaslide::export_checkpoint_weights(config.output.run_dir, resume, export_ema, /*ema=*/true);
+            std::cerr << "megaslide-train: EMA of the weights of " << from << " written to " << export_ema << "\n";
+          }
+          return 0;
+        }
+        std::signal(SIGINT, on_stop_signal);
+        std::signal(SIGTERM, on_stop_signal);
+        megaslide::TrainingRunOptions options;
+        options.config_source = config_path;
+        options.resume = resume;
+        options.trace_path = trace_path;
+        options.trace_step = trace_step;
+        options.export_weights = export_weights;
+        options.export_ema = export_ema;
+        options.stop_requested = &g_stop;
+        const auto result = megaslide::run_training(config, options);
+        return result.stop_signal != 0 ? 128 + result.stop_signal : 0;
+      },
+      "megaslide-plan --config ... shows what the run needs");
 }

@@ -1,17 +1,69 @@
 // What every megaslide-* driver shares: flag checks built on the library's one numeric parser
 // (util/numbers.h), so that a flag takes exactly the numbers a config key takes (no nan, no inf, no
-// 1e400), and the process settings a long-running tool needs.
+// 1e400); the one way a tool turns errors into its exit code and message (run_tool); and the process
+// settings a long-running tool needs.
 #pragma once
 
 #include <CLI/CLI.hpp>
 
 #include <csignal>
+#include <iostream>
 #include <limits>
+#include <optional>
+#include <stdexcept>
 #include <string>
+#include <utility>
 
+#include "megaslide/util/errors.h"
 #include "megaslide/util/numbers.h"
 
 namespace megaslide::tools {
+
+// Bad input a tool finds itself (flags that disagree, a file that does not fit): exit 2.
+class UsageError : public std::runtime_error, public InputError {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Parses the flags: nullopt to go on, else the exit code (0 for --help and --version, 2 for a bad flag,
+// with CLI11's message printed).
+inline std::optional<int> parse_flags(CLI::App& app, int argc, char** argv) {
+  try {
+    app.parse(argc, argv);
+    return std::nullopt;
+  } catch (const CLI::ParseError& e) {
+    const int code = app.exit(e);
+    return code == 0 ? 0 : 2;
+  }
+}
+
+// A tool's work after its flags: returns what `body` returns, or turns what it throws into one line on
+// stderr, "NAME: message" (without LibTorch's stack trace), and the exit code: 2 for bad input (an
+// InputError: a config, a flag, a checkpoint, a dataset, a weights file; nothing was written), 1 for any
+// other failure, with what to change when it was out of memory (`oom_hint`, a sentence).
+template <typename Body>
+int run_tool(const std::string& name, Body&& body, const std::string& oom_hint = "") {
+  try {
+    return std::forward<Body>(body)();
+  } catch (const std::exception& e) {
+    const bool oom = is_out_of_memory(e);
+    std::cerr << name << ": " << error_message(e) << (oom && !oom_hint.empty() ? " (out of memory: " + oom_hint + ")" : "") << std::endl;
+    return is_input_error(e) ? 2 : 1;
+  }
+}
+
+// Runs checks of the tool's input before any work (reading the files it names, loading the models):
+// whatever they throw is bad input (exit 2 through run_tool), its message after `context` ("--vae: ",
+// or "" for none); running out of memory stays a failure (exit 1).
+template <typename Checks>
+decltype(auto) checking_input(Checks&& checks, const std::string& context = "") {
+  try {
+    return std::forward<Checks>(checks)();
+  } catch (const std::exception& e) {
+    if ((is_input_error(e) && context.empty()) || is_out_of_memory(e)) throw;
+    throw UsageError(context + error_message(e));
+  }
+}
 
 // A finite real in [lo, hi] (CLI11's own checks let "nan" through: every comparison with it is false).
 inline CLI::Validator finite_real(double lo = -std::numeric_limits<double>::infinity(),

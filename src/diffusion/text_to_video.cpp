@@ -10,6 +10,22 @@
 
 namespace megaslide {
 
+std::shared_ptr<Denoiser> sampling_denoiser(DiT dit, torch::Device device, StreamChoice stream, c10::ScalarType compute_dtype, bool* streamed) {
+  int64_t weight_bytes = 0;
+  for (const auto& p : dit->parameters()) weight_bytes += static_cast<int64_t>(p.nbytes());
+  const bool stream_it = should_stream(stream, device, weight_bytes);
+  if (streamed != nullptr) *streamed = stream_it;
+  if (stream_it) {
+    StreamedDenoiserOptions so;
+    so.device = device;
+    so.compute_dtype = compute_dtype;
+    return std::make_shared<StreamedDenoiser>(dit, so);
+  }
+  if (compute_dtype == c10::ScalarType::Float) return nullptr;
+  dit->to(device);
+  return std::make_shared<ResidentDenoiser>(dit, compute_dtype);
+}
+
 TextToVideo::TextToVideo(TextToVideoModel model, torch::Device device, std::shared_ptr<Denoiser> denoiser,
                          std::shared_ptr<VideoCodec> codec)
     : model_(std::move(model)),

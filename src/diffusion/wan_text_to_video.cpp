@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "io/pretrained.h"
+#include "megaslide/io/files.h"
 #include "megaslide/io/safetensors.h"
 #include "megaslide/model/dit_weights.h"
 #include "megaslide/model/wan_weights.h"
@@ -441,6 +442,58 @@ torch::Tensor WanTextToVideo::sample(const std::vector<std::string>& prompts, co
 torch::Tensor WanTextToVideo::decode(const torch::Tensor& latents) const {
   torch::NoGradGuard no_grad;
   return vae_.decode(latents.to(vae_.device(), torch::kFloat32)).to(torch::kCPU, torch::kFloat32);
+}
+
+OpenedWanPipeline open_wan_pipeline(WanModel model, const WanPipelineRequest& request) {
+  const std::string repo = model.config.model.wan.weights;
+  auto path_of = [&](const std::string& component, const std::string& given, const std::string& what) {
+    std::string path = given;
+    if (path.empty() && !repo.empty() && io::is_directory(io::join_path(repo, component))) path = io::join_path(repo, component);
+    if (path.empty())
+      throw WanPipelineError(component, "Wan sampling needs " + what + " (none given, and model.wan.weights is not a diffusers repository with " +
+                                            component + "/)");
+    if (!io::path_exists(path)) throw WanPipelineError(component, "'" + path + "' does not exist");
+    return path;
+  };
+  const std::string t5_path = path_of("text_encoder", request.text_encoder, "umT5's weights");
+  const std::string vae_path = path_of("vae", request.vae, "the Wan VAE's weights");
+  if (!request.tokenizer.empty() && !io::path_exists(request.tokenizer))
+    throw WanPipelineError("tokenizer", "'" + request.tokenizer + "' does not exist");
+  auto loading = [](const std::string& component, const std::string& prefix, auto&& load) {
+    try {
+      return load();
+    } catch (const std::exception& e) {
+      if (is_out_of_memory(e)) throw;
+      throw WanPipelineError(component, prefix + error_message(e));
+    }
+  };
+
+  OpenedWanPipeline out;
+  const auto t5_dtype = request.device.is_cuda() ? torch::kBFloat16 : torch::kFloat32;
+  auto t5 = loading("text_encoder", "", [&] { return Umt5Encoder::load(t5_path, torch::kCPU, t5_dtype); });
+  // umT5 (11.4 GB in bf16 for XXL) streamed layer by layer when it does not fit, as the DiT's blocks.
+  out.text_encoder_streamed = should_stream(request.stream, request.device, t5.weight_bytes());
+  t5 = out.text_encoder_streamed ? Umt5Encoder::streamed(std::move(t5), request.device) : Umt5Encoder::resident(std::move(t5), request.device);
+  auto tokenizer = request.tokenizer.empty()
+                       ? loading("text_encoder", "its tokenizer: ", [&] { return Umt5Tokenizer::find(t5_path); })
+                       : loading("tokenizer", "", [&] { return Umt5Tokenizer::find(request.tokenizer); });
+  auto vae = loading("vae", "", [&] { return WanVae::load(vae_path, request.device, torch::kFloat32); });
+
+  int64_t weight_bytes = 0;
+  for (const auto& p : model.dit->parameters()) weight_bytes += static_cast<int64_t>(p.nbytes());
+  out.dit_streamed = should_stream(request.stream, request.device, weight_bytes);
+  std::shared_ptr<WanDenoiser> denoiser;
+  const RunConfig config = model.config;
+  if (out.dit_streamed) {
+    StreamedDenoiserOptions so;
+    so.device = request.device;
+    so.compute_dtype = request.compute_dtype;
+    denoiser = std::make_shared<StreamedWanDenoiser>(std::move(model), so);  // block by block from the weights
+  } else {
+    denoiser = std::make_shared<ResidentWanDenoiser>(std::move(model), request.device, request.compute_dtype);
+  }
+  out.pipeline = std::make_shared<WanTextToVideo>(config, std::move(t5), std::move(tokenizer), denoiser, std::move(vae));
+  return out;
 }
 
 }  // namespace megaslide

@@ -24,10 +24,11 @@
 
 #include "megaslide/io/files.h"
 #include "megaslide/io/safetensors.h"
+#include "megaslide/util/errors.h"
 
 namespace megaslide::io {
 
-class PretrainedError : public IoError {
+class PretrainedError : public IoError, public InputError {
  public:
   using IoError::IoError;
 };

@@ -158,6 +158,13 @@ bool ClipTokenizer::folder_has_vocabulary(const std::string& dir) {
          io::path_exists(io::join_path(dir, "bpe_simple_vocab_16e6.txt"));
 }
 
+ClipTokenizer ClipTokenizer::find(const std::string& vocab, const std::string& weights) {
+  if (!vocab.empty()) return io::is_directory(vocab) ? from_folder(vocab) : from_openai_bpe(vocab);
+  for (const auto& dir : {weights, weights + "/../tokenizer"})
+    if (!weights.empty() && folder_has_vocabulary(dir)) return from_folder(dir);
+  throw ClipTokenizerError("no CLIP vocabulary in '" + weights + "' (vocab.json + merges.txt there, in tokenizer/ or in ../tokenizer/)");
+}
+
 ClipTokenizer ClipTokenizer::from_folder(const std::string& dir) {
   for (const char* sub : {"", "tokenizer"}) {
     const auto base = std::string(sub).empty() ? dir : io::join_path(dir, sub);

@@ -19,17 +19,9 @@ std::shared_ptr<FrozenEncoders> FrozenEncoders::load(const RunConfig& config, to
       fail("model.text_encoder.weights", e.what());
     }
     try {
-      if (!te.vocab.empty()) {
-        out->tokenizer_.emplace(io::is_directory(te.vocab) ? ClipTokenizer::from_folder(te.vocab) : ClipTokenizer::from_openai_bpe(te.vocab));
-      } else {
-        for (const auto& dir : {te.weights, te.weights + "/../tokenizer"})
-          if (!out->tokenizer_ && ClipTokenizer::folder_has_vocabulary(dir)) out->tokenizer_.emplace(ClipTokenizer::from_folder(dir));
-        if (!out->tokenizer_)
-          fail("model.text_encoder.vocab", "no CLIP vocabulary in '" + te.weights + "' (vocab.json + merges.txt there, in tokenizer/ or in "
-                                           "../tokenizer/); set model.text_encoder.vocab to its folder or to bpe_simple_vocab_16e6.txt");
-      }
+      out->tokenizer_.emplace(ClipTokenizer::find(te.vocab, te.weights));
     } catch (const ClipTokenizerError& e) {
-      fail("model.text_encoder.vocab", e.what());
+      fail("model.text_encoder.vocab", std::string(e.what()) + (te.vocab.empty() ? "; set model.text_encoder.vocab to its folder or to bpe_simple_vocab_16e6.txt" : ""));
     }
     const auto& tc = out->text_->config();
     if (tc.hidden_size != config.model.text_dim)

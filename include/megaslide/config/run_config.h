@@ -15,11 +15,13 @@
 #include <string>
 #include <vector>
 
+#include "megaslide/util/errors.h"
+
 namespace megaslide {
 
 // A bad configuration value. what() is the whole message, e.g.
 //   "configs/smoke.yaml: model.hidden: expected an integer >= 1, got -3"
-class ConfigError : public std::runtime_error {
+class ConfigError : public std::runtime_error, public InputError {
  public:
   ConfigError(std::string source, std::string key, std::string problem);
   const std::string& source() const { return source_; }

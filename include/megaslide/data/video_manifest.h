@@ -23,12 +23,13 @@
 #include <vector>
 
 #include "megaslide/config/run_config.h"
+#include "megaslide/util/errors.h"
 
 namespace megaslide {
 
 // A dataset that cannot be used (bad manifest, too many bad items, a stale cache); what() names the file
 // and the problem.
-class DatasetError : public std::runtime_error {
+class DatasetError : public std::runtime_error, public InputError {
  public:
   using std::runtime_error::runtime_error;
 };

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "megaslide/diffusion/sampler.h"
+#include "megaslide/diffusion/streamed_denoiser.h"
 #include "megaslide/io/vbench_layout.h"
 #include "megaslide/model/dit_weights.h"
 #include "megaslide/model/frozen_encoders.h"
@@ -47,6 +48,12 @@ class VaeCodec final : public VideoCodec {
  private:
   std::shared_ptr<FrozenEncoders> encoders_;
 };
+
+// The denoiser a sampler runs `dit` with on `device`: its blocks streamed from the host (StreamedDenoiser)
+// when `stream` says so for its size, else resident in `compute_dtype` (moved to the device); null for
+// resident fp32, TextToVideo's own default. `streamed` (when given) tells which.
+std::shared_ptr<Denoiser> sampling_denoiser(DiT dit, torch::Device device, StreamChoice stream, c10::ScalarType compute_dtype,
+                                            bool* streamed = nullptr);
 
 class TextToVideo {
  public:

@@ -49,6 +49,7 @@
 #include "megaslide/model/wan_vae.h"
 #include "megaslide/diffusion/streamed_denoiser.h"
 #include "megaslide/offload/weight_streamer.h"
+#include "megaslide/util/errors.h"
 
 namespace megaslide {
 
@@ -196,5 +197,37 @@ class WanTextToVideo {
   std::shared_ptr<WanDenoiser> denoiser_;
   WanVae vae_;
 };
+
+// A sampling pipeline's component that cannot be used: which one (`component`: "text_encoder",
+// "tokenizer" or "vae"; a tool names its flag) and why. Bad input.
+class WanPipelineError : public std::runtime_error, public InputError {
+ public:
+  WanPipelineError(std::string component, const std::string& problem) : std::runtime_error(problem), component_(std::move(component)) {}
+  const std::string& component() const { return component_; }
+
+ private:
+  std::string component_;
+};
+
+// What a sampler asks of open_wan_pipeline. Empty paths: text_encoder/ and vae/ of the diffusers
+// repository model.wan.weights names; the tokenizer is found from umT5's path.
+struct WanPipelineRequest {
+  std::string text_encoder, tokenizer, vae;
+  torch::Device device = torch::kCPU;
+  StreamChoice stream = StreamChoice::kAuto;  // the DiT's blocks and umT5's layers, each by its own size
+  c10::ScalarType compute_dtype = c10::ScalarType::Float;  // the DiT's blocks
+};
+
+struct OpenedWanPipeline {
+  std::shared_ptr<WanTextToVideo> pipeline;
+  bool dit_streamed = false, text_encoder_streamed = false;
+};
+
+// The sampling pipeline of `model` (whole, or loaded with blocks_on_demand): umT5 (bf16 on a GPU, as Wan
+// runs it; fp32 on the CPU) resident or streamed layer by layer, the VAE in fp32, and the DiT resident
+// (block by block onto the device) or streamed from host buffers, in the compute dtype. Throws
+// WanPipelineError for a component that is missing or unreadable, std::invalid_argument for components
+// that do not fit each other.
+OpenedWanPipeline open_wan_pipeline(WanModel model, const WanPipelineRequest& request);
 
 }  // namespace megaslide

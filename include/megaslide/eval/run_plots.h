@@ -17,10 +17,11 @@
 
 #include "megaslide/eval/plot.h"
 #include "megaslide/train/resident_trainer.h"
+#include "megaslide/util/errors.h"
 
 namespace megaslide {
 
-class MetricsFileError : public std::runtime_error {
+class MetricsFileError : public std::runtime_error, public InputError {
  public:
   using std::runtime_error::runtime_error;
 };

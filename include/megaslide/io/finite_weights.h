@@ -14,9 +14,11 @@
 #include <stdexcept>
 #include <string>
 
+#include "megaslide/util/errors.h"
+
 namespace megaslide::io {
 
-class NonFiniteWeightsError : public std::runtime_error {
+class NonFiniteWeightsError : public std::runtime_error, public InputError {
  public:
   using std::runtime_error::runtime_error;
 };

@@ -27,10 +27,11 @@
 #include <vector>
 
 #include "megaslide/io/files.h"
+#include "megaslide/util/errors.h"
 
 namespace megaslide::io {
 
-class SafetensorsError : public IoError {
+class SafetensorsError : public IoError, public InputError {
  public:
   using IoError::IoError;
 };

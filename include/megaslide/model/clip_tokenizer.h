@@ -31,9 +31,11 @@
 #include <unordered_map>
 #include <vector>
 
+#include "megaslide/util/errors.h"
+
 namespace megaslide {
 
-class ClipTokenizerError : public std::runtime_error {
+class ClipTokenizerError : public std::runtime_error, public InputError {
  public:
   using std::runtime_error::runtime_error;
 };
@@ -52,6 +54,11 @@ class ClipTokenizer {
   static ClipTokenizer from_folder(const std::string& dir);
   // True when from_folder(dir) finds a vocabulary there.
   static bool folder_has_vocabulary(const std::string& dir);
+  // The vocabulary of a CLIP text encoder: `vocab` when given (a folder, or OpenAI's
+  // bpe_simple_vocab_16e6.txt), else the one in `weights` (the encoder's folder) or in
+  // `weights`/../tokenizer (a Stable Diffusion checkpoint's text_encoder/ beside its tokenizer/).
+  // Throws ClipTokenizerError naming where it looked.
+  static ClipTokenizer find(const std::string& vocab, const std::string& weights);
 
   // The ids of the text alone (steps 1–4), no start/end tokens, not cut.
   std::vector<int64_t> encode_text(const std::string& text) const;

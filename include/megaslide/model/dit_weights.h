@@ -29,10 +29,11 @@
 #include "megaslide/model/dit.h"
 #include "megaslide/model/frozen_encoders.h"
 #include "megaslide/model/text_encoder.h"
+#include "megaslide/util/errors.h"
 
 namespace megaslide {
 
-class WeightsError : public io::IoError {
+class WeightsError : public io::IoError, public InputError {
  public:
   using io::IoError::IoError;
 };

@@ -32,9 +32,11 @@
 #include <string>
 #include <vector>
 
+#include "megaslide/util/errors.h"
+
 namespace megaslide {
 
-class Umt5TokenizerError : public std::runtime_error {
+class Umt5TokenizerError : public std::runtime_error, public InputError {
  public:
   using std::runtime_error::runtime_error;
 };

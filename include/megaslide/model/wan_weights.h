@@ -39,12 +39,13 @@
 #include "megaslide/config/run_config.h"
 #include "megaslide/io/files.h"
 #include "megaslide/io/safetensors.h"
+#include "megaslide/util/errors.h"
 
 namespace megaslide {
 
 class WanTransformerImpl;
 
-class WanWeightsError : public io::IoError {
+class WanWeightsError : public io::IoError, public InputError {
  public:
   using io::IoError::IoError;
 };

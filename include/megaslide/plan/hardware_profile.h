@@ -24,9 +24,11 @@
 #include <string>
 #include <vector>
 
+#include "megaslide/util/errors.h"
+
 namespace megaslide::plan {
 
-class HardwareProfileError : public std::runtime_error {
+class HardwareProfileError : public std::runtime_error, public InputError {
  public:
   using std::runtime_error::runtime_error;
 };

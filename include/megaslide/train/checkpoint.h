@@ -51,10 +51,11 @@
 #include "megaslide/config/run_config.h"
 #include "megaslide/io/files.h"
 #include "megaslide/io/safetensors.h"
+#include "megaslide/util/errors.h"
 
 namespace megaslide {
 
-class CheckpointError : public io::IoError {
+class CheckpointError : public io::IoError, public InputError {
  public:
   using io::IoError::IoError;
 };

@@ -35,10 +35,11 @@
 #include "megaslide/io/files.h"
 #include "megaslide/io/safetensors.h"
 #include "megaslide/util/glob.h"
+#include "megaslide/util/errors.h"
 
 namespace megaslide {
 
-class InitFromError : public io::IoError {
+class InitFromError : public io::IoError, public InputError {
  public:
   using io::IoError::IoError;
 };

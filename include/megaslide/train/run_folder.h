@@ -20,13 +20,14 @@
 #include <memory>
 
 #include "megaslide/io/files.h"
+#include "megaslide/util/errors.h"
 
 #include <stdexcept>
 #include <string>
 
 namespace megaslide {
 
-class RunFolderError : public std::runtime_error {
+class RunFolderError : public std::runtime_error, public InputError {
  public:
   using std::runtime_error::runtime_error;
 };

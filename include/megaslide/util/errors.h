@@ -1,6 +1,7 @@
 // Errors as one line for people: what a tool's `main` prints when it turns an exception into an exit
 // code. LibTorch's c10::Error carries a C++ stack trace of 20-30 lines after its message; users need
-// the message (what was asked, what is available), which this returns without the trace.
+// the message (what was asked, what is available), which this returns without the trace. And which
+// failures are the user's input to change (exit 2) rather than a failure of the work (exit 1).
 //
 // Thread-safety: pure functions.
 #pragma once
@@ -9,6 +10,24 @@
 #include <string>
 
 namespace megaslide {
+
+// Marks an exception type as bad input: a config, a flag, a checkpoint, a dataset or a weights file that
+// is missing, malformed or does not fit, named in the message; a tool exits 2 for it and 1 for every
+// other failure (tools/tool_support.h: run_tool). Mixed in beside the type's std::runtime_error base,
+// so `catch (const std::exception&)` still sees one std::exception:
+//   class ConfigError : public std::runtime_error, public InputError { ... };
+class InputError {
+ public:
+  virtual ~InputError() = default;
+
+ protected:
+  InputError() = default;
+  InputError(const InputError&) = default;
+  InputError& operator=(const InputError&) = default;
+};
+
+// True when `e` is bad input (its type derives from InputError).
+inline bool is_input_error(const std::exception& e) { return dynamic_cast<const InputError*>(&e) != nullptr; }
 
 // e.what(), or for a c10::Error (TORCH_CHECK, allocation failures, CUDA errors) its message without
 // the stack trace, with runs of white space (newlines included) folded to one space.

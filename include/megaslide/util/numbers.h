@@ -16,11 +16,13 @@
 #include <stdexcept>
 #include <string>
 
+#include "megaslide/util/errors.h"
+
 namespace megaslide {
 
 // A text that is not the number asked for; what() is a phrase that completes "KEY: ", e.g.
 // "expected a number > 0, got '1e400' (beyond the largest double, about 1.8e308)".
-class NumberError : public std::invalid_argument {
+class NumberError : public std::invalid_argument, public InputError {
  public:
   using std::invalid_argument::invalid_argument;
 };
