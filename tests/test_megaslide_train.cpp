@@ -21,6 +21,7 @@
 #include <fstream>
 #include <iostream>
 #include <iterator>
+#include <map>
 
 #include "megaslide/config/run_config.h"
 #include "megaslide/io/files.h"
@@ -601,4 +602,72 @@ TEST(MegaslideTrain, FifosNamedAsInputsAreRefusedAtOnce) {
     EXPECT_FALSE(megaslide::io::path_exists(join_path(base, "run/metrics.jsonl"))) << input;
   }
   megaslide::io::remove_tree(base);
+}
+
+namespace {
+
+// (step, loss) of a run's metrics.jsonl.
+std::vector<std::pair<int64_t, double>> step_losses(const std::string& metrics) {
+  std::vector<std::pair<int64_t, double>> out;
+  std::ifstream in(metrics);
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line);
+    out.emplace_back(j.at("step").get<int64_t>(), j.at("loss").get<double>());
+  }
+  return out;
+}
+
+// megaslide-train run with `cwd` as the working folder.
+Result run_in(const std::string& cwd, const std::string& args) {
+  const std::string cmd = "cd '" + cwd + "' && " + std::string(MEGASLIDE_BINARY_DIR) + "/bin/megaslide-train " + args + " 2>&1";
+  Result r;
+  FILE* pipe = ::popen(cmd.c_str(), "r");
+  if (pipe == nullptr) return r;
+  char buf[4096];
+  while (std::fgets(buf, sizeof buf, pipe) != nullptr) r.output += buf;
+  const int status = ::pclose(pipe);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+}  // namespace
+
+// The property: checkpoints written before the family seam (commit 2c2de03's megaslide-train; fixture
+// tests/fixtures/checkpoints_2c2de03/, README.md there says how) resume today — the DiT family streamed
+// and resident, and Wan streamed, each saved at step 2 of a 4-step run — and the resumed run goes on as
+// the old uninterrupted run did: the losses of steps 3 and 4 and the step-4 fp32 masters equal the old
+// run's (fp32 compute; within 1e-5, as another CPU may round sums differently).
+TEST(MegaslideTrain, CheckpointsWrittenBeforeTheFamilySeamResumeAndContinueTheOldRun) {
+  const std::string fixtures = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/checkpoints_2c2de03";
+  struct Case {
+    const char* name;
+    const char* config;
+    const char* extra;
+  };
+  // Run in the fixture's folder: the Wan run names its data.tensors relative to it, as it was saved.
+  const std::vector<Case> cases = {{"dit", "dit.yaml", ""}, {"dit-resident", "dit.yaml", " --set offload.enabled=false"}, {"wan", "wan.yaml", ""}};
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    const auto old_run = join_path(fixtures, c.name);
+    const auto dir = fresh_dir(std::string("old-") + c.name);
+    auto r = run_in(fixtures, std::string("--config ") + c.config + " --run-dir " + dir + c.extra + " --resume " + join_path(old_run, "step-0000002"));
+    ASSERT_EQ(r.code, 0) << r.output;
+    const auto old_losses = step_losses(join_path(old_run, "metrics.jsonl"));
+    const auto new_losses = step_losses(join_path(dir, "metrics.jsonl"));
+    ASSERT_EQ(old_losses.size(), 4u);
+    ASSERT_EQ(new_losses.size(), 2u) << r.output;
+    for (size_t i = 0; i < 2; ++i) {
+      EXPECT_EQ(new_losses[i].first, old_losses[i + 2].first);
+      EXPECT_NEAR(new_losses[i].second, old_losses[i + 2].second, 1e-5 * std::abs(old_losses[i + 2].second)) << "step " << new_losses[i].first;
+    }
+    const auto old_master = megaslide::io::read_safetensors(join_path(old_run, "step-4-master.safetensors"));
+    const auto new_master = megaslide::io::read_safetensors(join_path(dir, "checkpoints/step-0000004/master.safetensors"));
+    ASSERT_EQ(new_master.tensors.size(), old_master.tensors.size());
+    std::map<std::string, torch::Tensor> by_name(new_master.tensors.begin(), new_master.tensors.end());
+    for (const auto& [name, old] : old_master.tensors) {
+      ASSERT_TRUE(by_name.count(name)) << name;
+      EXPECT_TRUE(torch::allclose(by_name[name], old, /*rtol=*/0, /*atol=*/1e-5)) << name;
+    }
+    megaslide::io::remove_tree(dir);
+  }
 }
