@@ -72,22 +72,12 @@ torch::Tensor StreamedDenoiser::predict(const torch::Tensor& x, const torch::Ten
   ctx.t_mod = ctx.t_mod.to(dt);
   ctx.text = ctx.text.to(dt);
   auto h = e.tokens.to(dt);
-  const int64_t L = streamer_->num_blocks();
-  streamer_->prefetch(0, host_[0]);
-  for (int64_t l = 0; l < L; ++l) {
-    auto weights = streamer_->acquire(l);
-    for (auto& p : params_[l]) p.param.set_data(weights.narrow(0, p.offset, p.numel).view(p.shape));
-    try {
-      h = model_->blocks[l]->as<DiTBlockImpl>()->forward(h, ctx);
-    } catch (...) {
-      for (auto& p : params_[l]) p.param.set_data(torch::empty({0}, empty));
-      streamer_->release(l);
-      throw;
-    }
-    for (auto& p : params_[l]) p.param.set_data(torch::empty({0}, empty));
-    streamer_->release(l);
-    if (l + 1 < L) streamer_->prefetch(l + 1, host_[l + 1]);
-  }
+  offload::StreamedForward blocks(*streamer_, [this](int64_t l) { return host_[static_cast<size_t>(l)]; });
+  for (int64_t l = 0; l < streamer_->num_blocks(); ++l)
+    h = blocks.run(l, [&](const torch::Tensor& weights) {
+      offload::BoundParams bound(params_[static_cast<size_t>(l)], weights, empty);
+      return model_->blocks[l]->as<DiTBlockImpl>()->forward(h, ctx);
+    });
   return model_->head(h.to(e.tokens.scalar_type()), e.t_emb, e.ctx.grid);
 }
 

@@ -272,25 +272,13 @@ int64_t StreamedWanDenoiser::host_weight_bytes() const {
 
 torch::Tensor StreamedWanDenoiser::predict(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text) {
   const auto empty = torch::TensorOptions().dtype(options_.compute_dtype).device(options_.device);
-  const int64_t L = streamer_->num_blocks();
-  streamer_->prefetch(0, host_[0]);
+  offload::StreamedForward blocks(*streamer_, [this](int64_t l) { return host_[static_cast<size_t>(l)]; });
   return wan_predict(model_, options_.device, options_.compute_dtype, x, timesteps, text,
                      [&](int64_t l, const torch::Tensor& h, const WanBlockContext& ctx) {
-                       auto weights = streamer_->acquire(l);
-                       auto& params = params_[static_cast<size_t>(l)];
-                       for (auto& p : params) p.param.set_data(weights.narrow(0, p.offset, p.numel).view(p.shape));
-                       torch::Tensor out;
-                       try {
-                         out = model_->blocks[l]->as<WanBlockImpl>()->forward(h, ctx);
-                       } catch (...) {
-                         for (auto& p : params) p.param.set_data(torch::empty({0}, empty));
-                         streamer_->release(l);
-                         throw;
-                       }
-                       for (auto& p : params) p.param.set_data(torch::empty({0}, empty));
-                       streamer_->release(l);
-                       if (l + 1 < L) streamer_->prefetch(l + 1, host_[static_cast<size_t>(l + 1)]);
-                       return out;
+                       return blocks.run(l, [&](const torch::Tensor& weights) {
+                         offload::BoundParams bound(params_[static_cast<size_t>(l)], weights, empty);
+                         return model_->blocks[l]->as<WanBlockImpl>()->forward(h, ctx);
+                       });
                      });
 }
 

@@ -356,52 +356,43 @@ at::Tensor Umt5Encoder::forward(const at::Tensor& ids_in, const at::Tensor& mask
   const auto buckets = relative_buckets(L, c.relative_attention_num_buckets, c.relative_attention_max_distance).to(device_);
   const auto [gated, act_name] = activation(c.feed_forward_proj);
   auto h = stream_ ? at::embedding(stream_->embedding, ids_in.cpu()).to(device_, at::kFloat) : at::embedding(w(kEmbedding), ids).to(at::kFloat);
-  // An acquired layer is released however the layer ends (an exception included).
-  struct Release {
-    offload::WeightStreamer* streamer = nullptr;
-    int64_t layer = -1;
-    ~Release() {
-      if (streamer != nullptr && layer >= 0) try {
-          streamer->release(layer);
-        } catch (...) {
-        }
-    }
-  } acquired;
-  if (stream_) stream_->streamer->prefetch(0, stream_->host[0]);
-  for (int64_t l = 0; l < c.num_layers; ++l) {
+  // One layer on its weights: the resident ones, or (streamed) `slot`'s views of the layer's device copy.
+  auto layer = [&](int64_t l) {
     const auto p = block(l);
-    if (stream_) {
-      const auto weights = stream_->streamer->acquire(l);
-      acquired.streamer = stream_->streamer.get();
-      acquired.layer = l;
-      slot.clear();
-      for (const auto& m : stream_->layers[static_cast<size_t>(l)]) slot[m.name] = weights.narrow(0, m.offset, m.numel).view(m.shape);
-    }
-    auto x = rms_norm(h, w(p + "layer.0.layer_norm.weight"), c.layer_norm_epsilon).to(dtype_);
-    auto heads = [&](const char* proj) {
-      return at::linear(x, w(p + "layer.0.SelfAttention." + proj + ".weight")).view({B, L, H, c.d_kv}).transpose(1, 2);
-    };
-    // [L, L, H] -> [1, H, L, L]: this layer's bias, plus the padding mask.
-    auto bias = at::embedding(w(p + "layer.0.SelfAttention.relative_attention_bias.weight"), buckets).permute({2, 0, 1}).unsqueeze(0);
-    if (key_bias.defined()) bias = bias + key_bias;
-    auto attn = at::scaled_dot_product_attention(heads("q"), heads("k"), heads("v"), bias.to(dtype_), 0.0, /*is_causal=*/false,
-                                                 /*scale=*/1.0);
-    attn = attn.transpose(1, 2).reshape({B, L, I});
-    h = h + at::linear(attn, w(p + "layer.0.SelfAttention.o.weight")).to(at::kFloat);
-    x = rms_norm(h, w(p + "layer.1.layer_norm.weight"), c.layer_norm_epsilon).to(dtype_);
-    at::Tensor ff;
-    if (gated) {
-      ff = act(at::linear(x, w(p + "layer.1.DenseReluDense.wi_0.weight")), act_name) * at::linear(x, w(p + "layer.1.DenseReluDense.wi_1.weight"));
-    } else {
-      ff = act(at::linear(x, w(p + "layer.1.DenseReluDense.wi.weight")), act_name);
-    }
-    h = h + at::linear(ff, w(p + "layer.1.DenseReluDense.wo.weight")).to(at::kFloat);
-    if (stream_) {
-      slot.clear();
-      acquired.layer = -1;
-      stream_->streamer->release(l);
-      if (l + 1 < c.num_layers) stream_->streamer->prefetch(l + 1, stream_->host[static_cast<size_t>(l + 1)]);
-    }
+      auto x = rms_norm(h, w(p + "layer.0.layer_norm.weight"), c.layer_norm_epsilon).to(dtype_);
+      auto heads = [&](const char* proj) {
+        return at::linear(x, w(p + "layer.0.SelfAttention." + proj + ".weight")).view({B, L, H, c.d_kv}).transpose(1, 2);
+      };
+      // [L, L, H] -> [1, H, L, L]: this layer's bias, plus the padding mask.
+      auto bias = at::embedding(w(p + "layer.0.SelfAttention.relative_attention_bias.weight"), buckets).permute({2, 0, 1}).unsqueeze(0);
+      if (key_bias.defined()) bias = bias + key_bias;
+      auto attn = at::scaled_dot_product_attention(heads("q"), heads("k"), heads("v"), bias.to(dtype_), 0.0, /*is_causal=*/false,
+                                                   /*scale=*/1.0);
+      attn = attn.transpose(1, 2).reshape({B, L, I});
+      h = h + at::linear(attn, w(p + "layer.0.SelfAttention.o.weight")).to(at::kFloat);
+      x = rms_norm(h, w(p + "layer.1.layer_norm.weight"), c.layer_norm_epsilon).to(dtype_);
+      at::Tensor ff;
+      if (gated) {
+        ff = act(at::linear(x, w(p + "layer.1.DenseReluDense.wi_0.weight")), act_name) * at::linear(x, w(p + "layer.1.DenseReluDense.wi_1.weight"));
+      } else {
+        ff = act(at::linear(x, w(p + "layer.1.DenseReluDense.wi.weight")), act_name);
+      }
+      h = h + at::linear(ff, w(p + "layer.1.DenseReluDense.wo.weight")).to(at::kFloat);
+  };
+  if (!stream_) {
+    for (int64_t l = 0; l < c.num_layers; ++l) layer(l);
+  } else {
+    offload::StreamedForward layers(*stream_->streamer, [this](int64_t l) { return stream_->host[static_cast<size_t>(l)]; });
+    for (int64_t l = 0; l < c.num_layers; ++l)
+      layers.run(l, [&](const at::Tensor& weights) {
+        slot.clear();
+        for (const auto& m : stream_->layers[static_cast<size_t>(l)]) slot[m.name] = weights.narrow(0, m.offset, m.numel).view(m.shape);
+        struct Clear {  // no view of the slot outlives the layer
+          decltype(slot)& views;
+          ~Clear() { views.clear(); }
+        } clear{slot};
+        layer(l);
+      });
   }
   return rms_norm(h, w("encoder.final_layer_norm.weight"), c.layer_norm_epsilon);
 }

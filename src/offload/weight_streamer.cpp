@@ -184,4 +184,30 @@ void WeightStreamer::end_span(int span) { impl_->streams->end_span(span); }
 
 void WeightStreamer::resolve_trace() { impl_->streams->resolve_trace(); }
 
+StreamedForward::StreamedForward(WeightStreamer& streamer, std::function<at::Tensor(int64_t)> host)
+    : streamer_(streamer), host_(std::move(host)) {
+  if (streamer_.num_blocks() > 0) streamer_.prefetch(0, host_(0));
+}
+
+void StreamedForward::next(int64_t block) {
+  streamer_.release(block);
+  if (block + 1 < streamer_.num_blocks()) streamer_.prefetch(block + 1, host_(block + 1));
+}
+
+void StreamedForward::abandon(int64_t block) noexcept {
+  try {
+    streamer_.release(block);
+  } catch (...) {  // the error leaving body is the one to report
+  }
+}
+
+BoundParams::BoundParams(std::vector<FlatParam>& params, const at::Tensor& weights, at::TensorOptions empty)
+    : params_(params), empty_(empty) {
+  for (auto& p : params_) p.param.set_data(weights.narrow(0, p.offset, p.numel).view(p.shape));
+}
+
+BoundParams::~BoundParams() {
+  for (auto& p : params_) p.param.set_data(at::empty({0}, empty_));
+}
+
 }  // namespace megaslide::offload

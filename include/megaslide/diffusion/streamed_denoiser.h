@@ -49,14 +49,9 @@ class StreamedDenoiser final : public Denoiser {
   const StreamedDenoiserOptions& options() const { return options_; }
 
  private:
-  struct Param {
-    torch::Tensor param;  // the block module's parameter, bound to slot views while the block runs
-    int64_t offset = 0, numel = 0;
-    std::vector<int64_t> shape;
-  };
   DiT model_;
   StreamedDenoiserOptions options_;
-  std::vector<std::vector<Param>> params_;  // per block
+  std::vector<std::vector<offload::FlatParam>> params_;  // per block
   std::vector<torch::Tensor> host_;         // per block: flat weights, compute dtype
   std::unique_ptr<offload::WeightStreamer> streamer_;
 };

@@ -126,14 +126,9 @@ class StreamedWanDenoiser final : public WanDenoiser {
   int64_t host_weight_bytes() const;  // the blocks' streamed weights on the host (compute dtype; borrowed ones included)
 
  private:
-  struct Param {
-    torch::Tensor param;
-    int64_t offset = 0, numel = 0;
-    std::vector<int64_t> shape;
-  };
   WanTransformer model_;
   StreamedDenoiserOptions options_;
-  std::vector<std::vector<Param>> params_;
+  std::vector<std::vector<offload::FlatParam>> params_;
   std::vector<torch::Tensor> host_;
   std::unique_ptr<offload::WeightStreamer> streamer_;
   void build(const std::function<WanBlock(int64_t)>& block_source);

@@ -29,8 +29,11 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "megaslide/offload/step_trace.h"
@@ -128,6 +131,66 @@ class WeightStreamer {
   StreamerStats stats_;
   int64_t max_resident_ = 0;
   std::unique_ptr<Impl> impl_;
+};
+
+// Forward-only streaming of blocks 0, 1, ..., n-1 in order (sampling and encoding: the DiT family's and
+// Wan's streamed denoisers, umT5's streamed layers). Construction prefetches block 0; run(l, body)
+// acquires block l's device weights, calls body(weights) (valid during the call), releases the block
+// however body ends, and prefetches block l+1, whose upload then overlaps block l's compute. `host(l)`
+// gives block l's flat host weights in the streamer's compute dtype.
+class StreamedForward {
+ public:
+  StreamedForward(WeightStreamer& streamer, std::function<at::Tensor(int64_t)> host);
+
+  template <typename Body>
+  auto run(int64_t block, Body&& body) -> decltype(body(std::declval<const at::Tensor&>())) {
+    const at::Tensor weights = streamer_.acquire(block);
+    using Result = decltype(body(weights));
+    auto guarded = [&]() -> Result {
+      try {
+        return body(weights);
+      } catch (...) {
+        abandon(block);
+        throw;
+      }
+    };
+    if constexpr (std::is_void_v<Result>) {
+      guarded();
+      next(block);
+    } else {
+      Result out = guarded();
+      next(block);
+      return out;
+    }
+  }
+
+ private:
+  void next(int64_t block);              // releases `block`, prefetches the one after it
+  void abandon(int64_t block) noexcept;  // releases `block` while an error leaves body
+  WeightStreamer& streamer_;
+  std::function<at::Tensor(int64_t)> host_;
+};
+
+// A block module's parameters bound to views of its flat device weights while the block runs:
+// parameter i is weights[offset, offset + numel) viewed as shape.
+struct FlatParam {
+  at::Tensor param;
+  int64_t offset = 0, numel = 0;
+  std::vector<int64_t> shape;
+};
+
+// Binds `params` to views of `weights` for the scope; empties them again (zero elements, `empty`'s
+// dtype and device) when the scope ends, however it ends, so no module holds the slot.
+class BoundParams {
+ public:
+  BoundParams(std::vector<FlatParam>& params, const at::Tensor& weights, at::TensorOptions empty);
+  ~BoundParams();
+  BoundParams(const BoundParams&) = delete;
+  BoundParams& operator=(const BoundParams&) = delete;
+
+ private:
+  std::vector<FlatParam>& params_;
+  at::TensorOptions empty_;
 };
 
 }  // namespace megaslide::offload
