@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <csignal>
 #include <cstdlib>
 #include <set>
@@ -635,8 +636,9 @@ Result run_in(const std::string& cwd, const std::string& args) {
 // The property: checkpoints written before the family seam (commit 2c2de03's megaslide-train; fixture
 // tests/fixtures/checkpoints_2c2de03/, README.md there says how) resume today — the DiT family streamed
 // and resident, and Wan streamed, each saved at step 2 of a 4-step run — and the resumed run goes on as
-// the old uninterrupted run did: the losses of steps 3 and 4 and the step-4 fp32 masters equal the old
-// run's (fp32 compute; within 1e-5, as another CPU may round sums differently).
+// the old uninterrupted run did: the losses of steps 3 and 4 equal the old run's within 1e-5 (fp32
+// compute; another CPU may round sums differently), and the step-4 fp32 masters are the old run's to
+// within 1e-3 of how far steps 3-4 moved them.
 TEST(MegaslideTrain, CheckpointsWrittenBeforeTheFamilySeamResumeAndContinueTheOldRun) {
   const std::string fixtures = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/checkpoints_2c2de03";
   struct Case {
@@ -663,11 +665,21 @@ TEST(MegaslideTrain, CheckpointsWrittenBeforeTheFamilySeamResumeAndContinueTheOl
     const auto old_master = megaslide::io::read_safetensors(join_path(old_run, "step-4-master.safetensors"));
     const auto new_master = megaslide::io::read_safetensors(join_path(dir, "checkpoints/step-0000004/master.safetensors"));
     ASSERT_EQ(new_master.tensors.size(), old_master.tensors.size());
-    std::map<std::string, torch::Tensor> by_name(new_master.tensors.begin(), new_master.tensors.end());
+    const auto start = megaslide::io::read_safetensors(join_path(old_run, "step-0000002/master.safetensors"));
+    std::map<std::string, torch::Tensor> resumed(new_master.tensors.begin(), new_master.tensors.end());
+    std::map<std::string, torch::Tensor> at_step2(start.tensors.begin(), start.tensors.end());
+    // Steps 3-4 moved the weights by `moved`; the resumed run ends within 1e-3 of that distance of the old
+    // run's end (measured here: 0, bit for bit). A resume that lost the moments, the step count or the
+    // learning-rate schedule ends a distance comparable to `moved` away; another CPU's rounding, amplified
+    // by AdamW's normalisation where a gradient is near zero, stays far below it.
+    double off2 = 0.0, moved2 = 0.0;
     for (const auto& [name, old] : old_master.tensors) {
-      ASSERT_TRUE(by_name.count(name)) << name;
-      EXPECT_TRUE(torch::allclose(by_name[name], old, /*rtol=*/0, /*atol=*/1e-5)) << name;
+      ASSERT_TRUE(resumed.count(name) && at_step2.count(name)) << name;
+      off2 += (resumed[name].to(torch::kDouble) - old.to(torch::kDouble)).pow(2).sum().item<double>();
+      moved2 += (old.to(torch::kDouble) - at_step2[name].to(torch::kDouble)).pow(2).sum().item<double>();
     }
+    ASSERT_GT(moved2, 0.0);
+    EXPECT_LE(std::sqrt(off2), 1e-3 * std::sqrt(moved2)) << "the resumed run's step-4 masters are not the old run's";
     megaslide::io::remove_tree(dir);
   }
 }

@@ -463,7 +463,7 @@ OpenedWanPipeline open_wan_pipeline(WanModel model, const WanPipelineRequest& re
   out.text_encoder_streamed = should_stream(request.stream, request.device, t5.weight_bytes());
   t5 = out.text_encoder_streamed ? Umt5Encoder::streamed(std::move(t5), request.device) : Umt5Encoder::resident(std::move(t5), request.device);
   auto tokenizer = request.tokenizer.empty()
-                       ? loading("text_encoder", "its tokenizer: ", [&] { return Umt5Tokenizer::find(t5_path); })
+                       ? loading("text_encoder", "its tokenizer (or give the tokenizer on its own): ", [&] { return Umt5Tokenizer::find(t5_path); })
                        : loading("tokenizer", "", [&] { return Umt5Tokenizer::find(request.tokenizer); });
   auto vae = loading("vae", "", [&] { return WanVae::load(vae_path, request.device, torch::kFloat32); });
 

@@ -359,25 +359,25 @@ at::Tensor Umt5Encoder::forward(const at::Tensor& ids_in, const at::Tensor& mask
   // One layer on its weights: the resident ones, or (streamed) `slot`'s views of the layer's device copy.
   auto layer = [&](int64_t l) {
     const auto p = block(l);
-      auto x = rms_norm(h, w(p + "layer.0.layer_norm.weight"), c.layer_norm_epsilon).to(dtype_);
-      auto heads = [&](const char* proj) {
-        return at::linear(x, w(p + "layer.0.SelfAttention." + proj + ".weight")).view({B, L, H, c.d_kv}).transpose(1, 2);
-      };
-      // [L, L, H] -> [1, H, L, L]: this layer's bias, plus the padding mask.
-      auto bias = at::embedding(w(p + "layer.0.SelfAttention.relative_attention_bias.weight"), buckets).permute({2, 0, 1}).unsqueeze(0);
-      if (key_bias.defined()) bias = bias + key_bias;
-      auto attn = at::scaled_dot_product_attention(heads("q"), heads("k"), heads("v"), bias.to(dtype_), 0.0, /*is_causal=*/false,
-                                                   /*scale=*/1.0);
-      attn = attn.transpose(1, 2).reshape({B, L, I});
-      h = h + at::linear(attn, w(p + "layer.0.SelfAttention.o.weight")).to(at::kFloat);
-      x = rms_norm(h, w(p + "layer.1.layer_norm.weight"), c.layer_norm_epsilon).to(dtype_);
-      at::Tensor ff;
-      if (gated) {
-        ff = act(at::linear(x, w(p + "layer.1.DenseReluDense.wi_0.weight")), act_name) * at::linear(x, w(p + "layer.1.DenseReluDense.wi_1.weight"));
-      } else {
-        ff = act(at::linear(x, w(p + "layer.1.DenseReluDense.wi.weight")), act_name);
-      }
-      h = h + at::linear(ff, w(p + "layer.1.DenseReluDense.wo.weight")).to(at::kFloat);
+    auto x = rms_norm(h, w(p + "layer.0.layer_norm.weight"), c.layer_norm_epsilon).to(dtype_);
+    auto heads = [&](const char* proj) {
+      return at::linear(x, w(p + "layer.0.SelfAttention." + proj + ".weight")).view({B, L, H, c.d_kv}).transpose(1, 2);
+    };
+    // [L, L, H] -> [1, H, L, L]: this layer's bias, plus the padding mask.
+    auto bias = at::embedding(w(p + "layer.0.SelfAttention.relative_attention_bias.weight"), buckets).permute({2, 0, 1}).unsqueeze(0);
+    if (key_bias.defined()) bias = bias + key_bias;
+    auto attn = at::scaled_dot_product_attention(heads("q"), heads("k"), heads("v"), bias.to(dtype_), 0.0, /*is_causal=*/false,
+                                                 /*scale=*/1.0);
+    attn = attn.transpose(1, 2).reshape({B, L, I});
+    h = h + at::linear(attn, w(p + "layer.0.SelfAttention.o.weight")).to(at::kFloat);
+    x = rms_norm(h, w(p + "layer.1.layer_norm.weight"), c.layer_norm_epsilon).to(dtype_);
+    at::Tensor ff;
+    if (gated) {
+      ff = act(at::linear(x, w(p + "layer.1.DenseReluDense.wi_0.weight")), act_name) * at::linear(x, w(p + "layer.1.DenseReluDense.wi_1.weight"));
+    } else {
+      ff = act(at::linear(x, w(p + "layer.1.DenseReluDense.wi.weight")), act_name);
+    }
+    h = h + at::linear(ff, w(p + "layer.1.DenseReluDense.wo.weight")).to(at::kFloat);
   };
   if (!stream_) {
     for (int64_t l = 0; l < c.num_layers; ++l) layer(l);
