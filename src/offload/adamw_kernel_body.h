@@ -1,0 +1,279 @@
+// The vector AdamW kernel, written once over a SIMD shim: adamw_kernel_avx512.cpp and adamw_kernel_avx2.cpp
+// each define a shim and instantiate this body with it (the scalar kernel stays separate). Include it only
+// from those two files. Like them it includes no LibTorch header (adamw_kernels.h says why), and all of it
+// sits in an unnamed namespace: each ISA file compiles its own copy with its own -m flags, and a symbol
+// shared between them could let the linker keep the AVX-512 copy for AVX2 callers.
+//
+// A shim is a struct of static inline functions over kLanes lanes:
+//   F, I, H       kLanes fp32 lanes, kLanes int32 lanes, kLanes 16-bit lanes
+//   Mask          the live lanes of a vector: all(), or first(n) for the n < kLanes of a tail. Dead lanes load
+//                 as 0 and their stores leave memory untouched.
+//   load_f32 store_f32 load_u16 store_u16<kStream> load_i8 load_u8 store_i8 store_u8   (each with a Mask)
+//   load_aligned store_aligned   whole vectors of a vector-aligned float buffer
+//   widen_bf16 widen_fp16 to_bf16 to_fp16   exact widening; c10's rounding and NaN patterns
+//   truncate_bf16   the top halves of fp32 lanes (the stream probe's copy)
+//   set1 zero add mul div fma sqrt min max abs   IEEE fp32 lane by lane; min and max as x86 has them (the
+//                 second operand where either is NaN), which decides what the int8 group maxima do with NaN
+//   round_to_i32 (nearest even) truncate_to_i32 at_least_one_where_positive max_lane first_lane store_fence
+//   kScalarProbeTail   whether the stream probe's last partial vector goes to stream_probe_scalar
+// The body performs the contract of adamw_kernels.h in its order, so every path gives the scalar kernel's
+// bits. Where the contract leaves bits open (NaN payloads, the int8 group maxima when a moment is NaN, probe
+// codes pushed out of range) the two shims may differ, and each keeps the behaviour its ISA's kernel has had.
+#pragma once
+
+#if !defined(__AVX2__)
+#error "adamw_kernel_body.h is for the SIMD kernel files, compiled with their per-file ISA flags"
+#endif
+
+#include <cstdint>
+#include <type_traits>
+
+#include "offload/adamw_kernels.h"
+
+// The per-vector functions inline into their loops whatever GCC's size heuristics say, so that all() folds
+// into whole-vector instructions: left to the heuristics, GCC called the bf16 state's loads and stores out of
+// line, with the AVX2 shim's lane-count tests in them, and that path ran about 30% slower.
+#define MEGASLIDE_SIMD_INLINE inline __attribute__((always_inline))
+
+namespace megaslide::offload::detail {
+namespace {
+
+template <class Simd>
+struct Constants {
+  using F = typename Simd::F;
+  F grad_scale, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, sqrt_bc2, eps, neg_step_size;
+  explicit Constants(const AdamWKernelParams& p)
+      : grad_scale(Simd::set1(p.grad_scale)),
+        decay(Simd::set1(p.decay)),
+        beta1(Simd::set1(p.beta1)),
+        one_minus_beta1(Simd::set1(p.one_minus_beta1)),
+        beta2(Simd::set1(p.beta2)),
+        one_minus_beta2(Simd::set1(p.one_minus_beta2)),
+        sqrt_bc2(Simd::set1(p.sqrt_bias_correction2)),
+        eps(Simd::set1(p.eps)),
+        neg_step_size(Simd::set1(p.neg_step_size)) {}
+};
+
+template <class Simd>
+struct Moments {
+  typename Simd::F m, v, u;  // u = sqrt(v)
+};
+
+template <class Simd, GradType G>
+MEGASLIDE_SIMD_INLINE typename Simd::F load_grad(const void* grad, int64_t i, typename Simd::Mask k) {
+  if constexpr (G == GradType::kFloat32) {
+    return Simd::load_f32(static_cast<const float*>(grad) + i, k);
+  } else {
+    const typename Simd::H h = Simd::load_u16(static_cast<const uint16_t*>(grad) + i, k);
+    return G == GradType::kBFloat16 ? Simd::widen_bf16(h) : Simd::widen_fp16(h);
+  }
+}
+
+template <class Simd, ComputeType C, bool kStream>
+MEGASLIDE_SIMD_INLINE void store_compute(void* compute, int64_t i, typename Simd::F w, typename Simd::Mask k) {
+  if constexpr (C != ComputeType::kNone) {
+    const typename Simd::H h = C == ComputeType::kBFloat16 ? Simd::to_bf16(w) : Simd::to_fp16(w);
+    Simd::template store_u16<kStream>(static_cast<uint16_t*>(compute) + i, h, k);
+  }
+}
+
+// Whether [begin, end) can take streaming stores for the copy: asked for, and element `begin` of the copy
+// on a vector boundary (16 bytes for AVX2, 32 for AVX-512), so every full vector after it is.
+template <class Simd>
+inline bool use_streaming(const AdamWKernelParams& p, int64_t begin) {
+  return p.stream_compute && p.compute != nullptr &&
+         reinterpret_cast<uintptr_t>(static_cast<const uint16_t*>(p.compute) + begin) % sizeof(typename Simd::H) == 0;
+}
+
+// --- state: fp32, bf16 or int8 moments --------------------------------------------------------------
+
+template <class Simd, StateType S>
+MEGASLIDE_SIMD_INLINE typename Simd::F load_state(const void* state, int64_t i, typename Simd::Mask k) {
+  if constexpr (S == StateType::kFloat32) {
+    return Simd::load_f32(static_cast<const float*>(state) + i, k);
+  } else {
+    return Simd::widen_bf16(Simd::load_u16(static_cast<const uint16_t*>(state) + i, k));
+  }
+}
+
+template <class Simd, StateType S>
+MEGASLIDE_SIMD_INLINE void store_state(void* state, int64_t i, typename Simd::F x, typename Simd::Mask k) {
+  if constexpr (S == StateType::kFloat32) {
+    Simd::store_f32(static_cast<float*>(state) + i, x, k);
+  } else {
+    Simd::template store_u16<false>(static_cast<uint16_t*>(state) + i, Simd::to_bf16(x), k);
+  }
+}
+
+// --- kernels ---------------------------------------------------------------------------------------
+
+// The contract of adamw_kernels.h on the live lanes from their old moments; writes master and the copy.
+// The gradient may be the compute copy (adamw_kernels.h): it is loaded before the copy is stored.
+template <class Simd, GradType G, ComputeType C, bool kStream>
+MEGASLIDE_SIMD_INLINE Moments<Simd> adamw_core(const AdamWKernelParams& p, const Constants<Simd>& c, int64_t i,
+                                               typename Simd::Mask k, typename Simd::F m_old, typename Simd::F v_old) {
+  using F = typename Simd::F;
+  const F g = Simd::mul(load_grad<Simd, G>(p.grad, i, k), c.grad_scale);
+  F w = Simd::mul(Simd::load_f32(p.master + i, k), c.decay);
+  const F m = Simd::fma(g, c.one_minus_beta1, Simd::mul(m_old, c.beta1));
+  const F v = Simd::fma(Simd::mul(c.one_minus_beta2, g), g, Simd::mul(v_old, c.beta2));
+  const F u = Simd::sqrt(v);
+  const F d = Simd::add(Simd::div(u, c.sqrt_bc2), c.eps);
+  w = Simd::add(w, Simd::div(Simd::mul(c.neg_step_size, m), d));
+  Simd::store_f32(p.master + i, w, k);
+  store_compute<Simd, C, kStream>(p.compute, i, w, k);
+  return {m, v, u};
+}
+
+template <class Simd, GradType G, ComputeType C, StateType S, bool kStream>
+MEGASLIDE_SIMD_INLINE void adamw_vector(const AdamWKernelParams& p, const Constants<Simd>& c, int64_t i,
+                                         typename Simd::Mask k) {
+  const Moments<Simd> r = adamw_core<Simd, G, C, kStream>(p, c, i, k, load_state<Simd, S>(p.exp_avg, i, k),
+                                                          load_state<Simd, S>(p.exp_avg_sq, i, k));
+  store_state<Simd, S>(p.exp_avg, i, r.m, k);
+  store_state<Simd, S>(p.exp_avg_sq, i, r.v, k);
+}
+
+// x * inv rounded to nearest even, clamped to [lo, hi], as int32.
+template <class Simd>
+MEGASLIDE_SIMD_INLINE typename Simd::I quantise(typename Simd::F x, typename Simd::F inv, typename Simd::F lo,
+                                                typename Simd::F hi) {
+  return Simd::round_to_i32(Simd::min(Simd::max(Simd::mul(x, inv), lo), hi));
+}
+
+// One quantisation group [begin, begin + n), n <= kQuantGroup, of kInt8 state (adamw_kernels.h).
+template <class Simd, GradType G, ComputeType C, bool kStream>
+inline void adamw_int8_group(const AdamWKernelParams& p, const Constants<Simd>& c, int64_t begin, int64_t n) {
+  using F = typename Simd::F;
+  constexpr int64_t kLanes = Simd::kLanes;
+  const int64_t q = begin / kQuantGroup;
+  auto* m_codes = static_cast<int8_t*>(p.exp_avg) + begin;
+  auto* u_codes = static_cast<uint8_t*>(p.exp_avg_sq) + begin;
+  const F m_scale = Simd::set1(p.exp_avg_scale[q]), u_scale = Simd::set1(p.exp_avg_sq_scale[q]);
+  alignas(sizeof(F)) float m_new[kQuantGroup], u_new[kQuantGroup];
+  F m_max = Simd::zero(), u_max = Simd::zero();
+  const auto update = [&](int64_t j, typename Simd::Mask k, auto stream_tag) {
+    const F u_old = Simd::mul(Simd::load_u8(u_codes + j, k), u_scale);
+    const F m_old = Simd::mul(Simd::load_i8(m_codes + j, k), m_scale);
+    const Moments<Simd> r =
+        adamw_core<Simd, G, C, decltype(stream_tag)::value>(p, c, begin + j, k, m_old, Simd::mul(u_old, u_old));
+    Simd::store_aligned(m_new + j, r.m);  // dead lanes are 0 (zero inputs)
+    Simd::store_aligned(u_new + j, r.u);
+    m_max = Simd::max(m_max, Simd::abs(r.m));
+    u_max = Simd::max(u_max, r.u);
+  };
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) update(j, Simd::all(), std::bool_constant<kStream>{});
+  // Streaming stores need whole vectors; a partial one takes the ordinary store.
+  if (j < n) update(j, Simd::first(n - j), std::false_type{});
+  const float m_amax = Simd::max_lane(m_max), u_amax = Simd::max_lane(u_max);
+  const F m_inv = Simd::set1(m_amax > 0.f ? 127.f / m_amax : 0.f);
+  const F u_inv = Simd::set1(u_amax > 0.f ? 255.f / u_amax : 0.f);
+  const F m_lo = Simd::set1(-127.f), m_hi = Simd::set1(127.f);
+  const F u_lo = Simd::zero(), u_hi = Simd::set1(255.f);
+  const auto requantise = [&](int64_t k, typename Simd::Mask live) {
+    const typename Simd::I mq = quantise<Simd>(Simd::load_aligned(m_new + k), m_inv, m_lo, m_hi);
+    const F u = Simd::load_aligned(u_new + k);
+    const typename Simd::I uq = Simd::at_least_one_where_positive(quantise<Simd>(u, u_inv, u_lo, u_hi), u);
+    Simd::store_i8(m_codes + k, mq, live);
+    Simd::store_u8(u_codes + k, uq, live);
+  };
+  for (j = 0; j + kLanes <= n; j += kLanes) requantise(j, Simd::all());
+  if (j < n) requantise(j, Simd::first(n - j));
+  p.exp_avg_scale[q] = m_amax / 127.f;
+  p.exp_avg_sq_scale[q] = u_amax / 255.f;
+}
+
+template <class Simd, GradType G, ComputeType C, StateType S>
+void adamw_typed(const AdamWKernelParams& p, int64_t begin, int64_t end) {
+  constexpr int64_t kLanes = Simd::kLanes;
+  const Constants<Simd> c(p);
+  const bool stream = use_streaming<Simd>(p, begin);
+  if constexpr (S == StateType::kInt8) {
+    for (int64_t i = begin; i < end; i += kQuantGroup) {
+      // Not std::min: unoptimised builds emit it as a weak symbol, which the linker may share with other files.
+      const int64_t n = end - i < kQuantGroup ? end - i : kQuantGroup;
+      if (stream) adamw_int8_group<Simd, G, C, true>(p, c, i, n);
+      else adamw_int8_group<Simd, G, C, false>(p, c, i, n);
+    }
+    if (stream) Simd::store_fence();
+  } else {
+    int64_t i = begin;
+    if (stream) {
+      for (; i + kLanes <= end; i += kLanes) adamw_vector<Simd, G, C, S, true>(p, c, i, Simd::all());
+      Simd::store_fence();  // streaming stores are weakly ordered: publish them before the caller signals done
+    } else {
+      for (; i + kLanes <= end; i += kLanes) adamw_vector<Simd, G, C, S, false>(p, c, i, Simd::all());
+    }
+    if (i < end) adamw_vector<Simd, G, C, S, false>(p, c, i, Simd::first(end - i));
+  }
+}
+
+// x + d through fp32 for the live lanes (the probe's one add per array).
+template <class Simd, StateType S>
+MEGASLIDE_SIMD_INLINE void probe_state(void* state, float* scales, int64_t i, typename Simd::F d,
+                                        typename Simd::Mask k) {
+  if constexpr (S == StateType::kFloat32) {
+    float* x = static_cast<float*>(state) + i;
+    Simd::store_f32(x, Simd::add(Simd::load_f32(x, k), d), k);
+  } else if constexpr (S == StateType::kBFloat16) {
+    const typename Simd::F x = Simd::add(load_state<Simd, S>(state, i, k), d);
+    Simd::template store_u16<false>(static_cast<uint16_t*>(state) + i, Simd::truncate_bf16(x), k);
+  } else {
+    int8_t* x = static_cast<int8_t*>(state) + i;
+    Simd::store_i8(x, Simd::truncate_to_i32(Simd::add(Simd::load_i8(x, k), d)), k);
+    if (i % kQuantGroup == 0) scales[i / kQuantGroup] += Simd::first_lane(d);
+  }
+}
+
+template <class Simd, GradType G, StateType S, bool kStream>
+MEGASLIDE_SIMD_INLINE void probe_vector(const AdamWKernelParams& p, typename Simd::F scale, int64_t i,
+                                         typename Simd::Mask k) {
+  using F = typename Simd::F;
+  const F g = Simd::mul(load_grad<Simd, G>(p.grad, i, k), scale);
+  const F w = Simd::add(Simd::load_f32(p.master + i, k), g);
+  Simd::store_f32(p.master + i, w, k);
+  probe_state<Simd, S>(p.exp_avg, p.exp_avg_scale, i, g, k);
+  probe_state<Simd, S>(p.exp_avg_sq, p.exp_avg_sq_scale, i, g, k);
+  Simd::template store_u16<kStream>(static_cast<uint16_t*>(p.compute) + i, Simd::truncate_bf16(w), k);
+}
+
+template <class Simd, GradType G, StateType S>
+void stream_probe_typed(const AdamWKernelParams& p, int64_t begin, int64_t end) {
+  constexpr int64_t kLanes = Simd::kLanes;
+  const typename Simd::F scale = Simd::set1(p.grad_scale);
+  int64_t i = begin;
+  if (use_streaming<Simd>(p, begin)) {
+    for (; i + kLanes <= end; i += kLanes) probe_vector<Simd, G, S, true>(p, scale, i, Simd::all());
+    Simd::store_fence();
+  } else {
+    for (; i + kLanes <= end; i += kLanes) probe_vector<Simd, G, S, false>(p, scale, i, Simd::all());
+  }
+  if (i < end) {
+    if constexpr (Simd::kScalarProbeTail) {
+      stream_probe_scalar(p, i, end);
+    } else {
+      probe_vector<Simd, G, S, false>(p, scale, i, Simd::first(end - i));
+    }
+  }
+}
+
+// The kernels adamw_kernels.h declares, for one shim.
+template <class Simd>
+void adamw_kernel(const AdamWKernelParams& p, int64_t begin, int64_t end) {
+  dispatch(p, [&](auto g, auto c, auto s) { adamw_typed<Simd, g.value, c.value, s.value>(p, begin, end); });
+}
+
+template <class Simd>
+void stream_probe_kernel(const AdamWKernelParams& p, int64_t begin, int64_t end) {
+  dispatch(p, [&](auto g, auto c, auto s) {
+    if constexpr (g.value != GradType::kFloat32 && c.value == ComputeType::kBFloat16) {
+      stream_probe_typed<Simd, g.value, s.value>(p, begin, end);
+    }
+  });
+}
+
+}  // namespace
+}  // namespace megaslide::offload::detail
+
+#undef MEGASLIDE_SIMD_INLINE
