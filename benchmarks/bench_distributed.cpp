@@ -25,7 +25,8 @@
 #include <vector>
 
 #include "megaslide/config/run_config.h"
-#include "megaslide/train/cpu_master_trainer.h"
+#include "megaslide/offload/stack_trainer.h"
+#include "megaslide/train/trainer.h"
 #include "megaslide/train/distributed.h"
 
 namespace {
@@ -39,13 +40,13 @@ struct Figures {
 // Builds the trainer (sharded when `communicator` spans several ranks), one warm-up step, then `steps`
 // steps averaged.
 Figures measure(const megaslide::RunConfig& config, megaslide::Communicator* communicator, int steps) {
-  megaslide::CPUMasterVideoDiT trainer(config, communicator);
+  megaslide::Trainer trainer = megaslide::make_trainer(config, communicator);  // offload.enabled: true
   trainer.step();
   trainer.synchronize();
   Figures f;
-  f.streamed_params = trainer.engine().streamed_parameter_count();
-  f.host_bytes = trainer.engine().store().memory_report().total_bytes();
-  f.compute_bytes = static_cast<int64_t>(c10::elementSize(trainer.engine().options().compute_dtype));
+  f.streamed_params = trainer.engine()->streamed_parameter_count();
+  f.host_bytes = trainer.engine()->store().memory_report().total_bytes();
+  f.compute_bytes = static_cast<int64_t>(c10::elementSize(trainer.engine()->options().compute_dtype));
   for (int i = 0; i < steps; ++i) {
     const auto m = trainer.step();
     f.step_s += m.step_time_s / steps;

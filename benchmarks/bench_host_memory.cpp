@@ -1,7 +1,7 @@
 // bench_host_memory: the planner's host bytes against the resident set size of a real streamed run of
 // any config on the CPU, for models too large for a unit test (tests/test_host_memory.cpp runs
-// small-50m and a small Wan). Builds CPUMasterVideoDiT (WanTrainer for model.arch wan, on random latents of
-// the config's shapes), runs --steps steps, and compares the growth of the resident set
+// small-50m and a small Wan). Builds the streamed trainer (for model.arch wan on random latents of the
+// config's shapes, written to a scratch file for data.tensors), runs --steps steps, and compares the growth of the resident set
 // with the plan (megaslide-plan's figures) at start-up (VmHWM while the trainer is built) and after the
 // steps (VmRSS, after malloc_trim). On the CPU the "device" is host memory too, so the device
 // components the trainer keeps (slots, resident parts with gradients and AdamW state) are added to the
@@ -10,6 +10,7 @@
 //
 //   build/bin/bench_host_memory --config configs/h100nvl-1b.yaml [--set key=value ...] [--steps N]
 #include <malloc.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -21,10 +22,11 @@
 #include <string>
 #include <vector>
 
-#include "megaslide/train/cpu_master_trainer.h"
+#include "megaslide/io/safetensors.h"
 #include "megaslide/plan/step_plan.h"
 #include "megaslide/train/auto_settings.h"
-#include "megaslide/train/wan_trainer.h"
+#include "megaslide/train/trainer.h"
+#include "megaslide/train/wan_family.h"
 
 namespace {
 
@@ -82,12 +84,16 @@ int main(int argc, char** argv) {
 
   // Wan (model.arch: wan) trains on latent videos and text embeddings in memory: random ones of the
   // config's shapes (their values change nothing that is allocated), made before the baseline.
-  megaslide::WanLatentData wan_data;
+  config.offload.enabled = true;
+  std::string wan_tensors;
   if (config.model.arch == megaslide::Architecture::kWan) {
     const auto& d = config.data;
-    wan_data.latents = torch::randn({1, d.channels, d.frames, d.height, d.width});
-    wan_data.text = torch::randn({1, d.max_text_tokens, config.model.wan.text_dim});
-    wan_data.empty_text = torch::zeros({d.max_text_tokens, config.model.wan.text_dim});
+    wan_tensors = "/tmp/bench-host-memory-" + std::to_string(::getpid()) + ".safetensors";
+    megaslide::io::write_safetensors(wan_tensors, {{"latents", torch::randn({1, d.channels, d.frames, d.height, d.width})},
+                                                   {"text", torch::randn({1, d.max_text_tokens, config.model.wan.text_dim})},
+                                                   {"empty_text", torch::zeros({d.max_text_tokens, config.model.wan.text_dim})}});
+    config.data.dataset = "latent-tensors";
+    config.data.tensors = wan_tensors;
   }
   malloc_trim(0);
   const int64_t before = proc_status_bytes("VmRSS");
@@ -96,15 +102,13 @@ int main(int argc, char** argv) {
     clear << "5";
   }
   auto t0 = std::chrono::steady_clock::now();
-  std::unique_ptr<megaslide::CPUMasterVideoDiT> dit;
-  std::unique_ptr<megaslide::WanTrainer> wan;
-  if (wan_data.latents.defined()) wan = std::make_unique<megaslide::WanTrainer>(config, std::move(wan_data));
-  else dit = std::make_unique<megaslide::CPUMasterVideoDiT>(config);
+  megaslide::Trainer trainer = megaslide::make_trainer(config);
+  if (!wan_tensors.empty()) std::remove(wan_tensors.c_str());  // held in memory now
   const double construct_s = seconds_since(t0);
   const int64_t start = proc_status_bytes("VmHWM") - before;
   t0 = std::chrono::steady_clock::now();
-  for (int s = 0; s < steps; ++s) wan ? wan->step() : dit->step();
-  wan ? wan->synchronize() : dit->synchronize();
+  for (int s = 0; s < steps; ++s) trainer.step();
+  trainer.synchronize();
   const double steps_s = seconds_since(t0);
   const int64_t untrimmed = proc_status_bytes("VmRSS") - before;
   malloc_trim(0);

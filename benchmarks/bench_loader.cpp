@@ -103,7 +103,7 @@ int main(int argc, char** argv) {
     auto c = config;
     c.data.workers = w;
     c.data.cache = cache;
-    megaslide::ResidentTrainer trainer(c);
+    megaslide::Trainer trainer = megaslide::make_trainer(c);  // offload.enabled: false
     trainer.step();  // warm-up (and the first batch, which nothing can hide)
     double wait = 0.0, total = 0.0;
     for (int64_t s = 1; s < steps; ++s) {

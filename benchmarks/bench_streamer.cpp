@@ -1,6 +1,6 @@
 // bench_streamer: the cost of streaming alone, on the CPU. Three trainers of one DiT config (8 blocks
 // by default) step in turn, interleaved so that load from other processes hits them alike:
-//   - CPUMasterVideoDiT, offload.mode async (the streamed trainer as shipped, fp32 compute);
+//   - the streamed Trainer, offload.mode async (the streamed trainer as shipped, fp32 compute);
 //   - the same in sync mode (every copy and update in line);
 //   - the anchor: a resident loop with the *same* activation checkpointing (block inputs kept, each
 //     block recomputed in the backward), the same host optimizer (CpuAdamW on the same flat fp32
@@ -24,9 +24,9 @@
 #include <vector>
 
 #include "megaslide/offload/cpu_adamw.h"
-#include "megaslide/train/cpu_master_trainer.h"
+#include "megaslide/train/dit_family.h"
 #include "megaslide/offload/host_param_store.h"
-#include "megaslide/train/resident_trainer.h"
+#include "megaslide/train/trainer.h"
 
 namespace {
 
@@ -180,7 +180,7 @@ int main(int argc, char** argv) {
   auto sync_config = config;
   sync_config.offload.mode = "sync";
 
-  CPUMasterVideoDiT async_trainer(config), sync_trainer(sync_config);
+  Trainer async_trainer = make_trainer(config), sync_trainer = make_trainer(sync_config);  // offload.enabled: true
   ResidentCheckpointed resident(config, optimizer_threads);
   std::vector<double> t_async, t_sync, t_resident, exposed;
   int64_t h2d = 0, d2h = 0;
@@ -198,14 +198,14 @@ int main(int argc, char** argv) {
   }
   async_trainer.synchronize();
 
-  const auto& store = async_trainer.engine().store();
+  const auto& store = async_trainer.engine()->store();
   const int64_t P = store.memory_report().num_params;
   const int64_t e = 4;  // fp32 compute
   const int64_t cached = store.block_numel(layers - 1) + (layers >= 2 ? store.block_numel(layers - 2) : 0);
   const double h2d_model = static_cast<double>(2 * P * e - cached * e);
   const double d2h_model = static_cast<double>(P * e);
   const double ratio = median(t_async) / median(t_resident);
-  const int64_t slots = async_trainer.engine().streamer().max_resident_blocks();
+  const int64_t slots = async_trainer.engine()->streamer().max_resident_blocks();
   std::printf("bench_streamer: MegaSlideDiT %lld blocks x hidden %lld, %lld streamed params (%lld per block), %lld tokens x batch 2,\n"
               "  fp32 compute, %lld LibTorch threads, CpuAdamW %d thread; median of %lld steps after 2 warm-up\n",
               static_cast<long long>(layers), static_cast<long long>(hidden), static_cast<long long>(P),

@@ -13,6 +13,9 @@
 #include <nlohmann/json.hpp>
 
 #include "megaslide/megaslide.h"
+#include "trainers.h"
+
+using namespace megaslide::testing;
 
 using namespace megaslide;
 
@@ -242,7 +245,7 @@ TEST(Checkpoint, CorruptTruncatedOrIncompleteCheckpointsAreRefusedAndTheRunFiles
 TEST(Checkpoint, MissingTensorShapeOrConfigMismatchNamesTheFileAndTheTensorOrKey) {
   const auto dir = fresh_dir("mismatch");
   auto config = tiny(dir);
-  ResidentTrainer trainer(config);
+  Trainer trainer = resident_trainer(config);
   trainer.step();
   auto state = trainer.training_state();
   const std::string victim = state.master[3].first;
@@ -250,7 +253,7 @@ TEST(Checkpoint, MissingTensorShapeOrConfigMismatchNamesTheFileAndTheTensorOrKey
   auto expect_load_error = [&](const TrainingState& saved, const RunConfig& load_config, const std::vector<std::string>& needles) {
     io::remove_tree(dir);
     const auto path = save_checkpoint(dir, config, saved);
-    ResidentTrainer fresh(load_config);
+    Trainer fresh = resident_trainer(load_config);
     auto into = fresh.training_state();
     try {
       load_checkpoint(path, load_config, into);
@@ -275,7 +278,7 @@ TEST(Checkpoint, MissingTensorShapeOrConfigMismatchNamesTheFileAndTheTensorOrKey
 TEST(Checkpoint, FailedSaveKeepsThePreviousCheckpointAndSaysSo) {
   const auto dir = fresh_dir("failsave");
   auto config = tiny(dir);
-  ResidentTrainer trainer(config);
+  Trainer trainer = resident_trainer(config);
   trainer.step();
   const auto first = save_checkpoint(dir, config, trainer.training_state());
   trainer.step();
@@ -299,7 +302,7 @@ TEST(Checkpoint, FailedSaveKeepsThePreviousCheckpointAndSaysSo) {
   EXPECT_EQ(latest_checkpoint(dir), first);
   EXPECT_EQ(io::list_directory(io::join_path(dir, "checkpoints")), (std::vector<std::string>{"latest", "step-0000001"}))
       << "no temporary folder may be left behind";
-  ResidentTrainer fresh(config);
+  Trainer fresh = resident_trainer(config);
   auto into = fresh.training_state();
   load_checkpoint(first, config, into);
   EXPECT_EQ(into.step, 1);
@@ -316,7 +319,7 @@ TEST(Checkpoint, FailedSaveKeepsThePreviousCheckpointAndSaysSo) {
 TEST(Checkpoint, InterruptedSaveLeavesLatestOnTheCompleteOneAndIsCleanedUp) {
   const auto dir = fresh_dir("crash");
   auto config = tiny(dir);
-  ResidentTrainer trainer(config);
+  Trainer trainer = resident_trainer(config);
   trainer.step();
   const auto first = save_checkpoint(dir, config, trainer.training_state());
   // What a crash in the middle of the next save leaves: a temporary folder with some files, no manifest.
@@ -374,9 +377,9 @@ class NonFinite : public ::testing::TestWithParam<std::vector<std::string>> {};
 
 TEST_P(NonFinite, NonFiniteStepUpdatesNothingAndIsCounted) {
   auto config = tiny("/tmp/unused", GetParam());
-  CPUMasterVideoDiT trainer(config);
+  Trainer trainer = streamed_trainer(config);
   trainer.step();
-  auto& weight = trainer.stack().model()->final_proj->weight;
+  auto& weight = dit_module(trainer)->final_proj->weight;
   const auto saved_weight = weight.detach().clone();
   {
     torch::NoGradGuard no_grad;
@@ -414,26 +417,26 @@ INSTANTIATE_TEST_SUITE_P(Modes, NonFinite,
                                            std::vector<std::string>{"train.grad_clip=0"},  // immediate updates
                                            std::vector<std::string>{"offload.compute_dtype=fp32", "train.grad_accum_steps=2"}));
 
-TEST(Checkpoint, ResidentTrainerSkipsNonFiniteSteps) {
+TEST(Checkpoint, TheResidentLoopSkipsNonFiniteSteps) {
   auto config = tiny("/tmp/unused", {"offload.enabled=false"});
-  ResidentTrainer trainer(config);
+  Trainer trainer = resident_trainer(config);
   trainer.step();
   {
     torch::NoGradGuard no_grad;
-    trainer.model()->final_proj->weight[0][0].fill_(std::numeric_limits<float>::infinity());
+    dit_module(trainer)->final_proj->weight[0][0].fill_(std::numeric_limits<float>::infinity());
   }
-  const auto before = trainer.model()->blocks[0]->parameters()[0].detach().clone();
+  const auto before = dit_module(trainer)->blocks[0]->parameters()[0].detach().clone();
   const auto m = trainer.step();
   EXPECT_TRUE(m.skipped);
   EXPECT_EQ(m.skipped_total, 1);
-  EXPECT_TRUE(torch::equal(before, trainer.model()->blocks[0]->parameters()[0]));
+  EXPECT_TRUE(torch::equal(before, dit_module(trainer)->blocks[0]->parameters()[0]));
 }
 
 TEST(Checkpoint, RunStopsAfterMaxConsecutiveNonFiniteSteps) {
   // A checkpoint whose final projection holds a NaN: every step from it has a NaN loss.
   const auto dir = fresh_dir("diverge");
   auto config = tiny(dir, {"train.steps=20", "train.max_consecutive_skips=3"});
-  ResidentTrainer trainer(config);
+  Trainer trainer = resident_trainer(config);
   trainer.step();
   auto state = trainer.training_state();
   for (auto& [name, t] : state.master)
@@ -524,7 +527,7 @@ TEST(Checkpoint, RollBackIsCrashSafeAtEveryStageOfTheNextSave) {
 TEST(Checkpoint, FailedSaveNeverCallsAMissingCheckpointIntact) {
   const auto dir = fresh_dir("failmsg");
   auto config = tiny(dir);
-  ResidentTrainer trainer(config);
+  Trainer trainer = resident_trainer(config);
   trainer.step();
   const auto first = save_checkpoint(dir, config, trainer.training_state());
   io::remove_tree(first);  // `latest` now names nothing

@@ -2,8 +2,7 @@
 // and parameter gradients as the grid_sample reference, and the module trains through it.
 #include "megaslide/model/deformable_slide_attention.h"
 #include "megaslide/model/dit.h"
-#include "megaslide/train/cpu_master_trainer.h"
-#include "megaslide/train/resident_trainer.h"
+#include "trainers.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -18,6 +17,9 @@
 #include <memory>
 #include <set>
 #include <string>
+
+using namespace megaslide::testing;
+using megaslide::Trainer;
 
 namespace {
 
@@ -184,31 +186,31 @@ megaslide::RunConfig offsets_config(const std::string& mode) {
 TEST(DeformableSlideAttention, ZeroAndFrozenOffsetsStayFixedWhileTraining) {
   {
     const auto c = offsets_config("zero");
-    megaslide::ResidentTrainer t(c);
-    EXPECT_FALSE(has_offset_parameters(t.model()));
+    megaslide::Trainer t = resident_trainer(c);
+    EXPECT_FALSE(has_offset_parameters(dit_module(t)));
     for (int i = 0; i < 3; ++i) t.step();
-    EXPECT_EQ(block0_offsets(t.model(), c).abs().max().item<double>(), 0.0);
+    EXPECT_EQ(block0_offsets(dit_module(t), c).abs().max().item<double>(), 0.0);
   }
   {
     const auto c = offsets_config("frozen");
-    megaslide::ResidentTrainer resident(c);
-    megaslide::CPUMasterVideoDiT streamed(c);
-    EXPECT_FALSE(has_offset_parameters(resident.model()));
-    const auto before = block0_offsets(resident.model(), c);
+    megaslide::Trainer resident = resident_trainer(c);
+    megaslide::Trainer streamed = streamed_trainer(c);
+    EXPECT_FALSE(has_offset_parameters(dit_module(resident)));
+    const auto before = block0_offsets(dit_module(resident), c);
     EXPECT_GT(before.abs().max().item<double>(), 0.1);  // genuinely deformed, not zero
-    EXPECT_TRUE(torch::equal(before, block0_offsets(streamed.stack().model(), c)));
+    EXPECT_TRUE(torch::equal(before, block0_offsets(dit_module(streamed), c)));
     for (int i = 0; i < 3; ++i) resident.step(), streamed.step();
     streamed.synchronize();
-    EXPECT_TRUE(torch::equal(before, block0_offsets(resident.model(), c)));
-    EXPECT_TRUE(torch::equal(before, block0_offsets(streamed.stack().model(), c)));
+    EXPECT_TRUE(torch::equal(before, block0_offsets(dit_module(resident), c)));
+    EXPECT_TRUE(torch::equal(before, block0_offsets(dit_module(streamed), c)));
   }
   {
     const auto c = offsets_config("learned");
-    megaslide::ResidentTrainer t(c);
-    EXPECT_TRUE(has_offset_parameters(t.model()));
-    EXPECT_EQ(block0_offsets(t.model(), c).abs().max().item<double>(), 0.0);  // zero-initialised last layer
+    megaslide::Trainer t = resident_trainer(c);
+    EXPECT_TRUE(has_offset_parameters(dit_module(t)));
+    EXPECT_EQ(block0_offsets(dit_module(t), c).abs().max().item<double>(), 0.0);  // zero-initialised last layer
     for (int i = 0; i < 3; ++i) t.step();
-    EXPECT_GT(block0_offsets(t.model(), c).abs().max().item<double>(), 0.0);
+    EXPECT_GT(block0_offsets(dit_module(t), c).abs().max().item<double>(), 0.0);
   }
 }
 

@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "megaslide/io/files.h"
-#include "megaslide/train/resident_trainer.h"
+#include "megaslide/train/dit_batches.h"
 #include "run_tool.h"
 #include "tiny_wan.h"
 #include "video_fixture.h"

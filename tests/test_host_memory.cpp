@@ -33,11 +33,12 @@
 #include "megaslide/diffusion/wan_text_to_video.h"
 #include "megaslide/io/files.h"
 #include "megaslide/model/wan_weights.h"
-#include "megaslide/train/cpu_master_trainer.h"
+#include "trainers.h"
 #include "megaslide/plan/step_plan.h"
 #include "megaslide/train/auto_settings.h"
-#include "megaslide/train/wan_trainer.h"
 #include "megaslide/train/wan_validation.h"
+
+using namespace megaslide::testing;
 
 using namespace megaslide;
 
@@ -97,7 +98,7 @@ Expected expected_host(const plan::StepPlan& plan) {
           static_cast<double>(plan.host.steady() + d.weight_slots + d.gradient_slots + d.resident_state)};
 }
 
-// `make()` builds the trainer (CPUMasterVideoDiT or WanTrainer).
+// `make()` builds the trainer (the streamed Trainer of a DiT or a Wan config).
 template <typename Make>
 Measured measure(const Make& make) {
   Measured m;
@@ -134,7 +135,7 @@ TEST(HostMemory, PlanMatchesTheResidentSetSizeOfAStreamedRun) {
     tiny.model.layers = 2;
     tiny.model.hidden = 64;
     tiny.model.text_dim = 64;
-    CPUMasterVideoDiT warm(tiny);
+    Trainer warm = streamed_trainer(tiny);
     warm.step();
     warm.synchronize();
   }
@@ -142,7 +143,7 @@ TEST(HostMemory, PlanMatchesTheResidentSetSizeOfAStreamedRun) {
     SCOPED_TRACE(state + " moments, " + compute + " compute");
     const auto config = small_50m(state, compute);
     const auto plan = plan::plan_step(config, plan::load_hardware_profile("h200"));
-    const auto m = measure([&] { return std::make_unique<CPUMasterVideoDiT>(config); });
+    const auto m = measure([&] { return std::make_unique<Trainer>(streamed_trainer(config)); });
     if (m.construction_peak < 0) GTEST_SKIP() << "/proc/self/clear_refs is not writable here";
     const auto [expected_start, expected_steady] = expected_host(plan);
     const double start_ratio = static_cast<double>(m.construction_peak) / expected_start;
@@ -256,7 +257,7 @@ WanLatentData wan_data() {
 }
 }  // namespace
 
-// Property: WanTrainer's streamed start-up never holds the whole model in fp32 (the blocks are drawn one
+// Property: the streamed Wan Trainer's start-up never holds the whole model in fp32 (the blocks are drawn one
 // at a time into the host store): the growth of the resident set while it is built, and after a step,
 // is within 5 % of the plan (the store plus two blocks' fp32 initial weights at start-up, and the
 // resident parts), as for the DiT family above. A full fp32 copy of this model adds 143 MB, 28 % of the
@@ -264,13 +265,13 @@ WanLatentData wan_data() {
 TEST(HostMemory, WanStartsWithoutAFullCopyOfTheModel) {
   mallopt(M_MMAP_THRESHOLD, 1 << 20);
   {
-    WanTrainer warm(wan_8x512(2, 64), wan_data());
+    Trainer warm = wan_trainer(wan_8x512(2, 64), wan_data());
     warm.step();
     warm.synchronize();
   }
   const auto config = wan_8x512();
   const auto plan = plan::plan_step(config, plan::load_hardware_profile("h200"));
-  const auto m = measure([&] { return std::make_unique<WanTrainer>(config, wan_data()); });
+  const auto m = measure([&] { return std::make_unique<Trainer>(wan_trainer(config, wan_data())); });
   if (m.construction_peak < 0) GTEST_SKIP() << "/proc/self/clear_refs is not writable here";
   const auto [expected_start, expected_steady] = expected_host(plan);
   const double start_ratio = static_cast<double>(m.construction_peak) / expected_start;
@@ -396,7 +397,7 @@ TEST(HostMemory, ResidentWanSamplingStartsWithoutAFullFp32Copy) {
 }
 
 // Property: a streamed Wan run's validation videos (train/wan_validation.h) sample the trainer's weights in
-// place. WanValidation::sample on a streamed WanTrainer raises the resident-set peak by the sampler's
+// place. WanValidation::sample on a streamed Wan Trainer raises the resident-set peak by the sampler's
 // streamer (two weight and two gradient slots of one block in the compute dtype: its device memory, host
 // memory on the CPU, where the untouched gradient slots take no pages) and the sampling's activations —
 // not by a copy of the blocks, which a sampler of its own would hold besides them. The Wan of the tests
@@ -417,7 +418,7 @@ TEST(HostMemory, WanValidationSamplesTheStoreInPlace) {
   WanLatentData data;
   data.latents = torch::randn({2, 16, 2, 8, 8});
   data.text = torch::randn({2, 8, 24});
-  WanTrainer trainer(config, data);
+  Trainer trainer = wan_trainer(config, data);
   trainer.step();
   const WanValidation validation(config, {}, "test");
   validation.sample(trainer);  // warm-up: the sampler's first use

@@ -9,9 +9,11 @@
 #include <unistd.h>
 
 #include "megaslide/model/dit_weights.h"
-#include "megaslide/train/cpu_master_trainer.h"
+#include "trainers.h"
 #include "megaslide/train/checkpoint.h"
-#include "megaslide/train/resident_trainer.h"
+
+using namespace megaslide::testing;
+using megaslide::Trainer;
 
 using megaslide::InitFromError;
 using megaslide::RunConfig;
@@ -55,8 +57,8 @@ TEST(InitFrom, NamePatterns) {
 
 TEST(InitFrom, MissingUnexpectedAndMisshapedAreAllListedAndRefused) {
   const auto dir = temp_dir("strict");
-  megaslide::ResidentTrainer trainer(smoke());
-  const auto shapes = trainer.parameter_shapes();
+  megaslide::Trainer trainer = resident_trainer(smoke());
+  const auto shapes = parameter_shapes(trainer);
   // The trainer's own names, bare: accepted, every parameter matched.
   auto state = trainer.training_state();
   megaslide::io::write_safetensors(dir + "/bare.safetensors", state.master);
@@ -83,20 +85,19 @@ TEST(InitFrom, MissingUnexpectedAndMisshapedAreAllListedAndRefused) {
 
 TEST(InitFrom, AllowMissingKeepsTheInitialisationOfNamedParameters) {
   const auto dir = temp_dir("allow");
-  megaslide::ResidentTrainer trainer(smoke());
+  megaslide::Trainer trainer = resident_trainer(smoke());
   const auto state = trainer.training_state();
   megaslide::io::NamedTensors without_offsets;
   for (const auto& [name, t] : state.master)
     if (name.find(".attn.offset_") == std::string::npos && name.find(".attn.rel_bias") == std::string::npos)
       without_offsets.emplace_back(name, t + 1.0);  // values the model does not have
   megaslide::io::write_safetensors(dir + "/w.safetensors", without_offsets);
-  const auto what = refusal(dir + "/w.safetensors", trainer.parameter_shapes());
+  const auto what = refusal(dir + "/w.safetensors", parameter_shapes(trainer));
   EXPECT_NE(what.find("blocks.0.attn.offset_pw.weight"), std::string::npos) << what;
   const std::vector<std::string> allow{"blocks.*.attn.offset_*", "blocks.*.attn.rel_bias"};
-  const auto plan = megaslide::plan_init_from(dir + "/w.safetensors", trainer.parameter_shapes(), allow);
+  const auto plan = megaslide::plan_init_from(dir + "/w.safetensors", parameter_shapes(trainer), allow);
   EXPECT_EQ(plan.kept.size(), 2u * 5u);  // per block: offset_dw weight and bias, offset_pw weight and bias, rel_bias
-  megaslide::ResidentTrainer started(smoke());
-  started.init_from(plan);
+  megaslide::Trainer started = trainer_from(smoke(), dir + "/w.safetensors", allow);
   const auto after = started.training_state();
   for (size_t i = 0; i < after.master.size(); ++i) {
     const auto& [name, t] = after.master[i];
@@ -109,14 +110,13 @@ TEST(InitFrom, AllowMissingKeepsTheInitialisationOfNamedParameters) {
 
 TEST(InitFrom, ADenseModelsFusedQkvFeedsDsaQueriesKeysAndValues) {
   const auto dir = temp_dir("qkv");
-  megaslide::ResidentTrainer dense(smoke({"model.arch=dense3d"}));
-  megaslide::save_weights(dir + "/dense.safetensors", dense.config(), dense.model(), dense.text_encoder());
-  megaslide::ResidentTrainer dsa(smoke());
+  megaslide::Trainer dense = resident_trainer(smoke({"model.arch=dense3d"}));
+  megaslide::save_weights(dir + "/dense.safetensors", dense.config(), dit_module(dense), dit_text_encoder(dense));
   const std::vector<std::string> allow{"blocks.*.attn.offset_*", "blocks.*.attn.rel_bias"};
-  const auto plan = megaslide::plan_init_from(dir + "/dense.safetensors", dsa.parameter_shapes(), allow);
-  dsa.init_from(plan);
-  auto dense_params = dense.model()->named_parameters();
-  auto dsa_params = dsa.model()->named_parameters();
+  megaslide::Trainer dsa = trainer_from(smoke(), dir + "/dense.safetensors", allow);
+  EXPECT_EQ(dsa.init_plan().kept.size(), 2u * 5u);
+  auto dense_params = dit_module(dense)->named_parameters();
+  auto dsa_params = dit_module(dsa)->named_parameters();
   const int64_t D = dsa.config().model.hidden;
   for (int64_t l = 0; l < dsa.config().model.layers; ++l) {
     const std::string p = "blocks." + std::to_string(l) + ".attn.";
@@ -132,7 +132,7 @@ TEST(InitFrom, BothTrainersStartFromACheckpointsMastersAndContinueAtItsLoss) {
   const auto dir = temp_dir("trainers");
   auto config = smoke({"output.run_dir=" + dir + "/run"});
   // Run A: 6 steps, checkpoint.
-  megaslide::ResidentTrainer a(config);
+  megaslide::Trainer a = resident_trainer(config);
   double last_loss = 0.0;
   for (int i = 0; i < 6; ++i) last_loss = a.step().loss;
   const auto state = a.training_state();
@@ -142,18 +142,10 @@ TEST(InitFrom, BothTrainersStartFromACheckpointsMastersAndContinueAtItsLoss) {
     for (const std::string& source : {checkpoint, config.output.run_dir}) {
       auto c = config;
       c.offload.enabled = streamed;
-      c.train.init_from = source;
-      megaslide::TrainingState started;
-      if (streamed) {
-        megaslide::CPUMasterVideoDiT t(c);
-        t.init_from(megaslide::plan_init_from(source, t.parameter_shapes(), {}));
-        started = t.training_state();
-        for (auto& [name, tensor] : started.master) tensor = tensor.clone();
-      } else {
-        megaslide::ResidentTrainer t(c);
-        t.init_from(megaslide::plan_init_from(source, t.parameter_shapes(), {}));
-        started = t.training_state();
-      }
+      megaslide::Trainer t = trainer_from(c, source);
+      ASSERT_EQ(t.streams(), streamed);
+      megaslide::TrainingState started = t.training_state();
+      for (auto& [name, tensor] : started.master) tensor = tensor.clone();
       ASSERT_EQ(started.master.size(), state.master.size());
       std::map<std::string, torch::Tensor> saved(state.master.begin(), state.master.end());
       for (const auto& [name, t] : started.master) EXPECT_TRUE(torch::equal(t, saved.at(name))) << name << (streamed ? " streamed" : " resident");
@@ -161,17 +153,14 @@ TEST(InitFrom, BothTrainersStartFromACheckpointsMastersAndContinueAtItsLoss) {
   }
   // The started run's first loss is run A's weights' loss on the first batch: what a trainer holding A's
   // whole state, with the data streams rewound to the start, computes.
-  auto c = config;
-  c.train.init_from = checkpoint;
-  megaslide::ResidentTrainer b(c);
-  b.init_from(megaslide::plan_init_from(checkpoint, b.parameter_shapes(), {}));
+  megaslide::Trainer b = trainer_from(config, checkpoint);
   const double started_loss = b.step().loss;
-  megaslide::ResidentTrainer rewound(config);
+  megaslide::Trainer rewound = resident_trainer(config);
   auto rewound_state = state;
   rewound_state.data_state = megaslide::DiffusionBatchSource(config).state();
   rewound.load_training_state(rewound_state);
   const double expected = rewound.step().loss;
-  megaslide::ResidentTrainer fresh(config);
+  megaslide::Trainer fresh = resident_trainer(config);
   const double fresh_loss = fresh.step().loss;
   std::cout << "first-batch loss: run A's weights " << expected << ", started from its checkpoint " << started_loss << ", random start "
             << fresh_loss << " (run A's last step: " << last_loss << ")\n";
@@ -183,17 +172,16 @@ TEST(InitFrom, BothTrainersStartFromACheckpointsMastersAndContinueAtItsLoss) {
 TEST(InitFrom, AnExportedBf16WeightsFileStartsARunAtTheExportedWeightsLoss) {
   const auto dir = temp_dir("exported");
   auto config = smoke();
-  megaslide::ResidentTrainer a(config);
+  megaslide::Trainer a = resident_trainer(config);
   for (int i = 0; i < 6; ++i) a.step();
-  megaslide::save_weights(dir + "/a.safetensors", config, a.model(), a.text_encoder());  // bf16, as --export-weights
-  megaslide::ResidentTrainer b(config);
-  b.init_from(megaslide::plan_init_from(dir + "/a.safetensors", b.parameter_shapes(), {}));
+  megaslide::save_weights(dir + "/a.safetensors", config, dit_module(a), dit_text_encoder(a));  // bf16, as --export-weights
+  megaslide::Trainer b = trainer_from(config, dir + "/a.safetensors");
   // Every parameter is A's rounded to bf16.
   const auto started = b.training_state(), saved = a.training_state();
   for (size_t i = 0; i < saved.master.size(); ++i)
     EXPECT_TRUE(torch::equal(started.master[i].second, saved.master[i].second.to(torch::kBFloat16).to(torch::kFloat32))) << saved.master[i].first;
   // The first loss is A's weights' loss on that batch, within what bf16 rounding of the weights moves it.
-  megaslide::ResidentTrainer rewound(config);
+  megaslide::Trainer rewound = resident_trainer(config);
   auto state = saved;
   state.data_state = megaslide::DiffusionBatchSource(config).state();
   rewound.load_training_state(state);

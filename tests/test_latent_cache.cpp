@@ -23,11 +23,12 @@
 #include "megaslide/model/umt5_encoder.h"
 #include "megaslide/model/umt5_tokenizer.h"
 #include "megaslide/model/wan_vae.h"
-#include "megaslide/train/wan_trainer.h"
-#include "megaslide/train/cpu_master_trainer.h"
-#include "megaslide/train/resident_trainer.h"
+#include "trainers.h"
 #include "megaslide/train/training_run.h"
 #include "video_fixture.h"
+
+using namespace megaslide::testing;
+using megaslide::Trainer;
 
 using megaslide::DatasetError;
 using megaslide::LatentCache;
@@ -226,7 +227,7 @@ TEST(LatentCache, TrainingFromTheCacheEqualsTrainingFromDecodingAndResumesBitExa
   const std::string dir = fx.dir + "/cache";
   build(video_config(fx), dir, 2);
   auto losses = [](const RunConfig& c, int steps) {
-    megaslide::ResidentTrainer t(c);
+    megaslide::Trainer t = resident_trainer(c);
     std::vector<double> out;
     for (int i = 0; i < steps; ++i) out.push_back(t.step().loss);
     return std::make_pair(out, t.training_state());
@@ -249,10 +250,10 @@ TEST(LatentCache, TrainingFromTheCacheEqualsTrainingFromDecodingAndResumesBitExa
   const auto [random_decoded, unused] = losses(random_config(""), 7);
   EXPECT_NE(random_decoded, decoded) << "random draws changed nothing";
   for (const auto& [c, straight] : {std::make_pair(video_config(fx, dir), decoded), std::make_pair(random_config(""), random_decoded)}) {
-    megaslide::ResidentTrainer first(c);
+    megaslide::Trainer first = resident_trainer(c);
     for (int i = 0; i < 3; ++i) first.step();
     const auto state = first.training_state();
-    megaslide::ResidentTrainer second(c);
+    megaslide::Trainer second = resident_trainer(c);
     second.load_training_state(state);
     for (int i = 3; i < 7; ++i)
       EXPECT_EQ(second.step().loss, straight[static_cast<size_t>(i)]) << "step " << i + 1 << " cache '" << c.data.cache << "'";
@@ -272,10 +273,10 @@ TEST(LatentCache, TheStreamedTrainerTrainsOnBucketedVideosLikeTheResidentOne) {
   const std::string dir = fx.dir + "/cache";
   build(c, dir, 4);
   c.data.cache = dir;
-  megaslide::ResidentTrainer resident(c);
+  megaslide::Trainer resident = resident_trainer(c);
   auto sc = c;
   sc.offload.enabled = true;
-  megaslide::CPUMasterVideoDiT streamed(sc);
+  megaslide::Trainer streamed = streamed_trainer(sc);
   // Throughput counts the tokens of each step's own bucket (4x12x16 or 4x16x8 pixels: 3 to 2), not the
   // largest one's every step.
   std::set<int64_t> tokens_per_step;
@@ -287,7 +288,7 @@ TEST(LatentCache, TheStreamedTrainerTrainsOnBucketedVideosLikeTheResidentOne) {
     EXPECT_EQ(tokens(a), tokens(b)) << "step " << i + 1;
     tokens_per_step.insert(tokens(a));
   }
-  EXPECT_EQ(resident.data().state(), streamed.data().state());
+  EXPECT_EQ(dit_batches(resident).state(), dit_batches(streamed).state());
   const auto& p = c.model.patch;
   const auto tokens_of = [&](int64_t f, int64_t h, int64_t w) { return c.train.batch_size * (f / p[0]) * (h / p[1]) * (w / p[2]); };
   EXPECT_EQ(tokens_per_step, (std::set<int64_t>{tokens_of(4, 12, 16), tokens_of(4, 16, 8)})) << "both buckets' batches, each counted at its own size";
@@ -423,7 +424,7 @@ WanDirect wan_direct(const RunConfig& c) {
 }
 
 std::vector<double> wan_losses(const RunConfig& c, megaslide::WanLatentData data, int steps) {
-  megaslide::WanTrainer t(c, std::move(data));
+  megaslide::Trainer t = wan_trainer(c, std::move(data));
   std::vector<double> out;
   for (int i = 0; i < steps; ++i) out.push_back(t.step().loss);
   return out;
@@ -563,7 +564,7 @@ TEST(LatentCache, ClipAndSdVaeCacheEqualsTheFrozenEncodersAndTrainsAsDecoding) {
   const auto [empty, empty_mask] = frozen->encode_text({""});
   EXPECT_TRUE(torch::equal(cache->empty_prompt().text, empty[0]));
   auto losses = [](const RunConfig& rc) {
-    megaslide::ResidentTrainer t(rc);
+    megaslide::Trainer t = resident_trainer(rc);
     std::vector<double> out;
     for (int i = 0; i < 5; ++i) out.push_back(t.step().loss);
     return out;

@@ -17,8 +17,10 @@
 #include "megaslide/io/files.h"
 #include "megaslide/io/video.h"
 #include "megaslide/model/frozen_encoders.h"
-#include "megaslide/train/cpu_master_trainer.h"
-#include "megaslide/train/resident_trainer.h"
+#include "trainers.h"
+
+using namespace megaslide::testing;
+using megaslide::Trainer;
 
 using megaslide::ConfigError;
 using megaslide::RunConfig;
@@ -166,11 +168,11 @@ TEST(LatentTraining, ResidentAndStreamedTrainersTrainTheLatentDiTAlike) {
   const auto config = small_config({"offload.compute_dtype=fp32", "train.threads=1", "offload.optimizer_threads=1"});
   RunConfig resident_config = config;
   resident_config.offload.enabled = false;
-  megaslide::ResidentTrainer resident(resident_config);
-  megaslide::CPUMasterVideoDiT streamed(config);
+  megaslide::Trainer resident = resident_trainer(resident_config);
+  megaslide::Trainer streamed = streamed_trainer(config);
   // No built-in text encoder: CLIP is frozen, only the DiT trains.
-  EXPECT_FALSE(resident.text_encoder());
-  for (const auto& [name, shape] : resident.parameter_shapes()) EXPECT_NE(name.rfind("text_encoder.", 0), 0u) << name;
+  EXPECT_FALSE(dit_text_encoder(resident));
+  for (const auto& [name, shape] : parameter_shapes(resident)) EXPECT_NE(name.rfind("text_encoder.", 0), 0u) << name;
   EXPECT_EQ(resident.parameter_count(), streamed.parameter_count());
   for (int step = 0; step < 3; ++step) {
     const auto a = resident.step(), b = streamed.step();

@@ -1,7 +1,9 @@
-// ResidentTrainer: the learning-rate schedule, determinism of a run, and a loss that falls.
-#include "megaslide/train/resident_trainer.h"
+// The resident loop (Trainer with offload.enabled: false): the learning-rate schedule, determinism of a run, and a loss that falls.
+#include "trainers.h"
 
 #include <gtest/gtest.h>
+
+using namespace megaslide::testing;
 
 using namespace megaslide;
 
@@ -27,9 +29,9 @@ TEST(LearningRate, WarmsUpThenDecaysToTheFloor) {
   EXPECT_DOUBLE_EQ(learning_rate(t, 13), 1.0);
 }
 
-TEST(ResidentTrainer, SameConfigGivesTheSameLossesBitForBit) {
+TEST(ResidentLoop, SameConfigGivesTheSameLossesBitForBit) {
   auto config = tiny_run(Architecture::kMegaSlide, 3);
-  ResidentTrainer a(config), b(config);
+  Trainer a = resident_trainer(config), b = resident_trainer(config);
   for (int i = 0; i < 3; ++i) {
     auto ma = a.step(), mb = b.step();
     EXPECT_EQ(ma.loss, mb.loss) << "step " << i;
@@ -37,9 +39,9 @@ TEST(ResidentTrainer, SameConfigGivesTheSameLossesBitForBit) {
   }
 }
 
-TEST(ResidentTrainer, LossFallsOverAShortRun) {
+TEST(ResidentLoop, LossFallsOverAShortRun) {
   for (auto arch : {Architecture::kMegaSlide, Architecture::kDense3D, Architecture::kSwin}) {
-    ResidentTrainer trainer(tiny_run(arch, 60));
+    Trainer trainer = resident_trainer(tiny_run(arch, 60));
     double first = 0, last = 0;
     for (int i = 0; i < 60; ++i) {
       auto m = trainer.step();
@@ -53,7 +55,7 @@ TEST(ResidentTrainer, LossFallsOverAShortRun) {
   }
 }
 
-TEST(ResidentTrainer, AskingForAMissingGpuFailsClearly) {
+TEST(ResidentLoop, AskingForAMissingGpuFailsClearly) {
   if (torch::cuda::is_available()) GTEST_SKIP() << "a GPU is present";
   try {
     resolve_device("cuda");

@@ -13,9 +13,10 @@
 
 #include "megaslide/io/files.h"
 #include "megaslide/model/dit.h"
-#include "megaslide/train/cpu_master_trainer.h"
-#include "megaslide/train/wan_trainer.h"
+#include "trainers.h"
 #include "run_tool.h"
+
+using namespace megaslide::testing;
 
 using namespace megaslide;
 using megaslide::plan::HardwareProfile;
@@ -125,7 +126,7 @@ TEST(StepPlan, HostBytesFollowTheClosedForm) {
 }
 
 // Property: the plan's PCIe bytes, host store components, parameter split and the device components
-// the trainer accounts on the CPU (slots + resident state + checkpoints) equal what CPUMasterVideoDiT
+// the trainer accounts on the CPU (slots + resident state + checkpoints) equal what the streamed Trainer
 // allocates and measures, step after step, for one and several micro-batches, bf16/fp16/fp32 compute,
 // immediate and deferred updates, and each architecture. The plan's device peak adds the modelled
 // activations, so it must exceed that accounting.
@@ -146,10 +147,10 @@ TEST(StepPlan, MatchesWhatTheStreamedTrainerMeasures) {
     std::string name;
     for (const auto& s : v) name += s + " ";
     const auto p = plan::plan_step(config, h200());
-    CPUMasterVideoDiT trainer(config);
-    EXPECT_EQ(p.streamed_params, trainer.engine().streamed_parameter_count()) << name;
-    EXPECT_EQ(p.resident_params, trainer.engine().resident_parameter_count()) << name;
-    const auto report = trainer.engine().store().memory_report();
+    Trainer trainer = streamed_trainer(config);
+    EXPECT_EQ(p.streamed_params, trainer.engine()->streamed_parameter_count()) << name;
+    EXPECT_EQ(p.resident_params, trainer.engine()->resident_parameter_count()) << name;
+    const auto report = trainer.engine()->store().memory_report();
     EXPECT_EQ(p.host.master, report.master_bytes) << name;
     EXPECT_EQ(p.host.exp_avg, report.exp_avg_bytes) << name;
     EXPECT_EQ(p.host.exp_avg_sq, report.exp_avg_sq_bytes) << name;
@@ -158,8 +159,8 @@ TEST(StepPlan, MatchesWhatTheStreamedTrainerMeasures) {
     EXPECT_EQ(p.host.scales, report.scale_bytes) << name;
     EXPECT_EQ(p.host.state(), report.total_bytes()) << name;
     EXPECT_EQ(p.host.pinned, report.pinnable_bytes + p.host.staging) << name;
-    EXPECT_EQ(p.device.weight_slots, trainer.engine().streamer().device_weight_bytes()) << name;
-    EXPECT_EQ(p.device.gradient_slots, trainer.engine().streamer().device_gradient_bytes()) << name;
+    EXPECT_EQ(p.device.weight_slots, trainer.engine()->streamer().device_weight_bytes()) << name;
+    EXPECT_EQ(p.device.gradient_slots, trainer.engine()->streamer().device_gradient_bytes()) << name;
     for (int step = 0; step < 2; ++step) {
       const auto m = trainer.step();
       ASSERT_FALSE(m.skipped) << name;
@@ -362,11 +363,11 @@ RunConfig tiny_wan(std::vector<std::string> extra = {}) {
 }
 }  // namespace
 
-// Property: for Wan the plan's exact parts are what WanTrainer's streamed engine allocates and moves —
+// Property: for Wan the plan's exact parts are what the streamed Wan Trainer's engine allocates and moves —
 // streamed (attn1, attn2, ffn of each block) and resident (prologue, head, every block's fp32 table and
 // norm2) parameter counts, the host store's bytes, the device slots, H2D and D2H bytes of real steps and
 // the trainer's own device accounting — dense and 3D-DSA, bf16 and fp32 compute, with accumulation.
-TEST(StepPlan, WanMatchesWhatTheWanTrainerMeasures) {
+TEST(StepPlan, WanMatchesWhatTheStreamedTrainerMeasures) {
   const std::vector<std::vector<std::string>> variants{
       {}, {"model.self_attention=dsa3d"}, {"offload.compute_dtype=fp32"}, {"train.grad_accum_steps=2"}, {"optimizer.state_dtype=int8"}};
   for (const auto& v : variants) {
@@ -379,8 +380,8 @@ TEST(StepPlan, WanMatchesWhatTheWanTrainerMeasures) {
     data.latents = torch::randn({4, 4, 3, 6, 8});
     data.text = torch::randn({4, 7, 20});
     data.empty_text = torch::zeros({7, 20});
-    WanTrainer trainer(config, data);
-    ASSERT_TRUE(trainer.streamed());
+    Trainer trainer = wan_trainer(config, data);
+    ASSERT_TRUE(trainer.streams());
     auto& engine = *trainer.engine();
     EXPECT_EQ(p.params, trainer.parameter_count()) << name;
     EXPECT_EQ(p.streamed_params, engine.streamed_parameter_count()) << name;

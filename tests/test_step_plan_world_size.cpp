@@ -10,7 +10,7 @@
 
 #include "megaslide/io/files.h"
 #include "megaslide/model/dit.h"
-#include "megaslide/train/cpu_master_trainer.h"
+#include "megaslide/train/dit_family.h"
 #include "megaslide/offload/host_param_store.h"
 #include "megaslide/offload/stack_trainer.h"
 #include "megaslide/plan/step_plan.h"

@@ -1,5 +1,5 @@
 // Every model family's trainer, in both modes, driven only through the seam the training run uses
-// (train/model_family.h): the same properties hold for each family without a test of its own.
+// (train/trainer.h): the same properties hold for each family without a test of its own.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -10,6 +10,7 @@
 #include "megaslide/plan/step_plan.h"
 #include "megaslide/train/auto_settings.h"
 #include "megaslide/train/model_family.h"
+#include "megaslide/train/trainer.h"
 #include "tiny_wan.h"
 
 using namespace megaslide;
@@ -35,15 +36,15 @@ RunConfig tiny(const std::string& family, bool streamed, const std::string& dir)
   return model_family(config.model.arch).resolve(resolve_auto_settings(config), "test");
 }
 
-std::unique_ptr<FamilyTrainer> make_trainer(const RunConfig& config) {
+std::unique_ptr<Trainer> trainer_of(const RunConfig& config) {
   TrainerRequest request;
   request.config = &config;
   request.requested = &config;
   request.source = "test";
-  return model_family(config.model.arch).make_trainer(request);
+  return std::make_unique<Trainer>(request);
 }
 
-std::map<std::string, torch::Tensor> masters(FamilyTrainer& trainer) {
+std::map<std::string, torch::Tensor> masters(Trainer& trainer) {
   std::map<std::string, torch::Tensor> out;
   for (const auto& [name, t] : trainer.training_state().master) out[name] = t.clone();
   return out;
@@ -51,17 +52,17 @@ std::map<std::string, torch::Tensor> masters(FamilyTrainer& trainer) {
 
 std::string scratch(const std::string& name) { return "/tmp/megaslide-test-trainer-" + name + "-" + std::to_string(::getpid()); }
 
-class FamilyTrainers : public ::testing::TestWithParam<std::string> {};
+class Trainers : public ::testing::TestWithParam<std::string> {};
 
 }  // namespace
 
 // Property: each family's streamed trainer (fp32 compute) trains as its resident reference loop does:
 // the same losses within 1e-4 relative over 3 steps, the same parameter names, and masters within 1e-4.
-TEST_P(FamilyTrainers, StreamedFollowsTheResidentLoop) {
+TEST_P(Trainers, StreamedFollowsTheResidentLoop) {
   const std::string dir = scratch(GetParam() + "-modes");
   const auto resident_config = tiny(GetParam(), false, dir), streamed_config = tiny(GetParam(), true, dir);
-  auto resident = make_trainer(resident_config);
-  auto streamed = make_trainer(streamed_config);
+  auto resident = trainer_of(resident_config);
+  auto streamed = trainer_of(streamed_config);
   EXPECT_FALSE(resident->streams());
   EXPECT_TRUE(streamed->streams());
   EXPECT_EQ(resident->parameter_count(), streamed->parameter_count());
@@ -82,18 +83,18 @@ TEST_P(FamilyTrainers, StreamedFollowsTheResidentLoop) {
 
 // Property: a trainer given another's training_state after 2 steps continues it bit for bit: its next
 // 2 losses and its masters equal those of the run that was never interrupted, in both modes.
-TEST_P(FamilyTrainers, AStateCarriedToANewTrainerContinuesBitExactly) {
+TEST_P(Trainers, AStateCarriedToANewTrainerContinuesBitExactly) {
   const std::string dir = scratch(GetParam() + "-resume");
   for (const bool streamed : {false, true}) {
     SCOPED_TRACE(streamed ? "streamed" : "resident");
     const auto config = tiny(GetParam(), streamed, dir);
-    auto whole = make_trainer(config);
-    auto first = make_trainer(config);
+    auto whole = trainer_of(config);
+    auto first = trainer_of(config);
     for (int i = 0; i < 2; ++i) {
       whole->step();
       first->step();
     }
-    auto second = make_trainer(config);
+    auto second = trainer_of(config);
     second->load_training_state(first->training_state());
     first.reset();
     for (int i = 0; i < 2; ++i) {
@@ -109,11 +110,11 @@ TEST_P(FamilyTrainers, AStateCarriedToANewTrainerContinuesBitExactly) {
 
 // Property: a NaN in a master weight makes the step non-finite: it is skipped and counted, and updates
 // no master or moment; with the weight restored, training goes on — each family, both modes.
-TEST_P(FamilyTrainers, ANonFiniteStepIsSkippedAndUpdatesNothing) {
+TEST_P(Trainers, ANonFiniteStepIsSkippedAndUpdatesNothing) {
   const std::string dir = scratch(GetParam() + "-nan");
   for (const bool streamed : {false, true}) {
     SCOPED_TRACE(streamed ? "streamed" : "resident");
-    auto trainer = make_trainer(tiny(GetParam(), streamed, dir));
+    auto trainer = trainer_of(tiny(GetParam(), streamed, dir));
     trainer->step();
     const auto good = trainer->training_state();  // the streamed trainer's: views of its host store
     io::NamedTensors clean;
@@ -153,13 +154,13 @@ TEST_P(FamilyTrainers, ANonFiniteStepIsSkippedAndUpdatesNothing) {
 // (1 − d_n)·w_n over the weights w_n after its n-th update, d_1 = 0 and d_n = min(decay, n/(n+9)) —
 // checked against that recurrence in float64 over the masters recorded after each of 6 steps (decay 0.3:
 // the warm-up rules steps 2–3, the cap steps 4–6), within 2e-6; and the EMA is not the weights.
-TEST_P(FamilyTrainers, EmaIsTheWarmedUpDecayedAverageOfTheWeights) {
+TEST_P(Trainers, EmaIsTheWarmedUpDecayedAverageOfTheWeights) {
   const std::string dir = scratch(GetParam() + "-ema");
   for (const bool streamed : {false, true}) {
     SCOPED_TRACE(streamed ? "streamed" : "resident");
     auto config = tiny(GetParam(), streamed, dir);
     config.train.ema_decay = 0.3;
-    auto trainer = make_trainer(config);
+    auto trainer = trainer_of(config);
     std::map<std::string, torch::Tensor> reference;
     for (int64_t n = 1; n <= 6; ++n) {
       ASSERT_FALSE(trainer->step().skipped);
@@ -187,15 +188,15 @@ TEST_P(FamilyTrainers, EmaIsTheWarmedUpDecayedAverageOfTheWeights) {
 // Property: the EMA is part of the training state: carried to a new trainer after 2 steps, it continues
 // bit for bit (the EMA after 4 steps equals the uninterrupted run's); a state without an EMA (a run that
 // turns train.ema_decay on at a resume) starts it at the loaded weights.
-TEST_P(FamilyTrainers, EmaIsCarriedWithTheStateOrStartsAtTheLoadedWeights) {
+TEST_P(Trainers, EmaIsCarriedWithTheStateOrStartsAtTheLoadedWeights) {
   const std::string dir = scratch(GetParam() + "-ema-state");
   for (const bool streamed : {false, true}) {
     SCOPED_TRACE(streamed ? "streamed" : "resident");
     auto config = tiny(GetParam(), streamed, dir);
     config.train.ema_decay = 0.5;
-    auto whole = make_trainer(config), first = make_trainer(config);
+    auto whole = trainer_of(config), first = trainer_of(config);
     for (int i = 0; i < 2; ++i) whole->step(), first->step();
-    auto second = make_trainer(config);
+    auto second = trainer_of(config);
     second->load_training_state(first->training_state());
     for (int i = 0; i < 2; ++i) whole->step(), second->step();
     const auto a = whole->training_state(), b = second->training_state();
@@ -204,12 +205,12 @@ TEST_P(FamilyTrainers, EmaIsCarriedWithTheStateOrStartsAtTheLoadedWeights) {
 
     auto plain_config = config;
     plain_config.train.ema_decay = 0.0;
-    auto plain = make_trainer(plain_config);
+    auto plain = trainer_of(plain_config);
     plain->step();
     const auto without = plain->training_state();
     EXPECT_FALSE(without.ema_valid);
     EXPECT_TRUE(without.ema.empty());
-    auto turned_on = make_trainer(config);
+    auto turned_on = trainer_of(config);
     turned_on->load_training_state(without);
     const auto started = turned_on->training_state();
     ASSERT_EQ(started.ema.size(), without.master.size());
@@ -219,7 +220,7 @@ TEST_P(FamilyTrainers, EmaIsCarriedWithTheStateOrStartsAtTheLoadedWeights) {
   io::remove_tree(dir);
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, FamilyTrainers, ::testing::Values("dit", "wan"));
+INSTANTIATE_TEST_SUITE_P(Families, Trainers, ::testing::Values("dit", "wan"));
 
 // Property: every model.arch has its family, and the DiT family's architectures share one.
 TEST(ModelFamily, EveryArchitectureHasItsFamily) {
@@ -231,14 +232,14 @@ TEST(ModelFamily, EveryArchitectureHasItsFamily) {
 // Property: the device memory a family's trainer keeps across steps is the planner's (plan/step_plan.h:
 // the weight and gradient slots, and the resident state less its gradients, which are each step's own),
 // for each family in both modes: the ablations' memory accounting and megaslide-plan agree.
-TEST_P(FamilyTrainers, PersistentDeviceBytesAreThePlans) {
+TEST_P(Trainers, PersistentDeviceBytesAreThePlans) {
   const std::string dir = scratch(GetParam() + "-persistent");
   for (const bool ema : {false, true})
     for (const bool streamed : {false, true}) {
       SCOPED_TRACE(std::string(streamed ? "streamed" : "resident") + (ema ? ", EMA" : ""));
       auto config = tiny(GetParam(), streamed, dir);
       config.train.ema_decay = ema ? 0.99 : 0.0;
-      auto trainer = make_trainer(config);
+      auto trainer = trainer_of(config);
       const auto plan = plan::plan_step(config, plan::load_hardware_profile("h200"));
       EXPECT_GT(trainer->persistent_device_bytes(), 0);
       // The plan's resident state counts the gradient too (4 of its 16 or, with the EMA, 20 B a parameter).

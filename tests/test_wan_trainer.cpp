@@ -17,11 +17,13 @@
 #include "megaslide/model/wan_weights.h"
 #include "megaslide/train/checkpoint.h"
 #include "megaslide/train/training_run.h"
-#include "megaslide/train/wan_trainer.h"
+#include "trainers.h"
+
+using namespace megaslide::testing;
+using megaslide::Trainer;
 
 using megaslide::RunConfig;
 using megaslide::WanLatentData;
-using megaslide::WanTrainer;
 
 namespace {
 
@@ -79,7 +81,7 @@ double max_difference(const std::vector<std::pair<std::string, torch::Tensor>>& 
 // The property: the streamed trainer's gradients of one step — blocks from the host store, the resident
 // fp32 parts (prologue, every block's scale_shift_table and norm2, head) from the device — are PyTorch
 // autograd's on diffusers' model for the same batch, within 1e-4 of each gradient's scale (fp32 compute).
-TEST(WanTrainer, StreamedGradientsAreAutogradsOnDiffusers) {
+TEST(WanTraining, StreamedGradientsAreAutogradsOnDiffusers) {
   std::map<std::string, torch::Tensor> r;
   for (auto& [name, t] : megaslide::io::read_safetensors(kFixtures + "/reference.safetensors").tensors) r[name] = t;
   auto weights = megaslide::WanWeights::open(kFixtures + "/a/diffusers");
@@ -129,14 +131,14 @@ TEST(WanTrainer, StreamedGradientsAreAutogradsOnDiffusers) {
 
 // The property: the streamed trainer (fp32 compute, emulated asynchronous copies 2 ms late) gives the
 // resident loop's weights and losses step after step, with clipping on and off and with accumulation.
-TEST(WanTrainer, StreamedEqualsResident) {
+TEST(WanTraining, StreamedEqualsResident) {
   for (const auto& extra : std::vector<std::vector<std::string>>{{}, {"train.grad_clip=0"}, {"train.grad_accum_steps=2"}}) {
     auto streamed_config = tiny_config(extra);
     auto resident_config = tiny_config(extra);
     resident_config.offload.enabled = false;
-    WanTrainer streamed(streamed_config, tiny_data()), resident(resident_config, tiny_data());
-    ASSERT_TRUE(streamed.streamed());
-    ASSERT_FALSE(resident.streamed());
+    Trainer streamed = wan_trainer(streamed_config, tiny_data()), resident = wan_trainer(resident_config, tiny_data());
+    ASSERT_TRUE(streamed.streams());
+    ASSERT_FALSE(resident.streams());
     EXPECT_EQ(streamed.parameter_count(), resident.parameter_count());
     EXPECT_EQ(max_difference(streamed.master_weights(), resident.master_weights()), 0.0) << "the same initial weights";
     double worst = 0.0;
@@ -153,9 +155,9 @@ TEST(WanTrainer, StreamedEqualsResident) {
 
 // The property: a tiny Wan trained by the streamed trainer with bf16 blocks (fp32 tables, norms and
 // masters) learns: the mean loss of steps 41–50 is well below that of steps 1–10.
-TEST(WanTrainer, LossFallsWithBf16Blocks) {
+TEST(WanTraining, LossFallsWithBf16Blocks) {
   auto config = tiny_config({"offload.compute_dtype=bf16", "offload.emulated_copy_delay_ms=0", "train.lr=0.003"});
-  WanTrainer trainer(config, tiny_data());
+  Trainer trainer = wan_trainer(config, tiny_data());
   double first = 0.0, last = 0.0;
   for (int s = 0; s < 50; ++s) {
     const auto m = trainer.step();
@@ -170,7 +172,7 @@ TEST(WanTrainer, LossFallsWithBf16Blocks) {
 // The property: a checkpoint written at step 3 and loaded into a fresh trainer continues exactly: the
 // losses of steps 4–6 and every master weight and AdamW moment after step 6 are bit-identical to the
 // uninterrupted run's (bf16 blocks, clipping, asynchronous copies).
-TEST(WanTrainer, CheckpointResumesBitExactly) {
+TEST(WanTraining, CheckpointResumesBitExactly) {
   // fp32 moments, and int8 moments, whose per-group scales the checkpoint must keep too.
   for (const char* moments : {"fp32", "int8"}) {
   SCOPED_TRACE(std::string(moments) + " moments");
@@ -179,7 +181,7 @@ TEST(WanTrainer, CheckpointResumesBitExactly) {
   std::vector<double> losses;
   megaslide::TrainingState after;
   {
-    WanTrainer trainer(config, tiny_data());
+    Trainer trainer = wan_trainer(config, tiny_data());
     for (int s = 0; s < 6; ++s) {
       losses.push_back(trainer.step().loss);
       if (s == 2) megaslide::save_checkpoint(dir, config, trainer.training_state());
@@ -188,7 +190,7 @@ TEST(WanTrainer, CheckpointResumesBitExactly) {
     for (auto* list : {&after.master, &after.exp_avg, &after.exp_avg_sq, &after.exp_avg_scale, &after.exp_avg_sq_scale})
       for (auto& [name, t] : *list) t = t.clone();  // the store's views outlive the trainer only as copies
   }
-  WanTrainer resumed(config, tiny_data());
+  Trainer resumed = wan_trainer(config, tiny_data());
   auto state = resumed.training_state();
   megaslide::load_checkpoint(megaslide::latest_checkpoint(dir), config, state);
   resumed.load_training_state(state);
@@ -252,10 +254,10 @@ TEST(WanBatchSource, RankSlicesConcatenateToTheSingleProcessBatch) {
 
 // The property: a 3D-DSA Wan starts from a dense checkpoint with only the retrofit's parameters at their
 // initialisation, and training moves its offset network away from zero (the offsets learn).
-TEST(WanTrainer, RetrofitTrainsItsOffsetsFromADenseCheckpoint) {
+TEST(WanTraining, RetrofitTrainsItsOffsetsFromADenseCheckpoint) {
   auto config = tiny_config({"model.self_attention=dsa3d", "model.dsa_kernel=[3, 3, 3]", "model.wan.weights=" + kFixtures + "/a/diffusers"});
-  WanTrainer trainer(config, tiny_data());
-  EXPECT_EQ(trainer.initialised_parameters().size(), 10u);
+  Trainer trainer = wan_trainer(config, tiny_data());
+  EXPECT_EQ(wan_initialised_parameters(trainer).size(), 10u);
   auto masters = trainer.master_weights();
   auto find = [](const std::vector<std::pair<std::string, torch::Tensor>>& list, const std::string& name) {
     for (const auto& [n, t] : list)
@@ -271,21 +273,23 @@ TEST(WanTrainer, RetrofitTrainsItsOffsetsFromADenseCheckpoint) {
 }
 
 // The property: data that does not fit the config is refused naming what differs.
-TEST(WanTrainer, DataThatDoesNotFitIsNamed) {
+TEST(WanTraining, DataThatDoesNotFitIsNamed) {
   auto bad = tiny_data();
   bad.text = torch::randn({4, 7, 19});
   try {
-    WanTrainer trainer(tiny_config(), bad);
+    Trainer trainer = wan_trainer(tiny_config(), bad);
     ADD_FAILURE() << "no error";
-  } catch (const std::invalid_argument& e) {
+  } catch (const megaslide::ConfigError& e) {
+    EXPECT_EQ(e.key(), "data.tensors");
     EXPECT_NE(std::string(e.what()).find("model.wan.text_dim"), std::string::npos) << e.what();
   }
   auto no_empty = tiny_data();
   no_empty.empty_text = torch::Tensor();
   try {
-    WanTrainer trainer(tiny_config({"diffusion.caption_dropout=0.1"}), no_empty);
+    Trainer trainer = wan_trainer(tiny_config({"diffusion.caption_dropout=0.1"}), no_empty);
     ADD_FAILURE() << "no error";
-  } catch (const std::invalid_argument& e) {
+  } catch (const megaslide::ConfigError& e) {
+    EXPECT_EQ(e.key(), "data.tensors");
     EXPECT_NE(std::string(e.what()).find("empty_text"), std::string::npos) << e.what();
   }
 }
@@ -302,7 +306,7 @@ std::vector<double> losses_of(const std::string& run_dir) {
 // The property: megaslide-train's loop (run_training) trains Wan from data.tensors — fresh, and resumed
 // from a checkpoint into the same losses as an uninterrupted run, bit for bit; a missing data file, a
 // missing data.tensors and image-to-video-sized data are ConfigErrors naming the key.
-TEST(WanTrainer, TrainingRunTrainsAndResumesWan) {
+TEST(WanTraining, TrainingRunTrainsAndResumesWan) {
   const auto dir = temp_dir("run");
   const auto data = tiny_data();
   const std::string tensors = dir + "/latents.safetensors";
@@ -332,9 +336,7 @@ TEST(WanTrainer, TrainingRunTrainsAndResumesWan) {
   // checkpoint's fp32 masters bit for bit, every parameter matched by its diffusers name.
   {
     const auto masters = megaslide::io::read_safetensors(dir + "/whole/checkpoints/step-0000006/master.safetensors").tensors;
-    WanTrainer from(with("unused", {}), tiny_data(), [&](const megaslide::ParameterShapes& shapes) {
-      return megaslide::plan_init_from(dir + "/whole", shapes, {});
-    });
+    Trainer from = wan_trainer(with("unused", {"train.init_from=" + dir + "/whole"}), tiny_data());
     EXPECT_EQ(from.init_plan().tensors.size(), masters.size());
     std::map<std::string, torch::Tensor> expected(masters.begin(), masters.end());
     const auto got = from.master_weights();
@@ -366,7 +368,7 @@ TEST(WanTrainer, TrainingRunTrainsAndResumesWan) {
 // and leaves LibTorch's default generator where the whole model's construction leaves it. Random
 // initialisation, the 3D-DSA retrofit from a dense checkpoint, and init_from a file holding a few tensors
 // (of the prologue, a block and the head).
-TEST(WanTrainer, StreamedStartsFromTheWholeModelsWeightsBitForBit) {
+TEST(WanTraining, StreamedStartsFromTheWholeModelsWeightsBitForBit) {
   const auto dir = temp_dir("init");
   torch::manual_seed(9);
   const std::string partial = dir + "/partial.safetensors";
@@ -385,17 +387,20 @@ TEST(WanTrainer, StreamedStartsFromTheWholeModelsWeightsBitForBit) {
       {{"model.wan.weights=" + kFixtures + "/a/diffusers"}, true}};
   for (const auto& v : variants) {
     SCOPED_TRACE(v.overrides.empty() ? "random" : v.overrides.back() + (v.init_from ? " + init_from" : ""));
-    WanTrainer::InitPlanner init;
-    if (v.init_from)
-      init = [&](const megaslide::ParameterShapes& shapes) { return megaslide::plan_init_from(partial, shapes, {"*"}); };
-    auto resident_config = tiny_config(v.overrides);
+    auto streamed_config = tiny_config(v.overrides);
+    if (v.init_from) {
+      streamed_config.train.init_from = partial;
+      streamed_config.train.init_allow_missing = {"*"};
+    }
+    auto resident_config = streamed_config;
     resident_config.offload.enabled = false;
-    WanTrainer streamed(tiny_config(v.overrides), tiny_data(), init);
+    const auto streamed_data = tiny_data(), resident_data = tiny_data();  // drawn before: tiny_data reseeds the generator
+    Trainer streamed = wan_trainer(streamed_config, streamed_data);
     const auto after_streamed = torch::rand({8});
-    WanTrainer resident(resident_config, tiny_data(), init);
+    Trainer resident = wan_trainer(resident_config, resident_data);
     const auto after_resident = torch::rand({8});
-    ASSERT_TRUE(streamed.streamed());
-    EXPECT_EQ(streamed.initialised_parameters(), resident.initialised_parameters());
+    ASSERT_TRUE(streamed.streams());
+    EXPECT_EQ(wan_initialised_parameters(streamed), wan_initialised_parameters(resident));
     const auto a = streamed.master_weights(), b = resident.master_weights();
     ASSERT_EQ(a.size(), b.size());
     for (size_t i = 0; i < a.size(); ++i) {
@@ -417,7 +422,7 @@ TEST(WanTrainer, StreamedStartsFromTheWholeModelsWeightsBitForBit) {
 // config.json; --resume X --export-weights writes a checkpoint's the same way: WanWeights reads each back
 // with the run's architecture; the model they give computes exactly what the trained masters rounded to
 // bf16 compute; model.wan.weights and train.init_from of the exported file start a trainer from them.
-TEST(WanTrainer, ExportedWeightsLoadBackAsDiffusersWeights) {
+TEST(WanTraining, ExportedWeightsLoadBackAsDiffusersWeights) {
   const auto dir = temp_dir("export");
   const auto data = tiny_data();
   const std::string tensors = dir + "/latents.safetensors";
@@ -468,14 +473,13 @@ TEST(WanTrainer, ExportedWeightsLoadBackAsDiffusersWeights) {
   }
 
   // model.wan.weights and train.init_from of the exported file.
-  const auto expect_masters = [&](WanTrainer& trainer) {
+  const auto expect_masters = [&](Trainer& trainer) {
     for (const auto& [name, value] : trainer.master_weights()) EXPECT_TRUE(torch::equal(value, masters.at(name))) << name;
   };
-  WanTrainer from_weights(tiny_config({"model.wan.weights=" + exported, "model.wan.heads=4"}), tiny_data());
+  Trainer from_weights = wan_trainer(tiny_config({"model.wan.weights=" + exported, "model.wan.heads=4"}), tiny_data());
   EXPECT_EQ(from_weights.config().model.wan.heads, 2) << "the exported config's heads, not the fallback's";
   expect_masters(from_weights);
-  WanTrainer from_init(tiny_config({"offload.compute_dtype=bf16"}), tiny_data(),
-                       [&](const megaslide::ParameterShapes& shapes) { return megaslide::plan_init_from(exported, shapes, {}); });
+  Trainer from_init = wan_trainer(tiny_config({"offload.compute_dtype=bf16", "train.init_from=" + exported}), tiny_data());
   expect_masters(from_init);
   megaslide::io::remove_tree(dir);
 }
@@ -484,7 +488,7 @@ TEST(WanTrainer, ExportedWeightsLoadBackAsDiffusersWeights) {
 // for (2, 0, 3, 1: a block ahead of its predecessors draws and keeps them), whatever else drew from the
 // default generator between two draws, and afterwards sets the generator where the whole model's
 // construction draws the head: with initialise_prologue and initialise_head, the whole model part by part.
-TEST(WanTrainer, BlockDrawsAreTheWholeModelsBlocksInAnyOrder) {
+TEST(WanTraining, BlockDrawsAreTheWholeModelsBlocksInAnyOrder) {
   auto options = megaslide::WanOptions::from_config(tiny_config({"model.wan.layers=4"}));
   torch::manual_seed(21);
   megaslide::WanTransformer whole(options);

@@ -25,9 +25,12 @@
 #include "megaslide/io/files.h"
 #include "megaslide/io/safetensors.h"
 #include "megaslide/io/video.h"
-#include "megaslide/train/wan_trainer.h"
+#include "trainers.h"
 #include "megaslide/train/wan_validation.h"
 #include "run_tool.h"
+
+using namespace megaslide::testing;
+using megaslide::Trainer;
 
 using megaslide::io::join_path;
 
@@ -74,7 +77,7 @@ megaslide::RunConfig tiny_config(const std::vector<std::string>& overrides) {
 
 // What WanTextToVideo samples for the validation's jobs (one at a time, as the validation samples them)
 // over a fresh model holding the trainer's masters, its blocks in `dtype`.
-torch::Tensor reference_latents(const megaslide::WanValidation& v, megaslide::WanTrainer& trainer, c10::ScalarType dtype) {
+torch::Tensor reference_latents(const megaslide::WanValidation& v, megaslide::Trainer& trainer, c10::ScalarType dtype) {
   megaslide::WanTransformer model(megaslide::WanOptions::from_config(trainer.config()));
   std::map<std::string, torch::Tensor> params;
   for (auto& p : model->named_parameters(true)) params.emplace(p.key(), p.value());
@@ -114,8 +117,8 @@ TEST(WanValidation, SamplesTheTrainersCurrentWeights) {
     ASSERT_EQ(validation.jobs().size(), 2u);
     EXPECT_EQ(validation.jobs()[0].prompt, megaslide::wan_validation_prompts()[0]);
     EXPECT_EQ(validation.jobs()[1].prompt, megaslide::wan_validation_prompts()[1]);
-    megaslide::WanTrainer trainer(config, tiny_data());
-    EXPECT_EQ(trainer.streamed(), std::string(mode.name) != "resident");
+    megaslide::Trainer trainer = wan_trainer(config, tiny_data());
+    EXPECT_EQ(trainer.streams(), std::string(mode.name) != "resident");
     const auto initial = torch::cat(validation.sample(trainer));
     ASSERT_EQ(initial.sizes(), (std::vector<int64_t>{2, 16, 2, 4, 6}));
     const auto initial_reference = reference_latents(validation, trainer, mode.blocks);
@@ -142,7 +145,7 @@ TEST(WanValidation, PromptFileLinesSampleAtTheirOwnSizeAndSettings) {
   ASSERT_EQ(validation.jobs().size(), 2u);
   EXPECT_EQ(validation.jobs()[0].seed, 3u);
   EXPECT_EQ(validation.jobs()[1].index, 1);
-  megaslide::WanTrainer trainer(config, tiny_data());
+  megaslide::Trainer trainer = wan_trainer(config, tiny_data());
   trainer.step();
   const auto latents = validation.sample(trainer);
   ASSERT_EQ(latents.size(), 2u);
@@ -185,13 +188,13 @@ TEST(WanValidation, SamplingBetweenStepsLeavesTrainingBitForBit) {
     SCOPED_TRACE(mode.name);
     const auto config = tiny_config(mode.overrides);
     const megaslide::WanValidation validation(config, {}, "test");
-    megaslide::WanTrainer sampled(config, tiny_data());
-    megaslide::WanTrainer plain(config, tiny_data());
-    const bool training = sampled.model()->is_training();
+    megaslide::Trainer sampled = wan_trainer(config, tiny_data());
+    megaslide::Trainer plain = wan_trainer(config, tiny_data());
+    const bool training = wan_module(sampled)->is_training();
     for (int step = 0; step < 4; ++step) {
       EXPECT_EQ(sampled.step().loss, plain.step().loss) << "step " << step + 1;
       if (step % 2 == 0) validation.sample(sampled);
-      EXPECT_EQ(sampled.model()->is_training(), training);
+      EXPECT_EQ(wan_module(sampled)->is_training(), training);
     }
     const auto a = sampled.master_weights(), b = plain.master_weights();
     ASSERT_EQ(a.size(), b.size());

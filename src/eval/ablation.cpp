@@ -22,6 +22,8 @@
 #include "megaslide/util/cpu_memory_counter.h"
 #include "megaslide/train/auto_settings.h"
 #include "megaslide/train/model_family.h"
+#include "megaslide/train/trainer.h"
+#include "megaslide/util/device.h"
 
 namespace megaslide {
 namespace {
@@ -120,14 +122,14 @@ VariantRun train_variant(const std::string& suite, const std::string& name, cons
     if (progress) progress(fmt::format("[{}] {}: {}", suite, name, line));
   };
   try {
-    // The family's trainer as a training run builds it (train/model_family.h).
+    // The trainer as a training run builds it (train/trainer.h).
     const ModelFamily& family = model_family(config.model.arch);
     const RunConfig resolved = family.resolve(config, suite + " ablation");
     TrainerRequest request;
     request.config = &resolved;
     request.requested = &config;
     request.source = suite + " ablation";
-    const auto trainer = family.make_trainer(request);
+    const auto trainer = std::make_unique<Trainer>(request);
     // Device state that lives across steps (CPU accounting; on a GPU the allocator sees it all); a
     // step's gradients and activations are its own allocations.
     const int64_t persistent = trainer->persistent_device_bytes();

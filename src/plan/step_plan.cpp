@@ -13,8 +13,8 @@
 #include "megaslide/model/text_encoder.h"
 #include "megaslide/model/wan.h"
 #include "megaslide/model/wan_weights.h"
-#include "megaslide/train/cpu_master_trainer.h"
-#include "megaslide/train/wan_trainer.h"
+#include "megaslide/train/dit_family.h"
+#include "megaslide/train/wan_family.h"
 #include "megaslide/offload/host_param_store.h"
 #include "megaslide/offload/stack_trainer.h"
 
@@ -567,13 +567,13 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
     p.host.staging = A > 1 ? 2 * s.largest_block * e : 0;
     p.host.pinned = store.pinnable_bytes + p.host.staging;
     // Start-up: the store, and the fp32 initial weights of the blocks being loaded into it
-    // (StackTrainerOptions::init_threads at once, 2 by default; CPUMasterVideoDiT and WanTrainer alike).
+    // (StackTrainerOptions::init_threads at once, 2 by default; every family alike).
     p.host.construction_peak = p.host.state() + 2 * 4 * s.largest_block;
     p.transfer = replay_transfers(s.block_numels, A, e);
   }
   p.device = wan ? wan_device_memory(config, s, grid) : device_memory(config, s, grid);
   if (!p.streamed && R > 1) {
-    // ResidentTrainer::average_over_ranks: one flat fp32 buffer of every gradient, all-reduced (a ring:
+    // The resident Trainer's average_gradients_over_ranks: one flat fp32 buffer of every gradient, all-reduced (a ring:
     // a reduce-scatter and an all-gather of it).
     const int64_t trained = s.params + s.text_encoder_params;
     p.device.gradient_all_reduce = 4 * trained;

@@ -1,6 +1,7 @@
 #include "megaslide/train/auto_settings.h"
 
 #include "megaslide/train/distributed.h"
+#include "megaslide/util/device.h"
 
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
@@ -8,7 +9,6 @@
 #include <algorithm>
 #include <cstdlib>
 
-#include "megaslide/train/resident_trainer.h"
 
 #ifdef MEGASLIDE_WITH_CUDA
 #include <cuda_runtime_api.h>

@@ -1,4 +1,4 @@
-#include "megaslide/train/resident_trainer.h"
+#include "megaslide/train/dit_batches.h"
 
 #include "megaslide/data/latent_cache.h"
 #include "megaslide/data/loader.h"
@@ -21,15 +21,6 @@
 #include "megaslide/train/distributed.h"
 
 namespace megaslide {
-
-double learning_rate(const TrainConfig& t, int64_t step) {
-  if (t.warmup_steps > 0 && step < t.warmup_steps) return t.lr * static_cast<double>(step + 1) / static_cast<double>(t.warmup_steps);
-  if (t.lr_schedule == "constant") return t.lr;
-  const int64_t decay_steps = std::max<int64_t>(t.steps - t.warmup_steps - 1, 1);
-  const double progress = std::min(1.0, static_cast<double>(step - t.warmup_steps) / static_cast<double>(decay_steps));
-  const double min_lr = t.lr * t.min_lr_ratio;
-  return min_lr + 0.5 * (t.lr - min_lr) * (1.0 + std::cos(M_PI * progress));
-}
 
 // data.dataset: videos — the clips come from a ClipLoader over the decoded files or the cache.
 struct DiffusionBatchSource::Videos {
@@ -317,146 +308,6 @@ DiffusionBatch DiffusionBatchSource::next(torch::Device device) {
   b.text_mask = text_mask.to(device);
   b.data_wait_s = data_wait_s;
   return b;
-}
-
-ResidentTrainer::ResidentTrainer(const RunConfig& config, Communicator* communicator)
-    : config_(config), device_(resolve_device(config.train.device)), batches_(config), communicator_(communicator) {
-  validate(config_, "ResidentTrainer");
-  if (communicator_ != nullptr) batches_.take_slice(communicator_->rank(), communicator_->world_size());
-  apply_threads(plan_threads(config_, device_));
-  torch::manual_seed(config_.train.seed);
-  model_ = DiT(DiTOptions::from_config(config_));
-  if (config_.model.text_encoder.kind == "builtin") {  // CLIP is frozen and lives in batches_.frozen()
-    text_encoder_ = TextEncoder(TextEncoderOptions(batches_.tokenizer().vocab_size(), config_.model.text_dim, config_.data.max_text_tokens));
-    text_encoder_->to(device_);
-  }
-  model_->to(device_);
-  for (auto& p : model_->parameters()) parameters_.push_back(p);
-  if (text_encoder_)
-    for (auto& p : text_encoder_->parameters()) parameters_.push_back(p);
-  const auto& t = config_.train;
-  optimizer_ = std::make_unique<torch::optim::AdamW>(
-      parameters_, torch::optim::AdamWOptions(t.lr).betas({t.beta1, t.beta2}).eps(t.eps).weight_decay(t.weight_decay));
-  ema_ = WeightsEma(t.ema_decay, named_parameters());
-  const auto shape = model_sample_shape(config_);
-  grid_ = model_->token_grid(shape[1], shape[2], shape[3]);
-}
-
-int64_t ResidentTrainer::parameter_count() const {
-  int64_t n = 0;
-  for (const auto& p : parameters_) n += p.numel();
-  return n;
-}
-
-std::vector<std::pair<std::string, torch::Tensor>> ResidentTrainer::named_parameters() {
-  std::vector<std::pair<std::string, torch::Tensor>> out;
-  for (const auto& p : model_->named_parameters(true)) out.emplace_back(p.key(), p.value());
-  if (text_encoder_)
-    for (const auto& p : text_encoder_->named_parameters(true)) out.emplace_back("text_encoder." + p.key(), p.value());
-  return out;
-}
-
-ParameterShapes ResidentTrainer::parameter_shapes() {
-  ParameterShapes out;
-  for (auto& [name, p] : named_parameters()) out.emplace_back(name, p.sizes().vec());
-  return out;
-}
-
-void ResidentTrainer::init_from(const InitPlan& plan) {
-  std::map<std::string, torch::Tensor> params;
-  for (auto& [name, p] : named_parameters()) params.emplace(name, p);
-  for (const auto& [name, source] : plan.tensors) source.read_into(params.at(name));
-}
-
-TrainingState ResidentTrainer::training_state() {
-  TrainingState s;
-  s.step = steps_done_;
-  s.optimizer_steps = optimizer_steps_;
-  s.skipped_steps = skipped_total_;
-  s.consecutive_skips = consecutive_skips_;
-  s.data_state = batches_.state();
-  for (auto& [name, p] : named_parameters()) {
-    auto moments = adamw_moments(*optimizer_, p);
-    s.master.emplace_back(name, p.detach().to(torch::kCPU, torch::kFloat32).clone());
-    s.exp_avg.emplace_back(name, moments.exp_avg);
-    s.exp_avg_sq.emplace_back(name, moments.exp_avg_sq);
-  }
-  ema_.save(s);
-  return s;
-}
-
-void ResidentTrainer::load_training_state(const TrainingState& s) {
-  auto params = named_parameters();
-  TORCH_CHECK(s.master.size() == params.size() && s.exp_avg.size() == params.size() && s.exp_avg_sq.size() == params.size(),
-              "ResidentTrainer::load_training_state: expected ", params.size(), " parameters, got ", s.master.size());
-  batches_.restore(s.data_state);
-  torch::NoGradGuard no_grad;
-  for (size_t i = 0; i < params.size(); ++i) {
-    auto& [name, p] = params[i];
-    TORCH_CHECK(s.master[i].first == name, "ResidentTrainer::load_training_state: parameter ", i, " is '", s.master[i].first,
-                "', expected '", name, "'");
-    p.copy_(s.master[i].second);
-    set_adamw_moments(*optimizer_, p, s.exp_avg[i].second, s.exp_avg_sq[i].second, s.optimizer_steps);
-  }
-  ema_.load(s, params, "ResidentTrainer");
-  steps_done_ = s.step;
-  optimizer_steps_ = s.optimizer_steps;
-  skipped_total_ = s.skipped_steps;
-  consecutive_skips_ = s.consecutive_skips;
-}
-
-void ResidentTrainer::average_over_ranks(double& loss_sum) {
-  if (communicator_ != nullptr) average_gradients_over_ranks(*communicator_, parameters_, loss_sum, device_);
-}
-
-StepMetrics ResidentTrainer::step() {
-  const auto start = std::chrono::steady_clock::now();
-  const auto& t = config_.train;
-  const double lr = learning_rate(t, steps_done_);
-  for (auto& group : optimizer_->param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
-
-  optimizer_->zero_grad();
-  const int64_t accum = t.grad_accum_steps;
-  double loss_sum = 0.0;
-  double data_wait_s = 0.0;
-  int64_t tokens_per_sample = 0;  // summed over the micro-batches: their bucket's grid, not the largest
-  for (int64_t k = 0; k < accum; ++k) {
-    auto b = batches_.next(device_);
-    data_wait_s += b.data_wait_s;
-    tokens_per_sample += model_->token_grid(b.xt.size(2), b.xt.size(3), b.xt.size(4)).numel();
-    auto text = b.text.defined() ? b.text : text_encoder_(b.text_ids);
-    auto loss = diffusion_loss(model_(b.xt, b.timesteps, text, b.text_mask), b.target);
-    (accum == 1 ? loss : loss / static_cast<double>(accum)).backward();
-    loss_sum += loss.item<double>();  // synchronises with the device, so the timing below is complete
-  }
-  average_over_ranks(loss_sum);
-  const auto optimizer_start = std::chrono::steady_clock::now();  // the device is idle here (item() above)
-  const double max_norm = t.grad_clip > 0 ? t.grad_clip : std::numeric_limits<double>::infinity();
-  const double grad_norm = torch::nn::utils::clip_grad_norm_(parameters_, max_norm);
-  StepMetrics m;
-  m.loss = loss_sum / static_cast<double>(accum);
-  m.skipped = !std::isfinite(m.loss) || !std::isfinite(grad_norm);
-  if (m.skipped) {
-    ++skipped_total_;
-    ++consecutive_skips_;
-  } else {
-    optimizer_->step();
-    ++optimizer_steps_;
-    ema_.update(named_parameters(), optimizer_steps_);
-    consecutive_skips_ = 0;
-  }
-  m.skipped_total = skipped_total_;
-  m.consecutive_skips = consecutive_skips_;
-  if (device_.is_cuda()) torch::cuda::synchronize();
-  m.optimizer_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - optimizer_start).count();
-  m.step = ++steps_done_;
-  m.lr = lr;
-  m.grad_norm = grad_norm;
-  m.data_wait_s = data_wait_s;
-  m.step_time_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  m.samples_per_s = static_cast<double>(t.batch_size * accum) / m.step_time_s;
-  m.tokens_per_s = static_cast<double>(t.batch_size * tokens_per_sample) / m.step_time_s;
-  return m;
 }
 
 }  // namespace megaslide

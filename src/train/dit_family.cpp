@@ -1,80 +1,107 @@
-// The DiT family (megaslide, dense3d, swin) behind train/model_family.h: the resident reference loop
-// (offload.enabled: false) or the streamed CPU-master trainer.
+// The DiT family (megaslide, dense3d, swin) behind train/model_family.h (train/dit_family.h says how it
+// is built and split for streaming).
+#include "megaslide/train/dit_family.h"
+
 #include <fmt/format.h>
 
 #include <memory>
+#include <stdexcept>
 
 #include "megaslide/diffusion/text_to_video.h"
 #include "megaslide/io/files.h"
-#include "megaslide/model/dit.h"
 #include "megaslide/model/dit_weights.h"
-#include "megaslide/train/auto_settings.h"
-#include "megaslide/train/cpu_master_trainer.h"
 #include "megaslide/train/model_family.h"
-#include "megaslide/train/streamed_state.h"
+#include "megaslide/train/trainer.h"
 
 namespace megaslide {
 
 namespace {
 
-class DiTFamilyTrainer final : public FamilyTrainer {
+class DiTModel final : public FamilyModel {
  public:
-  explicit DiTFamilyTrainer(const TrainerRequest& request)
-      : config_(*request.config), requested_compute_dtype_(request.requested->offload.compute_dtype) {
-    if (config_.offload.enabled)
-      streamed_ = std::make_unique<CPUMasterVideoDiT>(config_, request.communicator);
-    else
-      resident_ = std::make_unique<ResidentTrainer>(config_, request.communicator);
+  explicit DiTModel(const ModelRequest& request)
+      : config_(*request.config), device_(request.device), streamed_(request.streamed), batches_(config_) {
+    // The same seed and construction order in both modes: the streamed DiT's blocks are a meta skeleton
+    // whose weights DiTStack::initial_block builds one at a time into the host store (a block's weights
+    // depend only on the DiT's init seed and its index, model/dit.h).
+    torch::manual_seed(config_.train.seed);
+    auto options = DiTOptions::from_config(config_);
+    dit_ = DiT(streamed_ ? options.block_device(torch::kMeta) : options);
+    if (config_.model.text_encoder.kind == "builtin")  // CLIP is frozen and lives in batches_.frozen()
+      text_encoder_ = TextEncoder(TextEncoderOptions(batches_.tokenizer().vocab_size(), config_.model.text_dim, config_.data.max_text_tokens));
+    const auto shape = model_sample_shape(config_);
+    grid_ = dit_->token_grid(shape[1], shape[2], shape[3]);
     if (request.init_from) {
-      init_ = plan_init_from(config_.train.init_from, streamed_ ? streamed_->parameter_shapes() : resident_->parameter_shapes(),
-                             config_.train.init_allow_missing);
-      streamed_ ? streamed_->init_from(init_) : resident_->init_from(init_);
+      ParameterShapes shapes;
+      for (const auto& [name, p] : named_parameters()) shapes.emplace_back(name, p.sizes().vec());
+      init_ = request.init_from(shapes, {});
     }
+    if (streamed_) {
+      dit_->move_non_block_parts(device_);  // the blocks' weights go to the host store inside the engine
+    } else {
+      dit_->to(device_);
+    }
+    if (text_encoder_) text_encoder_->to(device_);
+    if (!init_.tensors.empty()) {  // the parts built now; a streamed block's as DiTStack builds it
+      auto params = named_parameters();
+      std::map<std::string, torch::Tensor> by_name(params.begin(), params.end());
+      torch::NoGradGuard no_grad;
+      for (const auto& [name, source] : init_.tensors)
+        if (!streamed_ || name.rfind("blocks.", 0) != 0) source.read_into(by_name.at(name));
+    }
+    if (streamed_) stack_ = std::make_shared<DiTStack>(dit_, text_encoder_, &init_);
     if (request.validation)  // a bad prompt file stops the run now, not at its first validation
       validation_ = plan_validation_videos(
-          config_, dit_validation_prompts(config_, 4, config_.data.dataset == "videos" ? data().captions(4) : std::vector<std::string>{}),
+          config_, dit_validation_prompts(config_, 4, config_.data.dataset == "videos" ? batches_.captions(4) : std::vector<std::string>{}),
           request.source);
   }
 
-  StepMetrics step() override { return streamed_ ? streamed_->step() : resident_->step(); }
-  TrainingState training_state() override { return streamed_ ? streamed_->training_state() : resident_->training_state(); }
-  void load_training_state(const TrainingState& s) override {
-    streamed_ ? streamed_->load_training_state(s) : resident_->load_training_state(s);
+  io::NamedTensors named_parameters() override {
+    io::NamedTensors out;
+    for (const auto& p : dit_->named_parameters(true)) out.emplace_back(p.key(), p.value());
+    if (text_encoder_)
+      for (const auto& p : text_encoder_->named_parameters(true)) out.emplace_back("text_encoder." + p.key(), p.value());
+    return out;
   }
-  void synchronize() override {
-    if (streamed_) streamed_->synchronize();
-  }
-  int64_t parameter_count() const override { return streamed_ ? streamed_->parameter_count() : resident_->parameter_count(); }
-  int64_t tokens_per_sample() const override { return streamed_ ? streamed_->tokens_per_sample() : resident_->tokens_per_sample(); }
-  torch::Device device() const override { return streamed_ ? streamed_->device() : resident_->device(); }
-  bool streams() const override { return streamed_ != nullptr; }
-  bool sharded() const override { return streamed_ && streamed_->sharded(); }
-  void trace_next_step(const std::string& path) override {
-    if (streamed_) streamed_->trace_next_step(path);
-  }
-  int64_t persistent_device_bytes() override {
-    if (streamed_) return streamed_persistent_device_bytes(streamed_->engine());
-    int64_t bytes = 0;
-    for (const auto& p : resident_->model()->parameters()) bytes += static_cast<int64_t>(p.nbytes());
-    if (resident_->text_encoder())
-      for (const auto& p : resident_->text_encoder()->parameters()) bytes += static_cast<int64_t>(p.nbytes());
-    return (config_.train.ema_decay > 0 ? 4 : 3) * bytes;  // weights, AdamW m and v (and the EMA)
-  }
-  const InitPlan& init_plan() const override { return init_; }
+  std::shared_ptr<offload::StreamedModel> stack() override { return stack_; }
+  void blocks_built() override { init_ = InitPlan(); }  // the file's mapping closed
 
-  void describe(std::vector<std::string>& info, std::vector<std::string>& warnings) const override {
-    if (streamed_) {
-      info.push_back(fmt::format("trainer: streamed CPU-master (offload.mode {}, compute {}, grad_accum_steps {}); host memory at start:\n{}",
-                                 config_.offload.mode, config_.offload.compute_dtype, config_.train.grad_accum_steps,
-                                 streamed_->host_memory_report()));
-      info.push_back(fmt::format("compute dtype {} ({})", config_.offload.compute_dtype,
-                                 resolve_compute_dtype(requested_compute_dtype_, device()).reason));
-      const std::string slow = compute_dtype_warning(config_.offload.compute_dtype, device(),
-                                                     "set offload.compute_dtype: auto (fp32 on this CPU) to run faster");
-      if (!slow.empty()) warnings.push_back(slow);
-    } else {
-      info.push_back("trainer: resident reference loop (offload.enabled: false), compute dtype fp32");
-    }
+  at::Tensor loss(MicroBatchStats& stats) override {
+    const auto b = batches_.next(device_);
+    stats.data_wait_s += b.data_wait_s;
+    stats.tokens += dit_->token_grid(b.xt.size(2), b.xt.size(3), b.xt.size(4)).numel();
+    const auto text = b.text.defined() ? b.text : text_encoder_(b.text_ids);
+    return diffusion_loss(dit_(b.xt, b.timesteps, text, b.text_mask), b.target);
+  }
+  offload::StackInput prologue(MicroBatchStats& stats) override {
+    const auto b = batches_.next(device_);
+    stats.data_wait_s += b.data_wait_s;
+    target_ = b.target;
+    const auto text = b.text.defined() ? b.text : text_encoder_(b.text_ids);
+    auto e = dit_->embed(b.xt, b.timesteps, text, b.text_mask);
+    t_emb_ = e.t_emb;
+    last_grid_ = e.ctx.grid;
+    stats.tokens += last_grid_.numel();
+    offload::StackInput in;
+    in.hidden = e.tokens;
+    in.inputs.tensors = {e.ctx.t_mod, e.ctx.text, e.ctx.text_mask};
+    in.inputs.info = e.ctx.grid;
+    return in;
+  }
+  at::Tensor epilogue(const at::Tensor& last_hidden) override {
+    return diffusion_loss(dit_->head(last_hidden, t_emb_, last_grid_), target_);
+  }
+
+  std::string data_state() const override { return batches_.state(); }
+  void restore_data(const std::string& state) override { batches_.restore(state); }
+  void take_slice(int64_t rank, int64_t world_size) override { batches_.take_slice(rank, world_size); }
+  std::string describe_data(int64_t steps) const override { return batches_.describe(steps); }
+  std::vector<BadItem> take_new_bad_items() override { return batches_.take_new_bad_items(); }
+
+  int64_t tokens_per_sample() const override { return grid_.numel(); }
+  double flops_per_step() const override { return model_flops_per_step(config_); }
+
+  void describe(std::vector<std::string>& info, std::vector<std::string>& /*warnings*/) const override {
     if (!validation_.empty()) {
       std::string prompts;
       for (const auto& v : validation_) prompts += (prompts.empty() ? "\"" : ", \"") + v.job.prompt + "\"";
@@ -97,62 +124,85 @@ class DiTFamilyTrainer final : public FamilyTrainer {
                                                    d.manifest.empty() ? d.root : d.manifest, d.workers, d.prefetch)
                                      : fmt::format("data: cache {} ({} loader workers, {} batches ahead)", d.cache, d.workers, d.prefetch));
   }
-  std::string describe_data(int64_t steps) const override { return data().describe(steps); }
-  std::vector<BadItem> take_new_bad_items() override { return data().take_new_bad_items(); }
 
-  std::vector<std::string> write_validation(const std::string& folder) override {
-    auto [dit, text] = model();
-    return write_validation_samples(folder, config_, dit, text, validation_, data().frozen());
-  }
-  void export_weights(const std::string& path) override {
-    if (streamed_) {
-      save_weights(path, config_, streamed_->master_views());  // straight from the host store, one tensor at a time
-    } else {
-      auto [dit, text] = model();
-      save_weights(path, config_, dit, text);
-    }
-  }
-  void write_weights(const std::string& path, const io::NamedTensors& weights) override { save_weights(path, config_, weights); }
-
- private:
-  DiffusionBatchSource& data() const { return streamed_ ? streamed_->data() : resident_->data(); }
-  // The model for sampling: the resident trainer's own modules, or a CPU copy of the streamed trainer's masters.
-  std::pair<DiT&, TextEncoder&> model() {
-    if (resident_) return {resident_->model(), resident_->text_encoder()};
+  std::vector<std::string> write_validation(const std::string& folder, Trainer& trainer) override {
+    if (!streamed_) return write_validation_samples(folder, config_, dit_, text_encoder_, validation_, batches_.frozen());
+    // A CPU model of the streamed trainer's current weights (the masters, straight from the host store).
     if (!snapshot_dit_) {
       snapshot_dit_ = DiT(DiTOptions::from_config(config_));
       if (config_.model.text_encoder.kind == "builtin")  // CLIP is frozen: no trained text encoder to copy
-        snapshot_text_ =
-            TextEncoder(TextEncoderOptions(CaptionTokenizer().vocab_size(), config_.model.text_dim, config_.data.max_text_tokens));
+        snapshot_text_ = TextEncoder(TextEncoderOptions(CaptionTokenizer().vocab_size(), config_.model.text_dim, config_.data.max_text_tokens));
     }
-    streamed_->copy_weights_to(snapshot_dit_, snapshot_text_);
-    return {snapshot_dit_, snapshot_text_};
+    copy_weights_to(trainer.weight_views(), snapshot_dit_, snapshot_text_);
+    return write_validation_samples(folder, config_, snapshot_dit_, snapshot_text_, validation_, batches_.frozen());
   }
+  void write_weights(const std::string& path, const io::NamedTensors& weights) override { save_weights(path, config_, weights); }
 
+  DiT& dit() { return dit_; }
+  TextEncoder& text_encoder() { return text_encoder_; }
+  DiffusionBatchSource& batches() { return batches_; }
+
+ private:
   const RunConfig config_;
-  const std::string requested_compute_dtype_;
-  std::unique_ptr<CPUMasterVideoDiT> streamed_;
-  std::unique_ptr<ResidentTrainer> resident_;
+  const torch::Device device_;
+  const bool streamed_;
+  DiffusionBatchSource batches_;  // the model's own random streams, not LibTorch's global one
+  DiT dit_{nullptr};
+  TextEncoder text_encoder_{nullptr};
+  std::shared_ptr<DiTStack> stack_;  // streamed mode
   InitPlan init_;
+  TokenGrid grid_;
   std::vector<ValidationVideo> validation_;
   DiT snapshot_dit_{nullptr};
   TextEncoder snapshot_text_{nullptr};
+  // The micro-batch between prologue and epilogue.
+  torch::Tensor target_, t_emb_;
+  TokenGrid last_grid_;
 };
 
 class DiTFamily final : public ModelFamily {
  public:
   std::string name() const override { return "DiT"; }
   RunConfig resolve(const RunConfig& config, const std::string& /*source*/) const override { return config; }
-  std::unique_ptr<FamilyTrainer> make_trainer(const TrainerRequest& request) const override {
-    return std::make_unique<DiTFamilyTrainer>(request);
-  }
+  std::unique_ptr<FamilyModel> make_model(const ModelRequest& request) const override { return std::make_unique<DiTModel>(request); }
 };
+
+DiTModel& dit_model(Trainer& trainer) {
+  auto* model = dynamic_cast<DiTModel*>(&trainer.model());
+  if (model == nullptr)
+    throw std::invalid_argument(std::string("the trainer trains model.arch ") + to_string(trainer.config().model.arch) + ", not the DiT family");
+  return *model;
+}
 
 }  // namespace
 
 const ModelFamily& dit_family() {
   static const DiTFamily family;
   return family;
+}
+
+DiT& dit_module(Trainer& trainer) { return dit_model(trainer).dit(); }
+TextEncoder& dit_text_encoder(Trainer& trainer) { return dit_model(trainer).text_encoder(); }
+DiffusionBatchSource& dit_batches(Trainer& trainer) { return dit_model(trainer).batches(); }
+
+void copy_weights_to(const io::NamedTensors& weights, DiT& dit, TextEncoder& text_encoder) {
+  auto dit_params = dit->named_parameters();
+  auto text_params = text_encoder ? text_encoder->named_parameters() : torch::OrderedDict<std::string, torch::Tensor>();
+  torch::NoGradGuard no_grad;
+  size_t copied = 0;
+  for (const auto& [name, value] : weights) {  // one tensor at a time: no copy of the whole model
+    const bool is_text = name.rfind("text_encoder.", 0) == 0;
+    const std::string key = is_text ? name.substr(13) : name;
+    torch::Tensor* target = is_text ? text_params.find(key) : dit_params.find(key);  // no text_encoder.* with CLIP
+    TORCH_CHECK(target != nullptr, "copy_weights_to: the target model has no parameter '", name,
+                "' (was it built from this trainer's config?)");
+    TORCH_CHECK(target->sizes() == value.sizes(), "copy_weights_to: '", name, "' is ", target->sizes(), " in the target model but ",
+                value.sizes(), " in the trainer");
+    target->copy_(value);
+    ++copied;
+  }
+  TORCH_CHECK(copied == dit_params.size() + text_params.size(), "copy_weights_to: copied ", copied, " parameters but the target model has ",
+              dit_params.size() + text_params.size());
 }
 
 }  // namespace megaslide

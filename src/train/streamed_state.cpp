@@ -10,38 +10,6 @@ namespace {
 std::string block_name(int64_t l) { return "blocks." + std::to_string(l); }
 }  // namespace
 
-ParameterShapes streamed_parameter_shapes(const offload::StreamedStackTrainer& engine, const io::NamedTensors& resident) {
-  ParameterShapes out;
-  for (const auto& [name, p] : resident) out.emplace_back(name, p.sizes().vec());
-  const auto& store = engine.store();
-  for (int64_t l = 0; l < store.num_blocks(); ++l)
-    for (const auto& spec : store.block_spec(l).params) out.emplace_back(block_name(l) + "." + spec.name, spec.shape);
-  return out;
-}
-
-void streamed_init_from(offload::StreamedStackTrainer& engine, const io::NamedTensors& resident, const InitPlan& plan) {
-  engine.synchronize();
-  std::map<std::string, torch::Tensor> targets(resident.begin(), resident.end());
-  const auto& store = engine.store();
-  std::map<std::string, std::pair<int64_t, std::string>> sharded_blocks;  // name -> (block, parameter)
-  for (int64_t l = 0; l < store.num_blocks(); ++l)
-    for (const auto& spec : store.block_spec(l).params) {
-      const std::string name = block_name(l) + "." + spec.name;
-      if (store.sharded()) sharded_blocks.emplace(name, std::make_pair(l, spec.name));
-      else targets.emplace(name, store.param(l, spec.name).master);
-    }
-  for (const auto& [name, source] : plan.tensors) {
-    if (auto it = sharded_blocks.find(name); it != sharded_blocks.end()) {
-      // Sharded: the whole value through a temporary; its part goes to the master, all of it to the copy.
-      const auto& [block, param] = it->second;
-      engine.set_block_parameter(block, param, source.read());
-      continue;
-    }
-    source.read_into(targets.at(name));
-  }
-  engine.reload_blocks_from_masters();
-}
-
 TrainingState streamed_training_state(offload::StreamedStackTrainer& engine, const io::NamedTensors& resident) {
   engine.synchronize();
   TrainingState s;
@@ -184,55 +152,6 @@ void load_streamed_training_state(offload::StreamedStackTrainer& engine, const i
   engine.reload_blocks_from_masters();
   engine.restore_counters(s.optimizer_steps, s.loss_scale, s.clean_steps);
   if (engine.has_ema() && !ema) engine.reset_ema_to_weights();
-}
-
-StepMetrics traced_engine_step(offload::StreamedStackTrainer& engine, std::string& trace_path,
-                               const std::function<offload::StackStepResult()>& run) {
-  std::unique_ptr<offload::StepTrace> trace;
-  if (!trace_path.empty()) {
-    trace = std::make_unique<offload::StepTrace>();
-    engine.set_trace(trace.get());
-  }
-  const auto r = run();
-  if (trace) {
-    engine.synchronize();  // the step's host updates are in the trace
-    trace->write(trace_path);
-    trace_path.clear();
-  }
-  StepMetrics m;
-  m.loss = r.loss;
-  m.grad_norm = r.grad_norm;
-  m.skipped = r.skipped;
-  m.step_time_s = r.step_time_s;
-  m.exchange_bytes = r.exchange_bytes;
-  m.exchange_s = r.exchange_s;
-  m.h2d_bytes = r.h2d_bytes;
-  m.d2h_bytes = r.d2h_bytes;
-  m.exposed_transfer_s = r.exposed_transfer_s;
-  m.optimizer_wait_s = r.optimizer_wait_s;
-  m.optimizer_s = r.optimizer_s;
-  m.peak_device_bytes = r.peak_device_bytes;
-  m.loss_scale = engine.options().compute_dtype == at::kHalf ? r.loss_scale : 0.0;
-  return m;
-}
-
-int64_t streamed_persistent_device_bytes(offload::StreamedStackTrainer& engine) {
-  int64_t resident = 0;
-  if (auto* optimizer = engine.resident_optimizer())
-    for (const auto& group : optimizer->param_groups())
-      for (const auto& p : group.params()) resident += static_cast<int64_t>(p.nbytes());
-  return engine.streamer().device_weight_bytes() + engine.streamer().device_gradient_bytes() + (engine.has_ema() ? 4 : 3) * resident;
-}
-
-void count_skip(StepMetrics& m, int64_t& skipped_total, int64_t& consecutive_skips) {
-  if (m.skipped) {
-    ++skipped_total;
-    ++consecutive_skips;
-  } else {
-    consecutive_skips = 0;
-  }
-  m.skipped_total = skipped_total;
-  m.consecutive_skips = consecutive_skips;
 }
 
 }  // namespace megaslide

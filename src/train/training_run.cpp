@@ -18,7 +18,9 @@
 #include "megaslide/train/model_family.h"
 #include "megaslide/train/run_folder.h"
 #include "megaslide/train/run_outputs.h"
+#include "megaslide/train/trainer.h"
 #include "megaslide/util/build_info.h"
+#include "megaslide/util/device.h"
 #include "megaslide/util/errors.h"
 #include "megaslide/util/numbers.h"
 
@@ -223,13 +225,13 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   request.init_from = resume_path.empty() && !config.train.init_from.empty();
   request.validation = writer && train.sample_every > 0;
   request.communicator = communicator.get();
-  std::unique_ptr<FamilyTrainer> trainer_holder;
+  std::unique_ptr<Trainer> trainer_holder;
   try {
-    trainer_holder = family.make_trainer(request);
+    trainer_holder = std::make_unique<Trainer>(request);
   } catch (const ConfigError& e) {
     throw ConfigError(options.config_source, e.key(), e.problem());
   }
-  FamilyTrainer& trainer = *trainer_holder;
+  Trainer& trainer = *trainer_holder;
   std::vector<std::string> warnings;
   if (!resume_path.empty()) {
     TrainingState state = trainer.training_state();

@@ -1,16 +1,22 @@
-// Wan behind train/model_family.h: WanTrainer in either mode, its latent data (a data.tensors file or a
-// megaslide-cache folder), validation videos through umT5 and the Wan VAE, diffusers' weights file.
+// Wan behind train/model_family.h (train/wan_family.h says how it is built and split for streaming): its
+// latent data (a data.tensors file or a megaslide-cache folder), validation videos through umT5 and the
+// Wan VAE, diffusers' weights file.
+#include "megaslide/train/wan_family.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
+#include <map>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 
 #include "megaslide/data/latent_cache.h"
+#include "megaslide/io/files.h"
 #include "megaslide/model/wan_weights.h"
 #include "megaslide/train/model_family.h"
-#include "megaslide/train/streamed_state.h"
-#include "megaslide/train/wan_trainer.h"
+#include "megaslide/train/trainer.h"
 #include "megaslide/train/wan_validation.h"
 #include "megaslide/util/errors.h"
 
@@ -33,65 +39,119 @@ std::vector<std::string> cached_captions(const RunConfig& config, const std::str
   return captions;
 }
 
-class WanFamilyTrainer final : public FamilyTrainer {
+// Latents and text embeddings: a data.tensors file, or a megaslide-cache folder of the videos.
+WanLatentData load_latent_data(const RunConfig& config, const std::string& source) {
+  const bool cached = config.data.dataset == "videos";
+  try {
+    WanLatentData data = cached ? WanLatentData::from_cache(config, config.data.cache) : WanLatentData::load(config.data.tensors);
+    data.check(wan_latent_config(config));
+    return data;
+  } catch (const std::invalid_argument& e) {
+    throw ConfigError(source, cached ? "data.cache" : "data.tensors", e.what());
+  }
+}
+
+// The streamed trainer's initial weights, part by part (train/wan_family.h): the blocks as WanBlockDraws draws
+// them, overwritten by the weights and init_from's tensors (not serialised: WanWeights::read and
+// InitTensor::read_into may run at once).
+class WanInitialWeights {
  public:
-  explicit WanFamilyTrainer(const TrainerRequest& request) : config_(*request.config) {
+  WanInitialWeights(WanTransformer model_, std::optional<WanWeights> weights_)
+      : model(std::move(model_)), weights(std::move(weights_)) {}
+
+  // The default generator is where block 0's draw starts.
+  void start_blocks() { draws_.emplace(model); }
+
+  WanBlock block(int64_t index) {
+    TORCH_CHECK(!released_ && draws_, "Wan: block ", index, " asked for outside the trainer's construction");
+    WanBlock b = draws_->draw(index);
+    overwrite("blocks." + std::to_string(index) + ".", *b);
+    return b;
+  }
+
+  void restore_state_after_blocks() { draws_->restore_state_after_blocks(); }
+
+  // The weights', then init_from's values of `part`'s parameters where they have them.
+  void overwrite(const std::string& prefix, torch::nn::Module& part) const {
+    for (auto& p : part.named_parameters(true)) overwrite_table(prefix + p.key(), p.value());
+  }
+  void overwrite_table(const std::string& name, const torch::Tensor& p) const {
+    torch::NoGradGuard no_grad;
+    if (weights && weights->has(name)) p.copy_(weights->read(name, p.scalar_type()));
+    auto it = init_sources.find(name);
+    if (it != init_sources.end()) it->second.read_into(p);
+  }
+
+  void release() {
+    released_ = true;
+    weights.reset();
+    init_sources.clear();
+    draws_.reset();
+  }
+
+  WanTransformer model;
+  std::optional<WanWeights> weights;
+  std::map<std::string, InitTensor> init_sources;
+
+ private:
+  std::optional<WanBlockDraws> draws_;
+  bool released_ = false;
+};
+
+class WanModel final : public FamilyModel {
+ public:
+  explicit WanModel(const ModelRequest& request)
+      : config_(*request.config), latent_(wan_latent_config(config_)), device_(request.device), streamed_(request.streamed) {
     const std::string& source = request.source;
     // Validation first: umT5 encodes the prompts now, before the trainer's state exists, and is freed.
     if (request.validation) validation_.emplace(config_, cached_captions(config_, source), source);
-    // Latents and text embeddings: a data.tensors file, or a megaslide-cache folder of the videos.
-    WanLatentData data;
-    const RunConfig latent = wan_latent_config(config_);
-    const bool cached = config_.data.dataset == "videos";
+    batches_.emplace(latent_, load_latent_data(config_, source));
     try {
-      data = cached ? WanLatentData::from_cache(config_, config_.data.cache) : WanLatentData::load(config_.data.tensors);
-      data.check(latent);
-    } catch (const std::invalid_argument& e) {
-      throw ConfigError(source, cached ? "data.cache" : "data.tensors", e.what());
-    }
-    // train.init_from is read into the model as the trainer builds it (no second copy of the weights).
-    WanTrainer::InitPlanner init;
-    if (request.init_from)
-      init = [this](const ParameterShapes& shapes) {
-        auto allow = config_.train.init_allow_missing;
-        if (config_.model.self_attention == "dsa3d")  // the retrofit from a dense Wan checkpoint
-          for (const auto& glob : wan_dsa_parameter_globs()) allow.push_back(glob);
-        return plan_init_from(config_.train.init_from, shapes, allow);
-      };
-    try {
-      trainer_ = std::make_unique<WanTrainer>(latent, std::move(data), init, request.communicator);
+      build(request.init_from);
     } catch (const WanWeightsError& e) {
       throw ConfigError(source, "model.wan.weights", e.what());
     }
   }
 
-  StepMetrics step() override { return trainer_->step(); }
-  TrainingState training_state() override { return trainer_->training_state(); }
-  void load_training_state(const TrainingState& s) override { trainer_->load_training_state(s); }
-  void synchronize() override { trainer_->synchronize(); }
-  int64_t parameter_count() const override { return trainer_->parameter_count(); }
-  int64_t tokens_per_sample() const override { return trainer_->tokens_per_sample(); }
-  torch::Device device() const override { return trainer_->device(); }
-  bool streams() const override { return trainer_->streamed(); }
-  bool sharded() const override { return trainer_->sharded(); }
-  void trace_next_step(const std::string& path) override { trainer_->trace_next_step(path); }
-  int64_t persistent_device_bytes() override {
-    if (trainer_->streamed()) return streamed_persistent_device_bytes(*trainer_->engine());
-    int64_t bytes = 0;
-    for (const auto& p : trainer_->model()->parameters()) bytes += static_cast<int64_t>(p.nbytes());
-    return (config_.train.ema_decay > 0 ? 4 : 3) * bytes;  // weights, AdamW m and v (and the EMA)
+  io::NamedTensors named_parameters() override {
+    io::NamedTensors out;
+    for (const auto& p : model()->named_parameters(true)) out.emplace_back(p.key(), p.value());
+    return out;
   }
-  const InitPlan& init_plan() const override { return trainer_->init_plan(); }
+  std::shared_ptr<offload::StreamedModel> stack() override { return stack_; }
+  void blocks_built() override {
+    // The head into the device parameters the engine's resident optimizer holds, drawn where the whole
+    // model's construction draws it (after every block).
+    init_->restore_state_after_blocks();
+    model()->initialise_head();
+    init_->overwrite("proj_out.", *model()->proj_out);
+    init_->overwrite_table("scale_shift_table", model()->scale_shift_table);
+    init_.reset();  // the weights' mappings closed; a later initial_block is an error
+  }
+
+  at::Tensor loss(MicroBatchStats& stats) override {
+    const auto b = next_batch(stats);
+    return diffusion_loss(model()->forward(b.xt, b.timesteps, b.text), b.target);
+  }
+  offload::StackInput prologue(MicroBatchStats& stats) override { return split_.prologue(next_batch(stats)); }
+  at::Tensor epilogue(const at::Tensor& last_hidden) override { return split_.epilogue(last_hidden); }
+
+  std::string data_state() const override { return batches_->state(); }
+  void restore_data(const std::string& state) override { batches_->restore(state); }
+  void take_slice(int64_t rank, int64_t world_size) override { batches_->take_slice(rank, world_size); }
+  std::string describe_data(int64_t /*steps*/) const override {
+    return config_.data.dataset == "videos"
+               ? fmt::format("cache {} (Wan VAE latents and umT5 embeddings, all held in memory)", config_.data.cache)
+               : fmt::format("tensors {} (latents and text embeddings, all held in memory)", config_.data.tensors);
+  }
+
+  int64_t tokens_per_sample() const override { return grid_.numel(); }
+  double flops_per_step() const override { return wan_model_flops_per_step(latent_); }
 
   void describe(std::vector<std::string>& info, std::vector<std::string>& /*warnings*/) const override {
-    const bool streamed = trainer_->streamed();
-    info.push_back(fmt::format("trainer: Wan, {} (offload.mode {}, compute {}, grad_accum_steps {}){}",
-                               streamed ? "streamed CPU-master" : "resident reference loop", config_.offload.mode,
-                               streamed ? config_.offload.compute_dtype : "fp32", config_.train.grad_accum_steps,
-                               streamed ? "; host memory at start:\n" + trainer_->host_memory_report() : ""));
-    if (!trainer_->initialised_parameters().empty())
+    if (!initialised_.empty())
       info.push_back(fmt::format("{} parameters not in model.wan.weights start from their initialisation (the 3D-DSA retrofit's)",
-                                 trainer_->initialised_parameters().size()));
+                                 initialised_.size()));
     if (validation_) {
       std::string prompts;
       for (const auto& job : validation_->jobs()) prompts += (prompts.empty() ? "\"" : ", \"") + job.prompt + "\"";
@@ -102,25 +162,86 @@ class WanFamilyTrainer final : public FamilyTrainer {
                                  config_.model.text_encoder.weights, config_.model.vae.weights));
     }
   }
-  std::string describe_data(int64_t /*steps*/) const override {
-    return config_.data.dataset == "videos"
-               ? fmt::format("cache {} (Wan VAE latents and umT5 embeddings, all held in memory)", config_.data.cache)
-               : fmt::format("tensors {} (latents and text embeddings, all held in memory)", config_.data.tensors);
-  }
 
-  std::vector<std::string> write_validation(const std::string& folder) override { return validation_->write(folder, *trainer_); }
-  void export_weights(const std::string& path) override {
-    // diffusers' names and layout (model/wan_weights.h); the streamed blocks straight from the host store.
-    save_wan_weights(path, config_.model.wan, trainer_->weight_views());
-  }
+  std::vector<std::string> write_validation(const std::string& folder, Trainer& trainer) override { return validation_->write(folder, trainer); }
+  // diffusers' names and layout (model/wan_weights.h).
   void write_weights(const std::string& path, const io::NamedTensors& weights) override {
     save_wan_weights(path, config_.model.wan, weights);
   }
 
+  WanTransformer& model() { return split_.model; }
+  const std::vector<std::string>& initialised() const { return initialised_; }
+
  private:
+  WanBatch next_batch(MicroBatchStats& stats) {
+    const auto start = std::chrono::steady_clock::now();
+    auto b = batches_->next(device_);
+    stats.data_wait_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    stats.tokens += grid_.numel();
+    return b;
+  }
+
+  // The initial weights (train/wan_family.h): drawn after torch::manual_seed(train.seed), overwritten by
+  // model.wan.weights, then by train.init_from.
+  void build(const InitPlanner& init_from) {
+    torch::manual_seed(config_.train.seed);
+    std::optional<WanWeights> weights;
+    if (!config_.model.wan.weights.empty()) weights.emplace(WanWeights::open(config_.model.wan.weights));
+    const auto allow_missing = config_.model.self_attention == "dsa3d" ? wan_dsa_parameter_globs() : std::vector<std::string>{};
+    if (!streamed_) {
+      // The whole model on the CPU in fp32 (the reference the streamed mode's initialisation equals).
+      WanTransformer model(WanOptions::from_config(latent_));
+      if (weights) initialised_ = load_wan_weights(*weights, *model, allow_missing);
+      if (init_from) {
+        ParameterShapes shapes;
+        std::map<std::string, torch::Tensor> params;
+        for (const auto& p : model->named_parameters(true)) {
+          shapes.emplace_back(p.key(), p.value().sizes().vec());
+          params.emplace(p.key(), p.value());
+        }
+        const InitPlan plan = init_from(shapes, allow_missing);
+        torch::NoGradGuard no_grad;
+        for (const auto& [name, source] : plan.tensors) source.read_into(params.at(name));
+      }
+      grid_ = model->token_grid(latent_.data.frames, latent_.data.height, latent_.data.width);
+      model->to(device_);
+      split_.model = model;
+      return;
+    }
+    // Streamed: the blocks a meta skeleton whose weights the engine builds one at a time; the prologue
+    // now, the head after the blocks (blocks_built).
+    init_ = std::make_shared<WanInitialWeights>(WanTransformer(WanOptions::from_config(latent_).block_device(torch::kMeta)),
+                                                std::move(weights));
+    auto& model = init_->model;
+    ParameterShapes shapes;
+    for (const auto& p : model->named_parameters(true)) shapes.emplace_back(p.key(), p.value().sizes().vec());
+    if (init_->weights) initialised_ = init_->weights->check(shapes, allow_missing);
+    if (init_from)
+      for (const auto& [name, source] : init_from(shapes, allow_missing).tensors) init_->init_sources.emplace(name, source);
+    torch::manual_seed(config_.train.seed);
+    model->initialise_prologue();  // as the skeleton's construction drew it; the generator now where block 0 starts
+    init_->overwrite("patch_embedding.", *model->patch_embedding);
+    init_->overwrite("condition_embedder.", *model->condition_embedder);
+    init_->start_blocks();
+    grid_ = model->token_grid(latent_.data.frames, latent_.data.height, latent_.data.width);
+    auto init = init_;
+    stack_ = std::make_shared<WanStack>(model, [init](int64_t l) { return init->block(l); }, device_);
+    for (auto& [name, p] : stack_->named_resident_parameters())
+      if (!p.is_meta()) move_parameter(p, device_);  // the blocks' tables and norm2 follow in adopt_block
+    split_.model = model;
+  }
+
   const RunConfig config_;
+  const RunConfig latent_;  // wan_latent_config: the latents' shape in data.*
+  const torch::Device device_;
+  const bool streamed_;
   std::optional<WanValidation> validation_;
-  std::unique_ptr<WanTrainer> trainer_;
+  std::optional<WanBatchSource> batches_;
+  std::shared_ptr<WanInitialWeights> init_;  // streamed, until blocks_built
+  std::shared_ptr<WanStack> stack_;          // streamed
+  WanStackSplit split_{WanTransformer(nullptr)};  // the model, and the micro-batch between prologue and epilogue
+  std::vector<std::string> initialised_;
+  TokenGrid grid_;
 };
 
 class WanFamily final : public ModelFamily {
@@ -146,10 +267,14 @@ class WanFamily final : public ModelFamily {
     return resolved;
   }
   RunConfig sample_config(const RunConfig& config) const override { return wan_latent_config(config); }
-  std::unique_ptr<FamilyTrainer> make_trainer(const TrainerRequest& request) const override {
-    return std::make_unique<WanFamilyTrainer>(request);
-  }
+  std::unique_ptr<FamilyModel> make_model(const ModelRequest& request) const override { return std::make_unique<WanModel>(request); }
 };
+
+WanModel& wan_model(Trainer& trainer) {
+  auto* model = dynamic_cast<WanModel*>(&trainer.model());
+  if (model == nullptr) throw std::invalid_argument(std::string("the trainer trains model.arch ") + to_string(trainer.config().model.arch) + ", not wan");
+  return *model;
+}
 
 }  // namespace
 
@@ -157,5 +282,8 @@ const ModelFamily& wan_family() {
   static const WanFamily family;
   return family;
 }
+
+WanTransformer& wan_module(Trainer& trainer) { return wan_model(trainer).model(); }
+const std::vector<std::string>& wan_initialised_parameters(Trainer& trainer) { return wan_model(trainer).initialised(); }
 
 }  // namespace megaslide

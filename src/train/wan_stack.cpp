@@ -1,35 +1,23 @@
-#include "megaslide/train/wan_trainer.h"
+#include "megaslide/train/wan_family.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <chrono>
-#include <cmath>
-#include <limits>
 #include <map>
 #include <mutex>
-#include <optional>
 #include <set>
 #include <sstream>
 #include <stdexcept>
 
 #include "megaslide/data/latent_cache.h"
 #include "megaslide/io/safetensors.h"
-#include "megaslide/model/wan_weights.h"
-#include "megaslide/train/cpu_master_trainer.h"
-#include "megaslide/offload/step_trace.h"
-#include "megaslide/train/auto_settings.h"
 #include "megaslide/train/distributed.h"
-#include "megaslide/train/streamed_state.h"
-#include "offload/engine_options.h"
 
 namespace megaslide {
 
 namespace {
-using Clock = std::chrono::steady_clock;
-double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 // What every streamed block reads besides its input and the shared tensors.
 struct WanStackInfo {
@@ -58,59 +46,11 @@ at::Generator generator_from_hex(const std::string& hex, uint64_t seed) {
   return g;
 }
 
-// Moves a registered parameter's data to `device` in place (its identity, and so the module's and any
-// optimizer's references to it, kept).
+}  // namespace
+
 void move_parameter(torch::Tensor& p, torch::Device device) {
   if (p.defined() && p.device() != device) p.set_data(p.data().to(device));
 }
-
-// The streamed trainer's initial weights, part by part (wan_trainer.h): the blocks as WanBlockDraws draws
-// them, overwritten by the weights and init_from's tensors (not serialised: WanWeights::read and
-// InitTensor::read_into may run at once).
-class WanInitialWeights {
- public:
-  WanInitialWeights(WanTransformer model_, std::optional<WanWeights> weights_)
-      : model(std::move(model_)), weights(std::move(weights_)) {}
-
-  // The default generator is where block 0's draw starts.
-  void start_blocks() { draws_.emplace(model); }
-
-  WanBlock block(int64_t index) {
-    TORCH_CHECK(!released_ && draws_, "WanTrainer: block ", index, " asked for outside the trainer's construction");
-    WanBlock b = draws_->draw(index);
-    overwrite("blocks." + std::to_string(index) + ".", *b);
-    return b;
-  }
-
-  void restore_state_after_blocks() { draws_->restore_state_after_blocks(); }
-
-  // The weights', then init_from's values of `part`'s parameters where they have them.
-  void overwrite(const std::string& prefix, torch::nn::Module& part) const {
-    for (auto& p : part.named_parameters(true)) overwrite_table(prefix + p.key(), p.value());
-  }
-  void overwrite_table(const std::string& name, const torch::Tensor& p) const {
-    torch::NoGradGuard no_grad;
-    if (weights && weights->has(name)) p.copy_(weights->read(name, p.scalar_type()));
-    auto it = init_sources.find(name);
-    if (it != init_sources.end()) it->second.read_into(p);
-  }
-
-  void release() {
-    released_ = true;
-    weights.reset();
-    init_sources.clear();
-    draws_.reset();
-  }
-
-  WanTransformer model;
-  std::optional<WanWeights> weights;
-  std::map<std::string, InitTensor> init_sources;
-
- private:
-  std::optional<WanBlockDraws> draws_;
-  bool released_ = false;
-};
-}  // namespace
 
 WanLatentData WanLatentData::load(const std::string& path) {
   io::SafetensorsFile file;
@@ -348,80 +288,6 @@ void WanStack::adopt_block(int64_t index, std::shared_ptr<torch::nn::Module> mod
 }
 
 
-WanTrainer::WanTrainer(const RunConfig& requested, WanLatentData data, const InitPlanner& init_from, Communicator* communicator)
-    : config_(resolve_auto_settings(with_wan_architecture_from_weights(requested))),
-      device_(resolve_device(config_.train.device)),
-      batches_(config_, std::move(data)),
-      communicator_(communicator) {
-  TORCH_CHECK(config_.model.arch == Architecture::kWan, "WanTrainer: model.arch is ", to_string(config_.model.arch), ", expected wan");
-  validate(config_, "WanTrainer");
-  const bool shard = communicator != nullptr && communicator->world_size() > 1;
-  if (shard) batches_.take_slice(communicator->rank(), communicator->world_size());
-  apply_threads(plan_threads(config_, device_));
-  torch::manual_seed(config_.train.seed);
-  std::optional<WanWeights> weights;
-  if (!config_.model.wan.weights.empty()) weights.emplace(WanWeights::open(config_.model.wan.weights));
-  const auto allow_missing = config_.model.self_attention == "dsa3d" ? wan_dsa_parameter_globs() : std::vector<std::string>{};
-  const auto& t = config_.train;
-  if (!config_.offload.enabled) {
-    // The whole model on the CPU in fp32 (the reference the streamed trainer's initialisation equals).
-    WanTransformer model(WanOptions::from_config(config_));
-    if (weights) initialised_ = load_wan_weights(*weights, *model, allow_missing);
-    if (init_from) {
-      ParameterShapes shapes;
-      std::map<std::string, torch::Tensor> params;
-      for (const auto& p : model->named_parameters(true)) {
-        shapes.emplace_back(p.key(), p.value().sizes().vec());
-        params.emplace(p.key(), p.value());
-      }
-      init_plan_ = init_from(shapes);
-      torch::NoGradGuard no_grad;
-      for (const auto& [name, source] : init_plan_.tensors) source.read_into(params.at(name));
-    }
-    grid_ = model->token_grid(config_.data.frames, config_.data.height, config_.data.width);
-    model->to(device_);
-    stack_ = std::make_shared<WanStack>(model);
-    std::vector<torch::Tensor> params;
-    for (auto& [name, p] : named_parameters()) params.push_back(p);
-    resident_optimizer_ = std::make_unique<torch::optim::AdamW>(
-        params, torch::optim::AdamWOptions(t.lr).betas({t.beta1, t.beta2}).eps(t.eps).weight_decay(t.weight_decay));
-    ema_ = WeightsEma(t.ema_decay, named_parameters());
-    measure_flops();
-    return;
-  }
-  // Streamed: the blocks a meta skeleton whose weights the engine has built one at a time; the prologue
-  // and head real (the head drawn again after the blocks, where reset() draws it).
-  auto init = std::make_shared<WanInitialWeights>(WanTransformer(WanOptions::from_config(config_).block_device(torch::kMeta)),
-                                                  std::move(weights));
-  auto& model = init->model;
-  ParameterShapes shapes;
-  for (const auto& p : model->named_parameters(true)) shapes.emplace_back(p.key(), p.value().sizes().vec());
-  if (init->weights) initialised_ = init->weights->check(shapes, allow_missing);
-  if (init_from) {
-    init_plan_ = init_from(shapes);
-    for (const auto& [name, source] : init_plan_.tensors) init->init_sources.emplace(name, source);
-  }
-  torch::manual_seed(config_.train.seed);
-  model->initialise_prologue();  // as the skeleton's construction drew it; the generator now where block 0 starts
-  init->overwrite("patch_embedding.", *model->patch_embedding);
-  init->overwrite("condition_embedder.", *model->condition_embedder);
-  init->start_blocks();
-  grid_ = model->token_grid(config_.data.frames, config_.data.height, config_.data.width);
-  stack_ = std::make_shared<WanStack>(model, [init](int64_t l) { return init->block(l); }, device_);
-  for (auto& [name, p] : stack_->named_resident_parameters())
-    if (!p.is_meta()) move_parameter(p, device_);  // the blocks' tables and norm2 follow in adopt_block
-  auto options = engine_options(config_, device_);
-  if (shard) options.exchange = communicator->shard_exchange();
-  engine_ = std::make_unique<offload::StreamedStackTrainer>(stack_, options);
-  // The head into the device parameters the engine's resident optimizer holds.
-  init->restore_state_after_blocks();
-  model->initialise_head();
-  init->overwrite("proj_out.", *model->proj_out);
-  init->overwrite_table("scale_shift_table", model->scale_shift_table);
-  init->release();  // the weights' mappings closed; a later initial_block is an error
-  measure_flops();
-}
-
 double wan_model_flops_per_step(const RunConfig& c) {
   const auto& w = c.model.wan;
   const auto shape = model_sample_shape(c);
@@ -442,172 +308,26 @@ double wan_model_flops_per_step(const RunConfig& c) {
   return 6.0 * B * (per_video_token * N + (cross_kv + text_mlp) * Lt) + attention;
 }
 
-void WanTrainer::measure_flops() {
-  if (!device_.is_cuda()) return;
-  flops_per_step_ = wan_model_flops_per_step(config_);
-  peak_flops_ = (config_.train.peak_tflops > 0 ? config_.train.peak_tflops : measure_peak_tflops(device_)) * 1e12;
+offload::StackInput WanStackSplit::prologue(const WanBatch& b) {
+  target = b.target;
+  auto e = model->embed(b.xt, b.timesteps, b.text);
+  temb = e.temb;
+  grid = e.ctx.grid;
+  offload::StackInput in;
+  in.hidden = e.tokens;
+  in.inputs.tensors = {e.ctx.tproj, e.ctx.context};
+  in.inputs.info = WanStackInfo{e.ctx.grid, e.ctx.rope};  // fp32 RoPE tables: not cast to the compute dtype
+  return in;
 }
 
-void WanTrainer::trace_next_step(const std::string& path) { trace_path_ = path; }
-
-std::vector<std::pair<std::string, torch::Tensor>> WanTrainer::named_parameters() {
-  std::vector<std::pair<std::string, torch::Tensor>> out;
-  for (const auto& p : stack_->model()->named_parameters(true)) out.emplace_back(p.key(), p.value());
-  return out;
-}
-
-int64_t WanTrainer::parameter_count() const {
-  if (engine_) return engine_->streamed_parameter_count() + engine_->resident_parameter_count();
-  return count_parameters(*stack_->model());
-}
-
-void WanTrainer::synchronize() {
-  if (engine_) engine_->synchronize();
-}
-
-std::string WanTrainer::host_memory_report() const { return engine_ ? engine_->store().memory_report().to_string() : ""; }
-
-StepMetrics WanTrainer::step() {
-  const double lr = learning_rate(config_.train, steps_done_);
-  StepMetrics m = engine_ ? streamed_step(lr) : resident_step(lr);
-  m.step = ++steps_done_;
-  m.lr = lr;
-  count_skip(m, skipped_total_, consecutive_skips_);
-  const auto& t = config_.train;
-  m.samples_per_s = static_cast<double>(t.batch_size * t.grad_accum_steps) / m.step_time_s;  // the global batch
-  m.tokens_per_s = m.samples_per_s * static_cast<double>(grid_.numel());
-  if (peak_flops_ > 0) m.mfu = flops_per_step_ / (m.step_time_s * peak_flops_);
-  return m;
-}
-
-StepMetrics WanTrainer::resident_step(double lr) {
-  const auto start = Clock::now();
-  const auto& t = config_.train;
-  auto& model = stack_->model();
-  for (auto& group : resident_optimizer_->param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
-  resident_optimizer_->zero_grad();
-  double loss_sum = 0.0;
-  for (int64_t k = 0; k < t.grad_accum_steps; ++k) {
-    auto b = batches_.next(device_);
-    auto loss = diffusion_loss(model->forward(b.xt, b.timesteps, b.text), b.target);
-    (t.grad_accum_steps == 1 ? loss : loss / static_cast<double>(t.grad_accum_steps)).backward();
-    loss_sum += loss.item<double>();
-  }
-  std::vector<torch::Tensor> params;
-  for (auto& group : resident_optimizer_->param_groups())
-    for (auto& p : group.params()) params.push_back(p);
-  if (communicator_ != nullptr) average_gradients_over_ranks(*communicator_, params, loss_sum, device_);
-  const auto optimizer_start = Clock::now();
-  const double max_norm = t.grad_clip > 0 ? t.grad_clip : std::numeric_limits<double>::infinity();
-  const double grad_norm = torch::nn::utils::clip_grad_norm_(params, max_norm);
-  StepMetrics m;
-  m.loss = loss_sum / static_cast<double>(t.grad_accum_steps);
-  m.grad_norm = grad_norm;
-  m.skipped = !std::isfinite(m.loss) || !std::isfinite(grad_norm);
-  if (!m.skipped) {
-    resident_optimizer_->step();
-    ++optimizer_steps_;
-    ema_.update(named_parameters(), optimizer_steps_);
-  }
-  if (device_.is_cuda()) torch::cuda::synchronize();
-  m.optimizer_s = seconds_since(optimizer_start);
-  m.step_time_s = seconds_since(start);
-  return m;
+torch::Tensor WanStackSplit::epilogue(const torch::Tensor& last_hidden) {
+  return diffusion_loss(model->head(last_hidden, temb, grid), target);
 }
 
 offload::StackStepResult wan_streamed_step(offload::StreamedStackTrainer& engine, WanTransformer& model,
                                            const std::function<WanBatch()>& next_batch, double lr) {
-  torch::Tensor target, temb;
-  TokenGrid grid;
-  auto prologue = [&] {
-    const auto b = next_batch();
-    target = b.target;
-    auto e = model->embed(b.xt, b.timesteps, b.text);
-    temb = e.temb;
-    grid = e.ctx.grid;
-    offload::StackInput in;
-    in.hidden = e.tokens;
-    in.inputs.tensors = {e.ctx.tproj, e.ctx.context};
-    in.inputs.info = WanStackInfo{e.ctx.grid, e.ctx.rope};  // fp32 RoPE tables: not cast to the compute dtype
-    return in;
-  };
-  auto epilogue = [&](const torch::Tensor& last_hidden) { return diffusion_loss(model->head(last_hidden, temb, grid), target); };
-  return engine.step(prologue, epilogue, lr);
-}
-
-StepMetrics WanTrainer::streamed_step(double lr) {
-  return traced_engine_step(*engine_, trace_path_,
-                            [&] { return wan_streamed_step(*engine_, stack_->model(), [&] { return batches_.next(device_); }, lr); });
-}
-
-std::vector<std::pair<std::string, torch::Tensor>> WanTrainer::master_weights() {
-  std::vector<std::pair<std::string, torch::Tensor>> out;
-  for (auto& [name, p] : weight_views()) out.emplace_back(name, p.detach().to(torch::kCPU, torch::kFloat32).clone());
-  return out;
-}
-
-std::vector<std::pair<std::string, torch::Tensor>> WanTrainer::weight_views() {
-  synchronize();
-  if (!engine_) return named_parameters();
-  std::map<std::string, torch::Tensor> by_name;
-  for (auto& [name, p] : stack_->named_resident_parameters()) by_name.emplace(name, p);
-  const auto& store = engine_->store();
-  for (int64_t l = 0; l < store.num_blocks(); ++l)
-    for (const auto& spec : store.block_spec(l).params) {
-      const auto views = store.param(l, spec.name);
-      by_name.emplace("blocks." + std::to_string(l) + "." + spec.name, store.sharded() ? views.compute : views.master);
-    }
-  std::vector<std::pair<std::string, torch::Tensor>> out;  // in the model's order
-  for (auto& [name, p] : named_parameters()) out.emplace_back(name, by_name.at(name));
-  return out;
-}
-
-TrainingState WanTrainer::training_state() {
-  synchronize();
-  TrainingState s;
-  if (engine_) {
-    s = streamed_training_state(*engine_, stack_->named_resident_parameters());
-  } else {
-    s.optimizer_steps = optimizer_steps_;
-    for (auto& [name, p] : named_parameters()) {
-      auto moments = adamw_moments(*resident_optimizer_, p);
-      s.master.emplace_back(name, p.detach().to(torch::kCPU, torch::kFloat32).clone());
-      s.exp_avg.emplace_back(name, moments.exp_avg);
-      s.exp_avg_sq.emplace_back(name, moments.exp_avg_sq);
-    }
-    ema_.save(s);
-  }
-  s.step = steps_done_;
-  s.skipped_steps = skipped_total_;
-  s.consecutive_skips = consecutive_skips_;
-  s.data_state = batches_.state();
-  return s;
-}
-
-void WanTrainer::load_training_state(const TrainingState& s) {
-  synchronize();
-  batches_.restore(s.data_state);
-  if (engine_) {
-    load_streamed_training_state(*engine_, stack_->named_resident_parameters(), s, "WanTrainer");
-  } else {
-    auto params = named_parameters();
-    TORCH_CHECK(s.master.size() == params.size() && s.exp_avg.size() == params.size() && s.exp_avg_sq.size() == params.size(),
-                "WanTrainer::load_training_state: expected ", params.size(), " parameters, got ", s.master.size());
-    std::map<std::string, size_t> index;  // by name: a streamed run's state lists the blocks last
-    for (size_t i = 0; i < s.master.size(); ++i) index[s.master[i].first] = i;
-    torch::NoGradGuard no_grad;
-    for (auto& [name, p] : params) {
-      auto it = index.find(name);
-      TORCH_CHECK(it != index.end(), "WanTrainer::load_training_state: no state for parameter '", name, "'");
-      p.copy_(s.master[it->second].second);
-      set_adamw_moments(*resident_optimizer_, p, s.exp_avg[it->second].second, s.exp_avg_sq[it->second].second, s.optimizer_steps);
-    }
-    ema_.load(s, params, "WanTrainer");
-    optimizer_steps_ = s.optimizer_steps;
-  }
-  steps_done_ = s.step;
-  skipped_total_ = s.skipped_steps;
-  consecutive_skips_ = s.consecutive_skips;
+  WanStackSplit split{model};
+  return engine.step([&] { return split.prologue(next_batch()); }, [&](const torch::Tensor& h) { return split.epilogue(h); }, lr);
 }
 
 }  // namespace megaslide

@@ -16,6 +16,9 @@
 #include "megaslide/model/umt5_tokenizer.h"
 #include "megaslide/model/wan_vae.h"
 #include "megaslide/diffusion/streamed_denoiser.h"
+#include "megaslide/train/trainer.h"
+#include "megaslide/train/wan_family.h"
+#include "megaslide/util/device.h"
 #include "megaslide/util/errors.h"
 
 namespace megaslide {
@@ -140,9 +143,9 @@ WanValidation::WanValidation(const RunConfig& config, const std::vector<std::str
                                                                config.model.vae.weights, vae.config().z_dim, config.model.wan.in_channels));
 }
 
-std::vector<torch::Tensor> WanValidation::sample(WanTrainer& trainer) const {
+std::vector<torch::Tensor> WanValidation::sample(Trainer& trainer) const {
   trainer.synchronize();  // the host updates of the last step have landed in the store
-  WanTransformer model = trainer.model();
+  WanTransformer model = wan_module(trainer);
   TrainingModeGuard mode(model);
   std::shared_ptr<WanDenoiser> denoiser;
   if (auto* engine = trainer.engine()) {
@@ -187,7 +190,7 @@ std::vector<torch::Tensor> WanValidation::sample(WanTrainer& trainer) const {
   return latents;
 }
 
-std::vector<std::string> WanValidation::write(const std::string& dir, WanTrainer& trainer) const {
+std::vector<std::string> WanValidation::write(const std::string& dir, Trainer& trainer) const {
   const auto latents = sample(trainer);
   const WanVae vae = load_vae(config_, trainer.device(), source_);
   const auto tiling = wan_vae_tiling(config_.model.vae);

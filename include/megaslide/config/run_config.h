@@ -136,7 +136,7 @@ struct DataConfig {
   int64_t workers = 1;                                 // background loader threads (each single-threaded); 0 = load in line
   int64_t prefetch = 2;                                // batches loaded ahead of the step that needs them
   // dataset latent-tensors (model.arch wan): one safetensors file of latents [N, C, T, H, W], text
-  // [N, L, text_dim] and optionally empty_text [L, text_dim] (train/wan_trainer.h).
+  // [N, L, text_dim] and optionally empty_text [L, text_dim] (train/wan_family.h).
   std::string tensors;
 };
 
@@ -191,7 +191,7 @@ struct TrainConfig {
 };
 
 struct OffloadConfig {
-  // The streamed CPU-master trainer (CPUMasterVideoDiT); false runs the resident reference loop.
+  // The Trainer's streamed CPU-master mode (train/trainer.h); false runs the resident reference loop.
   bool enabled = true;
   std::string mode = "async";            // async | sync (every copy and update in line: the ablation)
   std::string compute_dtype = "auto";    // auto (train/auto_settings.h) | bf16 | fp16 (dynamic loss scaling) | fp32

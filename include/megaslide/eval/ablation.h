@@ -21,7 +21,7 @@
 //   streaming           offload.mode async vs sync: step time, exposed transfer time, optimizer wait,
 //                       and the per-step losses of both (sync is defined to give identical results).
 //   optimizer-location  AdamW on the host (streamed trainer, CpuAdamW, fp32 compute) vs on the device
-//                       (ResidentTrainer, torch::optim::AdamW on the training device): step time,
+//                       (the resident Trainer, torch::optim::AdamW on the training device): step time,
 //                       optimizer time, peak device memory, and the per-step losses of both.
 // Sizes: kTest (seconds, for the tests), kQuick (minutes on 2 CPU cores), kFull (the paper's sizes,
 // for a GPU). Timings exclude each run's first step (warm-up).

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "megaslide/eval/plot.h"
-#include "megaslide/train/resident_trainer.h"
+#include "megaslide/train/step_metrics.h"
 #include "megaslide/util/errors.h"
 
 namespace megaslide {

@@ -24,7 +24,7 @@
 // fp32. In fp32 every one of these is exact, and the model equals diffusers' (tests/test_wan.cpp).
 // For the streamed trainer the fp32 parameters of a block (scale_shift_table, norm2) are not streamed:
 // WanBlock::streamed() is the module of the streamed ones (attn1, attn2, ffn); the others stay resident
-// in fp32 (train/wan_trainer.h).
+// in fp32 (train/wan_family.h).
 //
 // The 3D-DSA retrofit (self_attention kDsa3d): attn1 keeps Wan's projections, norms and RoPE, and
 // attends through ops::dsa3d over the latent token grid (attention/dsa3d.h) with three more parameters
@@ -226,7 +226,7 @@ class WanTransformerImpl : public torch::nn::Cloneable<WanTransformerImpl> {
   TokenGrid token_grid(int64_t frames, int64_t height, int64_t width) const;
 
   // Construction part by part, for a trainer that never holds every block's weights at once
-  // (train/wan_trainer.h). reset() draws, from LibTorch's default CPU generator in turn: the prologue
+  // (train/wan_family.h). reset() draws, from LibTorch's default CPU generator in turn: the prologue
   // (patch_embedding, condition_embedder), blocks 0 … L−1, the head (proj_out, scale_shift_table). Each
   // of these draws its part exactly as reset() does, from the generator's current state: so a caller that
   // replays reset()'s order (restoring the generator's state at each part) gets reset()'s weights bit for

@@ -106,7 +106,7 @@ std::vector<std::string> wan_dsa_parameter_globs();
 std::string wan_diffusers_config(const WanConfig& wan);
 
 // Writes a trained Wan's weights as one safetensors file in diffusers' layout: `parameters` under
-// diffusers' names (as WanTrainer names them: "blocks.0.attn1.to_q.weight"), each cast to `dtype` as it
+// diffusers' names (as the Trainer names them: "blocks.0.attn1.to_q.weight"), each cast to `dtype` as it
 // is written (one tensor's copy at a time), with wan_diffusers_config in the metadata ("format":
 // "megaslide.wan_weights", "config"), from which WanWeights::open(path) reads the architecture. When
 // `path` is named diffusion_pytorch_model.safetensors, the config is also written as config.json beside

@@ -1,5 +1,5 @@
 // StreamedStackTrainer: full-parameter training of any StreamedModel whose block stack does not fit
-// on the device (DESIGN.md §2). The engine under CPUMasterVideoDiT; use it directly for your own
+// on the device (DESIGN.md §2). The engine under the streamed Trainer (train/trainer.h); use it directly for your own
 // block stack (docs/offload.md).
 //
 // State: every block's fp32 master weights, AdamW moments (fp32, bf16 or int8: state_dtype) and

@@ -1,5 +1,5 @@
 // StreamedModel: what a model must offer to be trained by the streamed CPU-master trainer
-// (StreamedStackTrainer, CPUMasterVideoDiT; DESIGN.md §2): a stack of blocks whose weights live in host
+// (StreamedStackTrainer, the streamed Trainer; DESIGN.md §2): a stack of blocks whose weights live in host
 // RAM and visit the device one or two at a time, between a prologue and an epilogue that stay resident.
 //
 //   prologue (resident, autograd)  ->  x_0, BlockInputs

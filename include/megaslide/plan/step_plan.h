@@ -2,7 +2,7 @@
 // anything (the model is built on the meta device), and the lower bound on its time on a given
 // machine (DESIGN.md §6; `megaslide-plan`, docs/planner.md).
 //
-// Exact (equal to what the trainer allocates and measures, tested against CPUMasterVideoDiT):
+// Exact (equal to what the trainer allocates and measures, tested against the streamed Trainer):
 //   - host RAM by component: HostParamStore's master, m, v (and int8 scales), transfer buffers and
 //     accumulation gradients, plus the accumulation staging buffers (StreamedStackTrainer,
 //     grad_accum_steps > 1), the start-up peak and the page-locked bytes (tested against the store and
@@ -76,7 +76,7 @@ struct DeviceMemoryPlan {
   int64_t recompute_saved_reference = 0;  // 3D-DSA only: the same with the grid_sample reference
   int64_t recompute_workspace_reference = 0;
   // The resident trainer with world_size > 1: the flat fp32 buffer of every gradient that one all-reduce
-  // sums (ResidentTrainer::average_over_ranks). It exists after the backward, when the activations are
+  // sums (average_gradients_over_ranks, train/distributed.h). It exists after the backward, when the activations are
   // gone, so the peak takes the larger of the two.
   int64_t gradient_all_reduce = 0;
   int64_t activations() const {

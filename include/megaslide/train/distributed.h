@@ -116,8 +116,8 @@ class Communicator {
 };
 
 // Data parallelism's slices of a global batch: throws std::invalid_argument unless 0 <= rank <
-// world_size and world_size divides batch_size (train.batch_size, named in the message). Defined with
-// the batch sources (resident_trainer.cpp).
+// world_size and world_size divides batch_size (train.batch_size, named in the message). Every family's
+// batch source checks its take_slice with it.
 void check_batch_slice(int64_t batch_size, int64_t rank, int64_t world_size);
 
 // Plain data parallelism of a resident trainer (every rank holds the whole model): after a step's backward

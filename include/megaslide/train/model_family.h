@@ -1,79 +1,101 @@
-// What differs between model families, seen from the training run (train/training_run.h), behind one
-// seam: a family completes and checks its config, builds its trainer (resident or streamed, with the
-// run's train.init_from and data parallelism), describes it for the log, writes validation videos and
-// its weights file. run_training schedules the phases of a run and names no family; a new family is one
-// file of train/ implementing ModelFamily, returned by model_family() for its model.arch.
+// What differs between model families, behind one seam: a family completes and checks its config, and
+// builds its model for the one Trainer (train/trainer.h), which owns everything the families share —
+// the two modes (resident, streamed), the schedule, metrics, skip counting, checkpoint state, data
+// parallelism, train.init_from's protocol and the trace. A new family is one file of train/
+// implementing FamilyModel and ModelFamily, returned by model_family() for its model.arch.
 //
-//   DiT family (megaslide, dense3d, swin): train/dit_family.cpp — ResidentTrainer or CPUMasterVideoDiT
-//   Wan:                                   train/wan_family.cpp — WanTrainer (both modes)
+//   DiT family (megaslide, dense3d, swin): train/dit_family.cpp
+//   Wan:                                   train/wan_family.cpp
 //
-// Thread-safety: a FamilyTrainer is driven by one thread; ModelFamily objects are stateless singletons.
+// Thread-safety: a FamilyModel is driven by the thread that drives its Trainer (a streamed stack's
+// initial_block may be called from the engine's initialisation threads, StreamedModel says how);
+// ModelFamily objects are stateless singletons.
 #pragma once
 
 #include <torch/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "megaslide/config/run_config.h"
 #include "megaslide/data/video_manifest.h"
-#include "megaslide/train/checkpoint.h"
+#include "megaslide/io/safetensors.h"
+#include "megaslide/offload/streamed_model.h"
 #include "megaslide/train/init_from.h"
-#include "megaslide/train/resident_trainer.h"
 
 namespace megaslide {
 
-class Communicator;
+class Trainer;
 
-// One family's trainer as the training run drives it.
-class FamilyTrainer {
+// What one micro-batch adds to its step's metrics.
+struct MicroBatchStats {
+  double data_wait_s = 0.0;  // time spent waiting for its data
+  int64_t tokens = 0;        // tokens per sample of its bucket (the largest bucket's when the data has one size)
+};
+
+// train.init_from as the family builds its model: called once with every trained parameter's name and
+// shape (as checkpoints name them) and the globs of the parameters the family allows to keep their
+// initialisation (besides train.init_allow_missing), before any weight reaches the device or the host
+// store; the family reads the returned plan's tensors into its fp32 initial weights as it builds them
+// (a streamed model block by block, so no second copy of the model exists). Throws InitFromError.
+using InitPlanner = std::function<InitPlan(const ParameterShapes& shapes, const std::vector<std::string>& may_stay_initial)>;
+
+// What the Trainer hands a family to build its model.
+struct ModelRequest {
+  const RunConfig* config = nullptr;     // resolved (auto settings, ModelFamily::resolve)
+  const RunConfig* requested = nullptr;  // as given, before auto settings (the log says why `auto` chose)
+  std::string source;                    // where the config came from (errors name it)
+  torch::Device device = torch::kCPU;    // the training device
+  bool streamed = false;                 // offload.enabled: the blocks stream through the engine
+  InitPlanner init_from;                 // a fresh run with train.init_from, else empty
+  bool validation = false;               // this rank writes validation videos (train.sample_every > 0)
+};
+
+// One family's model, its data and its outputs, as the Trainer trains it in one mode.
+class FamilyModel {
  public:
-  virtual ~FamilyTrainer() = default;
+  virtual ~FamilyModel() = default;
 
-  virtual StepMetrics step() = 0;
-  virtual TrainingState training_state() = 0;  // waits for host updates still running
-  // Throws std::invalid_argument when the state does not fit this trainer.
-  virtual void load_training_state(const TrainingState& state) = 0;
-  virtual void synchronize() = 0;
+  // Every trained parameter by name (as checkpoints and weights files name them), in the model's order.
+  // Resident mode: the tensors the optimizer updates, on the device. Streamed mode: the same names; the
+  // parameters outside the blocks are the device tensors the engine's resident optimizer updates, the
+  // blocks' entries only name them — block l's parameters are "blocks.<l>." + their name in stack()->block(l).
+  virtual io::NamedTensors named_parameters() = 0;
+  // Streamed mode: the model as the engine streams it (its blocks' initial weights built on demand).
+  virtual std::shared_ptr<offload::StreamedModel> stack() = 0;
+  // Streamed mode: called once the engine has built every block (a family that draws its head after the
+  // blocks does it here).
+  virtual void blocks_built() {}
 
-  virtual int64_t parameter_count() const = 0;   // the text encoder's included where it trains
-  virtual int64_t tokens_per_sample() const = 0;
-  virtual torch::Device device() const = 0;
-  virtual bool streams() const = 0;  // blocks streamed through offload::StreamedStackTrainer (--trace records it)
-  virtual bool sharded() const = 0;  // host state sharded over the ranks: every rank saves its shard
-  virtual void trace_next_step(const std::string& path) = 0;
-  // Device memory that lives across steps (what each step's own allocations add to): streamed, the
-  // weight and gradient slots and the resident parameters with their two AdamW moments (and their EMA
-  // with train.ema_decay); resident, every trained parameter with its two moments (and its EMA).
-  virtual int64_t persistent_device_bytes() = 0;
+  // Resident mode: the next micro-batch through the whole model; its loss (the family's objective).
+  virtual at::Tensor loss(MicroBatchStats& stats) = 0;
+  // Streamed mode: the next micro-batch through the prologue (the stack's input), and the loss of the
+  // last block's output through the epilogue.
+  virtual offload::StackInput prologue(MicroBatchStats& stats) = 0;
+  virtual at::Tensor epilogue(const at::Tensor& last_hidden) = 0;
 
-  // The train.init_from the trainer was built with (empty path: none).
-  virtual const InitPlan& init_plan() const = 0;
-  // Lines for the run log after the model line: the trainer, its memory, its encoders and validation.
-  virtual void describe(std::vector<std::string>& info, std::vector<std::string>& warnings) const = 0;
+  // The data's position (JSON) and its restoration (throws std::invalid_argument on a state that does not
+  // fit); the rank's slice of every global batch (data parallelism: every draw made for the whole batch).
+  virtual std::string data_state() const = 0;
+  virtual void restore_data(const std::string& state) = 0;
+  virtual void take_slice(int64_t rank, int64_t world_size) = 0;
   // The data's description for the log ("" for none) and the items it skipped since the last call.
   virtual std::string describe_data(int64_t /*steps*/) const { return ""; }
   virtual std::vector<BadItem> take_new_bad_items() { return {}; }
 
-  // Validation videos of the current weights into `folder` (created); the files written. Rank 0 only,
-  // and only when the trainer was built with `validation`.
-  virtual std::vector<std::string> write_validation(const std::string& folder) = 0;
-  // The family's weights file of the current weights (model/dit_weights.h, model/wan_weights.h).
-  virtual void export_weights(const std::string& path) = 0;
-  // The family's weights file of `weights`, named as training_state() names the parameters (the EMA).
-  virtual void write_weights(const std::string& path, const io::NamedTensors& weights) = 0;
-};
+  virtual int64_t tokens_per_sample() const = 0;  // the largest sample's
+  virtual double flops_per_step() const = 0;      // model FLOPs of one step at tokens_per_sample (MFU)
 
-// What run_training hands a family to build its trainer.
-struct TrainerRequest {
-  const RunConfig* config = nullptr;     // resolved (auto settings, ModelFamily::resolve)
-  const RunConfig* requested = nullptr;  // as given, before auto settings (the log says why `auto` chose)
-  std::string source;                 // where the config came from (errors name it)
-  bool init_from = false;             // a fresh run with train.init_from: the trainer starts from it
-  bool validation = false;            // this rank writes validation videos (train.sample_every > 0)
-  Communicator* communicator = nullptr;  // data parallelism, or null for one process
+  // Lines for the run log after the trainer's: the weights, encoders and validation.
+  virtual void describe(std::vector<std::string>& info, std::vector<std::string>& warnings) const = 0;
+  // Validation videos of `trainer`'s current weights into `folder` (created); the files written. Only
+  // for a model built with ModelRequest::validation.
+  virtual std::vector<std::string> write_validation(const std::string& folder, Trainer& trainer) = 0;
+  // The family's weights file of `weights` (named as named_parameters() names them).
+  virtual void write_weights(const std::string& path, const io::NamedTensors& weights) = 0;
 };
 
 class ModelFamily {
@@ -85,8 +107,9 @@ class ModelFamily {
   virtual RunConfig resolve(const RunConfig& config, const std::string& source) const = 0;
   // The config whose data sizes are the trainer's samples (memory_shortfall sizes a batch by it).
   virtual RunConfig sample_config(const RunConfig& config) const { return config; }
-  // Throws ConfigError (bad data, weights or encoders named by the config), InitFromError.
-  virtual std::unique_ptr<FamilyTrainer> make_trainer(const TrainerRequest& request) const = 0;
+  // Builds the model for one mode (LibTorch's default generator seeded as the family's initialisation
+  // needs). Throws ConfigError (bad data, weights or encoders named by the config), InitFromError.
+  virtual std::unique_ptr<FamilyModel> make_model(const ModelRequest& request) const = 0;
 };
 
 const ModelFamily& dit_family();

@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "megaslide/config/run_config.h"
-#include "megaslide/train/resident_trainer.h"
+#include "megaslide/train/step_metrics.h"
 #include "megaslide/io/files.h"
 
 namespace megaslide {

@@ -1,6 +1,5 @@
-// Full-parameter fine-tuning of Wan2.1 (model.arch: wan): the streamed CPU-master trainer
-// (offload.enabled: true, StreamedStackTrainer) or the resident reference loop (offload.enabled: false),
-// on latent videos and text embeddings held in memory (WanLatentData).
+// Wan2.1 (model.arch: wan) behind train/model_family.h, trained by the Trainer (train/trainer.h) in
+// either mode on latent videos and text embeddings held in memory (WanLatentData).
 //
 //   prologue (resident, fp32):  patch_embedding, condition_embedder (time, text) -> tokens, tproj, context,
 //                               the RoPE tables
@@ -18,20 +17,20 @@
 // sample becomes the empty prompt's embedding), σ (or t) then noise from a CPU generator seeded by
 // train.seed. Initialisation: the weights of the model WanTransformer builds on the CPU in fp32 after
 // torch::manual_seed(train.seed), overwritten by model.wan.weights when set (the 3D-DSA retrofit's
-// parameters allowed missing), then by the tensors of `init_from` (train.init_from, e.g. a Wan checkpoint
-// or run folder: init_from.h) when given; both modes start from identical weights. The resident loop builds
-// exactly that. The streamed trainer never holds every block in fp32: it replays WanTransformer's drawing
-// order part by part (WanTransformerImpl::initialise_prologue, WanBlockDraws, initialise_head, restoring the
-// generator's state at each part), and each block, drawn, overwritten from the memory-mapped weights
-// (converted from bf16, fp16 or fp32) and from `init_from`, goes into the host store before the next is
-// made (at most StackTrainerOptions::init_threads blocks at once): the same weights bit for bit.
+// parameters allowed missing), then by train.init_from's tensors when given; both modes start from
+// identical weights. The resident mode builds exactly that. The streamed mode never holds every block in
+// fp32: it replays WanTransformer's drawing order part by part (WanTransformerImpl::initialise_prologue,
+// WanBlockDraws, initialise_head, restoring the generator's state at each part), and each block, drawn,
+// overwritten from the memory-mapped weights (converted from bf16, fp16 or fp32) and from train.init_from,
+// goes into the host store before the next is made (at most StackTrainerOptions::init_threads blocks at
+// once): the same weights bit for bit.
 //
 // Checkpoints (train/checkpoint.h) name every parameter as diffusers does ("blocks.3.attn1.to_q.weight"),
-// in both modes; the streamed trainer's block state is views into its host store.
+// in both modes.
 // Thread-safety: one thread drives a trainer.
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <functional>
 #include <map>
@@ -49,10 +48,6 @@
 #include "megaslide/model/wan.h"
 #include "megaslide/offload/stack_trainer.h"
 #include "megaslide/offload/streamed_model.h"
-#include "megaslide/train/checkpoint.h"
-#include "megaslide/train/init_from.h"
-#include "megaslide/train/resident_trainer.h"
-#include "megaslide/train/weights_ema.h"
 
 namespace megaslide {
 
@@ -74,7 +69,7 @@ struct WanLatentData {
   void check(const RunConfig& config) const;
 };
 
-// The config a WanTrainer is given for a run over data.dataset: videos (pixel sizes in data.*, umT5 and
+// The config Wan's trainer is given for a run over data.dataset: videos (pixel sizes in data.*, umT5 and
 // the Wan VAE named, read from data.cache): data.dataset latent-tensors with the latents' shape
 // (model_sample_shape) in data.channels/frames/height/width and no encoders — the trainer works on
 // latents either way. A config of data.dataset latent-tensors is returned unchanged.
@@ -173,82 +168,33 @@ class WanBlockDraws {
 // kernel's volume, plus the text tokens of the cross-attention.
 double wan_model_flops_per_step(const RunConfig& config);
 
-// One step of `engine` (built over a WanStack of `model`) with the prologue, stack and epilogue WanTrainer
+// Wan's prologue and epilogue of one micro-batch through a WanStack of `model` (the stack's input, then
+// the loss of the last block's output); the micro-batch is kept between the two.
+struct WanStackSplit {
+  explicit WanStackSplit(WanTransformer model_) : model(std::move(model_)) {}
+  WanTransformer model;
+  torch::Tensor target, temb;
+  TokenGrid grid;
+  offload::StackInput prologue(const WanBatch& batch);
+  torch::Tensor epilogue(const torch::Tensor& last_hidden);
+};
+
+// One step of `engine` (built over a WanStack of `model`) with the prologue, stack and epilogue the streamed
 // runs; `next_batch` supplies each micro-batch (on the engine's device). For custom loops and tests.
 offload::StackStepResult wan_streamed_step(offload::StreamedStackTrainer& engine, WanTransformer& model,
                                            const std::function<WanBatch()>& next_batch, double lr);
 
-class Communicator;
+// Moves a registered parameter's data to `device` in place (its identity, and so the module's and any
+// optimizer's references to it, kept).
+void move_parameter(torch::Tensor& p, torch::Device device);
 
-class WanTrainer {
- public:
-  // `init_from`, when set, is called once with the model's parameter names (diffusers', as checkpoints
-  // name them) and shapes, before any weight reaches the device or the host store; the plan it returns
-  // (plan_init_from) is read into the fp32 initial weights (in the streamed mode block by block, as each
-  // block is built). Its InitFromError propagates.
-  using InitPlanner = std::function<InitPlan(const ParameterShapes&)>;
-  // With a communicator of R > 1 ranks (train/distributed.h; it must outlive the trainer): data
-  // parallelism as the DiT family's trainers have it. Each rank trains on its slice of every global batch
-  // (WanBatchSource::take_slice); resident, the gradients and the loss are averaged over the ranks after
-  // the backward passes (average_gradients_over_ranks); streamed, the host state is sharded over the ranks
-  // (StreamedStackTrainer's block exchange) and every rank keeps the whole compute copy. Every rank builds
-  // the same initial weights. Construction is collective. Throws std::invalid_argument when R does not
-  // divide train.batch_size.
-  WanTrainer(const RunConfig& config, WanLatentData data, const InitPlanner& init_from = {}, Communicator* communicator = nullptr);
+class Trainer;
 
-  StepMetrics step();
-  void synchronize();
-  // Streamed: writes a Chrome trace of the next step to `path` (as CPUMasterVideoDiT::trace_next_step).
-  void trace_next_step(const std::string& path);
-  // Whether the host state is sharded over several ranks.
-  bool sharded() const { return engine_ && engine_->store().sharded(); }
-
-  const RunConfig& config() const { return config_; }
-  torch::Device device() const { return device_; }
-  int64_t steps_done() const { return steps_done_; }
-  int64_t parameter_count() const;
-  int64_t tokens_per_sample() const { return grid_.numel(); }
-  bool streamed() const { return engine_ != nullptr; }
-  offload::StreamedStackTrainer* engine() { return engine_.get(); }
-  WanTransformer& model() { return stack_->model(); }
-  // Parameters the weights left at their initialisation (the 3D-DSA retrofit's, from a dense checkpoint).
-  const std::vector<std::string>& initialised_parameters() const { return initialised_; }
-  // The plan init_from returned (empty path when none was given).
-  const InitPlan& init_plan() const { return init_plan_; }
-  // Every parameter's fp32 master as a CPU copy, by model name (synchronizes first).
-  std::vector<std::pair<std::string, torch::Tensor>> master_weights();
-  // The same without copies, for exporting: the blocks' masters as views into the host store (sharded
-  // over ranks, where no rank holds a whole master: their compute copies), the others as they are.
-  // Valid until the next step (synchronizes first).
-  std::vector<std::pair<std::string, torch::Tensor>> weight_views();
-  // Host memory of the streamed trainer's store as a table ("" for the resident loop).
-  std::string host_memory_report() const;
-
-  // Checkpointing, as CPUMasterVideoDiT's and ResidentTrainer's (train/checkpoint.h).
-  TrainingState training_state();
-  void load_training_state(const TrainingState& state);
-
- private:
-  StepMetrics resident_step(double lr);
-  StepMetrics streamed_step(double lr);
-  std::vector<std::pair<std::string, torch::Tensor>> named_parameters();
-  void measure_flops();  // MFU's model FLOPs and the GPU's peak (GPU runs only)
-
-  RunConfig config_;
-  torch::Device device_;
-  WanBatchSource batches_;
-  std::shared_ptr<WanStack> stack_;
-  std::unique_ptr<offload::StreamedStackTrainer> engine_;    // streamed mode
-  std::unique_ptr<torch::optim::AdamW> resident_optimizer_;  // resident mode
-  WeightsEma ema_;                                           // resident mode, train.ema_decay (streamed: the engine's)
-  std::vector<std::string> initialised_;
-  InitPlan init_plan_;
-  TokenGrid grid_;
-  int64_t steps_done_ = 0, optimizer_steps_ = 0;
-  int64_t skipped_total_ = 0, consecutive_skips_ = 0;
-  Communicator* communicator_ = nullptr;  // resident mode with several ranks: the gradient all-reduce
-  double flops_per_step_ = 0.0, peak_flops_ = 0.0;
-  std::string trace_path_;
-};
+// Wan's model inside a Trainer of model.arch wan (throws std::invalid_argument for another family's):
+// resident, the trained module itself; streamed, its blocks are the engine's (their weights are in the
+// host store: Trainer::weight_views). And the parameters model.wan.weights left at their initialisation
+// (the 3D-DSA retrofit's, from a dense checkpoint).
+WanTransformer& wan_module(Trainer& trainer);
+const std::vector<std::string>& wan_initialised_parameters(Trainer& trainer);
 
 }  // namespace megaslide

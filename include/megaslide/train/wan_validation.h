@@ -55,9 +55,10 @@
 #include "megaslide/diffusion/text_to_video.h"
 #include "megaslide/diffusion/wan_text_to_video.h"
 #include "megaslide/io/vbench_layout.h"
-#include "megaslide/train/wan_trainer.h"
 
 namespace megaslide {
+
+class Trainer;
 
 // Videos per validation.
 constexpr int64_t kWanValidationVideos = 2;
@@ -83,9 +84,9 @@ class WanValidation {
 
   // Each video's normalised latents [1, C, T, H, W] float32 on the CPU, sampled with the trainer's
   // current weights (waits for its pending updates; its weights and modes are as before on return).
-  std::vector<torch::Tensor> sample(WanTrainer& trainer) const;
+  std::vector<torch::Tensor> sample(Trainer& trainer) const;
   // sample, decoded and written into `dir` (created) as above. Returns the videos' file names.
-  std::vector<std::string> write(const std::string& dir, WanTrainer& trainer) const;
+  std::vector<std::string> write(const std::string& dir, Trainer& trainer) const;
 
  private:
   RunConfig config_;  // the run's (encoders named)

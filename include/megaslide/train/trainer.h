@@ -1,0 +1,152 @@
+// Trainer: the one training loop of every model family (train/model_family.h), in two modes.
+//
+//   resident  (offload.enabled: false)  the reference loop: every weight and AdamW moment on the training
+//             device, LibTorch's torch::optim::AdamW, the EMA beside the weights (train/weights_ema.h).
+//   streamed  (offload.enabled: true)   the CPU-master trainer (DESIGN.md §2, offload::StreamedStackTrainer):
+//             the blocks' fp32 masters and moments in host RAM, updated by CpuAdamW; the device holds two
+//             blocks' weights, the block-boundary activations and the resident prologue/epilogue.
+//
+// The family supplies the model, its batches and its objective; the Trainer owns the rest, the same for
+// every family: the learning-rate schedule, train.grad_accum_steps, global-norm clipping, the skip of a
+// step whose loss or gradient norm is not finite (StepMetrics::skipped: no update), the step's metrics
+// (throughput, MFU on a GPU), train.init_from's one protocol, the checkpoint state (train/checkpoint.h:
+// after load_training_state the next step is the one the saved trainer would have taken, bit for bit on
+// the CPU), the Chrome trace of a streamed step, and data parallelism:
+//
+// With a communicator of R > 1 ranks (train/distributed.h; it must outlive the trainer), each rank trains
+// on its contiguous 1/R of every global batch of train.batch_size items (FamilyModel::take_slice: every
+// random draw is made for the whole batch, so item i gets the same draws at any world size). Resident:
+// every rank holds the whole model and its AdamW state, and after a step's backward passes the gradients
+// and the loss are averaged over the ranks (one all-reduce), so every rank takes the single process's
+// step up to the order of float additions. Streamed: the host state is sharded over the ranks (the
+// engine's block exchange); every rank keeps the whole compute copy. Every rank builds the same initial
+// weights. Construction is collective.
+//
+// Thread-safety: one thread drives a trainer.
+#pragma once
+
+#include <torch/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "megaslide/config/run_config.h"
+#include "megaslide/io/safetensors.h"
+#include "megaslide/offload/stack_trainer.h"
+#include "megaslide/train/checkpoint.h"
+#include "megaslide/train/init_from.h"
+#include "megaslide/train/model_family.h"
+#include "megaslide/train/step_metrics.h"
+
+namespace torch::optim {
+class AdamW;
+}
+
+namespace megaslide {
+
+class Communicator;
+class WeightsEma;
+
+// Learning rate for the step with 0-based index `step`: linear warmup over warmup_steps to lr, then
+// cosine decay to lr * min_lr_ratio at the last step, or constant.
+double learning_rate(const TrainConfig& train, int64_t step);
+
+// Peak dense bf16 TFLOP/s of the current GPU, measured with a few large matmuls (~1 s). Throws without
+// a GPU.
+double measure_peak_tflops(torch::Device device);
+
+struct TrainerRequest {
+  const RunConfig* config = nullptr;     // resolved (auto settings, ModelFamily::resolve)
+  const RunConfig* requested = nullptr;  // as given (the log says why `auto` chose); null: `config`
+  std::string source = "config";         // where the config came from (errors name it)
+  bool init_from = false;                // a fresh run with train.init_from: the trainer starts from it
+  bool validation = false;               // this rank writes validation videos (train.sample_every > 0)
+  Communicator* communicator = nullptr;  // data parallelism, or null for one process
+};
+
+class Trainer {
+ public:
+  // Throws ConfigError (the family's bad data, weights or encoders), InitFromError, std::invalid_argument
+  // when R does not divide train.batch_size.
+  explicit Trainer(const TrainerRequest& request);
+  ~Trainer();
+  Trainer(Trainer&&) noexcept;
+  Trainer& operator=(Trainer&&) noexcept;
+
+  // One optimizer step (train.grad_accum_steps micro-batches). Streamed with a trace set, it records this
+  // step and writes the file once the step's host updates have finished.
+  StepMetrics step();
+  // Waits for host updates still running (streamed: they overlap the next step in deferred mode).
+  void synchronize();
+  // Streamed: writes a Chrome trace of the next step to `path` (offload/step_trace.h); resident: no-op.
+  void trace_next_step(const std::string& path);
+
+  // Checkpointing (train/checkpoint.h): the run's whole state (streamed: the blocks' as views into the
+  // host store), and its restoration from a state with the same names and shapes, in either mode's
+  // order. load_training_state throws std::invalid_argument (the data position) or c10::Error (a tensor).
+  TrainingState training_state();
+  void load_training_state(const TrainingState& state);
+
+  // The current weights by name in the model's order, without copies: resident, the parameters;
+  // streamed, the blocks' masters as views into the host store (sharded, where no rank holds a whole
+  // master: their compute copies). Valid until the next step (synchronizes first).
+  io::NamedTensors weight_views();
+  // The same as fp32 CPU copies.
+  io::NamedTensors master_weights();
+
+  const RunConfig& config() const { return config_; }
+  torch::Device device() const { return device_; }
+  int64_t steps_done() const { return steps_done_; }
+  int64_t parameter_count() const;
+  int64_t tokens_per_sample() const { return model_->tokens_per_sample(); }
+  bool streams() const { return engine_ != nullptr; }
+  bool sharded() const;  // host state sharded over the ranks: every rank saves its shard
+  offload::StreamedStackTrainer* engine() { return engine_.get(); }
+  FamilyModel& model() { return *model_; }
+  const FamilyModel& model() const { return *model_; }
+  // Device memory that lives across steps (what each step's own allocations add to): streamed, the
+  // weight and gradient slots and the resident parameters with their two AdamW moments (and their EMA
+  // with train.ema_decay); resident, every trained parameter with its two moments (and its EMA).
+  int64_t persistent_device_bytes();
+  // The train.init_from the trainer was built with (empty path: none).
+  const InitPlan& init_plan() const { return init_plan_; }
+
+  // Lines for the run log after the model line: the trainer, its memory, then the family's.
+  void describe(std::vector<std::string>& info, std::vector<std::string>& warnings) const;
+  std::string describe_data(int64_t steps) const { return model_->describe_data(steps); }
+  std::vector<BadItem> take_new_bad_items() { return model_->take_new_bad_items(); }
+  // Validation videos of the current weights (the trainer was built with `validation`); the files written.
+  std::vector<std::string> write_validation(const std::string& folder) { return model_->write_validation(folder, *this); }
+  // The family's weights file of the current weights (streamed: straight from the host store).
+  void export_weights(const std::string& path) { model_->write_weights(path, weight_views()); }
+  // The family's weights file of `weights`, named as training_state() names the parameters (the EMA).
+  void write_weights(const std::string& path, const io::NamedTensors& weights) { model_->write_weights(path, weights); }
+
+ private:
+  StepMetrics resident_step(double lr, MicroBatchStats& stats);
+  StepMetrics streamed_step(double lr, MicroBatchStats& stats);
+  io::NamedTensors resident_parameters();  // streamed: the parameters outside the blocks, in the model's order
+
+  RunConfig config_;
+  std::string requested_compute_dtype_;
+  torch::Device device_;
+  Communicator* communicator_ = nullptr;
+  InitPlan init_plan_;
+  std::unique_ptr<FamilyModel> model_;
+  std::unique_ptr<offload::StreamedStackTrainer> engine_;  // streamed mode
+  std::unique_ptr<torch::optim::AdamW> optimizer_;         // resident mode
+  std::unique_ptr<WeightsEma> ema_;                        // resident mode (streamed: the engine's)
+  int64_t steps_done_ = 0, optimizer_steps_ = 0;
+  int64_t skipped_total_ = 0, consecutive_skips_ = 0;
+  double flops_per_step_ = 0.0, peak_flops_ = 0.0;
+  std::string trace_path_;
+};
+
+// The trainer of `config` for tools, tests and benchmarks, in the mode offload.enabled says: auto settings
+// and the family's resolve applied (ConfigError for what it refuses), starting from train.init_from
+// when it is set.
+Trainer make_trainer(const RunConfig& config, Communicator* communicator = nullptr);
+
+}  // namespace megaslide

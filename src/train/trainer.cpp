@@ -1,0 +1,374 @@
+#include "megaslide/train/trainer.h"
+
+#include <torch/cuda.h>
+#include <torch/nn/utils/clip_grad.h>
+#include <torch/optim/adamw.h>
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <set>
+
+#include "megaslide/offload/stack_trainer.h"
+#include "megaslide/offload/step_trace.h"
+#include "megaslide/train/auto_settings.h"
+#include "megaslide/train/distributed.h"
+#include "megaslide/train/streamed_state.h"
+#include "megaslide/train/weights_ema.h"
+#include "megaslide/util/device.h"
+#include "megaslide/util/errors.h"
+#include "megaslide/util/numbers.h"
+
+namespace megaslide {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// The streamed engine's options from a run config: one mapping for every family, so a new setting
+// reaches all of them. The config's `auto` values are resolved (compute dtype, threads).
+offload::StackTrainerOptions engine_options(const RunConfig& c, torch::Device device) {
+  offload::StackTrainerOptions o;
+  o.device = device;
+  o.compute_dtype = offload::parse_compute_dtype(c.offload.compute_dtype);
+  o.mode = offload::parse_stream_mode(c.offload.mode);
+  o.adamw = offload::AdamWOptions{c.train.lr, c.train.beta1, c.train.beta2, c.train.eps, c.train.weight_decay};
+  o.optimizer_threads = plan_threads(c, device).optimizer;
+  o.emulated_copy_delay_ms = c.offload.emulated_copy_delay_ms;
+  o.state_dtype = offload::parse_state_dtype(c.optimizer.state_dtype);
+  o.grad_clip = c.train.grad_clip;
+  o.grad_accum_steps = c.train.grad_accum_steps;
+  o.loss_scale_init = c.train.loss_scale_init;
+  o.loss_scale_window = c.train.loss_scale_window;
+  o.ema_decay = c.train.ema_decay;
+  return o;
+}
+
+std::vector<at::Tensor> tensors_of(const io::NamedTensors& named) {
+  std::vector<at::Tensor> out;
+  out.reserve(named.size());
+  for (const auto& [name, p] : named) out.push_back(p);
+  return out;
+}
+
+std::string block_prefix(int64_t l) { return "blocks." + std::to_string(l) + "."; }
+
+}  // namespace
+
+double learning_rate(const TrainConfig& t, int64_t step) {
+  if (t.warmup_steps > 0 && step < t.warmup_steps) return t.lr * static_cast<double>(step + 1) / static_cast<double>(t.warmup_steps);
+  if (t.lr_schedule == "constant") return t.lr;
+  const int64_t decay_steps = std::max<int64_t>(t.steps - t.warmup_steps - 1, 1);
+  const double progress = std::min(1.0, static_cast<double>(step - t.warmup_steps) / static_cast<double>(decay_steps));
+  const double min_lr = t.lr * t.min_lr_ratio;
+  return min_lr + 0.5 * (t.lr - min_lr) * (1.0 + std::cos(M_PI * progress));
+}
+
+double measure_peak_tflops(torch::Device device) {
+  TORCH_CHECK(device.is_cuda(), "measure_peak_tflops: needs a CUDA device, got ", device);
+  const int64_t n = 8192;
+  auto a = torch::randn({n, n}, torch::TensorOptions().dtype(torch::kBFloat16).device(device));
+  auto b = torch::randn({n, n}, a.options());
+  for (int i = 0; i < 3; ++i) torch::mm(a, b);
+  torch::cuda::synchronize();
+  const int iters = 20;
+  const auto start = Clock::now();
+  for (int i = 0; i < iters; ++i) torch::mm(a, b);
+  torch::cuda::synchronize();
+  return 2.0 * n * n * n * iters / seconds_since(start) / 1e12;
+}
+
+Trainer::Trainer(const TrainerRequest& request)
+    : config_(*request.config),
+      requested_compute_dtype_((request.requested != nullptr ? *request.requested : *request.config).offload.compute_dtype),
+      device_(resolve_device(request.config->train.device)),
+      communicator_(request.communicator) {
+  validate(config_, request.source);
+  apply_threads(plan_threads(config_, device_));
+  const auto& t = config_.train;
+
+  ModelRequest m;
+  m.config = &config_;
+  m.requested = request.requested != nullptr ? request.requested : &config_;
+  m.source = request.source;
+  m.device = device_;
+  m.streamed = config_.offload.enabled;
+  m.validation = request.validation;
+  if (request.init_from)
+    m.init_from = [this](const ParameterShapes& shapes, const std::vector<std::string>& may_stay_initial) {
+      auto allow = config_.train.init_allow_missing;
+      allow.insert(allow.end(), may_stay_initial.begin(), may_stay_initial.end());
+      init_plan_ = plan_init_from(config_.train.init_from, shapes, allow);
+      return init_plan_;
+    };
+  model_ = model_family(config_.model.arch).make_model(m);
+
+  const bool shard = communicator_ != nullptr && communicator_->world_size() > 1;
+  if (shard) model_->take_slice(communicator_->rank(), communicator_->world_size());
+  if (config_.offload.enabled) {
+    auto options = engine_options(config_, device_);
+    if (shard) options.exchange = communicator_->shard_exchange();  // collective
+    engine_ = std::make_unique<offload::StreamedStackTrainer>(model_->stack(), options);
+    model_->blocks_built();
+  } else {
+    const auto params = model_->named_parameters();
+    optimizer_ = std::make_unique<torch::optim::AdamW>(
+        tensors_of(params), torch::optim::AdamWOptions(t.lr).betas({t.beta1, t.beta2}).eps(t.eps).weight_decay(t.weight_decay));
+    ema_ = std::make_unique<WeightsEma>(t.ema_decay, params);
+  }
+  if (device_.is_cuda()) {
+    flops_per_step_ = model_->flops_per_step();
+    peak_flops_ = (t.peak_tflops > 0 ? t.peak_tflops : measure_peak_tflops(device_)) * 1e12;
+  }
+}
+
+Trainer::~Trainer() = default;
+Trainer::Trainer(Trainer&&) noexcept = default;
+Trainer& Trainer::operator=(Trainer&&) noexcept = default;
+
+int64_t Trainer::parameter_count() const {
+  if (engine_) return engine_->streamed_parameter_count() + engine_->resident_parameter_count();
+  int64_t n = 0;
+  for (const auto& group : optimizer_->param_groups())
+    for (const auto& p : group.params()) n += p.numel();
+  return n;
+}
+
+bool Trainer::sharded() const { return engine_ && engine_->store().sharded(); }
+
+void Trainer::synchronize() {
+  if (engine_) engine_->synchronize();
+}
+
+void Trainer::trace_next_step(const std::string& path) {
+  if (engine_) trace_path_ = path;
+}
+
+int64_t Trainer::persistent_device_bytes() {
+  if (engine_) {
+    int64_t resident = 0;
+    if (auto* optimizer = engine_->resident_optimizer())
+      for (const auto& group : optimizer->param_groups())
+        for (const auto& p : group.params()) resident += static_cast<int64_t>(p.nbytes());
+    return engine_->streamer().device_weight_bytes() + engine_->streamer().device_gradient_bytes() +
+           (engine_->has_ema() ? 4 : 3) * resident;
+  }
+  int64_t bytes = 0;
+  for (const auto& group : optimizer_->param_groups())
+    for (const auto& p : group.params()) bytes += static_cast<int64_t>(p.nbytes());
+  return (ema_->enabled() ? 4 : 3) * bytes;  // weights, AdamW m and v (and the EMA)
+}
+
+StepMetrics Trainer::step() {
+  const auto& t = config_.train;
+  const double lr = learning_rate(t, steps_done_);
+  MicroBatchStats stats;  // summed over the micro-batches: their bucket's tokens, not the largest
+  StepMetrics m = engine_ ? streamed_step(lr, stats) : resident_step(lr, stats);
+  m.step = ++steps_done_;
+  m.lr = lr;
+  m.data_wait_s = stats.data_wait_s;
+  if (m.skipped) {
+    ++skipped_total_;
+    ++consecutive_skips_;
+  } else {
+    consecutive_skips_ = 0;
+  }
+  m.skipped_total = skipped_total_;
+  m.consecutive_skips = consecutive_skips_;
+  m.samples_per_s = static_cast<double>(t.batch_size * t.grad_accum_steps) / m.step_time_s;  // the global batch
+  m.tokens_per_s = static_cast<double>(t.batch_size * stats.tokens) / m.step_time_s;
+  // The model's FLOPs are counted at the largest sample; a smaller bucket's in proportion to its tokens
+  // (exact for the projections and MLPs, which dominate; 3D-DSA is linear in tokens too).
+  const double share = static_cast<double>(stats.tokens) / static_cast<double>(tokens_per_sample() * t.grad_accum_steps);
+  if (peak_flops_ > 0) m.mfu = flops_per_step_ * share / (m.step_time_s * peak_flops_);
+  return m;
+}
+
+StepMetrics Trainer::resident_step(double lr, MicroBatchStats& stats) {
+  const auto start = Clock::now();
+  const auto& t = config_.train;
+  for (auto& group : optimizer_->param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+  optimizer_->zero_grad();
+  const int64_t accum = t.grad_accum_steps;
+  double loss_sum = 0.0;
+  for (int64_t k = 0; k < accum; ++k) {
+    const auto loss = model_->loss(stats);
+    (accum == 1 ? loss : loss / static_cast<double>(accum)).backward();
+    loss_sum += loss.item<double>();  // synchronises with the device, so the timing below is complete
+  }
+  std::vector<at::Tensor> params;
+  for (auto& group : optimizer_->param_groups())
+    for (auto& p : group.params()) params.push_back(p);
+  // One rank with a communicator still runs the collective (the NCCL check on one GPU).
+  if (communicator_ != nullptr) average_gradients_over_ranks(*communicator_, params, loss_sum, device_);
+  const auto optimizer_start = Clock::now();  // the device is idle here (item() above)
+  const double max_norm = t.grad_clip > 0 ? t.grad_clip : std::numeric_limits<double>::infinity();
+  const double grad_norm = torch::nn::utils::clip_grad_norm_(params, max_norm);
+  StepMetrics m;
+  m.loss = loss_sum / static_cast<double>(accum);
+  m.grad_norm = grad_norm;
+  m.skipped = !std::isfinite(m.loss) || !std::isfinite(grad_norm);
+  if (!m.skipped) {
+    optimizer_->step();
+    ++optimizer_steps_;
+    if (ema_->enabled()) ema_->update(model_->named_parameters(), optimizer_steps_);
+  }
+  if (device_.is_cuda()) torch::cuda::synchronize();
+  m.optimizer_s = seconds_since(optimizer_start);
+  m.step_time_s = seconds_since(start);
+  return m;
+}
+
+StepMetrics Trainer::streamed_step(double lr, MicroBatchStats& stats) {
+  std::unique_ptr<offload::StepTrace> trace;
+  if (!trace_path_.empty()) {
+    trace = std::make_unique<offload::StepTrace>();
+    engine_->set_trace(trace.get());
+  }
+  const auto r = engine_->step([&] { return model_->prologue(stats); },
+                               [&](const at::Tensor& last_hidden) { return model_->epilogue(last_hidden); }, lr);
+  if (trace) {
+    engine_->synchronize();  // the step's host updates are in the trace
+    trace->write(trace_path_);
+    engine_->set_trace(nullptr);
+    trace_path_.clear();
+  }
+  StepMetrics m;
+  m.loss = r.loss;
+  m.grad_norm = r.grad_norm;
+  m.skipped = r.skipped;
+  m.step_time_s = r.step_time_s;
+  m.exchange_bytes = r.exchange_bytes;
+  m.exchange_s = r.exchange_s;
+  m.h2d_bytes = r.h2d_bytes;
+  m.d2h_bytes = r.d2h_bytes;
+  m.exposed_transfer_s = r.exposed_transfer_s;
+  m.optimizer_wait_s = r.optimizer_wait_s;
+  m.optimizer_s = r.optimizer_s;
+  m.peak_device_bytes = r.peak_device_bytes;
+  m.loss_scale = engine_->options().compute_dtype == at::kHalf ? r.loss_scale : 0.0;
+  return m;
+}
+
+io::NamedTensors Trainer::resident_parameters() {
+  std::set<std::string> streamed;
+  const auto& store = engine_->store();
+  for (int64_t l = 0; l < store.num_blocks(); ++l)
+    for (const auto& spec : store.block_spec(l).params) streamed.insert(block_prefix(l) + spec.name);
+  io::NamedTensors out;
+  for (auto& [name, p] : model_->named_parameters())
+    if (!streamed.count(name)) out.emplace_back(name, p);
+  return out;
+}
+
+io::NamedTensors Trainer::weight_views() {
+  synchronize();
+  auto out = model_->named_parameters();
+  if (!engine_) {
+    for (auto& [name, p] : out) p = p.detach();
+    return out;
+  }
+  std::map<std::string, at::Tensor> blocks;
+  const auto& store = engine_->store();
+  for (int64_t l = 0; l < store.num_blocks(); ++l)
+    for (const auto& spec : store.block_spec(l).params) {
+      const auto views = store.param(l, spec.name);
+      blocks.emplace(block_prefix(l) + spec.name, store.sharded() ? views.compute : views.master);
+    }
+  for (auto& [name, p] : out) {
+    const auto it = blocks.find(name);
+    p = it != blocks.end() ? it->second : p.detach();
+  }
+  return out;
+}
+
+io::NamedTensors Trainer::master_weights() {
+  auto out = weight_views();
+  for (auto& [name, p] : out) p = p.to(torch::kCPU, torch::kFloat32).clone();
+  return out;
+}
+
+TrainingState Trainer::training_state() {
+  synchronize();
+  TrainingState s;
+  if (engine_) {
+    s = streamed_training_state(*engine_, resident_parameters());
+  } else {
+    s.optimizer_steps = optimizer_steps_;
+    for (auto& [name, p] : model_->named_parameters()) {
+      auto moments = adamw_moments(*optimizer_, p);
+      s.master.emplace_back(name, p.detach().to(torch::kCPU, torch::kFloat32).clone());
+      s.exp_avg.emplace_back(name, moments.exp_avg);
+      s.exp_avg_sq.emplace_back(name, moments.exp_avg_sq);
+    }
+    ema_->save(s);
+  }
+  s.step = steps_done_;
+  s.skipped_steps = skipped_total_;
+  s.consecutive_skips = consecutive_skips_;
+  s.data_state = model_->data_state();
+  return s;
+}
+
+void Trainer::load_training_state(const TrainingState& s) {
+  synchronize();
+  model_->restore_data(s.data_state);
+  if (engine_) {
+    load_streamed_training_state(*engine_, resident_parameters(), s, "Trainer");
+  } else {
+    const auto params = model_->named_parameters();
+    TORCH_CHECK(s.master.size() == params.size() && s.exp_avg.size() == params.size() && s.exp_avg_sq.size() == params.size(),
+                "Trainer::load_training_state: expected ", params.size(), " parameters, got ", s.master.size());
+    std::map<std::string, size_t> index;  // by name: a streamed run's state lists the blocks last
+    for (size_t i = 0; i < s.master.size(); ++i) index[s.master[i].first] = i;
+    torch::NoGradGuard no_grad;
+    for (const auto& [name, p] : params) {
+      const auto it = index.find(name);
+      TORCH_CHECK(it != index.end(), "Trainer::load_training_state: no state for parameter '", name, "'");
+      const auto& value = s.master[it->second].second;
+      TORCH_CHECK(value.sizes() == p.sizes(), "Trainer::load_training_state: '", name, "' is ", value.sizes(), ", the model's is ",
+                  p.sizes());
+      p.copy_(value);
+      set_adamw_moments(*optimizer_, p, s.exp_avg[it->second].second, s.exp_avg_sq[it->second].second, s.optimizer_steps);
+    }
+    ema_->load(s, params, "Trainer");
+    optimizer_steps_ = s.optimizer_steps;
+  }
+  steps_done_ = s.step;
+  skipped_total_ = s.skipped_steps;
+  consecutive_skips_ = s.consecutive_skips;
+}
+
+void Trainer::describe(std::vector<std::string>& info, std::vector<std::string>& warnings) const {
+  const std::string family = model_family(config_.model.arch).name();
+  const auto& t = config_.train;
+  if (engine_) {
+    info.push_back(fmt::format("trainer: {}, streamed CPU-master (offload.mode {}, compute {}, grad_accum_steps {}); host memory at start:\n{}",
+                               family, config_.offload.mode, config_.offload.compute_dtype, t.grad_accum_steps,
+                               engine_->store().memory_report().to_string()));
+    info.push_back(fmt::format("compute dtype {} ({})", config_.offload.compute_dtype,
+                               resolve_compute_dtype(requested_compute_dtype_, device_).reason));
+    const std::string slow = compute_dtype_warning(config_.offload.compute_dtype, device_,
+                                                   "set offload.compute_dtype: auto (fp32 on this CPU) to run faster");
+    if (!slow.empty()) warnings.push_back(slow);
+  } else {
+    info.push_back(fmt::format("trainer: {}, resident reference loop (offload.enabled: false), compute dtype fp32, grad_accum_steps {}",
+                               family, t.grad_accum_steps));
+  }
+  model_->describe(info, warnings);
+}
+
+Trainer make_trainer(const RunConfig& config, Communicator* communicator) {
+  const RunConfig resolved = model_family(config.model.arch).resolve(resolve_auto_settings(config), "config");
+  TrainerRequest request;
+  request.config = &resolved;
+  request.requested = &config;
+  request.init_from = !resolved.train.init_from.empty();
+  request.communicator = communicator;
+  return Trainer(request);
+}
+
+}  // namespace megaslide
