@@ -48,7 +48,8 @@ Measured measure(torch::Device device, int reps, F&& fn) {
       c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
     }
     const int64_t device_before =
-        device.is_cuda() ? c10::cuda::CUDACachingAllocator::getDeviceStats(device.index()).allocated_bytes[0].current : 0;
+        device.is_cuda() ? c10::cuda::CUDACachingAllocator::getDeviceStats(device.index()).allocated_bytes[0].current
+                         : 0;
 #endif
     const auto start = std::chrono::steady_clock::now();
     fn();
@@ -57,7 +58,8 @@ Measured measure(torch::Device device, int reps, F&& fn) {
     double peak = static_cast<double>(counter.peak() - before);
 #ifdef MEGASLIDE_WITH_CUDA
     if (device.is_cuda())
-      peak = static_cast<double>(c10::cuda::CUDACachingAllocator::getDeviceStats(device.index()).allocated_bytes[0].peak - device_before);
+      peak = static_cast<double>(
+          c10::cuda::CUDACachingAllocator::getDeviceStats(device.index()).allocated_bytes[0].peak - device_before);
 #endif
     m.peak_mib = peak / (1 << 20);
   }
@@ -97,11 +99,13 @@ int main(int argc, char** argv) {
   }
   auto wan_vae = [&] {
     auto wan = megaslide::WanVae::random(megaslide::WanVaeConfig{}, 3, device);
-    std::cout << fmt::format("Wan 2.1 VAE: {:.1f} M parameters, {} on {} thread(s)\n", wan.parameter_count() / 1e6, device.str(), threads);
+    std::cout << fmt::format("Wan 2.1 VAE: {:.1f} M parameters, {} on {} thread(s)\n", wan.parameter_count() / 1e6,
+                             device.str(), threads);
     std::cout << fmt::format("{:<34} {:>10} {:>10} {:>14}\n", "Wan VAE (5 frames)", "s/clip", "frames/s", "peak MiB");
     const int64_t frames = 5;
     auto row = [&](const std::string& what, const Measured& m) {
-      std::cout << fmt::format("{:<34} {:>10.2f} {:>10.3f} {:>14.0f}\n", what, m.seconds, frames / m.seconds, m.peak_mib);
+      std::cout << fmt::format("{:<34} {:>10.2f} {:>10.3f} {:>14.0f}\n", what, m.seconds, frames / m.seconds,
+                               m.peak_mib);
     };
     for (int64_t size : {128, 256}) {
       auto video = (torch::rand({1, 3, frames, size, size}) * 2 - 1).to(device);
@@ -118,36 +122,45 @@ int main(int argc, char** argv) {
         auto tdec = measure(device, reps, [&] { wan.decode(z, tiling); });
         row("encode 256x256, 128-px tiles", tenc);
         row("decode 256x256, 128-px tiles", tdec);
-        std::cout << fmt::format("  tiled / whole frame: encode memory {:.3f} time {:.2f}; decode memory {:.3f} time {:.2f}\n",
-                                 tenc.peak_mib / enc.peak_mib, tenc.seconds / enc.seconds, tdec.peak_mib / dec.peak_mib, tdec.seconds / dec.seconds);
-        out["wan_encode_256_tiled_128"] = {{"frames_per_s", frames / tenc.seconds}, {"peak_mib", tenc.peak_mib},
-                                           {"memory_vs_whole", tenc.peak_mib / enc.peak_mib}, {"time_vs_whole", tenc.seconds / enc.seconds}};
-        out["wan_decode_256_tiled_128"] = {{"frames_per_s", frames / tdec.seconds}, {"peak_mib", tdec.peak_mib},
-                                           {"memory_vs_whole", tdec.peak_mib / dec.peak_mib}, {"time_vs_whole", tdec.seconds / dec.seconds}};
+        std::cout << fmt::format(
+            "  tiled / whole frame: encode memory {:.3f} time {:.2f}; decode memory {:.3f} time {:.2f}\n",
+            tenc.peak_mib / enc.peak_mib, tenc.seconds / enc.seconds, tdec.peak_mib / dec.peak_mib,
+            tdec.seconds / dec.seconds);
+        out["wan_encode_256_tiled_128"] = {{"frames_per_s", frames / tenc.seconds},
+                                           {"peak_mib", tenc.peak_mib},
+                                           {"memory_vs_whole", tenc.peak_mib / enc.peak_mib},
+                                           {"time_vs_whole", tenc.seconds / enc.seconds}};
+        out["wan_decode_256_tiled_128"] = {{"frames_per_s", frames / tdec.seconds},
+                                           {"peak_mib", tdec.peak_mib},
+                                           {"memory_vs_whole", tdec.peak_mib / dec.peak_mib},
+                                           {"time_vs_whole", tdec.seconds / dec.seconds}};
       }
     }
   };
   if (only == "all" || only == "sd") {
     auto vae = megaslide::SdVae::random(megaslide::SdVaeConfig{}, 1, device);
-    std::cout << fmt::format("SD VAE: {:.1f} M parameters, {} on {} thread(s)\n", vae.parameter_count() / 1e6, device.str(), threads);
+    std::cout << fmt::format("SD VAE: {:.1f} M parameters, {} on {} thread(s)\n", vae.parameter_count() / 1e6,
+                             device.str(), threads);
     std::cout << fmt::format("{:<34} {:>10} {:>10} {:>14}\n", "VAE (1 frame)", "s/frame", "frames/s", "peak MiB");
     for (int64_t size : {256, 512}) {
       auto image = (torch::rand({1, 3, size, size}) * 2 - 1).to(device);
       torch::Tensor z;
       auto enc = measure(device, reps, [&] { z = vae.encode(image); });
       auto dec = measure(device, reps, [&] { vae.decode(z); });
-      std::cout << fmt::format("{:<34} {:>10.2f} {:>10.3f} {:>14.0f}\n", fmt::format("encode {}x{}", size, size), enc.seconds, 1 / enc.seconds,
-                               enc.peak_mib);
-      std::cout << fmt::format("{:<34} {:>10.2f} {:>10.3f} {:>14.0f}\n", fmt::format("decode {}x{}", size, size), dec.seconds, 1 / dec.seconds,
-                               dec.peak_mib);
+      std::cout << fmt::format("{:<34} {:>10.2f} {:>10.3f} {:>14.0f}\n", fmt::format("encode {}x{}", size, size),
+                               enc.seconds, 1 / enc.seconds, enc.peak_mib);
+      std::cout << fmt::format("{:<34} {:>10.2f} {:>10.3f} {:>14.0f}\n", fmt::format("decode {}x{}", size, size),
+                               dec.seconds, 1 / dec.seconds, dec.peak_mib);
       out[fmt::format("encode_{}", size)] = {{"s_per_frame", enc.seconds}, {"peak_mib", enc.peak_mib}};
       out[fmt::format("decode_{}", size)] = {{"s_per_frame", dec.seconds}, {"peak_mib", dec.peak_mib}};
       if (size == 512) {
-        // Tiled: 256-pixel tiles (32 latents), overlap 0.25 -> 9 tiles for 512×512; the whole-frame decode above is the anchor.
+        // Tiled: 256-pixel tiles (32 latents), overlap 0.25 -> 9 tiles for 512×512; the whole-frame decode above is the
+        // anchor.
         auto tiled = measure(device, reps, [&] { vae.decode_tiled(z, megaslide::VaeTiling{256, 0.25}); });
-        std::cout << fmt::format("{:<34} {:>10.2f} {:>10.3f} {:>14.0f}\n", "decode 512x512, 256-px tiles", tiled.seconds, 1 / tiled.seconds,
-                                 tiled.peak_mib);
-        std::cout << fmt::format("  tiled / whole frame: memory {:.3f}, time {:.2f}\n", tiled.peak_mib / dec.peak_mib, tiled.seconds / dec.seconds);
+        std::cout << fmt::format("{:<34} {:>10.2f} {:>10.3f} {:>14.0f}\n", "decode 512x512, 256-px tiles",
+                                 tiled.seconds, 1 / tiled.seconds, tiled.peak_mib);
+        std::cout << fmt::format("  tiled / whole frame: memory {:.3f}, time {:.2f}\n", tiled.peak_mib / dec.peak_mib,
+                                 tiled.seconds / dec.seconds);
         out["decode_512_tiled_256"] = {{"s_per_frame", tiled.seconds},
                                        {"peak_mib", tiled.peak_mib},
                                        {"memory_vs_whole", tiled.peak_mib / dec.peak_mib},
@@ -161,8 +174,10 @@ int main(int argc, char** argv) {
     const int64_t batch = 8;
     auto ids = torch::randint(0, clip.vocab_size, {batch, 77}, torch::kLong);
     auto t = measure(device, reps, [&] { text.forward(ids); });
-    std::cout << fmt::format("CLIP ViT-L/14 text encoder: {:.1f} M parameters; {} prompts x 77 tokens: {:.2f} s, {:.1f} prompts/s, peak {:.0f} MiB\n",
-                             text.parameter_count() / 1e6, batch, t.seconds, batch / t.seconds, t.peak_mib);
+    std::cout << fmt::format(
+        "CLIP ViT-L/14 text encoder: {:.1f} M parameters; {} prompts x 77 tokens: {:.2f} s, {:.1f} prompts/s, peak "
+        "{:.0f} MiB\n",
+        text.parameter_count() / 1e6, batch, t.seconds, batch / t.seconds, t.peak_mib);
     out["clip_prompts_per_s"] = batch / t.seconds;
     out["clip_peak_mib"] = t.peak_mib;
   }
@@ -188,10 +203,12 @@ int main(int argc, char** argv) {
     auto mask = torch::zeros({umt5_batch, 512}, torch::kLong);
     mask.slice(1, 0, 100).fill_(1);
     auto u = measure(device, reps, [&] { umt5.embed(ids, mask); });
-    std::cout << fmt::format("umT5-{} encoder: {:.2f} B parameters ({}, weights {:.0f} MiB host, built in {:.1f} s); {} prompts x 512 tokens: "
-                             "{:.2f} s, {:.3f} prompts/s, peak {:.0f} MiB above the weights\n",
-                             umt5_size, umt5.parameter_count() / 1e9, umt5_dtype, weights_mib, build_s, umt5_batch, u.seconds,
-                             umt5_batch / u.seconds, u.peak_mib);
+    std::cout << fmt::format(
+        "umT5-{} encoder: {:.2f} B parameters ({}, weights {:.0f} MiB host, built in {:.1f} s); {} prompts x 512 "
+        "tokens: "
+        "{:.2f} s, {:.3f} prompts/s, peak {:.0f} MiB above the weights\n",
+        umt5_size, umt5.parameter_count() / 1e9, umt5_dtype, weights_mib, build_s, umt5_batch, u.seconds,
+        umt5_batch / u.seconds, u.peak_mib);
     out["umt5_size"] = umt5_size;
     out["umt5_dtype"] = umt5_dtype;
     out["umt5_parameters"] = umt5.parameter_count();
@@ -201,10 +218,13 @@ int main(int argc, char** argv) {
     // fit): its prompts/s against the resident run above (the anchor). On the CPU the "device" is host
     // memory: the row measures the streaming's own cost (a copy of every layer per call).
     {
-      auto streamed = megaslide::Umt5Encoder::streamed(megaslide::Umt5Encoder::random(c, 3, torch::kCPU, dtype), device);
+      auto streamed =
+          megaslide::Umt5Encoder::streamed(megaslide::Umt5Encoder::random(c, 3, torch::kCPU, dtype), device);
       auto s = measure(device, reps, [&] { streamed.embed(ids, mask); });
-      std::cout << fmt::format("umT5-{} encoder, layers streamed: {} prompts: {:.2f} s, {:.3f} prompts/s ({:.2f}x resident), peak {:.0f} MiB\n",
-                               umt5_size, umt5_batch, s.seconds, umt5_batch / s.seconds, u.seconds / s.seconds, s.peak_mib);
+      std::cout << fmt::format(
+          "umT5-{} encoder, layers streamed: {} prompts: {:.2f} s, {:.3f} prompts/s ({:.2f}x resident), peak {:.0f} "
+          "MiB\n",
+          umt5_size, umt5_batch, s.seconds, umt5_batch / s.seconds, u.seconds / s.seconds, s.peak_mib);
       out["umt5_streamed_prompts_per_s"] = umt5_batch / s.seconds;
       out["umt5_streamed_vs_resident"] = u.seconds / s.seconds;
     }

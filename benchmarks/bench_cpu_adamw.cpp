@@ -101,8 +101,10 @@ int main(int argc, char** argv) {
     r.s.compute = store.compute(0).data_ptr();
     r.s.compute_dtype = at::kBFloat16;
     r.s.numel = n;
-    const double scales = dtype == StateDtype::kInt8 ? 2.0 * 2 * 4 * static_cast<double>(store.exp_avg_scale(0).numel()) : 0.0;
-    r.bytes_per_step = (8.0 + 4.0 * megaslide::offload::state_element_bytes(dtype) + 2 + 2) * static_cast<double>(n) + scales;
+    const double scales =
+        dtype == StateDtype::kInt8 ? 2.0 * 2 * 4 * static_cast<double>(store.exp_avg_scale(0).numel()) : 0.0;
+    r.bytes_per_step =
+        (8.0 + 4.0 * megaslide::offload::state_element_bytes(dtype) + 2 + 2) * static_cast<double>(n) + scales;
     runs.push_back(std::move(r));
   }
 
@@ -146,23 +148,26 @@ int main(int argc, char** argv) {
       r.probe_streaming.push_back(probe(adamw, r.s, CopyStores::kStreaming));
     }
     ++step;
-    if (rep < 3) t_1thread.push_back(std::min(probe(adamw_1thread, runs[0].s, CopyStores::kCached),
-                                              probe(adamw_1thread, runs[0].s, CopyStores::kStreaming)));
+    if (rep < 3)
+      t_1thread.push_back(std::min(probe(adamw_1thread, runs[0].s, CopyStores::kCached),
+                                   probe(adamw_1thread, runs[0].s, CopyStores::kStreaming)));
     if (rep < torch_reps) t_torch.push_back(time_s([&] { torch_adamw.step(); }));
   }
 
   const StateRun& fp32 = runs[0];
   const auto gbps_of = [&](const StateRun& r, double seconds) { return r.bytes_per_step / seconds / 1e9; };
   const auto roofline_s = [](const StateRun& r) { return std::min(best(r.probe_cached), best(r.probe_streaming)); };
-  std::printf("CpuAdamW (%s, %d threads): %lld params, best (median) of %d runs; the gradient in the compute copy's buffer\n",
-              megaslide::offload::to_string(adamw.path()), threads, static_cast<long long>(n), reps);
+  std::printf(
+      "CpuAdamW (%s, %d threads): %lld params, best (median) of %d runs; the gradient in the compute copy's buffer\n",
+      megaslide::offload::to_string(adamw.path()), threads, static_cast<long long>(n), reps);
   const auto row = [&](const std::string& name, const StateRun& r, const std::vector<double>& t) {
-    std::printf("  %-52s %8.2f ms (%8.2f)  %6.1f GB/s\n", name.c_str(), best(t) * 1e3, median(t) * 1e3, gbps_of(r, best(t)));
+    std::printf("  %-52s %8.2f ms (%8.2f)  %6.1f GB/s\n", name.c_str(), best(t) * 1e3, median(t) * 1e3,
+                gbps_of(r, best(t)));
   };
   for (const auto& r : runs) {
     const std::string state = megaslide::offload::to_string(r.dtype);
-    std::printf(" %s moments: %.2f B per parameter, %.1f MB per step\n", state.c_str(), r.bytes_per_step / static_cast<double>(n),
-                r.bytes_per_step / 1e6);
+    std::printf(" %s moments: %.2f B per parameter, %.1f MB per step\n", state.c_str(),
+                r.bytes_per_step / static_cast<double>(n), r.bytes_per_step / 1e6);
     row("CpuAdamW::step_block, bf16 grad in, bf16 copy out", r, r.adamw);
     if (!r.adamw_cached.empty()) row("  the same, forced cached copy stores", r, r.adamw_cached);
     row("roofline: stream probe, cached copy stores", r, r.probe_cached);

@@ -60,9 +60,14 @@ Figures measure(const megaslide::RunConfig& config, megaslide::Communicator* com
 }
 
 nlohmann::json to_json(const Figures& f) {
-  return {{"streamed_params", f.streamed_params}, {"host_bytes", f.host_bytes},   {"exchange_bytes", f.exchange_bytes},
-          {"step_s", f.step_s},                   {"exchange_s", f.exchange_s},   {"optimizer_s", f.optimizer_s},
-          {"optimizer_wait_s", f.optimizer_wait_s}, {"compute_bytes", f.compute_bytes}};
+  return {{"streamed_params", f.streamed_params},
+          {"host_bytes", f.host_bytes},
+          {"exchange_bytes", f.exchange_bytes},
+          {"step_s", f.step_s},
+          {"exchange_s", f.exchange_s},
+          {"optimizer_s", f.optimizer_s},
+          {"optimizer_wait_s", f.optimizer_wait_s},
+          {"compute_bytes", f.compute_bytes}};
 }
 
 }  // namespace
@@ -83,7 +88,8 @@ int main(int argc, char** argv) {
     }
   }
   if (config_path.empty() || ranks < 2 || steps < 1) {
-    std::fprintf(stderr, "usage: bench_distributed --config FILE [--ranks R >= 2] [--steps N >= 1] [--set key=value ...]\n");
+    std::fprintf(stderr,
+                 "usage: bench_distributed --config FILE [--ranks R >= 2] [--steps N >= 1] [--set key=value ...]\n");
     return 2;
   }
   megaslide::RunConfig config;
@@ -120,17 +126,21 @@ int main(int argc, char** argv) {
     return 1;
   }
   nlohmann::json out{{"config", config_path}, {"ranks", ranks}, {"steps", steps}, {"single", to_json(single)}};
-  std::printf("bench_distributed: %s, %lld streamed parameters, global batch %lld, %lld Gloo ranks on localhost vs one process\n",
-              config_path.c_str(), static_cast<long long>(single.streamed_params), static_cast<long long>(config.train.batch_size),
-              static_cast<long long>(ranks));
-  std::printf("%-6s %16s %10s %12s %10s %12s %12s\n", "rank", "exchange B", "vs 2·b·P", "exchange s", "overlap", "host vs 1", "step vs 1");
+  std::printf(
+      "bench_distributed: %s, %lld streamed parameters, global batch %lld, %lld Gloo ranks on localhost vs one "
+      "process\n",
+      config_path.c_str(), static_cast<long long>(single.streamed_params),
+      static_cast<long long>(config.train.batch_size), static_cast<long long>(ranks));
+  std::printf("%-6s %16s %10s %12s %10s %12s %12s\n", "rank", "exchange B", "vs 2·b·P", "exchange s", "overlap",
+              "host vs 1", "step vs 1");
   for (int64_t r = 0; r < ranks; ++r) {
     const std::string path = fmt::format("{}.rank{}", base, r);
     std::ifstream in(path);
     nlohmann::json j;
     in >> j;
     std::remove(path.c_str());
-    const double expected = 2.0 * static_cast<double>(j["compute_bytes"].get<int64_t>() * j["streamed_params"].get<int64_t>());
+    const double expected =
+        2.0 * static_cast<double>(j["compute_bytes"].get<int64_t>() * j["streamed_params"].get<int64_t>());
     const double host_work = j["optimizer_s"].get<double>() + j["exchange_s"].get<double>();
     const double overlap = host_work > 0 ? 1.0 - j["optimizer_wait_s"].get<double>() / host_work : 1.0;
     j["exchange_vs_2bP"] = j["exchange_bytes"].get<double>() / expected;
@@ -138,8 +148,9 @@ int main(int argc, char** argv) {
     j["host_vs_single"] = static_cast<double>(j["host_bytes"].get<int64_t>()) / static_cast<double>(single.host_bytes);
     j["step_vs_single"] = j["step_s"].get<double>() / single.step_s;
     std::printf("%-6lld %16lld %10.4f %12.4f %10.3f %12.3f %12.3f\n", static_cast<long long>(r),
-                static_cast<long long>(j["exchange_bytes"].get<int64_t>()), j["exchange_vs_2bP"].get<double>(), j["exchange_s"].get<double>(),
-                overlap, j["host_vs_single"].get<double>(), j["step_vs_single"].get<double>());
+                static_cast<long long>(j["exchange_bytes"].get<int64_t>()), j["exchange_vs_2bP"].get<double>(),
+                j["exchange_s"].get<double>(), overlap, j["host_vs_single"].get<double>(),
+                j["step_vs_single"].get<double>());
     out["rank" + std::to_string(r)] = j;
   }
   std::printf("%s\n", out.dump().c_str());

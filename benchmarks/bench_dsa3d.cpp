@@ -142,9 +142,9 @@ void sync(const torch::Device& device) {
 }
 
 struct Measurement {
-  double ms = 0;             // median forward + backward
-  int64_t saved_bytes = 0;   // held between forward and backward
-  int64_t peak_bytes = 0;    // peak beyond the inputs during forward + backward
+  double ms = 0;            // median forward + backward
+  int64_t saved_bytes = 0;  // held between forward and backward
+  int64_t peak_bytes = 0;   // peak beyond the inputs during forward + backward
   torch::Tensor out, dq, doffsets;
 };
 
@@ -232,9 +232,11 @@ int cpu_kernels_mode(int reps, const Memory& memory) {
   const torch::Device device(torch::kCPU);
   std::printf("bench_dsa3d --kernels-only (cpu, float32, forward+backward, median of %d interleaved, %d threads)\n",
               reps, torch::get_num_threads());
-  std::string json = "{\"bench\":\"dsa3d_cpu_kernels\",\"threads\":" + std::to_string(torch::get_num_threads()) + ",\"cases\":[";
+  std::string json =
+      "{\"bench\":\"dsa3d_cpu_kernels\",\"threads\":" + std::to_string(torch::get_num_threads()) + ",\"cases\":[";
   int index = 0;
-  for (const Case& c : {Case{"8x32x32", 1, 8, 32, 32, 4, 32, {3, 7, 7}}, Case{"16x32x32", 1, 16, 32, 32, 4, 32, {3, 7, 7}}}) {
+  for (const Case& c :
+       {Case{"8x32x32", 1, 8, 32, 32, 4, 32, {3, 7, 7}}, Case{"16x32x32", 1, 16, 32, 32, 4, 32, {3, 7, 7}}}) {
     auto in = make_inputs(c, device);
     std::vector<double> row, tiled;
     for (int i = 0; i < reps + 1; ++i) {
@@ -271,7 +273,8 @@ int cpu_mode(int reps, const Memory& memory) {
   const Measurement row = measure(in, base, ops::DsaImpl::kCpu, reps, memory, device);
   const Measurement tiled = measure(in, base, ops::DsaImpl::kCpuTiled, reps, memory, device);
   auto error = [&](const Measurement& m) {
-    return std::max({max_rel_error(m.out, ref.out), max_rel_error(m.dq, ref.dq), max_rel_error(m.doffsets, ref.doffsets)});
+    return std::max(
+        {max_rel_error(m.out, ref.out), max_rel_error(m.dq, ref.dq), max_rel_error(m.doffsets, ref.doffsets)});
   };
   const double row_err = error(row), tiled_err = error(tiled);
   in = Inputs{};
@@ -301,14 +304,16 @@ int cpu_mode(int reps, const Memory& memory) {
   const double scaling = fus2.ms / fus.ms;
   const double tiled_vs_row = row.ms / tiled.ms;
   const bool met = speedup >= 5 && mem_ratio <= 0.1 && scaling <= 2.2;
-  std::printf("kAuto runs the %s kernel: speedup %.2fx (target >= 5), peak memory ratio %.4f (target <= 0.1), 2x "
-              "tokens time ratio %.2f (target <= 2.2): targets %s. Tiled vs row kernel %.2fx; max relative error "
-              "vs reference: row %.1e, tiled %.1e\n",
-              auto_tiled ? "tiled" : "row", speedup, mem_ratio, scaling, met ? "met" : "NOT met", tiled_vs_row, row_err,
-              tiled_err);
+  std::printf(
+      "kAuto runs the %s kernel: speedup %.2fx (target >= 5), peak memory ratio %.4f (target <= 0.1), 2x "
+      "tokens time ratio %.2f (target <= 2.2): targets %s. Tiled vs row kernel %.2fx; max relative error "
+      "vs reference: row %.1e, tiled %.1e\n",
+      auto_tiled ? "tiled" : "row", speedup, mem_ratio, scaling, met ? "met" : "NOT met", tiled_vs_row, row_err,
+      tiled_err);
   std::printf(
       "{\"bench\":\"dsa3d\",\"device\":\"cpu\",\"threads\":%d,\"dtype\":\"float32\",\"B\":1,\"M\":4,\"d\":32,"
-      "\"kernel\":[3,7,7],\"tokens\":8192,\"auto_kernel\":\"%s\",\"reference_ms\":%.3f,\"row_ms\":%.3f,\"tiled_ms\":%.3f,"
+      "\"kernel\":[3,7,7],\"tokens\":8192,\"auto_kernel\":\"%s\",\"reference_ms\":%.3f,\"row_ms\":%.3f,\"tiled_ms\":%."
+      "3f,"
       "\"row_2x_tokens_ms\":%.3f,\"tiled_2x_tokens_ms\":%.3f,\"sdpa_ms\":%.3f,\"sdpa_2x_tokens_ms\":%.3f,"
       "\"reference_peak_bytes\":%lld,\"row_peak_bytes\":%lld,\"tiled_peak_bytes\":%lld,\"sdpa_peak_bytes\":%lld,"
       "\"row_max_rel_err\":%.3e,\"tiled_max_rel_err\":%.3e,\"tiled_vs_row_cpu_fwd_bwd_speedup\":%.3f,"
@@ -316,7 +321,8 @@ int cpu_mode(int reps, const Memory& memory) {
       "\"scaling_2x_tokens_time_ratio\":%.3f,\"targets_met\":%s}\n",
       torch::get_num_threads(), auto_tiled ? "cpu_tiled" : "cpu", ref.ms, row.ms, tiled.ms, row2.ms, tiled2.ms, sdpa.ms,
       sdpa2.ms, (long long)ref.peak_bytes, (long long)row.peak_bytes, (long long)tiled.peak_bytes,
-      (long long)sdpa.peak_bytes, row_err, tiled_err, tiled_vs_row, speedup, mem_ratio, scaling, met ? "true" : "false");
+      (long long)sdpa.peak_bytes, row_err, tiled_err, tiled_vs_row, speedup, mem_ratio, scaling,
+      met ? "true" : "false");
   return 0;
 }
 
@@ -365,7 +371,8 @@ Timing time_dsa(const CudaCase& c, Inputs& in, ops::DsaImpl impl, bool determini
   Timing t;
   {
     torch::NoGradGuard no_grad;
-    t.fwd_ms = cuda_median_ms(reps, [&] { ops::dsa3d(in.q, in.k, in.v, in.offsets, in.bias, c.kernel, impl, deterministic); });
+    t.fwd_ms =
+        cuda_median_ms(reps, [&] { ops::dsa3d(in.q, in.k, in.v, in.offsets, in.bias, c.kernel, impl, deterministic); });
   }
   if (with_backward)
     t.fwd_bwd_ms = cuda_median_ms(reps, [&] {
@@ -438,8 +445,9 @@ int cuda_mode(int reps) {
   const torch::Device device(torch::kCUDA, 0);
   const std::vector<CudaCase> cases{{"16x64x64", 1, 16, 64, 64, 16, 64, {3, 7, 7}, false},
                                     {"8x32x32", 1, 8, 32, 32, 4, 32, {3, 7, 7}, true}};
-  std::printf("bench_dsa3d (cuda, bfloat16, offsets uniform in +-(1, 3, 3), CUDA events, median of %d after a warm-up)\n",
-              reps);
+  std::printf(
+      "bench_dsa3d (cuda, bfloat16, offsets uniform in +-(1, 3, 3), CUDA events, median of %d after a warm-up)\n",
+      reps);
   std::string json = "{\"bench\":\"dsa3d\",\"device\":\"cuda\",\"dtype\":\"bfloat16\",\"tensor_core_peak_tflops\":" +
                      fmt_double(kTensorCorePeakTflops) + ",\"cases\":[";
   for (size_t i = 0; i < cases.size(); ++i) {
@@ -455,7 +463,8 @@ int cuda_mode(int reps) {
     in.v = torch::randn({c.B, c.T, c.H, c.W, c.M, c.d}, opts).requires_grad_(true);
     const auto range = torch::tensor({1.0f, 3.0f, 3.0f}, opts.dtype(torch::kFloat));
     in.offsets = ((torch::rand({c.B, c.T, c.H, c.W, 1, K, 3}, opts.dtype(torch::kFloat)) * 2 - 1) * range)
-                     .to(torch::kBFloat16).requires_grad_(true);
+                     .to(torch::kBFloat16)
+                     .requires_grad_(true);
     in.bias = (0.1 * torch::randn({c.M, K}, opts)).requires_grad_(true);
     in.dout = torch::randn({c.B, c.T, c.H, c.W, c.M, c.d}, opts);
 
@@ -486,7 +495,8 @@ int cuda_mode(int reps) {
     // convention FlashAttention reports) and flash's own (N keys per query).
     const double eq_fwd = 4.0 * c.B * N * K * c.d * c.M, flash_fwd = 4.0 * c.B * N * N * c.d * c.M;
     auto tflops = [](double flop, double ms) { return ms > 0 ? flop / (ms * 1e-3) / 1e12 : -1.0; };
-    const double tiled_fwd_tf = tflops(tiled_fwd_flop, tiled.fwd_ms), tiled_all_tf = tflops(tiled_fwd_bwd_flop, tiled.fwd_bwd_ms);
+    const double tiled_fwd_tf = tflops(tiled_fwd_flop, tiled.fwd_ms),
+                 tiled_all_tf = tflops(tiled_fwd_bwd_flop, tiled.fwd_bwd_ms);
     const double flash_fwd_tf = flash_ran ? tflops(flash_fwd, flash.fwd_ms) : -1;
     const double flash_all_tf = flash_ran ? tflops(3.5 * flash_fwd, flash.fwd_bwd_ms) : -1;
     std::printf("\n%s tokens (N = %lld), B = %lld, M = %lld, d = %lld, kernel 3x7x7 (K = %lld)\n", c.name.c_str(),
@@ -502,27 +512,31 @@ int cuda_mode(int reps) {
     if (flash_ran)
       std::printf("  %-28s %10.3f %12.3f %14.1f %14.1f\n", "flash SDPA, all N keys", flash.fwd_ms, flash.fwd_bwd_ms,
                   flash_fwd_tf, flash_all_tf);
-    std::printf("  attention-equivalent TFLOP/s of tiled (4·N·K·d·M fwd): %.1f; ratios: row/tiled fwd %.2f%s%s; "
-                "deterministic/default fwd+bwd %.2f; tiled vs row max relative difference %.2e\n",
-                tflops(eq_fwd, tiled.fwd_ms), row.fwd_ms / tiled.fwd_ms,
-                row.fwd_bwd_ms > 0 ? (", fwd+bwd " + fmt_double(row.fwd_bwd_ms / tiled.fwd_bwd_ms)).c_str() : "",
-                flash_ran ? (", flash/tiled fwd " + fmt_double(flash.fwd_ms / tiled.fwd_ms) + ", fwd+bwd " +
-                             fmt_double(flash.fwd_bwd_ms / tiled.fwd_bwd_ms)).c_str()
-                          : "",
-                tiled_det.fwd_bwd_ms / tiled.fwd_bwd_ms, agree);
+    std::printf(
+        "  attention-equivalent TFLOP/s of tiled (4·N·K·d·M fwd): %.1f; ratios: row/tiled fwd %.2f%s%s; "
+        "deterministic/default fwd+bwd %.2f; tiled vs row max relative difference %.2e\n",
+        tflops(eq_fwd, tiled.fwd_ms), row.fwd_ms / tiled.fwd_ms,
+        row.fwd_bwd_ms > 0 ? (", fwd+bwd " + fmt_double(row.fwd_bwd_ms / tiled.fwd_bwd_ms)).c_str() : "",
+        flash_ran ? (", flash/tiled fwd " + fmt_double(flash.fwd_ms / tiled.fwd_ms) + ", fwd+bwd " +
+                     fmt_double(flash.fwd_bwd_ms / tiled.fwd_bwd_ms))
+                        .c_str()
+                  : "",
+        tiled_det.fwd_bwd_ms / tiled.fwd_bwd_ms, agree);
     json += std::string(i ? "," : "") + "{\"name\":\"" + c.name + "\",\"tokens\":" + std::to_string(N) +
             ",\"B\":" + std::to_string(c.B) + ",\"M\":" + std::to_string(c.M) + ",\"d\":" + std::to_string(c.d) +
-            ",\"K\":" + std::to_string(K) + ",\"tiled_fwd_ms\":" + num(tiled.fwd_ms) + ",\"tiled_fwd_bwd_ms\":" +
-            num(tiled.fwd_bwd_ms) + ",\"tiled_det_fwd_bwd_ms\":" + num(tiled_det.fwd_bwd_ms) + ",\"row_fwd_ms\":" +
-            num(row.fwd_ms) + ",\"row_fwd_bwd_ms\":" + num(row.fwd_bwd_ms) + ",\"flash_fwd_ms\":" +
-            num(flash_ran ? flash.fwd_ms : -1) + ",\"flash_fwd_bwd_ms\":" + num(flash_ran ? flash.fwd_bwd_ms : -1) +
+            ",\"K\":" + std::to_string(K) + ",\"tiled_fwd_ms\":" + num(tiled.fwd_ms) +
+            ",\"tiled_fwd_bwd_ms\":" + num(tiled.fwd_bwd_ms) +
+            ",\"tiled_det_fwd_bwd_ms\":" + num(tiled_det.fwd_bwd_ms) + ",\"row_fwd_ms\":" + num(row.fwd_ms) +
+            ",\"row_fwd_bwd_ms\":" + num(row.fwd_bwd_ms) + ",\"flash_fwd_ms\":" + num(flash_ran ? flash.fwd_ms : -1) +
+            ",\"flash_fwd_bwd_ms\":" + num(flash_ran ? flash.fwd_bwd_ms : -1) +
             ",\"tiled_fwd_tflops\":" + num(tiled_fwd_tf) + ",\"tiled_fwd_bwd_tflops\":" + num(tiled_all_tf) +
             ",\"tiled_fwd_attention_equivalent_tflops\":" + num(tflops(eq_fwd, tiled.fwd_ms)) +
             ",\"flash_fwd_tflops\":" + num(flash_fwd_tf) + ",\"flash_fwd_bwd_tflops\":" + num(flash_all_tf) +
-            ",\"row_vs_tiled_fwd\":" + num(row.fwd_ms / tiled.fwd_ms) + ",\"flash_vs_tiled_fwd\":" +
-            num(flash_ran ? flash.fwd_ms / tiled.fwd_ms : -1) + ",\"flash_vs_tiled_fwd_bwd\":" +
-            num(flash_ran ? flash.fwd_bwd_ms / tiled.fwd_bwd_ms : -1) + ",\"deterministic_vs_default_fwd_bwd\":" +
-            num(tiled_det.fwd_bwd_ms / tiled.fwd_bwd_ms) + ",\"tiled_vs_row_max_rel_diff\":" + fmt_double(agree) + "}";
+            ",\"row_vs_tiled_fwd\":" + num(row.fwd_ms / tiled.fwd_ms) +
+            ",\"flash_vs_tiled_fwd\":" + num(flash_ran ? flash.fwd_ms / tiled.fwd_ms : -1) +
+            ",\"flash_vs_tiled_fwd_bwd\":" + num(flash_ran ? flash.fwd_bwd_ms / tiled.fwd_bwd_ms : -1) +
+            ",\"deterministic_vs_default_fwd_bwd\":" + num(tiled_det.fwd_bwd_ms / tiled.fwd_bwd_ms) +
+            ",\"tiled_vs_row_max_rel_diff\":" + fmt_double(agree) + "}";
   }
   std::printf("%s]}\n", json.c_str());
   return 0;

@@ -1,8 +1,8 @@
 // bench_host_memory: the planner's host bytes against the resident set size of a real streamed run of
 // any config on the CPU, for models too large for a unit test (tests/test_host_memory.cpp runs
 // small-50m and a small Wan). Builds the streamed trainer (for model.arch wan on random latents of the
-// config's shapes, written to a scratch file for data.tensors), runs --steps steps, and compares the growth of the resident set
-// with the plan (megaslide-plan's figures) at start-up (VmHWM while the trainer is built) and after the
+// config's shapes, written to a scratch file for data.tensors), runs --steps steps, and compares the growth of the
+// resident set with the plan (megaslide-plan's figures) at start-up (VmHWM while the trainer is built) and after the
 // steps (VmRSS, after malloc_trim). On the CPU the "device" is host memory too, so the device
 // components the trainer keeps (slots, resident parts with gradients and AdamW state) are added to the
 // plan's host bytes. glibc's mmap threshold is fixed at 1 MiB, as a large model has it in effect (see
@@ -78,9 +78,10 @@ int main(int argc, char** argv) {
   const auto& d = plan.device;
   const int64_t resident_weights = d.resident_state / 4;
   // The gradient slots (host memory on the CPU) get pages only when the first backward writes them.
-  const double expected_start =
-      static_cast<double>(resident_weights + std::max(plan.host.construction_peak, plan.host.steady() + d.weight_slots));
-  const double expected_steady = static_cast<double>(plan.host.steady() + d.weight_slots + d.gradient_slots + d.resident_state);
+  const double expected_start = static_cast<double>(
+      resident_weights + std::max(plan.host.construction_peak, plan.host.steady() + d.weight_slots));
+  const double expected_steady =
+      static_cast<double>(plan.host.steady() + d.weight_slots + d.gradient_slots + d.resident_state);
 
   // Wan (model.arch: wan) trains on latent videos and text embeddings in memory: random ones of the
   // config's shapes (their values change nothing that is allocated), made before the baseline.
@@ -89,9 +90,10 @@ int main(int argc, char** argv) {
   if (config.model.arch == megaslide::Architecture::kWan) {
     const auto& d = config.data;
     wan_tensors = "/tmp/bench-host-memory-" + std::to_string(::getpid()) + ".safetensors";
-    megaslide::io::write_safetensors(wan_tensors, {{"latents", torch::randn({1, d.channels, d.frames, d.height, d.width})},
-                                                   {"text", torch::randn({1, d.max_text_tokens, config.model.wan.text_dim})},
-                                                   {"empty_text", torch::zeros({d.max_text_tokens, config.model.wan.text_dim})}});
+    megaslide::io::write_safetensors(wan_tensors,
+                                     {{"latents", torch::randn({1, d.channels, d.frames, d.height, d.width})},
+                                      {"text", torch::randn({1, d.max_text_tokens, config.model.wan.text_dim})},
+                                      {"empty_text", torch::zeros({d.max_text_tokens, config.model.wan.text_dim})}});
     config.data.dataset = "latent-tensors";
     config.data.tensors = wan_tensors;
   }
@@ -118,16 +120,18 @@ int main(int argc, char** argv) {
   const double steady_ratio = static_cast<double>(steady) / expected_steady;
   std::printf("%s (%lld parameters, %s moments): built in %.1f s, %d step(s) in %.1f s\n", config_path.c_str(),
               static_cast<long long>(plan.params), plan.state_dtype.c_str(), construct_s, steps, steps_s);
-  std::printf("  start-up   %10.1f MB measured  %10.1f MB planned  ratio %.3f\n", start / 1e6, expected_start / 1e6, start_ratio);
-  std::printf("  after step %10.1f MB measured  %10.1f MB planned  ratio %.3f  (%.1f MB before malloc_trim)\n", steady / 1e6,
-              expected_steady / 1e6, steady_ratio, untrimmed / 1e6);
+  std::printf("  start-up   %10.1f MB measured  %10.1f MB planned  ratio %.3f\n", start / 1e6, expected_start / 1e6,
+              start_ratio);
+  std::printf("  after step %10.1f MB measured  %10.1f MB planned  ratio %.3f  (%.1f MB before malloc_trim)\n",
+              steady / 1e6, expected_steady / 1e6, steady_ratio, untrimmed / 1e6);
   std::printf(
       "{\"bench\":\"host_memory\",\"config\":\"%s\",\"params\":%lld,\"state_dtype\":\"%s\",\"host_state_bytes\":%lld,"
-      "\"host_peak_bytes\":%lld,\"start_bytes\":%lld,\"start_planned_bytes\":%.0f,\"start_ratio\":%.4f,\"steady_bytes\":%lld,"
+      "\"host_peak_bytes\":%lld,\"start_bytes\":%lld,\"start_planned_bytes\":%.0f,\"start_ratio\":%.4f,\"steady_"
+      "bytes\":%lld,"
       "\"steady_planned_bytes\":%.0f,\"steady_ratio\":%.4f,\"steady_untrimmed_bytes\":%lld}\n",
       config_path.c_str(), static_cast<long long>(plan.params), plan.state_dtype.c_str(),
-      static_cast<long long>(plan.host.state()), static_cast<long long>(plan.host.peak()), static_cast<long long>(start),
-      expected_start, start_ratio, static_cast<long long>(steady), expected_steady, steady_ratio,
-      static_cast<long long>(untrimmed));
+      static_cast<long long>(plan.host.state()), static_cast<long long>(plan.host.peak()),
+      static_cast<long long>(start), expected_start, start_ratio, static_cast<long long>(steady), expected_steady,
+      steady_ratio, static_cast<long long>(untrimmed));
   return std::abs(start_ratio - 1.0) <= 0.05 && std::abs(steady_ratio - 1.0) <= 0.05 ? 0 : 1;
 }

@@ -59,16 +59,33 @@ int main(int argc, char** argv) {
     auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(k));
     auto coarse = torch::rand({frames, 3, height / 16 + 1, width / 16 + 1}, gen);
     namespace F = torch::nn::functional;
-    auto fine = F::interpolate(coarse, F::InterpolateFuncOptions().size(std::vector<int64_t>{height, width}).mode(torch::kBilinear).align_corners(true));
+    auto fine = F::interpolate(coarse, F::InterpolateFuncOptions()
+                                           .size(std::vector<int64_t>{height, width})
+                                           .mode(torch::kBilinear)
+                                           .align_corners(true));
     auto rgb = (fine.permute({0, 2, 3, 1}) * 255).round().to(torch::kUInt8).contiguous();
-    megaslide::io::write_mp4(fmt::format("{}/videos/clip-{:03}.mp4", dir, k), rgb, megaslide::io::VideoWriteOptions().fps(24).preset("veryfast"));
-    megaslide::io::write_file_atomically(fmt::format("{}/videos/clip-{:03}.txt", dir, k), "a red blob moves left quickly");
+    megaslide::io::write_mp4(fmt::format("{}/videos/clip-{:03}.mp4", dir, k), rgb,
+                             megaslide::io::VideoWriteOptions().fps(24).preset("veryfast"));
+    megaslide::io::write_file_atomically(fmt::format("{}/videos/clip-{:03}.txt", dir, k),
+                                         "a red blob moves left quickly");
   }
-  std::vector<std::string> sets{"data.dataset=videos", "data.root=" + dir + "/videos", fmt::format("data.frames={}", clip_frames),
-                                fmt::format("data.height={}", size), fmt::format("data.width={}", size), "data.frame_stride=2",
-                                "train.batch_size=2", fmt::format("train.steps={}", steps), "train.device=" + device, "offload.enabled=false",
-                                fmt::format("model.hidden={}", hidden), "model.heads=2", "model.layers=2", "model.patch=[1,4,4]",
-                                "model.dsa_kernel=[3,3,3]", fmt::format("train.threads={}", threads), "output.progress=false"};
+  std::vector<std::string> sets{"data.dataset=videos",
+                                "data.root=" + dir + "/videos",
+                                fmt::format("data.frames={}", clip_frames),
+                                fmt::format("data.height={}", size),
+                                fmt::format("data.width={}", size),
+                                "data.frame_stride=2",
+                                "train.batch_size=2",
+                                fmt::format("train.steps={}", steps),
+                                "train.device=" + device,
+                                "offload.enabled=false",
+                                fmt::format("model.hidden={}", hidden),
+                                "model.heads=2",
+                                "model.layers=2",
+                                "model.patch=[1,4,4]",
+                                "model.dsa_kernel=[3,3,3]",
+                                fmt::format("train.threads={}", threads),
+                                "output.progress=false"};
   auto config = megaslide::parse_run_config("", "bench_loader", sets);
   nlohmann::ordered_json out;
 
@@ -86,10 +103,12 @@ int main(int argc, char** argv) {
   out["decode_all_frames_per_s"] = static_cast<double>(all_frames) / anchor_s;
   out["load_clip_frames_per_s"] = static_cast<double>(clip_total) / load_s;
   out["load_clips_per_s"] = static_cast<double>(dataset.size()) / load_s;
-  std::cout << fmt::format("decode {}x{} H.264, one thread: every frame {:.0f} frames/s (anchor); clips of {} frames (stride 2, resize to {}, crop) {:.0f} "
-                           "frames/s, {:.1f} clips/s\n",
-                           width, height, static_cast<double>(all_frames) / anchor_s, clip_frames, size,
-                           static_cast<double>(clip_total) / load_s, static_cast<double>(dataset.size()) / load_s);
+  std::cout << fmt::format(
+      "decode {}x{} H.264, one thread: every frame {:.0f} frames/s (anchor); clips of {} frames (stride 2, resize to "
+      "{}, crop) {:.0f} "
+      "frames/s, {:.1f} clips/s\n",
+      width, height, static_cast<double>(all_frames) / anchor_s, clip_frames, size,
+      static_cast<double>(clip_total) / load_s, static_cast<double>(dataset.size()) / load_s);
 
   // The cache.
   megaslide::CacheBuildOptions cache_options;
@@ -104,7 +123,7 @@ int main(int argc, char** argv) {
     c.data.workers = w;
     c.data.cache = cache;
     megaslide::Trainer trainer = megaslide::make_trainer(c);  // offload.enabled: false
-    trainer.step();  // warm-up (and the first batch, which nothing can hide)
+    trainer.step();                                           // warm-up (and the first batch, which nothing can hide)
     double wait = 0.0, total = 0.0;
     for (int64_t s = 1; s < steps; ++s) {
       const auto m = trainer.step();
@@ -120,7 +139,8 @@ int main(int argc, char** argv) {
     const auto [fraction, step_s] = train(w, cache);
     out[std::string(name) + "_wait_fraction"] = fraction;
     out[std::string(name) + "_step_s"] = step_s;
-    std::cout << fmt::format("{:18s} workers {}: {:.3f} s/step, waiting for data {:.1f} % of it\n", name, w, step_s, 100.0 * fraction);
+    std::cout << fmt::format("{:18s} workers {}: {:.3f} s/step, waiting for data {:.1f} % of it\n", name, w, step_s,
+                             100.0 * fraction);
   }
   // Reading the cache: every item through LatentCache::load (the mapped shard, the item's CRC-32 checked)
   // and copied out, as a worker does; the anchor copies the same bytes from memory (same run).
@@ -141,9 +161,10 @@ int main(int argc, char** argv) {
     out["cache_read_items_per_s"] = static_cast<double>(reps * cache->size()) / read_s;
     out["cache_read_mb_per_s"] = static_cast<double>(bytes) / read_s / 1e6;
     out["memory_copy_mb_per_s"] = static_cast<double>(bytes) / copy_s / 1e6;
-    std::cout << fmt::format("cache read (mapped, CRC-32 checked, copied): {:.0f} items/s, {:.0f} MB/s; memory copy (anchor) {:.0f} MB/s\n",
-                             static_cast<double>(reps * cache->size()) / read_s, static_cast<double>(bytes) / read_s / 1e6,
-                             static_cast<double>(bytes) / copy_s / 1e6);
+    std::cout << fmt::format(
+        "cache read (mapped, CRC-32 checked, copied): {:.0f} items/s, {:.0f} MB/s; memory copy (anchor) {:.0f} MB/s\n",
+        static_cast<double>(reps * cache->size()) / read_s, static_cast<double>(bytes) / read_s / 1e6,
+        static_cast<double>(bytes) / copy_s / 1e6);
   }
   megaslide::io::remove_tree(dir);
   std::cout << out.dump() << "\n";

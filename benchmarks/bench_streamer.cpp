@@ -48,7 +48,8 @@ double median(std::vector<double> v) {
 class ResidentCheckpointed {
  public:
   explicit ResidentCheckpointed(const RunConfig& config, int optimizer_threads)
-      : config_(config), batches_(config),
+      : config_(config),
+        batches_(config),
         adamw_(offload::AdamWOptions{config.train.lr, config.train.beta1, config.train.beta2, config.train.eps,
                                      config.train.weight_decay},
                optimizer_threads) {
@@ -59,7 +60,8 @@ class ResidentCheckpointed {
     std::vector<offload::BlockSpec> specs;
     for (size_t l = 0; l < model_->blocks->size(); ++l) {
       offload::BlockSpec spec{"blocks." + std::to_string(l), {}};
-      for (const auto& item : model_->blocks[l]->named_parameters(true)) spec.params.push_back({item.key(), item.value().sizes().vec()});
+      for (const auto& item : model_->blocks[l]->named_parameters(true))
+        spec.params.push_back({item.key(), item.value().sizes().vec()});
       specs.push_back(spec);
     }
     offload::HostParamStoreOptions o;
@@ -206,14 +208,16 @@ int main(int argc, char** argv) {
   const double d2h_model = static_cast<double>(P * e);
   const double ratio = median(t_async) / median(t_resident);
   const int64_t slots = async_trainer.engine()->streamer().max_resident_blocks();
-  std::printf("bench_streamer: MegaSlideDiT %lld blocks x hidden %lld, %lld streamed params (%lld per block), %lld tokens x batch 2,\n"
-              "  fp32 compute, %lld LibTorch threads, CpuAdamW %d thread; median of %lld steps after 2 warm-up\n",
-              static_cast<long long>(layers), static_cast<long long>(hidden), static_cast<long long>(P),
-              static_cast<long long>(store.block_numel(0)), static_cast<long long>(async_trainer.tokens_per_sample()),
-              static_cast<long long>(threads), optimizer_threads, static_cast<long long>(steps));
+  std::printf(
+      "bench_streamer: MegaSlideDiT %lld blocks x hidden %lld, %lld streamed params (%lld per block), %lld tokens x "
+      "batch 2,\n"
+      "  fp32 compute, %lld LibTorch threads, CpuAdamW %d thread; median of %lld steps after 2 warm-up\n",
+      static_cast<long long>(layers), static_cast<long long>(hidden), static_cast<long long>(P),
+      static_cast<long long>(store.block_numel(0)), static_cast<long long>(async_trainer.tokens_per_sample()),
+      static_cast<long long>(threads), optimizer_threads, static_cast<long long>(steps));
   std::printf("  resident, checkpointed (anchor)  %8.1f ms/step\n", median(t_resident) * 1e3);
-  std::printf("  streamed, async                  %8.1f ms/step  (%.3fx; exposed transfer %.2f ms)\n", median(t_async) * 1e3,
-              ratio, median(exposed) * 1e3);
+  std::printf("  streamed, async                  %8.1f ms/step  (%.3fx; exposed transfer %.2f ms)\n",
+              median(t_async) * 1e3, ratio, median(exposed) * 1e3);
   std::printf("  streamed, sync                   %8.1f ms/step  (%.3fx)\n", median(t_sync) * 1e3,
               median(t_sync) / median(t_resident));
   std::printf("  H2D %lld B/step vs DESIGN.md §6 model %.0f B (%.4fx; without the cache 4·P = %lld B)\n",
@@ -225,9 +229,9 @@ int main(int argc, char** argv) {
       "\"async_step_ms\":%.3f,\"sync_step_ms\":%.3f,\"streamed_vs_resident_step_ratio\":%.4f,"
       "\"sync_vs_resident_step_ratio\":%.4f,\"exposed_transfer_ms\":%.3f,\"h2d_bytes\":%lld,\"h2d_bytes_model\":%.0f,"
       "\"h2d_bytes_vs_model\":%.4f,\"d2h_bytes\":%lld,\"d2h_bytes_vs_model\":%.4f,\"max_device_weight_slots\":%lld}\n",
-      static_cast<long long>(layers), static_cast<long long>(hidden), static_cast<long long>(P), median(t_resident) * 1e3,
-      median(t_async) * 1e3, median(t_sync) * 1e3, ratio, median(t_sync) / median(t_resident), median(exposed) * 1e3,
-      static_cast<long long>(h2d), h2d_model, h2d / h2d_model, static_cast<long long>(d2h), d2h / d2h_model,
-      static_cast<long long>(slots));
+      static_cast<long long>(layers), static_cast<long long>(hidden), static_cast<long long>(P),
+      median(t_resident) * 1e3, median(t_async) * 1e3, median(t_sync) * 1e3, ratio, median(t_sync) / median(t_resident),
+      median(exposed) * 1e3, static_cast<long long>(h2d), h2d_model, h2d / h2d_model, static_cast<long long>(d2h),
+      d2h / d2h_model, static_cast<long long>(slots));
   return 0;
 }

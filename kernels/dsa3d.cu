@@ -78,8 +78,7 @@ __device__ __forceinline__ void load_sample(const Dsa3dShape& s, const acc_t* of
 }
 
 template <typename scalar_t, typename acc_t, int kChunks>
-__global__ void __launch_bounds__(DsaCudaTraits::kThreads)
-    forward_kernel(const Dsa3dForwardParams p) {
+__global__ void __launch_bounds__(DsaCudaTraits::kThreads) forward_kernel(const Dsa3dForwardParams p) {
   const Dsa3dShape& s = p.shape;
   const int64_t N = s.tokens(), M = s.M, d = s.d, K = s.K;
   const WarpIndex wi = warp_index();
@@ -144,8 +143,7 @@ __global__ void __launch_bounds__(DsaCudaTraits::kThreads)
 }
 
 template <typename scalar_t, typename acc_t, int kChunks, bool kDeterministic>
-__global__ void __launch_bounds__(DsaCudaTraits::kThreads)
-    backward_kernel(const Dsa3dBackwardParams p) {
+__global__ void __launch_bounds__(DsaCudaTraits::kThreads) backward_kernel(const Dsa3dBackwardParams p) {
   const Dsa3dShape& s = p.shape;
   const int64_t N = s.tokens(), M = s.M, d = s.d, K = s.K, Mg = s.M / s.G;
   const WarpIndex wi = warp_index();
@@ -250,8 +248,7 @@ __global__ void __launch_bounds__(DsaCudaTraits::kThreads)
 
 // Deterministic dk, dv: warp per (batch, head, 32 channels); lane = channel; tokens and samples in order.
 template <typename scalar_t, typename acc_t>
-__global__ void __launch_bounds__(DsaCudaTraits::kThreads)
-    scatter_kv_kernel(const Dsa3dBackwardParams p) {
+__global__ void __launch_bounds__(DsaCudaTraits::kThreads) scatter_kv_kernel(const Dsa3dBackwardParams p) {
   const Dsa3dShape& s = p.shape;
   const int64_t N = s.tokens(), M = s.M, d = s.d, K = s.K, chunks = (d + 31) / 32;
   const WarpIndex wi = warp_index();

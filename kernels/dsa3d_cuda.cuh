@@ -21,13 +21,21 @@ __device__ __forceinline__ float to_acc(__half x) { return __half2float(x); }
 template <typename T>
 __device__ __forceinline__ T from_acc(float x);
 template <>
-__device__ __forceinline__ float from_acc<float>(float x) { return x; }
+__device__ __forceinline__ float from_acc<float>(float x) {
+  return x;
+}
 template <>
-__device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+__device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
 template <>
-__device__ __forceinline__ __half from_acc<__half>(float x) { return __float2half_rn(x); }
+__device__ __forceinline__ __half from_acc<__half>(float x) {
+  return __float2half_rn(x);
+}
 template <typename T>
-__device__ __forceinline__ T from_acc(double x) { return T(x); }
+__device__ __forceinline__ T from_acc(double x) {
+  return T(x);
+}
 
 template <typename T>
 __device__ __forceinline__ T zero_of() {

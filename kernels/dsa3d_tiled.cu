@@ -251,7 +251,8 @@ struct RowAccumulator {
       __syncthreads();
       for (int i = threadIdx.x; i < TileShape::kQueries * d; i += blockDim.x) {
         const int r = int(i / d), col = int(i % d);
-        if (token_s[r] >= 0) dst[((b * N + token_s[r]) * M + m) * d + col] = from_acc<scalar_t>(scratch[r * lay.dp + col]);
+        if (token_s[r] >= 0)
+          dst[((b * N + token_s[r]) * M + m) * d + col] = from_acc<scalar_t>(scratch[r * lay.dp + col]);
       }
     } else {
       const int q = threadIdx.x / kCorners, c = threadIdx.x % kCorners;
@@ -268,7 +269,8 @@ struct RowAccumulator {
 // ---- forward ------------------------------------------------------------------------------------------
 
 template <typename scalar_t, typename acc_t>
-__global__ void __launch_bounds__(TiledTraits::kThreads, 2) tiled_forward_kernel(const Dsa3dForwardParams p, const Layout lay) {
+__global__ void __launch_bounds__(TiledTraits::kThreads, 2)
+    tiled_forward_kernel(const Dsa3dForwardParams p, const Layout lay) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int lo_s[3], hi_s[3], token_s[TileShape::kQueries], key_s[kSubKeys];
   auto* q_s = reinterpret_cast<scalar_t*>(smem + lay.q);
@@ -298,7 +300,8 @@ __global__ void __launch_bounds__(TiledTraits::kThreads, 2) tiled_forward_kernel
     const int n = min(chunk, HV - base);
     for (int sub = 0; sub < n; sub += kSubKeys) {
       __syncthreads();  // kv_s and key_s are free
-      if (threadIdx.x < kSubKeys) key_s[threadIdx.x] = sub + int(threadIdx.x) < n ? halo_token(geo, halo, base + sub + threadIdx.x) : -1;
+      if (threadIdx.x < kSubKeys)
+        key_s[threadIdx.x] = sub + int(threadIdx.x) < n ? halo_token(geo, halo, base + sub + threadIdx.x) : -1;
       __syncthreads();
       stage_rows(static_cast<const scalar_t*>(p.k), key_s, kSubKeys, b, N, M, m, d, lay.ld, kv_s);
       __syncthreads();
@@ -346,7 +349,8 @@ __global__ void __launch_bounds__(TiledTraits::kThreads, 2) tiled_forward_kernel
     }
     for (int sub = 0; sub < n; sub += kSubKeys) {
       __syncthreads();
-      if (threadIdx.x < kSubKeys) key_s[threadIdx.x] = sub + int(threadIdx.x) < n ? halo_token(geo, halo, base + sub + threadIdx.x) : -1;
+      if (threadIdx.x < kSubKeys)
+        key_s[threadIdx.x] = sub + int(threadIdx.x) < n ? halo_token(geo, halo, base + sub + threadIdx.x) : -1;
       __syncthreads();
       stage_rows(static_cast<const scalar_t*>(p.v), key_s, kSubKeys, b, N, M, m, d, lay.ld, kv_s);
       if constexpr (kTensorCores<scalar_t>) round_sub(s_s, chunk, sub, lay, pb_s);
@@ -416,7 +420,8 @@ __device__ void scatter_sub(const acc_t* coef, int chunk, int col0, const scalar
       const int token = key_s[r];
       if (token < 0) continue;
       acc_t sum = 0;
-      for (int qq = 0; qq < TileShape::kQueries; ++qq) sum += coef[qq * chunk + col0 + r] * to_acc(rows[qq * lay.ld + ch]);
+      for (int qq = 0; qq < TileShape::kQueries; ++qq)
+        sum += coef[qq * chunk + col0 + r] * to_acc(rows[qq * lay.ld + ch]);
       acc_t* at = dst + ((b * N + token) * M + m) * d + ch;
       if (atomic) atomicAdd(at, sum);
       else *at += sum;
@@ -581,7 +586,8 @@ __global__ void __launch_bounds__(TiledTraits::kThreads, 1)
         }
         __syncthreads();
         scatter_sub(s_s, chunk, sub, pb_s, do_s, lay, stage_s, static_cast<acc_t*>(p.dv), key_s, b, N, M, m, d, atomic);
-        scatter_sub(s2_s, chunk, sub, dsb_s, q_s, lay, stage_s, static_cast<acc_t*>(p.dk), key_s, b, N, M, m, d, atomic);
+        scatter_sub(s2_s, chunk, sub, dsb_s, q_s, lay, stage_s, static_cast<acc_t*>(p.dk), key_s, b, N, M, m, d,
+                    atomic);
         dq.add(s2_s, chunk, sub, dsb_s, kv_s, lay);
       }
     }
@@ -652,8 +658,9 @@ int smem_limit(int device) {
 // chunk fits). The chunk never exceeds the volume (rounded up to a sub-chunk).
 Layout choose_layout(const Dsa3dShape& s, bool backward, int budget) {
   const int sb = scalar_bytes(s.dtype), ab = acc_bytes(s.dtype);
-  const int cap = std::max(TiledTraits::kMinChunk,
-                           int(std::min<int64_t>(TiledTraits::kMaxChunk, (s.tokens() + kSubKeys - 1) / kSubKeys * kSubKeys)));
+  const int cap =
+      std::max(TiledTraits::kMinChunk,
+               int(std::min<int64_t>(TiledTraits::kMaxChunk, (s.tokens() + kSubKeys - 1) / kSubKeys * kSubKeys)));
   Layout best = make_layout(int(s.d), int(s.K), 0, sb, ab, backward);
   for (int chunk = TiledTraits::kMinChunk; chunk <= cap; chunk += kSubKeys) {
     const Layout l = make_layout(int(s.d), int(s.K), chunk, sb, ab, backward);
@@ -668,11 +675,12 @@ std::string unsupported_reason(const Dsa3dShape& s, int device) {
     return "head size d = " + std::to_string(s.d) + " is above its limit " + std::to_string(kCudaTiledMaxHeadDim);
   const int limit = smem_limit(device) - TiledTraits::kStaticSmem;
   for (bool backward : {false, true}) {
-    const Layout l = make_layout(int(s.d), int(s.K), TiledTraits::kMinChunk, scalar_bytes(s.dtype), acc_bytes(s.dtype), backward);
+    const Layout l =
+        make_layout(int(s.d), int(s.K), TiledTraits::kMinChunk, scalar_bytes(s.dtype), acc_bytes(s.dtype), backward);
     if (l.total > size_t(limit))
       return std::string("its ") + (backward ? "backward" : "forward") + " needs " + std::to_string(l.total) +
-             " bytes of shared memory per block for K = " + std::to_string(s.K) + " samples and d = " +
-             std::to_string(s.d) + ", above this device's limit of " + std::to_string(limit) +
+             " bytes of shared memory per block for K = " + std::to_string(s.K) +
+             " samples and d = " + std::to_string(s.d) + ", above this device's limit of " + std::to_string(limit) +
              " bytes (cudaDevAttrMaxSharedMemoryPerBlockOptin)";
   }
   return {};
@@ -729,9 +737,10 @@ void dsa3d_backward_cuda_tiled(const Dsa3dBackwardParams& p, CUstream_st* stream
   const Geometry geo = make_geometry(int(s.T), int(s.H), int(s.W), int(s.kt), int(s.kh), int(s.kw));
   TORCH_CHECK(s.M <= 65535 && s.B <= 65535, "dsa3d: the tiled CUDA kernel takes at most 65535 heads and batch entries");
   TORCH_CHECK(!p.bias || p.tile_scratch, "dsa3d: the tiled CUDA backward needs its dbias scratch");
-  TORCH_CHECK(p.doffsets_accumulated == dsa3d_cuda_tiled_accumulates_doffsets(s, p.deterministic) &&
-                  (p.offset_scratch != nullptr) == dsa3d_cuda_tiled_needs_offset_scratch(s, p.deterministic),
-              "dsa3d: the tiled CUDA backward's d(offsets) sum over a group's heads is not set up (zeroed output or partials)");
+  TORCH_CHECK(
+      p.doffsets_accumulated == dsa3d_cuda_tiled_accumulates_doffsets(s, p.deterministic) &&
+          (p.offset_scratch != nullptr) == dsa3d_cuda_tiled_needs_offset_scratch(s, p.deterministic),
+      "dsa3d: the tiled CUDA backward's d(offsets) sum over a group's heads is not set up (zeroed output or partials)");
   // Default: every tile in one launch, dK/dV by atomics. Deterministic: colours of tiles whose halos
   // are disjoint (from the offsets' bound), one launch each, in a fixed order, plain adds.
   int period[3] = {1, 1, 1};

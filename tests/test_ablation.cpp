@@ -118,7 +118,8 @@ TEST(Ablation, MemoryScalingRecordsOomUnderABudget) {
       seen_oom[r[arch]] = true;
     } else {
       ++ok;
-      EXPECT_FALSE(seen_oom[r[arch]]) << r[arch] << " " << r[frames] << ": measured after a smaller frame count was oom";
+      EXPECT_FALSE(seen_oom[r[arch]]) << r[arch] << " " << r[frames]
+                                      << ": measured after a smaller frame count was oom";
       EXPECT_LE(std::stod(r[peak]), budget);
     }
   }
@@ -168,7 +169,8 @@ TEST(Ablation, OptimizerLocationHostAndDeviceAgree) {
   const auto host = losses(t, "host"), device = losses(t, "device");
   ASSERT_EQ(host.size(), 3u);
   ASSERT_EQ(device.size(), 3u);
-  for (const auto& [step, loss] : host) EXPECT_NEAR(loss, device.at(step), 1e-5 * std::max(1.0, std::abs(loss))) << step;
+  for (const auto& [step, loss] : host)
+    EXPECT_NEAR(loss, device.at(step), 1e-5 * std::max(1.0, std::abs(loss))) << step;
   // Host updates are deferred (clipping) and overlap the next step, so a step's optimizer_s counts the
   // updates that finished during it: one step may show 0 under load, the run as a whole may not.
   const size_t opt = column(t, "optimizer_s");
@@ -191,7 +193,8 @@ TEST(MegaslideAblate, ExitCodesAndOutputs) {
   EXPECT_EQ(r.code, 2) << r.output;
   r = megaslide::testing::run_tool("megaslide-ablate", "--suite streaming --device tpu --out " + dir);
   EXPECT_EQ(r.code, 2) << r.output;
-  r = megaslide::testing::run_tool("megaslide-ablate", "--suite streaming --size test --set model.hidden=-3 --out " + dir);
+  r = megaslide::testing::run_tool("megaslide-ablate",
+                                   "--suite streaming --size test --set model.hidden=-3 --out " + dir);
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("model.hidden"), std::string::npos) << r.output;
   EXPECT_FALSE(megaslide::io::path_exists(dir));
@@ -207,7 +210,8 @@ TEST(MegaslideAblate, ExitCodesAndOutputs) {
 // where a bad key or an inconsistent value in them is caught).
 TEST(Ablation, EverySuiteConfigLoadsAtEverySize) {
   for (const auto& suite : megaslide::ablation_suites()) {
-    for (auto size : {megaslide::AblationSize::kTest, megaslide::AblationSize::kQuick, megaslide::AblationSize::kFull}) {
+    for (auto size :
+         {megaslide::AblationSize::kTest, megaslide::AblationSize::kQuick, megaslide::AblationSize::kFull}) {
       EXPECT_NO_THROW(megaslide::parse_run_config("", suite, megaslide::ablation_base_overrides(suite, size)))
           << suite << " " << megaslide::to_string(size);
     }
@@ -216,7 +220,8 @@ TEST(Ablation, EverySuiteConfigLoadsAtEverySize) {
   // Every run's config, not only the base one, at every size; an override that only a variant breaks
   // (memory-scaling's 4-frame run cannot take a temporal patch of 8) is refused before anything runs.
   for (const auto& suite : megaslide::ablation_suites()) {
-    for (auto size : {megaslide::AblationSize::kTest, megaslide::AblationSize::kQuick, megaslide::AblationSize::kFull}) {
+    for (auto size :
+         {megaslide::AblationSize::kTest, megaslide::AblationSize::kQuick, megaslide::AblationSize::kFull}) {
       megaslide::AblationOptions o;
       o.suite = suite;
       o.size = size;

@@ -11,7 +11,8 @@ using namespace megaslide;
 namespace {
 
 // Naive multi-head attention in float64 from a fused qkv projection. allowed: [N, N] bool or undefined.
-torch::Tensor naive_attention(Linear& qkv, Linear& proj, const torch::Tensor& x, int64_t heads, const torch::Tensor& allowed) {
+torch::Tensor naive_attention(Linear& qkv, Linear& proj, const torch::Tensor& x, int64_t heads,
+                              const torch::Tensor& allowed) {
   const int64_t B = x.size(0), N = x.size(1), D = x.size(2), d = D / heads;
   auto packed = qkv(x).view({B, N, 3, heads, d});
   auto q = packed.select(2, 0).permute({0, 2, 1, 3});
@@ -32,7 +33,9 @@ torch::Tensor window_mask_from_coordinates(const TokenGrid& g, std::array<int64_
   const int64_t N = g.numel();
   auto allowed = torch::zeros({N, N}, torch::kBool);
   auto acc = allowed.accessor<bool, 2>();
-  auto coords = [&](int64_t n) { return std::array<int64_t, 3>{n / (dims[1] * dims[2]), (n / dims[2]) % dims[1], n % dims[2]}; };
+  auto coords = [&](int64_t n) {
+    return std::array<int64_t, 3>{n / (dims[1] * dims[2]), (n / dims[2]) % dims[1], n % dims[2]};
+  };
   for (int64_t i = 0; i < N; ++i) {
     for (int64_t j = 0; j < N; ++j) {
       auto pi = coords(i), pj = coords(j);
@@ -91,8 +94,8 @@ struct WindowCase {
 };
 
 void PrintTo(const WindowCase& c, std::ostream* os) {
-  *os << "grid " << c.grid.t << "x" << c.grid.h << "x" << c.grid.w << " window " << c.window[0] << "x" << c.window[1] << "x"
-      << c.window[2] << (c.shifted ? " shifted" : "");
+  *os << "grid " << c.grid.t << "x" << c.grid.h << "x" << c.grid.w << " window " << c.window[0] << "x" << c.window[1]
+      << "x" << c.window[2] << (c.shifted ? " shifted" : "");
 }
 
 class ShiftedWindowTest : public ::testing::TestWithParam<WindowCase> {};
@@ -109,14 +112,13 @@ TEST_P(ShiftedWindowTest, EqualsNaiveAttentionWithExplicitMask) {
   EXPECT_TRUE(torch::allclose(got, expected, 1e-10, 1e-12)) << (got - expected).abs().max().item<double>();
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Grids, ShiftedWindowTest,
-    ::testing::Values(WindowCase{{4, 8, 8}, {2, 4, 4}, false},   // whole windows, no mask
-                      WindowCase{{4, 8, 8}, {2, 4, 4}, true},    // shift on every axis
-                      WindowCase{{5, 6, 7}, {3, 4, 4}, true},    // padding and shift on every axis
-                      WindowCase{{5, 6, 7}, {3, 4, 4}, false},   // padding only
-                      WindowCase{{2, 5, 9}, {3, 16, 4}, true}),  // axes shorter than the window
-    [](const auto& info) { return "case" + std::to_string(info.index); });
+INSTANTIATE_TEST_SUITE_P(Grids, ShiftedWindowTest,
+                         ::testing::Values(WindowCase{{4, 8, 8}, {2, 4, 4}, false},   // whole windows, no mask
+                                           WindowCase{{4, 8, 8}, {2, 4, 4}, true},    // shift on every axis
+                                           WindowCase{{5, 6, 7}, {3, 4, 4}, true},    // padding and shift on every axis
+                                           WindowCase{{5, 6, 7}, {3, 4, 4}, false},   // padding only
+                                           WindowCase{{2, 5, 9}, {3, 16, 4}, true}),  // axes shorter than the window
+                         [](const auto& info) { return "case" + std::to_string(info.index); });
 
 TEST(ShiftedWindowAttention3D, LayoutFollowsVideoSwinRule) {
   auto l = window_layout({2, 20, 10}, {3, 16, 16}, true);

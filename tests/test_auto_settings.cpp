@@ -35,7 +35,8 @@ TEST(AutoSettings, AutoComputeDtypeIsWhatTheDeviceRunsFast) {
       EXPECT_EQ(choice.reason, "as configured");
     }
   }
-  EXPECT_NE(resolve_compute_dtype("auto", cpu, true, kEmulated).reason.find("no AVX512-BF16 or AMX-BF16"), std::string::npos);
+  EXPECT_NE(resolve_compute_dtype("auto", cpu, true, kEmulated).reason.find("no AVX512-BF16 or AMX-BF16"),
+            std::string::npos);
 }
 
 TEST(AutoSettings, ResolvingAConfigWritesTheConcreteDtypeOnceAndIsIdempotent) {

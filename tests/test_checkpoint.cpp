@@ -25,9 +25,21 @@ namespace {
 // unless a case says otherwise (not `auto`, which is fp32 on CPUs without native bf16), so every machine
 // tests the same paths.
 RunConfig tiny(const std::string& dir, std::vector<std::string> extra = {}) {
-  std::vector<std::string> s{"offload.compute_dtype=bf16", "model.layers=2", "model.dsa_kernel=[3,3,3]", "data.frames=4", "data.height=8", "data.width=8",
-                             "data.num_clips=16", "train.steps=8", "train.batch_size=2", "train.lr=3e-3", "train.warmup_steps=2",
-                             "train.device=cpu", "train.log_every=100", "offload.optimizer_threads=1", "output.progress=false",
+  std::vector<std::string> s{"offload.compute_dtype=bf16",
+                             "model.layers=2",
+                             "model.dsa_kernel=[3,3,3]",
+                             "data.frames=4",
+                             "data.height=8",
+                             "data.width=8",
+                             "data.num_clips=16",
+                             "train.steps=8",
+                             "train.batch_size=2",
+                             "train.lr=3e-3",
+                             "train.warmup_steps=2",
+                             "train.device=cpu",
+                             "train.log_every=100",
+                             "offload.optimizer_threads=1",
+                             "output.progress=false",
                              "output.run_dir=" + dir};
   for (auto& e : extra) s.push_back(e);
   return parse_run_config("", "test", s);
@@ -63,7 +75,8 @@ void truncate_file(const std::string& path, uint64_t keep) {
 std::map<std::string, std::string> run_files(const std::string& dir) {
   std::map<std::string, std::string> out;
   for (const auto& name : io::list_directory(dir))
-    if (!io::is_directory(io::join_path(dir, name)) && name != ".lock") out[name] = io::read_file(io::join_path(dir, name));
+    if (!io::is_directory(io::join_path(dir, name)) && name != ".lock")
+      out[name] = io::read_file(io::join_path(dir, name));
   return out;
 }
 
@@ -116,7 +129,8 @@ TEST_P(ExactResume, ResumedRunLogsTheUninterruptedLossesBitForBit) {
   // The final checkpoints hold the same bits too.
   // With train.ema_decay: the EMA and its weights file too, and megaslide-sample's default is that file.
   const bool ema = std::find(extra.begin(), extra.end(), "train.ema_decay=0.9") != extra.end();
-  std::vector<std::string> files{"master.safetensors", "exp_avg.safetensors", "exp_avg_sq.safetensors", "model.safetensors"};
+  std::vector<std::string> files{"master.safetensors", "exp_avg.safetensors", "exp_avg_sq.safetensors",
+                                 "model.safetensors"};
   if (ema) files.insert(files.end(), {"ema.safetensors", "model_ema.safetensors"});
   EXPECT_EQ(io::path_exists(io::join_path(whole, "checkpoints/step-0000008/ema.safetensors")), ema);
   EXPECT_EQ(find_ema_weights(whole), ema ? io::join_path(whole, "checkpoints/step-0000008/model_ema.safetensors") : "");
@@ -143,14 +157,14 @@ TEST_P(ExactResume, ResumedRunLogsTheUninterruptedLossesBitForBit) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Trainers, ExactResume,
-                         ::testing::Values(std::vector<std::string>{},                                     // streamed, bf16, deferred
-                                           std::vector<std::string>{"train.grad_clip=0"},                  // streamed, immediate
-                                           std::vector<std::string>{"offload.compute_dtype=fp16"},         // loss scaling
-                                           std::vector<std::string>{"offload.enabled=false"},              // resident
+                         ::testing::Values(std::vector<std::string>{},                     // streamed, bf16, deferred
+                                           std::vector<std::string>{"train.grad_clip=0"},  // streamed, immediate
+                                           std::vector<std::string>{"offload.compute_dtype=fp16"},  // loss scaling
+                                           std::vector<std::string>{"offload.enabled=false"},       // resident
                                            std::vector<std::string>{"train.grad_accum_steps=2"},
-                                           std::vector<std::string>{"optimizer.state_dtype=int8"},         // codes + scales
+                                           std::vector<std::string>{"optimizer.state_dtype=int8"},  // codes + scales
                                            std::vector<std::string>{"optimizer.state_dtype=bf16", "train.grad_clip=0"},
-                                           std::vector<std::string>{"train.ema_decay=0.9"},                // EMA, streamed
+                                           std::vector<std::string>{"train.ema_decay=0.9"},  // EMA, streamed
                                            std::vector<std::string>{"offload.enabled=false", "train.ema_decay=0.9"}));
 
 TEST(Checkpoint, LayoutManifestLatestAndKeepLast) {
@@ -161,8 +175,8 @@ TEST(Checkpoint, LayoutManifestLatestAndKeepLast) {
             (std::vector<std::string>{"latest", "step-0000006", "step-0000007"}));
   EXPECT_EQ(latest_checkpoint(dir), io::join_path(dir, "checkpoints/step-0000007"));
   EXPECT_EQ(io::list_directory(io::join_path(dir, "checkpoints/step-0000007")),
-            (std::vector<std::string>{"exp_avg.safetensors", "exp_avg_sq.safetensors", "manifest.json", "master.safetensors",
-                                      "model.safetensors", "trainer_state.json"}));
+            (std::vector<std::string>{"exp_avg.safetensors", "exp_avg_sq.safetensors", "manifest.json",
+                                      "master.safetensors", "model.safetensors", "trainer_state.json"}));
   // The manifest's checksums are the files' CRC-32s; the weights file is what megaslide-sample loads.
   const auto ckpt = io::join_path(dir, "checkpoints/step-0000007");
   const auto manifest = nlohmann::json::parse(io::read_file(io::join_path(ckpt, "manifest.json")));
@@ -214,7 +228,9 @@ TEST(Checkpoint, CorruptTruncatedOrIncompleteCheckpointsAreRefusedAndTheRunFiles
   expect_refused("manifest.json");
   // The one manifest reader accepts only what MegaSlide writes: the same bytes, its keys, the
   // checkpoint's own files (never a path outside the folder).
-  const auto write_manifest = [&](const std::string& text) { std::ofstream(io::join_path(ckpt, "manifest.json"), std::ios::trunc) << text; };
+  const auto write_manifest = [&](const std::string& text) {
+    std::ofstream(io::join_path(ckpt, "manifest.json"), std::ios::trunc) << text;
+  };
   const auto edited = [&](const std::function<void(nlohmann::ordered_json&)>& edit) {
     auto j = nlohmann::ordered_json::parse(manifest);
     edit(j);
@@ -225,9 +241,11 @@ TEST(Checkpoint, CorruptTruncatedOrIncompleteCheckpointsAreRefusedAndTheRunFiles
            {manifest.substr(0, manifest.size() - 1), "byte for byte"},  // truncated by one byte
            {manifest + " ", "byte for byte"},                           // one byte appended
            {manifest.substr(0, manifest.size() - 1) + " \n", "byte for byte"},
-           {edited([&](auto& j) { j["files"]["../../etc/passwd"] = entry; }), "'../../etc/passwd', which is not a file of a checkpoint"},
+           {edited([&](auto& j) { j["files"]["../../etc/passwd"] = entry; }),
+            "'../../etc/passwd', which is not a file of a checkpoint"},
            {edited([&](auto& j) { j["files"]["shards/../../x"] = entry; }), "which is not a file of a checkpoint"},
-           {edited([&](auto& j) { j["files"]["shards/rank-00001-of-00002.safetensors"] = entry; }), "1 of the 2 shard files"},
+           {edited([&](auto& j) { j["files"]["shards/rank-00001-of-00002.safetensors"] = entry; }),
+            "1 of the 2 shard files"},
            {edited([&](auto& j) { j["extra"] = 1; }), "unknown key 'extra'"},
            {edited([&](auto& j) { j["files"].erase("exp_avg.safetensors"); }), "does not list exp_avg.safetensors"},
            {edited([&](auto& j) { j["files"]["model.safetensors"]["crc32"] = "XYZ"; }), "8 hex digits"},
@@ -250,7 +268,8 @@ TEST(Checkpoint, MissingTensorShapeOrConfigMismatchNamesTheFileAndTheTensorOrKey
   auto state = trainer.training_state();
   const std::string victim = state.master[3].first;
 
-  auto expect_load_error = [&](const TrainingState& saved, const RunConfig& load_config, const std::vector<std::string>& needles) {
+  auto expect_load_error = [&](const TrainingState& saved, const RunConfig& load_config,
+                               const std::vector<std::string>& needles) {
     io::remove_tree(dir);
     const auto path = save_checkpoint(dir, config, saved);
     Trainer fresh = resident_trainer(load_config);
@@ -358,7 +377,8 @@ TEST(Checkpoint, FreshRunRefusesAFolderThatHoldsCheckpoints) {
   } catch (const RunFolderError& e) {
     EXPECT_NE(std::string(e.what()).find("already holds a run"), std::string::npos) << e.what();
   }
-  EXPECT_EQ(io::read_file(io::join_path(plain, "metrics.jsonl")), metrics) << "the finished run's metrics are untouched";
+  EXPECT_EQ(io::read_file(io::join_path(plain, "metrics.jsonl")), metrics)
+      << "the finished run's metrics are untouched";
   io::remove_tree(plain);
   try {
     TrainingRunOptions none;
@@ -413,9 +433,10 @@ TEST_P(NonFinite, NonFiniteStepUpdatesNothingAndIsCounted) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, NonFinite,
-                         ::testing::Values(std::vector<std::string>{},                     // deferred updates (clipping)
+                         ::testing::Values(std::vector<std::string>{},  // deferred updates (clipping)
                                            std::vector<std::string>{"train.grad_clip=0"},  // immediate updates
-                                           std::vector<std::string>{"offload.compute_dtype=fp32", "train.grad_accum_steps=2"}));
+                                           std::vector<std::string>{"offload.compute_dtype=fp32",
+                                                                    "train.grad_accum_steps=2"}));
 
 TEST(Checkpoint, TheResidentLoopSkipsNonFiniteSteps) {
   auto config = tiny("/tmp/unused", {"offload.enabled=false"});
@@ -469,7 +490,8 @@ struct SimulatedCrash {};
 // History A trains 4 steps at lr 3e-3 (checkpoints 2 and 4); history B rolls back to step 2 at lr
 // 1e-3, so A's and B's step 4 differ, and B's save of step 4 replaces A's.
 TEST(Checkpoint, RollBackIsCrashSafeAtEveryStageOfTheNextSave) {
-  const std::vector<std::string> a{"train.steps=4", "train.checkpoint_every=2", "train.lr_schedule=constant", "train.keep_last=0"};
+  const std::vector<std::string> a{"train.steps=4", "train.checkpoint_every=2", "train.lr_schedule=constant",
+                                   "train.keep_last=0"};
   auto b = [&](int steps) {
     auto v = a;
     v[0] = "train.steps=" + std::to_string(steps);

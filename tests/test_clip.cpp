@@ -50,13 +50,14 @@ std::string openai_bpe_path() {
 }
 
 // The first prompt whose ids or mask differ, with both id lists; empty when all agree.
-std::string first_difference(const std::vector<std::string>& prompts, const megaslide::ClipTokens& ours, const torch::Tensor& ids,
-                             const torch::Tensor& mask) {
+std::string first_difference(const std::vector<std::string>& prompts, const megaslide::ClipTokens& ours,
+                             const torch::Tensor& ids, const torch::Tensor& mask) {
   for (size_t i = 0; i < prompts.size(); ++i) {
     const auto n = static_cast<int64_t>(i);
     if (!torch::equal(ours.ids[n], ids[n]) || !torch::equal(ours.mask[n], mask[n])) {
       std::ostringstream s;
-      s << "prompt " << i << " '" << prompts[i] << "'\n  ours:         " << ours.ids[n] << "\n  transformers: " << ids[n];
+      s << "prompt " << i << " '" << prompts[i] << "'\n  ours:         " << ours.ids[n]
+        << "\n  transformers: " << ids[n];
       return s.str();
     }
   }
@@ -67,8 +68,9 @@ std::string first_difference(const std::vector<std::string>& prompts, const mega
 
 TEST(ClipTokenizer, IdsAreTransformersWithTheRealVocabulary) {
   const auto path = openai_bpe_path();
-  ASSERT_TRUE(megaslide::io::path_exists(path)) << path << " is missing: tools/bootstrap.sh fetches CLIP's vocabulary there "
-                                                << "(or set MEGASLIDE_CLIP_BPE)";
+  ASSERT_TRUE(megaslide::io::path_exists(path))
+      << path << " is missing: tools/bootstrap.sh fetches CLIP's vocabulary there "
+      << "(or set MEGASLIDE_CLIP_BPE)";
   auto tokenizer = ClipTokenizer::from_openai_bpe(path);
   EXPECT_EQ(tokenizer.vocab_size(), 49408);
   EXPECT_EQ(tokenizer.start_id(), 49406);
@@ -92,7 +94,9 @@ TEST(ClipTokenizer, TransformersFilesOfATinyVocabulary) {
   EXPECT_EQ(tokenizer.vocab_size(), 512 + 120 + 2);
   auto f = read_fixture(kFixtures + "clip_tokenizer/ids.safetensors");
   const auto prompts = nlohmann::json::parse(f.metadata.at("prompts")).get<std::vector<std::string>>();
-  EXPECT_EQ(first_difference(prompts, tokenizer.encode(prompts, 77), f.tensors.at("tiny.ids"), f.tensors.at("tiny.mask")), "");
+  EXPECT_EQ(
+      first_difference(prompts, tokenizer.encode(prompts, 77), f.tensors.at("tiny.ids"), f.tensors.at("tiny.mask")),
+      "");
 }
 
 TEST(ClipTokenizer, CutsAndPadsToTheLengthAsked) {
@@ -166,10 +170,11 @@ TEST(ClipTextEncoder, TextModelPrefixedNamesLoad) {
   for (auto& [name, t] : megaslide::io::read_safetensors(kFixtures + "clip/text_only/model.safetensors").tensors)
     renamed.emplace_back("text_model." + name, t);
   megaslide::io::write_safetensors(dir + "/model.safetensors", renamed);
-  megaslide::io::write_file_atomically(dir + "/config.json", megaslide::io::read_file(kFixtures + "clip/text_only/config.json"));
+  megaslide::io::write_file_atomically(dir + "/config.json",
+                                       megaslide::io::read_file(kFixtures + "clip/text_only/config.json"));
   auto f = read_fixture(kFixtures + "clip/reference.safetensors");
-  expect_close(ClipTextEncoder::load(dir).forward(f.tensors.at("ids")).last_hidden_state, f.tensors.at("text_only.last_hidden_state"),
-               "prefixed");
+  expect_close(ClipTextEncoder::load(dir).forward(f.tensors.at("ids")).last_hidden_state,
+               f.tensors.at("text_only.last_hidden_state"), "prefixed");
   megaslide::io::remove_tree(dir);
 }
 
@@ -222,7 +227,8 @@ TEST(ClipTextEncoder, BadFoldersAreNamed) {
 TEST(ClipTextEncoder, RealWeightsWhenDownloaded) {
   const char* dir = std::getenv("MEGASLIDE_CLIP_WEIGHTS");
   if (dir == nullptr) {
-    std::cout << "\n*** SKIPPED: MEGASLIDE_CLIP_WEIGHTS is not set, so CLIP ViT-L/14's real weights were NOT tested ***\n\n";
+    std::cout
+        << "\n*** SKIPPED: MEGASLIDE_CLIP_WEIGHTS is not set, so CLIP ViT-L/14's real weights were NOT tested ***\n\n";
     GTEST_SKIP() << "MEGASLIDE_CLIP_WEIGHTS not set: real CLIP weights not tested";
   }
   auto encoder = ClipTextEncoder::load(dir);

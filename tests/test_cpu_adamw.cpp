@@ -95,10 +95,8 @@ TEST_P(CpuAdamWMatchesTorch, TwentyStepsWithWeightDecayAndSchedule) {
   torch::Tensor v = torch::zeros({n});
   torch::Tensor compute = torch::empty({n}, torch::kBFloat16);
   torch::Tensor param = master.clone();
-  torch::optim::AdamW reference({param}, torch::optim::AdamWOptions(o.lr)
-                                             .betas({o.beta1, o.beta2})
-                                             .eps(o.eps)
-                                             .weight_decay(o.weight_decay));
+  torch::optim::AdamW reference(
+      {param}, torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
   CpuAdamW adamw(o, 2, path);
   ASSERT_EQ(adamw.path(), path);
 
@@ -122,15 +120,15 @@ TEST_P(CpuAdamWMatchesTorch, TwentyStepsWithWeightDecayAndSchedule) {
   EXPECT_TRUE(bitwise_equal(compute, master.to(torch::kBFloat16)));
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    PathsDtypesSizes, CpuAdamWMatchesTorch,
-    ::testing::Combine(::testing::ValuesIn(kPaths),
-                       ::testing::Values(torch::kBFloat16, torch::kHalf, torch::kFloat),
-                       ::testing::Values<int64_t>(1, 7, 8, 9, 15, 16, 17, 1023, 4097, 70001)),
-    [](const ::testing::TestParamInfo<TorchCase>& info) {
-      return path_name(std::get<0>(info.param)) + "_" +
-             std::string(c10::toString(std::get<1>(info.param))) + "_n" + std::to_string(std::get<2>(info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(PathsDtypesSizes, CpuAdamWMatchesTorch,
+                         ::testing::Combine(::testing::ValuesIn(kPaths),
+                                            ::testing::Values(torch::kBFloat16, torch::kHalf, torch::kFloat),
+                                            ::testing::Values<int64_t>(1, 7, 8, 9, 15, 16, 17, 1023, 4097, 70001)),
+                         [](const ::testing::TestParamInfo<TorchCase>& info) {
+                           return path_name(std::get<0>(info.param)) + "_" +
+                                  std::string(c10::toString(std::get<1>(info.param))) + "_n" +
+                                  std::to_string(std::get<2>(info.param));
+                         });
 
 // --- rounding of the compute copy -----------------------------------------------------------------
 
@@ -167,8 +165,8 @@ torch::Tensor round_through_optimizer(SimdPath path, const std::vector<float>& v
   CpuAdamW adamw(o, 2, path);
   adamw.step_block(state_of(master, m, v, grad, &compute), 1, /*lr=*/0.0);
   const torch::Tensor nan = torch::isnan(before);
-  EXPECT_TRUE(torch::equal(torch::isnan(master), nan) &&
-              torch::equal(master.view(torch::kInt32).masked_fill(nan, 0), before.view(torch::kInt32).masked_fill(nan, 0)))
+  EXPECT_TRUE(torch::equal(torch::isnan(master), nan) && torch::equal(master.view(torch::kInt32).masked_fill(nan, 0),
+                                                                      before.view(torch::kInt32).masked_fill(nan, 0)))
       << "the pass-through premise of this test broke";
   return compute;
 }
@@ -312,8 +310,14 @@ struct NarrowState {
     master = torch::randn({n});
     const auto groups = megaslide::offload::state_groups(n);
     switch (d) {
-      case StateDtype::kFloat32: m = torch::zeros({n}); v = torch::zeros({n}); break;
-      case StateDtype::kBFloat16: m = torch::zeros({n}, torch::kBFloat16); v = torch::zeros({n}, torch::kBFloat16); break;
+      case StateDtype::kFloat32:
+        m = torch::zeros({n});
+        v = torch::zeros({n});
+        break;
+      case StateDtype::kBFloat16:
+        m = torch::zeros({n}, torch::kBFloat16);
+        v = torch::zeros({n}, torch::kBFloat16);
+        break;
       case StateDtype::kInt8:
         m = torch::zeros({n}, torch::kInt8);
         v = torch::zeros({n}, torch::kUInt8);
@@ -347,7 +351,8 @@ struct NarrowState {
   }
   torch::Tensor v_float() const {
     if (dtype != StateDtype::kInt8) return v.to(torch::kFloat);
-    const auto u = v.to(torch::kFloat) * v_scale.repeat_interleave(megaslide::offload::kStateQuantGroup).narrow(0, 0, n);
+    const auto u =
+        v.to(torch::kFloat) * v_scale.repeat_interleave(megaslide::offload::kStateQuantGroup).narrow(0, 0, n);
     return u * u;
   }
 };
@@ -415,9 +420,10 @@ TEST(CpuAdamWNarrowState, GradientInTheComputeBufferGivesTheSameBits) {
       for (SimdPath path : kPaths) {
         if (!CpuAdamW::supported(path)) continue;
         for (CopyStores stores : {CopyStores::kCached, CopyStores::kStreaming}) {
-          expect_same_state(separate, run_narrow(path, 2, dtype, torch::kBFloat16, n, 3, stores, /*grad_in_compute=*/true),
-                            std::string(state_name(dtype)) + ", " + path_name(path) + ", n " + std::to_string(n) + ", " +
-                                stores_name(stores));
+          expect_same_state(separate,
+                            run_narrow(path, 2, dtype, torch::kBFloat16, n, 3, stores, /*grad_in_compute=*/true),
+                            std::string(state_name(dtype)) + ", " + path_name(path) + ", n " + std::to_string(n) +
+                                ", " + stores_name(stores));
         }
       }
     }
@@ -469,7 +475,8 @@ TEST(CpuAdamWNarrowState, OneStepMatchesAFloat64Reference) {
           << what << ": master max |diff| " << (st.master.to(torch::kDouble) - p).abs().max().item<double>();
       if (dtype == StateDtype::kBFloat16) {
         const auto bf16_steps = [](const torch::Tensor& stored, const torch::Tensor& exact) {
-          const auto a = stored.view(torch::kInt16).to(torch::kInt32), b = exact.to(torch::kBFloat16).view(torch::kInt16).to(torch::kInt32);
+          const auto a = stored.view(torch::kInt16).to(torch::kInt32),
+                     b = exact.to(torch::kBFloat16).view(torch::kInt16).to(torch::kInt32);
           return (a - b).abs().max().item<int>();
         };
         EXPECT_LE(bf16_steps(st.m, m), 1) << what << ": m";
@@ -490,11 +497,14 @@ TEST(CpuAdamWNarrowState, OneStepMatchesAFloat64Reference) {
       EXPECT_LE((st.m.to(torch::kDouble) - m_ref).abs().max().item<double>(), 1) << what << ": m codes";
       EXPECT_LE((st.v.to(torch::kDouble) - u_ref).abs().max().item<double>(), 1) << what << ": v codes";
       // The promises of the format.
-      EXPECT_TRUE(((st.m_float().to(torch::kDouble) - m).abs() <= per_element(m_amax / 127) * (0.5 + 1e-5) + 1e-30).all().item<bool>())
+      EXPECT_TRUE(((st.m_float().to(torch::kDouble) - m).abs() <= per_element(m_amax / 127) * (0.5 + 1e-5) + 1e-30)
+                      .all()
+                      .item<bool>())
           << what << ": |m - dequantised m| exceeds half a step";
       EXPECT_TRUE(((v > 0).logical_not() | (st.v > 0)).all().item<bool>()) << what << ": a nonzero v was stored as 0";
-      EXPECT_TRUE(st.m.narrow(0, 2 * G, G).eq(0).all().item<bool>() && st.v.narrow(0, 2 * G, G).eq(0).all().item<bool>() &&
-                  st.m_scale[2].item<float>() == 0 && st.v_scale[2].item<float>() == 0)
+      EXPECT_TRUE(st.m.narrow(0, 2 * G, G).eq(0).all().item<bool>() &&
+                  st.v.narrow(0, 2 * G, G).eq(0).all().item<bool>() && st.m_scale[2].item<float>() == 0 &&
+                  st.v_scale[2].item<float>() == 0)
           << what << ": an all-zero group";
     }
   }
@@ -548,7 +558,8 @@ TEST(CpuAdamWNarrowState, ParseAndNames) {
   EXPECT_EQ(megaslide::offload::state_element_bytes(StateDtype::kInt8), 1);
   EXPECT_EQ(megaslide::offload::state_groups(257), 2);
   expect_error([] { parse_state_dtype("fp8"); }, "expected fp32, bf16 or int8, got 'fp8'");
-  torch::Tensor master = torch::randn({300}), m = torch::zeros({300}, torch::kInt8), v = torch::zeros({300}, torch::kUInt8);
+  torch::Tensor master = torch::randn({300}), m = torch::zeros({300}, torch::kInt8),
+                v = torch::zeros({300}, torch::kUInt8);
   torch::Tensor grad = torch::randn({300}).to(torch::kBFloat16);
   AdamWBlockState s;
   s.master = master.data_ptr<float>();
@@ -594,8 +605,7 @@ void expect_error(const std::function<void()>& fn, const std::string& fragment) 
     fn();
     ADD_FAILURE() << "expected an error mentioning '" << fragment << "'";
   } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what_without_backtrace()).find(fragment), std::string::npos)
-        << e.what_without_backtrace();
+    EXPECT_NE(std::string(e.what_without_backtrace()).find(fragment), std::string::npos) << e.what_without_backtrace();
   }
 }
 
@@ -609,10 +619,16 @@ TEST(CpuAdamW, RejectsBadInputsWithMessagesNamingThem) {
                "master must be Float");
   expect_error([&] { adamw.step_block(master, torch::zeros({n + 1}), v, grad, compute, 1, 1e-3); },
                "master's numel 64");
-  expect_error([&] { adamw.step_block(master, m, v, torch::randn({n, 2}).to(torch::kBFloat16), compute, 1, 1e-3); },
-               "grad has 128 elements");
-  expect_error([&] { adamw.step_block(master, m, v, torch::randn({8, 8}).t().to(torch::kBFloat16), compute, 1, 1e-3); },
-               "grad must be contiguous");
+  expect_error(
+      [&] {
+        adamw.step_block(master, m, v, torch::randn({n, 2}).to(torch::kBFloat16), compute, 1, 1e-3);
+      },
+      "grad has 128 elements");
+  expect_error(
+      [&] {
+        adamw.step_block(master, m, v, torch::randn({8, 8}).t().to(torch::kBFloat16), compute, 1, 1e-3);
+      },
+      "grad must be contiguous");
   expect_error([&] { adamw.step_block(master, m, v, grad.to(torch::kDouble), compute, 1, 1e-3); },
                "gradient dtype Double is not supported");
   expect_error([&] { adamw.step_block(master, m, v, grad, compute.to(torch::kFloat), 1, 1e-3); },

@@ -26,11 +26,22 @@ using namespace megaslide;
 namespace {
 // 4 frames of 8x8 (64 tokens per clip), 3 blocks of hidden 16.
 RunConfig tiny_run(Architecture arch, std::vector<std::string> extra = {}) {
-  std::vector<std::string> s{"model.arch=" + std::string(to_string(arch)), "model.layers=3", "model.dsa_kernel=[3,3,3]",
-                             "model.swin_window=[2,2,2]", "data.frames=4", "data.height=8", "data.width=8",
-                             "data.num_clips=64", "train.steps=20", "train.batch_size=4", "train.lr=3e-3",
-                             "train.warmup_steps=2", "train.device=cpu", "offload.compute_dtype=fp32",
-                             "offload.optimizer_threads=1", "offload.emulated_copy_delay_ms=2"};
+  std::vector<std::string> s{"model.arch=" + std::string(to_string(arch)),
+                             "model.layers=3",
+                             "model.dsa_kernel=[3,3,3]",
+                             "model.swin_window=[2,2,2]",
+                             "data.frames=4",
+                             "data.height=8",
+                             "data.width=8",
+                             "data.num_clips=64",
+                             "train.steps=20",
+                             "train.batch_size=4",
+                             "train.lr=3e-3",
+                             "train.warmup_steps=2",
+                             "train.device=cpu",
+                             "offload.compute_dtype=fp32",
+                             "offload.optimizer_threads=1",
+                             "offload.emulated_copy_delay_ms=2"};
   for (auto& e : extra) s.push_back(e);
   return parse_run_config("", "test", s);
 }
@@ -67,13 +78,13 @@ void expect_streamed_matches_resident(const RunConfig& config, int steps, double
   }
 }
 
-bool same_bits(std::vector<std::pair<std::string, torch::Tensor>> a, std::vector<std::pair<std::string, torch::Tensor>> b) {
+bool same_bits(std::vector<std::pair<std::string, torch::Tensor>> a,
+               std::vector<std::pair<std::string, torch::Tensor>> b) {
   if (a.size() != b.size()) return false;
   for (size_t i = 0; i < a.size(); ++i)
     if (a[i].first != b[i].first || !torch::equal(a[i].second, b[i].second)) return false;
   return true;
 }
-
 
 // The tolerance of streamed vs resident weights (fp32 compute on both). The sources of difference:
 // CpuAdamW vs torch::optim::AdamW (1-2 ulp per step, docs/cpu-adamw.md), the order in which gradients
@@ -115,8 +126,8 @@ TEST(StreamedDiT, ClippingMatchesTheResidentReference) {
 }
 
 TEST(StreamedDiT, GradientAccumulationMatchesTheResidentReference) {
-  expect_streamed_matches_resident(tiny_run(Architecture::kDense3D, {"train.grad_accum_steps=3", "train.grad_clip=0.5"}), 5,
-                                   kWeightTolerance);
+  expect_streamed_matches_resident(
+      tiny_run(Architecture::kDense3D, {"train.grad_accum_steps=3", "train.grad_clip=0.5"}), 5, kWeightTolerance);
   expect_streamed_matches_resident(tiny_run(Architecture::kSwin, {"train.grad_accum_steps=2", "train.grad_clip=0"}), 5,
                                    kWeightTolerance);
 }
@@ -124,8 +135,8 @@ TEST(StreamedDiT, GradientAccumulationMatchesTheResidentReference) {
 TEST(StreamedDiT, StreamedEqualsResidentWithImmediateUpdatesAndAccumulation) {
   // Immediate updates (no clipping) with two micro-batches: each block's update waits for the host
   // task that adds the last micro-batch's gradient.
-  expect_streamed_matches_resident(tiny_run(Architecture::kMegaSlide, {"train.grad_accum_steps=2", "train.grad_clip=0"}), 5,
-                                   kWeightTolerance);
+  expect_streamed_matches_resident(
+      tiny_run(Architecture::kMegaSlide, {"train.grad_accum_steps=2", "train.grad_clip=0"}), 5, kWeightTolerance);
 }
 
 TEST(StreamedDiT, SyncEqualsAsyncBitForBit) {
@@ -181,7 +192,8 @@ TEST(StreamedDiT, Bf16AndFp16ComputeTrain) {
 TEST(StreamedDiT, Fp16OverflowSkipsTheWholeStepAndLowersTheScale) {
   // A loss scale of 1e30 overflows fp16 block gradients as soon as they are non-zero (from step 2:
   // the zero-initialised head passes no gradient to the blocks in step 1).
-  Trainer t = streamed_trainer(tiny_run(Architecture::kMegaSlide, {"offload.compute_dtype=fp16", "train.loss_scale_init=1e30"}));
+  Trainer t = streamed_trainer(
+      tiny_run(Architecture::kMegaSlide, {"offload.compute_dtype=fp16", "train.loss_scale_init=1e30"}));
   bool saw_skip = false;
   for (int i = 0; i < 4 && !saw_skip; ++i) {
     const auto before = t.master_weights();
@@ -236,15 +248,15 @@ TEST(StreamedDiT, SkippedStepsLeaveEveryStateBitAndRestoreTheCopies) {
   EXPECT_EQ(ma.loss, mb.loss);
 }
 
-
 // int8 and bf16 moments: sync and async give the same bits (immediate and deferred updates,
 // accumulation) in the moments and their scales too, and the compute copies follow the masters.
 TEST(StreamedDiT, NarrowMomentsSyncEqualsAsyncBitForBit) {
-  for (auto [state, clip, accum] : {std::tuple{"int8", "0", "1"}, std::tuple{"int8", "1.0", "2"}, std::tuple{"bf16", "1.0", "1"}}) {
+  for (auto [state, clip, accum] :
+       {std::tuple{"int8", "0", "1"}, std::tuple{"int8", "1.0", "2"}, std::tuple{"bf16", "1.0", "1"}}) {
     SCOPED_TRACE(std::string(state) + " clip " + clip + " accum " + accum);
-    auto base = tiny_run(Architecture::kMegaSlide, {"offload.compute_dtype=bf16", std::string("optimizer.state_dtype=") + state,
-                                                    std::string("train.grad_clip=") + clip,
-                                                    std::string("train.grad_accum_steps=") + accum});
+    auto base = tiny_run(Architecture::kMegaSlide,
+                         {"offload.compute_dtype=bf16", std::string("optimizer.state_dtype=") + state,
+                          std::string("train.grad_clip=") + clip, std::string("train.grad_accum_steps=") + accum});
     auto sync_config = base;
     sync_config.offload.mode = "sync";
     Trainer a = streamed_trainer(base), b = streamed_trainer(sync_config);
@@ -259,7 +271,8 @@ TEST(StreamedDiT, NarrowMomentsSyncEqualsAsyncBitForBit) {
     for (int64_t l = 0; l < sa.num_blocks(); ++l) {
       EXPECT_TRUE(torch::equal(sa.exp_avg(l), sb.exp_avg(l)) && torch::equal(sa.exp_avg_sq(l), sb.exp_avg_sq(l)));
       if (sa.exp_avg_scale(l).defined())
-        EXPECT_TRUE(torch::equal(sa.exp_avg_scale(l), sb.exp_avg_scale(l)) && torch::equal(sa.exp_avg_sq_scale(l), sb.exp_avg_sq_scale(l)));
+        EXPECT_TRUE(torch::equal(sa.exp_avg_scale(l), sb.exp_avg_scale(l)) &&
+                    torch::equal(sa.exp_avg_sq_scale(l), sb.exp_avg_sq_scale(l)));
     }
     megaslide::testing::expect_compute_copies_are_the_masters(*a.engine());
   }
@@ -300,7 +313,8 @@ TEST(StreamedDiT, BlockByBlockInitialisationIsIndependentOfThreads) {
     std::vector<megaslide::offload::BlockSpec> specs;
     for (int64_t l = 0; l < stack->num_blocks(); ++l) {
       megaslide::offload::BlockSpec spec{"blocks." + std::to_string(l), {}};
-      for (const auto& item : stack->block(l).named_parameters(true)) spec.params.push_back({item.key(), item.value().sizes().vec()});
+      for (const auto& item : stack->block(l).named_parameters(true))
+        spec.params.push_back({item.key(), item.value().sizes().vec()});
       specs.push_back(spec);
     }
     megaslide::offload::HostParamStore store(specs);
@@ -363,8 +377,8 @@ TEST(StreamedDiT, TraceOfOneStepHasEveryLane) {
 TEST(StreamedDiT, StreamsOnAGpu_CUDA) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no GPU";
   for (const char* mode : {"offload.mode=async", "offload.mode=sync"}) {
-    auto config = tiny_run(Architecture::kMegaSlide, {"train.device=cuda", "offload.compute_dtype=bf16", mode,
-                                                      "train.peak_tflops=100"});
+    auto config = tiny_run(Architecture::kMegaSlide,
+                           {"train.device=cuda", "offload.compute_dtype=bf16", mode, "train.peak_tflops=100"});
     Trainer t = streamed_trainer(config);
     for (int i = 0; i < 5; ++i) {
       auto m = t.step();

@@ -23,7 +23,8 @@ namespace {
 // A folder of fake cgroup files, removed at the end of the test.
 class FakeCgroups {
  public:
-  explicit FakeCgroups(const std::string& name) : root_("/tmp/megaslide-test-cgroup-" + name + "-" + std::to_string(::getpid())) {
+  explicit FakeCgroups(const std::string& name)
+      : root_("/tmp/megaslide-test-cgroup-" + name + "-" + std::to_string(::getpid())) {
     megaslide::io::remove_tree(root_);
     megaslide::io::make_directories(root_);
   }
@@ -156,7 +157,8 @@ TEST(CpuResources, NativeBf16DecisionAndOneDnnCap) {
   EXPECT_EQ(cpu_bf16_support(false, false, "").describe(), "no AVX512-BF16 or AMX-BF16");
   EXPECT_EQ(cpu_bf16_support(true, false, "").describe(), "AVX512-BF16");
   EXPECT_EQ(cpu_bf16_support(true, true, "").describe(), "AVX512-BF16 and AMX-BF16");
-  EXPECT_EQ(cpu_bf16_support(true, false, "AVX2").describe(), "AVX512-BF16, but ONEDNN_MAX_CPU_ISA=AVX2 keeps LibTorch from it");
+  EXPECT_EQ(cpu_bf16_support(true, false, "AVX2").describe(),
+            "AVX512-BF16, but ONEDNN_MAX_CPU_ISA=AVX2 keeps LibTorch from it");
 }
 
 // CPUID against an independent reader: the kernel lists avx512_bf16 and amx_bf16 in /proc/cpuinfo only for

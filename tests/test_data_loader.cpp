@@ -20,7 +20,8 @@ namespace {
 // Items whose clip is a function of (item, epoch); items in `broken` throw.
 class FakeSource : public megaslide::ClipSource {
  public:
-  FakeSource(std::vector<int64_t> buckets, std::set<int64_t> broken = {}) : buckets_(std::move(buckets)), broken_(std::move(broken)) {
+  FakeSource(std::vector<int64_t> buckets, std::set<int64_t> broken = {})
+      : buckets_(std::move(buckets)), broken_(std::move(broken)) {
     for (size_t i = 0; i < buckets_.size(); ++i) captions_.push_back("caption " + std::to_string(i));
   }
   int64_t size() const override { return static_cast<int64_t>(buckets_.size()); }
@@ -135,7 +136,8 @@ TEST(ClipLoader, AFailingItemIsReplacedByTheSameStandInEveryTime) {
       for (const auto& f : b.failed) failed.insert(f.index);
       // Nothing of a broken item reaches the batch.
       for (int64_t bad : {2, 7})
-        for (int64_t epoch = 0; epoch < 3; ++epoch) EXPECT_FALSE(b.video.eq(static_cast<uint8_t>(bad * 10 + epoch)).all(-1).all(-1).all(-1).any().item<bool>());
+        for (int64_t epoch = 0; epoch < 3; ++epoch)
+          EXPECT_FALSE(b.video.eq(static_cast<uint8_t>(bad * 10 + epoch)).all(-1).all(-1).all(-1).any().item<bool>());
       videos.push_back(b.video);
     }
     EXPECT_EQ(failed, (std::set<int64_t>{2, 7}));
@@ -169,8 +171,10 @@ TEST(ClipLoader, ASliceOfSlotsIsThoseRowsOfTheWholeBatch) {
     auto part = make(begin, count, source);
     for (size_t i = 0; i < reference.size(); ++i) {
       const auto b = part->next();
-      EXPECT_TRUE(torch::equal(b.video, reference[i].video.narrow(0, begin, count))) << "batch " << i << " slots " << begin << "+" << count;
-      EXPECT_EQ(b.captions, std::vector<std::string>(reference[i].captions.begin() + begin, reference[i].captions.begin() + begin + count));
+      EXPECT_TRUE(torch::equal(b.video, reference[i].video.narrow(0, begin, count)))
+          << "batch " << i << " slots " << begin << "+" << count;
+      EXPECT_EQ(b.captions, std::vector<std::string>(reference[i].captions.begin() + begin,
+                                                     reference[i].captions.begin() + begin + count));
     }
     part.reset();  // workers joined: no load in flight
     EXPECT_LT(source->loads.load(), whole_source->loads.load()) << "slots " << begin << "+" << count;

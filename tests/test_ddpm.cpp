@@ -1,4 +1,5 @@
-// DDPMSchedule: tables equal their closed forms; add_noise is sqrt(ᾱ) x0 + sqrt(1-ᾱ) ε; the ε, v and x0 training targets.
+// DDPMSchedule: tables equal their closed forms; add_noise is sqrt(ᾱ) x0 + sqrt(1-ᾱ) ε; the ε, v and x0 training
+// targets.
 #include "megaslide/diffusion/ddpm.h"
 
 #include <gtest/gtest.h>
@@ -65,7 +66,8 @@ TEST(DDPM, TrainingTargetsAreNoiseVAndX0) {
   auto v = s.target(megaslide::Prediction::kV, x0, noise, t);
   for (int64_t i = 0; i < 3; ++i) {
     double abar = 1.0;
-    for (int64_t k = 0; k <= t[i].item<int64_t>(); ++k) abar *= 1.0 - (1e-4 + (0.02 - 1e-4) * static_cast<double>(k) / 999.0);
+    for (int64_t k = 0; k <= t[i].item<int64_t>(); ++k)
+      abar *= 1.0 - (1e-4 + (0.02 - 1e-4) * static_cast<double>(k) / 999.0);
     auto expected = std::sqrt(abar) * noise[i] - std::sqrt(1 - abar) * x0[i];
     EXPECT_TRUE(torch::allclose(v[i], expected, 0, 1e-6)) << "t = " << t[i].item<int64_t>();
   }

@@ -121,7 +121,8 @@ TEST(DeformableSlideAttention, SmallGridOffsetsAreTheCentreWindowScaledByTheRang
   std::vector<int64_t> index;
   for (int64_t t = 0; t < eff[0]; ++t)
     for (int64_t h = 0; h < eff[1]; ++h)
-      for (int64_t w = 0; w < eff[2]; ++w) index.push_back(((0 + t) * 5 + (1 + h)) * 7 + w);  // centred: (3-2)/2, (5-3)/2
+      for (int64_t w = 0; w < eff[2]; ++w)
+        index.push_back(((0 + t) * 5 + (1 + h)) * 7 + w);  // centred: (3-2)/2, (5-3)/2
   torch::NoGradGuard no_grad;
   auto volume = x.view({2, grid.t, grid.h, grid.w, 8}).permute({0, 4, 1, 2, 3});
   auto o = m->offset_pw(torch::gelu(m->offset_dw(volume)).permute({0, 2, 3, 4, 1})).view({2, 2, 3, 9, 1, 105, 3});
@@ -172,9 +173,10 @@ bool has_offset_parameters(megaslide::DiT& dit) {
 
 megaslide::RunConfig offsets_config(const std::string& mode) {
   // Weight decay on: AdamW would move any parameter, even one without gradient, in the streamed trainer.
-  return megaslide::parse_run_config("", "test", {"model.dsa_offsets=" + mode, "train.device=cpu", "train.lr=1e-2",
-                                                  "train.weight_decay=0.1", "train.warmup_steps=0", "train.batch_size=2",
-                                                  "offload.optimizer_threads=1"});
+  return megaslide::parse_run_config(
+      "", "test",
+      {"model.dsa_offsets=" + mode, "train.device=cpu", "train.lr=1e-2", "train.weight_decay=0.1",
+       "train.warmup_steps=0", "train.batch_size=2", "offload.optimizer_threads=1"});
 }
 
 }  // namespace
@@ -227,10 +229,11 @@ TEST(DeformableSlideAttention, ForwardCapturesInACudaGraph_CUDA) {
 #else
   for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
     for (const TokenGrid grid : {TokenGrid{2, 5, 6}, TokenGrid{4, 8, 8}}) {
-      SCOPED_TRACE(std::string(c10::toString(dtype)) + " grid " + std::to_string(grid.t) + "x" + std::to_string(grid.h) +
-                   "x" + std::to_string(grid.w));
+      SCOPED_TRACE(std::string(c10::toString(dtype)) + " grid " + std::to_string(grid.t) + "x" +
+                   std::to_string(grid.h) + "x" + std::to_string(grid.w));
       torch::manual_seed(7);
-      DeformableSlideAttention3D m(DeformableSlideAttentionOptions(32, 2).kernel({3, 7, 7}).offset_range({1.0, 3.0, 3.0}));
+      DeformableSlideAttention3D m(
+          DeformableSlideAttentionOptions(32, 2).kernel({3, 7, 7}).offset_range({1.0, 3.0, 3.0}));
       {
         torch::NoGradGuard no_grad;
         m->offset_pw->weight.normal_(0, 0.3);

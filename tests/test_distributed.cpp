@@ -74,12 +74,16 @@ std::string smoke() { return std::string(MEGASLIDE_SOURCE_DIR) + "/configs/smoke
 
 // The resident trainer in fp32 on the CPU, one thread a rank (2 cores), 5 steps, no checkpoints.
 std::string resident_args(int64_t batch) {
-  return "--config " + smoke() + " --set offload.enabled=false --set train.device=cpu --set train.threads=1 --set train.steps=5" +
-         " --set train.checkpoint_every=0 --set output.progress=false --set diffusion.caption_dropout=0.5 --set train.batch_size=" +
+  return "--config " + smoke() +
+         " --set offload.enabled=false --set train.device=cpu --set train.threads=1 --set train.steps=5" +
+         " --set train.checkpoint_every=0 --set output.progress=false --set diffusion.caption_dropout=0.5 --set "
+         "train.batch_size=" +
          std::to_string(batch);
 }
 
-megaslide::testing::ToolResult train(const std::string& args) { return megaslide::testing::run_tool("megaslide-train", args); }
+megaslide::testing::ToolResult train(const std::string& args) {
+  return megaslide::testing::run_tool("megaslide-train", args);
+}
 
 // The streamed CPU-master trainer in fp32 on the CPU (the ranks' host state sharded), 5 steps.
 std::string streamed_args(int64_t batch, const std::string& extra = "") {
@@ -130,8 +134,12 @@ TEST(LaunchEnv, NoLauncherIsOneProcess) {
 }
 
 TEST(LaunchEnv, ReadsTorchrunsVariables) {
-  const auto env = read_launch_env(env_of({{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "4"},
-                                           {"MASTER_ADDR", "node-0"}, {"MASTER_PORT", "29611"}}));
+  const auto env = read_launch_env(env_of({{"RANK", "5"},
+                                           {"WORLD_SIZE", "8"},
+                                           {"LOCAL_RANK", "1"},
+                                           {"LOCAL_WORLD_SIZE", "4"},
+                                           {"MASTER_ADDR", "node-0"},
+                                           {"MASTER_PORT", "29611"}}));
   EXPECT_EQ(env.launcher, "torchrun");
   EXPECT_EQ(env.rank, 5);
   EXPECT_EQ(env.world_size, 8);
@@ -141,16 +149,24 @@ TEST(LaunchEnv, ReadsTorchrunsVariables) {
   EXPECT_EQ(env.master_port, 29611);
   EXPECT_FALSE(env.agent_store);
   // torchrun's elastic agent serves the store itself: rank 0 joins it instead of binding the port again.
-  EXPECT_TRUE(read_launch_env(env_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"TORCHELASTIC_USE_AGENT_STORE", "True"}}))
-                  .agent_store);
+  EXPECT_TRUE(
+      read_launch_env(
+          env_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"TORCHELASTIC_USE_AGENT_STORE", "True"}}))
+          .agent_store);
   // The same variables set by megaslide-train --nproc-per-node for its ranks: logged as what started them.
-  EXPECT_EQ(read_launch_env(env_of({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MEGASLIDE_LOCAL_LAUNCH", "1"}})).launcher,
-            "megaslide-train --nproc-per-node");
+  EXPECT_EQ(
+      read_launch_env(
+          env_of({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MEGASLIDE_LOCAL_LAUNCH", "1"}}))
+          .launcher,
+      "megaslide-train --nproc-per-node");
 }
 
 TEST(LaunchEnv, ReadsSlurmsVariablesAndDefaultsThePort) {
-  const auto env = read_launch_env(env_of({{"SLURM_PROCID", "3"}, {"SLURM_NTASKS", "4"}, {"SLURM_LOCALID", "1"},
-                                           {"SLURM_NTASKS_PER_NODE", "2"}, {"MASTER_ADDR", "gpu-17"}}));
+  const auto env = read_launch_env(env_of({{"SLURM_PROCID", "3"},
+                                           {"SLURM_NTASKS", "4"},
+                                           {"SLURM_LOCALID", "1"},
+                                           {"SLURM_NTASKS_PER_NODE", "2"},
+                                           {"MASTER_ADDR", "gpu-17"}}));
   EXPECT_EQ(env.launcher, "slurm");
   EXPECT_EQ(env.rank, 3);
   EXPECT_EQ(env.world_size, 4);
@@ -169,21 +185,24 @@ TEST(LaunchEnv, ReadsSlurmsVariablesAndDefaultsThePort) {
   EXPECT_EQ(local({{"SLURM_TASKS_PER_NODE", "4(x2)"}}), 4);
   EXPECT_EQ(local({{"SLURM_TASKS_PER_NODE", "3"}}), 3);
   EXPECT_EQ(local({{"SLURM_NTASKS_PER_NODE", "4(x2)"}, {"SLURM_TASKS_PER_NODE", "1"}}), 4);
-  for (const char* bad : {"", "x", "2(x", "2(x0)", "0", "2,,1", "2,", "(x2)"}) EXPECT_EQ(local({{"SLURM_TASKS_PER_NODE", bad}}), 1) << bad;
+  for (const char* bad : {"", "x", "2(x", "2(x0)", "0", "2,,1", "2,", "(x2)"})
+    EXPECT_EQ(local({{"SLURM_TASKS_PER_NODE", bad}}), 1) << bad;
   // torchrun's variables win when both are present (torchrun inside a Slurm allocation).
-  const auto both = read_launch_env(env_of({{"SLURM_PROCID", "3"}, {"SLURM_NTASKS", "4"}, {"RANK", "0"}, {"WORLD_SIZE", "2"},
-                                            {"MASTER_ADDR", "a"}}));
+  const auto both = read_launch_env(
+      env_of({{"SLURM_PROCID", "3"}, {"SLURM_NTASKS", "4"}, {"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}}));
   EXPECT_EQ(both.launcher, "torchrun");
   EXPECT_EQ(both.world_size, 2);
 }
 
 // The property: a launch environment that cannot be right is one error naming the variable.
 TEST(LaunchEnv, BadValuesAreErrorsNamingTheVariable) {
-  EXPECT_NE(launch_error({{"RANK", "2"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}}).find("RANK=2 is outside [0, WORLD_SIZE=2)"),
+  EXPECT_NE(launch_error({{"RANK", "2"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}})
+                .find("RANK=2 is outside [0, WORLD_SIZE=2)"),
             std::string::npos);
   EXPECT_NE(launch_error({{"RANK", "x"}, {"WORLD_SIZE", "2"}}).find("RANK=x is not an integer"), std::string::npos);
   EXPECT_NE(launch_error({{"RANK", "0"}}).find("RANK and WORLD_SIZE"), std::string::npos);
-  EXPECT_NE(launch_error({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "70000"}}).find("MASTER_PORT"),
+  EXPECT_NE(launch_error({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "70000"}})
+                .find("MASTER_PORT"),
             std::string::npos);
   const auto slurm = launch_error({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}});
   EXPECT_NE(slurm.find("MASTER_ADDR is not set"), std::string::npos) << slurm;
@@ -274,7 +293,8 @@ TEST(Communicator, RunOnRank0OutlastsTheTimeoutWhileRank0IsAlive) {
   std::vector<double> sums(2);
   auto errors = run([&](Communicator& comm, int64_t rank) {
     for (int i = 0; i < 2; ++i)
-      comm.run_on_rank0("slow work", [&] { std::this_thread::sleep_for(std::chrono::duration<double>(2 * timeout_s)); });
+      comm.run_on_rank0("slow work",
+                        [&] { std::this_thread::sleep_for(std::chrono::duration<double>(2 * timeout_s)); });
     std::vector<torch::Tensor> t{torch::full({1}, static_cast<double>(rank + 1), torch::kFloat64)};
     comm.all_reduce_sum(t);
     sums[rank] = t[0].item<double>();
@@ -284,7 +304,9 @@ TEST(Communicator, RunOnRank0OutlastsTheTimeoutWhileRank0IsAlive) {
   EXPECT_EQ(sums[0], 3.0);
   EXPECT_EQ(sums[1], 3.0);
   // Work that throws on rank 0.
-  errors = run([&](Communicator& comm, int64_t) { comm.run_on_rank0("the videos", [] { throw std::runtime_error("disk full"); }); });
+  errors = run([&](Communicator& comm, int64_t) {
+    comm.run_on_rank0("the videos", [] { throw std::runtime_error("disk full"); });
+  });
   EXPECT_EQ(errors[0], "disk full");
   EXPECT_NE(errors[1].find("rank 0 failed: disk full (the videos)"), std::string::npos) << errors[1];
   // Rank 0 does not come: rank 1 gives up after about the timeout.
@@ -300,8 +322,9 @@ TEST(Communicator, RunOnRank0OutlastsTheTimeoutWhileRank0IsAlive) {
 // The property: the ranks' slices, side by side, are the single-process batch — the same clips, caption
 // dropout, timesteps and noise for every item of the global batch, batch after batch.
 TEST(DiffusionBatchSource, RankSlicesConcatenateToTheSingleProcessBatch) {
-  const auto config = parse_run_config("", "test", {"data.frames=4", "data.height=8", "data.width=8", "data.num_clips=16",
-                                                    "train.batch_size=6", "diffusion.caption_dropout=0.5", "train.device=cpu"});
+  const auto config = parse_run_config("", "test",
+                                       {"data.frames=4", "data.height=8", "data.width=8", "data.num_clips=16",
+                                        "train.batch_size=6", "diffusion.caption_dropout=0.5", "train.device=cpu"});
   DiffusionBatchSource whole(config);
   std::vector<std::unique_ptr<DiffusionBatchSource>> ranks;
   for (int64_t r = 0; r < 3; ++r) {
@@ -332,10 +355,11 @@ TEST(DiffusionBatchSource, RankSlicesConcatenateToTheSingleProcessBatch) {
 // the single process's batch, the corrupt files' stand-ins included.
 TEST(DiffusionBatchSource, RankSlicesOfAVideoFolderConcatenateToTheSingleProcessBatch) {
   megaslide::testing::VideoFixture fx("dist-slices", 6);
-  const auto config = parse_run_config("", "test", {"data.dataset=videos", "data.manifest=" + fx.dir + "/opensora.csv", "data.frames=4",
-                                                    "data.height=16", "data.width=16", "data.frame_stride=2", "data.max_bad_fraction=0.5",
-                                                    "data.workers=1", "train.batch_size=4", "diffusion.caption_dropout=0.5",
-                                                    "train.device=cpu"});
+  const auto config =
+      parse_run_config("", "test",
+                       {"data.dataset=videos", "data.manifest=" + fx.dir + "/opensora.csv", "data.frames=4",
+                        "data.height=16", "data.width=16", "data.frame_stride=2", "data.max_bad_fraction=0.5",
+                        "data.workers=1", "train.batch_size=4", "diffusion.caption_dropout=0.5", "train.device=cpu"});
   DiffusionBatchSource whole(config);
   std::vector<std::unique_ptr<DiffusionBatchSource>> ranks;
   for (int64_t r = 0; r < 2; ++r) {
@@ -437,9 +461,11 @@ TEST(DistributedTraining, ShardedStreamedRanksReproduceTheSingleProcessLosses) {
     const auto a = logged_losses(one), b = logged_losses(many);
     ASSERT_EQ(a.size(), 5u);
     ASSERT_EQ(b.size(), 5u);
-    for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-5) << c.ranks << " ranks " << c.extra << ", step " << i + 1;
+    for (size_t i = 0; i < a.size(); ++i)
+      EXPECT_NEAR(a[i], b[i], 1e-5) << c.ranks << " ranks " << c.extra << ", step " << i + 1;
     const auto na = logged(one, "grad_norm"), nb = logged(many, "grad_norm");
-    for (size_t i = 0; i < na.size(); ++i) EXPECT_NEAR(na[i], nb[i], 1e-5 * na[i]) << c.ranks << " ranks " << c.extra << ", step " << i + 1;
+    for (size_t i = 0; i < na.size(); ++i)
+      EXPECT_NEAR(na[i], nb[i], 1e-5 * na[i]) << c.ranks << " ranks " << c.extra << ", step " << i + 1;
     const int64_t streamed = logged_integer(many, "HostParamStore: ");
     ASSERT_GT(streamed, 0);
     for (double bytes : logged(many, "exchange_bytes")) {
@@ -489,7 +515,8 @@ static void expect_same_ema_weights(const std::string& a, const std::string& b, 
 // the ranks' shards, is the single process's, and continues with the resumed run.
 TEST(DistributedTraining, ShardedCheckpointsResumeExactlyAndAtOtherWorldSizes) {
   if (!gloo_available()) GTEST_SKIP() << "this build has no Gloo backend";
-  const std::string args = streamed_args(6, "--set train.checkpoint_every=3 --set train.grad_clip=0.05 --set train.ema_decay=0.5");
+  const std::string args =
+      streamed_args(6, "--set train.checkpoint_every=3 --set train.grad_clip=0.05 --set train.ema_decay=0.5");
   const auto whole = fresh_dir("sc-whole"), two = fresh_dir("sc-two"), parts = fresh_dir("sc-parts");
   ASSERT_EQ(train(args + " --run-dir " + whole).code, 0);
   auto r = train(args + " --run-dir " + two + " --nproc-per-node 2");
@@ -519,12 +546,15 @@ TEST(DistributedTraining, ShardedCheckpointsResumeExactlyAndAtOtherWorldSizes) {
     }
     const auto ema = join_path(parts, "checkpoints/step-0000005/model_ema.safetensors");
     if (std::string(world) == "2") {  // the same tensors, bit for bit (the files' configs name other run folders)
-      const auto x = io::read_safetensors(ema), y = io::read_safetensors(join_path(two, "checkpoints/step-0000005/model_ema.safetensors"));
+      const auto x = io::read_safetensors(ema),
+                 y = io::read_safetensors(join_path(two, "checkpoints/step-0000005/model_ema.safetensors"));
       ASSERT_EQ(x.tensors.size(), y.tensors.size());
       for (size_t i = 0; i < x.tensors.size(); ++i)
-        EXPECT_TRUE(torch::equal(x.tensors[i].second, y.tensors[i].second)) << "the resumed EMA: " << x.tensors[i].first;
+        EXPECT_TRUE(torch::equal(x.tensors[i].second, y.tensors[i].second))
+            << "the resumed EMA: " << x.tensors[i].first;
     } else
-      expect_same_ema_weights(join_path(whole, "checkpoints/step-0000005/model_ema.safetensors"), ema, std::string(world) + " ranks resumed");
+      expect_same_ema_weights(join_path(whole, "checkpoints/step-0000005/model_ema.safetensors"), ema,
+                              std::string(world) + " ranks resumed");
   }
   // A modified shard is refused (its CRC-32), on any world size, and nothing in the run folder changes.
   for (const char* world : {"2", "1"}) {
@@ -543,7 +573,8 @@ TEST(DistributedTraining, ShardedCheckpointsResumeExactlyAndAtOtherWorldSizes) {
     EXPECT_EQ(tree_listing(parts), before) << world << " ranks: the run folder must be untouched";
   }
   // A single-process checkpoint (keyed by parameter name) resumes on 2 ranks, sharded.
-  auto resumed = train(args + " --run-dir " + whole + " --resume " + join_path(whole, "checkpoints/step-0000003") + " --nproc-per-node 2");
+  auto resumed = train(args + " --run-dir " + whole + " --resume " + join_path(whole, "checkpoints/step-0000003") +
+                       " --nproc-per-node 2");
   ASSERT_EQ(resumed.code, 0) << resumed.output;
   const auto got = logged_losses(whole);
   for (size_t i = 3; i < 5; ++i) EXPECT_NEAR(got[i], single[i], 1e-5) << "1 -> 2 ranks, step " << i + 1;
@@ -557,7 +588,8 @@ TEST(DistributedTraining, ShardedCheckpointsResumeExactlyAndAtOtherWorldSizes) {
 std::string wan_args(const std::string& config, const std::string& mode, const std::string& extra = "") {
   return "--config " + config + " --set offload.enabled=" + (mode == "streamed" ? "true" : "false") +
          " --set offload.compute_dtype=fp32 --set train.threads=1 --set train.steps=5 --set train.batch_size=6"
-         " --set train.checkpoint_every=0 --set train.log_every=1 " + extra;
+         " --set train.checkpoint_every=0 --set train.log_every=1 " +
+         extra;
 }
 
 // The property: Wan over 2 and 3 Gloo ranks — resident (gradients all-reduced) and streamed (masters and
@@ -585,7 +617,8 @@ TEST(DistributedTraining, WanRanksReproduceTheSingleProcessAndResumeAtOtherWorld
         EXPECT_NEAR(a[i], b[i], 1e-5) << mode << ", " << ranks << " ranks, step " << i + 1;
         EXPECT_NEAR(na[i], nb[i], 1e-5 * na[i]) << mode << ", " << ranks << " ranks, step " << i + 1;
       }
-      EXPECT_NE(read_text(join_path(many, "train.log")).find("data parallel: " + std::to_string(ranks) + " ranks (gloo backend"),
+      EXPECT_NE(read_text(join_path(many, "train.log"))
+                    .find("data parallel: " + std::to_string(ranks) + " ranks (gloo backend"),
                 std::string::npos);
     }
   }
@@ -630,9 +663,9 @@ TEST(DistributedTraining, RanksWithDifferentConfigsAreRefusedNamingTheKey) {
       ::setenv("MASTER_ADDR", "127.0.0.1", 1);
       ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
       const std::string config = smoke(), lr = rank == 0 ? "train.lr=0.001" : "train.lr=0.002";
-      ::execl(bin.c_str(), bin.c_str(), "--config", config.c_str(), "--run-dir", dir.c_str(), "--set", lr.c_str(), "--set",
-              "train.device=cpu", "--set", "train.threads=1", "--set", "offload.enabled=false", "--set", "train.batch_size=2",
-              "--set", "distributed.timeout_s=30", static_cast<char*>(nullptr));
+      ::execl(bin.c_str(), bin.c_str(), "--config", config.c_str(), "--run-dir", dir.c_str(), "--set", lr.c_str(),
+              "--set", "train.device=cpu", "--set", "train.threads=1", "--set", "offload.enabled=false", "--set",
+              "train.batch_size=2", "--set", "distributed.timeout_s=30", static_cast<char*>(nullptr));
       ::_exit(127);
     }
     pids.push_back(pid);
@@ -647,7 +680,8 @@ TEST(DistributedTraining, RanksWithDifferentConfigsAreRefusedNamingTheKey) {
     std::remove(logs[r].c_str());
   }
   EXPECT_EQ(codes, (std::vector<int>{2, 2})) << outputs[0] << outputs[1];
-  EXPECT_NE(outputs[1].find("train.lr is 0.002 on this rank (rank 1) but 0.001 on rank 0"), std::string::npos) << outputs[1];
+  EXPECT_NE(outputs[1].find("train.lr is 0.002 on this rank (rank 1) but 0.001 on rank 0"), std::string::npos)
+      << outputs[1];
   EXPECT_NE(outputs[0].find("rank(s) 1 run a config that differs"), std::string::npos) << outputs[0];
   EXPECT_FALSE(io::path_exists(join_path(dir, "metrics.jsonl"))) << "nothing of the run is written";
   io::remove_tree(dir);
@@ -683,9 +717,10 @@ TEST_P(KilledRank, MakesTheOtherExitNonZeroWithinTheTimeout) {
       ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
       const std::string config = smoke();
       const std::string timeout = "distributed.timeout_s=" + std::to_string(timeout_s);
-      ::execl(bin.c_str(), bin.c_str(), "--config", config.c_str(), "--run-dir", dir.c_str(), "--set", offload.c_str(), "--set",
-              "train.device=cpu", "--set", "train.threads=1", "--set", "train.steps=100000", "--set", "train.checkpoint_every=0",
-              "--set", "output.progress=false", "--set", timeout.c_str(), static_cast<char*>(nullptr));
+      ::execl(bin.c_str(), bin.c_str(), "--config", config.c_str(), "--run-dir", dir.c_str(), "--set", offload.c_str(),
+              "--set", "train.device=cpu", "--set", "train.threads=1", "--set", "train.steps=100000", "--set",
+              "train.checkpoint_every=0", "--set", "output.progress=false", "--set", timeout.c_str(),
+              static_cast<char*>(nullptr));
       ::_exit(127);
     }
     pids.push_back(pid);
@@ -723,5 +758,6 @@ TEST_P(KilledRank, MakesTheOtherExitNonZeroWithinTheTimeout) {
   EXPECT_NE(output.find("rank 0 of 2"), std::string::npos) << output;
 }
 
-INSTANTIATE_TEST_SUITE_P(DistributedTraining, KilledRank, ::testing::Values(false, true),
-                         [](const auto& info) { return info.param ? std::string("Streamed") : std::string("Resident"); });
+INSTANTIATE_TEST_SUITE_P(DistributedTraining, KilledRank, ::testing::Values(false, true), [](const auto& info) {
+  return info.param ? std::string("Streamed") : std::string("Resident");
+});

@@ -99,18 +99,18 @@ namespace {
 int64_t block_formula(const DiTOptions& o) {
   const int64_t D = o.hidden(), Dt = o.text_dim(), M = o.heads();
   const int64_t h = static_cast<int64_t>(std::llround(D * o.mlp_ratio()));
-  int64_t n = 4 * (D * D + D);                 // self-attention q, k, v, out (dsa) or qkv + proj
+  int64_t n = 4 * (D * D + D);  // self-attention q, k, v, out (dsa) or qkv + proj
   if (o.arch() == Architecture::kMegaSlide) {
     const auto& k = o.dsa_kernel();
     const int64_t K = k[0] * k[1] * k[2], G = o.dsa_groups();
-    n += 27 * D + D;                           // depthwise 3x3x3 offset conv
-    n += D * G * K * 3 + G * K * 3;            // pointwise offset projection
-    n += M * K;                                // relative-position bias
+    n += 27 * D + D;                 // depthwise 3x3x3 offset conv
+    n += D * G * K * 3 + G * K * 3;  // pointwise offset projection
+    n += M * K;                      // relative-position bias
   }
-  n += 2 * D;                                  // cross-attention LayerNorm
+  n += 2 * D;                                             // cross-attention LayerNorm
   n += (D * D + D) + (Dt * 2 * D + 2 * D) + (D * D + D);  // cross-attention q, kv, out
-  n += (D * h + h) + (h * D + D);              // MLP
-  n += 6 * D;                                  // modulation table
+  n += (D * h + h) + (h * D + D);                         // MLP
+  n += 6 * D;                                             // modulation table
   return n;
 }
 
@@ -160,7 +160,8 @@ TEST(DiT, ThePositionTableIsBuiltOncePerGridDeviceAndDtype) {
   const auto b = sincos_position_table(grid, 16, torch::kCPU, torch::kBFloat16);
   EXPECT_EQ(b.scalar_type(), torch::kBFloat16);
   EXPECT_TRUE(torch::equal(b, a.to(torch::kBFloat16))) << "another dtype: its own table, rounded from the same one";
-  EXPECT_EQ(sincos_position_table({3, 4, 6}, 16, torch::kCPU, torch::kFloat).size(0), 72) << "another grid: its own table";
+  EXPECT_EQ(sincos_position_table({3, 4, 6}, 16, torch::kCPU, torch::kFloat).size(0), 72)
+      << "another grid: its own table";
 }
 
 TEST(DiT, SinCosPositionsAreDistinctPerToken) {

@@ -46,8 +46,12 @@ Inputs make_inputs(const Problem& pb, torch::ScalarType dtype, Offsets kind, uin
   in.v = torch::randn({pb.B, pb.T, pb.H, pb.W, pb.M, pb.d}, opts);
   const std::vector<int64_t> off_shape{pb.B, pb.T, pb.H, pb.W, pb.G, K, 3};
   switch (kind) {
-    case Offsets::kZero: in.offsets = torch::zeros(off_shape, opts); break;
-    case Offsets::kRandom: in.offsets = torch::rand(off_shape, opts) * 5.0 - 2.5; break;
+    case Offsets::kZero:
+      in.offsets = torch::zeros(off_shape, opts);
+      break;
+    case Offsets::kRandom:
+      in.offsets = torch::rand(off_shape, opts) * 5.0 - 2.5;
+      break;
     case Offsets::kBetweenTokens:
       in.offsets = torch::randint(-3, 3, off_shape, opts) + 0.05 + 0.9 * torch::rand(off_shape, opts);
       break;
@@ -196,9 +200,11 @@ void gradcheck(const Inputs& in, std::array<int64_t, 3> kernel, ms::DsaImpl impl
     if (x.bias.defined()) bias = x.bias;
     return (ms::dsa3d(x.q, x.k, x.v, x.offsets, bias, kernel, impl) * R).sum().item<double>();
   };
-  const std::vector<std::pair<torch::Tensor*, torch::Tensor>> pairs{
-      {&x.q, analytic.dq}, {&x.k, analytic.dk}, {&x.v, analytic.dv}, {&x.offsets, analytic.doffsets},
-      {&x.bias, analytic.dbias}};
+  const std::vector<std::pair<torch::Tensor*, torch::Tensor>> pairs{{&x.q, analytic.dq},
+                                                                    {&x.k, analytic.dk},
+                                                                    {&x.v, analytic.dv},
+                                                                    {&x.offsets, analytic.doffsets},
+                                                                    {&x.bias, analytic.dbias}};
   const char* names[] = {"q", "k", "v", "offsets", "bias"};
   for (size_t i = 0; i < pairs.size(); ++i) {
     torch::Tensor& t = *pairs[i].first;
@@ -316,7 +322,7 @@ TEST(Dsa3d, FusedCpuMatchesReferenceFloat64) {
   pb.kernel = {3, 3, 3};
   const auto in = make_inputs(pb, torch::kDouble, Offsets::kRandom, 2);
   expect_results_close(run_kernel(in, pb.kernel, ms::DsaImpl::kCpu), run_kernel(in, pb.kernel, ms::DsaImpl::kReference),
-                        1e-12, 0);
+                       1e-12, 0);
 }
 
 // Zero offsets put every sample on a token centre, where the trilinear derivative is one-sided and the
@@ -436,8 +442,8 @@ struct ThreadCount {
 
 namespace tile = megaslide::dsa3d_tile;
 
-// The int32 axis sample (the tile kernels' instantiation) and the corners of the tile header equal the per-sample math of the row kernels
-// (dsa3d_math.h) at integers, between tokens, at and beyond both borders, on axes of 1 to 7 tokens;
+// The int32 axis sample (the tile kernels' instantiation) and the corners of the tile header equal the per-sample math
+// of the row kernels (dsa3d_math.h) at integers, between tokens, at and beyond both borders, on axes of 1 to 7 tokens;
 // and a corner's halo key maps back to the row kernels' token index.
 TEST(Dsa3dTile, CornersEqualTheRowKernelsMath) {
   for (int S : {1, 2, 3, 7}) {
@@ -485,7 +491,8 @@ TEST(Dsa3dTile, HaloBoundHoldsAndColoursAreDisjoint) {
   const auto geo = tile::make_geometry(7, 13, 18, 3, 7, 7);
   const double r[3] = {1.0, 2.5, 3.0};  // a fractional bound too (⌈r⌉ and ⌊r⌋ differ)
   torch::manual_seed(30);
-  auto off = (torch::rand({geo.tokens(), geo.K, 3}, torch::kDouble) * 2 - 1) * torch::tensor({1.0, 2.5, 3.0}, torch::kDouble);
+  auto off =
+      (torch::rand({geo.tokens(), geo.K, 3}, torch::kDouble) * 2 - 1) * torch::tensor({1.0, 2.5, 3.0}, torch::kDouble);
   // Offsets at the bound exactly on every 5th sample (an integer one is the worst case for the floor).
   off.index_put_({torch::indexing::Slice(), torch::indexing::Slice(0, torch::indexing::None, 5)},
                  torch::tensor({-1.0, -2.5, 3.0}, torch::kDouble));
@@ -495,7 +502,8 @@ TEST(Dsa3dTile, HaloBoundHoldsAndColoursAreDisjoint) {
     for (int q = 0; q < tile::TileShape::kQueries; ++q) {
       const auto qr = tile::tile_query(geo, tile_index, q);
       if (!qr.valid) continue;
-      for (int j = 0; j < geo.K; ++j) tile::halo_include(tile::sample_point<double>(geo, qr, j, o + (qr.token * geo.K + j) * 3), lo, hi);
+      for (int j = 0; j < geo.K; ++j)
+        tile::halo_include(tile::sample_point<double>(geo, qr, j, o + (qr.token * geo.K + j) * 3), lo, hi);
     }
     const int idx[3] = {tile_index / (geo.tiles_h * geo.tiles_w), (tile_index / geo.tiles_w) % geo.tiles_h,
                         tile_index % geo.tiles_w};
@@ -656,7 +664,8 @@ TEST(Dsa3d, GradcheckFusedCpuFloat64) {
   Problem pb;
   pb.T = 3, pb.H = 4, pb.W = 3, pb.M = 2, pb.d = 3, pb.G = 2;
   pb.kernel = {3, 3, 3};
-  gradcheck(make_inputs(pb, torch::kDouble, Offsets::kBetweenTokens, 8), pb.kernel, ms::DsaImpl::kCpu, 1e-6, 1e-7, 1e-6);
+  gradcheck(make_inputs(pb, torch::kDouble, Offsets::kBetweenTokens, 8), pb.kernel, ms::DsaImpl::kCpu, 1e-6, 1e-7,
+            1e-6);
 }
 
 // The reference through autograd passes the same check (so the two agreeing means both are right).
@@ -695,7 +704,6 @@ TEST(Dsa3d, KernelLargerThanVolumeShrinks) {
 }
 
 // ---- determinism -------------------------------------------------------------------------------------------
-
 
 // Deterministic mode: two runs, and 1 thread against 2 threads, give bit-identical float32 results.
 TEST(Dsa3d, DeterministicModeIsBitIdenticalAcrossRunsAndThreadCounts) {
@@ -756,17 +764,26 @@ TEST(Dsa3d, ApiRejectsBadInputsWithClearMessages) {
   const auto in = make_inputs(pb, torch::kFloat, Offsets::kRandom, 15);
   const auto k = pb.kernel;
   expect_error([&] { ms::dsa3d(in.q, in.k, in.v, in.offsets, in.bias, k, ms::DsaImpl::kCuda); }, "cuda");
-  expect_error([&] { ms::dsa3d(in.q.to(torch::kInt), in.k.to(torch::kInt), in.v.to(torch::kInt), in.offsets, in.bias, k,
-                               ms::DsaImpl::kCpu); },
-               "floating point");
-  expect_error([&] { ms::dsa3d(in.q, in.k, in.v, in.offsets, torch::zeros({2, 5}), k, ms::DsaImpl::kCpu); },
-               "bias must be [M, K] = [2, 27]");
+  expect_error(
+      [&] {
+        ms::dsa3d(in.q.to(torch::kInt), in.k.to(torch::kInt), in.v.to(torch::kInt), in.offsets, in.bias, k,
+                  ms::DsaImpl::kCpu);
+      },
+      "floating point");
+  expect_error(
+      [&] {
+        ms::dsa3d(in.q, in.k, in.v, in.offsets, torch::zeros({2, 5}), k, ms::DsaImpl::kCpu);
+      },
+      "bias must be [M, K] = [2, 27]");
   expect_error([&] { ms::dsa3d(in.q, in.k.to(torch::kDouble), in.v, in.offsets, in.bias, k, ms::DsaImpl::kCpu); },
                "share one dtype");
   expect_error([&] { ms::dsa3d(in.q, in.k, in.v, in.offsets, in.bias, {3, 4, 3}, ms::DsaImpl::kCpu); }, "odd");
-  expect_error([&] { ms::dsa3d(in.q, in.k, in.v, in.offsets.narrow(4, 0, 1).repeat({1, 1, 1, 1, 3, 1, 1}), in.bias, k,
-                               ms::DsaImpl::kCpu); },
-               "must divide the heads");
+  expect_error(
+      [&] {
+        ms::dsa3d(in.q, in.k, in.v, in.offsets.narrow(4, 0, 1).repeat({1, 1, 1, 1, 3, 1, 1}), in.bias, k,
+                  ms::DsaImpl::kCpu);
+      },
+      "must divide the heads");
 }
 
 // ---- CUDA (skipped without a GPU) -----------------------------------------------------------------------------
@@ -863,8 +880,10 @@ TEST(Dsa3dCuda, TiledDeterminism_CUDA) {
     pb.G = groups;
     for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
       SCOPED_TRACE(std::string(c10::toString(dtype)) + " G=" + std::to_string(groups));
-      const auto in = to_device(cast(make_inputs(pb, torch::kFloat, Offsets::kRandom, 73), dtype, torch::kFloat), torch::kCUDA);
-      const auto a = run_kernel(in, pb.kernel, ms::DsaImpl::kCudaTiled), b = run_kernel(in, pb.kernel, ms::DsaImpl::kCudaTiled);
+      const auto in =
+          to_device(cast(make_inputs(pb, torch::kFloat, Offsets::kRandom, 73), dtype, torch::kFloat), torch::kCUDA);
+      const auto a = run_kernel(in, pb.kernel, ms::DsaImpl::kCudaTiled),
+                 b = run_kernel(in, pb.kernel, ms::DsaImpl::kCudaTiled);
       EXPECT_TRUE(torch::equal(a.out, b.out));
       EXPECT_TRUE(torch::equal(a.dq, b.dq));
       if (pb.G == pb.M) EXPECT_TRUE(torch::equal(a.doffsets, b.doffsets));
@@ -886,15 +905,15 @@ TEST(Dsa3dCuda, AutoPicksTheTiledKernelForHalfPrecision_CUDA) {
   const auto in = to_device(cast(make_inputs(pb, torch::kFloat, Offsets::kRandom, 74), torch::kBFloat16, torch::kFloat),
                             torch::kCUDA);
   // The same kernel ran: bit-identical where it has one writer per element (dk, dv are atomic sums).
-  const auto expected = run_kernel(in, pb.kernel, ms::DsaImpl::kCudaTiled), got = run_kernel(in, pb.kernel, ms::DsaImpl::kAuto);
+  const auto expected = run_kernel(in, pb.kernel, ms::DsaImpl::kCudaTiled),
+             got = run_kernel(in, pb.kernel, ms::DsaImpl::kAuto);
   EXPECT_TRUE(torch::equal(got.out, expected.out));
   EXPECT_TRUE(torch::equal(got.dq, expected.dq));
   EXPECT_TRUE(torch::equal(got.doffsets, expected.doffsets));
   Problem wide;
   wide.d = 192;
-  const auto in_wide = to_device(cast(make_inputs(wide, torch::kFloat, Offsets::kRandom, 75), torch::kBFloat16,
-                                      torch::kFloat),
-                                 torch::kCUDA);
+  const auto in_wide = to_device(
+      cast(make_inputs(wide, torch::kFloat, Offsets::kRandom, 75), torch::kBFloat16, torch::kFloat), torch::kCUDA);
   // It fell back to the row kernel: the same forward, bit for bit.
   EXPECT_TRUE(torch::equal(run_kernel(in_wide, wide.kernel, ms::DsaImpl::kAuto).out,
                            run_kernel(in_wide, wide.kernel, ms::DsaImpl::kCuda).out));
@@ -934,8 +953,8 @@ TEST(Dsa3dCuda, FusedBFloat16MatchesFloat32Reference_CUDA) {
   Problem pb;
   pb.T = 3, pb.H = 6, pb.W = 6, pb.M = 2, pb.d = 64;
   pb.kernel = {3, 3, 3};
-  const auto in16 = to_device(cast(make_inputs(pb, torch::kFloat, Offsets::kRandom, 23), torch::kBFloat16, torch::kFloat),
-                              torch::kCUDA);
+  const auto in16 = to_device(
+      cast(make_inputs(pb, torch::kFloat, Offsets::kRandom, 23), torch::kBFloat16, torch::kFloat), torch::kCUDA);
   expect_results_close(run_kernel(in16, pb.kernel, ms::DsaImpl::kCuda),
                        run_kernel(cast(in16, torch::kFloat, torch::kFloat), pb.kernel, ms::DsaImpl::kReference), 0,
                        1e-2);

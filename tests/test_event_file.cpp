@@ -85,7 +85,8 @@ TEST(EventFile, EventsReadBackAsWritten) {
   // record's offset.
   std::string bytes = megaslide::io::read_file(path);
   size_t first_length = 0;  // the version event's record: 8 length bytes, 4 CRC, the data, 4 CRC
-  for (int i = 0; i < 8; ++i) first_length |= static_cast<size_t>(static_cast<unsigned char>(bytes[static_cast<size_t>(i)])) << (8 * i);
+  for (int i = 0; i < 8; ++i)
+    first_length |= static_cast<size_t>(static_cast<unsigned char>(bytes[static_cast<size_t>(i)])) << (8 * i);
   const size_t second = 12 + first_length + 4;
   std::string flipped = bytes;
   flipped[second + 14] = static_cast<char>(flipped[second + 14] ^ 0x01);
@@ -105,14 +106,17 @@ TEST(EventFile, EventsReadBackAsWritten) {
 // A run of the smoke config with output.tensorboard for 3 steps, validation videos at step 3; its
 // losses as metrics.jsonl logs them.
 static std::vector<double> train_with_tensorboard(const std::string& run) {
-  const std::string args = "--config " + std::string(MEGASLIDE_SOURCE_DIR) +
-                           "/configs/smoke.yaml --set train.steps=3 --set output.progress=false --set output.tensorboard=true "
-                           "--set train.sample_every=3 --set diffusion.sample_steps=2 --run-dir " + run;
+  const std::string args =
+      "--config " + std::string(MEGASLIDE_SOURCE_DIR) +
+      "/configs/smoke.yaml --set train.steps=3 --set output.progress=false --set output.tensorboard=true "
+      "--set train.sample_every=3 --set diffusion.sample_steps=2 --run-dir " +
+      run;
   auto r = megaslide::testing::run_tool("megaslide-train", args);
   EXPECT_EQ(r.code, 0) << r.output;
   std::vector<double> logged;
   std::istringstream lines(megaslide::io::read_file(join_path(run, "metrics.jsonl")));
-  for (std::string line; std::getline(lines, line);) logged.push_back(nlohmann::json::parse(line).at("loss").get<double>());
+  for (std::string line; std::getline(lines, line);)
+    logged.push_back(nlohmann::json::parse(line).at("loss").get<double>());
   return logged;
 }
 
@@ -136,7 +140,8 @@ TEST(EventFile, TrainingRunLogsItsMetricsConfigAndValidationVideos) {
     if (e.kind == "scalar" && e.tag == "train/loss") {
       ASSERT_GE(e.step, 1);
       ASSERT_LE(e.step, 3);
-      EXPECT_EQ(static_cast<float>(e.scalar), static_cast<float>(logged[static_cast<size_t>(e.step - 1)])) << "step " << e.step;
+      EXPECT_EQ(static_cast<float>(e.scalar), static_cast<float>(logged[static_cast<size_t>(e.step - 1)]))
+          << "step " << e.step;
       ++losses;
     }
     if (e.kind == "image") {
@@ -160,7 +165,8 @@ TEST(EventFile, TensorBoardsOwnReaderSeesTheRun) {
   const char* python_env = std::getenv("MEGASLIDE_TENSORBOARD_PYTHON");
   const std::string python = python_env != nullptr && *python_env != '\0' ? python_env : "python3";
   if (std::system((python + " -c 'import tensorboard' > /dev/null 2>&1").c_str()) != 0)
-    GTEST_SKIP() << "Python's tensorboard package is not installed (" << python << "; set MEGASLIDE_TENSORBOARD_PYTHON)";
+    GTEST_SKIP() << "Python's tensorboard package is not installed (" << python
+                 << "; set MEGASLIDE_TENSORBOARD_PYTHON)";
   const auto run = scratch("reader");
   const auto logged = train_with_tensorboard(run);
   ASSERT_EQ(logged.size(), 3u);
@@ -174,7 +180,8 @@ TEST(EventFile, TensorBoardsOwnReaderSeesTheRun) {
       "for e in acc.Scalars('train/loss'): print('loss', e.step, repr(e.value))\n"
       "print('images', len(acc.Tags()['images']))\n");
   const std::string out = join_path(run, "read.txt");
-  ASSERT_EQ(std::system((python + " " + script + " " + join_path(run, "tensorboard") + " > " + out + " 2>&1").c_str()), 0)
+  ASSERT_EQ(std::system((python + " " + script + " " + join_path(run, "tensorboard") + " > " + out + " 2>&1").c_str()),
+            0)
       << megaslide::io::read_file(out);
   std::istringstream read(megaslide::io::read_file(out));
   int seen = 0;
@@ -185,7 +192,8 @@ TEST(EventFile, TensorBoardsOwnReaderSeesTheRun) {
       read >> step >> value;
       ASSERT_GE(step, 1);
       ASSERT_LE(step, 3);
-      EXPECT_EQ(static_cast<float>(value), static_cast<float>(logged[static_cast<size_t>(step - 1)])) << "TensorBoard's step " << step;
+      EXPECT_EQ(static_cast<float>(value), static_cast<float>(logged[static_cast<size_t>(step - 1)]))
+          << "TensorBoard's step " << step;
       ++seen;
     } else if (word == "images") {
       int n = 0;

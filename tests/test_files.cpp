@@ -43,7 +43,8 @@ TEST(Files, ReadInputFileRefusesFoldersDevicesAndFilesPastTheCap) {
   EXPECT_NE(error_of([] { read_input_file("/dev/zero", 1 << 20); }).find("'/dev/zero' is a device"), std::string::npos);
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5)) << "/dev/zero must be refused, not read";
   EXPECT_NE(error_of([&] { read_input_file(dir, 1 << 20); }).find("is a folder"), std::string::npos);
-  EXPECT_NE(error_of([&] { read_input_file(join_path(dir, "small.yaml"), 10); }).find("more than the 10"), std::string::npos);
+  EXPECT_NE(error_of([&] { read_input_file(join_path(dir, "small.yaml"), 10); }).find("more than the 10"),
+            std::string::npos);
   EXPECT_NE(error_of([&] { read_input_file(join_path(dir, "missing"), 10); }).find("missing"), std::string::npos);
   // A FIFO is read only where pipes are allowed (prompt files from a shell's <(...)).
   const auto fifo = join_path(dir, "fifo");
@@ -55,16 +56,21 @@ TEST(Files, ReadInputFileRefusesFoldersDevicesAndFilesPastTheCap) {
 TEST(Files, OutputPathsAreCheckedWithoutCreatingAnything) {
   const auto dir = fresh("output");
   EXPECT_EQ(error_of([&] { check_output_file(join_path(dir, "t.json"), "--trace"); }), "");
-  EXPECT_NE(error_of([&] { check_output_file(join_path(dir, "missing/d/t.json"), "--trace"); }).find("does not exist"), std::string::npos);
+  EXPECT_NE(error_of([&] { check_output_file(join_path(dir, "missing/d/t.json"), "--trace"); }).find("does not exist"),
+            std::string::npos);
   EXPECT_FALSE(path_exists(join_path(dir, "missing"))) << "a check creates nothing";
   EXPECT_NE(error_of([&] { check_output_file(dir, "--export-weights"); }).find("is a folder"), std::string::npos);
   EXPECT_NE(error_of([&] { check_output_file("", "--out"); }).find("empty path"), std::string::npos);
   EXPECT_EQ(error_of([&] { check_output_folder(join_path(dir, "a/b/c"), "--out"); }), "");
   EXPECT_FALSE(path_exists(join_path(dir, "a")));
   write_file_atomically(join_path(dir, "file"), "x");
-  EXPECT_NE(error_of([&] { check_output_folder(join_path(dir, "file/sub"), "--out"); }).find("is a file"), std::string::npos);
-  EXPECT_NE(error_of([&] { check_output_file(join_path(dir, "file/t.json"), "--trace"); }).find("a file is in its place"), std::string::npos);
-  EXPECT_NE(error_of([&] { check_output_folder("", "--run-dir"); }).find("--run-dir: an empty path"), std::string::npos);
+  EXPECT_NE(error_of([&] { check_output_folder(join_path(dir, "file/sub"), "--out"); }).find("is a file"),
+            std::string::npos);
+  EXPECT_NE(
+      error_of([&] { check_output_file(join_path(dir, "file/t.json"), "--trace"); }).find("a file is in its place"),
+      std::string::npos);
+  EXPECT_NE(error_of([&] { check_output_folder("", "--run-dir"); }).find("--run-dir: an empty path"),
+            std::string::npos);
   remove_tree(dir);
 }
 
@@ -79,10 +85,12 @@ TEST(Files, FifosAndDevicesAreRefusedAtOnceByEveryReader) {
            [&] { read_file(fifo); }, [&] { file_crc32(fifo); }, [&] { ::close(open_input_file(fifo)); },
            [&] { check_input_file(fifo); }, [&] { read_file("/dev/null"); }}) {
     const auto message = error_of(read);
-    EXPECT_TRUE(message.find("is a pipe") != std::string::npos || message.find("is a device") != std::string::npos) << message;
+    EXPECT_TRUE(message.find("is a pipe") != std::string::npos || message.find("is a device") != std::string::npos)
+        << message;
   }
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(1)) << "refused at once, not waited on";
-  EXPECT_NE(open_input_file(fifo, /*allow_pipe=*/true), -1) << "where pipes are allowed, the open does not block either";
+  EXPECT_NE(open_input_file(fifo, /*allow_pipe=*/true), -1)
+      << "where pipes are allowed, the open does not block either";
   remove_tree(dir);
 }
 
@@ -96,10 +104,16 @@ TEST(Files, OutputsFollowNoPlantedLinkAndReplaceOnlyRegularFiles) {
   for (const char* name : {"latest.tmp", "metrics.jsonl.tmp", "out.safetensors.tmp"})
     ASSERT_EQ(::symlink(victim.c_str(), join_path(dir, name).c_str()), 0);
   write_file_atomically(join_path(dir, "latest"), "step-0000002\n");
-  { AtomicFileWriter w(join_path(dir, "out.safetensors")); w.write("abc", 3); w.commit(); }
+  {
+    AtomicFileWriter w(join_path(dir, "out.safetensors"));
+    w.write("abc", 3);
+    w.commit();
+  }
   ASSERT_EQ(::symlink(victim.c_str(), join_path(dir, "train.log").c_str()), 0);
-  EXPECT_NE(error_of([&] { OutputFile log(join_path(dir, "train.log"), true); }).find("is a symbolic link"), std::string::npos);
-  EXPECT_NE(error_of([&] { write_file_atomically(join_path(dir, "train.log"), "x"); }).find("is a symbolic link"), std::string::npos);
+  EXPECT_NE(error_of([&] { OutputFile log(join_path(dir, "train.log"), true); }).find("is a symbolic link"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { write_file_atomically(join_path(dir, "train.log"), "x"); }).find("is a symbolic link"),
+            std::string::npos);
   EXPECT_EQ(read_file(victim), "precious") << "no write went through a link";
   for (const char* name : {"latest.tmp", "metrics.jsonl.tmp", "out.safetensors.tmp", "train.log"}) {
     struct stat st {};
@@ -109,7 +123,8 @@ TEST(Files, OutputsFollowNoPlantedLinkAndReplaceOnlyRegularFiles) {
   EXPECT_EQ(read_file(join_path(dir, "latest")), "step-0000002\n");
   // A device, a FIFO or a folder in the output's place is refused, never replaced.
   EXPECT_NE(error_of([] { write_file_atomically("/dev/full", "x"); }).find("is a device"), std::string::npos);
-  EXPECT_NE(error_of([] { check_output_file("/dev/full", "--export-weights"); }).find("is a device"), std::string::npos);
+  EXPECT_NE(error_of([] { check_output_file("/dev/full", "--export-weights"); }).find("is a device"),
+            std::string::npos);
   struct stat st {};
   ASSERT_EQ(::stat("/dev/full", &st), 0);
   EXPECT_TRUE(S_ISCHR(st.st_mode)) << "/dev/full is still a device";
@@ -119,7 +134,10 @@ TEST(Files, OutputsFollowNoPlantedLinkAndReplaceOnlyRegularFiles) {
   // Under umask 000 nothing is world-writable (0644 less the umask).
   const mode_t saved = ::umask(0);
   write_file_atomically(join_path(dir, "a"), "x");
-  { OutputFile f(join_path(dir, "b"), true); f.write("y"); }
+  {
+    OutputFile f(join_path(dir, "b"), true);
+    f.write("y");
+  }
   ::umask(saved);
   for (const char* name : {"a", "b"}) {
     ASSERT_EQ(::stat(join_path(dir, name).c_str(), &st), 0);

@@ -24,7 +24,8 @@ struct Fixture {
 const Fixture& fixture() {
   static const Fixture f = [] {
     Fixture out;
-    auto file = megaslide::io::read_safetensors(std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/flow/diffusers.safetensors");
+    auto file = megaslide::io::read_safetensors(std::string(MEGASLIDE_SOURCE_DIR) +
+                                                "/tests/fixtures/flow/diffusers.safetensors");
     for (auto& [name, t] : file.tensors) out.tensors[name] = t;
     out.tables = nlohmann::json::parse(file.metadata.at("tables"));
     out.runs = nlohmann::json::parse(file.metadata.at("runs"));
@@ -48,7 +49,8 @@ TEST(FlowMatching, TablesAreDiffusers) {
   for (const auto& t : f.tables) {
     const int64_t T = t["T"], steps = t["steps"];
     const double shift = t["shift"];
-    const std::string what = "T " + std::to_string(T) + " shift " + std::to_string(shift) + " steps " + std::to_string(steps);
+    const std::string what =
+        "T " + std::to_string(T) + " shift " + std::to_string(shift) + " steps " + std::to_string(steps);
     megaslide::FlowEulerSchedule euler(steps, shift, T);
     const std::string e = t["euler"], u = t["unipc"];
     ASSERT_EQ(euler.sigmas().sizes(), f.tensors.at(e + ".sigmas").sizes()) << what;
@@ -57,8 +59,8 @@ TEST(FlowMatching, TablesAreDiffusers) {
     megaslide::FlowUniPC unipc(steps, shift, 2, megaslide::UniPCSolverType::kBh2, T);
     ASSERT_EQ(unipc.sigmas().sizes(), f.tensors.at(u + ".sigmas").sizes()) << what;
     EXPECT_LE(max_abs(unipc.sigmas(), f.tensors.at(u + ".sigmas")), 1.2e-7) << "UniPC " << what;
-    EXPECT_TRUE(torch::equal(unipc.timesteps(), f.tensors.at(u + ".timesteps"))) << "UniPC " << what << ": " << unipc.timesteps()
-                                                                                 << " vs " << f.tensors.at(u + ".timesteps");
+    EXPECT_TRUE(torch::equal(unipc.timesteps(), f.tensors.at(u + ".timesteps")))
+        << "UniPC " << what << ": " << unipc.timesteps() << " vs " << f.tensors.at(u + ".timesteps");
     ++checked;
   }
   EXPECT_EQ(checked, 36);
@@ -76,8 +78,9 @@ TEST(FlowMatching, SamplingRunsAreDiffusersStepByStep) {
     const double shift = run["shift"];
     const bool nan_last = run["last_step_nan"];
     megaslide::FlowEulerSchedule euler(steps, shift);
-    megaslide::FlowUniPC unipc(steps, shift, std::max<int64_t>(order, 1),
-                               run["solver"] == "bh1" ? megaslide::UniPCSolverType::kBh1 : megaslide::UniPCSolverType::kBh2);
+    megaslide::FlowUniPC unipc(
+        steps, shift, std::max<int64_t>(order, 1),
+        run["solver"] == "bh1" ? megaslide::UniPCSolverType::kBh1 : megaslide::UniPCSolverType::kBh2);
     auto x = f.tensors.at(name + ".x");
     double worst = 0.0;
     for (int64_t i = 0; i < steps; ++i) {
@@ -93,8 +96,8 @@ TEST(FlowMatching, SamplingRunsAreDiffusersStepByStep) {
       EXPECT_LT(error, 1e-5) << name << " step " << i;
       x = expected;  // the next step from diffusers' sample, so that one step's error does not carry over
     }
-    std::cout << name << " (" << kind << ", " << steps << " steps, shift " << shift << ", order " << order << " " << run["solver"]
-              << "): largest difference " << worst << "\n";
+    std::cout << name << " (" << kind << ", " << steps << " steps, shift " << shift << ", order " << order << " "
+              << run["solver"] << "): largest difference " << worst << "\n";
   }
 }
 
@@ -123,7 +126,10 @@ TEST(FlowMatching, TrainingObjectiveAndTimestepDistributions) {
   }
   for (double mean : {-1.0, 0.0, 0.8}) {
     auto gen = at::detail::createCPUGenerator(9);
-    auto options = megaslide::FlowMatchingOptions().sampling(megaslide::TimestepSampling::kLogitNormal).logit_mean(mean).logit_std(1.0);
+    auto options = megaslide::FlowMatchingOptions()
+                       .sampling(megaslide::TimestepSampling::kLogitNormal)
+                       .logit_mean(mean)
+                       .logit_std(1.0);
     auto s = megaslide::sample_flow_sigmas(n, options, gen);
     EXPECT_NEAR(s.median().item<double>(), 1.0 / (1.0 + std::exp(-mean)), 0.01) << "logit mean " << mean;
     // The logit of σ is normal with the configured spread.
@@ -151,15 +157,22 @@ TEST(FlowMatching, GuidedSamplingReachesTheOraclesTarget) {
   megaslide::Conditioning cond{torch::ones({2, 1}), {}}, uncond{torch::zeros({1, 1}), {}};
   for (double scale : {1.0, 4.0}) {
     calls = 0;
-    auto options = megaslide::FlowSamplerOptions().kind(megaslide::FlowSamplerKind::kEuler).steps(12).shift(3.0).guidance_scale(scale);
+    auto options = megaslide::FlowSamplerOptions()
+                       .kind(megaslide::FlowSamplerKind::kEuler)
+                       .steps(12)
+                       .shift(3.0)
+                       .guidance_scale(scale);
     auto out = megaslide::flow_sample(oracle, options, shape, {1, 2}, cond, uncond, torch::kCPU);
     EXPECT_EQ(calls, 12);
     EXPECT_LT((out - scale * c).abs().max().item<double>(), 1e-4) << "guidance " << scale;
   }
   // Different seeds start from different noise; the same seed from the same.
   auto options = megaslide::FlowSamplerOptions().kind(megaslide::FlowSamplerKind::kUniPC).steps(3).guidance_scale(1.0);
-  auto zero = [](const torch::Tensor& x, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&) { return torch::zeros_like(x); };
-  auto a = megaslide::flow_sample(zero, options, shape, {5, 5, 6}, megaslide::Conditioning{torch::ones({3, 1}), {}}, {}, torch::kCPU);
+  auto zero = [](const torch::Tensor& x, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&) {
+    return torch::zeros_like(x);
+  };
+  auto a = megaslide::flow_sample(zero, options, shape, {5, 5, 6}, megaslide::Conditioning{torch::ones({3, 1}), {}}, {},
+                                  torch::kCPU);
   EXPECT_TRUE(torch::equal(a[0], a[1]));
   EXPECT_FALSE(torch::equal(a[0], a[2]));
 }

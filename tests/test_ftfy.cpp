@@ -54,7 +54,8 @@ const std::vector<Case>& cases() {
     const auto doc = nlohmann::json::parse(megaslide::io::read_file(kFixture));
     std::vector<Case> out;
     for (const auto& c : doc.at("cases"))
-      out.push_back({fixture_string(c.at("in")), fixture_string(c.at("fix_text")), fixture_string(c.at("prompt_clean"))});
+      out.push_back(
+          {fixture_string(c.at("in")), fixture_string(c.at("fix_text")), fixture_string(c.at("prompt_clean"))});
     return out;
   }();
   return all;
@@ -70,7 +71,8 @@ TEST(Ftfy, FixTextEqualsFtfyOnEveryFixtureString) {
     changed += c.fix_text != c.input;
     EXPECT_EQ(escaped(got), escaped(c.fix_text)) << "case " << i << ": " << escaped(c.input);
   }
-  std::printf("ftfy_fix_text == ftfy.fix_text on %zu of %zu strings (%zu of which ftfy changes)\n", equal, cases().size(), changed);
+  std::printf("ftfy_fix_text == ftfy.fix_text on %zu of %zu strings (%zu of which ftfy changes)\n", equal,
+              cases().size(), changed);
   EXPECT_GE(changed, cases().size() / 2);  // the fixture exercises the repairs, not only text left alone
 }
 
@@ -87,11 +89,11 @@ TEST(Ftfy, WanPromptCleanEqualsDiffusersPromptCleanOnEveryFixtureString) {
 
 TEST(Ftfy, IsBadFlagsMojibakeAndPassesGoodText) {
   using megaslide::ftfy_is_bad;
-  EXPECT_TRUE(ftfy_is_bad("caf\xC3\x83\xC2\xA9"));                     // "cafÃ©"
+  EXPECT_TRUE(ftfy_is_bad("caf\xC3\x83\xC2\xA9"));                    // "cafÃ©"
   EXPECT_TRUE(ftfy_is_bad("\xC3\xA2\xE2\x82\xAC\xC5\x93quoted"));     // "â€œquoted"
-  EXPECT_TRUE(ftfy_is_bad("x\xC2\x85y"));                              // a C1 control
-  EXPECT_TRUE(ftfy_is_bad("\xC3\x83 la"));                             // "Ã " at the start
-  EXPECT_FALSE(ftfy_is_bad("caf\xC3\xA9 cr\xC3\xA8me"));               // "café crème"
+  EXPECT_TRUE(ftfy_is_bad("x\xC2\x85y"));                             // a C1 control
+  EXPECT_TRUE(ftfy_is_bad("\xC3\x83 la"));                            // "Ã " at the start
+  EXPECT_FALSE(ftfy_is_bad("caf\xC3\xA9 cr\xC3\xA8me"));              // "café crème"
   EXPECT_FALSE(ftfy_is_bad("\xE4\xB8\x80\xE5\x8F\xAA\xE7\x8C\xAB"));  // "一只猫"
   EXPECT_FALSE(ftfy_is_bad("plain ASCII"));
   EXPECT_FALSE(ftfy_is_bad(""));

@@ -94,7 +94,8 @@ struct Expected {
 Expected expected_host(const plan::StepPlan& plan) {
   const auto& d = plan.device;
   const int64_t resident_weights = d.resident_state / 4;
-  return {static_cast<double>(resident_weights + std::max(plan.host.construction_peak, plan.host.steady() + d.weight_slots)),
+  return {static_cast<double>(resident_weights +
+                              std::max(plan.host.construction_peak, plan.host.steady() + d.weight_slots)),
           static_cast<double>(plan.host.steady() + d.weight_slots + d.gradient_slots + d.resident_state)};
 }
 
@@ -139,7 +140,8 @@ TEST(HostMemory, PlanMatchesTheResidentSetSizeOfAStreamedRun) {
     warm.step();
     warm.synchronize();
   }
-  for (const auto& [state, compute] : std::vector<std::pair<std::string, std::string>>{{"fp32", "bf16"}, {"int8", "bf16"}, {"fp32", "fp32"}, {"int8", "fp32"}}) {
+  for (const auto& [state, compute] : std::vector<std::pair<std::string, std::string>>{
+           {"fp32", "bf16"}, {"int8", "bf16"}, {"fp32", "fp32"}, {"int8", "fp32"}}) {
     SCOPED_TRACE(state + " moments, " + compute + " compute");
     const auto config = small_50m(state, compute);
     const auto plan = plan::plan_step(config, plan::load_hardware_profile("h200"));
@@ -150,10 +152,12 @@ TEST(HostMemory, PlanMatchesTheResidentSetSizeOfAStreamedRun) {
     const double steady_ratio = static_cast<double>(m.steady) / expected_steady;
     RecordProperty(state + "_" + compute + "_start_ratio", std::to_string(start_ratio));
     RecordProperty(state + "_" + compute + "_steady_ratio", std::to_string(steady_ratio));
-    std::printf("%s moments, %s compute: start-up %.1f MB measured, %.1f MB planned (%.3f); after a step %.1f MB measured, %.1f MB "
-                "planned (%.3f), %.1f MB before malloc_trim\n",
-                state.c_str(), compute.c_str(), m.construction_peak / 1e6, expected_start / 1e6, start_ratio, m.steady / 1e6, expected_steady / 1e6,
-                steady_ratio, m.untrimmed / 1e6);
+    std::printf(
+        "%s moments, %s compute: start-up %.1f MB measured, %.1f MB planned (%.3f); after a step %.1f MB measured, "
+        "%.1f MB "
+        "planned (%.3f), %.1f MB before malloc_trim\n",
+        state.c_str(), compute.c_str(), m.construction_peak / 1e6, expected_start / 1e6, start_ratio, m.steady / 1e6,
+        expected_steady / 1e6, steady_ratio, m.untrimmed / 1e6);
     EXPECT_NEAR(start_ratio, 1.0, 0.05);
     EXPECT_NEAR(steady_ratio, 1.0, 0.05);
   }
@@ -167,7 +171,8 @@ int64_t run_peak_rss_bytes(int64_t layers, const std::string& run_dir) {
   io::remove_tree(run_dir);
   const std::string bin = std::string(MEGASLIDE_BINARY_DIR) + "/bin/megaslide-train";
   const std::string config = std::string(MEGASLIDE_SOURCE_DIR) + "/configs/small-50m.yaml";
-  std::vector<std::string> args{bin, "--config", config, "--run-dir", run_dir, "--set", "model.layers=" + std::to_string(layers)};
+  std::vector<std::string> args{
+      bin, "--config", config, "--run-dir", run_dir, "--set", "model.layers=" + std::to_string(layers)};
   for (const char* set : {"data.frames=2", "data.height=16", "data.width=16", "train.batch_size=1", "train.steps=2",
                           "train.checkpoint_every=0", "train.device=cpu", "output.progress=false"}) {
     args.push_back("--set");
@@ -223,9 +228,10 @@ TEST(HostMemory, ARunsPeakPerAddedParameterIsThePlans) {
   const double added = static_cast<double>(p_many.streamed_params - p_few.streamed_params);
   const double measured = static_cast<double>(rss_many - rss_few) / added;
   const double plan = static_cast<double>(p_many.host.peak() - p_few.host.peak()) / added;
-  std::printf("compute %s: peak RSS %.1f MB at %ld blocks, %.1f MB at %ld: %.2f B per added parameter, planned %.2f (%.3f)\n",
-              resolve_auto_settings(small_50m("fp32", "auto")).offload.compute_dtype.c_str(), rss_few / 1e6, static_cast<long>(few),
-              rss_many / 1e6, static_cast<long>(many), measured, plan, measured / plan);
+  std::printf(
+      "compute %s: peak RSS %.1f MB at %ld blocks, %.1f MB at %ld: %.2f B per added parameter, planned %.2f (%.3f)\n",
+      resolve_auto_settings(small_50m("fp32", "auto")).offload.compute_dtype.c_str(), rss_few / 1e6,
+      static_cast<long>(few), rss_many / 1e6, static_cast<long>(many), measured, plan, measured / plan);
   EXPECT_NEAR(measured / plan, 1.0, 0.05);
 }
 
@@ -243,8 +249,9 @@ diffusion: {objective: flow}
 train: {batch_size: 1, device: cpu, threads: 2, seed: 3}
 offload: {compute_dtype: bf16, optimizer_threads: 2}
 )";
-  return parse_run_config(yaml, "test", {"model.wan.layers=" + std::to_string(layers), "model.wan.dim=" + std::to_string(dim),
-                                         "model.wan.ffn_dim=" + std::to_string(4 * dim)});
+  return parse_run_config(yaml, "test",
+                          {"model.wan.layers=" + std::to_string(layers), "model.wan.dim=" + std::to_string(dim),
+                           "model.wan.ffn_dim=" + std::to_string(4 * dim)});
 }
 
 WanLatentData wan_data() {
@@ -278,10 +285,11 @@ TEST(HostMemory, WanStartsWithoutAFullCopyOfTheModel) {
   const double steady_ratio = static_cast<double>(m.steady) / expected_steady;
   RecordProperty("wan_start_ratio", std::to_string(start_ratio));
   RecordProperty("wan_steady_ratio", std::to_string(steady_ratio));
-  std::printf("Wan %lld parameters: start-up %.1f MB measured, %.1f MB planned (%.3f); after a step %.1f MB measured, %.1f MB "
-              "planned (%.3f), %.1f MB before malloc_trim; the model in fp32 is %.1f MB\n",
-              static_cast<long long>(plan.params), m.construction_peak / 1e6, expected_start / 1e6, start_ratio, m.steady / 1e6,
-              expected_steady / 1e6, steady_ratio, m.untrimmed / 1e6, 4.0 * static_cast<double>(plan.params) / 1e6);
+  std::printf(
+      "Wan %lld parameters: start-up %.1f MB measured, %.1f MB planned (%.3f); after a step %.1f MB measured, %.1f MB "
+      "planned (%.3f), %.1f MB before malloc_trim; the model in fp32 is %.1f MB\n",
+      static_cast<long long>(plan.params), m.construction_peak / 1e6, expected_start / 1e6, start_ratio, m.steady / 1e6,
+      expected_steady / 1e6, steady_ratio, m.untrimmed / 1e6, 4.0 * static_cast<double>(plan.params) / 1e6);
   EXPECT_NEAR(start_ratio, 1.0, 0.05);
   EXPECT_NEAR(steady_ratio, 1.0, 0.05);
 }
@@ -349,10 +357,13 @@ TEST(HostMemory, StreamedWanSamplingStartsWithoutAFullFp32Copy) {
   const int64_t resident_bytes = fp32_bytes - 2 * host_bytes;  // all but the blocks' streamed parameters, in fp32
   const double expected = static_cast<double>(host_bytes + resident_bytes + std::max(2 * block_fp32_bytes, slot_bytes));
   RecordProperty("wan_sample_start_ratio", std::to_string(peak / expected));
-  std::printf("Wan sampling start-up: %.1f MB measured (resident set peak less the %.1f MB file), %.1f MB expected (bf16 host %.1f MB, "
-              "fp32 resident parts %.1f MB, two fp32 blocks %.1f MB, slots %.1f MB): %.3f; the model in fp32 is %.1f MB (%.3f)\n",
-              peak / 1e6, file_bytes / 1e6, expected / 1e6, host_bytes / 1e6, resident_bytes / 1e6, 2 * block_fp32_bytes / 1e6, slot_bytes / 1e6,
-              peak / expected, fp32_bytes / 1e6, peak / static_cast<double>(fp32_bytes));
+  std::printf(
+      "Wan sampling start-up: %.1f MB measured (resident set peak less the %.1f MB file), %.1f MB expected (bf16 host "
+      "%.1f MB, "
+      "fp32 resident parts %.1f MB, two fp32 blocks %.1f MB, slots %.1f MB): %.3f; the model in fp32 is %.1f MB "
+      "(%.3f)\n",
+      peak / 1e6, file_bytes / 1e6, expected / 1e6, host_bytes / 1e6, resident_bytes / 1e6, 2 * block_fp32_bytes / 1e6,
+      slot_bytes / 1e6, peak / expected, fp32_bytes / 1e6, peak / static_cast<double>(fp32_bytes));
   EXPECT_GE(peak, host_bytes);
   EXPECT_LE(peak, 1.3 * expected);
   EXPECT_LT(peak, 0.85 * static_cast<double>(fp32_bytes));
@@ -369,28 +380,33 @@ TEST(HostMemory, ResidentWanSamplingStartsWithoutAFullFp32Copy) {
   const std::string weights = dir + "/wan.safetensors";
   auto config = wan_8x512(16);
   const auto sizes = write_bf16_wan(config, weights);
-  const int64_t fp32_bytes = sizes.fp32_bytes, block_fp32_bytes = sizes.block_fp32_bytes, streamed_numel = sizes.streamed_numel;
+  const int64_t fp32_bytes = sizes.fp32_bytes, block_fp32_bytes = sizes.block_fp32_bytes,
+                streamed_numel = sizes.streamed_numel;
   config.model.wan.weights = weights;
   const auto file_bytes = static_cast<int64_t>(io::file_size(weights));
   {  // warm-up: the loaders' first use
-    ResidentWanDenoiser warm(wan_model_from_config(config, "test", /*blocks_on_demand=*/true), torch::kCPU, torch::kBFloat16);
+    ResidentWanDenoiser warm(wan_model_from_config(config, "test", /*blocks_on_demand=*/true), torch::kCPU,
+                             torch::kBFloat16);
   }
   malloc_trim(0);
   const int64_t before = proc_status_bytes("VmRSS");
   if (!reset_peak_rss()) GTEST_SKIP() << "/proc/self/clear_refs is not writable here";
   int64_t peak = 0;
   {
-    ResidentWanDenoiser denoiser(wan_model_from_config(config, "test", /*blocks_on_demand=*/true), torch::kCPU, torch::kBFloat16);
+    ResidentWanDenoiser denoiser(wan_model_from_config(config, "test", /*blocks_on_demand=*/true), torch::kCPU,
+                                 torch::kBFloat16);
     peak = proc_status_bytes("VmHWM") - before - file_bytes;
   }
   io::remove_tree(dir);
   const int64_t bf16_bytes = 2 * streamed_numel;
   const int64_t other_bytes = fp32_bytes - 4 * streamed_numel;  // all but the blocks' streamed parameters, in fp32
   const double expected = static_cast<double>(bf16_bytes + other_bytes + 2 * block_fp32_bytes);
-  std::printf("resident Wan sampling start-up: %.1f MB measured (resident set peak less the %.1f MB file), %.1f MB expected (bf16 blocks "
-              "%.1f MB, fp32 parts %.1f MB, two fp32 blocks %.1f MB): %.3f; the model in fp32 is %.1f MB (%.3f)\n",
-              peak / 1e6, file_bytes / 1e6, expected / 1e6, bf16_bytes / 1e6, other_bytes / 1e6, 2 * block_fp32_bytes / 1e6, peak / expected,
-              fp32_bytes / 1e6, peak / static_cast<double>(fp32_bytes));
+  std::printf(
+      "resident Wan sampling start-up: %.1f MB measured (resident set peak less the %.1f MB file), %.1f MB expected "
+      "(bf16 blocks "
+      "%.1f MB, fp32 parts %.1f MB, two fp32 blocks %.1f MB): %.3f; the model in fp32 is %.1f MB (%.3f)\n",
+      peak / 1e6, file_bytes / 1e6, expected / 1e6, bf16_bytes / 1e6, other_bytes / 1e6, 2 * block_fp32_bytes / 1e6,
+      peak / expected, fp32_bytes / 1e6, peak / static_cast<double>(fp32_bytes));
   EXPECT_GE(peak, bf16_bytes);
   EXPECT_LE(peak, 1.3 * expected);
   EXPECT_LT(peak, 0.85 * static_cast<double>(fp32_bytes));
@@ -408,12 +424,13 @@ TEST(HostMemory, ResidentWanSamplingStartsWithoutAFullFp32Copy) {
 TEST(HostMemory, WanValidationSamplesTheStoreInPlace) {
   mallopt(M_MMAP_THRESHOLD, 1 << 20);
   const std::string fixtures = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/";
-  const auto config = parse_run_config(to_yaml(wan_8x512(8)), "test",
-                                       {"model.wan.text_dim=24", "model.wan.in_channels=16", "model.wan.out_channels=16", "data.channels=16",
-                                        "model.text_encoder.kind=umt5", "model.text_encoder.weights=" + fixtures + "umt5/hf",
-                                        "model.text_encoder.vocab=" + fixtures + "umt5/tokenizer/spiece.model", "model.vae.kind=wan",
-                                        "model.vae.weights=" + fixtures + "wan_vae/tiny", "model.vae.latent_channels=16",
-                                        "diffusion.sample_steps=2", "diffusion.caption_dropout=0", "offload.compute_dtype=fp32"});
+  const auto config = parse_run_config(
+      to_yaml(wan_8x512(8)), "test",
+      {"model.wan.text_dim=24", "model.wan.in_channels=16", "model.wan.out_channels=16", "data.channels=16",
+       "model.text_encoder.kind=umt5", "model.text_encoder.weights=" + fixtures + "umt5/hf",
+       "model.text_encoder.vocab=" + fixtures + "umt5/tokenizer/spiece.model", "model.vae.kind=wan",
+       "model.vae.weights=" + fixtures + "wan_vae/tiny", "model.vae.latent_channels=16", "diffusion.sample_steps=2",
+       "diffusion.caption_dropout=0", "offload.compute_dtype=fp32"});
   torch::manual_seed(11);
   WanLatentData data;
   data.latents = torch::randn({2, 16, 2, 8, 8});
@@ -432,8 +449,10 @@ TEST(HostMemory, WanValidationSamplesTheStoreInPlace) {
   for (int64_t l = 0; l < store.num_blocks(); ++l) largest_block = std::max(largest_block, store.block_numel(l));
   const int64_t slot_bytes = 4 * largest_block * 4;  // two weight and two gradient slots in fp32
   const int64_t blocks_bytes = store.memory_report().master_bytes;
-  RecordProperty("wan_validation_peak_over_slots", std::to_string(static_cast<double>(peak) / static_cast<double>(slot_bytes)));
-  std::printf("Wan validation sampling: resident set peak +%.1f MB; the sampler's slots %.1f MB (%.3f); the blocks %.1f MB\n", peak / 1e6,
-              slot_bytes / 1e6, static_cast<double>(peak) / static_cast<double>(slot_bytes), blocks_bytes / 1e6);
+  RecordProperty("wan_validation_peak_over_slots",
+                 std::to_string(static_cast<double>(peak) / static_cast<double>(slot_bytes)));
+  std::printf(
+      "Wan validation sampling: resident set peak +%.1f MB; the sampler's slots %.1f MB (%.3f); the blocks %.1f MB\n",
+      peak / 1e6, slot_bytes / 1e6, static_cast<double>(peak) / static_cast<double>(slot_bytes), blocks_bytes / 1e6);
   EXPECT_LT(peak, slot_bytes + blocks_bytes / 4);  // a copy of the blocks would exceed this
 }

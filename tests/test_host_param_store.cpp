@@ -79,7 +79,8 @@ TEST(HostParamStore, BuffersStartZeroedThroughFirstTouchAndPageAligned) {
       EXPECT_EQ(touched.load(), store.block_numel(0) + store.block_numel(1));
       EXPECT_EQ(store.pinned(), torch::cuda::is_available());
       for (int64_t b = 0; b < store.num_blocks(); ++b) {
-        std::vector<torch::Tensor> buffers{store.master(b), store.exp_avg(b), store.exp_avg_sq(b), store.compute(b), store.grad(b)};
+        std::vector<torch::Tensor> buffers{store.master(b), store.exp_avg(b), store.exp_avg_sq(b), store.compute(b),
+                                           store.grad(b)};
         if (state == megaslide::offload::StateDtype::kInt8) {
           buffers.push_back(store.exp_avg_scale(b));
           buffers.push_back(store.exp_avg_sq_scale(b));
@@ -150,8 +151,8 @@ TEST(HostParamStore, MemoryReportMatchesTheBudgetPerParameter) {
   EXPECT_EQ(r.pinned_bytes, torch::cuda::is_available() ? 2 * n : 0);
 
   const std::string table = r.to_string();
-  for (const char* row : {"fp32 master", "fp32 exp_avg (m)", "fp32 exp_avg_sq (v)", "bf16 transfer buffer (compute copy / gradient)",
-                          "total", "14.000"}) {
+  for (const char* row : {"fp32 master", "fp32 exp_avg (m)", "fp32 exp_avg_sq (v)",
+                          "bf16 transfer buffer (compute copy / gradient)", "total", "14.000"}) {
     EXPECT_NE(table.find(row), std::string::npos) << "missing '" << row << "' in\n" << table;
   }
 
@@ -255,8 +256,7 @@ TEST(HostParamStore, FeedsCpuAdamWBlockByBlock) {
   const torch::Tensor master0 = store.master(0).clone();
   megaslide::offload::CpuAdamW adamw({}, 2);
   for (int64_t b = 0; b < store.num_blocks(); ++b) {
-    adamw.step_block(store.master(b), store.exp_avg(b), store.exp_avg_sq(b), store.grad(b), store.compute(b), 1,
-                     1e-3);
+    adamw.step_block(store.master(b), store.exp_avg(b), store.exp_avg_sq(b), store.grad(b), store.compute(b), 1, 1e-3);
   }
   EXPECT_FALSE(torch::equal(store.master(0), master0));
   EXPECT_TRUE(torch::equal(store.compute(0), store.master(0).to(torch::kBFloat16)));

@@ -138,14 +138,31 @@ TEST(HostileInputs, RunConfigCorpusIsRefusedWithClearErrorsOrLoaded) {
 // The bad configs a hostile user tried (numbers beyond a double or an int64, repeated keys, sizes no
 // machine holds or that overflow 64 bits) are each refused — not loaded, not aborted.
 TEST(HostileInputs, RunConfigsFromTheHostileUserAreAllRefused) {
-  for (const char* name : {"lr_overflow.yaml", "lr_underflow.yaml", "negative_overflow.yaml", "duplicate_key.yaml",
-                           "duplicate_section.yaml", "huge_layers.yaml", "huge_parameters.yaml", "size_product_overflow.yaml",
-                           "batch_beyond_any_machine.yaml", "huge_kernel.yaml", "dense_scores_beyond_any_machine.yaml",
-                           "huge_num_clips.yaml", "huge_grad_accum.yaml", "guidance_nan.yaml", "huge_text_dim.yaml",
-                           "device_index_overflow.yaml", "huge_int.yaml", "nan.yaml", "inf.yaml", "two_documents.yaml",
-                           "non_utf8_path.yaml", "non_utf8_root.yaml"}) {
+  for (const char* name : {"lr_overflow.yaml",
+                           "lr_underflow.yaml",
+                           "negative_overflow.yaml",
+                           "duplicate_key.yaml",
+                           "duplicate_section.yaml",
+                           "huge_layers.yaml",
+                           "huge_parameters.yaml",
+                           "size_product_overflow.yaml",
+                           "batch_beyond_any_machine.yaml",
+                           "huge_kernel.yaml",
+                           "dense_scores_beyond_any_machine.yaml",
+                           "huge_num_clips.yaml",
+                           "huge_grad_accum.yaml",
+                           "guidance_nan.yaml",
+                           "huge_text_dim.yaml",
+                           "device_index_overflow.yaml",
+                           "huge_int.yaml",
+                           "nan.yaml",
+                           "inf.yaml",
+                           "two_documents.yaml",
+                           "non_utf8_path.yaml",
+                           "non_utf8_root.yaml"}) {
     std::string message;
-    EXPECT_EQ(feed_config(io::read_file(corpus("run_config") + "/" + name), &message), 1) << name << " was not refused: " << message;
+    EXPECT_EQ(feed_config(io::read_file(corpus("run_config") + "/" + name), &message), 1)
+        << name << " was not refused: " << message;
   }
 }
 
@@ -172,7 +189,9 @@ TEST(HostileInputs, PromptFilesAreRefusedByLineOrGetSafeUniqueBoundedNames) {
     for (const auto& job : jobs) {
       const std::string& f = job.file;
       EXPECT_LE(f.size() + 4, 255u) << f;
-      EXPECT_TRUE(std::none_of(f.begin(), f.end(), [](char c) { return c == '/' || static_cast<unsigned char>(c) < 0x20 || c == 0x7f; })) << f;
+      EXPECT_TRUE(std::none_of(f.begin(), f.end(), [](char c) {
+        return c == '/' || static_cast<unsigned char>(c) < 0x20 || c == 0x7f;
+      })) << f;
       EXPECT_TRUE(f[0] != '-' && f[0] != '.') << f;
       files.insert(f);
     }
@@ -239,9 +258,11 @@ TEST(HostileInputs, AblateCommandLinesExitTwoWithOneLine) { replay_cli_corpus("m
 TEST(HostileInputs, MutatedSafetensorsNeverEscapeTheReadersErrorType) {
   const std::string scratch = "/tmp/megaslide-test-mutated-" + std::to_string(::getpid()) + ".safetensors";
   std::vector<std::string> seeds;
-  for (const auto& name : io::list_directory(corpus("safetensors"))) seeds.push_back(io::read_file(corpus("safetensors") + "/" + name));
+  for (const auto& name : io::list_directory(corpus("safetensors")))
+    seeds.push_back(io::read_file(corpus("safetensors") + "/" + name));
   // A real weights-shaped file as a seed too.
-  seeds.push_back(io::encode_safetensors({{"w", torch::randn({4, 3})}, {"b", torch::ones({3}, torch::kBFloat16)}}, {{"k", "v"}}));
+  seeds.push_back(
+      io::encode_safetensors({{"w", torch::randn({4, 3})}, {"b", torch::ones({3}, torch::kBFloat16)}}, {{"k", "v"}}));
   std::mt19937_64 rng(20261129);
   int loaded = 0, refused = 0;
   for (int i = 0; i < 3000; ++i) {
@@ -257,7 +278,8 @@ TEST(HostileInputs, MutatedSafetensorsNeverEscapeTheReadersErrorType) {
 
 TEST(HostileInputs, MutatedRunConfigsNeverEscapeTheParsersErrorType) {
   std::vector<std::string> seeds;
-  for (const auto& name : io::list_directory(corpus("run_config"))) seeds.push_back(io::read_file(corpus("run_config") + "/" + name));
+  for (const auto& name : io::list_directory(corpus("run_config")))
+    seeds.push_back(io::read_file(corpus("run_config") + "/" + name));
   seeds.push_back(io::read_file(std::string(MEGASLIDE_SOURCE_DIR) + "/configs/smoke.yaml"));
   std::mt19937_64 rng(11292026);
   int loaded = 0, refused = 0;

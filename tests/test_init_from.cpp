@@ -28,13 +28,21 @@ std::string temp_dir(const std::string& name) {
 }
 
 RunConfig smoke(const std::vector<std::string>& extra = {}) {
-  std::vector<std::string> sets{"train.device=cpu", "offload.enabled=false", "train.batch_size=2", "train.steps=20", "data.frames=4",
-                                "data.height=8", "data.width=8", "model.dsa_kernel=[3,3,3]", "offload.compute_dtype=fp32"};
+  std::vector<std::string> sets{"train.device=cpu",
+                                "offload.enabled=false",
+                                "train.batch_size=2",
+                                "train.steps=20",
+                                "data.frames=4",
+                                "data.height=8",
+                                "data.width=8",
+                                "model.dsa_kernel=[3,3,3]",
+                                "offload.compute_dtype=fp32"};
   sets.insert(sets.end(), extra.begin(), extra.end());
   return megaslide::parse_run_config("", "test", sets);
 }
 
-std::string refusal(const std::string& path, const megaslide::ParameterShapes& shapes, const std::vector<std::string>& allow = {}) {
+std::string refusal(const std::string& path, const megaslide::ParameterShapes& shapes,
+                    const std::vector<std::string>& allow = {}) {
   try {
     megaslide::plan_init_from(path, shapes, allow);
   } catch (const InitFromError& e) {
@@ -120,10 +128,14 @@ TEST(InitFrom, ADenseModelsFusedQkvFeedsDsaQueriesKeysAndValues) {
   const int64_t D = dsa.config().model.hidden;
   for (int64_t l = 0; l < dsa.config().model.layers; ++l) {
     const std::string p = "blocks." + std::to_string(l) + ".attn.";
-    const auto fused = dense_params[p + "qkv.weight"].to(torch::kBFloat16).to(torch::kFloat32);  // the weights file is bf16
+    const auto fused =
+        dense_params[p + "qkv.weight"].to(torch::kBFloat16).to(torch::kFloat32);  // the weights file is bf16
     for (int k = 0; k < 3; ++k)
-      EXPECT_TRUE(torch::equal(dsa_params[p + std::string(1, "qkv"[k]) + ".weight"], fused.slice(0, k * D, (k + 1) * D))) << p << k;
-    EXPECT_TRUE(torch::equal(dsa_params[p + "proj.weight"], dense_params[p + "proj.weight"].to(torch::kBFloat16).to(torch::kFloat32)));
+      EXPECT_TRUE(
+          torch::equal(dsa_params[p + std::string(1, "qkv"[k]) + ".weight"], fused.slice(0, k * D, (k + 1) * D)))
+          << p << k;
+    EXPECT_TRUE(torch::equal(dsa_params[p + "proj.weight"],
+                             dense_params[p + "proj.weight"].to(torch::kBFloat16).to(torch::kFloat32)));
   }
   megaslide::io::remove_tree(dir);
 }
@@ -148,7 +160,8 @@ TEST(InitFrom, BothTrainersStartFromACheckpointsMastersAndContinueAtItsLoss) {
       for (auto& [name, tensor] : started.master) tensor = tensor.clone();
       ASSERT_EQ(started.master.size(), state.master.size());
       std::map<std::string, torch::Tensor> saved(state.master.begin(), state.master.end());
-      for (const auto& [name, t] : started.master) EXPECT_TRUE(torch::equal(t, saved.at(name))) << name << (streamed ? " streamed" : " resident");
+      for (const auto& [name, t] : started.master)
+        EXPECT_TRUE(torch::equal(t, saved.at(name))) << name << (streamed ? " streamed" : " resident");
     }
   }
   // The started run's first loss is run A's weights' loss on the first batch: what a trainer holding A's
@@ -162,8 +175,8 @@ TEST(InitFrom, BothTrainersStartFromACheckpointsMastersAndContinueAtItsLoss) {
   const double expected = rewound.step().loss;
   megaslide::Trainer fresh = resident_trainer(config);
   const double fresh_loss = fresh.step().loss;
-  std::cout << "first-batch loss: run A's weights " << expected << ", started from its checkpoint " << started_loss << ", random start "
-            << fresh_loss << " (run A's last step: " << last_loss << ")\n";
+  std::cout << "first-batch loss: run A's weights " << expected << ", started from its checkpoint " << started_loss
+            << ", random start " << fresh_loss << " (run A's last step: " << last_loss << ")\n";
   EXPECT_EQ(started_loss, expected);
   EXPECT_NE(started_loss, fresh_loss);
   megaslide::io::remove_tree(dir);
@@ -174,12 +187,14 @@ TEST(InitFrom, AnExportedBf16WeightsFileStartsARunAtTheExportedWeightsLoss) {
   auto config = smoke();
   megaslide::Trainer a = resident_trainer(config);
   for (int i = 0; i < 6; ++i) a.step();
-  megaslide::save_weights(dir + "/a.safetensors", config, dit_module(a), dit_text_encoder(a));  // bf16, as --export-weights
+  megaslide::save_weights(dir + "/a.safetensors", config, dit_module(a),
+                          dit_text_encoder(a));  // bf16, as --export-weights
   megaslide::Trainer b = trainer_from(config, dir + "/a.safetensors");
   // Every parameter is A's rounded to bf16.
   const auto started = b.training_state(), saved = a.training_state();
   for (size_t i = 0; i < saved.master.size(); ++i)
-    EXPECT_TRUE(torch::equal(started.master[i].second, saved.master[i].second.to(torch::kBFloat16).to(torch::kFloat32))) << saved.master[i].first;
+    EXPECT_TRUE(torch::equal(started.master[i].second, saved.master[i].second.to(torch::kBFloat16).to(torch::kFloat32)))
+        << saved.master[i].first;
   // The first loss is A's weights' loss on that batch, within what bf16 rounding of the weights moves it.
   megaslide::Trainer rewound = resident_trainer(config);
   auto state = saved;

@@ -37,7 +37,8 @@ using megaslide::testing::VideoFixture;
 
 namespace {
 
-RunConfig video_config(const VideoFixture& fx, const std::string& cache = "", const std::string& clip_start = "center") {
+RunConfig video_config(const VideoFixture& fx, const std::string& cache = "",
+                       const std::string& clip_start = "center") {
   std::vector<std::string> sets{"data.dataset=videos",
                                 "data.clip_start=" + clip_start,
                                 "data.manifest=" + fx.dir + "/opensora.csv",
@@ -94,7 +95,8 @@ TEST(LatentCache, ASecondBuildIntoTheSameFolderIsRefusedWhileTheFirstRuns) {
     build(c, dir, 2);
     ADD_FAILURE() << "a second build ran beside the first";
   } catch (const megaslide::DatasetError& e) {
-    EXPECT_NE(std::string(e.what()).find("being written by another megaslide-cache: pid " + std::to_string(::getpid())), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("being written by another megaslide-cache: pid " + std::to_string(::getpid())),
+              std::string::npos)
         << e.what();
   }
   EXPECT_FALSE(megaslide::io::path_exists(dir + "/cache.json")) << "the refused build wrote nothing";
@@ -122,7 +124,8 @@ TEST(LatentCache, RoundTripGivesTheDecodedClipsAndIdsBitForBit) {
     EXPECT_TRUE(torch::equal(s.text_ids, torch::tensor(tokenizer.encode(cache->caption(i), c.data.max_text_tokens))));
     EXPECT_TRUE(torch::equal(s.text_mask, s.text_ids.ne(0)));
   }
-  EXPECT_TRUE(torch::equal(cache->empty_prompt().text_ids, torch::tensor(tokenizer.encode("", c.data.max_text_tokens))));
+  EXPECT_TRUE(
+      torch::equal(cache->empty_prompt().text_ids, torch::tensor(tokenizer.encode("", c.data.max_text_tokens))));
   EXPECT_EQ(cache->bad().size(), 3u);
 }
 
@@ -133,9 +136,10 @@ TEST(LatentCache, AnInterruptedBuildResumesAndEndsWithTheSameFiles) {
   const std::string full = fx.dir + "/full", part = fx.dir + "/part";
   build(c, full, 2);
   // Interrupted after the second shard (items 0-3 done).
-  EXPECT_THROW(build(c, part, 2, [](int64_t done, int64_t, int64_t) {
-                 if (done == 4) throw std::runtime_error("killed");
-               }),
+  EXPECT_THROW(build(c, part, 2,
+                     [](int64_t done, int64_t, int64_t) {
+                       if (done == 4) throw std::runtime_error("killed");
+                     }),
                std::runtime_error);
   EXPECT_NE(expect_refused(c, part).find("incomplete"), std::string::npos);
   // Damage the first shard: it must be written again, the second kept.
@@ -153,9 +157,11 @@ TEST(LatentCache, AnInterruptedBuildResumesAndEndsWithTheSameFiles) {
   EXPECT_EQ(r.shards, 2);
   EXPECT_EQ(r.items, 5);
   bool warned = false;
-  for (const auto& w : warnings) warned |= w.find("shard-00000") != std::string::npos && w.find("does not verify") != std::string::npos;
+  for (const auto& w : warnings)
+    warned |= w.find("shard-00000") != std::string::npos && w.find("does not verify") != std::string::npos;
   EXPECT_TRUE(warned);
-  for (const char* f : {"shard-00000.safetensors", "shard-00001.safetensors", "shard-00002.safetensors", "empty_prompt.safetensors"})
+  for (const char* f :
+       {"shard-00000.safetensors", "shard-00001.safetensors", "shard-00002.safetensors", "empty_prompt.safetensors"})
     EXPECT_EQ(megaslide::io::read_file(part + "/" + f), megaslide::io::read_file(full + "/" + f)) << f;
   EXPECT_NO_THROW(LatentCache::open(c, part));
   // Run again on a complete cache: everything kept.
@@ -238,7 +244,8 @@ TEST(LatentCache, TrainingFromTheCacheEqualsTrainingFromDecodingAndResumesBitExa
   ASSERT_EQ(decoded.size(), cached.size());
   for (size_t i = 0; i < decoded.size(); ++i) EXPECT_EQ(decoded[i], cached[i]) << "step " << i + 1;
   for (size_t i = 0; i < decoded_state.master.size(); ++i)
-    EXPECT_TRUE(torch::equal(decoded_state.master[i].second, cached_state.master[i].second)) << decoded_state.master[i].first;
+    EXPECT_TRUE(torch::equal(decoded_state.master[i].second, cached_state.master[i].second))
+        << decoded_state.master[i].first;
   EXPECT_EQ(decoded_state.data_state, cached_state.data_state);
   // Resume after 3 steps (the state as a checkpoint holds it), from the cache and from decoding — with
   // random clip starts and crops, whose draws differ every epoch.
@@ -249,14 +256,16 @@ TEST(LatentCache, TrainingFromTheCacheEqualsTrainingFromDecodingAndResumesBitExa
   };
   const auto [random_decoded, unused] = losses(random_config(""), 7);
   EXPECT_NE(random_decoded, decoded) << "random draws changed nothing";
-  for (const auto& [c, straight] : {std::make_pair(video_config(fx, dir), decoded), std::make_pair(random_config(""), random_decoded)}) {
+  for (const auto& [c, straight] :
+       {std::make_pair(video_config(fx, dir), decoded), std::make_pair(random_config(""), random_decoded)}) {
     megaslide::Trainer first = resident_trainer(c);
     for (int i = 0; i < 3; ++i) first.step();
     const auto state = first.training_state();
     megaslide::Trainer second = resident_trainer(c);
     second.load_training_state(state);
     for (int i = 3; i < 7; ++i)
-      EXPECT_EQ(second.step().loss, straight[static_cast<size_t>(i)]) << "step " << i + 1 << " cache '" << c.data.cache << "'";
+      EXPECT_EQ(second.step().loss, straight[static_cast<size_t>(i)])
+          << "step " << i + 1 << " cache '" << c.data.cache << "'";
   }
 }
 
@@ -290,8 +299,11 @@ TEST(LatentCache, TheStreamedTrainerTrainsOnBucketedVideosLikeTheResidentOne) {
   }
   EXPECT_EQ(dit_batches(resident).state(), dit_batches(streamed).state());
   const auto& p = c.model.patch;
-  const auto tokens_of = [&](int64_t f, int64_t h, int64_t w) { return c.train.batch_size * (f / p[0]) * (h / p[1]) * (w / p[2]); };
-  EXPECT_EQ(tokens_per_step, (std::set<int64_t>{tokens_of(4, 12, 16), tokens_of(4, 16, 8)})) << "both buckets' batches, each counted at its own size";
+  const auto tokens_of = [&](int64_t f, int64_t h, int64_t w) {
+    return c.train.batch_size * (f / p[0]) * (h / p[1]) * (w / p[2]);
+  };
+  EXPECT_EQ(tokens_per_step, (std::set<int64_t>{tokens_of(4, 12, 16), tokens_of(4, 16, 8)}))
+      << "both buckets' batches, each counted at its own size";
 }
 
 TEST(LatentCache, PinnedBatchesReachTheGpuAsOnTheCpu_CUDA) {
@@ -355,7 +367,9 @@ TEST(LatentCache, ARunResumedFromItsCheckpointMaySwitchFromDecodingToTheCache) {
 
 namespace {
 
-std::string fixture(const std::string& relative) { return std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/" + relative; }
+std::string fixture(const std::string& relative) {
+  return std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/" + relative;
+}
 
 // A tiny Wan over the videos: pixel clips of 5 frames of 32x32 -> Wan VAE latents 16 x 2 x 4 x 4; umT5's
 // embeddings 512 x 24. fp32 compute pinned (this CPU would pick bf16).
@@ -473,7 +487,8 @@ TEST(WanCache, TrainingFromTheCacheEqualsTrainingFromTheTensorsFileAndMismatches
   build(c, dir, 2);
   const auto direct = wan_direct(c);
   const std::string file = fx.dir + "/latents.safetensors";
-  megaslide::io::write_safetensors(file, {{"latents", direct.latents}, {"text", direct.text}, {"empty_text", direct.empty_text}});
+  megaslide::io::write_safetensors(
+      file, {{"latents", direct.latents}, {"text", direct.text}, {"empty_text", direct.empty_text}});
   const auto latent = megaslide::wan_latent_config(c);
   EXPECT_EQ(latent.data.dataset, "latent-tensors");
   EXPECT_EQ(latent.data.channels, 16);
@@ -484,7 +499,8 @@ TEST(WanCache, TrainingFromTheCacheEqualsTrainingFromTheTensorsFileAndMismatches
   EXPECT_EQ(from_cache, from_file);
   auto no_dropout = latent;
   no_dropout.diffusion.caption_dropout = 0.0;
-  EXPECT_NE(wan_losses(no_dropout, megaslide::WanLatentData::load(file), 8), from_file) << "caption dropout changed nothing";
+  EXPECT_NE(wan_losses(no_dropout, megaslide::WanLatentData::load(file), 8), from_file)
+      << "caption dropout changed nothing";
 
   auto refused = [&](const RunConfig& other) {
     try {
@@ -497,14 +513,18 @@ TEST(WanCache, TrainingFromTheCacheEqualsTrainingFromTheTensorsFileAndMismatches
   };
   // Another umT5 file (ComfyUI's fp16 single file of the same model), another VAE file, other sizes and
   // frame sampling.
-  auto what = refused(wan_video_config(fx, dir, {"model.text_encoder.weights=" + fixture("umt5/comfy_umt5_fp16.safetensors")}));
+  auto what =
+      refused(wan_video_config(fx, dir, {"model.text_encoder.weights=" + fixture("umt5/comfy_umt5_fp16.safetensors")}));
   EXPECT_NE(what.find("other encoders (text_encoder.files"), std::string::npos) << what;
-  EXPECT_NE(what.find("comfy_umt5_fp16.safetensors"), std::string::npos) << what;  // the values that differ, not the rest
+  EXPECT_NE(what.find("comfy_umt5_fp16.safetensors"), std::string::npos)
+      << what;  // the values that differ, not the rest
   EXPECT_EQ(what.find("diffusion_pytorch_model"), std::string::npos) << what;
   what = refused(wan_video_config(fx, dir, {"model.vae.weights=" + fixture("wan_vae/wan_2.1_vae_tiny.safetensors")}));
   EXPECT_NE(what.find("other encoders (vae.files"), std::string::npos) << what;
   what = refused(wan_video_config(fx, dir, {"data.frames=9"}));
-  EXPECT_NE(what.find("other decode settings (buckets is [[5,32,32]] in the cache, [[9,32,32]] now)"), std::string::npos) << what;
+  EXPECT_NE(what.find("other decode settings (buckets is [[5,32,32]] in the cache, [[9,32,32]] now)"),
+            std::string::npos)
+      << what;
   what = refused(wan_video_config(fx, dir, {"data.frame_stride=1"}));
   EXPECT_NE(what.find("other decode settings (frame_stride"), std::string::npos) << what;
   what = refused(wan_video_config(fx, dir, {"model.vae.tile_size=16"}));

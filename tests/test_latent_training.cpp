@@ -44,7 +44,8 @@ RunConfig small_config(std::vector<std::string> overrides = {}) {
 std::string absolute_sets() {
   return " --set model.text_encoder.weights=" + source_path("tests/fixtures/clip/text_only") +
          " --set model.text_encoder.vocab=" + source_path("tests/fixtures/clip") +
-         " --set model.vae.weights=" + source_path("tests/fixtures/vae/tiny") + " --set train.device=cpu --set output.progress=false";
+         " --set model.vae.weights=" + source_path("tests/fixtures/vae/tiny") +
+         " --set train.device=cpu --set output.progress=false";
 }
 
 std::string fresh_dir(const std::string& name) {
@@ -88,7 +89,8 @@ TEST(LatentConfig, NestedKeysParseRoundTripAndOverride) {
   EXPECT_EQ(back.model.text_encoder.kind, "clip");
   // A pixel model's samples are the video's.
   const RunConfig pixel;
-  EXPECT_EQ(megaslide::model_sample_shape(pixel), (std::array<int64_t, 4>{3, pixel.data.frames, pixel.data.height, pixel.data.width}));
+  EXPECT_EQ(megaslide::model_sample_shape(pixel),
+            (std::array<int64_t, 4>{3, pixel.data.frames, pixel.data.height, pixel.data.width}));
 }
 
 TEST(LatentConfig, BadValuesNameTheKey) {
@@ -101,10 +103,12 @@ TEST(LatentConfig, BadValuesNameTheKey) {
   EXPECT_EQ(key("model: {vae: {weights: /x}}"), "model.vae.weights");  // kind none reads no weights
   EXPECT_EQ(key("model: {vae: {kind: sd, weights: /x, colour: 3}}"), "model.vae.colour");
   EXPECT_EQ(key("model: {vae: sd}"), "model.vae");
-  EXPECT_EQ(key("model: {vae: {kind: sd, weights: /x}}\ndata: {height: 20}"), "data.height");  // not a multiple of 8 x 2
+  EXPECT_EQ(key("model: {vae: {kind: sd, weights: /x}}\ndata: {height: 20}"),
+            "data.height");  // not a multiple of 8 x 2
   EXPECT_EQ(key("model: {vae: {kind: sd, weights: /x}}\ndata: {channels: 4}"), "data.channels");
   EXPECT_EQ(key("model: {vae: {kind: sd, weights: /x, tile_size: 100}}"), "model.vae.tile_size");
-  EXPECT_EQ(key("model: {text_encoder: {kind: clip, weights: /x}}\ndata: {max_text_tokens: 78}"), "data.max_text_tokens");
+  EXPECT_EQ(key("model: {text_encoder: {kind: clip, weights: /x}}\ndata: {max_text_tokens: 78}"),
+            "data.max_text_tokens");
   EXPECT_EQ(key("", {"model.vae.frames_per_batch=0"}), "model.vae.frames_per_batch");
 }
 
@@ -129,7 +133,8 @@ TEST(FrozenEncoders, LoadTheFixturesAndRefuseFoldersThatDisagreeWithTheConfig) {
   };
   EXPECT_EQ(key({"model.vae.weights=/nonexistent/vae"}), "model.vae.weights");
   EXPECT_EQ(key({"model.text_encoder.weights=/nonexistent/clip"}), "model.text_encoder.weights");
-  EXPECT_EQ(key({"model.vae.weights=" + source_path("tests/fixtures/clip/text_only")}), "model.vae.weights");  // no VAE files there
+  EXPECT_EQ(key({"model.vae.weights=" + source_path("tests/fixtures/clip/text_only")}),
+            "model.vae.weights");                                                // no VAE files there
   EXPECT_EQ(key({"model.vae.latent_channels=4"}), "model.vae.latent_channels");  // the DiT's channels are not the VAE's
   EXPECT_EQ(key({"model.vae.downscale=8", "data.height=64", "data.width=64"}), "model.vae.downscale");
   EXPECT_EQ(key({"model.text_dim=768"}), "model.text_dim");
@@ -185,15 +190,19 @@ TEST(LatentTraining, ResidentAndStreamedTrainersTrainTheLatentDiTAlike) {
 // checkpoint decodes through the VAE into playable videos; a resume with another text encoder is refused.
 TEST(LatentTraining, PaperSmallTrainsWithFallingLossAndSamplesPlayableVideos) {
   const auto dir = fresh_dir("run");
-  auto r = megaslide::testing::run_tool("megaslide-train", "--config " + paper_small() + absolute_sets() + " --run-dir " + dir +
-                                                               " --set train.steps=20 --set train.checkpoint_every=20 --set train.log_every=10 --set offload.compute_dtype=fp32");
+  auto r = megaslide::testing::run_tool("megaslide-train",
+                                        "--config " + paper_small() + absolute_sets() + " --run-dir " + dir +
+                                            " --set train.steps=20 --set train.checkpoint_every=20 --set "
+                                            "train.log_every=10 --set offload.compute_dtype=fp32");
   ASSERT_EQ(r.code, 0) << r.output;
   std::ifstream metrics(join_path(dir, "metrics.jsonl"));
   std::vector<double> losses;
-  for (std::string line; std::getline(metrics, line);) losses.push_back(nlohmann::json::parse(line)["loss"].get<double>());
+  for (std::string line; std::getline(metrics, line);)
+    losses.push_back(nlohmann::json::parse(line)["loss"].get<double>());
   ASSERT_EQ(losses.size(), 20u);
   double first = 0, last = 0;
-  for (int i = 0; i < 5; ++i) first += losses[static_cast<size_t>(i)] / 5, last += losses[losses.size() - 1 - static_cast<size_t>(i)] / 5;
+  for (int i = 0; i < 5; ++i)
+    first += losses[static_cast<size_t>(i)] / 5, last += losses[losses.size() - 1 - static_cast<size_t>(i)] / 5;
   std::cout << "paper-small latent run: mean loss of steps 1-5 " << first << ", of steps 16-20 " << last << "\n";
   EXPECT_LT(last, 0.7 * first) << "the loss did not fall";
   std::string log;
@@ -210,8 +219,9 @@ TEST(LatentTraining, PaperSmallTrainsWithFallingLossAndSamplesPlayableVideos) {
     std::ofstream p(prompts);
     p << "a red ball moves left\nblue stripes oscillate\n";
   }
-  auto s = megaslide::testing::run_tool("megaslide-sample", "--checkpoint " + dir + " --prompts " + prompts + " --out " + out +
-                                                                " --samples-per-prompt 1 --steps 4 --device cpu --no-progress");
+  auto s = megaslide::testing::run_tool("megaslide-sample",
+                                        "--checkpoint " + dir + " --prompts " + prompts + " --out " + out +
+                                            " --samples-per-prompt 1 --steps 4 --device cpu --no-progress");
   ASSERT_EQ(s.code, 0) << s.output;
   int videos = 0;
   for (const auto& name : megaslide::io::list_directory(join_path(out, "videos"))) {
@@ -225,9 +235,10 @@ TEST(LatentTraining, PaperSmallTrainsWithFallingLossAndSamplesPlayableVideos) {
   EXPECT_EQ(videos, 2);
 
   // Resume with the built-in text encoder instead of CLIP: refused, naming the key.
-  auto resume = megaslide::testing::run_tool("megaslide-train", "--config " + paper_small() + absolute_sets() + " --run-dir " + dir +
-                                                                    " --set train.steps=30 --resume latest --set model.text_encoder.kind=builtin "
-                                                                    "--set \"model.text_encoder.weights=''\" --set \"model.text_encoder.vocab=''\"");
+  auto resume = megaslide::testing::run_tool(
+      "megaslide-train", "--config " + paper_small() + absolute_sets() + " --run-dir " + dir +
+                             " --set train.steps=30 --resume latest --set model.text_encoder.kind=builtin "
+                             "--set \"model.text_encoder.weights=''\" --set \"model.text_encoder.vocab=''\"");
   EXPECT_EQ(resume.code, 2) << resume.output;
   EXPECT_NE(resume.output.find("model.text_encoder.kind"), std::string::npos) << resume.output;
   megaslide::io::remove_tree(dir);
@@ -236,27 +247,30 @@ TEST(LatentTraining, PaperSmallTrainsWithFallingLossAndSamplesPlayableVideos) {
 
 TEST(LatentTraining, MissingWeightsOrChannelMismatchExitTwoNamingItAndWriteNothing) {
   const auto dir = fresh_dir("bad");
-  auto r = megaslide::testing::run_tool("megaslide-train", "--config " + paper_small() + absolute_sets() + " --run-dir " + dir +
-                                                               " --set model.vae.weights=/nonexistent/sd-vae");
+  auto r =
+      megaslide::testing::run_tool("megaslide-train", "--config " + paper_small() + absolute_sets() + " --run-dir " +
+                                                          dir + " --set model.vae.weights=/nonexistent/sd-vae");
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("model.vae.weights"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("/nonexistent/sd-vae"), std::string::npos) << r.output;
   EXPECT_FALSE(megaslide::io::path_exists(dir));
 
-  r = megaslide::testing::run_tool("megaslide-train", "--config " + paper_small() + absolute_sets() + " --run-dir " + dir +
-                                                          " --set model.vae.latent_channels=4");
+  r = megaslide::testing::run_tool("megaslide-train", "--config " + paper_small() + absolute_sets() + " --run-dir " +
+                                                          dir + " --set model.vae.latent_channels=4");
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("model.vae.latent_channels"), std::string::npos) << r.output;
   EXPECT_FALSE(megaslide::io::path_exists(dir));
 }
 
 TEST(LatentTraining, PaperConfigPlansWithoutTheWeights) {
-  auto r = megaslide::testing::run_tool("megaslide-train", "--config " + source_path("configs/paper-105b.yaml") + " --dry-run --json");
+  auto r = megaslide::testing::run_tool("megaslide-train",
+                                        "--config " + source_path("configs/paper-105b.yaml") + " --dry-run --json");
   ASSERT_EQ(r.code, 0) << r.output;
   auto j = nlohmann::json::parse(r.output);
   // The 105b architecture (104 x 8192) with CLIP's 768-wide text instead of 4096: narrower cross-attention
   // inputs, 99.9 B trained parameters (CLIP and the VAE are frozen and not counted).
   EXPECT_NEAR(j["params"].get<double>() / 1e9, 99.9, 0.1);
-  EXPECT_EQ(j["tokens_per_sample"].get<int64_t>(), 256 * 68 * 120);  // 1088x1920 pixels -> 136x240 latents -> 68x120 tokens
+  EXPECT_EQ(j["tokens_per_sample"].get<int64_t>(),
+            256 * 68 * 120);  // 1088x1920 pixels -> 136x240 latents -> 68x120 tokens
   EXPECT_EQ(j["token_grid"], nlohmann::json::array({256, 68, 120}));
 }

@@ -28,10 +28,13 @@ namespace {
 
 std::string write_config(const VideoFixture& fx, const std::string& extra = "") {
   const std::string path = fx.dir + "/run.yaml";
-  fx.write("run.yaml", "data:\n  dataset: videos\n  manifest: " + fx.dir + "/webvid.csv\n  frames: 4\n  height: 16\n  width: 16\n"
-                       "  frame_stride: 2\n  max_bad_fraction: 0.5\n  clip_start: center\n" + extra +
-                       "train:\n  steps: 2\n  batch_size: 2\n  device: cpu\n  log_every: 1\n  warmup_steps: 0\noffload:\n  enabled: false\n"
-                       "output:\n  progress: false\n");
+  fx.write("run.yaml", "data:\n  dataset: videos\n  manifest: " + fx.dir +
+                           "/webvid.csv\n  frames: 4\n  height: 16\n  width: 16\n"
+                           "  frame_stride: 2\n  max_bad_fraction: 0.5\n  clip_start: center\n" +
+                           extra +
+                           "train:\n  steps: 2\n  batch_size: 2\n  device: cpu\n  log_every: 1\n  warmup_steps: "
+                           "0\noffload:\n  enabled: false\n"
+                           "output:\n  progress: false\n");
   return path;
 }
 
@@ -101,10 +104,14 @@ TEST(MegaslideCache, TrainingFromTheCacheAndFromDecodingReportsEachBadItemOnce) 
     r = run_tool("megaslide-train", "--config " + config + " --run-dir " + run + extra);
     ASSERT_EQ(r.code, 0) << r.output;
     const std::string log = megaslide::io::read_file(run + "/train.log");
-    for (const char* bad : {"corrupt.mp4", "short.mp4", "missing.mp4"}) EXPECT_EQ(count(log, "bad item skipped: " + fx.dir + "/videos/" + bad), 1u) << bad << "\n" << log;
+    for (const char* bad : {"corrupt.mp4", "short.mp4", "missing.mp4"})
+      EXPECT_EQ(count(log, "bad item skipped: " + fx.dir + "/videos/" + bad), 1u) << bad << "\n" << log;
     EXPECT_EQ(count(log, "bad item skipped"), 3u) << log;
-    EXPECT_NE(log.find("data: 4 usable items of 7 listed (3 bad); buckets (frames x height x width: items) one size 4x16x16; "
-                       "2 steps of 2 items = 1.00 epochs"), std::string::npos) << log;
+    EXPECT_NE(
+        log.find("data: 4 usable items of 7 listed (3 bad); buckets (frames x height x width: items) one size 4x16x16; "
+                 "2 steps of 2 items = 1.00 epochs"),
+        std::string::npos)
+        << log;
     const std::string metrics = megaslide::io::read_file(run + "/metrics.jsonl");
     EXPECT_EQ(count(metrics, "\"data_wait_s\""), 2u) << metrics;
     std::string loss_column;
@@ -115,7 +122,8 @@ TEST(MegaslideCache, TrainingFromTheCacheAndFromDecodingReportsEachBadItemOnce) 
   EXPECT_EQ(losses["decode"], losses["cache"]);
 
   // Too many bad items for the fraction: exit 2 naming them, nothing written.
-  r = run_tool("megaslide-train", "--config " + config + " --run-dir " + fx.dir + "/strict --set data.max_bad_fraction=0.1");
+  r = run_tool("megaslide-train",
+               "--config " + config + " --run-dir " + fx.dir + "/strict --set data.max_bad_fraction=0.1");
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("corrupt.mp4"), std::string::npos) << r.output;
   EXPECT_FALSE(megaslide::io::path_exists(fx.dir + "/strict"));
@@ -130,7 +138,8 @@ TEST(MegaslideCache, BadInputExitsTwoWritingNothing) {
   EXPECT_NE(r.output.find("--out"), std::string::npos) << r.output;
   r = run_tool("megaslide-cache", "--config " + config + " --out " + fx.dir + "/c --set data.frame_stride=0");
   EXPECT_EQ(r.code, 2) << r.output;
-  r = run_tool("megaslide-cache", "--config " + std::string(MEGASLIDE_SOURCE_DIR) + "/configs/smoke.yaml --out " + fx.dir + "/c");
+  r = run_tool("megaslide-cache",
+               "--config " + std::string(MEGASLIDE_SOURCE_DIR) + "/configs/smoke.yaml --out " + fx.dir + "/c");
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_FALSE(megaslide::io::path_exists(fx.dir + "/c"));
   // A cache of another config is not overwritten.
@@ -141,28 +150,39 @@ TEST(MegaslideCache, BadInputExitsTwoWritingNothing) {
   EXPECT_NE(r.output.find("decode settings"), std::string::npos) << r.output;
   EXPECT_EQ(megaslide::io::read_file(fx.dir + "/c/cache.json"), before);
   // train.init_from that does not fit the model: exit 2, run folder not created.
-  r = run_tool("megaslide-train", "--config " + config + " --run-dir " + fx.dir + "/init --set train.init_from=" + fx.dir + "/c/shard-00000.safetensors");
+  r = run_tool("megaslide-train", "--config " + config + " --run-dir " + fx.dir +
+                                      "/init --set train.init_from=" + fx.dir + "/c/shard-00000.safetensors");
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("missing from the file"), std::string::npos) << r.output;
   EXPECT_FALSE(megaslide::io::path_exists(fx.dir + "/init"));
 }
 
 // Wan fine-tuned on videos as a user runs it: megaslide-cache through umT5 and the Wan VAE (tiny fixtures),
-// then megaslide-train from the cache, writing validation videos of the cache's first captions; a Wan run over videos without data.cache, and a cache made with
-// another umT5 file, exit 2 naming them.
+// then megaslide-train from the cache, writing validation videos of the cache's first captions; a Wan run over videos
+// without data.cache, and a cache made with another umT5 file, exit 2 naming them.
 TEST(MegaslideCache, WanCachesItsVideosAndTrainsFromTheCache) {
   if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
   VideoFixture fx("cli-cache-wan", 3, 12, 48, 64);
   const std::string fixtures = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures";
   const std::string config = fx.dir + "/wan.yaml";
-  fx.write("wan.yaml", "model:\n  arch: wan\n  wan: {dim: 24, layers: 2, heads: 2, ffn_dim: 40, freq_dim: 16, text_dim: 24, in_channels: 16, out_channels: 16}\n"
-                       "  text_encoder: {kind: umt5, weights: " + fixtures + "/umt5/hf, vocab: " + fixtures + "/umt5/tokenizer/spiece.model}\n"
-                       "  vae: {kind: wan, weights: " + fixtures + "/wan_vae/tiny, latent_channels: 16}\n"
-                       "data:\n  dataset: videos\n  channels: 3\n  manifest: " + fx.dir + "/webvid.csv\n  frames: 5\n  height: 32\n  width: 32\n"
-                       "  frame_stride: 2\n  max_bad_fraction: 0.5\n  clip_start: center\n  cache: " + fx.dir + "/cache\n"
-                       "diffusion: {objective: flow, shift: 3.0, caption_dropout: 0.2}\n"
-                       "train:\n  steps: 3\n  batch_size: 2\n  device: cpu\n  log_every: 1\n  warmup_steps: 0\n"
-                       "offload:\n  enabled: false\n  compute_dtype: fp32\noutput:\n  progress: false\n");
+  fx.write("wan.yaml",
+           "model:\n  arch: wan\n  wan: {dim: 24, layers: 2, heads: 2, ffn_dim: 40, freq_dim: 16, text_dim: 24, "
+           "in_channels: 16, out_channels: 16}\n"
+           "  text_encoder: {kind: umt5, weights: " +
+               fixtures + "/umt5/hf, vocab: " + fixtures +
+               "/umt5/tokenizer/spiece.model}\n"
+               "  vae: {kind: wan, weights: " +
+               fixtures +
+               "/wan_vae/tiny, latent_channels: 16}\n"
+               "data:\n  dataset: videos\n  channels: 3\n  manifest: " +
+               fx.dir +
+               "/webvid.csv\n  frames: 5\n  height: 32\n  width: 32\n"
+               "  frame_stride: 2\n  max_bad_fraction: 0.5\n  clip_start: center\n  cache: " +
+               fx.dir +
+               "/cache\n"
+               "diffusion: {objective: flow, shift: 3.0, caption_dropout: 0.2}\n"
+               "train:\n  steps: 3\n  batch_size: 2\n  device: cpu\n  log_every: 1\n  warmup_steps: 0\n"
+               "offload:\n  enabled: false\n  compute_dtype: fp32\noutput:\n  progress: false\n");
   auto r = run_tool("megaslide-train", "--config " + config + " --run-dir " + fx.dir + "/early");
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("cache.json"), std::string::npos) << r.output;  // not built yet
@@ -171,7 +191,8 @@ TEST(MegaslideCache, WanCachesItsVideosAndTrainsFromTheCache) {
   EXPECT_NE(r.output.find("data.cache"), std::string::npos) << r.output;
 
   // An encoder that does not fit the config is refused with nothing left behind, not even the --out folder.
-  r = run_tool("megaslide-cache", "--config " + config + " --out " + fx.dir + "/wrong-width --set model.wan.text_dim=32");
+  r = run_tool("megaslide-cache",
+               "--config " + config + " --out " + fx.dir + "/wrong-width --set model.wan.text_dim=32");
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("model.wan.text_dim"), std::string::npos) << r.output;
   EXPECT_FALSE(megaslide::io::path_exists(fx.dir + "/wrong-width")) << "a refused build leaves no folder";
@@ -180,7 +201,8 @@ TEST(MegaslideCache, WanCachesItsVideosAndTrainsFromTheCache) {
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_NE(r.output.find("3 items in " + fx.dir + "/cache"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("items/s"), std::string::npos) << r.output;
-  r = run_tool("megaslide-train", "--config " + config + " --run-dir " + fx.dir + "/run --set train.sample_every=3 --set diffusion.sample_steps=2");
+  r = run_tool("megaslide-train", "--config " + config + " --run-dir " + fx.dir +
+                                      "/run --set train.sample_every=3 --set diffusion.sample_steps=2");
   ASSERT_EQ(r.code, 0) << r.output;
   const std::string metrics = megaslide::io::read_file(fx.dir + "/run/metrics.jsonl");
   EXPECT_EQ(count(metrics, "\"loss\":"), 3u) << metrics;
@@ -189,7 +211,8 @@ TEST(MegaslideCache, WanCachesItsVideosAndTrainsFromTheCache) {
   ASSERT_EQ(index.at("videos").size(), 2u) << index.dump();
   for (size_t i = 0; i < 2; ++i) {
     EXPECT_EQ(index.at("videos")[i].at("prompt").get<std::string>(), fx.captions[i]);
-    const auto frames = megaslide::io::read_video(fx.dir + "/run/samples/step-0000003/videos/" + index.at("videos")[i].at("file").get<std::string>());
+    const auto frames = megaslide::io::read_video(fx.dir + "/run/samples/step-0000003/videos/" +
+                                                  index.at("videos")[i].at("file").get<std::string>());
     EXPECT_EQ(frames.sizes(), (std::vector<int64_t>{5, 32, 32, 3}));
   }
 

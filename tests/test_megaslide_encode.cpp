@@ -45,8 +45,9 @@ TEST(MegaslideEncode, TextWritesTransformersIdsAndEmbeddings) {
   for (const auto& p : prompts) text += p + "\n";
   megaslide::io::write_file_atomically(dir + "/prompts.txt", text);
   auto ref = tensors(kFixtures + "clip/reference.safetensors");
-  auto r = run_tool("megaslide-encode", "text --text-encoder clip --weights " + kFixtures + "clip/full_model --vocab " + kFixtures +
-                                            "clip --prompts " + dir + "/prompts.txt --out " + dir + "/text.safetensors");
+  auto r = run_tool("megaslide-encode", "text --text-encoder clip --weights " + kFixtures + "clip/full_model --vocab " +
+                                            kFixtures + "clip --prompts " + dir + "/prompts.txt --out " + dir +
+                                            "/text.safetensors");
   ASSERT_EQ(r.code, 0) << r.output;
   auto out = tensors(dir + "/text.safetensors");
   EXPECT_TRUE(torch::equal(out.at("ids"), ref.at("ids")));
@@ -54,7 +55,8 @@ TEST(MegaslideEncode, TextWritesTransformersIdsAndEmbeddings) {
   EXPECT_LT(relative_error(out.at("embeddings"), ref.at("full_model.last_hidden_state")), 1e-4);
   EXPECT_LT(relative_error(out.at("pooled"), ref.at("full_model.pooled")), 1e-4);
   // --ids-only needs no model.
-  r = run_tool("megaslide-encode", "text --ids-only --vocab " + kFixtures + "clip --prompts " + dir + "/prompts.txt --out " + dir + "/ids.safetensors");
+  r = run_tool("megaslide-encode", "text --ids-only --vocab " + kFixtures + "clip --prompts " + dir +
+                                       "/prompts.txt --out " + dir + "/ids.safetensors");
   ASSERT_EQ(r.code, 0) << r.output;
   auto ids = tensors(dir + "/ids.safetensors");
   EXPECT_EQ(ids.size(), 2u);
@@ -71,10 +73,11 @@ TEST(MegaslideEncode, Umt5TextWritesWansEmbeddings) {
   megaslide::io::write_file_atomically(dir + "/prompts.txt", text);
   auto ref = tensors(kFixtures + "umt5/reference.safetensors");
   // The diffusers-style root (text_encoder/ shards + tokenizer/) and ComfyUI's single file.
-  for (const auto& [weights, hidden] : std::vector<std::pair<std::string, std::string>>{{"umt5/sharded", "hf.hidden"},
-                                                                                       {"umt5/comfy_umt5_fp16.safetensors", "comfy.hidden"}}) {
-    auto r = run_tool("megaslide-encode", "text --text-encoder umt5 --max-length 40 --batch 2 --weights " + kFixtures + weights + " --prompts " + dir +
-                                              "/prompts.txt --out " + dir + "/umt5.safetensors");
+  for (const auto& [weights, hidden] : std::vector<std::pair<std::string, std::string>>{
+           {"umt5/sharded", "hf.hidden"}, {"umt5/comfy_umt5_fp16.safetensors", "comfy.hidden"}}) {
+    auto r = run_tool("megaslide-encode", "text --text-encoder umt5 --max-length 40 --batch 2 --weights " + kFixtures +
+                                              weights + " --prompts " + dir + "/prompts.txt --out " + dir +
+                                              "/umt5.safetensors");
     ASSERT_EQ(r.code, 0) << r.output;
     auto out = tensors(dir + "/umt5.safetensors");
     EXPECT_TRUE(torch::equal(out.at("ids"), ref.at("ids").to(torch::kLong))) << weights;
@@ -83,8 +86,8 @@ TEST(MegaslideEncode, Umt5TextWritesWansEmbeddings) {
     EXPECT_LT((out.at("embeddings") - ref.at(hidden)).abs().max().item<double>(), 1e-4) << weights;
   }
   // Wan's default length: 512 tokens, embeddings zero past the prompt.
-  auto r = run_tool("megaslide-encode", "text --text-encoder umt5 --weights " + kFixtures + "umt5/hf --prompts " + dir + "/prompts.txt --out " +
-                                            dir + "/wan.safetensors");
+  auto r = run_tool("megaslide-encode", "text --text-encoder umt5 --weights " + kFixtures + "umt5/hf --prompts " + dir +
+                                            "/prompts.txt --out " + dir + "/wan.safetensors");
   ASSERT_EQ(r.code, 0) << r.output;
   auto out = tensors(dir + "/wan.safetensors");
   EXPECT_EQ(out.at("embeddings").sizes(), (std::vector<int64_t>{static_cast<int64_t>(prompts.size()), 512, 24}));
@@ -101,15 +104,18 @@ TEST(MegaslideEncode, VaeEncodeAndDecodeWriteDiffusersOutputs) {
   auto ref = tensors(kFixtures + "vae/reference.safetensors");
   const std::string vae = "--vae sd --weights " + kFixtures + "vae/tiny";
   megaslide::io::write_safetensors(dir + "/images.safetensors", {{"x", ref.at("images")}});
-  auto r = run_tool("megaslide-encode", "vae-encode " + vae + " --in " + dir + "/images.safetensors --out " + dir + "/latents.safetensors");
+  auto r = run_tool("megaslide-encode",
+                    "vae-encode " + vae + " --in " + dir + "/images.safetensors --out " + dir + "/latents.safetensors");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_LT(relative_error(tensors(dir + "/latents.safetensors").at("y"), ref.at("mean") * 0.3), 1e-4);
   megaslide::io::write_safetensors(dir + "/z.safetensors", {{"x", ref.at("latents") * 0.3}});
-  r = run_tool("megaslide-encode", "vae-decode " + vae + " --in " + dir + "/z.safetensors --out " + dir + "/decoded.safetensors");
+  r = run_tool("megaslide-encode",
+               "vae-decode " + vae + " --in " + dir + "/z.safetensors --out " + dir + "/decoded.safetensors");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_LT(relative_error(tensors(dir + "/decoded.safetensors").at("y"), ref.at("decoded")), 1e-4);
   megaslide::io::write_safetensors(dir + "/zt.safetensors", {{"x", ref.at("tiled.latents") * 0.3}});
-  r = run_tool("megaslide-encode", "vae-decode " + vae + " --tile 16 --in " + dir + "/zt.safetensors --out " + dir + "/tiled.safetensors");
+  r = run_tool("megaslide-encode",
+               "vae-decode " + vae + " --tile 16 --in " + dir + "/zt.safetensors --out " + dir + "/tiled.safetensors");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_LT(relative_error(tensors(dir + "/tiled.safetensors").at("y"), ref.at("tiled.decoded")), 1e-4);
   megaslide::io::remove_tree(dir);
@@ -123,11 +129,14 @@ TEST(MegaslideEncode, WanVaeEncodeAndDecodeWriteDiffusersOutputs) {
   megaslide::io::make_directories(dir);
   auto ref = tensors(kFixtures + "wan_vae/reference.safetensors");
   auto config = nlohmann::json::parse(megaslide::io::read_file(kFixtures + "wan_vae/tiny/config.json"));
-  auto stat = [](const nlohmann::json& v) { return torch::tensor(v.get<std::vector<double>>(), torch::kFloat64).to(torch::kFloat32).view({1, -1, 1, 1, 1}); };
+  auto stat = [](const nlohmann::json& v) {
+    return torch::tensor(v.get<std::vector<double>>(), torch::kFloat64).to(torch::kFloat32).view({1, -1, 1, 1, 1});
+  };
   const auto mean = stat(config["latents_mean"]), std = stat(config["latents_std"]);
   const std::string folder = "--vae wan --weights " + kFixtures + "wan_vae/tiny";
   megaslide::io::write_safetensors(dir + "/videos.safetensors", {{"x", ref.at("f5.videos")}});
-  auto r = run_tool("megaslide-encode", "vae-encode " + folder + " --in " + dir + "/videos.safetensors --out " + dir + "/latents.safetensors");
+  auto r = run_tool("megaslide-encode", "vae-encode " + folder + " --in " + dir + "/videos.safetensors --out " + dir +
+                                            "/latents.safetensors");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_LT(relative_error(tensors(dir + "/latents.safetensors").at("y"), (ref.at("f5.mean") - mean) / std), 1e-4);
   // The single file takes Wan 2.1's published statistics.
@@ -135,16 +144,19 @@ TEST(MegaslideEncode, WanVaeEncodeAndDecodeWriteDiffusersOutputs) {
   const auto mean21 = torch::tensor(wan21.latents_mean, torch::kFloat64).to(torch::kFloat32).view({1, -1, 1, 1, 1});
   const auto std21 = torch::tensor(wan21.latents_std, torch::kFloat64).to(torch::kFloat32).view({1, -1, 1, 1, 1});
   megaslide::io::write_safetensors(dir + "/z.safetensors", {{"x", (ref.at("f9.latents") - mean21) / std21}});
-  r = run_tool("megaslide-encode", "vae-decode --vae wan --weights " + kFixtures + "wan_vae/wan_2.1_vae_tiny.safetensors --in " + dir +
-                                       "/z.safetensors --out " + dir + "/decoded.safetensors");
+  r = run_tool("megaslide-encode", "vae-decode --vae wan --weights " + kFixtures +
+                                       "wan_vae/wan_2.1_vae_tiny.safetensors --in " + dir + "/z.safetensors --out " +
+                                       dir + "/decoded.safetensors");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_LT(relative_error(tensors(dir + "/decoded.safetensors").at("y"), ref.at("f9.decoded")), 1e-4);
   megaslide::io::write_safetensors(dir + "/zt.safetensors", {{"x", (ref.at("tiled.latents") - mean) / std}});
-  r = run_tool("megaslide-encode", "vae-decode " + folder + " --tile 16 --tile-stride 8 --in " + dir + "/zt.safetensors --out " + dir + "/tiled.safetensors");
+  r = run_tool("megaslide-encode", "vae-decode " + folder + " --tile 16 --tile-stride 8 --in " + dir +
+                                       "/zt.safetensors --out " + dir + "/tiled.safetensors");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_LT(relative_error(tensors(dir + "/tiled.safetensors").at("y"), ref.at("tiled.decoded")), 1e-4);
   megaslide::io::write_safetensors(dir + "/vt.safetensors", {{"x", ref.at("tiled.videos")}});
-  r = run_tool("megaslide-encode", "vae-encode " + folder + " --tile 16 --tile-stride 8 --in " + dir + "/vt.safetensors --out " + dir + "/tiled_z.safetensors");
+  r = run_tool("megaslide-encode", "vae-encode " + folder + " --tile 16 --tile-stride 8 --in " + dir +
+                                       "/vt.safetensors --out " + dir + "/tiled_z.safetensors");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_LT(relative_error(tensors(dir + "/tiled_z.safetensors").at("y"), (ref.at("tiled.mean") - mean) / std), 1e-4);
   const std::string out = dir + "/out.safetensors";
@@ -173,25 +185,31 @@ TEST(MegaslideEncode, BadInputExitsTwoNamingItAndWritesNothing) {
   megaslide::io::write_safetensors(dir + "/z.safetensors", {{"z", torch::zeros({1, 3, 4, 4})}});
   expect_bad("vae-decode " + vae + " --in " + dir + "/z.safetensors", "has no tensor 'x' (it holds: z)");
   megaslide::io::write_safetensors(dir + "/z.safetensors", {{"x", torch::zeros({1, 4, 4, 4})}});
-  expect_bad("vae-decode " + vae + " --in " + dir + "/z.safetensors", "tensor 'x' has shape [1, 4, 4, 4], expected [N, 3, H, W]");
+  expect_bad("vae-decode " + vae + " --in " + dir + "/z.safetensors",
+             "tensor 'x' has shape [1, 4, 4, 4], expected [N, 3, H, W]");
   megaslide::io::write_safetensors(dir + "/z.safetensors", {{"x", torch::zeros({1, 3, 4, 4}, torch::kInt32)}});
   expect_bad("vae-decode " + vae + " --in " + dir + "/z.safetensors", "tensor 'x' is I32");
   megaslide::io::write_safetensors(dir + "/i.safetensors", {{"x", torch::zeros({1, 3, 6, 8})}});
   expect_bad("vae-encode " + vae + " --in " + dir + "/i.safetensors", "multiples of 4");
   expect_bad("vae-encode " + vae + " --in " + dir + "/missing.safetensors", dir + "/missing.safetensors");
-  expect_bad("vae-encode --vae sd --weights " + dir + "/nowhere --out " + out + " --in " + dir + "/i.safetensors", dir + "/nowhere");
+  expect_bad("vae-encode --vae sd --weights " + dir + "/nowhere --out " + out + " --in " + dir + "/i.safetensors",
+             dir + "/nowhere");
   megaslide::io::write_file_atomically(dir + "/p.txt", "a cat\n");
-  expect_bad("text --weights " + kFixtures + "clip/text_only --prompts " + dir + "/p.txt --out " + out, "no CLIP vocabulary");
-  expect_bad("text --weights " + kFixtures + "vae/tiny --vocab " + kFixtures + "clip --prompts " + dir + "/p.txt --out " + out,
-             "no weights file (expected model.safetensors)");
-  expect_bad("text --weights " + kFixtures + "clip/text_only --vocab " + kFixtures + "clip --prompts " + dir + "/none.txt --out " + out,
+  expect_bad("text --weights " + kFixtures + "clip/text_only --prompts " + dir + "/p.txt --out " + out,
+             "no CLIP vocabulary");
+  expect_bad(
+      "text --weights " + kFixtures + "vae/tiny --vocab " + kFixtures + "clip --prompts " + dir + "/p.txt --out " + out,
+      "no weights file (expected model.safetensors)");
+  expect_bad("text --weights " + kFixtures + "clip/text_only --vocab " + kFixtures + "clip --prompts " + dir +
+                 "/none.txt --out " + out,
              "prompt file");
   expect_bad("text --text-encoder t5 --prompts " + dir + "/p.txt --out " + out, "--text-encoder");
   const std::string umt5 = "text --text-encoder umt5 --prompts " + dir + "/p.txt --out " + out;
   expect_bad(umt5 + " --weights " + dir + "/nowhere", dir + "/nowhere");
   expect_bad(umt5 + " --weights " + kFixtures + "umt5/hf --tokenizer " + dir + "/p.txt", "not a SentencePiece model");
   expect_bad(umt5 + " --weights " + kFixtures + "vae/tiny", "no SentencePiece model found");
-  expect_bad(umt5 + " --weights " + kFixtures + "vae/tiny --tokenizer " + kFixtures + "umt5/tokenizer", "no weights (expected model.safetensors");
+  expect_bad(umt5 + " --weights " + kFixtures + "vae/tiny --tokenizer " + kFixtures + "umt5/tokenizer",
+             "no weights (expected model.safetensors");
   expect_bad(umt5 + " --weights " + kFixtures + "umt5/hf --tokenizer " + kFixtures + "umt5_tokenizer/spiece.model",
              "has 700 pieces, the model's embedding only 332");
   megaslide::io::remove_tree(dir);

@@ -1,6 +1,6 @@
 // megaslide-train --export-weights -> megaslide-sample -> megaslide-eval, end to end: VBench file names,
-// H.264 MP4s of the model's size and length, index.json, identical reruns, streamed sampling byte-identical, PNG frames, scores; and bad
-// input refused with exit code 2, naming the file, writing nothing.
+// H.264 MP4s of the model's size and length, index.json, identical reruns, streamed sampling byte-identical, PNG
+// frames, scores; and bad input refused with exit code 2, naming the file, writing nothing.
 #include <gtest/gtest.h>
 
 #include "run_tool.h"
@@ -48,7 +48,8 @@ const std::string& weights() {
   static const std::string path = [] {
     auto p = join_path(scratch(), "smoke.safetensors");
     auto r = run("megaslide-train", "--config " + std::string(MEGASLIDE_SOURCE_DIR) + "/configs/smoke.yaml --run-dir " +
-                                        join_path(scratch(), "run") + " --set train.steps=3 --set output.progress=false --export-weights " + p);
+                                        join_path(scratch(), "run") +
+                                        " --set train.steps=3 --set output.progress=false --export-weights " + p);
     EXPECT_EQ(r.code, 0) << r.output;
     return p;
   }();
@@ -69,8 +70,8 @@ TEST(MegaslideSample, WritesVBenchNamedH264VideosAnIndexAndRerunsIdentically) {
   auto prompts = prompts_file("prompts.txt", "a red blob moves left quickly\nthe scene darkens from the top\n");
   auto out = join_path(scratch(), "samples");
   const auto videos = join_path(out, "videos");
-  const std::string args = "--checkpoint " + weights() + " --prompts " + prompts + " --samples-per-prompt 2 --out " + out +
-                           " --steps 4 --no-progress --compute-dtype fp32";
+  const std::string args = "--checkpoint " + weights() + " --prompts " + prompts + " --samples-per-prompt 2 --out " +
+                           out + " --steps 4 --no-progress --compute-dtype fp32";
   auto r = run("megaslide-sample", args + " --batch-size 3 --png");
   ASSERT_EQ(r.code, 0) << r.output;
 
@@ -93,40 +94,47 @@ TEST(MegaslideSample, WritesVBenchNamedH264VideosAnIndexAndRerunsIdentically) {
     EXPECT_EQ(info.width, 16);
     EXPECT_EQ(info.height, 16);
     EXPECT_NEAR(info.fps, 8.0, 1e-9);
-    EXPECT_TRUE(path_exists(join_path(join_path(join_path(out, "frames"), file.substr(0, file.size() - 4)), "007.png")));
+    EXPECT_TRUE(
+        path_exists(join_path(join_path(join_path(out, "frames"), file.substr(0, file.size() - 4)), "007.png")));
     first_bytes[file] = megaslide::io::read_file(join_path(videos, file));
   }
   // VBench reads the videos folder and takes the extension from its first entry: only videos there.
-  for (const auto& name : megaslide::io::list_directory(videos)) EXPECT_EQ(name.substr(name.size() - 4), ".mp4") << name;
+  for (const auto& name : megaslide::io::list_directory(videos))
+    EXPECT_EQ(name.substr(name.size() - 4), ".mp4") << name;
   EXPECT_TRUE(path_exists(join_path(out, "index.json")));
   // A rerun (another batch size, so other batch neighbours) gives the same samples; the encoder is
   // deterministic, so the same bytes.
   r = run("megaslide-sample", args + " --batch-size 1");
   ASSERT_EQ(r.code, 0) << r.output;
-  for (const auto& [file, bytes] : first_bytes) EXPECT_EQ(megaslide::io::read_file(join_path(videos, file)), bytes) << file;
+  for (const auto& [file, bytes] : first_bytes)
+    EXPECT_EQ(megaslide::io::read_file(join_path(videos, file)), bytes) << file;
   // Streamed sampling (the DiT's blocks through the WeightStreamer, fp32) gives the resident videos, byte
   // for byte.
   r = run("megaslide-sample", args + " --batch-size 3 --streamed on");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_NE(r.output.find("blocks streamed"), std::string::npos) << r.output;
-  for (const auto& [file, bytes] : first_bytes) EXPECT_EQ(megaslide::io::read_file(join_path(videos, file)), bytes) << "streamed: " << file;
+  for (const auto& [file, bytes] : first_bytes)
+    EXPECT_EQ(megaslide::io::read_file(join_path(videos, file)), bytes) << "streamed: " << file;
 
   // A training checkpoint folder works as --checkpoint: its model.safetensors holds the same bf16 weights
   // as the exported file (both rounded from the same masters), so the same videos.
   // (With the progress bar on: one line per batch when stderr is not a terminal.)
-  r = run("megaslide-sample", "--checkpoint " + join_path(scratch(), "run/checkpoints/step-0000003") + " --prompts " + prompts +
-                                  " --samples-per-prompt 2 --out " + out + " --steps 4 --batch-size 3 --compute-dtype fp32");
+  r = run("megaslide-sample", "--checkpoint " + join_path(scratch(), "run/checkpoints/step-0000003") + " --prompts " +
+                                  prompts + " --samples-per-prompt 2 --out " + out +
+                                  " --steps 4 --batch-size 3 --compute-dtype fp32");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_NE(r.output.find("] 4/4 videos | step 4/4"), std::string::npos) << r.output;
-  for (const auto& [file, bytes] : first_bytes) EXPECT_EQ(megaslide::io::read_file(join_path(videos, file)), bytes) << "checkpoint: " << file;
+  for (const auto& [file, bytes] : first_bytes)
+    EXPECT_EQ(megaslide::io::read_file(join_path(videos, file)), bytes) << "checkpoint: " << file;
   // So do the other names a user types for it — the `latest` file beside it, and the run folder — here
   // for one video each (a video depends only on its prompt, index and seed).
   const auto one = prompts_file("one.txt", "a red blob moves left quickly\n");
   const std::string one_file = "a red blob moves left quickly-0.mp4";
   for (const std::string spec : {"run/checkpoints/latest", "run"}) {
     const auto other = join_path(scratch(), "by-name");
-    r = run("megaslide-sample", "--checkpoint " + join_path(scratch(), spec) + " --prompts " + one + " --samples-per-prompt 1 --out " +
-                                    other + " --steps 4 --no-progress --compute-dtype fp32");
+    r = run("megaslide-sample", "--checkpoint " + join_path(scratch(), spec) + " --prompts " + one +
+                                    " --samples-per-prompt 1 --out " + other +
+                                    " --steps 4 --no-progress --compute-dtype fp32");
     ASSERT_EQ(r.code, 0) << spec << "\n" << r.output;
     EXPECT_EQ(megaslide::io::read_file(join_path(other, "videos/" + one_file)), first_bytes.at(one_file)) << spec;
     megaslide::io::remove_tree(other);
@@ -157,29 +165,35 @@ TEST(MegaslideSample, BadInputExitsTwoNamingItAndWritesNothing) {
   const std::string missing = join_path(scratch(), "missing.safetensors");
   expect_refused("--checkpoint " + missing + " --prompts " + prompts + " --out " + out, missing);
   auto corrupt = prompts_file("corrupt.safetensors", "definitely not safetensors");
-  expect_refused("--checkpoint " + corrupt + " --prompts " + prompts + " --out " + out, corrupt + "': not a safetensors file");
+  expect_refused("--checkpoint " + corrupt + " --prompts " + prompts + " --out " + out,
+                 corrupt + "': not a safetensors file");
   auto pointer = prompts_file("latest", "step-0000200\n");  // a `latest` file with no checkpoint beside it
   expect_refused("--checkpoint " + pointer + " --prompts " + prompts + " --out " + out, "step-0000200");
   auto latin1 = prompts_file("latin1.txt", "a red blob\ncaf\xe9\n");
   expect_refused("--checkpoint " + weights() + " --prompts " + latin1 + " --out " + out, "line 2: not valid UTF-8");
   expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out ''", "--out");
-  expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + out + " --guidance nan", "--guidance");
-  expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + out + " --guidance 1e400", "--guidance");
+  expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + out + " --guidance nan",
+                 "--guidance");
+  expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + out + " --guidance 1e400",
+                 "--guidance");
   expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + out + " --eta nan", "--eta");
   expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + corrupt + "/sub", "--out");
   auto empty = prompts_file("empty.txt", "\n\n");
   expect_refused("--checkpoint " + weights() + " --prompts " + empty + " --out " + out, empty);
-  expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + out + " --samples-per-prompt 0", "--samples-per-prompt");
-  expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + out + " --sampler euler", "--sampler");
+  expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + out + " --samples-per-prompt 0",
+                 "--samples-per-prompt");
+  expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + out + " --sampler euler",
+                 "--sampler");
   expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + out + " --steps 5000", "--steps");
-  expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + out + " --streamed maybe", "--streamed");
+  expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + out + " --streamed maybe",
+                 "--streamed");
   expect_refused("--checkpoint " + weights() + " --prompts " + prompts, "--out");
 
   auto e = run("megaslide-eval", out);
   EXPECT_EQ(e.code, 2) << e.output;
   EXPECT_NE(e.output.find(out), std::string::npos) << e.output;
-  auto t = run("megaslide-train", "--config " + std::string(MEGASLIDE_SOURCE_DIR) + "/configs/smoke.yaml --run-dir " + out +
-                                      " --export-weights /nonexistent-megaslide/w.safetensors");
+  auto t = run("megaslide-train", "--config " + std::string(MEGASLIDE_SOURCE_DIR) + "/configs/smoke.yaml --run-dir " +
+                                      out + " --export-weights /nonexistent-megaslide/w.safetensors");
   EXPECT_EQ(t.code, 2) << t.output;
   EXPECT_NE(t.output.find("--export-weights"), std::string::npos) << t.output;
   EXPECT_FALSE(path_exists(out));
@@ -189,8 +203,9 @@ TEST(MegaslideSample, TrainingWritesValidationVideosWithoutChangingTheRun) {
   if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
   // train.sample_every: fixed prompts and seeds, videos in RUN_DIR/samples/step-NNNNNNN/; sampling uses
   // its own generators, so the losses are those of the same run without it, bit for bit.
-  const std::string base = "--config " + std::string(MEGASLIDE_SOURCE_DIR) +
-                           "/configs/smoke.yaml --set train.steps=2 --set output.progress=false --set diffusion.sample_steps=3";
+  const std::string base =
+      "--config " + std::string(MEGASLIDE_SOURCE_DIR) +
+      "/configs/smoke.yaml --set train.steps=2 --set output.progress=false --set diffusion.sample_steps=3";
   auto with = join_path(scratch(), "with-samples"), without = join_path(scratch(), "without-samples");
   auto r = run("megaslide-train", base + " --run-dir " + with + " --set train.sample_every=2");
   ASSERT_EQ(r.code, 0) << r.output;
@@ -223,10 +238,12 @@ TEST(MegaslideSample, TrainingWritesValidationVideosWithoutChangingTheRun) {
 TEST(MegaslideSample, LongAndOddPromptsAreNamedBeforeAnyWorkAndAllWritten) {
   if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
   const std::string opening(260, 'x');
-  auto prompts = prompts_file("odd.txt", opening + " then a cat\n" + opening + " then a dog\na/b\na_b\n-rf *\n日本語の長い" + std::string(250, 'y') + "\n");
+  auto prompts =
+      prompts_file("odd.txt", opening + " then a cat\n" + opening + " then a dog\na/b\na_b\n-rf *\n日本語の長い" +
+                                  std::string(250, 'y') + "\n");
   auto out = join_path(scratch(), "odd");
-  auto r = run("megaslide-sample", "--checkpoint " + weights() + " --prompts " + prompts + " --samples-per-prompt 1 --out " + out +
-                                       " --steps 2 --no-progress");
+  auto r = run("megaslide-sample", "--checkpoint " + weights() + " --prompts " + prompts +
+                                       " --samples-per-prompt 1 --out " + out + " --steps 2 --no-progress");
   ASSERT_EQ(r.code, 0) << r.output;
   auto index = nlohmann::json::parse(megaslide::io::read_file(join_path(out, "index.json")));
   ASSERT_EQ(index.at("videos").size(), 6u);
@@ -249,11 +266,12 @@ TEST(MegaslideSample, PromptFileLinesSampleAtTheirOwnSizeSeedAndSettings) {
   if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
   ASSERT_TRUE(path_exists(weights()));
   const std::string blob = "a red blob moves left quickly", dark = "the scene darkens from the top";
-  auto prompts = prompts_file("settings.txt", "# validation prompts\n" + blob + "\n" + blob + " --w 20 --h 12 --f 4 --d 7\n" + dark +
-                                                  " --s 3 --g 2.5\n");
+  auto prompts = prompts_file("settings.txt", "# validation prompts\n" + blob + "\n" + blob +
+                                                  " --w 20 --h 12 --f 4 --d 7\n" + dark + " --s 3 --g 2.5\n");
   auto out = join_path(scratch(), "per-line");
-  auto r = run("megaslide-sample", "--checkpoint " + weights() + " --prompts " + prompts + " --samples-per-prompt 2 --out " + out +
-                                       " --steps 4 --no-progress --compute-dtype fp32 --batch-size 4");
+  auto r =
+      run("megaslide-sample", "--checkpoint " + weights() + " --prompts " + prompts + " --samples-per-prompt 2 --out " +
+                                  out + " --steps 4 --no-progress --compute-dtype fp32 --batch-size 4");
   ASSERT_EQ(r.code, 0) << r.output;
   auto index = nlohmann::json::parse(megaslide::io::read_file(join_path(out, "index.json")));
   ASSERT_EQ(index.at("videos").size(), 6u);
@@ -289,16 +307,19 @@ TEST(MegaslideSample, PromptFileLinesSampleAtTheirOwnSizeSeedAndSettings) {
   // The --s/--g line against a plain line with the flags: the same videos.
   auto plain = prompts_file("plain.txt", dark + "\n");
   auto flags = join_path(scratch(), "per-line-flags");
-  r = run("megaslide-sample", "--checkpoint " + weights() + " --prompts " + plain + " --samples-per-prompt 2 --out " + flags +
-                                  " --steps 3 --guidance 2.5 --no-progress --compute-dtype fp32");
+  r = run("megaslide-sample", "--checkpoint " + weights() + " --prompts " + plain + " --samples-per-prompt 2 --out " +
+                                  flags + " --steps 3 --guidance 2.5 --no-progress --compute-dtype fp32");
   ASSERT_EQ(r.code, 0) << r.output;
   for (const std::string file : {dark + "-0.mp4", dark + "-1.mp4"})
-    EXPECT_EQ(megaslide::io::read_file(join_path(out, "videos/" + file)), megaslide::io::read_file(join_path(flags, "videos/" + file))) << file;
+    EXPECT_EQ(megaslide::io::read_file(join_path(out, "videos/" + file)),
+              megaslide::io::read_file(join_path(flags, "videos/" + file)))
+        << file;
 
   // A size the model cannot take is refused before anything is written, naming the file and line.
   auto bad = prompts_file("bad-size.txt", blob + "\n" + blob + " --w 15\n");
   auto never = join_path(scratch(), "per-line-never");
-  r = run("megaslide-sample", "--checkpoint " + weights() + " --prompts " + bad + " --out " + never + " --steps 2 --no-progress");
+  r = run("megaslide-sample",
+          "--checkpoint " + weights() + " --prompts " + bad + " --out " + never + " --steps 2 --no-progress");
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("line 2"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("width 15"), std::string::npos) << r.output;
@@ -312,21 +333,26 @@ TEST(MegaslideSample, PromptFileLinesSampleAtTheirOwnSizeSeedAndSettings) {
 // without train.ema_decay.
 TEST(MegaslideSample, ARunsEmaIsSampledByDefaultAndExported) {
   if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
-  const std::string run_dir = join_path(scratch(), "ema-run"), exported = join_path(scratch(), "ema-exported.safetensors");
-  const std::string train = "--config " + std::string(MEGASLIDE_SOURCE_DIR) + "/configs/smoke.yaml --set train.steps=3 --set output.progress=false";
-  auto r = megaslide::testing::run_tool("megaslide-train", train + " --run-dir " + run_dir +
-                                                             " --set train.ema_decay=0.5 --set train.checkpoint_every=3 --export-ema " + exported);
+  const std::string run_dir = join_path(scratch(), "ema-run"),
+                    exported = join_path(scratch(), "ema-exported.safetensors");
+  const std::string train = "--config " + std::string(MEGASLIDE_SOURCE_DIR) +
+                            "/configs/smoke.yaml --set train.steps=3 --set output.progress=false";
+  auto r = megaslide::testing::run_tool(
+      "megaslide-train", train + " --run-dir " + run_dir +
+                             " --set train.ema_decay=0.5 --set train.checkpoint_every=3 --export-ema " + exported);
   ASSERT_EQ(r.code, 0) << r.output;
   const auto checkpoint = join_path(run_dir, "checkpoints/step-0000003");
   const auto ema_file = join_path(checkpoint, "model_ema.safetensors");
   ASSERT_TRUE(path_exists(ema_file));
   const auto a = megaslide::io::read_safetensors(ema_file), b = megaslide::io::read_safetensors(exported);
   ASSERT_EQ(a.tensors.size(), b.tensors.size());
-  for (size_t i = 0; i < a.tensors.size(); ++i) EXPECT_TRUE(torch::equal(a.tensors[i].second, b.tensors[i].second)) << a.tensors[i].first;
+  for (size_t i = 0; i < a.tensors.size(); ++i)
+    EXPECT_TRUE(torch::equal(a.tensors[i].second, b.tensors[i].second)) << a.tensors[i].first;
 
   auto prompts = prompts_file("ema-prompts.txt", "a red blob moves left quickly\n");
   const std::string file = "videos/a red blob moves left quickly-0.mp4";
-  const std::string args = " --prompts " + prompts + " --samples-per-prompt 1 --steps 3 --no-progress --compute-dtype fp32 --out ";
+  const std::string args =
+      " --prompts " + prompts + " --samples-per-prompt 1 --steps 3 --no-progress --compute-dtype fp32 --out ";
   const auto by_default = join_path(scratch(), "ema-default"), trained = join_path(scratch(), "ema-none"),
              ema_direct = join_path(scratch(), "ema-direct"), model_direct = join_path(scratch(), "ema-model");
   r = run("megaslide-sample", "--checkpoint " + run_dir + args + by_default);
@@ -338,7 +364,9 @@ TEST(MegaslideSample, ARunsEmaIsSampledByDefaultAndExported) {
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_EQ(r.output.find("sampling the EMA"), std::string::npos) << r.output;
   ASSERT_EQ(run("megaslide-sample", "--checkpoint " + ema_file + args + ema_direct).code, 0);
-  ASSERT_EQ(run("megaslide-sample", "--checkpoint " + join_path(checkpoint, "model.safetensors") + args + model_direct).code, 0);
+  ASSERT_EQ(
+      run("megaslide-sample", "--checkpoint " + join_path(checkpoint, "model.safetensors") + args + model_direct).code,
+      0);
   const auto video = [&](const std::string& dir) { return megaslide::io::read_file(join_path(dir, file)); };
   EXPECT_EQ(video(by_default), video(ema_direct)) << "the default is the EMA's weights file";
   EXPECT_EQ(video(trained), video(model_direct)) << "--no-ema is the trained weights";
@@ -346,18 +374,22 @@ TEST(MegaslideSample, ARunsEmaIsSampledByDefaultAndExported) {
 
   // --resume with --export-ema: the checkpoint's EMA file, without training.
   const auto from_checkpoint = join_path(scratch(), "ema-from-checkpoint.safetensors");
-  r = megaslide::testing::run_tool("megaslide-train", train + " --run-dir " + run_dir + " --resume latest --export-ema " + from_checkpoint);
+  r = megaslide::testing::run_tool(
+      "megaslide-train", train + " --run-dir " + run_dir + " --resume latest --export-ema " + from_checkpoint);
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_EQ(megaslide::io::read_file(from_checkpoint), megaslide::io::read_file(ema_file));
   // Refusals: a checkpoint without EMA (exit 2, naming it), a run without train.ema_decay.
-  r = megaslide::testing::run_tool("megaslide-train", train + " --run-dir " + join_path(scratch(), "ema-plain") + " --set train.checkpoint_every=3");
+  r = megaslide::testing::run_tool(
+      "megaslide-train", train + " --run-dir " + join_path(scratch(), "ema-plain") + " --set train.checkpoint_every=3");
   ASSERT_EQ(r.code, 0) << r.output;
   const auto never = join_path(scratch(), "ema-never.safetensors");
-  r = megaslide::testing::run_tool("megaslide-train", train + " --run-dir " + join_path(scratch(), "ema-plain") + " --resume latest --export-ema " + never);
+  r = megaslide::testing::run_tool("megaslide-train", train + " --run-dir " + join_path(scratch(), "ema-plain") +
+                                                          " --resume latest --export-ema " + never);
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("has no EMA of the weights"), std::string::npos) << r.output;
   EXPECT_FALSE(path_exists(never));
-  r = megaslide::testing::run_tool("megaslide-train", train + " --run-dir " + join_path(scratch(), "ema-refused") + " --export-ema " + never);
+  r = megaslide::testing::run_tool(
+      "megaslide-train", train + " --run-dir " + join_path(scratch(), "ema-refused") + " --export-ema " + never);
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("train.ema_decay"), std::string::npos) << r.output;
   EXPECT_FALSE(path_exists(never));

@@ -64,7 +64,8 @@ TEST(MegaslideTrain, BadFlagOrMissingConfigExitsTwo) {
 }
 
 TEST(MegaslideTrain, DryRunPrintsTheModelSizeAsJson) {
-  const std::string big = "--config " + std::string(MEGASLIDE_SOURCE_DIR) + "/configs/105b.yaml --dry-run --json --set offload.compute_dtype=bf16";
+  const std::string big = "--config " + std::string(MEGASLIDE_SOURCE_DIR) +
+                          "/configs/105b.yaml --dry-run --json --set offload.compute_dtype=bf16";
   auto r = run(big);
   ASSERT_EQ(r.code, 0) << r.output;
   auto j = nlohmann::json::parse(r.output);
@@ -74,7 +75,8 @@ TEST(MegaslideTrain, DryRunPrintsTheModelSizeAsJson) {
   EXPECT_EQ(j["host_state_bytes"].get<int64_t>(), 14 * j["params"].get<int64_t>());
   r = run(big + " --set optimizer.state_dtype=int8");
   ASSERT_EQ(r.code, 0) << r.output;
-  EXPECT_NEAR(nlohmann::json::parse(r.output)["host_state_bytes"].get<double>() / j["params"].get<double>(), 8.0 + 8.0 / 256, 1e-6);
+  EXPECT_NEAR(nlohmann::json::parse(r.output)["host_state_bytes"].get<double>() / j["params"].get<double>(),
+              8.0 + 8.0 / 256, 1e-6);
   EXPECT_GT(j["params_per_block"].get<int64_t>(), 0);
   // Without --json: the same figures for people, no JSON.
   r = run("--config " + std::string(MEGASLIDE_SOURCE_DIR) + "/configs/105b.yaml --dry-run");
@@ -117,11 +119,14 @@ TEST(MegaslideTrain, ValidationPromptFileSetsEachVideosSizeSeedAndSettings) {
   const auto dir = fresh_dir("prompt-file");
   megaslide::io::make_directories(dir);
   const auto prompts = join_path(dir, "prompts.txt");
-  megaslide::io::write_file_atomically(prompts, "# two sizes of one prompt\n"
-                                                "a red square moves left --f 4 --h 12 --w 20 --d 7 --s 3 --g 2.5 --n a blue square\n"
-                                                "a red square moves left\n");
+  megaslide::io::write_file_atomically(
+      prompts,
+      "# two sizes of one prompt\n"
+      "a red square moves left --f 4 --h 12 --w 20 --d 7 --s 3 --g 2.5 --n a blue square\n"
+      "a red square moves left\n");
   const auto run_dir = join_path(dir, "run");
-  auto r = run("--config " + smoke() + " --run-dir " + run_dir + " --set train.steps=2 --set train.sample_every=2 --set diffusion.sample_steps=2" +
+  auto r = run("--config " + smoke() + " --run-dir " + run_dir +
+               " --set train.steps=2 --set train.sample_every=2 --set diffusion.sample_steps=2" +
                " --set train.sample_prompts=" + prompts);
   ASSERT_EQ(r.code, 0) << r.output;
   const auto samples = join_path(run_dir, "samples/step-0000002");
@@ -140,19 +145,22 @@ TEST(MegaslideTrain, ValidationPromptFileSetsEachVideosSizeSeedAndSettings) {
   const auto& plain = videos[1];
   EXPECT_EQ(plain.at("index").get<int64_t>(), 1);
   EXPECT_EQ(plain.at("file").get<std::string>(), "a red square moves left-1.mp4");
-  EXPECT_FALSE(plain.contains("steps") || plain.contains("frames") || plain.contains("negative_prompt")) << plain.dump();
+  EXPECT_FALSE(plain.contains("steps") || plain.contains("frames") || plain.contains("negative_prompt"))
+      << plain.dump();
   megaslide::io::VideoInfo info;
   EXPECT_EQ(megaslide::io::read_video(join_path(samples, "videos/" + own.at("file").get<std::string>()), &info).sizes(),
             (std::vector<int64_t>{4, 12, 20, 3}));
-  EXPECT_EQ(megaslide::io::read_video(join_path(samples, "videos/" + plain.at("file").get<std::string>()), &info).sizes(),
-            (std::vector<int64_t>{8, 16, 16, 3}));  // smoke.yaml's clips
+  EXPECT_EQ(
+      megaslide::io::read_video(join_path(samples, "videos/" + plain.at("file").get<std::string>()), &info).sizes(),
+      (std::vector<int64_t>{8, 16, 16, 3}));  // smoke.yaml's clips
   const auto log = megaslide::io::read_file(join_path(run_dir, "train.log"));
   EXPECT_NE(log.find("(from " + prompts + ")"), std::string::npos) << log;
 
   // An odd width cannot be patched (model.patch [1, 2, 2]): refused before the run folder exists.
   megaslide::io::write_file_atomically(prompts, "a red square moves left\na blue square moves up --w 15\n");
   const auto refused = join_path(dir, "refused");
-  r = run("--config " + smoke() + " --run-dir " + refused + " --set train.sample_every=2 --set train.sample_prompts=" + prompts);
+  r = run("--config " + smoke() + " --run-dir " + refused +
+          " --set train.sample_every=2 --set train.sample_prompts=" + prompts);
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("train.sample_prompts"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("line 2: this model cannot sample 8x16x15"), std::string::npos) << r.output;
@@ -181,7 +189,8 @@ size_t line_count(const std::string& path) {
 // The property: a run killed with SIGTERM part-way and resumed logs the uninterrupted run's losses
 // exactly. The signal lets the current step finish, saves a checkpoint and exits with 128 + 15.
 TEST(MegaslideTrain, SigtermSavesAndResumeReproducesTheUninterruptedLosses) {
-  const std::string args = "--config " + smoke() + " --set train.steps=24 --set output.progress=false --set train.threads=1";
+  const std::string args =
+      "--config " + smoke() + " --set train.steps=24 --set output.progress=false --set train.threads=1";
   const auto whole = fresh_dir("sigterm-whole"), parts = fresh_dir("sigterm-parts");
   ASSERT_EQ(run(args + " --run-dir " + whole).code, 0);
 
@@ -193,8 +202,8 @@ TEST(MegaslideTrain, SigtermSavesAndResumeReproducesTheUninterruptedLosses) {
     std::freopen(log.c_str(), "a", stdout);
     const std::string bin = std::string(MEGASLIDE_BINARY_DIR) + "/bin/megaslide-train";
     const std::string config = smoke();
-    ::execl(bin.c_str(), bin.c_str(), "--config", config.c_str(), "--run-dir", parts.c_str(), "--set", "train.steps=24", "--set",
-            "output.progress=false", "--set", "train.threads=1", static_cast<char*>(nullptr));
+    ::execl(bin.c_str(), bin.c_str(), "--config", config.c_str(), "--run-dir", parts.c_str(), "--set", "train.steps=24",
+            "--set", "output.progress=false", "--set", "train.threads=1", static_cast<char*>(nullptr));
     ::_exit(127);
   }
   // Wait until some steps are logged, then ask it to stop.
@@ -208,8 +217,9 @@ TEST(MegaslideTrain, SigtermSavesAndResumeReproducesTheUninterruptedLosses) {
   const size_t stopped_at = line_count(metrics);
   ASSERT_GE(stopped_at, 5u);
   ASSERT_LT(stopped_at, 24u) << "the run ended before the signal; the test proves nothing";
-  EXPECT_TRUE(megaslide::io::is_directory(join_path(parts, "checkpoints/step-" + std::string(7 - std::to_string(stopped_at).size(), '0') +
-                                                            std::to_string(stopped_at))));
+  EXPECT_TRUE(megaslide::io::is_directory(join_path(
+      parts,
+      "checkpoints/step-" + std::string(7 - std::to_string(stopped_at).size(), '0') + std::to_string(stopped_at))));
 
   auto r = run(args + " --run-dir " + parts + " --resume latest");
   ASSERT_EQ(r.code, 0) << r.output;
@@ -220,7 +230,9 @@ TEST(MegaslideTrain, SigtermSavesAndResumeReproducesTheUninterruptedLosses) {
 
 TEST(MegaslideTrain, CorruptCheckpointExitsTwoNamingTheFileAndChangesNothing) {
   const auto dir = fresh_dir("corrupt");
-  const std::string args = "--config " + smoke() + " --set train.steps=6 --set train.checkpoint_every=3 --set output.progress=false --run-dir " + dir;
+  const std::string args =
+      "--config " + smoke() +
+      " --set train.steps=6 --set train.checkpoint_every=3 --set output.progress=false --run-dir " + dir;
   ASSERT_EQ(run(args).code, 0);
   const auto metrics = megaslide::io::read_file(join_path(dir, "metrics.jsonl"));
   const auto log = megaslide::io::read_file(join_path(dir, "train.log"));
@@ -243,7 +255,9 @@ TEST(MegaslideTrain, CorruptCheckpointExitsTwoNamingTheFileAndChangesNothing) {
 
 TEST(MegaslideTrain, ExportWeightsFromACheckpointWritesTheBf16WeightsFile) {
   const auto dir = fresh_dir("export");
-  const std::string args = "--config " + smoke() + " --set train.steps=4 --set train.checkpoint_every=2 --set output.progress=false --run-dir " + dir;
+  const std::string args =
+      "--config " + smoke() +
+      " --set train.steps=4 --set train.checkpoint_every=2 --set output.progress=false --run-dir " + dir;
   ASSERT_EQ(run(args).code, 0);
   const auto out = dir + "/exported.safetensors";
   auto r = run(args + " --resume " + join_path(dir, "checkpoints/step-0000004") + " --export-weights " + out);
@@ -256,7 +270,8 @@ TEST(MegaslideTrain, ExportWeightsFromACheckpointWritesTheBf16WeightsFile) {
     has_block |= e.name == "dit.blocks.0.attn.q.weight";
   }
   EXPECT_TRUE(has_block);
-  EXPECT_EQ(megaslide::io::read_file(out), megaslide::io::read_file(join_path(dir, "checkpoints/step-0000004/model.safetensors")));
+  EXPECT_EQ(megaslide::io::read_file(out),
+            megaslide::io::read_file(join_path(dir, "checkpoints/step-0000004/model.safetensors")));
   megaslide::io::remove_tree(dir);
 }
 
@@ -266,10 +281,13 @@ TEST(MegaslideTrain, StreamedOnEmulatedAsyncStreamsMatchesTheResidentLoop) {
   // relative, with immediate (grad_clip 0) and deferred (grad_clip 1) updates.
   for (const char* clip : {"0", "1"}) {
     SCOPED_TRACE(std::string("grad_clip ") + clip);
-    const std::string common = " --config " + smoke() + " --set train.steps=15 --set train.log_every=1 --set train.device=cpu" +
-                               " --set train.threads=1 --set train.checkpoint_every=0 --set output.progress=false --set train.grad_clip=" + clip;
+    const std::string common =
+        " --config " + smoke() + " --set train.steps=15 --set train.log_every=1 --set train.device=cpu" +
+        " --set train.threads=1 --set train.checkpoint_every=0 --set output.progress=false --set train.grad_clip=" +
+        clip;
     auto dir_s = fresh_dir(std::string("emul-s") + clip), dir_r = fresh_dir(std::string("emul-r") + clip);
-    auto s = run(common + " --set offload.compute_dtype=fp32 --set offload.mode=async --set offload.emulated_copy_delay_ms=2" +
+    auto s = run(common +
+                 " --set offload.compute_dtype=fp32 --set offload.mode=async --set offload.emulated_copy_delay_ms=2" +
                  " --run-dir " + dir_s);
     ASSERT_EQ(s.code, 0) << s.output;
     auto r = run(common + " --set offload.enabled=false --run-dir " + dir_r);
@@ -299,7 +317,8 @@ namespace {
 // under test): bf16 where the CPU has AVX512-BF16 or AMX-BF16 and oneDNN is not capped, else fp32.
 std::string expected_cpu_auto_dtype() {
   const std::string cpuinfo = megaslide::io::read_file("/proc/cpuinfo");
-  const bool native = cpuinfo.find(" avx512_bf16") != std::string::npos || cpuinfo.find(" amx_bf16") != std::string::npos;
+  const bool native =
+      cpuinfo.find(" avx512_bf16") != std::string::npos || cpuinfo.find(" amx_bf16") != std::string::npos;
   const bool capped = std::getenv("ONEDNN_MAX_CPU_ISA") != nullptr || std::getenv("DNNL_MAX_CPU_ISA") != nullptr;
   return native && !capped ? "bf16" : "fp32";
 }
@@ -351,7 +370,8 @@ TEST(MegaslideTrain, AutoComputeDtypeIsResolvedIntoConfigLogAndDryRunAndAResumeW
   const auto metrics = megaslide::io::read_file(join_path(dir, "metrics.jsonl"));
   r = run(cpu + " --set train.steps=3 --run-dir " + dir + " --resume latest");
   EXPECT_EQ(r.code, 2) << r.output;
-  EXPECT_NE(r.output.find("offload.compute_dtype is fp16 in the checkpoint but " + expected), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("offload.compute_dtype is fp16 in the checkpoint but " + expected), std::string::npos)
+      << r.output;
   EXPECT_NE(r.output.find("--set offload.compute_dtype=fp16"), std::string::npos) << r.output;
   EXPECT_EQ(megaslide::io::read_file(join_path(dir, "metrics.jsonl")), metrics) << "nothing written";
   megaslide::io::remove_tree(dir);
@@ -384,7 +404,8 @@ namespace {
 void expect_refused(const Result& r, const std::string& needle) {
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find(needle), std::string::npos) << r.output;
-  EXPECT_EQ(r.output.find("Exception raised from"), std::string::npos) << "a stack trace reached the user:\n" << r.output;
+  EXPECT_EQ(r.output.find("Exception raised from"), std::string::npos) << "a stack trace reached the user:\n"
+                                                                       << r.output;
   EXPECT_LE(std::count(r.output.begin(), r.output.end(), '\n'), 2) << r.output;
 }
 }  // namespace
@@ -406,7 +427,8 @@ TEST(MegaslideTrain, EmptyOrUnwritableOutputPathsAreRefusedBeforeTheFirstStep) {
   expect_refused(run("--config " + smoke() + " --run-dir " + dir + " --trace /nonexistent/d/t.json"), "/nonexistent/d");
   EXPECT_FALSE(megaslide::io::path_exists(dir)) << "a refused run leaves no folder";
   megaslide::io::make_directories(dir + "-existing");
-  expect_refused(run("--config " + smoke() + " --run-dir " + dir + " --export-weights " + dir + "-existing"), "is a folder");
+  expect_refused(run("--config " + smoke() + " --run-dir " + dir + " --export-weights " + dir + "-existing"),
+                 "is a folder");
   EXPECT_FALSE(megaslide::io::path_exists(join_path(dir, "metrics.jsonl"))) << "refused before training";
   megaslide::io::remove_tree(dir + "-existing");
   megaslide::io::remove_tree(dir);
@@ -422,7 +444,8 @@ TEST(MegaslideTrain, FlagPathsAreTakenAsTheyAreAndNoPlantedLinkIsFollowed) {
   const auto dir = join_path(base, "exp #3");
   const auto victim = join_path(base, "victim");
   megaslide::io::write_file_atomically(victim, "precious\n");
-  const std::string args = "--config " + smoke() + " --run-dir '" + dir + "' --set train.checkpoint_every=2 --set train.threads=1 "
+  const std::string args = "--config " + smoke() + " --run-dir '" + dir +
+                           "' --set train.checkpoint_every=2 --set train.threads=1 "
                            "--set output.progress=false --set train.batch_size=2";
   auto r = run(args + " --set train.steps=2");
   ASSERT_EQ(r.code, 0) << r.output;
@@ -440,8 +463,8 @@ TEST(MegaslideTrain, FlagPathsAreTakenAsTheyAreAndNoPlantedLinkIsFollowed) {
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_TRUE(megaslide::io::path_exists(join_path(base, "w.safetensors")));
   EXPECT_EQ(megaslide::io::read_file(victim), "precious\n");
-  for (const auto& link : {join_path(dir, "checkpoints/latest.tmp"), join_path(dir, "config.yaml.tmp"), join_path(dir, "metrics.jsonl.tmp"),
-                           join_path(base, "w.safetensors.tmp")}) {
+  for (const auto& link : {join_path(dir, "checkpoints/latest.tmp"), join_path(dir, "config.yaml.tmp"),
+                           join_path(dir, "metrics.jsonl.tmp"), join_path(base, "w.safetensors.tmp")}) {
     char target[4096] = {};
     EXPECT_GT(::readlink(link.c_str(), target, sizeof target - 1), 0) << link << " is still the planted link";
   }
@@ -450,7 +473,8 @@ TEST(MegaslideTrain, FlagPathsAreTakenAsTheyAreAndNoPlantedLinkIsFollowed) {
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("output.run_dir"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("not UTF-8"), std::string::npos) << r.output;
-  r = run("--config " + smoke() + " --run-dir '" + join_path(base, "r2") + "' --set train.steps=1 --export-weights /dev/full");
+  r = run("--config " + smoke() + " --run-dir '" + join_path(base, "r2") +
+          "' --set train.steps=1 --export-weights /dev/full");
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("is a device"), std::string::npos) << r.output;
   EXPECT_EQ(megaslide::io::list_directory(base), before) << "the refused runs wrote nothing";
@@ -461,8 +485,10 @@ TEST(MegaslideTrain, FlagPathsAreTakenAsTheyAreAndNoPlantedLinkIsFollowed) {
 // refused in one line before anything is allocated or written.
 TEST(MegaslideTrain, ImpossibleSizesAndMissingDevicesAreOneLineRefusals) {
   const auto dir = fresh_dir("sizes");
-  expect_refused(run("--config " + smoke() + " --run-dir " + dir + " --set model.hidden=20000 --set model.heads=2"), "this machine has");
-  expect_refused(run("--config " + smoke() + " --run-dir " + dir + " --set train.batch_size=99999999"), "this machine has");
+  expect_refused(run("--config " + smoke() + " --run-dir " + dir + " --set model.hidden=20000 --set model.heads=2"),
+                 "this machine has");
+  expect_refused(run("--config " + smoke() + " --run-dir " + dir + " --set train.batch_size=99999999"),
+                 "this machine has");
   if (!torch::cuda::is_available())
     expect_refused(run("--config " + smoke() + " --run-dir " + dir + " --set train.device=cuda"), "no CUDA GPU");
   EXPECT_FALSE(megaslide::io::path_exists(dir));
@@ -470,7 +496,8 @@ TEST(MegaslideTrain, ImpossibleSizesAndMissingDevicesAreOneLineRefusals) {
 
 TEST(MegaslideTrain, RerunIntoAFinishedRunWithoutCheckpointsIsRefused) {
   const auto dir = fresh_dir("rerun");
-  const std::string args = "--config " + smoke() + " --run-dir " + dir + " --set train.steps=2 --set output.progress=false";
+  const std::string args =
+      "--config " + smoke() + " --run-dir " + dir + " --set train.steps=2 --set output.progress=false";
   ASSERT_EQ(run(args).code, 0);
   const auto metrics = megaslide::io::read_file(join_path(dir, "metrics.jsonl"));
   const auto r = run(args);
@@ -484,8 +511,9 @@ TEST(MegaslideTrain, RerunIntoAFinishedRunWithoutCheckpointsIsRefused) {
 // test of save_checkpoint ignores the signal itself; this is the real process with its default).
 TEST(MegaslideTrain, FileSizeLimitIsAReportedFailedSaveNotASilentKill) {
   const auto dir = fresh_dir("ulimit");
-  const std::string cmd = "bash -c 'ulimit -f 48; exec " + std::string(MEGASLIDE_BINARY_DIR) + "/bin/megaslide-train --config " + smoke() +
-                          " --run-dir " + dir + " --set train.steps=2 --set train.checkpoint_every=1 --set output.progress=false' 2>&1";
+  const std::string cmd = "bash -c 'ulimit -f 48; exec " + std::string(MEGASLIDE_BINARY_DIR) +
+                          "/bin/megaslide-train --config " + smoke() + " --run-dir " + dir +
+                          " --set train.steps=2 --set train.checkpoint_every=1 --set output.progress=false' 2>&1";
   FILE* pipe = ::popen(cmd.c_str(), "r");
   ASSERT_NE(pipe, nullptr);
   std::string output;
@@ -530,11 +558,13 @@ TEST(MegaslideTrain, WanTrainsFromLatentTensorsAndResumesBitExactly) {
   const std::string args = "--config " + config;
   for (const char* mode : {"streamed", "resident"}) {
     const auto run_dir = join_path(dir, mode);
-    auto r = run(args + " --run-dir " + run_dir + (std::string(mode) == "resident" ? " --set offload.enabled=false" : ""));
+    auto r =
+        run(args + " --run-dir " + run_dir + (std::string(mode) == "resident" ? " --set offload.enabled=false" : ""));
     ASSERT_EQ(r.code, 0) << r.output;
     const auto losses = wan_losses(run_dir);
     ASSERT_EQ(losses.size(), 30u) << mode;
-    std::cout << mode << ": mean loss, steps 1-10: " << mean(losses, 0, 10) << ", steps 21-30: " << mean(losses, 20, 30) << "\n";
+    std::cout << mode << ": mean loss, steps 1-10: " << mean(losses, 0, 10) << ", steps 21-30: " << mean(losses, 20, 30)
+              << "\n";
     EXPECT_LT(mean(losses, 20, 30), 0.85 * mean(losses, 0, 10)) << mode;
   }
   // The streamed run again from its step-15 checkpoint (its later checkpoints are replaced as it goes).
@@ -551,10 +581,12 @@ TEST(MegaslideTrain, WanTrainsFromLatentTensorsAndResumesBitExactly) {
   ASSERT_EQ(r.code, 0) << r.output;
   std::ifstream log(join_path(init, "train.log"));
   const std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
-  EXPECT_NE(text.find("initialised from " + join_path(dir, "streamed/checkpoints/step-0000030")), std::string::npos) << text;
+  EXPECT_NE(text.find("initialised from " + join_path(dir, "streamed/checkpoints/step-0000030")), std::string::npos)
+      << text;
   // Started from trained weights: the first loss is far below the fresh run's first loss.
   EXPECT_LT(wan_losses(init).at(0), 0.8 * whole.at(0));
-  r = run(args + " --run-dir " + join_path(dir, "wide") + " --set model.wan.ffn_dim=48 --set train.init_from=" + join_path(dir, "streamed"));
+  r = run(args + " --run-dir " + join_path(dir, "wide") +
+          " --set model.wan.ffn_dim=48 --set train.init_from=" + join_path(dir, "streamed"));
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("ffn"), std::string::npos) << r.output;
   EXPECT_FALSE(megaslide::io::path_exists(join_path(dir, "wide")));
@@ -567,8 +599,8 @@ TEST(MegaslideTrain, TraceRecordsAStreamedWanStep) {
   const auto dir = fresh_dir("wan-trace");
   const auto config = write_tiny_wan(join_path(dir, "data"));
   const auto trace = join_path(dir, "step.json");
-  auto r = run("--config " + config + " --run-dir " + join_path(dir, "run") + " --set train.steps=3 --set train.checkpoint_every=0" +
-               " --trace " + trace + " --trace-step 2");
+  auto r = run("--config " + config + " --run-dir " + join_path(dir, "run") +
+               " --set train.steps=3 --set train.checkpoint_every=0" + " --trace " + trace + " --trace-step 2");
   ASSERT_EQ(r.code, 0) << r.output;
   std::ifstream in(trace);
   ASSERT_TRUE(in.good()) << r.output;
@@ -576,7 +608,8 @@ TEST(MegaslideTrain, TraceRecordsAStreamedWanStep) {
   std::set<std::string> names;
   for (const auto& e : j.at("traceEvents"))
     if (e.at("ph") == "X") names.insert(e.at("name").get<std::string>());
-  for (const char* expected : {"adamw block 0", "adamw block 1"}) EXPECT_TRUE(names.count(expected)) << expected << " in " << j.dump().substr(0, 2000);
+  for (const char* expected : {"adamw block 0", "adamw block 1"})
+    EXPECT_TRUE(names.count(expected)) << expected << " in " << j.dump().substr(0, 2000);
   EXPECT_GT(names.size(), 4u);
   std::ifstream log(join_path(dir, "run/train.log"));
   const std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
@@ -593,8 +626,9 @@ TEST(MegaslideTrain, FifosNamedAsInputsAreRefusedAtOnce) {
   const auto fifo = join_path(base, "weights.safetensors");
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
   const auto wan = write_tiny_wan(join_path(base, "wan"));
-  for (const std::string& input : {"--config " + smoke() + " --set train.init_from=" + fifo,
-                                   "--config " + wan + " --set data.tensors=" + fifo, "--config " + smoke() + " --resume " + fifo}) {
+  for (const std::string& input :
+       {"--config " + smoke() + " --set train.init_from=" + fifo, "--config " + wan + " --set data.tensors=" + fifo,
+        "--config " + smoke() + " --resume " + fifo}) {
     const auto start = std::chrono::steady_clock::now();
     const auto r = run(input + " --run-dir " + join_path(base, "run") + " --set train.steps=1");
     EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10)) << input;
@@ -620,7 +654,8 @@ std::vector<std::pair<int64_t, double>> step_losses(const std::string& metrics) 
 
 // megaslide-train run with `cwd` as the working folder.
 Result run_in(const std::string& cwd, const std::string& args) {
-  const std::string cmd = "cd '" + cwd + "' && " + std::string(MEGASLIDE_BINARY_DIR) + "/bin/megaslide-train " + args + " 2>&1";
+  const std::string cmd =
+      "cd '" + cwd + "' && " + std::string(MEGASLIDE_BINARY_DIR) + "/bin/megaslide-train " + args + " 2>&1";
   Result r;
   FILE* pipe = ::popen(cmd.c_str(), "r");
   if (pipe == nullptr) return r;
@@ -647,12 +682,14 @@ TEST(MegaslideTrain, CheckpointsWrittenBeforeTheFamilySeamResumeAndContinueTheOl
     const char* extra;
   };
   // Run in the fixture's folder: the Wan run names its data.tensors relative to it, as it was saved.
-  const std::vector<Case> cases = {{"dit", "dit.yaml", ""}, {"dit-resident", "dit.yaml", " --set offload.enabled=false"}, {"wan", "wan.yaml", ""}};
+  const std::vector<Case> cases = {
+      {"dit", "dit.yaml", ""}, {"dit-resident", "dit.yaml", " --set offload.enabled=false"}, {"wan", "wan.yaml", ""}};
   for (const auto& c : cases) {
     SCOPED_TRACE(c.name);
     const auto old_run = join_path(fixtures, c.name);
     const auto dir = fresh_dir(std::string("old-") + c.name);
-    auto r = run_in(fixtures, std::string("--config ") + c.config + " --run-dir " + dir + c.extra + " --resume " + join_path(old_run, "step-0000002"));
+    auto r = run_in(fixtures, std::string("--config ") + c.config + " --run-dir " + dir + c.extra + " --resume " +
+                                  join_path(old_run, "step-0000002"));
     ASSERT_EQ(r.code, 0) << r.output;
     const auto old_losses = step_losses(join_path(old_run, "metrics.jsonl"));
     const auto new_losses = step_losses(join_path(dir, "metrics.jsonl"));
@@ -660,10 +697,12 @@ TEST(MegaslideTrain, CheckpointsWrittenBeforeTheFamilySeamResumeAndContinueTheOl
     ASSERT_EQ(new_losses.size(), 2u) << r.output;
     for (size_t i = 0; i < 2; ++i) {
       EXPECT_EQ(new_losses[i].first, old_losses[i + 2].first);
-      EXPECT_NEAR(new_losses[i].second, old_losses[i + 2].second, 1e-5 * std::abs(old_losses[i + 2].second)) << "step " << new_losses[i].first;
+      EXPECT_NEAR(new_losses[i].second, old_losses[i + 2].second, 1e-5 * std::abs(old_losses[i + 2].second))
+          << "step " << new_losses[i].first;
     }
     const auto old_master = megaslide::io::read_safetensors(join_path(old_run, "step-4-master.safetensors"));
-    const auto new_master = megaslide::io::read_safetensors(join_path(dir, "checkpoints/step-0000004/master.safetensors"));
+    const auto new_master =
+        megaslide::io::read_safetensors(join_path(dir, "checkpoints/step-0000004/master.safetensors"));
     ASSERT_EQ(new_master.tensors.size(), old_master.tensors.size());
     const auto start = megaslide::io::read_safetensors(join_path(old_run, "step-0000002/master.safetensors"));
     std::map<std::string, torch::Tensor> resumed(new_master.tensors.begin(), new_master.tensors.end());

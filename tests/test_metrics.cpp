@@ -19,7 +19,9 @@
 using namespace megaslide::eval;
 
 namespace {
-std::string temp_path(const std::string& name) { return "/tmp/megaslide-test-metrics-" + std::to_string(::getpid()) + "-" + name; }
+std::string temp_path(const std::string& name) {
+  return "/tmp/megaslide-test-metrics-" + std::to_string(::getpid()) + "-" + name;
+}
 
 torch::Tensor random_frames(int64_t T, int64_t H, int64_t W, uint64_t seed) {
   torch::manual_seed(seed);
@@ -36,7 +38,8 @@ TEST(Metrics, TemporalFlickeringIsVBenchsDefinition) {
     double s = 0.0;
     for (int64_t y = 0; y < 6; ++y)
       for (int64_t x = 0; x < 7; ++x)
-        for (int64_t c = 0; c < 3; ++c) s += std::abs(static_cast<double>(acc[t + 1][y][x][c]) - static_cast<double>(acc[t][y][x][c]));
+        for (int64_t c = 0; c < 3; ++c)
+          s += std::abs(static_cast<double>(acc[t + 1][y][x][c]) - static_cast<double>(acc[t][y][x][c]));
     sum_of_pair_means += s / (6 * 7 * 3);
   }
   const double d = sum_of_pair_means / 4;
@@ -45,7 +48,8 @@ TEST(Metrics, TemporalFlickeringIsVBenchsDefinition) {
   // Closed forms: a still video scores 1; frames alternating between uniform 10 and 60 score (255 − 50)/255.
   auto still = frames.slice(0, 0, 1).repeat({4, 1, 1, 1});
   EXPECT_EQ(temporal_flickering_score(still), 1.0);
-  auto alternating = torch::stack({torch::full({4, 4, 3}, 10), torch::full({4, 4, 3}, 60), torch::full({4, 4, 3}, 10)}).to(torch::kUInt8);
+  auto alternating = torch::stack({torch::full({4, 4, 3}, 10), torch::full({4, 4, 3}, 60), torch::full({4, 4, 3}, 10)})
+                         .to(torch::kUInt8);
   EXPECT_NEAR(temporal_flickering_score(alternating), 205.0 / 255.0, 1e-12);
   EXPECT_THROW(temporal_flickering_score(frames.slice(0, 0, 1)), std::invalid_argument);
 }
@@ -54,7 +58,9 @@ TEST(Metrics, FrameConsistencyIsTheMeanOfCentredCosines) {
   auto frames = random_frames(3, 4, 5, 2);
   auto f = frames.to(torch::kFloat64).flatten(1) / 255.0;
   f = f - f.mean(1, true);
-  auto cos = [&](int64_t a, int64_t b) { return std::max(0.0, (f[a] * f[b]).sum().item<double>() / (f[a].norm() * f[b].norm()).item<double>()); };
+  auto cos = [&](int64_t a, int64_t b) {
+    return std::max(0.0, (f[a] * f[b]).sum().item<double>() / (f[a].norm() * f[b].norm()).item<double>());
+  };
   const double expected = (0.5 * (cos(1, 0) + cos(1, 0)) + 0.5 * (cos(2, 1) + cos(2, 0))) / 2;
   EXPECT_NEAR(frame_consistency_score(frames), expected, 1e-12);
   // Invariant to a uniform brightness change (centring), 1 for a still video, 0 for an inverted frame.
@@ -93,8 +99,9 @@ TEST(Metrics, EvaluateFolderScoresEveryMp4WithItsPrompt) {
   EXPECT_NE(to_table(e).find("a still scene-0.mp4"), std::string::npos);
 
   // With an index.json, prompts come from it.
-  megaslide::io::write_file_atomically(dir + "/index.json",
-                                       R"({"videos": [{"prompt": "the real prompt", "index": 0, "seed": 1, "file": "a still scene-0.mp4"}]})");
+  megaslide::io::write_file_atomically(
+      dir + "/index.json",
+      R"({"videos": [{"prompt": "the real prompt", "index": 0, "seed": 1, "file": "a still scene-0.mp4"}]})");
   EXPECT_EQ(evaluate_folder(dir).videos[1].prompt, "the real prompt");
   megaslide::io::remove_tree(dir);
   EXPECT_THROW(evaluate_folder(dir), std::runtime_error);
@@ -112,19 +119,22 @@ TEST(Metrics, EvaluateFolderReportsVBenchsTemporalFlickering) {
   const std::string fixtures = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/video/";
   std::map<std::string, double> vbench;
   for (auto& [name, tensor] : megaslide::io::read_safetensors(fixtures + "opencv_frames.safetensors").tensors)
-    if (name.size() > 20 && name.substr(name.size() - 20) == ".temporal_flickering") vbench[name.substr(0, name.size() - 20)] = tensor.item<double>();
+    if (name.size() > 20 && name.substr(name.size() - 20) == ".temporal_flickering")
+      vbench[name.substr(0, name.size() - 20)] = tensor.item<double>();
   ASSERT_EQ(vbench.size(), 3u);
   auto dir = temp_path("vbench");
   megaslide::io::make_directories(dir);
   for (const auto& [clip, score] : vbench)
-    megaslide::io::write_file_atomically(dir + "/" + clip + "-0.mp4", megaslide::io::read_file(fixtures + clip + ".mp4"));
+    megaslide::io::write_file_atomically(dir + "/" + clip + "-0.mp4",
+                                         megaslide::io::read_file(fixtures + clip + ".mp4"));
   auto e = evaluate_folder(dir);
   ASSERT_EQ(e.videos.size(), vbench.size());
   for (const auto& v : e.videos) {
     const std::string clip = v.file.substr(0, v.file.size() - 6);
     const double interpolated = temporal_flickering_score(megaslide::io::read_video(dir + "/" + v.file));
-    std::cout << clip << ": VBench " << vbench.at(clip) << ", megaslide-eval " << v.temporal_flickering << " (difference "
-              << v.temporal_flickering - vbench.at(clip) << "); from frames with interpolated chroma " << interpolated << "\n";
+    std::cout << clip << ": VBench " << vbench.at(clip) << ", megaslide-eval " << v.temporal_flickering
+              << " (difference " << v.temporal_flickering - vbench.at(clip)
+              << "); from frames with interpolated chroma " << interpolated << "\n";
     EXPECT_NEAR(v.temporal_flickering, vbench.at(clip), 1e-3) << clip;
   }
   megaslide::io::remove_tree(dir);

@@ -33,7 +33,8 @@ TEST(Numbers, RealsBeyondADoubleAreRefusedWithTheReason) {
   EXPECT_NE(problem_of_real("-1e400").find("beyond the largest double"), std::string::npos);
   EXPECT_NE(problem_of_real("1e-400").find("too close to zero"), std::string::npos) << problem_of_real("1e-400");
   EXPECT_NE(problem_of_real("4e-320").find("too close to zero"), std::string::npos) << "a subnormal loses digits";
-  for (const char* bad : {"nan", "NaN", "inf", "-inf", "infinity", "0x10", "1e", "e5", ".", "", " 1", "1 ", "1,5", "--1", "1e+", "\xff"}) {
+  for (const char* bad : {"nan", "NaN", "inf", "-inf", "infinity", "0x10", "1e", "e5", ".", "", " 1", "1 ", "1,5",
+                          "--1", "1e+", "\xff"}) {
     EXPECT_NE(problem_of_real(bad), "") << "accepted '" << bad << "'";
     EXPECT_NE(problem_of_real(bad).find("expected a number"), std::string::npos) << problem_of_real(bad);
   }
@@ -47,10 +48,12 @@ TEST(Numbers, IntegersBeyondInt64AreRefusedWithTheReason) {
     parse_integer("99999999999999999999", "an integer >= 1");
     ADD_FAILURE() << "accepted";
   } catch (const NumberError& e) {
-    EXPECT_NE(std::string(e.what()).find("expected an integer >= 1, got '99999999999999999999'"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("expected an integer >= 1, got '99999999999999999999'"), std::string::npos)
+        << e.what();
     EXPECT_NE(std::string(e.what()).find("64-bit"), std::string::npos) << e.what();
   }
-  for (const char* bad : {"1.0", "1e3", "", "-", "0x1", " 1", "12a"}) EXPECT_THROW(parse_integer(bad, "x"), NumberError) << bad;
+  for (const char* bad : {"1.0", "1e3", "", "-", "0x1", " 1", "12a"})
+    EXPECT_THROW(parse_integer(bad, "x"), NumberError) << bad;
 }
 
 TEST(Numbers, CheckedProductSaysWhenItOverflows) {

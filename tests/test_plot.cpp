@@ -27,7 +27,8 @@ std::string fresh_dir(const std::string& name) {
 
 megaslide::PlotSpec two_panels() {
   const double nan = std::numeric_limits<double>::quiet_NaN();
-  megaslide::PlotPanel a{"panel a", "x", "y", false, false, true, {{"line", {1, 2, 3}, {1, 4, 9}}, {"gap", {1, 2, 3}, {2, nan, 6}}}};
+  megaslide::PlotPanel a{
+      "panel a", "x", "y", false, false, true, {{"line", {1, 2, 3}, {1, 4, 9}}, {"gap", {1, 2, 3}, {2, nan, 6}}}};
   megaslide::PlotPanel b{"panel b (log y)", "x", "y", false, true, true, {{"only bad points", {1, 2}, {0.0, -1.0}}}};
   return megaslide::PlotSpec{"figure", {a, b}};
 }
@@ -112,7 +113,8 @@ TEST(RunPlots, BadMetricsNameFileAndLine) {
   };
   expect_error(good + "\n{not json\n", path + ":2: not valid JSON");
   expect_error(good + "\n[1,2]\n", path + ":2: expected a JSON object");
-  expect_error(R"({"step":1,"step_time_s":0.1,"tokens_per_s":10,"samples_per_s":1})", path + ":1: missing field \"loss\"");
+  expect_error(R"({"step":1,"step_time_s":0.1,"tokens_per_s":10,"samples_per_s":1})",
+               path + ":1: missing field \"loss\"");
   expect_error(good + "\n" + R"({"step":2,"loss":"low","step_time_s":0.1,"tokens_per_s":10,"samples_per_s":1})",
                path + ":2: field \"loss\" is not a number");
   expect_error("", "no steps");
@@ -126,9 +128,11 @@ TEST(RunPlots, BadMetricsNameFileAndLine) {
 TEST(MegaslidePlot, PlotsARealRun) {
   const auto dir = fresh_dir("run");
   const auto run_dir = join_path(dir, "run");
-  auto train = megaslide::testing::run_tool(
-      "megaslide-train", "--config " + std::string(MEGASLIDE_SOURCE_DIR) + "/configs/smoke.yaml --set train.steps=5 "
-                         "--set train.device=cpu --set output.progress=false --run-dir " + run_dir);
+  auto train = megaslide::testing::run_tool("megaslide-train",
+                                            "--config " + std::string(MEGASLIDE_SOURCE_DIR) +
+                                                "/configs/smoke.yaml --set train.steps=5 "
+                                                "--set train.device=cpu --set output.progress=false --run-dir " +
+                                                run_dir);
   ASSERT_EQ(train.code, 0) << train.output;
   const auto out = join_path(dir, "figs");
   auto r = megaslide::testing::run_tool("megaslide-plot", run_dir + " --out " + out);
@@ -185,7 +189,8 @@ TEST(Plot, HostileTitlesReachGnuplotAsDataOnly) {
   spec.title = titles[0];
   const auto files = megaslide::render_plot(spec, join_path(dir, "fig.png"));
   EXPECT_TRUE(megaslide::is_png_file(files.png));
-  for (const auto& m : {marker, marker + "2", marker + "3", marker + "4"}) EXPECT_FALSE(megaslide::io::path_exists(m)) << "gnuplot ran a command: " << m;
+  for (const auto& m : {marker, marker + "2", marker + "3", marker + "4"})
+    EXPECT_FALSE(megaslide::io::path_exists(m)) << "gnuplot ran a command: " << m;
 
   // Round trip: every `set title` string of the script, printed by gnuplot, is the title given.
   const auto script = megaslide::io::read_file(files.script);
@@ -217,8 +222,11 @@ TEST(MegaslidePlot, RunFolderPathWithBackquotesRunsNothing) {
   const auto marker = join_path(dir, "pwned");
   const auto run_dir = join_path(dir, "x`touch " + marker + "`y");
   megaslide::io::make_directories(run_dir);
-  write(join_path(run_dir, "metrics.jsonl"), R"({"step":1,"loss":1.0,"step_time_s":0.1,"tokens_per_s":10,"samples_per_s":1})" "\n"
-                                             R"({"step":2,"loss":0.5,"step_time_s":0.1,"tokens_per_s":10,"samples_per_s":1})" "\n");
+  write(join_path(run_dir, "metrics.jsonl"),
+        R"({"step":1,"loss":1.0,"step_time_s":0.1,"tokens_per_s":10,"samples_per_s":1})"
+        "\n"
+        R"({"step":2,"loss":0.5,"step_time_s":0.1,"tokens_per_s":10,"samples_per_s":1})"
+        "\n");
   const auto r = megaslide::testing::run_tool("megaslide-plot", "'" + run_dir + "'");
   EXPECT_EQ(r.code, 0) << r.output;
   EXPECT_TRUE(megaslide::is_png_file(join_path(run_dir, "plots/loss.png")));
@@ -230,10 +238,14 @@ TEST(MegaslidePlot, RunFolderPathWithBackquotesRunsNothing) {
 // still plots, with a gap at that step and a running mean the gap does not poison.
 TEST(RunPlots, SkippedStepsWithNullFieldsPlot) {
   const auto dir = fresh_dir("skipped");
-  write(join_path(dir, "metrics.jsonl"),
-        R"({"step":1,"loss":1.0,"lr":0.001,"grad_norm":0.5,"step_time_s":0.1,"tokens_per_s":10,"samples_per_s":1,"skipped":false})" "\n"
-        R"({"step":2,"loss":null,"lr":0.001,"grad_norm":null,"step_time_s":0.1,"tokens_per_s":10,"samples_per_s":1,"skipped":true})" "\n"
-        R"({"step":3,"loss":0.5,"lr":0.001,"grad_norm":0.4,"step_time_s":0.1,"tokens_per_s":10,"samples_per_s":1,"skipped":false})" "\n");
+  write(
+      join_path(dir, "metrics.jsonl"),
+      R"({"step":1,"loss":1.0,"lr":0.001,"grad_norm":0.5,"step_time_s":0.1,"tokens_per_s":10,"samples_per_s":1,"skipped":false})"
+      "\n"
+      R"({"step":2,"loss":null,"lr":0.001,"grad_norm":null,"step_time_s":0.1,"tokens_per_s":10,"samples_per_s":1,"skipped":true})"
+      "\n"
+      R"({"step":3,"loss":0.5,"lr":0.001,"grad_norm":0.4,"step_time_s":0.1,"tokens_per_s":10,"samples_per_s":1,"skipped":false})"
+      "\n");
   const auto steps = megaslide::read_metrics_jsonl(join_path(dir, "metrics.jsonl"));
   ASSERT_EQ(steps.size(), 3u);
   EXPECT_TRUE(std::isnan(steps[1].loss));
@@ -249,7 +261,9 @@ TEST(RunPlots, SkippedStepsWithNullFieldsPlot) {
   EXPECT_NE(loss.find("\n2,?\n"), std::string::npos) << loss;
   EXPECT_EQ(loss.find("nan"), std::string::npos) << loss;
   // A step count that is null is still an error: it is no measurement.
-  write(join_path(dir, "metrics.jsonl"), R"({"step":null,"loss":1.0,"step_time_s":0.1,"tokens_per_s":10,"samples_per_s":1})" "\n");
+  write(join_path(dir, "metrics.jsonl"),
+        R"({"step":null,"loss":1.0,"step_time_s":0.1,"tokens_per_s":10,"samples_per_s":1})"
+        "\n");
   EXPECT_THROW(megaslide::read_metrics_jsonl(join_path(dir, "metrics.jsonl")), megaslide::MetricsFileError);
   megaslide::io::remove_tree(dir);
 }

@@ -1,4 +1,5 @@
-// The resident loop (Trainer with offload.enabled: false): the learning-rate schedule, determinism of a run, and a loss that falls.
+// The resident loop (Trainer with offload.enabled: false): the learning-rate schedule, determinism of a run, and a loss
+// that falls.
 #include "trainers.h"
 
 #include <gtest/gtest.h>
@@ -10,10 +11,11 @@ using namespace megaslide;
 namespace {
 // A tiny run: 4 frames of 8x8, 64 tokens per clip.
 RunConfig tiny_run(Architecture arch, int64_t steps) {
-  return parse_run_config("", "test", {"model.arch=" + std::string(to_string(arch)), "model.dsa_kernel=[3,3,3]",
-                                       "model.swin_window=[2,2,2]", "data.frames=4", "data.height=8", "data.width=8",
-                                       "data.num_clips=64", "train.steps=" + std::to_string(steps), "train.batch_size=8",
-                                       "train.lr=3e-3", "train.warmup_steps=5", "train.device=cpu"});
+  return parse_run_config(
+      "", "test",
+      {"model.arch=" + std::string(to_string(arch)), "model.dsa_kernel=[3,3,3]", "model.swin_window=[2,2,2]",
+       "data.frames=4", "data.height=8", "data.width=8", "data.num_clips=64", "train.steps=" + std::to_string(steps),
+       "train.batch_size=8", "train.lr=3e-3", "train.warmup_steps=5", "train.device=cpu"});
 }
 }  // namespace
 
@@ -23,7 +25,7 @@ TEST(LearningRate, WarmsUpThenDecaysToTheFloor) {
   EXPECT_DOUBLE_EQ(learning_rate(t, 0), 0.25);
   EXPECT_DOUBLE_EQ(learning_rate(t, 3), 1.0);
   EXPECT_DOUBLE_EQ(learning_rate(t, 4), 1.0);
-  EXPECT_NEAR(learning_rate(t, 13), 0.1, 1e-12);      // the last step reaches the floor
+  EXPECT_NEAR(learning_rate(t, 13), 0.1, 1e-12);  // the last step reaches the floor
   EXPECT_NEAR(learning_rate(t, 8), 0.1 + 0.45 * (1 + std::cos(M_PI * 4.0 / 9.0)), 1e-12);  // 4 of 9 decay steps
   t.lr_schedule = "constant";
   EXPECT_DOUBLE_EQ(learning_rate(t, 13), 1.0);

@@ -64,14 +64,16 @@ TEST(RunConfig, InconsistentValuesAreRefused) {
   expect_error("model:\n  patch: [2, 2, 2]\ndata:\n  frames: 7\n", {}, "data.frames", "temporal patch");
   expect_error("data:\n  width: 15\n", {}, "data.width", "model.patch[2] = 2");
   expect_error("model:\n  heads: 4\n  hidden: 16\n  dsa_groups: 3\n", {}, "model.dsa_groups", "divisor of model.heads");
-  expect_error("diffusion:\n  beta_start: 0.1\n  beta_end: 0.01\n", {}, "diffusion.beta_end", "above diffusion.beta_start");
+  expect_error("diffusion:\n  beta_start: 0.1\n  beta_end: 0.01\n", {}, "diffusion.beta_end",
+               "above diffusion.beta_start");
   expect_error("offload:\n  compute_dtype: fp8\n", {}, "offload.compute_dtype", "bf16 | fp16 | fp32");
   expect_error("train:\n  grad_accum_steps: 0\n", {}, "train.grad_accum_steps", "an integer in [1, 65536]");
 }
 
 TEST(RunConfig, SetOverridesAnyFieldAndIsNamedInErrors) {
-  auto c = parse_run_config("model:\n  hidden: 16\n", kSource,
-                            {"model.hidden=32", "model.patch=[1,4,4]", "data.height=32", "train.lr=1e-4", "model.arch=swin"});
+  auto c = parse_run_config(
+      "model:\n  hidden: 16\n", kSource,
+      {"model.hidden=32", "model.patch=[1,4,4]", "data.height=32", "train.lr=1e-4", "model.arch=swin"});
   EXPECT_EQ(c.model.hidden, 32);
   EXPECT_EQ(c.model.patch, (std::array<int64_t, 3>{1, 4, 4}));
   EXPECT_DOUBLE_EQ(c.train.lr, 1e-4);
@@ -93,8 +95,9 @@ TEST(RunConfig, SetOverridesAnyFieldAndIsNamedInErrors) {
 }
 
 TEST(RunConfig, ResolvedYamlReadsBackEqual) {
-  auto c = parse_run_config("", kSource, {"model.hidden=48", "model.heads=3", "train.lr=0.00012345", "data.seed=99",
-                                          "model.dsa_offset_range=[0.5, 2.25, 2.25]", "output.run_dir=some/where"});
+  auto c = parse_run_config("", kSource,
+                            {"model.hidden=48", "model.heads=3", "train.lr=0.00012345", "data.seed=99",
+                             "model.dsa_offset_range=[0.5, 2.25, 2.25]", "output.run_dir=some/where"});
   auto again = parse_run_config(megaslide::to_yaml(c), "resolved");
   EXPECT_EQ(megaslide::to_yaml(again), megaslide::to_yaml(c));
   EXPECT_EQ(again.model.hidden, 48);
@@ -169,14 +172,17 @@ TEST(RunConfig, RepeatedKeysAndSectionsAreRefused) {
 // with the factors named — never an overflowed negative size, never a hang building a huge model.
 TEST(RunConfig, SizesNoMachineCouldHoldAreRefusedNamingTheFactors) {
   expect_error("", {"model.layers=999999999999"}, "model.layers", "expected an integer in [1, 10000]");
-  expect_error("", {"model.layers=10000", "model.hidden=1048576", "model.heads=2"}, "model.layers", "more than any machine holds");
-  expect_error("", {"data.frames=4096", "data.height=65536", "data.width=65536", "train.batch_size=4096"}, "train.batch_size",
+  expect_error("", {"model.layers=10000", "model.hidden=1048576", "model.heads=2"}, "model.layers",
                "more than any machine holds");
+  expect_error("", {"data.frames=4096", "data.height=65536", "data.width=65536", "train.batch_size=4096"},
+               "train.batch_size", "more than any machine holds");
   expect_error("", {"data.frames=2147483648", "data.height=2147483648", "data.width=2147483648"}, "train.batch_size",
                "overflows 64 bits");
-  expect_error("", {"model.dsa_kernel=[999999999, 999999999, 999999999]"}, "model.dsa_kernel", "more than any machine holds");
-  expect_error("", {"model.arch=dense3d", "model.dense_attention=materialized", "data.frames=256", "data.height=1024",
-                    "data.width=1024"},
+  expect_error("", {"model.dsa_kernel=[999999999, 999999999, 999999999]"}, "model.dsa_kernel",
+               "more than any machine holds");
+  expect_error("",
+               {"model.arch=dense3d", "model.dense_attention=materialized", "data.frames=256", "data.height=1024",
+                "data.width=1024"},
                "model.dense_attention", "more than any machine holds");
   expect_error("", {"data.num_clips=9223372036854775807"}, "data.num_clips", "more than any machine holds");
   expect_error("", {"model.text_dim=9223372036854775807"}, "model.layers", "more than any machine holds");
@@ -212,7 +218,8 @@ TEST(RunConfig, ConfigThatIsNotARegularFileIsRefusedWithoutReadingIt) {
 // --set model.wan.KEY=..., and the resolved YAML (which writes only the keys of the run's model family)
 // reads back to the same config.
 TEST(RunConfig, WanKeysNestAndReadBack) {
-  auto c = megaslide::load_run_config(std::string(MEGASLIDE_SOURCE_DIR) + "/configs/wan2.1-t2v-1.3b.yaml", {"model.wan.heads=24"});
+  auto c = megaslide::load_run_config(std::string(MEGASLIDE_SOURCE_DIR) + "/configs/wan2.1-t2v-1.3b.yaml",
+                                      {"model.wan.heads=24"});
   EXPECT_EQ(c.model.arch, megaslide::Architecture::kWan);
   EXPECT_EQ(c.model.wan.dim, 1536);
   EXPECT_EQ(c.model.wan.heads, 24);
@@ -230,7 +237,9 @@ TEST(RunConfig, WanKeysNestAndReadBack) {
 // The property: a key of the other model family is refused naming the key to use, and Wan's cross-key
 // rules (channels, head size, objective) are checked.
 TEST(RunConfig, WanAndDiTKeysDoNotMix) {
-  const std::string wan = "model:\n  arch: wan\n  wan:\n    dim: 48\n    heads: 4\n    in_channels: 4\n    out_channels: 4\ndata:\n  dataset: latent-tensors\n  channels: 4\n";
+  const std::string wan =
+      "model:\n  arch: wan\n  wan:\n    dim: 48\n    heads: 4\n    in_channels: 4\n    out_channels: 4\ndata:\n  "
+      "dataset: latent-tensors\n  channels: 4\n";
   EXPECT_NO_THROW(parse_run_config(wan, kSource));
   expect_error(wan, {"model.hidden=32"}, "model.hidden", "set model.wan.dim");
   expect_error(wan, {"model.mlp_ratio=2"}, "model.mlp_ratio", "does not apply to model.arch wan");
@@ -243,16 +252,18 @@ TEST(RunConfig, WanAndDiTKeysDoNotMix) {
   expect_error(wan, {"data.height=15"}, "data.height", "model.wan.patch[1]");
   expect_error("", {"diffusion.objective=flow"}, "diffusion.objective", "model.arch wan");
   expect_error(wan, {"diffusion.objective=flow", "diffusion.prediction=v"}, "diffusion.prediction", "velocity");
-  expect_error(wan, {"model.self_attention=dsa3d", "model.dsa_groups=3"}, "model.dsa_groups", "divisor of model.wan.heads");
+  expect_error(wan, {"model.self_attention=dsa3d", "model.dsa_groups=3"}, "model.dsa_groups",
+               "divisor of model.wan.heads");
   expect_error(wan, {"model.wan.qk_norm=maybe"}, "model.wan.qk_norm", "true or false");
   expect_error(wan, {"model.wan.dimm=3"}, "model.wan.dimm", "did you mean model.wan.dim");
-  expect_error(wan, {"data.dataset=structured-motion"}, "data.dataset", "expected latent-tensors (latent videos and text embeddings) or videos");
+  expect_error(wan, {"data.dataset=structured-motion"}, "data.dataset",
+               "expected latent-tensors (latent videos and text embeddings) or videos");
   // Wan over videos: pixel sizes in data.*, umT5 and the Wan VAE named (their latents are what the
   // patches must divide), one clip size; the DiT family refuses Wan's encoders and Wan the DiT family's.
-  const std::vector<std::string> videos{"data.dataset=videos",        "data.channels=3",         "data.manifest=x.csv",
-                                        "data.frames=5",              "data.height=16",          "data.width=16",
-                                        "model.text_encoder.kind=umt5", "model.text_encoder.weights=u",
-                                        "model.vae.kind=wan",         "model.vae.weights=v",     "model.vae.latent_channels=4"};
+  const std::vector<std::string> videos{
+      "data.dataset=videos", "data.channels=3",     "data.manifest=x.csv",          "data.frames=5",
+      "data.height=16",      "data.width=16",       "model.text_encoder.kind=umt5", "model.text_encoder.weights=u",
+      "model.vae.kind=wan",  "model.vae.weights=v", "model.vae.latent_channels=4"};
   EXPECT_NO_THROW(parse_run_config(wan, kSource, videos));
   auto with = [&](std::vector<std::string> extra) {
     auto all = videos;
@@ -263,11 +274,13 @@ TEST(RunConfig, WanAndDiTKeysDoNotMix) {
   expect_error(wan, with({"data.height=12"}), "data.height", "multiple of model.vae.downscale");
   expect_error(wan, with({"data.height=8"}), "data.height", "latent height");
   expect_error(wan, with({"model.vae.latent_channels=16"}), "model.vae.latent_channels", "model.wan.in_channels (4");
-  expect_error(wan, with({"model.text_encoder.kind=builtin", "model.text_encoder.weights="}), "model.text_encoder.kind", "expected umt5");
+  expect_error(wan, with({"model.text_encoder.kind=builtin", "model.text_encoder.weights="}), "model.text_encoder.kind",
+               "expected umt5");
   expect_error(wan, with({"model.vae.weights="}), "model.vae.weights", "Wan VAE");
   expect_error(wan, with({"model.text_encoder.kind=clip"}), "model.text_encoder.kind", "DiT family");
   expect_error(wan, with({"data.buckets=[[5, 16, 16]]"}), "data.buckets", "one clip size");
-  expect_error("", {"model.text_encoder.kind=umt5", "model.text_encoder.weights=u"}, "model.text_encoder.kind", "Wan's text encoder");
+  expect_error("", {"model.text_encoder.kind=umt5", "model.text_encoder.weights=u"}, "model.text_encoder.kind",
+               "Wan's text encoder");
   expect_error("", {"model.vae.kind=wan", "model.vae.weights=v"}, "model.vae.kind", "Wan's VAE");
   expect_error("", {"data.dataset=latent-tensors"}, "data.dataset", "expected structured-motion");
   expect_error("", {"data.tensors=x.safetensors"}, "data.tensors", "latent-tensors");
@@ -289,9 +302,11 @@ TEST(RunConfig, VideoDatasetKeysParseCheckAndReadBack) {
   // Exactly one of manifest and root; fps or a stride; buckets divisible by the patch; only for videos.
   expect_error("data: {dataset: videos}\n", {}, "data.root", "exactly one of data.manifest");
   expect_error("data: {dataset: videos, manifest: a.csv, root: b}\n", {}, "data.manifest", "exactly one");
-  expect_error("data: {dataset: videos, root: b, fps: 8, frame_stride: 2}\n", {}, "data.frame_stride", "either data.fps");
+  expect_error("data: {dataset: videos, root: b, fps: 8, frame_stride: 2}\n", {}, "data.frame_stride",
+               "either data.fps");
   expect_error("data: {dataset: videos, root: b, buckets: [[8, 15, 16]]}\n", {}, "data.buckets", "item 0: height 15");
-  expect_error("data: {dataset: videos, root: b, buckets: [[8, 16]]}\n", {}, "data.buckets", "item 0: expected [frames, height, width]");
+  expect_error("data: {dataset: videos, root: b, buckets: [[8, 16]]}\n", {}, "data.buckets",
+               "item 0: expected [frames, height, width]");
   expect_error("data: {buckets: [[8, 16, 16]]}\n", {}, "data.buckets", "only data.dataset: videos");
   expect_error("data: {dataset: videos, root: b, channels: 1}\n", {}, "data.channels", "expected 3");
   expect_error("train: {init_allow_missing: [a, '']}\n", {}, "train.init_allow_missing", "non-empty");
@@ -304,8 +319,8 @@ TEST(RunConfig, VideoDatasetKeysParseCheckAndReadBack) {
 TEST(RunConfig, OneDocumentOfUtf8Text) {
   EXPECT_EQ(parse_run_config("--- # a run\nmodel:\n  hidden: 32\n", kSource).model.hidden, 32);
   EXPECT_EQ(parse_run_config("---\nmodel: {hidden: 32}\n...\n# done\n", kSource).model.hidden, 32);
-  for (const char* text : {"model:\n  hidden: 32\n---\nmodel:\n  hidden: 64\n", "model: {hidden: 32}\n...\ntrain: {lr: 1}\n",
-                           "--- {model: {hidden: 32}}\n--- {}\n"}) {
+  for (const char* text : {"model:\n  hidden: 32\n---\nmodel:\n  hidden: 64\n",
+                           "model: {hidden: 32}\n...\ntrain: {lr: 1}\n", "--- {model: {hidden: 32}}\n--- {}\n"}) {
     try {
       parse_run_config(text, kSource);
       ADD_FAILURE() << "a second document was accepted: " << text;
@@ -323,5 +338,6 @@ TEST(RunConfig, OneDocumentOfUtf8Text) {
   } catch (const ConfigError& e) {
     EXPECT_EQ(e.key(), "output.run_dir");
   }
-  EXPECT_EQ(parse_run_config("data:\n  root: \"vid\xc3\xa9os/\xe6\x97\xa5\"\n", kSource).data.root, "vid\xc3\xa9os/\xe6\x97\xa5");
+  EXPECT_EQ(parse_run_config("data:\n  root: \"vid\xc3\xa9os/\xe6\x97\xa5\"\n", kSource).data.root,
+            "vid\xc3\xa9os/\xe6\x97\xa5");
 }

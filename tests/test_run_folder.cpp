@@ -125,15 +125,16 @@ TEST(RunFolder, SecondTrainerIntoTheSameFolderExitsTwo) {
   if (first == 0) {
     std::freopen("/dev/null", "w", stderr);
     std::freopen("/dev/null", "w", stdout);
-    ::execl(bin.c_str(), bin.c_str(), "--config", smoke.c_str(), "--run-dir", dir.c_str(), "--set", "train.steps=400", "--set",
-            "output.progress=false", "--set", "train.threads=1", static_cast<char*>(nullptr));
+    ::execl(bin.c_str(), bin.c_str(), "--config", smoke.c_str(), "--run-dir", dir.c_str(), "--set", "train.steps=400",
+            "--set", "output.progress=false", "--set", "train.threads=1", static_cast<char*>(nullptr));
     ::_exit(127);
   }
   const auto metrics = io::join_path(dir, "metrics.jsonl");
   for (int i = 0; i < 6000 && !io::path_exists(metrics); ++i) ::usleep(10000);
   ASSERT_TRUE(io::path_exists(metrics));
-  const auto second = megaslide::testing::run_tool("megaslide-train", "--config " + smoke + " --run-dir " + dir +
-                                                                           " --resume latest --set train.steps=400 --set output.progress=false");
+  const auto second = megaslide::testing::run_tool(
+      "megaslide-train",
+      "--config " + smoke + " --run-dir " + dir + " --resume latest --set train.steps=400 --set output.progress=false");
   EXPECT_EQ(second.code, 2) << second.output;
   EXPECT_NE(second.output.find("in use by another run"), std::string::npos) << second.output;
   EXPECT_NE(second.output.find("pid " + std::to_string(first)), std::string::npos) << second.output;

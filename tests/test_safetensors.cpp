@@ -14,7 +14,9 @@ using megaslide::io::SafetensorsError;
 
 namespace {
 
-std::string temp_path(const std::string& name) { return "/tmp/megaslide-test-st-" + std::to_string(::getpid()) + "-" + name; }
+std::string temp_path(const std::string& name) {
+  return "/tmp/megaslide-test-st-" + std::to_string(::getpid()) + "-" + name;
+}
 
 std::string le64(uint64_t n) {
   std::string s;
@@ -95,9 +97,10 @@ TEST(Safetensors, EveryDtypeRoundTripsBitForBit) {
 TEST(Safetensors, ReadsAHandBuiltFileWithEntriesOutOfOrder) {
   // Header order differs from data order, and metadata comes last: both are allowed by the format.
   std::string data = le64(42) + std::string("\x01\x00\x02\x00", 4);  // I64 [1] = 42, then I16 [2] = {1, 2}
-  auto path = write_raw("handbuilt.safetensors",
-                        R"({"b":{"dtype":"I16","shape":[2],"data_offsets":[8,12]},"a":{"dtype":"I64","shape":[1],"data_offsets":[0,8]},"__metadata__":{"k":"v"}})",
-                        data);
+  auto path = write_raw(
+      "handbuilt.safetensors",
+      R"({"b":{"dtype":"I16","shape":[2],"data_offsets":[8,12]},"a":{"dtype":"I64","shape":[1],"data_offsets":[0,8]},"__metadata__":{"k":"v"}})",
+      data);
   auto file = megaslide::io::read_safetensors(path);
   ASSERT_EQ(file.tensors.size(), 2u);
   EXPECT_EQ(file.tensors[0].first, "a");
@@ -118,22 +121,33 @@ TEST(Safetensors, RefusesCorruptFilesNamingFileAndTensor) {
   {
     auto path = temp_path("huge-header");
     megaslide::io::write_file_atomically(path, le64(1000) + "{}");
-    expect_refused(path, "not a safetensors file (or a truncated one): its first 8 bytes, read as the header length, say 1000");
+    expect_refused(
+        path, "not a safetensors file (or a truncated one): its first 8 bytes, read as the header length, say 1000");
   }
   expect_refused(write_raw("badjson", R"({"w": {"dtype": "F32",)", f32x2), "not valid JSON");
-  expect_refused(write_raw("notobject", "[1, 2]", ""), "not a safetensors file: the header after the 8-byte length does not begin with");
-  expect_refused(write_raw("dtype", R"({"w":{"dtype":"F8_E4M3","shape":[2],"data_offsets":[0,8]}})", f32x2), "tensor 'w'");
-  expect_refused(write_raw("range", R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,16]}})", f32x2), "reach past the data section");
-  expect_refused(write_raw("count", R"({"w":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", f32x2), "needs 12 bytes");
-  expect_refused(write_raw("backwards", R"({"w":{"dtype":"F32","shape":[0],"data_offsets":[8,0]}})", f32x2), "run backwards");
-  expect_refused(write_raw("negative", R"({"w":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", f32x2), "not a non-negative integer");
-  expect_refused(write_raw("overlap",
-                           R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
-                           f32x2),
-                 "overlap");
-  expect_refused(write_raw("missingkey", R"({"w":{"dtype":"F32","data_offsets":[0,8]}})", f32x2), "tensor 'w': missing array 'shape'");
+  expect_refused(write_raw("notobject", "[1, 2]", ""),
+                 "not a safetensors file: the header after the 8-byte length does not begin with");
+  expect_refused(write_raw("dtype", R"({"w":{"dtype":"F8_E4M3","shape":[2],"data_offsets":[0,8]}})", f32x2),
+                 "tensor 'w'");
+  expect_refused(write_raw("range", R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,16]}})", f32x2),
+                 "reach past the data section");
+  expect_refused(write_raw("count", R"({"w":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", f32x2),
+                 "needs 12 bytes");
+  expect_refused(write_raw("backwards", R"({"w":{"dtype":"F32","shape":[0],"data_offsets":[8,0]}})", f32x2),
+                 "run backwards");
+  expect_refused(write_raw("negative", R"({"w":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", f32x2),
+                 "not a non-negative integer");
+  expect_refused(
+      write_raw(
+          "overlap",
+          R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
+          f32x2),
+      "overlap");
+  expect_refused(write_raw("missingkey", R"({"w":{"dtype":"F32","data_offsets":[0,8]}})", f32x2),
+                 "tensor 'w': missing array 'shape'");
   expect_refused(write_raw("meta", R"({"__metadata__":{"k":3}})", ""), "__metadata__ value of 'k'");
-  expect_refused(write_raw("bool", R"({"m":{"dtype":"BOOL","shape":[2],"data_offsets":[0,2]}})", "\x01\x07"), "bytes other than 0 and 1");
+  expect_refused(write_raw("bool", R"({"m":{"dtype":"BOOL","shape":[2],"data_offsets":[0,2]}})", "\x01\x07"),
+                 "bytes other than 0 and 1");
   {
     // A valid file cut short: the last tensor's bytes are missing.
     auto bytes = megaslide::io::encode_safetensors({{"a", torch::ones({4})}, {"b", torch::ones({4})}});
@@ -153,7 +167,9 @@ TEST(Safetensors, WriterRefusesDuplicateNames) {
 // refused naming the file and the tensor; the reader keeps working after a refused read.
 TEST(Safetensors, RangeReaderReadsAnyRangeOfAnyTensor) {
   torch::manual_seed(5);
-  const NamedTensors tensors{{"a", torch::randn({7, 5})}, {"b", torch::arange(0, 100, torch::kLong)}, {"c", torch::randn({3}).to(torch::kBFloat16)}};
+  const NamedTensors tensors{{"a", torch::randn({7, 5})},
+                             {"b", torch::arange(0, 100, torch::kLong)},
+                             {"c", torch::randn({3}).to(torch::kBFloat16)}};
   const auto path = temp_path("ranges.safetensors");
   megaslide::io::write_safetensors(path, tensors);
   megaslide::io::SafetensorsRangeReaders files;

@@ -27,7 +27,14 @@ namespace {
 // A small dense DiT whose parameters are all random (a freshly built DiT outputs zeros: adaLN-Zero).
 megaslide::DiT random_dit(uint64_t seed) {
   torch::manual_seed(seed);
-  megaslide::DiT dit(megaslide::DiTOptions().arch(megaslide::Architecture::kDense3D).in_channels(3).patch({1, 2, 2}).hidden(16).layers(2).heads(2).text_dim(8));
+  megaslide::DiT dit(megaslide::DiTOptions()
+                         .arch(megaslide::Architecture::kDense3D)
+                         .in_channels(3)
+                         .patch({1, 2, 2})
+                         .hidden(16)
+                         .layers(2)
+                         .heads(2)
+                         .text_dim(8));
   torch::NoGradGuard no_grad;
   for (auto& p : dit->parameters()) p.copy_(torch::randn_like(p) * 0.3);
   dit->eval();
@@ -50,9 +57,11 @@ Conditioning random_text(int64_t batch, int64_t tokens, uint64_t seed) {
 // the text, so guidance does not change it.
 class GaussianOracle final : public megaslide::Denoiser {
  public:
-  GaussianOracle(const DDPMSchedule& s, double mu, double sd, megaslide::Prediction prediction = megaslide::Prediction::kEpsilon)
+  GaussianOracle(const DDPMSchedule& s, double mu, double sd,
+                 megaslide::Prediction prediction = megaslide::Prediction::kEpsilon)
       : abar_(s.alphas_cumprod()), mu_(mu), sd_(sd), prediction_(prediction) {}
-  torch::Tensor predict(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor&, const torch::Tensor&) override {
+  torch::Tensor predict(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor&,
+                        const torch::Tensor&) override {
     ++calls;
     if (prediction_ == megaslide::Prediction::kEpsilon) {
       auto a = abar_.index_select(0, t).to(torch::kFloat32).view({-1, 1, 1, 1, 1});
@@ -88,7 +97,8 @@ TEST(Sampler, RespacingSpreadsStepsEvenlyOverBothEnds) {
   for (int64_t i = 0; i < 50; ++i) EXPECT_EQ(all[static_cast<size_t>(i)], i);
   // Halves round to even, as numpy's linspace(...).round() does: 999/6 = 166.5 -> 166, 832.5 -> 832.
   EXPECT_EQ(SamplingSchedule::respaced_timesteps(1000, 7), (std::vector<int64_t>{0, 166, 333, 500, 666, 832, 999}));
-  EXPECT_EQ(SamplingSchedule::respaced_timesteps(1000, 1), std::vector<int64_t>{0});  // numpy: linspace(0, 999, 1) = [0]
+  EXPECT_EQ(SamplingSchedule::respaced_timesteps(1000, 1),
+            std::vector<int64_t>{0});  // numpy: linspace(0, 999, 1) = [0]
   EXPECT_THROW(SamplingSchedule::respaced_timesteps(1000, 0), c10::Error);
   EXPECT_THROW(SamplingSchedule::respaced_timesteps(1000, 1001), c10::Error);
 }
@@ -96,17 +106,22 @@ TEST(Sampler, RespacingSpreadsStepsEvenlyOverBothEnds) {
 TEST(Sampler, LeadingAndTrailingSpacings) {
   using megaslide::TimestepSpacing;
   // leading: multiples of floor(T/S) from 0; trailing: down from T−1 in steps of T/S (rounded).
-  EXPECT_EQ(SamplingSchedule::respaced_timesteps(1000, 4, TimestepSpacing::kLeading), (std::vector<int64_t>{0, 250, 500, 750}));
-  EXPECT_EQ(SamplingSchedule::respaced_timesteps(1000, 3, TimestepSpacing::kLeading), (std::vector<int64_t>{0, 333, 666}));
-  EXPECT_EQ(SamplingSchedule::respaced_timesteps(1000, 4, TimestepSpacing::kTrailing), (std::vector<int64_t>{249, 499, 749, 999}));
-  EXPECT_EQ(SamplingSchedule::respaced_timesteps(1000, 3, TimestepSpacing::kTrailing), (std::vector<int64_t>{332, 666, 999}));
+  EXPECT_EQ(SamplingSchedule::respaced_timesteps(1000, 4, TimestepSpacing::kLeading),
+            (std::vector<int64_t>{0, 250, 500, 750}));
+  EXPECT_EQ(SamplingSchedule::respaced_timesteps(1000, 3, TimestepSpacing::kLeading),
+            (std::vector<int64_t>{0, 333, 666}));
+  EXPECT_EQ(SamplingSchedule::respaced_timesteps(1000, 4, TimestepSpacing::kTrailing),
+            (std::vector<int64_t>{249, 499, 749, 999}));
+  EXPECT_EQ(SamplingSchedule::respaced_timesteps(1000, 3, TimestepSpacing::kTrailing),
+            (std::vector<int64_t>{332, 666, 999}));
   EXPECT_EQ(SamplingSchedule::respaced_timesteps(1000, 1, TimestepSpacing::kTrailing), std::vector<int64_t>{999});
   for (auto spacing : {TimestepSpacing::kLinspace, TimestepSpacing::kLeading, TimestepSpacing::kTrailing}) {
     EXPECT_EQ(megaslide::parse_timestep_spacing(megaslide::to_string(spacing)), spacing);
     for (int64_t S : {1, 2, 61, 999, 1000}) {
       auto ts = SamplingSchedule::respaced_timesteps(1000, S, spacing);
       ASSERT_EQ(static_cast<int64_t>(ts.size()), S);
-      EXPECT_NO_THROW(SamplingSchedule(DDPMSchedule(1000, BetaSchedule::kLinear), ts)) << "ascending, distinct, in range";
+      EXPECT_NO_THROW(SamplingSchedule(DDPMSchedule(1000, BetaSchedule::kLinear), ts))
+          << "ascending, distinct, in range";
     }
   }
   EXPECT_THROW(megaslide::parse_timestep_spacing("uniform"), c10::Error);
@@ -125,7 +140,8 @@ TEST(Sampler, FullRespacingReproducesTheTrainingSchedule) {
     ASSERT_NEAR(s.alphas_cumprod_prev()[t].item<double>(), abar_prev, 1e-12);
     ASSERT_NEAR(s.posterior_variance()[t].item<double>(), beta * (1 - abar_prev) / (1 - abar), 1e-12) << t;
     ASSERT_NEAR(s.posterior_mean_coef1()[t].item<double>(), beta * std::sqrt(abar_prev) / (1 - abar), 1e-12) << t;
-    ASSERT_NEAR(s.posterior_mean_coef2()[t].item<double>(), (1 - abar_prev) * std::sqrt(1 - beta) / (1 - abar), 1e-12) << t;
+    ASSERT_NEAR(s.posterior_mean_coef2()[t].item<double>(), (1 - abar_prev) * std::sqrt(1 - beta) / (1 - abar), 1e-12)
+        << t;
     abar_prev = abar;
   }
 }
@@ -146,7 +162,8 @@ TEST(Sampler, RespacedPosteriorIsBayesRuleForTheKeptTimesteps) {
         EXPECT_NEAR(s.posterior_variance()[0].item<double>(), 0.0, 1e-12);
         continue;
       }
-      const double abar_s = abar_train[s.timesteps()[i - 1].item<int64_t>()].item<double>(), abar_t = abar_train[t].item<double>();
+      const double abar_s = abar_train[s.timesteps()[i - 1].item<int64_t>()].item<double>(),
+                   abar_t = abar_train[t].item<double>();
       const double a = abar_t / abar_s;
       const double var = 1.0 / (1.0 / (1 - abar_s) + a / (1 - a));
       EXPECT_NEAR(s.posterior_variance()[i].item<double>(), var, 1e-12 + 1e-9 * var) << i;
@@ -177,7 +194,8 @@ TEST(Sampler, GuidanceScaleOneIsTheConditionalPredictionAndScaleMixesLinearly) {
   const double tol = 1e-5 * eps_c.abs().max().item<double>();
   EXPECT_TRUE(torch::allclose(megaslide::guided_prediction(denoiser, x, t, cond, uncond, 1.0), eps_c, 0, 3 * tol));
   EXPECT_TRUE(torch::allclose(megaslide::guided_prediction(denoiser, x, t, cond, uncond, 0.0), eps_u, 0, tol));
-  EXPECT_TRUE(torch::allclose(megaslide::guided_prediction(denoiser, x, t, cond, uncond, 7.5), eps_u + 7.5 * (eps_c - eps_u), 0, 16 * tol));
+  EXPECT_TRUE(torch::allclose(megaslide::guided_prediction(denoiser, x, t, cond, uncond, 7.5),
+                              eps_u + 7.5 * (eps_c - eps_u), 0, 16 * tol));
 }
 
 TEST(Sampler, DdimWithEtaOneIsAncestralDdpm) {
@@ -187,10 +205,10 @@ TEST(Sampler, DdimWithEtaOneIsAncestralDdpm) {
   auto cond = random_text(2, 3, 10), uncond = random_text(1, 3, 11);
   auto opts = SamplerOptions().steps(12).guidance_scale(3.0);
   auto ddpm = megaslide::sample(denoiser, train, opts, {3, 2, 4, 4}, {101, 202}, cond, uncond, torch::kCPU);
-  auto ddim = megaslide::sample(denoiser, train, SamplerOptions(opts).kind(SamplerKind::kDDIM).eta(1.0), {3, 2, 4, 4}, {101, 202}, cond,
-                                uncond, torch::kCPU);
-  auto ddim0 = megaslide::sample(denoiser, train, SamplerOptions(opts).kind(SamplerKind::kDDIM).eta(0.0), {3, 2, 4, 4}, {101, 202}, cond,
-                                 uncond, torch::kCPU);
+  auto ddim = megaslide::sample(denoiser, train, SamplerOptions(opts).kind(SamplerKind::kDDIM).eta(1.0), {3, 2, 4, 4},
+                                {101, 202}, cond, uncond, torch::kCPU);
+  auto ddim0 = megaslide::sample(denoiser, train, SamplerOptions(opts).kind(SamplerKind::kDDIM).eta(0.0), {3, 2, 4, 4},
+                                 {101, 202}, cond, uncond, torch::kCPU);
   EXPECT_TRUE(torch::allclose(ddim, ddpm, 0, 1e-4)) << (ddim - ddpm).abs().max().item<double>();
   EXPECT_GT((ddim0 - ddpm).abs().max().item<double>(), 1e-2) << "η = 0 must differ from the ancestral sampler";
 }
@@ -226,7 +244,7 @@ std::pair<double, double> gaussian_sampler_output(SamplerKind kind, int64_t step
   for (int64_t i = steps - 1; i >= 0; --i) {
     const double ab = abar[static_cast<size_t>(ts[static_cast<size_t>(i)])];
     const double abp = i > 0 ? abar[static_cast<size_t>(ts[static_cast<size_t>(i - 1)])] : 1.0;
-    const double k = std::sqrt(1 - ab) / (ab * sd * sd + 1 - ab);          // ε̂ = k·x − k·sqrt(ab)·mu
+    const double k = std::sqrt(1 - ab) / (ab * sd * sd + 1 - ab);  // ε̂ = k·x − k·sqrt(ab)·mu
     const double a = (1 - std::sqrt(1 - ab) * k) / std::sqrt(ab), b = std::sqrt(1 - ab) * k * mu;  // x0̂ = a·x + b
     double A, B, noise_var;
     if (i == 0) {
@@ -282,18 +300,21 @@ TEST(Sampler, ExactPredictorsOfEpsilonVAndX0SampleTheSameVideos) {
   using megaslide::Prediction;
   for (auto kind : {SamplerKind::kDDPM, SamplerKind::kDDIM}) {
     for (int64_t steps : {30, 100}) {
-      auto opts = SamplerOptions().kind(kind).steps(steps).guidance_scale(7.5).eta(kind == SamplerKind::kDDIM ? 0.5 : 0.0);
+      auto opts =
+          SamplerOptions().kind(kind).steps(steps).guidance_scale(7.5).eta(kind == SamplerKind::kDDIM ? 0.5 : 0.0);
       std::vector<torch::Tensor> out;
       for (auto p : {Prediction::kEpsilon, Prediction::kV, Prediction::kX0}) {
         GaussianOracle oracle(train, 0.3, 0.5, p);
-        out.push_back(
-            megaslide::sample(oracle, train, SamplerOptions(opts).prediction(p), {1, 4, 16, 16}, {7, 8, 9}, cond, cond, torch::kCPU));
+        out.push_back(megaslide::sample(oracle, train, SamplerOptions(opts).prediction(p), {1, 4, 16, 16}, {7, 8, 9},
+                                        cond, cond, torch::kCPU));
       }
       const std::string what = std::string(megaslide::to_string(kind)) + " " + std::to_string(steps) + " steps";
       ASSERT_GT(out[0].std().item<double>(), 0.1) << what << ": the samples must vary";
       ASSERT_TRUE((out[0].abs() > 0.999999).any().item<bool>()) << what << ": some x0 predictions were clamped";
-      EXPECT_TRUE(torch::allclose(out[1], out[0], 0, 1e-4)) << what << ", v vs ε: " << (out[1] - out[0]).abs().max().item<double>();
-      EXPECT_TRUE(torch::allclose(out[2], out[0], 0, 1e-4)) << what << ", x0 vs ε: " << (out[2] - out[0]).abs().max().item<double>();
+      EXPECT_TRUE(torch::allclose(out[1], out[0], 0, 1e-4))
+          << what << ", v vs ε: " << (out[1] - out[0]).abs().max().item<double>();
+      EXPECT_TRUE(torch::allclose(out[2], out[0], 0, 1e-4))
+          << what << ", x0 vs ε: " << (out[2] - out[0]).abs().max().item<double>();
     }
   }
   // The test can fail: a v-model sampled as if it predicted ε gives other videos.
@@ -313,7 +334,8 @@ struct DiffusersFixture {
 };
 
 DiffusersFixture diffusers_fixture() {
-  auto file = megaslide::io::read_safetensors(std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/sampler/diffusers.safetensors");
+  auto file = megaslide::io::read_safetensors(std::string(MEGASLIDE_SOURCE_DIR) +
+                                              "/tests/fixtures/sampler/diffusers.safetensors");
   DiffusersFixture f;
   for (auto& [name, tensor] : file.tensors) f.tensors[name] = tensor;
   f.tables = nlohmann::json::parse(file.metadata.at("tables"));
@@ -336,7 +358,9 @@ TEST(Sampler, TimestepTablesAreDiffusers) {
     std::vector<int64_t> expected(reference.data_ptr<int64_t>(), reference.data_ptr<int64_t>() + reference.numel());
     if (static_cast<int64_t>(expected.size()) == S + 1 && expected.back() == -1) expected.pop_back(), ++overshoots;
     std::reverse(expected.begin(), expected.end());
-    EXPECT_EQ(SamplingSchedule::respaced_timesteps(T, S, megaslide::parse_timestep_spacing(table.at("spacing"))), expected) << name;
+    EXPECT_EQ(SamplingSchedule::respaced_timesteps(T, S, megaslide::parse_timestep_spacing(table.at("spacing"))),
+              expected)
+        << name;
   }
   EXPECT_GE(overshoots, 1) << "the fixture covers diffusers' extra trailing timestep";
 }
@@ -369,14 +393,17 @@ TEST(Sampler, SingleStepsAreDiffusers) {
     if (i > 0) noise = f.tensors.at(name + ".noise");  // as sample() passes it
     auto check = [&](const torch::Tensor& ours, const torch::Tensor& reference, const char* what) {
       const double scale = std::max(1.0, reference.abs().max().item<double>());
-      const double error = (ours.to(torch::kFloat64) - reference.to(torch::kFloat64)).abs().max().item<double>() / scale;
+      const double error =
+          (ours.to(torch::kFloat64) - reference.to(torch::kFloat64)).abs().max().item<double>() / scale;
       if (error > worst) worst = error, worst_case = std::string(what) + " of " + c.dump();
       EXPECT_LT(error, 1e-5) << name << " " << what << ": " << c.dump();
     };
     auto x0 = megaslide::predicted_x0(options.prediction(), output, x, schedule.alphas_cumprod()[i].item<double>());
     if (options.clip_denoised()) x0 = x0.clamp(-1, 1);
     check(x0, f.tensors.at(name + ".pred_original_sample"), "x0");
-    check(megaslide::reverse_step(schedule, i, x, output, noise, options), f.tensors.at(name + ".prev_sample"), "x_prev");
+    check(megaslide::reverse_step(schedule, i, x, output, noise, options), f.tensors.at(name + ".prev_sample"),
+          "x_prev");
   }
-  std::cout << f.cases.size() << " steps: worst relative difference from diffusers " << worst << " (" << worst_case << ")\n";
+  std::cout << f.cases.size() << " steps: worst relative difference from diffusers " << worst << " (" << worst_case
+            << ")\n";
 }

@@ -23,7 +23,9 @@ const std::string kTiny = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/v
 
 std::map<std::string, torch::Tensor> reference() {
   std::map<std::string, torch::Tensor> out;
-  for (auto& [name, t] : megaslide::io::read_safetensors(std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/vae/reference.safetensors").tensors)
+  for (auto& [name, t] :
+       megaslide::io::read_safetensors(std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/vae/reference.safetensors")
+           .tensors)
     out[name] = t;
   return out;
 }
@@ -36,7 +38,8 @@ std::string temp_dir(const std::string& name) {
 }
 
 // |ours − reference| ≤ 1e-4 · max(1, max |reference|) (fp32).
-void expect_close(const torch::Tensor& ours, const torch::Tensor& ref, const std::string& what, double tolerance = 1e-4) {
+void expect_close(const torch::Tensor& ours, const torch::Tensor& ref, const std::string& what,
+                  double tolerance = 1e-4) {
   ASSERT_EQ(ours.sizes(), ref.sizes()) << what;
   const double scale = std::max(1.0, ref.abs().max().item<double>());
   const double error = (ours.to(torch::kFloat64) - ref.to(torch::kFloat64)).abs().max().item<double>() / scale;
@@ -62,7 +65,8 @@ TEST(SdVae, EncodeAndDecodeAreDiffusers) {
   // A sample is mean + exp(logvar / 2)·ε with ε from the given generator.
   auto g = at::detail::createCPUGenerator(5);
   auto eps = torch::randn(mean.sizes(), at::detail::createCPUGenerator(5), torch::kFloat32);
-  expect_close(vae.encode(r.at("images"), true, g), (r.at("mean") + (0.5 * r.at("logvar")).exp() * eps) * 0.3, "sampled encode");
+  expect_close(vae.encode(r.at("images"), true, g), (r.at("mean") + (0.5 * r.at("logvar")).exp() * eps) * 0.3,
+               "sampled encode");
 }
 
 TEST(SdVae, TiledDecodeIsDiffusersTiledDecode) {
@@ -81,7 +85,8 @@ TEST(SdVae, TiledDecodeIsDiffusersTiledDecode) {
 
 TEST(SdVae, LegacyAttentionNamesLoad) {
   auto dir = temp_dir("legacy");
-  const std::map<std::string, std::string> legacy{{"to_q", "query"}, {"to_k", "key"}, {"to_v", "value"}, {"to_out.0", "proj_attn"}};
+  const std::map<std::string, std::string> legacy{
+      {"to_q", "query"}, {"to_k", "key"}, {"to_v", "value"}, {"to_out.0", "proj_attn"}};
   megaslide::io::NamedTensors renamed;
   int renamed_count = 0;
   for (auto& [name, t] : megaslide::io::read_safetensors(kTiny + "/diffusion_pytorch_model.safetensors").tensors) {
@@ -111,11 +116,13 @@ TEST(SdVae, VideosGoFrameByFrameInAnyChunkSize) {
   EXPECT_TRUE(torch::allclose(z1, z3, 1e-4, 1e-5)) << (z1 - z3).abs().max().item<double>();
   // Frame t of video b is the image encoding of that frame.
   const auto frame = vae.encode(videos.select(2, 4).slice(0, 1, 2))[0];
-  EXPECT_TRUE(torch::allclose(z1.select(2, 4)[1], frame, 1e-4, 1e-5)) << (z1.select(2, 4)[1] - frame).abs().max().item<double>();
+  EXPECT_TRUE(torch::allclose(z1.select(2, 4)[1], frame, 1e-4, 1e-5))
+      << (z1.select(2, 4)[1] - frame).abs().max().item<double>();
   auto x = vae.decode_video(z1, 4);
   ASSERT_EQ(x.sizes(), videos.sizes());
   const auto decoded = vae.decode(z1.select(2, 2).slice(0, 0, 1))[0];
-  EXPECT_TRUE(torch::allclose(x.select(2, 2)[0], decoded, 1e-4, 1e-5)) << (x.select(2, 2)[0] - decoded).abs().max().item<double>();
+  EXPECT_TRUE(torch::allclose(x.select(2, 2)[0], decoded, 1e-4, 1e-5))
+      << (x.select(2, 2)[0] - decoded).abs().max().item<double>();
   EXPECT_THROW(vae.encode_video(videos, 0), c10::Error);
   EXPECT_THROW(vae.encode(torch::zeros({1, 3, 6, 8})), c10::Error) << "H not a multiple of 4";
 }
@@ -158,7 +165,8 @@ TEST(SdVae, BadFoldersAreNamed) {
 TEST(SdVae, RealWeightsWhenDownloaded) {
   const char* dir = std::getenv("MEGASLIDE_SD_VAE_WEIGHTS");
   if (dir == nullptr) {
-    std::cout << "\n*** SKIPPED: MEGASLIDE_SD_VAE_WEIGHTS is not set, so the Stable Diffusion VAE's real weights were NOT tested ***\n\n";
+    std::cout << "\n*** SKIPPED: MEGASLIDE_SD_VAE_WEIGHTS is not set, so the Stable Diffusion VAE's real weights were "
+                 "NOT tested ***\n\n";
     GTEST_SKIP() << "MEGASLIDE_SD_VAE_WEIGHTS not set: real VAE weights not tested";
   }
   auto vae = SdVae::load(dir);

@@ -67,7 +67,8 @@ TEST(StreamedStackTrainer, AUserDefinedBlockStackTrains) {
   EXPECT_LT(last, 0.5 * first) << "first " << first << " last " << last;
   EXPECT_LE(trainer.streamer().max_resident_blocks(), 2);
   trainer.synchronize();
-  EXPECT_NE(stack->log_scale.item<float>(), 0.f) << "the prologue's shared input must receive gradients from the blocks";
+  EXPECT_NE(stack->log_scale.item<float>(), 0.f)
+      << "the prologue's shared input must receive gradients from the blocks";
 }
 
 namespace {
@@ -199,7 +200,8 @@ std::vector<int> scalar_reads_per_step(int64_t heads, double clip) {
       in.hidden = x;
       return in;
     };
-    auto r = trainer.step(prologue, [&](const torch::Tensor& h) { return stack->epilogue_loss(h, y); }, 1e-2);
+    auto r = trainer.step(
+        prologue, [&](const torch::Tensor& h) { return stack->epilogue_loss(h, y); }, 1e-2);
     EXPECT_TRUE(std::isfinite(r.grad_norm));
     reads.push_back(recorder.reads());
   }
@@ -223,5 +225,6 @@ TEST(StreamedStackTrainer, TheDocsShowTheExampleThatIsTested) {
   const std::string doc = io::read_file(std::string(MEGASLIDE_SOURCE_DIR) + "/docs/offload.md");
   const std::string code = io::read_file(std::string(MEGASLIDE_SOURCE_DIR) + "/docs/examples/residual_mlp_stack.h");
   const auto body = code.substr(code.find("namespace example {"));
-  EXPECT_NE(doc.find(body), std::string::npos) << "docs/offload.md must include docs/examples/residual_mlp_stack.h verbatim";
+  EXPECT_NE(doc.find(body), std::string::npos)
+      << "docs/offload.md must include docs/examples/residual_mlp_stack.h verbatim";
 }

@@ -28,10 +28,19 @@ namespace {
 // compute unless a case says otherwise: a plan resolves `auto` as on a GPU (bf16), a CPU trainer as the
 // CPU runs fast, so the two are compared at a dtype both use.
 RunConfig tiny_run(std::vector<std::string> extra = {}) {
-  std::vector<std::string> s{"offload.compute_dtype=bf16", "model.layers=3",       "model.dsa_kernel=[3,3,3]", "model.swin_window=[2,2,2]",
-                             "data.frames=4",        "data.height=8",            "data.width=8",
-                             "data.num_clips=16",    "train.batch_size=2",       "train.warmup_steps=1",
-                             "train.device=cpu",     "train.threads=1",          "offload.optimizer_threads=1"};
+  std::vector<std::string> s{"offload.compute_dtype=bf16",
+                             "model.layers=3",
+                             "model.dsa_kernel=[3,3,3]",
+                             "model.swin_window=[2,2,2]",
+                             "data.frames=4",
+                             "data.height=8",
+                             "data.width=8",
+                             "data.num_clips=16",
+                             "train.batch_size=2",
+                             "train.warmup_steps=1",
+                             "train.device=cpu",
+                             "train.threads=1",
+                             "offload.optimizer_threads=1"};
   for (auto& e : extra) s.push_back(e);
   return parse_run_config("", "test", s);
 }
@@ -64,8 +73,9 @@ TEST(StepPlan, PcieBytesFollowTheClosedForm) {
   for (int64_t L : {1, 2, 3, 5}) {
     for (int64_t A : {1, 2, 3}) {
       for (const char* dtype : {"bf16", "fp32"}) {
-        const auto config = tiny_run({"model.layers=" + std::to_string(L), "train.grad_accum_steps=" + std::to_string(A),
-                                      std::string("offload.compute_dtype=") + dtype});
+        const auto config =
+            tiny_run({"model.layers=" + std::to_string(L), "train.grad_accum_steps=" + std::to_string(A),
+                      std::string("offload.compute_dtype=") + dtype});
         const int64_t e = std::string(dtype) == "fp32" ? 4 : 2;
         const int64_t Pb = count_dit_parameters(DiTOptions::from_config(config)).per_block;
         const auto p = plan::plan_step(config, h200());
@@ -131,17 +141,16 @@ TEST(StepPlan, HostBytesFollowTheClosedForm) {
 // immediate and deferred updates, and each architecture. The plan's device peak adds the modelled
 // activations, so it must exceed that accounting.
 TEST(StepPlan, MatchesWhatTheStreamedTrainerMeasures) {
-  const std::vector<std::vector<std::string>> variants{
-      {},
-      {"train.grad_clip=0"},
-      {"train.grad_accum_steps=2"},
-      {"offload.compute_dtype=fp32", "model.layers=2"},
-      {"offload.compute_dtype=fp16", "train.loss_scale_init=1"},
-      {"model.arch=dense3d", "train.grad_accum_steps=3"},
-      {"model.arch=swin", "model.layers=1"},
-      {"optimizer.state_dtype=int8", "train.grad_clip=0"},
-      {"optimizer.state_dtype=bf16", "train.grad_accum_steps=2"},
-      {"offload.mode=sync"}};
+  const std::vector<std::vector<std::string>> variants{{},
+                                                       {"train.grad_clip=0"},
+                                                       {"train.grad_accum_steps=2"},
+                                                       {"offload.compute_dtype=fp32", "model.layers=2"},
+                                                       {"offload.compute_dtype=fp16", "train.loss_scale_init=1"},
+                                                       {"model.arch=dense3d", "train.grad_accum_steps=3"},
+                                                       {"model.arch=swin", "model.layers=1"},
+                                                       {"optimizer.state_dtype=int8", "train.grad_clip=0"},
+                                                       {"optimizer.state_dtype=bf16", "train.grad_accum_steps=2"},
+                                                       {"offload.mode=sync"}};
   for (const auto& v : variants) {
     const auto config = tiny_run(v);
     std::string name;
@@ -233,7 +242,8 @@ TEST(StepPlan, DeviceMemoryGrowsWithFramesAndTheAdviceFits) {
   for (const char* arch : {"megaslide", "dense3d", "swin"}) {
     int64_t previous = 0;
     for (int64_t frames : {4, 8, 16}) {
-      const auto p = plan::plan_step(tiny_run({std::string("model.arch=") + arch, "data.frames=" + std::to_string(frames)}), h200());
+      const auto p = plan::plan_step(
+          tiny_run({std::string("model.arch=") + arch, "data.frames=" + std::to_string(frames)}), h200());
       EXPECT_GT(p.device.peak(), previous) << arch << " frames " << frames;
       previous = p.device.peak();
     }
@@ -249,10 +259,12 @@ TEST(StepPlan, DeviceMemoryGrowsWithFramesAndTheAdviceFits) {
     const auto at = a.find("data.frames=");
     if (a.rfind("device: fewer frames", 0) != 0 || at == std::string::npos) continue;
     const std::string frames = a.substr(at + 12, a.find(' ', at) - at - 12);
-    const auto smaller = plan::plan_step(load_run_config(source_path("configs/105b.yaml"), {"data.frames=" + frames}), h200());
+    const auto smaller =
+        plan::plan_step(load_run_config(source_path("configs/105b.yaml"), {"data.frames=" + frames}), h200());
     EXPECT_TRUE(smaller.fits_device) << a;
     const auto one_more = plan::plan_step(
-        load_run_config(source_path("configs/105b.yaml"), {"data.frames=" + std::to_string(std::stoll(frames) + 1)}), h200());
+        load_run_config(source_path("configs/105b.yaml"), {"data.frames=" + std::to_string(std::stoll(frames) + 1)}),
+        h200());
     EXPECT_FALSE(one_more.fits_device) << a << ": it was not the largest that fits";
     ++checked;
   }
@@ -311,12 +323,14 @@ TEST(HardwareProfile, BuiltInsAreTheShippedFilesAndBadFilesAreNamed) {
 // library; a bad --hardware file exits 2 naming the file and the key; a missing file or unknown name
 // exits 2 naming it.
 TEST(MegaslidePlanCli, JsonHasTheKeysAndBadHardwareIsRefused) {
-  const auto r = megaslide::testing::run_tool("megaslide-plan", "--config " + source_path("configs/105b.yaml") + " --json");
+  const auto r =
+      megaslide::testing::run_tool("megaslide-plan", "--config " + source_path("configs/105b.yaml") + " --json");
   ASSERT_EQ(r.code, 0) << r.output;
   const auto j = nlohmann::json::parse(r.output);
-  for (const char* key : {"params", "host_state_bytes", "device_peak_bytes", "h2d_bytes_per_step", "d2h_bytes_per_step",
-                          "step_time_lower_bound_s", "bottleneck", "fits_device", "fits_host", "host_master_bytes",
-                          "device_checkpoint_bytes", "model_flops_per_step", "host_peak_bytes", "pinned_bytes", "state_dtype"}) {
+  for (const char* key :
+       {"params", "host_state_bytes", "device_peak_bytes", "h2d_bytes_per_step", "d2h_bytes_per_step",
+        "step_time_lower_bound_s", "bottleneck", "fits_device", "fits_host", "host_master_bytes",
+        "device_checkpoint_bytes", "model_flops_per_step", "host_peak_bytes", "pinned_bytes", "state_dtype"}) {
     EXPECT_TRUE(j.contains(key)) << key;
   }
   const auto p = plan::plan_step(load_run_config(source_path("configs/105b.yaml")), h200());
@@ -324,18 +338,21 @@ TEST(MegaslidePlanCli, JsonHasTheKeysAndBadHardwareIsRefused) {
   EXPECT_EQ(j["h2d_bytes_per_step"].template get<int64_t>(), p.transfer.h2d_bytes);
 
   const ScratchFile bad("cli_bad.yaml", std::string(kValidProfile) + "pcie_gbps: 3\n");
-  const auto refused = megaslide::testing::run_tool("megaslide-plan", "--config " + source_path("configs/smoke.yaml") + " --hardware " + bad.path);
+  const auto refused = megaslide::testing::run_tool(
+      "megaslide-plan", "--config " + source_path("configs/smoke.yaml") + " --hardware " + bad.path);
   EXPECT_EQ(refused.code, 2) << refused.output;
   EXPECT_NE(refused.output.find(bad.path), std::string::npos) << refused.output;
   EXPECT_NE(refused.output.find("pcie_gbps"), std::string::npos) << refused.output;
-  const auto missing =
-      megaslide::testing::run_tool("megaslide-plan", "--config " + source_path("configs/smoke.yaml") + " --hardware /nonexistent/hw.yaml");
+  const auto missing = megaslide::testing::run_tool(
+      "megaslide-plan", "--config " + source_path("configs/smoke.yaml") + " --hardware /nonexistent/hw.yaml");
   EXPECT_EQ(missing.code, 2) << missing.output;
   EXPECT_NE(missing.output.find("/nonexistent/hw.yaml"), std::string::npos) << missing.output;
-  const auto unknown = megaslide::testing::run_tool("megaslide-plan", "--config " + source_path("configs/smoke.yaml") + " --hardware a100");
+  const auto unknown = megaslide::testing::run_tool(
+      "megaslide-plan", "--config " + source_path("configs/smoke.yaml") + " --hardware a100");
   EXPECT_EQ(unknown.code, 2) << unknown.output;
   EXPECT_NE(unknown.output.find("a100"), std::string::npos) << unknown.output;
-  const auto table = megaslide::testing::run_tool("megaslide-plan", "--config " + source_path("configs/smoke.yaml") + " --hardware h100nvl");
+  const auto table = megaslide::testing::run_tool(
+      "megaslide-plan", "--config " + source_path("configs/smoke.yaml") + " --hardware h100nvl");
   EXPECT_EQ(table.code, 0) << table.output;
   EXPECT_NE(table.output.find("bottleneck"), std::string::npos) << table.output;
 }
@@ -353,11 +370,28 @@ TEST(StepPlan, AutoComputeDtypePlansWhatItResolvesToOnAGpu) {
 
 namespace {
 RunConfig tiny_wan(std::vector<std::string> extra = {}) {
-  std::vector<std::string> s{"model.arch=wan", "model.wan.dim=24", "model.wan.layers=3", "model.wan.heads=2", "model.wan.ffn_dim=40",
-                             "model.wan.freq_dim=16", "model.wan.text_dim=20", "model.wan.in_channels=4", "model.wan.out_channels=4",
-                             "data.dataset=latent-tensors", "data.channels=4", "data.frames=3", "data.height=6", "data.width=8",
-                             "data.max_text_tokens=7", "diffusion.objective=flow", "offload.compute_dtype=bf16", "train.batch_size=2",
-                             "train.device=cpu", "train.threads=1", "offload.optimizer_threads=1", "model.dsa_kernel=[3,3,3]"};
+  std::vector<std::string> s{"model.arch=wan",
+                             "model.wan.dim=24",
+                             "model.wan.layers=3",
+                             "model.wan.heads=2",
+                             "model.wan.ffn_dim=40",
+                             "model.wan.freq_dim=16",
+                             "model.wan.text_dim=20",
+                             "model.wan.in_channels=4",
+                             "model.wan.out_channels=4",
+                             "data.dataset=latent-tensors",
+                             "data.channels=4",
+                             "data.frames=3",
+                             "data.height=6",
+                             "data.width=8",
+                             "data.max_text_tokens=7",
+                             "diffusion.objective=flow",
+                             "offload.compute_dtype=bf16",
+                             "train.batch_size=2",
+                             "train.device=cpu",
+                             "train.threads=1",
+                             "offload.optimizer_threads=1",
+                             "model.dsa_kernel=[3,3,3]"};
   for (auto& e : extra) s.push_back(e);
   return parse_run_config("", "test", s);
 }
@@ -368,8 +402,11 @@ RunConfig tiny_wan(std::vector<std::string> extra = {}) {
 // norm2) parameter counts, the host store's bytes, the device slots, H2D and D2H bytes of real steps and
 // the trainer's own device accounting — dense and 3D-DSA, bf16 and fp32 compute, with accumulation.
 TEST(StepPlan, WanMatchesWhatTheStreamedTrainerMeasures) {
-  const std::vector<std::vector<std::string>> variants{
-      {}, {"model.self_attention=dsa3d"}, {"offload.compute_dtype=fp32"}, {"train.grad_accum_steps=2"}, {"optimizer.state_dtype=int8"}};
+  const std::vector<std::vector<std::string>> variants{{},
+                                                       {"model.self_attention=dsa3d"},
+                                                       {"offload.compute_dtype=fp32"},
+                                                       {"train.grad_accum_steps=2"},
+                                                       {"optimizer.state_dtype=int8"}};
   for (const auto& v : variants) {
     const auto config = tiny_wan(v);
     std::string name;
@@ -407,13 +444,12 @@ TEST(StepPlan, WanMatchesWhatTheStreamedTrainerMeasures) {
 // 480x832 -> latents 21x60x104, 21x30x52 = 32,760 tokens): 1,418,996,800 and 14,288,491,584 parameters,
 // split into streamed and resident parts that sum to them; bf16 PCIe bytes per step follow the closed
 // form ((2L - 2) uploads and L downloads of a block); the store holds 4 B of fp32 master per streamed
-// parameter; 3D-DSA (kernel 3x7x7) needs under 0.55x dense attention's model FLOPs at this length (0.31x for 1.3B, 0.49x for 14B)
-// and streams its offset parameters too (more host bytes and PCIe traffic than dense, by its block's
+// parameter; 3D-DSA (kernel 3x7x7) needs under 0.55x dense attention's model FLOPs at this length (0.31x for 1.3B,
+// 0.49x for 14B) and streams its offset parameters too (more host bytes and PCIe traffic than dense, by its block's
 // extra parameters exactly).
 TEST(StepPlan, Wan21ConfigsAt480p) {
-  for (const auto& [file, params, layers] :
-       std::vector<std::tuple<std::string, int64_t, int64_t>>{{"configs/wan2.1-t2v-1.3b.yaml", 1418996800, 30},
-                                                              {"configs/wan2.1-t2v-14b.yaml", 14288491584, 40}}) {
+  for (const auto& [file, params, layers] : std::vector<std::tuple<std::string, int64_t, int64_t>>{
+           {"configs/wan2.1-t2v-1.3b.yaml", 1418996800, 30}, {"configs/wan2.1-t2v-14b.yaml", 14288491584, 40}}) {
     const auto dense_config = load_run_config(source_path(file), {"offload.compute_dtype=bf16"});
     const auto dense = plan::plan_step(dense_config, h200());
     EXPECT_EQ(dense.params, params) << file;
@@ -424,11 +460,14 @@ TEST(StepPlan, Wan21ConfigsAt480p) {
     EXPECT_EQ(dense.host.master, 4 * dense.streamed_params) << file;
     EXPECT_EQ(dense.transfer.h2d_bytes, (2 * layers - 2) * dense.params_per_block * 2) << file;
     EXPECT_EQ(dense.transfer.d2h_bytes, layers * dense.params_per_block * 2) << file;
-    const auto dsa = plan::plan_step(load_run_config(source_path(file), {"offload.compute_dtype=bf16", "model.self_attention=dsa3d"}), h200());
+    const auto dsa = plan::plan_step(
+        load_run_config(source_path(file), {"offload.compute_dtype=bf16", "model.self_attention=dsa3d"}), h200());
     EXPECT_GT(dsa.params, dense.params) << file;
     EXPECT_EQ(dsa.resident_params, dense.resident_params) << file;
     EXPECT_LT(dsa.time.model_flops, 0.55 * dense.time.model_flops) << file;
-    EXPECT_EQ(dsa.transfer.h2d_bytes - dense.transfer.h2d_bytes, (2 * layers - 2) * (dsa.params_per_block - dense.params_per_block) * 2) << file;
+    EXPECT_EQ(dsa.transfer.h2d_bytes - dense.transfer.h2d_bytes,
+              (2 * layers - 2) * (dsa.params_per_block - dense.params_per_block) * 2)
+        << file;
     EXPECT_EQ(dsa.host.master - dense.host.master, 4 * (dsa.streamed_params - dense.streamed_params)) << file;
     std::cout << file << ": dense " << plan::to_json(dense) << "\n" << file << ": dsa3d " << plan::to_json(dsa) << "\n";
   }

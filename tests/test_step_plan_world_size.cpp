@@ -23,9 +23,14 @@ namespace {
 
 // 4 frames of 8x8, hidden 16, 3 blocks: a plan takes milliseconds. bf16 compute (what `auto` plans).
 RunConfig tiny_run(std::vector<std::string> extra = {}) {
-  std::vector<std::string> s{"offload.compute_dtype=bf16", "model.layers=3",    "model.dsa_kernel=[3,3,3]",
-                             "data.frames=4",              "data.height=8",     "data.width=8",
-                             "data.num_clips=16",          "train.batch_size=6"};
+  std::vector<std::string> s{"offload.compute_dtype=bf16",
+                             "model.layers=3",
+                             "model.dsa_kernel=[3,3,3]",
+                             "data.frames=4",
+                             "data.height=8",
+                             "data.width=8",
+                             "data.num_clips=16",
+                             "train.batch_size=6"};
   for (auto& e : extra) s.push_back(e);
   return parse_run_config("", "test", s);
 }
@@ -43,23 +48,75 @@ int64_t ceil_div(int64_t n, int64_t d) { return (n + d - 1) / d; }
 struct Blocks {
   int64_t L = 0, Pb = 0;
 };
-Blocks blocks_of(const RunConfig& c) { return {c.model.layers, count_dit_parameters(DiTOptions::from_config(c)).per_block}; }
+Blocks blocks_of(const RunConfig& c) {
+  return {c.model.layers, count_dit_parameters(DiTOptions::from_config(c)).per_block};
+}
 
 // Every key of the single-process JSON (docs/planner.md, "JSON keys"), for a streamed 3D-DSA run.
-const std::set<std::string> kOneProcessKeys{
-    "arch", "trainer", "compute_dtype", "mode", "layers", "hidden", "batch_size", "grad_accum_steps", "tokens_per_sample",
-    "token_grid", "params", "text_encoder_params", "streamed_params", "resident_params", "params_per_block", "hardware",
-    "state_dtype", "host_state_bytes", "host_state_bytes_per_param", "host_master_bytes", "host_exp_avg_bytes",
-    "host_exp_avg_sq_bytes", "host_ema_bytes", "host_scale_bytes", "host_compute_bytes", "host_grad_bytes", "host_staging_bytes",
-    "host_steady_bytes", "host_steady_bytes_per_param", "host_construction_peak_bytes", "host_peak_bytes",
-    "host_peak_bytes_per_param", "pinned_bytes", "device_peak_bytes", "device_weight_slot_bytes",
-    "device_gradient_slot_bytes", "device_resident_state_bytes", "device_checkpoint_bytes", "device_block_input_bytes",
-    "device_prologue_epilogue_bytes", "device_recompute_saved_bytes", "device_recompute_workspace_bytes",
-    "device_recompute_saved_reference_bytes", "device_recompute_workspace_reference_bytes", "device_peak_reference_bytes",
-    "h2d_bytes_per_step", "d2h_bytes_per_step", "h2d_copies_per_step", "d2h_copies_per_step", "slot_cache_hits_per_step",
-    "model_flops_per_step", "executed_flops_per_step", "host_optimizer_bytes_per_step", "compute_s", "h2d_s", "d2h_s",
-    "host_optimizer_s", "overlapped", "step_time_lower_bound_s", "bottleneck", "mfu_upper_bound", "fits_device",
-    "fits_host", "advice"};
+const std::set<std::string> kOneProcessKeys{"arch",
+                                            "trainer",
+                                            "compute_dtype",
+                                            "mode",
+                                            "layers",
+                                            "hidden",
+                                            "batch_size",
+                                            "grad_accum_steps",
+                                            "tokens_per_sample",
+                                            "token_grid",
+                                            "params",
+                                            "text_encoder_params",
+                                            "streamed_params",
+                                            "resident_params",
+                                            "params_per_block",
+                                            "hardware",
+                                            "state_dtype",
+                                            "host_state_bytes",
+                                            "host_state_bytes_per_param",
+                                            "host_master_bytes",
+                                            "host_exp_avg_bytes",
+                                            "host_exp_avg_sq_bytes",
+                                            "host_ema_bytes",
+                                            "host_scale_bytes",
+                                            "host_compute_bytes",
+                                            "host_grad_bytes",
+                                            "host_staging_bytes",
+                                            "host_steady_bytes",
+                                            "host_steady_bytes_per_param",
+                                            "host_construction_peak_bytes",
+                                            "host_peak_bytes",
+                                            "host_peak_bytes_per_param",
+                                            "pinned_bytes",
+                                            "device_peak_bytes",
+                                            "device_weight_slot_bytes",
+                                            "device_gradient_slot_bytes",
+                                            "device_resident_state_bytes",
+                                            "device_checkpoint_bytes",
+                                            "device_block_input_bytes",
+                                            "device_prologue_epilogue_bytes",
+                                            "device_recompute_saved_bytes",
+                                            "device_recompute_workspace_bytes",
+                                            "device_recompute_saved_reference_bytes",
+                                            "device_recompute_workspace_reference_bytes",
+                                            "device_peak_reference_bytes",
+                                            "h2d_bytes_per_step",
+                                            "d2h_bytes_per_step",
+                                            "h2d_copies_per_step",
+                                            "d2h_copies_per_step",
+                                            "slot_cache_hits_per_step",
+                                            "model_flops_per_step",
+                                            "executed_flops_per_step",
+                                            "host_optimizer_bytes_per_step",
+                                            "compute_s",
+                                            "h2d_s",
+                                            "d2h_s",
+                                            "host_optimizer_s",
+                                            "overlapped",
+                                            "step_time_lower_bound_s",
+                                            "bottleneck",
+                                            "mfu_upper_bound",
+                                            "fits_device",
+                                            "fits_host",
+                                            "advice"};
 
 std::set<std::string> keys_of(const nlohmann::json& j) {
   std::set<std::string> keys;
@@ -82,7 +139,8 @@ TEST(StepPlanWorldSize, OneRankIsTheSingleProcessPlan) {
     DiT model(DiTOptions::from_config(config).device(torch::kMeta));
     for (size_t l = 0; l < model->blocks->size(); ++l) {
       offload::BlockSpec spec{"blocks." + std::to_string(l), {}};
-      for (const auto& item : model->blocks[l]->named_parameters(true)) spec.params.push_back({item.key(), item.value().sizes().vec()});
+      for (const auto& item : model->blocks[l]->named_parameters(true))
+        spec.params.push_back({item.key(), item.value().sizes().vec()});
       specs.push_back(spec);
     }
     const auto store = offload::HostParamStore::plan(
@@ -170,7 +228,8 @@ TEST(StepPlanWorldSize, ExchangeBytesFollowTheRing) {
     EXPECT_EQ(p.exchange.payload_bytes, 2 * 2 * P) << R;
     EXPECT_EQ(p.exchange.wire_bytes, b.L * 2 * (R - 1) * s * 2) << R;
     EXPECT_EQ(p.exchange.collectives, 2 * b.L) << R;
-    const double ring = static_cast<double>(R - 1) / static_cast<double>(R) * static_cast<double>(p.exchange.payload_bytes);
+    const double ring =
+        static_cast<double>(R - 1) / static_cast<double>(R) * static_cast<double>(p.exchange.payload_bytes);
     EXPECT_GE(static_cast<double>(p.exchange.wire_bytes), ring) << R;
     EXPECT_LE(static_cast<double>(p.exchange.wire_bytes), ring + static_cast<double>(2 * b.L * (R - 1) * 2)) << R;
     EXPECT_EQ(p.time.optimizer_bytes, 28 * b.L * s) << R;
@@ -248,8 +307,8 @@ TEST(StepPlanWorldSize, ExchangeTimeUsesTheNetworkBandwidth) {
   EXPECT_EQ(hw.network_gbps, plan::kAssumedNetworkGbps);
   const auto p = plan::plan_step(tiny_run(), hw, 2);
   EXPECT_DOUBLE_EQ(p.time.exchange_s, static_cast<double>(p.exchange.wire_bytes) / (12.5e9));
-  EXPECT_DOUBLE_EQ(p.time.lower_bound_s, std::max({p.time.compute_s, p.time.h2d_s, p.time.d2h_s, p.time.optimizer_s,
-                                                   p.time.exchange_s}));
+  EXPECT_DOUBLE_EQ(p.time.lower_bound_s,
+                   std::max({p.time.compute_s, p.time.h2d_s, p.time.d2h_s, p.time.optimizer_s, p.time.exchange_s}));
   auto slow = hw;
   slow.network_gbps = 1e-6;  // a network slow enough to bound any step
   const auto q = plan::plan_step(tiny_run(), slow, 2);

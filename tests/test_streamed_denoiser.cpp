@@ -40,8 +40,8 @@ megaslide::TextToVideoModel random_model(const megaslide::RunConfig& config, uin
   torch::manual_seed(seed);
   megaslide::CaptionTokenizer tokenizer;
   megaslide::TextToVideoModel m{config, megaslide::DiT(megaslide::DiTOptions::from_config(config)),
-                                megaslide::TextEncoder(megaslide::TextEncoderOptions(tokenizer.vocab_size(), config.model.text_dim,
-                                                                                     config.data.max_text_tokens))};
+                                megaslide::TextEncoder(megaslide::TextEncoderOptions(
+                                    tokenizer.vocab_size(), config.model.text_dim, config.data.max_text_tokens))};
   torch::NoGradGuard no_grad;
   for (auto& p : m.dit->parameters()) p.copy_(torch::randn_like(p) * 0.3);
   return m;
@@ -74,7 +74,8 @@ TEST(StreamedDenoiser, Fp32StreamingSamplesExactlyTheResidentVideosWithTwoBlocks
   }
   megaslide::ResidentDenoiser resident(resident_model.dit);
   StreamedDenoiser streamed(streamed_model.dit, StreamedDenoiserOptions{});
-  for (const auto& p : streamed_model.dit->blocks->parameters()) ASSERT_EQ(p.numel(), 0) << "the blocks' weights live in the denoiser";
+  for (const auto& p : streamed_model.dit->blocks->parameters())
+    ASSERT_EQ(p.numel(), 0) << "the blocks' weights live in the denoiser";
   EXPECT_EQ(streamed.host_weight_bytes(), total);
   EXPECT_EQ(streamed.streamer().device_weight_bytes(), 2 * largest) << "two slots as large as the largest block";
 
@@ -97,7 +98,8 @@ TEST(StreamedDenoiser, Fp32StreamingSamplesExactlyTheResidentVideosWithTwoBlocks
     EXPECT_GE(stats.h2d_copies - copies_before, steps * 2);
   }
   EXPECT_EQ(streamed.streamer().max_resident_blocks(), 2) << "never more than the two slots, and both were used";
-  for (const auto& p : streamed_model.dit->blocks->parameters()) EXPECT_EQ(p.numel(), 0) << "blocks are unbound between calls";
+  for (const auto& p : streamed_model.dit->blocks->parameters())
+    EXPECT_EQ(p.numel(), 0) << "blocks are unbound between calls";
 }
 
 TEST(StreamedDenoiser, TextToVideoThroughAWeightsFileStreamedEqualsResident) {
@@ -163,7 +165,8 @@ TEST(StreamedDenoiser, ResidentDenoiserInBf16EqualsStreamedBf16) {
     torch::NoGradGuard no_grad;
     const auto a = resident.predict(x, t, c.text, c.mask), b = streamed.predict(x, t, c.text, c.mask);
     EXPECT_EQ(a.scalar_type(), torch::kFloat32);
-    EXPECT_TRUE(torch::equal(a, b)) << c10::toString(dtype) << ": max difference " << (a - b).abs().max().item<double>();
+    EXPECT_TRUE(torch::equal(a, b)) << c10::toString(dtype) << ": max difference "
+                                    << (a - b).abs().max().item<double>();
     EXPECT_FALSE(torch::equal(a, fp32.predict(x, t, c.text, c.mask))) << "the reduced precision must actually be used";
   }
 }

@@ -60,7 +60,7 @@ megaslide::MotionDescription blob(bool right, std::mt19937_64& rng) {
 // Least-squares slope over frames of the red channel's column centroid (pixels per frame), weighting the
 // pixels brighter than mid-grey (the blob; the background is −1).
 double centroid_velocity(const torch::Tensor& video) {  // [C, T, H, W] in [-1, 1]
-  auto w = video[0].clamp(0, 1);                       // [T, H, W]
+  auto w = video[0].clamp(0, 1);                        // [T, H, W]
   auto cols = torch::arange(kSize, torch::kFloat32).view({1, 1, kSize});
   auto cx = (w * cols).sum({1, 2}) / w.sum({1, 2}).clamp_min(1e-6);  // [T]
   auto t = torch::arange(kFrames, torch::kFloat32);
@@ -78,8 +78,10 @@ TEST(TextToVideo, SmokeModelMovesTheBlobTheWayItsCaptionSays) {
   torch::manual_seed(0);
   megaslide::CaptionTokenizer tokenizer;
   megaslide::DiT dit(megaslide::DiTOptions::from_config(config));
-  megaslide::TextEncoder text(megaslide::TextEncoderOptions(tokenizer.vocab_size(), config.model.text_dim, config.data.max_text_tokens));
-  megaslide::StructuredMotionDataset data(megaslide::StructuredMotionOptions().channels(3).frames(kFrames).height(kSize).width(kSize));
+  megaslide::TextEncoder text(
+      megaslide::TextEncoderOptions(tokenizer.vocab_size(), config.model.text_dim, config.data.max_text_tokens));
+  megaslide::StructuredMotionDataset data(
+      megaslide::StructuredMotionOptions().channels(3).frames(kFrames).height(kSize).width(kSize));
   megaslide::DDPMSchedule schedule(1000, megaslide::BetaSchedule::kLinear);
   std::vector<torch::Tensor> params;
   for (auto& p : dit->parameters()) params.push_back(p);
@@ -89,7 +91,8 @@ TEST(TextToVideo, SmokeModelMovesTheBlobTheWayItsCaptionSays) {
   std::bernoulli_distribution drop(0.1), right(0.5);
   const auto prediction = megaslide::parse_prediction(config.diffusion.prediction);
   // MEGASLIDE_T2V_STEPS overrides the step count (for measuring how much training the property needs).
-  const int64_t steps = std::getenv("MEGASLIDE_T2V_STEPS") ? std::atoll(std::getenv("MEGASLIDE_T2V_STEPS")) : 600, batch = 16;
+  const int64_t steps = std::getenv("MEGASLIDE_T2V_STEPS") ? std::atoll(std::getenv("MEGASLIDE_T2V_STEPS")) : 600,
+                batch = 16;
   double loss_sum = 0.0;
   for (int64_t step = 0; step < steps; ++step) {
     std::vector<torch::Tensor> videos;
@@ -103,8 +106,9 @@ TEST(TextToVideo, SmokeModelMovesTheBlobTheWayItsCaptionSays) {
     auto tokens = tokenizer.encode_batch(captions, config.data.max_text_tokens);
     auto t = schedule.sample_timesteps(batch, torch::kCPU);
     auto noise = torch::randn_like(x0);
-    auto loss = megaslide::diffusion_loss(dit->forward(schedule.add_noise(x0, noise, t), t, text->forward(tokens.ids), tokens.mask),
-                                          schedule.target(prediction, x0, noise, t));
+    auto loss = megaslide::diffusion_loss(
+        dit->forward(schedule.add_noise(x0, noise, t), t, text->forward(tokens.ids), tokens.mask),
+        schedule.target(prediction, x0, noise, t));
     opt.zero_grad();
     loss.backward();
     torch::nn::utils::clip_grad_norm_(params, 1.0);
@@ -117,18 +121,21 @@ TEST(TextToVideo, SmokeModelMovesTheBlobTheWayItsCaptionSays) {
   {
     torch::NoGradGuard no_grad;
     dit->eval();
-    auto tk = tokenizer.encode_batch({"a red blob moves left", "a red blob moves right", ""}, config.data.max_text_tokens);
+    auto tk =
+        tokenizer.encode_batch({"a red blob moves left", "a red blob moves right", ""}, config.data.max_text_tokens);
     auto te = text->forward(tk.ids);
     auto xt = torch::randn({1, 3, kFrames, kSize, kSize}).expand({3, 3, kFrames, kSize, kSize});
     for (int64_t t : {100, 500, 900}) {
       // The model's output as ε and as x0, whatever it predicts.
       const double a = schedule.alphas_cumprod()[t].item<double>();
-      auto x0 = megaslide::predicted_x0(prediction, dit->forward(xt, torch::full({3}, t, torch::kLong), te, tk.mask), xt, a);
+      auto x0 =
+          megaslide::predicted_x0(prediction, dit->forward(xt, torch::full({3}, t, torch::kLong), te, tk.mask), xt, a);
       auto e = (xt - std::sqrt(a) * x0) / std::sqrt(1 - a);
       const double n = e[0].norm().item<double>(), n0 = x0[0].norm().item<double>();
-      influence += "t=" + std::to_string(t) + ": |e(left)-e(right)|/|e| " + std::to_string((e[0] - e[1]).norm().item<double>() / n) +
-                   ", |e(left)-e(empty)|/|e| " + std::to_string((e[0] - e[2]).norm().item<double>() / n) +
-                   ", |x0(left)-x0(right)|/|x0| " + std::to_string((x0[0] - x0[1]).norm().item<double>() / n0) + "\n";
+      influence += "t=" + std::to_string(t) + ": |e(left)-e(right)|/|e| " +
+                   std::to_string((e[0] - e[1]).norm().item<double>() / n) + ", |e(left)-e(empty)|/|e| " +
+                   std::to_string((e[0] - e[2]).norm().item<double>() / n) + ", |x0(left)-x0(right)|/|x0| " +
+                   std::to_string((x0[0] - x0[1]).norm().item<double>() / n0) + "\n";
     }
   }
   const double train_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -144,16 +151,16 @@ TEST(TextToVideo, SmokeModelMovesTheBlobTheWayItsCaptionSays) {
   ASSERT_EQ(options.guidance_scale(), 7.5);
 
   const std::vector<uint64_t> seeds{11, 22, 33, 44};
-  std::string report = "trained " + std::to_string(steps) + " steps in " + std::to_string(train_s) + " s, mean loss of the last 50: " +
-                       std::to_string(loss_sum / 50) + "\n" + influence;
+  std::string report = "trained " + std::to_string(steps) + " steps in " + std::to_string(train_s) +
+                       " s, mean loss of the last 50: " + std::to_string(loss_sum / 50) + "\n" + influence;
   for (bool r : {false, true}) {
     const std::string caption = r ? "a red blob moves right" : "a red blob moves left";
     auto videos = generator.generate(std::vector<std::string>(seeds.size(), caption), seeds, options);
     for (size_t i = 0; i < seeds.size(); ++i) {
       const double v = centroid_velocity(videos[static_cast<int64_t>(i)]);
       const double peak = videos[static_cast<int64_t>(i)][0].max().item<double>();
-      report += caption + " (seed " + std::to_string(seeds[i]) + "): centroid velocity " + std::to_string(v) + " px/frame, red peak " +
-                std::to_string(peak) + "\n";
+      report += caption + " (seed " + std::to_string(seeds[i]) + "): centroid velocity " + std::to_string(v) +
+                " px/frame, red peak " + std::to_string(peak) + "\n";
       // The training clips move ±4/3 ≈ 1.33 px/frame; the sign must match the caption, and the red blob
       // must be there (a peak well above the −1 background).
       EXPECT_EQ(v > 0, r) << caption << ", seed " << seeds[i] << ": velocity " << v;
@@ -170,11 +177,12 @@ TEST(TextToVideo, GeneratesPixelVideosOfTheConfiguredShapeOnePerSeed) {
   torch::manual_seed(3);
   megaslide::CaptionTokenizer tokenizer;
   megaslide::TextToVideoModel model{config, megaslide::DiT(megaslide::DiTOptions::from_config(config)),
-                                    megaslide::TextEncoder(megaslide::TextEncoderOptions(tokenizer.vocab_size(), config.model.text_dim,
-                                                                                         config.data.max_text_tokens))};
+                                    megaslide::TextEncoder(megaslide::TextEncoderOptions(
+                                        tokenizer.vocab_size(), config.model.text_dim, config.data.max_text_tokens))};
   {
     torch::NoGradGuard no_grad;
-    for (auto& p : model.dit->parameters()) p.copy_(torch::randn_like(p) * 0.2);  // not the all-zero output of a fresh DiT
+    for (auto& p : model.dit->parameters())
+      p.copy_(torch::randn_like(p) * 0.2);  // not the all-zero output of a fresh DiT
   }
   megaslide::TextToVideo generator(model, torch::kCPU);
   auto options = generator.default_options().steps(5);
@@ -184,8 +192,8 @@ TEST(TextToVideo, GeneratesPixelVideosOfTheConfiguredShapeOnePerSeed) {
   auto b = generator.generate({"the scene darkens from the top"}, {2}, options);
   // Batched and unbatched float32 matmuls round differently; guidance 7.5 amplifies it over the steps
   // (measured: 1.4e-4 at most, 2e-6 on average).
-  EXPECT_TRUE(torch::allclose(a[1], b[0], 0, 1e-3)) << "a video depends on its prompt and seed, not its batch: "
-                                                   << (a[1] - b[0]).abs().max().item<double>();
+  EXPECT_TRUE(torch::allclose(a[1], b[0], 0, 1e-3))
+      << "a video depends on its prompt and seed, not its batch: " << (a[1] - b[0]).abs().max().item<double>();
   auto c = generator.generate({"a red blob moves left"}, {2}, options);
   EXPECT_GT((c[0] - b[0]).abs().max().item<double>(), 1e-3) << "the prompt reaches the model";
   EXPECT_THROW(generator.generate({"a", "b"}, {1}, options), c10::Error);

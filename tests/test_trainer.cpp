@@ -20,16 +20,22 @@ namespace {
 // The tiny run of a family: "dit" (3D-DSA, 2 blocks of hidden 16 on 4x8x8 frames) or "wan" (2 blocks of
 // width 24, megaslide::testing::write_tiny_wan), streamed or resident, fp32 compute, no checkpoints or videos.
 RunConfig tiny(const std::string& family, bool streamed, const std::string& dir) {
-  std::vector<std::string> sets{"offload.enabled=" + std::string(streamed ? "true" : "false"), "offload.compute_dtype=fp32",
-                                "offload.optimizer_threads=1", "train.checkpoint_every=0", "train.sample_every=0",
-                                "train.grad_clip=1.0", "train.device=cpu", "train.threads=1"};
+  std::vector<std::string> sets{"offload.enabled=" + std::string(streamed ? "true" : "false"),
+                                "offload.compute_dtype=fp32",
+                                "offload.optimizer_threads=1",
+                                "train.checkpoint_every=0",
+                                "train.sample_every=0",
+                                "train.grad_clip=1.0",
+                                "train.device=cpu",
+                                "train.threads=1"};
   RunConfig config;
   if (family == "wan") {
     config = load_run_config(megaslide::testing::write_tiny_wan(dir), sets);
   } else {
-    for (const char* s : {"model.arch=megaslide", "model.layers=2", "model.hidden=16", "model.heads=2", "model.text_dim=16",
-                          "model.dsa_kernel=[3,3,3]", "data.frames=4", "data.height=8", "data.width=8", "data.num_clips=16",
-                          "train.batch_size=2", "train.lr=3e-3", "train.warmup_steps=0", "train.seed=3"})
+    for (const char* s :
+         {"model.arch=megaslide", "model.layers=2", "model.hidden=16", "model.heads=2", "model.text_dim=16",
+          "model.dsa_kernel=[3,3,3]", "data.frames=4", "data.height=8", "data.width=8", "data.num_clips=16",
+          "train.batch_size=2", "train.lr=3e-3", "train.warmup_steps=0", "train.seed=3"})
       sets.push_back(s);
     config = parse_run_config("", "test", sets);
   }
@@ -50,7 +56,9 @@ std::map<std::string, torch::Tensor> masters(Trainer& trainer) {
   return out;
 }
 
-std::string scratch(const std::string& name) { return "/tmp/megaslide-test-trainer-" + name + "-" + std::to_string(::getpid()); }
+std::string scratch(const std::string& name) {
+  return "/tmp/megaslide-test-trainer-" + name + "-" + std::to_string(::getpid());
+}
 
 class Trainers : public ::testing::TestWithParam<std::string> {};
 
@@ -125,7 +133,8 @@ TEST_P(Trainers, ANonFiniteStepIsSkippedAndUpdatesNothing) {
     TrainingState poisoned = good;
     poisoned.master = {};
     for (const auto& [name, t] : clean) poisoned.master.emplace_back(name, t.clone());
-    poisoned.master.back().second.view(-1)[0] = std::numeric_limits<float>::quiet_NaN();  // the output layer's last tensor
+    poisoned.master.back().second.view(-1)[0] =
+        std::numeric_limits<float>::quiet_NaN();  // the output layer's last tensor
     trainer->load_training_state(poisoned);
     const auto m = trainer->step();
     EXPECT_TRUE(m.skipped);
@@ -176,7 +185,8 @@ TEST_P(Trainers, EmaIsTheWarmedUpDecayedAverageOfTheWeights) {
       for (size_t i = 0; i < state.ema.size(); ++i) {
         const auto& [name, e] = state.ema[i];
         ASSERT_EQ(name, state.master[i].first);
-        EXPECT_LT((e.to(torch::kFloat64) - reference.at(name)).abs().max().item<double>(), 2e-6) << name << " after step " << n;
+        EXPECT_LT((e.to(torch::kFloat64) - reference.at(name)).abs().max().item<double>(), 2e-6)
+            << name << " after step " << n;
         apart = std::max(apart, (e - state.master[i].second).abs().max().item<double>());
       }
       if (n > 1) EXPECT_GT(apart, 1e-5) << "after step " << n << " the EMA equals the weights";
@@ -201,7 +211,8 @@ TEST_P(Trainers, EmaIsCarriedWithTheStateOrStartsAtTheLoadedWeights) {
     for (int i = 0; i < 2; ++i) whole->step(), second->step();
     const auto a = whole->training_state(), b = second->training_state();
     ASSERT_EQ(a.ema.size(), b.ema.size());
-    for (size_t i = 0; i < a.ema.size(); ++i) EXPECT_TRUE(torch::equal(a.ema[i].second, b.ema[i].second)) << a.ema[i].first;
+    for (size_t i = 0; i < a.ema.size(); ++i)
+      EXPECT_TRUE(torch::equal(a.ema[i].second, b.ema[i].second)) << a.ema[i].first;
 
     auto plain_config = config;
     plain_config.train.ema_decay = 0.0;
@@ -244,8 +255,8 @@ TEST_P(Trainers, PersistentDeviceBytesAreThePlans) {
       EXPECT_GT(trainer->persistent_device_bytes(), 0);
       // The plan's resident state counts the gradient too (4 of its 16 or, with the EMA, 20 B a parameter).
       const int64_t per_param = ema ? 20 : 16;
-      EXPECT_EQ(trainer->persistent_device_bytes(),
-                plan.device.weight_slots + plan.device.gradient_slots + plan.device.resident_state / per_param * (per_param - 4));
+      EXPECT_EQ(trainer->persistent_device_bytes(), plan.device.weight_slots + plan.device.gradient_slots +
+                                                        plan.device.resident_state / per_param * (per_param - 4));
     }
   io::remove_tree(dir);
 }

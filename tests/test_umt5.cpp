@@ -47,11 +47,13 @@ Fixture read_fixture(const std::string& path) {
   return out;
 }
 
-std::vector<std::string> json_strings(const std::string& text) { return nlohmann::json::parse(text).get<std::vector<std::string>>(); }
+std::vector<std::string> json_strings(const std::string& text) {
+  return nlohmann::json::parse(text).get<std::vector<std::string>>();
+}
 
 // The first prompt whose ids or mask differ, with both id lists (up to the first padding); empty when all agree.
-std::string first_difference(const std::vector<std::string>& prompts, const megaslide::Umt5Tokens& ours, const torch::Tensor& ids,
-                             const torch::Tensor& mask) {
+std::string first_difference(const std::vector<std::string>& prompts, const megaslide::Umt5Tokens& ours,
+                             const torch::Tensor& ids, const torch::Tensor& mask) {
   for (size_t i = 0; i < prompts.size(); ++i) {
     const auto n = static_cast<int64_t>(i);
     if (!torch::equal(ours.ids[n], ids[n].to(torch::kLong)) || !torch::equal(ours.mask[n], mask[n].to(torch::kLong))) {
@@ -79,7 +81,9 @@ std::string error_of(F&& f) {
   return "(no error)";
 }
 
-void copy_file(const std::string& from, const std::string& to) { megaslide::io::write_file_atomically(to, megaslide::io::read_file(from)); }
+void copy_file(const std::string& from, const std::string& to) {
+  megaslide::io::write_file_atomically(to, megaslide::io::read_file(from));
+}
 
 }  // namespace
 
@@ -102,7 +106,8 @@ TEST(Umt5Tokenizer, IdsAreTransformersOnTheTinyModel) {
   EXPECT_GT(ids.eq(Umt5Tokenizer::kUnk).any(1).sum().item<int64_t>(), 10);
   EXPECT_GE(f.tensors.at("mask").to(torch::kLong).sum(1).eq(512).sum().item<int64_t>(), 1);
   auto ours = tokenizer.encode(prompts, 512);
-  EXPECT_TRUE(torch::equal(ours.ids, ids.to(torch::kLong)) && torch::equal(ours.mask, f.tensors.at("mask").to(torch::kLong)))
+  EXPECT_TRUE(torch::equal(ours.ids, ids.to(torch::kLong)) &&
+              torch::equal(ours.mask, f.tensors.at("mask").to(torch::kLong)))
       << first_difference(prompts, ours, ids, f.tensors.at("mask"));
 }
 
@@ -147,7 +152,8 @@ TEST(Umt5Tokenizer, ByteFallbackModelGivesTransformersIds) {
   const auto bytes = ids.ge(3).logical_and(ids.le(258));
   EXPECT_GE(bytes.sum().item<int64_t>(), 4) << "the written-out <0xHH> prompts";
   auto ours = tokenizer.encode(prompts, 512);
-  EXPECT_TRUE(torch::equal(ours.ids, ids.to(torch::kLong)) && torch::equal(ours.mask, f.tensors.at("mask").to(torch::kLong)))
+  EXPECT_TRUE(torch::equal(ours.ids, ids.to(torch::kLong)) &&
+              torch::equal(ours.mask, f.tensors.at("mask").to(torch::kLong)))
       << first_difference(prompts, ours, ids, f.tensors.at("mask"));
   // "a cat <cat emoji> chases": SentencePiece gives its four bytes, transformers one <unk>.
   const auto cat = tokenizer.encode_text("a cat \U0001F431 chases");
@@ -208,14 +214,16 @@ TEST(Umt5Tokenizer, WanCleanIsPythonsWhitespaceClean) {
 
 TEST(Umt5Tokenizer, RealModelWhenGiven) {
   const char* path = std::getenv("MEGASLIDE_UMT5_TOKENIZER");
-  if (path == nullptr) GTEST_SKIP() << "MEGASLIDE_UMT5_TOKENIZER is not set (umT5's spiece.model, or a folder holding it)";
+  if (path == nullptr)
+    GTEST_SKIP() << "MEGASLIDE_UMT5_TOKENIZER is not set (umT5's spiece.model, or a folder holding it)";
   auto tokenizer = Umt5Tokenizer::find(path);
   EXPECT_GE(tokenizer.vocab_size(), 256000);
   EXPECT_LE(tokenizer.vocab_size(), 256384);
   // With transformers' ids for the same model (tools/make_fixtures.py --umt5-ids SPIECE OUT), all must agree.
   const char* ids_path = std::getenv("MEGASLIDE_UMT5_TOKENIZER_IDS");
   if (ids_path == nullptr) {
-    std::cout << "[ info ] MEGASLIDE_UMT5_TOKENIZER_IDS is not set: only the special tokens and the size were checked\n";
+    std::cout
+        << "[ info ] MEGASLIDE_UMT5_TOKENIZER_IDS is not set: only the special tokens and the size were checked\n";
     return;
   }
   auto f = read_fixture(ids_path);
@@ -226,7 +234,8 @@ TEST(Umt5Tokenizer, RealModelWhenGiven) {
 
 TEST(Umt5Tokenizer, BadFilesAreNamed) {
   auto dir = temp_dir("badtok");
-  EXPECT_NE(error_of([&] { Umt5Tokenizer::from_file(dir + "/none.model"); }).find(dir + "/none.model"), std::string::npos);
+  EXPECT_NE(error_of([&] { Umt5Tokenizer::from_file(dir + "/none.model"); }).find(dir + "/none.model"),
+            std::string::npos);
   megaslide::io::write_file_atomically(dir + "/garbage.model", "this is not a protobuf");
   const auto garbage = error_of([&] { Umt5Tokenizer::from_file(dir + "/garbage.model"); });
   EXPECT_NE(garbage.find(dir + "/garbage.model"), std::string::npos) << garbage;
@@ -278,7 +287,8 @@ TEST_F(Umt5EncoderGolden, ShardedFolderAndDiffusersRoot) {
   const auto prompts = json_strings(ref_.metadata.at("prompts"));
   for (const std::string weights : {"", "/model.safetensors.index.json", "/model-00001-of-00002.safetensors"}) {
     auto tokenizer = Umt5Tokenizer::find(kFixtures + "umt5/sharded/text_encoder" + weights);
-    EXPECT_NE(tokenizer.source().find("text_encoder/../tokenizer/spiece.model"), std::string::npos) << weights << ": " << tokenizer.source();
+    EXPECT_NE(tokenizer.source().find("text_encoder/../tokenizer/spiece.model"), std::string::npos)
+        << weights << ": " << tokenizer.source();
     auto t = tokenizer.encode(prompts, ids_.size(1));
     EXPECT_TRUE(torch::equal(t.ids, ids_)) << weights;
     EXPECT_TRUE(torch::equal(t.mask, mask_)) << weights;
@@ -313,12 +323,14 @@ TEST_F(Umt5EncoderGolden, StreamedLayersEqualResidentBitForBit) {
     const auto resident = Umt5Encoder::load(kFixtures + "umt5/hf", torch::kCPU, dtype);
     const auto expected = resident.embed(ids_, mask_);
     for (bool async : {true, false}) {
-      auto streamed = Umt5Encoder::streamed(Umt5Encoder::load(kFixtures + "umt5/hf", torch::kCPU, dtype), torch::kCPU, async);
+      auto streamed =
+          Umt5Encoder::streamed(Umt5Encoder::load(kFixtures + "umt5/hf", torch::kCPU, dtype), torch::kCPU, async);
       EXPECT_TRUE(streamed.is_streamed());
       EXPECT_EQ(streamed.parameter_count(), resident.parameter_count());
       EXPECT_EQ(streamed.weight_bytes(), resident.weight_bytes());
       EXPECT_TRUE(torch::equal(streamed.embed(ids_, mask_), expected)) << dtype << " async " << async;
-      EXPECT_TRUE(torch::equal(streamed.embed(ids_, mask_), expected)) << dtype << " async " << async << ", second call";
+      EXPECT_TRUE(torch::equal(streamed.embed(ids_, mask_), expected))
+          << dtype << " async " << async << ", second call";
       EXPECT_TRUE(torch::equal(streamed.forward(ids_), resident.forward(ids_))) << dtype;
     }
   }
@@ -340,7 +352,8 @@ TEST_F(Umt5EncoderGolden, StreamedLayersOnTheGpu_CUDA) {
 TEST(Umt5Encoder, RandomXxlShapesAndParameterCount) {
   // umT5-XXL's published size: 5.68 B parameters in the encoder (embedding 1.05 B).
   const auto c = megaslide::Umt5Config::xxl();
-  const int64_t per_layer = 4 * c.d_model * c.inner_dim() + c.relative_attention_num_buckets * c.num_heads + 2 * c.d_model + 3 * c.d_model * c.d_ff;
+  const int64_t per_layer = 4 * c.d_model * c.inner_dim() + c.relative_attention_num_buckets * c.num_heads +
+                            2 * c.d_model + 3 * c.d_model * c.d_ff;
   EXPECT_NEAR(static_cast<double>(c.vocab_size * c.d_model + c.num_layers * per_layer + c.d_model) / 1e9, 5.68, 0.01);
   megaslide::Umt5Config small = c;
   small.vocab_size = 100, small.d_model = 16, small.d_kv = 4, small.num_heads = 2, small.d_ff = 8, small.num_layers = 2;
@@ -416,7 +429,8 @@ TEST(Umt5Encoder, BadInputIsNamed) {
     auto file = megaslide::io::read_safetensors(kFixtures + "umt5/comfy_umt5_fp16.safetensors");
     megaslide::io::NamedTensors kept;
     for (auto& [name, t] : file.tensors)
-      if (name.find("relative_attention_bias") == std::string::npos || name.find("block.0.") != std::string::npos) kept.emplace_back(name, t);
+      if (name.find("relative_attention_bias") == std::string::npos || name.find("block.0.") != std::string::npos)
+        kept.emplace_back(name, t);
     megaslide::io::write_safetensors(dir + "/t5.safetensors", kept);
   }
   expect(dir + "/t5.safetensors", "a T5 encoder, not umT5");

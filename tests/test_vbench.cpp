@@ -15,7 +15,9 @@
 using namespace megaslide::io;
 
 namespace {
-std::string temp_path(const std::string& name) { return "/tmp/megaslide-test-vbench-" + std::to_string(::getpid()) + "-" + name; }
+std::string temp_path(const std::string& name) {
+  return "/tmp/megaslide-test-vbench-" + std::to_string(::getpid()) + "-" + name;
+}
 
 bool valid_utf8(const std::string& s) {
   size_t i = 0;
@@ -33,13 +35,12 @@ bool valid_utf8(const std::string& s) {
 
 TEST(VBench, FileNamesMapBackToThePromptAsVBenchParsesThem) {
   // Prompts in the style of VBench's prompt suite: punctuation, digits, apostrophes, dots kept as they are.
-  const std::vector<std::string> prompts{
-      "a red blob moves left quickly",
-      "A person is riding a bike, high quality, 4K.",
-      "an astronaut's helmet reflecting the sun",
-      "room 101",                       // ends in digits: only the appended -index is stripped
-      "counting 1-2-3",                 // ends in -<digits> itself
-      "Vincent van Gogh style. A cat"};
+  const std::vector<std::string> prompts{"a red blob moves left quickly",
+                                         "A person is riding a bike, high quality, 4K.",
+                                         "an astronaut's helmet reflecting the sun",
+                                         "room 101",        // ends in digits: only the appended -index is stripped
+                                         "counting 1-2-3",  // ends in -<digits> itself
+                                         "Vincent van Gogh style. A cat"};
   for (const auto& p : prompts) {
     for (int64_t i : {0, 4, 12}) {
       const auto name = vbench_file_name(p, i);
@@ -69,7 +70,8 @@ TEST(VBench, UnsafeCharactersAreReplacedAndLongPromptsCutAtACharacterBoundary) {
   EXPECT_LE(name.size(), kMaxFileNameBytes);
   EXPECT_LE(name.size() + 4, 255u) << "NAME.tmp must fit the file system's limit";
   EXPECT_TRUE(valid_utf8(name)) << name;
-  EXPECT_EQ(long_prompt.compare(0, name.find('~'), name.substr(0, name.find('~'))), 0) << "the name starts with a prefix of the prompt";
+  EXPECT_EQ(long_prompt.compare(0, name.find('~'), name.substr(0, name.find('~'))), 0)
+      << "the name starts with a prefix of the prompt";
   EXPECT_EQ(name.substr(name.size() - 7), "-99.mp4");
   // VBench's augmented prompts are long and share long openings: still one name each.
   const std::string opening(300, 'a');
@@ -99,7 +101,8 @@ TEST(VBench, SeedsDependOnlyOnBaseSeedPromptAndIndex) {
 
 TEST(VBench, PromptFilesOneLineEachBlankLinesAndRepeatsSkipped) {
   auto path = temp_path("prompts.txt");
-  megaslide::io::write_file_atomically(path, "a red blob moves left\r\n\n  a blue blob moves up  \na red blob moves left\n");
+  megaslide::io::write_file_atomically(path,
+                                       "a red blob moves left\r\n\n  a blue blob moves up  \na red blob moves left\n");
   EXPECT_EQ(read_prompt_file(path), (std::vector<std::string>{"a red blob moves left", "a blue blob moves up"}));
   megaslide::io::write_file_atomically(path, "\n \n");
   try {
@@ -120,7 +123,8 @@ TEST(VBench, PromptFilesOneLineEachBlankLinesAndRepeatsSkipped) {
 // A prompt line's settings are read from " --X value" after the prompt: numbers checked, the negative
 // prompt up to the next setting, "--" inside prompt text left alone; lines kept in order with repeats.
 TEST(VBench, PromptSpecsCarryEachLinesOwnSettings) {
-  auto spec = parse_prompt_spec("a red fox runs -- fast --w 832 --h 480 --f 81 --d 42 --s 30 --g 5.5 --n blurry, low quality", "here");
+  auto spec = parse_prompt_spec(
+      "a red fox runs -- fast --w 832 --h 480 --f 81 --d 42 --s 30 --g 5.5 --n blurry, low quality", "here");
   EXPECT_EQ(spec.prompt, "a red fox runs -- fast");
   EXPECT_EQ(spec.width, 832);
   EXPECT_EQ(spec.height, 480);
@@ -154,12 +158,14 @@ TEST(VBench, PromptSpecsCarryEachLinesOwnSettings) {
       parse_prompt_spec(" " + line, "prompts.txt line 4");
       ADD_FAILURE() << "accepted " << line;
     } catch (const std::runtime_error& e) {
-      EXPECT_NE(std::string(e.what()).find("prompts.txt line 4: " + problem), std::string::npos) << line << ": " << e.what();
+      EXPECT_NE(std::string(e.what()).find("prompts.txt line 4: " + problem), std::string::npos)
+          << line << ": " << e.what();
     }
   }
 
   const auto path = temp_path("specs.txt");
-  megaslide::io::write_file_atomically(path, "# validation prompts\na red blob --w 64\n\na red blob --d 9\na blue blob\n");
+  megaslide::io::write_file_atomically(path,
+                                       "# validation prompts\na red blob --w 64\n\na red blob --d 9\na blue blob\n");
   const auto specs = read_prompt_specs(path);
   ASSERT_EQ(specs.size(), 3u);
   EXPECT_EQ(specs[1].line, 4);

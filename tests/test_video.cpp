@@ -22,14 +22,18 @@ using megaslide::io::VideoInfo;
 
 namespace {
 
-std::string temp_path(const std::string& name) { return "/tmp/megaslide-test-video-" + std::to_string(::getpid()) + "-" + name; }
+std::string temp_path(const std::string& name) {
+  return "/tmp/megaslide-test-video-" + std::to_string(::getpid()) + "-" + name;
+}
 
 // Smooth random content (what codecs are built for): a coarse random grid upsampled, moving over time.
 torch::Tensor smooth_frames(int64_t T, int64_t H, int64_t W, uint64_t seed) {
   torch::manual_seed(seed);
   auto coarse = torch::rand({1, 3, T, H / 8 + 1, W / 8 + 1});
-  auto fine = torch::nn::functional::interpolate(
-      coarse, torch::nn::functional::InterpolateFuncOptions().size(std::vector<int64_t>{T, H, W}).mode(torch::kTrilinear).align_corners(true));
+  auto fine = torch::nn::functional::interpolate(coarse, torch::nn::functional::InterpolateFuncOptions()
+                                                             .size(std::vector<int64_t>{T, H, W})
+                                                             .mode(torch::kTrilinear)
+                                                             .align_corners(true));
   return (fine[0].permute({1, 2, 3, 0}) * 255).round().to(torch::kUInt8).contiguous();  // [T, H, W, 3]
 }
 
@@ -69,7 +73,8 @@ TEST(Video, Mp4ReadsBackAsH264WithTheFramesSizeAndRateWritten) {
   megaslide::io::write_mp4(path, grey, megaslide::io::VideoWriteOptions().crf(0));
   auto grey_error = megaslide::io::read_video(path).to(torch::kFloat32) - grey.to(torch::kFloat32);
   const double grey_mae = grey_error.abs().mean().item<double>(), grey_bias = grey_error.mean().item<double>();
-  std::cout << "mean absolute error (of 255): colour crf 17 " << mae << "; grey crf 0 " << grey_mae << ", bias " << grey_bias << "\n";
+  std::cout << "mean absolute error (of 255): colour crf 17 " << mae << "; grey crf 0 " << grey_mae << ", bias "
+            << grey_bias << "\n";
   EXPECT_LT(mae, 4.0);  // measured 2.6: random colours at quarter-resolution chroma, every frame new
   EXPECT_LT(grey_mae, 1.0);
   EXPECT_LT(std::abs(grey_bias), 0.25);
@@ -92,8 +97,10 @@ TEST(Video, FfprobeAgreesOnCodecFramesAndSize) {
   if (run("command -v ffprobe").empty()) GTEST_SKIP() << "ffprobe not installed";
   auto path = temp_path("probe.mp4");
   megaslide::io::write_mp4(path, smooth_frames(12, 16, 32, 3), megaslide::io::VideoWriteOptions().fps(10));
-  auto out = run("ffprobe -v error -select_streams v:0 -count_frames -show_entries "
-                 "stream=codec_name,pix_fmt,width,height,nb_read_frames,avg_frame_rate -of json '" + path + "'");
+  auto out =
+      run("ffprobe -v error -select_streams v:0 -count_frames -show_entries "
+          "stream=codec_name,pix_fmt,width,height,nb_read_frames,avg_frame_rate -of json '" +
+          path + "'");
   auto s = nlohmann::json::parse(out).at("streams").at(0);
   EXPECT_EQ(s.at("codec_name"), "h264");
   EXPECT_EQ(s.at("pix_fmt"), "yuv420p");
@@ -147,13 +154,24 @@ TEST(Video, BadInputIsRefusedNamingTheFile) {
     }
   };
   auto odd = temp_path("odd.mp4");
-  expect_error([&] { megaslide::io::write_mp4(odd, torch::zeros({2, 15, 16, 3}, torch::kUInt8)); }, odd, "must be even");
+  expect_error(
+      [&] {
+        megaslide::io::write_mp4(odd, torch::zeros({2, 15, 16, 3}, torch::kUInt8));
+      },
+      odd, "must be even");
   expect_error([&] { megaslide::io::write_mp4(odd, torch::zeros({2, 16, 16, 3})); }, odd, "expected uint8 RGB");
   EXPECT_FALSE(megaslide::io::path_exists(odd));
   auto missing_dir = std::string("/nonexistent-megaslide/x.mp4");
-  expect_error([&] { megaslide::io::write_mp4(missing_dir, torch::zeros({2, 16, 16, 3}, torch::kUInt8)); }, missing_dir,
-               "cannot create");
-  expect_error([&] { megaslide::io::write_mp4("/dev/null", torch::zeros({2, 16, 16, 3}, torch::kUInt8)); }, "/dev/null", "is a device");
+  expect_error(
+      [&] {
+        megaslide::io::write_mp4(missing_dir, torch::zeros({2, 16, 16, 3}, torch::kUInt8));
+      },
+      missing_dir, "cannot create");
+  expect_error(
+      [&] {
+        megaslide::io::write_mp4("/dev/null", torch::zeros({2, 16, 16, 3}, torch::kUInt8));
+      },
+      "/dev/null", "is a device");
   auto text = temp_path("not-a-video.mp4");
   megaslide::io::write_file_atomically(text, "this is not a video");
   expect_error([&] { megaslide::io::read_video(text); }, text, "");
@@ -175,7 +193,9 @@ TEST(Video, ReadsHoldNoMoreFramesThanTheirLimit) {
   const auto path = temp_path("budget.mp4");
   megaslide::io::write_mp4(path, smooth_frames(12, 32, 48, 5));
   const int64_t frame_bytes = 32 * 48 * 3;
-  EXPECT_EQ(megaslide::io::read_video(path, nullptr, megaslide::io::VideoReadOptions().max_bytes(24 * frame_bytes)).size(0), 12);
+  EXPECT_EQ(
+      megaslide::io::read_video(path, nullptr, megaslide::io::VideoReadOptions().max_bytes(24 * frame_bytes)).size(0),
+      12);
   try {
     megaslide::io::read_video(path, nullptr, megaslide::io::VideoReadOptions().max_bytes(10 * frame_bytes));
     ADD_FAILURE() << "a read past its limit was allowed";
@@ -184,10 +204,15 @@ TEST(Video, ReadsHoldNoMoreFramesThanTheirLimit) {
     EXPECT_NE(msg.find("of 48x32 (W x H)"), std::string::npos) << msg;
     EXPECT_NE(msg.find("VideoReadOptions::max_bytes"), std::string::npos) << msg;
   }
-  EXPECT_EQ(megaslide::io::read_video_frames(path, {0, 11}, nullptr, megaslide::io::VideoReadOptions().max_bytes(4 * frame_bytes)).size(0), 2);
-  EXPECT_THROW(megaslide::io::read_video_frames(path, {0, 1, 2, 3, 11}, nullptr, megaslide::io::VideoReadOptions().max_bytes(4 * frame_bytes)),
+  EXPECT_EQ(megaslide::io::read_video_frames(path, {0, 11}, nullptr,
+                                             megaslide::io::VideoReadOptions().max_bytes(4 * frame_bytes))
+                .size(0),
+            2);
+  EXPECT_THROW(megaslide::io::read_video_frames(path, {0, 1, 2, 3, 11}, nullptr,
+                                                megaslide::io::VideoReadOptions().max_bytes(4 * frame_bytes)),
                VideoError);
-  EXPECT_EQ(megaslide::io::read_video(path).size(0), 12) << "the default limit (a quarter of the available memory) allows it";
+  EXPECT_EQ(megaslide::io::read_video(path).size(0), 12)
+      << "the default limit (a quarter of the available memory) allows it";
   megaslide::io::remove_tree(path);
 }
 
@@ -199,7 +224,8 @@ const std::vector<std::string> kOpenCvClips = {"blocks_64x48", "waves_70x38", "f
 
 std::map<std::string, torch::Tensor> opencv_fixture() {
   std::map<std::string, torch::Tensor> out;
-  for (auto& [name, tensor] : megaslide::io::read_safetensors(kVideoFixtures + "opencv_frames.safetensors").tensors) out[name] = tensor;
+  for (auto& [name, tensor] : megaslide::io::read_safetensors(kVideoFixtures + "opencv_frames.safetensors").tensors)
+    out[name] = tensor;
   return out;
 }
 }  // namespace
@@ -217,7 +243,8 @@ TEST(Video, OpenCvConversionGivesOpenCvPythonsFrames) {
     ASSERT_EQ(frames.sizes(), expected.sizes()) << clip;
     const auto diff = (frames.to(torch::kInt32) - expected.to(torch::kInt32)).abs();
     const int64_t max_diff = diff.max().item<int64_t>(), differing = diff.ne(0).sum().item<int64_t>();
-    std::cout << clip << ": " << differing << " of " << diff.numel() << " values differ from opencv-python's, by at most " << max_diff << "\n";
+    std::cout << clip << ": " << differing << " of " << diff.numel()
+              << " values differ from opencv-python's, by at most " << max_diff << "\n";
     // Measured: none differ (Debian 12's swscale 6.7 here, opencv-python 4.13's bundled swscale 9.1). One
     // level is allowed so that another FFmpeg's SIMD rounding does not fail the test; the metric below
     // holds the 1e-3 that matters.
@@ -234,7 +261,8 @@ TEST(Video, InterpolatedChromaIsNotWhatOpenCvReads) {
   auto reference = opencv_fixture();
   for (const auto& clip : kOpenCvClips) {
     auto frames = megaslide::io::read_video(kVideoFixtures + clip + ".mp4");
-    const double mean_diff = (frames.to(torch::kFloat64) - reference.at(clip + ".frames").to(torch::kFloat64)).abs().mean().item<double>();
+    const double mean_diff =
+        (frames.to(torch::kFloat64) - reference.at(clip + ".frames").to(torch::kFloat64)).abs().mean().item<double>();
     std::cout << clip << ": interpolated chroma vs opencv-python: mean |difference| " << mean_diff << " levels\n";
     EXPECT_GT(mean_diff, 1.0) << clip;
   }
@@ -300,10 +328,14 @@ TEST(Video, DisplayMatrixTurnsFramesUpright) {
   const bool have_ffmpeg = !run("command -v ffmpeg").empty();
   const auto plain_reference = have_ffmpeg ? ffmpeg_frames(plain_path, T, H, W) : torch::Tensor();
   if (have_ffmpeg) ASSERT_TRUE(plain_reference.defined()) << "ffmpeg could not read " << plain_path;
-  for (const auto& [degrees, hflip] : std::vector<std::pair<int64_t, bool>>{{90, false}, {180, false}, {270, false}, {90, true}, {0, true}}) {
+  for (const auto& [degrees, hflip] :
+       std::vector<std::pair<int64_t, bool>>{{90, false}, {180, false}, {270, false}, {90, true}, {0, true}}) {
     SCOPED_TRACE("rotation " + std::to_string(degrees) + (hflip ? " mirrored" : ""));
     const auto path = temp_path("upright-" + std::to_string(degrees) + (hflip ? "-flip" : "") + ".mp4");
-    megaslide::io::write_mp4(path, source, megaslide::io::VideoWriteOptions(options).display_rotation_degrees(static_cast<double>(degrees)).display_hflip(hflip));
+    megaslide::io::write_mp4(path, source,
+                             megaslide::io::VideoWriteOptions(options)
+                                 .display_rotation_degrees(static_cast<double>(degrees))
+                                 .display_hflip(hflip));
     const auto expected = upright(source, degrees, hflip);
     const bool sideways = degrees % 180 != 0;
     const auto info = megaslide::io::probe_video(path);
@@ -353,7 +385,8 @@ TEST(Video, OddDisplayAngleReadsAtTheNearestQuarterTurnWithOneWarning) {
   const int64_t T = 2, H = 32, W = 48;
   const auto source = quadrant_frames(T, H, W);
   const auto path = temp_path("upright-100.mp4");
-  megaslide::io::write_mp4(path, source, megaslide::io::VideoWriteOptions().fps(8).crf(0).preset("veryfast").display_rotation_degrees(100));
+  megaslide::io::write_mp4(
+      path, source, megaslide::io::VideoWriteOptions().fps(8).crf(0).preset("veryfast").display_rotation_degrees(100));
   ::testing::internal::CaptureStderr();
   const auto info = megaslide::io::probe_video(path);
   const auto frames = megaslide::io::read_video(path);

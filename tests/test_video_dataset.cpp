@@ -115,7 +115,8 @@ TEST(VideoDataset, FrameSamplingByFpsAndDrawsFixedBySeedItemAndEpoch) {
   d2.seed = d.seed + 1;
   const auto ds2 = VideoDataset(d2, {ds.item(0)}, {ds.info(0)}, {}, 1);
   bool differs = false;
-  for (int64_t epoch = 0; epoch < 6; ++epoch) differs |= ds2.plan(0, epoch).frame_indices != ds.plan(0, epoch).frame_indices;
+  for (int64_t epoch = 0; epoch < 6; ++epoch)
+    differs |= ds2.plan(0, epoch).frame_indices != ds.plan(0, epoch).frame_indices;
   EXPECT_TRUE(differs);
   // The decoded clip follows the plan at 8/3 source frames per clip frame.
   const auto p = ds.plan(1, 3);
@@ -165,7 +166,8 @@ TEST(VideoDataset, BadItemsAreSkippedWithAReasonAndCountAgainstTheFraction) {
     FAIL() << "3 bad items of 6 passed data.max_bad_fraction 0.4";
   } catch (const megaslide::DatasetError& e) {
     const std::string what = e.what();
-    for (const char* name : {"corrupt.mp4", "short.mp4", "missing.mp4"}) EXPECT_NE(what.find(name), std::string::npos) << what;
+    for (const char* name : {"corrupt.mp4", "short.mp4", "missing.mp4"})
+      EXPECT_NE(what.find(name), std::string::npos) << what;
     EXPECT_NE(what.find("3 of 6"), std::string::npos) << what;
   }
   // An item whose file breaks after probing fails to load with its path named.

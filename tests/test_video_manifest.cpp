@@ -33,7 +33,10 @@ std::string temp_file(const std::string& name, const std::string& text) {
 }  // namespace
 
 TEST(VideoManifest, CsvFollowsRfc4180) {
-  const auto rows = megaslide::parse_csv("\xEF\xBB\xBF" "a,b,c\r\n\"x, y\",\"say \"\"hi\"\"\",\"two\nlines\"\r\n\n1,,3", "t.csv");
+  const auto rows = megaslide::parse_csv(
+      "\xEF\xBB\xBF"
+      "a,b,c\r\n\"x, y\",\"say \"\"hi\"\"\",\"two\nlines\"\r\n\n1,,3",
+      "t.csv");
   ASSERT_EQ(rows.size(), 3u);
   EXPECT_EQ(rows[0], (std::vector<std::string>{"a", "b", "c"}));
   EXPECT_EQ(rows[1], (std::vector<std::string>{"x, y", "say \"hi\"", "two\nlines"}));
@@ -64,7 +67,8 @@ TEST(VideoManifest, AllLayoutsListTheSameItemsAndBadOnes) {
     ASSERT_EQ(m->items.size(), 6u) << m->layout;
     EXPECT_TRUE(m->bad.empty()) << m->layout;
     for (int k = 0; k < 3; ++k) {
-      EXPECT_EQ(m->items[static_cast<size_t>(k)].path, fx.dir + "/videos/clip-" + std::to_string(k) + ".mp4") << m->layout;
+      EXPECT_EQ(m->items[static_cast<size_t>(k)].path, fx.dir + "/videos/clip-" + std::to_string(k) + ".mp4")
+          << m->layout;
       EXPECT_EQ(m->items[static_cast<size_t>(k)].caption, fx.captions[static_cast<size_t>(k)]) << m->layout;
       EXPECT_EQ(m->items[static_cast<size_t>(k)].index, k);
     }
@@ -74,7 +78,8 @@ TEST(VideoManifest, AllLayoutsListTheSameItemsAndBadOnes) {
   ASSERT_EQ(folder.bad.size(), 1u);
   EXPECT_EQ(folder.bad[0].path, videos + "/nocaption.mp4");
   EXPECT_NE(folder.bad[0].reason.find("missing caption"), std::string::npos);
-  for (int k = 0; k < 3; ++k) EXPECT_EQ(folder.items[static_cast<size_t>(k)].caption, fx.captions[static_cast<size_t>(k)]);
+  for (int k = 0; k < 3; ++k)
+    EXPECT_EQ(folder.items[static_cast<size_t>(k)].caption, fx.captions[static_cast<size_t>(k)]);
 }
 
 TEST(VideoManifest, UnusableRowsAreBadItemsWithAReason) {
@@ -87,7 +92,9 @@ TEST(VideoManifest, UnusableRowsAreBadItemsWithAReason) {
   EXPECT_NE(m.bad[1].reason.find("no video path"), std::string::npos);
   EXPECT_NE(m.bad[2].reason.find("fields"), std::string::npos);
   EXPECT_EQ(m.listed(), 4);
-  const auto jsonl = temp_file("rows.jsonl", "{\"video\": \"rel/a.mp4\", \"caption\": \"ok\"}\nnot json\n{\"video\": 3}\n\n{\"video\": \"b.mp4\"}\n");
+  const auto jsonl = temp_file(
+      "rows.jsonl",
+      "{\"video\": \"rel/a.mp4\", \"caption\": \"ok\"}\nnot json\n{\"video\": 3}\n\n{\"video\": \"b.mp4\"}\n");
   const auto j = megaslide::read_video_manifest(config_for(jsonl));
   ASSERT_EQ(j.items.size(), 1u);
   EXPECT_EQ(j.items[0].path, "/tmp/rel/a.mp4");  // relative to the manifest's folder
@@ -121,8 +128,8 @@ TEST(VideoManifest, LinkLoopsListEachVideoOnceAndNonUtf8ItemsAreBadItems) {
     EXPECT_NE(b.reason.find("is not UTF-8 text (byte 0xe9"), std::string::npos) << b.reason;
     EXPECT_EQ(b.path.find('\xe9'), std::string::npos) << "named in UTF-8: " << b.path;
   }
-  EXPECT_NE(m.bad[0].reason.find("its caption"), std::string::npos) << m.bad[0].reason;     // badcaption.mp4
-  EXPECT_NE(m.bad[1].reason.find("its file name"), std::string::npos) << m.bad[1].reason;   // latin1-\xe9t\xe9.mp4
+  EXPECT_NE(m.bad[0].reason.find("its caption"), std::string::npos) << m.bad[0].reason;    // badcaption.mp4
+  EXPECT_NE(m.bad[1].reason.find("its file name"), std::string::npos) << m.bad[1].reason;  // latin1-\xe9t\xe9.mp4
   EXPECT_NE(m.bad[1].path.find("latin1-\\xe9t\\xe9.mp4"), std::string::npos) << m.bad[1].path;
   EXPECT_EQ(m.listed(), 4);
   megaslide::io::remove_tree(root);

@@ -108,9 +108,10 @@ WanTransformer load(const std::string& path, const std::string& key, WanOptions 
   auto options = options_of(c).self_attention(extra.self_attention()).dsa_kernel(extra.dsa_kernel());
   torch::manual_seed(0);
   WanTransformer model(options);
-  const auto kept = megaslide::load_wan_weights(
-      weights, *model, options.self_attention() == megaslide::WanSelfAttention::kDsa3d ? megaslide::wan_dsa_parameter_globs()
-                                                                                       : std::vector<std::string>{});
+  const auto kept = megaslide::load_wan_weights(weights, *model,
+                                                options.self_attention() == megaslide::WanSelfAttention::kDsa3d
+                                                    ? megaslide::wan_dsa_parameter_globs()
+                                                    : std::vector<std::string>{});
   if (options.self_attention() == megaslide::WanSelfAttention::kDense) EXPECT_TRUE(kept.empty());
   return model;
 }
@@ -155,7 +156,8 @@ TEST(WanTransformer, TrainingStepGradientsAreAutogradsOnDiffusers) {
     auto prediction = model->forward((1 - s) * x0 + s * noise, sigma * 1000, r.at(key + ".text"));
     auto loss = torch::mse_loss(prediction, noise - x0);
     loss.backward();
-    EXPECT_NEAR(loss.item<double>(), r.at(key + ".train.loss").item<double>(), 1e-5 * r.at(key + ".train.loss").item<double>());
+    EXPECT_NEAR(loss.item<double>(), r.at(key + ".train.loss").item<double>(),
+                1e-5 * r.at(key + ".train.loss").item<double>());
     double worst = 0.0;
     std::string worst_name;
     int64_t compared = 0;
@@ -167,7 +169,8 @@ TEST(WanTransformer, TrainingStepGradientsAreAutogradsOnDiffusers) {
       EXPECT_LT(error, 1e-4) << key << " " << p.key();
       ++compared;
     }
-    std::cout << "model " << key << ": " << compared << " gradients, largest difference " << worst << " (" << worst_name << ")\n";
+    std::cout << "model " << key << ": " << compared << " gradients, largest difference " << worst << " (" << worst_name
+              << ")\n";
     EXPECT_EQ(compared, static_cast<int64_t>(model->named_parameters(true).size()));
   }
 }
@@ -190,7 +193,8 @@ TEST(WanTransformer, PublishedModelsCountTheirParameters) {
 // The property: the rename table maps every parameter of a model with every optional part (qk-norm, the
 // cross-attention norm, the 3D-DSA retrofit) to a distinct original name and back; norm2 and norm3 swap.
 TEST(WanWeights, RenameTableIsOneToOne) {
-  auto shapes = megaslide::wan_parameter_shapes(options_of(fixture_config("a")).self_attention(megaslide::WanSelfAttention::kDsa3d));
+  auto shapes = megaslide::wan_parameter_shapes(
+      options_of(fixture_config("a")).self_attention(megaslide::WanSelfAttention::kDsa3d));
   std::set<std::string> originals;
   for (const auto& [name, shape] : shapes) {
     const auto original = megaslide::wan_original_name(name);
@@ -212,7 +216,8 @@ void expect_error(const std::function<void()>& f, const std::vector<std::string>
     f();
     ADD_FAILURE() << "no error";
   } catch (const WanWeightsError& e) {
-    for (const auto& fragment : fragments) EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+    for (const auto& fragment : fragments)
+      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
   }
 }
 }  // namespace
@@ -223,7 +228,8 @@ void expect_error(const std::function<void()>& f, const std::vector<std::string>
 TEST(WanWeights, BadWeightsAreNamed) {
   const auto dir = temp_dir("bad");
   megaslide::io::write_file_atomically(dir + "/wan2.1_t2v_1.3B.pth", "\x80\x02}q\x00.");
-  expect_error([&] { WanWeights::open(dir + "/wan2.1_t2v_1.3B.pth"); }, {"wan2.1_t2v_1.3B.pth", "pickle", "safetensors"});
+  expect_error([&] { WanWeights::open(dir + "/wan2.1_t2v_1.3B.pth"); },
+               {"wan2.1_t2v_1.3B.pth", "pickle", "safetensors"});
   expect_error([&] { WanWeights::open(dir); }, {"pickle", ".safetensors"});
   expect_error([&] { WanWeights::open(dir + "/nothing"); }, {"nothing", "do not exist"});
 
@@ -232,18 +238,22 @@ TEST(WanWeights, BadWeightsAreNamed) {
   auto wrong = options_of(fixture_config("a")).ffn_dim(41);
   WanTransformer model(wrong);
   expect_error([&] { megaslide::load_wan_weights(weights, *model); },
-               {"a/original", "original names", "of the wrong shape", "blocks.0.ffn.0.weight is [40, 24], the model needs [41, 24]"});
+               {"a/original", "original names", "of the wrong shape",
+                "blocks.0.ffn.0.weight is [40, 24], the model needs [41, 24]"});
   WanTransformer fewer(options_of(fixture_config("a")).layers(1));
-  expect_error([&] { megaslide::load_wan_weights(weights, *fewer); }, {"not in the model", "blocks.1.self_attn.q.weight"});
+  expect_error([&] { megaslide::load_wan_weights(weights, *fewer); },
+               {"not in the model", "blocks.1.self_attn.q.weight"});
   WanTransformer without_norms(options_of(fixture_config("a")).qk_norm(false));
   expect_error([&] { megaslide::load_wan_weights(weights, *without_norms); }, {"not in the model", "norm_q"});
   WanTransformer more(options_of(fixture_config("a")).layers(3));
-  expect_error([&] { megaslide::load_wan_weights(weights, *more); }, {"missing", "blocks.2.self_attn.q.weight (blocks.2.attn1.to_q.weight)"});
+  expect_error([&] { megaslide::load_wan_weights(weights, *more); },
+               {"missing", "blocks.2.self_attn.q.weight (blocks.2.attn1.to_q.weight)"});
 
   // An image-to-video diffusers config.
   const auto i2v = temp_dir("i2v");
   for (const auto& f : megaslide::io::list_directory(kFixtures + "/a/diffusers/transformer"))
-    megaslide::io::write_file_atomically(i2v + "/" + f, megaslide::io::read_file(kFixtures + "/a/diffusers/transformer/" + f));
+    megaslide::io::write_file_atomically(i2v + "/" + f,
+                                         megaslide::io::read_file(kFixtures + "/a/diffusers/transformer/" + f));
   std::string config = megaslide::io::read_file(i2v + "/config.json");
   const std::string null_image = "\"image_dim\": null";
   ASSERT_NE(config.find(null_image), std::string::npos);
@@ -258,7 +268,8 @@ TEST(WanWeights, BadWeightsAreNamed) {
   config.replace(config.find(string_norm), string_norm.size(), "\"qk_norm\": null");
   megaslide::io::write_file_atomically(i2v + "/config.json", config);
   EXPECT_TRUE(WanWeights::open(i2v).architecture(WanConfig()).qk_norm) << "the norms are in the weights";
-  EXPECT_FALSE(WanWeights::open(kFixtures + "/b/diffusers/transformer").architecture(WanConfig()).qk_norm) << "fixture b has none";
+  EXPECT_FALSE(WanWeights::open(kFixtures + "/b/diffusers/transformer").architecture(WanConfig()).qk_norm)
+      << "fixture b has none";
   megaslide::io::remove_tree(i2v);
   megaslide::io::remove_tree(dir);
 }
@@ -286,7 +297,9 @@ TEST(WanTransformer, RetrofitStartsAsNeighbourhoodAttention) {
   auto v = attn->to_v(x).unflatten(2, {M, d}).transpose(1, 2);
   auto mask = torch::zeros({N, N}, torch::kBool);
   const int64_t sizes[3] = {grid.t, grid.h, grid.w};
-  auto coords = [&](int64_t n) { return std::array<int64_t, 3>{n / (grid.h * grid.w), (n / grid.w) % grid.h, n % grid.w}; };
+  auto coords = [&](int64_t n) {
+    return std::array<int64_t, 3>{n / (grid.h * grid.w), (n / grid.w) % grid.h, n % grid.w};
+  };
   for (int64_t i = 0; i < N; ++i) {
     const auto p = coords(i);
     for (int64_t j = 0; j < N; ++j) {
@@ -311,7 +324,8 @@ TEST(WanTransformer, RetrofitStartsAsNeighbourhoodAttention) {
 // output differs from the dense one only by the attention's reach.
 TEST(WanTransformer, DenseCheckpointLoadsIntoTheRetrofit) {
   auto weights = WanWeights::open(kFixtures + "/a/diffusers");
-  auto options = options_of(fixture_config("a")).self_attention(megaslide::WanSelfAttention::kDsa3d).dsa_kernel({3, 3, 3});
+  auto options =
+      options_of(fixture_config("a")).self_attention(megaslide::WanSelfAttention::kDsa3d).dsa_kernel({3, 3, 3});
   WanTransformer model(options);
   try {
     megaslide::load_wan_weights(weights, *model);
@@ -340,8 +354,8 @@ TEST(WanTransformer, RealWeightsWhenDownloaded) {
   fallback.heads = 12;  // a file without config.json: Wan2.1-1.3B's heads (the 14B has 40; both 128 wide)
   auto c = weights.architecture(fallback);
   if (weights.config_path().empty()) c.heads = c.dim / 128;
-  std::cout << "Wan weights " << path << ": " << to_string(weights.naming()) << " names, dim " << c.dim << ", " << c.layers << " layers, "
-            << c.heads << " heads\n";
+  std::cout << "Wan weights " << path << ": " << to_string(weights.naming()) << " names, dim " << c.dim << ", "
+            << c.layers << " layers, " << c.heads << " heads\n";
   EXPECT_TRUE((c.dim == 1536 && c.layers == 30) || (c.dim == 5120 && c.layers == 40));
   WanTransformer model(options_of(c));
   megaslide::load_wan_weights(weights, *model);

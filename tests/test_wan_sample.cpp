@@ -70,10 +70,15 @@ const ::testing::Environment* const kRemoveScratch = ::testing::AddGlobalTestEnv
 
 // A Wan run config of the fixture DiT's sizes: latents 16 x 2 x 4 x 6 (5 frames of 32 x 48).
 std::string config_yaml(const std::string& weights) {
-  return "model:\n  arch: wan\n  wan:\n    dim: 16\n    layers: 2\n    heads: 2\n    ffn_dim: 32\n    freq_dim: 16\n    text_dim: 24\n"
-         "    patch: [1, 2, 2]\n    in_channels: 16\n    out_channels: 16\n    qk_norm: true\n    cross_attn_norm: true\n"
-         "    eps: 1.0e-6\n    weights: \"" + weights + "\"\n"
-         "data:\n  dataset: latent-tensors\n  channels: 16\n  frames: 2\n  height: 4\n  width: 6\n  max_text_tokens: 512\n"
+  return "model:\n  arch: wan\n  wan:\n    dim: 16\n    layers: 2\n    heads: 2\n    ffn_dim: 32\n    freq_dim: 16\n   "
+         " text_dim: 24\n"
+         "    patch: [1, 2, 2]\n    in_channels: 16\n    out_channels: 16\n    qk_norm: true\n    cross_attn_norm: "
+         "true\n"
+         "    eps: 1.0e-6\n    weights: \"" +
+         weights +
+         "\"\n"
+         "data:\n  dataset: latent-tensors\n  channels: 16\n  frames: 2\n  height: 4\n  width: 6\n  max_text_tokens: "
+         "512\n"
          "diffusion:\n  objective: flow\n  timesteps: 1000\n  shift: 5.0\n  sample_steps: 4\n  guidance_scale: 5.0\n"
          "offload:\n  enabled: false\n";
 }
@@ -84,8 +89,8 @@ std::shared_ptr<megaslide::WanTextToVideo> pipeline(std::shared_ptr<megaslide::W
   auto model = megaslide::wan_model_from_config(fixture_config(), "test config");
   if (!denoiser) denoiser = std::make_shared<megaslide::ResidentWanDenoiser>(model.dit, torch::kCPU);
   return std::make_shared<megaslide::WanTextToVideo>(model.config, megaslide::Umt5Encoder::load(kUmt5),
-                                                     megaslide::Umt5Tokenizer::from_file(kTokenizer + "/spiece.model"), denoiser,
-                                                     megaslide::WanVae::load(kVae));
+                                                     megaslide::Umt5Tokenizer::from_file(kTokenizer + "/spiece.model"),
+                                                     denoiser, megaslide::WanVae::load(kVae));
 }
 
 megaslide::WanSampleOptions reference_options(megaslide::FlowSamplerKind kind) {
@@ -98,9 +103,13 @@ megaslide::WanSampleOptions reference_options(megaslide::FlowSamplerKind kind) {
       .negative_prompt(reference().meta.at("negative_prompt"));
 }
 
-const megaslide::offload::StreamerStats& streamer_stats(const megaslide::StreamedWanDenoiser& d) { return d.streamer().stats(); }
+const megaslide::offload::StreamerStats& streamer_stats(const megaslide::StreamedWanDenoiser& d) {
+  return d.streamer().stats();
+}
 
-double max_diff(const torch::Tensor& a, const torch::Tensor& b) { return (a.to(torch::kDouble) - b.to(torch::kDouble)).abs().max().item<double>(); }
+double max_diff(const torch::Tensor& a, const torch::Tensor& b) {
+  return (a.to(torch::kDouble) - b.to(torch::kDouble)).abs().max().item<double>();
+}
 
 }  // namespace
 
@@ -113,9 +122,11 @@ TEST(WanPromptClean, EqualsDiffusersPromptClean) {
   ASSERT_EQ(prompts.size(), with_ftfy.size());
   std::vector<size_t> ftfy_differs;
   for (size_t i = 0; i < prompts.size(); ++i) {
-    EXPECT_EQ(megaslide::wan_prompt_clean(prompts[i]), with_ftfy[i].get<std::string>()) << "prompt " << i << ": " << prompts[i];
+    EXPECT_EQ(megaslide::wan_prompt_clean(prompts[i]), with_ftfy[i].get<std::string>())
+        << "prompt " << i << ": " << prompts[i];
     // The old helper: only ftfy's character-wise steps, as the same steps composed in Python give them.
-    EXPECT_EQ(megaslide::wan_clean(megaslide::html_unescape(megaslide::html_unescape(megaslide::ftfy_character_fixes(prompts[i])))),
+    EXPECT_EQ(megaslide::wan_clean(
+                  megaslide::html_unescape(megaslide::html_unescape(megaslide::ftfy_character_fixes(prompts[i])))),
               expected[i].get<std::string>())
         << "prompt " << i << ": " << prompts[i];
     if (expected[i] != with_ftfy[i]) ftfy_differs.push_back(i);
@@ -124,7 +135,8 @@ TEST(WanPromptClean, EqualsDiffusersPromptClean) {
   // (2), a third unescape of text without '<' (4), quotes uncurled after its own unescaping (7), mojibake (14).
   EXPECT_EQ(ftfy_differs, (std::vector<size_t>{2, 4, 7, 14}));
   EXPECT_EQ(std::string(megaslide::kWanNegativePrompt), reference().meta.at("negative_prompt"));
-  EXPECT_EQ(megaslide::wan_prompt_clean(megaslide::kWanNegativePrompt).find("\xEF\xBC\x8C"), std::string::npos);  // no U+FF0C left
+  EXPECT_EQ(megaslide::wan_prompt_clean(megaslide::kWanNegativePrompt).find("\xEF\xBC\x8C"),
+            std::string::npos);  // no U+FF0C left
 }
 
 TEST(WanPromptClean, HtmlUnescapeEdgeCases) {
@@ -132,7 +144,7 @@ TEST(WanPromptClean, HtmlUnescapeEdgeCases) {
   EXPECT_EQ(html_unescape("&amp;amp;"), "&amp;");
   EXPECT_EQ(html_unescape("&#x1F600;"), "\xF0\x9F\x98\x80");
   EXPECT_EQ(html_unescape("&#99999999999999999999;"), "\xEF\xBF\xBD");  // huge: U+FFFD, no overflow
-  EXPECT_EQ(html_unescape("&notit;"), "\xC2\xACit;");                 // longest prefix without ';'
+  EXPECT_EQ(html_unescape("&notit;"), "\xC2\xACit;");                   // longest prefix without ';'
   EXPECT_EQ(html_unescape("&"), "&");
   EXPECT_EQ(html_unescape("&#"), "&#");
   EXPECT_EQ(html_unescape("&#x"), "&#x");
@@ -164,9 +176,9 @@ TEST(WanTextToVideo, ARunOfVideosSamplesAtItsVideosSize) {
   videos.model.vae.latent_channels = 16;
   videos.model.vae.downscale = 8;
   auto model = megaslide::wan_model_from_config(fixture_config(), "test config");
-  const megaslide::WanTextToVideo from_videos(videos, megaslide::Umt5Encoder::load(kUmt5),
-                                              megaslide::Umt5Tokenizer::from_file(kTokenizer + "/spiece.model"),
-                                              std::make_shared<megaslide::ResidentWanDenoiser>(model.dit, torch::kCPU), megaslide::WanVae::load(kVae));
+  const megaslide::WanTextToVideo from_videos(
+      videos, megaslide::Umt5Encoder::load(kUmt5), megaslide::Umt5Tokenizer::from_file(kTokenizer + "/spiece.model"),
+      std::make_shared<megaslide::ResidentWanDenoiser>(model.dit, torch::kCPU), megaslide::WanVae::load(kVae));
   EXPECT_EQ(from_videos.latent_shape(), latent);
   EXPECT_EQ(latent, (std::vector<int64_t>{16, 2, 4, 6}));
 }
@@ -176,7 +188,8 @@ TEST(WanTextToVideo, LatentsAndVideoEqualWanPipelinesForUniPCAndEuler) {
   const auto prompts = ref.json("prompts").get<std::vector<std::string>>();
   const auto seeds = ref.json("seeds").get<std::vector<uint64_t>>();
   auto p = pipeline();
-  for (auto [kind, name] : {std::pair{megaslide::FlowSamplerKind::kUniPC, "unipc"}, std::pair{megaslide::FlowSamplerKind::kEuler, "euler"}}) {
+  for (auto [kind, name] : {std::pair{megaslide::FlowSamplerKind::kUniPC, "unipc"},
+                            std::pair{megaslide::FlowSamplerKind::kEuler, "euler"}}) {
     // Both prompts in one batch: each sample depends on its own seed only.
     const auto latents = p->sample(prompts, seeds, reference_options(kind));
     for (size_t i = 0; i < prompts.size(); ++i) {
@@ -192,7 +205,8 @@ TEST(WanTextToVideo, LatentsAndVideoEqualWanPipelinesForUniPCAndEuler) {
   EXPECT_LT(max_diff(p->decode(latents), ref.tensors.at("unipc.0.video")), 2e-3)
       << "latents " << max_diff(latents, ref.tensors.at("unipc.0.latents"));
   // The guidance is really applied: without it the latents are far from WanPipeline's.
-  const auto unguided = p->sample({prompts[0]}, {seeds[0]}, reference_options(megaslide::FlowSamplerKind::kUniPC).guidance_scale(1.0));
+  const auto unguided =
+      p->sample({prompts[0]}, {seeds[0]}, reference_options(megaslide::FlowSamplerKind::kUniPC).guidance_scale(1.0));
   EXPECT_GT(max_diff(unguided, ref.tensors.at("unipc.0.latents")), 1e-2);
 }
 
@@ -228,7 +242,8 @@ TEST(WanTextToVideo, StreamedDenoiserEqualsResidentBitForBit) {
 // block by block from them predicts what the one built from the whole model does, bit for bit; so does the
 // resident denoiser that reads them one by one onto its device.
 TEST(WanTextToVideo, BlocksOnDemandAreTheWholeLoadsAndStreamTheSame) {
-  auto expect_same = [](const megaslide::WanTransformer& a, const megaslide::WanTransformer& b, const std::string& what) {
+  auto expect_same = [](const megaslide::WanTransformer& a, const megaslide::WanTransformer& b,
+                        const std::string& what) {
     const auto pa = a->named_parameters(true), pb = b->named_parameters(true);
     ASSERT_EQ(pa.size(), pb.size()) << what;
     for (const auto& p : pa) EXPECT_TRUE(torch::equal(p.value(), pb[p.key()])) << what << ": " << p.key();
@@ -241,9 +256,11 @@ TEST(WanTextToVideo, BlocksOnDemandAreTheWholeLoadsAndStreamTheSame) {
     }
     const std::string what = dsa ? "dsa3d" : "dense";
     torch::manual_seed(21);
-    megaslide::WanTransformer old(megaslide::WanOptions::from_config(megaslide::with_wan_architecture_from_weights(config)));
-    const auto kept = megaslide::load_wan_weights(megaslide::WanWeights::open(kTransformer), *old,
-                                                  dsa ? megaslide::wan_dsa_parameter_globs() : std::vector<std::string>{});
+    megaslide::WanTransformer old(
+        megaslide::WanOptions::from_config(megaslide::with_wan_architecture_from_weights(config)));
+    const auto kept =
+        megaslide::load_wan_weights(megaslide::WanWeights::open(kTransformer), *old,
+                                    dsa ? megaslide::wan_dsa_parameter_globs() : std::vector<std::string>{});
     EXPECT_EQ(kept.empty(), !dsa) << what;  // the retrofit's parameters are really drawn, not read
     torch::manual_seed(21);
     auto whole = megaslide::wan_model_from_config(config, "test");
@@ -279,8 +296,10 @@ TEST(WanTextToVideo, BlocksOnDemandAreTheWholeLoadsAndStreamTheSame) {
     EXPECT_TRUE(torch::equal(a, published.predict(x, t, text))) << dtype;
     EXPECT_TRUE(torch::equal(a, from_file.predict(x, t, text))) << dtype;
     // Resident, read block by block onto the device = resident from the whole model.
-    megaslide::ResidentWanDenoiser resident_whole(megaslide::wan_model_from_config(fixture_config(), "test").dit, torch::kCPU, dtype);
-    megaslide::ResidentWanDenoiser resident_on_demand(megaslide::wan_model_from_config(fixture_config(), "test", true), torch::kCPU, dtype);
+    megaslide::ResidentWanDenoiser resident_whole(megaslide::wan_model_from_config(fixture_config(), "test").dit,
+                                                  torch::kCPU, dtype);
+    megaslide::ResidentWanDenoiser resident_on_demand(megaslide::wan_model_from_config(fixture_config(), "test", true),
+                                                      torch::kCPU, dtype);
     megaslide::ResidentWanDenoiser resident_from_file(megaslide::load_wan_model(weights, true), torch::kCPU, dtype);
     const auto r = resident_whole.predict(x, t, text);
     EXPECT_TRUE(torch::equal(r, resident_on_demand.predict(x, t, text))) << dtype;
@@ -308,7 +327,8 @@ TEST(WanTextToVideo, StreamedEqualsResidentOnTheGpu_CUDA) {
   megaslide::StreamedWanDenoiser streamed(megaslide::wan_model_from_config(config, "test").dit, so);
   EXPECT_LT(max_diff(resident.predict(x, t, text).cpu(), streamed.predict(x, t, text).cpu()), 1e-5);
   const auto& ref = reference();
-  auto p = pipeline(std::make_shared<megaslide::StreamedWanDenoiser>(megaslide::wan_model_from_config(config, "test").dit, so));
+  auto p = pipeline(
+      std::make_shared<megaslide::StreamedWanDenoiser>(megaslide::wan_model_from_config(config, "test").dit, so));
   const auto latents = p->sample({ref.json("prompts")[0].get<std::string>()}, {ref.json("seeds")[0].get<uint64_t>()},
                                  reference_options(megaslide::FlowSamplerKind::kUniPC));
   EXPECT_LT(max_diff(latents.cpu(), ref.tensors.at("unipc.0.latents")), 1e-4);
@@ -340,8 +360,8 @@ torch::Tensor composed_latents(const std::string& prompt, uint64_t seed, int64_t
   auto fn = [&](const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& text, const torch::Tensor&) {
     return model.dit->forward(x, t, text);
   };
-  return megaslide::flow_sample(fn, megaslide::FlowSamplerOptions().steps(steps).shift(5.0).guidance_scale(5.0), {16, 2, 4, 6}, {seed}, cond,
-                                uncond, torch::kCPU)[0];
+  return megaslide::flow_sample(fn, megaslide::FlowSamplerOptions().steps(steps).shift(5.0).guidance_scale(5.0),
+                                {16, 2, 4, 6}, {seed}, cond, uncond, torch::kCPU)[0];
 }
 
 }  // namespace
@@ -351,7 +371,8 @@ TEST(MegaslideSampleWan, WritesPlayableVBenchVideosWhoseLatentsAreTheComposedPip
   const auto config = write("wan.yaml", config_yaml(kTransformer));
   const auto prompts = write("prompts.txt", "a red blob moves left quickly\ncats &amp; dogs on the beach\n");
   const auto out = join_path(scratch(), "config-run");
-  const std::string common = " --prompts " + prompts + " --samples-per-prompt 2 --steps 3 --no-progress --compute-dtype fp32 --latents";
+  const std::string common =
+      " --prompts " + prompts + " --samples-per-prompt 2 --steps 3 --no-progress --compute-dtype fp32 --latents";
   auto r = run("--config " + config + kEncoders + common + " --batch-size 3 --out " + out);
   ASSERT_EQ(r.code, 0) << r.output;
 
@@ -369,7 +390,9 @@ TEST(MegaslideSampleWan, WritesPlayableVBenchVideosWhoseLatentsAreTheComposedPip
     EXPECT_EQ(frames.sizes(), (std::vector<int64_t>{5, 32, 48, 3})) << file;  // 1 + 4·(2 − 1) frames of 8·4 x 8·6
     EXPECT_EQ(info.codec, "h264");
     // The latents before the VAE equal umT5 -> flow_sample -> the DiT for this prompt and seed.
-    const auto latents = megaslide::io::read_safetensors(join_path(join_path(out, "latents"), stem + ".safetensors")).tensors.at(0).second;
+    const auto latents = megaslide::io::read_safetensors(join_path(join_path(out, "latents"), stem + ".safetensors"))
+                             .tensors.at(0)
+                             .second;
     const auto composed = composed_latents(v.at("prompt"), v.at("seed").get<uint64_t>(), 3);
     EXPECT_LT(max_diff(latents, composed), 1e-4) << file;
   }
@@ -383,7 +406,9 @@ TEST(MegaslideSampleWan, WritesPlayableVBenchVideosWhoseLatentsAreTheComposedPip
     const std::string file = v.at("file");
     const std::string stem = file.substr(0, file.size() - 4);
     auto latents = [&](const std::string& dir) {
-      return megaslide::io::read_safetensors(join_path(join_path(dir, "latents"), stem + ".safetensors")).tensors.at(0).second;
+      return megaslide::io::read_safetensors(join_path(join_path(dir, "latents"), stem + ".safetensors"))
+          .tensors.at(0)
+          .second;
     };
     EXPECT_LT(max_diff(latents(out), latents(again)), 1e-4) << file;
   }
@@ -404,7 +429,9 @@ TEST(MegaslideSampleWan, WritesPlayableVBenchVideosWhoseLatentsAreTheComposedPip
     const std::string file = v.at("file");
     const std::string stem = file.substr(0, file.size() - 4);
     auto latents = [&](const std::string& dir) {
-      return megaslide::io::read_safetensors(join_path(join_path(dir, "latents"), stem + ".safetensors")).tensors.at(0).second;
+      return megaslide::io::read_safetensors(join_path(join_path(dir, "latents"), stem + ".safetensors"))
+          .tensors.at(0)
+          .second;
     };
     EXPECT_LT(max_diff(latents(out), latents(from_checkpoint)), 1e-4) << file;
     EXPECT_EQ(megaslide::io::read_video(join_path(join_path(from_checkpoint, "videos"), file)).size(0), 5) << file;
@@ -422,8 +449,10 @@ TEST(MegaslideSampleWan, BadPathsAreOneLineErrorsWithExitCode2AndWriteNothing) {
     EXPECT_FALSE(megaslide::io::path_exists(out)) << args;
   };
   expect_refused("--tokenizer " + kTokenizer + " --vae " + kVae, "--text-encoder: Wan sampling needs umT5");
-  expect_refused("--text-encoder /nonexistent/t5" + std::string(" --vae ") + kVae, "--text-encoder: '/nonexistent/t5' does not exist");
-  expect_refused("--text-encoder " + kUmt5 + " --tokenizer " + kTokenizer + " --vae " + kFixtures + "umt5/hf", "--vae: ");
+  expect_refused("--text-encoder /nonexistent/t5" + std::string(" --vae ") + kVae,
+                 "--text-encoder: '/nonexistent/t5' does not exist");
+  expect_refused("--text-encoder " + kUmt5 + " --tokenizer " + kTokenizer + " --vae " + kFixtures + "umt5/hf",
+                 "--vae: ");
   expect_refused(kEncoders + " --sampler ddim", "Wan samples with flow matching");
   expect_refused(kEncoders + " --set model.wan.weights=/nonexistent/wan", "model.wan.weights");
 }

@@ -66,7 +66,8 @@ WanLatentData tiny_data(int64_t n = 4, int64_t text_tokens = 7) {
   return d;
 }
 
-double max_difference(const std::vector<std::pair<std::string, torch::Tensor>>& a, const std::vector<std::pair<std::string, torch::Tensor>>& b) {
+double max_difference(const std::vector<std::pair<std::string, torch::Tensor>>& a,
+                      const std::vector<std::pair<std::string, torch::Tensor>>& b) {
   EXPECT_EQ(a.size(), b.size());
   double worst = 0.0;
   for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
@@ -101,7 +102,8 @@ TEST(WanTraining, StreamedGradientsAreAutogradsOnDiffusers) {
   batch.target = megaslide::flow_target(x0, noise);
   batch.timesteps = sigma * 1000;
   batch.text = r.at("a.text");
-  const auto result = megaslide::wan_streamed_step(engine, model, [&] { return batch; }, /*lr=*/0.0);
+  const auto result = megaslide::wan_streamed_step(
+      engine, model, [&] { return batch; }, /*lr=*/0.0);
   engine.synchronize();
   EXPECT_NEAR(result.loss, r.at("a.train.loss").item<double>(), 1e-5 * r.at("a.train.loss").item<double>());
 
@@ -125,14 +127,16 @@ TEST(WanTraining, StreamedGradientsAreAutogradsOnDiffusers) {
     EXPECT_LT(error, 1e-4) << name;
     worst = std::max(worst, error), ++compared;
   }
-  std::cout << compared << " gradients (streamed and resident), largest difference " << worst << " of the gradient's scale\n";
+  std::cout << compared << " gradients (streamed and resident), largest difference " << worst
+            << " of the gradient's scale\n";
   EXPECT_EQ(compared, 69);
 }
 
 // The property: the streamed trainer (fp32 compute, emulated asynchronous copies 2 ms late) gives the
 // resident loop's weights and losses step after step, with clipping on and off and with accumulation.
 TEST(WanTraining, StreamedEqualsResident) {
-  for (const auto& extra : std::vector<std::vector<std::string>>{{}, {"train.grad_clip=0"}, {"train.grad_accum_steps=2"}}) {
+  for (const auto& extra :
+       std::vector<std::vector<std::string>>{{}, {"train.grad_clip=0"}, {"train.grad_accum_steps=2"}}) {
     auto streamed_config = tiny_config(extra);
     auto resident_config = tiny_config(extra);
     resident_config.offload.enabled = false;
@@ -175,46 +179,50 @@ TEST(WanTraining, LossFallsWithBf16Blocks) {
 TEST(WanTraining, CheckpointResumesBitExactly) {
   // fp32 moments, and int8 moments, whose per-group scales the checkpoint must keep too.
   for (const char* moments : {"fp32", "int8"}) {
-  SCOPED_TRACE(std::string(moments) + " moments");
-  auto config = tiny_config({"offload.compute_dtype=bf16", "offload.emulated_copy_delay_ms=1", std::string("optimizer.state_dtype=") + moments});
-  const auto dir = temp_dir(std::string("resume-") + moments);
-  std::vector<double> losses;
-  megaslide::TrainingState after;
-  {
-    Trainer trainer = wan_trainer(config, tiny_data());
-    for (int s = 0; s < 6; ++s) {
-      losses.push_back(trainer.step().loss);
-      if (s == 2) megaslide::save_checkpoint(dir, config, trainer.training_state());
+    SCOPED_TRACE(std::string(moments) + " moments");
+    auto config = tiny_config({"offload.compute_dtype=bf16", "offload.emulated_copy_delay_ms=1",
+                               std::string("optimizer.state_dtype=") + moments});
+    const auto dir = temp_dir(std::string("resume-") + moments);
+    std::vector<double> losses;
+    megaslide::TrainingState after;
+    {
+      Trainer trainer = wan_trainer(config, tiny_data());
+      for (int s = 0; s < 6; ++s) {
+        losses.push_back(trainer.step().loss);
+        if (s == 2) megaslide::save_checkpoint(dir, config, trainer.training_state());
+      }
+      after = trainer.training_state();
+      for (auto* list :
+           {&after.master, &after.exp_avg, &after.exp_avg_sq, &after.exp_avg_scale, &after.exp_avg_sq_scale})
+        for (auto& [name, t] : *list) t = t.clone();  // the store's views outlive the trainer only as copies
     }
-    after = trainer.training_state();
-    for (auto* list : {&after.master, &after.exp_avg, &after.exp_avg_sq, &after.exp_avg_scale, &after.exp_avg_sq_scale})
-      for (auto& [name, t] : *list) t = t.clone();  // the store's views outlive the trainer only as copies
-  }
-  Trainer resumed = wan_trainer(config, tiny_data());
-  auto state = resumed.training_state();
-  megaslide::load_checkpoint(megaslide::latest_checkpoint(dir), config, state);
-  resumed.load_training_state(state);
-  EXPECT_EQ(resumed.steps_done(), 3);
-  for (int s = 3; s < 6; ++s) EXPECT_EQ(resumed.step().loss, losses[static_cast<size_t>(s)]) << "step " << s + 1;
-  const auto again = resumed.training_state();
-  const std::pair<const megaslide::io::NamedTensors*, const megaslide::io::NamedTensors*> lists[3] = {
-      {&after.master, &again.master}, {&after.exp_avg, &again.exp_avg}, {&after.exp_avg_sq, &again.exp_avg_sq}};
-  for (const auto& [a, b] : lists) {
-    ASSERT_EQ(a->size(), b->size());
-    for (size_t i = 0; i < a->size(); ++i) EXPECT_TRUE(torch::equal((*a)[i].second, (*b)[i].second)) << (*a)[i].first;
-  }
-  EXPECT_EQ(again.optimizer_steps, after.optimizer_steps);
-  if (std::string(moments) == "int8") {
-    ASSERT_FALSE(after.exp_avg_scale.empty());
-    ASSERT_EQ(again.exp_avg_scale.size(), after.exp_avg_scale.size());
-    for (size_t i = 0; i < after.exp_avg_scale.size(); ++i) {
-      EXPECT_TRUE(torch::equal(after.exp_avg_scale[i].second, again.exp_avg_scale[i].second)) << after.exp_avg_scale[i].first;
-      EXPECT_TRUE(torch::equal(after.exp_avg_sq_scale[i].second, again.exp_avg_sq_scale[i].second)) << after.exp_avg_sq_scale[i].first;
+    Trainer resumed = wan_trainer(config, tiny_data());
+    auto state = resumed.training_state();
+    megaslide::load_checkpoint(megaslide::latest_checkpoint(dir), config, state);
+    resumed.load_training_state(state);
+    EXPECT_EQ(resumed.steps_done(), 3);
+    for (int s = 3; s < 6; ++s) EXPECT_EQ(resumed.step().loss, losses[static_cast<size_t>(s)]) << "step " << s + 1;
+    const auto again = resumed.training_state();
+    const std::pair<const megaslide::io::NamedTensors*, const megaslide::io::NamedTensors*> lists[3] = {
+        {&after.master, &again.master}, {&after.exp_avg, &again.exp_avg}, {&after.exp_avg_sq, &again.exp_avg_sq}};
+    for (const auto& [a, b] : lists) {
+      ASSERT_EQ(a->size(), b->size());
+      for (size_t i = 0; i < a->size(); ++i) EXPECT_TRUE(torch::equal((*a)[i].second, (*b)[i].second)) << (*a)[i].first;
     }
-  } else {
-    EXPECT_TRUE(again.exp_avg_scale.empty());
-  }
-  megaslide::io::remove_tree(dir);
+    EXPECT_EQ(again.optimizer_steps, after.optimizer_steps);
+    if (std::string(moments) == "int8") {
+      ASSERT_FALSE(after.exp_avg_scale.empty());
+      ASSERT_EQ(again.exp_avg_scale.size(), after.exp_avg_scale.size());
+      for (size_t i = 0; i < after.exp_avg_scale.size(); ++i) {
+        EXPECT_TRUE(torch::equal(after.exp_avg_scale[i].second, again.exp_avg_scale[i].second))
+            << after.exp_avg_scale[i].first;
+        EXPECT_TRUE(torch::equal(after.exp_avg_sq_scale[i].second, again.exp_avg_sq_scale[i].second))
+            << after.exp_avg_sq_scale[i].first;
+      }
+    } else {
+      EXPECT_TRUE(again.exp_avg_scale.empty());
+    }
+    megaslide::io::remove_tree(dir);
   }
 }
 
@@ -223,7 +231,8 @@ TEST(WanTraining, CheckpointResumesBitExactly) {
 // flow matching and DDPM; a batch that does not split over the ranks is refused.
 TEST(WanBatchSource, RankSlicesConcatenateToTheSingleProcessBatch) {
   for (const char* objective : {"flow", "ddpm"}) {
-    const auto config = tiny_config({"train.batch_size=6", "diffusion.caption_dropout=0.5", std::string("diffusion.objective=") + objective});
+    const auto config = tiny_config(
+        {"train.batch_size=6", "diffusion.caption_dropout=0.5", std::string("diffusion.objective=") + objective});
     megaslide::WanBatchSource whole(config, tiny_data(5));
     std::vector<std::unique_ptr<megaslide::WanBatchSource>> ranks;
     for (int64_t r = 0; r < 3; ++r) {
@@ -242,7 +251,8 @@ TEST(WanBatchSource, RankSlicesConcatenateToTheSingleProcessBatch) {
       EXPECT_EQ(parts[0].x0.size(0), 2);
       EXPECT_TRUE(torch::equal(cat([](auto& b) { return b.x0; }), w.x0)) << objective << " batch " << batch;
       EXPECT_TRUE(torch::equal(cat([](auto& b) { return b.noise; }), w.noise)) << objective << " batch " << batch;
-      EXPECT_TRUE(torch::equal(cat([](auto& b) { return b.timesteps; }), w.timesteps)) << objective << " batch " << batch;
+      EXPECT_TRUE(torch::equal(cat([](auto& b) { return b.timesteps; }), w.timesteps))
+          << objective << " batch " << batch;
       EXPECT_TRUE(torch::equal(cat([](auto& b) { return b.xt; }), w.xt)) << objective << " batch " << batch;
       EXPECT_TRUE(torch::equal(cat([](auto& b) { return b.target; }), w.target)) << objective << " batch " << batch;
       EXPECT_TRUE(torch::equal(cat([](auto& b) { return b.text; }), w.text)) << objective << " batch " << batch;
@@ -255,7 +265,8 @@ TEST(WanBatchSource, RankSlicesConcatenateToTheSingleProcessBatch) {
 // The property: a 3D-DSA Wan starts from a dense checkpoint with only the retrofit's parameters at their
 // initialisation, and training moves its offset network away from zero (the offsets learn).
 TEST(WanTraining, RetrofitTrainsItsOffsetsFromADenseCheckpoint) {
-  auto config = tiny_config({"model.self_attention=dsa3d", "model.dsa_kernel=[3, 3, 3]", "model.wan.weights=" + kFixtures + "/a/diffusers"});
+  auto config = tiny_config(
+      {"model.self_attention=dsa3d", "model.dsa_kernel=[3, 3, 3]", "model.wan.weights=" + kFixtures + "/a/diffusers"});
   Trainer trainer = wan_trainer(config, tiny_data());
   EXPECT_EQ(wan_initialised_parameters(trainer).size(), 10u);
   auto masters = trainer.master_weights();
@@ -310,9 +321,11 @@ TEST(WanTraining, TrainingRunTrainsAndResumesWan) {
   const auto dir = temp_dir("run");
   const auto data = tiny_data();
   const std::string tensors = dir + "/latents.safetensors";
-  megaslide::io::write_safetensors(tensors, {{"latents", data.latents}, {"text", data.text}, {"empty_text", data.empty_text}});
-  const std::vector<std::string> common{"data.tensors=" + tensors, "offload.compute_dtype=bf16", "offload.emulated_copy_delay_ms=0",
-                                        "train.checkpoint_every=3", "output.progress=false", "diffusion.caption_dropout=0.25"};
+  megaslide::io::write_safetensors(tensors,
+                                   {{"latents", data.latents}, {"text", data.text}, {"empty_text", data.empty_text}});
+  const std::vector<std::string> common{
+      "data.tensors=" + tensors,  "offload.compute_dtype=bf16", "offload.emulated_copy_delay_ms=0",
+      "train.checkpoint_every=3", "output.progress=false",      "diffusion.caption_dropout=0.25"};
   auto with = [&](const std::string& run, const std::vector<std::string>& extra) {
     auto overrides = common;
     for (const auto& e : extra) overrides.push_back(e);  // after the common ones: they win
@@ -335,7 +348,8 @@ TEST(WanTraining, TrainingRunTrainsAndResumesWan) {
   // train.init_from a Wan run folder: a fresh trainer (streamed, bf16 blocks) starts from the latest
   // checkpoint's fp32 masters bit for bit, every parameter matched by its diffusers name.
   {
-    const auto masters = megaslide::io::read_safetensors(dir + "/whole/checkpoints/step-0000006/master.safetensors").tensors;
+    const auto masters =
+        megaslide::io::read_safetensors(dir + "/whole/checkpoints/step-0000006/master.safetensors").tensors;
     Trainer from = wan_trainer(with("unused", {"train.init_from=" + dir + "/whole"}), tiny_data());
     EXPECT_EQ(from.init_plan().tensors.size(), masters.size());
     std::map<std::string, torch::Tensor> expected(masters.begin(), masters.end());
@@ -383,7 +397,8 @@ TEST(WanTraining, StreamedStartsFromTheWholeModelsWeightsBitForBit) {
   };
   const std::vector<Variant> variants{
       {{}, false},
-      {{"model.self_attention=dsa3d", "model.dsa_kernel=[3, 3, 3]", "model.wan.weights=" + kFixtures + "/a/diffusers"}, false},
+      {{"model.self_attention=dsa3d", "model.dsa_kernel=[3, 3, 3]", "model.wan.weights=" + kFixtures + "/a/diffusers"},
+       false},
       {{"model.wan.weights=" + kFixtures + "/a/diffusers"}, true}};
   for (const auto& v : variants) {
     SCOPED_TRACE(v.overrides.empty() ? "random" : v.overrides.back() + (v.init_from ? " + init_from" : ""));
@@ -394,7 +409,8 @@ TEST(WanTraining, StreamedStartsFromTheWholeModelsWeightsBitForBit) {
     }
     auto resident_config = streamed_config;
     resident_config.offload.enabled = false;
-    const auto streamed_data = tiny_data(), resident_data = tiny_data();  // drawn before: tiny_data reseeds the generator
+    const auto streamed_data = tiny_data(),
+               resident_data = tiny_data();  // drawn before: tiny_data reseeds the generator
     Trainer streamed = wan_trainer(streamed_config, streamed_data);
     const auto after_streamed = torch::rand({8});
     Trainer resident = wan_trainer(resident_config, resident_data);
@@ -426,9 +442,11 @@ TEST(WanTraining, ExportedWeightsLoadBackAsDiffusersWeights) {
   const auto dir = temp_dir("export");
   const auto data = tiny_data();
   const std::string tensors = dir + "/latents.safetensors";
-  megaslide::io::write_safetensors(tensors, {{"latents", data.latents}, {"text", data.text}, {"empty_text", data.empty_text}});
-  const auto config = tiny_config({"data.tensors=" + tensors, "offload.compute_dtype=bf16", "offload.emulated_copy_delay_ms=0",
-                                   "train.steps=3", "train.checkpoint_every=3", "output.progress=false", "output.run_dir=" + dir + "/run"});
+  megaslide::io::write_safetensors(tensors,
+                                   {{"latents", data.latents}, {"text", data.text}, {"empty_text", data.empty_text}});
+  const auto config = tiny_config({"data.tensors=" + tensors, "offload.compute_dtype=bf16",
+                                   "offload.emulated_copy_delay_ms=0", "train.steps=3", "train.checkpoint_every=3",
+                                   "output.progress=false", "output.run_dir=" + dir + "/run"});
   megaslide::io::make_directories(dir + "/transformer");
   const std::string exported = dir + "/transformer/diffusion_pytorch_model.safetensors";
   megaslide::TrainingRunOptions options;
@@ -438,7 +456,8 @@ TEST(WanTraining, ExportedWeightsLoadBackAsDiffusersWeights) {
 
   // The trained masters, rounded to bf16, in a model built from the config.
   std::map<std::string, torch::Tensor> masters;
-  for (auto& [name, t] : megaslide::io::read_safetensors(dir + "/run/checkpoints/step-0000003/master.safetensors").tensors)
+  for (auto& [name, t] :
+       megaslide::io::read_safetensors(dir + "/run/checkpoints/step-0000003/master.safetensors").tensors)
     masters[name] = t.to(torch::kBFloat16).to(torch::kFloat32);
   const auto options_of = [](const RunConfig& c) { return megaslide::WanOptions::from_config(c); };
   megaslide::WanTransformer trained(options_of(config));
@@ -462,9 +481,10 @@ TEST(WanTraining, ExportedWeightsLoadBackAsDiffusersWeights) {
     megaslide::WanConfig fallback;  // the library's defaults: every size must come from the weights' config
     const auto arch = weights.architecture(fallback);
     const auto& w = config.model.wan;
-    EXPECT_EQ(std::vector<int64_t>({arch.dim, arch.layers, arch.heads, arch.ffn_dim, arch.freq_dim, arch.text_dim, arch.in_channels,
-                                    arch.out_channels}),
-              std::vector<int64_t>({w.dim, w.layers, w.heads, w.ffn_dim, w.freq_dim, w.text_dim, w.in_channels, w.out_channels}));
+    EXPECT_EQ(std::vector<int64_t>({arch.dim, arch.layers, arch.heads, arch.ffn_dim, arch.freq_dim, arch.text_dim,
+                                    arch.in_channels, arch.out_channels}),
+              std::vector<int64_t>(
+                  {w.dim, w.layers, w.heads, w.ffn_dim, w.freq_dim, w.text_dim, w.in_channels, w.out_channels}));
     EXPECT_EQ(arch.qk_norm, w.qk_norm);
     EXPECT_EQ(arch.eps, w.eps);
     megaslide::WanTransformer loaded(options_of(config));
@@ -474,12 +494,14 @@ TEST(WanTraining, ExportedWeightsLoadBackAsDiffusersWeights) {
 
   // model.wan.weights and train.init_from of the exported file.
   const auto expect_masters = [&](Trainer& trainer) {
-    for (const auto& [name, value] : trainer.master_weights()) EXPECT_TRUE(torch::equal(value, masters.at(name))) << name;
+    for (const auto& [name, value] : trainer.master_weights())
+      EXPECT_TRUE(torch::equal(value, masters.at(name))) << name;
   };
   Trainer from_weights = wan_trainer(tiny_config({"model.wan.weights=" + exported, "model.wan.heads=4"}), tiny_data());
   EXPECT_EQ(from_weights.config().model.wan.heads, 2) << "the exported config's heads, not the fallback's";
   expect_masters(from_weights);
-  Trainer from_init = wan_trainer(tiny_config({"offload.compute_dtype=bf16", "train.init_from=" + exported}), tiny_data());
+  Trainer from_init =
+      wan_trainer(tiny_config({"offload.compute_dtype=bf16", "train.init_from=" + exported}), tiny_data());
   expect_masters(from_init);
   megaslide::io::remove_tree(dir);
 }

@@ -39,7 +39,8 @@ std::string temp_dir(const std::string& name) {
 }
 
 // |ours − reference| ≤ 1e-4 · max(1, max |reference|) (fp32).
-void expect_close(const torch::Tensor& ours, const torch::Tensor& ref, const std::string& what, double tolerance = 1e-4) {
+void expect_close(const torch::Tensor& ours, const torch::Tensor& ref, const std::string& what,
+                  double tolerance = 1e-4) {
   ASSERT_EQ(ours.sizes(), ref.sizes()) << what;
   const double scale = std::max(1.0, ref.abs().max().item<double>());
   const double error = (ours.to(torch::kFloat64) - ref.to(torch::kFloat64)).abs().max().item<double>() / scale;
@@ -110,11 +111,14 @@ TEST(WanVae, TiledEncodeAndDecodeAreDiffusersTiled) {
   expect_close(tiled_video, r.at("tiled.decoded"), "tiled decode");
   expect_close(vae.encode_distribution(r.at("tiled.videos")).first, r.at("tiled.untiled_mean"), "untiled encode");
   expect_close(vae.decode_unscaled(r.at("tiled.latents")), r.at("tiled.untiled_decoded"), "untiled decode");
-  EXPECT_GT((tiled_mean - r.at("tiled.untiled_mean")).abs().max().item<double>(), 0.1) << "tiling changes nothing: the test is trivial";
+  EXPECT_GT((tiled_mean - r.at("tiled.untiled_mean")).abs().max().item<double>(), 0.1)
+      << "tiling changes nothing: the test is trivial";
   // A tile as large as the frame is the untiled computation.
   const megaslide::WanVaeTiling whole{40, 32};
-  EXPECT_TRUE(torch::equal(vae.decode_unscaled(r.at("tiled.latents"), whole), vae.decode_unscaled(r.at("tiled.latents"))));
-  EXPECT_THROW(vae.decode_unscaled(r.at("tiled.latents"), megaslide::WanVaeTiling{12, 8}), c10::Error) << "tile not a multiple of 8";
+  EXPECT_TRUE(
+      torch::equal(vae.decode_unscaled(r.at("tiled.latents"), whole), vae.decode_unscaled(r.at("tiled.latents"))));
+  EXPECT_THROW(vae.decode_unscaled(r.at("tiled.latents"), megaslide::WanVaeTiling{12, 8}), c10::Error)
+      << "tile not a multiple of 8";
 }
 
 TEST(WanVae, SingleFileWithOriginalNamesIsTheSameModel) {
@@ -130,8 +134,10 @@ TEST(WanVae, SingleFileWithOriginalNamesIsTheSameModel) {
   EXPECT_DOUBLE_EQ(c.latents_mean[0], -0.7571);
   EXPECT_DOUBLE_EQ(c.latents_std[15], 1.9160);
   EXPECT_EQ(file.parameter_count(), folder.parameter_count());
-  EXPECT_EQ(folder.original_name("decoder.up_blocks.1.upsamplers.0.resample.1.weight"), "decoder.upsamples.5.resample.1.weight");
-  EXPECT_EQ(folder.original_name("decoder.up_blocks.2.resnets.0.conv_shortcut.bias"), "decoder.upsamples.6.shortcut.bias");
+  EXPECT_EQ(folder.original_name("decoder.up_blocks.1.upsamplers.0.resample.1.weight"),
+            "decoder.upsamples.5.resample.1.weight");
+  EXPECT_EQ(folder.original_name("decoder.up_blocks.2.resnets.0.conv_shortcut.bias"),
+            "decoder.upsamples.6.shortcut.bias");
   EXPECT_EQ(folder.original_name("encoder.mid_block.resnets.1.norm2.gamma"), "encoder.middle.2.residual.3.gamma");
   auto r = reference();
   auto [mean, logvar] = file.encode_distribution(r.at("f5.videos"));
@@ -162,7 +168,8 @@ TEST(WanVae, BadInputIsNamed) {
   auto wrong = config;
   wrong["base_dim"] = 8;
   megaslide::io::write_file_atomically(dir + "/config.json", wrong.dump());
-  expect_error(dir, "tensor 'encoder.conv_in.weight' has shape [4, 3, 3, 3, 3], expected [8, 3, 3, 3, 3] (from config.json)");
+  expect_error(
+      dir, "tensor 'encoder.conv_in.weight' has shape [4, 3, 3, 3, 3], expected [8, 3, 3, 3, 3] (from config.json)");
   wrong = config;
   wrong["num_res_blocks"] = 2;
   megaslide::io::write_file_atomically(dir + "/config.json", wrong.dump());
@@ -213,7 +220,8 @@ TEST(WanVae, BadVideosAreRefused) {
 TEST(WanVae, RealWeightsWhenDownloaded) {
   const char* path = std::getenv("MEGASLIDE_WAN_VAE_WEIGHTS");
   if (path == nullptr) {
-    std::cout << "\n*** SKIPPED: MEGASLIDE_WAN_VAE_WEIGHTS is not set, so the Wan VAE's real weights were NOT tested ***\n\n";
+    std::cout
+        << "\n*** SKIPPED: MEGASLIDE_WAN_VAE_WEIGHTS is not set, so the Wan VAE's real weights were NOT tested ***\n\n";
     GTEST_SKIP() << "MEGASLIDE_WAN_VAE_WEIGHTS not set: real Wan VAE weights not tested";
   }
   auto vae = WanVae::load(path);
@@ -221,7 +229,8 @@ TEST(WanVae, RealWeightsWhenDownloaded) {
   EXPECT_EQ(vae.config().spatial_downscale(), 8);
   auto t = torch::arange(5, torch::kFloat32).view({1, 1, 5, 1, 1});
   auto yy = torch::linspace(-1, 1, 64).view({1, 1, 1, 64, 1}), xx = torch::linspace(-1, 1, 64).view({1, 1, 1, 1, 64});
-  auto video = torch::cat({torch::sin(3 * xx + yy + 0.2 * t), torch::cos(2 * yy - xx - 0.1 * t), xx * yy + 0 * t}, 1) * 0.8;
+  auto video =
+      torch::cat({torch::sin(3 * xx + yy + 0.2 * t), torch::cos(2 * yy - xx - 0.1 * t), xx * yy + 0 * t}, 1) * 0.8;
   auto z = vae.encode(video);
   ASSERT_EQ(z.sizes(), (std::vector<int64_t>{1, 16, 2, 8, 8}));
   std::cout << "normalised latent std " << z.std().item<double>() << " (about 1 for Wan's VAE)\n";

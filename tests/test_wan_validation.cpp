@@ -51,14 +51,17 @@ std::string temp_dir(const std::string& name) {
 // A Wan run of the wan_pipeline fixture DiT's sizes (umT5 24 wide, 16 latent channels): latents
 // 16 x 2 x 4 x 6 (5 frames of 32 x 48 pixels), 8 text tokens, 2 sampling steps.
 const std::string kModel =
-    "model:\n  arch: wan\n  wan: {dim: 16, layers: 2, heads: 2, ffn_dim: 32, freq_dim: 16, text_dim: 24, patch: [1, 2, 2], "
+    "model:\n  arch: wan\n  wan: {dim: 16, layers: 2, heads: 2, ffn_dim: 32, freq_dim: 16, text_dim: 24, patch: [1, 2, "
+    "2], "
     "in_channels: 16, out_channels: 16, qk_norm: true, cross_attn_norm: true}\n";
-const std::string kEncoders = "  text_encoder: {kind: umt5, weights: " + kUmt5 + ", vocab: " + kSpiece + "}\n  vae: {kind: wan, weights: " +
-                              kVae + ", latent_channels: 16}\n";
+const std::string kEncoders = "  text_encoder: {kind: umt5, weights: " + kUmt5 + ", vocab: " + kSpiece +
+                              "}\n  vae: {kind: wan, weights: " + kVae + ", latent_channels: 16}\n";
 std::string run_sections(const std::string& tensors) {
-  return "data: {dataset: latent-tensors, tensors: " + tensors + ", channels: 16, frames: 2, height: 4, width: 6, max_text_tokens: 8}\n"
+  return "data: {dataset: latent-tensors, tensors: " + tensors +
+         ", channels: 16, frames: 2, height: 4, width: 6, max_text_tokens: 8}\n"
          "diffusion: {objective: flow, shift: 3.0, sample_steps: 2, guidance_scale: 4.0}\n"
-         "train: {steps: 4, batch_size: 2, lr: 0.01, warmup_steps: 0, lr_schedule: constant, device: cpu, seed: 3, log_every: 1, threads: 1}\n"
+         "train: {steps: 4, batch_size: 2, lr: 0.01, warmup_steps: 0, lr_schedule: constant, device: cpu, seed: 3, "
+         "log_every: 1, threads: 1}\n"
          "offload: {compute_dtype: fp32, mode: async, emulated_copy_delay_ms: 1}\noutput: {progress: false}\n";
 }
 
@@ -88,10 +91,12 @@ torch::Tensor reference_latents(const megaslide::WanValidation& v, megaslide::Tr
     for (const auto& [name, value] : masters) params.at(name).copy_(value);
   }
   auto denoiser = std::make_shared<megaslide::ResidentWanDenoiser>(model, torch::kCPU, dtype);
-  megaslide::WanTextToVideo pipeline(v.latent_config(), megaslide::Umt5Encoder::load(kUmt5), megaslide::Umt5Tokenizer::from_file(kSpiece),
-                                     denoiser, megaslide::WanVae::load(kVae));
+  megaslide::WanTextToVideo pipeline(v.latent_config(), megaslide::Umt5Encoder::load(kUmt5),
+                                     megaslide::Umt5Tokenizer::from_file(kSpiece), denoiser,
+                                     megaslide::WanVae::load(kVae));
   std::vector<torch::Tensor> out;
-  for (const auto& job : v.jobs()) out.push_back(pipeline.sample({job.prompt}, {job.seed}, v.options()).to(torch::kCPU));
+  for (const auto& job : v.jobs())
+    out.push_back(pipeline.sample({job.prompt}, {job.seed}, v.options()).to(torch::kCPU));
   return torch::cat(out);
 }
 
@@ -161,16 +166,20 @@ TEST(WanValidation, PromptFileLinesSampleAtTheirOwnSizeAndSettings) {
     for (auto& p : model->named_parameters(true)) params.emplace(p.key(), p.value());
     for (const auto& [name, value] : trainer.master_weights()) params.at(name).copy_(value);
   }
-  megaslide::WanTextToVideo pipeline(sized, megaslide::Umt5Encoder::load(kUmt5), megaslide::Umt5Tokenizer::from_file(kSpiece),
-                                     std::make_shared<megaslide::ResidentWanDenoiser>(model, torch::kCPU, at::kFloat), megaslide::WanVae::load(kVae));
+  megaslide::WanTextToVideo pipeline(
+      sized, megaslide::Umt5Encoder::load(kUmt5), megaslide::Umt5Tokenizer::from_file(kSpiece),
+      std::make_shared<megaslide::ResidentWanDenoiser>(model, torch::kCPU, at::kFloat), megaslide::WanVae::load(kVae));
   auto options = validation.options();
   options.steps(1).guidance_scale(1.0);
   const auto reference = pipeline.sample({"a fox in snow"}, {3}, options);
   EXPECT_TRUE(torch::equal(latents[0], reference)) << max_diff(latents[0], reference);
 
   for (const auto& [line, problem] : std::vector<std::pair<std::string, std::string>>{
-           {"a fox --f 8", "line 1: this model cannot sample 8x32x48 (frames x height x width): 8 frames: the Wan VAE takes 1 + 4k frames"},
-           {"a fox --h 24", "line 1: this model cannot sample 5x24x48 (frames x height x width): height 24: not a multiple of 16"}}) {
+           {"a fox --f 8",
+            "line 1: this model cannot sample 8x32x48 (frames x height x width): 8 frames: the Wan VAE takes 1 + 4k "
+            "frames"},
+           {"a fox --h 24",
+            "line 1: this model cannot sample 5x24x48 (frames x height x width): height 24: not a multiple of 16"}}) {
     megaslide::io::write_file_atomically(prompts, line + "\n");
     try {
       const megaslide::WanValidation refused(config, {}, "test");
@@ -207,11 +216,14 @@ TEST(WanValidation, MegaslideTrainWritesPlayableVideosAtEachValidationStep) {
   const auto dir = temp_dir("cli");
   const auto tensors = join_path(dir, "latents.safetensors");
   const auto data = tiny_data();
-  megaslide::io::write_safetensors(tensors, {{"latents", data.latents}, {"text", data.text}, {"empty_text", data.empty_text}});
+  megaslide::io::write_safetensors(tensors,
+                                   {{"latents", data.latents}, {"text", data.text}, {"empty_text", data.empty_text}});
   const auto config = join_path(dir, "wan.yaml"), bare = join_path(dir, "bare.yaml");
   std::ofstream(config) << kModel << kEncoders << run_sections(tensors);
   std::ofstream(bare) << kModel << run_sections(tensors);
-  auto train = [](const std::string& args) { return megaslide::testing::run_tool("megaslide-train", args + " --set train.sample_every=2"); };
+  auto train = [](const std::string& args) {
+    return megaslide::testing::run_tool("megaslide-train", args + " --set train.sample_every=2");
+  };
 
   auto r = train("--config " + config + " --run-dir " + join_path(dir, "run"));
   ASSERT_EQ(r.code, 0) << r.output;
@@ -228,7 +240,8 @@ TEST(WanValidation, MegaslideTrainWritesPlayableVideosAtEachValidationStep) {
       if (seeds.size() < 2) seeds.push_back(video.at("seed").get<uint64_t>());
       EXPECT_EQ(video.at("seed").get<uint64_t>(), seeds[i]) << step;  // the same videos each validation
       megaslide::io::VideoInfo info;
-      const auto frames = megaslide::io::read_video(join_path(join_path(samples, "videos"), video.at("file").get<std::string>()), &info);
+      const auto frames = megaslide::io::read_video(
+          join_path(join_path(samples, "videos"), video.at("file").get<std::string>()), &info);
       EXPECT_EQ(frames.sizes(), (std::vector<int64_t>{5, 32, 48, 3})) << step;  // 1 + 4·(2 − 1) frames of 8·4 x 8·6
       EXPECT_EQ(info.codec, "h264");
     }
@@ -236,7 +249,8 @@ TEST(WanValidation, MegaslideTrainWritesPlayableVideosAtEachValidationStep) {
   EXPECT_FALSE(megaslide::io::path_exists(join_path(dir, "run/samples/step-0000001")));
   EXPECT_FALSE(megaslide::io::path_exists(join_path(dir, "run/samples/step-0000003")));
   const auto log = megaslide::io::read_file(join_path(dir, "run/train.log"));
-  EXPECT_NE(log.find("step 2: 2 validation videos in " + join_path(dir, "run/samples/step-0000002")), std::string::npos) << log;
+  EXPECT_NE(log.find("step 2: 2 validation videos in " + join_path(dir, "run/samples/step-0000002")), std::string::npos)
+      << log;
   EXPECT_NE(log.find("step 4: 2 validation videos in"), std::string::npos) << log;
 
   // A run trained without the encoders gets validation videos when it resumes with them (they do not
@@ -255,12 +269,14 @@ TEST(WanValidation, MegaslideTrainWritesPlayableVideosAtEachValidationStep) {
   EXPECT_NE(r.output.find("model.text_encoder.kind"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("train.sample_every"), std::string::npos) << r.output;
   EXPECT_FALSE(megaslide::io::path_exists(join_path(dir, "no-umt5")));
-  r = train("--config " + bare + " --run-dir " + join_path(dir, "no-vae") + " --set model.text_encoder.kind=umt5 --set model.text_encoder.weights=" +
-            kUmt5 + " --set model.text_encoder.vocab=" + kSpiece);
+  r = train("--config " + bare + " --run-dir " + join_path(dir, "no-vae") +
+            " --set model.text_encoder.kind=umt5 --set model.text_encoder.weights=" + kUmt5 +
+            " --set model.text_encoder.vocab=" + kSpiece);
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("model.vae.kind"), std::string::npos) << r.output;
   EXPECT_FALSE(megaslide::io::path_exists(join_path(dir, "no-vae")));
-  r = train("--config " + config + " --run-dir " + join_path(dir, "bad-vae") + " --set model.vae.weights=" + join_path(dir, "nowhere"));
+  r = train("--config " + config + " --run-dir " + join_path(dir, "bad-vae") +
+            " --set model.vae.weights=" + join_path(dir, "nowhere"));
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("model.vae.weights"), std::string::npos) << r.output;
   EXPECT_FALSE(megaslide::io::path_exists(join_path(dir, "bad-vae")));

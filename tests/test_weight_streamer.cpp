@@ -93,7 +93,8 @@ TEST(WeightStreamer, FirstUploadIntoASlotWaitsForComputeQueuedBeforeTheSlotsWere
     s.prefetch(l, host[l]);
     auto w = s.acquire(l);  // the calling thread waits for the upload to land
     const double landed_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - made).count();
-    EXPECT_GE(landed_ms, kLagMs) << "slot " << l << "'s first upload did not wait for the compute work queued before it";
+    EXPECT_GE(landed_ms, kLagMs) << "slot " << l
+                                 << "'s first upload did not wait for the compute work queued before it";
     EXPECT_TRUE(torch::equal(w, host[l])) << "slot " << l;
     s.release(l);
   }
@@ -176,7 +177,7 @@ TEST(WeightStreamer, MisuseIsReportedClearly) {
       c10::Error);
   s.prefetch(0, host[0]);
   s.acquire(0);
-  EXPECT_THROW(s.prefetch(2, host[2]), c10::Error);  // slot 0 still holds acquired block 0
+  EXPECT_THROW(s.prefetch(2, host[2]), c10::Error);                // slot 0 still holds acquired block 0
   EXPECT_THROW(s.prefetch(1, host[1].to(at::kHalf)), c10::Error);  // wrong dtype
   EXPECT_THROW(WeightStreamer({10, 0}, {}), c10::Error);
 }

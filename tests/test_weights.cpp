@@ -14,7 +14,9 @@ using megaslide::WeightsError;
 
 namespace {
 
-std::string temp_path(const std::string& name) { return "/tmp/megaslide-test-weights-" + std::to_string(::getpid()) + "-" + name; }
+std::string temp_path(const std::string& name) {
+  return "/tmp/megaslide-test-weights-" + std::to_string(::getpid()) + "-" + name;
+}
 
 megaslide::RunConfig small_config(megaslide::Architecture arch) {
   megaslide::RunConfig c;
@@ -39,7 +41,8 @@ struct Built {
 Built build_random(const megaslide::RunConfig& c, uint64_t seed) {
   torch::manual_seed(seed);
   Built b{megaslide::DiT(megaslide::DiTOptions::from_config(c)),
-          megaslide::TextEncoder(megaslide::TextEncoderOptions(megaslide::CaptionTokenizer().vocab_size(), c.model.text_dim, c.data.max_text_tokens))};
+          megaslide::TextEncoder(megaslide::TextEncoderOptions(megaslide::CaptionTokenizer().vocab_size(),
+                                                               c.model.text_dim, c.data.max_text_tokens))};
   torch::NoGradGuard no_grad;
   for (auto& p : b.dit->parameters()) p.copy_(torch::randn_like(p));  // no zero-initialised tensors left
   return b;
@@ -59,7 +62,8 @@ void expect_weights_error(const std::string& path, const std::string& needle) {
 }  // namespace
 
 TEST(Weights, ModelIsRebuiltFromTheFileAloneForEveryArchitecture) {
-  for (auto arch : {megaslide::Architecture::kMegaSlide, megaslide::Architecture::kDense3D, megaslide::Architecture::kSwin}) {
+  for (auto arch :
+       {megaslide::Architecture::kMegaSlide, megaslide::Architecture::kDense3D, megaslide::Architecture::kSwin}) {
     auto config = small_config(arch);
     auto b = build_random(config, 1);
     auto path = temp_path("model.safetensors");
@@ -84,17 +88,19 @@ TEST(Weights, DefaultFileIsBf16KeyedByModuleNames) {
   auto header = megaslide::io::read_safetensors_header(path);
   std::map<std::string, torch::ScalarType> dtypes;
   for (const auto& e : header.entries) dtypes[e.name] = e.dtype;
-  for (const char* name : {"dit.blocks.0.attn.q.weight", "dit.blocks.1.mlp.fc2.bias", "dit.patch_embed.weight", "dit.final_modulation",
-                           "text_encoder.tokens.weight", "text_encoder.norm.weight"}) {
+  for (const char* name : {"dit.blocks.0.attn.q.weight", "dit.blocks.1.mlp.fc2.bias", "dit.patch_embed.weight",
+                           "dit.final_modulation", "text_encoder.tokens.weight", "text_encoder.norm.weight"}) {
     ASSERT_TRUE(dtypes.count(name)) << name;
     EXPECT_EQ(dtypes[name], torch::kBFloat16) << name;
   }
   EXPECT_EQ(header.metadata.at("format"), "megaslide.weights");
-  EXPECT_EQ(megaslide::to_yaml(megaslide::parse_run_config(header.metadata.at("config"), "metadata")), megaslide::to_yaml(config));
+  EXPECT_EQ(megaslide::to_yaml(megaslide::parse_run_config(header.metadata.at("config"), "metadata")),
+            megaslide::to_yaml(config));
   // Loading rounds nothing further: the fp32 parameters are exactly the bf16 values.
   auto loaded = megaslide::load_weights(path);
   auto w = b.dit->named_parameters()["blocks.0.mlp.fc1.weight"];
-  EXPECT_TRUE(torch::equal(loaded.dit->named_parameters()["blocks.0.mlp.fc1.weight"], w.to(torch::kBFloat16).to(torch::kFloat32)));
+  EXPECT_TRUE(torch::equal(loaded.dit->named_parameters()["blocks.0.mlp.fc1.weight"],
+                           w.to(torch::kBFloat16).to(torch::kFloat32)));
   megaslide::io::remove_tree(path);
 }
 
@@ -102,7 +108,8 @@ TEST(Weights, FilesThatDoNotDescribeTheModelAreRefused) {
   auto config = small_config(megaslide::Architecture::kDense3D);
   auto b = build_random(config, 3);
   auto tensors = megaslide::weights_tensors(b.dit, b.text);
-  std::map<std::string, std::string> meta{{"format", "megaslide.weights"}, {"format_version", "1"}, {"config", megaslide::to_yaml(config)}};
+  std::map<std::string, std::string> meta{
+      {"format", "megaslide.weights"}, {"format_version", "1"}, {"config", megaslide::to_yaml(config)}};
   auto path = temp_path("bad.safetensors");
 
   auto missing = tensors;
@@ -143,10 +150,12 @@ TEST(Weights, NonFiniteWeightsAreRefusedNamingTheTensorUnlessAllowed) {
       auto t = torch::randn({n}).to(dtype);
       EXPECT_EQ(megaslide::io::first_nonfinite(t.data_ptr(), n, dtype), -1) << c10::toString(dtype) << " " << n;
       for (int64_t at : {int64_t{0}, n / 2, n - 1}) {
-        for (double bad : {std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity(), -std::numeric_limits<double>::infinity()}) {
+        for (double bad : {std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity(),
+                           -std::numeric_limits<double>::infinity()}) {
           auto u = t.clone();
           u[at] = bad;
-          EXPECT_EQ(megaslide::io::first_nonfinite(u.data_ptr(), n, dtype), at) << c10::toString(dtype) << " n=" << n << " at " << at;
+          EXPECT_EQ(megaslide::io::first_nonfinite(u.data_ptr(), n, dtype), at)
+              << c10::toString(dtype) << " n=" << n << " at " << at;
         }
       }
     }

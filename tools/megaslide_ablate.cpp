@@ -39,9 +39,11 @@ int main(int argc, char** argv) {
   return megaslide::tools::run_tool("megaslide-ablate", [&] {
     megaslide::tools::checking_input([&] {
       try {
-        if (quick && !size_name.empty() && size_name != "quick") throw std::invalid_argument("--quick and --size " + size_name + " disagree");
-        options.size = quick ? megaslide::AblationSize::kQuick
-                             : size_name.empty() ? megaslide::AblationSize::kFull : megaslide::parse_ablation_size(size_name);
+        if (quick && !size_name.empty() && size_name != "quick")
+          throw std::invalid_argument("--quick and --size " + size_name + " disagree");
+        options.size = quick               ? megaslide::AblationSize::kQuick
+                       : size_name.empty() ? megaslide::AblationSize::kFull
+                                           : megaslide::parse_ablation_size(size_name);
         if (!std::regex_match(device, std::regex("auto|cpu|cuda(:[0-9]+)?")))
           throw std::invalid_argument("--device: expected auto | cpu | cuda | cuda:N, got '" + device + "'");
         names = suite == "all" ? megaslide::ablation_suites() : std::vector<std::string>{suite};

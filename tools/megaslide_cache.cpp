@@ -22,7 +22,8 @@
 namespace {
 std::string clock_text(double seconds) {
   const auto s = static_cast<int64_t>(seconds + 0.5);
-  return s >= 3600 ? fmt::format("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60) : fmt::format("{}:{:02}", s / 60, s % 60);
+  return s >= 3600 ? fmt::format("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60)
+                   : fmt::format("{}:{:02}", s / 60, s % 60);
 }
 }  // namespace
 
@@ -34,8 +35,10 @@ int main(int argc, char** argv) {
   app.add_option("--config", config_path, "run config (YAML) with data.dataset: videos")->required();
   app.add_option("--out", out, "the cache folder (default: data.cache of the config)");
   app.add_option("--set", overrides, "override a config value, e.g. --set data.frames=16 (repeatable)");
-  app.add_option("--shard-items", shard_items, "items per shard file (default 64)")->check(megaslide::tools::integer_in(1, int64_t{1} << 40));
-  app.add_option("--threads", threads, "decoding threads (default: data.workers, at least 1)")->check(megaslide::tools::integer_in(0, 4096));
+  app.add_option("--shard-items", shard_items, "items per shard file (default 64)")
+      ->check(megaslide::tools::integer_in(1, int64_t{1} << 40));
+  app.add_option("--threads", threads, "decoding threads (default: data.workers, at least 1)")
+      ->check(megaslide::tools::integer_in(0, 4096));
   app.set_version_flag("--version", megaslide::build_summary());
   if (const auto code = megaslide::tools::parse_flags(app, argc, argv)) return *code;
   megaslide::tools::survive_file_size_limit();
@@ -49,7 +52,8 @@ int main(int argc, char** argv) {
       config = megaslide::tools::checking_input([&] { return megaslide::with_wan_architecture_from_weights(config); },
                                                 config_path + ": model.wan.weights: ");
     if (config.data.dataset != "videos")
-      throw megaslide::tools::UsageError(config_path + ": data.dataset is '" + config.data.dataset + "'; only data.dataset: videos is cached");
+      throw megaslide::tools::UsageError(config_path + ": data.dataset is '" + config.data.dataset +
+                                         "'; only data.dataset: videos is cached");
     if (out.empty()) out = config.data.cache;
     if (out.empty()) throw megaslide::tools::UsageError("no output folder: pass --out DIR or set data.cache");
 
@@ -64,7 +68,8 @@ int main(int argc, char** argv) {
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       const double rate = s > 0 ? static_cast<double>(done_here) / s : 0.0;
       const std::string eta = rate > 0 ? clock_text(static_cast<double>(total - done) / rate) : "?";
-      const std::string line = fmt::format("[cache] {}/{} items, {:.1f} items/s, elapsed {}, ETA {}", done, total, rate, clock_text(s), eta);
+      const std::string line =
+          fmt::format("[cache] {}/{} items, {:.1f} items/s, elapsed {}, ETA {}", done, total, rate, clock_text(s), eta);
       if (tty) {
         std::cerr << "\r" << line << "\x1b[K" << std::flush;
         line_open = true;
@@ -73,13 +78,18 @@ int main(int argc, char** argv) {
         last_report = done;
       }
     };
-    options.on_warning = [&](const std::string& message) { std::cerr << (tty ? "\r\x1b[K" : "") << "megaslide-cache: " << message << "\n"; };
+    options.on_warning = [&](const std::string& message) {
+      std::cerr << (tty ? "\r\x1b[K" : "") << "megaslide-cache: " << message << "\n";
+    };
     try {
       const auto r = megaslide::build_latent_cache(config, options);
       if (line_open) std::cerr << "\n";
-      const std::string kept = r.shards_reused > 0 ? fmt::format(", {} with {} items kept from an earlier run", r.shards_reused, r.items_reused) : "";
-      std::cerr << fmt::format("megaslide-cache: {} items in {} ({} shards written{}); {} bad items; {:.1f} s\n", r.items, out, r.shards, kept,
-                               r.bad.size(), std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      const std::string kept = r.shards_reused > 0 ? fmt::format(", {} with {} items kept from an earlier run",
+                                                                 r.shards_reused, r.items_reused)
+                                                   : "";
+      std::cerr << fmt::format("megaslide-cache: {} items in {} ({} shards written{}); {} bad items; {:.1f} s\n",
+                               r.items, out, r.shards, kept, r.bad.size(),
+                               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
       return 0;
     } catch (...) {
       if (line_open) std::cerr << "\n";  // the error on a line of its own

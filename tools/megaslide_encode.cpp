@@ -16,7 +16,8 @@
 //   megaslide-encode vae-encode --vae wan --weights DIR|FILE --in F.safetensors --out F.safetensors [--sample --seed S]
 //                               [--tile P --tile-stride S]
 //       tensor x: videos [N, 3, T, H, W] in [-1, 1], T = 1 + 4k -> y: normalised latents [N, 16, 1 + (T-1)/4, H/8, W/8]
-//   megaslide-encode vae-decode --vae wan --weights DIR|FILE --in F.safetensors --out F.safetensors [--tile P --tile-stride S]
+//   megaslide-encode vae-decode --vae wan --weights DIR|FILE --in F.safetensors --out F.safetensors [--tile P
+//   --tile-stride S]
 //       tensor x: normalised latents [N, 16, t, h, w] -> y: videos [N, 3, 1 + 4(t-1), 8h, 8w] clamped to [-1, 1]
 //   (--weights for wan: diffusers' vae/ folder, or the single file with the original names, e.g. ComfyUI's
 //   wan_2.1_vae.safetensors)
@@ -66,71 +67,97 @@ torch::Tensor input_tensor(const std::string& path) {
   for (auto& [name, t] : file.tensors)
     if (name == "x") {
       if (!c10::isFloatingType(t.scalar_type()))
-        throw megaslide::tools::UsageError("'" + path + "': tensor 'x' is " + megaslide::io::safetensors_dtype_name(t.scalar_type()) + ", expected F32, F16 or BF16");
+        throw megaslide::tools::UsageError("'" + path + "': tensor 'x' is " +
+                                           megaslide::io::safetensors_dtype_name(t.scalar_type()) +
+                                           ", expected F32, F16 or BF16");
       return t.to(torch::kFloat32);
     }
   std::string names;
   for (auto& [name, t] : file.tensors) names += (names.empty() ? "" : ", ") + name;
-  throw megaslide::tools::UsageError("'" + path + "' has no tensor 'x' (it holds: " + (names.empty() ? "nothing" : names) + ")");
+  throw megaslide::tools::UsageError("'" + path +
+                                     "' has no tensor 'x' (it holds: " + (names.empty() ? "nothing" : names) + ")");
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"megaslide-encode: CLIP text encoding, Stable Diffusion and Wan VAE encode/decode to safetensors (docs/conditioning.md)"};
+  CLI::App app{
+      "megaslide-encode: CLIP text encoding, Stable Diffusion and Wan VAE encode/decode to safetensors "
+      "(docs/conditioning.md)"};
   app.require_subcommand(1);
-  std::string weights, prompts_path, out, in, vocab, spiece, clean = "wan", device_spec = "auto", dtype_name = "fp32", encoder_kind = "clip", vae_kind = "sd";
+  std::string weights, prompts_path, out, in, vocab, spiece, clean = "wan", device_spec = "auto", dtype_name = "fp32",
+                                                             encoder_kind = "clip", vae_kind = "sd";
   bool ids_only = false, sample = false;
   uint64_t seed = 0;
   int64_t max_length = 0, frames_per_batch = 8, tile = 0, tile_stride = 0, batch = 8;
   double tile_overlap = 0.25;
   auto common = [&](CLI::App* sub, bool needs_weights) {
-    auto* w = sub->add_option("--weights", weights, "model folder (config.json + safetensors weights); for --vae wan also a single file");
+    auto* w = sub->add_option("--weights", weights,
+                              "model folder (config.json + safetensors weights); for --vae wan also a single file");
     if (needs_weights) w->required();
     sub->add_option("--out", out, "output safetensors file")->required();
     sub->add_option("--device", device_spec, "auto, cpu, cuda or cuda:N")->capture_default_str();
-    sub->add_flag_callback("--allow-nonfinite-weights", [] { megaslide::io::set_nonfinite_weights_allowed(true); },
-                           "load weights that hold NaN or infinite values instead of refusing them");
+    sub->add_flag_callback(
+        "--allow-nonfinite-weights", [] { megaslide::io::set_nonfinite_weights_allowed(true); },
+        "load weights that hold NaN or infinite values instead of refusing them");
     sub->add_option("--dtype", dtype_name, "weights and compute: fp32, bf16 or fp16 (outputs are fp32)")
         ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
         ->capture_default_str();
   };
-  auto* text = app.add_subcommand("text", "prompts -> token ids, mask and embeddings (CLIP: last_hidden_state and pooled; umT5: Wan's)");
+  auto* text = app.add_subcommand(
+      "text", "prompts -> token ids, mask and embeddings (CLIP: last_hidden_state and pooled; umT5: Wan's)");
   common(text, false);
-  text->add_option("--text-encoder", encoder_kind, "text encoder")->check(CLI::IsMember({"clip", "umt5"}))->capture_default_str();
-  text->add_option("--tokenizer", spiece, "umt5: spiece.model, or a folder or .safetensors file holding it (default: found from --weights)");
-  text->add_option("--clean", clean, "umt5: prompt cleaning before tokenizing: wan (Wan's prompt_clean: ftfy.fix_text, HTML unescaped twice, white-space "
-                  "runs to one space, trimmed; what megaslide-sample does), whitespace (the white-space step alone) or none")
+  text->add_option("--text-encoder", encoder_kind, "text encoder")
+      ->check(CLI::IsMember({"clip", "umt5"}))
+      ->capture_default_str();
+  text->add_option("--tokenizer", spiece,
+                   "umt5: spiece.model, or a folder or .safetensors file holding it (default: found from --weights)");
+  text->add_option(
+          "--clean", clean,
+          "umt5: prompt cleaning before tokenizing: wan (Wan's prompt_clean: ftfy.fix_text, HTML unescaped twice, "
+          "white-space "
+          "runs to one space, trimmed; what megaslide-sample does), whitespace (the white-space step alone) or none")
       ->check(CLI::IsMember({"wan", "whitespace", "none"}))
       ->capture_default_str();
-  text->add_option("--batch", batch, "umt5: prompts per encoder call")->check(CLI::Range(int64_t{1}, int64_t{1} << 20))->capture_default_str();
+  text->add_option("--batch", batch, "umt5: prompts per encoder call")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+      ->capture_default_str();
   text->add_option("--prompts", prompts_path, "one prompt per line (an empty line is the empty prompt)")->required();
-  text->add_option("--vocab", vocab, "vocabulary folder (vocab.json + merges.txt) or OpenAI's bpe_simple_vocab_16e6.txt (default: in --weights)");
-  text->add_option("--max-length", max_length, "tokens per prompt, special tokens included (default: clip 77, umt5 512)")
+  text->add_option(
+      "--vocab", vocab,
+      "vocabulary folder (vocab.json + merges.txt) or OpenAI's bpe_simple_vocab_16e6.txt (default: in --weights)");
+  text->add_option("--max-length", max_length,
+                   "tokens per prompt, special tokens included (default: clip 77, umt5 512)")
       ->check(CLI::Range(int64_t{2}, int64_t{4096}));
   text->add_flag("--ids-only", ids_only, "only ids and mask (no model needed)");
   auto* vae_encode = app.add_subcommand("vae-encode", "images (tensor x, in [-1, 1]) -> scaled latents (tensor y)");
   auto* vae_decode = app.add_subcommand("vae-decode", "scaled latents (tensor x) -> images (tensor y)");
   for (auto* sub : {vae_encode, vae_decode}) {
     common(sub, true);
-    sub->add_option("--vae", vae_kind, "VAE: sd (images, or videos frame by frame) or wan (videos)")->check(CLI::IsMember({"sd", "wan"}))
+    sub->add_option("--vae", vae_kind, "VAE: sd (images, or videos frame by frame) or wan (videos)")
+        ->check(CLI::IsMember({"sd", "wan"}))
         ->capture_default_str();
     sub->add_option("--in", in, "input safetensors file with tensor x")->required();
     sub->add_option("--frames-per-batch", frames_per_batch, "frames per VAE call for videos [B, C, T, H, W] (sd)")
         ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
         ->capture_default_str();
-    sub->add_option("--tile-stride", tile_stride, "wan: pixels between tile starts (default: 3/4 of --tile)")->check(CLI::NonNegativeNumber);
+    sub->add_option("--tile-stride", tile_stride, "wan: pixels between tile starts (default: 3/4 of --tile)")
+        ->check(CLI::NonNegativeNumber);
   }
-  vae_encode->add_option("--tile", tile, "wan: encode in tiles of P pixels, blended (0: whole frames)")->check(CLI::NonNegativeNumber);
+  vae_encode->add_option("--tile", tile, "wan: encode in tiles of P pixels, blended (0: whole frames)")
+      ->check(CLI::NonNegativeNumber);
   vae_encode->add_flag("--sample", sample, "a sample of the latent distribution instead of its mean");
-  vae_encode->add_option("--seed", seed, "seed of --sample's noise")->check(megaslide::tools::integer_in(0))->capture_default_str();
-  vae_decode->add_option("--tile", tile, "decode in tiles of P pixels, blended (0: whole frames)")->check(CLI::NonNegativeNumber);
-  vae_decode->add_option("--tile-overlap", tile_overlap, "overlap of tiles, a fraction of the tile")->check(CLI::Range(0.0, 0.9))
+  vae_encode->add_option("--seed", seed, "seed of --sample's noise")
+      ->check(megaslide::tools::integer_in(0))
+      ->capture_default_str();
+  vae_decode->add_option("--tile", tile, "decode in tiles of P pixels, blended (0: whole frames)")
+      ->check(CLI::NonNegativeNumber);
+  vae_decode->add_option("--tile-overlap", tile_overlap, "overlap of tiles, a fraction of the tile")
+      ->check(CLI::Range(0.0, 0.9))
       ->capture_default_str();
   app.set_version_flag("--version", megaslide::build_summary());
   if (const auto code = megaslide::tools::parse_flags(app, argc, argv)) return *code;
   megaslide::tools::survive_file_size_limit();
-
 
   // Everything that can be checked is loaded and checked before anything is computed or written.
   torch::Device device = torch::kCPU;
@@ -149,7 +176,8 @@ int main(int argc, char** argv) {
       if (text->parsed() && encoder_kind == "umt5") {
         if (max_length == 0) max_length = 512;
         if (!ids_only && weights.empty()) throw megaslide::tools::UsageError("--weights is needed (or --ids-only)");
-        if (spiece.empty() && weights.empty()) throw megaslide::tools::UsageError("--tokenizer or --weights is needed to find umT5's spiece.model");
+        if (spiece.empty() && weights.empty())
+          throw megaslide::tools::UsageError("--tokenizer or --weights is needed to find umT5's spiece.model");
         prompts = read_lines(prompts_path);
         if (clean == "wan")
           for (auto& p : prompts) p = megaslide::wan_prompt_clean(p);
@@ -159,8 +187,9 @@ int main(int argc, char** argv) {
         if (!ids_only) {
           umt5 = megaslide::Umt5Encoder::load(weights, device, dtype);
           if (umt5_tokenizer->vocab_size() > umt5->config().vocab_size)
-            throw megaslide::tools::UsageError(fmt::format("the tokenizer '{}' has {} pieces, the model's embedding only {}", umt5_tokenizer->source(),
-                                       umt5_tokenizer->vocab_size(), umt5->config().vocab_size));
+            throw megaslide::tools::UsageError(
+                fmt::format("the tokenizer '{}' has {} pieces, the model's embedding only {}", umt5_tokenizer->source(),
+                            umt5_tokenizer->vocab_size(), umt5->config().vocab_size));
         }
       } else if (text->parsed()) {
         if (max_length == 0) max_length = 77;
@@ -170,10 +199,12 @@ int main(int argc, char** argv) {
         if (!ids_only) {
           encoder = megaslide::ClipTextEncoder::load(weights, device, dtype);
           if (max_length > encoder->config().max_position_embeddings)
-            throw megaslide::tools::UsageError(fmt::format("--max-length {} exceeds the model's {} positions", max_length, encoder->config().max_position_embeddings));
+            throw megaslide::tools::UsageError(fmt::format("--max-length {} exceeds the model's {} positions",
+                                                           max_length, encoder->config().max_position_embeddings));
           if (tokenizer->vocab_size() > encoder->config().vocab_size)
-            throw megaslide::tools::UsageError(fmt::format("the vocabulary has {} tokens, the model's embedding only {}", tokenizer->vocab_size(),
-                                       encoder->config().vocab_size));
+            throw megaslide::tools::UsageError(
+                fmt::format("the vocabulary has {} tokens, the model's embedding only {}", tokenizer->vocab_size(),
+                            encoder->config().vocab_size));
         }
       } else if (vae_kind == "wan") {
         wan = megaslide::WanVae::load(weights, device, dtype);
@@ -182,27 +213,39 @@ int main(int argc, char** argv) {
         const int64_t f = c.spatial_downscale();
         if (vae_encode->parsed()) {
           if (x.dim() != 5 || x.size(1) != c.in_channels)
-            throw megaslide::tools::UsageError(fmt::format("'{}': tensor 'x' has shape {}, expected videos [N, {}, T, H, W]", in, c10::str(x.sizes()), c.in_channels));
-          if ((x.size(2) - 1) % 4 != 0) throw megaslide::tools::UsageError(fmt::format("'{}': {} frames; the Wan VAE takes 1 + 4k frames (1, 5, ..., 81)", in, x.size(2)));
+            throw megaslide::tools::UsageError(
+                fmt::format("'{}': tensor 'x' has shape {}, expected videos [N, {}, T, H, W]", in, c10::str(x.sizes()),
+                            c.in_channels));
+          if ((x.size(2) - 1) % 4 != 0)
+            throw megaslide::tools::UsageError(
+                fmt::format("'{}': {} frames; the Wan VAE takes 1 + 4k frames (1, 5, ..., 81)", in, x.size(2)));
           if (x.size(3) % f != 0 || x.size(4) % f != 0)
-            throw megaslide::tools::UsageError(fmt::format("'{}': frames of {}x{} (W x H); the VAE needs multiples of {}", in, x.size(4), x.size(3), f));
+            throw megaslide::tools::UsageError(fmt::format(
+                "'{}': frames of {}x{} (W x H); the VAE needs multiples of {}", in, x.size(4), x.size(3), f));
         } else if (x.dim() != 5 || x.size(1) != c.z_dim) {
-          throw megaslide::tools::UsageError(fmt::format("'{}': tensor 'x' has shape {}, expected latents [N, {}, t, h, w]", in, c10::str(x.sizes()), c.z_dim));
+          throw megaslide::tools::UsageError(fmt::format(
+              "'{}': tensor 'x' has shape {}, expected latents [N, {}, t, h, w]", in, c10::str(x.sizes()), c.z_dim));
         }
         if (tile_stride == 0) tile_stride = tile / 4 * 3 / f * f;
         if (tile > 0 && (tile % f != 0 || tile_stride % f != 0 || tile_stride == 0 || tile_stride > tile))
-          throw megaslide::tools::UsageError(fmt::format("--tile {} and --tile-stride {} must be multiples of {} with 0 < stride <= tile", tile, tile_stride, f));
+          throw megaslide::tools::UsageError(fmt::format(
+              "--tile {} and --tile-stride {} must be multiples of {} with 0 < stride <= tile", tile, tile_stride, f));
       } else {
-        if (vae_encode->parsed() && tile > 0) throw megaslide::tools::UsageError("--tile when encoding is for --vae wan only");
+        if (vae_encode->parsed() && tile > 0)
+          throw megaslide::tools::UsageError("--tile when encoding is for --vae wan only");
         vae = megaslide::SdVae::load(weights, device, dtype);
         x = input_tensor(in);
         const auto& c = vae->config();
         const int64_t channels = vae_encode->parsed() ? c.in_channels : c.latent_channels;
         if ((x.dim() != 4 && x.dim() != 5) || x.size(1) != channels)
-          throw megaslide::tools::UsageError(fmt::format("'{}': tensor 'x' has shape {}, expected [N, {}, H, W] or [B, {}, T, H, W]", in, c10::str(x.sizes()), channels, channels));
+          throw megaslide::tools::UsageError(
+              fmt::format("'{}': tensor 'x' has shape {}, expected [N, {}, H, W] or [B, {}, T, H, W]", in,
+                          c10::str(x.sizes()), channels, channels));
         if (vae_encode->parsed() && (x.size(-1) % c.downscale() != 0 || x.size(-2) % c.downscale() != 0))
-          throw megaslide::tools::UsageError(fmt::format("'{}': images of {}x{} (W x H); the VAE needs multiples of {}", in, x.size(-1), x.size(-2), c.downscale()));
-        if (tile > 0 && tile % c.downscale() != 0) throw megaslide::tools::UsageError(fmt::format("--tile {} is not a multiple of {}", tile, c.downscale()));
+          throw megaslide::tools::UsageError(fmt::format("'{}': images of {}x{} (W x H); the VAE needs multiples of {}",
+                                                         in, x.size(-1), x.size(-2), c.downscale()));
+        if (tile > 0 && tile % c.downscale() != 0)
+          throw megaslide::tools::UsageError(fmt::format("--tile {} is not a multiple of {}", tile, c.downscale()));
       }
     });
 
@@ -222,7 +265,8 @@ int main(int argc, char** argv) {
         }
         metadata["prompts"] = nlohmann::json(prompts).dump();
         metadata["text_encoder"] = "umt5";
-        std::cerr << fmt::format("megaslide-encode: {} prompt(s) -> {}{}\n", prompts.size(), out, umt5 ? "" : " (ids only)");
+        std::cerr << fmt::format("megaslide-encode: {} prompt(s) -> {}{}\n", prompts.size(), out,
+                                 umt5 ? "" : " (ids only)");
       } else if (text->parsed()) {
         auto tokens = tokenizer->encode(prompts, max_length);
         outputs = {{"ids", tokens.ids}, {"mask", tokens.mask}};
@@ -232,7 +276,8 @@ int main(int argc, char** argv) {
           outputs.emplace_back("pooled", result.pooled.cpu());
         }
         metadata["prompts"] = nlohmann::json(prompts).dump();
-        std::cerr << fmt::format("megaslide-encode: {} prompt(s) -> {}{}\n", prompts.size(), out, encoder ? "" : " (ids only)");
+        std::cerr << fmt::format("megaslide-encode: {} prompt(s) -> {}{}\n", prompts.size(), out,
+                                 encoder ? "" : " (ids only)");
       } else {
         torch::Tensor y;
         std::optional<megaslide::WanVaeTiling> wan_tiling;
@@ -246,7 +291,8 @@ int main(int argc, char** argv) {
         } else if (vae_encode->parsed()) {
           std::optional<at::Generator> generator;
           if (sample) generator = at::detail::createCPUGenerator(seed);
-          y = x.dim() == 5 ? vae->encode_video(x, frames_per_batch, sample, generator) : vae->encode(x, sample, generator);
+          y = x.dim() == 5 ? vae->encode_video(x, frames_per_batch, sample, generator)
+                           : vae->encode(x, sample, generator);
         } else {
           std::optional<megaslide::VaeTiling> tiling;
           if (tile > 0) tiling = megaslide::VaeTiling{tile, tile_overlap};
@@ -262,7 +308,8 @@ int main(int argc, char** argv) {
           }
         }
         outputs = {{"y", y.cpu()}};
-        std::cerr << fmt::format("megaslide-encode: x {} -> y {} in {}\n", c10::str(x.sizes()), c10::str(y.sizes()), out);
+        std::cerr << fmt::format("megaslide-encode: x {} -> y {} in {}\n", c10::str(x.sizes()), c10::str(y.sizes()),
+                                 out);
       }
       megaslide::io::write_safetensors(out, outputs, metadata);
       return 0;

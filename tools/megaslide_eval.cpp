@@ -35,15 +35,17 @@ int main(int argc, char** argv) {
     megaslide::eval::FolderEvaluation evaluation;
     megaslide::tools::checking_input([&] {
       // A bare folder of MP4s keeps its JSON in it, as before; a sample folder keeps it beside videos/.
-      if (json_path.empty()) json_path = megaslide::io::join_path(megaslide::io::find_sample_folder(folder).root, "eval.json");
+      if (json_path.empty())
+        json_path = megaslide::io::join_path(megaslide::io::find_sample_folder(folder).root, "eval.json");
       megaslide::io::check_output_file(json_path, "--json");
       // Progress on stderr: one line, rewritten on a terminal; every tenth of the videos otherwise.
       const bool tty = ::isatty(STDERR_FILENO) == 1;
       const auto start = std::chrono::steady_clock::now();
       evaluation = megaslide::eval::evaluate_folder(folder, [&](int64_t done, int64_t total) {
         const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-        const std::string line = fmt::format("[eval] {}/{} videos, {:.1f} s/video, ETA {:.0f} s", done, total, s / static_cast<double>(done),
-                                             s / static_cast<double>(done) * static_cast<double>(total - done));
+        const std::string line =
+            fmt::format("[eval] {}/{} videos, {:.1f} s/video, ETA {:.0f} s", done, total, s / static_cast<double>(done),
+                        s / static_cast<double>(done) * static_cast<double>(total - done));
         if (tty) std::cerr << "\r" << line << "\x1b[K" << (done == total ? "\n" : "") << std::flush;
         else if (done == total || done % std::max<int64_t>(1, total / 10) == 0) std::cerr << line << "\n";
       });

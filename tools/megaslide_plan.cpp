@@ -1,7 +1,8 @@
 // megaslide-plan: what one training step of a run config needs and moves, and how fast it can be, on
 // a given machine (docs/planner.md). Allocates nothing: the model is built on the meta device.
 //
-//   megaslide-plan --config configs/105b.yaml [--hardware h200|h100nvl|FILE] [--world-size R] [--set key.path=value ...] [--json]
+//   megaslide-plan --config configs/105b.yaml [--hardware h200|h100nvl|FILE] [--world-size R] [--set key.path=value
+//   ...] [--json]
 //
 // Exit codes: 0 the plan was printed (whether or not the run fits: see fits_device / fits_host),
 // 2 bad flags, config or hardware profile (one message naming the file and key), 1 any other failure.
@@ -30,7 +31,8 @@ int main(int argc, char** argv) {
   if (const auto code = megaslide::tools::parse_flags(app, argc, argv)) return *code;
   return megaslide::tools::run_tool("megaslide-plan", [&] {
     const auto config = megaslide::load_run_config(config_path, overrides);
-    const auto profile = megaslide::tools::checking_input([&] { return megaslide::plan::load_hardware_profile(hardware); }, "--hardware: ");
+    const auto profile = megaslide::tools::checking_input(
+        [&] { return megaslide::plan::load_hardware_profile(hardware); }, "--hardware: ");
     megaslide::plan::StepPlan plan;
     try {
       plan = megaslide::plan::plan_step(config, profile, world_size);

@@ -14,13 +14,18 @@
 int main(int argc, char** argv) {
   CLI::App app{"megaslide-plot: draw a run's metrics.jsonl as PNGs (docs/ablations.md)"};
   std::string run_dir, out_dir;
-  app.add_option("RUN_DIR", run_dir, "a megaslide-train run folder (holds metrics.jsonl)")->required()->check(megaslide::tools::non_empty_path());
-  app.add_option("--out", out_dir, "where the PNGs go (default: RUN_DIR/plots)")->check(megaslide::tools::non_empty_path());
+  app.add_option("RUN_DIR", run_dir, "a megaslide-train run folder (holds metrics.jsonl)")
+      ->required()
+      ->check(megaslide::tools::non_empty_path());
+  app.add_option("--out", out_dir, "where the PNGs go (default: RUN_DIR/plots)")
+      ->check(megaslide::tools::non_empty_path());
   if (const auto code = megaslide::tools::parse_flags(app, argc, argv)) return *code;
   megaslide::tools::survive_file_size_limit();
   return megaslide::tools::run_tool("megaslide-plot", [&] {
-    megaslide::tools::checking_input(
-        [&] { megaslide::io::check_output_folder(out_dir.empty() ? megaslide::io::join_path(run_dir, "plots") : out_dir, "--out"); });
+    megaslide::tools::checking_input([&] {
+      megaslide::io::check_output_folder(out_dir.empty() ? megaslide::io::join_path(run_dir, "plots") : out_dir,
+                                         "--out");
+    });
     for (const auto& png : megaslide::plot_run(run_dir, out_dir)) std::cout << png << "\n";
     return 0;
   });

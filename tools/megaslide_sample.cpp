@@ -35,14 +35,16 @@ class SampleProgress {
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
     // `done` videos finished, plus the current batch's share while it is still sampling (the update after
     // a batch passes done = its end and steps_done = steps: counted once).
-    const double running = steps_done < steps ? static_cast<double>(steps_done) / static_cast<double>(steps) * static_cast<double>(batch_) : 0.0;
+    const double running =
+        steps_done < steps ? static_cast<double>(steps_done) / static_cast<double>(steps) * static_cast<double>(batch_)
+                           : 0.0;
     const double fraction = std::min(1.0, (static_cast<double>(done) + running) / static_cast<double>(total_));
     const double eta = fraction > 0 ? elapsed / fraction * (1 - fraction) : 0.0;
     const int width = 24, filled = static_cast<int>(fraction * width);
-    const std::string line = fmt::format("[{}{}] {}/{} videos | step {}/{} | {:.2f} s/video | ETA {}:{:02}", std::string(filled, '#'),
-                                         std::string(width - filled, '.'), done, total_, steps_done, steps,
-                                         done > 0 ? elapsed / static_cast<double>(done) : 0.0, static_cast<int>(eta) / 60,
-                                         static_cast<int>(eta) % 60);
+    const std::string line = fmt::format("[{}{}] {}/{} videos | step {}/{} | {:.2f} s/video | ETA {}:{:02}",
+                                         std::string(filled, '#'), std::string(width - filled, '.'), done, total_,
+                                         steps_done, steps, done > 0 ? elapsed / static_cast<double>(done) : 0.0,
+                                         static_cast<int>(eta) / 60, static_cast<int>(eta) % 60);
     if (tty_) std::cerr << "\r" << line << std::flush;
     else if (steps_done == steps) std::cerr << line << "\n";
   }
@@ -69,7 +71,8 @@ void write_png_frames(const std::string& out_dir, const std::string& stem, const
 // file's lines may each have their own), at most `batch_size`.
 size_t batch_end(const std::vector<megaslide::ValidationVideo>& videos, size_t start, int64_t batch_size) {
   size_t end = start + 1;
-  while (end < videos.size() && end - start < static_cast<size_t>(batch_size) && megaslide::same_sampling_settings(videos[start], videos[end]))
+  while (end < videos.size() && end - start < static_cast<size_t>(batch_size) &&
+         megaslide::same_sampling_settings(videos[start], videos[end]))
     ++end;
   return end;
 }
@@ -105,8 +108,9 @@ struct SampledBatch {
   torch::Tensor pixels, latents;
 };
 // Samples the videos of one batch (same size and settings as `first`'s) for their prompts and seeds.
-using SampleBatch = std::function<SampledBatch(const std::vector<std::string>& prompts, const std::vector<uint64_t>& seeds,
-                                               const megaslide::ValidationVideo& first, const std::function<void(int64_t, int64_t)>& on_step)>;
+using SampleBatch = std::function<SampledBatch(
+    const std::vector<std::string>& prompts, const std::vector<uint64_t>& seeds,
+    const megaslide::ValidationVideo& first, const std::function<void(int64_t, int64_t)>& on_step)>;
 
 // What the videos are written with.
 struct VideoOutput {
@@ -116,8 +120,8 @@ struct VideoOutput {
 };
 
 // Samples `videos` batch by batch and writes DIR/videos/*.mp4 (and frames, latents) and index.json.
-void write_videos(const std::vector<megaslide::ValidationVideo>& videos, const VideoOutput& out, const megaslide::io::SamplingRecord& record,
-                  const SampleBatch& sample_batch) {
+void write_videos(const std::vector<megaslide::ValidationVideo>& videos, const VideoOutput& out,
+                  const megaslide::io::SamplingRecord& record, const SampleBatch& sample_batch) {
   const auto video_options = megaslide::io::VideoWriteOptions().fps(out.fps).crf(out.crf);
   const std::string videos_dir = megaslide::io::join_path(out.out_dir, megaslide::io::kVideosFolder);
   const std::string latents_dir = megaslide::io::join_path(out.out_dir, "latents");
@@ -155,14 +159,17 @@ void write_videos(const std::vector<megaslide::ValidationVideo>& videos, const V
     throw;
   }
   progress.finish();
-  megaslide::io::write_file_atomically(megaslide::io::join_path(out.out_dir, "index.json"), megaslide::io::index_json(jobs, record));
-  std::cerr << fmt::format("megaslide-sample: wrote {} videos and {}\n", jobs.size(), megaslide::io::join_path(out.out_dir, "index.json"));
+  megaslide::io::write_file_atomically(megaslide::io::join_path(out.out_dir, "index.json"),
+                                       megaslide::io::index_json(jobs, record));
+  std::cerr << fmt::format("megaslide-sample: wrote {} videos and {}\n", jobs.size(),
+                           megaslide::io::join_path(out.out_dir, "index.json"));
 }
 
 // The Wan model's pipeline and the batches it samples (docs/wan.md).
-SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan, size_t video_count, const std::string& out_dir, const std::string& source,
-                        const std::string& sampler, int64_t steps, double guidance, torch::Device device, const std::string& streamed,
-                        const std::string& compute_dtype, megaslide::io::SamplingRecord& record) {
+SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan, size_t video_count, const std::string& out_dir,
+                        const std::string& source, const std::string& sampler, int64_t steps, double guidance,
+                        torch::Device device, const std::string& streamed, const std::string& compute_dtype,
+                        megaslide::io::SamplingRecord& record) {
   // The run's size in pixels (a run trained from a videos cache keeps its data sizes in pixels; a
   // prompt file's line may give its own, checked when the videos were planned).
   const auto size = megaslide::run_video_size(model.config);
@@ -185,23 +192,28 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan, size_t v
   try {
     opened = megaslide::open_wan_pipeline(std::move(model), request);
   } catch (const megaslide::WanPipelineError& e) {
-    const std::string flag = e.component() == "vae" ? "--vae" : e.component() == "tokenizer" ? "--tokenizer" : "--text-encoder";
+    const std::string flag = e.component() == "vae"         ? "--vae"
+                             : e.component() == "tokenizer" ? "--tokenizer"
+                                                            : "--text-encoder";
     throw megaslide::tools::UsageError(flag + ": " + megaslide::error_message(e));
   } catch (const std::invalid_argument& e) {  // components that do not fit each other
     throw megaslide::tools::UsageError(megaslide::error_message(e));
   }
   const char* kind = options.kind() == megaslide::FlowSamplerKind::kUniPC ? "unipc" : "euler";
-  std::cerr << fmt::format("megaslide-sample: Wan {} -> {} videos of {} frames {}x{} in {} ({} {} steps, shift {}, guidance {}, device {}, DiT {}, "
-                           "umT5 {}, compute dtype {} ({}))\n",
-                           source, video_count, size.frames, size.width, size.height, out_dir, kind, options.steps(), options.shift(),
-                           options.guidance_scale(), device.str(), opened.dit_streamed ? "blocks streamed" : "resident",
-                           opened.text_encoder_streamed ? "layers streamed" : "resident", dtype.dtype, dtype.reason);
+  std::cerr << fmt::format(
+      "megaslide-sample: Wan {} -> {} videos of {} frames {}x{} in {} ({} {} steps, shift {}, guidance {}, device {}, "
+      "DiT {}, "
+      "umT5 {}, compute dtype {} ({}))\n",
+      source, video_count, size.frames, size.width, size.height, out_dir, kind, options.steps(), options.shift(),
+      options.guidance_scale(), device.str(), opened.dit_streamed ? "blocks streamed" : "resident",
+      opened.text_encoder_streamed ? "layers streamed" : "resident", dtype.dtype, dtype.reason);
   record.sampler = kind;
   record.steps = options.steps();
   record.guidance_scale = options.guidance_scale();
   record.eta = 0.0;
-  return [pipeline = opened.pipeline, options](const std::vector<std::string>& prompts, const std::vector<uint64_t>& seeds,
-                                               const megaslide::ValidationVideo& first, const std::function<void(int64_t, int64_t)>& on_step) {
+  return [pipeline = opened.pipeline, options](
+             const std::vector<std::string>& prompts, const std::vector<uint64_t>& seeds,
+             const megaslide::ValidationVideo& first, const std::function<void(int64_t, int64_t)>& on_step) {
     auto batch_options = options;  // a prompt file line's own steps, guidance and negative prompt
     if (first.job.steps) batch_options.steps(*first.job.steps);
     if (first.job.guidance_scale) batch_options.guidance_scale(*first.job.guidance_scale);
@@ -214,12 +226,14 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan, size_t v
 }
 
 // The DiT family's generator and the batches it samples.
-SampleBatch dit_sampler(megaslide::TextToVideoModel model, size_t video_count, int64_t samples_per_prompt, const std::string& out_dir,
-                        const std::string& sampler, int64_t steps, const std::string& spacing, double guidance, double eta,
-                        torch::Device device, const std::string& streamed, const std::string& compute_dtype, const std::string& threads,
+SampleBatch dit_sampler(megaslide::TextToVideoModel model, size_t video_count, int64_t samples_per_prompt,
+                        const std::string& out_dir, const std::string& sampler, int64_t steps,
+                        const std::string& spacing, double guidance, double eta, torch::Device device,
+                        const std::string& streamed, const std::string& compute_dtype, const std::string& threads,
                         megaslide::io::SamplingRecord& record) {
   const auto dtype = megaslide::resolve_compute_dtype(compute_dtype, device);
-  const std::string slow = megaslide::compute_dtype_warning(dtype.dtype, device, "use --compute-dtype auto (fp32 on this CPU) to sample faster");
+  const std::string slow = megaslide::compute_dtype_warning(
+      dtype.dtype, device, "use --compute-dtype auto (fp32 on this CPU) to sample faster");
   if (!slow.empty()) std::cerr << "megaslide-sample: warning: " << slow << "\n";
   bool stream = false;
   auto denoiser = megaslide::sampling_denoiser(model.dit, device, megaslide::parse_stream_choice(streamed),
@@ -229,22 +243,26 @@ SampleBatch dit_sampler(megaslide::TextToVideoModel model, size_t video_count, i
   if (steps > 0) options.steps(steps);
   if (!spacing.empty()) options.timestep_spacing(megaslide::parse_timestep_spacing(spacing));
   if (guidance >= 0) options.guidance_scale(guidance);
-  std::cerr << fmt::format("megaslide-sample: {} prompt(s) x {} -> {} videos in {} ({} {} steps {}, guidance {}, device {}, {}, "
-                           "compute dtype {} ({}), {})\n",
-                           video_count / static_cast<size_t>(samples_per_prompt), samples_per_prompt, video_count, out_dir,
-                           megaslide::to_string(options.kind()), options.steps(), megaslide::to_string(options.timestep_spacing()),
-                           options.guidance_scale(), device.str(), stream ? "blocks streamed" : "resident", dtype.dtype, dtype.reason, threads);
+  std::cerr << fmt::format(
+      "megaslide-sample: {} prompt(s) x {} -> {} videos in {} ({} {} steps {}, guidance {}, device {}, {}, "
+      "compute dtype {} ({}), {})\n",
+      video_count / static_cast<size_t>(samples_per_prompt), samples_per_prompt, video_count, out_dir,
+      megaslide::to_string(options.kind()), options.steps(), megaslide::to_string(options.timestep_spacing()),
+      options.guidance_scale(), device.str(), stream ? "blocks streamed" : "resident", dtype.dtype, dtype.reason,
+      threads);
   record.sampler = megaslide::to_string(options.kind());
   record.steps = options.steps();
   record.guidance_scale = options.guidance_scale();
   record.eta = options.eta();
-  return [generator, options](const std::vector<std::string>& prompts, const std::vector<uint64_t>& seeds, const megaslide::ValidationVideo& first,
+  return [generator, options](const std::vector<std::string>& prompts, const std::vector<uint64_t>& seeds,
+                              const megaslide::ValidationVideo& first,
                               const std::function<void(int64_t, int64_t)>& on_step) {
     auto batch_options = options;  // a prompt file line's own steps and guidance
     if (first.job.steps) batch_options.steps(*first.job.steps);
     if (first.job.guidance_scale) batch_options.guidance_scale(*first.job.guidance_scale);
     SampledBatch batch;
-    batch.pixels = generator->generate(prompts, seeds, batch_options, on_step, first.shape, first.job.negative_prompt.value_or(""));
+    batch.pixels = generator->generate(prompts, seeds, batch_options, on_step, first.shape,
+                                       first.job.negative_prompt.value_or(""));
     return batch;
   };
 }
@@ -253,79 +271,102 @@ SampleBatch dit_sampler(megaslide::TextToVideoModel model, size_t video_count, i
 
 int main(int argc, char** argv) {
   CLI::App app{"megaslide-sample: text-to-video sampling into VBench's layout (docs/sampling.md)"};
-  std::string checkpoint, config_path, prompts_path, out_dir, sampler, device_spec = "auto", streamed = "auto", compute_dtype = "auto";
+  std::string checkpoint, config_path, prompts_path, out_dir, sampler, device_spec = "auto", streamed = "auto",
+                                                                       compute_dtype = "auto";
   std::vector<std::string> overrides;
   WanFlags wan;
   int64_t samples_per_prompt = 5, batch_size = 4, fps = 0, crf = 17, upscale = 1, threads = 0;
-  int64_t steps = 0;          // 0: the checkpoint config's diffusion.sample_steps
-  std::string spacing;        // empty: the checkpoint config's diffusion.timestep_spacing
-  double guidance = -1.0;     // < 0: the checkpoint config's diffusion.guidance_scale
+  int64_t steps = 0;       // 0: the checkpoint config's diffusion.sample_steps
+  std::string spacing;     // empty: the checkpoint config's diffusion.timestep_spacing
+  double guidance = -1.0;  // < 0: the checkpoint config's diffusion.guidance_scale
   double eta = 0.0;
   uint64_t seed = 0;
   bool png = false, no_progress = false, no_ema = false;
   app.add_option("--checkpoint", checkpoint,
                  "weights file (safetensors) written by megaslide-train --export-weights, a training checkpoint folder "
-                 "(RUN_DIR/checkpoints/step-NNNNNNN), its `latest` file (RUN_DIR/checkpoints/latest) or a run folder (its latest "
+                 "(RUN_DIR/checkpoints/step-NNNNNNN), its `latest` file (RUN_DIR/checkpoints/latest) or a run folder "
+                 "(its latest "
                  "checkpoint); a Wan run's as well")
       ->check(megaslide::tools::non_empty_path());
-  app.add_option("--config", config_path,
-                 "Wan: a run config (model.arch wan) whose model.wan.weights are published weights (a diffusers repository, "
-                 "Wan-AI's or ComfyUI's file); data.frames/height/width give the latents' size. Instead of --checkpoint")
+  app.add_option(
+         "--config", config_path,
+         "Wan: a run config (model.arch wan) whose model.wan.weights are published weights (a diffusers repository, "
+         "Wan-AI's or ComfyUI's file); data.frames/height/width give the latents' size. Instead of --checkpoint")
       ->check(megaslide::tools::non_empty_path());
   app.add_option("--set", overrides, "with --config: override a config value, e.g. --set data.frames=21 (repeatable)");
-  app.add_option("--text-encoder", wan.text_encoder,
-                 "Wan: umT5's weights (transformers' folder, a diffusers repository's text_encoder/, or ComfyUI's "
-                 "umt5_xxl_fp16.safetensors); default: text_encoder/ of the diffusers repository model.wan.weights names");
-  app.add_option("--tokenizer", wan.tokenizer, "Wan: umT5's spiece.model, or a folder holding it (default: found from --text-encoder)");
-  app.add_option("--vae", wan.vae,
-                 "Wan: the Wan VAE (diffusers' vae/ folder or ComfyUI's wan_2.1_vae.safetensors); default: vae/ of the diffusers "
-                 "repository model.wan.weights names");
-  app.add_option("--negative-prompt", wan.negative_prompt, "Wan: the negative prompt of guidance (default: Wan2.1's, docs/wan.md)")
+  app.add_option(
+      "--text-encoder", wan.text_encoder,
+      "Wan: umT5's weights (transformers' folder, a diffusers repository's text_encoder/, or ComfyUI's "
+      "umt5_xxl_fp16.safetensors); default: text_encoder/ of the diffusers repository model.wan.weights names");
+  app.add_option("--tokenizer", wan.tokenizer,
+                 "Wan: umT5's spiece.model, or a folder holding it (default: found from --text-encoder)");
+  app.add_option(
+      "--vae", wan.vae,
+      "Wan: the Wan VAE (diffusers' vae/ folder or ComfyUI's wan_2.1_vae.safetensors); default: vae/ of the diffusers "
+      "repository model.wan.weights names");
+  app.add_option("--negative-prompt", wan.negative_prompt,
+                 "Wan: the negative prompt of guidance (default: Wan2.1's, docs/wan.md)")
       ->each([&wan](const std::string&) { wan.negative_prompt_set = true; });
   app.add_option("--shift", wan.shift, "Wan: the flow sampler's shift (default: the config's diffusion.shift)")
       ->check(megaslide::tools::finite_real(0.0));
-  app.add_flag("--latents", wan.latents, "Wan: also write each video's latents (normalised, before the VAE) as DIR/latents/{prompt}-{index}.safetensors");
+  app.add_flag(
+      "--latents", wan.latents,
+      "Wan: also write each video's latents (normalised, before the VAE) as DIR/latents/{prompt}-{index}.safetensors");
   app.add_option("--prompts", prompts_path,
-                 "prompt file, one prompt per line (VBench's prompt files work as they are); a line may end in its own settings: "
+                 "prompt file, one prompt per line (VBench's prompt files work as they are); a line may end in its own "
+                 "settings: "
                  "--w WIDTH --h HEIGHT --f FRAMES (pixels), --d SEED, --s STEPS, --g GUIDANCE, --n NEGATIVE PROMPT "
-                 "(docs/sampling.md); '#' starts a comment line")->required();
+                 "(docs/sampling.md); '#' starts a comment line")
+      ->required();
   app.add_option("--samples-per-prompt", samples_per_prompt,
-                 "videos per line of the prompt file (a prompt's videos are numbered 0, 1, ... across its lines; a line's --d seed "
-                 "gives its videos seeds d, d+1, ...)")->check(CLI::Range(int64_t{1}, int64_t{100000}))
+                 "videos per line of the prompt file (a prompt's videos are numbered 0, 1, ... across its lines; a "
+                 "line's --d seed "
+                 "gives its videos seeds d, d+1, ...)")
+      ->check(CLI::Range(int64_t{1}, int64_t{100000}))
       ->capture_default_str();
-  app.add_option("--out", out_dir, "output folder: DIR/videos/*.mp4, DIR/index.json")->required()->check(megaslide::tools::non_empty_path());
+  app.add_option("--out", out_dir, "output folder: DIR/videos/*.mp4, DIR/index.json")
+      ->required()
+      ->check(megaslide::tools::non_empty_path());
   app.add_option("--sampler", sampler, "ddpm (ancestral, the default) or ddim; Wan: unipc (the default) or euler")
       ->check(CLI::IsMember({"ddpm", "ddim", "unipc", "euler"}));
-  app.add_option("--steps", steps, "sampling steps, respaced over the training timesteps (default: the config's diffusion.sample_steps)")
+  app.add_option("--steps", steps,
+                 "sampling steps, respaced over the training timesteps (default: the config's diffusion.sample_steps)")
       ->check(CLI::PositiveNumber);
-  app.add_option("--timestep-spacing", spacing,
-                 "which timesteps the steps visit, as diffusers' timestep_spacing: linspace, leading or trailing (default: the "
-                 "config's diffusion.timestep_spacing)")
+  app.add_option(
+         "--timestep-spacing", spacing,
+         "which timesteps the steps visit, as diffusers' timestep_spacing: linspace, leading or trailing (default: the "
+         "config's diffusion.timestep_spacing)")
       ->check(CLI::IsMember({"linspace", "leading", "trailing"}));
-  app.add_option("--guidance", guidance, "classifier-free guidance scale (default: the config's diffusion.guidance_scale)")
+  app.add_option("--guidance", guidance,
+                 "classifier-free guidance scale (default: the config's diffusion.guidance_scale)")
       ->check(megaslide::tools::finite_real(0.0));
-  app.add_option("--eta", eta, "DDIM eta (0 deterministic, 1 ancestral variance)")->check(megaslide::tools::finite_real(0.0, 1.0))
+  app.add_option("--eta", eta, "DDIM eta (0 deterministic, 1 ancestral variance)")
+      ->check(megaslide::tools::finite_real(0.0, 1.0))
       ->capture_default_str();
   app.add_option("--seed", seed, "base seed: each video's seed derives from (seed, prompt, index)")
       ->check(megaslide::tools::integer_in(0))
       ->capture_default_str();
-  app.add_option("--batch-size", batch_size, "videos sampled together")->check(CLI::Range(int64_t{1}, int64_t{4096}))
+  app.add_option("--batch-size", batch_size, "videos sampled together")
+      ->check(CLI::Range(int64_t{1}, int64_t{4096}))
       ->capture_default_str();
-  app.add_option("--fps", fps, "frames per second of the MP4s (default 8; Wan: 16, Wan2.1's sample_fps)")->check(CLI::Range(int64_t{1}, int64_t{240}));
-  app.add_option("--crf", crf, "libx264 constant rate factor (0 best .. 51 worst)")->check(CLI::Range(int64_t{0}, int64_t{51}))
+  app.add_option("--fps", fps, "frames per second of the MP4s (default 8; Wan: 16, Wan2.1's sample_fps)")
+      ->check(CLI::Range(int64_t{1}, int64_t{240}));
+  app.add_option("--crf", crf, "libx264 constant rate factor (0 best .. 51 worst)")
+      ->check(CLI::Range(int64_t{0}, int64_t{51}))
       ->capture_default_str();
   app.add_option("--upscale", upscale, "repeat pixels N times in each direction (small models' frames are tiny)")
       ->check(CLI::Range(int64_t{1}, int64_t{64}))
       ->capture_default_str();
-  app.add_flag("--no-ema", no_ema,
-               "a checkpoint of a run with train.ema_decay: sample its trained weights (model.safetensors), not the EMA of them "
-               "(model_ema.safetensors, the default)");
+  app.add_flag(
+      "--no-ema", no_ema,
+      "a checkpoint of a run with train.ema_decay: sample its trained weights (model.safetensors), not the EMA of them "
+      "(model_ema.safetensors, the default)");
   app.add_flag("--png", png, "also write every frame as DIR/frames/{prompt}-{index}/NNN.png");
-  app.add_option("--device", device_spec, "auto, cpu, cuda or cuda:N")
-      ->capture_default_str();
-  app.add_option("--streamed", streamed,
-                 "stream the DiT's blocks (Wan: and umT5's layers) through the WeightStreamer: on, off, or auto (each when its "
-                 "weights exceed half the device's free memory; never on the CPU)")
+  app.add_option("--device", device_spec, "auto, cpu, cuda or cuda:N")->capture_default_str();
+  app.add_option(
+         "--streamed", streamed,
+         "stream the DiT's blocks (Wan: and umT5's layers) through the WeightStreamer: on, off, or auto (each when its "
+         "weights exceed half the device's free memory; never on the CPU)")
       ->check(CLI::IsMember({"auto", "on", "off"}))
       ->capture_default_str();
   app.add_option("--compute-dtype,--stream-dtype", compute_dtype,
@@ -336,8 +377,9 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "LibTorch intra-op threads (0: the cores available to this process)")
       ->check(megaslide::tools::integer_in(0, 4096));
   app.add_flag("--no-progress", no_progress, "no progress bar");
-  app.add_flag_callback("--allow-nonfinite-weights", [] { megaslide::io::set_nonfinite_weights_allowed(true); },
-                        "load weights that hold NaN or infinite values instead of refusing them");
+  app.add_flag_callback(
+      "--allow-nonfinite-weights", [] { megaslide::io::set_nonfinite_weights_allowed(true); },
+      "load weights that hold NaN or infinite values instead of refusing them");
   app.set_version_flag("--version", megaslide::build_summary());
   if (const auto code = megaslide::tools::parse_flags(app, argc, argv)) return *code;
 
@@ -349,7 +391,8 @@ int main(int argc, char** argv) {
   std::string source = checkpoint;
   return megaslide::tools::run_tool("megaslide-sample", [&] {
     megaslide::tools::checking_input([&] {
-      if (checkpoint.empty() == config_path.empty()) throw std::invalid_argument("give one of --checkpoint and --config");
+      if (checkpoint.empty() == config_path.empty())
+        throw std::invalid_argument("give one of --checkpoint and --config");
       if (!overrides.empty() && config_path.empty()) throw std::invalid_argument("--set applies to --config");
       // Every video's file name is decided here, before any work (bounded, safe and unique; io/vbench_layout.h).
       // A line without settings that repeats an earlier such line is sampled once, as VBench's prompt
@@ -366,42 +409,52 @@ int main(int argc, char** argv) {
       // A weights file as it is; a checkpoint folder, its `latest` file or a run folder: the checkpoint's
       // bf16 weights file, checked against its manifest (docs/checkpoints.md).
       // A checkpoint of a run with train.ema_decay: its EMA of the weights unless --no-ema.
-      const std::string ema_weights = checkpoint.empty() || no_ema ? std::string() : megaslide::find_ema_weights(checkpoint);
-      const std::string weights = checkpoint.empty() ? std::string() : !ema_weights.empty() ? ema_weights : megaslide::find_weights(checkpoint);
+      const std::string ema_weights =
+          checkpoint.empty() || no_ema ? std::string() : megaslide::find_ema_weights(checkpoint);
+      const std::string weights = checkpoint.empty()     ? std::string()
+                                  : !ema_weights.empty() ? ema_weights
+                                                         : megaslide::find_weights(checkpoint);
       if (!ema_weights.empty()) {
         source = ema_weights;
-        std::cerr << "megaslide-sample: sampling the EMA of the weights (" << ema_weights << "; --no-ema samples the trained weights)\n";
+        std::cerr << "megaslide-sample: sampling the EMA of the weights (" << ema_weights
+                  << "; --no-ema samples the trained weights)\n";
       }
       if (!config_path.empty()) {
         const auto config = megaslide::load_run_config(config_path, overrides);
         if (config.model.arch != megaslide::Architecture::kWan)
-          throw std::invalid_argument("--config '" + config_path + "': model.arch is " + megaslide::to_string(config.model.arch) +
-                                      "; --config is for Wan's published weights, sample the DiT family with --checkpoint");
+          throw std::invalid_argument(
+              "--config '" + config_path + "': model.arch is " + megaslide::to_string(config.model.arch) +
+              "; --config is for Wan's published weights, sample the DiT family with --checkpoint");
         wan_model = megaslide::wan_model_from_config(config, config_path, /*blocks_on_demand=*/true);
         source = config.model.wan.weights;
       } else if (megaslide::is_wan_weights_file(weights)) {
         wan_model = megaslide::load_wan_model(weights, /*blocks_on_demand=*/true);
       }
       const bool is_wan = wan_model.has_value();
-      if (!is_wan && (!wan.text_encoder.empty() || !wan.tokenizer.empty() || !wan.vae.empty() || wan.negative_prompt_set || wan.shift >= 0 ||
-                      wan.latents))
-        throw std::invalid_argument("--text-encoder, --tokenizer, --vae, --negative-prompt, --shift and --latents are for Wan models; '" +
-                                    checkpoint + "' is not one");
+      if (!is_wan && (!wan.text_encoder.empty() || !wan.tokenizer.empty() || !wan.vae.empty() ||
+                      wan.negative_prompt_set || wan.shift >= 0 || wan.latents))
+        throw std::invalid_argument(
+            "--text-encoder, --tokenizer, --vae, --negative-prompt, --shift and --latents are for Wan models; '" +
+            checkpoint + "' is not one");
       if (is_wan && (sampler == "ddpm" || sampler == "ddim"))
         throw std::invalid_argument("--sampler " + sampler + ": Wan samples with flow matching: unipc or euler");
       if (!is_wan && (sampler == "unipc" || sampler == "euler"))
-        throw std::invalid_argument("--sampler " + sampler + " is for Wan models: this model samples with ddpm or ddim");
-      if (is_wan && !spacing.empty()) throw std::invalid_argument("--timestep-spacing is for the DiT family's DDPM/DDIM samplers, not Wan's");
+        throw std::invalid_argument("--sampler " + sampler +
+                                    " is for Wan models: this model samples with ddpm or ddim");
+      if (is_wan && !spacing.empty())
+        throw std::invalid_argument("--timestep-spacing is for the DiT family's DDPM/DDIM samplers, not Wan's");
       if (is_wan) {
         if (steps > 0 && steps > wan_model->config.diffusion.timesteps)
-          throw std::invalid_argument(fmt::format("--steps {} exceeds the model's {} training timesteps", steps, wan_model->config.diffusion.timesteps));
+          throw std::invalid_argument(fmt::format("--steps {} exceeds the model's {} training timesteps", steps,
+                                                  wan_model->config.diffusion.timesteps));
       } else {
         if (sampler.empty()) sampler = "ddpm";
         model = megaslide::load_weights(weights);  // on the CPU; moved below, whole or all but the blocks
         // A latent model's frozen CLIP and VAE, from the folders its config names, on the device.
         model.frozen = megaslide::FrozenEncoders::load(model.config, device, weights + " (its config)");
         if (steps > model.config.diffusion.timesteps)
-          throw std::invalid_argument(fmt::format("--steps {} exceeds the model's {} training timesteps", steps, model.config.diffusion.timesteps));
+          throw std::invalid_argument(fmt::format("--steps {} exceeds the model's {} training timesteps", steps,
+                                                  model.config.diffusion.timesteps));
       }
       // Every video's file name, size and settings are decided here, before any work (bounded, safe and
       // unique names; io/vbench_layout.h), each line's size checked against what the model can take.
@@ -410,12 +463,15 @@ int main(int argc, char** argv) {
       const auto run_size = megaslide::run_video_size(config);
       for (const auto& v : videos) {
         const int64_t height = v.job.height.value_or(run_size.height), width = v.job.width.value_or(run_size.width);
-        const std::string what = v.job.height || v.job.width ? fmt::format("'{}' (prompt file line) is", v.job.prompt) : "the model's frames are";
+        const std::string what = v.job.height || v.job.width ? fmt::format("'{}' (prompt file line) is", v.job.prompt)
+                                                             : "the model's frames are";
         if (height * upscale % 2 != 0 || width * upscale % 2 != 0)
-          throw std::invalid_argument(fmt::format("{} {}x{} (W x H); H.264 needs even sizes: use --upscale 2", what, width, height));
+          throw std::invalid_argument(
+              fmt::format("{} {}x{} (W x H); H.264 needs even sizes: use --upscale 2", what, width, height));
         if (is_wan && v.job.steps && *v.job.steps > config.diffusion.timesteps)
-          throw std::invalid_argument(fmt::format("'{}' (prompt file line): --s {} exceeds the model's {} training timesteps", v.job.prompt,
-                                                  *v.job.steps, config.diffusion.timesteps));
+          throw std::invalid_argument(
+              fmt::format("'{}' (prompt file line): --s {} exceeds the model's {} training timesteps", v.job.prompt,
+                          *v.job.steps, config.diffusion.timesteps));
       }
     });
 
@@ -432,10 +488,10 @@ int main(int argc, char** argv) {
     output.progress = !no_progress;
     megaslide::io::SamplingRecord record{source, "", 0, 0.0, 0.0, seed, output.fps, upscale};
     const SampleBatch sample_batch =
-        wan_model ? wan_sampler(std::move(*wan_model), wan, videos.size(), out_dir, source, sampler, steps, guidance, device, streamed, compute_dtype,
-                                record)
-                  : dit_sampler(std::move(model), videos.size(), samples_per_prompt, out_dir, sampler, steps, spacing, guidance, eta, device,
-                                streamed, compute_dtype, thread_plan.describe(), record);
+        wan_model ? wan_sampler(std::move(*wan_model), wan, videos.size(), out_dir, source, sampler, steps, guidance,
+                                device, streamed, compute_dtype, record)
+                  : dit_sampler(std::move(model), videos.size(), samples_per_prompt, out_dir, sampler, steps, spacing,
+                                guidance, eta, device, streamed, compute_dtype, thread_plan.describe(), record);
     write_videos(videos, output, record, sample_batch);
     return 0;
   });

@@ -46,17 +46,20 @@ int print_dry_run(const megaslide::RunConfig& config, bool json) {
   }
   const auto j = nlohmann::json::parse(summary);
   const auto millions = [](const nlohmann::json& v) { return fmt::format("{:.2f} M", v.get<double>() / 1e6); };
-  std::cout << megaslide::build_summary() << "\n"
-            << fmt::format("model {}: {} parameters ({} a block x {} layers, prologue {}, epilogue {}), hidden {}\n",
-                           j["arch"].get<std::string>(), millions(j["params"]), millions(j["params_per_block"]),
-                           j["layers"].get<int64_t>(), millions(j["prologue_params"]), millions(j["epilogue_params"]),
-                           j["hidden"].get<int64_t>())
-            << fmt::format("{} tokens a sample (grid {}x{}x{}), host state {:.2f} GB ({:.1f} B a parameter), device {}, compute {}\n",
-                           j["tokens_per_sample"].get<int64_t>(), j["token_grid"][0].get<int64_t>(), j["token_grid"][1].get<int64_t>(),
-                           j["token_grid"][2].get<int64_t>(), j["host_state_bytes"].get<double>() / 1e9,
-                           j["host_state_bytes"].get<double>() / std::max(1.0, j["params"].get<double>()),
-                           j["device"].get<std::string>(), j["compute_dtype"].get<std::string>())
-            << "(--json prints this as one JSON object; megaslide-plan shows memory and time on a machine)\n";
+  std::cout
+      << megaslide::build_summary() << "\n"
+      << fmt::format("model {}: {} parameters ({} a block x {} layers, prologue {}, epilogue {}), hidden {}\n",
+                     j["arch"].get<std::string>(), millions(j["params"]), millions(j["params_per_block"]),
+                     j["layers"].get<int64_t>(), millions(j["prologue_params"]), millions(j["epilogue_params"]),
+                     j["hidden"].get<int64_t>())
+      << fmt::format(
+             "{} tokens a sample (grid {}x{}x{}), host state {:.2f} GB ({:.1f} B a parameter), device {}, compute {}\n",
+             j["tokens_per_sample"].get<int64_t>(), j["token_grid"][0].get<int64_t>(),
+             j["token_grid"][1].get<int64_t>(), j["token_grid"][2].get<int64_t>(),
+             j["host_state_bytes"].get<double>() / 1e9,
+             j["host_state_bytes"].get<double>() / std::max(1.0, j["params"].get<double>()),
+             j["device"].get<std::string>(), j["compute_dtype"].get<std::string>())
+      << "(--json prints this as one JSON object; megaslide-plan shows memory and time on a machine)\n";
   return 0;
 }
 }  // namespace
@@ -69,37 +72,46 @@ int main(int argc, char** argv) {
   bool dry_run = false, json = false;
   app.add_option("--config", config_path, "run config (YAML), e.g. configs/smoke.yaml")->required();
   app.add_option("--set", overrides, "override a config value, e.g. --set train.steps=50 (repeatable)");
-  app.add_option("--run-dir", run_dir, "where outputs go (default: output.run_dir of the config)")->check(megaslide::tools::non_empty_path());
+  app.add_option("--run-dir", run_dir, "where outputs go (default: output.run_dir of the config)")
+      ->check(megaslide::tools::non_empty_path());
   app.add_option("--resume", resume,
-                 "continue from a checkpoint: 'latest' (RUN_DIR/checkpoints/latest), a checkpoint folder, its `latest` file or a "
+                 "continue from a checkpoint: 'latest' (RUN_DIR/checkpoints/latest), a checkpoint folder, its `latest` "
+                 "file or a "
                  "run folder (docs/checkpoints.md)")
       ->check(megaslide::tools::non_empty_path());
-  app.add_option("--export-weights", export_weights,
-                 "write the weights (bf16) and the resolved config to this safetensors file (megaslide-sample --checkpoint "
-                 "reads it): after training, or with --resume the checkpoint's weights without training")
+  app.add_option(
+         "--export-weights", export_weights,
+         "write the weights (bf16) and the resolved config to this safetensors file (megaslide-sample --checkpoint "
+         "reads it): after training, or with --resume the checkpoint's weights without training")
       ->check(megaslide::tools::non_empty_path());
-  app.add_option("--export-ema", export_ema,
-                 "write the EMA of the weights (train.ema_decay; bf16) to this safetensors file, as --export-weights writes the "
-                 "weights: after training, or with --resume the checkpoint's EMA (model_ema.safetensors) without training")
+  app.add_option(
+         "--export-ema", export_ema,
+         "write the EMA of the weights (train.ema_decay; bf16) to this safetensors file, as --export-weights writes "
+         "the "
+         "weights: after training, or with --resume the checkpoint's EMA (model_ema.safetensors) without training")
       ->check(megaslide::tools::non_empty_path());
   app.add_flag("--dry-run", dry_run, "build the model on the meta device, print its size, train nothing");
   app.add_flag("--json", json, "with --dry-run: print one JSON object");
-  app.add_flag_callback("--allow-nonfinite-weights", [] { megaslide::io::set_nonfinite_weights_allowed(true); },
-                        "train.init_from and model.wan.weights: load weights that hold NaN or infinite values instead of refusing them");
+  app.add_flag_callback(
+      "--allow-nonfinite-weights", [] { megaslide::io::set_nonfinite_weights_allowed(true); },
+      "train.init_from and model.wan.weights: load weights that hold NaN or infinite values instead of refusing them");
   app.add_option("--trace", trace_path, "write a Chrome-trace JSON of one step (streamed trainer; opens in Perfetto)")
       ->check(megaslide::tools::non_empty_path());
-  app.add_option("--trace-step", trace_step, "which step --trace records (default 2: after warm-up)")->check(megaslide::tools::integer_in(1, int64_t{1} << 40));
+  app.add_option("--trace-step", trace_step, "which step --trace records (default 2: after warm-up)")
+      ->check(megaslide::tools::integer_in(1, int64_t{1} << 40));
   app.add_option("--nproc-per-node", nproc_per_node,
                  "start this many ranks on this machine (data parallelism over c10d; docs/distributed.md)")
       ->check(megaslide::tools::integer_in(1, 1024));
-  app.add_option("--master-port", master_port, "with --nproc-per-node: the rendezvous port on 127.0.0.1 (default: a free one)")
+  app.add_option("--master-port", master_port,
+                 "with --nproc-per-node: the rendezvous port on 127.0.0.1 (default: a free one)")
       ->check(megaslide::tools::integer_in(1, 65535));
   app.set_version_flag("--version", megaslide::build_summary());
   if (const auto code = megaslide::tools::parse_flags(app, argc, argv)) return *code;
   return megaslide::tools::run_tool(
       "megaslide-train",
       [&] {
-        if (json && !dry_run) throw megaslide::tools::UsageError("--json applies to --dry-run (it would otherwise start a run)");
+        if (json && !dry_run)
+          throw megaslide::tools::UsageError("--json applies to --dry-run (it would otherwise start a run)");
         auto config = megaslide::load_run_config(config_path, overrides);
         if (!run_dir.empty()) {  // a path, taken as it is (never parsed as YAML: 'exp #3' is not 'exp')
           config.output.run_dir = run_dir;
@@ -118,23 +130,28 @@ int main(int argc, char** argv) {
         const char* launched_here = std::getenv("MEGASLIDE_LOCAL_LAUNCH");
         if (nproc_per_node > 0 && !dry_run && (launched_here == nullptr || *launched_here == '\0')) {
           if (std::getenv("RANK") != nullptr || std::getenv("SLURM_PROCID") != nullptr)
-            throw megaslide::tools::UsageError("--nproc-per-node starts the ranks itself, but this process was already started by a launcher "
-                                               "(RANK or SLURM_PROCID is set): drop --nproc-per-node");
-          return megaslide::launch_local_ranks(std::vector<std::string>(argv, argv + argc), nproc_per_node, master_port);
+            throw megaslide::tools::UsageError(
+                "--nproc-per-node starts the ranks itself, but this process was already started by a launcher "
+                "(RANK or SLURM_PROCID is set): drop --nproc-per-node");
+          return megaslide::launch_local_ranks(std::vector<std::string>(argv, argv + argc), nproc_per_node,
+                                               master_port);
         }
         if (dry_run) return print_dry_run(config, json);
         if (!resume.empty() && (!export_weights.empty() || !export_ema.empty())) {
           // Both files or neither: a checkpoint without an EMA is refused before the weights are written.
           const std::string checkpoint = megaslide::resolve_checkpoint(config.output.run_dir, resume);
           if (!export_ema.empty() && megaslide::find_ema_weights(checkpoint).empty())
-            throw megaslide::CheckpointError("checkpoint '" + checkpoint + "': has no EMA of the weights (model_ema.safetensors) for --export-ema: it was saved by a run "
-                                             "without train.ema_decay");
+            throw megaslide::CheckpointError(
+                "checkpoint '" + checkpoint +
+                "': has no EMA of the weights (model_ema.safetensors) for --export-ema: it was saved by a run "
+                "without train.ema_decay");
           if (!export_weights.empty()) {
             const auto from = megaslide::export_checkpoint_weights(config.output.run_dir, resume, export_weights);
             std::cerr << "megaslide-train: weights of " << from << " written to " << export_weights << "\n";
           }
           if (!export_ema.empty()) {
-            const auto from = megaslide::export_checkpoint_weights(config.output.run_dir, resume, export_ema, /*ema=*/true);
+            const auto from =
+                megaslide::export_checkpoint_weights(config.output.run_dir, resume, export_ema, /*ema=*/true);
             std::cerr << "megaslide-train: EMA of the weights of " << from << " written to " << export_ema << "\n";
           }
           return 0;

@@ -47,7 +47,8 @@ int run_tool(const std::string& name, Body&& body, const std::string& oom_hint =
     return std::forward<Body>(body)();
   } catch (const std::exception& e) {
     const bool oom = is_out_of_memory(e);
-    std::cerr << name << ": " << error_message(e) << (oom && !oom_hint.empty() ? " (out of memory: " + oom_hint + ")" : "") << std::endl;
+    std::cerr << name << ": " << error_message(e)
+              << (oom && !oom_hint.empty() ? " (out of memory: " + oom_hint + ")" : "") << std::endl;
     return is_input_error(e) ? 2 : 1;
   }
 }
@@ -86,7 +87,8 @@ inline CLI::Validator finite_real(double lo = -std::numeric_limits<double>::infi
 
 // An integer in [lo, hi], read by the library's parser: one that overflows int64 is an error, not the
 // largest int64 (which CLI11's own conversion lets through) or a wrapped value.
-inline CLI::Validator integer_in(int64_t lo = std::numeric_limits<int64_t>::min(), int64_t hi = std::numeric_limits<int64_t>::max()) {
+inline CLI::Validator integer_in(int64_t lo = std::numeric_limits<int64_t>::min(),
+                                 int64_t hi = std::numeric_limits<int64_t>::max()) {
   std::string expected = "an integer";
   if (lo > std::numeric_limits<int64_t>::min()) expected += " >= " + std::to_string(lo);
   if (hi < std::numeric_limits<int64_t>::max()) expected += " <= " + std::to_string(hi);
@@ -107,8 +109,8 @@ inline CLI::Validator integer_in(int64_t lo = std::numeric_limits<int64_t>::min(
 // A path flag that was given must name something: an empty string ("--out ''") would silently mean
 // the current folder or the default.
 inline CLI::Validator non_empty_path() {
-  return CLI::Validator([](std::string& text) -> std::string { return text.empty() ? "an empty path names nothing" : ""; },
-                        "PATH");
+  return CLI::Validator(
+      [](std::string& text) -> std::string { return text.empty() ? "an empty path names nothing" : ""; }, "PATH");
 }
 
 // A file-size limit (ulimit -f) must turn into a failed write(2) with EFBIG, which the library reports

@@ -47,14 +47,16 @@ struct Shapes {
   std::array<int64_t, 3> kernel;  // effective
 };
 
-Shapes check_inputs(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& offsets,
-                    const std::optional<torch::Tensor>& bias, std::array<int64_t, 3> kernel) {
+Shapes check_inputs(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                    const torch::Tensor& offsets, const std::optional<torch::Tensor>& bias,
+                    std::array<int64_t, 3> kernel) {
   TORCH_CHECK(q.dim() == 6, "dsa3d: q must be [B, T, H, W, M, d], got ", q.sizes());
   TORCH_CHECK(k.sizes() == q.sizes() && v.sizes() == q.sizes(), "dsa3d: k ", k.sizes(), " and v ", v.sizes(),
               " must have q's shape ", q.sizes());
   TORCH_CHECK(q.is_floating_point(), "dsa3d: q, k, v must be floating point, got ", q.scalar_type());
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
-              "dsa3d: q, k, v must share one dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ", v.scalar_type());
+              "dsa3d: q, k, v must share one dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ",
+              v.scalar_type());
   TORCH_CHECK(k.device() == q.device() && v.device() == q.device() && offsets.device() == q.device(),
               "dsa3d: q, k, v and offsets must be on one device, got ", q.device(), ", ", k.device(), ", ", v.device(),
               ", ", offsets.device());
@@ -118,12 +120,13 @@ torch::Tensor dsa3d_reference(const torch::Tensor& q, const torch::Tensor& k, co
     scale_values[a] = 2.0 / static_cast<double>(span);  // a power of two: exact
   }
   auto scale = torch::tensor(scale_values, off.options());
-  auto grid = (positions * scale - 1.0).flip({-1});                          // [B, T, H, W, G, K, 3]
+  auto grid = (positions * scale - 1.0).flip({-1});  // [B, T, H, W, G, K, 3]
   grid = grid.permute({0, 4, 1, 2, 3, 5, 6}).reshape({s.B * s.G, N, s.K, 1, 3}).to(dtype);
 
   // Feature maps per group, padded: [B*G, Mg*d, T', H', W'].
   auto as_volume = [&](const torch::Tensor& x) {
-    auto volume = x.reshape({s.B, s.T, s.H, s.W, s.G, Mg * s.d}).permute({0, 4, 5, 1, 2, 3})
+    auto volume = x.reshape({s.B, s.T, s.H, s.W, s.G, Mg * s.d})
+                      .permute({0, 4, 5, 1, 2, 3})
                       .reshape({s.B * s.G, Mg * s.d, s.T, s.H, s.W});
     if (padded == std::array<int64_t, 3>{s.T, s.H, s.W}) return volume;
     return at::replication_pad3d(volume, {0, padded[2] - s.W, 0, padded[1] - s.H, 0, padded[0] - s.T});
@@ -134,22 +137,28 @@ torch::Tensor dsa3d_reference(const torch::Tensor& q, const torch::Tensor& k, co
   };
   auto k_sampled = sample(k), v_sampled = sample(v);
 
-  auto qg = q.to(dtype).reshape({s.B, N, s.G, Mg, s.d}).permute({0, 2, 3, 1, 4});     // [B, G, Mg, N, d]
+  auto qg = q.to(dtype).reshape({s.B, N, s.G, Mg, s.d}).permute({0, 2, 3, 1, 4});  // [B, G, Mg, N, d]
   auto logits = torch::einsum("bgmnd,bgmdnk->bgmnk", {qg, k_sampled}) / std::sqrt(static_cast<double>(s.d));
   if (bias) logits = logits + bias->to(dtype).view({1, s.G, Mg, 1, s.K});
   auto attn = torch::softmax(logits, -1);
-  auto out = torch::einsum("bgmnk,bgmdnk->bgmnd", {attn, v_sampled});       // [B, G, Mg, N, d]
+  auto out = torch::einsum("bgmnk,bgmdnk->bgmnd", {attn, v_sampled});  // [B, G, Mg, N, d]
   return out.permute({0, 3, 1, 2, 4}).reshape({s.B, s.T, s.H, s.W, s.M, s.d}).to(q.scalar_type());
 }
 
 const char* to_string(DsaImpl impl) {
   switch (impl) {
-    case DsaImpl::kAuto: return "auto";
-    case DsaImpl::kReference: return "reference";
-    case DsaImpl::kCpu: return "cpu";
-    case DsaImpl::kCuda: return "cuda";
-    case DsaImpl::kCpuTiled: return "cpu_tiled";
-    case DsaImpl::kCudaTiled: return "cuda_tiled";
+    case DsaImpl::kAuto:
+      return "auto";
+    case DsaImpl::kReference:
+      return "reference";
+    case DsaImpl::kCpu:
+      return "cpu";
+    case DsaImpl::kCuda:
+      return "cuda";
+    case DsaImpl::kCpuTiled:
+      return "cpu_tiled";
+    case DsaImpl::kCudaTiled:
+      return "cuda_tiled";
   }
   return "unknown";
 }
@@ -176,15 +185,22 @@ namespace {
 
 // ---- fused path: tensors -> params structs -> backend -------------------------------------------
 
-torch::ScalarType accumulation_dtype(torch::ScalarType t) { return t == torch::kDouble ? torch::kDouble : torch::kFloat; }
+torch::ScalarType accumulation_dtype(torch::ScalarType t) {
+  return t == torch::kDouble ? torch::kDouble : torch::kFloat;
+}
 
 detail::DsaDtype backend_dtype(torch::ScalarType t) {
   switch (t) {
-    case torch::kFloat: return detail::DsaDtype::kFloat32;
-    case torch::kDouble: return detail::DsaDtype::kFloat64;
-    case torch::kBFloat16: return detail::DsaDtype::kBFloat16;
-    case torch::kHalf: return detail::DsaDtype::kFloat16;
-    default: TORCH_CHECK(false, "dsa3d: the fused kernels take float32, float64, bfloat16 or float16 inputs, got ", t);
+    case torch::kFloat:
+      return detail::DsaDtype::kFloat32;
+    case torch::kDouble:
+      return detail::DsaDtype::kFloat64;
+    case torch::kBFloat16:
+      return detail::DsaDtype::kBFloat16;
+    case torch::kHalf:
+      return detail::DsaDtype::kFloat16;
+    default:
+      TORCH_CHECK(false, "dsa3d: the fused kernels take float32, float64, bfloat16 or float16 inputs, got ", t);
   }
 }
 
@@ -201,7 +217,9 @@ detail::Dsa3dShape backend_shape(const torch::Tensor& q, const torch::Tensor& of
 }
 
 #ifdef MEGASLIDE_WITH_CUDA
-CUstream_st* current_stream(const torch::Tensor& t) { return at::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
+CUstream_st* current_stream(const torch::Tensor& t) {
+  return at::cuda::getCurrentCUDAStream(t.device().index()).stream();
+}
 #endif
 
 bool is_cpu_impl(DsaImpl impl) { return impl == DsaImpl::kCpu || impl == DsaImpl::kCpuTiled; }
@@ -239,8 +257,8 @@ void poison(const std::vector<torch::Tensor>& outputs) {
 // Autograd for the fused kernels. Saves q, k, v, offsets, bias, out and the log-sum-exp only.
 class FusedDsa3d : public torch::autograd::Function<FusedDsa3d> {
  public:
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q_in, const torch::Tensor& k_in,
-                               const torch::Tensor& v_in, const torch::Tensor& offsets,
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q_in,
+                               const torch::Tensor& k_in, const torch::Tensor& v_in, const torch::Tensor& offsets,
                                const std::optional<torch::Tensor>& bias_in, int64_t kt, int64_t kh, int64_t kw,
                                bool deterministic, int64_t impl) {
     // An absent bias travels as an empty optional (autograd cannot take an undefined tensor input).
@@ -288,7 +306,8 @@ class FusedDsa3d : public torch::autograd::Function<FusedDsa3d> {
     p.shape = backend_shape(q, offsets, {kernel[0], kernel[1], kernel[2]});
     // The tiled CUDA kernel runs each head in its own block: a group's d(offsets) is summed over its
     // heads, by atomics into zeros (default mode) or through per-head partials (deterministic mode).
-    p.doffsets_accumulated = impl == DsaImpl::kCudaTiled && detail::dsa3d_cuda_tiled_accumulates_doffsets(p.shape, deterministic);
+    p.doffsets_accumulated =
+        impl == DsaImpl::kCudaTiled && detail::dsa3d_cuda_tiled_accumulates_doffsets(p.shape, deterministic);
     auto doffsets = p.doffsets_accumulated ? torch::zeros(offsets.sizes(), offsets.options().dtype(acc))
                                            : torch::empty(offsets.sizes(), offsets.options().dtype(acc));
     auto dbias = bias.defined() ? torch::zeros(bias.sizes(), bias.options().dtype(acc)) : torch::Tensor();
@@ -323,8 +342,8 @@ class FusedDsa3d : public torch::autograd::Function<FusedDsa3d> {
     }
     torch::Tensor tile_scratch;
     if (impl == DsaImpl::kCudaTiled && bias.defined()) {
-      tile_scratch = torch::empty({q.size(0) * detail::dsa3d_tile_count(p.shape), p.shape.M, p.shape.K},
-                                  q.options().dtype(acc));
+      tile_scratch =
+          torch::empty({q.size(0) * detail::dsa3d_tile_count(p.shape), p.shape.M, p.shape.K}, q.options().dtype(acc));
       p.tile_scratch = tile_scratch.data_ptr();
     }
     torch::Tensor cpu_scratch;
@@ -343,15 +362,19 @@ class FusedDsa3d : public torch::autograd::Function<FusedDsa3d> {
             dv.to(q.scalar_type()),
             doffsets.to(offsets.scalar_type()),
             dbias.defined() ? dbias.to(bias.scalar_type()) : torch::Tensor(),
-            torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+            torch::Tensor(),
+            torch::Tensor(),
+            torch::Tensor(),
+            torch::Tensor(),
+            torch::Tensor()};
   }
 };
 
 }  // namespace
 
-torch::Tensor dsa3d(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& offsets,
-                    const std::optional<torch::Tensor>& bias, std::array<int64_t, 3> kernel, DsaImpl impl,
-                    bool deterministic) {
+torch::Tensor dsa3d(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                    const torch::Tensor& offsets, const std::optional<torch::Tensor>& bias,
+                    std::array<int64_t, 3> kernel, DsaImpl impl, bool deterministic) {
   const Shapes s = check_inputs(q, k, v, offsets, bias, kernel);
   DsaImpl chosen = resolve_impl(impl, q.device());
   // kAuto never fails where the reference works: what the tiled CUDA kernel does not run goes to the
@@ -360,7 +383,8 @@ torch::Tensor dsa3d(const torch::Tensor& q, const torch::Tensor& k, const torch:
     const bool half = q.scalar_type() == torch::kBFloat16 || q.scalar_type() == torch::kHalf;
     bool runs = half && s.T * s.H * s.W < (int64_t{1} << 31);
 #ifdef MEGASLIDE_WITH_CUDA
-    runs = runs && detail::dsa3d_cuda_tiled_unsupported(backend_shape(q, offsets, s.kernel), q.device().index()).empty();
+    runs =
+        runs && detail::dsa3d_cuda_tiled_unsupported(backend_shape(q, offsets, s.kernel), q.device().index()).empty();
 #endif
     if (!runs) chosen = DsaImpl::kCuda;
   }
@@ -374,19 +398,21 @@ torch::Tensor dsa3d(const torch::Tensor& q, const torch::Tensor& k, const torch:
     TORCH_CHECK(q.device().is_cpu(), "dsa3d: impl '", name, "' needs CPU tensors, got q on ", q.device());
   } else {
 #ifndef MEGASLIDE_WITH_CUDA
-    TORCH_CHECK(false, "dsa3d: impl '", name, "' is not available: this build has no CUDA kernels (nvcc was not "
+    TORCH_CHECK(false, "dsa3d: impl '", name,
+                "' is not available: this build has no CUDA kernels (nvcc was not "
                 "found when it was configured); use 'auto' or 'reference'");
 #endif
     TORCH_CHECK(q.device().is_cuda(), "dsa3d: impl '", name, "' needs CUDA tensors, got q on ", q.device());
-    TORCH_CHECK(s.d <= detail::kCudaMaxHeadDim, "dsa3d: impl 'cuda' supports head sizes d <= ",
-                detail::kCudaMaxHeadDim, ", got d = ", s.d);
+    TORCH_CHECK(s.d <= detail::kCudaMaxHeadDim, "dsa3d: impl 'cuda' supports head sizes d <= ", detail::kCudaMaxHeadDim,
+                ", got d = ", s.d);
   }
   if (is_tiled_impl(chosen))
     TORCH_CHECK(s.T * s.H * s.W < (int64_t{1} << 31), "dsa3d: impl '", name, "' indexes tokens in int32; the volume ",
                 s.T, "x", s.H, "x", s.W, " has too many");
 #ifdef MEGASLIDE_WITH_CUDA
   if (chosen == DsaImpl::kCudaTiled) {
-    const std::string why = detail::dsa3d_cuda_tiled_unsupported(backend_shape(q, offsets, s.kernel), q.device().index());
+    const std::string why =
+        detail::dsa3d_cuda_tiled_unsupported(backend_shape(q, offsets, s.kernel), q.device().index());
     TORCH_CHECK(why.empty(), "dsa3d: impl 'cuda_tiled' cannot run this shape: ", why);
   }
 #endif

@@ -259,15 +259,13 @@ void backward_impl(const Dsa3dBackwardParams& p) {
 }  // namespace
 
 void dsa3d_forward_cpu(const Dsa3dForwardParams& p) {
-  dispatch_dtype<c10::BFloat16, c10::Half>(p.shape.dtype, [&](auto scalar, auto acc) {
-    forward_impl<decltype(scalar), decltype(acc)>(p);
-  });
+  dispatch_dtype<c10::BFloat16, c10::Half>(
+      p.shape.dtype, [&](auto scalar, auto acc) { forward_impl<decltype(scalar), decltype(acc)>(p); });
 }
 
 void dsa3d_backward_cpu(const Dsa3dBackwardParams& p) {
-  dispatch_dtype<c10::BFloat16, c10::Half>(p.shape.dtype, [&](auto scalar, auto acc) {
-    backward_impl<decltype(scalar), decltype(acc)>(p);
-  });
+  dispatch_dtype<c10::BFloat16, c10::Half>(
+      p.shape.dtype, [&](auto scalar, auto acc) { backward_impl<decltype(scalar), decltype(acc)>(p); });
 }
 
 }  // namespace megaslide::ops::detail

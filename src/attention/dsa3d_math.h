@@ -80,9 +80,9 @@ MEGASLIDE_HD AxisSample<acc_t, index_t> sample_axis(acc_t x, index_t S) {
 // A trilinear sample: 8 corners, bit 2 of the corner number selects t's upper corner, bit 1 h's, bit 0 w's.
 template <typename acc_t>
 struct Sample {
-  int64_t index[8];      // token index (t·H + h)·W + w of each corner in the T×H×W volume
-  acc_t weight[8];       // trilinear weight of each corner
-  acc_t dweight[3][8];   // ∂weight/∂x per axis (t, h, w), with the clamp/border rule applied
+  int64_t index[8];     // token index (t·H + h)·W + w of each corner in the T×H×W volume
+  acc_t weight[8];      // trilinear weight of each corner
+  acc_t dweight[3][8];  // ∂weight/∂x per axis (t, h, w), with the clamp/border rule applied
 };
 
 template <typename acc_t>

@@ -29,10 +29,14 @@ enum class DsaDtype { kFloat32, kFloat64, kBFloat16, kFloat16 };
 template <typename BFloat16, typename Half, typename F>
 void dispatch_dtype(DsaDtype dtype, F&& f) {
   switch (dtype) {
-    case DsaDtype::kFloat32: return f(float{}, float{});
-    case DsaDtype::kFloat64: return f(double{}, double{});
-    case DsaDtype::kBFloat16: return f(BFloat16{}, float{});
-    case DsaDtype::kFloat16: return f(Half{}, float{});
+    case DsaDtype::kFloat32:
+      return f(float{}, float{});
+    case DsaDtype::kFloat64:
+      return f(double{}, double{});
+    case DsaDtype::kBFloat16:
+      return f(BFloat16{}, float{});
+    case DsaDtype::kFloat16:
+      return f(Half{}, float{});
   }
 }
 
@@ -66,10 +70,10 @@ struct Dsa3dBackwardParams {
   const void* lse = nullptr;
   const void* dout = nullptr;
   void* dq = nullptr;
-  void* dk = nullptr;        // accumulated (must be zero on entry)
-  void* dv = nullptr;        // accumulated (must be zero on entry)
+  void* dk = nullptr;  // accumulated (must be zero on entry)
+  void* dv = nullptr;  // accumulated (must be zero on entry)
   void* doffsets = nullptr;
-  void* dbias = nullptr;     // written; null when bias is null
+  void* dbias = nullptr;  // written; null when bias is null
   // Bit-identical results whatever the thread count or scheduling (docs/3d-dsa.md, "Determinism").
   bool deterministic = false;
   // CUDA deterministic mode only: [B, T, H, W, M, K] acc_t scratch for the per-sample probabilities
@@ -96,8 +100,12 @@ struct Dsa3dBackwardParams {
 };
 
 // CUDA tiled backward: how d(offsets) is summed over the heads of a group (see offset_scratch).
-inline bool dsa3d_cuda_tiled_accumulates_doffsets(const Dsa3dShape& s, bool deterministic) { return !deterministic && s.G < s.M; }
-inline bool dsa3d_cuda_tiled_needs_offset_scratch(const Dsa3dShape& s, bool deterministic) { return deterministic && s.G < s.M; }
+inline bool dsa3d_cuda_tiled_accumulates_doffsets(const Dsa3dShape& s, bool deterministic) {
+  return !deterministic && s.G < s.M;
+}
+inline bool dsa3d_cuda_tiled_needs_offset_scratch(const Dsa3dShape& s, bool deterministic) {
+  return deterministic && s.G < s.M;
+}
 
 // acc_t elements of CPU backward scratch. Default mode: (chunks - 1) · (2·B·N·M·d + M·K), the dk, dv
 // and dbias partials of every chunk but the first (which accumulates into the outputs). Deterministic

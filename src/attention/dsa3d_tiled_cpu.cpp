@@ -65,13 +65,23 @@ inline const acc_t* offsets_of(const Dsa3dShape& s, const acc_t* offsets, int64_
 template <typename acc_t>
 struct Workspace {
   Workspace(int64_t d, int64_t K)
-      : a(kQ * d), b(kQ * d), acc(kQ * d), rows_t(kQ * d), chunk(size_t(kQ) * kCpuChunkKeys), chunk2(size_t(kQ) * kCpuChunkKeys),
-        logit(kQ * K), odv(kQ * K), A(kQ * K * 3), dx(kQ * K * 3), points(kQ * K), corners(kQ * K * kCorners) {}
-  std::vector<acc_t> a, b, acc;   // [16, d]: q (or dout), dout, and the output/dq accumulator
-  std::vector<acc_t> rows_t;      // [d, 16]: chunk_scores' transposed rows
-  std::vector<acc_t> chunk, chunk2;  // [16, chunk]: S or T, then P' and dS'
-  std::vector<acc_t> logit, odv;  // [16, K]
-  std::vector<acc_t> A, dx;       // [16, K, 3]
+      : a(kQ * d),
+        b(kQ * d),
+        acc(kQ * d),
+        rows_t(kQ * d),
+        chunk(size_t(kQ) * kCpuChunkKeys),
+        chunk2(size_t(kQ) * kCpuChunkKeys),
+        logit(kQ * K),
+        odv(kQ * K),
+        A(kQ * K * 3),
+        dx(kQ * K * 3),
+        points(kQ * K),
+        corners(kQ * K * kCorners) {}
+  std::vector<acc_t> a, b, acc;        // [16, d]: q (or dout), dout, and the output/dq accumulator
+  std::vector<acc_t> rows_t;           // [d, 16]: chunk_scores' transposed rows
+  std::vector<acc_t> chunk, chunk2;    // [16, chunk]: S or T, then P' and dS'
+  std::vector<acc_t> logit, odv;       // [16, K]
+  std::vector<acc_t> A, dx;            // [16, K, 3]
   std::vector<Point<acc_t>> points;    // [16, K]
   std::vector<Corner<acc_t>> corners;  // [16, K, 8]: computed once per unit, used by every pass and head
 };
@@ -109,7 +119,8 @@ void zero_columns(acc_t* chunk, int n) {
 
 // rows[q] = x[b, token(q), m, :] in acc_t (zero for queries outside the volume).
 template <typename scalar_t, typename acc_t>
-void load_rows(const Geometry& geo, const Dsa3dShape& s, const scalar_t* x, int64_t b, int tile, int64_t m, acc_t* rows) {
+void load_rows(const Geometry& geo, const Dsa3dShape& s, const scalar_t* x, int64_t b, int tile, int64_t m,
+               acc_t* rows) {
   for (int q = 0; q < kQ; ++q) {
     const Query qr = tile_query(geo, tile, q);
     acc_t* r = rows + q * s.d;
@@ -144,7 +155,8 @@ void chunk_scores(const Geometry& geo, const Dsa3dShape& s, const Halo& halo, co
 
 // Forward of (batch b, tile, group g): every head of the group (the corners are shared).
 template <typename scalar_t, typename acc_t>
-void forward_unit(const Dsa3dForwardParams& p, const Geometry& geo, int64_t b, int tile, int64_t g, Workspace<acc_t>& ws) {
+void forward_unit(const Dsa3dForwardParams& p, const Geometry& geo, int64_t b, int tile, int64_t g,
+                  Workspace<acc_t>& ws) {
   const Dsa3dShape& s = p.shape;
   const int K = geo.K;
   const int64_t d = s.d, Mg = s.M / s.G;
@@ -164,7 +176,8 @@ void forward_unit(const Dsa3dForwardParams& p, const Geometry& geo, int64_t b, i
     // Logits: Σ over chunks of the chunk's corner terms, each combined by reduce8.
     for (int base = 0; base < HV; base += kCpuChunkKeys) {
       const int n = std::min(kCpuChunkKeys, HV - base);
-      chunk_scores(geo, s, halo, static_cast<const scalar_t*>(p.k), b, m, ws.a.data(), base, n, ws.chunk.data(), ws.rows_t.data());
+      chunk_scores(geo, s, halo, static_cast<const scalar_t*>(p.k), b, m, ws.a.data(), base, n, ws.chunk.data(),
+                   ws.rows_t.data());
       for (int q = 0; q < kQ; ++q) {
         if (!queries[q].valid) continue;
         const acc_t* S = ws.chunk.data() + q * kCpuChunkKeys;
@@ -242,8 +255,8 @@ void forward_impl(const Dsa3dForwardParams& p) {
 // tile's queries and its dbias partial [M, K], adds dK and dV over its halo into dk, dv (the caller
 // guarantees no other thread touches them meanwhile).
 template <typename scalar_t, typename acc_t>
-void backward_unit(const Dsa3dBackwardParams& p, const Geometry& geo, int64_t b, int tile, int64_t g, acc_t* dk, acc_t* dv,
-                   acc_t* dbias_part, Workspace<acc_t>& ws) {
+void backward_unit(const Dsa3dBackwardParams& p, const Geometry& geo, int64_t b, int tile, int64_t g, acc_t* dk,
+                   acc_t* dv, acc_t* dbias_part, Workspace<acc_t>& ws) {
   const Dsa3dShape& s = p.shape;
   const int K = geo.K;
   const int64_t d = s.d, N = s.tokens(), Mg = s.M / s.G;
@@ -473,15 +486,13 @@ void backward_impl(const Dsa3dBackwardParams& p) {
 int64_t dsa3d_tile_count(const Dsa3dShape& s) { return geometry_of(s).tiles(); }
 
 void dsa3d_forward_cpu_tiled(const Dsa3dForwardParams& p) {
-  dispatch_dtype<c10::BFloat16, c10::Half>(p.shape.dtype, [&](auto scalar, auto acc) {
-    forward_impl<decltype(scalar), decltype(acc)>(p);
-  });
+  dispatch_dtype<c10::BFloat16, c10::Half>(
+      p.shape.dtype, [&](auto scalar, auto acc) { forward_impl<decltype(scalar), decltype(acc)>(p); });
 }
 
 void dsa3d_backward_cpu_tiled(const Dsa3dBackwardParams& p) {
-  dispatch_dtype<c10::BFloat16, c10::Half>(p.shape.dtype, [&](auto scalar, auto acc) {
-    backward_impl<decltype(scalar), decltype(acc)>(p);
-  });
+  dispatch_dtype<c10::BFloat16, c10::Half>(
+      p.shape.dtype, [&](auto scalar, auto acc) { backward_impl<decltype(scalar), decltype(acc)>(p); });
 }
 
 }  // namespace megaslide::ops::detail

@@ -30,19 +30,26 @@ ConfigError::ConfigError(std::string source, std::string key, std::string proble
 
 const char* to_string(Architecture arch) {
   switch (arch) {
-    case Architecture::kMegaSlide: return "megaslide";
-    case Architecture::kDense3D: return "dense3d";
-    case Architecture::kSwin: return "swin";
-    case Architecture::kWan: return "wan";
+    case Architecture::kMegaSlide:
+      return "megaslide";
+    case Architecture::kDense3D:
+      return "dense3d";
+    case Architecture::kSwin:
+      return "swin";
+    case Architecture::kWan:
+      return "wan";
   }
   return "?";
 }
 
 const char* to_string(DsaOffsets offsets) {
   switch (offsets) {
-    case DsaOffsets::kLearned: return "learned";
-    case DsaOffsets::kZero: return "zero";
-    case DsaOffsets::kFrozen: return "frozen";
+    case DsaOffsets::kLearned:
+      return "learned";
+    case DsaOffsets::kZero:
+      return "zero";
+    case DsaOffsets::kFrozen:
+      return "frozen";
   }
   return "?";
 }
@@ -102,8 +109,7 @@ struct RealRange {
   std::string text() const {
     std::string s = "a number";
     if (std::isfinite(lo) && std::isfinite(hi)) {
-      return s + " in " + (lo_open ? "(" : "[") + format_number(lo) + ", " + format_number(hi) +
-             (hi_open ? ")" : "]");
+      return s + " in " + (lo_open ? "(" : "[") + format_number(lo) + ", " + format_number(hi) + (hi_open ? ")" : "]");
     }
     if (std::isfinite(lo)) return s + (lo_open ? " > " : " >= ") + format_number(lo);
     if (std::isfinite(hi)) return s + (hi_open ? " < " : " <= ") + format_number(hi);
@@ -162,20 +168,23 @@ class Schema {
     fields_.push_back({std::move(key), std::move(set), std::move(get)});
   }
   void integer(std::string key, int64_t& slot, IntRange range) {
-    add(std::move(key), [&slot, range](const YAML::Node& n) { slot = checked_int(n, range); },
+    add(
+        std::move(key), [&slot, range](const YAML::Node& n) { slot = checked_int(n, range); },
         [&slot] { return YAML::Node(slot); });
   }
   void seed(std::string key, uint64_t& slot) {
-    add(std::move(key),
-        [&slot](const YAML::Node& n) { slot = static_cast<uint64_t>(checked_int(n, IntRange{0})); },
+    add(
+        std::move(key), [&slot](const YAML::Node& n) { slot = static_cast<uint64_t>(checked_int(n, IntRange{0})); },
         [&slot] { return YAML::Node(slot); });
   }
   void real(std::string key, double& slot, RealRange range) {
-    add(std::move(key), [&slot, range](const YAML::Node& n) { slot = checked_real(n, range); },
+    add(
+        std::move(key), [&slot, range](const YAML::Node& n) { slot = checked_real(n, range); },
         [&slot] { return YAML::Node(slot); });
   }
   void boolean(std::string key, bool& slot) {
-    add(std::move(key),
+    add(
+        std::move(key),
         [&slot](const YAML::Node& n) {
           bool v = false;
           if (!n.IsScalar() || !YAML::convert<bool>::decode(n, v))
@@ -185,7 +194,8 @@ class Schema {
         [&slot] { return YAML::Node(slot); });
   }
   void choice(std::string key, std::string& slot, std::vector<std::string> allowed) {
-    add(std::move(key),
+    add(
+        std::move(key),
         [&slot, allowed](const YAML::Node& n) {
           std::string list;
           for (const auto& a : allowed) list += (list.empty() ? "" : " | ") + a;
@@ -197,7 +207,8 @@ class Schema {
   }
   // A path or name that may be empty ("" or nothing = none).
   void optional_text(std::string key, std::string& slot) {
-    add(std::move(key),
+    add(
+        std::move(key),
         [&slot](const YAML::Node& n) {
           if (n.IsNull()) {
             slot.clear();
@@ -209,15 +220,18 @@ class Schema {
         [&slot] { return YAML::Node(slot); });
   }
   void text(std::string key, std::string& slot) {
-    add(std::move(key),
+    add(
+        std::move(key),
         [&slot](const YAML::Node& n) {
-          if (!n.IsScalar() || n.Scalar().empty()) throw FieldProblem{"expected a non-empty string, got " + describe(n)};
+          if (!n.IsScalar() || n.Scalar().empty())
+            throw FieldProblem{"expected a non-empty string, got " + describe(n)};
           slot = n.Scalar();
         },
         [&slot] { return YAML::Node(slot); });
   }
   void text_list(std::string key, std::vector<std::string>& slot) {
-    add(std::move(key),
+    add(
+        std::move(key),
         [&slot](const YAML::Node& n) {
           if (!n.IsSequence()) throw FieldProblem{"expected a list of strings, got " + describe(n)};
           std::vector<std::string> v;
@@ -237,14 +251,17 @@ class Schema {
   }
   // A list of [frames, height, width] triples of positive integers.
   void triple_list(std::string key, std::vector<std::array<int64_t, 3>>& slot) {
-    add(std::move(key),
+    add(
+        std::move(key),
         [&slot](const YAML::Node& n) {
-          if (!n.IsSequence()) throw FieldProblem{"expected a list of [frames, height, width] lists, got " + describe(n)};
+          if (!n.IsSequence())
+            throw FieldProblem{"expected a list of [frames, height, width] lists, got " + describe(n)};
           std::vector<std::array<int64_t, 3>> v;
           for (size_t i = 0; i < n.size(); ++i) {
             const YAML::Node& item = n[i];
             if (!item.IsSequence() || item.size() != 3)
-              throw FieldProblem{"item " + std::to_string(i) + ": expected [frames, height, width], got " + describe(item)};
+              throw FieldProblem{"item " + std::to_string(i) + ": expected [frames, height, width], got " +
+                                 describe(item)};
             std::array<int64_t, 3> t{};
             for (size_t a = 0; a < 3; ++a) {
               try {
@@ -271,7 +288,8 @@ class Schema {
   }
   template <typename T, typename Check>
   void triple(std::string key, std::array<T, 3>& slot, std::string expected, Check check) {
-    add(std::move(key),
+    add(
+        std::move(key),
         [&slot, expected, check](const YAML::Node& n) {
           if (!n.IsSequence() || n.size() != 3)
             throw FieldProblem{"expected a list of 3 " + expected + " (t, h, w), got " + describe(n)};
@@ -298,13 +316,16 @@ class Schema {
     auto nonnegative_real = [](const YAML::Node& n) { return checked_real(n, RealRange{0.0}); };
 
     // model
-    add("model.arch",
+    add(
+        "model.arch",
         [&c](const YAML::Node& n) {
-          const std::map<std::string, Architecture> names{
-              {"megaslide", Architecture::kMegaSlide}, {"dense3d", Architecture::kDense3D}, {"swin", Architecture::kSwin},
-              {"wan", Architecture::kWan}};
+          const std::map<std::string, Architecture> names{{"megaslide", Architecture::kMegaSlide},
+                                                          {"dense3d", Architecture::kDense3D},
+                                                          {"swin", Architecture::kSwin},
+                                                          {"wan", Architecture::kWan}};
           auto it = n.IsScalar() ? names.find(n.Scalar()) : names.end();
-          if (it == names.end()) throw FieldProblem{"expected one of megaslide | dense3d | swin | wan, got " + describe(n)};
+          if (it == names.end())
+            throw FieldProblem{"expected one of megaslide | dense3d | swin | wan, got " + describe(n)};
           c.model.arch = it->second;
         },
         [&c] { return YAML::Node(std::string(to_string(c.model.arch))); });
@@ -319,7 +340,8 @@ class Schema {
     triple("model.dsa_kernel", c.model.dsa_kernel, "odd positive integers", odd_positive_int);
     integer("model.dsa_groups", c.model.dsa_groups, IntRange{1});
     triple("model.dsa_offset_range", c.model.dsa_offset_range, "numbers >= 0", nonnegative_real);
-    add("model.dsa_offsets",
+    add(
+        "model.dsa_offsets",
         [&c](const YAML::Node& n) {
           const std::map<std::string, DsaOffsets> names{
               {"learned", DsaOffsets::kLearned}, {"zero", DsaOffsets::kZero}, {"frozen", DsaOffsets::kFrozen}};
@@ -409,7 +431,8 @@ class Schema {
     real("train.grad_clip", c.train.grad_clip, RealRange{0.0});
     real("train.ema_decay", c.train.ema_decay, RealRange{0.0, 1.0, false, true});
     seed("train.seed", c.train.seed);
-    add("train.device",
+    add(
+        "train.device",
         [&c](const YAML::Node& n) {
           static const std::regex kDevice(R"(auto|cpu|cuda(:[0-9]{1,4})?)");
           if (!n.IsScalar() || !std::regex_match(n.Scalar(), kDevice))
@@ -473,8 +496,9 @@ bool wan_only_key(const std::string& key) { return key.rfind("model.wan.", 0) ==
 bool dit_only_key(const std::string& key) {
   // model.text_encoder and model.vae apply to both families (CLIP and the SD VAE for the DiT family, umT5
   // and the Wan VAE for Wan: validate() checks the kind against the architecture).
-  static const std::set<std::string> keys{"model.patch",   "model.hidden",          "model.layers",     "model.heads",
-                                          "model.mlp_ratio", "model.text_dim",      "model.dense_attention", "model.swin_window"};
+  static const std::set<std::string> keys{"model.patch",           "model.hidden",     "model.layers",
+                                          "model.heads",           "model.mlp_ratio",  "model.text_dim",
+                                          "model.dense_attention", "model.swin_window"};
   return keys.count(key) > 0;
 }
 bool applies(const RunConfig& c, const std::string& key) {
@@ -486,9 +510,10 @@ std::string inapplicable_key_problem(const RunConfig& c, const std::string& key)
   if (applies(c, key)) return "";
   if (c.model.arch == Architecture::kWan) {
     const std::string wan_key = key == "model.hidden" ? "model.wan.dim" : "model.wan." + key.substr(6);
-    const bool has_wan_twin = key == "model.hidden" || key == "model.layers" || key == "model.heads" || key == "model.patch" ||
-                              key == "model.text_dim";
-    return "does not apply to model.arch wan" + (has_wan_twin ? " (its hyper-parameters are under model.wan: set " + wan_key + ")" : std::string());
+    const bool has_wan_twin = key == "model.hidden" || key == "model.layers" || key == "model.heads" ||
+                              key == "model.patch" || key == "model.text_dim";
+    return "does not apply to model.arch wan" +
+           (has_wan_twin ? " (its hyper-parameters are under model.wan: set " + wan_key + ")" : std::string());
   }
   return std::string("applies to model.arch wan only (this config's model.arch is ") + to_string(c.model.arch) + ")";
 }
@@ -538,7 +563,8 @@ void check_sizes(const RunConfig& c, const std::function<void(const std::string&
   };
   // `factors` multiplied by `bytes_per_value` must stay below kMaxMachineBytes; `key` is the config key
   // named first, the message lists every factor.
-  auto limit = [&](const std::string& key, const std::string& what, std::initializer_list<Factor> factors, int64_t bytes_per_value) {
+  auto limit = [&](const std::string& key, const std::string& what, std::initializer_list<Factor> factors,
+                   int64_t bytes_per_value) {
     std::string product;
     std::optional<int64_t> n = 1;
     for (const auto& f : factors) {
@@ -547,9 +573,11 @@ void check_sizes(const RunConfig& c, const std::function<void(const std::string&
     }
     const auto bytes = n ? checked_product({*n, bytes_per_value}) : std::nullopt;
     if (!bytes || *bytes > kMaxMachineBytes) {
-      const std::string size = bytes ? human_bytes(static_cast<double>(*bytes)) : std::string("beyond 9.2e18 bytes (the product overflows 64 bits)");
+      const std::string size = bytes ? human_bytes(static_cast<double>(*bytes))
+                                     : std::string("beyond 9.2e18 bytes (the product overflows 64 bits)");
       fail(key, what + " is " + product + (n ? " = " + std::to_string(*n) + " values, " : " values, ") + size +
-                    ": more than any machine holds (" + human_bytes(static_cast<double>(kMaxMachineBytes)) + "); a typo?");
+                    ": more than any machine holds (" + human_bytes(static_cast<double>(kMaxMachineBytes)) +
+                    "); a typo?");
     }
   };
   const auto& m = c.model;
@@ -563,7 +591,11 @@ void check_sizes(const RunConfig& c, const std::function<void(const std::string&
   const char* hidden_key = wan ? "model.wan.dim" : "model.hidden";
   const char* layers_key = wan ? "model.wan.layers" : "model.layers";
   limit("train.batch_size", "one batch of video (fp32)",
-        {{"train.batch_size", B}, {"data.channels", d.channels}, {"data.frames", d.frames}, {"data.height", d.height}, {"data.width", d.width}},
+        {{"train.batch_size", B},
+         {"data.channels", d.channels},
+         {"data.frames", d.frames},
+         {"data.height", d.height},
+         {"data.width", d.width}},
         4);
   // Divisibility by the patch was checked above: the token grid is exact.
   const auto shape = model_sample_shape(c);  // pixels, or the VAE's latents
@@ -576,19 +608,30 @@ void check_sizes(const RunConfig& c, const std::function<void(const std::string&
   // The host state is 14 bytes a parameter (docs/planner.md); each block holds at least its four
   // hidden x hidden attention projections and its hidden x text_dim cross-attention inputs.
   limit(layers_key, "a lower bound of the parameters (host state, 14 B each)",
-        {{layers_key, layers}, {hidden_key, hidden}, {"(4 x hidden + 2 x text_dim)", 4 * hidden + 2 * std::min<int64_t>(text_dim, int64_t{1} << 60)}},
+        {{layers_key, layers},
+         {hidden_key, hidden},
+         {"(4 x hidden + 2 x text_dim)", 4 * hidden + 2 * std::min<int64_t>(text_dim, int64_t{1} << 60)}},
         14);
   if (m.arch == Architecture::kMegaSlide || (wan && m.self_attention == "dsa3d")) {
     const auto& k = m.dsa_kernel;
     limit("model.dsa_kernel", "3D-DSA's predicted offsets (fp32)",
-          {{"train.batch_size", B}, {"tokens", T * H * W}, {"model.dsa_groups", m.dsa_groups}, {"kernel t", k[0]}, {"kernel h", k[1]},
-           {"kernel w", k[2]}, {"3 axes", 3}},
+          {{"train.batch_size", B},
+           {"tokens", T * H * W},
+           {"model.dsa_groups", m.dsa_groups},
+           {"kernel t", k[0]},
+           {"kernel h", k[1]},
+           {"kernel w", k[2]},
+           {"3 axes", 3}},
           4);
     // The grid_sample reference (what the fused kernels are tested against) materialises K sampled keys
     // and values per token; an axis shorter than the kernel shrinks it to the axis.
     limit("model.dsa_kernel", "the 3D-DSA reference's sampled keys (fp32)",
-          {{"train.batch_size", B}, {"tokens", T * H * W}, {"kernel t", std::min(k[0], T)}, {"kernel h", std::min(k[1], H)},
-           {"kernel w", std::min(k[2], W)}, {hidden_key, hidden}},
+          {{"train.batch_size", B},
+           {"tokens", T * H * W},
+           {"kernel t", std::min(k[0], T)},
+           {"kernel h", std::min(k[1], H)},
+           {"kernel w", std::min(k[2], W)},
+           {hidden_key, hidden}},
           4);
   }
   if (m.arch == Architecture::kDense3D && m.dense_attention == "materialized") {
@@ -600,7 +643,10 @@ void check_sizes(const RunConfig& c, const std::function<void(const std::string&
     // A window larger than the token grid is the grid. The shifted-window mask holds every token
     // against every token of its window.
     limit("model.swin_window", "the shifted windows' attention mask",
-          {{"train.batch_size", B}, {"tokens", T * H * W}, {"window t", std::min(w[0], T)}, {"window h", std::min(w[1], H)},
+          {{"train.batch_size", B},
+           {"tokens", T * H * W},
+           {"window t", std::min(w[0], T)},
+           {"window h", std::min(w[1], H)},
            {"window w", std::min(w[2], W)}},
           1);
   }
@@ -658,7 +704,8 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::string& sour
     throw ConfigError(source, "", "not valid YAML: " + e.msg + " (line " + std::to_string(e.mark.line + 1) + ")");
   }
   if (root.IsDefined() && !root.IsNull()) {
-    if (!root.IsMap()) throw ConfigError(source, "", "expected a mapping of sections (model, data, ...), got " + describe(root));
+    if (!root.IsMap())
+      throw ConfigError(source, "", "expected a mapping of sections (model, data, ...), got " + describe(root));
     // Keys must be plain scalars: YAML also allows sequences or mappings as keys ("? [a]: 1").
     const auto key_of = [&source](const YAML::Node& key, const std::string& where) {
       if (!key.IsScalar()) throw ConfigError(source, where, "a key must be a plain name, got " + describe(key));
@@ -668,7 +715,8 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::string& sour
     // refused rather than read as whichever comes last.
     std::set<std::string> seen;
     // A mapping inside a section (model.wan) holds keys one level further down.
-    std::function<void(const YAML::Node&, const std::string&)> read_keys = [&](const YAML::Node& map, const std::string& prefix) {
+    std::function<void(const YAML::Node&, const std::string&)> read_keys = [&](const YAML::Node& map,
+                                                                               const std::string& prefix) {
       for (const auto& entry : map) {
         const std::string key = prefix + "." + key_of(entry.first, prefix);
         if (!seen.insert(key).second) throw ConfigError(source, key, "key appears twice in the file (keep one)");
@@ -676,8 +724,10 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::string& sour
           read_keys(entry.second, key);
           continue;
         }
-        if (schema.find(key) == nullptr && has_keys_under(schema, key + "."))  // a group (model.vae) given a scalar or a list
-          throw ConfigError(source, key, "expected a mapping of " + schema.group_keys(key) + ", got " + describe(entry.second));
+        if (schema.find(key) == nullptr &&
+            has_keys_under(schema, key + "."))  // a group (model.vae) given a scalar or a list
+          throw ConfigError(source, key,
+                            "expected a mapping of " + schema.group_keys(key) + ", got " + describe(entry.second));
         apply(schema, source, key, entry.second);
         applied.emplace_back(key, source);
       }
@@ -689,7 +739,9 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::string& sour
       bool known_section = false;
       for (const auto& f : schema.fields()) known_section |= f.key.rfind(name + ".", 0) == 0;
       if (!known_section)
-        throw ConfigError(source, name, "unknown section; sections are model, data, diffusion, train, offload, optimizer, output, distributed");
+        throw ConfigError(
+            source, name,
+            "unknown section; sections are model, data, diffusion, train, offload, optimizer, output, distributed");
       if (!section.second.IsMap())
         throw ConfigError(source, name, "expected a section (a mapping of keys), got " + describe(section.second));
       read_keys(section.second, name);
@@ -711,7 +763,8 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::string& sour
     applied.emplace_back(key, where);
   }
   for (const auto& [key, where] : applied)
-    if (const std::string problem = inapplicable_key_problem(config, key); !problem.empty()) throw ConfigError(where, key, problem);
+    if (const std::string problem = inapplicable_key_problem(config, key); !problem.empty())
+      throw ConfigError(where, key, problem);
   validate(config, overrides.empty() ? source : source + " with --set overrides");
   return config;
 }
@@ -719,7 +772,8 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::string& sour
 RunConfig load_run_config(const std::string& path, const std::vector<std::string>& overrides) {
   // A run file is a few kB: the cap refuses a wrong file (a video, /dev/zero) before it fills memory.
   constexpr uint64_t kMaxConfigBytes = 1 << 20;
-  if (!io::path_exists(path)) throw ConfigError(path, "", "cannot open the config file (does it exist and is it readable?)");
+  if (!io::path_exists(path))
+    throw ConfigError(path, "", "cannot open the config file (does it exist and is it readable?)");
   std::string text;
   try {
     text = io::read_input_file(path, kMaxConfigBytes);
@@ -735,43 +789,52 @@ void validate_wan(const RunConfig& c, const std::function<void(const std::string
   const auto& m = c.model;
   const auto& w = m.wan;
   if (w.dim % w.heads != 0)
-    fail("model.wan.dim", "expected a multiple of model.wan.heads (" + std::to_string(w.heads) + "), got " + std::to_string(w.dim));
+    fail("model.wan.dim",
+         "expected a multiple of model.wan.heads (" + std::to_string(w.heads) + "), got " + std::to_string(w.dim));
   if ((w.dim / w.heads) % 2 != 0)
-    fail("model.wan.dim", "expected model.wan.dim / model.wan.heads (the head size, " + std::to_string(w.dim / w.heads) +
-                              ") to be even: 3D RoPE rotates pairs of channels");
+    fail("model.wan.dim", "expected model.wan.dim / model.wan.heads (the head size, " +
+                              std::to_string(w.dim / w.heads) + ") to be even: 3D RoPE rotates pairs of channels");
   const auto& te = m.text_encoder;
   const auto& vae = m.vae;
   if (te.kind == "clip")
-    fail("model.text_encoder.kind", "clip conditions the DiT family; Wan's text encoder is umt5 (or builtin: the data brings its "
-                                    "text embeddings)");
-  if (vae.kind == "sd") fail("model.vae.kind", "sd is the DiT family's VAE; Wan's is wan (or none: the data brings its latents)");
+    fail("model.text_encoder.kind",
+         "clip conditions the DiT family; Wan's text encoder is umt5 (or builtin: the data brings its "
+         "text embeddings)");
+  if (vae.kind == "sd")
+    fail("model.vae.kind", "sd is the DiT family's VAE; Wan's is wan (or none: the data brings its latents)");
   if (te.kind == "umt5" && te.weights.empty())
-    fail("model.text_encoder.weights", "model.text_encoder.kind: umt5 needs umT5's weights (a transformers folder, a diffusers "
-                                       "repository or umt5_xxl_fp16.safetensors; docs/wan.md)");
+    fail("model.text_encoder.weights",
+         "model.text_encoder.kind: umt5 needs umT5's weights (a transformers folder, a diffusers "
+         "repository or umt5_xxl_fp16.safetensors; docs/wan.md)");
   if (vae.kind == "wan" && vae.weights.empty())
-    fail("model.vae.weights", "model.vae.kind: wan needs the Wan VAE's weights (diffusers' vae/ folder or wan_2.1_vae.safetensors; "
-                              "docs/wan.md)");
+    fail("model.vae.weights",
+         "model.vae.kind: wan needs the Wan VAE's weights (diffusers' vae/ folder or wan_2.1_vae.safetensors; "
+         "docs/wan.md)");
   if (c.data.dataset == "videos") {
     // Pixels in data.*, latents from the Wan VAE (cached by megaslide-cache; data/latent_cache.h).
     if (te.kind != "umt5")
-      fail("model.text_encoder.kind", "expected umt5 for model.arch wan with data.dataset: videos (the cache holds umT5's embeddings)");
+      fail("model.text_encoder.kind",
+           "expected umt5 for model.arch wan with data.dataset: videos (the cache holds umT5's embeddings)");
     if (vae.kind != "wan")
-      fail("model.vae.kind", "expected wan for model.arch wan with data.dataset: videos (the cache holds the Wan VAE's latents)");
+      fail("model.vae.kind",
+           "expected wan for model.arch wan with data.dataset: videos (the cache holds the Wan VAE's latents)");
     if (vae.latent_channels != w.in_channels)
       fail("model.vae.latent_channels", "expected model.wan.in_channels (" + std::to_string(w.in_channels) +
-                                            ": the Wan VAE's z_dim is the DiT's input), got " + std::to_string(vae.latent_channels));
+                                            ": the Wan VAE's z_dim is the DiT's input), got " +
+                                            std::to_string(vae.latent_channels));
     if ((c.data.frames - 1) % 4 != 0)
       fail("data.frames", "expected 1 + 4k frames for the Wan VAE (it keeps the first frame and every 4 after), got " +
                               std::to_string(c.data.frames));
     for (const auto& [axis, size] : {std::pair<const char*, int64_t>{"height", c.data.height}, {"width", c.data.width}})
       if (size % vae.downscale != 0)
-        fail(std::string("data.") + axis, "expected a multiple of model.vae.downscale (" + std::to_string(vae.downscale) + "), got " +
-                                              std::to_string(size));
+        fail(std::string("data.") + axis, "expected a multiple of model.vae.downscale (" +
+                                              std::to_string(vae.downscale) + "), got " + std::to_string(size));
     if (!c.data.buckets.empty())
-      fail("data.buckets", "model.arch wan trains on one clip size (data.frames x height x width); buckets are the DiT family's");
+      fail("data.buckets",
+           "model.arch wan trains on one clip size (data.frames x height x width); buckets are the DiT family's");
   } else if (c.data.channels != w.in_channels) {
-    fail("data.channels", "expected model.wan.in_channels (" + std::to_string(w.in_channels) + ") for model.arch wan, got " +
-                              std::to_string(c.data.channels));
+    fail("data.channels", "expected model.wan.in_channels (" + std::to_string(w.in_channels) +
+                              ") for model.arch wan, got " + std::to_string(c.data.channels));
   }
   if (w.out_channels != w.in_channels)
     fail("model.wan.out_channels", "expected model.wan.in_channels (" + std::to_string(w.in_channels) +
@@ -779,9 +842,11 @@ void validate_wan(const RunConfig& c, const std::function<void(const std::string
                                        std::to_string(w.out_channels));
   if (m.self_attention == "dsa3d") {
     if (w.heads % m.dsa_groups != 0)
-      fail("model.dsa_groups", "expected a divisor of model.wan.heads (" + std::to_string(w.heads) + "), got " + std::to_string(m.dsa_groups));
+      fail("model.dsa_groups", "expected a divisor of model.wan.heads (" + std::to_string(w.heads) + "), got " +
+                                   std::to_string(m.dsa_groups));
     if (m.dsa_offsets == DsaOffsets::kFrozen)
-      fail("model.dsa_offsets", "expected learned or zero for model.arch wan (frozen offsets are the DiT family's ablation)");
+      fail("model.dsa_offsets",
+           "expected learned or zero for model.arch wan (frozen offsets are the DiT family's ablation)");
   }
 }
 }  // namespace
@@ -793,12 +858,16 @@ void validate(const RunConfig& c, const std::string& source) {
     // encoding's byte is refused here, before anything is written, not at the first checkpoint save.
     RunConfig copy = c;
     const Schema schema(copy);
-    std::function<void(const std::string&, const YAML::Node&)> check = [&](const std::string& key, const YAML::Node& v) {
+    std::function<void(const std::string&, const YAML::Node&)> check = [&](const std::string& key,
+                                                                           const YAML::Node& v) {
       if (v.IsScalar()) {
         const size_t at = utf8::first_invalid(v.Scalar());
         if (at != std::string::npos)
-          fail(key, fmt::format("is not UTF-8 text (byte 0x{:02x} at offset {}); paths and values must be UTF-8 (rename the file "
-                                "or folder)", static_cast<unsigned char>(v.Scalar()[at]), at));
+          fail(key,
+               fmt::format(
+                   "is not UTF-8 text (byte 0x{:02x} at offset {}); paths and values must be UTF-8 (rename the file "
+                   "or folder)",
+                   static_cast<unsigned char>(v.Scalar()[at]), at));
       } else if (v.IsSequence() || v.IsMap()) {
         for (const auto& item : v) check(key, item.IsDefined() ? item : item.second);
       }
@@ -811,114 +880,137 @@ void validate(const RunConfig& c, const std::string& source) {
     validate_wan(c, fail);
   } else {
     if (m.hidden % m.heads != 0)
-      fail("model.hidden", "expected a multiple of model.heads (" + std::to_string(m.heads) + "), got " + std::to_string(m.hidden));
+      fail("model.hidden",
+           "expected a multiple of model.heads (" + std::to_string(m.heads) + "), got " + std::to_string(m.hidden));
     if (m.hidden < 6 || m.hidden % 2 != 0)
-      fail("model.hidden", "expected an even number >= 6 (the 3D sin-cos position embedding splits it over t, h, w), got " +
-                               std::to_string(m.hidden));
+      fail("model.hidden",
+           "expected an even number >= 6 (the 3D sin-cos position embedding splits it over t, h, w), got " +
+               std::to_string(m.hidden));
     if (m.heads % m.dsa_groups != 0)
-      fail("model.dsa_groups", "expected a divisor of model.heads (" + std::to_string(m.heads) + "), got " + std::to_string(m.dsa_groups));
+      fail("model.dsa_groups",
+           "expected a divisor of model.heads (" + std::to_string(m.heads) + "), got " + std::to_string(m.dsa_groups));
     if (static_cast<int64_t>(std::llround(m.hidden * m.mlp_ratio)) < 1)
       fail("model.mlp_ratio", "expected model.hidden * model.mlp_ratio >= 1");
     const auto& te = m.text_encoder;
-    if (te.kind == "umt5") fail("model.text_encoder.kind", "umt5 is Wan's text encoder (model.arch wan); the DiT family's is builtin or clip");
-    if (m.vae.kind == "wan") fail("model.vae.kind", "wan is Wan's VAE (model.arch wan); the DiT family's is none or sd");
+    if (te.kind == "umt5")
+      fail("model.text_encoder.kind",
+           "umt5 is Wan's text encoder (model.arch wan); the DiT family's is builtin or clip");
+    if (m.vae.kind == "wan")
+      fail("model.vae.kind", "wan is Wan's VAE (model.arch wan); the DiT family's is none or sd");
     if (te.kind == "clip" && te.weights.empty())
-      fail("model.text_encoder.weights", "model.text_encoder.kind: clip needs the folder of CLIP's text encoder (docs/conditioning.md)");
+      fail("model.text_encoder.weights",
+           "model.text_encoder.kind: clip needs the folder of CLIP's text encoder (docs/conditioning.md)");
     if (te.kind == "builtin" && !te.weights.empty())
-      fail("model.text_encoder.weights", "the built-in text encoder is trained with the DiT and reads no weights; set "
-                                         "model.text_encoder.kind: clip to load CLIP from '" + te.weights + "'");
+      fail("model.text_encoder.weights",
+           "the built-in text encoder is trained with the DiT and reads no weights; set "
+           "model.text_encoder.kind: clip to load CLIP from '" +
+               te.weights + "'");
     if (te.kind == "clip" && c.data.max_text_tokens > 77)
       fail("data.max_text_tokens", "expected at most 77 with model.text_encoder.kind: clip (CLIP's positions), got " +
                                        std::to_string(c.data.max_text_tokens));
     const auto& vae = m.vae;
     if (vae.kind == "sd" && vae.weights.empty())
-      fail("model.vae.weights", "model.vae.kind: sd needs the folder of the Stable Diffusion VAE (docs/conditioning.md)");
+      fail("model.vae.weights",
+           "model.vae.kind: sd needs the folder of the Stable Diffusion VAE (docs/conditioning.md)");
     if (vae.kind == "none" && !vae.weights.empty())
-      fail("model.vae.weights", "model.vae.kind is none (the DiT works on pixels); set model.vae.kind: sd to load the VAE from '" +
-                                    vae.weights + "'");
+      fail("model.vae.weights",
+           "model.vae.kind is none (the DiT works on pixels); set model.vae.kind: sd to load the VAE from '" +
+               vae.weights + "'");
     if (vae.kind == "sd" && c.data.channels != 3)
-      fail("data.channels", "expected 3 with model.vae.kind: sd (the VAE encodes RGB frames), got " + std::to_string(c.data.channels));
+      fail("data.channels",
+           "expected 3 with model.vae.kind: sd (the VAE encodes RGB frames), got " + std::to_string(c.data.channels));
     if (vae.kind == "sd" && vae.tile_size > 0 && vae.tile_size % vae.downscale != 0)
-      fail("model.vae.tile_size", "expected a multiple of model.vae.downscale (" + std::to_string(vae.downscale) + "), got " +
-                                      std::to_string(vae.tile_size));
+      fail("model.vae.tile_size", "expected a multiple of model.vae.downscale (" + std::to_string(vae.downscale) +
+                                      "), got " + std::to_string(vae.tile_size));
     if (vae.kind == "sd") {
       const char* pixel_axes[2] = {"height", "width"};
       const int64_t pixel_sizes[2] = {c.data.height, c.data.width};
       for (int a = 0; a < 2; ++a)
         if (pixel_sizes[a] % (vae.downscale * m.patch[a + 1]) != 0)
-          fail(std::string("data.") + pixel_axes[a], "expected a multiple of model.vae.downscale x model.patch[" + std::to_string(a + 1) +
-                                                         "] = " + std::to_string(vae.downscale * m.patch[a + 1]) + " (the DiT patches the VAE's latents), got " +
-                                                         std::to_string(pixel_sizes[a]));
+          fail(std::string("data.") + pixel_axes[a],
+               "expected a multiple of model.vae.downscale x model.patch[" + std::to_string(a + 1) +
+                   "] = " + std::to_string(vae.downscale * m.patch[a + 1]) +
+                   " (the DiT patches the VAE's latents), got " + std::to_string(pixel_sizes[a]));
       for (size_t i = 0; i < c.data.buckets.size(); ++i)
         for (int a = 0; a < 2; ++a)
           if (c.data.buckets[i][a + 1] % (vae.downscale * m.patch[a + 1]) != 0)
-            fail("data.buckets", "item " + std::to_string(i) + ": " + pixel_axes[a] + " " + std::to_string(c.data.buckets[i][a + 1]) +
-                                     " is not a multiple of model.vae.downscale x model.patch[" + std::to_string(a + 1) + "] = " +
-                                     std::to_string(vae.downscale * m.patch[a + 1]));
+            fail("data.buckets", "item " + std::to_string(i) + ": " + pixel_axes[a] + " " +
+                                     std::to_string(c.data.buckets[i][a + 1]) +
+                                     " is not a multiple of model.vae.downscale x model.patch[" +
+                                     std::to_string(a + 1) + "] = " + std::to_string(vae.downscale * m.patch[a + 1]));
     }
   }
   const char* axes[3] = {"frames", "height", "width"};
   // Wan's patches apply to its latents (the Wan VAE's, for videos).
   const auto latent = model_sample_shape(c);
-  const int64_t sizes[3] = {wan ? latent[1] : c.data.frames, wan ? latent[2] : c.data.height, wan ? latent[3] : c.data.width};
+  const int64_t sizes[3] = {wan ? latent[1] : c.data.frames, wan ? latent[2] : c.data.height,
+                            wan ? latent[3] : c.data.width};
   const char* patch_names[3] = {"temporal", "height", "width"};
   const auto& patch = wan ? m.wan.patch : m.patch;
   for (int a = 0; a < 3; ++a) {
     if (sizes[a] % patch[a] != 0)
-      fail(std::string("data.") + axes[a], "expected a multiple of the " + std::string(patch_names[a]) + " patch " +
-                                               (wan ? "model.wan.patch[" : "model.patch[") + std::to_string(a) + "] = " +
-                                               std::to_string(patch[a]) + ", got " + std::to_string(sizes[a]) +
-                                               (wan && c.data.dataset == "videos" ? " latent " + std::string(axes[a]) + " (the Wan VAE's)" : ""));
+      fail(std::string("data.") + axes[a],
+           "expected a multiple of the " + std::string(patch_names[a]) + " patch " +
+               (wan ? "model.wan.patch[" : "model.patch[") + std::to_string(a) + "] = " + std::to_string(patch[a]) +
+               ", got " + std::to_string(sizes[a]) +
+               (wan && c.data.dataset == "videos" ? " latent " + std::string(axes[a]) + " (the Wan VAE's)" : ""));
   }
   const auto& data = c.data;
   if (data.dataset == "videos") {
     if (data.manifest.empty() == data.root.empty())
       fail(data.manifest.empty() ? "data.root" : "data.manifest",
-           "data.dataset: videos needs exactly one of data.manifest (a CSV or JSONL file) and data.root (a folder of videos with "
+           "data.dataset: videos needs exactly one of data.manifest (a CSV or JSONL file) and data.root (a folder of "
+           "videos with "
            ".txt captions)");
     if (data.fps > 0 && data.frame_stride != 1)
       fail("data.frame_stride", "set either data.fps (frames sampled at that rate) or data.frame_stride, not both");
-    if (data.channels != 3) fail("data.channels", "expected 3 for data.dataset: videos (RGB), got " + std::to_string(data.channels));
+    if (data.channels != 3)
+      fail("data.channels", "expected 3 for data.dataset: videos (RGB), got " + std::to_string(data.channels));
   }
   for (size_t i = 0; i < data.buckets.size(); ++i) {
     for (int a = 0; a < 3; ++a) {
       if (data.buckets[i][a] % m.patch[a] != 0)
         fail("data.buckets", "item " + std::to_string(i) + ": " + axes[a] + " " + std::to_string(data.buckets[i][a]) +
-                                 " is not a multiple of model.patch[" + std::to_string(a) + "] = " + std::to_string(m.patch[a]));
+                                 " is not a multiple of model.patch[" + std::to_string(a) +
+                                 "] = " + std::to_string(m.patch[a]));
     }
   }
   if (!data.buckets.empty() && data.dataset != "videos") fail("data.buckets", "only data.dataset: videos has buckets");
   if (!data.cache.empty() && data.dataset != "videos") fail("data.cache", "only data.dataset: videos reads a cache");
   const auto& d = c.diffusion;
   if (wan ? c.data.dataset == "structured-motion" : c.data.dataset == "latent-tensors")
-    fail("data.dataset", wan ? "expected latent-tensors (latent videos and text embeddings) or videos (cached through umT5 and the Wan "
-                               "VAE) for model.arch wan; structured-motion renders pixel videos for the DiT family"
-                             : "latent-tensors holds Wan's latents and text embeddings: expected structured-motion for model.arch " +
-                                   std::string(to_string(m.arch)));
+    fail("data.dataset",
+         wan ? "expected latent-tensors (latent videos and text embeddings) or videos (cached through umT5 and the Wan "
+               "VAE) for model.arch wan; structured-motion renders pixel videos for the DiT family"
+             : "latent-tensors holds Wan's latents and text embeddings: expected structured-motion for model.arch " +
+                   std::string(to_string(m.arch)));
   if (!c.data.tensors.empty() && c.data.dataset != "latent-tensors")
     fail("data.tensors", "applies to data.dataset: latent-tensors");
   if (d.objective == "flow" && !wan)
-    fail("diffusion.objective", std::string("flow matching is implemented for model.arch wan; the ") + to_string(m.arch) +
-                                    " DiT trains with ddpm");
+    fail("diffusion.objective", std::string("flow matching is implemented for model.arch wan; the ") +
+                                    to_string(m.arch) + " DiT trains with ddpm");
   if (d.objective == "flow" && d.prediction != "epsilon")
-    fail("diffusion.prediction", "applies to diffusion.objective ddpm; flow matching predicts the velocity ε − x0 (leave "
-                                 "diffusion.prediction at epsilon)");
+    fail("diffusion.prediction",
+         "applies to diffusion.objective ddpm; flow matching predicts the velocity ε − x0 (leave "
+         "diffusion.prediction at epsilon)");
   if (d.beta_end <= d.beta_start)
-    fail("diffusion.beta_end", "expected a value above diffusion.beta_start (" + format_number(d.beta_start) + "), got " +
-                                   format_number(d.beta_end));
+    fail("diffusion.beta_end", "expected a value above diffusion.beta_start (" + format_number(d.beta_start) +
+                                   "), got " + format_number(d.beta_end));
   if (d.sample_steps > d.timesteps)
     fail("diffusion.sample_steps", "expected at most diffusion.timesteps (" + std::to_string(d.timesteps) + "), got " +
                                        std::to_string(d.sample_steps));
   check_sizes(c, fail);
   if (!c.offload.enabled && c.optimizer.state_dtype != "fp32")
-    fail("optimizer.state_dtype", "expected fp32 with offload.enabled: false (the resident reference loop keeps LibTorch's "
-                                  "fp32 moments; bf16 and int8 moments are the streamed trainer's), got " +
-                                      c.optimizer.state_dtype);
+    fail("optimizer.state_dtype",
+         "expected fp32 with offload.enabled: false (the resident reference loop keeps LibTorch's "
+         "fp32 moments; bf16 and int8 moments are the streamed trainer's), got " +
+             c.optimizer.state_dtype);
 }
 
 std::array<int64_t, 4> model_sample_shape(const RunConfig& c) {
   const auto& d = c.data;
-  if (c.model.arch == Architecture::kWan && d.dataset == "videos") {  // the Wan VAE: 1 + 4k frames -> 1 + k latent frames
+  if (c.model.arch == Architecture::kWan &&
+      d.dataset == "videos") {  // the Wan VAE: 1 + 4k frames -> 1 + k latent frames
     const auto& v = c.model.vae;
     return {v.latent_channels, 1 + (d.frames - 1) / 4, d.height / v.downscale, d.width / v.downscale};
   }
@@ -951,8 +1043,9 @@ std::array<int64_t, 4> model_sample_shape_at(const RunConfig& c, VideoSize size)
   const std::pair<const char*, int64_t> sides[2] = {{"height", size.height}, {"width", size.width}};
   for (int a = 0; a < 2; ++a)
     if (sides[a].second % (ds * patch[a + 1]) != 0)
-      throw std::invalid_argument(fmt::format("{} {}: not a multiple of {} ({}the patch {})", sides[a].first, sides[a].second,
-                                              ds * patch[a + 1], latent ? fmt::format("the VAE's downscale {} x ", ds) : "", patch[a + 1]));
+      throw std::invalid_argument(
+          fmt::format("{} {}: not a multiple of {} ({}the patch {})", sides[a].first, sides[a].second,
+                      ds * patch[a + 1], latent ? fmt::format("the VAE's downscale {} x ", ds) : "", patch[a + 1]));
   const int64_t channels = wan ? c.model.wan.in_channels : latent ? c.model.vae.latent_channels : c.data.channels;
   return {channels, t, size.height / ds, size.width / ds};
 }

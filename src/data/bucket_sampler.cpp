@@ -26,15 +26,18 @@ void shuffle(std::vector<T>& v, uint64_t state) {
 }
 }  // namespace
 
-BucketBatchSampler::BucketBatchSampler(std::vector<int64_t> bucket_of, int64_t num_buckets, int64_t batch_size, uint64_t seed)
+BucketBatchSampler::BucketBatchSampler(std::vector<int64_t> bucket_of, int64_t num_buckets, int64_t batch_size,
+                                       uint64_t seed)
     : by_bucket_(static_cast<size_t>(num_buckets)), batch_size_(batch_size), seed_(seed) {
   if (batch_size < 1) throw std::invalid_argument("BucketBatchSampler: batch_size must be >= 1");
   for (size_t i = 0; i < bucket_of.size(); ++i) {
     const int64_t b = bucket_of[i];
-    if (b < 0 || b >= num_buckets) throw std::invalid_argument("BucketBatchSampler: item " + std::to_string(i) + " has bucket " + std::to_string(b));
+    if (b < 0 || b >= num_buckets)
+      throw std::invalid_argument("BucketBatchSampler: item " + std::to_string(i) + " has bucket " + std::to_string(b));
     by_bucket_[static_cast<size_t>(b)].push_back(static_cast<int64_t>(i));
   }
-  for (const auto& items : by_bucket_) batches_per_epoch_ += (static_cast<int64_t>(items.size()) + batch_size - 1) / batch_size;
+  for (const auto& items : by_bucket_)
+    batches_per_epoch_ += (static_cast<int64_t>(items.size()) + batch_size - 1) / batch_size;
   if (batches_per_epoch_ == 0) throw std::invalid_argument("BucketBatchSampler: no items");
 }
 
@@ -49,7 +52,8 @@ std::vector<PlannedBatch> BucketBatchSampler::epoch_plan(int64_t epoch) const {
       PlannedBatch batch;
       batch.epoch = epoch;
       batch.bucket = static_cast<int64_t>(b);
-      for (int64_t k = 0; k < batch_size_; ++k) batch.items.push_back(order[(start + static_cast<size_t>(k)) % order.size()]);
+      for (int64_t k = 0; k < batch_size_; ++k)
+        batch.items.push_back(order[(start + static_cast<size_t>(k)) % order.size()]);
       plan.push_back(std::move(batch));
     }
   }
@@ -60,7 +64,8 @@ std::vector<PlannedBatch> BucketBatchSampler::epoch_plan(int64_t epoch) const {
 
 PlannedBatch BucketBatchSampler::batch(int64_t epoch, int64_t index) const {
   if (epoch < 0 || index < 0 || index >= batches_per_epoch_)
-    throw std::invalid_argument("BucketBatchSampler: no batch " + std::to_string(index) + " in epoch " + std::to_string(epoch));
+    throw std::invalid_argument("BucketBatchSampler: no batch " + std::to_string(index) + " in epoch " +
+                                std::to_string(epoch));
   if (cached_epoch_ != epoch) {
     cached_plan_ = epoch_plan(epoch);
     cached_epoch_ = epoch;
@@ -76,8 +81,8 @@ PlannedBatch BucketBatchSampler::next() {
 
 void BucketBatchSampler::seek(int64_t epoch, int64_t cursor) {
   if (epoch < 0 || cursor < 0 || cursor >= batches_per_epoch_)
-    throw std::invalid_argument("data position epoch " + std::to_string(epoch) + " batch " + std::to_string(cursor) + " is out of range (" +
-                                std::to_string(batches_per_epoch_) + " batches per epoch)");
+    throw std::invalid_argument("data position epoch " + std::to_string(epoch) + " batch " + std::to_string(cursor) +
+                                " is out of range (" + std::to_string(batches_per_epoch_) + " batches per epoch)");
   epoch_ = epoch, cursor_ = cursor;
 }
 

@@ -49,7 +49,8 @@ json fingerprint(const std::string& path, const std::string& key) {
     throw ConfigError("config", key, std::string(e.what()) + " (to fingerprint the encoder's files for the cache)");
   }
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw ConfigError("config", key, "cannot read '" + path + "' (to fingerprint the encoder's files for the cache)");
+  if (!in)
+    throw ConfigError("config", key, "cannot read '" + path + "' (to fingerprint the encoder's files for the cache)");
   const uint64_t size = io::file_size(path);
   std::string buffer;
   uint32_t crc = 0;
@@ -57,13 +58,16 @@ json fingerprint(const std::string& path, const std::string& key) {
     buffer.resize(static_cast<size_t>(bytes));
     in.seekg(static_cast<std::streamoff>(begin));
     in.read(buffer.data(), static_cast<std::streamsize>(bytes));
-    if (!in) throw ConfigError("config", key, "cannot read '" + path + "' (to fingerprint the encoder's files for the cache)");
+    if (!in)
+      throw ConfigError("config", key, "cannot read '" + path + "' (to fingerprint the encoder's files for the cache)");
     crc = io::crc32(buffer.data(), buffer.size(), crc);
   };
   add(0, std::min(size, kSpan));
   if (size > kSpan) add(std::max(kSpan, size - kSpan), size - std::max(kSpan, size - kSpan));
   const auto slash = path.find_last_of('/');
-  return {{"file", slash == std::string::npos ? path : path.substr(slash + 1)}, {"bytes", size}, {"crc32", fmt::format("{:08x}", crc)}};
+  return {{"file", slash == std::string::npos ? path : path.substr(slash + 1)},
+          {"bytes", size},
+          {"crc32", fmt::format("{:08x}", crc)}};
 }
 
 // The files of a weights path: the file itself, or a folder's weights, configs and vocabularies.
@@ -121,11 +125,13 @@ class ConfiguredEncoders final : public CacheEncoders {
         fail("model.text_encoder.weights", e.what());
       }
       if (umt5_->config().d_model != config.model.wan.text_dim)
-        fail("model.wan.text_dim", fmt::format("is {} but umT5 in '{}' is {} wide (d_model): set model.wan.text_dim: {}", config.model.wan.text_dim,
-                                               te.weights, umt5_->config().d_model, umt5_->config().d_model));
+        fail("model.wan.text_dim",
+             fmt::format("is {} but umT5 in '{}' is {} wide (d_model): set model.wan.text_dim: {}",
+                         config.model.wan.text_dim, te.weights, umt5_->config().d_model, umt5_->config().d_model));
       if (tokenizer_->vocab_size() > umt5_->config().vocab_size)
-        fail("model.text_encoder.vocab", fmt::format("the tokenizer '{}' has {} pieces, umT5's embedding only {}: not this model's tokenizer",
-                                                     tokenizer_->source(), tokenizer_->vocab_size(), umt5_->config().vocab_size));
+        fail("model.text_encoder.vocab",
+             fmt::format("the tokenizer '{}' has {} pieces, umT5's embedding only {}: not this model's tokenizer",
+                         tokenizer_->source(), tokenizer_->vocab_size(), umt5_->config().vocab_size));
     }
     if (v.kind == "wan") {
       try {
@@ -135,13 +141,18 @@ class ConfiguredEncoders final : public CacheEncoders {
       }
       const auto& c = wan_vae_->config();
       if (c.z_dim != v.latent_channels)
-        fail("model.vae.latent_channels", fmt::format("is {} but the Wan VAE in '{}' has z_dim {}: set model.vae.latent_channels: {} (and "
-                                                      "model.wan.in_channels)", v.latent_channels, v.weights, c.z_dim, c.z_dim));
+        fail("model.vae.latent_channels",
+             fmt::format("is {} but the Wan VAE in '{}' has z_dim {}: set model.vae.latent_channels: {} (and "
+                         "model.wan.in_channels)",
+                         v.latent_channels, v.weights, c.z_dim, c.z_dim));
       if (c.spatial_downscale() != v.downscale || c.temporal_downscale() != 4)
-        fail("model.vae.downscale", fmt::format("is {} but the Wan VAE in '{}' maps {} pixels and {} frames to a latent (this cache "
-                                                "expects 8 and 4, as Wan 2.1's)", v.downscale, v.weights, c.spatial_downscale(),
-                                                c.temporal_downscale()));
-      if (c.in_channels != 3) fail("model.vae.weights", fmt::format("the Wan VAE in '{}' encodes {}-channel videos, not RGB", v.weights, c.in_channels));
+        fail("model.vae.downscale",
+             fmt::format("is {} but the Wan VAE in '{}' maps {} pixels and {} frames to a latent (this cache "
+                         "expects 8 and 4, as Wan 2.1's)",
+                         v.downscale, v.weights, c.spatial_downscale(), c.temporal_downscale()));
+      if (c.in_channels != 3)
+        fail("model.vae.weights",
+             fmt::format("the Wan VAE in '{}' encodes {}-channel videos, not RGB", v.weights, c.in_channels));
     }
   }
 
@@ -154,7 +165,8 @@ class ConfiguredEncoders final : public CacheEncoders {
     }
     if (frozen_ && frozen_->has_text()) {
       auto [text, mask] = frozen_->encode_text({caption});
-      return {{"text", text[0].to(torch::kCPU, torch::kFloat32).contiguous()}, {"text_mask", mask[0].to(torch::kCPU).contiguous()}};
+      return {{"text", text[0].to(torch::kCPU, torch::kFloat32).contiguous()},
+              {"text_mask", mask[0].to(torch::kCPU).contiguous()}};
     }
     const auto ids = builtin_.encode(caption, config_.data.max_text_tokens);
     auto tokens = torch::tensor(ids, torch::kInt64);
@@ -166,8 +178,9 @@ class ConfiguredEncoders final : public CacheEncoders {
     torch::NoGradGuard no_grad;
     // [T, H, W, 3] uint8 -> [1, 3, T, H, W] in [-1, 1], as the trainer maps a decoded batch.
     const auto pixels = (frames.unsqueeze(0).permute({0, 4, 1, 2, 3}).to(torch::kFloat32) / 127.5 - 1.0).contiguous();
-    const auto latents = wan_vae_ ? wan_vae_->encode(pixels.to(device_), false, std::nullopt, wan_vae_tiling(config_.model.vae))
-                                  : frozen_->encode_video(pixels);
+    const auto latents =
+        wan_vae_ ? wan_vae_->encode(pixels.to(device_), false, std::nullopt, wan_vae_tiling(config_.model.vae))
+                 : frozen_->encode_video(pixels);
     return latents[0].to(torch::kCPU, torch::kFloat32).contiguous();
   }
 
@@ -185,7 +198,7 @@ class ConfiguredEncoders final : public CacheEncoders {
 json decode_settings(const DataConfig& d) {
   json buckets = json::array();
   for (const auto& b : clip_buckets(d)) buckets.push_back({b.frames, b.height, b.width});
-  return {{"buckets", buckets}, {"fps", d.fps},         {"frame_stride", d.frame_stride},
+  return {{"buckets", buckets},         {"fps", d.fps},   {"frame_stride", d.frame_stride},
           {"clip_start", d.clip_start}, {"crop", d.crop}, {"seed", d.seed}};
 }
 
@@ -213,10 +226,11 @@ json read_manifest(const std::string& path) {
   try {
     auto j = json::parse(io::read_file(path));
     if (!j.is_object() || j.value("format", "") != kFormat)
-      throw DatasetError("cache '" + path + "': not a MegaSlide cache manifest (expected format '" + std::string(kFormat) + "')");
+      throw DatasetError("cache '" + path + "': not a MegaSlide cache manifest (expected format '" +
+                         std::string(kFormat) + "')");
     if (j.value("format_version", 0) != kFormatVersion)
-      throw DatasetError("cache '" + path + "': format_version " + j["format_version"].dump() + " is not supported (this build reads " +
-                         std::to_string(kFormatVersion) + ")");
+      throw DatasetError("cache '" + path + "': format_version " + j["format_version"].dump() +
+                         " is not supported (this build reads " + std::to_string(kFormatVersion) + ")");
     return j;
   } catch (const json::exception& e) {
     throw DatasetError("cache '" + path + "': not valid JSON: " + e.what());
@@ -257,8 +271,9 @@ std::string value_at(const json& j, const std::string& path) {
 void check_same(const json& cached, const json& now, const std::string& what, const std::string& dir) {
   const auto diff = first_difference(cached, now, "");
   if (!diff.empty())
-    throw DatasetError(fmt::format("cache '{}' was made with other {} ({} is {} in the cache, {} now); rebuild it with megaslide-cache", dir,
-                                   what, diff, value_at(cached, diff), value_at(now, diff)));
+    throw DatasetError(fmt::format(
+        "cache '{}' was made with other {} ({} is {} in the cache, {} now); rebuild it with megaslide-cache", dir, what,
+        diff, value_at(cached, diff), value_at(now, diff)));
 }
 
 std::string list_paths(const std::vector<std::string>& lines, size_t max = 20) {
@@ -281,20 +296,30 @@ std::string cache_identity(const RunConfig& config) {
   if (te.kind == "clip") {
     json vocab = fingerprints(te.weights, "model.text_encoder.weights");
     if (!te.vocab.empty()) vocab = fingerprints(te.vocab, "model.text_encoder.vocab");
-    else if (ClipTokenizer::folder_has_vocabulary(te.weights + "/../tokenizer") && !ClipTokenizer::folder_has_vocabulary(te.weights))
+    else if (ClipTokenizer::folder_has_vocabulary(te.weights + "/../tokenizer") &&
+             !ClipTokenizer::folder_has_vocabulary(te.weights))
       vocab = fingerprints(te.weights + "/../tokenizer", "model.text_encoder.weights");
-    j["text_encoder"] = {{"kind", "clip"}, {"max_tokens", config.data.max_text_tokens}, {"dtype", te.dtype},
-                         {"files", fingerprints(te.weights, "model.text_encoder.weights")}, {"vocabulary", vocab}};
+    j["text_encoder"] = {{"kind", "clip"},
+                         {"max_tokens", config.data.max_text_tokens},
+                         {"dtype", te.dtype},
+                         {"files", fingerprints(te.weights, "model.text_encoder.weights")},
+                         {"vocabulary", vocab}};
   } else if (te.kind == "umt5") {
     json tokenizer;
     try {
       const std::string source = Umt5Tokenizer::find(te.vocab.empty() ? te.weights : te.vocab).source();
-      tokenizer = io::path_exists(source) && !io::is_directory(source) ? fingerprint(source, "model.text_encoder.vocab") : json(source);
+      tokenizer = io::path_exists(source) && !io::is_directory(source) ? fingerprint(source, "model.text_encoder.vocab")
+                                                                       : json(source);
     } catch (const Umt5TokenizerError& e) {
-      throw ConfigError("config", te.vocab.empty() ? "model.text_encoder.weights" : "model.text_encoder.vocab", e.what());
+      throw ConfigError("config", te.vocab.empty() ? "model.text_encoder.weights" : "model.text_encoder.vocab",
+                        e.what());
     }
-    j["text_encoder"] = {{"kind", "umt5"}, {"max_tokens", kUmt5Tokens}, {"clean", "wan"}, {"dtype", te.dtype},
-                         {"files", fingerprints(umt5_weights_path(te.weights), "model.text_encoder.weights")}, {"tokenizer", tokenizer}};
+    j["text_encoder"] = {{"kind", "umt5"},
+                         {"max_tokens", kUmt5Tokens},
+                         {"clean", "wan"},
+                         {"dtype", te.dtype},
+                         {"files", fingerprints(umt5_weights_path(te.weights), "model.text_encoder.weights")},
+                         {"tokenizer", tokenizer}};
   } else {
     const CaptionTokenizer tokenizer;
     std::string words;
@@ -304,11 +329,15 @@ std::string cache_identity(const RunConfig& config) {
                          {"vocabulary_crc32", fmt::format("{:08x}", io::crc32(words.data(), words.size()))}};
   }
   if (v.kind == "sd") {
-    j["vae"] = {{"kind", "sd"}, {"latents", "scaled mean [C, T, H/ds, W/ds] float32"}, {"dtype", v.dtype},
+    j["vae"] = {{"kind", "sd"},
+                {"latents", "scaled mean [C, T, H/ds, W/ds] float32"},
+                {"dtype", v.dtype},
                 {"files", fingerprints(v.weights, "model.vae.weights")}};
   } else if (v.kind == "wan") {
     const auto tiling = wan_vae_tiling(v);
-    j["vae"] = {{"kind", "wan"}, {"latents", "normalised mean [z, 1 + (T-1)/4, H/8, W/8] float32"}, {"dtype", v.dtype},
+    j["vae"] = {{"kind", "wan"},
+                {"latents", "normalised mean [z, 1 + (T-1)/4, H/8, W/8] float32"},
+                {"dtype", v.dtype},
                 {"tiling", tiling ? json{{"tile", tiling->tile}, {"stride", tiling->stride}} : json()},
                 {"files", fingerprints(v.weights, "model.vae.weights")}};
   } else {
@@ -318,7 +347,8 @@ std::string cache_identity(const RunConfig& config) {
 }
 
 CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOptions& options) {
-  if (config.data.dataset != "videos") throw DatasetError("megaslide-cache: data.dataset is '" + config.data.dataset + "'; only videos are cached");
+  if (config.data.dataset != "videos")
+    throw DatasetError("megaslide-cache: data.dataset is '" + config.data.dataset + "'; only videos are cached");
   if (options.out.empty()) throw DatasetError("megaslide-cache: no output folder (--out or data.cache)");
   const auto warn = [&](const std::string& m) {
     if (options.on_warning) options.on_warning(m);
@@ -342,7 +372,8 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
   manifest["dataset"] = {{"source", dataset_source(config.data)}, {"listed", dataset.listed()}};
   manifest["shard_items"] = options.shard_items;
   json listing_bad = json::array();
-  for (const auto& b : dataset.bad()) listing_bad.push_back({{"index", b.index}, {"path", b.path}, {"reason", b.reason}});
+  for (const auto& b : dataset.bad())
+    listing_bad.push_back({{"index", b.index}, {"path", b.path}, {"reason", b.reason}});
   manifest["listing_bad"] = listing_bad;
 
   // Shard k holds usable items [k·S, (k+1)·S) of the dataset.
@@ -376,46 +407,50 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
     lock = io::FileLock::try_acquire(io::join_path(options.out, ".lock"), "megaslide-cache", &holder);
     if (!lock)
       throw DatasetError("cache folder '" + options.out + "' is being written by another megaslide-cache: " + holder +
-                         " (lock file " + io::join_path(options.out, ".lock") + "); wait for it to end, or choose another --out");
+                         " (lock file " + io::join_path(options.out, ".lock") +
+                         "); wait for it to end, or choose another --out");
     for (const auto& name : io::list_directory(options.out))  // temporaries of a killed build
-      if (name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0) io::remove_tree(io::join_path(options.out, name));
+      if (name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0)
+        io::remove_tree(io::join_path(options.out, name));
     if (io::path_exists(manifest_path)) try {
-      const json old = read_manifest(manifest_path);
-      check_same(old.value("encoders", json()), identity, "encoders", options.out);
-      check_same(old.value("decode", json()), decode, "decode settings", options.out);
-      check_same(old.value("dataset", json()), manifest["dataset"], "dataset", options.out);
-      if (old.value("shard_items", int64_t{0}) == S && old.contains("shards") && old["shards"].is_array()) {
-        for (const auto& rec : old["shards"]) {
-          const int64_t k = rec.value("shard", int64_t{-1});
-          if (k < 0 || k >= num_shards) continue;
-          // Kept only when it holds the same items, from unchanged sources, and its file verifies.
-          bool same = rec.contains("sources") && rec["sources"].size() == static_cast<size_t>(std::min(S, n - k * S));
-          for (int64_t j = 0; same && j < std::min(S, n - k * S); ++j) {
-            const auto& src = rec["sources"][static_cast<size_t>(j)];
-            const auto& item = dataset.item(k * S + j);
-            const auto st = stat_source(item.path);
-            same = src.value("index", int64_t{-1}) == item.index && src.value("path", "") == item.path &&
-                   src.value("size", uint64_t{0}) == st.size && src.value("mtime_ns", int64_t{0}) == st.mtime_ns;
+        const json old = read_manifest(manifest_path);
+        check_same(old.value("encoders", json()), identity, "encoders", options.out);
+        check_same(old.value("decode", json()), decode, "decode settings", options.out);
+        check_same(old.value("dataset", json()), manifest["dataset"], "dataset", options.out);
+        if (old.value("shard_items", int64_t{0}) == S && old.contains("shards") && old["shards"].is_array()) {
+          for (const auto& rec : old["shards"]) {
+            const int64_t k = rec.value("shard", int64_t{-1});
+            if (k < 0 || k >= num_shards) continue;
+            // Kept only when it holds the same items, from unchanged sources, and its file verifies.
+            bool same = rec.contains("sources") && rec["sources"].size() == static_cast<size_t>(std::min(S, n - k * S));
+            for (int64_t j = 0; same && j < std::min(S, n - k * S); ++j) {
+              const auto& src = rec["sources"][static_cast<size_t>(j)];
+              const auto& item = dataset.item(k * S + j);
+              const auto st = stat_source(item.path);
+              same = src.value("index", int64_t{-1}) == item.index && src.value("path", "") == item.path &&
+                     src.value("size", uint64_t{0}) == st.size && src.value("mtime_ns", int64_t{0}) == st.mtime_ns;
+            }
+            const std::string file = io::join_path(options.out, rec.value("file", ""));
+            if (!same) continue;
+            if (!io::path_exists(file) || io::file_size(file) != rec.value("bytes", uint64_t{0}) ||
+                fmt::format("{:08x}", io::file_crc32(file)) != rec.value("crc32", "")) {
+              warn("shard " + file + " does not verify (size or CRC-32); writing it again");
+              continue;
+            }
+            shard_records[static_cast<size_t>(k)] = rec;
           }
-          const std::string file = io::join_path(options.out, rec.value("file", ""));
-          if (!same) continue;
-          if (!io::path_exists(file) || io::file_size(file) != rec.value("bytes", uint64_t{0}) ||
-              fmt::format("{:08x}", io::file_crc32(file)) != rec.value("crc32", "")) {
-            warn("shard " + file + " does not verify (size or CRC-32); writing it again");
-            continue;
-          }
-          shard_records[static_cast<size_t>(k)] = rec;
         }
+      } catch (const json::exception& e) {
+        throw DatasetError("megaslide-cache: " + manifest_path + " is malformed (" + e.what() +
+                           "); remove the folder or choose another --out");
       }
-    } catch (const json::exception& e) {
-      throw DatasetError("megaslide-cache: " + manifest_path + " is malformed (" + e.what() + "); remove the folder or choose another --out");
-    }
 
     // The encoders (after the checks above: a mismatch is refused before loading gigabytes), then the
     // empty prompt (caption dropout).
     const auto encoders = cache_encoders(config, resolve_device(config.train.device));
     const io::NamedTensors empty = encoders->encode_text("");
-    io::write_safetensors(io::join_path(options.out, kEmptyPrompt), empty, {{"format", "megaslide.cache.empty_prompt"}});
+    io::write_safetensors(io::join_path(options.out, kEmptyPrompt), empty,
+                          {{"format", "megaslide.cache.empty_prompt"}});
 
     auto write_manifest = [&](bool complete) {
       json shards = json::array();
@@ -432,7 +467,8 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
       if (!shard_records[static_cast<size_t>(k)].is_null()) {
         for (const auto& b : shard_records[static_cast<size_t>(k)].value("bad", json::array()))
           result.bad.push_back({b.value("index", int64_t{0}), b.value("path", ""), b.value("reason", "")});
-        const auto kept = static_cast<int64_t>(shard_records[static_cast<size_t>(k)].value("items", json::array()).size());
+        const auto kept =
+            static_cast<int64_t>(shard_records[static_cast<size_t>(k)].value("items", json::array()).size());
         result.items_reused += kept;
         result.items += kept;
         ++result.shards_reused;
@@ -458,7 +494,8 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
         }
       };
       std::vector<std::thread> pool;
-      for (int64_t t = 0; t < std::min<int64_t>(std::max<int64_t>(1, options.threads), count); ++t) pool.emplace_back(work);
+      for (int64_t t = 0; t < std::min<int64_t>(std::max<int64_t>(1, options.threads), count); ++t)
+        pool.emplace_back(work);
       for (auto& t : pool) t.join();
 
       io::NamedTensors tensors;
@@ -477,7 +514,8 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
         const auto video = encoders->encode_video(clips[static_cast<size_t>(j)]);
         latents.emplace_back(items.size(), video);
         tensors.emplace_back(std::to_string(item.index) + ".latents", video);
-        for (auto& [name, t] : encoders->encode_text(item.caption)) tensors.emplace_back(std::to_string(item.index) + "." + name, t);
+        for (auto& [name, t] : encoders->encode_text(item.caption))
+          tensors.emplace_back(std::to_string(item.index) + "." + name, t);
         items.push_back({{"index", item.index},
                          {"path", item.path},
                          {"caption", item.caption},
@@ -486,7 +524,8 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
                          {"bucket", dataset.info(first + j).bucket}});
       }
       const std::string file = shard_name(k);
-      const auto written = io::write_safetensors(io::join_path(options.out, file), tensors, {{"format", "megaslide.cache.shard"}});
+      const auto written =
+          io::write_safetensors(io::join_path(options.out, file), tensors, {{"format", "megaslide.cache.shard"}});
       const auto header = io::read_safetensors_header(io::join_path(options.out, file));
       std::map<std::string, const io::SafetensorsEntry*> entries;
       for (const auto& e : header.entries) entries[e.name] = &e;
@@ -495,11 +534,12 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
         const auto* e = entries.at(std::to_string(rec["index"].get<int64_t>()) + ".latents");
         rec["offset"] = header.data_start + e->begin;
         rec["bytes"] = e->end - e->begin;
-        rec["crc32"] = fmt::format("{:08x}", io::crc32(t.data_ptr(), static_cast<size_t>(t.numel() * t.element_size())));
+        rec["crc32"] =
+            fmt::format("{:08x}", io::crc32(t.data_ptr(), static_cast<size_t>(t.numel() * t.element_size())));
       }
-      shard_records[static_cast<size_t>(k)] = {{"shard", k},       {"file", file},  {"bytes", written.bytes},
-                                               {"crc32", fmt::format("{:08x}", written.crc32)},
-                                               {"items", items}, {"bad", bad}, {"sources", sources}};
+      shard_records[static_cast<size_t>(k)] = {
+          {"shard", k},     {"file", file}, {"bytes", written.bytes}, {"crc32", fmt::format("{:08x}", written.crc32)},
+          {"items", items}, {"bad", bad},   {"sources", sources}};
       write_manifest(false);
       result.items += static_cast<int64_t>(items.size());
       ++result.shards;
@@ -538,13 +578,17 @@ std::shared_ptr<LatentCache> LatentCache::open(const RunConfig& config, const st
 
 std::shared_ptr<LatentCache> LatentCache::open_checked(const RunConfig& config, const std::string& dir) {
   const std::string manifest_path = io::join_path(dir, kManifest);
-  if (!io::path_exists(manifest_path)) throw DatasetError("data.cache '" + dir + "': no " + kManifest + " (not a cache, or never built: run megaslide-cache)");
+  if (!io::path_exists(manifest_path))
+    throw DatasetError("data.cache '" + dir + "': no " + kManifest +
+                       " (not a cache, or never built: run megaslide-cache)");
   const json m = read_manifest(manifest_path);
   if (!m.value("complete", false))
-    throw DatasetError("data.cache '" + dir + "' is incomplete (megaslide-cache was interrupted); run megaslide-cache again to finish it");
+    throw DatasetError("data.cache '" + dir +
+                       "' is incomplete (megaslide-cache was interrupted); run megaslide-cache again to finish it");
   check_same(m.value("encoders", json()), json::parse(cache_identity(config)), "encoders", dir);
   check_same(m.value("decode", json()), decode_settings(config.data), "decode settings", dir);
-  const json dataset = {{"source", dataset_source(config.data)}, {"listed", m.value("dataset", json()).value("listed", int64_t{0})}};
+  const json dataset = {{"source", dataset_source(config.data)},
+                        {"listed", m.value("dataset", json()).value("listed", int64_t{0})}};
   check_same(m.value("dataset", json()), dataset, "dataset", dir);
 
   std::shared_ptr<LatentCache> cache(new LatentCache());
@@ -575,12 +619,13 @@ std::shared_ptr<LatentCache> LatentCache::open_checked(const RunConfig& config, 
     mapping->bytes = static_cast<size_t>(st.st_size);
     if (static_cast<uint64_t>(st.st_size) != rec.value("bytes", uint64_t{0})) {
       ::close(fd);
-      throw DatasetError(fmt::format("cache shard '{}' is {} bytes but the manifest says {} (truncated or replaced)", mapping->path,
-                                     st.st_size, rec.value("bytes", uint64_t{0})));
+      throw DatasetError(fmt::format("cache shard '{}' is {} bytes but the manifest says {} (truncated or replaced)",
+                                     mapping->path, st.st_size, rec.value("bytes", uint64_t{0})));
     }
     mapping->base = mapping->bytes > 0 ? ::mmap(nullptr, mapping->bytes, PROT_READ, MAP_PRIVATE, fd, 0) : nullptr;
     ::close(fd);
-    if (mapping->base == MAP_FAILED) throw DatasetError("cache shard '" + mapping->path + "': cannot map: " + std::strerror(errno));
+    if (mapping->base == MAP_FAILED)
+      throw DatasetError("cache shard '" + mapping->path + "': cannot map: " + std::strerror(errno));
     io::SafetensorsHeader header;
     try {
       header = io::read_safetensors_header(mapping->path);
@@ -631,9 +676,11 @@ std::shared_ptr<LatentCache> LatentCache::open_checked(const RunConfig& config, 
       stale.push_back(it.path + ": listed where the cache has " + cached_path[it.index]);
   }
   if (listing.listed() != cache->listed_)
-    stale.push_back(fmt::format("{}: lists {} items, the cache was built from {}", dataset_source(config.data), listing.listed(), cache->listed_));
+    stale.push_back(fmt::format("{}: lists {} items, the cache was built from {}", dataset_source(config.data),
+                                listing.listed(), cache->listed_));
   if (!stale.empty())
-    throw DatasetError(fmt::format("data.cache '{}' is stale ({} items); rebuild it with megaslide-cache:{}", dir, stale.size(), list_paths(stale)));
+    throw DatasetError(fmt::format("data.cache '{}' is stale ({} items); rebuild it with megaslide-cache:{}", dir,
+                                   stale.size(), list_paths(stale)));
 
   // The empty prompt.
   try {
@@ -651,8 +698,9 @@ std::shared_ptr<LatentCache> LatentCache::open_checked(const RunConfig& config, 
   if (static_cast<double>(cache->bad_.size()) > allowed) {
     std::vector<std::string> lines;
     for (const auto& b : cache->bad_) lines.push_back(b.path + ": " + b.reason);
-    throw DatasetError(fmt::format("data.cache '{}': {} of {} items are bad, more than data.max_bad_fraction ({}) allows:{}", dir,
-                                   cache->bad_.size(), cache->listed_, config.data.max_bad_fraction, list_paths(lines, 1000)));
+    throw DatasetError(
+        fmt::format("data.cache '{}': {} of {} items are bad, more than data.max_bad_fraction ({}) allows:{}", dir,
+                    cache->bad_.size(), cache->listed_, config.data.max_bad_fraction, list_paths(lines, 1000)));
   }
   return cache;
 }
@@ -669,8 +717,9 @@ ClipSample LatentCache::load(int64_t index, int64_t) const {
   const auto* bytes = static_cast<const char*>(shards_[static_cast<size_t>(item.shard)]->base) + item.latents_offset;
   const uint32_t crc = io::crc32(bytes, item.latents_bytes);
   if (crc != item.latents_crc32)
-    throw DatasetError(fmt::format("cache shard '{}': the latents of item {} ({}) have CRC-32 {:08x}, the manifest says {:08x} (corrupted)",
-                                   shards_[static_cast<size_t>(item.shard)]->path, item.index, item.path, crc, item.latents_crc32));
+    throw DatasetError(fmt::format(
+        "cache shard '{}': the latents of item {} ({}) have CRC-32 {:08x}, the manifest says {:08x} (corrupted)",
+        shards_[static_cast<size_t>(item.shard)]->path, item.index, item.path, crc, item.latents_crc32));
   return s;
 }
 
@@ -681,11 +730,13 @@ torch::Tensor LatentCache::stacked(const std::string& name) const {
     for (const auto& [n, t] : item.tensors)
       if (n == name) found = t;
     if (!found.defined())
-      throw DatasetError(fmt::format("data.cache '{}': item {} ({}) has no tensor '{}' (a cache of other encoders?)", dir_, item.index, item.path, name));
+      throw DatasetError(fmt::format("data.cache '{}': item {} ({}) has no tensor '{}' (a cache of other encoders?)",
+                                     dir_, item.index, item.path, name));
     if (!parts.empty() && found.sizes() != parts.front().sizes())
-      throw DatasetError(fmt::format("data.cache '{}': item {} ({}) has {} {} where the first item has {}: these items cannot be stacked "
-                                     "(one clip size is needed)", dir_, item.index, item.path, name, c10::str(found.sizes()),
-                                     c10::str(parts.front().sizes())));
+      throw DatasetError(fmt::format(
+          "data.cache '{}': item {} ({}) has {} {} where the first item has {}: these items cannot be stacked "
+          "(one clip size is needed)",
+          dir_, item.index, item.path, name, c10::str(found.sizes()), c10::str(parts.front().sizes())));
     parts.push_back(found);
   }
   if (parts.empty()) throw DatasetError("data.cache '" + dir_ + "' holds no items");
@@ -700,7 +751,8 @@ torch::ScalarType frozen_encoder_dtype(const std::string& name, torch::Device de
 
 std::optional<WanVaeTiling> wan_vae_tiling(const VaeConfig& v) {
   if (v.tile_size <= 0) return std::nullopt;
-  const int64_t overlap = static_cast<int64_t>(std::llround(static_cast<double>(v.tile_size) * v.tile_overlap)) / v.downscale * v.downscale;
+  const int64_t overlap =
+      static_cast<int64_t>(std::llround(static_cast<double>(v.tile_size) * v.tile_overlap)) / v.downscale * v.downscale;
   return WanVaeTiling{v.tile_size, std::max<int64_t>(v.downscale, v.tile_size - overlap)};
 }
 

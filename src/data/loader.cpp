@@ -79,8 +79,8 @@ LoadedBatch ClipLoader::load(const PlannedBatch& plan) const {
   const auto slots = static_cast<int64_t>(plan.items.size());
   const int64_t last = options_.slots_count < 0 ? slots : options_.slots_begin + options_.slots_count;
   if (options_.slots_begin >= slots || last > slots)
-    throw DatasetError(fmt::format("batch {} of epoch {} has {} items; slots [{}, {}) were asked for", plan.index, plan.epoch, slots,
-                                   options_.slots_begin, last));
+    throw DatasetError(fmt::format("batch {} of epoch {} has {} items; slots [{}, {}) were asked for", plan.index,
+                                   plan.epoch, slots, options_.slots_begin, last));
   for (auto slot = static_cast<size_t>(options_.slots_begin); slot < static_cast<size_t>(last); ++slot) {
     int64_t item = plan.items[slot];
     for (int64_t attempt = 0;; ++attempt) {
@@ -91,11 +91,12 @@ LoadedBatch ClipLoader::load(const PlannedBatch& plan) const {
       } catch (const std::exception& e) {
         out.failed.push_back({item, source_->path(item), e.what()});
         if (attempt + 1 >= options_.max_attempts)
-          throw DatasetError(fmt::format("batch {} of epoch {}: {} items of bucket {} failed to load in a row; the last: {}", plan.index,
-                                         plan.epoch, options_.max_attempts, plan.bucket, e.what()));
+          throw DatasetError(
+              fmt::format("batch {} of epoch {}: {} items of bucket {} failed to load in a row; the last: {}",
+                          plan.index, plan.epoch, options_.max_attempts, plan.bucket, e.what()));
         uint64_t h = splitmix64(options_.seed ^ 0x57A9D1Eull);
-        for (uint64_t v : {static_cast<uint64_t>(plan.epoch), static_cast<uint64_t>(plan.index), static_cast<uint64_t>(slot),
-                           static_cast<uint64_t>(attempt)})
+        for (uint64_t v : {static_cast<uint64_t>(plan.epoch), static_cast<uint64_t>(plan.index),
+                           static_cast<uint64_t>(slot), static_cast<uint64_t>(attempt)})
           h = splitmix64(h ^ v);
         item = candidates[static_cast<size_t>(h % candidates.size())];
       }
@@ -106,8 +107,8 @@ LoadedBatch ClipLoader::load(const PlannedBatch& plan) const {
   for (auto s : first.sizes()) shape.push_back(s);
   out.video = torch::empty(shape, first.options().pinned_memory(options_.pin_memory));
   for (size_t i = 0; i < samples.size(); ++i) {
-    TORCH_CHECK(samples[i].video.sizes() == first.sizes(), "ClipLoader: items of one bucket differ in shape: ", samples[i].video.sizes(),
-                " and ", first.sizes());
+    TORCH_CHECK(samples[i].video.sizes() == first.sizes(),
+                "ClipLoader: items of one bucket differ in shape: ", samples[i].video.sizes(), " and ", first.sizes());
     out.video[static_cast<int64_t>(i)].copy_(samples[i].video);
   }
   if (samples.front().text_ids.defined()) {

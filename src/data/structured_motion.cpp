@@ -86,7 +86,8 @@ torch::Tensor StructuredMotionDataset::render(const MotionDescription& m) const 
       break;
     }
     case MotionKind::kGradient: {
-      auto ramp = m.vertical ? y / static_cast<double>(std::max<int64_t>(H - 1, 1)) : x / static_cast<double>(std::max<int64_t>(W - 1, 1));
+      auto ramp = m.vertical ? y / static_cast<double>(std::max<int64_t>(H - 1, 1))
+                             : x / static_cast<double>(std::max<int64_t>(W - 1, 1));
       auto level = T > 1 ? t / static_cast<double>(T - 1) : torch::zeros_like(t);
       if (!m.brightens) level = 1.0 - level;
       frame = 0.5 * ramp * 0.5 + 0.75 * level;  // in [0, 1]
@@ -124,7 +125,8 @@ std::string StructuredMotionDataset::caption(const MotionDescription& m) const {
 }
 
 Clip StructuredMotionDataset::get(int64_t index) const {
-  TORCH_CHECK(index >= 0 && index < size(), "StructuredMotionDataset: index ", index, " out of range [0, ", size(), ")");
+  TORCH_CHECK(index >= 0 && index < size(), "StructuredMotionDataset: index ", index, " out of range [0, ", size(),
+              ")");
   Clip clip;
   clip.motion = describe(index);
   clip.video = render(clip.motion);

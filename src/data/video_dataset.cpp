@@ -27,7 +27,9 @@ double frame_step(const DataConfig& data, double source_fps) {
   return data.fps > 0 ? source_fps / data.fps : static_cast<double>(data.frame_stride);
 }
 
-int64_t source_index(int64_t k, double step) { return static_cast<int64_t>(std::llround(static_cast<double>(k) * step)); }
+int64_t source_index(int64_t k, double step) {
+  return static_cast<int64_t>(std::llround(static_cast<double>(k) * step));
+}
 
 // Source frames a clip of `frames` frames spans.
 int64_t frame_span(int64_t frames, double step) { return source_index(frames - 1, step) + 1; }
@@ -68,16 +70,22 @@ double augmentation_draw(uint64_t seed, int64_t item_index, int64_t epoch, int s
   return static_cast<double>(h >> 11) * (1.0 / 9007199254740992.0);  // 53 bits
 }
 
-VideoDataset::VideoDataset(DataConfig data, std::vector<VideoItem> items, std::vector<VideoItemInfo> info, std::vector<BadItem> bad,
-                           int64_t listed)
-    : data_(std::move(data)), buckets_(clip_buckets(data_)), items_(std::move(items)), info_(std::move(info)), bad_(std::move(bad)),
+VideoDataset::VideoDataset(DataConfig data, std::vector<VideoItem> items, std::vector<VideoItemInfo> info,
+                           std::vector<BadItem> bad, int64_t listed)
+    : data_(std::move(data)),
+      buckets_(clip_buckets(data_)),
+      items_(std::move(items)),
+      info_(std::move(info)),
+      bad_(std::move(bad)),
       listed_(listed) {
   TORCH_CHECK(items_.size() == info_.size(), "VideoDataset: ", items_.size(), " items but ", info_.size(), " infos");
   for (const auto& i : info_)
-    TORCH_CHECK(i.bucket >= 0 && i.bucket < static_cast<int64_t>(buckets_.size()), "VideoDataset: bucket ", i.bucket, " out of range");
+    TORCH_CHECK(i.bucket >= 0 && i.bucket < static_cast<int64_t>(buckets_.size()), "VideoDataset: bucket ", i.bucket,
+                " out of range");
 }
 
-VideoDataset VideoDataset::open(const DataConfig& data, int threads, const std::function<void(int64_t, int64_t)>& on_progress) {
+VideoDataset VideoDataset::open(const DataConfig& data, int threads,
+                                const std::function<void(int64_t, int64_t)>& on_progress) {
   VideoManifest manifest = read_video_manifest(data);
   const auto buckets = clip_buckets(data);
   const size_t n = manifest.items.size();
@@ -157,12 +165,14 @@ ClipPlan VideoDataset::plan(int64_t i, int64_t epoch, int64_t frames) const {
   const double step = frame_step(data_, in.fps);
   const int64_t span = frame_span(shape.frames, step);
   if (span > frames)
-    throw DatasetError(fmt::format("video '{}': too few frames ({}; its {}-frame clip spans {})", it.path, frames, shape.frames, span));
+    throw DatasetError(fmt::format("video '{}': too few frames ({}; its {}-frame clip spans {})", it.path, frames,
+                                   shape.frames, span));
   const int64_t starts = frames - span + 1;
-  const int64_t start = data_.clip_start == "center"
-                            ? (starts - 1) / 2
-                            : std::min<int64_t>(starts - 1, static_cast<int64_t>(augmentation_draw(data_.seed, it.index, epoch, 0) *
-                                                                                 static_cast<double>(starts)));
+  const int64_t start =
+      data_.clip_start == "center"
+          ? (starts - 1) / 2
+          : std::min<int64_t>(starts - 1, static_cast<int64_t>(augmentation_draw(data_.seed, it.index, epoch, 0) *
+                                                               static_cast<double>(starts)));
   for (int64_t k = 0; k < shape.frames; ++k) p.frame_indices.push_back(start + source_index(k, step));
   // Scale so that the frame just covers the bucket (the shorter side relative to the bucket's aspect).
   const double scale = std::max(static_cast<double>(shape.height) / static_cast<double>(in.height),
@@ -173,8 +183,10 @@ ClipPlan VideoDataset::plan(int64_t i, int64_t epoch, int64_t frames) const {
   if (data_.crop == "center") {
     p.crop_top = free_h / 2, p.crop_left = free_w / 2;
   } else {
-    p.crop_top = std::min(free_h, static_cast<int64_t>(augmentation_draw(data_.seed, it.index, epoch, 1) * static_cast<double>(free_h + 1)));
-    p.crop_left = std::min(free_w, static_cast<int64_t>(augmentation_draw(data_.seed, it.index, epoch, 2) * static_cast<double>(free_w + 1)));
+    p.crop_top = std::min(free_h, static_cast<int64_t>(augmentation_draw(data_.seed, it.index, epoch, 1) *
+                                                       static_cast<double>(free_h + 1)));
+    p.crop_left = std::min(free_w, static_cast<int64_t>(augmentation_draw(data_.seed, it.index, epoch, 2) *
+                                                        static_cast<double>(free_w + 1)));
   }
   return p;
 }
@@ -193,7 +205,9 @@ torch::Tensor resize_and_crop(const torch::Tensor& frames, const ClipPlan& plan,
                               .antialias(true));
     resized = x.round().clamp(0, 255).to(torch::kUInt8).permute({0, 2, 3, 1});
   }
-  return resized.slice(1, plan.crop_top, plan.crop_top + shape.height).slice(2, plan.crop_left, plan.crop_left + shape.width).contiguous();
+  return resized.slice(1, plan.crop_top, plan.crop_top + shape.height)
+      .slice(2, plan.crop_left, plan.crop_left + shape.width)
+      .contiguous();
 }
 
 torch::Tensor VideoDataset::load(int64_t i, int64_t epoch) const {
@@ -205,7 +219,8 @@ torch::Tensor VideoDataset::load(int64_t i, int64_t epoch) const {
     // The container promised more frames than the stream holds: plan again with the true count.
     p = plan(i, epoch, decoded);
     frames = io::read_video_frames(it.path, p.frame_indices, &decoded);
-    if (!frames.defined()) throw DatasetError(fmt::format("video '{}': decoding stopped after {} frames", it.path, decoded));
+    if (!frames.defined())
+      throw DatasetError(fmt::format("video '{}': decoding stopped after {} frames", it.path, decoded));
   }
   return resize_and_crop(frames, p, buckets_[static_cast<size_t>(p.bucket)]);
 }
@@ -220,8 +235,8 @@ void VideoDataset::check_bad_fraction(const std::vector<BadItem>* all_bad) const
   const std::string source = data_.manifest.empty() ? data_.root : data_.manifest;
   if (size() == 0)
     throw DatasetError(fmt::format("dataset '{}': no usable video among {} listed{}", source, listed_, list));
-  throw DatasetError(fmt::format("dataset '{}': {} of {} items are bad, more than data.max_bad_fraction ({}) allows:{}", source, bad_count,
-                                 listed_, data_.max_bad_fraction, list));
+  throw DatasetError(fmt::format("dataset '{}': {} of {} items are bad, more than data.max_bad_fraction ({}) allows:{}",
+                                 source, bad_count, listed_, data_.max_bad_fraction, list));
 }
 
 }  // namespace megaslide

@@ -1,6 +1,5 @@
 #include "megaslide/data/video_manifest.h"
 
-
 #include <algorithm>
 #include <cctype>
 #include <map>
@@ -113,8 +112,8 @@ bool ends_with(const std::string& s, const std::string& suffix) {
 }
 
 // {column} -> the row's value; an unknown column or an unclosed brace is a DatasetError.
-std::string fill_template(const std::string& tmpl, const std::map<std::string, size_t>& columns, const std::vector<std::string>& fields,
-                          const std::string& source) {
+std::string fill_template(const std::string& tmpl, const std::map<std::string, size_t>& columns,
+                          const std::vector<std::string>& fields, const std::string& source) {
   std::string out;
   for (size_t i = 0; i < tmpl.size(); ++i) {
     if (tmpl[i] != '{') {
@@ -127,7 +126,8 @@ std::string fill_template(const std::string& tmpl, const std::map<std::string, s
     const std::string name = lower(tmpl.substr(i + 1, close - i - 1));
     auto it = columns.find(name);
     if (it == columns.end())
-      throw DatasetError(source + ": data.video_path_template '" + tmpl + "' names column '" + name + "', which the header does not have");
+      throw DatasetError(source + ": data.video_path_template '" + tmpl + "' names column '" + name +
+                         "', which the header does not have");
     out += it->second < fields.size() ? trim(fields[it->second]) : std::string();
     i = close;
   }
@@ -146,8 +146,9 @@ VideoManifest read_csv(const DataConfig& data) {
   if (!webvid && !opensora) {
     std::string header;
     for (const auto& f : rows[0].fields) header += (header.empty() ? "" : ", ") + f;
-    throw DatasetError(data.manifest + ": line 1: the header (" + header +
-                       ") matches no layout: expected WebVid's (videoid, name, page_dir, ...) or Open-Sora's (path, text, ...)");
+    throw DatasetError(
+        data.manifest + ": line 1: the header (" + header +
+        ") matches no layout: expected WebVid's (videoid, name, page_dir, ...) or Open-Sora's (path, text, ...)");
   }
   m.layout = opensora ? "opensora-csv" : "webvid-csv";
   const std::string base = parent_folder(data.manifest);
@@ -158,10 +159,12 @@ VideoManifest read_csv(const DataConfig& data) {
     const std::string where = data.manifest + ":" + std::to_string(rows[r].line);
     if (fields.size() != rows[0].fields.size()) {
       m.bad.push_back({index, where,
-                       "has " + std::to_string(fields.size()) + " fields, the header has " + std::to_string(rows[0].fields.size())});
+                       "has " + std::to_string(fields.size()) + " fields, the header has " +
+                           std::to_string(rows[0].fields.size())});
       continue;
     }
-    const std::string file = opensora ? trim(fields[columns["path"]]) : fill_template(data.video_path_template, columns, fields, data.manifest);
+    const std::string file = opensora ? trim(fields[columns["path"]])
+                                      : fill_template(data.video_path_template, columns, fields, data.manifest);
     const std::string caption = trim(fields[caption_col]);
     if (file.empty()) {
       m.bad.push_back({index, where, "no video path"});
@@ -249,8 +252,9 @@ void move_non_utf8_items_to_bad(VideoManifest& m) {
     }
     const bool path_bad = in_path != std::string::npos;
     const unsigned char byte = static_cast<unsigned char>(path_bad ? item.path[in_path] : item.caption[in_caption]);
-    m.bad.push_back({item.index, utf8::escaped(item.path), fmt::format("its {} is not UTF-8 text (byte 0x{:02x} at offset {})",
-                                                        path_bad ? "file name" : "caption", byte, path_bad ? in_path : in_caption)});
+    m.bad.push_back({item.index, utf8::escaped(item.path),
+                     fmt::format("its {} is not UTF-8 text (byte 0x{:02x} at offset {})",
+                                 path_bad ? "file name" : "caption", byte, path_bad ? in_path : in_caption)});
   }
   m.items = std::move(kept);
   std::sort(m.bad.begin(), m.bad.end(), [](const BadItem& a, const BadItem& b) { return a.index < b.index; });

@@ -19,9 +19,12 @@ Prediction parse_prediction(const std::string& name) {
 
 const char* to_string(Prediction prediction) {
   switch (prediction) {
-    case Prediction::kEpsilon: return "epsilon";
-    case Prediction::kV: return "v";
-    case Prediction::kX0: return "x0";
+    case Prediction::kEpsilon:
+      return "epsilon";
+    case Prediction::kV:
+      return "v";
+    case Prediction::kX0:
+      return "x0";
   }
   return "?";
 }
@@ -31,8 +34,8 @@ DDPMSchedule::DDPMSchedule(int64_t timesteps, BetaSchedule schedule, double beta
   TORCH_CHECK(timesteps >= 2, "DDPMSchedule: need at least 2 timesteps, got ", timesteps);
   auto f64 = torch::TensorOptions().dtype(torch::kFloat64);
   if (schedule == BetaSchedule::kLinear) {
-    TORCH_CHECK(0 < beta_start && beta_start < beta_end && beta_end < 1, "DDPMSchedule: need 0 < beta_start < beta_end < 1, got ",
-                beta_start, ", ", beta_end);
+    TORCH_CHECK(0 < beta_start && beta_start < beta_end && beta_end < 1,
+                "DDPMSchedule: need 0 < beta_start < beta_end < 1, got ", beta_start, ", ", beta_end);
     betas_ = torch::linspace(beta_start, beta_end, timesteps, f64);
   } else {
     const double s = 0.008;
@@ -51,7 +54,8 @@ DDPMSchedule DDPMSchedule::to(torch::Device device) const {
   return copy;
 }
 
-torch::Tensor DDPMSchedule::add_noise(const torch::Tensor& x0, const torch::Tensor& noise, const torch::Tensor& t) const {
+torch::Tensor DDPMSchedule::add_noise(const torch::Tensor& x0, const torch::Tensor& noise,
+                                      const torch::Tensor& t) const {
   TORCH_CHECK(x0.sizes() == noise.sizes(), "add_noise: x0 ", x0.sizes(), " and noise ", noise.sizes(), " differ");
   TORCH_CHECK(t.dim() == 1 && t.size(0) == x0.size(0), "add_noise: expected timesteps [B] with B = ", x0.size(0));
   std::vector<int64_t> shape(static_cast<size_t>(x0.dim()), 1);
@@ -65,9 +69,12 @@ torch::Tensor DDPMSchedule::target(Prediction prediction, const torch::Tensor& x
   TORCH_CHECK(x0.sizes() == noise.sizes(), "target: x0 ", x0.sizes(), " and noise ", noise.sizes(), " differ");
   TORCH_CHECK(t.dim() == 1 && t.size(0) == x0.size(0), "target: expected timesteps [B] with B = ", x0.size(0));
   switch (prediction) {
-    case Prediction::kEpsilon: return noise;
-    case Prediction::kX0: return x0;
-    case Prediction::kV: break;
+    case Prediction::kEpsilon:
+      return noise;
+    case Prediction::kX0:
+      return x0;
+    case Prediction::kV:
+      break;
   }
   std::vector<int64_t> shape(static_cast<size_t>(x0.dim()), 1);
   shape[0] = x0.size(0);
@@ -75,7 +82,8 @@ torch::Tensor DDPMSchedule::target(Prediction prediction, const torch::Tensor& x
   return (abar.sqrt() * noise.to(torch::kFloat64) - (1 - abar).sqrt() * x0.to(torch::kFloat64)).to(x0.scalar_type());
 }
 
-torch::Tensor DDPMSchedule::sample_timesteps(int64_t batch, torch::Device device, std::optional<at::Generator> generator) const {
+torch::Tensor DDPMSchedule::sample_timesteps(int64_t batch, torch::Device device,
+                                             std::optional<at::Generator> generator) const {
   return torch::randint(0, timesteps_, {batch}, generator, torch::TensorOptions().dtype(torch::kLong)).to(device);
 }
 

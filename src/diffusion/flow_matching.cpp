@@ -60,7 +60,9 @@ FlowMatchingOptions FlowMatchingOptions::from_config(const RunConfig& config) {
 
 double shift_sigma(double sigma, double shift) { return shift * sigma / (1.0 + (shift - 1.0) * sigma); }
 
-torch::Tensor shift_sigmas(const torch::Tensor& sigma, double shift) { return shift * sigma / (1.0 + (shift - 1.0) * sigma); }
+torch::Tensor shift_sigmas(const torch::Tensor& sigma, double shift) {
+  return shift * sigma / (1.0 + (shift - 1.0) * sigma);
+}
 
 torch::Tensor sample_flow_sigmas(int64_t batch, const FlowMatchingOptions& options, at::Generator& generator) {
   const auto f64 = torch::TensorOptions().dtype(torch::kFloat64);
@@ -190,8 +192,8 @@ torch::Tensor FlowUniPC::predictor(const torch::Tensor& x, int64_t order) {
   return x_t;
 }
 
-torch::Tensor FlowUniPC::corrector(const torch::Tensor& this_x0, const torch::Tensor& last_sample, const torch::Tensor& this_sample,
-                                   int64_t order) {
+torch::Tensor FlowUniPC::corrector(const torch::Tensor& this_x0, const torch::Tensor& last_sample,
+                                   const torch::Tensor& this_sample, int64_t order) {
   (void)this_sample;
   const int64_t i = index_;
   const double sigma_t = sigma_[static_cast<size_t>(i)], sigma_s0 = sigma_[static_cast<size_t>(i - 1)];
@@ -243,9 +245,10 @@ FlowSamplerKind parse_flow_sampler(const std::string& name) {
   TORCH_CHECK(false, "flow sampler: expected euler or unipc, got '", name, "'");
 }
 
-torch::Tensor flow_sample(const FlowModelFn& model, const FlowSamplerOptions& options, const std::vector<int64_t>& sample_shape,
-                          const std::vector<uint64_t>& seeds, const Conditioning& cond, const Conditioning& uncond,
-                          torch::Device device, const std::function<void(int64_t, int64_t)>& on_step) {
+torch::Tensor flow_sample(const FlowModelFn& model, const FlowSamplerOptions& options,
+                          const std::vector<int64_t>& sample_shape, const std::vector<uint64_t>& seeds,
+                          const Conditioning& cond, const Conditioning& uncond, torch::Device device,
+                          const std::function<void(int64_t, int64_t)>& on_step) {
   const int64_t B = static_cast<int64_t>(seeds.size());
   TORCH_CHECK(B >= 1, "flow_sample: no seeds");
   std::vector<torch::Tensor> starts;

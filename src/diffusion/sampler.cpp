@@ -15,9 +15,12 @@ TimestepSpacing parse_timestep_spacing(const std::string& name) {
 
 const char* to_string(TimestepSpacing spacing) {
   switch (spacing) {
-    case TimestepSpacing::kLinspace: return "linspace";
-    case TimestepSpacing::kLeading: return "leading";
-    case TimestepSpacing::kTrailing: return "trailing";
+    case TimestepSpacing::kLinspace:
+      return "linspace";
+    case TimestepSpacing::kLeading:
+      return "leading";
+    case TimestepSpacing::kTrailing:
+      return "trailing";
   }
   return "?";
 }
@@ -33,10 +36,11 @@ int64_t round_half_even(double v) {
 }
 }  // namespace
 
-std::vector<int64_t> SamplingSchedule::respaced_timesteps(int64_t train_timesteps, int64_t steps, TimestepSpacing spacing) {
+std::vector<int64_t> SamplingSchedule::respaced_timesteps(int64_t train_timesteps, int64_t steps,
+                                                          TimestepSpacing spacing) {
   TORCH_CHECK(train_timesteps >= 1, "respaced_timesteps: need at least one training timestep");
-  TORCH_CHECK(steps >= 1 && steps <= train_timesteps, "respaced_timesteps: sampling steps must be in [1, ", train_timesteps,
-              "] (the training timesteps), got ", steps);
+  TORCH_CHECK(steps >= 1 && steps <= train_timesteps, "respaced_timesteps: sampling steps must be in [1, ",
+              train_timesteps, "] (the training timesteps), got ", steps);
   const auto T = static_cast<double>(train_timesteps), S = static_cast<double>(steps);
   std::vector<int64_t> out;
   out.reserve(static_cast<size_t>(steps));
@@ -44,7 +48,8 @@ std::vector<int64_t> SamplingSchedule::respaced_timesteps(int64_t train_timestep
     case TimestepSpacing::kLinspace: {
       // numpy.linspace(0, T − 1, S): i·step, the last value exactly T − 1.
       const double stride = steps > 1 ? (T - 1) / (S - 1) : 0.0;
-      for (int64_t i = 0; i < steps; ++i) out.push_back(round_half_even(i == steps - 1 && steps > 1 ? T - 1 : static_cast<double>(i) * stride));
+      for (int64_t i = 0; i < steps; ++i)
+        out.push_back(round_half_even(i == steps - 1 && steps > 1 ? T - 1 : static_cast<double>(i) * stride));
       break;
     }
     case TimestepSpacing::kLeading:
@@ -73,7 +78,8 @@ SamplingSchedule::SamplingSchedule(const DDPMSchedule& train, const std::vector<
   for (size_t i = 0; i < timesteps.size(); ++i) {
     TORCH_CHECK(timesteps[i] >= 0 && timesteps[i] < train.timesteps(), "SamplingSchedule: timestep ", timesteps[i],
                 " outside [0, ", train.timesteps(), ")");
-    TORCH_CHECK(i == 0 || timesteps[i] > timesteps[i - 1], "SamplingSchedule: timesteps must be ascending and distinct");
+    TORCH_CHECK(i == 0 || timesteps[i] > timesteps[i - 1],
+                "SamplingSchedule: timesteps must be ascending and distinct");
   }
   const auto f64 = torch::TensorOptions().dtype(torch::kFloat64);
   timesteps_ = torch::tensor(timesteps, torch::kLong);
@@ -85,7 +91,8 @@ SamplingSchedule::SamplingSchedule(const DDPMSchedule& train, const std::vector<
   posterior_variance_ = betas_ * (1 - alphas_cumprod_prev_) / (1 - alphas_cumprod_);
 }
 
-ResidentDenoiser::ResidentDenoiser(DiT model, c10::ScalarType compute_dtype) : model_(std::move(model)), compute_dtype_(compute_dtype) {
+ResidentDenoiser::ResidentDenoiser(DiT model, c10::ScalarType compute_dtype)
+    : model_(std::move(model)), compute_dtype_(compute_dtype) {
   TORCH_CHECK(model_, "ResidentDenoiser: the model is null");
   TORCH_CHECK(compute_dtype_ == at::kFloat || compute_dtype_ == at::kBFloat16 || compute_dtype_ == at::kHalf,
               "ResidentDenoiser: compute dtype must be Float, BFloat16 or Half, got ", compute_dtype_);
@@ -105,19 +112,21 @@ torch::Tensor ResidentDenoiser::predict(const torch::Tensor& x, const torch::Ten
   return model_->head(h.to(e.tokens.scalar_type()), e.t_emb, e.ctx.grid);
 }
 
-torch::Tensor guided_prediction(Denoiser& denoiser, const torch::Tensor& x, const torch::Tensor& t, const Conditioning& cond,
-                           const Conditioning& uncond, double scale) {
+torch::Tensor guided_prediction(Denoiser& denoiser, const torch::Tensor& x, const torch::Tensor& t,
+                                const Conditioning& cond, const Conditioning& uncond, double scale) {
   const int64_t B = x.size(0);
-  TORCH_CHECK(cond.text.dim() == 3 && cond.text.size(0) == B, "guided_prediction: cond.text must be [B, L, D] with B = ", B, ", got ",
-              cond.text.sizes());
+  TORCH_CHECK(cond.text.dim() == 3 && cond.text.size(0) == B,
+              "guided_prediction: cond.text must be [B, L, D] with B = ", B, ", got ", cond.text.sizes());
   TORCH_CHECK(uncond.text.dim() == 3 && (uncond.text.size(0) == B || uncond.text.size(0) == 1) &&
                   uncond.text.size(2) == cond.text.size(2),
-              "guided_prediction: uncond.text must be [B or 1, L, D] matching cond.text ", cond.text.sizes(), ", got ", uncond.text.sizes());
+              "guided_prediction: uncond.text must be [B or 1, L, D] matching cond.text ", cond.text.sizes(), ", got ",
+              uncond.text.sizes());
   // Pad the shorter token axis so the two can share one batch; padding is masked out.
   auto expand = [&](const Conditioning& c, int64_t L) {
     auto text = c.text.expand({B, c.text.size(1), c.text.size(2)});
     auto mask = c.mask.defined() ? c.mask.expand({B, c.text.size(1)})
-                                 : torch::ones({B, c.text.size(1)}, torch::TensorOptions().dtype(torch::kBool).device(c.text.device()));
+                                 : torch::ones({B, c.text.size(1)},
+                                               torch::TensorOptions().dtype(torch::kBool).device(c.text.device()));
     if (c.text.size(1) < L) {
       text = torch::cat({text, torch::zeros({B, L - c.text.size(1), c.text.size(2)}, text.options())}, 1);
       mask = torch::cat({mask, torch::zeros({B, L - c.text.size(1)}, mask.options())}, 1);
@@ -136,9 +145,12 @@ torch::Tensor guided_prediction(Denoiser& denoiser, const torch::Tensor& x, cons
 torch::Tensor predicted_x0(Prediction prediction, const torch::Tensor& output, const torch::Tensor& x, double abar) {
   TORCH_CHECK(abar > 0 && abar <= 1, "predicted_x0: ᾱ must be in (0, 1], got ", abar);
   switch (prediction) {
-    case Prediction::kEpsilon: return (1.0 / std::sqrt(abar)) * x - std::sqrt(1.0 / abar - 1.0) * output;
-    case Prediction::kV: return std::sqrt(abar) * x - std::sqrt(1.0 - abar) * output;
-    case Prediction::kX0: return output;
+    case Prediction::kEpsilon:
+      return (1.0 / std::sqrt(abar)) * x - std::sqrt(1.0 / abar - 1.0) * output;
+    case Prediction::kV:
+      return std::sqrt(abar) * x - std::sqrt(1.0 - abar) * output;
+    case Prediction::kX0:
+      return output;
   }
   TORCH_CHECK(false, "predicted_x0: unknown prediction");
 }
@@ -153,7 +165,8 @@ const char* to_string(SamplerKind kind) { return kind == SamplerKind::kDDPM ? "d
 
 namespace {
 // One standard-normal draw per sample from its own generator, stacked: [B, ...shape].
-torch::Tensor per_sample_noise(std::vector<at::Generator>& generators, const std::vector<int64_t>& shape, torch::Device device) {
+torch::Tensor per_sample_noise(std::vector<at::Generator>& generators, const std::vector<int64_t>& shape,
+                               torch::Device device) {
   std::vector<torch::Tensor> draws;
   draws.reserve(generators.size());
   for (auto& g : generators) draws.push_back(torch::randn(shape, g, torch::kFloat32));
@@ -161,17 +174,21 @@ torch::Tensor per_sample_noise(std::vector<at::Generator>& generators, const std
 }
 }  // namespace
 
-torch::Tensor reverse_step(const SamplingSchedule& schedule, int64_t i, const torch::Tensor& x, const torch::Tensor& output,
-                           const torch::Tensor& noise, const SamplerOptions& options) {
+torch::Tensor reverse_step(const SamplingSchedule& schedule, int64_t i, const torch::Tensor& x,
+                           const torch::Tensor& output, const torch::Tensor& noise, const SamplerOptions& options) {
   TORCH_CHECK(i >= 0 && i < schedule.steps(), "reverse_step: step index ", i, " outside [0, ", schedule.steps(), ")");
-  TORCH_CHECK(output.sizes() == x.sizes(), "reverse_step: model output ", output.sizes(), " and x ", x.sizes(), " differ");
-  TORCH_CHECK(!noise.defined() || noise.sizes() == x.sizes(), "reverse_step: noise ", noise.sizes(), " and x ", x.sizes(), " differ");
-  const double abar = schedule.alphas_cumprod()[i].item<double>(), abar_prev = schedule.alphas_cumprod_prev()[i].item<double>();
+  TORCH_CHECK(output.sizes() == x.sizes(), "reverse_step: model output ", output.sizes(), " and x ", x.sizes(),
+              " differ");
+  TORCH_CHECK(!noise.defined() || noise.sizes() == x.sizes(), "reverse_step: noise ", noise.sizes(), " and x ",
+              x.sizes(), " differ");
+  const double abar = schedule.alphas_cumprod()[i].item<double>(),
+               abar_prev = schedule.alphas_cumprod_prev()[i].item<double>();
   auto x0 = predicted_x0(options.prediction(), output, x, abar);
   if (options.clip_denoised()) x0 = x0.clamp(-1.0, 1.0);
   torch::Tensor next;
   if (options.kind() == SamplerKind::kDDPM) {
-    next = schedule.posterior_mean_coef1()[i].item<double>() * x0 + schedule.posterior_mean_coef2()[i].item<double>() * x;
+    next =
+        schedule.posterior_mean_coef1()[i].item<double>() * x0 + schedule.posterior_mean_coef2()[i].item<double>() * x;
     if (noise.defined()) next = next + std::sqrt(schedule.posterior_variance()[i].item<double>()) * noise;
   } else {
     // ε re-derived from the (clamped) x0, so that x0 and ε stay consistent (GLIDE; diffusers'
@@ -185,8 +202,9 @@ torch::Tensor reverse_step(const SamplingSchedule& schedule, int64_t i, const to
 }
 
 torch::Tensor sample(Denoiser& denoiser, const DDPMSchedule& schedule, const SamplerOptions& options,
-                     const std::vector<int64_t>& sample_shape, const std::vector<uint64_t>& seeds, const Conditioning& cond,
-                     const Conditioning& uncond, torch::Device device, const std::function<void(int64_t, int64_t)>& on_step) {
+                     const std::vector<int64_t>& sample_shape, const std::vector<uint64_t>& seeds,
+                     const Conditioning& cond, const Conditioning& uncond, torch::Device device,
+                     const std::function<void(int64_t, int64_t)>& on_step) {
   TORCH_CHECK(!seeds.empty(), "sample: no seeds (one per sample)");
   TORCH_CHECK(options.eta() >= 0, "sample: eta must be >= 0, got ", options.eta());
   const SamplingSchedule s(schedule, options.steps(), options.timestep_spacing());

@@ -7,7 +7,8 @@
 
 namespace megaslide {
 
-StreamedDenoiser::StreamedDenoiser(DiT model, StreamedDenoiserOptions options) : model_(std::move(model)), options_(options) {
+StreamedDenoiser::StreamedDenoiser(DiT model, StreamedDenoiserOptions options)
+    : model_(std::move(model)), options_(options) {
   TORCH_CHECK(model_, "StreamedDenoiser: the model is null");
   const auto dt = options_.compute_dtype;
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
@@ -45,7 +46,8 @@ StreamedDenoiser::StreamedDenoiser(DiT model, StreamedDenoiserOptions options) :
   // The resident parts: everything that is not a block.
   model_->move_non_block_parts(options_.device);
   model_->eval();
-  streamer_ = std::make_unique<offload::WeightStreamer>(numels, offload::WeightStreamerOptions{options_.device, dt, options_.mode});
+  streamer_ = std::make_unique<offload::WeightStreamer>(
+      numels, offload::WeightStreamerOptions{options_.device, dt, options_.mode});
 }
 
 StreamedDenoiser::~StreamedDenoiser() {
@@ -94,7 +96,8 @@ int64_t free_device_memory(torch::Device device) {
     c10::cuda::CUDAGuard guard(device);
     size_t free = 0, total = 0;
     const auto err = cudaMemGetInfo(&free, &total);
-    TORCH_CHECK(err == cudaSuccess, "free_device_memory: cudaMemGetInfo failed on ", device, ": ", cudaGetErrorString(err));
+    TORCH_CHECK(err == cudaSuccess, "free_device_memory: cudaMemGetInfo failed on ", device, ": ",
+                cudaGetErrorString(err));
     return static_cast<int64_t>(free);
   }
 #endif
@@ -103,9 +106,12 @@ int64_t free_device_memory(torch::Device device) {
 
 bool should_stream(StreamChoice choice, torch::Device device, int64_t weight_bytes, double fraction) {
   switch (choice) {
-    case StreamChoice::kOn: return true;
-    case StreamChoice::kOff: return false;
-    case StreamChoice::kAuto: break;
+    case StreamChoice::kOn:
+      return true;
+    case StreamChoice::kOff:
+      return false;
+    case StreamChoice::kAuto:
+      break;
   }
   if (!device.is_cuda()) return false;
   return static_cast<double>(weight_bytes) > fraction * static_cast<double>(free_device_memory(device));

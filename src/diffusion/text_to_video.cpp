@@ -10,7 +10,8 @@
 
 namespace megaslide {
 
-std::shared_ptr<Denoiser> sampling_denoiser(DiT dit, torch::Device device, StreamChoice stream, c10::ScalarType compute_dtype, bool* streamed) {
+std::shared_ptr<Denoiser> sampling_denoiser(DiT dit, torch::Device device, StreamChoice stream,
+                                            c10::ScalarType compute_dtype, bool* streamed) {
   int64_t weight_bytes = 0;
   for (const auto& p : dit->parameters()) weight_bytes += static_cast<int64_t>(p.nbytes());
   const bool stream_it = should_stream(stream, device, weight_bytes);
@@ -34,7 +35,8 @@ TextToVideo::TextToVideo(TextToVideoModel model, torch::Device device, std::shar
                 model_.config.diffusion.beta_start, model_.config.diffusion.beta_end),
       denoiser_(std::move(denoiser)),
       codec_(std::move(codec)) {
-  if (!denoiser_) model_.dit->to(device_);  // a given denoiser places the DiT itself (StreamedDenoiser keeps blocks on the host)
+  if (!denoiser_)
+    model_.dit->to(device_);  // a given denoiser places the DiT itself (StreamedDenoiser keeps blocks on the host)
   if (!model_.frozen) model_.frozen = FrozenEncoders::load(model_.config, device_, "the model's config");
   const bool clip = model_.frozen && model_.frozen->has_text();
   TORCH_CHECK(clip || model_.text_encoder, "TextToVideo: the model has neither a built-in text encoder nor CLIP");
@@ -68,7 +70,8 @@ Conditioning TextToVideo::encode(const std::vector<std::string>& prompts) {
   Conditioning c;
   if (model_.frozen && model_.frozen->has_text()) {
     auto [text, mask] = model_.frozen->encode_text(prompts);
-    c.text = text.to(device_, model_.dit->parameters().front().scalar_type());  // the DiT's dtype, as the built-in encoder's output
+    c.text = text.to(
+        device_, model_.dit->parameters().front().scalar_type());  // the DiT's dtype, as the built-in encoder's output
     c.mask = mask.to(device_);
     return c;
   }
@@ -81,11 +84,13 @@ Conditioning TextToVideo::encode(const std::vector<std::string>& prompts) {
 torch::Tensor TextToVideo::generate(const std::vector<std::string>& prompts, const std::vector<uint64_t>& seeds,
                                     const SamplerOptions& options, const std::function<void(int64_t, int64_t)>& on_step,
                                     const std::vector<int64_t>& shape, const std::string& negative) {
-  TORCH_CHECK(prompts.size() == seeds.size() && !prompts.empty(), "TextToVideo::generate: need one seed per prompt, got ",
-              prompts.size(), " prompts and ", seeds.size(), " seeds");
+  TORCH_CHECK(prompts.size() == seeds.size() && !prompts.empty(),
+              "TextToVideo::generate: need one seed per prompt, got ", prompts.size(), " prompts and ", seeds.size(),
+              " seeds");
   auto cond = encode(prompts);
   auto uncond = encode({negative});
-  auto samples = sample(*denoiser_, schedule_, options, shape.empty() ? sample_shape() : shape, seeds, cond, uncond, device_, on_step);
+  auto samples = sample(*denoiser_, schedule_, options, shape.empty() ? sample_shape() : shape, seeds, cond, uncond,
+                        device_, on_step);
   torch::NoGradGuard no_grad;
   return codec_->decode(samples).to(torch::kCPU, torch::kFloat32);
 }
@@ -118,19 +123,22 @@ std::vector<ValidationVideo> plan_prompt_videos(const RunConfig& config, const s
     ValidationVideo video{std::move(jobs[i]), run_shape};
     const std::string where = fmt::format("prompt file '{}' line {}", spec.file, spec.line);
     if (spec.has_size()) {
-      const VideoSize own{spec.frames.value_or(size.frames), spec.height.value_or(size.height), spec.width.value_or(size.width)};
+      const VideoSize own{spec.frames.value_or(size.frames), spec.height.value_or(size.height),
+                          spec.width.value_or(size.width)};
       try {
         const auto shape = model_sample_shape_at(config, own);
         video.shape.assign(shape.begin(), shape.end());
       } catch (const std::invalid_argument& e) {
-        throw std::invalid_argument(fmt::format("{}: this model cannot sample {}x{}x{} (frames x height x width): {}", where, own.frames,
-                                                own.height, own.width, e.what()));
+        throw std::invalid_argument(fmt::format("{}: this model cannot sample {}x{}x{} (frames x height x width): {}",
+                                                where, own.frames, own.height, own.width, e.what()));
       }
       video.job.frames = own.frames, video.job.height = own.height, video.job.width = own.width;
     }
     if (spec.steps && config.diffusion.objective == "ddpm" && *spec.steps > config.diffusion.timesteps)
-      throw std::invalid_argument(fmt::format("{}: --s {} exceeds diffusion.timesteps ({}): DDPM sampling respaces the training "
-                                              "timesteps", where, *spec.steps, config.diffusion.timesteps));
+      throw std::invalid_argument(
+          fmt::format("{}: --s {} exceeds diffusion.timesteps ({}): DDPM sampling respaces the training "
+                      "timesteps",
+                      where, *spec.steps, config.diffusion.timesteps));
     out.push_back(std::move(video));
   }
   return out;
@@ -141,13 +149,19 @@ bool same_sampling_settings(const ValidationVideo& a, const ValidationVideo& b) 
          a.job.negative_prompt == b.job.negative_prompt;
 }
 
-std::vector<std::string> dit_validation_prompts(const RunConfig& config, int64_t count, const std::vector<std::string>& dataset_captions) {
+std::vector<std::string> dit_validation_prompts(const RunConfig& config, int64_t count,
+                                                const std::vector<std::string>& dataset_captions) {
   TORCH_CHECK(count >= 1, "dit_validation_prompts: count must be >= 1, got ", count);
   const auto& d = config.data;
   std::vector<std::string> candidates = dataset_captions;
   if (candidates.empty()) {
-    StructuredMotionDataset dataset(
-        StructuredMotionOptions().channels(d.channels).frames(d.frames).height(d.height).width(d.width).num_clips(d.num_clips).seed(d.seed));
+    StructuredMotionDataset dataset(StructuredMotionOptions()
+                                        .channels(d.channels)
+                                        .frames(d.frames)
+                                        .height(d.height)
+                                        .width(d.width)
+                                        .num_clips(d.num_clips)
+                                        .seed(d.seed));
     for (int64_t i = 0; i < std::min(count, dataset.size()); ++i) candidates.push_back(dataset.get(i).caption);
   }
   std::vector<std::string> captions;
@@ -177,7 +191,8 @@ std::vector<std::string> write_validation_samples(const std::string& dir, const 
     std::vector<uint64_t> seeds;
     std::vector<size_t> batched;
     for (size_t i = 0; i < videos.size(); ++i)
-      if (!own_settings(videos[i])) prompts.push_back(videos[i].job.prompt), seeds.push_back(videos[i].job.seed), batched.push_back(i);
+      if (!own_settings(videos[i]))
+        prompts.push_back(videos[i].job.prompt), seeds.push_back(videos[i].job.seed), batched.push_back(i);
     if (!batched.empty()) {
       const auto batch = generator.generate(prompts, seeds, defaults);
       for (size_t k = 0; k < batched.size(); ++k) pixels[batched[k]] = batch[static_cast<int64_t>(k)];
@@ -188,7 +203,8 @@ std::vector<std::string> write_validation_samples(const std::string& dir, const 
       auto options = defaults;
       if (job.steps) options.steps(*job.steps);
       if (job.guidance_scale) options.guidance_scale(*job.guidance_scale);
-      pixels[i] = generator.generate({job.prompt}, {job.seed}, options, {}, videos[i].shape, job.negative_prompt.value_or(""))[0];
+      pixels[i] = generator.generate({job.prompt}, {job.seed}, options, {}, videos[i].shape,
+                                     job.negative_prompt.value_or(""))[0];
     }
   } catch (...) {
     dit->train(was_training);
@@ -210,8 +226,14 @@ std::vector<std::string> write_validation_samples(const std::string& dir, const 
     files.push_back(videos[i].job.file);
     jobs.push_back(videos[i].job);
   }
-  io::SamplingRecord record{"(training run)", to_string(defaults.kind()), defaults.steps(), defaults.guidance_scale(), defaults.eta(),
-                              config.train.seed, 8, upscale};
+  io::SamplingRecord record{"(training run)",
+                            to_string(defaults.kind()),
+                            defaults.steps(),
+                            defaults.guidance_scale(),
+                            defaults.eta(),
+                            config.train.seed,
+                            8,
+                            upscale};
   io::write_file_atomically(io::join_path(dir, "index.json"), io::index_json(jobs, record));
   return files;
 }

@@ -16,8 +16,10 @@
 namespace megaslide {
 
 const char* const kWanNegativePrompt =
-    "色调艳丽，过曝，静态，细节模糊不清，字幕，风格，作品，画作，画面，静止，整体发灰，最差质量，低质量，JPEG压缩残留，丑陋的，"
-    "残缺的，多余的手指，画得不好的手部，画得不好的脸部，畸形的，毁容的，形态畸形的肢体，手指融合，静止不动的画面，杂乱的背景，"
+    "色调艳丽，过曝，静态，细节模糊不清，字幕，风格，作品，画作，画面，静止，整体发灰，最差质量，低质量，JPEG压缩残留，"
+    "丑陋的，"
+    "残缺的，多余的手指，画得不好的手部，画得不好的脸部，畸形的，毁容的，形态畸形的肢体，手指融合，静止不动的画面，杂乱"
+    "的背景，"
     "三条腿，背景人很多，倒着走";
 
 WanSampleOptions WanSampleOptions::from_config(const RunConfig& config) {
@@ -47,7 +49,8 @@ template <typename RunBlock>
 torch::Tensor wan_predict(WanTransformer& model, torch::Device device, c10::ScalarType dt, const torch::Tensor& x,
                           const torch::Tensor& timesteps, const torch::Tensor& text, const RunBlock& run_block) {
   torch::NoGradGuard no_grad;
-  auto e = model->embed(x.to(device, torch::kFloat32), timesteps.to(device, torch::kFloat32), text.to(device, torch::kFloat32));
+  auto e = model->embed(x.to(device, torch::kFloat32), timesteps.to(device, torch::kFloat32),
+                        text.to(device, torch::kFloat32));
   auto h = e.tokens.to(dt);
   e.ctx.context = e.ctx.context.to(dt);
   const int64_t L = static_cast<int64_t>(model->blocks->size());
@@ -64,9 +67,11 @@ bool is_meta_block(WanTransformer model, int64_t l) {
 // blocks asked for in order; the caller's generator state is kept.
 class InOrderBlockDraws {
  public:
-  InOrderBlockDraws(WanTransformer model, torch::Tensor first_state) : model_(std::move(model)), state_(std::move(first_state)) {}
+  InOrderBlockDraws(WanTransformer model, torch::Tensor first_state)
+      : model_(std::move(model)), state_(std::move(first_state)) {}
   WanBlock draw(int64_t l) {
-    TORCH_CHECK(l == next_, "Wan blocks on demand: block ", l, " asked for, but the blocks are read in order and ", next_, " is next");
+    TORCH_CHECK(l == next_, "Wan blocks on demand: block ", l, " asked for, but the blocks are read in order and ",
+                next_, " is next");
     auto generator = at::detail::getDefaultCPUGenerator();
     const auto saved = generator.get_state();
     generator.set_state(state_);
@@ -119,7 +124,8 @@ ResidentWanDenoiser::ResidentWanDenoiser(WanTransformer model, torch::Device dev
     : model_(std::move(model)), device_(device), compute_dtype_(compute_dtype) {
   TORCH_CHECK(model_, "ResidentWanDenoiser: the model is null");
   for (int64_t l = 0; l < static_cast<int64_t>(model_->blocks->size()); ++l)
-    TORCH_CHECK(!is_meta_block(model_, l), "ResidentWanDenoiser: block ", l, " is a meta skeleton (WanModel::load_blocks reads it)");
+    TORCH_CHECK(!is_meta_block(model_, l), "ResidentWanDenoiser: block ", l,
+                " is a meta skeleton (WanModel::load_blocks reads it)");
   TORCH_CHECK(compute_dtype == at::kFloat || compute_dtype == at::kBFloat16 || compute_dtype == at::kHalf,
               "ResidentWanDenoiser: compute dtype must be Float, BFloat16 or Half, got ", compute_dtype);
   torch::NoGradGuard no_grad;
@@ -149,10 +155,12 @@ WanTransformer blocks_onto(WanModel model, torch::Device device, c10::ScalarType
 ResidentWanDenoiser::ResidentWanDenoiser(WanModel model, torch::Device device, c10::ScalarType compute_dtype)
     : ResidentWanDenoiser(blocks_onto(std::move(model), device, compute_dtype), device, compute_dtype) {}
 
-torch::Tensor ResidentWanDenoiser::predict(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text) {
-  return wan_predict(model_, device_, compute_dtype_, x, timesteps, text, [&](int64_t l, const torch::Tensor& h, const WanBlockContext& ctx) {
-    return model_->blocks[l]->as<WanBlockImpl>()->forward(h, ctx);
-  });
+torch::Tensor ResidentWanDenoiser::predict(const torch::Tensor& x, const torch::Tensor& timesteps,
+                                           const torch::Tensor& text) {
+  return wan_predict(model_, device_, compute_dtype_, x, timesteps, text,
+                     [&](int64_t l, const torch::Tensor& h, const WanBlockContext& ctx) {
+                       return model_->blocks[l]->as<WanBlockImpl>()->forward(h, ctx);
+                     });
 }
 
 StreamedWanDenoiser::StreamedWanDenoiser(WanTransformer model, StreamedDenoiserOptions options)
@@ -178,24 +186,25 @@ StreamedWanDenoiser::StreamedWanDenoiser(WanModel model, StreamedDenoiserOptions
   build(model.block);
 }
 
-StreamedWanDenoiser::StreamedWanDenoiser(WanTransformer model, std::vector<WanBlockWeights> blocks, StreamedDenoiserOptions options)
+StreamedWanDenoiser::StreamedWanDenoiser(WanTransformer model, std::vector<WanBlockWeights> blocks,
+                                         StreamedDenoiserOptions options)
     : model_(std::move(model)), options_(options) {
   const auto dt = options_.compute_dtype;
   const int64_t L = checked_block_count(model_, dt);
-  TORCH_CHECK(static_cast<int64_t>(blocks.size()) == L, "StreamedWanDenoiser: ", blocks.size(), " blocks of weights for a model of ", L,
-              " blocks");
+  TORCH_CHECK(static_cast<int64_t>(blocks.size()) == L, "StreamedWanDenoiser: ", blocks.size(),
+              " blocks of weights for a model of ", L, " blocks");
   params_.resize(static_cast<size_t>(L));
   for (int64_t l = 0; l < L; ++l) {
     auto& w = blocks[static_cast<size_t>(l)];
     TORCH_CHECK(w.flat.defined() && w.flat.dim() == 1 && w.flat.device().is_cpu() && w.flat.scalar_type() == dt,
                 "StreamedWanDenoiser: block ", l, "'s weights must be a 1-D host tensor of the compute dtype ", dt);
     const auto named = model_->blocks[l]->as<WanBlockImpl>()->streamed().named_parameters(true);
-    TORCH_CHECK(named.size() == w.offsets.size() && named.size() == w.shapes.size(), "StreamedWanDenoiser: block ", l, " has ",
-                named.size(), " streamed parameters, its weights describe ", w.offsets.size());
+    TORCH_CHECK(named.size() == w.offsets.size() && named.size() == w.shapes.size(), "StreamedWanDenoiser: block ", l,
+                " has ", named.size(), " streamed parameters, its weights describe ", w.offsets.size());
     for (size_t i = 0; i < named.size(); ++i) {
       const int64_t numel = c10::multiply_integers(w.shapes[i]);
-      TORCH_CHECK(w.offsets[i] >= 0 && w.offsets[i] + numel <= w.flat.numel(), "StreamedWanDenoiser: block ", l, "'s parameter '",
-                  named[i].key(), "' lies outside its ", w.flat.numel(), " weights");
+      TORCH_CHECK(w.offsets[i] >= 0 && w.offsets[i] + numel <= w.flat.numel(), "StreamedWanDenoiser: block ", l,
+                  "'s parameter '", named[i].key(), "' lies outside its ", w.flat.numel(), " weights");
       params_[static_cast<size_t>(l)].push_back({named[i].value(), w.offsets[i], numel, w.shapes[i]});
     }
     host_.push_back(w.flat);
@@ -203,8 +212,9 @@ StreamedWanDenoiser::StreamedWanDenoiser(WanTransformer model, std::vector<WanBl
   const auto streamed = streamed_parameter_set(model_);
   for (const auto& p : model_->parameters(true))
     if (!streamed.count(p.unsafeGetTensorImpl()))
-      TORCH_CHECK(p.device() == options_.device && p.scalar_type() == at::kFloat, "StreamedWanDenoiser: the resident parameters must be fp32 on ",
-                  options_.device, ", got one ", p.scalar_type(), " on ", p.device());
+      TORCH_CHECK(p.device() == options_.device && p.scalar_type() == at::kFloat,
+                  "StreamedWanDenoiser: the resident parameters must be fp32 on ", options_.device, ", got one ",
+                  p.scalar_type(), " on ", p.device());
   torch::NoGradGuard no_grad;
   const auto empty = torch::TensorOptions().dtype(dt).device(options_.device);
   for (auto& block : params_)
@@ -216,7 +226,8 @@ StreamedWanDenoiser::StreamedWanDenoiser(WanTransformer model, std::vector<WanBl
 void StreamedWanDenoiser::make_streamer() {
   std::vector<int64_t> numels;
   for (const auto& h : host_) numels.push_back(h.numel());
-  streamer_ = std::make_unique<offload::WeightStreamer>(numels, offload::WeightStreamerOptions{options_.device, options_.compute_dtype, options_.mode});
+  streamer_ = std::make_unique<offload::WeightStreamer>(
+      numels, offload::WeightStreamerOptions{options_.device, options_.compute_dtype, options_.mode});
 }
 
 void StreamedWanDenoiser::build(const std::function<WanBlock(int64_t)>& block_source) {
@@ -270,7 +281,8 @@ int64_t StreamedWanDenoiser::host_weight_bytes() const {
   return n;
 }
 
-torch::Tensor StreamedWanDenoiser::predict(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text) {
+torch::Tensor StreamedWanDenoiser::predict(const torch::Tensor& x, const torch::Tensor& timesteps,
+                                           const torch::Tensor& text) {
   const auto empty = torch::TensorOptions().dtype(options_.compute_dtype).device(options_.device);
   offload::StreamedForward blocks(*streamer_, [this](int64_t l) { return host_[static_cast<size_t>(l)]; });
   return wan_predict(model_, options_.device, options_.compute_dtype, x, timesteps, text,
@@ -286,7 +298,8 @@ bool is_wan_weights_file(const std::string& path) {
   const auto header = io::read_safetensors_header(path);
   const auto format = header.metadata.find("format");
   const auto config = header.metadata.find("config");
-  if (format == header.metadata.end() || format->second != "megaslide.weights" || config == header.metadata.end()) return false;
+  if (format == header.metadata.end() || format->second != "megaslide.weights" || config == header.metadata.end())
+    return false;
   return parse_run_config(config->second, path + " (__metadata__.config)").model.arch == Architecture::kWan;
 }
 
@@ -294,11 +307,13 @@ WanModel load_wan_model(const std::string& weights_file, bool blocks_on_demand) 
   const auto header = io::read_safetensors_header(weights_file);
   const auto config_text = header.metadata.find("config");
   if (config_text == header.metadata.end())
-    throw WeightsError("weights file '" + weights_file + "': __metadata__ has no 'config' (not a megaslide weights file)");
+    throw WeightsError("weights file '" + weights_file +
+                       "': __metadata__ has no 'config' (not a megaslide weights file)");
   WanModel out;
   out.config = parse_run_config(config_text->second, weights_file + " (__metadata__.config)");
   if (out.config.model.arch != Architecture::kWan)
-    throw WeightsError("weights file '" + weights_file + "': its config's model.arch is " + to_string(out.config.model.arch) + ", not wan");
+    throw WeightsError("weights file '" + weights_file + "': its config's model.arch is " +
+                       to_string(out.config.model.arch) + ", not wan");
   out.source = weights_file;
   auto skeleton = wan_skeleton(WanOptions::from_config(out.config));
   out.dit = skeleton.first;
@@ -316,14 +331,16 @@ WanModel load_wan_model(const std::string& weights_file, bool blocks_on_demand) 
     const std::string name = "dit." + p.key();
     if (!file->has(name)) throw WeightsError("weights file '" + weights_file + "': tensor '" + name + "' is missing");
     if (file->shape(name) != p.value().sizes().vec())
-      throw WeightsError("weights file '" + weights_file + "': tensor '" + name + "' has shape " + c10::str(c10::IntArrayRef(file->shape(name))) +
-                         ", the Wan model its config describes has " + c10::str(p.value().sizes()));
+      throw WeightsError("weights file '" + weights_file + "': tensor '" + name + "' has shape " +
+                         c10::str(c10::IntArrayRef(file->shape(name))) + ", the Wan model its config describes has " +
+                         c10::str(p.value().sizes()));
     if (!p.value().is_meta()) take(name, p.value());  // the prologue, the head; the blocks below or on demand
     used.insert(name);
   }
   for (const auto& name : file->names())
     if (!used.count(name))
-      throw WeightsError("weights file '" + weights_file + "': tensor '" + name + "' is not a parameter of the Wan model its config describes");
+      throw WeightsError("weights file '" + weights_file + "': tensor '" + name +
+                         "' is not a parameter of the Wan model its config describes");
   auto draws = skeleton.second;
   out.block = [draws, take](int64_t l) {
     WanBlock block = draws->draw(l);
@@ -337,9 +354,11 @@ WanModel load_wan_model(const std::string& weights_file, bool blocks_on_demand) 
 }
 
 WanModel wan_model_from_config(const RunConfig& config, const std::string& source, bool blocks_on_demand) {
-  if (config.model.arch != Architecture::kWan) throw ConfigError(source, "model.arch", std::string("is ") + to_string(config.model.arch) + ", not wan");
+  if (config.model.arch != Architecture::kWan)
+    throw ConfigError(source, "model.arch", std::string("is ") + to_string(config.model.arch) + ", not wan");
   if (config.model.wan.weights.empty())
-    throw ConfigError(source, "model.wan.weights", "is empty: sampling needs the DiT's weights (a Wan download, or use a run's checkpoint)");
+    throw ConfigError(source, "model.wan.weights",
+                      "is empty: sampling needs the DiT's weights (a Wan download, or use a run's checkpoint)");
   WanModel out;
   try {
     out.config = with_wan_architecture_from_weights(config);
@@ -377,8 +396,8 @@ WanModel wan_model_from_config(const RunConfig& config, const std::string& sourc
   return out;
 }
 
-WanTextToVideo::WanTextToVideo(RunConfig config, Umt5Encoder text_encoder, Umt5Tokenizer tokenizer, std::shared_ptr<WanDenoiser> denoiser,
-                               WanVae vae)
+WanTextToVideo::WanTextToVideo(RunConfig config, Umt5Encoder text_encoder, Umt5Tokenizer tokenizer,
+                               std::shared_ptr<WanDenoiser> denoiser, WanVae vae)
     : config_(std::move(config)),
       text_encoder_(std::move(text_encoder)),
       tokenizer_(std::move(tokenizer)),
@@ -386,13 +405,16 @@ WanTextToVideo::WanTextToVideo(RunConfig config, Umt5Encoder text_encoder, Umt5T
       vae_(std::move(vae)) {
   TORCH_CHECK(denoiser_, "WanTextToVideo: no denoiser");
   if (text_encoder_.config().d_model != config_.model.wan.text_dim)
-    throw std::invalid_argument("the umT5 encoder '" + text_encoder_.source() + "' is " + std::to_string(text_encoder_.config().d_model) +
-                                " wide but the Wan DiT's model.wan.text_dim is " + std::to_string(config_.model.wan.text_dim));
+    throw std::invalid_argument(
+        "the umT5 encoder '" + text_encoder_.source() + "' is " + std::to_string(text_encoder_.config().d_model) +
+        " wide but the Wan DiT's model.wan.text_dim is " + std::to_string(config_.model.wan.text_dim));
   if (tokenizer_.vocab_size() > text_encoder_.config().vocab_size)
-    throw std::invalid_argument("the umT5 tokenizer '" + tokenizer_.source() + "' has " + std::to_string(tokenizer_.vocab_size()) +
-                                " pieces, the encoder's embedding only " + std::to_string(text_encoder_.config().vocab_size));
+    throw std::invalid_argument("the umT5 tokenizer '" + tokenizer_.source() + "' has " +
+                                std::to_string(tokenizer_.vocab_size()) + " pieces, the encoder's embedding only " +
+                                std::to_string(text_encoder_.config().vocab_size));
   if (vae_.config().z_dim != config_.model.wan.in_channels)
-    throw std::invalid_argument("the Wan VAE has " + std::to_string(vae_.config().z_dim) + " latent channels but the DiT's model.wan.in_channels is " +
+    throw std::invalid_argument("the Wan VAE has " + std::to_string(vae_.config().z_dim) +
+                                " latent channels but the DiT's model.wan.in_channels is " +
                                 std::to_string(config_.model.wan.in_channels));
 }
 
@@ -414,17 +436,20 @@ torch::Tensor WanTextToVideo::encode(const std::vector<std::string>& prompts, co
 }
 
 torch::Tensor WanTextToVideo::sample(const std::vector<std::string>& prompts, const std::vector<uint64_t>& seeds,
-                                     const WanSampleOptions& options, const std::function<void(int64_t, int64_t)>& on_step,
+                                     const WanSampleOptions& options,
+                                     const std::function<void(int64_t, int64_t)>& on_step,
                                      const std::vector<int64_t>& shape) {
-  TORCH_CHECK(prompts.size() == seeds.size() && !prompts.empty(), "WanTextToVideo::sample: need one seed per prompt, got ", prompts.size(),
-              " prompts and ", seeds.size(), " seeds");
+  TORCH_CHECK(prompts.size() == seeds.size() && !prompts.empty(),
+              "WanTextToVideo::sample: need one seed per prompt, got ", prompts.size(), " prompts and ", seeds.size(),
+              " seeds");
   Conditioning cond, uncond;
   cond.text = encode(prompts, options);
   if (options.guidance_scale() != 1.0) uncond.text = encode({options.negative_prompt()}, options);
   auto model = [&](const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& text, const torch::Tensor&) {
     return denoiser_->predict(x, t, text);
   };
-  return flow_sample(model, options.flow(), shape.empty() ? latent_shape() : shape, seeds, cond, uncond, denoiser_->device(), on_step);
+  return flow_sample(model, options.flow(), shape.empty() ? latent_shape() : shape, seeds, cond, uncond,
+                     denoiser_->device(), on_step);
 }
 
 torch::Tensor WanTextToVideo::decode(const torch::Tensor& latents) const {
@@ -436,9 +461,11 @@ OpenedWanPipeline open_wan_pipeline(WanModel model, const WanPipelineRequest& re
   const std::string repo = model.config.model.wan.weights;
   auto path_of = [&](const std::string& component, const std::string& given, const std::string& what) {
     std::string path = given;
-    if (path.empty() && !repo.empty() && io::is_directory(io::join_path(repo, component))) path = io::join_path(repo, component);
+    if (path.empty() && !repo.empty() && io::is_directory(io::join_path(repo, component)))
+      path = io::join_path(repo, component);
     if (path.empty())
-      throw WanPipelineError(component, "Wan sampling needs " + what + " (none given, and model.wan.weights is not a diffusers repository with " +
+      throw WanPipelineError(component, "Wan sampling needs " + what +
+                                            " (none given, and model.wan.weights is not a diffusers repository with " +
                                             component + "/)");
     if (!io::path_exists(path)) throw WanPipelineError(component, "'" + path + "' does not exist");
     return path;
@@ -461,10 +488,13 @@ OpenedWanPipeline open_wan_pipeline(WanModel model, const WanPipelineRequest& re
   auto t5 = loading("text_encoder", "", [&] { return Umt5Encoder::load(t5_path, torch::kCPU, t5_dtype); });
   // umT5 (11.4 GB in bf16 for XXL) streamed layer by layer when it does not fit, as the DiT's blocks.
   out.text_encoder_streamed = should_stream(request.stream, request.device, t5.weight_bytes());
-  t5 = out.text_encoder_streamed ? Umt5Encoder::streamed(std::move(t5), request.device) : Umt5Encoder::resident(std::move(t5), request.device);
-  auto tokenizer = request.tokenizer.empty()
-                       ? loading("text_encoder", "its tokenizer (or give the tokenizer on its own): ", [&] { return Umt5Tokenizer::find(t5_path); })
-                       : loading("tokenizer", "", [&] { return Umt5Tokenizer::find(request.tokenizer); });
+  t5 = out.text_encoder_streamed ? Umt5Encoder::streamed(std::move(t5), request.device)
+                                 : Umt5Encoder::resident(std::move(t5), request.device);
+  auto tokenizer =
+      request.tokenizer.empty()
+          ? loading("text_encoder",
+                    "its tokenizer (or give the tokenizer on its own): ", [&] { return Umt5Tokenizer::find(t5_path); })
+          : loading("tokenizer", "", [&] { return Umt5Tokenizer::find(request.tokenizer); });
   auto vae = loading("vae", "", [&] { return WanVae::load(vae_path, request.device, torch::kFloat32); });
 
   int64_t weight_bytes = 0;
@@ -480,7 +510,8 @@ OpenedWanPipeline open_wan_pipeline(WanModel model, const WanPipelineRequest& re
   } else {
     denoiser = std::make_shared<ResidentWanDenoiser>(std::move(model), request.device, request.compute_dtype);
   }
-  out.pipeline = std::make_shared<WanTextToVideo>(config, std::move(t5), std::move(tokenizer), denoiser, std::move(vae));
+  out.pipeline =
+      std::make_shared<WanTextToVideo>(config, std::move(t5), std::move(tokenizer), denoiser, std::move(vae));
   return out;
 }
 

@@ -110,8 +110,8 @@ using Progress = std::function<void(const std::string&)>;
 
 // Trains `config` for config.train.steps steps with the trainer offload.enabled picks, measuring each
 // step's peak device memory. `budget_bytes` (CPU only, 0 = none): a step above it stops the run as "oom".
-VariantRun train_variant(const std::string& suite, const std::string& name, const RunConfig& config, int64_t budget_bytes,
-                         const Progress& progress) {
+VariantRun train_variant(const std::string& suite, const std::string& name, const RunConfig& config,
+                         int64_t budget_bytes, const Progress& progress) {
   VariantRun run;
   run.name = name;
   run.config = config;
@@ -134,8 +134,8 @@ VariantRun train_variant(const std::string& suite, const std::string& name, cons
     // step's gradients and activations are its own allocations.
     const int64_t persistent = trainer->persistent_device_bytes();
     say(fmt::format("{} {} trainer, {} tokens/sample, device {}, {} steps", family.name(),
-                    trainer->streams() ? "streamed (host AdamW)" : "resident (device AdamW)", trainer->tokens_per_sample(), run.device,
-                    config.train.steps));
+                    trainer->streams() ? "streamed (host AdamW)" : "resident (device AdamW)",
+                    trainer->tokens_per_sample(), run.device, config.train.steps));
     for (int64_t i = 0; i < config.train.steps; ++i) {
       meter.reset();
       StepMetrics m = trainer->step();
@@ -185,7 +185,8 @@ Variants offsets_variants() {
 // The two runs of streaming and optimizer-location.
 Variants paired_variants(const std::string& suite) {
   if (suite == "streaming")
-    return {{"async", {"offload.enabled=true", "offload.mode=async"}}, {"sync", {"offload.enabled=true", "offload.mode=sync"}}};
+    return {{"async", {"offload.enabled=true", "offload.mode=async"}},
+            {"sync", {"offload.enabled=true", "offload.mode=sync"}}};
   return {{"host", {"offload.enabled=true", "offload.compute_dtype=fp32"}}, {"device", {"offload.enabled=false"}}};
 }
 
@@ -196,9 +197,9 @@ RunConfig make_config(const std::string& suite, AblationSize size, const std::ve
   overrides.push_back("train.device=" + options.device);
   overrides.insert(overrides.end(), options.overrides.begin(), options.overrides.end());
   // `auto` resolved here, so every run of a suite (and its record) uses the dtype the device runs fast.
-  return resolve_auto_settings(parse_run_config("", fmt::format("megaslide-ablate --suite {} ({})", suite, to_string(size)), overrides));
+  return resolve_auto_settings(
+      parse_run_config("", fmt::format("megaslide-ablate --suite {} ({})", suite, to_string(size)), overrides));
 }
-
 
 // --- output ---------------------------------------------------------------------------------------
 
@@ -248,7 +249,8 @@ std::vector<double> running_mean(const std::vector<double>& v, size_t window) {
   return out;
 }
 
-PlotSeries step_series(const VariantRun& r, const std::string& title, const std::function<double(const StepMetrics&)>& get) {
+PlotSeries step_series(const VariantRun& r, const std::string& title,
+                       const std::function<double(const StepMetrics&)>& get) {
   PlotSeries s{title, {}, {}};
   for (const auto& m : r.steps) {
     s.x.push_back(static_cast<double>(m.step));
@@ -273,9 +275,12 @@ struct SuiteOutput {
 
 std::vector<int64_t> scaling_frames(AblationSize size) {
   switch (size) {
-    case AblationSize::kTest: return {4, 8, 16, 32};
-    case AblationSize::kQuick: return {4, 8, 16, 32, 64, 128};
-    case AblationSize::kFull: return {16, 32, 64, 128, 256};
+    case AblationSize::kTest:
+      return {4, 8, 16, 32};
+    case AblationSize::kQuick:
+      return {4, 8, 16, 32, 64, 128};
+    case AblationSize::kFull:
+      return {16, 32, 64, 128, 256};
   }
   return {};
 }
@@ -284,8 +289,15 @@ SuiteOutput memory_scaling(const AblationOptions& o, std::string& device) {
   const double budget_gib = o.memory_budget_gib > 0 ? o.memory_budget_gib : default_memory_budget_gib(o.size);
   const auto budget = static_cast<int64_t>(budget_gib * kGiB);
   SuiteOutput out;
-  out.csv.columns = {"arch", "frames", "tokens", "status", "peak_device_bytes", "peak_device_mib", "step_time_s",
-                     "trainer_accounted_bytes", "device"};
+  out.csv.columns = {"arch",
+                     "frames",
+                     "tokens",
+                     "status",
+                     "peak_device_bytes",
+                     "peak_device_mib",
+                     "step_time_s",
+                     "trainer_accounted_bytes",
+                     "device"};
   out.summary.columns = {"frames", "tokens"};
   // The models: name and overrides. dense3d-materialized writes the N x N scores out (O(N²) memory);
   // dense3d runs LibTorch's fused attention (no N x N matrix kept where a fused kernel exists).
@@ -306,8 +318,8 @@ SuiteOutput memory_scaling(const AblationOptions& o, std::string& device) {
       auto variant = model_overrides;
       variant.push_back("data.frames=" + std::to_string(f));
       const auto config = make_config("memory-scaling", o.size, variant, o);
-      const int64_t tokens = (config.data.frames / config.model.patch[0]) * (config.data.height / config.model.patch[1]) *
-                             (config.data.width / config.model.patch[2]);
+      const int64_t tokens = (config.data.frames / config.model.patch[0]) *
+                             (config.data.height / config.model.patch[1]) * (config.data.width / config.model.patch[2]);
       tokens_of[f] = tokens;
       const std::string name = fmt::format("{} frames={}", a, f);
       VariantRun run;
@@ -325,16 +337,16 @@ SuiteOutput memory_scaling(const AblationOptions& o, std::string& device) {
       time_series.x.push_back(static_cast<double>(f));
       if (run.oom) {
         exceeded = true;
-        out.csv.rows.push_back({a, std::to_string(f), std::to_string(tokens), "oom", "oom", "oom", "oom", "oom", run.device});
+        out.csv.rows.push_back(
+            {a, std::to_string(f), std::to_string(tokens), "oom", "oom", "oom", "oom", "oom", run.device});
         cells[{a, f}] = {"oom", "oom"};
         mem_series.y.push_back(std::numeric_limits<double>::quiet_NaN());
         time_series.y.push_back(std::numeric_limits<double>::quiet_NaN());
       } else {
         const int64_t peak = run.max_peak();
         const double step_time = run.mean_timed([](const StepMetrics& m) { return m.step_time_s; });
-        out.csv.rows.push_back({a, std::to_string(f), std::to_string(tokens), "ok", std::to_string(peak),
-                                mib(peak), general(step_time), std::to_string(run.steps.back().peak_device_bytes),
-                                run.device});
+        out.csv.rows.push_back({a, std::to_string(f), std::to_string(tokens), "ok", std::to_string(peak), mib(peak),
+                                general(step_time), std::to_string(run.steps.back().peak_device_bytes), run.device});
         cells[{a, f}] = {mib(peak), sig3(step_time)};
         mem_series.y.push_back(static_cast<double>(peak) / kMiB);
         time_series.y.push_back(step_time);
@@ -352,8 +364,9 @@ SuiteOutput memory_scaling(const AblationOptions& o, std::string& device) {
     }
     out.summary.rows.push_back(row);
   }
-  const std::string where = device.rfind("cuda", 0) == 0 ? "GPU allocator peak"
-                                                          : fmt::format("CPU, counted; budget {} GiB", general(budget_gib));
+  const std::string where = device.rfind("cuda", 0) == 0
+                                ? "GPU allocator peak"
+                                : fmt::format("CPU, counted; budget {} GiB", general(budget_gib));
   out.plot = PlotSpec{fmt::format("memory-scaling ({}, {})", to_string(o.size), where), {memory, time}};
   return out;
 }
@@ -367,14 +380,15 @@ int64_t suite_steps(const std::string& suite, AblationSize size) {
 // Per-step rows of several runs (loss curves and timings).
 AblationTable per_step_csv(const std::string& variant_column, const std::vector<VariantRun>& runs) {
   AblationTable t;
-  t.columns = {variant_column, "step", "loss", "grad_norm", "step_time_s", "exposed_transfer_s", "optimizer_wait_s",
-               "optimizer_s", "h2d_bytes", "d2h_bytes", "peak_device_bytes", "device"};
+  t.columns = {variant_column,     "step",        "loss",      "grad_norm", "step_time_s",       "exposed_transfer_s",
+               "optimizer_wait_s", "optimizer_s", "h2d_bytes", "d2h_bytes", "peak_device_bytes", "device"};
   for (const auto& r : runs) {
     for (size_t i = 0; i < r.steps.size(); ++i) {
       const auto& m = r.steps[i];
       t.rows.push_back({r.name, std::to_string(m.step), exact(m.loss), exact(m.grad_norm), general(m.step_time_s),
                         general(m.exposed_transfer_s), general(m.optimizer_wait_s), general(m.optimizer_s),
-                        std::to_string(m.h2d_bytes), std::to_string(m.d2h_bytes), std::to_string(r.peak_bytes[i]), r.device});
+                        std::to_string(m.h2d_bytes), std::to_string(m.d2h_bytes), std::to_string(r.peak_bytes[i]),
+                        r.device});
     }
   }
   return t;
@@ -394,10 +408,11 @@ SuiteOutput offsets(const AblationOptions& o, std::string& device) {
   out.csv = per_step_csv("variant", runs);
   const size_t tail = std::max<size_t>(1, static_cast<size_t>(steps) / 4);
   const size_t window = std::max<size_t>(1, static_cast<size_t>(steps) / 10);
-  out.summary.columns = {"variant", "first loss", fmt::format("mean loss, last {} steps", tail), "min loss",
-                         "vs learned", "s/step"};
+  out.summary.columns = {"variant",  "first loss", fmt::format("mean loss, last {} steps", tail),
+                         "min loss", "vs learned", "s/step"};
   double learned_tail = 0.0;
-  PlotPanel panel{fmt::format("loss (running mean over {} steps)", window), "step", "loss (ε-MSE)", false, false, false, {}};
+  PlotPanel panel{
+      fmt::format("loss (running mean over {} steps)", window), "step", "loss (ε-MSE)", false, false, false, {}};
   for (const auto& r : runs) {
     double tail_sum = 0.0, min_loss = std::numeric_limits<double>::infinity();
     for (size_t i = 0; i < r.steps.size(); ++i) {
@@ -406,14 +421,16 @@ SuiteOutput offsets(const AblationOptions& o, std::string& device) {
     }
     const double tail_mean = tail_sum / static_cast<double>(std::min(tail, r.steps.size()));
     if (r.name == "learned") learned_tail = tail_mean;
-    out.summary.rows.push_back({r.name, fixed(r.steps.front().loss, 4), fixed(tail_mean, 4), fixed(min_loss, 4),
-                                r.name == "learned" ? "—" : fmt::format("{:+.1f}%", 100.0 * (tail_mean / learned_tail - 1.0)),
-                                sig3(r.mean_timed([](const StepMetrics& m) { return m.step_time_s; }))});
+    out.summary.rows.push_back(
+        {r.name, fixed(r.steps.front().loss, 4), fixed(tail_mean, 4), fixed(min_loss, 4),
+         r.name == "learned" ? "—" : fmt::format("{:+.1f}%", 100.0 * (tail_mean / learned_tail - 1.0)),
+         sig3(r.mean_timed([](const StepMetrics& m) { return m.step_time_s; }))});
     auto s = step_series(r, r.name, [](const StepMetrics& m) { return m.loss; });
     s.y = running_mean(s.y, window);
     panel.series.push_back(s);
   }
-  out.plot = PlotSpec{fmt::format("offsets ({}): learned vs fixed offsets vs Swin windows", to_string(o.size)), {panel}};
+  out.plot =
+      PlotSpec{fmt::format("offsets ({}): learned vs fixed offsets vs Swin windows", to_string(o.size)), {panel}};
   return out;
 }
 
@@ -434,14 +451,24 @@ SuiteOutput paired(const AblationOptions& o, std::string& device, const std::str
   double loss_scale = 0.0;
   for (const auto& m : runs[0].steps) loss_scale = std::max(loss_scale, std::abs(m.loss));
   const double t0 = runs[0].mean_timed([](const StepMetrics& m) { return m.step_time_s; });
-  out.summary.columns = {column, "trainer", "s/step", "exposed transfer s/step", "optimizer wait s/step",
-                         "optimizer s/step", "H2D MiB/step", "D2H MiB/step", "peak device MiB", "step time vs first",
-                         "max abs Δ loss vs first", "final loss"};
+  out.summary.columns = {column,
+                         "trainer",
+                         "s/step",
+                         "exposed transfer s/step",
+                         "optimizer wait s/step",
+                         "optimizer s/step",
+                         "H2D MiB/step",
+                         "D2H MiB/step",
+                         "peak device MiB",
+                         "step time vs first",
+                         "max abs Δ loss vs first",
+                         "final loss"};
   for (const auto& r : runs) {
     const double t = r.mean_timed([](const StepMetrics& m) { return m.step_time_s; });
     out.summary.rows.push_back(
-        {r.name, r.config.offload.enabled ? "streamed, " + r.config.offload.compute_dtype : std::string("resident, fp32"), sig3(t),
-         sig3(r.mean_timed([](const StepMetrics& m) { return m.exposed_transfer_s; })),
+        {r.name,
+         r.config.offload.enabled ? "streamed, " + r.config.offload.compute_dtype : std::string("resident, fp32"),
+         sig3(t), sig3(r.mean_timed([](const StepMetrics& m) { return m.exposed_transfer_s; })),
          sig3(r.mean_timed([](const StepMetrics& m) { return m.optimizer_wait_s; })),
          sig3(r.mean_timed([](const StepMetrics& m) { return m.optimizer_s; })),
          fixed(r.mean_timed([](const StepMetrics& m) { return static_cast<double>(m.h2d_bytes); }) / kMiB, 2),
@@ -452,11 +479,13 @@ SuiteOutput paired(const AblationOptions& o, std::string& device, const std::str
   }
   PlotPanel time{"step time", "step", "seconds", false, false, true, {}};
   PlotPanel opt{"optimizer time (optimizer_s) and exposed transfer time", "step", "seconds", false, false, true, {}};
-  PlotPanel loss{fmt::format("loss (max |Δ| between the two: {:.3g})", diff), "step", "loss (ε-MSE)", false, false, true, {}};
+  PlotPanel loss{
+      fmt::format("loss (max |Δ| between the two: {:.3g})", diff), "step", "loss (ε-MSE)", false, false, true, {}};
   for (const auto& r : runs) {
     time.series.push_back(step_series(r, r.name, [](const StepMetrics& m) { return m.step_time_s; }));
     opt.series.push_back(step_series(r, r.name + " optimizer", [](const StepMetrics& m) { return m.optimizer_s; }));
-    opt.series.push_back(step_series(r, r.name + " exposed transfer", [](const StepMetrics& m) { return m.exposed_transfer_s; }));
+    opt.series.push_back(
+        step_series(r, r.name + " exposed transfer", [](const StepMetrics& m) { return m.exposed_transfer_s; }));
     loss.series.push_back(step_series(r, r.name, [](const StepMetrics& m) { return m.loss; }));
   }
   out.plot = PlotSpec{fmt::format("{} ({})", suite, to_string(o.size)), {time, opt, loss}};
@@ -467,9 +496,12 @@ SuiteOutput paired(const AblationOptions& o, std::string& device, const std::str
 
 const char* to_string(AblationSize size) {
   switch (size) {
-    case AblationSize::kTest: return "test";
-    case AblationSize::kQuick: return "quick";
-    case AblationSize::kFull: return "full";
+    case AblationSize::kTest:
+      return "test";
+    case AblationSize::kQuick:
+      return "quick";
+    case AblationSize::kFull:
+      return "full";
   }
   return "?";
 }
@@ -488,9 +520,12 @@ double default_memory_budget_gib(AblationSize size) {
   // kQuick the written-out N x N scores of dense3d-materialized exceed it at the largest frame count
   // while every other model fits (docs/ablations.md has the measured peaks); at kTest everything fits.
   switch (size) {
-    case AblationSize::kTest: return 1.0;
-    case AblationSize::kQuick: return 0.5;
-    case AblationSize::kFull: return 64.0;
+    case AblationSize::kTest:
+      return 1.0;
+    case AblationSize::kQuick:
+      return 0.5;
+    case AblationSize::kFull:
+      return 64.0;
   }
   return 0.0;
 }
@@ -499,8 +534,8 @@ std::vector<std::string> ablation_base_overrides(const std::string& suite, Ablat
   const auto suites = ablation_suites();
   if (std::find(suites.begin(), suites.end(), suite) == suites.end())
     throw std::invalid_argument("unknown ablation suite '" + suite + "'");
-  std::vector<std::string> o{"output.progress=false", "train.log_every=1000", "train.weight_decay=0.0",
-                             "train.lr_schedule=constant", "train.seed=0", "data.seed=1234"};
+  std::vector<std::string> o{"output.progress=false",      "train.log_every=1000", "train.weight_decay=0.0",
+                             "train.lr_schedule=constant", "train.seed=0",         "data.seed=1234"};
   auto add = [&](std::initializer_list<const char*> more) { o.insert(o.end(), more.begin(), more.end()); };
   if (size == AblationSize::kFull) {
     // The paper's §10 sizes (H100 NVL experiments); for a GPU with a large host RAM.
@@ -568,7 +603,8 @@ AblationTable read_ablation_csv(const std::string& path) {
       t.columns = cells;
     } else {
       if (cells.size() != t.columns.size())
-        throw std::runtime_error(fmt::format("{}:{}: {} cells, the header has {}", path, n, cells.size(), t.columns.size()));
+        throw std::runtime_error(
+            fmt::format("{}:{}: {} cells, the header has {}", path, n, cells.size(), t.columns.size()));
       t.rows.push_back(cells);
     }
   }
@@ -630,9 +666,9 @@ AblationReport run_ablation(const AblationOptions& options) {
   write_csv(report.csv_path, out.csv);
   report.summary = out.summary;
   try {
-    io::write_file_atomically(report.markdown_path, fmt::format("### {} ({} size, device {})\n\n{}", options.suite,
-                                                                to_string(options.size), report.device,
-                                                                out.summary.markdown()));
+    io::write_file_atomically(report.markdown_path,
+                              fmt::format("### {} ({} size, device {})\n\n{}", options.suite, to_string(options.size),
+                                          report.device, out.summary.markdown()));
   } catch (const io::IoError& e) {
     throw std::runtime_error(std::string("ablation output: ") + e.what());
   }

@@ -15,7 +15,8 @@ namespace megaslide::eval {
 
 namespace {
 torch::Tensor as_float_frames(const torch::Tensor& frames, const char* who) {
-  if (frames.dim() != 4) throw std::invalid_argument(std::string(who) + ": expected frames [T, H, W, C], got " + c10::str(frames.sizes()));
+  if (frames.dim() != 4)
+    throw std::invalid_argument(std::string(who) + ": expected frames [T, H, W, C], got " + c10::str(frames.sizes()));
   if (frames.size(0) < 2)
     throw std::invalid_argument(std::string(who) + ": needs at least 2 frames, got " + std::to_string(frames.size(0)));
   return frames.to(torch::kCPU, torch::kFloat64);
@@ -36,7 +37,9 @@ double mean_abs_frame_difference(const torch::Tensor& frames) {
   return (f.slice(0, 1) - f.slice(0, 0, T - 1)).abs().flatten(1).mean(1).mean().item<double>();
 }
 
-double temporal_flickering_score(const torch::Tensor& frames) { return (255.0 - mean_abs_frame_difference(frames)) / 255.0; }
+double temporal_flickering_score(const torch::Tensor& frames) {
+  return (255.0 - mean_abs_frame_difference(frames)) / 255.0;
+}
 
 double frame_consistency_score(const torch::Tensor& frames) {
   auto f = as_float_frames(frames, "frame_consistency_score").flatten(1) / 255.0;
@@ -70,7 +73,8 @@ FolderEvaluation evaluate_folder(const std::string& dir, const std::function<voi
   for (const auto& file : files) {
     io::VideoInfo info;
     // Decoded as VBench decodes them (through OpenCV), so that the scores are the ones VBench reports.
-    auto frames = io::read_video(io::join_path(folder, file), &info, io::VideoReadOptions().rgb_conversion(io::RgbConversion::kOpenCV));
+    auto frames = io::read_video(io::join_path(folder, file), &info,
+                                 io::VideoReadOptions().rgb_conversion(io::RgbConversion::kOpenCV));
     VideoEvaluation v;
     v.file = file;
     auto it = prompts.find(file);
@@ -115,15 +119,15 @@ std::string to_json(const FolderEvaluation& e) {
 std::string to_table(const FolderEvaluation& e) {
   size_t width = 4;
   for (const auto& v : e.videos) width = std::max(width, std::min<size_t>(v.file.size(), 60));
-  std::string out = fmt::format("{:<{}}  {:>6}  {:>9}  {:>19}  {:>17}\n", "file", width, "frames", "size", "temporal_flickering",
-                                "frame_consistency");
+  std::string out = fmt::format("{:<{}}  {:>6}  {:>9}  {:>19}  {:>17}\n", "file", width, "frames", "size",
+                                "temporal_flickering", "frame_consistency");
   for (const auto& v : e.videos) {
     std::string name = v.file.size() > 60 ? v.file.substr(0, 57) + "..." : v.file;
-    out += fmt::format("{:<{}}  {:>6}  {:>9}  {:>19.4f}  {:>17.4f}\n", name, width, v.frames, fmt::format("{}x{}", v.width, v.height),
-                       v.temporal_flickering, v.frame_consistency);
+    out += fmt::format("{:<{}}  {:>6}  {:>9}  {:>19.4f}  {:>17.4f}\n", name, width, v.frames,
+                       fmt::format("{}x{}", v.width, v.height), v.temporal_flickering, v.frame_consistency);
   }
-  out += fmt::format("{:<{}}  {:>6}  {:>9}  {:>19.4f}  {:>17.4f}\n", fmt::format("mean of {}", e.videos.size()), width, "", "",
-                     e.mean_temporal_flickering, e.mean_frame_consistency);
+  out += fmt::format("{:<{}}  {:>6}  {:>9}  {:>19.4f}  {:>17.4f}\n", fmt::format("mean of {}", e.videos.size()), width,
+                     "", "", e.mean_temporal_flickering, e.mean_frame_consistency);
   return out;
 }
 

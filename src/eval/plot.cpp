@@ -146,8 +146,9 @@ PlotFiles render_plot(const PlotSpec& spec, const std::string& png_path, const P
   int block = 0;
   // Every piece of text that did not come from this file reaches the script through quoted() (or, in
   // this comment, one_line(): gnuplot ignores the rest of a line after '#').
-  script += fmt::format("# Draws {} from {}: cd into this folder and run: gnuplot {}\n", one_line(basename_of(files.png)),
-                        one_line(basename_of(files.data)), one_line(basename_of(files.script)));
+  script +=
+      fmt::format("# Draws {} from {}: cd into this folder and run: gnuplot {}\n", one_line(basename_of(files.png)),
+                  one_line(basename_of(files.data)), one_line(basename_of(files.script)));
   script += fmt::format("set terminal pngcairo size {},{} noenhanced font \",10\"\n", spec.width,
                         spec.panel_height * static_cast<int>(spec.panels.size()));
   script += fmt::format("set output {}\n", quoted(basename_of(files.png)));
@@ -187,8 +188,9 @@ PlotFiles render_plot(const PlotSpec& spec, const std::string& png_path, const P
     }
     if (plots.empty()) {
       // gnuplot refuses a plot without a valid point; an empty panel says so instead.
-      script += "unset logscale\nset label 1 \"no data\" at graph 0.5, graph 0.5 center\nplot [0:1][0:1] 1/0 notitle\n"
-                "unset label 1\n";
+      script +=
+          "unset logscale\nset label 1 \"no data\" at graph 0.5, graph 0.5 center\nplot [0:1][0:1] 1/0 notitle\n"
+          "unset label 1\n";
     } else {
       script += "plot ";
       for (size_t i = 0; i < plots.size(); ++i) script += (i ? ", \\\n     " : "") + plots[i];

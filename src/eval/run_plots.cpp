@@ -23,7 +23,8 @@ double number(const nlohmann::json& j, const char* key, bool required, const std
     return 0.0;
   }
   if (it->is_null()) return std::numeric_limits<double>::quiet_NaN();
-  if (!it->is_number()) throw MetricsFileError(fmt::format("{}: field \"{}\" is not a number: {}", where, key, it->dump()));
+  if (!it->is_number())
+    throw MetricsFileError(fmt::format("{}: field \"{}\" is not a number: {}", where, key, it->dump()));
   const double v = it->get<double>();
   if (!std::isfinite(v)) throw MetricsFileError(fmt::format("{}: field \"{}\" is not finite", where, key));
   return v;
@@ -35,17 +36,20 @@ int64_t count(const nlohmann::json& j, const char* key, bool required, const std
   if (it != j.end() && !it->is_number())
     throw MetricsFileError(fmt::format("{}: field \"{}\" is not a number: {}", where, key, it->dump()));
   const double v = number(j, key, required, where);
-  if (std::abs(v) > 9.0e18) throw MetricsFileError(fmt::format("{}: field \"{}\" is out of range: {}", where, key, it->dump()));
+  if (std::abs(v) > 9.0e18)
+    throw MetricsFileError(fmt::format("{}: field \"{}\" is out of range: {}", where, key, it->dump()));
   return static_cast<int64_t>(v);
 }
 
 }  // namespace
 
 std::vector<StepMetrics> read_metrics_jsonl(const std::string& path) {
-  if (io::is_directory(path)) throw MetricsFileError(fmt::format("{}: is a folder, expected a metrics.jsonl file", path));
+  if (io::is_directory(path))
+    throw MetricsFileError(fmt::format("{}: is a folder, expected a metrics.jsonl file", path));
   struct stat st {};
   if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode))
-    throw MetricsFileError(fmt::format("{}: is not a regular file (a device or a pipe), expected a metrics.jsonl file", path));
+    throw MetricsFileError(
+        fmt::format("{}: is not a regular file (a device or a pipe), expected a metrics.jsonl file", path));
   std::ifstream in(path);
   if (!in) throw MetricsFileError(fmt::format("{}: cannot open (does the run folder hold a metrics.jsonl?)", path));
   std::vector<StepMetrics> steps;
@@ -61,7 +65,8 @@ std::vector<StepMetrics> read_metrics_jsonl(const std::string& path) {
     } catch (const nlohmann::json::parse_error& e) {
       throw MetricsFileError(fmt::format("{}: not valid JSON ({})", where, e.what()));
     }
-    if (!j.is_object()) throw MetricsFileError(fmt::format("{}: expected a JSON object per line, got {}", where, j.type_name()));
+    if (!j.is_object())
+      throw MetricsFileError(fmt::format("{}: expected a JSON object per line, got {}", where, j.type_name()));
     StepMetrics m;
     m.step = count(j, "step", true, where);
     m.loss = number(j, "loss", true, where);
@@ -117,39 +122,70 @@ std::vector<std::string> plot_run(const std::string& run_dir, const std::string&
       if (i >= window && std::isfinite(loss[i - window])) sum -= loss[i - window], --finite;
       mean[i] = finite > 0 ? sum / static_cast<double>(finite) : std::numeric_limits<double>::quiet_NaN();
     }
-    PlotPanel panel{"loss: " + name, "step", "loss (ε-MSE)", false, false, false,
+    PlotPanel panel{"loss: " + name,
+                    "step",
+                    "loss (ε-MSE)",
+                    false,
+                    false,
+                    false,
                     {{"loss", x, loss}, {fmt::format("running mean over {} steps", window), x, mean}}};
     pngs.push_back(render_plot(PlotSpec{"", {panel}}, io::join_path(out, "loss.png"), options).png);
   }
   // Throughput.
   {
-    PlotPanel tokens{"throughput: " + name, "step", "tokens/s", false, false, true,
+    PlotPanel tokens{"throughput: " + name,
+                     "step",
+                     "tokens/s",
+                     false,
+                     false,
+                     true,
                      {{"tokens/s", x, column([](const StepMetrics& m) { return m.tokens_per_s; })}}};
-    PlotPanel samples{"", "step", "samples/s", false, false, true,
-                      {{"samples/s", x, column([](const StepMetrics& m) { return m.samples_per_s; })}}};
+    PlotPanel samples{"", "step", "samples/s", false, false, true, {{"samples/s", x, column([](const StepMetrics& m) {
+                                                                       return m.samples_per_s;
+                                                                     })}}};
     pngs.push_back(render_plot(PlotSpec{"", {tokens, samples}}, io::join_path(out, "throughput.png"), options).png);
   }
   // Memory and transfers.
   {
     const double MiB = 1024.0 * 1024.0;
-    PlotPanel peak{"device memory: " + name, "step", "MiB", false, false, true,
+    PlotPanel peak{"device memory: " + name,
+                   "step",
+                   "MiB",
+                   false,
+                   false,
+                   true,
                    {{"peak_device_bytes", x, column([&](const StepMetrics& m) { return m.peak_device_bytes / MiB; })}}};
     peak.y_from_zero = true;
     PlotSpec spec{"", {peak}};
-    const bool moved = std::any_of(steps.begin(), steps.end(), [](const StepMetrics& m) { return m.h2d_bytes > 0 || m.d2h_bytes > 0; });
+    const bool moved = std::any_of(steps.begin(), steps.end(),
+                                   [](const StepMetrics& m) { return m.h2d_bytes > 0 || m.d2h_bytes > 0; });
     if (moved) {
-      spec.panels.push_back(PlotPanel{"bytes moved per step", "step", "MiB", false, false, true,
-                                      {{"host -> device (h2d_bytes)", x, column([&](const StepMetrics& m) { return m.h2d_bytes / MiB; })},
-                                       {"device -> host (d2h_bytes)", x, column([&](const StepMetrics& m) { return m.d2h_bytes / MiB; })}}});
+      spec.panels.push_back(PlotPanel{
+          "bytes moved per step",
+          "step",
+          "MiB",
+          false,
+          false,
+          true,
+          {{"host -> device (h2d_bytes)", x, column([&](const StepMetrics& m) { return m.h2d_bytes / MiB; })},
+           {"device -> host (d2h_bytes)", x, column([&](const StepMetrics& m) { return m.d2h_bytes / MiB; })}}});
       spec.panels.back().y_from_zero = true;
     }
     pngs.push_back(render_plot(spec, io::join_path(out, "memory.png"), options).png);
   }
   // The optimizer: the learning rate of each step and the gradient norm before clipping.
   {
-    PlotPanel lr{"learning rate: " + name, "step", "lr", false, false, false, {{"lr", x, column([](const StepMetrics& m) { return m.lr; })}}};
+    PlotPanel lr{
+        "learning rate: " + name, "step", "lr", false, false, false, {{"lr", x, column([](const StepMetrics& m) {
+                                                                         return m.lr;
+                                                                       })}}};
     lr.y_from_zero = true;
-    PlotPanel norm{"gradient norm (before clipping)", "step", "grad_norm", false, true, true,
+    PlotPanel norm{"gradient norm (before clipping)",
+                   "step",
+                   "grad_norm",
+                   false,
+                   true,
+                   true,
                    {{"grad_norm", x, column([](const StepMetrics& m) { return m.grad_norm; })}}};
     pngs.push_back(render_plot(PlotSpec{"", {lr, norm}}, io::join_path(out, "optimizer.png"), options).png);
   }

@@ -44,7 +44,9 @@ inline void varint(std::string& out, uint64_t v) {
   }
   out.push_back(static_cast<char>(v));
 }
-inline void key(std::string& out, uint32_t field, Type type) { varint(out, (static_cast<uint64_t>(field) << 3) | type); }
+inline void key(std::string& out, uint32_t field, Type type) {
+  varint(out, (static_cast<uint64_t>(field) << 3) | type);
+}
 // int32/int64/enum fields: a negative value is its 64-bit two's complement (10 bytes), as protobuf does.
 inline void integer(std::string& out, uint32_t field, int64_t v) {
   key(out, field, kVarint);
@@ -111,11 +113,20 @@ class Reader {
   }
   void skip(Type type) {
     switch (type) {
-      case kVarint: varint(); break;
-      case kFixed64: little(8); break;
-      case kBytes: bytes(); break;
-      case kFixed32: little(4); break;
-      default: throw std::runtime_error("wire type " + std::to_string(static_cast<int>(type)) + " (groups are not used here)");
+      case kVarint:
+        varint();
+        break;
+      case kFixed64:
+        little(8);
+        break;
+      case kBytes:
+        bytes();
+        break;
+      case kFixed32:
+        little(4);
+        break;
+      default:
+        throw std::runtime_error("wire type " + std::to_string(static_cast<int>(type)) + " (groups are not used here)");
     }
   }
 
@@ -181,7 +192,8 @@ inline std::string encode(const Event& e) {
 
 namespace detail {
 inline void expect(wire::Type got, wire::Type want, const char* what) {
-  if (got != want) throw std::runtime_error(std::string(what) + " has wire type " + std::to_string(static_cast<int>(got)));
+  if (got != want)
+    throw std::runtime_error(std::string(what) + " has wire type " + std::to_string(static_cast<int>(got)));
 }
 
 // Calls field(number, type, reader) for each field of a length-delimited message.

@@ -38,7 +38,8 @@ void put_le(std::string& out, uint64_t v, int bytes) {
 
 uint64_t get_le(const std::string& in, size_t at, int bytes) {
   uint64_t v = 0;
-  for (int i = 0; i < bytes; ++i) v |= static_cast<uint64_t>(static_cast<unsigned char>(in[at + static_cast<size_t>(i)])) << (8 * i);
+  for (int i = 0; i < bytes; ++i)
+    v |= static_cast<uint64_t>(static_cast<unsigned char>(in[at + static_cast<size_t>(i)])) << (8 * i);
   return v;
 }
 
@@ -88,9 +89,11 @@ EventFileWriter::EventFileWriter(const std::string& dir) : impl_(std::make_uniqu
   if (::gethostname(host, sizeof(host) - 1) != 0 || host[0] == '\0') std::strcpy(host, "localhost");
   const auto now = std::chrono::system_clock::now().time_since_epoch();
   const auto seconds = std::chrono::duration_cast<std::chrono::seconds>(now).count();
-  impl_->path = join_path(dir, "events.out.tfevents." + std::to_string(seconds) + "." + host + "." + std::to_string(::getpid()) + ".megaslide");
+  impl_->path = join_path(dir, "events.out.tfevents." + std::to_string(seconds) + "." + host + "." +
+                                   std::to_string(::getpid()) + ".megaslide");
   impl_->file = std::make_unique<OutputFile>(impl_->path, /*append=*/false);
-  auto version = event_at(0, static_cast<double>(std::chrono::duration_cast<std::chrono::microseconds>(now).count()) * 1e-6);
+  auto version =
+      event_at(0, static_cast<double>(std::chrono::duration_cast<std::chrono::microseconds>(now).count()) * 1e-6);
   version.file_version = "brain.Event:2";
   impl_->write(version);
 }
@@ -99,7 +102,8 @@ EventFileWriter::~EventFileWriter() = default;
 
 const std::string& EventFileWriter::path() const { return impl_->path; }
 
-void EventFileWriter::scalars(int64_t step, const std::vector<std::pair<std::string, double>>& values, double wall_time) {
+void EventFileWriter::scalars(int64_t step, const std::vector<std::pair<std::string, double>>& values,
+                              double wall_time) {
   if (values.empty()) return;
   auto e = event_at(step, wall_time);
   for (const auto& [tag, value] : values) {
@@ -151,10 +155,12 @@ std::vector<EventRecord> read_event_file(const std::string& path) {
     };
     if (bytes.size() - at < 12) bad("is cut short (no length)");
     const uint64_t length = get_le(bytes, at, 8);
-    if (masked_crc32c(crc32c(bytes.data() + at, 8)) != get_le(bytes, at + 8, 4)) bad("has a length whose CRC-32C does not match");
+    if (masked_crc32c(crc32c(bytes.data() + at, 8)) != get_le(bytes, at + 8, 4))
+      bad("has a length whose CRC-32C does not match");
     if (length > bytes.size() - at - 12 || bytes.size() - at - 12 - length < 4) bad("is cut short (its data)");
     const std::string data = bytes.substr(at + 12, length);
-    if (masked_crc32c(crc32c(data.data(), data.size())) != get_le(bytes, at + 12 + length, 4)) bad("has data whose CRC-32C does not match");
+    if (masked_crc32c(crc32c(data.data(), data.size())) != get_le(bytes, at + 12 + length, 4))
+      bad("has data whose CRC-32C does not match");
     events::Event e;
     try {
       e = events::decode(data);
@@ -175,7 +181,7 @@ std::vector<EventRecord> read_event_file(const std::string& path) {
     for (const auto& v : e.values) {
       EventRecord r = head;
       r.tag = v.tag;
-      r.kind = v.kind == events::Value::Kind::kScalar ? "scalar"
+      r.kind = v.kind == events::Value::Kind::kScalar  ? "scalar"
                : v.kind == events::Value::Kind::kImage ? "image"
                : v.kind == events::Value::Kind::kText  ? "text"
                                                        : "other";

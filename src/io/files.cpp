@@ -18,7 +18,6 @@
 
 namespace megaslide::io {
 
-
 namespace {
 [[noreturn]] void fail(const std::string& what, const std::string& path) {
   throw IoError(what + " '" + path + "': " + std::strerror(errno));
@@ -32,12 +31,12 @@ std::string parent_of(const std::string& path) {
 }
 
 const char* kind_of(mode_t mode) {
-  return S_ISDIR(mode)                       ? "a folder"
-         : S_ISCHR(mode) || S_ISBLK(mode)    ? "a device"
-         : S_ISFIFO(mode)                    ? "a pipe (FIFO)"
-         : S_ISSOCK(mode)                    ? "a socket"
-         : S_ISLNK(mode)                     ? "a symbolic link"
-                                             : "not a regular file";
+  return S_ISDIR(mode)                    ? "a folder"
+         : S_ISCHR(mode) || S_ISBLK(mode) ? "a device"
+         : S_ISFIFO(mode)                 ? "a pipe (FIFO)"
+         : S_ISSOCK(mode)                 ? "a socket"
+         : S_ISLNK(mode)                  ? "a symbolic link"
+                                          : "not a regular file";
 }
 
 // The process's file-mode creation mask, read without changing it (umask(2) can only set it, which
@@ -161,9 +160,12 @@ std::unique_ptr<FileLock> FileLock::try_acquire(const std::string& path, const s
       errno = error;
       fail("cannot lock", path);
     }
-    struct stat held {}, named {};
-    if (::fstat(fd, &held) == 0 && ::stat(path.c_str(), &named) == 0 && held.st_dev == named.st_dev && held.st_ino == named.st_ino) {
-      const std::string note = "pid " + std::to_string(::getpid()) + " on host " + this_host() + " since " + now_text() + " (" + who + ")\n";
+    struct stat held {
+    }, named{};
+    if (::fstat(fd, &held) == 0 && ::stat(path.c_str(), &named) == 0 && held.st_dev == named.st_dev &&
+        held.st_ino == named.st_ino) {
+      const std::string note =
+          "pid " + std::to_string(::getpid()) + " on host " + this_host() + " since " + now_text() + " (" + who + ")\n";
       if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, note.data(), note.size(), 0) != static_cast<ssize_t>(note.size())) {
         // The lock holds without the note; only the message of a refused holder would lack the pid.
       }
@@ -180,7 +182,8 @@ FileLock::~FileLock() {
 
 OutputFile::OutputFile(const std::string& path, bool append) : path_(path) {
   check_replaceable_output(path);
-  fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NOCTTY | (append ? O_APPEND : O_TRUNC), 0644);
+  fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NOCTTY | (append ? O_APPEND : O_TRUNC),
+               0644);
   if (fd_ < 0) fail("cannot open for writing", path);
   struct stat st {};
   if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode)) {  // replaced by something else since the check
@@ -218,7 +221,8 @@ void make_directories(const std::string& path) {
   if (path.empty() || is_directory(path)) return;
   const std::string parent = parent_of(path);
   if (parent != path && parent != "." && parent != "/") make_directories(parent);
-  if (::mkdir(path.c_str(), 0755) != 0 && !(errno == EEXIST && is_directory(path))) fail("cannot create directory", path);
+  if (::mkdir(path.c_str(), 0755) != 0 && !(errno == EEXIST && is_directory(path)))
+    fail("cannot create directory", path);
 }
 
 void remove_tree(const std::string& path) {
@@ -380,8 +384,8 @@ std::string read_input_file(const std::string& path, uint64_t max_bytes, bool al
   struct stat st {};
   if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && static_cast<uint64_t>(st.st_size) > max_bytes) {
     ::close(fd);
-    throw IoError("'" + path + "' is " + std::to_string(st.st_size) + " bytes, more than the " + std::to_string(max_bytes) +
-                  " this file may hold (is it the right file?)");
+    throw IoError("'" + path + "' is " + std::to_string(st.st_size) + " bytes, more than the " +
+                  std::to_string(max_bytes) + " this file may hold (is it the right file?)");
   }
   std::string out;
   std::vector<char> buffer(64 * 1024);
@@ -398,7 +402,8 @@ std::string read_input_file(const std::string& path, uint64_t max_bytes, bool al
     out.append(buffer.data(), static_cast<size_t>(n));
     if (out.size() > max_bytes) {  // a file that grew, or a pipe: stop at the cap
       ::close(fd);
-      throw IoError("'" + path + "' holds more than the " + std::to_string(max_bytes) + " bytes this file may hold (is it the right file?)");
+      throw IoError("'" + path + "' holds more than the " + std::to_string(max_bytes) +
+                    " bytes this file may hold (is it the right file?)");
     }
   }
   ::close(fd);
@@ -409,10 +414,12 @@ std::string parent_path(const std::string& path) { return parent_of(path); }
 
 void check_output_file(const std::string& path, const std::string& flag) {
   if (path.empty()) throw IoError(flag + ": an empty path names no file");
-  if (path.back() == '/' || is_directory(path)) throw IoError(flag + " '" + path + "': is a folder; expected a file name");
+  if (path.back() == '/' || is_directory(path))
+    throw IoError(flag + " '" + path + "': is a folder; expected a file name");
   const std::string parent = parent_of(path);
   if (!is_directory(parent))
-    throw IoError(flag + " '" + path + "': folder '" + parent + "' does not exist" + (path_exists(parent) ? " (a file is in its place)" : ""));
+    throw IoError(flag + " '" + path + "': folder '" + parent + "' does not exist" +
+                  (path_exists(parent) ? " (a file is in its place)" : ""));
   if (::access(parent.c_str(), W_OK | X_OK) != 0)
     throw IoError(flag + " '" + path + "': folder '" + parent + "' is not writable: " + std::strerror(errno));
   if (path_exists(path) && ::access(path.c_str(), W_OK) != 0)
@@ -435,8 +442,7 @@ void check_output_folder(const std::string& path, const std::string& flag) {
     if (up == existing) break;
     existing = up;
   }
-  if (!is_directory(existing))
-    throw IoError(flag + " '" + path + "': '" + existing + "' is a file, not a folder");
+  if (!is_directory(existing)) throw IoError(flag + " '" + path + "': '" + existing + "' is a file, not a folder");
   if (::access(existing.c_str(), W_OK | X_OK) != 0)
     throw IoError(flag + " '" + path + "': folder '" + existing + "' is not writable: " + std::strerror(errno));
 }

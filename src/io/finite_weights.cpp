@@ -30,21 +30,28 @@ bool nonfinite_weights_allowed() { return g_allowed.load(); }
 
 int64_t first_nonfinite(const void* data, int64_t n, c10::ScalarType dtype) {
   switch (dtype) {
-    case c10::ScalarType::BFloat16: return first_saturated<uint16_t>(data, n, 0x7f80);
-    case c10::ScalarType::Half: return first_saturated<uint16_t>(data, n, 0x7c00);
-    case c10::ScalarType::Float: return first_saturated<uint32_t>(data, n, 0x7f800000u);
-    case c10::ScalarType::Double: return first_saturated<uint64_t>(data, n, 0x7ff0000000000000ull);
-    default: return -1;
+    case c10::ScalarType::BFloat16:
+      return first_saturated<uint16_t>(data, n, 0x7f80);
+    case c10::ScalarType::Half:
+      return first_saturated<uint16_t>(data, n, 0x7c00);
+    case c10::ScalarType::Float:
+      return first_saturated<uint32_t>(data, n, 0x7f800000u);
+    case c10::ScalarType::Double:
+      return first_saturated<uint64_t>(data, n, 0x7ff0000000000000ull);
+    default:
+      return -1;
   }
 }
 
-void require_finite(const void* data, int64_t n, c10::ScalarType dtype, const std::string& file, const std::string& tensor) {
+void require_finite(const void* data, int64_t n, c10::ScalarType dtype, const std::string& file,
+                    const std::string& tensor) {
   if (nonfinite_weights_allowed()) return;
   const int64_t at = first_nonfinite(data, n, dtype);
   if (at < 0) return;
-  throw NonFiniteWeightsError("'" + file + "': tensor '" + tensor + "' holds a NaN or an infinity (element " + std::to_string(at) +
-                              " of " + std::to_string(n) +
-                              "): the weights are broken (a diverged run or a bad conversion); --allow-nonfinite-weights loads them anyway");
+  throw NonFiniteWeightsError(
+      "'" + file + "': tensor '" + tensor + "' holds a NaN or an infinity (element " + std::to_string(at) + " of " +
+      std::to_string(n) +
+      "): the weights are broken (a diverged run or a bad conversion); --allow-nonfinite-weights loads them anyway");
 }
 
 }  // namespace megaslide::io

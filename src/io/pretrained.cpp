@@ -22,7 +22,8 @@ std::string shape_string(c10::IntArrayRef shape) {
 }  // namespace
 
 PretrainedFolder::PretrainedFolder(const std::string& dir, const std::vector<std::string>& weight_files) : dir_(dir) {
-  if (!is_directory(dir)) throw PretrainedError("'" + dir + "' is not a folder (expected a model folder with config.json and weights)");
+  if (!is_directory(dir))
+    throw PretrainedError("'" + dir + "' is not a folder (expected a model folder with config.json and weights)");
   const auto config_path = join_path(dir, "config.json");
   if (!path_exists(config_path)) fail("no config.json");
   try {
@@ -54,7 +55,9 @@ PretrainedFolder::~PretrainedFolder() = default;
 
 const nlohmann::json& PretrainedFolder::config() const { return *config_; }
 
-void PretrainedFolder::fail(const std::string& what) const { throw PretrainedError("model folder '" + dir_ + "': " + what); }
+void PretrainedFolder::fail(const std::string& what) const {
+  throw PretrainedError("model folder '" + dir_ + "': " + what);
+}
 
 bool PretrainedFolder::has(const std::string& name) const {
   for (const auto& e : header_.entries)
@@ -68,14 +71,17 @@ std::vector<std::string> PretrainedFolder::names() const {
   return out;
 }
 
-torch::Tensor PretrainedFolder::take(const std::string& name, const std::vector<int64_t>& shape, torch::ScalarType dtype) const {
+torch::Tensor PretrainedFolder::take(const std::string& name, const std::vector<int64_t>& shape,
+                                     torch::ScalarType dtype) const {
   const SafetensorsEntry* entry = nullptr;
   for (const auto& e : header_.entries)
     if (e.name == name) entry = &e;
-  if (entry == nullptr) throw PretrainedError("'" + weights_path_ + "': no tensor '" + name + "' (expected shape " + shape_string(shape) + ")");
+  if (entry == nullptr)
+    throw PretrainedError("'" + weights_path_ + "': no tensor '" + name + "' (expected shape " + shape_string(shape) +
+                          ")");
   if (entry->shape != shape)
-    throw PretrainedError("'" + weights_path_ + "': tensor '" + name + "' has shape " + shape_string(entry->shape) + ", expected " +
-                          shape_string(shape) + " (from config.json)");
+    throw PretrainedError("'" + weights_path_ + "': tensor '" + name + "' has shape " + shape_string(entry->shape) +
+                          ", expected " + shape_string(shape) + " (from config.json)");
   if (!c10::isFloatingType(entry->dtype))
     throw PretrainedError("'" + weights_path_ + "': tensor '" + name + "' is " + safetensors_dtype_name(entry->dtype) +
                           ", expected floating point (F32, F16 or BF16)");
@@ -92,7 +98,8 @@ torch::Tensor PretrainedFolder::take(const std::string& name, const std::vector<
     const ssize_t n = ::pread(fd, p, std::min<uint64_t>(bytes, 1ull << 30), static_cast<off_t>(offset));
     if (n <= 0) {
       ::close(fd);
-      throw PretrainedError("'" + weights_path_ + "': cannot read tensor '" + name + "'" + (n < 0 ? std::string(": ") + std::strerror(errno) : ""));
+      throw PretrainedError("'" + weights_path_ + "': cannot read tensor '" + name + "'" +
+                            (n < 0 ? std::string(": ") + std::strerror(errno) : ""));
     }
     p += n, bytes -= static_cast<uint64_t>(n), offset += static_cast<uint64_t>(n);
   }
@@ -178,30 +185,35 @@ MappedWeights::MappedWeights(const std::string& path) : path_(path) {
     throw PretrainedError("'" + path + "' is not valid JSON: " + e.what());
   }
   if (!j.is_object() || !j.contains("weight_map") || !j.at("weight_map").is_object())
-    throw PretrainedError("'" + path + "': expected an object with a \"weight_map\" object (tensor name -> shard file)");
+    throw PretrainedError("'" + path +
+                          "': expected an object with a \"weight_map\" object (tensor name -> shard file)");
   std::map<std::string, size_t> shard_index;
   for (const auto& [name, file] : j.at("weight_map").items()) {
-    if (!file.is_string()) throw PretrainedError("'" + path + "': weight_map[\"" + name + "\"] must be a file name, got " + file.dump());
+    if (!file.is_string())
+      throw PretrainedError("'" + path + "': weight_map[\"" + name + "\"] must be a file name, got " + file.dump());
     const auto fname = file.get<std::string>();
     if (fname.empty() || fname.find('/') != std::string::npos)
-      throw PretrainedError("'" + path + "': weight_map[\"" + name + "\"] = \"" + fname + "\" is not a file name beside the index");
+      throw PretrainedError("'" + path + "': weight_map[\"" + name + "\"] = \"" + fname +
+                            "\" is not a file name beside the index");
     if (!shard_index.count(fname)) {
       const auto shard = join_path(parent_of(path), fname);
-      if (!path_exists(shard)) throw PretrainedError("'" + path + "': shard '" + shard + "' (of tensor '" + name + "') is missing");
+      if (!path_exists(shard))
+        throw PretrainedError("'" + path + "': shard '" + shard + "' (of tensor '" + name + "') is missing");
       shard_index[fname] = open_file(shard);
     }
   }
   for (const auto& [fname, f] : shard_index)
     for (const auto& e : files_[f]->header.entries) {
       if (where_.count(e.name))
-        throw PretrainedError("'" + path + "': tensor '" + e.name + "' is in both '" + files_[where_[e.name].file]->path + "' and '" +
-                              files_[f]->path + "'");
+        throw PretrainedError("'" + path + "': tensor '" + e.name + "' is in both '" +
+                              files_[where_[e.name].file]->path + "' and '" + files_[f]->path + "'");
       where_[e.name] = Location{f, &e};
     }
   for (const auto& [name, file] : j.at("weight_map").items()) {
     auto it = where_.find(name);
     if (it == where_.end() || files_[it->second.file]->path != join_path(parent_of(path), file.get<std::string>()))
-      throw PretrainedError("'" + path + "': tensor '" + name + "' is not in the shard the index names ('" + file.get<std::string>() + "')");
+      throw PretrainedError("'" + path + "': tensor '" + name + "' is not in the shard the index names ('" +
+                            file.get<std::string>() + "')");
   }
 }
 
@@ -228,23 +240,29 @@ const std::vector<int64_t>& MappedWeights::shape(const std::string& name) const 
 torch::Tensor MappedWeights::take(const std::string& name, const std::vector<int64_t>& shape, torch::ScalarType dtype,
                                   const std::string& context) const {
   auto it = where_.find(name);
-  if (it == where_.end()) throw PretrainedError("'" + path_ + "': no tensor '" + name + "' (expected shape " + shape_string(shape) + ")");
+  if (it == where_.end())
+    throw PretrainedError("'" + path_ + "': no tensor '" + name + "' (expected shape " + shape_string(shape) + ")");
   const auto& m = *files_[it->second.file];
   const auto& e = *it->second.entry;
   if (e.shape != shape)
-    throw PretrainedError("'" + m.path + "': tensor '" + name + "' has shape " + shape_string(e.shape) + ", expected " + shape_string(shape) +
-                          " (" + context + ")");
+    throw PretrainedError("'" + m.path + "': tensor '" + name + "' has shape " + shape_string(e.shape) + ", expected " +
+                          shape_string(shape) + " (" + context + ")");
   if (!c10::isFloatingType(e.dtype))
     throw PretrainedError("'" + m.path + "': tensor '" + name + "' is " + safetensors_dtype_name(e.dtype) +
                           ", expected floating point (F32, F16 or BF16)");
   const size_t offset = m.header.data_start + e.begin;
-  if (offset + (e.end - e.begin) > m.bytes) throw PretrainedError("'" + m.path + "': tensor '" + name + "' lies past the end of the file");
+  if (offset + (e.end - e.begin) > m.bytes)
+    throw PretrainedError("'" + m.path + "': tensor '" + name + "' lies past the end of the file");
   auto* data = static_cast<char*>(m.base) + offset;
   const auto options = torch::TensorOptions().dtype(e.dtype);
   try {
     const int64_t n = static_cast<int64_t>((e.end - e.begin) / c10::elementSize(e.dtype));
-    if (reinterpret_cast<uintptr_t>(data) % c10::elementSize(e.dtype) == 0) io::require_finite(data, n, e.dtype, m.path, name);
-    else io::require_finite(torch::from_blob(data, {static_cast<int64_t>(e.end - e.begin)}, torch::kUInt8).clone().data_ptr(), n, e.dtype, m.path, name);
+    if (reinterpret_cast<uintptr_t>(data) % c10::elementSize(e.dtype) == 0)
+      io::require_finite(data, n, e.dtype, m.path, name);
+    else
+      io::require_finite(
+          torch::from_blob(data, {static_cast<int64_t>(e.end - e.begin)}, torch::kUInt8).clone().data_ptr(), n, e.dtype,
+          m.path, name);
   } catch (const io::NonFiniteWeightsError& err) {
     throw PretrainedError(err.what());
   }
@@ -261,13 +279,15 @@ std::string MappedWeights::bytes(const std::string& name) const {
   const auto& loc = locate(name);
   const auto& m = *files_[loc.file];
   if (loc.entry->dtype != torch::kUInt8)
-    throw PretrainedError("'" + m.path + "': tensor '" + name + "' is " + safetensors_dtype_name(loc.entry->dtype) + ", expected U8 bytes");
+    throw PretrainedError("'" + m.path + "': tensor '" + name + "' is " + safetensors_dtype_name(loc.entry->dtype) +
+                          ", expected U8 bytes");
   const auto* data = static_cast<const char*>(m.base) + m.header.data_start + loc.entry->begin;
   return std::string(data, loc.entry->end - loc.entry->begin);
 }
 
 namespace {
-[[noreturn]] void bad_key(const std::string& source, const std::string& key, const std::string& expected, const nlohmann::json& v) {
+[[noreturn]] void bad_key(const std::string& source, const std::string& key, const std::string& expected,
+                          const nlohmann::json& v) {
   throw PretrainedError("'" + source + "': \"" + key + "\" must be " + expected + ", got " + v.dump());
 }
 }  // namespace
@@ -286,7 +306,8 @@ double json_real(const nlohmann::json& j, const std::string& key, double fallbac
   return v.get<double>();
 }
 
-std::string json_string(const nlohmann::json& j, const std::string& key, const std::string& fallback, const std::string& source) {
+std::string json_string(const nlohmann::json& j, const std::string& key, const std::string& fallback,
+                        const std::string& source) {
   if (!j.contains(key) || j.at(key).is_null()) return fallback;
   const auto& v = j.at(key);
   if (!v.is_string()) bad_key(source, key, "a string", v);

@@ -44,7 +44,8 @@ class PretrainedFolder {
   const nlohmann::json& config() const;
   bool has(const std::string& name) const;
   // The tensor `name`, which must have `shape` and a floating-point dtype, as `dtype` on the CPU.
-  torch::Tensor take(const std::string& name, const std::vector<int64_t>& shape, torch::ScalarType dtype = torch::kFloat32) const;
+  torch::Tensor take(const std::string& name, const std::vector<int64_t>& shape,
+                     torch::ScalarType dtype = torch::kFloat32) const;
   // The first of `names` present (e.g. a current and a legacy key); errors name the first.
   torch::Tensor take_any(const std::vector<std::string>& names, const std::vector<int64_t>& shape,
                          torch::ScalarType dtype = torch::kFloat32) const;
@@ -83,7 +84,8 @@ class MappedWeights {
   const std::vector<int64_t>& shape(const std::string& name) const;
   // The tensor `name`, which must have `shape` and a floating-point dtype, as a new CPU tensor of `dtype`;
   // `context` says in a shape error where the expected shape came from.
-  torch::Tensor take(const std::string& name, const std::vector<int64_t>& shape, torch::ScalarType dtype = torch::kFloat32,
+  torch::Tensor take(const std::string& name, const std::vector<int64_t>& shape,
+                     torch::ScalarType dtype = torch::kFloat32,
                      const std::string& context = "from the model's configuration") const;
   // The bytes of a U8 tensor (e.g. a tokenizer model stored in the weights file).
   std::string bytes(const std::string& name) const;
@@ -104,6 +106,7 @@ class MappedWeights {
 // wrong type is an error naming `source` and the key.
 int64_t json_int(const nlohmann::json& j, const std::string& key, int64_t fallback, const std::string& source);
 double json_real(const nlohmann::json& j, const std::string& key, double fallback, const std::string& source);
-std::string json_string(const nlohmann::json& j, const std::string& key, const std::string& fallback, const std::string& source);
+std::string json_string(const nlohmann::json& j, const std::string& key, const std::string& fallback,
+                        const std::string& source);
 
 }  // namespace megaslide::io

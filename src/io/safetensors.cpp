@@ -79,7 +79,8 @@ class File {
 
 SafetensorsHeader parse_header(const std::string& path, const File& file) {
   const uint64_t file_size = file.size();
-  if (file_size < 8) fail(path, "file is " + std::to_string(file_size) + " bytes, shorter than the 8-byte header length");
+  if (file_size < 8)
+    fail(path, "file is " + std::to_string(file_size) + " bytes, shorter than the 8-byte header length");
   unsigned char length_bytes[8];
   file.read_at(length_bytes, 8, 0);
   uint64_t n = 0;
@@ -93,8 +94,8 @@ SafetensorsHeader parse_header(const std::string& path, const File& file) {
     return "; it begins with '" + shown + "'";
   };
   if (n > file_size - 8)
-    fail(path, "not a safetensors file (or a truncated one): its first 8 bytes, read as the header length, say " + std::to_string(n) +
-                   " but only " + std::to_string(file_size - 8) + " bytes follow" + opening());
+    fail(path, "not a safetensors file (or a truncated one): its first 8 bytes, read as the header length, say " +
+                   std::to_string(n) + " but only " + std::to_string(file_size - 8) + " bytes follow" + opening());
   if (n > kMaxHeaderBytes) fail(path, "header length " + std::to_string(n) + " is above the 100 MB limit");
   std::string text(n, '\0');
   file.read_at(text.data(), n, 8);
@@ -104,7 +105,8 @@ SafetensorsHeader parse_header(const std::string& path, const File& file) {
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& e) {  // parse_error, and out_of_range for a number that overflows (found by fuzz.safetensors)
+  } catch (const nlohmann::json::exception&
+               e) {  // parse_error, and out_of_range for a number that overflows (found by fuzz.safetensors)
     fail(path, std::string("header is not valid JSON: ") + e.what());
   }
   if (!j.is_object()) fail(path, "header is not a JSON object");
@@ -138,7 +140,8 @@ SafetensorsHeader parse_header(const std::string& path, const File& file) {
     uint64_t numel = 1;
     bool overflow = false;
     for (const auto& d : v["shape"]) {
-      if (!d.is_number_unsigned()) fail_tensor(path, name, "shape " + v["shape"].dump() + " has an entry that is not a non-negative integer");
+      if (!d.is_number_unsigned())
+        fail_tensor(path, name, "shape " + v["shape"].dump() + " has an entry that is not a non-negative integer");
       const auto size = d.get<uint64_t>();
       if (size > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) overflow = true;
       e.shape.push_back(static_cast<int64_t>(size));
@@ -146,22 +149,26 @@ SafetensorsHeader parse_header(const std::string& path, const File& file) {
       numel *= size;
     }
     for (const auto& o : v["data_offsets"])
-      if (!o.is_number_unsigned()) fail_tensor(path, name, "data_offsets " + v["data_offsets"].dump() + " are not non-negative integers");
+      if (!o.is_number_unsigned())
+        fail_tensor(path, name, "data_offsets " + v["data_offsets"].dump() + " are not non-negative integers");
     e.begin = v["data_offsets"][0].get<uint64_t>();
     e.end = v["data_offsets"][1].get<uint64_t>();
     if (e.begin > e.end) fail_tensor(path, name, "data_offsets " + v["data_offsets"].dump() + " run backwards");
     if (e.end > data_size)
-      fail_tensor(path, name, "data_offsets " + v["data_offsets"].dump() + " reach past the data section (" +
-                                  std::to_string(data_size) + " bytes; truncated file?)");
+      fail_tensor(path, name,
+                  "data_offsets " + v["data_offsets"].dump() + " reach past the data section (" +
+                      std::to_string(data_size) + " bytes; truncated file?)");
     const auto itemsize = static_cast<uint64_t>(c10::elementSize(e.dtype));
     if (overflow || numel > std::numeric_limits<uint64_t>::max() / itemsize || numel * itemsize != e.end - e.begin)
-      fail_tensor(path, name, "shape " + v["shape"].dump() + " of " + v["dtype"].get<std::string>() + " needs " +
-                                  (overflow ? std::string("more than 2^64") : std::to_string(numel * itemsize)) +
-                                  " bytes but data_offsets hold " + std::to_string(e.end - e.begin));
+      fail_tensor(path, name,
+                  "shape " + v["shape"].dump() + " of " + v["dtype"].get<std::string>() + " needs " +
+                      (overflow ? std::string("more than 2^64") : std::to_string(numel * itemsize)) +
+                      " bytes but data_offsets hold " + std::to_string(e.end - e.begin));
     header.entries.push_back(std::move(e));
   }
-  std::sort(header.entries.begin(), header.entries.end(),
-            [](const SafetensorsEntry& a, const SafetensorsEntry& b) { return a.begin != b.begin ? a.begin < b.begin : a.end < b.end; });
+  std::sort(header.entries.begin(), header.entries.end(), [](const SafetensorsEntry& a, const SafetensorsEntry& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  });
   // As the reference implementation requires: the tensors cover the data section exactly, back to back
   // (a gap or trailing bytes mean the file is not what its header says: damaged, or appended to).
   uint64_t covered = 0;
@@ -170,13 +177,14 @@ SafetensorsHeader parse_header(const std::string& path, const File& file) {
     if (i > 0 && cur.begin < header.entries[i - 1].end)
       fail_tensor(path, cur.name, "bytes overlap those of tensor '" + header.entries[i - 1].name + "'");
     if (cur.begin != covered)
-      fail_tensor(path, cur.name, "data starts at byte " + std::to_string(cur.begin) + " of the data section, expected " +
-                                      std::to_string(covered) + " (a gap between tensors)");
+      fail_tensor(path, cur.name,
+                  "data starts at byte " + std::to_string(cur.begin) + " of the data section, expected " +
+                      std::to_string(covered) + " (a gap between tensors)");
     covered = cur.end;
   }
   if (covered != data_size)
-    fail(path, "the tensors cover " + std::to_string(covered) + " bytes of the data section but it holds " + std::to_string(data_size) +
-                   " (trailing bytes)");
+    fail(path, "the tensors cover " + std::to_string(covered) + " bytes of the data section but it holds " +
+                   std::to_string(data_size) + " (trailing bytes)");
   return header;
 }
 
@@ -213,7 +221,9 @@ std::string layout(const NamedTensors& tensors, const std::map<std::string, std:
     TORCH_CHECK(tensor.defined(), "write_safetensors: tensor '", name, "' is undefined");
     const auto dtype = written_dtype(tensor, cast);
     const uint64_t bytes = static_cast<uint64_t>(tensor.numel()) * static_cast<uint64_t>(c10::elementSize(dtype));
-    header[name] = {{"dtype", safetensors_dtype_name(dtype)}, {"shape", tensor.sizes().vec()}, {"data_offsets", {offset, offset + bytes}}};
+    header[name] = {{"dtype", safetensors_dtype_name(dtype)},
+                    {"shape", tensor.sizes().vec()},
+                    {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
   }
   std::string text = header.dump();
@@ -238,12 +248,13 @@ void for_each_payload(const NamedTensors& tensors, std::optional<c10::ScalarType
 
 std::string encode_safetensors(const NamedTensors& tensors, const std::map<std::string, std::string>& metadata) {
   std::string out = layout(tensors, metadata, std::nullopt);
-  for_each_payload(tensors, std::nullopt, [&](const void* data, size_t bytes) { out.append(static_cast<const char*>(data), bytes); });
+  for_each_payload(tensors, std::nullopt,
+                   [&](const void* data, size_t bytes) { out.append(static_cast<const char*>(data), bytes); });
   return out;
 }
 
-WrittenFile write_safetensors(const std::string& path, const NamedTensors& tensors, const std::map<std::string, std::string>& metadata,
-                              std::optional<c10::ScalarType> cast) {
+WrittenFile write_safetensors(const std::string& path, const NamedTensors& tensors,
+                              const std::map<std::string, std::string>& metadata, std::optional<c10::ScalarType> cast) {
   const std::string head = layout(tensors, metadata, cast);
   AtomicFileWriter out(path);
   out.write(head.data(), head.size());
@@ -296,10 +307,13 @@ void read_safetensors_into(const std::string& path, const NamedTensors& targets,
   for (const auto& [name, target] : targets) {
     expected.insert(name);
     auto it = entries.find(name);
-    if (it == entries.end()) fail_tensor(path, name, "missing (the file has " + std::to_string(entries.size()) + " tensors)");
+    if (it == entries.end())
+      fail_tensor(path, name, "missing (the file has " + std::to_string(entries.size()) + " tensors)");
     const auto& e = *it->second;
     if (e.dtype != target.scalar_type())
-      fail_tensor(path, name, "dtype is " + safetensors_dtype_name(e.dtype) + ", expected " + safetensors_dtype_name(target.scalar_type()));
+      fail_tensor(
+          path, name,
+          "dtype is " + safetensors_dtype_name(e.dtype) + ", expected " + safetensors_dtype_name(target.scalar_type()));
     if (e.shape != target.sizes().vec())
       fail_tensor(path, name, "shape is " + shape_string(e.shape) + ", expected " + shape_string(target.sizes().vec()));
     TORCH_CHECK(target.device().is_cpu() && target.is_contiguous(), "read_safetensors_into: the target of '", name,
@@ -308,7 +322,8 @@ void read_safetensors_into(const std::string& path, const NamedTensors& targets,
   }
   if (allow_extra) return;
   for (const auto& e : header.entries)
-    if (!expected.count(e.name)) fail_tensor(path, e.name, "is not expected here (an extra tensor: wrong file or model?)");
+    if (!expected.count(e.name))
+      fail_tensor(path, e.name, "is not expected here (an extra tensor: wrong file or model?)");
 }
 
 struct SafetensorsRangeReader::Impl {
@@ -320,22 +335,27 @@ struct SafetensorsRangeReader::Impl {
   }
 };
 
-SafetensorsRangeReader::SafetensorsRangeReader(const std::string& path) : path_(path), impl_(std::make_unique<Impl>(path)) {}
+SafetensorsRangeReader::SafetensorsRangeReader(const std::string& path)
+    : path_(path), impl_(std::make_unique<Impl>(path)) {}
 SafetensorsRangeReader::SafetensorsRangeReader(SafetensorsRangeReader&&) noexcept = default;
 SafetensorsRangeReader& SafetensorsRangeReader::operator=(SafetensorsRangeReader&&) noexcept = default;
 SafetensorsRangeReader::~SafetensorsRangeReader() = default;
 
 void SafetensorsRangeReader::read_into(const std::string& name, int64_t offset, const at::Tensor& target) const {
   const auto it = impl_->entries.find(name);
-  if (it == impl_->entries.end()) fail_tensor(path_, name, "missing (the file has " + std::to_string(impl_->entries.size()) + " tensors)");
+  if (it == impl_->entries.end())
+    fail_tensor(path_, name, "missing (the file has " + std::to_string(impl_->entries.size()) + " tensors)");
   const SafetensorsEntry& entry = *it->second;
   if (entry.dtype != target.scalar_type())
-    fail_tensor(path_, name, "dtype is " + safetensors_dtype_name(entry.dtype) + ", expected " + safetensors_dtype_name(target.scalar_type()));
+    fail_tensor(path_, name,
+                "dtype is " + safetensors_dtype_name(entry.dtype) + ", expected " +
+                    safetensors_dtype_name(target.scalar_type()));
   const auto element = static_cast<uint64_t>(target.element_size());
   const uint64_t numel = (entry.end - entry.begin) / element;
   if (offset < 0 || static_cast<uint64_t>(offset + target.numel()) > numel)
-    fail_tensor(path_, name, "has " + std::to_string(numel) + " elements; elements [" + std::to_string(offset) + ", " +
-                                 std::to_string(offset + target.numel()) + ") were asked for");
+    fail_tensor(path_, name,
+                "has " + std::to_string(numel) + " elements; elements [" + std::to_string(offset) + ", " +
+                    std::to_string(offset + target.numel()) + ") were asked for");
   TORCH_CHECK(target.device().is_cpu() && target.is_contiguous(), "SafetensorsRangeReader: the target of '", name,
               "' must be a contiguous CPU tensor");
   if (target.numel() > 0)
@@ -349,7 +369,8 @@ const SafetensorsRangeReader& SafetensorsRangeReaders::operator()(const std::str
   return it->second;
 }
 
-void read_safetensors_range_into(const std::string& path, const std::string& name, int64_t offset, const torch::Tensor& target) {
+void read_safetensors_range_into(const std::string& path, const std::string& name, int64_t offset,
+                                 const torch::Tensor& target) {
   SafetensorsRangeReader(path).read_into(name, offset, target);
 }
 

@@ -84,9 +84,10 @@ std::vector<std::pair<int64_t, std::string>> read_prompt_lines(const std::string
     // Refused here, before any work: a prompt is written into index.json (JSON is UTF-8) and into a
     // file name, and a guess at the encoding would put a different prompt there than the one given.
     if (const size_t bad = utf8_error_offset(line); bad != std::string::npos)
-      throw std::runtime_error(fmt::format("prompt file '{}' line {}: not valid UTF-8 (byte 0x{:02X} at byte {} of the line); save the "
-                                           "file as UTF-8",
-                                           path, line_number, static_cast<unsigned char>(line[bad]), bad + 1));
+      throw std::runtime_error(
+          fmt::format("prompt file '{}' line {}: not valid UTF-8 (byte 0x{:02X} at byte {} of the line); save the "
+                      "file as UTF-8",
+                      path, line_number, static_cast<unsigned char>(line[bad]), bad + 1));
     auto p = trim(line);
     if (!p.empty()) out.emplace_back(line_number, std::move(p));
   }
@@ -101,7 +102,8 @@ size_t next_setting(const std::string& line, size_t from, char& letter) {
   for (size_t at = line.find(" --", from); at != std::string::npos; at = line.find(" --", at + 1)) {
     size_t end = at + 3;
     while (end < line.size() && std::isalpha(static_cast<unsigned char>(line[end]))) ++end;
-    if (end == at + 3 || (end < line.size() && line[end] != ' ' && line[end] != '\t')) continue;  // "a -- b", "--x=1": prompt text
+    if (end == at + 3 || (end < line.size() && line[end] != ' ' && line[end] != '\t'))
+      continue;  // "a -- b", "--x=1": prompt text
     letter = end == at + 4 ? line[at + 3] : '?';
     return at;
   }
@@ -139,7 +141,8 @@ std::vector<std::string> read_prompt_file(const std::string& path) {
   std::set<std::string> seen;
   for (auto& [line, p] : read_prompt_lines(path))
     if (seen.insert(p).second) prompts.push_back(std::move(p));
-  if (prompts.empty()) throw std::runtime_error("prompt file '" + path + "' holds no prompt (one prompt per line expected)");
+  if (prompts.empty())
+    throw std::runtime_error("prompt file '" + path + "' holds no prompt (one prompt per line expected)");
   return prompts;
 }
 
@@ -154,24 +157,44 @@ PromptSpec parse_prompt_spec(const std::string& line, const std::string& where) 
     const size_t name_end = line.find_first_of(" \t", at + 3);
     const std::string name = line.substr(at + 1, name_end == std::string::npos ? std::string::npos : name_end - at - 1);
     if (letter == '?' || kSettings.find(letter) == std::string_view::npos)
-      throw std::runtime_error(fmt::format("{}: unknown setting '{}' (known: --w width, --h height, --f frames, --d seed, --s steps, "
-                                           "--g guidance scale, --n negative prompt)", where, name));
-    if (seen.find(letter) != std::string::npos) throw std::runtime_error(fmt::format("{}: --{} is given twice", where, letter));
+      throw std::runtime_error(
+          fmt::format("{}: unknown setting '{}' (known: --w width, --h height, --f frames, --d seed, --s steps, "
+                      "--g guidance scale, --n negative prompt)",
+                      where, name));
+    if (seen.find(letter) != std::string::npos)
+      throw std::runtime_error(fmt::format("{}: --{} is given twice", where, letter));
     seen += letter;
     char next_letter = 0;
     const size_t next = next_setting(line, at + 3, next_letter);
     const std::string value =
-        name_end == std::string::npos ? "" : trim(line.substr(name_end, next == std::string::npos ? std::string::npos : next - name_end));
+        name_end == std::string::npos
+            ? ""
+            : trim(line.substr(name_end, next == std::string::npos ? std::string::npos : next - name_end));
     constexpr int64_t kMaxSize = 1 << 16;  // pixels or frames: far beyond any video model
     switch (letter) {
-      case 'w': spec.width = setting_number<int64_t>(value, where, letter, 1, kMaxSize); break;
-      case 'h': spec.height = setting_number<int64_t>(value, where, letter, 1, kMaxSize); break;
-      case 'f': spec.frames = setting_number<int64_t>(value, where, letter, 1, kMaxSize); break;
-      case 's': spec.steps = setting_number<int64_t>(value, where, letter, 1, 100000); break;
-      case 'd': spec.seed = setting_number<uint64_t>(value, where, letter, 0, UINT64_MAX); break;
-      case 'g': spec.guidance = setting_number<double>(value, where, letter, 0.0, 1000.0); break;
-      case 'n': spec.negative = value; break;
-      default: break;
+      case 'w':
+        spec.width = setting_number<int64_t>(value, where, letter, 1, kMaxSize);
+        break;
+      case 'h':
+        spec.height = setting_number<int64_t>(value, where, letter, 1, kMaxSize);
+        break;
+      case 'f':
+        spec.frames = setting_number<int64_t>(value, where, letter, 1, kMaxSize);
+        break;
+      case 's':
+        spec.steps = setting_number<int64_t>(value, where, letter, 1, 100000);
+        break;
+      case 'd':
+        spec.seed = setting_number<uint64_t>(value, where, letter, 0, UINT64_MAX);
+        break;
+      case 'g':
+        spec.guidance = setting_number<double>(value, where, letter, 0.0, 1000.0);
+        break;
+      case 'n':
+        spec.negative = value;
+        break;
+      default:
+        break;
     }
     at = next, letter = next_letter;
   }
@@ -187,12 +210,16 @@ std::vector<PromptSpec> read_prompt_specs(const std::string& path) {
     spec.line = line;
     specs.push_back(std::move(spec));
   }
-  if (specs.empty()) throw std::runtime_error("prompt file '" + path + "' holds no prompt (one prompt per line expected)");
+  if (specs.empty())
+    throw std::runtime_error("prompt file '" + path + "' holds no prompt (one prompt per line expected)");
   return specs;
 }
 
-std::vector<SampleJob> plan_prompt_specs(const std::vector<PromptSpec>& specs, uint64_t base_seed, int64_t samples_per_spec) {
-  if (samples_per_spec < 1) throw std::invalid_argument("plan_prompt_specs: samples_per_spec must be >= 1, got " + std::to_string(samples_per_spec));
+std::vector<SampleJob> plan_prompt_specs(const std::vector<PromptSpec>& specs, uint64_t base_seed,
+                                         int64_t samples_per_spec) {
+  if (samples_per_spec < 1)
+    throw std::invalid_argument("plan_prompt_specs: samples_per_spec must be >= 1, got " +
+                                std::to_string(samples_per_spec));
   std::vector<SampleJob> jobs;
   std::map<std::string, int64_t> count;
   std::set<std::string> files;
@@ -208,8 +235,10 @@ std::vector<SampleJob> plan_prompt_specs(const std::vector<PromptSpec>& specs, u
       job.guidance_scale = spec.guidance;
       job.negative_prompt = spec.negative;
       if (!files.insert(job.file).second)
-        throw std::invalid_argument(fmt::format("prompt file '{}' line {}: its prompt maps to the file name '{}' of an earlier line (they differ only "
-                                                "in characters a file name cannot hold, or beyond the length cap)", spec.file, spec.line, job.file));
+        throw std::invalid_argument(fmt::format(
+            "prompt file '{}' line {}: its prompt maps to the file name '{}' of an earlier line (they differ only "
+            "in characters a file name cannot hold, or beyond the length cap)",
+            spec.file, spec.line, job.file));
       jobs.push_back(std::move(job));
     }
   }
@@ -234,7 +263,8 @@ std::string vbench_file_name(const std::string& prompt, int64_t index, const std
     ++i;
   }
   const std::string suffix = "-" + std::to_string(index) + "." + extension;
-  if (suffix.size() + 9 >= kMaxFileNameBytes) throw std::invalid_argument("vbench_file_name: extension '" + extension + "' is too long");
+  if (suffix.size() + 9 >= kMaxFileNameBytes)
+    throw std::invalid_argument("vbench_file_name: extension '" + extension + "' is too long");
   if (name == prompt && name.size() + suffix.size() <= kMaxFileNameBytes) return name + suffix;  // VBench's own name
   // Bounded and unique: a name that had to change carries 8 hex digits of the prompt's hash, so two
   // prompts that differ only in what was replaced or cut still get two files.
@@ -264,8 +294,10 @@ uint64_t vbench_seed(const std::string& prompt, int64_t index, uint64_t base_see
   return splitmix64(base_seed ^ fnv1a64(prompt) ^ (static_cast<uint64_t>(index) * 0x9E3779B97F4A7C15ull));
 }
 
-std::vector<SampleJob> plan_vbench_samples(const std::vector<std::string>& prompts, int64_t samples_per_prompt, uint64_t base_seed) {
-  if (samples_per_prompt < 1) throw std::invalid_argument("samples per prompt must be >= 1, got " + std::to_string(samples_per_prompt));
+std::vector<SampleJob> plan_vbench_samples(const std::vector<std::string>& prompts, int64_t samples_per_prompt,
+                                           uint64_t base_seed) {
+  if (samples_per_prompt < 1)
+    throw std::invalid_argument("samples per prompt must be >= 1, got " + std::to_string(samples_per_prompt));
   std::vector<SampleJob> jobs;
   std::set<std::string> files;
   for (const auto& prompt : prompts) {
@@ -276,7 +308,9 @@ std::vector<SampleJob> plan_vbench_samples(const std::vector<std::string>& promp
       job.seed = vbench_seed(prompt, i, base_seed);
       job.file = vbench_file_name(prompt, i);
       if (!files.insert(job.file).second)
-        throw std::invalid_argument("two prompts map to the same file name '" + job.file + "' (they differ only in characters a file name cannot hold, or beyond the length cap)");
+        throw std::invalid_argument(
+            "two prompts map to the same file name '" + job.file +
+            "' (they differ only in characters a file name cannot hold, or beyond the length cap)");
       jobs.push_back(std::move(job));
     }
   }
@@ -289,15 +323,23 @@ SampleFolder find_sample_folder(const std::string& dir) {
   std::string trimmed = dir;
   while (trimmed.size() > 1 && trimmed.back() == '/') trimmed.pop_back();
   const std::string parent = io::parent_path(trimmed);
-  const std::string base = trimmed.substr(trimmed.find_last_of('/') == std::string::npos ? 0 : trimmed.find_last_of('/') + 1);
-  if (base == kVideosFolder && io::path_exists(io::join_path(parent, "index.json"))) return {parent, dir, io::join_path(parent, "index.json")};
+  const std::string base =
+      trimmed.substr(trimmed.find_last_of('/') == std::string::npos ? 0 : trimmed.find_last_of('/') + 1);
+  if (base == kVideosFolder && io::path_exists(io::join_path(parent, "index.json")))
+    return {parent, dir, io::join_path(parent, "index.json")};
   return {dir, dir, io::join_path(dir, "index.json")};
 }
 
 std::string index_json(const std::vector<SampleJob>& jobs, const SamplingRecord& r) {
-  nlohmann::ordered_json j{{"checkpoint", r.checkpoint}, {"sampler", r.sampler},   {"steps", r.steps},
-                           {"guidance_scale", r.guidance_scale}, {"eta", r.eta}, {"base_seed", r.base_seed},
-                           {"fps", r.fps}, {"upscale", r.upscale}, {"videos_folder", kVideosFolder}};
+  nlohmann::ordered_json j{{"checkpoint", r.checkpoint},
+                           {"sampler", r.sampler},
+                           {"steps", r.steps},
+                           {"guidance_scale", r.guidance_scale},
+                           {"eta", r.eta},
+                           {"base_seed", r.base_seed},
+                           {"fps", r.fps},
+                           {"upscale", r.upscale},
+                           {"videos_folder", kVideosFolder}};
   auto videos = nlohmann::ordered_json::array();
   for (const auto& job : jobs) {
     nlohmann::ordered_json v{{"prompt", job.prompt}, {"index", job.index}, {"seed", job.seed}, {"file", job.file}};

@@ -29,8 +29,8 @@ extern "C" {
 namespace megaslide::io {
 
 torch::Tensor to_rgb_frames(const torch::Tensor& video, int64_t upscale) {
-  TORCH_CHECK(video.dim() == 4 && (video.size(0) == 3 || video.size(0) == 1), "to_rgb_frames: expected [C, T, H, W] with C = 3 or 1, got ",
-              video.sizes());
+  TORCH_CHECK(video.dim() == 4 && (video.size(0) == 3 || video.size(0) == 1),
+              "to_rgb_frames: expected [C, T, H, W] with C = 3 or 1, got ", video.sizes());
   TORCH_CHECK(upscale >= 1, "to_rgb_frames: upscale must be >= 1, got ", upscale);
   auto v = ((video.detach().to(torch::kCPU, torch::kFloat32) + 1.0) * 127.5).round().clamp(0, 255).to(torch::kUInt8);
   if (v.size(0) == 1) v = v.expand({3, v.size(1), v.size(2), v.size(3)});
@@ -58,7 +58,9 @@ std::string av_error(int code) {
   return buf;
 }
 
-[[noreturn]] void fail(const std::string& path, const std::string& what) { throw VideoError("video '" + path + "': " + what); }
+[[noreturn]] void fail(const std::string& path, const std::string& what) {
+  throw VideoError("video '" + path + "': " + what);
+}
 
 void check(int code, const std::string& path, const std::string& what) {
   if (code < 0) fail(path, what + ": " + av_error(code));
@@ -91,16 +93,19 @@ using PacketPtr = std::unique_ptr<AVPacket, PacketDeleter>;
 using SwsPtr = std::unique_ptr<SwsContext, SwsDeleter>;
 
 void check_rgb_frames(const torch::Tensor& frames, int64_t dims, const std::string& path) {
-  if (frames.dim() != dims || frames.size(-1) != 3 || frames.scalar_type() != torch::kUInt8 || !frames.device().is_cpu())
-    fail(path, std::string("expected uint8 RGB CPU ") + (dims == 4 ? "frames [T, H, W, 3]" : "frame [H, W, 3]") + ", got " +
-                   c10::toString(frames.scalar_type()) + " " + c10::str(frames.sizes()) + " on " + frames.device().str());
+  if (frames.dim() != dims || frames.size(-1) != 3 || frames.scalar_type() != torch::kUInt8 ||
+      !frames.device().is_cpu())
+    fail(path, std::string("expected uint8 RGB CPU ") + (dims == 4 ? "frames [T, H, W, 3]" : "frame [H, W, 3]") +
+                   ", got " + c10::toString(frames.scalar_type()) + " " + c10::str(frames.sizes()) + " on " +
+                   frames.device().str());
 }
 
 // Copies an RGB24 tensor frame [H, W, 3] into `rgb` (an AVFrame with its own buffer and linesize).
 void fill_rgb(AVFrame* rgb, const torch::Tensor& frame) {
   const int64_t H = frame.size(0), W = frame.size(1);
   const auto* src = frame.data_ptr<uint8_t>();
-  for (int64_t y = 0; y < H; ++y) std::memcpy(rgb->data[0] + y * rgb->linesize[0], src + y * W * 3, static_cast<size_t>(W * 3));
+  for (int64_t y = 0; y < H; ++y)
+    std::memcpy(rgb->data[0] + y * rgb->linesize[0], src + y * W * 3, static_cast<size_t>(W * 3));
 }
 
 void fsync_and_rename(const std::string& tmp, const std::string& path) {
@@ -109,7 +114,8 @@ void fsync_and_rename(const std::string& tmp, const std::string& path) {
     ::fsync(fd);
     ::close(fd);
   }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) fail(path, std::string("cannot rename from ") + tmp + ": " + std::strerror(errno));
+  if (::rename(tmp.c_str(), path.c_str()) != 0)
+    fail(path, std::string("cannot rename from ") + tmp + ": " + std::strerror(errno));
 }
 
 }  // namespace
@@ -121,7 +127,8 @@ void write_mp4(const std::string& path, const torch::Tensor& frames_in, const Vi
   const int64_t T = frames.size(0), H = frames.size(1), W = frames.size(2);
   if (T < 1) fail(path, "no frames to write");
   if (H % 2 != 0 || W % 2 != 0 || H < 2 || W < 2)
-    fail(path, "frame size " + std::to_string(W) + "x" + std::to_string(H) + " (W x H) must be even for H.264 in yuv420p");
+    fail(path,
+         "frame size " + std::to_string(W) + "x" + std::to_string(H) + " (W x H) must be even for H.264 in yuv420p");
   if (options.fps() < 1) fail(path, "fps must be >= 1, got " + std::to_string(options.fps()));
 
   const AVCodec* codec = avcodec_find_encoder_by_name("libx264");
@@ -177,8 +184,9 @@ void write_mp4(const std::string& path, const torch::Tensor& frames_in, const Vi
       fail(path, "display rotation must be a finite angle, got " + std::to_string(options.display_rotation_degrees()));
     constexpr size_t kMatrixBytes = 9 * sizeof(int32_t);
 #if LIBAVFORMAT_VERSION_INT >= AV_VERSION_INT(60, 15, 100)  // FFmpeg 6.1: stream side data moved into codecpar
-    AVPacketSideData* sd = av_packet_side_data_new(&stream->codecpar->coded_side_data, &stream->codecpar->nb_coded_side_data,
-                                                   AV_PKT_DATA_DISPLAYMATRIX, kMatrixBytes, 0);
+    AVPacketSideData* sd =
+        av_packet_side_data_new(&stream->codecpar->coded_side_data, &stream->codecpar->nb_coded_side_data,
+                                AV_PKT_DATA_DISPLAYMATRIX, kMatrixBytes, 0);
     auto* matrix = sd != nullptr ? reinterpret_cast<int32_t*>(sd->data) : nullptr;
 #else
     auto* matrix = reinterpret_cast<int32_t*>(av_stream_new_side_data(stream, AV_PKT_DATA_DISPLAYMATRIX, kMatrixBytes));
@@ -191,8 +199,9 @@ void write_mp4(const std::string& path, const torch::Tensor& frames_in, const Vi
   check(avio_open(&out->pb, url.c_str(), AVIO_FLAG_WRITE), tmp, "cannot create");
   check(avformat_write_header(out.get(), nullptr), path, "cannot write the MP4 header");
 
-  SwsPtr sws(sws_getContext(static_cast<int>(W), static_cast<int>(H), AV_PIX_FMT_RGB24, static_cast<int>(W), static_cast<int>(H),
-                            AV_PIX_FMT_YUV420P, SWS_BICUBIC | SWS_ACCURATE_RND, nullptr, nullptr, nullptr));
+  SwsPtr sws(sws_getContext(static_cast<int>(W), static_cast<int>(H), AV_PIX_FMT_RGB24, static_cast<int>(W),
+                            static_cast<int>(H), AV_PIX_FMT_YUV420P, SWS_BICUBIC | SWS_ACCURATE_RND, nullptr, nullptr,
+                            nullptr));
   if (!sws) fail(path, "cannot set up the RGB -> YUV conversion");
   FramePtr rgb(av_frame_alloc()), yuv(av_frame_alloc());
   PacketPtr packet(av_packet_alloc());
@@ -228,7 +237,9 @@ void write_mp4(const std::string& path, const torch::Tensor& frames_in, const Vi
   cleanup.renamed = true;
 }
 
-void write_png(const std::string& path, const torch::Tensor& frame) { write_file_atomically(path, encode_png(frame, path)); }
+void write_png(const std::string& path, const torch::Tensor& frame) {
+  write_file_atomically(path, encode_png(frame, path));
+}
 
 std::string encode_png(const torch::Tensor& frame_in, const std::string& path) {
   quiet_ffmpeg();
@@ -272,15 +283,15 @@ namespace {
 struct DisplayTransform {
   int rotation = 0;
   bool hflip = false;
-  double angle = 0.0;      // the matrix's clockwise angle, degrees in (-180, 180]
-  bool snapped = false;    // the angle was not a quarter turn: read at the nearest one
+  double angle = 0.0;    // the matrix's clockwise angle, degrees in (-180, 180]
+  bool snapped = false;  // the angle was not a quarter turn: read at the nearest one
 };
 
 const int32_t* stream_display_matrix(const AVStream* stream) {
   constexpr size_t kMatrixBytes = 9 * sizeof(int32_t);
 #if LIBAVFORMAT_VERSION_INT >= AV_VERSION_INT(60, 15, 100)  // FFmpeg 6.1: stream side data moved into codecpar
-  const AVPacketSideData* sd =
-      av_packet_side_data_get(stream->codecpar->coded_side_data, stream->codecpar->nb_coded_side_data, AV_PKT_DATA_DISPLAYMATRIX);
+  const AVPacketSideData* sd = av_packet_side_data_get(stream->codecpar->coded_side_data,
+                                                       stream->codecpar->nb_coded_side_data, AV_PKT_DATA_DISPLAYMATRIX);
   if (sd == nullptr || sd->size < kMatrixBytes) return nullptr;
   return reinterpret_cast<const int32_t*>(sd->data);
 #else
@@ -317,13 +328,15 @@ void warn_snapped_once(const std::string& path, const DisplayTransform& t) {
   static std::set<std::string> warned;
   std::lock_guard<std::mutex> lock(mutex);
   if (!warned.insert(path).second) return;
-  std::fprintf(stderr, "megaslide: warning: video '%s': its display matrix turns it %.1f degrees, not a quarter turn; read turned %d\n",
-               path.c_str(), t.angle, t.rotation);
+  std::fprintf(
+      stderr,
+      "megaslide: warning: video '%s': its display matrix turns it %.1f degrees, not a quarter turn; read turned %d\n",
+      path.c_str(), t.angle, t.rotation);
 }
 
 // [H, W, 3] stored -> as displayed.
 torch::Tensor apply_display_transform(torch::Tensor frame, const DisplayTransform& t) {
-  if (t.rotation == 90) frame = frame.transpose(0, 1).flip({1});        // out[i][j] = in[H-1-j][i]
+  if (t.rotation == 90) frame = frame.transpose(0, 1).flip({1});  // out[i][j] = in[H-1-j][i]
   else if (t.rotation == 180) frame = frame.flip({0, 1});
   else if (t.rotation == 270) frame = frame.transpose(0, 1).flip({0});  // out[i][j] = in[j][W-1-i]
   if (t.hflip) frame = frame.flip({1});
@@ -335,8 +348,8 @@ struct OpenedVideo {
   CodecContextPtr dec;
   int index = -1;
   AVStream* stream = nullptr;
-  int width = 0, height = 0;                  // stored (coded) frame size
-  int shown_width = 0, shown_height = 0;      // after the display transform
+  int width = 0, height = 0;              // stored (coded) frame size
+  int shown_width = 0, shown_height = 0;  // after the display transform
   DisplayTransform display;
 };
 
@@ -379,7 +392,8 @@ void describe_stream(const OpenedVideo& v, VideoInfo& info) {
   info.pixel_format = pf != nullptr ? pf : "unknown";
   info.width = v.shown_width, info.height = v.shown_height;
   info.stored_width = v.width, info.stored_height = v.height;
-  info.rotation_degrees = v.display.rotation, info.hflip = v.display.hflip, info.display_angle_degrees = v.display.angle;
+  info.rotation_degrees = v.display.rotation, info.hflip = v.display.hflip,
+  info.display_angle_degrees = v.display.angle;
   info.container_frames = v.stream->nb_frames;
   info.fps = v.stream->avg_frame_rate.den != 0 ? av_q2d(v.stream->avg_frame_rate) : 0.0;
   if (info.fps <= 0 && v.stream->r_frame_rate.den != 0) info.fps = av_q2d(v.stream->r_frame_rate);
@@ -388,7 +402,8 @@ void describe_stream(const OpenedVideo& v, VideoInfo& info) {
 // Decodes frames in presentation order; `keep(index)` says whether frame `index` is converted to RGB and
 // handed to `take`. Stops after frame `last` (−1: the whole stream). Returns the number of frames decoded.
 int64_t decode_frames(const std::string& path, OpenedVideo& v, const VideoReadOptions& options, int64_t last,
-                      const std::function<bool(int64_t)>& keep, const std::function<void(int64_t, torch::Tensor)>& take) {
+                      const std::function<bool(int64_t)>& keep,
+                      const std::function<void(int64_t, torch::Tensor)>& take) {
   const int W = v.width, H = v.height;
   AVCodecContext* dec = v.dec.get();
   FramePtr frame(av_frame_alloc()), rgb(av_frame_alloc());
@@ -415,8 +430,8 @@ int64_t decode_frames(const std::string& path, OpenedVideo& v, const VideoReadOp
             flags = SWS_BICUBIC;
             if (dec->coded_width >= W && dec->coded_height >= H) cw = dec->coded_width, ch = dec->coded_height;
           }
-          sws.reset(sws_getContext(cw, ch, static_cast<AVPixelFormat>(frame->format), cw, ch, AV_PIX_FMT_RGB24, flags, nullptr, nullptr,
-                                   nullptr));
+          sws.reset(sws_getContext(cw, ch, static_cast<AVPixelFormat>(frame->format), cw, ch, AV_PIX_FMT_RGB24, flags,
+                                   nullptr, nullptr, nullptr));
           if (!sws) fail(path, "cannot set up the YUV -> RGB conversion");
           rgb->format = AV_PIX_FMT_RGB24, rgb->width = cw, rgb->height = ch;
           check(av_frame_get_buffer(rgb.get(), 0), path, "cannot allocate a frame");
@@ -424,7 +439,8 @@ int64_t decode_frames(const std::string& path, OpenedVideo& v, const VideoReadOp
         sws_scale(sws.get(), frame->data, frame->linesize, 0, H, rgb->data, rgb->linesize);
         auto t = torch::empty({H, W, 3}, torch::kUInt8);
         for (int y = 0; y < H; ++y)
-          std::memcpy(t.data_ptr<uint8_t>() + static_cast<int64_t>(y) * W * 3, rgb->data[0] + y * rgb->linesize[0], static_cast<size_t>(W) * 3);
+          std::memcpy(t.data_ptr<uint8_t>() + static_cast<int64_t>(y) * W * 3, rgb->data[0] + y * rgb->linesize[0],
+                      static_cast<size_t>(W) * 3);
         take(index, apply_display_transform(std::move(t), v.display));
       }
       av_frame_unref(frame.get());
@@ -464,14 +480,17 @@ int64_t available_memory_bytes() {
 }
 
 // Refuses a read that would hold `frames` RGB frames of the video's size beyond the options' limit.
-void check_frame_budget(const std::string& path, const OpenedVideo& v, int64_t frames, const VideoReadOptions& options) {
+void check_frame_budget(const std::string& path, const OpenedVideo& v, int64_t frames,
+                        const VideoReadOptions& options) {
   const int64_t limit = options.max_bytes() > 0 ? options.max_bytes() : available_memory_bytes() / 4;
   const int64_t frame_bytes = int64_t{v.width} * v.height * 3;
   if (limit <= 0 || frames * frame_bytes <= limit) return;
-  fail(path, fmt::format("{} frames of {}x{} (W x H) would take {:.1f} GB as RGB, more than the {:.1f} GB a read may hold ({}): "
-                         "is it the right file?",
-                         frames, v.width, v.height, static_cast<double>(frames * frame_bytes) / 1e9, static_cast<double>(limit) / 1e9,
-                         options.max_bytes() > 0 ? "VideoReadOptions::max_bytes" : "a quarter of this machine's available memory"));
+  fail(path,
+       fmt::format(
+           "{} frames of {}x{} (W x H) would take {:.1f} GB as RGB, more than the {:.1f} GB a read may hold ({}): "
+           "is it the right file?",
+           frames, v.width, v.height, static_cast<double>(frames * frame_bytes) / 1e9, static_cast<double>(limit) / 1e9,
+           options.max_bytes() > 0 ? "VideoReadOptions::max_bytes" : "a quarter of this machine's available memory"));
 }
 }  // namespace
 
@@ -481,10 +500,12 @@ torch::Tensor read_video(const std::string& path, VideoInfo* info, const VideoRe
   check_frame_budget(path, v, 1, options);
   // Every frame is kept, then stacked (twice the frames at the end): checked as they come, not from the
   // container's frame count, which a file may state falsely.
-  decode_frames(path, v, options, -1, [](int64_t) { return true; }, [&](int64_t, torch::Tensor t) {
-    check_frame_budget(path, v, 2 * static_cast<int64_t>(frames.size() + 1), options);
-    frames.push_back(std::move(t));
-  });
+  decode_frames(
+      path, v, options, -1, [](int64_t) { return true; },
+      [&](int64_t, torch::Tensor t) {
+        check_frame_budget(path, v, 2 * static_cast<int64_t>(frames.size() + 1), options);
+        frames.push_back(std::move(t));
+      });
   if (frames.empty()) fail(path, "no frames decoded");
   if (info != nullptr) {
     describe_stream(v, *info);
@@ -500,8 +521,10 @@ VideoInfo probe_video(const std::string& path) {
   info.frames = info.container_frames;
   if (info.frames <= 0 && info.fps > 0) {
     double seconds = 0.0;
-    if (v.stream->duration != AV_NOPTS_VALUE && v.stream->duration > 0) seconds = static_cast<double>(v.stream->duration) * av_q2d(v.stream->time_base);
-    else if (v.in->duration != AV_NOPTS_VALUE && v.in->duration > 0) seconds = static_cast<double>(v.in->duration) / AV_TIME_BASE;
+    if (v.stream->duration != AV_NOPTS_VALUE && v.stream->duration > 0)
+      seconds = static_cast<double>(v.stream->duration) * av_q2d(v.stream->time_base);
+    else if (v.in->duration != AV_NOPTS_VALUE && v.in->duration > 0)
+      seconds = static_cast<double>(v.in->duration) / AV_TIME_BASE;
     info.frames = static_cast<int64_t>(std::llround(seconds * info.fps));
   }
   return info;
@@ -519,7 +542,9 @@ torch::Tensor read_video_frames(const std::string& path, const std::vector<int64
   for (int64_t i : indices) wanted[static_cast<size_t>(i)] = 1;
   std::map<int64_t, torch::Tensor> kept;
   auto v = open_video(path);
-  check_frame_budget(path, v, static_cast<int64_t>(indices.size() + std::set<int64_t>(indices.begin(), indices.end()).size()), options);
+  check_frame_budget(path, v,
+                     static_cast<int64_t>(indices.size() + std::set<int64_t>(indices.begin(), indices.end()).size()),
+                     options);
   const int64_t decoded = decode_frames(
       path, v, options, last, [&](int64_t i) { return i <= last && wanted[static_cast<size_t>(i)] != 0; },
       [&](int64_t i, torch::Tensor t) { kept.emplace(i, std::move(t)); });
@@ -534,7 +559,8 @@ torch::Tensor read_video_frames(const std::string& path, const std::vector<int64
 
 namespace {
 [[noreturn]] void no_video(const std::string& path) {
-  throw VideoError(path + ": this build of MegaSlide has no video support: FFmpeg's libraries were not found "
+  throw VideoError(path +
+                   ": this build of MegaSlide has no video support: FFmpeg's libraries were not found "
                    "when it was configured (install libavformat-dev libavcodec-dev libswscale-dev libavutil-dev, "
                    "or run tools/bootstrap.sh, and reconfigure; see MEGASLIDE_VIDEO in docs/building.md)");
 }
@@ -546,7 +572,10 @@ void write_png(const std::string& path, const torch::Tensor&) { no_video(path); 
 std::string encode_png(const torch::Tensor&, const std::string& what) { no_video(what); }
 torch::Tensor read_video(const std::string& path, VideoInfo*, const VideoReadOptions&) { no_video(path); }
 VideoInfo probe_video(const std::string& path) { no_video(path); }
-torch::Tensor read_video_frames(const std::string& path, const std::vector<int64_t>&, int64_t*, const VideoReadOptions&) { no_video(path); }
+torch::Tensor read_video_frames(const std::string& path, const std::vector<int64_t>&, int64_t*,
+                                const VideoReadOptions&) {
+  no_video(path);
+}
 
 #endif
 }  // namespace megaslide::io

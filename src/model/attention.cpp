@@ -18,8 +18,8 @@ torch::Tensor merge_heads(const torch::Tensor& x) {
 
 namespace {
 void check_tokens(const torch::Tensor& x, const TokenGrid& grid, int64_t dim, const char* who) {
-  TORCH_CHECK(x.dim() == 3 && x.size(1) == grid.numel() && x.size(2) == dim, who, ": expected tokens [B, ", grid.numel(),
-              ", ", dim, "] for a ", grid.t, "x", grid.h, "x", grid.w, " grid, got ", x.sizes());
+  TORCH_CHECK(x.dim() == 3 && x.size(1) == grid.numel() && x.size(2) == dim, who, ": expected tokens [B, ",
+              grid.numel(), ", ", dim, "] for a ", grid.t, "x", grid.h, "x", grid.w, " grid, got ", x.sizes());
 }
 
 // q, k, v [B', N', D] from one fused projection.
@@ -32,11 +32,13 @@ std::array<torch::Tensor, 3> project_qkv(Linear& qkv, const torch::Tensor& x, in
 
 // --- global ------------------------------------------------------------------------------------------
 
-GlobalSelfAttentionImpl::GlobalSelfAttentionImpl(SelfAttentionOptions options_) : options(std::move(options_)) { reset(); }
+GlobalSelfAttentionImpl::GlobalSelfAttentionImpl(SelfAttentionOptions options_) : options(std::move(options_)) {
+  reset();
+}
 
 void GlobalSelfAttentionImpl::reset() {
-  TORCH_CHECK(options.dim() % options.heads() == 0, "GlobalSelfAttention: dim ", options.dim(), " is not divisible by heads ",
-              options.heads());
+  TORCH_CHECK(options.dim() % options.heads() == 0, "GlobalSelfAttention: dim ", options.dim(),
+              " is not divisible by heads ", options.heads());
   qkv = register_module("qkv", Linear(LinearOptions(options.dim(), 3 * options.dim()).device(options.device())));
   proj = register_module("proj", Linear(LinearOptions(options.dim(), options.dim()).device(options.device())));
 }
@@ -66,7 +68,8 @@ WindowLayout window_layout(const TokenGrid& grid, std::array<int64_t, 3> window,
   return layout;
 }
 
-ShiftedWindowAttention3DImpl::ShiftedWindowAttention3DImpl(WindowAttentionOptions options_) : options(std::move(options_)) {
+ShiftedWindowAttention3DImpl::ShiftedWindowAttention3DImpl(WindowAttentionOptions options_)
+    : options(std::move(options_)) {
   reset();
 }
 
@@ -161,24 +164,26 @@ torch::Tensor ShiftedWindowAttention3DImpl::forward(const torch::Tensor& x, cons
 CrossAttentionImpl::CrossAttentionImpl(CrossAttentionOptions options_) : options(std::move(options_)) { reset(); }
 
 void CrossAttentionImpl::reset() {
-  TORCH_CHECK(options.dim() % options.heads() == 0, "CrossAttention: dim ", options.dim(), " is not divisible by heads ",
-              options.heads());
+  TORCH_CHECK(options.dim() % options.heads() == 0, "CrossAttention: dim ", options.dim(),
+              " is not divisible by heads ", options.heads());
   const auto dev = options.device();
   q = register_module("q", Linear(LinearOptions(options.dim(), options.dim()).device(dev)));
   kv = register_module("kv", Linear(LinearOptions(options.context_dim(), 2 * options.dim()).device(dev)));
   proj = register_module("proj", Linear(LinearOptions(options.dim(), options.dim()).zero_init(true).device(dev)));
 }
 
-torch::Tensor CrossAttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& text, const torch::Tensor& text_mask) {
+torch::Tensor CrossAttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& text,
+                                          const torch::Tensor& text_mask) {
   TORCH_CHECK(text.dim() == 3 && text.size(0) == x.size(0) && text.size(2) == options.context_dim(),
-              "CrossAttention: expected text [B, L, ", options.context_dim(), "] with B = ", x.size(0), ", got ", text.sizes());
+              "CrossAttention: expected text [B, L, ", options.context_dim(), "] with B = ", x.size(0), ", got ",
+              text.sizes());
   const int64_t B = text.size(0), L = text.size(1), M = options.heads(), D = options.dim();
   auto qh = split_heads(q(x), M);
   auto kvh = kv(text).view({B, L, 2, M, D / M}).permute({2, 0, 3, 1, 4});
   std::optional<torch::Tensor> mask;
   if (text_mask.defined()) {
-    TORCH_CHECK(text_mask.sizes() == torch::IntArrayRef({B, L}), "CrossAttention: text_mask must be [B, L] = [", B, ", ", L,
-                "], got ", text_mask.sizes());
+    TORCH_CHECK(text_mask.sizes() == torch::IntArrayRef({B, L}), "CrossAttention: text_mask must be [B, L] = [", B,
+                ", ", L, "], got ", text_mask.sizes());
     mask = text_mask.to(torch::kBool).view({B, 1, 1, L});
   }
   return proj(merge_heads(at::scaled_dot_product_attention(qh, kvh[0], kvh[1], mask)));

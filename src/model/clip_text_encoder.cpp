@@ -12,7 +12,8 @@ namespace {
 
 ClipTextConfig parse_config(const nlohmann::json& root, const std::string& source) {
   // A CLIPConfig nests the text model's settings under "text_config"; a CLIPTextConfig is flat.
-  const nlohmann::json& j = root.contains("text_config") && root.at("text_config").is_object() ? root.at("text_config") : root;
+  const nlohmann::json& j =
+      root.contains("text_config") && root.at("text_config").is_object() ? root.at("text_config") : root;
   ClipTextConfig c;
   c.vocab_size = io::json_int(j, "vocab_size", c.vocab_size, source);
   c.hidden_size = io::json_int(j, "hidden_size", c.hidden_size, source);
@@ -33,10 +34,11 @@ ClipTextConfig parse_config(const nlohmann::json& root, const std::string& sourc
   positive("num_attention_heads", c.num_attention_heads);
   positive("max_position_embeddings", c.max_position_embeddings);
   if (c.hidden_size % c.num_attention_heads != 0)
-    throw io::PretrainedError("'" + source + "': hidden_size " + std::to_string(c.hidden_size) + " is not a multiple of num_attention_heads " +
-                              std::to_string(c.num_attention_heads));
+    throw io::PretrainedError("'" + source + "': hidden_size " + std::to_string(c.hidden_size) +
+                              " is not a multiple of num_attention_heads " + std::to_string(c.num_attention_heads));
   if (c.hidden_act != "quick_gelu" && c.hidden_act != "gelu" && c.hidden_act != "gelu_new")
-    throw io::PretrainedError("'" + source + "': hidden_act \"" + c.hidden_act + "\" is not supported (quick_gelu, gelu or gelu_new)");
+    throw io::PretrainedError("'" + source + "': hidden_act \"" + c.hidden_act +
+                              "\" is not supported (quick_gelu, gelu or gelu_new)");
   return c;
 }
 
@@ -51,25 +53,34 @@ ClipTextEncoder ClipTextEncoder::load(const std::string& dir, torch::Device devi
   const auto config = parse_config(folder.config(), io::join_path(dir, "config.json"));
   // text_model.<name> (a CLIPModel, or an older CLIPTextModel) or <name> (transformers 5's CLIPTextModel).
   const std::string prefix =
-      folder.has("text_model.embeddings.token_embedding.weight") || !folder.has("embeddings.token_embedding.weight") ? "text_model." : "";
-  auto e = build(config, device, dtype,
-                 [&](const std::string& name, const std::vector<int64_t>& shape) { return folder.take(prefix + name, shape, dtype); });
+      folder.has("text_model.embeddings.token_embedding.weight") || !folder.has("embeddings.token_embedding.weight")
+          ? "text_model."
+          : "";
+  auto e = build(config, device, dtype, [&](const std::string& name, const std::vector<int64_t>& shape) {
+    return folder.take(prefix + name, shape, dtype);
+  });
   if (folder.has(prefix + "encoder.layers." + std::to_string(config.num_hidden_layers) + ".mlp.fc1.weight"))
-    folder.fail("the weights have more than the " + std::to_string(config.num_hidden_layers) + " layers config.json's num_hidden_layers says");
+    folder.fail("the weights have more than the " + std::to_string(config.num_hidden_layers) +
+                " layers config.json's num_hidden_layers says");
   return e;
 }
 
-ClipTextEncoder ClipTextEncoder::random(const ClipTextConfig& config, uint64_t seed, torch::Device device, torch::ScalarType dtype) {
+ClipTextEncoder ClipTextEncoder::random(const ClipTextConfig& config, uint64_t seed, torch::Device device,
+                                        torch::ScalarType dtype) {
   auto g = at::detail::createCPUGenerator(seed);
   return build(config, device, dtype, [&](const std::string& name, const std::vector<int64_t>& shape) {
-    if (shape.size() == 1) return name.find("norm") != std::string::npos && name.substr(name.size() - 7) == ".weight" ? torch::ones(shape, dtype)
-                                                                                                                      : torch::zeros(shape, dtype);
-    const double scale = name.find("embedding") != std::string::npos ? 0.02 : 1.0 / std::sqrt(static_cast<double>(shape[1]));
+    if (shape.size() == 1)
+      return name.find("norm") != std::string::npos && name.substr(name.size() - 7) == ".weight"
+                 ? torch::ones(shape, dtype)
+                 : torch::zeros(shape, dtype);
+    const double scale =
+        name.find("embedding") != std::string::npos ? 0.02 : 1.0 / std::sqrt(static_cast<double>(shape[1]));
     return (torch::randn(shape, g, torch::kFloat32) * scale).to(dtype);
   });
 }
 
-ClipTextEncoder ClipTextEncoder::build(const ClipTextConfig& config, torch::Device device, torch::ScalarType dtype, const WeightSource& source) {
+ClipTextEncoder ClipTextEncoder::build(const ClipTextConfig& config, torch::Device device, torch::ScalarType dtype,
+                                       const WeightSource& source) {
   ClipTextEncoder e;
   e.config_ = config;
   e.device_ = device;
@@ -107,8 +118,8 @@ int64_t ClipTextEncoder::parameter_count() const {
 
 ClipTextOutput ClipTextEncoder::forward(const torch::Tensor& ids_in) const {
   const auto& c = config_;
-  TORCH_CHECK(ids_in.dim() == 2 && ids_in.scalar_type() == torch::kLong, "ClipTextEncoder: expected ids [B, L] int64, got ",
-              ids_in.scalar_type(), " ", ids_in.sizes());
+  TORCH_CHECK(ids_in.dim() == 2 && ids_in.scalar_type() == torch::kLong,
+              "ClipTextEncoder: expected ids [B, L] int64, got ", ids_in.scalar_type(), " ", ids_in.sizes());
   const int64_t B = ids_in.size(0), L = ids_in.size(1), H = c.num_attention_heads, D = c.hidden_size;
   TORCH_CHECK(L >= 1 && L <= c.max_position_embeddings, "ClipTextEncoder: ", L, " tokens, the model takes 1 to ",
               c.max_position_embeddings);
@@ -123,9 +134,12 @@ ClipTextOutput ClipTextEncoder::forward(const torch::Tensor& ids_in) const {
     const auto p = "encoder.layers." + std::to_string(l) + ".";
     auto x = layer_norm(h, w(p + "layer_norm1.weight"), w(p + "layer_norm1.bias"), c.layer_norm_eps);
     auto heads = [&](const char* proj) {
-      return at::linear(x, w(p + "self_attn." + proj + ".weight"), w(p + "self_attn." + proj + ".bias")).view({B, L, H, D / H}).transpose(1, 2);
+      return at::linear(x, w(p + "self_attn." + proj + ".weight"), w(p + "self_attn." + proj + ".bias"))
+          .view({B, L, H, D / H})
+          .transpose(1, 2);
     };
-    auto attn = at::scaled_dot_product_attention(heads("q_proj"), heads("k_proj"), heads("v_proj"), std::nullopt, 0.0, /*is_causal=*/true);
+    auto attn = at::scaled_dot_product_attention(heads("q_proj"), heads("k_proj"), heads("v_proj"), std::nullopt, 0.0,
+                                                 /*is_causal=*/true);
     attn = attn.transpose(1, 2).reshape({B, L, D});
     h = h + at::linear(attn, w(p + "self_attn.out_proj.weight"), w(p + "self_attn.out_proj.bias"));
     x = layer_norm(h, w(p + "layer_norm2.weight"), w(p + "layer_norm2.bias"), c.layer_norm_eps);
@@ -134,7 +148,8 @@ ClipTextOutput ClipTextEncoder::forward(const torch::Tensor& ids_in) const {
     else x = at::gelu(x, c.hidden_act == "gelu" ? "none" : "tanh");
     h = h + at::linear(x, w(p + "mlp.fc2.weight"), w(p + "mlp.fc2.bias"));
   }
-  auto last = layer_norm(h, w("final_layer_norm.weight"), w("final_layer_norm.bias"), c.layer_norm_eps).to(torch::kFloat32);
+  auto last =
+      layer_norm(h, w("final_layer_norm.weight"), w("final_layer_norm.bias"), c.layer_norm_eps).to(torch::kFloat32);
   // The end-of-text position (argmax returns the first of equal maxima, as in transformers).
   auto position = c.eos_token_id == 2 ? ids.argmax(1) : ids.eq(c.eos_token_id).to(torch::kInt).argmax(1);
   auto pooled = last.index({torch::arange(B, ids.options()), position});

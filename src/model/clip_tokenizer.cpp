@@ -45,7 +45,8 @@ const std::vector<std::string>& byte_symbols() {
     for (int b = 161; b <= 172; ++b) printable[b] = true;
     for (int b = 174; b <= 255; ++b) printable[b] = true;
     int moved = 0;
-    for (int b = 0; b < 256; ++b) out[static_cast<size_t>(b)] = utf8_of(static_cast<uint32_t>(printable[b] ? b : 256 + moved++));
+    for (int b = 0; b < 256; ++b)
+      out[static_cast<size_t>(b)] = utf8_of(static_cast<uint32_t>(printable[b] ? b : 256 + moved++));
     return out;
   }();
   return table;
@@ -77,17 +78,19 @@ std::vector<std::string> lines_of(const std::string& text) {
   return lines;
 }
 
-std::pair<std::string, std::string> split_merge(const std::string& line, const std::string& source, size_t line_number) {
+std::pair<std::string, std::string> split_merge(const std::string& line, const std::string& source,
+                                                size_t line_number) {
   const auto space = line.find(' ');
-  if (space == std::string::npos || space == 0 || space + 1 >= line.size() || line.find(' ', space + 1) != std::string::npos)
+  if (space == std::string::npos || space == 0 || space + 1 >= line.size() ||
+      line.find(' ', space + 1) != std::string::npos)
     fail(source, "line " + std::to_string(line_number) + ": expected a merge 'A B', got '" + line + "'");
   return {line.substr(0, space), line.substr(space + 1)};
 }
 
 }  // namespace
 
-ClipTokenizer::ClipTokenizer(std::unordered_map<std::string, int64_t> vocab, const std::vector<std::pair<std::string, std::string>>& merges,
-                             const std::string& source)
+ClipTokenizer::ClipTokenizer(std::unordered_map<std::string, int64_t> vocab,
+                             const std::vector<std::pair<std::string, std::string>>& merges, const std::string& source)
     : vocab_(std::move(vocab)) {
   if (!unicode::available()) throw ClipTokenizerError(unicode::UnicodeUnavailable("the CLIP tokenizer").what());
   int64_t max_id = -1;
@@ -102,10 +105,13 @@ ClipTokenizer::ClipTokenizer(std::unordered_map<std::string, int64_t> vocab, con
   start_id_ = vocab_.at(kStart);
   end_id_ = vocab_.at(kEnd);
   for (const auto& sym : byte_symbols())
-    if (!vocab_.count(sym) || !vocab_.count(sym + kWordEnd)) fail(source, "the byte symbol '" + sym + "' (or with </w>) is missing");
+    if (!vocab_.count(sym) || !vocab_.count(sym + kWordEnd))
+      fail(source, "the byte symbol '" + sym + "' (or with </w>) is missing");
   for (size_t r = 0; r < merges.size(); ++r) {
     const auto& [a, b] = merges[r];
-    if (!vocab_.count(a + b)) fail(source, "merge " + std::to_string(r) + " ('" + a + " " + b + "') makes '" + a + b + "', which is not in the vocabulary");
+    if (!vocab_.count(a + b))
+      fail(source, "merge " + std::to_string(r) + " ('" + a + " " + b + "') makes '" + a + b +
+                       "', which is not in the vocabulary");
     merge_rank_.emplace(a + " " + b, static_cast<int64_t>(r));  // the first of duplicate merges keeps its rank
   }
 }
@@ -135,7 +141,8 @@ ClipTokenizer ClipTokenizer::from_openai_bpe(const std::string& bpe_txt) {
   // OpenAI's CLIP uses the first 49152 − 256 − 2 merges after the header line.
   constexpr size_t kMerges = 49152 - 256 - 2;
   const auto lines = lines_of(read_text(bpe_txt));
-  if (lines.size() < kMerges + 1) fail(bpe_txt, "expected at least " + std::to_string(kMerges + 1) + " lines, got " + std::to_string(lines.size()));
+  if (lines.size() < kMerges + 1)
+    fail(bpe_txt, "expected at least " + std::to_string(kMerges + 1) + " lines, got " + std::to_string(lines.size()));
   std::vector<std::pair<std::string, std::string>> merges;
   merges.reserve(kMerges);
   for (size_t i = 1; i <= kMerges; ++i) merges.push_back(split_merge(lines[i], bpe_txt, i + 1));
@@ -154,7 +161,8 @@ ClipTokenizer ClipTokenizer::from_openai_bpe(const std::string& bpe_txt) {
 
 bool ClipTokenizer::folder_has_vocabulary(const std::string& dir) {
   return (io::path_exists(io::join_path(dir, "vocab.json")) && io::path_exists(io::join_path(dir, "merges.txt"))) ||
-         (io::path_exists(io::join_path(dir, "tokenizer/vocab.json")) && io::path_exists(io::join_path(dir, "tokenizer/merges.txt"))) ||
+         (io::path_exists(io::join_path(dir, "tokenizer/vocab.json")) &&
+          io::path_exists(io::join_path(dir, "tokenizer/merges.txt"))) ||
          io::path_exists(io::join_path(dir, "bpe_simple_vocab_16e6.txt"));
 }
 
@@ -162,7 +170,8 @@ ClipTokenizer ClipTokenizer::find(const std::string& vocab, const std::string& w
   if (!vocab.empty()) return io::is_directory(vocab) ? from_folder(vocab) : from_openai_bpe(vocab);
   for (const auto& dir : {weights, weights + "/../tokenizer"})
     if (!weights.empty() && folder_has_vocabulary(dir)) return from_folder(dir);
-  throw ClipTokenizerError("no CLIP vocabulary in '" + weights + "' (vocab.json + merges.txt there, in tokenizer/ or in ../tokenizer/)");
+  throw ClipTokenizerError("no CLIP vocabulary in '" + weights +
+                           "' (vocab.json + merges.txt there, in tokenizer/ or in ../tokenizer/)");
 }
 
 ClipTokenizer ClipTokenizer::from_folder(const std::string& dir) {
@@ -173,8 +182,10 @@ ClipTokenizer ClipTokenizer::from_folder(const std::string& dir) {
   }
   const auto openai = io::join_path(dir, "bpe_simple_vocab_16e6.txt");
   if (io::path_exists(openai)) return from_openai_bpe(openai);
-  throw ClipTokenizerError("folder '" + dir + "' holds no CLIP vocabulary: expected vocab.json and merges.txt (there or in tokenizer/), or "
-                           "bpe_simple_vocab_16e6.txt");
+  throw ClipTokenizerError(
+      "folder '" + dir +
+      "' holds no CLIP vocabulary: expected vocab.json and merges.txt (there or in tokenizer/), or "
+      "bpe_simple_vocab_16e6.txt");
 }
 
 std::vector<int64_t> ClipTokenizer::bpe(const std::string& word) const {

@@ -29,9 +29,10 @@ void DeformableSlideAttention3DImpl::reset() {
   v = register_module("v", Linear(LinearOptions(D, D).device(dev)));
   proj = register_module("proj", Linear(LinearOptions(D, D).device(dev)));
   if (options.offsets() == DsaOffsets::kLearned) {
-    offset_dw = register_module("offset_dw", Conv3d(Conv3dOptions(D, D, {3, 3, 3}).padding({1, 1, 1}).groups(D).device(dev)));
-    offset_pw = register_module("offset_pw",
-                                Linear(LinearOptions(D, G * kernel_volume() * 3).zero_init(true).device(dev)));
+    offset_dw =
+        register_module("offset_dw", Conv3d(Conv3dOptions(D, D, {3, 3, 3}).padding({1, 1, 1}).groups(D).device(dev)));
+    offset_pw =
+        register_module("offset_pw", Linear(LinearOptions(D, G * kernel_volume() * 3).zero_init(true).device(dev)));
   } else if (options.offsets() == DsaOffsets::kFrozen) {
     // U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weights and biases, as LibTorch initialises Conv3d and
     // Linear, from the module's own generator (the global random stream is left alone).
@@ -39,7 +40,8 @@ void DeformableSlideAttention3DImpl::reset() {
     auto uniform = [&](std::vector<int64_t> shape, int64_t fan_in) {
       const double bound = 1.0 / std::sqrt(static_cast<double>(fan_in));
       // Not parameters, so a skeleton built on the meta device (the streamed trainer's) still needs them.
-      return (torch::rand(shape, gen, torch::kFloat32) * (2 * bound) - bound).to(dev.is_meta() ? torch::Device(torch::kCPU) : dev);
+      return (torch::rand(shape, gen, torch::kFloat32) * (2 * bound) - bound)
+          .to(dev.is_meta() ? torch::Device(torch::kCPU) : dev);
     };
     const int64_t out = G * kernel_volume() * 3;
     frozen_dw_weight = uniform({D, 1, 3, 3, 3}, 27);
@@ -67,7 +69,8 @@ torch::Tensor DeformableSlideAttention3DImpl::kernel_window(const torch::Tensor&
 }
 
 const std::vector<torch::Tensor>& DeformableSlideAttention3DImpl::frozen_weights_like(const torch::Tensor& x) {
-  if (frozen_converted_.empty() || frozen_converted_[0].device() != x.device() || frozen_converted_[0].scalar_type() != x.scalar_type()) {
+  if (frozen_converted_.empty() || frozen_converted_[0].device() != x.device() ||
+      frozen_converted_[0].scalar_type() != x.scalar_type()) {
     frozen_converted_.clear();
     for (const auto* t : {&frozen_dw_weight, &frozen_dw_bias, &frozen_pw_weight, &frozen_pw_bias})
       frozen_converted_.push_back(t->to(x.device(), x.scalar_type()));  // from the originals: no double rounding
@@ -102,8 +105,8 @@ torch::Tensor DeformableSlideAttention3DImpl::offsets(const torch::Tensor& x, co
 
 torch::Tensor DeformableSlideAttention3DImpl::forward(const torch::Tensor& x, const TokenGrid& grid) {
   const int64_t D = options.dim(), M = options.heads();
-  TORCH_CHECK(x.dim() == 3 && x.size(1) == grid.numel() && x.size(2) == D, "DeformableSlideAttention3D: expected tokens [B, ",
-              grid.numel(), ", ", D, "], got ", x.sizes());
+  TORCH_CHECK(x.dim() == 3 && x.size(1) == grid.numel() && x.size(2) == D,
+              "DeformableSlideAttention3D: expected tokens [B, ", grid.numel(), ", ", D, "], got ", x.sizes());
   const int64_t B = x.size(0);
   auto as_heads = [&](Linear& proj_) { return proj_(x).view({B, grid.t, grid.h, grid.w, M, D / M}); };
   auto out = ops::dsa3d(as_heads(q), as_heads(k), as_heads(v), offsets(x, grid), kernel_window(rel_bias, 1, grid),

@@ -65,7 +65,8 @@ torch::Tensor sincos_position_embedding_3d(const TokenGrid& grid, int64_t dim) {
 
 torch::Tensor sincos_position_table(const TokenGrid& grid, int64_t dim, torch::Device device, c10::ScalarType dtype) {
   static detail::TableCache cache(8);  // one per grid in use (buckets), device and dtype
-  return cache.get({grid.t, grid.h, grid.w, dim}, device, dtype, [&] { return sincos_position_embedding_3d(grid, dim); });
+  return cache.get({grid.t, grid.h, grid.w, dim}, device, dtype,
+                   [&] { return sincos_position_embedding_3d(grid, dim); });
 }
 
 // --- small modules --------------------------------------------------------------------------------------
@@ -85,7 +86,9 @@ torch::Tensor TimestepEmbedderImpl::forward(const torch::Tensor& t) {
   return fc2(torch::silu(fc1(f)));
 }
 
-MlpImpl::MlpImpl(int64_t dim_, int64_t hidden_, torch::Device device_) : dim(dim_), hidden(hidden_), device(device_) { reset(); }
+MlpImpl::MlpImpl(int64_t dim_, int64_t hidden_, torch::Device device_) : dim(dim_), hidden(hidden_), device(device_) {
+  reset();
+}
 
 void MlpImpl::reset() {
   fc1 = register_module("fc1", Linear(LinearOptions(dim, hidden).device(device)));
@@ -96,7 +99,9 @@ torch::Tensor MlpImpl::forward(const torch::Tensor& x) { return fc2(torch::gelu(
 
 // --- block ------------------------------------------------------------------------------------------------
 
-DiTBlockImpl::DiTBlockImpl(DiTOptions options_, int64_t index_) : options(std::move(options_)), index(index_) { reset(); }
+DiTBlockImpl::DiTBlockImpl(DiTOptions options_, int64_t index_) : options(std::move(options_)), index(index_) {
+  reset();
+}
 
 void DiTBlockImpl::reset() {
   const int64_t D = options.hidden(), M = options.heads();
@@ -104,8 +109,9 @@ void DiTBlockImpl::reset() {
   norm1 = register_module("norm1", LayerNorm(LayerNormOptions(D).affine(false).device(dev)));
   switch (options.arch()) {
     case Architecture::kDense3D:
-      global_attn = register_module("attn", GlobalSelfAttention(
-                                                SelfAttentionOptions(D, M).materialize_scores(options.dense_materialized()).device(dev)));
+      global_attn = register_module(
+          "attn",
+          GlobalSelfAttention(SelfAttentionOptions(D, M).materialize_scores(options.dense_materialized()).device(dev)));
       break;
     case Architecture::kSwin:
       window_attn = register_module(
@@ -113,18 +119,20 @@ void DiTBlockImpl::reset() {
                       WindowAttentionOptions(D, M).window(options.swin_window()).shifted(index % 2 == 1).device(dev)));
       break;
     case Architecture::kMegaSlide:
-      dsa_attn = register_module("attn", DeformableSlideAttention3D(DeformableSlideAttentionOptions(D, M)
-                                                                        .kernel(options.dsa_kernel())
-                                                                        .groups(options.dsa_groups())
-                                                                        .offset_range(options.dsa_offset_range())
-                                                                        .offsets(options.dsa_offsets())
-                                                                        .frozen_offset_seed(static_cast<uint64_t>(index))
-                                                                        .impl(options.dsa_impl())
-                                                                        .device(dev)));
+      dsa_attn =
+          register_module("attn", DeformableSlideAttention3D(DeformableSlideAttentionOptions(D, M)
+                                                                 .kernel(options.dsa_kernel())
+                                                                 .groups(options.dsa_groups())
+                                                                 .offset_range(options.dsa_offset_range())
+                                                                 .offsets(options.dsa_offsets())
+                                                                 .frozen_offset_seed(static_cast<uint64_t>(index))
+                                                                 .impl(options.dsa_impl())
+                                                                 .device(dev)));
       break;
   }
   norm2 = register_module("norm2", LayerNorm(LayerNormOptions(D).device(dev)));
-  cross_attn = register_module("cross_attn", CrossAttention(CrossAttentionOptions(D, options.text_dim(), M).device(dev)));
+  cross_attn =
+      register_module("cross_attn", CrossAttention(CrossAttentionOptions(D, options.text_dim(), M).device(dev)));
   norm3 = register_module("norm3", LayerNorm(LayerNormOptions(D).affine(false).device(dev)));
   const auto mlp_hidden = static_cast<int64_t>(std::llround(D * options.mlp_ratio()));
   mlp = register_module("mlp", Mlp(D, mlp_hidden, dev));
@@ -133,9 +141,12 @@ void DiTBlockImpl::reset() {
 
 torch::Tensor DiTBlockImpl::self_attention(const torch::Tensor& x, const TokenGrid& grid) {
   switch (options.arch()) {
-    case Architecture::kDense3D: return global_attn(x, grid);
-    case Architecture::kSwin: return window_attn(x, grid);
-    case Architecture::kMegaSlide: return dsa_attn(x, grid);
+    case Architecture::kDense3D:
+      return global_attn(x, grid);
+    case Architecture::kSwin:
+      return window_attn(x, grid);
+    case Architecture::kMegaSlide:
+      return dsa_attn(x, grid);
   }
   TORCH_CHECK(false, "DiTBlock: unknown architecture");
 }
@@ -178,10 +189,12 @@ void DiTImpl::reset() {
     t_mod = register_module("t_mod", Linear(LinearOptions(D, 6 * D).zero_init(true).device(dev)));
   }
   blocks = register_module("blocks", torch::nn::ModuleList());
-  for (int64_t i = 0; i < options.layers(); ++i) blocks->push_back(initial_block(i, options.block_device().value_or(dev)));
+  for (int64_t i = 0; i < options.layers(); ++i)
+    blocks->push_back(initial_block(i, options.block_device().value_or(dev)));
   final_norm = register_module("final_norm", LayerNorm(LayerNormOptions(D).affine(false).device(dev)));
   final_modulation = register_parameter("final_modulation", torch::zeros({2, D}, torch::TensorOptions().device(dev)));
-  final_proj = register_module("final_proj", Linear(LinearOptions(D, p[0] * p[1] * p[2] * C).zero_init(true).device(dev)));
+  final_proj =
+      register_module("final_proj", Linear(LinearOptions(D, p[0] * p[1] * p[2] * C).zero_init(true).device(dev)));
 }
 
 DiTBlock DiTImpl::initial_block(int64_t index, torch::Device device) const {
@@ -204,8 +217,8 @@ void DiTImpl::replace_block(int64_t index, DiTBlock block) {
 
 TokenGrid DiTImpl::token_grid(int64_t frames, int64_t height, int64_t width) const {
   const auto& p = options.patch();
-  TORCH_CHECK(frames % p[0] == 0 && height % p[1] == 0 && width % p[2] == 0, "DiT: video ", frames, "x", height, "x", width,
-              " (T x H x W) is not divisible by the patch (", p[0], ", ", p[1], ", ", p[2], ")");
+  TORCH_CHECK(frames % p[0] == 0 && height % p[1] == 0 && width % p[2] == 0, "DiT: video ", frames, "x", height, "x",
+              width, " (T x H x W) is not divisible by the patch (", p[0], ", ", p[1], ", ", p[2], ")");
   return {frames / p[0], height / p[1], width / p[2]};
 }
 
@@ -213,8 +226,8 @@ Embedded DiTImpl::embed(const torch::Tensor& x, const torch::Tensor& timesteps, 
                         const torch::Tensor& text_mask) {
   TORCH_CHECK(x.dim() == 5 && x.size(1) == options.in_channels(), "DiT: expected x [B, ", options.in_channels(),
               ", T, H, W], got ", x.sizes());
-  TORCH_CHECK(timesteps.dim() == 1 && timesteps.size(0) == x.size(0), "DiT: expected timesteps [B] with B = ", x.size(0),
-              ", got ", timesteps.sizes());
+  TORCH_CHECK(timesteps.dim() == 1 && timesteps.size(0) == x.size(0),
+              "DiT: expected timesteps [B] with B = ", x.size(0), ", got ", timesteps.sizes());
   TORCH_CHECK(text.dim() == 3 && text.size(0) == x.size(0) && text.size(2) == options.text_dim(),
               "DiT: expected text [B, L, ", options.text_dim(), "] with B = ", x.size(0), ", got ", text.sizes());
   const auto grid = token_grid(x.size(2), x.size(3), x.size(4));
@@ -267,8 +280,10 @@ ParameterCount count_dit_parameters(DiTOptions options) {
   ParameterCount c;
   c.total = count_parameters(*model);
   c.per_block = model->blocks->size() > 0 ? count_parameters(*model->blocks[0]) : 0;
-  c.prologue = count_parameters(*model->patch_embed) + count_parameters(*model->t_embedder) + count_parameters(*model->t_mod);
-  c.epilogue = count_parameters(*model->final_proj) + model->final_modulation.numel() + count_parameters(*model->final_norm);
+  c.prologue =
+      count_parameters(*model->patch_embed) + count_parameters(*model->t_embedder) + count_parameters(*model->t_mod);
+  c.epilogue =
+      count_parameters(*model->final_proj) + model->final_modulation.numel() + count_parameters(*model->final_norm);
   return c;
 }
 

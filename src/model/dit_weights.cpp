@@ -12,7 +12,8 @@ namespace {
 constexpr const char* kFormat = "megaslide.weights";
 constexpr const char* kFormatVersion = "1";
 
-void add_module(io::NamedTensors& out, const std::string& prefix, const torch::nn::Module& module, torch::ScalarType dtype) {
+void add_module(io::NamedTensors& out, const std::string& prefix, const torch::nn::Module& module,
+                torch::ScalarType dtype) {
   for (const auto& p : module.named_parameters(/*recurse=*/true))
     out.emplace_back(prefix + p.key(), p.value().detach().to(torch::kCPU, dtype));
 }
@@ -42,11 +43,13 @@ io::WrittenFile save_weights(const std::string& path, const RunConfig& config, c
   return io::write_safetensors(path, tensors, metadata, dtype);
 }
 
-void save_weights(const std::string& path, const RunConfig& config, DiT& dit, TextEncoder& text_encoder, torch::ScalarType dtype) {
+void save_weights(const std::string& path, const RunConfig& config, DiT& dit, TextEncoder& text_encoder,
+                  torch::ScalarType dtype) {
   io::NamedTensors parameters;
   for (const auto& p : dit->named_parameters(/*recurse=*/true)) parameters.emplace_back(p.key(), p.value());
   if (text_encoder)
-    for (const auto& p : text_encoder->named_parameters(/*recurse=*/true)) parameters.emplace_back("text_encoder." + p.key(), p.value());
+    for (const auto& p : text_encoder->named_parameters(/*recurse=*/true))
+      parameters.emplace_back("text_encoder." + p.key(), p.value());
   save_weights(path, config, parameters, dtype);
 }
 
@@ -55,22 +58,24 @@ TextToVideoModel load_weights(const std::string& path, torch::Device device, tor
   auto meta = [&](const std::string& key) -> std::string {
     auto it = file.metadata.find(key);
     if (it == file.metadata.end())
-      throw WeightsError("weights file '" + path + "': __metadata__ has no '" + key + "' (not a megaslide weights file)");
+      throw WeightsError("weights file '" + path + "': __metadata__ has no '" + key +
+                         "' (not a megaslide weights file)");
     return it->second;
   };
   if (meta("format") != kFormat)
-    throw WeightsError("weights file '" + path + "': __metadata__.format is '" + meta("format") + "', expected '" + kFormat + "'");
+    throw WeightsError("weights file '" + path + "': __metadata__.format is '" + meta("format") + "', expected '" +
+                       kFormat + "'");
   if (meta("format_version") != kFormatVersion)
-    throw WeightsError("weights file '" + path + "': format_version '" + meta("format_version") + "' is not supported (this build reads " +
-                       kFormatVersion + ")");
+    throw WeightsError("weights file '" + path + "': format_version '" + meta("format_version") +
+                       "' is not supported (this build reads " + kFormatVersion + ")");
 
   TextToVideoModel model;
   model.config = parse_run_config(meta("config"), path + " (__metadata__.config)");
   CaptionTokenizer tokenizer;
   model.dit = DiT(DiTOptions::from_config(model.config));
   if (model.config.model.text_encoder.kind == "builtin")  // CLIP is frozen: loaded from its own folder, not stored here
-    model.text_encoder =
-        TextEncoder(TextEncoderOptions(tokenizer.vocab_size(), model.config.model.text_dim, model.config.data.max_text_tokens));
+    model.text_encoder = TextEncoder(
+        TextEncoderOptions(tokenizer.vocab_size(), model.config.model.text_dim, model.config.data.max_text_tokens));
 
   std::map<std::string, torch::Tensor> by_name(file.tensors.begin(), file.tensors.end());
   std::set<std::string> used;
@@ -81,11 +86,12 @@ TextToVideoModel load_weights(const std::string& path, torch::Device device, tor
       auto it = by_name.find(name);
       if (it == by_name.end()) throw WeightsError("weights file '" + path + "': tensor '" + name + "' is missing");
       if (it->second.sizes() != p.value().sizes())
-        throw WeightsError("weights file '" + path + "': tensor '" + name + "' has shape " + c10::str(it->second.sizes()) +
-                           ", the model built from its config needs " + c10::str(p.value().sizes()));
+        throw WeightsError("weights file '" + path + "': tensor '" + name + "' has shape " +
+                           c10::str(it->second.sizes()) + ", the model built from its config needs " +
+                           c10::str(p.value().sizes()));
       if (!it->second.is_floating_point())
-        throw WeightsError("weights file '" + path + "': tensor '" + name + "' is " + c10::toString(it->second.scalar_type()) +
-                           ", expected a floating-point type");
+        throw WeightsError("weights file '" + path + "': tensor '" + name + "' is " +
+                           c10::toString(it->second.scalar_type()) + ", expected a floating-point type");
       const auto values = it->second.contiguous();
       try {
         io::require_finite(values.data_ptr(), values.numel(), values.scalar_type(), path, name);
@@ -99,7 +105,9 @@ TextToVideoModel load_weights(const std::string& path, torch::Device device, tor
   fill("dit.", *model.dit);
   if (model.text_encoder) fill("text_encoder.", *model.text_encoder);
   for (const auto& [name, tensor] : file.tensors)
-    if (!used.count(name)) throw WeightsError("weights file '" + path + "': tensor '" + name + "' is not a parameter of the model its config describes");
+    if (!used.count(name))
+      throw WeightsError("weights file '" + path + "': tensor '" + name +
+                         "' is not a parameter of the model its config describes");
 
   model.dit->to(device, dtype);
   if (model.text_encoder) model.text_encoder->to(device, dtype);

@@ -5,14 +5,17 @@
 
 namespace megaslide {
 
-std::shared_ptr<FrozenEncoders> FrozenEncoders::load(const RunConfig& config, torch::Device device, const std::string& source) {
+std::shared_ptr<FrozenEncoders> FrozenEncoders::load(const RunConfig& config, torch::Device device,
+                                                     const std::string& source) {
   const auto& te = config.model.text_encoder;
   const auto& v = config.model.vae;
   if (te.kind != "clip" && v.kind != "sd") return nullptr;
   std::shared_ptr<FrozenEncoders> out(new FrozenEncoders(config, device));
   auto fail = [&](const std::string& key, const std::string& problem) { throw ConfigError(source, key, problem); };
   if (te.kind == "clip") {
-    if (!io::is_directory(te.weights)) fail("model.text_encoder.weights", "'" + te.weights + "' is not a folder (CLIP's text encoder: config.json + model.safetensors)");
+    if (!io::is_directory(te.weights))
+      fail("model.text_encoder.weights",
+           "'" + te.weights + "' is not a folder (CLIP's text encoder: config.json + model.safetensors)");
     try {
       out->text_.emplace(ClipTextEncoder::load(te.weights, device, frozen_encoder_dtype(te.dtype, device)));
     } catch (const std::exception& e) {
@@ -21,16 +24,21 @@ std::shared_ptr<FrozenEncoders> FrozenEncoders::load(const RunConfig& config, to
     try {
       out->tokenizer_.emplace(ClipTokenizer::find(te.vocab, te.weights));
     } catch (const ClipTokenizerError& e) {
-      fail("model.text_encoder.vocab", std::string(e.what()) + (te.vocab.empty() ? "; set model.text_encoder.vocab to its folder or to bpe_simple_vocab_16e6.txt" : ""));
+      fail(
+          "model.text_encoder.vocab",
+          std::string(e.what()) +
+              (te.vocab.empty() ? "; set model.text_encoder.vocab to its folder or to bpe_simple_vocab_16e6.txt" : ""));
     }
     const auto& tc = out->text_->config();
     if (tc.hidden_size != config.model.text_dim)
-      fail("model.text_dim", "is " + std::to_string(config.model.text_dim) + " but the CLIP text encoder in '" + te.weights + "' is " +
-                                 std::to_string(tc.hidden_size) + " wide (config.json hidden_size): set model.text_dim: " +
-                                 std::to_string(tc.hidden_size));
+      fail("model.text_dim",
+           "is " + std::to_string(config.model.text_dim) + " but the CLIP text encoder in '" + te.weights + "' is " +
+               std::to_string(tc.hidden_size) +
+               " wide (config.json hidden_size): set model.text_dim: " + std::to_string(tc.hidden_size));
     if (config.data.max_text_tokens > tc.max_position_embeddings)
-      fail("data.max_text_tokens", "is " + std::to_string(config.data.max_text_tokens) + " but the CLIP text encoder in '" + te.weights +
-                                       "' has " + std::to_string(tc.max_position_embeddings) + " positions");
+      fail("data.max_text_tokens", "is " + std::to_string(config.data.max_text_tokens) +
+                                       " but the CLIP text encoder in '" + te.weights + "' has " +
+                                       std::to_string(tc.max_position_embeddings) + " positions");
     if (out->tokenizer_->vocab_size() > tc.vocab_size)
       fail("model.text_encoder.vocab", "the vocabulary has " + std::to_string(out->tokenizer_->vocab_size()) +
                                            " tokens but the CLIP text encoder in '" + te.weights + "' embeds " +
@@ -38,7 +46,8 @@ std::shared_ptr<FrozenEncoders> FrozenEncoders::load(const RunConfig& config, to
   }
   if (v.kind == "sd") {
     if (!io::is_directory(v.weights))
-      fail("model.vae.weights", "'" + v.weights + "' is not a folder (the SD VAE: config.json + diffusion_pytorch_model.safetensors)");
+      fail("model.vae.weights",
+           "'" + v.weights + "' is not a folder (the SD VAE: config.json + diffusion_pytorch_model.safetensors)");
     try {
       out->vae_.emplace(SdVae::load(v.weights, device, frozen_encoder_dtype(v.dtype, device)));
     } catch (const std::exception& e) {
@@ -46,15 +55,16 @@ std::shared_ptr<FrozenEncoders> FrozenEncoders::load(const RunConfig& config, to
     }
     const auto& vc = out->vae_->config();
     if (vc.latent_channels != v.latent_channels)
-      fail("model.vae.latent_channels", "is " + std::to_string(v.latent_channels) + " (the DiT's input channels) but the VAE in '" +
-                                            v.weights + "' has " + std::to_string(vc.latent_channels) +
-                                            " latent channels (config.json latent_channels): set model.vae.latent_channels: " +
-                                            std::to_string(vc.latent_channels));
+      fail("model.vae.latent_channels",
+           "is " + std::to_string(v.latent_channels) + " (the DiT's input channels) but the VAE in '" + v.weights +
+               "' has " + std::to_string(vc.latent_channels) +
+               " latent channels (config.json latent_channels): set model.vae.latent_channels: " +
+               std::to_string(vc.latent_channels));
     if (vc.downscale() != v.downscale)
       fail("model.vae.downscale", "is " + std::to_string(v.downscale) + " but the VAE in '" + v.weights + "' maps " +
                                       std::to_string(vc.downscale()) + " pixels to a latent (" +
-                                      std::to_string(vc.block_out_channels.size()) + " levels): set model.vae.downscale: " +
-                                      std::to_string(vc.downscale()));
+                                      std::to_string(vc.block_out_channels.size()) +
+                                      " levels): set model.vae.downscale: " + std::to_string(vc.downscale()));
     if (vc.in_channels != config.data.channels || vc.out_channels != config.data.channels)
       fail("data.channels", "is " + std::to_string(config.data.channels) + " but the VAE in '" + v.weights + "' maps " +
                                 std::to_string(vc.in_channels) + "-channel images");
@@ -73,7 +83,8 @@ std::pair<torch::Tensor, torch::Tensor> FrozenEncoders::encode_text(const std::v
 torch::Tensor FrozenEncoders::encode_video(const torch::Tensor& pixels) const {
   TORCH_CHECK(vae_.has_value(), "FrozenEncoders::encode_video: the config names no VAE");
   torch::NoGradGuard no_grad;
-  return vae_->encode_video(pixels.to(device_, torch::kFloat32), config_.model.vae.frames_per_batch).to(torch::kFloat32);
+  return vae_->encode_video(pixels.to(device_, torch::kFloat32), config_.model.vae.frames_per_batch)
+      .to(torch::kFloat32);
 }
 
 torch::Tensor FrozenEncoders::decode_video(const torch::Tensor& latents) const {
@@ -82,7 +93,9 @@ torch::Tensor FrozenEncoders::decode_video(const torch::Tensor& latents) const {
   const auto& v = config_.model.vae;
   std::optional<VaeTiling> tiling;
   if (v.tile_size > 0) tiling = VaeTiling{v.tile_size, v.tile_overlap};
-  return vae_->decode_video(latents.to(device_, torch::kFloat32), v.frames_per_batch, tiling).to(torch::kFloat32).clamp(-1.0, 1.0);
+  return vae_->decode_video(latents.to(device_, torch::kFloat32), v.frames_per_batch, tiling)
+      .to(torch::kFloat32)
+      .clamp(-1.0, 1.0);
 }
 
 }  // namespace megaslide

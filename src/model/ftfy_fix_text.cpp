@@ -141,7 +141,8 @@ bool decode_utf8_variants(const Bytes& b, Text& out) {
   const auto cesu_at = [&](size_t p) {
     if (!in(p, 0xED, 0xED)) return false;
     ++p;
-    return step(p, 0xA0, 0xAF) && step(p, 0x80, 0xBF) && step(p, 0xED, 0xED) && step(p, 0xB0, 0xBF) && step(p, 0x80, 0xBF);
+    return step(p, 0xA0, 0xAF) && step(p, 0x80, 0xBF) && step(p, 0xED, 0xED) && step(p, 0xB0, 0xBF) &&
+           step(p, 0x80, 0xBF);
   };
   const auto special_at = [&](size_t p) {
     if (in(p, 0xC0, 0xC0)) return in(p + 1, 0x80, 0x80) || dollar(p + 1);
@@ -180,7 +181,9 @@ bool in_ranges(const CodeRange* first, const CodeRange* last, char32_t c) {
   return it != first && c <= (it - 1)->last;
 }
 
-bool in_set(int set, char32_t c) { return in_ranges(kSetRanges + kSets[set].begin, kSetRanges + kSets[set].begin + kSets[set].count, c); }
+bool in_set(int set, char32_t c) {
+  return in_ranges(kSetRanges + kSets[set].begin, kSetRanges + kSets[set].begin + kSets[set].count, c);
+}
 
 // Which of the classes a code point is in.
 using SetMask = std::bitset<std::size(kSets)>;
@@ -210,7 +213,8 @@ bool is_bad(const char32_t* text, size_t n) {
     const BadnessStep s = steps[k];
     if (s.kind == BadnessStep::kStart) return i == 0 && self(self, steps, count, k + 1, i);
     const bool hit = i < n && masks[i][s.set];
-    if (s.kind == BadnessStep::kOptional) return (hit && self(self, steps, count, k + 1, i + 1)) || self(self, steps, count, k + 1, i);
+    if (s.kind == BadnessStep::kOptional)
+      return (hit && self(self, steps, count, k + 1, i + 1)) || self(self, steps, count, k + 1, i);
     return hit && self(self, steps, count, k + 1, i + 1);
   };
   for (size_t i = 0; i < n; ++i)
@@ -236,7 +240,9 @@ std::vector<std::pair<size_t, size_t>> utf8_detector_matches(const Text& text) {
     for (;;) {
       if (at(j, kUtf8FirstOf2) && at(j + 1, kUtf8Continuation)) j += 2;
       else if (at(j, kUtf8FirstOf3) && at(j + 1, kUtf8Continuation) && at(j + 2, kUtf8Continuation)) j += 3;
-      else if (at(j, kUtf8FirstOf4) && at(j + 1, kUtf8Continuation) && at(j + 2, kUtf8Continuation) && at(j + 3, kUtf8Continuation)) j += 4;
+      else if (at(j, kUtf8FirstOf4) && at(j + 1, kUtf8Continuation) && at(j + 2, kUtf8Continuation) &&
+               at(j + 3, kUtf8Continuation))
+        j += 4;
       else break;
     }
     if (j > i) {
@@ -301,7 +307,8 @@ size_t match_alternatives(const std::vector<BytePattern>& alternatives, const By
 // chardata.ALTERED_UTF8_RE: UTF-8 sequences that decode once a space is read as byte A0.
 const std::vector<BytePattern>& altered_utf8() {
   static const std::vector<BytePattern> patterns = [] {
-    const ByteClass space = byte_class({{0x20, 0x20}}), cont = byte_class({{0x80, 0xBF}}), f0 = byte_class({{0xF0, 0xF0}});
+    const ByteClass space = byte_class({{0x20, 0x20}}), cont = byte_class({{0x80, 0xBF}}),
+                    f0 = byte_class({{0xF0, 0xF0}});
     const ByteClass likely = byte_class({{0x80, 0x84}, {0x86, 0x9F}, {0xA1, 0xBF}});
     return std::vector<BytePattern>{
         {byte_class({{0xC2, 0xC3}, {0xC5, 0xC5}, {0xCE, 0xCE}, {0xD0, 0xD0}, {0xD9, 0xD9}}), space},
@@ -321,7 +328,8 @@ const std::vector<BytePattern>& lossy_utf8() {
     const ByteClass sub = byte_class({{0x1A, 0x1A}}), lost = byte_class({{0x1A, 0x1A}, {'?', '?'}});
     const ByteClass sub_or_cont = byte_class({{0x1A, 0x1A}, {0x80, 0xBF}});
     const ByteClass any_cont = byte_class({{0x1A, 0x1A}, {'?', '?'}, {0x80, 0xBF}});
-    const ByteClass ed = byte_class({{0xED, 0xED}}), high = byte_class({{0xA0, 0xAF}}), low = byte_class({{0xB0, 0xBF}});
+    const ByteClass ed = byte_class({{0xED, 0xED}}), high = byte_class({{0xA0, 0xAF}}),
+                    low = byte_class({{0xB0, 0xBF}});
     const ByteClass lead3 = byte_class({{0xE0, 0xEF}}), lead4 = byte_class({{0xF0, 0xF4}});
     return std::vector<BytePattern>{
         {byte_class({{0xC2, 0xDF}}), sub},
@@ -350,11 +358,13 @@ Bytes restore_byte_a0(const Bytes& in) {
   // First "Ã " as a word of its own (but not the Portuguese "às", "àquele"...) keeps its space: C3 A0 20.
   Bytes b;
   b.reserve(in.size() + 8);
-  const auto followed_by = [&](size_t j, std::string_view s) { return in.compare(j, s.size(), s) == 0 && j + s.size() <= in.size(); };
+  const auto followed_by = [&](size_t j, std::string_view s) {
+    return in.compare(j, s.size(), s) == 0 && j + s.size() <= in.size();
+  };
   for (size_t i = 0; i < in.size(); ++i) {
     if (byte_at(in, i) == 0xC3 && i + 1 < in.size() && in[i + 1] == ' ' &&
-        !(followed_by(i + 2, " ") || followed_by(i + 2, "quele") || followed_by(i + 2, "quela") || followed_by(i + 2, "quilo") ||
-          followed_by(i + 2, "s "))) {
+        !(followed_by(i + 2, " ") || followed_by(i + 2, "quele") || followed_by(i + 2, "quela") ||
+          followed_by(i + 2, "quilo") || followed_by(i + 2, "s "))) {
       b += "\xC3\xA0 ";
       ++i;
       continue;
@@ -494,8 +504,9 @@ Text unescape_html(const Text& text) {
     }
     const std::string reference = encode_utf8(text.substr(i, k + 1 - i));
     const auto* end = std::end(kHtmlEntities);
-    const auto* it = std::lower_bound(std::begin(kHtmlEntities), end, reference,
-                                      [](const Entity& e, const std::string& name) { return std::string_view(e.name) < name; });
+    const auto* it =
+        std::lower_bound(std::begin(kHtmlEntities), end, reference,
+                         [](const Entity& e, const std::string& name) { return std::string_view(e.name) < name; });
     if (it != end && reference == it->name) {
       out += decode_lenient(it->text);
     } else if (j > i + 1) {
@@ -515,7 +526,8 @@ Text fix_characters_and_line_breaks(const Text& text) {
   mapped.reserve(text.size());
   for (char32_t c : text) {
     const auto* end = std::end(kCharacterFixes);
-    const auto* it = std::lower_bound(std::begin(kCharacterFixes), end, c, [](const CharacterFix& f, char32_t v) { return f.code_point < v; });
+    const auto* it = std::lower_bound(std::begin(kCharacterFixes), end, c,
+                                      [](const CharacterFix& f, char32_t v) { return f.code_point < v; });
     if (it != end && it->code_point == c) mapped += decode_lenient(it->replacement);
     else mapped += c;
   }

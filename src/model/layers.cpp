@@ -47,9 +47,10 @@ uint64_t derive_seed(uint64_t seed, uint64_t index) {
 LinearImpl::LinearImpl(LinearOptions options_) : options(std::move(options_)) { reset(); }
 
 void LinearImpl::reset() {
-  TORCH_CHECK(options.in_features() > 0 && options.out_features() > 0, "Linear: sizes must be positive, got in=",
-              options.in_features(), " out=", options.out_features());
-  weight = register_parameter("weight", torch::empty({options.out_features(), options.in_features()}, on(options.device())));
+  TORCH_CHECK(options.in_features() > 0 && options.out_features() > 0,
+              "Linear: sizes must be positive, got in=", options.in_features(), " out=", options.out_features());
+  weight =
+      register_parameter("weight", torch::empty({options.out_features(), options.in_features()}, on(options.device())));
   bias = options.bias() ? register_parameter("bias", torch::empty({options.out_features()}, on(options.device())))
                         : torch::Tensor();
   if (options.zero_init()) {
@@ -82,10 +83,11 @@ void Conv3dImpl::reset() {
   const auto& k = options.kernel();
   TORCH_CHECK(options.groups() > 0 && options.in_channels() % options.groups() == 0 &&
                   options.out_channels() % options.groups() == 0,
-              "Conv3d: channels (", options.in_channels(), " -> ", options.out_channels(), ") must be divisible by groups ",
-              options.groups());
+              "Conv3d: channels (", options.in_channels(), " -> ", options.out_channels(),
+              ") must be divisible by groups ", options.groups());
   int64_t in_per_group = options.in_channels() / options.groups();
-  weight = register_parameter("weight", torch::empty({options.out_channels(), in_per_group, k[0], k[1], k[2]}, on(options.device())));
+  weight = register_parameter(
+      "weight", torch::empty({options.out_channels(), in_per_group, k[0], k[1], k[2]}, on(options.device())));
   bias = register_parameter("bias", torch::empty({options.out_channels()}, on(options.device())));
   default_init(weight, bias, in_per_group * k[0] * k[1] * k[2]);
 }

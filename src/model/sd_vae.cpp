@@ -35,7 +35,8 @@ SdVaeConfig parse_config(const nlohmann::json& j, const std::string& source) {
     if (!b.is_array() || b.empty()) bad("\"block_out_channels\" must be a non-empty list of integers, got " + b.dump());
     c.block_out_channels.clear();
     for (const auto& v : b) {
-      if (!v.is_number_integer() || v.get<int64_t>() < 1) bad("\"block_out_channels\" must be a list of positive integers, got " + b.dump());
+      if (!v.is_number_integer() || v.get<int64_t>() < 1)
+        bad("\"block_out_channels\" must be a list of positive integers, got " + b.dump());
       c.block_out_channels.push_back(v.get<int64_t>());
     }
   }
@@ -44,7 +45,8 @@ SdVaeConfig parse_config(const nlohmann::json& j, const std::string& source) {
     if (!j.contains(key)) continue;
     const auto& t = j.at(key);
     const std::string expected = std::string(key) == "down_block_types" ? "DownEncoderBlock2D" : "UpDecoderBlock2D";
-    if (!t.is_array() || t.size() != levels) bad(std::string("\"") + key + "\" must list " + std::to_string(levels) + " blocks (one per block_out_channels)");
+    if (!t.is_array() || t.size() != levels)
+      bad(std::string("\"") + key + "\" must list " + std::to_string(levels) + " blocks (one per block_out_channels)");
     for (const auto& v : t)
       if (v != expected) bad(std::string("\"") + key + "\": only " + expected + " is supported, got " + v.dump());
   }
@@ -54,7 +56,8 @@ SdVaeConfig parse_config(const nlohmann::json& j, const std::string& source) {
     if (v < 1) bad("channel counts, layers_per_block and norm_num_groups must be >= 1");
   for (auto ch : c.block_out_channels)
     if (ch % c.norm_num_groups != 0)
-      bad("block_out_channels " + std::to_string(ch) + " is not a multiple of norm_num_groups " + std::to_string(c.norm_num_groups));
+      bad("block_out_channels " + std::to_string(ch) + " is not a multiple of norm_num_groups " +
+          std::to_string(c.norm_num_groups));
   if (!(c.scaling_factor > 0)) bad("\"scaling_factor\" must be > 0");
   return c;
 }
@@ -73,17 +76,21 @@ SdVae SdVae::load(const std::string& dir, torch::Device device, torch::ScalarTyp
 
 SdVae SdVae::random(const SdVaeConfig& config, uint64_t seed, torch::Device device, torch::ScalarType dtype) {
   auto g = at::detail::createCPUGenerator(seed);
-  return build(config, device, dtype, [&](const std::string& name, const std::vector<std::string>&, const std::vector<int64_t>& shape) {
-    // Unit-variance activations: weights ~ N(0, 1/fan_in), GroupNorm weights 1, biases 0.
-    if (shape.size() == 1) return name.find("norm") != std::string::npos && name.size() > 7 && name.substr(name.size() - 7) == ".weight"
-                                      ? torch::ones(shape, dtype)
-                                      : torch::zeros(shape, dtype);
-    const int64_t fan_in = c10::multiply_integers(shape.begin() + 1, shape.end());
-    return (torch::randn(shape, g, torch::kFloat32) / std::sqrt(static_cast<double>(fan_in))).to(dtype);
-  });
+  return build(config, device, dtype,
+               [&](const std::string& name, const std::vector<std::string>&, const std::vector<int64_t>& shape) {
+                 // Unit-variance activations: weights ~ N(0, 1/fan_in), GroupNorm weights 1, biases 0.
+                 if (shape.size() == 1)
+                   return name.find("norm") != std::string::npos && name.size() > 7 &&
+                                  name.substr(name.size() - 7) == ".weight"
+                              ? torch::ones(shape, dtype)
+                              : torch::zeros(shape, dtype);
+                 const int64_t fan_in = c10::multiply_integers(shape.begin() + 1, shape.end());
+                 return (torch::randn(shape, g, torch::kFloat32) / std::sqrt(static_cast<double>(fan_in))).to(dtype);
+               });
 }
 
-SdVae SdVae::build(const SdVaeConfig& config, torch::Device device, torch::ScalarType dtype, const WeightSource& source) {
+SdVae SdVae::build(const SdVaeConfig& config, torch::Device device, torch::ScalarType dtype,
+                   const WeightSource& source) {
   SdVae vae;
   vae.config_ = config;
   vae.device_ = device;
@@ -112,7 +119,10 @@ SdVae SdVae::build(const SdVaeConfig& config, torch::Device device, torch::Scala
     if (c.mid_block_add_attention) {
       const auto a = p + ".attentions.0";
       norm(a + ".group_norm", ch);
-      for (auto [name, legacy] : {std::pair<const char*, const char*>{"to_q", "query"}, {"to_k", "key"}, {"to_v", "value"}, {"to_out.0", "proj_attn"}}) {
+      for (auto [name, legacy] : {std::pair<const char*, const char*>{"to_q", "query"},
+                                  {"to_k", "key"},
+                                  {"to_v", "value"},
+                                  {"to_out.0", "proj_attn"}}) {
         take(a + "." + name + ".weight", {ch, ch}, {a + "." + legacy + ".weight"});
         take(a + "." + name + ".bias", {ch}, {a + "." + legacy + ".bias"});
       }
@@ -126,7 +136,8 @@ SdVae SdVae::build(const SdVaeConfig& config, torch::Device device, torch::Scala
   for (int64_t i = 0; i < levels; ++i) {
     const auto p = "encoder.down_blocks." + std::to_string(i);
     const int64_t in = i == 0 ? ch[0] : ch[i - 1];
-    for (int64_t j = 0; j < c.layers_per_block; ++j) resnet(p + ".resnets." + std::to_string(j), j == 0 ? in : ch[i], ch[i]);
+    for (int64_t j = 0; j < c.layers_per_block; ++j)
+      resnet(p + ".resnets." + std::to_string(j), j == 0 ? in : ch[i], ch[i]);
     if (i + 1 < levels) conv(p + ".downsamplers.0.conv", ch[i], ch[i], 3);
   }
   mid("encoder.mid_block", ch.back());
@@ -141,7 +152,8 @@ SdVae SdVae::build(const SdVaeConfig& config, torch::Device device, torch::Scala
   for (int64_t i = 0; i < levels; ++i) {
     const auto p = "decoder.up_blocks." + std::to_string(i);
     const int64_t out = ch[static_cast<size_t>(levels - 1 - i)];
-    for (int64_t j = 0; j <= c.layers_per_block; ++j) resnet(p + ".resnets." + std::to_string(j), j == 0 ? previous : out, out);
+    for (int64_t j = 0; j <= c.layers_per_block; ++j)
+      resnet(p + ".resnets." + std::to_string(j), j == 0 ? previous : out, out);
     if (i + 1 < levels) conv(p + ".upsamplers.0.conv", out, out, 3);
     previous = out;
   }
@@ -192,10 +204,10 @@ torch::Tensor SdVae::attention(const std::string& p, const torch::Tensor& x) con
 std::pair<torch::Tensor, torch::Tensor> SdVae::encode_distribution(const torch::Tensor& images) const {
   const auto& c = config_;
   const int64_t f = c.downscale();
-  TORCH_CHECK(images.dim() == 4 && images.size(1) == c.in_channels, "SdVae::encode: expected images [N, ", c.in_channels,
-              ", H, W], got ", images.sizes());
-  TORCH_CHECK(images.size(2) % f == 0 && images.size(3) % f == 0, "SdVae::encode: H and W must be multiples of ", f, ", got ",
-              images.size(2), "x", images.size(3));
+  TORCH_CHECK(images.dim() == 4 && images.size(1) == c.in_channels, "SdVae::encode: expected images [N, ",
+              c.in_channels, ", H, W], got ", images.sizes());
+  TORCH_CHECK(images.size(2) % f == 0 && images.size(3) % f == 0, "SdVae::encode: H and W must be multiples of ", f,
+              ", got ", images.size(2), "x", images.size(3));
   torch::NoGradGuard no_grad;
   auto x = conv("encoder.conv_in", images.to(device_, dtype_));
   const auto levels = static_cast<int64_t>(c.block_out_channels.size());
@@ -216,14 +228,15 @@ std::pair<torch::Tensor, torch::Tensor> SdVae::encode_distribution(const torch::
 torch::Tensor SdVae::encode(const torch::Tensor& images, bool sample, std::optional<at::Generator> generator) const {
   auto [mean, logvar] = encode_distribution(images);
   auto z = mean;
-  if (sample) z = mean + (0.5 * logvar).exp() * torch::randn(mean.sizes(), generator, torch::kFloat32).to(mean.device());
+  if (sample)
+    z = mean + (0.5 * logvar).exp() * torch::randn(mean.sizes(), generator, torch::kFloat32).to(mean.device());
   return (z - config_.shift_factor) * config_.scaling_factor;
 }
 
 torch::Tensor SdVae::decode_unscaled(const torch::Tensor& latents) const {
   const auto& c = config_;
-  TORCH_CHECK(latents.dim() == 4 && latents.size(1) == c.latent_channels, "SdVae::decode: expected latents [N, ", c.latent_channels,
-              ", h, w], got ", latents.sizes());
+  TORCH_CHECK(latents.dim() == 4 && latents.size(1) == c.latent_channels, "SdVae::decode: expected latents [N, ",
+              c.latent_channels, ", h, w], got ", latents.sizes());
   torch::NoGradGuard no_grad;
   auto x = latents.to(device_, dtype_);
   if (c.use_post_quant_conv) x = conv("post_quant_conv", x, 1, 0);
@@ -247,9 +260,10 @@ torch::Tensor SdVae::decode(const torch::Tensor& latents) const {
 
 torch::Tensor SdVae::decode_tiled(const torch::Tensor& latents, const VaeTiling& tiling) const {
   const int64_t f = config_.downscale();
-  TORCH_CHECK(tiling.tile_size >= f && tiling.tile_size % f == 0, "SdVae::decode_tiled: tile_size must be a positive multiple of ", f,
-              ", got ", tiling.tile_size);
-  TORCH_CHECK(tiling.overlap >= 0 && tiling.overlap < 1, "SdVae::decode_tiled: overlap must be in [0, 1), got ", tiling.overlap);
+  TORCH_CHECK(tiling.tile_size >= f && tiling.tile_size % f == 0,
+              "SdVae::decode_tiled: tile_size must be a positive multiple of ", f, ", got ", tiling.tile_size);
+  TORCH_CHECK(tiling.overlap >= 0 && tiling.overlap < 1, "SdVae::decode_tiled: overlap must be in [0, 1), got ",
+              tiling.overlap);
   TORCH_CHECK(latents.dim() == 4, "SdVae::decode_tiled: expected latents [N, L, h, w], got ", latents.sizes());
   const int64_t tile = tiling.tile_size / f;  // latent tile
   if (latents.size(2) <= tile && latents.size(3) <= tile) return decode(latents);
@@ -258,13 +272,15 @@ torch::Tensor SdVae::decode_tiled(const torch::Tensor& latents, const VaeTiling&
   const auto stride = static_cast<int64_t>(static_cast<double>(tile) * (1 - tiling.overlap));
   const auto blend = static_cast<int64_t>(static_cast<double>(tiling.tile_size) * tiling.overlap);
   const int64_t keep = tiling.tile_size - blend;
-  TORCH_CHECK(stride >= 1, "SdVae::decode_tiled: overlap ", tiling.overlap, " leaves no stride at tile_size ", tiling.tile_size);
+  TORCH_CHECK(stride >= 1, "SdVae::decode_tiled: overlap ", tiling.overlap, " leaves no stride at tile_size ",
+              tiling.tile_size);
   auto z = latents / config_.scaling_factor + config_.shift_factor;
   std::vector<std::vector<torch::Tensor>> rows;
   for (int64_t i = 0; i < z.size(2); i += stride) {
     std::vector<torch::Tensor> row;
     for (int64_t j = 0; j < z.size(3); j += stride)
-      row.push_back(decode_unscaled(z.slice(2, i, std::min(i + tile, z.size(2))).slice(3, j, std::min(j + tile, z.size(3)))));
+      row.push_back(
+          decode_unscaled(z.slice(2, i, std::min(i + tile, z.size(2))).slice(3, j, std::min(j + tile, z.size(3)))));
     rows.push_back(std::move(row));
   }
   // Linear weights y/extent for the first `extent` rows (columns), computed in double as diffusers does.
@@ -272,7 +288,8 @@ torch::Tensor SdVae::decode_tiled(const torch::Tensor& latents, const VaeTiling&
     auto wgt = torch::arange(extent, torch::TensorOptions().dtype(torch::kFloat64)) / static_cast<double>(extent);
     std::vector<int64_t> shape(4, 1);
     shape[static_cast<size_t>(dim)] = extent;
-    return std::make_pair(wgt.to(like.device(), like.scalar_type()).view(shape), (1 - wgt).to(like.device(), like.scalar_type()).view(shape));
+    return std::make_pair(wgt.to(like.device(), like.scalar_type()).view(shape),
+                          (1 - wgt).to(like.device(), like.scalar_type()).view(shape));
   };
   auto blend_into = [&](const torch::Tensor& a, torch::Tensor& b, int64_t dim) {
     const int64_t extent = std::min({a.size(dim), b.size(dim), blend});
@@ -302,12 +319,14 @@ torch::Tensor SdVae::encode_video(const torch::Tensor& videos, int64_t frames_pe
   const int64_t B = videos.size(0), T = videos.size(2);
   auto frames = videos.permute({0, 2, 1, 3, 4}).reshape({B * T, videos.size(1), videos.size(3), videos.size(4)});
   std::vector<torch::Tensor> parts;
-  for (int64_t s = 0; s < B * T; s += frames_per_batch) parts.push_back(encode(frames.slice(0, s, std::min(s + frames_per_batch, B * T)), sample, generator));
+  for (int64_t s = 0; s < B * T; s += frames_per_batch)
+    parts.push_back(encode(frames.slice(0, s, std::min(s + frames_per_batch, B * T)), sample, generator));
   auto z = torch::cat(parts);
   return z.view({B, T, z.size(1), z.size(2), z.size(3)}).permute({0, 2, 1, 3, 4}).contiguous();
 }
 
-torch::Tensor SdVae::decode_video(const torch::Tensor& latents, int64_t frames_per_batch, std::optional<VaeTiling> tiling) const {
+torch::Tensor SdVae::decode_video(const torch::Tensor& latents, int64_t frames_per_batch,
+                                  std::optional<VaeTiling> tiling) const {
   TORCH_CHECK(latents.dim() == 5, "SdVae::decode_video: expected latents [B, L, T, h, w], got ", latents.sizes());
   TORCH_CHECK(frames_per_batch >= 1, "SdVae::decode_video: frames_per_batch must be >= 1, got ", frames_per_batch);
   const int64_t B = latents.size(0), T = latents.size(2);

@@ -7,13 +7,11 @@ namespace megaslide {
 CaptionTokenizer::CaptionTokenizer() {
   // Special tokens first (their ids are the constants above), then every word the structured-motion
   // captions use, then a few common words so that hand-written prompts degrade gracefully.
-  words_ = {"<pad>", "<bos>", "<unk>",
-            "a", "an", "the", "and", "from", "to", "of", "in", "on",
-            "red", "green", "blue", "white", "bright", "dark",
-            "blob", "ball", "dot", "stripes", "pattern", "scene", "gradient",
-            "moves", "moving", "oscillate", "oscillates", "brightens", "darkens", "fades",
-            "left", "right", "up", "down", "top", "bottom",
-            "slowly", "quickly", "horizontal", "vertical"};
+  words_ = {"<pad>",     "<bos>",      "<unk>",     "a",       "an",         "the",     "and",      "from",   "to",
+            "of",        "in",         "on",        "red",     "green",      "blue",    "white",    "bright", "dark",
+            "blob",      "ball",       "dot",       "stripes", "pattern",    "scene",   "gradient", "moves",  "moving",
+            "oscillate", "oscillates", "brightens", "darkens", "fades",      "left",    "right",    "up",     "down",
+            "top",       "bottom",     "slowly",    "quickly", "horizontal", "vertical"};
   for (size_t i = 0; i < words_.size(); ++i) ids_.emplace(words_[i], static_cast<int64_t>(i));
 }
 
@@ -52,13 +50,14 @@ TextEncoderImpl::TextEncoderImpl(TextEncoderOptions options_) : options(std::mov
 void TextEncoderImpl::reset() {
   const auto dev = options.device();
   tokens = register_module("tokens", Embedding(EmbeddingOptions(options.vocab_size(), options.dim()).device(dev)));
-  positions = register_module("positions", Embedding(EmbeddingOptions(options.max_tokens(), options.dim()).device(dev)));
+  positions =
+      register_module("positions", Embedding(EmbeddingOptions(options.max_tokens(), options.dim()).device(dev)));
   norm = register_module("norm", LayerNorm(LayerNormOptions(options.dim()).device(dev)));
 }
 
 torch::Tensor TextEncoderImpl::forward(const torch::Tensor& ids) {
-  TORCH_CHECK(ids.dim() == 2 && ids.size(1) <= options.max_tokens(), "TextEncoder: expected ids [B, L] with L <= ",
-              options.max_tokens(), ", got ", ids.sizes());
+  TORCH_CHECK(ids.dim() == 2 && ids.size(1) <= options.max_tokens(),
+              "TextEncoder: expected ids [B, L] with L <= ", options.max_tokens(), ", got ", ids.sizes());
   auto pos = torch::arange(ids.size(1), ids.options());
   return norm(tokens(ids) + positions(pos).unsqueeze(0));
 }

@@ -52,7 +52,8 @@ void check_config(const Umt5Config& c, const std::string& source) {
   positive("num_heads", c.num_heads);
   positive("relative_attention_max_distance", c.relative_attention_max_distance);
   if (c.relative_attention_num_buckets < 4)
-    throw Umt5Error("'" + source + "': \"relative_attention_num_buckets\" must be >= 4, got " + std::to_string(c.relative_attention_num_buckets));
+    throw Umt5Error("'" + source + "': \"relative_attention_num_buckets\" must be >= 4, got " +
+                    std::to_string(c.relative_attention_num_buckets));
   if (!(c.layer_norm_epsilon > 0)) throw Umt5Error("'" + source + "': \"layer_norm_epsilon\" must be > 0");
   const auto [gated, act] = activation(c.feed_forward_proj);
   if (act != "gelu" && act != "gelu_new" && act != "gelu_pytorch_tanh" && act != "relu" && act != "silu")
@@ -65,15 +66,18 @@ Umt5Config parse_config(const nlohmann::json& j, const std::string& source) {
   Umt5Config c;
   const auto type = io::json_string(j, "model_type", "umt5", source);
   if (type != "umt5")
-    throw Umt5Error("'" + source + "': model_type \"" + type + "\" is not umT5 (\"umt5\": a relative-attention bias in every layer)");
+    throw Umt5Error("'" + source + "': model_type \"" + type +
+                    "\" is not umT5 (\"umt5\": a relative-attention bias in every layer)");
   c.vocab_size = io::json_int(j, "vocab_size", c.vocab_size, source);
   c.d_model = io::json_int(j, "d_model", c.d_model, source);
   c.d_kv = io::json_int(j, "d_kv", c.d_kv, source);
   c.d_ff = io::json_int(j, "d_ff", c.d_ff, source);
   c.num_layers = io::json_int(j, "num_layers", c.num_layers, source);
   c.num_heads = io::json_int(j, "num_heads", c.num_heads, source);
-  c.relative_attention_num_buckets = io::json_int(j, "relative_attention_num_buckets", c.relative_attention_num_buckets, source);
-  c.relative_attention_max_distance = io::json_int(j, "relative_attention_max_distance", c.relative_attention_max_distance, source);
+  c.relative_attention_num_buckets =
+      io::json_int(j, "relative_attention_num_buckets", c.relative_attention_num_buckets, source);
+  c.relative_attention_max_distance =
+      io::json_int(j, "relative_attention_max_distance", c.relative_attention_max_distance, source);
   c.layer_norm_epsilon = io::json_real(j, "layer_norm_epsilon", c.layer_norm_epsilon, source);
   c.feed_forward_proj = io::json_string(j, "feed_forward_proj", c.feed_forward_proj, source);
   check_config(c, source);
@@ -83,9 +87,13 @@ Umt5Config parse_config(const nlohmann::json& j, const std::string& source) {
 // ComfyUI's file carries no configuration: the sizes from the shapes, the rest as ComfyUI fixes it.
 Umt5Config infer_config(const io::MappedWeights& w, const std::string& file) {
   auto need = [&](const std::string& name, size_t dims) -> const std::vector<int64_t>& {
-    if (!w.has(name)) throw Umt5Error("'" + file + "': no tensor '" + name + "' (not a T5-family encoder file in transformers' or ComfyUI's names)");
+    if (!w.has(name))
+      throw Umt5Error("'" + file + "': no tensor '" + name +
+                      "' (not a T5-family encoder file in transformers' or ComfyUI's names)");
     const auto& s = w.shape(name);
-    if (s.size() != dims) throw Umt5Error("'" + file + "': tensor '" + name + "' has " + std::to_string(s.size()) + " dimensions, expected " + std::to_string(dims));
+    if (s.size() != dims)
+      throw Umt5Error("'" + file + "': tensor '" + name + "' has " + std::to_string(s.size()) +
+                      " dimensions, expected " + std::to_string(dims));
     return s;
   };
   Umt5Config c;
@@ -97,13 +105,16 @@ Umt5Config infer_config(const io::MappedWeights& w, const std::string& file) {
   c.num_heads = bias[1];
   const auto& q = need(block(0) + "layer.0.SelfAttention.q.weight", 2);
   if (q[0] % c.num_heads != 0)
-    throw Umt5Error("'" + file + "': q has " + std::to_string(q[0]) + " rows, not a multiple of the " + std::to_string(c.num_heads) + " heads");
+    throw Umt5Error("'" + file + "': q has " + std::to_string(q[0]) + " rows, not a multiple of the " +
+                    std::to_string(c.num_heads) + " heads");
   c.d_kv = q[0] / c.num_heads;
   c.d_ff = need(block(0) + "layer.1.DenseReluDense.wi_0.weight", 2)[0];
   c.num_layers = 0;
   while (w.has(block(c.num_layers) + "layer.0.SelfAttention.q.weight")) ++c.num_layers;
   if (c.num_layers > 1 && !w.has(block(1) + "layer.0.SelfAttention.relative_attention_bias.weight"))
-    throw Umt5Error("'" + file + "': only the first layer has a relative-attention bias: a T5 encoder, not umT5 (every layer has its own)");
+    throw Umt5Error(
+        "'" + file +
+        "': only the first layer has a relative-attention bias: a T5 encoder, not umT5 (every layer has its own)");
   c.relative_attention_max_distance = 128;
   c.layer_norm_epsilon = 1e-6;
   c.feed_forward_proj = "gated-gelu";
@@ -121,8 +132,8 @@ at::Tensor relative_buckets(int64_t L, int64_t num_buckets, int64_t max_distance
   rel = rel.abs();
   const int64_t max_exact = half / 2;
   auto is_small = rel.lt(max_exact);
-  auto ratio = at::log(rel.to(at::kFloat) / max_exact) / std::log(static_cast<double>(max_distance) / static_cast<double>(max_exact)) *
-               (half - max_exact);
+  auto ratio = at::log(rel.to(at::kFloat) / max_exact) /
+               std::log(static_cast<double>(max_distance) / static_cast<double>(max_exact)) * (half - max_exact);
   auto large = at::minimum(ratio.to(at::kLong) + max_exact, at::full_like(rel, half - 1));
   return buckets + at::where(is_small, rel, large);
 }
@@ -155,13 +166,16 @@ Umt5Config Umt5Config::xxl() {
 bool Umt5Config::gated() const { return activation(feed_forward_proj).first; }
 
 std::string umt5_weights_file(const std::string& path) {
-  if (!io::path_exists(path)) throw Umt5Error("'" + path + "': no such file or folder (expected umT5 weights: a model folder or a .safetensors file)");
+  if (!io::path_exists(path))
+    throw Umt5Error("'" + path +
+                    "': no such file or folder (expected umT5 weights: a model folder or a .safetensors file)");
   if (!io::is_directory(path)) return path;
   if (!io::path_exists(io::join_path(path, "config.json")) && io::is_directory(io::join_path(path, "text_encoder")))
     return umt5_weights_file(io::join_path(path, "text_encoder"));
   for (const char* name : {"model.safetensors.index.json", "model.safetensors"})
     if (io::path_exists(io::join_path(path, name))) return io::join_path(path, name);
-  throw Umt5Error("model folder '" + path + "': no weights (expected model.safetensors or model.safetensors.index.json)");
+  throw Umt5Error("model folder '" + path +
+                  "': no weights (expected model.safetensors or model.safetensors.index.json)");
 }
 
 Umt5Encoder Umt5Encoder::load(const std::string& path, at::Device device, at::ScalarType dtype) {
@@ -169,7 +183,8 @@ Umt5Encoder Umt5Encoder::load(const std::string& path, at::Device device, at::Sc
   Umt5Config config;
   std::unique_ptr<io::MappedWeights> weights;
   try {
-    const bool folder = io::is_directory(path) || (file.size() > 11 && file.compare(file.size() - 11, 11, ".index.json") == 0);
+    const bool folder =
+        io::is_directory(path) || (file.size() > 11 && file.compare(file.size() - 11, 11, ".index.json") == 0);
     if (folder) {
       const auto slash = file.find_last_of('/');
       const auto dir = slash == std::string::npos ? std::string(".") : file.substr(0, slash);
@@ -193,7 +208,8 @@ Umt5Encoder Umt5Encoder::load(const std::string& path, at::Device device, at::Sc
       return weights->take(name == kEmbedding ? embedding : name, shape, dtype);
     });
     if (weights->has(block(config.num_layers) + "layer.0.SelfAttention.q.weight"))
-      throw Umt5Error("'" + file + "': the weights have more than the " + std::to_string(config.num_layers) + " layers the configuration names");
+      throw Umt5Error("'" + file + "': the weights have more than the " + std::to_string(config.num_layers) +
+                      " layers the configuration names");
     e.source_ = file;
     return e;
   } catch (const io::PretrainedError& e) {
@@ -214,7 +230,8 @@ Umt5Encoder Umt5Encoder::random(const Umt5Config& config, uint64_t seed, at::Dev
   return e;
 }
 
-Umt5Encoder Umt5Encoder::build(const Umt5Config& config, at::Device device, at::ScalarType dtype, const WeightSource& source) {
+Umt5Encoder Umt5Encoder::build(const Umt5Config& config, at::Device device, at::ScalarType dtype,
+                               const WeightSource& source) {
   Umt5Encoder e;
   e.config_ = config;
   e.device_ = device;
@@ -230,7 +247,8 @@ Umt5Encoder Umt5Encoder::build(const Umt5Config& config, at::Device device, at::
     const auto p = block(l);
     for (const char* proj : {"q", "k", "v"}) take(p + "layer.0.SelfAttention." + proj + ".weight", {I, D}, false);
     take(p + "layer.0.SelfAttention.o.weight", {D, I}, false);
-    take(p + "layer.0.SelfAttention.relative_attention_bias.weight", {c.relative_attention_num_buckets, c.num_heads}, true);
+    take(p + "layer.0.SelfAttention.relative_attention_bias.weight", {c.relative_attention_num_buckets, c.num_heads},
+         true);
     take(p + "layer.0.layer_norm.weight", {D}, true);
     if (c.gated()) {
       take(p + "layer.1.DenseReluDense.wi_0.weight", {F, D}, false);
@@ -273,7 +291,8 @@ Umt5Encoder Umt5Encoder::resident(Umt5Encoder encoder, at::Device device) {
 Umt5Encoder Umt5Encoder::streamed(Umt5Encoder encoder, at::Device device, bool async) {
   TORCH_CHECK(!encoder.stream_, "Umt5Encoder::streamed: the encoder is streamed already");
   for (const auto& [name, t] : encoder.w_)
-    TORCH_CHECK(t.device().is_cpu(), "Umt5Encoder::streamed: the weights must be on the CPU, '", name, "' is on ", t.device());
+    TORCH_CHECK(t.device().is_cpu(), "Umt5Encoder::streamed: the weights must be on the CPU, '", name, "' is on ",
+                t.device());
   bool pin = false;
 #ifdef MEGASLIDE_WITH_CUDA
   pin = device.is_cuda();
@@ -303,7 +322,8 @@ Umt5Encoder Umt5Encoder::streamed(Umt5Encoder encoder, at::Device device, bool a
   encoder.w_.erase(kEmbedding);
   for (auto& [name, t] : encoder.w_) t = t.to(device);  // norms and relative-attention tables: small
   s->streamer = std::make_unique<offload::WeightStreamer>(
-      numels, offload::WeightStreamerOptions{device, encoder.dtype_, async ? offload::StreamMode::kAsync : offload::StreamMode::kSync});
+      numels, offload::WeightStreamerOptions{device, encoder.dtype_,
+                                             async ? offload::StreamMode::kAsync : offload::StreamMode::kSync});
   encoder.device_ = device;
   encoder.stream_ = std::move(s);
   return encoder;
@@ -331,8 +351,8 @@ int64_t Umt5Encoder::parameter_count() const {
 
 at::Tensor Umt5Encoder::forward(const at::Tensor& ids_in, const at::Tensor& mask_in) const {
   const auto& c = config_;
-  TORCH_CHECK(ids_in.dim() == 2 && ids_in.scalar_type() == at::kLong, "Umt5Encoder: expected ids [B, L] int64, got ", ids_in.scalar_type(), " ",
-              ids_in.sizes());
+  TORCH_CHECK(ids_in.dim() == 2 && ids_in.scalar_type() == at::kLong, "Umt5Encoder: expected ids [B, L] int64, got ",
+              ids_in.scalar_type(), " ", ids_in.sizes());
   const int64_t B = ids_in.size(0), L = ids_in.size(1), H = c.num_heads, I = c.inner_dim();
   TORCH_CHECK(L >= 1, "Umt5Encoder: no tokens");
   TORCH_CHECK(ids_in.numel() == 0 || (ids_in.min().item<int64_t>() >= 0 && ids_in.max().item<int64_t>() < c.vocab_size),
@@ -347,15 +367,18 @@ at::Tensor Umt5Encoder::forward(const at::Tensor& ids_in, const at::Tensor& mask
   // Additive key mask [B, 1, 1, L]: -inf at padding.
   at::Tensor key_bias;
   if (mask_in.defined()) {
-    TORCH_CHECK(mask_in.sizes() == ids_in.sizes(), "Umt5Encoder: mask ", mask_in.sizes(), " does not match ids ", ids_in.sizes());
+    TORCH_CHECK(mask_in.sizes() == ids_in.sizes(), "Umt5Encoder: mask ", mask_in.sizes(), " does not match ids ",
+                ids_in.sizes());
     const auto keep = mask_in.to(device_).ne(0);
     TORCH_CHECK(keep.any(1).all().item<bool>(), "Umt5Encoder: every row of the mask needs at least one token");
     key_bias = at::zeros({B, 1, 1, L}, ids.options().dtype(at::kFloat))
                    .masked_fill(keep.logical_not().view({B, 1, 1, L}), -std::numeric_limits<float>::infinity());
   }
-  const auto buckets = relative_buckets(L, c.relative_attention_num_buckets, c.relative_attention_max_distance).to(device_);
+  const auto buckets =
+      relative_buckets(L, c.relative_attention_num_buckets, c.relative_attention_max_distance).to(device_);
   const auto [gated, act_name] = activation(c.feed_forward_proj);
-  auto h = stream_ ? at::embedding(stream_->embedding, ids_in.cpu()).to(device_, at::kFloat) : at::embedding(w(kEmbedding), ids).to(at::kFloat);
+  auto h = stream_ ? at::embedding(stream_->embedding, ids_in.cpu()).to(device_, at::kFloat)
+                   : at::embedding(w(kEmbedding), ids).to(at::kFloat);
   // One layer on its weights: the resident ones, or (streamed) `slot`'s views of the layer's device copy.
   auto layer = [&](int64_t l) {
     const auto p = block(l);
@@ -364,16 +387,20 @@ at::Tensor Umt5Encoder::forward(const at::Tensor& ids_in, const at::Tensor& mask
       return at::linear(x, w(p + "layer.0.SelfAttention." + proj + ".weight")).view({B, L, H, c.d_kv}).transpose(1, 2);
     };
     // [L, L, H] -> [1, H, L, L]: this layer's bias, plus the padding mask.
-    auto bias = at::embedding(w(p + "layer.0.SelfAttention.relative_attention_bias.weight"), buckets).permute({2, 0, 1}).unsqueeze(0);
+    auto bias = at::embedding(w(p + "layer.0.SelfAttention.relative_attention_bias.weight"), buckets)
+                    .permute({2, 0, 1})
+                    .unsqueeze(0);
     if (key_bias.defined()) bias = bias + key_bias;
-    auto attn = at::scaled_dot_product_attention(heads("q"), heads("k"), heads("v"), bias.to(dtype_), 0.0, /*is_causal=*/false,
-                                                 /*scale=*/1.0);
+    auto attn =
+        at::scaled_dot_product_attention(heads("q"), heads("k"), heads("v"), bias.to(dtype_), 0.0, /*is_causal=*/false,
+                                         /*scale=*/1.0);
     attn = attn.transpose(1, 2).reshape({B, L, I});
     h = h + at::linear(attn, w(p + "layer.0.SelfAttention.o.weight")).to(at::kFloat);
     x = rms_norm(h, w(p + "layer.1.layer_norm.weight"), c.layer_norm_epsilon).to(dtype_);
     at::Tensor ff;
     if (gated) {
-      ff = act(at::linear(x, w(p + "layer.1.DenseReluDense.wi_0.weight")), act_name) * at::linear(x, w(p + "layer.1.DenseReluDense.wi_1.weight"));
+      ff = act(at::linear(x, w(p + "layer.1.DenseReluDense.wi_0.weight")), act_name) *
+           at::linear(x, w(p + "layer.1.DenseReluDense.wi_1.weight"));
     } else {
       ff = act(at::linear(x, w(p + "layer.1.DenseReluDense.wi.weight")), act_name);
     }
@@ -382,11 +409,13 @@ at::Tensor Umt5Encoder::forward(const at::Tensor& ids_in, const at::Tensor& mask
   if (!stream_) {
     for (int64_t l = 0; l < c.num_layers; ++l) layer(l);
   } else {
-    offload::StreamedForward layers(*stream_->streamer, [this](int64_t l) { return stream_->host[static_cast<size_t>(l)]; });
+    offload::StreamedForward layers(*stream_->streamer,
+                                    [this](int64_t l) { return stream_->host[static_cast<size_t>(l)]; });
     for (int64_t l = 0; l < c.num_layers; ++l)
       layers.run(l, [&](const at::Tensor& weights) {
         slot.clear();
-        for (const auto& m : stream_->layers[static_cast<size_t>(l)]) slot[m.name] = weights.narrow(0, m.offset, m.numel).view(m.shape);
+        for (const auto& m : stream_->layers[static_cast<size_t>(l)])
+          slot[m.name] = weights.narrow(0, m.offset, m.numel).view(m.shape);
         struct Clear {  // no view of the slot outlives the layer
           decltype(slot)& views;
           ~Clear() { views.clear(); }

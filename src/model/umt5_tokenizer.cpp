@@ -25,9 +25,8 @@ namespace {
 }
 
 // The special tokens transformers matches in the text before tokenizing, with their ids.
-constexpr std::array<std::pair<const char*, int64_t>, 3> kSpecial{{{"<pad>", Umt5Tokenizer::kPad},
-                                                                    {"</s>", Umt5Tokenizer::kEos},
-                                                                    {"<unk>", Umt5Tokenizer::kUnk}}};
+constexpr std::array<std::pair<const char*, int64_t>, 3> kSpecial{
+    {{"<pad>", Umt5Tokenizer::kPad}, {"</s>", Umt5Tokenizer::kEos}, {"<unk>", Umt5Tokenizer::kUnk}}};
 
 // Decodes one UTF-8 code point at s[i] and advances i past it; a byte that does not start a complete
 // sequence is taken on its own.
@@ -50,15 +49,15 @@ uint32_t next_code_point(const std::string& s, size_t& i) {
 
 // Python's str.isspace(): what `\s` matches in a str regular expression.
 bool is_python_space(uint32_t c) {
-  return (c >= 0x09 && c <= 0x0D) || (c >= 0x1C && c <= 0x20) || c == 0x85 || c == 0xA0 || c == 0x1680 || (c >= 0x2000 && c <= 0x200A) ||
-         c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
+  return (c >= 0x09 && c <= 0x0D) || (c >= 0x1C && c <= 0x20) || c == 0x85 || c == 0xA0 || c == 0x1680 ||
+         (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
 }
 
 // Unicode's White_Space property (Rust's char::is_whitespace): where the tokenizers library's
 // WhitespaceSplit, the first pre-tokenizer of transformers' T5 tokenizer, splits the text into words.
 bool is_white_space(uint32_t c) {
-  return (c >= 0x09 && c <= 0x0D) || c == 0x20 || c == 0x85 || c == 0xA0 || c == 0x1680 || (c >= 0x2000 && c <= 0x200A) || c == 0x2028 ||
-         c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
+  return (c >= 0x09 && c <= 0x0D) || c == 0x20 || c == 0x85 || c == 0xA0 || c == 0x1680 ||
+         (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
 }
 
 // The text as SentencePiece must see it to split into the words transformers' pre-tokenizers make
@@ -92,7 +91,8 @@ std::string as_transformers_words(const std::string& text, bool& meta_first, siz
   meta_last = 0;
   const size_t last = out.find_last_not_of(' ');
   for (size_t end = last == std::string::npos ? 0 : last + 1;
-       end >= kMeta.size() && std::string_view(out).substr(end - kMeta.size(), kMeta.size()) == kMeta; end -= kMeta.size())
+       end >= kMeta.size() && std::string_view(out).substr(end - kMeta.size(), kMeta.size()) == kMeta;
+       end -= kMeta.size())
     ++meta_last;
   return out;
 }
@@ -107,24 +107,26 @@ constexpr Entity kEntities[] = {
 
 const char* find_entity(const std::string& name) {
   const auto* end = std::end(kEntities);
-  const auto* it = std::lower_bound(std::begin(kEntities), end, name, [](const Entity& e, const std::string& n) { return std::string_view(e.name) < n; });
+  const auto* it = std::lower_bound(std::begin(kEntities), end, name,
+                                    [](const Entity& e, const std::string& n) { return std::string_view(e.name) < n; });
   return it != end && name == it->name ? it->text : nullptr;
 }
 
 // Python's html._replace_charref for a numeric reference: the code point `num` (saturated above 0x10FFFF).
 void append_numeric_reference(std::string& out, uint64_t num) {
   // Windows-1252's characters for the C1 range, as HTML5 maps them (html._invalid_charrefs).
-  static constexpr uint32_t kC1[32] = {0x20AC, 0x81,   0x201A, 0x0192, 0x201E, 0x2026, 0x2020, 0x2021, 0x02C6, 0x2030, 0x0160,
-                                       0x2039, 0x0152, 0x8D,   0x017D, 0x8F,   0x90,   0x2018, 0x2019, 0x201C, 0x201D, 0x2022,
-                                       0x2013, 0x2014, 0x02DC, 0x2122, 0x0161, 0x203A, 0x0153, 0x9D,   0x017E, 0x0178};
+  static constexpr uint32_t kC1[32] = {0x20AC, 0x81,   0x201A, 0x0192, 0x201E, 0x2026, 0x2020, 0x2021,
+                                       0x02C6, 0x2030, 0x0160, 0x2039, 0x0152, 0x8D,   0x017D, 0x8F,
+                                       0x90,   0x2018, 0x2019, 0x201C, 0x201D, 0x2022, 0x2013, 0x2014,
+                                       0x02DC, 0x2122, 0x0161, 0x203A, 0x0153, 0x9D,   0x017E, 0x0178};
   if (num == 0) return utf8::append(out, 0xFFFD);
   if (num == 0x0D) return utf8::append(out, 0x0D);
   if (num >= 0x80 && num <= 0x9F) return utf8::append(out, kC1[num - 0x80]);
   if ((num >= 0xD800 && num <= 0xDFFF) || num > 0x10FFFF) return utf8::append(out, 0xFFFD);
   const auto c = static_cast<uint32_t>(num);
   // html._invalid_codepoints: dropped.
-  if ((c >= 0x1 && c <= 0x8) || c == 0xB || (c >= 0xE && c <= 0x1F) || (c >= 0x7F && c <= 0x9F) || (c >= 0xFDD0 && c <= 0xFDEF) ||
-      (c & 0xFFFE) == 0xFFFE)
+  if ((c >= 0x1 && c <= 0x8) || c == 0xB || (c >= 0xE && c <= 0x1F) || (c >= 0x7F && c <= 0x9F) ||
+      (c >= 0xFDD0 && c <= 0xFDEF) || (c & 0xFFFE) == 0xFFFE)
     return;
   utf8::append(out, c);
 }
@@ -160,7 +162,8 @@ std::string html_unescape(const std::string& text) {
       while (k < text.size() && (hex ? is_hex(text[k]) : is_digit(text[k]))) {
         const char c = text[k];
         const uint64_t d = is_digit(c) ? static_cast<uint64_t>(c - '0') : static_cast<uint64_t>((c | 0x20) - 'a' + 10);
-        num = std::min<uint64_t>(num * (hex ? 16 : 10) + d, uint64_t{1} << 40);  // saturated: anything above 0x10FFFF is U+FFFD
+        num = std::min<uint64_t>(num * (hex ? 16 : 10) + d,
+                                 uint64_t{1} << 40);  // saturated: anything above 0x10FFFF is U+FFFD
         ++k;
       }
       if (k == digits) {  // no digits: not a reference
@@ -227,7 +230,9 @@ std::string ftfy_character_fixes(const std::string& text) {
   return unicode::nfc(out, "ftfy_character_fixes (NFC)");
 }
 
-std::string wan_prompt_clean(const std::string& prompt) { return wan_clean(html_unescape(html_unescape(ftfy_fix_text(prompt)))); }
+std::string wan_prompt_clean(const std::string& prompt) {
+  return wan_clean(html_unescape(html_unescape(ftfy_fix_text(prompt))));
+}
 
 std::string wan_clean(const std::string& prompt) {
   std::string out;
@@ -288,7 +293,10 @@ struct Umt5Tokenizer::Impl {
     std::vector<Node> best(word.size() + 1);
     for (size_t s = 0; s < word.size();) {
       const auto lead = static_cast<unsigned char>(word[s]);
-      const size_t width = std::min(word.size() - s, size_t{lead >= 0xF0 ? 4u : lead >= 0xE0 ? 3u : lead >= 0xC0 ? 2u : 1u});
+      const size_t width = std::min(word.size() - s, size_t{lead >= 0xF0   ? 4u
+                                                            : lead >= 0xE0 ? 3u
+                                                            : lead >= 0xC0 ? 2u
+                                                                           : 1u});
       const double base = best[s].score;
       bool single = false;
       for (size_t len = 1; len <= longest && s + len <= word.size(); ++len) {
@@ -336,7 +344,8 @@ std::unique_ptr<Umt5Tokenizer::Impl> checked(std::unique_ptr<Umt5Tokenizer::Impl
   const auto& sp = impl->sp;
   for (const auto& [piece, id] : kSpecial) {
     if (sp.GetPieceSize() <= id || sp.IdToPiece(static_cast<int>(id)) != piece)
-      fail(source, "id " + std::to_string(id) + " must be " + piece + " (umT5's special tokens: <pad> 0, </s> 1, <unk> 2), it is '" +
+      fail(source, "id " + std::to_string(id) + " must be " + piece +
+                       " (umT5's special tokens: <pad> 0, </s> 1, <unk> 2), it is '" +
                        (sp.GetPieceSize() > id ? sp.IdToPiece(static_cast<int>(id)) : std::string("(none)")) + "'");
   }
   if (!sp.IsUnknown(Umt5Tokenizer::kUnk)) fail(source, "<unk> (id 2) is not the model's unknown piece");
@@ -345,7 +354,8 @@ std::unique_ptr<Umt5Tokenizer::Impl> checked(std::unique_ptr<Umt5Tokenizer::Impl
 }  // namespace
 
 Umt5Tokenizer Umt5Tokenizer::from_file(const std::string& path) {
-  if (!io::path_exists(path) || io::is_directory(path)) fail(path, "no such file (expected a SentencePiece model, spiece.model)");
+  if (!io::path_exists(path) || io::is_directory(path))
+    fail(path, "no such file (expected a SentencePiece model, spiece.model)");
   std::string bytes;
   try {
     bytes = io::read_file(path);
@@ -447,7 +457,8 @@ bool umt5_tokenizer_supported() { return false; }
 
 namespace {
 [[noreturn]] void unsupported(const std::string& source) {
-  fail(source, "this build has no SentencePiece (install libsentencepiece-dev, as tools/bootstrap.sh does, and reconfigure)");
+  fail(source,
+       "this build has no SentencePiece (install libsentencepiece-dev, as tools/bootstrap.sh does, and reconfigure)");
 }
 }  // namespace
 
@@ -460,13 +471,15 @@ double Umt5Tokenizer::score(int64_t) const { unsupported(source_); }
 
 #endif
 
-Umt5Tokenizer::Umt5Tokenizer(std::unique_ptr<Impl> impl, std::string source) : impl_(std::move(impl)), source_(std::move(source)) {}
+Umt5Tokenizer::Umt5Tokenizer(std::unique_ptr<Impl> impl, std::string source)
+    : impl_(std::move(impl)), source_(std::move(source)) {}
 Umt5Tokenizer::Umt5Tokenizer(Umt5Tokenizer&&) noexcept = default;
 Umt5Tokenizer& Umt5Tokenizer::operator=(Umt5Tokenizer&&) noexcept = default;
 Umt5Tokenizer::~Umt5Tokenizer() = default;
 
 Umt5Tokenizer Umt5Tokenizer::find(const std::string& path) {
-  if (!io::path_exists(path)) fail(path, "no such file or folder (expected spiece.model, a model folder or a .safetensors file)");
+  if (!io::path_exists(path))
+    fail(path, "no such file or folder (expected spiece.model, a model folder or a .safetensors file)");
   // Where a model folder keeps its tokenizer: beside the weights, in tokenizer/, or in the pipeline's
   // tokenizer/ beside text_encoder/.
   const auto in_folder = [](const std::string& dir) {
@@ -480,10 +493,12 @@ Umt5Tokenizer Umt5Tokenizer::find(const std::string& path) {
   std::vector<std::string> candidates;
   if (io::is_directory(path)) {
     candidates = in_folder(path);
-  } else if (ends_with(".safetensors") || ends_with(".safetensors.index.json")) {  // a weights file or a sharded one's index
+  } else if (ends_with(".safetensors") ||
+             ends_with(".safetensors.index.json")) {  // a weights file or a sharded one's index
     if (ends_with(".safetensors")) try {
         io::MappedWeights weights(path);
-        if (weights.has("spiece_model")) return from_bytes(weights.bytes("spiece_model"), path + " (tensor spiece_model)");
+        if (weights.has("spiece_model"))
+          return from_bytes(weights.bytes("spiece_model"), path + " (tensor spiece_model)");
       } catch (const io::PretrainedError& e) {
         fail(path, e.what());
       }
@@ -495,7 +510,8 @@ Umt5Tokenizer Umt5Tokenizer::find(const std::string& path) {
     if (io::path_exists(c)) return from_file(c);
   std::string list;
   for (const auto& c : candidates) list += (list.empty() ? "" : ", ") + c;
-  fail(path, "no SentencePiece model found (looked for " + list + (io::is_directory(path) ? "" : " and a tensor spiece_model") + ")");
+  fail(path, "no SentencePiece model found (looked for " + list +
+                 (io::is_directory(path) ? "" : " and a tensor spiece_model") + ")");
 }
 
 Umt5Tokens Umt5Tokenizer::encode(const std::vector<std::string>& prompts, int64_t max_length) const {

@@ -11,8 +11,9 @@
 namespace megaslide::unicode {
 
 UnicodeUnavailable::UnicodeUnavailable(const std::string& who)
-    : std::runtime_error(who + " needs ICU's Unicode tables, and this build has none (configured with MEGASLIDE_ICU=OFF, or "
-                               "without libicu-dev: install it, as tools/bootstrap.sh does, and reconfigure)") {}
+    : std::runtime_error(who +
+                         " needs ICU's Unicode tables, and this build has none (configured with MEGASLIDE_ICU=OFF, or "
+                         "without libicu-dev: install it, as tools/bootstrap.sh does, and reconfigure)") {}
 
 #ifdef MEGASLIDE_WITH_ICU
 
@@ -75,7 +76,8 @@ std::u32string nfc(const std::u32string& text, const char*) {
   const icu::Normalizer2* n = nfc_instance();
   if (n == nullptr) return text;
   UErrorCode status = U_ZERO_ERROR;
-  const icu::UnicodeString in = icu::UnicodeString::fromUTF32(reinterpret_cast<const UChar32*>(text.data()), static_cast<int32_t>(text.size()));
+  const icu::UnicodeString in =
+      icu::UnicodeString::fromUTF32(reinterpret_cast<const UChar32*>(text.data()), static_cast<int32_t>(text.size()));
   const icu::UnicodeString normalized = n->normalize(in, status);
   if (U_FAILURE(status)) return text;
   std::u32string out(static_cast<size_t>(normalized.countChar32()), U'\0');

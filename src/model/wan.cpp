@@ -5,7 +5,9 @@
 namespace megaslide {
 
 namespace {
-torch::TensorOptions fp32_on(torch::Device device) { return torch::TensorOptions().dtype(torch::kFloat32).device(device); }
+torch::TensorOptions fp32_on(torch::Device device) {
+  return torch::TensorOptions().dtype(torch::kFloat32).device(device);
+}
 
 // LayerNorm over the last dimension in fp32, rounded back to x's dtype by the caller (FP32LayerNorm).
 torch::Tensor fp32_layer_norm(const torch::Tensor& x, int64_t dim, double eps, const torch::Tensor& weight = {},
@@ -103,13 +105,17 @@ torch::Tensor apply_wan_rope(const torch::Tensor& x, const WanRope& rope) {
   return torch::stack({even, odd}, -1).flatten(-2).to(x.scalar_type());
 }
 
-WanRmsNormImpl::WanRmsNormImpl(int64_t dim_, double eps_, torch::Device device_) : dim(dim_), eps(eps_), device(device_) { reset(); }
+WanRmsNormImpl::WanRmsNormImpl(int64_t dim_, double eps_, torch::Device device_)
+    : dim(dim_), eps(eps_), device(device_) {
+  reset();
+}
 
 void WanRmsNormImpl::reset() { weight = register_parameter("weight", torch::ones({dim}, fp32_on(device))); }
 
 torch::Tensor WanRmsNormImpl::forward(const torch::Tensor& x) { return at::rms_norm(x, {dim}, weight, eps); }
 
-WanAttentionImpl::WanAttentionImpl(const WanOptions& options_, bool self_attention) : options(options_), is_self(self_attention) {
+WanAttentionImpl::WanAttentionImpl(const WanOptions& options_, bool self_attention)
+    : options(options_), is_self(self_attention) {
   reset();
 }
 
@@ -129,10 +135,12 @@ void WanAttentionImpl::reset() {
     const auto& k = options.dsa_kernel();
     const int64_t K = k[0] * k[1] * k[2], G = options.dsa_groups(), M = options.heads();
     TORCH_CHECK(M % G == 0, "Wan 3D-DSA: offset groups ", G, " must divide heads ", M);
-    for (int a = 0; a < 3; ++a) TORCH_CHECK(k[a] >= 1 && k[a] % 2 == 1, "Wan 3D-DSA: kernel sizes must be odd and positive");
+    for (int a = 0; a < 3; ++a)
+      TORCH_CHECK(k[a] >= 1 && k[a] % 2 == 1, "Wan 3D-DSA: kernel sizes must be odd and positive");
     TORCH_CHECK(options.dsa_offsets() != DsaOffsets::kFrozen, "Wan 3D-DSA: offsets must be learned or zero");
     if (options.dsa_offsets() == DsaOffsets::kLearned) {
-      offset_dw = register_module("offset_dw", Conv3d(Conv3dOptions(D, D, {3, 3, 3}).padding({1, 1, 1}).groups(D).device(dev)));
+      offset_dw =
+          register_module("offset_dw", Conv3d(Conv3dOptions(D, D, {3, 3, 3}).padding({1, 1, 1}).groups(D).device(dev)));
       offset_pw = register_module("offset_pw", Linear(LinearOptions(D, G * K * 3).zero_init(true).device(dev)));
     }
     rel_bias = register_parameter("rel_bias", torch::zeros({M, K}, fp32_on(dev)));
@@ -171,11 +179,13 @@ torch::Tensor WanAttentionImpl::forward_self(const torch::Tensor& x, const Token
   if (options.self_attention() == WanSelfAttention::kDsa3d) {
     auto on_grid = [&](const torch::Tensor& t) { return t.reshape({B, grid.t, grid.h, grid.w, M, D / M}); };
     auto bias = kernel_window(rel_bias, 1, options.dsa_kernel(), grid).to(q.scalar_type());
-    o = ops::dsa3d(on_grid(q), on_grid(k), on_grid(v), dsa_offsets(x, grid).to(q.scalar_type()), bias, options.dsa_kernel(),
-                   options.dsa_impl())
+    o = ops::dsa3d(on_grid(q), on_grid(k), on_grid(v), dsa_offsets(x, grid).to(q.scalar_type()), bias,
+                   options.dsa_kernel(), options.dsa_impl())
             .reshape({B, N, D});
   } else {
-    o = at::scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2).reshape({B, N, D});
+    o = at::scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+            .transpose(1, 2)
+            .reshape({B, N, D});
   }
   return out(o.to(x.scalar_type()));
 }
@@ -216,7 +226,8 @@ void WanBlockImpl::reset() {
   const auto dev = options.device();
   attn1 = register_module("attn1", WanAttention(options, /*self_attention=*/true));
   attn2 = register_module("attn2", WanAttention(options, /*self_attention=*/false));
-  if (options.cross_attn_norm()) norm2 = register_module("norm2", LayerNorm(LayerNormOptions(D).eps(options.eps()).device(dev)));
+  if (options.cross_attn_norm())
+    norm2 = register_module("norm2", LayerNorm(LayerNormOptions(D).eps(options.eps()).device(dev)));
   ffn = register_module("ffn", WanFeedForward(D, options.ffn_dim(), dev));
   scale_shift_table = register_parameter("scale_shift_table", torch::empty({1, 6, D}, fp32_on(dev)));
   if (!dev.is_meta()) {
@@ -232,7 +243,8 @@ void WanBlockImpl::reset() {
 torch::nn::Module& WanBlockImpl::streamed() { return *streamed_; }
 
 torch::Tensor WanBlockImpl::forward(const torch::Tensor& x, const WanBlockContext& ctx) {
-  return forward(x, ctx, scale_shift_table, norm2 ? norm2->weight : torch::Tensor(), norm2 ? norm2->bias : torch::Tensor());
+  return forward(x, ctx, scale_shift_table, norm2 ? norm2->weight : torch::Tensor(),
+                 norm2 ? norm2->bias : torch::Tensor());
 }
 
 torch::Tensor WanBlockImpl::forward(const torch::Tensor& x, const WanBlockContext& ctx, const torch::Tensor& table,
@@ -306,7 +318,8 @@ void copy_parameters(torch::nn::Module& to, const torch::nn::Module& from) {
 void WanTransformerImpl::reset() {
   const int64_t D = options.dim();
   const auto dev = options.device();
-  TORCH_CHECK(options.heads() > 0 && D % options.heads() == 0, "WanTransformer: dim ", D, " is not a multiple of heads ", options.heads());
+  TORCH_CHECK(options.heads() > 0 && D % options.heads() == 0, "WanTransformer: dim ", D,
+              " is not a multiple of heads ", options.heads());
   TORCH_CHECK(options.head_dim() % 2 == 0, "WanTransformer: the head size (dim / heads = ", options.head_dim(),
               ") must be even for 3D RoPE");
   patch_embedding = register_module("patch_embedding", draw_patch_embedding(options, dev));
@@ -335,26 +348,28 @@ void WanTransformerImpl::initialise_head() {
 }
 
 void WanTransformerImpl::replace_block(int64_t index, WanBlock block) {
-  TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(blocks->size()), "WanTransformer::replace_block: block ", index,
-              " out of range [0, ", blocks->size(), ")");
+  TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(blocks->size()), "WanTransformer::replace_block: block ",
+              index, " out of range [0, ", blocks->size(), ")");
   // ModuleList cannot swap an element in place: rebuild it (blocks are handles; nothing is copied).
   torch::nn::ModuleList rebuilt;
-  for (size_t i = 0; i < blocks->size(); ++i) rebuilt->push_back(static_cast<int64_t>(i) == index ? block.ptr() : blocks->ptr(i));
+  for (size_t i = 0; i < blocks->size(); ++i)
+    rebuilt->push_back(static_cast<int64_t>(i) == index ? block.ptr() : blocks->ptr(i));
   blocks = replace_module("blocks", rebuilt);
 }
 
 TokenGrid WanTransformerImpl::token_grid(int64_t frames, int64_t height, int64_t width) const {
   const auto& p = options.patch();
-  TORCH_CHECK(frames % p[0] == 0 && height % p[1] == 0 && width % p[2] == 0, "WanTransformer: video ", frames, "x", height, "x",
-              width, " is not a whole number of ", p[0], "x", p[1], "x", p[2], " patches");
+  TORCH_CHECK(frames % p[0] == 0 && height % p[1] == 0 && width % p[2] == 0, "WanTransformer: video ", frames, "x",
+              height, "x", width, " is not a whole number of ", p[0], "x", p[1], "x", p[2], " patches");
   return {frames / p[0], height / p[1], width / p[2]};
 }
 
-WanEmbedded WanTransformerImpl::embed(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text) {
-  TORCH_CHECK(x.dim() == 5 && x.size(1) == options.in_channels(), "WanTransformer: expected latents [B, ", options.in_channels(),
-              ", T, H, W], got ", x.sizes());
-  TORCH_CHECK(timesteps.dim() == 1 && timesteps.size(0) == x.size(0), "WanTransformer: expected timesteps [", x.size(0), "], got ",
-              timesteps.sizes());
+WanEmbedded WanTransformerImpl::embed(const torch::Tensor& x, const torch::Tensor& timesteps,
+                                      const torch::Tensor& text) {
+  TORCH_CHECK(x.dim() == 5 && x.size(1) == options.in_channels(), "WanTransformer: expected latents [B, ",
+              options.in_channels(), ", T, H, W], got ", x.sizes());
+  TORCH_CHECK(timesteps.dim() == 1 && timesteps.size(0) == x.size(0), "WanTransformer: expected timesteps [", x.size(0),
+              "], got ", timesteps.sizes());
   TORCH_CHECK(text.dim() == 3 && text.size(0) == x.size(0) && text.size(2) == options.text_dim(),
               "WanTransformer: expected text [", x.size(0), ", L, ", options.text_dim(), "], got ", text.sizes());
   WanEmbedded e;
@@ -375,11 +390,13 @@ torch::Tensor WanTransformerImpl::head(const torch::Tensor& tokens, const torch:
   h = proj_out(h);
   const auto& p = options.patch();
   // [B, t, h, w, pt, ph, pw, C] -> [B, C, t, pt, h, ph, w, pw] -> [B, C, T, H, W]
-  h = h.reshape({B, grid.t, grid.h, grid.w, p[0], p[1], p[2], options.out_channels()}).permute({0, 7, 1, 4, 2, 5, 3, 6});
+  h = h.reshape({B, grid.t, grid.h, grid.w, p[0], p[1], p[2], options.out_channels()})
+          .permute({0, 7, 1, 4, 2, 5, 3, 6});
   return h.reshape({B, options.out_channels(), grid.t * p[0], grid.h * p[1], grid.w * p[2]});
 }
 
-torch::Tensor WanTransformerImpl::forward(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text) {
+torch::Tensor WanTransformerImpl::forward(const torch::Tensor& x, const torch::Tensor& timesteps,
+                                          const torch::Tensor& text) {
   auto e = embed(x, timesteps, text);
   auto h = e.tokens;
   for (const auto& block : *blocks) h = block->as<WanBlockImpl>()->forward(h, e.ctx);

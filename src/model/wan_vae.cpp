@@ -18,7 +18,7 @@ constexpr int64_t kCacheFrames = 2;  // frames a 3-tap causal conv needs from th
 constexpr int64_t kChunkFrames = 4;  // video frames per encoder chunk after the first frame
 
 // Wan 2.1's published per-channel latent statistics (diffusers' AutoencoderKLWan defaults).
-const std::vector<double> kWan21Mean = {-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
+const std::vector<double> kWan21Mean = {-0.7571, -0.7089, -0.9113, 0.1075,  -0.1745, 0.9653,  -0.1517, 1.5508,
                                         0.4134,  -0.0715, 0.5517,  -0.3632, -0.1922, -0.9497, 0.2503,  -0.2921};
 const std::vector<double> kWan21Std = {2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
                                        3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160};
@@ -36,14 +36,16 @@ void validate(const WanVaeConfig& c, const std::function<void(const std::string&
   for (auto m : c.dim_mult)
     if (m < 1) bad("\"dim_mult\" must hold positive integers");
   if (c.temporal_downsample.size() + 1 != c.dim_mult.size())
-    bad("\"temperal_downsample\" must have one entry per level but the last (" + std::to_string(c.dim_mult.size() - 1) + "), got " +
-        std::to_string(c.temporal_downsample.size()));
+    bad("\"temperal_downsample\" must have one entry per level but the last (" + std::to_string(c.dim_mult.size() - 1) +
+        "), got " + std::to_string(c.temporal_downsample.size()));
   int64_t temporal = 0;
   for (bool t : c.temporal_downsample) temporal += t ? 1 : 0;
-  if (temporal != 2) bad("\"temperal_downsample\" must downsample time at exactly two levels (4 frames per latent frame, as Wan)");
+  if (temporal != 2)
+    bad("\"temperal_downsample\" must downsample time at exactly two levels (4 frames per latent frame, as Wan)");
   // The decoder halves the channels in its upsamplers: every level's decoder width must be even.
   for (size_t i = 1; i < c.dim_mult.size(); ++i)
-    if ((c.decoder_base_dim * c.dim_mult[i]) % 2 != 0) bad("decoder widths decoder_base_dim·dim_mult must be even above the first level");
+    if ((c.decoder_base_dim * c.dim_mult[i]) % 2 != 0)
+      bad("decoder widths decoder_base_dim·dim_mult must be even above the first level");
   if (static_cast<int64_t>(c.latents_mean.size()) != c.z_dim || static_cast<int64_t>(c.latents_std.size()) != c.z_dim)
     bad("\"latents_mean\" and \"latents_std\" must have z_dim (" + std::to_string(c.z_dim) + ") entries, got " +
         std::to_string(c.latents_mean.size()) + " and " + std::to_string(c.latents_std.size()));
@@ -96,18 +98,22 @@ WanVaeConfig parse_config(const nlohmann::json& j, const std::string& source) {
     }
   }
   if (j.contains("attn_scales") && !(j.at("attn_scales").is_array() && j.at("attn_scales").empty()))
-    bad("\"attn_scales\" must be empty (attention only in the mid blocks, as Wan 2.1), got " + j.at("attn_scales").dump());
-  if (j.contains("is_residual") && j.at("is_residual") != false) bad("\"is_residual\": only false (Wan 2.1's VAE) is supported");
-  if (j.contains("patch_size") && !j.at("patch_size").is_null()) bad("\"patch_size\": only null (Wan 2.1's VAE) is supported");
+    bad("\"attn_scales\" must be empty (attention only in the mid blocks, as Wan 2.1), got " +
+        j.at("attn_scales").dump());
+  if (j.contains("is_residual") && j.at("is_residual") != false)
+    bad("\"is_residual\": only false (Wan 2.1's VAE) is supported");
+  if (j.contains("patch_size") && !j.at("patch_size").is_null())
+    bad("\"patch_size\": only null (Wan 2.1's VAE) is supported");
   c.latents_mean = json_reals(j, "latents_mean", c.latents_mean, bad);
   c.latents_std = json_reals(j, "latents_std", c.latents_std, bad);
   validate(c, bad);
   const int64_t spatial = io::json_int(j, "scale_factor_spatial", c.spatial_downscale(), source);
   if (spatial != c.spatial_downscale())
-    bad("\"scale_factor_spatial\" " + std::to_string(spatial) + " disagrees with dim_mult (" + std::to_string(c.dim_mult.size()) +
-        " levels: " + std::to_string(c.spatial_downscale()) + ")");
+    bad("\"scale_factor_spatial\" " + std::to_string(spatial) + " disagrees with dim_mult (" +
+        std::to_string(c.dim_mult.size()) + " levels: " + std::to_string(c.spatial_downscale()) + ")");
   const int64_t temporal = io::json_int(j, "scale_factor_temporal", 4, source);
-  if (temporal != 4) bad("\"scale_factor_temporal\" " + std::to_string(temporal) + " disagrees with temperal_downsample (4)");
+  if (temporal != 4)
+    bad("\"scale_factor_temporal\" " + std::to_string(temporal) + " disagrees with temperal_downsample (4)");
   return c;
 }
 
@@ -120,7 +126,8 @@ WanVaeConfig infer_config(const io::MappedWeights& file) {
   };
   WanVaeConfig c;
   const auto& conv_in = need("encoder.conv1.weight");
-  if (conv_in.size() != 5) bad("tensor 'encoder.conv1.weight' has shape " + shape_string(conv_in) + ", expected 5 dimensions");
+  if (conv_in.size() != 5)
+    bad("tensor 'encoder.conv1.weight' has shape " + shape_string(conv_in) + ", expected 5 dimensions");
   c.base_dim = conv_in[0];
   c.in_channels = conv_in[1];
   c.z_dim = need("conv2.weight")[0];
@@ -145,20 +152,24 @@ WanVaeConfig infer_config(const io::MappedWeights& file) {
   level_width.push_back(width);
   const auto levels = static_cast<int64_t>(level_width.size());
   if (blocks == 0 || blocks % levels != 0)
-    bad(std::to_string(blocks) + " residual blocks in encoder.downsamples do not divide into " + std::to_string(levels) + " levels");
+    bad(std::to_string(blocks) + " residual blocks in encoder.downsamples do not divide into " +
+        std::to_string(levels) + " levels");
   c.num_res_blocks = blocks / levels;
   c.dim_mult.clear();
   for (auto w : level_width) {
-    if (w % c.base_dim != 0) bad("encoder width " + std::to_string(w) + " is not a multiple of the base width " + std::to_string(c.base_dim));
+    if (w % c.base_dim != 0)
+      bad("encoder width " + std::to_string(w) + " is not a multiple of the base width " + std::to_string(c.base_dim));
     c.dim_mult.push_back(w / c.base_dim);
   }
   const auto& head = need("decoder.head.2.weight");
-  if (head.size() != 5) bad("tensor 'decoder.head.2.weight' has shape " + shape_string(head) + ", expected 5 dimensions");
+  if (head.size() != 5)
+    bad("tensor 'decoder.head.2.weight' has shape " + shape_string(head) + ", expected 5 dimensions");
   c.out_channels = head[0];
   if (head[1] % c.dim_mult[0] != 0) bad("decoder width " + std::to_string(head[1]) + " does not match dim_mult");
   c.decoder_base_dim = head[1] / c.dim_mult[0];
   if (c.z_dim != 16)
-    bad("z_dim " + std::to_string(c.z_dim) + ": a single file carries no latents_mean/latents_std, and Wan 2.1's are for z_dim 16 "
+    bad("z_dim " + std::to_string(c.z_dim) +
+        ": a single file carries no latents_mean/latents_std, and Wan 2.1's are for z_dim 16 "
         "(use a diffusers folder with config.json)");
   validate(c, bad);
   return c;
@@ -204,26 +215,35 @@ WanVae WanVae::load(const std::string& path, torch::Device device, torch::Scalar
     if (!j.is_object()) throw io::PretrainedError("'" + config_path + "' is not a JSON object");
     auto config = parse_config(j, config_path);
     const auto weights = io::join_path(path, "diffusion_pytorch_model.safetensors");
-    if (!io::path_exists(weights)) throw io::PretrainedError("model folder '" + path + "': no weights file (expected diffusion_pytorch_model.safetensors)");
+    if (!io::path_exists(weights))
+      throw io::PretrainedError("model folder '" + path +
+                                "': no weights file (expected diffusion_pytorch_model.safetensors)");
     io::MappedWeights file(weights);
-    return build(config, device, dtype, Source{[&](const std::string& name, const std::string&, const std::vector<int64_t>& shape) {
+    return build(config, device, dtype,
+                 Source{[&](const std::string& name, const std::string&, const std::vector<int64_t>& shape) {
                    return file.take(name, shape, dtype, "from config.json");
                  }});
   }
-  if (!io::path_exists(path)) throw io::PretrainedError("'" + path + "': no such file or folder (expected a diffusers vae/ folder or a .safetensors file)");
+  if (!io::path_exists(path))
+    throw io::PretrainedError("'" + path +
+                              "': no such file or folder (expected a diffusers vae/ folder or a .safetensors file)");
   io::MappedWeights file(path);
   if (file.has("encoder.conv_in.weight"))
-    throw io::PretrainedError("'" + path + "' has diffusers' tensor names: give the folder holding it and its config.json");
+    throw io::PretrainedError("'" + path +
+                              "' has diffusers' tensor names: give the folder holding it and its config.json");
   auto config = infer_config(file);
-  return build(config, device, dtype, Source{[&](const std::string&, const std::string& original, const std::vector<int64_t>& shape) {
-                 return file.take(original, shape, dtype, "from the sizes of encoder.conv1, encoder.downsamples and decoder.head");
+  return build(config, device, dtype,
+               Source{[&](const std::string&, const std::string& original, const std::vector<int64_t>& shape) {
+                 return file.take(original, shape, dtype,
+                                  "from the sizes of encoder.conv1, encoder.downsamples and decoder.head");
                }});
 }
 
 WanVae WanVae::random(const WanVaeConfig& config, uint64_t seed, torch::Device device, torch::ScalarType dtype) {
   validate(config, [](const std::string& what) { TORCH_CHECK(false, "WanVae::random: ", what); });
   auto g = at::detail::createCPUGenerator(seed);
-  return build(config, device, dtype, Source{[&](const std::string& name, const std::string&, const std::vector<int64_t>& shape) {
+  return build(config, device, dtype,
+               Source{[&](const std::string& name, const std::string&, const std::vector<int64_t>& shape) {
                  if (name.size() > 6 && name.substr(name.size() - 6) == ".gamma") return torch::ones(shape, dtype);
                  if (shape.size() == 1) return torch::zeros(shape, dtype);
                  const int64_t fan_in = c10::multiply_integers(shape.begin() + 1, shape.end());
@@ -303,14 +323,18 @@ WanVae WanVae::build(const WanVaeConfig& config, torch::Device device, torch::Sc
     if (i + 1 < levels) {
       const auto o = "decoder.upsamples." + std::to_string(k);
       conv2d(p + ".upsamplers.0.resample.1", o + ".resample.1", out, out / 2, 3);
-      if (c.temporal_downsample[static_cast<size_t>(levels - 2 - i)]) conv3d(p + ".upsamplers.0.time_conv", o + ".time_conv", out, 2 * out, 3, 1);
+      if (c.temporal_downsample[static_cast<size_t>(levels - 2 - i)])
+        conv3d(p + ".upsamplers.0.time_conv", o + ".time_conv", out, 2 * out, 3, 1);
       ++k;
     }
   }
   take("decoder.norm_out.gamma", "decoder.head.0.gamma", {in, 1, 1, 1});
   conv3d("decoder.conv_out", "decoder.head.2", in, c.out_channels, 3, 3);
   auto stats = [&](const std::vector<double>& v) {
-    return torch::tensor(v, torch::TensorOptions().dtype(torch::kFloat64)).to(torch::kFloat32).view({1, c.z_dim, 1, 1, 1}).to(device);
+    return torch::tensor(v, torch::TensorOptions().dtype(torch::kFloat64))
+        .to(torch::kFloat32)
+        .view({1, c.z_dim, 1, 1, 1})
+        .to(device);
   };
   vae.mean_ = stats(c.latents_mean);
   vae.inv_std_ = 1.0 / stats(c.latents_std);
@@ -337,7 +361,8 @@ const torch::Tensor& WanVae::w(const std::string& name) const {
 torch::Tensor WanVae::rms(const std::string& p, const torch::Tensor& x) const {
   const auto& gamma = w(p + ".gamma");
   const auto xf = x.scalar_type() == torch::kFloat32 ? x : x.to(torch::kFloat32);
-  const auto normalized = (xf / at::linalg_vector_norm(xf, 2, at::IntArrayRef{1}, /*keepdim=*/true).clamp_min(1e-12)).to(x.scalar_type());
+  const auto normalized =
+      (xf / at::linalg_vector_norm(xf, 2, at::IntArrayRef{1}, /*keepdim=*/true).clamp_min(1e-12)).to(x.scalar_type());
   return normalized * (std::sqrt(static_cast<double>(x.size(1))) * gamma);
 }
 
@@ -347,7 +372,8 @@ torch::Tensor WanVae::cached_conv(const std::string& p, const torch::Tensor& x, 
   const int64_t kt = weight.size(2), ks = weight.size(3);
   const auto s = cache.slot();
   auto next = x.narrow(2, std::max<int64_t>(0, x.size(2) - kCacheFrames), std::min(kCacheFrames, x.size(2)));
-  if (next.size(2) < kCacheFrames && cache.slots[s].defined()) next = torch::cat({cache.slots[s].narrow(2, cache.slots[s].size(2) - 1, 1), next}, 2);
+  if (next.size(2) < kCacheFrames && cache.slots[s].defined())
+    next = torch::cat({cache.slots[s].narrow(2, cache.slots[s].size(2) - 1, 1), next}, 2);
   auto input = x;
   int64_t pad = kt - 1;
   if (pad > 0 && cache.slots[s].defined()) {
@@ -364,7 +390,9 @@ torch::Tensor WanVae::cached_conv(const std::string& p, const torch::Tensor& x, 
 }
 
 torch::Tensor WanVae::residual(const std::string& p, const torch::Tensor& x, Cache& cache) const {
-  auto shortcut = w_.count(p + ".conv_shortcut.weight") ? at::conv3d(x, w(p + ".conv_shortcut.weight"), w(p + ".conv_shortcut.bias")) : x;
+  auto shortcut = w_.count(p + ".conv_shortcut.weight")
+                      ? at::conv3d(x, w(p + ".conv_shortcut.weight"), w(p + ".conv_shortcut.bias"))
+                      : x;
   auto h = cached_conv(p + ".conv1", at::silu(rms(p + ".norm1", x)), cache);
   h = cached_conv(p + ".conv2", at::silu(rms(p + ".norm2", h)), cache);
   return h + shortcut;
@@ -383,7 +411,8 @@ torch::Tensor clip_of(const torch::Tensor& f, int64_t batch) {
 torch::Tensor WanVae::attention(const std::string& p, const torch::Tensor& x) const {
   const int64_t B = x.size(0), C = x.size(1), H = x.size(3), W = x.size(4);
   auto f = rms(p + ".norm", frames_of(x));
-  auto qkv = at::conv2d(f, w(p + ".to_qkv.weight"), w(p + ".to_qkv.bias")).view({f.size(0), 1, 3 * C, H * W}).transpose(2, 3);
+  auto qkv =
+      at::conv2d(f, w(p + ".to_qkv.weight"), w(p + ".to_qkv.bias")).view({f.size(0), 1, 3 * C, H * W}).transpose(2, 3);
   auto parts = qkv.chunk(3, -1);  // q, k, v [B·T, 1, H·W, C]
   auto o = at::scaled_dot_product_attention(parts[0].contiguous(), parts[1].contiguous(), parts[2].contiguous());
   o = o.squeeze(1).transpose(1, 2).reshape({f.size(0), C, H, W});
@@ -417,7 +446,10 @@ torch::Tensor WanVae::upsample(const std::string& p, const torch::Tensor& x, boo
       // becoming two: channels [0, C) the first, [C, 2C) the second.
       auto next = x.narrow(2, std::max<int64_t>(0, x.size(2) - kCacheFrames), std::min(kCacheFrames, x.size(2)));
       if (next.size(2) < kCacheFrames)
-        next = torch::cat({cache.first_frame_only[s] ? torch::zeros_like(next) : cache.slots[s].narrow(2, cache.slots[s].size(2) - 1, 1), next}, 2);
+        next = torch::cat({cache.first_frame_only[s] ? torch::zeros_like(next)
+                                                     : cache.slots[s].narrow(2, cache.slots[s].size(2) - 1, 1),
+                           next},
+                          2);
       auto input = x;
       if (cache.first_frame_only[s]) {
         auto shape = x.sizes().vec();
@@ -450,8 +482,11 @@ torch::Tensor WanVae::encoder_chunk(const torch::Tensor& x_in, Cache& cache) con
   const auto levels = static_cast<int64_t>(c.dim_mult.size());
   int64_t k = 0;
   for (int64_t i = 0; i < levels; ++i) {
-    for (int64_t j = 0; j < c.num_res_blocks; ++j, ++k) x = residual("encoder.down_blocks." + std::to_string(k), x, cache);
-    if (i + 1 < levels) x = downsample("encoder.down_blocks." + std::to_string(k++), x, c.temporal_downsample[static_cast<size_t>(i)], cache);
+    for (int64_t j = 0; j < c.num_res_blocks; ++j, ++k)
+      x = residual("encoder.down_blocks." + std::to_string(k), x, cache);
+    if (i + 1 < levels)
+      x = downsample("encoder.down_blocks." + std::to_string(k++), x, c.temporal_downsample[static_cast<size_t>(i)],
+                     cache);
   }
   x = residual("encoder.mid_block.resnets.0", x, cache);
   x = attention("encoder.mid_block.attentions.0", x);
@@ -472,27 +507,30 @@ torch::Tensor WanVae::decoder_chunk(const torch::Tensor& z, Cache& cache) const 
   for (int64_t i = 0; i < levels; ++i) {
     const auto p = "decoder.up_blocks." + std::to_string(i);
     for (int64_t j = 0; j <= c.num_res_blocks; ++j) x = residual(p + ".resnets." + std::to_string(j), x, cache);
-    if (i + 1 < levels) x = upsample(p + ".upsamplers.0", x, c.temporal_downsample[static_cast<size_t>(levels - 2 - i)], cache);
+    if (i + 1 < levels)
+      x = upsample(p + ".upsamplers.0", x, c.temporal_downsample[static_cast<size_t>(levels - 2 - i)], cache);
   }
   return cached_conv("decoder.conv_out", at::silu(rms("decoder.norm_out", x)), cache);
 }
 
 void WanVae::check_video(const torch::Tensor& videos, const char* what) const {
   const auto& c = config_;
-  TORCH_CHECK(videos.dim() == 5 && videos.size(1) == c.in_channels, "WanVae::", what, ": expected videos [B, ", c.in_channels,
-              ", T, H, W], got ", videos.sizes());
+  TORCH_CHECK(videos.dim() == 5 && videos.size(1) == c.in_channels, "WanVae::", what, ": expected videos [B, ",
+              c.in_channels, ", T, H, W], got ", videos.sizes());
   TORCH_CHECK(videos.size(2) >= 1 && (videos.size(2) - 1) % kChunkFrames == 0, "WanVae::", what, ": ", videos.size(2),
               " frames; the Wan VAE takes 1 + 4k frames (1, 5, 9, ..., 81)");
-  TORCH_CHECK(videos.size(3) % c.spatial_downscale() == 0 && videos.size(4) % c.spatial_downscale() == 0 && videos.size(3) > 0 &&
-                  videos.size(4) > 0,
-              "WanVae::", what, ": frames of ", videos.size(4), "x", videos.size(3), " (W x H); the VAE needs multiples of ", c.spatial_downscale());
+  TORCH_CHECK(videos.size(3) % c.spatial_downscale() == 0 && videos.size(4) % c.spatial_downscale() == 0 &&
+                  videos.size(3) > 0 && videos.size(4) > 0,
+              "WanVae::", what, ": frames of ", videos.size(4), "x", videos.size(3),
+              " (W x H); the VAE needs multiples of ", c.spatial_downscale());
 }
 
 torch::Tensor WanVae::encode_clip(const torch::Tensor& x) const {
   Cache cache;
   std::vector<torch::Tensor> parts;
   parts.push_back(encoder_chunk(x.narrow(2, 0, 1), cache));
-  for (int64_t s = 1; s < x.size(2); s += kChunkFrames) parts.push_back(encoder_chunk(x.narrow(2, s, kChunkFrames), cache));
+  for (int64_t s = 1; s < x.size(2); s += kChunkFrames)
+    parts.push_back(encoder_chunk(x.narrow(2, s, kChunkFrames), cache));
   return torch::cat(parts, 2);
 }
 
@@ -507,8 +545,8 @@ namespace {
 
 void check_tiling(const WanVaeTiling& t, int64_t f) {
   TORCH_CHECK(t.tile > 0 && t.tile % f == 0 && t.stride > 0 && t.stride % f == 0 && t.stride <= t.tile,
-              "WanVae tiling: tile and stride must be positive multiples of ", f, " with stride <= tile, got tile ", t.tile, ", stride ",
-              t.stride);
+              "WanVae tiling: tile and stride must be positive multiples of ", f, " with stride <= tile, got tile ",
+              t.tile, ", stride ", t.stride);
 }
 
 // diffusers' blend_v / blend_h: the first `extent` rows (dim 3) or columns (dim 4) of b become
@@ -520,13 +558,14 @@ void blend_into(const torch::Tensor& a, torch::Tensor& b, int64_t dim, int64_t e
   std::vector<int64_t> shape(5, 1);
   shape[static_cast<size_t>(dim)] = extent;
   auto head = b.narrow(dim, 0, extent);
-  head.copy_(a.narrow(dim, a.size(dim) - extent, extent) * (1 - wb).to(a.options()).view(shape) + head * wb.to(b.options()).view(shape));
+  head.copy_(a.narrow(dim, a.size(dim) - extent, extent) * (1 - wb).to(a.options()).view(shape) +
+             head * wb.to(b.options()).view(shape));
 }
 
 // Tiles of `tile` every `stride` (input units) through `run`, blended over `blend` and cut to `keep` (output
 // units), then cut to (out_h, out_w) — diffusers' tiled_encode / tiled_decode.
-torch::Tensor tiled(const torch::Tensor& x, int64_t tile, int64_t stride, int64_t blend, int64_t keep, int64_t out_h, int64_t out_w,
-                    const std::function<torch::Tensor(const torch::Tensor&)>& run) {
+torch::Tensor tiled(const torch::Tensor& x, int64_t tile, int64_t stride, int64_t blend, int64_t keep, int64_t out_h,
+                    int64_t out_w, const std::function<torch::Tensor(const torch::Tensor&)>& run) {
   std::vector<std::vector<torch::Tensor>> rows;
   for (int64_t i = 0; i < x.size(3); i += stride) {
     std::vector<torch::Tensor> row;
@@ -550,7 +589,8 @@ torch::Tensor tiled(const torch::Tensor& x, int64_t tile, int64_t stride, int64_
 
 }  // namespace
 
-std::pair<torch::Tensor, torch::Tensor> WanVae::encode_distribution(const torch::Tensor& videos, const std::optional<WanVaeTiling>& tiling) const {
+std::pair<torch::Tensor, torch::Tensor> WanVae::encode_distribution(const torch::Tensor& videos,
+                                                                    const std::optional<WanVaeTiling>& tiling) const {
   check_video(videos, "encode");
   torch::NoGradGuard no_grad;
   const int64_t f = config_.spatial_downscale();
@@ -559,8 +599,8 @@ std::pair<torch::Tensor, torch::Tensor> WanVae::encode_distribution(const torch:
   if (tiling && (x.size(3) > tiling->tile || x.size(4) > tiling->tile)) {
     check_tiling(*tiling, f);
     const int64_t latent_tile = tiling->tile / f, latent_stride = tiling->stride / f;
-    moments = tiled(x, tiling->tile, tiling->stride, latent_tile - latent_stride, latent_stride, x.size(3) / f, x.size(4) / f,
-                    [&](const torch::Tensor& t) { return encode_clip(t); });
+    moments = tiled(x, tiling->tile, tiling->stride, latent_tile - latent_stride, latent_stride, x.size(3) / f,
+                    x.size(4) / f, [&](const torch::Tensor& t) { return encode_clip(t); });
   } else {
     moments = encode_clip(x);
   }
@@ -569,14 +609,14 @@ std::pair<torch::Tensor, torch::Tensor> WanVae::encode_distribution(const torch:
 }
 
 torch::Tensor WanVae::normalize(const torch::Tensor& latents) const {
-  TORCH_CHECK(latents.dim() == 5 && latents.size(1) == config_.z_dim, "WanVae: expected latents [B, ", config_.z_dim, ", t, h, w], got ",
-              latents.sizes());
+  TORCH_CHECK(latents.dim() == 5 && latents.size(1) == config_.z_dim, "WanVae: expected latents [B, ", config_.z_dim,
+              ", t, h, w], got ", latents.sizes());
   return (latents.to(mean_.device(), torch::kFloat32) - mean_) * inv_std_;
 }
 
 torch::Tensor WanVae::denormalize(const torch::Tensor& latents) const {
-  TORCH_CHECK(latents.dim() == 5 && latents.size(1) == config_.z_dim, "WanVae: expected latents [B, ", config_.z_dim, ", t, h, w], got ",
-              latents.sizes());
+  TORCH_CHECK(latents.dim() == 5 && latents.size(1) == config_.z_dim, "WanVae: expected latents [B, ", config_.z_dim,
+              ", t, h, w], got ", latents.sizes());
   return latents.to(mean_.device(), torch::kFloat32) / inv_std_ + mean_;
 }
 
@@ -584,21 +624,22 @@ torch::Tensor WanVae::encode(const torch::Tensor& videos, bool sample, std::opti
                              const std::optional<WanVaeTiling>& tiling) const {
   auto [mean, logvar] = encode_distribution(videos, tiling);
   auto z = mean;
-  if (sample) z = mean + (0.5 * logvar).exp() * torch::randn(mean.sizes(), generator, torch::kFloat32).to(mean.device());
+  if (sample)
+    z = mean + (0.5 * logvar).exp() * torch::randn(mean.sizes(), generator, torch::kFloat32).to(mean.device());
   return normalize(z);
 }
 
 torch::Tensor WanVae::decode_unscaled(const torch::Tensor& latents, const std::optional<WanVaeTiling>& tiling) const {
-  TORCH_CHECK(latents.dim() == 5 && latents.size(1) == config_.z_dim && latents.size(2) >= 1, "WanVae::decode: expected latents [B, ",
-              config_.z_dim, ", t, h, w], got ", latents.sizes());
+  TORCH_CHECK(latents.dim() == 5 && latents.size(1) == config_.z_dim && latents.size(2) >= 1,
+              "WanVae::decode: expected latents [B, ", config_.z_dim, ", t, h, w], got ", latents.sizes());
   torch::NoGradGuard no_grad;
   const int64_t f = config_.spatial_downscale();
   auto z = latents.to(device_, dtype_);
   torch::Tensor x;
   if (tiling && (z.size(3) * f > tiling->tile || z.size(4) * f > tiling->tile)) {
     check_tiling(*tiling, f);
-    x = tiled(z, tiling->tile / f, tiling->stride / f, tiling->tile - tiling->stride, tiling->stride, z.size(3) * f, z.size(4) * f,
-              [&](const torch::Tensor& t) { return decode_clip(t); });
+    x = tiled(z, tiling->tile / f, tiling->stride / f, tiling->tile - tiling->stride, tiling->stride, z.size(3) * f,
+              z.size(4) * f, [&](const torch::Tensor& t) { return decode_clip(t); });
   } else {
     x = decode_clip(z);
   }

@@ -53,12 +53,23 @@ const std::vector<std::pair<std::string, std::string>>& top_level_names() {
 }
 const std::vector<std::pair<std::string, std::string>>& block_names() {
   static const std::vector<std::pair<std::string, std::string>> table{
-      {"attn1.to_q.", "self_attn.q."},   {"attn1.to_k.", "self_attn.k."},       {"attn1.to_v.", "self_attn.v."},
-      {"attn1.to_out.0.", "self_attn.o."}, {"attn1.norm_q.", "self_attn.norm_q."}, {"attn1.norm_k.", "self_attn.norm_k."},
-      {"attn2.to_q.", "cross_attn.q."},  {"attn2.to_k.", "cross_attn.k."},      {"attn2.to_v.", "cross_attn.v."},
-      {"attn2.to_out.0.", "cross_attn.o."}, {"attn2.norm_q.", "cross_attn.norm_q."}, {"attn2.norm_k.", "cross_attn.norm_k."},
-      {"norm2.", "norm3."},              {"ffn.net.0.proj.", "ffn.0."},          {"ffn.net.2.", "ffn.2."},
-      {"attn1.offset_dw.", "self_attn.offset_dw."}, {"attn1.offset_pw.", "self_attn.offset_pw."},
+      {"attn1.to_q.", "self_attn.q."},
+      {"attn1.to_k.", "self_attn.k."},
+      {"attn1.to_v.", "self_attn.v."},
+      {"attn1.to_out.0.", "self_attn.o."},
+      {"attn1.norm_q.", "self_attn.norm_q."},
+      {"attn1.norm_k.", "self_attn.norm_k."},
+      {"attn2.to_q.", "cross_attn.q."},
+      {"attn2.to_k.", "cross_attn.k."},
+      {"attn2.to_v.", "cross_attn.v."},
+      {"attn2.to_out.0.", "cross_attn.o."},
+      {"attn2.norm_q.", "cross_attn.norm_q."},
+      {"attn2.norm_k.", "cross_attn.norm_k."},
+      {"norm2.", "norm3."},
+      {"ffn.net.0.proj.", "ffn.0."},
+      {"ffn.net.2.", "ffn.2."},
+      {"attn1.offset_dw.", "self_attn.offset_dw."},
+      {"attn1.offset_pw.", "self_attn.offset_pw."},
   };
   return table;
 }
@@ -66,7 +77,8 @@ const std::vector<std::pair<std::string, std::string>>& block_names() {
 // Renames `name` with `table` from column `from` to the other; "" when no row applies.
 std::string rename(const std::string& name, bool to_original) {
   static const std::regex kBlock(R"(blocks\.([0-9]+)\.(.*))");
-  const auto convert = [&](const std::string& rest, const std::vector<std::pair<std::string, std::string>>& table) -> std::string {
+  const auto convert = [&](const std::string& rest,
+                           const std::vector<std::pair<std::string, std::string>>& table) -> std::string {
     for (const auto& [diffusers, original] : table) {
       const std::string& a = to_original ? diffusers : original;
       const std::string& b = to_original ? original : diffusers;
@@ -78,12 +90,15 @@ std::string rename(const std::string& name, bool to_original) {
   if (std::regex_match(name, m, kBlock)) {
     const std::string rest = m[2];
     const std::string prefix = "blocks." + m[1].str() + ".";
-    if (rest == (to_original ? "scale_shift_table" : "modulation")) return prefix + (to_original ? "modulation" : "scale_shift_table");
-    if (rest == (to_original ? "attn1.rel_bias" : "self_attn.rel_bias")) return prefix + (to_original ? "self_attn.rel_bias" : "attn1.rel_bias");
+    if (rest == (to_original ? "scale_shift_table" : "modulation"))
+      return prefix + (to_original ? "modulation" : "scale_shift_table");
+    if (rest == (to_original ? "attn1.rel_bias" : "self_attn.rel_bias"))
+      return prefix + (to_original ? "self_attn.rel_bias" : "attn1.rel_bias");
     const std::string converted = convert(rest, block_names());
     return converted.empty() ? "" : prefix + converted;
   }
-  if (name == (to_original ? "scale_shift_table" : "head.modulation")) return to_original ? "head.modulation" : "scale_shift_table";
+  if (name == (to_original ? "scale_shift_table" : "head.modulation"))
+    return to_original ? "head.modulation" : "scale_shift_table";
   return convert(name, top_level_names());
 }
 
@@ -138,14 +153,16 @@ bool is_pickle_name(const std::string& path) {
 }
 
 [[noreturn]] void refuse_pickle(const std::string& path) {
-  fail("'" + path + "' is a PyTorch pickle: MegaSlide reads weights only from safetensors files (loading a pickle can run "
+  fail("'" + path +
+       "' is a PyTorch pickle: MegaSlide reads weights only from safetensors files (loading a pickle can run "
        "code). Use the .safetensors files the model ships (Wan-AI's and the diffusers repositories both have "
        "diffusion_pytorch_model*.safetensors, ComfyUI's are single .safetensors files)");
 }
 
 // The safetensors files of a folder: the index's shards, or the one weights file.
 std::vector<std::string> weight_files_of_folder(const std::string& dir) {
-  for (const std::string index_name : {"diffusion_pytorch_model.safetensors.index.json", "model.safetensors.index.json"}) {
+  for (const std::string index_name :
+       {"diffusion_pytorch_model.safetensors.index.json", "model.safetensors.index.json"}) {
     const std::string index_path = io::join_path(dir, index_name);
     if (!io::path_exists(index_path)) continue;
     nlohmann::json index;
@@ -160,7 +177,8 @@ std::vector<std::string> weight_files_of_folder(const std::string& dir) {
     for (const auto& [name, file] : index["weight_map"].items()) {
       if (!file.is_string()) fail("'" + index_path + "': the shard of '" + name + "' is not a file name");
       const std::string f = file.get<std::string>();
-      if (f.find('/') != std::string::npos || f == "." || f == "..") fail("'" + index_path + "': shard '" + f + "' is not a file name");
+      if (f.find('/') != std::string::npos || f == "." || f == "..")
+        fail("'" + index_path + "': shard '" + f + "' is not a file name");
       shards.insert(f);
     }
     std::vector<std::string> out;
@@ -181,9 +199,10 @@ std::vector<std::string> weight_files_of_folder(const std::string& dir) {
   }
   if (found.size() == 1) return found;
   if (found.empty() && !pickles.empty()) refuse_pickle(io::join_path(dir, pickles.front()));
-  fail("'" + dir + "': expected Wan DiT weights: diffusion_pytorch_model.safetensors, its shards with "
-       "diffusion_pytorch_model.safetensors.index.json, or a single .safetensors file (found " + std::to_string(found.size()) +
-       " .safetensors files)");
+  fail("'" + dir +
+       "': expected Wan DiT weights: diffusion_pytorch_model.safetensors, its shards with "
+       "diffusion_pytorch_model.safetensors.index.json, or a single .safetensors file (found " +
+       std::to_string(found.size()) + " .safetensors files)");
 }
 
 int64_t json_int(const nlohmann::json& j, const char* key, int64_t fallback, const std::string& source) {
@@ -201,10 +220,12 @@ bool json_bool(const nlohmann::json& j, const char* key, bool fallback, const st
   if (!j[key].is_boolean()) fail("'" + source + "': \"" + key + "\" must be true or false, got " + j[key].dump());
   return j[key].get<bool>();
 }
-std::array<int64_t, 3> json_patch(const nlohmann::json& j, const std::array<int64_t, 3>& fallback, const std::string& source) {
+std::array<int64_t, 3> json_patch(const nlohmann::json& j, const std::array<int64_t, 3>& fallback,
+                                  const std::string& source) {
   if (!j.contains("patch_size") || j["patch_size"].is_null()) return fallback;
   const auto& v = j["patch_size"];
-  if (!v.is_array() || v.size() != 3 || !v[0].is_number_integer() || !v[1].is_number_integer() || !v[2].is_number_integer())
+  if (!v.is_array() || v.size() != 3 || !v[0].is_number_integer() || !v[1].is_number_integer() ||
+      !v[2].is_number_integer())
     fail("'" + source + "': \"patch_size\" must be a list of 3 integers, got " + v.dump());
   return {v[0].get<int64_t>(), v[1].get<int64_t>(), v[2].get<int64_t>()};
 }
@@ -217,8 +238,12 @@ constexpr const char* kWanWeightsFormat = "megaslide.wan_weights";
 
 const char* to_string(WanNaming naming) { return naming == WanNaming::kDiffusers ? "diffusers" : "original"; }
 
-std::string wan_original_name(const std::string& diffusers_name) { return rename(diffusers_name, /*to_original=*/true); }
-std::string wan_diffusers_name(const std::string& original_name) { return rename(original_name, /*to_original=*/false); }
+std::string wan_original_name(const std::string& diffusers_name) {
+  return rename(diffusers_name, /*to_original=*/true);
+}
+std::string wan_diffusers_name(const std::string& original_name) {
+  return rename(original_name, /*to_original=*/false);
+}
 
 struct WanWeights::Impl {
   std::string path, config_path;
@@ -248,7 +273,8 @@ WanWeights WanWeights::open(const std::string& path) {
   if (io::is_directory(path)) {
     dir = path;
     // A diffusers repository: its DiT is in transformer/.
-    if (io::is_directory(io::join_path(dir, "transformer")) && !io::path_exists(io::join_path(dir, "diffusion_pytorch_model.safetensors")) &&
+    if (io::is_directory(io::join_path(dir, "transformer")) &&
+        !io::path_exists(io::join_path(dir, "diffusion_pytorch_model.safetensors")) &&
         !io::path_exists(io::join_path(dir, "diffusion_pytorch_model.safetensors.index.json")))
       dir = io::join_path(dir, "transformer");
     impl->file_paths = weight_files_of_folder(dir);
@@ -285,8 +311,8 @@ WanWeights WanWeights::open(const std::string& path) {
     // A file save_wan_weights wrote carries its config.json in its metadata.
     const auto& meta = file->header.metadata;
     const auto format = meta.find("format"), config = meta.find("config");
-    if (impl->config_path.empty() && impl->file_paths.size() == 1 && format != meta.end() && format->second == kWanWeightsFormat &&
-        config != meta.end()) {
+    if (impl->config_path.empty() && impl->file_paths.size() == 1 && format != meta.end() &&
+        format->second == kWanWeightsFormat && config != meta.end()) {
       impl->config_path = file_path + " (metadata \"config\")";
       try {
         impl->config = nlohmann::json::parse(config->second);
@@ -299,7 +325,8 @@ WanWeights WanWeights::open(const std::string& path) {
   if (raw.empty()) fail("'" + path + "' holds no tensors");
   // ComfyUI's prefix, on every name or none.
   const std::string prefix = "model.diffusion_model.";
-  const bool prefixed = std::all_of(raw.begin(), raw.end(), [&](const auto& r) { return r.first.rfind(prefix, 0) == 0; });
+  const bool prefixed =
+      std::all_of(raw.begin(), raw.end(), [&](const auto& r) { return r.first.rfind(prefix, 0) == 0; });
   bool diffusers = false, original = false;
   for (auto& [name, source] : raw) {
     if (prefixed) name = name.substr(prefix.size());
@@ -307,8 +334,9 @@ WanWeights WanWeights::open(const std::string& path) {
     original |= name.rfind("time_embedding.", 0) == 0 || name.find(".self_attn.") != std::string::npos;
   }
   if (diffusers == original)
-    fail("'" + path + "' does not hold a Wan DiT" + std::string(diffusers ? " (it mixes diffusers' and Wan's original tensor names)" :
-                                                                           " (no condition_embedder.* or time_embedding.* tensors)"));
+    fail("'" + path + "' does not hold a Wan DiT" +
+         std::string(diffusers ? " (it mixes diffusers' and Wan's original tensor names)"
+                               : " (no condition_embedder.* or time_embedding.* tensors)"));
   impl->naming = diffusers ? WanNaming::kDiffusers : WanNaming::kOriginal;
   for (auto& [name, source] : raw) {
     std::string ours = name;
@@ -319,7 +347,8 @@ WanWeights WanWeights::open(const std::string& path) {
         continue;
       }
     }
-    if (!impl->sources.emplace(ours, source).second) fail("'" + path + "': tensor '" + source.file_name + "' appears twice");
+    if (!impl->sources.emplace(ours, source).second)
+      fail("'" + path + "': tensor '" + source.file_name + "' appears twice");
   }
   return WanWeights(std::move(impl));
 }
@@ -331,7 +360,8 @@ WanConfig WanWeights::architecture(const WanConfig& fallback) const {
   if (!j.is_null()) {
     const bool original_keys = j.contains("dim") || j.contains("num_heads") || j.value("_class_name", "") == "WanModel";
     if (original_keys) {
-      const std::string type = j.contains("model_type") && j["model_type"].is_string() ? j["model_type"].get<std::string>() : "t2v";
+      const std::string type =
+          j.contains("model_type") && j["model_type"].is_string() ? j["model_type"].get<std::string>() : "t2v";
       if (type != "t2v") fail("'" + src + "': model_type '" + type + "' is not supported (text-to-video, t2v, only)");
       c.dim = json_int(j, "dim", c.dim, src);
       c.heads = json_int(j, "num_heads", c.heads, src);
@@ -349,7 +379,8 @@ WanConfig WanWeights::architecture(const WanConfig& fallback) const {
       // diffusers' WanTransformer3DModel; missing keys take its defaults.
       for (const char* key : {"image_dim", "added_kv_proj_dim", "pos_embed_seq_len"})
         if (j.contains(key) && !j[key].is_null())
-          fail("'" + src + "': \"" + key + "\" is set: image-to-video / VACE Wan models are not supported (text-to-video only)");
+          fail("'" + src + "': \"" + key +
+               "\" is set: image-to-video / VACE Wan models are not supported (text-to-video only)");
       c.heads = json_int(j, "num_attention_heads", 40, src);
       c.dim = c.heads * json_int(j, "attention_head_dim", 128, src);
       c.layers = json_int(j, "num_layers", 40, src);
@@ -421,7 +452,8 @@ torch::Tensor WanWeights::read(const std::string& name, torch::ScalarType dtype)
   const Source& s = it->second;
   const auto& e = *s.entry;
   if (!c10::isFloatingType(e.dtype))
-    fail("'" + s.file->path + "': tensor '" + s.file_name + "' is " + io::safetensors_dtype_name(e.dtype) + ", expected F32, F16 or BF16");
+    fail("'" + s.file->path + "': tensor '" + s.file_name + "' is " + io::safetensors_dtype_name(e.dtype) +
+         ", expected F32, F16 or BF16");
   const uint64_t begin = s.file->header.data_start + e.begin;
   auto* data = static_cast<char*>(s.file->base) + begin;
   // A view of the mapping (read only: nothing writes through it); the conversion or clone is the copy.
@@ -447,12 +479,14 @@ std::vector<std::string> WanWeights::check(const std::vector<std::pair<std::stri
     wanted.insert(name);
     auto it = impl_->sources.find(name);
     if (it == impl_->sources.end()) {
-      const bool allowed = std::any_of(allow_missing.begin(), allow_missing.end(), [&](const auto& g) { return name_matches(g, name); });
+      const bool allowed =
+          std::any_of(allow_missing.begin(), allow_missing.end(), [&](const auto& g) { return name_matches(g, name); });
       (allowed ? kept : missing).push_back(name);
       continue;
     }
     if (it->second.entry->shape != shape_)
-      wrong_shape.push_back(fmt::format("{} is {}, the model needs {}", it->second.file_name, shape_text(it->second.entry->shape), shape_text(shape_)));
+      wrong_shape.push_back(fmt::format("{} is {}, the model needs {}", it->second.file_name,
+                                        shape_text(it->second.entry->shape), shape_text(shape_)));
     if (!c10::isFloatingType(it->second.entry->dtype))
       wrong_dtype.push_back(it->second.file_name + " is " + io::safetensors_dtype_name(it->second.entry->dtype));
   }
@@ -460,9 +494,10 @@ std::vector<std::string> WanWeights::check(const std::vector<std::pair<std::stri
     if (!wanted.count(name)) unexpected.push_back(source.file_name);
   for (const auto& name : impl_->unknown) unexpected.push_back(name);
   if (missing.empty() && wrong_shape.empty() && wrong_dtype.empty() && unexpected.empty()) return kept;
-  std::string message = fmt::format("Wan weights '{}' ({} names) do not match the model ({} parameters):", path(), to_string(naming()),
-                                    expected.size());
-  const auto list = [&](const char* what, const std::vector<std::string>& items, const std::function<std::string(const std::string&)>& show) {
+  std::string message = fmt::format("Wan weights '{}' ({} names) do not match the model ({} parameters):", path(),
+                                    to_string(naming()), expected.size());
+  const auto list = [&](const char* what, const std::vector<std::string>& items,
+                        const std::function<std::string(const std::string&)>& show) {
     if (items.empty()) return;
     message += fmt::format(" {} {}:", items.size(), what);
     for (size_t i = 0; i < items.size() && i < 8; ++i) message += (i ? ", " : " ") + show(items[i]);
@@ -475,16 +510,18 @@ std::vector<std::string> WanWeights::check(const std::vector<std::pair<std::stri
   list("not floating point", wrong_dtype, same);
   list("not in the model", unexpected, same);
   const bool image = std::any_of(unexpected.begin(), unexpected.end(), [](const std::string& n) {
-    return n.find("img_emb") != std::string::npos || n.find("k_img") != std::string::npos || n.find("image_embedder") != std::string::npos ||
-           n.find("add_k_proj") != std::string::npos;
+    return n.find("img_emb") != std::string::npos || n.find("k_img") != std::string::npos ||
+           n.find("image_embedder") != std::string::npos || n.find("add_k_proj") != std::string::npos;
   });
   if (image) message += " these are image-to-video weights, which are not supported (text-to-video only);";
-  else if (!wrong_shape.empty() || !missing.empty()) message += " does the config (model.wan, or the weights' config.json) describe these weights?";
+  else if (!wrong_shape.empty() || !missing.empty())
+    message += " does the config (model.wan, or the weights' config.json) describe these weights?";
   message.pop_back();
   fail(message);
 }
 
-std::vector<std::string> load_wan_weights(const WanWeights& weights, WanTransformerImpl& model, const std::vector<std::string>& allow_missing) {
+std::vector<std::string> load_wan_weights(const WanWeights& weights, WanTransformerImpl& model,
+                                          const std::vector<std::string>& allow_missing) {
   std::vector<std::pair<std::string, std::vector<int64_t>>> expected;
   auto params = model.named_parameters(true);
   for (const auto& p : params) expected.emplace_back(p.key(), p.value().sizes().vec());
@@ -522,8 +559,9 @@ io::WrittenFile save_wan_weights(const std::string& path, const WanConfig& wan, 
                                  torch::ScalarType dtype) {
   const std::string config = wan_diffusers_config(wan);
   const std::string name = "diffusion_pytorch_model.safetensors";
-  const bool diffusers_folder = path == name || (path.size() > name.size() && path.compare(path.size() - name.size(), name.size(), name) == 0 &&
-                                                 path[path.size() - name.size() - 1] == '/');
+  const bool diffusers_folder =
+      path == name || (path.size() > name.size() && path.compare(path.size() - name.size(), name.size(), name) == 0 &&
+                       path[path.size() - name.size() - 1] == '/');
   // The tensors are cast one at a time as they are written (write_safetensors): one tensor's copy at most.
   auto written = io::write_safetensors(path, parameters, {{"format", kWanWeightsFormat}, {"config", config}}, dtype);
   if (diffusers_folder) io::write_file_atomically(io::join_path(io::parent_path(path), "config.json"), config);

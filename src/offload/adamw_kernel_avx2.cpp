@@ -126,8 +126,8 @@ struct Avx2 {
   static H to_fp16(F x) {
     const __m128i h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256i bits = _mm256_castps_si256(x);
-    const __m256i canonical = _mm256_or_si256(
-        _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x8000)), _mm256_set1_epi32(0x7E00));
+    const __m256i canonical = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x8000)),
+                                              _mm256_set1_epi32(0x7E00));
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
     const __m128i nan16 = _mm_packs_epi32(_mm256_castsi256_si128(nan), _mm256_extracti128_si256(nan, 1));
     return _mm_blendv_epi8(h, narrow_u32_to_u16(canonical), nan16);

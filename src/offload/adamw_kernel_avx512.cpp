@@ -82,8 +82,8 @@ struct Avx512 {
   static H to_fp16(F x) {
     const __m256i h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512i bits = _mm512_castps_si512(x);
-    const __m512i canonical = _mm512_or_si512(
-        _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x8000)), _mm512_set1_epi32(0x7E00));
+    const __m512i canonical = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x8000)),
+                                              _mm512_set1_epi32(0x7E00));
     const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     return _mm256_mask_mov_epi16(h, nan, _mm512_cvtepi32_epi16(canonical));
   }

@@ -127,7 +127,7 @@ MEGASLIDE_SIMD_INLINE Moments<Simd> adamw_core(const AdamWKernelParams& p, const
 
 template <class Simd, GradType G, ComputeType C, StateType S, bool kStream>
 MEGASLIDE_SIMD_INLINE void adamw_vector(const AdamWKernelParams& p, const Constants<Simd>& c, int64_t i,
-                                         typename Simd::Mask k) {
+                                        typename Simd::Mask k) {
   const Moments<Simd> r = adamw_core<Simd, G, C, kStream>(p, c, i, k, load_state<Simd, S>(p.exp_avg, i, k),
                                                           load_state<Simd, S>(p.exp_avg_sq, i, k));
   store_state<Simd, S>(p.exp_avg, i, r.m, k);
@@ -212,7 +212,7 @@ void adamw_typed(const AdamWKernelParams& p, int64_t begin, int64_t end) {
 // x + d through fp32 for the live lanes (the probe's one add per array).
 template <class Simd, StateType S>
 MEGASLIDE_SIMD_INLINE void probe_state(void* state, float* scales, int64_t i, typename Simd::F d,
-                                        typename Simd::Mask k) {
+                                       typename Simd::Mask k) {
   if constexpr (S == StateType::kFloat32) {
     float* x = static_cast<float*>(state) + i;
     Simd::store_f32(x, Simd::add(Simd::load_f32(x, k), d), k);
@@ -228,7 +228,7 @@ MEGASLIDE_SIMD_INLINE void probe_state(void* state, float* scales, int64_t i, ty
 
 template <class Simd, GradType G, StateType S, bool kStream>
 MEGASLIDE_SIMD_INLINE void probe_vector(const AdamWKernelParams& p, typename Simd::F scale, int64_t i,
-                                         typename Simd::Mask k) {
+                                        typename Simd::Mask k) {
   using F = typename Simd::F;
   const F g = Simd::mul(load_grad<Simd, G>(p.grad, i, k), scale);
   const F w = Simd::add(Simd::load_f32(p.master + i, k), g);

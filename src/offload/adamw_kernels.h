@@ -57,8 +57,8 @@ constexpr int64_t kQuantGroup = 256;
 
 struct AdamWKernelParams {
   float* master = nullptr;
-  void* exp_avg = nullptr;     // float, bf16 bits or int8 codes (state_type)
-  void* exp_avg_sq = nullptr;  // float, bf16 bits or uint8 codes of sqrt(v)
+  void* exp_avg = nullptr;            // float, bf16 bits or int8 codes (state_type)
+  void* exp_avg_sq = nullptr;         // float, bf16 bits or uint8 codes of sqrt(v)
   float* exp_avg_scale = nullptr;     // kInt8: one per group
   float* exp_avg_sq_scale = nullptr;  // kInt8: one per group
   StateType state_type = StateType::kFloat32;
@@ -121,22 +121,31 @@ inline void dispatch(const AdamWKernelParams& p, Fn&& fn) {
   using std::integral_constant;
   const auto with_state = [&](auto g, auto c) {
     switch (p.state_type) {
-      case StateType::kFloat32: return fn(g, c, integral_constant<StateType, StateType::kFloat32>{});
-      case StateType::kBFloat16: return fn(g, c, integral_constant<StateType, StateType::kBFloat16>{});
-      default: return fn(g, c, integral_constant<StateType, StateType::kInt8>{});
+      case StateType::kFloat32:
+        return fn(g, c, integral_constant<StateType, StateType::kFloat32>{});
+      case StateType::kBFloat16:
+        return fn(g, c, integral_constant<StateType, StateType::kBFloat16>{});
+      default:
+        return fn(g, c, integral_constant<StateType, StateType::kInt8>{});
     }
   };
   const auto with_compute = [&](auto g) {
     switch (p.compute_type) {
-      case ComputeType::kNone: return with_state(g, integral_constant<ComputeType, ComputeType::kNone>{});
-      case ComputeType::kBFloat16: return with_state(g, integral_constant<ComputeType, ComputeType::kBFloat16>{});
-      default: return with_state(g, integral_constant<ComputeType, ComputeType::kFloat16>{});
+      case ComputeType::kNone:
+        return with_state(g, integral_constant<ComputeType, ComputeType::kNone>{});
+      case ComputeType::kBFloat16:
+        return with_state(g, integral_constant<ComputeType, ComputeType::kBFloat16>{});
+      default:
+        return with_state(g, integral_constant<ComputeType, ComputeType::kFloat16>{});
     }
   };
   switch (p.grad_type) {
-    case GradType::kFloat32: return with_compute(integral_constant<GradType, GradType::kFloat32>{});
-    case GradType::kBFloat16: return with_compute(integral_constant<GradType, GradType::kBFloat16>{});
-    default: return with_compute(integral_constant<GradType, GradType::kFloat16>{});
+    case GradType::kFloat32:
+      return with_compute(integral_constant<GradType, GradType::kFloat32>{});
+    case GradType::kBFloat16:
+      return with_compute(integral_constant<GradType, GradType::kBFloat16>{});
+    default:
+      return with_compute(integral_constant<GradType, GradType::kFloat16>{});
   }
 }
 

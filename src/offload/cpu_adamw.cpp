@@ -32,35 +32,48 @@ using KernelFn = void (*)(const AdamWKernelParams&, int64_t, int64_t);
 
 KernelFn adamw_kernel(SimdPath path) {
   switch (path) {
-    case SimdPath::kAvx512: return detail::adamw_avx512;
-    case SimdPath::kAvx2: return detail::adamw_avx2;
-    default: return detail::adamw_scalar;
+    case SimdPath::kAvx512:
+      return detail::adamw_avx512;
+    case SimdPath::kAvx2:
+      return detail::adamw_avx2;
+    default:
+      return detail::adamw_scalar;
   }
 }
 
 KernelFn probe_kernel(SimdPath path) {
   switch (path) {
-    case SimdPath::kAvx512: return detail::stream_probe_avx512;
-    case SimdPath::kAvx2: return detail::stream_probe_avx2;
-    default: return detail::stream_probe_scalar;
+    case SimdPath::kAvx512:
+      return detail::stream_probe_avx512;
+    case SimdPath::kAvx2:
+      return detail::stream_probe_avx2;
+    default:
+      return detail::stream_probe_scalar;
   }
 }
 
 GradType grad_type(c10::ScalarType t) {
   switch (t) {
-    case c10::ScalarType::Float: return GradType::kFloat32;
-    case c10::ScalarType::BFloat16: return GradType::kBFloat16;
-    case c10::ScalarType::Half: return GradType::kFloat16;
-    default: TORCH_CHECK(false, "CpuAdamW: gradient dtype ", t, " is not supported; expected BFloat16, Half or Float");
+    case c10::ScalarType::Float:
+      return GradType::kFloat32;
+    case c10::ScalarType::BFloat16:
+      return GradType::kBFloat16;
+    case c10::ScalarType::Half:
+      return GradType::kFloat16;
+    default:
+      TORCH_CHECK(false, "CpuAdamW: gradient dtype ", t, " is not supported; expected BFloat16, Half or Float");
   }
 }
 
 ComputeType compute_type(const void* compute, c10::ScalarType t) {
   if (compute == nullptr) return ComputeType::kNone;
   switch (t) {
-    case c10::ScalarType::BFloat16: return ComputeType::kBFloat16;
-    case c10::ScalarType::Half: return ComputeType::kFloat16;
-    default: TORCH_CHECK(false, "CpuAdamW: compute-copy dtype ", t, " is not supported; expected BFloat16 or Half");
+    case c10::ScalarType::BFloat16:
+      return ComputeType::kBFloat16;
+    case c10::ScalarType::Half:
+      return ComputeType::kFloat16;
+    default:
+      TORCH_CHECK(false, "CpuAdamW: compute-copy dtype ", t, " is not supported; expected BFloat16 or Half");
   }
 }
 
@@ -73,9 +86,12 @@ bool streaming(CopyStores stores, int64_t numel, bool grad_is_compute) {
 
 StateType state_type(StateDtype t) {
   switch (t) {
-    case StateDtype::kFloat32: return StateType::kFloat32;
-    case StateDtype::kBFloat16: return StateType::kBFloat16;
-    case StateDtype::kInt8: return StateType::kInt8;
+    case StateDtype::kFloat32:
+      return StateType::kFloat32;
+    case StateDtype::kBFloat16:
+      return StateType::kBFloat16;
+    case StateDtype::kInt8:
+      return StateType::kInt8;
   }
   TORCH_CHECK(false, "CpuAdamW: unknown state dtype");
 }
@@ -142,9 +158,12 @@ StateDtype parse_state_dtype(const std::string& name) {
 
 const char* to_string(StateDtype dtype) {
   switch (dtype) {
-    case StateDtype::kFloat32: return "fp32";
-    case StateDtype::kBFloat16: return "bf16";
-    case StateDtype::kInt8: return "int8";
+    case StateDtype::kFloat32:
+      return "fp32";
+    case StateDtype::kBFloat16:
+      return "bf16";
+    case StateDtype::kInt8:
+      return "int8";
   }
   return "unknown";
 }
@@ -155,10 +174,14 @@ int64_t state_element_bytes(StateDtype dtype) {
 
 const char* to_string(SimdPath path) {
   switch (path) {
-    case SimdPath::kAuto: return "auto";
-    case SimdPath::kAvx512: return "avx512";
-    case SimdPath::kAvx2: return "avx2";
-    case SimdPath::kScalar: return "scalar";
+    case SimdPath::kAuto:
+      return "auto";
+    case SimdPath::kAvx512:
+      return "avx512";
+    case SimdPath::kAvx2:
+      return "avx2";
+    case SimdPath::kScalar:
+      return "scalar";
   }
   return "unknown";
 }
@@ -171,9 +194,12 @@ SimdPath CpuAdamW::detect() {
 
 bool CpuAdamW::supported(SimdPath path) {
   switch (path) {
-    case SimdPath::kAvx512: return detail::cpu_has_avx512();
-    case SimdPath::kAvx2: return detail::cpu_has_avx2();
-    default: return true;
+    case SimdPath::kAvx512:
+      return detail::cpu_has_avx512();
+    case SimdPath::kAvx2:
+      return detail::cpu_has_avx2();
+    default:
+      return true;
   }
 }
 
@@ -184,8 +210,8 @@ CpuAdamW::CpuAdamW(AdamWOptions options, int num_threads, SimdPath path) : optio
   TORCH_CHECK(options.weight_decay >= 0, "CpuAdamW: weight_decay must be >= 0, got ", options.weight_decay);
   TORCH_CHECK(num_threads >= 0, "CpuAdamW: num_threads must be >= 0 (0 = the cores available), got ", num_threads);
   TORCH_CHECK(supported(path), "CpuAdamW: SIMD path '", to_string(path),
-              "' was forced but this CPU does not support it; use SimdPath::kAuto (this CPU: '",
-              to_string(detect()), "')");
+              "' was forced but this CPU does not support it; use SimdPath::kAuto (this CPU: '", to_string(detect()),
+              "')");
   path_ = path == SimdPath::kAuto ? detect() : path;
   if (num_threads == 0) num_threads = available_cores().cores;
   pool_ = std::make_unique<Pool>(num_threads);
@@ -235,7 +261,8 @@ void CpuAdamW::step_block(const at::Tensor& master, const at::Tensor& exp_avg, c
     TORCH_CHECK(t.defined(), "CpuAdamW: ", name, " is undefined");
     TORCH_CHECK(t.device().is_cpu(), "CpuAdamW: ", name, " must be a CPU tensor, got ", t.device());
     TORCH_CHECK(t.scalar_type() == at::kFloat || (bf16_allowed && t.scalar_type() == at::kBFloat16), "CpuAdamW: ", name,
-                bf16_allowed ? " must be Float (fp32) or BFloat16, got " : " must be Float (fp32), got ", t.scalar_type());
+                bf16_allowed ? " must be Float (fp32) or BFloat16, got " : " must be Float (fp32), got ",
+                t.scalar_type());
     TORCH_CHECK(t.is_contiguous(), "CpuAdamW: ", name, " must be contiguous (sizes ", t.sizes(), ", strides ",
                 t.strides(), ")");
   };
@@ -261,8 +288,8 @@ void CpuAdamW::step_block(const at::Tensor& master, const at::Tensor& exp_avg, c
   s.grad_dtype = grad.scalar_type();
   if (compute.defined()) {
     TORCH_CHECK(compute.device().is_cpu(), "CpuAdamW: compute must be a CPU tensor, got ", compute.device());
-    TORCH_CHECK(compute.is_contiguous(), "CpuAdamW: compute must be contiguous (sizes ", compute.sizes(),
-                ", strides ", compute.strides(), ")");
+    TORCH_CHECK(compute.is_contiguous(), "CpuAdamW: compute must be contiguous (sizes ", compute.sizes(), ", strides ",
+                compute.strides(), ")");
     TORCH_CHECK(compute.numel() == n, "CpuAdamW: compute has ", compute.numel(), " elements, expected master's ", n);
     s.compute = compute.data_ptr();
     s.compute_dtype = compute.scalar_type();

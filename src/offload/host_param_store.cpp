@@ -38,8 +38,8 @@ int64_t param_numel(const BlockSpec& block, const ParamSpec& p) {
   for (int64_t d : p.shape) {
     TORCH_CHECK(d >= 0, "HostParamStore: parameter '", p.name, "' of block '", block.name,
                 "' has a negative dimension in shape ", c10::IntArrayRef(p.shape));
-    TORCH_CHECK(!__builtin_mul_overflow(n, d, &n), "HostParamStore: parameter '", p.name, "' of block '",
-                block.name, "' has more than 2^63 elements (shape ", c10::IntArrayRef(p.shape), ")");
+    TORCH_CHECK(!__builtin_mul_overflow(n, d, &n), "HostParamStore: parameter '", p.name, "' of block '", block.name,
+                "' has more than 2^63 elements (shape ", c10::IntArrayRef(p.shape), ")");
   }
   return n;
 }
@@ -48,10 +48,10 @@ int64_t block_numel_of(const BlockSpec& block) {
   int64_t total = 0;
   std::set<std::string> names;
   for (const auto& p : block.params) {
-    TORCH_CHECK(names.insert(p.name).second, "HostParamStore: block '", block.name, "' declares parameter '",
-                p.name, "' twice; names must be unique within a block");
-    TORCH_CHECK(!__builtin_add_overflow(total, param_numel(block, p), &total), "HostParamStore: block '",
-                block.name, "' has more than 2^63 elements");
+    TORCH_CHECK(names.insert(p.name).second, "HostParamStore: block '", block.name, "' declares parameter '", p.name,
+                "' twice; names must be unique within a block");
+    TORCH_CHECK(!__builtin_add_overflow(total, param_numel(block, p), &total), "HostParamStore: block '", block.name,
+                "' has more than 2^63 elements");
   }
   return total;
 }
@@ -102,10 +102,11 @@ std::string human_bytes(int64_t bytes) {
                                       const std::string& what_failed) {
   const HostMemory mem = host_memory();
   const double per_param = plan.num_params > 0 ? static_cast<double>(plan.total_bytes()) / plan.num_params : 0;
-  std::string machine = mem.available_bytes >= 0
-                            ? fmt::format("this machine has {} bytes ({}) available (MemAvailable, of {} total)",
-                                          mem.available_bytes, human_bytes(mem.available_bytes), human_bytes(mem.total_bytes))
-                            : "this machine's available memory could not be read";
+  std::string machine =
+      mem.available_bytes >= 0
+          ? fmt::format("this machine has {} bytes ({}) available (MemAvailable, of {} total)", mem.available_bytes,
+                        human_bytes(mem.available_bytes), human_bytes(mem.total_bytes))
+          : "this machine's available memory could not be read";
   throw HostMemoryError(
       fmt::format("HostParamStore: {}: the training state needs {} bytes ({}; {:.2f} B per parameter x {} "
                   "parameters in {} blocks: fp32 master, {} m and v, {} transfer buffer{}{}), but {}. "
@@ -179,17 +180,16 @@ bool has_transfer_buffer(const HostParamStoreOptions& o) {
   return o.shard_count > 1 || !(o.compute_dtype == at::kFloat && o.separate_grad);
 }
 
-const char* dtype_name(c10::ScalarType t) {
-  return t == at::kFloat ? "fp32" : t == at::kHalf ? "fp16" : "bf16";
-}
+const char* dtype_name(c10::ScalarType t) { return t == at::kFloat ? "fp32" : t == at::kHalf ? "fp16" : "bf16"; }
 
 }  // namespace
 
 std::string MemoryReport::to_string() const {
   const double n = num_params > 0 ? static_cast<double>(num_params) : 1.0;
-  std::string out = fmt::format("HostParamStore: {} parameters in {} blocks; {} bytes page-locked{}{}\n", num_params,
-                                num_blocks, pinned_bytes, pinned ? "" : " (no CUDA: everything pageable, page-aligned)",
-                                shard_count > 1 ? fmt::format("; master and moments: this rank's shard of {}", shard_count) : "");
+  std::string out =
+      fmt::format("HostParamStore: {} parameters in {} blocks; {} bytes page-locked{}{}\n", num_params, num_blocks,
+                  pinned_bytes, pinned ? "" : " (no CUDA: everything pageable, page-aligned)",
+                  shard_count > 1 ? fmt::format("; master and moments: this rank's shard of {}", shard_count) : "");
   out += fmt::format("  {:<48} {:>18} {:>14} {:>10}\n", "component", "bytes", "GiB", "B/param");
   const auto row = [&](const std::string& name, int64_t bytes) {
     out += fmt::format("  {:<48} {:>18} {:>14.3f} {:>10.3f}\n", name, bytes,
@@ -198,13 +198,14 @@ std::string MemoryReport::to_string() const {
   const char* state = offload::to_string(state_dtype);
   row(compute_dtype == at::kFloat && shard_count == 1 ? "fp32 master (uploaded)" : "fp32 master", master_bytes);
   row(fmt::format("{} exp_avg (m)", state), exp_avg_bytes);
-  row(fmt::format("{} exp_avg_sq (v{})", state, state_dtype == StateDtype::kInt8 ? ": sqrt codes" : ""), exp_avg_sq_bytes);
+  row(fmt::format("{} exp_avg_sq (v{})", state, state_dtype == StateDtype::kInt8 ? ": sqrt codes" : ""),
+      exp_avg_sq_bytes);
   if (scale_bytes > 0) row("int8 group scales (fp32, m and v)", scale_bytes);
   if (compute_bytes > 0) {
     row(fmt::format("{} transfer buffer ({})", dtype_name(compute_dtype),
                     compute_dtype == at::kFloat && shard_count == 1 ? "gradient"
-                    : separate_grad                                  ? "compute copy"
-                                                                     : "compute copy / gradient"),
+                    : separate_grad                                 ? "compute copy"
+                                                                    : "compute copy / gradient"),
         compute_bytes);
   }
   if (grad_bytes > 0) row("fp32 gradient (accumulation)", grad_bytes);
@@ -259,18 +260,24 @@ HostParamStore::HostParamStore(std::vector<BlockSpec> blocks, HostParamStoreOpti
     const int64_t bytes = numel * element_bytes(dtype);
     void* ptr = allocate_host(bytes, pinned);
     if (ptr == nullptr) {
-      throw_out_of_memory(plan_report, options_,
-                          fmt::format("allocating {} bytes for block '{}' component '{}' failed{}", bytes, block_name, component,
-                                      pinned ? " (page-locked with cudaHostAlloc: the locked-memory limit, `ulimit -l` or the "
-                                               "container's memlock setting, may be what ran out)"
-                                             : ""));
+      throw_out_of_memory(
+          plan_report, options_,
+          fmt::format("allocating {} bytes for block '{}' component '{}' failed{}", bytes, block_name, component,
+                      pinned ? " (page-locked with cudaHostAlloc: the locked-memory limit, `ulimit -l` or the "
+                               "container's memlock setting, may be what ran out)"
+                             : ""));
     }
-    return at::from_blob(ptr, {numel}, [pinned](void* p) { free_host(p, pinned); }, tensor_options);
+    return at::from_blob(
+        ptr, {numel}, [pinned](void* p) { free_host(p, pinned); }, tensor_options);
   };
 
   const StateDtype state = options_.state_dtype;
-  const c10::ScalarType m_dtype = state == StateDtype::kFloat32 ? at::kFloat : state == StateDtype::kBFloat16 ? at::kBFloat16 : at::kChar;
-  const c10::ScalarType v_dtype = state == StateDtype::kFloat32 ? at::kFloat : state == StateDtype::kBFloat16 ? at::kBFloat16 : at::kByte;
+  const c10::ScalarType m_dtype = state == StateDtype::kFloat32    ? at::kFloat
+                                  : state == StateDtype::kBFloat16 ? at::kBFloat16
+                                                                   : at::kChar;
+  const c10::ScalarType v_dtype = state == StateDtype::kFloat32    ? at::kFloat
+                                  : state == StateDtype::kBFloat16 ? at::kBFloat16
+                                                                   : at::kByte;
   blocks_.reserve(specs_.size());
   for (const auto& spec : specs_) {
     auto block = std::make_shared<Block>();
@@ -305,7 +312,8 @@ HostParamStore::HostParamStore(std::vector<BlockSpec> blocks, HostParamStoreOpti
         std::memset(static_cast<char*>(t.data_ptr()) + from * size, 0, static_cast<size_t>((to - from) * size));
       };
       // Master and moments hold the shard: the part of [begin, end) inside it, in shard coordinates.
-      const int64_t from = std::max(begin, b.shard.begin) - b.shard.begin, to = std::min(end, b.shard.end) - b.shard.begin;
+      const int64_t from = std::max(begin, b.shard.begin) - b.shard.begin,
+                    to = std::min(end, b.shard.end) - b.shard.begin;
       for (const at::Tensor* t : {&b.master, &b.exp_avg, &b.exp_avg_sq, &b.ema}) clear(*t, from, to);
       for (const at::Tensor* t : {&b.compute, &b.grad}) clear(*t, begin, end);
       if (!b.exp_avg_scale.defined()) return;
@@ -329,8 +337,8 @@ HostParamStore::HostParamStore(std::vector<BlockSpec> blocks, HostParamStoreOpti
 HostParamStore::~HostParamStore() = default;
 
 const BlockSpec& HostParamStore::block_spec(int64_t block) const {
-  TORCH_CHECK(block >= 0 && block < num_blocks(), "HostParamStore: block ", block, " out of range [0, ",
-              num_blocks(), ")");
+  TORCH_CHECK(block >= 0 && block < num_blocks(), "HostParamStore: block ", block, " out of range [0, ", num_blocks(),
+              ")");
   return specs_[block];
 }
 
@@ -350,9 +358,7 @@ MemoryReport HostParamStore::memory_report() const {
 
 at::Tensor HostParamStore::master(int64_t block) const { return (block_spec(block), blocks_[block]->master); }
 at::Tensor HostParamStore::exp_avg(int64_t block) const { return (block_spec(block), blocks_[block]->exp_avg); }
-at::Tensor HostParamStore::exp_avg_sq(int64_t block) const {
-  return (block_spec(block), blocks_[block]->exp_avg_sq);
-}
+at::Tensor HostParamStore::exp_avg_sq(int64_t block) const { return (block_spec(block), blocks_[block]->exp_avg_sq); }
 at::Tensor HostParamStore::exp_avg_scale(int64_t block) const {
   return (block_spec(block), blocks_[block]->exp_avg_scale);
 }
@@ -376,8 +382,16 @@ HostParamStore::ParamViews HostParamStore::views(int64_t block, size_t i) const 
     return flat.defined() ? flat.narrow(0, offset, numel).view(shape) : at::Tensor();
   };
   const auto owned_view = [&](const at::Tensor& flat) { return sharded() ? at::Tensor() : view(flat); };
-  ParamViews v{owned_view(b.master), owned_view(b.exp_avg), owned_view(b.exp_avg_sq), view(b.compute), view(grad(block)), {}, {}, offset,
-               b.group_offsets[i], owned_view(b.ema)};
+  ParamViews v{owned_view(b.master),
+               owned_view(b.exp_avg),
+               owned_view(b.exp_avg_sq),
+               view(b.compute),
+               view(grad(block)),
+               {},
+               {},
+               offset,
+               b.group_offsets[i],
+               owned_view(b.ema)};
   if (b.exp_avg_scale.defined()) {
     v.exp_avg_scale = b.exp_avg_scale.narrow(0, b.group_offsets[i], state_groups(numel));
     v.exp_avg_sq_scale = b.exp_avg_sq_scale.narrow(0, b.group_offsets[i], state_groups(numel));
@@ -426,19 +440,21 @@ void HostParamStore::set_param(int64_t block, const std::string& name, const at:
   }
   auto* dst = static_cast<uint16_t*>(b.compute.data_ptr()) + v.offset;
   const bool bf16 = options_.compute_dtype == at::kBFloat16;
-  for (int64_t i = 0; i < n; ++i) dst[i] = bf16 ? detail::float_to_bf16_bits(src[i]) : detail::float_to_fp16_bits(src[i]);
+  for (int64_t i = 0; i < n; ++i)
+    dst[i] = bf16 ? detail::float_to_bf16_bits(src[i]) : detail::float_to_fp16_bits(src[i]);
 }
 
 void HostParamStore::copy_master_to_compute(int64_t block, int64_t begin, int64_t end) const {
   const Block& b = *blocks_[(block_spec(block), block)];
-  TORCH_CHECK(b.shard.begin <= begin && begin <= end && end <= b.shard.end, "HostParamStore::copy_master_to_compute: range [",
-              begin, ", ", end, ") is not within block ", block, "'s ", sharded() ? "shard [" : "elements [", b.shard.begin,
-              ", ", b.shard.end, ")");
+  TORCH_CHECK(b.shard.begin <= begin && begin <= end && end <= b.shard.end,
+              "HostParamStore::copy_master_to_compute: range [", begin, ", ", end, ") is not within block ", block,
+              "'s ", sharded() ? "shard [" : "elements [", b.shard.begin, ", ", b.shard.end, ")");
   const float* master = b.master.data_ptr<float>();  // master[i - base] is element i of the block
   const int64_t base = b.shard.begin;
   if (options_.compute_dtype == at::kFloat) {
     if (sharded() && end > begin)
-      std::memcpy(b.compute.data_ptr<float>() + begin, master + (begin - base), static_cast<size_t>(end - begin) * sizeof(float));
+      std::memcpy(b.compute.data_ptr<float>() + begin, master + (begin - base),
+                  static_cast<size_t>(end - begin) * sizeof(float));
     return;
   }
   // Round with the optimizer's own conversion so the copy has exactly the bits a step would have written.

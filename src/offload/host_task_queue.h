@@ -47,7 +47,9 @@ class HostTaskQueue {
   }
 
   // Waits for every task submitted so far (rethrows the first failure among them).
-  void drain() { submit([] {}).get(); }
+  void drain() {
+    submit([] {}).get();
+  }
 
  private:
   void run() {

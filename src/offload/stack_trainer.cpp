@@ -81,17 +81,25 @@ void parallel_chunks(int64_t n, int threads, Fn&& fn) {
 
 float element(const at::Tensor& t, const void* data, int64_t i) {
   switch (t.scalar_type()) {
-    case at::kBFloat16: return static_cast<float>(static_cast<const c10::BFloat16*>(data)[i]);
-    case at::kHalf: return static_cast<float>(static_cast<const c10::Half*>(data)[i]);
-    default: return static_cast<const float*>(data)[i];
+    case at::kBFloat16:
+      return static_cast<float>(static_cast<const c10::BFloat16*>(data)[i]);
+    case at::kHalf:
+      return static_cast<float>(static_cast<const c10::Half*>(data)[i]);
+    default:
+      return static_cast<const float*>(data)[i];
   }
 }
 
 void set_element(const at::Tensor& t, void* data, int64_t i, float v) {
   switch (t.scalar_type()) {
-    case at::kBFloat16: static_cast<c10::BFloat16*>(data)[i] = c10::BFloat16(v); break;
-    case at::kHalf: static_cast<c10::Half*>(data)[i] = c10::Half(v); break;
-    default: static_cast<float*>(data)[i] = v;
+    case at::kBFloat16:
+      static_cast<c10::BFloat16*>(data)[i] = c10::BFloat16(v);
+      break;
+    case at::kHalf:
+      static_cast<c10::Half*>(data)[i] = c10::Half(v);
+      break;
+    default:
+      static_cast<float*>(data)[i] = v;
   }
 }
 
@@ -152,8 +160,9 @@ double ema_decay_at(double decay, int64_t update) {
 void ema_update(const at::Tensor& ema, const at::Tensor& value, double decay) {
   TORCH_CHECK(ema.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat && ema.sizes() == value.sizes() &&
                   ema.device() == value.device(),
-              "ema_update: expected two fp32 tensors of one shape on one device, got ", ema.scalar_type(), " ", ema.sizes(), " on ",
-              ema.device(), " and ", value.scalar_type(), " ", value.sizes(), " on ", value.device());
+              "ema_update: expected two fp32 tensors of one shape on one device, got ", ema.scalar_type(), " ",
+              ema.sizes(), " on ", ema.device(), " and ", value.scalar_type(), " ", value.sizes(), " on ",
+              value.device());
   const double weight = 1.0 - decay;
   if (!ema.device().is_cpu() || !ema.is_contiguous() || !value.is_contiguous()) {
     ema.lerp_(value, weight);
@@ -203,16 +212,16 @@ struct MicroBatch {
   std::vector<torch::Tensor> saved;    // block inputs kept by the forward for the recompute
   torch::Tensor last_hidden;           // the stack's output
   torch::Tensor loss;
-  torch::Tensor grad;                  // dloss/d(input of the block the backward reached)
+  torch::Tensor grad;  // dloss/d(input of the block the backward reached)
 };
 
 }  // namespace
 
 struct StreamedStackTrainer::Impl {
   std::shared_ptr<StreamedModel> model;
-  std::shared_ptr<ShardExchange> exchange;  // several ranks; null for one process
-  std::vector<std::shared_future<void>> reduced;  // sharded, per block: its gradient of this step reduced
-  std::vector<char> reduced_nonfinite;            // sharded, per block: some rank's gradient was non-finite
+  std::shared_ptr<ShardExchange> exchange;                  // several ranks; null for one process
+  std::vector<std::shared_future<void>> reduced;            // sharded, per block: its gradient of this step reduced
+  std::vector<char> reduced_nonfinite;                      // sharded, per block: some rank's gradient was non-finite
   at::Tensor reduce_in, reduce_out, gather_in, gather_out;  // sharded: the host task thread's exchange buffers
   std::atomic<int64_t> exchange_ns{0};
   int64_t exchange_bytes = 0;  // handed to the exchange by this step's tasks (counted as they are queued)
@@ -221,7 +230,8 @@ struct StreamedStackTrainer::Impl {
   // for the reduce-scatter's non-finite count) of the gradient's (the compute copy's) dtype.
   int64_t exchange_size(const HostParamStore& st, int64_t l, bool reduce) const {
     const int64_t R = exchange->world_size(), s = shard_stride(st.block_numel(l), R);
-    return reduce ? R * (s + 1) * static_cast<int64_t>(reduce_in.element_size()) : R * s * static_cast<int64_t>(gather_in.element_size());
+    return reduce ? R * (s + 1) * static_cast<int64_t>(reduce_in.element_size())
+                  : R * s * static_cast<int64_t>(gather_in.element_size());
   }
   std::vector<std::vector<ParamSlot>> params;  // per block, in the store's order
   std::vector<torch::Tensor> resident;
@@ -260,7 +270,8 @@ struct StreamedStackTrainer::Impl {
     std::vector<UpdateRange> ranges;
     for (const auto& p : params[block]) {
       if (!p.received->load()) continue;
-      if (merge && !ranges.empty() && ranges.back().offset + ranges.back().numel == p.offset) ranges.back().numel += p.numel;
+      if (merge && !ranges.empty() && ranges.back().offset + ranges.back().numel == p.offset)
+        ranges.back().numel += p.numel;
       else ranges.push_back({p.offset, p.numel, p.group_offset});
     }
     return ranges;
@@ -268,8 +279,9 @@ struct StreamedStackTrainer::Impl {
   // True when block l's gradient holds no NaN or infinity: one pass on the optimizer's threads, each over
   // the range it updates (the scan is on the update's critical path, once per block and step).
   bool gradient_finite(const at::Tensor& grad) {
-    TORCH_CHECK(grad.scalar_type() == at::kBFloat16 || grad.scalar_type() == at::kHalf || grad.scalar_type() == at::kFloat,
-                "StreamedStackTrainer: unsupported gradient dtype ", grad.scalar_type());
+    TORCH_CHECK(
+        grad.scalar_type() == at::kBFloat16 || grad.scalar_type() == at::kHalf || grad.scalar_type() == at::kFloat,
+        "StreamedStackTrainer: unsupported gradient dtype ", grad.scalar_type());
     std::atomic<bool> finite{true};
     adamw->for_each_range(grad.numel(), [&](int64_t b, int64_t e) {
       if (!all_finite(grad, b, e)) finite.store(false, std::memory_order_relaxed);
@@ -279,12 +291,15 @@ struct StreamedStackTrainer::Impl {
   // Block l's EMA (this rank's shard) moved towards its master, on the optimizer's threads.
   void update_block_ema(const HostParamStore& store, int64_t l, double decay) {
     const at::Tensor ema = store.ema(l), master = store.master(l);
-    adamw->for_each_range(ema.numel(), [&](int64_t b, int64_t e) { ema_update(ema.narrow(0, b, e - b), master.narrow(0, b, e - b), decay); });
+    adamw->for_each_range(ema.numel(), [&](int64_t b, int64_t e) {
+      ema_update(ema.narrow(0, b, e - b), master.narrow(0, b, e - b), decay);
+    });
   }
   // Rounds block l's compute copy from its master over [begin, end), on the optimizer's threads.
   void restore_compute(const HostParamStore& store, int64_t l, int64_t begin, int64_t end) {
     if (end <= begin) return;
-    adamw->for_each_range(end - begin, [&](int64_t b, int64_t e) { store.copy_master_to_compute(l, begin + b, begin + e); });
+    adamw->for_each_range(end - begin,
+                          [&](int64_t b, int64_t e) { store.copy_master_to_compute(l, begin + b, begin + e); });
   }
 
   // Sharded, on the host task thread: block l's gradient (whole, in store.grad(l)) summed over the ranks
@@ -310,7 +325,8 @@ struct StreamedStackTrainer::Impl {
     }
     exchange->reduce_scatter_sum(in, out);
     const ShardRange mine = st.shard(l);
-    std::memcpy(static_cast<char*>(g.data_ptr()) + mine.begin * es, out.data_ptr(), static_cast<size_t>(mine.size() * es));
+    std::memcpy(static_cast<char*>(g.data_ptr()) + mine.begin * es, out.data_ptr(),
+                static_cast<size_t>(mine.size() * es));
     reduced_nonfinite[l] = element(out, out.data_ptr(), s) != 0.f;
     block_sq[l] = sum_of_squares(g, mine.begin, mine.end);
     exchange_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
@@ -352,8 +368,8 @@ struct StreamedStackTrainer::StepRun {
   const int64_t accum;
   const bool deferred;
   const c10::ScalarType dt;
-  const double scale;        // the loss scale of this step (1 unless fp16)
-  const int64_t adam_step;   // the AdamW step number this update would take
+  const double scale;       // the loss scale of this step (1 unless fp16)
+  const int64_t adam_step;  // the AdamW step number this update would take
   const torch::TensorOptions empty;
   const Clock::time_point start = Clock::now();
   std::vector<BlockGradient> gradient;  // per block
@@ -394,7 +410,9 @@ struct StreamedStackTrainer::StepRun {
     im.optimizer_wait_s += seconds_since(wait);
     pending = {};
   }
-  at::Tensor upload_source(int64_t l) const { return dt == at::kFloat && !store.sharded() ? store.master(l) : store.compute(l); }
+  at::Tensor upload_source(int64_t l) const {
+    return dt == at::kFloat && !store.sharded() ? store.master(l) : store.compute(l);
+  }
   void upload(int64_t l) {
     wait_for_update(l);
     streamer.prefetch(l, upload_source(l));
@@ -429,7 +447,7 @@ struct StreamedStackTrainer::StepRun {
       Impl& impl = *self->impl_;
       const HostParamStore& st = *self->store_;
       const bool sharded = impl.exchange != nullptr;
-      if (sharded) impl.reduced[l].get();  // queued before this task: done
+      if (sharded) impl.reduced[l].get();   // queued before this task: done
       const ShardRange mine = st.shard(l);  // the elements this rank updates: all, or its shard
       const bool restore = st.gradient_in_compute_buffer();
       // Only immediate updates (`guard`) look: deferred ones were already decided by the global norm.
@@ -480,7 +498,8 @@ struct StreamedStackTrainer::StepRun {
       if (sharded && fp32_compute) impl.restore_compute(st, l, mine.begin, mine.end);
       if (self->has_ema()) impl.update_block_ema(st, l, ema_decay_at(self->options_.ema_decay, step));
       impl.optimizer_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - begin).count();
-      if (trace != nullptr) trace->add(TraceLane::kOptimizer, "adamw block " + std::to_string(l), t0, trace->now_s() - t0);
+      if (trace != nullptr)
+        trace->add(TraceLane::kOptimizer, "adamw block " + std::to_string(l), t0, trace->now_s() - t0);
       if (sharded) impl.gather_compute(st, l);
     });
   }
@@ -489,8 +508,8 @@ struct StreamedStackTrainer::StepRun {
   // buffer, the copy is rounded back from the master once the gradient copy has landed (a restore
   // before it lands would be overwritten by it). The next upload of l waits for this like an update.
   void dispatch_restore(int64_t l) {
-    if (!store.gradient_in_compute_buffer()) return;  // the copy was never overwritten
-    if (dt == at::kFloat && !store.sharded()) return;   // fp32: the master is what is uploaded
+    if (!store.gradient_in_compute_buffer()) return;   // the copy was never overwritten
+    if (dt == at::kFloat && !store.sharded()) return;  // fp32: the master is what is uploaded
     const BlockGradient landed = gradient[l];
     StreamedStackTrainer* self = &t;
     if (im.exchange) im.exchange_bytes += im.exchange_size(store, l, /*reduce=*/false);
@@ -589,7 +608,8 @@ struct StreamedStackTrainer::StepRun {
       streamer.release(l);
       if (l + 1 < L && !next_queued) upload(l + 1);
     }
-    im.activation_bytes_peak = std::max<int64_t>(im.activation_bytes_peak, kept_bytes + static_cast<int64_t>(x.nbytes()));
+    im.activation_bytes_peak =
+        std::max<int64_t>(im.activation_bytes_peak, kept_bytes + static_cast<int64_t>(x.nbytes()));
     mb.last_hidden = x;
   }
 
@@ -598,13 +618,15 @@ struct StreamedStackTrainer::StepRun {
     const int span = streamer.begin_span(TraceLane::kCompute, "epilogue");
     auto last_hidden = mb.last_hidden.to(mb.in.hidden.scalar_type()).detach().requires_grad_(true);
     mb.loss = epilogue(last_hidden);
-    TORCH_CHECK(mb.loss.defined() && mb.loss.numel() == 1, "StreamedStackTrainer: the epilogue must return a scalar loss");
+    TORCH_CHECK(mb.loss.defined() && mb.loss.numel() == 1,
+                "StreamedStackTrainer: the epilogue must return a scalar loss");
     torch::Tensor objective = mb.loss;
     if (scale != 1.0) objective = mb.loss * (scale / static_cast<double>(accum));
     else if (accum > 1) objective = mb.loss / static_cast<double>(accum);
     objective.backward({}, /*retain_graph=*/true);
     streamer.end_span(span);
-    TORCH_CHECK(last_hidden.grad().defined(), "StreamedStackTrainer: the loss does not depend on the last block's output");
+    TORCH_CHECK(last_hidden.grad().defined(),
+                "StreamedStackTrainer: the loss does not depend on the last block's output");
     mb.grad = last_hidden.grad().to(dt);
     mb.last_hidden = torch::Tensor();
   }
@@ -710,8 +732,9 @@ struct StreamedStackTrainer::StepRun {
     }
     im.exchange->all_reduce_sum(collectives);
     sums = collectives[0];
-    TORCH_CHECK(sums[2].item<double>() == R * static_cast<double>(with_grad.size()), "StreamedStackTrainer: this rank has ",
-                with_grad.size(), " resident parameters with a gradient but the ranks together have ", sums[2].item<double>(),
+    TORCH_CHECK(sums[2].item<double>() == R * static_cast<double>(with_grad.size()),
+                "StreamedStackTrainer: this rank has ", with_grad.size(),
+                " resident parameters with a gradient but the ranks together have ", sums[2].item<double>(),
                 "; every rank must train the same parameters");
     loss_sum = sums[1].item<double>() / R;
     double sq = sums[0].item<double>() / (R * R * scale * scale);
@@ -797,8 +820,8 @@ struct StreamedStackTrainer::StepRun {
       int64_t resident_bytes = 0;
       for (const auto& p : im.resident)  // weights, gradient, m, v (and the EMA)
         resident_bytes += (t.has_ema() ? 5 : 4) * static_cast<int64_t>(p.nbytes());
-      r.peak_device_bytes = streamer.device_weight_bytes() + streamer.device_gradient_bytes() + resident_bytes +
-                            im.activation_bytes_peak;
+      r.peak_device_bytes =
+          streamer.device_weight_bytes() + streamer.device_gradient_bytes() + resident_bytes + im.activation_bytes_peak;
     }
     if (im.trace != nullptr) {
       streamer.resolve_trace();
@@ -823,7 +846,8 @@ StreamedStackTrainer::StreamedStackTrainer(std::shared_ptr<StreamedModel> model,
   TORCH_CHECK(options_.grad_clip >= 0, "StreamedStackTrainer: grad_clip must be >= 0, got ", options_.grad_clip);
   TORCH_CHECK(options_.optimizer_threads >= 1, "StreamedStackTrainer: optimizer_threads must be >= 1, got ",
               options_.optimizer_threads);
-  TORCH_CHECK(options_.init_threads >= 1, "StreamedStackTrainer: init_threads must be >= 1, got ", options_.init_threads);
+  TORCH_CHECK(options_.init_threads >= 1, "StreamedStackTrainer: init_threads must be >= 1, got ",
+              options_.init_threads);
   const int64_t L = model->num_blocks();
   TORCH_CHECK(L >= 1, "StreamedStackTrainer: the model has ", L, " blocks; expected at least 1");
   impl_->model = model;
@@ -844,8 +868,8 @@ StreamedStackTrainer::StreamedStackTrainer(std::shared_ptr<StreamedModel> model,
   }
   const auto& a = options_.adamw;
   impl_->adamw = std::make_unique<CpuAdamW>(a, options_.optimizer_threads);
-  TORCH_CHECK(options_.ema_decay >= 0 && options_.ema_decay < 1, "StreamedStackTrainer: ema_decay must be in [0, 1), got ",
-              options_.ema_decay);
+  TORCH_CHECK(options_.ema_decay >= 0 && options_.ema_decay < 1,
+              "StreamedStackTrainer: ema_decay must be in [0, 1), got ", options_.ema_decay);
   HostParamStoreOptions store_options = host_store_options(dt, options_.grad_accum_steps, options_.state_dtype);
   store_options.pin_if_cuda = options_.pin_host_memory;
   store_options.ema = has_ema();
@@ -872,7 +896,8 @@ StreamedStackTrainer::StreamedStackTrainer(std::shared_ptr<StreamedModel> model,
       auto received = std::make_shared<std::atomic<bool>>(false);
       p.register_hook([received](const torch::Tensor&) { received->store(true); });
       // Shapes from the store: a block built by initial_block already had its parameters emptied.
-      impl_->params[l].push_back({p, views.offset, views.grad.numel(), views.group_offset, views.grad.sizes().vec(), received});
+      impl_->params[l].push_back(
+          {p, views.offset, views.grad.numel(), views.group_offset, views.grad.sizes().vec(), received});
       p.set_data(torch::empty({0}, empty));
     }
   }
@@ -965,15 +990,17 @@ torch::Tensor StreamedStackTrainer::gathered_block_ema(int64_t block) {
   const HostParamStore& st = *store_;
   Impl& im = *impl_;
   auto whole = torch::empty({st.block_numel(block)}, torch::TensorOptions().dtype(dt));
-  im.tasks->submit([&st, &im, block, &whole, dt] {
-    const int64_t n = st.block_numel(block), R = im.exchange->world_size(), s = shard_stride(n, R);
-    const ShardRange mine = st.shard(block);
-    const at::Tensor in = im.gather_in.narrow(0, 0, s), out = im.gather_out.narrow(0, 0, R * s);
-    in.zero_();
-    in.narrow(0, 0, mine.size()).copy_(st.ema(block).to(dt));
-    im.exchange->all_gather(in, out);
-    whole.copy_(out.narrow(0, 0, n));
-  }).get();
+  im.tasks
+      ->submit([&st, &im, block, &whole, dt] {
+        const int64_t n = st.block_numel(block), R = im.exchange->world_size(), s = shard_stride(n, R);
+        const ShardRange mine = st.shard(block);
+        const at::Tensor in = im.gather_in.narrow(0, 0, s), out = im.gather_out.narrow(0, 0, R * s);
+        in.zero_();
+        in.narrow(0, 0, mine.size()).copy_(st.ema(block).to(dt));
+        im.exchange->all_gather(in, out);
+        whole.copy_(out.narrow(0, 0, n));
+      })
+      .get();
   return whole;
 }
 
@@ -1007,7 +1034,8 @@ StackStepResult StreamedStackTrainer::step(const Prologue& prologue, const Epilo
   return run.commit(run.global_norm());  // deferred updates start here, likewise
 }
 
-HostParamStoreOptions host_store_options(c10::ScalarType compute_dtype, int64_t grad_accum_steps, StateDtype state_dtype) {
+HostParamStoreOptions host_store_options(c10::ScalarType compute_dtype, int64_t grad_accum_steps,
+                                         StateDtype state_dtype) {
   HostParamStoreOptions o;
   o.compute_dtype = compute_dtype;
   o.state_dtype = state_dtype;
@@ -1029,7 +1057,8 @@ void load_initial_weights(StreamedModel& model, HostParamStore& store, int threa
         torch::nn::Module& source = built[l] ? *built[l] : model.block(l);
         for (const auto& item : source.named_parameters(/*recurse=*/true)) {
           TORCH_CHECK(!item.value().is_meta(), "StreamedStackTrainer: block ", l, "'s parameter '", item.key(),
-                      "' is on the meta device and the model gives no initial_block(", l, ") (offload/streamed_model.h)");
+                      "' is on the meta device and the model gives no initial_block(", l,
+                      ") (offload/streamed_model.h)");
           store.set_param(l, item.key(), item.value().detach().to(torch::kCPU, torch::kFloat));
           if (built[l]) item.value().set_data(torch::empty({0}, item.value().options()));  // the store has it now
         }
@@ -1076,7 +1105,8 @@ void StreamedStackTrainer::reload_blocks_from_masters() {
   if (impl_->exchange) {  // every rank's shards into every rank's copy, on the host channel's thread
     Impl* impl = impl_.get();
     const HostParamStore* store = store_.get();
-    for (int64_t l = 0; l < store_->num_blocks(); ++l) impl_->pending_update[l] = impl_->tasks->submit([impl, store, l] { impl->gather_compute(*store, l); });
+    for (int64_t l = 0; l < store_->num_blocks(); ++l)
+      impl_->pending_update[l] = impl_->tasks->submit([impl, store, l] { impl->gather_compute(*store, l); });
     synchronize();
     impl_->exchange_ns = 0;
   }

@@ -8,10 +8,14 @@ namespace megaslide::offload {
 
 const char* to_string(TraceLane lane) {
   switch (lane) {
-    case TraceLane::kCompute: return "compute stream";
-    case TraceLane::kH2D: return "H2D stream";
-    case TraceLane::kD2H: return "D2H stream";
-    case TraceLane::kOptimizer: return "optimizer thread";
+    case TraceLane::kCompute:
+      return "compute stream";
+    case TraceLane::kH2D:
+      return "H2D stream";
+    case TraceLane::kD2H:
+      return "D2H stream";
+    case TraceLane::kOptimizer:
+      return "optimizer thread";
   }
   return "?";
 }
@@ -35,13 +39,22 @@ std::vector<StepTrace::Event> StepTrace::events() const {
 std::string StepTrace::to_json() const {
   nlohmann::json events = nlohmann::json::array();
   for (auto lane : {TraceLane::kCompute, TraceLane::kH2D, TraceLane::kD2H, TraceLane::kOptimizer}) {
-    events.push_back({{"ph", "M"}, {"name", "thread_name"}, {"pid", 1}, {"tid", static_cast<int>(lane)},
+    events.push_back({{"ph", "M"},
+                      {"name", "thread_name"},
+                      {"pid", 1},
+                      {"tid", static_cast<int>(lane)},
                       {"args", {{"name", to_string(lane)}}}});
   }
-  events.push_back({{"ph", "M"}, {"name", "process_name"}, {"pid", 1}, {"args", {{"name", "megaslide training step"}}}});
+  events.push_back(
+      {{"ph", "M"}, {"name", "process_name"}, {"pid", 1}, {"args", {{"name", "megaslide training step"}}}});
   for (const auto& e : this->events()) {
-    events.push_back({{"ph", "X"}, {"name", e.name}, {"cat", to_string(e.lane)}, {"pid", 1},
-                      {"tid", static_cast<int>(e.lane)}, {"ts", e.start_s * 1e6}, {"dur", e.duration_s * 1e6}});
+    events.push_back({{"ph", "X"},
+                      {"name", e.name},
+                      {"cat", to_string(e.lane)},
+                      {"pid", 1},
+                      {"tid", static_cast<int>(e.lane)},
+                      {"ts", e.start_s * 1e6},
+                      {"dur", e.duration_s * 1e6}});
   }
   return nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump();
 }

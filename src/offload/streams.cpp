@@ -15,9 +15,12 @@ namespace megaslide::offload::detail {
 
 TraceLane trace_lane(Lane lane) {
   switch (lane) {
-    case Lane::kCompute: return TraceLane::kCompute;
-    case Lane::kH2D: return TraceLane::kH2D;
-    case Lane::kD2H: return TraceLane::kD2H;
+    case Lane::kCompute:
+      return TraceLane::kCompute;
+    case Lane::kH2D:
+      return TraceLane::kH2D;
+    case Lane::kD2H:
+      return TraceLane::kD2H;
   }
   return TraceLane::kCompute;
 }
@@ -103,7 +106,8 @@ void check_copy(const at::Tensor& dst, const at::Tensor& src) {
 class HostStreams final : public Streams {
  public:
   explicit HostStreams(const StreamsOptions& options)
-      : emulated_(options.mode == StreamMode::kAsync), delay_(options.emulated_copy_delay_ms),
+      : emulated_(options.mode == StreamMode::kAsync),
+        delay_(options.emulated_copy_delay_ms),
         compute_lag_(options.emulated_compute_lag_ms) {
     TORCH_CHECK(delay_ >= 0.0, "emulated_copy_delay_ms must be >= 0, got ", delay_);
     TORCH_CHECK(compute_lag_ >= 0.0, "emulated_compute_lag_ms must be >= 0, got ", compute_lag_);
@@ -123,7 +127,8 @@ class HostStreams final : public Streams {
   EventPtr record(Lane lane) override {
     if (lane == Lane::kCompute && compute_clock_) {  // the lagging compute lane: done `compute_lag_` from now
       auto event = std::make_shared<FlagEvent>(false);
-      const auto due = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double, std::milli>(compute_lag_));
+      const auto due = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                          std::chrono::duration<double, std::milli>(compute_lag_));
       compute_clock_->push([event, due] {
         std::this_thread::sleep_until(due);
         event->set();
@@ -221,7 +226,7 @@ class HostStreams final : public Streams {
   bool emulated_;
   double delay_;
   double compute_lag_;
-  std::unique_ptr<LaneThread> lanes_[3];  // by Lane; null: the calling thread runs the lane
+  std::unique_ptr<LaneThread> lanes_[3];       // by Lane; null: the calling thread runs the lane
   std::unique_ptr<LaneThread> compute_clock_;  // completes the lagging compute lane's events in order
   std::mutex exposed_mutex_;
   double exposed_s_ = 0.0;

@@ -153,7 +153,9 @@ class CudaStreams final : public Streams {
 
 }  // namespace
 
-std::unique_ptr<Streams> make_cuda_streams(const StreamsOptions& options) { return std::make_unique<CudaStreams>(options); }
+std::unique_ptr<Streams> make_cuda_streams(const StreamsOptions& options) {
+  return std::make_unique<CudaStreams>(options);
+}
 
 c10::Device canonical_cuda_device(c10::Device device) {
   return c10::Device(c10::DeviceType::CUDA, c10::cuda::current_device());

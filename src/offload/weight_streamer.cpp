@@ -84,10 +84,10 @@ void WeightStreamer::prefetch(int64_t block, const at::Tensor& host_weights) {
   TORCH_CHECK(block >= 0 && block < num_blocks(), "WeightStreamer::prefetch: block ", block, " out of range [0, ",
               num_blocks(), ")");
   const int64_t n = numels_[block];
-  TORCH_CHECK(host_weights.numel() == n && host_weights.scalar_type() == options_.compute_dtype &&
-                  host_weights.is_contiguous(),
-              "WeightStreamer::prefetch: block ", block, " expects a contiguous ", options_.compute_dtype, " tensor of ",
-              n, " elements, got ", host_weights.scalar_type(), " with ", host_weights.numel());
+  TORCH_CHECK(
+      host_weights.numel() == n && host_weights.scalar_type() == options_.compute_dtype && host_weights.is_contiguous(),
+      "WeightStreamer::prefetch: block ", block, " expects a contiguous ", options_.compute_dtype, " tensor of ", n,
+      " elements, got ", host_weights.scalar_type(), " with ", host_weights.numel());
   auto& slot = impl_->slots[slot_of(block)];
   if (slot.block == block && slot.valid) {
     ++stats_.cache_hits;
@@ -172,10 +172,14 @@ void WeightStreamer::set_trace(StepTrace* trace) { impl_->streams->set_trace(tra
 
 int WeightStreamer::begin_span(TraceLane lane, const std::string& name) {
   switch (lane) {
-    case TraceLane::kCompute: return impl_->streams->begin_span(Lane::kCompute, name);
-    case TraceLane::kH2D: return impl_->streams->begin_span(Lane::kH2D, name);
-    case TraceLane::kD2H: return impl_->streams->begin_span(Lane::kD2H, name);
-    case TraceLane::kOptimizer: break;
+    case TraceLane::kCompute:
+      return impl_->streams->begin_span(Lane::kCompute, name);
+    case TraceLane::kH2D:
+      return impl_->streams->begin_span(Lane::kH2D, name);
+    case TraceLane::kD2H:
+      return impl_->streams->begin_span(Lane::kD2H, name);
+    case TraceLane::kOptimizer:
+      break;
   }
   TORCH_CHECK(false, "WeightStreamer::begin_span: the optimizer lane is a host thread, not a stream");
 }

@@ -67,10 +67,11 @@ HardwareProfile parse_hardware_profile(const std::string& yaml_text, const std::
   } catch (const YAML::Exception& e) {
     fail(source, "", std::string("not valid YAML: ") + e.what());
   }
-  if (!root.IsMap()) fail(source, "", "expected a mapping of keys (see configs/hardware/h200.yaml), got " + describe(root));
-  static const std::set<std::string> kKeys{"name",          "description",    "device_memory_bytes", "peak_bf16_tflops",
-                                            "pcie_h2d_gbps", "pcie_d2h_gbps",  "host_dram_gbps",      "host_memory_bytes",
-                                            "network_gbps"};
+  if (!root.IsMap())
+    fail(source, "", "expected a mapping of keys (see configs/hardware/h200.yaml), got " + describe(root));
+  static const std::set<std::string> kKeys{"name",          "description",   "device_memory_bytes", "peak_bf16_tflops",
+                                           "pcie_h2d_gbps", "pcie_d2h_gbps", "host_dram_gbps",      "host_memory_bytes",
+                                           "network_gbps"};
   for (const auto& item : root) {
     const std::string key = item.first.as<std::string>();
     if (kKeys.count(key) == 0) {

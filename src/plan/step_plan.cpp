@@ -24,7 +24,8 @@ namespace {
 // What does not change with frames, resolution or batch: the model's parameter layout.
 struct ModelShape {
   int64_t params = 0, text_encoder_params = 0;
-  int64_t resident = 0;  // on the device, outside the store: prologue, epilogue, caption encoder (Wan: the blocks' fp32 tables)
+  int64_t resident =
+      0;  // on the device, outside the store: prologue, epilogue, caption encoder (Wan: the blocks' fp32 tables)
   std::vector<int64_t> block_numels;
   std::vector<offload::BlockSpec> blocks;  // every block's parameters, as the trainer's store lays them out
   int64_t streamed = 0, largest_block = 0;
@@ -38,15 +39,17 @@ ModelShape model_shape(const RunConfig& config) {
     const auto& block = *model->blocks[l];
     const int64_t n = count_parameters(block);
     offload::BlockSpec spec{"blocks." + std::to_string(l), {}};
-    for (const auto& item : block.named_parameters(/*recurse=*/true)) spec.params.push_back({item.key(), item.value().sizes().vec()});
+    for (const auto& item : block.named_parameters(/*recurse=*/true))
+      spec.params.push_back({item.key(), item.value().sizes().vec()});
     s.blocks.push_back(std::move(spec));
     s.block_numels.push_back(n);
     s.streamed += n;
     s.largest_block = std::max(s.largest_block, n);
   }
   if (config.model.text_encoder.kind == "builtin") {  // CLIP is frozen: not trained, not counted here
-    TextEncoder text(TextEncoderOptions(CaptionTokenizer().vocab_size(), config.model.text_dim, config.data.max_text_tokens)
-                         .device(torch::kMeta));
+    TextEncoder text(
+        TextEncoderOptions(CaptionTokenizer().vocab_size(), config.model.text_dim, config.data.max_text_tokens)
+            .device(torch::kMeta));
     s.text_encoder_params = count_parameters(*text);
   }
   s.resident = s.params - s.streamed + s.text_encoder_params;
@@ -244,7 +247,6 @@ ModelShape wan_model_shape(const RunConfig& config) {
 ModelShape shape_of(const RunConfig& c) { return is_wan(c) ? wan_model_shape(c) : model_shape(c); }
 const std::array<int64_t, 3>& patch_of(const RunConfig& c) { return is_wan(c) ? c.model.wan.patch : c.model.patch; }
 
-
 // The tensors autograd keeps while one Wan block is recomputed with grad, following WanBlock::forward
 // (docs/planner.md): X = B·N·D in the compute dtype, F the same in fp32 (the block's LayerNorms,
 // modulation and gated residuals run in fp32 as diffusers keeps them), Xm at the FFN's width, C = B·Lt·D
@@ -287,7 +289,7 @@ BlockActivation wan_block_activation(const RunConfig& c, const TokenGrid& grid, 
       attention_stage = 2 * K * X + 2 * Nb * M * K * e + 5 * X;
     }
   } else {
-    a.saved += X + lse;  // SDPA's output and lse (flash / memory-efficient kernels: no N×N matrix)
+    a.saved += X + lse;                    // SDPA's output and lse (flash / memory-efficient kernels: no N×N matrix)
     attention_stage = 5 * X + Nb * D * 4;  // dq, dk, dv, dout, dx, an fp32 dq accumulator
   }
   a.workspace = std::max(mlp_stage, attention_stage);
@@ -341,7 +343,8 @@ TokenGrid grid_of(const RunConfig& c) {
 }
 
 bool device_fits(const RunConfig& c, const ModelShape& s, const HardwareProfile& hw) {
-  return (is_wan(c) ? wan_device_memory(c, s, grid_of(c)) : device_memory(c, s, grid_of(c))).peak() <= hw.device_memory_bytes;
+  return (is_wan(c) ? wan_device_memory(c, s, grid_of(c)) : device_memory(c, s, grid_of(c))).peak() <=
+         hw.device_memory_bytes;
 }
 
 std::string gb(double bytes) { return fmt::format("{:.1f} GB", bytes / 1e9); }
@@ -372,7 +375,8 @@ std::vector<std::string> advise(const RunConfig& config, const ModelShape& s, co
       c.data.height = h / (p[1] * unit) * (p[1] * unit);
       c.data.width = w / (p[2] * unit) * (p[2] * unit);
       if (device_fits(c, s, hw)) {
-        out.push_back(fmt::format("device: lower resolution: data.height={} data.width={} fits", c.data.height, c.data.width));
+        out.push_back(
+            fmt::format("device: lower resolution: data.height={} data.width={} fits", c.data.height, c.data.width));
         break;
       }
     }
@@ -381,9 +385,10 @@ std::vector<std::string> advise(const RunConfig& config, const ModelShape& s, co
       for (int64_t b = config.train.batch_size - 1; b >= 1; --b) {
         c.train.batch_size = b;
         if (device_fits(c, s, hw)) {
-          out.push_back(fmt::format("device: smaller batch: train.batch_size={} fits (raise train.grad_accum_steps to keep "
-                                    "the samples per step)",
-                                    b * ranks));
+          out.push_back(
+              fmt::format("device: smaller batch: train.batch_size={} fits (raise train.grad_accum_steps to keep "
+                          "the samples per step)",
+                          b * ranks));
           break;
         }
       }
@@ -396,18 +401,21 @@ std::vector<std::string> advise(const RunConfig& config, const ModelShape& s, co
     if (is_wan(config) && config.model.self_attention == "dense") {
       c = config;
       c.model.self_attention = "dsa3d";
-      if (device_fits(c, wan_model_shape(c), hw)) out.push_back("device: the 3D-DSA retrofit: model.self_attention=dsa3d fits");
+      if (device_fits(c, wan_model_shape(c), hw))
+        out.push_back("device: the 3D-DSA retrofit: model.self_attention=dsa3d fits");
     }
     const int64_t fixed = plan.device.weight_slots + plan.device.gradient_slots + plan.device.resident_state;
     if (fixed > hw.device_memory_bytes) {
-      out.push_back(fmt::format("device: the weight and gradient slots and resident parts alone need {}: a narrower model "
-                                "({}) is the only way",
-                                gb(static_cast<double>(fixed)), is_wan(config) ? "model.wan.dim" : "model.hidden"));
+      out.push_back(
+          fmt::format("device: the weight and gradient slots and resident parts alone need {}: a narrower model "
+                      "({}) is the only way",
+                      gb(static_cast<double>(fixed)), is_wan(config) ? "model.wan.dim" : "model.hidden"));
     }
     if (out.empty()) out.push_back("device: no single change of frames, resolution or batch fits this device");
   }
   if (!plan.fits_host && plan.streamed) {
-    out.push_back(fmt::format("host: more host RAM: at least {} ({} in the profile)", gb(static_cast<double>(plan.host.peak())),
+    out.push_back(fmt::format("host: more host RAM: at least {} ({} in the profile)",
+                              gb(static_cast<double>(plan.host.peak())),
                               gb(static_cast<double>(hw.host_memory_bytes))));
     if (config.optimizer.state_dtype != "int8" && ranks == 1) {  // the sharded store refuses int8 moments
       RunConfig c = config;
@@ -422,14 +430,17 @@ std::vector<std::string> advise(const RunConfig& config, const ModelShape& s, co
       c.train.ema_decay = 0;
       const StepPlan without = plan_step(c, hw, ranks);
       if (without.fits_host)
-        out.push_back(fmt::format("host: no EMA of the weights: train.ema_decay=0 fits ({} at peak; the EMA takes 4 B a parameter)",
-                                  gb(static_cast<double>(without.host.peak()))));
+        out.push_back(fmt::format(
+            "host: no EMA of the weights: train.ema_decay=0 fits ({} at peak; the EMA takes 4 B a parameter)",
+            gb(static_cast<double>(without.host.peak()))));
     }
     // Layers that fit at this width: host bytes grow by the same amount per block.
     const int64_t L = is_wan(config) ? config.model.wan.layers : config.model.layers;
     const double per_block = static_cast<double>(plan.host.peak()) / static_cast<double>(L);
     const int64_t layers = static_cast<int64_t>(std::floor(static_cast<double>(hw.host_memory_bytes) / per_block));
-    if (layers >= 1 && layers < L) out.push_back(fmt::format("host: fewer blocks: {}={} fits ({} now)", is_wan(config) ? "model.wan.layers" : "model.layers", layers, L));
+    if (layers >= 1 && layers < L)
+      out.push_back(fmt::format("host: fewer blocks: {}={} fits ({} now)",
+                                is_wan(config) ? "model.wan.layers" : "model.layers", layers, L));
   }
   return out;
 }
@@ -442,8 +453,8 @@ int64_t shard_numel(int64_t n, int64_t ranks) { return (n + ranks - 1) / ranks; 
 // rank 0's shard of every block's fp32 master and AdamW m and v; the whole transfer buffer (the compute
 // copy in the compute dtype, also with fp32 compute: the master is no longer the upload); the whole fp32
 // gradient sums with accumulation; two exchange buffers of R·s_max elements of the exchange dtype.
-HostMemoryPlan sharded_host_memory(const ModelShape& s, int64_t ranks, const std::string& compute_dtype, offload::StateDtype state,
-                                   int64_t accum, bool ema) {
+HostMemoryPlan sharded_host_memory(const ModelShape& s, int64_t ranks, const std::string& compute_dtype,
+                                   offload::StateDtype state, int64_t accum, bool ema) {
   // Rank 0's HostParamStore, counted by the store itself (the largest shard of every block).
   auto options = offload::host_store_options(offload::parse_compute_dtype(compute_dtype), accum, state);
   options.ema = ema;
@@ -490,16 +501,18 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
   const int64_t R = world_size;
   if (R < 1) throw ConfigError("megaslide-plan", "--world-size", fmt::format("is {}; expected 1 or more ranks", R));
   if (global.train.batch_size % R != 0) {
-    throw ConfigError("megaslide-plan", "train.batch_size",
-                      fmt::format("is {}, the global batch, which must split evenly over the {} ranks of --world-size: set a "
-                                  "multiple of {}",
-                                  global.train.batch_size, R, R));
+    throw ConfigError(
+        "megaslide-plan", "train.batch_size",
+        fmt::format("is {}, the global batch, which must split evenly over the {} ranks of --world-size: set a "
+                    "multiple of {}",
+                    global.train.batch_size, R, R));
   }
   if (R > 1 && global.offload.enabled && global.optimizer.state_dtype == "int8") {
-    throw ConfigError("megaslide-plan", "optimizer.state_dtype",
-                      fmt::format("is int8, which the streamed trainer sharded over {} ranks does not keep (its shards hold "
-                                  "fp32 or bf16 moments): set fp32 or bf16",
-                                  R));
+    throw ConfigError(
+        "megaslide-plan", "optimizer.state_dtype",
+        fmt::format("is int8, which the streamed trainer sharded over {} ranks does not keep (its shards hold "
+                    "fp32 or bf16 moments): set fp32 or bf16",
+                    R));
   }
   // One rank's run: its share of the global batch (the device memory and the FLOPs are one rank's).
   RunConfig config = global;
@@ -594,7 +607,8 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
       const auto& k = config.model.dsa_kernel;
       keys = static_cast<double>(std::min(k[0], grid.t) * std::min(k[1], grid.h) * std::min(k[2], grid.w));
     }
-    dense_flops = tm.model_flops - 12.0 * static_cast<double>(p.layers) * samples * N * (keys + Lt) * static_cast<double>(p.hidden);
+    dense_flops = tm.model_flops -
+                  12.0 * static_cast<double>(p.layers) * samples * N * (keys + Lt) * static_cast<double>(p.hidden);
   }
   const double attention_flops = tm.model_flops - dense_flops;
   tm.executed_flops = tm.model_flops;
@@ -602,9 +616,11 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
     // Checkpointing recomputes every block's forward: 2 FLOPs per streamed weight and token, plus the
     // attention's forward third (model_flops counts attention as 4 forward + 8 backward).
     // (Wan: the cross-attention's k and v projections run over the text tokens.)
-    const double cross_kv = wan ? 2.0 * static_cast<double>(p.hidden * p.hidden + p.hidden) * static_cast<double>(p.layers) : 0.0;
-    tm.executed_flops += 2.0 * (static_cast<double>(s.streamed) - cross_kv) * samples * static_cast<double>(grid.numel()) +
-                         2.0 * cross_kv * samples * static_cast<double>(config.data.max_text_tokens) + attention_flops / 3.0;
+    const double cross_kv =
+        wan ? 2.0 * static_cast<double>(p.hidden * p.hidden + p.hidden) * static_cast<double>(p.layers) : 0.0;
+    tm.executed_flops +=
+        2.0 * (static_cast<double>(s.streamed) - cross_kv) * samples * static_cast<double>(grid.numel()) +
+        2.0 * cross_kv * samples * static_cast<double>(config.data.max_text_tokens) + attention_flops / 3.0;
     // CpuAdamW reads master, m, v and the gradient and writes master, m, v and the compute copy (none
     // with fp32 compute, which uploads the master); m and v in the state dtype (int8: and their group
     // scales, read and written); accumulation reads each staged micro-batch and writes (first) or reads
@@ -613,9 +629,9 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
     // the exchange dtype and writes the shard of the compute copy in the compute dtype (fp32 too).
     const int64_t grad_e = A > 1 ? 4 : e;
     const int64_t state_e = offload::state_element_bytes(offload::parse_state_dtype(p.state_dtype));
-    tm.optimizer_bytes = R > 1 ? p.sharded_params_per_rank * (8 + 4 * state_e + grad_e + e)
-                               : s.streamed * (8 + 4 * state_e + grad_e + (p.compute_dtype == "fp32" ? 0 : 2)) +
-                                     2 * p.host.scales;
+    tm.optimizer_bytes =
+        R > 1 ? p.sharded_params_per_rank * (8 + 4 * state_e + grad_e + e)
+              : s.streamed * (8 + 4 * state_e + grad_e + (p.compute_dtype == "fp32" ? 0 : 2)) + 2 * p.host.scales;
     if (A > 1) tm.optimizer_bytes += s.streamed * (A * e + 4 + (A - 1) * 8);
     // The EMA pass after each block's update: reads the master and the EMA, writes the EMA.
     if (ema) tm.optimizer_bytes += 12 * (R > 1 ? p.sharded_params_per_rank : s.streamed);
@@ -677,7 +693,9 @@ std::string to_json(const StepPlan& p) {
                    {"host_memory_bytes", p.hardware.host_memory_bytes}};
   const auto& h = p.host;
   j["state_dtype"] = p.state_dtype;
-  const auto per_param = [&](int64_t bytes) { return p.params > 0 ? static_cast<double>(bytes) / static_cast<double>(p.params) : 0.0; };
+  const auto per_param = [&](int64_t bytes) {
+    return p.params > 0 ? static_cast<double>(bytes) / static_cast<double>(p.params) : 0.0;
+  };
   j["host_state_bytes"] = h.state();
   j["host_state_bytes_per_param"] = per_param(h.state());
   j["host_master_bytes"] = h.master;
@@ -757,14 +775,15 @@ std::string to_table(const StepPlan& p) {
   std::string out = fmt::format(
       "megaslide-plan: {} ({} trainer, {} compute, {}), {} layers x {} hidden, {} params ({} streamed, {} resident "
       "incl. {} caption encoder)\n",
-      p.arch, p.streamed ? "streamed" : "resident", p.compute_dtype, p.streamed ? p.mode : "no offload", p.layers, p.hidden,
-      p.params, p.streamed_params, p.resident_params, p.text_encoder_params);
+      p.arch, p.streamed ? "streamed" : "resident", p.compute_dtype, p.streamed ? p.mode : "no offload", p.layers,
+      p.hidden, p.params, p.streamed_params, p.resident_params, p.text_encoder_params);
   out += fmt::format("  tokens/sample {} (grid {}x{}x{}), batch {} x {} micro-batch(es)\n", p.tokens_per_sample,
                      p.token_grid[0], p.token_grid[1], p.token_grid[2], p.batch_size, p.grad_accum_steps);
   if (p.world_size > 1) {
-    out += fmt::format("  data parallel over {} ranks: every figure below is one rank's (batch {} of the global {}{})\n",
-                       p.world_size, p.batch_size_per_rank, p.batch_size,
-                       p.streamed ? "; fp32 master and AdamW moments sharded, rank 0's shard: the largest" : "");
+    out +=
+        fmt::format("  data parallel over {} ranks: every figure below is one rank's (batch {} of the global {}{})\n",
+                    p.world_size, p.batch_size_per_rank, p.batch_size,
+                    p.streamed ? "; fp32 master and AdamW moments sharded, rank 0's shard: the largest" : "");
   }
   out += fmt::format("  hardware: {} ({})\n\n", p.hardware.name, p.hardware.source);
   const auto row = [&](const std::string& name, int64_t bytes) {
@@ -783,11 +802,13 @@ std::string to_table(const StepPlan& p) {
     if (p.host.scales > 0) row("int8 group scales (fp32, m and v)", p.host.scales);
     if (p.host.compute > 0)
       row(p.compute_dtype + (sharded || p.grad_accum_steps > 1 ? " transfer buffer (compute copy)"
-                             : p.compute_dtype == "fp32" ? " transfer buffer (gradient)" : " transfer buffer (copy / gradient)"),
+                             : p.compute_dtype == "fp32"       ? " transfer buffer (gradient)"
+                                                               : " transfer buffer (copy / gradient)"),
           p.host.compute);
     if (p.host.grad > 0 && sharded) row("fp32 gradient sums (accumulation)", p.host.grad);
     if (p.host.ema > 0) row("fp32 EMA of the weights" + shard, p.host.ema);
-    if (p.host.exchange > 0) row(fmt::format("exchange buffers (2 x {} ranks x largest shard)", p.world_size), p.host.exchange);
+    if (p.host.exchange > 0)
+      row(fmt::format("exchange buffers (2 x {} ranks x largest shard)", p.world_size), p.host.exchange);
     row("host state", p.host.state());
     if (p.host.grad > 0 && !sharded) row("fp32 gradient sums (accumulation)", p.host.grad);
     if (p.host.staging > 0) row("accumulation staging (2 blocks)", p.host.staging);
@@ -803,11 +824,14 @@ std::string to_table(const StepPlan& p) {
   if (p.streamed) {
     row("weight slots (2 blocks)", d.weight_slots);
     row("gradient slots (2 blocks)", d.gradient_slots);
-    row(p.ema ? "resident parts: weights, grad, AdamW m, v, EMA" : "resident parts: weights, grad, AdamW m, v", d.resident_state);
+    row(p.ema ? "resident parts: weights, grad, AdamW m, v, EMA" : "resident parts: weights, grad, AdamW m, v",
+        d.resident_state);
     row("block-boundary checkpoints (L + 1)", d.checkpoints);
     row("shared block inputs and their grads", d.block_inputs);
   } else {
-    row(p.ema ? "all parameters: weights, grad, AdamW m, v, EMA (fp32)" : "all parameters: weights, grad, AdamW m, v (fp32)", d.resident_state);
+    row(p.ema ? "all parameters: weights, grad, AdamW m, v, EMA (fp32)"
+              : "all parameters: weights, grad, AdamW m, v (fp32)",
+        d.resident_state);
     row("first block's input", d.checkpoints);
   }
   row("prologue/epilogue activations (fp32)", d.prologue_epilogue);
@@ -826,12 +850,13 @@ std::string to_table(const StepPlan& p) {
   }
   if (p.world_size > 1) {
     out += fmt::format("exchange per step per rank: {}; {} B, on the wire {} B each way (ring), {} collectives\n",
-                       p.streamed ? "reduce-scatter of every block's gradient, all-gather of every compute copy (Gloo, host)"
-                                  : "all-reduce of every gradient (fp32)",
+                       p.streamed
+                           ? "reduce-scatter of every block's gradient, all-gather of every compute copy (Gloo, host)"
+                           : "all-reduce of every gradient (fp32)",
                        p.exchange.payload_bytes, p.exchange.wire_bytes, p.exchange.collectives);
   }
-  out += fmt::format("model FLOPs per step {:.4g} (executed with recompute: {:.4g}){}\n", t.model_flops, t.executed_flops,
-                     p.world_size > 1 ? " per rank" : "");
+  out += fmt::format("model FLOPs per step {:.4g} (executed with recompute: {:.4g}){}\n", t.model_flops,
+                     t.executed_flops, p.world_size > 1 ? " per rank" : "");
   out += "lower bound on step time:\n";
   out += fmt::format("  compute         {:>10.4g} s  ({:.4g} FLOP / {} TFLOP/s)\n", t.compute_s, t.executed_flops,
                      p.hardware.peak_bf16_tflops);
@@ -847,10 +872,10 @@ std::string to_table(const StepPlan& p) {
                        p.hardware.network_gbps_assumed ? ", assumed: the profile has no network_gbps" : "");
   }
   const char* combined = t.overlapped ? "the largest of the terms"
-                         : p.streamed  ? "the sum, sync mode of the terms"
-                                       : "the sum of the terms: the all-reduce follows the backward";
-  out += fmt::format("  step >= {:.4g} s ({}), bottleneck: {}; MFU <= {:.1f} %\n", t.lower_bound_s, combined, t.bottleneck,
-                     100.0 * t.mfu_upper_bound);
+                         : p.streamed ? "the sum, sync mode of the terms"
+                                      : "the sum of the terms: the all-reduce follows the backward";
+  out += fmt::format("  step >= {:.4g} s ({}), bottleneck: {}; MFU <= {:.1f} %\n", t.lower_bound_s, combined,
+                     t.bottleneck, 100.0 * t.mfu_upper_bound);
   if (!p.advice.empty()) {
     out += "\nto make it fit:\n";
     for (const auto& a : p.advice) out += "  - " + a + "\n";

@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <cstdlib>
 
-
 #ifdef MEGASLIDE_WITH_CUDA
 #include <cuda_runtime_api.h>
 #endif
@@ -56,7 +55,8 @@ ComputeDtypeChoice resolve_compute_dtype(const std::string& requested, c10::Devi
 
 ComputeDtypeChoice resolve_compute_dtype(const std::string& requested, c10::Device device) {
   if (requested != "auto") return {requested, "as configured"};
-  return resolve_compute_dtype(requested, device, gpu_has_bf16(device), device.is_cuda() ? CpuBf16Support{} : cpu_bf16_support());
+  return resolve_compute_dtype(requested, device, gpu_has_bf16(device),
+                               device.is_cuda() ? CpuBf16Support{} : cpu_bf16_support());
 }
 
 c10::Device device_kind(const std::string& spec) {
@@ -88,7 +88,8 @@ std::string compute_dtype_warning(const std::string& dtype, c10::Device device, 
 
 std::string ThreadPlan::describe() const {
   std::string s = fmt::format("threads: LibTorch intra-op {} ({})", intra_op, intra_op_source);
-  if (optimizer > 0) s += fmt::format(", CpuAdamW {} ({}; the host task thread is one of them)", optimizer, optimizer_source);
+  if (optimizer > 0)
+    s += fmt::format(", CpuAdamW {} ({}; the host task thread is one of them)", optimizer, optimizer_source);
   s += ", from " + cores.describe();
   if (local_ranks > 1) s += fmt::format(": this rank's share of the machine, which {} local ranks share", local_ranks);
   return s;

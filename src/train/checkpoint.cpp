@@ -34,7 +34,7 @@ constexpr const char* kManifest = "manifest.json";
 constexpr const char* kState = "trainer_state.json";
 constexpr const char* kModel = "model.safetensors";
 const char* const kTensorFiles[3] = {"master.safetensors", "exp_avg.safetensors", "exp_avg_sq.safetensors"};
-constexpr const char* kEma = "ema.safetensors";             // with train.ema_decay: the fp32 EMA, keyed like the masters
+constexpr const char* kEma = "ema.safetensors";  // with train.ema_decay: the fp32 EMA, keyed like the masters
 constexpr const char* kModelEma = "model_ema.safetensors";  // ... and as a bf16 weights file
 constexpr const char* kTempPrefix = ".tmp-";
 // Caps on what is read of the small files: `latest` holds "step-NNNNNNN\n"; the JSON files a few kB
@@ -56,16 +56,21 @@ bool is_checkpoint_name(const std::string& name) {
 // The config keys a resumed run must share with its checkpoint: they fix the model's shape and the
 // data and noise streams. Everything else (steps, learning rate, logging, sampling) may change.
 bool must_match(const std::string& key) {
-  static const std::set<std::string> exact{"diffusion.timesteps",    "diffusion.beta_schedule", "diffusion.beta_start",
-                                           "diffusion.beta_end",     "diffusion.caption_dropout", "diffusion.prediction", "train.batch_size",
-                                           "train.seed",             "offload.compute_dtype", "optimizer.state_dtype",
-                                           "diffusion.objective",    "diffusion.shift",       "diffusion.timestep_sampling",
-                                           "diffusion.logit_mean",   "diffusion.logit_std"};
+  static const std::set<std::string> exact{
+      "diffusion.timesteps",         "diffusion.beta_schedule", "diffusion.beta_start", "diffusion.beta_end",
+      "diffusion.caption_dropout",   "diffusion.prediction",    "train.batch_size",     "train.seed",
+      "offload.compute_dtype",       "optimizer.state_dtype",   "diffusion.objective",  "diffusion.shift",
+      "diffusion.timestep_sampling", "diffusion.logit_mean",    "diffusion.logit_std"};
   if (key == "model.wan.weights") return false;  // where a run's initial weights came from: a resume reads its own
   // How data is loaded (threads, read-ahead, from the cache or by decoding) does not change what is drawn.
   // Nor do how many frames the VAE takes per call and how validation videos are decoded.
-  static const std::set<std::string> loading{"data.workers",           "data.prefetch",     "data.cache", "data.max_bad_fraction",
-                                             "model.vae.frames_per_batch", "model.vae.tile_size", "model.vae.tile_overlap"};
+  static const std::set<std::string> loading{"data.workers",
+                                             "data.prefetch",
+                                             "data.cache",
+                                             "data.max_bad_fraction",
+                                             "model.vae.frames_per_batch",
+                                             "model.vae.tile_size",
+                                             "model.vae.tile_overlap"};
   if (loading.count(key) > 0) return false;
   return key.rfind("model.", 0) == 0 || key.rfind("data.", 0) == 0 || exact.count(key) > 0;
 }
@@ -104,9 +109,10 @@ void check_config(const std::string& path, const std::string& saved_yaml, const 
     if (!must_match(key) || validation_only(key)) continue;
     const std::string x = lookup(a, key), y = lookup(b, key);
     if (x != y && key == "offload.compute_dtype")
-      fail(path, fmt::format("{}: offload.compute_dtype is {} in the checkpoint but {} in this run's config (`auto` "
-                             "resolves to the dtype this machine runs fast); resume with --set offload.compute_dtype={}",
-                             kState, x, y, x));
+      fail(path,
+           fmt::format("{}: offload.compute_dtype is {} in the checkpoint but {} in this run's config (`auto` "
+                       "resolves to the dtype this machine runs fast); resume with --set offload.compute_dtype={}",
+                       kState, x, y, x));
     if (x != y)
       fail(path, fmt::format("{}: {} is {} in the checkpoint but {} in this run's config; a run resumes only with the "
                              "model, data and noise settings it was saved with",
@@ -127,8 +133,8 @@ std::array<io::NamedTensors, 3> tensor_file_lists(const TrainingState& state) {
   return lists;
 }
 
-void write_tensor_files(const std::string& dir, const RunConfig& config, const TrainingState& state, const io::NamedTensors& ema_weights,
-                        nlohmann::ordered_json& files) {
+void write_tensor_files(const std::string& dir, const RunConfig& config, const TrainingState& state,
+                        const io::NamedTensors& ema_weights, nlohmann::ordered_json& files) {
   TORCH_CHECK(state.master.size() == state.exp_avg.size() && state.master.size() == state.exp_avg_sq.size(),
               "save_checkpoint: master, exp_avg and exp_avg_sq must list the same parameters");
   const std::map<std::string, std::string> metadata{{"format", kFormat}, {"step", std::to_string(state.step)}};
@@ -137,7 +143,8 @@ void write_tensor_files(const std::string& dir, const RunConfig& config, const T
   files[kModel] = manifest_entry(save_weights(io::join_path(dir, kModel), config, weights, torch::kBFloat16));
   const auto lists = tensor_file_lists(state);
   for (int i = 0; i < 3; ++i)
-    files[kTensorFiles[i]] = manifest_entry(io::write_safetensors(io::join_path(dir, kTensorFiles[i]), lists[i], metadata));
+    files[kTensorFiles[i]] =
+        manifest_entry(io::write_safetensors(io::join_path(dir, kTensorFiles[i]), lists[i], metadata));
   if (!state.ema_valid) return;
   TORCH_CHECK(state.ema.size() == state.master.size(), "save_checkpoint: the EMA must list the masters' parameters");
   files[kEma] = manifest_entry(io::write_safetensors(io::join_path(dir, kEma), state.ema, metadata));
@@ -216,17 +223,21 @@ struct Manifest {
 };
 
 bool is_hex_crc32(const std::string& s) {
-  return s.size() == 8 && std::all_of(s.begin(), s.end(), [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
+  return s.size() == 8 &&
+         std::all_of(s.begin(), s.end(), [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
 }
 
 // "shards/rank-RRRRR-of-WWWWW.safetensors" with R < W and W >= 2: (R, W); nullopt for any other name.
 std::optional<std::pair<int64_t, int64_t>> shard_of(const std::string& name) {
   static constexpr std::string_view kHead = "shards/rank-", kMid = "-of-", kTail = ".safetensors";
   if (name.size() != kHead.size() + 5 + kMid.size() + 5 + kTail.size() || name.compare(0, kHead.size(), kHead) != 0 ||
-      name.compare(kHead.size() + 5, kMid.size(), kMid) != 0 || name.compare(name.size() - kTail.size(), kTail.size(), kTail) != 0)
+      name.compare(kHead.size() + 5, kMid.size(), kMid) != 0 ||
+      name.compare(name.size() - kTail.size(), kTail.size(), kTail) != 0)
     return std::nullopt;
   const std::string r = name.substr(kHead.size(), 5), w = name.substr(kHead.size() + 5 + kMid.size(), 5);
-  const auto digits = [](const std::string& x) { return std::all_of(x.begin(), x.end(), [](char c) { return c >= '0' && c <= '9'; }); };
+  const auto digits = [](const std::string& x) {
+    return std::all_of(x.begin(), x.end(), [](char c) { return c >= '0' && c <= '9'; });
+  };
   if (!digits(r) || !digits(w)) return std::nullopt;
   const int64_t rank = std::stoll(r), world = std::stoll(w);
   if (world < 2 || rank >= world) return std::nullopt;
@@ -240,7 +251,8 @@ std::optional<std::pair<int64_t, int64_t>> shard_of(const std::string& name) {
 // every rank's) each with its size and CRC-32 — never a path outside the folder.
 Manifest read_manifest(const std::string& path) {
   const std::string manifest_path = io::join_path(path, kManifest);
-  if (!io::path_exists(manifest_path)) fail(path, std::string("no ") + kManifest + " (an incomplete or interrupted save, or not a checkpoint)");
+  if (!io::path_exists(manifest_path))
+    fail(path, std::string("no ") + kManifest + " (an incomplete or interrupted save, or not a checkpoint)");
   const auto bad = [&](const std::string& what) { fail(manifest_path, what); };
   std::string text;
   try {
@@ -252,13 +264,15 @@ Manifest read_manifest(const std::string& path) {
   try {
     j = nlohmann::ordered_json::parse(text);
     if (j.dump(2) + "\n" != text)
-      bad(fmt::format("is not byte for byte what MegaSlide writes ({} bytes: edited, truncated or appended to)", text.size()));
+      bad(fmt::format("is not byte for byte what MegaSlide writes ({} bytes: edited, truncated or appended to)",
+                      text.size()));
   } catch (const nlohmann::json::exception& e) {
     bad(std::string("not valid JSON: ") + e.what());
   }
   if (!j.is_object() || j.value("format", "") != kFormat || !j.contains("files") || !j["files"].is_object())
     bad(std::string("not a MegaSlide checkpoint manifest (expected format '") + kFormat + "' and a 'files' object)");
-  if (!j.contains("format_version") || !j["format_version"].is_number_integer() || j["format_version"].get<int64_t>() != kFormatVersion)
+  if (!j.contains("format_version") || !j["format_version"].is_number_integer() ||
+      j["format_version"].get<int64_t>() != kFormatVersion)
     bad("format_version " + (j.contains("format_version") ? j["format_version"].dump() : std::string("(none)")) +
         " is not supported (this build reads " + std::to_string(kFormatVersion) + ")");
   for (const auto& item : j.items())
@@ -276,14 +290,15 @@ Manifest read_manifest(const std::string& path) {
     if (!own && !shard) bad("lists '" + name + "', which is not a file of a checkpoint");
     if (shard) worlds.insert(shard->second), ranks.insert(shard->first);
     const auto& e = item.value();
-    if (!e.is_object() || e.size() != 2 || !e.contains("bytes") || !e["bytes"].is_number_unsigned() || !e.contains("crc32") ||
-        !e["crc32"].is_string() || !is_hex_crc32(e["crc32"].get<std::string>()))
+    if (!e.is_object() || e.size() != 2 || !e.contains("bytes") || !e["bytes"].is_number_unsigned() ||
+        !e.contains("crc32") || !e["crc32"].is_string() || !is_hex_crc32(e["crc32"].get<std::string>()))
       bad("entry for " + name + " needs exactly 'bytes' (a size) and 'crc32' (8 hex digits)");
     m.files.push_back({name, e["bytes"].get<uint64_t>(), e["crc32"].get<std::string>()});
   }
   for (const std::string need : {kModel, kState, kTensorFiles[0], kTensorFiles[1], kTensorFiles[2]})
     if (m.find(need) == nullptr) bad("does not list " + need);
-  if ((m.find(kEma) == nullptr) != (m.find(kModelEma) == nullptr)) bad(std::string("lists one of ") + kEma + " and " + kModelEma + " without the other");
+  if ((m.find(kEma) == nullptr) != (m.find(kModelEma) == nullptr))
+    bad(std::string("lists one of ") + kEma + " and " + kModelEma + " without the other");
   if (worlds.size() > 1) bad("lists the shards of several world sizes");
   if (!worlds.empty()) {
     m.shard_world = *worlds.begin();
@@ -308,7 +323,8 @@ std::string expected_crc32(const std::string& path, const Manifest& manifest, co
 
 void check_crc32(const std::string& file_path, uint32_t actual, const std::string& expected) {
   const std::string crc = fmt::format("{:08x}", actual);
-  if (crc != expected) fail(file_path, "CRC-32 is " + crc + " but the manifest says " + expected + " (the file is corrupted)");
+  if (crc != expected)
+    fail(file_path, "CRC-32 is " + crc + " but the manifest says " + expected + " (the file is corrupted)");
 }
 
 // Checks `files` against the manifest (size and CRC-32, each read once).
@@ -331,7 +347,8 @@ std::string follow_pointer(const std::string& pointer) {
     fail(pointer, std::string("cannot be read as the `latest` pointer: ") + e.what());
   }
   while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
-  if (!is_checkpoint_name(name)) fail(pointer, "does not name a checkpoint (expected step-NNNNNNN, found '" + name.substr(0, 40) + "')");
+  if (!is_checkpoint_name(name))
+    fail(pointer, "does not name a checkpoint (expected step-NNNNNNN, found '" + name.substr(0, 40) + "')");
   return io::join_path(io::parent_path(pointer), name);
 }
 
@@ -359,18 +376,25 @@ std::string find_checkpoint(const std::string& spec) {
   if (!io::path_exists(spec)) throw CheckpointError("checkpoint '" + spec + "' does not exist");
   if (io::is_directory(spec)) {
     if (io::path_exists(io::join_path(spec, kManifest))) return spec;  // a checkpoint folder
-    if (io::path_exists(io::join_path(spec, "checkpoints"))) {       // a run folder
+    if (io::path_exists(io::join_path(spec, "checkpoints"))) {         // a run folder
       const std::string latest = latest_checkpoint(spec);
-      if (latest.empty()) throw CheckpointError("run folder '" + spec + "' has no checkpoint (no " + io::join_path(checkpoints_dir(spec), "latest") + ")");
+      if (latest.empty())
+        throw CheckpointError("run folder '" + spec + "' has no checkpoint (no " +
+                              io::join_path(checkpoints_dir(spec), "latest") + ")");
       return latest;
     }
-    if (io::path_exists(io::join_path(spec, "latest"))) return follow_pointer(io::join_path(spec, "latest"));  // RUN/checkpoints
+    if (io::path_exists(io::join_path(spec, "latest")))
+      return follow_pointer(io::join_path(spec, "latest"));  // RUN/checkpoints
     if (io::path_exists(io::join_path(spec, "metrics.jsonl")))
-      throw CheckpointError("run folder '" + spec + "' has no checkpoints (it was trained with train.checkpoint_every: 0)");
-    fail(spec, std::string("is a folder but neither a checkpoint (no ") + kManifest + ") nor a run folder (no checkpoints/)");
+      throw CheckpointError("run folder '" + spec +
+                            "' has no checkpoints (it was trained with train.checkpoint_every: 0)");
+    fail(spec,
+         std::string("is a folder but neither a checkpoint (no ") + kManifest + ") nor a run folder (no checkpoints/)");
   }
   if (looks_like_pointer(spec)) return follow_pointer(spec);
-  fail(spec, "is a file; a checkpoint is a folder (RUN/checkpoints/step-NNNNNNN), the `latest` file beside it, or a run folder");
+  fail(spec,
+       "is a file; a checkpoint is a folder (RUN/checkpoints/step-NNNNNNN), the `latest` file beside it, or a run "
+       "folder");
 }
 
 namespace {
@@ -433,15 +457,17 @@ std::vector<std::string> resume_warnings(const std::string& path, const RunConfi
   nlohmann::json s;
   try {
     s = nlohmann::json::parse(io::read_input_file(io::join_path(path, kState), kMaxJsonBytes));
-    const RunConfig saved = parse_run_config(s.at("config").get<std::string>(), io::join_path(path, kState) + " (config)");
+    const RunConfig saved =
+        parse_run_config(s.at("config").get<std::string>(), io::join_path(path, kState) + " (config)");
     const YAML::Node a = YAML::Load(to_yaml(saved)), b = YAML::Load(to_yaml(config));
     // LibTorch's CPU reductions split their work by thread count: another count sums in another order.
     for (const char* key : {"train.threads"}) {
       const std::string x = lookup(a, key), y = lookup(b, key);
       if (x != y)
-        out.push_back(fmt::format("{} is {} here but was {} when {} was saved: the run continues, but its losses will no longer "
-                                  "match an uninterrupted run's bit for bit; resume with --set {}={} for an exact continuation",
-                                  key, y, x, path, key, x));
+        out.push_back(
+            fmt::format("{} is {} here but was {} when {} was saved: the run continues, but its losses will no longer "
+                        "match an uninterrupted run's bit for bit; resume with --set {}={} for an exact continuation",
+                        key, y, x, path, key, x));
     }
   } catch (const std::exception&) {
     // load_checkpoint reports a broken state file; warnings are only extra.
@@ -484,8 +510,8 @@ nlohmann::ordered_json shard_layout(const TrainingState::BlockShards& shards) {
 
 // trainer_state.json and the manifest (written last) into `tmp`, then the folder published under its
 // step's name and `latest` pointed at it.
-void finish_checkpoint(const std::string& root, const std::string& name, const std::string& tmp, const RunConfig& config,
-                       const TrainingState& state, nlohmann::ordered_json& files) {
+void finish_checkpoint(const std::string& root, const std::string& name, const std::string& tmp,
+                       const RunConfig& config, const TrainingState& state, nlohmann::ordered_json& files) {
   const std::string final_path = io::join_path(root, name);
   nlohmann::ordered_json s;
   s["format"] = kFormat;
@@ -522,7 +548,8 @@ void finish_checkpoint(const std::string& root, const std::string& name, const s
   // do it: `latest` never names this step then (a rolled-back run moved `latest` back first).
   if (io::path_exists(final_path)) {
     if (!io::exchange_durably(tmp, final_path)) {
-      const std::string aside = io::join_path(root, kTempPrefix + std::string("old-") + name + "-" + std::to_string(::getpid()));
+      const std::string aside =
+          io::join_path(root, kTempPrefix + std::string("old-") + name + "-" + std::to_string(::getpid()));
       io::rename_durably(final_path, aside);
       observe("moved-aside");
       io::rename_durably(tmp, final_path);
@@ -543,7 +570,8 @@ std::string what_is_intact(const std::string& run_dir, const std::string& previo
     const std::string latest = latest_checkpoint(run_dir);
     if (latest.empty()) return "there is no earlier checkpoint";
     if (io::path_exists(io::join_path(latest, kManifest)))
-      return latest == previous ? "the previous checkpoint " + latest + " is intact" : "`latest` names " + latest + ", which is intact";
+      return latest == previous ? "the previous checkpoint " + latest + " is intact"
+                                : "`latest` names " + latest + ", which is intact";
     return "`latest` names " + latest + ", which is missing: resume from another checkpoint folder";
   } catch (const std::exception& pointer_error) {
     return std::string("`latest` cannot be read (") + pointer_error.what() + ")";
@@ -553,7 +581,8 @@ std::string what_is_intact(const std::string& run_dir, const std::string& previo
 // A sharded state: three agreements among the ranks (the temporary folder is ready; every shard is
 // written, with its size and CRC-32; rank 0 has published), so that every rank returns or throws
 // alike and no rank waits for one that gave up.
-std::string save_sharded_checkpoint(const std::string& run_dir, const RunConfig& config, const TrainingState& state, const RankSum& sum) {
+std::string save_sharded_checkpoint(const std::string& run_dir, const RunConfig& config, const TrainingState& state,
+                                    const RankSum& sum) {
   TORCH_CHECK(sum != nullptr, "save_checkpoint: a sharded state needs the ranks' sum");
   const auto& shards = *state.shards;
   const int64_t rank = shards.rank, world = shards.world_size;
@@ -589,9 +618,10 @@ std::string save_sharded_checkpoint(const std::string& run_dir, const RunConfig&
         } catch (...) {
         }
       }
-      throw CheckpointError(fmt::format("saving checkpoint {} failed {} on rank(s) {}{}; {}", final_path, stage, failed,
-                                        error.empty() ? " (their logs say why)" : ": " + error,
-                                        rank == 0 ? what_is_intact(run_dir, previous) : "rank 0's log says what is intact"));
+      throw CheckpointError(
+          fmt::format("saving checkpoint {} failed {} on rank(s) {}{}; {}", final_path, stage, failed,
+                      error.empty() ? " (their logs say why)" : ": " + error,
+                      rank == 0 ? what_is_intact(run_dir, previous) : "rank 0's log says what is intact"));
     }
     return all;
   };
@@ -611,11 +641,14 @@ std::string save_sharded_checkpoint(const std::string& run_dir, const RunConfig&
       tensors.emplace_back(b.name + "#exp_avg_sq", b.exp_avg_sq);
       if (state.ema_valid) tensors.emplace_back(b.name + "#ema", b.ema);
     }
-    const std::map<std::string, std::string> metadata{{"format", kFormat}, {"step", std::to_string(state.step)},
-                                                      {"rank", std::to_string(rank)}, {"world_size", std::to_string(world)}};
+    const std::map<std::string, std::string> metadata{{"format", kFormat},
+                                                      {"step", std::to_string(state.step)},
+                                                      {"rank", std::to_string(rank)},
+                                                      {"world_size", std::to_string(world)}};
     written = io::write_safetensors(io::join_path(tmp, shard_file(rank, world)), tensors, metadata);
   });
-  const auto written_all = agree("writing the shards", {static_cast<int64_t>(written.bytes), static_cast<int64_t>(written.crc32)});
+  const auto written_all =
+      agree("writing the shards", {static_cast<int64_t>(written.bytes), static_cast<int64_t>(written.crc32)});
   // The EMA's weights file: every rank's shard of each block put together (every rank takes part; rank 0
   // keeps them for model_ema.safetensors, the others one block at a time).
   const io::NamedTensors ema_weights = gather_ema_weights(state, rank == 0);
@@ -624,7 +657,8 @@ std::string save_sharded_checkpoint(const std::string& run_dir, const RunConfig&
       nlohmann::ordered_json files = nlohmann::ordered_json::object();
       write_tensor_files(tmp, config, state, ema_weights, files);
       for (int64_t r = 0; r < world; ++r)
-        files[shard_file(r, world)] = manifest_entry({static_cast<uint64_t>(written_all[3 * r + 1]), static_cast<uint32_t>(written_all[3 * r + 2])});
+        files[shard_file(r, world)] = manifest_entry(
+            {static_cast<uint64_t>(written_all[3 * r + 1]), static_cast<uint32_t>(written_all[3 * r + 2])});
       finish_checkpoint(root, name, tmp, config, state, files);
     });
   agree("publishing", {});
@@ -633,7 +667,8 @@ std::string save_sharded_checkpoint(const std::string& run_dir, const RunConfig&
 
 }  // namespace
 
-std::string save_checkpoint(const std::string& run_dir, const RunConfig& config, const TrainingState& state, const RankSum& sum) {
+std::string save_checkpoint(const std::string& run_dir, const RunConfig& config, const TrainingState& state,
+                            const RankSum& sum) {
   if (sharded(state)) return save_sharded_checkpoint(run_dir, config, state, sum);
   const std::string root = checkpoints_dir(run_dir);
   const std::string name = checkpoint_name(state.step);
@@ -653,7 +688,8 @@ std::string save_checkpoint(const std::string& run_dir, const RunConfig& config,
     } catch (...) {
     }
     // Say what is true now, not what was true before the save began.
-    throw CheckpointError(fmt::format("saving checkpoint {} failed: {}; {}", final_path, e.what(), what_is_intact(run_dir, previous)));
+    throw CheckpointError(
+        fmt::format("saving checkpoint {} failed: {}; {}", final_path, e.what(), what_is_intact(run_dir, previous)));
   }
   return final_path;
 }
@@ -678,7 +714,9 @@ std::vector<std::string> prune_checkpoints(const std::string& run_dir, int64_t k
   // that step again, and once it has gone past them they count as older ones.
   if (!latest.empty()) {
     const std::string latest_name = latest.substr(latest.find_last_of('/') + 1);
-    complete.erase(std::remove_if(complete.begin(), complete.end(), [&](const std::string& n) { return n > latest_name; }), complete.end());
+    complete.erase(
+        std::remove_if(complete.begin(), complete.end(), [&](const std::string& n) { return n > latest_name; }),
+        complete.end());
   }
   if (keep_last <= 0) return removed;
   const int64_t excess = static_cast<int64_t>(complete.size()) - keep_last;
@@ -746,11 +784,13 @@ void export_wan_weights(const std::string& checkpoint, const std::string& file, 
 }
 }  // namespace
 
-std::string export_checkpoint_weights(const std::string& run_dir, const std::string& spec, const std::string& out, bool ema) {
+std::string export_checkpoint_weights(const std::string& run_dir, const std::string& spec, const std::string& out,
+                                      bool ema) {
   const std::string path = resolve_checkpoint(run_dir, spec);
   const char* file = ema ? kModelEma : kModel;
   if (ema && read_manifest(path).find(kModelEma) == nullptr)
-    fail(path, std::string("has no EMA of the weights (") + kModelEma + "): it was saved by a run without train.ema_decay");
+    fail(path,
+         std::string("has no EMA of the weights (") + kModelEma + "): it was saved by a run without train.ema_decay");
   const std::string weights = io::join_path(path, file);
   io::SafetensorsHeader header;
   std::optional<WanConfig> wan;
@@ -782,7 +822,8 @@ namespace {
 // Fills each block's range [begin, end) of master, m and v: from the shard files of the world size
 // that saved them (`saved`: trainer_state.json's "shards"; the ranges that overlap), or, without
 // shards, from the per-parameter files through the block's layout.
-void read_block_ranges(const std::string& path, const nlohmann::json* saved, const TrainingState::BlockShards& shards, bool ema) {
+void read_block_ranges(const std::string& path, const nlohmann::json* saved, const TrainingState::BlockShards& shards,
+                       bool ema) {
   const std::string state_path = io::join_path(path, kState);
   int64_t saved_world = 1;
   if (saved != nullptr) {
@@ -791,33 +832,37 @@ void read_block_ranges(const std::string& path, const nlohmann::json* saved, con
       fail(state_path, "'shards' needs 'world_size' and 'blocks'");
     saved_world = (*saved)["world_size"].get<int64_t>();
     if (saved_world < 1 || (*saved)["blocks"].size() != shards.blocks.size())
-      fail(state_path, fmt::format("'shards' describes {} blocks over {} ranks; this model has {} blocks", (*saved)["blocks"].size(),
-                                   saved_world, shards.blocks.size()));
+      fail(state_path, fmt::format("'shards' describes {} blocks over {} ranks; this model has {} blocks",
+                                   (*saved)["blocks"].size(), saved_world, shards.blocks.size()));
   }
   const char* const parts[4] = {"master", "exp_avg", "exp_avg_sq", "ema"};
   const char* const part_files[4] = {kTensorFiles[0], kTensorFiles[1], kTensorFiles[2], kEma};
   const int components = ema ? 4 : 3;  // the EMA's ranges too
-  io::SafetensorsRangeReaders file;  // each file's header parsed once
+  io::SafetensorsRangeReaders file;    // each file's header parsed once
   for (size_t l = 0; l < shards.blocks.size(); ++l) {
     const auto& b = shards.blocks[l];
     const torch::Tensor targets[4] = {b.master, b.exp_avg, b.exp_avg_sq, b.ema};
     if (saved != nullptr) {
       const auto& layout = (*saved)["blocks"][l];
-      bool same = layout.is_object() && layout.value("name", "") == b.name && layout.value("numel", int64_t{-1}) == b.numel &&
-                  layout.contains("params") && layout.at("params").is_array() && layout.at("params").size() == b.params.size();
+      bool same = layout.is_object() && layout.value("name", "") == b.name &&
+                  layout.value("numel", int64_t{-1}) == b.numel && layout.contains("params") &&
+                  layout.at("params").is_array() && layout.at("params").size() == b.params.size();
       for (size_t i = 0; same && i < b.params.size(); ++i) {
         const auto& p = layout.at("params")[i];
-        same = p.is_object() && p.value("name", "") == b.params[i].first && p.contains("shape") && p.at("shape").is_array() &&
-               p.at("shape") == nlohmann::json(b.params[i].second);
+        same = p.is_object() && p.value("name", "") == b.params[i].first && p.contains("shape") &&
+               p.at("shape").is_array() && p.at("shape") == nlohmann::json(b.params[i].second);
       }
-      if (!same) fail(state_path, "the flat layout of " + b.name + " differs from this model's (another model, or another version of it)");
+      if (!same)
+        fail(state_path,
+             "the flat layout of " + b.name + " differs from this model's (another model, or another version of it)");
       for (int64_t q = 0; q < saved_world; ++q) {
         const auto range = offload::shard_range(b.numel, q, saved_world);
         const int64_t first = std::max(range.begin, b.begin), last = std::min(range.end, b.end);
         if (first >= last) continue;
         for (int c = 0; c < components; ++c)
           file(io::join_path(path, shard_file(q, saved_world)))
-              .read_into(b.name + "#" + parts[c], first - range.begin, targets[c].narrow(0, first - b.begin, last - first));
+              .read_into(b.name + "#" + parts[c], first - range.begin,
+                         targets[c].narrow(0, first - b.begin, last - first));
       }
       continue;
     }
@@ -828,7 +873,8 @@ void read_block_ranges(const std::string& path, const nlohmann::json* saved, con
       const int64_t first = std::max(offset, b.begin), last = std::min(offset + n, b.end);
       if (first < last)
         for (int c = 0; c < components; ++c)
-          file(io::join_path(path, part_files[c])).read_into(b.name + "." + name, first - offset, targets[c].narrow(0, first - b.begin, last - first));
+          file(io::join_path(path, part_files[c]))
+              .read_into(b.name + "." + name, first - offset, targets[c].narrow(0, first - b.begin, last - first));
       offset += n;
     }
   }
@@ -863,7 +909,8 @@ void load_checkpoint(const std::string& path, const RunConfig& config, TrainingS
     fail(state_path, std::string("a field has the wrong type: ") + e.what());
   }
   if (into.step < 0 || into.optimizer_steps < 0 || into.optimizer_steps > into.step)
-    fail(state_path, fmt::format("inconsistent counters: step {}, optimizer_steps {}", into.step, into.optimizer_steps));
+    fail(state_path,
+         fmt::format("inconsistent counters: step {}, optimizer_steps {}", into.step, into.optimizer_steps));
   const bool saved_sharded = s.is_object() && s.contains("shards");
   const bool wants_shards = into.shards && into.shards->world_size > 1;
   // Only files the manifest lists (hence verified) are read: the state's world size must be its shards'.
@@ -872,9 +919,12 @@ void load_checkpoint(const std::string& path, const RunConfig& config, TrainingS
                                   ? s["shards"]["world_size"].get<int64_t>()
                                   : 1;
   if (state_world != manifest.shard_world)
-    fail(state_path, fmt::format("describes shards of {} rank(s) but {} lists those of {}", state_world, kManifest, manifest.shard_world));
+    fail(state_path, fmt::format("describes shards of {} rank(s) but {} lists those of {}", state_world, kManifest,
+                                 manifest.shard_world));
   if (saved_sharded && !into.shards)
-    fail(state_path, "holds the blocks of a sharded run of the streamed trainer (offload.enabled: true), which this trainer cannot read");
+    fail(state_path,
+         "holds the blocks of a sharded run of the streamed trainer (offload.enabled: true), which this trainer cannot "
+         "read");
   // Block parameters the shard ranges cover (a one-process trainer lists them too, as views of the
   // same memory): read through the ranges, not by name, whenever shards are involved.
   std::set<std::string> by_range;
@@ -891,10 +941,14 @@ void load_checkpoint(const std::string& path, const RunConfig& config, TrainingS
   for (int i = 0; i < 3; ++i) files.emplace_back(kTensorFiles[i], std::move(lists[i]));
   if (into.ema_valid) files.emplace_back(kEma, into.ema);
   for (auto& [file, list] : files)
-    list.erase(std::remove_if(list.begin(), list.end(), [&](const auto& item) { return by_range.count(item.first) > 0; }), list.end());
+    list.erase(
+        std::remove_if(list.begin(), list.end(), [&](const auto& item) { return by_range.count(item.first) > 0; }),
+        list.end());
   try {
-    for (const auto& [file, list] : files) io::read_safetensors_into(io::join_path(path, file), list, /*allow_extra=*/!saved_sharded && wants_shards);
-    if (!by_range.empty()) read_block_ranges(path, saved_sharded ? &s["shards"] : nullptr, *into.shards, into.ema_valid);
+    for (const auto& [file, list] : files)
+      io::read_safetensors_into(io::join_path(path, file), list, /*allow_extra=*/!saved_sharded && wants_shards);
+    if (!by_range.empty())
+      read_block_ranges(path, saved_sharded ? &s["shards"] : nullptr, *into.shards, into.ema_valid);
   } catch (const io::IoError& e) {
     throw CheckpointError(e.what());
   }

@@ -68,7 +68,8 @@ std::vector<int64_t> slurm_tasks_per_node(const std::string& text) {
   auto number = [&](int64_t& value) {
     const size_t start = i;
     value = 0;
-    while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i])) && i - start < 9) value = value * 10 + (text[i++] - '0');
+    while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i])) && i - start < 9)
+      value = value * 10 + (text[i++] - '0');
     return i > start && (i == text.size() || !std::isdigit(static_cast<unsigned char>(text[i])));
   };
   while (i < text.size()) {
@@ -137,42 +138,50 @@ LaunchEnv read_launch_env(const std::function<const char*(const char*)>& getenv_
   } else {
     return env;
   }
-  if (env.world_size < 1) throw DistributedError(fmt::format("launch environment: {}={} must be at least 1", world_name, env.world_size));
+  if (env.world_size < 1)
+    throw DistributedError(fmt::format("launch environment: {}={} must be at least 1", world_name, env.world_size));
   if (env.rank < 0 || env.rank >= env.world_size)
-    throw DistributedError(fmt::format("launch environment: {}={} is outside [0, {}={})", rank_name, env.rank, world_name, env.world_size));
-  if (env.local_rank < 0) throw DistributedError(fmt::format("launch environment: the local rank {} is negative", env.local_rank));
+    throw DistributedError(fmt::format("launch environment: {}={} is outside [0, {}={})", rank_name, env.rank,
+                                       world_name, env.world_size));
+  if (env.local_rank < 0)
+    throw DistributedError(fmt::format("launch environment: the local rank {} is negative", env.local_rank));
   env.master_port = integer("MASTER_PORT", 29500);
   if (env.master_port < 1 || env.master_port > 65535)
     throw DistributedError(fmt::format("launch environment: MASTER_PORT={} is not a TCP port", env.master_port));
   if (const char* addr = get("MASTER_ADDR")) env.master_addr = addr;
   else if (env.world_size == 1) env.master_addr = "127.0.0.1";
   else
-    throw DistributedError(fmt::format("launch environment: {} ranks ({}) but MASTER_ADDR is not set: it names rank 0's host{}", env.world_size,
-                                       env.launcher,
-                                       env.launcher == "slurm"
-                                           ? " (in the job script: export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n1))"
-                                           : ""));
+    throw DistributedError(fmt::format(
+        "launch environment: {} ranks ({}) but MASTER_ADDR is not set: it names rank 0's host{}", env.world_size,
+        env.launcher,
+        env.launcher == "slurm"
+            ? " (in the job script: export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n1))"
+            : ""));
   return env;
 }
 
 std::string rank_device_spec(const std::string& train_device, const LaunchEnv& env) {
   if (!env.distributed()) return train_device;
-  if (train_device == "cuda" || (train_device == "auto" && torch::cuda::is_available())) return fmt::format("cuda:{}", env.local_rank);
+  if (train_device == "cuda" || (train_device == "auto" && torch::cuda::is_available()))
+    return fmt::format("cuda:{}", env.local_rank);
   return train_device == "auto" ? "cpu" : train_device;
 }
 
 std::string resolve_backend(const DistributedConfig& config, c10::Device device, const std::string& source) {
   const std::string backend = config.backend == "auto" ? (device.is_cuda() ? "nccl" : "gloo") : config.backend;
   if (backend == "gloo" && !gloo_available())
-    throw ConfigError(source, "distributed.backend",
-                      "gloo is not in this build (Gloo's headers, Debian's libgloo-dev, were missing when it was built)" +
-                          std::string(device.is_cuda() ? "; use nccl or auto" : ""));
+    throw ConfigError(
+        source, "distributed.backend",
+        "gloo is not in this build (Gloo's headers, Debian's libgloo-dev, were missing when it was built)" +
+            std::string(device.is_cuda() ? "; use nccl or auto" : ""));
   if (backend == "nccl") {
     if (!nccl_available())
-      throw ConfigError(source, "distributed.backend",
-                        "nccl is not in this build (it needs CUDA and NCCL's header, nccl.h, when it is built); use gloo or auto");
+      throw ConfigError(
+          source, "distributed.backend",
+          "nccl is not in this build (it needs CUDA and NCCL's header, nccl.h, when it is built); use gloo or auto");
     if (!device.is_cuda())
-      throw ConfigError(source, "distributed.backend", "nccl reduces GPU tensors but train.device is " + device.str() + "; use gloo or auto");
+      throw ConfigError(source, "distributed.backend",
+                        "nccl reduces GPU tensors but train.device is " + device.str() + "; use gloo or auto");
   }
   return backend;
 }
@@ -181,8 +190,9 @@ std::string resolve_backend(const DistributedConfig& config, c10::Device device,
 namespace {
 // The address other ranks reach this one at: this host's name, or loopback on one machine.
 std::shared_ptr<::gloo::transport::Device> gloo_device(const LaunchEnv& env) {
-  return env.master_addr == "127.0.0.1" || env.master_addr == "localhost" ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
-                                                                          : c10d::ProcessGroupGloo::createDefaultDevice();
+  return env.master_addr == "127.0.0.1" || env.master_addr == "localhost"
+             ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
+             : c10d::ProcessGroupGloo::createDefaultDevice();
 }
 }  // namespace
 #endif
@@ -195,7 +205,11 @@ struct Communicator::Impl {
 };
 
 Communicator::Communicator(const LaunchEnv& env, const std::string& backend, double timeout_s, c10::Device device)
-    : impl_(std::make_unique<Impl>()), rank_(env.rank), world_size_(env.world_size), backend_(backend), timeout_s_(timeout_s) {
+    : impl_(std::make_unique<Impl>()),
+      rank_(env.rank),
+      world_size_(env.world_size),
+      backend_(backend),
+      timeout_s_(timeout_s) {
   impl_->env = env;
   impl_->device = device;
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0));
@@ -212,7 +226,8 @@ Communicator::Communicator(const LaunchEnv& env, const std::string& backend, dou
     if (env.agent_store) {
       // The agent's store outlives a restart of the ranks: this attempt's keys under their own prefix.
       const char* restarts = std::getenv("TORCHELASTIC_RESTART_COUNT");
-      impl_->store = c10::make_intrusive<c10d::PrefixStore>(std::string("megaslide/attempt-") + (restarts ? restarts : "0"), impl_->store);
+      impl_->store = c10::make_intrusive<c10d::PrefixStore>(
+          std::string("megaslide/attempt-") + (restarts ? restarts : "0"), impl_->store);
     }
     if (backend == "gloo") {
 #ifdef MEGASLIDE_WITH_GLOO
@@ -221,7 +236,9 @@ Communicator::Communicator(const LaunchEnv& env, const std::string& backend, dou
       impl_->group = c10::make_intrusive<c10d::ProcessGroupGloo>(impl_->store, static_cast<int>(env.rank),
                                                                  static_cast<int>(env.world_size), gloo);
 #else
-      throw DistributedError("this build has no Gloo backend (Gloo's headers, Debian's libgloo-dev, were missing when it was built); use nccl");
+      throw DistributedError(
+          "this build has no Gloo backend (Gloo's headers, Debian's libgloo-dev, were missing when it was built); use "
+          "nccl");
 #endif
     } else if (backend == "nccl") {
 #ifdef MEGASLIDE_WITH_NCCL
@@ -233,7 +250,8 @@ Communicator::Communicator(const LaunchEnv& env, const std::string& backend, dou
       impl_->group = c10::make_intrusive<c10d::ProcessGroupNCCL>(impl_->store, static_cast<int>(env.rank),
                                                                  static_cast<int>(env.world_size), nccl);
 #else
-      throw DistributedError("this build has no nccl backend (it needs CUDA and NCCL's header, nccl.h, when it is built)");
+      throw DistributedError(
+          "this build has no nccl backend (it needs CUDA and NCCL's header, nccl.h, when it is built)");
 #endif
     } else {
       throw DistributedError("unknown distributed backend '" + backend + "' (expected gloo or nccl)");
@@ -241,8 +259,9 @@ Communicator::Communicator(const LaunchEnv& env, const std::string& backend, dou
   } catch (const DistributedError&) {
     throw;
   } catch (const std::exception& e) {
-    throw DistributedError(fmt::format("rank {} of {}: rendezvous at {}:{} ({}) failed within distributed.timeout_s ({} s): {}", env.rank,
-                                       env.world_size, env.master_addr, env.master_port, backend, timeout_s, error_message(e)));
+    throw DistributedError(
+        fmt::format("rank {} of {}: rendezvous at {}:{} ({}) failed within distributed.timeout_s ({} s): {}", env.rank,
+                    env.world_size, env.master_addr, env.master_port, backend, timeout_s, error_message(e)));
   }
 }
 
@@ -277,8 +296,9 @@ std::string Communicator::text_from_rank0(const std::string& name, const std::st
     }
     return store_text(impl_->store->get(key));
   } catch (const std::exception& e) {
-    throw DistributedError(fmt::format("rank {} of {}: exchanging {} with rank 0 failed within distributed.timeout_s ({} s): {}", rank_,
-                                       world_size_, name, timeout_s_, error_message(e)));
+    throw DistributedError(
+        fmt::format("rank {} of {}: exchanging {} with rank 0 failed within distributed.timeout_s ({} s): {}", rank_,
+                    world_size_, name, timeout_s_, error_message(e)));
   }
 }
 
@@ -286,7 +306,8 @@ void Communicator::run_on_rank0(const std::string& what, const std::function<voi
   if (world_size_ == 1) return work();
   const std::string key = fmt::format("megaslide/rank0-work/{}", rank0_runs_++);
   // Beats often enough that a waiting rank sees several within its timeout.
-  const auto beat_every = std::chrono::milliseconds(std::clamp<int64_t>(static_cast<int64_t>(timeout_s_ * 1000.0 / 8.0), 10, 5000));
+  const auto beat_every =
+      std::chrono::milliseconds(std::clamp<int64_t>(static_cast<int64_t>(timeout_s_ * 1000.0 / 8.0), 10, 5000));
   auto& store = *impl_->store;
   if (rank_ == 0) {
     std::mutex mutex;
@@ -331,7 +352,8 @@ void Communicator::run_on_rank0(const std::string& what, const std::function<voi
       store.set(key + "/done", store_bytes(outcome));
     } catch (const std::exception& e) {
       if (!failure)
-        throw DistributedError(fmt::format("rank 0 of {}: telling the other ranks that {} finished failed: {}", world_size_, what, error_message(e)));
+        throw DistributedError(fmt::format("rank 0 of {}: telling the other ranks that {} finished failed: {}",
+                                           world_size_, what, error_message(e)));
     }
     if (failure) {
       // The store lives in this process: keep it up until every rank has read the outcome (or the timeout).
@@ -344,7 +366,9 @@ void Communicator::run_on_rank0(const std::string& what, const std::function<voi
       }
       std::rethrow_exception(failure);
     }
-    if (!beat_error.empty()) throw DistributedError(fmt::format("rank 0 of {}: the heartbeat of {} failed: {}", world_size_, what, beat_error));
+    if (!beat_error.empty())
+      throw DistributedError(
+          fmt::format("rank 0 of {}: the heartbeat of {} failed: {}", world_size_, what, beat_error));
     return;
   }
   try {
@@ -355,7 +379,8 @@ void Communicator::run_on_rank0(const std::string& what, const std::function<voi
       if (store.check({key + "/done"})) {
         const std::string outcome = store_text(store.get(key + "/done"));
         store.add(key + "/seen", 1);
-        if (outcome != "ok") throw DistributedError(fmt::format("rank {} of {}: rank 0 {} ({})", rank_, world_size_, outcome, what));
+        if (outcome != "ok")
+          throw DistributedError(fmt::format("rank {} of {}: rank 0 {} ({})", rank_, world_size_, outcome, what));
         return;
       }
       if (store.check({key + "/beat"})) {
@@ -363,22 +388,24 @@ void Communicator::run_on_rank0(const std::string& what, const std::function<voi
         if (beat_now != last_beat) last_beat = std::move(beat_now), last_change = std::chrono::steady_clock::now();
       }
       if (std::chrono::duration<double>(std::chrono::steady_clock::now() - last_change).count() > timeout_s_)
-        throw DistributedError(fmt::format("rank {} of {}: rank 0 stopped answering during {} (no heartbeat for distributed.timeout_s = {} s)",
-                                           rank_, world_size_, what, timeout_s_));
+        throw DistributedError(fmt::format(
+            "rank {} of {}: rank 0 stopped answering during {} (no heartbeat for distributed.timeout_s = {} s)", rank_,
+            world_size_, what, timeout_s_));
       std::this_thread::sleep_for(poll);
     }
   } catch (const DistributedError&) {
     throw;
   } catch (const std::exception& e) {
-    throw DistributedError(fmt::format("rank {} of {}: waiting for rank 0's {} failed (rank 0 stopped?): {}", rank_, world_size_, what,
-                                       error_message(e)));
+    throw DistributedError(fmt::format("rank {} of {}: waiting for rank 0's {} failed (rank 0 stopped?): {}", rank_,
+                                       world_size_, what, error_message(e)));
   }
 }
 
 namespace {
 
-void run_all_reduce(c10d::Backend& group, const std::string& backend, c10::Device device, std::vector<at::Tensor>& tensors,
-                    c10d::ReduceOp op, const char* what, int64_t rank, int64_t world_size, double timeout_s) {
+void run_all_reduce(c10d::Backend& group, const std::string& backend, c10::Device device,
+                    std::vector<at::Tensor>& tensors, c10d::ReduceOp op, const char* what, int64_t rank,
+                    int64_t world_size, double timeout_s) {
   try {
     for (auto& t : tensors) {
       const bool staged = t.is_cpu() != (backend == "gloo");
@@ -389,27 +416,31 @@ void run_all_reduce(c10d::Backend& group, const std::string& backend, c10::Devic
       if (staged) t.copy_(io[0]);
     }
   } catch (const std::exception& e) {
-    throw DistributedError(fmt::format("rank {} of {}: {} failed (a rank stopped, or none answered within distributed.timeout_s = {} s): {}",
-                                       rank, world_size, what, timeout_s, error_message(e)));
+    throw DistributedError(fmt::format(
+        "rank {} of {}: {} failed (a rank stopped, or none answered within distributed.timeout_s = {} s): {}", rank,
+        world_size, what, timeout_s, error_message(e)));
   }
 }
 
 }  // namespace
 
 void Communicator::all_reduce_sum(std::vector<at::Tensor>& tensors) {
-  run_all_reduce(*impl_->group, backend_, impl_->device, tensors, c10d::ReduceOp::SUM, "all-reduce (sum)", rank_, world_size_, timeout_s_);
+  run_all_reduce(*impl_->group, backend_, impl_->device, tensors, c10d::ReduceOp::SUM, "all-reduce (sum)", rank_,
+                 world_size_, timeout_s_);
 }
 
 void Communicator::all_reduce_max(std::vector<at::Tensor>& tensors) {
-  run_all_reduce(*impl_->group, backend_, impl_->device, tensors, c10d::ReduceOp::MAX, "all-reduce (max)", rank_, world_size_, timeout_s_);
+  run_all_reduce(*impl_->group, backend_, impl_->device, tensors, c10d::ReduceOp::MAX, "all-reduce (max)", rank_,
+                 world_size_, timeout_s_);
 }
 
 void Communicator::barrier() {
   try {
     impl_->group->barrier()->wait();
   } catch (const std::exception& e) {
-    throw DistributedError(fmt::format("rank {} of {}: barrier failed (a rank stopped, or none answered within distributed.timeout_s = {} s): {}",
-                                       rank_, world_size_, timeout_s_, error_message(e)));
+    throw DistributedError(fmt::format(
+        "rank {} of {}: barrier failed (a rank stopped, or none answered within distributed.timeout_s = {} s): {}",
+        rank_, world_size_, timeout_s_, error_message(e)));
   }
 }
 
@@ -461,8 +492,9 @@ class GlooShardExchange : public offload::ShardExchange {
         attempt();
       }
     } catch (const std::exception& e) {
-      throw DistributedError(fmt::format("rank {} of {}: {} failed (a rank stopped, or none answered within distributed.timeout_s = {} s): {}",
-                                         rank(), world_size(), what, timeout_s_, error_message(e)));
+      throw DistributedError(fmt::format(
+          "rank {} of {}: {} failed (a rank stopped, or none answered within distributed.timeout_s = {} s): {}", rank(),
+          world_size(), what, timeout_s_, error_message(e)));
     }
   }
   Communicator& step_;
@@ -482,16 +514,19 @@ std::shared_ptr<offload::ShardExchange> Communicator::shard_exchange() {
     const auto& env = impl_->env;
     gloo->devices.push_back(gloo_device(env));
     auto store = c10::make_intrusive<c10d::PrefixStore>("megaslide-shards", impl_->store);
-    auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, static_cast<int>(rank_), static_cast<int>(world_size_), gloo);
+    auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, static_cast<int>(rank_),
+                                                             static_cast<int>(world_size_), gloo);
     exchange_ = std::make_shared<GlooShardExchange>(*this, group, timeout_s_);
   } catch (const std::exception& e) {
-    throw DistributedError(fmt::format("rank {} of {}: setting up the block exchange (a Gloo group) failed within distributed.timeout_s ({} s): {}",
-                                       rank_, world_size_, timeout_s_, error_message(e)));
+    throw DistributedError(fmt::format(
+        "rank {} of {}: setting up the block exchange (a Gloo group) failed within distributed.timeout_s ({} s): {}",
+        rank_, world_size_, timeout_s_, error_message(e)));
   }
   return exchange_;
 #else
-  throw DistributedError("the sharded streamed trainer exchanges host shards over Gloo, which this build lacks (Gloo's headers, Debian's "
-                         "libgloo-dev, were missing when it was built)");
+  throw DistributedError(
+      "the sharded streamed trainer exchanges host shards over Gloo, which this build lacks (Gloo's headers, Debian's "
+      "libgloo-dev, were missing when it was built)");
 #endif
 }
 
@@ -536,11 +571,12 @@ std::string nccl_version_mismatch() {
   if (header.empty() || loaded.empty()) return {};
   auto major_minor = [](const std::string& v) { return v.substr(0, v.rfind('.')); };
   if (major_minor(header) == major_minor(loaded)) return {};
-  return fmt::format("this build was compiled with NCCL {}'s header but LibTorch loads NCCL {}: ProcessGroupNCCL's options "
-                     "(ncclConfig_t) would be laid out by one and read by the other. Reconfigure with "
-                     "-DMEGASLIDE_NCCL_INCLUDE_DIR=<the include folder of NCCL {}> (for a pip torch: nvidia/nccl/include "
-                     "beside the torch folder) and rebuild (docs/building.md)",
-                     header, loaded, loaded);
+  return fmt::format(
+      "this build was compiled with NCCL {}'s header but LibTorch loads NCCL {}: ProcessGroupNCCL's options "
+      "(ncclConfig_t) would be laid out by one and read by the other. Reconfigure with "
+      "-DMEGASLIDE_NCCL_INCLUDE_DIR=<the include folder of NCCL {}> (for a pip torch: nvidia/nccl/include "
+      "beside the torch folder) and rebuild (docs/building.md)",
+      header, loaded, loaded);
 }
 
 bool gloo_available() {
@@ -608,7 +644,8 @@ int launch_local_ranks(const std::vector<std::string>& argv, int64_t nproc, int6
     }
     children.push_back(pid);
   }
-  struct sigaction forward {}, old_int{}, old_term{};
+  struct sigaction forward {
+  }, old_int{}, old_term{};
   forward.sa_handler = remember_signal;
   sigemptyset(&forward.sa_mask);
   ::sigaction(SIGINT, &forward, &old_int);
@@ -639,7 +676,8 @@ int launch_local_ranks(const std::vector<std::string>& argv, int64_t nproc, int6
             terminating = true;
             for (size_t j = 0; j < children.size(); ++j)
               if (!done[j]) ::kill(children[j], SIGTERM);
-            kill_deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(grace_s * 1000));
+            kill_deadline =
+                std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(grace_s * 1000));
           }
         }
       }
@@ -661,8 +699,8 @@ int launch_local_ranks(const std::vector<std::string>& argv, int64_t nproc, int6
 
 namespace megaslide {
 
-void average_gradients_over_ranks(Communicator& communicator, const std::vector<at::Tensor>& parameters, double& loss_sum,
-                                  c10::Device device) {
+void average_gradients_over_ranks(Communicator& communicator, const std::vector<at::Tensor>& parameters,
+                                  double& loss_sum, c10::Device device) {
   // One flat buffer of every defined gradient: one collective a step, not one per parameter.
   std::vector<at::Tensor> grads;
   for (const auto& p : parameters)
@@ -681,7 +719,8 @@ void average_gradients_over_ranks(Communicator& communicator, const std::vector<
   const auto sums = scalars[0].cpu();
   const double defined = sums[1].item<double>();
   TORCH_CHECK(defined == ranks * static_cast<double>(grads.size()), "data parallelism: this rank has ", grads.size(),
-              " parameters with a gradient but the ranks together have ", defined, "; every rank must train the same parameters");
+              " parameters with a gradient but the ranks together have ", defined,
+              "; every rank must train the same parameters");
   communicator.all_reduce_sum(flat);
   loss_sum = sums[0].item<double>() / ranks;
   at::NoGradGuard no_grad;
@@ -696,8 +735,9 @@ void check_batch_slice(int64_t batch_size, int64_t rank, int64_t world_size) {
   if (world_size < 1 || rank < 0 || rank >= world_size)
     throw std::invalid_argument(fmt::format("rank {} is outside a world of {} ranks", rank, world_size));
   if (batch_size % world_size != 0)
-    throw std::invalid_argument(fmt::format("train.batch_size {} does not split evenly over {} ranks: set it to a multiple of {}",
-                                            batch_size, world_size, world_size));
+    throw std::invalid_argument(
+        fmt::format("train.batch_size {} does not split evenly over {} ranks: set it to a multiple of {}", batch_size,
+                    world_size, world_size));
 }
 
 }  // namespace megaslide

@@ -26,11 +26,11 @@ namespace megaslide {
 struct DiffusionBatchSource::Videos {
   std::shared_ptr<const ClipSource> source;
   std::unique_ptr<ClipLoader> loader;
-  std::vector<BadItem> unreported;         // found and not yet handed to take_new_bad_items()
-  std::set<std::string> failed_paths;      // items that failed to load, each counted once
-  std::vector<BadItem> known_bad;          // from listing and probing (or the cache)
+  std::vector<BadItem> unreported;     // found and not yet handed to take_new_bad_items()
+  std::set<std::string> failed_paths;  // items that failed to load, each counted once
+  std::vector<BadItem> known_bad;      // from listing and probing (or the cache)
   int64_t listed = 0;
-  ClipSample empty_prompt;                 // the cache's: text tensors of the empty prompt
+  ClipSample empty_prompt;  // the cache's: text tensors of the empty prompt
 
   // Throws DatasetError listing every bad item once more than data.max_bad_fraction of the items are bad.
   void check(const DataConfig& data) const {
@@ -39,8 +39,8 @@ struct DiffusionBatchSource::Videos {
     std::string list;
     for (const auto& b : known_bad) list += "\n  " + b.path + ": " + b.reason;
     for (const auto& p : failed_paths) list += "\n  " + p + ": failed to load";
-    throw DatasetError(fmt::format("dataset: {} of {} items are bad, more than data.max_bad_fraction ({}) allows:{}", bad, listed,
-                                   data.max_bad_fraction, list));
+    throw DatasetError(fmt::format("dataset: {} of {} items are bad, more than data.max_bad_fraction ({}) allows:{}",
+                                   bad, listed, data.max_bad_fraction, list));
   }
 };
 
@@ -54,8 +54,8 @@ DiffusionBatchSource::DiffusionBatchSource(const RunConfig& config)
                    .num_clips(config.data.num_clips)
                    .seed(config.data.seed)),
       sampler_(config.data.num_clips, config.train.seed),
-      schedule_(config.diffusion.timesteps, parse_beta_schedule(config.diffusion.beta_schedule), config.diffusion.beta_start,
-                config.diffusion.beta_end),
+      schedule_(config.diffusion.timesteps, parse_beta_schedule(config.diffusion.beta_schedule),
+                config.diffusion.beta_start, config.diffusion.beta_end),
       prediction_(parse_prediction(config.diffusion.prediction)),
       caption_rng_(config.train.seed ^ 0x5DEECE66Dull),
       generator_(at::detail::createCPUGenerator(config.train.seed)) {
@@ -72,7 +72,8 @@ DiffusionBatchSource::DiffusionBatchSource(const RunConfig& config)
     videos_->empty_prompt = cache->empty_prompt();
     videos_->source = cache;
   } else {
-    auto dataset = std::make_shared<VideoDataset>(VideoDataset::open(d, static_cast<int>(std::max<int64_t>(1, d.workers))));
+    auto dataset =
+        std::make_shared<VideoDataset>(VideoDataset::open(d, static_cast<int>(std::max<int64_t>(1, d.workers))));
     dataset->check_bad_fraction();
     videos_->known_bad = dataset->bad();
     videos_->listed = dataset->listed();
@@ -93,7 +94,9 @@ std::unique_ptr<ClipLoader> DiffusionBatchSource::make_loader(int64_t slots_begi
   options.slots_begin = slots_begin;
   options.slots_count = slots_count;
   return std::make_unique<ClipLoader>(
-      videos_->source, BucketBatchSampler(bucket_of, videos_->source->num_buckets(), config_.train.batch_size, config_.train.seed), options);
+      videos_->source,
+      BucketBatchSampler(bucket_of, videos_->source->num_buckets(), config_.train.batch_size, config_.train.seed),
+      options);
 }
 
 DiffusionBatchSource::~DiffusionBatchSource() = default;
@@ -114,12 +117,15 @@ std::string DiffusionBatchSource::describe(int64_t steps) const {
     buckets = fmt::format("one size {}x{}x{}", d.frames, d.height, d.width);
   } else {
     for (size_t b = 0; b < d.buckets.size() && b < per_bucket.size(); ++b)
-      buckets += fmt::format("{}{}x{}x{}: {}", b ? ", " : "", d.buckets[b][0], d.buckets[b][1], d.buckets[b][2], per_bucket[b]);
+      buckets += fmt::format("{}{}x{}x{}: {}", b ? ", " : "", d.buckets[b][0], d.buckets[b][1], d.buckets[b][2],
+                             per_bucket[b]);
   }
   const int64_t items_per_step = config_.train.batch_size * config_.train.grad_accum_steps;
-  return fmt::format("{} usable items of {} listed ({} bad); buckets (frames x height x width: items) {}; {} steps of {} items = {:.2f} epochs",
-                     src.size(), videos_->listed, videos_->listed - src.size(), buckets, steps, items_per_step,
-                     static_cast<double>(steps * items_per_step) / static_cast<double>(std::max<int64_t>(1, src.size())));
+  return fmt::format(
+      "{} usable items of {} listed ({} bad); buckets (frames x height x width: items) {}; {} steps of {} items = "
+      "{:.2f} epochs",
+      src.size(), videos_->listed, videos_->listed - src.size(), buckets, steps, items_per_step,
+      static_cast<double>(steps * items_per_step) / static_cast<double>(std::max<int64_t>(1, src.size())));
 }
 
 std::vector<std::string> DiffusionBatchSource::captions(int64_t count) const {
@@ -161,14 +167,16 @@ void DiffusionBatchSource::restore(const std::string& state) {
     const auto epoch = j.at("epoch").get<int64_t>(), cursor = j.at("cursor").get<int64_t>();
     const bool videos = j.value("dataset", std::string("structured-motion")) == "videos";
     if (videos != static_cast<bool>(videos_))
-      throw std::invalid_argument(std::string("the data state is of ") + (videos ? "a videos" : "a structured-motion") + " dataset");
+      throw std::invalid_argument(std::string("the data state is of ") + (videos ? "a videos" : "a structured-motion") +
+                                  " dataset");
     if (videos_) {
       if (epoch < 0 || cursor < 0 || cursor >= videos_->loader->sampler().batches_per_epoch())
-        throw std::invalid_argument(fmt::format("data position epoch {} batch {} is out of range ({} batches per epoch)", epoch, cursor,
-                                                videos_->loader->sampler().batches_per_epoch()));
+        throw std::invalid_argument(
+            fmt::format("data position epoch {} batch {} is out of range ({} batches per epoch)", epoch, cursor,
+                        videos_->loader->sampler().batches_per_epoch()));
     } else if (cursor < 0 || cursor > config_.data.num_clips || epoch < -1)
-      throw std::invalid_argument(fmt::format("data position epoch {} cursor {} is out of range for {} clips", epoch, cursor,
-                                              config_.data.num_clips));
+      throw std::invalid_argument(fmt::format("data position epoch {} cursor {} is out of range for {} clips", epoch,
+                                              cursor, config_.data.num_clips));
     std::istringstream rng(j.at("caption_rng").get<std::string>());
     std::mt19937_64 caption_rng;
     rng >> caption_rng;
@@ -179,7 +187,8 @@ void DiffusionBatchSource::restore(const std::string& state) {
     auto* out = bytes.data_ptr<uint8_t>();
     for (size_t i = 0; i < hex.size() / 2; ++i) {
       const std::string pair = hex.substr(2 * i, 2);
-      if (pair.find_first_not_of("0123456789abcdef") != std::string::npos) throw std::invalid_argument("generator state is not hex");
+      if (pair.find_first_not_of("0123456789abcdef") != std::string::npos)
+        throw std::invalid_argument("generator state is not hex");
       out[i] = static_cast<uint8_t>(std::stoi(pair, nullptr, 16));
     }
     auto generator = at::detail::createCPUGenerator(config_.train.seed);
@@ -216,8 +225,8 @@ DiffusionBatch DiffusionBatchSource::next(torch::Device device) {
     schedule_ = schedule_.to(device);
     schedule_device_ = device;
   }
-  const int64_t B = config_.train.batch_size;       // the global batch: every draw below is made for all of it
-  const int64_t local = B / slice_count_;           // this rank's items: [first, first + local)
+  const int64_t B = config_.train.batch_size;  // the global batch: every draw below is made for all of it
+  const int64_t local = B / slice_count_;      // this rank's items: [first, first + local)
   const int64_t first = slice_rank_ * local;
   const auto data_start = std::chrono::steady_clock::now();
   torch::Tensor video;  // [local, C, T, H, W] float
@@ -230,8 +239,8 @@ DiffusionBatch DiffusionBatchSource::next(torch::Device device) {
     }
     if (!loaded.failed.empty()) videos_->check(config_.data);
     captions = loaded.captions;  // the loader loads this rank's rows only (take_slice)
-    TORCH_CHECK(static_cast<int64_t>(captions.size()) == local, "DiffusionBatchSource: the loader gave ", captions.size(), " items, expected ",
-                local);
+    TORCH_CHECK(static_cast<int64_t>(captions.size()) == local, "DiffusionBatchSource: the loader gave ",
+                captions.size(), " items, expected ", local);
   } else {
     auto order = sampler_.next(B);
     if (slice_count_ > 1) order = std::vector<int64_t>(order.begin() + first, order.begin() + first + local);

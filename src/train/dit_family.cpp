@@ -28,7 +28,8 @@ class DiTModel final : public FamilyModel {
     auto options = DiTOptions::from_config(config_);
     dit_ = DiT(streamed_ ? options.block_device(torch::kMeta) : options);
     if (config_.model.text_encoder.kind == "builtin")  // CLIP is frozen and lives in batches_.frozen()
-      text_encoder_ = TextEncoder(TextEncoderOptions(batches_.tokenizer().vocab_size(), config_.model.text_dim, config_.data.max_text_tokens));
+      text_encoder_ = TextEncoder(
+          TextEncoderOptions(batches_.tokenizer().vocab_size(), config_.model.text_dim, config_.data.max_text_tokens));
     const auto shape = model_sample_shape(config_);
     grid_ = dit_->token_grid(shape[1], shape[2], shape[3]);
     if (request.init_from) {
@@ -52,7 +53,9 @@ class DiTModel final : public FamilyModel {
     if (streamed_) stack_ = std::make_shared<DiTStack>(dit_, text_encoder_, &init_);
     if (request.validation)  // a bad prompt file stops the run now, not at its first validation
       validation_ = plan_validation_videos(
-          config_, dit_validation_prompts(config_, 4, config_.data.dataset == "videos" ? batches_.captions(4) : std::vector<std::string>{}),
+          config_,
+          dit_validation_prompts(config_, 4,
+                                 config_.data.dataset == "videos" ? batches_.captions(4) : std::vector<std::string>{}),
           request.source);
   }
 
@@ -60,7 +63,8 @@ class DiTModel final : public FamilyModel {
     io::NamedTensors out;
     for (const auto& p : dit_->named_parameters(true)) out.emplace_back(p.key(), p.value());
     if (text_encoder_)
-      for (const auto& p : text_encoder_->named_parameters(true)) out.emplace_back("text_encoder." + p.key(), p.value());
+      for (const auto& p : text_encoder_->named_parameters(true))
+        out.emplace_back("text_encoder." + p.key(), p.value());
     return out;
   }
   std::shared_ptr<offload::StreamedModel> stack() override { return stack_; }
@@ -105,38 +109,46 @@ class DiTModel final : public FamilyModel {
     if (!validation_.empty()) {
       std::string prompts;
       for (const auto& v : validation_) prompts += (prompts.empty() ? "\"" : ", \"") + v.job.prompt + "\"";
-      info.push_back(fmt::format("validation videos every {} steps into {}: {}{}", config_.train.sample_every,
-                                 io::join_path(config_.output.run_dir, "samples/step-NNNNNNN"), prompts,
-                                 config_.train.sample_prompts.empty() ? "" : " (from " + config_.train.sample_prompts + ")"));
+      info.push_back(
+          fmt::format("validation videos every {} steps into {}: {}{}", config_.train.sample_every,
+                      io::join_path(config_.output.run_dir, "samples/step-NNNNNNN"), prompts,
+                      config_.train.sample_prompts.empty() ? "" : " (from " + config_.train.sample_prompts + ")"));
     }
     if (config_.model.text_encoder.kind == "clip")
-      info.push_back(fmt::format("text encoder: CLIP from {} (frozen), {} tokens of width {}", config_.model.text_encoder.weights,
-                                 config_.data.max_text_tokens, config_.model.text_dim));
+      info.push_back(fmt::format("text encoder: CLIP from {} (frozen), {} tokens of width {}",
+                                 config_.model.text_encoder.weights, config_.data.max_text_tokens,
+                                 config_.model.text_dim));
     if (config_.model.vae.kind == "sd") {
       const auto shape = model_sample_shape(config_);
-      info.push_back(fmt::format("latent space: SD VAE from {} (frozen, {} frames per call): {}x{}x{} pixels -> latents {}x{}x{}x{}",
-                                 config_.model.vae.weights, config_.model.vae.frames_per_batch, config_.data.frames, config_.data.height,
-                                 config_.data.width, shape[0], shape[1], shape[2], shape[3]));
+      info.push_back(fmt::format(
+          "latent space: SD VAE from {} (frozen, {} frames per call): {}x{}x{} pixels -> latents {}x{}x{}x{}",
+          config_.model.vae.weights, config_.model.vae.frames_per_batch, config_.data.frames, config_.data.height,
+          config_.data.width, shape[0], shape[1], shape[2], shape[3]));
     }
     const auto& d = config_.data;
     if (d.dataset == "videos")
       info.push_back(d.cache.empty() ? fmt::format("data: decoding {} ({} loader workers, {} batches ahead)",
                                                    d.manifest.empty() ? d.root : d.manifest, d.workers, d.prefetch)
-                                     : fmt::format("data: cache {} ({} loader workers, {} batches ahead)", d.cache, d.workers, d.prefetch));
+                                     : fmt::format("data: cache {} ({} loader workers, {} batches ahead)", d.cache,
+                                                   d.workers, d.prefetch));
   }
 
   std::vector<std::string> write_validation(const std::string& folder, Trainer& trainer) override {
-    if (!streamed_) return write_validation_samples(folder, config_, dit_, text_encoder_, validation_, batches_.frozen());
+    if (!streamed_)
+      return write_validation_samples(folder, config_, dit_, text_encoder_, validation_, batches_.frozen());
     // A CPU model of the streamed trainer's current weights (the masters, straight from the host store).
     if (!snapshot_dit_) {
       snapshot_dit_ = DiT(DiTOptions::from_config(config_));
       if (config_.model.text_encoder.kind == "builtin")  // CLIP is frozen: no trained text encoder to copy
-        snapshot_text_ = TextEncoder(TextEncoderOptions(CaptionTokenizer().vocab_size(), config_.model.text_dim, config_.data.max_text_tokens));
+        snapshot_text_ = TextEncoder(
+            TextEncoderOptions(CaptionTokenizer().vocab_size(), config_.model.text_dim, config_.data.max_text_tokens));
     }
     copy_weights_to(trainer.weight_views(), snapshot_dit_, snapshot_text_);
     return write_validation_samples(folder, config_, snapshot_dit_, snapshot_text_, validation_, batches_.frozen());
   }
-  void write_weights(const std::string& path, const io::NamedTensors& weights) override { save_weights(path, config_, weights); }
+  void write_weights(const std::string& path, const io::NamedTensors& weights) override {
+    save_weights(path, config_, weights);
+  }
 
   DiT& dit() { return dit_; }
   TextEncoder& text_encoder() { return text_encoder_; }
@@ -164,13 +176,16 @@ class DiTFamily final : public ModelFamily {
  public:
   std::string name() const override { return "DiT"; }
   RunConfig resolve(const RunConfig& config, const std::string& /*source*/) const override { return config; }
-  std::unique_ptr<FamilyModel> make_model(const ModelRequest& request) const override { return std::make_unique<DiTModel>(request); }
+  std::unique_ptr<FamilyModel> make_model(const ModelRequest& request) const override {
+    return std::make_unique<DiTModel>(request);
+  }
 };
 
 DiTModel& dit_model(Trainer& trainer) {
   auto* model = dynamic_cast<DiTModel*>(&trainer.model());
   if (model == nullptr)
-    throw std::invalid_argument(std::string("the trainer trains model.arch ") + to_string(trainer.config().model.arch) + ", not the DiT family");
+    throw std::invalid_argument(std::string("the trainer trains model.arch ") + to_string(trainer.config().model.arch) +
+                                ", not the DiT family");
   return *model;
 }
 
@@ -196,13 +211,13 @@ void copy_weights_to(const io::NamedTensors& weights, DiT& dit, TextEncoder& tex
     torch::Tensor* target = is_text ? text_params.find(key) : dit_params.find(key);  // no text_encoder.* with CLIP
     TORCH_CHECK(target != nullptr, "copy_weights_to: the target model has no parameter '", name,
                 "' (was it built from this trainer's config?)");
-    TORCH_CHECK(target->sizes() == value.sizes(), "copy_weights_to: '", name, "' is ", target->sizes(), " in the target model but ",
-                value.sizes(), " in the trainer");
+    TORCH_CHECK(target->sizes() == value.sizes(), "copy_weights_to: '", name, "' is ", target->sizes(),
+                " in the target model but ", value.sizes(), " in the trainer");
     target->copy_(value);
     ++copied;
   }
-  TORCH_CHECK(copied == dit_params.size() + text_params.size(), "copy_weights_to: copied ", copied, " parameters but the target model has ",
-              dit_params.size() + text_params.size());
+  TORCH_CHECK(copied == dit_params.size() + text_params.size(), "copy_weights_to: copied ", copied,
+              " parameters but the target model has ", dit_params.size() + text_params.size());
 }
 
 }  // namespace megaslide

@@ -20,7 +20,8 @@ std::vector<std::pair<std::string, torch::Tensor>> DiTStack::named_resident_para
   for (const auto& item : model_->named_parameters(true))
     if (item.key().rfind("blocks.", 0) != 0) out.emplace_back(item.key(), item.value());
   if (text_encoder_)
-    for (const auto& item : text_encoder_->named_parameters(true)) out.emplace_back("text_encoder." + item.key(), item.value());
+    for (const auto& item : text_encoder_->named_parameters(true))
+      out.emplace_back("text_encoder." + item.key(), item.value());
   return out;
 }
 

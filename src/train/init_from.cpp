@@ -37,7 +37,8 @@ std::string resolve_source(const std::string& path) {
     if (checkpoint.empty()) throw InitFromError("train.init_from '" + path + "' is a run folder without a checkpoint");
   }
   if (!io::path_exists(io::join_path(checkpoint, "master.safetensors")))
-    throw InitFromError("train.init_from '" + path + "' is a folder but neither a checkpoint (no master.safetensors) nor a run folder");
+    throw InitFromError("train.init_from '" + path +
+                        "' is a folder but neither a checkpoint (no master.safetensors) nor a run folder");
   try {
     verify_checkpoint(checkpoint);
   } catch (const CheckpointError& e) {
@@ -71,7 +72,8 @@ torch::Tensor InitTensor::read(torch::ScalarType dtype) const {
     const ssize_t r = ::pread(fd, out + done, remaining - done, static_cast<off_t>(offset + done));
     if (r <= 0) {
       ::close(fd);
-      throw InitFromError("train.init_from '" + file + "': tensor '" + entry.name + "': read failed" + (r < 0 ? std::string(": ") + std::strerror(errno) : " (file truncated)"));
+      throw InitFromError("train.init_from '" + file + "': tensor '" + entry.name + "': read failed" +
+                          (r < 0 ? std::string(": ") + std::strerror(errno) : " (file truncated)"));
     }
     done += static_cast<uint64_t>(r);
   }
@@ -86,12 +88,14 @@ torch::Tensor InitTensor::read(torch::ScalarType dtype) const {
 
 void InitTensor::read_into(const torch::Tensor& target) const {
   auto values = read(target.scalar_type());
-  TORCH_CHECK(values.sizes() == target.sizes(), "InitTensor::read_into: '", entry.name, "' is ", values.sizes(), ", the target ", target.sizes());
+  TORCH_CHECK(values.sizes() == target.sizes(), "InitTensor::read_into: '", entry.name, "' is ", values.sizes(),
+              ", the target ", target.sizes());
   torch::NoGradGuard no_grad;
   target.copy_(values);
 }
 
-InitPlan plan_init_from(const std::string& path, const ParameterShapes& parameters, const std::vector<std::string>& allow_missing) {
+InitPlan plan_init_from(const std::string& path, const ParameterShapes& parameters,
+                        const std::vector<std::string>& allow_missing) {
   InitPlan plan;
   plan.path = resolve_source(path);
   io::SafetensorsHeader header;
@@ -116,16 +120,20 @@ InitPlan plan_init_from(const std::string& path, const ParameterShapes& paramete
     t.data_start = header.data_start;
     return t;
   };
-  auto floating = [](torch::ScalarType t) { return t == torch::kFloat32 || t == torch::kFloat16 || t == torch::kBFloat16 || t == torch::kFloat64; };
+  auto floating = [](torch::ScalarType t) {
+    return t == torch::kFloat32 || t == torch::kFloat16 || t == torch::kBFloat16 || t == torch::kFloat64;
+  };
   for (const auto& [name, shape] : parameters) {
     auto it = by_name.find(name);
     if (it != by_name.end()) {
       const auto& e = *it->second;
       used.insert(it->first);
       if (e.shape != shape) {
-        misshaped.push_back(fmt::format("{}: {} in the file, {} in the model", e.name, shape_text(e.shape), shape_text(shape)));
+        misshaped.push_back(
+            fmt::format("{}: {} in the file, {} in the model", e.name, shape_text(e.shape), shape_text(shape)));
       } else if (!floating(e.dtype)) {
-        misshaped.push_back(fmt::format("{}: dtype {} in the file, expected a floating-point type", e.name, io::safetensors_dtype_name(e.dtype)));
+        misshaped.push_back(fmt::format("{}: dtype {} in the file, expected a floating-point type", e.name,
+                                        io::safetensors_dtype_name(e.dtype)));
       } else {
         plan.tensors.emplace_back(name, source(e));
       }
@@ -135,7 +143,9 @@ InitPlan plan_init_from(const std::string& path, const ParameterShapes& paramete
     bool converted = false;
     for (const char* part : {".q.", ".k.", ".v."}) {
       const auto at = name.rfind(".attn" + std::string(part));
-      if (at == std::string::npos || !(ends_with(name, std::string(part) + "weight") || ends_with(name, std::string(part) + "bias"))) continue;
+      if (at == std::string::npos ||
+          !(ends_with(name, std::string(part) + "weight") || ends_with(name, std::string(part) + "bias")))
+        continue;
       const std::string fused = name.substr(0, at) + ".attn.qkv." + (ends_with(name, "weight") ? "weight" : "bias");
       auto f = by_name.find(fused);
       if (f == by_name.end() || shape.empty()) break;
@@ -144,8 +154,8 @@ InitPlan plan_init_from(const std::string& path, const ParameterShapes& paramete
       expected[0] *= 3;
       used.insert(f->first);
       if (e.shape != expected) {
-        misshaped.push_back(fmt::format("{}: {} in the file, {} needed to split it into q, k, v of {}", e.name, shape_text(e.shape),
-                                        shape_text(expected), shape_text(shape)));
+        misshaped.push_back(fmt::format("{}: {} in the file, {} needed to split it into q, k, v of {}", e.name,
+                                        shape_text(e.shape), shape_text(expected), shape_text(shape)));
       } else {
         InitTensor t = source(e);
         const int64_t k = part[1] == 'q' ? 0 : part[1] == 'k' ? 1 : 2;
@@ -168,7 +178,8 @@ InitPlan plan_init_from(const std::string& path, const ParameterShapes& paramete
   for (const auto& d : duplicates) unexpected.push_back(d + " (a second tensor of that name once 'dit.' is dropped)");
   if (missing.empty() && unexpected.empty() && misshaped.empty()) return plan;
 
-  std::string message = fmt::format("train.init_from '{}' does not match the model ({} parameters): ", plan.path, parameters.size());
+  std::string message =
+      fmt::format("train.init_from '{}' does not match the model ({} parameters): ", plan.path, parameters.size());
   auto section = [&](const char* title, const std::vector<std::string>& names) {
     if (names.empty()) return;
     message += fmt::format("\n  {} ({}):", title, names.size());
@@ -178,8 +189,9 @@ InitPlan plan_init_from(const std::string& path, const ParameterShapes& paramete
   section("in the file but not in the model", unexpected);
   section("wrong shape or dtype", misshaped);
   if (!missing.empty())
-    message += "\n  (parameters that may start from their initialisation can be named in train.init_allow_missing, e.g. "
-               "[\"blocks.*.attn.offset_*\", \"blocks.*.attn.rel_bias\"])";
+    message +=
+        "\n  (parameters that may start from their initialisation can be named in train.init_allow_missing, e.g. "
+        "[\"blocks.*.attn.offset_*\", \"blocks.*.attn.rel_bias\"])";
   throw InitFromError(message);
 }
 

@@ -45,10 +45,12 @@ std::string describe_existing_run(const std::string& run_dir) {
     latest = io::join_path(run_dir, "checkpoints/latest") + " (unreadable)";
   }
   const bool has_files = io::path_exists(metrics) || io::path_exists(io::join_path(run_dir, "config.yaml")) ||
-                         io::path_exists(io::join_path(run_dir, "train.log")) || io::path_exists(io::join_path(run_dir, "checkpoints"));
+                         io::path_exists(io::join_path(run_dir, "train.log")) ||
+                         io::path_exists(io::join_path(run_dir, "checkpoints"));
   if (!has_files) return "";
-  std::string text = io::path_exists(metrics) ? fmt::format("a run with {} steps logged in metrics.jsonl", logged_steps(metrics))
-                                              : std::string("a run's files");
+  std::string text = io::path_exists(metrics)
+                         ? fmt::format("a run with {} steps logged in metrics.jsonl", logged_steps(metrics))
+                         : std::string("a run's files");
   text += latest.empty() ? ", no checkpoint" : ", latest checkpoint " + latest;
   return text;
 }
@@ -69,21 +71,25 @@ RunFolderGuard::RunFolderGuard(const std::string& run_dir, bool resuming) : run_
     throw RunFolderError(fmt::format("run folder '{}': {}", run_dir_, e.what()));
   }
   if (!lock_)
-    throw RunFolderError(fmt::format("run folder '{}' is in use by another run: {} (lock file {}); wait for it to end, or "
-                                     "choose another --run-dir",
-                                     run_dir_, holder, lock));
+    throw RunFolderError(
+        fmt::format("run folder '{}' is in use by another run: {} (lock file {}); wait for it to end, or "
+                    "choose another --run-dir",
+                    run_dir_, holder, lock));
 
   if (!resuming) {
     const std::string existing = describe_existing_run(run_dir_);
     if (!existing.empty()) {
       const bool has_checkpoint = existing.find("latest checkpoint") != std::string::npos;
       const std::string message =
-          has_checkpoint ? fmt::format("run folder '{}' already holds a run ({}); continue it with --resume latest, or choose another "
-                                       "--run-dir",
-                                       run_dir_, existing)
-                         : fmt::format("run folder '{}' already holds a run ({}: train.checkpoint_every was 0, so it cannot be "
-                                       "continued); choose another --run-dir, or delete the folder to train there again",
-                                       run_dir_, existing);
+          has_checkpoint
+              ? fmt::format(
+                    "run folder '{}' already holds a run ({}); continue it with --resume latest, or choose another "
+                    "--run-dir",
+                    run_dir_, existing)
+              : fmt::format(
+                    "run folder '{}' already holds a run ({}: train.checkpoint_every was 0, so it cannot be "
+                    "continued); choose another --run-dir, or delete the folder to train there again",
+                    run_dir_, existing);
       lock_.reset();  // the destructor does not run for a constructor that throws
       throw RunFolderError(message);
     }

@@ -46,7 +46,8 @@ MetricsWriter::MetricsWriter(const std::string& path, int64_t keep_through_step)
     while (std::getline(in, line)) {
       try {
         const auto j = nlohmann::json::parse(line);
-        if (j.is_object() && j.contains("step") && j["step"].is_number_integer() && j["step"].get<int64_t>() <= keep_through_step)
+        if (j.is_object() && j.contains("step") && j["step"].is_number_integer() &&
+            j["step"].get<int64_t>() <= keep_through_step)
           kept += line + "\n";
       } catch (const nlohmann::json::exception&) {
         // A line torn by a crash: dropped.
@@ -97,7 +98,9 @@ void MetricsWriter::write(const StepMetrics& m) {
 
 namespace {
 double wall_time_now() {
-  return static_cast<double>(std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch()).count()) *
+  return static_cast<double>(
+             std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch())
+                 .count()) *
          1e-6;
 }
 }  // namespace
@@ -106,10 +109,12 @@ struct TensorBoardLog::Impl {
   std::unique_ptr<io::EventFileWriter> events;
 };
 
-TensorBoardLog::TensorBoardLog(const std::string& dir, const RunConfig& resolved, int64_t first_step) : impl_(std::make_unique<Impl>()) {
+TensorBoardLog::TensorBoardLog(const std::string& dir, const RunConfig& resolved, int64_t first_step)
+    : impl_(std::make_unique<Impl>()) {
   try {
     impl_->events = std::make_unique<io::EventFileWriter>(dir);
-    if (first_step > 0) impl_->events->restart(first_step + 1, wall_time_now());  // a resumed run: its steps from here on
+    if (first_step > 0)
+      impl_->events->restart(first_step + 1, wall_time_now());  // a resumed run: its steps from here on
     impl_->events->text("config", first_step, "```yaml\n" + to_yaml(resolved) + "```\n", wall_time_now());
   } catch (const io::IoError& e) {
     throw OutputError(std::string("output.tensorboard: ") + e.what());
@@ -147,7 +152,8 @@ void TensorBoardLog::step(const StepMetrics& m) {
 void TensorBoardLog::videos(int64_t step, const std::string& folder, const std::vector<std::string>& files) {
   for (const auto& file : files) {
     try {
-      const auto frames = io::read_video(io::join_path(io::join_path(folder, io::kVideosFolder), file));  // [T, H, W, 3] uint8
+      const auto frames =
+          io::read_video(io::join_path(io::join_path(folder, io::kVideosFolder), file));  // [T, H, W, 3] uint8
       const int64_t T = frames.size(0), shown = std::min<int64_t>(T, 8);
       std::vector<torch::Tensor> picked;
       for (int64_t k = 0; k < shown; ++k) picked.push_back(frames[shown == 1 ? 0 : k * (T - 1) / (shown - 1)]);
@@ -210,13 +216,17 @@ void TrainLog::info(const std::string& message) { impl_->logger->info(message); 
 void TrainLog::warn(const std::string& message) { impl_->logger->warn(message); }
 
 ProgressLine::ProgressLine(int64_t total_steps, int64_t every, bool enabled)
-    : total_(total_steps), every_(std::max<int64_t>(every, 1)), enabled_(enabled), tty_(isatty(STDERR_FILENO) == 1),
+    : total_(total_steps),
+      every_(std::max<int64_t>(every, 1)),
+      enabled_(enabled),
+      tty_(isatty(STDERR_FILENO) == 1),
       start_(std::chrono::steady_clock::now()) {}
 
 namespace {
 std::string clock_time(double seconds) {
   const auto s = static_cast<int64_t>(std::llround(std::max(0.0, seconds)));
-  return s >= 3600 ? fmt::format("{}:{:02}:{:02}", s / 3600, (s / 60) % 60, s % 60) : fmt::format("{}:{:02}", s / 60, s % 60);
+  return s >= 3600 ? fmt::format("{}:{:02}:{:02}", s / 3600, (s / 60) % 60, s % 60)
+                   : fmt::format("{}:{:02}", s / 60, s % 60);
 }
 }  // namespace
 
@@ -226,9 +236,9 @@ void ProgressLine::update(const StepMetrics& m) {
   const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
   const double rate = static_cast<double>(m.step) / std::max(elapsed, 1e-9);
   const double eta = static_cast<double>(total_ - m.step) / std::max(rate, 1e-9);
-  const std::string line = fmt::format("step {:>{}}/{} | loss {:.4f} (avg {:.4f}) | {:.2f} it/s | {:.3g} tok/s | ETA {}", m.step,
-                                       std::to_string(total_).size(), total_, m.loss, loss_ema_, rate, m.tokens_per_s,
-                                       clock_time(eta));
+  const std::string line =
+      fmt::format("step {:>{}}/{} | loss {:.4f} (avg {:.4f}) | {:.2f} it/s | {:.3g} tok/s | ETA {}", m.step,
+                  std::to_string(total_).size(), total_, m.loss, loss_ema_, rate, m.tokens_per_s, clock_time(eta));
   if (tty_) {
     std::fprintf(stderr, "\r%s\033[K", line.c_str());
     std::fflush(stderr);
@@ -254,13 +264,14 @@ std::string dry_run_json(const RunConfig& requested) {
   const bool wan = config.model.arch == Architecture::kWan;
   const auto count = count_run_parameters(config);
   const auto& p = wan ? config.model.wan.patch : config.model.patch;  // validated: the video divides into whole patches
-  const auto shape = model_sample_shape(config);  // pixels, or the VAE's latents
+  const auto shape = model_sample_shape(config);                      // pixels, or the VAE's latents
   const TokenGrid grid{shape[1] / p[0], shape[2] / p[1], shape[3] / p[2]};
   // Host bytes a parameter: the fp32 master, AdamW's two moments as optimizer.state_dtype keeps them
   // (int8: a code and one fp32 scale per 256), the compute-dtype copy the blocks stream from, and the EMA.
   const auto resolved = resolve_auto_settings(config);
   const auto state = offload::parse_state_dtype(config.optimizer.state_dtype);
-  const double moment_bytes = static_cast<double>(offload::state_element_bytes(state)) + (state == offload::StateDtype::kInt8 ? 4.0 / 256 : 0.0);
+  const double moment_bytes = static_cast<double>(offload::state_element_bytes(state)) +
+                              (state == offload::StateDtype::kInt8 ? 4.0 / 256 : 0.0);
   const double per_param = 4.0 + 2.0 * moment_bytes + (resolved.offload.compute_dtype == "fp32" ? 4.0 : 2.0) +
                            (config.train.ema_decay > 0 ? 4.0 : 0.0);  // the fp32 EMA
   nlohmann::json j{{"arch", to_string(config.model.arch)},

@@ -43,7 +43,8 @@ TrainingState streamed_training_state(offload::StreamedStackTrainer& engine, con
     b.exp_avg_sq = store.exp_avg_sq(l);
     if (ema) b.ema = store.ema(l);
     if (store.sharded()) {
-      for (const auto& spec : store.block_spec(l).params) shards.weights.emplace_back(b.name + "." + spec.name, store.param(l, spec.name).compute);
+      for (const auto& spec : store.block_spec(l).params)
+        shards.weights.emplace_back(b.name + "." + spec.name, store.param(l, spec.name).compute);
     }
     shards.blocks.push_back(std::move(b));
   }
@@ -67,8 +68,8 @@ TrainingState streamed_training_state(offload::StreamedStackTrainer& engine, con
   return s;
 }
 
-void load_streamed_training_state(offload::StreamedStackTrainer& engine, const io::NamedTensors& resident, const TrainingState& s,
-                                  const std::string& who) {
+void load_streamed_training_state(offload::StreamedStackTrainer& engine, const io::NamedTensors& resident,
+                                  const TrainingState& s, const std::string& who) {
   engine.synchronize();
   const auto& store = engine.store();
   size_t expected = resident.size();
@@ -78,8 +79,8 @@ void load_streamed_training_state(offload::StreamedStackTrainer& engine, const i
               "::load_training_state: expected ", expected, " parameters, got ", s.master.size());
   // The EMA, when this trainer keeps one and the state holds one (else it starts from the loaded weights).
   const bool ema = engine.has_ema() && s.ema_valid;
-  TORCH_CHECK(!ema || s.ema.size() == s.master.size(), who, "::load_training_state: the EMA lists ", s.ema.size(), " parameters, the masters ",
-              s.master.size());
+  TORCH_CHECK(!ema || s.ema.size() == s.master.size(), who, "::load_training_state: the EMA lists ", s.ema.size(),
+              " parameters, the masters ", s.master.size());
   std::map<std::string, size_t> index;
   for (size_t i = 0; i < s.master.size(); ++i) index[s.master[i].first] = i;
   auto find = [&](const std::string& name) {
@@ -89,18 +90,19 @@ void load_streamed_training_state(offload::StreamedStackTrainer& engine, const i
   };
   std::map<std::string, size_t> scale_index;  // int8 moments: where each block parameter's scales are
   for (size_t q = 0; q < s.exp_avg_scale.size(); ++q) scale_index[s.exp_avg_scale[q].first] = q;
-  TORCH_CHECK(s.exp_avg_sq_scale.size() == s.exp_avg_scale.size(), who, "::load_training_state: exp_avg and exp_avg_sq scales differ in number");
+  TORCH_CHECK(s.exp_avg_sq_scale.size() == s.exp_avg_scale.size(), who,
+              "::load_training_state: exp_avg and exp_avg_sq scales differ in number");
   torch::NoGradGuard no_grad;
   auto* optimizer = engine.resident_optimizer();
   for (const auto& [name, p] : resident) {
     const size_t i = find(name);
-    TORCH_CHECK(s.master[i].second.sizes() == p.sizes(), who, "::load_training_state: '", name, "' is ", s.master[i].second.sizes(),
-                ", the model's is ", p.sizes());
+    TORCH_CHECK(s.master[i].second.sizes() == p.sizes(), who, "::load_training_state: '", name, "' is ",
+                s.master[i].second.sizes(), ", the model's is ", p.sizes());
     p.copy_(s.master[i].second);
     set_adamw_moments(*optimizer, p, s.exp_avg[i].second, s.exp_avg_sq[i].second, s.optimizer_steps);
     if (ema) {
-      TORCH_CHECK(s.ema[i].first == name && s.ema[i].second.sizes() == p.sizes(), who, "::load_training_state: the EMA of '", name,
-                  "' is missing or has another shape");
+      TORCH_CHECK(s.ema[i].first == name && s.ema[i].second.sizes() == p.sizes(), who,
+                  "::load_training_state: the EMA of '", name, "' is missing or has another shape");
       engine.resident_ema(p).copy_(s.ema[i].second);
     }
   }
@@ -110,16 +112,16 @@ void load_streamed_training_state(offload::StreamedStackTrainer& engine, const i
                 "::load_training_state: a sharded trainer needs the blocks' shards (TrainingState::shards)");
     for (int64_t l = 0; l < store.num_blocks(); ++l) {
       const auto& b = s.shards->blocks[l];
-      std::vector<std::pair<at::Tensor, const torch::Tensor*>> parts = {{store.master(l), &b.master}, {store.exp_avg(l), &b.exp_avg},
-                                                                         {store.exp_avg_sq(l), &b.exp_avg_sq}};
+      std::vector<std::pair<at::Tensor, const torch::Tensor*>> parts = {
+          {store.master(l), &b.master}, {store.exp_avg(l), &b.exp_avg}, {store.exp_avg_sq(l), &b.exp_avg_sq}};
       if (ema) {
         TORCH_CHECK(b.ema.defined(), who, "::load_training_state: ", b.name, "'s shard has no EMA");
         parts.emplace_back(store.ema(l), &b.ema);
       }
       for (const auto& [target, source] : parts) {
-        TORCH_CHECK(source->sizes() == target.sizes() && source->scalar_type() == target.scalar_type(), who, "::load_training_state: ",
-                    b.name, "'s shard is ", source->scalar_type(), " ", source->sizes(), ", the store holds ", target.scalar_type(), " ",
-                    target.sizes());
+        TORCH_CHECK(source->sizes() == target.sizes() && source->scalar_type() == target.scalar_type(), who,
+                    "::load_training_state: ", b.name, "'s shard is ", source->scalar_type(), " ", source->sizes(),
+                    ", the store holds ", target.scalar_type(), " ", target.sizes());
         if (source->data_ptr() != target.data_ptr()) target.copy_(*source);
       }
     }
@@ -130,21 +132,25 @@ void load_streamed_training_state(offload::StreamedStackTrainer& engine, const i
       const size_t i = find(prefix + spec.name);
       const auto views = store.param(l, spec.name);
       std::vector<std::pair<const torch::Tensor*, const torch::Tensor*>> parts = {
-          {&views.master, &s.master[i].second}, {&views.exp_avg, &s.exp_avg[i].second}, {&views.exp_avg_sq, &s.exp_avg_sq[i].second}};
+          {&views.master, &s.master[i].second},
+          {&views.exp_avg, &s.exp_avg[i].second},
+          {&views.exp_avg_sq, &s.exp_avg_sq[i].second}};
       if (ema) {
-        TORCH_CHECK(s.ema[i].first == prefix + spec.name, who, "::load_training_state: the EMA of '", prefix + spec.name, "' is missing");
+        TORCH_CHECK(s.ema[i].first == prefix + spec.name, who, "::load_training_state: the EMA of '",
+                    prefix + spec.name, "' is missing");
         parts.push_back({&views.ema, &s.ema[i].second});
       }
       if (views.exp_avg_scale.defined()) {
         auto q = scale_index.find(prefix + spec.name);
-        TORCH_CHECK(q != scale_index.end(), who, "::load_training_state: no int8 moment scales for '", prefix + spec.name, "'");
+        TORCH_CHECK(q != scale_index.end(), who, "::load_training_state: no int8 moment scales for '",
+                    prefix + spec.name, "'");
         parts.push_back({&views.exp_avg_scale, &s.exp_avg_scale[q->second].second});
         parts.push_back({&views.exp_avg_sq_scale, &s.exp_avg_sq_scale[q->second].second});
       }
       for (const auto& [target, source] : parts) {
-        TORCH_CHECK(source->sizes() == target->sizes() && source->scalar_type() == target->scalar_type(), who, "::load_training_state: '",
-                    prefix + spec.name, "' is ", source->scalar_type(), " ", source->sizes(), ", the store holds ", target->scalar_type(), " ",
-                    target->sizes());
+        TORCH_CHECK(source->sizes() == target->sizes() && source->scalar_type() == target->scalar_type(), who,
+                    "::load_training_state: '", prefix + spec.name, "' is ", source->scalar_type(), " ",
+                    source->sizes(), ", the store holds ", target->scalar_type(), " ", target->sizes());
         if (source->data_ptr() != target->data_ptr()) target->copy_(*source);  // not read in place
       }
     }

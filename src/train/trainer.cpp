@@ -59,7 +59,8 @@ std::string block_prefix(int64_t l) { return "blocks." + std::to_string(l) + "."
 }  // namespace
 
 double learning_rate(const TrainConfig& t, int64_t step) {
-  if (t.warmup_steps > 0 && step < t.warmup_steps) return t.lr * static_cast<double>(step + 1) / static_cast<double>(t.warmup_steps);
+  if (t.warmup_steps > 0 && step < t.warmup_steps)
+    return t.lr * static_cast<double>(step + 1) / static_cast<double>(t.warmup_steps);
   if (t.lr_schedule == "constant") return t.lr;
   const int64_t decay_steps = std::max<int64_t>(t.steps - t.warmup_steps - 1, 1);
   const double progress = std::min(1.0, static_cast<double>(step - t.warmup_steps) / static_cast<double>(decay_steps));
@@ -83,7 +84,8 @@ double measure_peak_tflops(torch::Device device) {
 
 Trainer::Trainer(const TrainerRequest& request)
     : config_(*request.config),
-      requested_compute_dtype_((request.requested != nullptr ? *request.requested : *request.config).offload.compute_dtype),
+      requested_compute_dtype_(
+          (request.requested != nullptr ? *request.requested : *request.config).offload.compute_dtype),
       device_(resolve_device(request.config->train.device)),
       communicator_(request.communicator) {
   validate(config_, request.source);
@@ -116,7 +118,8 @@ Trainer::Trainer(const TrainerRequest& request)
   } else {
     const auto params = model_->named_parameters();
     optimizer_ = std::make_unique<torch::optim::AdamW>(
-        tensors_of(params), torch::optim::AdamWOptions(t.lr).betas({t.beta1, t.beta2}).eps(t.eps).weight_decay(t.weight_decay));
+        tensors_of(params),
+        torch::optim::AdamWOptions(t.lr).betas({t.beta1, t.beta2}).eps(t.eps).weight_decay(t.weight_decay));
     ema_ = std::make_unique<WeightsEma>(t.ema_decay, params);
   }
   if (device_.is_cuda()) {
@@ -182,7 +185,8 @@ StepMetrics Trainer::step() {
   m.tokens_per_s = static_cast<double>(t.batch_size * stats.tokens) / m.step_time_s;
   // The model's FLOPs are counted at the largest sample; a smaller bucket's in proportion to its tokens
   // (exact for the projections and MLPs, which dominate; 3D-DSA is linear in tokens too).
-  const double share = static_cast<double>(stats.tokens) / static_cast<double>(tokens_per_sample() * t.grad_accum_steps);
+  const double share =
+      static_cast<double>(stats.tokens) / static_cast<double>(tokens_per_sample() * t.grad_accum_steps);
   if (peak_flops_ > 0) m.mfu = flops_per_step_ * share / (m.step_time_s * peak_flops_);
   return m;
 }
@@ -320,8 +324,9 @@ void Trainer::load_training_state(const TrainingState& s) {
     load_streamed_training_state(*engine_, resident_parameters(), s, "Trainer");
   } else {
     const auto params = model_->named_parameters();
-    TORCH_CHECK(s.master.size() == params.size() && s.exp_avg.size() == params.size() && s.exp_avg_sq.size() == params.size(),
-                "Trainer::load_training_state: expected ", params.size(), " parameters, got ", s.master.size());
+    TORCH_CHECK(
+        s.master.size() == params.size() && s.exp_avg.size() == params.size() && s.exp_avg_sq.size() == params.size(),
+        "Trainer::load_training_state: expected ", params.size(), " parameters, got ", s.master.size());
     std::map<std::string, size_t> index;  // by name: a streamed run's state lists the blocks last
     for (size_t i = 0; i < s.master.size(); ++i) index[s.master[i].first] = i;
     torch::NoGradGuard no_grad;
@@ -329,10 +334,11 @@ void Trainer::load_training_state(const TrainingState& s) {
       const auto it = index.find(name);
       TORCH_CHECK(it != index.end(), "Trainer::load_training_state: no state for parameter '", name, "'");
       const auto& value = s.master[it->second].second;
-      TORCH_CHECK(value.sizes() == p.sizes(), "Trainer::load_training_state: '", name, "' is ", value.sizes(), ", the model's is ",
-                  p.sizes());
+      TORCH_CHECK(value.sizes() == p.sizes(), "Trainer::load_training_state: '", name, "' is ", value.sizes(),
+                  ", the model's is ", p.sizes());
       p.copy_(value);
-      set_adamw_moments(*optimizer_, p, s.exp_avg[it->second].second, s.exp_avg_sq[it->second].second, s.optimizer_steps);
+      set_adamw_moments(*optimizer_, p, s.exp_avg[it->second].second, s.exp_avg_sq[it->second].second,
+                        s.optimizer_steps);
     }
     ema_->load(s, params, "Trainer");
     optimizer_steps_ = s.optimizer_steps;
@@ -346,17 +352,20 @@ void Trainer::describe(std::vector<std::string>& info, std::vector<std::string>&
   const std::string family = model_family(config_.model.arch).name();
   const auto& t = config_.train;
   if (engine_) {
-    info.push_back(fmt::format("trainer: {}, streamed CPU-master (offload.mode {}, compute {}, grad_accum_steps {}); host memory at start:\n{}",
-                               family, config_.offload.mode, config_.offload.compute_dtype, t.grad_accum_steps,
-                               engine_->store().memory_report().to_string()));
+    info.push_back(
+        fmt::format("trainer: {}, streamed CPU-master (offload.mode {}, compute {}, grad_accum_steps {}); host memory "
+                    "at start:\n{}",
+                    family, config_.offload.mode, config_.offload.compute_dtype, t.grad_accum_steps,
+                    engine_->store().memory_report().to_string()));
     info.push_back(fmt::format("compute dtype {} ({})", config_.offload.compute_dtype,
                                resolve_compute_dtype(requested_compute_dtype_, device_).reason));
     const std::string slow = compute_dtype_warning(config_.offload.compute_dtype, device_,
                                                    "set offload.compute_dtype: auto (fp32 on this CPU) to run faster");
     if (!slow.empty()) warnings.push_back(slow);
   } else {
-    info.push_back(fmt::format("trainer: {}, resident reference loop (offload.enabled: false), compute dtype fp32, grad_accum_steps {}",
-                               family, t.grad_accum_steps));
+    info.push_back(fmt::format(
+        "trainer: {}, resident reference loop (offload.enabled: false), compute dtype fp32, grad_accum_steps {}",
+        family, t.grad_accum_steps));
   }
   model_->describe(info, warnings);
 }

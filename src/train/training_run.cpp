@@ -35,7 +35,9 @@ namespace {
 // nothing (their errors reach their own stderr).
 class RankLog {
  public:
-  void open(const std::string& path, bool append, bool echo = true) { log_ = std::make_unique<TrainLog>(path, append, echo); }
+  void open(const std::string& path, bool append, bool echo = true) {
+    log_ = std::make_unique<TrainLog>(path, append, echo);
+  }
   void info(const std::string& message) {
     if (log_) log_->info(message);
   }
@@ -65,7 +67,8 @@ int64_t this_machine_memory_bytes() {
   return bytes;
 }
 
-std::string memory_shortfall(const RunConfig& config, int64_t available_bytes, bool state_in_host_memory, int64_t state_shards) {
+std::string memory_shortfall(const RunConfig& config, int64_t available_bytes, bool state_in_host_memory,
+                             int64_t state_shards) {
   // A lower bound of what a trainer holds in host memory before its first step: fp32 weights and
   // AdamW's two fp32 moments (12 B a parameter; the streamed trainer adds a compute copy) where they
   // live in host memory, one batch of video in fp32 and the data sampler's order. The real need is
@@ -74,19 +77,22 @@ std::string memory_shortfall(const RunConfig& config, int64_t available_bytes, b
   // being killed later.
   const int64_t params = count_run_parameters(config).total;
   const auto& d = config.data;
-  const int64_t state = state_in_host_memory ? params * 12 / std::max<int64_t>(1, state_shards) : 0;  // validate() bounded params * 14 below kMaxMachineBytes
+  const int64_t state = state_in_host_memory ? params * 12 / std::max<int64_t>(1, state_shards)
+                                             : 0;  // validate() bounded params * 14 below kMaxMachineBytes
   const int64_t batch = config.train.batch_size * d.channels * d.frames * d.height * d.width * 4;
   const int64_t order = d.num_clips * 8;
   const int64_t needed = state + batch + order;
   if (available_bytes <= 0 || needed <= available_bytes) return "";
-  return fmt::format("this run needs at least {} of memory ({} parameters x 12 B of fp32 weights and AdamW moments in host memory = {}; one batch of "
-                     "video, train.batch_size {} x {}x{}x{}x{} in fp32 = {}; the sampler's order of data.num_clips {} = {}) but this "
-                     "machine has {}: make the model, the batch or the video smaller (megaslide-plan --config ... shows where "
-                     "memory goes)",
-                     human_bytes(static_cast<double>(needed)), human_count(static_cast<double>(params)),
-                     human_bytes(static_cast<double>(state)), config.train.batch_size, d.channels, d.frames, d.height, d.width,
-                     human_bytes(static_cast<double>(batch)), d.num_clips, human_bytes(static_cast<double>(order)),
-                     human_bytes(static_cast<double>(available_bytes)));
+  return fmt::format(
+      "this run needs at least {} of memory ({} parameters x 12 B of fp32 weights and AdamW moments in host memory = "
+      "{}; one batch of "
+      "video, train.batch_size {} x {}x{}x{}x{} in fp32 = {}; the sampler's order of data.num_clips {} = {}) but this "
+      "machine has {}: make the model, the batch or the video smaller (megaslide-plan --config ... shows where "
+      "memory goes)",
+      human_bytes(static_cast<double>(needed)), human_count(static_cast<double>(params)),
+      human_bytes(static_cast<double>(state)), config.train.batch_size, d.channels, d.frames, d.height, d.width,
+      human_bytes(static_cast<double>(batch)), d.num_clips, human_bytes(static_cast<double>(order)),
+      human_bytes(static_cast<double>(available_bytes)));
 }
 
 namespace {
@@ -102,8 +108,9 @@ void check_ranks_run_one_config(Communicator& communicator, const RunConfig& min
   try {
     const RunConfig theirs = parse_run_config(theirs_text, "rank 0's config");
     if (const auto keys = differing_keys(mine, theirs); !keys.empty())
-      problem = fmt::format("{} is {} on this rank (rank {}) but {} on rank 0{}", keys.front(), config_value_text(mine, keys.front()),
-                            communicator.rank(), config_value_text(theirs, keys.front()),
+      problem = fmt::format("{} is {} on this rank (rank {}) but {} on rank 0{}", keys.front(),
+                            config_value_text(mine, keys.front()), communicator.rank(),
+                            config_value_text(theirs, keys.front()),
                             keys.size() > 1 ? fmt::format(" ({} keys differ)", keys.size()) : "");
   } catch (const ConfigError& e) {
     problem = std::string("rank 0's config does not load here: ") + e.what();
@@ -117,8 +124,10 @@ void check_ranks_run_one_config(Communicator& communicator, const RunConfig& min
     if (differ[r].item<int64_t>() != 0) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
   if (ranks.empty()) return;
   if (!problem.empty()) throw ConfigError(source, "", problem + "; every rank must run the same config");
-  throw ConfigError(source, "", fmt::format("rank(s) {} run a config that differs from rank 0's (each one's error names the first "
-                                            "differing key); every rank must run the same config", ranks));
+  throw ConfigError(source, "",
+                    fmt::format("rank(s) {} run a config that differs from rank 0's (each one's error names the first "
+                                "differing key); every rank must run the same config",
+                                ranks));
 }
 }  // namespace
 
@@ -133,19 +142,23 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     throw ConfigError(options.config_source, "", e.what());
   }
   if (!options.export_ema.empty() && requested.train.ema_decay <= 0)
-    throw ConfigError(options.config_source, "train.ema_decay", "is 0: this run keeps no EMA of the weights for --export-ema to write");
+    throw ConfigError(options.config_source, "train.ema_decay",
+                      "is 0: this run keeps no EMA of the weights for --export-ema to write");
   RunConfig per_rank = requested;
   per_rank.train.device = rank_device_spec(requested.train.device, launch);
   if (launch.distributed()) {
     if (requested.offload.enabled && requested.optimizer.state_dtype == "int8")
-      throw ConfigError(options.config_source, "optimizer.state_dtype",
-                        fmt::format("is int8, whose moments cannot be sharded over the {} ranks launched (their quantisation groups start "
-                                    "at each parameter's first element): use fp32 or bf16 (docs/distributed.md)",
-                                    launch.world_size));
+      throw ConfigError(
+          options.config_source, "optimizer.state_dtype",
+          fmt::format(
+              "is int8, whose moments cannot be sharded over the {} ranks launched (their quantisation groups start "
+              "at each parameter's first element): use fp32 or bf16 (docs/distributed.md)",
+              launch.world_size));
     if (requested.train.batch_size % launch.world_size != 0)
-      throw ConfigError(options.config_source, "train.batch_size",
-                        fmt::format("is {}, the global batch, which must split evenly over the {} ranks: set a multiple of {}",
-                                    requested.train.batch_size, launch.world_size, launch.world_size));
+      throw ConfigError(
+          options.config_source, "train.batch_size",
+          fmt::format("is {}, the global batch, which must split evenly over the {} ranks: set a multiple of {}",
+                      requested.train.batch_size, launch.world_size, launch.world_size));
   }
   // `auto` settings resolved once: config.yaml, the log and checkpoints carry the resolved values, and a
   // resume compares them with the checkpoint's.
@@ -156,7 +169,8 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   const bool writer = launch.rank == 0;  // the rank that writes the run folder
   // A validation prompt file that cannot be read or asks for what the model cannot sample refuses the
   // run here, before anything is written (the trainer plans the videos again from it).
-  if (writer && train.sample_every > 0 && !train.sample_prompts.empty()) plan_validation_videos(config, {}, options.config_source);
+  if (writer && train.sample_every > 0 && !train.sample_prompts.empty())
+    plan_validation_videos(config, {}, options.config_source);
   TrainingRunResult result;
   std::unique_ptr<Communicator> communicator;
   // Launched ranks talk through a process group: several ranks, or the resident trainer's one rank (the
@@ -169,8 +183,9 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
       throw ConfigError(options.config_source, "train.device", error_message(e));
     }
     // First, so that a rank refusing its input below ends the others' waits at once (its sockets close).
-    communicator = std::make_unique<Communicator>(launch, resolve_backend(config.distributed, device, options.config_source),
-                                                  config.distributed.timeout_s, device);
+    communicator =
+        std::make_unique<Communicator>(launch, resolve_backend(config.distributed, device, options.config_source),
+                                       config.distributed.timeout_s, device);
     check_ranks_run_one_config(*communicator, requested, options.config_source);
   }
 
@@ -198,11 +213,16 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   // The trainer's samples (Wan's are latents of the videos' cache, or data.tensors').
   const RunConfig sized = family.sample_config(config);
   // The sharded streamed trainer keeps 1/R of the weights and moments per rank; ranks on one machine share it.
-  const int64_t state_shards = config.offload.enabled && launch.distributed() ? launch.world_size / std::max<int64_t>(1, launch.local_world_size) : 1;
-  if (const std::string shortfall = memory_shortfall(sized, this_machine_memory_bytes(), state_in_host_memory, state_shards); !shortfall.empty()) {
+  const int64_t state_shards = config.offload.enabled && launch.distributed()
+                                   ? launch.world_size / std::max<int64_t>(1, launch.local_world_size)
+                                   : 1;
+  if (const std::string shortfall =
+          memory_shortfall(sized, this_machine_memory_bytes(), state_in_host_memory, state_shards);
+      !shortfall.empty()) {
     const auto& d = sized.data;
-    const bool batch_dominates = !state_in_host_memory || config.train.batch_size * d.channels * d.frames * d.height * d.width * 4 >
-                                                            count_run_parameters(config).total * 12;
+    const bool batch_dominates =
+        !state_in_host_memory || config.train.batch_size * d.channels * d.frames * d.height * d.width * 4 >
+                                     count_run_parameters(config).total * 12;
     throw ConfigError(options.config_source, batch_dominates ? "train.batch_size" : "model", shortfall);
   }
   std::string resume_path;
@@ -210,10 +230,11 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     resume_path = resolve_checkpoint(run_dir, options.resume);
     const int64_t saved_step = checkpoint_step(resume_path);
     if (saved_step > train.steps)
-      throw ConfigError(options.config_source, "train.steps",
-                        fmt::format("is {} but checkpoint {} is already at step {}: nothing would be trained; set train.steps "
-                                    "above {} to continue it",
-                                    train.steps, resume_path, saved_step, saved_step));
+      throw ConfigError(
+          options.config_source, "train.steps",
+          fmt::format("is {} but checkpoint {} is already at step {}: nothing would be trained; set train.steps "
+                      "above {} to continue it",
+                      train.steps, resume_path, saved_step, saved_step));
   }
   // The trainer, from train.init_from on a fresh run (a resumed one continues its checkpoint). It loads
   // the frozen encoders the config names (CLIP, the VAE, umT5): bad folders or sizes that disagree with
@@ -244,9 +265,10 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     result.first_step = state.step;
     warnings = resume_warnings(resume_path, config);
     if (writer && roll_back_latest(run_dir, resume_path))
-      warnings.push_back(fmt::format("rolled back: {} now names {}; the newer checkpoints of the abandoned run are replaced as this run "
-                                     "saves their steps again",
-                                     io::join_path(run_dir, "checkpoints/latest"), resume_path));
+      warnings.push_back(fmt::format(
+          "rolled back: {} now names {}; the newer checkpoints of the abandoned run are replaced as this run "
+          "saves their steps again",
+          io::join_path(run_dir, "checkpoints/latest"), resume_path));
   }
   const InitPlan& init = trainer.init_plan();
 
@@ -269,14 +291,17 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
       } catch (const io::IoError& e) {
         throw OutputError(e.what());
       }
-      log.open(io::join_path(run_dir, fmt::format("logs/rank-{}.log", launch.rank)), !resume_path.empty(), /*echo=*/false);
+      log.open(io::join_path(run_dir, fmt::format("logs/rank-{}.log", launch.rank)), !resume_path.empty(),
+               /*echo=*/false);
     }
   }
   log.info(build_summary());
   if (communicator)
-    log.info(fmt::format("rank {}: data parallel: {} ranks ({} backend, launched by {}, rendezvous {}:{}), {} items of each global batch of {} per rank",
-                         launch.rank, communicator->world_size(), communicator->backend(), launch.launcher, launch.master_addr, launch.master_port,
-                         train.batch_size / communicator->world_size(), train.batch_size));
+    log.info(fmt::format(
+        "rank {}: data parallel: {} ranks ({} backend, launched by {}, rendezvous {}:{}), {} items of each global "
+        "batch of {} per rank",
+        launch.rank, communicator->world_size(), communicator->backend(), launch.launcher, launch.master_addr,
+        launch.master_port, train.batch_size / communicator->world_size(), train.batch_size));
   log.info(fmt::format("config {} -> run dir {}", options.config_source, run_dir));
   log.info(fmt::format("model {} ({} parameters, text encoder included), {} tokens per sample, device {}, {} steps",
                        to_string(config.model.arch), human_count(static_cast<double>(trainer.parameter_count())),
@@ -289,23 +314,26 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   }
   for (const auto& w : family_warnings) log.warn(w);
   log.info(plan_threads(config, trainer.device()).describe());
-  if (!options.trace_path.empty() && !trainer.streams()) log.warn("--trace records a streamed trainer only (offload.enabled: true); ignored");
+  if (!options.trace_path.empty() && !trainer.streams())
+    log.warn("--trace records a streamed trainer only (offload.enabled: true); ignored");
   if (!resume_path.empty()) log.info(fmt::format("resumed from {} at step {}", resume_path, result.first_step));
-  if (tensorboard) log.info(fmt::format("TensorBoard: {} (tensorboard --logdir {})", tensorboard->path(), dir->file("tensorboard")));
+  if (tensorboard)
+    log.info(fmt::format("TensorBoard: {} (tensorboard --logdir {})", tensorboard->path(), dir->file("tensorboard")));
   for (const auto& w : warnings) log.warn(w);
   if (!resume_path.empty() && result.first_step == train.steps)
     log.info(fmt::format("the checkpoint is at train.steps ({}): the run is complete, nothing to train", train.steps));
   if (!init.path.empty()) {
     std::string kept;
     for (const auto& name : init.kept) kept += (kept.empty() ? "" : ", ") + name;
-    log.info(fmt::format("initialised from {}: {} tensors; {} parameters keep their initialisation{}{}", init.path, init.tensors.size(),
-                         init.kept.size(), init.kept.empty() ? "" : ": ", kept));
+    log.info(fmt::format("initialised from {}: {} tensors; {} parameters keep their initialisation{}{}", init.path,
+                         init.tensors.size(), init.kept.size(), init.kept.empty() ? "" : ": ", kept));
   } else if (!resume_path.empty() && !config.train.init_from.empty()) {
     log.info("train.init_from ignored: the run resumes from its checkpoint");
   }
   if (const std::string what = trainer.describe_data(train.steps); !what.empty()) log.info("data: " + what);
   auto report_bad_items = [&] {
-    for (const auto& b : trainer.take_new_bad_items()) log.warn(fmt::format("bad item skipped: {}: {}", b.path, b.reason));
+    for (const auto& b : trainer.take_new_bad_items())
+      log.warn(fmt::format("bad item skipped: {}: {}", b.path, b.reason));
   };
   report_bad_items();
 
@@ -321,14 +349,15 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
       for (size_t i = 0; i < values.size(); ++i) values[i] = summed[static_cast<int64_t>(i)].item<int64_t>();
     };
   auto save = [&](const char* why) {
-    if (!writer && !sharded) return true;  // every rank holds the same state; rank 0 saves it
+    if (!writer && !sharded) return true;                  // every rank holds the same state; rank 0 saves it
     const TrainingState state = trainer.training_state();  // waits for host updates still running
     try {
       result.last_checkpoint = save_checkpoint(run_dir, config, state, rank_sum);
       last_saved = state.step;
       log.info(fmt::format("step {}: checkpoint ({}) {}", state.step, why, result.last_checkpoint));
       if (writer)
-        for (const auto& removed : prune_checkpoints(run_dir, train.keep_last)) log.info("removed old checkpoint " + removed);
+        for (const auto& removed : prune_checkpoints(run_dir, train.keep_last))
+          log.info("removed old checkpoint " + removed);
       return true;
     } catch (const CheckpointError& e) {
       log.warn(e.what());
@@ -351,13 +380,15 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     if (tensorboard) tensorboard->step(m);
     progress.update(m);
     if (m.skipped) {
-      log.warn(fmt::format("step {}: non-finite loss or gradient (loss {}, grad_norm {}); step skipped ({} in a row, {} in all)", m.step,
-                           m.loss, m.grad_norm, m.consecutive_skips, m.skipped_total));
+      log.warn(fmt::format(
+          "step {}: non-finite loss or gradient (loss {}, grad_norm {}); step skipped ({} in a row, {} in all)", m.step,
+          m.loss, m.grad_norm, m.consecutive_skips, m.skipped_total));
       if (train.max_consecutive_skips > 0 && m.consecutive_skips >= train.max_consecutive_skips) {
         progress.finish();
         const std::string last = latest_checkpoint(run_dir);
         throw NonFiniteError(fmt::format(
-            "stopping at step {}: {} consecutive steps had a non-finite loss or gradient (train.max_consecutive_skips: {}); "
+            "stopping at step {}: {} consecutive steps had a non-finite loss or gradient (train.max_consecutive_skips: "
+            "{}); "
             "the weights were not updated by them. Lower train.lr, raise train.warmup_steps or set train.grad_clip; {}",
             m.step, m.consecutive_skips, train.max_consecutive_skips,
             last.empty() ? std::string("there is no checkpoint to resume from") : "the last checkpoint is " + last));
@@ -381,22 +412,25 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     window += m.loss;
     ++window_steps;
     if (m.step % train.log_every == 0 || m.step == train.steps) {
-      log.info(fmt::format("step {}/{} loss {:.5f} (mean of last {}: {:.5f}) lr {:.3g} grad_norm {:.3f} {:.3f} s/step", m.step, train.steps,
-                           m.loss, window_steps, window / static_cast<double>(window_steps), m.lr, m.grad_norm, m.step_time_s));
+      log.info(fmt::format("step {}/{} loss {:.5f} (mean of last {}: {:.5f}) lr {:.3g} grad_norm {:.3f} {:.3f} s/step",
+                           m.step, train.steps, m.loss, window_steps, window / static_cast<double>(window_steps), m.lr,
+                           m.grad_norm, m.step_time_s));
       window = 0.0;
       window_steps = 0;
     }
     int stop_signal = options.stop_requested != nullptr ? options.stop_requested->load() : 0;
     if (communicator) {
       // A signal may reach the ranks after different steps: they stop after the same one.
-      std::vector<torch::Tensor> flag{torch::tensor({static_cast<int64_t>(stop_signal)}, torch::kInt64).to(trainer.device())};
+      std::vector<torch::Tensor> flag{
+          torch::tensor({static_cast<int64_t>(stop_signal)}, torch::kInt64).to(trainer.device())};
       communicator->all_reduce_max(flag);
       stop_signal = static_cast<int>(flag[0].cpu().item<int64_t>());
     }
     if (stop_signal != 0) {
       result.stop_signal = stop_signal;
       progress.finish();
-      log.info(fmt::format("stop requested (signal {}) after step {}: saving a checkpoint", result.stop_signal, m.step));
+      log.info(
+          fmt::format("stop requested (signal {}) after step {}: saving a checkpoint", result.stop_signal, m.step));
       if (!save("stop")) throw OutputError("could not save a checkpoint before stopping (see the warning above)");
       log.info(fmt::format("stopped at step {}; continue with --resume latest", m.step));
       return result;
@@ -405,7 +439,8 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   }
   progress.finish();
   trainer.synchronize();
-  if (train.checkpoint_every > 0 && (last_saved != result.steps_done || result.last_checkpoint.empty()) && result.steps_done > start)
+  if (train.checkpoint_every > 0 && (last_saved != result.steps_done || result.last_checkpoint.empty()) &&
+      result.steps_done > start)
     if (!save("final")) throw OutputError("could not save the final checkpoint (see the warning above)");
   if (!options.trace_path.empty() && trainer.streams())
     log.info(fmt::format("trace of step {} in {}", std::min(options.trace_step, train.steps), options.trace_path));
@@ -416,7 +451,8 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   }
   if (!options.export_ema.empty()) {
     const auto state = trainer.training_state();
-    const io::NamedTensors ema = gather_ema_weights(state, writer);  // every rank: a sharded trainer's blocks put together
+    const io::NamedTensors ema =
+        gather_ema_weights(state, writer);  // every rank: a sharded trainer's blocks put together
     if (writer) {
       trainer.write_weights(options.export_ema, ema);
       log.info(fmt::format("EMA of the weights written to {}", options.export_ema));

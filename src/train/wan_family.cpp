@@ -31,7 +31,8 @@ std::vector<std::string> cached_captions(const RunConfig& config, const std::str
   try {
     const auto cache = LatentCache::open(config, config.data.cache);
     for (int64_t i = 0; i < cache->size() && static_cast<int64_t>(captions.size()) < kWanValidationVideos; ++i)
-      if (!cache->caption(i).empty() && std::find(captions.begin(), captions.end(), cache->caption(i)) == captions.end())
+      if (!cache->caption(i).empty() &&
+          std::find(captions.begin(), captions.end(), cache->caption(i)) == captions.end())
         captions.push_back(cache->caption(i));
   } catch (const DatasetError& e) {
     throw ConfigError(source, "data.cache", e.what());
@@ -43,7 +44,8 @@ std::vector<std::string> cached_captions(const RunConfig& config, const std::str
 WanLatentData load_latent_data(const RunConfig& config, const std::string& source) {
   const bool cached = config.data.dataset == "videos";
   try {
-    WanLatentData data = cached ? WanLatentData::from_cache(config, config.data.cache) : WanLatentData::load(config.data.tensors);
+    WanLatentData data =
+        cached ? WanLatentData::from_cache(config, config.data.cache) : WanLatentData::load(config.data.tensors);
     data.check(wan_latent_config(config));
     return data;
   } catch (const std::invalid_argument& e) {
@@ -101,7 +103,10 @@ class WanInitialWeights {
 class WanModel final : public FamilyModel {
  public:
   explicit WanModel(const ModelRequest& request)
-      : config_(*request.config), latent_(wan_latent_config(config_)), device_(request.device), streamed_(request.streamed) {
+      : config_(*request.config),
+        latent_(wan_latent_config(config_)),
+        device_(request.device),
+        streamed_(request.streamed) {
     const std::string& source = request.source;
     // Validation first: umT5 encodes the prompts now, before the trainer's state exists, and is freed.
     if (request.validation) validation_.emplace(config_, cached_captions(config_, source), source);
@@ -150,20 +155,25 @@ class WanModel final : public FamilyModel {
 
   void describe(std::vector<std::string>& info, std::vector<std::string>& /*warnings*/) const override {
     if (!initialised_.empty())
-      info.push_back(fmt::format("{} parameters not in model.wan.weights start from their initialisation (the 3D-DSA retrofit's)",
-                                 initialised_.size()));
+      info.push_back(
+          fmt::format("{} parameters not in model.wan.weights start from their initialisation (the 3D-DSA retrofit's)",
+                      initialised_.size()));
     if (validation_) {
       std::string prompts;
       for (const auto& job : validation_->jobs()) prompts += (prompts.empty() ? "\"" : ", \"") + job.prompt + "\"";
       const auto& so = validation_->options();
-      info.push_back(fmt::format("validation videos every {} steps into {}: {} ({} {} steps, shift {}, guidance {}; umT5 {} and the Wan VAE {})",
-                                 config_.train.sample_every, io::join_path(config_.output.run_dir, "samples/step-NNNNNNN"), prompts,
-                                 so.kind() == FlowSamplerKind::kUniPC ? "unipc" : "euler", so.steps(), so.shift(), so.guidance_scale(),
-                                 config_.model.text_encoder.weights, config_.model.vae.weights));
+      info.push_back(
+          fmt::format("validation videos every {} steps into {}: {} ({} {} steps, shift {}, guidance {}; umT5 {} and "
+                      "the Wan VAE {})",
+                      config_.train.sample_every, io::join_path(config_.output.run_dir, "samples/step-NNNNNNN"),
+                      prompts, so.kind() == FlowSamplerKind::kUniPC ? "unipc" : "euler", so.steps(), so.shift(),
+                      so.guidance_scale(), config_.model.text_encoder.weights, config_.model.vae.weights));
     }
   }
 
-  std::vector<std::string> write_validation(const std::string& folder, Trainer& trainer) override { return validation_->write(folder, trainer); }
+  std::vector<std::string> write_validation(const std::string& folder, Trainer& trainer) override {
+    return validation_->write(folder, trainer);
+  }
   // diffusers' names and layout (model/wan_weights.h).
   void write_weights(const std::string& path, const io::NamedTensors& weights) override {
     save_wan_weights(path, config_.model.wan, weights);
@@ -187,7 +197,8 @@ class WanModel final : public FamilyModel {
     torch::manual_seed(config_.train.seed);
     std::optional<WanWeights> weights;
     if (!config_.model.wan.weights.empty()) weights.emplace(WanWeights::open(config_.model.wan.weights));
-    const auto allow_missing = config_.model.self_attention == "dsa3d" ? wan_dsa_parameter_globs() : std::vector<std::string>{};
+    const auto allow_missing =
+        config_.model.self_attention == "dsa3d" ? wan_dsa_parameter_globs() : std::vector<std::string>{};
     if (!streamed_) {
       // The whole model on the CPU in fp32 (the reference the streamed mode's initialisation equals).
       WanTransformer model(WanOptions::from_config(latent_));
@@ -210,14 +221,15 @@ class WanModel final : public FamilyModel {
     }
     // Streamed: the blocks a meta skeleton whose weights the engine builds one at a time; the prologue
     // now, the head after the blocks (blocks_built).
-    init_ = std::make_shared<WanInitialWeights>(WanTransformer(WanOptions::from_config(latent_).block_device(torch::kMeta)),
-                                                std::move(weights));
+    init_ = std::make_shared<WanInitialWeights>(
+        WanTransformer(WanOptions::from_config(latent_).block_device(torch::kMeta)), std::move(weights));
     auto& model = init_->model;
     ParameterShapes shapes;
     for (const auto& p : model->named_parameters(true)) shapes.emplace_back(p.key(), p.value().sizes().vec());
     if (init_->weights) initialised_ = init_->weights->check(shapes, allow_missing);
     if (init_from)
-      for (const auto& [name, source] : init_from(shapes, allow_missing).tensors) init_->init_sources.emplace(name, source);
+      for (const auto& [name, source] : init_from(shapes, allow_missing).tensors)
+        init_->init_sources.emplace(name, source);
     torch::manual_seed(config_.train.seed);
     model->initialise_prologue();  // as the skeleton's construction drew it; the generator now where block 0 starts
     init_->overwrite("patch_embedding.", *model->patch_embedding);
@@ -225,7 +237,8 @@ class WanModel final : public FamilyModel {
     init_->start_blocks();
     grid_ = model->token_grid(latent_.data.frames, latent_.data.height, latent_.data.width);
     auto init = init_;
-    stack_ = std::make_shared<WanStack>(model, [init](int64_t l) { return init->block(l); }, device_);
+    stack_ = std::make_shared<WanStack>(
+        model, [init](int64_t l) { return init->block(l); }, device_);
     for (auto& [name, p] : stack_->named_resident_parameters())
       if (!p.is_meta()) move_parameter(p, device_);  // the blocks' tables and norm2 follow in adopt_block
     split_.model = model;
@@ -237,8 +250,8 @@ class WanModel final : public FamilyModel {
   const bool streamed_;
   std::optional<WanValidation> validation_;
   std::optional<WanBatchSource> batches_;
-  std::shared_ptr<WanInitialWeights> init_;  // streamed, until blocks_built
-  std::shared_ptr<WanStack> stack_;          // streamed
+  std::shared_ptr<WanInitialWeights> init_;       // streamed, until blocks_built
+  std::shared_ptr<WanStack> stack_;               // streamed
   WanStackSplit split_{WanTransformer(nullptr)};  // the model, and the micro-batch between prologue and epilogue
   std::vector<std::string> initialised_;
   TokenGrid grid_;
@@ -256,23 +269,29 @@ class WanFamily final : public ModelFamily {
       throw ConfigError(source, "model.wan.weights", e.what());
     }
     if (resolved.data.dataset == "videos" && resolved.data.cache.empty())
-      throw ConfigError(source, "data.cache",
-                        "is empty: model.arch wan trains on videos through their cache of Wan VAE latents and umT5 embeddings: run "
-                        "megaslide-cache --config with this config, then set data.cache to its folder (docs/wan.md)");
+      throw ConfigError(
+          source, "data.cache",
+          "is empty: model.arch wan trains on videos through their cache of Wan VAE latents and umT5 embeddings: run "
+          "megaslide-cache --config with this config, then set data.cache to its folder (docs/wan.md)");
     if (resolved.data.dataset == "latent-tensors" && resolved.data.tensors.empty())
-      throw ConfigError(source, "data.tensors",
-                        "is empty: model.arch wan trains on latent videos and text embeddings (a safetensors file of latents, text "
-                        "and empty_text, or data.dataset: videos with data.cache; docs/wan.md)");
+      throw ConfigError(
+          source, "data.tensors",
+          "is empty: model.arch wan trains on latent videos and text embeddings (a safetensors file of latents, text "
+          "and empty_text, or data.dataset: videos with data.cache; docs/wan.md)");
     check_wan_validation_config(resolved, source);  // umT5 and the Wan VAE named for validation videos
     return resolved;
   }
   RunConfig sample_config(const RunConfig& config) const override { return wan_latent_config(config); }
-  std::unique_ptr<FamilyModel> make_model(const ModelRequest& request) const override { return std::make_unique<WanModel>(request); }
+  std::unique_ptr<FamilyModel> make_model(const ModelRequest& request) const override {
+    return std::make_unique<WanModel>(request);
+  }
 };
 
 WanModel& wan_model(Trainer& trainer) {
   auto* model = dynamic_cast<WanModel*>(&trainer.model());
-  if (model == nullptr) throw std::invalid_argument(std::string("the trainer trains model.arch ") + to_string(trainer.config().model.arch) + ", not wan");
+  if (model == nullptr)
+    throw std::invalid_argument(std::string("the trainer trains model.arch ") + to_string(trainer.config().model.arch) +
+                                ", not wan");
   return *model;
 }
 
@@ -284,6 +303,8 @@ const ModelFamily& wan_family() {
 }
 
 WanTransformer& wan_module(Trainer& trainer) { return wan_model(trainer).model(); }
-const std::vector<std::string>& wan_initialised_parameters(Trainer& trainer) { return wan_model(trainer).initialised(); }
+const std::vector<std::string>& wan_initialised_parameters(Trainer& trainer) {
+  return wan_model(trainer).initialised();
+}
 
 }  // namespace megaslide

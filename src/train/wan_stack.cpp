@@ -36,7 +36,8 @@ at::Generator generator_from_hex(const std::string& hex, uint64_t seed) {
   if (hex.size() % 2 != 0 || hex.find_first_not_of("0123456789abcdef") != std::string::npos)
     throw std::invalid_argument("generator state is not an even number of hex digits");
   auto bytes = torch::empty({static_cast<int64_t>(hex.size() / 2)}, torch::kUInt8);
-  for (size_t i = 0; i < hex.size() / 2; ++i) bytes.data_ptr<uint8_t>()[i] = static_cast<uint8_t>(std::stoi(hex.substr(2 * i, 2), nullptr, 16));
+  for (size_t i = 0; i < hex.size() / 2; ++i)
+    bytes.data_ptr<uint8_t>()[i] = static_cast<uint8_t>(std::stoi(hex.substr(2 * i, 2), nullptr, 16));
   auto g = at::detail::createCPUGenerator(seed);
   try {
     g.set_state(bytes);
@@ -61,13 +62,17 @@ WanLatentData WanLatentData::load(const std::string& path) {
   }
   WanLatentData d;
   for (auto& [name, t] : file.tensors) {
-    if (!t.is_floating_point()) throw std::invalid_argument("'" + path + "': tensor '" + name + "' is not floating point");
+    if (!t.is_floating_point())
+      throw std::invalid_argument("'" + path + "': tensor '" + name + "' is not floating point");
     if (name == "latents") d.latents = t.to(torch::kFloat32);
     else if (name == "text") d.text = t.to(torch::kFloat32);
     else if (name == "empty_text") d.empty_text = t.to(torch::kFloat32);
-    else throw std::invalid_argument("'" + path + "': unexpected tensor '" + name + "' (expected latents, text, empty_text)");
+    else
+      throw std::invalid_argument("'" + path + "': unexpected tensor '" + name +
+                                  "' (expected latents, text, empty_text)");
   }
-  if (!d.latents.defined() || !d.text.defined()) throw std::invalid_argument("'" + path + "': needs tensors 'latents' and 'text'");
+  if (!d.latents.defined() || !d.text.defined())
+    throw std::invalid_argument("'" + path + "': needs tensors 'latents' and 'text'");
   return d;
 }
 
@@ -101,17 +106,21 @@ void WanLatentData::check(const RunConfig& c) const {
   const auto& d = c.data;
   const std::vector<int64_t> clip{d.channels, d.frames, d.height, d.width};
   if (!latents.defined() || latents.dim() != 5 || latents.sizes().slice(1).vec() != clip || latents.size(0) < 1)
-    throw std::invalid_argument(fmt::format("latents are {}, expected [N, {}, {}, {}, {}] (data.channels, frames, height, width)",
-                                            latents.defined() ? c10::str(latents.sizes()) : "missing", d.channels, d.frames, d.height,
-                                            d.width));
+    throw std::invalid_argument(fmt::format(
+        "latents are {}, expected [N, {}, {}, {}, {}] (data.channels, frames, height, width)",
+        latents.defined() ? c10::str(latents.sizes()) : "missing", d.channels, d.frames, d.height, d.width));
   if (!text.defined() || text.dim() != 3 || text.size(0) != latents.size(0) || text.size(2) != c.model.wan.text_dim)
-    throw std::invalid_argument(fmt::format("text is {}, expected [{}, L, {}] (one per latent video, model.wan.text_dim)",
-                                            text.defined() ? c10::str(text.sizes()) : "missing", latents.size(0), c.model.wan.text_dim));
-  if (empty_text.defined() && (empty_text.dim() != 2 || empty_text.size(0) != text.size(1) || empty_text.size(1) != text.size(2)))
-    throw std::invalid_argument(fmt::format("empty_text is {}, expected [{}, {}]", c10::str(empty_text.sizes()), text.size(1), text.size(2)));
+    throw std::invalid_argument(
+        fmt::format("text is {}, expected [{}, L, {}] (one per latent video, model.wan.text_dim)",
+                    text.defined() ? c10::str(text.sizes()) : "missing", latents.size(0), c.model.wan.text_dim));
+  if (empty_text.defined() &&
+      (empty_text.dim() != 2 || empty_text.size(0) != text.size(1) || empty_text.size(1) != text.size(2)))
+    throw std::invalid_argument(
+        fmt::format("empty_text is {}, expected [{}, {}]", c10::str(empty_text.sizes()), text.size(1), text.size(2)));
   if (c.diffusion.caption_dropout > 0 && !empty_text.defined())
-    throw std::invalid_argument("diffusion.caption_dropout is " + std::to_string(c.diffusion.caption_dropout) +
-                                " but the data has no empty_text (the empty prompt's embedding a dropped caption becomes)");
+    throw std::invalid_argument(
+        "diffusion.caption_dropout is " + std::to_string(c.diffusion.caption_dropout) +
+        " but the data has no empty_text (the empty prompt's embedding a dropped caption becomes)");
 }
 
 WanBatchSource::WanBatchSource(const RunConfig& config, WanLatentData data)
@@ -120,8 +129,8 @@ WanBatchSource::WanBatchSource(const RunConfig& config, WanLatentData data)
       sampler_(data_.latents.defined() ? data_.latents.size(0) : 1, config.train.seed),
       flow_(config.diffusion.objective == "flow"),
       flow_options_(FlowMatchingOptions::from_config(config)),
-      schedule_(config.diffusion.timesteps, parse_beta_schedule(config.diffusion.beta_schedule), config.diffusion.beta_start,
-                config.diffusion.beta_end),
+      schedule_(config.diffusion.timesteps, parse_beta_schedule(config.diffusion.beta_schedule),
+                config.diffusion.beta_start, config.diffusion.beta_end),
       prediction_(parse_prediction(config.diffusion.prediction)),
       caption_rng_(config.train.seed ^ 0x5DEECE66Dull),
       generator_(at::detail::createCPUGenerator(config.train.seed)) {
@@ -162,7 +171,8 @@ WanBatch WanBatchSource::next(torch::Device device) {
   b.text = text.to(device);
   if (slice_count_ > 1) {  // this rank's rows [first, first + local) of the global batch
     const int64_t local = B / slice_count_, first = slice_rank_ * local;
-    for (auto* t : {&b.x0, &b.noise, &b.xt, &b.timesteps, &b.target, &b.text}) *t = t->narrow(0, first, local).contiguous();
+    for (auto* t : {&b.x0, &b.noise, &b.xt, &b.timesteps, &b.target, &b.text})
+      *t = t->narrow(0, first, local).contiguous();
   }
   return b;
 }
@@ -183,7 +193,8 @@ void WanBatchSource::restore(const std::string& state) {
     const auto j = nlohmann::json::parse(state);
     const auto epoch = j.at("epoch").get<int64_t>(), cursor = j.at("cursor").get<int64_t>();
     if (cursor < 0 || cursor > size() || epoch < -1)
-      throw std::invalid_argument(fmt::format("data position epoch {} cursor {} is out of range for {} latent videos", epoch, cursor, size()));
+      throw std::invalid_argument(
+          fmt::format("data position epoch {} cursor {} is out of range for {} latent videos", epoch, cursor, size()));
     std::istringstream rng(j.at("caption_rng").get<std::string>());
     std::mt19937_64 caption_rng;
     rng >> caption_rng;
@@ -197,7 +208,8 @@ void WanBatchSource::restore(const std::string& state) {
   }
 }
 
-WanBlockDraws::WanBlockDraws(WanTransformer model) : model_(std::move(model)), states_{at::detail::getDefaultCPUGenerator().get_state()} {}
+WanBlockDraws::WanBlockDraws(WanTransformer model)
+    : model_(std::move(model)), states_{at::detail::getDefaultCPUGenerator().get_state()} {}
 
 WanBlock WanBlockDraws::draw(int64_t index) {
   TORCH_CHECK(index >= 0 && index < model_->options.layers(), "WanBlockDraws: block ", index, " out of range [0, ",
@@ -223,8 +235,8 @@ WanBlock WanBlockDraws::draw(int64_t index) {
 
 void WanBlockDraws::restore_state_after_blocks() {
   std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(static_cast<int64_t>(states_.size()) == model_->options.layers() + 1, "WanBlockDraws: ", states_.size() - 1, " of ",
-              model_->options.layers(), " blocks drawn");
+  TORCH_CHECK(static_cast<int64_t>(states_.size()) == model_->options.layers() + 1,
+              "WanBlockDraws: ", states_.size() - 1, " of ", model_->options.layers(), " blocks drawn");
   auto generator = at::detail::getDefaultCPUGenerator();
   generator.set_state(states_.back());
 }
@@ -287,7 +299,6 @@ void WanStack::adopt_block(int64_t index, std::shared_ptr<torch::nn::Module> mod
   model_->replace_block(index, built);
 }
 
-
 double wan_model_flops_per_step(const RunConfig& c) {
   const auto& w = c.model.wan;
   const auto shape = model_sample_shape(c);
@@ -296,7 +307,7 @@ double wan_model_flops_per_step(const RunConfig& c) {
   const double N = static_cast<double>(grid.numel()), Lt = static_cast<double>(c.data.max_text_tokens);
   const double B = static_cast<double>(c.train.batch_size * c.train.grad_accum_steps);
   const double D = static_cast<double>(w.dim), L = static_cast<double>(w.layers);
-  const double cross_kv = 2.0 * (D * D + D) * L;  // attn2.to_k, attn2.to_v
+  const double cross_kv = 2.0 * (D * D + D) * L;                                // attn2.to_k, attn2.to_v
   const double text_mlp = static_cast<double>(w.text_dim) * D + D + D * D + D;  // condition_embedder.text_embedder
   const double per_video_token = static_cast<double>(count.total) - cross_kv - text_mlp;
   double keys = N;
@@ -327,7 +338,8 @@ torch::Tensor WanStackSplit::epilogue(const torch::Tensor& last_hidden) {
 offload::StackStepResult wan_streamed_step(offload::StreamedStackTrainer& engine, WanTransformer& model,
                                            const std::function<WanBatch()>& next_batch, double lr) {
   WanStackSplit split{model};
-  return engine.step([&] { return split.prologue(next_batch()); }, [&](const torch::Tensor& h) { return split.epilogue(h); }, lr);
+  return engine.step([&] { return split.prologue(next_batch()); },
+                     [&](const torch::Tensor& h) { return split.epilogue(h); }, lr);
 }
 
 }  // namespace megaslide

@@ -45,14 +45,19 @@ void check_encoders_named(const RunConfig& config, const std::string& source) {
   if (te.kind != "umt5")
     throw ConfigError(source, "model.text_encoder.kind",
                       fmt::format("is {}, but {} encode their prompts with umT5: set model.text_encoder.kind: umt5 and "
-                                  "model.text_encoder.weights{}", te.kind, why, fix));
+                                  "model.text_encoder.weights{}",
+                                  te.kind, why, fix));
   if (te.weights.empty())
-    throw ConfigError(source, "model.text_encoder.weights", fmt::format("is empty, but {} encode their prompts with umT5: set it{}", why, fix));
+    throw ConfigError(source, "model.text_encoder.weights",
+                      fmt::format("is empty, but {} encode their prompts with umT5: set it{}", why, fix));
   if (v.kind != "wan")
-    throw ConfigError(source, "model.vae.kind",
-                      fmt::format("is {}, but {} are decoded by the Wan VAE: set model.vae.kind: wan and model.vae.weights{}", v.kind, why, fix));
+    throw ConfigError(
+        source, "model.vae.kind",
+        fmt::format("is {}, but {} are decoded by the Wan VAE: set model.vae.kind: wan and model.vae.weights{}", v.kind,
+                    why, fix));
   if (v.weights.empty())
-    throw ConfigError(source, "model.vae.weights", fmt::format("is empty, but {} are decoded by the Wan VAE: set it{}", why, fix));
+    throw ConfigError(source, "model.vae.weights",
+                      fmt::format("is empty, but {} are decoded by the Wan VAE: set it{}", why, fix));
 }
 
 // Restores a module's training mode on scope exit (sampling sets eval mode).
@@ -81,16 +86,22 @@ void check_wan_validation_config(const RunConfig& config, const std::string& sou
   check_encoders_named(config, source);
 }
 
-WanValidation::WanValidation(const RunConfig& config, const std::vector<std::string>& captions, const std::string& source)
-    : config_(config), source_(source), latent_(wan_latent_config(config)), options_(WanSampleOptions::from_config(config)) {
-  TORCH_CHECK(config.model.arch == Architecture::kWan, "WanValidation: model.arch is ", to_string(config.model.arch), ", expected wan");
+WanValidation::WanValidation(const RunConfig& config, const std::vector<std::string>& captions,
+                             const std::string& source)
+    : config_(config),
+      source_(source),
+      latent_(wan_latent_config(config)),
+      options_(WanSampleOptions::from_config(config)) {
+  TORCH_CHECK(config.model.arch == Architecture::kWan, "WanValidation: model.arch is ", to_string(config.model.arch),
+              ", expected wan");
   check_encoders_named(config, source);
   std::vector<std::string> prompts;
   for (const auto& caption : captions)
     if (static_cast<int64_t>(prompts.size()) < kWanValidationVideos && !caption.empty() &&
         std::find(prompts.begin(), prompts.end(), caption) == prompts.end())
       prompts.push_back(caption);
-  if (prompts.empty()) prompts.assign(wan_validation_prompts().begin(), wan_validation_prompts().begin() + kWanValidationVideos);
+  if (prompts.empty())
+    prompts.assign(wan_validation_prompts().begin(), wan_validation_prompts().begin() + kWanValidationVideos);
   videos_ = plan_validation_videos(config, prompts, source);
   for (const auto& v : videos_) jobs_.push_back(v.job);
 
@@ -106,7 +117,8 @@ WanValidation::WanValidation(const RunConfig& config, const std::vector<std::str
   try {
     tokenizer.emplace(Umt5Tokenizer::find(te.vocab.empty() ? te.weights : te.vocab));
   } catch (const std::exception& e) {
-    throw ConfigError(source, te.vocab.empty() ? "model.text_encoder.weights" : "model.text_encoder.vocab", error_message(e));
+    throw ConfigError(source, te.vocab.empty() ? "model.text_encoder.weights" : "model.text_encoder.vocab",
+                      error_message(e));
   }
   try {
     t5.emplace(Umt5Encoder::load(te.weights, torch::kCPU, frozen_encoder_dtype(te.dtype, device)));
@@ -114,33 +126,41 @@ WanValidation::WanValidation(const RunConfig& config, const std::vector<std::str
     throw ConfigError(source, "model.text_encoder.weights", error_message(e));
   }
   if (t5->config().d_model != config.model.wan.text_dim)
-    throw ConfigError(source, "model.wan.text_dim", fmt::format("is {} but umT5 in '{}' is {} wide (d_model)", config.model.wan.text_dim, te.weights,
-                                                                t5->config().d_model));
+    throw ConfigError(source, "model.wan.text_dim",
+                      fmt::format("is {} but umT5 in '{}' is {} wide (d_model)", config.model.wan.text_dim, te.weights,
+                                  t5->config().d_model));
   if (tokenizer->vocab_size() > t5->config().vocab_size)
-    throw ConfigError(source, "model.text_encoder.vocab", fmt::format("the tokenizer '{}' has {} pieces, umT5's embedding only {}: not this model's tokenizer",
-                                                                      tokenizer->source(), tokenizer->vocab_size(), t5->config().vocab_size));
-  // umT5-XXL (11.4 GB in bf16) streamed layer by layer when it would take more than half of the GPU, as megaslide-sample decides.
+    throw ConfigError(
+        source, "model.text_encoder.vocab",
+        fmt::format("the tokenizer '{}' has {} pieces, umT5's embedding only {}: not this model's tokenizer",
+                    tokenizer->source(), tokenizer->vocab_size(), t5->config().vocab_size));
+  // umT5-XXL (11.4 GB in bf16) streamed layer by layer when it would take more than half of the GPU, as
+  // megaslide-sample decides.
   const bool stream = should_stream(StreamChoice::kAuto, device, t5->weight_bytes());
   t5.emplace(stream ? Umt5Encoder::streamed(std::move(*t5), device) : Umt5Encoder::resident(std::move(*t5), device));
   // WanTextToVideo::encode's steps, one prompt at a time.
   auto encode = [&](const std::string& prompt) {
     torch::NoGradGuard no_grad;
-    const auto tokens = tokenizer->encode({options_.clean_prompts() ? wan_prompt_clean(prompt) : prompt}, options_.text_tokens());
+    const auto tokens =
+        tokenizer->encode({options_.clean_prompts() ? wan_prompt_clean(prompt) : prompt}, options_.text_tokens());
     return t5->embed(tokens.ids.to(t5->device()), tokens.mask.to(t5->device())).to(torch::kCPU, torch::kFloat32);
   };
   for (const auto& job : jobs_) {
     text_.push_back(encode(job.prompt));
     // The negative prompt of each video that uses guidance: its own, or the run's; each text encoded once.
     const std::string negative = job.negative_prompt.value_or(options_.negative_prompt());
-    if (job.guidance_scale.value_or(options_.guidance_scale()) != 1.0 && !negatives_.count(negative)) negatives_.emplace(negative, encode(negative));
+    if (job.guidance_scale.value_or(options_.guidance_scale()) != 1.0 && !negatives_.count(negative))
+      negatives_.emplace(negative, encode(negative));
   }
   t5.reset();  // umT5 is not needed again
 
   // The VAE now, so that a bad one stops the run before it trains; loaded again for each validation.
   const WanVae vae = load_vae(config, torch::kCPU, source);
   if (vae.config().z_dim != config.model.wan.in_channels)
-    throw ConfigError(source, "model.vae.weights", fmt::format("the Wan VAE in '{}' has {} latent channels but the DiT's model.wan.in_channels is {}",
-                                                               config.model.vae.weights, vae.config().z_dim, config.model.wan.in_channels));
+    throw ConfigError(
+        source, "model.vae.weights",
+        fmt::format("the Wan VAE in '{}' has {} latent channels but the DiT's model.wan.in_channels is {}",
+                    config.model.vae.weights, vae.config().z_dim, config.model.wan.in_channels));
 }
 
 std::vector<torch::Tensor> WanValidation::sample(Trainer& trainer) const {
@@ -171,7 +191,8 @@ std::vector<torch::Tensor> WanValidation::sample(Trainer& trainer) const {
     streamed.mode = engine->options().mode;
     denoiser = std::make_shared<StreamedWanDenoiser>(model, std::move(blocks), streamed);
   } else {
-    denoiser = std::make_shared<ResidentWanDenoiser>(model, trainer.device(), at::kFloat);  // the module itself: fp32, on its device
+    denoiser = std::make_shared<ResidentWanDenoiser>(model, trainer.device(),
+                                                     at::kFloat);  // the module itself: fp32, on its device
   }
   auto predict = [&](const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& text, const torch::Tensor&) {
     return denoiser->predict(x, t, text);
@@ -184,8 +205,10 @@ std::vector<torch::Tensor> WanValidation::sample(Trainer& trainer) const {
     if (job.guidance_scale) flow.guidance_scale(*job.guidance_scale);
     Conditioning cond, uncond;
     cond.text = text_[i].to(denoiser->device());
-    if (flow.guidance_scale() != 1.0) uncond.text = negatives_.at(job.negative_prompt.value_or(options_.negative_prompt())).to(denoiser->device());
-    latents.push_back(flow_sample(predict, flow, videos_[i].shape, {job.seed}, cond, uncond, denoiser->device()).to(torch::kCPU));
+    if (flow.guidance_scale() != 1.0)
+      uncond.text = negatives_.at(job.negative_prompt.value_or(options_.negative_prompt())).to(denoiser->device());
+    latents.push_back(
+        flow_sample(predict, flow, videos_[i].shape, {job.seed}, cond, uncond, denoiser->device()).to(torch::kCPU));
   }
   return latents;
 }
@@ -205,11 +228,18 @@ std::vector<std::string> WanValidation::write(const std::string& dir, Trainer& t
       video = vae.decode(latents[i].to(vae.device(), torch::kFloat32), tiling)[0].to(torch::kCPU, torch::kFloat32);
     }
     upscale = (video.size(2) % 2 != 0 || video.size(3) % 2 != 0) ? 2 : 1;  // H.264 needs even sizes
-    io::write_mp4(io::join_path(videos_dir, jobs_[i].file), io::to_rgb_frames(video, upscale), io::VideoWriteOptions().fps(kWanFps));
+    io::write_mp4(io::join_path(videos_dir, jobs_[i].file), io::to_rgb_frames(video, upscale),
+                  io::VideoWriteOptions().fps(kWanFps));
     files.push_back(jobs_[i].file);
   }
-  const io::SamplingRecord record{"(training run)", options_.kind() == FlowSamplerKind::kUniPC ? "unipc" : "euler", options_.steps(),
-                                    options_.guidance_scale(), 0.0, config_.train.seed, kWanFps, upscale};
+  const io::SamplingRecord record{"(training run)",
+                                  options_.kind() == FlowSamplerKind::kUniPC ? "unipc" : "euler",
+                                  options_.steps(),
+                                  options_.guidance_scale(),
+                                  0.0,
+                                  config_.train.seed,
+                                  kWanFps,
+                                  upscale};
   io::write_file_atomically(io::join_path(dir, "index.json"), io::index_json(jobs_, record));
   return files;
 }

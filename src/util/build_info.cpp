@@ -17,9 +17,8 @@ bool built_with_cuda() {
 }
 
 std::string build_summary() {
-  return fmt::format("MegaSlide {} (LibTorch {}, CUDA kernels {}, {} GPU(s) visible)", version(),
-                     TORCH_VERSION, built_with_cuda() ? "compiled" : "not compiled",
-                     torch::cuda::device_count());
+  return fmt::format("MegaSlide {} (LibTorch {}, CUDA kernels {}, {} GPU(s) visible)", version(), TORCH_VERSION,
+                     built_with_cuda() ? "compiled" : "not compiled", torch::cuda::device_count());
 }
 
 }  // namespace megaslide

@@ -29,7 +29,8 @@ std::string upper(std::string s) {
 // What a oneDNN ISA cap admits: 0 neither, 1 AVX512-BF16 only, 2 AVX512-BF16 and AMX.
 int onednn_cap_admits(const std::string& cap) {
   const std::string c = upper(cap);
-  static const char* const kBelow[] = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"};
+  static const char* const kBelow[] = {"SSE41",           "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE",
+                                       "AVX512_CORE_VNNI"};
   static const char* const kAvx512Bf16[] = {"AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX10_1_512"};
   for (const char* name : kBelow)
     if (c == name) return 0;
@@ -71,7 +72,8 @@ double v2_quota(const std::string& dir) {
 
 double v1_quota(const std::string& dir) {
   std::string quota_text, period_text;
-  if (!read_text(dir + "/cpu.cfs_quota_us", quota_text) || !read_text(dir + "/cpu.cfs_period_us", period_text)) return 0;
+  if (!read_text(dir + "/cpu.cfs_quota_us", quota_text) || !read_text(dir + "/cpu.cfs_period_us", period_text))
+    return 0;
   std::istringstream qs(quota_text), ps(period_text);
   std::string quota, period;
   qs >> quota;  // -1: no quota
@@ -116,7 +118,10 @@ int affinity_cpu_count() {
 }  // namespace
 
 std::string CpuBf16Support::describe() const {
-  std::string found = avx512_bf16 && amx_bf16 ? "AVX512-BF16 and AMX-BF16" : avx512_bf16 ? "AVX512-BF16" : amx_bf16 ? "AMX-BF16" : "";
+  std::string found = avx512_bf16 && amx_bf16 ? "AVX512-BF16 and AMX-BF16"
+                      : avx512_bf16           ? "AVX512-BF16"
+                      : amx_bf16              ? "AMX-BF16"
+                                              : "";
   if (found.empty()) return "no AVX512-BF16 or AMX-BF16";
   if (!native) return found + ", but ONEDNN_MAX_CPU_ISA=" + onednn_cap + " keeps LibTorch from it";
   return found;
@@ -177,7 +182,8 @@ CoreCount available_cores(int affinity_cpus, const std::string& proc_self_cgroup
     }
   }
   out.cores = out.affinity_cpus;
-  if (out.quota_cpus > 0) out.cores = std::max(1, std::min(out.cores, static_cast<int>(std::ceil(out.quota_cpus - 1e-9))));
+  if (out.quota_cpus > 0)
+    out.cores = std::max(1, std::min(out.cores, static_cast<int>(std::ceil(out.quota_cpus - 1e-9))));
   return out;
 }
 
@@ -191,8 +197,7 @@ CoreCount available_cores() {
 // the wider registers, so a hypervisor that hides them turns the path off.
 bool cpu_has_avx512() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl");
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
 }
 
 bool cpu_has_avx2() {

@@ -24,7 +24,8 @@ std::string error_message(const std::exception& e) {
 }
 
 bool is_out_of_memory(const std::exception& e) {
-  if (dynamic_cast<const std::bad_alloc*>(&e) != nullptr || dynamic_cast<const c10::OutOfMemoryError*>(&e) != nullptr) return true;
+  if (dynamic_cast<const std::bad_alloc*>(&e) != nullptr || dynamic_cast<const c10::OutOfMemoryError*>(&e) != nullptr)
+    return true;
   const std::string m = error_message(e);
   return m.find("not enough memory") != std::string::npos || m.find("out of memory") != std::string::npos;
 }

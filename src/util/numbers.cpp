@@ -61,7 +61,8 @@ double parse_real(const std::string& text, const std::string& expected) {
   errno = 0;
   char* end = nullptr;
   const double v = std::strtod(text.c_str(), &end);
-  if (errno == ERANGE && std::isinf(v)) throw NumberError(got(expected, text) + " (beyond the largest double, about 1.8e308)");
+  if (errno == ERANGE && std::isinf(v))
+    throw NumberError(got(expected, text) + " (beyond the largest double, about 1.8e308)");
   if (errno == ERANGE || (v != 0.0 && std::fpclassify(v) == FP_SUBNORMAL)) {
     // strtod sets ERANGE on underflow and returns 0 or a subnormal: the value written is not zero but
     // cannot be held; a silent 0 would turn e.g. a learning rate of 1e-400 into "no training".
@@ -71,7 +72,8 @@ double parse_real(const std::string& text, const std::string& expected) {
       nonzero_mantissa |= c >= '1' && c <= '9';
     }
     if (nonzero_mantissa)
-      throw NumberError(got(expected, text) + " (too close to zero for a double, below about 2.2e-308; write 0 for zero)");
+      throw NumberError(got(expected, text) +
+                        " (too close to zero for a double, below about 2.2e-308; write 0 for zero)");
   }
   if (!std::isfinite(v)) throw NumberError(got(expected, text));
   return v;

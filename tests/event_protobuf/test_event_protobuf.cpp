@@ -21,7 +21,8 @@ namespace {
 // Tags are proto3 `string`s, which protobuf requires to be UTF-8: printable ASCII with a few multi-byte
 // characters; images and texts travel as `bytes` and may hold anything.
 std::string random_tag(std::mt19937_64& rng, size_t max_length) {
-  static const char* const pieces[] = {"a", "Z", "/", "_", "0", " ", ".", "\xc3\xa9", "\xe6\x97\xa5", "\xf0\x9f\x90\xb1"};
+  static const char* const pieces[] = {
+      "a", "Z", "/", "_", "0", " ", ".", "\xc3\xa9", "\xe6\x97\xa5", "\xf0\x9f\x90\xb1"};
   std::uniform_int_distribution<size_t> length(0, max_length), pick(0, 9);
   std::string s;
   for (size_t n = length(rng); n > 0; --n) s += pieces[pick(rng)];

@@ -5,7 +5,8 @@
 #include <type_traits>
 
 int main() {
-  auto model = megaslide::MegaSlideDiT(megaslide::DiTOptions().hidden(16).heads(2).layers(1).text_dim(8).dsa_kernel({3, 3, 3}));
+  auto model =
+      megaslide::MegaSlideDiT(megaslide::DiTOptions().hidden(16).heads(2).layers(1).text_dim(8).dsa_kernel({3, 3, 3}));
   auto x = torch::randn({1, 3, 2, 8, 8});
   auto eps = model(x, torch::tensor({10}, torch::kLong), torch::randn({1, 4, 8}));
   // The whole API is behind the umbrella header, Wan's weights files included.

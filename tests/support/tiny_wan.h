@@ -28,14 +28,17 @@ inline std::string write_tiny_wan(const std::string& dir, int64_t n = 4) {
                                   {"text", torch::randn({n, 7, 20}).to(torch::kBFloat16)},
                                   {"empty_text", torch::zeros({7, 20})}});
   const std::string config = io::join_path(dir, "wan.yaml");
-  std::ofstream(config) << "model:\n  arch: wan\n  wan: {dim: 24, layers: 2, heads: 2, ffn_dim: 40, freq_dim: 16, text_dim: 20, "
-                           "patch: [1, 2, 2], in_channels: 4, out_channels: 4}\n"
-                           "data: {dataset: latent-tensors, tensors: " << tensors << ", channels: 4, frames: 3, height: 6, width: 8, "
-                           "max_text_tokens: 7}\n"
-                           "diffusion: {objective: flow, shift: 3.0, caption_dropout: 0.1}\n"
-                           "train: {steps: 30, batch_size: 2, lr: 0.003, warmup_steps: 0, lr_schedule: constant, grad_clip: 1.0, "
-                           "device: cpu, seed: 5, checkpoint_every: 15, log_every: 10}\n"
-                           "offload: {compute_dtype: bf16}\noutput: {progress: false}\n";
+  std::ofstream(config)
+      << "model:\n  arch: wan\n  wan: {dim: 24, layers: 2, heads: 2, ffn_dim: 40, freq_dim: 16, text_dim: 20, "
+         "patch: [1, 2, 2], in_channels: 4, out_channels: 4}\n"
+         "data: {dataset: latent-tensors, tensors: "
+      << tensors
+      << ", channels: 4, frames: 3, height: 6, width: 8, "
+         "max_text_tokens: 7}\n"
+         "diffusion: {objective: flow, shift: 3.0, caption_dropout: 0.1}\n"
+         "train: {steps: 30, batch_size: 2, lr: 0.003, warmup_steps: 0, lr_schedule: constant, grad_clip: 1.0, "
+         "device: cpu, seed: 5, checkpoint_every: 15, log_every: 10}\n"
+         "offload: {compute_dtype: bf16}\noutput: {progress: false}\n";
   return config;
 }
 

@@ -32,7 +32,8 @@ inline ParameterShapes parameter_shapes(Trainer& trainer) {
 }
 
 // The trainer of `config` started from `path` (train.init_from) with `allow_missing` (train.init_allow_missing).
-inline Trainer trainer_from(RunConfig config, const std::string& path, const std::vector<std::string>& allow_missing = {}) {
+inline Trainer trainer_from(RunConfig config, const std::string& path,
+                            const std::vector<std::string>& allow_missing = {}) {
   config.train.init_from = path;
   config.train.init_allow_missing = allow_missing;
   return make_trainer(config);
@@ -42,7 +43,8 @@ inline Trainer trainer_from(RunConfig config, const std::string& path, const std
 // its own (data.tensors), which is removed once the trainer holds the data.
 inline Trainer wan_trainer(RunConfig config, const WanLatentData& data, Communicator* communicator = nullptr) {
   static int counter = 0;
-  const std::string path = "/tmp/megaslide-test-wan-data-" + std::to_string(::getpid()) + "-" + std::to_string(counter++) + ".safetensors";
+  const std::string path =
+      "/tmp/megaslide-test-wan-data-" + std::to_string(::getpid()) + "-" + std::to_string(counter++) + ".safetensors";
   io::NamedTensors tensors{{"latents", data.latents}, {"text", data.text}};
   if (data.empty_text.defined()) tensors.emplace_back("empty_text", data.empty_text);
   io::write_safetensors(path, tensors);

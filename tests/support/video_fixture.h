@@ -29,7 +29,8 @@ inline torch::Tensor smooth_random_frames(int64_t T, int64_t H, int64_t W, uint6
   auto gen = at::detail::createCPUGenerator(seed);
   auto coarse = torch::rand({T, 3, H / 8 + 1, W / 8 + 1}, gen);
   namespace F = torch::nn::functional;
-  auto fine = F::interpolate(coarse, F::InterpolateFuncOptions().size(std::vector<int64_t>{H, W}).mode(torch::kBilinear).align_corners(true));
+  auto fine = F::interpolate(
+      coarse, F::InterpolateFuncOptions().size(std::vector<int64_t>{H, W}).mode(torch::kBilinear).align_corners(true));
   return (fine.permute({0, 2, 3, 1}) * 255).round().to(torch::kUInt8).contiguous();
 }
 
@@ -40,8 +41,8 @@ inline double psnr(const torch::Tensor& a, const torch::Tensor& b) {
 
 struct VideoFixture {
   std::string dir;
-  std::vector<torch::Tensor> sources;   // the good clips' frames as written
-  std::vector<std::string> captions;    // of the good clips
+  std::vector<torch::Tensor> sources;  // the good clips' frames as written
+  std::vector<std::string> captions;   // of the good clips
   int64_t good = 0;
 
   VideoFixture(const std::string& name, int64_t good_clips = 5, int64_t frames = 12, int64_t H = 48, int64_t W = 64,
@@ -63,9 +64,11 @@ struct VideoFixture {
     }
     write("videos/corrupt.mp4", std::string(4096, '\x5a') + "not a video");
     write("videos/corrupt.txt", "a corrupt file\n");
-    io::write_mp4(dir + "/videos/short.mp4", smooth_random_frames(2, H, W, 7), io::VideoWriteOptions().fps(8).preset("veryfast"));
+    io::write_mp4(dir + "/videos/short.mp4", smooth_random_frames(2, H, W, 7),
+                  io::VideoWriteOptions().fps(8).preset("veryfast"));
     write("videos/short.txt", "a two frame file\n");
-    io::write_mp4(dir + "/videos/nocaption.mp4", smooth_random_frames(frames, H, W, 8), io::VideoWriteOptions().fps(8).preset("veryfast"));
+    io::write_mp4(dir + "/videos/nocaption.mp4", smooth_random_frames(frames, H, W, 8),
+                  io::VideoWriteOptions().fps(8).preset("veryfast"));
     listed.emplace_back("videos/corrupt.mp4", "a corrupt file");
     listed.emplace_back("videos/short.mp4", "a two frame file");
     listed.emplace_back("videos/missing.mp4", "a missing file");
@@ -77,11 +80,13 @@ struct VideoFixture {
     std::string webvid = "videoid,contentUrl,duration,page_dir,name\n";
     for (const auto& [file, caption] : listed) {
       const auto slash = file.find('/');
-      webvid += file.substr(slash + 1, file.size() - slash - 5) + ",http://x,PT00H00M10S," + file.substr(0, slash) + ",\"" + caption + "\"\n";
+      webvid += file.substr(slash + 1, file.size() - slash - 5) + ",http://x,PT00H00M10S," + file.substr(0, slash) +
+                ",\"" + caption + "\"\n";
     }
     write("webvid.csv", webvid);
     std::string jsonl;
-    for (const auto& [file, caption] : listed) jsonl += "{\"video\": \"" + file + "\", \"caption\": \"" + caption + "\"}\n";
+    for (const auto& [file, caption] : listed)
+      jsonl += "{\"video\": \"" + file + "\", \"caption\": \"" + caption + "\"}\n";
     write("items.jsonl", jsonl);
   }
   ~VideoFixture() { io::remove_tree(dir); }

@@ -71,9 +71,9 @@ torch::Tensor dsa3d_base_positions(std::array<int64_t, 3> volume, std::array<int
 // bias:     [M, K] relative-position bias, or nullopt
 // kernel:   (kt, kh, kw), odd sizes; shrinks per axis to the volume (see above)
 // returns   [B, T, H, W, M, d] in q's dtype
-torch::Tensor dsa3d(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& offsets,
-                    const std::optional<torch::Tensor>& bias, std::array<int64_t, 3> kernel,
-                    DsaImpl impl = DsaImpl::kAuto, bool deterministic = false);
+torch::Tensor dsa3d(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                    const torch::Tensor& offsets, const std::optional<torch::Tensor>& bias,
+                    std::array<int64_t, 3> kernel, DsaImpl impl = DsaImpl::kAuto, bool deterministic = false);
 
 // The grid_sample implementation, for tests and as the autograd reference.
 torch::Tensor dsa3d_reference(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,

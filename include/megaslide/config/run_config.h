@@ -58,59 +58,59 @@ struct WanConfig {
   int64_t layers = 40;
   int64_t heads = 40;
   int64_t ffn_dim = 13824;
-  int64_t freq_dim = 256;                  // sinusoidal timestep features
-  int64_t text_dim = 4096;                 // width of the text embeddings (umT5-XXL: 4096)
-  std::array<int64_t, 3> patch{1, 2, 2};   // (pt, ph, pw)
-  int64_t in_channels = 16;                // latent channels in (= data.channels)
+  int64_t freq_dim = 256;                 // sinusoidal timestep features
+  int64_t text_dim = 4096;                // width of the text embeddings (umT5-XXL: 4096)
+  std::array<int64_t, 3> patch{1, 2, 2};  // (pt, ph, pw)
+  int64_t in_channels = 16;               // latent channels in (= data.channels)
   int64_t out_channels = 16;
-  bool qk_norm = true;                     // RMSNorm over q and k (across heads)
-  bool cross_attn_norm = true;             // affine LayerNorm before the cross-attention
+  bool qk_norm = true;          // RMSNorm over q and k (across heads)
+  bool cross_attn_norm = true;  // affine LayerNorm before the cross-attention
   double eps = 1e-6;
-  std::string weights;                     // published weights to start from ("": random initialisation)
+  std::string weights;  // published weights to start from ("": random initialisation)
 };
 
 // The prompt encoder (model.text_encoder, docs/conditioning.md): the small built-in caption encoder,
 // trained with the DiT, or CLIP's (DiT family) or umT5's (Wan, cached) loaded from `weights`, frozen.
 struct TextEncoderConfig {
   std::string kind = "builtin";  // builtin | clip | umt5 (Wan)
-  std::string weights;           // clip: the folder (config.json, model.safetensors, the vocabulary); umt5: folder or file
-  std::string vocab;              // clip: vocab.json + merges.txt folder or OpenAI's bpe file; umt5: spiece.model; "" = found
-  std::string dtype = "fp32";    // clip's weights and compute: fp32 | bf16 (outputs are fp32)
+  std::string weights;  // clip: the folder (config.json, model.safetensors, the vocabulary); umt5: folder or file
+  std::string vocab;    // clip: vocab.json + merges.txt folder or OpenAI's bpe file; umt5: spiece.model; "" = found
+  std::string dtype = "fp32";  // clip's weights and compute: fp32 | bf16 (outputs are fp32)
 };
 
 // The video codec (model.vae): none (the DiT works on pixels) or the Stable Diffusion VAE (DiT family) or
 // the Wan VAE (Wan, cached) loaded from `weights` and frozen (the model works on its latents).
 struct VaeConfig {
-  std::string kind = "none";       // none | sd | wan (Wan)
-  std::string weights;             // sd: the folder (config.json, diffusion_pytorch_model.safetensors)
-  int64_t latent_channels = 4;     // sd: must equal config.json's latent_channels (checked when loaded)
-  int64_t downscale = 8;           // sd: pixels per latent along each side, 2^(levels - 1) (checked when loaded)
-  int64_t frames_per_batch = 8;    // frames per VAE call (encode and decode)
-  std::string dtype = "fp32";      // weights and compute: fp32 | bf16 (outputs are fp32)
-  int64_t tile_size = 0;           // decode (wan: encode) in tiles of this many pixels (0 = whole frames)
-  double tile_overlap = 0.25;      // fraction of a tile its neighbours overlap and blend
+  std::string kind = "none";     // none | sd | wan (Wan)
+  std::string weights;           // sd: the folder (config.json, diffusion_pytorch_model.safetensors)
+  int64_t latent_channels = 4;   // sd: must equal config.json's latent_channels (checked when loaded)
+  int64_t downscale = 8;         // sd: pixels per latent along each side, 2^(levels - 1) (checked when loaded)
+  int64_t frames_per_batch = 8;  // frames per VAE call (encode and decode)
+  std::string dtype = "fp32";    // weights and compute: fp32 | bf16 (outputs are fp32)
+  int64_t tile_size = 0;         // decode (wan: encode) in tiles of this many pixels (0 = whole frames)
+  double tile_overlap = 0.25;    // fraction of a tile its neighbours overlap and blend
 };
 
 struct ModelConfig {
   Architecture arch = Architecture::kMegaSlide;
-  std::array<int64_t, 3> patch{1, 2, 2};   // (pt, ph, pw)
+  std::array<int64_t, 3> patch{1, 2, 2};  // (pt, ph, pw)
   int64_t hidden = 16;
   int64_t layers = 2;
   int64_t heads = 2;
   double mlp_ratio = 4.0;
-  int64_t text_dim = 16;                   // width of the text encoder's token embeddings
+  int64_t text_dim = 16;  // width of the text encoder's token embeddings
   std::array<int64_t, 3> dsa_kernel{3, 7, 7};
-  int64_t dsa_groups = 1;                  // offset groups G; heads % G == 0
+  int64_t dsa_groups = 1;                                 // offset groups G; heads % G == 0
   std::array<double, 3> dsa_offset_range{1.0, 3.0, 3.0};  // tanh range per axis (t, h, w), tokens
   DsaOffsets dsa_offsets = DsaOffsets::kLearned;          // learned | zero | frozen (the offset ablation)
-  std::string dense_attention = "fused";                   // dense3d: fused (SDPA) | materialized (N x N scores kept)
-  std::array<int64_t, 3> swin_window{3, 16, 16};           // in tokens (t, h, w)
+  std::string dense_attention = "fused";                  // dense3d: fused (SDPA) | materialized (N x N scores kept)
+  std::array<int64_t, 3> swin_window{3, 16, 16};          // in tokens (t, h, w)
   // model.arch wan only: the blocks' self-attention, Wan's global attention ("dense") or 3D-DSA over the
   // latent token grid with Wan's own projections ("dsa3d", the retrofit; dsa_* keys above apply).
   std::string self_attention = "dense";
   WanConfig wan;
-  TextEncoderConfig text_encoder;                          // text_dim must equal the encoder's width (clip: checked when loaded)
-  VaeConfig vae;                                           // the DiT's samples: pixels, or latents of the VAE
+  TextEncoderConfig text_encoder;  // text_dim must equal the encoder's width (clip: checked when loaded)
+  VaeConfig vae;                   // the DiT's samples: pixels, or latents of the VAE
 };
 
 struct DataConfig {
@@ -123,18 +123,19 @@ struct DataConfig {
   int64_t max_text_tokens = 12;  // captions are padded or cut to this many tokens
   uint64_t seed = 1234;          // structured-motion: the clips; videos: the augmentation draws
   // videos: where the items are (one of manifest or root) and how they are decoded.
-  std::string manifest;                                // CSV (WebVid or Open-Sora columns) or JSONL; "" = none
-  std::string root;                                    // a folder of videos with a same-stem .txt caption each
+  std::string manifest;  // CSV (WebVid or Open-Sora columns) or JSONL; "" = none
+  std::string root;      // a folder of videos with a same-stem .txt caption each
   std::string video_path_template = "{page_dir}/{videoid}.mp4";  // WebVid CSV: the file of a row
-  double fps = 0.0;                                    // sample frames at this rate; 0 = every frame_stride-th frame
+  double fps = 0.0;  // sample frames at this rate; 0 = every frame_stride-th frame
   int64_t frame_stride = 1;
-  std::string clip_start = "random";                   // random | center
-  std::string crop = "center";                         // center | random
-  std::vector<std::array<int64_t, 3>> buckets;         // [frames, height, width] each; empty = one bucket of frames x height x width
-  double max_bad_fraction = 0.05;                      // more bad items than this stops the run, listing them
-  std::string cache;                                   // a folder written by megaslide-cache: read instead of decoding
-  int64_t workers = 1;                                 // background loader threads (each single-threaded); 0 = load in line
-  int64_t prefetch = 2;                                // batches loaded ahead of the step that needs them
+  std::string clip_start = "random";  // random | center
+  std::string crop = "center";        // center | random
+  std::vector<std::array<int64_t, 3>>
+      buckets;                     // [frames, height, width] each; empty = one bucket of frames x height x width
+  double max_bad_fraction = 0.05;  // more bad items than this stops the run, listing them
+  std::string cache;               // a folder written by megaslide-cache: read instead of decoding
+  int64_t workers = 1;             // background loader threads (each single-threaded); 0 = load in line
+  int64_t prefetch = 2;            // batches loaded ahead of the step that needs them
   // dataset latent-tensors (model.arch wan): one safetensors file of latents [N, C, T, H, W], text
   // [N, L, text_dim] and optionally empty_text [L, text_dim] (train/wan_family.h).
   std::string tensors;
@@ -145,16 +146,16 @@ struct DiffusionConfig {
   std::string beta_schedule = "linear";  // linear | cosine
   double beta_start = 1e-4;
   double beta_end = 0.02;
-  double caption_dropout = 0.1;          // probability of training on the empty prompt (for CFG)
-  std::string prediction = "epsilon";    // what the model predicts and the loss compares: epsilon | v | x0
+  double caption_dropout = 0.1;        // probability of training on the empty prompt (for CFG)
+  std::string prediction = "epsilon";  // what the model predicts and the loss compares: epsilon | v | x0
   int64_t sample_steps = 30;
   std::string timestep_spacing = "linspace";  // linspace | leading | trailing (sampler.h)
   double guidance_scale = 7.5;
   // ddpm: the DDPM objective above (prediction, beta schedule); flow: flow matching as Wan trains it
   // (diffusion/flow_matching.h): x_t = (1 − σ)·x0 + σ·ε, target ε − x0, timestep σ·timesteps.
   std::string objective = "ddpm";
-  double shift = 1.0;                          // flow: σ → shift·σ / (1 + (shift − 1)·σ)
-  std::string timestep_sampling = "uniform";   // flow: uniform | logit_normal (σ = sigmoid(N(logit_mean, logit_std)))
+  double shift = 1.0;                         // flow: σ → shift·σ / (1 + (shift − 1)·σ)
+  std::string timestep_sampling = "uniform";  // flow: uniform | logit_normal (σ = sigmoid(N(logit_mean, logit_std)))
   double logit_mean = 0.0;
   double logit_std = 1.0;
 };
@@ -163,40 +164,40 @@ struct TrainConfig {
   int64_t steps = 200;
   int64_t batch_size = 4;
   double lr = 1e-3;
-  double min_lr_ratio = 0.1;             // cosine decays to lr * min_lr_ratio
+  double min_lr_ratio = 0.1;  // cosine decays to lr * min_lr_ratio
   int64_t warmup_steps = 10;
-  std::string lr_schedule = "cosine";    // cosine | constant
+  std::string lr_schedule = "cosine";  // cosine | constant
   double weight_decay = 0.0;
   double beta1 = 0.9;
   double beta2 = 0.999;
   double eps = 1e-8;
-  double grad_clip = 1.0;                // global-norm clip; 0 disables
-  double ema_decay = 0.0;                // EMA of the weights, decay min(ema_decay, n/(n+9)) at update n > 1; 0 = none
+  double grad_clip = 1.0;  // global-norm clip; 0 disables
+  double ema_decay = 0.0;  // EMA of the weights, decay min(ema_decay, n/(n+9)) at update n > 1; 0 = none
   uint64_t seed = 0;
-  std::string device = "auto";           // auto | cpu | cuda | cuda:N
-  int64_t threads = 0;                   // LibTorch intra-op threads; 0 = from the cores available (train/auto_settings.h)
-  int64_t log_every = 10;                // lines in train.log (metrics.jsonl gets every step)
-  int64_t grad_accum_steps = 1;          // micro-batches of batch_size per optimizer step
-  double loss_scale_init = 65536.0;      // fp16 compute only: initial dynamic loss scale
-  int64_t loss_scale_window = 1000;      // fp16: steps without overflow before the scale doubles
-  double peak_tflops = 0.0;              // MFU denominator on a GPU; 0 = measure a matmul at start
-  int64_t sample_every = 0;              // validation videos every N steps (RUN_DIR/samples/step-NNNNNNN/); 0 = never
-  std::string sample_prompts;            // the validation videos' prompt file (io::read_prompt_specs: per-line size, seed,
-                                         // steps, guidance, negative prompt); "" = the data's first captions
-  int64_t checkpoint_every = 0;          // checkpoint every N steps and after the last (RUN_DIR/checkpoints/); 0 = never
-  int64_t keep_last = 3;                 // complete checkpoints kept (the newest); 0 = all
-  int64_t max_consecutive_skips = 5;     // stop after this many non-finite steps in a row; 0 = never stop
-  std::string init_from;                 // start from these weights (weights file, checkpoint folder, safetensors); "" = random
+  std::string device = "auto";        // auto | cpu | cuda | cuda:N
+  int64_t threads = 0;                // LibTorch intra-op threads; 0 = from the cores available (train/auto_settings.h)
+  int64_t log_every = 10;             // lines in train.log (metrics.jsonl gets every step)
+  int64_t grad_accum_steps = 1;       // micro-batches of batch_size per optimizer step
+  double loss_scale_init = 65536.0;   // fp16 compute only: initial dynamic loss scale
+  int64_t loss_scale_window = 1000;   // fp16: steps without overflow before the scale doubles
+  double peak_tflops = 0.0;           // MFU denominator on a GPU; 0 = measure a matmul at start
+  int64_t sample_every = 0;           // validation videos every N steps (RUN_DIR/samples/step-NNNNNNN/); 0 = never
+  std::string sample_prompts;         // the validation videos' prompt file (io::read_prompt_specs: per-line size, seed,
+                                      // steps, guidance, negative prompt); "" = the data's first captions
+  int64_t checkpoint_every = 0;       // checkpoint every N steps and after the last (RUN_DIR/checkpoints/); 0 = never
+  int64_t keep_last = 3;              // complete checkpoints kept (the newest); 0 = all
+  int64_t max_consecutive_skips = 5;  // stop after this many non-finite steps in a row; 0 = never stop
+  std::string init_from;  // start from these weights (weights file, checkpoint folder, safetensors); "" = random
   std::vector<std::string> init_allow_missing;  // parameter-name patterns (* any run) that init_from may lack
 };
 
 struct OffloadConfig {
   // The Trainer's streamed CPU-master mode (train/trainer.h); false runs the resident reference loop.
   bool enabled = true;
-  std::string mode = "async";            // async | sync (every copy and update in line: the ablation)
-  std::string compute_dtype = "auto";    // auto (train/auto_settings.h) | bf16 | fp16 (dynamic loss scaling) | fp32
-  int64_t optimizer_threads = 0;         // CpuAdamW threads; 0 = from the cores available (train/auto_settings.h)
-  double emulated_copy_delay_ms = 0.0;   // testing aid: CPU async copies land this much later (docs/offload.md)
+  std::string mode = "async";           // async | sync (every copy and update in line: the ablation)
+  std::string compute_dtype = "auto";   // auto (train/auto_settings.h) | bf16 | fp16 (dynamic loss scaling) | fp32
+  int64_t optimizer_threads = 0;        // CpuAdamW threads; 0 = from the cores available (train/auto_settings.h)
+  double emulated_copy_delay_ms = 0.0;  // testing aid: CPU async copies land this much later (docs/offload.md)
 };
 
 struct OptimizerConfig {
@@ -207,16 +208,16 @@ struct OptimizerConfig {
 
 struct OutputConfig {
   std::string run_dir = "runs/default";
-  bool progress = true;                  // live progress line on a terminal
-  bool tensorboard = false;              // TensorBoard event files in RUN_DIR/tensorboard (train/run_outputs.h)
+  bool progress = true;      // live progress line on a terminal
+  bool tensorboard = false;  // TensorBoard event files in RUN_DIR/tensorboard (train/run_outputs.h)
 };
 
 struct DistributedConfig {
   // Several processes (ranks) training one model (train/distributed.h, docs/distributed.md). How many and
   // which rank this process is come from the launcher's environment, not from here.
-  std::string backend = "auto";          // auto (nccl on GPUs, gloo on the CPU) | nccl | gloo
-  double timeout_s = 300.0;              // rendezvous and every collective; a rank gone for this long stops the others
-  bool rank_logs = false;                // ranks other than 0 also write RUN_DIR/logs/rank-N.log
+  std::string backend = "auto";  // auto (nccl on GPUs, gloo on the CPU) | nccl | gloo
+  double timeout_s = 300.0;      // rendezvous and every collective; a rank gone for this long stops the others
+  bool rank_logs = false;        // ranks other than 0 also write RUN_DIR/logs/rank-N.log
 };
 
 struct RunConfig {

@@ -16,9 +16,9 @@ namespace megaslide {
 
 struct PlannedBatch {
   int64_t epoch = 0;
-  int64_t index = 0;                // position within the epoch
+  int64_t index = 0;  // position within the epoch
   int64_t bucket = 0;
-  std::vector<int64_t> items;       // dataset item numbers
+  std::vector<int64_t> items;  // dataset item numbers
 };
 
 class BucketBatchSampler {

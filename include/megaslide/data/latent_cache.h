@@ -74,19 +74,19 @@ std::unique_ptr<CacheEncoders> cache_encoders(const RunConfig& config, torch::De
 std::string cache_identity(const RunConfig& config);
 
 struct CacheBuildOptions {
-  std::string out;                 // the cache folder (created)
-  int64_t shard_items = 64;        // items per shard
-  int64_t threads = 1;             // decoding threads
+  std::string out;           // the cache folder (created)
+  int64_t shard_items = 64;  // items per shard
+  int64_t threads = 1;       // decoding threads
   // Called after each item: (items done, items in all, items done by this call).
   std::function<void(int64_t, int64_t, int64_t)> on_progress;
   std::function<void(const std::string&)> on_warning;  // bad items (once each), shards that failed to verify
 };
 
 struct CacheBuildResult {
-  int64_t items = 0;            // cached
-  int64_t items_reused = 0;     // in shards kept from an earlier, interrupted build
+  int64_t items = 0;         // cached
+  int64_t items_reused = 0;  // in shards kept from an earlier, interrupted build
   int64_t shards = 0, shards_reused = 0;
-  std::vector<BadItem> bad;     // listing, probing and decoding
+  std::vector<BadItem> bad;  // listing, probing and decoding
 };
 
 // Builds (or finishes) the cache of `config`'s dataset in options.out. Throws DatasetError.

@@ -63,15 +63,15 @@ struct LoadedBatch {
   torch::Tensor text_ids, text_mask;  // [B, L] when the source has them
   torch::Tensor text;                 // [B, L, width] when the source has cached embeddings
   std::vector<std::string> captions;
-  std::vector<BadItem> failed;        // items that failed to load (each replaced by a stand-in)
-  double wait_s = 0.0;                // how long next() waited for this batch
+  std::vector<BadItem> failed;  // items that failed to load (each replaced by a stand-in)
+  double wait_s = 0.0;          // how long next() waited for this batch
 };
 
 struct LoaderOptions {
-  int64_t workers = 1;     // 0: load in next() on the calling thread
-  int64_t prefetch = 2;    // batches loaded ahead (workers > 0)
-  bool pin_memory = false; // stack into page-locked memory (needs CUDA)
-  uint64_t seed = 0;       // stand-in draws
+  int64_t workers = 1;        // 0: load in next() on the calling thread
+  int64_t prefetch = 2;       // batches loaded ahead (workers > 0)
+  bool pin_memory = false;    // stack into page-locked memory (needs CUDA)
+  uint64_t seed = 0;          // stand-in draws
   int64_t max_attempts = 16;  // stand-ins tried for one slot before the batch fails
   // Only slots [slots_begin, slots_begin + slots_count) of each planned batch are loaded (a data-parallel
   // rank's part; -1: all). A slot's item and stand-ins do not depend on the other slots, so the part is

@@ -29,15 +29,15 @@ enum class MotionKind { kBlob, kStripes, kGradient };
 // What a clip shows, in numbers (tests and evaluation read these instead of parsing captions).
 struct MotionDescription {
   MotionKind kind = MotionKind::kBlob;
-  int64_t channel = 0;          // colour channel the content is drawn in
-  double velocity_h = 0.0;      // blob: centre displacement per frame, rows (down is +)
-  double velocity_w = 0.0;      // blob: centre displacement per frame, columns (right is +)
+  int64_t channel = 0;                  // colour channel the content is drawn in
+  double velocity_h = 0.0;              // blob: centre displacement per frame, rows (down is +)
+  double velocity_w = 0.0;              // blob: centre displacement per frame, columns (right is +)
   double start_h = 0.0, start_w = 0.0;  // blob: centre at frame 0
-  double sigma = 1.0;           // blob: Gaussian width in pixels
-  bool vertical = false;        // stripes: vertical bars; gradient: ramp runs along height
-  double cycles = 1.0;          // stripes: spatial cycles across the frame
-  double temporal_cycles = 1.0; // stripes: oscillation periods over the clip
-  bool brightens = true;        // gradient: direction in time
+  double sigma = 1.0;                   // blob: Gaussian width in pixels
+  bool vertical = false;                // stripes: vertical bars; gradient: ramp runs along height
+  double cycles = 1.0;                  // stripes: spatial cycles across the frame
+  double temporal_cycles = 1.0;         // stripes: oscillation periods over the clip
+  bool brightens = true;                // gradient: direction in time
 };
 
 struct Clip {

@@ -42,7 +42,7 @@ struct ClipShape {
 
 // What probing found out about a usable item.
 struct VideoItemInfo {
-  int64_t frames = 0;           // as probe_video states it (a decode that finds fewer re-plans, see load())
+  int64_t frames = 0;  // as probe_video states it (a decode that finds fewer re-plans, see load())
   int64_t width = 0, height = 0;
   double fps = 0.0;
   int64_t bucket = 0;
@@ -51,7 +51,7 @@ struct VideoItemInfo {
 // The source frames and the crop of one clip.
 struct ClipPlan {
   int64_t bucket = 0;
-  std::vector<int64_t> frame_indices;       // source frames, in clip order
+  std::vector<int64_t> frame_indices;  // source frames, in clip order
   int64_t resized_height = 0, resized_width = 0;
   int64_t crop_top = 0, crop_left = 0;
 };
@@ -66,12 +66,14 @@ class VideoDataset {
  public:
   // Reads the manifest and probes every item on `threads` threads (>= 1). `on_progress(done, total)` is
   // called from the calling thread as probes finish. Throws DatasetError for a bad manifest.
-  static VideoDataset open(const DataConfig& data, int threads = 1, const std::function<void(int64_t, int64_t)>& on_progress = {});
+  static VideoDataset open(const DataConfig& data, int threads = 1,
+                           const std::function<void(int64_t, int64_t)>& on_progress = {});
   // From items already probed (a cache's manifest): nothing is read.
-  VideoDataset(DataConfig data, std::vector<VideoItem> items, std::vector<VideoItemInfo> info, std::vector<BadItem> bad, int64_t listed);
+  VideoDataset(DataConfig data, std::vector<VideoItem> items, std::vector<VideoItemInfo> info, std::vector<BadItem> bad,
+               int64_t listed);
 
   int64_t size() const { return static_cast<int64_t>(items_.size()); }  // usable items
-  int64_t listed() const { return listed_; }                               // usable + bad
+  int64_t listed() const { return listed_; }                            // usable + bad
   const VideoItem& item(int64_t i) const { return items_.at(static_cast<size_t>(i)); }
   const VideoItemInfo& info(int64_t i) const { return info_.at(static_cast<size_t>(i)); }
   const std::vector<ClipShape>& buckets() const { return buckets_; }

@@ -35,21 +35,21 @@ class DatasetError : public std::runtime_error, public InputError {
 };
 
 struct VideoItem {
-  int64_t index = 0;     // position in the listing (bad items included): the key of its augmentation draws
-  std::string path;      // the video file, resolved
+  int64_t index = 0;  // position in the listing (bad items included): the key of its augmentation draws
+  std::string path;   // the video file, resolved
   std::string caption;
-  std::string where;     // where it was listed: "data/train.csv:12", "videos/a.mp4"
+  std::string where;  // where it was listed: "data/train.csv:12", "videos/a.mp4"
 };
 
 struct BadItem {
   int64_t index = 0;
-  std::string path;      // the video file, or the listing line when there is no file
+  std::string path;  // the video file, or the listing line when there is no file
   std::string reason;
 };
 
 struct VideoManifest {
-  std::string layout;    // "webvid-csv", "opensora-csv", "jsonl" or "folder"
-  std::string source;    // the manifest file or the root folder
+  std::string layout;  // "webvid-csv", "opensora-csv", "jsonl" or "folder"
+  std::string source;  // the manifest file or the root folder
   std::vector<VideoItem> items;
   std::vector<BadItem> bad;
   int64_t listed() const { return static_cast<int64_t>(items.size() + bad.size()); }

@@ -28,7 +28,7 @@ class DDPMSchedule {
   DDPMSchedule(int64_t timesteps, BetaSchedule schedule, double beta_start = 1e-4, double beta_end = 0.02);
 
   int64_t timesteps() const { return timesteps_; }
-  const torch::Tensor& betas() const { return betas_; }                  // [T] float64
+  const torch::Tensor& betas() const { return betas_; }                    // [T] float64
   const torch::Tensor& alphas_cumprod() const { return alphas_cumprod_; }  // [T] float64, ᾱ_t
 
   DDPMSchedule to(torch::Device device) const;
@@ -38,11 +38,13 @@ class DDPMSchedule {
 
   // The training target for x_t = add_noise(x0, noise, t): noise (ε), sqrt(ᾱ_t)·noise − sqrt(1−ᾱ_t)·x0 (v)
   // or x0, in x0's dtype (computed in float64).
-  torch::Tensor target(Prediction prediction, const torch::Tensor& x0, const torch::Tensor& noise, const torch::Tensor& t) const;
+  torch::Tensor target(Prediction prediction, const torch::Tensor& x0, const torch::Tensor& noise,
+                       const torch::Tensor& t) const;
 
   // Uniform integer timesteps in [0, T) for a batch, drawn on the CPU from `generator` (LibTorch's
   // global generator when none) and moved to `device`.
-  torch::Tensor sample_timesteps(int64_t batch, torch::Device device, std::optional<at::Generator> generator = std::nullopt) const;
+  torch::Tensor sample_timesteps(int64_t batch, torch::Device device,
+                                 std::optional<at::Generator> generator = std::nullopt) const;
 
  private:
   int64_t timesteps_;
@@ -52,6 +54,8 @@ class DDPMSchedule {
 // Mean squared error between the prediction and its target (in float32).
 torch::Tensor diffusion_loss(const torch::Tensor& predicted, const torch::Tensor& target);
 // The ε-objective: diffusion_loss against the true noise.
-inline torch::Tensor epsilon_loss(const torch::Tensor& predicted, const torch::Tensor& noise) { return diffusion_loss(predicted, noise); }
+inline torch::Tensor epsilon_loss(const torch::Tensor& predicted, const torch::Tensor& noise) {
+  return diffusion_loss(predicted, noise);
+}
 
 }  // namespace megaslide

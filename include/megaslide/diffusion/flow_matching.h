@@ -89,8 +89,8 @@ class FlowUniPC {
 
  private:
   torch::Tensor predictor(const torch::Tensor& x, int64_t order);
-  torch::Tensor corrector(const torch::Tensor& this_x0, const torch::Tensor& last_sample, const torch::Tensor& this_sample,
-                          int64_t order);
+  torch::Tensor corrector(const torch::Tensor& this_x0, const torch::Tensor& last_sample,
+                          const torch::Tensor& this_sample, int64_t order);
   double lambda(int64_t i) const;  // log(1 − σ_i) − log(σ_i)
 
   torch::Tensor sigmas_, timesteps_;
@@ -121,8 +121,9 @@ struct FlowSamplerOptions {
 // is the conditional output alone (no unconditional pass).
 using FlowModelFn = std::function<torch::Tensor(const torch::Tensor& x, const torch::Tensor& timesteps,
                                                 const torch::Tensor& text, const torch::Tensor& text_mask)>;
-torch::Tensor flow_sample(const FlowModelFn& model, const FlowSamplerOptions& options, const std::vector<int64_t>& sample_shape,
-                          const std::vector<uint64_t>& seeds, const Conditioning& cond, const Conditioning& uncond,
-                          torch::Device device, const std::function<void(int64_t, int64_t)>& on_step = {});
+torch::Tensor flow_sample(const FlowModelFn& model, const FlowSamplerOptions& options,
+                          const std::vector<int64_t>& sample_shape, const std::vector<uint64_t>& seeds,
+                          const Conditioning& cond, const Conditioning& uncond, torch::Device device,
+                          const std::function<void(int64_t, int64_t)>& on_step = {});
 
 }  // namespace megaslide

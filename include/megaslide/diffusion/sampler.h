@@ -65,10 +65,10 @@ class SamplingSchedule {
 
   int64_t steps() const { return timesteps_.size(0); }
   // All [S], index i = the i-th kept timestep in ascending order; float64 on the CPU.
-  const torch::Tensor& timesteps() const { return timesteps_; }                  // int64, training timesteps
-  const torch::Tensor& alphas_cumprod() const { return alphas_cumprod_; }        // ᾱ_i = ᾱ_train(t_i)
+  const torch::Tensor& timesteps() const { return timesteps_; }                      // int64, training timesteps
+  const torch::Tensor& alphas_cumprod() const { return alphas_cumprod_; }            // ᾱ_i = ᾱ_train(t_i)
   const torch::Tensor& alphas_cumprod_prev() const { return alphas_cumprod_prev_; }  // ᾱ_{i−1}, 1 for i = 0
-  const torch::Tensor& betas() const { return betas_; }                          // 1 − ᾱ_i / ᾱ_{i−1}
+  const torch::Tensor& betas() const { return betas_; }                              // 1 − ᾱ_i / ᾱ_{i−1}
   // q(x_{i−1} | x_i, x0) = N(coef1_i·x0 + coef2_i·x_i, posterior_variance_i):
   //   coef1 = β_i·sqrt(ᾱ_{i−1}) / (1 − ᾱ_i), coef2 = (1 − ᾱ_{i−1})·sqrt(1 − β_i) / (1 − ᾱ_i),
   //   posterior_variance = β_i·(1 − ᾱ_{i−1}) / (1 − ᾱ_i)
@@ -88,7 +88,7 @@ class Denoiser {
   // (int64), text [B, L, text_dim], text_mask [B, L] bool (true = real token). Called under
   // torch::NoGradGuard.
   virtual torch::Tensor predict(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& text,
-                                      const torch::Tensor& text_mask) = 0;
+                                const torch::Tensor& text_mask) = 0;
 };
 
 // A DiT held whole on its device (shares the module; does not copy it). With a compute dtype other than
@@ -114,8 +114,8 @@ struct Conditioning {
 
 // out_u + scale·(out_c − out_u). One denoiser call on [x; x] with [cond; uncond] (an uncond of batch 1 is
 // broadcast). Scale 1 is the conditional prediction, 0 the unconditional one.
-torch::Tensor guided_prediction(Denoiser& denoiser, const torch::Tensor& x, const torch::Tensor& t, const Conditioning& cond,
-                           const Conditioning& uncond, double scale);
+torch::Tensor guided_prediction(Denoiser& denoiser, const torch::Tensor& x, const torch::Tensor& t,
+                                const Conditioning& cond, const Conditioning& uncond, double scale);
 
 // The x0 implied by a model output `output` at x_t = `x` with ᾱ_t = `abar` (float32 in, float32 out).
 torch::Tensor predicted_x0(Prediction prediction, const torch::Tensor& output, const torch::Tensor& x, double abar);
@@ -126,19 +126,20 @@ const char* to_string(SamplerKind kind);
 
 struct SamplerOptions {
   TORCH_ARG(SamplerKind, kind) = SamplerKind::kDDPM;
-  TORCH_ARG(int64_t, steps) = 30;              // respaced timesteps (DESIGN.md §7: 30 of 1000)
+  TORCH_ARG(int64_t, steps) = 30;  // respaced timesteps (DESIGN.md §7: 30 of 1000)
   TORCH_ARG(TimestepSpacing, timestep_spacing) = TimestepSpacing::kLinspace;
   TORCH_ARG(double, guidance_scale) = 7.5;
-  TORCH_ARG(double, eta) = 0.0;                // DDIM only: 0 deterministic, 1 = ancestral DDPM's variance
-  TORCH_ARG(bool, clip_denoised) = true;       // clamp each x0 prediction to [-1, 1] (pixel-space models)
-  TORCH_ARG(Prediction, prediction) = Prediction::kEpsilon;  // what the denoiser outputs (the model's diffusion.prediction)
+  TORCH_ARG(double, eta) = 0.0;           // DDIM only: 0 deterministic, 1 = ancestral DDPM's variance
+  TORCH_ARG(bool, clip_denoised) = true;  // clamp each x0 prediction to [-1, 1] (pixel-space models)
+  TORCH_ARG(Prediction,
+            prediction) = Prediction::kEpsilon;  // what the denoiser outputs (the model's diffusion.prediction)
 };
 
 // One reverse step of options.kind() from x = x_{t_i} to x_{t_{i−1}} (to x_0 for i = 0), given the
 // (guided) model output at t_i; float32 in and out. `noise` ~ N(0, I) of x's shape, or undefined for
 // none: sample() passes it for every i > 0. DDPM adds sqrt(var_i)·noise, DDIM σ_i·noise (nothing at η = 0).
-torch::Tensor reverse_step(const SamplingSchedule& schedule, int64_t i, const torch::Tensor& x, const torch::Tensor& output,
-                           const torch::Tensor& noise, const SamplerOptions& options);
+torch::Tensor reverse_step(const SamplingSchedule& schedule, int64_t i, const torch::Tensor& x,
+                           const torch::Tensor& output, const torch::Tensor& noise, const SamplerOptions& options);
 
 // Samples a batch of B = seeds.size() videos of shape `sample_shape` ([C, T, H, W]) on `device`:
 // cond and uncond as for guided_prediction. Returns x_0 [B, C, T, H, W] float32 on `device`.
@@ -149,8 +150,8 @@ torch::Tensor reverse_step(const SamplingSchedule& schedule, int64_t i, const to
 //                    x_{i−1} = sqrt(ᾱ_{i−1})·x0̂ + sqrt(1−ᾱ_{i−1}−σ²)·ε̂' + σ·z
 // Both draw z at every step but the last, so DDIM with η = 1 equals DDPM for the same seeds.
 torch::Tensor sample(Denoiser& denoiser, const DDPMSchedule& schedule, const SamplerOptions& options,
-                     const std::vector<int64_t>& sample_shape, const std::vector<uint64_t>& seeds, const Conditioning& cond,
-                     const Conditioning& uncond, torch::Device device,
+                     const std::vector<int64_t>& sample_shape, const std::vector<uint64_t>& seeds,
+                     const Conditioning& cond, const Conditioning& uncond, torch::Device device,
                      const std::function<void(int64_t, int64_t)>& on_step = {});
 
 }  // namespace megaslide

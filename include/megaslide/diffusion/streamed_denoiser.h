@@ -30,7 +30,8 @@ namespace megaslide {
 
 struct StreamedDenoiserOptions {
   torch::Device device = torch::kCPU;
-  c10::ScalarType compute_dtype = c10::ScalarType::Float;  // Float, BFloat16 or Half: the blocks' weights and activations
+  c10::ScalarType compute_dtype =
+      c10::ScalarType::Float;  // Float, BFloat16 or Half: the blocks' weights and activations
   offload::StreamMode mode = offload::StreamMode::kAsync;
   bool pin_host_memory = true;  // page-lock the host weights when the device is a GPU
 };
@@ -52,7 +53,7 @@ class StreamedDenoiser final : public Denoiser {
   DiT model_;
   StreamedDenoiserOptions options_;
   std::vector<std::vector<offload::FlatParam>> params_;  // per block
-  std::vector<torch::Tensor> host_;         // per block: flat weights, compute dtype
+  std::vector<torch::Tensor> host_;                      // per block: flat weights, compute dtype
   std::unique_ptr<offload::WeightStreamer> streamer_;
 };
 

@@ -52,8 +52,8 @@ class VaeCodec final : public VideoCodec {
 // The denoiser a sampler runs `dit` with on `device`: its blocks streamed from the host (StreamedDenoiser)
 // when `stream` says so for its size, else resident in `compute_dtype` (moved to the device); null for
 // resident fp32, TextToVideo's own default. `streamed` (when given) tells which.
-std::shared_ptr<Denoiser> sampling_denoiser(DiT dit, torch::Device device, StreamChoice stream, c10::ScalarType compute_dtype,
-                                            bool* streamed = nullptr);
+std::shared_ptr<Denoiser> sampling_denoiser(DiT dit, torch::Device device, StreamChoice stream,
+                                            c10::ScalarType compute_dtype, bool* streamed = nullptr);
 
 class TextToVideo {
  public:
@@ -118,7 +118,8 @@ bool same_sampling_settings(const ValidationVideo& a, const ValidationVideo& b);
 // The DiT family's validation prompts without a prompt file: the first `count` distinct of
 // `dataset_captions` (a video dataset's), else the captions of structured-motion clips 0…count−1 of the
 // run's dataset (fixed by data.seed).
-std::vector<std::string> dit_validation_prompts(const RunConfig& config, int64_t count, const std::vector<std::string>& dataset_captions);
+std::vector<std::string> dit_validation_prompts(const RunConfig& config, int64_t count,
+                                                const std::vector<std::string>& dataset_captions);
 
 // Validation videos during training (train.sample_every): `videos` sampled with the config's sampler
 // settings (a video's own steps, guidance and negative prompt where it has them) from the given

@@ -85,10 +85,12 @@ class ResidentWanDenoiser final : public WanDenoiser {
  public:
   // Moves `model` to `device`; with a compute dtype other than Float converts the blocks' streamed
   // parameters to it in place.
-  ResidentWanDenoiser(WanTransformer model, torch::Device device, c10::ScalarType compute_dtype = c10::ScalarType::Float);
+  ResidentWanDenoiser(WanTransformer model, torch::Device device,
+                      c10::ScalarType compute_dtype = c10::ScalarType::Float);
   // The same from a model loaded with blocks_on_demand: each block is read (fp32 on the CPU), moved to
   // `device` and converted before the next is read, so the host holds one block in fp32, not the DiT.
-  ResidentWanDenoiser(struct WanModel model, torch::Device device, c10::ScalarType compute_dtype = c10::ScalarType::Float);
+  ResidentWanDenoiser(struct WanModel model, torch::Device device,
+                      c10::ScalarType compute_dtype = c10::ScalarType::Float);
   torch::Tensor predict(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text) override;
   torch::Device device() const override { return device_; }
 
@@ -123,7 +125,8 @@ class StreamedWanDenoiser final : public WanDenoiser {
   torch::Tensor predict(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text) override;
   torch::Device device() const override { return options_.device; }
   const offload::WeightStreamer& streamer() const { return *streamer_; }
-  int64_t host_weight_bytes() const;  // the blocks' streamed weights on the host (compute dtype; borrowed ones included)
+  int64_t host_weight_bytes()
+      const;  // the blocks' streamed weights on the host (compute dtype; borrowed ones included)
 
  private:
   WanTransformer model_;
@@ -168,16 +171,17 @@ class WanTextToVideo {
   // and the DiT's sizes; the encoder's width must be model.wan.text_dim and the VAE's z_dim data.channels
   // (std::invalid_argument otherwise). umT5 and the VAE run on their own devices; the latents are
   // sampled on the denoiser's.
-  WanTextToVideo(RunConfig config, Umt5Encoder text_encoder, Umt5Tokenizer tokenizer, std::shared_ptr<WanDenoiser> denoiser,
-                 WanVae vae);
+  WanTextToVideo(RunConfig config, Umt5Encoder text_encoder, Umt5Tokenizer tokenizer,
+                 std::shared_ptr<WanDenoiser> denoiser, WanVae vae);
 
   // Wan's text embeddings [N, text_tokens, d_model] float32 on the denoiser's device (cleaned first when
   // options.clean_prompts()).
   torch::Tensor encode(const std::vector<std::string>& prompts, const WanSampleOptions& options) const;
   // Normalised latents [B, C, T, H, W] float32 on the denoiser's device, one per (prompt, seed); `shape`:
   // the latents' [C, T, H, W] (empty: latent_shape()).
-  torch::Tensor sample(const std::vector<std::string>& prompts, const std::vector<uint64_t>& seeds, const WanSampleOptions& options,
-                       const std::function<void(int64_t, int64_t)>& on_step = {}, const std::vector<int64_t>& shape = {});
+  torch::Tensor sample(const std::vector<std::string>& prompts, const std::vector<uint64_t>& seeds,
+                       const WanSampleOptions& options, const std::function<void(int64_t, int64_t)>& on_step = {},
+                       const std::vector<int64_t>& shape = {});
   // Normalised latents -> pixels [B, 3, T', H', W'] in [-1, 1], float32 on the CPU.
   torch::Tensor decode(const torch::Tensor& latents) const;
 
@@ -197,7 +201,8 @@ class WanTextToVideo {
 // "tokenizer" or "vae"; a tool names its flag) and why. Bad input.
 class WanPipelineError : public std::runtime_error, public InputError {
  public:
-  WanPipelineError(std::string component, const std::string& problem) : std::runtime_error(problem), component_(std::move(component)) {}
+  WanPipelineError(std::string component, const std::string& problem)
+      : std::runtime_error(problem), component_(std::move(component)) {}
   const std::string& component() const { return component_; }
 
  private:
@@ -209,7 +214,7 @@ class WanPipelineError : public std::runtime_error, public InputError {
 struct WanPipelineRequest {
   std::string text_encoder, tokenizer, vae;
   torch::Device device = torch::kCPU;
-  StreamChoice stream = StreamChoice::kAuto;  // the DiT's blocks and umT5's layers, each by its own size
+  StreamChoice stream = StreamChoice::kAuto;               // the DiT's blocks and umT5's layers, each by its own size
   c10::ScalarType compute_dtype = c10::ScalarType::Float;  // the DiT's blocks
 };
 

@@ -46,7 +46,7 @@ const char* to_string(AblationSize size);
 AblationSize parse_ablation_size(const std::string& name);  // test | quick | full; throws std::invalid_argument
 
 struct AblationOptions {
-  std::string suite;                   // one of ablation_suites()
+  std::string suite;  // one of ablation_suites()
   std::string out_dir;
   AblationSize size = AblationSize::kFull;
   std::string device = "auto";         // train.device of every run: auto | cpu | cuda | cuda:N

@@ -26,8 +26,9 @@ double temporal_flickering_score(const torch::Tensor& frames);
 double frame_consistency_score(const torch::Tensor& frames);
 
 struct VideoEvaluation {
-  std::string file;    // name inside the folder
-  std::string prompt;  // from the sample folder's index.json when it lists the file, else parsed from the name as VBench does
+  std::string file;  // name inside the folder
+  std::string
+      prompt;  // from the sample folder's index.json when it lists the file, else parsed from the name as VBench does
   int64_t frames = 0, width = 0, height = 0;
   double mean_abs_frame_difference = 0, temporal_flickering = 0, frame_consistency = 0;
 };
@@ -43,7 +44,8 @@ struct FolderEvaluation {
 // Throws (naming the folder or the file) when the folder cannot be read, holds no MP4, or a video
 // cannot be decoded or has fewer than 2 frames.
 // `on_video(done, total)` (optional) is called after each video is scored.
-FolderEvaluation evaluate_folder(const std::string& dir, const std::function<void(int64_t done, int64_t total)>& on_video = {});
+FolderEvaluation evaluate_folder(const std::string& dir,
+                                 const std::function<void(int64_t done, int64_t total)>& on_video = {});
 
 // {"folder", "count", "mean": {"temporal_flickering", "frame_consistency"}, "videos": [{...}, ...]}
 std::string to_json(const FolderEvaluation& evaluation);

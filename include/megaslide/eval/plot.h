@@ -43,8 +43,8 @@ struct PlotPanel {
 struct PlotSpec {
   std::string title;  // over the whole figure (may be empty)
   std::vector<PlotPanel> panels;
-  int width = 900;              // pixels
-  int panel_height = 420;       // pixels per panel
+  int width = 900;         // pixels
+  int panel_height = 420;  // pixels per panel
 };
 
 struct PlotOptions {

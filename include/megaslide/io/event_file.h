@@ -41,7 +41,8 @@ class EventFileWriter {
   // One event of `values` (tag, value) at `step`; NaN and infinite values are written as they are.
   void scalars(int64_t step, const std::vector<std::pair<std::string, double>>& values, double wall_time);
   // An image: `png` is a PNG file's bytes, `height` x `width` its size in pixels (RGB).
-  void image(const std::string& tag, int64_t step, const std::string& png, int64_t height, int64_t width, double wall_time);
+  void image(const std::string& tag, int64_t step, const std::string& png, int64_t height, int64_t width,
+             double wall_time);
   // Text (Markdown, as TensorBoard's text plugin renders it).
   void text(const std::string& tag, int64_t step, const std::string& text, double wall_time);
   // A session START at `step`: a run resumed from an earlier step says so, and TensorBoard drops what
@@ -61,8 +62,8 @@ struct EventRecord {
   int64_t step = 0;
   std::string file_version;
   std::string kind, tag;
-  double scalar = 0;   // kind scalar
-  std::string data;    // kind image: the encoded image; kind text: the text
+  double scalar = 0;              // kind scalar
+  std::string data;               // kind image: the encoded image; kind text: the text
   int64_t height = 0, width = 0;  // kind image
 };
 

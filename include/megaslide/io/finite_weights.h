@@ -33,6 +33,7 @@ int64_t first_nonfinite(const void* data, int64_t n, c10::ScalarType dtype);
 
 // Throws NonFiniteWeightsError naming `file` and `tensor` when the tensor's data holds a NaN or an
 // infinity, unless nonfinite_weights_allowed().
-void require_finite(const void* data, int64_t n, c10::ScalarType dtype, const std::string& file, const std::string& tensor);
+void require_finite(const void* data, int64_t n, c10::ScalarType dtype, const std::string& file,
+                    const std::string& tensor);
 
 }  // namespace megaslide::io

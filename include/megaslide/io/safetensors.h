@@ -90,6 +90,7 @@ void read_safetensors_into(const std::string& path, const NamedTensors& targets,
 
 // Reads elements [offset, offset + target.numel()) of tensor `name`, taken flat, into `target` (a
 // contiguous CPU tensor of the file's dtype). Errors name the file and the tensor.
-void read_safetensors_range_into(const std::string& path, const std::string& name, int64_t offset, const torch::Tensor& target);
+void read_safetensors_range_into(const std::string& path, const std::string& name, int64_t offset,
+                                 const torch::Tensor& target);
 
 }  // namespace megaslide::io

@@ -73,7 +73,8 @@ struct SampleJob {
 };
 
 // Prompt-major: every index of the first prompt, then the next prompt, …
-std::vector<SampleJob> plan_vbench_samples(const std::vector<std::string>& prompts, int64_t samples_per_prompt, uint64_t base_seed);
+std::vector<SampleJob> plan_vbench_samples(const std::vector<std::string>& prompts, int64_t samples_per_prompt,
+                                           uint64_t base_seed);
 
 // A prompt file with per-line settings (train.sample_prompts; megaslide-sample --prompts): each line a
 // prompt, then optionally any of
@@ -105,7 +106,8 @@ PromptSpec parse_prompt_spec(const std::string& line, const std::string& where);
 // the spec's --d plus k for its k-th video (k = 0 … samples_per_spec − 1) or vbench_seed(prompt, index,
 // base_seed), file = vbench_file_name(prompt, index), and the spec's steps, guidance and negative
 // prompt (its size is the caller's to resolve and record).
-std::vector<SampleJob> plan_prompt_specs(const std::vector<PromptSpec>& specs, uint64_t base_seed, int64_t samples_per_spec = 1);
+std::vector<SampleJob> plan_prompt_specs(const std::vector<PromptSpec>& specs, uint64_t base_seed,
+                                         int64_t samples_per_spec = 1);
 
 // How a folder's videos were made (recorded in index.json).
 struct SamplingRecord {

@@ -33,8 +33,8 @@ bool video_supported();
 
 struct VideoWriteOptions {
   TORCH_ARG(int64_t, fps) = 8;
-  TORCH_ARG(int64_t, crf) = 17;                 // libx264 constant rate factor: 0 best, 51 worst; 17 ≈ visually lossless
-  TORCH_ARG(std::string, preset) = "medium";    // libx264 speed/size trade-off
+  TORCH_ARG(int64_t, crf) = 17;  // libx264 constant rate factor: 0 best, 51 worst; 17 ≈ visually lossless
+  TORCH_ARG(std::string, preset) = "medium";  // libx264 speed/size trade-off
   // A display matrix for the stream (what a phone writes for a video held upright): players show the
   // frames turned display_rotation_degrees clockwise, then mirrored left-right when display_hflip. The
   // frames are stored as given. 0 and false: no matrix is written.
@@ -55,8 +55,8 @@ void write_png(const std::string& path, const torch::Tensor& frame);
 std::string encode_png(const torch::Tensor& frame, const std::string& what);
 
 struct VideoInfo {
-  std::string codec;          // e.g. "h264"
-  std::string pixel_format;   // e.g. "yuv420p"
+  std::string codec;              // e.g. "h264"
+  std::string pixel_format;       // e.g. "yuv420p"
   int64_t width = 0, height = 0;  // of the frames as read: displayed (upright), after the turn below
   // The stream's display matrix (phones: rotate=90), applied as the ffmpeg CLI's autorotate does: the
   // stored frames turned `rotation_degrees` clockwise (0, 90, 180 or 270), then mirrored left-right when
@@ -67,9 +67,9 @@ struct VideoInfo {
   bool hflip = false;
   double display_angle_degrees = 0.0;
   int64_t stored_width = 0, stored_height = 0;  // the coded frame size, before the turn
-  int64_t frames = 0;         // frames decoded
-  int64_t container_frames = 0;  // the stream's frame count as the container states it (0 if unknown)
-  double fps = 0.0;           // the stream's average frame rate
+  int64_t frames = 0;                           // frames decoded
+  int64_t container_frames = 0;                 // the stream's frame count as the container states it (0 if unknown)
+  double fps = 0.0;                             // the stream's average frame rate
 };
 
 // How decoded frames (YUV for H.264) become RGB.
@@ -110,7 +110,7 @@ VideoInfo probe_video(const std::string& path);
 // decoder outputs them (constant-rate streams: frame i is at i / fps). When the stream ends before the
 // largest index, returns an undefined tensor; `frames_decoded` (when given) receives how many frames were
 // decoded either way. Each call decodes on one thread.
-torch::Tensor read_video_frames(const std::string& path, const std::vector<int64_t>& indices, int64_t* frames_decoded = nullptr,
-                                const VideoReadOptions& options = {});
+torch::Tensor read_video_frames(const std::string& path, const std::vector<int64_t>& indices,
+                                int64_t* frames_decoded = nullptr, const VideoReadOptions& options = {});
 
 }  // namespace megaslide::io

@@ -53,7 +53,8 @@ struct ClipTextOutput {
 class ClipTextEncoder {
  public:
   // Reads DIR/config.json and DIR/model.safetensors (see above).
-  static ClipTextEncoder load(const std::string& dir, torch::Device device = torch::kCPU, torch::ScalarType dtype = torch::kFloat32);
+  static ClipTextEncoder load(const std::string& dir, torch::Device device = torch::kCPU,
+                              torch::ScalarType dtype = torch::kFloat32);
   // The architecture of `config` with random weights: for benchmarks without the download.
   static ClipTextEncoder random(const ClipTextConfig& config, uint64_t seed = 0, torch::Device device = torch::kCPU,
                                 torch::ScalarType dtype = torch::kFloat32);
@@ -65,8 +66,10 @@ class ClipTextEncoder {
   int64_t parameter_count() const;
 
  private:
-  using WeightSource = std::function<torch::Tensor(const std::string&, const std::vector<int64_t>&)>;  // (name, shape) -> CPU tensor
-  static ClipTextEncoder build(const ClipTextConfig& config, torch::Device device, torch::ScalarType dtype, const WeightSource& source);
+  using WeightSource =
+      std::function<torch::Tensor(const std::string&, const std::vector<int64_t>&)>;  // (name, shape) -> CPU tensor
+  static ClipTextEncoder build(const ClipTextConfig& config, torch::Device device, torch::ScalarType dtype,
+                               const WeightSource& source);
 
   ClipTextConfig config_;
   torch::Device device_ = torch::kCPU;

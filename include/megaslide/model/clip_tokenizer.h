@@ -71,13 +71,13 @@ class ClipTokenizer {
   const std::string& token(int64_t id) const { return tokens_.at(static_cast<size_t>(id)); }
 
  private:
-  ClipTokenizer(std::unordered_map<std::string, int64_t> vocab, const std::vector<std::pair<std::string, std::string>>& merges,
-                const std::string& source);
+  ClipTokenizer(std::unordered_map<std::string, int64_t> vocab,
+                const std::vector<std::pair<std::string, std::string>>& merges, const std::string& source);
   std::vector<int64_t> bpe(const std::string& word) const;  // a word's UTF-8 bytes -> ids
 
   std::unordered_map<std::string, int64_t> vocab_;
-  std::vector<std::string> tokens_;                           // id -> token
-  std::unordered_map<std::string, int64_t> merge_rank_;       // "a b" -> rank
+  std::vector<std::string> tokens_;                      // id -> token
+  std::unordered_map<std::string, int64_t> merge_rank_;  // "a b" -> rank
   int64_t start_id_ = 0, end_id_ = 0;
 };
 

@@ -39,7 +39,7 @@ struct DeformableSlideAttentionOptions {
   TORCH_ARG(int64_t, groups) = 1;  // offset groups; heads of a group share offsets
   TORCH_ARG(Real3, offset_range) = Real3{1.0, 3.0, 3.0};
   TORCH_ARG(DsaOffsets, offsets) = DsaOffsets::kLearned;
-  TORCH_ARG(uint64_t, frozen_offset_seed) = 0;  // kFrozen: seeds the fixed offset network's weights
+  TORCH_ARG(uint64_t, frozen_offset_seed) = 0;          // kFrozen: seeds the fixed offset network's weights
   TORCH_ARG(ops::DsaImpl, impl) = ops::DsaImpl::kAuto;  // kAuto: the fused kernel of the input's device
   TORCH_ARG(bool, deterministic) = false;               // bit-identical fused backward (ops::dsa3d)
   TORCH_ARG(torch::Device, device) = torch::kCPU;
@@ -62,7 +62,7 @@ class DeformableSlideAttention3DImpl : public torch::nn::Cloneable<DeformableSli
   Linear offset_pw{nullptr};  // dim -> G*K*3, zero init; kLearned only
   // kFrozen: the fixed offset network's weights (plain tensors, not parameters or buffers).
   torch::Tensor frozen_dw_weight, frozen_dw_bias, frozen_pw_weight, frozen_pw_bias;
-  torch::Tensor rel_bias;     // [heads, K], zero init
+  torch::Tensor rel_bias;  // [heads, K], zero init
 
  private:
   // `full_kernel` (the full kernel's K along `dim`) restricted to the sub-window used on `grid`: views,

@@ -38,7 +38,8 @@
 namespace megaslide {
 
 struct DiTOptions {
-  // The model section of a run config (in_channels from model_sample_shape: data.channels, or the VAE's latent channels).
+  // The model section of a run config (in_channels from model_sample_shape: data.channels, or the VAE's latent
+  // channels).
   static DiTOptions from_config(const RunConfig& config);
 
   TORCH_ARG(Architecture, arch) = Architecture::kMegaSlide;
@@ -132,7 +133,7 @@ TORCH_MODULE(DiTBlock);
 struct Embedded {
   torch::Tensor tokens;  // [B, N, D]
   BlockContext ctx;
-  torch::Tensor t_emb;   // [B, D] (the epilogue's conditioning)
+  torch::Tensor t_emb;  // [B, D] (the epilogue's conditioning)
 };
 
 class DiTImpl : public torch::nn::Cloneable<DiTImpl> {

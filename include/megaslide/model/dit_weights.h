@@ -42,8 +42,8 @@ class WeightsError : public io::IoError, public InputError {
 struct TextToVideoModel {
   RunConfig config;
   DiT dit{nullptr};
-  TextEncoder text_encoder{nullptr};          // null with model.text_encoder.kind: clip
-  std::shared_ptr<FrozenEncoders> frozen;     // CLIP / the VAE; TextToVideo loads them from the config when null
+  TextEncoder text_encoder{nullptr};       // null with model.text_encoder.kind: clip
+  std::shared_ptr<FrozenEncoders> frozen;  // CLIP / the VAE; TextToVideo loads them from the config when null
 };
 
 // The tensors of a weights file, named as above, cast to `dtype` (CPU copies).

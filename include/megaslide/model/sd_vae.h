@@ -53,13 +53,14 @@ struct SdVaeConfig {
 };
 
 struct VaeTiling {
-  int64_t tile_size = 512;        // pixels (diffusers' tile_sample_min_size); the latent tile is tile_size / downscale
-  double overlap = 0.25;          // diffusers' tile_overlap_factor
+  int64_t tile_size = 512;  // pixels (diffusers' tile_sample_min_size); the latent tile is tile_size / downscale
+  double overlap = 0.25;    // diffusers' tile_overlap_factor
 };
 
 class SdVae {
  public:
-  static SdVae load(const std::string& dir, torch::Device device = torch::kCPU, torch::ScalarType dtype = torch::kFloat32);
+  static SdVae load(const std::string& dir, torch::Device device = torch::kCPU,
+                    torch::ScalarType dtype = torch::kFloat32);
   // The architecture of `config` with random weights (N(0, 1/fan_in), norms 1, biases 0): for benchmarks
   // and memory measurements at real sizes without the download.
   static SdVae random(const SdVaeConfig& config, uint64_t seed = 0, torch::Device device = torch::kCPU,
@@ -69,7 +70,8 @@ class SdVae {
   // (unscaled), float32.
   std::pair<torch::Tensor, torch::Tensor> encode_distribution(const torch::Tensor& images) const;
   // Scaled latents: the mean, or a sample mean + exp(logvar/2)·ε with ε drawn from `generator` (CPU).
-  torch::Tensor encode(const torch::Tensor& images, bool sample = false, std::optional<at::Generator> generator = std::nullopt) const;
+  torch::Tensor encode(const torch::Tensor& images, bool sample = false,
+                       std::optional<at::Generator> generator = std::nullopt) const;
   // Unscaled latents [N, L, h, w] -> images [N, C, h·8, w·8] (not clamped), float32.
   torch::Tensor decode_unscaled(const torch::Tensor& latents) const;
   // Scaled latents -> images.
@@ -80,7 +82,8 @@ class SdVae {
   // Videos [B, C, T, H, W], frame by frame in chunks of frames_per_batch (>= 1).
   torch::Tensor encode_video(const torch::Tensor& videos, int64_t frames_per_batch, bool sample = false,
                              std::optional<at::Generator> generator = std::nullopt) const;
-  torch::Tensor decode_video(const torch::Tensor& latents, int64_t frames_per_batch, std::optional<VaeTiling> tiling = std::nullopt) const;
+  torch::Tensor decode_video(const torch::Tensor& latents, int64_t frames_per_batch,
+                             std::optional<VaeTiling> tiling = std::nullopt) const;
 
   const SdVaeConfig& config() const { return config_; }
   torch::Device device() const { return device_; }
@@ -89,8 +92,10 @@ class SdVae {
 
  private:
   // (name, legacy names, shape) -> the tensor, on the CPU.
-  using WeightSource = std::function<torch::Tensor(const std::string&, const std::vector<std::string>&, const std::vector<int64_t>&)>;
-  static SdVae build(const SdVaeConfig& config, torch::Device device, torch::ScalarType dtype, const WeightSource& source);
+  using WeightSource =
+      std::function<torch::Tensor(const std::string&, const std::vector<std::string>&, const std::vector<int64_t>&)>;
+  static SdVae build(const SdVaeConfig& config, torch::Device device, torch::ScalarType dtype,
+                     const WeightSource& source);
   torch::Tensor resnet(const std::string& p, const torch::Tensor& x) const;
   torch::Tensor attention(const std::string& p, const torch::Tensor& x) const;
   torch::Tensor norm_act(const std::string& p, const torch::Tensor& x) const;

@@ -34,8 +34,8 @@
 // device layer by layer through a WeightStreamer (offload/weight_streamer.h: two slots, the next layer
 // copied while this one computes); the embedding stays in host RAM (rows gathered there, the hidden
 // states then moved), the norms and relative-attention tables on the device. The output equals the
-// resident encoder's for the same dtype (bit for bit on the CPU). Errors: Umt5Error (io::IoError) naming the file, the tensor and what was
-// expected. Thread-safety: forward may be called from one thread at a time.
+// resident encoder's for the same dtype (bit for bit on the CPU). Errors: Umt5Error (io::IoError) naming the file, the
+// tensor and what was expected. Thread-safety: forward may be called from one thread at a time.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -65,7 +65,8 @@ struct Umt5Config {
   int64_t relative_attention_num_buckets = 32;
   int64_t relative_attention_max_distance = 128;
   double layer_norm_epsilon = 1e-6;
-  std::string feed_forward_proj = "gated-gelu";  // "gated-ACT" or "ACT"; ACT: gelu, gelu_new, gelu_pytorch_tanh, relu, silu
+  std::string feed_forward_proj =
+      "gated-gelu";  // "gated-ACT" or "ACT"; ACT: gelu, gelu_new, gelu_pytorch_tanh, relu, silu
 
   // umT5-XXL as Wan 2.1 uses it.
   static Umt5Config xxl();
@@ -86,7 +87,8 @@ class Umt5Encoder {
   // Bytes of the weights (all of them, wherever they live).
   int64_t weight_bytes() const;
   // The architecture of `config` with random weights: for benchmarks without the download.
-  static Umt5Encoder random(const Umt5Config& config, uint64_t seed = 0, at::Device device = at::kCPU, at::ScalarType dtype = at::kFloat);
+  static Umt5Encoder random(const Umt5Config& config, uint64_t seed = 0, at::Device device = at::kCPU,
+                            at::ScalarType dtype = at::kFloat);
 
   // last_hidden_state [B, L, d_model] float32 for ids [B, L] int64 and mask [B, L] (any integer or bool
   // dtype, 1 for tokens; every row needs at least one token). An undefined mask attends everywhere.
@@ -102,8 +104,10 @@ class Umt5Encoder {
   const std::string& source() const { return source_; }
 
  private:
-  using WeightSource = std::function<at::Tensor(const std::string&, const std::vector<int64_t>&)>;  // (name, shape) -> CPU tensor
-  static Umt5Encoder build(const Umt5Config& config, at::Device device, at::ScalarType dtype, const WeightSource& source);
+  using WeightSource =
+      std::function<at::Tensor(const std::string&, const std::vector<int64_t>&)>;  // (name, shape) -> CPU tensor
+  static Umt5Encoder build(const Umt5Config& config, at::Device device, at::ScalarType dtype,
+                           const WeightSource& source);
 
   Umt5Config config_;
   at::Device device_ = at::kCPU;

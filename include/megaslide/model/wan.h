@@ -125,7 +125,7 @@ class WanAttentionImpl : public torch::nn::Cloneable<WanAttentionImpl> {
   WanOptions options;
   bool is_self;
   Linear to_q{nullptr}, to_k{nullptr}, to_v{nullptr}, out{nullptr};
-  torch::nn::ModuleList to_out{nullptr};  // [out]: diffusers' "to_out.0"
+  torch::nn::ModuleList to_out{nullptr};        // [out]: diffusers' "to_out.0"
   WanRmsNorm norm_q{nullptr}, norm_k{nullptr};  // undefined without qk_norm
   // The 3D-DSA retrofit (self-attention with kDsa3d only).
   Conv3d offset_dw{nullptr};
@@ -210,7 +210,7 @@ TORCH_MODULE(WanConditionEmbedder);
 struct WanEmbedded {
   torch::Tensor tokens;  // [B, N, D]
   WanBlockContext ctx;
-  torch::Tensor temb;    // [B, D]
+  torch::Tensor temb;  // [B, D]
 };
 
 class WanTransformerImpl : public torch::nn::Cloneable<WanTransformerImpl> {

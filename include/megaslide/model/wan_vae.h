@@ -52,8 +52,9 @@ namespace megaslide {
 struct WanVaeConfig {
   int64_t base_dim = 96, decoder_base_dim = 96, z_dim = 16, num_res_blocks = 2, in_channels = 3, out_channels = 3;
   std::vector<int64_t> dim_mult = {1, 2, 4, 4};
-  std::vector<bool> temporal_downsample = {false, true, true};  // diffusers' temperal_downsample, one per level but the last
-  std::vector<double> latents_mean, latents_std;                // z_dim each; Wan 2.1's published values by default
+  std::vector<bool> temporal_downsample = {false, true,
+                                           true};  // diffusers' temperal_downsample, one per level but the last
+  std::vector<double> latents_mean, latents_std;   // z_dim each; Wan 2.1's published values by default
   WanVaeConfig();
   int64_t spatial_downscale() const { return int64_t{1} << (dim_mult.size() - 1); }
   int64_t temporal_downscale() const;
@@ -70,7 +71,8 @@ struct WanVaeTiling {
 class WanVae {
  public:
   // `path`: a diffusers vae/ folder, or a single safetensors file with the original Wan names.
-  static WanVae load(const std::string& path, torch::Device device = torch::kCPU, torch::ScalarType dtype = torch::kFloat32);
+  static WanVae load(const std::string& path, torch::Device device = torch::kCPU,
+                     torch::ScalarType dtype = torch::kFloat32);
   // The architecture of `config` with random weights (N(0, 1/fan_in), γ 1, biases 0): for benchmarks and
   // memory measurements at real sizes without the download.
   static WanVae random(const WanVaeConfig& config, uint64_t seed = 0, torch::Device device = torch::kCPU,
@@ -79,14 +81,16 @@ class WanVae {
   // videos [B, C, T, H, W] in [−1, 1] -> the latent distribution's mean and log-variance [B, z, t, h, w]
   // (not normalised; log-variance clamped to [−30, 20]), float32. Tiled when `tiling` is given and the frame
   // is larger than one tile.
-  std::pair<torch::Tensor, torch::Tensor> encode_distribution(const torch::Tensor& videos,
-                                                              const std::optional<WanVaeTiling>& tiling = std::nullopt) const;
+  std::pair<torch::Tensor, torch::Tensor> encode_distribution(
+      const torch::Tensor& videos, const std::optional<WanVaeTiling>& tiling = std::nullopt) const;
   // Normalised latents: of the mean, or of a sample mean + exp(logvar/2)·ε with ε drawn from `generator` (CPU).
-  torch::Tensor encode(const torch::Tensor& videos, bool sample = false, std::optional<at::Generator> generator = std::nullopt,
+  torch::Tensor encode(const torch::Tensor& videos, bool sample = false,
+                       std::optional<at::Generator> generator = std::nullopt,
                        const std::optional<WanVaeTiling>& tiling = std::nullopt) const;
   // Latents as the encoder gives them (not normalised) [B, z, t, h, w] -> videos [B, C, 1 + 4(t − 1), 8h, 8w]
   // clamped to [−1, 1], float32.
-  torch::Tensor decode_unscaled(const torch::Tensor& latents, const std::optional<WanVaeTiling>& tiling = std::nullopt) const;
+  torch::Tensor decode_unscaled(const torch::Tensor& latents,
+                                const std::optional<WanVaeTiling>& tiling = std::nullopt) const;
   // Normalised latents -> videos.
   torch::Tensor decode(const torch::Tensor& latents, const std::optional<WanVaeTiling>& tiling = std::nullopt) const;
 
@@ -123,9 +127,9 @@ class WanVae {
   WanVaeConfig config_;
   torch::Device device_ = torch::kCPU;
   torch::ScalarType dtype_ = torch::kFloat32;
-  std::unordered_map<std::string, torch::Tensor> w_;         // diffusers' names
-  std::unordered_map<std::string, std::string> original_;    // diffusers' name -> original Wan name
-  torch::Tensor mean_, inv_std_;                              // [1, z, 1, 1, 1] float32 on device
+  std::unordered_map<std::string, torch::Tensor> w_;       // diffusers' names
+  std::unordered_map<std::string, std::string> original_;  // diffusers' name -> original Wan name
+  torch::Tensor mean_, inv_std_;                           // [1, z, 1, 1, 1] float32 on device
 };
 
 }  // namespace megaslide

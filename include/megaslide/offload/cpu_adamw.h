@@ -77,17 +77,17 @@ inline int64_t state_groups(int64_t numel) { return (numel + kStateQuantGroup - 
 // except that `grad` may be `compute` itself (the same 16-bit dtype): each element's gradient is read
 // before its copy is written.
 struct AdamWBlockState {
-  float* master = nullptr;      // fp32 master weights, updated in place
-  void* exp_avg = nullptr;      // m, updated in place (starts at zero): float, bf16 or int8 (state_dtype)
-  void* exp_avg_sq = nullptr;   // v, updated in place (starts at zero): float, bf16, or uint8 codes of sqrt(v)
+  float* master = nullptr;     // fp32 master weights, updated in place
+  void* exp_avg = nullptr;     // m, updated in place (starts at zero): float, bf16 or int8 (state_dtype)
+  void* exp_avg_sq = nullptr;  // v, updated in place (starts at zero): float, bf16, or uint8 codes of sqrt(v)
   // kInt8 only: state_groups(numel) fp32 scales per moment (start at zero); group q covers elements
   // [256 q, 256 q + 256) of these arrays.
   float* exp_avg_scale = nullptr;
   float* exp_avg_sq_scale = nullptr;
   StateDtype state_dtype = StateDtype::kFloat32;
-  const void* grad = nullptr;   // gradient, read only
-  c10::ScalarType grad_dtype = c10::ScalarType::BFloat16;  // BFloat16, Half or Float
-  void* compute = nullptr;      // compute copy written from the new master; may be null
+  const void* grad = nullptr;                                 // gradient, read only
+  c10::ScalarType grad_dtype = c10::ScalarType::BFloat16;     // BFloat16, Half or Float
+  void* compute = nullptr;                                    // compute copy written from the new master; may be null
   c10::ScalarType compute_dtype = c10::ScalarType::BFloat16;  // BFloat16 or Half (ignored if null)
   int64_t numel = 0;
 };
@@ -121,11 +121,10 @@ class CpuAdamW {
 
   // The same on tensors: master a contiguous fp32 CPU tensor, exp_avg and exp_avg_sq contiguous CPU
   // tensors of its numel, both fp32 or both bf16 (the state dtype; int8 state goes through the
-  // pointer overload with its scales); grad contiguous bf16, fp16 or fp32 of that numel (any shape); compute an undefined tensor or a
-  // contiguous bf16/fp16 one of that numel. Throws c10::Error naming the offending argument.
+  // pointer overload with its scales); grad contiguous bf16, fp16 or fp32 of that numel (any shape); compute an
+  // undefined tensor or a contiguous bf16/fp16 one of that numel. Throws c10::Error naming the offending argument.
   void step_block(const at::Tensor& master, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
-                  const at::Tensor& grad, const at::Tensor& compute, int64_t step, double lr,
-                  float grad_scale = 1.f);
+                  const at::Tensor& grad, const at::Tensor& compute, int64_t step, double lr, float grad_scale = 1.f);
 
   // Runs fn(begin, end) over [0, numel) split exactly as step_block splits a block of numel elements
   // among its threads, each range on the thread that would update it (the calling thread included):

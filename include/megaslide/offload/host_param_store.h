@@ -133,7 +133,7 @@ struct MemoryReport {
   c10::ScalarType compute_dtype = c10::ScalarType::BFloat16;
   StateDtype state_dtype = StateDtype::kFloat32;
   bool separate_grad = false;
-  bool pinned = false;  // whether page-locking is in effect
+  bool pinned = false;      // whether page-locking is in effect
   int64_t shard_count = 1;  // > 1: master and moments are this rank's shard only
 
   int64_t total_bytes() const {

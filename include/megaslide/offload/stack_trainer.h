@@ -107,15 +107,15 @@ struct StackTrainerOptions {
   torch::Device device = torch::kCPU;
   c10::ScalarType compute_dtype = c10::ScalarType::BFloat16;  // BFloat16, Half (loss scaling) or Float
   StreamMode mode = StreamMode::kAsync;
-  AdamWOptions adamw;                // lr here is unused: step() takes each step's lr
-  int optimizer_threads = 1;         // CpuAdamW threads
+  AdamWOptions adamw;                             // lr here is unused: step() takes each step's lr
+  int optimizer_threads = 1;                      // CpuAdamW threads
   StateDtype state_dtype = StateDtype::kFloat32;  // how AdamW's m and v are kept on the host
-  int init_threads = 2;              // blocks initialised at once at construction (load_initial_weights)
-  double grad_clip = 0.0;            // global-norm clip over every parameter; 0 disables
-  int64_t grad_accum_steps = 1;      // micro-batches per step (each loss divided by this)
-  double loss_scale_init = 65536.0;  // fp16 only
-  int64_t loss_scale_window = 1000;  // fp16 only
-  bool pin_host_memory = true;       // page-lock the host state when CUDA runs
+  int init_threads = 2;                           // blocks initialised at once at construction (load_initial_weights)
+  double grad_clip = 0.0;                         // global-norm clip over every parameter; 0 disables
+  int64_t grad_accum_steps = 1;                   // micro-batches per step (each loss divided by this)
+  double loss_scale_init = 65536.0;               // fp16 only
+  int64_t loss_scale_window = 1000;               // fp16 only
+  bool pin_host_memory = true;                    // page-lock the host state when CUDA runs
   // CPU async mode only (a testing aid): every emulated copy starts this many milliseconds late, so a
   // reader that does not wait for its copy reads the poison the copy's destination holds until then.
   double emulated_copy_delay_ms = 0.0;

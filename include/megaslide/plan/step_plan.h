@@ -44,35 +44,37 @@ namespace megaslide::plan {
 
 // Host RAM of the streamed trainer, bytes (docs/offload.md's budget per parameter, line by line).
 struct HostMemoryPlan {
-  int64_t master = 0;                 // fp32
+  int64_t master = 0;                   // fp32
   int64_t exp_avg = 0, exp_avg_sq = 0;  // optimizer.state_dtype: fp32, bf16 or int8
-  int64_t scales = 0;                 // int8 state: fp32 scale per 256 elements of each parameter, m and v
-  int64_t compute = 0;                // the transfer buffer: compute copy, and the gradient at accumulation 1
-  int64_t grad = 0;                   // fp32 gradient sums, accumulation only
-  int64_t ema = 0;                    // train.ema_decay: the fp32 EMA of the masters (this rank's shard)
-  int64_t exchange = 0;               // world_size > 1: two scratch buffers of R·s_max elements of the
-                                      // exchange dtype (compute; fp32 with accumulation), s_max = ceil(largest block / R)
-  int64_t staging = 0;                // accumulation: two D2H landing buffers of one block (pinned)
-  int64_t pinned = 0;                 // page-locked where CUDA runs: the transfer buffer (and an
-                                      // uploaded fp32 master), the staging buffers
+  int64_t scales = 0;                   // int8 state: fp32 scale per 256 elements of each parameter, m and v
+  int64_t compute = 0;                  // the transfer buffer: compute copy, and the gradient at accumulation 1
+  int64_t grad = 0;                     // fp32 gradient sums, accumulation only
+  int64_t ema = 0;                      // train.ema_decay: the fp32 EMA of the masters (this rank's shard)
+  int64_t exchange = 0;                 // world_size > 1: two scratch buffers of R·s_max elements of the
+                         // exchange dtype (compute; fp32 with accumulation), s_max = ceil(largest block / R)
+  int64_t staging = 0;  // accumulation: two D2H landing buffers of one block (pinned)
+  int64_t pinned = 0;   // page-locked where CUDA runs: the transfer buffer (and an
+                        // uploaded fp32 master), the staging buffers
   // While the trainer is built: the store next to the fp32 initial weights of the blocks being loaded
   // into it (two at a time); no full-model copy exists.
   int64_t construction_peak = 0;
-  int64_t state() const { return master + exp_avg + exp_avg_sq + scales + compute + grad + ema + exchange; }  // HostParamStore
+  int64_t state() const {
+    return master + exp_avg + exp_avg_sq + scales + compute + grad + ema + exchange;
+  }  // HostParamStore
   int64_t steady() const { return state() + staging; }
   int64_t peak() const { return construction_peak > steady() ? construction_peak : steady(); }
 };
 
 // Device memory, bytes (the allocator's view: what peak_device_bytes measures on a GPU).
 struct DeviceMemoryPlan {
-  int64_t weight_slots = 0;          // 2 x largest block, compute dtype
-  int64_t gradient_slots = 0;        // 2 x largest block, compute dtype
-  int64_t resident_state = 0;        // prologue + epilogue + caption encoder: fp32 weights, grad, m, v (+ EMA)
-  int64_t checkpoints = 0;           // every block's input kept by the forward, plus the last output
-  int64_t block_inputs = 0;          // shared block inputs (t_mod, text) in the compute dtype, with grads
-  int64_t prologue_epilogue = 0;     // fp32 activations of the resident parts (batch, x_0, the head's graph)
-  int64_t recompute_saved = 0;       // tensors autograd keeps while one block is recomputed with grad
-  int64_t recompute_workspace = 0;   // its backward's transients (3D-DSA fused: fp32 dk/dv scratch)
+  int64_t weight_slots = 0;               // 2 x largest block, compute dtype
+  int64_t gradient_slots = 0;             // 2 x largest block, compute dtype
+  int64_t resident_state = 0;             // prologue + epilogue + caption encoder: fp32 weights, grad, m, v (+ EMA)
+  int64_t checkpoints = 0;                // every block's input kept by the forward, plus the last output
+  int64_t block_inputs = 0;               // shared block inputs (t_mod, text) in the compute dtype, with grads
+  int64_t prologue_epilogue = 0;          // fp32 activations of the resident parts (batch, x_0, the head's graph)
+  int64_t recompute_saved = 0;            // tensors autograd keeps while one block is recomputed with grad
+  int64_t recompute_workspace = 0;        // its backward's transients (3D-DSA fused: fp32 dk/dv scratch)
   int64_t recompute_saved_reference = 0;  // 3D-DSA only: the same with the grid_sample reference
   int64_t recompute_workspace_reference = 0;
   // The resident trainer with world_size > 1: the flat fp32 buffer of every gradient that one all-reduce
@@ -118,11 +120,11 @@ struct TimePlan {
   double executed_flops = 0.0;  // plus the checkpointing recompute (a second forward of the blocks)
   int64_t optimizer_bytes = 0;  // host memory traffic of CpuAdamW and gradient accumulation per step
   double compute_s = 0.0, h2d_s = 0.0, d2h_s = 0.0, optimizer_s = 0.0;
-  double exchange_s = 0.0;     // world_size > 1: the exchange's bytes on the wire / network_gbps
+  double exchange_s = 0.0;  // world_size > 1: the exchange's bytes on the wire / network_gbps
   double lower_bound_s = 0.0;
-  std::string bottleneck;      // "compute" | "h2d" | "d2h" | "host optimizer" | "exchange"
-  bool overlapped = true;      // async: the bound is the max; sync (and the resident trainer's all-reduce,
-                               // which follows its backward): the sum
+  std::string bottleneck;        // "compute" | "h2d" | "d2h" | "host optimizer" | "exchange"
+  bool overlapped = true;        // async: the bound is the max; sync (and the resident trainer's all-reduce,
+                                 // which follows its backward): the sum
   double mfu_upper_bound = 0.0;  // model_flops / (lower_bound_s · peak)
 };
 
@@ -138,14 +140,14 @@ struct StepPlan {
   int64_t batch_size_per_rank = 0;  // batch_size / world_size
   std::vector<int64_t> token_grid;  // t, h, w
   // Parameters.
-  int64_t params = 0;               // the DiT (as megaslide-train --dry-run)
-  int64_t text_encoder_params = 0;  // the caption encoder (resident)
-  int64_t streamed_params = 0;      // every block
-  int64_t resident_params = 0;      // prologue + epilogue + caption encoder
-  int64_t params_per_block = 0;     // largest block
+  int64_t params = 0;                   // the DiT (as megaslide-train --dry-run)
+  int64_t text_encoder_params = 0;      // the caption encoder (resident)
+  int64_t streamed_params = 0;          // every block
+  int64_t resident_params = 0;          // prologue + epilogue + caption encoder
+  int64_t params_per_block = 0;         // largest block
   int64_t sharded_params_per_rank = 0;  // streamed: rank 0's shard of every block, Σ ceil(n_b / world_size)
   HardwareProfile hardware;
-  HostMemoryPlan host;                  // one rank's
+  HostMemoryPlan host;                     // one rank's
   int64_t host_state_bytes_all_ranks = 0;  // streamed, world_size > 1: the stores of all ranks together
   DeviceMemoryPlan device;
   TransferPlan transfer;

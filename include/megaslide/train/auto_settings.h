@@ -57,21 +57,21 @@ std::string compute_dtype_warning(const std::string& dtype, c10::Device device, 
                                   const CpuBf16Support& cpu);
 
 struct ThreadRequest {
-  int intra_op = 0;              // LibTorch intra-op threads; 0 = auto
-  int optimizer = 0;             // CpuAdamW threads; 0 = auto (used when host_optimizer)
-  bool host_optimizer = false;   // CpuAdamW runs beside the compute (the streamed trainer)
+  int intra_op = 0;             // LibTorch intra-op threads; 0 = auto
+  int optimizer = 0;            // CpuAdamW threads; 0 = auto (used when host_optimizer)
+  bool host_optimizer = false;  // CpuAdamW runs beside the compute (the streamed trainer)
   c10::Device device = c10::kCPU;
   std::string intra_op_from = "train.threads";  // where intra_op came from, for the log (a tool's flag)
 };
 
 struct ThreadPlan {
   CoreCount cores;
-  int intra_op = 1;             // LibTorch intra-op threads
-  std::string intra_op_source;  // "train.threads", "OMP_NUM_THREADS" or "auto"
-  int optimizer = 0;            // CpuAdamW threads (0 without a host optimizer)
-  std::string optimizer_source; // "offload.optimizer_threads" or "auto"
-  bool set_intra_op = true;     // false when OMP_NUM_THREADS decides (LibTorch already honours it)
-  int local_ranks = 1;          // ranks of one run on this machine, sharing its cores (cores is one's share)
+  int intra_op = 1;              // LibTorch intra-op threads
+  std::string intra_op_source;   // "train.threads", "OMP_NUM_THREADS" or "auto"
+  int optimizer = 0;             // CpuAdamW threads (0 without a host optimizer)
+  std::string optimizer_source;  // "offload.optimizer_threads" or "auto"
+  bool set_intra_op = true;      // false when OMP_NUM_THREADS decides (LibTorch already honours it)
+  int local_ranks = 1;           // ranks of one run on this machine, sharing its cores (cores is one's share)
   // One line for train.log, e.g. "threads: LibTorch intra-op 2 (auto), CpuAdamW 1 (auto), from 2 cores
   // (affinity mask 2 CPUs, no cgroup CPU quota)".
   std::string describe() const;

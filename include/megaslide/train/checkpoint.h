@@ -19,9 +19,9 @@
 //                               shards/rank-00001-of-00004.safetensors   a sharded run (several ranks
 //                                                       of the streamed trainer): each rank's shard of
 //                                                       the blocks' flat master, m and v ("blocks.3#master",
-//                                                       …, "blocks.3#ema" with EMA); master/exp_avg/exp_avg_sq/ema then hold the
-//                                                       resident parameters only, and trainer_state.json
-//                                                       the blocks' flat layouts ("shards")
+//                                                       …, "blocks.3#ema" with EMA); master/exp_avg/exp_avg_sq/ema then
+//                                                       hold the resident parameters only, and trainer_state.json the
+//                                                       blocks' flat layouts ("shards")
 //                               manifest.json           written last: every file's size and CRC-32
 //   DIR/checkpoints/latest                              the name of the newest complete checkpoint
 //
@@ -69,7 +69,7 @@ struct TrainingState {
   int64_t clean_steps = 0;      // fp16: steps since the scale last changed
   int64_t skipped_steps = 0;    // non-finite steps skipped so far
   int64_t consecutive_skips = 0;
-  std::string data_state;       // DiffusionBatchSource::state(): data position and RNG states (JSON)
+  std::string data_state;  // DiffusionBatchSource::state(): data position and RNG states (JSON)
   io::NamedTensors master, exp_avg, exp_avg_sq;
   // int8 moments (optimizer.state_dtype: int8): exp_avg / exp_avg_sq hold the codes, these the fp32
   // group scales of the same parameters (named as they are; empty otherwise). Written into the moment
@@ -212,6 +212,7 @@ std::string checkpoint_weights(const std::string& path);
 // weights instead (diffusers' names, save_wan_weights), after its checksum is verified. `ema`: the
 // checkpoint's EMA (model_ema.safetensors) instead; a checkpoint without one is a CheckpointError.
 // Returns the checkpoint's path.
-std::string export_checkpoint_weights(const std::string& run_dir, const std::string& spec, const std::string& out, bool ema = false);
+std::string export_checkpoint_weights(const std::string& run_dir, const std::string& spec, const std::string& out,
+                                      bool ema = false);
 
 }  // namespace megaslide

@@ -9,8 +9,8 @@
 //                process when neither is set.
 //   Communicator — one process group: in-place sum all-reduce, barrier. Every rank must make the same
 //                calls in the same order. shard_exchange() adds the second group a sharded streamed
-//                trainer exchanges block shards through, from its host task thread. A peer that dies or stalls makes the call throw
-//                DistributedError within distributed.timeout_s; it never hangs past it.
+//                trainer exchanges block shards through, from its host task thread. A peer that dies or stalls makes
+//                the call throw DistributedError within distributed.timeout_s; it never hangs past it.
 //
 // Thread-safety: one thread drives a Communicator. Tensors passed in are owned by the caller and must
 // stay alive and untouched until the call returns (every call here waits for its collective).
@@ -46,7 +46,7 @@ struct LaunchEnv {
                                  // SLURM_TASKS_PER_NODE, "2(x3),1" read at SLURM_NODEID); 1 if unknown
   std::string master_addr;       // rank 0's host, where the TCPStore listens
   int64_t master_port = 0;
-  std::string launcher = "none"; // none | torchrun | megaslide-train --nproc-per-node | slurm
+  std::string launcher = "none";  // none | torchrun | megaslide-train --nproc-per-node | slurm
   // torchrun's elastic agent already serves the rendezvous store at master_port
   // (TORCHELASTIC_USE_AGENT_STORE=True): every rank, rank 0 too, joins it as a client.
   bool agent_store = false;
@@ -125,8 +125,8 @@ void check_batch_slice(int64_t batch_size, int64_t rank, int64_t world_size);
 // over the ranks and divides both by their number, so every rank takes the single process's AdamW step
 // on the global batch, up to the order of float additions. Throws (c10::Error) when the ranks' numbers
 // of defined gradients differ. `device`: where the scalars are reduced (NCCL reduces GPU tensors only).
-void average_gradients_over_ranks(Communicator& communicator, const std::vector<at::Tensor>& parameters, double& loss_sum,
-                                  c10::Device device);
+void average_gradients_over_ranks(Communicator& communicator, const std::vector<at::Tensor>& parameters,
+                                  double& loss_sum, c10::Device device);
 
 // megaslide-train --nproc-per-node N: runs `argv` (the program's own path first) N times as local ranks
 // 0..N-1 of a one-node job (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1,

@@ -25,9 +25,9 @@ struct DiffusionBatch {
   torch::Tensor x0, noise, timesteps, xt;  // video [B, C, T, H, W] and timesteps [B] (int64)
   torch::Tensor target;                    // what the loss compares the model's output with (diffusion.prediction)
   torch::Tensor text_ids, text_mask;       // [B, L] int64 and bool
-  torch::Tensor text;                      // [B, L, model.text_dim] float32: the frozen CLIP's embeddings (text_ids undefined),
-                                           // or undefined for the built-in encoder, which the trainer runs on text_ids
-  double data_wait_s = 0.0;                // time next() waited for the clips
+  torch::Tensor text;        // [B, L, model.text_dim] float32: the frozen CLIP's embeddings (text_ids undefined),
+                             // or undefined for the built-in encoder, which the trainer runs on text_ids
+  double data_wait_s = 0.0;  // time next() waited for the clips
 };
 
 class ClipLoader;
@@ -88,6 +88,5 @@ class DiffusionBatchSource {
   int64_t slice_rank_ = 0, slice_count_ = 1;
   std::shared_ptr<FrozenEncoders> frozen_;
 };
-
 
 }  // namespace megaslide

@@ -64,7 +64,6 @@ class DiTStack : public offload::StreamedModel {
 // 6 · parameters · tokens plus 12 · L · B · N · (keys per query) · D for self- and cross-attention.
 double model_flops_per_step(const RunConfig& config);
 
-
 // The DiT family's modules and data inside a Trainer of model.arch megaslide, dense3d or swin (throws
 // std::invalid_argument for another family's). Resident: the trained modules themselves; streamed, the
 // DiT's blocks are the engine's (their weights are in the host store: Trainer::weight_views). The text

@@ -47,8 +47,8 @@ class InitFromError : public io::IoError, public InputError {
 // Where one parameter's values are: a tensor of a safetensors file, or rows of one.
 struct InitTensor {
   std::string file;
-  io::SafetensorsEntry entry;  // the file's tensor
-  uint64_t data_start = 0;     // of the file's data section
+  io::SafetensorsEntry entry;           // the file's tensor
+  uint64_t data_start = 0;              // of the file's data section
   int64_t row_begin = 0, row_end = -1;  // rows of dimension 0 taken (-1: all)
   // The values as a CPU tensor of `dtype` (converted from the file's dtype).
   torch::Tensor read(torch::ScalarType dtype = torch::kFloat32) const;
@@ -57,16 +57,16 @@ struct InitTensor {
 };
 
 struct InitPlan {
-  std::string path;                    // the file the tensors come from
+  std::string path;                                         // the file the tensors come from
   std::vector<std::pair<std::string, InitTensor>> tensors;  // parameter name -> source, in the model's order
-  std::vector<std::string> kept;       // parameters allowed to be missing: they keep their initialisation
+  std::vector<std::string> kept;  // parameters allowed to be missing: they keep their initialisation
 };
 
 // Parameter names and shapes as a trainer names them ("blocks.0.attn.q.weight", "text_encoder.tokens.weight").
 using ParameterShapes = std::vector<std::pair<std::string, std::vector<int64_t>>>;
 
 // Resolves `path` (see above), matches its tensors to `parameters` and checks them. Throws InitFromError.
-InitPlan plan_init_from(const std::string& path, const ParameterShapes& parameters, const std::vector<std::string>& allow_missing);
-
+InitPlan plan_init_from(const std::string& path, const ParameterShapes& parameters,
+                        const std::vector<std::string>& allow_missing);
 
 }  // namespace megaslide

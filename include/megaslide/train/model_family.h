@@ -41,7 +41,8 @@ struct MicroBatchStats {
 // initialisation (besides train.init_allow_missing), before any weight reaches the device or the host
 // store; the family reads the returned plan's tensors into its fp32 initial weights as it builds them
 // (a streamed model block by block, so no second copy of the model exists). Throws InitFromError.
-using InitPlanner = std::function<InitPlan(const ParameterShapes& shapes, const std::vector<std::string>& may_stay_initial)>;
+using InitPlanner =
+    std::function<InitPlan(const ParameterShapes& shapes, const std::vector<std::string>& may_stay_initial)>;
 
 // What the Trainer hands a family to build its model.
 struct ModelRequest {

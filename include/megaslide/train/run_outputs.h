@@ -44,7 +44,7 @@ class MetricsWriter {
   // Truncates `path`; or, with keep_through_step >= 0 (a resumed run), keeps its lines of steps up to
   // that one and appends. Throws OutputError.
   explicit MetricsWriter(const std::string& path, int64_t keep_through_step = -1);
-  void write(const StepMetrics& m);                 // one line, flushed
+  void write(const StepMetrics& m);  // one line, flushed
 
  private:
   std::string path_;
@@ -53,8 +53,8 @@ class MetricsWriter {
 
 // TensorBoard's view of a run (output.tensorboard): one event file per start of the run in DIR (a resumed
 // run adds a file, opened with a session START at its first step, so TensorBoard shows the steps of an
-// abandoned history past the checkpoint no more; TensorBoard reads the folder's files together). At start the resolved config as text
-// (tag "config"); each step the scalars metrics.jsonl holds (train/loss, train/lr, train/grad_norm,
+// abandoned history past the checkpoint no more; TensorBoard reads the folder's files together). At start the resolved
+// config as text (tag "config"); each step the scalars metrics.jsonl holds (train/loss, train/lr, train/grad_norm,
 // throughput/samples_per_s, throughput/tokens_per_s, throughput/mfu, time/step_s, time/data_wait_s,
 // time/optimizer_s, time/exposed_transfer_s, memory/peak_device_bytes, transfer/h2d_bytes,
 // transfer/d2h_bytes, exchange/bytes, train/loss_scale, train/skipped_total; those a run does not

@@ -7,8 +7,8 @@
 namespace megaslide {
 
 struct StepMetrics {
-  int64_t step = 0;  // 1-based: the number of optimizer steps taken so far
-  double loss = 0.0;       // mean over the step's micro-batches
+  int64_t step = 0;   // 1-based: the number of optimizer steps taken so far
+  double loss = 0.0;  // mean over the step's micro-batches
   double lr = 0.0;
   double grad_norm = 0.0;  // global L2 norm before clipping (of the unscaled gradient)
   double step_time_s = 0.0;

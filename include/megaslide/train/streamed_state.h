@@ -28,7 +28,7 @@ TrainingState streamed_training_state(offload::StreamedStackTrainer& engine, con
 // Restores what streamed_training_state saved (any order of names; int8 moments with their scales; a
 // sharded store from TrainingState::shards, in place when it is this engine's own), then reloads the
 // blocks' compute copies and the engine's counters. Errors (c10::Error) name `who` and the tensor.
-void load_streamed_training_state(offload::StreamedStackTrainer& engine, const io::NamedTensors& resident, const TrainingState& state,
-                                  const std::string& who);
+void load_streamed_training_state(offload::StreamedStackTrainer& engine, const io::NamedTensors& resident,
+                                  const TrainingState& state, const std::string& who);
 
 }  // namespace megaslide

@@ -118,7 +118,9 @@ class Trainer {
   std::string describe_data(int64_t steps) const { return model_->describe_data(steps); }
   std::vector<BadItem> take_new_bad_items() { return model_->take_new_bad_items(); }
   // Validation videos of the current weights (the trainer was built with `validation`); the files written.
-  std::vector<std::string> write_validation(const std::string& folder) { return model_->write_validation(folder, *this); }
+  std::vector<std::string> write_validation(const std::string& folder) {
+    return model_->write_validation(folder, *this);
+  }
   // The family's weights file of the current weights (streamed: straight from the host store).
   void export_weights(const std::string& path) { model_->write_weights(path, weight_views()); }
   // The family's weights file of `weights`, named as training_state() names the parameters (the EMA).

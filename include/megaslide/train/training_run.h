@@ -39,25 +39,24 @@ struct TrainingRunOptions {
   std::string resume;                    // "", "latest" or a checkpoint folder
   std::string trace_path;                // Chrome trace of step `trace_step` (streamed trainer)
   int64_t trace_step = 2;
-  std::string export_weights;            // bf16 weights file written after the last step
-  std::string export_ema;                // ... of the EMA of the weights (train.ema_decay)
+  std::string export_weights;                        // bf16 weights file written after the last step
+  std::string export_ema;                            // ... of the EMA of the weights (train.ema_decay)
   const std::atomic<int>* stop_requested = nullptr;  // non-zero: save and stop after the current step
 };
 
 struct TrainingRunResult {
-  int64_t first_step = 0;     // steps already done when the run started (the checkpoint's step)
-  int64_t steps_done = 0;     // steps done when it ended
-  int stop_signal = 0;        // the value of *stop_requested that ended the run early, else 0
+  int64_t first_step = 0;       // steps already done when the run started (the checkpoint's step)
+  int64_t steps_done = 0;       // steps done when it ended
+  int stop_signal = 0;          // the value of *stop_requested that ended the run early, else 0
   std::string last_checkpoint;  // the newest checkpoint written by this run ("" if none)
 };
 
-// Runs (or resumes) `config` (its `auto` settings resolved first). Before anything is written: the run folder is taken with a
-// RunFolderGuard (train/run_folder.h) held until the run ends; --trace and --export-weights are
-// checked as output files; train.device must exist; the run must fit this machine's memory
-// (memory_shortfall); a resumed run's checkpoint must be verified and below train.steps (equal: the
-// run is complete and nothing is trained). Throws ConfigError / CheckpointError / RunFolderError for
-// bad input (before writing anything), OutputError when the run folder cannot be written,
-// NonFiniteError as above.
+// Runs (or resumes) `config` (its `auto` settings resolved first). Before anything is written: the run folder is taken
+// with a RunFolderGuard (train/run_folder.h) held until the run ends; --trace and --export-weights are checked as
+// output files; train.device must exist; the run must fit this machine's memory (memory_shortfall); a resumed run's
+// checkpoint must be verified and below train.steps (equal: the run is complete and nothing is trained). Throws
+// ConfigError / CheckpointError / RunFolderError for bad input (before writing anything), OutputError when the run
+// folder cannot be written, NonFiniteError as above.
 TrainingRunResult run_training(const RunConfig& config, const TrainingRunOptions& options);
 
 // "" when a lower bound of the host memory `config` needs (fp32 weights and AdamW moments when

@@ -89,14 +89,15 @@ class WanValidation {
   std::vector<std::string> write(const std::string& dir, Trainer& trainer) const;
 
  private:
-  RunConfig config_;  // the run's (encoders named)
+  RunConfig config_;    // the run's (encoders named)
   std::string source_;  // where the config came from (errors name it)
-  RunConfig latent_;  // wan_latent_config: the latents' shape
+  RunConfig latent_;    // wan_latent_config: the latents' shape
   WanSampleOptions options_;
   std::vector<ValidationVideo> videos_;  // train.sample_prompts' lines, or the captions (plan_validation_videos)
   std::vector<io::SampleJob> jobs_;      // videos_' jobs
   std::vector<torch::Tensor> text_;      // per job [1, L, text_dim] float32, CPU
-  std::map<std::string, torch::Tensor> negatives_;  // per negative prompt of a video with guidance: [1, L, text_dim] float32, CPU
+  std::map<std::string, torch::Tensor>
+      negatives_;  // per negative prompt of a video with guidance: [1, L, text_dim] float32, CPU
 };
 
 }  // namespace megaslide

@@ -68,8 +68,8 @@ class WeightsEma {
       const auto it = index.find(ema_[i].first);
       TORCH_CHECK(it != index.end(), who, "::load_training_state: no EMA for parameter '", ema_[i].first, "'");
       const auto& value = s.ema[it->second].second;
-      TORCH_CHECK(value.sizes() == ema_[i].second.sizes(), who, "::load_training_state: the EMA of '", ema_[i].first, "' is ",
-                  value.sizes(), ", the model's is ", ema_[i].second.sizes());
+      TORCH_CHECK(value.sizes() == ema_[i].second.sizes(), who, "::load_training_state: the EMA of '", ema_[i].first,
+                  "' is ", value.sizes(), ", the model's is ", ema_[i].second.sizes());
       ema_[i].second.copy_(value);
     }
   }
