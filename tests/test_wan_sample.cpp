@@ -455,4 +455,163 @@ TEST(MegaslideSampleWan, BadPathsAreOneLineErrorsWithExitCode2AndWriteNothing) {
                  "--vae: ");
   expect_refused(kEncoders + " --sampler ddim", "Wan samples with flow matching");
   expect_refused(kEncoders + " --set model.wan.weights=/nonexistent/wan", "model.wan.weights");
+  expect_refused(kEncoders + " --guidance-2 3", "--guidance-2: the low-noise expert's guidance scale");
+}
+
+// Wan2.2's two experts (tests/fixtures/wan22_experts/, tools/make_fixtures.py wan22_experts: two tiny random
+// experts in diffusers' layout, model_index.json with boundary_ratio 0.875, WanPipeline with transformer_2).
+namespace {
+
+const std::string kExperts = kFixtures + "wan22_experts";
+
+// A run config of the experts' data sizes; the architecture, the second expert and the boundary come from
+// the weights.
+megaslide::RunConfig experts_config(const std::string& weights, const std::vector<std::string>& extra = {}) {
+  std::vector<std::string> sets{"model.arch=wan",
+                                "model.wan.weights=" + weights,
+                                "data.dataset=latent-tensors",
+                                "data.channels=16",
+                                "data.frames=2",
+                                "data.height=4",
+                                "data.width=6",
+                                "data.max_text_tokens=512",
+                                "diffusion.objective=flow",
+                                "offload.enabled=false"};
+  sets.insert(sets.end(), extra.begin(), extra.end());
+  return megaslide::parse_run_config("", "test", sets);
+}
+
+Reference experts_reference() {
+  auto f = megaslide::io::read_safetensors(kExperts + "/reference.safetensors");
+  Reference out;
+  for (auto& [k, v] : f.tensors) out.tensors[k] = v;
+  out.meta = f.metadata;
+  return out;
+}
+
+}  // namespace
+
+// The property: the two-expert model from diffusers' Wan2.2 layout samples WanPipeline's latents within 1e-4
+// (fp32; UniPC and Euler, each expert with its guidance scale, the switch at boundary_ratio x 1000 inside
+// the schedule), resident and streamed; the same model with boundary_ratio 0 samples the high-noise expert
+// alone (and that differs from the two experts' by far more: the second expert is really used).
+TEST(Wan22Experts, TwoExpertPipelineEqualsWanPipelineForUniPCAndEuler) {
+  const auto ref = experts_reference();
+  const auto s = ref.json("sampling");
+  for (const auto stream : {megaslide::StreamChoice::kOff, megaslide::StreamChoice::kOn}) {
+    SCOPED_TRACE(stream == megaslide::StreamChoice::kOn ? "streamed" : "resident");
+    auto model = megaslide::wan_model_from_config(experts_config(kExperts), "test", /*blocks_on_demand=*/true);
+    ASSERT_TRUE(model.low_noise);
+    EXPECT_EQ(model.config.model.wan.boundary_ratio, s.at("boundary_ratio").get<double>());
+    EXPECT_EQ(model.config.model.wan.heads, 3) << "the architecture from the experts' config.json";
+    megaslide::WanPipelineRequest request;
+    request.text_encoder = kUmt5;
+    request.tokenizer = kTokenizer;
+    request.vae = kVae;
+    request.stream = stream;
+    const auto options = megaslide::WanSampleOptions::from_config(model.config);
+    auto opened = megaslide::open_wan_pipeline(std::move(model), request);
+    EXPECT_EQ(opened.dit_streamed, stream == megaslide::StreamChoice::kOn);
+    for (auto [kind, name] : {std::pair{megaslide::FlowSamplerKind::kUniPC, "unipc"},
+                              std::pair{megaslide::FlowSamplerKind::kEuler, "euler"}}) {
+      auto o = options;
+      o.kind(kind)
+          .steps(s.at("steps").get<int64_t>())
+          .shift(s.at("shift").get<double>())
+          .guidance_scale(s.at("guidance_scale").get<double>())
+          .guidance_scale_2(s.at("guidance_scale_2").get<double>())
+          .negative_prompt(ref.meta.at("negative_prompt"));
+      EXPECT_EQ(o.boundary_ratio(), 0.875);
+      const uint64_t seed = std::stoull(ref.meta.at("seed"));
+      const auto latents = opened.pipeline->sample({ref.meta.at("prompt")}, {seed}, o);
+      const auto& expected = ref.tensors.at(std::string(name) + ".latents");
+      EXPECT_LT(max_diff(latents, expected), 1e-4) << name;
+      const auto high_only = opened.pipeline->sample({ref.meta.at("prompt")}, {seed}, o.boundary_ratio(0.0));
+      EXPECT_LT(max_diff(high_only, ref.tensors.at(std::string(name) + ".high_only.latents")), 1e-4) << name;
+      EXPECT_GT(max_diff(high_only, expected), 0.1) << name;
+    }
+  }
+}
+
+// The property: Wan2.2's layouts users download load to identical tensors — diffusers' repository
+// (transformer/, transformer_2/, model_index.json), Wan-AI's (high_noise_model/, low_noise_model/ with the
+// original names and Wan's config.json; the boundary is Wan-AI's 0.875 for text-to-video) and ComfyUI's two
+// single files (original names under model.diffusion_model., named by model.wan.weights and weights_2; the
+// heads given) — and what a config cannot mean is refused naming its key.
+TEST(Wan22Experts, TheThreeLayoutsLoadTheSameTensors) {
+  const auto dir = join_path(scratch(), "wan22-layouts");
+  const auto wan_ai = join_path(dir, "Wan2.2-T2V-A14B");
+  const nlohmann::json original_config = {{"_class_name", "WanModel"},
+                                          {"model_type", "t2v"},
+                                          {"dim", 24},
+                                          {"ffn_dim", 40},
+                                          {"freq_dim", 16},
+                                          {"in_dim", 16},
+                                          {"out_dim", 16},
+                                          {"num_heads", 3},
+                                          {"num_layers", 3},
+                                          {"text_dim", 24},
+                                          {"eps", 1e-6},
+                                          {"patch_size", {1, 2, 2}},
+                                          {"qk_norm", true},
+                                          {"cross_attn_norm", true}};
+  std::vector<std::string> comfy;
+  for (const auto& [expert, folder] :
+       {std::pair{"transformer", "high_noise_model"}, {"transformer_2", "low_noise_model"}}) {
+    const auto tensors =
+        megaslide::io::read_safetensors(join_path(join_path(kExperts, expert), "diffusion_pytorch_model.safetensors"))
+            .tensors;
+    megaslide::io::NamedTensors original, prefixed;
+    for (const auto& [name, t] : tensors) {
+      const std::string o = megaslide::wan_original_name(name);
+      ASSERT_FALSE(o.empty()) << name;
+      original.emplace_back(o, t);
+      prefixed.emplace_back("model.diffusion_model." + o, t.to(torch::kBFloat16).to(torch::kFloat32));
+    }
+    megaslide::io::make_directories(join_path(wan_ai, folder));
+    megaslide::io::write_safetensors(join_path(join_path(wan_ai, folder), "diffusion_pytorch_model.safetensors"),
+                                     original);
+    megaslide::io::write_file_atomically(join_path(join_path(wan_ai, folder), "config.json"), original_config.dump(2));
+    comfy.push_back(
+        join_path(dir, std::string("wan2.2_t2v_") + (comfy.empty() ? "high" : "low") + "_noise.safetensors"));
+    megaslide::io::write_safetensors(comfy.back(), prefixed);
+  }
+  auto params = [](const megaslide::WanModel& m) {
+    std::map<std::string, torch::Tensor> out;
+    for (const auto& p : m.dit->named_parameters(true)) out["high." + p.key()] = p.value();
+    for (const auto& p : m.low_noise->dit->named_parameters(true)) out["low." + p.key()] = p.value();
+    return out;
+  };
+  const auto diffusers = megaslide::wan_model_from_config(experts_config(kExperts), "test");
+  const auto from_wan_ai = megaslide::wan_model_from_config(experts_config(wan_ai), "test");
+  const auto from_comfy = megaslide::wan_model_from_config(
+      experts_config(comfy[0], {"model.wan.weights_2=" + comfy[1], "model.wan.dim=24", "model.wan.heads=3"}), "test");
+  EXPECT_EQ(from_wan_ai.config.model.wan.weights_2, join_path(wan_ai, "low_noise_model"));
+  EXPECT_EQ(from_wan_ai.config.model.wan.boundary_ratio, 0.875);
+  EXPECT_EQ(from_comfy.config.model.wan.boundary_ratio, 0.875);
+  const auto a = params(diffusers), b = params(from_wan_ai), c = params(from_comfy);
+  ASSERT_EQ(a.size(), b.size());
+  ASSERT_EQ(a.size(), c.size());
+  for (const auto& [name, t] : a) {
+    EXPECT_TRUE(torch::equal(t, b.at(name))) << name;
+    EXPECT_TRUE(torch::equal(t.to(torch::kBFloat16).to(torch::kFloat32), c.at(name))) << name;  // ComfyUI's in bf16
+  }
+  EXPECT_FALSE(torch::equal(a.at("high.proj_out.weight"), a.at("low.proj_out.weight"))) << "two different experts";
+
+  auto refused = [](const megaslide::RunConfig& config, const std::string& key, const std::string& needle) {
+    try {
+      megaslide::wan_model_from_config(config, "test");
+      ADD_FAILURE() << "accepted " << key;
+    } catch (const megaslide::ConfigError& e) {
+      EXPECT_EQ(e.key(), key) << e.what();
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  const auto one = join_path(kExperts, "transformer");
+  refused(experts_config(one, {"model.wan.boundary_ratio=0.9"}), "model.wan.boundary_ratio", "the weights are one DiT");
+  refused(experts_config(one, {"diffusion.guidance_scale_2=3"}), "diffusion.guidance_scale_2",
+          "the weights are one DiT");
+  refused(experts_config(kExperts, {"model.wan.weights_2=" + kFixtures + "wan_pipeline/transformer"}),
+          "model.wan.weights_2", "is not the high-noise expert's architecture");
+  megaslide::io::remove_tree(dir);
 }

@@ -1301,6 +1301,88 @@ def section_wan_pipeline(out_dir):
 
 
 # --------------------------------------------------------------------------------------------------
+# wan22_experts: Wan2.2's two-expert WanPipeline (transformer for t >= boundary_ratio x 1000, transformer_2
+# below it, each with its own guidance scale) on tiny random experts and the umt5 / wan_vae fixtures
+# --------------------------------------------------------------------------------------------------
+
+
+def section_wan22_experts(out_dir):
+    import diffusers
+    import torch
+    import transformers
+    from diffusers import (AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler, WanPipeline,
+                           WanTransformer3DModel)
+    from transformers import T5Tokenizer, UMT5EncoderModel
+
+    # Two experts of one architecture (as Wan2.2-T2V-A14B's), sized to the umt5 and wan_vae fixtures and unlike
+    # wan_pipeline's DiT: 3 heads of 8, 3 blocks. diffusers' repository layout: model_index.json with
+    # boundary_ratio, transformer/ (high noise) and transformer_2/ (low noise).
+    config = dict(patch_size=(1, 2, 2), num_attention_heads=3, attention_head_dim=8, in_channels=16, out_channels=16, text_dim=24,
+                  freq_dim=16, ffn_dim=40, num_layers=3, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
+                  rope_max_seq_len=1024)
+    experts = []
+    for folder, seed in (("transformer", 31), ("transformer_2", 32)):
+        expert = WanTransformer3DModel(**config)
+        _randomize(expert, seed)
+        expert.eval()
+        path = os.path.join(out_dir, folder)
+        os.makedirs(path)
+        expert.save_config(path)
+        save_safetensors(os.path.join(path, "diffusion_pytorch_model.safetensors"),
+                         {k: v.detach().numpy() for k, v in expert.state_dict().items()}, {"format": "pt"})
+        experts.append(expert)
+    # 6 steps at shift 5: UniPC's timesteps 999 961 909 | 833 714 501, Euler's 1000 953 883 | 771 562 24; the
+    # boundary 0.875 x 1000 = 875 switches experts after the third step of each.
+    boundary_ratio = 0.875
+    with open(os.path.join(out_dir, "model_index.json"), "w") as f:
+        json.dump({"_class_name": "WanPipeline", "_diffusers_version": diffusers.__version__, "boundary_ratio": boundary_ratio,
+                   "expand_timesteps": False, "transformer": ["diffusers", "WanTransformer3DModel"],
+                   "transformer_2": ["diffusers", "WanTransformer3DModel"]}, f, indent=2)
+
+    text_encoder = UMT5EncoderModel.from_pretrained(os.path.join(FIXTURES, "umt5", "hf"), attn_implementation="eager").eval()
+    tokenizer = T5Tokenizer.from_pretrained(os.path.join(FIXTURES, "umt5", "tokenizer"), extra_ids=0)
+    vae = AutoencoderKLWan.from_pretrained(os.path.join(FIXTURES, "wan_vae", "tiny")).eval()
+    prompt, seed = "a red blob moves left quickly", 11
+    frames, height, width, steps, shift, guidance, guidance_2 = 5, 32, 48, 6, 5.0, 4.0, 2.5
+    tensors = {}
+    for kind in ("unipc", "euler"):
+        if kind == "unipc":
+            scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift,
+                                                num_train_timesteps=1000)
+        else:
+            scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift)
+        pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=experts[0], transformer_2=experts[1], vae=vae,
+                           scheduler=scheduler, boundary_ratio=boundary_ratio)
+        pipe.set_progress_bar_config(disable=True)
+        with torch.no_grad():
+            latents = pipe(prompt=prompt, negative_prompt=WAN_NEGATIVE_PROMPT, height=height, width=width, num_frames=frames,
+                           num_inference_steps=steps, guidance_scale=guidance, guidance_scale_2=guidance_2,
+                           generator=torch.Generator().manual_seed(seed), output_type="latent", max_sequence_length=512).frames
+        tensors[f"{kind}.latents"] = latents.numpy()
+        # The same without transformer_2 and boundary_ratio: the high-noise expert alone at the first scale (what a
+        # sampler that ignored the second expert would give; the test checks the experts make a difference).
+        pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=experts[0], vae=vae, scheduler=scheduler)
+        pipe.set_progress_bar_config(disable=True)
+        with torch.no_grad():
+            tensors[f"{kind}.high_only.latents"] = pipe(
+                prompt=prompt, negative_prompt=WAN_NEGATIVE_PROMPT, height=height, width=width, num_frames=frames,
+                num_inference_steps=steps, guidance_scale=guidance, generator=torch.Generator().manual_seed(seed),
+                output_type="latent", max_sequence_length=512).frames.numpy()
+    meta = {"versions": versions(diffusers, transformers, torch), "config": json.dumps(config),
+            "prompt": prompt, "seed": str(seed), "negative_prompt": WAN_NEGATIVE_PROMPT,
+            "sampling": json.dumps({"frames": frames, "height": height, "width": width, "steps": steps, "shift": shift,
+                                    "guidance_scale": guidance, "guidance_scale_2": guidance_2,
+                                    "boundary_ratio": boundary_ratio}),
+            "what": "model_index.json, transformer/ and transformer_2/: two tiny random WanTransformer3DModel experts (fp32) in "
+                    "diffusers' Wan2.2 layout; WanPipeline(umt5/tokenizer, umt5/hf, wan_vae/tiny, the experts, boundary_ratio, "
+                    "UniPCMultistepScheduler(flow_prediction, use_flow_sigmas, flow_shift) or FlowMatchEulerDiscreteScheduler(shift)) "
+                    "with Wan's negative prompt, guidance_scale and guidance_scale_2, generator manual_seed(seed): "
+                    "output_type='latent' latents (KIND.latents), and the high-noise expert alone (KIND.high_only.latents)"}
+    save_safetensors(os.path.join(out_dir, "reference.safetensors"), tensors, meta)
+    print(f"  2 x {sum(p.numel() for p in experts[0].parameters())} DiT parameters, latents {tuple(latents.shape)}")
+
+
+# --------------------------------------------------------------------------------------------------
 # ftfy: ftfy.fix_text and diffusers' Wan prompt_clean of prompt-like text broken in the ways ftfy repairs
 # --------------------------------------------------------------------------------------------------
 
@@ -1480,6 +1562,7 @@ SECTIONS = {
     "umt5_bytefallback": (section_umt5_bytefallback, "a tiny byte-fallback SentencePiece model and T5Tokenizer ids (never byte pieces)"),
     "umt5": (section_umt5, "a tiny random UMT5EncoderModel (HF single/sharded, ComfyUI fp16 file) and its hidden states"),
     "ftfy": (section_ftfy, "ftfy.fix_text and Wan's prompt_clean of prompts broken as mojibake, HTML, line breaks, controls"),
+    "wan22_experts": (section_wan22_experts, "Wan2.2's two-expert WanPipeline (boundary, two guidance scales) on tiny random experts"),
     "wan_pipeline": (section_wan_pipeline, "WanPipeline on the tiny umT5, Wan VAE and a matching tiny DiT: latents, video; prompt cleaning"),
 }
 

@@ -87,7 +87,8 @@ std::vector<megaslide::io::SampleJob> jobs_of(const std::vector<megaslide::Valid
 struct WanFlags {
   std::string text_encoder, tokenizer, vae, negative_prompt;
   bool negative_prompt_set = false;
-  double shift = -1.0;  // < 0: the config's diffusion.shift
+  double shift = -1.0;       // < 0: the config's diffusion.shift
+  double guidance_2 = -1.0;  // < 0: the config's diffusion.guidance_scale_2 (Wan2.2's low-noise expert)
   bool latents = false;
 };
 
@@ -178,6 +179,12 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan, size_t v
   if (steps > 0) options.steps(steps);
   if (guidance >= 0) options.guidance_scale(guidance);
   if (wan.shift >= 0) options.shift(wan.shift);
+  if (wan.guidance_2 >= 0) {
+    if (options.boundary_ratio() == 0)
+      throw megaslide::tools::UsageError("--guidance-2: the low-noise expert's guidance scale, but '" + source +
+                                         "' is one DiT, not Wan2.2's two experts");
+    options.guidance_scale_2(wan.guidance_2);
+  }
   if (wan.negative_prompt_set) options.negative_prompt(wan.negative_prompt);
 
   const auto dtype = megaslide::resolve_compute_dtype(compute_dtype, device);
@@ -200,6 +207,12 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan, size_t v
     throw megaslide::tools::UsageError(megaslide::error_message(e));
   }
   const char* kind = options.kind() == megaslide::FlowSamplerKind::kUniPC ? "unipc" : "euler";
+  if (options.boundary_ratio() > 0)
+    std::cerr << fmt::format(
+        "megaslide-sample: two experts: the high-noise one for t >= {} (guidance {}), the low-noise one below "
+        "(guidance {})\n",
+        options.boundary_ratio() * 1000, options.guidance_scale(),
+        options.guidance_scale_2() < 0 ? options.guidance_scale() : options.guidance_scale_2());
   std::cerr << fmt::format(
       "megaslide-sample: Wan {} -> {} videos of {} frames {}x{} in {} ({} {} steps, shift {}, guidance {}, device {}, "
       "DiT {}, "
@@ -308,6 +321,10 @@ int main(int argc, char** argv) {
                  "Wan: the negative prompt of guidance (default: Wan2.1's, docs/wan.md)")
       ->each([&wan](const std::string&) { wan.negative_prompt_set = true; });
   app.add_option("--shift", wan.shift, "Wan: the flow sampler's shift (default: the config's diffusion.shift)")
+      ->check(megaslide::tools::finite_real(0.0));
+  app.add_option("--guidance-2", wan.guidance_2,
+                 "Wan2.2: the low-noise expert's guidance scale (default: the config's diffusion.guidance_scale_2, "
+                 "else --guidance)")
       ->check(megaslide::tools::finite_real(0.0));
   app.add_flag(
       "--latents", wan.latents,
@@ -432,9 +449,10 @@ int main(int argc, char** argv) {
       }
       const bool is_wan = wan_model.has_value();
       if (!is_wan && (!wan.text_encoder.empty() || !wan.tokenizer.empty() || !wan.vae.empty() ||
-                      wan.negative_prompt_set || wan.shift >= 0 || wan.latents))
+                      wan.negative_prompt_set || wan.shift >= 0 || wan.guidance_2 >= 0 || wan.latents))
         throw std::invalid_argument(
-            "--text-encoder, --tokenizer, --vae, --negative-prompt, --shift and --latents are for Wan models; '" +
+            "--text-encoder, --tokenizer, --vae, --negative-prompt, --shift, --guidance-2 and --latents are for Wan "
+            "models; '" +
             checkpoint + "' is not one");
       if (is_wan && (sampler == "ddpm" || sampler == "ddim"))
         throw std::invalid_argument("--sampler " + sampler + ": Wan samples with flow matching: unipc or euler");

@@ -367,6 +367,8 @@ class Schema {
     boolean("model.wan.cross_attn_norm", c.model.wan.cross_attn_norm);
     real("model.wan.eps", c.model.wan.eps, RealRange{0.0, 1.0, true, false});
     optional_text("model.wan.weights", c.model.wan.weights);
+    optional_text("model.wan.weights_2", c.model.wan.weights_2);
+    real("model.wan.boundary_ratio", c.model.wan.boundary_ratio, RealRange{0.0, 1.0, false, true});
     // Nested keys: model.text_encoder: {kind: clip, weights: DIR} in a file, --set model.vae.kind=sd.
     choice("model.text_encoder.kind", c.model.text_encoder.kind, {"builtin", "clip", "umt5"});
     optional_text("model.text_encoder.weights", c.model.text_encoder.weights);
@@ -412,6 +414,7 @@ class Schema {
     integer("diffusion.sample_steps", c.diffusion.sample_steps, IntRange{1});
     choice("diffusion.timestep_spacing", c.diffusion.timestep_spacing, {"linspace", "leading", "trailing"});
     real("diffusion.guidance_scale", c.diffusion.guidance_scale, RealRange{0.0});
+    real("diffusion.guidance_scale_2", c.diffusion.guidance_scale_2, RealRange{-1.0});
     choice("diffusion.objective", c.diffusion.objective, {"ddpm", "flow"});
     real("diffusion.shift", c.diffusion.shift, RealRange{0.0, 1e6, true, false});
     choice("diffusion.timestep_sampling", c.diffusion.timestep_sampling, {"uniform", "logit_normal"});
@@ -836,6 +839,10 @@ void validate_wan(const RunConfig& c, const std::function<void(const std::string
     fail("data.channels", "expected model.wan.in_channels (" + std::to_string(w.in_channels) +
                               ") for model.arch wan, got " + std::to_string(c.data.channels));
   }
+  if (!w.weights_2.empty() && w.weights.empty())
+    fail("model.wan.weights_2",
+         "names the low-noise expert but model.wan.weights (the high-noise expert, or the two-expert repository) "
+         "is empty");
   if (w.out_channels != w.in_channels)
     fail("model.wan.out_channels", "expected model.wan.in_channels (" + std::to_string(w.in_channels) +
                                        "): the output is compared with and sampled back into the input latents, got " +
@@ -876,6 +883,14 @@ void validate(const RunConfig& c, const std::string& source) {
   }
   const auto& m = c.model;
   const bool wan = m.arch == Architecture::kWan;
+  if (c.diffusion.guidance_scale_2 < 0 && c.diffusion.guidance_scale_2 != -1.0)
+    fail("diffusion.guidance_scale_2",
+         "expected -1 (the low-noise expert guided as diffusion.guidance_scale) or a "
+         "number >= 0, got " +
+             format_number(c.diffusion.guidance_scale_2));
+  if (!wan && c.diffusion.guidance_scale_2 != -1.0)
+    fail("diffusion.guidance_scale_2", "is the guidance scale of Wan2.2's low-noise expert; model.arch " +
+                                           std::string(to_string(m.arch)) + " has one DiT");
   if (wan) {
     validate_wan(c, fail);
   } else {

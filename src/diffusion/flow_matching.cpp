@@ -268,12 +268,19 @@ torch::Tensor flow_sample(const FlowModelFn& model, const FlowSamplerOptions& op
   const torch::Tensor text = guided ? torch::cat({cond.text, batch_of(uncond.text)}) : cond.text;
   torch::Tensor mask;
   if (cond.mask.defined()) mask = guided ? torch::cat({cond.mask, batch_of(uncond.mask)}) : cond.mask;
+  // The low-noise expert's scale below the boundary (diffusers compares the step's timestep with
+  // boundary_ratio x num_train_timesteps).
+  const double boundary = options.boundary_ratio() * static_cast<double>(options.train_timesteps());
+  const double scale_2 = options.guidance_scale_2() < 0 ? options.guidance_scale() : options.guidance_scale_2();
+  auto scale_at = [&](const torch::Tensor& t) {
+    return options.boundary_ratio() > 0 && t.item<double>() < boundary ? scale_2 : options.guidance_scale();
+  };
   auto guide = [&](const torch::Tensor& t) {
     torch::NoGradGuard no_grad;
     if (!guided) return model(x, t.expand({B}), text, mask).to(torch::kFloat32);
     auto out = model(torch::cat({x, x}), t.expand({2 * B}), text, mask).to(torch::kFloat32);
     auto c = out.narrow(0, 0, B), u = out.narrow(0, B, B);
-    return u + options.guidance_scale() * (c - u);
+    return u + scale_at(t) * (c - u);
   };
   const int64_t S = options.steps();
   if (options.kind() == FlowSamplerKind::kEuler) {

@@ -27,11 +27,19 @@ WanSampleOptions WanSampleOptions::from_config(const RunConfig& config) {
       .steps(config.diffusion.sample_steps)
       .shift(config.diffusion.shift)
       .guidance_scale(config.diffusion.guidance_scale)
+      .guidance_scale_2(config.diffusion.guidance_scale_2)
+      .boundary_ratio(config.model.wan.weights_2.empty() ? 0.0 : config.model.wan.boundary_ratio)
       .text_tokens(config.data.max_text_tokens);
 }
 
 FlowSamplerOptions WanSampleOptions::flow() const {
-  return FlowSamplerOptions().kind(kind()).steps(steps()).shift(shift()).guidance_scale(guidance_scale());
+  return FlowSamplerOptions()
+      .kind(kind())
+      .steps(steps())
+      .shift(shift())
+      .guidance_scale(guidance_scale())
+      .boundary_ratio(boundary_ratio())
+      .guidance_scale_2(guidance_scale_2());
 }
 
 namespace {
@@ -353,6 +361,41 @@ WanModel load_wan_model(const std::string& weights_file, bool blocks_on_demand) 
   return out;
 }
 
+namespace {
+// One DiT of `config` (resolved) from `path`: the prologue and head read now, the blocks on demand (or all now).
+WanModel load_wan_expert(const RunConfig& config, const std::string& path, bool blocks_on_demand) {
+  WanModel out;
+  out.config = config;
+  auto weights = std::make_shared<WanWeights>(WanWeights::open(path));
+  auto skeleton = wan_skeleton(WanOptions::from_config(out.config));
+  out.dit = skeleton.first;
+  std::vector<std::string> allow_missing;
+  if (config.model.self_attention == "dsa3d") allow_missing = wan_dsa_parameter_globs();
+  // load_wan_weights' check on the whole model (the skeleton has every shape), then the reads: the
+  // prologue and head now, the blocks on demand; a parameter allowed missing keeps its drawn value.
+  std::vector<std::pair<std::string, std::vector<int64_t>>> expected;
+  for (const auto& p : out.dit->named_parameters(true)) expected.emplace_back(p.key(), p.value().sizes().vec());
+  weights->check(expected, allow_missing);
+  torch::NoGradGuard no_grad;
+  for (auto& p : out.dit->named_parameters(true))
+    if (!p.value().is_meta() && weights->has(p.key())) p.value().copy_(weights->read(p.key(), torch::kFloat32));
+  auto draws = skeleton.second;
+  out.block = [draws, weights](int64_t l) {
+    WanBlock block = draws->draw(l);
+    torch::NoGradGuard no_grad;
+    for (auto& p : block->named_parameters(true)) {
+      const std::string name = "blocks." + std::to_string(l) + "." + p.key();
+      if (weights->has(name)) p.value().copy_(weights->read(name, torch::kFloat32));
+    }
+    return block;
+  };
+  if (!blocks_on_demand) out.load_blocks();
+  out.source = path;
+  out.dit->eval();
+  return out;
+}
+}  // namespace
+
 WanModel wan_model_from_config(const RunConfig& config, const std::string& source, bool blocks_on_demand) {
   if (config.model.arch != Architecture::kWan)
     throw ConfigError(source, "model.arch", std::string("is ") + to_string(config.model.arch) + ", not wan");
@@ -360,40 +403,38 @@ WanModel wan_model_from_config(const RunConfig& config, const std::string& sourc
     throw ConfigError(source, "model.wan.weights",
                       "is empty: sampling needs the DiT's weights (a Wan download, or use a run's checkpoint)");
   WanModel out;
+  std::string key = "model.wan.weights";
   try {
-    out.config = with_wan_architecture_from_weights(config);
-    auto weights = std::make_shared<WanWeights>(WanWeights::open(config.model.wan.weights));
-    auto skeleton = wan_skeleton(WanOptions::from_config(out.config));
-    out.dit = skeleton.first;
-    std::vector<std::string> allow_missing;
-    if (config.model.self_attention == "dsa3d") allow_missing = wan_dsa_parameter_globs();
-    // load_wan_weights' check on the whole model (the skeleton has every shape), then the reads: the
-    // prologue and head now, the blocks on demand; a parameter allowed missing keeps its drawn value.
-    std::vector<std::pair<std::string, std::vector<int64_t>>> expected;
-    for (const auto& p : out.dit->named_parameters(true)) expected.emplace_back(p.key(), p.value().sizes().vec());
-    weights->check(expected, allow_missing);
-    torch::NoGradGuard no_grad;
-    for (auto& p : out.dit->named_parameters(true))
-      if (!p.value().is_meta() && weights->has(p.key())) p.value().copy_(weights->read(p.key(), torch::kFloat32));
-    auto draws = skeleton.second;
-    out.block = [draws, weights](int64_t l) {
-      WanBlock block = draws->draw(l);
-      torch::NoGradGuard no_grad;
-      for (auto& p : block->named_parameters(true)) {
-        const std::string name = "blocks." + std::to_string(l) + "." + p.key();
-        if (weights->has(name)) p.value().copy_(weights->read(name, torch::kFloat32));
-      }
-      return block;
-    };
-    if (!blocks_on_demand) out.load_blocks();
+    const RunConfig resolved = with_wan_architecture_from_weights(config);
+    out = load_wan_expert(resolved, resolved.model.wan.weights, blocks_on_demand);
+    if (!resolved.model.wan.weights_2.empty()) {  // Wan2.2: the low-noise expert
+      key = "model.wan.weights_2";
+      out.low_noise =
+          std::make_shared<WanModel>(load_wan_expert(resolved, resolved.model.wan.weights_2, blocks_on_demand));
+    }
   } catch (const ConfigError&) {
     throw;
   } catch (const std::exception& e) {
-    throw ConfigError(source, "model.wan.weights", e.what());
+    throw ConfigError(source, key, e.what());
   }
   out.source = config.model.wan.weights;
-  out.dit->eval();
   return out;
+}
+
+WanExpertsDenoiser::WanExpertsDenoiser(std::shared_ptr<WanDenoiser> high, std::shared_ptr<WanDenoiser> low,
+                                       double boundary_ratio)
+    : high_(std::move(high)), low_(std::move(low)), boundary_(boundary_ratio * 1000.0) {
+  TORCH_CHECK(high_ && low_, "WanExpertsDenoiser: two experts needed");
+  TORCH_CHECK(boundary_ratio > 0 && boundary_ratio < 1, "WanExpertsDenoiser: boundary_ratio ", boundary_ratio,
+              " is not in (0, 1)");
+  TORCH_CHECK(high_->device() == low_->device(), "WanExpertsDenoiser: the experts are on ", high_->device(), " and ",
+              low_->device());
+}
+
+torch::Tensor WanExpertsDenoiser::predict(const torch::Tensor& x, const torch::Tensor& timesteps,
+                                          const torch::Tensor& text) {
+  // diffusers' WanPipeline: the high-noise expert where t >= boundary_ratio x num_train_timesteps.
+  return (timesteps[0].item<double>() >= boundary_ ? high_ : low_)->predict(x, timesteps, text);
 }
 
 WanTextToVideo::WanTextToVideo(RunConfig config, Umt5Encoder text_encoder, Umt5Tokenizer tokenizer,
@@ -445,8 +486,16 @@ torch::Tensor WanTextToVideo::sample(const std::vector<std::string>& prompts, co
   Conditioning cond, uncond;
   cond.text = encode(prompts, options);
   if (options.guidance_scale() != 1.0) uncond.text = encode({options.negative_prompt()}, options);
+  // Two experts: options.boundary_ratio() picks each step's (0: the high-noise expert throughout).
+  auto* experts = dynamic_cast<WanExpertsDenoiser*>(denoiser_.get());
+  if (options.boundary_ratio() > 0 && experts == nullptr)
+    throw std::invalid_argument("a boundary_ratio of " + std::to_string(options.boundary_ratio()) +
+                                " switches between two experts, but this pipeline's DiT is one");
+  const double boundary = options.boundary_ratio() * 1000.0;
   auto model = [&](const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& text, const torch::Tensor&) {
-    return denoiser_->predict(x, t, text);
+    if (experts == nullptr) return denoiser_->predict(x, t, text);
+    const bool low = options.boundary_ratio() > 0 && t[0].item<double>() < boundary;
+    return (low ? experts->low() : experts->high()).predict(x, t, text);
   };
   return flow_sample(model, options.flow(), shape.empty() ? latent_shape() : shape, seeds, cond, uncond,
                      denoiser_->device(), on_step);
@@ -498,18 +547,25 @@ OpenedWanPipeline open_wan_pipeline(WanModel model, const WanPipelineRequest& re
   auto vae = loading("vae", "", [&] { return WanVae::load(vae_path, request.device, torch::kFloat32); });
 
   int64_t weight_bytes = 0;
-  for (const auto& p : model.dit->parameters()) weight_bytes += static_cast<int64_t>(p.nbytes());
+  for (const auto* m : {&model, model.low_noise.get()})
+    if (m != nullptr)
+      for (const auto& p : m->dit->parameters()) weight_bytes += static_cast<int64_t>(p.nbytes());
   out.dit_streamed = should_stream(request.stream, request.device, weight_bytes);
-  std::shared_ptr<WanDenoiser> denoiser;
   const RunConfig config = model.config;
-  if (out.dit_streamed) {
-    StreamedDenoiserOptions so;
-    so.device = request.device;
-    so.compute_dtype = request.compute_dtype;
-    denoiser = std::make_shared<StreamedWanDenoiser>(std::move(model), so);  // block by block from the weights
-  } else {
-    denoiser = std::make_shared<ResidentWanDenoiser>(std::move(model), request.device, request.compute_dtype);
-  }
+  auto denoiser_of = [&](WanModel m) -> std::shared_ptr<WanDenoiser> {
+    if (out.dit_streamed) {
+      StreamedDenoiserOptions so;
+      so.device = request.device;
+      so.compute_dtype = request.compute_dtype;
+      return std::make_shared<StreamedWanDenoiser>(std::move(m), so);  // block by block from the weights
+    }
+    return std::make_shared<ResidentWanDenoiser>(std::move(m), request.device, request.compute_dtype);
+  };
+  const std::shared_ptr<WanModel> low = std::move(model.low_noise);
+  std::shared_ptr<WanDenoiser> denoiser = denoiser_of(std::move(model));
+  if (low)
+    denoiser =
+        std::make_shared<WanExpertsDenoiser>(denoiser, denoiser_of(std::move(*low)), config.model.wan.boundary_ratio);
   out.pipeline =
       std::make_shared<WanTextToVideo>(config, std::move(t5), std::move(tokenizer), denoiser, std::move(vae));
   return out;

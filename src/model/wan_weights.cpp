@@ -272,11 +272,16 @@ WanWeights WanWeights::open(const std::string& path) {
   std::string dir;
   if (io::is_directory(path)) {
     dir = path;
-    // A diffusers repository: its DiT is in transformer/.
-    if (io::is_directory(io::join_path(dir, "transformer")) &&
-        !io::path_exists(io::join_path(dir, "diffusion_pytorch_model.safetensors")) &&
-        !io::path_exists(io::join_path(dir, "diffusion_pytorch_model.safetensors.index.json")))
-      dir = io::join_path(dir, "transformer");
+    // A diffusers repository: its DiT is in transformer/ (Wan2.2's high-noise expert beside transformer_2/);
+    // Wan-AI's Wan2.2 repositories: the high-noise expert in high_noise_model/.
+    if (!io::path_exists(io::join_path(dir, "diffusion_pytorch_model.safetensors")) &&
+        !io::path_exists(io::join_path(dir, "diffusion_pytorch_model.safetensors.index.json"))) {
+      for (const char* sub : {"transformer", "high_noise_model"})
+        if (io::is_directory(io::join_path(dir, sub))) {
+          dir = io::join_path(dir, sub);
+          break;
+        }
+    }
     impl->file_paths = weight_files_of_folder(dir);
     if (io::path_exists(io::join_path(dir, "config.json"))) impl->config_path = io::join_path(dir, "config.json");
   } else if (is_pickle_name(path)) {
@@ -572,11 +577,79 @@ std::vector<std::string> wan_dsa_parameter_globs() {
   return {"blocks.*.attn1.offset_dw.*", "blocks.*.attn1.offset_pw.*", "blocks.*.attn1.rel_bias"};
 }
 
+WanExperts find_wan_experts(const std::string& path) {
+  WanExperts out;
+  out.high = path;
+  if (path.empty() || !io::is_directory(path)) return out;
+  const std::string index = io::join_path(path, "model_index.json");
+  if (io::path_exists(index)) {
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(io::read_input_file(index, 1u << 20));
+    } catch (const std::exception& e) {
+      fail("'" + index + "' is not valid JSON: " + e.what());
+    }
+    const auto second = j.find("transformer_2");
+    if (j.is_object() && second != j.end() && second->is_array() && !second->empty() && !(*second)[0].is_null()) {
+      out.high = io::join_path(path, "transformer");
+      out.low = io::join_path(path, "transformer_2");
+      const auto ratio = j.find("boundary_ratio");
+      if (ratio == j.end() || !ratio->is_number() || ratio->get<double>() <= 0 || ratio->get<double>() >= 1)
+        fail("'" + index + "' lists transformer_2 but no boundary_ratio in (0, 1): which expert runs when is unknown");
+      out.boundary_ratio = ratio->get<double>();
+    }
+  } else if (io::is_directory(io::join_path(path, "high_noise_model")) &&
+             io::is_directory(io::join_path(path, "low_noise_model"))) {
+    out.high = io::join_path(path, "high_noise_model");
+    out.low = io::join_path(path, "low_noise_model");
+  }
+  return out;
+}
+
+double default_wan_boundary_ratio(const WanConfig& wan) { return wan.in_channels == 36 ? 0.9 : 0.875; }
+
 RunConfig with_wan_architecture_from_weights(const RunConfig& config) {
   if (config.model.arch != Architecture::kWan || config.model.wan.weights.empty()) return config;
   RunConfig c = config;
-  c.model.wan = WanWeights::open(config.model.wan.weights).architecture(config.model.wan);
-  c.model.wan.weights = config.model.wan.weights;
+  const auto& asked = config.model.wan;
+  c.model.wan = WanWeights::open(asked.weights).architecture(asked);
+  c.model.wan.weights = asked.weights;
+  c.model.wan.weights_2 = asked.weights_2;
+  c.model.wan.boundary_ratio = asked.boundary_ratio;
+  // Wan2.2's two experts: the low-noise one found in the repository unless named, the boundary from the
+  // repository (or Wan-AI's for the task) unless given.
+  const WanExperts experts = find_wan_experts(asked.weights);
+  if (c.model.wan.weights_2.empty()) c.model.wan.weights_2 = experts.low;
+  if (!c.model.wan.weights_2.empty()) {
+    const std::string source = "model.wan.weights_2 '" + c.model.wan.weights_2 + "'";
+    WanConfig low;
+    try {
+      low = WanWeights::open(c.model.wan.weights_2).architecture(asked);
+    } catch (const WanWeightsError& e) {
+      throw ConfigError(source, "model.wan.weights_2", e.what());
+    }
+    low.weights = c.model.wan.weights;
+    low.weights_2 = c.model.wan.weights_2;
+    low.boundary_ratio = c.model.wan.boundary_ratio;
+    const RunConfig high_config = c;
+    RunConfig low_config = c;
+    low_config.model.wan = low;
+    if (const auto keys = differing_keys(high_config, low_config); !keys.empty())
+      throw ConfigError(source, "model.wan.weights_2",
+                        "the low-noise expert is not the high-noise expert's architecture ('" + asked.weights +
+                            "'): " + keys.front() + " is " + config_value_text(low_config, keys.front()) + ", not " +
+                            config_value_text(high_config, keys.front()));
+    if (c.model.wan.boundary_ratio == 0)
+      c.model.wan.boundary_ratio =
+          experts.boundary_ratio > 0 ? experts.boundary_ratio : default_wan_boundary_ratio(c.model.wan);
+  } else if (c.model.wan.boundary_ratio != 0) {
+    throw ConfigError("model.wan.weights '" + asked.weights + "'", "model.wan.boundary_ratio",
+                      "switches between two experts, but the weights are one DiT (name the low-noise expert in "
+                      "model.wan.weights_2, or a two-expert repository in model.wan.weights)");
+  }
+  if (c.model.wan.weights_2.empty() && c.diffusion.guidance_scale_2 != -1.0)
+    throw ConfigError("model.wan.weights '" + asked.weights + "'", "diffusion.guidance_scale_2",
+                      "is the low-noise expert's guidance scale, but the weights are one DiT");
   validate(c, "model.wan.weights '" + config.model.wan.weights + "'");
   return c;
 }

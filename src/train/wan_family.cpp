@@ -268,6 +268,11 @@ class WanFamily final : public ModelFamily {
     } catch (const WanWeightsError& e) {
       throw ConfigError(source, "model.wan.weights", e.what());
     }
+    if (!resolved.model.wan.weights_2.empty())
+      throw ConfigError(source, "model.wan.weights_2",
+                        "is Wan2.2's low-noise expert ('" + resolved.model.wan.weights_2 +
+                            "'): megaslide-sample samples the two experts, but training them is not supported yet; "
+                            "point model.wan.weights at one expert's own folder or file to fine-tune it as one DiT");
     if (resolved.data.dataset == "videos" && resolved.data.cache.empty())
       throw ConfigError(
           source, "data.cache",

@@ -67,6 +67,14 @@ struct WanConfig {
   bool cross_attn_norm = true;  // affine LayerNorm before the cross-attention
   double eps = 1e-6;
   std::string weights;  // published weights to start from ("": random initialisation)
+  // Wan2.2's two experts (T2V-A14B, I2V-A14B; model/wan_weights.h): the low-noise expert's weights when
+  // `weights` names only the high-noise one (ComfyUI's two files); found in a two-expert repository
+  // (diffusers' transformer_2/, Wan-AI's low_noise_model/) when `weights` names it. "": one DiT.
+  std::string weights_2;
+  // The switch between the experts: the high-noise one for timesteps t >= boundary_ratio x 1000, the
+  // low-noise one below. 0: the repository's (diffusers' model_index.json) or Wan-AI's (0.875 for
+  // text-to-video, 0.9 for image-to-video) when there are two experts.
+  double boundary_ratio = 0.0;
 };
 
 // The prompt encoder (model.text_encoder, docs/conditioning.md): the small built-in caption encoder,
@@ -151,6 +159,8 @@ struct DiffusionConfig {
   int64_t sample_steps = 30;
   std::string timestep_spacing = "linspace";  // linspace | leading | trailing (sampler.h)
   double guidance_scale = 7.5;
+  // Wan2.2's low-noise expert's guidance scale (model.wan.weights_2); -1: diffusion.guidance_scale.
+  double guidance_scale_2 = -1.0;
   // ddpm: the DDPM objective above (prediction, beta schedule); flow: flow matching as Wan trains it
   // (diffusion/flow_matching.h): x_t = (1 − σ)·x0 + σ·ε, target ε − x0, timestep σ·timesteps.
   std::string objective = "ddpm";

@@ -111,6 +111,11 @@ struct FlowSamplerOptions {
   TORCH_ARG(int64_t, steps) = 50;
   TORCH_ARG(double, shift) = 5.0;
   TORCH_ARG(double, guidance_scale) = 5.0;
+  // Two experts (Wan2.2): from the first step whose timestep is below boundary_ratio x train_timesteps on,
+  // the guidance scale is guidance_scale_2 (-1: guidance_scale); 0: one scale throughout. The model
+  // function picks its expert from the timesteps it is given.
+  TORCH_ARG(double, boundary_ratio) = 0.0;
+  TORCH_ARG(double, guidance_scale_2) = -1.0;
   TORCH_ARG(int64_t, order) = 2;  // UniPC
   TORCH_ARG(int64_t, train_timesteps) = 1000;
 };
@@ -118,7 +123,8 @@ struct FlowSamplerOptions {
 // Samples B = seeds.size() latents of `sample_shape` ([C, T, H, W]) on `device` (float32). The model is
 // called once per step on [x; x] with [cond; uncond] (an uncond of batch 1 is broadcast) and timesteps
 // [2B] float32: σ_i·T for Euler, ⌊σ_i·T⌋ for UniPC, as diffusers' pipelines pass them. Guidance scale 1
-// is the conditional output alone (no unconditional pass).
+// is the conditional output alone (no unconditional pass); guidance_scale decides that for every step, as
+// in diffusers' WanPipeline, whatever guidance_scale_2 is.
 using FlowModelFn = std::function<torch::Tensor(const torch::Tensor& x, const torch::Tensor& timesteps,
                                                 const torch::Tensor& text, const torch::Tensor& text_mask)>;
 torch::Tensor flow_sample(const FlowModelFn& model, const FlowSamplerOptions& options,

@@ -61,13 +61,17 @@ struct WanSampleOptions {
   TORCH_ARG(int64_t, steps) = 50;
   TORCH_ARG(double, shift) = 5.0;
   TORCH_ARG(double, guidance_scale) = 5.0;
+  // Wan2.2's two experts: the low-noise expert's scale (-1: guidance_scale) from the first step whose
+  // timestep is below boundary_ratio x 1000 (0: one DiT). FlowSamplerOptions says how.
+  TORCH_ARG(double, guidance_scale_2) = -1.0;
+  TORCH_ARG(double, boundary_ratio) = 0.0;
   TORCH_ARG(std::string, negative_prompt) = kWanNegativePrompt;
   TORCH_ARG(int64_t, text_tokens) = 512;  // umT5 tokens per prompt (Wan's text_len)
   TORCH_ARG(bool, clean_prompts) = true;  // wan_prompt_clean before tokenizing, as WanPipeline does
 
  public:
   // The defaults above with a run config's diffusion.sample_steps, diffusion.shift, diffusion.guidance_scale
-  // and data.max_text_tokens (what a Wan run trained with).
+  // (and guidance_scale_2, model.wan.boundary_ratio with two experts) and data.max_text_tokens.
   static WanSampleOptions from_config(const RunConfig& config);
   FlowSamplerOptions flow() const;
 };
@@ -98,6 +102,22 @@ class ResidentWanDenoiser final : public WanDenoiser {
   WanTransformer model_;
   torch::Device device_;
   c10::ScalarType compute_dtype_;
+};
+
+// Wan2.2's two experts as one denoiser: `high` for timesteps t >= boundary_ratio x 1000, `low` below (every
+// call's timesteps are one step's, all equal). Both on one device. WanTextToVideo::sample picks the expert
+// by its options' boundary_ratio instead (0: the high-noise expert alone).
+class WanExpertsDenoiser final : public WanDenoiser {
+ public:
+  WanExpertsDenoiser(std::shared_ptr<WanDenoiser> high, std::shared_ptr<WanDenoiser> low, double boundary_ratio);
+  torch::Tensor predict(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text) override;
+  torch::Device device() const override { return high_->device(); }
+  WanDenoiser& high() { return *high_; }
+  WanDenoiser& low() { return *low_; }
+
+ private:
+  std::shared_ptr<WanDenoiser> high_, low_;
+  double boundary_;  // boundary_ratio x 1000
 };
 
 struct WanModel;
@@ -149,6 +169,8 @@ struct WanModel {
   // parameters the weights lack (the 3D-DSA retrofit's) take the values WanTransformer's constructor
   // would have drawn for them.
   std::function<WanBlock(int64_t)> block;
+  // Wan2.2's low-noise expert (model.wan.weights_2; the same architecture, loaded the same way), or null.
+  std::shared_ptr<WanModel> low_noise;
   // Reads every meta block into dit (the whole DiT in fp32 on the CPU) and clears `block`.
   void load_blocks();
 };
@@ -161,8 +183,9 @@ bool is_wan_weights_file(const std::string& path);
 // skeletons read by WanModel::block (names and shapes are all checked here).
 WanModel load_wan_model(const std::string& weights_file, bool blocks_on_demand = false);
 // The Wan DiT `config` describes, with model.wan.weights (published weights: model/wan_weights.h) loaded
-// into it, fp32 on the CPU. The config must name the weights (ConfigError otherwise). With
-// blocks_on_demand as above.
+// into it, fp32 on the CPU, and with two experts (Wan2.2) the low-noise one as WanModel::low_noise. The
+// config must name the weights (ConfigError otherwise, naming model.wan.weights or model.wan.weights_2).
+// With blocks_on_demand as above.
 WanModel wan_model_from_config(const RunConfig& config, const std::string& source, bool blocks_on_demand = false);
 
 class WanTextToVideo {
@@ -225,7 +248,8 @@ struct OpenedWanPipeline {
 
 // The sampling pipeline of `model` (whole, or loaded with blocks_on_demand): umT5 (bf16 on a GPU, as Wan
 // runs it; fp32 on the CPU) resident or streamed layer by layer, the VAE in fp32, and the DiT resident
-// (block by block onto the device) or streamed from host buffers, in the compute dtype. Throws
+// (block by block onto the device) or streamed from host buffers, in the compute dtype; with two experts
+// both alike (streamed when the two together do not fit) behind a WanExpertsDenoiser. Throws
 // WanPipelineError for a component that is missing or unreadable, std::invalid_argument for components
 // that do not fit each other.
 OpenedWanPipeline open_wan_pipeline(WanModel model, const WanPipelineRequest& request);

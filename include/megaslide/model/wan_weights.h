@@ -115,7 +115,25 @@ std::string wan_diffusers_config(const WanConfig& wan);
 io::WrittenFile save_wan_weights(const std::string& path, const WanConfig& wan, const io::NamedTensors& parameters,
                                  torch::ScalarType dtype = torch::kBFloat16);
 
-// `config` with model.wan taken from model.wan.weights when set (unchanged otherwise).
+// Wan2.2's two experts (T2V-A14B, I2V-A14B): two DiTs of one architecture, the high-noise expert for
+// timesteps t >= boundary_ratio x 1000 and the low-noise one below. Where a path has them: diffusers'
+// repository (model_index.json listing transformer_2, with its boundary_ratio; transformer/ is the
+// high-noise expert), Wan-AI's (high_noise_model/, low_noise_model/; the boundary is its config's, not in
+// the folder: default_wan_boundary_ratio). `low` empty: the path is one DiT (`high` is the path). ComfyUI's
+// two files are named one by one (model.wan.weights, model.wan.weights_2). Throws WanWeightsError for a
+// model_index.json that is not JSON or lists transformer_2 without a boundary_ratio in (0, 1).
+struct WanExperts {
+  std::string high, low;
+  double boundary_ratio = 0.0;  // the repository's; 0 when it does not say
+};
+WanExperts find_wan_experts(const std::string& path);
+// Wan-AI's boundaries (wan/configs): 0.875 for text-to-video, 0.9 for image-to-video (36 input channels).
+double default_wan_boundary_ratio(const WanConfig& wan);
+
+// `config` with model.wan taken from model.wan.weights when set (unchanged otherwise): its architecture and,
+// with two experts, model.wan.weights_2 (found in the repository unless given; the same architecture, else
+// WanWeightsError naming the first key that differs) and model.wan.boundary_ratio (the repository's or
+// Wan-AI's unless given). ConfigError for a boundary_ratio or diffusion.guidance_scale_2 given to one DiT.
 RunConfig with_wan_architecture_from_weights(const RunConfig& config);
 
 }  // namespace megaslide
