@@ -1208,6 +1208,16 @@ _CLEAN_PROMPTS = [
 ]
 
 
+def _wan_scheduler(kind, shift):
+    """The flow scheduler the Wan repositories ship (UniPC), or the Euler one, at `shift`."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+
+    if kind == "unipc":
+        return UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift,
+                                       num_train_timesteps=1000)
+    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift)
+
+
 def section_wan_pipeline(out_dir):
     import html
     import re
@@ -1216,8 +1226,7 @@ def section_wan_pipeline(out_dir):
     import ftfy
     import torch
     import transformers
-    from diffusers import (AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler, WanPipeline,
-                           WanTransformer3DModel)
+    from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
     from diffusers.pipelines.wan.pipeline_wan import prompt_clean
     from transformers import T5Tokenizer, UMT5EncoderModel
 
@@ -1244,11 +1253,7 @@ def section_wan_pipeline(out_dir):
     frames, height, width, steps, shift, guidance = 5, 32, 48, 4, 5.0, 5.0
     tensors = {}
     for kind in ("unipc", "euler"):
-        if kind == "unipc":
-            scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift,
-                                                num_train_timesteps=1000)
-        else:
-            scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift)
+        scheduler = _wan_scheduler(kind, shift)
         pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer, vae=vae, scheduler=scheduler)
         pipe.set_progress_bar_config(disable=True)
         for i, (prompt, seed) in enumerate(zip(prompts, seeds)):
@@ -1310,8 +1315,7 @@ def section_wan22_experts(out_dir):
     import diffusers
     import torch
     import transformers
-    from diffusers import (AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler, WanPipeline,
-                           WanTransformer3DModel)
+    from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
     from transformers import T5Tokenizer, UMT5EncoderModel
 
     # Two experts of one architecture (as Wan2.2-T2V-A14B's), sized to the umt5 and wan_vae fixtures and unlike
@@ -1346,11 +1350,7 @@ def section_wan22_experts(out_dir):
     frames, height, width, steps, shift, guidance, guidance_2 = 5, 32, 48, 6, 5.0, 4.0, 2.5
     tensors = {}
     for kind in ("unipc", "euler"):
-        if kind == "unipc":
-            scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift,
-                                                num_train_timesteps=1000)
-        else:
-            scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift)
+        scheduler = _wan_scheduler(kind, shift)
         pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=experts[0], transformer_2=experts[1], vae=vae,
                            scheduler=scheduler, boundary_ratio=boundary_ratio)
         pipe.set_progress_bar_config(disable=True)
