@@ -23,6 +23,7 @@
 #include "megaslide/io/video.h"
 #include "megaslide/model/dit_weights.h"
 #include "megaslide/model/wan_weights.h"
+#include "megaslide/train/run_outputs.h"
 #include "run_tool.h"
 
 namespace {
@@ -614,4 +615,31 @@ TEST(Wan22Experts, TheThreeLayoutsLoadTheSameTensors) {
   refused(experts_config(kExperts, {"model.wan.weights_2=" + kFixtures + "wan_pipeline/transformer"}),
           "model.wan.weights_2", "is not the high-noise expert's architecture");
   megaslide::io::remove_tree(dir);
+}
+
+// The property: settings of a second expert given to one DiT — a randomly initialised Wan (no weights) or
+// the DiT family — are ConfigErrors naming the key when the config loads; megaslide-train --dry-run refuses
+// a two-expert model as training does (they sample, but do not train yet).
+TEST(Wan22Experts, SecondExpertSettingsWithoutTwoExpertsAreRefused) {
+  auto refused = [](std::vector<std::string> sets, const std::string& key) {
+    if (sets[0] == "model.arch=wan") sets.insert(sets.end(), {"data.dataset=latent-tensors", "data.channels=16"});
+    try {
+      megaslide::parse_run_config("", "test", sets);
+      ADD_FAILURE() << "accepted " << key;
+    } catch (const megaslide::ConfigError& e) {
+      EXPECT_EQ(e.key(), key) << e.what();
+    }
+  };
+  refused({"model.arch=wan", "model.wan.boundary_ratio=0.875"}, "model.wan.boundary_ratio");
+  refused({"model.arch=wan", "diffusion.guidance_scale_2=3"}, "diffusion.guidance_scale_2");
+  refused({"model.arch=wan", "model.wan.weights_2=/somewhere"}, "model.wan.weights_2");
+  refused({"model.arch=megaslide", "diffusion.guidance_scale_2=3"}, "diffusion.guidance_scale_2");
+  refused({"model.arch=wan", "model.wan.weights=" + kExperts, "diffusion.guidance_scale_2=-0.5"},
+          "diffusion.guidance_scale_2");
+  try {
+    megaslide::dry_run_json(experts_config(kExperts));
+    ADD_FAILURE() << "a dry run of two experts was accepted";
+  } catch (const megaslide::ConfigError& e) {
+    EXPECT_EQ(e.key(), "model.wan.weights_2") << e.what();
+  }
 }

@@ -843,6 +843,16 @@ void validate_wan(const RunConfig& c, const std::function<void(const std::string
     fail("model.wan.weights_2",
          "names the low-noise expert but model.wan.weights (the high-noise expert, or the two-expert repository) "
          "is empty");
+  // Without weights the model is one randomly initialised DiT (with weights, with_wan_architecture_from_weights
+  // says whether they hold two experts).
+  if (w.weights.empty() && w.boundary_ratio != 0)
+    fail("model.wan.boundary_ratio",
+         "switches between Wan2.2's two experts, but model.wan.weights is empty: the "
+         "model is one randomly initialised DiT");
+  if (w.weights.empty() && c.diffusion.guidance_scale_2 != -1.0)
+    fail("diffusion.guidance_scale_2",
+         "is Wan2.2's low-noise expert's guidance scale, but model.wan.weights is "
+         "empty: the model is one randomly initialised DiT");
   if (w.out_channels != w.in_channels)
     fail("model.wan.out_channels", "expected model.wan.in_channels (" + std::to_string(w.in_channels) +
                                        "): the output is compared with and sampled back into the input latents, got " +

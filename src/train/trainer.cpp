@@ -123,7 +123,8 @@ Trainer::Trainer(const TrainerRequest& request)
     ema_ = std::make_unique<WeightsEma>(t.ema_decay, params);
   }
   if (device_.is_cuda()) {
-    flops_per_step_ = model_->flops_per_step();
+    // The family counts the global batch; this rank computes its 1/R of it (MFU is per GPU).
+    flops_per_step_ = model_->flops_per_step() / static_cast<double>(communicator_ ? communicator_->world_size() : 1);
     peak_flops_ = (t.peak_tflops > 0 ? t.peak_tflops : measure_peak_tflops(device_)) * 1e12;
   }
 }

@@ -112,7 +112,7 @@ class WanModel final : public FamilyModel {
     if (request.validation) validation_.emplace(config_, cached_captions(config_, source), source);
     batches_.emplace(latent_, load_latent_data(config_, source));
     try {
-      build(request.init_from);
+      build(request.init_from, source);
     } catch (const WanWeightsError& e) {
       throw ConfigError(source, "model.wan.weights", e.what());
     }
@@ -131,7 +131,8 @@ class WanModel final : public FamilyModel {
     model()->initialise_head();
     init_->overwrite("proj_out.", *model()->proj_out);
     init_->overwrite_table("scale_shift_table", model()->scale_shift_table);
-    init_.reset();  // the weights' mappings closed; a later initial_block is an error
+    init_->release();  // the weights' mappings closed (the stack's builder still holds the object); a later
+    init_.reset();     // initial_block is an error
   }
 
   at::Tensor loss(MicroBatchStats& stats) override {
@@ -193,7 +194,7 @@ class WanModel final : public FamilyModel {
 
   // The initial weights (train/wan_family.h): drawn after torch::manual_seed(train.seed), overwritten by
   // model.wan.weights, then by train.init_from.
-  void build(const InitPlanner& init_from) {
+  void build(const InitPlanner& init_from, const std::string& source) {
     torch::manual_seed(config_.train.seed);
     std::optional<WanWeights> weights;
     if (!config_.model.wan.weights.empty()) weights.emplace(WanWeights::open(config_.model.wan.weights));
@@ -236,9 +237,16 @@ class WanModel final : public FamilyModel {
     init_->overwrite("condition_embedder.", *model->condition_embedder);
     init_->start_blocks();
     grid_ = model->token_grid(latent_.data.frames, latent_.data.height, latent_.data.width);
-    auto init = init_;
-    stack_ = std::make_shared<WanStack>(
-        model, [init](int64_t l) { return init->block(l); }, device_);
+    // The engine builds the blocks after make_model returned: a weights file whose block cannot be read is
+    // still the config's error.
+    auto block = [init = init_, source](int64_t l) {
+      try {
+        return init->block(l);
+      } catch (const WanWeightsError& e) {
+        throw ConfigError(source, "model.wan.weights", e.what());
+      }
+    };
+    stack_ = std::make_shared<WanStack>(model, block, device_);
     for (auto& [name, p] : stack_->named_resident_parameters())
       if (!p.is_meta()) move_parameter(p, device_);  // the blocks' tables and norm2 follow in adopt_block
     split_.model = model;
@@ -268,11 +276,7 @@ class WanFamily final : public ModelFamily {
     } catch (const WanWeightsError& e) {
       throw ConfigError(source, "model.wan.weights", e.what());
     }
-    if (!resolved.model.wan.weights_2.empty())
-      throw ConfigError(source, "model.wan.weights_2",
-                        "is Wan2.2's low-noise expert ('" + resolved.model.wan.weights_2 +
-                            "'): megaslide-sample samples the two experts, but training them is not supported yet; "
-                            "point model.wan.weights at one expert's own folder or file to fine-tune it as one DiT");
+    refuse_two_expert_training(resolved, source);
     if (resolved.data.dataset == "videos" && resolved.data.cache.empty())
       throw ConfigError(
           source, "data.cache",
@@ -301,6 +305,14 @@ WanModel& wan_model(Trainer& trainer) {
 }
 
 }  // namespace
+
+void refuse_two_expert_training(const RunConfig& resolved, const std::string& source) {
+  if (resolved.model.wan.weights_2.empty()) return;
+  throw ConfigError(source, "model.wan.weights_2",
+                    "is Wan2.2's low-noise expert ('" + resolved.model.wan.weights_2 +
+                        "'): megaslide-sample samples the two experts, but training them is not supported yet; point "
+                        "model.wan.weights at one expert's own folder or file to fine-tune it as one DiT");
+}
 
 const ModelFamily& wan_family() {
   static const WanFamily family;

@@ -188,6 +188,10 @@ offload::StackStepResult wan_streamed_step(offload::StreamedStackTrainer& engine
 // optimizer's references to it, kept).
 void move_parameter(torch::Tensor& p, torch::Device device);
 
+// Throws ConfigError naming model.wan.weights_2 when `resolved` (with_wan_architecture_from_weights) has
+// Wan2.2's two experts: they sample (megaslide-sample) but do not train yet.
+void refuse_two_expert_training(const RunConfig& resolved, const std::string& source);
+
 class Trainer;
 
 // Wan's model inside a Trainer of model.arch wan (throws std::invalid_argument for another family's):
