@@ -423,18 +423,23 @@ WanModel wan_model_from_config(const RunConfig& config, const std::string& sourc
 
 WanExpertsDenoiser::WanExpertsDenoiser(std::shared_ptr<WanDenoiser> high, std::shared_ptr<WanDenoiser> low,
                                        double boundary_ratio)
-    : high_(std::move(high)), low_(std::move(low)), boundary_(boundary_ratio * 1000.0) {
+    : high_(std::move(high)), low_(std::move(low)) {
   TORCH_CHECK(high_ && low_, "WanExpertsDenoiser: two experts needed");
-  TORCH_CHECK(boundary_ratio > 0 && boundary_ratio < 1, "WanExpertsDenoiser: boundary_ratio ", boundary_ratio,
-              " is not in (0, 1)");
   TORCH_CHECK(high_->device() == low_->device(), "WanExpertsDenoiser: the experts are on ", high_->device(), " and ",
               low_->device());
+  this->boundary_ratio(boundary_ratio);
+}
+
+void WanExpertsDenoiser::boundary_ratio(double ratio) {
+  TORCH_CHECK(ratio >= 0 && ratio < 1, "WanExpertsDenoiser: boundary_ratio ", ratio, " is not in [0, 1)");
+  boundary_ratio_ = ratio;
 }
 
 torch::Tensor WanExpertsDenoiser::predict(const torch::Tensor& x, const torch::Tensor& timesteps,
                                           const torch::Tensor& text) {
   // diffusers' WanPipeline: the high-noise expert where t >= boundary_ratio x num_train_timesteps.
-  return (timesteps[0].item<double>() >= boundary_ ? high_ : low_)->predict(x, timesteps, text);
+  const bool low = boundary_ratio_ > 0 && timesteps[0].item<double>() < boundary_ratio_ * 1000.0;
+  return (low ? low_ : high_)->predict(x, timesteps, text);
 }
 
 WanTextToVideo::WanTextToVideo(RunConfig config, Umt5Encoder text_encoder, Umt5Tokenizer tokenizer,
@@ -486,16 +491,14 @@ torch::Tensor WanTextToVideo::sample(const std::vector<std::string>& prompts, co
   Conditioning cond, uncond;
   cond.text = encode(prompts, options);
   if (options.guidance_scale() != 1.0) uncond.text = encode({options.negative_prompt()}, options);
-  // Two experts: options.boundary_ratio() picks each step's (0: the high-noise expert throughout).
-  auto* experts = dynamic_cast<WanExpertsDenoiser*>(denoiser_.get());
-  if (options.boundary_ratio() > 0 && experts == nullptr)
+  // Two experts: the options' boundary picks each step's (0: the high-noise expert throughout).
+  if (auto* experts = dynamic_cast<WanExpertsDenoiser*>(denoiser_.get()))
+    experts->boundary_ratio(options.boundary_ratio());
+  else if (options.boundary_ratio() > 0)
     throw std::invalid_argument("a boundary_ratio of " + std::to_string(options.boundary_ratio()) +
                                 " switches between two experts, but this pipeline's DiT is one");
-  const double boundary = options.boundary_ratio() * 1000.0;
   auto model = [&](const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& text, const torch::Tensor&) {
-    if (experts == nullptr) return denoiser_->predict(x, t, text);
-    const bool low = options.boundary_ratio() > 0 && t[0].item<double>() < boundary;
-    return (low ? experts->low() : experts->high()).predict(x, t, text);
+    return denoiser_->predict(x, t, text);
   };
   return flow_sample(model, options.flow(), shape.empty() ? latent_shape() : shape, seeds, cond, uncond,
                      denoiser_->device(), on_step);

@@ -9,7 +9,6 @@
 #include <cmath>
 #include <limits>
 #include <map>
-#include <set>
 
 #include "megaslide/offload/stack_trainer.h"
 #include "megaslide/offload/step_trace.h"
@@ -117,9 +116,9 @@ Trainer::Trainer(const TrainerRequest& request)
     model_->blocks_built();
   } else {
     const auto params = model_->named_parameters();
+    params_ = tensors_of(params);
     optimizer_ = std::make_unique<torch::optim::AdamW>(
-        tensors_of(params),
-        torch::optim::AdamWOptions(t.lr).betas({t.beta1, t.beta2}).eps(t.eps).weight_decay(t.weight_decay));
+        params_, torch::optim::AdamWOptions(t.lr).betas({t.beta1, t.beta2}).eps(t.eps).weight_decay(t.weight_decay));
     ema_ = std::make_unique<WeightsEma>(t.ema_decay, params);
   }
   if (device_.is_cuda()) {
@@ -136,8 +135,7 @@ Trainer& Trainer::operator=(Trainer&&) noexcept = default;
 int64_t Trainer::parameter_count() const {
   if (engine_) return engine_->streamed_parameter_count() + engine_->resident_parameter_count();
   int64_t n = 0;
-  for (const auto& group : optimizer_->param_groups())
-    for (const auto& p : group.params()) n += p.numel();
+  for (const auto& p : params_) n += p.numel();
   return n;
 }
 
@@ -152,18 +150,16 @@ void Trainer::trace_next_step(const std::string& path) {
 }
 
 int64_t Trainer::persistent_device_bytes() {
-  if (engine_) {
-    int64_t resident = 0;
-    if (auto* optimizer = engine_->resident_optimizer())
-      for (const auto& group : optimizer->param_groups())
-        for (const auto& p : group.params()) resident += static_cast<int64_t>(p.nbytes());
-    return engine_->streamer().device_weight_bytes() + engine_->streamer().device_gradient_bytes() +
-           (engine_->has_ema() ? 4 : 3) * resident;
-  }
-  int64_t bytes = 0;
-  for (const auto& group : optimizer_->param_groups())
-    for (const auto& p : group.params()) bytes += static_cast<int64_t>(p.nbytes());
-  return (ema_->enabled() ? 4 : 3) * bytes;  // weights, AdamW m and v (and the EMA)
+  // The parameters LibTorch's AdamW updates on the device (resident: all; streamed: those outside the blocks)
+  // with its two moments (and their EMA); streamed, the weight and gradient slots besides.
+  int64_t trained = 0;
+  if (const auto* optimizer = engine_ ? engine_->resident_optimizer() : optimizer_.get())
+    for (const auto& group : optimizer->param_groups())
+      for (const auto& p : group.params()) trained += static_cast<int64_t>(p.nbytes());
+  const bool ema = engine_ ? engine_->has_ema() : ema_->enabled();
+  const int64_t slots =
+      engine_ ? engine_->streamer().device_weight_bytes() + engine_->streamer().device_gradient_bytes() : 0;
+  return slots + (ema ? 4 : 3) * trained;
 }
 
 StepMetrics Trainer::step() {
@@ -204,14 +200,11 @@ StepMetrics Trainer::resident_step(double lr, MicroBatchStats& stats) {
     (accum == 1 ? loss : loss / static_cast<double>(accum)).backward();
     loss_sum += loss.item<double>();  // synchronises with the device, so the timing below is complete
   }
-  std::vector<at::Tensor> params;
-  for (auto& group : optimizer_->param_groups())
-    for (auto& p : group.params()) params.push_back(p);
   // One rank with a communicator still runs the collective (the NCCL check on one GPU).
-  if (communicator_ != nullptr) average_gradients_over_ranks(*communicator_, params, loss_sum, device_);
+  if (communicator_ != nullptr) average_gradients_over_ranks(*communicator_, params_, loss_sum, device_);
   const auto optimizer_start = Clock::now();  // the device is idle here (item() above)
   const double max_norm = t.grad_clip > 0 ? t.grad_clip : std::numeric_limits<double>::infinity();
-  const double grad_norm = torch::nn::utils::clip_grad_norm_(params, max_norm);
+  const double grad_norm = torch::nn::utils::clip_grad_norm_(params_, max_norm);
   StepMetrics m;
   m.loss = loss_sum / static_cast<double>(accum);
   m.grad_norm = grad_norm;
@@ -258,31 +251,29 @@ StepMetrics Trainer::streamed_step(double lr, MicroBatchStats& stats) {
   return m;
 }
 
-io::NamedTensors Trainer::resident_parameters() {
-  std::set<std::string> streamed;
+std::map<std::string, at::Tensor> Trainer::block_views() const {
+  std::map<std::string, at::Tensor> out;
   const auto& store = engine_->store();
   for (int64_t l = 0; l < store.num_blocks(); ++l)
-    for (const auto& spec : store.block_spec(l).params) streamed.insert(block_prefix(l) + spec.name);
+    for (const auto& spec : store.block_spec(l).params) {
+      const auto views = store.param(l, spec.name);
+      out.emplace(block_prefix(l) + spec.name, store.sharded() ? views.compute : views.master);
+    }
+  return out;
+}
+
+io::NamedTensors Trainer::resident_parameters() {
+  const auto blocks = block_views();
   io::NamedTensors out;
   for (auto& [name, p] : model_->named_parameters())
-    if (!streamed.count(name)) out.emplace_back(name, p);
+    if (!blocks.count(name)) out.emplace_back(name, p);
   return out;
 }
 
 io::NamedTensors Trainer::weight_views() {
   synchronize();
+  const auto blocks = engine_ ? block_views() : std::map<std::string, at::Tensor>();
   auto out = model_->named_parameters();
-  if (!engine_) {
-    for (auto& [name, p] : out) p = p.detach();
-    return out;
-  }
-  std::map<std::string, at::Tensor> blocks;
-  const auto& store = engine_->store();
-  for (int64_t l = 0; l < store.num_blocks(); ++l)
-    for (const auto& spec : store.block_spec(l).params) {
-      const auto views = store.param(l, spec.name);
-      blocks.emplace(block_prefix(l) + spec.name, store.sharded() ? views.compute : views.master);
-    }
   for (auto& [name, p] : out) {
     const auto it = blocks.find(name);
     p = it != blocks.end() ? it->second : p.detach();

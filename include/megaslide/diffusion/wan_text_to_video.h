@@ -105,19 +105,19 @@ class ResidentWanDenoiser final : public WanDenoiser {
 };
 
 // Wan2.2's two experts as one denoiser: `high` for timesteps t >= boundary_ratio x 1000, `low` below (every
-// call's timesteps are one step's, all equal). Both on one device. WanTextToVideo::sample picks the expert
-// by its options' boundary_ratio instead (0: the high-noise expert alone).
+// call's timesteps are one step's, all equal). Both on one device. WanTextToVideo::sample sets the boundary
+// from its options before each sampling (0: the high-noise expert throughout).
 class WanExpertsDenoiser final : public WanDenoiser {
  public:
   WanExpertsDenoiser(std::shared_ptr<WanDenoiser> high, std::shared_ptr<WanDenoiser> low, double boundary_ratio);
   torch::Tensor predict(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text) override;
   torch::Device device() const override { return high_->device(); }
-  WanDenoiser& high() { return *high_; }
-  WanDenoiser& low() { return *low_; }
+  // In [0, 1); 0: the high-noise expert for every timestep.
+  void boundary_ratio(double ratio);
 
  private:
   std::shared_ptr<WanDenoiser> high_, low_;
-  double boundary_;  // boundary_ratio x 1000
+  double boundary_ratio_ = 0.0;
 };
 
 struct WanModel;

@@ -28,6 +28,7 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -130,6 +131,9 @@ class Trainer {
   StepMetrics resident_step(double lr, MicroBatchStats& stats);
   StepMetrics streamed_step(double lr, MicroBatchStats& stats);
   io::NamedTensors resident_parameters();  // streamed: the parameters outside the blocks, in the model's order
+  // Streamed: every block parameter by its name ("blocks.<l>.<name>"), as a view into the host store (its
+  // master, or its compute copy when the store is sharded and holds no whole master).
+  std::map<std::string, at::Tensor> block_views() const;
 
   RunConfig config_;
   std::string requested_compute_dtype_;
@@ -138,6 +142,7 @@ class Trainer {
   InitPlan init_plan_;
   std::unique_ptr<FamilyModel> model_;
   std::unique_ptr<offload::StreamedStackTrainer> engine_;  // streamed mode
+  std::vector<at::Tensor> params_;                         // resident mode: what optimizer_ updates
   std::unique_ptr<torch::optim::AdamW> optimizer_;         // resident mode
   std::unique_ptr<WeightsEma> ema_;                        // resident mode (streamed: the engine's)
   int64_t steps_done_ = 0, optimizer_steps_ = 0;
