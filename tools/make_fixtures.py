@@ -665,6 +665,120 @@ def section_wan_vae(out_dir):
 
 
 # --------------------------------------------------------------------------------------------------
+# wan22_vae: a tiny random Wan2.2-style AutoencoderKLWan (residual blocks, 2x2 patches) in diffusers'
+# layout and in the original Wan2.2 names, and diffusers' outputs
+# --------------------------------------------------------------------------------------------------
+
+def _wan22_original_names(config, state):
+    """diffusers' AutoencoderKLWan tensor names (is_residual=True) -> the original Wan2.2 names (Wan2.2's
+    wan/modules/vae2_2.py, as in Wan2.2_VAE.pth and ComfyUI's wan2.2_vae.safetensors; the inverse of the
+    convert_vae_22 mapping in diffusers' scripts/convert_wan_to_diffusers.py). Each level is one
+    Down_ResidualBlock / Up_ResidualBlock whose own `downsamples` / `upsamples` list holds the residual
+    blocks and then the resample."""
+    import re
+
+    residual = {"norm1.gamma": "residual.0.gamma", "conv1.": "residual.2.", "norm2.gamma": "residual.3.gamma",
+                "conv2.": "residual.6.", "conv_shortcut.": "shortcut."}
+    blocks = config["num_res_blocks"]
+    out = {}
+    for name, value in state.items():
+        n = name
+        for side in ("encoder", "decoder"):
+            for j, o in ((0, 0), (1, 2)):
+                n = n.replace(f"{side}.mid_block.resnets.{j}.", f"{side}.middle.{o}.")
+            n = n.replace(f"{side}.mid_block.attentions.0.", f"{side}.middle.1.")
+            n = n.replace(f"{side}.norm_out.", f"{side}.head.0.").replace(f"{side}.conv_out.", f"{side}.head.2.")
+            n = n.replace(f"{side}.conv_in.", f"{side}.conv1.")
+        m = re.match(r"encoder\.down_blocks\.(\d+)\.(?:resnets\.(\d+)|downsampler)\.(.*)", n)
+        if m:
+            n = f"encoder.downsamples.{m[1]}.downsamples.{m[2] if m[2] is not None else blocks}.{m[3]}"
+        m = re.match(r"decoder\.up_blocks\.(\d+)\.(?:resnets\.(\d+)|upsampler)\.(.*)", n)
+        if m:
+            n = f"decoder.upsamples.{m[1]}.upsamples.{m[2] if m[2] is not None else blocks + 1}.{m[3]}"
+        if n.startswith("quant_conv."):
+            n = "conv1." + n[len("quant_conv."):]
+        if n.startswith("post_quant_conv."):
+            n = "conv2." + n[len("post_quant_conv."):]
+        if ".middle.1." not in n and (".downsamples." in n or ".upsamples." in n or ".middle." in n):
+            for a, b in residual.items():
+                n = n.replace("." + a, "." + b)
+        assert n not in out, f"two tensors named {n}"
+        out[n] = value
+    return out
+
+
+def section_wan22_vae(out_dir):
+    import diffusers
+    import torch
+    from diffusers import AutoencoderKLWan
+
+    # Wan2.2's architecture (residual down/up blocks with their averaging / duplicating shortcuts, 2x2
+    # patches: 12 channels in and out) at sizes no published model has: base width 4, decoder 2, widths
+    # x[2, 1, 2, 1] (each level's shortcut averages or repeats channel groups of a different size), one
+    # residual block per level, time downsampled at levels 0 and 2 (Wan2.2: 1 and 2), z_dim 8.
+    g = torch.Generator().manual_seed(21)
+    latents_mean = [round(float(v), 4) for v in torch.randn(8, generator=g) * 0.5]
+    latents_std = [round(float(v), 4) for v in torch.rand(8, generator=g) * 2 + 0.5]
+    config = dict(base_dim=4, decoder_base_dim=2, z_dim=8, dim_mult=[2, 1, 2, 1], num_res_blocks=1,
+                  temperal_downsample=[True, False, True], is_residual=True, patch_size=2, in_channels=12, out_channels=12,
+                  scale_factor_spatial=16, scale_factor_temporal=4, latents_mean=latents_mean, latents_std=latents_std)
+    vae = AutoencoderKLWan(**config)
+    _wan_randomize(vae, 22)
+    vae.eval()
+    folder = os.path.join(out_dir, "tiny")
+    os.makedirs(folder)
+    vae.save_config(folder)
+    state = {k: v.numpy() for k, v in vae.state_dict().items()}
+    save_safetensors(os.path.join(folder, "diffusion_pytorch_model.safetensors"), state, {"format": "pt"})
+    original = _wan22_original_names(config, state)
+    assert len(original) == len(state)
+    save_safetensors(os.path.join(out_dir, "wan2.2_vae_tiny.safetensors"), original)
+
+    # Frames are multiples of 16 pixels (2x2 patches, then 8x down). 1 frame (the first chunk alone), 5 (first +
+    # one chunk of 4, batch 2 when encoding) and 9 (first + two chunks).
+    tensors = {}
+    summary = []
+    with torch.no_grad():
+        for frames, size, batch, latent_size in ((1, (16, 32), 1, (1, 2)), (5, (16, 16), 2, (2, 1)), (9, (16, 16), 1, (1, 1))):
+            videos = torch.rand((batch, 3, frames, *size), generator=g) * 2 - 1
+            dist = vae.encode(videos).latent_dist
+            t = 1 + (frames - 1) // 4
+            latents = torch.randn((1, 8, t, *latent_size), generator=g)
+            decoded = vae.decode(latents).sample
+            tensors.update({f"f{frames}.videos": videos.numpy(), f"f{frames}.mean": dist.mean.numpy(), f"f{frames}.logvar": dist.logvar.numpy(),
+                            f"f{frames}.latents": latents.numpy(), f"f{frames}.decoded": decoded.numpy()})
+            saturated = float((decoded.abs() >= 1).float().mean())
+            summary.append(f"{frames} frames: encode {tuple(videos.shape)} -> {tuple(dist.mean.shape)}, decode {tuple(latents.shape)} -> "
+                           f"{tuple(decoded.shape)} ({saturated:.0%} clamped)")
+        # diffusers' tiled encode and decode. Encoding, diffusers measures tiles on the patchified frame: tiles of 16
+        # every 8 there (32 every 16 pixels) on 32 x 48 pixels (16 x 24 patchified): 2 x 3 tiles, the last ones cut
+        # short, blended over 1 latent. Decoding, tiles of 32 pixels every 16 (2 latents every 1) on 2 x 3 latents
+        # (32 x 48 pixels): 2 x 3 tiles, blended over 8 patchified pixels (16 pixels).
+        videos = torch.rand((1, 3, 5, 32, 48), generator=g) * 2 - 1
+        latents = torch.randn((1, 8, 2, 2, 3), generator=g)
+        vae.enable_tiling(tile_sample_min_height=16, tile_sample_min_width=16, tile_sample_stride_height=8, tile_sample_stride_width=8)
+        tiled_dist = vae.encode(videos).latent_dist
+        vae.enable_tiling(tile_sample_min_height=32, tile_sample_min_width=32, tile_sample_stride_height=16, tile_sample_stride_width=16)
+        tiled_decoded = vae.decode(latents).sample
+        vae.disable_tiling()
+        untiled_mean = vae.encode(videos).latent_dist.mean
+        untiled_decoded = vae.decode(latents).sample
+    tensors.update({"tiled.videos": videos.numpy(), "tiled.latents": latents.numpy(), "tiled.mean": tiled_dist.mean.numpy(),
+                    "tiled.logvar": tiled_dist.logvar.numpy(), "tiled.decoded": tiled_decoded.numpy(),
+                    "tiled.untiled_mean": untiled_mean.numpy()})
+    summary.append(f"tiled: mean differs from untiled by {float((tiled_dist.mean - untiled_mean).abs().max()):.3g}, decode by "
+                   f"{float((tiled_decoded - untiled_decoded).abs().max()):.3g}")
+    meta = {"versions": versions(diffusers, torch), "encode_tile_sample_min": "16", "encode_tile_sample_stride": "8",
+            "decode_tile_sample_min": "32", "decode_tile_sample_stride": "16",
+            "what": "tiny random Wan2.2-style AutoencoderKLWan (tiny/, and wan2.2_vae_tiny.safetensors with the original Wan2.2 names): "
+                    "encode(videos).latent_dist mean/logvar and decode(latents).sample for 1, 5 and 9 frames; tiled encode "
+                    "(tile_sample_min 16, stride 8) and decode (32, 16), and the untiled encode of the tiled input"}
+    save_safetensors(os.path.join(out_dir, "reference.safetensors"), tensors, meta)
+    for line in summary:
+        print("  " + line)
+
+
+# --------------------------------------------------------------------------------------------------
 # wan: tiny random WanTransformer3DModels in the diffusers and the original layouts, forward outputs and
 # one flow-matching training step's gradients
 # --------------------------------------------------------------------------------------------------
@@ -1555,6 +1669,7 @@ SECTIONS = {
     "clip": (section_clip, "tiny random CLIP text models (text-only and whole-CLIPModel layouts) and their outputs"),
     "vae": (section_vae, "a tiny random AutoencoderKL: encode, decode and tiled decode outputs"),
     "wan_vae": (section_wan_vae, "a tiny random AutoencoderKLWan (diffusers and original names): encode, decode, tiled"),
+    "wan22_vae": (section_wan22_vae, "a tiny random Wan2.2-style AutoencoderKLWan (residual, 2x2 patches; diffusers and original names)"),
     "flow": (section_flow, "diffusers' flow-matching Euler and UniPC (flow sigmas) tables and sampling runs"),
     "wan": (section_wan, "tiny random WanTransformer3DModels (diffusers, original and ComfyUI layouts): outputs, one step's gradients"),
     "umt5_tokenizer": (section_umt5_tokenizer, "a tiny SentencePiece model and T5Tokenizer ids of VBench and edge-case prompts"),

@@ -147,8 +147,8 @@ class ConfiguredEncoders final : public CacheEncoders {
                          v.latent_channels, v.weights, c.z_dim, c.z_dim));
       if (c.spatial_downscale() != v.downscale || c.temporal_downscale() != 4)
         fail("model.vae.downscale",
-             fmt::format("is {} but the Wan VAE in '{}' maps {} pixels and {} frames to a latent (this cache "
-                         "expects 8 and 4, as Wan 2.1's)",
+             fmt::format("is {} but the Wan VAE in '{}' maps {} pixels and {} frames to a latent (the cache takes "
+                         "model.vae.downscale pixels and 4 frames: 8 for Wan 2.1's VAE, 16 for Wan 2.2's)",
                          v.downscale, v.weights, c.spatial_downscale(), c.temporal_downscale()));
       if (c.in_channels != 3)
         fail("model.vae.weights",
