@@ -139,6 +139,41 @@ TEST(FlowMatching, TrainingObjectiveAndTimestepDistributions) {
   EXPECT_TRUE(torch::equal(megaslide::sample_flow_sigmas(8, {}, g1), megaslide::sample_flow_sigmas(8, {}, g2)));
 }
 
+// The property: one Wan2.2 expert's σ (a range [σ_lo, σ_hi) of the shifted σ) are the whole distribution's
+// draws that fall in the range — every draw inside it, and its quantiles those of the unrestricted draws
+// kept there (uniform and logit-normal, shift 5, the high- and the low-noise expert's side of 0.875); the
+// boundary put on the unshifted u instead (u >= 0.875) would draw the high-noise expert only σ >= 0.97 at
+// shift 5, two thirds of its range never seen.
+TEST(FlowMatching, ExpertRangesDrawTheDistributionRestrictedToThem) {
+  const double shift = 5.0, boundary = 0.875;
+  const int64_t n = 200000;
+  for (const auto sampling : {megaslide::TimestepSampling::kUniform, megaslide::TimestepSampling::kLogitNormal}) {
+    const auto whole_options = megaslide::FlowMatchingOptions().shift(shift).sampling(sampling).logit_mean(-0.3);
+    auto g = at::detail::createCPUGenerator(21);
+    const auto whole = megaslide::sample_flow_sigmas(4 * n, whole_options, g).to(torch::kFloat64);
+    for (const bool high : {true, false}) {
+      SCOPED_TRACE(std::string(sampling == megaslide::TimestepSampling::kUniform ? "uniform" : "logit-normal") +
+                   (high ? ", high-noise expert" : ", low-noise expert"));
+      auto options = whole_options;
+      if (high) options.sigma_min(boundary);
+      else options.sigma_max(boundary);
+      auto gen = at::detail::createCPUGenerator(22);
+      const auto s = megaslide::sample_flow_sigmas(n, options, gen).to(torch::kFloat64);
+      if (high)
+        EXPECT_TRUE((s >= boundary).all().item<bool>() && (s <= 1).all().item<bool>());  // float32 may round up to 1
+      else EXPECT_TRUE((s >= 0).all().item<bool>() && (s < boundary).all().item<bool>());
+      const auto kept = whole.masked_select(high ? whole >= boundary : whole < boundary);
+      ASSERT_GT(kept.numel(), 20000);
+      const auto q = torch::tensor({0.05, 0.25, 0.5, 0.75, 0.95}, torch::kFloat64);
+      const auto expected = torch::quantile(kept, q), got = torch::quantile(s, q);
+      EXPECT_LT((got - expected).abs().max().item<double>(), 0.004) << got << "\n" << expected;
+    }
+  }
+  auto g = at::detail::createCPUGenerator(1);
+  EXPECT_THROW(megaslide::sample_flow_sigmas(4, megaslide::FlowMatchingOptions().sigma_min(0.5).sigma_max(0.5), g),
+               c10::Error);
+}
+
 // The property: guided flow sampling integrates the guided velocity. With an oracle whose conditional
 // velocity is (x − c)/σ (the exact velocity towards the data point c) and whose unconditional one is
 // x/σ (towards 0), the guided velocity points at s·c, and Euler's steps, each landing on the straight

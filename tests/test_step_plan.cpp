@@ -13,6 +13,7 @@
 
 #include "megaslide/io/files.h"
 #include "megaslide/model/dit.h"
+#include "megaslide/model/wan_weights.h"
 #include "trainers.h"
 #include "run_tool.h"
 
@@ -275,7 +276,7 @@ TEST(StepPlan, DeviceMemoryGrowsWithFramesAndTheAdviceFits) {
 // missing, unknown, non-numeric, non-positive or fractional-byte key is refused with a message naming
 // the file and the key.
 TEST(HardwareProfile, BuiltInsAreTheShippedFilesAndBadFilesAreNamed) {
-  EXPECT_EQ(plan::builtin_hardware_profiles(), (std::vector<std::string>{"h100nvl", "h200"}));
+  EXPECT_EQ(plan::builtin_hardware_profiles(), (std::vector<std::string>{"h100nvl", "h200", "rtx4090"}));
   for (const auto& name : plan::builtin_hardware_profiles()) {
     const auto builtin = plan::load_hardware_profile(name);
     const auto file = plan::load_hardware_profile(source_path("configs/hardware/" + name + ".yaml"));
@@ -438,6 +439,39 @@ TEST(StepPlan, WanMatchesWhatTheStreamedTrainerMeasures) {
     }
     trainer.synchronize();
   }
+}
+
+// Property: the shipped Wan2.2 configs plan the published sizes — one T2V-A14B expert (14,288,491,584
+// parameters, the high-noise one: its boundary 0.875 from Wan-AI's default, the other expert's state not
+// held) at 480p and the TI2V-5B (4,999,787,712) at its 121 x 704 x 1280 default (31 x 22 x 40 tokens); on the
+// rtx4090 workstation profile (24 GB, 128 GiB) an A14B expert's fp32 moments do not fit the host, and the
+// int8 moments are advised exactly when they fit.
+TEST(StepPlan, Wan22ConfigsPlanThePublishedSizes) {
+  const auto a14b = load_run_config(source_path("configs/wan2.2-t2v-a14b.yaml"), {"offload.compute_dtype=bf16"});
+  const auto expert = plan::plan_step(megaslide::with_wan_architecture_from_weights(a14b), h200());
+  EXPECT_EQ(expert.params, 14288491584);
+  EXPECT_EQ(expert.layers, 40);
+  EXPECT_EQ(expert.tokens_per_sample, 21 * 30 * 52);
+  EXPECT_EQ(expert.wan_expert, "high");
+  EXPECT_EQ(expert.boundary_ratio, 0.875);
+  EXPECT_EQ(expert.host.other_expert, 0) << "no validation videos: the other expert is never read";
+  const auto ti2v = plan::plan_step(
+      load_run_config(source_path("configs/wan2.2-ti2v-5b.yaml"), {"offload.compute_dtype=bf16"}), h200());
+  EXPECT_EQ(ti2v.params, 4999787712);
+  EXPECT_EQ(ti2v.layers, 30);
+  EXPECT_EQ(ti2v.tokens_per_sample, 31 * 22 * 40);
+
+  const auto workstation = plan::load_hardware_profile("rtx4090");
+  const auto fp32 = plan::plan_step(megaslide::with_wan_architecture_from_weights(a14b), workstation);
+  EXPECT_FALSE(fp32.fits_host);
+  auto int8_config = a14b;
+  int8_config.optimizer.state_dtype = "int8";
+  const auto int8 = plan::plan_step(megaslide::with_wan_architecture_from_weights(int8_config), workstation);
+  bool advised = false;
+  for (const auto& a : fp32.advice) advised = advised || a.find("optimizer.state_dtype=int8") != std::string::npos;
+  EXPECT_EQ(advised, int8.fits_host);
+  std::cout << "a14b expert on h200: " << plan::to_table(expert) << "\nti2v-5b on h200: " << plan::to_table(ti2v)
+            << "\na14b expert on rtx4090 (int8 moments): " << plan::to_table(int8) << "\n";
 }
 
 // Property: the shipped Wan2.1 configs plan Wan's published sizes at its 480p default (81 frames of

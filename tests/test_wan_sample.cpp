@@ -184,6 +184,38 @@ TEST(WanTextToVideo, ARunOfVideosSamplesAtItsVideosSize) {
   EXPECT_EQ(latent, (std::vector<int64_t>{16, 2, 4, 6}));
 }
 
+// The property: a Wan DiT on the Wan2.2 VAE's latents (TI2V-5B's pipeline; here the tiny random Wan2.2-style
+// VAE of tests/fixtures/wan22_vae, z_dim 8) samples at its latent size and decodes to 16 pixels a latent and
+// 1 + 4(t − 1) frames; a config whose model.vae.downscale is not the VAE's is refused naming the key.
+TEST(WanTextToVideo, TheWan22VaeDecodesSixteenPixelsALatent) {
+  const std::string yaml =
+      "model:\n  arch: wan\n  wan: {dim: 16, layers: 1, heads: 2, ffn_dim: 32, freq_dim: 16, text_dim: 24, patch: "
+      "[1, 2, 2], in_channels: 8, out_channels: 8}\n  vae: {downscale: 16}\n"
+      "data: {dataset: latent-tensors, channels: 8, frames: 2, height: 2, width: 4, max_text_tokens: 512}\n"
+      "diffusion: {objective: flow, shift: 5.0, sample_steps: 2, guidance_scale: 5.0}\n";
+  const auto config = megaslide::parse_run_config(yaml, "test");
+  torch::manual_seed(3);
+  megaslide::WanTransformer dit(megaslide::WanOptions::from_config(config));
+  const std::string vae = kFixtures + "wan22_vae/tiny";
+  auto make = [&](const megaslide::RunConfig& c) {
+    return megaslide::WanTextToVideo(
+        c, megaslide::Umt5Encoder::load(kUmt5), megaslide::Umt5Tokenizer::from_file(kTokenizer + "/spiece.model"),
+        std::make_shared<megaslide::ResidentWanDenoiser>(dit, torch::kCPU), megaslide::WanVae::load(vae));
+  };
+  auto pipeline = make(config);
+  const auto latents = pipeline.sample({"a fox in snow"}, {4}, megaslide::WanSampleOptions::from_config(config));
+  EXPECT_EQ(latents.sizes(), (std::vector<int64_t>{1, 8, 2, 2, 4}));
+  EXPECT_EQ(pipeline.decode(latents).sizes(), (std::vector<int64_t>{1, 3, 5, 32, 64}));
+  auto wrong = config;
+  wrong.model.vae.downscale = 8;
+  try {
+    make(wrong);
+    ADD_FAILURE() << "a downscale of 8 was accepted for the Wan2.2 VAE";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("set model.vae.downscale: 16"), std::string::npos) << e.what();
+  }
+}
+
 TEST(WanTextToVideo, LatentsAndVideoEqualWanPipelinesForUniPCAndEuler) {
   const auto& ref = reference();
   const auto prompts = ref.json("prompts").get<std::vector<std::string>>();
@@ -619,7 +651,7 @@ TEST(Wan22Experts, TheThreeLayoutsLoadTheSameTensors) {
 
 // The property: settings of a second expert given to one DiT — a randomly initialised Wan (no weights) or
 // the DiT family — are ConfigErrors naming the key when the config loads; megaslide-train --dry-run refuses
-// a two-expert model as training does (they sample, but do not train yet).
+// a two-expert model that does not say which expert it trains, as training does.
 TEST(Wan22Experts, SecondExpertSettingsWithoutTwoExpertsAreRefused) {
   auto refused = [](std::vector<std::string> sets, const std::string& key) {
     if (sets[0] == "model.arch=wan") sets.insert(sets.end(), {"data.dataset=latent-tensors", "data.channels=16"});
@@ -640,6 +672,69 @@ TEST(Wan22Experts, SecondExpertSettingsWithoutTwoExpertsAreRefused) {
     megaslide::dry_run_json(experts_config(kExperts));
     ADD_FAILURE() << "a dry run of two experts was accepted";
   } catch (const megaslide::ConfigError& e) {
-    EXPECT_EQ(e.key(), "model.wan.weights_2") << e.what();
+    EXPECT_EQ(e.key(), "model.wan.expert") << e.what();
   }
+}
+
+// The property: megaslide-sample's index.json of two experts records the switch and the low-noise
+// expert's guidance scale beside the first (a single DiT's records neither).
+TEST(Wan22Experts, MegaslideSampleRecordsBothGuidanceScales) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  const auto config = write("experts.yaml", config_yaml(kExperts));
+  const auto prompts = write("experts-prompts.txt", "a red blob moves left quickly\n");
+  const auto out = join_path(scratch(), "experts-run");
+  auto r =
+      run("--config " + config + kEncoders + " --prompts " + prompts +
+          " --samples-per-prompt 1 --steps 2 --guidance 4 --guidance-2 2.5 --no-progress --compute-dtype fp32 --out " +
+          out);
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto index = nlohmann::json::parse(megaslide::io::read_file(join_path(out, "index.json")));
+  EXPECT_EQ(index.at("guidance_scale"), 4.0);
+  EXPECT_EQ(index.at("guidance_scale_2"), 2.5);
+  EXPECT_EQ(index.at("boundary_ratio"), 0.875);
+  EXPECT_EQ(index.at("videos").size(), 1u);
+}
+
+namespace {
+// A denoiser that notes, at each prediction, whether its partner was parked.
+class PartnerWatchingDenoiser final : public megaslide::WanDenoiser {
+ public:
+  torch::Tensor predict(const torch::Tensor& x, const torch::Tensor&, const torch::Tensor&) override {
+    parked = false;
+    ++predictions;
+    partner_parked_each_time = partner_parked_each_time && partner->parked;
+    return torch::zeros_like(x);
+  }
+  torch::Device device() const override { return torch::kCPU; }
+  void park() override {
+    parked = true;
+    ++parks;
+  }
+  PartnerWatchingDenoiser* partner = nullptr;
+  bool parked = false, partner_parked_each_time = true;
+  int predictions = 0, parks = 0;
+};
+}  // namespace
+
+// The property: with park_inactive, whenever one expert predicts the other is parked (off the device), over
+// a schedule that crosses the boundary; without it nothing is parked; a resident denoiser on the CPU has
+// nothing to park.
+TEST(Wan22Experts, TheInactiveExpertIsParkedWhileTheOtherPredicts) {
+  for (const bool park : {true, false}) {
+    auto high = std::make_shared<PartnerWatchingDenoiser>(), low = std::make_shared<PartnerWatchingDenoiser>();
+    high->partner = low.get();
+    low->partner = high.get();
+    megaslide::WanExpertsDenoiser experts(high, low, 0.875, park);
+    const auto x = torch::zeros({1, 16, 1, 2, 2}), text = torch::zeros({1, 3, 24});
+    for (const double t : {999.0, 950.0, 875.0, 874.0, 500.0, 20.0})
+      experts.predict(x, torch::full({1}, t, torch::kFloat32), text);
+    EXPECT_EQ(high->predictions, 3);
+    EXPECT_EQ(low->predictions, 3);
+    EXPECT_EQ(high->partner_parked_each_time && low->partner_parked_each_time, park);
+    if (!park) EXPECT_EQ(high->parks + low->parks, 0);
+  }
+  auto model = megaslide::wan_model_from_config(experts_config(kExperts), "test");
+  megaslide::ResidentWanDenoiser resident(model.dit, torch::kCPU);
+  resident.park();
+  EXPECT_FALSE(resident.parked());
 }

@@ -9,13 +9,16 @@
 
 #include <cmath>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <map>
 
+#include "megaslide/diffusion/wan_text_to_video.h"
 #include "megaslide/io/files.h"
 #include "megaslide/io/safetensors.h"
 #include "megaslide/model/wan_weights.h"
 #include "megaslide/train/checkpoint.h"
+#include "megaslide/train/run_outputs.h"
 #include "megaslide/train/training_run.h"
 #include "trainers.h"
 
@@ -373,11 +376,11 @@ TEST(WanTraining, TrainingRunTrainsAndResumesWan) {
   expect_config_error(with("empty", {"data.tensors="}), "data.tensors");
   expect_config_error(with("wide", {"model.wan.text_dim=21"}), "data.tensors");
   expect_config_error(with("weights", {"model.wan.weights=" + dir + "/latents.safetensors"}), "model.wan.weights");
-  // Wan2.2's two experts sample (tests/test_wan_sample.cpp) but do not train yet: refused by name.
+  // Wan2.2's two experts train one at a time: a run that does not say which is refused by name.
   expect_config_error(
       with("experts", {"model.wan.weights=" + std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/wan22_experts",
                        "data.channels=16", "model.wan.in_channels=16", "model.wan.out_channels=16"}),
-      "model.wan.weights_2");
+      "model.wan.expert");
   megaslide::io::remove_tree(dir);
 }
 
@@ -542,4 +545,135 @@ TEST(WanTraining, BlockDrawsAreTheWholeModelsBlocksInAnyOrder) {
     expect_equal(*skeleton->named_children()[part], *whole->named_children()[part], part);
   EXPECT_TRUE(torch::equal(skeleton->scale_shift_table, whole->scale_shift_table));
   EXPECT_TRUE(torch::equal(torch::rand({8}), after_whole)) << "the default generator after the head";
+}
+
+// Wan2.2's two experts (tests/fixtures/wan22_experts: diffusers' layout, boundary_ratio 0.875).
+namespace {
+
+const std::string kExperts = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/wan22_experts";
+
+// A run of one expert of the fixture (16 latent channels, umT5 24 wide) on latents 16 x 2 x 4 x 6.
+RunConfig expert_config(const std::string& expert, std::vector<std::string> overrides = {}) {
+  const std::string yaml = "model:\n  arch: wan\n  wan: {weights: " + kExperts +
+                           (expert.empty() ? "" : ", expert: " + expert) +
+                           "}\n"
+                           "data: {dataset: latent-tensors, channels: 16, frames: 2, height: 4, width: 6, "
+                           "max_text_tokens: 7}\n"
+                           "diffusion: {objective: flow, shift: 5.0, timestep_sampling: logit_normal, "
+                           "caption_dropout: 0.0}\n"
+                           "train: {steps: 4, batch_size: 2, lr: 0.002, warmup_steps: 0, lr_schedule: constant, "
+                           "device: cpu, seed: 5}\n"
+                           "offload: {compute_dtype: fp32, mode: async, emulated_copy_delay_ms: 0}\n"
+                           "output: {progress: false}\n";
+  return megaslide::parse_run_config(yaml, "test", overrides);
+}
+
+WanLatentData expert_data() {
+  torch::manual_seed(8);
+  WanLatentData d;
+  d.latents = torch::randn({4, 16, 2, 4, 6});
+  d.text = torch::randn({4, 7, 24});
+  d.empty_text = torch::zeros({7, 24});
+  return d;
+}
+
+}  // namespace
+
+// The property: a run of model.wan.expert fine-tunes that expert of the two — its masters start from its
+// own weights (transformer/ for high, transformer_2/ for low), not the other's — on its own timesteps
+// only (every micro-batch's t >= 875 for high, < 875 for low, with the run's shifted logit-normal σ), and
+// megaslide-train's loop trains it and resumes from a checkpoint into the same losses bit for bit.
+TEST(WanTraining, OneExpertOfTwoTrainsFromItsWeightsOnItsTimesteps) {
+  for (const std::string expert : {"high", "low"}) {
+    SCOPED_TRACE(expert + "-noise expert");
+    const auto config = expert_config(expert);
+    const auto resolved = megaslide::with_wan_architecture_from_weights(config);
+    EXPECT_EQ(resolved.model.wan.boundary_ratio, 0.875);
+    megaslide::WanBatchSource batches(megaslide::wan_latent_config(resolved), expert_data());
+    for (int i = 0; i < 40; ++i) {
+      const auto t = batches.next(torch::kCPU).timesteps;
+      if (expert == "high") EXPECT_TRUE((t >= 875).all().item<bool>()) << t;
+      else EXPECT_TRUE((t < 875).all().item<bool>()) << t;
+    }
+
+    Trainer trainer = wan_trainer(config, expert_data());
+    const auto own = megaslide::WanWeights::open(kExperts + (expert == "high" ? "/transformer" : "/transformer_2"));
+    const auto other = megaslide::WanWeights::open(kExperts + (expert == "high" ? "/transformer_2" : "/transformer"));
+    const auto masters = trainer.master_weights();
+    ASSERT_FALSE(masters.empty());
+    for (const auto& [name, value] : masters) EXPECT_TRUE(torch::equal(value, own.read(name, torch::kFloat32))) << name;
+    EXPECT_FALSE(
+        torch::equal(own.read("proj_out.weight", torch::kFloat32), other.read("proj_out.weight", torch::kFloat32)));
+    EXPECT_TRUE(std::isfinite(trainer.step().loss));
+
+    const auto dir = temp_dir("expert-" + expert);
+    const std::string tensors = dir + "/latents.safetensors";
+    const auto data = expert_data();
+    megaslide::io::write_safetensors(tensors,
+                                     {{"latents", data.latents}, {"text", data.text}, {"empty_text", data.empty_text}});
+    auto run = [&](const std::string& name, int steps) {
+      return expert_config(expert, {"data.tensors=" + tensors, "train.checkpoint_every=2",
+                                    "train.steps=" + std::to_string(steps), "output.run_dir=" + dir + "/" + name});
+    };
+    megaslide::run_training(run("whole", 4), {});
+    megaslide::run_training(run("part", 2), {});
+    megaslide::TrainingRunOptions resume;
+    resume.resume = "latest";
+    megaslide::run_training(run("part", 4), resume);
+    const auto whole = losses_of(dir + "/whole"), part = losses_of(dir + "/part");
+    ASSERT_EQ(whole.size(), 4u);
+    ASSERT_EQ(part.size(), 4u);
+    for (size_t i = 0; i < 4; ++i) EXPECT_EQ(part[i], whole[i]) << "step " << i + 1;
+
+    // The run's weights sample with the expert it did not train (megaslide-sample): the pair, high first.
+    const auto pair = megaslide::with_untrained_expert(
+        megaslide::load_wan_model(megaslide::find_weights(dir + "/whole"), false), false);
+    ASSERT_TRUE(pair.low_noise);
+    const auto& untrained = expert == "high" ? *pair.low_noise : pair;
+    for (const auto& p : untrained.dit->named_parameters(true))
+      EXPECT_TRUE(torch::equal(p.value(), other.read(p.key(), torch::kFloat32))) << p.key();
+    const auto& trained = expert == "high" ? pair : *pair.low_noise;
+    EXPECT_FALSE(torch::equal(trained.dit->named_parameters(true)["proj_out.weight"],
+                              own.read("proj_out.weight", torch::kBFloat16).to(torch::kFloat32)))
+        << "the trained expert is the run's (its bf16 weights file), not the published one";
+    megaslide::io::remove_tree(dir);
+  }
+}
+
+// The property: what an expert run cannot mean is a ConfigError naming its key — two experts without
+// model.wan.expert, "both" (not supported yet), an expert with the DDPM objective, and validation videos of
+// one expert's own file (the other one is unknown); one expert's own file, or no weights (a plan of an
+// expert), trains on its side of Wan-AI's boundary or of the one given.
+TEST(WanTraining, ExpertSettingsThatCannotTrainAreRefused) {
+  auto refused = [](const std::function<RunConfig()>& make, const std::string& key) {
+    try {
+      const auto config = make();
+      megaslide::dry_run_json(config);
+      ADD_FAILURE() << "accepted " << key;
+    } catch (const megaslide::ConfigError& e) {
+      EXPECT_EQ(e.key(), key) << e.what();
+    }
+  };
+  refused([] { return expert_config(""); }, "model.wan.expert");
+  refused([] { return expert_config("both"); }, "model.wan.expert");
+  refused([] { return expert_config("low", {"diffusion.objective=ddpm"}); }, "model.wan.expert");
+  refused(
+      [] {
+        return expert_config("high", {"model.wan.weights=" + kExperts + "/transformer", "train.sample_every=2"});
+      },
+      "train.sample_every");
+  // One expert's own file trains on its side of Wan-AI's boundary, or of the one given.
+  const auto single = megaslide::with_wan_architecture_from_weights(
+      expert_config("low", {"model.wan.weights=" + kExperts + "/transformer_2"}));
+  EXPECT_EQ(single.model.wan.boundary_ratio, 0.875);
+  EXPECT_EQ(megaslide::wan_trained_weights(single.model.wan), kExperts + "/transformer_2");
+  const auto random = megaslide::with_wan_architecture_from_weights(expert_config("high", {"model.wan.weights="}));
+  EXPECT_EQ(random.model.wan.boundary_ratio, 0.875);
+  EXPECT_EQ(megaslide::FlowMatchingOptions::from_config(random).sigma_min(), 0.875);
+  EXPECT_EQ(megaslide::FlowMatchingOptions::from_config(single).sigma_max(), 0.875);
+  EXPECT_EQ(
+      megaslide::with_wan_architecture_from_weights(
+          expert_config("low", {"model.wan.weights=" + kExperts + "/transformer_2", "model.wan.boundary_ratio=0.9"}))
+          .model.wan.boundary_ratio,
+      0.9);
 }

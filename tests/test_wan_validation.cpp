@@ -25,6 +25,7 @@
 #include "megaslide/io/files.h"
 #include "megaslide/io/safetensors.h"
 #include "megaslide/io/video.h"
+#include "megaslide/model/wan_weights.h"
 #include "trainers.h"
 #include "megaslide/train/wan_validation.h"
 #include "run_tool.h"
@@ -190,6 +191,49 @@ TEST(WanValidation, PromptFileLinesSampleAtTheirOwnSizeAndSettings) {
     }
   }
   megaslide::io::remove_tree(dir);
+}
+
+// The property: the validation videos of a run that fine-tunes one of Wan2.2's two experts are the pair's —
+// WanPipeline's two-expert sampling (the switch at the boundary 0.875) over the trainer's expert and the
+// other one read from its weights (tests/fixtures/wan22_experts), for either expert, resident or streamed —
+// and not what the trained expert gives alone.
+TEST(WanValidation, OneTrainedExpertSamplesWithTheOther) {
+  const std::string experts = kFixtures + "wan22_experts";
+  for (const std::string expert : {"high", "low"})
+    for (const bool streamed : {false, true}) {
+      SCOPED_TRACE(expert + (streamed ? ", streamed" : ", resident"));
+      const auto config =
+          megaslide::parse_run_config("model:\n  arch: wan\n  wan: {weights: " + experts + ", expert: " + expert +
+                                          "}\n" + kEncoders + run_sections("unused.safetensors"),
+                                      "test", {std::string("offload.enabled=") + (streamed ? "true" : "false")});
+      const auto resolved = megaslide::with_wan_architecture_from_weights(config);
+      const megaslide::WanValidation validation(resolved, {}, "test");
+      EXPECT_EQ(validation.options().boundary_ratio(), 0.875);
+      megaslide::Trainer trainer = wan_trainer(config, tiny_data());
+      const auto got = torch::cat(validation.sample(trainer));
+
+      auto both = megaslide::wan_model_from_config(resolved, "test");
+      auto high = std::make_shared<megaslide::ResidentWanDenoiser>(both.dit, torch::kCPU, at::kFloat);
+      auto low = std::make_shared<megaslide::ResidentWanDenoiser>(both.low_noise->dit, torch::kCPU, at::kFloat);
+      auto sample = [&](std::shared_ptr<megaslide::WanDenoiser> denoiser, double boundary) {
+        megaslide::WanTextToVideo pipeline(validation.latent_config(), megaslide::Umt5Encoder::load(kUmt5),
+                                           megaslide::Umt5Tokenizer::from_file(kSpiece), denoiser,
+                                           megaslide::WanVae::load(kVae));
+        std::vector<torch::Tensor> out;
+        for (const auto& job : validation.jobs())
+          out.push_back(pipeline
+                            .sample({job.prompt}, {job.seed},
+                                    megaslide::WanSampleOptions(validation.options()).boundary_ratio(boundary))
+                            .to(torch::kCPU));
+        return torch::cat(out);
+      };
+      const auto pair = sample(std::make_shared<megaslide::WanExpertsDenoiser>(high, low, 0.875), 0.875);
+      EXPECT_LT(max_diff(got, pair), 1e-5);
+      const auto alone = sample(expert == "high" ? std::shared_ptr<megaslide::WanDenoiser>(high)
+                                                 : std::shared_ptr<megaslide::WanDenoiser>(low),
+                                0.0);
+      EXPECT_GT(max_diff(got, alone), 1e-3) << "the other expert takes its timesteps";
+    }
 }
 
 TEST(WanValidation, SamplingBetweenStepsLeavesTrainingBitForBit) {

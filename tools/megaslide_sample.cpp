@@ -218,12 +218,17 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan, size_t v
       "DiT {}, "
       "umT5 {}, compute dtype {} ({}))\n",
       source, video_count, size.frames, size.width, size.height, out_dir, kind, options.steps(), options.shift(),
-      options.guidance_scale(), device.str(), opened.dit_streamed ? "blocks streamed" : "resident",
+      options.guidance_scale(), device.str(),
+      opened.dit_streamed         ? "blocks streamed"
+      : opened.experts_take_turns ? "resident, the experts taking turns"
+                                  : "resident",
       opened.text_encoder_streamed ? "layers streamed" : "resident", dtype.dtype, dtype.reason);
   record.sampler = kind;
   record.steps = options.steps();
   record.guidance_scale = options.guidance_scale();
   record.eta = 0.0;
+  record.boundary_ratio = options.boundary_ratio();
+  record.guidance_scale_2 = options.guidance_scale_2() < 0 ? options.guidance_scale() : options.guidance_scale_2();
   return [pipeline = opened.pipeline, options](
              const std::vector<std::string>& prompts, const std::vector<uint64_t>& seeds,
              const megaslide::ValidationVideo& first, const std::function<void(int64_t, int64_t)>& on_step) {
@@ -445,7 +450,13 @@ int main(int argc, char** argv) {
         wan_model = megaslide::wan_model_from_config(config, config_path, /*blocks_on_demand=*/true);
         source = config.model.wan.weights;
       } else if (megaslide::is_wan_weights_file(weights)) {
-        wan_model = megaslide::load_wan_model(weights, /*blocks_on_demand=*/true);
+        // A run that fine-tuned one of Wan2.2's experts samples with the other one, as it was trained to.
+        wan_model = megaslide::with_untrained_expert(megaslide::load_wan_model(weights, /*blocks_on_demand=*/true),
+                                                     /*blocks_on_demand=*/true);
+        if (wan_model->low_noise && !wan_model->config.model.wan.expert.empty())
+          std::cerr << "megaslide-sample: the run fine-tuned Wan2.2's " << wan_model->config.model.wan.expert
+                    << "-noise expert; sampling it with the other one, '"
+                    << megaslide::wan_untrained_expert(wan_model->config.model.wan) << "'\n";
       }
       const bool is_wan = wan_model.has_value();
       if (!is_wan && (!wan.text_encoder.empty() || !wan.tokenizer.empty() || !wan.vae.empty() ||

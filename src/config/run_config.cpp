@@ -198,7 +198,7 @@ class Schema {
         std::move(key),
         [&slot, allowed](const YAML::Node& n) {
           std::string list;
-          for (const auto& a : allowed) list += (list.empty() ? "" : " | ") + a;
+          for (const auto& a : allowed) list += (list.empty() ? "" : " | ") + (a.empty() ? "\"\"" : a);
           if (!n.IsScalar() || std::find(allowed.begin(), allowed.end(), n.Scalar()) == allowed.end())
             throw FieldProblem{"expected one of " + list + ", got " + describe(n)};
           slot = n.Scalar();
@@ -369,6 +369,7 @@ class Schema {
     optional_text("model.wan.weights", c.model.wan.weights);
     optional_text("model.wan.weights_2", c.model.wan.weights_2);
     real("model.wan.boundary_ratio", c.model.wan.boundary_ratio, RealRange{0.0, 1.0, false, true});
+    choice("model.wan.expert", c.model.wan.expert, {"", "high", "low", "both"});
     // Nested keys: model.text_encoder: {kind: clip, weights: DIR} in a file, --set model.vae.kind=sd.
     choice("model.text_encoder.kind", c.model.text_encoder.kind, {"builtin", "clip", "umt5"});
     optional_text("model.text_encoder.weights", c.model.text_encoder.weights);
@@ -845,11 +846,20 @@ void validate_wan(const RunConfig& c, const std::function<void(const std::string
          "is empty");
   // Without weights the model is one randomly initialised DiT (with weights, with_wan_architecture_from_weights
   // says whether they hold two experts).
-  if (w.weights.empty() && w.boundary_ratio != 0)
+  if (w.expert == "both")
+    fail("model.wan.expert",
+         "is both: training Wan2.2's two experts in one run is not supported yet; fine-tune them one at a time "
+         "(expert: high, then expert: low; docs/wan.md)");
+  if (!w.expert.empty() && c.diffusion.objective != "flow")
+    fail("model.wan.expert", "is " + w.expert +
+                                 ": Wan2.2's experts are flow-matching models (diffusion.objective: flow), "
+                                 "got diffusion.objective " +
+                                 c.diffusion.objective);
+  if (w.weights.empty() && w.boundary_ratio != 0 && w.expert.empty())
     fail("model.wan.boundary_ratio",
          "switches between Wan2.2's two experts, but model.wan.weights is empty: the "
-         "model is one randomly initialised DiT");
-  if (w.weights.empty() && c.diffusion.guidance_scale_2 != -1.0)
+         "model is one randomly initialised DiT (set model.wan.expert to train it on one expert's timesteps)");
+  if (w.weights.empty() && c.diffusion.guidance_scale_2 != -1.0 && w.expert.empty())
     fail("diffusion.guidance_scale_2",
          "is Wan2.2's low-noise expert's guidance scale, but model.wan.weights is "
          "empty: the model is one randomly initialised DiT");

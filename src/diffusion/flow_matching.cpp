@@ -50,15 +50,24 @@ TimestepSampling parse_timestep_sampling(const std::string& name) {
 
 FlowMatchingOptions FlowMatchingOptions::from_config(const RunConfig& config) {
   const auto& d = config.diffusion;
-  return FlowMatchingOptions()
-      .train_timesteps(d.timesteps)
-      .shift(d.shift)
-      .sampling(parse_timestep_sampling(d.timestep_sampling))
-      .logit_mean(d.logit_mean)
-      .logit_std(d.logit_std);
+  auto options = FlowMatchingOptions()
+                     .train_timesteps(d.timesteps)
+                     .shift(d.shift)
+                     .sampling(parse_timestep_sampling(d.timestep_sampling))
+                     .logit_mean(d.logit_mean)
+                     .logit_std(d.logit_std);
+  const auto& w = config.model.wan;
+  if (config.model.arch == Architecture::kWan && !w.expert.empty()) {
+    TORCH_CHECK(w.boundary_ratio > 0 && w.boundary_ratio < 1, "FlowMatchingOptions: model.wan.expert ", w.expert,
+                " needs the resolved model.wan.boundary_ratio in (0, 1), got ", w.boundary_ratio);
+    if (w.expert == "high") options.sigma_min(w.boundary_ratio);
+    if (w.expert == "low") options.sigma_max(w.boundary_ratio);
+  }
+  return options;
 }
 
 double shift_sigma(double sigma, double shift) { return shift * sigma / (1.0 + (shift - 1.0) * sigma); }
+double unshift_sigma(double sigma, double shift) { return sigma / (shift - (shift - 1.0) * sigma); }
 
 torch::Tensor shift_sigmas(const torch::Tensor& sigma, double shift) {
   return shift * sigma / (1.0 + (shift - 1.0) * sigma);
@@ -66,8 +75,25 @@ torch::Tensor shift_sigmas(const torch::Tensor& sigma, double shift) {
 
 torch::Tensor sample_flow_sigmas(int64_t batch, const FlowMatchingOptions& options, at::Generator& generator) {
   const auto f64 = torch::TensorOptions().dtype(torch::kFloat64);
+  const double lo = options.sigma_min(), hi = options.sigma_max();
+  TORCH_CHECK(0 <= lo && lo < hi && hi <= 1, "sample_flow_sigmas: the σ range [", lo, ", ", hi,
+              ") is empty or not in [0, 1]");
   torch::Tensor u;
-  if (options.sampling() == TimestepSampling::kUniform) {
+  if (lo > 0 || hi < 1) {
+    // The CDF of u at the unshifted ends, a uniform draw between them, back through the inverse CDF.
+    const bool logit = options.sampling() == TimestepSampling::kLogitNormal;
+    auto cdf = [&](double sigma) {
+      const double x = unshift_sigma(sigma, options.shift());
+      if (!logit || x <= 0 || x >= 1) return x;
+      return 0.5 *
+             std::erfc(-(std::log(x / (1.0 - x)) - options.logit_mean()) / (options.logit_std() * std::sqrt(2.0)));
+    };
+    const double p_lo = cdf(lo), p_hi = cdf(hi);
+    const auto p = p_lo + torch::rand({batch}, generator, f64) * (p_hi - p_lo);
+    u = logit
+            ? torch::sigmoid(options.logit_mean() + options.logit_std() * std::sqrt(2.0) * torch::erfinv(2.0 * p - 1.0))
+            : p;
+  } else if (options.sampling() == TimestepSampling::kUniform) {
     u = torch::rand({batch}, generator, f64);
   } else {
     u = torch::sigmoid(torch::randn({batch}, generator, f64) * options.logit_std() + options.logit_mean());

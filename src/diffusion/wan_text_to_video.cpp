@@ -3,6 +3,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/accumulate.h>
 
+#include <algorithm>
 #include <functional>
 #include <set>
 #include <utility>
@@ -163,8 +164,20 @@ WanTransformer blocks_onto(WanModel model, torch::Device device, c10::ScalarType
 ResidentWanDenoiser::ResidentWanDenoiser(WanModel model, torch::Device device, c10::ScalarType compute_dtype)
     : ResidentWanDenoiser(blocks_onto(std::move(model), device, compute_dtype), device, compute_dtype) {}
 
+void ResidentWanDenoiser::park() {
+  if (parked_ || device_.is_cpu()) return;
+  torch::NoGradGuard no_grad;
+  model_->to(torch::kCPU);
+  parked_ = true;
+}
+
 torch::Tensor ResidentWanDenoiser::predict(const torch::Tensor& x, const torch::Tensor& timesteps,
                                            const torch::Tensor& text) {
+  if (parked_) {
+    torch::NoGradGuard no_grad;
+    model_->to(device_);
+    parked_ = false;
+  }
   return wan_predict(model_, device_, compute_dtype_, x, timesteps, text,
                      [&](int64_t l, const torch::Tensor& h, const WanBlockContext& ctx) {
                        return model_->blocks[l]->as<WanBlockImpl>()->forward(h, ctx);
@@ -361,8 +374,6 @@ WanModel load_wan_model(const std::string& weights_file, bool blocks_on_demand) 
   return out;
 }
 
-namespace {
-// One DiT of `config` (resolved) from `path`: the prologue and head read now, the blocks on demand (or all now).
 WanModel load_wan_expert(const RunConfig& config, const std::string& path, bool blocks_on_demand) {
   WanModel out;
   out.config = config;
@@ -394,7 +405,25 @@ WanModel load_wan_expert(const RunConfig& config, const std::string& path, bool 
   out.dit->eval();
   return out;
 }
-}  // namespace
+
+WanModel with_untrained_expert(WanModel trained, bool blocks_on_demand) {
+  const auto& w = trained.config.model.wan;
+  const std::string other = wan_untrained_expert(w);
+  if (other.empty()) return trained;
+  WanModel partner;
+  try {
+    partner = load_wan_expert(trained.config, other, blocks_on_demand);
+  } catch (const std::exception& e) {
+    throw WeightsError("weights file '" + trained.source + "' fine-tuned Wan2.2's " + w.expert +
+                       "-noise expert; the other expert it samples with, '" + other + "', cannot be read: " + e.what());
+  }
+  if (w.expert == "high") {
+    trained.low_noise = std::make_shared<WanModel>(std::move(partner));
+    return trained;
+  }
+  partner.low_noise = std::make_shared<WanModel>(std::move(trained));
+  return partner;
+}
 
 WanModel wan_model_from_config(const RunConfig& config, const std::string& source, bool blocks_on_demand) {
   if (config.model.arch != Architecture::kWan)
@@ -422,8 +451,8 @@ WanModel wan_model_from_config(const RunConfig& config, const std::string& sourc
 }
 
 WanExpertsDenoiser::WanExpertsDenoiser(std::shared_ptr<WanDenoiser> high, std::shared_ptr<WanDenoiser> low,
-                                       double boundary_ratio)
-    : high_(std::move(high)), low_(std::move(low)) {
+                                       double boundary_ratio, bool park_inactive)
+    : high_(std::move(high)), low_(std::move(low)), park_inactive_(park_inactive) {
   TORCH_CHECK(high_ && low_, "WanExpertsDenoiser: two experts needed");
   TORCH_CHECK(high_->device() == low_->device(), "WanExpertsDenoiser: the experts are on ", high_->device(), " and ",
               low_->device());
@@ -439,6 +468,7 @@ torch::Tensor WanExpertsDenoiser::predict(const torch::Tensor& x, const torch::T
                                           const torch::Tensor& text) {
   // diffusers' WanPipeline: the high-noise expert where t >= boundary_ratio x num_train_timesteps.
   const bool low = boundary_ratio_ > 0 && timesteps[0].item<double>() < boundary_ratio_ * 1000.0;
+  if (park_inactive_) (low ? high_ : low_)->park();
   return (low ? low_ : high_)->predict(x, timesteps, text);
 }
 
@@ -462,6 +492,12 @@ WanTextToVideo::WanTextToVideo(RunConfig config, Umt5Encoder text_encoder, Umt5T
     throw std::invalid_argument("the Wan VAE has " + std::to_string(vae_.config().z_dim) +
                                 " latent channels but the DiT's model.wan.in_channels is " +
                                 std::to_string(config_.model.wan.in_channels));
+  if (vae_.config().spatial_downscale() != config_.model.vae.downscale)
+    throw std::invalid_argument("the Wan VAE maps " + std::to_string(vae_.config().spatial_downscale()) +
+                                " pixels to a latent but the config's model.vae.downscale is " +
+                                std::to_string(config_.model.vae.downscale) +
+                                ": set model.vae.downscale: " + std::to_string(vae_.config().spatial_downscale()) +
+                                " (16 for Wan2.2's VAE, 8 for Wan2.1's)");
 }
 
 std::vector<int64_t> WanTextToVideo::latent_shape() const {
@@ -549,11 +585,19 @@ OpenedWanPipeline open_wan_pipeline(WanModel model, const WanPipelineRequest& re
           : loading("tokenizer", "", [&] { return Umt5Tokenizer::find(request.tokenizer); });
   auto vae = loading("vae", "", [&] { return WanVae::load(vae_path, request.device, torch::kFloat32); });
 
-  int64_t weight_bytes = 0;
-  for (const auto* m : {&model, model.low_noise.get()})
+  auto weight_bytes = [](const WanModel* m) {
+    int64_t bytes = 0;
     if (m != nullptr)
-      for (const auto& p : m->dit->parameters()) weight_bytes += static_cast<int64_t>(p.nbytes());
-  out.dit_streamed = should_stream(request.stream, request.device, weight_bytes);
+      for (const auto& p : m->dit->parameters()) bytes += static_cast<int64_t>(p.nbytes());
+    return bytes;
+  };
+  const int64_t high_bytes = weight_bytes(&model), low_bytes = weight_bytes(model.low_noise.get());
+  // Resident when the DiT (both experts) fits; two experts that fit one at a time take turns on the device;
+  // streamed otherwise.
+  const bool together = !should_stream(request.stream, request.device, high_bytes + low_bytes);
+  out.experts_take_turns =
+      !together && model.low_noise && !should_stream(request.stream, request.device, std::max(high_bytes, low_bytes));
+  out.dit_streamed = !together && !out.experts_take_turns;
   const RunConfig config = model.config;
   auto denoiser_of = [&](WanModel m) -> std::shared_ptr<WanDenoiser> {
     if (out.dit_streamed) {
@@ -565,10 +609,15 @@ OpenedWanPipeline open_wan_pipeline(WanModel model, const WanPipelineRequest& re
     return std::make_shared<ResidentWanDenoiser>(std::move(m), request.device, request.compute_dtype);
   };
   const std::shared_ptr<WanModel> low = std::move(model.low_noise);
+  std::shared_ptr<WanDenoiser> low_denoiser;
+  if (low) {  // first, and parked when the experts take turns: the high-noise expert runs the first steps
+    low_denoiser = denoiser_of(std::move(*low));
+    if (out.experts_take_turns) low_denoiser->park();
+  }
   std::shared_ptr<WanDenoiser> denoiser = denoiser_of(std::move(model));
   if (low)
-    denoiser =
-        std::make_shared<WanExpertsDenoiser>(denoiser, denoiser_of(std::move(*low)), config.model.wan.boundary_ratio);
+    denoiser = std::make_shared<WanExpertsDenoiser>(denoiser, low_denoiser, config.model.wan.boundary_ratio,
+                                                    out.experts_take_turns);
   out.pipeline =
       std::make_shared<WanTextToVideo>(config, std::move(t5), std::move(tokenizer), denoiser, std::move(vae));
   return out;

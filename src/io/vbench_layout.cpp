@@ -338,8 +338,12 @@ std::string index_json(const std::vector<SampleJob>& jobs, const SamplingRecord&
                            {"eta", r.eta},
                            {"base_seed", r.base_seed},
                            {"fps", r.fps},
-                           {"upscale", r.upscale},
-                           {"videos_folder", kVideosFolder}};
+                           {"upscale", r.upscale}};
+  if (r.boundary_ratio > 0) {
+    j["boundary_ratio"] = r.boundary_ratio;
+    j["guidance_scale_2"] = r.guidance_scale_2;
+  }
+  j["videos_folder"] = kVideosFolder;
   auto videos = nlohmann::ordered_json::array();
   for (const auto& job : jobs) {
     nlohmann::ordered_json v{{"prompt", job.prompt}, {"index", job.index}, {"seed", job.seed}, {"file", job.file}};

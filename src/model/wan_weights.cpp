@@ -606,16 +606,32 @@ WanExperts find_wan_experts(const std::string& path) {
   return out;
 }
 
+const std::string& wan_trained_weights(const WanConfig& wan) {
+  return wan.expert == "low" && !wan.weights_2.empty() ? wan.weights_2 : wan.weights;
+}
+
+std::string wan_untrained_expert(const WanConfig& wan) {
+  if (wan.expert.empty() || wan.weights_2.empty()) return "";
+  return wan.expert == "low" ? wan.weights : wan.weights_2;
+}
+
 double default_wan_boundary_ratio(const WanConfig& wan) { return wan.in_channels == 36 ? 0.9 : 0.875; }
 
 RunConfig with_wan_architecture_from_weights(const RunConfig& config) {
-  if (config.model.arch != Architecture::kWan || config.model.wan.weights.empty()) return config;
+  if (config.model.arch != Architecture::kWan) return config;
+  if (config.model.wan.weights.empty()) {  // a randomly initialised expert (a plan, a test): Wan-AI's boundary
+    RunConfig c = config;
+    if (!c.model.wan.expert.empty() && c.model.wan.boundary_ratio == 0)
+      c.model.wan.boundary_ratio = default_wan_boundary_ratio(c.model.wan);
+    return c;
+  }
   RunConfig c = config;
   const auto& asked = config.model.wan;
   c.model.wan = WanWeights::open(asked.weights).architecture(asked);
   c.model.wan.weights = asked.weights;
   c.model.wan.weights_2 = asked.weights_2;
   c.model.wan.boundary_ratio = asked.boundary_ratio;
+  c.model.wan.expert = asked.expert;
   // Wan2.2's two experts: the low-noise one found in the repository unless named, the boundary from the
   // repository (or Wan-AI's for the task) unless given.
   const WanExperts experts = find_wan_experts(asked.weights);
@@ -631,6 +647,7 @@ RunConfig with_wan_architecture_from_weights(const RunConfig& config) {
     low.weights = c.model.wan.weights;
     low.weights_2 = c.model.wan.weights_2;
     low.boundary_ratio = c.model.wan.boundary_ratio;
+    low.expert = c.model.wan.expert;
     const RunConfig high_config = c;
     RunConfig low_config = c;
     low_config.model.wan = low;
@@ -642,12 +659,16 @@ RunConfig with_wan_architecture_from_weights(const RunConfig& config) {
     if (c.model.wan.boundary_ratio == 0)
       c.model.wan.boundary_ratio =
           experts.boundary_ratio > 0 ? experts.boundary_ratio : default_wan_boundary_ratio(c.model.wan);
+  } else if (!c.model.wan.expert.empty()) {
+    // One expert's own file (ComfyUI's): its timesteps from the boundary given, or Wan-AI's for the task.
+    if (c.model.wan.boundary_ratio == 0) c.model.wan.boundary_ratio = default_wan_boundary_ratio(c.model.wan);
   } else if (c.model.wan.boundary_ratio != 0) {
     throw ConfigError("model.wan.weights '" + asked.weights + "'", "model.wan.boundary_ratio",
                       "switches between two experts, but the weights are one DiT (name the low-noise expert in "
-                      "model.wan.weights_2, or a two-expert repository in model.wan.weights)");
+                      "model.wan.weights_2, or a two-expert repository in model.wan.weights; or set model.wan.expert "
+                      "to fine-tune this expert on its timesteps)");
   }
-  if (c.model.wan.weights_2.empty() && c.diffusion.guidance_scale_2 != -1.0)
+  if (c.model.wan.weights_2.empty() && c.diffusion.guidance_scale_2 != -1.0 && c.model.wan.expert.empty())
     throw ConfigError("model.wan.weights '" + asked.weights + "'", "diffusion.guidance_scale_2",
                       "is the low-noise expert's guidance scale, but the weights are one DiT");
   validate(c, "model.wan.weights '" + config.model.wan.weights + "'");

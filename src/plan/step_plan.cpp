@@ -542,6 +542,10 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
   p.resident_params = s.resident;
   p.params_per_block = s.largest_block;
   p.hardware = hw;
+  if (wan) {
+    p.wan_expert = config.model.wan.expert;
+    p.boundary_ratio = config.model.wan.boundary_ratio;
+  }
 
   const int64_t e = compute_element_bytes(p.compute_dtype);
   const int64_t A = t.grad_accum_steps;
@@ -585,6 +589,8 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
     p.transfer = replay_transfers(s.block_numels, A, e);
   }
   p.device = wan ? wan_device_memory(config, s, grid) : device_memory(config, s, grid);
+  if (p.streamed && wan && !wan_untrained_expert(config.model.wan).empty() && t.sample_every > 0)
+    p.host.other_expert = s.streamed * e;  // the same architecture: its blocks are this one's
   if (!p.streamed && R > 1) {
     // The resident Trainer's average_gradients_over_ranks: one flat fp32 buffer of every gradient, all-reduced (a ring:
     // a reduce-scatter and an all-gather of it).
@@ -696,6 +702,11 @@ std::string to_json(const StepPlan& p) {
   const auto per_param = [&](int64_t bytes) {
     return p.params > 0 ? static_cast<double>(bytes) / static_cast<double>(p.params) : 0.0;
   };
+  if (!p.wan_expert.empty()) {
+    j["wan_expert"] = p.wan_expert;
+    j["boundary_ratio"] = p.boundary_ratio;
+  }
+  j["host_other_expert_bytes"] = h.other_expert;
   j["host_state_bytes"] = h.state();
   j["host_state_bytes_per_param"] = per_param(h.state());
   j["host_master_bytes"] = h.master;
@@ -785,6 +796,12 @@ std::string to_table(const StepPlan& p) {
                     p.world_size, p.batch_size_per_rank, p.batch_size,
                     p.streamed ? "; fp32 master and AdamW moments sharded, rank 0's shard: the largest" : "");
   }
+  if (!p.wan_expert.empty() && p.streamed)
+    out += fmt::format(
+        "  Wan2.2's {}-noise expert (timesteps {} {} x 1000) trained alone: the other expert's state is not held; "
+        "both experts' would be twice this one's host state ({:.1f} GB)\n",
+        p.wan_expert, p.wan_expert == "high" ? ">=" : "<", p.boundary_ratio,
+        2.0 * static_cast<double>(p.host.state()) / 1e9);
   out += fmt::format("  hardware: {} ({})\n\n", p.hardware.name, p.hardware.source);
   const auto row = [&](const std::string& name, int64_t bytes) {
     out += fmt::format("  {:<44} {:>20} {:>11.2f} GB {:>8.2f} B/param\n", name, bytes, static_cast<double>(bytes) / 1e9,
@@ -813,6 +830,7 @@ std::string to_table(const StepPlan& p) {
     if (p.host.grad > 0 && !sharded) row("fp32 gradient sums (accumulation)", p.host.grad);
     if (p.host.staging > 0) row("accumulation staging (2 blocks)", p.host.staging);
     row("steady total", p.host.steady());
+    if (p.host.other_expert > 0) row("validation: the other expert's blocks", p.host.other_expert);
     row("start-up peak (state + 2 blocks' fp32 init)", p.host.construction_peak);
     row("of the steady total, page-locked", p.host.pinned);
     if (sharded) row(fmt::format("host state of all {} ranks", p.world_size), p.host_state_bytes_all_ranks);

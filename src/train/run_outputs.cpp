@@ -262,7 +262,7 @@ std::string human_count(double n) {
 std::string dry_run_json(const RunConfig& requested) {
   // Wan: the hyper-parameters of model.wan.weights when set (their config.json or shapes).
   const RunConfig config = with_wan_architecture_from_weights(requested);
-  if (config.model.arch == Architecture::kWan) refuse_two_expert_training(config, "config");
+  if (config.model.arch == Architecture::kWan) check_expert_training(config, "config");
   const bool wan = config.model.arch == Architecture::kWan;
   const auto count = count_run_parameters(config);
   const auto& p = wan ? config.model.wan.patch : config.model.patch;  // validated: the video divides into whole patches

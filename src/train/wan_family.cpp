@@ -114,7 +114,7 @@ class WanModel final : public FamilyModel {
     try {
       build(request.init_from, source);
     } catch (const WanWeightsError& e) {
-      throw ConfigError(source, "model.wan.weights", e.what());
+      throw ConfigError(source, weights_key(), e.what());
     }
   }
 
@@ -155,6 +155,15 @@ class WanModel final : public FamilyModel {
   double flops_per_step() const override { return wan_model_flops_per_step(latent_); }
 
   void describe(std::vector<std::string>& info, std::vector<std::string>& /*warnings*/) const override {
+    const auto& w = config_.model.wan;
+    if (!w.expert.empty())
+      info.push_back(fmt::format(
+          "Wan2.2's {}-noise expert '{}': σ drawn only at timesteps {} {} x 1000 (diffusion.timestep_sampling's "
+          "distribution restricted there){}",
+          w.expert, wan_trained_weights(w), w.expert == "high" ? ">=" : "<", w.boundary_ratio,
+          w.weights_2.empty() ? std::string()
+                              : fmt::format("; the {}-noise expert '{}' is not trained",
+                                            w.expert == "high" ? "low" : "high", wan_untrained_expert(w))));
     if (!initialised_.empty())
       info.push_back(
           fmt::format("{} parameters not in model.wan.weights start from their initialisation (the 3D-DSA retrofit's)",
@@ -197,7 +206,7 @@ class WanModel final : public FamilyModel {
   void build(const InitPlanner& init_from, const std::string& source) {
     torch::manual_seed(config_.train.seed);
     std::optional<WanWeights> weights;
-    if (!config_.model.wan.weights.empty()) weights.emplace(WanWeights::open(config_.model.wan.weights));
+    if (!config_.model.wan.weights.empty()) weights.emplace(WanWeights::open(wan_trained_weights(config_.model.wan)));
     const auto allow_missing =
         config_.model.self_attention == "dsa3d" ? wan_dsa_parameter_globs() : std::vector<std::string>{};
     if (!streamed_) {
@@ -239,17 +248,23 @@ class WanModel final : public FamilyModel {
     grid_ = model->token_grid(latent_.data.frames, latent_.data.height, latent_.data.width);
     // The engine builds the blocks after make_model returned: a weights file whose block cannot be read is
     // still the config's error.
-    auto block = [init = init_, source](int64_t l) {
+    auto block = [init = init_, source, key = weights_key()](int64_t l) {
       try {
         return init->block(l);
       } catch (const WanWeightsError& e) {
-        throw ConfigError(source, "model.wan.weights", e.what());
+        throw ConfigError(source, key, e.what());
       }
     };
     stack_ = std::make_shared<WanStack>(model, block, device_);
     for (auto& [name, p] : stack_->named_resident_parameters())
       if (!p.is_meta()) move_parameter(p, device_);  // the blocks' tables and norm2 follow in adopt_block
     split_.model = model;
+  }
+
+  // The key of the trained weights (wan_trained_weights).
+  std::string weights_key() const {
+    return &wan_trained_weights(config_.model.wan) == &config_.model.wan.weights ? "model.wan.weights"
+                                                                                 : "model.wan.weights_2";
   }
 
   const RunConfig config_;
@@ -276,7 +291,7 @@ class WanFamily final : public ModelFamily {
     } catch (const WanWeightsError& e) {
       throw ConfigError(source, "model.wan.weights", e.what());
     }
-    refuse_two_expert_training(resolved, source);
+    check_expert_training(resolved, source);
     if (resolved.data.dataset == "videos" && resolved.data.cache.empty())
       throw ConfigError(
           source, "data.cache",
@@ -306,12 +321,19 @@ WanModel& wan_model(Trainer& trainer) {
 
 }  // namespace
 
-void refuse_two_expert_training(const RunConfig& resolved, const std::string& source) {
-  if (resolved.model.wan.weights_2.empty()) return;
-  throw ConfigError(source, "model.wan.weights_2",
-                    "is Wan2.2's low-noise expert ('" + resolved.model.wan.weights_2 +
-                        "'): megaslide-sample samples the two experts, but training them is not supported yet; point "
-                        "model.wan.weights at one expert's own folder or file to fine-tune it as one DiT");
+void check_expert_training(const RunConfig& resolved, const std::string& source) {
+  const auto& w = resolved.model.wan;
+  if (!w.weights_2.empty() && w.expert.empty())
+    throw ConfigError(source, "model.wan.expert",
+                      fmt::format("is empty, but the weights are Wan2.2's two experts ('{}' and '{}'): set it to high "
+                                  "(timesteps >= {} x 1000) or low to fine-tune one of them (docs/wan.md)",
+                                  w.weights, w.weights_2, w.boundary_ratio));
+  if (!w.expert.empty() && w.weights_2.empty() && resolved.train.sample_every > 0)
+    throw ConfigError(
+        source, "train.sample_every",
+        fmt::format("is {}, but the validation videos of the {}-noise expert need the other one too: name "
+                    "it in model.wan.weights_2 (or set train.sample_every: 0)",
+                    resolved.train.sample_every, w.expert));
 }
 
 const ModelFamily& wan_family() {

@@ -15,6 +15,7 @@
 #include "megaslide/model/umt5_encoder.h"
 #include "megaslide/model/umt5_tokenizer.h"
 #include "megaslide/model/wan_vae.h"
+#include "megaslide/model/wan_weights.h"
 #include "megaslide/diffusion/streamed_denoiser.h"
 #include "megaslide/train/trainer.h"
 #include "megaslide/train/wan_family.h"
@@ -161,6 +162,11 @@ WanValidation::WanValidation(const RunConfig& config, const std::vector<std::str
         source, "model.vae.weights",
         fmt::format("the Wan VAE in '{}' has {} latent channels but the DiT's model.wan.in_channels is {}",
                     config.model.vae.weights, vae.config().z_dim, config.model.wan.in_channels));
+  if (vae.config().spatial_downscale() != config.model.vae.downscale)
+    throw ConfigError(source, "model.vae.downscale",
+                      fmt::format("is {} but the Wan VAE in '{}' maps {} pixels to a latent: set it to {}",
+                                  config.model.vae.downscale, config.model.vae.weights,
+                                  vae.config().spatial_downscale(), vae.config().spatial_downscale()));
 }
 
 std::vector<torch::Tensor> WanValidation::sample(Trainer& trainer) const {
@@ -193,6 +199,22 @@ std::vector<torch::Tensor> WanValidation::sample(Trainer& trainer) const {
   } else {
     denoiser = std::make_shared<ResidentWanDenoiser>(model, trainer.device(),
                                                      at::kFloat);  // the module itself: fp32, on its device
+  }
+  // One of Wan2.2's experts trained: the other one, from its weights, streamed block by block in the
+  // trainer's compute dtype, takes its own timesteps.
+  const auto& w = config_.model.wan;
+  if (const std::string other = wan_untrained_expert(w); !other.empty()) {
+    StreamedDenoiserOptions so;
+    so.device = trainer.device();
+    so.compute_dtype = trainer.engine() ? trainer.engine()->options().compute_dtype : at::kFloat;
+    std::shared_ptr<WanDenoiser> frozen;
+    try {
+      frozen = std::make_shared<StreamedWanDenoiser>(load_wan_expert(config_, other, true), so);
+    } catch (const WanWeightsError& e) {
+      throw ConfigError(source_, w.expert == "high" ? "model.wan.weights_2" : "model.wan.weights", e.what());
+    }
+    denoiser = w.expert == "high" ? std::make_shared<WanExpertsDenoiser>(denoiser, frozen, w.boundary_ratio)
+                                  : std::make_shared<WanExpertsDenoiser>(frozen, denoiser, w.boundary_ratio);
   }
   auto predict = [&](const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& text, const torch::Tensor&) {
     return denoiser->predict(x, t, text);
@@ -232,14 +254,17 @@ std::vector<std::string> WanValidation::write(const std::string& dir, Trainer& t
                   io::VideoWriteOptions().fps(kWanFps));
     files.push_back(jobs_[i].file);
   }
-  const io::SamplingRecord record{"(training run)",
-                                  options_.kind() == FlowSamplerKind::kUniPC ? "unipc" : "euler",
-                                  options_.steps(),
-                                  options_.guidance_scale(),
-                                  0.0,
-                                  config_.train.seed,
-                                  kWanFps,
-                                  upscale};
+  const io::SamplingRecord record{
+      "(training run)",
+      options_.kind() == FlowSamplerKind::kUniPC ? "unipc" : "euler",
+      options_.steps(),
+      options_.guidance_scale(),
+      0.0,
+      config_.train.seed,
+      kWanFps,
+      upscale,
+      options_.boundary_ratio(),
+      options_.guidance_scale_2() < 0 ? options_.guidance_scale() : options_.guidance_scale_2()};
   io::write_file_atomically(io::join_path(dir, "index.json"), io::index_json(jobs_, record));
   return files;
 }

@@ -75,6 +75,12 @@ struct WanConfig {
   // low-noise one below. 0: the repository's (diffusers' model_index.json) or Wan-AI's (0.875 for
   // text-to-video, 0.9 for image-to-video) when there are two experts.
   double boundary_ratio = 0.0;
+  // The expert a run fine-tunes (Wan2.2; "both" is refused: not supported yet; without weights a randomly
+  // initialised DiT trained on that expert's timesteps, as a plan or a test may want): "" (one DiT), high (the
+  // timesteps t >= boundary_ratio x 1000: σ drawn only there) or low (below). The trained weights are model.wan.weights
+  // for high, and for low model.wan.weights_2 when there are two experts (else model.wan.weights: one expert's own
+  // file). The other expert is not trained; it makes the validation videos with the trained one.
+  std::string expert;
 };
 
 // The prompt encoder (model.text_encoder, docs/conditioning.md): the small built-in caption encoder,

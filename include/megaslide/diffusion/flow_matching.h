@@ -5,7 +5,11 @@
 //     target v = ε − x0 (the velocity dx_t/dσ),   loss = mean((model(x_t, t) − v)²).
 // σ is drawn as u ~ U(0, 1) ("uniform") or u = sigmoid(n), n ~ N(logit_mean, logit_std) ("logit_normal",
 // SD3's), then shifted: σ = shift·u / (1 + (shift − 1)·u) (shift > 1 spends more steps at high noise,
-// as Wan's samplers do).
+// as Wan's samplers do). One of Wan2.2's experts (model.wan.expert) trains only on its own timesteps:
+// σ is then drawn from that distribution restricted to [σ_lo, σ_hi) (the high-noise expert's σ >=
+// boundary_ratio, the low-noise one's below): with F the CDF of u and s⁻¹ the inverse shift,
+// u = F⁻¹(F(s⁻¹(σ_lo)) + v·(F(s⁻¹(σ_hi)) − F(s⁻¹(σ_lo)))), v ~ U(0, 1) — one draw per sample, no rejection
+// (F⁻¹ of the logit-normal through erfinv), exactly the whole distribution's draws that fall in the range.
 //
 // Samplers, each equal to its diffusers counterpart (tests/fixtures/flow/, tools/make_fixtures.py flow):
 //   FlowEulerSchedule  FlowMatchEulerDiscreteScheduler(num_train_timesteps = T, shift): its σ table
@@ -48,13 +52,21 @@ struct FlowMatchingOptions {
   TORCH_ARG(TimestepSampling, sampling) = TimestepSampling::kUniform;
   TORCH_ARG(double, logit_mean) = 0.0;
   TORCH_ARG(double, logit_std) = 1.0;
+  // The range of the (shifted) σ drawn, [sigma_min, sigma_max): the whole [0, 1] unless one Wan2.2 expert
+  // trains (from_config: model.wan.expert high → [boundary_ratio, 1], low → [0, boundary_ratio)). The
+  // whole range draws as without one (the same random stream).
+  TORCH_ARG(double, sigma_min) = 0.0;
+  TORCH_ARG(double, sigma_max) = 1.0;
 };
 
-// shift·σ / (1 + (shift − 1)·σ), elementwise (float64 in, float64 out for the double overload).
+// shift·σ / (1 + (shift − 1)·σ), elementwise (float64 in, float64 out for the double overload), and its
+// inverse σ / (shift − (shift − 1)·σ).
 double shift_sigma(double sigma, double shift);
+double unshift_sigma(double sigma, double shift);
 torch::Tensor shift_sigmas(const torch::Tensor& sigma, double shift);
 
-// σ [B] for a training batch, drawn on the CPU from `generator` in float64 and returned as float32.
+// σ [B] for a training batch, drawn on the CPU from `generator` in float64 and returned as float32, in
+// [options.sigma_min(), options.sigma_max()) (throws c10::Error for an empty range).
 torch::Tensor sample_flow_sigmas(int64_t batch, const FlowMatchingOptions& options, at::Generator& generator);
 // x_t = (1 − σ)·x0 + σ·ε for σ [B] (x0, noise [B, ...]).
 torch::Tensor flow_noisy(const torch::Tensor& x0, const torch::Tensor& noise, const torch::Tensor& sigma);

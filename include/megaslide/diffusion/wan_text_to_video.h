@@ -83,6 +83,9 @@ class WanDenoiser {
   virtual ~WanDenoiser() = default;
   virtual torch::Tensor predict(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text) = 0;
   virtual torch::Device device() const = 0;
+  // Moves what the denoiser keeps on a GPU to host memory until its next predict, which moves it back (a
+  // no-op where it keeps nothing there: a streamed denoiser's slots are small, a CPU's weights stay).
+  virtual void park() {}
 };
 
 class ResidentWanDenoiser final : public WanDenoiser {
@@ -97,19 +100,25 @@ class ResidentWanDenoiser final : public WanDenoiser {
                       c10::ScalarType compute_dtype = c10::ScalarType::Float);
   torch::Tensor predict(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text) override;
   torch::Device device() const override { return device_; }
+  void park() override;  // the whole model to the CPU (its dtypes kept)
+  bool parked() const { return parked_; }
 
  private:
   WanTransformer model_;
   torch::Device device_;
   c10::ScalarType compute_dtype_;
+  bool parked_ = false;
 };
 
 // Wan2.2's two experts as one denoiser: `high` for timesteps t >= boundary_ratio x 1000, `low` below (every
 // call's timesteps are one step's, all equal). Both on one device. WanTextToVideo::sample sets the boundary
-// from its options before each sampling (0: the high-noise expert throughout).
+// from its options before each sampling (0: the high-noise expert throughout). With park_inactive, the
+// expert not asked is parked (WanDenoiser::park) before the other predicts: two resident experts that do
+// not fit the device together take turns on it (one move each way per switch, as Wan-AI's offload_model).
 class WanExpertsDenoiser final : public WanDenoiser {
  public:
-  WanExpertsDenoiser(std::shared_ptr<WanDenoiser> high, std::shared_ptr<WanDenoiser> low, double boundary_ratio);
+  WanExpertsDenoiser(std::shared_ptr<WanDenoiser> high, std::shared_ptr<WanDenoiser> low, double boundary_ratio,
+                     bool park_inactive = false);
   torch::Tensor predict(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text) override;
   torch::Device device() const override { return high_->device(); }
   // In [0, 1); 0: the high-noise expert for every timestep.
@@ -118,6 +127,7 @@ class WanExpertsDenoiser final : public WanDenoiser {
  private:
   std::shared_ptr<WanDenoiser> high_, low_;
   double boundary_ratio_ = 0.0;
+  bool park_inactive_ = false;
 };
 
 struct WanModel;
@@ -187,6 +197,16 @@ WanModel load_wan_model(const std::string& weights_file, bool blocks_on_demand =
 // config must name the weights (ConfigError otherwise, naming model.wan.weights or model.wan.weights_2).
 // With blocks_on_demand as above.
 WanModel wan_model_from_config(const RunConfig& config, const std::string& source, bool blocks_on_demand = false);
+// One DiT of `config` (resolved: with_wan_architecture_from_weights) read from published weights at `path`
+// (one expert of two, or the only one): the prologue and head now, the blocks on demand or all now. Throws
+// WanWeightsError naming the file and tensor.
+WanModel load_wan_expert(const RunConfig& config, const std::string& path, bool blocks_on_demand);
+// A run's model (load_wan_model) that fine-tuned one of Wan2.2's experts, paired with the expert it did not
+// train (its config's model.wan.weights or weights_2: wan_untrained_expert) as wan_model_from_config pairs
+// published experts: the high-noise one first, the low-noise one as low_noise. Returned unchanged when the
+// run trained no expert or had none beside it. Throws WeightsError naming the partner's path when it
+// cannot be read.
+WanModel with_untrained_expert(WanModel trained, bool blocks_on_demand);
 
 class WanTextToVideo {
  public:
@@ -244,12 +264,15 @@ struct WanPipelineRequest {
 struct OpenedWanPipeline {
   std::shared_ptr<WanTextToVideo> pipeline;
   bool dit_streamed = false, text_encoder_streamed = false;
+  bool experts_take_turns = false;  // two resident experts, the inactive one parked in host memory
 };
 
 // The sampling pipeline of `model` (whole, or loaded with blocks_on_demand): umT5 (bf16 on a GPU, as Wan
 // runs it; fp32 on the CPU) resident or streamed layer by layer, the VAE in fp32, and the DiT resident
 // (block by block onto the device) or streamed from host buffers, in the compute dtype; with two experts
-// both alike (streamed when the two together do not fit) behind a WanExpertsDenoiser. Throws
+// behind a WanExpertsDenoiser: both resident when they fit together (request.stream auto: within half the
+// GPU's free memory), resident taking turns on the device (the inactive one parked) when one fits,
+// streamed otherwise. Throws
 // WanPipelineError for a component that is missing or unreadable, std::invalid_argument for components
 // that do not fit each other.
 OpenedWanPipeline open_wan_pipeline(WanModel model, const WanPipelineRequest& request);

@@ -116,10 +116,12 @@ struct SamplingRecord {
   double guidance_scale = 0, eta = 0;
   uint64_t base_seed = 0;
   int64_t fps = 0, upscale = 1;
+  // Wan2.2's two experts: the switch (boundary_ratio x 1000; 0: one model) and the low-noise expert's scale.
+  double boundary_ratio = 0, guidance_scale_2 = 0;
 };
 
 // DIR/index.json: {"checkpoint", "sampler", "steps", "guidance_scale", "eta", "base_seed", "fps", "upscale",
-// "videos_folder" ("videos"),
+// ["boundary_ratio", "guidance_scale_2" (two experts),] "videos_folder" ("videos"),
 // "videos": [{"prompt", "index", "seed", "file"[, "steps", "guidance_scale", "negative_prompt", "frames",
 // "height", "width"]}, …]} (a video's own settings where it has them).
 std::string index_json(const std::vector<SampleJob>& jobs, const SamplingRecord& record);

@@ -133,7 +133,15 @@ double default_wan_boundary_ratio(const WanConfig& wan);
 // `config` with model.wan taken from model.wan.weights when set (unchanged otherwise): its architecture and,
 // with two experts, model.wan.weights_2 (found in the repository unless given; the same architecture, else
 // WanWeightsError naming the first key that differs) and model.wan.boundary_ratio (the repository's or
-// Wan-AI's unless given). ConfigError for a boundary_ratio or diffusion.guidance_scale_2 given to one DiT.
+// Wan-AI's unless given). One DiT with model.wan.expert set is one expert's own file: the boundary is the
+// one given, or Wan-AI's. ConfigError for a boundary_ratio given to one DiT without model.wan.expert, or
+// a diffusion.guidance_scale_2 given to one DiT.
 RunConfig with_wan_architecture_from_weights(const RunConfig& config);
+
+// The weights a run of `wan` (resolved as above) fine-tunes: model.wan.weights_2 for expert low with two
+// experts, else model.wan.weights. And the expert it does not train (it samples with the trained one):
+// the other of the two, "" without two experts or without model.wan.expert.
+const std::string& wan_trained_weights(const WanConfig& wan);
+std::string wan_untrained_expert(const WanConfig& wan);
 
 }  // namespace megaslide

@@ -58,11 +58,17 @@ struct HostMemoryPlan {
   // While the trainer is built: the store next to the fp32 initial weights of the blocks being loaded
   // into it (two at a time); no full-model copy exists.
   int64_t construction_peak = 0;
+  // One of Wan2.2's experts trained with validation videos (model.wan.expert, train.sample_every): the
+  // other expert's blocks in the compute dtype, read from its weights while the videos are made.
+  int64_t other_expert = 0;
   int64_t state() const {
     return master + exp_avg + exp_avg_sq + scales + compute + grad + ema + exchange;
   }  // HostParamStore
   int64_t steady() const { return state() + staging; }
-  int64_t peak() const { return construction_peak > steady() ? construction_peak : steady(); }
+  int64_t peak() const {
+    const int64_t validation = steady() + other_expert;
+    return construction_peak > validation ? construction_peak : validation;
+  }
 };
 
 // Device memory, bytes (the allocator's view: what peak_device_bytes measures on a GPU).
@@ -153,6 +159,10 @@ struct StepPlan {
   TransferPlan transfer;
   ExchangePlan exchange;
   TimePlan time;
+  // Wan2.2: the expert trained (model.wan.expert: high or low; "" for one DiT) and its boundary. The plan
+  // is that expert's; the other one's state is not in host RAM.
+  std::string wan_expert;
+  double boundary_ratio = 0.0;
   bool fits_device = false, fits_host = false;
   std::vector<std::string> advice;  // what to change when it does not fit (empty when it does)
 };

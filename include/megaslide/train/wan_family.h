@@ -188,9 +188,10 @@ offload::StackStepResult wan_streamed_step(offload::StreamedStackTrainer& engine
 // optimizer's references to it, kept).
 void move_parameter(torch::Tensor& p, torch::Device device);
 
-// Throws ConfigError naming model.wan.weights_2 when `resolved` (with_wan_architecture_from_weights) has
-// Wan2.2's two experts: they sample (megaslide-sample) but do not train yet.
-void refuse_two_expert_training(const RunConfig& resolved, const std::string& source);
+// Throws ConfigError naming model.wan.expert when `resolved` (with_wan_architecture_from_weights) has
+// Wan2.2's two experts but does not say which one the run fine-tunes (one at a time), or sets an expert
+// whose validation videos would lack the other one (train.sample_every > 0 with one expert's own file).
+void check_expert_training(const RunConfig& resolved, const std::string& source);
 
 class Trainer;
 

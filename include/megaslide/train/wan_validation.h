@@ -23,12 +23,16 @@
 // each block's compute copy, or its fp32 master with offload.compute_dtype fp32, exactly what its next
 // step uploads — through a WeightStreamer of the sampler's own (StreamedWanDenoiser over
 // WanBlockWeights), with the prologue, head and the blocks' fp32 tables where the trainer keeps them on
-// the device. So a streamed run's videos are what a resident model holding the masters rounded to the
-// compute dtype gives (tested bit for bit on the CPU: tests/test_wan_validation.cpp).
+// the device. When the run fine-tunes one of Wan2.2's experts (model.wan.expert), the other one is read
+// from its weights for each validation and streamed (StreamedWanDenoiser, the trainer's compute dtype)
+// behind a WanExpertsDenoiser: the videos are the pair's, switching at model.wan.boundary_ratio. So a streamed run's
+// videos are what a resident model holding the masters rounded to the compute dtype gives (tested bit for bit on the
+// CPU: tests/test_wan_validation.cpp).
 //
 // Memory, besides the training's: while write runs, the sampler's streamer (two weight and two gradient
 // slots of the largest block, compute dtype, on the device; streamed trainer only; measured against the
-// resident set in tests/test_host_memory.cpp), the VAE's weights
+// resident set in tests/test_host_memory.cpp), with one of Wan2.2's experts trained the other one's
+// blocks in the compute dtype in host memory (28.1 GB in bf16 for an A14B expert) and its streamer, the VAE's weights
 // (127 M parameters for Wan 2.1's: 0.5 GB in fp32), one video's sampling activations (the DiT on 2 ×
 // tokens, guidance's two halves) and its decode; all freed when it returns. At construction umT5 (5.7 B
 // parameters for umT5-XXL: 11.4 GB in bf16, 22.8 GB in fp32) is held until the prompts are encoded —
