@@ -175,6 +175,42 @@ TEST(WanTransformer, TrainingStepGradientsAreAutogradsOnDiffusers) {
   }
 }
 
+// The property: Wan2.2 TI2V's per-token timesteps (timesteps [B, N], diffusers' expand_timesteps) give
+// diffusers' output within 1e-4 (fp32; tests/fixtures/wan_ti2v, 12 latent channels) — with image-to-video's
+// mask on one sample (its first latent frame's tokens at 0) and one timestep for every token on the
+// other, which is the [B] path's output; the mask changes the output; a training step's loss and
+// gradients are autograd's on diffusers' model.
+TEST(WanTransformer, PerTokenTimestepsAreDiffusersExpandTimesteps) {
+  const std::string dir = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/wan_ti2v";
+  std::map<std::string, torch::Tensor> r;
+  for (auto& [name, t] : megaslide::io::read_safetensors(dir + "/reference.safetensors").tensors) r[name] = t;
+  auto weights = WanWeights::open(dir + "/transformer");
+  const WanConfig c = weights.architecture(WanConfig());
+  EXPECT_EQ(c.in_channels, 12);
+  WanTransformer model(options_of(c));
+  EXPECT_TRUE(megaslide::load_wan_weights(weights, *model, {}).empty());
+  {
+    torch::NoGradGuard no_grad;
+    const auto out = model->forward(r.at("x"), r.at("timesteps"), r.at("text"));
+    EXPECT_LT(relative_error(out, r.at("out")), 1e-4);
+    const auto scalar = model->forward(r.at("x"), torch::tensor({812.5f, 437.25f}), r.at("text"));
+    EXPECT_LT(relative_error(scalar, r.at("out_scalar_timesteps")), 1e-4);
+    EXPECT_LT(relative_error(out[1], scalar[1]), 1e-6) << "one timestep for every token is the [B] path";
+    EXPECT_GT(relative_error(out[0], scalar[0]), 1e-3) << "the first frame's tokens at 0 change the output";
+    EXPECT_THROW(model->forward(r.at("x"), r.at("timesteps").narrow(1, 0, 17), r.at("text")), c10::Error);
+  }
+  auto loss = torch::mse_loss(model->forward(r.at("x"), r.at("timesteps"), r.at("text")), r.at("target"));
+  loss.backward();
+  EXPECT_NEAR(loss.item<double>(), r.at("loss").item<double>(), 1e-5 * r.at("loss").item<double>());
+  int64_t compared = 0;
+  for (const auto& p : model->named_parameters(true)) {
+    ASSERT_TRUE(p.value().grad().defined()) << p.key();
+    EXPECT_LT(relative_error(p.value().grad(), r.at("grad." + p.key())), 1e-4) << p.key();
+    ++compared;
+  }
+  EXPECT_EQ(compared, static_cast<int64_t>(model->named_parameters(true).size()));
+}
+
 // The property: the published configurations count exactly the published parameter numbers, on the meta
 // device (nothing allocated).
 TEST(WanTransformer, PublishedModelsCountTheirParameters) {

@@ -21,6 +21,7 @@
 #include "megaslide/io/files.h"
 #include "megaslide/io/safetensors.h"
 #include "megaslide/io/video.h"
+#include "megaslide/io/vbench_layout.h"
 #include "megaslide/model/dit_weights.h"
 #include "megaslide/model/wan_weights.h"
 #include "megaslide/train/run_outputs.h"
@@ -214,6 +215,48 @@ TEST(WanTextToVideo, TheWan22VaeDecodesSixteenPixelsALatent) {
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("set model.vae.downscale: 16"), std::string::npos) << e.what();
   }
+}
+
+// The property: Wan2.2 TI2V's image-to-video (tests/fixtures/ti2v_pipeline: diffusers' WanImageToVideoPipeline
+// with expand_timesteps on a tiny DiT, the Wan2.2-style VAE and umT5) — the first latent frame the image's,
+// clean in every model input with its tokens at timestep 0 — samples diffusers' latents within 1e-4 (fp32,
+// UniPC and Euler, guidance); the first frame is the image's latent; an image of another size is refused.
+TEST(WanTextToVideo, ImageToVideoKeepsTheFirstFrameAsTi2vDoes) {
+  const std::string dir = kFixtures + "ti2v_pipeline";
+  Reference ref;
+  {
+    auto f = megaslide::io::read_safetensors(dir + "/reference.safetensors");
+    for (auto& [k, v] : f.tensors) ref.tensors[k] = v;
+    ref.meta = f.metadata;
+  }
+  const auto s = ref.json("sampling");
+  const std::string yaml = "model:\n  arch: wan\n  wan: {weights: " + dir +
+                           "/transformer, in_channels: 8, out_channels: 8}\n  vae: {downscale: 16}\n"
+                           "data: {dataset: latent-tensors, channels: 8, frames: 3, height: 4, width: 6, "
+                           "max_text_tokens: 512}\n"
+                           "diffusion: {objective: flow}\n";
+  auto model = megaslide::wan_model_from_config(megaslide::parse_run_config(yaml, "test"), "test");
+  megaslide::WanTextToVideo pipeline(model.config, megaslide::Umt5Encoder::load(kUmt5),
+                                     megaslide::Umt5Tokenizer::from_file(kTokenizer + "/spiece.model"),
+                                     std::make_shared<megaslide::ResidentWanDenoiser>(model.dit, torch::kCPU),
+                                     megaslide::WanVae::load(kFixtures + "wan22_vae/tiny"));
+  const auto& image = ref.tensors.at("image");
+  for (auto [kind, name] : {std::pair{megaslide::FlowSamplerKind::kUniPC, "unipc"},
+                            std::pair{megaslide::FlowSamplerKind::kEuler, "euler"}}) {
+    auto o = megaslide::WanSampleOptions::from_config(model.config)
+                 .kind(kind)
+                 .steps(s.at("steps").get<int64_t>())
+                 .shift(s.at("shift").get<double>())
+                 .guidance_scale(s.at("guidance").get<double>())
+                 .negative_prompt(ref.meta.at("negative_prompt"));
+    const auto latents =
+        pipeline.sample_from_image({ref.meta.at("prompt")}, {std::stoull(ref.meta.at("seed"))}, image, o);
+    EXPECT_LT(max_diff(latents, ref.tensors.at(std::string(name) + ".latents")), 1e-4) << name;
+    const auto first = pipeline.vae().encode(image.view({1, 3, 1, image.size(1), image.size(2)}));
+    EXPECT_LT(max_diff(latents.narrow(2, 0, 1), first), 1e-6) << name;
+  }
+  EXPECT_THROW(pipeline.sample_from_image({"a"}, {1}, image.narrow(1, 0, 32), megaslide::WanSampleOptions()),
+               std::invalid_argument);
 }
 
 TEST(WanTextToVideo, LatentsAndVideoEqualWanPipelinesForUniPCAndEuler) {
@@ -737,4 +780,46 @@ TEST(Wan22Experts, TheInactiveExpertIsParkedWhileTheOtherPredicts) {
   megaslide::ResidentWanDenoiser resident(model.dit, torch::kCPU);
   resident.park();
   EXPECT_FALSE(resident.parked());
+}
+
+// The property: megaslide-sample --image (Wan2.2 TI2V's image-to-video) starts every video from the image: the
+// saved latents' first frame is the VAE's latent of the image file as read back; an image of another size
+// than the videos' is a usage error naming --image (exit 2).
+TEST(MegaslideSampleWan, ImageToVideoStartsFromTheImage) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  const std::string dir = kFixtures + "ti2v_pipeline";
+  const auto config = write("ti2v.yaml", "model:\n  arch: wan\n  wan: {weights: " + dir +
+                                             "/transformer, in_channels: 8, out_channels: 8}\n  vae: {downscale: 16}\n"
+                                             "data: {dataset: latent-tensors, channels: 8, frames: 3, height: 4, "
+                                             "width: 6, max_text_tokens: 512}\n"
+                                             "diffusion: {objective: flow, shift: 5.0, guidance_scale: 5.0}\n");
+  const auto pixels = megaslide::io::read_safetensors(dir + "/reference.safetensors").tensors;
+  torch::Tensor image;
+  for (const auto& [name, t] : pixels)
+    if (name == "image") image = t;
+  ASSERT_TRUE(image.defined());
+  const auto rgb = ((image + 1) * 127.5).round().clamp(0, 255).to(torch::kUInt8).permute({1, 2, 0}).contiguous();
+  const auto png = join_path(scratch(), "first.png");
+  megaslide::io::write_png(png, rgb);
+  const auto small = join_path(scratch(), "small.png");
+  megaslide::io::write_png(small, rgb.narrow(0, 0, 32).narrow(1, 0, 48).contiguous());
+  const auto prompts = write("ti2v-prompts.txt", "a red blob moves left quickly\n");
+  const std::string common = "--config " + config + " --text-encoder " + kUmt5 + " --tokenizer " + kTokenizer +
+                             " --vae " + kFixtures + "wan22_vae/tiny --prompts " + prompts +
+                             " --samples-per-prompt 1 --steps 2 --no-progress --compute-dtype fp32 --latents";
+  const auto out = join_path(scratch(), "ti2v-run");
+  auto r = run(common + " --image " + png + " --out " + out);
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto files = megaslide::io::list_files(join_path(out, "latents"), "safetensors");
+  ASSERT_EQ(files.size(), 1u);
+  const auto latents =
+      megaslide::io::read_safetensors(join_path(join_path(out, "latents"), files[0])).tensors.at(0).second;
+  const auto read_back = megaslide::io::read_video(png)[0].permute({2, 0, 1}).to(torch::kFloat32) / 127.5 - 1.0;
+  const auto vae = megaslide::WanVae::load(kFixtures + "wan22_vae/tiny");
+  const auto first = vae.encode(read_back.view({1, 3, 1, 64, 96}));
+  EXPECT_LT(max_diff(latents.narrow(1, 0, 1), first[0]), 1e-5);
+
+  r = run(common + " --image " + small + " --out " + join_path(scratch(), "ti2v-small"));
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("--image: "), std::string::npos) << r.output;
 }

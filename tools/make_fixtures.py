@@ -915,6 +915,104 @@ def section_wan(out_dir):
     save_safetensors(os.path.join(out_dir, "reference.safetensors"), tensors, meta)
 
 
+def section_wan_ti2v(out_dir):
+    """Wan2.2 TI2V's per-token timesteps (diffusers' expand_timesteps): a tiny random WanTransformer3DModel of
+    12 latent channels given timesteps [B, N], one per token; its output and one training step's gradients."""
+    import diffusers
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    config = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=12, out_channels=12,
+                  text_dim=20, freq_dim=16, ffn_dim=40, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+                  eps=1e-6, rope_max_seq_len=1024)
+    model = WanTransformer3DModel(**config)
+    _randomize(model, 61)
+    model.eval()
+    folder = os.path.join(out_dir, "transformer")
+    os.makedirs(folder)
+    model.save_config(folder)
+    save_safetensors(os.path.join(folder, "diffusion_pytorch_model.safetensors"),
+                     {k: v.detach().numpy() for k, v in model.state_dict().items()}, {"format": "pt"})
+
+    g = torch.Generator().manual_seed(62)
+    video, text_shape = (2, 12, 3, 4, 6), (2, 7, 20)
+    tokens = 3 * 2 * 3
+    x, text = torch.randn(video, generator=g), torch.randn(text_shape, generator=g)
+    # Image-to-video's mask (the first latent frame clean: its 6 tokens at 0) on sample 0; one timestep for
+    # every token of sample 1 (what text-to-video gives).
+    per_token = torch.full((2, tokens), 437.25)
+    per_token[0] = 812.5
+    per_token[0, :6] = 0.0
+    with torch.no_grad():
+        out = model(x, per_token, text, return_dict=False)[0]
+        out_scalar = model(x, torch.tensor([812.5, 437.25]), text, return_dict=False)[0]
+    tensors = {"x": x.numpy(), "text": text.numpy(), "timesteps": per_token.numpy(), "out": out.numpy(),
+               "out_scalar_timesteps": out_scalar.numpy()}
+    model.zero_grad()
+    target = torch.randn(video, generator=g)
+    loss = torch.nn.functional.mse_loss(model(x, per_token, text, return_dict=False)[0], target)
+    loss.backward()
+    tensors["target"], tensors["loss"] = target.numpy(), np.array([loss.item()], dtype=np.float64)
+    for name, p in model.named_parameters():
+        tensors["grad." + name] = p.grad.numpy()
+    print(f"  {sum(p.numel() for p in model.parameters())} parameters, loss {loss.item():.5f}")
+    meta = {"versions": versions(diffusers, torch), "config": json.dumps(config),
+            "what": "a tiny random WanTransformer3DModel (transformer/); out = model(x, timesteps [2, 18] per token, text); "
+                    "out_scalar_timesteps = model(x, [812.5, 437.25], text); grad.NAME of mse(model(x, timesteps, text), target)"}
+    save_safetensors(os.path.join(out_dir, "reference.safetensors"), tensors, meta)
+
+
+def section_ti2v_pipeline(out_dir):
+    """Wan2.2 TI2V's image-to-video: WanImageToVideoPipeline(expand_timesteps=True) on the tiny umt5 and wan22_vae
+    fixtures and a tiny random DiT sized to them (text_dim 24, 8 latent channels): the first latent frame is the
+    image's, kept clean, its tokens at timestep 0."""
+    import diffusers
+    import torch
+    import transformers
+    from diffusers import AutoencoderKLWan, WanImageToVideoPipeline, WanTransformer3DModel
+    from transformers import T5Tokenizer, UMT5EncoderModel
+
+    config = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=8, out_channels=8, text_dim=24,
+                  freq_dim=16, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
+                  rope_max_seq_len=1024)
+    transformer = WanTransformer3DModel(**config)
+    _randomize(transformer, 71)
+    transformer.eval()
+    folder = os.path.join(out_dir, "transformer")
+    os.makedirs(folder)
+    transformer.save_config(folder)
+    save_safetensors(os.path.join(folder, "diffusion_pytorch_model.safetensors"),
+                     {k: v.detach().numpy() for k, v in transformer.state_dict().items()}, {"format": "pt"})
+    text_encoder = UMT5EncoderModel.from_pretrained(os.path.join(FIXTURES, "umt5", "hf"), attn_implementation="eager").eval()
+    tokenizer = T5Tokenizer.from_pretrained(os.path.join(FIXTURES, "umt5", "tokenizer"), extra_ids=0)
+    vae = AutoencoderKLWan.from_pretrained(os.path.join(FIXTURES, "wan22_vae", "tiny")).eval()
+
+    frames, height, width, steps, shift, guidance, seed = 9, 64, 96, 4, 5.0, 5.0, 11
+    prompt = "a red blob moves left quickly"
+    # The first frame: smooth colours in [0, 1] at the video's size (no resizing in the pipeline).
+    yy, xx = torch.meshgrid(torch.linspace(0, 1, height), torch.linspace(0, 1, width), indexing="ij")
+    image = torch.stack([0.5 + 0.4 * torch.sin(6 * xx), 0.5 + 0.4 * torch.cos(5 * yy), 0.3 + 0.6 * xx * yy]).unsqueeze(0)
+    tensors = {"image": (image[0] * 2 - 1).numpy()}  # what the pipeline encodes: [-1, 1]
+    for kind in ("unipc", "euler"):
+        pipe = WanImageToVideoPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=_wan_scheduler(kind, shift),
+                                       transformer=transformer, expand_timesteps=True)
+        pipe.set_progress_bar_config(disable=True)
+        with torch.no_grad():
+            latents = pipe(image=image, prompt=prompt, negative_prompt=WAN_NEGATIVE_PROMPT, height=height, width=width,
+                           num_frames=frames, num_inference_steps=steps, guidance_scale=guidance,
+                           generator=torch.Generator().manual_seed(seed), output_type="latent", max_sequence_length=512).frames
+        tensors[f"{kind}.latents"] = latents.numpy()
+    meta = {"versions": versions(diffusers, transformers, torch), "config": json.dumps(config), "prompt": prompt, "seed": str(seed),
+            "negative_prompt": WAN_NEGATIVE_PROMPT,
+            "sampling": json.dumps({"frames": frames, "height": height, "width": width, "steps": steps, "shift": shift,
+                                    "guidance": guidance}),
+            "what": "transformer/: a tiny random WanTransformer3DModel (fp32, 8 channels); WanImageToVideoPipeline(expand_timesteps=True, "
+                    "T5Tokenizer(umt5/tokenizer), umt5/hf, wan22_vae/tiny, UniPC or Euler with flow shift) of `image` (in [-1, 1]) "
+                    "and the prompt with Wan's negative prompt, generator manual_seed(seed): output_type='latent' latents"}
+    save_safetensors(os.path.join(out_dir, "reference.safetensors"), tensors, meta)
+    print(f"  {sum(p.numel() for p in transformer.parameters())} DiT parameters, latents {tuple(latents.shape)}")
+
+
 # --------------------------------------------------------------------------------------------------
 # flow: diffusers' flow-matching samplers (Euler with shift, UniPC with flow sigmas as Wan uses it)
 # --------------------------------------------------------------------------------------------------
@@ -1672,6 +1770,8 @@ SECTIONS = {
     "wan22_vae": (section_wan22_vae, "a tiny random Wan2.2-style AutoencoderKLWan (residual, 2x2 patches; diffusers and original names)"),
     "flow": (section_flow, "diffusers' flow-matching Euler and UniPC (flow sigmas) tables and sampling runs"),
     "wan": (section_wan, "tiny random WanTransformer3DModels (diffusers, original and ComfyUI layouts): outputs, one step's gradients"),
+    "ti2v_pipeline": (section_ti2v_pipeline, "Wan2.2 TI2V's image-to-video WanImageToVideoPipeline (expand_timesteps) on tiny models"),
+    "wan_ti2v": (section_wan_ti2v, "Wan2.2 TI2V's per-token timesteps on a tiny random WanTransformer3DModel: output, gradients"),
     "umt5_tokenizer": (section_umt5_tokenizer, "a tiny SentencePiece model and T5Tokenizer ids of VBench and edge-case prompts"),
     "umt5_ties": (section_umt5_ties, "T5Tokenizer ids of text whose best segmentation is not unique (repeated letters, pieces)"),
     "umt5_bytefallback": (section_umt5_bytefallback, "a tiny byte-fallback SentencePiece model and T5Tokenizer ids (never byte pieces)"),

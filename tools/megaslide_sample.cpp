@@ -90,6 +90,7 @@ struct WanFlags {
   double shift = -1.0;       // < 0: the config's diffusion.shift
   double guidance_2 = -1.0;  // < 0: the config's diffusion.guidance_scale_2 (Wan2.2's low-noise expert)
   bool latents = false;
+  std::string image;  // Wan2.2 TI2V: the first frame (image-to-video)
 };
 
 // --threads (or OMP_NUM_THREADS, or the cores available) applied to LibTorch; the plan for the log.
@@ -229,7 +230,24 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan, size_t v
   record.eta = 0.0;
   record.boundary_ratio = options.boundary_ratio();
   record.guidance_scale_2 = options.guidance_scale_2() < 0 ? options.guidance_scale() : options.guidance_scale_2();
-  return [pipeline = opened.pipeline, options](
+  // Wan2.2 TI2V's image-to-video: the first frame, [3, H, W] in [-1, 1], at the videos' size.
+  torch::Tensor image;
+  if (!wan.image.empty()) {
+    torch::Tensor frames;
+    try {
+      frames = megaslide::io::read_video(wan.image);
+    } catch (const std::exception& e) {
+      throw megaslide::tools::UsageError("--image: " + megaslide::error_message(e));
+    }
+    if (frames.size(1) != size.height || frames.size(2) != size.width)
+      throw megaslide::tools::UsageError(fmt::format(
+          "--image: '{}' is {}x{} (width x height) but the videos are {}x{}: give the first frame at the videos' size",
+          wan.image, frames.size(2), frames.size(1), size.width, size.height));
+    image = frames[0].permute({2, 0, 1}).to(torch::kFloat32) / 127.5 - 1.0;
+    std::cerr << "megaslide-sample: image-to-video from '" << wan.image
+              << "' (its latent the first frame, kept clean; Wan2.2 TI2V)\n";
+  }
+  return [pipeline = opened.pipeline, options, image](
              const std::vector<std::string>& prompts, const std::vector<uint64_t>& seeds,
              const megaslide::ValidationVideo& first, const std::function<void(int64_t, int64_t)>& on_step) {
     auto batch_options = options;  // a prompt file line's own steps, guidance and negative prompt
@@ -237,7 +255,9 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan, size_t v
     if (first.job.guidance_scale) batch_options.guidance_scale(*first.job.guidance_scale);
     if (first.job.negative_prompt) batch_options.negative_prompt(*first.job.negative_prompt);
     SampledBatch batch;
-    batch.latents = pipeline->sample(prompts, seeds, batch_options, on_step, first.shape);
+    batch.latents = image.defined()
+                        ? pipeline->sample_from_image(prompts, seeds, image, batch_options, on_step, first.shape)
+                        : pipeline->sample(prompts, seeds, batch_options, on_step, first.shape);
     batch.pixels = pipeline->decode(batch.latents);
     return batch;
   };
@@ -331,6 +351,9 @@ int main(int argc, char** argv) {
                  "Wan2.2: the low-noise expert's guidance scale (default: the config's diffusion.guidance_scale_2, "
                  "else --guidance)")
       ->check(megaslide::tools::finite_real(0.0));
+  app.add_option("--image", wan.image,
+                 "Wan2.2 TI2V: image-to-video from this first frame (an image file at the videos' size; its latent "
+                 "kept clean, docs/wan.md)");
   app.add_flag(
       "--latents", wan.latents,
       "Wan: also write each video's latents (normalised, before the VAE) as DIR/latents/{prompt}-{index}.safetensors");
@@ -459,10 +482,12 @@ int main(int argc, char** argv) {
                     << megaslide::wan_untrained_expert(wan_model->config.model.wan) << "'\n";
       }
       const bool is_wan = wan_model.has_value();
-      if (!is_wan && (!wan.text_encoder.empty() || !wan.tokenizer.empty() || !wan.vae.empty() ||
-                      wan.negative_prompt_set || wan.shift >= 0 || wan.guidance_2 >= 0 || wan.latents))
+      if (!is_wan &&
+          (!wan.text_encoder.empty() || !wan.tokenizer.empty() || !wan.vae.empty() || wan.negative_prompt_set ||
+           wan.shift >= 0 || wan.guidance_2 >= 0 || wan.latents || !wan.image.empty()))
         throw std::invalid_argument(
-            "--text-encoder, --tokenizer, --vae, --negative-prompt, --shift, --guidance-2 and --latents are for Wan "
+            "--text-encoder, --tokenizer, --vae, --negative-prompt, --shift, --guidance-2, --image and --latents are "
+            "for Wan "
             "models; '" +
             checkpoint + "' is not one");
       if (is_wan && (sampler == "ddpm" || sampler == "ddim"))

@@ -1,6 +1,7 @@
 #include "megaslide/diffusion/wan_text_to_video.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <fmt/format.h>
 #include <c10/util/accumulate.h>
 
 #include <algorithm>
@@ -467,7 +468,8 @@ void WanExpertsDenoiser::boundary_ratio(double ratio) {
 torch::Tensor WanExpertsDenoiser::predict(const torch::Tensor& x, const torch::Tensor& timesteps,
                                           const torch::Tensor& text) {
   // diffusers' WanPipeline: the high-noise expert where t >= boundary_ratio x num_train_timesteps.
-  const bool low = boundary_ratio_ > 0 && timesteps[0].item<double>() < boundary_ratio_ * 1000.0;
+  // The step's timestep (per-token timesteps: the noisy tokens', the largest).
+  const bool low = boundary_ratio_ > 0 && timesteps[0].max().item<double>() < boundary_ratio_ * 1000.0;
   if (park_inactive_) (low ? high_ : low_)->park();
   return (low ? low_ : high_)->predict(x, timesteps, text);
 }
@@ -538,6 +540,50 @@ torch::Tensor WanTextToVideo::sample(const std::vector<std::string>& prompts, co
   };
   return flow_sample(model, options.flow(), shape.empty() ? latent_shape() : shape, seeds, cond, uncond,
                      denoiser_->device(), on_step);
+}
+
+torch::Tensor WanTextToVideo::sample_from_image(const std::vector<std::string>& prompts,
+                                                const std::vector<uint64_t>& seeds, const torch::Tensor& image,
+                                                const WanSampleOptions& options,
+                                                const std::function<void(int64_t, int64_t)>& on_step,
+                                                const std::vector<int64_t>& shape) {
+  TORCH_CHECK(prompts.size() == seeds.size() && !prompts.empty(),
+              "WanTextToVideo::sample_from_image: need one seed per prompt, got ", prompts.size(), " prompts and ",
+              seeds.size(), " seeds");
+  if (dynamic_cast<WanExpertsDenoiser*>(denoiser_.get()) != nullptr || options.boundary_ratio() > 0)
+    throw std::invalid_argument("image-to-video with the first frame kept clean is Wan2.2 TI2V's (one DiT)");
+  const auto latent = shape.empty() ? latent_shape() : shape;
+  const int64_t s = vae_.config().spatial_downscale();
+  if (image.dim() != 3 || image.size(0) != 3 || image.size(1) != latent[2] * s || image.size(2) != latent[3] * s)
+    throw std::invalid_argument(
+        fmt::format("the first frame is {} but the video is 3 x {} x {} (channels x height x "
+                    "width)",
+                    c10::str(image.sizes()), latent[2] * s, latent[3] * s));
+  const auto device = denoiser_->device();
+  torch::Tensor condition;
+  {
+    torch::NoGradGuard no_grad;
+    condition = vae_.encode(image.to(vae_.device(), torch::kFloat32).view({1, 3, 1, image.size(1), image.size(2)}))
+                    .to(device, torch::kFloat32);  // [1, C, 1, h, w], normalised
+  }
+  // The mask: 0 on the first latent frame, 1 elsewhere; per token, the patch grid's (its first corner).
+  auto mask = torch::ones({1, 1, latent[1], latent[2], latent[3]}, torch::dtype(torch::kFloat32).device(device));
+  mask.select(2, 0).zero_();
+  const auto& p = config_.model.wan.patch;
+  const auto token_mask = mask[0][0]
+                              .slice(0, 0, latent[1], p[0])
+                              .slice(1, 0, latent[2], p[1])
+                              .slice(2, 0, latent[3], p[2])
+                              .flatten();  // [N]
+  auto mix = [&](const torch::Tensor& x) { return (1 - mask) * condition + mask * x; };
+  auto model = [&](const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& text, const torch::Tensor&) {
+    const auto per_token = token_mask.unsqueeze(0) * t.to(device, torch::kFloat32).unsqueeze(1);  // [B, N]
+    return denoiser_->predict(mix(x), per_token, text);
+  };
+  Conditioning cond, uncond;
+  cond.text = encode(prompts, options);
+  if (options.guidance_scale() != 1.0) uncond.text = encode({options.negative_prompt()}, options);
+  return mix(flow_sample(model, options.flow(), latent, seeds, cond, uncond, device, on_step));
 }
 
 torch::Tensor WanTextToVideo::decode(const torch::Tensor& latents) const {

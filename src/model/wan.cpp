@@ -1,6 +1,7 @@
 #include "megaslide/model/wan.h"
 
 #include <cmath>
+#include <vector>
 
 namespace megaslide {
 
@@ -252,7 +253,14 @@ torch::Tensor WanBlockImpl::forward(const torch::Tensor& x, const WanBlockContex
   const int64_t D = options.dim();
   const auto dtype = x.scalar_type();
   TORCH_CHECK(x.dim() == 3 && x.size(2) == D, "WanBlock: expected tokens [B, N, ", D, "], got ", x.sizes());
-  const auto mod = (table.to(torch::kFloat32) + ctx.tproj.to(torch::kFloat32)).chunk(6, 1);  // each [B, 1, D]
+  // Each [B, 1, D], or [B, N, D] with per-token timesteps (tproj [B, N, 6, D]).
+  std::vector<torch::Tensor> mod;
+  if (ctx.tproj.dim() == 4) {
+    for (auto& m : (table.to(torch::kFloat32).unsqueeze(0) + ctx.tproj.to(torch::kFloat32)).chunk(6, 2))
+      mod.push_back(m.squeeze(2));
+  } else {
+    mod = (table.to(torch::kFloat32) + ctx.tproj.to(torch::kFloat32)).chunk(6, 1);
+  }
   const double eps = options.eps();
   auto h = (fp32_layer_norm(x, D, eps) * (1 + mod[1]) + mod[0]).to(dtype);
   auto y = (x.to(torch::kFloat32) + attn1->forward_self(h, ctx.grid, ctx.rope) * mod[2]).to(dtype);
@@ -368,8 +376,12 @@ WanEmbedded WanTransformerImpl::embed(const torch::Tensor& x, const torch::Tenso
                                       const torch::Tensor& text) {
   TORCH_CHECK(x.dim() == 5 && x.size(1) == options.in_channels(), "WanTransformer: expected latents [B, ",
               options.in_channels(), ", T, H, W], got ", x.sizes());
-  TORCH_CHECK(timesteps.dim() == 1 && timesteps.size(0) == x.size(0), "WanTransformer: expected timesteps [", x.size(0),
-              "], got ", timesteps.sizes());
+  const auto& p = options.patch();
+  const int64_t tokens = (x.size(2) / p[0]) * (x.size(3) / p[1]) * (x.size(4) / p[2]);
+  const bool per_token = timesteps.dim() == 2;
+  TORCH_CHECK((timesteps.dim() == 1 || (per_token && timesteps.size(1) == tokens)) && timesteps.size(0) == x.size(0),
+              "WanTransformer: expected timesteps [", x.size(0), "] or [", x.size(0), ", ", tokens,
+              "] (per token), got ", timesteps.sizes());
   TORCH_CHECK(text.dim() == 3 && text.size(0) == x.size(0) && text.size(2) == options.text_dim(),
               "WanTransformer: expected text [", x.size(0), ", L, ", options.text_dim(), "], got ", text.sizes());
   WanEmbedded e;
@@ -377,15 +389,21 @@ WanEmbedded WanTransformerImpl::embed(const torch::Tensor& x, const torch::Tenso
   e.ctx.rope = wan_rope(e.ctx.grid, options.head_dim(), options.rope_theta(), x.device());
   e.tokens = patch_embedding(x).flatten(2).transpose(1, 2).contiguous();
   auto& ce = *condition_embedder;
-  e.temb = ce.time_embedder(wan_timestep_features(timesteps, options.freq_dim()).to(x.device()));
-  e.ctx.tproj = ce.time_proj(torch::silu(e.temb)).unflatten(1, {6, options.dim()});
+  e.temb = ce.time_embedder(wan_timestep_features(timesteps.flatten(), options.freq_dim()).to(x.device()));
+  if (per_token) e.temb = e.temb.unflatten(0, {x.size(0), tokens});
+  e.ctx.tproj = ce.time_proj(torch::silu(e.temb)).unflatten(per_token ? 2 : 1, {6, options.dim()});
   e.ctx.context = ce.text_embedder(text);
   return e;
 }
 
 torch::Tensor WanTransformerImpl::head(const torch::Tensor& tokens, const torch::Tensor& temb, const TokenGrid& grid) {
   const int64_t B = tokens.size(0), D = options.dim();
-  const auto mod = (scale_shift_table + temb.unsqueeze(1)).chunk(2, 1);  // shift, scale [B, 1, D]
+  std::vector<torch::Tensor> mod;  // shift, scale [B, 1, D], or [B, N, D] per token
+  if (temb.dim() == 3) {
+    for (auto& m : (scale_shift_table.unsqueeze(0) + temb.unsqueeze(2)).chunk(2, 2)) mod.push_back(m.squeeze(2));
+  } else {
+    mod = (scale_shift_table + temb.unsqueeze(1)).chunk(2, 1);
+  }
   auto h = (fp32_layer_norm(tokens, D, options.eps()) * (1 + mod[1]) + mod[0]).to(tokens.scalar_type());
   h = proj_out(h);
   const auto& p = options.patch();

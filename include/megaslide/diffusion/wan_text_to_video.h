@@ -225,6 +225,15 @@ class WanTextToVideo {
   torch::Tensor sample(const std::vector<std::string>& prompts, const std::vector<uint64_t>& seeds,
                        const WanSampleOptions& options, const std::function<void(int64_t, int64_t)>& on_step = {},
                        const std::vector<int64_t>& shape = {});
+  // Image-to-video as Wan2.2's TI2V-5B does it (diffusers' WanImageToVideoPipeline with expand_timesteps): the
+  // first latent frame is `image`'s ([3, H, W] in [-1, 1] at the video's pixel size, encoded by the VAE and
+  // normalised), kept clean in every model input, its tokens at timestep 0 (per-token timesteps), the rest
+  // sampled as `sample` does; the result's first frame is the image's latent. Throws std::invalid_argument for
+  // an image of another size.
+  torch::Tensor sample_from_image(const std::vector<std::string>& prompts, const std::vector<uint64_t>& seeds,
+                                  const torch::Tensor& image, const WanSampleOptions& options,
+                                  const std::function<void(int64_t, int64_t)>& on_step = {},
+                                  const std::vector<int64_t>& shape = {});
   // Normalised latents -> pixels [B, 3, T', H', W'] in [-1, 1], float32 on the CPU.
   torch::Tensor decode(const torch::Tensor& latents) const;
 

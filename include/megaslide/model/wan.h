@@ -13,6 +13,9 @@
 //     x += gate2 · ffn(LN(x)·(1 + scale2) + shift2)                  Linear, GELU tanh, Linear
 //   head: (shift, scale) = scale_shift_table [1, 2, D] + temb; proj_out(LN(x)·(1 + scale) + shift) --unpatchify-->
 //         [B, out_channels, T, H, W]
+//   Per-token timesteps (Wan2.2 TI2V-5B; diffusers' expand_timesteps): t [B, N], one per token in token order
+//   (t, h, w): temb [B, N, D], tproj [B, N, 6, D], and every token is modulated by its own (its own shift,
+//   scale and gate in each block and in the head). Equal timesteps give the [B] path's values.
 //
 // 3D RoPE: the head size d is split over (t, h, w) as (d − 4⌊d/6⌋, 2⌊d/6⌋, 2⌊d/6⌋); each axis rotates
 // pairs of channels (2j, 2j+1) by position·θ^(−2j/axis_size), θ = 10000, the angles in float64.
@@ -154,7 +157,7 @@ TORCH_MODULE(WanFeedForward);
 struct WanBlockContext {
   TokenGrid grid;
   WanRope rope;
-  torch::Tensor tproj;    // [B, 6, D] (any floating dtype; added to the table in fp32)
+  torch::Tensor tproj;    // [B, 6, D], or [B, N, 6, D] per token (any floating dtype; added to the table in fp32)
   torch::Tensor context;  // [B, L, D] text after text_embedder
 };
 
@@ -210,7 +213,7 @@ TORCH_MODULE(WanConditionEmbedder);
 struct WanEmbedded {
   torch::Tensor tokens;  // [B, N, D]
   WanBlockContext ctx;
-  torch::Tensor temb;  // [B, D]
+  torch::Tensor temb;  // [B, D], or [B, N, D] per token
 };
 
 class WanTransformerImpl : public torch::nn::Cloneable<WanTransformerImpl> {
@@ -218,8 +221,8 @@ class WanTransformerImpl : public torch::nn::Cloneable<WanTransformerImpl> {
   explicit WanTransformerImpl(WanOptions options);
   void reset() override;
 
-  // x [B, C, T, H, W] (T, H, W multiples of the patch), timesteps [B] (float: σ·1000 for flow matching),
-  // text [B, L, text_dim] -> [B, out_channels, T, H, W].
+  // x [B, C, T, H, W] (T, H, W multiples of the patch), timesteps [B] (float: σ·1000 for flow matching)
+  // or [B, N] per token (N the tokens of x, in token order), text [B, L, text_dim] -> [B, out_channels, T, H, W].
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text);
   WanEmbedded embed(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text);
   torch::Tensor head(const torch::Tensor& tokens, const torch::Tensor& temb, const TokenGrid& grid);
