@@ -677,3 +677,72 @@ TEST(WanTraining, ExpertSettingsThatCannotTrainAreRefused) {
           .model.wan.boundary_ratio,
       0.9);
 }
+
+// The property: with diffusion.first_frame_clean (Wan2.2 TI2V's image-to-video) an image-to-video sample
+// has its first latent frame clean in the input, that frame's 12 tokens at timestep 0 and every other
+// token at the sample's timestep, and the frame out of the loss (the masked loss is the mean over the other
+// frames, each sample's mean averaged over the samples: the same for any split of the batch); at 0.5 both
+// kinds of sample are drawn; the streamed trainer gives the resident loop's losses
+// and weights on such batches; the setting is refused for the DDPM objective and the DiT family.
+TEST(WanTraining, ImageToVideoSamplesKeepTheFirstFrameCleanAndOutOfTheLoss) {
+  {
+    megaslide::WanBatchSource batches(tiny_config({"diffusion.first_frame_clean=1"}), tiny_data());
+    const auto b = batches.next(torch::kCPU);
+    ASSERT_EQ(b.timesteps.sizes(), (std::vector<int64_t>{2, 36}));  // 3 latent frames of 3 x 4 tokens
+    EXPECT_TRUE(b.timesteps.narrow(1, 0, 12).eq(0).all().item<bool>());
+    for (int64_t i = 0; i < 2; ++i) {
+      const auto rest = b.timesteps[i].narrow(0, 12, 24);
+      EXPECT_TRUE(rest.eq(rest[0]).all().item<bool>() && rest[0].item<float>() > 0);
+    }
+    EXPECT_TRUE(torch::equal(b.xt.narrow(2, 0, 1), b.x0.narrow(2, 0, 1)));
+    EXPECT_FALSE(torch::equal(b.xt.narrow(2, 1, 1), b.x0.narrow(2, 1, 1)));
+    ASSERT_TRUE(b.loss_mask.defined());
+    EXPECT_EQ(b.loss_mask.sum().item<float>(), 4.0f);  // 2 samples x 2 frames kept
+    const auto prediction = torch::randn(b.target.sizes());
+    const double masked = megaslide::wan_training_loss(prediction, b.target, b.loss_mask).item<double>();
+    const double rest = megaslide::diffusion_loss(prediction.narrow(2, 1, 2), b.target.narrow(2, 1, 2)).item<double>();
+    EXPECT_NEAR(masked, rest, 1e-6 * rest);
+    EXPECT_TRUE(torch::equal(megaslide::wan_training_loss(prediction, b.target, torch::Tensor()),
+                             megaslide::diffusion_loss(prediction, b.target)));
+    // A batch of one image-to-video and one text-to-video sample: the mean of the two samples' losses, as
+    // two micro-batches or two ranks of one sample each give it.
+    auto mixed = b.loss_mask.clone();
+    mixed[1].fill_(1.0f);
+    const double whole = megaslide::wan_training_loss(prediction, b.target, mixed).item<double>();
+    const double halves =
+        (megaslide::wan_training_loss(prediction.narrow(0, 0, 1), b.target.narrow(0, 0, 1), mixed.narrow(0, 0, 1)) +
+         megaslide::wan_training_loss(prediction.narrow(0, 1, 1), b.target.narrow(0, 1, 1), mixed.narrow(0, 1, 1)))
+            .item<double>() /
+        2;
+    EXPECT_NEAR(whole, halves, 1e-6 * halves);
+  }
+  {
+    megaslide::WanBatchSource batches(tiny_config({"diffusion.first_frame_clean=0.5"}), tiny_data());
+    int clean = 0, text_to_video = 0;
+    for (int n = 0; n < 10; ++n) {
+      const auto b = batches.next(torch::kCPU);
+      for (int64_t i = 0; i < 2; ++i) (b.timesteps[i][0].item<float>() == 0 ? clean : text_to_video)++;
+    }
+    EXPECT_GT(clean, 0);
+    EXPECT_GT(text_to_video, 0);
+  }
+  auto streamed_config = tiny_config({"diffusion.first_frame_clean=0.5"});
+  auto resident_config = streamed_config;
+  resident_config.offload.enabled = false;
+  Trainer streamed = wan_trainer(streamed_config, tiny_data()), resident = wan_trainer(resident_config, tiny_data());
+  for (int s = 0; s < 3; ++s) {
+    const auto a = streamed.step(), b = resident.step();
+    EXPECT_NEAR(a.loss, b.loss, 1e-5 * std::abs(b.loss)) << "step " << s;
+  }
+  EXPECT_LT(max_difference(streamed.master_weights(), resident.master_weights()), 1e-5);
+  for (const auto& [sets, key] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"diffusion.first_frame_clean=1", "diffusion.objective=ddpm"}, "diffusion.first_frame_clean"},
+           {{"diffusion.first_frame_clean=1.5"}, "diffusion.first_frame_clean"}}) {
+    try {
+      tiny_config(sets);
+      ADD_FAILURE() << "accepted " << sets[0];
+    } catch (const megaslide::ConfigError& e) {
+      EXPECT_EQ(e.key(), key) << e.what();
+    }
+  }
+}

@@ -411,6 +411,7 @@ class Schema {
     real("diffusion.beta_start", c.diffusion.beta_start, RealRange{0.0, 1.0, true, true});
     real("diffusion.beta_end", c.diffusion.beta_end, RealRange{0.0, 1.0, true, true});
     real("diffusion.caption_dropout", c.diffusion.caption_dropout, RealRange{0.0, 1.0});
+    real("diffusion.first_frame_clean", c.diffusion.first_frame_clean, RealRange{0.0, 1.0});
     choice("diffusion.prediction", c.diffusion.prediction, {"epsilon", "v", "x0"});
     integer("diffusion.sample_steps", c.diffusion.sample_steps, IntRange{1});
     choice("diffusion.timestep_spacing", c.diffusion.timestep_spacing, {"linspace", "leading", "trailing"});
@@ -911,6 +912,18 @@ void validate(const RunConfig& c, const std::string& source) {
   if (!wan && c.diffusion.guidance_scale_2 != -1.0)
     fail("diffusion.guidance_scale_2", "is the guidance scale of Wan2.2's low-noise expert; model.arch " +
                                            std::string(to_string(m.arch)) + " has one DiT");
+  if (c.diffusion.first_frame_clean > 0) {
+    const std::string why = "is " + format_number(c.diffusion.first_frame_clean) + ": Wan2.2 TI2V's image-to-video ";
+    if (!wan) fail("diffusion.first_frame_clean", why + "is model.arch wan's");
+    if (c.diffusion.objective != "flow")
+      fail("diffusion.first_frame_clean", why + "trains with diffusion.objective flow");
+    if (wan && c.model.wan.patch[0] != 1)
+      fail("diffusion.first_frame_clean", why + "needs model.wan.patch[0] 1 (the first frame's tokens its own)");
+    if (wan && !c.model.wan.expert.empty())
+      fail("diffusion.first_frame_clean", why + "is one DiT's, not one of two experts'");
+    if (model_sample_shape(c)[1] < 2)
+      fail("diffusion.first_frame_clean", why + "needs at least 2 latent frames (the first one clean)");
+  }
   if (wan) {
     validate_wan(c, fail);
   } else {

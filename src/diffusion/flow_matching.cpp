@@ -98,7 +98,10 @@ torch::Tensor sample_flow_sigmas(int64_t batch, const FlowMatchingOptions& optio
   } else {
     u = torch::sigmoid(torch::randn({batch}, generator, f64) * options.logit_std() + options.logit_mean());
   }
-  return shift_sigmas(u, options.shift()).to(torch::kFloat32);
+  auto sigma = shift_sigmas(u, options.shift()).to(torch::kFloat32);
+  // A σ just under the range's end may round up to it in float32: kept below (the other expert's side).
+  if (hi < 1) sigma.clamp_max_(std::nextafter(static_cast<float>(hi), 0.0f));
+  return sigma;
 }
 
 torch::Tensor flow_noisy(const torch::Tensor& x0, const torch::Tensor& noise, const torch::Tensor& sigma) {

@@ -412,8 +412,10 @@ WanModel with_untrained_expert(WanModel trained, bool blocks_on_demand) {
   const std::string other = wan_untrained_expert(w);
   if (other.empty()) return trained;
   WanModel partner;
+  RunConfig dense = trained.config;
+  dense.model.self_attention = "dense";  // the published expert, as it was trained (not the run's retrofit)
   try {
-    partner = load_wan_expert(trained.config, other, blocks_on_demand);
+    partner = load_wan_expert(dense, other, blocks_on_demand);
   } catch (const std::exception& e) {
     throw WeightsError("weights file '" + trained.source + "' fine-tuned Wan2.2's " + w.expert +
                        "-noise expert; the other expert it samples with, '" + other + "', cannot be read: " + e.what());
@@ -422,6 +424,7 @@ WanModel with_untrained_expert(WanModel trained, bool blocks_on_demand) {
     trained.low_noise = std::make_shared<WanModel>(std::move(partner));
     return trained;
   }
+  partner.config = trained.config;  // the run's settings (its sampling defaults) for the pair
   partner.low_noise = std::make_shared<WanModel>(std::move(trained));
   return partner;
 }

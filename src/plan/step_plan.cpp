@@ -308,13 +308,17 @@ DeviceMemoryPlan wan_device_memory(const RunConfig& c, const ModelShape& s, cons
   // fp32 tokens, the head's LayerNorm input, output and modulated input, the input gradient; the text
   // embedder's input [B, Lt, text_dim] and its fp32 intermediates; the RoPE tables (fp32 cos and sin).
   d.prologue_epilogue = 5 * video + 5 * B * N * D * 4 + B * Lt * (w.text_dim + 3 * D) * 4 + N * (D / w.heads) * 4;
-  const BlockActivation fused = wan_block_activation(c, grid, e, false);
+  BlockActivation fused = wan_block_activation(c, grid, e, false);
   const bool dsa = c.model.self_attention == "dsa3d";
+  // Per-token timesteps (diffusion.first_frame_clean): the modulation is per token, tproj [B, N, 6, D] fp32,
+  // and each block keeps its fp32 sum with the table for the backward.
+  const int64_t modulated = c.diffusion.first_frame_clean > 0 ? B * N : B;
+  if (modulated > B) fused.saved += modulated * 6 * D * 4;
   if (streamed) {
     d.weight_slots = d.gradient_slots = 2 * s.largest_block * e;
     d.resident_state = resident_bytes_per_param(c) * s.resident;
     d.checkpoints = (L + 1) * X;
-    d.block_inputs = 2 * (B * 6 * D * 4 + B * Lt * D * e);  // tproj (fp32) and the text context, with grads
+    d.block_inputs = 2 * (modulated * 6 * D * 4 + B * Lt * D * e);  // tproj (fp32) and the text context, with grads
     d.recompute_saved = fused.saved;
     d.recompute_workspace = fused.workspace;
     if (dsa) {

@@ -60,8 +60,10 @@ bool must_match(const std::string& key) {
       "diffusion.timesteps",         "diffusion.beta_schedule", "diffusion.beta_start", "diffusion.beta_end",
       "diffusion.caption_dropout",   "diffusion.prediction",    "train.batch_size",     "train.seed",
       "offload.compute_dtype",       "optimizer.state_dtype",   "diffusion.objective",  "diffusion.shift",
-      "diffusion.timestep_sampling", "diffusion.logit_mean",    "diffusion.logit_std"};
-  if (key == "model.wan.weights") return false;  // where a run's initial weights came from: a resume reads its own
+      "diffusion.timestep_sampling", "diffusion.logit_mean",    "diffusion.logit_std",  "diffusion.first_frame_clean"};
+  // Where a run's initial weights came from (a resume reads its own), and Wan2.2's other expert (the trained
+  // low-noise one's initial weights, or the untrained partner the validation videos read): may have moved.
+  if (key == "model.wan.weights" || key == "model.wan.weights_2") return false;
   // How data is loaded (threads, read-ahead, from the cache or by decoding) does not change what is drawn.
   // Nor do how many frames the VAE takes per call and how validation videos are decoded.
   static const std::set<std::string> loading{"data.workers",

@@ -137,7 +137,7 @@ class WanModel final : public FamilyModel {
 
   at::Tensor loss(MicroBatchStats& stats) override {
     const auto b = next_batch(stats);
-    return diffusion_loss(model()->forward(b.xt, b.timesteps, b.text), b.target);
+    return wan_training_loss(model()->forward(b.xt, b.timesteps, b.text), b.target, b.loss_mask);
   }
   offload::StackInput prologue(MicroBatchStats& stats) override { return split_.prologue(next_batch(stats)); }
   at::Tensor epilogue(const at::Tensor& last_hidden) override { return split_.epilogue(last_hidden); }
@@ -164,6 +164,11 @@ class WanModel final : public FamilyModel {
           w.weights_2.empty() ? std::string()
                               : fmt::format("; the {}-noise expert '{}' is not trained",
                                             w.expert == "high" ? "low" : "high", wan_untrained_expert(w))));
+    if (config_.diffusion.first_frame_clean > 0)
+      info.push_back(
+          fmt::format("image-to-video (Wan2.2 TI2V) for {:.0f}% of the samples: the first latent frame "
+                      "clean, its tokens at timestep 0, left out of the loss",
+                      100.0 * config_.diffusion.first_frame_clean));
     if (!initialised_.empty())
       info.push_back(
           fmt::format("{} parameters not in model.wan.weights start from their initialisation (the 3D-DSA retrofit's)",
@@ -331,9 +336,12 @@ void check_expert_training(const RunConfig& resolved, const std::string& source)
   if (!w.expert.empty() && w.weights_2.empty() && resolved.train.sample_every > 0)
     throw ConfigError(
         source, "train.sample_every",
-        fmt::format("is {}, but the validation videos of the {}-noise expert need the other one too: name "
-                    "it in model.wan.weights_2 (or set train.sample_every: 0)",
-                    resolved.train.sample_every, w.expert));
+        fmt::format("is {}, but the validation videos of the {}-noise expert need the other one too: {} (or set "
+                    "train.sample_every: 0)",
+                    resolved.train.sample_every, w.expert,
+                    w.expert == "high" ? "name the low-noise expert in model.wan.weights_2"
+                                       : "put the high-noise expert in model.wan.weights and this low-noise one in "
+                                         "model.wan.weights_2"));
 }
 
 const ModelFamily& wan_family() {

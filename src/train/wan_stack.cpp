@@ -156,9 +156,26 @@ WanBatch WanBatchSource::next(torch::Device device) {
   if (flow_) {
     const auto sigma = sample_flow_sigmas(B, flow_options_, generator_);
     noise = torch::randn(x0.sizes(), generator_, torch::kFloat32);
-    b.xt = flow_noisy(x0, noise, sigma).to(device);
+    auto xt = flow_noisy(x0, noise, sigma);
+    auto timesteps = sigma * static_cast<float>(config_.diffusion.timesteps);
+    if (config_.diffusion.first_frame_clean > 0) {
+      // Image-to-video samples: the first latent frame clean, its tokens at timestep 0, out of the loss.
+      const auto clean = torch::rand({B}, generator_, torch::kFloat64).lt(config_.diffusion.first_frame_clean);
+      const auto& p = config_.model.wan.patch;
+      const int64_t T = x0.size(2), per_frame = (x0.size(3) / p[1]) * (x0.size(4) / p[2]);
+      timesteps = timesteps.unsqueeze(1).repeat({1, T / p[0] * per_frame});  // [B, N]
+      auto mask = torch::ones({B, 1, T, 1, 1}, torch::kFloat32);
+      for (int64_t i = 0; i < B; ++i) {
+        if (!clean[i].item<bool>()) continue;
+        xt[i].select(1, 0).copy_(x0[i].select(1, 0));
+        timesteps[i].narrow(0, 0, per_frame).zero_();
+        mask[i].select(1, 0).zero_();
+      }
+      b.loss_mask = mask.to(device);
+    }
+    b.xt = xt.to(device);
     b.target = flow_target(x0, noise).to(device);
-    b.timesteps = (sigma * static_cast<float>(config_.diffusion.timesteps)).to(device);
+    b.timesteps = timesteps.to(device);
   } else {
     const auto t = schedule_.sample_timesteps(B, torch::kCPU, generator_);
     noise = torch::randn(x0.sizes(), generator_, torch::kFloat32);
@@ -171,8 +188,8 @@ WanBatch WanBatchSource::next(torch::Device device) {
   b.text = text.to(device);
   if (slice_count_ > 1) {  // this rank's rows [first, first + local) of the global batch
     const int64_t local = B / slice_count_, first = slice_rank_ * local;
-    for (auto* t : {&b.x0, &b.noise, &b.xt, &b.timesteps, &b.target, &b.text})
-      *t = t->narrow(0, first, local).contiguous();
+    for (auto* t : {&b.x0, &b.noise, &b.xt, &b.timesteps, &b.target, &b.text, &b.loss_mask})
+      if (t->defined()) *t = t->narrow(0, first, local).contiguous();
   }
   return b;
 }
@@ -319,8 +336,19 @@ double wan_model_flops_per_step(const RunConfig& c) {
   return 6.0 * B * (per_video_token * N + (cross_kv + text_mlp) * Lt) + attention;
 }
 
+torch::Tensor wan_training_loss(const torch::Tensor& prediction, const torch::Tensor& target,
+                                const torch::Tensor& loss_mask) {
+  if (!loss_mask.defined()) return diffusion_loss(prediction, target);
+  // Each sample's mean over its kept elements, then the mean over the samples: the same however the batch
+  // is split into micro-batches or over ranks (samples keep different numbers of frames).
+  const auto weights = loss_mask.to(torch::kFloat32).expand_as(prediction);
+  const auto squared = (prediction.to(torch::kFloat32) - target.to(torch::kFloat32)).square() * weights;
+  return (squared.flatten(1).sum(1) / weights.flatten(1).sum(1)).mean();
+}
+
 offload::StackInput WanStackSplit::prologue(const WanBatch& b) {
   target = b.target;
+  loss_mask = b.loss_mask;
   auto e = model->embed(b.xt, b.timesteps, b.text);
   temb = e.temb;
   grid = e.ctx.grid;
@@ -332,7 +360,7 @@ offload::StackInput WanStackSplit::prologue(const WanBatch& b) {
 }
 
 torch::Tensor WanStackSplit::epilogue(const torch::Tensor& last_hidden) {
-  return diffusion_loss(model->head(last_hidden, temb, grid), target);
+  return wan_training_loss(model->head(last_hidden, temb, grid), target, loss_mask);
 }
 
 offload::StackStepResult wan_streamed_step(offload::StreamedStackTrainer& engine, WanTransformer& model,

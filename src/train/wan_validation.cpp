@@ -207,9 +207,12 @@ std::vector<torch::Tensor> WanValidation::sample(Trainer& trainer) const {
     StreamedDenoiserOptions so;
     so.device = trainer.device();
     so.compute_dtype = trainer.engine() ? trainer.engine()->options().compute_dtype : at::kFloat;
+    so.pin_host_memory = false;  // read for each validation: not worth page-locking 28 GB each time
+    RunConfig partner = config_;
+    partner.model.self_attention = "dense";  // the published expert, as it was trained (not the retrofit)
     std::shared_ptr<WanDenoiser> frozen;
     try {
-      frozen = std::make_shared<StreamedWanDenoiser>(load_wan_expert(config_, other, true), so);
+      frozen = std::make_shared<StreamedWanDenoiser>(load_wan_expert(partner, other, true), so);
     } catch (const WanWeightsError& e) {
       throw ConfigError(source_, w.expert == "high" ? "model.wan.weights_2" : "model.wan.weights", e.what());
     }

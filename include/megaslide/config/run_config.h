@@ -160,7 +160,11 @@ struct DiffusionConfig {
   std::string beta_schedule = "linear";  // linear | cosine
   double beta_start = 1e-4;
   double beta_end = 0.02;
-  double caption_dropout = 0.1;        // probability of training on the empty prompt (for CFG)
+  double caption_dropout = 0.1;  // probability of training on the empty prompt (for CFG)
+  // Wan2.2 TI2V's image-to-video (model.arch wan, flow): the probability that a sample trains as
+  // image-to-video — its first latent frame clean in the input, that frame's tokens at timestep 0 (per-token
+  // timesteps) and left out of the loss; 0: every sample text-to-video.
+  double first_frame_clean = 0.0;
   std::string prediction = "epsilon";  // what the model predicts and the loss compares: epsilon | v | x0
   int64_t sample_steps = 30;
   std::string timestep_spacing = "linspace";  // linspace | leading | trailing (sampler.h)

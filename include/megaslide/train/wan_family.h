@@ -76,12 +76,23 @@ struct WanLatentData {
 RunConfig wan_latent_config(const RunConfig& config);
 
 // One micro-batch.
+// With diffusion.first_frame_clean > 0 (Wan2.2 TI2V's image-to-video), a sample drawn as image-to-video
+// (probability first_frame_clean, one CPU-generator draw per sample after the noise) has x0's first latent
+// frame in xt, that frame's tokens at timestep 0 in per-token timesteps [B, N] (every other token at the
+// sample's), and loss_mask 0 on it: its loss is the mean over the frames left (wan_training_loss).
 struct WanBatch {
   torch::Tensor x0, noise, xt;  // [B, C, T, H, W]
-  torch::Tensor timesteps;      // [B] float32, what the model is given (σ·T, or the DDPM timestep)
+  torch::Tensor timesteps;      // [B] float32, what the model is given (σ·T, or the DDPM timestep); [B, N] per token
   torch::Tensor target;         // [B, C, T, H, W]
   torch::Tensor text;           // [B, L, text_dim]
+  torch::Tensor loss_mask;      // [B, 1, T, 1, 1] float32 (first_frame_clean > 0), else undefined
 };
+
+// The training loss of a prediction [B, C, T, H, W] for `target`: the mean squared error; with loss_mask,
+// each sample's mean over the elements it keeps (each kept frame's every channel and pixel), averaged over
+// the samples (so the same for any split of the batch), in fp32.
+torch::Tensor wan_training_loss(const torch::Tensor& prediction, const torch::Tensor& target,
+                                const torch::Tensor& loss_mask);
 
 class WanBatchSource {
  public:
@@ -173,7 +184,7 @@ double wan_model_flops_per_step(const RunConfig& config);
 struct WanStackSplit {
   explicit WanStackSplit(WanTransformer model_) : model(std::move(model_)) {}
   WanTransformer model;
-  torch::Tensor target, temb;
+  torch::Tensor target, temb, loss_mask;
   TokenGrid grid;
   offload::StackInput prologue(const WanBatch& batch);
   torch::Tensor epilogue(const torch::Tensor& last_hidden);
