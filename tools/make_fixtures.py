@@ -915,6 +915,29 @@ def section_wan(out_dir):
     save_safetensors(os.path.join(out_dir, "reference.safetensors"), tensors, meta)
 
 
+def _wan_dit_fixture(out_dir, config, seed):
+    """A tiny random WanTransformer3DModel of `config` (fp32, eval mode), saved as out_dir/transformer/."""
+    from diffusers import WanTransformer3DModel
+
+    transformer = WanTransformer3DModel(**config)
+    _randomize(transformer, seed)
+    transformer.eval()
+    folder = os.path.join(out_dir, "transformer")
+    os.makedirs(folder)
+    transformer.save_config(folder)
+    save_safetensors(os.path.join(folder, "diffusion_pytorch_model.safetensors"),
+                     {k: v.detach().numpy() for k, v in transformer.state_dict().items()}, {"format": "pt"})
+    return transformer
+
+
+def _umt5_fixture():
+    """The committed umt5 fixture's encoder (eager attention, eval mode) and tokenizer."""
+    from transformers import T5Tokenizer, UMT5EncoderModel
+
+    text_encoder = UMT5EncoderModel.from_pretrained(os.path.join(FIXTURES, "umt5", "hf"), attn_implementation="eager").eval()
+    return text_encoder, T5Tokenizer.from_pretrained(os.path.join(FIXTURES, "umt5", "tokenizer"), extra_ids=0)
+
+
 def section_wan_ti2v(out_dir):
     """Wan2.2 TI2V's per-token timesteps (diffusers' expand_timesteps): a tiny random WanTransformer3DModel of
     12 latent channels given timesteps [B, N], one per token; its output and one training step's gradients."""
@@ -925,14 +948,7 @@ def section_wan_ti2v(out_dir):
     config = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=12, out_channels=12,
                   text_dim=20, freq_dim=16, ffn_dim=40, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
                   eps=1e-6, rope_max_seq_len=1024)
-    model = WanTransformer3DModel(**config)
-    _randomize(model, 61)
-    model.eval()
-    folder = os.path.join(out_dir, "transformer")
-    os.makedirs(folder)
-    model.save_config(folder)
-    save_safetensors(os.path.join(folder, "diffusion_pytorch_model.safetensors"),
-                     {k: v.detach().numpy() for k, v in model.state_dict().items()}, {"format": "pt"})
+    model = _wan_dit_fixture(out_dir, config, 61)
 
     g = torch.Generator().manual_seed(62)
     video, text_shape = (2, 12, 3, 4, 6), (2, 7, 20)
@@ -970,21 +986,13 @@ def section_ti2v_pipeline(out_dir):
     import torch
     import transformers
     from diffusers import AutoencoderKLWan, WanImageToVideoPipeline, WanTransformer3DModel
-    from transformers import T5Tokenizer, UMT5EncoderModel
+    from transformers import T5Tokenizer
 
     config = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=8, out_channels=8, text_dim=24,
                   freq_dim=16, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
                   rope_max_seq_len=1024)
-    transformer = WanTransformer3DModel(**config)
-    _randomize(transformer, 71)
-    transformer.eval()
-    folder = os.path.join(out_dir, "transformer")
-    os.makedirs(folder)
-    transformer.save_config(folder)
-    save_safetensors(os.path.join(folder, "diffusion_pytorch_model.safetensors"),
-                     {k: v.detach().numpy() for k, v in transformer.state_dict().items()}, {"format": "pt"})
-    text_encoder = UMT5EncoderModel.from_pretrained(os.path.join(FIXTURES, "umt5", "hf"), attn_implementation="eager").eval()
-    tokenizer = T5Tokenizer.from_pretrained(os.path.join(FIXTURES, "umt5", "tokenizer"), extra_ids=0)
+    transformer = _wan_dit_fixture(out_dir, config, 71)
+    text_encoder, tokenizer = _umt5_fixture()
     vae = AutoencoderKLWan.from_pretrained(os.path.join(FIXTURES, "wan22_vae", "tiny")).eval()
 
     frames, height, width, steps, shift, guidance, seed = 9, 64, 96, 4, 5.0, 5.0, 11
@@ -1440,24 +1448,16 @@ def section_wan_pipeline(out_dir):
     import transformers
     from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
     from diffusers.pipelines.wan.pipeline_wan import prompt_clean
-    from transformers import T5Tokenizer, UMT5EncoderModel
+    from transformers import T5Tokenizer
 
     # The text encoder, tokenizer and VAE are the committed umt5 and wan_vae fixtures; the DiT is new and
     # sized to them (text_dim = umT5's d_model 24, in/out channels = the VAE's z_dim 16), non-default sizes.
     config = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=16, out_channels=16, text_dim=24,
                   freq_dim=16, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
                   rope_max_seq_len=1024)
-    transformer = WanTransformer3DModel(**config)
-    _randomize(transformer, 21)
-    transformer.eval()
-    folder = os.path.join(out_dir, "transformer")
-    os.makedirs(folder)
-    transformer.save_config(folder)
-    save_safetensors(os.path.join(folder, "diffusion_pytorch_model.safetensors"),
-                     {k: v.detach().numpy() for k, v in transformer.state_dict().items()}, {"format": "pt"})
+    transformer = _wan_dit_fixture(out_dir, config, 21)
 
-    text_encoder = UMT5EncoderModel.from_pretrained(os.path.join(FIXTURES, "umt5", "hf"), attn_implementation="eager").eval()
-    tokenizer = T5Tokenizer.from_pretrained(os.path.join(FIXTURES, "umt5", "tokenizer"), extra_ids=0)
+    text_encoder, tokenizer = _umt5_fixture()
     vae = AutoencoderKLWan.from_pretrained(os.path.join(FIXTURES, "wan_vae", "tiny")).eval()
 
     prompts = ["a red blob moves left quickly", "cats &amp;amp; dogs   on\tthe beach"]
@@ -1528,7 +1528,6 @@ def section_wan22_experts(out_dir):
     import torch
     import transformers
     from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
-    from transformers import T5Tokenizer, UMT5EncoderModel
 
     # Two experts of one architecture (as Wan2.2-T2V-A14B's), sized to the umt5 and wan_vae fixtures and unlike
     # wan_pipeline's DiT: 3 heads of 8, 3 blocks. diffusers' repository layout: model_index.json with
@@ -1555,8 +1554,7 @@ def section_wan22_experts(out_dir):
                    "expand_timesteps": False, "transformer": ["diffusers", "WanTransformer3DModel"],
                    "transformer_2": ["diffusers", "WanTransformer3DModel"]}, f, indent=2)
 
-    text_encoder = UMT5EncoderModel.from_pretrained(os.path.join(FIXTURES, "umt5", "hf"), attn_implementation="eager").eval()
-    tokenizer = T5Tokenizer.from_pretrained(os.path.join(FIXTURES, "umt5", "tokenizer"), extra_ids=0)
+    text_encoder, tokenizer = _umt5_fixture()
     vae = AutoencoderKLWan.from_pretrained(os.path.join(FIXTURES, "wan_vae", "tiny")).eval()
     prompt, seed = "a red blob moves left quickly", 11
     frames, height, width, steps, shift, guidance, guidance_2 = 5, 32, 48, 6, 5.0, 4.0, 2.5
