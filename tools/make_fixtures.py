@@ -595,6 +595,26 @@ def _wan_randomize(vae, seed):
         vae.decoder.conv_out.weight.mul_(0.3)
 
 
+def _wan_vae_round_trips(vae, g, z_dim, cases, tensors):
+    """For each (frames, (H, W), batch, (h, w)): encode random videos [batch, 3, frames, H, W] and decode random
+    latents [1, z_dim, 1 + (frames - 1) / 4, h, w] (drawn from `g` in that order) into tensors["fF.*"]; one
+    summary line each."""
+    import torch
+
+    summary = []
+    for frames, size, batch, latent_size in cases:
+        videos = torch.rand((batch, 3, frames, *size), generator=g) * 2 - 1
+        dist = vae.encode(videos).latent_dist
+        latents = torch.randn((1, z_dim, 1 + (frames - 1) // 4, *latent_size), generator=g)
+        decoded = vae.decode(latents).sample
+        tensors.update({f"f{frames}.videos": videos.numpy(), f"f{frames}.mean": dist.mean.numpy(), f"f{frames}.logvar": dist.logvar.numpy(),
+                        f"f{frames}.latents": latents.numpy(), f"f{frames}.decoded": decoded.numpy()})
+        saturated = float((decoded.abs() >= 1).float().mean())
+        summary.append(f"{frames} frames: encode {tuple(videos.shape)} -> {tuple(dist.mean.shape)}, decode {tuple(latents.shape)} -> "
+                       f"{tuple(decoded.shape)} ({saturated:.0%} clamped)")
+    return summary
+
+
 def section_wan_vae(out_dir):
     import diffusers
     import torch
@@ -627,19 +647,9 @@ def section_wan_vae(out_dir):
     save_safetensors(os.path.join(out_dir, "wan_2.1_vae_tiny.safetensors"), original)
 
     tensors = {}
-    summary = []
     with torch.no_grad():
-        for frames, size in ((1, (16, 24)), (5, (16, 24)), (9, (8, 16))):
-            videos = torch.rand((2 if frames == 5 else 1, 3, frames, *size), generator=g) * 2 - 1
-            dist = vae.encode(videos).latent_dist
-            t = 1 + (frames - 1) // 4
-            latents = torch.randn((1, 16, t, size[0] // 8 + 1, size[1] // 8), generator=g)
-            decoded = vae.decode(latents).sample
-            tensors.update({f"f{frames}.videos": videos.numpy(), f"f{frames}.mean": dist.mean.numpy(), f"f{frames}.logvar": dist.logvar.numpy(),
-                            f"f{frames}.latents": latents.numpy(), f"f{frames}.decoded": decoded.numpy()})
-            saturated = float((decoded.abs() >= 1).float().mean())
-            summary.append(f"{frames} frames: encode {tuple(videos.shape)} -> {tuple(dist.mean.shape)}, decode {tuple(latents.shape)} -> "
-                           f"{tuple(decoded.shape)} ({saturated:.0%} clamped)")
+        summary = _wan_vae_round_trips(vae, g, 16, ((1, (16, 24), 1, (3, 3)), (5, (16, 24), 2, (3, 3)), (9, (8, 16), 1, (2, 2))),
+                                       tensors)
         # diffusers' tiled encode and decode: 16-pixel tiles every 8 pixels, on 40 x 24 frames (not a multiple of
         # the tile): 3 x 5 tiles, 1-latent / 8-pixel blends.
         videos = torch.rand((1, 3, 5, 24, 40), generator=g) * 2 - 1
@@ -737,19 +747,9 @@ def section_wan22_vae(out_dir):
     # Frames are multiples of 16 pixels (2x2 patches, then 8x down). 1 frame (the first chunk alone), 5 (first +
     # one chunk of 4, batch 2 when encoding) and 9 (first + two chunks).
     tensors = {}
-    summary = []
     with torch.no_grad():
-        for frames, size, batch, latent_size in ((1, (16, 32), 1, (1, 2)), (5, (16, 16), 2, (2, 1)), (9, (16, 16), 1, (1, 1))):
-            videos = torch.rand((batch, 3, frames, *size), generator=g) * 2 - 1
-            dist = vae.encode(videos).latent_dist
-            t = 1 + (frames - 1) // 4
-            latents = torch.randn((1, 8, t, *latent_size), generator=g)
-            decoded = vae.decode(latents).sample
-            tensors.update({f"f{frames}.videos": videos.numpy(), f"f{frames}.mean": dist.mean.numpy(), f"f{frames}.logvar": dist.logvar.numpy(),
-                            f"f{frames}.latents": latents.numpy(), f"f{frames}.decoded": decoded.numpy()})
-            saturated = float((decoded.abs() >= 1).float().mean())
-            summary.append(f"{frames} frames: encode {tuple(videos.shape)} -> {tuple(dist.mean.shape)}, decode {tuple(latents.shape)} -> "
-                           f"{tuple(decoded.shape)} ({saturated:.0%} clamped)")
+        summary = _wan_vae_round_trips(vae, g, 8, ((1, (16, 32), 1, (1, 2)), (5, (16, 16), 2, (2, 1)), (9, (16, 16), 1, (1, 1))),
+                                       tensors)
         # diffusers' tiled encode and decode. Encoding, diffusers measures tiles on the patchified frame: tiles of 16
         # every 8 there (32 every 16 pixels) on 32 x 48 pixels (16 x 24 patchified): 2 x 3 tiles, the last ones cut
         # short, blended over 1 latent. Decoding, tiles of 32 pixels every 16 (2 latents every 1) on 2 x 3 latents
