@@ -375,6 +375,9 @@ WanModel load_wan_model(const std::string& weights_file, bool blocks_on_demand) 
   return out;
 }
 
+namespace {
+// One DiT of `config` (resolved) from published weights at `path`: the prologue and head read now, the blocks
+// on demand (or all now).
 WanModel load_wan_expert(const RunConfig& config, const std::string& path, bool blocks_on_demand) {
   WanModel out;
   out.config = config;
@@ -406,16 +409,24 @@ WanModel load_wan_expert(const RunConfig& config, const std::string& path, bool 
   out.dit->eval();
   return out;
 }
+}  // namespace
+
+WanModel load_untrained_expert(const RunConfig& config, bool blocks_on_demand) {
+  const std::string other = wan_untrained_expert(config.model.wan);
+  if (other.empty())
+    throw std::invalid_argument("the run trains no Wan2.2 expert beside another: there is no untrained expert");
+  RunConfig dense = config;
+  dense.model.self_attention = "dense";  // the published expert, as it was trained (not the run's retrofit)
+  return load_wan_expert(dense, other, blocks_on_demand);
+}
 
 WanModel with_untrained_expert(WanModel trained, bool blocks_on_demand) {
   const auto& w = trained.config.model.wan;
   const std::string other = wan_untrained_expert(w);
   if (other.empty()) return trained;
   WanModel partner;
-  RunConfig dense = trained.config;
-  dense.model.self_attention = "dense";  // the published expert, as it was trained (not the run's retrofit)
   try {
-    partner = load_wan_expert(dense, other, blocks_on_demand);
+    partner = load_untrained_expert(trained.config, blocks_on_demand);
   } catch (const std::exception& e) {
     throw WeightsError("weights file '" + trained.source + "' fine-tuned Wan2.2's " + w.expert +
                        "-noise expert; the other expert it samples with, '" + other + "', cannot be read: " + e.what());

@@ -200,19 +200,17 @@ std::vector<torch::Tensor> WanValidation::sample(Trainer& trainer) const {
     denoiser = std::make_shared<ResidentWanDenoiser>(model, trainer.device(),
                                                      at::kFloat);  // the module itself: fp32, on its device
   }
-  // One of Wan2.2's experts trained: the other one, from its weights, streamed block by block in the
-  // trainer's compute dtype, takes its own timesteps.
+  // One of Wan2.2's experts trained: the other one, from its weights as published (dense), streamed block
+  // by block in the trainer's compute dtype, takes its own timesteps.
   const auto& w = config_.model.wan;
-  if (const std::string other = wan_untrained_expert(w); !other.empty()) {
+  if (!wan_untrained_expert(w).empty()) {
     StreamedDenoiserOptions so;
     so.device = trainer.device();
     so.compute_dtype = trainer.engine() ? trainer.engine()->options().compute_dtype : at::kFloat;
     so.pin_host_memory = false;  // read for each validation: not worth page-locking 28 GB each time
-    RunConfig partner = config_;
-    partner.model.self_attention = "dense";  // the published expert, as it was trained (not the retrofit)
     std::shared_ptr<WanDenoiser> frozen;
     try {
-      frozen = std::make_shared<StreamedWanDenoiser>(load_wan_expert(partner, other, true), so);
+      frozen = std::make_shared<StreamedWanDenoiser>(load_untrained_expert(config_, true), so);
     } catch (const WanWeightsError& e) {
       throw ConfigError(source_, w.expert == "high" ? "model.wan.weights_2" : "model.wan.weights", e.what());
     }

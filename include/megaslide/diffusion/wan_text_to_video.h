@@ -197,10 +197,11 @@ WanModel load_wan_model(const std::string& weights_file, bool blocks_on_demand =
 // config must name the weights (ConfigError otherwise, naming model.wan.weights or model.wan.weights_2).
 // With blocks_on_demand as above.
 WanModel wan_model_from_config(const RunConfig& config, const std::string& source, bool blocks_on_demand = false);
-// One DiT of `config` (resolved: with_wan_architecture_from_weights) read from published weights at `path`
-// (one expert of two, or the only one): the prologue and head now, the blocks on demand or all now. Throws
-// WanWeightsError naming the file and tensor.
-WanModel load_wan_expert(const RunConfig& config, const std::string& path, bool blocks_on_demand);
+// The Wan2.2 expert a run of `config` (resolved: with_wan_architecture_from_weights; model.wan.expert set)
+// does not train, read from its published weights (wan_untrained_expert) as published — dense attention,
+// whatever the run's self_attention: the prologue and head now, the blocks on demand or all now. Throws
+// WanWeightsError naming the file and tensor; std::invalid_argument when the run has no such expert.
+WanModel load_untrained_expert(const RunConfig& config, bool blocks_on_demand);
 // A run's model (load_wan_model) that fine-tuned one of Wan2.2's experts, paired with the expert it did not
 // train (its config's model.wan.weights or weights_2: wan_untrained_expert) as wan_model_from_config pairs
 // published experts: the high-noise one first, the low-noise one as low_noise. Returned unchanged when the
