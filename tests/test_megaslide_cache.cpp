@@ -2,20 +2,25 @@
 // part-way resumes (keeping its finished shards) and ends with the files of an uninterrupted build; bad
 // input exits 2; a run trains from the cache and from decoding, reporting each bad item once and losing
 // no good one; data_wait_s is in metrics.jsonl; bad train.init_from is refused with exit 2 before
-// anything is written; Wan trains from its cache and writes validation videos of its first captions.
+// anything is written; Wan trains from its cache and writes validation videos of its first captions; with
+// Wan 2.2's VAE the cache holds that VAE's latents of each clip and a Wan run of its channels trains from them.
 #include <gtest/gtest.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include <chrono>
 #include <thread>
 
+#include "megaslide/config/run_config.h"
 #include "megaslide/data/latent_cache.h"
+#include "megaslide/data/video_dataset.h"
 #include "megaslide/io/video.h"
+#include "megaslide/model/wan_vae.h"
 #include "run_tool.h"
 #include "video_fixture.h"
 
@@ -224,4 +229,67 @@ TEST(MegaslideCache, WanCachesItsVideosAndTrainsFromTheCache) {
   r = run_tool("megaslide-cache", "--config " + config + " " + other);
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("other encoders"), std::string::npos) << r.output;
+}
+
+// The property: megaslide-cache with Wan 2.2's VAE (tests/fixtures/wan22_vae: z_dim 8, 16 pixels and 4 frames a
+// latent, 2x2 patches) caches each clip's latents at that VAE's shape — [z_dim, 1 + (F-1)/4, H/16, W/16] — equal to
+// the VAE's own encode of the clip the dataset decodes (within 1e-5, fp32: one computation, here and in the cache),
+// and the manifest describes them with the VAE's downscale; a Wan run with model.wan.in_channels = z_dim trains a
+// step from the cache.
+TEST(MegaslideCache, Wan22VaeCachesItsLatents) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  VideoFixture fx("cli-cache-wan22", 3, 12, 48, 64);
+  const std::string fixtures = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures";
+  const std::string vae_path = fixtures + "/wan22_vae/tiny";
+  const auto vae = megaslide::WanVae::load(vae_path);
+  const int64_t z = vae.config().z_dim, ds = vae.config().spatial_downscale();
+  const int64_t frames = 5, height = 32, width = 64;  // not square: a swapped height and width would show
+  const std::string config = fx.dir + "/wan22.yaml";
+  fx.write("wan22.yaml",
+           "model:\n  arch: wan\n  wan: {dim: 24, layers: 1, heads: 2, ffn_dim: 40, freq_dim: 16, text_dim: 24, "
+           "in_channels: " +
+               std::to_string(z) + ", out_channels: " + std::to_string(z) +
+               "}\n"
+               "  text_encoder: {kind: umt5, weights: " +
+               fixtures + "/umt5/hf, vocab: " + fixtures +
+               "/umt5/tokenizer/spiece.model}\n"
+               "  vae: {kind: wan, weights: " +
+               vae_path + ", latent_channels: " + std::to_string(z) + ", downscale: " + std::to_string(ds) +
+               "}\n"
+               "data:\n  dataset: videos\n  channels: 3\n  manifest: " +
+               fx.dir + "/webvid.csv\n  frames: " + std::to_string(frames) + "\n  height: " + std::to_string(height) +
+               "\n  width: " + std::to_string(width) +
+               "\n  frame_stride: 2\n  max_bad_fraction: 0.5\n  clip_start: center\n  cache: " + fx.dir +
+               "/cache\n"
+               "diffusion: {objective: flow, shift: 3.0}\n"
+               "train:\n  steps: 1\n  batch_size: 2\n  device: cpu\n  log_every: 1\n  warmup_steps: 0\n"
+               "offload:\n  enabled: false\n  compute_dtype: fp32\noutput:\n  progress: false\n");
+  auto r = run_tool("megaslide-cache", "--config " + config);
+  ASSERT_EQ(r.code, 0) << r.output;
+
+  const auto run_config = megaslide::load_run_config(config, {});
+  const auto cache = megaslide::LatentCache::open(run_config, fx.dir + "/cache");
+  const auto dataset = megaslide::VideoDataset::open(run_config.data);
+  ASSERT_EQ(cache->size(), dataset.size());
+  ASSERT_EQ(cache->size(), fx.good);
+  const std::vector<int64_t> shape{z, 1 + (frames - 1) / 4, height / ds, width / ds};
+  for (int64_t i = 0; i < cache->size(); ++i) {
+    const auto cached = cache->load(i, 0).video;
+    ASSERT_EQ(cached.sizes(), shape) << cache->path(i);
+    int64_t j = 0;
+    while (j < dataset.size() && dataset.item(j).path != cache->path(i)) ++j;
+    ASSERT_LT(j, dataset.size()) << cache->path(i) << " is cached but not in the dataset";
+    const auto clip = dataset.load(j, 0);  // epoch 0's draws, as the cache decodes
+    const auto pixels = clip.unsqueeze(0).permute({0, 4, 1, 2, 3}).to(torch::kFloat32) / 127.5 - 1.0;
+    const auto expected = vae.encode(pixels)[0];
+    EXPECT_LT((cached.to(torch::kFloat32) - expected).abs().max().item<double>(), 1e-5) << cache->path(i);
+  }
+  const auto manifest = nlohmann::json::parse(megaslide::io::read_file(fx.dir + "/cache/cache.json"));
+  const auto latents_text = manifest.at("encoders").at("vae").at("latents").get<std::string>();
+  EXPECT_NE(latents_text.find(fmt::format("H/{}, W/{}", ds, ds)), std::string::npos) << latents_text;
+
+  r = run_tool("megaslide-train", "--config " + config + " --run-dir " + fx.dir + "/run");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const std::string metrics = megaslide::io::read_file(fx.dir + "/run/metrics.jsonl");
+  EXPECT_EQ(count(metrics, "\"loss\":"), 1u) << metrics;
 }

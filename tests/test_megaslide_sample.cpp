@@ -1,9 +1,11 @@
 // megaslide-train --export-weights -> megaslide-sample -> megaslide-eval, end to end: VBench file names,
 // H.264 MP4s of the model's size and length, index.json, identical reruns, streamed sampling byte-identical, PNG
-// frames, scores; and bad input refused with exit code 2, naming the file, writing nothing.
+// frames, scores; and bad input refused with exit code 2, naming the file, writing nothing; Wan2.2 TI2V's --image
+// of another size than the videos' cropped to their aspect ratio and resized.
 #include <gtest/gtest.h>
 
 #include "run_tool.h"
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <unistd.h>
 
@@ -16,6 +18,7 @@
 #include "megaslide/io/files.h"
 #include "megaslide/io/safetensors.h"
 #include "megaslide/io/video.h"
+#include "megaslide/model/wan_vae.h"
 
 using megaslide::io::join_path;
 using megaslide::io::path_exists;
@@ -393,4 +396,73 @@ TEST(MegaslideSample, ARunsEmaIsSampledByDefaultAndExported) {
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("train.ema_decay"), std::string::npos) << r.output;
   EXPECT_FALSE(path_exists(never));
+}
+
+// The property: megaslide-sample --image (Wan2.2 TI2V's image-to-video; tests/fixtures/ti2v_pipeline's tiny DiT, umT5
+// and the Wan2.2-style VAE) takes an image of another size than the videos': a random image at twice their size
+// starts the video from the VAE's latent of that image resized to the videos' size with antialiased bilinear
+// filtering (float32 on [-1, 1], align_corners false; within 1e-5, fp32), and stderr names the resize; the same image
+// between two bands of other random columns (aspect 2 where the videos' is 1.5) is center-cropped back to it before
+// resizing, so its video's latents are the same; a file that is not an image is refused with exit 2 naming --image.
+TEST(MegaslideSampleWan, AnImageOfAnotherSizeIsCroppedAndResizedToTheVideos) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  const std::string fixtures = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/";
+  const int64_t height = 64, width = 96;  // the videos': 4 x 6 latents of the VAE's 16 pixels
+  const auto config =
+      prompts_file("ti2v.yaml", "model:\n  arch: wan\n  wan: {weights: " + fixtures +
+                                    "ti2v_pipeline/transformer, in_channels: 8, out_channels: 8}\n"
+                                    "  vae: {downscale: 16}\n"
+                                    "data: {dataset: latent-tensors, channels: 8, frames: 3, height: " +
+                                    std::to_string(height / 16) + ", width: " + std::to_string(width / 16) +
+                                    ", max_text_tokens: 512}\n"
+                                    "diffusion: {objective: flow, shift: 5.0, guidance_scale: 5.0}\n");
+  const auto prompts = prompts_file("ti2v-prompts.txt", "a red blob moves left quickly\n");
+  const std::string common = "--config " + config + " --text-encoder " + fixtures + "umt5/hf --tokenizer " + fixtures +
+                             "umt5/tokenizer --vae " + fixtures + "wan22_vae/tiny --prompts " + prompts +
+                             " --samples-per-prompt 1 --steps 2 --no-progress --compute-dtype fp32 --latents";
+  auto gen = at::detail::createCPUGenerator(29);
+  const auto big = torch::randint(0, 256, {2 * height, 2 * width, 3}, gen).to(torch::kUInt8);
+  const int64_t band = width / 2;  // on each side: 2 * height x 2 * (width + band) pixels, aspect 2
+  const auto wide = torch::cat({torch::randint(0, 256, {2 * height, band, 3}, gen).to(torch::kUInt8), big,
+                                torch::randint(0, 256, {2 * height, band, 3}, gen).to(torch::kUInt8)},
+                               1)
+                        .contiguous();
+  auto latents_of = [&](const torch::Tensor& rgb, const std::string& name, std::string* output) {
+    const auto png = join_path(scratch(), name + ".png"), out = join_path(scratch(), name);
+    megaslide::io::write_png(png, rgb);
+    auto r = run("megaslide-sample", common + " --image " + png + " --out " + out);
+    EXPECT_EQ(r.code, 0) << r.output;
+    *output = r.output;
+    const auto files = megaslide::io::list_files(join_path(out, "latents"), "safetensors");
+    EXPECT_EQ(files.size(), 1u);
+    if (files.size() != 1) return torch::Tensor();
+    return megaslide::io::read_safetensors(join_path(join_path(out, "latents"), files[0])).tensors.at(0).second;
+  };
+
+  std::string output;
+  const auto from_big = latents_of(big, "big", &output);
+  ASSERT_TRUE(from_big.defined());
+  EXPECT_NE(output.find(fmt::format("resized from {}x{} to {}x{}", 2 * width, 2 * height, width, height)),
+            std::string::npos)
+      << output;
+  namespace F = torch::nn::functional;
+  const auto resized = F::interpolate((big.permute({2, 0, 1}).to(torch::kFloat32) / 127.5 - 1.0).unsqueeze(0),
+                                      F::InterpolateFuncOptions()
+                                          .size(std::vector<int64_t>{height, width})
+                                          .mode(torch::kBilinear)
+                                          .align_corners(false)
+                                          .antialias(true));
+  const auto vae = megaslide::WanVae::load(fixtures + "wan22_vae/tiny");
+  const auto first = vae.encode(resized.view({1, 3, 1, height, width}))[0];
+  EXPECT_LT((from_big.narrow(1, 0, 1) - first).abs().max().item<double>(), 1e-5);
+
+  const auto from_wide = latents_of(wide, "wide", &output);
+  ASSERT_TRUE(from_wide.defined());
+  EXPECT_NE(output.find(fmt::format("center-cropped to {}x{}", 2 * width, 2 * height)), std::string::npos) << output;
+  EXPECT_LT((from_wide - from_big).abs().max().item<double>(), 1e-6);
+
+  const auto not_image = prompts_file("not-an-image.png", "not an image");
+  auto r = run("megaslide-sample", common + " --image " + not_image + " --out " + join_path(scratch(), "unreadable"));
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("--image: "), std::string::npos) << r.output;
 }

@@ -14,9 +14,12 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <iostream>
+#include <map>
 #include <optional>
 #include <set>
 
@@ -167,8 +170,41 @@ void write_videos(const std::vector<megaslide::ValidationVideo>& videos, const V
                            megaslide::io::join_path(out.out_dir, "index.json"));
 }
 
+// --image's frame [H, W, 3] uint8 as the first frame of videos of height x width: [3, height, width] float32 in
+// [-1, 1]. An image of another size is center-cropped to the videos' aspect ratio when the two differ by more than
+// 1% (as Wan2.2's own TI2V preprocessing crops; diffusers' WanImageToVideoPipeline stretches instead), then resized
+// with antialiased bilinear filtering (PIL's bilinear; diffusers resizes with Lanczos): non-negative weights, so
+// the result stays in [-1, 1]. Says on stderr what was done.
+torch::Tensor image_at_video_size(const torch::Tensor& frame, const std::string& path, int64_t height, int64_t width) {
+  auto image = frame.permute({2, 0, 1}).to(torch::kFloat32) / 127.5 - 1.0;
+  const int64_t h = image.size(1), w = image.size(2);
+  if (h == height && w == width) return image;
+  const double aspect = static_cast<double>(w) / static_cast<double>(h);
+  const double video_aspect = static_cast<double>(width) / static_cast<double>(height);
+  std::string cropped;
+  if (std::abs(aspect / video_aspect - 1.0) > 0.01) {
+    const bool wider = aspect > video_aspect;
+    const int64_t crop_w = wider ? std::clamp<int64_t>(std::llround(static_cast<double>(h) * video_aspect), 1, w) : w;
+    const int64_t crop_h = wider ? h : std::clamp<int64_t>(std::llround(static_cast<double>(w) / video_aspect), 1, h);
+    image = image.narrow(1, (h - crop_h) / 2, crop_h).narrow(2, (w - crop_w) / 2, crop_w);
+    cropped = fmt::format(", center-cropped to {}x{} first (the videos' aspect ratio)", crop_w, crop_h);
+  }
+  if (image.size(1) != height || image.size(2) != width) {
+    namespace F = torch::nn::functional;
+    image = F::interpolate(image.unsqueeze(0), F::InterpolateFuncOptions()
+                                                   .size(std::vector<int64_t>{height, width})
+                                                   .mode(torch::kBilinear)
+                                                   .align_corners(false)
+                                                   .antialias(true))[0];
+  }
+  std::cerr << fmt::format("megaslide-sample: --image '{}' resized from {}x{} to {}x{} (width x height){}\n", path, w,
+                           h, width, height, cropped);
+  return image.contiguous();
+}
+
 // The Wan model's pipeline and the batches it samples (docs/wan.md).
-SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan, size_t video_count, const std::string& out_dir,
+SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan,
+                        const std::vector<megaslide::ValidationVideo>& videos, const std::string& out_dir,
                         const std::string& source, const std::string& sampler, int64_t steps, double guidance,
                         torch::Device device, const std::string& streamed, const std::string& compute_dtype,
                         megaslide::io::SamplingRecord& record) {
@@ -218,7 +254,7 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan, size_t v
       "megaslide-sample: Wan {} -> {} videos of {} frames {}x{} in {} ({} {} steps, shift {}, guidance {}, device {}, "
       "DiT {}, "
       "umT5 {}, compute dtype {} ({}))\n",
-      source, video_count, size.frames, size.width, size.height, out_dir, kind, options.steps(), options.shift(),
+      source, videos.size(), size.frames, size.width, size.height, out_dir, kind, options.steps(), options.shift(),
       options.guidance_scale(), device.str(),
       opened.dit_streamed         ? "blocks streamed"
       : opened.experts_take_turns ? "resident, the experts taking turns"
@@ -230,8 +266,9 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan, size_t v
   record.eta = 0.0;
   record.boundary_ratio = options.boundary_ratio();
   record.guidance_scale_2 = options.guidance_scale_2() < 0 ? options.guidance_scale() : options.guidance_scale_2();
-  // Wan2.2 TI2V's image-to-video: the first frame, [3, H, W] in [-1, 1], at the videos' size.
-  torch::Tensor image;
+  // Wan2.2 TI2V's image-to-video: the first frame, [3, H, W] in [-1, 1], at each size the videos have (a prompt
+  // file's line may give its own).
+  std::map<std::pair<int64_t, int64_t>, torch::Tensor> images;  // (height, width) -> the first frame
   if (!wan.image.empty()) {
     torch::Tensor frames;
     try {
@@ -239,15 +276,14 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan, size_t v
     } catch (const std::exception& e) {
       throw megaslide::tools::UsageError("--image: " + megaslide::error_message(e));
     }
-    if (frames.size(1) != size.height || frames.size(2) != size.width)
-      throw megaslide::tools::UsageError(fmt::format(
-          "--image: '{}' is {}x{} (width x height) but the videos are {}x{}: give the first frame at the videos' size",
-          wan.image, frames.size(2), frames.size(1), size.width, size.height));
-    image = frames[0].permute({2, 0, 1}).to(torch::kFloat32) / 127.5 - 1.0;
     std::cerr << "megaslide-sample: image-to-video from '" << wan.image
               << "' (its latent the first frame, kept clean; Wan2.2 TI2V)\n";
+    for (const auto& v : videos) {
+      const std::pair<int64_t, int64_t> at{v.job.height.value_or(size.height), v.job.width.value_or(size.width)};
+      if (!images.count(at)) images[at] = image_at_video_size(frames[0], wan.image, at.first, at.second);
+    }
   }
-  return [pipeline = opened.pipeline, options, image](
+  return [pipeline = opened.pipeline, options, images, size](
              const std::vector<std::string>& prompts, const std::vector<uint64_t>& seeds,
              const megaslide::ValidationVideo& first, const std::function<void(int64_t, int64_t)>& on_step) {
     auto batch_options = options;  // a prompt file line's own steps, guidance and negative prompt
@@ -255,9 +291,12 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan, size_t v
     if (first.job.guidance_scale) batch_options.guidance_scale(*first.job.guidance_scale);
     if (first.job.negative_prompt) batch_options.negative_prompt(*first.job.negative_prompt);
     SampledBatch batch;
-    batch.latents = image.defined()
-                        ? pipeline->sample_from_image(prompts, seeds, image, batch_options, on_step, first.shape)
-                        : pipeline->sample(prompts, seeds, batch_options, on_step, first.shape);
+    batch.latents = images.empty()
+                        ? pipeline->sample(prompts, seeds, batch_options, on_step, first.shape)
+                        : pipeline->sample_from_image(
+                              prompts, seeds,
+                              images.at({first.job.height.value_or(size.height), first.job.width.value_or(size.width)}),
+                              batch_options, on_step, first.shape);
     batch.pixels = pipeline->decode(batch.latents);
     return batch;
   };
@@ -352,8 +391,9 @@ int main(int argc, char** argv) {
                  "else --guidance)")
       ->check(megaslide::tools::finite_real(0.0));
   app.add_option("--image", wan.image,
-                 "Wan2.2 TI2V: image-to-video from this first frame (an image file at the videos' size; its latent "
-                 "kept clean, docs/wan.md)");
+                 "Wan2.2 TI2V: image-to-video from this first frame (an image file; its latent kept clean, "
+                 "docs/wan.md). An image of another size than the videos' is center-cropped to their aspect ratio "
+                 "(when it differs by more than 1%) and resized (antialiased bilinear), said on stderr");
   app.add_flag(
       "--latents", wan.latents,
       "Wan: also write each video's latents (normalised, before the VAE) as DIR/latents/{prompt}-{index}.safetensors");
@@ -542,8 +582,8 @@ int main(int argc, char** argv) {
     output.progress = !no_progress;
     megaslide::io::SamplingRecord record{source, "", 0, 0.0, 0.0, seed, output.fps, upscale};
     const SampleBatch sample_batch =
-        wan_model ? wan_sampler(std::move(*wan_model), wan, videos.size(), out_dir, source, sampler, steps, guidance,
-                                device, streamed, compute_dtype, record)
+        wan_model ? wan_sampler(std::move(*wan_model), wan, videos, out_dir, source, sampler, steps, guidance, device,
+                                streamed, compute_dtype, record)
                   : dit_sampler(std::move(model), videos.size(), samples_per_prompt, out_dir, sampler, steps, spacing,
                                 guidance, eta, device, streamed, compute_dtype, thread_plan.describe(), record);
     write_videos(videos, output, record, sample_batch);

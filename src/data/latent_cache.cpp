@@ -336,7 +336,8 @@ std::string cache_identity(const RunConfig& config) {
   } else if (v.kind == "wan") {
     const auto tiling = wan_vae_tiling(v);
     j["vae"] = {{"kind", "wan"},
-                {"latents", "normalised mean [z, 1 + (T-1)/4, H/8, W/8] float32"},
+                // The VAE's own downscale: 8 for Wan 2.1's, 16 for Wan 2.2's (a Wan 2.1 cache's text is unchanged).
+                {"latents", fmt::format("normalised mean [z, 1 + (T-1)/4, H/{0}, W/{0}] float32", v.downscale)},
                 {"dtype", v.dtype},
                 {"tiling", tiling ? json{{"tile", tiling->tile}, {"stride", tiling->stride}} : json()},
                 {"files", fingerprints(v.weights, "model.vae.weights")}};

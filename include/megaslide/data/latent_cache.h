@@ -21,8 +21,9 @@
 //                  embeddings zeroed past the prompt: "text" [512, width] float32
 //   video none     the pixel codec: the clip's uint8 frames [T, H, W, 3]
 //         sd       the SD VAE's scaled latents [C, T, H/8, W/8] float32 (FrozenEncoders::encode_video)
-//         wan      the Wan VAE's normalised latents of the distribution's mean [16, 1 + (T−1)/4, H/8, W/8]
-//                  float32 (WanVae::encode; in model.vae.tile_size tiles when set)
+//         wan      the Wan VAE's normalised latents of the distribution's mean [z_dim, 1 + (T−1)/4, H/ds, W/ds]
+//                  float32 (WanVae::encode; in model.vae.tile_size tiles when set), ds = model.vae.downscale: z_dim
+//                  16 and ds 8 for Wan 2.1's VAE, z_dim 48 and ds 16 for Wan 2.2's (2x2 patches)
 // The empty prompt's text tensors go into empty_prompt.safetensors: caption dropout from a cache.
 //
 // The manifest's "encoders" (cache_identity) is what makes two caches interchangeable: per encoder its
