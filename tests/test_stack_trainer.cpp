@@ -6,6 +6,7 @@
 #include "megaslide/offload/stack_trainer.h"
 
 #include <ATen/record_function.h>
+#include <torch/cuda.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -141,6 +142,79 @@ TEST(StreamedStackTrainer, ParametersWithoutAGradientAreNotUpdated) {
     EXPECT_FALSE(torch::equal(store.param(1, "fc.weight").master, fc_before)) << "used parameters train";
     megaslide::testing::expect_compute_copies_are_the_masters(trainer);
   }
+}
+
+// The property: a step of part of the stack (StepBlocks: Wan2.2's two experts each take their own steps)
+// is the step of a stack of those blocks alone — the same masters and moments bit for bit, the same bytes
+// uploaded — when its AdamW step number is that part's own count of updates; the blocks outside the
+// range keep their masters and moments bit for bit. Immediate and deferred updates.
+namespace {
+void expect_partial_steps_are_the_parts_own(torch::Device device) {
+  for (const double clip : {0.0, 1.0}) {
+    SCOPED_TRACE("grad_clip " + std::to_string(clip));
+    torch::manual_seed(1);
+    auto whole = std::make_shared<StackWithUnused>(/*depth=*/4, /*dim=*/8);
+    auto part = std::make_shared<StackWithUnused>(/*depth=*/2, /*dim=*/8);
+    {
+      torch::NoGradGuard no_grad;
+      for (int64_t l = 0; l < 2; ++l) {
+        auto from = whole->blocks[l + 2]->parameters(), to = part->blocks[l]->parameters();
+        for (size_t i = 0; i < from.size(); ++i) to[i].copy_(from[i]);
+      }
+    }
+    whole->head->to(device);
+    part->head->to(device);
+    megaslide::offload::StackTrainerOptions options;
+    options.device = device;
+    options.compute_dtype = at::kFloat;
+    options.grad_clip = clip;
+    options.emulated_copy_delay_ms = 1.0;
+    megaslide::offload::StreamedStackTrainer a(whole, options), b(part, options);
+    auto x = torch::randn({16, 8}).to(device);
+    auto y = torch::randn({16, 1}).to(device);
+    auto prologue = [&] {
+      megaslide::offload::StackInput in;
+      in.hidden = x;
+      return in;
+    };
+    auto epilogue = [&](const torch::Tensor& h) { return torch::mse_loss(h.mean(1, true), y); };  // nothing resident
+    a.step(prologue, epilogue, 1e-2, {0, 2, 1});  // the first part's first update
+    a.synchronize();
+    std::vector<torch::Tensor> first_part;
+    for (int64_t l = 0; l < 2; ++l)
+      for (const auto& t : {a.store().master(l), a.store().exp_avg(l), a.store().exp_avg_sq(l)})
+        first_part.push_back(t.clone());
+    for (int64_t k = 1; k <= 2; ++k) {
+      const auto ra = a.step(prologue, epilogue, 1e-2, {2, 4, k});  // the second part's k-th update
+      const auto rb = b.step(prologue, epilogue, 1e-2);
+      EXPECT_EQ(ra.loss, rb.loss) << "update " << k;
+      EXPECT_EQ(ra.h2d_bytes, rb.h2d_bytes) << "update " << k;
+    }
+    a.synchronize();
+    b.synchronize();
+    for (int64_t l = 0; l < 2; ++l) {
+      EXPECT_TRUE(torch::equal(a.store().master(l + 2), b.store().master(l))) << "block " << l + 2;
+      EXPECT_TRUE(torch::equal(a.store().exp_avg(l + 2), b.store().exp_avg(l))) << "block " << l + 2;
+      EXPECT_TRUE(torch::equal(a.store().exp_avg_sq(l + 2), b.store().exp_avg_sq(l))) << "block " << l + 2;
+    }
+    size_t i = 0;
+    for (int64_t l = 0; l < 2; ++l)
+      for (const auto& t : {a.store().master(l), a.store().exp_avg(l), a.store().exp_avg_sq(l)})
+        EXPECT_TRUE(torch::equal(t, first_part[i++])) << "block " << l << " outside the steps' range";
+    EXPECT_EQ(a.optimizer_steps(), 3);
+    megaslide::testing::expect_compute_copies_are_the_masters(a);
+  }
+}
+}  // namespace
+
+TEST(StreamedStackTrainer, AStepOfPartOfTheStackIsThatPartsOwnStep) {
+  expect_partial_steps_are_the_parts_own(torch::kCPU);
+}
+
+// The same on a GPU (three CUDA streams; fp32 compute, the same kernels on the same shapes in both stacks).
+TEST(StreamedStackTrainer, AStepOfPartOfTheStackIsThatPartsOwnStep_CUDA) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no GPU";
+  expect_partial_steps_are_the_parts_own(torch::Device(torch::kCUDA, 0));
 }
 
 namespace {

@@ -7,7 +7,8 @@
 #      What is missing fails here, with check.json written, instead of minutes later;
 #   1. build of the targets below only (no FFmpeg, ICU or SentencePiece: none is needed here), with the
 #      NCCL header of the torch it links first on the include path;
-#   2. the *_CUDA tests of the streamer, both trainers' engines, 3D-DSA, its module and the loader;
+#   2. the *_CUDA tests of the streamer, both trainers' engines (a step of part of the stack too),
+#      3D-DSA, its module and the loader;
 #   3. one compute-sanitizer memcheck pass over the 3D-DSA CUDA tests;
 #   4. the streamed trainer a few steps: async bf16 with a Chrome trace (clipped: deferred updates),
 #      async bf16 with grad_clip 0 (immediate updates), sync bf16, async fp32 beside the resident fp32 loop
@@ -111,7 +112,7 @@ export -f need_gpu
 
 # 1. Build ------------------------------------------------------------------------------------------
 build_all() {
-  local targets=(megaslide megaslide-train test_weight_streamer test_cpu_master_trainer test_dsa3d
+  local targets=(megaslide megaslide-train test_weight_streamer test_cpu_master_trainer test_stack_trainer test_dsa3d
                  test_deformable_slide_attention test_data_loader test_cpu_adamw bench_dsa3d bench_cpu_adamw bench_streamer)
   if [ ! -f "$build/CMakeCache.txt" ]; then
     local nccl=()
@@ -135,7 +136,7 @@ built=false
 cuda_tests() {
   need_gpu || return 1
   local rc=0
-  for t in test_weight_streamer test_cpu_master_trainer test_dsa3d test_deformable_slide_attention test_data_loader; do
+  for t in test_weight_streamer test_cpu_master_trainer test_stack_trainer test_dsa3d test_deformable_slide_attention test_data_loader; do
     [ -x "$build/bin/$t" ] || { echo "$t not built"; rc=1; continue; }
     "$build/bin/$t" --gtest_filter='*_CUDA*' --gtest_output="json:$out/gtest-$t.json" > "$out/$t.log" 2>&1 || rc=1
     grep -E '^\[  (PASSED|FAILED|SKIPPED) |^\[       OK|^\[  FAILED' "$out/$t.log" | tail -40

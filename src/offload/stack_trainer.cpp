@@ -245,7 +245,7 @@ struct StreamedStackTrainer::Impl {
   at::Tensor staging[2];                                 // accumulation: D2H lands here, then added on the host
   std::shared_future<void> staging_free[2];
   std::atomic<int64_t> optimizer_ns{0};
-  std::atomic<int64_t> nonfinite_step{0};  // immediate updates: the AdamW step whose gradients were non-finite
+  std::atomic<int64_t> nonfinite_step{0};  // immediate updates: the step (step_calls_) whose gradients were non-finite
   double optimizer_wait_s = 0.0;
   int64_t activation_bytes_peak = 0;
   StepTrace* trace = nullptr;
@@ -364,31 +364,40 @@ struct StreamedStackTrainer::StepRun {
   HostParamStore& store;
   WeightStreamer& streamer;
   const double lr;
-  const int64_t L;
+  const int64_t first, L;  // the step's blocks [first, L)
   const int64_t accum;
   const bool deferred;
   const c10::ScalarType dt;
   const double scale;       // the loss scale of this step (1 unless fp16)
   const int64_t adam_step;  // the AdamW step number this update would take
+  const int64_t serial;     // this step's number among every step() (immediate updates' skip guard)
+  const bool partial;       // not every block
   const torch::TensorOptions empty;
   const Clock::time_point start = Clock::now();
   std::vector<BlockGradient> gradient;  // per block
   double loss_sum = 0.0;
 
-  StepRun(StreamedStackTrainer& trainer, double step_lr)
+  StepRun(StreamedStackTrainer& trainer, double step_lr, const StepBlocks& blocks)
       : t(trainer),
         im(*trainer.impl_),
         store(*trainer.store_),
         streamer(*trainer.streamer_),
         lr(step_lr),
-        L(trainer.streamer_->num_blocks()),
+        first(blocks.begin),
+        L(blocks.end < 0 ? trainer.streamer_->num_blocks() : blocks.end),
         accum(trainer.options_.grad_accum_steps),
         deferred(trainer.deferred_updates()),
         dt(trainer.options_.compute_dtype),
         scale(trainer.loss_scale_),
-        adam_step(trainer.adam_steps_ + 1),
+        adam_step(blocks.adam_step > 0 ? blocks.adam_step : trainer.adam_steps_ + 1),
+        serial(++trainer.step_calls_),
+        partial(first > 0 || L < trainer.streamer_->num_blocks()),
         empty(torch::TensorOptions().dtype(dt).device(trainer.options_.device)),
         gradient(static_cast<size_t>(L)) {
+    TORCH_CHECK(0 <= first && first < L && L <= trainer.streamer_->num_blocks(), "StreamedStackTrainer::step: blocks [",
+                blocks.begin, ", ", blocks.end, ") is not a non-empty range of the ", trainer.streamer_->num_blocks(),
+                " blocks");
+    TORCH_CHECK(blocks.adam_step >= 0, "StreamedStackTrainer::step: adam_step ", blocks.adam_step, " is negative");
     if (im.trace != nullptr) streamer.set_trace(im.trace);
     streamer.reset_stats();
     im.optimizer_wait_s = 0.0;
@@ -440,9 +449,9 @@ struct StreamedStackTrainer::StepRun {
     const auto ranges = im.updated_ranges(l, t.options_.state_dtype != StateDtype::kInt8);
     StreamedStackTrainer* self = &t;
     const double step_lr = lr;
-    const int64_t step = adam_step;
+    const int64_t step = adam_step, run = serial;
     StepTrace* trace = im.trace;
-    im.pending_update[l] = im.tasks->submit([self, l, landed, ranges, grad_scale, guard, step_lr, step, trace] {
+    im.pending_update[l] = im.tasks->submit([self, l, landed, ranges, grad_scale, guard, step_lr, step, run, trace] {
       landed.wait();
       Impl& impl = *self->impl_;
       const HostParamStore& st = *self->store_;
@@ -451,10 +460,10 @@ struct StreamedStackTrainer::StepRun {
       const ShardRange mine = st.shard(l);  // the elements this rank updates: all, or its shard
       const bool restore = st.gradient_in_compute_buffer();
       // Only immediate updates (`guard`) look: deferred ones were already decided by the global norm.
-      const bool skip = guard && (impl.nonfinite_step.load() == step ||
+      const bool skip = guard && (impl.nonfinite_step.load() == run ||
                                   (sharded ? impl.reduced_nonfinite[l] != 0 : !impl.gradient_finite(st.grad(l))));
       if (skip) {
-        impl.nonfinite_step.store(step);
+        impl.nonfinite_step.store(run);
         if (restore) impl.restore_compute(st, l, mine.begin, mine.end);
         if (sharded) impl.gather_compute(st, l);
         return;
@@ -593,8 +602,8 @@ struct StreamedStackTrainer::StepRun {
     mb.saved.assign(static_cast<size_t>(L), torch::Tensor());
     torch::Tensor x = mb.in.hidden.detach().to(dt);
     int64_t kept_bytes = 0;
-    upload(0);
-    for (int64_t l = 0; l < L; ++l) {
+    upload(first);
+    for (int64_t l = first; l < L; ++l) {
       NvtxRange block_range("forward block " + std::to_string(l));
       auto weights = streamer.acquire(l);
       const bool next_queued = l + 1 < L && try_upload(l + 1);
@@ -636,11 +645,11 @@ struct StreamedStackTrainer::StepRun {
   void backward_sweep(MicroBatch& mb, int64_t k) {
     NvtxRange range("backward");
     const bool last = k + 1 == accum;
-    for (int64_t l = L - 1; l >= 0; --l) {
+    for (int64_t l = L - 1; l >= first; --l) {
       NvtxRange block_range("backward block " + std::to_string(l));
       if (l == L - 1) upload(l);  // a cache hit: the forward just used it
       auto weights = streamer.acquire(l);
-      if (l > 0) upload(l - 1);
+      if (l > first) upload(l - 1);
       auto grads = streamer.gradient_buffer(l);
       im.bind(l, weights, grads);
       const int span = streamer.begin_span(TraceLane::kCompute, "backward block " + std::to_string(l));
@@ -684,8 +693,10 @@ struct StreamedStackTrainer::StepRun {
   double global_norm() {
     if (im.exchange) return global_norm_over_ranks();
     std::vector<torch::Tensor> norms;  // [block norms (no accumulation)..., resident norms...], double on the device
-    if (accum == 1) norms.push_back(torch::stack(im.block_norm).to(torch::kDouble));
-    const size_t blocks = accum == 1 ? im.block_norm.size() : 0;
+    const size_t blocks = accum == 1 ? static_cast<size_t>(L - first) : 0;
+    if (accum == 1)
+      norms.push_back(torch::stack(std::vector<torch::Tensor>(im.block_norm.begin() + first, im.block_norm.begin() + L))
+                          .to(torch::kDouble));
     for (auto& p : im.resident) {
       if (!p.grad().defined()) continue;
       if (scale != 1.0) p.mutable_grad().mul_(1.0 / scale);
@@ -694,8 +705,8 @@ struct StreamedStackTrainer::StepRun {
     const auto host = norms.empty() ? torch::Tensor() : torch::cat(norms).to(torch::kCPU);
     double sq = 0.0;
     if (accum > 1) {
-      for (const auto& g : gradient) g.wait();
-      for (double b : im.block_sq) sq += b;
+      for (int64_t l = first; l < L; ++l) gradient[l].wait();
+      for (int64_t l = first; l < L; ++l) sq += im.block_sq[l];
     } else {
       sq = host.narrow(0, 0, static_cast<int64_t>(blocks)).square().sum().item<double>();
     }
@@ -714,9 +725,9 @@ struct StreamedStackTrainer::StepRun {
   // summed over the ranks (one all-reduce for the gradients, one for the two sums), then divided by R:
   // the mean gradient over the global batch and the mean loss, the same on every rank.
   double global_norm_over_ranks() {
-    for (int64_t l = 0; l < L; ++l) im.reduced[l].get();  // rethrows a failed exchange
+    for (int64_t l = first; l < L; ++l) im.reduced[l].get();  // rethrows a failed exchange
     double block_sq = 0.0;
-    for (int64_t l = 0; l < L; ++l) block_sq += im.block_sq[l];
+    for (int64_t l = first; l < L; ++l) block_sq += im.block_sq[l];
     const double R = static_cast<double>(im.exchange->world_size());
     std::vector<torch::Tensor> with_grad;
     for (auto& p : im.resident)
@@ -779,9 +790,9 @@ struct StreamedStackTrainer::StepRun {
           for (auto& p : im.resident)
             if (p.grad().defined()) p.mutable_grad().mul_(coef);
         }
-        for (int64_t l = 0; l < L; ++l) dispatch_update(l, static_cast<float>(coef / scale), /*guard=*/false);
+        for (int64_t l = first; l < L; ++l) dispatch_update(l, static_cast<float>(coef / scale), /*guard=*/false);
       } else {
-        for (int64_t l = 0; l < L; ++l) dispatch_restore(l);
+        for (int64_t l = first; l < L; ++l) dispatch_restore(l);
       }
     }
     if (!r.skipped) {
@@ -793,8 +804,10 @@ struct StreamedStackTrainer::StepRun {
       ++t.adam_steps_;
       if (t.has_ema()) {
         torch::NoGradGuard no_grad;
-        const double decay = ema_decay_at(t.options_.ema_decay, t.adam_steps_);
-        for (size_t i = 0; i < im.resident.size(); ++i) ema_update(im.resident_ema[i], im.resident[i].detach(), decay);
+        const double decay = ema_decay_at(t.options_.ema_decay, adam_step);
+        for (size_t i = 0; i < im.resident.size(); ++i)
+          if (!partial || im.resident[i].grad().defined())
+            ema_update(im.resident_ema[i], im.resident[i].detach(), decay);
       }
     }
     if (t.options_.mode == StreamMode::kSync) t.synchronize();
@@ -1022,8 +1035,9 @@ void StreamedStackTrainer::synchronize() {
   streamer_->synchronize();
 }
 
-StackStepResult StreamedStackTrainer::step(const Prologue& prologue, const Epilogue& epilogue, double lr) {
-  StepRun run(*this, lr);
+StackStepResult StreamedStackTrainer::step(const Prologue& prologue, const Epilogue& epilogue, double lr,
+                                           const StepBlocks& blocks) {
+  StepRun run(*this, lr, blocks);
   for (int64_t k = 0; k < options_.grad_accum_steps; ++k) {
     MicroBatch mb = run.run_prologue(prologue);
     run.forward_sweep(mb);

@@ -125,6 +125,17 @@ struct StackTrainerOptions {
   double ema_decay = 0.0;
 };
 
+// The part of the stack a step trains (StreamedStackTrainer::step): a model whose parts are trained on
+// different steps (Wan2.2's two experts, train/model_family.h) streams only blocks [begin, end) of the
+// step's part; every other block keeps its master, moments and EMA untouched and is not uploaded.
+// Updates of the step take AdamW step number `adam_step` (its bias correction and the EMA's warm-up):
+// the part's own count of updates + 1, so each part is updated as if it were trained alone.
+struct StepBlocks {
+  int64_t begin = 0;
+  int64_t end = -1;       // -1: the last block
+  int64_t adam_step = 0;  // 0: optimizer_steps() + 1
+};
+
 struct StackStepResult {
   double loss = 0.0;       // mean of the micro-batch losses
   double grad_norm = 0.0;  // global, unscaled, before clipping (inf/nan on an fp16 overflow)
@@ -155,8 +166,10 @@ class StreamedStackTrainer {
   StreamedStackTrainer(const StreamedStackTrainer&) = delete;
   StreamedStackTrainer& operator=(const StreamedStackTrainer&) = delete;
 
-  // One optimizer step of options.grad_accum_steps micro-batches at learning rate `lr`.
-  StackStepResult step(const Prologue& prologue, const Epilogue& epilogue, double lr);
+  // One optimizer step of options.grad_accum_steps micro-batches at learning rate `lr`, through `blocks`
+  // (all by default). A step of part of the blocks updates the resident parameters that received a
+  // gradient and their EMA only.
+  StackStepResult step(const Prologue& prologue, const Epilogue& epilogue, double lr, const StepBlocks& blocks = {});
   // Waits for host updates still running (deferred mode lets them overlap the next step).
   void synchronize();
 
@@ -204,6 +217,7 @@ class StreamedStackTrainer {
   std::unique_ptr<Impl> impl_;
   StackTrainerOptions options_;
   int64_t adam_steps_ = 0;
+  int64_t step_calls_ = 0;  // every step(), skipped or not: tells one step's immediate updates from the next's
   double loss_scale_ = 1.0;
   int64_t clean_steps_ = 0;
   std::unique_ptr<HostParamStore> store_;
