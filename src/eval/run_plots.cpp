@@ -82,6 +82,10 @@ std::vector<StepMetrics> read_metrics_jsonl(const std::string& path) {
     m.optimizer_s = number(j, "optimizer_s", false, where);
     m.peak_device_bytes = count(j, "peak_device_bytes", false, where);
     m.mfu = number(j, "mfu", false, where);
+    if (j.contains("part")) {
+      if (!j["part"].is_string()) throw MetricsFileError(fmt::format("{}: \"part\" is not a string", where));
+      m.part = j["part"].get<std::string>();
+    }
     steps.push_back(m);
   }
   if (in.bad()) throw MetricsFileError(fmt::format("{}: read error after line {}", path, number_of_line));
@@ -110,25 +114,30 @@ std::vector<std::string> plot_run(const std::string& run_dir, const std::string&
   const std::string name = run_dir;
   std::vector<std::string> pngs;
 
-  // Loss, with a trailing running mean over a tenth of the run (at least one step).
+  // Loss, with a trailing running mean over a tenth of the run (at least one step); a run that trains one
+  // part per step (Wan2.2's experts) has one loss curve and mean per part: their losses differ in scale.
   {
-    const auto loss = column([](const StepMetrics& m) { return m.loss; });
-    const size_t window = std::max<size_t>(1, loss.size() / 10);
-    std::vector<double> mean(loss.size());
-    double sum = 0.0;
-    size_t finite = 0;  // skipped steps (loss NaN) are left out of the mean, not allowed to poison it
-    for (size_t i = 0; i < loss.size(); ++i) {
-      if (std::isfinite(loss[i])) sum += loss[i], ++finite;
-      if (i >= window && std::isfinite(loss[i - window])) sum -= loss[i - window], --finite;
-      mean[i] = finite > 0 ? sum / static_cast<double>(finite) : std::numeric_limits<double>::quiet_NaN();
+    std::vector<std::string> parts;
+    for (const auto& m : steps)
+      if (std::find(parts.begin(), parts.end(), m.part) == parts.end()) parts.push_back(m.part);
+    PlotPanel panel{"loss: " + name, "step", "loss (ε-MSE)", false, false, false, {}};
+    for (const auto& part : parts) {
+      std::vector<double> px, loss;
+      for (const auto& m : steps)
+        if (m.part == part) px.push_back(static_cast<double>(m.step)), loss.push_back(m.loss);
+      const size_t window = std::max<size_t>(1, loss.size() / 10);
+      std::vector<double> mean(loss.size());
+      double sum = 0.0;
+      size_t finite = 0;  // skipped steps (loss NaN) are left out of the mean, not allowed to poison it
+      for (size_t i = 0; i < loss.size(); ++i) {
+        if (std::isfinite(loss[i])) sum += loss[i], ++finite;
+        if (i >= window && std::isfinite(loss[i - window])) sum -= loss[i - window], --finite;
+        mean[i] = finite > 0 ? sum / static_cast<double>(finite) : std::numeric_limits<double>::quiet_NaN();
+      }
+      const std::string of = part.empty() ? "" : " (" + part + ")";
+      panel.series.push_back({"loss" + of, px, loss});
+      panel.series.push_back({fmt::format("running mean over {} steps{}", window, of), px, mean});
     }
-    PlotPanel panel{"loss: " + name,
-                    "step",
-                    "loss (ε-MSE)",
-                    false,
-                    false,
-                    false,
-                    {{"loss", x, loss}, {fmt::format("running mean over {} steps", window), x, mean}}};
     pngs.push_back(render_plot(PlotSpec{"", {panel}}, io::join_path(out, "loss.png"), options).png);
   }
   // Throughput.

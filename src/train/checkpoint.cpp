@@ -521,6 +521,7 @@ void finish_checkpoint(const std::string& root, const std::string& name, const s
   s["megaslide_version"] = version();
   s["step"] = state.step;
   s["optimizer_steps"] = state.optimizer_steps;
+  if (!state.part_steps.empty()) s["part_steps"] = state.part_steps;
   s["loss_scale"] = state.loss_scale;
   s["clean_steps"] = state.clean_steps;
   s["skipped_steps"] = state.skipped_steps;
@@ -907,12 +908,19 @@ void load_checkpoint(const std::string& path, const RunConfig& config, TrainingS
     into.skipped_steps = field("skipped_steps").get<int64_t>();
     into.consecutive_skips = field("consecutive_skips").get<int64_t>();
     into.data_state = field("data").dump();
+    into.part_steps = s.contains("part_steps") ? s["part_steps"].get<std::vector<int64_t>>() : std::vector<int64_t>();
   } catch (const nlohmann::json::exception& e) {
     fail(state_path, std::string("a field has the wrong type: ") + e.what());
   }
   if (into.step < 0 || into.optimizer_steps < 0 || into.optimizer_steps > into.step)
     fail(state_path,
          fmt::format("inconsistent counters: step {}, optimizer_steps {}", into.step, into.optimizer_steps));
+  int64_t part_sum = 0;
+  bool negative = false;
+  for (const int64_t n : into.part_steps) part_sum += n, negative |= n < 0;
+  if (!into.part_steps.empty() && (negative || part_sum != into.optimizer_steps))
+    fail(state_path, fmt::format("inconsistent counters: the parts' updates {} do not add up to optimizer_steps {}",
+                                 nlohmann::json(into.part_steps).dump(), into.optimizer_steps));
   const bool saved_sharded = s.is_object() && s.contains("shards");
   const bool wants_shards = into.shards && into.shards->world_size > 1;
   // Only files the manifest lists (hence verified) are read: the state's world size must be its shards'.

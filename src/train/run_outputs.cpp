@@ -88,6 +88,7 @@ void MetricsWriter::write(const StepMetrics& m) {
     j["exchange_bytes"] = m.exchange_bytes;
     j["exchange_s"] = m.exchange_s;
   }
+  if (!m.part.empty()) j["part"] = m.part;
   j["skipped"] = m.skipped;
   j["skipped_total"] = m.skipped_total;
   try {
@@ -143,6 +144,7 @@ void TensorBoardLog::step(const StepMetrics& m) {
   if (m.mfu > 0) v.emplace_back("throughput/mfu", m.mfu);
   if (m.loss_scale > 0) v.emplace_back("train/loss_scale", m.loss_scale);
   if (m.exchange_bytes > 0) v.emplace_back("exchange/bytes", static_cast<double>(m.exchange_bytes));
+  if (!m.part.empty()) v.emplace_back("train/loss_" + m.part, m.loss);  // one curve per expert
   try {
     impl_->events->scalars(m.step, v, wall_time_now());
   } catch (const io::IoError& e) {
@@ -238,8 +240,9 @@ void ProgressLine::update(const StepMetrics& m) {
   const double rate = static_cast<double>(m.step) / std::max(elapsed, 1e-9);
   const double eta = static_cast<double>(total_ - m.step) / std::max(rate, 1e-9);
   const std::string line =
-      fmt::format("step {:>{}}/{} | loss {:.4f} (avg {:.4f}) | {:.2f} it/s | {:.3g} tok/s | ETA {}", m.step,
-                  std::to_string(total_).size(), total_, m.loss, loss_ema_, rate, m.tokens_per_s, clock_time(eta));
+      fmt::format("step {:>{}}/{}{} | loss {:.4f} (avg {:.4f}) | {:.2f} it/s | {:.3g} tok/s | ETA {}", m.step,
+                  std::to_string(total_).size(), total_, m.part.empty() ? "" : " [" + m.part + "]", m.loss, loss_ema_,
+                  rate, m.tokens_per_s, clock_time(eta));
   if (tty_) {
     std::fprintf(stderr, "\r%s\033[K", line.c_str());
     std::fflush(stderr);

@@ -7,10 +7,15 @@
 namespace megaslide {
 
 namespace {
-std::string block_name(int64_t l) { return "blocks." + std::to_string(l); }
+BlockNames or_default(const BlockNames& names) {
+  if (names) return names;
+  return [](int64_t l) { return "blocks." + std::to_string(l); };
+}
 }  // namespace
 
-TrainingState streamed_training_state(offload::StreamedStackTrainer& engine, const io::NamedTensors& resident) {
+TrainingState streamed_training_state(offload::StreamedStackTrainer& engine, const io::NamedTensors& resident,
+                                      const BlockNames& names) {
+  const BlockNames block_name = or_default(names);
   engine.synchronize();
   TrainingState s;
   s.optimizer_steps = engine.optimizer_steps();
@@ -69,7 +74,9 @@ TrainingState streamed_training_state(offload::StreamedStackTrainer& engine, con
 }
 
 void load_streamed_training_state(offload::StreamedStackTrainer& engine, const io::NamedTensors& resident,
-                                  const TrainingState& s, const std::string& who) {
+                                  const TrainingState& s, const std::string& who, const BlockNames& names,
+                                  const std::function<int64_t(const std::string&)>& adam_steps) {
+  const BlockNames block_name = or_default(names);
   engine.synchronize();
   const auto& store = engine.store();
   size_t expected = resident.size();
@@ -99,7 +106,8 @@ void load_streamed_training_state(offload::StreamedStackTrainer& engine, const i
     TORCH_CHECK(s.master[i].second.sizes() == p.sizes(), who, "::load_training_state: '", name, "' is ",
                 s.master[i].second.sizes(), ", the model's is ", p.sizes());
     p.copy_(s.master[i].second);
-    set_adamw_moments(*optimizer, p, s.exp_avg[i].second, s.exp_avg_sq[i].second, s.optimizer_steps);
+    set_adamw_moments(*optimizer, p, s.exp_avg[i].second, s.exp_avg_sq[i].second,
+                      adam_steps ? adam_steps(name) : s.optimizer_steps);
     if (ema) {
       TORCH_CHECK(s.ema[i].first == name && s.ema[i].second.sizes() == p.sizes(), who,
                   "::load_training_state: the EMA of '", name, "' is missing or has another shape");

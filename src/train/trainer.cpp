@@ -53,8 +53,6 @@ std::vector<at::Tensor> tensors_of(const io::NamedTensors& named) {
   return out;
 }
 
-std::string block_prefix(int64_t l) { return "blocks." + std::to_string(l) + "."; }
-
 }  // namespace
 
 double learning_rate(const TrainConfig& t, int64_t step) {
@@ -106,6 +104,8 @@ Trainer::Trainer(const TrainerRequest& request)
       return init_plan_;
     };
   model_ = model_family(config_.model.arch).make_model(m);
+  parts_ = model_->parts();
+  part_steps_.assign(parts_.size(), 0);
 
   const bool shard = communicator_ != nullptr && communicator_->world_size() > 1;
   if (shard) model_->take_slice(communicator_->rank(), communicator_->world_size());
@@ -166,7 +166,20 @@ StepMetrics Trainer::step() {
   const auto& t = config_.train;
   const double lr = learning_rate(t, steps_done_);
   MicroBatchStats stats;  // summed over the micro-batches: their bucket's tokens, not the largest
-  StepMetrics m = engine_ ? streamed_step(lr, stats) : resident_step(lr, stats);
+  const ModelPart* part = nullptr;
+  size_t part_index = 0;
+  if (!parts_.empty()) {
+    part_index = model_->begin_step();
+    TORCH_CHECK(part_index < parts_.size(), "Trainer: the family picked part ", part_index, " of ", parts_.size());
+    part = &parts_[part_index];
+  }
+  const int64_t adam_step = (part ? part_steps_[part_index] : optimizer_steps_) + 1;
+  StepMetrics m = engine_ ? streamed_step(lr, stats, part, adam_step) : resident_step(lr, stats, part);
+  if (!m.skipped) {
+    ++optimizer_steps_;
+    if (part) ++part_steps_[part_index];
+  }
+  if (part) m.part = part->name;
   m.step = ++steps_done_;
   m.lr = lr;
   m.data_wait_s = stats.data_wait_s;
@@ -188,7 +201,7 @@ StepMetrics Trainer::step() {
   return m;
 }
 
-StepMetrics Trainer::resident_step(double lr, MicroBatchStats& stats) {
+StepMetrics Trainer::resident_step(double lr, MicroBatchStats& stats, const ModelPart* part) {
   const auto start = Clock::now();
   const auto& t = config_.train;
   for (auto& group : optimizer_->param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
@@ -210,9 +223,10 @@ StepMetrics Trainer::resident_step(double lr, MicroBatchStats& stats) {
   m.grad_norm = grad_norm;
   m.skipped = !std::isfinite(m.loss) || !std::isfinite(grad_norm);
   if (!m.skipped) {
-    optimizer_->step();
-    ++optimizer_steps_;
-    if (ema_->enabled()) ema_->update(model_->named_parameters(), optimizer_steps_);
+    optimizer_->step();  // a parameter without a gradient (another part's) is left alone, its step count too
+    if (ema_->enabled())
+      ema_->update(model_->named_parameters(), part ? part_steps_[part - parts_.data()] + 1 : optimizer_steps_ + 1,
+                   part ? part->prefix : std::string());
   }
   if (device_.is_cuda()) torch::cuda::synchronize();
   m.optimizer_s = seconds_since(optimizer_start);
@@ -220,14 +234,17 @@ StepMetrics Trainer::resident_step(double lr, MicroBatchStats& stats) {
   return m;
 }
 
-StepMetrics Trainer::streamed_step(double lr, MicroBatchStats& stats) {
+StepMetrics Trainer::streamed_step(double lr, MicroBatchStats& stats, const ModelPart* part, int64_t adam_step) {
   std::unique_ptr<offload::StepTrace> trace;
   if (!trace_path_.empty()) {
     trace = std::make_unique<offload::StepTrace>();
     engine_->set_trace(trace.get());
   }
-  const auto r = engine_->step([&] { return model_->prologue(stats); },
-                               [&](const at::Tensor& last_hidden) { return model_->epilogue(last_hidden); }, lr);
+  offload::StepBlocks blocks;
+  if (part) blocks = {part->first_block, part->end_block, adam_step};
+  const auto r =
+      engine_->step([&] { return model_->prologue(stats); },
+                    [&](const at::Tensor& last_hidden) { return model_->epilogue(last_hidden); }, lr, blocks);
   if (trace) {
     engine_->synchronize();  // the step's host updates are in the trace
     trace->write(trace_path_);
@@ -257,7 +274,7 @@ std::map<std::string, at::Tensor> Trainer::block_views() const {
   for (int64_t l = 0; l < store.num_blocks(); ++l)
     for (const auto& spec : store.block_spec(l).params) {
       const auto views = store.param(l, spec.name);
-      out.emplace(block_prefix(l) + spec.name, store.sharded() ? views.compute : views.master);
+      out.emplace(model_->block_name(l) + "." + spec.name, store.sharded() ? views.compute : views.master);
     }
   return out;
 }
@@ -291,9 +308,8 @@ TrainingState Trainer::training_state() {
   synchronize();
   TrainingState s;
   if (engine_) {
-    s = streamed_training_state(*engine_, resident_parameters());
+    s = streamed_training_state(*engine_, resident_parameters(), [this](int64_t l) { return model_->block_name(l); });
   } else {
-    s.optimizer_steps = optimizer_steps_;
     for (auto& [name, p] : model_->named_parameters()) {
       auto moments = adamw_moments(*optimizer_, p);
       s.master.emplace_back(name, p.detach().to(torch::kCPU, torch::kFloat32).clone());
@@ -302,6 +318,8 @@ TrainingState Trainer::training_state() {
     }
     ema_->save(s);
   }
+  s.optimizer_steps = optimizer_steps_;
+  s.part_steps = part_steps_;
   s.step = steps_done_;
   s.skipped_steps = skipped_total_;
   s.consecutive_skips = consecutive_skips_;
@@ -309,11 +327,21 @@ TrainingState Trainer::training_state() {
   return s;
 }
 
+int64_t Trainer::adam_steps_of(const std::string& name, const TrainingState& s) const {
+  for (size_t i = 0; i < parts_.size(); ++i)
+    if (name.rfind(parts_[i].prefix, 0) == 0) return s.part_steps[i];
+  return s.optimizer_steps;
+}
+
 void Trainer::load_training_state(const TrainingState& s) {
   synchronize();
+  TORCH_CHECK(s.part_steps.size() == parts_.size(), "Trainer::load_training_state: the state counts the updates of ",
+              s.part_steps.size(), " parts, the model trains ", parts_.size());
   model_->restore_data(s.data_state);
   if (engine_) {
-    load_streamed_training_state(*engine_, resident_parameters(), s, "Trainer");
+    load_streamed_training_state(
+        *engine_, resident_parameters(), s, "Trainer", [this](int64_t l) { return model_->block_name(l); },
+        [this, &s](const std::string& name) { return adam_steps_of(name, s); });
   } else {
     const auto params = model_->named_parameters();
     TORCH_CHECK(
@@ -330,11 +358,12 @@ void Trainer::load_training_state(const TrainingState& s) {
                   ", the model's is ", p.sizes());
       p.copy_(value);
       set_adamw_moments(*optimizer_, p, s.exp_avg[it->second].second, s.exp_avg_sq[it->second].second,
-                        s.optimizer_steps);
+                        adam_steps_of(name, s));
     }
     ema_->load(s, params, "Trainer");
-    optimizer_steps_ = s.optimizer_steps;
   }
+  optimizer_steps_ = s.optimizer_steps;
+  part_steps_ = s.part_steps;
   steps_done_ = s.step;
   skipped_total_ = s.skipped_steps;
   consecutive_skips_ = s.consecutive_skips;

@@ -65,9 +65,12 @@ class CheckpointError : public io::IoError, public InputError {
 struct TrainingState {
   int64_t step = 0;             // optimizer steps done (the run's step counter)
   int64_t optimizer_steps = 0;  // AdamW updates taken (steps minus skipped ones): bias correction
-  double loss_scale = 1.0;      // fp16 dynamic loss scale (1 otherwise)
-  int64_t clean_steps = 0;      // fp16: steps since the scale last changed
-  int64_t skipped_steps = 0;    // non-finite steps skipped so far
+  // A model trained one part per step (FamilyModel::parts): the updates each part took, in parts() order
+  // (their bias correction); empty otherwise.
+  std::vector<int64_t> part_steps;
+  double loss_scale = 1.0;    // fp16 dynamic loss scale (1 otherwise)
+  int64_t clean_steps = 0;    // fp16: steps since the scale last changed
+  int64_t skipped_steps = 0;  // non-finite steps skipped so far
   int64_t consecutive_skips = 0;
   std::string data_state;  // DiffusionBatchSource::state(): data position and RNG states (JSON)
   io::NamedTensors master, exp_avg, exp_avg_sq;

@@ -55,6 +55,16 @@ struct ModelRequest {
   bool validation = false;               // this rank writes validation videos (train.sample_every > 0)
 };
 
+// A part of a model trained on its own steps (Wan2.2's two experts, model.wan.expert: both): each step
+// trains one part, which the family picks; the step's gradient and update reach that part only (the
+// others' weights, moments and EMA untouched, their blocks not streamed), and each part's AdamW counts
+// its own updates (bias correction and the EMA's warm-up as if the part were trained alone).
+struct ModelPart {
+  std::string name;                        // for the log and the metrics ("high")
+  std::string prefix;                      // its parameters' names start with it (named_parameters)
+  int64_t first_block = 0, end_block = 0;  // streamed: its blocks [first_block, end_block) of stack()
+};
+
 // One family's model, its data and its outputs, as the Trainer trains it in one mode.
 class FamilyModel {
  public:
@@ -63,8 +73,16 @@ class FamilyModel {
   // Every trained parameter by name (as checkpoints and weights files name them), in the model's order.
   // Resident mode: the tensors the optimizer updates, on the device. Streamed mode: the same names; the
   // parameters outside the blocks are the device tensors the engine's resident optimizer updates, the
-  // blocks' entries only name them — block l's parameters are "blocks.<l>." + their name in stack()->block(l).
+  // blocks' entries only name them — block l's parameters are block_name(l) + "." + their name in
+  // stack()->block(l).
   virtual io::NamedTensors named_parameters() = 0;
+  // Streamed mode: block l's name in named_parameters() and checkpoints.
+  virtual std::string block_name(int64_t l) const { return "blocks." + std::to_string(l); }
+  // The parts trained on separate steps (empty, the default: the whole model every step).
+  virtual std::vector<ModelPart> parts() const { return {}; }
+  // With parts, before each step's first micro-batch: the index of the part the step trains, the same on
+  // every rank, drawn from the data's random streams (so data_state() restores the sequence).
+  virtual size_t begin_step() { return 0; }
   // Streamed mode: the model as the engine streams it (its blocks' initial weights built on demand).
   virtual std::shared_ptr<offload::StreamedModel> stack() = 0;
   // Streamed mode: called once the engine has built every block (a family that draws its head after the

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace megaslide {
 
@@ -32,6 +33,8 @@ struct StepMetrics {
   // (reduce-scatter + all-gather) and its host thread's seconds in those collectives; 0 otherwise.
   int64_t exchange_bytes = 0;
   double exchange_s = 0.0;
+  // A model trained one part per step (FamilyModel::parts: Wan2.2's experts): the part this step trained.
+  std::string part;
 };
 
 }  // namespace megaslide

@@ -22,6 +22,10 @@
 // engine's block exchange); every rank keeps the whole compute copy. Every rank builds the same initial
 // weights. Construction is collective.
 //
+// A model of parts (FamilyModel::parts: Wan2.2's two experts) trains one part per step, which the family
+// draws (FamilyModel::begin_step): the step streams and updates that part only, in both modes, with the
+// part's own AdamW step count (TrainingState::part_steps); StepMetrics::part names it.
+//
 // Thread-safety: one thread drives a trainer.
 #pragma once
 
@@ -128,10 +132,12 @@ class Trainer {
   void write_weights(const std::string& path, const io::NamedTensors& weights) { model_->write_weights(path, weights); }
 
  private:
-  StepMetrics resident_step(double lr, MicroBatchStats& stats);
-  StepMetrics streamed_step(double lr, MicroBatchStats& stats);
+  StepMetrics resident_step(double lr, MicroBatchStats& stats, const ModelPart* part);
+  StepMetrics streamed_step(double lr, MicroBatchStats& stats, const ModelPart* part, int64_t adam_step);
+  // The AdamW updates the parameter `name` has taken by a state's counters (its part's, with parts).
+  int64_t adam_steps_of(const std::string& name, const TrainingState& s) const;
   io::NamedTensors resident_parameters();  // streamed: the parameters outside the blocks, in the model's order
-  // Streamed: every block parameter by its name ("blocks.<l>.<name>"), as a view into the host store (its
+  // Streamed: every block parameter by its name (FamilyModel::block_name), as a view into the host store (its
   // master, or its compute copy when the store is sharded and holds no whole master).
   std::map<std::string, at::Tensor> block_views() const;
 
@@ -146,6 +152,8 @@ class Trainer {
   std::unique_ptr<torch::optim::AdamW> optimizer_;         // resident mode
   std::unique_ptr<WeightsEma> ema_;                        // resident mode (streamed: the engine's)
   int64_t steps_done_ = 0, optimizer_steps_ = 0;
+  std::vector<ModelPart> parts_;     // FamilyModel::parts
+  std::vector<int64_t> part_steps_;  // the updates each part took
   int64_t skipped_total_ = 0, consecutive_skips_ = 0;
   double flops_per_step_ = 0.0, peak_flops_ = 0.0;
   std::string trace_path_;

@@ -38,12 +38,14 @@ class WeightsEma {
     return n;
   }
 
-  // After the optimizer's `optimizer_steps`-th update of `params` (the constructor's, in its order).
-  void update(const Named& params, int64_t optimizer_steps) {
+  // After the optimizer's `optimizer_steps`-th update of `params` (the constructor's, in its order); only
+  // the parameters whose names start with `prefix` (a model trained one part per step: the step's part).
+  void update(const Named& params, int64_t optimizer_steps, const std::string& prefix = "") {
     if (!enabled()) return;
     torch::NoGradGuard no_grad;
     const double decay = offload::ema_decay_at(decay_, optimizer_steps);
-    for (size_t i = 0; i < ema_.size(); ++i) offload::ema_update(ema_[i].second, params[i].second.detach(), decay);
+    for (size_t i = 0; i < ema_.size(); ++i)
+      if (ema_[i].first.rfind(prefix, 0) == 0) offload::ema_update(ema_[i].second, params[i].second.detach(), decay);
   }
 
   // Into a checkpoint: CPU copies by parameter name.
