@@ -445,7 +445,10 @@ TEST(StepPlan, WanMatchesWhatTheStreamedTrainerMeasures) {
 // parameters, the high-noise one: its boundary 0.875 from Wan-AI's default, the other expert's state not
 // held) at 480p and the TI2V-5B (4,999,787,712) at its 121 x 704 x 1280 default (31 x 22 x 40 tokens); on the
 // rtx4090 workstation profile (24 GB, 128 GiB) an A14B expert's fp32 moments do not fit the host, and the
-// int8 moments are advised exactly when they fit.
+// int8 moments are advised exactly when they fit. Both A14B experts in one run (model.wan.expert both) hold
+// twice one expert's host state and resident device state, but a step's PCIe bytes, optimizer bytes and
+// FLOPs are one expert's; they fit the h200 profile's host, not the workstation's, which is advised one
+// expert at a time with int8 moments exactly when that fits.
 TEST(StepPlan, Wan22ConfigsPlanThePublishedSizes) {
   const auto a14b = load_run_config(source_path("configs/wan2.2-t2v-a14b.yaml"), {"offload.compute_dtype=bf16"});
   const auto expert = plan::plan_step(megaslide::with_wan_architecture_from_weights(a14b), h200());
@@ -472,6 +475,29 @@ TEST(StepPlan, Wan22ConfigsPlanThePublishedSizes) {
   EXPECT_EQ(advised, int8.fits_host);
   std::cout << "a14b expert on h200: " << plan::to_table(expert) << "\nti2v-5b on h200: " << plan::to_table(ti2v)
             << "\na14b expert on rtx4090 (int8 moments): " << plan::to_table(int8) << "\n";
+
+  // Both experts in one run: the host holds both experts' state and the device both resident parts, but a
+  // step moves, updates and computes one expert; a host too small is told int8 moments or one expert.
+  auto both_config = a14b;
+  both_config.model.wan.expert = "both";
+  const auto both = plan::plan_step(megaslide::with_wan_architecture_from_weights(both_config), h200());
+  EXPECT_EQ(both.params, 2 * expert.params);
+  EXPECT_EQ(both.host.master, 2 * expert.host.master);
+  EXPECT_EQ(both.host.state(), 2 * expert.host.state());
+  EXPECT_EQ(both.device.resident_state, 2 * expert.device.resident_state);
+  EXPECT_EQ(both.device.weight_slots, expert.device.weight_slots);
+  EXPECT_EQ(both.transfer.h2d_bytes, expert.transfer.h2d_bytes);
+  EXPECT_EQ(both.time.model_flops, expert.time.model_flops);
+  EXPECT_EQ(both.time.optimizer_bytes, expert.time.optimizer_bytes);
+  EXPECT_TRUE(both.fits_host) << "2 x ~197 GB of the profile's 1.6 TB";
+  const auto both_workstation =
+      plan::plan_step(megaslide::with_wan_architecture_from_weights(both_config), workstation);
+  EXPECT_FALSE(both_workstation.fits_host);
+  bool one_at_a_time = false;
+  for (const auto& a : both_workstation.advice)
+    one_at_a_time = one_at_a_time || a.find("model.wan.expert=high optimizer.state_dtype=int8") != std::string::npos;
+  EXPECT_EQ(one_at_a_time, int8.fits_host) << "one expert with int8 moments is advised exactly when it fits";
+  std::cout << "a14b both experts on h200: " << plan::to_table(both) << "\n";
 }
 
 // Property: the shipped Wan2.1 configs plan Wan's published sizes at its 480p default (81 frames of

@@ -7,6 +7,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <functional>
@@ -641,8 +642,8 @@ TEST(WanTraining, OneExpertOfTwoTrainsFromItsWeightsOnItsTimesteps) {
 }
 
 // The property: what an expert run cannot mean is a ConfigError naming its key — two experts without
-// model.wan.expert, "both" (not supported yet), an expert with the DDPM objective, and validation videos of
-// one expert's own file (the other one is unknown); one expert's own file, or no weights (a plan of an
+// model.wan.expert, "both" with one DiT's weights, an expert with the DDPM objective, and validation videos
+// of one expert's own file (the other one is unknown); one expert's own file, or no weights (a plan of an
 // expert), trains on its side of Wan-AI's boundary or of the one given.
 TEST(WanTraining, ExpertSettingsThatCannotTrainAreRefused) {
   auto refused = [](const std::function<RunConfig()>& make, const std::string& key) {
@@ -655,7 +656,8 @@ TEST(WanTraining, ExpertSettingsThatCannotTrainAreRefused) {
     }
   };
   refused([] { return expert_config(""); }, "model.wan.expert");
-  refused([] { return expert_config("both"); }, "model.wan.expert");
+  refused([] { return expert_config("both", {"model.wan.weights=" + kExperts + "/transformer"}); }, "model.wan.expert");
+  refused([] { return expert_config("both", {"diffusion.objective=ddpm"}); }, "model.wan.expert");
   refused([] { return expert_config("low", {"diffusion.objective=ddpm"}); }, "model.wan.expert");
   refused(
       [] {
@@ -676,6 +678,185 @@ TEST(WanTraining, ExpertSettingsThatCannotTrainAreRefused) {
           expert_config("low", {"model.wan.weights=" + kExperts + "/transformer_2", "model.wan.boundary_ratio=0.9"}))
           .model.wan.boundary_ratio,
       0.9);
+}
+
+namespace {
+// The masters of one expert of a two-expert trainer ("transformer." or "transformer_2."), by its own names.
+std::map<std::string, torch::Tensor> expert_masters(Trainer& trainer, const std::string& prefix) {
+  std::map<std::string, torch::Tensor> out;
+  for (auto& [name, value] : trainer.master_weights())
+    if (name.rfind(prefix, 0) == 0) out.emplace(name.substr(prefix.size()), value);
+  return out;
+}
+double largest_change(const std::map<std::string, torch::Tensor>& before,
+                      const std::map<std::string, torch::Tensor>& after) {
+  double worst = 0.0;
+  for (const auto& [name, value] : before) worst = std::max(worst, (after.at(name) - value).abs().max().item<double>());
+  return worst;
+}
+}  // namespace
+
+// The property: model.wan.expert both trains Wan2.2's two experts in one run, each step one expert, in
+// both modes alike: the masters start from each expert's own weights (named transformer.* and
+// transformer_2.*); a step names its expert, changes that expert's weights and leaves the other's
+// bit-identical; each expert's first update is AdamW's first step (bias-corrected for its own count: the
+// largest change is lr, also when it comes at a later step of the run), and each expert's updates are
+// counted apart; the draw gives the high-noise expert the share of steps the run's σ distribution puts at
+// or above the boundary (0.368 with shift 5 and logit-normal σ); the streamed trainer gives the resident
+// loop's losses and weights.
+TEST(WanTraining, BothExpertsTrainInOneRunEachOnItsOwnSteps) {
+  const auto config = expert_config("both", {"train.weight_decay=0", "train.grad_clip=0"});
+  {
+    const auto resolved = megaslide::with_wan_architecture_from_weights(config);
+    megaslide::WanBatchSource batches(megaslide::wan_latent_config(resolved), expert_data());
+    int high = 0;
+    const int draws = 2000;
+    for (int i = 0; i < draws; ++i) {
+      const size_t expert = batches.draw_expert();
+      const auto t = batches.next(torch::kCPU).timesteps;
+      if (expert == 0) EXPECT_TRUE((t >= 875).all().item<bool>()) << t;
+      else EXPECT_TRUE((t < 875).all().item<bool>()) << t;
+      high += expert == 0;
+    }
+    const double expected =
+        1.0 - megaslide::flow_sigma_cdf(0.875, megaslide::FlowMatchingOptions::from_config(resolved));
+    EXPECT_NEAR(expected, 0.368, 0.001);
+    EXPECT_NEAR(static_cast<double>(high) / draws, expected, 0.04);  // > 3.5 standard deviations
+  }
+  auto resident_config = config;
+  resident_config.offload.enabled = false;
+  Trainer streamed = wan_trainer(config, expert_data()), resident = wan_trainer(resident_config, expert_data());
+  const std::string prefixes[2] = {"transformer.", "transformer_2."};
+  const auto high = megaslide::WanWeights::open(kExperts + "/transformer");
+  const auto low = megaslide::WanWeights::open(kExperts + "/transformer_2");
+  for (Trainer* t : {&streamed, &resident}) {
+    const auto masters = t->master_weights();
+    ASSERT_EQ(masters.size(), 2 * expert_masters(*t, prefixes[0]).size());
+    for (const auto& [name, value] : expert_masters(*t, prefixes[0]))
+      EXPECT_TRUE(torch::equal(value, high.read(name, torch::kFloat32))) << name;
+    for (const auto& [name, value] : expert_masters(*t, prefixes[1]))
+      EXPECT_TRUE(torch::equal(value, low.read(name, torch::kFloat32))) << name;
+  }
+  std::map<std::string, int> firsts;  // each expert's first update, checked in both modes
+  std::map<std::string, int> counts;
+  double worst = 0.0;
+  const int steps = 8;
+  for (int s = 0; s < steps; ++s) {
+    std::map<std::string, torch::Tensor> before[2][2];
+    for (int e = 0; e < 2; ++e) {
+      before[0][e] = expert_masters(streamed, prefixes[e]);
+      before[1][e] = expert_masters(resident, prefixes[e]);
+    }
+    const auto a = streamed.step(), b = resident.step();
+    ASSERT_EQ(a.part, b.part) << "step " << s + 1;
+    ASSERT_TRUE(a.part == "high" || a.part == "low") << a.part;
+    EXPECT_NEAR(a.loss, b.loss, 1e-5 * std::abs(b.loss)) << "step " << s + 1;
+    const int trained = a.part == "high" ? 0 : 1;
+    Trainer* trainers[2] = {&streamed, &resident};
+    for (int m = 0; m < 2; ++m) {
+      const auto after_trained = expert_masters(*trainers[m], prefixes[trained]);
+      const auto after_other = expert_masters(*trainers[m], prefixes[1 - trained]);
+      EXPECT_EQ(largest_change(before[m][1 - trained], after_other), 0.0) << "the other expert, step " << s + 1;
+      const double change = largest_change(before[m][trained], after_trained);
+      EXPECT_GT(change, 0.0) << "step " << s + 1;
+      if (!firsts.count(a.part + std::to_string(m)))  // AdamW's first step: |Δw| <= lr, = lr where |g| >> eps
+        EXPECT_NEAR(change, config.train.lr, 1e-3 * config.train.lr)
+            << a.part << " expert's first update, step " << s + 1;
+      firsts[a.part + std::to_string(m)] = s + 1;
+    }
+    ++counts[a.part];
+    worst = std::max(worst, max_difference(streamed.master_weights(), resident.master_weights()));
+  }
+  std::cout << "experts of 8 steps: high " << counts["high"] << ", low " << counts["low"]
+            << "; largest streamed-resident weight difference " << worst << "\n";
+  ASSERT_EQ(counts.size(), 2u) << "both experts trained in 8 steps";
+  EXPECT_GT(firsts["low0"] + firsts["high0"], 3) << "one expert's first update came after step 1";
+  EXPECT_LT(worst, 1e-5);
+  for (Trainer* t : {&streamed, &resident}) {
+    const auto state = t->training_state();
+    EXPECT_EQ(state.part_steps, (std::vector<int64_t>{counts["high"], counts["low"]}));
+    EXPECT_EQ(state.optimizer_steps, steps);
+  }
+}
+
+// The property: a two-expert run of megaslide-train's loop resumes from a checkpoint into the same
+// losses and the same expert at every step, bit for bit (bf16 blocks, accumulation); its metrics name each
+// step's expert, the batch source's draws; its weights file samples as the pair (megaslide-sample: the high-noise
+// expert with the low-noise one) holding the trained weights; its export is diffusers' two-expert repository, which
+// model.wan.weights reads back as the two experts and the boundary.
+TEST(WanTraining, BothExpertsRunResumesExportsAndSamplesAsThePair) {
+  const auto dir = temp_dir("both");
+  const std::string tensors = dir + "/latents.safetensors";
+  const auto data = expert_data();
+  megaslide::io::write_safetensors(tensors,
+                                   {{"latents", data.latents}, {"text", data.text}, {"empty_text", data.empty_text}});
+  // The experts of 6 steps as the batch source draws them (one draw, then two micro-batches, a step); the
+  // first seed from 5 on whose 6 steps train both experts.
+  auto experts_drawn = [&](int64_t seed) {
+    const auto resolved = megaslide::with_wan_architecture_from_weights(
+        expert_config("both", {"train.seed=" + std::to_string(seed), "train.grad_accum_steps=2"}));
+    megaslide::WanBatchSource batches(megaslide::wan_latent_config(resolved), expert_data());
+    std::vector<std::string> out;
+    for (int s = 0; s < 6; ++s) {
+      out.push_back(batches.draw_expert() == 0 ? "high" : "low");
+      batches.next(torch::kCPU);
+      batches.next(torch::kCPU);
+    }
+    return out;
+  };
+  int64_t seed = 5;
+  for (auto e = experts_drawn(seed); std::count(e.begin(), e.end(), "high") % 6 == 0; e = experts_drawn(++seed)) {
+  }
+  auto run = [&](const std::string& name, int steps) {
+    return expert_config(
+        "both", {"data.tensors=" + tensors, "train.checkpoint_every=3", "train.steps=" + std::to_string(steps),
+                 "output.run_dir=" + dir + "/" + name, "offload.compute_dtype=bf16", "train.grad_accum_steps=2",
+                 "train.seed=" + std::to_string(seed)});
+  };
+  megaslide::TrainingRunOptions whole_options;
+  whole_options.export_weights = dir + "/export";
+  megaslide::run_training(run("whole", 6), whole_options);
+  megaslide::run_training(run("part", 3), {});
+  megaslide::TrainingRunOptions resume;
+  resume.resume = "latest";
+  megaslide::run_training(run("part", 6), resume);
+  auto parts_of = [](const std::string& run_dir) {
+    std::vector<std::string> out;
+    std::ifstream in(megaslide::io::join_path(run_dir, "metrics.jsonl"));
+    for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line).at("part"));
+    return out;
+  };
+  const auto whole = losses_of(dir + "/whole"), part = losses_of(dir + "/part");
+  ASSERT_EQ(whole.size(), 6u);
+  ASSERT_EQ(part.size(), 6u);
+  for (size_t i = 0; i < 6; ++i) EXPECT_EQ(part[i], whole[i]) << "step " << i + 1;
+  EXPECT_EQ(parts_of(dir + "/whole"), experts_drawn(seed)) << "seed " << seed;
+  EXPECT_EQ(parts_of(dir + "/part"), parts_of(dir + "/whole"));
+
+  // The weights file: both experts, the trained ones (not the published ones).
+  const auto pair = megaslide::load_wan_model(megaslide::find_weights(dir + "/whole"), false);
+  ASSERT_TRUE(pair.low_noise);
+  const auto high = megaslide::WanWeights::open(kExperts + "/transformer");
+  const auto low = megaslide::WanWeights::open(kExperts + "/transformer_2");
+  auto pair_weight = [](const megaslide::WanModel& m) { return m.dit->named_parameters(true)["proj_out.weight"]; };
+  EXPECT_FALSE(torch::equal(pair_weight(pair), high.read("proj_out.weight", torch::kBFloat16).to(torch::kFloat32)));
+  EXPECT_FALSE(
+      torch::equal(pair_weight(*pair.low_noise), low.read("proj_out.weight", torch::kBFloat16).to(torch::kFloat32)));
+  EXPECT_FALSE(torch::equal(pair_weight(pair), pair_weight(*pair.low_noise)));
+
+  // The export: diffusers' repository of the two experts, the same tensors as the weights file.
+  const auto exported =
+      megaslide::with_wan_architecture_from_weights(expert_config("both", {"model.wan.weights=" + dir + "/export"}));
+  EXPECT_EQ(exported.model.wan.weights_2, dir + "/export/transformer_2");
+  EXPECT_EQ(exported.model.wan.boundary_ratio, 0.875);
+  EXPECT_TRUE(megaslide::io::path_exists(dir + "/export/transformer/config.json"));
+  const auto exported_high = megaslide::WanWeights::open(dir + "/export/transformer");
+  const auto exported_low = megaslide::WanWeights::open(dir + "/export/transformer_2");
+  for (const auto& p : pair.dit->named_parameters(true))
+    EXPECT_TRUE(torch::equal(exported_high.read(p.key(), torch::kFloat32), p.value())) << p.key();
+  for (const auto& p : pair.low_noise->dit->named_parameters(true))
+    EXPECT_TRUE(torch::equal(exported_low.read(p.key(), torch::kFloat32), p.value())) << p.key();
+  megaslide::io::remove_tree(dir);
 }
 
 // The property: with diffusion.first_frame_clean (Wan2.2 TI2V's image-to-video) an image-to-video sample

@@ -845,12 +845,8 @@ void validate_wan(const RunConfig& c, const std::function<void(const std::string
     fail("model.wan.weights_2",
          "names the low-noise expert but model.wan.weights (the high-noise expert, or the two-expert repository) "
          "is empty");
-  // Without weights the model is one randomly initialised DiT (with weights, with_wan_architecture_from_weights
-  // says whether they hold two experts).
-  if (w.expert == "both")
-    fail("model.wan.expert",
-         "is both: training Wan2.2's two experts in one run is not supported yet; fine-tune them one at a time "
-         "(expert: high, then expert: low; docs/wan.md)");
+  // Without weights the model is one randomly initialised DiT, or two with expert both (with weights,
+  // with_wan_architecture_from_weights says whether they hold two experts).
   if (!w.expert.empty() && c.diffusion.objective != "flow")
     fail("model.wan.expert", "is " + w.expert +
                                  ": Wan2.2's experts are flow-matching models (diffusion.objective: flow), "

@@ -2,6 +2,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <algorithm>
 #include <cmath>
 
 namespace megaslide {
@@ -73,6 +74,12 @@ torch::Tensor shift_sigmas(const torch::Tensor& sigma, double shift) {
   return shift * sigma / (1.0 + (shift - 1.0) * sigma);
 }
 
+double flow_sigma_cdf(double sigma, const FlowMatchingOptions& options) {
+  const double x = unshift_sigma(sigma, options.shift());  // the unshifted u below which σ falls
+  if (options.sampling() != TimestepSampling::kLogitNormal || x <= 0 || x >= 1) return std::clamp(x, 0.0, 1.0);
+  return 0.5 * std::erfc(-(std::log(x / (1.0 - x)) - options.logit_mean()) / (options.logit_std() * std::sqrt(2.0)));
+}
+
 torch::Tensor sample_flow_sigmas(int64_t batch, const FlowMatchingOptions& options, at::Generator& generator) {
   const auto f64 = torch::TensorOptions().dtype(torch::kFloat64);
   const double lo = options.sigma_min(), hi = options.sigma_max();
@@ -82,13 +89,7 @@ torch::Tensor sample_flow_sigmas(int64_t batch, const FlowMatchingOptions& optio
   if (lo > 0 || hi < 1) {
     // The CDF of u at the unshifted ends, a uniform draw between them, back through the inverse CDF.
     const bool logit = options.sampling() == TimestepSampling::kLogitNormal;
-    auto cdf = [&](double sigma) {
-      const double x = unshift_sigma(sigma, options.shift());
-      if (!logit || x <= 0 || x >= 1) return x;
-      return 0.5 *
-             std::erfc(-(std::log(x / (1.0 - x)) - options.logit_mean()) / (options.logit_std() * std::sqrt(2.0)));
-    };
-    const double p_lo = cdf(lo), p_hi = cdf(hi);
+    const double p_lo = flow_sigma_cdf(lo, options), p_hi = flow_sigma_cdf(hi, options);
     const auto p = p_lo + torch::rand({batch}, generator, f64) * (p_hi - p_lo);
     u = logit
             ? torch::sigmoid(options.logit_mean() + options.logit_std() * std::sqrt(2.0) * torch::erfinv(2.0 * p - 1.0))

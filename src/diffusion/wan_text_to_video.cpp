@@ -325,21 +325,16 @@ bool is_wan_weights_file(const std::string& path) {
   return parse_run_config(config->second, path + " (__metadata__.config)").model.arch == Architecture::kWan;
 }
 
-WanModel load_wan_model(const std::string& weights_file, bool blocks_on_demand) {
-  const auto header = io::read_safetensors_header(weights_file);
-  const auto config_text = header.metadata.find("config");
-  if (config_text == header.metadata.end())
-    throw WeightsError("weights file '" + weights_file +
-                       "': __metadata__ has no 'config' (not a megaslide weights file)");
+namespace {
+// The DiT whose tensors in `file` are named `prefix` + its parameter names.
+WanModel load_wan_dit(const RunConfig& config, const std::string& weights_file,
+                      const std::shared_ptr<io::MappedWeights>& file, const std::string& prefix,
+                      std::set<std::string>& used, bool blocks_on_demand) {
   WanModel out;
-  out.config = parse_run_config(config_text->second, weights_file + " (__metadata__.config)");
-  if (out.config.model.arch != Architecture::kWan)
-    throw WeightsError("weights file '" + weights_file + "': its config's model.arch is " +
-                       to_string(out.config.model.arch) + ", not wan");
+  out.config = config;
   out.source = weights_file;
   auto skeleton = wan_skeleton(WanOptions::from_config(out.config));
   out.dit = skeleton.first;
-  auto file = std::make_shared<io::MappedWeights>(weights_file);
   auto take = [file, weights_file](const std::string& name, torch::Tensor& p) {
     try {
       p.copy_(file->take(name, p.sizes().vec(), torch::kFloat32, "by the Wan model its config describes"));
@@ -347,10 +342,9 @@ WanModel load_wan_model(const std::string& weights_file, bool blocks_on_demand) 
       throw WeightsError("weights file '" + weights_file + "': " + e.what());
     }
   };
-  std::set<std::string> used;
   torch::NoGradGuard no_grad;
   for (auto& p : out.dit->named_parameters(true)) {
-    const std::string name = "dit." + p.key();
+    const std::string name = prefix + p.key();
     if (!file->has(name)) throw WeightsError("weights file '" + weights_file + "': tensor '" + name + "' is missing");
     if (file->shape(name) != p.value().sizes().vec())
       throw WeightsError("weights file '" + weights_file + "': tensor '" + name + "' has shape " +
@@ -359,19 +353,43 @@ WanModel load_wan_model(const std::string& weights_file, bool blocks_on_demand) 
     if (!p.value().is_meta()) take(name, p.value());  // the prologue, the head; the blocks below or on demand
     used.insert(name);
   }
-  for (const auto& name : file->names())
-    if (!used.count(name))
-      throw WeightsError("weights file '" + weights_file + "': tensor '" + name +
-                         "' is not a parameter of the Wan model its config describes");
   auto draws = skeleton.second;
-  out.block = [draws, take](int64_t l) {
+  out.block = [draws, take, prefix](int64_t l) {
     WanBlock block = draws->draw(l);
     torch::NoGradGuard no_grad;
-    for (auto& p : block->named_parameters(true)) take("dit.blocks." + std::to_string(l) + "." + p.key(), p.value());
+    for (auto& p : block->named_parameters(true))
+      take(prefix + "blocks." + std::to_string(l) + "." + p.key(), p.value());
     return block;
   };
   if (!blocks_on_demand) out.load_blocks();
   out.dit->eval();
+  return out;
+}
+}  // namespace
+
+WanModel load_wan_model(const std::string& weights_file, bool blocks_on_demand) {
+  const auto header = io::read_safetensors_header(weights_file);
+  const auto config_text = header.metadata.find("config");
+  if (config_text == header.metadata.end())
+    throw WeightsError("weights file '" + weights_file +
+                       "': __metadata__ has no 'config' (not a megaslide weights file)");
+  const RunConfig config = parse_run_config(config_text->second, weights_file + " (__metadata__.config)");
+  if (config.model.arch != Architecture::kWan)
+    throw WeightsError("weights file '" + weights_file + "': its config's model.arch is " +
+                       to_string(config.model.arch) + ", not wan");
+  auto file = std::make_shared<io::MappedWeights>(weights_file);
+  std::set<std::string> used;
+  // A run that trained Wan2.2's two experts (model.wan.expert both) holds both, named by their
+  // repository folders: the high-noise expert's "transformer.", the low-noise one's "transformer_2.".
+  const bool both = config.model.wan.expert == "both";
+  WanModel out = load_wan_dit(config, weights_file, file, both ? "dit.transformer." : "dit.", used, blocks_on_demand);
+  if (both)
+    out.low_noise = std::make_shared<WanModel>(
+        load_wan_dit(config, weights_file, file, "dit.transformer_2.", used, blocks_on_demand));
+  for (const auto& name : file->names())
+    if (!used.count(name))
+      throw WeightsError("weights file '" + weights_file + "': tensor '" + name +
+                         "' is not a parameter of the Wan model its config describes");
   return out;
 }
 

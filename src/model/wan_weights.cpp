@@ -562,6 +562,33 @@ std::string wan_diffusers_config(const WanConfig& w) {
 
 io::WrittenFile save_wan_weights(const std::string& path, const WanConfig& wan, const io::NamedTensors& parameters,
                                  torch::ScalarType dtype) {
+  if (wan.expert == "both") {
+    const std::vector<std::string> folders{"transformer", "transformer_2"};
+    std::vector<io::NamedTensors> experts(2);
+    for (const auto& [name, tensor] : parameters) {
+      const auto dot = name.find('.');
+      const auto it = std::find(folders.begin(), folders.end(), name.substr(0, dot));
+      if (dot == std::string::npos || it == folders.end())
+        throw io::IoError("'" + path + "': tensor '" + name +
+                          "' is not named transformer.* or transformer_2.* (one of Wan2.2's two experts)");
+      experts[static_cast<size_t>(it - folders.begin())].emplace_back(name.substr(dot + 1), tensor);
+    }
+    WanConfig one = wan;
+    one.expert.clear();
+    io::WrittenFile written;
+    for (size_t e = 0; e < 2; ++e) {
+      const std::string folder = io::join_path(path, folders[e]);
+      io::make_directories(folder);
+      written = save_wan_weights(io::join_path(folder, "diffusion_pytorch_model.safetensors"), one, experts[e], dtype);
+    }
+    nlohmann::ordered_json index;
+    index["_class_name"] = "WanPipeline";
+    index["boundary_ratio"] = wan.boundary_ratio;
+    index["transformer"] = {"diffusers", "WanTransformer3DModel"};
+    index["transformer_2"] = {"diffusers", "WanTransformer3DModel"};
+    io::write_file_atomically(io::join_path(path, "model_index.json"), index.dump(2) + "\n");
+    return written;
+  }
   const std::string config = wan_diffusers_config(wan);
   const std::string name = "diffusion_pytorch_model.safetensors";
   const bool diffusers_folder =
@@ -611,7 +638,7 @@ const std::string& wan_trained_weights(const WanConfig& wan) {
 }
 
 std::string wan_untrained_expert(const WanConfig& wan) {
-  if (wan.expert.empty() || wan.weights_2.empty()) return "";
+  if (wan.expert.empty() || wan.expert == "both" || wan.weights_2.empty()) return "";
   return wan.expert == "low" ? wan.weights : wan.weights_2;
 }
 

@@ -356,6 +356,21 @@ std::string gb(double bytes) { return fmt::format("{:.1f} GB", bytes / 1e9); }
 // Suggestions when the run does not fit: each one a change that was checked to fit with this model.
 // `config` is one rank's (its train.batch_size is the per-rank batch); a batch is advised as the global
 // one, world_size times that.
+// Wan2.2's two experts of `one`'s shape in one store: the high-noise expert's blocks, then the low-noise
+// one's; both experts' resident parts.
+ModelShape two_experts(const ModelShape& one) {
+  ModelShape s = one;
+  s.params *= 2;
+  s.resident *= 2;
+  s.streamed *= 2;
+  s.block_numels.insert(s.block_numels.end(), one.block_numels.begin(), one.block_numels.end());
+  for (auto spec : one.blocks) {
+    spec.name = "transformer_2." + spec.name;
+    s.blocks.push_back(std::move(spec));
+  }
+  return s;
+}
+
 std::vector<std::string> advise(const RunConfig& config, const ModelShape& s, const StepPlan& plan,
                                 const HardwareProfile& hw) {
   const int64_t ranks = plan.world_size;
@@ -428,6 +443,23 @@ std::vector<std::string> advise(const RunConfig& config, const ModelShape& s, co
       if (smaller.fits_host)
         out.push_back(fmt::format("host: int8 AdamW moments: optimizer.state_dtype=int8 fits ({} at peak)",
                                   gb(static_cast<double>(smaller.host.peak()))));
+    }
+    if (is_wan(config) && config.model.wan.expert == "both") {
+      // One expert at a time (as it is, else with int8 moments where one rank may keep them).
+      RunConfig c = config;
+      c.model.wan.expert = "high";
+      StepPlan alone = plan_step(c, hw, ranks);
+      std::string int8;
+      if (!alone.fits_host && config.optimizer.state_dtype != "int8" && ranks == 1) {
+        c.optimizer.state_dtype = "int8";
+        alone = plan_step(c, hw, ranks);
+        int8 = " optimizer.state_dtype=int8";
+      }
+      if (alone.fits_host)
+        out.push_back(fmt::format(
+            "host: one expert at a time: model.wan.expert=high{}, then a run with model.wan.expert=low, fits ({} at "
+            "peak; the other expert's state is then not held)",
+            int8, gb(static_cast<double>(alone.host.peak()))));
     }
     if (config.train.ema_decay > 0) {
       RunConfig c = config;
@@ -522,7 +554,11 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
   RunConfig config = global;
   config.train.batch_size = global.train.batch_size / R;
   const bool wan = is_wan(config);
-  const ModelShape s = shape_of(config);
+  // Wan2.2's two experts trained in one run (model.wan.expert both): the host holds both experts' blocks
+  // and the device both experts' resident parts, but a step streams, updates and computes one expert.
+  const bool both = wan && config.model.wan.expert == "both";
+  const ModelShape one = shape_of(config);  // what one step streams
+  const ModelShape s = both ? two_experts(one) : one;
   const TokenGrid grid = grid_of(config);
   const auto& t = config.train;
   StepPlan p;
@@ -555,21 +591,23 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
   const int64_t A = t.grad_accum_steps;
   const int64_t exchange_e = A > 1 ? 4 : e;  // the gradients' dtype in the exchange (sharded trainer)
   const bool ema = t.ema_decay > 0;
+  int64_t stepped_params_per_rank = 0;  // sharded: the elements of this rank's shards a step updates
   if (p.streamed && R > 1) {
     const auto state = offload::parse_state_dtype(config.optimizer.state_dtype);
     p.state_dtype = config.optimizer.state_dtype;
     p.host = sharded_host_memory(s, R, p.compute_dtype, state, A, ema);
     for (const int64_t n : s.block_numels) p.sharded_params_per_rank += shard_numel(n, R);
+    for (const int64_t n : one.block_numels) stepped_params_per_rank += shard_numel(n, R);
     p.host.construction_peak = p.host.state() + 2 * 4 * s.largest_block;
     // Every rank's store: the shards add up to one whole master and moments; the rest is on every rank.
     p.host_state_bytes_all_ranks = (4 + 2 * offload::state_element_bytes(state) + (ema ? 4 : 0)) * s.streamed +
                                    R * (p.host.compute + p.host.grad + p.host.exchange);
-    p.transfer = replay_transfers(s.block_numels, A, e);  // every rank streams every whole block
-    for (const int64_t n : s.block_numels) {
+    p.transfer = replay_transfers(one.block_numels, A, e);  // every rank streams every whole block
+    for (const int64_t n : one.block_numels) {
       p.exchange.wire_bytes += ring_bytes(n, R, exchange_e) + ring_bytes(n, R, e);
       p.exchange.collectives += 2;
     }
-    p.exchange.payload_bytes = (exchange_e + e) * s.streamed;
+    p.exchange.payload_bytes = (exchange_e + e) * one.streamed;
   } else if (p.streamed) {
     // The HostParamStore StreamedStackTrainer allocates, counted by the store itself from the blocks'
     // real parameter lists (int8 scales are per parameter).
@@ -590,7 +628,7 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
     // Start-up: the store, and the fp32 initial weights of the blocks being loaded into it
     // (StackTrainerOptions::init_threads at once, 2 by default; every family alike).
     p.host.construction_peak = p.host.state() + 2 * 4 * s.largest_block;
-    p.transfer = replay_transfers(s.block_numels, A, e);
+    p.transfer = replay_transfers(one.block_numels, A, e);
   }
   p.device = wan ? wan_device_memory(config, s, grid) : device_memory(config, s, grid);
   if (p.streamed && wan && !wan_untrained_expert(config.model.wan).empty() && t.sample_every > 0)
@@ -629,7 +667,7 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
     const double cross_kv =
         wan ? 2.0 * static_cast<double>(p.hidden * p.hidden + p.hidden) * static_cast<double>(p.layers) : 0.0;
     tm.executed_flops +=
-        2.0 * (static_cast<double>(s.streamed) - cross_kv) * samples * static_cast<double>(grid.numel()) +
+        2.0 * (static_cast<double>(one.streamed) - cross_kv) * samples * static_cast<double>(grid.numel()) +
         2.0 * cross_kv * samples * static_cast<double>(config.data.max_text_tokens) + attention_flops / 3.0;
     // CpuAdamW reads master, m, v and the gradient and writes master, m, v and the compute copy (none
     // with fp32 compute, which uploads the master); m and v in the state dtype (int8: and their group
@@ -639,12 +677,14 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
     // the exchange dtype and writes the shard of the compute copy in the compute dtype (fp32 too).
     const int64_t grad_e = A > 1 ? 4 : e;
     const int64_t state_e = offload::state_element_bytes(offload::parse_state_dtype(p.state_dtype));
+    // (Two experts: the step's expert's blocks only, and its share of the int8 scales.)
+    const int64_t scales = both ? p.host.scales / 2 : p.host.scales;
     tm.optimizer_bytes =
-        R > 1 ? p.sharded_params_per_rank * (8 + 4 * state_e + grad_e + e)
-              : s.streamed * (8 + 4 * state_e + grad_e + (p.compute_dtype == "fp32" ? 0 : 2)) + 2 * p.host.scales;
-    if (A > 1) tm.optimizer_bytes += s.streamed * (A * e + 4 + (A - 1) * 8);
+        R > 1 ? stepped_params_per_rank * (8 + 4 * state_e + grad_e + e)
+              : one.streamed * (8 + 4 * state_e + grad_e + (p.compute_dtype == "fp32" ? 0 : 2)) + 2 * scales;
+    if (A > 1) tm.optimizer_bytes += one.streamed * (A * e + 4 + (A - 1) * 8);
     // The EMA pass after each block's update: reads the master and the EMA, writes the EMA.
-    if (ema) tm.optimizer_bytes += 12 * (R > 1 ? p.sharded_params_per_rank : s.streamed);
+    if (ema) tm.optimizer_bytes += 12 * (R > 1 ? stepped_params_per_rank : one.streamed);
     tm.h2d_s = static_cast<double>(p.transfer.h2d_bytes) / (hw.pcie_h2d_gbps * 1e9);
     tm.d2h_s = static_cast<double>(p.transfer.d2h_bytes) / (hw.pcie_d2h_gbps * 1e9);
     tm.optimizer_s = static_cast<double>(tm.optimizer_bytes) / (hw.host_dram_gbps * 1e9);
@@ -800,7 +840,12 @@ std::string to_table(const StepPlan& p) {
                     p.world_size, p.batch_size_per_rank, p.batch_size,
                     p.streamed ? "; fp32 master and AdamW moments sharded, rank 0's shard: the largest" : "");
   }
-  if (!p.wan_expert.empty() && p.streamed)
+  if (p.wan_expert == "both" && p.streamed)
+    out += fmt::format(
+        "  Wan2.2's two experts trained in one run (the step's timestep picks its expert at {} x 1000): the host "
+        "holds both experts' state, a step streams and updates one ({} params each)\n",
+        p.boundary_ratio, p.params / 2);
+  else if (!p.wan_expert.empty() && p.streamed)
     out += fmt::format(
         "  Wan2.2's {}-noise expert (timesteps {} {} x 1000) trained alone: the other expert's state is not held; "
         "both experts' would be twice this one's host state ({:.1f} GB)\n",

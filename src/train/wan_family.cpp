@@ -100,6 +100,60 @@ class WanInitialWeights {
   bool released_ = false;
 };
 
+// Wan2.2's two experts as one StreamedModel: the high-noise expert's blocks, then the low-noise one's.
+class WanExpertsStack final : public offload::StreamedModel {
+ public:
+  explicit WanExpertsStack(std::vector<std::shared_ptr<WanStack>> stacks) : stacks_(std::move(stacks)) {}
+  int64_t num_blocks() const override {
+    int64_t n = 0;
+    for (const auto& s : stacks_) n += s->num_blocks();
+    return n;
+  }
+  torch::nn::Module& block(int64_t index) override {
+    auto [stack, l] = locate(index);
+    return stack.block(l);
+  }
+  torch::Tensor forward_block(int64_t index, const torch::Tensor& x, const offload::BlockInputs& inputs) override {
+    auto [stack, l] = locate(index);
+    return stack.forward_block(l, x, inputs);
+  }
+  std::vector<torch::Tensor> resident_parameters() override {
+    std::vector<torch::Tensor> out;
+    for (const auto& s : stacks_)
+      for (auto& p : s->resident_parameters()) out.push_back(p);
+    return out;
+  }
+  std::shared_ptr<torch::nn::Module> initial_block(int64_t index) override {
+    auto [stack, l] = locate(index);
+    return stack.initial_block(l);
+  }
+  void adopt_block(int64_t index, std::shared_ptr<torch::nn::Module> block) override {
+    auto [stack, l] = locate(index);
+    stack.adopt_block(l, std::move(block));
+  }
+
+ private:
+  std::pair<WanStack&, int64_t> locate(int64_t index) const {
+    for (const auto& s : stacks_) {
+      if (index < s->num_blocks()) return {*s, index};
+      index -= s->num_blocks();
+    }
+    TORCH_CHECK(false, "WanExpertsStack: block index out of range");
+  }
+  std::vector<std::shared_ptr<WanStack>> stacks_;
+};
+
+// One DiT the run trains (Wan2.2's two experts trained together: two).
+struct WanExpert {
+  std::string name;                  // "" for one DiT; "high", "low"
+  std::string prefix;                // of its parameters' names: "" for one DiT; "transformer.", "transformer_2."
+  std::string weights, weights_key;  // its weights (may be empty) and their config key
+  WanStackSplit split{WanTransformer(nullptr)};  // the model, and the micro-batch between prologue and epilogue
+  std::shared_ptr<WanStack> stack;               // streamed
+  std::vector<std::string> initialised;          // parameters not in its weights (prefixed)
+  std::shared_ptr<WanInitialWeights> init;       // until the weights are in place (streamed: blocks_built)
+};
+
 class WanModel final : public FamilyModel {
  public:
   explicit WanModel(const ModelRequest& request)
@@ -111,36 +165,68 @@ class WanModel final : public FamilyModel {
     // Validation first: umT5 encodes the prompts now, before the trainer's state exists, and is freed.
     if (request.validation) validation_.emplace(config_, cached_captions(config_, source), source);
     batches_.emplace(latent_, load_latent_data(config_, source));
-    try {
-      build(request.init_from, source);
-    } catch (const WanWeightsError& e) {
-      throw ConfigError(source, weights_key(), e.what());
+    const auto& w = config_.model.wan;
+    if (w.expert == "both") {
+      experts_.resize(2);
+      experts_[0].name = "high";
+      experts_[0].prefix = "transformer.";
+      experts_[0].weights = w.weights;
+      experts_[0].weights_key = "model.wan.weights";
+      experts_[1].name = "low";
+      experts_[1].prefix = "transformer_2.";
+      experts_[1].weights = w.weights_2;
+      experts_[1].weights_key = "model.wan.weights_2";
+    } else {
+      experts_.resize(1);
+      experts_[0].weights = w.weights.empty() ? std::string() : wan_trained_weights(w);
+      experts_[0].weights_key = &wan_trained_weights(w) == &w.weights ? "model.wan.weights" : "model.wan.weights_2";
     }
+    build(request.init_from, source);
   }
 
   io::NamedTensors named_parameters() override {
     io::NamedTensors out;
-    for (const auto& p : model()->named_parameters(true)) out.emplace_back(p.key(), p.value());
+    for (auto& e : experts_)
+      for (const auto& p : e.split.model->named_parameters(true)) out.emplace_back(e.prefix + p.key(), p.value());
     return out;
   }
+  std::string block_name(int64_t l) const override {
+    const int64_t L = config_.model.wan.layers;
+    return experts_[static_cast<size_t>(l / L)].prefix + "blocks." + std::to_string(l % L);
+  }
+  std::vector<ModelPart> parts() const override {
+    if (experts_.size() == 1) return {};
+    const int64_t L = config_.model.wan.layers;
+    std::vector<ModelPart> out;
+    for (size_t e = 0; e < experts_.size(); ++e)
+      out.push_back(
+          {experts_[e].name, experts_[e].prefix, static_cast<int64_t>(e) * L, static_cast<int64_t>(e + 1) * L});
+    return out;
+  }
+  size_t begin_step() override { return active_ = batches_->draw_expert(); }
+
   std::shared_ptr<offload::StreamedModel> stack() override { return stack_; }
   void blocks_built() override {
-    // The head into the device parameters the engine's resident optimizer holds, drawn where the whole
+    // Each head into the device parameters the engine's resident optimizer holds, drawn where the whole
     // model's construction draws it (after every block).
-    init_->restore_state_after_blocks();
-    model()->initialise_head();
-    init_->overwrite("proj_out.", *model()->proj_out);
-    init_->overwrite_table("scale_shift_table", model()->scale_shift_table);
-    init_->release();  // the weights' mappings closed (the stack's builder still holds the object); a later
-    init_.reset();     // initial_block is an error
+    for (auto& e : experts_) {
+      e.init->restore_state_after_blocks();
+      e.split.model->initialise_head();
+      e.init->overwrite("proj_out.", *e.split.model->proj_out);
+      e.init->overwrite_table("scale_shift_table", e.split.model->scale_shift_table);
+      e.init->release();  // the weights' mappings closed (the stack's builder still holds the object); a later
+      e.init.reset();     // initial_block is an error
+    }
   }
 
   at::Tensor loss(MicroBatchStats& stats) override {
     const auto b = next_batch(stats);
     return wan_training_loss(model()->forward(b.xt, b.timesteps, b.text), b.target, b.loss_mask);
   }
-  offload::StackInput prologue(MicroBatchStats& stats) override { return split_.prologue(next_batch(stats)); }
-  at::Tensor epilogue(const at::Tensor& last_hidden) override { return split_.epilogue(last_hidden); }
+  offload::StackInput prologue(MicroBatchStats& stats) override {
+    return experts_[active_].split.prologue(next_batch(stats));
+  }
+  at::Tensor epilogue(const at::Tensor& last_hidden) override { return experts_[active_].split.epilogue(last_hidden); }
 
   std::string data_state() const override { return batches_->state(); }
   void restore_data(const std::string& state) override { batches_->restore(state); }
@@ -156,7 +242,15 @@ class WanModel final : public FamilyModel {
 
   void describe(std::vector<std::string>& info, std::vector<std::string>& /*warnings*/) const override {
     const auto& w = config_.model.wan;
-    if (!w.expert.empty())
+    if (w.expert == "both") {
+      const double p_high = 1.0 - flow_sigma_cdf(w.boundary_ratio, FlowMatchingOptions::from_config(config_));
+      info.push_back(fmt::format(
+          "Wan2.2's two experts trained in one run: each step trains one, the high-noise expert{} on {:.1f}% of the "
+          "steps (σ at timesteps >= {} x 1000), the low-noise expert{} on the others (σ below; "
+          "diffusion.timestep_sampling's distribution restricted to each side); only the step's expert streams",
+          w.weights.empty() ? "" : " '" + w.weights + "'", 100.0 * p_high, w.boundary_ratio,
+          w.weights_2.empty() ? "" : " '" + w.weights_2 + "'"));
+    } else if (!w.expert.empty()) {
       info.push_back(fmt::format(
           "Wan2.2's {}-noise expert '{}': σ drawn only at timesteps {} {} x 1000 (diffusion.timestep_sampling's "
           "distribution restricted there){}",
@@ -164,15 +258,18 @@ class WanModel final : public FamilyModel {
           w.weights_2.empty() ? std::string()
                               : fmt::format("; the {}-noise expert '{}' is not trained",
                                             w.expert == "high" ? "low" : "high", wan_untrained_expert(w))));
+    }
     if (config_.diffusion.first_frame_clean > 0)
       info.push_back(
           fmt::format("image-to-video (Wan2.2 TI2V) for {:.0f}% of the samples: the first latent frame "
                       "clean, its tokens at timestep 0, left out of the loss",
                       100.0 * config_.diffusion.first_frame_clean));
-    if (!initialised_.empty())
+    size_t initialised = 0;
+    for (const auto& e : experts_) initialised += e.initialised.size();
+    if (initialised > 0)
       info.push_back(
           fmt::format("{} parameters not in model.wan.weights start from their initialisation (the 3D-DSA retrofit's)",
-                      initialised_.size()));
+                      initialised));
     if (validation_) {
       std::string prompts;
       for (const auto& job : validation_->jobs()) prompts += (prompts.empty() ? "\"" : ", \"") + job.prompt + "\"";
@@ -189,13 +286,23 @@ class WanModel final : public FamilyModel {
   std::vector<std::string> write_validation(const std::string& folder, Trainer& trainer) override {
     return validation_->write(folder, trainer);
   }
-  // diffusers' names and layout (model/wan_weights.h).
+  // diffusers' names and layout (model/wan_weights.h); two experts, diffusers' repository folders.
   void write_weights(const std::string& path, const io::NamedTensors& weights) override {
     save_wan_weights(path, config_.model.wan, weights);
   }
 
-  WanTransformer& model() { return split_.model; }
-  const std::vector<std::string>& initialised() const { return initialised_; }
+  // The trained DiT (two experts: the one the last step trained, the high-noise one before any step).
+  WanTransformer& model() { return experts_[active_].split.model; }
+  std::vector<WanTransformer> experts() const {
+    std::vector<WanTransformer> out;
+    for (const auto& e : experts_) out.push_back(e.split.model);
+    return out;
+  }
+  std::vector<std::string> initialised() const {
+    std::vector<std::string> out;
+    for (const auto& e : experts_) out.insert(out.end(), e.initialised.begin(), e.initialised.end());
+    return out;
+  }
 
  private:
   WanBatch next_batch(MicroBatchStats& stats) {
@@ -206,70 +313,92 @@ class WanModel final : public FamilyModel {
     return b;
   }
 
-  // The initial weights (train/wan_family.h): drawn after torch::manual_seed(train.seed), overwritten by
-  // model.wan.weights, then by train.init_from.
+  // The initial weights (train/wan_family.h): each expert drawn after torch::manual_seed(train.seed + its
+  // index), overwritten by its weights, then by train.init_from (one plan over every expert's parameters).
   void build(const InitPlanner& init_from, const std::string& source) {
-    torch::manual_seed(config_.train.seed);
-    std::optional<WanWeights> weights;
-    if (!config_.model.wan.weights.empty()) weights.emplace(WanWeights::open(wan_trained_weights(config_.model.wan)));
-    const auto allow_missing =
-        config_.model.self_attention == "dsa3d" ? wan_dsa_parameter_globs() : std::vector<std::string>{};
-    if (!streamed_) {
-      // The whole model on the CPU in fp32 (the reference the streamed mode's initialisation equals).
-      WanTransformer model(WanOptions::from_config(latent_));
-      if (weights) initialised_ = load_wan_weights(*weights, *model, allow_missing);
-      if (init_from) {
-        ParameterShapes shapes;
-        std::map<std::string, torch::Tensor> params;
-        for (const auto& p : model->named_parameters(true)) {
-          shapes.emplace_back(p.key(), p.value().sizes().vec());
-          params.emplace(p.key(), p.value());
-        }
-        const InitPlan plan = init_from(shapes, allow_missing);
-        torch::NoGradGuard no_grad;
-        for (const auto& [name, source] : plan.tensors) source.read_into(params.at(name));
-      }
-      grid_ = model->token_grid(latent_.data.frames, latent_.data.height, latent_.data.width);
-      model->to(device_);
-      split_.model = model;
-      return;
-    }
-    // Streamed: the blocks a meta skeleton whose weights the engine builds one at a time; the prologue
-    // now, the head after the blocks (blocks_built).
-    init_ = std::make_shared<WanInitialWeights>(
-        WanTransformer(WanOptions::from_config(latent_).block_device(torch::kMeta)), std::move(weights));
-    auto& model = init_->model;
+    const bool dsa = config_.model.self_attention == "dsa3d";
+    const auto dsa_globs = dsa ? wan_dsa_parameter_globs() : std::vector<std::string>{};
+    std::vector<std::string> allow_missing;  // the 3D-DSA retrofit's parameters, in every expert
     ParameterShapes shapes;
-    for (const auto& p : model->named_parameters(true)) shapes.emplace_back(p.key(), p.value().sizes().vec());
-    if (init_->weights) initialised_ = init_->weights->check(shapes, allow_missing);
-    if (init_from)
-      for (const auto& [name, source] : init_from(shapes, allow_missing).tensors)
-        init_->init_sources.emplace(name, source);
-    torch::manual_seed(config_.train.seed);
-    model->initialise_prologue();  // as the skeleton's construction drew it; the generator now where block 0 starts
-    init_->overwrite("patch_embedding.", *model->patch_embedding);
-    init_->overwrite("condition_embedder.", *model->condition_embedder);
-    init_->start_blocks();
-    grid_ = model->token_grid(latent_.data.frames, latent_.data.height, latent_.data.width);
-    // The engine builds the blocks after make_model returned: a weights file whose block cannot be read is
-    // still the config's error.
-    auto block = [init = init_, source, key = weights_key()](int64_t l) {
+    for (size_t i = 0; i < experts_.size(); ++i) {
+      auto& e = experts_[i];
+      std::optional<WanWeights> weights;
       try {
-        return init->block(l);
-      } catch (const WanWeightsError& e) {
-        throw ConfigError(source, key, e.what());
+        if (!e.weights.empty()) weights.emplace(WanWeights::open(e.weights));
+      } catch (const WanWeightsError& error) {
+        throw ConfigError(source, e.weights_key, error.what());
       }
-    };
-    stack_ = std::make_shared<WanStack>(model, block, device_);
-    for (auto& [name, p] : stack_->named_resident_parameters())
-      if (!p.is_meta()) move_parameter(p, device_);  // the blocks' tables and norm2 follow in adopt_block
-    split_.model = model;
-  }
-
-  // The key of the trained weights (wan_trained_weights).
-  std::string weights_key() const {
-    return &wan_trained_weights(config_.model.wan) == &config_.model.wan.weights ? "model.wan.weights"
-                                                                                 : "model.wan.weights_2";
+      const int64_t seed = config_.train.seed + static_cast<int64_t>(i);
+      torch::manual_seed(seed);
+      if (!streamed_) {
+        // The whole model on the CPU in fp32 (the reference the streamed mode's initialisation equals).
+        e.init =
+            std::make_shared<WanInitialWeights>(WanTransformer(WanOptions::from_config(latent_)), std::move(weights));
+      } else {
+        // The blocks a meta skeleton whose weights the engine builds one at a time; the prologue drawn as the
+        // skeleton's construction drew it (the generator then where block 0 starts), the head after the
+        // blocks (blocks_built).
+        e.init = std::make_shared<WanInitialWeights>(
+            WanTransformer(WanOptions::from_config(latent_).block_device(torch::kMeta)), std::move(weights));
+        torch::manual_seed(seed);
+        e.init->model->initialise_prologue();
+        e.init->start_blocks();
+      }
+      std::vector<std::pair<std::string, std::vector<int64_t>>> own;
+      for (const auto& p : e.init->model->named_parameters(true)) {
+        own.emplace_back(p.key(), p.value().sizes().vec());
+        shapes.emplace_back(e.prefix + p.key(), p.value().sizes().vec());
+      }
+      for (const auto& glob : dsa_globs) allow_missing.push_back(e.prefix + glob);
+      try {
+        if (e.init->weights)
+          for (const auto& name : e.init->weights->check(own, dsa_globs)) e.initialised.push_back(e.prefix + name);
+      } catch (const WanWeightsError& error) {
+        throw ConfigError(source, e.weights_key, error.what());
+      }
+    }
+    // init_from's tensors by expert, under the expert's own names (the longest matching prefix).
+    if (init_from)
+      for (const auto& [name, tensor] : init_from(shapes, allow_missing).tensors)
+        for (size_t i = experts_.size(); i-- > 0;)
+          if (name.rfind(experts_[i].prefix, 0) == 0) {
+            experts_[i].init->init_sources.emplace(name.substr(experts_[i].prefix.size()), tensor);
+            break;
+          }
+    std::vector<std::shared_ptr<WanStack>> stacks;
+    for (auto& e : experts_) {
+      auto& model = e.init->model;
+      e.split.model = model;
+      try {
+        if (!streamed_) {
+          e.init->overwrite("", *model);
+          model->to(device_);
+          e.init.reset();
+          continue;
+        }
+        e.init->overwrite("patch_embedding.", *model->patch_embedding);
+        e.init->overwrite("condition_embedder.", *model->condition_embedder);
+      } catch (const WanWeightsError& error) {
+        throw ConfigError(source, e.weights_key, error.what());
+      }
+      // The engine builds the blocks after make_model returned: a weights file whose block cannot be read is
+      // still the config's error.
+      auto block = [init = e.init, source, key = e.weights_key](int64_t l) {
+        try {
+          return init->block(l);
+        } catch (const WanWeightsError& error) {
+          throw ConfigError(source, key, error.what());
+        }
+      };
+      e.stack = std::make_shared<WanStack>(model, block, device_);
+      for (auto& [name, p] : e.stack->named_resident_parameters())
+        if (!p.is_meta()) move_parameter(p, device_);  // the blocks' tables and norm2 follow in adopt_block
+      stacks.push_back(e.stack);
+    }
+    if (streamed_)
+      stack_ = stacks.size() == 1 ? std::shared_ptr<offload::StreamedModel>(stacks[0])
+                                  : std::make_shared<WanExpertsStack>(std::move(stacks));
+    grid_ = experts_[0].split.model->token_grid(latent_.data.frames, latent_.data.height, latent_.data.width);
   }
 
   const RunConfig config_;
@@ -278,10 +407,9 @@ class WanModel final : public FamilyModel {
   const bool streamed_;
   std::optional<WanValidation> validation_;
   std::optional<WanBatchSource> batches_;
-  std::shared_ptr<WanInitialWeights> init_;       // streamed, until blocks_built
-  std::shared_ptr<WanStack> stack_;               // streamed
-  WanStackSplit split_{WanTransformer(nullptr)};  // the model, and the micro-batch between prologue and epilogue
-  std::vector<std::string> initialised_;
+  std::vector<WanExpert> experts_;
+  size_t active_ = 0;                              // the expert the current step trains
+  std::shared_ptr<offload::StreamedModel> stack_;  // streamed
   TokenGrid grid_;
 };
 
@@ -328,6 +456,14 @@ WanModel& wan_model(Trainer& trainer) {
 
 void check_expert_training(const RunConfig& resolved, const std::string& source) {
   const auto& w = resolved.model.wan;
+  if (w.expert == "both") {
+    if (!w.weights.empty() && w.weights_2.empty())
+      throw ConfigError(source, "model.wan.expert",
+                        fmt::format("is both, but model.wan.weights '{}' is one DiT: name the low-noise expert in "
+                                    "model.wan.weights_2, or give the two-expert repository (docs/wan.md)",
+                                    w.weights));
+    return;  // both trained: the validation videos need no other expert
+  }
   if (!w.weights_2.empty() && w.expert.empty())
     throw ConfigError(source, "model.wan.expert",
                       fmt::format("is empty, but the weights are Wan2.2's two experts ('{}' and '{}'): set it to high "
@@ -350,8 +486,7 @@ const ModelFamily& wan_family() {
 }
 
 WanTransformer& wan_module(Trainer& trainer) { return wan_model(trainer).model(); }
-const std::vector<std::string>& wan_initialised_parameters(Trainer& trainer) {
-  return wan_model(trainer).initialised();
-}
+std::vector<WanTransformer> wan_experts(Trainer& trainer) { return wan_model(trainer).experts(); }
+std::vector<std::string> wan_initialised_parameters(Trainer& trainer) { return wan_model(trainer).initialised(); }
 
 }  // namespace megaslide

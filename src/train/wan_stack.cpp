@@ -194,6 +194,17 @@ WanBatch WanBatchSource::next(torch::Device device) {
   return b;
 }
 
+size_t WanBatchSource::draw_expert() {
+  const double boundary = config_.model.wan.boundary_ratio;
+  TORCH_CHECK(flow_ && config_.model.wan.expert == "both" && boundary > 0 && boundary < 1,
+              "WanBatchSource::draw_expert: for model.wan.expert both with flow matching and a boundary_ratio in "
+              "(0, 1)");
+  const double p_high = 1.0 - flow_sigma_cdf(boundary, flow_options_);
+  const bool high = torch::rand({1}, generator_, torch::kFloat64).item<double>() < p_high;
+  flow_options_.sigma_min(high ? boundary : 0.0).sigma_max(high ? 1.0 : boundary);
+  return high ? 0 : 1;
+}
+
 std::string WanBatchSource::state() const {
   std::ostringstream rng;
   rng << caption_rng_;
@@ -228,10 +239,18 @@ void WanBatchSource::restore(const std::string& state) {
 WanBlockDraws::WanBlockDraws(WanTransformer model)
     : model_(std::move(model)), states_{at::detail::getDefaultCPUGenerator().get_state()} {}
 
+namespace {
+// Every WanBlockDraws draws from LibTorch's one default CPU generator.
+std::mutex& default_generator_mutex() {
+  static std::mutex m;
+  return m;
+}
+}  // namespace
+
 WanBlock WanBlockDraws::draw(int64_t index) {
   TORCH_CHECK(index >= 0 && index < model_->options.layers(), "WanBlockDraws: block ", index, " out of range [0, ",
               model_->options.layers(), ")");
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<std::mutex> lock(default_generator_mutex());
   auto kept = kept_.find(index);
   if (kept != kept_.end()) {
     WanBlock b = std::move(kept->second);
@@ -251,7 +270,7 @@ WanBlock WanBlockDraws::draw(int64_t index) {
 }
 
 void WanBlockDraws::restore_state_after_blocks() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<std::mutex> lock(default_generator_mutex());
   TORCH_CHECK(static_cast<int64_t>(states_.size()) == model_->options.layers() + 1,
               "WanBlockDraws: ", states_.size() - 1, " of ", model_->options.layers(), " blocks drawn");
   auto generator = at::detail::getDefaultCPUGenerator();

@@ -171,21 +171,27 @@ WanValidation::WanValidation(const RunConfig& config, const std::vector<std::str
 
 std::vector<torch::Tensor> WanValidation::sample(Trainer& trainer) const {
   trainer.synchronize();  // the host updates of the last step have landed in the store
-  WanTransformer model = wan_module(trainer);
-  TrainingModeGuard mode(model);
-  std::shared_ptr<WanDenoiser> denoiser;
-  if (auto* engine = trainer.engine()) {
+  const auto experts = wan_experts(trainer);
+  std::vector<std::unique_ptr<TrainingModeGuard>> modes;
+  // One trained DiT as a denoiser; streamed, its blocks are the store's from `first_block` on.
+  auto trained = [&](WanTransformer model, int64_t first_block) -> std::shared_ptr<WanDenoiser> {
+    modes.push_back(std::make_unique<TrainingModeGuard>(model));
+    auto* engine = trainer.engine();
+    if (engine == nullptr)
+      return std::make_shared<ResidentWanDenoiser>(model, trainer.device(),
+                                                   at::kFloat);  // the module itself: fp32, on its device
     // Each block from the store as the trainer's next step uploads it: the compute copy, or the master
     // with fp32 compute (the transfer buffer then holds gradients; a sharded store's holds the copy).
     const auto& store = engine->store();
     const auto dtype = engine->options().compute_dtype;
     std::vector<WanBlockWeights> blocks;
-    for (int64_t l = 0; l < store.num_blocks(); ++l) {
+    for (int64_t b = 0; b < static_cast<int64_t>(model->blocks->size()); ++b) {
+      const int64_t l = first_block + b;
       WanBlockWeights w;
       w.flat = dtype == at::kFloat && !store.sharded() ? store.master(l) : store.compute(l);
       std::map<std::string, std::vector<int64_t>> shapes;
       for (const auto& spec : store.block_spec(l).params) shapes.emplace(spec.name, spec.shape);
-      for (const auto& item : model->blocks[l]->as<WanBlockImpl>()->streamed().named_parameters(true)) {
+      for (const auto& item : model->blocks[b]->as<WanBlockImpl>()->streamed().named_parameters(true)) {
         w.offsets.push_back(store.param(l, item.key()).offset);
         w.shapes.push_back(shapes.at(item.key()));
       }
@@ -195,14 +201,15 @@ std::vector<torch::Tensor> WanValidation::sample(Trainer& trainer) const {
     streamed.device = trainer.device();
     streamed.compute_dtype = dtype;
     streamed.mode = engine->options().mode;
-    denoiser = std::make_shared<StreamedWanDenoiser>(model, std::move(blocks), streamed);
-  } else {
-    denoiser = std::make_shared<ResidentWanDenoiser>(model, trainer.device(),
-                                                     at::kFloat);  // the module itself: fp32, on its device
-  }
+    return std::make_shared<StreamedWanDenoiser>(model, std::move(blocks), streamed);
+  };
+  const auto& w = config_.model.wan;
+  std::shared_ptr<WanDenoiser> denoiser = trained(experts[0], 0);
+  if (experts.size() == 2)  // Wan2.2's two experts, both trained
+    denoiser = std::make_shared<WanExpertsDenoiser>(denoiser, trained(experts[1], experts[0]->options.layers()),
+                                                    w.boundary_ratio);
   // One of Wan2.2's experts trained: the other one, from its weights as published (dense), streamed block
   // by block in the trainer's compute dtype, takes its own timesteps.
-  const auto& w = config_.model.wan;
   if (!wan_untrained_expert(w).empty()) {
     StreamedDenoiserOptions so;
     so.device = trainer.device();

@@ -53,7 +53,8 @@ struct FlowMatchingOptions {
   TORCH_ARG(double, logit_mean) = 0.0;
   TORCH_ARG(double, logit_std) = 1.0;
   // The range of the (shifted) σ drawn, [sigma_min, sigma_max): the whole [0, 1] unless one Wan2.2 expert
-  // trains (from_config: model.wan.expert high → [boundary_ratio, 1], low → [0, boundary_ratio)). The
+  // trains (from_config: model.wan.expert high → [boundary_ratio, 1], low → [0, boundary_ratio); with
+  // expert both, each step's expert's range). The
   // whole range draws as without one (the same random stream).
   TORCH_ARG(double, sigma_min) = 0.0;
   TORCH_ARG(double, sigma_max) = 1.0;
@@ -64,6 +65,11 @@ struct FlowMatchingOptions {
 double shift_sigma(double sigma, double shift);
 double unshift_sigma(double sigma, double shift);
 torch::Tensor shift_sigmas(const torch::Tensor& sigma, double shift);
+
+// The probability that a training draw's (shifted) σ is below `sigma` (options' distribution over the
+// whole [0, 1], its range ignored): Wan2.2's two experts trained in one run draw each step's expert with
+// the mass the distribution puts on its side of the boundary.
+double flow_sigma_cdf(double sigma, const FlowMatchingOptions& options);
 
 // σ [B] for a training batch, drawn on the CPU from `generator` in float64 and returned as float32, in
 // [options.sigma_min(), options.sigma_max()) (throws c10::Error for an empty range).

@@ -189,7 +189,9 @@ struct WanModel {
 // or an exported file) whose embedded config has model.arch wan; reads the header only.
 bool is_wan_weights_file(const std::string& path);
 // The Wan DiT of a megaslide weights file ("dit.<name>" tensors, the config in its metadata), fp32 on the
-// CPU. Throws WeightsError naming the file and the tensor. With blocks_on_demand the blocks are meta
+// CPU; of a run that trained Wan2.2's two experts (model.wan.expert both), the high-noise one
+// ("dit.transformer.<name>") with the low-noise one ("dit.transformer_2.<name>") as WanModel::low_noise.
+// Throws WeightsError naming the file and the tensor. With blocks_on_demand the blocks are meta
 // skeletons read by WanModel::block (names and shapes are all checked here).
 WanModel load_wan_model(const std::string& weights_file, bool blocks_on_demand = false);
 // The Wan DiT `config` describes, with model.wan.weights (published weights: model/wan_weights.h) loaded

@@ -112,6 +112,12 @@ std::string wan_diffusers_config(const WanConfig& wan);
 // `path` is named diffusion_pytorch_model.safetensors, the config is also written as config.json beside
 // it: the folder is then diffusers' transformer/ folder (WanTransformer3DModel.from_pretrained reads
 // it; the 3D-DSA retrofit's extra tensors are not diffusers'). Atomic per file; errors are io::IoError.
+// Wan2.2's two experts trained in one run (wan.expert both: `parameters` named "transformer.<name>" for
+// the high-noise expert, "transformer_2.<name>" for the low-noise one): `path` is a folder, written as
+// diffusers' repository holds them — transformer/ and transformer_2/ (each diffusion_pytorch_model.safetensors
+// and config.json) and a model_index.json naming them with boundary_ratio, so that model.wan.weights
+// reads the folder as two experts (the VAE, text encoder, tokenizer and scheduler are the base
+// repository's: copy their folders beside these for diffusers' WanPipeline). Returns the low-noise file's.
 io::WrittenFile save_wan_weights(const std::string& path, const WanConfig& wan, const io::NamedTensors& parameters,
                                  torch::ScalarType dtype = torch::kBFloat16);
 
@@ -139,8 +145,9 @@ double default_wan_boundary_ratio(const WanConfig& wan);
 RunConfig with_wan_architecture_from_weights(const RunConfig& config);
 
 // The weights a run of `wan` (resolved as above) fine-tunes: model.wan.weights_2 for expert low with two
-// experts, else model.wan.weights. And the expert it does not train (it samples with the trained one):
-// the other of the two, "" without two experts or without model.wan.expert.
+// experts, else model.wan.weights (expert both: the high-noise one's; the low-noise one's is weights_2).
+// And the expert it does not train (it samples with the trained one): the other of the two, "" without
+// two experts, without model.wan.expert or with expert both.
 const std::string& wan_trained_weights(const WanConfig& wan);
 std::string wan_untrained_expert(const WanConfig& wan);
 

@@ -27,6 +27,14 @@
 //
 // Checkpoints (train/checkpoint.h) name every parameter as diffusers does ("blocks.3.attn1.to_q.weight"),
 // in both modes.
+//
+// Wan2.2's two experts trained in one run (model.wan.expert both): two DiTs of one architecture, the
+// high-noise one's parameters named "transformer." + diffusers' name and the low-noise one's
+// "transformer_2." + its name (the folders of diffusers' repository), each a part of the model
+// (FamilyModel::parts) trained on the steps WanBatchSource::draw_expert gives it; streamed, one stack of
+// both experts' blocks (the high-noise expert's first) of which a step streams its expert's only, both
+// experts' prologues and heads resident. The high-noise expert is initialised as one DiT is, the
+// low-noise one likewise after torch::manual_seed(train.seed + 1), before their weights overwrite them.
 // Thread-safety: one thread drives a trainer.
 #pragma once
 
@@ -107,6 +115,12 @@ class WanBatchSource {
   // t, noise) made for the whole global batch in the single-process order. Throws std::invalid_argument
   // unless world_size divides train.batch_size and 0 <= rank < world_size.
   void take_slice(int64_t rank, int64_t world_size);
+  // model.wan.expert both, before each step: which of Wan2.2's experts the step trains — 0, the high-noise
+  // one, with the probability the run's σ distribution puts at or above model.wan.boundary_ratio
+  // (flow_sigma_cdf), else 1, the low-noise one — drawn from the σ generator (one float64), and the σ
+  // of the step's batches restricted to that expert's side: each expert sees its own timesteps exactly
+  // as when it is trained alone, and the σ of all steps together follow the run's distribution.
+  size_t draw_expert();
 
  private:
   RunConfig config_;
@@ -157,8 +171,9 @@ class WanStack : public offload::StreamedModel {
 // them, at most one each, for their own request). Construct it where the blocks start (the default
 // generator just past the prologue: WanTransformerImpl::initialise_prologue); after every block was
 // drawn, restore_state_after_blocks() sets the default generator where reset() draws the head.
-// Thread-safety: draw() may be called from several threads (the draws are serialised: the default
-// generator is process-wide, and nothing else may draw from it meanwhile).
+// Thread-safety: draw() may be called from several threads, for several models (the draws of every
+// WanBlockDraws are serialised: the default generator is process-wide, and nothing else may draw from
+// it meanwhile).
 class WanBlockDraws {
  public:
   explicit WanBlockDraws(WanTransformer model);
@@ -167,7 +182,6 @@ class WanBlockDraws {
 
  private:
   WanTransformer model_;
-  std::mutex mutex_;
   std::vector<torch::Tensor> states_;  // states_[l]: the generator where block l's draw starts
   std::map<int64_t, WanBlock> kept_;
 };
@@ -200,17 +214,21 @@ offload::StackStepResult wan_streamed_step(offload::StreamedStackTrainer& engine
 void move_parameter(torch::Tensor& p, torch::Device device);
 
 // Throws ConfigError naming model.wan.expert when `resolved` (with_wan_architecture_from_weights) has
-// Wan2.2's two experts but does not say which one the run fine-tunes (one at a time), or sets an expert
-// whose validation videos would lack the other one (train.sample_every > 0 with one expert's own file).
+// Wan2.2's two experts but does not say which one the run fine-tunes (high, low or both), sets expert both
+// with one DiT's weights, or sets one expert whose validation videos would lack the other one
+// (train.sample_every > 0 with one expert's own file).
 void check_expert_training(const RunConfig& resolved, const std::string& source);
 
 class Trainer;
 
 // Wan's model inside a Trainer of model.arch wan (throws std::invalid_argument for another family's):
 // resident, the trained module itself; streamed, its blocks are the engine's (their weights are in the
-// host store: Trainer::weight_views). And the parameters model.wan.weights left at their initialisation
-// (the 3D-DSA retrofit's, from a dense checkpoint).
+// host store: Trainer::weight_views); with Wan2.2's two experts trained together, the one the last step
+// trained. wan_experts: every trained DiT (two experts: the high-noise one, then the low-noise one, whose
+// streamed blocks follow the high-noise one's in the engine's store). And the parameters model.wan.weights
+// left at their initialisation (the 3D-DSA retrofit's, from a dense checkpoint; prefixed as named_parameters).
 WanTransformer& wan_module(Trainer& trainer);
-const std::vector<std::string>& wan_initialised_parameters(Trainer& trainer);
+std::vector<WanTransformer> wan_experts(Trainer& trainer);
+std::vector<std::string> wan_initialised_parameters(Trainer& trainer);
 
 }  // namespace megaslide
