@@ -738,6 +738,48 @@ TEST(Wan22Experts, MegaslideSampleRecordsBothGuidanceScales) {
   EXPECT_EQ(index.at("videos").size(), 1u);
 }
 
+// The property: the weights file of a run that trained both experts (model.wan.expert both: the high-noise
+// expert's tensors "dit.transformer.*", the low-noise one's "dit.transformer_2.*") samples with megaslide-sample
+// --checkpoint as the pair: the latents of the same two experts sampled from their repository (--config).
+TEST(Wan22Experts, ABothExpertsRunsWeightsFileSamplesAsThePair) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  const auto resolved = megaslide::with_wan_architecture_from_weights(experts_config(kExperts));
+  auto pair = megaslide::wan_model_from_config(resolved, "test");
+  ASSERT_TRUE(pair.low_noise);
+  megaslide::io::NamedTensors params;
+  for (const auto& p : pair.dit->named_parameters(true)) params.emplace_back("transformer." + p.key(), p.value());
+  for (const auto& p : pair.low_noise->dit->named_parameters(true))
+    params.emplace_back("transformer_2." + p.key(), p.value());
+  auto run_config = resolved;
+  run_config.model.wan.weights.clear();
+  run_config.model.wan.weights_2.clear();
+  run_config.model.wan.expert = "both";
+  const auto weights = join_path(scratch(), "both-experts.safetensors");
+  megaslide::save_weights(weights, run_config, params, torch::kFloat32);
+  const auto config = write("both-experts.yaml", config_yaml(kExperts));
+  const auto prompts = write("both-experts-prompts.txt", "a red blob moves left quickly\n");
+  const std::string common = kEncoders + " --prompts " + prompts +
+                             " --samples-per-prompt 1 --steps 6 --shift 5 --guidance 1 --latents --no-progress "
+                             "--compute-dtype fp32 --out ";
+  const auto published = join_path(scratch(), "both-published"), trained = join_path(scratch(), "both-run");
+  auto r = run("--config " + config + common + published);
+  ASSERT_EQ(r.code, 0) << r.output;
+  r = run("--checkpoint " + weights + common + trained);
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto index = nlohmann::json::parse(megaslide::io::read_file(join_path(trained, "index.json")));
+  EXPECT_EQ(index.at("boundary_ratio"), 0.875);
+  for (const auto& v : index.at("videos")) {
+    const std::string file = v.at("file");
+    const std::string stem = file.substr(0, file.size() - 4);
+    auto latents = [&](const std::string& dir) {
+      return megaslide::io::read_safetensors(join_path(join_path(dir, "latents"), stem + ".safetensors"))
+          .tensors.at(0)
+          .second;
+    };
+    EXPECT_LT(max_diff(latents(published), latents(trained)), 1e-5) << file;
+  }
+}
+
 namespace {
 // A denoiser that notes, at each prediction, whether its partner was parked.
 class PartnerWatchingDenoiser final : public megaslide::WanDenoiser {

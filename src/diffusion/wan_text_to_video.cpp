@@ -30,7 +30,10 @@ WanSampleOptions WanSampleOptions::from_config(const RunConfig& config) {
       .shift(config.diffusion.shift)
       .guidance_scale(config.diffusion.guidance_scale)
       .guidance_scale_2(config.diffusion.guidance_scale_2)
-      .boundary_ratio(config.model.wan.weights_2.empty() ? 0.0 : config.model.wan.boundary_ratio)
+      // Two experts: named in weights_2, or trained together (expert both, with or without weights).
+      .boundary_ratio(config.model.wan.weights_2.empty() && config.model.wan.expert != "both"
+                          ? 0.0
+                          : config.model.wan.boundary_ratio)
       .text_tokens(config.data.max_text_tokens);
 }
 
@@ -130,8 +133,9 @@ void streamed_to(WanBlockImpl& block, c10::ScalarType compute_dtype) {
 }
 }  // namespace
 
-ResidentWanDenoiser::ResidentWanDenoiser(WanTransformer model, torch::Device device, c10::ScalarType compute_dtype)
-    : model_(std::move(model)), device_(device), compute_dtype_(compute_dtype) {
+ResidentWanDenoiser::ResidentWanDenoiser(WanTransformer model, torch::Device device, c10::ScalarType compute_dtype,
+                                         bool parked)
+    : model_(std::move(model)), device_(device), compute_dtype_(compute_dtype), parked_(parked && !device.is_cpu()) {
   TORCH_CHECK(model_, "ResidentWanDenoiser: the model is null");
   for (int64_t l = 0; l < static_cast<int64_t>(model_->blocks->size()); ++l)
     TORCH_CHECK(!is_meta_block(model_, l), "ResidentWanDenoiser: block ", l,
@@ -139,7 +143,7 @@ ResidentWanDenoiser::ResidentWanDenoiser(WanTransformer model, torch::Device dev
   TORCH_CHECK(compute_dtype == at::kFloat || compute_dtype == at::kBFloat16 || compute_dtype == at::kHalf,
               "ResidentWanDenoiser: compute dtype must be Float, BFloat16 or Half, got ", compute_dtype);
   torch::NoGradGuard no_grad;
-  model_->to(device_);
+  model_->to(parked_ ? torch::Device(torch::kCPU) : device_);
   model_->eval();
   for (const auto& block : *model_->blocks) streamed_to(*block->as<WanBlockImpl>(), compute_dtype_);
 }
@@ -162,8 +166,10 @@ WanTransformer blocks_onto(WanModel model, torch::Device device, c10::ScalarType
 }
 }  // namespace
 
-ResidentWanDenoiser::ResidentWanDenoiser(WanModel model, torch::Device device, c10::ScalarType compute_dtype)
-    : ResidentWanDenoiser(blocks_onto(std::move(model), device, compute_dtype), device, compute_dtype) {}
+ResidentWanDenoiser::ResidentWanDenoiser(WanModel model, torch::Device device, c10::ScalarType compute_dtype,
+                                         bool parked)
+    : ResidentWanDenoiser(blocks_onto(std::move(model), parked ? torch::Device(torch::kCPU) : device, compute_dtype),
+                          device, compute_dtype, parked) {}
 
 void ResidentWanDenoiser::park() {
   if (parked_ || device_.is_cpu()) return;
@@ -677,22 +683,21 @@ OpenedWanPipeline open_wan_pipeline(WanModel model, const WanPipelineRequest& re
       !together && model.low_noise && !should_stream(request.stream, request.device, std::max(high_bytes, low_bytes));
   out.dit_streamed = !together && !out.experts_take_turns;
   const RunConfig config = model.config;
-  auto denoiser_of = [&](WanModel m) -> std::shared_ptr<WanDenoiser> {
+  auto denoiser_of = [&](WanModel m, bool parked) -> std::shared_ptr<WanDenoiser> {
     if (out.dit_streamed) {
       StreamedDenoiserOptions so;
       so.device = request.device;
       so.compute_dtype = request.compute_dtype;
       return std::make_shared<StreamedWanDenoiser>(std::move(m), so);  // block by block from the weights
     }
-    return std::make_shared<ResidentWanDenoiser>(std::move(m), request.device, request.compute_dtype);
+    return std::make_shared<ResidentWanDenoiser>(std::move(m), request.device, request.compute_dtype, parked);
   };
   const std::shared_ptr<WanModel> low = std::move(model.low_noise);
   std::shared_ptr<WanDenoiser> low_denoiser;
-  if (low) {  // first, and parked when the experts take turns: the high-noise expert runs the first steps
-    low_denoiser = denoiser_of(std::move(*low));
-    if (out.experts_take_turns) low_denoiser->park();
-  }
-  std::shared_ptr<WanDenoiser> denoiser = denoiser_of(std::move(model));
+  // The low-noise expert first, built in host memory when the experts take turns (the high-noise expert
+  // runs the first steps): it reaches the device at the switch, never before.
+  if (low) low_denoiser = denoiser_of(std::move(*low), out.experts_take_turns);
+  std::shared_ptr<WanDenoiser> denoiser = denoiser_of(std::move(model), false);
   if (low)
     denoiser = std::make_shared<WanExpertsDenoiser>(denoiser, low_denoiser, config.model.wan.boundary_ratio,
                                                     out.experts_take_turns);

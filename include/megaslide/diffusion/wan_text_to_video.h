@@ -91,13 +91,15 @@ class WanDenoiser {
 class ResidentWanDenoiser final : public WanDenoiser {
  public:
   // Moves `model` to `device`; with a compute dtype other than Float converts the blocks' streamed
-  // parameters to it in place.
+  // parameters to it in place. `parked`: the model stays in host memory (converted there) until the first
+  // predict moves it (an expert that takes turns and does not run first: no round trip through the device).
   ResidentWanDenoiser(WanTransformer model, torch::Device device,
-                      c10::ScalarType compute_dtype = c10::ScalarType::Float);
+                      c10::ScalarType compute_dtype = c10::ScalarType::Float, bool parked = false);
   // The same from a model loaded with blocks_on_demand: each block is read (fp32 on the CPU), moved to
-  // `device` and converted before the next is read, so the host holds one block in fp32, not the DiT.
+  // `device` (parked: kept on the CPU) and converted before the next is read, so the host holds one block in
+  // fp32, not the DiT.
   ResidentWanDenoiser(struct WanModel model, torch::Device device,
-                      c10::ScalarType compute_dtype = c10::ScalarType::Float);
+                      c10::ScalarType compute_dtype = c10::ScalarType::Float, bool parked = false);
   torch::Tensor predict(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text) override;
   torch::Device device() const override { return device_; }
   void park() override;  // the whole model to the CPU (its dtypes kept)
