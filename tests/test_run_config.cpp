@@ -247,6 +247,8 @@ TEST(RunConfig, WanAndDiTKeysDoNotMix) {
   expect_error("", {"model.self_attention=dsa3d"}, "model.self_attention", "applies to model.arch wan only");
   expect_error(wan, {"data.channels=3"}, "data.channels", "model.wan.in_channels (4)");
   expect_error(wan, {"model.wan.out_channels=3"}, "model.wan.out_channels", "expected model.wan.in_channels");
+  expect_error(wan, {"model.wan.image_dim=1280"}, "model.wan.image_dim", "image-to-video is not trained or sampled yet");
+  expect_error(wan, {"model.wan.image_dim=-1"}, "model.wan.image_dim", ">= 0");
   expect_error(wan, {"model.wan.heads=16"}, "model.wan.dim", "even");
   expect_error(wan, {"model.wan.dim=50"}, "model.wan.dim", "multiple of model.wan.heads");
   expect_error(wan, {"data.height=15"}, "data.height", "model.wan.patch[1]");

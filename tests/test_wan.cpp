@@ -80,7 +80,8 @@ WanOptions options_of(const WanConfig& c) {
       .out_channels(c.out_channels)
       .qk_norm(c.qk_norm)
       .cross_attn_norm(c.cross_attn_norm)
-      .eps(c.eps);
+      .eps(c.eps)
+      .image_dim(c.image_dim);
 }
 
 void expect_same_architecture(const WanConfig& a, const WanConfig& b, const std::string& where) {
@@ -211,6 +212,48 @@ TEST(WanTransformer, PerTokenTimestepsAreDiffusersExpandTimesteps) {
   EXPECT_EQ(compared, static_cast<int64_t>(model->named_parameters(true).size()));
 }
 
+// The property: Wan2.1 I2V's DiT — the image tokens through the image embedder into the cross-attention's
+// own key/value projections, 12 input channels and 4 out — is diffusers' WanTransformer3DModel with
+// image_dim (tests/fixtures/wan_i2v): the output and one training step's gradients of every parameter within
+// 1e-4; the image changes the output; a model without the branch refuses image tokens and this one needs them.
+TEST(WanTransformer, ImageBranchIsDiffusersImageToVideoDiT) {
+  const std::string dir = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/wan_i2v";
+  std::map<std::string, torch::Tensor> r;
+  for (auto& [name, t] : megaslide::io::read_safetensors(dir + "/reference.safetensors").tensors) r[name] = t;
+  auto weights = WanWeights::open(dir + "/transformer");
+  const WanConfig c = weights.architecture(WanConfig());
+  EXPECT_EQ(c.image_dim, 10);
+  EXPECT_EQ(c.in_channels, 12);
+  EXPECT_EQ(c.out_channels, 4);
+  WanTransformer model(options_of(c));
+  EXPECT_TRUE(megaslide::load_wan_weights(weights, *model, {}).empty());
+  const auto& x = r.at("x");
+  const auto& t = r.at("timesteps");
+  const auto& text = r.at("text");
+  const auto& image = r.at("image");
+  {
+    torch::NoGradGuard no_grad;
+    const auto out = model->forward(x, t, text, image);
+    EXPECT_LT(relative_error(out, r.at("out")), 1e-4);
+    EXPECT_GT(relative_error(model->forward(x, t, text, torch::zeros_like(image)), out), 1e-3)
+        << "the image takes part";
+    EXPECT_THROW(model->forward(x, t, text), c10::Error);
+    WanTransformer t2v(options_of(c).image_dim(0).in_channels(12));
+    EXPECT_THROW(t2v->forward(x, t, text, image), c10::Error);
+  }
+  auto loss = torch::mse_loss(model->forward(x, t, text, image), r.at("target"));
+  loss.backward();
+  EXPECT_NEAR(loss.item<double>(), r.at("loss").item<double>(), 1e-5 * r.at("loss").item<double>());
+  int64_t compared = 0;
+  for (const auto& p : model->named_parameters(true)) {
+    ASSERT_TRUE(p.value().grad().defined()) << p.key();
+    EXPECT_LT(relative_error(p.value().grad(), r.at("grad." + p.key())), 1e-4) << p.key();
+    ++compared;
+  }
+  EXPECT_EQ(compared, static_cast<int64_t>(model->named_parameters(true).size()));
+  EXPECT_GT(compared, 0);
+}
+
 // The property: the published configurations count exactly the published parameter numbers, on the meta
 // device (nothing allocated).
 TEST(WanTransformer, PublishedModelsCountTheirParameters) {
@@ -227,10 +270,11 @@ TEST(WanTransformer, PublishedModelsCountTheirParameters) {
 }
 
 // The property: the rename table maps every parameter of a model with every optional part (qk-norm, the
-// cross-attention norm, the 3D-DSA retrofit) to a distinct original name and back; norm2 and norm3 swap.
+// cross-attention norm, the 3D-DSA retrofit, Wan2.1 I2V's image branch) to a distinct original name and back;
+// norm2 and norm3 swap; the image branch's names are Wan-AI's (img_emb.proj.N, cross_attn.k_img, …).
 TEST(WanWeights, RenameTableIsOneToOne) {
   auto shapes = megaslide::wan_parameter_shapes(
-      options_of(fixture_config("a")).self_attention(megaslide::WanSelfAttention::kDsa3d));
+      options_of(fixture_config("a")).self_attention(megaslide::WanSelfAttention::kDsa3d).image_dim(10));
   std::set<std::string> originals;
   for (const auto& [name, shape] : shapes) {
     const auto original = megaslide::wan_original_name(name);
@@ -244,6 +288,11 @@ TEST(WanWeights, RenameTableIsOneToOne) {
   EXPECT_EQ(megaslide::wan_original_name("scale_shift_table"), "head.modulation");
   EXPECT_EQ(megaslide::wan_original_name("condition_embedder.time_proj.weight"), "time_projection.1.weight");
   EXPECT_EQ(megaslide::wan_original_name("blocks.1.ffn.net.0.proj.weight"), "blocks.1.ffn.0.weight");
+  EXPECT_EQ(megaslide::wan_original_name("condition_embedder.image_embedder.ff.net.2.weight"), "img_emb.proj.3.weight");
+  EXPECT_EQ(megaslide::wan_original_name("condition_embedder.image_embedder.norm2.bias"), "img_emb.proj.4.bias");
+  EXPECT_EQ(megaslide::wan_original_name("blocks.2.attn2.add_v_proj.weight"), "blocks.2.cross_attn.v_img.weight");
+  EXPECT_EQ(megaslide::wan_original_name("blocks.2.attn2.norm_added_k.weight"),
+            "blocks.2.cross_attn.norm_k_img.weight");
 }
 
 namespace {
@@ -260,7 +309,8 @@ void expect_error(const std::function<void()>& f, const std::vector<std::string>
 
 // The property: weights MegaSlide cannot use are refused with one message naming the file and what is
 // wrong — pickles (with the safetensors alternative), missing files, a tensor of the wrong shape, missing
-// and unexpected tensors, image-to-video configs.
+// and unexpected tensors, an image-to-video config without the image branch's key/value width, a
+// first-last-frame config.
 TEST(WanWeights, BadWeightsAreNamed) {
   const auto dir = temp_dir("bad");
   megaslide::io::write_file_atomically(dir + "/wan2.1_t2v_1.3B.pth", "\x80\x02}q\x00.");
@@ -295,7 +345,17 @@ TEST(WanWeights, BadWeightsAreNamed) {
   ASSERT_NE(config.find(null_image), std::string::npos);
   config.replace(config.find(null_image), null_image.size(), "\"image_dim\": 1280");
   megaslide::io::write_file_atomically(i2v + "/config.json", config);
-  expect_error([&] { WanWeights::open(i2v).architecture(WanConfig()); }, {"config.json", "image_dim", "not supported"});
+  expect_error([&] { WanWeights::open(i2v).architecture(WanConfig()); },
+               {"config.json", "added_kv_proj_dim", "image_dim 1280"});
+  const std::string null_pos = "\"pos_embed_seq_len\": null";
+  ASSERT_NE(config.find(null_pos), std::string::npos);
+  {
+    std::string flf2v = config;
+    flf2v.replace(flf2v.find(null_pos), null_pos.size(), "\"pos_embed_seq_len\": 514");
+    megaslide::io::write_file_atomically(i2v + "/config.json", flf2v);
+    expect_error([&] { WanWeights::open(i2v).architecture(WanConfig()); },
+                 {"config.json", "pos_embed_seq_len", "first-last-frame"});
+  }
   // "qk_norm": null with the norms in the weights (what diffusers after 0.42 saves: its WanAttention makes
   // them whatever the flag says) loads with the norms; without them (fixture "b", 0.42) without.
   config.replace(config.find("\"image_dim\": 1280"), std::string("\"image_dim\": 1280").size(), null_image);

@@ -938,6 +938,43 @@ def _umt5_fixture():
     return text_encoder, T5Tokenizer.from_pretrained(os.path.join(FIXTURES, "umt5", "tokenizer"), extra_ids=0)
 
 
+def section_wan_i2v(out_dir):
+    """Wan2.1 I2V's DiT: a tiny random WanTransformer3DModel with the image branch (image_dim 10, added key/value
+    projections of width 24), 12 input channels (noise, mask and condition latents of 4 channels: 4 + 4 + 4) and
+    4 out; 512 text tokens (diffusers splits the context at its last 512); its output and one training step's
+    gradients."""
+    import diffusers
+    import torch
+
+    config = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=12, out_channels=4,
+                  text_dim=20, freq_dim=16, ffn_dim=40, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+                  eps=1e-6, image_dim=10, added_kv_proj_dim=24, rope_max_seq_len=1024)
+    model = _wan_dit_fixture(out_dir, config, 71)
+
+    g = torch.Generator().manual_seed(72)
+    x = torch.randn((2, 12, 3, 4, 6), generator=g)
+    text = torch.randn((2, 512, 20), generator=g)
+    image = torch.randn((2, 5, 10), generator=g)
+    timesteps = torch.tensor([812.5, 437.25])
+    with torch.no_grad():
+        out = model(x, timesteps, text, encoder_hidden_states_image=image, return_dict=False)[0]
+    tensors = {"x": x.numpy(), "text": text.numpy(), "image": image.numpy(), "timesteps": timesteps.numpy(),
+               "out": out.numpy()}
+    model.zero_grad()
+    target = torch.randn((2, 4, 3, 4, 6), generator=g)
+    loss = torch.nn.functional.mse_loss(
+        model(x, timesteps, text, encoder_hidden_states_image=image, return_dict=False)[0], target)
+    loss.backward()
+    tensors["target"], tensors["loss"] = target.numpy(), np.array([loss.item()], dtype=np.float64)
+    for name, p in model.named_parameters():
+        tensors["grad." + name] = p.grad.numpy()
+    print(f"  {sum(p.numel() for p in model.parameters())} parameters, loss {loss.item():.5f}")
+    meta = {"versions": versions(diffusers, torch), "config": json.dumps(config),
+            "what": "a tiny random Wan2.1-I2V-shaped WanTransformer3DModel (transformer/); out = model(x, timesteps, "
+                    "text, encoder_hidden_states_image=image); grad.NAME of mse(model(...), target)"}
+    save_safetensors(os.path.join(out_dir, "reference.safetensors"), tensors, meta)
+
+
 def section_wan_ti2v(out_dir):
     """Wan2.2 TI2V's per-token timesteps (diffusers' expand_timesteps): a tiny random WanTransformer3DModel of
     12 latent channels given timesteps [B, N], one per token; its output and one training step's gradients."""
@@ -1769,6 +1806,7 @@ SECTIONS = {
     "flow": (section_flow, "diffusers' flow-matching Euler and UniPC (flow sigmas) tables and sampling runs"),
     "wan": (section_wan, "tiny random WanTransformer3DModels (diffusers, original and ComfyUI layouts): outputs, one step's gradients"),
     "ti2v_pipeline": (section_ti2v_pipeline, "Wan2.2 TI2V's image-to-video WanImageToVideoPipeline (expand_timesteps) on tiny models"),
+    "wan_i2v": (section_wan_i2v, "Wan2.1 I2V's DiT (the image branch) on a tiny random WanTransformer3DModel: output, gradients"),
     "wan_ti2v": (section_wan_ti2v, "Wan2.2 TI2V's per-token timesteps on a tiny random WanTransformer3DModel: output, gradients"),
     "umt5_tokenizer": (section_umt5_tokenizer, "a tiny SentencePiece model and T5Tokenizer ids of VBench and edge-case prompts"),
     "umt5_ties": (section_umt5_ties, "T5Tokenizer ids of text whose best segmentation is not unique (repeated letters, pieces)"),

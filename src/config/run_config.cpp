@@ -366,6 +366,7 @@ class Schema {
     boolean("model.wan.qk_norm", c.model.wan.qk_norm);
     boolean("model.wan.cross_attn_norm", c.model.wan.cross_attn_norm);
     real("model.wan.eps", c.model.wan.eps, RealRange{0.0, 1.0, true, false});
+    integer("model.wan.image_dim", c.model.wan.image_dim, IntRange{0});
     optional_text("model.wan.weights", c.model.wan.weights);
     optional_text("model.wan.weights_2", c.model.wan.weights_2);
     real("model.wan.boundary_ratio", c.model.wan.boundary_ratio, RealRange{0.0, 1.0, false, true});
@@ -860,6 +861,11 @@ void validate_wan(const RunConfig& c, const std::function<void(const std::string
     fail("diffusion.guidance_scale_2",
          "is Wan2.2's low-noise expert's guidance scale, but model.wan.weights is "
          "empty: the model is one randomly initialised DiT");
+  if (w.image_dim > 0)
+    fail("model.wan.image_dim",
+         "is " + std::to_string(w.image_dim) +
+             ": Wan2.1's image-to-video is not trained or sampled yet (the DiT's image branch exists; its CLIP "
+             "image encoder, data and pipeline do not): use a text-to-video Wan (docs/wan.md)");
   if (w.out_channels != w.in_channels)
     fail("model.wan.out_channels", "expected model.wan.in_channels (" + std::to_string(w.in_channels) +
                                        "): the output is compared with and sampled back into the input latents, got " +

@@ -55,6 +55,7 @@ WanOptions WanOptions::from_config(const RunConfig& config) {
       .qk_norm(w.qk_norm)
       .cross_attn_norm(w.cross_attn_norm)
       .eps(w.eps)
+      .image_dim(w.image_dim)
       .self_attention(parse_wan_self_attention(m.self_attention))
       .dsa_kernel(m.dsa_kernel)
       .dsa_groups(m.dsa_groups)
@@ -132,6 +133,11 @@ void WanAttentionImpl::reset() {
     norm_q = register_module("norm_q", WanRmsNorm(D, options.eps(), dev));
     norm_k = register_module("norm_k", WanRmsNorm(D, options.eps(), dev));
   }
+  if (!is_self && options.image_dim() > 0) {  // diffusers' added_kv_proj_dim: the image embedder's width, D
+    add_k_proj = register_module("add_k_proj", Linear(LinearOptions(D, D).device(dev)));
+    add_v_proj = register_module("add_v_proj", Linear(LinearOptions(D, D).device(dev)));
+    norm_added_k = register_module("norm_added_k", WanRmsNorm(D, options.eps(), dev));
+  }
   if (is_self && options.self_attention() == WanSelfAttention::kDsa3d) {
     const auto& k = options.dsa_kernel();
     const int64_t K = k[0] * k[1] * k[2], G = options.dsa_groups(), M = options.heads();
@@ -191,17 +197,34 @@ torch::Tensor WanAttentionImpl::forward_self(const torch::Tensor& x, const Token
   return out(o.to(x.scalar_type()));
 }
 
-torch::Tensor WanAttentionImpl::forward_cross(const torch::Tensor& x, const torch::Tensor& context) {
+torch::Tensor WanAttentionImpl::forward_cross(const torch::Tensor& x, const torch::Tensor& context,
+                                              int64_t image_tokens) {
   const int64_t B = x.size(0), N = x.size(1), D = options.dim(), M = options.heads();
-  auto [q, k] = normed_qk(to_q(x), to_k(context));
-  auto v = to_v(context);
+  TORCH_CHECK(image_tokens == 0 || add_k_proj, "Wan cross-attention: ", image_tokens,
+              " image tokens, but the model has no image branch (model.wan.image_dim 0)");
+  TORCH_CHECK(image_tokens >= 0 && image_tokens < context.size(1), "Wan cross-attention: ", image_tokens,
+              " image tokens of a context of ", context.size(1));
+  const auto text = image_tokens > 0 ? context.narrow(1, image_tokens, context.size(1) - image_tokens) : context;
+  auto [q, k] = normed_qk(to_q(x), to_k(text));
+  auto v = to_v(text);
   auto heads = [&](const torch::Tensor& t) { return t.unflatten(2, {M, D / M}).transpose(1, 2); };
-  auto o = at::scaled_dot_product_attention(heads(q), heads(k), heads(v)).transpose(1, 2).reshape({B, N, D});
-  return out(o.to(x.scalar_type()));
+  q = heads(q);
+  auto o =
+      at::scaled_dot_product_attention(q, heads(k), heads(v)).transpose(1, 2).reshape({B, N, D}).to(x.scalar_type());
+  if (image_tokens > 0) {  // the same queries over the image's keys and values; the two outputs added
+    const auto image = context.narrow(1, 0, image_tokens);
+    auto k_img = norm_added_k(add_k_proj(image)), v_img = add_v_proj(image);
+    o = o + at::scaled_dot_product_attention(q, heads(k_img), heads(v_img))
+                .transpose(1, 2)
+                .reshape({B, N, D})
+                .to(x.scalar_type());
+  }
+  return out(o);
 }
 
-WanFeedForwardImpl::WanFeedForwardImpl(int64_t dim_, int64_t ffn_dim_, torch::Device device_)
-    : dim(dim_), ffn_dim(ffn_dim_), device(device_) {
+WanFeedForwardImpl::WanFeedForwardImpl(int64_t dim_, int64_t ffn_dim_, torch::Device device_, int64_t out_,
+                                       bool gelu_tanh_)
+    : dim(dim_), ffn_dim(ffn_dim_), out(out_ > 0 ? out_ : dim_), gelu_tanh(gelu_tanh_), device(device_) {
   reset();
 }
 
@@ -211,14 +234,16 @@ void WanFeedForwardImpl::reset() {
     explicit GeluProjImpl(Linear linear) { register_module("proj", std::move(linear)); }
   };
   fc1 = Linear(LinearOptions(dim, ffn_dim).device(device));
-  fc2 = Linear(LinearOptions(ffn_dim, dim).device(device));
+  fc2 = Linear(LinearOptions(ffn_dim, out).device(device));
   net = register_module("net", torch::nn::ModuleList());
   net->push_back(std::make_shared<GeluProjImpl>(fc1));
   net->push_back(torch::nn::Identity());
   net->push_back(fc2);
 }
 
-torch::Tensor WanFeedForwardImpl::forward(const torch::Tensor& x) { return fc2(torch::gelu(fc1(x), "tanh")); }
+torch::Tensor WanFeedForwardImpl::forward(const torch::Tensor& x) {
+  return fc2(torch::gelu(fc1(x), gelu_tanh ? "tanh" : "none"));
+}
 
 WanBlockImpl::WanBlockImpl(const WanOptions& options_) : options(options_) { reset(); }
 
@@ -265,7 +290,7 @@ torch::Tensor WanBlockImpl::forward(const torch::Tensor& x, const WanBlockContex
   auto h = (fp32_layer_norm(x, D, eps) * (1 + mod[1]) + mod[0]).to(dtype);
   auto y = (x.to(torch::kFloat32) + attn1->forward_self(h, ctx.grid, ctx.rope) * mod[2]).to(dtype);
   h = options.cross_attn_norm() ? fp32_layer_norm(y, D, eps, norm2_weight, norm2_bias).to(dtype) : y;
-  y = y + attn2->forward_cross(h, ctx.context.to(dtype));
+  y = y + attn2->forward_cross(h, ctx.context.to(dtype), ctx.image_tokens);
   h = (fp32_layer_norm(y, D, eps) * (1 + mod[4]) + mod[3]).to(dtype);
   return (y.to(torch::kFloat32) + ffn(h).to(torch::kFloat32) * mod[5]).to(dtype);
 }
@@ -285,6 +310,24 @@ torch::Tensor WanMlpImpl::forward(const torch::Tensor& x) {
   return linear_2(gelu_tanh ? torch::gelu(h, "tanh") : torch::silu(h));
 }
 
+WanImageEmbedderImpl::WanImageEmbedderImpl(int64_t image_dim_, int64_t dim_, torch::Device device_)
+    : image_dim(image_dim_), dim(dim_), device(device_) {
+  reset();
+}
+
+void WanImageEmbedderImpl::reset() {
+  // diffusers' WanImageEmbedding: FP32LayerNorm (eps 1e-5), FeedForward(mult 1, exact GELU), FP32LayerNorm.
+  norm1 = register_module("norm1", LayerNorm(LayerNormOptions(image_dim).eps(1e-5).device(device)));
+  ff = register_module("ff", WanFeedForward(image_dim, image_dim, device, dim, /*gelu_tanh=*/false));
+  norm2 = register_module("norm2", LayerNorm(LayerNormOptions(dim).eps(1e-5).device(device)));
+}
+
+torch::Tensor WanImageEmbedderImpl::forward(const torch::Tensor& image) {
+  const auto dtype = image.scalar_type();
+  auto h = fp32_layer_norm(image, image_dim, 1e-5, norm1->weight, norm1->bias).to(dtype);
+  return fp32_layer_norm(ff(h), dim, 1e-5, norm2->weight, norm2->bias).to(dtype);
+}
+
 WanConditionEmbedderImpl::WanConditionEmbedderImpl(const WanOptions& options_) : options(options_) { reset(); }
 
 void WanConditionEmbedderImpl::reset() {
@@ -293,6 +336,8 @@ void WanConditionEmbedderImpl::reset() {
   time_embedder = register_module("time_embedder", WanMlp(options.freq_dim(), D, /*gelu_tanh=*/false, dev));
   time_proj = register_module("time_proj", Linear(LinearOptions(D, 6 * D).device(dev)));
   text_embedder = register_module("text_embedder", WanMlp(options.text_dim(), D, /*gelu_tanh=*/true, dev));
+  if (options.image_dim() > 0)
+    image_embedder = register_module("image_embedder", WanImageEmbedder(options.image_dim(), D, dev));
 }
 
 WanTransformerImpl::WanTransformerImpl(WanOptions options_) : options(std::move(options_)) { reset(); }
@@ -372,8 +417,8 @@ TokenGrid WanTransformerImpl::token_grid(int64_t frames, int64_t height, int64_t
   return {frames / p[0], height / p[1], width / p[2]};
 }
 
-WanEmbedded WanTransformerImpl::embed(const torch::Tensor& x, const torch::Tensor& timesteps,
-                                      const torch::Tensor& text) {
+WanEmbedded WanTransformerImpl::embed(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text,
+                                      const torch::Tensor& image) {
   TORCH_CHECK(x.dim() == 5 && x.size(1) == options.in_channels(), "WanTransformer: expected latents [B, ",
               options.in_channels(), ", T, H, W], got ", x.sizes());
   const auto& p = options.patch();
@@ -393,6 +438,17 @@ WanEmbedded WanTransformerImpl::embed(const torch::Tensor& x, const torch::Tenso
   if (per_token) e.temb = e.temb.unflatten(0, {x.size(0), tokens});
   e.ctx.tproj = ce.time_proj(torch::silu(e.temb)).unflatten(per_token ? 2 : 1, {6, options.dim()});
   e.ctx.context = ce.text_embedder(text);
+  TORCH_CHECK(image.defined() == (options.image_dim() > 0),
+              options.image_dim() > 0 ? "WanTransformer: the image-to-video model (image_dim " +
+                                            std::to_string(options.image_dim()) + ") needs the image's tokens"
+                                      : std::string("WanTransformer: image tokens given to a text-to-video model"));
+  if (image.defined()) {
+    TORCH_CHECK(
+        image.dim() == 3 && image.size(0) == x.size(0) && image.size(2) == options.image_dim() && image.size(1) >= 1,
+        "WanTransformer: expected image tokens [", x.size(0), ", Li, ", options.image_dim(), "], got ", image.sizes());
+    e.ctx.context = torch::cat({ce.image_embedder(image), e.ctx.context.to(image.scalar_type())}, 1);
+    e.ctx.image_tokens = image.size(1);
+  }
   return e;
 }
 
@@ -414,8 +470,8 @@ torch::Tensor WanTransformerImpl::head(const torch::Tensor& tokens, const torch:
 }
 
 torch::Tensor WanTransformerImpl::forward(const torch::Tensor& x, const torch::Tensor& timesteps,
-                                          const torch::Tensor& text) {
-  auto e = embed(x, timesteps, text);
+                                          const torch::Tensor& text, const torch::Tensor& image) {
+  auto e = embed(x, timesteps, text, image);
   auto h = e.tokens;
   for (const auto& block : *blocks) h = block->as<WanBlockImpl>()->forward(h, e.ctx);
   return head(h, e.temb, e.ctx.grid);

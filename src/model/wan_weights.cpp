@@ -46,6 +46,10 @@ const std::vector<std::pair<std::string, std::string>>& top_level_names() {
       {"condition_embedder.text_embedder.linear_1.", "text_embedding.0."},
       {"condition_embedder.text_embedder.linear_2.", "text_embedding.2."},
       {"condition_embedder.time_proj.", "time_projection.1."},
+      {"condition_embedder.image_embedder.norm1.", "img_emb.proj.0."},  // Wan2.1 I2V's MLPProj
+      {"condition_embedder.image_embedder.ff.net.0.proj.", "img_emb.proj.1."},
+      {"condition_embedder.image_embedder.ff.net.2.", "img_emb.proj.3."},
+      {"condition_embedder.image_embedder.norm2.", "img_emb.proj.4."},
       {"proj_out.", "head.head."},
       {"patch_embedding.", "patch_embedding."},
   };
@@ -65,6 +69,9 @@ const std::vector<std::pair<std::string, std::string>>& block_names() {
       {"attn2.to_out.0.", "cross_attn.o."},
       {"attn2.norm_q.", "cross_attn.norm_q."},
       {"attn2.norm_k.", "cross_attn.norm_k."},
+      {"attn2.add_k_proj.", "cross_attn.k_img."},  // Wan2.1 I2V's image branch
+      {"attn2.add_v_proj.", "cross_attn.v_img."},
+      {"attn2.norm_added_k.", "cross_attn.norm_k_img."},
       {"norm2.", "norm3."},
       {"ffn.net.0.proj.", "ffn.0."},
       {"ffn.net.2.", "ffn.2."},
@@ -367,7 +374,11 @@ WanConfig WanWeights::architecture(const WanConfig& fallback) const {
     if (original_keys) {
       const std::string type =
           j.contains("model_type") && j["model_type"].is_string() ? j["model_type"].get<std::string>() : "t2v";
-      if (type != "t2v") fail("'" + src + "': model_type '" + type + "' is not supported (text-to-video, t2v, only)");
+      if (type != "t2v" && type != "i2v" && type != "ti2v")
+        fail("'" + src + "': model_type '" + type + "' is not supported (t2v, i2v and ti2v are)");
+      c.image_dim = type == "i2v" && has("condition_embedder.image_embedder.norm1.weight")
+                        ? shape("condition_embedder.image_embedder.norm1.weight")[0]  // CLIP ViT-H/14's 1280
+                        : 0;
       c.dim = json_int(j, "dim", c.dim, src);
       c.heads = json_int(j, "num_heads", c.heads, src);
       c.layers = json_int(j, "num_layers", c.layers, src);
@@ -382,12 +393,18 @@ WanConfig WanWeights::architecture(const WanConfig& fallback) const {
       c.patch = json_patch(j, {1, 2, 2}, src);
     } else {
       // diffusers' WanTransformer3DModel; missing keys take its defaults.
-      for (const char* key : {"image_dim", "added_kv_proj_dim", "pos_embed_seq_len"})
-        if (j.contains(key) && !j[key].is_null())
-          fail("'" + src + "': \"" + key +
-               "\" is set: image-to-video / VACE Wan models are not supported (text-to-video only)");
+      if (j.contains("pos_embed_seq_len") && !j["pos_embed_seq_len"].is_null())
+        fail("'" + src + "': \"pos_embed_seq_len\" is set: first-last-frame Wan models are not supported");
       c.heads = json_int(j, "num_attention_heads", 40, src);
       c.dim = c.heads * json_int(j, "attention_head_dim", 128, src);
+      // Wan2.1 I2V: the image branch, whose added key/value projections take the image embedder's D.
+      c.image_dim = j.contains("image_dim") && !j["image_dim"].is_null() ? json_int(j, "image_dim", 0, src) : 0;
+      const bool added_kv = j.contains("added_kv_proj_dim") && !j["added_kv_proj_dim"].is_null();
+      if (added_kv != (c.image_dim > 0) || (added_kv && json_int(j, "added_kv_proj_dim", 0, src) != c.dim))
+        fail("'" + src + "': \"added_kv_proj_dim\" must be the model's width (" + std::to_string(c.dim) +
+             ") exactly when \"image_dim\" is set (Wan2.1 I2V), got " +
+             (added_kv ? j["added_kv_proj_dim"].dump() : std::string("null")) + " with image_dim " +
+             std::to_string(c.image_dim));
       c.layers = json_int(j, "num_layers", 40, src);
       c.ffn_dim = json_int(j, "ffn_dim", 13824, src);
       c.freq_dim = json_int(j, "freq_dim", 256, src);
@@ -434,6 +451,9 @@ WanConfig WanWeights::architecture(const WanConfig& fallback) const {
   c.layers = layers;
   c.qk_norm = has("blocks.0.attn1.norm_q.weight");
   c.cross_attn_norm = has("blocks.0.norm2.weight");
+  c.image_dim = has("condition_embedder.image_embedder.norm1.weight")
+                    ? shape("condition_embedder.image_embedder.norm1.weight")[0]
+                    : 0;
   return c;
 }
 
@@ -518,7 +538,10 @@ std::vector<std::string> WanWeights::check(const std::vector<std::pair<std::stri
     return n.find("img_emb") != std::string::npos || n.find("k_img") != std::string::npos ||
            n.find("image_embedder") != std::string::npos || n.find("add_k_proj") != std::string::npos;
   });
-  if (image) message += " these are image-to-video weights, which are not supported (text-to-video only);";
+  if (image)
+    message +=
+        " these are image-to-video weights (Wan2.1 I2V's image branch) but the config describes a DiT without "
+        "one (model.wan.image_dim 0);";
   else if (!wrong_shape.empty() || !missing.empty())
     message += " does the config (model.wan, or the weights' config.json) describe these weights?";
   message.pop_back();
@@ -554,8 +577,8 @@ std::string wan_diffusers_config(const WanConfig& w) {
   j["cross_attn_norm"] = w.cross_attn_norm;
   j["qk_norm"] = w.qk_norm ? nlohmann::ordered_json("rms_norm_across_heads") : nlohmann::ordered_json(nullptr);
   j["eps"] = w.eps;
-  j["image_dim"] = nullptr;
-  j["added_kv_proj_dim"] = nullptr;
+  j["image_dim"] = w.image_dim > 0 ? nlohmann::ordered_json(w.image_dim) : nlohmann::ordered_json(nullptr);
+  j["added_kv_proj_dim"] = w.image_dim > 0 ? nlohmann::ordered_json(w.dim) : nlohmann::ordered_json(nullptr);
   j["rope_max_seq_len"] = 1024;
   return j.dump(2) + "\n";
 }

@@ -66,6 +66,10 @@ struct WanConfig {
   bool qk_norm = true;          // RMSNorm over q and k (across heads)
   bool cross_attn_norm = true;  // affine LayerNorm before the cross-attention
   double eps = 1e-6;
+  // Wan2.1 I2V's image branch: the width of the CLIP image tokens (1280 for ViT-H/14) that the image
+  // embedder maps into the cross-attention's context, with their own key and value projections. 0: none
+  // (text-to-video). The DiT has it (model/wan.h); training and sampling image-to-video do not yet.
+  int64_t image_dim = 0;
   std::string weights;  // published weights to start from ("": random initialisation)
   // Wan2.2's two experts (T2V-A14B, I2V-A14B; model/wan_weights.h): the low-noise expert's weights when
   // `weights` names only the high-noise one (ComfyUI's two files); found in a two-expert repository
@@ -75,11 +79,12 @@ struct WanConfig {
   // low-noise one below. 0: the repository's (diffusers' model_index.json) or Wan-AI's (0.875 for
   // text-to-video, 0.9 for image-to-video) when there are two experts.
   double boundary_ratio = 0.0;
-  // The expert a run fine-tunes (Wan2.2; "both" is refused: not supported yet; without weights a randomly
-  // initialised DiT trained on that expert's timesteps, as a plan or a test may want): "" (one DiT), high (the
-  // timesteps t >= boundary_ratio x 1000: σ drawn only there) or low (below). The trained weights are model.wan.weights
-  // for high, and for low model.wan.weights_2 when there are two experts (else model.wan.weights: one expert's own
-  // file). The other expert is not trained; it makes the validation videos with the trained one.
+  // The expert a run fine-tunes (Wan2.2; without weights a randomly initialised DiT trained on that expert's
+  // timesteps, as a plan or a test may want): "" (one DiT), high (the timesteps t >= boundary_ratio x 1000: σ
+  // drawn only there) or low (below). The trained weights are model.wan.weights for high, and for low
+  // model.wan.weights_2 when there are two experts (else model.wan.weights: one expert's own file). The other
+  // expert is not trained; it makes the validation videos with the trained one. both: the two experts in one
+  // run, each step one of them (train/wan_family.h).
   std::string expert;
 };
 

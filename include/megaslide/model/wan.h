@@ -5,6 +5,10 @@
 //   t [B] (float) --sinusoid(freq_dim: cos half, then sin)--> time_embedder (Linear, SiLU, Linear) --> temb [B, D]
 //                 --SiLU, time_proj--> tproj [B, 6, D]
 //   text [B, L, text_dim] --text_embedder (Linear, GELU tanh, Linear)--> context [B, L, D]
+//   Wan2.1 I2V (image_dim > 0): image [B, Li, image_dim] (CLIP's tokens) --image_embedder (fp32 LayerNorm,
+//   Linear, GELU, Linear, fp32 LayerNorm)--> [B, Li, D], before the text in the context; the cross-attention
+//   attends to the text with to_k/to_v and to the image tokens with add_k_proj/add_v_proj (norm_added_k over
+//   their keys), with the same queries, and adds the two outputs before to_out.
 //   per block, (shift1, scale1, gate1, shift2, scale2, gate2) = scale_shift_table [1, 6, D] + tproj (fp32):
 //     x += gate1 · attn1(LN(x)·(1 + scale1) + shift1)              self-attention with RMSNorm over q and k
 //                                                                    (across heads) and 3D RoPE on q and k
@@ -73,6 +77,7 @@ struct WanOptions {
   TORCH_ARG(bool, cross_attn_norm) = true;
   TORCH_ARG(double, eps) = 1e-6;
   TORCH_ARG(double, rope_theta) = 10000.0;
+  TORCH_ARG(int64_t, image_dim) = 0;  // Wan2.1 I2V's image branch (model.wan.image_dim); 0: none
   TORCH_ARG(WanSelfAttention, self_attention) = WanSelfAttention::kDense;
   TORCH_ARG(Int3, dsa_kernel) = Int3{3, 7, 7};
   TORCH_ARG(int64_t, dsa_groups) = 1;
@@ -119,9 +124,10 @@ class WanAttentionImpl : public torch::nn::Cloneable<WanAttentionImpl> {
  public:
   WanAttentionImpl(const WanOptions& options, bool self_attention);
   void reset() override;
-  // Self-attention: x [B, N, D] on `grid`, `rope` for q and k. Cross-attention: context [B, L, D].
+  // Self-attention: x [B, N, D] on `grid`, `rope` for q and k. Cross-attention: context [B, L, D], whose first
+  // `image_tokens` are the image's (image_dim > 0: through add_k_proj and add_v_proj).
   torch::Tensor forward_self(const torch::Tensor& x, const TokenGrid& grid, const WanRope& rope);
-  torch::Tensor forward_cross(const torch::Tensor& x, const torch::Tensor& context);
+  torch::Tensor forward_cross(const torch::Tensor& x, const torch::Tensor& context, int64_t image_tokens = 0);
   // 3D-DSA's offsets Δ [B, T, H, W, G, K_eff, 3] for attn1's input x (zeros for kZero).
   torch::Tensor dsa_offsets(const torch::Tensor& x, const TokenGrid& grid);
 
@@ -130,6 +136,9 @@ class WanAttentionImpl : public torch::nn::Cloneable<WanAttentionImpl> {
   Linear to_q{nullptr}, to_k{nullptr}, to_v{nullptr}, out{nullptr};
   torch::nn::ModuleList to_out{nullptr};        // [out]: diffusers' "to_out.0"
   WanRmsNorm norm_q{nullptr}, norm_k{nullptr};  // undefined without qk_norm
+  // The image branch (cross-attention with image_dim > 0).
+  Linear add_k_proj{nullptr}, add_v_proj{nullptr};
+  WanRmsNorm norm_added_k{nullptr};
   // The 3D-DSA retrofit (self-attention with kDsa3d only).
   Conv3d offset_dw{nullptr};
   Linear offset_pw{nullptr};
@@ -140,13 +149,14 @@ class WanAttentionImpl : public torch::nn::Cloneable<WanAttentionImpl> {
 };
 TORCH_MODULE(WanAttention);
 
-// FFN: ffn.net.0.proj (Linear), GELU tanh, ffn.net.2 (Linear).
+// FFN: ffn.net.0.proj (Linear dim -> ffn_dim), GELU tanh (or exact), ffn.net.2 (Linear ffn_dim -> out, 0: dim).
 class WanFeedForwardImpl : public torch::nn::Cloneable<WanFeedForwardImpl> {
  public:
-  WanFeedForwardImpl(int64_t dim, int64_t ffn_dim, torch::Device device);
+  WanFeedForwardImpl(int64_t dim, int64_t ffn_dim, torch::Device device, int64_t out = 0, bool gelu_tanh = true);
   void reset() override;
   torch::Tensor forward(const torch::Tensor& x);
-  int64_t dim, ffn_dim;
+  int64_t dim, ffn_dim, out;
+  bool gelu_tanh;
   torch::Device device;
   torch::nn::ModuleList net{nullptr};
   Linear fc1{nullptr}, fc2{nullptr};
@@ -157,8 +167,9 @@ TORCH_MODULE(WanFeedForward);
 struct WanBlockContext {
   TokenGrid grid;
   WanRope rope;
-  torch::Tensor tproj;    // [B, 6, D], or [B, N, 6, D] per token (any floating dtype; added to the table in fp32)
-  torch::Tensor context;  // [B, L, D] text after text_embedder
+  torch::Tensor tproj;       // [B, 6, D], or [B, N, 6, D] per token (any floating dtype; added to the table in fp32)
+  torch::Tensor context;     // [B, L, D]: the image's tokens (I2V), then the text, after their embedders
+  int64_t image_tokens = 0;  // how many of context's first tokens are the image's
 };
 
 class WanBlockImpl : public torch::nn::Cloneable<WanBlockImpl> {
@@ -198,7 +209,20 @@ class WanMlpImpl : public torch::nn::Cloneable<WanMlpImpl> {
 };
 TORCH_MODULE(WanMlp);
 
-// diffusers' condition_embedder: time_embedder, time_proj, text_embedder.
+// Wan2.1 I2V's image_embedder: norm1 (fp32 LayerNorm, eps 1e-5), ff (Linear, exact GELU, Linear to D), norm2.
+class WanImageEmbedderImpl : public torch::nn::Cloneable<WanImageEmbedderImpl> {
+ public:
+  WanImageEmbedderImpl(int64_t image_dim, int64_t dim, torch::Device device);
+  void reset() override;
+  torch::Tensor forward(const torch::Tensor& image);
+  int64_t image_dim, dim;
+  torch::Device device;
+  LayerNorm norm1{nullptr}, norm2{nullptr};
+  WanFeedForward ff{nullptr};
+};
+TORCH_MODULE(WanImageEmbedder);
+
+// diffusers' condition_embedder: time_embedder, time_proj, text_embedder (and image_embedder with image_dim).
 class WanConditionEmbedderImpl : public torch::nn::Cloneable<WanConditionEmbedderImpl> {
  public:
   explicit WanConditionEmbedderImpl(const WanOptions& options);
@@ -206,6 +230,7 @@ class WanConditionEmbedderImpl : public torch::nn::Cloneable<WanConditionEmbedde
   WanOptions options;
   WanMlp time_embedder{nullptr}, text_embedder{nullptr};
   Linear time_proj{nullptr};
+  WanImageEmbedder image_embedder{nullptr};  // image_dim > 0
 };
 TORCH_MODULE(WanConditionEmbedder);
 
@@ -223,8 +248,11 @@ class WanTransformerImpl : public torch::nn::Cloneable<WanTransformerImpl> {
 
   // x [B, C, T, H, W] (T, H, W multiples of the patch), timesteps [B] (float: σ·1000 for flow matching)
   // or [B, N] per token (N the tokens of x, in token order), text [B, L, text_dim] -> [B, out_channels, T, H, W].
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text);
-  WanEmbedded embed(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text);
+  // `image` [B, Li, image_dim]: the image tokens an image_dim > 0 model needs (and any other refuses).
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text,
+                        const torch::Tensor& image = {});
+  WanEmbedded embed(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text,
+                    const torch::Tensor& image = {});
   torch::Tensor head(const torch::Tensor& tokens, const torch::Tensor& temb, const TokenGrid& grid);
   TokenGrid token_grid(int64_t frames, int64_t height, int64_t width) const;
 
