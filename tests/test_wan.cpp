@@ -176,6 +176,23 @@ TEST(WanTransformer, TrainingStepGradientsAreAutogradsOnDiffusers) {
   }
 }
 
+namespace {
+// A fixture's training step (tools/make_fixtures.py _training_step): `loss` (the model's mse against the
+// fixture's target) equals the fixture's within 1e-5, and after its backward every parameter's gradient is the
+// fixture's grad.NAME within 1e-4.
+void expect_fixture_gradients(torch::nn::Module& model, const torch::Tensor& loss,
+                              const std::map<std::string, torch::Tensor>& r) {
+  loss.backward();
+  EXPECT_NEAR(loss.item<double>(), r.at("loss").item<double>(), 1e-5 * r.at("loss").item<double>());
+  const auto params = model.named_parameters(true);
+  ASSERT_GT(params.size(), 0u);
+  for (const auto& p : params) {
+    ASSERT_TRUE(p.value().grad().defined()) << p.key();
+    EXPECT_LT(relative_error(p.value().grad(), r.at("grad." + p.key())), 1e-4) << p.key();
+  }
+}
+}  // namespace
+
 // The property: Wan2.2 TI2V's per-token timesteps (timesteps [B, N], diffusers' expand_timesteps) give
 // diffusers' output within 1e-4 (fp32; tests/fixtures/wan_ti2v, 12 latent channels) — with image-to-video's
 // mask on one sample (its first latent frame's tokens at 0) and one timestep for every token on the
@@ -201,15 +218,7 @@ TEST(WanTransformer, PerTokenTimestepsAreDiffusersExpandTimesteps) {
     EXPECT_THROW(model->forward(r.at("x"), r.at("timesteps").narrow(1, 0, 17), r.at("text")), c10::Error);
   }
   auto loss = torch::mse_loss(model->forward(r.at("x"), r.at("timesteps"), r.at("text")), r.at("target"));
-  loss.backward();
-  EXPECT_NEAR(loss.item<double>(), r.at("loss").item<double>(), 1e-5 * r.at("loss").item<double>());
-  int64_t compared = 0;
-  for (const auto& p : model->named_parameters(true)) {
-    ASSERT_TRUE(p.value().grad().defined()) << p.key();
-    EXPECT_LT(relative_error(p.value().grad(), r.at("grad." + p.key())), 1e-4) << p.key();
-    ++compared;
-  }
-  EXPECT_EQ(compared, static_cast<int64_t>(model->named_parameters(true).size()));
+  expect_fixture_gradients(*model, loss, r);
 }
 
 // The property: Wan2.1 I2V's DiT — the image tokens through the image embedder into the cross-attention's
@@ -242,16 +251,7 @@ TEST(WanTransformer, ImageBranchIsDiffusersImageToVideoDiT) {
     EXPECT_THROW(t2v->forward(x, t, text, image), c10::Error);
   }
   auto loss = torch::mse_loss(model->forward(x, t, text, image), r.at("target"));
-  loss.backward();
-  EXPECT_NEAR(loss.item<double>(), r.at("loss").item<double>(), 1e-5 * r.at("loss").item<double>());
-  int64_t compared = 0;
-  for (const auto& p : model->named_parameters(true)) {
-    ASSERT_TRUE(p.value().grad().defined()) << p.key();
-    EXPECT_LT(relative_error(p.value().grad(), r.at("grad." + p.key())), 1e-4) << p.key();
-    ++compared;
-  }
-  EXPECT_EQ(compared, static_cast<int64_t>(model->named_parameters(true).size()));
-  EXPECT_GT(compared, 0);
+  expect_fixture_gradients(*model, loss, r);
 }
 
 // The property: the published configurations count exactly the published parameter numbers, on the meta

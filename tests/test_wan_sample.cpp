@@ -423,6 +423,14 @@ std::string write(const std::string& name, const std::string& text) {
 
 const std::string kEncoders = " --text-encoder " + kUmt5 + " --tokenizer " + kTokenizer + " --vae " + kVae;
 
+// The latents megaslide-sample --latents saved beside video `file` ("name.mp4") in `out_dir`.
+torch::Tensor saved_latents(const std::string& out_dir, const std::string& file) {
+  const std::string stem = file.substr(0, file.size() - 4);
+  return megaslide::io::read_safetensors(join_path(join_path(out_dir, "latents"), stem + ".safetensors"))
+      .tensors.at(0)
+      .second;
+}
+
 // The latents umT5 -> flow_sample -> the DiT give, composed here without WanTextToVideo.
 torch::Tensor composed_latents(const std::string& prompt, uint64_t seed, int64_t steps) {
   auto model = megaslide::wan_model_from_config(fixture_config(), "test");
@@ -460,15 +468,12 @@ TEST(MegaslideSampleWan, WritesPlayableVBenchVideosWhoseLatentsAreTheComposedPip
   EXPECT_EQ(index.at("fps"), 16);
   for (const auto& v : index.at("videos")) {
     const std::string file = v.at("file");
-    const std::string stem = file.substr(0, file.size() - 4);
     megaslide::io::VideoInfo info;
     const auto frames = megaslide::io::read_video(join_path(join_path(out, "videos"), file), &info);
     EXPECT_EQ(frames.sizes(), (std::vector<int64_t>{5, 32, 48, 3})) << file;  // 1 + 4·(2 − 1) frames of 8·4 x 8·6
     EXPECT_EQ(info.codec, "h264");
     // The latents before the VAE equal umT5 -> flow_sample -> the DiT for this prompt and seed.
-    const auto latents = megaslide::io::read_safetensors(join_path(join_path(out, "latents"), stem + ".safetensors"))
-                             .tensors.at(0)
-                             .second;
+    const auto latents = saved_latents(out, file);
     const auto composed = composed_latents(v.at("prompt"), v.at("seed").get<uint64_t>(), 3);
     EXPECT_LT(max_diff(latents, composed), 1e-4) << file;
   }
@@ -480,12 +485,7 @@ TEST(MegaslideSampleWan, WritesPlayableVBenchVideosWhoseLatentsAreTheComposedPip
   EXPECT_NE(r.output.find("blocks streamed"), std::string::npos) << r.output;
   for (const auto& v : index.at("videos")) {
     const std::string file = v.at("file");
-    const std::string stem = file.substr(0, file.size() - 4);
-    auto latents = [&](const std::string& dir) {
-      return megaslide::io::read_safetensors(join_path(join_path(dir, "latents"), stem + ".safetensors"))
-          .tensors.at(0)
-          .second;
-    };
+    auto latents = [&](const std::string& dir) { return saved_latents(dir, file); };
     EXPECT_LT(max_diff(latents(out), latents(again)), 1e-4) << file;
   }
 
@@ -503,12 +503,7 @@ TEST(MegaslideSampleWan, WritesPlayableVBenchVideosWhoseLatentsAreTheComposedPip
   ASSERT_EQ(r.code, 0) << r.output;
   for (const auto& v : index.at("videos")) {
     const std::string file = v.at("file");
-    const std::string stem = file.substr(0, file.size() - 4);
-    auto latents = [&](const std::string& dir) {
-      return megaslide::io::read_safetensors(join_path(join_path(dir, "latents"), stem + ".safetensors"))
-          .tensors.at(0)
-          .second;
-    };
+    auto latents = [&](const std::string& dir) { return saved_latents(dir, file); };
     EXPECT_LT(max_diff(latents(out), latents(from_checkpoint)), 1e-4) << file;
     EXPECT_EQ(megaslide::io::read_video(join_path(join_path(from_checkpoint, "videos"), file)).size(0), 5) << file;
   }
@@ -770,12 +765,7 @@ TEST(Wan22Experts, ABothExpertsRunsWeightsFileSamplesAsThePair) {
   EXPECT_EQ(index.at("boundary_ratio"), 0.875);
   for (const auto& v : index.at("videos")) {
     const std::string file = v.at("file");
-    const std::string stem = file.substr(0, file.size() - 4);
-    auto latents = [&](const std::string& dir) {
-      return megaslide::io::read_safetensors(join_path(join_path(dir, "latents"), stem + ".safetensors"))
-          .tensors.at(0)
-          .second;
-    };
+    auto latents = [&](const std::string& dir) { return saved_latents(dir, file); };
     EXPECT_LT(max_diff(latents(published), latents(trained)), 1e-5) << file;
   }
 }

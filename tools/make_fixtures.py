@@ -938,6 +938,19 @@ def _umt5_fixture():
     return text_encoder, T5Tokenizer.from_pretrained(os.path.join(FIXTURES, "umt5", "tokenizer"), extra_ids=0)
 
 
+def _training_step(model, forward, target, tensors):
+    """One mse step of `model` (forward() its output) against `target`: target, loss and grad.NAME into `tensors`."""
+    import torch
+
+    model.zero_grad()
+    loss = torch.nn.functional.mse_loss(forward(), target)
+    loss.backward()
+    tensors["target"], tensors["loss"] = target.numpy(), np.array([loss.item()], dtype=np.float64)
+    for name, p in model.named_parameters():
+        tensors["grad." + name] = p.grad.numpy()
+    print(f"  {sum(p.numel() for p in model.parameters())} parameters, loss {loss.item():.5f}")
+
+
 def section_wan_i2v(out_dir):
     """Wan2.1 I2V's DiT: a tiny random WanTransformer3DModel with the image branch (image_dim 10, added key/value
     projections of width 24), 12 input channels (noise, mask and condition latents of 4 channels: 4 + 4 + 4) and
@@ -960,15 +973,8 @@ def section_wan_i2v(out_dir):
         out = model(x, timesteps, text, encoder_hidden_states_image=image, return_dict=False)[0]
     tensors = {"x": x.numpy(), "text": text.numpy(), "image": image.numpy(), "timesteps": timesteps.numpy(),
                "out": out.numpy()}
-    model.zero_grad()
-    target = torch.randn((2, 4, 3, 4, 6), generator=g)
-    loss = torch.nn.functional.mse_loss(
-        model(x, timesteps, text, encoder_hidden_states_image=image, return_dict=False)[0], target)
-    loss.backward()
-    tensors["target"], tensors["loss"] = target.numpy(), np.array([loss.item()], dtype=np.float64)
-    for name, p in model.named_parameters():
-        tensors["grad." + name] = p.grad.numpy()
-    print(f"  {sum(p.numel() for p in model.parameters())} parameters, loss {loss.item():.5f}")
+    _training_step(model, lambda: model(x, timesteps, text, encoder_hidden_states_image=image, return_dict=False)[0],
+                   torch.randn((2, 4, 3, 4, 6), generator=g), tensors)
     meta = {"versions": versions(diffusers, torch), "config": json.dumps(config),
             "what": "a tiny random Wan2.1-I2V-shaped WanTransformer3DModel (transformer/); out = model(x, timesteps, "
                     "text, encoder_hidden_states_image=image); grad.NAME of mse(model(...), target)"}
@@ -1001,14 +1007,8 @@ def section_wan_ti2v(out_dir):
         out_scalar = model(x, torch.tensor([812.5, 437.25]), text, return_dict=False)[0]
     tensors = {"x": x.numpy(), "text": text.numpy(), "timesteps": per_token.numpy(), "out": out.numpy(),
                "out_scalar_timesteps": out_scalar.numpy()}
-    model.zero_grad()
-    target = torch.randn(video, generator=g)
-    loss = torch.nn.functional.mse_loss(model(x, per_token, text, return_dict=False)[0], target)
-    loss.backward()
-    tensors["target"], tensors["loss"] = target.numpy(), np.array([loss.item()], dtype=np.float64)
-    for name, p in model.named_parameters():
-        tensors["grad." + name] = p.grad.numpy()
-    print(f"  {sum(p.numel() for p in model.parameters())} parameters, loss {loss.item():.5f}")
+    _training_step(model, lambda: model(x, per_token, text, return_dict=False)[0], torch.randn(video, generator=g),
+                   tensors)
     meta = {"versions": versions(diffusers, torch), "config": json.dumps(config),
             "what": "a tiny random WanTransformer3DModel (transformer/); out = model(x, timesteps [2, 18] per token, text); "
                     "out_scalar_timesteps = model(x, [812.5, 437.25], text); grad.NAME of mse(model(x, timesteps, text), target)"}
