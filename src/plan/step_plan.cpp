@@ -591,13 +591,11 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
   const int64_t A = t.grad_accum_steps;
   const int64_t exchange_e = A > 1 ? 4 : e;  // the gradients' dtype in the exchange (sharded trainer)
   const bool ema = t.ema_decay > 0;
-  int64_t stepped_params_per_rank = 0;  // sharded: the elements of this rank's shards a step updates
   if (p.streamed && R > 1) {
     const auto state = offload::parse_state_dtype(config.optimizer.state_dtype);
     p.state_dtype = config.optimizer.state_dtype;
     p.host = sharded_host_memory(s, R, p.compute_dtype, state, A, ema);
     for (const int64_t n : s.block_numels) p.sharded_params_per_rank += shard_numel(n, R);
-    for (const int64_t n : one.block_numels) stepped_params_per_rank += shard_numel(n, R);
     p.host.construction_peak = p.host.state() + 2 * 4 * s.largest_block;
     // Every rank's store: the shards add up to one whole master and moments; the rest is on every rank.
     p.host_state_bytes_all_ranks = (4 + 2 * offload::state_element_bytes(state) + (ema ? 4 : 0)) * s.streamed +
@@ -677,8 +675,10 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
     // the exchange dtype and writes the shard of the compute copy in the compute dtype (fp32 too).
     const int64_t grad_e = A > 1 ? 4 : e;
     const int64_t state_e = offload::state_element_bytes(offload::parse_state_dtype(p.state_dtype));
-    // (Two experts: the step's expert's blocks only, and its share of the int8 scales.)
+    // (Two experts: the step's expert's blocks only — half of every block-wise count, the blocks being the
+    // same twice — its shards and its share of the int8 scales.)
     const int64_t scales = both ? p.host.scales / 2 : p.host.scales;
+    const int64_t stepped_params_per_rank = both ? p.sharded_params_per_rank / 2 : p.sharded_params_per_rank;
     tm.optimizer_bytes =
         R > 1 ? stepped_params_per_rank * (8 + 4 * state_e + grad_e + e)
               : one.streamed * (8 + 4 * state_e + grad_e + (p.compute_dtype == "fp32" ? 0 : 2)) + 2 * scales;

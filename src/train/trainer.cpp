@@ -174,7 +174,7 @@ StepMetrics Trainer::step() {
     part = &parts_[part_index];
   }
   const int64_t adam_step = (part ? part_steps_[part_index] : optimizer_steps_) + 1;
-  StepMetrics m = engine_ ? streamed_step(lr, stats, part, adam_step) : resident_step(lr, stats, part);
+  StepMetrics m = engine_ ? streamed_step(lr, stats, part, adam_step) : resident_step(lr, stats, part, adam_step);
   if (!m.skipped) {
     ++optimizer_steps_;
     if (part) ++part_steps_[part_index];
@@ -201,7 +201,7 @@ StepMetrics Trainer::step() {
   return m;
 }
 
-StepMetrics Trainer::resident_step(double lr, MicroBatchStats& stats, const ModelPart* part) {
+StepMetrics Trainer::resident_step(double lr, MicroBatchStats& stats, const ModelPart* part, int64_t adam_step) {
   const auto start = Clock::now();
   const auto& t = config_.train;
   for (auto& group : optimizer_->param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
@@ -224,9 +224,7 @@ StepMetrics Trainer::resident_step(double lr, MicroBatchStats& stats, const Mode
   m.skipped = !std::isfinite(m.loss) || !std::isfinite(grad_norm);
   if (!m.skipped) {
     optimizer_->step();  // a parameter without a gradient (another part's) is left alone, its step count too
-    if (ema_->enabled())
-      ema_->update(model_->named_parameters(), part ? part_steps_[part - parts_.data()] + 1 : optimizer_steps_ + 1,
-                   part ? part->prefix : std::string());
+    if (ema_->enabled()) ema_->update(model_->named_parameters(), adam_step, part ? part->prefix : std::string());
   }
   if (device_.is_cuda()) torch::cuda::synchronize();
   m.optimizer_s = seconds_since(optimizer_start);

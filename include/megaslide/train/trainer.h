@@ -132,7 +132,8 @@ class Trainer {
   void write_weights(const std::string& path, const io::NamedTensors& weights) { model_->write_weights(path, weights); }
 
  private:
-  StepMetrics resident_step(double lr, MicroBatchStats& stats, const ModelPart* part);
+  // One step of `part` (null: the whole model) whose updates take AdamW step number `adam_step`.
+  StepMetrics resident_step(double lr, MicroBatchStats& stats, const ModelPart* part, int64_t adam_step);
   StepMetrics streamed_step(double lr, MicroBatchStats& stats, const ModelPart* part, int64_t adam_step);
   // The AdamW updates the parameter `name` has taken by a state's counters (its part's, with parts).
   int64_t adam_steps_of(const std::string& name, const TrainingState& s) const;
