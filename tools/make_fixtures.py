@@ -486,6 +486,99 @@ def section_clip(out_dir):
 
 
 # --------------------------------------------------------------------------------------------------
+# clip_vision: CLIP's vision tower as Wan2.1 image-to-video calls it (CLIPImageProcessor, then
+# CLIPVisionModel's hidden_states[-2]) on a tiny random model in diffusers' and ComfyUI's layouts
+# --------------------------------------------------------------------------------------------------
+
+def _clip_vision_image(height, width, seed):
+    """A uint8 RGB image with smooth areas, hard 0/255 edges (bicubic overshoots there, so PIL's clipping
+    runs) and noise."""
+    rng = np.random.RandomState(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float64)
+    image = np.stack([255 * x / (width - 1), 255 * y / (height - 1), 128 + 100 * np.sin(x / 3 + y / 5)], axis=-1)
+    image[height // 3: height // 3 + 6, width // 4: width // 2] = [255, 0, 255]
+    image[:, width - 5: width - 3] = 0
+    image += rng.normal(0, 12, image.shape)
+    return np.clip(np.round(image), 0, 255).astype(np.uint8)
+
+
+def section_clip_vision(out_dir):
+    import PIL
+    import torch
+    import transformers
+    from PIL import Image
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    # Non-default sizes everywhere: width 24 in 4 heads of 6, 3 layers, 7-pixel patches of a 28-pixel image
+    # (17 positions), erf GELU (Wan's ViT-H/14 uses gelu). Weights rounded to fp16 so the ComfyUI file
+    # (fp16, as ComfyUI distributes clip_vision_h.safetensors) holds the same model.
+    config = CLIPVisionConfig(hidden_size=24, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4,
+                              image_size=28, patch_size=7, hidden_act="gelu", projection_dim=16)
+    model = CLIPVisionModel(config)
+    _randomize(model, 81)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.half().float())
+    model.eval()
+    # diffusers' image_encoder/ as the Wan2.1 I2V repos hold it (saved by transformers 4: vision_model.* names),
+    # in fp16 to keep the fixture small (the tests write fp32 copies).
+    state = {"vision_model." + k: v for k, v in model.state_dict().items()}
+    encoder_dir = os.path.join(out_dir, "image_encoder")
+    os.makedirs(encoder_dir)
+    config.save_pretrained(encoder_dir)
+    save_safetensors(os.path.join(encoder_dir, "model.safetensors"), {k: v.half().numpy() for k, v in state.items()}, {"format": "pt"})
+    # ComfyUI's single file: the same names plus CLIPVisionModelWithProjection's visual_projection, fp16.
+    g = torch.Generator().manual_seed(82)
+    comfy = dict(state, **{"visual_projection.weight": torch.randn((16, 24), generator=g) / 24 ** 0.5})
+    save_safetensors(os.path.join(out_dir, "clip_vision_tiny.safetensors"), {k: v.half() for k, v in sorted(comfy.items())})
+    # diffusers' sibling image_processor/, with non-default sizes; loaded back as WanImageToVideoPipeline loads it.
+    processor_dir = os.path.join(out_dir, "image_processor")
+    CLIPImageProcessor(size={"shortest_edge": 30}, crop_size={"height": 28, "width": 28}).save_pretrained(processor_dir)
+    processor = CLIPImageProcessor.from_pretrained(processor_dir)
+    default_processor = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    pad_processor = CLIPImageProcessor(do_resize=False, crop_size={"height": 28, "width": 28})
+    assert processor.backend == "pil", f"expected the PIL CLIPImageProcessor (no torchvision), got {type(processor)}"
+
+    # Landscape and portrait images whose long edge 30·long/short has a fraction above .5 (int() and round()
+    # differ) and whose crop offsets are halves (floored); a small image that is upscaled, and cropped with padding.
+    images = {"landscape": _clip_vision_image(39, 49, 83), "portrait": _clip_vision_image(54, 43, 84),
+              "small": _clip_vision_image(20, 25, 85)}
+    tensors = {}
+    for name, array in images.items():
+        Image.fromarray(array).save(os.path.join(out_dir, name + ".png"))
+        tensors["image." + name] = array
+        image = Image.open(os.path.join(out_dir, name + ".png"))  # what a pipeline user passes
+        assert np.array_equal(np.asarray(image), array)
+        for kind, p in (("", processor), ("default.", default_processor)):
+            if kind == "default." and name != "landscape":
+                continue
+            pixel_values = p(images=image, return_tensors="pt")["pixel_values"]
+            with torch.no_grad():
+                out = model(pixel_values=pixel_values, output_hidden_states=True)
+            tensors[kind + "pixel_values." + name] = pixel_values.numpy()
+            tensors[kind + "penultimate." + name] = out.hidden_states[-2].numpy()
+            if kind == "" and name == "landscape":
+                tensors["hidden_states_0." + name] = out.hidden_states[0].numpy()
+                tensors["hidden_states_last." + name] = out.hidden_states[-1].numpy()
+    tensors["pad.pixel_values.small"] = pad_processor(images=Image.fromarray(images["small"]), return_tensors="pt")["pixel_values"].numpy()
+    # PIL's resampling filters on their own (LANCZOS 1, BILINEAR 2, BICUBIC 3, BOX 4, HAMMING 5): the landscape
+    # image down to 17x23, the small one up to 27x33.
+    for resample in (1, 2, 3, 4, 5):
+        for name, (height, width) in (("landscape", (17, 23)), ("small", (27, 33))):
+            tensors[f"resize.{resample}.{name}"] = np.asarray(Image.fromarray(images[name]).resize((width, height), resample=resample))
+    meta = {"versions": versions(transformers, torch, PIL),
+            "what": "tiny random CLIPVisionModel with fp16-exact weights (image_encoder/: vision_model.* names, fp16; "
+                    "clip_vision_tiny.safetensors: ComfyUI's layout, fp16, same weights) and CLIPImageProcessor.from_pretrained(image_processor/) "
+                    "(the PIL backend); for each image.NAME (also NAME.png): pixel_values.NAME = processor(images=PNG), "
+                    "penultimate.NAME = model(pixel_values, output_hidden_states=True).hidden_states[-2], hidden_states_0/"
+                    "last.landscape the first and last; default.*.landscape: CLIPImageProcessor(size 28, crop 28); "
+                    "pad.pixel_values.small: do_resize=False (crop with padding); resize.R.NAME: PIL Image.resize(resample=R) "
+                    "of image.NAME, landscape to 17x23, small to 27x33"}
+    save_safetensors(os.path.join(out_dir, "reference.safetensors"), tensors, meta)
+    print(f"  {sum(p.numel() for p in model.parameters())} parameters, {len(images)} images")
+
+
+# --------------------------------------------------------------------------------------------------
 # vae: a tiny random AutoencoderKL in diffusers' layout, and diffusers' outputs
 # --------------------------------------------------------------------------------------------------
 
@@ -1800,6 +1893,7 @@ SECTIONS = {
     "sampler": (section_sampler, "diffusers DDPM/DDIM timestep tables (linspace/leading/trailing) and single steps"),
     "clip_tokenizer": (section_clip_tokenizer, "CLIPTokenizer ids of VBench and edge-case prompts, real and tiny vocabularies"),
     "clip": (section_clip, "tiny random CLIP text models (text-only and whole-CLIPModel layouts) and their outputs"),
+    "clip_vision": (section_clip_vision, "CLIPImageProcessor (PIL) and a tiny random CLIPVisionModel's hidden_states[-2] (diffusers and ComfyUI layouts)"),
     "vae": (section_vae, "a tiny random AutoencoderKL: encode, decode and tiled decode outputs"),
     "wan_vae": (section_wan_vae, "a tiny random AutoencoderKLWan (diffusers and original names): encode, decode, tiled"),
     "wan22_vae": (section_wan22_vae, "a tiny random Wan2.2-style AutoencoderKLWan (residual, 2x2 patches; diffusers and original names)"),
