@@ -170,6 +170,12 @@ TEST(VideoDataset, BadItemsAreSkippedWithAReasonAndCountAgainstTheFraction) {
       EXPECT_NE(what.find(name), std::string::npos) << what;
     EXPECT_NE(what.find("3 of 6"), std::string::npos) << what;
   }
+  // The folder layout's listing-level bad item (a video without its caption) counts as listed too: the listing
+  // count is what a cache records and compares (it was the good items alone once, and every such cache stale).
+  auto folder = folder_config(fx);
+  const auto from_folder = VideoDataset::open(folder, 2);
+  EXPECT_EQ(from_folder.listed(), megaslide::read_video_manifest(folder).listed());
+  EXPECT_EQ(from_folder.listed(), 6);  // clip-0..2, corrupt, nocaption, short
   // An item whose file breaks after probing fails to load with its path named.
   fx.write("videos/clip-1.mp4", "garbage now");
   try {

@@ -140,6 +140,7 @@ VideoDataset VideoDataset::open(const DataConfig& data, int threads,
     for (auto& t : pool) t.join();
   }
 
+  const int64_t listed = manifest.listed();  // before its bad items move out of it
   std::vector<VideoItem> items;
   std::vector<VideoItemInfo> good;
   std::vector<BadItem> bad = std::move(manifest.bad);
@@ -152,7 +153,7 @@ VideoDataset VideoDataset::open(const DataConfig& data, int threads,
     }
   }
   std::sort(bad.begin(), bad.end(), [](const BadItem& a, const BadItem& b) { return a.index < b.index; });
-  return VideoDataset(data, std::move(items), std::move(good), std::move(bad), manifest.listed());
+  return VideoDataset(data, std::move(items), std::move(good), std::move(bad), listed);
 }
 
 ClipPlan VideoDataset::plan(int64_t i, int64_t epoch, int64_t frames) const {
