@@ -1,7 +1,8 @@
 // Video manifests: the CSV reader follows RFC 4180 (quotes, "" escapes, commas and newlines inside
 // quotes, CRLF, a BOM); WebVid and Open-Sora CSVs, JSONL and a caption folder list the same items with
 // the same captions, paths resolved against the manifest's folder; unusable rows are bad items with a
-// reason, and a manifest that matches no layout is refused naming the file and line.
+// reason, and a manifest that matches no layout is refused naming the file and line. A clip's conditioning
+// image comes from an `image` (or `image_path`) column or key, or a same-stem image beside a folder's video.
 #include "megaslide/data/video_manifest.h"
 
 #include <gtest/gtest.h>
@@ -29,6 +30,16 @@ std::string temp_file(const std::string& name, const std::string& text) {
   std::ofstream(path, std::ios::binary) << text;
   return path;
 }
+
+// An empty folder of its own for a test: /tmp/megaslide-test-manifest-<pid>-<name>.
+std::string temp_folder(const std::string& name) {
+  const std::string path = "/tmp/megaslide-test-manifest-" + std::to_string(::getpid()) + "-" + name;
+  megaslide::io::remove_tree(path);
+  megaslide::io::make_directories(path);
+  return path;
+}
+
+void write_file(const std::string& path, const std::string& text) { std::ofstream(path, std::ios::binary) << text; }
 
 }  // namespace
 
@@ -154,4 +165,123 @@ TEST(VideoManifest, AManifestOfNoLayoutIsRefusedNamingIt) {
   megaslide::io::remove_tree(txt);
   megaslide::io::remove_tree(csv);
   megaslide::io::remove_tree(webvid);
+}
+
+// The property: an `image` column names each clip's conditioning image, resolved against the manifest's
+// folder like the video; an empty cell is no image; `image_path` is accepted for it in either CSV layout,
+// and `image` wins when both are there.
+TEST(VideoManifest, CsvImageColumnNamesEachClipsImage) {
+  const std::string dir = temp_folder("csv-images");
+  megaslide::io::make_directories(dir + "/frames");
+  for (const std::string name : {"a.png", "b.jpg", "other.png"}) write_file(dir + "/frames/" + name, "x");
+  write_file(dir + "/opensora.csv",
+             "path,text,image\nv/a.mp4,a cat,frames/a.png\nv/b.mp4,a dog,\"frames/b.jpg\"\nv/c.mp4,a bird,\n");
+  const auto opensora = megaslide::read_video_manifest(config_for(dir + "/opensora.csv"));
+  ASSERT_EQ(opensora.items.size(), 3u);
+  EXPECT_TRUE(opensora.bad.empty());
+  EXPECT_EQ(opensora.items[0].image, dir + "/frames/a.png");
+  EXPECT_EQ(opensora.items[1].image, dir + "/frames/b.jpg");
+  EXPECT_EQ(opensora.items[2].image, "") << "an empty cell names no image";
+
+  write_file(dir + "/webvid.csv", "videoid,name,page_dir,image_path\n1,a cat,p," + dir + "/frames/a.png\n");
+  const auto webvid = megaslide::read_video_manifest(config_for(dir + "/webvid.csv"));
+  ASSERT_EQ(webvid.items.size(), 1u);
+  EXPECT_EQ(webvid.layout, "webvid-csv");
+  EXPECT_EQ(webvid.items[0].image, dir + "/frames/a.png") << "an absolute image path is kept";
+
+  write_file(dir + "/both.csv", "path,text,image_path,image\nv/a.mp4,a cat,frames/other.png,frames/a.png\n");
+  const auto both = megaslide::read_video_manifest(config_for(dir + "/both.csv"));
+  ASSERT_EQ(both.items.size(), 1u);
+  EXPECT_EQ(both.items[0].image, dir + "/frames/a.png") << "`image` wins over `image_path`";
+
+  write_file(dir + "/none.csv", "path,text\nv/a.mp4,a cat\n");
+  const auto none = megaslide::read_video_manifest(config_for(dir + "/none.csv"));
+  ASSERT_EQ(none.items.size(), 1u);
+  EXPECT_EQ(none.items[0].image, "") << "no column, no image";
+  megaslide::io::remove_tree(dir);
+}
+
+// The property: a JSONL line's "image" (or "image_path") resolves against the manifest's folder; null, ""
+// or no key is no image; a value that is not a string makes the line a bad item that says so.
+TEST(VideoManifest, JsonlImageKeyIsResolvedAgainstTheManifest) {
+  const std::string dir = temp_folder("jsonl-images");
+  megaslide::io::make_directories(dir + "/frames");
+  for (const std::string name : {"a.png", "b.webp"}) write_file(dir + "/frames/" + name, "x");
+  write_file(dir + "/items.jsonl",
+             "{\"video\": \"v/a.mp4\", \"caption\": \"a cat\", \"image\": \"frames/a.png\"}\n"
+             "{\"video\": \"v/b.mp4\", \"caption\": \"a dog\", \"image_path\": \"frames/b.webp\"}\n"
+             "{\"video\": \"v/c.mp4\", \"caption\": \"a bird\", \"image\": null}\n"
+             "{\"video\": \"v/d.mp4\", \"caption\": \"a fish\", \"image\": \"\"}\n"
+             "{\"video\": \"v/e.mp4\", \"caption\": \"a frog\"}\n"
+             "{\"video\": \"v/f.mp4\", \"caption\": \"a newt\", \"image\": 7}\n");
+  const auto m = megaslide::read_video_manifest(config_for(dir + "/items.jsonl"));
+  ASSERT_EQ(m.items.size(), 5u);
+  EXPECT_EQ(m.items[0].image, dir + "/frames/a.png");
+  EXPECT_EQ(m.items[1].image, dir + "/frames/b.webp");
+  for (size_t k = 2; k < 5; ++k) EXPECT_EQ(m.items[k].image, "") << m.items[k].where;
+  ASSERT_EQ(m.bad.size(), 1u);
+  EXPECT_EQ(m.bad[0].index, 5);
+  EXPECT_EQ(m.bad[0].path, dir + "/v/f.mp4");
+  EXPECT_NE(m.bad[0].reason.find("\"image\" must be an image path (string), got number"), std::string::npos)
+      << m.bad[0].reason;
+  EXPECT_NE(m.bad[0].reason.find(dir + "/items.jsonl:6"), std::string::npos) << m.bad[0].reason;
+  megaslide::io::remove_tree(dir);
+}
+
+// The property: in a folder, a same-stem .png, .jpg, .jpeg or .webp beside a video (the first found in
+// that order) is its image; a video without one has none; an image is never an item itself.
+TEST(VideoManifest, FolderSameStemImageIsTheClipsImage) {
+  const std::string root = temp_folder("folder-images");
+  megaslide::io::make_directories(root + "/sub");
+  for (const std::string stem : {"a", "b", "c", "sub/d", "e"}) {
+    write_file(root + "/" + stem + ".mp4", "x");
+    write_file(root + "/" + stem + ".txt", "a caption");
+  }
+  write_file(root + "/a.png", "x");
+  write_file(root + "/b.webp", "x");  // .jpg comes first
+  write_file(root + "/b.jpg", "x");
+  write_file(root + "/sub/d.jpeg", "x");
+  write_file(root + "/e.JPG", "x");  // a camera's upper-case extension
+  write_file(root + "/A.png", "x");  // another stem's image (and no video): neither a's image nor an item
+  write_file(root + "/lonely.png", "x");
+  const auto m = megaslide::read_video_manifest(config_for("", root));
+  EXPECT_TRUE(m.bad.empty());
+  std::vector<std::string> listed, images;
+  for (const auto& item : m.items) listed.push_back(item.where), images.push_back(item.image);
+  EXPECT_EQ(listed, (std::vector<std::string>{"a.mp4", "b.mp4", "c.mp4", "e.mp4", "sub/d.mp4"}));
+  EXPECT_EQ(images,
+            (std::vector<std::string>{root + "/a.png", root + "/b.jpg", "", root + "/e.JPG", root + "/sub/d.jpeg"}));
+  megaslide::io::remove_tree(root);
+}
+
+// The property: an image the listing names that does not exist makes its clip a bad item (not a clip
+// trained on a frame instead), and the reason names the image and the line that listed it; an image
+// name that is not UTF-8 is a bad item too, like a video's.
+TEST(VideoManifest, AMissingImageIsABadItemNamingIt) {
+  const std::string dir = temp_folder("missing-images");
+  write_file(dir + "/here.png", "x");
+  write_file(dir + "/caf\xe9.png", "x");
+  write_file(dir + "/items.csv",
+             "path,text,image\na.mp4,a cat,here.png\nb.mp4,a dog,gone.png\nc.mp4,a bird,caf\xe9.png\n");
+  const auto csv = megaslide::read_video_manifest(config_for(dir + "/items.csv"));
+  ASSERT_EQ(csv.items.size(), 1u);
+  ASSERT_EQ(csv.bad.size(), 2u);
+  EXPECT_EQ(csv.bad[0].index, 1);
+  EXPECT_EQ(csv.bad[0].path, dir + "/b.mp4");
+  EXPECT_NE(csv.bad[0].reason.find(dir + "/gone.png"), std::string::npos) << csv.bad[0].reason;
+  EXPECT_NE(csv.bad[0].reason.find("does not exist"), std::string::npos) << csv.bad[0].reason;
+  EXPECT_NE(csv.bad[0].reason.find(dir + "/items.csv:3"), std::string::npos) << csv.bad[0].reason;
+  EXPECT_EQ(csv.bad[1].index, 2);
+  EXPECT_NE(csv.bad[1].reason.find("its image's file name is not UTF-8 text (byte 0xe9"), std::string::npos)
+      << csv.bad[1].reason;
+  EXPECT_EQ(csv.listed(), 3);
+
+  write_file(dir + "/items.jsonl", "{\"video\": \"a.mp4\", \"caption\": \"a cat\", \"image\": \"sub/gone.png\"}\n");
+  const auto jsonl = megaslide::read_video_manifest(config_for(dir + "/items.jsonl"));
+  EXPECT_TRUE(jsonl.items.empty());
+  ASSERT_EQ(jsonl.bad.size(), 1u);
+  EXPECT_EQ(jsonl.bad[0].path, dir + "/a.mp4");
+  EXPECT_NE(jsonl.bad[0].reason.find(dir + "/sub/gone.png"), std::string::npos) << jsonl.bad[0].reason;
+  EXPECT_NE(jsonl.bad[0].reason.find(dir + "/items.jsonl:1"), std::string::npos) << jsonl.bad[0].reason;
+  megaslide::io::remove_tree(dir);
 }

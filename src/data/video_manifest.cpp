@@ -111,6 +111,13 @@ bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
+// Why a named image makes its item a bad one (it is not a file), naming the image and the line that listed
+// it; "" when the image is there or none is named.
+std::string missing_image(const std::string& image, const std::string& where) {
+  if (image.empty() || (io::path_exists(image) && !io::is_directory(image))) return "";
+  return "its image " + image + " does not exist (" + where + ")";
+}
+
 // {column} -> the row's value; an unknown column or an unclosed brace is a DatasetError.
 std::string fill_template(const std::string& tmpl, const std::map<std::string, size_t>& columns,
                           const std::vector<std::string>& fields, const std::string& source) {
@@ -153,6 +160,7 @@ VideoManifest read_csv(const DataConfig& data) {
   m.layout = opensora ? "opensora-csv" : "webvid-csv";
   const std::string base = parent_folder(data.manifest);
   const size_t caption_col = opensora ? columns["text"] : columns["name"];
+  const auto image_col = columns.count("image") ? columns.find("image") : columns.find("image_path");
   for (size_t r = 1; r < rows.size(); ++r) {
     const auto& fields = rows[r].fields;
     const int64_t index = m.listed();
@@ -166,12 +174,15 @@ VideoManifest read_csv(const DataConfig& data) {
     const std::string file = opensora ? trim(fields[columns["path"]])
                                       : fill_template(data.video_path_template, columns, fields, data.manifest);
     const std::string caption = trim(fields[caption_col]);
+    const std::string image = image_col == columns.end() ? "" : resolve(base, trim(fields[image_col->second]));
     if (file.empty()) {
       m.bad.push_back({index, where, "no video path"});
     } else if (caption.empty()) {
       m.bad.push_back({index, resolve(base, file), "missing caption (" + where + ")"});
+    } else if (const auto problem = missing_image(image, where); !problem.empty()) {
+      m.bad.push_back({index, resolve(base, file), problem});
     } else {
-      m.items.push_back({index, resolve(base, file), caption, where});
+      m.items.push_back({index, resolve(base, file), caption, where, image});
     }
   }
   return m;
@@ -210,7 +221,22 @@ VideoManifest read_jsonl(const DataConfig& data) {
       m.bad.push_back({index, file, "missing caption (" + where + ")"});
       continue;
     }
-    m.items.push_back({index, file, trim(j["caption"].get<std::string>()), where});
+    const char* image_key = j.contains("image") ? "image" : "image_path";
+    std::string image;
+    if (j.contains(image_key) && !j[image_key].is_null()) {
+      if (!j[image_key].is_string()) {
+        m.bad.push_back({index, file,
+                         fmt::format("\"{}\" must be an image path (string), got {} ({})", image_key,
+                                     j[image_key].type_name(), where)});
+        continue;
+      }
+      image = resolve(base, j[image_key].get<std::string>());
+    }
+    if (const auto problem = missing_image(image, where); !problem.empty()) {
+      m.bad.push_back({index, file, problem});
+      continue;
+    }
+    m.items.push_back({index, file, trim(j["caption"].get<std::string>()), where, image});
   }
   return m;
 }
@@ -236,8 +262,19 @@ void list_videos(const std::string& folder, const std::string& relative, std::ve
   }
 }
 
-// Items whose path or caption is not UTF-8 text become bad items (the cache's manifest, logs and
-// checkpoints store both as UTF-8): skipped and reported like any unreadable item, not a failed run.
+// The image beside a video: the same stem with the first image extension found, or "".
+std::string same_stem_image(const std::string& video) {
+  static const char* kExtensions[] = {".png", ".PNG", ".jpg", ".JPG", ".jpeg", ".JPEG", ".webp", ".WEBP"};
+  const std::string stem = video.substr(0, video.find_last_of('.'));
+  for (const char* e : kExtensions) {
+    const std::string image = stem + e;
+    if (io::path_exists(image) && !io::is_directory(image)) return image;
+  }
+  return "";
+}
+
+// Items whose path, caption or image is not UTF-8 text become bad items (the cache's manifest, logs and
+// checkpoints store them as UTF-8): skipped and reported like any unreadable item, not a failed run.
 void move_non_utf8_items_to_bad(VideoManifest& m) {
   for (auto& b : m.bad) {  // already bad (a missing caption, say): named in UTF-8 all the same
     b.path = utf8::escaped(b.path);
@@ -245,16 +282,25 @@ void move_non_utf8_items_to_bad(VideoManifest& m) {
   }
   std::vector<VideoItem> kept;
   for (auto& item : m.items) {
-    const size_t in_path = utf8::first_invalid(item.path), in_caption = utf8::first_invalid(item.caption);
-    if (in_path == std::string::npos && in_caption == std::string::npos) {
+    const std::pair<const char*, const std::string*> texts[] = {
+        {"file name", &item.path}, {"caption", &item.caption}, {"image's file name", &item.image}};
+    const char* what = nullptr;
+    size_t offset = std::string::npos;
+    unsigned char byte = 0;
+    for (const auto& [name, text] : texts) {
+      offset = utf8::first_invalid(*text);
+      if (offset != std::string::npos) {
+        what = name;
+        byte = static_cast<unsigned char>((*text)[offset]);
+        break;
+      }
+    }
+    if (what == nullptr) {
       kept.push_back(std::move(item));
       continue;
     }
-    const bool path_bad = in_path != std::string::npos;
-    const unsigned char byte = static_cast<unsigned char>(path_bad ? item.path[in_path] : item.caption[in_caption]);
     m.bad.push_back({item.index, utf8::escaped(item.path),
-                     fmt::format("its {} is not UTF-8 text (byte 0x{:02x} at offset {})",
-                                 path_bad ? "file name" : "caption", byte, path_bad ? in_path : in_caption)});
+                     fmt::format("its {} is not UTF-8 text (byte 0x{:02x} at offset {})", what, byte, offset)});
   }
   m.items = std::move(kept);
   std::sort(m.bad.begin(), m.bad.end(), [](const BadItem& a, const BadItem& b) { return a.index < b.index; });
@@ -288,7 +334,7 @@ VideoManifest read_folder(const DataConfig& data) {
       m.bad.push_back({index, path, "missing caption (" + caption_path + " is empty)"});
       continue;
     }
-    m.items.push_back({index, path, caption, rel});
+    m.items.push_back({index, path, caption, rel, same_stem_image(path)});
   }
   return m;
 }

@@ -4,15 +4,24 @@
 //     WebVid:    videoid, name, page_dir, ... — the file is data.video_path_template with each {column}
 //                replaced by the row's value ("{page_dir}/{videoid}.mp4"); the caption is `name`
 //     Open-Sora: path, text[, num_frames, height, width, fps, ...] — the caption is `text`
-//   JSONL       one {"video": PATH, "caption": TEXT} object per line (blank lines skipped)
+//     either may add an `image` column (or `image_path`; `image` wins when both are there): the clip's
+//     conditioning image for image-to-video training, an empty cell for none
+//   JSONL       one {"video": PATH, "caption": TEXT[, "image": PATH]} object per line (blank lines skipped);
+//               "image_path" is accepted for "image"; null or "" is no image
 //   a folder    data.root: every video file under it (.mp4 .mov .mkv .webm .avi .m4v, sub-folders
-//               included, sorted by path) with its caption in a same-stem .txt file beside it
+//               included, sorted by path) with its caption in a same-stem .txt file beside it and, when
+//               there is one, its image in a same-stem .png, .jpg, .jpeg or .webp (the first found in that
+//               order; each extension in lower case or upper case)
 //
 // Relative paths resolve against the manifest's folder (data.root for the folder layout). Items keep the
 // order of the listing. A listed item that cannot be used — a row without a file or a caption, a JSONL
-// line that is not an object with both strings, a video without its .txt — is a bad item (with the
-// reason), not an error: the dataset decides what bad items cost (video_dataset.h). Only a manifest that
-// cannot be read or whose header matches no layout is a DatasetError.
+// line that is not an object with both strings (or whose image is not a string), a video without its
+// .txt, an image that does not exist — is a bad item (with the reason), not an error: the dataset decides
+// what bad items cost (video_dataset.h). Only a manifest that cannot be read or whose header matches no
+// layout is a DatasetError.
+//
+// Whether a listed video exists is left to the dataset's probe (VideoDataset::open opens every video
+// anyway); a listed image is checked here, since nothing opens it before training would.
 //
 // Thread-safety: plain functions.
 #pragma once
@@ -39,6 +48,7 @@ struct VideoItem {
   std::string path;   // the video file, resolved
   std::string caption;
   std::string where;  // where it was listed: "data/train.csv:12", "videos/a.mp4"
+  std::string image;  // the conditioning image, resolved and known to exist; "" when the listing names none
 };
 
 struct BadItem {
