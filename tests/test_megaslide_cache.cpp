@@ -3,7 +3,8 @@
 // input exits 2; a run trains from the cache and from decoding, reporting each bad item once and losing
 // no good one; data_wait_s is in metrics.jsonl; bad train.init_from is refused with exit 2 before
 // anything is written; Wan trains from its cache and writes validation videos of its first captions; with
-// Wan 2.2's VAE the cache holds that VAE's latents of each clip and a Wan run of its channels trains from them.
+// Wan 2.2's VAE the cache holds that VAE's latents of each clip and a Wan run of its channels trains from them;
+// Wan image-to-video caches each clip's conditioning image, trains, resumes and samples from an image.
 #include <gtest/gtest.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -20,6 +21,7 @@
 #include "megaslide/data/latent_cache.h"
 #include "megaslide/data/video_dataset.h"
 #include "megaslide/io/video.h"
+#include "megaslide/model/clip_vision_encoder.h"
 #include "megaslide/model/wan_vae.h"
 #include "run_tool.h"
 #include "video_fixture.h"
@@ -292,4 +294,113 @@ TEST(MegaslideCache, Wan22VaeCachesItsLatents) {
   ASSERT_EQ(r.code, 0) << r.output;
   const std::string metrics = megaslide::io::read_file(fx.dir + "/run/metrics.jsonl");
   EXPECT_EQ(count(metrics, "\"loss\":"), 1u) << metrics;
+}
+
+// The property: a Wan2.1-I2V-shaped run (36 input channels, CLIP's image tokens) on a folder of videos, as a user runs
+// it: megaslide-cache caches each clip's conditioning — the VAE's latents of its image followed by black frames, and
+// CLIP's penultimate hidden states of the image — from its first frame, or from the same-stem image beside the video
+// (fitted to the clip's size for the VAE, as given for CLIP), equal to the encoders' own outputs (1e-5);
+// megaslide-train trains from the cache writing validation videos from the data's images, resumes, and its weights
+// sample a video from an image with megaslide-sample --image (and a prompt line's --i); a run without the image
+// encoder is refused naming model.image_encoder.weights.
+TEST(MegaslideCache, WanImageToVideoCachesEachClipsImageTrainsResumesAndSamples) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  VideoFixture fx("cli-cache-i2v", 3, 12, 32, 48);
+  const std::string fixtures = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures";
+  // clip-1's own image: another picture than its frames, of another size and aspect ratio.
+  const auto own = megaslide::testing::smooth_random_frames(1, 40, 40, 77)[0];
+  megaslide::io::write_png(fx.dir + "/videos/clip-1.png", own);
+  const std::string config = fx.dir + "/i2v.yaml";
+  fx.write("i2v.yaml",
+           "model:\n  arch: wan\n  wan: {dim: 16, layers: 2, heads: 2, ffn_dim: 32, freq_dim: 16, text_dim: 24, "
+           "in_channels: 36, out_channels: 16, image_dim: 24}\n"
+           "  text_encoder: {kind: umt5, weights: " +
+               fixtures + "/umt5/hf, vocab: " + fixtures +
+               "/umt5/tokenizer/spiece.model}\n"
+               "  vae: {kind: wan, weights: " +
+               fixtures + "/wan_vae/tiny, latent_channels: 16}\n  image_encoder: {weights: " + fixtures +
+               "/clip_vision/image_encoder}\n"
+               "data:\n  dataset: videos\n  channels: 3\n  root: " +
+               fx.dir +
+               "/videos\n  frames: 5\n  height: 32\n  width: 48\n"
+               "  frame_stride: 2\n  max_bad_fraction: 0.6\n  clip_start: center\n  cache: " +
+               fx.dir +
+               "/cache\n"
+               "diffusion: {objective: flow, shift: 3.0, caption_dropout: 0.2, image_dropout: 0.2, sample_steps: 2}\n"
+               "train:\n  steps: 2\n  batch_size: 2\n  device: cpu\n  log_every: 1\n  warmup_steps: 0\n"
+               "  checkpoint_every: 1\n  sample_every: 2\n"
+               "offload:\n  enabled: false\n  compute_dtype: fp32\noutput:\n  progress: false\n");
+  auto r = run_tool("megaslide-cache",
+                    "--config " + config + " --out " + fx.dir + "/no-clip --set model.image_encoder.weights=");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("model.image_encoder.weights"), std::string::npos) << r.output;
+  r = run_tool("megaslide-cache", "--config " + config);
+  ASSERT_EQ(r.code, 0) << r.output;
+
+  const auto run_config = megaslide::load_run_config(config, {});
+  const auto cache = megaslide::LatentCache::open(run_config, fx.dir + "/cache");
+  const auto dataset = megaslide::VideoDataset::open(run_config.data);
+  ASSERT_EQ(cache->size(), fx.good);
+  const auto vae = megaslide::WanVae::load(fixtures + "/wan_vae/tiny");
+  const auto clip = megaslide::ClipVisionEncoder::load(fixtures + "/clip_vision/image_encoder");
+  const auto image_latents = cache->stacked("image_latents"), image_embeds = cache->stacked("image_embeds");
+  ASSERT_EQ(image_latents.sizes(), (std::vector<int64_t>{fx.good, 16, 2, 4, 6}));
+  ASSERT_EQ(image_embeds.sizes(), (std::vector<int64_t>{fx.good, 17, 24}));
+  bool saw_own_image = false;
+  for (int64_t i = 0; i < cache->size(); ++i) {
+    int64_t j = 0;
+    while (j < dataset.size() && dataset.item(j).path != cache->path(i)) ++j;
+    ASSERT_LT(j, dataset.size());
+    torch::Tensor given;
+    if (dataset.item(j).image.empty()) {
+      given = dataset.load(j, 0)[0];  // the clip's first frame, as the cache decodes it
+    } else {
+      EXPECT_NE(dataset.item(j).image.find("clip-1.png"), std::string::npos);
+      given = megaslide::io::read_video(dataset.item(j).image)[0];
+      EXPECT_TRUE(torch::equal(given, own));
+      saw_own_image = true;
+    }
+    const auto expected = vae.encode_image_video(megaslide::io::fit_image(given, 32, 48), 5)[0];
+    EXPECT_LT((image_latents[i] - expected).abs().max().item<double>(), 1e-5) << cache->path(i);
+    EXPECT_LT((image_embeds[i] - clip.encode(given)[0]).abs().max().item<double>(), 1e-5) << cache->path(i);
+  }
+  EXPECT_TRUE(saw_own_image) << "clip-1's same-stem image is its conditioning image";
+  const auto manifest = nlohmann::json::parse(megaslide::io::read_file(fx.dir + "/cache/cache.json"));
+  EXPECT_EQ(manifest.at("encoders").at("image").at("frame"), 0);
+  EXPECT_EQ(manifest.at("encoders").at("image").at("encoder").at("kind"), "clip_vision");
+
+  r = run_tool("megaslide-train", "--config " + config + " --run-dir " + fx.dir + "/run");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("image-to-video"), std::string::npos) << r.output;
+  EXPECT_EQ(count(megaslide::io::read_file(fx.dir + "/run/metrics.jsonl"), "\"loss\":"), 2u);
+  const auto index = nlohmann::json::parse(megaslide::io::read_file(fx.dir + "/run/samples/step-0000002/index.json"));
+  ASSERT_EQ(index.at("videos").size(), 2u) << index.dump();
+  r = run_tool("megaslide-train",
+               "--config " + config + " --run-dir " + fx.dir + "/run --resume latest --set train.steps=3");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(count(megaslide::io::read_file(fx.dir + "/run/metrics.jsonl"), "\"loss\":"), 3u);
+  // Another frame is another cache.
+  r = run_tool("megaslide-train", "--config " + config + " --run-dir " + fx.dir + "/frame2 --set data.image_frame=2");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("image.frame"), std::string::npos) << r.output;
+
+  // Sampling from an image, with the run's weights: --image for every video, a prompt line's --i for its own.
+  fx.write("prompts.txt", "a red blob moves left\na blue blob --i videos/clip-1.png\n");
+  megaslide::io::write_png(fx.dir + "/first.png", fx.sources[0][0]);
+  const std::string sample = "--checkpoint " + fx.dir + "/run --prompts " + fx.dir +
+                             "/prompts.txt --samples-per-prompt 1 --steps 2 --no-progress --compute-dtype fp32 "
+                             "--image-encoder " +
+                             fixtures + "/clip_vision/image_encoder --out ";
+  r = run_tool("megaslide-sample", sample + fx.dir + "/no-image --image=");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("--image"), std::string::npos) << r.output;
+  r = run_tool("megaslide-sample", sample + fx.dir + "/samples --image " + fx.dir + "/first.png");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto samples = nlohmann::json::parse(megaslide::io::read_file(fx.dir + "/samples/index.json"));
+  ASSERT_EQ(samples.at("videos").size(), 2u);
+  EXPECT_FALSE(samples.at("videos")[0].contains("image"));
+  EXPECT_NE(samples.at("videos")[1].at("image").get<std::string>().find("clip-1.png"), std::string::npos);
+  for (const auto& v : samples.at("videos"))
+    EXPECT_EQ(megaslide::io::read_video(fx.dir + "/samples/videos/" + v.at("file").get<std::string>()).sizes(),
+              (std::vector<int64_t>{5, 32, 48, 3}));
 }

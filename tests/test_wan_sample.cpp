@@ -774,7 +774,9 @@ namespace {
 // A denoiser that notes, at each prediction, whether its partner was parked.
 class PartnerWatchingDenoiser final : public megaslide::WanDenoiser {
  public:
-  torch::Tensor predict(const torch::Tensor& x, const torch::Tensor&, const torch::Tensor&) override {
+  using WanDenoiser::predict;
+  torch::Tensor predict(const torch::Tensor& x, const torch::Tensor&, const torch::Tensor&,
+                        const torch::Tensor&) override {
     parked = false;
     ++predictions;
     partner_parked_each_time = partner_parked_each_time && partner->parked;

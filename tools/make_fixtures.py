@@ -1722,6 +1722,100 @@ def section_wan22_experts(out_dir):
     print(f"  2 x {sum(p.numel() for p in experts[0].parameters())} DiT parameters, latents {tuple(latents.shape)}")
 
 
+def section_i2v_pipeline(out_dir):
+    """Image-to-video with the image as conditioning channels: diffusers' WanImageToVideoPipeline (no
+    expand_timesteps) on the tiny umt5 and wan_vae fixtures with tiny random DiTs of 36 input channels (the noisy
+    latents, the 4-channel mask, the conditioning video's latents; z_dim 16): wan21/ one DiT with the image branch
+    and the clip_vision fixture's CLIP image encoder and processor; wan22/ two experts (Wan2.2 I2V-A14B's layout,
+    boundary 0.9, no image encoder)."""
+    import diffusers
+    import torch
+    import transformers
+    from diffusers import AutoencoderKLWan, WanImageToVideoPipeline, WanTransformer3DModel
+    from PIL import Image
+    from transformers import CLIPImageProcessor, CLIPVisionModel
+
+    text_encoder, tokenizer = _umt5_fixture()
+    vae = AutoencoderKLWan.from_pretrained(os.path.join(FIXTURES, "wan_vae", "tiny")).eval()
+    clip_dir = os.path.join(FIXTURES, "clip_vision")
+    image_encoder = CLIPVisionModel.from_pretrained(os.path.join(clip_dir, "image_encoder"), torch_dtype=torch.float32).eval()
+    image_processor = CLIPImageProcessor.from_pretrained(os.path.join(clip_dir, "image_processor"))
+
+    base = dict(patch_size=(1, 2, 2), attention_head_dim=8, in_channels=36, out_channels=16, text_dim=24, freq_dim=16,
+                cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+    config21 = dict(base, num_attention_heads=2, ffn_dim=32, num_layers=2, image_dim=24, added_kv_proj_dim=16)
+    config22 = dict(base, num_attention_heads=3, ffn_dim=40, num_layers=2)
+    dit21 = _wan_dit_fixture(os.path.join(out_dir, "wan21"), config21, 91)
+    experts = []
+    for folder, seed in (("transformer", 92), ("transformer_2", 93)):
+        expert = WanTransformer3DModel(**config22)
+        _randomize(expert, seed)
+        expert.eval()
+        path = os.path.join(out_dir, "wan22", folder)
+        os.makedirs(path)
+        expert.save_config(path)
+        save_safetensors(os.path.join(path, "diffusion_pytorch_model.safetensors"),
+                         {k: v.detach().numpy() for k, v in expert.state_dict().items()}, {"format": "pt"})
+        experts.append(expert)
+    # 6 steps at shift 5: UniPC's timesteps 999 961 909 | 833 ..., Euler's 1000 953 | 883 ...: the boundary 0.9 x 1000
+    # switches experts inside the schedule.
+    boundary_ratio = 0.9
+    with open(os.path.join(out_dir, "wan22", "model_index.json"), "w") as f:
+        json.dump({"_class_name": "WanImageToVideoPipeline", "_diffusers_version": diffusers.__version__,
+                   "boundary_ratio": boundary_ratio, "expand_timesteps": False,
+                   "transformer": ["diffusers", "WanTransformer3DModel"],
+                   "transformer_2": ["diffusers", "WanTransformer3DModel"]}, f, indent=2)
+
+    frames, height, width, shift = 5, 32, 48, 5.0
+    # The image a user gives: at the video's size (the pipeline's VAE preprocessing then only maps it to [-1, 1];
+    # CLIP's processor resizes and crops it itself), as a PNG.
+    yy, xx = np.meshgrid(np.linspace(0, 1, height), np.linspace(0, 1, width), indexing="ij")
+    rng = np.random.default_rng(94)
+    array = np.stack([0.5 + 0.4 * np.sin(6 * xx), 0.5 + 0.4 * np.cos(5 * yy), 0.3 + 0.6 * xx * yy], axis=-1) * 255
+    array = np.clip(np.round(array + rng.normal(0, 12, array.shape)), 0, 255).astype(np.uint8)
+    Image.fromarray(array).save(os.path.join(out_dir, "image.png"))
+    image = Image.open(os.path.join(out_dir, "image.png"))
+    assert np.array_equal(np.asarray(image), array)
+    prompt, seed = "a red blob moves left quickly", 11
+    tensors = {"image": array}
+    runs = {"wan21": dict(transformer=dit21, image_encoder=image_encoder, image_processor=image_processor),
+            "wan22": dict(transformer=experts[0], transformer_2=experts[1], boundary_ratio=boundary_ratio)}
+    sampling = {"wan21": dict(steps=4, guidance_scale=5.0), "wan22": dict(steps=6, guidance_scale=4.0, guidance_scale_2=2.5)}
+    for name, parts in runs.items():
+        for kind in ("unipc", "euler"):
+            pipe = WanImageToVideoPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=_wan_scheduler(kind, shift),
+                                           **parts)
+            pipe.set_progress_bar_config(disable=True)
+            s = sampling[name]
+            with torch.no_grad():
+                latents = pipe(image=image, prompt=prompt, negative_prompt=WAN_NEGATIVE_PROMPT, height=height, width=width,
+                               num_frames=frames, num_inference_steps=s["steps"], guidance_scale=s["guidance_scale"],
+                               guidance_scale_2=s.get("guidance_scale_2"), generator=torch.Generator().manual_seed(seed),
+                               output_type="latent", max_sequence_length=512).frames
+            tensors[f"{name}.{kind}.latents"] = latents.numpy()
+        if name == "wan21":
+            with torch.no_grad():
+                tensors["wan21.image_embeds"] = pipe.encode_image(image, torch.device("cpu")).numpy()
+        # The conditioning video's latents (the image, then black frames), as prepare_latents makes them.
+        with torch.no_grad():
+            pixels = pipe.video_processor.preprocess(image, height=height, width=width).to(torch.float32)
+            _, condition = pipe.prepare_latents(pixels, 1, 16, height, width, frames, torch.float32, torch.device("cpu"),
+                                                torch.Generator().manual_seed(seed))
+        tensors[f"{name}.condition"] = condition.numpy()
+    meta = {"versions": versions(diffusers, transformers, torch), "config21": json.dumps(config21),
+            "config22": json.dumps(config22), "prompt": prompt, "seed": str(seed), "negative_prompt": WAN_NEGATIVE_PROMPT,
+            "sampling": json.dumps({"frames": frames, "height": height, "width": width, "shift": shift, "boundary_ratio": boundary_ratio,
+                                    **{f"{k}.{n}": v for k, d in sampling.items() for n, v in d.items()}}),
+            "what": "wan21/transformer/: a tiny random Wan2.1-I2V-shaped WanTransformer3DModel (36 channels in, image_dim 24); "
+                    "wan22/: two tiny random 36-channel experts in diffusers' Wan2.2 I2V-A14B layout (model_index.json boundary_ratio "
+                    "0.9); WanImageToVideoPipeline(umt5/tokenizer, umt5/hf, wan_vae/tiny, UniPC or Euler with flow shift; wan21 with "
+                    "clip_vision/image_encoder and image_processor) of image.png (= image) and the prompt with Wan's negative prompt, "
+                    "generator manual_seed(seed): output_type='latent' latents (NAME.KIND.latents); wan21.image_embeds = "
+                    "encode_image(image) (CLIP's hidden_states[-2]); NAME.condition = prepare_latents' condition (mask, latents)"}
+    save_safetensors(os.path.join(out_dir, "reference.safetensors"), tensors, meta)
+    print(f"  latents {tuple(latents.shape)}, condition {tuple(condition.shape)}")
+
+
 # --------------------------------------------------------------------------------------------------
 # ftfy: ftfy.fix_text and diffusers' Wan prompt_clean of prompt-like text broken in the ways ftfy repairs
 # --------------------------------------------------------------------------------------------------
@@ -1908,6 +2002,7 @@ SECTIONS = {
     "umt5": (section_umt5, "a tiny random UMT5EncoderModel (HF single/sharded, ComfyUI fp16 file) and its hidden states"),
     "ftfy": (section_ftfy, "ftfy.fix_text and Wan's prompt_clean of prompts broken as mojibake, HTML, line breaks, controls"),
     "wan22_experts": (section_wan22_experts, "Wan2.2's two-expert WanPipeline (boundary, two guidance scales) on tiny random experts"),
+    "i2v_pipeline": (section_i2v_pipeline, "WanImageToVideoPipeline with 36-channel DiTs: Wan2.1 I2V (CLIP image tokens) and Wan2.2 I2V's two experts"),
     "wan_pipeline": (section_wan_pipeline, "WanPipeline on the tiny umT5, Wan VAE and a matching tiny DiT: latents, video; prompt cleaning"),
 }
 

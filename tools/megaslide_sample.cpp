@@ -88,12 +88,12 @@ std::vector<megaslide::io::SampleJob> jobs_of(const std::vector<megaslide::Valid
 
 // Wan's flags.
 struct WanFlags {
-  std::string text_encoder, tokenizer, vae, negative_prompt;
+  std::string text_encoder, tokenizer, vae, image_encoder, negative_prompt;
   bool negative_prompt_set = false;
   double shift = -1.0;       // < 0: the config's diffusion.shift
   double guidance_2 = -1.0;  // < 0: the config's diffusion.guidance_scale_2 (Wan2.2's low-noise expert)
   bool latents = false;
-  std::string image;  // Wan2.2 TI2V: the first frame (image-to-video)
+  std::string image;  // image-to-video: the image the videos start from (a prompt line's --i overrides it)
 };
 
 // --threads (or OMP_NUM_THREADS, or the cores available) applied to LibTorch; the plan for the log.
@@ -170,36 +170,13 @@ void write_videos(const std::vector<megaslide::ValidationVideo>& videos, const V
                            megaslide::io::join_path(out.out_dir, "index.json"));
 }
 
-// --image's frame [H, W, 3] uint8 as the first frame of videos of height x width: [3, height, width] float32 in
-// [-1, 1]. An image of another size is center-cropped to the videos' aspect ratio when the two differ by more than
-// 1% (as Wan2.2's own TI2V preprocessing crops; diffusers' WanImageToVideoPipeline stretches instead), then resized
-// with antialiased bilinear filtering (PIL's bilinear; diffusers resizes with Lanczos): non-negative weights, so
-// the result stays in [-1, 1]. Says on stderr what was done.
+// --image's frame [H, W, 3] uint8 as the first frame of videos of height x width (io::fit_image), saying on
+// stderr what was done.
 torch::Tensor image_at_video_size(const torch::Tensor& frame, const std::string& path, int64_t height, int64_t width) {
-  auto image = frame.permute({2, 0, 1}).to(torch::kFloat32) / 127.5 - 1.0;
-  const int64_t h = image.size(1), w = image.size(2);
-  if (h == height && w == width) return image;
-  const double aspect = static_cast<double>(w) / static_cast<double>(h);
-  const double video_aspect = static_cast<double>(width) / static_cast<double>(height);
-  std::string cropped;
-  if (std::abs(aspect / video_aspect - 1.0) > 0.01) {
-    const bool wider = aspect > video_aspect;
-    const int64_t crop_w = wider ? std::clamp<int64_t>(std::llround(static_cast<double>(h) * video_aspect), 1, w) : w;
-    const int64_t crop_h = wider ? h : std::clamp<int64_t>(std::llround(static_cast<double>(w) / video_aspect), 1, h);
-    image = image.narrow(1, (h - crop_h) / 2, crop_h).narrow(2, (w - crop_w) / 2, crop_w);
-    cropped = fmt::format(", center-cropped to {}x{} first (the videos' aspect ratio)", crop_w, crop_h);
-  }
-  if (image.size(1) != height || image.size(2) != width) {
-    namespace F = torch::nn::functional;
-    image = F::interpolate(image.unsqueeze(0), F::InterpolateFuncOptions()
-                                                   .size(std::vector<int64_t>{height, width})
-                                                   .mode(torch::kBilinear)
-                                                   .align_corners(false)
-                                                   .antialias(true))[0];
-  }
-  std::cerr << fmt::format("megaslide-sample: --image '{}' resized from {}x{} to {}x{} (width x height){}\n", path, w,
-                           h, width, height, cropped);
-  return image.contiguous();
+  std::string done;
+  auto image = megaslide::io::fit_image(frame, height, width, &done);
+  if (!done.empty()) std::cerr << fmt::format("megaslide-sample: --image '{}' {}\n", path, done);
+  return image;
 }
 
 // The Wan model's pipeline and the batches it samples (docs/wan.md).
@@ -211,6 +188,7 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan,
   // The run's size in pixels (a run trained from a videos cache keeps its data sizes in pixels; a
   // prompt file's line may give its own, checked when the videos were planned).
   const auto size = megaslide::run_video_size(model.config);
+  const bool conditioned = megaslide::wan_image_to_video(model.config.model.wan);
   auto options = megaslide::WanSampleOptions::from_config(model.config);
   if (!sampler.empty()) options.kind(megaslide::parse_flow_sampler(sampler));
   if (steps > 0) options.steps(steps);
@@ -229,6 +207,7 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan,
   request.text_encoder = wan.text_encoder;
   request.tokenizer = wan.tokenizer;
   request.vae = wan.vae;
+  request.image_encoder = wan.image_encoder;
   request.device = device;
   request.stream = megaslide::parse_stream_choice(streamed);
   request.compute_dtype = megaslide::offload::parse_compute_dtype(dtype.dtype);
@@ -236,9 +215,10 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan,
   try {
     opened = megaslide::open_wan_pipeline(std::move(model), request);
   } catch (const megaslide::WanPipelineError& e) {
-    const std::string flag = e.component() == "vae"         ? "--vae"
-                             : e.component() == "tokenizer" ? "--tokenizer"
-                                                            : "--text-encoder";
+    const std::string flag = e.component() == "vae"             ? "--vae"
+                             : e.component() == "tokenizer"     ? "--tokenizer"
+                             : e.component() == "image_encoder" ? "--image-encoder"
+                                                                : "--text-encoder";
     throw megaslide::tools::UsageError(flag + ": " + megaslide::error_message(e));
   } catch (const std::invalid_argument& e) {  // components that do not fit each other
     throw megaslide::tools::UsageError(megaslide::error_message(e));
@@ -266,37 +246,63 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan,
   record.eta = 0.0;
   record.boundary_ratio = options.boundary_ratio();
   record.guidance_scale_2 = options.guidance_scale_2() < 0 ? options.guidance_scale() : options.guidance_scale_2();
-  // Wan2.2 TI2V's image-to-video: the first frame, [3, H, W] in [-1, 1], at each size the videos have (a prompt
-  // file's line may give its own).
-  std::map<std::pair<int64_t, int64_t>, torch::Tensor> images;  // (height, width) -> the first frame
-  if (!wan.image.empty()) {
-    torch::Tensor frames;
-    try {
-      frames = megaslide::io::read_video(wan.image);
-    } catch (const std::exception& e) {
-      throw megaslide::tools::UsageError("--image: " + megaslide::error_message(e));
+  // Image-to-video: each video's image (a prompt line's --i, else --image) at its size. Wan2.1 / Wan2.2 I2V (the
+  // image as conditioning channels): its conditioning (the VAE's latents, CLIP's tokens); Wan2.2 TI2V: the first
+  // frame [3, H, W] in [-1, 1], its latent kept clean.
+  using ImageKey = std::pair<std::string, std::vector<int64_t>>;  // (file, the video's latent shape)
+  std::map<ImageKey, torch::Tensor> images;
+  std::map<ImageKey, megaslide::WanImageCondition> conditions;
+  std::map<std::string, torch::Tensor> files;  // file -> [H, W, 3] uint8
+  for (const auto& v : videos) {
+    const std::string path = v.job.image.value_or(wan.image);
+    if (path.empty()) {
+      if (conditioned)
+        throw megaslide::tools::UsageError(
+            "--image: '" + source +
+            "' generates video from an image (Wan image-to-video): give --image FILE, or --i FILE on each prompt line");
+      continue;
     }
-    std::cerr << "megaslide-sample: image-to-video from '" << wan.image
-              << "' (its latent the first frame, kept clean; Wan2.2 TI2V)\n";
-    for (const auto& v : videos) {
-      const std::pair<int64_t, int64_t> at{v.job.height.value_or(size.height), v.job.width.value_or(size.width)};
-      if (!images.count(at)) images[at] = image_at_video_size(frames[0], wan.image, at.first, at.second);
+    const ImageKey key{path, v.shape};
+    if (images.count(key) || conditions.count(key)) continue;
+    const std::string what = v.job.image ? "--prompts: --i" : "--image";
+    if (!files.count(path)) {
+      try {
+        files[path] = megaslide::io::read_video(path)[0].contiguous();
+      } catch (const std::exception& e) {
+        throw megaslide::tools::UsageError(what + ": " + megaslide::error_message(e));
+      }
+      std::cerr << "megaslide-sample: image-to-video from '" << path << "' ("
+                << (conditioned ? "its latents and, with an image branch, CLIP's tokens condition every step"
+                                : "its latent the first frame, kept clean; Wan2.2 TI2V")
+                << ")\n";
+    }
+    const int64_t height = v.job.height.value_or(size.height), width = v.job.width.value_or(size.width);
+    auto fitted = image_at_video_size(files[path], path, height, width);
+    if (!conditioned) {
+      images[key] = fitted;
+      continue;
+    }
+    try {
+      conditions[key] = opened.pipeline->image_condition(fitted, files[path], v.shape);
+    } catch (const std::invalid_argument& e) {
+      throw megaslide::tools::UsageError(what + ": " + megaslide::error_message(e));
     }
   }
-  return [pipeline = opened.pipeline, options, images, size](
+  return [pipeline = opened.pipeline, options, images, conditions, image = wan.image](
              const std::vector<std::string>& prompts, const std::vector<uint64_t>& seeds,
              const megaslide::ValidationVideo& first, const std::function<void(int64_t, int64_t)>& on_step) {
     auto batch_options = options;  // a prompt file line's own steps, guidance and negative prompt
     if (first.job.steps) batch_options.steps(*first.job.steps);
     if (first.job.guidance_scale) batch_options.guidance_scale(*first.job.guidance_scale);
     if (first.job.negative_prompt) batch_options.negative_prompt(*first.job.negative_prompt);
+    const ImageKey key{first.job.image.value_or(image), first.shape};
     SampledBatch batch;
-    batch.latents = images.empty()
-                        ? pipeline->sample(prompts, seeds, batch_options, on_step, first.shape)
-                        : pipeline->sample_from_image(
-                              prompts, seeds,
-                              images.at({first.job.height.value_or(size.height), first.job.width.value_or(size.width)}),
-                              batch_options, on_step, first.shape);
+    if (conditions.count(key))
+      batch.latents =
+          pipeline->sample_image_to_video(prompts, seeds, conditions.at(key), batch_options, on_step, first.shape);
+    else if (images.count(key))
+      batch.latents = pipeline->sample_from_image(prompts, seeds, images.at(key), batch_options, on_step, first.shape);
+    else batch.latents = pipeline->sample(prompts, seeds, batch_options, on_step, first.shape);
     batch.pixels = pipeline->decode(batch.latents);
     return batch;
   };
@@ -391,17 +397,22 @@ int main(int argc, char** argv) {
                  "else --guidance)")
       ->check(megaslide::tools::finite_real(0.0));
   app.add_option("--image", wan.image,
-                 "Wan2.2 TI2V: image-to-video from this first frame (an image file; its latent kept clean, "
-                 "docs/wan.md). An image of another size than the videos' is center-cropped to their aspect ratio "
-                 "(when it differs by more than 1%) and resized (antialiased bilinear), said on stderr");
+                 "Wan image-to-video: the image the videos start from (an image file; a prompt line's --i overrides "
+                 "it). Wan2.1 / Wan2.2 I2V take it as conditioning (and need it), Wan2.2 TI2V as its clean first "
+                 "latent frame (docs/wan.md). An image of another size than the videos' is center-cropped to their "
+                 "aspect ratio (when it differs by more than 1%) and resized (antialiased bilinear), said on stderr");
+  app.add_option("--image-encoder", wan.image_encoder,
+                 "Wan2.1 I2V: CLIP ViT-H's image encoder (diffusers' image_encoder/ folder or ComfyUI's "
+                 "clip_vision_h.safetensors); default: the config's model.image_encoder.weights, else image_encoder/ "
+                 "of the diffusers repository model.wan.weights names");
   app.add_flag(
       "--latents", wan.latents,
       "Wan: also write each video's latents (normalised, before the VAE) as DIR/latents/{prompt}-{index}.safetensors");
   app.add_option("--prompts", prompts_path,
                  "prompt file, one prompt per line (VBench's prompt files work as they are); a line may end in its own "
                  "settings: "
-                 "--w WIDTH --h HEIGHT --f FRAMES (pixels), --d SEED, --s STEPS, --g GUIDANCE, --n NEGATIVE PROMPT "
-                 "(docs/sampling.md); '#' starts a comment line")
+                 "--w WIDTH --h HEIGHT --f FRAMES (pixels), --d SEED, --s STEPS, --g GUIDANCE, --n NEGATIVE PROMPT, "
+                 "--i IMAGE (Wan image-to-video) (docs/sampling.md); '#' starts a comment line")
       ->required();
   app.add_option("--samples-per-prompt", samples_per_prompt,
                  "videos per line of the prompt file (a prompt's videos are numbered 0, 1, ... across its lines; a "

@@ -384,6 +384,8 @@ class Schema {
     choice("model.vae.dtype", c.model.vae.dtype, {"fp32", "bf16"});
     integer("model.vae.tile_size", c.model.vae.tile_size, IntRange{0, 1 << 16});
     real("model.vae.tile_overlap", c.model.vae.tile_overlap, RealRange{0.0, 1.0, false, true});
+    optional_text("model.image_encoder.weights", c.model.image_encoder.weights);
+    choice("model.image_encoder.dtype", c.model.image_encoder.dtype, {"fp32", "bf16"});
     // data
     choice("data.dataset", c.data.dataset, {"structured-motion", "videos", "latent-tensors"});
     integer("data.channels", c.data.channels, IntRange{1, 64});
@@ -406,6 +408,7 @@ class Schema {
     integer("data.workers", c.data.workers, IntRange{0, 256});
     integer("data.prefetch", c.data.prefetch, IntRange{1, 1024});
     optional_text("data.tensors", c.data.tensors);
+    integer("data.image_frame", c.data.image_frame, IntRange{0});
     // diffusion
     integer("diffusion.timesteps", c.diffusion.timesteps, IntRange{2, 100000});
     choice("diffusion.beta_schedule", c.diffusion.beta_schedule, {"linear", "cosine"});
@@ -413,6 +416,7 @@ class Schema {
     real("diffusion.beta_end", c.diffusion.beta_end, RealRange{0.0, 1.0, true, true});
     real("diffusion.caption_dropout", c.diffusion.caption_dropout, RealRange{0.0, 1.0});
     real("diffusion.first_frame_clean", c.diffusion.first_frame_clean, RealRange{0.0, 1.0});
+    real("diffusion.image_dropout", c.diffusion.image_dropout, RealRange{0.0, 1.0});
     choice("diffusion.prediction", c.diffusion.prediction, {"epsilon", "v", "x0"});
     integer("diffusion.sample_steps", c.diffusion.sample_steps, IntRange{1});
     choice("diffusion.timestep_spacing", c.diffusion.timestep_spacing, {"linspace", "leading", "trailing"});
@@ -498,7 +502,10 @@ size_t edit_distance(const std::string& a, const std::string& b) {
 
 // Keys of one family only: the DiT family's shape keys, or Wan's (model.wan.*, model.self_attention). A
 // config sets the keys of its own architecture; to_yaml writes only those.
-bool wan_only_key(const std::string& key) { return key.rfind("model.wan.", 0) == 0 || key == "model.self_attention"; }
+bool wan_only_key(const std::string& key) {
+  return key.rfind("model.wan.", 0) == 0 || key.rfind("model.image_encoder.", 0) == 0 ||
+         key == "model.self_attention" || key == "data.image_frame" || key == "diffusion.image_dropout";
+}
 bool dit_only_key(const std::string& key) {
   // model.text_encoder and model.vae apply to both families (CLIP and the SD VAE for the DiT family, umT5
   // and the Wan VAE for Wan: validate() checks the kind against the architecture).
@@ -824,9 +831,9 @@ void validate_wan(const RunConfig& c, const std::function<void(const std::string
     if (vae.kind != "wan")
       fail("model.vae.kind",
            "expected wan for model.arch wan with data.dataset: videos (the cache holds the Wan VAE's latents)");
-    if (vae.latent_channels != w.in_channels)
-      fail("model.vae.latent_channels", "expected model.wan.in_channels (" + std::to_string(w.in_channels) +
-                                            ": the Wan VAE's z_dim is the DiT's input), got " +
+    if (vae.latent_channels != w.out_channels)
+      fail("model.vae.latent_channels", "expected model.wan.out_channels (" + std::to_string(w.out_channels) +
+                                            ": the Wan VAE's z_dim is the DiT's latents), got " +
                                             std::to_string(vae.latent_channels));
     if ((c.data.frames - 1) % 4 != 0)
       fail("data.frames", "expected 1 + 4k frames for the Wan VAE (it keeps the first frame and every 4 after), got " +
@@ -838,9 +845,18 @@ void validate_wan(const RunConfig& c, const std::function<void(const std::string
     if (!c.data.buckets.empty())
       fail("data.buckets",
            "model.arch wan trains on one clip size (data.frames x height x width); buckets are the DiT family's");
-  } else if (c.data.channels != w.in_channels) {
-    fail("data.channels", "expected model.wan.in_channels (" + std::to_string(w.in_channels) +
-                              ") for model.arch wan, got " + std::to_string(c.data.channels));
+    if (wan_image_to_video(w) && c.data.image_frame >= c.data.frames)
+      fail("data.image_frame", "is " + std::to_string(c.data.image_frame) + ": the conditioning frame of a clip of " +
+                                   std::to_string(c.data.frames) + " frames (data.frames) is 0 to " +
+                                   std::to_string(c.data.frames - 1));
+    if (w.image_dim > 0 && m.image_encoder.weights.empty() && w.weights.empty())
+      fail("model.image_encoder.weights",
+           "Wan2.1 image-to-video (model.wan.image_dim " + std::to_string(w.image_dim) +
+               ") caches each clip's CLIP image tokens: name CLIP ViT-H's image encoder (diffusers' image_encoder/ "
+               "folder or clip_vision_h.safetensors; docs/wan.md)");
+  } else if (c.data.channels != w.out_channels) {
+    fail("data.channels", "expected model.wan.out_channels (" + std::to_string(w.out_channels) +
+                              ": the latents') for model.arch wan, got " + std::to_string(c.data.channels));
   }
   if (!w.weights_2.empty() && w.weights.empty())
     fail("model.wan.weights_2",
@@ -861,15 +877,27 @@ void validate_wan(const RunConfig& c, const std::function<void(const std::string
     fail("diffusion.guidance_scale_2",
          "is Wan2.2's low-noise expert's guidance scale, but model.wan.weights is "
          "empty: the model is one randomly initialised DiT");
-  if (w.image_dim > 0)
+  if (w.out_channels != w.in_channels && !wan_image_to_video(w))
+    fail("model.wan.in_channels",
+         "expected model.wan.out_channels (" + std::to_string(w.out_channels) + ": text-to-video) or 2 x " +
+             std::to_string(w.out_channels) + " + 4 = " + std::to_string(2 * w.out_channels + 4) +
+             " (image-to-video: the noisy latents, the first-frame mask, the conditioning video's latents), got " +
+             std::to_string(w.in_channels));
+  if (w.image_dim > 0 && !wan_image_to_video(w))
     fail("model.wan.image_dim",
          "is " + std::to_string(w.image_dim) +
-             ": Wan2.1's image-to-video is not trained or sampled yet (the DiT's image branch exists; its CLIP "
-             "image encoder, data and pipeline do not): use a text-to-video Wan (docs/wan.md)");
-  if (w.out_channels != w.in_channels)
-    fail("model.wan.out_channels", "expected model.wan.in_channels (" + std::to_string(w.in_channels) +
-                                       "): the output is compared with and sampled back into the input latents, got " +
-                                       std::to_string(w.out_channels));
+             ": the image branch is Wan2.1 I2V's, whose input is image-to-video's (model.wan.in_channels 2 x "
+             "out_channels + 4 = " +
+             std::to_string(2 * w.out_channels + 4) + "), got model.wan.in_channels " + std::to_string(w.in_channels));
+  if (!wan_image_to_video(w) && c.diffusion.image_dropout > 0)
+    fail("diffusion.image_dropout",
+         "drops the image of image-to-video; this Wan is text-to-video (model.wan.in_channels "
+         "equals out_channels)");
+  if (wan_image_to_video(w) && c.diffusion.first_frame_clean > 0)
+    fail("diffusion.first_frame_clean",
+         "is Wan2.2 TI2V's image-to-video (the first latent frame clean in the input); this Wan takes its image as "
+         "conditioning channels (model.wan.in_channels " +
+             std::to_string(w.in_channels) + "): set it to 0");
   if (m.self_attention == "dsa3d") {
     if (w.heads % m.dsa_groups != 0)
       fail("model.dsa_groups", "expected a divisor of model.wan.heads (" + std::to_string(w.heads) + "), got " +
@@ -1096,8 +1124,15 @@ std::array<int64_t, 4> model_sample_shape_at(const RunConfig& c, VideoSize size)
       throw std::invalid_argument(
           fmt::format("{} {}: not a multiple of {} ({}the patch {})", sides[a].first, sides[a].second,
                       ds * patch[a + 1], latent ? fmt::format("the VAE's downscale {} x ", ds) : "", patch[a + 1]));
-  const int64_t channels = wan ? c.model.wan.in_channels : latent ? c.model.vae.latent_channels : c.data.channels;
+  const int64_t channels = wan ? c.model.wan.out_channels : latent ? c.model.vae.latent_channels : c.data.channels;
   return {channels, t, size.height / ds, size.width / ds};
+}
+
+bool wan_image_to_video(const WanConfig& wan) {
+  return wan.in_channels != wan.out_channels && wan.in_channels == 2 * wan.out_channels + 4;
+}
+int64_t wan_condition_channels(const WanConfig& wan) {
+  return wan_image_to_video(wan) ? wan.in_channels - wan.out_channels : 0;
 }
 
 std::string to_yaml(const RunConfig& config) {

@@ -20,7 +20,9 @@
 
 #include "megaslide/data/video_dataset.h"
 #include "megaslide/io/files.h"
+#include "megaslide/io/video.h"
 #include "megaslide/model/clip_tokenizer.h"
+#include "megaslide/model/clip_vision_encoder.h"
 #include "megaslide/model/frozen_encoders.h"
 #include "megaslide/model/text_encoder.h"
 #include "megaslide/model/umt5_encoder.h"
@@ -154,6 +156,24 @@ class ConfiguredEncoders final : public CacheEncoders {
         fail("model.vae.weights",
              fmt::format("the Wan VAE in '{}' encodes {}-channel videos, not RGB", v.weights, c.in_channels));
     }
+    const auto& w = config.model.wan;
+    if (config.model.arch == Architecture::kWan && w.image_dim > 0) {
+      const std::string path = wan_image_encoder_path(config);
+      if (path.empty())
+        fail("model.image_encoder.weights",
+             "Wan2.1 image-to-video caches CLIP's image tokens: name CLIP ViT-H's image encoder (diffusers' "
+             "image_encoder/ folder or clip_vision_h.safetensors)");
+      try {
+        clip_.emplace(
+            ClipVisionEncoder::load(path, device, frozen_encoder_dtype(config.model.image_encoder.dtype, device)));
+      } catch (const std::exception& e) {
+        fail("model.image_encoder.weights", e.what());
+      }
+      if (clip_->config().hidden_size != w.image_dim)
+        fail("model.wan.image_dim",
+             fmt::format("is {} but the CLIP image encoder in '{}' is {} wide (hidden_size): not this DiT's",
+                         w.image_dim, path, clip_->config().hidden_size));
+    }
   }
 
   io::NamedTensors encode_text(const std::string& caption) const override {
@@ -184,6 +204,20 @@ class ConfiguredEncoders final : public CacheEncoders {
     return latents[0].to(torch::kCPU, torch::kFloat32).contiguous();
   }
 
+  io::NamedTensors encode_image(const torch::Tensor& image, const torch::Tensor& pixels,
+                                int64_t frames) const override {
+    if (config_.model.arch != Architecture::kWan || !wan_image_to_video(config_.model.wan) || !wan_vae_) return {};
+    torch::NoGradGuard no_grad;
+    io::NamedTensors out;
+    out.emplace_back(
+        "image_latents",
+        wan_vae_->encode_image_video(image.to(device_, torch::kFloat32), frames, wan_vae_tiling(config_.model.vae))[0]
+            .to(torch::kCPU, torch::kFloat32)
+            .contiguous());
+    if (clip_) out.emplace_back("image_embeds", clip_->encode(pixels)[0].to(torch::kCPU, torch::kFloat32).contiguous());
+    return out;
+  }
+
  private:
   RunConfig config_;
   torch::Device device_;
@@ -192,6 +226,7 @@ class ConfiguredEncoders final : public CacheEncoders {
   std::optional<Umt5Tokenizer> tokenizer_;
   std::optional<Umt5Encoder> umt5_;
   std::optional<WanVae> wan_vae_;
+  std::optional<ClipVisionEncoder> clip_;
 };
 
 // The data keys that shape a cached clip.
@@ -344,6 +379,30 @@ std::string cache_identity(const RunConfig& config) {
   } else {
     j["vae"] = {{"kind", "pixel"}, {"layout", "[T, H, W, 3] uint8"}};
   }
+  const auto& w = config.model.wan;
+  if (config.model.arch == Architecture::kWan && wan_image_to_video(w)) {
+    json encoder;  // null: no image branch
+    if (w.image_dim > 0) {
+      const std::string path = wan_image_encoder_path(config);
+      if (path.empty())
+        throw ConfigError("config", "model.image_encoder.weights",
+                          "Wan2.1 image-to-video caches CLIP's image tokens: name CLIP ViT-H's image encoder");
+      json files = fingerprints(path, "model.image_encoder.weights");
+      // A folder's preprocessing may be its sibling image_processor/'s (diffusers' layout).
+      const std::string sibling = io::join_path(path, "../image_processor/preprocessor_config.json");
+      if (io::is_directory(path) && !io::path_exists(io::join_path(path, "preprocessor_config.json")) &&
+          io::path_exists(sibling))
+        files.push_back(fingerprint(sibling, "model.image_encoder.weights"));
+      encoder = {{"kind", "clip_vision"},
+                 {"tokens", "penultimate hidden states"},
+                 {"dtype", config.model.image_encoder.dtype},
+                 {"files", files}};
+    }
+    j["image"] = {{"frame", config.data.image_frame},
+                  {"latents", "normalised mean of the image then black frames [z, 1 + (T-1)/4, H/ds, W/ds] float32"},
+                  {"fit", "centre crop to the clip's aspect, antialiased bilinear"},
+                  {"encoder", encoder}};
+  }
   return j.dump();
 }
 
@@ -479,6 +538,9 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
       }
       // Decode the shard's items on `threads` threads (epoch 0's draws), then encode in order.
       std::vector<torch::Tensor> clips(static_cast<size_t>(count));
+      // Image-to-video: each clip's image at the clip's size ([3, H, W] in [-1, 1]) and as given (uint8).
+      const bool image_to_video = config.model.arch == Architecture::kWan && wan_image_to_video(config.model.wan);
+      std::vector<torch::Tensor> images(static_cast<size_t>(count)), pixels(static_cast<size_t>(count));
       std::vector<std::string> errors(static_cast<size_t>(count));
       std::vector<SourceStat> stats(static_cast<size_t>(count));
       std::atomic<int64_t> next{0};
@@ -489,6 +551,23 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
           stats[static_cast<size_t>(j)] = stat_source(item.path);
           try {
             clips[static_cast<size_t>(j)] = dataset.load(first + j, 0);
+            if (image_to_video) {
+              const auto& clip = clips[static_cast<size_t>(j)];
+              auto& given = pixels[static_cast<size_t>(j)];
+              if (item.image.empty()) {
+                if (config.data.image_frame >= clip.size(0))
+                  throw DatasetError(fmt::format("the clip has {} frames; data.image_frame {} is past them",
+                                                 clip.size(0), config.data.image_frame));
+                given = clip[config.data.image_frame].contiguous();
+              } else {
+                try {
+                  given = io::read_video(item.image)[0].contiguous();
+                } catch (const std::exception& e) {
+                  throw DatasetError("its image '" + item.image + "': " + e.what());
+                }
+              }
+              images[static_cast<size_t>(j)] = io::fit_image(given, clip.size(1), clip.size(2));
+            }
           } catch (const std::exception& e) {
             errors[static_cast<size_t>(j)] = e.what();
           }
@@ -517,12 +596,20 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
         tensors.emplace_back(std::to_string(item.index) + ".latents", video);
         for (auto& [name, t] : encoders->encode_text(item.caption))
           tensors.emplace_back(std::to_string(item.index) + "." + name, t);
+        if (image_to_video)
+          for (auto& [name, t] : encoders->encode_image(images[static_cast<size_t>(j)], pixels[static_cast<size_t>(j)],
+                                                        clips[static_cast<size_t>(j)].size(0)))
+            tensors.emplace_back(std::to_string(item.index) + "." + name, t);
         items.push_back({{"index", item.index},
                          {"path", item.path},
                          {"caption", item.caption},
                          {"size", st.size},
                          {"mtime_ns", st.mtime_ns},
                          {"bucket", dataset.info(first + j).bucket}});
+        if (image_to_video && !item.image.empty()) {  // the item's own image: a change makes the cache stale
+          const auto image_st = stat_source(item.image);
+          items.back()["image"] = {{"path", item.image}, {"size", image_st.size}, {"mtime_ns", image_st.mtime_ns}};
+        }
       }
       const std::string file = shard_name(k);
       const auto written =
@@ -657,6 +744,14 @@ std::shared_ptr<LatentCache> LatentCache::open_checked(const RunConfig& config, 
       if (!st_now.exists) stale.push_back(item.path + ": the source is gone");
       else if (st_now.size != r.value("size", uint64_t{0}) || st_now.mtime_ns != r.value("mtime_ns", int64_t{0}))
         stale.push_back(item.path + ": the source changed since it was cached (size or mtime)");
+      if (r.contains("image") && r["image"].is_object()) {
+        item.image = r["image"].value("path", "");
+        const auto image_now = stat_source(item.image);
+        if (!image_now.exists) stale.push_back(item.path + ": its image " + item.image + " is gone");
+        else if (image_now.size != r["image"].value("size", uint64_t{0}) ||
+                 image_now.mtime_ns != r["image"].value("mtime_ns", int64_t{0}))
+          stale.push_back(item.path + ": its image " + item.image + " changed since it was cached (size or mtime)");
+      }
       bool has_latents = false;
       for (const auto& [name, t] : item.tensors) has_latents |= name == "latents";
       if (!has_latents) throw DatasetError("cache shard '" + mapping->path + "' lacks " + prefix + "latents");
@@ -669,12 +764,17 @@ std::shared_ptr<LatentCache> LatentCache::open_checked(const RunConfig& config, 
 
   // The dataset as it is listed now: every item must be in the cache (cached or known bad), at the same path.
   const auto listing = read_video_manifest(config.data);
-  std::map<int64_t, std::string> cached_path;
-  for (const auto& it : cache->items_) cached_path[it.index] = it.path;
+  std::map<int64_t, std::string> cached_path, cached_image;
+  for (const auto& it : cache->items_) cached_path[it.index] = it.path, cached_image[it.index] = it.image;
+  const bool image_to_video = config.model.arch == Architecture::kWan && wan_image_to_video(config.model.wan);
   for (const auto& it : listing.items) {
     if (!covered.count(it.index)) stale.push_back(it.path + ": listed but not in the cache");
     else if (cached_path.count(it.index) && cached_path[it.index] != it.path)
       stale.push_back(it.path + ": listed where the cache has " + cached_path[it.index]);
+    else if (image_to_video && cached_path.count(it.index) && cached_image[it.index] != it.image)
+      stale.push_back(it.path + ": its image is now " + (it.image.empty() ? "a frame of the clip" : it.image) +
+                      ", the cache has " +
+                      (cached_image[it.index].empty() ? "a frame of the clip" : cached_image[it.index]));
   }
   if (listing.listed() != cache->listed_)
     stale.push_back(fmt::format("{}: lists {} items, the cache was built from {}", dataset_source(config.data),
@@ -748,6 +848,14 @@ torch::Tensor LatentCache::stacked(const std::string& name) const {
 
 torch::ScalarType frozen_encoder_dtype(const std::string& name, torch::Device device) {
   return name == "bf16" && device.is_cuda() ? torch::kBFloat16 : torch::kFloat32;
+}
+
+std::string wan_image_encoder_path(const RunConfig& config) {
+  if (!config.model.image_encoder.weights.empty()) return config.model.image_encoder.weights;
+  const std::string& repo = config.model.wan.weights;
+  if (!repo.empty() && io::is_directory(io::join_path(repo, "image_encoder")))
+    return io::join_path(repo, "image_encoder");
+  return "";
 }
 
 std::optional<WanVaeTiling> wan_vae_tiling(const VaeConfig& v) {

@@ -105,7 +105,14 @@ std::vector<ValidationVideo> plan_validation_videos(const RunConfig& config, con
     return out;
   }
   try {
-    return plan_prompt_videos(config, io::read_prompt_specs(config.train.sample_prompts), 1, config.train.seed);
+    const auto specs = io::read_prompt_specs(config.train.sample_prompts);
+    for (const auto& spec : specs)
+      if (spec.image)
+        throw std::invalid_argument(fmt::format(
+            "prompt file '{}' line {}: --i is megaslide-sample's; a run's validation videos of image-to-video start "
+            "from its data's images",
+            spec.file, spec.line));
+    return plan_prompt_videos(config, specs, 1, config.train.seed);
   } catch (const std::exception& e) {
     throw ConfigError(source, "train.sample_prompts", e.what());
   }
@@ -134,6 +141,8 @@ std::vector<ValidationVideo> plan_prompt_videos(const RunConfig& config, const s
       }
       video.job.frames = own.frames, video.job.height = own.height, video.job.width = own.width;
     }
+    if (spec.image && config.model.arch != Architecture::kWan)
+      throw std::invalid_argument(fmt::format("{}: --i: image-to-video is Wan's; this model is text-to-video", where));
     if (spec.steps && config.diffusion.objective == "ddpm" && *spec.steps > config.diffusion.timesteps)
       throw std::invalid_argument(
           fmt::format("{}: --s {} exceeds diffusion.timesteps ({}): DDPM sampling respaces the training "
@@ -146,7 +155,7 @@ std::vector<ValidationVideo> plan_prompt_videos(const RunConfig& config, const s
 
 bool same_sampling_settings(const ValidationVideo& a, const ValidationVideo& b) {
   return a.shape == b.shape && a.job.steps == b.job.steps && a.job.guidance_scale == b.job.guidance_scale &&
-         a.job.negative_prompt == b.job.negative_prompt;
+         a.job.negative_prompt == b.job.negative_prompt && a.job.image == b.job.image;
 }
 
 std::vector<std::string> dit_validation_prompts(const RunConfig& config, int64_t count,

@@ -12,7 +12,9 @@
 #include "io/pretrained.h"
 #include "megaslide/io/files.h"
 #include "megaslide/io/safetensors.h"
+#include "megaslide/model/clip_vision_encoder.h"
 #include "megaslide/model/dit_weights.h"
+#include "megaslide/model/encoder_settings.h"
 #include "megaslide/model/wan_weights.h"
 
 namespace megaslide {
@@ -60,10 +62,12 @@ std::set<const void*> streamed_parameter_set(WanTransformer& model) {
 // The forward pass both denoisers share: fp32 prologue and head, blocks in the tokens' dtype `dt`.
 template <typename RunBlock>
 torch::Tensor wan_predict(WanTransformer& model, torch::Device device, c10::ScalarType dt, const torch::Tensor& x,
-                          const torch::Tensor& timesteps, const torch::Tensor& text, const RunBlock& run_block) {
+                          const torch::Tensor& timesteps, const torch::Tensor& text, const torch::Tensor& image,
+                          const RunBlock& run_block) {
   torch::NoGradGuard no_grad;
   auto e = model->embed(x.to(device, torch::kFloat32), timesteps.to(device, torch::kFloat32),
-                        text.to(device, torch::kFloat32));
+                        text.to(device, torch::kFloat32),
+                        image.defined() ? image.to(device, torch::kFloat32) : torch::Tensor());
   auto h = e.tokens.to(dt);
   e.ctx.context = e.ctx.context.to(dt);
   const int64_t L = static_cast<int64_t>(model->blocks->size());
@@ -179,13 +183,13 @@ void ResidentWanDenoiser::park() {
 }
 
 torch::Tensor ResidentWanDenoiser::predict(const torch::Tensor& x, const torch::Tensor& timesteps,
-                                           const torch::Tensor& text) {
+                                           const torch::Tensor& text, const torch::Tensor& image) {
   if (parked_) {
     torch::NoGradGuard no_grad;
     model_->to(device_);
     parked_ = false;
   }
-  return wan_predict(model_, device_, compute_dtype_, x, timesteps, text,
+  return wan_predict(model_, device_, compute_dtype_, x, timesteps, text, image,
                      [&](int64_t l, const torch::Tensor& h, const WanBlockContext& ctx) {
                        return model_->blocks[l]->as<WanBlockImpl>()->forward(h, ctx);
                      });
@@ -310,10 +314,10 @@ int64_t StreamedWanDenoiser::host_weight_bytes() const {
 }
 
 torch::Tensor StreamedWanDenoiser::predict(const torch::Tensor& x, const torch::Tensor& timesteps,
-                                           const torch::Tensor& text) {
+                                           const torch::Tensor& text, const torch::Tensor& image) {
   const auto empty = torch::TensorOptions().dtype(options_.compute_dtype).device(options_.device);
   offload::StreamedForward blocks(*streamer_, [this](int64_t l) { return host_[static_cast<size_t>(l)]; });
-  return wan_predict(model_, options_.device, options_.compute_dtype, x, timesteps, text,
+  return wan_predict(model_, options_.device, options_.compute_dtype, x, timesteps, text, image,
                      [&](int64_t l, const torch::Tensor& h, const WanBlockContext& ctx) {
                        return blocks.run(l, [&](const torch::Tensor& weights) {
                          offload::BoundParams bound(params_[static_cast<size_t>(l)], weights, empty);
@@ -504,12 +508,12 @@ void WanExpertsDenoiser::boundary_ratio(double ratio) {
 }
 
 torch::Tensor WanExpertsDenoiser::predict(const torch::Tensor& x, const torch::Tensor& timesteps,
-                                          const torch::Tensor& text) {
+                                          const torch::Tensor& text, const torch::Tensor& image) {
   // diffusers' WanPipeline: the high-noise expert where t >= boundary_ratio x num_train_timesteps.
   // The step's timestep (per-token timesteps: the noisy tokens', the largest).
   const bool low = boundary_ratio_ > 0 && timesteps[0].max().item<double>() < boundary_ratio_ * 1000.0;
   if (park_inactive_) (low ? high_ : low_)->park();
-  return (low ? low_ : high_)->predict(x, timesteps, text);
+  return (low ? low_ : high_)->predict(x, timesteps, text, image);
 }
 
 WanTextToVideo::WanTextToVideo(RunConfig config, Umt5Encoder text_encoder, Umt5Tokenizer tokenizer,
@@ -528,10 +532,10 @@ WanTextToVideo::WanTextToVideo(RunConfig config, Umt5Encoder text_encoder, Umt5T
     throw std::invalid_argument("the umT5 tokenizer '" + tokenizer_.source() + "' has " +
                                 std::to_string(tokenizer_.vocab_size()) + " pieces, the encoder's embedding only " +
                                 std::to_string(text_encoder_.config().vocab_size));
-  if (vae_.config().z_dim != config_.model.wan.in_channels)
+  if (vae_.config().z_dim != config_.model.wan.out_channels)
     throw std::invalid_argument("the Wan VAE has " + std::to_string(vae_.config().z_dim) +
-                                " latent channels but the DiT's model.wan.in_channels is " +
-                                std::to_string(config_.model.wan.in_channels));
+                                " latent channels but the DiT's model.wan.out_channels is " +
+                                std::to_string(config_.model.wan.out_channels));
   if (vae_.config().spatial_downscale() != config_.model.vae.downscale)
     throw std::invalid_argument("the Wan VAE maps " + std::to_string(vae_.config().spatial_downscale()) +
                                 " pixels to a latent but the config's model.vae.downscale is " +
@@ -544,7 +548,7 @@ std::vector<int64_t> WanTextToVideo::latent_shape() const {
   // The DiT's samples: a latent dataset's sizes, or the latents of a videos dataset's pixel sizes (a run
   // trained from a videos cache keeps data.frames/height/width in pixels).
   const auto shape = model_sample_shape(config_);
-  return {config_.model.wan.in_channels, shape[1], shape[2], shape[3]};
+  return {config_.model.wan.out_channels, shape[1], shape[2], shape[3]};
 }
 
 torch::Tensor WanTextToVideo::encode(const std::vector<std::string>& prompts, const WanSampleOptions& options) const {
@@ -564,6 +568,9 @@ torch::Tensor WanTextToVideo::sample(const std::vector<std::string>& prompts, co
   TORCH_CHECK(prompts.size() == seeds.size() && !prompts.empty(),
               "WanTextToVideo::sample: need one seed per prompt, got ", prompts.size(), " prompts and ", seeds.size(),
               " seeds");
+  if (wan_image_to_video(config_.model.wan))
+    throw std::invalid_argument("this Wan DiT generates video from an image (model.wan.in_channels " +
+                                std::to_string(config_.model.wan.in_channels) + "): give it one");
   Conditioning cond, uncond;
   cond.text = encode(prompts, options);
   if (options.guidance_scale() != 1.0) uncond.text = encode({options.negative_prompt()}, options);
@@ -588,8 +595,11 @@ torch::Tensor WanTextToVideo::sample_from_image(const std::vector<std::string>& 
   TORCH_CHECK(prompts.size() == seeds.size() && !prompts.empty(),
               "WanTextToVideo::sample_from_image: need one seed per prompt, got ", prompts.size(), " prompts and ",
               seeds.size(), " seeds");
-  if (dynamic_cast<WanExpertsDenoiser*>(denoiser_.get()) != nullptr || options.boundary_ratio() > 0)
-    throw std::invalid_argument("image-to-video with the first frame kept clean is Wan2.2 TI2V's (one DiT)");
+  if (dynamic_cast<WanExpertsDenoiser*>(denoiser_.get()) != nullptr || options.boundary_ratio() > 0 ||
+      wan_image_to_video(config_.model.wan))
+    throw std::invalid_argument(
+        "image-to-video with the first frame kept clean is Wan2.2 TI2V's (one DiT whose input "
+        "is the latents alone)");
   const auto latent = shape.empty() ? latent_shape() : shape;
   const int64_t s = vae_.config().spatial_downscale();
   if (image.dim() != 3 || image.size(0) != 3 || image.size(1) != latent[2] * s || image.size(2) != latent[3] * s)
@@ -624,6 +634,74 @@ torch::Tensor WanTextToVideo::sample_from_image(const std::vector<std::string>& 
   return mix(flow_sample(model, options.flow(), latent, seeds, cond, uncond, device, on_step));
 }
 
+WanImageCondition WanTextToVideo::image_condition(const torch::Tensor& image, const torch::Tensor& pixels,
+                                                  const std::vector<int64_t>& shape) const {
+  const auto latent = shape.empty() ? latent_shape() : shape;
+  const int64_t s = vae_.config().spatial_downscale();
+  if (image.dim() != 3 || image.size(0) != 3 || image.size(1) != latent[2] * s || image.size(2) != latent[3] * s)
+    throw std::invalid_argument(fmt::format("the image is {} but the video is 3 x {} x {} (channels x height x width)",
+                                            c10::str(image.sizes()), latent[2] * s, latent[3] * s));
+  WanImageCondition c;
+  c.latents = vae_.encode_image_video(image.to(vae_.device(), torch::kFloat32), 1 + 4 * (latent[1] - 1))
+                  .to(denoiser_->device(), torch::kFloat32);
+  if (config_.model.wan.image_dim > 0) {
+    if (!image_encoder_)
+      throw std::invalid_argument("the Wan DiT has an image branch (Wan2.1 I2V) but the pipeline has no image encoder");
+    TORCH_CHECK(pixels.dim() == 3 && pixels.size(2) == 3 && pixels.scalar_type() == torch::kUInt8,
+                "WanTextToVideo::image_condition: expected pixels [H, W, 3] uint8, got ", pixels.scalar_type(), " ",
+                pixels.sizes());
+    torch::NoGradGuard no_grad;
+    c.image = image_encoder_(pixels).to(denoiser_->device(), torch::kFloat32);
+  }
+  return c;
+}
+
+torch::Tensor WanTextToVideo::sample_image_to_video(const std::vector<std::string>& prompts,
+                                                    const std::vector<uint64_t>& seeds,
+                                                    const WanImageCondition& condition, const WanSampleOptions& options,
+                                                    const std::function<void(int64_t, int64_t)>& on_step,
+                                                    const std::vector<int64_t>& shape) {
+  TORCH_CHECK(prompts.size() == seeds.size() && !prompts.empty(),
+              "WanTextToVideo::sample_image_to_video: need one seed per prompt, got ", prompts.size(), " prompts and ",
+              seeds.size(), " seeds");
+  const auto& w = config_.model.wan;
+  if (!wan_image_to_video(w))
+    throw std::invalid_argument("this Wan DiT is text-to-video (model.wan.in_channels " +
+                                std::to_string(w.in_channels) + " = out_channels): it takes no conditioning image");
+  const auto latent = shape.empty() ? latent_shape() : shape;
+  const int64_t B = static_cast<int64_t>(prompts.size());
+  const auto& z = condition.latents;
+  if (!z.defined() || z.dim() != 5 || (z.size(0) != 1 && z.size(0) != B) || z.sizes().slice(1).vec() != latent)
+    throw std::invalid_argument(fmt::format("the conditioning latents are {}, expected [1 or {}, {}, {}, {}, {}]",
+                                            z.defined() ? c10::str(z.sizes()) : "missing", B, latent[0], latent[1],
+                                            latent[2], latent[3]));
+  const auto& img = condition.image;
+  if ((w.image_dim > 0) != img.defined() ||
+      (img.defined() && (img.dim() != 3 || (img.size(0) != 1 && img.size(0) != B) || img.size(2) != w.image_dim)))
+    throw std::invalid_argument(
+        w.image_dim > 0 ? fmt::format("the image tokens are {}, expected [1 or {}, Li, {}] (model.wan.image_dim)",
+                                      img.defined() ? c10::str(img.sizes()) : "missing", B, w.image_dim)
+                        : std::string("image tokens given to a DiT without an image branch (model.wan.image_dim 0)"));
+  if (auto* experts = dynamic_cast<WanExpertsDenoiser*>(denoiser_.get()))
+    experts->boundary_ratio(options.boundary_ratio());
+  else if (options.boundary_ratio() > 0)
+    throw std::invalid_argument("a boundary_ratio of " + std::to_string(options.boundary_ratio()) +
+                                " switches between two experts, but this pipeline's DiT is one");
+  const auto device = denoiser_->device();
+  const auto channels = wan_image_condition(z.to(device, torch::kFloat32).expand({B, -1, -1, -1, -1}));
+  const auto tokens = img.defined() ? img.to(device, torch::kFloat32).expand({B, -1, -1}) : torch::Tensor();
+  // The guided batch is [conditional; unconditional]: the same image for both halves.
+  auto model = [&](const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& text, const torch::Tensor&) {
+    const int64_t halves = x.size(0) / B;
+    const auto input = torch::cat({x, channels.repeat({halves, 1, 1, 1, 1})}, 1);
+    return denoiser_->predict(input, t, text, tokens.defined() ? tokens.repeat({halves, 1, 1}) : torch::Tensor());
+  };
+  Conditioning cond, uncond;
+  cond.text = encode(prompts, options);
+  if (options.guidance_scale() != 1.0) uncond.text = encode({options.negative_prompt()}, options);
+  return flow_sample(model, options.flow(), latent, seeds, cond, uncond, device, on_step);
+}
+
 torch::Tensor WanTextToVideo::decode(const torch::Tensor& latents) const {
   torch::NoGradGuard no_grad;
   return vae_.decode(latents.to(vae_.device(), torch::kFloat32)).to(torch::kCPU, torch::kFloat32);
@@ -631,8 +709,18 @@ torch::Tensor WanTextToVideo::decode(const torch::Tensor& latents) const {
 
 OpenedWanPipeline open_wan_pipeline(WanModel model, const WanPipelineRequest& request) {
   const std::string repo = model.config.model.wan.weights;
+  // The run's own encoders (a trained run's config names what it was cached with), when they are there.
+  const auto& te = model.config.model.text_encoder;
+  const auto& ve = model.config.model.vae;
+  auto own = [&](const std::string& component) -> std::string {
+    const std::string path = component == "text_encoder" && te.kind == "umt5" ? te.weights
+                             : component == "vae" && ve.kind == "wan"         ? ve.weights
+                                                                              : std::string();
+    return !path.empty() && io::path_exists(path) ? path : std::string();
+  };
   auto path_of = [&](const std::string& component, const std::string& given, const std::string& what) {
     std::string path = given;
+    if (path.empty()) path = own(component);
     if (path.empty() && !repo.empty() && io::is_directory(io::join_path(repo, component)))
       path = io::join_path(repo, component);
     if (path.empty())
@@ -662,12 +750,37 @@ OpenedWanPipeline open_wan_pipeline(WanModel model, const WanPipelineRequest& re
   out.text_encoder_streamed = should_stream(request.stream, request.device, t5.weight_bytes());
   t5 = out.text_encoder_streamed ? Umt5Encoder::streamed(std::move(t5), request.device)
                                  : Umt5Encoder::resident(std::move(t5), request.device);
+  const std::string tokenizer_path =
+      !request.tokenizer.empty() || t5_path != te.weights || te.vocab.empty() || !io::path_exists(te.vocab)
+          ? request.tokenizer
+          : te.vocab;  // the run's own tokenizer, with its own umT5
   auto tokenizer =
-      request.tokenizer.empty()
+      tokenizer_path.empty()
           ? loading("text_encoder",
                     "its tokenizer (or give the tokenizer on its own): ", [&] { return Umt5Tokenizer::find(t5_path); })
-          : loading("tokenizer", "", [&] { return Umt5Tokenizer::find(request.tokenizer); });
+          : loading("tokenizer", "", [&] { return Umt5Tokenizer::find(tokenizer_path); });
   auto vae = loading("vae", "", [&] { return WanVae::load(vae_path, request.device, torch::kFloat32); });
+  // Wan2.1 I2V: CLIP's image tokens (before the DiT is taken over: a refusal leaves the model as it was).
+  std::function<torch::Tensor(const torch::Tensor&)> image_encoder;
+  if (model.config.model.wan.image_dim > 0) {
+    std::string clip_path = request.image_encoder;
+    if (clip_path.empty()) clip_path = wan_image_encoder_path(model.config);
+    if (clip_path.empty())
+      throw WanPipelineError(
+          "image_encoder",
+          "Wan2.1 image-to-video needs CLIP ViT-H's image encoder (none given, and model.wan.weights "
+          "is not a diffusers repository with image_encoder/)");
+    if (!io::path_exists(clip_path)) throw WanPipelineError("image_encoder", "'" + clip_path + "' does not exist");
+    auto clip = std::make_shared<ClipVisionEncoder>(loading("image_encoder", "", [&] {
+      return ClipVisionEncoder::load(clip_path, request.device, torch::kFloat32);  // 0.6 B parameters: fp32
+    }));
+    if (clip->config().hidden_size != model.config.model.wan.image_dim)
+      throw WanPipelineError("image_encoder",
+                             fmt::format("the CLIP image encoder '{}' is {} wide but the DiT's image branch takes {} "
+                                         "(model.wan.image_dim)",
+                                         clip_path, clip->config().hidden_size, model.config.model.wan.image_dim));
+    image_encoder = [clip](const torch::Tensor& pixels) { return clip->encode(pixels); };
+  }
 
   auto weight_bytes = [](const WanModel* m) {
     int64_t bytes = 0;
@@ -703,6 +816,7 @@ OpenedWanPipeline open_wan_pipeline(WanModel model, const WanPipelineRequest& re
                                                     out.experts_take_turns);
   out.pipeline =
       std::make_shared<WanTextToVideo>(config, std::move(t5), std::move(tokenizer), denoiser, std::move(vae));
+  if (image_encoder) out.pipeline->image_encoder(std::move(image_encoder));
   return out;
 }
 

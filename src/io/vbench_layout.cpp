@@ -95,7 +95,7 @@ std::vector<std::pair<int64_t, std::string>> read_prompt_lines(const std::string
 }
 
 // The settings of a prompt line: " --X " with X one of these letters.
-constexpr std::string_view kSettings = "whfdsgn";
+constexpr std::string_view kSettings = "whfdsgni";
 
 // Where the next setting of `line` starts at or after `from` (the position of its " --"), or npos.
 size_t next_setting(const std::string& line, size_t from, char& letter) {
@@ -159,7 +159,7 @@ PromptSpec parse_prompt_spec(const std::string& line, const std::string& where) 
     if (letter == '?' || kSettings.find(letter) == std::string_view::npos)
       throw std::runtime_error(
           fmt::format("{}: unknown setting '{}' (known: --w width, --h height, --f frames, --d seed, --s steps, "
-                      "--g guidance scale, --n negative prompt)",
+                      "--g guidance scale, --n negative prompt, --i image)",
                       where, name));
     if (seen.find(letter) != std::string::npos)
       throw std::runtime_error(fmt::format("{}: --{} is given twice", where, letter));
@@ -193,6 +193,10 @@ PromptSpec parse_prompt_spec(const std::string& line, const std::string& where) 
       case 'n':
         spec.negative = value;
         break;
+      case 'i':
+        if (value.empty()) throw std::runtime_error(fmt::format("{}: --i names no image", where));
+        spec.image = value;
+        break;
       default:
         break;
     }
@@ -208,6 +212,10 @@ std::vector<PromptSpec> read_prompt_specs(const std::string& path) {
     auto spec = parse_prompt_spec(text, fmt::format("prompt file '{}' line {}", path, line));
     spec.file = path;
     spec.line = line;
+    if (spec.image && !spec.image->empty() && (*spec.image)[0] != '/') {  // relative to the prompt file's folder
+      const auto slash = path.find_last_of('/');
+      if (slash != std::string::npos) spec.image = join_path(path.substr(0, slash), *spec.image);
+    }
     specs.push_back(std::move(spec));
   }
   if (specs.empty())
@@ -234,6 +242,7 @@ std::vector<SampleJob> plan_prompt_specs(const std::vector<PromptSpec>& specs, u
       job.steps = spec.steps;
       job.guidance_scale = spec.guidance;
       job.negative_prompt = spec.negative;
+      job.image = spec.image;
       if (!files.insert(job.file).second)
         throw std::invalid_argument(fmt::format(
             "prompt file '{}' line {}: its prompt maps to the file name '{}' of an earlier line (they differ only "
@@ -350,6 +359,7 @@ std::string index_json(const std::vector<SampleJob>& jobs, const SamplingRecord&
     if (job.steps) v["steps"] = *job.steps;
     if (job.guidance_scale) v["guidance_scale"] = *job.guidance_scale;
     if (job.negative_prompt) v["negative_prompt"] = *job.negative_prompt;
+    if (job.image) v["image"] = *job.image;
     if (job.frames) v["frames"] = *job.frames;
     if (job.height) v["height"] = *job.height;
     if (job.width) v["width"] = *job.width;

@@ -28,6 +28,37 @@ extern "C" {
 
 namespace megaslide::io {
 
+torch::Tensor fit_image(const torch::Tensor& frame, int64_t height, int64_t width, std::string* done) {
+  TORCH_CHECK(frame.dim() == 3 && frame.size(2) == 3 && frame.size(0) >= 1 && frame.size(1) >= 1,
+              "fit_image: expected an image [H, W, 3], got ", frame.sizes());
+  TORCH_CHECK(height >= 1 && width >= 1, "fit_image: a video of ", height, "x", width);
+  auto image = frame.permute({2, 0, 1}).to(torch::kFloat32) / 127.5 - 1.0;
+  const int64_t h = image.size(1), w = image.size(2);
+  if (done != nullptr) done->clear();
+  if (h == height && w == width) return image.contiguous();
+  const double aspect = static_cast<double>(w) / static_cast<double>(h);
+  const double video_aspect = static_cast<double>(width) / static_cast<double>(height);
+  std::string cropped;
+  if (std::abs(aspect / video_aspect - 1.0) > 0.01) {
+    const bool wider = aspect > video_aspect;
+    const int64_t crop_w = wider ? std::clamp<int64_t>(std::llround(static_cast<double>(h) * video_aspect), 1, w) : w;
+    const int64_t crop_h = wider ? h : std::clamp<int64_t>(std::llround(static_cast<double>(w) / video_aspect), 1, h);
+    image = image.narrow(1, (h - crop_h) / 2, crop_h).narrow(2, (w - crop_w) / 2, crop_w);
+    cropped = fmt::format(", center-cropped to {}x{} first (the videos' aspect ratio)", crop_w, crop_h);
+  }
+  if (image.size(1) != height || image.size(2) != width) {
+    namespace F = torch::nn::functional;
+    image = F::interpolate(image.unsqueeze(0), F::InterpolateFuncOptions()
+                                                   .size(std::vector<int64_t>{height, width})
+                                                   .mode(torch::kBilinear)
+                                                   .align_corners(false)
+                                                   .antialias(true))[0];
+  }
+  if (done != nullptr)
+    *done = fmt::format("resized from {}x{} to {}x{} (width x height){}", w, h, width, height, cropped);
+  return image.contiguous();
+}
+
 torch::Tensor to_rgb_frames(const torch::Tensor& video, int64_t upscale) {
   TORCH_CHECK(video.dim() == 4 && (video.size(0) == 3 || video.size(0) == 1),
               "to_rgb_frames: expected [C, T, H, W] with C = 3 or 1, got ", video.sizes());

@@ -410,6 +410,15 @@ void WanTransformerImpl::replace_block(int64_t index, WanBlock block) {
   blocks = replace_module("blocks", rebuilt);
 }
 
+torch::Tensor wan_image_condition(const torch::Tensor& image_latents) {
+  TORCH_CHECK(image_latents.dim() == 5, "wan_image_condition: expected latents [B, C, T, H, W], got ",
+              image_latents.sizes());
+  const auto latents = image_latents.to(torch::kFloat32);
+  auto mask = torch::zeros({latents.size(0), 4, latents.size(2), latents.size(3), latents.size(4)}, latents.options());
+  mask.select(2, 0).fill_(1.0);
+  return torch::cat({mask, latents}, 1);
+}
+
 TokenGrid WanTransformerImpl::token_grid(int64_t frames, int64_t height, int64_t width) const {
   const auto& p = options.patch();
   TORCH_CHECK(frames % p[0] == 0 && height % p[1] == 0 && width % p[2] == 0, "WanTransformer: video ", frames, "x",

@@ -855,6 +855,19 @@ torch::Tensor WanVae::encode(const torch::Tensor& videos, bool sample, std::opti
   return normalize(z);
 }
 
+torch::Tensor WanVae::encode_image_video(const torch::Tensor& image, int64_t frames,
+                                         const std::optional<WanVaeTiling>& tiling) const {
+  TORCH_CHECK(image.dim() == 3 && image.size(0) == 3, "WanVae::encode_image_video: expected an image [3, H, W], got ",
+              image.sizes());
+  TORCH_CHECK(frames >= 1 && (frames - 1) % 4 == 0, "WanVae::encode_image_video: ", frames,
+              " frames; the VAE takes 1 + 4k");
+  torch::NoGradGuard no_grad;
+  auto video =
+      torch::zeros({1, 3, frames, image.size(1), image.size(2)}, torch::dtype(torch::kFloat32).device(device_));
+  video.select(2, 0)[0].copy_(image);
+  return encode(video, false, std::nullopt, tiling);
+}
+
 torch::Tensor WanVae::decode_unscaled(const torch::Tensor& latents, const std::optional<WanVaeTiling>& tiling) const {
   TORCH_CHECK(latents.dim() == 5 && latents.size(1) == config_.z_dim && latents.size(2) >= 1,
               "WanVae::decode: expected latents [B, ", config_.z_dim, ", t, h, w], got ", latents.sizes());

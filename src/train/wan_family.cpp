@@ -24,16 +24,19 @@ namespace megaslide {
 
 namespace {
 
-// The validation prompts of a run on cached videos: the cache's first distinct captions.
+// The validation prompts of a run on cached videos: the cache's first items' captions, from item 0 until
+// kWanValidationVideos distinct ones are among them (WanValidation picks those).
 std::vector<std::string> cached_captions(const RunConfig& config, const std::string& source) {
   std::vector<std::string> captions;
   if (config.data.dataset != "videos") return captions;
   try {
     const auto cache = LatentCache::open(config, config.data.cache);
-    for (int64_t i = 0; i < cache->size() && static_cast<int64_t>(captions.size()) < kWanValidationVideos; ++i)
-      if (!cache->caption(i).empty() &&
-          std::find(captions.begin(), captions.end(), cache->caption(i)) == captions.end())
-        captions.push_back(cache->caption(i));
+    int64_t distinct = 0;
+    for (int64_t i = 0; i < cache->size() && distinct < kWanValidationVideos; ++i) {
+      const auto& caption = cache->caption(i);
+      if (!caption.empty() && std::find(captions.begin(), captions.end(), caption) == captions.end()) ++distinct;
+      captions.push_back(caption);
+    }
   } catch (const DatasetError& e) {
     throw ConfigError(source, "data.cache", e.what());
   }
@@ -164,7 +167,9 @@ class WanModel final : public FamilyModel {
     const std::string& source = request.source;
     // Validation first: umT5 encodes the prompts now, before the trainer's state exists, and is freed.
     if (request.validation) validation_.emplace(config_, cached_captions(config_, source), source);
-    batches_.emplace(latent_, load_latent_data(config_, source));
+    auto data = load_latent_data(config_, source);
+    if (validation_ && data.image_latents.defined()) validation_->images(data.image_latents, data.image_embeds);
+    batches_.emplace(latent_, std::move(data));
     const auto& w = config_.model.wan;
     if (w.expert == "both") {
       experts_.resize(2);
@@ -221,7 +226,7 @@ class WanModel final : public FamilyModel {
 
   at::Tensor loss(MicroBatchStats& stats) override {
     const auto b = next_batch(stats);
-    return wan_training_loss(model()->forward(b.xt, b.timesteps, b.text), b.target, b.loss_mask);
+    return wan_training_loss(model()->forward(b.input(), b.timesteps, b.text, b.image), b.target, b.loss_mask);
   }
   offload::StackInput prologue(MicroBatchStats& stats) override {
     return experts_[active_].split.prologue(next_batch(stats));
@@ -264,6 +269,14 @@ class WanModel final : public FamilyModel {
           fmt::format("image-to-video (Wan2.2 TI2V) for {:.0f}% of the samples: the first latent frame "
                       "clean, its tokens at timestep 0, left out of the loss",
                       100.0 * config_.diffusion.first_frame_clean));
+    if (wan_image_to_video(w))
+      info.push_back(fmt::format(
+          "image-to-video: each clip's image conditions it (the first-frame mask and the conditioning video's "
+          "latents as {} input channels{}){}",
+          wan_condition_channels(w), w.image_dim > 0 ? ", CLIP's image tokens in the cross-attention" : "",
+          config_.diffusion.image_dropout > 0
+              ? fmt::format("; dropped for {:.0f}% of the samples", 100.0 * config_.diffusion.image_dropout)
+              : std::string()));
     size_t initialised = 0;
     for (const auto& e : experts_) initialised += e.initialised.size();
     if (initialised > 0)

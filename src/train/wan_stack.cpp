@@ -23,6 +23,7 @@ namespace {
 struct WanStackInfo {
   TokenGrid grid;
   WanRope rope;
+  int64_t image_tokens = 0;  // the context's first tokens that are the image's (Wan2.1 I2V)
 };
 
 // Generator state as hex and back (the data position of a checkpoint).
@@ -67,9 +68,11 @@ WanLatentData WanLatentData::load(const std::string& path) {
     if (name == "latents") d.latents = t.to(torch::kFloat32);
     else if (name == "text") d.text = t.to(torch::kFloat32);
     else if (name == "empty_text") d.empty_text = t.to(torch::kFloat32);
+    else if (name == "image_latents") d.image_latents = t.to(torch::kFloat32);
+    else if (name == "image_embeds") d.image_embeds = t.to(torch::kFloat32);
     else
       throw std::invalid_argument("'" + path + "': unexpected tensor '" + name +
-                                  "' (expected latents, text, empty_text)");
+                                  "' (expected latents, text, empty_text, image_latents, image_embeds)");
   }
   if (!d.latents.defined() || !d.text.defined())
     throw std::invalid_argument("'" + path + "': needs tensors 'latents' and 'text'");
@@ -82,6 +85,8 @@ WanLatentData WanLatentData::from_cache(const RunConfig& config, const std::stri
   d.latents = cache->stacked("latents");
   d.text = cache->stacked("text");
   if (cache->empty_prompt().text.defined()) d.empty_text = cache->empty_prompt().text.to(torch::kFloat32).clone();
+  if (wan_image_to_video(config.model.wan)) d.image_latents = cache->stacked("image_latents");
+  if (config.model.wan.image_dim > 0) d.image_embeds = cache->stacked("image_embeds");
   return d;
 }
 
@@ -117,6 +122,27 @@ void WanLatentData::check(const RunConfig& c) const {
       (empty_text.dim() != 2 || empty_text.size(0) != text.size(1) || empty_text.size(1) != text.size(2)))
     throw std::invalid_argument(
         fmt::format("empty_text is {}, expected [{}, {}]", c10::str(empty_text.sizes()), text.size(1), text.size(2)));
+  const auto& w = c.model.wan;
+  if (wan_image_to_video(w)) {
+    if (!image_latents.defined() || image_latents.sizes() != latents.sizes())
+      throw std::invalid_argument(fmt::format(
+          "image_latents are {}, expected {} as the latents: image-to-video (model.wan.in_channels {}) trains on each "
+          "clip's conditioning video's latents",
+          image_latents.defined() ? c10::str(image_latents.sizes()) : "missing", c10::str(latents.sizes()),
+          w.in_channels));
+    if (w.image_dim > 0 && (!image_embeds.defined() || image_embeds.dim() != 3 ||
+                            image_embeds.size(0) != latents.size(0) || image_embeds.size(2) != w.image_dim))
+      throw std::invalid_argument(fmt::format(
+          "image_embeds are {}, expected [{}, Li, {}]: the image branch (model.wan.image_dim) trains on "
+          "each clip's image tokens",
+          image_embeds.defined() ? c10::str(image_embeds.sizes()) : "missing", latents.size(0), w.image_dim));
+  }
+  if (!wan_image_to_video(w) && image_latents.defined())
+    throw std::invalid_argument("the data has image_latents but the Wan DiT is text-to-video (model.wan.in_channels " +
+                                std::to_string(w.in_channels) + " = out_channels)");
+  if (w.image_dim == 0 && image_embeds.defined())
+    throw std::invalid_argument(
+        "the data has image_embeds but the Wan DiT has no image branch (model.wan.image_dim 0)");
   if (c.diffusion.caption_dropout > 0 && !empty_text.defined())
     throw std::invalid_argument(
         "diffusion.caption_dropout is " + std::to_string(c.diffusion.caption_dropout) +
@@ -152,6 +178,20 @@ WanBatch WanBatchSource::next(torch::Device device) {
   std::bernoulli_distribution drop(config_.diffusion.caption_dropout);
   for (int64_t i = 0; i < B; ++i)
     if (drop(caption_rng_)) text[i].copy_(data_.empty_text);
+  if (data_.image_latents.defined()) {  // image-to-video: the conditioning channels and image tokens
+    b.condition = wan_image_condition(data_.image_latents.index_select(0, index));
+    if (data_.image_embeds.defined()) b.image = data_.image_embeds.index_select(0, index);
+    if (config_.diffusion.image_dropout > 0) {
+      std::bernoulli_distribution drop_image(config_.diffusion.image_dropout);
+      for (int64_t i = 0; i < B; ++i)
+        if (drop_image(caption_rng_)) {
+          b.condition[i].zero_();
+          if (b.image.defined()) b.image[i].zero_();
+        }
+    }
+    b.condition = b.condition.to(device);
+    if (b.image.defined()) b.image = b.image.to(device);
+  }
   torch::Tensor noise;
   if (flow_) {
     const auto sigma = sample_flow_sigmas(B, flow_options_, generator_);
@@ -188,7 +228,7 @@ WanBatch WanBatchSource::next(torch::Device device) {
   b.text = text.to(device);
   if (slice_count_ > 1) {  // this rank's rows [first, first + local) of the global batch
     const int64_t local = B / slice_count_, first = slice_rank_ * local;
-    for (auto* t : {&b.x0, &b.noise, &b.xt, &b.timesteps, &b.target, &b.text, &b.loss_mask})
+    for (auto* t : {&b.x0, &b.noise, &b.xt, &b.timesteps, &b.target, &b.text, &b.loss_mask, &b.condition, &b.image})
       if (t->defined()) *t = t->narrow(0, first, local).contiguous();
   }
   return b;
@@ -287,6 +327,7 @@ torch::Tensor WanStack::forward_block(int64_t index, const torch::Tensor& x, con
   ctx.rope = info.rope;
   ctx.tproj = inputs.tensors[0];
   ctx.context = inputs.tensors[1];
+  ctx.image_tokens = info.image_tokens;
   return model_->blocks[index]->as<WanBlockImpl>()->forward(x, ctx);
 }
 
@@ -345,14 +386,19 @@ double wan_model_flops_per_step(const RunConfig& c) {
   const double D = static_cast<double>(w.dim), L = static_cast<double>(w.layers);
   const double cross_kv = 2.0 * (D * D + D) * L;                                // attn2.to_k, attn2.to_v
   const double text_mlp = static_cast<double>(w.text_dim) * D + D + D * D + D;  // condition_embedder.text_embedder
-  const double per_video_token = static_cast<double>(count.total) - cross_kv - text_mlp;
+  // Wan2.1 I2V's image branch runs over CLIP ViT-H/14's 257 image tokens: attn2's add_k_proj, add_v_proj and
+  // norm_added_k, and the image embedder.
+  const double Di = static_cast<double>(w.image_dim), Li = w.image_dim > 0 ? 257.0 : 0.0;
+  const double image_params =
+      w.image_dim > 0 ? (2.0 * (D * D + D) + D) * L + (3.0 * Di + Di * Di + Di * D + 3.0 * D) : 0.0;
+  const double per_video_token = static_cast<double>(count.total) - cross_kv - text_mlp - image_params;
   double keys = N;
   if (c.model.self_attention == "dsa3d") {
     const auto& k = c.model.dsa_kernel;
     keys = static_cast<double>(std::min(k[0], grid.t) * std::min(k[1], grid.h) * std::min(k[2], grid.w));
   }
-  const double attention = 12.0 * L * B * N * (keys + Lt) * D;
-  return 6.0 * B * (per_video_token * N + (cross_kv + text_mlp) * Lt) + attention;
+  const double attention = 12.0 * L * B * N * (keys + Lt + Li) * D;
+  return 6.0 * B * (per_video_token * N + (cross_kv + text_mlp) * Lt + image_params * Li) + attention;
 }
 
 torch::Tensor wan_training_loss(const torch::Tensor& prediction, const torch::Tensor& target,
@@ -368,13 +414,14 @@ torch::Tensor wan_training_loss(const torch::Tensor& prediction, const torch::Te
 offload::StackInput WanStackSplit::prologue(const WanBatch& b) {
   target = b.target;
   loss_mask = b.loss_mask;
-  auto e = model->embed(b.xt, b.timesteps, b.text);
+  auto e = model->embed(b.input(), b.timesteps, b.text, b.image);
   temb = e.temb;
   grid = e.ctx.grid;
   offload::StackInput in;
   in.hidden = e.tokens;
   in.inputs.tensors = {e.ctx.tproj, e.ctx.context};
-  in.inputs.info = WanStackInfo{e.ctx.grid, e.ctx.rope};  // fp32 RoPE tables: not cast to the compute dtype
+  in.inputs.info =
+      WanStackInfo{e.ctx.grid, e.ctx.rope, e.ctx.image_tokens};  // fp32 RoPE tables: not cast to the compute dtype
   return in;
 }
 

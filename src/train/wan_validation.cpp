@@ -97,14 +97,20 @@ WanValidation::WanValidation(const RunConfig& config, const std::vector<std::str
               ", expected wan");
   check_encoders_named(config, source);
   std::vector<std::string> prompts;
-  for (const auto& caption : captions)
-    if (static_cast<int64_t>(prompts.size()) < kWanValidationVideos && !caption.empty() &&
-        std::find(prompts.begin(), prompts.end(), caption) == prompts.end())
-      prompts.push_back(caption);
+  std::vector<int64_t> items;
+  for (size_t i = 0; i < captions.size(); ++i)
+    if (static_cast<int64_t>(prompts.size()) < kWanValidationVideos && !captions[i].empty() &&
+        std::find(prompts.begin(), prompts.end(), captions[i]) == prompts.end()) {
+      prompts.push_back(captions[i]);
+      items.push_back(static_cast<int64_t>(i));
+    }
   if (prompts.empty())
     prompts.assign(wan_validation_prompts().begin(), wan_validation_prompts().begin() + kWanValidationVideos);
   videos_ = plan_validation_videos(config, prompts, source);
   for (const auto& v : videos_) jobs_.push_back(v.job);
+  // The captions' items, when the videos are the captions' (not train.sample_prompts' lines).
+  const bool from_captions = config.train.sample_prompts.empty() && !items.empty();
+  for (size_t i = 0; i < videos_.size(); ++i) items_.push_back(from_captions && i < items.size() ? items[i] : -1);
 
   torch::Device device = torch::kCPU;
   try {
@@ -157,16 +163,36 @@ WanValidation::WanValidation(const RunConfig& config, const std::vector<std::str
 
   // The VAE now, so that a bad one stops the run before it trains; loaded again for each validation.
   const WanVae vae = load_vae(config, torch::kCPU, source);
-  if (vae.config().z_dim != config.model.wan.in_channels)
+  if (vae.config().z_dim != config.model.wan.out_channels)
     throw ConfigError(
         source, "model.vae.weights",
-        fmt::format("the Wan VAE in '{}' has {} latent channels but the DiT's model.wan.in_channels is {}",
-                    config.model.vae.weights, vae.config().z_dim, config.model.wan.in_channels));
+        fmt::format("the Wan VAE in '{}' has {} latent channels but the DiT's model.wan.out_channels is {}",
+                    config.model.vae.weights, vae.config().z_dim, config.model.wan.out_channels));
   if (vae.config().spatial_downscale() != config.model.vae.downscale)
     throw ConfigError(source, "model.vae.downscale",
                       fmt::format("is {} but the Wan VAE in '{}' maps {} pixels to a latent: set it to {}",
                                   config.model.vae.downscale, config.model.vae.weights,
                                   vae.config().spatial_downscale(), vae.config().spatial_downscale()));
+}
+
+void WanValidation::images(const torch::Tensor& image_latents, const torch::Tensor& image_embeds) {
+  TORCH_CHECK(image_latents.dim() == 5 && image_latents.size(0) >= 1,
+              "WanValidation::images: expected [N, C, T, H, W]");
+  const int64_t N = image_latents.size(0);
+  conditions_.clear();
+  for (size_t i = 0; i < videos_.size(); ++i) {
+    if (image_latents.sizes().slice(1).vec() != videos_[i].shape)
+      throw ConfigError(
+          source_, "train.sample_prompts",
+          fmt::format("validation video {} ('{}') is {} in latents, but image-to-video's images are the "
+                      "data's {}: give its line no size of its own",
+                      i, videos_[i].job.prompt, c10::str(videos_[i].shape), c10::str(image_latents.sizes().slice(1))));
+    const int64_t item = items_[i] >= 0 ? items_[i] : static_cast<int64_t>(i) % N;
+    WanImageCondition c;
+    c.latents = image_latents.narrow(0, item, 1).to(torch::kFloat32).clone();
+    if (image_embeds.defined()) c.image = image_embeds.narrow(0, item, 1).to(torch::kFloat32).clone();
+    conditions_.push_back(std::move(c));
+  }
 }
 
 std::vector<torch::Tensor> WanValidation::sample(Trainer& trainer) const {
@@ -224,11 +250,23 @@ std::vector<torch::Tensor> WanValidation::sample(Trainer& trainer) const {
     denoiser = w.expert == "high" ? std::make_shared<WanExpertsDenoiser>(denoiser, frozen, w.boundary_ratio)
                                   : std::make_shared<WanExpertsDenoiser>(frozen, denoiser, w.boundary_ratio);
   }
-  auto predict = [&](const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& text, const torch::Tensor&) {
-    return denoiser->predict(x, t, text);
-  };
+  TORCH_CHECK(!wan_image_to_video(w) || conditions_.size() == videos_.size(),
+              "WanValidation: image-to-video's validation needs its images (WanValidation::images)");
   std::vector<torch::Tensor> latents;
   for (size_t i = 0; i < videos_.size(); ++i) {
+    // Image-to-video: the image's conditioning channels (and tokens) for both halves of the guided batch.
+    torch::Tensor channels, tokens;
+    if (!conditions_.empty()) {
+      channels = wan_image_condition(conditions_[i].latents).to(denoiser->device());
+      if (conditions_[i].image.defined()) tokens = conditions_[i].image.to(denoiser->device());
+    }
+    auto predict = [&](const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& text,
+                       const torch::Tensor&) {
+      if (!channels.defined()) return denoiser->predict(x, t, text);
+      const int64_t rows = x.size(0);
+      return denoiser->predict(torch::cat({x, channels.expand({rows, -1, -1, -1, -1})}, 1), t, text,
+                               tokens.defined() ? tokens.expand({rows, -1, -1}) : torch::Tensor());
+    };
     const auto& job = videos_[i].job;
     auto flow = options_.flow();
     if (job.steps) flow.steps(*job.steps);

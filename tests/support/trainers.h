@@ -47,6 +47,8 @@ inline Trainer wan_trainer(RunConfig config, const WanLatentData& data, Communic
       "/tmp/megaslide-test-wan-data-" + std::to_string(::getpid()) + "-" + std::to_string(counter++) + ".safetensors";
   io::NamedTensors tensors{{"latents", data.latents}, {"text", data.text}};
   if (data.empty_text.defined()) tensors.emplace_back("empty_text", data.empty_text);
+  if (data.image_latents.defined()) tensors.emplace_back("image_latents", data.image_latents);
+  if (data.image_embeds.defined()) tensors.emplace_back("image_embeds", data.image_embeds);
   io::write_safetensors(path, tensors);
   config.data.tensors = path;
   struct Remove {

@@ -61,14 +61,17 @@ struct WanConfig {
   int64_t freq_dim = 256;                 // sinusoidal timestep features
   int64_t text_dim = 4096;                // width of the text embeddings (umT5-XXL: 4096)
   std::array<int64_t, 3> patch{1, 2, 2};  // (pt, ph, pw)
-  int64_t in_channels = 16;               // latent channels in (= data.channels)
-  int64_t out_channels = 16;
+  // The DiT's input channels: out_channels for text-to-video; for image-to-video (Wan2.1 I2V, Wan2.2 I2V-A14B:
+  // 36) 2 x out_channels + 4: the noisy latents, the 4-channel mask of the kept first frame and the latents of
+  // the conditioning video (the image, then black frames), concatenated (wan_image_to_video).
+  int64_t in_channels = 16;
+  int64_t out_channels = 16;    // the latents' channels (= data.channels, the VAE's z_dim)
   bool qk_norm = true;          // RMSNorm over q and k (across heads)
   bool cross_attn_norm = true;  // affine LayerNorm before the cross-attention
   double eps = 1e-6;
   // Wan2.1 I2V's image branch: the width of the CLIP image tokens (1280 for ViT-H/14) that the image
   // embedder maps into the cross-attention's context, with their own key and value projections. 0: none
-  // (text-to-video). The DiT has it (model/wan.h); training and sampling image-to-video do not yet.
+  // (text-to-video). Needs the image-to-video input channels (in_channels).
   int64_t image_dim = 0;
   std::string weights;  // published weights to start from ("": random initialisation)
   // Wan2.2's two experts (T2V-A14B, I2V-A14B; model/wan_weights.h): the low-noise expert's weights when
@@ -110,6 +113,15 @@ struct VaeConfig {
   double tile_overlap = 0.25;    // fraction of a tile its neighbours overlap and blend
 };
 
+// Wan2.1 I2V's image encoder (model.image_encoder): CLIP ViT-H/14's vision tower, frozen; its penultimate
+// hidden states are the DiT's image tokens (model.wan.image_dim > 0 only).
+struct ImageEncoderConfig {
+  // diffusers' image_encoder/ folder (preprocessing from its image_processor/ sibling) or ComfyUI's
+  // clip_vision_h.safetensors; "": the image_encoder/ of the diffusers repository model.wan.weights names.
+  std::string weights;
+  std::string dtype = "fp32";  // weights and compute: fp32 | bf16 (outputs are fp32)
+};
+
 struct ModelConfig {
   Architecture arch = Architecture::kMegaSlide;
   std::array<int64_t, 3> patch{1, 2, 2};  // (pt, ph, pw)
@@ -128,8 +140,9 @@ struct ModelConfig {
   // latent token grid with Wan's own projections ("dsa3d", the retrofit; dsa_* keys above apply).
   std::string self_attention = "dense";
   WanConfig wan;
-  TextEncoderConfig text_encoder;  // text_dim must equal the encoder's width (clip: checked when loaded)
-  VaeConfig vae;                   // the DiT's samples: pixels, or latents of the VAE
+  TextEncoderConfig text_encoder;    // text_dim must equal the encoder's width (clip: checked when loaded)
+  VaeConfig vae;                     // the DiT's samples: pixels, or latents of the VAE
+  ImageEncoderConfig image_encoder;  // Wan2.1 image-to-video
 };
 
 struct DataConfig {
@@ -156,8 +169,12 @@ struct DataConfig {
   int64_t workers = 1;             // background loader threads (each single-threaded); 0 = load in line
   int64_t prefetch = 2;            // batches loaded ahead of the step that needs them
   // dataset latent-tensors (model.arch wan): one safetensors file of latents [N, C, T, H, W], text
-  // [N, L, text_dim] and optionally empty_text [L, text_dim] (train/wan_family.h).
+  // [N, L, text_dim] and optionally empty_text [L, text_dim]; for image-to-video image_latents
+  // [N, C, T, H, W] and (model.wan.image_dim > 0) image_embeds [N, Li, image_dim] (train/wan_family.h).
   std::string tensors;
+  // Wan image-to-video (wan_image_to_video): the frame of each clip (0-based, below data.frames) whose image
+  // conditions it, unless the item names an image of its own (docs/data.md).
+  int64_t image_frame = 0;
 };
 
 struct DiffusionConfig {
@@ -170,6 +187,9 @@ struct DiffusionConfig {
   // image-to-video — its first latent frame clean in the input, that frame's tokens at timestep 0 (per-token
   // timesteps) and left out of the loss; 0: every sample text-to-video.
   double first_frame_clean = 0.0;
+  // Wan image-to-video: the probability that a sample trains without its image (the conditioning latents,
+  // their mask and the CLIP tokens all zero), as caption_dropout drops the text.
+  double image_dropout = 0.0;
   std::string prediction = "epsilon";  // what the model predicts and the loss compares: epsilon | v | x0
   int64_t sample_steps = 30;
   std::string timestep_spacing = "linspace";  // linspace | leading | trailing (sampler.h)
@@ -259,6 +279,12 @@ struct RunConfig {
 // The shape [C, T, H, W] of the DiT's samples: the video's (data.channels x frames x height x width),
 // or the VAE's latents' (latent_channels x frames (wan: 1 + (frames-1)/4) x height/ds x width/ds).
 std::array<int64_t, 4> model_sample_shape(const RunConfig& config);
+
+// Whether a Wan DiT of `wan` generates video from an image (Wan2.1 I2V, Wan2.2 I2V-A14B): its input is the
+// noisy latents, the first-frame mask (4 channels) and the conditioning video's latents, in_channels =
+// 2 x out_channels + 4. The conditioning channels (mask and latents) are wan_condition_channels.
+bool wan_image_to_video(const WanConfig& wan);
+int64_t wan_condition_channels(const WanConfig& wan);
 
 // A video's size in pixels.
 struct VideoSize {

@@ -3,7 +3,7 @@
 // training (data.cache: DIR) reads tensors instead of decoding videos and running frozen encoders.
 //
 //   DIR/shard-NNNNN.safetensors  per item i (its listing index): "i.latents" and the text tensors of the
-//                                encoder (see CacheEncoders)
+//                                encoder (see CacheEncoders); for Wan image-to-video also the image's (below)
 //   DIR/empty_prompt.safetensors the text tensors of the empty prompt (caption dropout)
 //   DIR/cache.json               the manifest, replaced atomically after each shard: the encoders'
 //                                identity, the decode settings, every item (source path, size and mtime,
@@ -26,6 +26,17 @@
 //                  16 and ds 8 for Wan 2.1's VAE, z_dim 48 and ds 16 for Wan 2.2's (2x2 patches)
 // The empty prompt's text tensors go into empty_prompt.safetensors: caption dropout from a cache.
 //
+// Wan image-to-video (wan_image_to_video: model.wan.in_channels 2 x out_channels + 4) caches each clip's
+// conditioning too. The image is the item's own when its listing names one (video_manifest.h), fitted to the
+// clip's size (io::fit_image: centre-cropped to its aspect ratio, resized), else the clip's frame
+// data.image_frame (0: the first). Per item:
+//   image_latents  the Wan VAE's normalised latents of the image followed by black frames, the clip's frame
+//                  count (WanVae::encode_image_video, as WanImageToVideoPipeline conditions): [z_dim, T, h, w]
+//   image_embeds   with an image branch (model.wan.image_dim > 0), CLIP's penultimate hidden states of the
+//                  image as given (CLIP resizes and crops it itself), [257, 1280] for ViT-H/14
+//                  (ClipVisionEncoder::encode; the encoder wan_image_encoder_path names)
+// The identity then holds "image": the frame, and the image encoder's kind, dtype and files.
+//
 // The manifest's "encoders" (cache_identity) is what makes two caches interchangeable: per encoder its
 // kind, the settings that change its output (dtype, tokens, cleaning, tiling) and a fingerprint of each
 // of its files (name, size and the CRC-32 of its first and last MiB, which hold a safetensors file's
@@ -38,7 +49,8 @@
 // Building resumes: a manifest of the same config keeps every finished shard that still verifies (size
 // and CRC-32) and writes the rest; a manifest of another config is refused, naming what differs.
 // Opening for training refuses an incomplete cache, other encoders or decode settings, and stale items
-// (a source whose size or mtime changed, an item of the dataset the cache does not hold), naming them.
+// (a source or its own image whose size or mtime changed, an item of the dataset the cache does not hold, an
+// item whose listed image is another now), naming them.
 // Errors are DatasetError. Shards are memory-mapped; each item's CRC-32 is checked as it is read.
 //
 // Thread-safety: LatentCache::load may run on several threads at once; building is one call.
@@ -66,6 +78,12 @@ class CacheEncoders {
   virtual io::NamedTensors encode_text(const std::string& caption) const = 0;
   // One clip [T, H, W, 3] uint8 -> what the model trains on (above), on the CPU.
   virtual torch::Tensor encode_video(const torch::Tensor& frames) const = 0;
+  // Image-to-video's tensors of a clip of `frames` frames conditioned on `image` ([3, H, W] float in [-1, 1]
+  // at the clip's size) given as `pixels` ([H', W', 3] uint8, the image before it was fitted): image_latents
+  // and (image branch) image_embeds, on the CPU; empty when the config is not image-to-video.
+  virtual io::NamedTensors encode_image(const torch::Tensor& image, const torch::Tensor& pixels, int64_t frames) const {
+    return {};
+  }
 };
 
 // The encoders `config` names, loaded on `device`. Throws ConfigError naming the key.
@@ -119,6 +137,7 @@ class LatentCache final : public ClipSource {
  private:
   struct Item {
     std::string path, caption;
+    std::string image;  // image-to-video: the item's own image ("" when its image is a frame of the clip)
     int64_t index = 0, bucket = 0, shard = 0;
     io::NamedTensors tensors;  // views into the mapping
     uint64_t latents_offset = 0, latents_bytes = 0;

@@ -112,7 +112,7 @@ std::vector<ValidationVideo> plan_validation_videos(const RunConfig& config, con
 std::vector<ValidationVideo> plan_prompt_videos(const RunConfig& config, const std::vector<io::PromptSpec>& specs,
                                                 int64_t samples_per_line, uint64_t base_seed);
 
-// Whether two videos can be sampled in one batch: the same shape, steps, guidance and negative prompt.
+// Whether two videos can be sampled in one batch: the same shape, steps, guidance, negative prompt and image.
 bool same_sampling_settings(const ValidationVideo& a, const ValidationVideo& b);
 
 // The DiT family's validation prompts without a prompt file: the first `count` distinct of

@@ -76,12 +76,17 @@ struct WanSampleOptions {
   FlowSamplerOptions flow() const;
 };
 
-// The Wan DiT's output (the flow velocity) for latents x [B, C, T, H, W] at timesteps [B] (float) and text
-// [B, L, text_dim]; float32 out, on the denoiser's device. Called under NoGradGuard.
+// The Wan DiT's output (the flow velocity) for its input x [B, in_channels, T, H, W] at timesteps [B] (float)
+// and text [B, L, text_dim], with `image` [B, Li, image_dim] the image tokens of a DiT with an image branch
+// (Wan2.1 I2V; undefined otherwise); float32 out, on the denoiser's device. Called under NoGradGuard.
 class WanDenoiser {
  public:
   virtual ~WanDenoiser() = default;
-  virtual torch::Tensor predict(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text) = 0;
+  virtual torch::Tensor predict(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text,
+                                const torch::Tensor& image) = 0;
+  torch::Tensor predict(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text) {
+    return predict(x, timesteps, text, torch::Tensor());
+  }
   virtual torch::Device device() const = 0;
   // Moves what the denoiser keeps on a GPU to host memory until its next predict, which moves it back (a
   // no-op where it keeps nothing there: a streamed denoiser's slots are small, a CPU's weights stay).
@@ -100,7 +105,9 @@ class ResidentWanDenoiser final : public WanDenoiser {
   // fp32, not the DiT.
   ResidentWanDenoiser(struct WanModel model, torch::Device device,
                       c10::ScalarType compute_dtype = c10::ScalarType::Float, bool parked = false);
-  torch::Tensor predict(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text) override;
+  using WanDenoiser::predict;
+  torch::Tensor predict(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text,
+                        const torch::Tensor& image) override;
   torch::Device device() const override { return device_; }
   void park() override;  // the whole model to the CPU (its dtypes kept)
   bool parked() const { return parked_; }
@@ -121,7 +128,9 @@ class WanExpertsDenoiser final : public WanDenoiser {
  public:
   WanExpertsDenoiser(std::shared_ptr<WanDenoiser> high, std::shared_ptr<WanDenoiser> low, double boundary_ratio,
                      bool park_inactive = false);
-  torch::Tensor predict(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text) override;
+  using WanDenoiser::predict;
+  torch::Tensor predict(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text,
+                        const torch::Tensor& image) override;
   torch::Device device() const override { return high_->device(); }
   // In [0, 1); 0: the high-noise expert for every timestep.
   void boundary_ratio(double ratio);
@@ -154,7 +163,9 @@ class StreamedWanDenoiser final : public WanDenoiser {
   // streamed parameters may be empty (a streamed trainer's). Sets the model to eval mode.
   StreamedWanDenoiser(WanTransformer model, std::vector<WanBlockWeights> blocks, StreamedDenoiserOptions options);
   ~StreamedWanDenoiser() override;
-  torch::Tensor predict(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text) override;
+  using WanDenoiser::predict;
+  torch::Tensor predict(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text,
+                        const torch::Tensor& image) override;
   torch::Device device() const override { return options_.device; }
   const offload::WeightStreamer& streamer() const { return *streamer_; }
   int64_t host_weight_bytes()
@@ -213,6 +224,12 @@ WanModel load_untrained_expert(const RunConfig& config, bool blocks_on_demand);
 // cannot be read.
 WanModel with_untrained_expert(WanModel trained, bool blocks_on_demand);
 
+// One image's conditioning for image-to-video (WanTextToVideo::sample_image_to_video).
+struct WanImageCondition {
+  torch::Tensor latents;  // [1 or B, C, T, H, W]: the conditioning video's normalised latents
+  torch::Tensor image;    // [1 or B, Li, image_dim]: the image tokens (a DiT with an image branch), else undefined
+};
+
 class WanTextToVideo {
  public:
   // `config` gives the latents' shape (data.channels x data.frames x data.height x data.width, in latents)
@@ -239,6 +256,29 @@ class WanTextToVideo {
                                   const torch::Tensor& image, const WanSampleOptions& options,
                                   const std::function<void(int64_t, int64_t)>& on_step = {},
                                   const std::vector<int64_t>& shape = {});
+  // Image-to-video with the image as conditioning channels (Wan2.1 I2V, Wan2.2 I2V-A14B: diffusers'
+  // WanImageToVideoPipeline without expand_timesteps): every DiT call's input is the noisy latents, then
+  // wan_image_condition(condition.latents); with an image branch, condition.image the image tokens, for the
+  // negative prompt too (as the pipeline does). condition: one image's (batch 1, for every prompt) or one
+  // per prompt. Throws std::invalid_argument for a condition of another shape, or for a text-to-video DiT.
+  torch::Tensor sample_image_to_video(const std::vector<std::string>& prompts, const std::vector<uint64_t>& seeds,
+                                      const WanImageCondition& condition, const WanSampleOptions& options,
+                                      const std::function<void(int64_t, int64_t)>& on_step = {},
+                                      const std::vector<int64_t>& shape = {});
+  // The conditioning of `image` ([3, H, W] in [-1, 1] at the video's pixel size) for videos of latent `shape`
+  // (empty: latent_shape()): the VAE's latents of the image followed by black frames (WanVae::encode_image_video),
+  // and with an image branch the image encoder's tokens of `pixels` ([H', W', 3] uint8, the image as given:
+  // CLIP preprocesses it itself; may be `image`'s own size). Throws std::invalid_argument for an image of
+  // another size, and when the DiT has an image branch but the pipeline no image encoder.
+  WanImageCondition image_condition(const torch::Tensor& image, const torch::Tensor& pixels,
+                                    const std::vector<int64_t>& shape = {}) const;
+  // Sets the image encoder an image branch needs (Wan2.1 I2V): pixels [H, W, 3] uint8 -> tokens [1, Li,
+  // image_dim] float32.
+  void image_encoder(std::function<torch::Tensor(const torch::Tensor&)> encoder) {
+    image_encoder_ = std::move(encoder);
+  }
+  bool has_image_encoder() const { return static_cast<bool>(image_encoder_); }
+
   // Normalised latents -> pixels [B, 3, T', H', W'] in [-1, 1], float32 on the CPU.
   torch::Tensor decode(const torch::Tensor& latents) const;
 
@@ -252,10 +292,11 @@ class WanTextToVideo {
   Umt5Tokenizer tokenizer_;
   std::shared_ptr<WanDenoiser> denoiser_;
   WanVae vae_;
+  std::function<torch::Tensor(const torch::Tensor&)> image_encoder_;
 };
 
 // A sampling pipeline's component that cannot be used: which one (`component`: "text_encoder",
-// "tokenizer" or "vae"; a tool names its flag) and why. Bad input.
+// "tokenizer", "vae" or "image_encoder"; a tool names its flag) and why. Bad input.
 class WanPipelineError : public std::runtime_error, public InputError {
  public:
   WanPipelineError(std::string component, const std::string& problem)
@@ -266,10 +307,12 @@ class WanPipelineError : public std::runtime_error, public InputError {
   std::string component_;
 };
 
-// What a sampler asks of open_wan_pipeline. Empty paths: text_encoder/ and vae/ of the diffusers
-// repository model.wan.weights names; the tokenizer is found from umT5's path.
+// What a sampler asks of open_wan_pipeline. Empty paths: the model's config's own (model.text_encoder.weights
+// and .vocab, model.vae.weights, model.image_encoder.weights: what a trained run was cached with) where those
+// exist, else text_encoder/, vae/ and (Wan2.1 I2V) image_encoder/ of the diffusers repository model.wan.weights
+// names; the tokenizer is found from umT5's path.
 struct WanPipelineRequest {
-  std::string text_encoder, tokenizer, vae;
+  std::string text_encoder, tokenizer, vae, image_encoder;
   torch::Device device = torch::kCPU;
   StreamChoice stream = StreamChoice::kAuto;               // the DiT's blocks and umT5's layers, each by its own size
   c10::ScalarType compute_dtype = c10::ScalarType::Float;  // the DiT's blocks

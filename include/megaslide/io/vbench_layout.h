@@ -69,6 +69,7 @@ struct SampleJob {
   std::optional<int64_t> steps;
   std::optional<double> guidance_scale;
   std::optional<std::string> negative_prompt;
+  std::optional<std::string> image;  // image-to-video: the video's first frame (a prompt file's --i)
   std::optional<int64_t> frames, height, width;
 };
 
@@ -81,6 +82,7 @@ std::vector<SampleJob> plan_vbench_samples(const std::vector<std::string>& promp
 //   --w WIDTH  --h HEIGHT  --f FRAMES   the video's size in pixels and frames
 //   --d SEED   --s STEPS   --g SCALE    its seed, sampling steps and guidance scale
 //   --n TEXT                             its negative prompt (everything up to the next setting)
+//   --i IMAGE                            image-to-video: the image it starts from (relative to the file's folder)
 // e.g. "a red fox runs through snow --w 832 --h 480 --f 81 --d 42 --g 5.0". A setting starts at " --"
 // followed by its letter and a space; an unknown one, a repeated one, a value that is not a number in
 // range or a line with settings but no prompt is refused naming the file, the line and the setting.
@@ -94,6 +96,7 @@ struct PromptSpec {
   std::optional<uint64_t> seed;
   std::optional<double> guidance;
   std::optional<std::string> negative;
+  std::optional<std::string> image;
   std::string file;
   int64_t line = 0;
   bool has_size() const { return width || height || frames; }

@@ -46,6 +46,13 @@ struct VideoWriteOptions {
 // round((x + 1)·127.5) clamped to [0, 255]; upscale repeats pixels (nearest neighbour).
 torch::Tensor to_rgb_frames(const torch::Tensor& video, int64_t upscale = 1);
 
+// An image [H, W, 3] uint8 as the first frame of videos of height x width: [3, height, width] float32 in
+// [-1, 1]. An image of another aspect ratio (by more than 1%) is centre-cropped to the videos' first (as
+// Wan2.2's own image-to-video preprocessing crops; diffusers' pipelines stretch instead), then resized with
+// antialiased bilinear filtering (PIL's bilinear): non-negative weights, so the result stays in [-1, 1].
+// `done` (optional) receives what was done, for a message ("" when the image was already that size).
+torch::Tensor fit_image(const torch::Tensor& image, int64_t height, int64_t width, std::string* done = nullptr);
+
 // frames [T, H, W, 3] uint8 RGB, T >= 1, H and W even.
 void write_mp4(const std::string& path, const torch::Tensor& frames, const VideoWriteOptions& options = {});
 

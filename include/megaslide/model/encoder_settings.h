@@ -20,4 +20,8 @@ torch::ScalarType frozen_encoder_dtype(const std::string& name, torch::Device de
 // rounded down to whole latents (model.vae.downscale pixels), the stride at least one latent.
 std::optional<WanVaeTiling> wan_vae_tiling(const VaeConfig& vae);
 
+// Wan2.1 I2V's CLIP image encoder: model.image_encoder.weights, else the image_encoder/ folder of the diffusers
+// repository model.wan.weights names; "" when neither is there.
+std::string wan_image_encoder_path(const RunConfig& config);
+
 }  // namespace megaslide

@@ -103,6 +103,12 @@ struct WanRope {
   torch::Tensor cos, sin;  // [N, d/2]
 };
 WanRope wan_rope(const TokenGrid& grid, int64_t head_dim, double theta, torch::Device device);
+
+// Image-to-video's conditioning channels (Wan2.1 I2V, Wan2.2 I2V-A14B; diffusers' WanImageToVideoPipeline) of
+// the conditioning video's normalised latents [B, C, T, H, W] (the image, then black frames, through the VAE):
+// the mask — 4 channels (the VAE's 4 frames per latent), 1 on the first latent frame (the image's), 0 elsewhere —
+// then the latents: [B, 4 + C, T, H, W] float32. The DiT's input is the noisy latents, then these.
+torch::Tensor wan_image_condition(const torch::Tensor& image_latents);
 // Rotates x [B, N, M, d] (any floating dtype; the arithmetic in fp32, rounded back to x's dtype).
 torch::Tensor apply_wan_rope(const torch::Tensor& x, const WanRope& rope);
 

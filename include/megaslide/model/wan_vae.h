@@ -121,6 +121,13 @@ class WanVae {
   // Normalised latents -> videos.
   torch::Tensor decode(const torch::Tensor& latents, const std::optional<WanVaeTiling>& tiling = std::nullopt) const;
 
+  // Image-to-video's conditioning video (diffusers' WanImageToVideoPipeline.prepare_latents): `image` [3, H, W]
+  // in [−1, 1] as the first of `frames` frames (1 + 4k), the others black (0), encoded (the mean, normalised):
+  // [1, z, 1 + (frames − 1)/4, H/s, W/s] float32. Every latent frame depends on the image (the encoder is causal
+  // with a cache across chunks), so the whole video is encoded.
+  torch::Tensor encode_image_video(const torch::Tensor& image, int64_t frames,
+                                   const std::optional<WanVaeTiling>& tiling = std::nullopt) const;
+
   // z = (μ − mean) / std and back, per channel (dim 1) of [B, z, ...] latents.
   torch::Tensor normalize(const torch::Tensor& latents) const;
   torch::Tensor denormalize(const torch::Tensor& latents) const;

@@ -14,7 +14,8 @@
 // diffusion.shift and diffusion.timestep_sampling say; diffusion/flow_matching.h) or ddpm (DDPMSchedule
 // with diffusion.prediction). Random streams, shared by both modes so that they see the same batches: the
 // sample order from an EpochSampler(train.seed), caption dropout from an mt19937_64 (the text of a dropped
-// sample becomes the empty prompt's embedding), σ (or t) then noise from a CPU generator seeded by
+// sample becomes the empty prompt's embedding), then image-to-video's image dropout from the same stream (one
+// draw per sample, after the captions'), σ (or t) then noise from a CPU generator seeded by
 // train.seed. Initialisation: the weights of the model WanTransformer builds on the CPU in fp32 after
 // torch::manual_seed(train.seed), overwritten by model.wan.weights when set (the 3D-DSA retrofit's
 // parameters allowed missing), then by train.init_from's tensors when given; both modes start from
@@ -64,13 +65,17 @@ struct WanLatentData {
   torch::Tensor latents;     // [N, C, T, H, W] float32: Wan VAE latents (normalised as Wan's pipeline does)
   torch::Tensor text;        // [N, L, text_dim] float32: umT5 embeddings, zero past the prompt (Wan's convention)
   torch::Tensor empty_text;  // [L, text_dim]: the empty prompt's embedding (caption dropout); optional
-  // Reads a safetensors file holding "latents", "text" and optionally "empty_text" (float32, bf16 or fp16);
-  // errors (std::invalid_argument) name the file and the tensor.
+  // Image-to-video (wan_image_to_video): each clip's conditioning video's latents [N, C, T, H, W]
+  // (WanVae::encode_image_video of its image) and, for an image branch (model.wan.image_dim > 0), its image
+  // tokens [N, Li, image_dim] (CLIP's penultimate hidden states).
+  torch::Tensor image_latents, image_embeds;
+  // Reads a safetensors file holding "latents", "text" and optionally "empty_text", "image_latents" and
+  // "image_embeds" (float32, bf16 or fp16); errors (std::invalid_argument) name the file and the tensor.
   static WanLatentData load(const std::string& path);
   // Every item of a megaslide-cache folder made through umT5 and the Wan VAE (data/latent_cache.h), in
-  // item order: latents, umT5 text and the empty prompt's as empty_text. `config` is the run's (data.dataset:
-  // videos, pixel sizes): the cache is opened with its checks (encoders, decode settings, stale items).
-  // Throws DatasetError.
+  // item order: latents, umT5 text and the empty prompt's as empty_text (image-to-video: the image's too). `config` is
+  // the run's (data.dataset: videos, pixel sizes): the cache is opened with its checks (encoders, decode settings,
+  // stale items). Throws DatasetError.
   static WanLatentData from_cache(const RunConfig& config, const std::string& dir);
   // Checks the shapes against a config (data.channels/frames/height/width, model.wan.text_dim); throws
   // std::invalid_argument naming what differs.
@@ -94,6 +99,12 @@ struct WanBatch {
   torch::Tensor target;         // [B, C, T, H, W]
   torch::Tensor text;           // [B, L, text_dim]
   torch::Tensor loss_mask;      // [B, 1, T, 1, 1] float32 (first_frame_clean > 0), else undefined
+  // Image-to-video: wan_image_condition of the image latents [B, 4 + C, T, H, W] (zero for a sample whose
+  // image is dropped: diffusion.image_dropout), and the image tokens [B, Li, image_dim] of an image branch
+  // (likewise zero); undefined for text-to-video.
+  torch::Tensor condition, image;
+  // The DiT's input: xt, then the conditioning channels (image-to-video).
+  torch::Tensor input() const { return condition.defined() ? at::cat({xt, condition.to(xt.scalar_type())}, 1) : xt; }
 };
 
 // The training loss of a prediction [B, C, T, H, W] for `target`: the mean squared error; with loss_mask,
@@ -190,7 +201,8 @@ class WanBlockDraws {
 // model_flops_per_step counts the DiT family's: 6 per weight and token for every linear map (the
 // cross-attention's k and v and the text embedder over the text tokens, everything else over the video
 // tokens), attention as 12·N·keys·D per layer (4 forward, 8 backward), keys = N (dense) or the 3D-DSA
-// kernel's volume, plus the text tokens of the cross-attention.
+// kernel's volume, plus the text tokens of the cross-attention (and Wan2.1 I2V's 257 image tokens, over which
+// its image branch runs).
 double wan_model_flops_per_step(const RunConfig& config);
 
 // Wan's prologue and epilogue of one micro-batch through a WanStack of `model` (the stack's input, then

@@ -77,14 +77,22 @@ void check_wan_validation_config(const RunConfig& config, const std::string& sou
 class WanValidation {
  public:
   // `config`: the run's (model.arch wan, the encoders named; data.dataset videos with pixel sizes or
-  // latent-tensors with latent sizes). `captions`: the data's first captions in item order (empty for
-  // latent tensors). Throws ConfigError naming the key of an encoder that cannot be loaded or does not
-  // fit the DiT (model.text_encoder.*, model.vae.*, model.wan.text_dim).
+  // latent-tensors with latent sizes). `captions`: the data's first items' captions in item order, from item 0
+  // (empty for latent tensors); the first kWanValidationVideos distinct non-empty ones are the prompts. Throws
+  // ConfigError naming the key of an encoder that cannot be loaded or does not fit the DiT (model.text_encoder.*,
+  // model.vae.*, model.wan.text_dim).
   WanValidation(const RunConfig& config, const std::vector<std::string>& captions, const std::string& source);
 
   const std::vector<io::SampleJob>& jobs() const { return jobs_; }
   const WanSampleOptions& options() const { return options_; }
   const RunConfig& latent_config() const { return latent_; }
+
+  // Image-to-video (wan_image_to_video): the images the videos start from, fixed for the run — a caption's
+  // video the image of the item the caption came from, any other (train.sample_prompts' lines, the default
+  // prompts) item i mod N's for video i — from the run's data: the items' conditioning latents [N, C, T, H, W]
+  // and image tokens [N, Li, image_dim] (undefined without an image branch). Throws ConfigError naming
+  // train.sample_prompts when a video's size is not the data's (the images are the data's size).
+  void images(const torch::Tensor& image_latents, const torch::Tensor& image_embeds);
 
   // Each video's normalised latents [1, C, T, H, W] float32 on the CPU, sampled with the trainer's
   // current weights (waits for its pending updates; its weights and modes are as before on return).
@@ -101,7 +109,9 @@ class WanValidation {
   std::vector<io::SampleJob> jobs_;      // videos_' jobs
   std::vector<torch::Tensor> text_;      // per job [1, L, text_dim] float32, CPU
   std::map<std::string, torch::Tensor>
-      negatives_;  // per negative prompt of a video with guidance: [1, L, text_dim] float32, CPU
+      negatives_;               // per negative prompt of a video with guidance: [1, L, text_dim] float32, CPU
+  std::vector<int64_t> items_;  // per video: the item its caption is, or -1
+  std::vector<WanImageCondition> conditions_;  // per video, image-to-video (CPU)
 };
 
 }  // namespace megaslide
