@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "io/pretrained.h"
+#include "model/clip_layers.h"
 
 namespace megaslide {
 
@@ -36,14 +37,10 @@ ClipTextConfig parse_config(const nlohmann::json& root, const std::string& sourc
   if (c.hidden_size % c.num_attention_heads != 0)
     throw io::PretrainedError("'" + source + "': hidden_size " + std::to_string(c.hidden_size) +
                               " is not a multiple of num_attention_heads " + std::to_string(c.num_attention_heads));
-  if (c.hidden_act != "quick_gelu" && c.hidden_act != "gelu" && c.hidden_act != "gelu_new")
+  if (!clip::supported_activation(c.hidden_act))
     throw io::PretrainedError("'" + source + "': hidden_act \"" + c.hidden_act +
                               "\" is not supported (quick_gelu, gelu or gelu_new)");
   return c;
-}
-
-torch::Tensor layer_norm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, double eps) {
-  return at::layer_norm(x, {x.size(-1)}, w, b, eps);
 }
 
 }  // namespace
@@ -90,21 +87,7 @@ ClipTextEncoder ClipTextEncoder::build(const ClipTextConfig& config, torch::Devi
   const int64_t D = c.hidden_size, F = c.intermediate_size;
   take("embeddings.token_embedding.weight", {c.vocab_size, D});
   take("embeddings.position_embedding.weight", {c.max_position_embeddings, D});
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    const auto p = "encoder.layers." + std::to_string(l) + ".";
-    for (const char* proj : {"q_proj", "k_proj", "v_proj", "out_proj"}) {
-      take(p + "self_attn." + proj + ".weight", {D, D});
-      take(p + "self_attn." + proj + ".bias", {D});
-    }
-    for (const char* norm : {"layer_norm1", "layer_norm2"}) {
-      take(p + norm + ".weight", {D});
-      take(p + norm + ".bias", {D});
-    }
-    take(p + "mlp.fc1.weight", {F, D});
-    take(p + "mlp.fc1.bias", {F});
-    take(p + "mlp.fc2.weight", {D, F});
-    take(p + "mlp.fc2.bias", {D});
-  }
+  clip::take_encoder_layers(take, c.num_hidden_layers, D, F);
   take("final_layer_norm.weight", {D});
   take("final_layer_norm.bias", {D});
   return e;
@@ -120,7 +103,7 @@ ClipTextOutput ClipTextEncoder::forward(const torch::Tensor& ids_in) const {
   const auto& c = config_;
   TORCH_CHECK(ids_in.dim() == 2 && ids_in.scalar_type() == torch::kLong,
               "ClipTextEncoder: expected ids [B, L] int64, got ", ids_in.scalar_type(), " ", ids_in.sizes());
-  const int64_t B = ids_in.size(0), L = ids_in.size(1), H = c.num_attention_heads, D = c.hidden_size;
+  const int64_t B = ids_in.size(0), L = ids_in.size(1), H = c.num_attention_heads;
   TORCH_CHECK(L >= 1 && L <= c.max_position_embeddings, "ClipTextEncoder: ", L, " tokens, the model takes 1 to ",
               c.max_position_embeddings);
   TORCH_CHECK(ids_in.numel() == 0 || (ids_in.min().item<int64_t>() >= 0 && ids_in.max().item<int64_t>() < c.vocab_size),
@@ -130,26 +113,10 @@ ClipTextOutput ClipTextEncoder::forward(const torch::Tensor& ids_in) const {
   const auto ids = ids_in.to(device_);
   auto h = at::embedding(w("embeddings.token_embedding.weight"), ids) +
            w("embeddings.position_embedding.weight").slice(0, 0, L).unsqueeze(0);
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    const auto p = "encoder.layers." + std::to_string(l) + ".";
-    auto x = layer_norm(h, w(p + "layer_norm1.weight"), w(p + "layer_norm1.bias"), c.layer_norm_eps);
-    auto heads = [&](const char* proj) {
-      return at::linear(x, w(p + "self_attn." + proj + ".weight"), w(p + "self_attn." + proj + ".bias"))
-          .view({B, L, H, D / H})
-          .transpose(1, 2);
-    };
-    auto attn = at::scaled_dot_product_attention(heads("q_proj"), heads("k_proj"), heads("v_proj"), std::nullopt, 0.0,
-                                                 /*is_causal=*/true);
-    attn = attn.transpose(1, 2).reshape({B, L, D});
-    h = h + at::linear(attn, w(p + "self_attn.out_proj.weight"), w(p + "self_attn.out_proj.bias"));
-    x = layer_norm(h, w(p + "layer_norm2.weight"), w(p + "layer_norm2.bias"), c.layer_norm_eps);
-    x = at::linear(x, w(p + "mlp.fc1.weight"), w(p + "mlp.fc1.bias"));
-    if (c.hidden_act == "quick_gelu") x = x * at::sigmoid(1.702 * x);
-    else x = at::gelu(x, c.hidden_act == "gelu" ? "none" : "tanh");
-    h = h + at::linear(x, w(p + "mlp.fc2.weight"), w(p + "mlp.fc2.bias"));
-  }
-  auto last =
-      layer_norm(h, w("final_layer_norm.weight"), w("final_layer_norm.bias"), c.layer_norm_eps).to(torch::kFloat32);
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+    h = clip::encoder_layer(h, l, w, H, c.hidden_act, c.layer_norm_eps, /*causal=*/true);
+  auto last = clip::layer_norm(h, w("final_layer_norm.weight"), w("final_layer_norm.bias"), c.layer_norm_eps)
+                  .to(torch::kFloat32);
   // The end-of-text position (argmax returns the first of equal maxima, as in transformers).
   auto position = c.eos_token_id == 2 ? ids.argmax(1) : ids.eq(c.eos_token_id).to(torch::kInt).argmax(1);
   auto pooled = last.index({torch::arange(B, ids.options()), position});

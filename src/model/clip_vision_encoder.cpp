@@ -7,6 +7,7 @@
 #include <set>
 
 #include "io/pretrained.h"
+#include "model/clip_layers.h"
 
 namespace megaslide {
 
@@ -328,7 +329,7 @@ void validate(const ClipVisionConfig& c, const std::string& source) {
   if (c.patch_size > c.image_size)
     throw ClipVisionError("'" + source + "': patch_size " + std::to_string(c.patch_size) +
                           " is larger than image_size " + std::to_string(c.image_size));
-  if (c.hidden_act != "quick_gelu" && c.hidden_act != "gelu" && c.hidden_act != "gelu_new")
+  if (!clip::supported_activation(c.hidden_act))
     throw ClipVisionError("'" + source + "': hidden_act \"" + c.hidden_act +
                           "\" is not supported (quick_gelu, gelu or gelu_new)");
 }
@@ -376,10 +377,6 @@ std::string shape_string(const std::vector<int64_t>& shape) {
   std::string s = "[";
   for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
   return s + "]";
-}
-
-torch::Tensor layer_norm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, double eps) {
-  return at::layer_norm(x, {x.size(-1)}, w, b, eps);
 }
 
 }  // namespace
@@ -517,21 +514,7 @@ ClipVisionEncoder ClipVisionEncoder::build(const ClipVisionConfig& config, torch
   take("embeddings.position_embedding.weight", {c.patches() + 1, D});
   take("pre_layrnorm.weight", {D});  // transformers' spelling
   take("pre_layrnorm.bias", {D});
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    const auto p = "encoder.layers." + std::to_string(l) + ".";
-    for (const char* proj : {"q_proj", "k_proj", "v_proj", "out_proj"}) {
-      take(p + "self_attn." + proj + ".weight", {D, D});
-      take(p + "self_attn." + proj + ".bias", {D});
-    }
-    for (const char* norm : {"layer_norm1", "layer_norm2"}) {
-      take(p + norm + ".weight", {D});
-      take(p + norm + ".bias", {D});
-    }
-    take(p + "mlp.fc1.weight", {F, D});
-    take(p + "mlp.fc1.bias", {F});
-    take(p + "mlp.fc2.weight", {D, F});
-    take(p + "mlp.fc2.bias", {D});
-  }
+  clip::take_encoder_layers(take, c.num_hidden_layers, D, F);
   return e;
 }
 
@@ -561,25 +544,9 @@ torch::Tensor ClipVisionEncoder::hidden_state(const torch::Tensor& pixel_values,
                      .transpose(1, 2);  // [B, patches, D]
   auto h = torch::cat({w("embeddings.class_embedding").view({1, 1, D}).expand({B, 1, D}), patches}, 1) +
            w("embeddings.position_embedding.weight").unsqueeze(0);
-  h = layer_norm(h, w("pre_layrnorm.weight"), w("pre_layrnorm.bias"), c.layer_norm_eps);
-  const int64_t L = h.size(1);
-  for (int64_t l = 0; l < index; ++l) {
-    const auto p = "encoder.layers." + std::to_string(l) + ".";
-    auto x = layer_norm(h, w(p + "layer_norm1.weight"), w(p + "layer_norm1.bias"), c.layer_norm_eps);
-    auto heads = [&](const char* proj) {
-      return at::linear(x, w(p + "self_attn." + proj + ".weight"), w(p + "self_attn." + proj + ".bias"))
-          .view({B, L, H, D / H})
-          .transpose(1, 2);
-    };
-    auto attn = at::scaled_dot_product_attention(heads("q_proj"), heads("k_proj"), heads("v_proj"));
-    attn = attn.transpose(1, 2).reshape({B, L, D});
-    h = h + at::linear(attn, w(p + "self_attn.out_proj.weight"), w(p + "self_attn.out_proj.bias"));
-    x = layer_norm(h, w(p + "layer_norm2.weight"), w(p + "layer_norm2.bias"), c.layer_norm_eps);
-    x = at::linear(x, w(p + "mlp.fc1.weight"), w(p + "mlp.fc1.bias"));
-    if (c.hidden_act == "quick_gelu") x = x * at::sigmoid(1.702 * x);
-    else x = at::gelu(x, c.hidden_act == "gelu" ? "none" : "tanh");
-    h = h + at::linear(x, w(p + "mlp.fc2.weight"), w(p + "mlp.fc2.bias"));
-  }
+  h = clip::layer_norm(h, w("pre_layrnorm.weight"), w("pre_layrnorm.bias"), c.layer_norm_eps);
+  for (int64_t l = 0; l < index; ++l)
+    h = clip::encoder_layer(h, l, w, H, c.hidden_act, c.layer_norm_eps, /*causal=*/false);
   return h.to(torch::kFloat32);
 }
 

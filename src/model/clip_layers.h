@@ -1,0 +1,67 @@
+// CLIP's transformer layers (transformers' CLIPEncoderLayer), shared by its text tower
+// (clip_text_encoder.cpp, causal) and its vision tower (clip_vision_encoder.cpp): pre-LayerNorm
+// self-attention and MLP, each added to the residual stream. Internal to the library.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace megaslide::clip {
+
+// Calls take(name, shape) for every tensor of `layers` layers of width D and MLP width F, transformers'
+// names under "encoder.layers.N.".
+inline void take_encoder_layers(const std::function<void(const std::string&, std::vector<int64_t>)>& take,
+                                int64_t layers, int64_t D, int64_t F) {
+  for (int64_t l = 0; l < layers; ++l) {
+    const auto p = "encoder.layers." + std::to_string(l) + ".";
+    for (const char* proj : {"q_proj", "k_proj", "v_proj", "out_proj"}) {
+      take(p + "self_attn." + proj + ".weight", {D, D});
+      take(p + "self_attn." + proj + ".bias", {D});
+    }
+    for (const char* norm : {"layer_norm1", "layer_norm2"}) {
+      take(p + norm + ".weight", {D});
+      take(p + norm + ".bias", {D});
+    }
+    take(p + "mlp.fc1.weight", {F, D});
+    take(p + "mlp.fc1.bias", {F});
+    take(p + "mlp.fc2.weight", {D, F});
+    take(p + "mlp.fc2.bias", {D});
+  }
+}
+
+// config.hidden_act: quick_gelu (x·sigmoid(1.702x), CLIP's), gelu (erf) or gelu_new (tanh).
+inline bool supported_activation(const std::string& act) {
+  return act == "quick_gelu" || act == "gelu" || act == "gelu_new";
+}
+
+inline at::Tensor layer_norm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, double eps) {
+  return at::layer_norm(x, {x.size(-1)}, w, b, eps);
+}
+
+// Layer l's output for h [B, L, D]; w(name) is the tensor of transformers' name.
+inline at::Tensor encoder_layer(const at::Tensor& h, int64_t l,
+                                const std::function<const at::Tensor&(const std::string&)>& w, int64_t heads,
+                                const std::string& act, double eps, bool causal) {
+  const int64_t B = h.size(0), L = h.size(1), D = h.size(2);
+  const auto p = "encoder.layers." + std::to_string(l) + ".";
+  auto x = layer_norm(h, w(p + "layer_norm1.weight"), w(p + "layer_norm1.bias"), eps);
+  auto split = [&](const char* proj) {
+    return at::linear(x, w(p + "self_attn." + proj + ".weight"), w(p + "self_attn." + proj + ".bias"))
+        .view({B, L, heads, D / heads})
+        .transpose(1, 2);
+  };
+  auto attn =
+      at::scaled_dot_product_attention(split("q_proj"), split("k_proj"), split("v_proj"), std::nullopt, 0.0, causal);
+  attn = attn.transpose(1, 2).reshape({B, L, D});
+  auto out = h + at::linear(attn, w(p + "self_attn.out_proj.weight"), w(p + "self_attn.out_proj.bias"));
+  x = layer_norm(out, w(p + "layer_norm2.weight"), w(p + "layer_norm2.bias"), eps);
+  x = at::linear(x, w(p + "mlp.fc1.weight"), w(p + "mlp.fc1.bias"));
+  if (act == "quick_gelu") x = x * at::sigmoid(1.702 * x);
+  else x = at::gelu(x, act == "gelu" ? "none" : "tanh");
+  return out + at::linear(x, w(p + "mlp.fc2.weight"), w(p + "mlp.fc2.bias"));
+}
+
+}  // namespace megaslide::clip
