@@ -23,6 +23,7 @@
 #include "megaslide/io/video.h"
 #include "megaslide/model/clip_vision_encoder.h"
 #include "megaslide/model/wan_vae.h"
+#include "megaslide/model/wan_weights.h"
 #include "run_tool.h"
 #include "video_fixture.h"
 
@@ -379,6 +380,16 @@ TEST(MegaslideCache, WanImageToVideoCachesEachClipsImageTrainsResumesAndSamples)
                "--config " + config + " --run-dir " + fx.dir + "/run --resume latest --set train.steps=3");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_EQ(count(megaslide::io::read_file(fx.dir + "/run/metrics.jsonl"), "\"loss\":"), 3u);
+  r = run_tool("megaslide-train", "--config " + config + " --run-dir " + fx.dir +
+                                      "/run --resume latest --set train.steps=3 --export-weights " + fx.dir +
+                                      "/export.safetensors");
+  ASSERT_EQ(r.code, 0) << r.output;
+  // The export is diffusers' layout of an I2V DiT: 36 channels in, the image branch.
+  const auto exported =
+      megaslide::WanWeights::open(fx.dir + "/export.safetensors").architecture(megaslide::WanConfig());
+  EXPECT_EQ(exported.in_channels, 36);
+  EXPECT_EQ(exported.out_channels, 16);
+  EXPECT_EQ(exported.image_dim, 24);
   // Another frame is another cache.
   r = run_tool("megaslide-train", "--config " + config + " --run-dir " + fx.dir + "/frame2 --set data.image_frame=2");
   EXPECT_EQ(r.code, 2) << r.output;

@@ -245,9 +245,12 @@ TEST(RunConfig, WanAndDiTKeysDoNotMix) {
   expect_error(wan, {"model.mlp_ratio=2"}, "model.mlp_ratio", "does not apply to model.arch wan");
   expect_error("", {"model.wan.dim=32"}, "model.wan.dim", "applies to model.arch wan only");
   expect_error("", {"model.self_attention=dsa3d"}, "model.self_attention", "applies to model.arch wan only");
-  expect_error(wan, {"data.channels=3"}, "data.channels", "model.wan.in_channels (4)");
-  expect_error(wan, {"model.wan.out_channels=3"}, "model.wan.out_channels", "expected model.wan.in_channels");
-  expect_error(wan, {"model.wan.image_dim=1280"}, "model.wan.image_dim", "image-to-video is not trained or sampled yet");
+  expect_error(wan, {"data.channels=3"}, "data.channels", "model.wan.out_channels (4");
+  // The input is the latents (text-to-video) or 2 x latents + 4 (image-to-video), nothing else.
+  expect_error(wan, {"model.wan.out_channels=3", "data.channels=3"}, "model.wan.in_channels",
+               "expected model.wan.out_channels (3: text-to-video) or 2 x 3 + 4 = 10");
+  EXPECT_NO_THROW(parse_run_config(wan, kSource, {"model.wan.in_channels=12"}));
+  expect_error(wan, {"model.wan.image_dim=1280"}, "model.wan.image_dim", "image-to-video's");
   expect_error(wan, {"model.wan.image_dim=-1"}, "model.wan.image_dim", ">= 0");
   expect_error(wan, {"model.wan.heads=16"}, "model.wan.dim", "even");
   expect_error(wan, {"model.wan.dim=50"}, "model.wan.dim", "multiple of model.wan.heads");
@@ -275,7 +278,7 @@ TEST(RunConfig, WanAndDiTKeysDoNotMix) {
   expect_error(wan, with({"data.frames=6"}), "data.frames", "1 + 4k");
   expect_error(wan, with({"data.height=12"}), "data.height", "multiple of model.vae.downscale");
   expect_error(wan, with({"data.height=8"}), "data.height", "latent height");
-  expect_error(wan, with({"model.vae.latent_channels=16"}), "model.vae.latent_channels", "model.wan.in_channels (4");
+  expect_error(wan, with({"model.vae.latent_channels=16"}), "model.vae.latent_channels", "model.wan.out_channels (4");
   expect_error(wan, with({"model.text_encoder.kind=builtin", "model.text_encoder.weights="}), "model.text_encoder.kind",
                "expected umt5");
   expect_error(wan, with({"model.vae.weights="}), "model.vae.weights", "Wan VAE");

@@ -56,6 +56,16 @@ RunConfig pipeline_config(const std::string& weights) {
                                       "data.max_text_tokens=512", "diffusion.objective=flow", "offload.enabled=false"});
 }
 
+// The pipeline's other components: the umt5 and wan_vae fixtures.
+megaslide::WanPipelineRequest fixture_request(megaslide::StreamChoice stream) {
+  megaslide::WanPipelineRequest request;
+  request.text_encoder = kUmt5;
+  request.tokenizer = kTokenizer;
+  request.vae = kVae;
+  request.stream = stream;
+  return request;
+}
+
 }  // namespace
 
 // The property: Wan2.2 I2V-A14B's two 36-channel experts from diffusers' layout (boundary 0.9 from
@@ -72,11 +82,7 @@ TEST(WanImageToVideo, Wan22ExpertsEqualWanImageToVideoPipeline) {
     EXPECT_EQ(model.config.model.wan.in_channels, 36);
     EXPECT_TRUE(megaslide::wan_image_to_video(model.config.model.wan));
     EXPECT_EQ(model.config.model.wan.boundary_ratio, 0.9);
-    megaslide::WanPipelineRequest request;
-    request.text_encoder = kUmt5;
-    request.tokenizer = kTokenizer;
-    request.vae = kVae;
-    request.stream = stream;
+    auto request = fixture_request(stream);
     const auto options = megaslide::WanSampleOptions::from_config(model.config);
     auto opened = megaslide::open_wan_pipeline(std::move(model), request);
     const auto fitted = megaslide::io::fit_image(image, 32, 48);
@@ -114,11 +120,7 @@ TEST(WanImageToVideo, Wan21EqualsWanImageToVideoPipelineWithClipImageTokens) {
     SCOPED_TRACE(stream == megaslide::StreamChoice::kOn ? "streamed" : "resident");
     auto model = megaslide::wan_model_from_config(pipeline_config(kI2v + "/wan21/transformer"), "test");
     EXPECT_EQ(model.config.model.wan.image_dim, 24);
-    megaslide::WanPipelineRequest request;
-    request.text_encoder = kUmt5;
-    request.tokenizer = kTokenizer;
-    request.vae = kVae;
-    request.stream = stream;
+    auto request = fixture_request(stream);
     const auto options = megaslide::WanSampleOptions::from_config(model.config);
     auto without = request;
     EXPECT_THROW(megaslide::open_wan_pipeline(model, without), megaslide::WanPipelineError)

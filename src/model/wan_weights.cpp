@@ -605,7 +605,7 @@ io::WrittenFile save_wan_weights(const std::string& path, const WanConfig& wan, 
       written = save_wan_weights(io::join_path(folder, "diffusion_pytorch_model.safetensors"), one, experts[e], dtype);
     }
     nlohmann::ordered_json index;
-    index["_class_name"] = "WanPipeline";
+    index["_class_name"] = wan_image_to_video(wan) ? "WanImageToVideoPipeline" : "WanPipeline";
     index["boundary_ratio"] = wan.boundary_ratio;
     index["transformer"] = {"diffusers", "WanTransformer3DModel"};
     index["transformer_2"] = {"diffusers", "WanTransformer3DModel"};
