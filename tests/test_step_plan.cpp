@@ -500,6 +500,35 @@ TEST(StepPlan, Wan22ConfigsPlanThePublishedSizes) {
   std::cout << "a14b both experts on h200: " << plan::to_table(both) << "\n";
 }
 
+// Property: the shipped image-to-video configs plan their architectures' sizes — Wan2.1 I2V-14B (480p and 720p):
+// T2V-14B's 14,288,491,584 parameters plus 20 more input channels of the patch embedding (409,600) and the image
+// branch (the image embedder, 8,211,200; each block's add_k_proj, add_v_proj and norm_added_k, 40 x 52,444,160),
+// 16,394,878,784; one Wan2.2 I2V-A14B expert: T2V-A14B's plus the input channels, 14,288,901,184, its boundary
+// 0.9 — at 21 x 30 x 52 (480p) and 21 x 45 x 80 (720p) tokens; the image branch's work over CLIP's 257 tokens is in
+// the model FLOPs (more than the same DiT without it).
+TEST(StepPlan, ImageToVideoConfigsPlanTheirSizes) {
+  for (const auto& [file, params, tokens] : std::vector<std::tuple<std::string, int64_t, int64_t>>{
+           {"configs/wan2.1-i2v-14b-480p.yaml", 16394878784, 21 * 30 * 52},
+           {"configs/wan2.1-i2v-14b-720p.yaml", 16394878784, 21 * 45 * 80},
+           {"configs/wan2.2-i2v-a14b.yaml", 14288901184, 21 * 30 * 52}}) {
+    const auto config = load_run_config(source_path(file), {"offload.compute_dtype=bf16"});
+    EXPECT_TRUE(megaslide::wan_image_to_video(config.model.wan)) << file;
+    const auto plan = plan::plan_step(megaslide::with_wan_architecture_from_weights(config), h200());
+    EXPECT_EQ(plan.params, params) << file;
+    EXPECT_EQ(plan.layers, 40) << file;
+    EXPECT_EQ(plan.tokens_per_sample, tokens) << file;
+    EXPECT_EQ(plan.streamed_params + plan.resident_params, params) << file;
+    if (config.model.wan.image_dim > 0) {
+      auto without = config;
+      without.model.wan.image_dim = 0;
+      EXPECT_GT(plan.time.model_flops, plan::plan_step(without, h200()).time.model_flops) << file;
+    } else {
+      EXPECT_EQ(plan.boundary_ratio, 0.9) << file;
+    }
+    std::cout << file << ": " << plan::to_table(plan) << "\n";
+  }
+}
+
 // Property: the shipped Wan2.1 configs plan Wan's published sizes at its 480p default (81 frames of
 // 480x832 -> latents 21x60x104, 21x30x52 = 32,760 tokens): 1,418,996,800 and 14,288,491,584 parameters,
 // split into streamed and resident parts that sum to them; bf16 PCIe bytes per step follow the closed
