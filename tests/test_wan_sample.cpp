@@ -23,6 +23,7 @@
 #include "megaslide/io/video.h"
 #include "megaslide/io/vbench_layout.h"
 #include "megaslide/model/dit_weights.h"
+#include "megaslide/model/wan_lora.h"
 #include "megaslide/model/wan_weights.h"
 #include "megaslide/train/run_outputs.h"
 #include "run_tool.h"
@@ -856,4 +857,57 @@ TEST(MegaslideSampleWan, ImageToVideoStartsFromTheImage) {
   r = run(common + " --image " + small + " --out " + join_path(scratch(), "ti2v-small"));
   EXPECT_EQ(r.code, 0) << r.output;
   EXPECT_NE(r.output.find("resized from 48x32 to 96x64"), std::string::npos) << r.output;
+}
+
+// The property: megaslide-sample --lora FILE --lora-scale S samples the DiT with the LoRA merged: the same latents
+// (within 1e-5) as a weights file holding the base with S x the adapters' update added (here in musubi-tuner's
+// layout, with adapters on block linears and on a prologue linear); a file that is not this model's LoRA and
+// --lora-2 for one DiT exit 2 naming the flag.
+TEST(MegaslideSampleWan, LoraSamplesAsTheWeightsWithItsUpdateMerged) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  auto model = megaslide::wan_model_from_config(fixture_config(), "test");
+  megaslide::WanLora lora;
+  torch::manual_seed(17);
+  for (const auto& [weight, shape] :
+       std::vector<std::pair<std::string, std::vector<int64_t>>>{{"blocks.0.attn1.to_q.weight", {16, 16}},
+                                                                 {"blocks.1.ffn.net.2.weight", {16, 32}},
+                                                                 {"condition_embedder.time_proj.weight", {96, 16}}}) {
+    megaslide::LoraAdapter a;
+    a.down = 0.3 * torch::randn({2, shape[1]});
+    a.up = 0.3 * torch::randn({shape[0], 2});
+    a.alpha = 3.0;
+    lora.adapters[weight] = a;
+  }
+  const auto lora_file = join_path(scratch(), "adapter.safetensors");
+  megaslide::save_wan_lora(lora_file, lora, megaslide::LoraLayout::kMusubi);
+  lora.source = lora_file;
+  EXPECT_EQ(megaslide::merge_wan_lora(*model.dit, lora, 0.5), 3);
+  megaslide::io::NamedTensors params;
+  for (const auto& p : model.dit->named_parameters(true)) params.emplace_back(p.key(), p.value());
+  auto run_config = model.config;
+  run_config.model.wan.weights.clear();
+  const auto merged = join_path(scratch(), "merged.safetensors");
+  megaslide::save_weights(merged, run_config, params, torch::kFloat32);
+
+  const auto config = write("lora.yaml", config_yaml(kTransformer));
+  const auto prompts = write("lora-prompts.txt", "a red blob moves left quickly\n");
+  const std::string common = kEncoders + " --prompts " + prompts +
+                             " --samples-per-prompt 1 --steps 2 --no-progress --compute-dtype fp32 --latents";
+  const auto with_lora = join_path(scratch(), "with-lora"), from_merged = join_path(scratch(), "from-merged");
+  auto r = run("--config " + config + common + " --lora " + lora_file + " --lora-scale 0.5 --out " + with_lora);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("musubi layout, 3 adapters, rank 2"), std::string::npos) << r.output;
+  r = run("--checkpoint " + merged + common + " --out " + from_merged);
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto index = nlohmann::json::parse(megaslide::io::read_file(join_path(with_lora, "index.json")));
+  for (const auto& v : index.at("videos")) {
+    const std::string file = v.at("file");
+    EXPECT_LT(max_diff(saved_latents(with_lora, file), saved_latents(from_merged, file)), 1e-5) << file;
+  }
+  r = run("--config " + config + common + " --lora " + config + " --out " + join_path(scratch(), "bad-lora"));
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("--lora"), std::string::npos) << r.output;
+  r = run("--config " + config + common + " --lora-2 " + lora_file + " --out " + join_path(scratch(), "lora-2"));
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("--lora-2"), std::string::npos) << r.output;
 }

@@ -1816,6 +1816,65 @@ def section_i2v_pipeline(out_dir):
     print(f"  latents {tuple(latents.shape)}, condition {tuple(condition.shape)}")
 
 
+def section_wan_lora(out_dir):
+    """A PEFT LoRA on the wan fixture's model "a" as diffusers trains and saves Wan LoRAs: rank 4, alpha 6 (scale 1.5)
+    on the blocks' attention and FFN linears, its B drawn (PEFT initialises it to zero), saved with
+    WanPipeline.save_lora_weights (diffusers' names, the adapter config in the metadata); the DiT's output with the
+    adapter at scale 1 and at 0.6 (set_adapters), and without it."""
+    import diffusers
+    import peft
+    import torch
+    from diffusers import WanPipeline, WanTransformer3DModel
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    model = WanTransformer3DModel.from_pretrained(os.path.join(FIXTURES, "wan", "a", "diffusers", "transformer")).eval()
+    targets = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
+    config = LoraConfig(r=4, lora_alpha=6, target_modules=targets, init_lora_weights=True)
+    model.add_adapter(config, adapter_name="default")
+    g = torch.Generator().manual_seed(101)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if "lora_A" in name or "lora_B" in name:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    lora = get_peft_model_state_dict(model, adapter_name="default")
+    # The config's target_modules is a set: listed sorted, so that the file does not depend on the hash seed.
+    config_dict = {k: sorted(v) if isinstance(v, set) else v for k, v in config.to_dict().items()}
+    WanPipeline.save_lora_weights(out_dir, transformer_lora_layers=lora,
+                                  transformer_lora_adapter_metadata=config_dict, weight_name="lora.safetensors")
+    # safetensors writes a header's metadata in hash order: rewritten here with the keys sorted (same tensors, same
+    # metadata), so the file is the same on every run.
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(out_dir, "lora.safetensors"), "pt") as f:
+        saved = {k: f.get_tensor(k).numpy() for k in f.keys()}
+        saved_metadata = f.metadata()
+    save_safetensors(os.path.join(out_dir, "lora.safetensors"), saved, saved_metadata)
+    g = torch.Generator().manual_seed(102)
+    x, text = torch.randn((2, 4, 3, 6, 8), generator=g), torch.randn((2, 7, 20), generator=g)
+    timesteps = torch.tensor([612.5, 87.25])
+    tensors = {"x": x.numpy(), "text": text.numpy(), "timesteps": timesteps.numpy()}
+    with torch.no_grad():
+        tensors["out"] = model(x, timesteps, text, return_dict=False)[0].numpy()
+        model.set_adapters(["default"], weights=[0.6])
+        tensors["out_0.6"] = model(x, timesteps, text, return_dict=False)[0].numpy()
+        model.disable_adapters()
+        tensors["out_base"] = model(x, timesteps, text, return_dict=False)[0].numpy()
+    # What diffusers reads back from the file (the round trip through its own loader): the same output.
+    pipe_model = WanTransformer3DModel.from_pretrained(os.path.join(FIXTURES, "wan", "a", "diffusers", "transformer")).eval()
+    state, metadata = WanPipeline.lora_state_dict(os.path.join(out_dir, "lora.safetensors"), return_lora_metadata=True)
+    pipe_model.load_lora_adapter(state, prefix="transformer", adapter_name="default", metadata=metadata)
+    with torch.no_grad():
+        assert torch.allclose(pipe_model(x, timesteps, text, return_dict=False)[0], torch.from_numpy(tensors["out"]), atol=1e-6)
+    meta = {"versions": versions(diffusers, peft, torch), "lora_config": json.dumps(config_dict, sort_keys=True),
+            "what": "lora.safetensors: WanPipeline.save_lora_weights of a PEFT LoRA (r 4, alpha 6, targets "
+                    "to_q/to_k/to_v/to_out.0/ffn.net.0.proj/ffn.net.2, lora_A and lora_B drawn) on wan/a/diffusers; "
+                    "out = the model with the adapter at x, timesteps, text; out_0.6 at adapter weight 0.6; out_base "
+                    "without it"}
+    save_safetensors(os.path.join(out_dir, "reference.safetensors"), tensors, meta)
+    print(f"  {len(lora)} LoRA tensors")
+
+
 # --------------------------------------------------------------------------------------------------
 # ftfy: ftfy.fix_text and diffusers' Wan prompt_clean of prompt-like text broken in the ways ftfy repairs
 # --------------------------------------------------------------------------------------------------
@@ -2003,6 +2062,7 @@ SECTIONS = {
     "ftfy": (section_ftfy, "ftfy.fix_text and Wan's prompt_clean of prompts broken as mojibake, HTML, line breaks, controls"),
     "wan22_experts": (section_wan22_experts, "Wan2.2's two-expert WanPipeline (boundary, two guidance scales) on tiny random experts"),
     "i2v_pipeline": (section_i2v_pipeline, "WanImageToVideoPipeline with 36-channel DiTs: Wan2.1 I2V (CLIP image tokens) and Wan2.2 I2V's two experts"),
+    "wan_lora": (section_wan_lora, "a PEFT LoRA on the tiny Wan DiT, saved by WanPipeline.save_lora_weights, and the DiT's outputs with it"),
     "wan_pipeline": (section_wan_pipeline, "WanPipeline on the tiny umT5, Wan VAE and a matching tiny DiT: latents, video; prompt cleaning"),
 }
 

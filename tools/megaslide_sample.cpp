@@ -93,8 +93,34 @@ struct WanFlags {
   double shift = -1.0;       // < 0: the config's diffusion.shift
   double guidance_2 = -1.0;  // < 0: the config's diffusion.guidance_scale_2 (Wan2.2's low-noise expert)
   bool latents = false;
-  std::string image;  // image-to-video: the image the videos start from (a prompt line's --i overrides it)
+  std::string image;         // image-to-video: the image the videos start from (a prompt line's --i overrides it)
+  std::string lora, lora_2;  // LoRA files merged into the DiT (Wan2.2: the high-noise expert, the low-noise one)
+  double lora_scale = 1.0, lora_2_scale = -1.0;
 };
+
+// Merges the LoRA file `path` into `model`'s DiT at `scale`: its resident parts now, each block read on demand as
+// it is read. Says on stderr what was merged; a file that is not this model's LoRA is `flag`'s usage error.
+void merge_lora(megaslide::WanModel& model, const std::string& path, double scale, const std::string& flag) {
+  std::vector<std::string> names;
+  for (const auto& p : model.dit->named_parameters(true)) names.push_back(p.key());
+  megaslide::WanLora lora;
+  try {
+    lora = megaslide::read_wan_lora(path, names);
+    megaslide::merge_wan_lora(*model.dit, lora, scale);
+  } catch (const megaslide::WanLoraError& e) {
+    throw megaslide::tools::UsageError(flag + ": " + megaslide::error_message(e));
+  }
+  if (model.block)
+    model.block = [inner = model.block, lora, scale](int64_t l) {
+      auto block = inner(l);
+      megaslide::merge_wan_lora(*block, lora, scale, "blocks." + std::to_string(l) + ".");
+      return block;
+    };
+  int64_t rank = 0;
+  for (const auto& [weight, a] : lora.adapters) rank = std::max(rank, a.rank());
+  std::cerr << fmt::format("megaslide-sample: {} '{}' merged at scale {} ({} layout, {} adapters, rank {})\n", flag,
+                           path, scale, megaslide::to_string(lora.layout), lora.adapters.size(), rank);
+}
 
 // --threads (or OMP_NUM_THREADS, or the cores available) applied to LibTorch; the plan for the log.
 megaslide::ThreadPlan apply_sampling_threads(int64_t threads, torch::Device device) {
@@ -187,6 +213,13 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan,
                         megaslide::io::SamplingRecord& record) {
   // The run's size in pixels (a run trained from a videos cache keeps its data sizes in pixels; a
   // prompt file's line may give its own, checked when the videos were planned).
+  if (!wan.lora.empty()) merge_lora(model, wan.lora, wan.lora_scale, "--lora");
+  if (!wan.lora_2.empty()) {
+    if (!model.low_noise)
+      throw megaslide::tools::UsageError("--lora-2: the low-noise expert's LoRA, but '" + source +
+                                         "' is one DiT, not Wan2.2's two experts");
+    merge_lora(*model.low_noise, wan.lora_2, wan.lora_2_scale < 0 ? wan.lora_scale : wan.lora_2_scale, "--lora-2");
+  }
   const auto size = megaslide::run_video_size(model.config);
   const bool conditioned = megaslide::wan_image_to_video(model.config.model.wan);
   auto options = megaslide::WanSampleOptions::from_config(model.config);
@@ -401,6 +434,14 @@ int main(int argc, char** argv) {
                  "it). Wan2.1 / Wan2.2 I2V take it as conditioning (and need it), Wan2.2 TI2V as its clean first "
                  "latent frame (docs/wan.md). An image of another size than the videos' is center-cropped to their "
                  "aspect ratio (when it differs by more than 1%) and resized (antialiased bilinear), said on stderr");
+  app.add_option("--lora", wan.lora,
+                 "Wan: a LoRA merged into the DiT (Wan2.2's two experts: the high-noise one) — diffusers'/PEFT's "
+                 "file, ComfyUI's or musubi-tuner's layout (docs/wan.md)");
+  app.add_option("--lora-scale", wan.lora_scale, "Wan: the LoRA's weight (default 1)")
+      ->check(megaslide::tools::finite_real(-100.0));
+  app.add_option("--lora-2", wan.lora_2, "Wan2.2: a LoRA merged into the low-noise expert");
+  app.add_option("--lora-2-scale", wan.lora_2_scale, "Wan2.2: --lora-2's weight (default --lora-scale)")
+      ->check(megaslide::tools::finite_real(-100.0));
   app.add_option("--image-encoder", wan.image_encoder,
                  "Wan2.1 I2V: CLIP ViT-H's image encoder (diffusers' image_encoder/ folder or ComfyUI's "
                  "clip_vision_h.safetensors); default: the config's model.image_encoder.weights, else image_encoder/ "

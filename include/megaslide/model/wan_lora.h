@@ -1,0 +1,71 @@
+// LoRA adapters of a Wan DiT in the files users exchange, read, written and merged into the weights:
+//
+//   diffusers / PEFT   "transformer.blocks.0.attn1.to_q.lora_A.weight" [r, in], "...lora_B.weight" [out, r];
+//                      the adapter config (r, lora_alpha, alpha_pattern, use_rslora) in the metadata
+//                      "lora_adapter_metadata", keys prefixed "transformer." (WanPipeline.save_lora_weights);
+//                      without it alpha = r (scale 1), as diffusers reads such files
+//   ComfyUI            "diffusion_model.blocks.0.self_attn.q.lora_down.weight" / "lora_up.weight" (or
+//                      lora_A / lora_B) with an optional scalar "....alpha": Wan's original names
+//   musubi-tuner       "lora_unet_blocks_0_self_attn_q.lora_down.weight" / "lora_up.weight" / ".alpha": the
+//                      original name with '.' as '_'
+//
+// An adapter is keyed by the base weight it changes, in diffusers' naming ("blocks.0.attn1.to_q.weight");
+// its update is ΔW = (alpha / r) · up · down (alpha / sqrt(r) for rsLoRA), times the caller's scale. A file
+// is read whole (LoRAs are small); every name must belong to a weight of the model (`weight_names`), every
+// adapter must have both halves of matching rank; DoRA and LoRA biases are refused by name. Errors:
+// WanLoraError naming the file and the tensor. Thread-safety: plain functions.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "megaslide/io/files.h"
+#include "megaslide/io/safetensors.h"
+#include "megaslide/util/errors.h"
+
+namespace megaslide {
+
+class WanLoraError : public io::IoError, public InputError {
+ public:
+  using io::IoError::IoError;
+};
+
+struct LoraAdapter {
+  at::Tensor down;     // [r, in] (PEFT's lora_A), float32 on the CPU
+  at::Tensor up;       // [out, r] (lora_B)
+  double alpha = 0.0;  // the update's scale is alpha / r (alpha / sqrt(r) with rslora)
+  bool rslora = false;
+  int64_t rank() const { return down.size(0); }
+  double scale() const;
+  at::Tensor delta() const;  // (alpha / r) · up · down [out, in], float32
+};
+
+enum class LoraLayout { kDiffusers, kComfyUi, kMusubi };
+const char* to_string(LoraLayout layout);
+// "diffusers" | "comfyui" | "musubi"; throws std::invalid_argument naming the choices.
+LoraLayout parse_lora_layout(const std::string& name);
+
+struct WanLora {
+  std::map<std::string, LoraAdapter> adapters;  // base weight's diffusers name -> adapter
+  LoraLayout layout = LoraLayout::kDiffusers;   // the file's, when read
+  std::string source;
+};
+
+// Reads any of the three layouts (detected by the names). `weight_names`: the model's parameter names
+// (diffusers'), which the original names map onto (musubi's underscores are resolved against them).
+WanLora read_wan_lora(const std::string& path, const std::vector<std::string>& weight_names);
+// Writes `lora` in `layout` (float32 tensors; alpha stored: the diffusers metadata, or ".alpha" scalars).
+// Atomic. The musubi and ComfyUI layouts need the original names (every target must have one).
+io::WrittenFile save_wan_lora(const std::string& path, const WanLora& lora, LoraLayout layout);
+// W += scale · ΔW, in the weight's dtype and device (ΔW computed in float32), for every adapter whose weight is
+// `prefix` + a parameter name of `module` (a whole WanTransformer with prefix "", or block N with "blocks.N.");
+// meta parameters (blocks read on demand) are left for their block's call. Returns how many were merged.
+// Throws WanLoraError for an adapter under `prefix` whose weight the module lacks or whose shape differs.
+int64_t merge_wan_lora(torch::nn::Module& module, const WanLora& lora, double scale = 1.0,
+                       const std::string& prefix = "");
+
+}  // namespace megaslide
