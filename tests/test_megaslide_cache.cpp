@@ -340,7 +340,7 @@ TEST(MegaslideCache, WanImageToVideoCachesEachClipsImageTrainsResumesAndSamples)
 
   const auto run_config = megaslide::load_run_config(config, {});
   const auto cache = megaslide::LatentCache::open(run_config, fx.dir + "/cache");
-  const auto dataset = megaslide::VideoDataset::open(run_config.data);
+  const auto dataset = megaslide::VideoDataset::open(run_config.data, 1, {}, /*images=*/true);
   ASSERT_EQ(cache->size(), fx.good);
   const auto vae = megaslide::WanVae::load(fixtures + "/wan_vae/tiny");
   const auto clip = megaslide::ClipVisionEncoder::load(fixtures + "/clip_vision/image_encoder");
@@ -394,6 +394,18 @@ TEST(MegaslideCache, WanImageToVideoCachesEachClipsImageTrainsResumesAndSamples)
   r = run_tool("megaslide-train", "--config " + config + " --run-dir " + fx.dir + "/frame2 --set data.image_frame=2");
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("image.frame"), std::string::npos) << r.output;
+
+  // An item's own image that changes makes the cache stale for training, naming it, and megaslide-cache writes
+  // that item's shard again (it does not keep it for its unchanged video).
+  const auto before = cache->stacked("image_latents");
+  megaslide::io::write_png(fx.dir + "/videos/clip-1.png", megaslide::testing::smooth_random_frames(1, 40, 40, 78)[0]);
+  r = run_tool("megaslide-train", "--config " + config + " --run-dir " + fx.dir + "/stale");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("clip-1.png changed"), std::string::npos) << r.output;
+  r = run_tool("megaslide-cache", "--config " + config);
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto rebuilt = megaslide::LatentCache::open(run_config, fx.dir + "/cache")->stacked("image_latents");
+  EXPECT_GT((rebuilt - before).abs().max().item<double>(), 1e-3) << "clip-1's conditioning is its new image's";
 
   // Sampling from an image, with the run's weights: --image for every video, a prompt line's --i for its own.
   fx.write("prompts.txt", "a red blob moves left\na blue blob --i videos/clip-1.png\n");

@@ -176,7 +176,7 @@ TEST(VideoManifest, CsvImageColumnNamesEachClipsImage) {
   for (const std::string name : {"a.png", "b.jpg", "other.png"}) write_file(dir + "/frames/" + name, "x");
   write_file(dir + "/opensora.csv",
              "path,text,image\nv/a.mp4,a cat,frames/a.png\nv/b.mp4,a dog,\"frames/b.jpg\"\nv/c.mp4,a bird,\n");
-  const auto opensora = megaslide::read_video_manifest(config_for(dir + "/opensora.csv"));
+  const auto opensora = megaslide::read_video_manifest(config_for(dir + "/opensora.csv"), /*images=*/true);
   ASSERT_EQ(opensora.items.size(), 3u);
   EXPECT_TRUE(opensora.bad.empty());
   EXPECT_EQ(opensora.items[0].image, dir + "/frames/a.png");
@@ -184,18 +184,18 @@ TEST(VideoManifest, CsvImageColumnNamesEachClipsImage) {
   EXPECT_EQ(opensora.items[2].image, "") << "an empty cell names no image";
 
   write_file(dir + "/webvid.csv", "videoid,name,page_dir,image_path\n1,a cat,p," + dir + "/frames/a.png\n");
-  const auto webvid = megaslide::read_video_manifest(config_for(dir + "/webvid.csv"));
+  const auto webvid = megaslide::read_video_manifest(config_for(dir + "/webvid.csv"), /*images=*/true);
   ASSERT_EQ(webvid.items.size(), 1u);
   EXPECT_EQ(webvid.layout, "webvid-csv");
   EXPECT_EQ(webvid.items[0].image, dir + "/frames/a.png") << "an absolute image path is kept";
 
   write_file(dir + "/both.csv", "path,text,image_path,image\nv/a.mp4,a cat,frames/other.png,frames/a.png\n");
-  const auto both = megaslide::read_video_manifest(config_for(dir + "/both.csv"));
+  const auto both = megaslide::read_video_manifest(config_for(dir + "/both.csv"), /*images=*/true);
   ASSERT_EQ(both.items.size(), 1u);
   EXPECT_EQ(both.items[0].image, dir + "/frames/a.png") << "`image` wins over `image_path`";
 
   write_file(dir + "/none.csv", "path,text\nv/a.mp4,a cat\n");
-  const auto none = megaslide::read_video_manifest(config_for(dir + "/none.csv"));
+  const auto none = megaslide::read_video_manifest(config_for(dir + "/none.csv"), /*images=*/true);
   ASSERT_EQ(none.items.size(), 1u);
   EXPECT_EQ(none.items[0].image, "") << "no column, no image";
   megaslide::io::remove_tree(dir);
@@ -214,7 +214,7 @@ TEST(VideoManifest, JsonlImageKeyIsResolvedAgainstTheManifest) {
              "{\"video\": \"v/d.mp4\", \"caption\": \"a fish\", \"image\": \"\"}\n"
              "{\"video\": \"v/e.mp4\", \"caption\": \"a frog\"}\n"
              "{\"video\": \"v/f.mp4\", \"caption\": \"a newt\", \"image\": 7}\n");
-  const auto m = megaslide::read_video_manifest(config_for(dir + "/items.jsonl"));
+  const auto m = megaslide::read_video_manifest(config_for(dir + "/items.jsonl"), /*images=*/true);
   ASSERT_EQ(m.items.size(), 5u);
   EXPECT_EQ(m.items[0].image, dir + "/frames/a.png");
   EXPECT_EQ(m.items[1].image, dir + "/frames/b.webp");
@@ -244,7 +244,7 @@ TEST(VideoManifest, FolderSameStemImageIsTheClipsImage) {
   write_file(root + "/e.JPG", "x");  // a camera's upper-case extension
   write_file(root + "/A.png", "x");  // another stem's image (and no video): neither a's image nor an item
   write_file(root + "/lonely.png", "x");
-  const auto m = megaslide::read_video_manifest(config_for("", root));
+  const auto m = megaslide::read_video_manifest(config_for("", root), /*images=*/true);
   EXPECT_TRUE(m.bad.empty());
   std::vector<std::string> listed, images;
   for (const auto& item : m.items) listed.push_back(item.where), images.push_back(item.image);
@@ -263,7 +263,7 @@ TEST(VideoManifest, AMissingImageIsABadItemNamingIt) {
   write_file(dir + "/caf\xe9.png", "x");
   write_file(dir + "/items.csv",
              "path,text,image\na.mp4,a cat,here.png\nb.mp4,a dog,gone.png\nc.mp4,a bird,caf\xe9.png\n");
-  const auto csv = megaslide::read_video_manifest(config_for(dir + "/items.csv"));
+  const auto csv = megaslide::read_video_manifest(config_for(dir + "/items.csv"), /*images=*/true);
   ASSERT_EQ(csv.items.size(), 1u);
   ASSERT_EQ(csv.bad.size(), 2u);
   EXPECT_EQ(csv.bad[0].index, 1);
@@ -275,9 +275,14 @@ TEST(VideoManifest, AMissingImageIsABadItemNamingIt) {
   EXPECT_NE(csv.bad[1].reason.find("its image's file name is not UTF-8 text (byte 0xe9"), std::string::npos)
       << csv.bad[1].reason;
   EXPECT_EQ(csv.listed(), 3);
+  // Without images (a text-to-video run) the column is ignored: no item is bad for its image, none has one.
+  const auto text_only = megaslide::read_video_manifest(config_for(dir + "/items.csv"));
+  EXPECT_EQ(text_only.items.size(), 3u);
+  EXPECT_TRUE(text_only.bad.empty());
+  for (const auto& item : text_only.items) EXPECT_TRUE(item.image.empty()) << item.path;
 
   write_file(dir + "/items.jsonl", "{\"video\": \"a.mp4\", \"caption\": \"a cat\", \"image\": \"sub/gone.png\"}\n");
-  const auto jsonl = megaslide::read_video_manifest(config_for(dir + "/items.jsonl"));
+  const auto jsonl = megaslide::read_video_manifest(config_for(dir + "/items.jsonl"), /*images=*/true);
   EXPECT_TRUE(jsonl.items.empty());
   ASSERT_EQ(jsonl.bad.size(), 1u);
   EXPECT_EQ(jsonl.bad[0].path, dir + "/a.mp4");

@@ -51,6 +51,8 @@ int main(int argc, char** argv) {
     if (config.model.arch == megaslide::Architecture::kWan)
       config = megaslide::tools::checking_input([&] { return megaslide::with_wan_architecture_from_weights(config); },
                                                 config_path + ": model.wan.weights: ");
+    // The checks again on the sizes the weights gave (an image-to-video DiT's data.image_frame, its encoders).
+    megaslide::validate(config, config_path + " (with model.wan.weights' architecture)");
     if (config.data.dataset != "videos")
       throw megaslide::tools::UsageError(config_path + ": data.dataset is '" + config.data.dataset +
                                          "'; only data.dataset: videos is cached");

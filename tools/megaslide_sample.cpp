@@ -316,7 +316,10 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan,
       continue;
     }
     try {
-      conditions[key] = opened.pipeline->image_condition(fitted, files[path], v.shape);
+      auto condition = opened.pipeline->image_condition(fitted, files[path], v.shape);
+      condition.latents = condition.latents.cpu();  // held in host memory; each batch moves its own
+      if (condition.image.defined()) condition.image = condition.image.cpu();
+      conditions[key] = std::move(condition);
     } catch (const std::invalid_argument& e) {
       throw megaslide::tools::UsageError(what + ": " + megaslide::error_message(e));
     }
@@ -574,11 +577,13 @@ int main(int argc, char** argv) {
                     << megaslide::wan_untrained_expert(wan_model->config.model.wan) << "'\n";
       }
       const bool is_wan = wan_model.has_value();
-      if (!is_wan &&
-          (!wan.text_encoder.empty() || !wan.tokenizer.empty() || !wan.vae.empty() || wan.negative_prompt_set ||
-           wan.shift >= 0 || wan.guidance_2 >= 0 || wan.latents || !wan.image.empty()))
+      if (!is_wan && (!wan.text_encoder.empty() || !wan.tokenizer.empty() || !wan.vae.empty() ||
+                      wan.negative_prompt_set || wan.shift >= 0 || wan.guidance_2 >= 0 || wan.latents ||
+                      !wan.image.empty() || !wan.image_encoder.empty() || !wan.lora.empty() || !wan.lora_2.empty()))
         throw std::invalid_argument(
-            "--text-encoder, --tokenizer, --vae, --negative-prompt, --shift, --guidance-2, --image and --latents are "
+            "--text-encoder, --tokenizer, --vae, --image-encoder, --negative-prompt, --shift, --guidance-2, --image, "
+            "--lora, "
+            "--lora-2 and --latents are "
             "for Wan "
             "models; '" +
             checkpoint + "' is not one");

@@ -889,7 +889,8 @@ void validate_wan(const RunConfig& c, const std::function<void(const std::string
              ": the image branch is Wan2.1 I2V's, whose input is image-to-video's (model.wan.in_channels 2 x "
              "out_channels + 4 = " +
              std::to_string(2 * w.out_channels + 4) + "), got model.wan.in_channels " + std::to_string(w.in_channels));
-  if (!wan_image_to_video(w) && c.diffusion.image_dropout > 0)
+  // (With model.wan.weights the architecture is the weights': checked again once they are read.)
+  if (!wan_image_to_video(w) && c.diffusion.image_dropout > 0 && w.weights.empty())
     fail("diffusion.image_dropout",
          "drops the image of image-to-video; this Wan is text-to-video (model.wan.in_channels "
          "equals out_channels)");

@@ -413,7 +413,9 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
   const auto warn = [&](const std::string& m) {
     if (options.on_warning) options.on_warning(m);
   };
-  const auto dataset = VideoDataset::open(config.data, static_cast<int>(std::max<int64_t>(1, options.threads)));
+  const bool with_images = config.model.arch == Architecture::kWan && wan_image_to_video(config.model.wan);
+  const auto dataset =
+      VideoDataset::open(config.data, static_cast<int>(std::max<int64_t>(1, options.threads)), {}, with_images);
   dataset.check_bad_fraction();
   const json identity = json::parse(cache_identity(config));
   const json decode = decode_settings(config.data);
@@ -489,6 +491,15 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
               const auto st = stat_source(item.path);
               same = src.value("index", int64_t{-1}) == item.index && src.value("path", "") == item.path &&
                      src.value("size", uint64_t{0}) == st.size && src.value("mtime_ns", int64_t{0}) == st.mtime_ns;
+              // Image-to-video: the item's own image as listed now, unchanged (or none, as then).
+              const json image_was = src.value("image", json());
+              if (same && item.image.empty() != image_was.is_null()) same = false;
+              if (same && !item.image.empty()) {
+                const auto image_st = stat_source(item.image);
+                same = image_was.value("path", "") == item.image &&
+                       image_was.value("size", uint64_t{0}) == image_st.size &&
+                       image_was.value("mtime_ns", int64_t{0}) == image_st.mtime_ns;
+              }
             }
             const std::string file = io::join_path(options.out, rec.value("file", ""));
             if (!same) continue;
@@ -542,7 +553,7 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
       const bool image_to_video = config.model.arch == Architecture::kWan && wan_image_to_video(config.model.wan);
       std::vector<torch::Tensor> images(static_cast<size_t>(count)), pixels(static_cast<size_t>(count));
       std::vector<std::string> errors(static_cast<size_t>(count));
-      std::vector<SourceStat> stats(static_cast<size_t>(count));
+      std::vector<SourceStat> stats(static_cast<size_t>(count)), image_stats(static_cast<size_t>(count));
       std::atomic<int64_t> next{0};
       auto work = [&] {
         use_one_intra_op_thread();
@@ -560,6 +571,7 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
                                                  clip.size(0), config.data.image_frame));
                 given = clip[config.data.image_frame].contiguous();
               } else {
+                image_stats[static_cast<size_t>(j)] = stat_source(item.image);  // before it is read
                 try {
                   given = io::read_video(item.image)[0].contiguous();
                 } catch (const std::exception& e) {
@@ -585,6 +597,10 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
         const auto& item = dataset.item(first + j);
         const auto& st = stats[static_cast<size_t>(j)];
         sources.push_back({{"index", item.index}, {"path", item.path}, {"size", st.size}, {"mtime_ns", st.mtime_ns}});
+        if (image_to_video && !item.image.empty()) {  // the item's own image: a change makes the item stale
+          const auto& image_st = image_stats[static_cast<size_t>(j)];
+          sources.back()["image"] = {{"path", item.image}, {"size", image_st.size}, {"mtime_ns", image_st.mtime_ns}};
+        }
         if (!errors[static_cast<size_t>(j)].empty()) {
           bad.push_back({{"index", item.index}, {"path", item.path}, {"reason", errors[static_cast<size_t>(j)]}});
           result.bad.push_back({item.index, item.path, errors[static_cast<size_t>(j)]});
@@ -606,10 +622,7 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
                          {"size", st.size},
                          {"mtime_ns", st.mtime_ns},
                          {"bucket", dataset.info(first + j).bucket}});
-        if (image_to_video && !item.image.empty()) {  // the item's own image: a change makes the cache stale
-          const auto image_st = stat_source(item.image);
-          items.back()["image"] = {{"path", item.image}, {"size", image_st.size}, {"mtime_ns", image_st.mtime_ns}};
-        }
+        if (image_to_video && !item.image.empty()) items.back()["image"] = sources.back()["image"];
       }
       const std::string file = shard_name(k);
       const auto written =
@@ -763,10 +776,10 @@ std::shared_ptr<LatentCache> LatentCache::open_checked(const RunConfig& config, 
   std::sort(cache->items_.begin(), cache->items_.end(), [](const Item& a, const Item& b) { return a.index < b.index; });
 
   // The dataset as it is listed now: every item must be in the cache (cached or known bad), at the same path.
-  const auto listing = read_video_manifest(config.data);
+  const bool image_to_video = config.model.arch == Architecture::kWan && wan_image_to_video(config.model.wan);
+  const auto listing = read_video_manifest(config.data, image_to_video);
   std::map<int64_t, std::string> cached_path, cached_image;
   for (const auto& it : cache->items_) cached_path[it.index] = it.path, cached_image[it.index] = it.image;
-  const bool image_to_video = config.model.arch == Architecture::kWan && wan_image_to_video(config.model.wan);
   for (const auto& it : listing.items) {
     if (!covered.count(it.index)) stale.push_back(it.path + ": listed but not in the cache");
     else if (cached_path.count(it.index) && cached_path[it.index] != it.path)

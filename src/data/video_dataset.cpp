@@ -85,8 +85,8 @@ VideoDataset::VideoDataset(DataConfig data, std::vector<VideoItem> items, std::v
 }
 
 VideoDataset VideoDataset::open(const DataConfig& data, int threads,
-                                const std::function<void(int64_t, int64_t)>& on_progress) {
-  VideoManifest manifest = read_video_manifest(data);
+                                const std::function<void(int64_t, int64_t)>& on_progress, bool images) {
+  VideoManifest manifest = read_video_manifest(data, images);
   const auto buckets = clip_buckets(data);
   const size_t n = manifest.items.size();
   std::vector<VideoItemInfo> info(n);

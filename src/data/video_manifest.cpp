@@ -141,7 +141,7 @@ std::string fill_template(const std::string& tmpl, const std::map<std::string, s
   return out;
 }
 
-VideoManifest read_csv(const DataConfig& data) {
+VideoManifest read_csv(const DataConfig& data, bool images) {
   VideoManifest m;
   m.source = data.manifest;
   const auto rows = csv_rows(io::read_file(data.manifest), data.manifest);
@@ -160,7 +160,9 @@ VideoManifest read_csv(const DataConfig& data) {
   m.layout = opensora ? "opensora-csv" : "webvid-csv";
   const std::string base = parent_folder(data.manifest);
   const size_t caption_col = opensora ? columns["text"] : columns["name"];
-  const auto image_col = columns.count("image") ? columns.find("image") : columns.find("image_path");
+  const auto image_col = !images                  ? columns.end()
+                         : columns.count("image") ? columns.find("image")
+                                                  : columns.find("image_path");
   for (size_t r = 1; r < rows.size(); ++r) {
     const auto& fields = rows[r].fields;
     const int64_t index = m.listed();
@@ -188,7 +190,7 @@ VideoManifest read_csv(const DataConfig& data) {
   return m;
 }
 
-VideoManifest read_jsonl(const DataConfig& data) {
+VideoManifest read_jsonl(const DataConfig& data, bool images) {
   VideoManifest m;
   m.layout = "jsonl";
   m.source = data.manifest;
@@ -223,7 +225,7 @@ VideoManifest read_jsonl(const DataConfig& data) {
     }
     const char* image_key = j.contains("image") ? "image" : "image_path";
     std::string image;
-    if (j.contains(image_key) && !j[image_key].is_null()) {
+    if (images && j.contains(image_key) && !j[image_key].is_null()) {
       if (!j[image_key].is_string()) {
         m.bad.push_back({index, file,
                          fmt::format("\"{}\" must be an image path (string), got {} ({})", image_key,
@@ -306,7 +308,7 @@ void move_non_utf8_items_to_bad(VideoManifest& m) {
   std::sort(m.bad.begin(), m.bad.end(), [](const BadItem& a, const BadItem& b) { return a.index < b.index; });
 }
 
-VideoManifest read_folder(const DataConfig& data) {
+VideoManifest read_folder(const DataConfig& data, bool images) {
   VideoManifest m;
   m.layout = "folder";
   m.source = data.root;
@@ -334,7 +336,7 @@ VideoManifest read_folder(const DataConfig& data) {
       m.bad.push_back({index, path, "missing caption (" + caption_path + " is empty)"});
       continue;
     }
-    m.items.push_back({index, path, caption, rel, same_stem_image(path)});
+    m.items.push_back({index, path, caption, rel, images ? same_stem_image(path) : std::string()});
   }
   return m;
 }
@@ -348,16 +350,16 @@ std::vector<std::vector<std::string>> parse_csv(const std::string& text, const s
 }
 
 namespace {
-VideoManifest read_any_layout(const DataConfig& data) {
+VideoManifest read_any_layout(const DataConfig& data, bool images) {
   try {
     if (!data.manifest.empty()) {
       if (!io::path_exists(data.manifest)) throw DatasetError("data.manifest '" + data.manifest + "' does not exist");
       const std::string l = lower(data.manifest);
-      if (ends_with(l, ".csv")) return read_csv(data);
-      if (ends_with(l, ".jsonl") || ends_with(l, ".json")) return read_jsonl(data);
+      if (ends_with(l, ".csv")) return read_csv(data, images);
+      if (ends_with(l, ".jsonl") || ends_with(l, ".json")) return read_jsonl(data, images);
       throw DatasetError("data.manifest '" + data.manifest + "': expected a .csv or .jsonl file");
     }
-    if (!data.root.empty()) return read_folder(data);
+    if (!data.root.empty()) return read_folder(data, images);
   } catch (const io::IoError& e) {
     throw DatasetError(e.what());
   }
@@ -365,8 +367,8 @@ VideoManifest read_any_layout(const DataConfig& data) {
 }
 }  // namespace
 
-VideoManifest read_video_manifest(const DataConfig& data) {
-  VideoManifest m = read_any_layout(data);
+VideoManifest read_video_manifest(const DataConfig& data, bool images) {
+  VideoManifest m = read_any_layout(data, images);
   move_non_utf8_items_to_bad(m);
   return m;
 }

@@ -642,7 +642,8 @@ WanImageCondition WanTextToVideo::image_condition(const torch::Tensor& image, co
     throw std::invalid_argument(fmt::format("the image is {} but the video is 3 x {} x {} (channels x height x width)",
                                             c10::str(image.sizes()), latent[2] * s, latent[3] * s));
   WanImageCondition c;
-  c.latents = vae_.encode_image_video(image.to(vae_.device(), torch::kFloat32), 1 + 4 * (latent[1] - 1))
+  c.latents = vae_.encode_image_video(image.to(vae_.device(), torch::kFloat32), 1 + 4 * (latent[1] - 1),
+                                      wan_vae_tiling(config_.model.vae))
                   .to(denoiser_->device(), torch::kFloat32);
   if (config_.model.wan.image_dim > 0) {
     if (!image_encoder_)
@@ -763,8 +764,13 @@ OpenedWanPipeline open_wan_pipeline(WanModel model, const WanPipelineRequest& re
   // Wan2.1 I2V: CLIP's image tokens (before the DiT is taken over: a refusal leaves the model as it was).
   std::function<torch::Tensor(const torch::Tensor&)> image_encoder;
   if (model.config.model.wan.image_dim > 0) {
+    // Given, else the run's own (where it exists), else the repository's image_encoder/.
     std::string clip_path = request.image_encoder;
-    if (clip_path.empty()) clip_path = wan_image_encoder_path(model.config);
+    const std::string& own_clip = model.config.model.image_encoder.weights;
+    if (clip_path.empty() && !own_clip.empty() && io::path_exists(own_clip)) clip_path = own_clip;
+    if (clip_path.empty() && !repo.empty() && io::is_directory(io::join_path(repo, "image_encoder")))
+      clip_path = io::join_path(repo, "image_encoder");
+    if (clip_path.empty()) clip_path = own_clip;  // named but missing: said below
     if (clip_path.empty())
       throw WanPipelineError(
           "image_encoder",

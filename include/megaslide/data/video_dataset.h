@@ -65,9 +65,10 @@ double augmentation_draw(uint64_t seed, int64_t item_index, int64_t epoch, int s
 class VideoDataset {
  public:
   // Reads the manifest and probes every item on `threads` threads (>= 1). `on_progress(done, total)` is
-  // called from the calling thread as probes finish. Throws DatasetError for a bad manifest.
+  // called from the calling thread as probes finish. `images`: the items' own conditioning images are read
+  // from the listing (image-to-video; read_video_manifest). Throws DatasetError for a bad manifest.
   static VideoDataset open(const DataConfig& data, int threads = 1,
-                           const std::function<void(int64_t, int64_t)>& on_progress = {});
+                           const std::function<void(int64_t, int64_t)>& on_progress = {}, bool images = false);
   // From items already probed (a cache's manifest): nothing is read.
   VideoDataset(DataConfig data, std::vector<VideoItem> items, std::vector<VideoItemInfo> info, std::vector<BadItem> bad,
                int64_t listed);

@@ -65,8 +65,10 @@ struct VideoManifest {
   int64_t listed() const { return static_cast<int64_t>(items.size() + bad.size()); }
 };
 
-// Reads data.manifest (.csv or .jsonl, by extension) or lists data.root. Throws DatasetError.
-VideoManifest read_video_manifest(const DataConfig& data);
+// Reads data.manifest (.csv or .jsonl, by extension) or lists data.root. `images`: read each item's own
+// conditioning image (image-to-video); otherwise image columns, keys and files are ignored (never checked).
+// Throws DatasetError.
+VideoManifest read_video_manifest(const DataConfig& data, bool images = false);
 
 // Parses CSV text into rows of fields (exposed for tests). Throws DatasetError naming `source` and the
 // line of an unterminated quote.
