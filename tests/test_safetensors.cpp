@@ -1,13 +1,16 @@
 // safetensors: the byte layout is the format's (checked against hand-built bytes), every dtype round
-// trips bit for bit, every kind of corrupt file is refused with the file and the tensor named, and a range
-// reader serves element ranges of any tensor.
+// trips bit for bit (fp8 included), a file the Python package wrote with fp8 tensors reads back bit for bit,
+// every kind of corrupt file is refused with the file and the tensor named, and a range reader serves
+// element ranges of any tensor.
 #include "megaslide/io/safetensors.h"
 #include "megaslide/io/safetensors_ranges.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstring>
+#include <map>
 
 using megaslide::io::NamedTensors;
 using megaslide::io::SafetensorsError;
@@ -70,6 +73,9 @@ TEST(Safetensors, EveryDtypeRoundTripsBitForBit) {
       {"i32", torch::randint(-1000, 1000, {3}, torch::kInt32)},
       {"u8", torch::randint(0, 256, {6}, torch::kUInt8)},
       {"bool", torch::randint(0, 2, {5}, torch::kInt64).to(torch::kBool)},
+      // Every bit pattern of the fp8 dtypes, NaNs included (model/fp8.h).
+      {"f8_e4m3", torch::arange(256, torch::kInt32).to(torch::kUInt8).view({16, 16}).view(torch::kFloat8_e4m3fn)},
+      {"f8_e5m2", torch::arange(256, torch::kInt32).to(torch::kUInt8).flip(0).view(torch::kFloat8_e5m2)},
       {"scalar", torch::tensor(3.5, torch::kFloat32)},
       {"empty", torch::empty({0, 3}, torch::kFloat32)},
       {"strided", torch::randn({4, 6}).t()},  // non-contiguous input
@@ -86,10 +92,16 @@ TEST(Safetensors, EveryDtypeRoundTripsBitForBit) {
     const auto& got = file.tensors[i].second;
     EXPECT_EQ(got.scalar_type(), expected.scalar_type()) << name;
     EXPECT_EQ(got.sizes(), expected.sizes()) << name;
-    EXPECT_TRUE(torch::equal(got, expected)) << name;
+    const bool fp8 = got.scalar_type() == torch::kFloat8_e4m3fn || got.scalar_type() == torch::kFloat8_e5m2;
+    EXPECT_TRUE(fp8 ? torch::equal(got.view(torch::kUInt8), expected.view(torch::kUInt8)) : torch::equal(got, expected))
+        << name;  // (fp8 has no equal kernel: the bytes)
   }
   auto header = megaslide::io::read_safetensors_header(path);
   EXPECT_EQ(header.entries.size(), tensors.size());
+  for (const auto& e : header.entries) {
+    if (e.name == "f8_e4m3") EXPECT_EQ(megaslide::io::safetensors_dtype_name(e.dtype), "F8_E4M3");
+    if (e.name == "f8_e5m2") EXPECT_EQ(megaslide::io::safetensors_dtype_name(e.dtype), "F8_E5M2");
+  }
   EXPECT_EQ(header.data_start % 8, 0u);
   megaslide::io::remove_tree(path);
 }
@@ -127,8 +139,9 @@ TEST(Safetensors, RefusesCorruptFilesNamingFileAndTensor) {
   expect_refused(write_raw("badjson", R"({"w": {"dtype": "F32",)", f32x2), "not valid JSON");
   expect_refused(write_raw("notobject", "[1, 2]", ""),
                  "not a safetensors file: the header after the 8-byte length does not begin with");
-  expect_refused(write_raw("dtype", R"({"w":{"dtype":"F8_E4M3","shape":[2],"data_offsets":[0,8]}})", f32x2),
-                 "tensor 'w'");
+  expect_refused(write_raw("dtype", R"({"w":{"dtype":"F8_E8M0","shape":[8],"data_offsets":[0,8]}})", f32x2),
+                 "tensor 'w': unsupported dtype 'F8_E8M0' (supported: F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL F8_E4M3 "
+                 "F8_E5M2)");
   expect_refused(write_raw("range", R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,16]}})", f32x2),
                  "reach past the data section");
   expect_refused(write_raw("count", R"({"w":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", f32x2),
@@ -155,6 +168,45 @@ TEST(Safetensors, RefusesCorruptFilesNamingFileAndTensor) {
     megaslide::io::write_file_atomically(path, bytes.substr(0, bytes.size() - 3));
     expect_refused(path, "tensor 'b'");
   }
+}
+
+// The property: a file the safetensors package wrote (tests/fixtures/fp8/, tools/make_fixtures.py fp8:
+// safetensors.torch.save_file, which orders tensors by alignment and name) reads back bit for bit — its
+// F8_E4M3 and F8_E5M2 tensors as float8_e4m3fn and float8_e5m2 holding the bit patterns stored beside them
+// as U8, the empty fp8 marker and the 0-dim scale ComfyUI's fp8_scaled files carry — whole, into targets
+// and by ranges.
+TEST(Safetensors, ReadsFp8FromThePythonPackageBitForBit) {
+  const std::string path = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/fp8/safetensors_package.safetensors";
+  std::map<std::string, torch::Tensor> t;
+  for (auto& [name, tensor] : megaslide::io::read_safetensors(path).tensors) t[name] = tensor;
+  ASSERT_EQ(t.size(), 7u);
+  ASSERT_EQ(t.at("e4m3fn").scalar_type(), torch::kFloat8_e4m3fn);
+  ASSERT_EQ(t.at("e5m2").scalar_type(), torch::kFloat8_e5m2);
+  EXPECT_EQ(t.at("e4m3fn").sizes(), (std::vector<int64_t>{4, 64}));
+  EXPECT_TRUE(torch::equal(t.at("e4m3fn").view(torch::kUInt8), t.at("e4m3fn.bits")));
+  EXPECT_TRUE(torch::equal(t.at("e5m2").view(torch::kUInt8), t.at("e5m2.bits")));
+  EXPECT_TRUE(torch::equal(t.at("e4m3fn.bits").reshape({-1}), torch::arange(256, torch::kInt32).to(torch::kUInt8)));
+  EXPECT_EQ(t.at("scaled_fp8").scalar_type(), torch::kFloat8_e4m3fn);
+  EXPECT_EQ(t.at("scaled_fp8").sizes(), (std::vector<int64_t>{0}));
+  EXPECT_EQ(t.at("scale_weight").dim(), 0);
+  EXPECT_EQ(t.at("scale_weight").item<float>(), 0.0123f);
+  EXPECT_EQ(t.at("bf16").scalar_type(), torch::kBFloat16);
+  // Values: e4m3fn 0x38 is 1.0, 0x7e 448, 0xfe -448; e5m2 0x7b is 57344, 0x7c +inf.
+  const auto e4m3fn = t.at("e4m3fn").reshape({-1}).to(torch::kFloat32);
+  EXPECT_EQ(e4m3fn[0x38].item<float>(), 1.0f);
+  EXPECT_EQ(e4m3fn[0x7e].item<float>(), 448.0f);
+  EXPECT_EQ(e4m3fn[0xfe].item<float>(), -448.0f);
+  EXPECT_TRUE(std::isnan(e4m3fn[0x7f].item<float>()));
+  const auto e5m2 = t.at("e5m2").to(torch::kFloat32);  // stored 255 down to 0
+  EXPECT_EQ(e5m2[255 - 0x7b].item<float>(), 57344.0f);
+  EXPECT_TRUE(std::isinf(e5m2[255 - 0x7c].item<float>()));
+
+  auto into = torch::empty({4, 64}, torch::kFloat8_e4m3fn);
+  megaslide::io::read_safetensors_into(path, {{"e4m3fn", into}}, /*allow_extra=*/true);
+  EXPECT_TRUE(torch::equal(into.view(torch::kUInt8), t.at("e4m3fn.bits")));
+  auto range = torch::empty({10}, torch::kFloat8_e5m2);
+  megaslide::io::read_safetensors_range_into(path, "e5m2", 100, range);
+  EXPECT_TRUE(torch::equal(range.view(torch::kUInt8), t.at("e5m2.bits").slice(0, 100, 110)));
 }
 
 TEST(Safetensors, WriterRefusesDuplicateNames) {

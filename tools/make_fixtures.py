@@ -41,9 +41,11 @@ def _torch_tensor_bytes(tensor):
     """(safetensors dtype name, shape, little-endian bytes) of a torch tensor (bf16 and fp16 included)."""
     import torch
 
-    names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+    names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float8_e4m3fn: "F8_E4M3",
+             torch.float8_e5m2: "F8_E5M2", torch.uint8: "U8"}
     t = tensor.detach().contiguous().cpu()
     raw = t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t
+    raw = raw.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else raw
     return names[t.dtype], list(t.shape), raw.numpy().astype(raw.numpy().dtype.newbyteorder("<")).tobytes()
 
 
@@ -77,7 +79,11 @@ def save_safetensors(path, tensors, metadata=None):
 
         back = load_file(path)
         assert sorted(back) == sorted(tensors), path
-        assert all(back[k].dtype == tensors[k].dtype and torch.equal(back[k], tensors[k].cpu()) for k in tensors), path
+        def bits(t):  # the bytes: NaN != NaN, and torch.equal has no float8 kernel
+            t = t.detach().cpu().contiguous()
+            return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]) if t.is_floating_point() else t
+
+        assert all(back[k].dtype == tensors[k].dtype and torch.equal(bits(back[k]), bits(tensors[k])) for k in tensors), path
         return
     from safetensors.numpy import load_file
 
@@ -2041,6 +2047,100 @@ def section_ftfy(out_dir):
 
 # --------------------------------------------------------------------------------------------------
 
+# --------------------------------------------------------------------------------------------------
+# fp8: PyTorch's float8_e4m3fn casts and ComfyUI's per-tensor scaling (model/fp8.h, fp8 base weights)
+# --------------------------------------------------------------------------------------------------
+
+def _fp8_edge_values():
+    """float32 values that exercise every rule of PyTorch's float -> float8_e4m3fn cast (c10's
+    fp8e4m3fn_from_fp32_value): round to nearest even, 448 the largest finite value, |x| in (448, 464] rounded
+    down to it, |x| > 464 and ±inf to NaN (e4m3fn has no infinity), NaN kept with its sign, the subnormals
+    (k · 2^-9) with their ties, float32 subnormals, negative zero."""
+    import torch
+
+    inf, nan = float("inf"), float("nan")
+    values = [0.0, -0.0, 448.0, -448.0, 449.0, 463.99, 464.0, -464.0, 464.01, 465.0, 479.0, 480.0, 500.0, 1e9, 3.4e38,
+              inf, -inf, nan, -nan,
+              2 ** -6, 2 ** -6 - 2 ** -12, 7 * 2 ** -9, 2 ** -9, -2 ** -9, 2 ** -10, 2 ** -10 + 2 ** -20, 3 * 2 ** -11,
+              1.5 * 2 ** -9, 2.5 * 2 ** -9, -2.5 * 2 ** -9, 1e-40, -1e-45,
+              1.0625, 1.1875, 1.0625 + 2 ** -20, -1.1875, 272.0, 304.0, 240.0, 0.1, -0.3, 3.14159, 17.0, -100.5]
+    g = torch.Generator().manual_seed(81)
+    spread = torch.randn(64, generator=g) * torch.pow(2.0, torch.randint(-12, 10, (64,), generator=g).float())
+    return torch.cat([torch.tensor(values, dtype=torch.float32), spread])
+
+
+def _comfyui_fp8_per_tensor(w):
+    """ComfyUI's per-tensor float8_e4m3fn quantization (comfy/quant_ops.py TensorCoreFP8Layout.quantize, what
+    its *_fp8_scaled files hold): scale = amax|w| / 448 in w's dtype, kept as float32; data = (w · (1 / scale)
+    in w's dtype) cast to float8_e4m3fn, without clamping. fp16 weights are quantized as their float32 values
+    (MegaSlide's rule: ComfyUI's reciprocal in fp16 overflows once amax|w| < 448 / 65504 ≈ 0.0068)."""
+    import torch
+
+    if w.dtype == torch.float16:
+        w = w.float()
+    scale = (torch.amax(w.abs()) / torch.finfo(torch.float8_e4m3fn).max).to(torch.float32)
+    data = (w * (1.0 / scale).to(w.dtype)).to(torch.float8_e4m3fn)
+    return data, scale
+
+
+def section_fp8(out_dir):
+    import safetensors
+    import torch
+    from safetensors.torch import save_file
+
+    e4m3fn, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    tensors = {}
+    edge = _fp8_edge_values()
+    for dtype, key in ((torch.float32, "f32"), (torch.bfloat16, "bf16"), (torch.float16, "f16")):
+        x = edge.to(dtype)
+        tensors[f"edge.{key}"] = x
+        tensors[f"edge.{key}.e4m3fn"] = x.to(e4m3fn)
+    # Every bit pattern (the two NaNs 0x7f and 0xff included) as float32 and bf16.
+    every = torch.arange(256, dtype=torch.uint8).view(e4m3fn)
+    tensors["every.e4m3fn"] = every
+    tensors["every.e4m3fn.f32"] = every.to(torch.float32)
+    tensors["every.e4m3fn.bf16"] = every.to(torch.bfloat16)
+
+    # Weights as published files hold them: mostly small, a few outliers (which set the per-tensor scale).
+    g = torch.Generator().manual_seed(82)
+    shapes = {"f32": ((23, 19), torch.float32, 0.05), "bf16": ((32, 24), torch.bfloat16, 0.02), "f16": ((16, 24), torch.float16, 0.001)}
+    for key, (shape, dtype, std) in shapes.items():
+        w = torch.randn(shape, generator=g) * std
+        w.view(-1)[torch.randint(0, w.numel(), (5,), generator=g)] *= 25
+        w = w.to(dtype)
+        tensors[f"random.{key}"] = w
+        cast = w.to(e4m3fn)  # ComfyUI's *_fp8_e4m3fn files: the plain cast
+        tensors[f"random.{key}.cast"] = cast
+        tensors[f"random.{key}.cast.f32"] = cast.to(torch.float32)
+        data, scale = _comfyui_fp8_per_tensor(w)
+        tensors[f"random.{key}.scaled"] = data
+        tensors[f"random.{key}.scale"] = scale
+        tensors[f"random.{key}.scaled.f32"] = data.to(torch.float32) * scale
+        tensors[f"random.{key}.scaled.bf16"] = (data.to(torch.float32) * scale).to(torch.bfloat16)
+    meta = {"versions": versions(torch),
+            "what": "edge.{f32,bf16,f16}: values at every rule of the cast and their x.to(float8_e4m3fn); every.e4m3fn: the 256 "
+                    "bit patterns and their .to(float32) and .to(bfloat16); random.K: weights, .cast = w.to(float8_e4m3fn) and "
+                    ".cast.f32 its float32, .scaled/.scale = ComfyUI's per-tensor quantization (TensorCoreFP8Layout.quantize: "
+                    "scale = amax|w|/448, data = (w * (1/scale).to(w.dtype)).to(float8_e4m3fn); f16 as its float32), "
+                    ".scaled.f32 = data.float() * scale, .scaled.bf16 its bf16"}
+    save_safetensors(os.path.join(out_dir, "reference.safetensors"), tensors, meta)
+
+    # The safetensors package's own writer (not save_safetensors above): F8_E4M3 and F8_E5M2 as it lays them
+    # out, with each tensor's bit patterns as U8 beside it; no metadata, so its bytes are the same every run.
+    bits_e4m3fn = torch.arange(256, dtype=torch.uint8).reshape(4, 64)
+    bits_e5m2 = torch.arange(255, -1, -1, dtype=torch.uint8)
+    package = {"e4m3fn": bits_e4m3fn.clone().view(e4m3fn), "e4m3fn.bits": bits_e4m3fn,
+               "e5m2": bits_e5m2.clone().view(e5m2), "e5m2.bits": bits_e5m2,
+               "scaled_fp8": torch.empty(0, dtype=e4m3fn), "scale_weight": torch.tensor(0.0123, dtype=torch.float32),
+               "bf16": edge[:8].to(torch.bfloat16)}
+    path = os.path.join(out_dir, "safetensors_package.safetensors")
+    save_file(package, path)
+    back = safetensors.torch.load_file(path)
+    assert all(back[k].dtype == v.dtype and torch.equal(back[k].view(torch.uint8) if back[k].dtype in (e4m3fn, e5m2) else back[k],
+                                                         v.view(torch.uint8) if v.dtype in (e4m3fn, e5m2) else v) for k, v in package.items())
+    print(f"  {len(tensors)} reference tensors; safetensors {safetensors.__version__}: {sorted(package)}")
+
+
 SECTIONS = {
     "video": (section_video, "H.264 clips and their frames as opencv-python decodes them, VBench's temporal flickering"),
     "sampler": (section_sampler, "diffusers DDPM/DDIM timestep tables (linspace/leading/trailing) and single steps"),
@@ -2063,6 +2163,7 @@ SECTIONS = {
     "wan22_experts": (section_wan22_experts, "Wan2.2's two-expert WanPipeline (boundary, two guidance scales) on tiny random experts"),
     "i2v_pipeline": (section_i2v_pipeline, "WanImageToVideoPipeline with 36-channel DiTs: Wan2.1 I2V (CLIP image tokens) and Wan2.2 I2V's two experts"),
     "wan_lora": (section_wan_lora, "a PEFT LoRA on the tiny Wan DiT, saved by WanPipeline.save_lora_weights, and the DiT's outputs with it"),
+    "fp8": (section_fp8, "PyTorch's float8_e4m3fn casts (edge values, every bit pattern) and ComfyUI's per-tensor fp8 scaling; an fp8 file from the safetensors package"),
     "wan_pipeline": (section_wan_pipeline, "WanPipeline on the tiny umT5, Wan VAE and a matching tiny DiT: latents, video; prompt cleaning"),
 }
 

@@ -29,9 +29,19 @@ struct DtypeName {
   torch::ScalarType type;
 };
 constexpr DtypeName kDtypes[] = {
-    {"F64", torch::kFloat64}, {"F32", torch::kFloat32}, {"F16", torch::kFloat16}, {"BF16", torch::kBFloat16},
-    {"I64", torch::kInt64},   {"I32", torch::kInt32},   {"I16", torch::kInt16},   {"I8", torch::kInt8},
-    {"U8", torch::kUInt8},    {"BOOL", torch::kBool},
+    {"F64", torch::kFloat64},
+    {"F32", torch::kFloat32},
+    {"F16", torch::kFloat16},
+    {"BF16", torch::kBFloat16},
+    {"I64", torch::kInt64},
+    {"I32", torch::kInt32},
+    {"I16", torch::kInt16},
+    {"I8", torch::kInt8},
+    {"U8", torch::kUInt8},
+    {"BOOL", torch::kBool},
+    // fp8 (model/fp8.h): published fp8 checkpoints hold float8_e4m3fn, some float8_e5m2.
+    {"F8_E4M3", torch::kFloat8_e4m3fn},
+    {"F8_E5M2", torch::kFloat8_e5m2},
 };
 
 [[noreturn]] void fail(const std::string& path, const std::string& problem) {
@@ -199,7 +209,9 @@ std::string safetensors_dtype_name(torch::ScalarType dtype) {
 torch::ScalarType safetensors_dtype(const std::string& name) {
   for (const auto& d : kDtypes)
     if (name == d.name) return d.type;
-  throw SafetensorsError("unsupported dtype '" + name + "' (supported: F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL)");
+  std::string supported;
+  for (const auto& d : kDtypes) supported += (supported.empty() ? "" : " ") + std::string(d.name);
+  throw SafetensorsError("unsupported dtype '" + name + "' (supported: " + supported + ")");
 }
 
 namespace {

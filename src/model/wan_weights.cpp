@@ -12,12 +12,14 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <regex>
 #include <set>
 
 #include "megaslide/io/safetensors.h"
+#include "megaslide/model/fp8.h"
 #include "megaslide/model/wan.h"
 #include "megaslide/util/glob.h"
 
@@ -151,7 +153,49 @@ struct Source {
   std::shared_ptr<MappedFile> file;
   const io::SafetensorsEntry* entry = nullptr;
   std::string file_name;  // the tensor's name in the file
+  // An fp8 weight's per-tensor scale (<layer>.scale_weight or <layer>.weight_scale), when the file has one.
+  std::shared_ptr<MappedFile> scale_file;
+  const io::SafetensorsEntry* scale = nullptr;
+  std::string scale_name;
 };
+
+// A read-only CPU view of a tensor in its mapping (nothing writes through it; converting it is the copy).
+torch::Tensor mapped(const MappedFile& file, const io::SafetensorsEntry& e) {
+  auto* data = static_cast<char*>(file.base) + file.header.data_start + e.begin;
+  return torch::from_blob(data, e.shape, torch::TensorOptions().dtype(e.dtype));
+}
+
+// The fp8 weight of `s` as views of the mapping, its scale a float32 copy (1 when it has none).
+Fp8Tensor mapped_fp8(const Source& s) {
+  Fp8Tensor t{mapped(*s.file, *s.entry), torch::ones({}, torch::kFloat32)};
+  if (s.scale != nullptr) t.scale = mapped(*s.scale_file, *s.scale).to(torch::kFloat32).reshape({}).clone();
+  return t;
+}
+
+// The first NaN (or, in e5m2, infinity) of fp8 data, -1 when none: e4m3fn's NaNs are S.1111.111 (it has
+// no infinity), e5m2's non-finite values S.11111.xx. (io::first_nonfinite knows the 16- to 64-bit types.)
+int64_t first_nonfinite_fp8(const torch::Tensor& data) {
+  const auto* p = static_cast<const uint8_t*>(data.data_ptr());
+  const uint8_t mask = data.scalar_type() == torch::kFloat8_e4m3fn ? 0x7f : 0x7c;
+  for (int64_t i = 0; i < data.numel(); ++i)
+    if ((p[i] & mask) == mask) return i;
+  return -1;
+}
+
+// The quantization tensors of fp8 files, which are not parameters (comfy/ops.py, comfy/utils.py
+// convert_old_quants): the marker ComfyUI's *_fp8_scaled files carry ("scaled_fp8", its dtype the weights'
+// format), each scaled layer's weight scale (<layer>.scale_weight; <layer>.weight_scale in ComfyUI's
+// current format, with <layer>.comfy_quant, the layer's format as JSON bytes) and activation scales
+// (<layer>.scale_input, <layer>.input_scale: for fp8 matrix products; the weights are dequantized here).
+enum class QuantTensor { kNone, kMarker, kWeightScale, kInputScale, kFormat };
+QuantTensor quant_tensor(const std::string& name) {
+  if (name == "scaled_fp8") return QuantTensor::kMarker;
+  if (ends_with(name, ".scale_weight") || ends_with(name, ".weight_scale")) return QuantTensor::kWeightScale;
+  if (ends_with(name, ".scale_input") || ends_with(name, ".input_scale")) return QuantTensor::kInputScale;
+  if (ends_with(name, ".comfy_quant")) return QuantTensor::kFormat;
+  return QuantTensor::kNone;
+}
+std::string layer_of(const std::string& name) { return name.substr(0, name.rfind('.')); }
 
 bool is_pickle_name(const std::string& path) {
   for (const char* suffix : {".pth", ".pt", ".bin", ".ckpt", ".pkl"})
@@ -335,13 +379,51 @@ WanWeights WanWeights::open(const std::string& path) {
     }
   }
   if (raw.empty()) fail("'" + path + "' holds no tensors");
-  // ComfyUI's prefix, on every name or none.
+  // ComfyUI's prefix, on every name or none (the scaled_fp8 marker may go without it).
   const std::string prefix = "model.diffusion_model.";
-  const bool prefixed =
-      std::all_of(raw.begin(), raw.end(), [&](const auto& r) { return r.first.rfind(prefix, 0) == 0; });
-  bool diffusers = false, original = false;
+  const bool prefixed = std::all_of(
+      raw.begin(), raw.end(), [&](const auto& r) { return r.first.rfind(prefix, 0) == 0 || r.first == "scaled_fp8"; });
+  // fp8 files: the quantization tensors set aside, the parameters kept.
+  std::map<std::string, Source> weight_scales;  // by layer (file names, prefix removed)
+  std::vector<std::pair<std::string, Source>> parameters;
   for (auto& [name, source] : raw) {
-    if (prefixed) name = name.substr(prefix.size());
+    if (prefixed && name.rfind(prefix, 0) == 0) name = name.substr(prefix.size());
+    switch (quant_tensor(name)) {
+      case QuantTensor::kNone:
+        parameters.emplace_back(name, source);
+        break;
+      case QuantTensor::kWeightScale:
+        if (!weight_scales.emplace(layer_of(name), source).second)
+          fail("'" + source.file->path + "': layer '" + layer_of(name) + "' has two weight scales (" +
+               weight_scales.at(layer_of(name)).file_name + ", " + source.file_name + ")");
+        break;
+      case QuantTensor::kFormat: {
+        // ComfyUI's current format: {"format": "float8_e4m3fn", ...}; other formats (nvfp4, mxfp8, int8)
+        // pack their weights in ways not read here.
+        const auto& e = *source.entry;
+        std::string text;
+        if (e.dtype == torch::kUInt8 && e.shape.size() == 1)
+          text.assign(static_cast<const char*>(source.file->base) + source.file->header.data_start + e.begin,
+                      e.end - e.begin);
+        const auto conf = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+        const std::string format = conf.is_object() && conf.contains("format") && conf["format"].is_string()
+                                       ? conf["format"].get<std::string>()
+                                       : "";
+        if (format.empty())
+          fail("'" + source.file->path + "': tensor '" + source.file_name +
+               "' is not a ComfyUI quantization config (U8 bytes of a JSON object with a \"format\")");
+        if (format != "float8_e4m3fn" && format != "float8_e5m2")
+          fail("'" + source.file->path + "': layer '" + layer_of(name) + "' is quantized as " + format +
+               ": only fp8 weights with per-tensor scales (float8_e4m3fn) are read");
+        break;
+      }
+      case QuantTensor::kMarker:
+      case QuantTensor::kInputScale:
+        break;
+    }
+  }
+  bool diffusers = false, original = false;
+  for (const auto& [name, source] : parameters) {
     diffusers |= name.rfind("condition_embedder.", 0) == 0 || name.find(".attn1.") != std::string::npos;
     original |= name.rfind("time_embedding.", 0) == 0 || name.find(".self_attn.") != std::string::npos;
   }
@@ -350,7 +432,24 @@ WanWeights WanWeights::open(const std::string& path) {
          std::string(diffusers ? " (it mixes diffusers' and Wan's original tensor names)"
                                : " (no condition_embedder.* or time_embedding.* tensors)"));
   impl->naming = diffusers ? WanNaming::kDiffusers : WanNaming::kOriginal;
-  for (auto& [name, source] : raw) {
+  for (auto& [name, source] : parameters) {
+    // A scaled fp8 layer: its weight takes the layer's scale.
+    if (const auto scale = weight_scales.find(layer_of(name));
+        scale != weight_scales.end() && ends_with(name, ".weight")) {
+      const Source& s = scale->second;
+      if (!megaslide::is_fp8(source.entry->dtype))
+        fail("'" + source.file->path + "': tensor '" + source.file_name + "' has a scale (" + s.file_name +
+             ") but is " + io::safetensors_dtype_name(source.entry->dtype) + ", not fp8");
+      const bool one_value = s.entry->end - s.entry->begin == c10::elementSize(s.entry->dtype);
+      if (!c10::isFloatingType(s.entry->dtype) || megaslide::is_fp8(s.entry->dtype) || !one_value)
+        fail("'" + s.file->path + "': the scale " + s.file_name + " of '" + source.file_name + "' is " +
+             io::safetensors_dtype_name(s.entry->dtype) + " " + shape_text(s.entry->shape) +
+             ": only per-tensor scales (one F32, BF16 or F16 value) are read");
+      source.scale_file = s.file;
+      source.scale = s.entry;
+      source.scale_name = s.file_name;
+      weight_scales.erase(scale);
+    }
     std::string ours = name;
     if (original) {
       ours = wan_diffusers_name(name);
@@ -361,6 +460,11 @@ WanWeights WanWeights::open(const std::string& path) {
     }
     if (!impl->sources.emplace(ours, source).second)
       fail("'" + path + "': tensor '" + source.file_name + "' appears twice");
+  }
+  if (!weight_scales.empty()) {
+    const Source& s = weight_scales.begin()->second;
+    fail("'" + s.file->path + "': tensor '" + s.file_name + "' scales layer '" + weight_scales.begin()->first +
+         "', which has no weight");
   }
   return WanWeights(std::move(impl));
 }
@@ -478,17 +582,45 @@ torch::Tensor WanWeights::read(const std::string& name, torch::ScalarType dtype)
   const auto& e = *s.entry;
   if (!c10::isFloatingType(e.dtype))
     fail("'" + s.file->path + "': tensor '" + s.file_name + "' is " + io::safetensors_dtype_name(e.dtype) +
-         ", expected F32, F16 or BF16");
-  const uint64_t begin = s.file->header.data_start + e.begin;
-  auto* data = static_cast<char*>(s.file->base) + begin;
-  // A view of the mapping (read only: nothing writes through it); the conversion or clone is the copy.
-  auto view = torch::from_blob(data, e.shape, torch::TensorOptions().dtype(e.dtype));
+         ", expected F32, F16, BF16, F8_E4M3 or F8_E5M2");
+  // fp8: dequantized (data x scale), then checked as the asked dtype (a NaN in the data, or an overflowing
+  // scale, shows there).
+  const bool fp8 = megaslide::is_fp8(e.dtype);
+  auto out = fp8 ? dequantize_fp8(mapped_fp8(s), dtype) : mapped(*s.file, e);
   try {
-    io::require_finite(data, view.numel(), e.dtype, s.file->path, s.file_name);
+    io::require_finite(out.data_ptr(), out.numel(), out.scalar_type(), s.file->path, s.file_name);
   } catch (const io::NonFiniteWeightsError& err) {
     fail(err.what());
   }
-  return e.dtype == dtype ? view.clone() : view.to(dtype);
+  if (fp8) return out;
+  return e.dtype == dtype ? out.clone() : out.to(dtype);
+}
+
+bool WanWeights::is_fp8(const std::string& name) const {
+  auto it = impl_->sources.find(name);
+  if (it == impl_->sources.end()) fail("'" + path() + "': no tensor '" + name + "'");
+  return megaslide::is_fp8(it->second.entry->dtype);
+}
+
+Fp8Tensor WanWeights::read_fp8(const std::string& name) const {
+  auto it = impl_->sources.find(name);
+  if (it == impl_->sources.end()) fail("'" + path() + "': no tensor '" + name + "'");
+  const Source& s = it->second;
+  if (!megaslide::is_fp8(s.entry->dtype))
+    fail("'" + s.file->path + "': tensor '" + s.file_name + "' is " + io::safetensors_dtype_name(s.entry->dtype) +
+         ", not fp8 (read() converts it)");
+  Fp8Tensor t = mapped_fp8(s);
+  if (!io::nonfinite_weights_allowed()) {
+    const int64_t at = first_nonfinite_fp8(t.data);
+    if (at >= 0 || !std::isfinite(t.scale.item<float>()))
+      fail("'" + s.file->path + "': tensor '" + (at >= 0 ? s.file_name : s.scale_name) +
+           "' holds a NaN or an infinity" +
+           (at >= 0 ? " (element " + std::to_string(at) + " of " + std::to_string(t.data.numel()) + ")" : "") +
+           ": the weights are broken (a diverged run or a bad conversion); --allow-nonfinite-weights loads them "
+           "anyway");
+  }
+  t.data = t.data.clone();
+  return t;
 }
 
 std::vector<std::string> WanWeights::check(const std::vector<std::pair<std::string, std::vector<int64_t>>>& expected,

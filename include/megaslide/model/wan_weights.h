@@ -18,15 +18,29 @@
 // ffn.net.{0.proj,2}, modulation -> scale_shift_table, head.head -> proj_out, head.modulation ->
 // scale_shift_table, and the cross-attention LayerNorm norm3 -> norm2 (the two names swap).
 //
-// Files are memory-mapped; read() converts one tensor (bf16, fp16 or fp32 in the file) into a fresh CPU
-// tensor of the asked dtype, so a loader that fills a host store block by block never holds more than
+// Files are memory-mapped; read() converts one tensor (bf16, fp16, fp32 or fp8 in the file) into a fresh
+// CPU tensor of the asked dtype, so a loader that fills a host store block by block never holds more than
 // one tensor's copy beside the mapping (the page cache is the kernel's to drop).
+// fp8 files (model/fp8.h), in any of the layouts: any tensor may be F8_E4M3 (or F8_E5M2); read() returns
+// it dequantized, data.to(float32) × scale cast to the asked dtype. ComfyUI's *_fp8_e4m3fn files hold
+// plain casts (scale 1): the linear weights fp8, the rest bf16/fp32. Its *_fp8_scaled files give each
+// fp8 linear weight <layer>.weight a per-tensor scale <layer>.scale_weight (one F32 value; BF16 from some
+// other tools), may give it an activation scale <layer>.scale_input, and carry a marker tensor
+// scaled_fp8 (with or without the prefix) whose dtype names the weights' format; ComfyUI's current format
+// names the scale <layer>.weight_scale (and <layer>.input_scale) and describes each quantized layer in
+// <layer>.comfy_quant (U8 bytes of JSON; "format": "float8_e4m3fn" is read, other formats — nvfp4, mxfp8,
+// int8 — are refused naming the layer). These quantization tensors are not parameters: names(),
+// has(), shape() and check() see the weights alone (shapes and all); a scale whose weight is missing or not
+// fp8, or that is not one value (per-row, per-block), is refused. is_fp8() and read_fp8() give the stored
+// fp8 data and its scale as they are, for a base kept in fp8.
 // Not read: PyTorch pickles (.pth, .pt, .bin, .ckpt), which can run code when loaded — the error says
-// to use the .safetensors files Wan's repositories ship; image-to-video and VACE weights (image_dim,
-// img_emb.*, k_img): the error names them.
+// to use the .safetensors files Wan's repositories ship; VACE and first-last-frame weights: check() names
+// their extra tensors (vace_blocks.*, img_emb.emb_pos) as not in the model, and architecture() refuses a
+// diffusers config.json with pos_embed_seq_len. Image-to-video weights are read (Wan2.1 I2V's image
+// branch: img_emb.proj.*, cross_attn.{k_img,v_img,norm_k_img}; Wan2.2 I2V's 36 input channels).
 //
-// Errors: WanWeightsError naming the path, the file and the tensor. Thread-safety: read() may be called
-// from several threads at once; open() returns an object that owns its mappings.
+// Errors: WanWeightsError naming the path, the file and the tensor. Thread-safety: read() and read_fp8()
+// may be called from several threads at once; open() returns an object that owns its mappings.
 #pragma once
 
 #include <torch/torch.h>
@@ -39,6 +53,7 @@
 #include "megaslide/config/run_config.h"
 #include "megaslide/io/files.h"
 #include "megaslide/io/safetensors.h"
+#include "megaslide/model/fp8.h"
 #include "megaslide/util/errors.h"
 
 namespace megaslide {
@@ -77,8 +92,14 @@ class WanWeights {
   std::vector<std::string> names() const;  // diffusers' names, sorted
   bool has(const std::string& name) const;
   std::vector<int64_t> shape(const std::string& name) const;
-  // The tensor `name` (diffusers' naming) as `dtype` on the CPU.
+  // The tensor `name` (diffusers' naming) as `dtype` on the CPU (an fp8 tensor dequantized:
+  // dequantize_fp8(read_fp8(name), dtype)).
   torch::Tensor read(const std::string& name, torch::ScalarType dtype = torch::kFloat32) const;
+  // Whether the file holds `name` as fp8 (F8_E4M3 or F8_E5M2), and that fp8 tensor as it is stored: a CPU
+  // copy of the data and its float32 scale (1 when the file has none). read_fp8 throws WanWeightsError for
+  // a tensor that is not fp8, and, like read(), for one holding a NaN or an infinity (data or scale).
+  bool is_fp8(const std::string& name) const;
+  Fp8Tensor read_fp8(const std::string& name) const;
 
   // Checks that the weights hold exactly `expected` (diffusers' names and shapes): every name present
   // with its shape and a floating dtype, except those matching one of `allow_missing` (globs, `*` any
