@@ -722,3 +722,48 @@ TEST(MegaslideTrain, CheckpointsWrittenBeforeTheFamilySeamResumeAndContinueTheOl
     megaslide::io::remove_tree(dir);
   }
 }
+
+// The property: --export-layout comfyui exports a Wan's weights as ComfyUI's single file after a run, and
+// --export-layout comfyui-unprefixed from its checkpoint (--resume X --export-weights): the same bf16 tensors,
+// under model.diffusion_model. and bare; a value the flag does not know, the layout without an export, and the
+// layout for the DiT family exit 2 naming the flag, with nothing written.
+TEST(MegaslideTrain, ExportLayoutComfyUIWritesComfyUIsFileAndBadUsesExitTwo) {
+  const auto dir = fresh_dir("comfyui");
+  const auto config = write_tiny_wan(join_path(dir, "data"));
+  const std::string args =
+      "--config " + config + " --set train.steps=2 --set train.checkpoint_every=2 --run-dir " + join_path(dir, "run");
+  const auto prefixed = join_path(dir, "wan_ft.safetensors"), bare = join_path(dir, "wan_ft_bare.safetensors");
+  auto r = run(args + " --export-weights " + prefixed + " --export-layout comfyui");
+  ASSERT_EQ(r.code, 0) << r.output;
+  r = run(args + " --resume latest --export-weights " + bare + " --export-layout comfyui-unprefixed");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find(bare + " (ComfyUI's layout)"), std::string::npos) << r.output;
+  const auto with_prefix = megaslide::io::read_safetensors(prefixed), without = megaslide::io::read_safetensors(bare);
+  ASSERT_EQ(with_prefix.tensors.size(), without.tensors.size());
+  std::map<std::string, torch::Tensor> by_name;
+  for (const auto& [name, tensor] : without.tensors) {
+    EXPECT_NE(name.rfind("model.", 0), 0u) << name;
+    EXPECT_EQ(tensor.scalar_type(), torch::kBFloat16) << name;
+    by_name[name] = tensor;
+  }
+  EXPECT_TRUE(by_name.count("head.modulation") && by_name.count("blocks.1.self_attn.q.weight"));
+  for (const auto& [name, tensor] : with_prefix.tensors) {
+    ASSERT_EQ(name.rfind("model.diffusion_model.", 0), 0u) << name;
+    const auto it = by_name.find(name.substr(std::string("model.diffusion_model.").size()));
+    ASSERT_NE(it, by_name.end()) << name;
+    EXPECT_TRUE(torch::equal(tensor, it->second)) << name;
+  }
+
+  const auto before = megaslide::io::list_directory(dir);
+  expect_refused(run(args + " --export-weights " + join_path(dir, "x.safetensors") + " --export-layout comfy"),
+                 "--export-layout");
+  expect_refused(run(args + " --export-layout comfyui"), "--export-layout");
+  const auto dit = "--config " + smoke() + " --run-dir " + join_path(dir, "dit");
+  expect_refused(run(dit + " --export-weights " + join_path(dir, "dit.safetensors") + " --export-layout comfyui"),
+                 "--export-layout comfyui");
+  expect_refused(run(dit + " --resume latest --export-weights " + join_path(dir, "dit.safetensors") +
+                     " --export-layout comfyui-unprefixed"),
+                 "--export-layout comfyui-unprefixed");
+  EXPECT_EQ(megaslide::io::list_directory(dir), before) << "the refused commands wrote nothing";
+  megaslide::io::remove_tree(dir);
+}

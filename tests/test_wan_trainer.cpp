@@ -13,6 +13,8 @@
 #include <functional>
 #include <iostream>
 #include <map>
+#include <set>
+#include <tuple>
 
 #include "megaslide/diffusion/wan_text_to_video.h"
 #include "megaslide/io/files.h"
@@ -515,6 +517,186 @@ TEST(WanTraining, ExportedWeightsLoadBackAsDiffusersWeights) {
   megaslide::io::remove_tree(dir);
 }
 
+// ComfyUI's single file (--export-layout comfyui, model/wan_weights.h).
+namespace {
+
+const std::string kComfyPrefix = "model.diffusion_model.";
+
+// Every tensor of the ComfyUI file `path`: `prefix` then one of Wan's original names (wan_diffusers_name maps it
+// back and wan_original_name forth; none of diffusers' words in it), in bf16; `count` of them, among them the
+// ones ComfyUI's model detection reads (comfy/model_detection.py: head.modulation, head.head.weight,
+// blocks.0.ffn.0.weight, patch_embedding.weight).
+void expect_original_names(const std::string& path, const std::string& prefix, size_t count) {
+  const auto header = megaslide::io::read_safetensors_header(path);
+  EXPECT_EQ(header.entries.size(), count);
+  std::set<std::string> names;
+  for (const auto& e : header.entries) {
+    ASSERT_EQ(e.name.rfind(prefix, 0), 0u) << e.name;
+    const std::string name = e.name.substr(prefix.size());
+    names.insert(name);
+    EXPECT_NE(name.rfind("model.", 0), 0u) << e.name;
+    const std::string diffusers = megaslide::wan_diffusers_name(name);
+    EXPECT_FALSE(diffusers.empty()) << e.name << " is not one of Wan's original names";
+    EXPECT_EQ(megaslide::wan_original_name(diffusers), name) << e.name;
+    for (const char* word : {"condition_embedder", "attn1", "attn2", "to_q", "to_k", "to_v", "to_out", "ffn.net",
+                             "proj_out", "scale_shift_table", "add_k_proj", "add_v_proj", "norm_added_k", "norm2"})
+      EXPECT_EQ(name.find(word), std::string::npos) << e.name << " holds diffusers' " << word;
+    EXPECT_EQ(e.dtype, torch::kBFloat16) << e.name;
+  }
+  for (const char* detected :
+       {"head.modulation", "head.head.weight", "blocks.0.ffn.0.weight", "patch_embedding.weight"})
+    EXPECT_TRUE(names.count(detected)) << "no " << prefix << detected;
+}
+
+// `a` holds `b`'s tensors (diffusers' names), bit for bit in bf16.
+void expect_same_weights(const megaslide::WanWeights& a, const megaslide::WanWeights& b) {
+  EXPECT_EQ(a.names(), b.names());
+  for (const auto& name : b.names())
+    if (a.has(name)) EXPECT_TRUE(torch::equal(a.read(name, torch::kBFloat16), b.read(name, torch::kBFloat16))) << name;
+}
+
+megaslide::io::NamedTensors all_tensors(const megaslide::WanWeights& weights, const std::string& prefix = "") {
+  megaslide::io::NamedTensors out;
+  for (const auto& name : weights.names()) out.emplace_back(prefix + name, weights.read(name, torch::kFloat32));
+  return out;
+}
+
+}  // namespace
+
+// The property: --export-layout comfyui writes a Wan run's weights (and its EMA) as ComfyUI's single file: every
+// name one of Wan's original names under model.diffusion_model. (comfyui-unprefixed: bare), bf16, the tensors of
+// the run's diffusers export bit for bit, diffusers' config in the metadata (WanWeights reads the heads from it);
+// --resume X --export-weights writes the checkpoint's the same way; model.wan.weights starts a run from the file.
+TEST(WanComfyUIExport, ExportHoldsTheDiffusersExportUnderOriginalNames) {
+  const auto dir = temp_dir("comfyui");
+  const auto data = tiny_data();
+  const std::string tensors = dir + "/latents.safetensors";
+  megaslide::io::write_safetensors(tensors,
+                                   {{"latents", data.latents}, {"text", data.text}, {"empty_text", data.empty_text}});
+  const auto config = tiny_config({"data.tensors=" + tensors, "offload.compute_dtype=bf16",
+                                   "offload.emulated_copy_delay_ms=0", "train.steps=3", "train.checkpoint_every=3",
+                                   "train.ema_decay=0.5", "output.progress=false", "output.run_dir=" + dir + "/run"});
+  megaslide::TrainingRunOptions options;
+  options.export_weights = dir + "/wan_ft.safetensors";
+  options.export_ema = dir + "/wan_ft_ema.safetensors";
+  options.export_layout = megaslide::WanWeightsLayout::kComfyUI;
+  megaslide::run_training(config, options);
+
+  const std::string diffusers = dir + "/diffusers.safetensors", ema_diffusers = dir + "/ema-diffusers.safetensors";
+  megaslide::export_checkpoint_weights(dir + "/run", "latest", diffusers);
+  megaslide::export_checkpoint_weights(dir + "/run", "latest", ema_diffusers, /*ema=*/true);
+  const std::string from_checkpoint = dir + "/from-checkpoint.safetensors", bare = dir + "/bare.safetensors";
+  megaslide::export_checkpoint_weights(dir + "/run", "latest", from_checkpoint, false,
+                                       megaslide::WanWeightsLayout::kComfyUI);
+  megaslide::export_checkpoint_weights(dir + "/run", "latest", bare, false,
+                                       megaslide::WanWeightsLayout::kComfyUIUnprefixed);
+  const auto reference = megaslide::WanWeights::open(diffusers);
+  const auto reference_config = megaslide::io::read_safetensors_header(diffusers).metadata.at("config");
+  const std::vector<std::tuple<std::string, std::string, std::string>> files{
+      {options.export_weights, kComfyPrefix, diffusers},
+      {from_checkpoint, kComfyPrefix, diffusers},
+      {bare, "", diffusers},
+      {options.export_ema, kComfyPrefix, ema_diffusers}};
+  for (const auto& [path, prefix, expected] : files) {
+    SCOPED_TRACE(path);
+    expect_original_names(path, prefix, reference.names().size());
+    EXPECT_EQ(megaslide::io::read_safetensors_header(path).metadata.at("config"), reference_config);
+    const auto weights = megaslide::WanWeights::open(path);
+    EXPECT_EQ(weights.naming(), megaslide::WanNaming::kOriginal);
+    megaslide::WanConfig fallback;
+    fallback.heads = 4;
+    EXPECT_EQ(weights.architecture(fallback).heads, 2) << "the heads of the metadata's config, not the fallback's";
+    expect_same_weights(weights, megaslide::WanWeights::open(expected));
+  }
+  EXPECT_FALSE(torch::equal(megaslide::WanWeights::open(options.export_ema).read("proj_out.weight"),
+                            reference.read("proj_out.weight")))
+      << "the EMA, not the weights";
+
+  Trainer from_comfyui = wan_trainer(tiny_config({"model.wan.weights=" + options.export_weights}), tiny_data());
+  for (const auto& [name, value] : from_comfyui.master_weights())
+    EXPECT_TRUE(torch::equal(value, reference.read(name, torch::kFloat32))) << name;
+  megaslide::io::remove_tree(dir);
+}
+
+// The property: an image-to-video Wan (Wan2.1 I2V's image branch, both fixtures) round-trips through ComfyUI's
+// layout, with and without the prefix: the image embedder and the added key/value projections under their
+// original names (img_emb.proj.0/1/3/4, cross_attn.k_img/v_img/norm_k_img; ComfyUI takes a Wan with
+// img_emb.proj.0.bias for I2V), every tensor back bit for bit in bf16, image_dim from the metadata.
+TEST(WanComfyUIExport, ImageToVideoModelRoundTrips) {
+  const auto dir = temp_dir("comfyui-i2v");
+  const std::string fixtures = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/";
+  for (const std::string& fixture : {fixtures + "wan_i2v/transformer", fixtures + "i2v_pipeline/wan21/transformer"}) {
+    const auto source = megaslide::WanWeights::open(fixture);
+    const auto arch = source.architecture(megaslide::WanConfig{});
+    ASSERT_GT(arch.image_dim, 0) << fixture;
+    for (const bool prefixed : {true, false}) {
+      SCOPED_TRACE(fixture + (prefixed ? " with" : " without") + " the prefix");
+      const std::string out = dir + "/i2v.safetensors", prefix = prefixed ? kComfyPrefix : "";
+      EXPECT_EQ(megaslide::save_wan_comfyui_weights(out, arch, all_tensors(source), prefixed),
+                std::vector<std::string>{out});
+      expect_original_names(out, prefix, source.names().size());
+      std::set<std::string> names;
+      for (const auto& e : megaslide::io::read_safetensors_header(out).entries) names.insert(e.name);
+      for (const char* image : {"img_emb.proj.0.weight", "img_emb.proj.0.bias", "img_emb.proj.1.weight",
+                                "img_emb.proj.3.weight", "img_emb.proj.4.weight", "blocks.0.cross_attn.k_img.weight",
+                                "blocks.1.cross_attn.v_img.bias", "blocks.0.cross_attn.norm_k_img.weight"})
+        EXPECT_TRUE(names.count(prefix + image)) << "no " << prefix << image;
+      const auto back = megaslide::WanWeights::open(out);
+      EXPECT_EQ(back.architecture(megaslide::WanConfig{}).image_dim, arch.image_dim);
+      expect_same_weights(back, source);
+    }
+  }
+  megaslide::io::remove_tree(dir);
+}
+
+// The property: ComfyUI's layout refuses a 3D-DSA Wan, naming one of the retrofit's parameters, with nothing
+// written; a run asked for that export is refused before it writes anything, naming the key and the flag.
+TEST(WanComfyUIExport, TheDsaRetrofitIsRefusedNamingAParameter) {
+  const auto dir = temp_dir("comfyui-dsa");
+  const auto config =
+      tiny_config({"model.self_attention=dsa3d", "model.dsa_kernel=[3, 3, 3]", "output.run_dir=" + dir + "/run"});
+  megaslide::WanTransformer model(megaslide::WanOptions::from_config(config));
+  megaslide::io::NamedTensors parameters;
+  for (const auto& p : model->named_parameters(true)) parameters.emplace_back(p.key(), p.value());
+  const std::string out = dir + "/dsa.safetensors";
+  try {
+    megaslide::save_wan_comfyui_weights(out, config.model.wan, parameters);
+    ADD_FAILURE() << "no error";
+  } catch (const megaslide::WanWeightsError& e) {
+    EXPECT_NE(std::string(e.what()).find("blocks.0.attn1.offset_dw.weight"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("--export-layout diffusers"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(megaslide::io::path_exists(out));
+
+  megaslide::TrainingRunOptions options;
+  options.export_weights = out;
+  options.export_layout = megaslide::WanWeightsLayout::kComfyUI;
+  try {
+    megaslide::run_training(config, options);
+    ADD_FAILURE() << "no error";
+  } catch (const megaslide::ConfigError& e) {
+    EXPECT_EQ(e.key(), "model.self_attention") << e.what();
+    EXPECT_NE(std::string(e.what()).find("--export-layout comfyui"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(megaslide::io::path_exists(dir + "/run"));
+  megaslide::io::remove_tree(dir);
+}
+
+// The property: ComfyUI reads every published Wan as it is (its model detection fixes the heads at dim / 128 and
+// the rest as Wan has them), and what it would read differently of another Wan is named.
+TEST(WanComfyUIExport, DifferencesFromWhatComfyUIAssumesAreNamed) {
+  megaslide::WanConfig wan_14b;  // the library's defaults: Wan2.1 T2V-14B
+  EXPECT_TRUE(megaslide::wan_comfyui_differences(wan_14b).empty());
+  auto wan_1_3b = wan_14b;
+  wan_1_3b.dim = 1536;
+  wan_1_3b.heads = 12;
+  wan_1_3b.image_dim = 1280;
+  EXPECT_TRUE(megaslide::wan_comfyui_differences(wan_1_3b).empty());
+  const auto tiny = megaslide::wan_comfyui_differences(tiny_config().model.wan);
+  ASSERT_FALSE(tiny.empty());
+  EXPECT_EQ(tiny.front().rfind("heads:", 0), 0u) << tiny.front();
+}
+
 // The property: WanBlockDraws gives WanTransformer's blocks bit for bit in whatever order they are asked
 // for (2, 0, 3, 1: a block ahead of its predecessors draws and keeps them), whatever else drew from the
 // default generator between two draws, and afterwards sets the generator where the whole model's
@@ -940,4 +1122,60 @@ TEST(WanTraining, ImageToVideoSamplesKeepTheFirstFrameCleanAndOutOfTheLoss) {
       EXPECT_EQ(e.key(), key) << e.what();
     }
   }
+}
+
+// The property: Wan2.2's two experts (model.wan.expert both: the parameters transformer.* and transformer_2.*, as
+// the run names them) export as ComfyUI's two files, the path's name with _high_noise and _low_noise, each its
+// expert's tensors bit for bit under original names, marked with the expert and the boundary; the pair reads back
+// as the two experts (model.wan.weights, model.wan.weights_2), as ComfyUI's own two files do; a run of both experts
+// exports its trained experts so, the tensors of its checkpoint's diffusers export.
+TEST(WanComfyUIExport, TwoExpertsExportAsHighAndLowNoiseFiles) {
+  const auto dir = temp_dir("comfyui-experts");
+  const auto high = megaslide::WanWeights::open(kExperts + "/transformer");
+  const auto low = megaslide::WanWeights::open(kExperts + "/transformer_2");
+  const auto wan = megaslide::with_wan_architecture_from_weights(expert_config("both")).model.wan;
+  auto parameters = all_tensors(high, "transformer.");
+  for (auto& p : all_tensors(low, "transformer_2.")) parameters.push_back(std::move(p));
+  const std::vector<std::string> expected{dir + "/wan22_ft_high_noise.safetensors",
+                                          dir + "/wan22_ft_low_noise.safetensors"};
+  EXPECT_EQ(megaslide::wan_comfyui_files(dir + "/wan22_ft", wan), expected);
+  ASSERT_EQ(megaslide::save_wan_comfyui_weights(dir + "/wan22_ft.safetensors", wan, parameters), expected);
+  EXPECT_FALSE(megaslide::io::path_exists(dir + "/wan22_ft.safetensors"));
+  for (size_t e = 0; e < 2; ++e) {
+    SCOPED_TRACE(expected[e]);
+    expect_original_names(expected[e], kComfyPrefix, high.names().size());
+    const auto metadata = megaslide::io::read_safetensors_header(expected[e]).metadata;
+    EXPECT_EQ(metadata.at("expert"), e == 0 ? "high_noise" : "low_noise");
+    EXPECT_EQ(metadata.at("boundary_ratio"), "0.875");
+    expect_same_weights(megaslide::WanWeights::open(expected[e]), e == 0 ? high : low);
+  }
+  const auto pair = megaslide::with_wan_architecture_from_weights(
+      expert_config("both", {"model.wan.weights=" + expected[0], "model.wan.weights_2=" + expected[1]}));
+  EXPECT_EQ(pair.model.wan.weights_2, expected[1]);
+  EXPECT_EQ(pair.model.wan.boundary_ratio, 0.875);
+  EXPECT_EQ(pair.model.wan.heads, wan.heads);
+
+  // A run of both experts: its export holds its checkpoint's diffusers export, expert by expert.
+  const auto data = expert_data();
+  const std::string tensors = dir + "/latents.safetensors";
+  megaslide::io::write_safetensors(tensors,
+                                   {{"latents", data.latents}, {"text", data.text}, {"empty_text", data.empty_text}});
+  megaslide::TrainingRunOptions options;
+  options.export_weights = dir + "/run_ft.safetensors";
+  options.export_layout = megaslide::WanWeightsLayout::kComfyUI;
+  megaslide::run_training(expert_config("both", {"data.tensors=" + tensors, "train.steps=2", "train.checkpoint_every=2",
+                                                 "output.run_dir=" + dir + "/run"}),
+                          options);
+  megaslide::export_checkpoint_weights(dir + "/run", "latest", dir + "/diffusers");
+  const auto run_files = megaslide::wan_comfyui_files(options.export_weights, wan);
+  expect_same_weights(megaslide::WanWeights::open(run_files[0]),
+                      megaslide::WanWeights::open(dir + "/diffusers/transformer"));
+  expect_same_weights(megaslide::WanWeights::open(run_files[1]),
+                      megaslide::WanWeights::open(dir + "/diffusers/transformer_2"));
+  EXPECT_FALSE(torch::equal(megaslide::WanWeights::open(run_files[1]).read("proj_out.weight"),
+                            low.read("proj_out.weight", torch::kBFloat16).to(torch::kFloat32)) &&
+               torch::equal(megaslide::WanWeights::open(run_files[0]).read("proj_out.weight"),
+                            high.read("proj_out.weight", torch::kBFloat16).to(torch::kFloat32)))
+      << "an expert trained";
+  megaslide::io::remove_tree(dir);
 }

@@ -6,6 +6,9 @@
 //   megaslide-train --config configs/smoke.yaml --export-weights model.safetensors   (after training, bf16)
 //   megaslide-train --config configs/smoke.yaml --run-dir DIR --resume latest --export-weights model.safetensors
 //                                                  (the checkpoint's weights, no training)
+//   megaslide-train --config C --run-dir DIR --resume latest --export-weights wan_ft.safetensors --export-layout
+//   comfyui
+//                                                  (a Wan's weights as ComfyUI's single file)
 //   megaslide-train --config C --nproc-per-node 2                               (2 local ranks; docs/distributed.md)
 //   torchrun --nproc-per-node 8 --no-python megaslide-train --config C ...      (or srun: Slurm's environment)
 //
@@ -66,7 +69,7 @@ int print_dry_run(const megaslide::RunConfig& config, bool json) {
 
 int main(int argc, char** argv) {
   CLI::App app{"megaslide-train: full-parameter training of video DiTs (docs/training.md)"};
-  std::string config_path, run_dir, trace_path, export_weights, export_ema, resume;
+  std::string config_path, run_dir, trace_path, export_weights, export_ema, resume, export_layout_name = "diffusers";
   int64_t trace_step = 2, nproc_per_node = 0, master_port = 0;
   std::vector<std::string> overrides;
   bool dry_run = false, json = false;
@@ -90,6 +93,15 @@ int main(int argc, char** argv) {
          "the "
          "weights: after training, or with --resume the checkpoint's EMA (model_ema.safetensors) without training")
       ->check(megaslide::tools::non_empty_path());
+  app.add_option(
+         "--export-layout", export_layout_name,
+         "the layout of a Wan's --export-weights and --export-ema (bf16): diffusers (default: diffusers' names and "
+         "config.json; two experts: a diffusers repository folder), comfyui (one safetensors file for ComfyUI's "
+         "Load Diffusion Model: Wan's original names under model.diffusion_model., as Comfy-Org's repackaged "
+         "files have them; two experts: PATH's name with _high_noise and _low_noise before .safetensors) or "
+         "comfyui-unprefixed (the same file without the prefix, as Wan-AI's and Kijai's files); the 3D-DSA "
+         "retrofit is diffusers' only")
+      ->check(CLI::IsMember({"diffusers", "comfyui", "comfyui-unprefixed"}));
   app.add_flag("--dry-run", dry_run, "build the model on the meta device, print its size, train nothing");
   app.add_flag("--json", json, "with --dry-run: print one JSON object");
   app.add_flag_callback(
@@ -117,15 +129,43 @@ int main(int argc, char** argv) {
           config.output.run_dir = run_dir;
           megaslide::validate(config, "--run-dir");
         }
+        const auto export_layout = export_layout_name == "comfyui" ? megaslide::WanWeightsLayout::kComfyUI
+                                   : export_layout_name == "comfyui-unprefixed"
+                                       ? megaslide::WanWeightsLayout::kComfyUIUnprefixed
+                                       : megaslide::WanWeightsLayout::kDiffusers;
+        if (export_layout != megaslide::WanWeightsLayout::kDiffusers) {
+          if (export_weights.empty() && export_ema.empty())
+            throw megaslide::tools::UsageError("--export-layout applies to --export-weights and --export-ema");
+          if (config.model.arch != megaslide::Architecture::kWan)
+            throw megaslide::tools::UsageError("--export-layout " + export_layout_name +
+                                               " writes a Wan's weights in ComfyUI's layout, but model.arch is " +
+                                               megaslide::to_string(config.model.arch) +
+                                               ": export without --export-layout");
+        }
         // Output files are checked before any work: here for the export of a checkpoint, and by
-        // run_training for a run (once the run folder, which may hold the file, exists).
+        // run_training for a run (once the run folder, which may hold the file, exists). ComfyUI's layout
+        // writes one file per expert beside the path given.
         megaslide::tools::checking_input([&] {
-          if (!export_weights.empty() && (!resume.empty() || megaslide::io::is_directory(export_weights)))
-            megaslide::io::check_output_file(export_weights, "--export-weights");
-          if (!export_ema.empty() && (!resume.empty() || megaslide::io::is_directory(export_ema)))
-            megaslide::io::check_output_file(export_ema, "--export-ema");
+          const auto check_export = [&](const std::string& path, const char* flag) {
+            if (path.empty()) return;
+            const auto files = export_layout == megaslide::WanWeightsLayout::kDiffusers
+                                   ? std::vector<std::string>{path}
+                                   : megaslide::wan_comfyui_files(path, config.model.wan);
+            for (const auto& file : files)
+              if (!resume.empty() || megaslide::io::is_directory(file)) megaslide::io::check_output_file(file, flag);
+          };
+          check_export(export_weights, "--export-weights");
+          check_export(export_ema, "--export-ema");
         });
         megaslide::tools::survive_file_size_limit();
+        // Where an export went: ComfyUI's layout names one file per expert.
+        const auto written_to = [&](const std::string& path) {
+          if (export_layout == megaslide::WanWeightsLayout::kDiffusers) return path;
+          std::string files;
+          for (const auto& file : megaslide::wan_comfyui_files(path, config.model.wan))
+            files += (files.empty() ? "" : " and ") + file;
+          return files + " (ComfyUI's layout)";
+        };
 
         const char* launched_here = std::getenv("MEGASLIDE_LOCAL_LAUNCH");
         if (nproc_per_node > 0 && !dry_run && (launched_here == nullptr || *launched_here == '\0')) {
@@ -146,13 +186,15 @@ int main(int argc, char** argv) {
                 "': has no EMA of the weights (model_ema.safetensors) for --export-ema: it was saved by a run "
                 "without train.ema_decay");
           if (!export_weights.empty()) {
-            const auto from = megaslide::export_checkpoint_weights(config.output.run_dir, resume, export_weights);
-            std::cerr << "megaslide-train: weights of " << from << " written to " << export_weights << "\n";
+            const auto from = megaslide::export_checkpoint_weights(config.output.run_dir, resume, export_weights,
+                                                                   /*ema=*/false, export_layout);
+            std::cerr << "megaslide-train: weights of " << from << " written to " << written_to(export_weights) << "\n";
           }
           if (!export_ema.empty()) {
-            const auto from =
-                megaslide::export_checkpoint_weights(config.output.run_dir, resume, export_ema, /*ema=*/true);
-            std::cerr << "megaslide-train: EMA of the weights of " << from << " written to " << export_ema << "\n";
+            const auto from = megaslide::export_checkpoint_weights(config.output.run_dir, resume, export_ema,
+                                                                   /*ema=*/true, export_layout);
+            std::cerr << "megaslide-train: EMA of the weights of " << from << " written to " << written_to(export_ema)
+                      << "\n";
           }
           return 0;
         }
@@ -165,6 +207,7 @@ int main(int argc, char** argv) {
         options.trace_step = trace_step;
         options.export_weights = export_weights;
         options.export_ema = export_ema;
+        options.export_layout = export_layout;
         options.stop_requested = &g_stop;
         const auto result = megaslide::run_training(config, options);
         return result.stop_signal != 0 ? 128 + result.stop_signal : 0;

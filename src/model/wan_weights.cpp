@@ -755,6 +755,130 @@ io::WrittenFile save_wan_weights(const std::string& path, const WanConfig& wan, 
   return written;
 }
 
+// --- ComfyUI's single file (megaslide-train --export-layout comfyui) --------------------------------------
+
+namespace {
+
+// True when `name` (diffusers') is a parameter of Wan's published DiT: a row of the rename table followed
+// by weight or bias alone, or a modulation table; not the 3D-DSA retrofit's rows, which the table carries
+// for reading our own files back.
+bool is_published_wan_parameter(const std::string& name) {
+  for (const auto& glob : wan_dsa_parameter_globs())
+    if (name_matches(glob, name)) return false;
+  static const std::regex kBlock(R"(blocks\.[0-9]+\.(.*))");
+  std::smatch m;
+  const bool in_block = std::regex_match(name, m, kBlock);
+  const std::string rest = in_block ? m[1].str() : name;
+  if (rest == "scale_shift_table") return true;
+  for (const auto& [diffusers, original] : in_block ? block_names() : top_level_names())
+    if (rest == diffusers + "weight" || rest == diffusers + "bias") return true;
+  return false;
+}
+
+}  // namespace
+
+const char* to_string(WanWeightsLayout layout) {
+  switch (layout) {
+    case WanWeightsLayout::kDiffusers:
+      return "diffusers";
+    case WanWeightsLayout::kComfyUI:
+      return "comfyui";
+    case WanWeightsLayout::kComfyUIUnprefixed:
+      return "comfyui-unprefixed";
+  }
+  return "?";
+}
+
+std::vector<std::string> wan_comfyui_files(const std::string& path, const WanConfig& wan) {
+  if (wan.expert != "both") return {path};
+  const std::string extension = ".safetensors";
+  const std::string stem = ends_with(path, extension) ? path.substr(0, path.size() - extension.size()) : path;
+  return {stem + "_high_noise" + extension, stem + "_low_noise" + extension};
+}
+
+std::vector<std::string> save_wan_comfyui_weights(const std::string& path, const WanConfig& wan,
+                                                  const io::NamedTensors& parameters, bool diffusion_model_prefix,
+                                                  torch::ScalarType dtype) {
+  const auto files = wan_comfyui_files(path, wan);
+  // Each file's tensors under their diffusers names: the experts split by their prefixes.
+  std::vector<io::NamedTensors> experts(files.size());
+  if (wan.expert == "both") {
+    const std::vector<std::string> prefixes{"transformer.", "transformer_2."};
+    for (const auto& [name, tensor] : parameters) {
+      size_t e = 0;
+      while (e < prefixes.size() && name.rfind(prefixes[e], 0) != 0) ++e;
+      if (e == prefixes.size())
+        throw io::IoError("'" + path + "': tensor '" + name +
+                          "' is not named transformer.* or transformer_2.* (one of Wan2.2's two experts)");
+      experts[e].emplace_back(name.substr(prefixes[e].size()), tensor);
+    }
+  } else {
+    experts[0] = parameters;
+  }
+  // Refused before anything is written: what ComfyUI's Wan has no place for.
+  std::vector<std::string> foreign;
+  for (const auto& [name, tensor] : parameters) {
+    const std::string own = wan.expert == "both" ? name.substr(name.find('.') + 1) : name;
+    if (!is_published_wan_parameter(own)) foreign.push_back(name);
+  }
+  if (!foreign.empty()) {
+    std::string listed;
+    for (size_t i = 0; i < foreign.size() && i < 8; ++i) listed += (i ? ", " : "") + foreign[i];
+    if (foreign.size() > 8) listed += fmt::format(", ... ({} more)", foreign.size() - 8);
+    const bool dsa = std::any_of(foreign.begin(), foreign.end(), [](const std::string& n) {
+      return n.find(".attn1.offset_") != std::string::npos || n.find(".attn1.rel_bias") != std::string::npos;
+    });
+    fail(fmt::format(
+        "'{}': cannot write ComfyUI's layout: {} parameters are not in Wan's published DiT, so ComfyUI could not "
+        "load them: {}{}; write diffusers' layout instead (megaslide-train --export-layout diffusers)",
+        path, foreign.size(), listed,
+        dsa ? " (the 3D-DSA retrofit's offset networks, model.self_attention dsa3d)" : ""));
+  }
+  const std::string prefix = diffusion_model_prefix ? "model.diffusion_model." : "";
+  WanConfig one = wan;
+  one.expert.clear();
+  const std::string config = wan_diffusers_config(one);
+  std::vector<std::string> written;
+  for (size_t e = 0; e < files.size(); ++e) {
+    io::NamedTensors renamed;
+    renamed.reserve(experts[e].size());
+    for (const auto& [name, tensor] : experts[e]) renamed.emplace_back(prefix + wan_original_name(name), tensor);
+    std::map<std::string, std::string> metadata{{"format", kWanWeightsFormat}, {"config", config}};
+    if (wan.expert == "both") {
+      metadata["expert"] = e == 0 ? "high_noise" : "low_noise";
+      metadata["boundary_ratio"] = fmt::format("{}", wan.boundary_ratio);
+    } else if (!wan.expert.empty()) {
+      metadata["expert"] = wan.expert == "low" ? "low_noise" : "high_noise";
+      if (wan.boundary_ratio > 0) metadata["boundary_ratio"] = fmt::format("{}", wan.boundary_ratio);
+    }
+    // Cast one tensor at a time as it is written (write_safetensors): one tensor's copy at most.
+    io::write_safetensors(files[e], renamed, metadata, dtype);
+    written.push_back(files[e]);
+  }
+  return written;
+}
+
+std::vector<std::string> wan_comfyui_differences(const WanConfig& w) {
+  std::vector<std::string> out;
+  if (w.dim % 128 != 0 || w.dim / 128 != w.heads)
+    out.push_back(fmt::format("heads: ComfyUI takes dim / 128 = {} heads of 128, the model has {} of {}", w.dim / 128,
+                              w.heads, w.heads > 0 ? w.dim / w.heads : 0));
+  if (w.patch != std::array<int64_t, 3>{1, 2, 2})
+    out.push_back(
+        fmt::format("patch: ComfyUI takes [1, 2, 2], the model has [{}, {}, {}]", w.patch[0], w.patch[1], w.patch[2]));
+  if (w.freq_dim != 256) out.push_back(fmt::format("freq_dim: ComfyUI takes 256, the model has {}", w.freq_dim));
+  if (w.text_dim != 4096)
+    out.push_back(fmt::format("text_dim: ComfyUI takes 4096 (umT5-XXL), the model has {}", w.text_dim));
+  if (!w.qk_norm) out.push_back("qk_norm: ComfyUI builds the q/k RMSNorm, which the model does not have");
+  if (!w.cross_attn_norm)
+    out.push_back("cross_attn_norm: ComfyUI builds the cross-attention LayerNorm, which the model does not have");
+  if (w.eps != 1e-6) out.push_back(fmt::format("eps: ComfyUI takes 1e-06, the model has {}", w.eps));
+  if (w.image_dim > 0 && w.image_dim != 1280)
+    out.push_back(
+        fmt::format("image_dim: ComfyUI takes 1280 (CLIP ViT-H/14's image tokens), the model has {}", w.image_dim));
+  return out;
+}
+
 std::vector<std::string> wan_dsa_parameter_globs() {
   return {"blocks.*.attn1.offset_dw.*", "blocks.*.attn1.offset_pw.*", "blocks.*.attn1.rel_bias"};
 }

@@ -758,7 +758,7 @@ namespace {
 // --export-weights writes Wan's (model/wan_weights.h), its tensors read through a read-only mapping
 // (no copy of the model in RAM). The file's checksum is verified first.
 void export_wan_weights(const std::string& checkpoint, const std::string& file, const io::SafetensorsHeader& header,
-                        const WanConfig& wan, const std::string& out) {
+                        const WanConfig& wan, const std::string& out, WanWeightsLayout layout) {
   verify_files(checkpoint, read_manifest(checkpoint), {file});
   const std::string weights = io::join_path(checkpoint, file);
   int fd = -1;
@@ -778,7 +778,8 @@ void export_wan_weights(const std::string& checkpoint, const std::string& file, 
       const std::string name = e.name.rfind("dit.", 0) == 0 ? e.name.substr(4) : e.name;
       tensors.emplace_back(name, torch::from_blob(data, e.shape, torch::TensorOptions().dtype(e.dtype)));
     }
-    save_wan_weights(out, wan, tensors, torch::kBFloat16);
+    if (layout == WanWeightsLayout::kDiffusers) save_wan_weights(out, wan, tensors, torch::kBFloat16);
+    else save_wan_comfyui_weights(out, wan, tensors, layout == WanWeightsLayout::kComfyUI, torch::kBFloat16);
   } catch (...) {
     ::munmap(base, bytes);
     throw;
@@ -788,7 +789,7 @@ void export_wan_weights(const std::string& checkpoint, const std::string& file, 
 }  // namespace
 
 std::string export_checkpoint_weights(const std::string& run_dir, const std::string& spec, const std::string& out,
-                                      bool ema) {
+                                      bool ema, WanWeightsLayout layout) {
   const std::string path = resolve_checkpoint(run_dir, spec);
   const char* file = ema ? kModelEma : kModel;
   if (ema && read_manifest(path).find(kModelEma) == nullptr)
@@ -808,8 +809,13 @@ std::string export_checkpoint_weights(const std::string& run_dir, const std::str
     // Unreadable: the copy below names what is wrong (its size or checksum).
   }
   if (wan) {
-    export_wan_weights(path, file, header, *wan, out);
+    export_wan_weights(path, file, header, *wan, out, layout);
     return path;
+  }
+  if (layout != WanWeightsLayout::kDiffusers) {
+    verify_files(path, read_manifest(path), {file});  // an unreadable file: what is wrong with it
+    fail(path, std::string("is not a Wan run's (model.arch wan): --export-layout ") + to_string(layout) +
+                   " writes a Wan's weights in ComfyUI's layout; export this checkpoint without it");
   }
   const std::string expected = expected_crc32(path, read_manifest(path), file);
   // One read: copied and checksummed together; a mismatch leaves `out` untouched (the writer's

@@ -144,6 +144,19 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   if (!options.export_ema.empty() && requested.train.ema_decay <= 0)
     throw ConfigError(options.config_source, "train.ema_decay",
                       "is 0: this run keeps no EMA of the weights for --export-ema to write");
+  if (options.export_layout != WanWeightsLayout::kDiffusers &&
+      (!options.export_weights.empty() || !options.export_ema.empty())) {
+    const std::string flag = std::string("--export-layout ") + to_string(options.export_layout);
+    if (requested.model.arch != Architecture::kWan)
+      throw ConfigError(options.config_source, "model.arch",
+                        std::string("is ") + to_string(requested.model.arch) + ": " + flag +
+                            " writes a Wan's weights (model.arch wan) in ComfyUI's layout; export without it");
+    if (requested.model.self_attention == "dsa3d")
+      throw ConfigError(options.config_source, "model.self_attention",
+                        "is dsa3d: ComfyUI could not load the 3D-DSA retrofit's offset networks "
+                        "(blocks.*.attn1.offset_dw.*, offset_pw.*, rel_bias), which " +
+                            flag + " would have to leave out: export diffusers' layout (--export-layout diffusers)");
+  }
   RunConfig per_rank = requested;
   per_rank.train.device = rank_device_spec(requested.train.device, launch);
   if (launch.distributed()) {
@@ -197,8 +210,14 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   if (writer) guard.emplace(run_dir, /*resuming=*/!options.resume.empty());
   try {
     if (!options.trace_path.empty()) io::check_output_file(options.trace_path, "--trace");
-    if (!options.export_weights.empty()) io::check_output_file(options.export_weights, "--export-weights");
-    if (!options.export_ema.empty()) io::check_output_file(options.export_ema, "--export-ema");
+    // ComfyUI's layout writes one file per expert beside the path given (wan_comfyui_files).
+    const auto check_export = [&](const std::string& path, const char* flag) {
+      if (options.export_layout == WanWeightsLayout::kDiffusers) io::check_output_file(path, flag);
+      else
+        for (const auto& file : wan_comfyui_files(path, config.model.wan)) io::check_output_file(file, flag);
+    };
+    if (!options.export_weights.empty()) check_export(options.export_weights, "--export-weights");
+    if (!options.export_ema.empty()) check_export(options.export_ema, "--export-ema");
   } catch (const io::IoError& e) {
     throw ConfigError(options.config_source, "", e.what());
   }
@@ -316,6 +335,10 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   log.info(plan_threads(config, trainer.device()).describe());
   if (!options.trace_path.empty() && !trainer.streams())
     log.warn("--trace records a streamed trainer only (offload.enabled: true); ignored");
+  if (options.export_layout != WanWeightsLayout::kDiffusers &&
+      (!options.export_weights.empty() || !options.export_ema.empty()))
+    for (const auto& difference : wan_comfyui_differences(config.model.wan))
+      log.warn("ComfyUI will not load the exported file as this model: " + difference);
   if (!resume_path.empty()) log.info(fmt::format("resumed from {} at step {}", resume_path, result.first_step));
   if (tensorboard)
     log.info(fmt::format("TensorBoard: {} (tensorboard --logdir {})", tensorboard->path(), dir->file("tensorboard")));
@@ -445,17 +468,29 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   if (!options.trace_path.empty() && trainer.streams())
     log.info(fmt::format("trace of step {} in {}", std::min(options.trace_step, train.steps), options.trace_path));
   log.info(fmt::format("done: {} steps; metrics in {}", result.steps_done, io::join_path(run_dir, "metrics.jsonl")));
+  // ComfyUI's layout: the Wan family's weights under their original names (model/wan_weights.h).
+  const auto write_export = [&](const std::string& path, const io::NamedTensors& weights) {
+    if (options.export_layout == WanWeightsLayout::kDiffusers) {
+      trainer.write_weights(path, weights);
+      return path;
+    }
+    const auto files =
+        save_wan_comfyui_weights(path, config.model.wan, weights, options.export_layout == WanWeightsLayout::kComfyUI);
+    std::string listed;
+    for (const auto& file : files) listed += (listed.empty() ? "" : " and ") + file;
+    return listed + " (ComfyUI's layout)";
+  };
   if (writer && !options.export_weights.empty()) {
-    trainer.export_weights(options.export_weights);
-    log.info(fmt::format("weights written to {}", options.export_weights));
+    const std::string written = write_export(options.export_weights, trainer.weight_views());
+    log.info(fmt::format("weights written to {}", written));
   }
   if (!options.export_ema.empty()) {
     const auto state = trainer.training_state();
     const io::NamedTensors ema =
         gather_ema_weights(state, writer);  // every rank: a sharded trainer's blocks put together
     if (writer) {
-      trainer.write_weights(options.export_ema, ema);
-      log.info(fmt::format("EMA of the weights written to {}", options.export_ema));
+      const std::string written = write_export(options.export_ema, ema);
+      log.info(fmt::format("EMA of the weights written to {}", written));
     }
   }
   return result;

@@ -142,6 +142,42 @@ std::string wan_diffusers_config(const WanConfig& wan);
 io::WrittenFile save_wan_weights(const std::string& path, const WanConfig& wan, const io::NamedTensors& parameters,
                                  torch::ScalarType dtype = torch::kBFloat16);
 
+// How a trained Wan's weights are exported (megaslide-train --export-layout): diffusers' layout
+// (save_wan_weights), or ComfyUI's single file (save_wan_comfyui_weights) with its tensor names under
+// model.diffusion_model. — as Comfy-Org's repackaged files (wan2.1_t2v_14B_bf16.safetensors, ...) and
+// ComfyUI's own Save Model node have them — or bare (as Wan-AI's and Kijai's files). ComfyUI's Load
+// Diffusion Model node reads both forms.
+enum class WanWeightsLayout { kDiffusers, kComfyUI, kComfyUIUnprefixed };
+const char* to_string(WanWeightsLayout layout);  // "diffusers", "comfyui", "comfyui-unprefixed"
+
+// The files save_wan_comfyui_weights writes for `path`: `path` itself for one DiT; for Wan2.2's two experts
+// (wan.expert both) two files named as ComfyUI's users know them, "_high_noise" and "_low_noise" put before
+// `path`'s .safetensors (appended with it when `path` has none): w.safetensors -> w_high_noise.safetensors,
+// w_low_noise.safetensors.
+std::vector<std::string> wan_comfyui_files(const std::string& path, const WanConfig& wan);
+
+// Writes a trained Wan's weights as ComfyUI's single file (model/diffusion_models/ of ComfyUI): `parameters`
+// (diffusers' names, as for save_wan_weights) under Wan's original names (wan_original_name; the
+// image-to-video branch's img_emb.proj.*, cross_attn.k_img/v_img/norm_k_img), prefixed model.diffusion_model.
+// unless `diffusion_model_prefix` is false, each cast to `dtype` as it is written. The metadata, which ComfyUI
+// does not read for Wan, holds what save_wan_weights' does ("format", "config": diffusers' config, from which
+// WanWeights::open reads the architecture, heads included) and, for an expert, "expert" (high_noise,
+// low_noise) and "boundary_ratio". Two experts (wan.expert both; parameters named transformer.* and
+// transformer_2.*): the two files of wan_comfyui_files, the high-noise expert's first. Every parameter must
+// be one of Wan's published DiT — else a WanWeightsError naming them before anything is written (the
+// 3D-DSA retrofit's offset networks: ComfyUI could not load them; diffusers' layout keeps them). Atomic per
+// file; other errors are io::IoError. Returns the files written.
+std::vector<std::string> save_wan_comfyui_weights(const std::string& path, const WanConfig& wan,
+                                                  const io::NamedTensors& parameters,
+                                                  bool diffusion_model_prefix = true,
+                                                  torch::ScalarType dtype = torch::kBFloat16);
+
+// What ComfyUI would take differently from `wan` when it loads the file: comfy/model_detection.py reads the
+// sizes from the shapes but fixes the rest as Wan2.1/2.2 have them (heads dim / 128, patch [1, 2, 2],
+// freq_dim 256, text_dim 4096, q/k RMSNorm, the cross-attention LayerNorm, eps 1e-6, CLIP's 1280-wide image
+// tokens). One sentence each; empty for every published Wan.
+std::vector<std::string> wan_comfyui_differences(const WanConfig& wan);
+
 // Wan2.2's two experts (T2V-A14B, I2V-A14B): two DiTs of one architecture, the high-noise expert for
 // timesteps t >= boundary_ratio x 1000 and the low-noise one below. Where a path has them: diffusers'
 // repository (model_index.json listing transformer_2, with its boundary_ratio; transformer/ is the

@@ -51,6 +51,7 @@
 #include "megaslide/config/run_config.h"
 #include "megaslide/io/files.h"
 #include "megaslide/io/safetensors.h"
+#include "megaslide/model/wan_weights.h"
 #include "megaslide/util/errors.h"
 
 namespace megaslide {
@@ -214,8 +215,11 @@ std::string checkpoint_weights(const std::string& path);
 // file), without building a trainer; a Wan run's checkpoint is written as --export-weights writes Wan's
 // weights instead (diffusers' names, save_wan_weights), after its checksum is verified. `ema`: the
 // checkpoint's EMA (model_ema.safetensors) instead; a checkpoint without one is a CheckpointError.
+// `layout` (megaslide-train --export-layout): a Wan checkpoint's weights in ComfyUI's single file instead
+// (save_wan_comfyui_weights; `out` names it, or the two experts' files by wan_comfyui_files); a layout other
+// than diffusers for a checkpoint that is not a Wan run's is a CheckpointError.
 // Returns the checkpoint's path.
 std::string export_checkpoint_weights(const std::string& run_dir, const std::string& spec, const std::string& out,
-                                      bool ema = false);
+                                      bool ema = false, WanWeightsLayout layout = WanWeightsLayout::kDiffusers);
 
 }  // namespace megaslide

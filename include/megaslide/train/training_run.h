@@ -25,6 +25,7 @@
 #include <string>
 
 #include "megaslide/config/run_config.h"
+#include "megaslide/model/wan_weights.h"
 
 namespace megaslide {
 
@@ -39,8 +40,12 @@ struct TrainingRunOptions {
   std::string resume;                    // "", "latest" or a checkpoint folder
   std::string trace_path;                // Chrome trace of step `trace_step` (streamed trainer)
   int64_t trace_step = 2;
-  std::string export_weights;                        // bf16 weights file written after the last step
-  std::string export_ema;                            // ... of the EMA of the weights (train.ema_decay)
+  std::string export_weights;  // bf16 weights file written after the last step
+  std::string export_ema;      // ... of the EMA of the weights (train.ema_decay)
+  // The layout of both exports: a Wan's weights in ComfyUI's single file(s) instead of diffusers' layout
+  // (model/wan_weights.h); refused for another model.arch and for the 3D-DSA retrofit (ComfyUI could not
+  // load its offset networks), before anything is written.
+  WanWeightsLayout export_layout = WanWeightsLayout::kDiffusers;
   const std::atomic<int>* stop_requested = nullptr;  // non-zero: save and stop after the current step
 };
 
