@@ -417,6 +417,11 @@ TEST(MegaslideCache, WanImageToVideoCachesEachClipsImageTrainsResumesAndSamples)
   r = run_tool("megaslide-sample", sample + fx.dir + "/no-image --image=");
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("--image"), std::string::npos) << r.output;
+  r = run_tool("megaslide-sample", sample + fx.dir + "/missing --image " + fx.dir + "/missing.png");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("--image: "), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find(" videos of "), std::string::npos) << "refused before the pipeline is opened";
+  EXPECT_FALSE(megaslide::io::path_exists(fx.dir + "/missing")) << "nothing written";
   r = run_tool("megaslide-sample", sample + fx.dir + "/samples --image " + fx.dir + "/first.png");
   ASSERT_EQ(r.code, 0) << r.output;
   const auto samples = nlohmann::json::parse(megaslide::io::read_file(fx.dir + "/samples/index.json"));

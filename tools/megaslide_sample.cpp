@@ -213,6 +213,22 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan,
                         megaslide::io::SamplingRecord& record) {
   // The run's size in pixels (a run trained from a videos cache keeps its data sizes in pixels; a
   // prompt file's line may give its own, checked when the videos were planned).
+  // Image-to-video's images, before anything large is loaded: each video's is named and is a readable file.
+  for (const auto& v : videos) {
+    const std::string path = v.job.image.value_or(wan.image);
+    const std::string what = v.job.image ? "--prompts: --i" : "--image";
+    if (path.empty() && megaslide::wan_image_to_video(model.config.model.wan))
+      throw megaslide::tools::UsageError(
+          "--image: '" + source +
+          "' generates video from an image (Wan image-to-video): give --image FILE, or --i FILE on each prompt line");
+    if (!path.empty()) {
+      try {
+        megaslide::io::check_input_file(path);
+      } catch (const std::exception& e) {
+        throw megaslide::tools::UsageError(what + ": " + megaslide::error_message(e));
+      }
+    }
+  }
   if (!wan.lora.empty()) merge_lora(model, wan.lora, wan.lora_scale, "--lora");
   if (!wan.lora_2.empty()) {
     if (!model.low_noise)
@@ -288,13 +304,7 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan,
   std::map<std::string, torch::Tensor> files;  // file -> [H, W, 3] uint8
   for (const auto& v : videos) {
     const std::string path = v.job.image.value_or(wan.image);
-    if (path.empty()) {
-      if (conditioned)
-        throw megaslide::tools::UsageError(
-            "--image: '" + source +
-            "' generates video from an image (Wan image-to-video): give --image FILE, or --i FILE on each prompt line");
-      continue;
-    }
+    if (path.empty()) continue;  // text-to-video (an image-to-video DiT's videos all have one: checked above)
     const ImageKey key{path, v.shape};
     if (images.count(key) || conditions.count(key)) continue;
     const std::string what = v.job.image ? "--prompts: --i" : "--image";
