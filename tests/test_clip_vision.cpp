@@ -15,6 +15,7 @@
 #include "megaslide/io/safetensors.h"
 #include "megaslide/io/video.h"
 #include "megaslide/model/clip_vision_encoder.h"
+#include "error_checks.h"
 
 using megaslide::ClipImagePreprocessing;
 using megaslide::ClipVisionEncoder;
@@ -66,13 +67,7 @@ void expect_close(const torch::Tensor& ours, const torch::Tensor& reference, con
 
 template <typename Fn>
 void expect_error(Fn&& fn, const std::vector<std::string>& needles) {
-  try {
-    fn();
-    ADD_FAILURE() << "no error (expected one mentioning '" << needles.front() << "')";
-  } catch (const megaslide::ClipVisionError& e) {
-    for (const auto& needle : needles) EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    EXPECT_TRUE(megaslide::is_input_error(e));
-  }
+  megaslide::testing::expect_error_naming<megaslide::ClipVisionError>(std::forward<Fn>(fn), needles);
 }
 
 megaslide::io::NamedTensors fixture_weights() {

@@ -18,6 +18,7 @@
 #include "megaslide/model/fp8.h"
 #include "megaslide/model/wan.h"
 #include "megaslide/model/wan_weights.h"
+#include "error_checks.h"
 
 using megaslide::dequantize_fp8;
 using megaslide::Fp8Scaling;
@@ -71,13 +72,7 @@ std::string first_difference(const torch::Tensor& ours, const torch::Tensor& the
 }
 
 void expect_error(const std::function<void()>& f, const std::vector<std::string>& fragments) {
-  try {
-    f();
-    ADD_FAILURE() << "no error";
-  } catch (const WanWeightsError& e) {
-    for (const auto& fragment : fragments)
-      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
-  }
+  megaslide::testing::expect_error_naming<WanWeightsError>(f, fragments);
 }
 
 }  // namespace

@@ -21,6 +21,7 @@
 #include "megaslide/io/safetensors.h"
 #include "megaslide/model/wan.h"
 #include "megaslide/model/wan_weights.h"
+#include "error_checks.h"
 
 using megaslide::WanConfig;
 using megaslide::WanOptions;
@@ -297,13 +298,7 @@ TEST(WanWeights, RenameTableIsOneToOne) {
 
 namespace {
 void expect_error(const std::function<void()>& f, const std::vector<std::string>& fragments) {
-  try {
-    f();
-    ADD_FAILURE() << "no error";
-  } catch (const WanWeightsError& e) {
-    for (const auto& fragment : fragments)
-      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
-  }
+  megaslide::testing::expect_error_naming<WanWeightsError>(f, fragments);
 }
 }  // namespace
 

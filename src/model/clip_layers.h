@@ -9,7 +9,24 @@
 #include <string>
 #include <vector>
 
+#include "io/pretrained.h"
+
 namespace megaslide::clip {
+
+// The tower's prefix in a folder's weights: `tower` ("text_model." / "vision_model.": a whole CLIPModel, or
+// transformers 4's single tower) where `probe` is found under it or nowhere, else "" (transformers 5 saves a
+// tower alone without it).
+inline std::string tower_prefix(const io::PretrainedFolder& folder, const std::string& tower,
+                                const std::string& probe) {
+  return folder.has(tower + probe) || !folder.has(probe) ? tower : "";
+}
+
+// Refuses weights with a layer past config.json's num_hidden_layers (its own config would not load them all).
+inline void refuse_extra_layers(const io::PretrainedFolder& folder, const std::string& prefix, int64_t layers) {
+  if (folder.has(prefix + "encoder.layers." + std::to_string(layers) + ".mlp.fc1.weight"))
+    folder.fail("the weights have more than the " + std::to_string(layers) +
+                " layers config.json's num_hidden_layers says");
+}
 
 // Calls take(name, shape) for every tensor of `layers` layers of width D and MLP width F, transformers'
 // names under "encoder.layers.N.".

@@ -49,16 +49,11 @@ ClipTextEncoder ClipTextEncoder::load(const std::string& dir, torch::Device devi
   io::PretrainedFolder folder(dir, {"model.safetensors"});
   const auto config = parse_config(folder.config(), io::join_path(dir, "config.json"));
   // text_model.<name> (a CLIPModel, or an older CLIPTextModel) or <name> (transformers 5's CLIPTextModel).
-  const std::string prefix =
-      folder.has("text_model.embeddings.token_embedding.weight") || !folder.has("embeddings.token_embedding.weight")
-          ? "text_model."
-          : "";
+  const std::string prefix = clip::tower_prefix(folder, "text_model.", "embeddings.token_embedding.weight");
   auto e = build(config, device, dtype, [&](const std::string& name, const std::vector<int64_t>& shape) {
     return folder.take(prefix + name, shape, dtype);
   });
-  if (folder.has(prefix + "encoder.layers." + std::to_string(config.num_hidden_layers) + ".mlp.fc1.weight"))
-    folder.fail("the weights have more than the " + std::to_string(config.num_hidden_layers) +
-                " layers config.json's num_hidden_layers says");
+  clip::refuse_extra_layers(folder, prefix, config.num_hidden_layers);
   return e;
 }
 

@@ -388,16 +388,11 @@ ClipVisionEncoder ClipVisionEncoder::load(const std::string& path, torch::Device
       io::PretrainedFolder folder(path, {"model.safetensors", "model.fp16.safetensors"});
       const auto config = parse_config(folder.config(), io::join_path(path, "config.json"));
       // vision_model.<name> (transformers 4, a whole CLIPModel) or <name> (transformers 5's CLIPVisionModel).
-      const std::string prefix =
-          folder.has("vision_model.embeddings.class_embedding") || !folder.has("embeddings.class_embedding")
-              ? "vision_model."
-              : "";
+      const std::string prefix = clip::tower_prefix(folder, "vision_model.", "embeddings.class_embedding");
       auto e = build(config, device, dtype, [&](const std::string& name, const std::vector<int64_t>& shape) {
         return folder.take(prefix + name, shape, dtype);
       });
-      if (folder.has(prefix + "encoder.layers." + std::to_string(config.num_hidden_layers) + ".mlp.fc1.weight"))
-        folder.fail("the weights have more than the " + std::to_string(config.num_hidden_layers) +
-                    " layers config.json's num_hidden_layers says");
+      clip::refuse_extra_layers(folder, prefix, config.num_hidden_layers);
       for (const auto& candidate : {io::join_path(path, "preprocessor_config.json"),
                                     io::join_path(path, "../image_processor/preprocessor_config.json")})
         if (io::path_exists(candidate)) {
