@@ -211,23 +211,27 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan,
                         const std::string& source, const std::string& sampler, int64_t steps, double guidance,
                         torch::Device device, const std::string& streamed, const std::string& compute_dtype,
                         megaslide::io::SamplingRecord& record) {
-  // The run's size in pixels (a run trained from a videos cache keeps its data sizes in pixels; a
-  // prompt file's line may give its own, checked when the videos were planned).
-  // Image-to-video's images, before anything large is loaded: each video's is named and is a readable file.
+  // Image-to-video's images, read before anything large is loaded: each video's (a prompt line's --i, else
+  // --image) is named for an image-to-video DiT, and every one decodes. file -> [H, W, 3] uint8.
+  const bool conditioned = megaslide::wan_image_to_video(model.config.model.wan);
+  std::map<std::string, torch::Tensor> files;
   for (const auto& v : videos) {
     const std::string path = v.job.image.value_or(wan.image);
-    const std::string what = v.job.image ? "--prompts: --i" : "--image";
-    if (path.empty() && megaslide::wan_image_to_video(model.config.model.wan))
+    if (path.empty() && conditioned)
       throw megaslide::tools::UsageError(
           "--image: '" + source +
           "' generates video from an image (Wan image-to-video): give --image FILE, or --i FILE on each prompt line");
-    if (!path.empty()) {
-      try {
-        megaslide::io::check_input_file(path);
-      } catch (const std::exception& e) {
-        throw megaslide::tools::UsageError(what + ": " + megaslide::error_message(e));
-      }
+    if (path.empty() || files.count(path)) continue;
+    try {
+      files[path] = megaslide::io::read_video(path)[0].contiguous();
+    } catch (const std::exception& e) {
+      throw megaslide::tools::UsageError((v.job.image ? "--prompts: --i: " : "--image: ") +
+                                         megaslide::error_message(e));
     }
+    std::cerr << "megaslide-sample: image-to-video from '" << path << "' ("
+              << (conditioned ? "its latents and, with an image branch, CLIP's tokens condition every step"
+                              : "its latent the first frame, kept clean; Wan2.2 TI2V")
+              << ")\n";
   }
   if (!wan.lora.empty()) merge_lora(model, wan.lora, wan.lora_scale, "--lora");
   if (!wan.lora_2.empty()) {
@@ -236,8 +240,9 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan,
                                          "' is one DiT, not Wan2.2's two experts");
     merge_lora(*model.low_noise, wan.lora_2, wan.lora_2_scale < 0 ? wan.lora_scale : wan.lora_2_scale, "--lora-2");
   }
+  // The run's size in pixels (a run trained from a videos cache keeps its data sizes in pixels; a
+  // prompt file's line may give its own, checked when the videos were planned).
   const auto size = megaslide::run_video_size(model.config);
-  const bool conditioned = megaslide::wan_image_to_video(model.config.model.wan);
   auto options = megaslide::WanSampleOptions::from_config(model.config);
   if (!sampler.empty()) options.kind(megaslide::parse_flow_sampler(sampler));
   if (steps > 0) options.steps(steps);
@@ -301,24 +306,12 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan,
   using ImageKey = std::pair<std::string, std::vector<int64_t>>;  // (file, the video's latent shape)
   std::map<ImageKey, torch::Tensor> images;
   std::map<ImageKey, megaslide::WanImageCondition> conditions;
-  std::map<std::string, torch::Tensor> files;  // file -> [H, W, 3] uint8
   for (const auto& v : videos) {
     const std::string path = v.job.image.value_or(wan.image);
     if (path.empty()) continue;  // text-to-video (an image-to-video DiT's videos all have one: checked above)
     const ImageKey key{path, v.shape};
     if (images.count(key) || conditions.count(key)) continue;
     const std::string what = v.job.image ? "--prompts: --i" : "--image";
-    if (!files.count(path)) {
-      try {
-        files[path] = megaslide::io::read_video(path)[0].contiguous();
-      } catch (const std::exception& e) {
-        throw megaslide::tools::UsageError(what + ": " + megaslide::error_message(e));
-      }
-      std::cerr << "megaslide-sample: image-to-video from '" << path << "' ("
-                << (conditioned ? "its latents and, with an image branch, CLIP's tokens condition every step"
-                                : "its latent the first frame, kept clean; Wan2.2 TI2V")
-                << ")\n";
-    }
     const int64_t height = v.job.height.value_or(size.height), width = v.job.width.value_or(size.width);
     auto fitted = image_at_video_size(files[path], path, height, width);
     if (!conditioned) {

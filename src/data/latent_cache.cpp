@@ -105,6 +105,11 @@ std::string umt5_weights_path(const std::string& weights) {
   }
 }
 
+// Whether a cache of `config` holds its clips' image-to-video conditioning (and reads the listing's images).
+bool caches_images(const RunConfig& config) {
+  return config.model.arch == Architecture::kWan && wan_image_to_video(config.model.wan);
+}
+
 // Wan's convention: 512 tokens per prompt.
 constexpr int64_t kUmt5Tokens = 512;
 
@@ -206,7 +211,7 @@ class ConfiguredEncoders final : public CacheEncoders {
 
   io::NamedTensors encode_image(const torch::Tensor& image, const torch::Tensor& pixels,
                                 int64_t frames) const override {
-    if (config_.model.arch != Architecture::kWan || !wan_image_to_video(config_.model.wan) || !wan_vae_) return {};
+    if (!caches_images(config_) || !wan_vae_) return {};
     torch::NoGradGuard no_grad;
     io::NamedTensors out;
     out.emplace_back(
@@ -380,7 +385,7 @@ std::string cache_identity(const RunConfig& config) {
     j["vae"] = {{"kind", "pixel"}, {"layout", "[T, H, W, 3] uint8"}};
   }
   const auto& w = config.model.wan;
-  if (config.model.arch == Architecture::kWan && wan_image_to_video(w)) {
+  if (caches_images(config)) {
     json encoder;  // null: no image branch
     if (w.image_dim > 0) {
       const std::string path = wan_image_encoder_path(config);
@@ -413,9 +418,8 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
   const auto warn = [&](const std::string& m) {
     if (options.on_warning) options.on_warning(m);
   };
-  const bool with_images = config.model.arch == Architecture::kWan && wan_image_to_video(config.model.wan);
-  const auto dataset =
-      VideoDataset::open(config.data, static_cast<int>(std::max<int64_t>(1, options.threads)), {}, with_images);
+  const auto dataset = VideoDataset::open(config.data, static_cast<int>(std::max<int64_t>(1, options.threads)), {},
+                                          caches_images(config));
   dataset.check_bad_fraction();
   const json identity = json::parse(cache_identity(config));
   const json decode = decode_settings(config.data);
@@ -550,7 +554,7 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
       // Decode the shard's items on `threads` threads (epoch 0's draws), then encode in order.
       std::vector<torch::Tensor> clips(static_cast<size_t>(count));
       // Image-to-video: each clip's image at the clip's size ([3, H, W] in [-1, 1]) and as given (uint8).
-      const bool image_to_video = config.model.arch == Architecture::kWan && wan_image_to_video(config.model.wan);
+      const bool image_to_video = caches_images(config);
       std::vector<torch::Tensor> images(static_cast<size_t>(count)), pixels(static_cast<size_t>(count));
       std::vector<std::string> errors(static_cast<size_t>(count));
       std::vector<SourceStat> stats(static_cast<size_t>(count)), image_stats(static_cast<size_t>(count));
@@ -776,7 +780,7 @@ std::shared_ptr<LatentCache> LatentCache::open_checked(const RunConfig& config, 
   std::sort(cache->items_.begin(), cache->items_.end(), [](const Item& a, const Item& b) { return a.index < b.index; });
 
   // The dataset as it is listed now: every item must be in the cache (cached or known bad), at the same path.
-  const bool image_to_video = config.model.arch == Architecture::kWan && wan_image_to_video(config.model.wan);
+  const bool image_to_video = caches_images(config);
   const auto listing = read_video_manifest(config.data, image_to_video);
   std::map<int64_t, std::string> cached_path, cached_image;
   for (const auto& it : cache->items_) cached_path[it.index] = it.path, cached_image[it.index] = it.image;
