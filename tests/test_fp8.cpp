@@ -1,4 +1,4 @@
-// fp8 base weights (model/fp8.h) against PyTorch and ComfyUI (tests/fixtures/fp8/, tools/make_fixtures.py
+// fp8 base weights (io/fp8.h) against PyTorch and ComfyUI (tests/fixtures/fp8/, tools/make_fixtures.py
 // fp8): the plain float8_e4m3fn cast is PyTorch's bit for bit on edge values (beyond ±448, ±inf, NaN,
 // subnormals and their ties, negative zero) from float32, bf16 and fp16; every bit pattern dequantizes as
 // PyTorch converts it; per-tensor scaling is ComfyUI's quantization bit for bit. Then ComfyUI's fp8 Wan
@@ -15,9 +15,11 @@
 
 #include "megaslide/io/files.h"
 #include "megaslide/io/safetensors.h"
-#include "megaslide/model/fp8.h"
+#include "megaslide/io/fp8.h"
 #include "megaslide/model/wan.h"
 #include "megaslide/model/wan_weights.h"
+#include "megaslide/offload/host_param_store.h"
+#include "megaslide/offload/weight_streamer.h"
 #include "error_checks.h"
 
 using megaslide::dequantize_fp8;
@@ -433,5 +435,66 @@ TEST(Fp8, BadFp8WanFilesAreNamed) {
   expect_error([&] { weights.read_fp8("blocks.0.attn1.to_q.weight"); },
                {path, q + ".weight", "NaN", "element " + std::to_string(3 * 24 + 5)});
   expect_error([&] { weights.is_fp8("blocks.0.attn1.to_x.weight"); }, {"no tensor"});
+  megaslide::io::remove_tree(dir);
+}
+
+// The property: a frozen fp8 host store (LoRA's base, lora.base_dtype: fp8) filled from ComfyUI's fp8 Wan
+// files keeps the weights the file gives: every parameter of a block, upcast as the trainer upcasts it on
+// the device, is the file's value bit for bit — the matrices as fp8 (the plain e4m3fn file's bytes stored as
+// they are with scale 1, the scaled files' through a per-tensor scale that reproduces them), the vectors
+// (biases, norm weights) kept exact in fp32 — in 1 B per element plus a 4 B scale per tensor and the vectors'
+// 4 B.
+TEST(Fp8, FrozenStoreKeepsAnFp8FilesWeightsBitForBit) {
+  const auto dir = temp_dir("store");
+  for (const auto layout : {ComfyFp8::kE4m3fn, ComfyFp8::kScaled, ComfyFp8::kCurrent}) {
+    const Fp8File file = write_comfy_fp8(dir, layout);
+    SCOPED_TRACE(file.path);
+    const auto weights = WanWeights::open(file.path);
+    std::vector<megaslide::offload::BlockSpec> specs;
+    for (int64_t l = 0; l < 2; ++l) {  // fixture a's two blocks, their streamed matrices and biases
+      megaslide::offload::BlockSpec spec{"blocks." + std::to_string(l), {}};
+      for (const auto& name : weights.names())
+        if (name.rfind(spec.name + ".", 0) == 0 && name.find("scale_shift_table") == std::string::npos &&
+            name.find("norm2") == std::string::npos)
+          spec.params.push_back({name.substr(spec.name.size() + 1), weights.shape(name)});
+      specs.push_back(std::move(spec));
+    }
+    megaslide::offload::HostParamStoreOptions options;
+    options.frozen = true;
+    options.frozen_dtype = at::kFloat8_e4m3fn;
+    megaslide::offload::HostParamStore store(specs, options);
+    int64_t tensors = 0;
+    for (int64_t l = 0; l < 2; ++l)
+      for (const auto& p : specs[l].params) {
+        store.set_param(l, p.name, weights.read(specs[l].name + "." + p.name, torch::kFloat32));
+        ++tensors;
+      }
+    const auto report = store.memory_report();
+    EXPECT_GT(report.exact_bytes, 0);
+    EXPECT_EQ(report.total_bytes(), report.num_params + 4 * tensors + report.exact_bytes);
+    for (int64_t l = 0; l < 2; ++l) {
+      std::vector<int64_t> offsets, sizes;
+      std::vector<torch::Tensor> exact;
+      for (const auto& p : specs[l].params) {
+        const auto views = store.param(l, p.name);
+        offsets.push_back(views.offset);
+        sizes.push_back(views.compute.numel());
+        exact.push_back(views.exact);
+        EXPECT_EQ(views.exact.defined(), p.shape.size() < 2) << p.name << ": vectors are kept exact, matrices as fp8";
+      }
+      auto upcast = torch::empty({store.block_numel(l)}, torch::kFloat32);
+      megaslide::offload::upcast_fp8_block(store.compute(l), upcast, offsets, sizes, store.scales(l), exact);
+      for (size_t i = 0; i < specs[l].params.size(); ++i) {
+        const std::string name = specs[l].name + "." + specs[l].params[i].name;
+        const auto expected = weights.read(name, torch::kFloat32).reshape({-1});
+        EXPECT_TRUE(same_bits(upcast.narrow(0, offsets[i], sizes[i]), expected))
+            << name << ": " << first_difference(upcast.narrow(0, offsets[i], sizes[i]), expected);
+        if (layout == ComfyFp8::kE4m3fn && weights.is_fp8(name) && specs[l].params[i].shape.size() >= 2) {
+          EXPECT_TRUE(same_bits(store.param(l, specs[l].params[i].name).compute, weights.read_fp8(name).data)) << name;
+          EXPECT_EQ(store.scales(l)[static_cast<int64_t>(i)].item<float>(), 1.f) << name;
+        }
+      }
+    }
+  }
   megaslide::io::remove_tree(dir);
 }

@@ -73,7 +73,7 @@ TEST(Safetensors, EveryDtypeRoundTripsBitForBit) {
       {"i32", torch::randint(-1000, 1000, {3}, torch::kInt32)},
       {"u8", torch::randint(0, 256, {6}, torch::kUInt8)},
       {"bool", torch::randint(0, 2, {5}, torch::kInt64).to(torch::kBool)},
-      // Every bit pattern of the fp8 dtypes, NaNs included (model/fp8.h).
+      // Every bit pattern of the fp8 dtypes, NaNs included (io/fp8.h).
       {"f8_e4m3", torch::arange(256, torch::kInt32).to(torch::kUInt8).view({16, 16}).view(torch::kFloat8_e4m3fn)},
       {"f8_e5m2", torch::arange(256, torch::kInt32).to(torch::kUInt8).flip(0).view(torch::kFloat8_e5m2)},
       {"scalar", torch::tensor(3.5, torch::kFloat32)},

@@ -33,7 +33,7 @@
 #include "megaslide/model/clip_tokenizer.h"
 #include "megaslide/model/dit.h"
 #include "megaslide/model/encoder_settings.h"
-#include "megaslide/model/fp8.h"
+#include "megaslide/io/fp8.h"
 #include "megaslide/model/frozen_encoders.h"
 #include "megaslide/model/ftfy.h"
 #include "megaslide/model/layers.h"

@@ -39,7 +39,7 @@ constexpr DtypeName kDtypes[] = {
     {"I8", torch::kInt8},
     {"U8", torch::kUInt8},
     {"BOOL", torch::kBool},
-    // fp8 (model/fp8.h): published fp8 checkpoints hold float8_e4m3fn, some float8_e5m2.
+    // fp8 (io/fp8.h): published fp8 checkpoints hold float8_e4m3fn, some float8_e5m2.
     {"F8_E4M3", torch::kFloat8_e4m3fn},
     {"F8_E5M2", torch::kFloat8_e5m2},
 };

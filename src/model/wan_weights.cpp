@@ -19,7 +19,7 @@
 #include <set>
 
 #include "megaslide/io/safetensors.h"
-#include "megaslide/model/fp8.h"
+#include "megaslide/io/fp8.h"
 #include "megaslide/model/wan.h"
 #include "megaslide/util/glob.h"
 

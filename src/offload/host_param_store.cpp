@@ -1,5 +1,7 @@
 #include "megaslide/offload/host_param_store.h"
 
+#include "megaslide/io/fp8.h"
+
 #include <fmt/format.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -31,6 +33,10 @@ void check_options(const HostParamStoreOptions& o) {
   TORCH_CHECK(o.shard_count == 1 || o.state_dtype != StateDtype::kInt8,
               "HostParamStore: int8 moments cannot be sharded over ranks (their groups start at each parameter's first "
               "element); use optimizer.state_dtype fp32 or bf16 with several ranks");
+  TORCH_CHECK(!o.frozen || (o.shard_count == 1 && !o.separate_grad && !o.ema),
+              "HostParamStore: a frozen store holds the weights only (no shards, gradient buffer or EMA)");
+  TORCH_CHECK(o.frozen_dtype == c10::ScalarType::Undefined || (o.frozen && o.frozen_dtype == at::kFloat8_e4m3fn),
+              "HostParamStore: frozen_dtype must be Float8_e4m3fn, for a frozen store, got ", o.frozen_dtype);
 }
 
 int64_t param_numel(const BlockSpec& block, const ParamSpec& p) {
@@ -164,6 +170,9 @@ struct HostParamStore::Block {
   std::vector<int64_t> group_offsets;  // per parameter, its first int8 group
   int64_t groups = 0;
   at::Tensor master, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, compute, grad, ema;
+  at::Tensor scales;                   // fp8 frozen weights: per parameter
+  at::Tensor exact;                    // fp8 frozen weights: the vectors in fp32
+  std::vector<int64_t> exact_offsets;  // per parameter: its offset in `exact`, -1 for an fp8 one
 };
 
 namespace {
@@ -175,9 +184,15 @@ int64_t groups_of(const BlockSpec& block) {
 }
 
 // Sharded, no rank holds a whole master: the transfer buffer then holds the whole compute copy (fp32 too).
-bool master_uploaded(const HostParamStoreOptions& o) { return o.compute_dtype == at::kFloat && o.shard_count == 1; }
+bool master_uploaded(const HostParamStoreOptions& o) {
+  return o.compute_dtype == at::kFloat && o.shard_count == 1 && !o.frozen;
+}
+bool fp8_store(const HostParamStoreOptions& o) { return o.frozen_dtype == at::kFloat8_e4m3fn; }
+c10::ScalarType transfer_dtype_of(const HostParamStoreOptions& o) {
+  return fp8_store(o) ? o.frozen_dtype : o.compute_dtype;
+}
 bool has_transfer_buffer(const HostParamStoreOptions& o) {
-  return o.shard_count > 1 || !(o.compute_dtype == at::kFloat && o.separate_grad);
+  return o.frozen || o.shard_count > 1 || !(o.compute_dtype == at::kFloat && o.separate_grad);
 }
 
 const char* dtype_name(c10::ScalarType t) { return t == at::kFloat ? "fp32" : t == at::kHalf ? "fp16" : "bf16"; }
@@ -195,6 +210,15 @@ std::string MemoryReport::to_string() const {
     out += fmt::format("  {:<48} {:>18} {:>14.3f} {:>10.3f}\n", name, bytes,
                        static_cast<double>(bytes) / (1024.0 * 1024 * 1024), static_cast<double>(bytes) / n);
   };
+  if (frozen) {
+    row(fmt::format("{} frozen weights (uploaded; no master, moments or gradient)",
+                    fp8 ? "fp8 e4m3fn" : dtype_name(compute_dtype)),
+        compute_bytes);
+    if (fp8) row("fp32 scales of the fp8 weights (one per parameter tensor)", scale_bytes);
+    if (fp8) row("fp32 vectors kept exact (biases, norm weights)", exact_bytes);
+    row("total", total_bytes());
+    return out;
+  }
   const char* state = offload::to_string(state_dtype);
   row(compute_dtype == at::kFloat && shard_count == 1 ? "fp32 master (uploaded)" : "fp32 master", master_bytes);
   row(fmt::format("{} exp_avg (m)", state), exp_avg_bytes);
@@ -225,11 +249,22 @@ MemoryReport HostParamStore::plan(const std::vector<BlockSpec>& blocks, const Ho
     owned += shard_range(n, options.shard_rank, options.shard_count).size();
     groups += groups_of(b);
   }
+  if (options.frozen) owned = 0;  // the transfer buffer alone
+  groups = options.frozen ? 0 : groups;
   const int64_t state_bytes = state_element_bytes(options.state_dtype);
   r.master_bytes = 4 * owned;
   r.exp_avg_bytes = r.exp_avg_sq_bytes = state_bytes * owned;
   r.scale_bytes = options.state_dtype == StateDtype::kInt8 ? 2 * 4 * groups : 0;
-  r.compute_bytes = has_transfer_buffer(options) ? element_bytes(options.compute_dtype) * r.num_params : 0;
+  r.compute_bytes = has_transfer_buffer(options) ? element_bytes(transfer_dtype_of(options)) * r.num_params : 0;
+  if (fp8_store(options)) {
+    int64_t tensors = 0;
+    for (const auto& b : blocks) {
+      tensors += static_cast<int64_t>(b.params.size());
+      for (const auto& p : b.params)
+        if (p.shape.size() < 2) r.exact_bytes += 4 * param_numel(b, p);
+    }
+    r.scale_bytes = 4 * tensors;
+  }
   r.grad_bytes = options.separate_grad ? 4 * r.num_params : 0;
   r.ema_bytes = options.ema ? 4 * owned : 0;
   r.pinnable_bytes = r.compute_bytes + (master_uploaded(options) ? r.master_bytes : 0);
@@ -237,6 +272,8 @@ MemoryReport HostParamStore::plan(const std::vector<BlockSpec>& blocks, const Ho
   r.state_dtype = options.state_dtype;
   r.separate_grad = options.separate_grad;
   r.shard_count = options.shard_count;
+  r.frozen = options.frozen;
+  r.fp8 = fp8_store(options);
   r.pinned = cuda_pinning_available(options);
   r.pinned_bytes = r.pinned ? r.pinnable_bytes : 0;
   return r;
@@ -289,16 +326,27 @@ HostParamStore::HostParamStore(std::vector<BlockSpec> blocks, HostParamStoreOpti
       block->groups += state_groups(n);
     }
     block->shard = shard_range(block->numel, options_.shard_rank, options_.shard_count);
-    const int64_t owned = block->shard.size();
+    const int64_t owned = options_.frozen ? 0 : block->shard.size();
     block->master = make_buffer(owned, at::kFloat, pinned_ && master_uploaded(options_), "master", spec.name);
     block->exp_avg = make_buffer(owned, m_dtype, false, "exp_avg", spec.name);
     block->exp_avg_sq = make_buffer(owned, v_dtype, false, "exp_avg_sq", spec.name);
-    if (state == StateDtype::kInt8) {
+    if (state == StateDtype::kInt8 && !options_.frozen) {
       block->exp_avg_scale = make_buffer(block->groups, at::kFloat, false, "exp_avg_scale", spec.name);
       block->exp_avg_sq_scale = make_buffer(block->groups, at::kFloat, false, "exp_avg_sq_scale", spec.name);
     }
     if (has_transfer_buffer(options_)) {
-      block->compute = make_buffer(block->numel, options_.compute_dtype, pinned_, "compute", spec.name);
+      block->compute = make_buffer(block->numel, transfer_dtype_of(options_), pinned_, "compute", spec.name);
+    }
+    if (fp8_store(options_)) {
+      block->scales = make_buffer(static_cast<int64_t>(spec.params.size()), at::kFloat, false, "scales", spec.name);
+      int64_t exact = 0;  // the vectors, packed in declaration order
+      for (const auto& p : spec.params) {
+        block->exact_offsets.push_back(p.shape.size() < 2 ? exact : -1);
+        if (p.shape.size() < 2) exact += param_numel(spec, p);
+      }
+      block->exact = make_buffer(exact, at::kFloat, false, "exact", spec.name);
+      block->scales.fill_(1.f);
+      block->exact.zero_();
     }
     if (options_.separate_grad) block->grad = make_buffer(block->numel, at::kFloat, false, "grad", spec.name);
     if (options_.ema) block->ema = make_buffer(owned, at::kFloat, false, "ema", spec.name);
@@ -366,6 +414,8 @@ at::Tensor HostParamStore::exp_avg_sq_scale(int64_t block) const {
   return (block_spec(block), blocks_[block]->exp_avg_sq_scale);
 }
 at::Tensor HostParamStore::ema(int64_t block) const { return (block_spec(block), blocks_[block]->ema); }
+at::Tensor HostParamStore::scales(int64_t block) const { return (block_spec(block), blocks_[block]->scales); }
+c10::ScalarType HostParamStore::transfer_dtype() const { return transfer_dtype_of(options_); }
 at::Tensor HostParamStore::compute(int64_t block) const { return (block_spec(block), blocks_[block]->compute); }
 at::Tensor HostParamStore::grad(int64_t block) const {
   block_spec(block);
@@ -381,7 +431,9 @@ HostParamStore::ParamViews HostParamStore::views(int64_t block, size_t i) const 
   const auto view = [&](const at::Tensor& flat) {
     return flat.defined() ? flat.narrow(0, offset, numel).view(shape) : at::Tensor();
   };
-  const auto owned_view = [&](const at::Tensor& flat) { return sharded() ? at::Tensor() : view(flat); };
+  const auto owned_view = [&](const at::Tensor& flat) {
+    return sharded() || options_.frozen ? at::Tensor() : view(flat);
+  };
   ParamViews v{owned_view(b.master),
                owned_view(b.exp_avg),
                owned_view(b.exp_avg_sq),
@@ -391,7 +443,9 @@ HostParamStore::ParamViews HostParamStore::views(int64_t block, size_t i) const 
                {},
                offset,
                b.group_offsets[i],
-               owned_view(b.ema)};
+               owned_view(b.ema),
+               {}};
+  if (b.exact.defined() && b.exact_offsets[i] >= 0) v.exact = b.exact.narrow(0, b.exact_offsets[i], numel).view(shape);
   if (b.exp_avg_scale.defined()) {
     v.exp_avg_scale = b.exp_avg_scale.narrow(0, b.group_offsets[i], state_groups(numel));
     v.exp_avg_sq_scale = b.exp_avg_sq_scale.narrow(0, b.group_offsets[i], state_groups(numel));
@@ -418,6 +472,28 @@ std::vector<HostParamStore::ParamViews> HostParamStore::params(int64_t block) co
 
 void HostParamStore::set_param(int64_t block, const std::string& name, const at::Tensor& value) {
   ParamViews v = param(block, name);
+  if (options_.frozen) {
+    TORCH_CHECK(value.sizes() == v.compute.sizes(), "HostParamStore::set_param: '", name, "' of block ", block,
+                " has shape ", v.compute.sizes(), ", got a value of shape ", value.sizes());
+    if (!fp8_store(options_)) {
+      v.compute.copy_(value);  // rounded to nearest even
+      return;
+    }
+    // fp8: a vector kept exact; a matrix's own fp8 bytes when it is fp8 already (scale 1), else per-tensor
+    // scaling.
+    const at::Tensor w = value.to(at::kCPU, at::kFloat);
+    if (v.exact.defined()) {
+      v.exact.copy_(w);
+      return;
+    }
+    Fp8Tensor q = quantize_fp8(w, Fp8Scaling::kNone);
+    if (!at::equal(dequantize_fp8(q), w)) q = quantize_fp8(w, Fp8Scaling::kPerTensor);
+    v.compute.copy_(q.data);
+    const BlockSpec& spec = specs_[block];
+    for (size_t i = 0; i < spec.params.size(); ++i)
+      if (spec.params[i].name == name) blocks_[block]->scales.data_ptr<float>()[i] = q.scale.item<float>();
+    return;
+  }
   TORCH_CHECK(value.sizes() == v.compute.sizes() || (v.master.defined() && value.sizes() == v.master.sizes()),
               "HostParamStore::set_param: '", name, "' of block ", block, " has shape ",
               (v.master.defined() ? v.master : v.compute).sizes(), ", got a value of shape ", value.sizes());
@@ -446,6 +522,7 @@ void HostParamStore::set_param(int64_t block, const std::string& name, const at:
 
 void HostParamStore::copy_master_to_compute(int64_t block, int64_t begin, int64_t end) const {
   const Block& b = *blocks_[(block_spec(block), block)];
+  if (options_.frozen) return;  // the weights are the copy
   TORCH_CHECK(b.shard.begin <= begin && begin <= end && end <= b.shard.end,
               "HostParamStore::copy_master_to_compute: range [", begin, ", ", end, ") is not within block ", block,
               "'s ", sharded() ? "shard [" : "elements [", b.shard.begin, ", ", b.shard.end, ")");

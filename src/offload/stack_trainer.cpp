@@ -372,6 +372,7 @@ struct StreamedStackTrainer::StepRun {
   const int64_t adam_step;  // the AdamW step number this update would take
   const int64_t serial;     // this step's number among every step() (immediate updates' skip guard)
   const bool partial;       // not every block
+  const bool frozen;        // StackTrainerOptions::frozen_blocks: the blocks have no gradient
   const torch::TensorOptions empty;
   const Clock::time_point start = Clock::now();
   std::vector<BlockGradient> gradient;  // per block
@@ -392,6 +393,7 @@ struct StreamedStackTrainer::StepRun {
         adam_step(blocks.adam_step > 0 ? blocks.adam_step : trainer.adam_steps_ + 1),
         serial(++trainer.step_calls_),
         partial(first > 0 || L < trainer.streamer_->num_blocks()),
+        frozen(trainer.options_.frozen_blocks),
         empty(torch::TensorOptions().dtype(dt).device(trainer.options_.device)),
         gradient(static_cast<size_t>(L)) {
     TORCH_CHECK(0 <= first && first < L && L <= trainer.streamer_->num_blocks(), "StreamedStackTrainer::step: blocks [",
@@ -420,7 +422,7 @@ struct StreamedStackTrainer::StepRun {
     pending = {};
   }
   at::Tensor upload_source(int64_t l) const {
-    return dt == at::kFloat && !store.sharded() ? store.master(l) : store.compute(l);
+    return dt == at::kFloat && !store.sharded() && !frozen ? store.master(l) : store.compute(l);
   }
   void upload(int64_t l) {
     wait_for_update(l);
@@ -650,7 +652,7 @@ struct StreamedStackTrainer::StepRun {
       if (l == L - 1) upload(l);  // a cache hit: the forward just used it
       auto weights = streamer.acquire(l);
       if (l > first) upload(l - 1);
-      auto grads = streamer.gradient_buffer(l);
+      auto grads = frozen ? at::Tensor() : streamer.gradient_buffer(l);
       im.bind(l, weights, grads);
       const int span = streamer.begin_span(TraceLane::kCompute, "backward block " + std::to_string(l));
       auto input = mb.saved[l].detach().requires_grad_(true);
@@ -664,6 +666,10 @@ struct StreamedStackTrainer::StepRun {
       TORCH_CHECK(mb.grad.defined(), "StreamedStackTrainer: block ", l, "'s output does not depend on its input");
       mb.saved[l] = torch::Tensor();
       im.unbind(l, empty);
+      if (frozen) {  // nothing of the block's own leaves the device
+        streamer.release(l);
+        continue;
+      }
       send_gradient_to_host(l, grads, k, last);
       streamer.release(l);
       if (last && im.exchange) dispatch_reduce(l);
@@ -693,8 +699,8 @@ struct StreamedStackTrainer::StepRun {
   double global_norm() {
     if (im.exchange) return global_norm_over_ranks();
     std::vector<torch::Tensor> norms;  // [block norms (no accumulation)..., resident norms...], double on the device
-    const size_t blocks = accum == 1 ? static_cast<size_t>(L - first) : 0;
-    if (accum == 1)
+    const size_t blocks = accum == 1 && !frozen ? static_cast<size_t>(L - first) : 0;
+    if (blocks > 0)
       norms.push_back(torch::stack(std::vector<torch::Tensor>(im.block_norm.begin() + first, im.block_norm.begin() + L))
                           .to(torch::kDouble));
     for (auto& p : im.resident) {
@@ -704,7 +710,9 @@ struct StreamedStackTrainer::StepRun {
     }
     const auto host = norms.empty() ? torch::Tensor() : torch::cat(norms).to(torch::kCPU);
     double sq = 0.0;
-    if (accum > 1) {
+    if (frozen) {
+      // no block gradients
+    } else if (accum > 1) {
       for (int64_t l = first; l < L; ++l) gradient[l].wait();
       for (int64_t l = first; l < L; ++l) sq += im.block_sq[l];
     } else {
@@ -725,9 +733,9 @@ struct StreamedStackTrainer::StepRun {
   // summed over the ranks (one all-reduce for the gradients, one for the two sums), then divided by R:
   // the mean gradient over the global batch and the mean loss, the same on every rank.
   double global_norm_over_ranks() {
-    for (int64_t l = first; l < L; ++l) im.reduced[l].get();  // rethrows a failed exchange
     double block_sq = 0.0;
-    for (int64_t l = first; l < L; ++l) block_sq += im.block_sq[l];
+    for (int64_t l = first; l < L && !frozen; ++l) im.reduced[l].get();  // rethrows a failed exchange
+    for (int64_t l = first; l < L && !frozen; ++l) block_sq += im.block_sq[l];
     const double R = static_cast<double>(im.exchange->world_size());
     std::vector<torch::Tensor> with_grad;
     for (auto& p : im.resident)
@@ -790,9 +798,10 @@ struct StreamedStackTrainer::StepRun {
           for (auto& p : im.resident)
             if (p.grad().defined()) p.mutable_grad().mul_(coef);
         }
-        for (int64_t l = first; l < L; ++l) dispatch_update(l, static_cast<float>(coef / scale), /*guard=*/false);
+        for (int64_t l = first; l < L && !frozen; ++l)
+          dispatch_update(l, static_cast<float>(coef / scale), /*guard=*/false);
       } else {
-        for (int64_t l = first; l < L; ++l) dispatch_restore(l);
+        for (int64_t l = first; l < L && !frozen; ++l) dispatch_restore(l);
       }
     }
     if (!r.skipped) {
@@ -883,10 +892,17 @@ StreamedStackTrainer::StreamedStackTrainer(std::shared_ptr<StreamedModel> model,
   impl_->adamw = std::make_unique<CpuAdamW>(a, options_.optimizer_threads);
   TORCH_CHECK(options_.ema_decay >= 0 && options_.ema_decay < 1,
               "StreamedStackTrainer: ema_decay must be in [0, 1), got ", options_.ema_decay);
+  const bool frozen = options_.frozen_blocks;
   HostParamStoreOptions store_options = host_store_options(dt, options_.grad_accum_steps, options_.state_dtype);
   store_options.pin_if_cuda = options_.pin_host_memory;
-  store_options.ema = has_ema();
-  if (options_.exchange) {
+  store_options.ema = has_ema() && !frozen;
+  store_options.frozen = frozen;
+  TORCH_CHECK(options_.frozen_dtype == c10::ScalarType::Undefined || frozen,
+              "StreamedStackTrainer: frozen_dtype applies to frozen blocks (frozen_blocks) only: trained blocks keep "
+              "fp32 masters");
+  store_options.frozen_dtype = options_.frozen_dtype;
+  if (frozen) store_options.separate_grad = false;  // the sums are the resident parameters' own .grad
+  if (options_.exchange && !frozen) {
     store_options.shard_rank = options_.exchange->rank();
     store_options.shard_count = options_.exchange->world_size();
   }
@@ -907,7 +923,8 @@ StreamedStackTrainer::StreamedStackTrainer(std::shared_ptr<StreamedModel> model,
       torch::Tensor p = item.value();
       const auto views = store_->param(l, item.key());
       auto received = std::make_shared<std::atomic<bool>>(false);
-      p.register_hook([received](const torch::Tensor&) { received->store(true); });
+      if (frozen) p.set_requires_grad(false);
+      else p.register_hook([received](const torch::Tensor&) { received->store(true); });
       // Shapes from the store: a block built by initial_block already had its parameters emptied.
       impl_->params[l].push_back(
           {p, views.offset, views.grad.numel(), views.group_offset, views.grad.sizes().vec(), received});
@@ -915,7 +932,29 @@ StreamedStackTrainer::StreamedStackTrainer(std::shared_ptr<StreamedModel> model,
     }
   }
   streamer_ = std::make_unique<WeightStreamer>(
-      numels, WeightStreamerOptions{options_.device, dt, options_.mode, options_.emulated_copy_delay_ms});
+      numels, WeightStreamerOptions{options_.device, dt, options_.mode, options_.emulated_copy_delay_ms, 0.0, !frozen,
+                                    store_->transfer_dtype()});
+  if (store_->transfer_dtype() != dt) {  // fp8 blocks: each upload upcast on the device with its scales
+    struct Fp8Block {
+      std::vector<int64_t> offsets, sizes;
+      torch::Tensor scales;              // on the device
+      std::vector<torch::Tensor> exact;  // the vectors kept exact, on the device
+    };
+    auto blocks = std::make_shared<std::vector<Fp8Block>>(static_cast<size_t>(L));
+    for (int64_t l = 0; l < L; ++l) {
+      auto& b = (*blocks)[static_cast<size_t>(l)];
+      for (const auto& views : store_->params(l)) {
+        b.offsets.push_back(views.offset);
+        b.sizes.push_back(views.compute.numel());
+        b.exact.push_back(views.exact.defined() ? views.exact.to(options_.device) : torch::Tensor());
+      }
+      b.scales = store_->scales(l).to(options_.device);
+    }
+    streamer_->set_upcast([blocks](int64_t l, const at::Tensor& raw, const at::Tensor& weights) {
+      const auto& b = (*blocks)[static_cast<size_t>(l)];
+      upcast_fp8_block(raw, weights, b.offsets, b.sizes, b.scales, b.exact);
+    });
+  }
 
   impl_->resident = model->resident_parameters();
   for (const auto& p : impl_->resident) {
@@ -935,7 +974,9 @@ StreamedStackTrainer::StreamedStackTrainer(std::shared_ptr<StreamedModel> model,
   impl_->block_sq.assign(L, 0.0);
   impl_->block_norm.resize(L);
   if (options_.exchange && options_.exchange->world_size() > 1) {
-    impl_->exchange = options_.exchange;
+    impl_->exchange = options_.exchange;  // frozen: the resident gradients' all-reduce only
+  }
+  if (impl_->exchange && !frozen) {
     impl_->reduced.resize(L);
     impl_->reduced_nonfinite.assign(L, 0);
     int64_t largest = 0;
@@ -947,7 +988,7 @@ StreamedStackTrainer::StreamedStackTrainer(std::shared_ptr<StreamedModel> model,
     impl_->gather_in = torch::zeros({s}, torch::TensorOptions().dtype(dt));
     impl_->gather_out = torch::zeros({R * s}, torch::TensorOptions().dtype(dt));
   }
-  if (options_.grad_accum_steps > 1) {
+  if (options_.grad_accum_steps > 1 && !frozen) {
     int64_t largest = 0;
     for (auto n : numels) largest = std::max(largest, n);
     const bool pin = options_.device.is_cuda() && options_.pin_host_memory;
@@ -991,7 +1032,7 @@ void StreamedStackTrainer::reset_ema_to_weights() {
   synchronize();
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < impl_->resident.size(); ++i) impl_->resident_ema[i].copy_(impl_->resident[i]);
-  for (int64_t l = 0; l < store_->num_blocks(); ++l) store_->ema(l).copy_(store_->master(l));
+  for (int64_t l = 0; l < store_->num_blocks() && !options_.frozen_blocks; ++l) store_->ema(l).copy_(store_->master(l));
 }
 
 torch::Tensor StreamedStackTrainer::gathered_block_ema(int64_t block) {
@@ -1116,7 +1157,8 @@ void StreamedStackTrainer::reload_blocks_from_masters() {
     impl_->restore_compute(*store_, l, mine.begin, mine.end);  // rounded as CpuAdamW rounds
     streamer_->invalidate(l);
   }
-  if (impl_->exchange) {  // every rank's shards into every rank's copy, on the host channel's thread
+  if (impl_->exchange &&
+      !options_.frozen_blocks) {  // every rank's shards into every rank's copy, on the host task thread
     Impl* impl = impl_.get();
     const HostParamStore* store = store_.get();
     for (int64_t l = 0; l < store_->num_blocks(); ++l)

@@ -1,5 +1,7 @@
 #include "megaslide/offload/weight_streamer.h"
 
+#include "megaslide/io/fp8.h"
+
 #include "offload/streams.h"
 
 namespace megaslide::offload {
@@ -26,8 +28,10 @@ void GradCopy::wait() const {
 struct WeightStreamer::Impl {
   struct Slot {
     at::Tensor weights, grads;
-    int64_t block = -1;  // whose weights the slot holds (or is receiving); -1: none
-    bool valid = false;  // the held weights are the block's current host weights
+    at::Tensor raw;           // fp8 transfer: where the upload lands
+    bool upcast_due = false;  // fp8 transfer: raw holds a new upload not yet upcast into weights
+    int64_t block = -1;       // whose weights the slot holds (or is receiving); -1: none
+    bool valid = false;       // the held weights are the block's current host weights
     bool acquired = false;
     EventPtr weights_ready;  // H2D: the upload into the slot has landed
     EventPtr released;       // compute: done with the slot's weights
@@ -43,6 +47,10 @@ WeightStreamer::WeightStreamer(std::vector<int64_t> block_numels, WeightStreamer
   const auto dt = options_.compute_dtype;
   TORCH_CHECK(dt == at::kBFloat16 || dt == at::kHalf || dt == at::kFloat,
               "WeightStreamer: compute dtype must be BFloat16, Half or Float, got ", dt);
+  TORCH_CHECK(transfer_dtype() == dt || transfer_dtype() == at::kFloat8_e4m3fn,
+              "WeightStreamer: the transfer dtype must be the compute dtype or Float8_e4m3fn, got ", transfer_dtype());
+  TORCH_CHECK(transfer_dtype() == dt || !options_.gradients,
+              "WeightStreamer: an fp8 transfer streams frozen weights only (gradients: false)");
   int64_t largest = 0;
   for (size_t l = 0; l < numels_.size(); ++l) {
     TORCH_CHECK(numels_[l] > 0, "WeightStreamer: block ", l, " has ", numels_[l], " elements; expected > 0");
@@ -54,7 +62,8 @@ WeightStreamer::WeightStreamer(std::vector<int64_t> block_numels, WeightStreamer
   const auto opts = torch::TensorOptions().dtype(dt).device(options_.device);
   for (auto& s : impl_->slots) {
     s.weights = torch::empty({largest}, opts);
-    s.grads = torch::empty({largest}, opts);
+    if (options_.gradients) s.grads = torch::empty({largest}, opts);
+    if (transfer_dtype() != dt) s.raw = torch::empty({largest}, opts.dtype(transfer_dtype()));
     // The slots' memory may be what the caching allocator just took back from tensors that kernels still
     // queued on the compute stream read or write (validation sampling, a streamed encoder before the
     // trainer): the first upload into a slot waits for that work, like every later one waits for release().
@@ -70,9 +79,32 @@ WeightStreamer::~WeightStreamer() {
 }
 
 int64_t WeightStreamer::device_weight_bytes() const {
-  return 2 * impl_->slots[0].weights.numel() * static_cast<int64_t>(c10::elementSize(options_.compute_dtype));
+  const auto& s = impl_->slots[0];
+  return 2 * (static_cast<int64_t>(s.weights.nbytes()) + (s.raw.defined() ? static_cast<int64_t>(s.raw.nbytes()) : 0));
 }
-int64_t WeightStreamer::device_gradient_bytes() const { return device_weight_bytes(); }
+
+c10::ScalarType WeightStreamer::transfer_dtype() const {
+  return options_.transfer_dtype == c10::ScalarType::Undefined ? options_.compute_dtype : options_.transfer_dtype;
+}
+
+void upcast_fp8_block(const at::Tensor& raw, const at::Tensor& weights, const std::vector<int64_t>& offsets,
+                      const std::vector<int64_t>& numels, const at::Tensor& scales,
+                      const std::vector<at::Tensor>& exact) {
+  TORCH_CHECK(offsets.size() == numels.size() && scales.numel() == static_cast<int64_t>(offsets.size()) &&
+                  (exact.empty() || exact.size() == offsets.size()),
+              "upcast_fp8_block: ", offsets.size(), " offsets, ", numels.size(), " sizes, ", scales.numel(),
+              " scales and ", exact.size(), " exact values");
+  for (size_t i = 0; i < offsets.size(); ++i) {
+    const auto o = offsets[i], n = numels[i];
+    if (!exact.empty() && exact[i].defined()) {
+      weights.narrow(0, o, n).copy_(exact[i].reshape({-1}));
+      continue;
+    }
+    weights.narrow(0, o, n).copy_(
+        dequantize_fp8({raw.narrow(0, o, n), scales[static_cast<int64_t>(i)]}, weights.scalar_type()));
+  }
+}
+int64_t WeightStreamer::device_gradient_bytes() const { return options_.gradients ? device_weight_bytes() : 0; }
 
 void WeightStreamer::account_resident() {
   int64_t n = 0;
@@ -85,8 +117,8 @@ void WeightStreamer::prefetch(int64_t block, const at::Tensor& host_weights) {
               num_blocks(), ")");
   const int64_t n = numels_[block];
   TORCH_CHECK(
-      host_weights.numel() == n && host_weights.scalar_type() == options_.compute_dtype && host_weights.is_contiguous(),
-      "WeightStreamer::prefetch: block ", block, " expects a contiguous ", options_.compute_dtype, " tensor of ", n,
+      host_weights.numel() == n && host_weights.scalar_type() == transfer_dtype() && host_weights.is_contiguous(),
+      "WeightStreamer::prefetch: block ", block, " expects a contiguous ", transfer_dtype(), " tensor of ", n,
       " elements, got ", host_weights.scalar_type(), " with ", host_weights.numel());
   auto& slot = impl_->slots[slot_of(block)];
   if (slot.block == block && slot.valid) {
@@ -98,11 +130,13 @@ void WeightStreamer::prefetch(int64_t block, const at::Tensor& host_weights) {
   slot.block = block;
   slot.valid = true;
   account_resident();
-  stats_.h2d_bytes += n * static_cast<int64_t>(c10::elementSize(options_.compute_dtype));
+  stats_.h2d_bytes += n * static_cast<int64_t>(c10::elementSize(transfer_dtype()));
   ++stats_.h2d_copies;
   auto& streams = *impl_->streams;
   streams.wait(Lane::kH2D, slot.released);  // the compute stream is done with the slot's previous block
-  streams.copy(Lane::kH2D, slot.weights.narrow(0, 0, n), host_weights, "h2d block " + std::to_string(block));
+  slot.upcast_due = slot.raw.defined();
+  streams.copy(Lane::kH2D, (slot.raw.defined() ? slot.raw : slot.weights).narrow(0, 0, n), host_weights,
+               "h2d block " + std::to_string(block));
   slot.weights_ready = streams.record(Lane::kH2D);
 }
 
@@ -114,13 +148,22 @@ at::Tensor WeightStreamer::acquire(int64_t block) {
   slot.acquired = true;
   impl_->streams->wait(Lane::kCompute, slot.weights_ready);
   slot.weights_ready.reset();
-  return slot.weights.narrow(0, 0, numels_[block]);
+  const int64_t n = numels_[block];
+  if (slot.upcast_due) {  // on the compute stream, which now waits for the upload
+    TORCH_CHECK(upcast_, "WeightStreamer::acquire: block ", block, " arrived as ", transfer_dtype(),
+                " and no upcast is set (set_upcast)");
+    upcast_(block, slot.raw.narrow(0, 0, n), slot.weights.narrow(0, 0, n));
+    slot.upcast_due = false;
+  }
+  return slot.weights.narrow(0, 0, n);
 }
 
 at::Tensor WeightStreamer::gradient_buffer(int64_t block) {
   auto& slot = impl_->slots[slot_of(block)];
   TORCH_CHECK(slot.block == block && slot.acquired, "WeightStreamer::gradient_buffer: block ", block,
               " is not acquired");
+  TORCH_CHECK(options_.gradients,
+              "WeightStreamer::gradient_buffer: the streamer has no gradient slots (frozen blocks)");
   impl_->streams->wait(Lane::kCompute, slot.grad_copied);  // the previous gradient has left the slot
   slot.grad_copied.reset();
   auto g = slot.grads.narrow(0, 0, numels_[block]);
@@ -132,6 +175,8 @@ GradCopy WeightStreamer::offload_gradient(int64_t block, const at::Tensor& host_
   auto& slot = impl_->slots[slot_of(block)];
   TORCH_CHECK(slot.block == block && slot.acquired, "WeightStreamer::offload_gradient: block ", block,
               " is not acquired");
+  TORCH_CHECK(options_.gradients,
+              "WeightStreamer::offload_gradient: the streamer has no gradient slots (frozen blocks)");
   const int64_t n = numels_[block];
   TORCH_CHECK(host_grad.numel() == n && host_grad.scalar_type() == options_.compute_dtype && host_grad.is_contiguous(),
               "WeightStreamer::offload_gradient: block ", block, " expects a contiguous ", options_.compute_dtype,

@@ -32,6 +32,7 @@ TrainingState streamed_training_state(offload::StreamedStackTrainer& engine, con
     if (ema) s.ema.emplace_back(name, engine.resident_ema(p).to(torch::kCPU).clone());
   }
   const auto& store = engine.store();
+  if (store.options().frozen) return s;  // frozen blocks (LoRA's base): the resident parameters are the state
   // The blocks' flat buffers (this rank's shard of them when sharded).
   TrainingState::BlockShards shards;
   shards.rank = store.options().shard_rank;
@@ -80,7 +81,8 @@ void load_streamed_training_state(offload::StreamedStackTrainer& engine, const i
   engine.synchronize();
   const auto& store = engine.store();
   size_t expected = resident.size();
-  if (!store.sharded())
+  const bool frozen = store.options().frozen;  // LoRA's base: nothing of the blocks is in the state
+  if (!store.sharded() && !frozen)
     for (int64_t l = 0; l < store.num_blocks(); ++l) expected += store.block_spec(l).params.size();
   TORCH_CHECK(s.master.size() == expected && s.exp_avg.size() == expected && s.exp_avg_sq.size() == expected, who,
               "::load_training_state: expected ", expected, " parameters, got ", s.master.size());
@@ -134,7 +136,7 @@ void load_streamed_training_state(offload::StreamedStackTrainer& engine, const i
       }
     }
   }
-  for (int64_t l = 0; l < (store.sharded() ? 0 : store.num_blocks()); ++l) {
+  for (int64_t l = 0; l < (store.sharded() || frozen ? 0 : store.num_blocks()); ++l) {
     const std::string prefix = block_name(l) + ".";
     for (const auto& spec : store.block_spec(l).params) {
       const size_t i = find(prefix + spec.name);

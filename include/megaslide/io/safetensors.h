@@ -6,7 +6,7 @@
 //   BEGIN/END are byte offsets into the data section that follows the header.
 //
 // Dtypes: F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL, and the fp8 dtypes F8_E4M3 (torch's
-// float8_e4m3fn) and F8_E5M2 (float8_e5m2), read and written as their bytes (model/fp8.h turns them into
+// float8_e4m3fn) and F8_E5M2 (float8_e5m2), read and written as their bytes (io/fp8.h turns them into
 // floating tensors).
 // Writing lays tensors out back to back in the order given, pads the header with spaces to a multiple
 // of 8 bytes (as the reference implementation does) and replaces the file atomically.

@@ -21,7 +21,7 @@
 // Files are memory-mapped; read() converts one tensor (bf16, fp16, fp32 or fp8 in the file) into a fresh
 // CPU tensor of the asked dtype, so a loader that fills a host store block by block never holds more than
 // one tensor's copy beside the mapping (the page cache is the kernel's to drop).
-// fp8 files (model/fp8.h), in any of the layouts: any tensor may be F8_E4M3 (or F8_E5M2); read() returns
+// fp8 files (io/fp8.h), in any of the layouts: any tensor may be F8_E4M3 (or F8_E5M2); read() returns
 // it dequantized, data.to(float32) × scale cast to the asked dtype. ComfyUI's *_fp8_e4m3fn files hold
 // plain casts (scale 1): the linear weights fp8, the rest bf16/fp32. Its *_fp8_scaled files give each
 // fp8 linear weight <layer>.weight a per-tensor scale <layer>.scale_weight (one F32 value; BF16 from some
@@ -53,7 +53,7 @@
 #include "megaslide/config/run_config.h"
 #include "megaslide/io/files.h"
 #include "megaslide/io/safetensors.h"
-#include "megaslide/model/fp8.h"
+#include "megaslide/io/fp8.h"
 #include "megaslide/util/errors.h"
 
 namespace megaslide {

@@ -77,6 +77,16 @@ struct HostParamStoreOptions {
   bool separate_grad = false;
   // An fp32 EMA buffer beside the master (4 B per parameter, sharded like it).
   bool ema = false;
+  // Frozen weights (LoRA's base): the transfer buffer alone, holding the weights in the compute dtype
+  // (fp32 too); no master, moments, gradient or EMA (their views are undefined). Not sharded.
+  bool frozen = false;
+  // Frozen only: how the weights are kept — the compute dtype (Undefined, the default), or Float8_e4m3fn:
+  // the matrices (2 or more dimensions) as fp8, 1 B per element, with one fp32 scale per tensor (scales()),
+  // set_param quantizing each value (io/fp8.h): unscaled when the value is already fp8 (a published fp8
+  // file's weights stay bit for bit), else with a per-tensor scale. Vectors (biases, norm weights) are kept
+  // exact, in fp32 beside them (ParamViews::exact; their fp8 bytes are zero), as fp8 checkpoints keep them.
+  // The trainer upcasts on the device (WeightStreamer's fp8 transfer).
+  c10::ScalarType frozen_dtype = c10::ScalarType::Undefined;
   // Page-lock the transfer buffer (and an uploaded fp32 master) when CUDA is available at run time.
   // Turning it off keeps the memory pageable (and the H2D/D2H copies synchronous).
   bool pin_if_cuda = true;
@@ -122,7 +132,8 @@ struct MemoryReport {
   int64_t master_bytes = 0;
   int64_t exp_avg_bytes = 0;
   int64_t exp_avg_sq_bytes = 0;
-  int64_t scale_bytes = 0;    // int8 state: both moments' group scales
+  int64_t scale_bytes = 0;    // int8 state: both moments' group scales; fp8 frozen weights: their scales
+  int64_t exact_bytes = 0;    // fp8 frozen weights: the vectors kept in fp32 (ParamViews::exact)
   int64_t compute_bytes = 0;  // the transfer buffer (compute copy; the gradient at accumulation 1)
   int64_t grad_bytes = 0;     // separate fp32 gradient buffers (accumulation), else 0
   int64_t ema_bytes = 0;      // the fp32 EMA of the master (HostParamStoreOptions::ema), else 0
@@ -135,9 +146,12 @@ struct MemoryReport {
   bool separate_grad = false;
   bool pinned = false;      // whether page-locking is in effect
   int64_t shard_count = 1;  // > 1: master and moments are this rank's shard only
+  bool frozen = false;      // HostParamStoreOptions::frozen: compute_bytes are the frozen weights
+  bool fp8 = false;         // ... kept as fp8 (HostParamStoreOptions::frozen_dtype), scale_bytes their scales
 
   int64_t total_bytes() const {
-    return master_bytes + exp_avg_bytes + exp_avg_sq_bytes + scale_bytes + compute_bytes + grad_bytes + ema_bytes;
+    return master_bytes + exp_avg_bytes + exp_avg_sq_bytes + scale_bytes + compute_bytes + grad_bytes + ema_bytes +
+           exact_bytes;
   }
   // A table: one row per component with bytes, GiB and bytes per parameter, then the total.
   std::string to_string() const;
@@ -175,6 +189,11 @@ class HostParamStore {
   at::Tensor exp_avg_scale(int64_t block) const;     // int8 state; undefined otherwise
   at::Tensor exp_avg_sq_scale(int64_t block) const;  // int8 state; undefined otherwise
   at::Tensor ema(int64_t block) const;               // the master's EMA (options.ema); undefined otherwise
+  // fp8 frozen weights: one fp32 scale per parameter of the block, in declaration order (weight i =
+  // compute's parameter i × scales[i]); undefined otherwise.
+  at::Tensor scales(int64_t block) const;
+  // The transfer buffer's dtype: the compute dtype, or frozen_dtype.
+  c10::ScalarType transfer_dtype() const;
   // The transfer buffer: the compute copy (with fp32 compute: where gradients land). Undefined with
   // fp32 compute and a separate gradient buffer (nothing crosses PCIe through it then).
   at::Tensor compute(int64_t block) const;
@@ -191,6 +210,7 @@ class HostParamStore {
     int64_t offset = 0;        // elements from the start of the block's flat buffers
     int64_t group_offset = 0;  // int8 state: this parameter's first scale in the block's scale buffers
     at::Tensor ema;            // options.ema and not sharded; undefined otherwise
+    at::Tensor exact;          // fp8 frozen weights: a vector's fp32 value (its compute bytes unused); else undefined
   };
   ParamViews param(int64_t block, const std::string& name) const;
   // Every parameter of a block, in declaration order.
@@ -198,7 +218,7 @@ class HostParamStore {
 
   // Writes `value` (any dtype, the parameter's shape) into the parameter's master (sharded: the part in
   // this rank's shard) and, rounded to nearest even, its compute copy (none with fp32 compute unless
-  // sharded): how weights are loaded.
+  // sharded; frozen: the compute copy alone): how weights are loaded.
   void set_param(int64_t block, const std::string& name, const at::Tensor& value);
   // Rounds elements [begin, end) of block's compute copy from its master, with CpuAdamW's rounding (a
   // no-op with fp32 compute unless sharded, where it copies): the copy after a skipped update, or after

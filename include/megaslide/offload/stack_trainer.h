@@ -123,6 +123,15 @@ struct StackTrainerOptions {
   std::shared_ptr<ShardExchange> exchange;
   // > 0: keep an fp32 EMA of every parameter with this decay (ema_decay_at; train.ema_decay).
   double ema_decay = 0.0;
+  // The blocks' parameters are frozen (LoRA's base): the store holds their weights in the compute dtype
+  // only (HostParamStoreOptions::frozen), they stream H2D only — no gradient slots, no D2H, no host
+  // AdamW, no exchange of blocks between ranks — and only the resident parameters train. Those may be
+  // read inside the blocks (LoRA's adapters): their gradients accumulate through each block's recompute.
+  bool frozen_blocks = false;
+  // Frozen blocks only: Float8_e4m3fn keeps them as fp8 in host RAM (1 B per parameter and a scale per
+  // tensor, HostParamStoreOptions::frozen_dtype), uploads the fp8 bytes — half bf16's — and upcasts them
+  // to the compute dtype on the device. Undefined (the default): the compute dtype.
+  c10::ScalarType frozen_dtype = c10::ScalarType::Undefined;
 };
 
 // The part of the stack a step trains (StreamedStackTrainer::step): a model whose parts are trained on

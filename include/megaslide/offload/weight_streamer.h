@@ -53,7 +53,24 @@ struct WeightStreamerOptions {
   // CPU async mode only (a testing aid): the emulated compute lane runs this many milliseconds behind the
   // host, as a GPU with kernels still queued does (src/offload/streams.h).
   double emulated_compute_lag_ms = 0.0;
+  // Two gradient slots beside the weight slots; false (frozen blocks: LoRA's base) allocates none, and
+  // gradient_buffer / offload_gradient are errors.
+  bool gradients = true;
+  // What the host weights are and what crosses PCIe: the compute dtype (Undefined, the default), or
+  // Float8_e4m3fn (a frozen base stored as fp8, io/fp8.h): each slot then also has a transfer buffer of
+  // that dtype, and acquire() turns its bytes into the compute dtype on the compute stream with the
+  // upcast set by set_upcast.
+  c10::ScalarType transfer_dtype = c10::ScalarType::Undefined;
 };
+
+// Writes block weights held as fp8 (`raw`, flat) into `weights` (flat, the compute dtype, on raw's device):
+// parameter i, elements [offsets[i], offsets[i] + numels[i]), is dequantize_fp8 of its bytes with scale
+// scales[i] (`scales`: fp32 on the same device, one per parameter), or, where exact[i] is defined (a vector
+// kept exact, HostParamStoreOptions::frozen_dtype), exact[i]'s values (on the same device). Ops on the
+// current stream.
+void upcast_fp8_block(const at::Tensor& raw, const at::Tensor& weights, const std::vector<int64_t>& offsets,
+                      const std::vector<int64_t>& numels, const at::Tensor& scales,
+                      const std::vector<at::Tensor>& exact = {});
 
 // Cumulative counters (reset with reset_stats()).
 struct StreamerStats {
@@ -88,12 +105,16 @@ class WeightStreamer {
   int64_t num_blocks() const { return static_cast<int64_t>(numels_.size()); }
   static int64_t slot_of(int64_t block) { return block % 2; }
 
-  // Starts copying `host_weights` (flat, the block's numel, compute dtype) into block's slot, unless
+  // Starts copying `host_weights` (flat, the block's numel, the transfer dtype) into block's slot, unless
   // the slot already holds this block's current weights. The slot must not hold an acquired block.
   void prefetch(int64_t block, const at::Tensor& host_weights);
   // Makes the compute stream wait for block's weights (prefetch first) and returns them: a flat
-  // device tensor of the block's numel, valid until release(block).
+  // device tensor of the block's numel in the compute dtype, valid until release(block). With an fp8
+  // transfer dtype a newly uploaded block is upcast first (set_upcast), once per upload.
   at::Tensor acquire(int64_t block);
+  // The fp8 transfer's upcast of block `block`: from its uploaded bytes (`raw`) into the slot's weights.
+  using Upcast = std::function<void(int64_t block, const at::Tensor& raw, const at::Tensor& weights)>;
+  void set_upcast(Upcast upcast) { upcast_ = std::move(upcast); }
   // The slot's flat gradient buffer for `block`, zeroed on the compute stream after the previous
   // gradient copy out of this slot has finished. Valid until release(block).
   at::Tensor gradient_buffer(int64_t block);
@@ -126,6 +147,8 @@ class WeightStreamer {
 
  private:
   void account_resident();
+  c10::ScalarType transfer_dtype() const;
+  Upcast upcast_;
   std::vector<int64_t> numels_;
   WeightStreamerOptions options_;
   StreamerStats stats_;

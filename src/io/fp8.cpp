@@ -1,4 +1,4 @@
-#include "megaslide/model/fp8.h"
+#include "megaslide/io/fp8.h"
 
 #include <ATen/ATen.h>
 
