@@ -1881,6 +1881,66 @@ def section_wan_lora(out_dir):
     print(f"  {len(lora)} LoRA tensors")
 
 
+def section_trained_lora(out_dir):
+    """A LoRA trained by MegaSlide and read by diffusers: build/bin/megaslide-train (MEGASLIDE_TRAIN names another
+    binary) trains LoRA rank 4, alpha 6 on every Linear of the wan fixture's model "a" blocks for 3 steps (resident
+    fp32, on latents drawn here) and exports it (--export-weights: diffusers' layout); WanPipeline.load_lora_weights
+    reads the file into model "a"; the DiT's output with it, and without it. run.yaml and data.safetensors are kept
+    so that the C++ test trains the same LoRA again."""
+    import diffusers
+    import peft
+    import torch
+    from diffusers import WanPipeline, WanTransformer3DModel
+
+    root = ROOT
+    train = os.environ.get("MEGASLIDE_TRAIN", os.path.join(root, "build", "bin", "megaslide-train"))
+    if not os.path.exists(train):
+        raise SystemExit(f"trained_lora needs megaslide-train ({train}): build it, or set MEGASLIDE_TRAIN")
+    rng = np.random.default_rng(31)
+    data = {"latents": rng.standard_normal((4, 4, 3, 6, 8)).astype(np.float32),
+            "text": rng.standard_normal((4, 7, 20)).astype(np.float32),
+            "empty_text": np.zeros((7, 20), dtype=np.float32)}
+    save_safetensors(os.path.join(out_dir, "data.safetensors"), data, {"what": "latents and text of the LoRA run"})
+    with open(os.path.join(out_dir, "run.yaml"), "w") as f:
+        f.write("""# The LoRA run of tests/fixtures/trained_lora (tools/make_fixtures.py trained_lora), from the repository's root.
+model:
+  arch: wan
+  wan: {weights: tests/fixtures/wan/a/diffusers, dim: 24, layers: 2, heads: 2, ffn_dim: 40, freq_dim: 16, text_dim: 20, patch: [1, 2, 2], in_channels: 4, out_channels: 4}
+data: {dataset: latent-tensors, tensors: tests/fixtures/trained_lora/data.safetensors, channels: 4, frames: 3, height: 6, width: 8, max_text_tokens: 7}
+diffusion: {objective: flow, shift: 3.0, caption_dropout: 0.0}
+train: {steps: 3, batch_size: 2, lr: 0.05, warmup_steps: 0, lr_schedule: constant, grad_clip: 1.0, device: cpu, seed: 7, sample_every: 0, checkpoint_every: 0}
+offload: {enabled: false}
+lora: {rank: 4, alpha: 6}
+output: {progress: false}
+""")
+    run_dir = tempfile.mkdtemp(prefix="megaslide-trained-lora-")
+    try:
+        subprocess.run([train, "--config", os.path.join(out_dir, "run.yaml"), "--run-dir", os.path.join(run_dir, "run"),
+                        "--set", "data.tensors=" + os.path.join(out_dir, "data.safetensors"),
+                        "--set", "model.wan.weights=" + os.path.join(FIXTURES, "wan", "a", "diffusers"),
+                        "--export-weights", os.path.join(out_dir, "lora.safetensors")], check=True, cwd=root)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    model = WanTransformer3DModel.from_pretrained(os.path.join(FIXTURES, "wan", "a", "diffusers", "transformer")).eval()
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, transformer=model, vae=None, scheduler=None)
+    pipe.load_lora_weights(out_dir, weight_name="lora.safetensors")
+    g = torch.Generator().manual_seed(103)
+    x, text = torch.randn((2, 4, 3, 6, 8), generator=g), torch.randn((2, 7, 20), generator=g)
+    timesteps = torch.tensor([731.0, 44.5])
+    tensors = {"x": x.numpy(), "text": text.numpy(), "timesteps": timesteps.numpy()}
+    with torch.no_grad():
+        tensors["out"] = pipe.transformer(x, timesteps, text, return_dict=False)[0].numpy()
+        pipe.transformer.disable_adapters()
+        tensors["out_base"] = pipe.transformer(x, timesteps, text, return_dict=False)[0].numpy()
+    adapters = sum(1 for n, _ in pipe.transformer.named_parameters() if ".lora_A." in n)
+    meta = {"versions": versions(diffusers, peft, torch),
+            "what": "lora.safetensors: megaslide-train --config run.yaml --export-weights (LoRA r 4, alpha 6, 3 steps); "
+                    "out = WanPipeline.load_lora_weights of it into wan/a/diffusers at x, timesteps, text; out_base "
+                    f"without the adapter ({adapters} adapted layers)"}
+    save_safetensors(os.path.join(out_dir, "reference.safetensors"), tensors, meta)
+    print(f"  {adapters} adapted layers read by diffusers")
+
+
 # --------------------------------------------------------------------------------------------------
 # ftfy: ftfy.fix_text and diffusers' Wan prompt_clean of prompt-like text broken in the ways ftfy repairs
 # --------------------------------------------------------------------------------------------------
@@ -2163,6 +2223,7 @@ SECTIONS = {
     "wan22_experts": (section_wan22_experts, "Wan2.2's two-expert WanPipeline (boundary, two guidance scales) on tiny random experts"),
     "i2v_pipeline": (section_i2v_pipeline, "WanImageToVideoPipeline with 36-channel DiTs: Wan2.1 I2V (CLIP image tokens) and Wan2.2 I2V's two experts"),
     "wan_lora": (section_wan_lora, "a PEFT LoRA on the tiny Wan DiT, saved by WanPipeline.save_lora_weights, and the DiT's outputs with it"),
+    "trained_lora": (section_trained_lora, "a LoRA megaslide-train trains on the tiny Wan DiT, read by WanPipeline.load_lora_weights, and the DiT's outputs with it"),
     "fp8": (section_fp8, "PyTorch's float8_e4m3fn casts (edge values, every bit pattern) and ComfyUI's per-tensor fp8 scaling; an fp8 file from the safetensors package"),
     "wan_pipeline": (section_wan_pipeline, "WanPipeline on the tiny umT5, Wan VAE and a matching tiny DiT: latents, video; prompt cleaning"),
 }

@@ -69,7 +69,8 @@ int print_dry_run(const megaslide::RunConfig& config, bool json) {
 
 int main(int argc, char** argv) {
   CLI::App app{"megaslide-train: full-parameter training of video DiTs (docs/training.md)"};
-  std::string config_path, run_dir, trace_path, export_weights, export_ema, resume, export_layout_name = "diffusers";
+  std::string config_path, run_dir, trace_path, export_weights, export_ema, export_merged, resume,
+      export_layout_name = "diffusers";
   int64_t trace_step = 2, nproc_per_node = 0, master_port = 0;
   std::vector<std::string> overrides;
   bool dry_run = false, json = false;
@@ -85,13 +86,19 @@ int main(int argc, char** argv) {
   app.add_option(
          "--export-weights", export_weights,
          "write the weights (bf16) and the resolved config to this safetensors file (megaslide-sample --checkpoint "
-         "reads it): after training, or with --resume the checkpoint's weights without training")
+         "reads it): after training, or with --resume the checkpoint's weights without training; a LoRA run "
+         "(lora.rank > 0) writes its adapters as a LoRA file (docs/lora.md)")
       ->check(megaslide::tools::non_empty_path());
   app.add_option(
          "--export-ema", export_ema,
          "write the EMA of the weights (train.ema_decay; bf16) to this safetensors file, as --export-weights writes "
          "the "
          "weights: after training, or with --resume the checkpoint's EMA (model_ema.safetensors) without training")
+      ->check(megaslide::tools::non_empty_path());
+  app.add_option("--export-merged", export_merged,
+                 "a LoRA run (lora.rank > 0): write the model's weights with the adapters merged in (bf16), laid out "
+                 "as --export-weights writes a full fine-tuning's (--export-layout applies): after training, or with "
+                 "--resume the checkpoint's adapters on the model without training")
       ->check(megaslide::tools::non_empty_path());
   app.add_option(
          "--export-layout", export_layout_name,
@@ -100,7 +107,8 @@ int main(int argc, char** argv) {
          "Load Diffusion Model: Wan's original names under model.diffusion_model., as Comfy-Org's repackaged "
          "files have them; two experts: PATH's name with _high_noise and _low_noise before .safetensors) or "
          "comfyui-unprefixed (the same file without the prefix, as Wan-AI's and Kijai's files); the 3D-DSA "
-         "retrofit is diffusers' only")
+         "retrofit is diffusers' only. A LoRA run: diffusers' LoRA layout, or ComfyUI's for both comfyui "
+         "choices (one file per expert with two experts)")
       ->check(CLI::IsMember({"diffusers", "comfyui", "comfyui-unprefixed"}));
   app.add_flag("--dry-run", dry_run, "build the model on the meta device, print its size, train nothing");
   app.add_flag("--json", json, "with --dry-run: print one JSON object");
@@ -134,8 +142,9 @@ int main(int argc, char** argv) {
                                        ? megaslide::WanWeightsLayout::kComfyUIUnprefixed
                                        : megaslide::WanWeightsLayout::kDiffusers;
         if (export_layout != megaslide::WanWeightsLayout::kDiffusers) {
-          if (export_weights.empty() && export_ema.empty())
-            throw megaslide::tools::UsageError("--export-layout applies to --export-weights and --export-ema");
+          if (export_weights.empty() && export_ema.empty() && export_merged.empty())
+            throw megaslide::tools::UsageError(
+                "--export-layout applies to --export-weights, --export-ema and --export-merged");
           if (config.model.arch != megaslide::Architecture::kWan)
             throw megaslide::tools::UsageError("--export-layout " + export_layout_name +
                                                " writes a Wan's weights in ComfyUI's layout, but model.arch is " +
@@ -148,7 +157,8 @@ int main(int argc, char** argv) {
         megaslide::tools::checking_input([&] {
           const auto check_export = [&](const std::string& path, const char* flag) {
             if (path.empty()) return;
-            const auto files = export_layout == megaslide::WanWeightsLayout::kDiffusers
+            const auto files = config.lora.rank > 0 ? megaslide::lora_weights_files(path, config)
+                               : export_layout == megaslide::WanWeightsLayout::kDiffusers
                                    ? std::vector<std::string>{path}
                                    : megaslide::wan_comfyui_files(path, config.model.wan);
             for (const auto& file : files)
@@ -158,13 +168,17 @@ int main(int argc, char** argv) {
           check_export(export_ema, "--export-ema");
         });
         megaslide::tools::survive_file_size_limit();
-        // Where an export went: ComfyUI's layout names one file per expert.
+        // Where an export went: ComfyUI's layout (and a Wan LoRA) names one file per expert.
         const auto written_to = [&](const std::string& path) {
-          if (export_layout == megaslide::WanWeightsLayout::kDiffusers) return path;
+          const bool lora = config.lora.rank > 0;
+          if (export_layout == megaslide::WanWeightsLayout::kDiffusers && !lora) return path;
           std::string files;
-          for (const auto& file : megaslide::wan_comfyui_files(path, config.model.wan))
+          for (const auto& file : lora ? megaslide::lora_weights_files(path, config)
+                                       : megaslide::wan_comfyui_files(path, config.model.wan))
             files += (files.empty() ? "" : " and ") + file;
-          return files + " (ComfyUI's layout)";
+          const std::string layout =
+              export_layout == megaslide::WanWeightsLayout::kDiffusers ? "diffusers' layout" : "ComfyUI's layout";
+          return files + (lora ? " (LoRA, " : " (") + layout + ")";
         };
 
         const char* launched_here = std::getenv("MEGASLIDE_LOCAL_LAUNCH");
@@ -177,7 +191,9 @@ int main(int argc, char** argv) {
                                                master_port);
         }
         if (dry_run) return print_dry_run(config, json);
-        if (!resume.empty() && (!export_weights.empty() || !export_ema.empty())) {
+        // --export-merged needs the model and its adapters: the run's own path below (which, resuming a finished
+        // run, exports without training).
+        if (!resume.empty() && (!export_weights.empty() || !export_ema.empty()) && export_merged.empty()) {
           // Both files or neither: a checkpoint without an EMA is refused before the weights are written.
           const std::string checkpoint = megaslide::resolve_checkpoint(config.output.run_dir, resume);
           if (!export_ema.empty() && megaslide::find_ema_weights(checkpoint).empty())
@@ -207,6 +223,7 @@ int main(int argc, char** argv) {
         options.trace_step = trace_step;
         options.export_weights = export_weights;
         options.export_ema = export_ema;
+        options.export_merged = export_merged;
         options.export_layout = export_layout;
         options.stop_requested = &g_stop;
         const auto result = megaslide::run_training(config, options);

@@ -42,6 +42,7 @@
 #include "megaslide/model/umt5_encoder.h"
 #include "megaslide/model/umt5_tokenizer.h"
 #include "megaslide/model/wan.h"
+#include "megaslide/model/lora.h"
 #include "megaslide/model/wan_lora.h"
 #include "megaslide/model/wan_vae.h"
 #include "megaslide/model/wan_weights.h"

@@ -471,6 +471,13 @@ class Schema {
     real("offload.emulated_copy_delay_ms", c.offload.emulated_copy_delay_ms, RealRange{0.0, 10000.0});
     // optimizer
     choice("optimizer.state_dtype", c.optimizer.state_dtype, {"fp32", "bf16", "int8"});
+    // lora
+    integer("lora.rank", c.lora.rank, IntRange{0, 1 << 16});
+    real("lora.alpha", c.lora.alpha, RealRange{0.0, 1e6});
+    real("lora.dropout", c.lora.dropout, RealRange{0.0, 1.0, false, true});
+    text_list("lora.targets", c.lora.targets);
+    choice("lora.init", c.lora.init, {"default", "gaussian"});
+    choice("lora.base_dtype", c.lora.base_dtype, {"compute", "fp8"});
     // output
     text("output.run_dir", c.output.run_dir);
     boolean("output.progress", c.output.progress);
@@ -1079,6 +1086,22 @@ void validate(const RunConfig& c, const std::string& source) {
     fail("diffusion.sample_steps", "expected at most diffusion.timesteps (" + std::to_string(d.timesteps) + "), got " +
                                        std::to_string(d.sample_steps));
   check_sizes(c, fail);
+  if (c.lora.rank > 0 && c.lora.targets.empty())
+    fail("lora.targets", "is empty: name the Linear weights LoRA adapts (globs, [\"*\"]: every Linear of the blocks)");
+  if (c.lora.base_dtype == "fp8" && c.lora.rank == 0)
+    fail(
+        "lora.base_dtype",
+        "is fp8, but lora.rank is 0: every weight trains, and trained weights keep fp32 masters; fp8 stores the frozen "
+        "base of a LoRA run (set lora.rank, or lora.base_dtype: compute)");
+  if (c.lora.base_dtype == "fp8" && !c.offload.enabled)
+    fail("lora.base_dtype",
+         "is fp8, which the streamed trainer's frozen blocks use (offload.enabled: true); the resident loop keeps the "
+         "model in fp32 on the device");
+  if (c.lora.rank > 0 && c.optimizer.state_dtype != "fp32")
+    fail("optimizer.state_dtype",
+         "expected fp32 with lora.rank > 0: the adapters train on the device with LibTorch's AdamW (fp32 moments); "
+         "bf16 and int8 moments are the streamed full fine-tuning's, got " +
+             c.optimizer.state_dtype);
   if (!c.offload.enabled && c.optimizer.state_dtype != "fp32")
     fail("optimizer.state_dtype",
          "expected fp32 with offload.enabled: false (the resident reference loop keeps LibTorch's "

@@ -228,9 +228,23 @@ StreamedWanDenoiser::StreamedWanDenoiser(WanTransformer model, std::vector<WanBl
   params_.resize(static_cast<size_t>(L));
   for (int64_t l = 0; l < L; ++l) {
     auto& w = blocks[static_cast<size_t>(l)];
-    TORCH_CHECK(w.flat.defined() && w.flat.dim() == 1 && w.flat.device().is_cpu() && w.flat.scalar_type() == dt,
-                "StreamedWanDenoiser: block ", l, "'s weights must be a 1-D host tensor of the compute dtype ", dt);
+    const bool fp8 = w.scales.defined();
+    TORCH_CHECK(w.flat.defined() && w.flat.dim() == 1 && w.flat.device().is_cpu() &&
+                    w.flat.scalar_type() == (fp8 ? at::kFloat8_e4m3fn : dt),
+                "StreamedWanDenoiser: block ", l, "'s weights must be a 1-D host tensor of the compute dtype ", dt,
+                " (or float8_e4m3fn with scales)");
     const auto named = model_->blocks[l]->as<WanBlockImpl>()->streamed().named_parameters(true);
+    TORCH_CHECK(!fp8 || w.scales.numel() == static_cast<int64_t>(named.size()), "StreamedWanDenoiser: block ", l,
+                " has ", named.size(), " streamed parameters and ", w.scales.numel(), " fp8 scales");
+    TORCH_CHECK(l == 0 || fp8 == !scales_.empty(), "StreamedWanDenoiser: every block's weights or none are fp8");
+    if (fp8) {
+      TORCH_CHECK(w.exact.empty() || w.exact.size() == named.size(), "StreamedWanDenoiser: block ", l, " has ",
+                  named.size(), " streamed parameters and ", w.exact.size(), " exact values");
+      scales_.push_back(w.scales.to(torch::kFloat).to(options_.device));
+      std::vector<torch::Tensor> exact;
+      for (const auto& e : w.exact) exact.push_back(e.defined() ? e.to(options_.device) : torch::Tensor());
+      exact_.push_back(std::move(exact));
+    }
     TORCH_CHECK(named.size() == w.offsets.size() && named.size() == w.shapes.size(), "StreamedWanDenoiser: block ", l,
                 " has ", named.size(), " streamed parameters, its weights describe ", w.offsets.size());
     for (size_t i = 0; i < named.size(); ++i) {
@@ -258,8 +272,22 @@ StreamedWanDenoiser::StreamedWanDenoiser(WanTransformer model, std::vector<WanBl
 void StreamedWanDenoiser::make_streamer() {
   std::vector<int64_t> numels;
   for (const auto& h : host_) numels.push_back(h.numel());
-  streamer_ = std::make_unique<offload::WeightStreamer>(
-      numels, offload::WeightStreamerOptions{options_.device, options_.compute_dtype, options_.mode});
+  offload::WeightStreamerOptions o{options_.device, options_.compute_dtype, options_.mode};
+  if (!scales_.empty()) {
+    o.gradients = false;
+    o.transfer_dtype = at::kFloat8_e4m3fn;
+  }
+  streamer_ = std::make_unique<offload::WeightStreamer>(numels, o);
+  if (!scales_.empty())
+    streamer_->set_upcast([this](int64_t l, const at::Tensor& raw, const at::Tensor& weights) {
+      std::vector<int64_t> offsets, sizes;
+      for (const auto& p : params_[static_cast<size_t>(l)]) {
+        offsets.push_back(p.offset);
+        sizes.push_back(p.numel);
+      }
+      offload::upcast_fp8_block(raw, weights, offsets, sizes, scales_[static_cast<size_t>(l)],
+                                exact_[static_cast<size_t>(l)]);
+    });
 }
 
 void StreamedWanDenoiser::build(const std::function<WanBlock(int64_t)>& block_source) {

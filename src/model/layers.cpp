@@ -62,7 +62,10 @@ void LinearImpl::reset() {
   }
 }
 
-torch::Tensor LinearImpl::forward(const torch::Tensor& x) { return torch::nn::functional::linear(x, weight, bias); }
+torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
+  auto y = torch::nn::functional::linear(x, weight, bias);
+  return adapter ? adapter->apply(x, y, is_training()) : y;
+}
 
 LayerNormImpl::LayerNormImpl(LayerNormOptions options_) : options(std::move(options_)) { reset(); }
 

@@ -1,4 +1,5 @@
 #include "megaslide/train/checkpoint.h"
+
 #include "megaslide/io/files.h"
 
 #include <array>
@@ -23,6 +24,7 @@
 #include "megaslide/model/dit_weights.h"
 #include "megaslide/model/wan_weights.h"
 #include "megaslide/offload/host_param_store.h"
+#include "megaslide/train/model_family.h"
 #include "megaslide/util/build_info.h"
 
 namespace megaslide {
@@ -798,15 +800,25 @@ std::string export_checkpoint_weights(const std::string& run_dir, const std::str
   const std::string weights = io::join_path(path, file);
   io::SafetensorsHeader header;
   std::optional<WanConfig> wan;
+  std::optional<RunConfig> lora;  // a LoRA run's config
   try {
     header = io::read_safetensors_header(weights);
     const auto config = header.metadata.find("config");
     if (config != header.metadata.end()) {
       const RunConfig c = parse_run_config(config->second, weights, {});
       if (c.model.arch == Architecture::kWan) wan = c.model.wan;
+      if (c.lora.rank > 0) lora = c;
     }
   } catch (const std::exception&) {
     // Unreadable: the copy below names what is wrong (its size or checksum).
+  }
+  if (lora) {  // the adapters as LoRA file(s), from the fp32 masters (or EMA), checked against the manifest
+    const char* source = ema ? kEma : kTensorFiles[0];
+    verify_files(path, read_manifest(path), {source});
+    const auto adapters = io::read_safetensors(io::join_path(path, source)).tensors;
+    save_lora_weights(out, *lora, adapters,
+                      layout == WanWeightsLayout::kDiffusers ? LoraLayout::kDiffusers : LoraLayout::kComfyUi);
+    return path;
   }
   if (wan) {
     export_wan_weights(path, file, header, *wan, out, layout);

@@ -149,6 +149,12 @@ class DiTModel final : public FamilyModel {
   void write_weights(const std::string& path, const io::NamedTensors& weights) override {
     save_weights(path, config_, weights);
   }
+  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> block_modules() override {
+    std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> out;
+    for (size_t b = 0; b < dit_->blocks->size(); ++b)
+      out.emplace_back("blocks." + std::to_string(b) + ".", dit_->blocks[b]);
+    return out;
+  }
 
   DiT& dit() { return dit_; }
   TextEncoder& text_encoder() { return text_encoder_; }
@@ -175,14 +181,22 @@ class DiTModel final : public FamilyModel {
 class DiTFamily final : public ModelFamily {
  public:
   std::string name() const override { return "DiT"; }
-  RunConfig resolve(const RunConfig& config, const std::string& /*source*/) const override { return config; }
+  RunConfig resolve(const RunConfig& config, const std::string& source) const override {
+    // A streamed run's validation videos come from a CPU copy of the masters, which a LoRA run has none of.
+    if (config.lora.rank > 0 && config.offload.enabled && config.train.sample_every > 0)
+      throw ConfigError(source, "train.sample_every",
+                        "is " + std::to_string(config.train.sample_every) +
+                            ": the DiT family's streamed LoRA runs write no validation videos yet; set it to 0, or "
+                            "train resident (offload.enabled: false)");
+    return config;
+  }
   std::unique_ptr<FamilyModel> make_model(const ModelRequest& request) const override {
     return std::make_unique<DiTModel>(request);
   }
 };
 
 DiTModel& dit_model(Trainer& trainer) {
-  auto* model = dynamic_cast<DiTModel*>(&trainer.model());
+  auto* model = dynamic_cast<DiTModel*>(&trainer.model().base());
   if (model == nullptr)
     throw std::invalid_argument(std::string("the trainer trains model.arch ") + to_string(trainer.config().model.arch) +
                                 ", not the DiT family");

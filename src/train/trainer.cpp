@@ -10,6 +10,8 @@
 #include <limits>
 #include <map>
 
+#include "megaslide/io/fp8.h"
+#include "megaslide/model/lora.h"
 #include "megaslide/offload/stack_trainer.h"
 #include "megaslide/offload/step_trace.h"
 #include "megaslide/train/auto_settings.h"
@@ -43,6 +45,8 @@ offload::StackTrainerOptions engine_options(const RunConfig& c, torch::Device de
   o.loss_scale_init = c.train.loss_scale_init;
   o.loss_scale_window = c.train.loss_scale_window;
   o.ema_decay = c.train.ema_decay;
+  o.frozen_blocks = c.lora.rank > 0;  // LoRA: the family's blocks frozen, streamed H2D only
+  if (c.lora.base_dtype == "fp8") o.frozen_dtype = at::kFloat8_e4m3fn;
   return o;
 }
 
@@ -103,7 +107,13 @@ Trainer::Trainer(const TrainerRequest& request)
       init_plan_ = plan_init_from(config_.train.init_from, shapes, allow);
       return init_plan_;
     };
-  model_ = model_family(config_.model.arch).make_model(m);
+  if (config_.lora.rank > 0) {  // the family's model as for full fine-tuning, frozen; init_from starts the adapters
+    ModelRequest base = m;
+    base.init_from = nullptr;
+    model_ = with_lora(model_family(config_.model.arch).make_model(base), m);
+  } else {
+    model_ = model_family(config_.model.arch).make_model(m);
+  }
   parts_ = model_->parts();
   part_steps_.assign(parts_.size(), 0);
 
@@ -133,6 +143,7 @@ Trainer::Trainer(Trainer&&) noexcept = default;
 Trainer& Trainer::operator=(Trainer&&) noexcept = default;
 
 int64_t Trainer::parameter_count() const {
+  if (engine_ && engine_->options().frozen_blocks) return engine_->resident_parameter_count();
   if (engine_) return engine_->streamed_parameter_count() + engine_->resident_parameter_count();
   int64_t n = 0;
   for (const auto& p : params_) n += p.numel();
@@ -269,6 +280,7 @@ StepMetrics Trainer::streamed_step(double lr, MicroBatchStats& stats, const Mode
 std::map<std::string, at::Tensor> Trainer::block_views() const {
   std::map<std::string, at::Tensor> out;
   const auto& store = engine_->store();
+  if (store.options().frozen) return out;  // LoRA's base: not trained, not the run's weights
   for (int64_t l = 0; l < store.num_blocks(); ++l)
     for (const auto& spec : store.block_spec(l).params) {
       const auto views = store.param(l, spec.name);
@@ -293,6 +305,52 @@ io::NamedTensors Trainer::weight_views() {
     const auto it = blocks.find(name);
     p = it != blocks.end() ? it->second : p.detach();
   }
+  return out;
+}
+
+io::NamedTensors Trainer::merged_lora_weights(const io::NamedTensors& adapters) {
+  if (config_.lora.rank <= 0) throw std::logic_error("Trainer::merged_lora_weights: the run trains no LoRA");
+  synchronize();
+  // The frozen blocks' values as the host store keeps them (streamed), by name.
+  std::map<std::string, at::Tensor> blocks;
+  if (engine_) {
+    const auto& store = engine_->store();
+    for (int64_t l = 0; l < store.num_blocks(); ++l) {
+      const auto& specs = store.block_spec(l).params;
+      for (size_t i = 0; i < specs.size(); ++i) {
+        const auto views = store.param(l, specs[i].name);
+        blocks.emplace(model_->block_name(l) + "." + specs[i].name,
+                       views.exact.defined() ? views.exact.clone()
+                       : store.scales(l).defined()
+                           ? dequantize_fp8({views.compute, store.scales(l)[static_cast<int64_t>(i)]}, at::kFloat)
+                           : views.compute.to(at::kFloat));
+      }
+    }
+  }
+  const double scale = (config_.lora.alpha > 0 ? config_.lora.alpha : static_cast<double>(config_.lora.rank)) /
+                       static_cast<double>(config_.lora.rank);
+  std::map<std::string, std::pair<at::Tensor, at::Tensor>> halves;  // adapted weight -> (down, up)
+  for (const auto& [name, t] : adapters) {
+    char half = 0;
+    const std::string weight = lora_base_weight(name, &half);
+    TORCH_CHECK(!weight.empty(), "Trainer::merged_lora_weights: '", name, "' is not an adapter's tensor");
+    (half == 'A' ? halves[weight].first : halves[weight].second) = t.detach().to(torch::kCPU, torch::kFloat32);
+  }
+  io::NamedTensors out;
+  size_t merged = 0;
+  torch::NoGradGuard no_grad;
+  for (const auto& [name, p] : model_->base().named_parameters()) {
+    const auto it = blocks.find(name);
+    at::Tensor w = it != blocks.end() ? it->second : p.detach().to(torch::kCPU, torch::kFloat32);
+    const auto h = halves.find(name);
+    if (h != halves.end()) {
+      w = w + at::matmul(h->second.second, h->second.first) * scale;
+      ++merged;
+    }
+    out.emplace_back(name, w.to(torch::kBFloat16));
+  }
+  TORCH_CHECK(merged == halves.size(), "Trainer::merged_lora_weights: ", halves.size() - merged,
+              " adapters adapt no weight of the model");
   return out;
 }
 

@@ -141,11 +141,15 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   } catch (const DistributedError& e) {
     throw ConfigError(options.config_source, "", e.what());
   }
+  if (!options.export_merged.empty() && requested.lora.rank <= 0)
+    throw ConfigError(options.config_source, "lora.rank",
+                      "is 0: --export-merged merges a LoRA run's adapters into its model; a full fine-tuning run "
+                      "exports its weights with --export-weights");
   if (!options.export_ema.empty() && requested.train.ema_decay <= 0)
     throw ConfigError(options.config_source, "train.ema_decay",
                       "is 0: this run keeps no EMA of the weights for --export-ema to write");
   if (options.export_layout != WanWeightsLayout::kDiffusers &&
-      (!options.export_weights.empty() || !options.export_ema.empty())) {
+      (!options.export_weights.empty() || !options.export_ema.empty() || !options.export_merged.empty())) {
     const std::string flag = std::string("--export-layout ") + to_string(options.export_layout);
     if (requested.model.arch != Architecture::kWan)
       throw ConfigError(options.config_source, "model.arch",
@@ -210,14 +214,23 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   if (writer) guard.emplace(run_dir, /*resuming=*/!options.resume.empty());
   try {
     if (!options.trace_path.empty()) io::check_output_file(options.trace_path, "--trace");
-    // ComfyUI's layout writes one file per expert beside the path given (wan_comfyui_files).
+    // ComfyUI's layout (and a Wan LoRA) writes one file per expert beside the path given (wan_comfyui_files).
     const auto check_export = [&](const std::string& path, const char* flag) {
-      if (options.export_layout == WanWeightsLayout::kDiffusers) io::check_output_file(path, flag);
+      if (config.lora.rank > 0)
+        for (const auto& file : lora_weights_files(path, config)) io::check_output_file(file, flag);
+      else if (options.export_layout == WanWeightsLayout::kDiffusers) io::check_output_file(path, flag);
       else
         for (const auto& file : wan_comfyui_files(path, config.model.wan)) io::check_output_file(file, flag);
     };
     if (!options.export_weights.empty()) check_export(options.export_weights, "--export-weights");
     if (!options.export_ema.empty()) check_export(options.export_ema, "--export-ema");
+    if (!options.export_merged.empty()) {  // a full weights file, laid out as full fine-tuning's export
+      if (options.export_layout == WanWeightsLayout::kDiffusers)
+        io::check_output_file(options.export_merged, "--export-merged");
+      else
+        for (const auto& file : wan_comfyui_files(options.export_merged, config.model.wan))
+          io::check_output_file(file, "--export-merged");
+    }
   } catch (const io::IoError& e) {
     throw ConfigError(options.config_source, "", e.what());
   }
@@ -322,9 +335,11 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
         launch.rank, communicator->world_size(), communicator->backend(), launch.launcher, launch.master_addr,
         launch.master_port, train.batch_size / communicator->world_size(), train.batch_size));
   log.info(fmt::format("config {} -> run dir {}", options.config_source, run_dir));
-  log.info(fmt::format("model {} ({} parameters, text encoder included), {} tokens per sample, device {}, {} steps",
-                       to_string(config.model.arch), human_count(static_cast<double>(trainer.parameter_count())),
-                       trainer.tokens_per_sample(), trainer.device().str(), train.steps));
+  log.info(
+      fmt::format("model {} ({} {}), {} tokens per sample, device {}, {} steps", to_string(config.model.arch),
+                  human_count(static_cast<double>(trainer.parameter_count())),
+                  config.lora.rank > 0 ? "trained parameters: the LoRA adapters" : "parameters, text encoder included",
+                  trainer.tokens_per_sample(), trainer.device().str(), train.steps));
   std::vector<std::string> family_warnings;
   {
     std::vector<std::string> lines;
@@ -470,6 +485,14 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   log.info(fmt::format("done: {} steps; metrics in {}", result.steps_done, io::join_path(run_dir, "metrics.jsonl")));
   // ComfyUI's layout: the Wan family's weights under their original names (model/wan_weights.h).
   const auto write_export = [&](const std::string& path, const io::NamedTensors& weights) {
+    if (config.lora.rank > 0) {  // the adapters: a LoRA file (per expert), ComfyUI's LoRA names for its layouts
+      const bool diffusers = options.export_layout == WanWeightsLayout::kDiffusers;
+      const auto files =
+          save_lora_weights(path, config, weights, diffusers ? LoraLayout::kDiffusers : LoraLayout::kComfyUi);
+      std::string listed;
+      for (const auto& file : files) listed += (listed.empty() ? "" : " and ") + file;
+      return listed + (diffusers ? " (LoRA, diffusers' layout)" : " (LoRA, ComfyUI's layout)");
+    }
     if (options.export_layout == WanWeightsLayout::kDiffusers) {
       trainer.write_weights(path, weights);
       return path;
@@ -483,6 +506,20 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   if (writer && !options.export_weights.empty()) {
     const std::string written = write_export(options.export_weights, trainer.weight_views());
     log.info(fmt::format("weights written to {}", written));
+  }
+  if (writer && !options.export_merged.empty()) {
+    const auto merged = trainer.merged_lora_weights(trainer.weight_views());
+    std::string written = options.export_merged;
+    if (options.export_layout == WanWeightsLayout::kDiffusers) {
+      trainer.write_base_weights(options.export_merged, merged);
+    } else {
+      written.clear();
+      for (const auto& file : save_wan_comfyui_weights(options.export_merged, config.model.wan, merged,
+                                                       options.export_layout == WanWeightsLayout::kComfyUI))
+        written += (written.empty() ? "" : " and ") + file;
+      written += " (ComfyUI's layout)";
+    }
+    log.info(fmt::format("weights with the LoRA merged written to {}", written));
   }
   if (!options.export_ema.empty()) {
     const auto state = trainer.training_state();

@@ -303,7 +303,13 @@ class WanModel final : public FamilyModel {
   void write_weights(const std::string& path, const io::NamedTensors& weights) override {
     save_wan_weights(path, config_.model.wan, weights);
   }
-
+  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> block_modules() override {
+    std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> out;
+    for (auto& e : experts_)
+      for (size_t b = 0; b < e.split.model->blocks->size(); ++b)
+        out.emplace_back(e.prefix + "blocks." + std::to_string(b) + ".", e.split.model->blocks[b]);
+    return out;
+  }
   // The trained DiT (two experts: the one the last step trained, the high-noise one before any step).
   WanTransformer& model() { return experts_[active_].split.model; }
   std::vector<WanTransformer> experts() const {
@@ -460,7 +466,7 @@ class WanFamily final : public ModelFamily {
 };
 
 WanModel& wan_model(Trainer& trainer) {
-  auto* model = dynamic_cast<WanModel*>(&trainer.model());
+  auto* model = dynamic_cast<WanModel*>(&trainer.model().base());
   if (model == nullptr)
     throw std::invalid_argument(std::string("the trainer trains model.arch ") + to_string(trainer.config().model.arch) +
                                 ", not wan");

@@ -214,13 +214,23 @@ std::vector<torch::Tensor> WanValidation::sample(Trainer& trainer) const {
     for (int64_t b = 0; b < static_cast<int64_t>(model->blocks->size()); ++b) {
       const int64_t l = first_block + b;
       WanBlockWeights w;
-      w.flat = dtype == at::kFloat && !store.sharded() ? store.master(l) : store.compute(l);
+      w.flat = dtype == at::kFloat && !store.sharded() && !store.options().frozen ? store.master(l) : store.compute(l);
       std::map<std::string, std::vector<int64_t>> shapes;
-      for (const auto& spec : store.block_spec(l).params) shapes.emplace(spec.name, spec.shape);
+      std::map<std::string, int64_t> index;  // the parameter's place in the store's block (its fp8 scale's)
+      for (const auto& spec : store.block_spec(l).params) {
+        index.emplace(spec.name, static_cast<int64_t>(index.size()));
+        shapes.emplace(spec.name, spec.shape);
+      }
+      std::vector<float> scales;  // an fp8 frozen base: each parameter's scale, in the module's order
       for (const auto& item : model->blocks[b]->as<WanBlockImpl>()->streamed().named_parameters(true)) {
         w.offsets.push_back(store.param(l, item.key()).offset);
         w.shapes.push_back(shapes.at(item.key()));
+        if (store.scales(l).defined()) {
+          scales.push_back(store.scales(l)[index.at(item.key())].item<float>());
+          w.exact.push_back(store.param(l, item.key()).exact);
+        }
       }
+      if (!scales.empty()) w.scales = torch::tensor(scales, torch::kFloat);
       blocks.push_back(std::move(w));
     }
     StreamedDenoiserOptions streamed;

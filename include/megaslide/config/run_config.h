@@ -251,6 +251,21 @@ struct OptimizerConfig {
   std::string state_dtype = "fp32";
 };
 
+struct LoraConfig {
+  // LoRA on the Linear layers of the model's blocks (model/lora.h, docs/lora.md): rank 0 trains every
+  // parameter (full fine-tuning); rank r > 0 freezes the model and trains, for each targeted Linear
+  // W [out, in], down [r, in] and up [out, r]: y = x W^T + b + (alpha / r) · up · down · dropout(x).
+  int64_t rank = 0;
+  double alpha = 0.0;                        // 0: alpha = rank (scale 1)
+  double dropout = 0.0;                      // on the adapter's input, in training
+  std::vector<std::string> targets = {"*"};  // globs (* any run) over the Linear weights' names in the blocks
+  std::string init = "default";              // default (PEFT's: down Kaiming-uniform, up 0) | gaussian (down N(0, 1/r))
+  // How the streamed trainer keeps the frozen blocks in host RAM and uploads them: compute (the compute
+  // dtype) | fp8 (float8_e4m3fn with a per-tensor scale: half bf16's bytes each way; a published fp8
+  // file's weights kept as they are)
+  std::string base_dtype = "compute";
+};
+
 struct OutputConfig {
   std::string run_dir = "runs/default";
   bool progress = true;      // live progress line on a terminal
@@ -272,6 +287,7 @@ struct RunConfig {
   TrainConfig train;
   OffloadConfig offload;
   OptimizerConfig optimizer;
+  LoraConfig lora;
   OutputConfig output;
   DistributedConfig distributed;
 };

@@ -145,11 +145,16 @@ struct WanModel;
 
 // Block l's streamed weights kept outside a denoiser (a streamed trainer's host store): `flat` is a 1-D
 // host tensor in the compute dtype, and parameter i of the block's streamed() module (in named_parameters
-// order) is flat[offsets[i], offsets[i] + numel(shapes[i])) viewed as shapes[i].
+// order) is flat[offsets[i], offsets[i] + numel(shapes[i])) viewed as shapes[i]. An fp8 frozen base
+// (lora.base_dtype: fp8): `flat` is float8_e4m3fn, `scales` holds parameter i's fp32 scale at i and exact[i]
+// a vector's exact value (undefined for an fp8 parameter); the blocks are uploaded as fp8 and upcast on the
+// device.
 struct WanBlockWeights {
   torch::Tensor flat;
   std::vector<int64_t> offsets;
   std::vector<std::vector<int64_t>> shapes;
+  torch::Tensor scales;
+  std::vector<torch::Tensor> exact;
 };
 
 class StreamedWanDenoiser final : public WanDenoiser {
@@ -176,6 +181,8 @@ class StreamedWanDenoiser final : public WanDenoiser {
   StreamedDenoiserOptions options_;
   std::vector<std::vector<offload::FlatParam>> params_;
   std::vector<torch::Tensor> host_;
+  std::vector<torch::Tensor> scales_;              // fp8 blocks: per block, on the device
+  std::vector<std::vector<torch::Tensor>> exact_;  // ... and their vectors kept exact
   std::unique_ptr<offload::WeightStreamer> streamer_;
   void build(const std::function<WanBlock(int64_t)>& block_source);
   void make_streamer();

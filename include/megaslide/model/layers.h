@@ -49,7 +49,19 @@ struct LinearOptions {
   TORCH_ARG(torch::Device, device) = torch::kCPU;
 };
 
+// A trainable change of a Linear layer's output that lives outside the layer (LoRA, model/lora.h): the
+// layer's forward hands it its input and its own output and returns the adapted output. Its tensors
+// are not the layer's parameters (they are not registered), so a frozen base streamed by the trainer
+// and an adapter resident on the device can make up one layer.
+class LinearAdapter {
+ public:
+  virtual ~LinearAdapter() = default;
+  // `x` the layer's input, `y` = x W^T + b; `training` the layer's mode (dropout).
+  virtual torch::Tensor apply(const torch::Tensor& x, const torch::Tensor& y, bool training) const = 0;
+};
+
 // y = x W^T + b, W: [out, in]. Default init: LibTorch's (Kaiming-uniform a=sqrt(5), bias U(±1/sqrt(in))).
+// With an adapter set, forward returns adapter->apply(x, y).
 class LinearImpl : public torch::nn::Cloneable<LinearImpl> {
  public:
   LinearImpl(int64_t in_features, int64_t out_features) : LinearImpl(LinearOptions(in_features, out_features)) {}
@@ -59,6 +71,7 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl> {
 
   LinearOptions options;
   torch::Tensor weight, bias;
+  std::shared_ptr<const LinearAdapter> adapter;  // null: none (a clone shares it)
 };
 TORCH_MODULE(Linear);
 

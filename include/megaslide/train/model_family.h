@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -23,6 +24,7 @@
 #include "megaslide/config/run_config.h"
 #include "megaslide/data/video_manifest.h"
 #include "megaslide/io/safetensors.h"
+#include "megaslide/model/wan_lora.h"
 #include "megaslide/offload/streamed_model.h"
 #include "megaslide/train/init_from.h"
 
@@ -115,6 +117,14 @@ class FamilyModel {
   virtual std::vector<std::string> write_validation(const std::string& folder, Trainer& trainer) = 0;
   // The family's weights file of `weights` (named as named_parameters() names them).
   virtual void write_weights(const std::string& path, const io::NamedTensors& weights) = 0;
+
+  // LoRA (lora.rank > 0; train/lora_model.h wraps the family's model):
+  // Resident mode: the blocks' modules with the prefixes of their parameters' names ("blocks.3.",
+  // "transformer.blocks.3."), whose Linear layers LoRA adapts. Empty (the default): the family has no
+  // LoRA.
+  virtual std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> block_modules() { return {}; }
+  // The family's own model under any wrapper (LoRA's): what family-specific accessors cast.
+  virtual FamilyModel& base() { return *this; }
 };
 
 class ModelFamily {
@@ -130,6 +140,23 @@ class ModelFamily {
   // needs). Throws ConfigError (bad data, weights or encoders named by the config), InitFromError.
   virtual std::unique_ptr<FamilyModel> make_model(const ModelRequest& request) const = 0;
 };
+
+// LoRA around `model` (request.config->lora.rank > 0; train/lora_model.cpp, docs/lora.md): the family's
+// parameters frozen — streamed, its blocks' weights H2D only (StackTrainerOptions::frozen_blocks) — and an
+// adapter trained on each Linear of its blocks that lora.targets names; named_parameters() lists the
+// adapters, write_weights writes a LoRA file. train.init_from, when the request carries one, reads a
+// LoRA (FamilyModel::read_lora) or a LoRA run's checkpoint into the adapters; the family's own model is
+// built without it. Throws ConfigError naming lora.targets when they match no Linear layer.
+std::unique_ptr<FamilyModel> with_lora(std::unique_ptr<FamilyModel> model, const ModelRequest& request);
+// A LoRA run's adapters as LoRA file(s): `weights` named as its checkpoints name them
+// ("blocks.0.attn1.to_q.lora_A.weight", "...lora_B.weight"), alpha from config.lora, written in `layout`
+// (model/wan_lora.h; the DiT family: diffusers' layout only, std::invalid_argument otherwise). Wan2.2's two
+// experts trained together: one file per expert (wan_comfyui_files' names), each under its DiT's own names.
+// Returns the files written.
+std::vector<std::string> save_lora_weights(const std::string& path, const RunConfig& config,
+                                           const io::NamedTensors& weights, LoraLayout layout);
+// The files save_lora_weights writes for `path`.
+std::vector<std::string> lora_weights_files(const std::string& path, const RunConfig& config);
 
 const ModelFamily& dit_family();
 const ModelFamily& wan_family();

@@ -104,7 +104,7 @@ class Trainer {
   const RunConfig& config() const { return config_; }
   torch::Device device() const { return device_; }
   int64_t steps_done() const { return steps_done_; }
-  int64_t parameter_count() const;
+  int64_t parameter_count() const;  // trained parameters (LoRA: the adapters)
   int64_t tokens_per_sample() const { return model_->tokens_per_sample(); }
   bool streams() const { return engine_ != nullptr; }
   bool sharded() const;  // host state sharded over the ranks: every rank saves its shard
@@ -130,6 +130,16 @@ class Trainer {
   void export_weights(const std::string& path) { model_->write_weights(path, weight_views()); }
   // The family's weights file of `weights`, named as training_state() names the parameters (the EMA).
   void write_weights(const std::string& path, const io::NamedTensors& weights) { model_->write_weights(path, weights); }
+  // LoRA (lora.rank > 0): the frozen model's weights with `adapters`' updates merged in (W + (alpha / r) ·
+  // up · down, in fp32, then rounded to bf16), named as full fine-tuning names them — the streamed blocks'
+  // from the host store (fp8: upcast). Adapters as weight_views() names them (the current ones, or the EMA's).
+  // Holds 2 B per parameter of host RAM until the caller drops it. Throws std::logic_error for a run without
+  // LoRA.
+  io::NamedTensors merged_lora_weights(const io::NamedTensors& adapters);
+  // The family's full weights file (diffusers' layout for Wan) of merged_lora_weights.
+  void write_base_weights(const std::string& path, const io::NamedTensors& weights) {
+    model_->base().write_weights(path, weights);
+  }
 
  private:
   // One step of `part` (null: the whole model) whose updates take AdamW step number `adam_step`.

@@ -42,7 +42,10 @@ struct TrainingRunOptions {
   int64_t trace_step = 2;
   std::string export_weights;  // bf16 weights file written after the last step
   std::string export_ema;      // ... of the EMA of the weights (train.ema_decay)
-  // The layout of both exports: a Wan's weights in ComfyUI's single file(s) instead of diffusers' layout
+  // A LoRA run (lora.rank > 0): the frozen model's weights with the adapters merged in, as a full weights file
+  // (bf16; Trainer::merged_lora_weights). A run without LoRA is refused naming lora.rank.
+  std::string export_merged;
+  // The layout of the exports: a Wan's weights in ComfyUI's single file(s) instead of diffusers' layout
   // (model/wan_weights.h); refused for another model.arch and for the 3D-DSA retrofit (ComfyUI could not
   // load its offset networks), before anything is written.
   WanWeightsLayout export_layout = WanWeightsLayout::kDiffusers;
