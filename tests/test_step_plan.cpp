@@ -561,3 +561,231 @@ TEST(StepPlan, Wan21ConfigsAt480p) {
     std::cout << file << ": dense " << plan::to_json(dense) << "\n" << file << ": dsa3d " << plan::to_json(dsa) << "\n";
   }
 }
+
+// Property: a LoRA plan's exact parts are what the streamed Trainer with lora.rank > 0 allocates and moves
+// (its engine's frozen mode) — the trained parameters are the adapters (two tensors per adapted Linear, the
+// plan's count of the Linear layers lora.targets matches), the store is the frozen weights alone (no
+// master, moments, gradient, EMA), no gradient slots, no downloads, the uploads of the first step and of the
+// later ones (which find two blocks still in the slots: nothing updated them), and the trainer's own device
+// accounting (weight slots, adapters' state, checkpoints) — for the
+// DiT family (every architecture, bf16/fp32 compute, accumulation, a subset of targets, dropout with an EMA)
+// and Wan (dense, 3D-DSA, attn1 only, two micro-batches). The modelled peak exceeds that accounting.
+TEST(StepPlan, LoraMatchesWhatTheStreamedTrainerMeasures) {
+  const std::vector<std::vector<std::string>> dit_variants{
+      {"lora.rank=4"},
+      {"lora.rank=2", "train.grad_accum_steps=2"},
+      {"lora.rank=4", "offload.compute_dtype=fp32", "model.layers=2"},
+      {"lora.rank=3", "lora.targets=[blocks.*.mlp.*]", "train.grad_clip=0"},
+      {"lora.rank=4", "lora.dropout=0.25", "train.ema_decay=0.99"},
+      {"lora.rank=2", "model.arch=dense3d"},
+      {"lora.rank=2", "model.arch=swin", "model.layers=1"}};
+  const std::vector<std::vector<std::string>> wan_variants{{"lora.rank=4"},
+                                                           {"lora.rank=4", "model.self_attention=dsa3d"},
+                                                           {"lora.rank=2", "lora.targets=[blocks.*.attn1.*]"},
+                                                           {"lora.rank=4", "train.grad_accum_steps=2"}};
+  for (const bool wan : {false, true}) {
+    for (const auto& v : wan ? wan_variants : dit_variants) {
+      const auto config = wan ? tiny_wan(v) : tiny_run(v);
+      std::string name = wan ? "wan " : "dit ";
+      for (const auto& s : v) name += s + " ";
+      const auto p = plan::plan_step(config, h200());
+      ASSERT_EQ(p.lora_rank, config.lora.rank) << name;
+      WanLatentData data;
+      torch::manual_seed(1);
+      data.latents = torch::randn({4, 4, 3, 6, 8});
+      data.text = torch::randn({4, 7, 20});
+      data.empty_text = torch::zeros({7, 20});
+      Trainer trainer = wan ? wan_trainer(config, data) : streamed_trainer(config);
+      ASSERT_TRUE(trainer.streams()) << name;
+      auto& engine = *trainer.engine();
+      EXPECT_EQ(p.lora_params, engine.resident_parameter_count()) << name;
+      EXPECT_EQ(2 * p.lora_adapters, static_cast<int64_t>(trainer.weight_views().size())) << name;
+      EXPECT_EQ(p.streamed_params, engine.streamed_parameter_count()) << name;
+      const auto report = engine.store().memory_report();
+      EXPECT_TRUE(report.frozen) << name;
+      EXPECT_EQ(p.host.state(), report.total_bytes()) << name;
+      EXPECT_EQ(p.host.compute, report.compute_bytes) << name;
+      EXPECT_EQ(p.host.master + p.host.exp_avg + p.host.exp_avg_sq + p.host.grad + p.host.ema + p.host.staging, 0)
+          << name;
+      EXPECT_EQ(p.host.pinned, report.pinnable_bytes) << name;
+      EXPECT_EQ(p.device.weight_slots, engine.streamer().device_weight_bytes()) << name;
+      EXPECT_EQ(p.device.gradient_slots, engine.streamer().device_gradient_bytes()) << name;
+      EXPECT_EQ(p.device.gradient_slots, 0) << name;
+      for (int step = 0; step < 3; ++step) {
+        const auto m = trainer.step();
+        ASSERT_FALSE(m.skipped) << name;
+        // The first step finds empty slots; later ones the two blocks the previous step ended with.
+        EXPECT_EQ(step == 0 ? p.transfer.first_step_h2d_bytes : p.transfer.h2d_bytes, m.h2d_bytes)
+            << name << "step " << step;
+        EXPECT_EQ(p.transfer.d2h_bytes, m.d2h_bytes) << name << "step " << step;
+        EXPECT_EQ(m.d2h_bytes, 0) << name;
+        EXPECT_EQ(p.device.trainer_cpu_accounting(), m.peak_device_bytes) << name << "step " << step;
+        EXPECT_GT(p.device.peak(), m.peak_device_bytes) << name;
+      }
+      trainer.synchronize();
+    }
+  }
+}
+
+// Property: without offload (the resident loop), a LoRA plan trains the same adapters the resident Trainer
+// trains (their elements summed over its trained tensors), keeps every parameter of the model as a frozen
+// fp32 weight on the device and the adapters with gradient and AdamW moments, and moves nothing over PCIe.
+TEST(StepPlan, LoraWithoutOffloadMatchesTheResidentTrainer) {
+  for (const bool wan : {false, true}) {
+    auto config = wan ? tiny_wan({"lora.rank=4"}) : tiny_run({"lora.rank=4"});
+    config.offload.enabled = false;
+    const auto p = plan::plan_step(config, h200());
+    WanLatentData data;
+    torch::manual_seed(1);
+    data.latents = torch::randn({4, 4, 3, 6, 8});
+    data.text = torch::randn({4, 7, 20});
+    data.empty_text = torch::zeros({7, 20});
+    Trainer trainer = wan ? wan_trainer(config, data) : resident_trainer(config);
+    ASSERT_FALSE(trainer.streams());
+    int64_t trained = 0;
+    for (const auto& [name, t] : trainer.weight_views()) trained += t.numel();
+    EXPECT_EQ(p.lora_params, trained) << (wan ? "wan" : "dit");
+    EXPECT_EQ(2 * p.lora_adapters, static_cast<int64_t>(trainer.weight_views().size()));
+    EXPECT_EQ(p.device.resident_state, 16 * p.lora_params);
+    EXPECT_EQ(p.device.frozen_resident, 4 * (p.params + p.text_encoder_params));
+    EXPECT_EQ(p.transfer.h2d_bytes + p.transfer.d2h_bytes, 0);
+    EXPECT_EQ(trainer.step().skipped, false);
+  }
+}
+
+// Property: with lora.rank r, Wan's adapters are r·(in + out) for each Linear lora.targets names — per block
+// r·(8·2D + 2·(D + F)) for every one (q, k, v, out of both attentions; the FFN's two), r·4·2D for attn1's —
+// and with two Wan2.2 experts in one run the targets see each expert's prefix ("transformer." /
+// "transformer_2."); the store is e·P (the frozen weights in the compute dtype, page-locked; start-up adds
+// two blocks' fp32 weights), whatever the accumulation or EMA; the first step uploads what full fine-tuning's
+// step uploads and every later one two blocks less (the blocks the previous step ended with are still in the
+// slots: nothing updated them); there are no downloads and no host optimizer; the device trades the gradient slots and
+// the resident parts' 16 B a parameter for 4 B a frozen resident parameter and 16 B (20 with an EMA) a trained one;
+// model FLOPs are 2/3 of full fine-tuning's, the executed ones full fine-tuning's less a third of the weights' (no
+// weight gradients) plus the adapters' 8 FLOPs per parameter and row (forward, recompute, two gradients); over two
+// ranks nothing is sharded and the exchange is one fp32 all-reduce of the adapters' gradients. Targets that
+// match nothing are refused naming lora.targets, as the trainer refuses them.
+TEST(StepPlan, LoraFollowsTheClosedForm) {
+  const int64_t D = 24, F = 40, L = 3, r = 4;
+  const auto full = plan::plan_step(tiny_wan(), h200());
+  const auto lora = plan::plan_step(tiny_wan({"lora.rank=4"}), h200());
+  EXPECT_EQ(lora.lora_adapters, 10 * L);
+  EXPECT_EQ(lora.lora_params, L * r * (8 * 2 * D + 2 * (D + F)));
+  EXPECT_EQ(lora.params, full.params) << "the model's, frozen";
+  const auto attn1 = plan::plan_step(tiny_wan({"lora.rank=4", "lora.targets=[blocks.*.attn1.*]"}), h200());
+  EXPECT_EQ(attn1.lora_params, L * r * 4 * 2 * D);
+  const int64_t P = full.streamed_params, Pb = full.params_per_block;
+  for (const auto& extra : std::vector<std::vector<std::string>>{
+           {}, {"train.grad_accum_steps=3"}, {"train.ema_decay=0.999"}, {"offload.compute_dtype=fp32"}}) {
+    auto with = extra;
+    with.push_back("lora.rank=4");
+    const auto f = plan::plan_step(tiny_wan(extra), h200());
+    const auto p = plan::plan_step(tiny_wan(with), h200());
+    const int64_t e = p.compute_dtype == "fp32" ? 4 : 2;
+    EXPECT_EQ(p.host.state(), e * P);
+    EXPECT_EQ(p.host.steady(), e * P);
+    EXPECT_EQ(p.host.pinned, e * P);
+    EXPECT_EQ(p.host.construction_peak, e * P + 2 * 4 * Pb);
+    EXPECT_EQ(p.transfer.first_step_h2d_bytes, f.transfer.h2d_bytes);
+    EXPECT_EQ(f.transfer.first_step_h2d_bytes, f.transfer.h2d_bytes) << "full fine-tuning: every step the first";
+    EXPECT_EQ(p.transfer.h2d_bytes, f.transfer.h2d_bytes - 2 * Pb * e);
+    EXPECT_EQ(p.transfer.h2d_copies, f.transfer.h2d_copies - 2);
+    EXPECT_EQ(p.transfer.d2h_bytes, 0);
+    EXPECT_EQ(p.time.optimizer_bytes, 0);
+    EXPECT_EQ(p.time.d2h_s, 0.0);
+    EXPECT_EQ(p.time.optimizer_s, 0.0);
+    EXPECT_EQ(p.device.weight_slots, f.device.weight_slots);
+    EXPECT_EQ(p.device.gradient_slots, 0);
+    EXPECT_EQ(p.device.frozen_resident, 4 * f.resident_params);
+    EXPECT_EQ(p.device.resident_state, (p.ema ? 20 : 16) * p.lora_params);
+    EXPECT_EQ(p.device.checkpoints, f.device.checkpoints);
+    EXPECT_EQ(p.device.block_inputs, f.device.block_inputs / 2) << "no gradients of the frozen prologue's outputs";
+    EXPECT_EQ(p.device.recompute_saved, f.device.recompute_saved + p.device.lora_saved);
+    EXPECT_GT(p.device.lora_saved, 0);
+    EXPECT_DOUBLE_EQ(p.time.model_flops, f.time.model_flops * 2.0 / 3.0);
+  }
+  // FLOPs: the weights' share of full fine-tuning's model FLOPs is all but attention's 12·L·B·N·(N + Lt)·D.
+  const double B = 2, N = lora.tokens_per_sample, Lt = 7;
+  const double attention = 12.0 * L * B * N * (N + Lt) * D;
+  const double weights = full.time.model_flops - attention;
+  const double rows = 2 * r * (2 * D) * Lt + (8 * 2 * D + 2 * (D + F) - 2 * 2 * D) * r * N;  // attn2.to_k, to_v: text
+  EXPECT_NEAR(lora.time.lora_flops, 4.0 * 2.0 * L * B * rows, 1e-6 * lora.time.lora_flops);
+  EXPECT_NEAR(lora.time.executed_flops, full.time.executed_flops - weights / 3.0 + lora.time.lora_flops,
+              1e-9 * full.time.executed_flops);
+  EXPECT_DOUBLE_EQ(lora.time.compute_s, lora.time.executed_flops / (h200().peak_bf16_tflops * 1e12));
+  EXPECT_NE(lora.time.bottleneck, "d2h");
+  EXPECT_NE(lora.time.bottleneck, "host optimizer");
+  // Dropout keeps each adapted Linear's mask and dropped input: 2·rows·in·e more per block (B = 2; attn1's four,
+  // attn2's q and out and the FFN's fc1 read D channels of the N video tokens, fc2 F of them; attn2's k and v D
+  // of the 7 text tokens).
+  const auto dropout = plan::plan_step(tiny_wan({"lora.rank=4", "lora.dropout=0.1"}), h200());
+  const int64_t Ni = lora.tokens_per_sample, in_rows = 2 * (7 * D * Ni + F * Ni + 2 * D * 7);
+  EXPECT_EQ(dropout.device.lora_saved - lora.device.lora_saved, 2 * in_rows * 2);
+
+  // Two experts: the targets see the prefixes; a step's FLOPs are one expert's adapters'.
+  const auto both = plan::plan_step(tiny_wan({"lora.rank=4", "model.wan.expert=both"}), h200());
+  EXPECT_EQ(both.lora_params, 2 * lora.lora_params);
+  EXPECT_EQ(both.device.resident_state, 2 * lora.device.resident_state);
+  EXPECT_EQ(both.host.state(), 2 * lora.host.state());
+  EXPECT_DOUBLE_EQ(both.time.lora_flops, lora.time.lora_flops);
+  const auto low = plan::plan_step(
+      tiny_wan({"lora.rank=4", "model.wan.expert=both", "lora.targets=[transformer_2.blocks.*]"}), h200());
+  EXPECT_EQ(low.lora_params, lora.lora_params);
+  EXPECT_THROW(plan::plan_step(tiny_wan({"lora.rank=4", "lora.targets=[transformer.*]"}), h200()), ConfigError);
+  try {
+    plan::plan_step(tiny_wan({"lora.rank=4", "lora.targets=[nothing*]"}), h200());
+    ADD_FAILURE() << "targets matching nothing were planned";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(e.key(), "lora.targets");
+    EXPECT_NE(std::string(e.what()).find("blocks.0.attn1.to_q.weight"), std::string::npos) << e.what();
+  }
+
+  // Two ranks: the whole frozen copy on each, the adapters' gradients all-reduced.
+  const auto two = plan::plan_step(tiny_wan({"lora.rank=4", "train.batch_size=2"}), h200(), 2);
+  EXPECT_EQ(two.host.state(), lora.host.state());
+  EXPECT_EQ(two.host_state_bytes_all_ranks, 2 * lora.host.state());
+  EXPECT_EQ(two.sharded_params_per_rank, 0);
+  EXPECT_EQ(two.transfer.d2h_bytes, 0);
+  EXPECT_EQ(two.exchange.payload_bytes, 4 * lora.lora_params);
+  EXPECT_EQ(two.exchange.wire_bytes, 2 * ((lora.lora_params + 1) / 2) * 4);
+  EXPECT_EQ(two.exchange.collectives, 1);
+  EXPECT_TRUE(two.time.exchange_after);
+  EXPECT_DOUBLE_EQ(two.time.lower_bound_s, std::max({two.time.compute_s, two.time.h2d_s}) + two.time.exchange_s);
+
+  // The JSON names the LoRA figures; full fine-tuning's JSON has none of them.
+  const auto j = nlohmann::json::parse(plan::to_json(lora));
+  EXPECT_EQ(j.at("lora_trained_params").get<int64_t>(), lora.lora_params);
+  EXPECT_EQ(j.at("lora_adapters").get<int64_t>(), lora.lora_adapters);
+  EXPECT_EQ(j.at("frozen_params").get<int64_t>(), lora.params);
+  EXPECT_EQ(j.at("d2h_bytes_per_step").get<int64_t>(), 0);
+  EXPECT_FALSE(nlohmann::json::parse(plan::to_json(full)).contains("lora_rank"));
+  EXPECT_NE(plan::to_table(lora).find("frozen weights (transfer buffer)"), std::string::npos);
+}
+
+// Property: Wan2.1-T2V-14B with rank-32 LoRA on every Linear of its blocks (the docs' case) trains
+// 40 x 32 x (8 x 2 x 5120 + 2 x (5120 + 13824)) = 153,354,240 adapter parameters, holds 2 B a streamed parameter
+// on the host (bf16 frozen weights), uploads 2L - 4 = 76 blocks a step (the first step 78, full fine-tuning's)
+// and downloads nothing; the CLI prints the same figures.
+TEST(StepPlan, Wan21LoraAt480p) {
+  const auto full = plan::plan_step(
+      load_run_config(source_path("configs/wan2.1-t2v-14b.yaml"), {"offload.compute_dtype=bf16"}), h200());
+  const auto p = plan::plan_step(
+      load_run_config(source_path("configs/wan2.1-t2v-14b.yaml"), {"offload.compute_dtype=bf16", "lora.rank=32"}),
+      h200());
+  EXPECT_EQ(p.lora_adapters, 400);
+  EXPECT_EQ(p.lora_params, 153354240);
+  EXPECT_EQ(p.host.state(), 2 * full.streamed_params);
+  EXPECT_EQ(p.transfer.first_step_h2d_bytes, full.transfer.h2d_bytes);
+  EXPECT_EQ(p.transfer.h2d_bytes, 76 * p.params_per_block * 2);
+  EXPECT_EQ(p.transfer.d2h_bytes, 0);
+  EXPECT_LT(p.device.peak(), full.device.peak());
+  EXPECT_LT(p.time.executed_flops, full.time.executed_flops);
+  const auto r = megaslide::testing::run_tool(
+      "megaslide-plan", "--config " + source_path("configs/wan2.1-t2v-14b.yaml") + " --set lora.rank=32 --json");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j.at("lora_trained_params").get<int64_t>(), p.lora_params);
+  EXPECT_EQ(j.at("host_state_bytes").get<int64_t>(), p.host.state());
+  EXPECT_EQ(j.at("device_peak_bytes").get<int64_t>(), p.device.peak());
+  std::cout << "wan2.1-t2v-14b LoRA rank 32 on h200: " << plan::to_table(p) << "\n";
+}

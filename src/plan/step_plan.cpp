@@ -10,6 +10,7 @@
 #include "megaslide/attention/dsa3d.h"
 #include "megaslide/model/attention.h"
 #include "megaslide/model/dit.h"
+#include "megaslide/model/layers.h"
 #include "megaslide/model/text_encoder.h"
 #include "megaslide/model/wan.h"
 #include "megaslide/model/wan_weights.h"
@@ -17,6 +18,7 @@
 #include "megaslide/train/wan_family.h"
 #include "megaslide/offload/host_param_store.h"
 #include "megaslide/offload/stack_trainer.h"
+#include "megaslide/util/glob.h"
 
 namespace megaslide::plan {
 namespace {
@@ -63,7 +65,12 @@ int64_t compute_element_bytes(const std::string& dtype) { return dtype == "fp32"
 // finds what is still valid in its slot (slot = block % 2); one gradient copy per block per
 // micro-batch. Every block was updated at the end of the previous step, so a step starts with no
 // valid slot (the same holds for the first step, whose slots are empty).
-TransferPlan replay_transfers(const std::vector<int64_t>& numels, int64_t accum, int64_t element_bytes) {
+// Frozen blocks (LoRA, `gradients` false): no gradient copies, and no update invalidates a slot, so the
+// blocks the previous step's backward ended with (1 and 0) are still valid when the next step's forward
+// asks for them: the plan is such a step's (two copies fewer than the first step's, first_step_h2d_bytes;
+// with at most two blocks nothing is uploaded after the first step).
+TransferPlan replay_transfers(const std::vector<int64_t>& numels, int64_t accum, int64_t element_bytes,
+                              bool gradients = true) {
   TransferPlan t;
   struct Slot {
     int64_t block = -1;
@@ -79,15 +86,27 @@ TransferPlan replay_transfers(const std::vector<int64_t>& numels, int64_t accum,
     t.h2d_bytes += numels[l] * element_bytes;
     ++t.h2d_copies;
   };
-  for (int64_t k = 0; k < accum; ++k) {
-    prefetch(0);
-    for (int64_t l = 0; l + 1 < L; ++l) prefetch(l + 1);
-    for (int64_t l = L - 1; l >= 0; --l) {
-      if (l == L - 1) prefetch(l);
-      t.d2h_bytes += numels[l] * element_bytes;
-      ++t.d2h_copies;
-      if (l > 0) prefetch(l - 1);
+  const auto step = [&] {
+    for (int64_t k = 0; k < accum; ++k) {
+      prefetch(0);
+      for (int64_t l = 0; l + 1 < L; ++l) prefetch(l + 1);
+      for (int64_t l = L - 1; l >= 0; --l) {
+        if (l == L - 1) prefetch(l);
+        if (gradients) {
+          t.d2h_bytes += numels[l] * element_bytes;
+          ++t.d2h_copies;
+        }
+        if (l > 0) prefetch(l - 1);
+      }
     }
+  };
+  step();
+  t.first_step_h2d_bytes = t.h2d_bytes;
+  if (!gradients) {  // a later step: the slots as the first one left them
+    const int64_t first = t.h2d_bytes;
+    t = TransferPlan{};
+    t.first_step_h2d_bytes = first;
+    step();
   }
   return t;
 }
@@ -247,6 +266,147 @@ ModelShape wan_model_shape(const RunConfig& config) {
 ModelShape shape_of(const RunConfig& c) { return is_wan(c) ? wan_model_shape(c) : model_shape(c); }
 const std::array<int64_t, 3>& patch_of(const RunConfig& c) { return is_wan(c) ? c.model.wan.patch : c.model.patch; }
 
+// LoRA: one adapted Linear W [out, in] (down [r, in], up [out, r]) and the tokens it runs over.
+struct AdaptedLinear {
+  int64_t in = 0, out = 0;
+  enum class Rows { kVideo, kText, kImage } rows = Rows::kVideo;
+};
+
+// The adapters of a LoRA run (lora.rank > 0), as LoraAdapters::add creates them: one for each Linear of
+// each block whose weight's name, <block name>.<module>.weight, matches one of lora.targets.
+struct LoraShape {
+  int64_t rank = 0;  // 0: full fine-tuning
+  int64_t adapters = 0, params = 0;
+  std::vector<std::vector<AdaptedLinear>> blocks;  // per block, in ModelShape::blocks' order
+  int64_t blocks_per_part = 0;                     // the blocks of one step (Wan2.2 both: one expert's)
+  bool enabled() const { return rank > 0; }
+};
+
+// Wan2.2's experts' names of one run (WanModel::block_name): "" for one DiT.
+std::vector<std::string> wan_expert_prefixes(const RunConfig& c) {
+  return c.model.wan.expert == "both" ? std::vector<std::string>{"transformer.", "transformer_2."}
+                                      : std::vector<std::string>{""};
+}
+
+// The tokens a block's Linear runs over, by its name in the block: the cross-attention's key and value
+// projections read the text (DiTBlock's cross_attn.kv, WanAttention's attn2.to_k and attn2.to_v) or, in
+// Wan2.1 I2V, CLIP's image tokens (attn2.add_k_proj, attn2.add_v_proj); every other one the video tokens.
+AdaptedLinear::Rows rows_of(const std::string& module) {
+  for (const char* text : {"cross_attn.kv", "attn2.to_k", "attn2.to_v"})
+    if (module == text) return AdaptedLinear::Rows::kText;
+  for (const char* image : {"attn2.add_k_proj", "attn2.add_v_proj"})
+    if (module == image) return AdaptedLinear::Rows::kImage;
+  return AdaptedLinear::Rows::kVideo;
+}
+
+// The adapters LoraAdapters::add creates on `block` under `prefix` (train/lora_model.cpp: the streamed
+// model's block(l), the resident one's block_modules(), the same Linear layers); `example` collects the
+// first block's Linear weights for the error of targets that match none.
+std::vector<AdaptedLinear> adapted_linears(torch::nn::Module& block, const std::string& prefix, const LoraConfig& lora,
+                                           std::string& example, LoraShape& shape) {
+  std::vector<AdaptedLinear> out;
+  const bool first = example.empty();
+  for (const auto& item : block.named_modules("", /*include_self=*/false)) {
+    const auto linear = std::dynamic_pointer_cast<LinearImpl>(item.value());
+    if (!linear) continue;
+    const std::string weight = prefix + item.key() + ".weight";
+    if (first) example += (example.empty() ? "" : ", ") + weight;
+    bool wanted = false;
+    for (const auto& glob : lora.targets) wanted = wanted || name_matches(glob, weight);
+    if (!wanted) continue;
+    AdaptedLinear a{linear->options.in_features(), linear->options.out_features(), rows_of(item.key())};
+    shape.adapters += 1;
+    shape.params += lora.rank * (a.in + a.out);
+    out.push_back(a);
+  }
+  return out;
+}
+
+LoraShape lora_shape(const RunConfig& c) {
+  LoraShape s;
+  if (c.lora.rank <= 0) return s;
+  s.rank = c.lora.rank;
+  std::string example;
+  if (is_wan(c)) {
+    WanTransformer model(WanOptions::from_config(c).device(torch::kMeta));
+    const auto prefixes = wan_expert_prefixes(c);
+    for (const auto& prefix : prefixes)  // the two experts' architectures are one
+      for (size_t l = 0; l < model->blocks->size(); ++l)
+        s.blocks.push_back(adapted_linears(model->blocks[l]->as<WanBlockImpl>()->streamed(),
+                                           prefix + "blocks." + std::to_string(l) + ".", c.lora, example, s));
+    s.blocks_per_part = static_cast<int64_t>(model->blocks->size());
+  } else {
+    DiT model(DiTOptions::from_config(c).device(torch::kMeta));
+    for (size_t l = 0; l < model->blocks->size(); ++l)
+      s.blocks.push_back(adapted_linears(*model->blocks[l], "blocks." + std::to_string(l) + ".", c.lora, example, s));
+    s.blocks_per_part = static_cast<int64_t>(model->blocks->size());
+  }
+  if (s.adapters == 0) {  // as the trainer refuses it (train/lora_model.cpp)
+    std::string targets;
+    for (const auto& t : c.lora.targets) targets += (targets.empty() ? "" : ", ") + t;
+    throw ConfigError("megaslide-plan", "lora.targets",
+                      fmt::format("[{}] match no Linear layer of the blocks; the first block's are: {}", targets,
+                                  example.empty() ? "none" : example));
+  }
+  return s;
+}
+
+// Wan2.1 I2V's image tokens (CLIP ViT-H/14), as wan_model_flops_per_step counts them.
+constexpr int64_t kWanImageTokens = 257;
+
+int64_t rows_per_sample(AdaptedLinear::Rows rows, const RunConfig& c, int64_t video_tokens) {
+  switch (rows) {
+    case AdaptedLinear::Rows::kText:
+      return c.data.max_text_tokens;
+    case AdaptedLinear::Rows::kImage:
+      return kWanImageTokens;
+    case AdaptedLinear::Rows::kVideo:
+      break;
+  }
+  return video_tokens;
+}
+
+// What one block's adapters add to the tensors autograd keeps while it is recomputed with grad
+// (LoraLinear::apply; the adapted Linear's input itself is kept by full fine-tuning's count already, for
+// its weight's gradient): down's output [rows, r], which up's gradient reads, and the adapters' weights cast
+// to the compute dtype (none in fp32); with lora.dropout > 0 the mask and the dropped input [rows, in].
+int64_t lora_block_saved(const std::vector<AdaptedLinear>& layers, const RunConfig& c, int64_t video_tokens,
+                         int64_t rank, int64_t e) {
+  int64_t saved = 0;
+  for (const auto& a : layers) {
+    const int64_t rows = c.train.batch_size * rows_per_sample(a.rows, c, video_tokens);
+    saved += rows * rank * e + (e == 4 ? 0 : rank * (a.in + a.out) * e);
+    if (c.lora.dropout > 0) saved += 2 * rows * a.in * e;
+  }
+  return saved;
+}
+
+// One forward of the adapters of one step's part, in FLOPs per sample: 2·r·(in + out) per row.
+double lora_forward_flops_per_sample(const LoraShape& lora, const RunConfig& c, int64_t video_tokens) {
+  double largest = 0.0;  // Wan2.2's two experts: the larger part's
+  for (size_t begin = 0; begin < lora.blocks.size(); begin += static_cast<size_t>(lora.blocks_per_part)) {
+    double part = 0.0;
+    for (size_t l = begin; l < begin + static_cast<size_t>(lora.blocks_per_part) && l < lora.blocks.size(); ++l)
+      for (const auto& a : lora.blocks[l])
+        part += 2.0 * static_cast<double>(lora.rank * (a.in + a.out)) *
+                static_cast<double>(rows_per_sample(a.rows, c, video_tokens));
+    largest = std::max(largest, part);
+  }
+  return largest;
+}
+
+// The adapters of one step's part: their parameters (Wan2.2's two experts: the larger part's).
+int64_t lora_part_params(const LoraShape& lora) {
+  int64_t largest = 0;
+  for (size_t begin = 0; begin < lora.blocks.size(); begin += static_cast<size_t>(lora.blocks_per_part)) {
+    int64_t part = 0;
+    for (size_t l = begin; l < begin + static_cast<size_t>(lora.blocks_per_part) && l < lora.blocks.size(); ++l)
+      for (const auto& a : lora.blocks[l]) part += lora.rank * (a.in + a.out);
+    largest = std::max(largest, part);
+  }
+  return largest;
+}
+
 // The tensors autograd keeps while one Wan block is recomputed with grad, following WanBlock::forward
 // (docs/planner.md): X = B·N·D in the compute dtype, F the same in fp32 (the block's LayerNorms,
 // modulation and gated residuals run in fp32 as diffusers keeps them), Xm at the FFN's width, C = B·Lt·D
@@ -346,9 +506,44 @@ TokenGrid grid_of(const RunConfig& c) {
   return {shape[1] / p[0], shape[2] / p[1], shape[3] / p[2]};
 }
 
-bool device_fits(const RunConfig& c, const ModelShape& s, const HardwareProfile& hw) {
-  return (is_wan(c) ? wan_device_memory(c, s, grid_of(c)) : device_memory(c, s, grid_of(c))).peak() <=
-         hw.device_memory_bytes;
+// LoRA on the device (`d` full fine-tuning's plan of the same run): no gradient slots; the adapters are
+// the trained resident parameters (fp32 weight, gradient, m, v and EMA); the family's own parameters
+// outside the store stay as frozen fp32 weights (the resident loop: every parameter); the shared block
+// inputs take no gradient (the frozen prologue's outputs do not require one); each recomputed block keeps
+// its adapters' tensors too (lora_block_saved; the resident loop: every block's of the step's part). The
+// rest of the activation model is full fine-tuning's: an upper bound where frozen weights keep less (a
+// Linear without an adapter no longer keeps its input, the frozen prologue keeps no graph).
+void with_lora_on_device(DeviceMemoryPlan& d, const RunConfig& c, const ModelShape& s, const TokenGrid& grid,
+                         const LoraShape& lora) {
+  const bool streamed = c.offload.enabled;
+  const int64_t e = streamed ? compute_element_bytes(c.offload.compute_dtype) : 4;
+  d.gradient_slots = 0;
+  d.resident_state = resident_bytes_per_param(c) * lora.params;
+  d.frozen_resident = 4 * (streamed ? s.resident : s.params + s.text_encoder_params);
+  if (streamed) d.block_inputs /= 2;
+  int64_t largest_block = 0, largest_part = 0;
+  for (size_t begin = 0; begin < lora.blocks.size(); begin += static_cast<size_t>(lora.blocks_per_part)) {
+    int64_t part = 0;
+    for (size_t l = begin; l < begin + static_cast<size_t>(lora.blocks_per_part) && l < lora.blocks.size(); ++l) {
+      const int64_t block = lora_block_saved(lora.blocks[l], c, grid.numel(), lora.rank, e);
+      largest_block = std::max(largest_block, block);
+      part += block;
+    }
+    largest_part = std::max(largest_part, part);
+  }
+  d.lora_saved = streamed ? largest_block : largest_part;
+  d.recompute_saved += d.lora_saved;
+  if (d.recompute_saved_reference > 0) d.recompute_saved_reference += d.lora_saved;
+}
+
+DeviceMemoryPlan device_plan(const RunConfig& c, const ModelShape& s, const TokenGrid& grid, const LoraShape& lora) {
+  DeviceMemoryPlan d = is_wan(c) ? wan_device_memory(c, s, grid) : device_memory(c, s, grid);
+  if (lora.enabled()) with_lora_on_device(d, c, s, grid, lora);
+  return d;
+}
+
+bool device_fits(const RunConfig& c, const ModelShape& s, const LoraShape& lora, const HardwareProfile& hw) {
+  return device_plan(c, s, grid_of(c), lora).peak() <= hw.device_memory_bytes;
 }
 
 std::string gb(double bytes) { return fmt::format("{:.1f} GB", bytes / 1e9); }
@@ -371,8 +566,8 @@ ModelShape two_experts(const ModelShape& one) {
   return s;
 }
 
-std::vector<std::string> advise(const RunConfig& config, const ModelShape& s, const StepPlan& plan,
-                                const HardwareProfile& hw) {
+std::vector<std::string> advise(const RunConfig& config, const ModelShape& s, const LoraShape& lora,
+                                const StepPlan& plan, const HardwareProfile& hw) {
   const int64_t ranks = plan.world_size;
   std::vector<std::string> out;
   if (!plan.fits_device) {
@@ -381,7 +576,7 @@ std::vector<std::string> advise(const RunConfig& config, const ModelShape& s, co
     // The largest frame count (a multiple of the temporal patch) below the current one that fits.
     for (int64_t f = config.data.frames - p[0]; f >= p[0]; f -= p[0]) {
       c.data.frames = f;
-      if (device_fits(c, s, hw)) {
+      if (device_fits(c, s, lora, hw)) {
         out.push_back(fmt::format("device: fewer frames: data.frames={} fits ({} now)", f, config.data.frames));
         break;
       }
@@ -393,7 +588,7 @@ std::vector<std::string> advise(const RunConfig& config, const ModelShape& s, co
       if (h < p[1] * unit || w < p[2] * unit) break;
       c.data.height = h / (p[1] * unit) * (p[1] * unit);
       c.data.width = w / (p[2] * unit) * (p[2] * unit);
-      if (device_fits(c, s, hw)) {
+      if (device_fits(c, s, lora, hw)) {
         out.push_back(
             fmt::format("device: lower resolution: data.height={} data.width={} fits", c.data.height, c.data.width));
         break;
@@ -403,7 +598,7 @@ std::vector<std::string> advise(const RunConfig& config, const ModelShape& s, co
       c = config;
       for (int64_t b = config.train.batch_size - 1; b >= 1; --b) {
         c.train.batch_size = b;
-        if (device_fits(c, s, hw)) {
+        if (device_fits(c, s, lora, hw)) {
           out.push_back(
               fmt::format("device: smaller batch: train.batch_size={} fits (raise train.grad_accum_steps to keep "
                           "the samples per step)",
@@ -415,15 +610,17 @@ std::vector<std::string> advise(const RunConfig& config, const ModelShape& s, co
     if (config.model.arch == Architecture::kDense3D) {
       c = config;
       c.model.arch = Architecture::kMegaSlide;
-      if (device_fits(c, model_shape(c), hw)) out.push_back("device: local attention: model.arch=megaslide fits");
+      if (device_fits(c, model_shape(c), lora_shape(c), hw))
+        out.push_back("device: local attention: model.arch=megaslide fits");
     }
     if (is_wan(config) && config.model.self_attention == "dense") {
       c = config;
       c.model.self_attention = "dsa3d";
-      if (device_fits(c, wan_model_shape(c), hw))
+      if (device_fits(c, wan_model_shape(c), lora_shape(c), hw))
         out.push_back("device: the 3D-DSA retrofit: model.self_attention=dsa3d fits");
     }
-    const int64_t fixed = plan.device.weight_slots + plan.device.gradient_slots + plan.device.resident_state;
+    const int64_t fixed = plan.device.weight_slots + plan.device.gradient_slots + plan.device.resident_state +
+                          plan.device.frozen_resident;
     if (fixed > hw.device_memory_bytes) {
       out.push_back(
           fmt::format("device: the weight and gradient slots and resident parts alone need {}: a narrower model "
@@ -436,7 +633,8 @@ std::vector<std::string> advise(const RunConfig& config, const ModelShape& s, co
     out.push_back(fmt::format("host: more host RAM: at least {} ({} in the profile)",
                               gb(static_cast<double>(plan.host.peak())),
                               gb(static_cast<double>(hw.host_memory_bytes))));
-    if (config.optimizer.state_dtype != "int8" && ranks == 1) {  // the sharded store refuses int8 moments
+    // (LoRA's store has no moments: the frozen weights alone.)
+    if (config.optimizer.state_dtype != "int8" && ranks == 1 && !lora.enabled()) {  // the sharded store refuses int8
       RunConfig c = config;
       c.optimizer.state_dtype = "int8";
       const StepPlan smaller = plan_step(c, hw);
@@ -450,7 +648,7 @@ std::vector<std::string> advise(const RunConfig& config, const ModelShape& s, co
       c.model.wan.expert = "high";
       StepPlan alone = plan_step(c, hw, ranks);
       std::string int8;
-      if (!alone.fits_host && config.optimizer.state_dtype != "int8" && ranks == 1) {
+      if (!alone.fits_host && config.optimizer.state_dtype != "int8" && ranks == 1 && !lora.enabled()) {
         c.optimizer.state_dtype = "int8";
         alone = plan_step(c, hw, ranks);
         int8 = " optimizer.state_dtype=int8";
@@ -461,7 +659,7 @@ std::vector<std::string> advise(const RunConfig& config, const ModelShape& s, co
             "peak; the other expert's state is then not held)",
             int8, gb(static_cast<double>(alone.host.peak()))));
     }
-    if (config.train.ema_decay > 0) {
+    if (config.train.ema_decay > 0 && !lora.enabled()) {  // LoRA: the adapters' EMA is on the device
       RunConfig c = config;
       c.train.ema_decay = 0;
       const StepPlan without = plan_step(c, hw, ranks);
@@ -543,7 +741,7 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
                     "multiple of {}",
                     global.train.batch_size, R, R));
   }
-  if (R > 1 && global.offload.enabled && global.optimizer.state_dtype == "int8") {
+  if (R > 1 && global.offload.enabled && global.optimizer.state_dtype == "int8" && global.lora.rank == 0) {
     throw ConfigError(
         "megaslide-plan", "optimizer.state_dtype",
         fmt::format("is int8, which the streamed trainer sharded over {} ranks does not keep (its shards hold "
@@ -559,6 +757,7 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
   const bool both = wan && config.model.wan.expert == "both";
   const ModelShape one = shape_of(config);  // what one step streams
   const ModelShape s = both ? two_experts(one) : one;
+  const LoraShape lora = lora_shape(config);  // no adapters: full fine-tuning
   const TokenGrid grid = grid_of(config);
   const auto& t = config.train;
   StepPlan p;
@@ -586,12 +785,32 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
     p.wan_expert = config.model.wan.expert;
     p.boundary_ratio = config.model.wan.boundary_ratio;
   }
+  if (lora.enabled()) {
+    p.lora_rank = lora.rank;
+    p.lora_alpha = config.lora.alpha > 0 ? config.lora.alpha : static_cast<double>(lora.rank);
+    p.lora_targets = config.lora.targets;
+    p.lora_adapters = lora.adapters;
+    p.lora_params = lora.params;
+  }
 
   const int64_t e = compute_element_bytes(p.compute_dtype);
   const int64_t A = t.grad_accum_steps;
   const int64_t exchange_e = A > 1 ? 4 : e;  // the gradients' dtype in the exchange (sharded trainer)
   const bool ema = t.ema_decay > 0;
-  if (p.streamed && R > 1) {
+  if (p.streamed && lora.enabled()) {
+    // LoRA: the frozen store StreamedStackTrainer allocates (frozen_blocks): the transfer buffer alone, the
+    // weights in the compute dtype, page-locked; no staging (the adapters' gradients sum on the device) and,
+    // over several ranks, every rank's whole copy (nothing sharded, no block exchange).
+    auto store_options = offload::host_store_options(offload::parse_compute_dtype(p.compute_dtype), A);
+    store_options.separate_grad = false;
+    store_options.frozen = true;
+    const auto store = offload::HostParamStore::plan(s.blocks, store_options);
+    p.host.compute = store.compute_bytes;
+    p.host.pinned = store.pinnable_bytes;
+    p.host.construction_peak = p.host.state() + 2 * 4 * s.largest_block;
+    p.transfer = replay_transfers(one.block_numels, A, e, /*gradients=*/false);
+    if (R > 1) p.host_state_bytes_all_ranks = R * p.host.state();
+  } else if (p.streamed && R > 1) {
     const auto state = offload::parse_state_dtype(config.optimizer.state_dtype);
     p.state_dtype = config.optimizer.state_dtype;
     p.host = sharded_host_memory(s, R, p.compute_dtype, state, A, ema);
@@ -628,13 +847,14 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
     p.host.construction_peak = p.host.state() + 2 * 4 * s.largest_block;
     p.transfer = replay_transfers(one.block_numels, A, e);
   }
-  p.device = wan ? wan_device_memory(config, s, grid) : device_memory(config, s, grid);
+  p.device = device_plan(config, s, grid, lora);
   if (p.streamed && wan && !wan_untrained_expert(config.model.wan).empty() && t.sample_every > 0)
     p.host.other_expert = s.streamed * e;  // the same architecture: its blocks are this one's
-  if (!p.streamed && R > 1) {
+  if (R > 1 && (!p.streamed || lora.enabled())) {
     // The resident Trainer's average_gradients_over_ranks: one flat fp32 buffer of every gradient, all-reduced (a ring:
-    // a reduce-scatter and an all-gather of it).
-    const int64_t trained = s.params + s.text_encoder_params;
+    // a reduce-scatter and an all-gather of it). LoRA (either trainer; the streamed one's resident all-reduce in
+    // its global norm): the step's adapters' gradients, in a flat fp32 buffer on the device.
+    const int64_t trained = lora.enabled() ? lora_part_params(lora) : s.params + s.text_encoder_params;
     p.device.gradient_all_reduce = 4 * trained;
     p.exchange.payload_bytes = 4 * trained;
     p.exchange.wire_bytes = 2 * ring_bytes(trained, R, 4);
@@ -643,7 +863,9 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
 
   // Time.
   auto& tm = p.time;
-  tm.model_flops = wan ? wan_model_flops_per_step(config) : model_flops_per_step(config);
+  const double family_flops = wan ? wan_model_flops_per_step(config) : model_flops_per_step(config);
+  // LoRA: the wrapper's flops_per_step (train/lora_model.cpp), the MFU numerator: 2/3 of the family's.
+  tm.model_flops = lora.enabled() ? family_flops * 2.0 / 3.0 : family_flops;
   const double samples = static_cast<double>(t.batch_size * A);
   double dense_flops = 6.0 * static_cast<double>(s.params) * samples * static_cast<double>(grid.numel());
   if (wan) {  // the linear maps' part of wan_model_flops: the same count without attention's N·keys terms
@@ -653,11 +875,19 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
       const auto& k = config.model.dsa_kernel;
       keys = static_cast<double>(std::min(k[0], grid.t) * std::min(k[1], grid.h) * std::min(k[2], grid.w));
     }
-    dense_flops = tm.model_flops -
-                  12.0 * static_cast<double>(p.layers) * samples * N * (keys + Lt) * static_cast<double>(p.hidden);
+    dense_flops =
+        family_flops - 12.0 * static_cast<double>(p.layers) * samples * N * (keys + Lt) * static_cast<double>(p.hidden);
   }
-  const double attention_flops = tm.model_flops - dense_flops;
-  tm.executed_flops = tm.model_flops;
+  const double attention_flops = family_flops - dense_flops;
+  tm.executed_flops = family_flops;
+  if (lora.enabled()) {
+    // The frozen weights' gradients are not computed: 4 of the 6 FLOPs per weight and token (the forward
+    // and the input gradient). Attention has no weights: its backward is all input gradients (dq, dk, dv),
+    // executed whole. The adapters: a forward, their weights' and their inputs' gradients (2 more), and in
+    // the streamed trainer the recompute's forward — the step's part's adapters (lora_forward_flops_per_sample).
+    tm.lora_flops = lora_forward_flops_per_sample(lora, config, grid.numel()) * samples * (p.streamed ? 4.0 : 3.0);
+    tm.executed_flops = dense_flops * 2.0 / 3.0 + attention_flops + tm.lora_flops;
+  }
   if (p.streamed) {
     // Checkpointing recomputes every block's forward: 2 FLOPs per streamed weight and token, plus the
     // attention's forward third (model_flops counts attention as 4 forward + 8 backward).
@@ -685,6 +915,7 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
     if (A > 1) tm.optimizer_bytes += one.streamed * (A * e + 4 + (A - 1) * 8);
     // The EMA pass after each block's update: reads the master and the EMA, writes the EMA.
     if (ema) tm.optimizer_bytes += 12 * (R > 1 ? stepped_params_per_rank : one.streamed);
+    if (lora.enabled()) tm.optimizer_bytes = 0;  // no host optimizer: the adapters update on the device
     tm.h2d_s = static_cast<double>(p.transfer.h2d_bytes) / (hw.pcie_h2d_gbps * 1e9);
     tm.d2h_s = static_cast<double>(p.transfer.d2h_bytes) / (hw.pcie_d2h_gbps * 1e9);
     tm.optimizer_s = static_cast<double>(tm.optimizer_bytes) / (hw.host_dram_gbps * 1e9);
@@ -694,6 +925,9 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
   // The streamed trainer's exchange runs beside the other terms (async); the resident trainer's
   // all-reduce waits for the whole backward.
   tm.overlapped = p.streamed ? config.offload.mode == "async" : R == 1;
+  // LoRA's streamed trainer over several ranks exchanges only the adapters' gradients, in its global norm after
+  // the backward: async overlaps the other terms, then the all-reduce.
+  tm.exchange_after = lora.enabled() && p.streamed && R > 1 && tm.overlapped;
   const std::pair<const char*, double> terms[] = {{"compute", tm.compute_s},
                                                   {"h2d", tm.h2d_s},
                                                   {"d2h", tm.d2h_s},
@@ -708,11 +942,17 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
     }
   }
   tm.lower_bound_s = tm.overlapped ? largest : sum;
+  if (tm.exchange_after) {
+    double others = 0.0;
+    for (const auto& [name, seconds] : terms)
+      if (std::string(name) != "exchange") others = std::max(others, seconds);
+    tm.lower_bound_s = others + tm.exchange_s;
+  }
   tm.mfu_upper_bound = tm.model_flops / (tm.lower_bound_s * hw.peak_bf16_tflops * 1e12);
 
   p.fits_device = p.device.peak() <= hw.device_memory_bytes;
   p.fits_host = !p.streamed || p.host.peak() <= hw.host_memory_bytes;
-  p.advice = advise(config, s, p, hw);
+  p.advice = advise(config, s, lora, p, hw);
   return p;
 }
 
@@ -802,6 +1042,18 @@ std::string to_json(const StepPlan& p) {
   j["fits_device"] = p.fits_device;
   j["fits_host"] = p.fits_host;
   j["advice"] = p.advice;
+  if (p.lora_rank > 0) {  // full fine-tuning: none of these, the keys above alone
+    j["lora_rank"] = p.lora_rank;
+    j["lora_alpha"] = p.lora_alpha;
+    j["lora_targets"] = p.lora_targets;
+    j["lora_adapters"] = p.lora_adapters;
+    j["lora_trained_params"] = p.lora_params;
+    j["frozen_params"] = p.params + p.text_encoder_params;
+    j["device_frozen_resident_bytes"] = d.frozen_resident;
+    j["device_lora_saved_bytes"] = d.lora_saved;
+    j["lora_flops_per_step"] = t.lora_flops;
+    j["h2d_bytes_first_step"] = p.transfer.first_step_h2d_bytes;
+  }
   if (p.world_size > 1) {  // one process: the keys above alone, as before data parallelism was planned
     j["world_size"] = p.world_size;
     j["batch_size_per_rank"] = p.batch_size_per_rank;
@@ -821,6 +1073,7 @@ std::string to_json(const StepPlan& p) {
     j["exchange_wire_bytes_per_step"] = p.exchange.wire_bytes;
     j["exchange_collectives_per_step"] = p.exchange.collectives;
     j["exchange_s"] = t.exchange_s;
+    if (p.lora_rank > 0) j["exchange_after_backward"] = t.exchange_after;
   }
   return j.dump();
 }
@@ -834,11 +1087,23 @@ std::string to_table(const StepPlan& p) {
       p.hidden, p.params, p.streamed_params, p.resident_params, p.text_encoder_params);
   out += fmt::format("  tokens/sample {} (grid {}x{}x{}), batch {} x {} micro-batch(es)\n", p.tokens_per_sample,
                      p.token_grid[0], p.token_grid[1], p.token_grid[2], p.batch_size, p.grad_accum_steps);
+  const bool lora = p.lora_rank > 0;
+  if (lora) {
+    std::string targets;
+    for (const auto& g : p.lora_targets) targets += (targets.empty() ? "" : ", ") + g;
+    out += fmt::format(
+        "  LoRA rank {}, alpha {}, targets [{}]: {} adapters on the blocks' Linear layers, {} trained parameters "
+        "(fp32, on the device); the model's {} parameters frozen{}\n",
+        p.lora_rank, p.lora_alpha, targets, p.lora_adapters, p.lora_params, p.params + p.text_encoder_params,
+        p.streamed ? " (its blocks streamed H2D only: no gradient copies, no host optimizer)" : "");
+  }
   if (p.world_size > 1) {
     out +=
         fmt::format("  data parallel over {} ranks: every figure below is one rank's (batch {} of the global {}{})\n",
                     p.world_size, p.batch_size_per_rank, p.batch_size,
-                    p.streamed ? "; fp32 master and AdamW moments sharded, rank 0's shard: the largest" : "");
+                    !p.streamed ? ""
+                    : lora      ? "; the frozen weights not sharded: every rank holds the whole copy"
+                                : "; fp32 master and AdamW moments sharded, rank 0's shard: the largest");
   }
   if (p.wan_expert == "both" && p.streamed)
     out += fmt::format(
@@ -857,7 +1122,19 @@ std::string to_table(const StepPlan& p) {
                        static_cast<double>(bytes) / n);
   };
   const bool sharded = p.streamed && p.world_size > 1;
-  if (p.streamed) {
+  if (p.streamed && lora) {
+    out += sharded ? "host RAM per rank                                           bytes\n"
+                   : "host RAM                                                    bytes\n";
+    row(p.compute_dtype + " frozen weights (transfer buffer)", p.host.compute);
+    row("host state (no master, moments or gradient)", p.host.state());
+    row("steady total", p.host.steady());
+    if (p.host.other_expert > 0) row("validation: the other expert's blocks", p.host.other_expert);
+    row("start-up peak (state + 2 blocks' fp32 init)", p.host.construction_peak);
+    row("of the steady total, page-locked", p.host.pinned);
+    if (sharded) row(fmt::format("host state of all {} ranks", p.world_size), p.host_state_bytes_all_ranks);
+    out += fmt::format("  -> {} the {:.1f} GB of host RAM{}\n\n", p.fits_host ? "fits" : "DOES NOT FIT",
+                       static_cast<double>(p.hardware.host_memory_bytes) / 1e9, sharded ? " (one rank's)" : "");
+  } else if (p.streamed) {
     out += sharded ? "host RAM per rank                                           bytes\n"
                    : "host RAM                                                    bytes\n";
     const std::string state = p.state_dtype;
@@ -888,7 +1165,23 @@ std::string to_table(const StepPlan& p) {
   }
   out += "device memory                                               bytes\n";
   const auto& d = p.device;
-  if (p.streamed) {
+  if (lora) {
+    if (p.streamed) {
+      row("weight slots (2 blocks)", d.weight_slots);
+      row("gradient slots: none (frozen blocks)", d.gradient_slots);
+    }
+    row(p.ema ? "LoRA adapters: weights, grad, AdamW m, v, EMA (fp32)"
+              : "LoRA adapters: weights, grad, AdamW m, v (fp32)",
+        d.resident_state);
+    row(p.streamed ? "frozen resident parts (fp32 weights)" : "every parameter, frozen (fp32 weights)",
+        d.frozen_resident);
+    if (p.streamed) {
+      row("block-boundary checkpoints (L + 1)", d.checkpoints);
+      row("shared block inputs (no grads: frozen)", d.block_inputs);
+    } else {
+      row("first block's input", d.checkpoints);
+    }
+  } else if (p.streamed) {
     row("weight slots (2 blocks)", d.weight_slots);
     row("gradient slots (2 blocks)", d.gradient_slots);
     row(p.ema ? "resident parts: weights, grad, AdamW m, v, EMA" : "resident parts: weights, grad, AdamW m, v",
@@ -903,8 +1196,11 @@ std::string to_table(const StepPlan& p) {
   }
   row("prologue/epilogue activations (fp32)", d.prologue_epilogue);
   row(p.streamed ? "recompute one block: saved for backward" : "every block's graph", d.recompute_saved);
+  if (lora) row("  of which the LoRA adapters'", d.lora_saved);
   row("one block's backward: workspace", d.recompute_workspace);
-  if (d.gradient_all_reduce > 0) row("all-reduce buffer (every gradient, fp32)", d.gradient_all_reduce);
+  if (d.gradient_all_reduce > 0)
+    row(lora ? "all-reduce buffer (the adapters' gradients, fp32)" : "all-reduce buffer (every gradient, fp32)",
+        d.gradient_all_reduce);
   row("peak", d.peak());
   if (d.recompute_saved_reference > 0) row("  peak with the grid_sample 3D-DSA reference", d.peak_reference());
   out += fmt::format("  -> {} the {:.1f} GB of device memory\n\n", p.fits_device ? "fits" : "DOES NOT FIT",
@@ -914,33 +1210,51 @@ std::string to_table(const StepPlan& p) {
     out += fmt::format("PCIe per step: H2D {} B ({} copies, {} slot cache hits), D2H {} B ({} copies)\n",
                        p.transfer.h2d_bytes, p.transfer.h2d_copies, p.transfer.cache_hits, p.transfer.d2h_bytes,
                        p.transfer.d2h_copies);
+    if (lora)
+      out += fmt::format(
+          "  (frozen blocks: a step finds the two blocks the previous one ended with still in the slots; the first "
+          "step uploads {} B)\n",
+          p.transfer.first_step_h2d_bytes);
   }
   if (p.world_size > 1) {
     out += fmt::format("exchange per step per rank: {}; {} B, on the wire {} B each way (ring), {} collectives\n",
-                       p.streamed
+                       lora ? "all-reduce of the step's LoRA adapters' gradients (fp32)"
+                       : p.streamed
                            ? "reduce-scatter of every block's gradient, all-gather of every compute copy (Gloo, host)"
                            : "all-reduce of every gradient (fp32)",
                        p.exchange.payload_bytes, p.exchange.wire_bytes, p.exchange.collectives);
   }
-  out += fmt::format("model FLOPs per step {:.4g} (executed with recompute: {:.4g}){}\n", t.model_flops,
-                     t.executed_flops, p.world_size > 1 ? " per rank" : "");
+  if (lora)
+    out += fmt::format(
+        "model FLOPs per step {:.4g} (LoRA: 2/3 of full fine-tuning's; executed{}, the attention's whole backward "
+        "and the adapters' {:.4g}: {:.4g}){}\n",
+        t.model_flops, p.streamed ? " with recompute" : "", t.lora_flops, t.executed_flops,
+        p.world_size > 1 ? " per rank" : "");
+  else
+    out += fmt::format("model FLOPs per step {:.4g} (executed with recompute: {:.4g}){}\n", t.model_flops,
+                       t.executed_flops, p.world_size > 1 ? " per rank" : "");
   out += "lower bound on step time:\n";
   out += fmt::format("  compute         {:>10.4g} s  ({:.4g} FLOP / {} TFLOP/s)\n", t.compute_s, t.executed_flops,
                      p.hardware.peak_bf16_tflops);
   if (p.streamed) {
     out += fmt::format("  H2D             {:>10.4g} s  ({} GB/s)\n", t.h2d_s, p.hardware.pcie_h2d_gbps);
     out += fmt::format("  D2H             {:>10.4g} s  ({} GB/s)\n", t.d2h_s, p.hardware.pcie_d2h_gbps);
-    out += fmt::format("  host optimizer  {:>10.4g} s  ({} B of host memory traffic / {} GB/s)\n", t.optimizer_s,
-                       t.optimizer_bytes, p.hardware.host_dram_gbps);
+    if (lora)
+      out +=
+          fmt::format("  host optimizer  {:>10.4g} s  (none: the adapters are updated on the device)\n", t.optimizer_s);
+    else
+      out += fmt::format("  host optimizer  {:>10.4g} s  ({} B of host memory traffic / {} GB/s)\n", t.optimizer_s,
+                         t.optimizer_bytes, p.hardware.host_dram_gbps);
   }
   if (p.world_size > 1) {
     out += fmt::format("  exchange        {:>10.4g} s  ({} B on the wire / {} GB/s network{})\n", t.exchange_s,
                        p.exchange.wire_bytes, p.hardware.network_gbps,
                        p.hardware.network_gbps_assumed ? ", assumed: the profile has no network_gbps" : "");
   }
-  const char* combined = t.overlapped ? "the largest of the terms"
-                         : p.streamed ? "the sum, sync mode of the terms"
-                                      : "the sum of the terms: the all-reduce follows the backward";
+  const char* combined = t.exchange_after ? "the largest of the other terms, then the adapters' all-reduce"
+                         : t.overlapped   ? "the largest of the terms"
+                         : p.streamed     ? "the sum, sync mode of the terms"
+                                          : "the sum of the terms: the all-reduce follows the backward";
   out += fmt::format("  step >= {:.4g} s ({}), bottleneck: {}; MFU <= {:.1f} %\n", t.lower_bound_s, combined,
                      t.bottleneck, 100.0 * t.mfu_upper_bound);
   if (!p.advice.empty()) {

@@ -20,6 +20,18 @@
 // recompute; the step can be no faster than the largest of compute/peak, H2D/PCIe, D2H/PCIe and the
 // host optimizer's memory traffic/DRAM bandwidth (async), or their sum (offload.mode: sync).
 //
+// LoRA (lora.rank > 0; model/lora.h, docs/planner.md "LoRA"): the blocks are frozen. The streamed trainer's
+// store is the transfer buffer alone, holding the frozen weights in the compute dtype (HostParamStore's
+// `frozen`; no master, moments, gradient, EMA or staging, never sharded); the device keeps the two weight
+// slots and no gradient slots, the adapters (for each Linear of the blocks whose weight's name matches
+// lora.targets, down [r, in] and up [out, r], counted from the meta-device model as LoraAdapters::add
+// creates them) with fp32 weight, gradient, AdamW m and v (and EMA), and the family's own resident
+// parameters frozen in fp32 (weights only). PCIe: no downloads; the uploads of full fine-tuning's schedule,
+// less the two blocks a step finds still in the slots from the previous one (no update invalidated
+// them); no host optimizer. Model FLOPs are the LoRA wrapper's 2/3 of the family's (no weight gradients of the base);
+// the executed FLOPs keep the recompute and the attention's whole backward (input gradients) and add the
+// adapters' own.
+//
 // Data parallelism (world_size R > 1, docs/planner.md "Several ranks"): every figure is one rank's. The
 // global batch train.batch_size splits into R per-rank batches (the device plan and the FLOPs use
 // B/R); the streamed trainer shards each block's fp32 master and AdamW moments over the ranks (rank r owns
@@ -74,8 +86,11 @@ struct HostMemoryPlan {
 // Device memory, bytes (the allocator's view: what peak_device_bytes measures on a GPU).
 struct DeviceMemoryPlan {
   int64_t weight_slots = 0;               // 2 x largest block, compute dtype
-  int64_t gradient_slots = 0;             // 2 x largest block, compute dtype
+  int64_t gradient_slots = 0;             // 2 x largest block, compute dtype (LoRA: none)
   int64_t resident_state = 0;             // prologue + epilogue + caption encoder: fp32 weights, grad, m, v (+ EMA)
+                                          // (LoRA: the adapters')
+  int64_t frozen_resident = 0;            // LoRA: the family's resident parameters (resident loop: every
+                                          // parameter), frozen fp32 weights only
   int64_t checkpoints = 0;                // every block's input kept by the forward, plus the last output
   int64_t block_inputs = 0;               // shared block inputs (t_mod, text) in the compute dtype, with grads
   int64_t prologue_epilogue = 0;          // fp32 activations of the resident parts (batch, x_0, the head's graph)
@@ -83,6 +98,9 @@ struct DeviceMemoryPlan {
   int64_t recompute_workspace = 0;        // its backward's transients (3D-DSA fused: fp32 dk/dv scratch)
   int64_t recompute_saved_reference = 0;  // 3D-DSA only: the same with the grid_sample reference
   int64_t recompute_workspace_reference = 0;
+  // LoRA: of recompute_saved (and the reference's), what the adapters add: each adapted Linear's r-wide
+  // down output and its weights cast to the compute dtype, with lora.dropout its mask and dropped input.
+  int64_t lora_saved = 0;
   // The resident trainer with world_size > 1: the flat fp32 buffer of every gradient that one all-reduce
   // sums (average_gradients_over_ranks, train/distributed.h). It exists after the backward, when the activations are
   // gone, so the peak takes the larger of the two.
@@ -91,28 +109,34 @@ struct DeviceMemoryPlan {
     return checkpoints + block_inputs + prologue_epilogue + recompute_saved + recompute_workspace;
   }
   int64_t peak() const {
-    return weight_slots + gradient_slots + resident_state + std::max(activations(), gradient_all_reduce);
+    return weight_slots + gradient_slots + resident_state + frozen_resident +
+           std::max(activations(), gradient_all_reduce);
   }
   // The same with the grid_sample 3D-DSA reference (0 when there is none).
   int64_t peak_reference() const {
     if (recompute_saved_reference == 0) return 0;
     const int64_t a = activations() - recompute_saved - recompute_workspace + recompute_saved_reference +
                       recompute_workspace_reference;
-    return weight_slots + gradient_slots + resident_state + std::max(a, gradient_all_reduce);
+    return weight_slots + gradient_slots + resident_state + frozen_resident + std::max(a, gradient_all_reduce);
   }
-  // What StreamedStackTrainer reports as peak_device_bytes when the device is the CPU.
+  // What StreamedStackTrainer reports as peak_device_bytes when the device is the CPU (the parameters its
+  // optimizer holds: not the frozen ones).
   int64_t trainer_cpu_accounting() const { return weight_slots + gradient_slots + resident_state + checkpoints; }
 };
 
 struct TransferPlan {
   int64_t h2d_bytes = 0, d2h_bytes = 0;  // per optimizer step (all micro-batches)
   int64_t h2d_copies = 0, d2h_copies = 0, cache_hits = 0;
+  // The first step's uploads: h2d_bytes, except with frozen blocks (LoRA), whose later steps find the
+  // two blocks the previous step ended with still in the slots (h2d_bytes is such a step's).
+  int64_t first_step_h2d_bytes = 0;
 };
 
 // The collectives of one optimizer step of a data-parallel run (world_size > 1), per rank. Streamed
 // trainer: a reduce-scatter of every block's gradient (the exchange dtype: the compute dtype, fp32 with
 // accumulation) and an all-gather of every block's updated compute copy, on the host over Gloo; resident
-// trainer: one all-reduce of every gradient in fp32.
+// trainer: one all-reduce of every gradient in fp32. LoRA (either trainer): one all-reduce of the step's
+// adapters' fp32 gradients, nothing of the frozen blocks.
 struct ExchangePlan {
   int64_t payload_bytes = 0;  // the buffers reduced or gathered: (exchange + compute bytes) per streamed
                               // parameter; resident: 4 per trained parameter
@@ -131,6 +155,9 @@ struct TimePlan {
   std::string bottleneck;        // "compute" | "h2d" | "d2h" | "host optimizer" | "exchange"
   bool overlapped = true;        // async: the bound is the max; sync (and the resident trainer's all-reduce,
                                  // which follows its backward): the sum
+  bool exchange_after = false;   // LoRA, streamed, world_size > 1: the adapters' all-reduce follows the
+                                 // backward, so async bounds at the largest other term + the exchange
+  double lora_flops = 0.0;       // LoRA: the adapters' executed FLOPs (in executed_flops, not in model_flops)
   double mfu_upper_bound = 0.0;  // model_flops / (lower_bound_s · peak)
 };
 
@@ -151,7 +178,7 @@ struct StepPlan {
   int64_t streamed_params = 0;          // every block
   int64_t resident_params = 0;          // prologue + epilogue + caption encoder
   int64_t params_per_block = 0;         // largest block
-  int64_t sharded_params_per_rank = 0;  // streamed: rank 0's shard of every block, Σ ceil(n_b / world_size)
+  int64_t sharded_params_per_rank = 0;  // streamed: rank 0's shard of every block, Σ ceil(n_b / world_size) (LoRA: 0)
   HardwareProfile hardware;
   HostMemoryPlan host;                     // one rank's
   int64_t host_state_bytes_all_ranks = 0;  // streamed, world_size > 1: the stores of all ranks together
@@ -159,6 +186,13 @@ struct StepPlan {
   TransferPlan transfer;
   ExchangePlan exchange;
   TimePlan time;
+  // LoRA (lora.rank > 0; 0: full fine-tuning). params, streamed_params and resident_params stay the
+  // model's (all frozen); the trained parameters are the adapters.
+  int64_t lora_rank = 0;
+  double lora_alpha = 0.0;                // alpha (0 in the config: the rank)
+  std::vector<std::string> lora_targets;  // lora.targets
+  int64_t lora_adapters = 0;              // adapted Linear layers (both Wan2.2 experts' with expert both)
+  int64_t lora_params = 0;                // trained: Σ r·(in + out) over them
   // Wan2.2: the expert trained (model.wan.expert: high or low; "" for one DiT) and its boundary. The plan
   // is that expert's; the other one's state is not in host RAM.
   std::string wan_expert;
