@@ -136,9 +136,10 @@ TEST(LoraTraining, StreamedEqualsResidentAndTheBaseStaysFrozen) {
   }
 }
 
-// The property: a streamed LoRA step moves the same H2D bytes as full fine-tuning's step of the same model
-// (the same block schedule) and no D2H bytes; the host holds the blocks' weights only (bf16: 2 B a
-// parameter, against full fine-tuning's 14), the device no gradient slots.
+// The property: a streamed LoRA run's first step moves the same H2D bytes as full fine-tuning's first step of
+// the same model (the same block schedule), a later step two blocks' fewer (blocks 1 and 0 are still in the
+// slots from the step before: no update invalidated them), and no D2H bytes; the host holds the blocks'
+// weights only (bf16: 2 B a parameter, against full fine-tuning's 14), the device no gradient slots.
 TEST(LoraTraining, StreamedBaseMovesHostToDeviceOnly) {
   auto lora_config = tiny_config({"offload.compute_dtype=bf16", "offload.emulated_copy_delay_ms=0"});
   auto full_config = lora_config;
@@ -148,6 +149,11 @@ TEST(LoraTraining, StreamedBaseMovesHostToDeviceOnly) {
   EXPECT_EQ(a.h2d_bytes, b.h2d_bytes);
   EXPECT_EQ(a.d2h_bytes, 0);
   EXPECT_GT(b.d2h_bytes, 0);
+  const auto a2 = lora.step(), b2 = full.step();
+  const auto& blocks = lora.engine()->store();
+  EXPECT_EQ(b2.h2d_bytes, b.h2d_bytes);
+  EXPECT_EQ(a2.h2d_bytes, a.h2d_bytes - 2 * (blocks.block_numel(0) + blocks.block_numel(1)));
+  EXPECT_EQ(a2.d2h_bytes, 0);
   const auto report = lora.engine()->store().memory_report();
   EXPECT_TRUE(report.frozen);
   EXPECT_EQ(report.total_bytes(), 2 * report.num_params);
