@@ -6,7 +6,11 @@
 //     block recomputed in the backward), the same host optimizer (CpuAdamW on the same flat fp32
 //     master/m/v buffers, right after each block's backward) and the same resident prologue/epilogue
 //     with LibTorch's AdamW, but no copies: the blocks' parameters are the host buffers themselves.
-// So streamed_vs_resident_step_ratio is what the slots, the copies and the scheduling cost.
+// So streamed_vs_resident_step_ratio is what the slots, the copies and the scheduling cost. A fourth
+// trainer, LoRA (lora.rank 16 on every Linear of the blocks) on the same streamed model, steps beside them:
+// lora_vs_full_step_ratio is its step against the full fine-tuning step (async), with its bytes each way
+// (H2D as full fine-tuning's, no D2H); a fifth, the same LoRA on an fp8 base (lora.base_dtype fp8), gives
+// fp8_vs_compute_upload_ratio: its H2D bytes against the LoRA's (fp32 compute here: 1/4; bf16 blocks: 1/2).
 // Bytes per step are checked against DESIGN.md §6: 2·P·e bytes up for the forward and 2·P·e for the
 // recompute (e = bytes per compute element), less the two blocks the backward finds still in the
 // slots; P·e bytes of gradient down. The last line is one JSON object.
@@ -182,15 +186,28 @@ int main(int argc, char** argv) {
   auto sync_config = config;
   sync_config.offload.mode = "sync";
 
+  auto lora_config = config;
+  lora_config.lora.rank = 16;
   Trainer async_trainer = make_trainer(config), sync_trainer = make_trainer(sync_config);  // offload.enabled: true
+  Trainer lora_trainer = make_trainer(lora_config);
+  auto fp8_config = lora_config;
+  fp8_config.lora.base_dtype = "fp8";
+  Trainer fp8_trainer = make_trainer(fp8_config);
   ResidentCheckpointed resident(config, optimizer_threads);
-  std::vector<double> t_async, t_sync, t_resident, exposed;
-  int64_t h2d = 0, d2h = 0;
+  std::vector<double> t_async, t_sync, t_resident, t_lora, t_fp8, exposed;
+  int64_t h2d = 0, d2h = 0, lora_h2d = 0, lora_d2h = 0, fp8_h2d = 0;
   for (int64_t i = 0; i < steps + 2; ++i) {  // the first two steps warm up
     auto a = async_trainer.step();
     auto s = sync_trainer.step();
     const double r = resident.step();
+    auto l = lora_trainer.step();
+    auto f = fp8_trainer.step();
     if (i < 2) continue;
+    t_fp8.push_back(f.step_time_s);
+    fp8_h2d = f.h2d_bytes;
+    t_lora.push_back(l.step_time_s);
+    lora_h2d = l.h2d_bytes;
+    lora_d2h = l.d2h_bytes;
     t_async.push_back(a.step_time_s);
     t_sync.push_back(s.step_time_s);
     t_resident.push_back(r);
@@ -224,14 +241,27 @@ int main(int argc, char** argv) {
               static_cast<long long>(h2d), h2d_model, h2d / h2d_model, static_cast<long long>(2 * P * e));
   std::printf("  D2H %lld B/step vs model %.0f B (%.4fx); max blocks on the device at once: %lld\n",
               static_cast<long long>(d2h), d2h_model, d2h / d2h_model, static_cast<long long>(slots));
+  const double lora_ratio = median(t_lora) / median(t_async);
+  std::printf(
+      "  LoRA rank 16, streamed async     %8.1f ms/step  (%.3fx the full fine-tuning step; %lld trained params; "
+      "H2D %lld B, D2H %lld B)\n",
+      median(t_lora) * 1e3, lora_ratio, static_cast<long long>(lora_trainer.parameter_count()),
+      static_cast<long long>(lora_h2d), static_cast<long long>(lora_d2h));
+  const double fp8_ratio = static_cast<double>(fp8_h2d) / static_cast<double>(lora_h2d);
+  std::printf("  LoRA on an fp8 base              %8.1f ms/step  (H2D %lld B: %.4fx the fp32 blocks' bytes)\n",
+              median(t_fp8) * 1e3, static_cast<long long>(fp8_h2d), fp8_ratio);
   std::printf(
       "{\"bench\":\"streamer\",\"layers\":%lld,\"hidden\":%lld,\"streamed_params\":%lld,\"resident_step_ms\":%.3f,"
       "\"async_step_ms\":%.3f,\"sync_step_ms\":%.3f,\"streamed_vs_resident_step_ratio\":%.4f,"
       "\"sync_vs_resident_step_ratio\":%.4f,\"exposed_transfer_ms\":%.3f,\"h2d_bytes\":%lld,\"h2d_bytes_model\":%.0f,"
-      "\"h2d_bytes_vs_model\":%.4f,\"d2h_bytes\":%lld,\"d2h_bytes_vs_model\":%.4f,\"max_device_weight_slots\":%lld}\n",
+      "\"h2d_bytes_vs_model\":%.4f,\"d2h_bytes\":%lld,\"d2h_bytes_vs_model\":%.4f,\"max_device_weight_slots\":%lld,"
+      "\"lora_step_ms\":%.3f,\"lora_vs_full_step_ratio\":%.4f,\"lora_h2d_bytes\":%lld,\"lora_d2h_bytes\":%lld,"
+      "\"fp8_lora_step_ms\":%.3f,\"fp8_h2d_bytes\":%lld,\"fp8_vs_compute_upload_ratio\":%.4f}\n",
       static_cast<long long>(layers), static_cast<long long>(hidden), static_cast<long long>(P),
       median(t_resident) * 1e3, median(t_async) * 1e3, median(t_sync) * 1e3, ratio, median(t_sync) / median(t_resident),
       median(exposed) * 1e3, static_cast<long long>(h2d), h2d_model, h2d / h2d_model, static_cast<long long>(d2h),
-      d2h / d2h_model, static_cast<long long>(slots));
+      d2h / d2h_model, static_cast<long long>(slots), median(t_lora) * 1e3, lora_ratio,
+      static_cast<long long>(lora_h2d), static_cast<long long>(lora_d2h), median(t_fp8) * 1e3,
+      static_cast<long long>(fp8_h2d), fp8_ratio);
   return 0;
 }

@@ -12,8 +12,9 @@
 #   3. one compute-sanitizer memcheck pass over the 3D-DSA CUDA tests;
 #   4. the streamed trainer a few steps: async bf16 with a Chrome trace (clipped: deferred updates),
 #      async bf16 with grad_clip 0 (immediate updates), sync bf16, async fp32 beside the resident fp32 loop
-#      (the same arithmetic, so their ratio is the streaming's cost); each run's figures are the median of
-#      its steps 2-4 (step 1 warms up; the traced step is step 5 and not among them);
+#      (the same arithmetic, so their ratio is the streaming's cost), LoRA rank 16 on the frozen base with
+#      bf16 and with fp8 blocks (upcast on the GPU); each run's figures are the median of its steps 2-4
+#      (step 1 warms up; the traced step is step 5 and not among them);
 #   5. bench_dsa3d --cuda (3D-DSA against flash SDPA); a one-rank NCCL run against a plain one;
 #      the AVX-512 CpuAdamW tests and bench_cpu_adamw on that machine's CPU;
 #   6. every figure as one JSON file. Exits non-zero when any stage fails; later stages still run.
@@ -183,10 +184,13 @@ trainer_runs() {
   run sync --set offload.mode=sync --set offload.compute_dtype=bf16
   run async-fp32 --set offload.mode=async --set offload.compute_dtype=fp32
   run resident --set offload.enabled=false
+  # LoRA on the frozen, streamed base (H2D only; docs/lora.md), bf16 blocks and fp8 blocks upcast on the GPU.
+  run lora --set offload.mode=async --set offload.compute_dtype=bf16 --set lora.rank=16
+  run lora-fp8 --set offload.mode=async --set offload.compute_dtype=bf16 --set lora.rank=16 --set lora.base_dtype=fp8
   return $rc
 }
 export -f trainer_runs
-[ "$built" = true ] && stage trainer 150 75 trainer_runs
+[ "$built" = true ] && stage trainer 190 75 trainer_runs
 
 # 5. 3D-DSA against flash SDPA (CUDA events) ------------------------------------------------------------
 dsa3d_bench() { need_gpu || return 1; "$build/bin/bench_dsa3d" --cuda --reps 5 | tee "$out/bench_dsa3d.txt"; }

@@ -78,7 +78,7 @@ report = {
 FIELDS = ["step_time_s", "h2d_bytes", "d2h_bytes", "exposed_transfer_s", "optimizer_wait_s", "optimizer_s",
           "peak_device_bytes", "mfu", "tokens_per_s"]
 trainer = {}
-for run in ["async", "async-noclip", "sync", "async-fp32", "resident"]:
+for run in ["async", "async-noclip", "sync", "async-fp32", "resident", "lora", "lora-fp8"]:
     rows = metrics(f"run-{run}")
     window = [r for r in rows if 2 <= r.get("step", 0) <= 4]
     if not window:
@@ -104,7 +104,13 @@ def ratio(a, b):
 trainer["ratios"] = {"async_fp32_vs_resident_fp32": ratio("async-fp32", "resident"),
                      "async_bf16_vs_async_fp32": ratio("async", "async-fp32"),
                      "sync_bf16_vs_async_bf16": ratio("sync", "async"),
-                     "immediate_vs_deferred_updates": ratio("async-noclip", "async")}
+                     "immediate_vs_deferred_updates": ratio("async-noclip", "async"),
+                     # LoRA (rank 16) on the same model, its base frozen and streamed H2D only: its step
+                     # against full fine-tuning's (async bf16), and an fp8 base's against a bf16 base's.
+                     "lora_vs_full_step": ratio("lora", "async"),
+                     "lora_fp8_vs_bf16_base_step": ratio("lora-fp8", "lora")}
+if "lora" in trainer and "lora-fp8" in trainer and trainer["lora"]["h2d_bytes"]:
+    trainer["ratios"]["lora_fp8_vs_bf16_h2d_bytes"] = trainer["lora-fp8"]["h2d_bytes"] / trainer["lora"]["h2d_bytes"]
 # From the trace of step 5: how long each stream was busy, the H2D rate while copying, the span.
 try:
     events = [e for e in json.load(open(path("trace-async.json")))["traceEvents"] if e.get("ph") == "X"]
