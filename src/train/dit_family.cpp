@@ -143,7 +143,10 @@ class DiTModel final : public FamilyModel {
         snapshot_text_ = TextEncoder(
             TextEncoderOptions(CaptionTokenizer().vocab_size(), config_.model.text_dim, config_.data.max_text_tokens));
     }
-    copy_weights_to(trainer.weight_views(), snapshot_dit_, snapshot_text_);
+    // A LoRA run: the frozen model with the adapters' updates merged (fp32).
+    copy_weights_to(config_.lora.rank > 0 ? trainer.merged_lora_weights(trainer.weight_views(), at::kFloat)
+                                          : trainer.weight_views(),
+                    snapshot_dit_, snapshot_text_);
     return write_validation_samples(folder, config_, snapshot_dit_, snapshot_text_, validation_, batches_.frozen());
   }
   void write_weights(const std::string& path, const io::NamedTensors& weights) override {
@@ -181,15 +184,7 @@ class DiTModel final : public FamilyModel {
 class DiTFamily final : public ModelFamily {
  public:
   std::string name() const override { return "DiT"; }
-  RunConfig resolve(const RunConfig& config, const std::string& source) const override {
-    // A streamed run's validation videos come from a CPU copy of the masters, which a LoRA run has none of.
-    if (config.lora.rank > 0 && config.offload.enabled && config.train.sample_every > 0)
-      throw ConfigError(source, "train.sample_every",
-                        "is " + std::to_string(config.train.sample_every) +
-                            ": the DiT family's streamed LoRA runs write no validation videos yet; set it to 0, or "
-                            "train resident (offload.enabled: false)");
-    return config;
-  }
+  RunConfig resolve(const RunConfig& config, const std::string& /*source*/) const override { return config; }
   std::unique_ptr<FamilyModel> make_model(const ModelRequest& request) const override {
     return std::make_unique<DiTModel>(request);
   }

@@ -10,6 +10,7 @@
 #include <limits>
 #include <map>
 
+#include "megaslide/io/files.h"
 #include "megaslide/io/fp8.h"
 #include "megaslide/model/lora.h"
 #include "megaslide/offload/stack_trainer.h"
@@ -55,6 +56,29 @@ std::vector<at::Tensor> tensors_of(const io::NamedTensors& named) {
   out.reserve(named.size());
   for (const auto& [name, p] : named) out.push_back(p);
   return out;
+}
+
+// A LoRA run's train.init_from: true when `path` holds adapters (a LoRA file in any layout, or a LoRA run's
+// folder or checkpoint), false when it holds a model's weights (the frozen base starts from them). Unreadable
+// sources count as adapters' (the adapters' reader then names what is wrong).
+bool init_from_holds_adapters(const std::string& path) {
+  std::string file = path;
+  try {
+    if (io::is_directory(path)) {
+      const std::string checkpoint =
+          io::path_exists(io::join_path(path, "checkpoints")) ? latest_checkpoint(path) : path;
+      file = io::join_path(checkpoint, "master.safetensors");
+    }
+    for (const auto& e : io::read_safetensors_header(file).entries)
+      for (const char* suffix : {".lora_A.weight", ".lora_B.weight", ".lora_down.weight", ".lora_up.weight"}) {
+        const std::string tail(suffix);
+        if (e.name.size() > tail.size() && e.name.compare(e.name.size() - tail.size(), tail.size(), tail) == 0)
+          return true;
+      }
+    return false;
+  } catch (const std::exception&) {
+    return true;
+  }
 }
 
 }  // namespace
@@ -107,10 +131,13 @@ Trainer::Trainer(const TrainerRequest& request)
       init_plan_ = plan_init_from(config_.train.init_from, shapes, allow);
       return init_plan_;
     };
-  if (config_.lora.rank > 0) {  // the family's model as for full fine-tuning, frozen; init_from starts the adapters
-    ModelRequest base = m;
-    base.init_from = nullptr;
-    model_ = with_lora(model_family(config_.model.arch).make_model(base), m);
+  if (config_.lora.rank > 0) {
+    // The family's model as for full fine-tuning, then frozen. train.init_from starts the adapters when it
+    // holds adapters, else the frozen model (the DiT family's pretrained weights, a full fine-tune of Wan).
+    ModelRequest base = m, adapters = m;
+    if (m.init_from && init_from_holds_adapters(config_.train.init_from)) base.init_from = nullptr;
+    else adapters.init_from = nullptr;
+    model_ = with_lora(model_family(config_.model.arch).make_model(base), adapters);
   } else {
     model_ = model_family(config_.model.arch).make_model(m);
   }
@@ -308,7 +335,7 @@ io::NamedTensors Trainer::weight_views() {
   return out;
 }
 
-io::NamedTensors Trainer::merged_lora_weights(const io::NamedTensors& adapters) {
+io::NamedTensors Trainer::merged_lora_weights(const io::NamedTensors& adapters, at::ScalarType dtype) {
   if (config_.lora.rank <= 0) throw std::logic_error("Trainer::merged_lora_weights: the run trains no LoRA");
   synchronize();
   // The frozen blocks' values as the host store keeps them (streamed), by name.
@@ -347,7 +374,7 @@ io::NamedTensors Trainer::merged_lora_weights(const io::NamedTensors& adapters) 
       w = w + at::matmul(h->second.second, h->second.first) * scale;
       ++merged;
     }
-    out.emplace_back(name, w.to(torch::kBFloat16));
+    out.emplace_back(name, w.to(dtype));
   }
   TORCH_CHECK(merged == halves.size(), "Trainer::merged_lora_weights: ", halves.size() - merged,
               " adapters adapt no weight of the model");

@@ -131,11 +131,10 @@ class Trainer {
   // The family's weights file of `weights`, named as training_state() names the parameters (the EMA).
   void write_weights(const std::string& path, const io::NamedTensors& weights) { model_->write_weights(path, weights); }
   // LoRA (lora.rank > 0): the frozen model's weights with `adapters`' updates merged in (W + (alpha / r) ·
-  // up · down, in fp32, then rounded to bf16), named as full fine-tuning names them — the streamed blocks'
+  // up · down, in fp32, then cast to `dtype`), named as full fine-tuning names them — the streamed blocks'
   // from the host store (fp8: upcast). Adapters as weight_views() names them (the current ones, or the EMA's).
-  // Holds 2 B per parameter of host RAM until the caller drops it. Throws std::logic_error for a run without
-  // LoRA.
-  io::NamedTensors merged_lora_weights(const io::NamedTensors& adapters);
+  // CPU tensors the caller owns (bf16: 2 B per parameter). Throws std::logic_error for a run without LoRA.
+  io::NamedTensors merged_lora_weights(const io::NamedTensors& adapters, at::ScalarType dtype = at::kBFloat16);
   // The family's full weights file (diffusers' layout for Wan) of merged_lora_weights.
   void write_base_weights(const std::string& path, const io::NamedTensors& weights) {
     model_->base().write_weights(path, weights);
