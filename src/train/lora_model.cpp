@@ -247,7 +247,7 @@ std::vector<std::string> save_lora_weights(const std::string& path, const RunCon
     throw std::invalid_argument(std::string("the ") + to_string(layout) +
                                 " LoRA layout names Wan's original weights; model.arch " +
                                 to_string(config.model.arch) + " writes diffusers' layout");
-  const double alpha = config.lora.alpha > 0 ? config.lora.alpha : static_cast<double>(config.lora.rank);
+  const double alpha = LoraOptions::from_config(config.lora).alpha_or_rank();
   std::map<std::string, LoraAdapter> adapters;  // by the adapted weight's name
   for (const auto& [name, t] : weights) {
     char half = 0;

@@ -354,8 +354,7 @@ io::NamedTensors Trainer::merged_lora_weights(const io::NamedTensors& adapters, 
       }
     }
   }
-  const double scale = (config_.lora.alpha > 0 ? config_.lora.alpha : static_cast<double>(config_.lora.rank)) /
-                       static_cast<double>(config_.lora.rank);
+  const double scale = LoraOptions::from_config(config_.lora).scale();
   std::map<std::string, std::pair<at::Tensor, at::Tensor>> halves;  // adapted weight -> (down, up)
   for (const auto& [name, t] : adapters) {
     char half = 0;
