@@ -337,11 +337,30 @@ TEST(LoraTraining, BadSettingsAreNamed) {
       [] { wan_trainer(tiny_config({"optimizer.state_dtype=int8"}), tiny_data()); }, {"optimizer.state_dtype"});
   const auto dir = temp_dir("bad");
   megaslide::WanLora lora;
-  lora.adapters["blocks.0.attn1.to_q.weight"] = {torch::zeros({2, 24}), torch::zeros({24, 2}), 2.0};
+  auto& q = lora.adapters["blocks.0.attn1.to_q.weight"];
+  q.down = torch::zeros({2, 24});
+  q.up = torch::zeros({24, 2});
+  q.alpha = 2.0;
   megaslide::save_wan_lora(dir + "/rank2.safetensors", lora, megaslide::LoraLayout::kDiffusers);
   expect_error_naming<megaslide::InitFromError>(
       [&] { wan_trainer(tiny_config({"train.init_from=" + dir + "/rank2.safetensors"}), tiny_data()); },
       {"rank2.safetensors", "blocks.0.attn1.to_q.weight", "rank 2", "missing"});
+  // LoKr: no input dropout, PEFT's initialisation only, a factor of 0; a LoKr file for LoRA adapters.
+  const std::vector<std::string> lokr = {"lora.type=lokr", "lora.rank=3"};
+  for (const auto& [setting, key] :
+       std::vector<std::pair<std::string, std::string>>{{"lora.dropout=0.1", "lora.dropout"},
+                                                        {"lora.init=gaussian", "lora.init"},
+                                                        {"lora.factor=0", "lora.factor"}}) {
+    auto overrides = lokr;
+    overrides.push_back(setting);
+    expect_error_naming<megaslide::ConfigError>([&] { tiny_config(overrides); }, {key});
+  }
+  const std::string peft_lokr = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/wan_lokr/lokr.safetensors";
+  expect_error_naming<megaslide::InitFromError>(
+      [&] {
+        wan_trainer(tiny_config({"model.wan.layers=2", "train.init_from=" + peft_lokr}), tiny_data());
+      },
+      {"lokr.safetensors", "blocks.0.attn1.to_q.weight", "LoKr", "lora.type lora"});
   megaslide::io::remove_tree(dir);
 }
 
@@ -618,5 +637,166 @@ lora: {rank: 2, alpha: 4}
   std::cout << "streamed against resident: " << worst << " grey levels; trained against base: " << moved << "\n";
   EXPECT_LE(worst, 2.0);
   EXPECT_GT(moved, 2.0);
+  megaslide::io::remove_tree(dir);
+}
+
+// The property: LoKr (lora.type lokr; r 3 on the tiny Wan: the attention's W2 whole, the FFN's as two factors)
+// trains through the same wrapper — streamed == resident within 1e-5 over 4 steps (fp32), W1 starts at zero and
+// moves, the base moves H2D only — and a bf16 run's checkpoint resumes bit-exactly.
+TEST(LoraTraining, LokrStreamedEqualsResidentAndResumesBitExactly) {
+  const std::vector<std::string> lokr = {"lora.type=lokr", "lora.rank=3", "lora.alpha=5"};
+  auto streamed_config = tiny_config(lokr);
+  auto resident_config = streamed_config;
+  resident_config.offload.enabled = false;
+  Trainer streamed = wan_trainer(streamed_config, tiny_data()), resident = wan_trainer(resident_config, tiny_data());
+  const auto initial = copies(streamed.master_weights());
+  ASSERT_EQ(initial.size(), 3u * 22u) << "a block's 8 attention projections (w1, w2), its FFN's 2 (w1, w2_a, w2_b)";
+  EXPECT_EQ(initial[0].first, "blocks.0.attn1.to_q.lokr_w1");
+  EXPECT_EQ(initial[1].first, "blocks.0.attn1.to_q.lokr_w2");
+  EXPECT_EQ(initial[0].second.sizes(), torch::IntArrayRef({4, 4}));
+  EXPECT_EQ(initial[0].second.abs().max().item<double>(), 0.0) << "W1 starts at zero";
+  EXPECT_EQ(max_difference(streamed.master_weights(), resident.master_weights()), 0.0) << "the same adapters";
+  double worst = 0.0;
+  for (int s = 0; s < 4; ++s) {
+    const auto a = streamed.step(), b = resident.step();
+    EXPECT_NEAR(a.loss, b.loss, 1e-5 * std::abs(b.loss)) << "step " << s;
+    EXPECT_EQ(a.d2h_bytes, 0);
+    worst = std::max(worst, max_difference(streamed.master_weights(), resident.master_weights()));
+  }
+  std::cout << "LoKr: largest adapter difference over 4 steps " << worst << "\n";
+  EXPECT_LT(worst, 1e-5);
+  EXPECT_GT(streamed.master_weights()[0].second.abs().max().item<double>(), 0.0) << "W1 trained";
+
+  auto config = tiny_config({"lora.type=lokr", "lora.rank=3", "offload.compute_dtype=bf16"});
+  const auto dir = temp_dir("lokr-resume");
+  std::vector<double> losses;
+  megaslide::io::NamedTensors after;
+  {
+    Trainer trainer = wan_trainer(config, tiny_data());
+    for (int s = 0; s < 5; ++s) {
+      losses.push_back(trainer.step().loss);
+      if (s == 1) megaslide::save_checkpoint(dir, config, trainer.training_state());
+    }
+    after = copies(trainer.master_weights());
+  }
+  Trainer resumed = wan_trainer(config, tiny_data());
+  auto state = resumed.training_state();
+  megaslide::load_checkpoint(megaslide::latest_checkpoint(dir), config, state);
+  resumed.load_training_state(state);
+  for (int s = 2; s < 5; ++s) EXPECT_EQ(resumed.step().loss, losses[static_cast<size_t>(s)]) << "step " << s + 1;
+  EXPECT_EQ(max_difference(after, resumed.master_weights()), 0.0);
+  megaslide::io::remove_tree(dir);
+}
+
+// The property (tests/fixtures/wan_lokr): PEFT's LoKr file starts a LoKr run's adapters (train.init_from, alpha 7
+// against the file's 5: W1 rescaled) so that the model computes PEFT's output within 1e-5 (fp32); the run's
+// exported LoKr files (diffusers' layout, and ComfyUI's with LyCORIS' scale), merged into the base, give the
+// trained model's output within 1e-5, and --export-merged writes base + ΔW.
+TEST(LoraTraining, PeftLokrStartsARunWhoseExportsAreTheTrainedModel) {
+  const std::string fixtures = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures";
+  std::map<std::string, torch::Tensor> r;
+  for (auto& [name, t] : megaslide::io::read_safetensors(fixtures + "/wan_lokr/reference.safetensors").tensors)
+    r[name] = t;
+  const auto dir = temp_dir("lokr-export");
+  const auto config = megaslide::load_run_config(
+      fixtures + "/trained_lora/run.yaml",
+      {"model.wan.weights=" + fixtures + "/wan/a/diffusers",
+       "data.tensors=" + fixtures + "/trained_lora/data.safetensors", "output.run_dir=" + dir + "/run",
+       "lora.type=lokr", "lora.rank=3", "lora.alpha=7", "train.steps=2", "train.checkpoint_every=2",
+       "train.init_from=" + fixtures + "/wan_lokr/lokr.safetensors"});
+  const double scale = std::max(1.0, r.at("out_lokr").abs().max().item<double>());
+  {
+    Trainer started = megaslide::make_trainer(config);
+    auto& dit = megaslide::wan_module(started);
+    dit->eval();
+    torch::NoGradGuard no_grad;
+    const double error =
+        (dit->forward(r.at("x"), r.at("timesteps"), r.at("text")) - r.at("out_lokr")).abs().max().item<double>() /
+        scale;
+    std::cout << "LoKr adapters from PEFT's file against PEFT's output: " << error << "\n";
+    EXPECT_LT(error, 1e-5);
+  }
+  megaslide::TrainingRunOptions options;
+  options.export_weights = dir + "/lokr.safetensors";
+  megaslide::run_training(config, options);
+  options.export_weights = dir + "/lokr-comfy.safetensors";
+  options.export_layout = megaslide::WanWeightsLayout::kComfyUI;
+  options.resume = "latest";
+  megaslide::run_training(config, options);
+  options.export_weights.clear();
+  options.export_layout = megaslide::WanWeightsLayout::kDiffusers;
+  options.export_merged = dir + "/merged.safetensors";
+  megaslide::run_training(config, options);
+
+  auto from_run = config;
+  from_run.train.init_from = dir + "/run";
+  Trainer trained = megaslide::make_trainer(from_run);
+  auto& dit = megaslide::wan_module(trained);
+  dit->eval();
+  torch::NoGradGuard no_grad;
+  const auto expected = dit->forward(r.at("x"), r.at("timesteps"), r.at("text"));
+  EXPECT_GT((expected - r.at("out_lokr")).abs().max().item<double>(), 1e-4) << "two steps moved the adapters";
+  std::vector<std::string> names;
+  for (const auto& p : dit->named_parameters(true)) names.push_back(p.key());
+  for (const std::string file : {"lokr.safetensors", "lokr-comfy.safetensors"}) {
+    SCOPED_TRACE(file);
+    const auto lora = megaslide::read_wan_lora(dir + "/" + file, names);
+    ASSERT_EQ(lora.adapters.size(), 20u);
+    megaslide::WanTransformer merged(megaslide::WanOptions::from_config(trained.config()));
+    for (const auto& p : dit->named_parameters(true)) merged->named_parameters(true)[p.key()].copy_(p.value());
+    EXPECT_EQ(megaslide::merge_wan_lora(*merged, lora), 20);
+    merged->eval();
+    const double worst =
+        (merged->forward(r.at("x"), r.at("timesteps"), r.at("text")) - expected).abs().max().item<double>() / scale;
+    std::cout << file << ": merged against the adapted output " << worst << "\n";
+    EXPECT_LT(worst, 1e-5);
+  }
+  const auto merged = megaslide::WanWeights::open(dir + "/merged.safetensors");
+  const auto lora = megaslide::read_wan_lora(dir + "/lokr.safetensors", names);
+  for (const auto& p : dit->named_parameters(true)) {
+    auto expected_weight = p.value().to(torch::kFloat32);
+    const auto it = lora.adapters.find(p.key());
+    if (it != lora.adapters.end()) expected_weight = expected_weight + it->second.delta();
+    EXPECT_TRUE(torch::equal(merged.read(p.key(), torch::kBFloat16), expected_weight.to(torch::kBFloat16)))
+        << p.key() << ": W + ΔW in bf16, rounded once";
+  }
+  megaslide::io::remove_tree(dir);
+}
+
+// The property: LoRA with fp16 compute goes through the streamed trainer's loss scaling: a scale that overflows
+// the fp16 gradients skips the step — the adapters keep every bit, the scale halves — and a run with the default
+// scale resumes from its checkpoint bit-exactly (losses and adapters; the scaler's state restored).
+TEST(LoraTraining, Fp16LossScalingSkipsOverflowsAndResumesBitExactly) {
+  {
+    Trainer t = wan_trainer(tiny_config({"offload.compute_dtype=fp16", "train.loss_scale_init=1e30"}), tiny_data());
+    const auto before = copies(t.master_weights());
+    const double scale = t.engine()->loss_scale();
+    const auto m = t.step();
+    EXPECT_TRUE(m.skipped) << "gradients times 1e30 overflow fp16";
+    EXPECT_EQ(t.engine()->loss_scale(), scale / 2);
+    EXPECT_EQ(max_difference(before, t.master_weights()), 0.0) << "a skipped step changes no adapter";
+  }
+  auto config = tiny_config({"offload.compute_dtype=fp16"});
+  const auto dir = temp_dir("fp16-resume");
+  std::vector<double> losses;
+  megaslide::io::NamedTensors after;
+  int taken = 0;
+  {
+    Trainer trainer = wan_trainer(config, tiny_data());
+    for (int s = 0; s < 6; ++s) {
+      const auto m = trainer.step();
+      losses.push_back(m.loss);
+      taken += m.skipped ? 0 : 1;
+      if (s == 2) megaslide::save_checkpoint(dir, config, trainer.training_state());
+    }
+    after = copies(trainer.master_weights());
+  }
+  EXPECT_GT(taken, 0) << "the default scale lets steps through";
+  Trainer resumed = wan_trainer(config, tiny_data());
+  auto state = resumed.training_state();
+  megaslide::load_checkpoint(megaslide::latest_checkpoint(dir), config, state);
+  resumed.load_training_state(state);
+  for (int s = 3; s < 6; ++s) EXPECT_EQ(resumed.step().loss, losses[static_cast<size_t>(s)]) << "step " << s + 1;
+  EXPECT_EQ(max_difference(after, resumed.master_weights()), 0.0);
   megaslide::io::remove_tree(dir);
 }

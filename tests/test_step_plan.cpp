@@ -9,9 +9,11 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <set>
 #include <tuple>
 
 #include "megaslide/io/files.h"
+#include "megaslide/model/lora.h"
 #include "megaslide/model/dit.h"
 #include "megaslide/model/wan_weights.h"
 #include "trainers.h"
@@ -563,13 +565,14 @@ TEST(StepPlan, Wan21ConfigsAt480p) {
 }
 
 // Property: a LoRA plan's exact parts are what the streamed Trainer with lora.rank > 0 allocates and moves
-// (its engine's frozen mode) — the trained parameters are the adapters (two tensors per adapted Linear, the
-// plan's count of the Linear layers lora.targets matches), the store is the frozen weights alone (no
+// (its engine's frozen mode) — the trained parameters are the adapters (LoRA's or LoKr's, whose W2 is whole or
+// two factors; the plan's count of the Linear layers lora.targets matches), the store is the frozen weights alone (no
 // master, moments, gradient, EMA), no gradient slots, no downloads, the uploads of the first step and of the
 // later ones (which find two blocks still in the slots: nothing updated them), and the trainer's own device
 // accounting (weight slots, adapters' state, checkpoints) — for the
-// DiT family (every architecture, bf16/fp32 compute, accumulation, a subset of targets, dropout with an EMA)
-// and Wan (dense, 3D-DSA, attn1 only, two micro-batches). The modelled peak exceeds that accounting.
+// DiT family (every architecture, bf16/fp32 compute, accumulation, a subset of targets, dropout with an EMA,
+// LoKr) and Wan (dense, 3D-DSA, attn1 only, two micro-batches, LoKr with the default factors and factor 4). The
+// modelled peak exceeds that accounting.
 TEST(StepPlan, LoraMatchesWhatTheStreamedTrainerMeasures) {
   const std::vector<std::vector<std::string>> dit_variants{
       {"lora.rank=4"},
@@ -578,11 +581,14 @@ TEST(StepPlan, LoraMatchesWhatTheStreamedTrainerMeasures) {
       {"lora.rank=3", "lora.targets=[blocks.*.mlp.*]", "train.grad_clip=0"},
       {"lora.rank=4", "lora.dropout=0.25", "train.ema_decay=0.99"},
       {"lora.rank=2", "model.arch=dense3d"},
-      {"lora.rank=2", "model.arch=swin", "model.layers=1"}};
+      {"lora.rank=2", "model.arch=swin", "model.layers=1"},
+      {"lora.type=lokr", "lora.rank=3"}};
   const std::vector<std::vector<std::string>> wan_variants{{"lora.rank=4"},
                                                            {"lora.rank=4", "model.self_attention=dsa3d"},
                                                            {"lora.rank=2", "lora.targets=[blocks.*.attn1.*]"},
-                                                           {"lora.rank=4", "train.grad_accum_steps=2"}};
+                                                           {"lora.rank=4", "train.grad_accum_steps=2"},
+                                                           {"lora.type=lokr", "lora.rank=3"},
+                                                           {"lora.type=lokr", "lora.rank=1", "lora.factor=4"}};
   for (const bool wan : {false, true}) {
     for (const auto& v : wan ? wan_variants : dit_variants) {
       const auto config = wan ? tiny_wan(v) : tiny_run(v);
@@ -599,7 +605,9 @@ TEST(StepPlan, LoraMatchesWhatTheStreamedTrainerMeasures) {
       ASSERT_TRUE(trainer.streams()) << name;
       auto& engine = *trainer.engine();
       EXPECT_EQ(p.lora_params, engine.resident_parameter_count()) << name;
-      EXPECT_EQ(2 * p.lora_adapters, static_cast<int64_t>(trainer.weight_views().size())) << name;
+      std::set<std::string> adapted;  // LoRA's two tensors, LoKr's two or three, per adapted weight
+      for (const auto& [tensor, t] : trainer.weight_views()) adapted.insert(megaslide::lora_base_weight(tensor));
+      EXPECT_EQ(p.lora_adapters, static_cast<int64_t>(adapted.size())) << name;
       EXPECT_EQ(p.streamed_params, engine.streamed_parameter_count()) << name;
       const auto report = engine.store().memory_report();
       EXPECT_TRUE(report.frozen) << name;

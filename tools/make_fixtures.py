@@ -1881,6 +1881,65 @@ def section_wan_lora(out_dir):
     print(f"  {len(lora)} LoRA tensors")
 
 
+def section_wan_lokr(out_dir):
+    """PEFT LoKr adapters (LoKrConfig, inject_adapter_in_model) on the wan fixture's model "a", every tensor drawn
+    (PEFT starts W1 at zero), saved as WanPipeline.save_lora_weights saves adapters (diffusers' names, PEFT's config in
+    the metadata), and the DiT's output with each:
+
+    lokr.safetensors             r 3, alpha 5, the default factorization: the attention's W1 and W2 whole, the FFN's
+                                 W2 as lokr_w2_a · lokr_w2_b;
+    lokr_decomposed.safetensors  r 3, alpha 4, decompose_factor 4, decompose_both, rank_pattern {to_q: 1} (to_q's W1 and
+                                 W2 both as two factors), alpha_pattern {ffn.net.2: 2.5}."""
+    import diffusers
+    import peft
+    import torch
+    from diffusers import WanPipeline, WanTransformer3DModel
+    from peft import LoKrConfig, inject_adapter_in_model
+    from peft.utils import get_peft_model_state_dict
+    from safetensors import safe_open
+
+    targets = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
+    configs = {
+        "lokr": LoKrConfig(r=3, alpha=5, target_modules=targets),
+        "lokr_decomposed": LoKrConfig(r=3, alpha=4, target_modules=targets, decompose_factor=4, decompose_both=True,
+                                      rank_pattern={"to_q": 1}, alpha_pattern={"ffn.net.2": 2.5}),
+    }
+    g = torch.Generator().manual_seed(202)
+    x, text = torch.randn((2, 4, 3, 6, 8), generator=g), torch.randn((2, 7, 20), generator=g)
+    timesteps = torch.tensor([612.5, 87.25])
+    tensors = {"x": x.numpy(), "text": text.numpy(), "timesteps": timesteps.numpy()}
+    meta = {"versions": versions(diffusers, peft, torch)}
+    for seed, (name, config) in enumerate(configs.items(), start=203):
+        model = WanTransformer3DModel.from_pretrained(os.path.join(FIXTURES, "wan", "a", "diffusers", "transformer")).eval()
+        model = inject_adapter_in_model(config, model, adapter_name="default")
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for pname, p in sorted(model.named_parameters()):
+                if "lokr_" in pname:
+                    p.copy_(0.3 * torch.randn(p.shape, generator=g))
+        state = get_peft_model_state_dict(model, adapter_name="default")
+        shapes = sorted({k.rsplit(".", 1)[1] for k in state})
+        config_dict = {k: sorted(v) if isinstance(v, set) else v for k, v in config.to_dict().items()}
+        config_dict["peft_type"] = "LOKR"
+        WanPipeline.save_lora_weights(out_dir, transformer_lora_layers=state,
+                                      transformer_lora_adapter_metadata=config_dict, weight_name=name + ".safetensors")
+        path = os.path.join(out_dir, name + ".safetensors")
+        with safe_open(path, "pt") as f:  # rewritten with the metadata's keys sorted: the same bytes on every run
+            saved = {k: f.get_tensor(k).numpy() for k in f.keys()}
+            saved_metadata = f.metadata()
+        save_safetensors(path, saved, saved_metadata)
+        with torch.no_grad():
+            tensors["out_" + name] = model(x, timesteps, text, return_dict=False)[0].numpy()
+        meta["config_" + name] = json.dumps(config_dict, sort_keys=True, default=str)
+        print(f"  {name}: {len(state)} tensors ({', '.join(shapes)})")
+    with torch.no_grad():
+        base = WanTransformer3DModel.from_pretrained(os.path.join(FIXTURES, "wan", "a", "diffusers", "transformer")).eval()
+        tensors["out_base"] = base(x, timesteps, text, return_dict=False)[0].numpy()
+    meta["what"] = ("out_lokr / out_lokr_decomposed: the model with that file's adapter (PEFT's LoKr forward) at x, "
+                    "timesteps, text; out_base without one")
+    save_safetensors(os.path.join(out_dir, "reference.safetensors"), tensors, meta)
+
+
 def section_trained_lora(out_dir):
     """A LoRA trained by MegaSlide and read by diffusers: build/bin/megaslide-train (MEGASLIDE_TRAIN names another
     binary) trains LoRA rank 4, alpha 6 on every Linear of the wan fixture's model "a" blocks for 3 steps (resident
@@ -2223,6 +2282,7 @@ SECTIONS = {
     "wan22_experts": (section_wan22_experts, "Wan2.2's two-expert WanPipeline (boundary, two guidance scales) on tiny random experts"),
     "i2v_pipeline": (section_i2v_pipeline, "WanImageToVideoPipeline with 36-channel DiTs: Wan2.1 I2V (CLIP image tokens) and Wan2.2 I2V's two experts"),
     "wan_lora": (section_wan_lora, "a PEFT LoRA on the tiny Wan DiT, saved by WanPipeline.save_lora_weights, and the DiT's outputs with it"),
+    "wan_lokr": (section_wan_lokr, "PEFT LoKr adapters on the tiny Wan DiT (whole and decomposed factors), saved in diffusers' layout, and the DiT's outputs with them"),
     "trained_lora": (section_trained_lora, "a LoRA megaslide-train trains on the tiny Wan DiT, read by WanPipeline.load_lora_weights, and the DiT's outputs with it"),
     "fp8": (section_fp8, "PyTorch's float8_e4m3fn casts (edge values, every bit pattern) and ComfyUI's per-tensor fp8 scaling; an fp8 file from the safetensors package"),
     "wan_pipeline": (section_wan_pipeline, "WanPipeline on the tiny umT5, Wan VAE and a matching tiny DiT: latents, video; prompt cleaning"),

@@ -117,9 +117,14 @@ void merge_lora(megaslide::WanModel& model, const std::string& path, double scal
       return block;
     };
   int64_t rank = 0;
-  for (const auto& [weight, a] : lora.adapters) rank = std::max(rank, a.rank());
-  std::cerr << fmt::format("megaslide-sample: {} '{}' merged at scale {} ({} layout, {} adapters, rank {})\n", flag,
-                           path, scale, megaslide::to_string(lora.layout), lora.adapters.size(), rank);
+  bool lokr = false;
+  for (const auto& [weight, a] : lora.adapters) {
+    rank = std::max(rank, a.rank());
+    lokr = lokr || a.lokr();
+  }
+  std::cerr << fmt::format("megaslide-sample: {} '{}' merged at scale {} ({} layout, {} adapters, rank {}, {})\n", flag,
+                           path, scale, megaslide::to_string(lora.layout), lora.adapters.size(), rank,
+                           lokr ? "LoKr" : "LoRA");
 }
 
 // --threads (or OMP_NUM_THREADS, or the cores available) applied to LibTorch; the plan for the log.

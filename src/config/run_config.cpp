@@ -472,11 +472,13 @@ class Schema {
     // optimizer
     choice("optimizer.state_dtype", c.optimizer.state_dtype, {"fp32", "bf16", "int8"});
     // lora
+    choice("lora.type", c.lora.type, {"lora", "lokr"});
     integer("lora.rank", c.lora.rank, IntRange{0, 1 << 16});
     real("lora.alpha", c.lora.alpha, RealRange{0.0, 1e6});
     real("lora.dropout", c.lora.dropout, RealRange{0.0, 1.0, false, true});
     text_list("lora.targets", c.lora.targets);
     choice("lora.init", c.lora.init, {"default", "gaussian"});
+    integer("lora.factor", c.lora.factor, IntRange{-1, 1 << 20});
     choice("lora.base_dtype", c.lora.base_dtype, {"compute", "fp8"});
     // output
     text("output.run_dir", c.output.run_dir);
@@ -1088,6 +1090,17 @@ void validate(const RunConfig& c, const std::string& source) {
   check_sizes(c, fail);
   if (c.lora.rank > 0 && c.lora.targets.empty())
     fail("lora.targets", "is empty: name the Linear weights LoRA adapts (globs, [\"*\"]: every Linear of the blocks)");
+  if (c.lora.factor == 0)
+    fail("lora.factor", "is 0: expected -1 (each dimension's divisors nearest its square root) or a factor >= 1");
+  if (c.lora.type == "lokr" && c.lora.rank > 0 && c.lora.dropout > 0)
+    fail("lora.dropout",
+         "is " + format_number(c.lora.dropout) +
+             ", but lora.type lokr has no input dropout (LoKr's update is a weight, kron(W1, W2), applied to the "
+             "whole input): set 0");
+  if (c.lora.type == "lokr" && c.lora.rank > 0 && c.lora.init != "default")
+    fail("lora.init", "is " + c.lora.init +
+                          ", which is LoRA's; lora.type lokr starts as PEFT does (W1 = 0, W2 Kaiming-uniform): set "
+                          "default");
   if (c.lora.base_dtype == "fp8" && c.lora.rank == 0)
     fail(
         "lora.base_dtype",

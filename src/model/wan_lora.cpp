@@ -44,19 +44,38 @@ std::string peft_target(const std::string& module) {
   return inside;
 }
 
-// One adapter's tensors as read, by module key (diffusers, original or musubi naming without the suffix).
-struct Halves {
-  at::Tensor down, up, alpha;
-};
-
-}  // namespace
-
-double LoraAdapter::scale() const {
-  const double r = static_cast<double>(rank());
-  return rslora ? alpha / std::sqrt(r) : alpha / r;
+// PEFT's per-module override (rank_pattern, alpha_pattern): a key naming the module (its end) wins over `value`.
+double pattern_value(const nlohmann::json& config, const std::string& key, const std::string& module, double value) {
+  const auto pattern = config.value(key, nlohmann::json::object());
+  for (auto it = pattern.begin(); it != pattern.end(); ++it)
+    if (module == it.key() || ends_with(module, "." + it.key())) value = it.value().get<double>();
+  return value;
 }
 
-at::Tensor LoraAdapter::delta() const { return at::matmul(up.to(at::kFloat), down.to(at::kFloat)) * scale(); }
+// LyCORIS' rank of a LoKr adapter in the ComfyUI and musubi layouts: the decomposed factor's (w2_b's rows, else
+// w1_b's); 0 when W1 and W2 are both whole (scale 1).
+int64_t lycoris_rank(const LoraAdapter& a) {
+  return a.w2_b.defined() ? a.w2_b.size(0) : a.w1_b.defined() ? a.w1_b.size(0) : 0;
+}
+
+// What is wrong with a LoKr adapter's tensors ("" when they make one): W1 and W2 each whole or as two factors.
+std::string lokr_problem(const LoraAdapter& a) {
+  if (a.down.defined() || a.up.defined()) return "mixes LoRA (lora_A / lora_B) and LoKr tensors";
+  for (const bool first : {true, false}) {
+    const std::string whole = first ? "lokr_w1" : "lokr_w2", factors = whole + "_a and " + whole + "_b";
+    const auto& t = first ? a.w1 : a.w2;
+    const auto& fa = first ? a.w1_a : a.w2_a;
+    const auto& fb = first ? a.w1_b : a.w2_b;
+    if (t.defined() == (fa.defined() || fb.defined()) || fa.defined() != fb.defined())
+      return "needs " + whole + " or " + factors + " (exactly one of them)";
+    if (t.defined() && t.dim() != 2) return whole + " is not a matrix";
+    if (fa.defined() && (fa.dim() != 2 || fb.dim() != 2 || fa.size(1) != fb.size(0)))
+      return factors + " (" + c10::str(fa.sizes()) + ", " + c10::str(fb.sizes()) + ") do not multiply";
+  }
+  return "";
+}
+
+}  // namespace
 
 const char* to_string(LoraLayout layout) {
   switch (layout) {
@@ -105,27 +124,45 @@ WanLora read_wan_lora(const std::string& path, const std::vector<std::string>& w
     module_of[lora.layout == LoraLayout::kMusubi ? musubi_module(original)
                                                  : "diffusion_model." + strip_weight(original)] = name;
   }
-  std::map<std::string, Halves> halves;
+  std::map<std::string, LoraAdapter> read;  // by module key
+  std::map<std::string, at::Tensor> alphas;
+  static const std::vector<std::pair<std::string, std::string>> kSuffixes = {{".lora_A.weight", "lora_A.weight"},
+                                                                             {".lora_B.weight", "lora_B.weight"},
+                                                                             {".lora_down.weight", "lora_A.weight"},
+                                                                             {".lora_up.weight", "lora_B.weight"},
+                                                                             {".lokr_w1", "lokr_w1"},
+                                                                             {".lokr_w1_a", "lokr_w1_a"},
+                                                                             {".lokr_w1_b", "lokr_w1_b"},
+                                                                             {".lokr_w2", "lokr_w2"},
+                                                                             {".lokr_w2_a", "lokr_w2_a"},
+                                                                             {".lokr_w2_b", "lokr_w2_b"},
+                                                                             {".alpha", ""}};
   for (auto& [name, t] : file.tensors) {
     if (name.find("dora_scale") != std::string::npos || name.find("magnitude") != std::string::npos)
       fail("tensor '" + name + "' is DoRA's; DoRA adapters are not supported");
+    if (ends_with(name, ".lokr_t2"))
+      fail("tensor '" + name + "' is a LoKr Tucker core (a convolution's); the DiT's Linear layers have none");
     std::string module, part;
-    for (const char* suffix : {".lora_A.weight", ".lora_B.weight", ".lora_down.weight", ".lora_up.weight", ".alpha"})
+    bool known = false;
+    for (const auto& [suffix, ours] : kSuffixes)
       if (ends_with(name, suffix)) {
-        module = name.substr(0, name.size() - std::string(suffix).size());
-        part = suffix;
+        module = name.substr(0, name.size() - suffix.size());
+        part = ours;
+        known = true;
       }
-    if (module.empty())
-      fail("tensor '" + name + "' is not a LoRA tensor (.lora_A/.lora_B/.lora_down/.lora_up .weight or .alpha)");
+    if (!known)
+      fail("tensor '" + name +
+           "' is not a LoRA or LoKr tensor (.lora_A/.lora_B/.lora_down/.lora_up .weight, .lokr_w1/.lokr_w2 [_a/_b] "
+           "or .alpha)");
     if (!module_of.count(module))
       fail("tensor '" + name + "' adapts '" + module + "', which is not a weight of this Wan model");
     if (!t.is_floating_point()) fail("tensor '" + name + "' is not floating point");
-    auto& h = halves[module];
-    (part == ".alpha"                                          ? h.alpha
-     : part == ".lora_A.weight" || part == ".lora_down.weight" ? h.down
-                                                               : h.up) = t.to(at::kFloat);
+    if (part.empty()) alphas[module] = t.to(at::kFloat);
+    else read[module].set(part, t.to(at::kFloat).contiguous());
   }
-  // diffusers' adapter config: alpha (and per-module alpha_pattern), rsLoRA; none: alpha = r.
+  for (const auto& [module, alpha] : alphas)
+    if (!read.count(module)) fail("'" + module + ".alpha' belongs to no adapter");
+  // diffusers' adapter config (PEFT's): alpha, per-module alpha_pattern (LoKr: r and rank_pattern too), rsLoRA.
   nlohmann::json config;
   if (file.metadata.count(kMetadataKey)) {
     try {
@@ -137,28 +174,42 @@ WanLora read_wan_lora(const std::string& path, const std::vector<std::string>& w
     const auto bias = config.value("transformer.lora_bias", false);
     if (bias) fail("its adapter config says lora_bias: LoRA biases are not supported");
   }
-  for (auto& [module, h] : halves) {
-    if (!h.down.defined() || !h.up.defined())
-      fail("'" + module + "' has " + (h.down.defined() ? "no up (lora_B / lora_up)" : "no down (lora_A / lora_down)") +
-           " weight");
-    if (h.down.dim() != 2 || h.up.dim() != 2 || h.up.size(1) != h.down.size(0))
-      fail(fmt::format("'{}': down {} and up {} are not [r, in] and [out, r]", module, c10::str(h.down.sizes()),
-                       c10::str(h.up.sizes())));
-    LoraAdapter a;
-    a.down = h.down.contiguous();
-    a.up = h.up.contiguous();
-    a.alpha = static_cast<double>(a.rank());
-    if (h.alpha.defined()) {
-      if (h.alpha.numel() != 1) fail("'" + module + ".alpha' is not a scalar");
-      a.alpha = h.alpha.item<double>();
-    } else if (!config.is_null()) {
-      a.alpha = config.value("transformer.lora_alpha", a.alpha);
-      a.rslora = config.value("transformer.use_rslora", false);
-      const auto pattern = config.value("transformer.alpha_pattern", nlohmann::json::object());
-      // PEFT's alpha_pattern: a key matching the module's name (its end) overrides lora_alpha.
-      const std::string bare = module.substr(std::string("transformer.").size());
-      for (auto it = pattern.begin(); it != pattern.end(); ++it)
-        if (bare == it.key() || ends_with(bare, "." + it.key())) a.alpha = it.value().get<double>();
+  for (auto& [module, a] : read) {
+    const auto alpha = alphas.find(module);
+    if (alpha != alphas.end() && alpha->second.numel() != 1) fail("'" + module + ".alpha' is not a scalar");
+    // The module's name in PEFT's config (diffusers' layout): without "transformer.".
+    const std::string bare = starts_with(module, "transformer.") ? module.substr(12) : module;
+    if (a.lokr()) {
+      const auto problem = lokr_problem(a);
+      if (!problem.empty()) fail("'" + module + "' " + problem);
+      if (alpha != alphas.end() && lycoris_rank(a) > 0) {  // LyCORIS: alpha over the decomposed factor's rank
+        a.alpha = alpha->second.item<double>();
+        a.lokr_rank = lycoris_rank(a);
+      } else if (alpha == alphas.end() && !config.is_null()) {  // PEFT's config
+        a.lokr_rank = static_cast<int64_t>(
+            pattern_value(config, "transformer.rank_pattern", bare, config.value("transformer.r", 1.0)));
+        if (a.lokr_rank < 1) fail("its adapter config gives '" + module + "' rank " + std::to_string(a.lokr_rank));
+        a.alpha = pattern_value(config, "transformer.alpha_pattern", bare,
+                                config.value("transformer.alpha", static_cast<double>(a.lokr_rank)));
+      } else {  // scale 1: LyCORIS' when W1 and W2 are both whole, and a file without alpha's
+        a.alpha = 1.0;
+        a.lokr_rank = 1;
+      }
+    } else {
+      if (!a.down.defined() || !a.up.defined())
+        fail("'" + module + "' has " +
+             (a.down.defined() ? "no up (lora_B / lora_up)" : "no down (lora_A / lora_down)") + " weight");
+      if (a.down.dim() != 2 || a.up.dim() != 2 || a.up.size(1) != a.down.size(0))
+        fail(fmt::format("'{}': down {} and up {} are not [r, in] and [out, r]", module, c10::str(a.down.sizes()),
+                         c10::str(a.up.sizes())));
+      a.alpha = static_cast<double>(a.rank());
+      if (alpha != alphas.end()) {
+        a.alpha = alpha->second.item<double>();
+      } else if (!config.is_null()) {
+        a.alpha =
+            pattern_value(config, "transformer.alpha_pattern", bare, config.value("transformer.lora_alpha", a.alpha));
+        a.rslora = config.value("transformer.use_rslora", false);
+      }
     }
     lora.adapters[module_of.at(module)] = std::move(a);
   }
@@ -168,31 +219,58 @@ WanLora read_wan_lora(const std::string& path, const std::vector<std::string>& w
 io::WrittenFile save_wan_lora(const std::string& path, const WanLora& lora, LoraLayout layout) {
   io::NamedTensors tensors;
   std::map<std::string, std::string> metadata{{"format", "pt"}};
+  const bool lokr = !lora.adapters.empty() && lora.adapters.begin()->second.lokr();
+  for (const auto& [weight, a] : lora.adapters)
+    if (a.lokr() != lokr)
+      throw WanLoraError("LoRA '" + path + "': LoRA and LoKr adapters cannot share one file ('" + weight + "' is " +
+                         (a.lokr() ? "LoKr" : "LoRA") + ")");
   if (layout == LoraLayout::kDiffusers) {
     // PEFT's config as WanPipeline.save_lora_weights stores it: one rank and alpha, per-module alphas in
-    // alpha_pattern when they differ (ranks are read from the shapes).
+    // alpha_pattern when they differ (LoRA's ranks are read from the shapes; LoKr's per-module ones go in
+    // rank_pattern).
     std::set<std::string> targets;
-    double alpha = lora.adapters.empty() ? 1.0 : lora.adapters.begin()->second.alpha;
+    const double alpha = lora.adapters.empty() ? 1.0 : lora.adapters.begin()->second.alpha;
     const bool rslora = !lora.adapters.empty() && lora.adapters.begin()->second.rslora;
-    nlohmann::json alpha_pattern = nlohmann::json::object();
-    int64_t rank = lora.adapters.empty() ? 1 : lora.adapters.begin()->second.rank();
+    nlohmann::json alpha_pattern = nlohmann::json::object(), rank_pattern = nlohmann::json::object();
+    const int64_t rank = lora.adapters.empty() ? 1 : lora.adapters.begin()->second.rank();
+    bool decompose_both = false, default_factors = true;
+    int64_t factor = -1;  // LoKr: PEFT's decompose_factor that gives these W1 shapes
     for (const auto& [weight, a] : lora.adapters) {
       if (a.rslora != rslora)
         throw WanLoraError("LoRA '" + path + "': rsLoRA and plain adapters cannot share one diffusers file");
       const std::string module = strip_weight(weight);
-      tensors.emplace_back("transformer." + module + ".lora_A.weight", a.down);
-      tensors.emplace_back("transformer." + module + ".lora_B.weight", a.up);
+      for (const auto& [suffix, t] : a.tensors()) tensors.emplace_back("transformer." + module + "." + suffix, t);
       if (a.alpha != alpha) alpha_pattern[module] = a.alpha;
+      if (lokr && a.rank() != rank) rank_pattern[module] = a.rank();
+      if (lokr) {
+        decompose_both = decompose_both || a.w1_a.defined();
+        const int64_t out_l = a.w1.defined() ? a.w1.size(0) : a.w1_a.size(0);
+        const int64_t in_m = a.w1.defined() ? a.w1.size(1) : a.w1_b.size(1);
+        if (out_l != lokr_factorization(a.out_features()).first || in_m != lokr_factorization(a.in_features()).first) {
+          default_factors = false;
+          factor = out_l;
+        }
+      }
       targets.insert(peft_target(module));
     }
     nlohmann::ordered_json config;
     config["transformer.alpha_pattern"] = alpha_pattern;
-    config["transformer.lora_alpha"] = alpha;
-    config["transformer.peft_type"] = "LORA";
-    config["transformer.r"] = rank;
-    config["transformer.target_modules"] = std::vector<std::string>(targets.begin(), targets.end());
-    config["transformer.use_dora"] = false;
-    config["transformer.use_rslora"] = rslora;
+    if (lokr) {
+      config["transformer.alpha"] = alpha;
+      config["transformer.decompose_both"] = decompose_both;
+      config["transformer.decompose_factor"] = default_factors ? -1 : factor;
+      config["transformer.peft_type"] = "LOKR";
+      config["transformer.r"] = rank;
+      config["transformer.rank_pattern"] = rank_pattern;
+      config["transformer.target_modules"] = std::vector<std::string>(targets.begin(), targets.end());
+    } else {
+      config["transformer.lora_alpha"] = alpha;
+      config["transformer.peft_type"] = "LORA";
+      config["transformer.r"] = rank;
+      config["transformer.target_modules"] = std::vector<std::string>(targets.begin(), targets.end());
+      config["transformer.use_dora"] = false;
+      config["transformer.use_rslora"] = rslora;
+    }
     metadata[kMetadataKey] = config.dump(2);
   } else {
     for (const auto& [weight, a] : lora.adapters) {
@@ -205,9 +283,19 @@ io::WrittenFile save_wan_lora(const std::string& path, const WanLora& lora, Lora
                            to_string(layout) + " layout (its alpha means alpha / r)");
       const std::string module =
           layout == LoraLayout::kMusubi ? musubi_module(original) : "diffusion_model." + strip_weight(original);
-      tensors.emplace_back(module + ".lora_down.weight", a.down);
-      tensors.emplace_back(module + ".lora_up.weight", a.up);
-      tensors.emplace_back(module + ".alpha", at::scalar_tensor(a.alpha, at::kFloat));
+      if (!lokr) {
+        tensors.emplace_back(module + ".lora_down.weight", a.down);
+        tensors.emplace_back(module + ".lora_up.weight", a.up);
+        tensors.emplace_back(module + ".alpha", at::scalar_tensor(a.alpha, at::kFloat));
+        continue;
+      }
+      // LyCORIS' scale: alpha over the decomposed factor's rank, or 1 when W1 and W2 are whole (the scale is
+      // then folded into w1).
+      const int64_t r = lycoris_rank(a);
+      for (const auto& [suffix, t] : a.tensors())
+        tensors.emplace_back(module + "." + suffix, r == 0 && suffix == "lokr_w1" ? t * a.scale() : t);
+      tensors.emplace_back(module + ".alpha",
+                           at::scalar_tensor(r == 0 ? 1.0 : a.scale() * static_cast<double>(r), at::kFloat));
     }
   }
   metadata["megaslide.lora_layout"] = to_string(layout);
@@ -224,9 +312,9 @@ int64_t merge_wan_lora(torch::nn::Module& module, const WanLora& lora, double sc
     auto it = params.find(weight);
     if (it == params.end()) throw WanLoraError("LoRA '" + lora.source + "': the model has no weight '" + weight + "'");
     auto& w = it->second;
-    if (w.dim() != 2 || w.size(0) != a.up.size(0) || w.size(1) != a.down.size(1))
+    if (w.dim() != 2 || w.size(0) != a.out_features() || w.size(1) != a.in_features())
       throw WanLoraError(fmt::format("LoRA '{}': '{}' is {} but the adapter makes [{}, {}]", lora.source, weight,
-                                     c10::str(w.sizes()), a.up.size(0), a.down.size(1)));
+                                     c10::str(w.sizes()), a.out_features(), a.in_features()));
     if (w.is_meta()) continue;  // a block read on demand: merged when it is read (prefix "blocks.N.")
     w.copy_((w.to(at::kFloat) + scale * a.delta().to(w.device())).to(w.scalar_type()));
     ++merged;

@@ -11,6 +11,7 @@
 #include "megaslide/model/attention.h"
 #include "megaslide/model/dit.h"
 #include "megaslide/model/layers.h"
+#include "megaslide/model/lora.h"
 #include "megaslide/model/text_encoder.h"
 #include "megaslide/model/wan.h"
 #include "megaslide/model/wan_weights.h"
@@ -270,7 +271,29 @@ const std::array<int64_t, 3>& patch_of(const RunConfig& c) { return is_wan(c) ? 
 struct AdaptedLinear {
   int64_t in = 0, out = 0;
   enum class Rows { kVideo, kText, kImage } rows = Rows::kVideo;
+  // The adapter (model/lora.h): its parameters, the width of what its backward keeps per row (LoRA's down output
+  // r; LoKr's first GEMM's output in_m · out_k) and its forward FLOPs per row (2r·(in + out); LoKr's two GEMMs
+  // 2·in_m·out_k·(in_n + out_l)).
+  int64_t params = 0, kept = 0;
+  double flops_per_row = 0.0;
 };
+
+AdaptedLinear adapter_of(int64_t in, int64_t out, AdaptedLinear::Rows rows, const LoraConfig& lora) {
+  AdaptedLinear a{in, out, rows};
+  const int64_t r = lora.rank;
+  if (lora.type == "lokr") {
+    const auto [out_l, out_k] = lokr_factorization(out, lora.factor);
+    const auto [in_m, in_n] = lokr_factorization(in, lora.factor);
+    a.params = out_l * in_m + (2 * r >= std::max(out_k, in_n) ? out_k * in_n : r * (out_k + in_n));
+    a.kept = in_m * out_k;
+    a.flops_per_row = 2.0 * static_cast<double>(in_m * out_k * (in_n + out_l));
+  } else {
+    a.params = r * (in + out);
+    a.kept = r;
+    a.flops_per_row = 2.0 * static_cast<double>(r * (in + out));
+  }
+  return a;
+}
 
 // The adapters of a LoRA run (lora.rank > 0), as LoraAdapters::add creates them: one for each Linear of
 // each block whose weight's name, <block name>.<module>.weight, matches one of lora.targets.
@@ -314,9 +337,9 @@ std::vector<AdaptedLinear> adapted_linears(torch::nn::Module& block, const std::
     bool wanted = false;
     for (const auto& glob : lora.targets) wanted = wanted || name_matches(glob, weight);
     if (!wanted) continue;
-    AdaptedLinear a{linear->options.in_features(), linear->options.out_features(), rows_of(item.key())};
+    const auto a = adapter_of(linear->options.in_features(), linear->options.out_features(), rows_of(item.key()), lora);
     shape.adapters += 1;
-    shape.params += lora.rank * (a.in + a.out);
+    shape.params += a.params;
     out.push_back(a);
   }
   return out;
@@ -367,15 +390,16 @@ int64_t rows_per_sample(AdaptedLinear::Rows rows, const RunConfig& c, int64_t vi
 }
 
 // What one block's adapters add to the tensors autograd keeps while it is recomputed with grad
-// (LoraLinear::apply; the adapted Linear's input itself is kept by full fine-tuning's count already, for
-// its weight's gradient): down's output [rows, r], which up's gradient reads, and the adapters' weights cast
-// to the compute dtype (none in fp32); with lora.dropout > 0 the mask and the dropped input [rows, in].
+// (LoraLinear::apply, LokrLinear::apply; the adapted Linear's input itself is kept by full fine-tuning's
+// count already, for its weight's gradient): down's output [rows, r], which up's gradient reads (LoKr: the
+// first GEMM's output [rows, in_m · out_k], which W1's reads), and the adapters' weights cast to the compute
+// dtype (none in fp32); with lora.dropout > 0 the mask and the dropped input [rows, in].
 int64_t lora_block_saved(const std::vector<AdaptedLinear>& layers, const RunConfig& c, int64_t video_tokens,
-                         int64_t rank, int64_t e) {
+                         int64_t e) {
   int64_t saved = 0;
   for (const auto& a : layers) {
     const int64_t rows = c.train.batch_size * rows_per_sample(a.rows, c, video_tokens);
-    saved += rows * rank * e + (e == 4 ? 0 : rank * (a.in + a.out) * e);
+    saved += rows * a.kept * e + (e == 4 ? 0 : a.params * e);
     if (c.lora.dropout > 0) saved += 2 * rows * a.in * e;
   }
   return saved;
@@ -388,8 +412,7 @@ double lora_forward_flops_per_sample(const LoraShape& lora, const RunConfig& c, 
     double part = 0.0;
     for (size_t l = begin; l < begin + static_cast<size_t>(lora.blocks_per_part) && l < lora.blocks.size(); ++l)
       for (const auto& a : lora.blocks[l])
-        part += 2.0 * static_cast<double>(lora.rank * (a.in + a.out)) *
-                static_cast<double>(rows_per_sample(a.rows, c, video_tokens));
+        part += a.flops_per_row * static_cast<double>(rows_per_sample(a.rows, c, video_tokens));
     largest = std::max(largest, part);
   }
   return largest;
@@ -401,7 +424,7 @@ int64_t lora_part_params(const LoraShape& lora) {
   for (size_t begin = 0; begin < lora.blocks.size(); begin += static_cast<size_t>(lora.blocks_per_part)) {
     int64_t part = 0;
     for (size_t l = begin; l < begin + static_cast<size_t>(lora.blocks_per_part) && l < lora.blocks.size(); ++l)
-      for (const auto& a : lora.blocks[l]) part += lora.rank * (a.in + a.out);
+      for (const auto& a : lora.blocks[l]) part += a.params;
     largest = std::max(largest, part);
   }
   return largest;
@@ -525,7 +548,7 @@ void with_lora_on_device(DeviceMemoryPlan& d, const RunConfig& c, const ModelSha
   for (size_t begin = 0; begin < lora.blocks.size(); begin += static_cast<size_t>(lora.blocks_per_part)) {
     int64_t part = 0;
     for (size_t l = begin; l < begin + static_cast<size_t>(lora.blocks_per_part) && l < lora.blocks.size(); ++l) {
-      const int64_t block = lora_block_saved(lora.blocks[l], c, grid.numel(), lora.rank, e);
+      const int64_t block = lora_block_saved(lora.blocks[l], c, grid.numel(), e);
       largest_block = std::max(largest_block, block);
       part += block;
     }
@@ -787,6 +810,7 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
   }
   if (lora.enabled()) {
     p.lora_rank = lora.rank;
+    p.lora_type = config.lora.type;
     p.lora_alpha = config.lora.alpha > 0 ? config.lora.alpha : static_cast<double>(lora.rank);
     p.lora_targets = config.lora.targets;
     p.lora_adapters = lora.adapters;
@@ -1044,6 +1068,7 @@ std::string to_json(const StepPlan& p) {
   j["advice"] = p.advice;
   if (p.lora_rank > 0) {  // full fine-tuning: none of these, the keys above alone
     j["lora_rank"] = p.lora_rank;
+    j["lora_type"] = p.lora_type;
     j["lora_alpha"] = p.lora_alpha;
     j["lora_targets"] = p.lora_targets;
     j["lora_adapters"] = p.lora_adapters;
@@ -1092,9 +1117,10 @@ std::string to_table(const StepPlan& p) {
     std::string targets;
     for (const auto& g : p.lora_targets) targets += (targets.empty() ? "" : ", ") + g;
     out += fmt::format(
-        "  LoRA rank {}, alpha {}, targets [{}]: {} adapters on the blocks' Linear layers, {} trained parameters "
+        "  {} rank {}, alpha {}, targets [{}]: {} adapters on the blocks' Linear layers, {} trained parameters "
         "(fp32, on the device); the model's {} parameters frozen{}\n",
-        p.lora_rank, p.lora_alpha, targets, p.lora_adapters, p.lora_params, p.params + p.text_encoder_params,
+        p.lora_type == "lokr" ? "LoKr" : "LoRA", p.lora_rank, p.lora_alpha, targets, p.lora_adapters, p.lora_params,
+        p.params + p.text_encoder_params,
         p.streamed ? " (its blocks streamed H2D only: no gradient copies, no host optimizer)" : "");
   }
   if (p.world_size > 1) {

@@ -154,9 +154,11 @@ class LoraModel final : public FamilyModel {
     std::string targets;
     for (const auto& t : o.targets) targets += (targets.empty() ? "" : ", ") + t;
     info.push_back(fmt::format(
-        "LoRA: rank {}, alpha {} (scale {}), dropout {}, init {}: {} adapters on the Linear layers matching [{}], {} "
-        "trained parameters; the model's weights frozen{}",
-        o.rank, o.alpha_or_rank(), o.scale(), o.dropout, o.init, adapters_->size(), targets, trained,
+        "{}: rank {}, alpha {} (scale {}), {}: {} adapters on the Linear layers matching [{}], {} trained parameters; "
+        "the model's weights frozen{}",
+        o.lokr() ? "LoKr" : "LoRA", o.rank, o.alpha_or_rank(), o.scale(),
+        o.lokr() ? fmt::format("factor {}", o.factor) : fmt::format("dropout {}, init {}", o.dropout, o.init),
+        adapters_->size(), targets, trained,
         stack_ ? " (its blocks streamed H2D only: no gradient copies, no host optimizer)" : ""));
     if (!init_source_.empty()) info.push_back("the adapters start from " + init_source_);
     inner_->describe(info, warnings);
@@ -198,26 +200,39 @@ class LoraModel final : public FamilyModel {
     } catch (const WanLoraError& e) {
       throw InitFromError(std::string("train.init_from: ") + e.what());
     }
+    // The file's adapters must have our adapters' tensors, of the same shapes (the same type, rank and
+    // factorization); its update is taken exactly: the part it is linear in rescaled by its scale over ours
+    // (alpha may differ).
+    std::map<std::string, LoraAdapter> ours = lora_adapters_of(params, adapters_->options());
+    const auto shapes = [](const LoraAdapter& a) {
+      std::string out;
+      for (const auto& [suffix, t] : a.tensors()) out += (out.empty() ? "" : ", ") + suffix + " " + c10::str(t.sizes());
+      return out;
+    };
     std::string problems;
     for (const auto& weight : weights)
       if (!file.count(weight)) problems += "\n  missing: an adapter of '" + weight + "'";
-    std::map<std::string, bool> ours;
-    for (const auto& weight : weights) ours[weight] = true;
-    for (const auto& [weight, a] : file) {
-      if (!ours.count(weight)) problems += "\n  unexpected: an adapter of '" + weight + "' (not in lora.targets)";
-      else if (a.rank() != config_.lora.rank)
-        problems += fmt::format("\n  '{}': rank {}, lora.rank is {}", weight, a.rank(), config_.lora.rank);
+    for (auto& [weight, a] : file) {
+      const auto it = ours.find(weight);
+      if (it == ours.end()) {
+        problems += "\n  unexpected: an adapter of '" + weight + "' (not in lora.targets)";
+        continue;
+      }
+      if (shapes(a) != shapes(it->second))
+        problems += fmt::format("\n  '{}': the file's {} of rank {} ({}); lora.type {}, rank {} and factor {} make {}",
+                                weight, a.lokr() ? "LoKr" : "LoRA", a.rank(), shapes(a), config_.lora.type,
+                                config_.lora.rank, config_.lora.factor, shapes(it->second));
     }
     if (!problems.empty()) throw InitFromError("train.init_from '" + path + "' does not fit the adapters:" + problems);
-    // The file's update exactly: up rescaled by its scale over ours (alpha may differ).
-    const double ours_scale = adapters_->options().scale();
     std::map<std::string, at::Tensor> by_name(params.begin(), params.end());
-    for (const auto& [weight, a] : file) {
+    const double ours_scale = adapters_->options().scale();
+    for (auto& [weight, a] : file) {
+      a.scaled_part() = a.scaled_part() * (a.scale() / ours_scale);
       const std::string layer = weight.substr(0, weight.size() - std::string(".weight").size());
-      by_name.at(layer + ".lora_A.weight").copy_(a.down);
-      by_name.at(layer + ".lora_B.weight").copy_(a.up * (a.scale() / ours_scale));
+      for (const auto& [suffix, t] : a.tensors()) by_name.at(layer + "." + suffix).copy_(t);
     }
-    init_source_ = fmt::format("the LoRA file {} ({} adapters)", path, file.size());
+    init_source_ =
+        fmt::format("the {} file {} ({} adapters)", adapters_->options().lokr() ? "LoKr" : "LoRA", path, file.size());
   }
 
   std::unique_ptr<FamilyModel> inner_;
@@ -247,16 +262,7 @@ std::vector<std::string> save_lora_weights(const std::string& path, const RunCon
     throw std::invalid_argument(std::string("the ") + to_string(layout) +
                                 " LoRA layout names Wan's original weights; model.arch " +
                                 to_string(config.model.arch) + " writes diffusers' layout");
-  const double alpha = LoraOptions::from_config(config.lora).alpha_or_rank();
-  std::map<std::string, LoraAdapter> adapters;  // by the adapted weight's name
-  for (const auto& [name, t] : weights) {
-    char half = 0;
-    const std::string weight = lora_base_weight(name, &half);
-    if (weight.empty()) throw std::invalid_argument("LoRA weights: '" + name + "' is not an adapter's tensor");
-    auto& a = adapters[weight];
-    (half == 'A' ? a.down : a.up) = t.detach().to(torch::kCPU, torch::kFloat32).contiguous();
-    a.alpha = alpha;
-  }
+  const auto adapters = lora_adapters_of(weights, LoraOptions::from_config(config.lora));  // by the adapted weight
   const auto files = lora_weights_files(path, config);
   // Two experts: each file holds its expert's adapters under its own DiT's names.
   const std::vector<std::string> prefixes =

@@ -69,12 +69,12 @@ bool init_from_holds_adapters(const std::string& path) {
           io::path_exists(io::join_path(path, "checkpoints")) ? latest_checkpoint(path) : path;
       file = io::join_path(checkpoint, "master.safetensors");
     }
-    for (const auto& e : io::read_safetensors_header(file).entries)
-      for (const char* suffix : {".lora_A.weight", ".lora_B.weight", ".lora_down.weight", ".lora_up.weight"}) {
-        const std::string tail(suffix);
-        if (e.name.size() > tail.size() && e.name.compare(e.name.size() - tail.size(), tail.size(), tail) == 0)
-          return true;
-      }
+    for (const auto& e : io::read_safetensors_header(file).entries) {
+      const std::string down = ".lora_down.weight";  // ComfyUI's and musubi's name of lora_A
+      if (!lora_base_weight(e.name).empty() ||
+          (e.name.size() > down.size() && e.name.compare(e.name.size() - down.size(), down.size(), down) == 0))
+        return true;
+    }
     return false;
   } catch (const std::exception&) {
     return true;
@@ -354,28 +354,21 @@ io::NamedTensors Trainer::merged_lora_weights(const io::NamedTensors& adapters, 
       }
     }
   }
-  const double scale = LoraOptions::from_config(config_.lora).scale();
-  std::map<std::string, std::pair<at::Tensor, at::Tensor>> halves;  // adapted weight -> (down, up)
-  for (const auto& [name, t] : adapters) {
-    char half = 0;
-    const std::string weight = lora_base_weight(name, &half);
-    TORCH_CHECK(!weight.empty(), "Trainer::merged_lora_weights: '", name, "' is not an adapter's tensor");
-    (half == 'A' ? halves[weight].first : halves[weight].second) = t.detach().to(torch::kCPU, torch::kFloat32);
-  }
+  const auto updates = lora_adapters_of(adapters, LoraOptions::from_config(config_.lora));  // by adapted weight
   io::NamedTensors out;
   size_t merged = 0;
   torch::NoGradGuard no_grad;
   for (const auto& [name, p] : model_->base().named_parameters()) {
     const auto it = blocks.find(name);
     at::Tensor w = it != blocks.end() ? it->second : p.detach().to(torch::kCPU, torch::kFloat32);
-    const auto h = halves.find(name);
-    if (h != halves.end()) {
-      w = w + at::matmul(h->second.second, h->second.first) * scale;
+    const auto u = updates.find(name);
+    if (u != updates.end()) {
+      w = w + u->second.delta();
       ++merged;
     }
     out.emplace_back(name, w.to(dtype));
   }
-  TORCH_CHECK(merged == halves.size(), "Trainer::merged_lora_weights: ", halves.size() - merged,
+  TORCH_CHECK(merged == updates.size(), "Trainer::merged_lora_weights: ", updates.size() - merged,
               " adapters adapt no weight of the model");
   return out;
 }

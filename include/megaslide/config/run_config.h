@@ -255,11 +255,18 @@ struct LoraConfig {
   // LoRA on the Linear layers of the model's blocks (model/lora.h, docs/lora.md): rank 0 trains every
   // parameter (full fine-tuning); rank r > 0 freezes the model and trains, for each targeted Linear
   // W [out, in], down [r, in] and up [out, r]: y = x W^T + b + (alpha / r) · up · down · dropout(x).
+  // type lokr trains PEFT's LoKr instead: y = x W^T + b + (alpha / r) · x kron(W1, W2)^T, W1 [out_l, in_m] and
+  // W2 [out_k, in_n] from the factorizations of out and in (`factor`), W2 as w2_a [out_k, r] · w2_b [r, in_n]
+  // when r < max(out_k, in_n) / 2, else trained whole.
+  std::string type = "lora";  // lora | lokr
   int64_t rank = 0;
   double alpha = 0.0;                        // 0: alpha = rank (scale 1)
   double dropout = 0.0;                      // on the adapter's input, in training
   std::vector<std::string> targets = {"*"};  // globs (* any run) over the Linear weights' names in the blocks
   std::string init = "default";              // default (PEFT's: down Kaiming-uniform, up 0) | gaussian (down N(0, 1/r))
+  // LoKr: PEFT's decompose_factor; -1 factors each dimension into the two divisors nearest its square root,
+  // f > 0 into (f, dim / f) where f divides it
+  int64_t factor = -1;
   // How the streamed trainer keeps the frozen blocks in host RAM and uploads them: compute (the compute
   // dtype) | fp8 (float8_e4m3fn with a per-tensor scale: half bf16's bytes each way; a published fp8
   // file's weights kept as they are)

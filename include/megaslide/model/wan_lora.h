@@ -1,19 +1,27 @@
-// LoRA adapters of a Wan DiT in the files users exchange, read, written and merged into the weights:
+// LoRA and LoKr adapters of a Wan DiT in the files users exchange, read, written and merged into the weights
+// (model/lora.h: the adapters' formulas):
 //
 //   diffusers / PEFT   "transformer.blocks.0.attn1.to_q.lora_A.weight" [r, in], "...lora_B.weight" [out, r];
 //                      the adapter config (r, lora_alpha, alpha_pattern, use_rslora) in the metadata
 //                      "lora_adapter_metadata", keys prefixed "transformer." (WanPipeline.save_lora_weights);
-//                      without it alpha = r (scale 1), as diffusers reads such files
+//                      without it alpha = r (scale 1), as diffusers reads such files. LoKr: "....lokr_w1",
+//                      "....lokr_w2" (or lokr_w2_a / lokr_w2_b, lokr_w1_a / lokr_w1_b), PEFT's LoKrConfig (r,
+//                      alpha, rank_pattern, alpha_pattern; peft_type LOKR) in the same metadata; without it scale 1
 //   ComfyUI            "diffusion_model.blocks.0.self_attn.q.lora_down.weight" / "lora_up.weight" (or
 //                      lora_A / lora_B) with an optional scalar "....alpha": Wan's original names
 //   musubi-tuner       "lora_unet_blocks_0_self_attn_q.lora_down.weight" / "lora_up.weight" / ".alpha": the
 //                      original name with '.' as '_'
 //
+// LoKr in the ComfyUI and musubi layouts has LyCORIS' names ("....lokr_w1", "....lokr_w2_a", ...) and scale: alpha
+// over the rank of the decomposed factor (w2_b's rows, else w1_b's), or 1 when W1 and W2 are both whole (the writer
+// then folds the scale into w1).
+//
 // An adapter is keyed by the base weight it changes, in diffusers' naming ("blocks.0.attn1.to_q.weight");
-// its update is ΔW = (alpha / r) · up · down (alpha / sqrt(r) for rsLoRA), times the caller's scale. A file
-// is read whole (LoRAs are small); every name must belong to a weight of the model (`weight_names`), every
-// adapter must have both halves of matching rank; DoRA and LoRA biases are refused by name. Errors:
-// WanLoraError naming the file and the tensor. Thread-safety: plain functions.
+// its update is ΔW = (alpha / r) · up · down (alpha / sqrt(r) for rsLoRA; LoKr's kron(W1, W2)), times the
+// caller's scale. A file is read whole (LoRAs are small); every name must belong to a weight of the model
+// (`weight_names`), every adapter must have all its parts of matching shapes; DoRA, LoRA biases and LoKr's
+// Tucker cores (lokr_t2, convolutions') are refused by name. Errors: WanLoraError naming the file and the
+// tensor. Thread-safety: plain functions.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -25,6 +33,7 @@
 
 #include "megaslide/io/files.h"
 #include "megaslide/io/safetensors.h"
+#include "megaslide/model/lora.h"
 #include "megaslide/util/errors.h"
 
 namespace megaslide {
@@ -32,16 +41,6 @@ namespace megaslide {
 class WanLoraError : public io::IoError, public InputError {
  public:
   using io::IoError::IoError;
-};
-
-struct LoraAdapter {
-  at::Tensor down;     // [r, in] (PEFT's lora_A), float32 on the CPU
-  at::Tensor up;       // [out, r] (lora_B)
-  double alpha = 0.0;  // the update's scale is alpha / r (alpha / sqrt(r) with rslora)
-  bool rslora = false;
-  int64_t rank() const { return down.size(0); }
-  double scale() const;
-  at::Tensor delta() const;  // (alpha / r) · up · down [out, in], float32
 };
 
 enum class LoraLayout { kDiffusers, kComfyUi, kMusubi };

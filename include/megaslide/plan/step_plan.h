@@ -24,13 +24,12 @@
 // store is the transfer buffer alone, holding the frozen weights in the compute dtype (HostParamStore's
 // `frozen`; no master, moments, gradient, EMA or staging, never sharded); the device keeps the two weight
 // slots and no gradient slots, the adapters (for each Linear of the blocks whose weight's name matches
-// lora.targets, down [r, in] and up [out, r], counted from the meta-device model as LoraAdapters::add
-// creates them) with fp32 weight, gradient, AdamW m and v (and EMA), and the family's own resident
-// parameters frozen in fp32 (weights only). PCIe: no downloads; the uploads of full fine-tuning's schedule,
-// less the two blocks a step finds still in the slots from the previous one (no update invalidated
-// them); no host optimizer. Model FLOPs are the LoRA wrapper's 2/3 of the family's (no weight gradients of the base);
-// the executed FLOPs keep the recompute and the attention's whole backward (input gradients) and add the
-// adapters' own.
+// lora.targets, down [r, in] and up [out, r] — LoKr: W1 and W2 or its two factors — counted from the
+// meta-device model as LoraAdapters::add creates them) with fp32 weight, gradient, AdamW m and v (and EMA), and the
+// family's own resident parameters frozen in fp32 (weights only). PCIe: no downloads; the uploads of full fine-tuning's
+// schedule, less the two blocks a step finds still in the slots from the previous one (no update invalidated them); no
+// host optimizer. Model FLOPs are the LoRA wrapper's 2/3 of the family's (no weight gradients of the base); the
+// executed FLOPs keep the recompute and the attention's whole backward (input gradients) and add the adapters' own.
 //
 // Data parallelism (world_size R > 1, docs/planner.md "Several ranks"): every figure is one rank's. The
 // global batch train.batch_size splits into R per-rank batches (the device plan and the FLOPs use
@@ -99,7 +98,8 @@ struct DeviceMemoryPlan {
   int64_t recompute_saved_reference = 0;  // 3D-DSA only: the same with the grid_sample reference
   int64_t recompute_workspace_reference = 0;
   // LoRA: of recompute_saved (and the reference's), what the adapters add: each adapted Linear's r-wide
-  // down output and its weights cast to the compute dtype, with lora.dropout its mask and dropped input.
+  // down output (LoKr: its first GEMM's [in_m, out_k] output) and its weights cast to the compute dtype,
+  // with lora.dropout its mask and dropped input.
   int64_t lora_saved = 0;
   // The resident trainer with world_size > 1: the flat fp32 buffer of every gradient that one all-reduce
   // sums (average_gradients_over_ranks, train/distributed.h). It exists after the backward, when the activations are
@@ -189,10 +189,11 @@ struct StepPlan {
   // LoRA (lora.rank > 0; 0: full fine-tuning). params, streamed_params and resident_params stay the
   // model's (all frozen); the trained parameters are the adapters.
   int64_t lora_rank = 0;
+  std::string lora_type = "lora";         // lora.type: lora | lokr
   double lora_alpha = 0.0;                // alpha (0 in the config: the rank)
   std::vector<std::string> lora_targets;  // lora.targets
   int64_t lora_adapters = 0;              // adapted Linear layers (both Wan2.2 experts' with expert both)
-  int64_t lora_params = 0;                // trained: Σ r·(in + out) over them
+  int64_t lora_params = 0;                // trained: Σ r·(in + out) over them (LoKr: W1's and W2's)
   // Wan2.2: the expert trained (model.wan.expert: high or low; "" for one DiT) and its boundary. The plan
   // is that expert's; the other one's state is not in host RAM.
   std::string wan_expert;
