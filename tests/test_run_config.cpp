@@ -287,6 +287,11 @@ TEST(RunConfig, WanAndDiTKeysDoNotMix) {
   expect_error("", {"model.text_encoder.kind=umt5", "model.text_encoder.weights=u"}, "model.text_encoder.kind",
                "Wan's text encoder");
   expect_error("", {"model.vae.kind=wan", "model.vae.weights=v"}, "model.vae.kind", "Wan's VAE");
+  // fp8 keeps a frozen encoder's matrices: refused for the built-in encoder (it trains), accepted for CLIP and umT5.
+  expect_error("", {"model.text_encoder.dtype=fp8"}, "model.text_encoder.dtype", "built-in");
+  EXPECT_NO_THROW(parse_run_config(
+      "", kSource, {"model.text_encoder.kind=clip", "model.text_encoder.weights=c", "model.text_encoder.dtype=fp8"}));
+  EXPECT_NO_THROW(parse_run_config(wan, kSource, with({"model.text_encoder.dtype=fp8"})));
   expect_error("", {"data.dataset=latent-tensors"}, "data.dataset", "expected structured-motion");
   expect_error("", {"data.tensors=x.safetensors"}, "data.tensors", "latent-tensors");
 }

@@ -13,9 +13,11 @@
 #include <algorithm>
 #include <cstdlib>
 #include <fstream>
+#include <iostream>
 #include <map>
 
 #include "megaslide/io/files.h"
+#include "megaslide/io/fp8.h"
 #include "megaslide/io/safetensors.h"
 #include "megaslide/model/umt5_encoder.h"
 #include "megaslide/model/umt5_tokenizer.h"
@@ -347,6 +349,68 @@ TEST_F(Umt5EncoderGolden, StreamedLayersOnTheGpu_CUDA) {
   auto resident = Umt5Encoder::load(kFixtures + "umt5/hf", torch::kCUDA);
   EXPECT_LT(max_error(streamed.embed(ids_, mask_).cpu(), ref_.tensors.at("hf.hidden")), 1e-4);
   EXPECT_LT(max_error(streamed.embed(ids_, mask_).cpu(), resident.embed(ids_, mask_).cpu()), 1e-5);
+}
+
+// The property: umT5 with fp8 weights (Umt5Encoder::load's fp8, model.text_encoder.dtype: fp8) keeps each layer
+// matrix as float8_e4m3fn with one fp32 scale (its weights take the fp32 encoder's bytes less 3 B per matrix
+// element, plus 4 B per scale, streamed as resident) and computes bit for bit what the fp32 encoder computes from
+// a file holding those matrices' dequantized values: resident, and streamed (its host layers fp8, upcast in the
+// slot). ComfyUI's scaled fp8 layout (F8_E4M3 matrices, <layer>.scale_weight, the scaled_fp8 marker) loads to the
+// same output, in fp32 and kept in fp8.
+TEST_F(Umt5EncoderGolden, Fp8WeightsComputeAsTheirDequantizedValues) {
+  const std::string hf = kFixtures + "umt5/hf";
+  const auto original = megaslide::io::read_safetensors(hf + "/model.safetensors");
+  const auto dir = temp_dir("fp8");
+  megaslide::io::NamedTensors dequantized, scaled;
+  int64_t matrix_elements = 0, matrices = 0;
+  for (const auto& [name, t] : original.tensors) {
+    const bool matrix = (name.find(".SelfAttention.") != std::string::npos &&
+                         name.find("relative_attention_bias") == std::string::npos) ||
+                        name.find(".DenseReluDense.") != std::string::npos;
+    if (!matrix) {
+      dequantized.emplace_back(name, t);
+      scaled.emplace_back(name, t);
+      continue;
+    }
+    const auto q = megaslide::quantize_fp8(t.to(torch::kFloat32), megaslide::Fp8Scaling::kPerTensor);
+    dequantized.emplace_back(name, megaslide::dequantize_fp8(q));
+    scaled.emplace_back(name, q.data);
+    scaled.emplace_back(name.substr(0, name.size() - 7) + ".scale_weight", q.scale);
+    matrix_elements += t.numel();
+    ++matrices;
+  }
+  EXPECT_EQ(matrices, 3 * 7) << "three gated layers: q, k, v, o, wi_0, wi_1, wo";
+  scaled.emplace_back("scaled_fp8", torch::empty({0}, torch::kFloat8_e4m3fn));
+  for (const auto& [folder, tensors] : {std::pair{std::string("dequantized"), dequantized}, {"scaled", scaled}}) {
+    megaslide::io::make_directories(dir + "/" + folder);
+    megaslide::io::write_file_atomically(dir + "/" + folder + "/config.json",
+                                         megaslide::io::read_file(hf + "/config.json"));
+    megaslide::io::write_safetensors(dir + "/" + folder + "/model.safetensors", tensors);
+  }
+  const auto reference = Umt5Encoder::load(dir + "/dequantized");
+  const auto expected = reference.embed(ids_, mask_);
+  std::cout << "fp8 weights against transformers' fp32 output: "
+            << max_error(expected, ref_.tensors.at("hf.hidden")) /
+                   ref_.tensors.at("hf.hidden").abs().max().item<double>()
+            << " (relative to the largest value)\n";
+
+  const auto fp8 = Umt5Encoder::load(hf, torch::kCPU, torch::kFloat32, /*fp8=*/true);
+  EXPECT_TRUE(fp8.fp8());
+  EXPECT_EQ(fp8.parameter_count(), reference.parameter_count());
+  EXPECT_EQ(fp8.weight_bytes(), reference.weight_bytes() - 3 * matrix_elements + 4 * matrices);
+  EXPECT_TRUE(torch::equal(fp8.embed(ids_, mask_), expected));
+  for (const bool async : {true, false}) {
+    const auto streamed =
+        Umt5Encoder::streamed(Umt5Encoder::load(hf, torch::kCPU, torch::kFloat32, true), torch::kCPU, async);
+    EXPECT_EQ(streamed.weight_bytes(), fp8.weight_bytes()) << "the host layers in fp8";
+    EXPECT_TRUE(torch::equal(streamed.embed(ids_, mask_), expected)) << "async " << async;
+    EXPECT_TRUE(torch::equal(streamed.embed(ids_, mask_), expected)) << "async " << async << ", second call";
+  }
+  EXPECT_TRUE(torch::equal(Umt5Encoder::load(dir + "/scaled").embed(ids_, mask_), expected)) << "scaled file, fp32";
+  const auto kept = Umt5Encoder::load(dir + "/scaled", torch::kCPU, torch::kFloat32, true);
+  EXPECT_EQ(kept.weight_bytes(), fp8.weight_bytes());
+  EXPECT_TRUE(torch::equal(kept.embed(ids_, mask_), expected)) << "scaled file, kept in fp8";
+  megaslide::io::remove_tree(dir);
 }
 
 TEST(Umt5Encoder, RandomXxlShapesAndParameterCount) {

@@ -375,7 +375,7 @@ class Schema {
     choice("model.text_encoder.kind", c.model.text_encoder.kind, {"builtin", "clip", "umt5"});
     optional_text("model.text_encoder.weights", c.model.text_encoder.weights);
     optional_text("model.text_encoder.vocab", c.model.text_encoder.vocab);
-    choice("model.text_encoder.dtype", c.model.text_encoder.dtype, {"fp32", "bf16"});
+    choice("model.text_encoder.dtype", c.model.text_encoder.dtype, {"fp32", "bf16", "fp8"});
     choice("model.vae.kind", c.model.vae.kind, {"none", "sd", "wan"});
     optional_text("model.vae.weights", c.model.vae.weights);
     integer("model.vae.latent_channels", c.model.vae.latent_channels, IntRange{1, 64});
@@ -385,7 +385,7 @@ class Schema {
     integer("model.vae.tile_size", c.model.vae.tile_size, IntRange{0, 1 << 16});
     real("model.vae.tile_overlap", c.model.vae.tile_overlap, RealRange{0.0, 1.0, false, true});
     optional_text("model.image_encoder.weights", c.model.image_encoder.weights);
-    choice("model.image_encoder.dtype", c.model.image_encoder.dtype, {"fp32", "bf16"});
+    choice("model.image_encoder.dtype", c.model.image_encoder.dtype, {"fp32", "bf16", "fp8"});
     // data
     choice("data.dataset", c.data.dataset, {"structured-motion", "videos", "latent-tensors"});
     integer("data.channels", c.data.channels, IntRange{1, 64});
@@ -818,6 +818,10 @@ void validate_wan(const RunConfig& c, const std::function<void(const std::string
                               std::to_string(w.dim / w.heads) + ") to be even: 3D RoPE rotates pairs of channels");
   const auto& te = m.text_encoder;
   const auto& vae = m.vae;
+  if (te.dtype == "fp8" && te.kind != "umt5")
+    fail("model.text_encoder.dtype", std::string("is fp8, which keeps a frozen encoder's matrices in 8 bits, but ") +
+                                         "model.text_encoder.kind is " + te.kind +
+                                         " (no umT5 is loaded): set umt5, or fp32 or bf16");
   if (te.kind == "clip")
     fail("model.text_encoder.kind",
          "clip conditions the DiT family; Wan's text encoder is umt5 (or builtin: the data brings its "
@@ -980,6 +984,10 @@ void validate(const RunConfig& c, const std::string& source) {
     if (static_cast<int64_t>(std::llround(m.hidden * m.mlp_ratio)) < 1)
       fail("model.mlp_ratio", "expected model.hidden * model.mlp_ratio >= 1");
     const auto& te = m.text_encoder;
+    if (te.dtype == "fp8" && te.kind == "builtin")
+      fail("model.text_encoder.dtype",
+           "is fp8, which keeps a frozen encoder's matrices in 8 bits; the built-in text encoder trains with the DiT: "
+           "choose fp32 or bf16");
     if (te.kind == "umt5")
       fail("model.text_encoder.kind",
            "umt5 is Wan's text encoder (model.arch wan); the DiT family's is builtin or clip");

@@ -127,7 +127,7 @@ class ConfiguredEncoders final : public CacheEncoders {
         fail(te.vocab.empty() ? "model.text_encoder.weights" : "model.text_encoder.vocab", e.what());
       }
       try {
-        umt5_.emplace(Umt5Encoder::load(te.weights, device, frozen_encoder_dtype(te.dtype, device)));
+        umt5_.emplace(Umt5Encoder::load(te.weights, device, frozen_encoder_dtype(te.dtype, device), te.dtype == "fp8"));
       } catch (const std::exception& e) {
         fail("model.text_encoder.weights", e.what());
       }
@@ -169,8 +169,9 @@ class ConfiguredEncoders final : public CacheEncoders {
              "Wan2.1 image-to-video caches CLIP's image tokens: name CLIP ViT-H's image encoder (diffusers' "
              "image_encoder/ folder or clip_vision_h.safetensors)");
       try {
-        clip_.emplace(
-            ClipVisionEncoder::load(path, device, frozen_encoder_dtype(config.model.image_encoder.dtype, device)));
+        clip_.emplace(ClipVisionEncoder::load(path, device,
+                                              frozen_encoder_dtype(config.model.image_encoder.dtype, device), {},
+                                              config.model.image_encoder.dtype == "fp8"));
       } catch (const std::exception& e) {
         fail("model.image_encoder.weights", e.what());
       }
@@ -864,7 +865,7 @@ torch::Tensor LatentCache::stacked(const std::string& name) const {
 }
 
 torch::ScalarType frozen_encoder_dtype(const std::string& name, torch::Device device) {
-  return name == "bf16" && device.is_cuda() ? torch::kBFloat16 : torch::kFloat32;
+  return (name == "bf16" || name == "fp8") && device.is_cuda() ? torch::kBFloat16 : torch::kFloat32;
 }
 
 std::string wan_image_encoder_path(const RunConfig& config) {

@@ -774,7 +774,8 @@ OpenedWanPipeline open_wan_pipeline(WanModel model, const WanPipelineRequest& re
 
   OpenedWanPipeline out;
   const auto t5_dtype = request.device.is_cuda() ? torch::kBFloat16 : torch::kFloat32;
-  auto t5 = loading("text_encoder", "", [&] { return Umt5Encoder::load(t5_path, torch::kCPU, t5_dtype); });
+  auto t5 =
+      loading("text_encoder", "", [&] { return Umt5Encoder::load(t5_path, torch::kCPU, t5_dtype, te.dtype == "fp8"); });
   // umT5 (11.4 GB in bf16 for XXL) streamed layer by layer when it does not fit, as the DiT's blocks.
   out.text_encoder_streamed = should_stream(request.stream, request.device, t5.weight_bytes());
   t5 = out.text_encoder_streamed ? Umt5Encoder::streamed(std::move(t5), request.device)
@@ -806,7 +807,9 @@ OpenedWanPipeline open_wan_pipeline(WanModel model, const WanPipelineRequest& re
           "is not a diffusers repository with image_encoder/)");
     if (!io::path_exists(clip_path)) throw WanPipelineError("image_encoder", "'" + clip_path + "' does not exist");
     auto clip = std::make_shared<ClipVisionEncoder>(loading("image_encoder", "", [&] {
-      return ClipVisionEncoder::load(clip_path, request.device, torch::kFloat32);  // 0.6 B parameters: fp32
+      // 0.6 B parameters: fp32, or fp8 matrices with model.image_encoder.dtype: fp8
+      return ClipVisionEncoder::load(clip_path, request.device, torch::kFloat32, {},
+                                     model.config.model.image_encoder.dtype == "fp8");
     }));
     if (clip->config().hidden_size != model.config.model.wan.image_dim)
       throw WanPipelineError("image_encoder",

@@ -38,6 +38,10 @@ int64_t first_nonfinite(const void* data, int64_t n, c10::ScalarType dtype) {
       return first_saturated<uint32_t>(data, n, 0x7f800000u);
     case c10::ScalarType::Double:
       return first_saturated<uint64_t>(data, n, 0x7ff0000000000000ull);
+    case c10::ScalarType::Float8_e4m3fn:  // no infinity; NaN is S.1111.111
+      return first_saturated<uint8_t>(data, n, 0x7f);
+    case c10::ScalarType::Float8_e5m2:
+      return first_saturated<uint8_t>(data, n, 0x7c);
     default:
       return -1;
   }

@@ -1,6 +1,7 @@
 #include "io/pretrained.h"
 #include "megaslide/io/finite_weights.h"
 #include "megaslide/io/files.h"
+#include "megaslide/io/fp8.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -59,6 +60,15 @@ void PretrainedFolder::fail(const std::string& what) const {
   throw PretrainedError("model folder '" + dir_ + "': " + what);
 }
 
+std::string fp8_scale_name(const std::string& name, const std::function<bool(const std::string&)>& has) {
+  const std::string weight = ".weight";
+  if (name.size() <= weight.size() || name.compare(name.size() - weight.size(), weight.size(), weight) != 0) return "";
+  const std::string layer = name.substr(0, name.size() - weight.size());
+  for (const char* suffix : {".scale_weight", ".weight_scale"})
+    if (has(layer + suffix)) return layer + suffix;
+  return "";
+}
+
 bool PretrainedFolder::has(const std::string& name) const {
   for (const auto& e : header_.entries)
     if (e.name == name) return true;
@@ -109,7 +119,17 @@ torch::Tensor PretrainedFolder::take(const std::string& name, const std::vector<
   } catch (const io::NonFiniteWeightsError& e) {
     throw PretrainedError(e.what());
   }
-  return t.to(dtype);
+  if (!megaslide::is_fp8(t.scalar_type())) return t.to(dtype);
+  const auto scale = fp8_scale_name(name, [this](const std::string& n) { return has(n); });
+  if (scale.empty()) return dequantize_fp8({t, {}}, dtype);
+  std::vector<int64_t> scale_shape;
+  for (const auto& e : header_.entries)
+    if (e.name == scale) scale_shape = e.shape;
+  const auto s = take(scale, scale_shape);
+  if (s.numel() != 1 || megaslide::is_fp8(s.scalar_type()))
+    throw PretrainedError("'" + weights_path_ + "': the scale '" + scale + "' of '" + name +
+                          "' is not one value: only per-tensor fp8 scales are read");
+  return dequantize_fp8({t, s}, dtype);
 }
 
 torch::Tensor PretrainedFolder::take_any(const std::vector<std::string>& names, const std::vector<int64_t>& shape,
@@ -266,6 +286,8 @@ torch::Tensor MappedWeights::take(const std::string& name, const std::vector<int
   } catch (const io::NonFiniteWeightsError& err) {
     throw PretrainedError(err.what());
   }
+  // An fp8 tensor asked for in another dtype: its value, data × its scale.
+  if (megaslide::is_fp8(e.dtype) && dtype != e.dtype) return dequantize_fp8(take_fp8(name, shape, context), dtype);
   // A copy in any case: the result must not keep pointing into the mapping. Safetensors aligns data to its
   // element size only by convention: an unaligned tensor is copied through an aligned buffer.
   if (reinterpret_cast<uintptr_t>(data) % c10::elementSize(e.dtype) == 0)
@@ -273,6 +295,30 @@ torch::Tensor MappedWeights::take(const std::string& name, const std::vector<int
   auto aligned = torch::empty(e.shape, options);
   std::memcpy(aligned.data_ptr(), data, e.end - e.begin);
   return aligned.to(dtype);
+}
+
+bool MappedWeights::is_fp8(const std::string& name) const { return megaslide::is_fp8(locate(name).entry->dtype); }
+
+Fp8Tensor MappedWeights::take_fp8(const std::string& name, const std::vector<int64_t>& shape,
+                                  const std::string& context) const {
+  const auto& loc = locate(name);
+  if (!megaslide::is_fp8(loc.entry->dtype))
+    throw PretrainedError("'" + files_[loc.file]->path + "': tensor '" + name + "' is " +
+                          safetensors_dtype_name(loc.entry->dtype) + ", not fp8");
+  Fp8Tensor out;
+  out.data = take(name, shape, loc.entry->dtype, context);  // its bytes as they are
+  const auto scale = fp8_scale_name(name, [this](const std::string& n) { return has(n); });
+  if (scale.empty()) {
+    out.scale = torch::ones({}, torch::kFloat32);
+    return out;
+  }
+  const auto& s = locate(scale);
+  if (megaslide::is_fp8(s.entry->dtype) || c10::multiply_integers(s.entry->shape) != 1)
+    throw PretrainedError("'" + files_[s.file]->path + "': the scale '" + scale + "' of '" + name + "' is " +
+                          safetensors_dtype_name(s.entry->dtype) + " " + shape_string(s.entry->shape) +
+                          ": only per-tensor fp8 scales (one F32, BF16 or F16 value) are read");
+  out.scale = take(scale, s.entry->shape, torch::kFloat32, context).reshape({});
+  return out;
 }
 
 std::string MappedWeights::bytes(const std::string& name) const {

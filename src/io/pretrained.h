@@ -8,6 +8,10 @@
 //                     full CLIPModel file's vision tower is never loaded), checking its shape and that
 //                     it is floating point, and converts it to the requested dtype.
 //
+// fp8 tensors (F8_E4M3, F8_E5M2; io/fp8.h) are dequantized by take(): data × its per-tensor scale, ComfyUI's
+// "<layer>.scale_weight" or "<layer>.weight_scale" beside "<layer>.weight" (one value), or 1 without one (its
+// *_fp8_e4m3fn files, plain casts).
+//
 // Errors are PretrainedError naming the folder or file, the tensor, and what was expected — missing
 // files, a tensor missing or of the wrong shape or dtype, a config.json that is not JSON or lacks a
 // required key. Thread-safety: one thread per object.
@@ -17,16 +21,22 @@
 
 #include <nlohmann/json.hpp>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "megaslide/io/files.h"
+#include "megaslide/io/fp8.h"
 #include "megaslide/io/safetensors.h"
 #include "megaslide/util/errors.h"
 
 namespace megaslide::io {
+
+// The name of the per-tensor scale of the fp8 weight `name` among the names `has` knows ("<layer>.scale_weight" or
+// "<layer>.weight_scale" for "<layer>.weight"), or "" when there is none.
+std::string fp8_scale_name(const std::string& name, const std::function<bool(const std::string&)>& has);
 
 class PretrainedError : public IoError, public InputError {
  public:
@@ -87,6 +97,10 @@ class MappedWeights {
   torch::Tensor take(const std::string& name, const std::vector<int64_t>& shape,
                      torch::ScalarType dtype = torch::kFloat32,
                      const std::string& context = "from the model's configuration") const;
+  // Whether `name` is stored as fp8, and that tensor as stored: its data (a fresh CPU copy) and its per-tensor
+  // scale (float32, 1 without one), as described above. take_fp8 checks the shape and that it is fp8.
+  bool is_fp8(const std::string& name) const;
+  Fp8Tensor take_fp8(const std::string& name, const std::vector<int64_t>& shape, const std::string& context) const;
   // The bytes of a U8 tensor (e.g. a tokenizer model stored in the weights file).
   std::string bytes(const std::string& name) const;
 

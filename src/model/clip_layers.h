@@ -6,10 +6,12 @@
 #include <ATen/ATen.h>
 
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
 #include "io/pretrained.h"
+#include "megaslide/io/fp8.h"
 
 namespace megaslide::clip {
 
@@ -19,6 +21,39 @@ namespace megaslide::clip {
 inline std::string tower_prefix(const io::PretrainedFolder& folder, const std::string& tower,
                                 const std::string& probe) {
   return folder.has(tower + probe) || !folder.has(probe) ? tower : "";
+}
+
+// The towers' fp8 storage (model.text_encoder.dtype / model.image_encoder.dtype: fp8): the layers' matrices
+// (encoder.layers.N.self_attn.*_proj.weight, mlp.fc1/fc2.weight) kept as float8_e4m3fn with one fp32 scale each
+// (quantize_fp8 kPerTensor), everything else as given. keep() stores `t` under `name` so; stored() gives it back
+// in `dtype`, an fp8 matrix dequantized.
+inline bool fp8_matrix(const std::string& name) {
+  const std::string weight = ".weight";
+  return name.rfind("encoder.layers.", 0) == 0 && name.find("layer_norm") == std::string::npos &&
+         name.size() > weight.size() && name.compare(name.size() - weight.size(), weight.size(), weight) == 0;
+}
+inline void keep(std::map<std::string, at::Tensor>& w, std::map<std::string, at::Tensor>& scales,
+                 const std::string& name, const at::Tensor& t, bool fp8, at::Device device) {
+  if (!fp8 || !fp8_matrix(name)) {
+    w[name] = t.to(device);
+    return;
+  }
+  const auto q = quantize_fp8(t.to(at::kFloat), Fp8Scaling::kPerTensor);
+  w[name] = q.data.to(device);
+  scales[name] = q.scale.to(device);
+}
+inline at::Tensor stored(const std::map<std::string, at::Tensor>& w, const std::map<std::string, at::Tensor>& scales,
+                         const std::string& name, at::ScalarType dtype) {
+  const auto& t = w.at(name);
+  return is_fp8(t.scalar_type()) ? dequantize_fp8({t, scales.at(name)}, dtype) : t;
+}
+// The bytes of the weights `w` and `scales` hold.
+inline int64_t stored_bytes(const std::map<std::string, at::Tensor>& w,
+                            const std::map<std::string, at::Tensor>& scales) {
+  int64_t n = 0;
+  for (const auto* m : {&w, &scales})
+    for (const auto& [name, t] : *m) n += static_cast<int64_t>(t.nbytes());
+  return n;
 }
 
 // Refuses weights with a layer past config.json's num_hidden_layers (its own config would not load them all).
@@ -59,9 +94,8 @@ inline at::Tensor layer_norm(const at::Tensor& x, const at::Tensor& w, const at:
 }
 
 // Layer l's output for h [B, L, D]; w(name) is the tensor of transformers' name.
-inline at::Tensor encoder_layer(const at::Tensor& h, int64_t l,
-                                const std::function<const at::Tensor&(const std::string&)>& w, int64_t heads,
-                                const std::string& act, double eps, bool causal) {
+inline at::Tensor encoder_layer(const at::Tensor& h, int64_t l, const std::function<at::Tensor(const std::string&)>& w,
+                                int64_t heads, const std::string& act, double eps, bool causal) {
   const int64_t B = h.size(0), L = h.size(1), D = h.size(2);
   const auto p = "encoder.layers." + std::to_string(l) + ".";
   auto x = layer_norm(h, w(p + "layer_norm1.weight"), w(p + "layer_norm1.bias"), eps);

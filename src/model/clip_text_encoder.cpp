@@ -45,14 +45,17 @@ ClipTextConfig parse_config(const nlohmann::json& root, const std::string& sourc
 
 }  // namespace
 
-ClipTextEncoder ClipTextEncoder::load(const std::string& dir, torch::Device device, torch::ScalarType dtype) {
+ClipTextEncoder ClipTextEncoder::load(const std::string& dir, torch::Device device, torch::ScalarType dtype, bool fp8) {
   io::PretrainedFolder folder(dir, {"model.safetensors"});
   const auto config = parse_config(folder.config(), io::join_path(dir, "config.json"));
   // text_model.<name> (a CLIPModel, or an older CLIPTextModel) or <name> (transformers 5's CLIPTextModel).
   const std::string prefix = clip::tower_prefix(folder, "text_model.", "embeddings.token_embedding.weight");
-  auto e = build(config, device, dtype, [&](const std::string& name, const std::vector<int64_t>& shape) {
-    return folder.take(prefix + name, shape, dtype);
-  });
+  auto e = build(
+      config, device, dtype,
+      [&](const std::string& name, const std::vector<int64_t>& shape) {
+        return folder.take(prefix + name, shape, dtype);
+      },
+      fp8);
   clip::refuse_extra_layers(folder, prefix, config.num_hidden_layers);
   return e;
 }
@@ -72,13 +75,16 @@ ClipTextEncoder ClipTextEncoder::random(const ClipTextConfig& config, uint64_t s
 }
 
 ClipTextEncoder ClipTextEncoder::build(const ClipTextConfig& config, torch::Device device, torch::ScalarType dtype,
-                                       const WeightSource& source) {
+                                       const WeightSource& source, bool fp8) {
   ClipTextEncoder e;
   e.config_ = config;
   e.device_ = device;
   e.dtype_ = dtype;
+  e.fp8_ = fp8;
   const auto& c = e.config_;
-  auto take = [&](const std::string& name, std::vector<int64_t> shape) { e.w_[name] = source(name, shape).to(device); };
+  auto take = [&](const std::string& name, std::vector<int64_t> shape) {
+    clip::keep(e.w_, e.scale_, name, source(name, shape), fp8, device);
+  };
   const int64_t D = c.hidden_size, F = c.intermediate_size;
   take("embeddings.token_embedding.weight", {c.vocab_size, D});
   take("embeddings.position_embedding.weight", {c.max_position_embeddings, D});
@@ -87,6 +93,8 @@ ClipTextEncoder ClipTextEncoder::build(const ClipTextConfig& config, torch::Devi
   take("final_layer_norm.bias", {D});
   return e;
 }
+
+int64_t ClipTextEncoder::weight_bytes() const { return clip::stored_bytes(w_, scale_); }
 
 int64_t ClipTextEncoder::parameter_count() const {
   int64_t n = 0;
@@ -104,7 +112,7 @@ ClipTextOutput ClipTextEncoder::forward(const torch::Tensor& ids_in) const {
   TORCH_CHECK(ids_in.numel() == 0 || (ids_in.min().item<int64_t>() >= 0 && ids_in.max().item<int64_t>() < c.vocab_size),
               "ClipTextEncoder: token ids must be in [0, ", c.vocab_size, ")");
   torch::NoGradGuard no_grad;
-  auto w = [this](const std::string& name) -> const torch::Tensor& { return w_.at(name); };
+  auto w = [this](const std::string& name) { return clip::stored(w_, scale_, name, dtype_); };
   const auto ids = ids_in.to(device_);
   auto h = at::embedding(w("embeddings.token_embedding.weight"), ids) +
            w("embeddings.position_embedding.weight").slice(0, 0, L).unsqueeze(0);

@@ -382,16 +382,19 @@ std::string shape_string(const std::vector<int64_t>& shape) {
 }  // namespace
 
 ClipVisionEncoder ClipVisionEncoder::load(const std::string& path, torch::Device device, torch::ScalarType dtype,
-                                          const ClipVisionFileHints& hints) {
+                                          const ClipVisionFileHints& hints, bool fp8) {
   try {
     if (io::is_directory(path)) {
       io::PretrainedFolder folder(path, {"model.safetensors", "model.fp16.safetensors"});
       const auto config = parse_config(folder.config(), io::join_path(path, "config.json"));
       // vision_model.<name> (transformers 4, a whole CLIPModel) or <name> (transformers 5's CLIPVisionModel).
       const std::string prefix = clip::tower_prefix(folder, "vision_model.", "embeddings.class_embedding");
-      auto e = build(config, device, dtype, [&](const std::string& name, const std::vector<int64_t>& shape) {
-        return folder.take(prefix + name, shape, dtype);
-      });
+      auto e = build(
+          config, device, dtype,
+          [&](const std::string& name, const std::vector<int64_t>& shape) {
+            return folder.take(prefix + name, shape, dtype);
+          },
+          fp8);
       clip::refuse_extra_layers(folder, prefix, config.num_hidden_layers);
       for (const auto& candidate : {io::join_path(path, "preprocessor_config.json"),
                                     io::join_path(path, "../image_processor/preprocessor_config.json")})
@@ -465,9 +468,12 @@ ClipVisionEncoder ClipVisionEncoder::load(const std::string& path, torch::Device
     c.hidden_act = !hints.hidden_act.empty() ? hints.hidden_act : known->act;
     validate(c, path);
     const std::string context = "as the file's class_embedding, patch embedding, positions and fc1 imply";
-    auto e = build(c, device, dtype, [&](const std::string& name, const std::vector<int64_t>& shape) {
-      return file.take(prefix + name, shape, dtype, context);
-    });
+    auto e = build(
+        c, device, dtype,
+        [&](const std::string& name, const std::vector<int64_t>& shape) {
+          return file.take(prefix + name, shape, dtype, context);
+        },
+        fp8);
     e.preprocessing_ = ClipImagePreprocessing::defaults(c.image_size);
     return e;
   } catch (const io::PretrainedError& e) {
@@ -495,14 +501,17 @@ ClipVisionEncoder ClipVisionEncoder::random(const ClipVisionConfig& config, uint
 }
 
 ClipVisionEncoder ClipVisionEncoder::build(const ClipVisionConfig& config, torch::Device device,
-                                           torch::ScalarType dtype, const WeightSource& source) {
+                                           torch::ScalarType dtype, const WeightSource& source, bool fp8) {
   ClipVisionEncoder e;
   e.config_ = config;
   e.preprocessing_ = ClipImagePreprocessing::defaults(config.image_size);
   e.device_ = device;
   e.dtype_ = dtype;
+  e.fp8_ = fp8;
   const auto& c = e.config_;
-  auto take = [&](const std::string& name, std::vector<int64_t> shape) { e.w_[name] = source(name, shape).to(device); };
+  auto take = [&](const std::string& name, std::vector<int64_t> shape) {
+    clip::keep(e.w_, e.scale_, name, source(name, shape), fp8, device);
+  };
   const int64_t D = c.hidden_size, F = c.intermediate_size;
   take("embeddings.class_embedding", {D});
   take("embeddings.patch_embedding.weight", {D, c.num_channels, c.patch_size, c.patch_size});
@@ -512,6 +521,8 @@ ClipVisionEncoder ClipVisionEncoder::build(const ClipVisionConfig& config, torch
   clip::take_encoder_layers(take, c.num_hidden_layers, D, F);
   return e;
 }
+
+int64_t ClipVisionEncoder::weight_bytes() const { return clip::stored_bytes(w_, scale_); }
 
 int64_t ClipVisionEncoder::parameter_count() const {
   int64_t n = 0;
@@ -531,7 +542,7 @@ torch::Tensor ClipVisionEncoder::hidden_state(const torch::Tensor& pixel_values,
               " layers (0 to ", N, ", or -", N + 1, " to -1)");
   if (index < 0) index += N + 1;
   torch::NoGradGuard no_grad;
-  auto w = [this](const std::string& name) -> const torch::Tensor& { return w_.at(name); };
+  auto w = [this](const std::string& name) { return clip::stored(w_, scale_, name, dtype_); };
   const int64_t B = pixel_values.size(0), D = c.hidden_size, H = c.num_attention_heads;
   auto patches = at::conv2d(pixel_values.to(device_, dtype_), w("embeddings.patch_embedding.weight"), {},
                             {c.patch_size, c.patch_size})

@@ -17,7 +17,8 @@ std::shared_ptr<FrozenEncoders> FrozenEncoders::load(const RunConfig& config, to
       fail("model.text_encoder.weights",
            "'" + te.weights + "' is not a folder (CLIP's text encoder: config.json + model.safetensors)");
     try {
-      out->text_.emplace(ClipTextEncoder::load(te.weights, device, frozen_encoder_dtype(te.dtype, device)));
+      out->text_.emplace(
+          ClipTextEncoder::load(te.weights, device, frozen_encoder_dtype(te.dtype, device), te.dtype == "fp8"));
     } catch (const std::exception& e) {
       fail("model.text_encoder.weights", e.what());
     }

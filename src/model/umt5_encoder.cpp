@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "io/pretrained.h"
+#include "megaslide/io/fp8.h"
 #include "megaslide/offload/weight_streamer.h"
 
 namespace megaslide {
@@ -178,7 +179,7 @@ std::string umt5_weights_file(const std::string& path) {
                   "': no weights (expected model.safetensors or model.safetensors.index.json)");
 }
 
-Umt5Encoder Umt5Encoder::load(const std::string& path, at::Device device, at::ScalarType dtype) {
+Umt5Encoder Umt5Encoder::load(const std::string& path, at::Device device, at::ScalarType dtype, bool fp8) {
   const auto file = umt5_weights_file(path);
   Umt5Config config;
   std::unique_ptr<io::MappedWeights> weights;
@@ -204,8 +205,10 @@ Umt5Encoder Umt5Encoder::load(const std::string& path, at::Device device, at::Sc
       config = infer_config(*weights, file);
     }
     const std::string embedding = weights->has(kEmbedding) || !weights->has(kEmbeddingAlt) ? kEmbedding : kEmbeddingAlt;
-    auto e = build(config, device, dtype, [&](const std::string& name, const std::vector<int64_t>& shape) {
-      return weights->take(name == kEmbedding ? embedding : name, shape, dtype);
+    auto e = build(config, device, dtype, fp8, [&](const std::string& name, const std::vector<int64_t>& shape) {
+      const std::string& stored = name == kEmbedding ? embedding : name;
+      if (weights->is_fp8(stored)) return weights->take_fp8(stored, shape, "from the model's configuration");
+      return Fp8Tensor{weights->take(stored, shape, dtype), {}};
     });
     if (weights->has(block(config.num_layers) + "layer.0.SelfAttention.q.weight"))
       throw Umt5Error("'" + file + "': the weights have more than the " + std::to_string(config.num_layers) +
@@ -217,46 +220,61 @@ Umt5Encoder Umt5Encoder::load(const std::string& path, at::Device device, at::Sc
   }
 }
 
-Umt5Encoder Umt5Encoder::random(const Umt5Config& config, uint64_t seed, at::Device device, at::ScalarType dtype) {
+Umt5Encoder Umt5Encoder::random(const Umt5Config& config, uint64_t seed, at::Device device, at::ScalarType dtype,
+                                bool fp8) {
   check_config(config, "Umt5Config");
   auto g = at::detail::createCPUGenerator(seed);
-  auto e = build(config, device, dtype, [&](const std::string& name, const std::vector<int64_t>& shape) {
-    if (shape.size() == 1) return at::ones(shape, at::kFloat);
-    if (name.find("relative_attention_bias") != std::string::npos) return at::randn(shape, g, at::kFloat);
+  auto e = build(config, device, dtype, fp8, [&](const std::string& name, const std::vector<int64_t>& shape) {
+    if (shape.size() == 1) return Fp8Tensor{at::ones(shape, at::kFloat), {}};
+    if (name.find("relative_attention_bias") != std::string::npos)
+      return Fp8Tensor{at::randn(shape, g, at::kFloat), {}};
     const double scale = name == kEmbedding ? 1.0 : 1.0 / std::sqrt(static_cast<double>(shape[1]));
-    return at::randn(shape, g, at::kFloat) * scale;
+    return Fp8Tensor{at::randn(shape, g, at::kFloat) * scale, {}};
   });
   e.source_ = "random";
   return e;
 }
 
-Umt5Encoder Umt5Encoder::build(const Umt5Config& config, at::Device device, at::ScalarType dtype,
+Umt5Encoder Umt5Encoder::build(const Umt5Config& config, at::Device device, at::ScalarType dtype, bool fp8,
                                const WeightSource& source) {
   Umt5Encoder e;
   e.config_ = config;
   e.device_ = device;
   e.dtype_ = dtype;
+  e.fp8_ = fp8;
   const auto& c = e.config_;
-  // Norm weights and the small relative-attention tables stay fp32; the matrices take `dtype`.
+  // Norm weights and the small relative-attention tables stay fp32; the embedding takes `dtype`; the layers'
+  // matrices `dtype`, or fp8 with a scale each.
+  auto value = [](const Fp8Tensor& t, at::ScalarType as) {
+    return t.scale.defined() ? dequantize_fp8(t, as) : t.data.to(as);
+  };
   auto take = [&](const std::string& name, std::vector<int64_t> shape, bool fp32) {
-    e.w_[name] = source(name, shape).to(device, fp32 ? at::kFloat : dtype);
+    e.w_[name] = value(source(name, shape), fp32 ? at::kFloat : dtype).to(device);
+  };
+  auto matrix = [&](const std::string& name, std::vector<int64_t> shape) {
+    if (!fp8) return take(name, shape, false);
+    auto t = source(name, shape);
+    // An e4m3fn matrix is kept as the file has it; any other is quantized per tensor.
+    if (t.data.scalar_type() != at::kFloat8_e4m3fn) t = quantize_fp8(value(t, at::kFloat), Fp8Scaling::kPerTensor);
+    e.w_[name] = t.data.to(device);
+    e.scale_[name] = (t.scale.defined() ? t.scale : at::ones({}, at::kFloat)).to(device, at::kFloat).reshape({});
   };
   const int64_t D = c.d_model, I = c.inner_dim(), F = c.d_ff;
   take(kEmbedding, {c.vocab_size, D}, false);
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const auto p = block(l);
-    for (const char* proj : {"q", "k", "v"}) take(p + "layer.0.SelfAttention." + proj + ".weight", {I, D}, false);
-    take(p + "layer.0.SelfAttention.o.weight", {D, I}, false);
+    for (const char* proj : {"q", "k", "v"}) matrix(p + "layer.0.SelfAttention." + proj + ".weight", {I, D});
+    matrix(p + "layer.0.SelfAttention.o.weight", {D, I});
     take(p + "layer.0.SelfAttention.relative_attention_bias.weight", {c.relative_attention_num_buckets, c.num_heads},
          true);
     take(p + "layer.0.layer_norm.weight", {D}, true);
     if (c.gated()) {
-      take(p + "layer.1.DenseReluDense.wi_0.weight", {F, D}, false);
-      take(p + "layer.1.DenseReluDense.wi_1.weight", {F, D}, false);
+      matrix(p + "layer.1.DenseReluDense.wi_0.weight", {F, D});
+      matrix(p + "layer.1.DenseReluDense.wi_1.weight", {F, D});
     } else {
-      take(p + "layer.1.DenseReluDense.wi.weight", {F, D}, false);
+      matrix(p + "layer.1.DenseReluDense.wi.weight", {F, D});
     }
-    take(p + "layer.1.DenseReluDense.wo.weight", {D, F}, false);
+    matrix(p + "layer.1.DenseReluDense.wo.weight", {D, F});
     take(p + "layer.1.layer_norm.weight", {D}, true);
   }
   take("encoder.final_layer_norm.weight", {D}, true);
@@ -270,8 +288,9 @@ struct Umt5Encoder::Stream {
     std::vector<int64_t> shape;
   };
   std::vector<std::vector<Matrix>> layers;
-  std::vector<at::Tensor> host;  // per layer, flat, the weights' dtype
-  at::Tensor embedding;          // on the CPU
+  std::vector<at::Tensor> host;    // per layer, flat, the weights' dtype (fp8: float8_e4m3fn)
+  std::vector<at::Tensor> scales;  // fp8: per layer, the matrices' scales (fp32, on the device)
+  at::Tensor embedding;            // on the CPU
   std::unique_ptr<offload::WeightStreamer> streamer;
   ~Stream() {
     try {
@@ -284,6 +303,7 @@ struct Umt5Encoder::Stream {
 Umt5Encoder Umt5Encoder::resident(Umt5Encoder encoder, at::Device device) {
   TORCH_CHECK(!encoder.stream_, "Umt5Encoder::resident: the encoder is streamed");
   for (auto& [name, t] : encoder.w_) t = t.to(device);
+  for (auto& [name, t] : encoder.scale_) t = t.to(device);
   encoder.device_ = device;
   return encoder;
 }
@@ -309,11 +329,18 @@ Umt5Encoder Umt5Encoder::streamed(Umt5Encoder encoder, at::Device device, bool a
       matrices.push_back({name, n, t.numel(), t.sizes().vec()});
       n += t.numel();
     }
-    auto flat = at::empty({n}, at::TensorOptions().dtype(encoder.dtype_).pinned_memory(pin));
+    const auto stored = encoder.fp8_ ? at::kFloat8_e4m3fn : encoder.dtype_;
+    auto flat = at::empty({n}, at::TensorOptions().dtype(stored).pinned_memory(pin));
+    std::vector<at::Tensor> scales;
     for (const auto& m : matrices) {
       flat.narrow(0, m.offset, m.numel).copy_(encoder.w_.at(m.name).reshape({-1}));
       encoder.w_.erase(m.name);  // the copy above is now the only one
+      if (encoder.fp8_) {
+        scales.push_back(encoder.scale_.at(m.name).reshape({1}));
+        encoder.scale_.erase(m.name);
+      }
     }
+    if (encoder.fp8_) s->scales.push_back(at::cat(scales).to(device));
     s->layers.push_back(std::move(matrices));
     s->host.push_back(flat);
     numels.push_back(n);
@@ -321,20 +348,41 @@ Umt5Encoder Umt5Encoder::streamed(Umt5Encoder encoder, at::Device device, bool a
   s->embedding = encoder.w_.at(kEmbedding);
   encoder.w_.erase(kEmbedding);
   for (auto& [name, t] : encoder.w_) t = t.to(device);  // norms and relative-attention tables: small
-  s->streamer = std::make_unique<offload::WeightStreamer>(
-      numels, offload::WeightStreamerOptions{device, encoder.dtype_,
-                                             async ? offload::StreamMode::kAsync : offload::StreamMode::kSync});
+  offload::WeightStreamerOptions options{device, encoder.dtype_,
+                                         async ? offload::StreamMode::kAsync : offload::StreamMode::kSync};
+  options.gradients = false;  // frozen: no gradient slots
+  if (encoder.fp8_) options.transfer_dtype = at::kFloat8_e4m3fn;
+  s->streamer = std::make_unique<offload::WeightStreamer>(numels, options);
+  if (encoder.fp8_) {
+    // The uploaded fp8 bytes of a layer into its slot, in the compute dtype, matrix by matrix.
+    Stream* stream = s.get();
+    s->streamer->set_upcast([stream](int64_t l, const at::Tensor& raw, const at::Tensor& weights) {
+      std::vector<int64_t> offsets, sizes;
+      for (const auto& m : stream->layers[static_cast<size_t>(l)]) {
+        offsets.push_back(m.offset);
+        sizes.push_back(m.numel);
+      }
+      offload::upcast_fp8_block(raw, weights, offsets, sizes, stream->scales[static_cast<size_t>(l)]);
+    });
+  }
   encoder.device_ = device;
   encoder.stream_ = std::move(s);
   return encoder;
 }
 
+at::Tensor Umt5Encoder::weight(const std::string& name) const {
+  const auto& t = w_.at(name);
+  return is_fp8(t.scalar_type()) ? dequantize_fp8({t, scale_.at(name)}, dtype_) : t;
+}
+
 int64_t Umt5Encoder::weight_bytes() const {
   int64_t n = 0;
   for (const auto& [name, t] : w_) n += static_cast<int64_t>(t.nbytes());
+  for (const auto& [name, t] : scale_) n += static_cast<int64_t>(t.nbytes());
   if (stream_) {
     n += static_cast<int64_t>(stream_->embedding.nbytes());
     for (const auto& h : stream_->host) n += static_cast<int64_t>(h.nbytes());
+    for (const auto& t : stream_->scales) n += static_cast<int64_t>(t.nbytes());
   }
   return n;
 }
@@ -359,9 +407,9 @@ at::Tensor Umt5Encoder::forward(const at::Tensor& ids_in, const at::Tensor& mask
               "Umt5Encoder: token ids must be in [0, ", c.vocab_size, ")");
   at::NoGradGuard no_grad;
   std::map<std::string, at::Tensor> slot;  // streamed: the layer's matrices, views into its device slot
-  auto w = [&](const std::string& name) -> const at::Tensor& {
+  auto w = [&](const std::string& name) -> at::Tensor {
     const auto it = slot.find(name);
-    return it != slot.end() ? it->second : w_.at(name);
+    return it != slot.end() ? it->second : weight(name);
   };
   const auto ids = ids_in.to(device_);
   // Additive key mask [B, 1, 1, L]: -inf at padding.

@@ -128,7 +128,7 @@ WanValidation::WanValidation(const RunConfig& config, const std::vector<std::str
                       error_message(e));
   }
   try {
-    t5.emplace(Umt5Encoder::load(te.weights, torch::kCPU, frozen_encoder_dtype(te.dtype, device)));
+    t5.emplace(Umt5Encoder::load(te.weights, torch::kCPU, frozen_encoder_dtype(te.dtype, device), te.dtype == "fp8"));
   } catch (const std::exception& e) {
     throw ConfigError(source, "model.text_encoder.weights", error_message(e));
   }

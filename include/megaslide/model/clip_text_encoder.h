@@ -53,8 +53,10 @@ struct ClipTextOutput {
 class ClipTextEncoder {
  public:
   // Reads DIR/config.json and DIR/model.safetensors (see above).
+  // `fp8`: the layers' matrices kept as float8_e4m3fn with a per-tensor scale (model.text_encoder.dtype: fp8),
+  // each dequantized into `dtype` when its layer runs: the output is the encoder's on those dequantized values.
   static ClipTextEncoder load(const std::string& dir, torch::Device device = torch::kCPU,
-                              torch::ScalarType dtype = torch::kFloat32);
+                              torch::ScalarType dtype = torch::kFloat32, bool fp8 = false);
   // The architecture of `config` with random weights: for benchmarks without the download.
   static ClipTextEncoder random(const ClipTextConfig& config, uint64_t seed = 0, torch::Device device = torch::kCPU,
                                 torch::ScalarType dtype = torch::kFloat32);
@@ -64,17 +66,21 @@ class ClipTextEncoder {
   const ClipTextConfig& config() const { return config_; }
   torch::Device device() const { return device_; }
   int64_t parameter_count() const;
+  bool fp8() const { return fp8_; }
+  int64_t weight_bytes() const;  // the weights' bytes as kept (fp8 matrices: 1 B an element, and their scales)
 
  private:
   using WeightSource =
       std::function<torch::Tensor(const std::string&, const std::vector<int64_t>&)>;  // (name, shape) -> CPU tensor
   static ClipTextEncoder build(const ClipTextConfig& config, torch::Device device, torch::ScalarType dtype,
-                               const WeightSource& source);
+                               const WeightSource& source, bool fp8 = false);
 
   ClipTextConfig config_;
   torch::Device device_ = torch::kCPU;
   torch::ScalarType dtype_ = torch::kFloat32;
-  std::map<std::string, torch::Tensor> w_;  // transformers' names without the text_model. prefix
+  bool fp8_ = false;
+  std::map<std::string, torch::Tensor> w_;      // transformers' names without the text_model. prefix
+  std::map<std::string, torch::Tensor> scale_;  // fp8: the layers' matrices' scales
 };
 
 }  // namespace megaslide

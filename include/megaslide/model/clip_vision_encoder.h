@@ -131,8 +131,11 @@ struct ClipVisionFileHints {
 class ClipVisionEncoder {
  public:
   // A folder (diffusers' image_encoder/) or a .safetensors file (ComfyUI's), see above.
+  // `fp8`: the layers' matrices kept as float8_e4m3fn with a per-tensor scale (model.image_encoder.dtype: fp8),
+  // each dequantized into `dtype` when its layer runs: the output is the encoder's on those dequantized values.
   static ClipVisionEncoder load(const std::string& path, torch::Device device = torch::kCPU,
-                                torch::ScalarType dtype = torch::kFloat32, const ClipVisionFileHints& hints = {});
+                                torch::ScalarType dtype = torch::kFloat32, const ClipVisionFileHints& hints = {},
+                                bool fp8 = false);
   // The architecture of `config` with random weights and default preprocessing, for benchmarks.
   static ClipVisionEncoder random(const ClipVisionConfig& config, uint64_t seed = 0, torch::Device device = torch::kCPU,
                                   torch::ScalarType dtype = torch::kFloat32);
@@ -155,19 +158,23 @@ class ClipVisionEncoder {
   torch::Device device() const { return device_; }
   torch::ScalarType dtype() const { return dtype_; }
   int64_t parameter_count() const;
+  bool fp8() const { return fp8_; }
+  int64_t weight_bytes() const;  // the weights' bytes as kept (fp8 matrices: 1 B an element, and their scales)
 
  private:
   using WeightSource =
       std::function<torch::Tensor(const std::string&, const std::vector<int64_t>&)>;  // (name, shape) -> CPU tensor
   static ClipVisionEncoder build(const ClipVisionConfig& config, torch::Device device, torch::ScalarType dtype,
-                                 const WeightSource& source);
+                                 const WeightSource& source, bool fp8 = false);
 
   ClipVisionConfig config_;
   ClipImagePreprocessing preprocessing_;
   std::string preprocessing_source_;
   torch::Device device_ = torch::kCPU;
   torch::ScalarType dtype_ = torch::kFloat32;
-  std::map<std::string, torch::Tensor> w_;  // transformers' names without the vision_model. prefix
+  bool fp8_ = false;
+  std::map<std::string, torch::Tensor> w_;      // transformers' names without the vision_model. prefix
+  std::map<std::string, torch::Tensor> scale_;  // fp8: the layers' matrices' scales
 };
 
 }  // namespace megaslide

@@ -13,7 +13,8 @@
 namespace megaslide {
 
 // The dtype an encoder runs in for model.text_encoder.dtype / model.vae.dtype `name` on `device`: bf16
-// applies on a GPU; on a CPU (slow there, and nothing to gain) the encoders run in fp32.
+// applies on a GPU; on a CPU (slow there, and nothing to gain) the encoders run in fp32. fp8 (umT5's
+// matrices kept in 8 bits, Umt5Encoder::load's `fp8`) computes as bf16 does.
 torch::ScalarType frozen_encoder_dtype(const std::string& name, torch::Device device);
 
 // model.vae.tile_size and tile_overlap as the Wan VAE's tiling (nullopt: whole frames): the overlap

@@ -29,6 +29,17 @@
 // Frozen: no gradients. Weights live on `device` in `dtype` (fp32, or bf16/fp16); norms, the residual
 // stream and the output are fp32.
 //
+// fp8 weights (`fp8` at load; model.text_encoder.dtype: fp8): every layer's seven matrices are kept as
+// float8_e4m3fn with one fp32 scale per tensor (io/fp8.h), 1 B per parameter — 4.6 GB for umT5-XXL's layers
+// against bf16's 9.3 GB; the embedding and the rest keep `dtype`. A matrix the file stores as e4m3fn (ComfyUI's
+// umt5_xxl_fp8_e4m3fn(_scaled) files) is kept as it is, with its scale; any other is quantized per tensor
+// (quantize_fp8 kPerTensor). The layers compute in `dtype` on the dequantized matrices, so the output equals
+// the encoder loaded in `dtype` from a file holding those dequantized values. Streamed, the fp8 bytes cross
+// PCIe (half of bf16's) and are upcast on the device.
+//
+// fp8 files load in any mode: an F8_E4M3 / F8_E5M2 tensor is its data × its per-tensor scale
+// ("<layer>.scale_weight" or "<layer>.weight_scale", else 1).
+//
 // Streamed (Umt5Encoder::streamed, for a device umT5-XXL does not fit): every layer's seven matrices (q, k,
 // v, o, wi_0, wi_1, wo) stay in host RAM, one flat buffer per layer (page-locked for a GPU), and visit the
 // device layer by layer through a WeightStreamer (offload/weight_streamer.h: two slots, the next layer
@@ -47,6 +58,7 @@
 #include <vector>
 
 #include "megaslide/io/files.h"
+#include "megaslide/io/fp8.h"
 
 namespace megaslide {
 
@@ -78,7 +90,8 @@ class Umt5Encoder {
  public:
   // `path`: a folder in transformers' layout (or a diffusers repository root with text_encoder/), an
   // index.json, or a single .safetensors file (ComfyUI's layout).
-  static Umt5Encoder load(const std::string& path, at::Device device = at::kCPU, at::ScalarType dtype = at::kFloat);
+  static Umt5Encoder load(const std::string& path, at::Device device = at::kCPU, at::ScalarType dtype = at::kFloat,
+                          bool fp8 = false);
   // `encoder` (whose weights must be on the CPU) moved to `device` whole, or with its layers streamed as
   // above. `async`: copies overlap compute (CUDA streams; emulated copy threads on the CPU); else in line.
   static Umt5Encoder resident(Umt5Encoder encoder, at::Device device);
@@ -88,7 +101,7 @@ class Umt5Encoder {
   int64_t weight_bytes() const;
   // The architecture of `config` with random weights: for benchmarks without the download.
   static Umt5Encoder random(const Umt5Config& config, uint64_t seed = 0, at::Device device = at::kCPU,
-                            at::ScalarType dtype = at::kFloat);
+                            at::ScalarType dtype = at::kFloat, bool fp8 = false);
 
   // last_hidden_state [B, L, d_model] float32 for ids [B, L] int64 and mask [B, L] (any integer or bool
   // dtype, 1 for tokens; every row needs at least one token). An undefined mask attends everywhere.
@@ -98,23 +111,29 @@ class Umt5Encoder {
 
   const Umt5Config& config() const { return config_; }
   at::Device device() const { return device_; }
-  at::ScalarType dtype() const { return dtype_; }
+  at::ScalarType dtype() const { return dtype_; }  // the compute dtype
+  bool fp8() const { return fp8_; }                // the layers' matrices kept as fp8
   int64_t parameter_count() const;
   // Where the weights came from (a file or an index).
   const std::string& source() const { return source_; }
 
  private:
-  using WeightSource =
-      std::function<at::Tensor(const std::string&, const std::vector<int64_t>&)>;  // (name, shape) -> CPU tensor
-  static Umt5Encoder build(const Umt5Config& config, at::Device device, at::ScalarType dtype,
+  // (name, shape) -> the CPU tensor as the file holds it: data in `dtype` (scale undefined), or fp8 data and its
+  // scale.
+  using WeightSource = std::function<Fp8Tensor(const std::string&, const std::vector<int64_t>&)>;
+  static Umt5Encoder build(const Umt5Config& config, at::Device device, at::ScalarType dtype, bool fp8,
                            const WeightSource& source);
+  // The weight `name` in the compute dtype: w_'s, dequantized when it is fp8.
+  at::Tensor weight(const std::string& name) const;
 
   Umt5Config config_;
   at::Device device_ = at::kCPU;
   at::ScalarType dtype_ = at::kFloat;
   std::string source_;
-  std::map<std::string, at::Tensor> w_;  // transformers' names, shared.weight for the embedding
-  struct Stream;                         // the streamed layers (null when resident)
+  bool fp8_ = false;
+  std::map<std::string, at::Tensor> w_;      // transformers' names, shared.weight for the embedding
+  std::map<std::string, at::Tensor> scale_;  // fp8: each matrix's fp32 scale, beside w_'s fp8 data
+  struct Stream;                             // the streamed layers (null when resident)
   std::shared_ptr<Stream> stream_;
 };
 
