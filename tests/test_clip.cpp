@@ -285,7 +285,8 @@ void write_fp8_values_copy(const std::string& folder, const std::string& dir, in
 
 // The property: with fp8 weights (model.text_encoder.dtype: fp8) CLIP's text encoder keeps each layer matrix as
 // float8_e4m3fn with one fp32 scale (its weights take 3 B less per matrix element and 4 B more per matrix) and
-// computes bit for bit what it computes, in fp32, from a folder holding those matrices' dequantized values.
+// computes bit for bit what it computes, in fp32, from a folder holding those matrices' dequantized values, as
+// from a folder in ComfyUI's scaled fp8 layout.
 TEST(ClipTextEncoder, Fp8WeightsComputeAsTheirDequantizedValues) {
   const auto source = kFixtures + "clip/text_only";
   const auto dir = temp_dir("fp8");
@@ -301,5 +302,22 @@ TEST(ClipTextEncoder, Fp8WeightsComputeAsTheirDequantizedValues) {
   const auto a = fp8.forward(ids), b = reference.forward(ids);
   EXPECT_TRUE(torch::equal(a.last_hidden_state, b.last_hidden_state));
   EXPECT_TRUE(torch::equal(a.pooled, b.pooled));
+  // A folder in ComfyUI's scaled fp8 layout (F8_E4M3 matrices, <layer>.scale_weight) reads as data x scale.
+  megaslide::io::NamedTensors scaled;
+  for (auto& [name, t] : megaslide::io::read_safetensors(source + "/model.safetensors").tensors) {
+    if (name.rfind("encoder.layers.", 0) != 0 || name.find("layer_norm") != std::string::npos ||
+        name.compare(name.size() - 7, 7, ".weight") != 0) {
+      scaled.emplace_back(name, t);
+      continue;
+    }
+    const auto q = megaslide::quantize_fp8(t.to(torch::kFloat32), megaslide::Fp8Scaling::kPerTensor);
+    scaled.emplace_back(name, q.data);
+    scaled.emplace_back(name.substr(0, name.size() - 7) + ".scale_weight", q.scale);
+  }
+  megaslide::io::make_directories(dir + "/scaled");
+  megaslide::io::write_safetensors(dir + "/scaled/model.safetensors", scaled);
+  megaslide::io::write_file_atomically(dir + "/scaled/config.json", megaslide::io::read_file(source + "/config.json"));
+  EXPECT_TRUE(torch::equal(ClipTextEncoder::load(dir + "/scaled").forward(ids).last_hidden_state, b.last_hidden_state))
+      << "the scaled fp8 folder's values";
   megaslide::io::remove_tree(dir);
 }
