@@ -14,6 +14,7 @@
 #include "megaslide/io/files.h"
 #include "megaslide/io/fp8.h"
 #include "megaslide/io/safetensors.h"
+#include "clip_fp8_copy.h"
 #include "megaslide/model/clip_text_encoder.h"
 #include "megaslide/model/clip_tokenizer.h"
 
@@ -256,33 +257,6 @@ TEST(ClipTextEncoder, RealWeightsWhenDownloaded) {
   EXPECT_GT(cos(0, 1), cos(0, 2));
 }
 
-namespace {
-
-// A CLIP folder's copy in `dir` whose layer matrices hold their fp8 values: dequantize_fp8(quantize_fp8(W)), per
-// tensor. Counts the matrices and their elements.
-void write_fp8_values_copy(const std::string& folder, const std::string& dir, int64_t& matrices, int64_t& elements) {
-  megaslide::io::NamedTensors tensors;
-  for (auto& [name, t] : megaslide::io::read_safetensors(folder + "/model.safetensors").tensors) {
-    const auto at = name.find("encoder.layers.");
-    const bool matrix = (at == 0 || (at != std::string::npos && name[at - 1] == '.')) &&
-                        name.find("layer_norm") == std::string::npos && name.size() > 7 &&
-                        name.compare(name.size() - 7, 7, ".weight") == 0;
-    if (!matrix) {
-      tensors.emplace_back(name, t);
-      continue;
-    }
-    tensors.emplace_back(name, megaslide::dequantize_fp8(
-                                   megaslide::quantize_fp8(t.to(torch::kFloat32), megaslide::Fp8Scaling::kPerTensor)));
-    ++matrices;
-    elements += t.numel();
-  }
-  megaslide::io::make_directories(dir);
-  megaslide::io::write_safetensors(dir + "/model.safetensors", tensors);
-  megaslide::io::write_file_atomically(dir + "/config.json", megaslide::io::read_file(folder + "/config.json"));
-}
-
-}  // namespace
-
 // The property: with fp8 weights (model.text_encoder.dtype: fp8) CLIP's text encoder keeps each layer matrix as
 // float8_e4m3fn with one fp32 scale (its weights take 3 B less per matrix element and 4 B more per matrix) and
 // computes bit for bit what it computes, in fp32, from a folder holding those matrices' dequantized values, as
@@ -291,7 +265,7 @@ TEST(ClipTextEncoder, Fp8WeightsComputeAsTheirDequantizedValues) {
   const auto source = kFixtures + "clip/text_only";
   const auto dir = temp_dir("fp8");
   int64_t matrices = 0, elements = 0;
-  write_fp8_values_copy(source, dir + "/values", matrices, elements);
+  megaslide::testing::write_fp8_values_copy(source, dir + "/values", matrices, elements);
   EXPECT_EQ(matrices, 3 * 6) << "three layers: q, k, v, out_proj, fc1, fc2";
   const auto ids = read_fixture(kFixtures + "clip/reference.safetensors").tensors.at("ids");
   const auto reference = ClipTextEncoder::load(dir + "/values");

@@ -107,6 +107,69 @@ std::string trained_dit_base(const std::string& yaml, const std::string& dir) {
   return config.output.run_dir;
 }
 
+const std::string kFixtures = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures";
+
+// A reference file's tensors by name.
+std::map<std::string, torch::Tensor> read_reference(const std::string& file) {
+  std::map<std::string, torch::Tensor> r;
+  for (auto& [name, t] : megaslide::io::read_safetensors(file).tensors) r[name] = t;
+  return r;
+}
+
+// tests/fixtures/trained_lora's run (LoRA on the fixture DiT "a", its latents) in `dir`/run, with `extra` settings.
+RunConfig fixture_dit_run(const std::string& dir, std::vector<std::string> extra = {}) {
+  std::vector<std::string> overrides{"model.wan.weights=" + kFixtures + "/wan/a/diffusers",
+                                     "data.tensors=" + kFixtures + "/trained_lora/data.safetensors",
+                                     "output.run_dir=" + dir + "/run"};
+  overrides.insert(overrides.end(), extra.begin(), extra.end());
+  return megaslide::load_run_config(kFixtures + "/trained_lora/run.yaml", overrides);
+}
+
+// Trains the run `config` names and exports it: `dir`/<stem>.safetensors (diffusers' layout), then, resuming the
+// finished run, <stem>-comfy.safetensors (ComfyUI's) and merged.safetensors (--export-merged).
+void train_and_export(const RunConfig& config, const std::string& dir, const std::string& stem) {
+  megaslide::TrainingRunOptions options;
+  options.export_weights = dir + "/" + stem + ".safetensors";
+  megaslide::run_training(config, options);
+  options.export_weights = dir + "/" + stem + "-comfy.safetensors";
+  options.export_layout = megaslide::WanWeightsLayout::kComfyUI;
+  options.resume = "latest";
+  megaslide::run_training(config, options);  // complete: it exports without training
+  options.export_weights.clear();
+  options.export_layout = megaslide::WanWeightsLayout::kDiffusers;
+  options.export_merged = dir + "/merged.safetensors";
+  megaslide::run_training(config, options);
+}
+
+// Trains `steps` steps of `config` on tiny_data(), saving a checkpoint after step `saved_after`, then resumes that
+// checkpoint in a fresh trainer and expects the later steps' losses and the final adapters bit for bit. Returns how
+// many of the uninterrupted run's steps were taken (not skipped).
+int expect_resumes_bit_exactly(const RunConfig& config, int steps, int saved_after, const std::string& name) {
+  const auto dir = temp_dir(name);
+  std::vector<double> losses;
+  megaslide::io::NamedTensors after;
+  int taken = 0;
+  {
+    Trainer trainer = wan_trainer(config, tiny_data());
+    for (int s = 0; s < steps; ++s) {
+      const auto m = trainer.step();
+      losses.push_back(m.loss);
+      taken += m.skipped ? 0 : 1;
+      if (s + 1 == saved_after) megaslide::save_checkpoint(dir, config, trainer.training_state());
+    }
+    after = copies(trainer.master_weights());
+  }
+  Trainer resumed = wan_trainer(config, tiny_data());
+  auto state = resumed.training_state();
+  megaslide::load_checkpoint(megaslide::latest_checkpoint(dir), config, state);
+  resumed.load_training_state(state);
+  for (int s = saved_after; s < steps; ++s)
+    EXPECT_EQ(resumed.step().loss, losses[static_cast<size_t>(s)]) << name << ", step " << s + 1;
+  EXPECT_EQ(max_difference(after, resumed.master_weights()), 0.0) << name;
+  megaslide::io::remove_tree(dir);
+  return taken;
+}
+
 }  // namespace
 
 // The property: LoRA trained by the streamed trainer (the frozen blocks uploaded from the host store, the
@@ -256,17 +319,7 @@ TEST(LoraTraining, ExportedLoraIsTheTrainedModelAndStartsAnotherRun) {
                                    {{"latents", data.latents}, {"text", data.text}, {"empty_text", data.empty_text}});
   const auto config = tiny_config({"data.tensors=" + tensors, "train.steps=4", "train.checkpoint_every=4",
                                    "output.progress=false", "offload.enabled=false", "output.run_dir=" + dir + "/run"});
-  megaslide::TrainingRunOptions options;
-  options.export_weights = dir + "/lora.safetensors";
-  megaslide::run_training(config, options);
-  options.export_weights = dir + "/lora-comfy.safetensors";
-  options.export_layout = megaslide::WanWeightsLayout::kComfyUI;
-  options.resume = "latest";
-  megaslide::run_training(config, options);  // complete: it exports without training
-  options.export_weights.clear();
-  options.export_layout = megaslide::WanWeightsLayout::kDiffusers;
-  options.export_merged = dir + "/merged.safetensors";
-  megaslide::run_training(config, options);
+  train_and_export(config, dir, "lora");
 
   // The trained model: the run's checkpoint in a trainer (its base is the seeded initialisation).
   auto from_run = config;
@@ -355,7 +408,7 @@ TEST(LoraTraining, BadSettingsAreNamed) {
     overrides.push_back(setting);
     expect_error_naming<megaslide::ConfigError>([&] { tiny_config(overrides); }, {key});
   }
-  const std::string peft_lokr = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/wan_lokr/lokr.safetensors";
+  const std::string peft_lokr = kFixtures + "/wan_lokr/lokr.safetensors";
   expect_error_naming<megaslide::InitFromError>(
       [&] {
         wan_trainer(tiny_config({"model.wan.layers=2", "train.init_from=" + peft_lokr}), tiny_data());
@@ -463,16 +516,10 @@ TEST(LoraTraining, Fp8WithATrainableOrResidentBaseIsRefused) {
 // from that file within 1e-5 (fp32), attached as adapters (train.init_from of the file) and merged into the
 // weights; the same run trained here again exports the same adapters (names, metadata, values within 1e-5).
 TEST(LoraTraining, DiffusersLoadsTheLoraMegaslideTrainsAndComputesOurOutput) {
-  const std::string fixtures = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures";
-  const std::string committed = fixtures + "/trained_lora/lora.safetensors";
-  std::map<std::string, torch::Tensor> r;
-  for (auto& [name, t] : megaslide::io::read_safetensors(fixtures + "/trained_lora/reference.safetensors").tensors)
-    r[name] = t;
+  const std::string committed = kFixtures + "/trained_lora/lora.safetensors";
+  const auto r = read_reference(kFixtures + "/trained_lora/reference.safetensors");
   const auto dir = temp_dir("diffusers");
-  const auto config = megaslide::load_run_config(
-      fixtures + "/trained_lora/run.yaml",
-      {"model.wan.weights=" + fixtures + "/wan/a/diffusers",
-       "data.tensors=" + fixtures + "/trained_lora/data.safetensors", "output.run_dir=" + dir + "/run"});
+  const auto config = fixture_dit_run(dir);
   megaslide::TrainingRunOptions options;
   options.export_weights = dir + "/lora.safetensors";
   megaslide::run_training(config, options);
@@ -667,25 +714,8 @@ TEST(LoraTraining, LokrStreamedEqualsResidentAndResumesBitExactly) {
   EXPECT_LT(worst, 1e-5);
   EXPECT_GT(streamed.master_weights()[0].second.abs().max().item<double>(), 0.0) << "W1 trained";
 
-  auto config = tiny_config({"lora.type=lokr", "lora.rank=3", "offload.compute_dtype=bf16"});
-  const auto dir = temp_dir("lokr-resume");
-  std::vector<double> losses;
-  megaslide::io::NamedTensors after;
-  {
-    Trainer trainer = wan_trainer(config, tiny_data());
-    for (int s = 0; s < 5; ++s) {
-      losses.push_back(trainer.step().loss);
-      if (s == 1) megaslide::save_checkpoint(dir, config, trainer.training_state());
-    }
-    after = copies(trainer.master_weights());
-  }
-  Trainer resumed = wan_trainer(config, tiny_data());
-  auto state = resumed.training_state();
-  megaslide::load_checkpoint(megaslide::latest_checkpoint(dir), config, state);
-  resumed.load_training_state(state);
-  for (int s = 2; s < 5; ++s) EXPECT_EQ(resumed.step().loss, losses[static_cast<size_t>(s)]) << "step " << s + 1;
-  EXPECT_EQ(max_difference(after, resumed.master_weights()), 0.0);
-  megaslide::io::remove_tree(dir);
+  expect_resumes_bit_exactly(tiny_config({"lora.type=lokr", "lora.rank=3", "offload.compute_dtype=bf16"}), 5, 2,
+                             "lokr-resume");
 }
 
 // The property (tests/fixtures/wan_lokr): PEFT's LoKr file starts a LoKr run's adapters (train.init_from, alpha 7
@@ -693,17 +723,11 @@ TEST(LoraTraining, LokrStreamedEqualsResidentAndResumesBitExactly) {
 // exported LoKr files (diffusers' layout, and ComfyUI's with LyCORIS' scale), merged into the base, give the
 // trained model's output within 1e-5, and --export-merged writes base + ΔW.
 TEST(LoraTraining, PeftLokrStartsARunWhoseExportsAreTheTrainedModel) {
-  const std::string fixtures = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures";
-  std::map<std::string, torch::Tensor> r;
-  for (auto& [name, t] : megaslide::io::read_safetensors(fixtures + "/wan_lokr/reference.safetensors").tensors)
-    r[name] = t;
+  const auto r = read_reference(kFixtures + "/wan_lokr/reference.safetensors");
   const auto dir = temp_dir("lokr-export");
-  const auto config = megaslide::load_run_config(
-      fixtures + "/trained_lora/run.yaml",
-      {"model.wan.weights=" + fixtures + "/wan/a/diffusers",
-       "data.tensors=" + fixtures + "/trained_lora/data.safetensors", "output.run_dir=" + dir + "/run",
-       "lora.type=lokr", "lora.rank=3", "lora.alpha=7", "train.steps=2", "train.checkpoint_every=2",
-       "train.init_from=" + fixtures + "/wan_lokr/lokr.safetensors"});
+  const auto config =
+      fixture_dit_run(dir, {"lora.type=lokr", "lora.rank=3", "lora.alpha=7", "train.steps=2",
+                            "train.checkpoint_every=2", "train.init_from=" + kFixtures + "/wan_lokr/lokr.safetensors"});
   const double scale = std::max(1.0, r.at("out_lokr").abs().max().item<double>());
   {
     Trainer started = megaslide::make_trainer(config);
@@ -716,17 +740,7 @@ TEST(LoraTraining, PeftLokrStartsARunWhoseExportsAreTheTrainedModel) {
     std::cout << "LoKr adapters from PEFT's file against PEFT's output: " << error << "\n";
     EXPECT_LT(error, 1e-5);
   }
-  megaslide::TrainingRunOptions options;
-  options.export_weights = dir + "/lokr.safetensors";
-  megaslide::run_training(config, options);
-  options.export_weights = dir + "/lokr-comfy.safetensors";
-  options.export_layout = megaslide::WanWeightsLayout::kComfyUI;
-  options.resume = "latest";
-  megaslide::run_training(config, options);
-  options.export_weights.clear();
-  options.export_layout = megaslide::WanWeightsLayout::kDiffusers;
-  options.export_merged = dir + "/merged.safetensors";
-  megaslide::run_training(config, options);
+  train_and_export(config, dir, "lokr");
 
   auto from_run = config;
   from_run.train.init_from = dir + "/run";
@@ -776,27 +790,6 @@ TEST(LoraTraining, Fp16LossScalingSkipsOverflowsAndResumesBitExactly) {
     EXPECT_EQ(t.engine()->loss_scale(), scale / 2);
     EXPECT_EQ(max_difference(before, t.master_weights()), 0.0) << "a skipped step changes no adapter";
   }
-  auto config = tiny_config({"offload.compute_dtype=fp16"});
-  const auto dir = temp_dir("fp16-resume");
-  std::vector<double> losses;
-  megaslide::io::NamedTensors after;
-  int taken = 0;
-  {
-    Trainer trainer = wan_trainer(config, tiny_data());
-    for (int s = 0; s < 6; ++s) {
-      const auto m = trainer.step();
-      losses.push_back(m.loss);
-      taken += m.skipped ? 0 : 1;
-      if (s == 2) megaslide::save_checkpoint(dir, config, trainer.training_state());
-    }
-    after = copies(trainer.master_weights());
-  }
-  EXPECT_GT(taken, 0) << "the default scale lets steps through";
-  Trainer resumed = wan_trainer(config, tiny_data());
-  auto state = resumed.training_state();
-  megaslide::load_checkpoint(megaslide::latest_checkpoint(dir), config, state);
-  resumed.load_training_state(state);
-  for (int s = 3; s < 6; ++s) EXPECT_EQ(resumed.step().loss, losses[static_cast<size_t>(s)]) << "step " << s + 1;
-  EXPECT_EQ(max_difference(after, resumed.master_weights()), 0.0);
-  megaslide::io::remove_tree(dir);
+  EXPECT_GT(expect_resumes_bit_exactly(tiny_config({"offload.compute_dtype=fp16"}), 6, 3, "fp16-resume"), 0)
+      << "the default scale lets steps through";
 }
