@@ -344,11 +344,17 @@ TEST_F(Umt5EncoderGolden, StreamedLayersEqualResidentBitForBit) {
 
 TEST_F(Umt5EncoderGolden, StreamedLayersOnTheGpu_CUDA) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no GPU";
-  // CUDA streams and pinned host layers: transformers' output within 1e-4, as the resident encoder.
+  // CUDA streams and pinned host layers: transformers' output within 1e-4, as the resident encoder; with fp8
+  // weights, the CPU's fp8 encoder's output within 1e-5.
   auto streamed = Umt5Encoder::streamed(Umt5Encoder::load(kFixtures + "umt5/hf"), torch::kCUDA);
   auto resident = Umt5Encoder::load(kFixtures + "umt5/hf", torch::kCUDA);
   EXPECT_LT(max_error(streamed.embed(ids_, mask_).cpu(), ref_.tensors.at("hf.hidden")), 1e-4);
   EXPECT_LT(max_error(streamed.embed(ids_, mask_).cpu(), resident.embed(ids_, mask_).cpu()), 1e-5);
+  // fp8 weights: the fp8 bytes uploaded and upcast in the slot on the GPU give the CPU's fp8 encoder's output.
+  auto fp8 =
+      Umt5Encoder::streamed(Umt5Encoder::load(kFixtures + "umt5/hf", torch::kCPU, torch::kFloat32, true), torch::kCUDA);
+  const auto cpu = Umt5Encoder::load(kFixtures + "umt5/hf", torch::kCPU, torch::kFloat32, true);
+  EXPECT_LT(max_error(fp8.embed(ids_, mask_).cpu(), cpu.embed(ids_, mask_)), 1e-5);
 }
 
 // The property: umT5 with fp8 weights (Umt5Encoder::load's fp8, model.text_encoder.dtype: fp8) keeps each layer
