@@ -270,6 +270,8 @@ torch::Tensor MappedWeights::take(const std::string& name, const std::vector<int
   if (!c10::isFloatingType(e.dtype))
     throw PretrainedError("'" + m.path + "': tensor '" + name + "' is " + safetensors_dtype_name(e.dtype) +
                           ", expected floating point (F32, F16 or BF16)");
+  // An fp8 tensor asked for in another dtype: its value, data × its scale (take_fp8 reads and checks the data).
+  if (megaslide::is_fp8(e.dtype) && dtype != e.dtype) return dequantize_fp8(take_fp8(name, shape, context), dtype);
   const size_t offset = m.header.data_start + e.begin;
   if (offset + (e.end - e.begin) > m.bytes)
     throw PretrainedError("'" + m.path + "': tensor '" + name + "' lies past the end of the file");
@@ -286,8 +288,6 @@ torch::Tensor MappedWeights::take(const std::string& name, const std::vector<int
   } catch (const io::NonFiniteWeightsError& err) {
     throw PretrainedError(err.what());
   }
-  // An fp8 tensor asked for in another dtype: its value, data × its scale.
-  if (megaslide::is_fp8(e.dtype) && dtype != e.dtype) return dequantize_fp8(take_fp8(name, shape, context), dtype);
   // A copy in any case: the result must not keep pointing into the mapping. Safetensors aligns data to its
   // element size only by convention: an unaligned tensor is copied through an aligned buffer.
   if (reinterpret_cast<uintptr_t>(data) % c10::elementSize(e.dtype) == 0)

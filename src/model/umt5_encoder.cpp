@@ -288,9 +288,10 @@ struct Umt5Encoder::Stream {
     std::vector<int64_t> shape;
   };
   std::vector<std::vector<Matrix>> layers;
-  std::vector<at::Tensor> host;    // per layer, flat, the weights' dtype (fp8: float8_e4m3fn)
-  std::vector<at::Tensor> scales;  // fp8: per layer, the matrices' scales (fp32, on the device)
-  at::Tensor embedding;            // on the CPU
+  std::vector<at::Tensor> host;                       // per layer, flat, the weights' dtype (fp8: float8_e4m3fn)
+  std::vector<at::Tensor> scales;                     // fp8: per layer, the matrices' scales (fp32, on the device)
+  std::vector<std::vector<int64_t>> offsets, numels;  // fp8: per layer, the matrices' places in the flat buffer
+  at::Tensor embedding;                               // on the CPU
   std::unique_ptr<offload::WeightStreamer> streamer;
   ~Stream() {
     try {
@@ -340,7 +341,15 @@ Umt5Encoder Umt5Encoder::streamed(Umt5Encoder encoder, at::Device device, bool a
         encoder.scale_.erase(m.name);
       }
     }
-    if (encoder.fp8_) s->scales.push_back(at::cat(scales).to(device));
+    if (encoder.fp8_) {
+      s->scales.push_back(at::cat(scales).to(device));
+      s->offsets.emplace_back();
+      s->numels.emplace_back();
+      for (const auto& m : matrices) {
+        s->offsets.back().push_back(m.offset);
+        s->numels.back().push_back(m.numel);
+      }
+    }
     s->layers.push_back(std::move(matrices));
     s->host.push_back(flat);
     numels.push_back(n);
@@ -357,12 +366,8 @@ Umt5Encoder Umt5Encoder::streamed(Umt5Encoder encoder, at::Device device, bool a
     // The uploaded fp8 bytes of a layer into its slot, in the compute dtype, matrix by matrix.
     Stream* stream = s.get();
     s->streamer->set_upcast([stream](int64_t l, const at::Tensor& raw, const at::Tensor& weights) {
-      std::vector<int64_t> offsets, sizes;
-      for (const auto& m : stream->layers[static_cast<size_t>(l)]) {
-        offsets.push_back(m.offset);
-        sizes.push_back(m.numel);
-      }
-      offload::upcast_fp8_block(raw, weights, offsets, sizes, stream->scales[static_cast<size_t>(l)]);
+      const auto i = static_cast<size_t>(l);
+      offload::upcast_fp8_block(raw, weights, stream->offsets[i], stream->numels[i], stream->scales[i]);
     });
   }
   encoder.device_ = device;

@@ -126,17 +126,14 @@ WanLora read_wan_lora(const std::string& path, const std::vector<std::string>& w
   }
   std::map<std::string, LoraAdapter> read;  // by module key
   std::map<std::string, at::Tensor> alphas;
-  static const std::vector<std::pair<std::string, std::string>> kSuffixes = {{".lora_A.weight", "lora_A.weight"},
-                                                                             {".lora_B.weight", "lora_B.weight"},
-                                                                             {".lora_down.weight", "lora_A.weight"},
-                                                                             {".lora_up.weight", "lora_B.weight"},
-                                                                             {".lokr_w1", "lokr_w1"},
-                                                                             {".lokr_w1_a", "lokr_w1_a"},
-                                                                             {".lokr_w1_b", "lokr_w1_b"},
-                                                                             {".lokr_w2", "lokr_w2"},
-                                                                             {".lokr_w2_a", "lokr_w2_a"},
-                                                                             {".lokr_w2_b", "lokr_w2_b"},
-                                                                             {".alpha", ""}};
+  // The file's suffixes and the adapter's part each names: PEFT's (lora_suffixes()), ComfyUI's and musubi's
+  // lora_down / lora_up, and ".alpha" (part "").
+  static const std::vector<std::pair<std::string, std::string>> kSuffixes = [] {
+    std::vector<std::pair<std::string, std::string>> out{
+        {".lora_down.weight", "lora_A.weight"}, {".lora_up.weight", "lora_B.weight"}, {".alpha", ""}};
+    for (const auto& s : lora_suffixes()) out.emplace_back("." + s, s);
+    return out;
+  }();
   for (auto& [name, t] : file.tensors) {
     if (name.find("dora_scale") != std::string::npos || name.find("magnitude") != std::string::npos)
       fail("tensor '" + name + "' is DoRA's; DoRA adapters are not supported");
