@@ -28,6 +28,8 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <map>
+#include <tuple>
 #include <vector>
 
 #include "megaslide/diffusion/wan_text_to_video.h"
@@ -140,10 +142,17 @@ TEST(HostMemory, PlanMatchesTheResidentSetSizeOfAStreamedRun) {
     warm.step();
     warm.synchronize();
   }
-  for (const auto& [state, compute] : std::vector<std::pair<std::string, std::string>>{
-           {"fp32", "bf16"}, {"int8", "bf16"}, {"fp32", "fp32"}, {"int8", "fp32"}}) {
-    SCOPED_TRACE(state + " moments, " + compute + " compute");
-    const auto config = small_50m(state, compute);
+  std::map<std::string, std::pair<double, double>> steady;  // measured and planned, by variant
+  for (const auto& [state, compute, tier] : std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"fp32", "bf16", "ram"},
+           {"int8", "bf16", "ram"},
+           {"fp32", "fp32", "ram"},
+           {"int8", "fp32", "ram"},
+           {"fp32", "bf16", "nvme"}}) {
+    SCOPED_TRACE(state + " moments, " + compute + " compute, " + tier + " tier");
+    auto config = small_50m(state, compute);
+    config.offload.state_tier = tier;  // nvme: the masters and moments in a file in /tmp, 2 blocks' in RAM
+    config.offload.nvme_dir = "/tmp";
     const auto plan = plan::plan_step(config, plan::load_hardware_profile("h200"));
     const auto m = measure([&] { return std::make_unique<Trainer>(streamed_trainer(config)); });
     if (m.construction_peak < 0) GTEST_SKIP() << "/proc/self/clear_refs is not writable here";
@@ -153,14 +162,20 @@ TEST(HostMemory, PlanMatchesTheResidentSetSizeOfAStreamedRun) {
     RecordProperty(state + "_" + compute + "_start_ratio", std::to_string(start_ratio));
     RecordProperty(state + "_" + compute + "_steady_ratio", std::to_string(steady_ratio));
     std::printf(
-        "%s moments, %s compute: start-up %.1f MB measured, %.1f MB planned (%.3f); after a step %.1f MB measured, "
-        "%.1f MB "
-        "planned (%.3f), %.1f MB before malloc_trim\n",
-        state.c_str(), compute.c_str(), m.construction_peak / 1e6, expected_start / 1e6, start_ratio, m.steady / 1e6,
-        expected_steady / 1e6, steady_ratio, m.untrimmed / 1e6);
+        "%s moments, %s compute, %s tier: start-up %.1f MB measured, %.1f MB planned (%.3f); after a step %.1f MB "
+        "measured, %.1f MB planned (%.3f), %.1f MB before malloc_trim\n",
+        state.c_str(), compute.c_str(), tier.c_str(), m.construction_peak / 1e6, expected_start / 1e6, start_ratio,
+        m.steady / 1e6, expected_steady / 1e6, steady_ratio, m.untrimmed / 1e6);
     EXPECT_NEAR(start_ratio, 1.0, 0.05);
     EXPECT_NEAR(steady_ratio, 1.0, 0.05);
+    steady[state + compute + tier] = {static_cast<double>(m.steady), expected_steady};
   }
+  // The NVMe tier holds less than the RAM tier by the state it moved to the disk, as planned.
+  const auto ram = steady.at("fp32bf16ram"), nvme = steady.at("fp32bf16nvme");
+  const double saved = ram.first - nvme.first, planned_saving = ram.second - nvme.second;
+  std::printf("the NVMe tier: %.1f MB less after a step, %.1f MB planned (%.3f)\n", saved / 1e6, planned_saving / 1e6,
+              saved / planned_saving);
+  EXPECT_NEAR(saved / planned_saving, 1.0, 0.05);
 }
 
 namespace {

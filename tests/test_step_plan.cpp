@@ -153,7 +153,11 @@ TEST(StepPlan, MatchesWhatTheStreamedTrainerMeasures) {
                                                        {"model.arch=swin", "model.layers=1"},
                                                        {"optimizer.state_dtype=int8", "train.grad_clip=0"},
                                                        {"optimizer.state_dtype=bf16", "train.grad_accum_steps=2"},
-                                                       {"offload.mode=sync"}};
+                                                       {"offload.mode=sync"},
+                                                       {"offload.state_tier=nvme", "offload.nvme_dir=/tmp"},
+                                                       {"offload.state_tier=nvme", "offload.nvme_dir=/tmp",
+                                                        "optimizer.state_dtype=int8", "train.ema_decay=0.9",
+                                                        "train.grad_accum_steps=2", "offload.nvme_blocks_in_flight=3"}};
   for (const auto& v : variants) {
     const auto config = tiny_run(v);
     std::string name;
@@ -173,6 +177,11 @@ TEST(StepPlan, MatchesWhatTheStreamedTrainerMeasures) {
     EXPECT_EQ(p.host.pinned, report.pinnable_bytes + p.host.staging) << name;
     EXPECT_EQ(p.device.weight_slots, trainer.engine()->streamer().device_weight_bytes()) << name;
     EXPECT_EQ(p.device.gradient_slots, trainer.engine()->streamer().device_gradient_bytes()) << name;
+    // The NVMe tier: the file and the buffers the store allocates; each step reads and writes back every region.
+    EXPECT_EQ(p.nvme_file_bytes, report.nvme_bytes) << name;
+    EXPECT_EQ(p.host.nvme_buffers, report.nvme_buffer_bytes) << name;
+    EXPECT_EQ(p.state_tier, report.state_tier == offload::StateTier::kNvme ? "nvme" : "ram") << name;
+    const auto before = trainer.engine()->store().nvme_stats();
     for (int step = 0; step < 2; ++step) {
       const auto m = trainer.step();
       ASSERT_FALSE(m.skipped) << name;
@@ -182,6 +191,9 @@ TEST(StepPlan, MatchesWhatTheStreamedTrainerMeasures) {
       EXPECT_GT(p.device.peak(), m.peak_device_bytes) << name;
     }
     trainer.synchronize();
+    const auto after = trainer.engine()->store().nvme_stats();
+    EXPECT_EQ(after.read_bytes - before.read_bytes, 2 * p.nvme_read_bytes) << name;
+    EXPECT_EQ(after.write_bytes - before.write_bytes, 2 * p.nvme_write_bytes) << name;
   }
 }
 
@@ -278,7 +290,8 @@ TEST(StepPlan, DeviceMemoryGrowsWithFramesAndTheAdviceFits) {
 // missing, unknown, non-numeric, non-positive or fractional-byte key is refused with a message naming
 // the file and the key.
 TEST(HardwareProfile, BuiltInsAreTheShippedFilesAndBadFilesAreNamed) {
-  EXPECT_EQ(plan::builtin_hardware_profiles(), (std::vector<std::string>{"h100nvl", "h200", "rtx4090"}));
+  EXPECT_EQ(plan::builtin_hardware_profiles(),
+            (std::vector<std::string>{"h100nvl", "h200", "rtx4090", "workstation-24gb", "workstation-48gb"}));
   for (const auto& name : plan::builtin_hardware_profiles()) {
     const auto builtin = plan::load_hardware_profile(name);
     const auto file = plan::load_hardware_profile(source_path("configs/hardware/" + name + ".yaml"));
@@ -288,7 +301,13 @@ TEST(HardwareProfile, BuiltInsAreTheShippedFilesAndBadFilesAreNamed) {
     EXPECT_EQ(builtin.pcie_h2d_gbps, file.pcie_h2d_gbps);
     EXPECT_EQ(builtin.host_dram_gbps, file.host_dram_gbps);
     EXPECT_EQ(builtin.peak_bf16_tflops, file.peak_bf16_tflops);
+    EXPECT_EQ(builtin.nvme_gbps, file.nvme_gbps);
+    EXPECT_EQ(builtin.nvme_bytes, file.nvme_bytes);
   }
+  const auto workstation = plan::load_hardware_profile("workstation-24gb");
+  EXPECT_EQ(workstation.nvme_gbps, 7.0);
+  EXPECT_FALSE(workstation.nvme_gbps_assumed);
+  EXPECT_TRUE(plan::load_hardware_profile("h200").nvme_gbps_assumed);
   const ScratchFile good("good.yaml", kValidProfile);
   const auto lab = plan::load_hardware_profile(good.path);
   EXPECT_EQ(lab.name, "lab");
@@ -409,7 +428,9 @@ TEST(StepPlan, WanMatchesWhatTheStreamedTrainerMeasures) {
                                                        {"model.self_attention=dsa3d"},
                                                        {"offload.compute_dtype=fp32"},
                                                        {"train.grad_accum_steps=2"},
-                                                       {"optimizer.state_dtype=int8"}};
+                                                       {"optimizer.state_dtype=int8"},
+                                                       {"offload.state_tier=nvme", "offload.nvme_dir=/tmp",
+                                                        "offload.compute_dtype=fp32"}};
   for (const auto& v : variants) {
     const auto config = tiny_wan(v);
     std::string name;
@@ -431,6 +452,8 @@ TEST(StepPlan, WanMatchesWhatTheStreamedTrainerMeasures) {
     EXPECT_EQ(p.host.master, report.master_bytes) << name;
     EXPECT_EQ(p.device.weight_slots, engine.streamer().device_weight_bytes()) << name;
     EXPECT_EQ(p.device.gradient_slots, engine.streamer().device_gradient_bytes()) << name;
+    EXPECT_EQ(p.nvme_file_bytes, report.nvme_bytes) << name;
+    const auto before = engine.store().nvme_stats();
     for (int step = 0; step < 2; ++step) {
       const auto m = trainer.step();
       ASSERT_FALSE(m.skipped) << name;
@@ -440,6 +463,9 @@ TEST(StepPlan, WanMatchesWhatTheStreamedTrainerMeasures) {
       EXPECT_GT(p.device.peak(), m.peak_device_bytes) << name;
     }
     trainer.synchronize();
+    const auto after = trainer.engine()->store().nvme_stats();
+    EXPECT_EQ(after.read_bytes - before.read_bytes, 2 * p.nvme_read_bytes) << name;
+    EXPECT_EQ(after.write_bytes - before.write_bytes, 2 * p.nvme_write_bytes) << name;
   }
 }
 

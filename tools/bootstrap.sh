@@ -11,7 +11,8 @@
 #     (libavformat/libavcodec/libswscale/libavutil, H.264 through libx264), the ffmpeg tools (ffprobe)
 #     and gnuplot (gnuplot-nox: the PNG plots of megaslide-plot and megaslide-ablate), Gloo's headers
 #     (libgloo-dev: LibTorch's ProcessGroupGloo.hpp includes them; data parallelism on the CPU), and
-#     protobuf (libprotobuf-dev, protobuf-compiler: the reference the TensorBoard event encoding is tested against).
+#     protobuf (libprotobuf-dev, protobuf-compiler: the reference the TensorBoard event encoding is tested against),
+#     and liburing (liburing-dev: the NVMe tier's io_uring I/O).
 #   - LibTorch from the PyPI `torch` wheel at the pinned version below, unpacked with pip into
 #     .deps/python (no virtualenv, no Python import needed). The wheel is built against CUDA 13.0; the
 #     CUDA libraries it links (cudart, cuBLAS, cuDNN, NCCL, ...) are taken from the machine's CUDA 13.0
@@ -27,7 +28,7 @@ DEBIAN_PACKAGES=(build-essential cmake ninja-build ccache pkg-config
                  libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev
                  libavformat-dev libavcodec-dev libswscale-dev libavutil-dev ffmpeg
                  libicu-dev libsentencepiece-dev gnuplot-nox clang libgloo-dev
-                 libprotobuf-dev protobuf-compiler)  # gnuplot: megaslide-plot/-ablate PNGs; clang: the libFuzzer tests (tests/fuzz/); protobuf: tests/event_protobuf/
+                 libprotobuf-dev protobuf-compiler liburing-dev)  # gnuplot: megaslide-plot/-ablate PNGs; clang: the libFuzzer tests (tests/fuzz/); protobuf: tests/event_protobuf/
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"

@@ -469,6 +469,9 @@ class Schema {
     choice("offload.compute_dtype", c.offload.compute_dtype, {"auto", "bf16", "fp16", "fp32"});
     integer("offload.optimizer_threads", c.offload.optimizer_threads, IntRange{0, 4096});
     real("offload.emulated_copy_delay_ms", c.offload.emulated_copy_delay_ms, RealRange{0.0, 10000.0});
+    choice("offload.state_tier", c.offload.state_tier, {"ram", "nvme"});
+    optional_text("offload.nvme_dir", c.offload.nvme_dir);
+    integer("offload.nvme_blocks_in_flight", c.offload.nvme_blocks_in_flight, IntRange{2, 1024});
     // optimizer
     choice("optimizer.state_dtype", c.optimizer.state_dtype, {"fp32", "bf16", "int8"});
     // lora
@@ -1123,6 +1126,18 @@ void validate(const RunConfig& c, const std::string& source) {
          "expected fp32 with lora.rank > 0: the adapters train on the device with LibTorch's AdamW (fp32 moments); "
          "bf16 and int8 moments are the streamed full fine-tuning's, got " +
              c.optimizer.state_dtype);
+  if (c.offload.state_tier == "nvme" && !c.offload.enabled)
+    fail("offload.state_tier",
+         "is nvme, which keeps the streamed trainer's masters and moments on disk (offload.enabled: true); the "
+         "resident loop keeps them on the device");
+  if (c.offload.state_tier == "nvme" && c.offload.nvme_dir.empty())
+    fail("offload.nvme_dir",
+         "is empty, but offload.state_tier is nvme: name a folder on the NVMe disk to hold the "
+         "optimizer state");
+  if (c.offload.state_tier == "nvme" && c.lora.rank > 0)
+    fail("offload.state_tier",
+         "is nvme, but lora.rank > 0: a LoRA run's frozen base has no optimizer state (its adapters train on the "
+         "device); use ram");
   if (!c.offload.enabled && c.optimizer.state_dtype != "fp32")
     fail("optimizer.state_dtype",
          "expected fp32 with offload.enabled: false (the resident reference loop keeps LibTorch's "

@@ -275,6 +275,24 @@ WrittenFile write_safetensors(const std::string& path, const NamedTensors& tenso
   return {out.bytes_written(), out.crc32()};
 }
 
+WrittenFile write_safetensors(const std::string& path, const NamedTensors& tensors,
+                              const std::map<std::string, std::string>& metadata,
+                              const std::function<torch::Tensor(size_t index)>& fetch) {
+  const std::string head = layout(tensors, metadata, std::nullopt);
+  AtomicFileWriter out(path);
+  out.write(head.data(), head.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const torch::Tensor& declared = tensors[i].second;
+    const torch::Tensor t = fetch(i).detach().to(torch::kCPU).contiguous();
+    TORCH_CHECK(t.scalar_type() == declared.scalar_type() && t.sizes() == declared.sizes(), "write_safetensors: '",
+                tensors[i].first, "' was declared ", declared.scalar_type(), " ", declared.sizes(), " but fetched as ",
+                t.scalar_type(), " ", t.sizes());
+    out.write(t.data_ptr(), static_cast<size_t>(t.numel()) * static_cast<size_t>(t.element_size()));
+  }
+  out.commit();
+  return {out.bytes_written(), out.crc32()};
+}
+
 SafetensorsHeader read_safetensors_header(const std::string& path) {
   File file(path);
   return parse_header(path, file);

@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "offload/adamw_kernels.h"
+#include "offload/state_pager.h"
 
 #ifdef MEGASLIDE_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -37,6 +38,11 @@ void check_options(const HostParamStoreOptions& o) {
               "HostParamStore: a frozen store holds the weights only (no shards, gradient buffer or EMA)");
   TORCH_CHECK(o.frozen_dtype == c10::ScalarType::Undefined || (o.frozen && o.frozen_dtype == at::kFloat8_e4m3fn),
               "HostParamStore: frozen_dtype must be Float8_e4m3fn, for a frozen store, got ", o.frozen_dtype);
+  TORCH_CHECK(o.state_tier == StateTier::kRam || !o.frozen,
+              "HostParamStore: a frozen store has no optimizer state to keep on NVMe (offload.state_tier nvme)");
+  TORCH_CHECK(o.state_tier == StateTier::kRam || (!o.nvme_dir.empty() && o.nvme_blocks_in_flight >= 1),
+              "HostParamStore: the NVMe tier needs nvme_dir (offload.nvme_dir) and nvme_blocks_in_flight >= 1, got '",
+              o.nvme_dir, "' and ", o.nvme_blocks_in_flight);
 }
 
 int64_t param_numel(const BlockSpec& block, const ParamSpec& p) {
@@ -155,6 +161,13 @@ void* allocate_host(int64_t bytes, bool pinned) {
 
 }  // namespace
 
+StateTier parse_state_tier(const std::string& name) {
+  if (name == "ram") return StateTier::kRam;
+  if (name == "nvme") return StateTier::kNvme;
+  TORCH_CHECK(false, "offload.state_tier must be ram or nvme, got '", name, "'");
+}
+const char* to_string(StateTier tier) { return tier == StateTier::kNvme ? "nvme" : "ram"; }
+
 ShardRange shard_range(int64_t numel, int64_t rank, int64_t count) {
   TORCH_CHECK(numel >= 0 && count >= 1 && rank >= 0 && rank < count, "shard_range: rank ", rank, " of ", count,
               " ranks, ", numel, " elements");
@@ -165,6 +178,9 @@ ShardRange shard_range(int64_t numel, int64_t rank, int64_t count) {
 
 struct HostParamStore::Block {
   int64_t numel = 0;
+  // The NVMe tier: each state component's byte offset in the block's region (-1: none) and the region's bytes.
+  int64_t sections[6] = {-1, -1, -1, -1, -1, -1};
+  int64_t region = 0;
   ShardRange shard;                    // this rank's elements of master and moments
   std::vector<int64_t> offsets;        // per parameter, in elements
   std::vector<int64_t> group_offsets;  // per parameter, its first int8 group
@@ -183,16 +199,33 @@ int64_t groups_of(const BlockSpec& block) {
   return g;
 }
 
-// Sharded, no rank holds a whole master: the transfer buffer then holds the whole compute copy (fp32 too).
-bool master_uploaded(const HostParamStoreOptions& o) {
-  return o.compute_dtype == at::kFloat && o.shard_count == 1 && !o.frozen;
+// Sharded, no rank holds a whole master (and on the NVMe tier the master is not in memory): the transfer
+// buffer then holds the whole compute copy (fp32 too).
+bool uploads_master(const HostParamStoreOptions& o) {
+  return o.compute_dtype == at::kFloat && o.shard_count == 1 && !o.frozen && o.state_tier == StateTier::kRam;
 }
+bool nvme_tier(const HostParamStoreOptions& o) { return o.state_tier == StateTier::kNvme; }
 bool fp8_store(const HostParamStoreOptions& o) { return o.frozen_dtype == at::kFloat8_e4m3fn; }
 c10::ScalarType transfer_dtype_of(const HostParamStoreOptions& o) {
   return fp8_store(o) ? o.frozen_dtype : o.compute_dtype;
 }
-bool has_transfer_buffer(const HostParamStoreOptions& o) {
-  return o.frozen || o.shard_count > 1 || !(o.compute_dtype == at::kFloat && o.separate_grad);
+bool has_transfer_buffer(const HostParamStoreOptions& o) { return o.frozen || !uploads_master(o) || !o.separate_grad; }
+
+int64_t aligned(int64_t bytes) { return (bytes + kNvmeAlignment - 1) / kNvmeAlignment * kNvmeAlignment; }
+
+// The NVMe tier's region of a block whose shard has `owned` elements in `groups` int8 groups: each
+// component's offset (sections, -1 when absent) and the region's bytes, every component 4 KiB-aligned.
+int64_t region_layout(int64_t owned, int64_t groups, const HostParamStoreOptions& o, int64_t sections[6]) {
+  const int64_t state = state_element_bytes(o.state_dtype);
+  const bool int8 = o.state_dtype == StateDtype::kInt8;
+  const int64_t bytes[6] = {
+      4 * owned, state * owned, state * owned, int8 ? 4 * groups : -1, int8 ? 4 * groups : -1, o.ema ? 4 * owned : -1};
+  int64_t offset = 0;
+  for (int part = 0; part < 6; ++part) {
+    sections[part] = bytes[part] < 0 ? -1 : offset;
+    offset += bytes[part] < 0 ? 0 : aligned(bytes[part]);
+  }
+  return offset;
 }
 
 const char* dtype_name(c10::ScalarType t) { return t == at::kFloat ? "fp32" : t == at::kHalf ? "fp16" : "bf16"; }
@@ -220,21 +253,31 @@ std::string MemoryReport::to_string() const {
     return out;
   }
   const char* state = offload::to_string(state_dtype);
-  row(compute_dtype == at::kFloat && shard_count == 1 ? "fp32 master (uploaded)" : "fp32 master", master_bytes);
-  row(fmt::format("{} exp_avg (m)", state), exp_avg_bytes);
-  row(fmt::format("{} exp_avg_sq (v{})", state, state_dtype == StateDtype::kInt8 ? ": sqrt codes" : ""),
+  const bool nvme = state_tier == StateTier::kNvme;
+  const std::string where = nvme ? " [on NVMe]" : "";
+  row(std::string(compute_dtype == at::kFloat && shard_count == 1 && !nvme ? "fp32 master (uploaded)" : "fp32 master") +
+          where,
+      master_bytes);
+  row(fmt::format("{} exp_avg (m){}", state, where), exp_avg_bytes);
+  row(fmt::format("{} exp_avg_sq (v{}){}", state, state_dtype == StateDtype::kInt8 ? ": sqrt codes" : "", where),
       exp_avg_sq_bytes);
-  if (scale_bytes > 0) row("int8 group scales (fp32, m and v)", scale_bytes);
+  if (scale_bytes > 0) row("int8 group scales (fp32, m and v)" + where, scale_bytes);
   if (compute_bytes > 0) {
     row(fmt::format("{} transfer buffer ({})", dtype_name(compute_dtype),
-                    compute_dtype == at::kFloat && shard_count == 1 ? "gradient"
-                    : separate_grad                                 ? "compute copy"
-                                                                    : "compute copy / gradient"),
+                    compute_dtype == at::kFloat && shard_count == 1 && !nvme ? "gradient"
+                    : separate_grad                                          ? "compute copy"
+                                                                             : "compute copy / gradient"),
         compute_bytes);
   }
   if (grad_bytes > 0) row("fp32 gradient (accumulation)", grad_bytes);
-  if (ema_bytes > 0) row("fp32 EMA of the weights", ema_bytes);
-  row("total", total_bytes());
+  if (ema_bytes > 0) row("fp32 EMA of the weights" + where, ema_bytes);
+  if (nvme) {
+    row("NVMe tier: state file on disk (4 KiB-aligned regions)", nvme_bytes);
+    row(fmt::format("NVMe tier: in-flight buffers ({} blocks' state)",
+                    largest_region_bytes > 0 ? nvme_buffer_bytes / largest_region_bytes : 0),
+        nvme_buffer_bytes);
+  }
+  row(nvme ? "total in host memory" : "total", total_bytes());
   return out;
 }
 
@@ -245,10 +288,19 @@ MemoryReport HostParamStore::plan(const std::vector<BlockSpec>& blocks, const Ho
   int64_t groups = 0, owned = 0;  // owned: master and moment elements this rank keeps
   for (const auto& b : blocks) {
     const int64_t n = block_numel_of(b);
+    const int64_t mine = shard_range(n, options.shard_rank, options.shard_count).size();
     r.num_params += n;
-    owned += shard_range(n, options.shard_rank, options.shard_count).size();
+    owned += mine;
     groups += groups_of(b);
+    if (nvme_tier(options)) {
+      int64_t sections[6];
+      const int64_t region = region_layout(mine, groups_of(b), options, sections);
+      r.nvme_bytes += region;
+      r.largest_region_bytes = std::max(r.largest_region_bytes, region);
+    }
   }
+  r.state_tier = options.state_tier;
+  r.nvme_buffer_bytes = nvme_tier(options) ? options.nvme_blocks_in_flight * r.largest_region_bytes : 0;
   if (options.frozen) owned = 0;  // the transfer buffer alone
   groups = options.frozen ? 0 : groups;
   const int64_t state_bytes = state_element_bytes(options.state_dtype);
@@ -267,7 +319,7 @@ MemoryReport HostParamStore::plan(const std::vector<BlockSpec>& blocks, const Ho
   }
   r.grad_bytes = options.separate_grad ? 4 * r.num_params : 0;
   r.ema_bytes = options.ema ? 4 * owned : 0;
-  r.pinnable_bytes = r.compute_bytes + (master_uploaded(options) ? r.master_bytes : 0);
+  r.pinnable_bytes = r.compute_bytes + (uploads_master(options) ? r.master_bytes : 0);
   r.compute_dtype = options.compute_dtype;
   r.state_dtype = options.state_dtype;
   r.separate_grad = options.separate_grad;
@@ -309,6 +361,7 @@ HostParamStore::HostParamStore(std::vector<BlockSpec> blocks, HostParamStoreOpti
   };
 
   const StateDtype state = options_.state_dtype;
+  const bool paged_state = nvme_tier(options_);
   const c10::ScalarType m_dtype = state == StateDtype::kFloat32    ? at::kFloat
                                   : state == StateDtype::kBFloat16 ? at::kBFloat16
                                                                    : at::kChar;
@@ -327,10 +380,13 @@ HostParamStore::HostParamStore(std::vector<BlockSpec> blocks, HostParamStoreOpti
     }
     block->shard = shard_range(block->numel, options_.shard_rank, options_.shard_count);
     const int64_t owned = options_.frozen ? 0 : block->shard.size();
-    block->master = make_buffer(owned, at::kFloat, pinned_ && master_uploaded(options_), "master", spec.name);
-    block->exp_avg = make_buffer(owned, m_dtype, false, "exp_avg", spec.name);
-    block->exp_avg_sq = make_buffer(owned, v_dtype, false, "exp_avg_sq", spec.name);
-    if (state == StateDtype::kInt8 && !options_.frozen) {
+    if (paged_state) block->region = region_layout(owned, block->groups, options_, block->sections);
+    if (!paged_state) {
+      block->master = make_buffer(owned, at::kFloat, pinned_ && uploads_master(options_), "master", spec.name);
+      block->exp_avg = make_buffer(owned, m_dtype, false, "exp_avg", spec.name);
+      block->exp_avg_sq = make_buffer(owned, v_dtype, false, "exp_avg_sq", spec.name);
+    }
+    if (state == StateDtype::kInt8 && !options_.frozen && !paged_state) {
       block->exp_avg_scale = make_buffer(block->groups, at::kFloat, false, "exp_avg_scale", spec.name);
       block->exp_avg_sq_scale = make_buffer(block->groups, at::kFloat, false, "exp_avg_sq_scale", spec.name);
     }
@@ -349,7 +405,7 @@ HostParamStore::HostParamStore(std::vector<BlockSpec> blocks, HostParamStoreOpti
       block->exact.zero_();
     }
     if (options_.separate_grad) block->grad = make_buffer(block->numel, at::kFloat, false, "grad", spec.name);
-    if (options_.ema) block->ema = make_buffer(owned, at::kFloat, false, "ema", spec.name);
+    if (options_.ema && !paged_state) block->ema = make_buffer(owned, at::kFloat, false, "ema", spec.name);
 
     // First touch: every byte of the block zeroed by whoever options_.first_touch says.
     const Block& b = *block;
@@ -380,6 +436,14 @@ HostParamStore::HostParamStore(std::vector<BlockSpec> blocks, HostParamStoreOpti
     else zero(0, block->numel);
     blocks_.push_back(std::move(block));
   }
+  if (paged_state) {  // the file starts as zeros: masters and moments zero, as in RAM
+    std::vector<int64_t> regions;
+    for (const auto& b : blocks_) regions.push_back(b->region);
+    const std::string name = fmt::format("megaslide-state-{}-rank{}.bin", ::getpid(), options_.shard_rank);
+    pager_ = std::make_unique<detail::StatePager>(
+        std::make_unique<NvmeFile>(options_.nvme_dir, name, plan_report.nvme_bytes, options_.nvme), regions,
+        options_.nvme_blocks_in_flight);
+  }
 }
 
 HostParamStore::~HostParamStore() = default;
@@ -404,16 +468,86 @@ MemoryReport HostParamStore::memory_report() const {
   return r;
 }
 
-at::Tensor HostParamStore::master(int64_t block) const { return (block_spec(block), blocks_[block]->master); }
-at::Tensor HostParamStore::exp_avg(int64_t block) const { return (block_spec(block), blocks_[block]->exp_avg); }
-at::Tensor HostParamStore::exp_avg_sq(int64_t block) const { return (block_spec(block), blocks_[block]->exp_avg_sq); }
-at::Tensor HostParamStore::exp_avg_scale(int64_t block) const {
-  return (block_spec(block), blocks_[block]->exp_avg_scale);
+at::Tensor HostParamStore::state_part(int64_t block, int part) const {
+  const Block& b = *blocks_[(block_spec(block), block)];
+  if (!pager_) {
+    const at::Tensor* parts[6] = {&b.master, &b.exp_avg, &b.exp_avg_sq, &b.exp_avg_scale, &b.exp_avg_sq_scale, &b.ema};
+    return *parts[part];
+  }
+  char* memory = b.sections[part] < 0 ? nullptr : pager_->memory(block);
+  if (memory == nullptr) return {};
+  const StateDtype state = options_.state_dtype;
+  const c10::ScalarType moment = state == StateDtype::kFloat32    ? at::kFloat
+                                 : state == StateDtype::kBFloat16 ? at::kBFloat16
+                                                                  : at::kChar;
+  const c10::ScalarType dtypes[6] = {at::kFloat, moment,     moment == at::kChar ? at::kByte : moment,
+                                     at::kFloat, at::kFloat, at::kFloat};
+  const int64_t numel = part == 3 || part == 4 ? b.groups : b.shard.size();
+  return at::from_blob(memory + b.sections[part], {numel}, at::TensorOptions().dtype(dtypes[part]).device(at::kCPU));
 }
-at::Tensor HostParamStore::exp_avg_sq_scale(int64_t block) const {
-  return (block_spec(block), blocks_[block]->exp_avg_sq_scale);
+
+at::Tensor HostParamStore::held_part(int64_t block, int part, const char* who) const {
+  at::Tensor t = state_part(block, part);
+  TORCH_CHECK(t.defined() || !pager_ || blocks_[block]->sections[part] < 0, "HostParamStore::", who, ": block ", block,
+              "'s state is on the NVMe tier and not in memory; hold it with acquire_state first");
+  return t;
 }
-at::Tensor HostParamStore::ema(int64_t block) const { return (block_spec(block), blocks_[block]->ema); }
+
+at::Tensor HostParamStore::master(int64_t block) const { return held_part(block, 0, "master"); }
+at::Tensor HostParamStore::exp_avg(int64_t block) const { return held_part(block, 1, "exp_avg"); }
+at::Tensor HostParamStore::exp_avg_sq(int64_t block) const { return held_part(block, 2, "exp_avg_sq"); }
+at::Tensor HostParamStore::exp_avg_scale(int64_t block) const { return held_part(block, 3, "exp_avg_scale"); }
+at::Tensor HostParamStore::exp_avg_sq_scale(int64_t block) const { return held_part(block, 4, "exp_avg_sq_scale"); }
+at::Tensor HostParamStore::ema(int64_t block) const { return held_part(block, 5, "ema"); }
+
+HostParamStore::StateLease& HostParamStore::StateLease::operator=(StateLease&& other) noexcept {
+  if (this != &other) {
+    this->~StateLease();
+    store_ = other.store_;
+    block_ = other.block_;
+    other.store_ = nullptr;
+  }
+  return *this;
+}
+
+HostParamStore::StateLease::~StateLease() {
+  if (store_ == nullptr) return;
+  try {
+    store_->pager_->release(block_);
+  } catch (...) {  // kept by the pager: its next call rethrows it
+  }
+  store_ = nullptr;
+}
+
+HostParamStore::StateLease HostParamStore::acquire_state(int64_t block, bool write) const {
+  block_spec(block);
+  if (!pager_) return {};
+  pager_->acquire(block, write);
+  return StateLease(this, block);
+}
+
+void HostParamStore::prefetch_state(int64_t block) const {
+  block_spec(block);
+  if (pager_) pager_->prefetch(block);
+}
+
+void HostParamStore::flush_state() const {
+  if (pager_) pager_->flush();
+}
+
+HostParamStore::NvmeStats HostParamStore::nvme_stats() const {
+  if (!pager_) return {};
+  const detail::PagerStats p = pager_->stats();
+  return {p.read_bytes, p.write_bytes, p.read_s, p.write_s, p.wait_s};
+}
+
+const NvmeFile* HostParamStore::nvme_file() const { return pager_ ? &pager_->file() : nullptr; }
+
+void HostParamStore::set_trace(StepTrace* trace) const {
+  if (pager_) pager_->set_trace(trace);
+}
+
+bool HostParamStore::master_uploaded() const { return uploads_master(options_); }
 at::Tensor HostParamStore::scales(int64_t block) const { return (block_spec(block), blocks_[block]->scales); }
 c10::ScalarType HostParamStore::transfer_dtype() const { return transfer_dtype_of(options_); }
 at::Tensor HostParamStore::compute(int64_t block) const { return (block_spec(block), blocks_[block]->compute); }
@@ -434,21 +568,22 @@ HostParamStore::ParamViews HostParamStore::views(int64_t block, size_t i) const 
   const auto owned_view = [&](const at::Tensor& flat) {
     return sharded() || options_.frozen ? at::Tensor() : view(flat);
   };
-  ParamViews v{owned_view(b.master),
-               owned_view(b.exp_avg),
-               owned_view(b.exp_avg_sq),
+  ParamViews v{owned_view(state_part(block, 0)),
+               owned_view(state_part(block, 1)),
+               owned_view(state_part(block, 2)),
                view(b.compute),
                view(grad(block)),
                {},
                {},
                offset,
                b.group_offsets[i],
-               owned_view(b.ema),
+               owned_view(state_part(block, 5)),
                {}};
   if (b.exact.defined() && b.exact_offsets[i] >= 0) v.exact = b.exact.narrow(0, b.exact_offsets[i], numel).view(shape);
-  if (b.exp_avg_scale.defined()) {
-    v.exp_avg_scale = b.exp_avg_scale.narrow(0, b.group_offsets[i], state_groups(numel));
-    v.exp_avg_sq_scale = b.exp_avg_sq_scale.narrow(0, b.group_offsets[i], state_groups(numel));
+  const at::Tensor m_scale = state_part(block, 3), v_scale = state_part(block, 4);
+  if (m_scale.defined()) {
+    v.exp_avg_scale = m_scale.narrow(0, b.group_offsets[i], state_groups(numel));
+    v.exp_avg_sq_scale = v_scale.narrow(0, b.group_offsets[i], state_groups(numel));
   }
   return v;
 }
@@ -471,6 +606,7 @@ std::vector<HostParamStore::ParamViews> HostParamStore::params(int64_t block) co
 }
 
 void HostParamStore::set_param(int64_t block, const std::string& name, const at::Tensor& value) {
+  const StateLease lease = options_.frozen ? StateLease() : acquire_state(block, /*write=*/true);
   ParamViews v = param(block, name);
   if (options_.frozen) {
     TORCH_CHECK(value.sizes() == v.compute.sizes(), "HostParamStore::set_param: '", name, "' of block ", block,
@@ -508,7 +644,8 @@ void HostParamStore::set_param(int64_t block, const std::string& name, const at:
   const at::Tensor flat = value.to(at::kCPU, at::kFloat).contiguous().view(-1);
   const int64_t n = flat.numel();
   const int64_t from = std::max(v.offset, b.shard.begin), to = std::min(v.offset + n, b.shard.end);
-  if (from < to) b.master.narrow(0, from - b.shard.begin, to - from).copy_(flat.narrow(0, from - v.offset, to - from));
+  if (from < to)
+    master(block).narrow(0, from - b.shard.begin, to - from).copy_(flat.narrow(0, from - v.offset, to - from));
   const float* src = flat.data_ptr<float>();
   if (options_.compute_dtype == at::kFloat) {
     std::memcpy(b.compute.data_ptr<float>() + v.offset, src, static_cast<size_t>(n) * sizeof(float));
@@ -526,10 +663,11 @@ void HostParamStore::copy_master_to_compute(int64_t block, int64_t begin, int64_
   TORCH_CHECK(b.shard.begin <= begin && begin <= end && end <= b.shard.end,
               "HostParamStore::copy_master_to_compute: range [", begin, ", ", end, ") is not within block ", block,
               "'s ", sharded() ? "shard [" : "elements [", b.shard.begin, ", ", b.shard.end, ")");
-  const float* master = b.master.data_ptr<float>();  // master[i - base] is element i of the block
+  const StateLease lease = acquire_state(block, /*write=*/false);
+  const float* master = state_part(block, 0).data_ptr<float>();  // master[i - base] is element i of the block
   const int64_t base = b.shard.begin;
   if (options_.compute_dtype == at::kFloat) {
-    if (sharded() && end > begin)
+    if (!uploads_master(options_) && end > begin)
       std::memcpy(b.compute.data_ptr<float>() + begin, master + (begin - base),
                   static_cast<size_t>(end - begin) * sizeof(float));
     return;

@@ -249,6 +249,7 @@ struct StreamedStackTrainer::Impl {
   double optimizer_wait_s = 0.0;
   int64_t activation_bytes_peak = 0;
   StepTrace* trace = nullptr;
+  HostParamStore::NvmeStats nvme_before;  // the NVMe tier's counters when the step began
 
   void bind(int64_t block, const at::Tensor& weights, const at::Tensor& grads) {
     for (auto& p : params[block]) {
@@ -421,9 +422,7 @@ struct StreamedStackTrainer::StepRun {
     im.optimizer_wait_s += seconds_since(wait);
     pending = {};
   }
-  at::Tensor upload_source(int64_t l) const {
-    return dt == at::kFloat && !store.sharded() && !frozen ? store.master(l) : store.compute(l);
-  }
+  at::Tensor upload_source(int64_t l) const { return store.master_uploaded() ? store.master(l) : store.compute(l); }
   void upload(int64_t l) {
     wait_for_update(l);
     streamer.prefetch(l, upload_source(l));
@@ -449,6 +448,7 @@ struct StreamedStackTrainer::StepRun {
     }
     const BlockGradient landed = gradient[l];
     const auto ranges = im.updated_ranges(l, t.options_.state_dtype != StateDtype::kInt8);
+    store.prefetch_state(l);  // the NVMe tier: read while the gradient comes, in the order updates run
     StreamedStackTrainer* self = &t;
     const double step_lr = lr;
     const int64_t step = adam_step, run = serial;
@@ -464,6 +464,8 @@ struct StreamedStackTrainer::StepRun {
       // Only immediate updates (`guard`) look: deferred ones were already decided by the global norm.
       const bool skip = guard && (impl.nonfinite_step.load() == run ||
                                   (sharded ? impl.reduced_nonfinite[l] != 0 : !impl.gradient_finite(st.grad(l))));
+      // The NVMe tier: the block's state in memory (read ahead, waited for here), written back after an update.
+      const HostParamStore::StateLease lease = st.acquire_state(l, /*write=*/!skip);
       if (skip) {
         impl.nonfinite_step.store(run);
         if (restore) impl.restore_compute(st, l, mine.begin, mine.end);
@@ -505,8 +507,8 @@ struct StreamedStackTrainer::StepRun {
         done = r.offset + r.numel;
       }
       if (restore && done < mine.end) impl.restore_compute(st, l, done, mine.end);
-      // fp32 compute, sharded: the shard's copy is the master itself (nothing above wrote it).
-      if (sharded && fp32_compute) impl.restore_compute(st, l, mine.begin, mine.end);
+      // fp32 compute, sharded or on the NVMe tier: the copy is the master itself (nothing above wrote it).
+      if (!st.master_uploaded() && fp32_compute) impl.restore_compute(st, l, mine.begin, mine.end);
       if (self->has_ema()) impl.update_block_ema(st, l, ema_decay_at(self->options_.ema_decay, step));
       impl.optimizer_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - begin).count();
       if (trace != nullptr)
@@ -519,14 +521,16 @@ struct StreamedStackTrainer::StepRun {
   // buffer, the copy is rounded back from the master once the gradient copy has landed (a restore
   // before it lands would be overwritten by it). The next upload of l waits for this like an update.
   void dispatch_restore(int64_t l) {
-    if (!store.gradient_in_compute_buffer()) return;   // the copy was never overwritten
-    if (dt == at::kFloat && !store.sharded()) return;  // fp32: the master is what is uploaded
+    if (!store.gradient_in_compute_buffer()) return;  // the copy was never overwritten
+    if (store.master_uploaded()) return;              // fp32: the master is what is uploaded
     const BlockGradient landed = gradient[l];
     StreamedStackTrainer* self = &t;
     if (im.exchange) im.exchange_bytes += im.exchange_size(store, l, /*reduce=*/false);
+    store.prefetch_state(l);
     im.pending_update[l] = im.tasks->submit([self, l, landed] {
       landed.wait();
       const HostParamStore& st = *self->store_;
+      const HostParamStore::StateLease lease = st.acquire_state(l, /*write=*/false);
       const ShardRange mine = st.shard(l);
       self->impl_->restore_compute(st, l, mine.begin, mine.end);
       if (self->impl_->exchange) self->impl_->gather_compute(st, l);
@@ -847,9 +851,17 @@ struct StreamedStackTrainer::StepRun {
     }
     if (im.trace != nullptr) {
       streamer.resolve_trace();
-      t.set_trace(nullptr);
+      im.trace = nullptr;
+      streamer.set_trace(nullptr);  // the NVMe tier's write-backs of the step go on into it until synchronize()
     }
     r.step_time_s = seconds_since(start);
+    const HostParamStore::NvmeStats nvme = store.nvme_stats();
+    r.nvme_read_bytes = nvme.read_bytes - im.nvme_before.read_bytes;
+    r.nvme_write_bytes = nvme.write_bytes - im.nvme_before.write_bytes;
+    r.nvme_read_s = nvme.read_s - im.nvme_before.read_s;
+    r.nvme_write_s = nvme.write_s - im.nvme_before.write_s;
+    r.nvme_wait_s = nvme.wait_s - im.nvme_before.wait_s;
+    im.nvme_before = nvme;
     r.exchange_bytes = std::exchange(im.exchange_bytes, 0);
     r.exchange_s = static_cast<double>(im.exchange_ns.exchange(0)) * 1e-9;
     return r;
@@ -901,6 +913,17 @@ StreamedStackTrainer::StreamedStackTrainer(std::shared_ptr<StreamedModel> model,
               "StreamedStackTrainer: frozen_dtype applies to frozen blocks (frozen_blocks) only: trained blocks keep "
               "fp32 masters");
   store_options.frozen_dtype = options_.frozen_dtype;
+  TORCH_CHECK(options_.state_tier == StateTier::kRam || !frozen,
+              "StreamedStackTrainer: frozen blocks (LoRA's base) have no optimizer state for the NVMe tier; use "
+              "offload.state_tier ram");
+  TORCH_CHECK(options_.state_tier == StateTier::kRam || options_.nvme_blocks_in_flight >= 2,
+              "StreamedStackTrainer: offload.nvme_blocks_in_flight must be at least 2 (one block updated while the "
+              "next is read), got ",
+              options_.nvme_blocks_in_flight);
+  store_options.state_tier = options_.state_tier;
+  store_options.nvme_dir = options_.nvme_dir;
+  store_options.nvme_blocks_in_flight = options_.nvme_blocks_in_flight;
+  store_options.nvme = options_.nvme;
   if (frozen) store_options.separate_grad = false;  // the sums are the resident parameters' own .grad
   if (options_.exchange && !frozen) {
     store_options.shard_rank = options_.exchange->rank();
@@ -913,6 +936,7 @@ StreamedStackTrainer::StreamedStackTrainer(std::shared_ptr<StreamedModel> model,
   };
   store_ = std::make_unique<HostParamStore>(specs, store_options);
   load_initial_weights(*model, *store_, std::max(1, options_.init_threads));
+  store_->flush_state();  // the NVMe tier: the initial state on disk (a disk that refuses it stops here)
 
   std::vector<int64_t> numels;
   const auto empty = torch::TensorOptions().dtype(dt).device(options_.device);
@@ -1017,7 +1041,11 @@ int64_t StreamedStackTrainer::resident_parameter_count() const {
 
 std::vector<std::pair<std::string, torch::Tensor>> StreamedStackTrainer::block_master(int64_t block) const {
   std::vector<std::pair<std::string, torch::Tensor>> out;
-  for (const auto& p : store_->block_spec(block).params) out.emplace_back(p.name, store_->param(block, p.name).master);
+  const auto lease = store_->acquire_state(block, /*write=*/false);
+  for (const auto& p : store_->block_spec(block).params) {
+    const torch::Tensor master = store_->param(block, p.name).master;
+    out.emplace_back(p.name, store_->paged() ? master.clone() : master);  // the NVMe tier's views end with the lease
+  }
   return out;
 }
 
@@ -1032,14 +1060,20 @@ void StreamedStackTrainer::reset_ema_to_weights() {
   synchronize();
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < impl_->resident.size(); ++i) impl_->resident_ema[i].copy_(impl_->resident[i]);
-  for (int64_t l = 0; l < store_->num_blocks() && !options_.frozen_blocks; ++l) store_->ema(l).copy_(store_->master(l));
+  for (int64_t l = 0; l < store_->num_blocks() && !options_.frozen_blocks; ++l) {
+    const auto lease = store_->acquire_state(l);
+    store_->ema(l).copy_(store_->master(l));
+  }
 }
 
 torch::Tensor StreamedStackTrainer::gathered_block_ema(int64_t block) {
   TORCH_CHECK(has_ema(), "StreamedStackTrainer::gathered_block_ema: the trainer keeps no EMA (ema_decay 0)");
   synchronize();
   const auto dt = options_.compute_dtype;
-  if (!impl_->exchange) return store_->ema(block).to(dt, /*non_blocking=*/false, /*copy=*/true);
+  if (!impl_->exchange) {
+    const auto lease = store_->acquire_state(block, /*write=*/false);
+    return store_->ema(block).to(dt, /*non_blocking=*/false, /*copy=*/true);
+  }
   // Rounded as the compute copy is rounded from the master; gathered through the host channel's buffers.
   const HostParamStore& st = *store_;
   Impl& im = *impl_;
@@ -1048,6 +1082,7 @@ torch::Tensor StreamedStackTrainer::gathered_block_ema(int64_t block) {
       ->submit([&st, &im, block, &whole, dt] {
         const int64_t n = st.block_numel(block), R = im.exchange->world_size(), s = shard_stride(n, R);
         const ShardRange mine = st.shard(block);
+        const auto lease = st.acquire_state(block, /*write=*/false);
         const at::Tensor in = im.gather_in.narrow(0, 0, s), out = im.gather_out.narrow(0, 0, R * s);
         in.zero_();
         in.narrow(0, 0, mine.size()).copy_(st.ema(block).to(dt));
@@ -1067,6 +1102,7 @@ void StreamedStackTrainer::set_block_parameter(int64_t block, const std::string&
 void StreamedStackTrainer::set_trace(StepTrace* trace) {
   impl_->trace = trace;
   streamer_->set_trace(trace);
+  store_->set_trace(trace);
 }
 
 void StreamedStackTrainer::synchronize() {
@@ -1074,6 +1110,8 @@ void StreamedStackTrainer::synchronize() {
   for (auto& f : impl_->pending_update)
     if (f.valid()) f.get();  // rethrows a failed update
   streamer_->synchronize();
+  store_->flush_state();  // the NVMe tier's write-backs on disk (rethrows a failed one)
+  if (impl_->trace == nullptr) store_->set_trace(nullptr);
 }
 
 StackStepResult StreamedStackTrainer::step(const Prologue& prologue, const Epilogue& epilogue, double lr,
@@ -1110,6 +1148,8 @@ void load_initial_weights(StreamedModel& model, HostParamStore& store, int threa
       try {
         built[l] = model.initial_block(l);
         torch::nn::Module& source = built[l] ? *built[l] : model.block(l);
+        // The NVMe tier: the block's state in memory while its parameters are written (read once, written once).
+        const auto lease = store.options().frozen ? HostParamStore::StateLease() : store.acquire_state(l);
         for (const auto& item : source.named_parameters(/*recurse=*/true)) {
           TORCH_CHECK(!item.value().is_meta(), "StreamedStackTrainer: block ", l, "'s parameter '", item.key(),
                       "' is on the meta device and the model gives no initial_block(", l,
@@ -1154,6 +1194,7 @@ void StreamedStackTrainer::reload_blocks_from_masters() {
   synchronize();
   for (int64_t l = 0; l < store_->num_blocks(); ++l) {
     const ShardRange mine = store_->shard(l);
+    const auto lease = options_.frozen_blocks ? HostParamStore::StateLease() : store_->acquire_state(l, false);
     impl_->restore_compute(*store_, l, mine.begin, mine.end);  // rounded as CpuAdamW rounds
     streamer_->invalidate(l);
   }

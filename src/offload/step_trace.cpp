@@ -16,6 +16,8 @@ const char* to_string(TraceLane lane) {
       return "D2H stream";
     case TraceLane::kOptimizer:
       return "optimizer thread";
+    case TraceLane::kNvme:
+      return "NVMe I/O thread";
   }
   return "?";
 }
@@ -38,7 +40,7 @@ std::vector<StepTrace::Event> StepTrace::events() const {
 
 std::string StepTrace::to_json() const {
   nlohmann::json events = nlohmann::json::array();
-  for (auto lane : {TraceLane::kCompute, TraceLane::kH2D, TraceLane::kD2H, TraceLane::kOptimizer}) {
+  for (auto lane : {TraceLane::kCompute, TraceLane::kH2D, TraceLane::kD2H, TraceLane::kOptimizer, TraceLane::kNvme}) {
     events.push_back({{"ph", "M"},
                       {"name", "thread_name"},
                       {"pid", 1},

@@ -224,9 +224,10 @@ int WeightStreamer::begin_span(TraceLane lane, const std::string& name) {
     case TraceLane::kD2H:
       return impl_->streams->begin_span(Lane::kD2H, name);
     case TraceLane::kOptimizer:
+    case TraceLane::kNvme:
       break;
   }
-  TORCH_CHECK(false, "WeightStreamer::begin_span: the optimizer lane is a host thread, not a stream");
+  TORCH_CHECK(false, "WeightStreamer::begin_span: the ", to_string(lane), " lane is a host thread, not a stream");
 }
 
 void WeightStreamer::end_span(int span) { impl_->streams->end_span(span); }

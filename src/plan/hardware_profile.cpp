@@ -71,7 +71,7 @@ HardwareProfile parse_hardware_profile(const std::string& yaml_text, const std::
     fail(source, "", "expected a mapping of keys (see configs/hardware/h200.yaml), got " + describe(root));
   static const std::set<std::string> kKeys{"name",          "description",   "device_memory_bytes", "peak_bf16_tflops",
                                            "pcie_h2d_gbps", "pcie_d2h_gbps", "host_dram_gbps",      "host_memory_bytes",
-                                           "network_gbps"};
+                                           "network_gbps",  "nvme_gbps",     "nvme_bytes"};
   for (const auto& item : root) {
     const std::string key = item.first.as<std::string>();
     if (kKeys.count(key) == 0) {
@@ -100,6 +100,11 @@ HardwareProfile parse_hardware_profile(const std::string& yaml_text, const std::
     p.network_gbps = positive_number(root, source, "network_gbps");
     p.network_gbps_assumed = false;
   }
+  if (root["nvme_gbps"].IsDefined()) {
+    p.nvme_gbps = positive_number(root, source, "nvme_gbps");
+    p.nvme_gbps_assumed = false;
+  }
+  if (root["nvme_bytes"].IsDefined()) p.nvme_bytes = positive_bytes(root, source, "nvme_bytes");
   return p;
 }
 

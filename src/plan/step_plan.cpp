@@ -656,6 +656,18 @@ std::vector<std::string> advise(const RunConfig& config, const ModelShape& s, co
     out.push_back(fmt::format("host: more host RAM: at least {} ({} in the profile)",
                               gb(static_cast<double>(plan.host.peak())),
                               gb(static_cast<double>(hw.host_memory_bytes))));
+    if (config.offload.state_tier != "nvme" && !lora.enabled()) {  // the masters and moments on the NVMe disk
+      RunConfig c = config;
+      c.offload.state_tier = "nvme";
+      c.offload.nvme_dir = "(planned)";
+      const StepPlan tiered = plan_step(c, hw, ranks);
+      if (tiered.fits_host && tiered.fits_nvme)
+        out.push_back(fmt::format(
+            "host: the NVMe tier: offload.state_tier=nvme with offload.nvme_dir on the NVMe disk fits ({} of RAM at "
+            "peak, {} on the disk; its reads and write-backs take >= {:.3g} s a step at {} GB/s{}, step >= {:.3g} s)",
+            gb(static_cast<double>(tiered.host.peak())), gb(static_cast<double>(tiered.nvme_file_bytes)),
+            tiered.time.nvme_s, hw.nvme_gbps, hw.nvme_gbps_assumed ? ", assumed" : "", tiered.time.lower_bound_s));
+    }
     // (LoRA's store has no moments: the frozen weights alone.)
     if (config.optimizer.state_dtype != "int8" && ranks == 1 && !lora.enabled()) {  // the sharded store refuses int8
       RunConfig c = config;
@@ -710,13 +722,29 @@ int64_t shard_numel(int64_t n, int64_t ranks) { return (n + ranks - 1) / ranks; 
 // rank 0's shard of every block's fp32 master and AdamW m and v; the whole transfer buffer (the compute
 // copy in the compute dtype, also with fp32 compute: the master is no longer the upload); the whole fp32
 // gradient sums with accumulation; two exchange buffers of R·s_max elements of the exchange dtype.
+// The NVMe tier's settings of `config` on a store's options.
+void with_state_tier(offload::HostParamStoreOptions& options, const RunConfig& config) {
+  options.state_tier = offload::parse_state_tier(config.offload.state_tier);
+  options.nvme_dir = "(planned)";
+  options.nvme_blocks_in_flight = config.offload.nvme_blocks_in_flight;
+}
+
+// A store's figures on the host plan: the NVMe tier's file and buffers (its other figures the caller's).
+void set_nvme(HostMemoryPlan& h, StepPlan& p, const offload::MemoryReport& store) {
+  h.state_on_nvme = store.state_tier == offload::StateTier::kNvme;
+  h.nvme_buffers = store.nvme_buffer_bytes;
+  p.nvme_file_bytes = store.nvme_bytes;
+}
+
 HostMemoryPlan sharded_host_memory(const ModelShape& s, int64_t ranks, const std::string& compute_dtype,
-                                   offload::StateDtype state, int64_t accum, bool ema) {
+                                   offload::StateDtype state, int64_t accum, bool ema, const RunConfig& config,
+                                   StepPlan& p) {
   // Rank 0's HostParamStore, counted by the store itself (the largest shard of every block).
   auto options = offload::host_store_options(offload::parse_compute_dtype(compute_dtype), accum, state);
   options.ema = ema;
   options.shard_rank = 0;
   options.shard_count = ranks;
+  with_state_tier(options, config);
   const auto store = offload::HostParamStore::plan(s.blocks, options);
   const int64_t e = compute_element_bytes(compute_dtype);
   HostMemoryPlan h;
@@ -727,6 +755,7 @@ HostMemoryPlan sharded_host_memory(const ModelShape& s, int64_t ranks, const std
   h.compute = store.compute_bytes;
   h.grad = store.grad_bytes;
   h.ema = store.ema_bytes;
+  set_nvme(h, p, store);
   h.exchange = 2 * ranks * shard_numel(s.largest_block, ranks) * exchange_e;
   h.staging = accum > 1 ? 2 * s.largest_block * e : 0;
   h.pinned = h.compute + h.staging;  // the transfer buffer; the exchange buffers are Gloo's (pageable)
@@ -837,7 +866,7 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
   } else if (p.streamed && R > 1) {
     const auto state = offload::parse_state_dtype(config.optimizer.state_dtype);
     p.state_dtype = config.optimizer.state_dtype;
-    p.host = sharded_host_memory(s, R, p.compute_dtype, state, A, ema);
+    p.host = sharded_host_memory(s, R, p.compute_dtype, state, A, ema, config, p);
     for (const int64_t n : s.block_numels) p.sharded_params_per_rank += shard_numel(n, R);
     p.host.construction_peak = p.host.state() + 2 * 4 * s.largest_block;
     // Every rank's store: the shards add up to one whole master and moments; the rest is on every rank.
@@ -855,7 +884,9 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
     const auto state = offload::parse_state_dtype(config.optimizer.state_dtype);
     auto store_options = offload::host_store_options(offload::parse_compute_dtype(p.compute_dtype), A, state);
     store_options.ema = ema;
+    with_state_tier(store_options, config);
     const auto store = offload::HostParamStore::plan(s.blocks, store_options);
+    set_nvme(p.host, p, store);
     p.state_dtype = config.optimizer.state_dtype;
     p.host.master = store.master_bytes;
     p.host.exp_avg = store.exp_avg_bytes;
@@ -943,6 +974,12 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
     tm.h2d_s = static_cast<double>(p.transfer.h2d_bytes) / (hw.pcie_h2d_gbps * 1e9);
     tm.d2h_s = static_cast<double>(p.transfer.d2h_bytes) / (hw.pcie_d2h_gbps * 1e9);
     tm.optimizer_s = static_cast<double>(tm.optimizer_bytes) / (hw.host_dram_gbps * 1e9);
+    if (p.host.state_on_nvme) {
+      // Each block the step updates: its region read before its update and written back after it (two experts:
+      // the step's expert's half of the file).
+      p.nvme_read_bytes = p.nvme_write_bytes = both ? p.nvme_file_bytes / 2 : p.nvme_file_bytes;
+      tm.nvme_s = static_cast<double>(p.nvme_read_bytes + p.nvme_write_bytes) / (hw.nvme_gbps * 1e9);
+    }
   }
   tm.compute_s = tm.executed_flops / (hw.peak_bf16_tflops * 1e12);
   if (R > 1) tm.exchange_s = static_cast<double>(p.exchange.wire_bytes) / (hw.network_gbps * 1e9);
@@ -956,7 +993,8 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
                                                   {"h2d", tm.h2d_s},
                                                   {"d2h", tm.d2h_s},
                                                   {"host optimizer", tm.optimizer_s},
-                                                  {"exchange", tm.exchange_s}};
+                                                  {"exchange", tm.exchange_s},
+                                                  {"nvme", tm.nvme_s}};
   double largest = -1.0, sum = 0.0;
   for (const auto& [name, seconds] : terms) {
     sum += seconds;
@@ -976,7 +1014,12 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
 
   p.fits_device = p.device.peak() <= hw.device_memory_bytes;
   p.fits_host = !p.streamed || p.host.peak() <= hw.host_memory_bytes;
+  p.state_tier = p.host.state_on_nvme ? "nvme" : "ram";
+  p.fits_nvme = hw.nvme_bytes <= 0 || p.nvme_file_bytes <= hw.nvme_bytes;
   p.advice = advise(config, s, lora, p, hw);
+  if (!p.fits_nvme)
+    p.advice.push_back(fmt::format("nvme: the state file needs {} on the disk; the profile's has {}",
+                                   gb(static_cast<double>(p.nvme_file_bytes)), gb(static_cast<double>(hw.nvme_bytes))));
   return p;
 }
 
@@ -1065,6 +1108,17 @@ std::string to_json(const StepPlan& p) {
   j["mfu_upper_bound"] = t.mfu_upper_bound;
   j["fits_device"] = p.fits_device;
   j["fits_host"] = p.fits_host;
+  j["state_tier"] = p.state_tier;
+  if (p.state_tier == "nvme") {
+    j["nvme_file_bytes"] = p.nvme_file_bytes;
+    j["nvme_buffer_bytes"] = h.nvme_buffers;
+    j["nvme_read_bytes_per_step"] = p.nvme_read_bytes;
+    j["nvme_write_bytes_per_step"] = p.nvme_write_bytes;
+    j["nvme_s"] = t.nvme_s;
+    j["nvme_gbps"] = p.hardware.nvme_gbps;
+    j["nvme_gbps_assumed"] = p.hardware.nvme_gbps_assumed;
+    j["fits_nvme"] = p.fits_nvme;
+  }
   j["advice"] = p.advice;
   if (p.lora_rank > 0) {  // full fine-tuning: none of these, the keys above alone
     j["lora_rank"] = p.lora_rank;
@@ -1164,18 +1218,25 @@ std::string to_table(const StepPlan& p) {
     out += sharded ? "host RAM per rank                                           bytes\n"
                    : "host RAM                                                    bytes\n";
     const std::string state = p.state_dtype;
-    const std::string shard = sharded ? fmt::format(" (shard, 1/{})", p.world_size) : "";
+    const bool nvme = p.host.state_on_nvme;
+    const std::string shard =
+        (sharded ? fmt::format(" (shard, 1/{})", p.world_size) : std::string()) + (nvme ? " [on NVMe]" : "");
     row("fp32 master" + shard, p.host.master);
     row(state + " AdamW m" + shard, p.host.exp_avg);
     row((state == "int8" ? "int8 AdamW v (codes of sqrt v)" : state + " AdamW v") + shard, p.host.exp_avg_sq);
-    if (p.host.scales > 0) row("int8 group scales (fp32, m and v)", p.host.scales);
+    if (p.host.scales > 0) row(std::string("int8 group scales (fp32, m and v)") + (nvme ? " [on NVMe]" : ""), p.host.scales);
+    if (p.host.ema > 0 && nvme) row("fp32 EMA of the weights" + shard, p.host.ema);
+    if (nvme) {
+      row("NVMe tier: state file (4 KiB-aligned regions) [disk]", p.nvme_file_bytes);
+      row("NVMe tier: in-flight buffers in RAM", p.host.nvme_buffers);
+    }
     if (p.host.compute > 0)
-      row(p.compute_dtype + (sharded || p.grad_accum_steps > 1 ? " transfer buffer (compute copy)"
-                             : p.compute_dtype == "fp32"       ? " transfer buffer (gradient)"
-                                                               : " transfer buffer (copy / gradient)"),
+      row(p.compute_dtype + (sharded || p.grad_accum_steps > 1        ? " transfer buffer (compute copy)"
+                             : p.compute_dtype == "fp32" && !nvme ? " transfer buffer (gradient)"
+                                                                  : " transfer buffer (copy / gradient)"),
           p.host.compute);
     if (p.host.grad > 0 && sharded) row("fp32 gradient sums (accumulation)", p.host.grad);
-    if (p.host.ema > 0) row("fp32 EMA of the weights" + shard, p.host.ema);
+    if (p.host.ema > 0 && !nvme) row("fp32 EMA of the weights" + shard, p.host.ema);
     if (p.host.exchange > 0)
       row(fmt::format("exchange buffers (2 x {} ranks x largest shard)", p.world_size), p.host.exchange);
     row("host state", p.host.state());
@@ -1186,8 +1247,17 @@ std::string to_table(const StepPlan& p) {
     row("start-up peak (state + 2 blocks' fp32 init)", p.host.construction_peak);
     row("of the steady total, page-locked", p.host.pinned);
     if (sharded) row(fmt::format("host state of all {} ranks", p.world_size), p.host_state_bytes_all_ranks);
-    out += fmt::format("  -> {} the {:.1f} GB of host RAM{}\n\n", p.fits_host ? "fits" : "DOES NOT FIT",
+    out += fmt::format("  -> {} the {:.1f} GB of host RAM{}\n", p.fits_host ? "fits" : "DOES NOT FIT",
                        static_cast<double>(p.hardware.host_memory_bytes) / 1e9, sharded ? " (one rank's)" : "");
+    if (nvme)
+      out += fmt::format("  -> the state file {} {}\n",
+                         p.hardware.nvme_bytes > 0 ? (p.fits_nvme ? "fits" : "DOES NOT FIT") : "needs",
+                         p.hardware.nvme_bytes > 0 ? fmt::format("the {:.1f} GB NVMe disk",
+                                                                 static_cast<double>(p.hardware.nvme_bytes) / 1e9)
+                                                   : fmt::format("{:.1f} GB on the NVMe disk (the profile gives no "
+                                                                 "nvme_bytes)",
+                                                                 static_cast<double>(p.nvme_file_bytes) / 1e9));
+    out += "\n";
   }
   out += "device memory                                               bytes\n";
   const auto& d = p.device;
@@ -1271,6 +1341,10 @@ std::string to_table(const StepPlan& p) {
     else
       out += fmt::format("  host optimizer  {:>10.4g} s  ({} B of host memory traffic / {} GB/s)\n", t.optimizer_s,
                          t.optimizer_bytes, p.hardware.host_dram_gbps);
+    if (p.host.state_on_nvme)
+      out += fmt::format("  NVMe            {:>10.4g} s  ({} B read + {} B written back / {} GB/s{})\n", t.nvme_s,
+                         p.nvme_read_bytes, p.nvme_write_bytes, p.hardware.nvme_gbps,
+                         p.hardware.nvme_gbps_assumed ? ", assumed: the profile gives no nvme_gbps" : "");
   }
   if (p.world_size > 1) {
     out += fmt::format("  exchange        {:>10.4g} s  ({} B on the wire / {} GB/s network{})\n", t.exchange_s,

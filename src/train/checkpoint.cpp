@@ -156,9 +156,17 @@ void write_tensor_files(const std::string& dir, const RunConfig& config, const T
 }
 }  // namespace
 
+TrainingState::BlockShards::Held TrainingState::BlockShards::held(int64_t block, bool write) const {
+  TORCH_CHECK(block >= 0 && block < static_cast<int64_t>(blocks.size()), "TrainingState: block ", block,
+              " out of range");
+  if (hold) return hold(block, write);
+  return {nullptr, blocks[static_cast<size_t>(block)]};
+}
+
 io::NamedTensors gather_ema_weights(const TrainingState& state, bool keep) {
   if (!state.ema_valid) return {};
-  if (!state.shards || state.shards->world_size <= 1 || !state.shards->gather_ema) return state.ema;
+  if (!state.shards || !state.shards->gather_ema || (state.shards->world_size <= 1 && !state.shards->hold))
+    return state.ema;
   io::NamedTensors out = keep ? state.ema : io::NamedTensors{};
   for (size_t l = 0; l < state.shards->blocks.size(); ++l) {
     const auto& b = state.shards->blocks[l];
@@ -244,7 +252,7 @@ std::optional<std::pair<int64_t, int64_t>> shard_of(const std::string& name) {
   };
   if (!digits(r) || !digits(w)) return std::nullopt;
   const int64_t rank = std::stoll(r), world = std::stoll(w);
-  if (world < 2 || rank >= world) return std::nullopt;
+  if (world < 1 || rank >= world) return std::nullopt;  // world 1: the NVMe tier's one-rank shard layout
   return std::make_pair(rank, world);
 }
 
@@ -495,7 +503,10 @@ void detail::set_save_checkpoint_observer(std::function<void(const std::string& 
 
 namespace {
 
-bool sharded(const TrainingState& state) { return state.shards && state.shards->world_size > 1; }
+// The shard layout: several ranks, or the NVMe tier's blocks (in memory one at a time).
+bool sharded(const TrainingState& state) {
+  return state.shards && (state.shards->world_size > 1 || state.shards->hold);
+}
 
 std::string shard_file(int64_t rank, int64_t world_size) {
   return fmt::format("shards/rank-{:05}-of-{:05}.safetensors", rank, world_size);
@@ -588,9 +599,9 @@ std::string what_is_intact(const std::string& run_dir, const std::string& previo
 // alike and no rank waits for one that gave up.
 std::string save_sharded_checkpoint(const std::string& run_dir, const RunConfig& config, const TrainingState& state,
                                     const RankSum& sum) {
-  TORCH_CHECK(sum != nullptr, "save_checkpoint: a sharded state needs the ranks' sum");
   const auto& shards = *state.shards;
   const int64_t rank = shards.rank, world = shards.world_size;
+  TORCH_CHECK(sum != nullptr || world == 1, "save_checkpoint: a sharded state needs the ranks' sum");
   const std::string root = checkpoints_dir(run_dir);
   const std::string name = checkpoint_name(state.step);
   const std::string final_path = io::join_path(root, name);
@@ -612,7 +623,7 @@ std::string save_sharded_checkpoint(const std::string& run_dir, const RunConfig&
     std::vector<int64_t> all(per * static_cast<size_t>(world), 0);
     all[per * rank] = error.empty() ? 0 : 1;
     std::copy(mine.begin(), mine.end(), all.begin() + static_cast<std::ptrdiff_t>(per * rank + 1));
-    sum(all);
+    if (world > 1) sum(all);
     std::string failed;
     for (int64_t r = 0; r < world; ++r)
       if (all[per * r] != 0) failed += (failed.empty() ? "" : ", ") + std::to_string(r);
@@ -639,18 +650,42 @@ std::string save_sharded_checkpoint(const std::string& run_dir, const RunConfig&
   agree("preparing the folder", {});
   io::WrittenFile written;
   attempt([&] {
+    // Block by block (the NVMe tier holds one block's state in memory at a time while its parts are written).
     io::NamedTensors tensors;
-    for (const auto& b : shards.blocks) {
-      tensors.emplace_back(b.name + "#master", b.master);
-      tensors.emplace_back(b.name + "#exp_avg", b.exp_avg);
-      tensors.emplace_back(b.name + "#exp_avg_sq", b.exp_avg_sq);
-      if (state.ema_valid) tensors.emplace_back(b.name + "#ema", b.ema);
+    std::vector<std::pair<size_t, int>> part_of;  // each tensor's block and part
+    for (size_t l = 0; l < shards.blocks.size(); ++l) {
+      const auto& b = shards.blocks[l];
+      const std::pair<const char*, const torch::Tensor*> parts[6] = {
+          {"#master", &b.master},
+          {"#exp_avg", &b.exp_avg},
+          {"#exp_avg_sq", &b.exp_avg_sq},
+          {"#ema", state.ema_valid ? &b.ema : nullptr},
+          {"#exp_avg_scale", b.exp_avg_scale.defined() ? &b.exp_avg_scale : nullptr},
+          {"#exp_avg_sq_scale", b.exp_avg_sq_scale.defined() ? &b.exp_avg_sq_scale : nullptr}};
+      for (int k = 0; k < 6; ++k) {
+        if (parts[k].second == nullptr) continue;
+        tensors.emplace_back(b.name + parts[k].first, *parts[k].second);
+        part_of.emplace_back(l, k);
+      }
     }
     const std::map<std::string, std::string> metadata{{"format", kFormat},
                                                       {"step", std::to_string(state.step)},
                                                       {"rank", std::to_string(rank)},
                                                       {"world_size", std::to_string(world)}};
-    written = io::write_safetensors(io::join_path(tmp, shard_file(rank, world)), tensors, metadata);
+    size_t current = shards.blocks.size();
+    TrainingState::BlockShards::Held held;
+    written = io::write_safetensors(io::join_path(tmp, shard_file(rank, world)), tensors, metadata, [&](size_t i) {
+      const auto [l, k] = part_of[i];
+      if (l != current) {
+        held = {};  // the previous block's lease ends first
+        held = shards.held(static_cast<int64_t>(l), /*write=*/false);
+        current = l;
+      }
+      const auto& b = held.block;
+      const torch::Tensor* parts[6] = {&b.master, &b.exp_avg,       &b.exp_avg_sq,
+                                       &b.ema,    &b.exp_avg_scale, &b.exp_avg_sq_scale};
+      return *parts[k];
+    });
   });
   const auto written_all =
       agree("writing the shards", {static_cast<int64_t>(written.bytes), static_cast<int64_t>(written.crc32)});
@@ -861,8 +896,10 @@ void read_block_ranges(const std::string& path, const nlohmann::json* saved, con
   const int components = ema ? 4 : 3;  // the EMA's ranges too
   io::SafetensorsRangeReaders file;    // each file's header parsed once
   for (size_t l = 0; l < shards.blocks.size(); ++l) {
-    const auto& b = shards.blocks[l];
+    const auto held = shards.held(static_cast<int64_t>(l), /*write=*/true);  // the NVMe tier: in memory until done
+    const auto& b = held.block;
     const torch::Tensor targets[4] = {b.master, b.exp_avg, b.exp_avg_sq, b.ema};
+    const bool scales = b.exp_avg_scale.defined();  // int8 moments (one process)
     if (saved != nullptr) {
       const auto& layout = (*saved)["blocks"][l];
       bool same = layout.is_object() && layout.value("name", "") == b.name &&
@@ -876,6 +913,13 @@ void read_block_ranges(const std::string& path, const nlohmann::json* saved, con
       if (!same)
         fail(state_path,
              "the flat layout of " + b.name + " differs from this model's (another model, or another version of it)");
+      if (scales) {
+        if (saved_world != 1)
+          fail(state_path, "holds the shards of " + std::to_string(saved_world) +
+                               " ranks, which keep no int8 moments; this run's optimizer.state_dtype is int8");
+        file(io::join_path(path, shard_file(0, 1))).read_into(b.name + "#exp_avg_scale", 0, b.exp_avg_scale);
+        file(io::join_path(path, shard_file(0, 1))).read_into(b.name + "#exp_avg_sq_scale", 0, b.exp_avg_sq_scale);
+      }
       for (int64_t q = 0; q < saved_world; ++q) {
         const auto range = offload::shard_range(b.numel, q, saved_world);
         const int64_t first = std::max(range.begin, b.begin), last = std::min(range.end, b.end);
@@ -887,7 +931,7 @@ void read_block_ranges(const std::string& path, const nlohmann::json* saved, con
       }
       continue;
     }
-    int64_t offset = 0;
+    int64_t offset = 0, group = 0;
     for (const auto& [name, shape] : b.params) {
       int64_t n = 1;
       for (int64_t d : shape) n *= d;
@@ -896,6 +940,14 @@ void read_block_ranges(const std::string& path, const nlohmann::json* saved, con
         for (int c = 0; c < components; ++c)
           file(io::join_path(path, part_files[c]))
               .read_into(b.name + "." + name, first - offset, targets[c].narrow(0, first - b.begin, last - first));
+      if (scales) {  // int8 moments: the parameter's group scales, "<name>#scale" in the moments' files
+        const int64_t g = offload::state_groups(n);
+        file(io::join_path(path, part_files[1]))
+            .read_into(b.name + "." + name + "#scale", 0, b.exp_avg_scale.narrow(0, group, g));
+        file(io::join_path(path, part_files[2]))
+            .read_into(b.name + "." + name + "#scale", 0, b.exp_avg_sq_scale.narrow(0, group, g));
+        group += g;
+      }
       offset += n;
     }
   }
@@ -940,7 +992,7 @@ void load_checkpoint(const std::string& path, const RunConfig& config, TrainingS
     fail(state_path, fmt::format("inconsistent counters: the parts' updates {} do not add up to optimizer_steps {}",
                                  nlohmann::json(into.part_steps).dump(), into.optimizer_steps));
   const bool saved_sharded = s.is_object() && s.contains("shards");
-  const bool wants_shards = into.shards && into.shards->world_size > 1;
+  const bool wants_shards = into.shards && (into.shards->world_size > 1 || into.shards->hold);
   // Only files the manifest lists (hence verified) are read: the state's world size must be its shards'.
   const int64_t state_world = saved_sharded && s["shards"].is_object() && s["shards"].contains("world_size") &&
                                       s["shards"]["world_size"].is_number_integer()
@@ -970,7 +1022,13 @@ void load_checkpoint(const std::string& path, const RunConfig& config, TrainingS
   if (into.ema_valid) files.emplace_back(kEma, into.ema);
   for (auto& [file, list] : files)
     list.erase(
-        std::remove_if(list.begin(), list.end(), [&](const auto& item) { return by_range.count(item.first) > 0; }),
+        std::remove_if(list.begin(), list.end(),
+                       [&](const auto& item) {
+                         // int8 scales ("<name>#scale") go with their parameter: read through the ranges too
+                         const std::string& n = item.first;
+                         const bool scale = n.size() > 6 && n.compare(n.size() - 6, 6, "#scale") == 0;
+                         return by_range.count(scale ? n.substr(0, n.size() - 6) : n) > 0;
+                       }),
         list.end());
   try {
     for (const auto& [file, list] : files)

@@ -88,6 +88,13 @@ void MetricsWriter::write(const StepMetrics& m) {
     j["exchange_bytes"] = m.exchange_bytes;
     j["exchange_s"] = m.exchange_s;
   }
+  if (m.nvme) {  // the NVMe tier
+    j["nvme_read_bytes"] = m.nvme_read_bytes;
+    j["nvme_write_bytes"] = m.nvme_write_bytes;
+    j["nvme_read_s"] = m.nvme_read_s;
+    j["nvme_write_s"] = m.nvme_write_s;
+    j["nvme_wait_s"] = m.nvme_wait_s;
+  }
   if (!m.part.empty()) j["part"] = m.part;
   j["skipped"] = m.skipped;
   j["skipped_total"] = m.skipped_total;
@@ -144,6 +151,11 @@ void TensorBoardLog::step(const StepMetrics& m) {
   if (m.mfu > 0) v.emplace_back("throughput/mfu", m.mfu);
   if (m.loss_scale > 0) v.emplace_back("train/loss_scale", m.loss_scale);
   if (m.exchange_bytes > 0) v.emplace_back("exchange/bytes", static_cast<double>(m.exchange_bytes));
+  if (m.nvme) {
+    v.emplace_back("nvme/read_bytes", static_cast<double>(m.nvme_read_bytes));
+    v.emplace_back("nvme/write_bytes", static_cast<double>(m.nvme_write_bytes));
+    v.emplace_back("nvme/wait_s", m.nvme_wait_s);
+  }
   if (!m.part.empty()) v.emplace_back("train/loss_" + m.part, m.loss);  // one curve per expert
   try {
     impl_->events->scalars(m.step, v, wall_time_now());

@@ -37,6 +37,18 @@ TrainingState streamed_training_state(offload::StreamedStackTrainer& engine, con
   TrainingState::BlockShards shards;
   shards.rank = store.options().shard_rank;
   shards.world_size = store.options().shard_count;
+  const bool paged = store.paged();  // the NVMe tier: each block's state in memory only while held
+  // Block l's state: the store's own buffers, or (paged) views valid while `lease` lives.
+  const auto block_state = [&store, ema](int64_t l, TrainingState::BlockShards::Block& b) {
+    b.master = store.master(l);
+    b.exp_avg = store.exp_avg(l);
+    b.exp_avg_sq = store.exp_avg_sq(l);
+    if (ema) b.ema = store.ema(l);
+    if (store.options().state_dtype == offload::StateDtype::kInt8) {
+      b.exp_avg_scale = store.exp_avg_scale(l);
+      b.exp_avg_sq_scale = store.exp_avg_sq_scale(l);
+    }
+  };
   for (int64_t l = 0; l < store.num_blocks(); ++l) {
     TrainingState::BlockShards::Block b;
     b.name = block_name(l);
@@ -44,19 +56,50 @@ TrainingState streamed_training_state(offload::StreamedStackTrainer& engine, con
     b.begin = store.shard(l).begin;
     b.end = store.shard(l).end;
     for (const auto& spec : store.block_spec(l).params) b.params.emplace_back(spec.name, spec.shape);
-    b.master = store.master(l);
-    b.exp_avg = store.exp_avg(l);
-    b.exp_avg_sq = store.exp_avg_sq(l);
-    if (ema) b.ema = store.ema(l);
-    if (store.sharded()) {
+    if (paged) {  // what the tensors are, on the meta device (nothing read): hold(l) gives them
+      const auto meta = torch::TensorOptions().device(torch::kMeta);
+      const auto state = store.options().state_dtype;
+      const auto m = state == offload::StateDtype::kFloat32    ? torch::kFloat
+                     : state == offload::StateDtype::kBFloat16 ? torch::kBFloat16
+                                                               : torch::kChar;
+      const int64_t n = b.end - b.begin;
+      b.master = torch::empty({n}, meta.dtype(torch::kFloat));
+      b.exp_avg = torch::empty({n}, meta.dtype(m));
+      b.exp_avg_sq = torch::empty({n}, meta.dtype(m == torch::kChar ? torch::kByte : m));
+      if (ema) b.ema = torch::empty({n}, meta.dtype(torch::kFloat));
+      if (state == offload::StateDtype::kInt8) {
+        int64_t groups = 0;
+        for (const auto& spec : store.block_spec(l).params) {
+          int64_t numel = 1;
+          for (const int64_t d : spec.shape) numel *= d;
+          groups += offload::state_groups(numel);
+        }
+        b.exp_avg_scale = torch::empty({groups}, meta.dtype(torch::kFloat));
+        b.exp_avg_sq_scale = torch::empty({groups}, meta.dtype(torch::kFloat));
+      }
+    } else {
+      block_state(l, b);
+    }
+    if (store.sharded() || paged) {
       for (const auto& spec : store.block_spec(l).params)
         shards.weights.emplace_back(b.name + "." + spec.name, store.param(l, spec.name).compute);
     }
     shards.blocks.push_back(std::move(b));
   }
-  if (ema && store.sharded()) shards.gather_ema = [&engine](int64_t l) { return engine.gathered_block_ema(l); };
+  if (ema && (store.sharded() || paged))
+    shards.gather_ema = [&engine](int64_t l) { return engine.gathered_block_ema(l); };
+  if (paged) {
+    const auto names = shards.blocks;  // the names and layouts, copied into the callback
+    shards.hold = [&store, block_state, names](int64_t l, bool write) {
+      TrainingState::BlockShards::Held held;
+      held.lease = std::make_shared<offload::HostParamStore::StateLease>(store.acquire_state(l, write));
+      held.block = names[static_cast<size_t>(l)];
+      block_state(l, held.block);
+      return held;
+    };
+  }
   s.shards = std::move(shards);
-  if (store.sharded()) return s;  // the blocks are in s.shards only
+  if (store.sharded() || paged) return s;  // the blocks are in s.shards only
   for (int64_t l = 0; l < store.num_blocks(); ++l) {
     const std::string prefix = block_name(l) + ".";
     for (const auto& spec : store.block_spec(l).params) {
@@ -81,8 +124,9 @@ void load_streamed_training_state(offload::StreamedStackTrainer& engine, const i
   engine.synchronize();
   const auto& store = engine.store();
   size_t expected = resident.size();
-  const bool frozen = store.options().frozen;  // LoRA's base: nothing of the blocks is in the state
-  if (!store.sharded() && !frozen)
+  const bool frozen = store.options().frozen;               // LoRA's base: nothing of the blocks is in the state
+  const bool in_shards = store.sharded() || store.paged();  // the blocks are in s.shards only
+  if (!in_shards && !frozen)
     for (int64_t l = 0; l < store.num_blocks(); ++l) expected += store.block_spec(l).params.size();
   TORCH_CHECK(s.master.size() == expected && s.exp_avg.size() == expected && s.exp_avg_sq.size() == expected, who,
               "::load_training_state: expected ", expected, " parameters, got ", s.master.size());
@@ -116,27 +160,38 @@ void load_streamed_training_state(offload::StreamedStackTrainer& engine, const i
       engine.resident_ema(p).copy_(s.ema[i].second);
     }
   }
-  if (store.sharded()) {
+  if (in_shards) {
     // The blocks' shards: read in place when the state is this trainer's own (load_checkpoint), else copied.
     TORCH_CHECK(s.shards && s.shards->blocks.size() == static_cast<size_t>(store.num_blocks()), who,
-                "::load_training_state: a sharded trainer needs the blocks' shards (TrainingState::shards)");
+                "::load_training_state: a sharded trainer, or one on the NVMe tier, needs the blocks' shards "
+                "(TrainingState::shards)");
     for (int64_t l = 0; l < store.num_blocks(); ++l) {
-      const auto& b = s.shards->blocks[l];
+      const auto lease = store.acquire_state(l, /*write=*/false);  // written back only if copied into (below)
+      const auto held = s.shards->held(l, /*write=*/false);
+      const auto& b = held.block;
       std::vector<std::pair<at::Tensor, const torch::Tensor*>> parts = {
           {store.master(l), &b.master}, {store.exp_avg(l), &b.exp_avg}, {store.exp_avg_sq(l), &b.exp_avg_sq}};
       if (ema) {
         TORCH_CHECK(b.ema.defined(), who, "::load_training_state: ", b.name, "'s shard has no EMA");
         parts.emplace_back(store.ema(l), &b.ema);
       }
+      if (store.options().state_dtype == offload::StateDtype::kInt8) {
+        TORCH_CHECK(b.exp_avg_scale.defined() && b.exp_avg_sq_scale.defined(), who, "::load_training_state: ", b.name,
+                    " has no int8 moment scales");
+        parts.emplace_back(store.exp_avg_scale(l), &b.exp_avg_scale);
+        parts.emplace_back(store.exp_avg_sq_scale(l), &b.exp_avg_sq_scale);
+      }
       for (const auto& [target, source] : parts) {
         TORCH_CHECK(source->sizes() == target.sizes() && source->scalar_type() == target.scalar_type(), who,
                     "::load_training_state: ", b.name, "'s shard is ", source->scalar_type(), " ", source->sizes(),
                     ", the store holds ", target.scalar_type(), " ", target.sizes());
-        if (source->data_ptr() != target.data_ptr()) target.copy_(*source);
+        if (source->data_ptr() == target.data_ptr()) continue;
+        const auto write = store.acquire_state(l, /*write=*/true);  // the NVMe tier: the block is written back
+        target.copy_(*source);
       }
     }
   }
-  for (int64_t l = 0; l < (store.sharded() || frozen ? 0 : store.num_blocks()); ++l) {
+  for (int64_t l = 0; l < (in_shards || frozen ? 0 : store.num_blocks()); ++l) {
     const std::string prefix = block_name(l) + ".";
     for (const auto& spec : store.block_spec(l).params) {
       const size_t i = find(prefix + spec.name);

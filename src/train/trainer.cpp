@@ -46,6 +46,9 @@ offload::StackTrainerOptions engine_options(const RunConfig& c, torch::Device de
   o.loss_scale_init = c.train.loss_scale_init;
   o.loss_scale_window = c.train.loss_scale_window;
   o.ema_decay = c.train.ema_decay;
+  o.state_tier = offload::parse_state_tier(c.offload.state_tier);
+  o.nvme_dir = c.offload.nvme_dir;
+  o.nvme_blocks_in_flight = c.offload.nvme_blocks_in_flight;
   o.frozen_blocks = c.lora.rank > 0;  // LoRA: the family's blocks frozen, streamed H2D only
   if (c.lora.base_dtype == "fp8") o.frozen_dtype = at::kFloat8_e4m3fn;
   return o;
@@ -300,6 +303,12 @@ StepMetrics Trainer::streamed_step(double lr, MicroBatchStats& stats, const Mode
   m.optimizer_wait_s = r.optimizer_wait_s;
   m.optimizer_s = r.optimizer_s;
   m.peak_device_bytes = r.peak_device_bytes;
+  m.nvme = engine_->store().paged();
+  m.nvme_read_bytes = r.nvme_read_bytes;
+  m.nvme_write_bytes = r.nvme_write_bytes;
+  m.nvme_read_s = r.nvme_read_s;
+  m.nvme_write_s = r.nvme_write_s;
+  m.nvme_wait_s = r.nvme_wait_s;
   m.loss_scale = engine_->options().compute_dtype == at::kHalf ? r.loss_scale : 0.0;
   return m;
 }
@@ -311,7 +320,9 @@ std::map<std::string, at::Tensor> Trainer::block_views() const {
   for (int64_t l = 0; l < store.num_blocks(); ++l)
     for (const auto& spec : store.block_spec(l).params) {
       const auto views = store.param(l, spec.name);
-      out.emplace(model_->block_name(l) + "." + spec.name, store.sharded() ? views.compute : views.master);
+      // Sharded or on the NVMe tier no whole master is in memory: the compute copy.
+      out.emplace(model_->block_name(l) + "." + spec.name,
+                  store.sharded() || store.paged() ? views.compute : views.master);
     }
   return out;
 }

@@ -214,7 +214,7 @@ std::vector<torch::Tensor> WanValidation::sample(Trainer& trainer) const {
     for (int64_t b = 0; b < static_cast<int64_t>(model->blocks->size()); ++b) {
       const int64_t l = first_block + b;
       WanBlockWeights w;
-      w.flat = dtype == at::kFloat && !store.sharded() && !store.options().frozen ? store.master(l) : store.compute(l);
+      w.flat = store.master_uploaded() ? store.master(l) : store.compute(l);
       std::map<std::string, std::vector<int64_t>> shapes;
       std::map<std::string, int64_t> index;  // the parameter's place in the store's block (its fp8 scale's)
       for (const auto& spec : store.block_spec(l).params) {

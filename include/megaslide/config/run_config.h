@@ -243,6 +243,12 @@ struct OffloadConfig {
   std::string compute_dtype = "auto";   // auto (train/auto_settings.h) | bf16 | fp16 (dynamic loss scaling) | fp32
   int64_t optimizer_threads = 0;        // CpuAdamW threads; 0 = from the cores available (train/auto_settings.h)
   double emulated_copy_delay_ms = 0.0;  // testing aid: CPU async copies land this much later (docs/offload.md)
+  // Where the streamed trainer keeps the blocks' fp32 masters, AdamW moments and EMA (docs/offload.md, "The
+  // NVMe tier"): ram | nvme (a scratch file in nvme_dir, each block's state read ahead of its update and
+  // written back after it; the same numbers as ram, bit for bit).
+  std::string state_tier = "ram";
+  std::string nvme_dir;               // state_tier nvme: a folder on the NVMe disk (the file is removed at exit)
+  int64_t nvme_blocks_in_flight = 2;  // state_tier nvme: blocks' state in host memory at once (>= 2)
 };
 
 struct OptimizerConfig {

@@ -22,6 +22,7 @@
 
 #include <torch/torch.h>
 
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -71,6 +72,13 @@ struct WrittenFile {
 WrittenFile write_safetensors(const std::string& path, const NamedTensors& tensors,
                               const std::map<std::string, std::string>& metadata = {},
                               std::optional<c10::ScalarType> cast = std::nullopt);
+
+// The same with each tensor's value produced as it is written: `tensors` give the names, dtypes and shapes
+// (meta tensors will do) and fetch(i) returns tensor i's value, of that dtype and shape, just before it is
+// written (dropped before the next fetch): a file larger than memory, written from state paged in piece by piece.
+WrittenFile write_safetensors(const std::string& path, const NamedTensors& tensors,
+                              const std::map<std::string, std::string>& metadata,
+                              const std::function<torch::Tensor(size_t index)>& fetch);
 
 // The bytes write_safetensors would write (tests build corrupt files from them).
 std::string encode_safetensors(const NamedTensors& tensors, const std::map<std::string, std::string>& metadata = {});

@@ -37,6 +37,16 @@
 // shares ownership of its block's buffer, so a view stays valid even after the store is destroyed;
 // the memory is freed when the store and the last view are gone.
 //
+// The NVMe tier (state_tier kNvme; docs/offload.md): master, moments, their scales and the EMA live in a scratch
+// file in nvme_dir (NvmeFile), one 4 KiB-aligned region per block; host RAM keeps the transfer (and
+// accumulation) buffers and nvme_blocks_in_flight buffers of the largest region. A block's state is in
+// memory only while acquired (acquire_state: a lease that reads it first, if needed, and writes it back when
+// the last write lease ends); master(l), exp_avg(l), ..., ema(l) and the ParamViews of them exist only then
+// (the flat accessors throw, the views are undefined otherwise). prefetch_state starts the read ahead of the
+// acquires, in the order they will come. The transfer buffer always holds the compute copy (fp32 too: the
+// master is not where the GPU reads). set_param and copy_master_to_compute acquire the block themselves.
+// The RAM tier's leases do nothing.
+//
 // Threading: construction and destruction are single-threaded (first_touch may fan out). The
 // accessors only read immutable layout and may be called from any thread; writes through the views are
 // the caller's to order (the trainer: D2H into the transfer buffer, then CpuAdamW, then H2D from it).
@@ -53,8 +63,19 @@
 #include <vector>
 
 #include "megaslide/offload/cpu_adamw.h"
+#include "megaslide/offload/nvme_file.h"
+#include "megaslide/offload/step_trace.h"
 
 namespace megaslide::offload {
+
+namespace detail {
+class StatePager;
+}
+
+// Where the blocks' masters and moments live (offload.state_tier): host RAM, or a file on an NVMe disk.
+enum class StateTier { kRam, kNvme };
+StateTier parse_state_tier(const std::string& name);  // "ram" | "nvme"
+const char* to_string(StateTier tier);
 
 struct ParamSpec {
   std::string name;            // unique within its block, e.g. "attn.qkv.weight"
@@ -92,6 +113,12 @@ struct HostParamStoreOptions {
   bool pin_if_cuda = true;
   // This rank's shard of every block (see Sharding above): rank shard_rank of shard_count.
   int64_t shard_rank = 0, shard_count = 1;
+  // The NVMe tier (above): the state file's folder, the blocks' state in host memory at once (>= 1; the
+  // trainer needs 2 to overlap I/O with its updates), and the file's I/O settings. Not for a frozen store.
+  StateTier state_tier = StateTier::kRam;
+  std::string nvme_dir;
+  int64_t nvme_blocks_in_flight = 2;
+  NvmeFileOptions nvme;
   // Zeroes a block's buffers, each byte first touched here: called once per block with the block's
   // element count and `zero(begin, end)`, which zeroes elements [begin, end) of every buffer (and the
   // scales of the groups that start in that range). It may call `zero` from several threads over
@@ -148,9 +175,18 @@ struct MemoryReport {
   int64_t shard_count = 1;  // > 1: master and moments are this rank's shard only
   bool frozen = false;      // HostParamStoreOptions::frozen: compute_bytes are the frozen weights
   bool fp8 = false;         // ... kept as fp8 (HostParamStoreOptions::frozen_dtype), scale_bytes their scales
+  // The NVMe tier: master, moments, scales and EMA (the bytes above) are on disk, in a file of nvme_bytes
+  // (4 KiB-aligned regions); host RAM holds nvme_buffer_bytes of them (the blocks in flight) instead.
+  StateTier state_tier = StateTier::kRam;
+  int64_t nvme_bytes = 0;
+  int64_t nvme_buffer_bytes = 0;
+  int64_t largest_region_bytes = 0;  // one block's state on disk, 4 KiB-aligned (the NVMe tier's unit of I/O)
 
+  // The state's bytes, wherever they live (master, moments, scales, EMA).
+  int64_t state_bytes() const { return master_bytes + exp_avg_bytes + exp_avg_sq_bytes + scale_bytes + ema_bytes; }
+  // Host memory: the state (RAM tier) or its in-flight buffers (NVMe tier), plus the buffers beside it.
   int64_t total_bytes() const {
-    return master_bytes + exp_avg_bytes + exp_avg_sq_bytes + scale_bytes + compute_bytes + grad_bytes + ema_bytes +
+    return (state_tier == StateTier::kNvme ? nvme_buffer_bytes : state_bytes()) + compute_bytes + grad_bytes +
            exact_bytes;
   }
   // A table: one row per component with bytes, GiB and bytes per parameter, then the total.
@@ -216,6 +252,44 @@ class HostParamStore {
   // Every parameter of a block, in declaration order.
   std::vector<ParamViews> params(int64_t block) const;
 
+  // The NVMe tier's traffic (zero for the RAM tier): bytes and I/O-thread seconds, and the seconds callers
+  // waited in acquire_state for a read (or a write-back) to finish.
+  struct NvmeStats {
+    int64_t read_bytes = 0, write_bytes = 0;
+    double read_s = 0, write_s = 0, wait_s = 0;
+  };
+  // Holds block l's state in memory while alive (NVMe tier; the RAM tier's is empty). Movable.
+  class StateLease {
+   public:
+    StateLease() = default;
+    StateLease(StateLease&& other) noexcept : store_(other.store_), block_(other.block_) { other.store_ = nullptr; }
+    StateLease& operator=(StateLease&& other) noexcept;
+    ~StateLease();
+
+   private:
+    friend class HostParamStore;
+    StateLease(const HostParamStore* store, int64_t block) : store_(store), block_(block) {}
+    const HostParamStore* store_ = nullptr;
+    int64_t block_ = -1;
+  };
+  bool paged() const { return pager_ != nullptr; }
+  // NVMe tier: block l's state in memory until the lease ends (waiting for its read); `write`: written back
+  // after the last write lease ends. Leases nest and may be taken from any thread; each holder should hold
+  // at most one block at a time (blocks wait for free buffers). Throws NvmeError when the disk failed.
+  StateLease acquire_state(int64_t block, bool write = true) const;
+  // NVMe tier: starts reading block l's state ahead of its acquire_state (call in the order of the acquires).
+  void prefetch_state(int64_t block) const;
+  // NVMe tier: waits until every write-back is on disk; rethrows an I/O failure.
+  void flush_state() const;
+  NvmeStats nvme_stats() const;
+  // The NVMe tier's file (nullptr for the RAM tier).
+  const NvmeFile* nvme_file() const;
+  // Records the NVMe tier's reads and write-backs into `trace` (nullptr: stop).
+  void set_trace(StepTrace* trace) const;
+  // Whether the GPU uploads the fp32 master itself (fp32 compute, one rank, RAM tier): the transfer
+  // buffer then holds gradients only.
+  bool master_uploaded() const;
+
   // Writes `value` (any dtype, the parameter's shape) into the parameter's master (sharded: the part in
   // this rank's shard) and, rounded to nearest even, its compute copy (none with fp32 compute unless
   // sharded; frozen: the compute copy alone): how weights are loaded.
@@ -228,10 +302,15 @@ class HostParamStore {
  private:
   struct Block;
   ParamViews views(int64_t block, size_t index) const;
+  // A state component (0 master, 1 exp_avg, 2 exp_avg_sq, 3 and 4 their int8 scales, 5 EMA) of block l: the
+  // RAM tier's buffer, or a view into the NVMe tier's in-flight buffer (undefined when not acquired).
+  at::Tensor state_part(int64_t block, int part) const;
+  at::Tensor held_part(int64_t block, int part, const char* who) const;  // state_part, throwing when undefined
   std::vector<BlockSpec> specs_;
   std::vector<std::shared_ptr<Block>> blocks_;
   HostParamStoreOptions options_;
   bool pinned_ = false;
+  std::unique_ptr<detail::StatePager> pager_;
 };
 
 }  // namespace megaslide::offload

@@ -4,7 +4,8 @@
 //
 // State: every block's fp32 master weights, AdamW moments (fp32, bf16 or int8: state_dtype) and
 // transfer buffer live in a HostParamStore (host RAM; only the transfer buffer is pinned when CUDA
-// runs); the device holds two weight slots, two gradient slots (WeightStreamer), the block-boundary
+// runs; with state_tier kNvme the masters, moments and EMA live on an NVMe disk, paged in around each
+// block's update); the device holds two weight slots, two gradient slots (WeightStreamer), the block-boundary
 // activations of the micro-batch in flight, and the resident prologue/epilogue with their LibTorch
 // AdamW state. At accumulation 1 there is no gradient buffer: a block's gradient is copied into its
 // transfer buffer, whose compute copy is not needed again until the block's update rewrites it (a
@@ -132,6 +133,15 @@ struct StackTrainerOptions {
   // tensor, HostParamStoreOptions::frozen_dtype), uploads the fp8 bytes — half bf16's — and upcasts them
   // to the compute dtype on the device. Undefined (the default): the compute dtype.
   c10::ScalarType frozen_dtype = c10::ScalarType::Undefined;
+  // Where the blocks' masters, moments and EMA live (offload.state_tier; HostParamStore's NVMe tier): kNvme keeps
+  // them in a scratch file in nvme_dir, nvme_blocks_in_flight blocks' state in host memory at once (>= 2: one
+  // updated while the next is read and the last written back). Each block's state is read ahead of its update
+  // (queued when the update is, in the order updates run) and written back after it; results are the RAM
+  // tier's, bit for bit. Not with frozen blocks.
+  StateTier state_tier = StateTier::kRam;
+  std::string nvme_dir;
+  int64_t nvme_blocks_in_flight = 2;
+  NvmeFileOptions nvme;
 };
 
 // The part of the stack a step trains (StreamedStackTrainer::step): a model whose parts are trained on
@@ -160,6 +170,10 @@ struct StackStepResult {
   // step (some of a step's run while the next one computes).
   int64_t exchange_bytes = 0;
   double exchange_s = 0.0;
+  // The NVMe tier: this step's reads and write-backs of the blocks' state (bytes, the I/O thread's seconds; a
+  // step's write-backs may finish during the next step) and the seconds updates waited for a read.
+  int64_t nvme_read_bytes = 0, nvme_write_bytes = 0;
+  double nvme_read_s = 0.0, nvme_write_s = 0.0, nvme_wait_s = 0.0;
 };
 
 class StreamedStackTrainer {

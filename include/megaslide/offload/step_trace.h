@@ -1,6 +1,7 @@
 // StepTrace: a Chrome-trace (Trace Event Format) record of one training step, written as
 // {"traceEvents": [...]} that chrome://tracing and Perfetto (ui.perfetto.dev) open. Each lane is one
-// "thread" of the trace: the compute, H2D and D2H streams and the host optimizer thread.
+// "thread" of the trace: the compute, H2D and D2H streams, the host optimizer thread and the NVMe tier's I/O
+// thread (reads and write-backs of the blocks' state).
 // Times are seconds since the trace's origin (construction).
 //
 // On a GPU the WeightStreamer converts CUDA-event times of the three streams onto this clock; on the
@@ -17,7 +18,7 @@
 
 namespace megaslide::offload {
 
-enum class TraceLane { kCompute = 1, kH2D = 2, kD2H = 3, kOptimizer = 4 };
+enum class TraceLane { kCompute = 1, kH2D = 2, kD2H = 3, kOptimizer = 4, kNvme = 5 };
 const char* to_string(TraceLane lane);
 
 class StepTrace {

@@ -14,6 +14,8 @@
 //   host_dram_gbps: 204.8
 //   host_memory_bytes: 1649267441664
 //   network_gbps: 12.5               # optional: 1e9 B/s per rank each way, for --world-size > 1
+//   nvme_gbps: 7.0                   # optional: the NVMe tier's disk, 1e9 B/s sequential (read and write each)
+//   nvme_bytes: 4000000000000        # optional: its capacity (unknown: the plan does not judge the fit)
 //
 // Errors: HardwareProfileError, whose message names the file (or built-in profile), the key and what
 // was expected. Thread-safety: plain values; the functions are pure apart from reading the file.
@@ -37,6 +39,9 @@ class HardwareProfileError : public std::runtime_error, public InputError {
 // (12.5e9 B/s each way). An assumption, not a measurement: the shipped profiles describe one GPU's
 // machine and carry no network figure.
 inline constexpr double kAssumedNetworkGbps = 12.5;
+// What the planner assumes for a profile without nvme_gbps: one PCIe 4.0 x4 NVMe disk's sequential rate
+// (7e9 B/s; the link carries at most 7.88e9). An assumption, not a measurement.
+inline constexpr double kAssumedNvmeGbps = 7.0;
 
 struct HardwareProfile {
   std::string name;
@@ -52,6 +57,11 @@ struct HardwareProfile {
   // Gloo over TCP for the streamed trainer's host buffers, NCCL or Gloo for the resident trainer's).
   double network_gbps = kAssumedNetworkGbps;
   bool network_gbps_assumed = true;  // false when the profile gives network_gbps
+  // The NVMe tier's disk (offload.state_tier: nvme): its sequential bandwidth, 1e9 B/s for reads and for writes
+  // (the planner adds a step's reads and writes: one disk does not do both at full rate), and its capacity.
+  double nvme_gbps = kAssumedNvmeGbps;
+  bool nvme_gbps_assumed = true;  // false when the profile gives nvme_gbps
+  int64_t nvme_bytes = 0;         // 0: not given
 };
 
 // Parses a profile's YAML text; `source` names it in messages and is the default name's origin.

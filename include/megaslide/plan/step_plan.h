@@ -31,6 +31,10 @@
 // host optimizer. Model FLOPs are the LoRA wrapper's 2/3 of the family's (no weight gradients of the base); the
 // executed FLOPs keep the recompute and the attention's whole backward (input gradients) and add the adapters' own.
 //
+// The NVMe tier (offload.state_tier: nvme): the store's master, moments, scales and EMA are counted on the disk
+// (HostParamStore's regions, exactly), host RAM keeps the in-flight buffers; every step reads and writes back
+// each updated block's region, timed at the profile's nvme_gbps (reads plus writes) beside the other terms.
+//
 // Data parallelism (world_size R > 1, docs/planner.md "Several ranks"): every figure is one rank's. The
 // global batch train.batch_size splits into R per-rank batches (the device plan and the FLOPs use
 // B/R); the streamed trainer shards each block's fp32 master and AdamW moments over the ranks (rank r owns
@@ -72,8 +76,13 @@ struct HostMemoryPlan {
   // One of Wan2.2's experts trained with validation videos (model.wan.expert, train.sample_every): the
   // other expert's blocks in the compute dtype, read from its weights while the videos are made.
   int64_t other_expert = 0;
+  // The NVMe tier (offload.state_tier: nvme): master, moments, scales and EMA (the figures above) are on the
+  // disk; host RAM holds nvme_buffers of them instead (offload.nvme_blocks_in_flight × the largest block's
+  // 4 KiB-aligned region).
+  bool state_on_nvme = false;
+  int64_t nvme_buffers = 0;
   int64_t state() const {
-    return master + exp_avg + exp_avg_sq + scales + compute + grad + ema + exchange;
+    return (state_on_nvme ? nvme_buffers : master + exp_avg + exp_avg_sq + scales + ema) + compute + grad + exchange;
   }  // HostParamStore
   int64_t steady() const { return state() + staging; }
   int64_t peak() const {
@@ -151,8 +160,9 @@ struct TimePlan {
   int64_t optimizer_bytes = 0;  // host memory traffic of CpuAdamW and gradient accumulation per step
   double compute_s = 0.0, h2d_s = 0.0, d2h_s = 0.0, optimizer_s = 0.0;
   double exchange_s = 0.0;  // world_size > 1: the exchange's bytes on the wire / network_gbps
+  double nvme_s = 0.0;      // the NVMe tier: the step's reads and write-backs of the state / nvme_gbps
   double lower_bound_s = 0.0;
-  std::string bottleneck;        // "compute" | "h2d" | "d2h" | "host optimizer" | "exchange"
+  std::string bottleneck;        // "compute" | "h2d" | "d2h" | "host optimizer" | "exchange" | "nvme"
   bool overlapped = true;        // async: the bound is the max; sync (and the resident trainer's all-reduce,
                                  // which follows its backward): the sum
   bool exchange_after = false;   // LoRA, streamed, world_size > 1: the adapters' all-reduce follows the
@@ -198,6 +208,12 @@ struct StepPlan {
   // is that expert's; the other one's state is not in host RAM.
   std::string wan_expert;
   double boundary_ratio = 0.0;
+  // The NVMe tier (offload.state_tier: nvme; docs/planner.md "The NVMe tier"): the state file on the disk, and
+  // what a step reads and writes back of it (each updated block's region once: accumulation amortises it over
+  // the micro-batches). fits_nvme: the file fits the profile's nvme_bytes (true when the profile gives none).
+  std::string state_tier = "ram";
+  int64_t nvme_file_bytes = 0, nvme_read_bytes = 0, nvme_write_bytes = 0;
+  bool fits_nvme = true;
   bool fits_device = false, fits_host = false;
   std::vector<std::string> advice;  // what to change when it does not fit (empty when it does)
 };

@@ -43,6 +43,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -92,6 +93,9 @@ struct TrainingState {
   // keeps one shard file per rank. One process: the lists hold the blocks too (views of the same
   // memory) and the checkpoint is keyed by parameter name. Loading fills these ranges from a checkpoint
   // of either kind and any world size (re-sharding).
+  // The NVMe tier (`hold` set): a block's state is in memory only while held, so the blocks are in the
+  // shards only (not in the lists), their tensors are undefined and hold(l) gives them; the checkpoint is
+  // the shard layout of one rank (with int8 moments' scales), which either tier resumes.
   struct BlockShards {
     int64_t rank = 0, world_size = 1;
     struct Block {
@@ -101,6 +105,9 @@ struct TrainingState {
       std::vector<std::pair<std::string, std::vector<int64_t>>> params;  // the flat layout, in order
       torch::Tensor master, exp_avg, exp_avg_sq;                         // end - begin elements each
       torch::Tensor ema;                                                 // with EMA (end - begin), else undefined
+      // int8 moments, one process: the block's group scales (offload::state_groups of each parameter,
+      // concatenated); undefined otherwise.
+      torch::Tensor exp_avg_scale, exp_avg_sq_scale;
     };
     std::vector<Block> blocks;
     // Sharded: the blocks' whole compute copies by parameter name ("blocks.3.attn.q.weight"), which
@@ -110,6 +117,15 @@ struct TrainingState {
     // shard — a collective every rank calls for the same blocks in the same order
     // (StreamedStackTrainer::gathered_block_ema); gather_ema_weights calls it.
     std::function<torch::Tensor(int64_t block)> gather_ema;
+    // The NVMe tier: block l's tensors (a Block with them defined), valid while `lease` lives; `write`:
+    // what is written into them is kept. Empty: the Block's own tensors are always valid.
+    struct Held {
+      std::shared_ptr<void> lease;
+      Block block;
+    };
+    std::function<Held(int64_t block, bool write)> hold;
+    // Block l's tensors: hold(l, write) or the Block itself.
+    Held held(int64_t block, bool write) const;
   };
   std::optional<BlockShards> shards;
 };

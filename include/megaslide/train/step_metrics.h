@@ -33,6 +33,11 @@ struct StepMetrics {
   // (reduce-scatter + all-gather) and its host thread's seconds in those collectives; 0 otherwise.
   int64_t exchange_bytes = 0;
   double exchange_s = 0.0;
+  // The streamed trainer on the NVMe tier (offload.state_tier: nvme): the step's reads and write-backs of the
+  // blocks' state (bytes, and the I/O thread's seconds at them) and the seconds updates waited for a read.
+  bool nvme = false;
+  int64_t nvme_read_bytes = 0, nvme_write_bytes = 0;
+  double nvme_read_s = 0.0, nvme_write_s = 0.0, nvme_wait_s = 0.0;
   // A model trained one part per step (FamilyModel::parts: Wan2.2's experts): the part this step trained.
   std::string part;
 };
