@@ -82,8 +82,9 @@ Result run_kernel(const Inputs& in, std::array<int64_t, 3> kernel, ms::DsaImpl i
   std::optional<torch::Tensor> bias;
   if (in.bias.defined()) bias = in.bias.detach().clone().requires_grad_(true);
   auto out = ms::dsa3d(q, k, v, offsets, bias, kernel, impl, deterministic);
+  // dout from the CPU's generator on every device: a GPU run and its CPU reference see the same dout.
   torch::manual_seed(seed);
-  auto dout = torch::randn(out.sizes(), out.options().dtype(torch::kFloat)).to(out.scalar_type());
+  auto dout = torch::randn(out.sizes(), torch::kFloat).to(out.device(), out.scalar_type());
   out.backward(dout);
   Result r;
   r.out = out.detach();
