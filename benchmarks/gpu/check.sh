@@ -16,7 +16,7 @@
 #      bf16 and with fp8 blocks (upcast on the GPU); each run's figures are the median of its steps 2-4
 #      (step 1 warms up; the traced step is step 5 and not among them);
 #   5. bench_dsa3d --cuda (3D-DSA against flash SDPA); a one-rank NCCL run against a plain one;
-#      the AVX-512 CpuAdamW tests and bench_cpu_adamw on that machine's CPU;
+#      the AVX-512 CpuAdamW tests and bench_cpu_adamw on that machine's CPU; bench_nvme on its disk;
 #   6. every figure as one JSON file. Exits non-zero when any stage fails; later stages still run.
 #
 # On this machine first (once): ../shared/tools/device-deps.sh .devdeps && echo /.devdeps/ >> .git/info/exclude
@@ -114,7 +114,8 @@ export -f need_gpu
 # 1. Build ------------------------------------------------------------------------------------------
 build_all() {
   local targets=(megaslide megaslide-train test_weight_streamer test_cpu_master_trainer test_stack_trainer test_dsa3d
-                 test_deformable_slide_attention test_data_loader test_cpu_adamw bench_dsa3d bench_cpu_adamw bench_streamer)
+                 test_deformable_slide_attention test_data_loader test_cpu_adamw bench_dsa3d bench_cpu_adamw bench_streamer
+                 bench_nvme)
   if [ ! -f "$build/CMakeCache.txt" ]; then
     local nccl=()
     [ -n "$nccl_include" ] && nccl=(-DMEGASLIDE_NCCL_INCLUDE_DIR="$nccl_include")
@@ -227,7 +228,13 @@ adamw() {
   "$build/bin/bench_cpu_adamw" --threads $(( jobs > 4 ? jobs - 4 : jobs )) --reps 5 --torch-reps 2 | tee "$out/bench_cpu_adamw.txt"
 }
 export -f adamw
-[ "$built" = true ] && stage cpu_adamw 45 0 adamw
+[ "$built" = true ] && stage cpu_adamw 45 25 adamw
+
+# 6b. The NVMe tier (offload.state_tier: nvme) on this machine's disk: 6 GB of state through the pager against
+# the disk's own O_DIRECT rate (docs/offload.md, "The NVMe tier"); no GPU needed.
+nvme_bench() { "$build/bin/bench_nvme" --dir "${MEGASLIDE_CHECK_NVME_DIR:-/tmp}" | tee "$out/bench_nvme.txt"; }
+export -f nvme_bench
+[ "$built" = true ] && stage nvme_bench 40 0 nvme_bench
 
 # 7. The figures as one JSON file -----------------------------------------------------------------------
 write_report

@@ -65,11 +65,12 @@ report = {
     "total_seconds": total,
     "stages": stages,
     "failures": failures,
-    "cuda_tests": {t: gtest(t) for t in ["test_weight_streamer", "test_cpu_master_trainer", "test_dsa3d",
-                                         "test_deformable_slide_attention", "test_data_loader"]},
+    "cuda_tests": {t: gtest(t) for t in ["test_weight_streamer", "test_cpu_master_trainer", "test_stack_trainer",
+                                         "test_dsa3d", "test_deformable_slide_attention", "test_data_loader"]},
     "memcheck": memcheck(),
     "dsa3d": last_json_line("bench_dsa3d.txt"),
     "cpu_adamw": last_json_line("bench_cpu_adamw.txt"),
+    "nvme": last_json_line("bench_nvme.txt"),
     "pinned_bandwidth": last_json_line("pinned.json"),
 }
 

@@ -115,7 +115,7 @@ for name, s in stages.items():
             bad.append(f"{name}: expected to fail at once without a GPU (ok={s['ok']}, {s['seconds']} s)")
     elif not s["ok"]:
         bad.append(f"{name}: failed")
-for name in ["preflight", "build", "cpu_adamw", *sorted(gpu)]:
+for name in ["preflight", "build", "cpu_adamw", "nvme_bench", *sorted(gpu)]:
     if name not in stages:
         bad.append(f"{name}: did not run")
 if log.count("no GPU: this stage needs one") < len(gpu & stages.keys()):
