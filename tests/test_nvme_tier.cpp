@@ -21,7 +21,7 @@
 #include "megaslide/train/model_family.h"
 #include "megaslide/train/trainer.h"
 #include "run_tool.h"
-#include "tiny_wan.h"
+#include "trainers.h"
 
 using namespace megaslide;
 using offload::NvmeError;
@@ -158,34 +158,15 @@ TEST(HostParamStore, TheNvmeTierHoldsABlocksStateOnlyWhileLeasedAndKeepsWhatWasW
 
 namespace {
 
-// The tiny run of a family (test_trainer.cpp's), streamed, on `tier`, with `extra` settings.
+// The tiny run of a family (tests/support/trainers.h; "dit" with 3 blocks), streamed, on `tier`, with `extra`.
 RunConfig tiny(const std::string& family, const std::string& tier, const std::string& dir,
                const std::vector<std::string>& extra) {
-  std::vector<std::string> sets{"offload.enabled=true",       "offload.optimizer_threads=1", "train.checkpoint_every=0",
-                                "train.sample_every=0",       "train.device=cpu",            "train.threads=1",
-                                "offload.state_tier=" + tier, "offload.nvme_dir=" + dir};
+  std::vector<std::string> sets{"offload.enabled=true", "offload.state_tier=" + tier, "offload.nvme_dir=" + dir};
   sets.insert(sets.end(), extra.begin(), extra.end());
-  RunConfig config;
-  if (family == "wan") {
-    config = load_run_config(megaslide::testing::write_tiny_wan(dir), sets);
-  } else {
-    for (const char* s :
-         {"model.arch=megaslide", "model.layers=3", "model.hidden=16", "model.heads=2", "model.text_dim=16",
-          "model.dsa_kernel=[3,3,3]", "data.frames=4", "data.height=8", "data.width=8", "data.num_clips=16",
-          "train.batch_size=2", "train.lr=3e-3", "train.warmup_steps=0", "train.seed=3"})
-      sets.push_back(s);
-    config = parse_run_config("", "test", sets);
-  }
-  return model_family(config.model.arch).resolve(resolve_auto_settings(config), "test");
+  return megaslide::testing::tiny_run_config(family, dir, sets, /*layers=*/3);
 }
 
-std::unique_ptr<Trainer> trainer_of(const RunConfig& config) {
-  TrainerRequest request;
-  request.config = &config;
-  request.requested = &config;
-  request.source = "test";
-  return std::make_unique<Trainer>(request);
-}
+using megaslide::testing::trainer_of;
 
 // Every tensor of the training state, the blocks as their flat buffers (held one at a time on the NVMe tier).
 std::map<std::string, torch::Tensor> full_state(Trainer& trainer) {
@@ -198,8 +179,8 @@ std::map<std::string, torch::Tensor> full_state(Trainer& trainer) {
       const auto& b = held.block;
       for (const auto& [name, shape] : b.params) in_blocks.insert(b.name + "." + name);
       const std::pair<const char*, const torch::Tensor*> parts[] = {
-          {"#master", &b.master},         {"#exp_avg", &b.exp_avg}, {"#exp_avg_sq", &b.exp_avg_sq},
-          {"#ema", &b.ema},               {"#m_scale", &b.exp_avg_scale}, {"#v_scale", &b.exp_avg_sq_scale}};
+          {"#master", &b.master}, {"#exp_avg", &b.exp_avg},       {"#exp_avg_sq", &b.exp_avg_sq},
+          {"#ema", &b.ema},       {"#m_scale", &b.exp_avg_scale}, {"#v_scale", &b.exp_avg_sq_scale}};
       for (const auto& [suffix, t] : parts)
         if (t->defined()) out[b.name + suffix] = t->clone();
     }
@@ -283,8 +264,8 @@ TEST(NvmeTierCheckpoints, EitherTiersCheckpointResumesOnEitherTierBitExactly) {
   std::vector<double> losses;
   for (int i = 0; i < 4; ++i) losses.push_back(whole->step().loss);
   const auto expected = full_state(*whole);
-  for (const auto& [from, to] : std::vector<std::pair<std::string, std::string>>{
-           {"nvme", "ram"}, {"ram", "nvme"}, {"nvme", "nvme"}}) {
+  for (const auto& [from, to] :
+       std::vector<std::pair<std::string, std::string>>{{"nvme", "ram"}, {"ram", "nvme"}, {"nvme", "nvme"}}) {
     SCOPED_TRACE(from + " -> " + to);
     const RunConfig& save_config = from == "nvme" ? nvme_config : ram_config;
     const RunConfig& load_config = to == "nvme" ? nvme_config : ram_config;
@@ -333,8 +314,8 @@ TEST(NvmeTierRuns, TheSmokeRunOnNvmeLogsTheRamTiersLosses) {
   const std::string ram = dir + "/ram", nvme = dir + "/nvme";
   auto r = megaslide::testing::run_tool("megaslide-train", smoke_args(ram, 8));
   ASSERT_EQ(r.code, 0) << r.output;
-  r = megaslide::testing::run_tool("megaslide-train", smoke_args(nvme, 8) + " --set offload.state_tier=nvme" +
-                                                          " --set offload.nvme_dir=" + dir);
+  r = megaslide::testing::run_tool(
+      "megaslide-train", smoke_args(nvme, 8) + " --set offload.state_tier=nvme" + " --set offload.nvme_dir=" + dir);
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_EQ(logged(nvme, "loss"), logged(ram, "loss"));
   for (const char* key : {"nvme_read_bytes", "nvme_write_bytes", "nvme_read_s", "nvme_write_s", "nvme_wait_s"}) {
@@ -374,9 +355,9 @@ TEST(NvmeTierRuns, AKillDuringAWriteBackResumesBitExactlyAndAFullDiskStopsTheRun
   EXPECT_EQ(logged(killed, "loss"), logged(whole, "loss"));
 
   // A full disk: the writes from step 6 on fail.
-  const std::string full_command = "MEGASLIDE_TEST_NVME_FAIL_AT_WRITE=13 " +
-                                   std::string(MEGASLIDE_BINARY_DIR) + "/bin/megaslide-train " +
-                                   smoke_args(full, 10) + nvme + " > " + dir + "/full.log 2>&1";
+  const std::string full_command = "MEGASLIDE_TEST_NVME_FAIL_AT_WRITE=13 " + std::string(MEGASLIDE_BINARY_DIR) +
+                                   "/bin/megaslide-train " + smoke_args(full, 10) + nvme + " > " + dir +
+                                   "/full.log 2>&1";
   const int full_status = std::system(full_command.c_str());
   std::ifstream log(dir + "/full.log");
   const std::string output((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());

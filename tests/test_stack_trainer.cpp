@@ -217,6 +217,67 @@ TEST(StreamedStackTrainer, AStepOfPartOfTheStackIsThatPartsOwnStep_CUDA) {
   expect_partial_steps_are_the_parts_own(torch::Device(torch::kCUDA, 0));
 }
 
+// The property: block-boundary checkpoints on the host (StackTrainerOptions::host_activations) give the device
+// mode's losses, masters and moments bit for bit over 3 steps of 2 micro-batches, with immediate and deferred
+// updates, and add (L - 1) block inputs each way per micro-batch to the copies. On the CPU every copy lands
+// 1 ms late (a missed wait reads NaN); on a GPU the copies run on their streams while the blocks compute.
+namespace {
+void expect_host_activations_are_device_activations(torch::Device device, int64_t batch, int64_t dim) {
+  for (const double clip : {0.0, 1.0}) {
+    SCOPED_TRACE("grad_clip " + std::to_string(clip));
+    const int64_t depth = 5;
+    torch::manual_seed(2);
+    auto on_device = std::make_shared<StackWithUnused>(depth, dim);
+    torch::manual_seed(2);
+    auto on_host = std::make_shared<StackWithUnused>(depth, dim);
+    on_device->head->to(device);
+    on_host->head->to(device);
+    megaslide::offload::StackTrainerOptions options;
+    options.device = device;
+    options.compute_dtype = at::kFloat;
+    options.grad_clip = clip;
+    options.grad_accum_steps = 2;
+    options.emulated_copy_delay_ms = 1.0;
+    megaslide::offload::StreamedStackTrainer a(on_device, options);
+    options.host_activations = true;
+    megaslide::offload::StreamedStackTrainer b(on_host, options);
+    auto x = torch::randn({batch, dim}).to(device);
+    auto y = torch::randn({batch, 1}).to(device);
+    auto prologue = [&] {
+      megaslide::offload::StackInput in;
+      in.hidden = x;
+      return in;
+    };
+    auto epilogue_a = [&](const torch::Tensor& h) { return torch::mse_loss(on_device->head(h), y); };
+    auto epilogue_b = [&](const torch::Tensor& h) { return torch::mse_loss(on_host->head(h), y); };
+    const int64_t input_bytes = batch * dim * 4;
+    for (int k = 0; k < 3; ++k) {
+      const auto ra = a.step(prologue, epilogue_a, 1e-2), rb = b.step(prologue, epilogue_b, 1e-2);
+      EXPECT_EQ(ra.loss, rb.loss) << "step " << k + 1;
+      EXPECT_EQ(rb.h2d_bytes - ra.h2d_bytes, 2 * (depth - 1) * input_bytes);
+      EXPECT_EQ(rb.d2h_bytes - ra.d2h_bytes, 2 * (depth - 1) * input_bytes);
+    }
+    a.synchronize();
+    b.synchronize();
+    for (int64_t l = 0; l < depth; ++l) {
+      EXPECT_TRUE(torch::equal(a.store().master(l), b.store().master(l))) << "block " << l;
+      EXPECT_TRUE(torch::equal(a.store().exp_avg_sq(l), b.store().exp_avg_sq(l))) << "block " << l;
+    }
+    EXPECT_TRUE(torch::equal(on_device->head->weight.cpu(), on_host->head->weight.cpu()));
+  }
+}
+}  // namespace
+
+TEST(StreamedStackTrainer, HostActivationsAreDeviceActivations) {
+  expect_host_activations_are_device_activations(torch::kCPU, 16, 8);
+}
+
+// The same on a GPU, large enough that a block's compute outlasts its copies' issue (1024 x 1024 inputs, 4 MiB).
+TEST(StreamedStackTrainer, HostActivationsAreDeviceActivations_CUDA) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no GPU";
+  expect_host_activations_are_device_activations(torch::Device(torch::kCUDA, 0), 1024, 1024);
+}
+
 namespace {
 // How many times a scalar was read out of a tensor (Tensor::item, which on a GPU waits for the device and
 // copies) on this thread while a recorder is alive.

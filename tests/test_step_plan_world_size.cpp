@@ -117,6 +117,8 @@ const std::set<std::string> kOneProcessKeys{"arch",
                                             "mfu_upper_bound",
                                             "fits_device",
                                             "fits_host",
+                                            "state_tier",
+                                            "activations",
                                             "advice"};
 
 std::set<std::string> keys_of(const nlohmann::json& j) {

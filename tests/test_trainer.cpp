@@ -11,44 +11,21 @@
 #include "megaslide/train/auto_settings.h"
 #include "megaslide/train/model_family.h"
 #include "megaslide/train/trainer.h"
-#include "tiny_wan.h"
+#include "trainers.h"
 
 using namespace megaslide;
 
 namespace {
 
-// The tiny run of a family: "dit" (3D-DSA, 2 blocks of hidden 16 on 4x8x8 frames) or "wan" (2 blocks of
-// width 24, megaslide::testing::write_tiny_wan), streamed or resident, fp32 compute, no checkpoints or videos.
+// The tiny run of a family (tests/support/trainers.h: "dit" with 2 blocks, or "wan"), streamed or resident,
+// fp32 compute, clipped at 1.
 RunConfig tiny(const std::string& family, bool streamed, const std::string& dir) {
-  std::vector<std::string> sets{"offload.enabled=" + std::string(streamed ? "true" : "false"),
-                                "offload.compute_dtype=fp32",
-                                "offload.optimizer_threads=1",
-                                "train.checkpoint_every=0",
-                                "train.sample_every=0",
-                                "train.grad_clip=1.0",
-                                "train.device=cpu",
-                                "train.threads=1"};
-  RunConfig config;
-  if (family == "wan") {
-    config = load_run_config(megaslide::testing::write_tiny_wan(dir), sets);
-  } else {
-    for (const char* s :
-         {"model.arch=megaslide", "model.layers=2", "model.hidden=16", "model.heads=2", "model.text_dim=16",
-          "model.dsa_kernel=[3,3,3]", "data.frames=4", "data.height=8", "data.width=8", "data.num_clips=16",
-          "train.batch_size=2", "train.lr=3e-3", "train.warmup_steps=0", "train.seed=3"})
-      sets.push_back(s);
-    config = parse_run_config("", "test", sets);
-  }
-  return model_family(config.model.arch).resolve(resolve_auto_settings(config), "test");
+  return megaslide::testing::tiny_run_config(family, dir,
+                                             {"offload.enabled=" + std::string(streamed ? "true" : "false"),
+                                              "offload.compute_dtype=fp32", "train.grad_clip=1.0"});
 }
 
-std::unique_ptr<Trainer> trainer_of(const RunConfig& config) {
-  TrainerRequest request;
-  request.config = &config;
-  request.requested = &config;
-  request.source = "test";
-  return std::make_unique<Trainer>(request);
-}
+using megaslide::testing::trainer_of;
 
 std::map<std::string, torch::Tensor> masters(Trainer& trainer) {
   std::map<std::string, torch::Tensor> out;
@@ -234,6 +211,52 @@ TEST_P(Trainers, EmaIsCarriedWithTheStateOrStartsAtTheLoadedWeights) {
 INSTANTIATE_TEST_SUITE_P(Families, Trainers, ::testing::Values("dit", "wan"));
 
 // Property: every model.arch has its family, and the DiT family's architectures share one.
+// Property: offload.activations host trains bit for bit as device does — the same losses and masters over 3 steps
+// of 2 micro-batches — in async mode with every copy landing 2 ms late (a destination reads NaN until its copy
+// lands, so a missing wait shows) and in sync mode; its extra PCIe traffic is the planner's, (L - 1) block inputs
+// each way per micro-batch, and the device keeps the planner's min(L + 1, 3) checkpoints (the CPU's accounting).
+// The resident loop refuses it, naming the key.
+TEST_P(Trainers, HostActivationsTrainAsDeviceActivations) {
+  const std::string dir = scratch(GetParam() + "-host-activations");
+  const auto hw = plan::load_hardware_profile("h200");
+  for (const std::string mode : {"async", "sync"}) {
+    SCOPED_TRACE(mode);
+    std::vector<std::string> sets{"offload.enabled=true", "offload.compute_dtype=fp32",
+                                  "train.grad_clip=1.0",  "train.grad_accum_steps=2",
+                                  "offload.mode=" + mode, "offload.emulated_copy_delay_ms=2"};
+    const auto device_config = megaslide::testing::tiny_run_config(GetParam(), dir, sets, /*layers=*/3);
+    sets.push_back("offload.activations=host");
+    const auto host_config = megaslide::testing::tiny_run_config(GetParam(), dir, sets, /*layers=*/3);
+    const auto device_plan = plan::plan_step(device_config, hw), host_plan = plan::plan_step(host_config, hw);
+    ASSERT_GT(host_plan.transfer.activation_bytes, 0);
+    auto on_device = trainer_of(device_config), on_host = trainer_of(host_config);
+    for (int i = 0; i < 3; ++i) {
+      const auto a = on_device->step(), b = on_host->step();
+      ASSERT_FALSE(a.skipped || b.skipped);
+      EXPECT_EQ(a.loss, b.loss) << "step " << i + 1;
+      EXPECT_EQ(b.h2d_bytes - a.h2d_bytes, host_plan.transfer.activation_bytes);
+      EXPECT_EQ(b.d2h_bytes - a.d2h_bytes, host_plan.transfer.activation_bytes);
+      EXPECT_EQ(a.h2d_bytes, device_plan.transfer.h2d_bytes);
+      EXPECT_EQ(b.h2d_bytes, host_plan.transfer.h2d_bytes);
+      EXPECT_EQ(a.peak_device_bytes - b.peak_device_bytes,
+                device_plan.device.checkpoints - host_plan.device.checkpoints);
+    }
+    on_device->synchronize();
+    on_host->synchronize();
+    const auto da = masters(*on_device), ha = masters(*on_host);
+    for (const auto& [name, t] : da) EXPECT_TRUE(torch::equal(t, ha.at(name))) << name;
+  }
+  auto resident = tiny(GetParam(), false, dir);
+  resident.offload.activations = "host";
+  try {
+    validate(resident, "test");
+    ADD_FAILURE() << "the resident loop accepted offload.activations: host";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("offload.activations"), std::string::npos) << e.what();
+  }
+  io::remove_tree(dir);
+}
+
 TEST(ModelFamily, EveryArchitectureHasItsFamily) {
   EXPECT_EQ(model_family(Architecture::kWan).name(), "Wan");
   for (const auto arch : {Architecture::kMegaSlide, Architecture::kDense3D, Architecture::kSwin})

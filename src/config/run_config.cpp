@@ -472,6 +472,7 @@ class Schema {
     choice("offload.state_tier", c.offload.state_tier, {"ram", "nvme"});
     optional_text("offload.nvme_dir", c.offload.nvme_dir);
     integer("offload.nvme_blocks_in_flight", c.offload.nvme_blocks_in_flight, IntRange{2, 1024});
+    choice("offload.activations", c.offload.activations, {"device", "host"});
     // optimizer
     choice("optimizer.state_dtype", c.optimizer.state_dtype, {"fp32", "bf16", "int8"});
     // lora
@@ -1130,6 +1131,10 @@ void validate(const RunConfig& c, const std::string& source) {
     fail("offload.state_tier",
          "is nvme, which keeps the streamed trainer's masters and moments on disk (offload.enabled: true); the "
          "resident loop keeps them on the device");
+  if (c.offload.activations == "host" && !c.offload.enabled)
+    fail("offload.activations",
+         "is host, which moves the streamed trainer's block-boundary checkpoints to host memory (offload.enabled: "
+         "true); the resident loop keeps every block's graph on the device");
   if (c.offload.state_tier == "nvme" && c.offload.nvme_dir.empty())
     fail("offload.nvme_dir",
          "is empty, but offload.state_tier is nvme: name a folder on the NVMe disk to hold the "

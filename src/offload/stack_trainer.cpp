@@ -209,8 +209,10 @@ struct MicroBatch {
   StackInput in;
   BlockInputs leaves;                  // what the blocks read: detached leaves in the compute dtype
   std::vector<size_t> differentiable;  // indices of `leaves` whose gradients go back to the prologue
-  std::vector<torch::Tensor> saved;    // block inputs kept by the forward for the recompute
-  torch::Tensor last_hidden;           // the stack's output
+  std::vector<torch::Tensor> saved;    // block inputs kept by the forward for the recompute (on the device)
+  // Host activations: per block, the save of its input into Impl::activation_host, then its restore.
+  std::vector<ActivationCopy> saved_copy, restored;
+  torch::Tensor last_hidden;  // the stack's output
   torch::Tensor loss;
   torch::Tensor grad;  // dloss/d(input of the block the backward reached)
 };
@@ -248,6 +250,9 @@ struct StreamedStackTrainer::Impl {
   std::atomic<int64_t> nonfinite_step{0};  // immediate updates: the step (step_calls_) whose gradients were non-finite
   double optimizer_wait_s = 0.0;
   int64_t activation_bytes_peak = 0;
+  // Host activations (StackTrainerOptions::host_activations): per block, the host buffer its input is saved
+  // into (page-locked on a GPU), kept from step to step while the input's shape stays.
+  std::vector<at::Tensor> activation_host;
   StepTrace* trace = nullptr;
   HostParamStore::NvmeStats nvme_before;  // the NVMe tier's counters when the step began
 
@@ -600,13 +605,29 @@ struct StreamedStackTrainer::StepRun {
     return mb;
   }
 
-  // Blocks 0 … L-1 without grad, keeping each block's input. Block l+1's upload is queued as soon as
-  // block l holds its slot, unless l+1's update is still running.
+  // Host activations: the input of every block but the last leaves the device during the forward.
+  bool offloaded(int64_t l) const { return t.options_.host_activations && l + 1 < L; }
+
+  // Block l's input to its host buffer (allocated, page-locked on a GPU, when its shape is new).
+  void save_input(MicroBatch& mb, int64_t l, const torch::Tensor& x) {
+    auto& host = im.activation_host[static_cast<size_t>(l)];
+    if (!host.defined() || host.sizes() != x.sizes() || host.scalar_type() != x.scalar_type())
+      host = at::empty(x.sizes(), x.options().device(at::kCPU).pinned_memory(x.is_cuda()));
+    mb.saved_copy[l] = streamer.save_activation(host, x, "d2h activation " + std::to_string(l));
+  }
+
+  // Blocks 0 … L-1 without grad, keeping each block's input (on the device, or saved to the host). Block
+  // l+1's upload is queued as soon as block l holds its slot, unless l+1's update is still running.
   void forward_sweep(MicroBatch& mb) {
     NvtxRange range("forward");
     torch::NoGradGuard no_grad;
     mb.saved.assign(static_cast<size_t>(L), torch::Tensor());
-    torch::Tensor x = mb.in.hidden.detach().to(dt);
+    mb.saved_copy.assign(static_cast<size_t>(L), ActivationCopy());
+    mb.restored.assign(static_cast<size_t>(L), ActivationCopy());
+    if (t.options_.host_activations) im.activation_host.resize(static_cast<size_t>(L));
+    // Every block input contiguous (the prologue's tokens are a transposed view): the backward's recompute then
+    // sees the layout the forward saw, whether the input stayed on the device or came back from the host.
+    torch::Tensor x = mb.in.hidden.detach().to(dt).contiguous();
     int64_t kept_bytes = 0;
     upload(first);
     for (int64_t l = first; l < L; ++l) {
@@ -615,9 +636,15 @@ struct StreamedStackTrainer::StepRun {
       const bool next_queued = l + 1 < L && try_upload(l + 1);
       im.bind(l, weights, {});
       const int span = streamer.begin_span(TraceLane::kCompute, "forward block " + std::to_string(l));
-      mb.saved[l] = x;
-      kept_bytes += static_cast<int64_t>(x.nbytes());
-      x = im.model->forward_block(l, x, mb.leaves);
+      if (offloaded(l)) {
+        save_input(mb, l, x);
+      } else {
+        mb.saved[l] = x;
+      }
+      // Device bytes of block inputs: every one kept; with host activations the last block's, and the one before
+      // it counted as still in flight to the host (the planner's min(blocks + 1, 3) with the stack's output).
+      if (!t.options_.host_activations || l + 2 >= L) kept_bytes += static_cast<int64_t>(x.nbytes());
+      x = im.model->forward_block(l, x, mb.leaves).contiguous();
       streamer.end_span(span);
       im.unbind(l, empty);
       streamer.release(l);
@@ -656,9 +683,14 @@ struct StreamedStackTrainer::StepRun {
       if (l == L - 1) upload(l);  // a cache hit: the forward just used it
       auto weights = streamer.acquire(l);
       if (l > first) upload(l - 1);
+      if (l > first && offloaded(l - 1))  // block l-1's input comes back while block l computes
+        mb.saved[l - 1] =
+            streamer.restore_activation(im.activation_host[static_cast<size_t>(l - 1)], mb.saved_copy[l - 1],
+                                        &mb.restored[l - 1], "h2d activation " + std::to_string(l - 1));
       auto grads = frozen ? at::Tensor() : streamer.gradient_buffer(l);
       im.bind(l, weights, grads);
       const int span = streamer.begin_span(TraceLane::kCompute, "backward block " + std::to_string(l));
+      if (offloaded(l)) streamer.wait_activation(mb.restored[l]);
       auto input = mb.saved[l].detach().requires_grad_(true);
       {
         torch::AutoGradMode grad_mode(true);

@@ -7,6 +7,7 @@
 
 #ifdef MEGASLIDE_WITH_CUDA
 #include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -71,6 +72,10 @@ class CudaStreams final : public Streams {
     auto s = stream(lane);
     const int id = begin_span(lane, span);
     if (overlapping()) {
+      // The device side's memory is not handed to another tensor before this stream has used it, even when
+      // its tensor is freed on the compute stream first (an activation saved D2H and dropped at once).
+      for (const at::Tensor* t : {&dst, &src})
+        if (t->is_cuda()) c10::cuda::CUDACachingAllocator::recordStream(t->storage().data_ptr(), s);
       const c10::cuda::CUDAStreamGuard guard(s);
       dst.copy_(src, /*non_blocking=*/true);
       end_span(id);

@@ -25,6 +25,10 @@ void GradCopy::wait() const {
   if (impl_ && impl_->done) impl_->done->synchronize();
 }
 
+struct ActivationCopy::Impl {
+  EventPtr done;
+};
+
 struct WeightStreamer::Impl {
   struct Slot {
     at::Tensor weights, grads;
@@ -189,6 +193,46 @@ GradCopy WeightStreamer::offload_gradient(int64_t block, const at::Tensor& host_
   auto impl = std::make_shared<GradCopy::Impl>();
   impl->done = slot.grad_copied = streams.record(Lane::kD2H);
   return GradCopy(impl);
+}
+
+ActivationCopy WeightStreamer::save_activation(const at::Tensor& host, const at::Tensor& device,
+                                               const std::string& span) {
+  TORCH_CHECK(
+      host.is_contiguous() && device.is_contiguous() && host.numel() == device.numel() &&
+          host.scalar_type() == device.scalar_type() && !host.is_cuda(),
+      "WeightStreamer::save_activation: expected a contiguous host tensor of the device tensor's size and dtype");
+  stats_.d2h_bytes += static_cast<int64_t>(device.nbytes());
+  ++stats_.d2h_copies;
+  auto& streams = *impl_->streams;
+  streams.wait(Lane::kD2H, streams.record(Lane::kCompute));  // the compute stream has written `device`
+  streams.copy(Lane::kD2H, host, device, span);
+  auto impl = std::make_shared<ActivationCopy::Impl>();
+  impl->done = streams.record(Lane::kD2H);
+  return ActivationCopy(impl);
+}
+
+at::Tensor WeightStreamer::restore_activation(const at::Tensor& host, const ActivationCopy& saved,
+                                              ActivationCopy* ready, const std::string& span) {
+  TORCH_CHECK(ready != nullptr && host.is_contiguous(),
+              "WeightStreamer::restore_activation: expected a contiguous host "
+              "tensor and a destination for the copy's event");
+  // Allocated on the compute stream: the memory may be a block that work already queued there still uses, so
+  // the copy waits for that work as well as for the save that filled `host`.
+  auto device = at::empty(host.sizes(), host.options().device(options_.device).pinned_memory(false));
+  stats_.h2d_bytes += static_cast<int64_t>(host.nbytes());
+  ++stats_.h2d_copies;
+  auto& streams = *impl_->streams;
+  if (saved.impl()) streams.wait(Lane::kH2D, saved.impl()->done);
+  streams.wait(Lane::kH2D, streams.record(Lane::kCompute));
+  streams.copy(Lane::kH2D, device, host, span);
+  auto impl = std::make_shared<ActivationCopy::Impl>();
+  impl->done = streams.record(Lane::kH2D);
+  *ready = ActivationCopy(impl);
+  return device;
+}
+
+void WeightStreamer::wait_activation(const ActivationCopy& ready) {
+  if (ready.impl()) impl_->streams->wait(Lane::kCompute, ready.impl()->done);
 }
 
 void WeightStreamer::release(int64_t block) {

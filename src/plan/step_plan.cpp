@@ -194,6 +194,13 @@ BlockActivation block_activation(const RunConfig& c, const TokenGrid& grid, int6
 // and v, and with train.ema_decay its fp32 EMA.
 int64_t resident_bytes_per_param(const RunConfig& c) { return c.train.ema_decay > 0 ? 20 : 16; }
 
+// The block-boundary checkpoints the streamed trainer keeps on the device, in hidden states: every block's input
+// and the stack's output; with offload.activations: host the last block's input, the output and one input in
+// flight to or from the host (with_host_activations).
+int64_t streamed_checkpoints(const RunConfig& c, int64_t L) {
+  return c.offload.activations == "host" ? std::min<int64_t>(L + 1, 3) : L + 1;
+}
+
 DeviceMemoryPlan device_memory(const RunConfig& c, const ModelShape& s, const TokenGrid& grid) {
   DeviceMemoryPlan d;
   const bool streamed = c.offload.enabled;
@@ -213,7 +220,7 @@ DeviceMemoryPlan device_memory(const RunConfig& c, const ModelShape& s, const To
   if (streamed) {
     d.weight_slots = d.gradient_slots = 2 * s.largest_block * e;
     d.resident_state = resident_bytes_per_param(c) * resident;
-    d.checkpoints = (L + 1) * X;
+    d.checkpoints = streamed_checkpoints(c, L) * X;
     d.block_inputs = 2 * (B * 6 * D + B * Lt * Dt) * e;  // leaves in the compute dtype and their grads
     d.recompute_saved = fused.saved;
     d.recompute_workspace = fused.workspace;
@@ -500,7 +507,7 @@ DeviceMemoryPlan wan_device_memory(const RunConfig& c, const ModelShape& s, cons
   if (streamed) {
     d.weight_slots = d.gradient_slots = 2 * s.largest_block * e;
     d.resident_state = resident_bytes_per_param(c) * s.resident;
-    d.checkpoints = (L + 1) * X;
+    d.checkpoints = streamed_checkpoints(c, L) * X;
     d.block_inputs = 2 * (modulated * 6 * D * 4 + B * Lt * D * e);  // tproj (fp32) and the text context, with grads
     d.recompute_saved = fused.saved;
     d.recompute_workspace = fused.workspace;
@@ -559,6 +566,26 @@ void with_lora_on_device(DeviceMemoryPlan& d, const RunConfig& c, const ModelSha
   if (d.recompute_saved_reference > 0) d.recompute_saved_reference += d.lora_saved;
 }
 
+// offload.activations: host (StackTrainerOptions::host_activations): the input of every block but the last goes
+// D2H in each micro-batch's forward and comes back H2D ahead of its block's backward, into a page-locked host
+// buffer of its own reused by every micro-batch. The device keeps the last block's input, the stack's output
+// and one input in flight (saved in the forward, restored ahead in the backward): min(L + 1, 3) of the L + 1
+// checkpoints (streamed_checkpoints), X = B·N·D·e bytes each.
+void with_host_activations(StepPlan& p, int64_t tokens, int64_t A) {
+  const int64_t L = p.layers;
+  const int64_t X = p.batch_size_per_rank * tokens * p.hidden * compute_element_bytes(p.compute_dtype);
+  const int64_t offloaded = L - 1;
+  p.activations = "host";
+  p.host.activations = offloaded * X;
+  p.host.pinned += offloaded * X;
+  p.transfer.activation_bytes = A * offloaded * X;
+  p.transfer.h2d_bytes += p.transfer.activation_bytes;
+  p.transfer.d2h_bytes += p.transfer.activation_bytes;
+  p.transfer.first_step_h2d_bytes += p.transfer.activation_bytes;
+  p.transfer.h2d_copies += A * offloaded;
+  p.transfer.d2h_copies += A * offloaded;
+}
+
 DeviceMemoryPlan device_plan(const RunConfig& c, const ModelShape& s, const TokenGrid& grid, const LoraShape& lora) {
   DeviceMemoryPlan d = is_wan(c) ? wan_device_memory(c, s, grid) : device_memory(c, s, grid);
   if (lora.enabled()) with_lora_on_device(d, c, s, grid, lora);
@@ -594,6 +621,19 @@ std::vector<std::string> advise(const RunConfig& config, const ModelShape& s, co
   const int64_t ranks = plan.world_size;
   std::vector<std::string> out;
   if (!plan.fits_device) {
+    if (plan.streamed && config.offload.activations != "host") {  // the block-boundary checkpoints in host RAM
+      RunConfig c = config;
+      c.train.batch_size *= ranks;  // plan_step takes the global batch
+      c.offload.activations = "host";
+      const StepPlan moved = plan_step(c, hw, ranks);
+      if (moved.fits_device)
+        out.push_back(fmt::format(
+            "device: activation checkpoints on the host: offload.activations=host fits ({} on the device at peak; "
+            "{} of page-locked host RAM and {} each way over PCIe a step more{})",
+            gb(static_cast<double>(moved.device.peak())), gb(static_cast<double>(moved.host.activations)),
+            gb(static_cast<double>(moved.transfer.activation_bytes)),
+            moved.fits_host ? "" : "; the host then does not fit"));
+    }
     const auto& p = patch_of(config);
     RunConfig c = config;
     // The largest frame count (a multiple of the temporal patch) below the current one that fits.
@@ -658,6 +698,7 @@ std::vector<std::string> advise(const RunConfig& config, const ModelShape& s, co
                               gb(static_cast<double>(hw.host_memory_bytes))));
     if (config.offload.state_tier != "nvme" && !lora.enabled()) {  // the masters and moments on the NVMe disk
       RunConfig c = config;
+      c.train.batch_size *= ranks;  // plan_step takes the global batch
       c.offload.state_tier = "nvme";
       c.offload.nvme_dir = "(planned)";
       const StepPlan tiered = plan_step(c, hw, ranks);
@@ -903,6 +944,7 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
     p.transfer = replay_transfers(one.block_numels, A, e);
   }
   p.device = device_plan(config, s, grid, lora);
+  if (p.streamed && config.offload.activations == "host") with_host_activations(p, grid.numel(), A);
   if (p.streamed && wan && !wan_untrained_expert(config.model.wan).empty() && t.sample_every > 0)
     p.host.other_expert = s.streamed * e;  // the same architecture: its blocks are this one's
   if (R > 1 && (!p.streamed || lora.enabled())) {
@@ -989,12 +1031,9 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
   // LoRA's streamed trainer over several ranks exchanges only the adapters' gradients, in its global norm after
   // the backward: async overlaps the other terms, then the all-reduce.
   tm.exchange_after = lora.enabled() && p.streamed && R > 1 && tm.overlapped;
-  const std::pair<const char*, double> terms[] = {{"compute", tm.compute_s},
-                                                  {"h2d", tm.h2d_s},
-                                                  {"d2h", tm.d2h_s},
-                                                  {"host optimizer", tm.optimizer_s},
-                                                  {"exchange", tm.exchange_s},
-                                                  {"nvme", tm.nvme_s}};
+  const std::pair<const char*, double> terms[] = {{"compute", tm.compute_s},   {"h2d", tm.h2d_s},
+                                                  {"d2h", tm.d2h_s},           {"host optimizer", tm.optimizer_s},
+                                                  {"exchange", tm.exchange_s}, {"nvme", tm.nvme_s}};
   double largest = -1.0, sum = 0.0;
   for (const auto& [name, seconds] : terms) {
     sum += seconds;
@@ -1109,6 +1148,11 @@ std::string to_json(const StepPlan& p) {
   j["fits_device"] = p.fits_device;
   j["fits_host"] = p.fits_host;
   j["state_tier"] = p.state_tier;
+  if (p.streamed) j["activations"] = p.activations;
+  if (p.activations == "host") {
+    j["host_activation_bytes"] = h.activations;
+    j["activation_copy_bytes_per_step"] = p.transfer.activation_bytes;
+  }
   if (p.state_tier == "nvme") {
     j["nvme_file_bytes"] = p.nvme_file_bytes;
     j["nvme_buffer_bytes"] = h.nvme_buffers;
@@ -1224,14 +1268,15 @@ std::string to_table(const StepPlan& p) {
     row("fp32 master" + shard, p.host.master);
     row(state + " AdamW m" + shard, p.host.exp_avg);
     row((state == "int8" ? "int8 AdamW v (codes of sqrt v)" : state + " AdamW v") + shard, p.host.exp_avg_sq);
-    if (p.host.scales > 0) row(std::string("int8 group scales (fp32, m and v)") + (nvme ? " [on NVMe]" : ""), p.host.scales);
+    if (p.host.scales > 0)
+      row(std::string("int8 group scales (fp32, m and v)") + (nvme ? " [on NVMe]" : ""), p.host.scales);
     if (p.host.ema > 0 && nvme) row("fp32 EMA of the weights" + shard, p.host.ema);
     if (nvme) {
-      row("NVMe tier: state file (4 KiB-aligned regions) [disk]", p.nvme_file_bytes);
+      row("NVMe state file (4 KiB regions) [disk]", p.nvme_file_bytes);
       row("NVMe tier: in-flight buffers in RAM", p.host.nvme_buffers);
     }
     if (p.host.compute > 0)
-      row(p.compute_dtype + (sharded || p.grad_accum_steps > 1        ? " transfer buffer (compute copy)"
+      row(p.compute_dtype + (sharded || p.grad_accum_steps > 1    ? " transfer buffer (compute copy)"
                              : p.compute_dtype == "fp32" && !nvme ? " transfer buffer (gradient)"
                                                                   : " transfer buffer (copy / gradient)"),
           p.host.compute);
@@ -1242,6 +1287,7 @@ std::string to_table(const StepPlan& p) {
     row("host state", p.host.state());
     if (p.host.grad > 0 && !sharded) row("fp32 gradient sums (accumulation)", p.host.grad);
     if (p.host.staging > 0) row("accumulation staging (2 blocks)", p.host.staging);
+    if (p.host.activations > 0) row("block inputs on the host (L - 1, pinned)", p.host.activations);
     row("steady total", p.host.steady());
     if (p.host.other_expert > 0) row("validation: the other expert's blocks", p.host.other_expert);
     row("start-up peak (state + 2 blocks' fp32 init)", p.host.construction_peak);
@@ -1252,11 +1298,11 @@ std::string to_table(const StepPlan& p) {
     if (nvme)
       out += fmt::format("  -> the state file {} {}\n",
                          p.hardware.nvme_bytes > 0 ? (p.fits_nvme ? "fits" : "DOES NOT FIT") : "needs",
-                         p.hardware.nvme_bytes > 0 ? fmt::format("the {:.1f} GB NVMe disk",
-                                                                 static_cast<double>(p.hardware.nvme_bytes) / 1e9)
-                                                   : fmt::format("{:.1f} GB on the NVMe disk (the profile gives no "
-                                                                 "nvme_bytes)",
-                                                                 static_cast<double>(p.nvme_file_bytes) / 1e9));
+                         p.hardware.nvme_bytes > 0
+                             ? fmt::format("the {:.1f} GB NVMe disk", static_cast<double>(p.hardware.nvme_bytes) / 1e9)
+                             : fmt::format("{:.1f} GB on the NVMe disk (the profile gives no "
+                                           "nvme_bytes)",
+                                           static_cast<double>(p.nvme_file_bytes) / 1e9));
     out += "\n";
   }
   out += "device memory                                               bytes\n";
@@ -1272,7 +1318,8 @@ std::string to_table(const StepPlan& p) {
     row(p.streamed ? "frozen resident parts (fp32 weights)" : "every parameter, frozen (fp32 weights)",
         d.frozen_resident);
     if (p.streamed) {
-      row("block-boundary checkpoints (L + 1)", d.checkpoints);
+      row(p.activations == "host" ? "checkpoints: 3 of L + 1 (host activations)" : "block-boundary checkpoints (L + 1)",
+          d.checkpoints);
       row("shared block inputs (no grads: frozen)", d.block_inputs);
     } else {
       row("first block's input", d.checkpoints);
@@ -1282,7 +1329,8 @@ std::string to_table(const StepPlan& p) {
     row("gradient slots (2 blocks)", d.gradient_slots);
     row(p.ema ? "resident parts: weights, grad, AdamW m, v, EMA" : "resident parts: weights, grad, AdamW m, v",
         d.resident_state);
-    row("block-boundary checkpoints (L + 1)", d.checkpoints);
+    row(p.activations == "host" ? "checkpoints: 3 of L + 1 (host activations)" : "block-boundary checkpoints (L + 1)",
+        d.checkpoints);
     row("shared block inputs and their grads", d.block_inputs);
   } else {
     row(p.ema ? "all parameters: weights, grad, AdamW m, v, EMA (fp32)"
@@ -1306,6 +1354,9 @@ std::string to_table(const StepPlan& p) {
     out += fmt::format("PCIe per step: H2D {} B ({} copies, {} slot cache hits), D2H {} B ({} copies)\n",
                        p.transfer.h2d_bytes, p.transfer.h2d_copies, p.transfer.cache_hits, p.transfer.d2h_bytes,
                        p.transfer.d2h_copies);
+    if (p.transfer.activation_bytes > 0)
+      out += fmt::format("  (of them {} B each way are block inputs: offload.activations host)\n",
+                         p.transfer.activation_bytes);
     if (lora)
       out += fmt::format(
           "  (frozen blocks: a step finds the two blocks the previous one ended with still in the slots; the first "

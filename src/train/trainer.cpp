@@ -49,6 +49,7 @@ offload::StackTrainerOptions engine_options(const RunConfig& c, torch::Device de
   o.state_tier = offload::parse_state_tier(c.offload.state_tier);
   o.nvme_dir = c.offload.nvme_dir;
   o.nvme_blocks_in_flight = c.offload.nvme_blocks_in_flight;
+  o.host_activations = c.offload.activations == "host";
   o.frozen_blocks = c.lora.rank > 0;  // LoRA: the family's blocks frozen, streamed H2D only
   if (c.lora.base_dtype == "fp8") o.frozen_dtype = at::kFloat8_e4m3fn;
   return o;

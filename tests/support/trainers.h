@@ -5,12 +5,18 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <memory>
 #include <string>
+#include <vector>
 
+#include "megaslide/config/run_config.h"
 #include "megaslide/io/safetensors.h"
+#include "megaslide/train/auto_settings.h"
 #include "megaslide/train/dit_family.h"
+#include "megaslide/train/model_family.h"
 #include "megaslide/train/trainer.h"
 #include "megaslide/train/wan_family.h"
+#include "tiny_wan.h"
 
 namespace megaslide::testing {
 
@@ -56,6 +62,34 @@ inline Trainer wan_trainer(RunConfig config, const WanLatentData& data, Communic
     ~Remove() { std::remove(path.c_str()); }
   } remove{path};
   return make_trainer(config, communicator);
+}
+
+// The tiny run of a family, resolved as the driver resolves it: "dit" (3D-DSA, `layers` blocks of hidden 16
+// on 4x8x8 frames, batch 2) or "wan" (write_tiny_wan's 2 blocks of width 24, written into `dir`), on the
+// CPU with one thread and one optimizer thread, no checkpoints or videos; `sets` are applied after these.
+inline RunConfig tiny_run_config(const std::string& family, const std::string& dir,
+                                 const std::vector<std::string>& sets, int layers = 2) {
+  std::vector<std::string> all{"offload.optimizer_threads=1", "train.checkpoint_every=0", "train.sample_every=0",
+                               "train.device=cpu", "train.threads=1"};
+  if (family != "wan")
+    for (const std::string& s : std::vector<std::string>{
+             "model.arch=megaslide", "model.layers=" + std::to_string(layers), "model.hidden=16", "model.heads=2",
+             "model.text_dim=16", "model.dsa_kernel=[3,3,3]", "data.frames=4", "data.height=8", "data.width=8",
+             "data.num_clips=16", "train.batch_size=2", "train.lr=3e-3", "train.warmup_steps=0", "train.seed=3"})
+      all.push_back(s);
+  all.insert(all.end(), sets.begin(), sets.end());
+  const RunConfig config =
+      family == "wan" ? load_run_config(write_tiny_wan(dir), all) : parse_run_config("", "test", all);
+  return model_family(config.model.arch).resolve(resolve_auto_settings(config), "test");
+}
+
+// The one trainer of `config` (already resolved), as the driver builds it.
+inline std::unique_ptr<Trainer> trainer_of(const RunConfig& config) {
+  TrainerRequest request;
+  request.config = &config;
+  request.requested = &config;
+  request.source = "test";
+  return std::make_unique<Trainer>(request);
 }
 
 }  // namespace megaslide::testing

@@ -249,6 +249,10 @@ struct OffloadConfig {
   std::string state_tier = "ram";
   std::string nvme_dir;               // state_tier nvme: a folder on the NVMe disk (the file is removed at exit)
   int64_t nvme_blocks_in_flight = 2;  // state_tier nvme: blocks' state in host memory at once (>= 2)
+  // Where the streamed trainer keeps the block-boundary checkpoints between the forward and the backward
+  // (docs/offload.md, "Activation checkpoints on the host"): device | host (every block's input but the last
+  // copied D2H during the forward and back H2D ahead of its block's backward, in page-locked buffers).
+  std::string activations = "device";
 };
 
 struct OptimizerConfig {

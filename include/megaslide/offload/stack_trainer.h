@@ -142,6 +142,12 @@ struct StackTrainerOptions {
   std::string nvme_dir;
   int64_t nvme_blocks_in_flight = 2;
   NvmeFileOptions nvme;
+  // Activation checkpoints on the host (offload.activations: host): the input of every block but the last is
+  // copied D2H on the D2H stream as the forward reaches it, into a page-locked host buffer of its own (kept
+  // from step to step), and its device copy freed; each block's backward finds its input restored H2D on the
+  // H2D stream while the block after it (in the backward's order) computes. The device holds 3 block inputs
+  // at most instead of every one; the results are the device mode's, bit for bit.
+  bool host_activations = false;
 };
 
 // The part of the stack a step trains (StreamedStackTrainer::step): a model whose parts are trained on

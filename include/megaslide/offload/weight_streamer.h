@@ -94,6 +94,19 @@ class GradCopy {
   std::shared_ptr<Impl> impl_;
 };
 
+// An activation copy in flight (WeightStreamer::save_activation / restore_activation): an event on a copy
+// stream that the other copy stream or the compute stream can be made to wait for.
+class ActivationCopy {
+ public:
+  ActivationCopy() = default;
+  struct Impl;
+  explicit ActivationCopy(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+  const std::shared_ptr<Impl>& impl() const { return impl_; }
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
 class WeightStreamer {
  public:
   // block_numels[l]: elements of block l (> 0). Allocates both slots on the device.
@@ -125,6 +138,19 @@ class WeightStreamer {
   void release(int64_t block);
   // The block's host weights changed (an optimizer update): a cached device copy is stale.
   void invalidate(int64_t block);
+
+  // Activations through the copy streams (the trainer's block-boundary checkpoints on the host,
+  // StackTrainerOptions::host_activations). Counted in stats() as H2D and D2H copies.
+  //   save_activation: `host` (contiguous, page-locked on a GPU) receives `device` on the D2H stream once
+  //   the compute work queued so far has run; `device` may be dropped at once (its memory is not reused
+  //   before the copy has read it). `host` must stay alive and unread until the returned copy completes.
+  ActivationCopy save_activation(const at::Tensor& host, const at::Tensor& device, const std::string& span);
+  //   restore_activation: a new device tensor like `host` that receives it on the H2D stream after `saved`
+  //   (the save that filled `host`) and the compute work queued so far; `*ready` is set to the copy.
+  at::Tensor restore_activation(const at::Tensor& host, const ActivationCopy& saved, ActivationCopy* ready,
+                                const std::string& span);
+  //   wait_activation: the compute stream's later work waits for `ready` (its stall is exposed transfer time).
+  void wait_activation(const ActivationCopy& ready);
 
   // Accounting: the most blocks whose weights were on the device at once, the slots' bytes.
   int64_t max_resident_blocks() const { return max_resident_; }

@@ -81,10 +81,12 @@ struct HostMemoryPlan {
   // 4 KiB-aligned region).
   bool state_on_nvme = false;
   int64_t nvme_buffers = 0;
+  // offload.activations: host: a page-locked buffer for the input of every block but the last (in pinned too).
+  int64_t activations = 0;
   int64_t state() const {
     return (state_on_nvme ? nvme_buffers : master + exp_avg + exp_avg_sq + scales + ema) + compute + grad + exchange;
   }  // HostParamStore
-  int64_t steady() const { return state() + staging; }
+  int64_t steady() const { return state() + staging + activations; }
   int64_t peak() const {
     const int64_t validation = steady() + other_expert;
     return construction_peak > validation ? construction_peak : validation;
@@ -139,6 +141,9 @@ struct TransferPlan {
   // The first step's uploads: h2d_bytes, except with frozen blocks (LoRA), whose later steps find the
   // two blocks the previous step ended with still in the slots (h2d_bytes is such a step's).
   int64_t first_step_h2d_bytes = 0;
+  // offload.activations: host: the block inputs saved D2H in each forward and restored H2D in each backward
+  // (bytes each way per step, all micro-batches; in h2d_bytes and d2h_bytes, and their copies in the counts).
+  int64_t activation_bytes = 0;
 };
 
 // The collectives of one optimizer step of a data-parallel run (world_size > 1), per rank. Streamed
@@ -213,6 +218,8 @@ struct StepPlan {
   // the micro-batches). fits_nvme: the file fits the profile's nvme_bytes (true when the profile gives none).
   std::string state_tier = "ram";
   int64_t nvme_file_bytes = 0, nvme_read_bytes = 0, nvme_write_bytes = 0;
+  // offload.activations (docs/planner.md, "Activation checkpoints on the host"): device | host.
+  std::string activations = "device";
   bool fits_nvme = true;
   bool fits_device = false, fits_host = false;
   std::vector<std::string> advice;  // what to change when it does not fit (empty when it does)
