@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "megaslide/attention/dsa3d_context.h"
 #include "megaslide/io/files.h"
 #include "megaslide/train/dit_batches.h"
 #include "run_tool.h"
@@ -262,6 +263,77 @@ TEST(Communicator, GlooAllReduceSumsAndMaximaOverTwoRanks) {
   for (int r = 0; r < 2; ++r) {
     EXPECT_TRUE(torch::allclose(sums[r], inputs[0] + inputs[1], 0, 1e-6)) << "rank " << r;
     EXPECT_TRUE(torch::equal(maxima[r], torch::maximum(inputs[0], inputs[1]))) << "rank " << r;
+  }
+}
+
+// The property: 3D-DSA over a context-parallel group (attention/dsa3d_context.h), the frames split over 2 and 3
+// Gloo ranks (threads) at frame counts no rank count divides, is the single-rank operator on the whole grid: the
+// outputs and the gradients of q, k, v and the offsets within 1e-12 in float64, and the bias' summed over the
+// ranks. Temporal offsets reach 2.6 frames, past the model's default range of 1 (the halo is sized from the
+// offsets given); kernels of 3 and 5 frames, one longer than the grid.
+TEST(ContextParallel, Dsa3dHaloExchangeIsTheSingleRankOperator) {
+  if (!gloo_available()) GTEST_SKIP() << "this build has no Gloo backend";
+  struct Case {
+    int64_t ranks, frames, kt;
+  };
+  for (const Case c : {Case{2, 7, 3}, Case{3, 8, 3}, Case{3, 7, 5}, Case{2, 4, 5}}) {
+    SCOPED_TRACE(std::to_string(c.ranks) + " ranks, " + std::to_string(c.frames) + " frames, kt " +
+                 std::to_string(c.kt));
+    const int64_t B = 2, H = 4, W = 5, M = 2, d = 4, G = 1;
+    const std::array<int64_t, 3> kernel{c.kt, 3, 3};
+    const auto ke = ops::effective_kernel(kernel, {c.frames, H, W});
+    const int64_t K = ke[0] * ke[1] * ke[2];
+    torch::manual_seed(11);
+    const auto opts = torch::TensorOptions().dtype(torch::kDouble);
+    const auto q = torch::randn({B, c.frames, H, W, M, d}, opts), k = torch::randn_like(q), v = torch::randn_like(q);
+    const auto reach = torch::tensor({2.6, 1.5, 1.5}, opts);
+    const auto offsets = (torch::rand({B, c.frames, H, W, G, K, 3}, opts) * 2 - 1) * reach;
+    const auto bias = torch::randn({M, K}, opts), dout = torch::randn_like(q);
+    // The whole grid on one rank.
+    std::vector<torch::Tensor> whole{q.clone().requires_grad_(), k.clone().requires_grad_(), v.clone().requires_grad_(),
+                                     offsets.clone().requires_grad_(), bias.clone().requires_grad_()};
+    const auto expected = ops::dsa3d(whole[0], whole[1], whole[2], whole[3], whole[4], kernel, ops::DsaImpl::kCpu);
+    (expected * dout).sum().backward();
+    // The frames split over the ranks.
+    const auto split = ops::FrameSplit::balanced(c.frames, c.ranks);
+    const int64_t port = free_local_port();
+    std::vector<std::vector<torch::Tensor>> got(static_cast<size_t>(c.ranks));
+    std::vector<std::string> errors(static_cast<size_t>(c.ranks));
+    auto rank_main = [&](int64_t rank) {
+      try {
+        LaunchEnv env;
+        env.rank = rank, env.world_size = c.ranks, env.master_addr = "127.0.0.1", env.master_port = port;
+        Communicator comm(env, "gloo", 30.0, torch::kCPU);
+        CommunicatorFrames frames(comm);
+        const auto mine = [&](const torch::Tensor& t) {
+          return t.narrow(1, split.begin(rank), split.size(rank)).clone().requires_grad_();
+        };
+        auto ql = mine(q), kl = mine(k), vl = mine(v), ol = mine(offsets);
+        auto bl = bias.clone().requires_grad_();
+        const auto out = ops::dsa3d_context_parallel(ql, kl, vl, ol, bl, kernel, split, frames, ops::DsaImpl::kCpu);
+        (out * dout.narrow(1, split.begin(rank), split.size(rank))).sum().backward();
+        got[static_cast<size_t>(rank)] = {out.detach(), ql.grad(), kl.grad(), vl.grad(), ol.grad(), bl.grad()};
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(rank)] = e.what();
+      }
+    };
+    std::vector<std::thread> others;
+    for (int64_t r = 1; r < c.ranks; ++r) others.emplace_back(rank_main, r);
+    rank_main(0);
+    for (auto& t : others) t.join();
+    for (const auto& e : errors) ASSERT_EQ(e, "");
+    const char* names[] = {"out", "dq", "dk", "dv", "d(offsets)"};
+    const torch::Tensor reference[] = {expected.detach(), whole[0].grad(), whole[1].grad(), whole[2].grad(),
+                                       whole[3].grad()};
+    for (int i = 0; i < 5; ++i) {
+      std::vector<torch::Tensor> parts;
+      for (const auto& g : got) parts.push_back(g[static_cast<size_t>(i)]);
+      const double err = (torch::cat(parts, 1) - reference[i]).abs().max().item<double>();
+      EXPECT_LT(err, 1e-12) << names[i];
+    }
+    auto dbias = torch::zeros_like(bias);
+    for (const auto& g : got) dbias += g[5];
+    EXPECT_LT((dbias - whole[4].grad()).abs().max().item<double>(), 1e-12) << "d(bias)";
   }
 }
 

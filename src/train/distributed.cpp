@@ -434,6 +434,44 @@ void Communicator::all_reduce_max(std::vector<at::Tensor>& tensors) {
                  world_size_, timeout_s_);
 }
 
+void Communicator::exchange(const std::vector<std::pair<int64_t, at::Tensor>>& sends,
+                            const std::vector<std::pair<int64_t, at::Tensor>>& recvs) {
+  const bool gloo = backend_ == "gloo";
+  const auto staged = [&](const at::Tensor& t) { return t.is_cpu() != gloo; };
+  const c10::Device side = gloo ? c10::Device(at::kCPU) : impl_->device;
+  try {
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    std::vector<std::vector<at::Tensor>> sent, received;
+    sent.reserve(sends.size());
+    received.reserve(recvs.size());
+    for (const auto& [peer, t] : sends) {
+      TORCH_CHECK(peer >= 0 && peer < world_size_ && peer != rank_, "Communicator::exchange: no peer ", peer);
+      sent.push_back({staged(t) ? t.to(side).contiguous() : t.contiguous()});
+      works.push_back(impl_->group->send(sent.back(), static_cast<int>(peer), 0));
+    }
+    for (const auto& [peer, t] : recvs) {
+      TORCH_CHECK(peer >= 0 && peer < world_size_ && peer != rank_, "Communicator::exchange: no peer ", peer);
+      TORCH_CHECK(t.is_contiguous(), "Communicator::exchange: a receive buffer must be contiguous");
+      received.push_back({staged(t) ? at::empty(t.sizes(), t.options().device(side)) : t});
+      works.push_back(impl_->group->recv(received.back(), static_cast<int>(peer), 0));
+    }
+    for (auto& w : works) w->wait();
+    for (size_t i = 0; i < recvs.size(); ++i)
+      if (staged(recvs[i].second)) recvs[i].second.copy_(received[i][0]);
+  } catch (const std::exception& e) {
+    throw DistributedError(
+        fmt::format("rank {} of {}: a point-to-point exchange failed (a rank stopped, or none answered within "
+                    "distributed.timeout_s = {} s): {}",
+                    rank_, world_size_, timeout_s_, error_message(e)));
+  }
+}
+
+double CommunicatorFrames::max(double value) {
+  std::vector<at::Tensor> t{at::full({1}, value, at::kDouble)};
+  communicator_.all_reduce_max(t);
+  return t[0].item<double>();
+}
+
 void Communicator::barrier() {
   try {
     impl_->group->barrier()->wait();

@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "megaslide/attention/dsa3d_context.h"
 #include "megaslide/config/run_config.h"
 #include "megaslide/offload/shard_exchange.h"
 
@@ -87,6 +88,11 @@ class Communicator {
   void all_reduce_sum(std::vector<at::Tensor>& tensors);
   // In place: the element-wise maximum over the ranks.
   void all_reduce_max(std::vector<at::Tensor>& tensors);
+  // Point to point: posts every send (peer rank, tensor) and every receive (peer rank, tensor filled in place)
+  // at once, then waits for all of them. Each send meets its peer's receive of the same size and dtype, one
+  // message each way per pair and call; tensors contiguous (Gloo: device tensors go through host copies).
+  void exchange(const std::vector<std::pair<int64_t, at::Tensor>>& sends,
+                const std::vector<std::pair<int64_t, at::Tensor>>& recvs);
   void barrier();
   // Rank 0's `mine` on every rank (through the rendezvous store; rank 0 gets its own back). Every rank
   // calls it at the same point with the same `name`. Throws DistributedError after the timeout.
@@ -113,6 +119,23 @@ class Communicator {
   double timeout_s_ = 0.0;
   int64_t rank0_runs_ = 0;  // run_on_rank0 calls so far: each call's store keys are its own
   std::shared_ptr<offload::ShardExchange> exchange_;
+};
+
+// The ranks of a Communicator as one context-parallel group of 3D-DSA (attention/dsa3d_context.h): the frames'
+// point-to-point channel and the group's maximum, through the communicator (which must outlive it).
+class CommunicatorFrames final : public ops::FrameExchange {
+ public:
+  explicit CommunicatorFrames(Communicator& communicator) : communicator_(communicator) {}
+  int64_t rank() const override { return communicator_.rank(); }
+  int64_t size() const override { return communicator_.world_size(); }
+  void exchange(const std::vector<std::pair<int64_t, at::Tensor>>& sends,
+                const std::vector<std::pair<int64_t, at::Tensor>>& recvs) override {
+    communicator_.exchange(sends, recvs);
+  }
+  double max(double value) override;
+
+ private:
+  Communicator& communicator_;
 };
 
 // Data parallelism's slices of a global batch: throws std::invalid_argument unless 0 <= rank <

@@ -1,0 +1,171 @@
+#include "megaslide/attention/dsa3d_context.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+namespace megaslide::ops {
+
+FrameSplit FrameSplit::balanced(int64_t frames, int64_t ranks) {
+  TORCH_CHECK(ranks >= 1 && frames >= ranks, "FrameSplit: ", frames, " frames cannot be split over ", ranks,
+              " ranks (each rank needs at least one frame)");
+  return {frames, ranks};
+}
+
+int64_t FrameSplit::begin(int64_t r) const {
+  const int64_t base = frames / ranks, extra = frames % ranks;
+  return r * base + std::min(r, extra);
+}
+
+std::pair<int64_t, int64_t> context_slab(const FrameSplit& split, int64_t r, int64_t kt, double reach) {
+  const int64_t T = split.frames, k = std::min(kt, T);
+  // One frame more than the farthest sample reaches: a sample never lands on an inner edge, where the clamp (and
+  // the position's zero gradient there) would differ from the whole grid's.
+  const int64_t h = k / 2 + static_cast<int64_t>(std::floor(reach)) + 1;
+  int64_t g0 = std::max<int64_t>(0, split.begin(r) - h), g1 = std::min(T, split.end(r) + h);
+  while (g1 - g0 < k) {  // the effective kernel of the slab must be the grid's
+    if (g0 > 0) {
+      --g0;
+    } else {
+      ++g1;
+    }
+  }
+  return {g0, g1};
+}
+
+namespace {
+
+// Who sends whom which frames: for every other rank, the frames of my own slab its extended slab covers (indices
+// into my frames), and the frames of its own slab my extended slab covers (indices into my extended slab).
+struct HaloPlan {
+  int64_t own_begin = 0, own_size = 0;  // my frames within my extended slab
+  int64_t slab = 0;                     // my extended slab's length
+  std::vector<int64_t> send_peer, send_begin, send_size;
+  std::vector<int64_t> recv_peer, recv_begin, recv_size;
+};
+
+HaloPlan plan_halo(const FrameSplit& split, int64_t me, int64_t kt, double reach) {
+  HaloPlan plan;
+  const auto [g0, g1] = context_slab(split, me, kt, reach);
+  const int64_t t0 = split.begin(me), t1 = split.end(me);
+  plan.own_begin = t0 - g0;
+  plan.own_size = t1 - t0;
+  plan.slab = g1 - g0;
+  for (int64_t p = 0; p < split.ranks; ++p) {
+    if (p == me) continue;
+    const auto [p0, p1] = context_slab(split, p, kt, reach);
+    const int64_t s0 = std::max(p0, t0), s1 = std::min(p1, t1);
+    if (s1 > s0) {
+      plan.send_peer.push_back(p);
+      plan.send_begin.push_back(s0 - t0);
+      plan.send_size.push_back(s1 - s0);
+    }
+    const int64_t r0 = std::max(g0, split.begin(p)), r1 = std::min(g1, split.end(p));
+    if (r1 > r0) {
+      plan.recv_peer.push_back(p);
+      plan.recv_begin.push_back(r0 - g0);
+      plan.recv_size.push_back(r1 - r0);
+    }
+  }
+  return plan;
+}
+
+// Frames [begin, begin + size) of dimension 2 of `t`, contiguous (a message).
+at::Tensor frames_of(const at::Tensor& t, int64_t begin, int64_t size) { return t.narrow(2, begin, size).contiguous(); }
+
+at::Tensor buffer_like(const at::Tensor& t, int64_t frames) {
+  auto sizes = t.sizes().vec();
+  sizes[2] = frames;
+  return at::empty(sizes, t.options());
+}
+
+// [2, B, T_r, ...] (k and v stacked) -> [2, B, slab, ...]: my frames and the halo frames of the other ranks; the
+// backward sends the halo frames' gradients back to their owners, which add them to their own frames'.
+class HaloGather : public torch::autograd::Function<HaloGather> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& kv, FrameExchange* group,
+                            const HaloPlan& plan) {
+    auto slab = buffer_like(kv, plan.slab);
+    slab.narrow(2, plan.own_begin, plan.own_size).copy_(kv);
+    std::vector<std::pair<int64_t, at::Tensor>> sends, recvs;
+    for (size_t i = 0; i < plan.send_peer.size(); ++i)
+      sends.emplace_back(plan.send_peer[i], frames_of(kv, plan.send_begin[i], plan.send_size[i]));
+    for (size_t i = 0; i < plan.recv_peer.size(); ++i)
+      recvs.emplace_back(plan.recv_peer[i], buffer_like(kv, plan.recv_size[i]));
+    group->exchange(sends, recvs);
+    for (size_t i = 0; i < recvs.size(); ++i)
+      slab.narrow(2, plan.recv_begin[i], plan.recv_size[i]).copy_(recvs[i].second);
+    ctx->saved_data["group"] = reinterpret_cast<int64_t>(group);
+    ctx->saved_data["like"] = at::empty(slab.sizes(), slab.options().device(at::kMeta));
+    ctx->saved_data["options"] = at::empty({0}, slab.options());
+    ctx->saved_data["own"] = std::vector<int64_t>{plan.own_begin, plan.own_size};
+    // The backward's messages are the forward's, reversed.
+    ctx->saved_data["send"] = flatten(plan.recv_peer, plan.recv_begin, plan.recv_size);
+    ctx->saved_data["recv"] = flatten(plan.send_peer, plan.send_begin, plan.send_size);
+    return slab;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    auto* group = reinterpret_cast<FrameExchange*>(ctx->saved_data["group"].toInt());
+    const auto own = ctx->saved_data["own"].toIntVector();
+    const auto send = ctx->saved_data["send"].toIntVector(), recv = ctx->saved_data["recv"].toIntVector();
+    const auto like = ctx->saved_data["like"].toTensor();
+    const at::Tensor g = grad_outputs[0].defined()
+                             ? grad_outputs[0]
+                             : at::zeros(like.sizes(), ctx->saved_data["options"].toTensor().options());
+    // Every rank takes part in the exchange, also one whose slab received no gradient.
+    auto local = g.narrow(2, own[0], own[1]).clone();
+    std::vector<std::pair<int64_t, at::Tensor>> sends, recvs;
+    for (size_t i = 0; i < send.size(); i += 3) sends.emplace_back(send[i], frames_of(g, send[i + 1], send[i + 2]));
+    for (size_t i = 0; i < recv.size(); i += 3) recvs.emplace_back(recv[i], buffer_like(g, recv[i + 2]));
+    group->exchange(sends, recvs);
+    for (size_t i = 0; i < recvs.size(); ++i) local.narrow(2, recv[3 * i + 1], recv[3 * i + 2]).add_(recvs[i].second);
+    return {local, at::Tensor(), at::Tensor()};
+  }
+
+ private:
+  static std::vector<int64_t> flatten(const std::vector<int64_t>& peer, const std::vector<int64_t>& begin,
+                                      const std::vector<int64_t>& size) {
+    std::vector<int64_t> out;
+    for (size_t i = 0; i < peer.size(); ++i) out.insert(out.end(), {peer[i], begin[i], size[i]});
+    return out;
+  }
+};
+
+// `x` [B, T_r, ...] placed at frames [own_begin, own_begin + T_r) of zeros [B, slab, ...] (differentiable).
+at::Tensor pad_frames(const at::Tensor& x, const HaloPlan& plan) {
+  auto below = x.sizes().vec(), above = x.sizes().vec();
+  below[1] = plan.own_begin;
+  above[1] = plan.slab - plan.own_begin - plan.own_size;
+  return torch::cat({torch::zeros(below, x.options()), x, torch::zeros(above, x.options())}, 1);
+}
+
+}  // namespace
+
+at::Tensor dsa3d_context_parallel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& offsets, const std::optional<at::Tensor>& bias,
+                                  std::array<int64_t, 3> kernel, const FrameSplit& split, FrameExchange& group,
+                                  DsaImpl impl, bool deterministic) {
+  const int64_t me = group.rank();
+  TORCH_CHECK(split.ranks == group.size(), "dsa3d_context_parallel: the split is over ", split.ranks,
+              " ranks, the group has ", group.size());
+  TORCH_CHECK(q.dim() == 6 && q.size(1) == split.size(me) && k.sizes() == q.sizes() && v.sizes() == q.sizes(),
+              "dsa3d_context_parallel: rank ", me, " holds frames [", split.begin(me), ", ", split.end(me), ") of ",
+              split.frames, ": expected q, k, v [B, ", split.size(me), ", H, W, M, d], got q ", q.sizes());
+  TORCH_CHECK(offsets.dim() == 7 && offsets.size(1) == q.size(1), "dsa3d_context_parallel: offsets must be [B, ",
+              q.size(1), ", H, W, G, K, 3], got ", offsets.sizes());
+  // The farthest a temporal offset reaches, anywhere in the group: the halo's width.
+  const double local_reach = offsets.numel() > 0 ? offsets.select(-1, 0).detach().abs().max().item<double>() : 0.0;
+  const double reach = group.max(local_reach);
+  TORCH_CHECK(std::isfinite(reach), "dsa3d_context_parallel: a temporal offset is not finite");
+  const HaloPlan plan = plan_halo(split, me, kernel[0], reach);
+  const auto kv = HaloGather::apply(torch::stack({k, v}), &group, plan);
+  const auto out =
+      dsa3d(pad_frames(q, plan), kv[0], kv[1], pad_frames(offsets, plan), bias, kernel, impl, deterministic);
+  return out.narrow(1, plan.own_begin, plan.own_size);
+}
+
+}  // namespace megaslide::ops
