@@ -20,7 +20,7 @@
 #include <thread>
 #include <vector>
 
-#include "megaslide/attention/dsa3d_context.h"
+#include "megaslide/attention/context_parallel.h"
 #include "megaslide/io/files.h"
 #include "megaslide/train/dit_batches.h"
 #include "run_tool.h"
@@ -266,7 +266,7 @@ TEST(Communicator, GlooAllReduceSumsAndMaximaOverTwoRanks) {
   }
 }
 
-// The property: 3D-DSA over a context-parallel group (attention/dsa3d_context.h), the frames split over 2 and 3
+// The property: 3D-DSA over a context-parallel group (attention/context_parallel.h), the frames split over 2 and 3
 // Gloo ranks (threads) at frame counts no rank count divides, is the single-rank operator on the whole grid: the
 // outputs and the gradients of q, k, v and the offsets within 1e-12 in float64, and the bias' summed over the
 // ranks. Temporal offsets reach 2.6 frames, past the model's default range of 1 (the halo is sized from the
@@ -334,6 +334,70 @@ TEST(ContextParallel, Dsa3dHaloExchangeIsTheSingleRankOperator) {
     auto dbias = torch::zeros_like(bias);
     for (const auto& g : got) dbias += g[5];
     EXPECT_LT((dbias - whole[4].grad()).abs().max().item<double>(), 1e-12) << "d(bias)";
+  }
+}
+
+// The property: dense attention over a context-parallel group by Ulysses' all-to-alls (attention/context_parallel.h),
+// the frames split over 2 and 3 Gloo ranks (threads) at frame counts no rank count divides, is scaled dot-product
+// attention over the whole sequence: outputs and the gradients of q, k and v within 1e-12 in float64; heads that
+// the group size does not divide are refused, naming the heads and the group.
+TEST(ContextParallel, UlyssesAttentionIsTheWholeSequencesAttention) {
+  if (!gloo_available()) GTEST_SKIP() << "this build has no Gloo backend";
+  for (const auto [ranks, frames] : {std::pair<int64_t, int64_t>{2, 5}, {3, 7}}) {
+    SCOPED_TRACE(std::to_string(ranks) + " ranks, " + std::to_string(frames) + " frames");
+    const int64_t B = 2, per_frame = 6, M = 6, d = 4, N = frames * per_frame;
+    torch::manual_seed(13);
+    const auto opts = torch::TensorOptions().dtype(torch::kDouble);
+    const auto q = torch::randn({B, N, M, d}, opts), k = torch::randn_like(q), v = torch::randn_like(q),
+               dout = torch::randn_like(q);
+    std::vector<torch::Tensor> whole{q.clone().requires_grad_(), k.clone().requires_grad_(),
+                                     v.clone().requires_grad_()};
+    const auto expected =
+        at::scaled_dot_product_attention(whole[0].transpose(1, 2), whole[1].transpose(1, 2), whole[2].transpose(1, 2))
+            .transpose(1, 2);
+    (expected * dout).sum().backward();
+    const auto split = ops::FrameSplit::balanced(frames, ranks);
+    const int64_t port = free_local_port();
+    std::vector<std::vector<torch::Tensor>> got(static_cast<size_t>(ranks));
+    std::vector<std::string> errors(static_cast<size_t>(ranks)), refusals(static_cast<size_t>(ranks));
+    auto rank_main = [&](int64_t rank) {
+      try {
+        LaunchEnv env;
+        env.rank = rank, env.world_size = ranks, env.master_addr = "127.0.0.1", env.master_port = port;
+        Communicator comm(env, "gloo", 30.0, torch::kCPU);
+        CommunicatorFrames group(comm);
+        const auto mine = [&](const torch::Tensor& t) {
+          return t.narrow(1, split.begin(rank) * per_frame, split.size(rank) * per_frame).clone().requires_grad_();
+        };
+        auto ql = mine(q), kl = mine(k), vl = mine(v);
+        const auto out = ops::ulysses_attention(ql, kl, vl, split, per_frame, group);
+        (out * dout.narrow(1, split.begin(rank) * per_frame, split.size(rank) * per_frame)).sum().backward();
+        got[static_cast<size_t>(rank)] = {out.detach(), ql.grad(), kl.grad(), vl.grad()};
+        try {  // 5 heads over 2 or 3 ranks
+          ops::ulysses_attention(ql.narrow(2, 0, 5), kl.narrow(2, 0, 5), vl.narrow(2, 0, 5), split, per_frame, group);
+        } catch (const std::exception& e) {
+          refusals[static_cast<size_t>(rank)] = e.what();
+        }
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(rank)] = e.what();
+      }
+    };
+    std::vector<std::thread> others;
+    for (int64_t r = 1; r < ranks; ++r) others.emplace_back(rank_main, r);
+    rank_main(0);
+    for (auto& t : others) t.join();
+    for (const auto& e : errors) ASSERT_EQ(e, "");
+    const char* names[] = {"out", "dq", "dk", "dv"};
+    const torch::Tensor reference[] = {expected.detach(), whole[0].grad(), whole[1].grad(), whole[2].grad()};
+    for (int i = 0; i < 4; ++i) {
+      std::vector<torch::Tensor> parts;
+      for (const auto& g : got) parts.push_back(g[static_cast<size_t>(i)]);
+      EXPECT_LT((torch::cat(parts, 1) - reference[i]).abs().max().item<double>(), 1e-12) << names[i];
+    }
+    for (const auto& r : refusals) {
+      EXPECT_NE(r.find("5 heads"), std::string::npos) << r;
+      EXPECT_NE(r.find(std::to_string(ranks) + " ranks"), std::string::npos) << r;
+    }
   }
 }
 

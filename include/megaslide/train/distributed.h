@@ -26,7 +26,7 @@
 #include <string>
 #include <vector>
 
-#include "megaslide/attention/dsa3d_context.h"
+#include "megaslide/attention/context_parallel.h"
 #include "megaslide/config/run_config.h"
 #include "megaslide/offload/shard_exchange.h"
 
@@ -121,7 +121,7 @@ class Communicator {
   std::shared_ptr<offload::ShardExchange> exchange_;
 };
 
-// The ranks of a Communicator as one context-parallel group of 3D-DSA (attention/dsa3d_context.h): the frames'
+// The ranks of a Communicator as one context-parallel group of 3D-DSA (attention/context_parallel.h): the frames'
 // point-to-point channel and the group's maximum, through the communicator (which must outlive it).
 class CommunicatorFrames final : public ops::FrameExchange {
  public:

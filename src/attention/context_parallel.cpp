@@ -1,5 +1,6 @@
-#include "megaslide/attention/dsa3d_context.h"
+#include "megaslide/attention/context_parallel.h"
 
+#include <ATen/ops/scaled_dot_product_attention.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -143,7 +144,104 @@ at::Tensor pad_frames(const at::Tensor& x, const HaloPlan& plan) {
   return torch::cat({torch::zeros(below, x.options()), x, torch::zeros(above, x.options())}, 1);
 }
 
+// The all-to-alls of Ulysses between the token layout [B, N_r, M, d] (this rank's tokens, every head) and the head
+// layout [B, N, M / n, d] (every token, this rank's heads). `to_heads` chooses the direction; the backward is the
+// other direction.
+struct UlyssesLayout {
+  std::vector<int64_t> tokens;  // per rank
+  int64_t heads_per_rank = 0;
+};
+
+at::Tensor tokens_to_heads(const at::Tensor& x, const UlyssesLayout& layout, FrameExchange& group) {
+  const int64_t me = group.rank(), n = group.size(), h = layout.heads_per_rank;
+  std::vector<at::Tensor> parts(static_cast<size_t>(n));
+  std::vector<std::pair<int64_t, at::Tensor>> sends, recvs;
+  for (int64_t p = 0; p < n; ++p) {
+    auto mine = x.narrow(2, p * h, h).contiguous();  // rank p's heads of my tokens
+    if (p == me) {
+      parts[static_cast<size_t>(p)] = mine;
+      continue;
+    }
+    sends.emplace_back(p, mine);
+    auto sizes = x.sizes().vec();
+    sizes[1] = layout.tokens[static_cast<size_t>(p)], sizes[2] = h;
+    parts[static_cast<size_t>(p)] = at::empty(sizes, x.options());
+    recvs.emplace_back(p, parts[static_cast<size_t>(p)]);
+  }
+  group.exchange(sends, recvs);
+  return torch::cat(parts, 1);
+}
+
+at::Tensor heads_to_tokens(const at::Tensor& y, const UlyssesLayout& layout, FrameExchange& group) {
+  const int64_t me = group.rank(), n = group.size();
+  std::vector<at::Tensor> parts(static_cast<size_t>(n));
+  std::vector<std::pair<int64_t, at::Tensor>> sends, recvs;
+  int64_t begin = 0;
+  for (int64_t p = 0; p < n; ++p) {
+    const int64_t count = layout.tokens[static_cast<size_t>(p)];
+    auto theirs = y.narrow(1, begin, count).contiguous();  // rank p's tokens of my heads
+    begin += count;
+    if (p == me) {
+      parts[static_cast<size_t>(p)] = theirs;
+      continue;
+    }
+    sends.emplace_back(p, theirs);
+    auto sizes = y.sizes().vec();
+    sizes[1] = layout.tokens[static_cast<size_t>(me)];
+    parts[static_cast<size_t>(p)] = at::empty(sizes, y.options());
+    recvs.emplace_back(p, parts[static_cast<size_t>(p)]);
+  }
+  group.exchange(sends, recvs);
+  return torch::cat(parts, 2);
+}
+
+class UlyssesAllToAll : public torch::autograd::Function<UlyssesAllToAll> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, FrameExchange* group,
+                            const UlyssesLayout& layout, bool to_heads) {
+    ctx->saved_data["group"] = reinterpret_cast<int64_t>(group);
+    ctx->saved_data["tokens"] = layout.tokens;
+    ctx->saved_data["heads"] = layout.heads_per_rank;
+    ctx->saved_data["to_heads"] = to_heads;
+    return to_heads ? tokens_to_heads(x, layout, *group) : heads_to_tokens(x, layout, *group);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    auto* group = reinterpret_cast<FrameExchange*>(ctx->saved_data["group"].toInt());
+    const UlyssesLayout layout{ctx->saved_data["tokens"].toIntVector(), ctx->saved_data["heads"].toInt()};
+    const bool to_heads = ctx->saved_data["to_heads"].toBool();
+    TORCH_CHECK(grad_outputs[0].defined(), "ulysses_attention: the backward needs the output's gradient on every rank");
+    const auto g = grad_outputs[0].contiguous();
+    return {to_heads ? heads_to_tokens(g, layout, *group) : tokens_to_heads(g, layout, *group), at::Tensor(),
+            at::Tensor(), at::Tensor()};
+  }
+};
+
 }  // namespace
+
+at::Tensor ulysses_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const FrameSplit& split,
+                             int64_t tokens_per_frame, FrameExchange& group) {
+  const int64_t me = group.rank(), n = group.size();
+  TORCH_CHECK(split.ranks == n, "ulysses_attention: the split is over ", split.ranks, " ranks, the group has ", n);
+  TORCH_CHECK(q.dim() == 4 && k.sizes() == q.sizes() && v.sizes() == q.sizes() &&
+                  q.size(1) == split.size(me) * tokens_per_frame,
+              "ulysses_attention: rank ", me, " holds frames [", split.begin(me), ", ", split.end(me), ") of ",
+              tokens_per_frame, " tokens: expected q, k, v [B, ", split.size(me) * tokens_per_frame, ", M, d], got q ",
+              q.sizes());
+  const int64_t M = q.size(2);
+  TORCH_CHECK(M % n == 0, "ulysses_attention: ", M, " heads cannot be split over the ", n,
+              " ranks of the context-parallel group (Ulysses gives each rank M / n heads): choose a group size that "
+              "divides the heads");
+  UlyssesLayout layout;
+  layout.heads_per_rank = M / n;
+  for (int64_t p = 0; p < n; ++p) layout.tokens.push_back(split.size(p) * tokens_per_frame);
+  const auto heads = [&](const at::Tensor& x) {  // [B, N, M/n, d] -> [B, M/n, N, d]
+    return UlyssesAllToAll::apply(x, &group, layout, true).transpose(1, 2);
+  };
+  const auto out = at::scaled_dot_product_attention(heads(q), heads(k), heads(v));
+  return UlyssesAllToAll::apply(out.transpose(1, 2).contiguous(), &group, layout, false);
+}
 
 at::Tensor dsa3d_context_parallel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& offsets, const std::optional<at::Tensor>& bias,

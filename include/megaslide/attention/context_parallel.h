@@ -1,3 +1,8 @@
+// Attention over a context-parallel group: the frames of every sample's token grid split across the group's ranks
+// (FrameSplit), each rank holding its frames' tokens. Two operators, each exactly the single-rank one on the whole
+// grid: 3D-DSA by a halo exchange with the temporal neighbours (dsa3d_context_parallel), and dense attention by
+// DeepSpeed-Ulysses' all-to-all (ulysses_attention).
+//
 // 3D-DSA over a context-parallel group (docs/3d-dsa.md, "Context parallelism: the halo exchange"): the frames
 // of every sample's token grid are split across the group's ranks, and each rank computes the outputs of its
 // own frames from its own frames' keys and values and a halo of its temporal neighbours', exchanged point to
@@ -70,5 +75,14 @@ at::Tensor dsa3d_context_parallel(const at::Tensor& q, const at::Tensor& k, cons
                                   const at::Tensor& offsets, const std::optional<at::Tensor>& bias,
                                   std::array<int64_t, 3> kernel, const FrameSplit& split, FrameExchange& group,
                                   DsaImpl impl = DsaImpl::kAuto, bool deterministic = false);
+
+// Dense attention over the group (DeepSpeed-Ulysses; docs/distributed.md, "Context parallelism"): q, k, v
+// [B, N_r, M, d] are this rank's tokens — frames [split.begin(r), split.end(r)) of `tokens_per_frame` tokens each,
+// in order. An all-to-all turns them into every token of M / n heads (n = group.size(); M must be divisible by
+// it), scaled dot-product attention runs over all N tokens, and the reverse all-to-all returns this rank's tokens
+// of every head: softmax(q·kᵀ/√d)·v over the whole sequence, [B, N_r, M, d]. Differentiable (the backward's
+// all-to-alls mirror the forward's); collective.
+at::Tensor ulysses_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const FrameSplit& split,
+                             int64_t tokens_per_frame, FrameExchange& group);
 
 }  // namespace megaslide::ops
