@@ -22,6 +22,7 @@
 
 #include "megaslide/attention/context_parallel.h"
 #include "megaslide/io/files.h"
+#include "megaslide/model/deformable_slide_attention.h"
 #include "megaslide/train/dit_batches.h"
 #include "run_tool.h"
 #include "tiny_wan.h"
@@ -334,6 +335,74 @@ TEST(ContextParallel, Dsa3dHaloExchangeIsTheSingleRankOperator) {
     auto dbias = torch::zeros_like(bias);
     for (const auto& g : got) dbias += g[5];
     EXPECT_LT((dbias - whole[4].grad()).abs().max().item<double>(), 1e-12) << "d(bias)";
+  }
+}
+
+// The property: the 3D-DSA module (the paper's block attention: q, k, v, the offset network's depthwise 3×3×3
+// convolution over time, the attention, the projection) over a context-parallel group of 2 and 3 Gloo ranks is the
+// module on the whole grid: its outputs, the input's gradient and every parameter's gradient summed over the ranks
+// within 1e-12 in float64, with trained-looking offsets (the offset network's output layer random, the temporal
+// range 2.5 frames) and with the fixed (frozen) offset network.
+TEST(ContextParallel, TheDsaModuleOverAGroupIsTheModuleOnTheWholeGrid) {
+  if (!gloo_available()) GTEST_SKIP() << "this build has no Gloo backend";
+  for (const auto [ranks, offsets] :
+       {std::pair{2, DsaOffsets::kLearned}, std::pair{3, DsaOffsets::kLearned}, std::pair{3, DsaOffsets::kFrozen}}) {
+    SCOPED_TRACE(std::to_string(ranks) + " ranks, offsets " + to_string(offsets));
+    const int64_t B = 2, D = 8, T = 7, H = 4, W = 5;
+    const TokenGrid grid{T, H, W};
+    torch::manual_seed(17);
+    DeformableSlideAttention3D whole(
+        DeformableSlideAttentionOptions(D, 2).kernel({3, 3, 3}).offset_range({2.5, 1.0, 1.0}).offsets(offsets));
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& p : whole->parameters()) p.normal_(0, 0.5);
+    }
+    whole->to(torch::kDouble);
+    const auto x = torch::randn({B, grid.numel(), D}, torch::kDouble), dout = torch::randn_like(x);
+    auto xw = x.clone().requires_grad_();
+    const auto expected = whole->forward(xw, grid);
+    (expected * dout).sum().backward();
+    const auto split = ops::FrameSplit::balanced(T, ranks);
+    const int64_t port = free_local_port(), per_frame = H * W;
+    std::vector<std::vector<torch::Tensor>> got(static_cast<size_t>(ranks));
+    std::vector<std::string> errors(static_cast<size_t>(ranks));
+    std::vector<DeformableSlideAttention3D> modules;
+    for (int64_t r = 0; r < ranks; ++r)
+      modules.push_back(std::dynamic_pointer_cast<DeformableSlideAttention3DImpl>(whole->clone()));
+    auto rank_main = [&](int64_t rank) {
+      try {
+        LaunchEnv env;
+        env.rank = rank, env.world_size = ranks, env.master_addr = "127.0.0.1", env.master_port = port;
+        Communicator comm(env, "gloo", 30.0, torch::kCPU);
+        CommunicatorFrames group(comm);
+        auto& m = modules[static_cast<size_t>(rank)];
+        m->zero_grad();
+        auto xl = x.narrow(1, split.begin(rank) * per_frame, split.size(rank) * per_frame).clone().requires_grad_();
+        const auto out = m->forward_context_parallel(xl, grid, split, group);
+        (out * dout.narrow(1, split.begin(rank) * per_frame, split.size(rank) * per_frame)).sum().backward();
+        got[static_cast<size_t>(rank)] = {out.detach(), xl.grad()};
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(rank)] = e.what();
+      }
+    };
+    std::vector<std::thread> others;
+    for (int64_t r = 1; r < ranks; ++r) others.emplace_back(rank_main, r);
+    rank_main(0);
+    for (auto& t : others) t.join();
+    for (const auto& e : errors) ASSERT_EQ(e, "");
+    for (int i = 0; i < 2; ++i) {
+      std::vector<torch::Tensor> parts;
+      for (const auto& g : got) parts.push_back(g[static_cast<size_t>(i)]);
+      const torch::Tensor reference = i == 0 ? expected.detach() : xw.grad();
+      EXPECT_LT((torch::cat(parts, 1) - reference).abs().max().item<double>(), 1e-12) << (i == 0 ? "out" : "dx");
+    }
+    for (const auto& item : whole->named_parameters()) {
+      const std::string& name = item.key();
+      const torch::Tensor& p = item.value();
+      auto sum = torch::zeros_like(p);
+      for (auto& m : modules) sum += m->named_parameters()[name].grad();
+      EXPECT_LT((sum - p.grad()).abs().max().item<double>(), 1e-12) << name;
+    }
   }
 }
 

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 
 namespace megaslide::ops {
 
@@ -41,22 +42,26 @@ namespace {
 // Who sends whom which frames: for every other rank, the frames of my own slab its extended slab covers (indices
 // into my frames), and the frames of its own slab my extended slab covers (indices into my extended slab).
 struct HaloPlan {
+  int64_t dim = 1;                      // the frames' dimension
   int64_t own_begin = 0, own_size = 0;  // my frames within my extended slab
   int64_t slab = 0;                     // my extended slab's length
   std::vector<int64_t> send_peer, send_begin, send_size;
   std::vector<int64_t> recv_peer, recv_begin, recv_size;
 };
 
-HaloPlan plan_halo(const FrameSplit& split, int64_t me, int64_t kt, double reach) {
+// `slab_of(p)`: the frames [g0, g1) rank p's extended slab covers (its own among them).
+HaloPlan plan_halo(const FrameSplit& split, int64_t me, int64_t dim,
+                   const std::function<std::pair<int64_t, int64_t>(int64_t)>& slab_of) {
   HaloPlan plan;
-  const auto [g0, g1] = context_slab(split, me, kt, reach);
+  plan.dim = dim;
+  const auto [g0, g1] = slab_of(me);
   const int64_t t0 = split.begin(me), t1 = split.end(me);
   plan.own_begin = t0 - g0;
   plan.own_size = t1 - t0;
   plan.slab = g1 - g0;
   for (int64_t p = 0; p < split.ranks; ++p) {
     if (p == me) continue;
-    const auto [p0, p1] = context_slab(split, p, kt, reach);
+    const auto [p0, p1] = slab_of(p);
     const int64_t s0 = std::max(p0, t0), s1 = std::min(p1, t1);
     if (s1 > s0) {
       plan.send_peer.push_back(p);
@@ -73,35 +78,38 @@ HaloPlan plan_halo(const FrameSplit& split, int64_t me, int64_t kt, double reach
   return plan;
 }
 
-// Frames [begin, begin + size) of dimension 2 of `t`, contiguous (a message).
-at::Tensor frames_of(const at::Tensor& t, int64_t begin, int64_t size) { return t.narrow(2, begin, size).contiguous(); }
+// Frames [begin, begin + size) of dimension `dim` of `t`, contiguous (a message).
+at::Tensor frames_of(const at::Tensor& t, int64_t dim, int64_t begin, int64_t size) {
+  return t.narrow(dim, begin, size).contiguous();
+}
 
-at::Tensor buffer_like(const at::Tensor& t, int64_t frames) {
+at::Tensor buffer_like(const at::Tensor& t, int64_t dim, int64_t frames) {
   auto sizes = t.sizes().vec();
-  sizes[2] = frames;
+  sizes[static_cast<size_t>(dim)] = frames;
   return at::empty(sizes, t.options());
 }
 
-// [2, B, T_r, ...] (k and v stacked) -> [2, B, slab, ...]: my frames and the halo frames of the other ranks; the
-// backward sends the halo frames' gradients back to their owners, which add them to their own frames'.
+// [.., T_r, ...] (the frames in dimension plan.dim) -> [.., slab, ...]: my frames and the halo frames of the other
+// ranks; the backward sends the halo frames' gradients back to their owners, which add them to their own frames'.
 class HaloGather : public torch::autograd::Function<HaloGather> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& kv, FrameExchange* group,
                             const HaloPlan& plan) {
-    auto slab = buffer_like(kv, plan.slab);
-    slab.narrow(2, plan.own_begin, plan.own_size).copy_(kv);
+    const int64_t dim = plan.dim;
+    auto slab = buffer_like(kv, dim, plan.slab);
+    slab.narrow(dim, plan.own_begin, plan.own_size).copy_(kv);
     std::vector<std::pair<int64_t, at::Tensor>> sends, recvs;
     for (size_t i = 0; i < plan.send_peer.size(); ++i)
-      sends.emplace_back(plan.send_peer[i], frames_of(kv, plan.send_begin[i], plan.send_size[i]));
+      sends.emplace_back(plan.send_peer[i], frames_of(kv, dim, plan.send_begin[i], plan.send_size[i]));
     for (size_t i = 0; i < plan.recv_peer.size(); ++i)
-      recvs.emplace_back(plan.recv_peer[i], buffer_like(kv, plan.recv_size[i]));
+      recvs.emplace_back(plan.recv_peer[i], buffer_like(kv, dim, plan.recv_size[i]));
     group->exchange(sends, recvs);
     for (size_t i = 0; i < recvs.size(); ++i)
-      slab.narrow(2, plan.recv_begin[i], plan.recv_size[i]).copy_(recvs[i].second);
+      slab.narrow(dim, plan.recv_begin[i], plan.recv_size[i]).copy_(recvs[i].second);
     ctx->saved_data["group"] = reinterpret_cast<int64_t>(group);
     ctx->saved_data["like"] = at::empty(slab.sizes(), slab.options().device(at::kMeta));
     ctx->saved_data["options"] = at::empty({0}, slab.options());
-    ctx->saved_data["own"] = std::vector<int64_t>{plan.own_begin, plan.own_size};
+    ctx->saved_data["own"] = std::vector<int64_t>{plan.own_begin, plan.own_size, dim};
     // The backward's messages are the forward's, reversed.
     ctx->saved_data["send"] = flatten(plan.recv_peer, plan.recv_begin, plan.recv_size);
     ctx->saved_data["recv"] = flatten(plan.send_peer, plan.send_begin, plan.send_size);
@@ -118,12 +126,14 @@ class HaloGather : public torch::autograd::Function<HaloGather> {
                              ? grad_outputs[0]
                              : at::zeros(like.sizes(), ctx->saved_data["options"].toTensor().options());
     // Every rank takes part in the exchange, also one whose slab received no gradient.
-    auto local = g.narrow(2, own[0], own[1]).clone();
+    const int64_t dim = own[2];
+    auto local = g.narrow(dim, own[0], own[1]).clone();
     std::vector<std::pair<int64_t, at::Tensor>> sends, recvs;
-    for (size_t i = 0; i < send.size(); i += 3) sends.emplace_back(send[i], frames_of(g, send[i + 1], send[i + 2]));
-    for (size_t i = 0; i < recv.size(); i += 3) recvs.emplace_back(recv[i], buffer_like(g, recv[i + 2]));
+    for (size_t i = 0; i < send.size(); i += 3)
+      sends.emplace_back(send[i], frames_of(g, dim, send[i + 1], send[i + 2]));
+    for (size_t i = 0; i < recv.size(); i += 3) recvs.emplace_back(recv[i], buffer_like(g, dim, recv[i + 2]));
     group->exchange(sends, recvs);
-    for (size_t i = 0; i < recvs.size(); ++i) local.narrow(2, recv[3 * i + 1], recv[3 * i + 2]).add_(recvs[i].second);
+    for (size_t i = 0; i < recvs.size(); ++i) local.narrow(dim, recv[3 * i + 1], recv[3 * i + 2]).add_(recvs[i].second);
     return {local, at::Tensor(), at::Tensor()};
   }
 
@@ -220,6 +230,18 @@ class UlyssesAllToAll : public torch::autograd::Function<UlyssesAllToAll> {
 
 }  // namespace
 
+std::pair<at::Tensor, int64_t> gather_frame_halo(const at::Tensor& x, int64_t below, int64_t above,
+                                                 const FrameSplit& split, FrameExchange& group) {
+  const int64_t me = group.rank();
+  TORCH_CHECK(split.ranks == group.size() && x.dim() >= 2 && x.size(1) == split.size(me), "gather_frame_halo: rank ",
+              me, " holds ", split.size(me), " of ", split.frames, " frames; got ", x.sizes());
+  const HaloPlan plan = plan_halo(split, me, 1, [&](int64_t p) {
+    return std::pair<int64_t, int64_t>{std::max<int64_t>(0, split.begin(p) - below),
+                                       std::min(split.frames, split.end(p) + above)};
+  });
+  return {HaloGather::apply(x, &group, plan), plan.own_begin};
+}
+
 at::Tensor ulysses_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const FrameSplit& split,
                              int64_t tokens_per_frame, FrameExchange& group) {
   const int64_t me = group.rank(), n = group.size();
@@ -259,7 +281,7 @@ at::Tensor dsa3d_context_parallel(const at::Tensor& q, const at::Tensor& k, cons
   const double local_reach = offsets.numel() > 0 ? offsets.select(-1, 0).detach().abs().max().item<double>() : 0.0;
   const double reach = group.max(local_reach);
   TORCH_CHECK(std::isfinite(reach), "dsa3d_context_parallel: a temporal offset is not finite");
-  const HaloPlan plan = plan_halo(split, me, kernel[0], reach);
+  const HaloPlan plan = plan_halo(split, me, 2, [&](int64_t p) { return context_slab(split, p, kernel[0], reach); });
   const auto kv = HaloGather::apply(torch::stack({k, v}), &group, plan);
   const auto out =
       dsa3d(pad_frames(q, plan), kv[0], kv[1], pad_frames(offsets, plan), bias, kernel, impl, deterministic);

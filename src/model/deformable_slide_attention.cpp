@@ -3,6 +3,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <cmath>
+#include <tuple>
 
 namespace megaslide {
 
@@ -79,22 +80,37 @@ const std::vector<torch::Tensor>& DeformableSlideAttention3DImpl::frozen_weights
 }
 
 torch::Tensor DeformableSlideAttention3DImpl::offsets(const torch::Tensor& x, const TokenGrid& grid) {
+  return offsets_of(x, grid, grid, nullptr, nullptr);
+}
+
+torch::Tensor DeformableSlideAttention3DImpl::offsets_of(const torch::Tensor& x, const TokenGrid& local,
+                                                         const TokenGrid& whole, const ops::FrameSplit* split,
+                                                         ops::FrameExchange* group) {
   const int64_t B = x.size(0), D = options.dim(), G = options.groups(), K = kernel_volume();
   if (options.offsets() == DsaOffsets::kZero) {
-    const auto eff = ops::effective_kernel(options.kernel(), grid.dims());
-    return torch::zeros({B, grid.t, grid.h, grid.w, G, eff[0] * eff[1] * eff[2], 3}, x.options());
+    const auto eff = ops::effective_kernel(options.kernel(), whole.dims());
+    return torch::zeros({B, local.t, local.h, local.w, G, eff[0] * eff[1] * eff[2], 3}, x.options());
   }
-  auto volume = x.view({B, grid.t, grid.h, grid.w, D}).permute({0, 4, 1, 2, 3});
+  auto tokens = x.view({B, local.t, local.h, local.w, D});
+  int64_t before = 0;  // halo frames before this rank's own (the 3×3×3 convolution reaches one frame each way)
+  if (group != nullptr) std::tie(tokens, before) = ops::gather_frame_halo(tokens, 1, 1, *split, *group);
+  auto volume = tokens.permute({0, 4, 1, 2, 3});
+  torch::Tensor hidden;
+  if (options.offsets() == DsaOffsets::kFrozen) {
+    const auto& w = frozen_weights_like(x);
+    hidden = torch::gelu(torch::conv3d(volume, w[0], w[1], 1, 1, 1, D)).permute({0, 2, 3, 4, 1});
+  } else {
+    hidden = torch::gelu(offset_dw(volume)).permute({0, 2, 3, 4, 1});  // [B, T, H, W, D]
+  }
+  if (group != nullptr) hidden = hidden.narrow(1, before, local.t);
   torch::Tensor o;
   if (options.offsets() == DsaOffsets::kFrozen) {
     const auto& w = frozen_weights_like(x);
-    auto hidden = torch::gelu(torch::conv3d(volume, w[0], w[1], 1, 1, 1, D)).permute({0, 2, 3, 4, 1});
     o = torch::linear(hidden, w[2], w[3]);
   } else {
-    auto hidden = torch::gelu(offset_dw(volume)).permute({0, 2, 3, 4, 1});  // [B, T, H, W, D]
     o = offset_pw(hidden);
   }
-  o = kernel_window(o.view({B, grid.t, grid.h, grid.w, G, K, 3}), 5, grid);
+  o = kernel_window(o.view({B, local.t, local.h, local.w, G, K, 3}), 5, whole);
   // Δ = range ⊙ tanh(o), the range as plain numbers: a tensor built from them would be a blocking
   // host-to-device copy in every forward (and rule out CUDA graphs).
   const auto& r = options.offset_range();
@@ -112,6 +128,23 @@ torch::Tensor DeformableSlideAttention3DImpl::forward(const torch::Tensor& x, co
   auto out = ops::dsa3d(as_heads(q), as_heads(k), as_heads(v), offsets(x, grid), kernel_window(rel_bias, 1, grid),
                         options.kernel(), options.impl(), options.deterministic());
   return proj(out.reshape({B, grid.numel(), D}));
+}
+
+torch::Tensor DeformableSlideAttention3DImpl::forward_context_parallel(const torch::Tensor& x, const TokenGrid& grid,
+                                                                       const ops::FrameSplit& split,
+                                                                       ops::FrameExchange& group) {
+  const int64_t D = options.dim(), M = options.heads(), r = group.rank();
+  TORCH_CHECK(split.frames == grid.t, "DeformableSlideAttention3D: the split is of ", split.frames,
+              " frames, the grid has ", grid.t);
+  const TokenGrid local{split.size(r), grid.h, grid.w};
+  TORCH_CHECK(x.dim() == 3 && x.size(1) == local.numel() && x.size(2) == D, "DeformableSlideAttention3D: rank ", r,
+              " expected the tokens of its ", local.t, " frames [B, ", local.numel(), ", ", D, "], got ", x.sizes());
+  const int64_t B = x.size(0);
+  auto as_heads = [&](Linear& proj_) { return proj_(x).view({B, local.t, local.h, local.w, M, D / M}); };
+  auto out = ops::dsa3d_context_parallel(as_heads(q), as_heads(k), as_heads(v),
+                                         offsets_of(x, local, grid, &split, &group), kernel_window(rel_bias, 1, grid),
+                                         options.kernel(), split, group, options.impl(), options.deterministic());
+  return proj(out.reshape({B, local.numel(), D}));
 }
 
 }  // namespace megaslide

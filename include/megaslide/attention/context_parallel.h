@@ -76,6 +76,12 @@ at::Tensor dsa3d_context_parallel(const at::Tensor& q, const at::Tensor& k, cons
                                   std::array<int64_t, 3> kernel, const FrameSplit& split, FrameExchange& group,
                                   DsaImpl impl = DsaImpl::kAuto, bool deterministic = false);
 
+// `x` [B, T_r, ...] (this rank's frames in dimension 1) extended by up to `below` frames before and `above` after
+// from the ranks that hold them (fewer at the grid's ends): returns the extended tensor and the number of frames
+// before this rank's own in it. Differentiable: the halo's gradient goes back to its owners. Collective.
+std::pair<at::Tensor, int64_t> gather_frame_halo(const at::Tensor& x, int64_t below, int64_t above,
+                                                 const FrameSplit& split, FrameExchange& group);
+
 // Dense attention over the group (DeepSpeed-Ulysses; docs/distributed.md, "Context parallelism"): q, k, v
 // [B, N_r, M, d] are this rank's tokens — frames [split.begin(r), split.end(r)) of `tokens_per_frame` tokens each,
 // in order. An all-to-all turns them into every token of M / n heads (n = group.size(); M must be divisible by

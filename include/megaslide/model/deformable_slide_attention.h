@@ -24,6 +24,7 @@
 #include <array>
 #include <vector>
 
+#include "megaslide/attention/context_parallel.h"
 #include "megaslide/attention/dsa3d.h"
 #include "megaslide/config/run_config.h"
 #include "megaslide/model/attention.h"
@@ -53,6 +54,13 @@ class DeformableSlideAttention3DImpl : public torch::nn::Cloneable<DeformableSli
 
   // The offsets Δ [B, T, H, W, G, K, 3] the module would sample with (zeros for kZero).
   torch::Tensor offsets(const torch::Tensor& x, const TokenGrid& grid);
+  // Over a context-parallel group (attention/context_parallel.h): `x` [B, T_r·H·W, D] holds the tokens of this
+  // rank's frames of the whole `grid` (T = split.frames); returns their rows of forward(whole x, grid), exactly:
+  // the offset network's 3×3×3 depthwise convolution takes a frame of halo from each temporal neighbour, the
+  // attention its key/value halo (ops::dsa3d_context_parallel). The parameters' gradients are this rank's share
+  // (sum them over the group). Collective: every rank of the group calls it at the same point.
+  torch::Tensor forward_context_parallel(const torch::Tensor& x, const TokenGrid& grid, const ops::FrameSplit& split,
+                                         ops::FrameExchange& group);
 
   int64_t kernel_volume() const;  // K of the full kernel
 
@@ -68,6 +76,10 @@ class DeformableSlideAttention3DImpl : public torch::nn::Cloneable<DeformableSli
   // `full_kernel` (the full kernel's K along `dim`) restricted to the sub-window used on `grid`: views,
   // so no index tensor is copied to the device; `full_kernel` itself when the whole kernel is used.
   torch::Tensor kernel_window(const torch::Tensor& full_kernel, int64_t dim, const TokenGrid& grid) const;
+  // The offsets of the tokens `x` of a `local` grid that is part of `whole` (the same for one rank); with a group,
+  // `local` is this rank's frames and the convolution's temporal halo comes from its neighbours.
+  torch::Tensor offsets_of(const torch::Tensor& x, const TokenGrid& local, const TokenGrid& whole,
+                           const ops::FrameSplit* split, ops::FrameExchange* group);
   // kFrozen: the four frozen tensors on the input's device and dtype, converted once per (device, dtype)
   // rather than on every forward (they are not parameters, so Module::to() does not move them).
   const std::vector<torch::Tensor>& frozen_weights_like(const torch::Tensor& x);
