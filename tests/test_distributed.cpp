@@ -126,6 +126,37 @@ std::map<std::string, std::string> tree_listing(const std::string& dir, const st
   return out;
 }
 
+// Runs body(rank, group) on `ranks` Gloo ranks, threads of this process that form one context-parallel group, and
+// returns each rank's error ("" where body returned).
+std::vector<std::string> on_gloo_ranks(int64_t ranks, const std::function<void(int64_t, CommunicatorFrames&)>& body) {
+  const int64_t port = free_local_port();
+  std::vector<std::string> errors(static_cast<size_t>(ranks));
+  auto rank_main = [&](int64_t rank) {
+    try {
+      LaunchEnv env;
+      env.rank = rank, env.world_size = ranks, env.master_addr = "127.0.0.1", env.master_port = port;
+      Communicator comm(env, "gloo", 30.0, torch::kCPU);
+      CommunicatorFrames group(comm);
+      body(rank, group);
+    } catch (const std::exception& e) {
+      errors[static_cast<size_t>(rank)] = e.what();
+    }
+  };
+  std::vector<std::thread> others;
+  for (int64_t r = 1; r < ranks; ++r) others.emplace_back(rank_main, r);
+  rank_main(0);
+  for (auto& t : others) t.join();
+  return errors;
+}
+
+// The ranks' pieces `got[rank][i]` joined along dimension 1 (their frames, in rank order) are `whole` within 1e-12.
+void expect_pieces_join_to(const std::vector<std::vector<torch::Tensor>>& got, size_t i, const torch::Tensor& whole,
+                           const std::string& what) {
+  std::vector<torch::Tensor> parts;
+  for (const auto& g : got) parts.push_back(g[i]);
+  EXPECT_LT((torch::cat(parts, 1) - whole).abs().max().item<double>(), 1e-12) << what;
+}
+
 }  // namespace
 
 TEST(LaunchEnv, NoLauncherIsOneProcess) {
@@ -297,41 +328,22 @@ TEST(ContextParallel, Dsa3dHaloExchangeIsTheSingleRankOperator) {
     (expected * dout).sum().backward();
     // The frames split over the ranks.
     const auto split = ops::FrameSplit::balanced(c.frames, c.ranks);
-    const int64_t port = free_local_port();
     std::vector<std::vector<torch::Tensor>> got(static_cast<size_t>(c.ranks));
-    std::vector<std::string> errors(static_cast<size_t>(c.ranks));
-    auto rank_main = [&](int64_t rank) {
-      try {
-        LaunchEnv env;
-        env.rank = rank, env.world_size = c.ranks, env.master_addr = "127.0.0.1", env.master_port = port;
-        Communicator comm(env, "gloo", 30.0, torch::kCPU);
-        CommunicatorFrames frames(comm);
-        const auto mine = [&](const torch::Tensor& t) {
-          return t.narrow(1, split.begin(rank), split.size(rank)).clone().requires_grad_();
-        };
-        auto ql = mine(q), kl = mine(k), vl = mine(v), ol = mine(offsets);
-        auto bl = bias.clone().requires_grad_();
-        const auto out = ops::dsa3d_context_parallel(ql, kl, vl, ol, bl, kernel, split, frames, ops::DsaImpl::kCpu);
-        (out * dout.narrow(1, split.begin(rank), split.size(rank))).sum().backward();
-        got[static_cast<size_t>(rank)] = {out.detach(), ql.grad(), kl.grad(), vl.grad(), ol.grad(), bl.grad()};
-      } catch (const std::exception& e) {
-        errors[static_cast<size_t>(rank)] = e.what();
-      }
-    };
-    std::vector<std::thread> others;
-    for (int64_t r = 1; r < c.ranks; ++r) others.emplace_back(rank_main, r);
-    rank_main(0);
-    for (auto& t : others) t.join();
+    const auto errors = on_gloo_ranks(c.ranks, [&](int64_t rank, CommunicatorFrames& group) {
+      const auto mine = [&](const torch::Tensor& t) {
+        return t.narrow(1, split.begin(rank), split.size(rank)).clone().requires_grad_();
+      };
+      auto ql = mine(q), kl = mine(k), vl = mine(v), ol = mine(offsets);
+      auto bl = bias.clone().requires_grad_();
+      const auto out = ops::dsa3d_context_parallel(ql, kl, vl, ol, bl, kernel, split, group, ops::DsaImpl::kCpu);
+      (out * dout.narrow(1, split.begin(rank), split.size(rank))).sum().backward();
+      got[static_cast<size_t>(rank)] = {out.detach(), ql.grad(), kl.grad(), vl.grad(), ol.grad(), bl.grad()};
+    });
     for (const auto& e : errors) ASSERT_EQ(e, "");
     const char* names[] = {"out", "dq", "dk", "dv", "d(offsets)"};
     const torch::Tensor reference[] = {expected.detach(), whole[0].grad(), whole[1].grad(), whole[2].grad(),
                                        whole[3].grad()};
-    for (int i = 0; i < 5; ++i) {
-      std::vector<torch::Tensor> parts;
-      for (const auto& g : got) parts.push_back(g[static_cast<size_t>(i)]);
-      const double err = (torch::cat(parts, 1) - reference[i]).abs().max().item<double>();
-      EXPECT_LT(err, 1e-12) << names[i];
-    }
+    for (size_t i = 0; i < 5; ++i) expect_pieces_join_to(got, i, reference[i], names[i]);
     auto dbias = torch::zeros_like(bias);
     for (const auto& g : got) dbias += g[5];
     EXPECT_LT((dbias - whole[4].grad()).abs().max().item<double>(), 1e-12) << "d(bias)";
@@ -363,39 +375,22 @@ TEST(ContextParallel, TheDsaModuleOverAGroupIsTheModuleOnTheWholeGrid) {
     const auto expected = whole->forward(xw, grid);
     (expected * dout).sum().backward();
     const auto split = ops::FrameSplit::balanced(T, ranks);
-    const int64_t port = free_local_port(), per_frame = H * W;
+    const int64_t per_frame = H * W;
     std::vector<std::vector<torch::Tensor>> got(static_cast<size_t>(ranks));
-    std::vector<std::string> errors(static_cast<size_t>(ranks));
     std::vector<DeformableSlideAttention3D> modules;
     for (int64_t r = 0; r < ranks; ++r)
       modules.push_back(std::dynamic_pointer_cast<DeformableSlideAttention3DImpl>(whole->clone()));
-    auto rank_main = [&](int64_t rank) {
-      try {
-        LaunchEnv env;
-        env.rank = rank, env.world_size = ranks, env.master_addr = "127.0.0.1", env.master_port = port;
-        Communicator comm(env, "gloo", 30.0, torch::kCPU);
-        CommunicatorFrames group(comm);
-        auto& m = modules[static_cast<size_t>(rank)];
-        m->zero_grad();
-        auto xl = x.narrow(1, split.begin(rank) * per_frame, split.size(rank) * per_frame).clone().requires_grad_();
-        const auto out = m->forward_context_parallel(xl, grid, split, group);
-        (out * dout.narrow(1, split.begin(rank) * per_frame, split.size(rank) * per_frame)).sum().backward();
-        got[static_cast<size_t>(rank)] = {out.detach(), xl.grad()};
-      } catch (const std::exception& e) {
-        errors[static_cast<size_t>(rank)] = e.what();
-      }
-    };
-    std::vector<std::thread> others;
-    for (int64_t r = 1; r < ranks; ++r) others.emplace_back(rank_main, r);
-    rank_main(0);
-    for (auto& t : others) t.join();
+    const auto errors = on_gloo_ranks(ranks, [&](int64_t rank, CommunicatorFrames& group) {
+      auto& m = modules[static_cast<size_t>(rank)];
+      m->zero_grad();
+      auto xl = x.narrow(1, split.begin(rank) * per_frame, split.size(rank) * per_frame).clone().requires_grad_();
+      const auto out = m->forward_context_parallel(xl, grid, split, group);
+      (out * dout.narrow(1, split.begin(rank) * per_frame, split.size(rank) * per_frame)).sum().backward();
+      got[static_cast<size_t>(rank)] = {out.detach(), xl.grad()};
+    });
     for (const auto& e : errors) ASSERT_EQ(e, "");
-    for (int i = 0; i < 2; ++i) {
-      std::vector<torch::Tensor> parts;
-      for (const auto& g : got) parts.push_back(g[static_cast<size_t>(i)]);
-      const torch::Tensor reference = i == 0 ? expected.detach() : xw.grad();
-      EXPECT_LT((torch::cat(parts, 1) - reference).abs().max().item<double>(), 1e-12) << (i == 0 ? "out" : "dx");
-    }
+    expect_pieces_join_to(got, 0, expected.detach(), "out");
+    expect_pieces_join_to(got, 1, xw.grad(), "dx");
     for (const auto& item : whole->named_parameters()) {
       const std::string& name = item.key();
       const torch::Tensor& p = item.value();
@@ -426,43 +421,26 @@ TEST(ContextParallel, UlyssesAttentionIsTheWholeSequencesAttention) {
             .transpose(1, 2);
     (expected * dout).sum().backward();
     const auto split = ops::FrameSplit::balanced(frames, ranks);
-    const int64_t port = free_local_port();
     std::vector<std::vector<torch::Tensor>> got(static_cast<size_t>(ranks));
-    std::vector<std::string> errors(static_cast<size_t>(ranks)), refusals(static_cast<size_t>(ranks));
-    auto rank_main = [&](int64_t rank) {
-      try {
-        LaunchEnv env;
-        env.rank = rank, env.world_size = ranks, env.master_addr = "127.0.0.1", env.master_port = port;
-        Communicator comm(env, "gloo", 30.0, torch::kCPU);
-        CommunicatorFrames group(comm);
-        const auto mine = [&](const torch::Tensor& t) {
-          return t.narrow(1, split.begin(rank) * per_frame, split.size(rank) * per_frame).clone().requires_grad_();
-        };
-        auto ql = mine(q), kl = mine(k), vl = mine(v);
-        const auto out = ops::ulysses_attention(ql, kl, vl, split, per_frame, group);
-        (out * dout.narrow(1, split.begin(rank) * per_frame, split.size(rank) * per_frame)).sum().backward();
-        got[static_cast<size_t>(rank)] = {out.detach(), ql.grad(), kl.grad(), vl.grad()};
-        try {  // 5 heads over 2 or 3 ranks
-          ops::ulysses_attention(ql.narrow(2, 0, 5), kl.narrow(2, 0, 5), vl.narrow(2, 0, 5), split, per_frame, group);
-        } catch (const std::exception& e) {
-          refusals[static_cast<size_t>(rank)] = e.what();
-        }
+    std::vector<std::string> refusals(static_cast<size_t>(ranks));
+    const auto errors = on_gloo_ranks(ranks, [&](int64_t rank, CommunicatorFrames& group) {
+      const auto mine = [&](const torch::Tensor& t) {
+        return t.narrow(1, split.begin(rank) * per_frame, split.size(rank) * per_frame).clone().requires_grad_();
+      };
+      auto ql = mine(q), kl = mine(k), vl = mine(v);
+      const auto out = ops::ulysses_attention(ql, kl, vl, split, per_frame, group);
+      (out * dout.narrow(1, split.begin(rank) * per_frame, split.size(rank) * per_frame)).sum().backward();
+      got[static_cast<size_t>(rank)] = {out.detach(), ql.grad(), kl.grad(), vl.grad()};
+      try {  // 5 heads over 2 or 3 ranks
+        ops::ulysses_attention(ql.narrow(2, 0, 5), kl.narrow(2, 0, 5), vl.narrow(2, 0, 5), split, per_frame, group);
       } catch (const std::exception& e) {
-        errors[static_cast<size_t>(rank)] = e.what();
+        refusals[static_cast<size_t>(rank)] = e.what();
       }
-    };
-    std::vector<std::thread> others;
-    for (int64_t r = 1; r < ranks; ++r) others.emplace_back(rank_main, r);
-    rank_main(0);
-    for (auto& t : others) t.join();
+    });
     for (const auto& e : errors) ASSERT_EQ(e, "");
     const char* names[] = {"out", "dq", "dk", "dv"};
     const torch::Tensor reference[] = {expected.detach(), whole[0].grad(), whole[1].grad(), whole[2].grad()};
-    for (int i = 0; i < 4; ++i) {
-      std::vector<torch::Tensor> parts;
-      for (const auto& g : got) parts.push_back(g[static_cast<size_t>(i)]);
-      EXPECT_LT((torch::cat(parts, 1) - reference[i]).abs().max().item<double>(), 1e-12) << names[i];
-    }
+    for (size_t i = 0; i < 4; ++i) expect_pieces_join_to(got, i, reference[i], names[i]);
     for (const auto& r : refusals) {
       EXPECT_NE(r.find("5 heads"), std::string::npos) << r;
       EXPECT_NE(r.find(std::to_string(ranks) + " ranks"), std::string::npos) << r;

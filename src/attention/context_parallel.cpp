@@ -107,8 +107,8 @@ class HaloGather : public torch::autograd::Function<HaloGather> {
     for (size_t i = 0; i < recvs.size(); ++i)
       slab.narrow(dim, plan.recv_begin[i], plan.recv_size[i]).copy_(recvs[i].second);
     ctx->saved_data["group"] = reinterpret_cast<int64_t>(group);
-    ctx->saved_data["like"] = at::empty(slab.sizes(), slab.options().device(at::kMeta));
-    ctx->saved_data["options"] = at::empty({0}, slab.options());
+    ctx->saved_data["slab"] = at::empty({0}, slab.options());  // the dtype and device of a missing gradient's zeros
+    ctx->saved_data["sizes"] = slab.sizes().vec();
     ctx->saved_data["own"] = std::vector<int64_t>{plan.own_begin, plan.own_size, dim};
     // The backward's messages are the forward's, reversed.
     ctx->saved_data["send"] = flatten(plan.recv_peer, plan.recv_begin, plan.recv_size);
@@ -121,10 +121,9 @@ class HaloGather : public torch::autograd::Function<HaloGather> {
     auto* group = reinterpret_cast<FrameExchange*>(ctx->saved_data["group"].toInt());
     const auto own = ctx->saved_data["own"].toIntVector();
     const auto send = ctx->saved_data["send"].toIntVector(), recv = ctx->saved_data["recv"].toIntVector();
-    const auto like = ctx->saved_data["like"].toTensor();
-    const at::Tensor g = grad_outputs[0].defined()
-                             ? grad_outputs[0]
-                             : at::zeros(like.sizes(), ctx->saved_data["options"].toTensor().options());
+    const at::Tensor g = grad_outputs[0].defined() ? grad_outputs[0]
+                                                   : at::zeros(ctx->saved_data["sizes"].toIntVector(),
+                                                               ctx->saved_data["slab"].toTensor().options());
     // Every rank takes part in the exchange, also one whose slab received no gradient.
     const int64_t dim = own[2];
     auto local = g.narrow(dim, own[0], own[1]).clone();
