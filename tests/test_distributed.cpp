@@ -22,6 +22,7 @@
 
 #include "megaslide/attention/context_parallel.h"
 #include "megaslide/io/files.h"
+#include "megaslide/model/attention.h"
 #include "megaslide/model/deformable_slide_attention.h"
 #include "megaslide/train/dit_batches.h"
 #include "run_tool.h"
@@ -397,6 +398,74 @@ TEST(ContextParallel, TheDsaModuleOverAGroupIsTheModuleOnTheWholeGrid) {
       auto sum = torch::zeros_like(p);
       for (auto& m : modules) sum += m->named_parameters()[name].grad();
       EXPECT_LT((sum - p.grad()).abs().max().item<double>(), 1e-12) << name;
+    }
+  }
+}
+
+// The property: the DiT family's dense and window attentions over a context-parallel group of 2 and 3 Gloo ranks
+// are the modules on the whole grid — outputs, the input's gradient and every parameter's gradient summed over the
+// ranks within 1e-12 in float64: global attention through Ulysses, and Swin's windows (unshifted, and shifted with
+// the roll's wrapped frames) whose time windows cross the ranks' boundaries, at frame counts no rank count divides,
+// windows of 3 frames over 7 and 8, and one window longer than the grid.
+TEST(ContextParallel, DenseAndWindowModulesOverAGroupAreTheModulesOnTheWholeGrid) {
+  if (!gloo_available()) GTEST_SKIP() << "this build has no Gloo backend";
+  struct Case {
+    std::string kind;  // dense | window | shifted
+    int64_t ranks, frames, window_t;
+  };
+  for (const Case& c :
+       {Case{"dense", 2, 7, 0}, Case{"dense", 3, 8, 0}, Case{"window", 3, 8, 3}, Case{"shifted", 2, 7, 3},
+        Case{"shifted", 3, 8, 3}, Case{"shifted", 3, 11, 4}, Case{"shifted", 2, 3, 5}}) {
+    SCOPED_TRACE(c.kind + ", " + std::to_string(c.ranks) + " ranks, " + std::to_string(c.frames) + " frames, window " +
+                 std::to_string(c.window_t));
+    const int64_t B = 2, D = 12, H = 4, W = 5;
+    const TokenGrid grid{c.frames, H, W};
+    torch::manual_seed(19);
+    std::shared_ptr<torch::nn::Module> whole;
+    if (c.kind == "dense") {
+      whole = GlobalSelfAttention(SelfAttentionOptions(D, 6)).ptr();
+    } else {
+      whole =
+          ShiftedWindowAttention3D(WindowAttentionOptions(D, 3).window({c.window_t, 3, 2}).shifted(c.kind == "shifted"))
+              .ptr();
+    }
+    whole->to(torch::kDouble);
+    const auto forward = [&](torch::nn::Module& m, const torch::Tensor& x) {
+      if (auto* g = dynamic_cast<GlobalSelfAttentionImpl*>(&m)) return g->forward(x, grid);
+      return dynamic_cast<ShiftedWindowAttention3DImpl&>(m).forward(x, grid);
+    };
+    const auto forward_cp = [&](torch::nn::Module& m, const torch::Tensor& x, const ops::FrameSplit& split,
+                                ops::FrameExchange& group) {
+      if (auto* g = dynamic_cast<GlobalSelfAttentionImpl*>(&m))
+        return g->forward_context_parallel(x, grid, split, group);
+      return dynamic_cast<ShiftedWindowAttention3DImpl&>(m).forward_context_parallel(x, grid, split, group);
+    };
+    const auto x = torch::randn({B, grid.numel(), D}, torch::kDouble), dout = torch::randn_like(x);
+    auto xw = x.clone().requires_grad_();
+    const auto expected = forward(*whole, xw);
+    (expected * dout).sum().backward();
+    const auto split = ops::FrameSplit::balanced(c.frames, c.ranks);
+    const int64_t per_frame = H * W;
+    std::vector<std::shared_ptr<torch::nn::Module>> modules;
+    for (int64_t r = 0; r < c.ranks; ++r) {
+      modules.push_back(c.kind == "dense" ? whole->as<GlobalSelfAttentionImpl>()->clone()
+                                          : whole->as<ShiftedWindowAttention3DImpl>()->clone());
+      modules.back()->zero_grad();
+    }
+    std::vector<std::vector<torch::Tensor>> got(static_cast<size_t>(c.ranks));
+    const auto errors = on_gloo_ranks(c.ranks, [&](int64_t rank, CommunicatorFrames& group) {
+      auto xl = x.narrow(1, split.begin(rank) * per_frame, split.size(rank) * per_frame).clone().requires_grad_();
+      const auto out = forward_cp(*modules[static_cast<size_t>(rank)], xl, split, group);
+      (out * dout.narrow(1, split.begin(rank) * per_frame, split.size(rank) * per_frame)).sum().backward();
+      got[static_cast<size_t>(rank)] = {out.detach(), xl.grad()};
+    });
+    for (const auto& e : errors) ASSERT_EQ(e, "");
+    expect_pieces_join_to(got, 0, expected.detach(), "out");
+    expect_pieces_join_to(got, 1, xw.grad(), "dx");
+    for (const auto& item : whole->named_parameters()) {
+      auto sum = torch::zeros_like(item.value());
+      for (auto& m : modules) sum += m->named_parameters()[item.key()].grad();
+      EXPECT_LT((sum - item.value().grad()).abs().max().item<double>(), 1e-12) << item.key();
     }
   }
 }
@@ -822,6 +891,102 @@ TEST(DistributedTraining, WanRanksReproduceTheSingleProcessAndResumeAtOtherWorld
     for (size_t i = 3; i < 5; ++i) EXPECT_NEAR(got[i], single[i], 1e-5) << world << " ranks, step " << i + 1;
   }
   io::remove_tree(base);
+}
+
+// Runs `args` once as one process and once per layout ("--nproc-per-node N --set distributed.context_parallel=n"),
+// and expects each layout's losses and gradient norms to be the single process's within 1e-5 over 5 steps.
+void expect_layouts_reproduce_one_process(const std::string& base, const std::string& name, const std::string& args,
+                                          const std::vector<std::pair<int64_t, int64_t>>& layouts) {
+  const auto one = join_path(base, name + "-one");
+  auto r1 = train(args + " --run-dir " + one);
+  ASSERT_EQ(r1.code, 0) << r1.output;
+  const auto a = logged_losses(one), na = logged(one, "grad_norm");
+  ASSERT_EQ(a.size(), 5u) << name;
+  for (const auto& [world, cp] : layouts) {
+    const std::string layout = std::to_string(world) + " ranks, context parallel " + std::to_string(cp);
+    const auto many = join_path(base, name + "-" + std::to_string(world) + "-" + std::to_string(cp));
+    auto rn = train(args + " --run-dir " + many + " --nproc-per-node " + std::to_string(world) +
+                    " --set distributed.context_parallel=" + std::to_string(cp));
+    ASSERT_EQ(rn.code, 0) << name << ", " << layout << ": " << rn.output;
+    const auto b = logged_losses(many), nb = logged(many, "grad_norm");
+    ASSERT_EQ(b.size(), 5u) << name << ", " << layout;
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_NEAR(a[i], b[i], 1e-5) << name << ", " << layout << ", step " << i + 1;
+      EXPECT_NEAR(na[i], nb[i], 1e-5 * na[i]) << name << ", " << layout << ", step " << i + 1;
+    }
+    EXPECT_NE(read_text(join_path(many, "train.log"))
+                  .find("context parallel: " + std::to_string(world) + " ranks in groups of " + std::to_string(cp)),
+              std::string::npos)
+        << name << ", " << layout;
+  }
+}
+
+// The property: context parallelism — each sample's frames split over a group of ranks, attention over the group —
+// trains the DiT family as one process does: the losses and gradient norms of 5 steps within 1e-5, for MegaSlideDiT's
+// 3D-DSA (a halo exchange; its fixed offset network with a temporal range of 2.5 frames, so offsets reach past the
+// kernel's frames into the neighbours' halo) resident over a group of 2, streamed over 3 and over 2 groups of 2
+// (context × data parallelism: 4 ranks), Dense3DDiT (Ulysses) and SwinDiT (windows of 3 frames, every other block
+// shifted, crossing the ranks' boundaries) over 2 and 3 ranks. 8 frames: no group size of 3 divides them.
+TEST(DistributedTraining, ContextParallelDiTRanksReproduceTheSingleProcess) {
+  if (!gloo_available()) GTEST_SKIP() << "this build has no Gloo backend";
+  const auto base = fresh_dir("cp-dit");
+  const std::string dsa = " --set model.dsa_offsets=frozen --set model.dsa_offset_range=[2.5,3.0,3.0]";
+  expect_layouts_reproduce_one_process(base, "megaslide-resident", resident_args(6) + dsa, {{2, 2}});
+  expect_layouts_reproduce_one_process(base, "megaslide-streamed", streamed_args(6, dsa), {{3, 3}, {4, 2}});
+  expect_layouts_reproduce_one_process(base, "dense3d", resident_args(6) + " --set model.arch=dense3d", {{2, 2}});
+  expect_layouts_reproduce_one_process(
+      base, "swin", streamed_args(6, "--set model.arch=swin --set model.swin_window=[3,4,4]"), {{3, 3}});
+  io::remove_tree(base);
+}
+
+// The property: context parallelism trains Wan as one process does (losses and gradient norms within 1e-5 over 5
+// steps): dense attention through Ulysses, resident over a group of 2 and streamed over 2 groups of 2, with Wan2.2
+// TI2V's clean first frames (per-token timesteps, the masked loss whose per-sample counts span the ranks); the 3D-DSA
+// retrofit through its halo, streamed over a group of 3 (3 latent frames: one each). A streamed run over a group of
+// 2 saves a checkpoint at step 3 that resumes with no context parallelism on 1 and on 2 ranks within 1e-5 of the
+// uninterrupted single process.
+TEST(DistributedTraining, ContextParallelWanRanksReproduceTheSingleProcessAndResumeAcrossLayouts) {
+  if (!gloo_available()) GTEST_SKIP() << "this build has no Gloo backend";
+  const auto base = fresh_dir("cp-wan");
+  const auto config = megaslide::testing::write_tiny_wan(join_path(base, "data"), 6);
+  const std::string clean = "--set diffusion.first_frame_clean=0.5";
+  expect_layouts_reproduce_one_process(base, "resident", wan_args(config, "resident", clean), {{2, 2}});
+  expect_layouts_reproduce_one_process(base, "streamed", wan_args(config, "streamed", clean), {{4, 2}});
+  expect_layouts_reproduce_one_process(
+      base, "dsa3d", wan_args(config, "streamed", "--set model.self_attention=dsa3d --set model.dsa_kernel=[3,3,3]"),
+      {{3, 3}});
+  // A checkpoint of a run over a group of 2 resumed with no context parallelism, on 1 and on 2 ranks.
+  const std::string args = wan_args(config, "streamed", clean + " --set train.checkpoint_every=3");
+  const auto two = join_path(base, "ckpt");
+  auto r = train(args + " --run-dir " + two + " --nproc-per-node 2 --set distributed.context_parallel=2");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto single = logged_losses(join_path(base, "streamed-one"));
+  for (const char* world : {"1", "2"}) {
+    auto resumed = train(args + " --run-dir " + two + " --resume " + join_path(two, "checkpoints/step-0000003") +
+                         (std::string(world) == "1" ? "" : std::string(" --nproc-per-node ") + world));
+    ASSERT_EQ(resumed.code, 0) << resumed.output;
+    const auto got = logged_losses(two);
+    ASSERT_EQ(got.size(), 5u) << world << " ranks";
+    for (size_t i = 3; i < 5; ++i) EXPECT_NEAR(got[i], single[i], 1e-5) << world << " ranks, step " << i + 1;
+  }
+  io::remove_tree(base);
+}
+
+// The property: a context-parallel group that does not divide the ranks, or whose dense attention's heads it does
+// not divide, is refused before anything is written, naming distributed.context_parallel.
+TEST(DistributedTraining, ContextParallelGroupsThatDoNotFitAreRefusedNamingTheKey) {
+  if (!gloo_available()) GTEST_SKIP() << "this build has no Gloo backend";
+  const auto dir = fresh_dir("cp-refused");
+  for (const std::string& extra : {std::string(" --nproc-per-node 3 --set distributed.context_parallel=2"),
+                                   std::string(" --nproc-per-node 3 --set distributed.context_parallel=3 --set "
+                                               "model.arch=dense3d"),
+                                   std::string(" --set distributed.context_parallel=2")}) {
+    auto r = train(resident_args(6) + " --run-dir " + dir + extra);
+    EXPECT_EQ(r.code, 2) << extra << ": " << r.output;
+    EXPECT_NE(r.output.find("distributed.context_parallel"), std::string::npos) << extra << ": " << r.output;
+    EXPECT_FALSE(io::path_exists(join_path(dir, "train.log"))) << extra;
+  }
+  io::remove_tree(dir);
 }
 
 // The property: LoRA and LoKr over 2 Gloo ranks — the adapters' gradients all-reduced, every rank holding the whole

@@ -229,16 +229,31 @@ class UlyssesAllToAll : public torch::autograd::Function<UlyssesAllToAll> {
 
 }  // namespace
 
-std::pair<at::Tensor, int64_t> gather_frame_halo(const at::Tensor& x, int64_t below, int64_t above,
+std::pair<at::Tensor, int64_t> gather_frame_slab(const at::Tensor& x,
+                                                 const std::function<std::pair<int64_t, int64_t>(int64_t)>& slab_of,
                                                  const FrameSplit& split, FrameExchange& group) {
   const int64_t me = group.rank();
-  TORCH_CHECK(split.ranks == group.size() && x.dim() >= 2 && x.size(1) == split.size(me), "gather_frame_halo: rank ",
+  TORCH_CHECK(split.ranks == group.size() && x.dim() >= 2 && x.size(1) == split.size(me), "gather_frame_slab: rank ",
               me, " holds ", split.size(me), " of ", split.frames, " frames; got ", x.sizes());
-  const HaloPlan plan = plan_halo(split, me, 1, [&](int64_t p) {
-    return std::pair<int64_t, int64_t>{std::max<int64_t>(0, split.begin(p) - below),
-                                       std::min(split.frames, split.end(p) + above)};
-  });
+  for (int64_t p = 0; p < split.ranks; ++p) {
+    const auto [g0, g1] = slab_of(p);
+    TORCH_CHECK(0 <= g0 && g0 <= split.begin(p) && split.end(p) <= g1 && g1 <= split.frames, "gather_frame_slab: rank ",
+                p, "'s slab [", g0, ", ", g1, ") does not hold its frames [", split.begin(p), ", ", split.end(p),
+                ") inside the grid's ", split.frames);
+  }
+  const HaloPlan plan = plan_halo(split, me, 1, slab_of);
   return {HaloGather::apply(x, &group, plan), plan.own_begin};
+}
+
+std::pair<at::Tensor, int64_t> gather_frame_halo(const at::Tensor& x, int64_t below, int64_t above,
+                                                 const FrameSplit& split, FrameExchange& group) {
+  return gather_frame_slab(
+      x,
+      [&](int64_t p) {
+        return std::pair<int64_t, int64_t>{std::max<int64_t>(0, split.begin(p) - below),
+                                           std::min(split.frames, split.end(p) + above)};
+      },
+      split, group);
 }
 
 at::Tensor ulysses_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const FrameSplit& split,

@@ -492,6 +492,7 @@ class Schema {
     choice("distributed.backend", c.distributed.backend, {"auto", "nccl", "gloo"});
     real("distributed.timeout_s", c.distributed.timeout_s, RealRange{0.0, 86400.0, true, false});
     boolean("distributed.rank_logs", c.distributed.rank_logs);
+    integer("distributed.context_parallel", c.distributed.context_parallel, IntRange{1, 1 << 16});
     (void)kBig;
   }
 

@@ -1,5 +1,6 @@
 #include "megaslide/model/attention.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "model/table_cache.h"
@@ -52,6 +53,19 @@ torch::Tensor GlobalSelfAttentionImpl::forward(const torch::Tensor& x, const Tok
     return proj(merge_heads(torch::matmul(weights, v)));
   }
   return proj(merge_heads(at::scaled_dot_product_attention(q, k, v)));
+}
+
+torch::Tensor GlobalSelfAttentionImpl::forward_context_parallel(const torch::Tensor& x, const TokenGrid& grid,
+                                                                const ops::FrameSplit& split,
+                                                                ops::FrameExchange& group) {
+  TORCH_CHECK(split.frames == grid.t, "GlobalSelfAttention: the split is of ", split.frames, " frames, the grid has ",
+              grid.t);
+  const int64_t D = options.dim(), M = options.heads();
+  check_tokens(x, TokenGrid{split.size(group.rank()), grid.h, grid.w}, D, "GlobalSelfAttention");
+  const int64_t B = x.size(0), N = x.size(1);
+  auto t = qkv(x).view({B, N, 3, M, D / M});
+  auto out = ops::ulysses_attention(t.select(2, 0), t.select(2, 1), t.select(2, 2), split, grid.h * grid.w, group);
+  return proj(out.reshape({B, N, D}));
 }
 
 // --- shifted windows -----------------------------------------------------------------------------------
@@ -139,7 +153,44 @@ torch::Tensor shifted_window_mask(const TokenGrid& grid, const WindowLayout& l, 
 
 torch::Tensor ShiftedWindowAttention3DImpl::forward(const torch::Tensor& x, const TokenGrid& grid) {
   check_tokens(x, grid, options.dim(), "ShiftedWindowAttention3D");
+  return attend(x, grid, window_layout(grid, options.window(), options.shifted()));
+}
+
+torch::Tensor ShiftedWindowAttention3DImpl::forward_context_parallel(const torch::Tensor& x, const TokenGrid& grid,
+                                                                     const ops::FrameSplit& split,
+                                                                     ops::FrameExchange& group) {
+  TORCH_CHECK(split.frames == grid.t, "ShiftedWindowAttention3D: the split is of ", split.frames,
+              " frames, the grid has ", grid.t);
+  const int64_t r = group.rank(), B = x.size(0), D = options.dim();
+  const TokenGrid local{split.size(r), grid.h, grid.w};
+  check_tokens(x, local, D, "ShiftedWindowAttention3D");
+  // The time axis' groups on the whole grid: cuts at 0, s, s + w, s + 2w, ... and T.
   const auto l = window_layout(grid, options.window(), options.shifted());
+  std::vector<int64_t> cuts{0};
+  for (int64_t c = l.shift[0] > 0 ? l.shift[0] : l.window[0]; c < grid.t; c += l.window[0]) cuts.push_back(c);
+  cuts.push_back(grid.t);
+  const auto group_of = [&](int64_t frame) {  // the index of the group holding `frame`
+    return static_cast<size_t>(std::upper_bound(cuts.begin(), cuts.end(), frame) - cuts.begin() - 1);
+  };
+  const auto slab_of = [&](int64_t p) {
+    return std::pair<int64_t, int64_t>{cuts[group_of(split.begin(p))], cuts[group_of(split.end(p) - 1) + 1]};
+  };
+  const auto [slab, before] = ops::gather_frame_slab(x.view({B, local.t, grid.h, grid.w, D}), slab_of, split, group);
+  const int64_t g0 = slab_of(r).first;
+  std::vector<torch::Tensor> outs;
+  for (size_t i = group_of(g0); cuts[i] < slab_of(r).second; ++i) {
+    const TokenGrid piece{cuts[i + 1] - cuts[i], grid.h, grid.w};
+    const auto pl = window_layout(piece, {piece.t, options.window()[1], options.window()[2]}, options.shifted());
+    outs.push_back(attend(slab.narrow(1, cuts[i] - g0, piece.t).reshape({B, piece.numel(), D}), piece, pl));
+  }
+  return torch::cat(outs, 1)
+      .view({B, slab.size(1), grid.h, grid.w, D})
+      .narrow(1, before, local.t)
+      .reshape({B, local.numel(), D});
+}
+
+torch::Tensor ShiftedWindowAttention3DImpl::attend(const torch::Tensor& x, const TokenGrid& grid,
+                                                   const WindowLayout& l) {
   const int64_t B = x.size(0), D = options.dim();
   auto v = x.view({B, grid.t, grid.h, grid.w, D});
   v = torch::constant_pad_nd(v, {0, 0, 0, l.padded[2] - grid.w, 0, l.padded[1] - grid.h, 0, l.padded[0] - grid.t});

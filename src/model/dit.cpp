@@ -139,7 +139,18 @@ void DiTBlockImpl::reset() {
   modulation = register_parameter("modulation", torch::zeros({6, D}, torch::TensorOptions().device(dev)));
 }
 
-torch::Tensor DiTBlockImpl::self_attention(const torch::Tensor& x, const TokenGrid& grid) {
+torch::Tensor DiTBlockImpl::self_attention(const torch::Tensor& x, const BlockContext& ctx) {
+  const auto& grid = ctx.grid;
+  if (ctx.cp.active()) {
+    switch (options.arch()) {
+      case Architecture::kDense3D:
+        return global_attn->forward_context_parallel(x, grid, ctx.cp.split, *ctx.cp.group);
+      case Architecture::kSwin:
+        return window_attn->forward_context_parallel(x, grid, ctx.cp.split, *ctx.cp.group);
+      case Architecture::kMegaSlide:
+        return dsa_attn->forward_context_parallel(x, grid, ctx.cp.split, *ctx.cp.group);
+    }
+  }
   switch (options.arch()) {
     case Architecture::kDense3D:
       return global_attn(x, grid);
@@ -155,7 +166,7 @@ torch::Tensor DiTBlockImpl::forward(const torch::Tensor& x, const BlockContext& 
   const int64_t B = x.size(0), D = options.hidden();
   auto mod = (ctx.t_mod.view({B, 6, D}) + modulation.unsqueeze(0)).unbind(1);
   const auto &shift1 = mod[0], &scale1 = mod[1], &gate1 = mod[2], &shift2 = mod[3], &scale2 = mod[4], &gate2 = mod[5];
-  auto h = x + gate1.unsqueeze(1) * self_attention(modulate(norm1(x), shift1, scale1), ctx.grid);
+  auto h = x + gate1.unsqueeze(1) * self_attention(modulate(norm1(x), shift1, scale1), ctx);
   h = h + cross_attn(norm2(h), ctx.text, ctx.text_mask);
   return h + gate2.unsqueeze(1) * mlp(modulate(norm3(h), shift2, scale2));
 }
@@ -223,7 +234,7 @@ TokenGrid DiTImpl::token_grid(int64_t frames, int64_t height, int64_t width) con
 }
 
 Embedded DiTImpl::embed(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text,
-                        const torch::Tensor& text_mask) {
+                        const torch::Tensor& text_mask, ops::FrameExchange* context_group) {
   TORCH_CHECK(x.dim() == 5 && x.size(1) == options.in_channels(), "DiT: expected x [B, ", options.in_channels(),
               ", T, H, W], got ", x.sizes());
   TORCH_CHECK(timesteps.dim() == 1 && timesteps.size(0) == x.size(0),
@@ -232,12 +243,17 @@ Embedded DiTImpl::embed(const torch::Tensor& x, const torch::Tensor& timesteps, 
               "DiT: expected text [B, L, ", options.text_dim(), "] with B = ", x.size(0), ", got ", text.sizes());
   const auto grid = token_grid(x.size(2), x.size(3), x.size(4));
   Embedded e;
-  e.tokens = patch_embed(x).flatten(2).transpose(1, 2);  // [B, N, D]
+  e.ctx.grid = grid;
+  if (context_group != nullptr) e.ctx.cp = {context_group, ops::FrameSplit::balanced(grid.t, context_group->size())};
+  const int64_t pt = options.patch()[0], frame_tokens = grid.h * grid.w;
+  const auto mine = e.ctx.cp.active() ? x.narrow(2, e.ctx.cp.begin() * pt, e.ctx.cp.frames(grid.t) * pt) : x;
+  e.tokens = patch_embed(mine).flatten(2).transpose(1, 2);  // [B, N, D] (this rank's frames)
   if (options.arch() != Architecture::kMegaSlide) {
-    e.tokens = e.tokens + sincos_position_table(grid, options.hidden(), e.tokens.device(), e.tokens.scalar_type());
+    const auto table = sincos_position_table(grid, options.hidden(), e.tokens.device(), e.tokens.scalar_type());
+    e.tokens =
+        e.tokens + (e.ctx.cp.active() ? table.narrow(0, e.ctx.cp.begin() * frame_tokens, e.tokens.size(1)) : table);
   }
   e.t_emb = t_embedder(timesteps);
-  e.ctx.grid = grid;
   e.ctx.t_mod = t_mod(torch::silu(e.t_emb));
   e.ctx.text = text;
   e.ctx.text_mask = text_mask;

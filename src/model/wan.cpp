@@ -159,35 +159,52 @@ std::pair<torch::Tensor, torch::Tensor> WanAttentionImpl::normed_qk(const torch:
   return {norm_q(q), norm_k(k)};
 }
 
-torch::Tensor WanAttentionImpl::dsa_offsets(const torch::Tensor& x, const TokenGrid& grid) {
+torch::Tensor WanAttentionImpl::dsa_offsets(const torch::Tensor& x, const TokenGrid& grid,
+                                            const ops::ContextShard& cp) {
   const int64_t B = x.size(0), D = options.dim(), G = options.dsa_groups();
   const auto& kernel = options.dsa_kernel();
   const int64_t K = kernel[0] * kernel[1] * kernel[2];
+  const TokenGrid local{cp.frames(grid.t), grid.h, grid.w};  // the whole grid without a group
   if (options.dsa_offsets() == DsaOffsets::kZero) {
     const auto eff = ops::effective_kernel(kernel, grid.dims());
-    return torch::zeros({B, grid.t, grid.h, grid.w, G, eff[0] * eff[1] * eff[2], 3}, x.options());
+    return torch::zeros({B, local.t, grid.h, grid.w, G, eff[0] * eff[1] * eff[2], 3}, x.options());
   }
-  auto volume = x.view({B, grid.t, grid.h, grid.w, D}).permute({0, 4, 1, 2, 3});
-  auto o = offset_pw(torch::gelu(offset_dw(volume)).permute({0, 2, 3, 4, 1}));
-  o = kernel_window(o.view({B, grid.t, grid.h, grid.w, G, K, 3}), 5, kernel, grid);
+  auto tokens = x.view({B, local.t, grid.h, grid.w, D});
+  int64_t before = 0;  // the depthwise 3×3×3 convolution reaches one frame each way
+  if (cp.active()) std::tie(tokens, before) = ops::gather_frame_halo(tokens, 1, 1, cp.split, *cp.group);
+  auto hidden = torch::gelu(offset_dw(tokens.permute({0, 4, 1, 2, 3}))).permute({0, 2, 3, 4, 1});
+  if (cp.active()) hidden = hidden.narrow(1, before, local.t);
+  auto o = offset_pw(hidden);
+  o = kernel_window(o.view({B, local.t, grid.h, grid.w, G, K, 3}), 5, kernel, grid);
   const auto& r = options.dsa_offset_range();
   auto t = torch::tanh(o);
   return torch::stack({t.select(-1, 0) * r[0], t.select(-1, 1) * r[1], t.select(-1, 2) * r[2]}, -1);
 }
 
-torch::Tensor WanAttentionImpl::forward_self(const torch::Tensor& x, const TokenGrid& grid, const WanRope& rope) {
+torch::Tensor WanAttentionImpl::forward_self(const torch::Tensor& x, const TokenGrid& grid, const WanRope& rope,
+                                             const ops::ContextShard& cp) {
   const int64_t B = x.size(0), N = x.size(1), D = options.dim(), M = options.heads();
-  TORCH_CHECK(N == grid.numel(), "Wan self-attention: ", N, " tokens but the grid has ", grid.numel());
+  const TokenGrid local{cp.frames(grid.t), grid.h, grid.w};  // the whole grid without a group
+  TORCH_CHECK(!cp.active() || cp.split.frames == grid.t, "Wan self-attention: the split is of ", cp.split.frames,
+              " frames, the grid has ", grid.t);
+  TORCH_CHECK(N == local.numel(), "Wan self-attention: ", N, " tokens but ",
+              cp.active() ? "this rank's frames of " : "", "the grid ha", cp.active() ? "ve " : "s ", local.numel());
   auto [q, k] = normed_qk(to_q(x), to_k(x));
   auto v = to_v(x).unflatten(2, {M, D / M});
   q = apply_wan_rope(q.unflatten(2, {M, D / M}), rope);
   k = apply_wan_rope(k.unflatten(2, {M, D / M}), rope);
   torch::Tensor o;
   if (options.self_attention() == WanSelfAttention::kDsa3d) {
-    auto on_grid = [&](const torch::Tensor& t) { return t.reshape({B, grid.t, grid.h, grid.w, M, D / M}); };
+    auto on_grid = [&](const torch::Tensor& t) { return t.reshape({B, local.t, grid.h, grid.w, M, D / M}); };
     auto bias = kernel_window(rel_bias, 1, options.dsa_kernel(), grid).to(q.scalar_type());
-    o = ops::dsa3d(on_grid(q), on_grid(k), on_grid(v), dsa_offsets(x, grid).to(q.scalar_type()), bias,
-                   options.dsa_kernel(), options.dsa_impl())
+    const auto offsets = dsa_offsets(x, grid, cp).to(q.scalar_type());
+    o = (cp.active()
+             ? ops::dsa3d_context_parallel(on_grid(q), on_grid(k), on_grid(v), offsets, bias, options.dsa_kernel(),
+                                           cp.split, *cp.group, options.dsa_impl())
+             : ops::dsa3d(on_grid(q), on_grid(k), on_grid(v), offsets, bias, options.dsa_kernel(), options.dsa_impl()))
+            .reshape({B, N, D});
+  } else if (cp.active()) {
+    o = ops::ulysses_attention(q.contiguous(), k.contiguous(), v.contiguous(), cp.split, grid.h * grid.w, *cp.group)
             .reshape({B, N, D});
   } else {
     o = at::scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
@@ -288,7 +305,7 @@ torch::Tensor WanBlockImpl::forward(const torch::Tensor& x, const WanBlockContex
   }
   const double eps = options.eps();
   auto h = (fp32_layer_norm(x, D, eps) * (1 + mod[1]) + mod[0]).to(dtype);
-  auto y = (x.to(torch::kFloat32) + attn1->forward_self(h, ctx.grid, ctx.rope) * mod[2]).to(dtype);
+  auto y = (x.to(torch::kFloat32) + attn1->forward_self(h, ctx.grid, ctx.rope, ctx.cp) * mod[2]).to(dtype);
   h = options.cross_attn_norm() ? fp32_layer_norm(y, D, eps, norm2_weight, norm2_bias).to(dtype) : y;
   y = y + attn2->forward_cross(h, ctx.context.to(dtype), ctx.image_tokens);
   h = (fp32_layer_norm(y, D, eps) * (1 + mod[4]) + mod[3]).to(dtype);
@@ -427,7 +444,7 @@ TokenGrid WanTransformerImpl::token_grid(int64_t frames, int64_t height, int64_t
 }
 
 WanEmbedded WanTransformerImpl::embed(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text,
-                                      const torch::Tensor& image) {
+                                      const torch::Tensor& image, ops::FrameExchange* context_group) {
   TORCH_CHECK(x.dim() == 5 && x.size(1) == options.in_channels(), "WanTransformer: expected latents [B, ",
               options.in_channels(), ", T, H, W], got ", x.sizes());
   const auto& p = options.patch();
@@ -441,10 +458,19 @@ WanEmbedded WanTransformerImpl::embed(const torch::Tensor& x, const torch::Tenso
   WanEmbedded e;
   e.ctx.grid = token_grid(x.size(2), x.size(3), x.size(4));
   e.ctx.rope = wan_rope(e.ctx.grid, options.head_dim(), options.rope_theta(), x.device());
-  e.tokens = patch_embedding(x).flatten(2).transpose(1, 2).contiguous();
+  auto mine = x, steps = timesteps;
+  if (context_group != nullptr) {  // this rank's frames, their rows of the whole grid's positions and timesteps
+    e.ctx.cp = {context_group, ops::FrameSplit::balanced(e.ctx.grid.t, context_group->size())};
+    const int64_t frame_tokens = e.ctx.grid.h * e.ctx.grid.w;
+    const int64_t first = e.ctx.cp.begin() * frame_tokens, count = e.ctx.cp.frames(e.ctx.grid.t) * frame_tokens;
+    mine = x.narrow(2, e.ctx.cp.begin() * p[0], e.ctx.cp.frames(e.ctx.grid.t) * p[0]);
+    e.ctx.rope = {e.ctx.rope.cos.narrow(0, first, count), e.ctx.rope.sin.narrow(0, first, count)};
+    if (per_token) steps = timesteps.narrow(1, first, count);
+  }
+  e.tokens = patch_embedding(mine).flatten(2).transpose(1, 2).contiguous();
   auto& ce = *condition_embedder;
-  e.temb = ce.time_embedder(wan_timestep_features(timesteps.flatten(), options.freq_dim()).to(x.device()));
-  if (per_token) e.temb = e.temb.unflatten(0, {x.size(0), tokens});
+  e.temb = ce.time_embedder(wan_timestep_features(steps.flatten(), options.freq_dim()).to(x.device()));
+  if (per_token) e.temb = e.temb.unflatten(0, {x.size(0), steps.size(1)});
   e.ctx.tproj = ce.time_proj(torch::silu(e.temb)).unflatten(per_token ? 2 : 1, {6, options.dim()});
   e.ctx.context = ce.text_embedder(text);
   TORCH_CHECK(image.defined() == (options.image_dim() > 0),

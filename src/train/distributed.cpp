@@ -466,6 +466,33 @@ void Communicator::exchange(const std::vector<std::pair<int64_t, at::Tensor>>& s
   }
 }
 
+CommunicatorFrames::CommunicatorFrames(Communicator& communicator, int64_t first, int64_t size)
+    : communicator_(communicator), first_(first), size_(size < 0 ? communicator.world_size() : size) {
+  TORCH_CHECK(first_ >= 0 && size_ >= 1 && first_ + size_ <= communicator.world_size() && rank() >= 0 && rank() < size_,
+              "CommunicatorFrames: ranks [", first_, ", ", first_ + size_, ") of ", communicator.world_size(),
+              " do not hold rank ", communicator.rank());
+}
+
+void CommunicatorFrames::exchange(const std::vector<std::pair<int64_t, at::Tensor>>& sends,
+                                  const std::vector<std::pair<int64_t, at::Tensor>>& recvs) {
+  if (first_ == 0) return communicator_.exchange(sends, recvs);
+  auto shifted = [&](const std::vector<std::pair<int64_t, at::Tensor>>& list) {
+    auto out = list;
+    for (auto& [peer, tensor] : out) peer += first_;
+    return out;
+  };
+  communicator_.exchange(shifted(sends), shifted(recvs));
+}
+
+void check_context_parallel(const DistributedConfig& config, int64_t world_size, const std::string& source) {
+  const int64_t n = config.context_parallel;
+  if (n > 1 && world_size % n != 0)
+    throw ConfigError(source, "distributed.context_parallel",
+                      fmt::format("{} does not divide the {} ranks of this run (groups of {} ranks share each sample; "
+                                  "data parallelism runs over the world size / {} groups)",
+                                  n, world_size, n, n));
+}
+
 double CommunicatorFrames::max(double value) {
   std::vector<at::Tensor> t{at::full({1}, value, at::kDouble)};
   communicator_.all_reduce_max(t);

@@ -20,7 +20,11 @@ namespace {
 class DiTModel final : public FamilyModel {
  public:
   explicit DiTModel(const ModelRequest& request)
-      : config_(*request.config), device_(request.device), streamed_(request.streamed), batches_(config_) {
+      : config_(*request.config),
+        device_(request.device),
+        streamed_(request.streamed),
+        context_group_(request.context_group),
+        batches_(config_) {
     // The same seed and construction order in both modes: the streamed DiT's blocks are a meta skeleton
     // whose weights DiTStack::initial_block builds one at a time into the host store (a block's weights
     // depend only on the DiT's init seed and its index, model/dit.h).
@@ -75,25 +79,34 @@ class DiTModel final : public FamilyModel {
     stats.data_wait_s += b.data_wait_s;
     stats.tokens += dit_->token_grid(b.xt.size(2), b.xt.size(3), b.xt.size(4)).numel();
     const auto text = b.text.defined() ? b.text : text_encoder_(b.text_ids);
-    return diffusion_loss(dit_(b.xt, b.timesteps, text, b.text_mask), b.target);
+    if (context_group_ == nullptr) return diffusion_loss(dit_(b.xt, b.timesteps, text, b.text_mask), b.target);
+    auto e = dit_->embed(b.xt, b.timesteps, text, b.text_mask, context_group_);  // this rank's frames
+    auto h = e.tokens;
+    for (const auto& block : *dit_->blocks) h = block->as<DiTBlockImpl>()->forward(h, e.ctx);
+    return context_parallel_loss(dit_->head(h, e.t_emb, e.ctx.local_grid()), b.target, {},
+                                 e.ctx.cp.begin() * config_.model.patch[0], e.ctx.cp.split.ranks);
   }
   offload::StackInput prologue(MicroBatchStats& stats) override {
     const auto b = batches_.next(device_);
     stats.data_wait_s += b.data_wait_s;
     target_ = b.target;
     const auto text = b.text.defined() ? b.text : text_encoder_(b.text_ids);
-    auto e = dit_->embed(b.xt, b.timesteps, text, b.text_mask);
+    auto e = dit_->embed(b.xt, b.timesteps, text, b.text_mask, context_group_);
     t_emb_ = e.t_emb;
-    last_grid_ = e.ctx.grid;
-    stats.tokens += last_grid_.numel();
+    last_cp_ = e.ctx.cp;
+    last_grid_ = e.ctx.local_grid();
+    stats.tokens += e.ctx.grid.numel();
     offload::StackInput in;
     in.hidden = e.tokens;
     in.inputs.tensors = {e.ctx.t_mod, e.ctx.text, e.ctx.text_mask};
-    in.inputs.info = e.ctx.grid;
+    in.inputs.info = DiTStackInfo{e.ctx.grid, e.ctx.cp};
     return in;
   }
   at::Tensor epilogue(const at::Tensor& last_hidden) override {
-    return diffusion_loss(dit_->head(last_hidden, t_emb_, last_grid_), target_);
+    const auto prediction = dit_->head(last_hidden, t_emb_, last_grid_);
+    if (!last_cp_.active()) return diffusion_loss(prediction, target_);
+    return context_parallel_loss(prediction, target_, {}, last_cp_.begin() * config_.model.patch[0],
+                                 last_cp_.split.ranks);
   }
 
   std::string data_state() const override { return batches_.state(); }
@@ -167,7 +180,8 @@ class DiTModel final : public FamilyModel {
   const RunConfig config_;
   const torch::Device device_;
   const bool streamed_;
-  DiffusionBatchSource batches_;  // the model's own random streams, not LibTorch's global one
+  ops::FrameExchange* const context_group_;  // context parallelism, else null
+  DiffusionBatchSource batches_;             // the model's own random streams, not LibTorch's global one
   DiT dit_{nullptr};
   TextEncoder text_encoder_{nullptr};
   std::shared_ptr<DiTStack> stack_;  // streamed mode
@@ -178,7 +192,8 @@ class DiTModel final : public FamilyModel {
   TextEncoder snapshot_text_{nullptr};
   // The micro-batch between prologue and epilogue.
   torch::Tensor target_, t_emb_;
-  TokenGrid last_grid_;
+  TokenGrid last_grid_;  // this rank's frames' grid
+  ops::ContextShard last_cp_;
 };
 
 class DiTFamily final : public ModelFamily {

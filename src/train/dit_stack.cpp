@@ -8,7 +8,9 @@ namespace megaslide {
 torch::Tensor DiTStack::forward_block(int64_t index, const torch::Tensor& x, const offload::BlockInputs& inputs) {
   TORCH_CHECK(inputs.tensors.size() == 3, "DiTStack: expected block inputs {t_mod, text, text_mask}");
   BlockContext ctx;
-  ctx.grid = std::any_cast<TokenGrid>(inputs.info);
+  const auto& info = std::any_cast<const DiTStackInfo&>(inputs.info);
+  ctx.grid = info.grid;
+  ctx.cp = info.cp;
   ctx.t_mod = inputs.tensors[0];
   ctx.text = inputs.tensors[1];
   ctx.text_mask = inputs.tensors[2];

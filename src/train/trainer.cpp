@@ -87,6 +87,23 @@ bool init_from_holds_adapters(const std::string& path) {
 
 }  // namespace
 
+at::Tensor context_parallel_loss(const at::Tensor& prediction, const at::Tensor& target, const at::Tensor& loss_mask,
+                                 int64_t first_frame, int64_t ranks) {
+  const int64_t frames = prediction.size(2);
+  TORCH_CHECK(prediction.dim() == 5 && target.dim() == 5 && first_frame >= 0 && first_frame + frames <= target.size(2),
+              "context_parallel_loss: frames [", first_frame, ", ", first_frame + frames, ") of a target ",
+              target.sizes());
+  const auto mine = target.narrow(2, first_frame, frames).to(at::kFloat);
+  const auto squared = (prediction.to(at::kFloat) - mine).square();
+  if (!loss_mask.defined())  // the mean squared error's share: this rank's sum over the whole video's count
+    return squared.sum() * (static_cast<double>(ranks) / static_cast<double>(target.numel()));
+  // wan_training_loss's: each sample's kept elements of this rank over the sample's whole count.
+  const auto weights = loss_mask.to(at::kFloat);
+  const auto count = weights.expand_as(target).flatten(1).sum(1);  // [B]
+  const auto part = (squared * weights.narrow(2, first_frame, frames)).flatten(1).sum(1);
+  return (part / count).mean() * static_cast<double>(ranks);
+}
+
 double learning_rate(const TrainConfig& t, int64_t step) {
   if (t.warmup_steps > 0 && step < t.warmup_steps)
     return t.lr * static_cast<double>(step + 1) / static_cast<double>(t.warmup_steps);
@@ -128,6 +145,27 @@ Trainer::Trainer(const TrainerRequest& request)
   m.device = device_;
   m.streamed = config_.offload.enabled;
   m.validation = request.validation;
+  const int64_t world = communicator_ != nullptr ? communicator_->world_size() : 1;
+  const int64_t cp = config_.distributed.context_parallel;
+  check_context_parallel(config_.distributed, world, request.source);
+  if (cp > 1) {
+    const bool wan = config_.model.arch == Architecture::kWan;
+    const bool dense = wan ? config_.model.self_attention != "dsa3d" : config_.model.arch == Architecture::kDense3D;
+    const int64_t heads = wan ? config_.model.wan.heads : config_.model.heads;
+    if (dense && heads % cp != 0)
+      throw ConfigError(request.source, "distributed.context_parallel",
+                        fmt::format("{} does not divide the model's {} attention heads: dense attention over a "
+                                    "context-parallel group (Ulysses) gives each rank heads / {}",
+                                    cp, heads, cp));
+    const auto shape = model_sample_shape(model_family(config_.model.arch).sample_config(config_));
+    const int64_t frames = shape[1] / (wan ? config_.model.wan.patch[0] : config_.model.patch[0]);
+    if (frames < cp)
+      throw ConfigError(
+          request.source, "distributed.context_parallel",
+          fmt::format("{} ranks cannot share a sample of {} token frames (each rank needs one)", cp, frames));
+    context_group_ = std::make_unique<CommunicatorFrames>(*communicator_, communicator_->rank() / cp * cp, cp);
+    m.context_group = context_group_.get();
+  }
   if (request.init_from)
     m.init_from = [this](const ParameterShapes& shapes, const std::vector<std::string>& may_stay_initial) {
       auto allow = config_.train.init_allow_missing;
@@ -149,7 +187,7 @@ Trainer::Trainer(const TrainerRequest& request)
   part_steps_.assign(parts_.size(), 0);
 
   const bool shard = communicator_ != nullptr && communicator_->world_size() > 1;
-  if (shard) model_->take_slice(communicator_->rank(), communicator_->world_size());
+  if (shard && world / cp > 1) model_->take_slice(communicator_->rank() / cp, world / cp);
   if (config_.offload.enabled) {
     auto options = engine_options(config_, device_);
     if (shard) options.exchange = communicator_->shard_exchange();  // collective

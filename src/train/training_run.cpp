@@ -171,11 +171,15 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
               "is int8, whose moments cannot be sharded over the {} ranks launched (their quantisation groups start "
               "at each parameter's first element): use fp32 or bf16 (docs/distributed.md)",
               launch.world_size));
-    if (requested.train.batch_size % launch.world_size != 0)
-      throw ConfigError(
-          options.config_source, "train.batch_size",
-          fmt::format("is {}, the global batch, which must split evenly over the {} ranks: set a multiple of {}",
-                      requested.train.batch_size, launch.world_size, launch.world_size));
+    check_context_parallel(requested.distributed, launch.world_size, options.config_source);
+    // Data parallelism runs over the groups of distributed.context_parallel ranks (each group shares its slice).
+    const int64_t slices = launch.world_size / requested.distributed.context_parallel;
+    if (requested.train.batch_size % slices != 0)
+      throw ConfigError(options.config_source, "train.batch_size",
+                        fmt::format("is {}, the global batch, which must split evenly over the {} {}: set a multiple "
+                                    "of {}",
+                                    requested.train.batch_size, slices,
+                                    slices == launch.world_size ? "ranks" : "data-parallel groups of ranks", slices));
   }
   // `auto` settings resolved once: config.yaml, the log and checkpoints carry the resolved values, and a
   // resume compares them with the checkpoint's.
@@ -328,12 +332,21 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     }
   }
   log.info(build_summary());
-  if (communicator)
+  const int64_t cp = config.distributed.context_parallel;
+  if (communicator && cp == 1)
     log.info(fmt::format(
         "rank {}: data parallel: {} ranks ({} backend, launched by {}, rendezvous {}:{}), {} items of each global "
         "batch of {} per rank",
         launch.rank, communicator->world_size(), communicator->backend(), launch.launcher, launch.master_addr,
         launch.master_port, train.batch_size / communicator->world_size(), train.batch_size));
+  else if (communicator)
+    log.info(fmt::format(
+        "rank {}: context parallel: {} ranks in groups of {} ({} backend, launched by {}, rendezvous {}:{}); each "
+        "group's {} items of each global batch of {} shared by its ranks, every sample's frames split among them "
+        "(data parallel over {} groups)",
+        launch.rank, communicator->world_size(), cp, communicator->backend(), launch.launcher, launch.master_addr,
+        launch.master_port, train.batch_size / (communicator->world_size() / cp), train.batch_size,
+        communicator->world_size() / cp));
   log.info(fmt::format("config {} -> run dir {}", options.config_source, run_dir));
   log.info(
       fmt::format("model {} ({} {}), {} tokens per sample, device {}, {} steps", to_string(config.model.arch),

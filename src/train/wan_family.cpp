@@ -186,6 +186,7 @@ class WanModel final : public FamilyModel {
       experts_[0].weights = w.weights.empty() ? std::string() : wan_trained_weights(w);
       experts_[0].weights_key = &wan_trained_weights(w) == &w.weights ? "model.wan.weights" : "model.wan.weights_2";
     }
+    for (auto& e : experts_) e.split.group = request.context_group;
     build(request.init_from, source);
   }
 
@@ -224,10 +225,7 @@ class WanModel final : public FamilyModel {
     }
   }
 
-  at::Tensor loss(MicroBatchStats& stats) override {
-    const auto b = next_batch(stats);
-    return wan_training_loss(model()->forward(b.input(), b.timesteps, b.text, b.image), b.target, b.loss_mask);
-  }
+  at::Tensor loss(MicroBatchStats& stats) override { return experts_[active_].split.loss(next_batch(stats)); }
   offload::StackInput prologue(MicroBatchStats& stats) override {
     return experts_[active_].split.prologue(next_batch(stats));
   }

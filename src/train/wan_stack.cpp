@@ -14,6 +14,7 @@
 #include "megaslide/data/latent_cache.h"
 #include "megaslide/io/safetensors.h"
 #include "megaslide/train/distributed.h"
+#include "megaslide/train/model_family.h"
 
 namespace megaslide {
 
@@ -22,6 +23,7 @@ namespace {
 // What every streamed block reads besides its input and the shared tensors.
 struct WanStackInfo {
   TokenGrid grid;
+  ops::ContextShard cp;
   WanRope rope;
   int64_t image_tokens = 0;  // the context's first tokens that are the image's (Wan2.1 I2V)
 };
@@ -324,6 +326,7 @@ torch::Tensor WanStack::forward_block(int64_t index, const torch::Tensor& x, con
   const auto& info = std::any_cast<const WanStackInfo&>(inputs.info);
   WanBlockContext ctx;
   ctx.grid = info.grid;
+  ctx.cp = info.cp;
   ctx.rope = info.rope;
   ctx.tproj = inputs.tensors[0];
   ctx.context = inputs.tensors[1];
@@ -414,19 +417,32 @@ torch::Tensor wan_training_loss(const torch::Tensor& prediction, const torch::Te
 offload::StackInput WanStackSplit::prologue(const WanBatch& b) {
   target = b.target;
   loss_mask = b.loss_mask;
-  auto e = model->embed(b.input(), b.timesteps, b.text, b.image);
+  auto e = model->embed(b.input(), b.timesteps, b.text, b.image, group);
   temb = e.temb;
-  grid = e.ctx.grid;
+  grid = e.ctx.local_grid();
+  cp = e.ctx.cp;
   offload::StackInput in;
   in.hidden = e.tokens;
   in.inputs.tensors = {e.ctx.tproj, e.ctx.context};
-  in.inputs.info =
-      WanStackInfo{e.ctx.grid, e.ctx.rope, e.ctx.image_tokens};  // fp32 RoPE tables: not cast to the compute dtype
+  in.inputs.info = WanStackInfo{e.ctx.grid, e.ctx.cp, e.ctx.rope,
+                                e.ctx.image_tokens};  // fp32 RoPE tables: not cast to the compute dtype
   return in;
 }
 
 torch::Tensor WanStackSplit::epilogue(const torch::Tensor& last_hidden) {
-  return wan_training_loss(model->head(last_hidden, temb, grid), target, loss_mask);
+  const auto prediction = model->head(last_hidden, temb, grid);
+  if (!cp.active()) return wan_training_loss(prediction, target, loss_mask);
+  return context_parallel_loss(prediction, target, loss_mask, cp.begin() * model->options.patch()[0], cp.split.ranks);
+}
+
+torch::Tensor WanStackSplit::loss(const WanBatch& b) {
+  if (group == nullptr)
+    return wan_training_loss(model->forward(b.input(), b.timesteps, b.text, b.image), b.target, b.loss_mask);
+  auto e = model->embed(b.input(), b.timesteps, b.text, b.image, group);
+  auto h = e.tokens;
+  for (const auto& block : *model->blocks) h = block->as<WanBlockImpl>()->forward(h, e.ctx);
+  return context_parallel_loss(model->head(h, e.temb, e.ctx.local_grid()), b.target, b.loss_mask,
+                               e.ctx.cp.begin() * model->options.patch()[0], e.ctx.cp.split.ranks);
 }
 
 offload::StackStepResult wan_streamed_step(offload::StreamedStackTrainer& engine, WanTransformer& model,

@@ -32,6 +32,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -64,6 +65,18 @@ struct FrameSplit {
   int64_t size(int64_t r) const { return end(r) - begin(r); }
 };
 
+// A rank's place in a context-parallel group for one sample's token grid: the group and how its frames are split.
+// What a model's blocks read to run their attention over the group; inactive (no group) for one rank.
+struct ContextShard {
+  FrameExchange* group = nullptr;  // null: no context parallelism
+  FrameSplit split;                // the whole grid's token frames over the group
+  bool active() const { return group != nullptr; }
+  int64_t rank() const { return group != nullptr ? group->rank() : 0; }
+  int64_t begin() const { return group != nullptr ? split.begin(rank()) : 0; }             // this rank's first frame
+  // This rank's frames of a grid of `whole` frames (all of them without a group).
+  int64_t frames(int64_t whole) const { return group != nullptr ? split.size(rank()) : whole; }
+};
+
 // The frames [g0, g1) rank r computes on (its own and its halo), for the kernel's temporal size kt and the
 // largest |temporal offset| `reach` (see above).
 std::pair<int64_t, int64_t> context_slab(const FrameSplit& split, int64_t r, int64_t kt, double reach);
@@ -80,6 +93,12 @@ at::Tensor dsa3d_context_parallel(const at::Tensor& q, const at::Tensor& k, cons
 // from the ranks that hold them (fewer at the grid's ends): returns the extended tensor and the number of frames
 // before this rank's own in it. Differentiable: the halo's gradient goes back to its owners. Collective.
 std::pair<at::Tensor, int64_t> gather_frame_halo(const at::Tensor& x, int64_t below, int64_t above,
+                                                 const FrameSplit& split, FrameExchange& group);
+
+// The general form: rank p's extended frames are slab_of(p) = [g0, g1) ⊇ its own (the same function on every
+// rank); returns this rank's frames [g0, g1) and g0's distance to its first own frame. Collective.
+std::pair<at::Tensor, int64_t> gather_frame_slab(const at::Tensor& x,
+                                                 const std::function<std::pair<int64_t, int64_t>(int64_t)>& slab_of,
                                                  const FrameSplit& split, FrameExchange& group);
 
 // Dense attention over the group (DeepSpeed-Ulysses; docs/distributed.md, "Context parallelism"): q, k, v

@@ -295,6 +295,10 @@ struct DistributedConfig {
   std::string backend = "auto";  // auto (nccl on GPUs, gloo on the CPU) | nccl | gloo
   double timeout_s = 300.0;      // rendezvous and every collective; a rank gone for this long stops the others
   bool rank_logs = false;        // ranks other than 0 also write RUN_DIR/logs/rank-N.log
+  // Context parallelism: groups of this many consecutive ranks share each sample, its frames split among them
+  // (attention over the group: Ulysses for dense attention, a halo exchange for 3D-DSA); data parallelism over
+  // the world size / context_parallel groups. Must divide the world size. 1: none.
+  int64_t context_parallel = 1;
 };
 
 struct RunConfig {

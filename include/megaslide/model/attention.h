@@ -10,6 +10,7 @@
 
 #include <array>
 
+#include "megaslide/attention/context_parallel.h"
 #include "megaslide/model/layers.h"
 
 namespace megaslide {
@@ -43,6 +44,12 @@ class GlobalSelfAttentionImpl : public torch::nn::Cloneable<GlobalSelfAttentionI
   explicit GlobalSelfAttentionImpl(SelfAttentionOptions options);
   void reset() override;
   torch::Tensor forward(const torch::Tensor& x, const TokenGrid& grid);
+  // Over a context-parallel group (attention/context_parallel.h): `x` [B, T_r·h·w, D] holds the tokens of this rank's
+  // frames of the whole `grid` (T = split.frames); returns their rows of forward(whole x, grid) through Ulysses'
+  // all-to-all (ops::ulysses_attention: heads divisible by the group's size). Always the fused attention
+  // (materialize_scores asks for the ablation of one rank). Collective.
+  torch::Tensor forward_context_parallel(const torch::Tensor& x, const TokenGrid& grid, const ops::FrameSplit& split,
+                                         ops::FrameExchange& group);
 
   SelfAttentionOptions options;
   Linear qkv{nullptr}, proj{nullptr};
@@ -78,9 +85,21 @@ class ShiftedWindowAttention3DImpl : public torch::nn::Cloneable<ShiftedWindowAt
   explicit ShiftedWindowAttention3DImpl(WindowAttentionOptions options);
   void reset() override;
   torch::Tensor forward(const torch::Tensor& x, const TokenGrid& grid);
+  // Over a context-parallel group (as GlobalSelfAttention's): the whole grid's windows along time, with the shift's
+  // roll and mask, are the groups of frames [0, s), [s + k·w, s + (k+1)·w) ∩ [0, T) that attend among themselves
+  // (w, s the time axis' window and shift of window_layout; s = 0 unshifted). Each rank takes from its neighbours
+  // the frames of the groups its own frames fall in (ops::gather_frame_slab: at most w − 1 each way), attends within
+  // each group (the rolled frames of the wrapped window are group [0, s) on the first rank) and keeps its own rows.
+  // Exactly forward()'s rows; the halo's gradients go back to their owners. Collective.
+  torch::Tensor forward_context_parallel(const torch::Tensor& x, const TokenGrid& grid, const ops::FrameSplit& split,
+                                         ops::FrameExchange& group);
 
   WindowAttentionOptions options;
   Linear qkv{nullptr}, proj{nullptr};
+
+ private:
+  // x [B, grid.numel(), D] through the windows of layout `l` of `grid`.
+  torch::Tensor attend(const torch::Tensor& x, const TokenGrid& grid, const WindowLayout& l);
 };
 TORCH_MODULE(ShiftedWindowAttention3D);
 

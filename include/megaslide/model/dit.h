@@ -99,12 +99,15 @@ class MlpImpl : public torch::nn::Cloneable<MlpImpl> {
 };
 TORCH_MODULE(Mlp);
 
-// What every block needs besides its input: the grid, the shared timestep modulation and the text.
+// What every block needs besides its input: the grid, the shared timestep modulation and the text; over a
+// context-parallel group, which of the grid's frames this rank's tokens are.
 struct BlockContext {
-  TokenGrid grid;
-  torch::Tensor t_mod;      // [B, 6D]
-  torch::Tensor text;       // [B, L, text_dim]
-  torch::Tensor text_mask;  // [B, L] bool or undefined
+  TokenGrid grid;        // the whole sample's
+  ops::ContextShard cp;  // active: the tokens are this rank's frames of `grid` (attention/context_parallel.h)
+  TokenGrid local_grid() const { return TokenGrid{cp.frames(grid.t), grid.h, grid.w}; }  // this rank's tokens
+  torch::Tensor t_mod;                                                             // [B, 6D]
+  torch::Tensor text;                                                              // [B, L, text_dim]
+  torch::Tensor text_mask;                                                         // [B, L] bool or undefined
 };
 
 class DiTBlockImpl : public torch::nn::Cloneable<DiTBlockImpl> {
@@ -125,7 +128,7 @@ class DiTBlockImpl : public torch::nn::Cloneable<DiTBlockImpl> {
   torch::Tensor modulation;  // [6, D], zero init
 
  private:
-  torch::Tensor self_attention(const torch::Tensor& x, const TokenGrid& grid);
+  torch::Tensor self_attention(const torch::Tensor& x, const BlockContext& ctx);
 };
 TORCH_MODULE(DiTBlock);
 
@@ -146,8 +149,11 @@ class DiTImpl : public torch::nn::Cloneable<DiTImpl> {
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text,
                         const torch::Tensor& text_mask = {});
 
+  // With `context_group` (context parallelism, attention/context_parallel.h): the tokens of this rank's frames of
+  // FrameSplit::balanced(grid.t, group size) only, with their rows of the whole grid's positions, and ctx.cp set;
+  // every block then attends over the group and head(tokens, t_emb, ctx.local_grid()) gives this rank's frames.
   Embedded embed(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text,
-                 const torch::Tensor& text_mask = {});
+                 const torch::Tensor& text_mask = {}, ops::FrameExchange* context_group = nullptr);
   // tokens [B, N, D] -> ε [B, C, T, H, W] for the video grid `grid`.
   torch::Tensor head(const torch::Tensor& tokens, const torch::Tensor& t_emb, const TokenGrid& grid);
 

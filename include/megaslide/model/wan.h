@@ -132,10 +132,14 @@ class WanAttentionImpl : public torch::nn::Cloneable<WanAttentionImpl> {
   void reset() override;
   // Self-attention: x [B, N, D] on `grid`, `rope` for q and k. Cross-attention: context [B, L, D], whose first
   // `image_tokens` are the image's (image_dim > 0: through add_k_proj and add_v_proj).
-  torch::Tensor forward_self(const torch::Tensor& x, const TokenGrid& grid, const WanRope& rope);
+  // Over a context-parallel group (cp active): x and `rope` are this rank's frames' tokens of the whole `grid`;
+  // dense attention through Ulysses' all-to-all (heads divisible by the group's size), 3D-DSA through its halo
+  // exchange (the offset network's convolution takes a one-frame halo): this rank's rows of the one-rank result.
+  torch::Tensor forward_self(const torch::Tensor& x, const TokenGrid& grid, const WanRope& rope,
+                             const ops::ContextShard& cp = {});
   torch::Tensor forward_cross(const torch::Tensor& x, const torch::Tensor& context, int64_t image_tokens = 0);
   // 3D-DSA's offsets Δ [B, T, H, W, G, K_eff, 3] for attn1's input x (zeros for kZero).
-  torch::Tensor dsa_offsets(const torch::Tensor& x, const TokenGrid& grid);
+  torch::Tensor dsa_offsets(const torch::Tensor& x, const TokenGrid& grid, const ops::ContextShard& cp = {});
 
   WanOptions options;
   bool is_self;
@@ -171,7 +175,9 @@ TORCH_MODULE(WanFeedForward);
 
 // What every block reads besides its input.
 struct WanBlockContext {
-  TokenGrid grid;
+  TokenGrid grid;        // the whole sample's
+  ops::ContextShard cp;  // active: the tokens (and rope's rows, tproj's per token) are this rank's frames of grid
+  TokenGrid local_grid() const { return TokenGrid{cp.frames(grid.t), grid.h, grid.w}; }
   WanRope rope;
   torch::Tensor tproj;       // [B, 6, D], or [B, N, 6, D] per token (any floating dtype; added to the table in fp32)
   torch::Tensor context;     // [B, L, D]: the image's tokens (I2V), then the text, after their embedders
@@ -257,8 +263,11 @@ class WanTransformerImpl : public torch::nn::Cloneable<WanTransformerImpl> {
   // `image` [B, Li, image_dim]: the image tokens an image_dim > 0 model needs (and any other refuses).
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text,
                         const torch::Tensor& image = {});
+  // With `context_group` (context parallelism): this rank's frames of FrameSplit::balanced(grid.t, group size)
+  // only, their rows of the whole grid's RoPE (and of per-token timesteps), ctx.cp set; head(tokens, temb,
+  // ctx.local_grid()) then gives this rank's frames.
   WanEmbedded embed(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text,
-                    const torch::Tensor& image = {});
+                    const torch::Tensor& image = {}, ops::FrameExchange* context_group = nullptr);
   torch::Tensor head(const torch::Tensor& tokens, const torch::Tensor& temb, const TokenGrid& grid);
   TokenGrid token_grid(int64_t frames, int64_t height, int64_t width) const;
 

@@ -121,22 +121,28 @@ class Communicator {
   std::shared_ptr<offload::ShardExchange> exchange_;
 };
 
-// The ranks of a Communicator as one context-parallel group of 3D-DSA (attention/context_parallel.h): the frames'
-// point-to-point channel and the group's maximum, through the communicator (which must outlive it).
+// A context-parallel group of 3D-DSA and Ulysses (attention/context_parallel.h) over a Communicator (which must
+// outlive it): its ranks [first, first + size), group rank r being communicator rank first + r (all of them by
+// default). The frames go point to point within the group; max() reduces over the whole communicator (at least the
+// group's maximum, which is all a halo's width needs; every rank of the communicator calls it at the same point, as
+// every group runs the same model), so the groups need no process groups of their own.
 class CommunicatorFrames final : public ops::FrameExchange {
  public:
-  explicit CommunicatorFrames(Communicator& communicator) : communicator_(communicator) {}
-  int64_t rank() const override { return communicator_.rank(); }
-  int64_t size() const override { return communicator_.world_size(); }
+  explicit CommunicatorFrames(Communicator& communicator, int64_t first = 0, int64_t size = -1);
+  int64_t rank() const override { return communicator_.rank() - first_; }
+  int64_t size() const override { return size_; }
   void exchange(const std::vector<std::pair<int64_t, at::Tensor>>& sends,
-                const std::vector<std::pair<int64_t, at::Tensor>>& recvs) override {
-    communicator_.exchange(sends, recvs);
-  }
+                const std::vector<std::pair<int64_t, at::Tensor>>& recvs) override;
   double max(double value) override;
 
  private:
   Communicator& communicator_;
+  int64_t first_ = 0, size_ = 1;
 };
+
+// distributed.context_parallel over `world_size` ranks: throws ConfigError naming the key (in `source`) unless it
+// divides the world size.
+void check_context_parallel(const DistributedConfig& config, int64_t world_size, const std::string& source);
 
 // Data parallelism's slices of a global batch: throws std::invalid_argument unless 0 <= rank <
 // world_size and world_size divides batch_size (train.batch_size, named in the message). Every family's

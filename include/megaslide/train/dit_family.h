@@ -35,6 +35,12 @@ class Trainer;
 
 // A DiT as a StreamedModel: blocks are the DiT's blocks; resident parameters are every other DiT
 // parameter plus the caption encoder's. BlockInputs: tensors {t_mod, text, text_mask}, info TokenGrid.
+// What every streamed block reads besides its input and the shared tensors (StackInput's info).
+struct DiTStackInfo {
+  TokenGrid grid;        // the whole sample's
+  ops::ContextShard cp;  // this rank's frames of it (context parallelism), else inactive
+};
+
 class DiTStack : public offload::StreamedModel {
  public:
   // `init`: a train.init_from plan read into each block initial_block builds (its "blocks.<l>." tensors).

@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "megaslide/attention/context_parallel.h"
 #include "megaslide/config/run_config.h"
 #include "megaslide/data/video_manifest.h"
 #include "megaslide/io/safetensors.h"
@@ -55,7 +56,20 @@ struct ModelRequest {
   bool streamed = false;                 // offload.enabled: the blocks stream through the engine
   InitPlanner init_from;                 // a fresh run with train.init_from, else empty
   bool validation = false;               // this rank writes validation videos (train.sample_every > 0)
+  // Context parallelism (distributed.context_parallel > 1): the group this rank shares its samples with. Each
+  // micro-batch's sample frames are split over it (FrameSplit::balanced of the token frames); the family runs
+  // this rank's frames and returns context_parallel_loss of them. Null: whole samples.
+  ops::FrameExchange* context_group = nullptr;
 };
+
+// A context-parallel rank's loss (docs/distributed.md, "Context parallelism"): `prediction` [B, C, T_r, H, W] is
+// this rank's frames [first_frame, first_frame + T_r) of the whole video's, `target` [B, C, T, H, W] and
+// `loss_mask` ([B, 1, T, 1, 1] float, or undefined) the whole video's. Returns `ranks` × this rank's part of the
+// whole video's loss (wan_training_loss with a mask, else the mean squared error, in fp32): summed over the
+// group, the part is the whole loss, so the mean over the world that data parallelism takes of every rank's loss
+// and gradients is the single process's.
+at::Tensor context_parallel_loss(const at::Tensor& prediction, const at::Tensor& target, const at::Tensor& loss_mask,
+                                 int64_t first_frame, int64_t ranks);
 
 // A part of a model trained on its own steps (Wan2.2's two experts, model.wan.expert: both): each step
 // trains one part, which the family picks; the step's gradient and update reach that part only (the

@@ -22,6 +22,12 @@
 // engine's block exchange); every rank keeps the whole compute copy. Every rank builds the same initial
 // weights. Construction is collective.
 //
+// Context parallelism (distributed.context_parallel = n > 1, n dividing R): consecutive ranks form groups of n
+// (ranks [g·n, (g+1)·n)); a group shares one data-parallel slice (take_slice(rank / n, R / n)) and splits each of
+// its samples' frames among its ranks (ModelRequest::context_group; attention over the group). Each rank's loss
+// is n × its part of the slice's loss (context_parallel_loss), so the average over all R ranks above is again
+// the single process's loss and gradient; the host state is sharded over all R ranks as before.
+//
 // A model of parts (FamilyModel::parts: Wan2.2's two experts) trains one part per step, which the family
 // draws (FamilyModel::begin_step): the step streams and updates that part only, in both modes, with the
 // part's own AdamW step count (TrainingState::part_steps); StepMetrics::part names it.
@@ -155,6 +161,7 @@ class Trainer {
   std::string requested_compute_dtype_;
   torch::Device device_;
   Communicator* communicator_ = nullptr;
+  std::unique_ptr<ops::FrameExchange> context_group_;  // distributed.context_parallel > 1
   InitPlan init_plan_;
   std::unique_ptr<FamilyModel> model_;
   std::unique_ptr<offload::StreamedStackTrainer> engine_;  // streamed mode

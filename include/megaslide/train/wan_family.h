@@ -208,12 +208,17 @@ double wan_model_flops_per_step(const RunConfig& config);
 // Wan's prologue and epilogue of one micro-batch through a WanStack of `model` (the stack's input, then
 // the loss of the last block's output); the micro-batch is kept between the two.
 struct WanStackSplit {
-  explicit WanStackSplit(WanTransformer model_) : model(std::move(model_)) {}
+  explicit WanStackSplit(WanTransformer model_, ops::FrameExchange* group_ = nullptr)
+      : model(std::move(model_)), group(group_) {}
   WanTransformer model;
+  ops::FrameExchange* group = nullptr;  // context parallelism: each sample's frames split over it (else null)
   torch::Tensor target, temb, loss_mask;
-  TokenGrid grid;
+  TokenGrid grid;        // this rank's frames' token grid
+  ops::ContextShard cp;  // and where they are in the sample's (inactive without a group)
   offload::StackInput prologue(const WanBatch& batch);
   torch::Tensor epilogue(const torch::Tensor& last_hidden);
+  // The resident model's loss of `batch`: prologue, every block, epilogue.
+  torch::Tensor loss(const WanBatch& batch);
 };
 
 // One step of `engine` (built over a WanStack of `model`) with the prologue, stack and epilogue the streamed
