@@ -291,7 +291,7 @@ TEST(StepPlan, DeviceMemoryGrowsWithFramesAndTheAdviceFits) {
 // the file and the key.
 TEST(HardwareProfile, BuiltInsAreTheShippedFilesAndBadFilesAreNamed) {
   EXPECT_EQ(plan::builtin_hardware_profiles(),
-            (std::vector<std::string>{"h100nvl", "h200", "rtx4090", "workstation-24gb", "workstation-48gb"}));
+            (std::vector<std::string>{"h100nvl", "h200", "hgx-h200", "rtx4090", "workstation-24gb", "workstation-48gb"}));
   for (const auto& name : plan::builtin_hardware_profiles()) {
     const auto builtin = plan::load_hardware_profile(name);
     const auto file = plan::load_hardware_profile(source_path("configs/hardware/" + name + ".yaml"));

@@ -372,3 +372,81 @@ TEST(MegaslidePlanCli, WorldSizeKeysAndRefusals) {
   const auto zero = megaslide::testing::run_tool("megaslide-plan", config + " --world-size 0");
   EXPECT_EQ(zero.code, 2) << zero.output;
 }
+
+// Property: with context parallelism (distributed.context_parallel n) a rank plans its share of every sample: the
+// batch splits over world / n groups, its device activations are those of a one-process run of ceil(T / n) frames
+// plus one attention's exchange buffers and the whole samples of its batch (the data is not split), its FLOPs 1/n of the whole sample's (3D-DSA: plus the halo frames' queries);
+// the bytes it exchanges per step follow the closed forms (Ulysses: 4 (n − 1)/n of its q, k, v and output; 3D-DSA:
+// k and v of the halo, ⌊kt/2⌋ + ⌊range⌋ + 1 frames each way, and one frame of the offset network's input) in the
+// forward, the recompute and the backward of every block, timed at the profile's device_link_gbps and added to the
+// compute term.
+TEST(StepPlanContextParallel, ARankPlansItsFramesAndTheGroupsExchange) {
+  const auto hw = plan::load_hardware_profile("hgx-h200");
+  EXPECT_EQ(hw.device_link_gbps, 450.0);
+  EXPECT_FALSE(hw.device_link_gbps_assumed);
+  for (const char* arch : {"megaslide", "dense3d"}) {
+    SCOPED_TRACE(arch);
+    const std::string a = std::string("model.arch=") + arch;
+    const auto p = plan::plan_step(tiny_run({a, "data.frames=5", "distributed.context_parallel=2"}), hw, 4);
+    const auto whole = plan::plan_step(tiny_run({a, "data.frames=5", "train.batch_size=3"}), hw, 1);
+    const auto frames3 = plan::plan_step(tiny_run({a, "data.frames=3", "train.batch_size=3"}), hw, 1);
+    EXPECT_EQ(p.context_parallel, 2);
+    EXPECT_EQ(p.batch_size_per_rank, 3);  // 6 over 2 groups
+    EXPECT_EQ(p.token_frames_per_rank, 3);
+    EXPECT_EQ(p.tokens_per_rank, 3 * 4 * 4);
+    // The rank still holds its batch's whole samples (x_0, noise, x_t and the target: 4 fp32 [B, 3, 5, 8, 8]).
+    const int64_t whole_sample_extra = 4 * 3 * 3 * (5 - 3) * 8 * 8 * 4;
+    EXPECT_EQ(p.device.activations() - p.device.context_buffers, frames3.device.activations() + whole_sample_extra);
+    const int64_t B = 3, D = 16, frame = 16, L = 3, e = 2;
+    int64_t elements = 0;
+    if (std::string(arch) == "dense3d") {
+      EXPECT_EQ(p.context_exchange, "Ulysses all-to-all");
+      elements = 4 * B * p.tokens_per_rank * D / 2;
+      EXPECT_DOUBLE_EQ(p.time.executed_flops, whole.time.executed_flops / 2);
+    } else {
+      EXPECT_EQ(p.context_exchange, "3D-DSA halo");
+      EXPECT_EQ(p.context_halo_frames, 2);  // 3 each way, capped at the 2 frames the rank does not hold
+      elements = 2 * 2 * frame * B * D + 2 * frame * B * D;
+      EXPECT_GT(p.time.executed_flops, whole.time.executed_flops / 2);
+    }
+    EXPECT_EQ(p.device.context_buffers, 2 * elements * e);
+    EXPECT_EQ(p.context_bytes, elements * e * L * 3);
+    EXPECT_DOUBLE_EQ(p.time.model_flops, whole.time.model_flops / 2);
+    EXPECT_DOUBLE_EQ(p.time.context_s, static_cast<double>(p.context_bytes) / 450e9);
+    EXPECT_GE(p.time.lower_bound_s, p.time.compute_s + p.time.context_s);
+  }
+}
+
+// Property: a group size that does not divide the ranks, a sample with fewer token frames than the group, and dense
+// attention whose heads the group does not divide are refused naming --context-parallel; `megaslide-plan
+// --context-parallel 2` plans a world of 2 and prints the context keys and the table's line.
+TEST(StepPlanContextParallel, RefusalsAndTheCli) {
+  const auto refused = [](const RunConfig& c, int64_t world, const std::string& needle) {
+    try {
+      plan::plan_step(c, h200(), world);
+      ADD_FAILURE() << "planned " << needle;
+    } catch (const ConfigError& e) {
+      EXPECT_EQ(e.key(), "--context-parallel") << e.what();
+      EXPECT_NE(e.problem().find(needle), std::string::npos) << e.what();
+    }
+  };
+  refused(tiny_run({"distributed.context_parallel=2"}), 3, "3 ranks");
+  refused(tiny_run({"distributed.context_parallel=6"}), 6, "4 token frames");
+  refused(tiny_run({"model.arch=dense3d", "distributed.context_parallel=3"}), 3, "2 attention heads");
+  const std::string config = " --config " + source_path("configs/smoke.yaml") + " --set train.batch_size=2";
+  const auto r = megaslide::testing::run_tool("megaslide-plan", config + " --context-parallel 2 --json");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["world_size"].get<int64_t>(), 2);
+  EXPECT_EQ(j["context_parallel"].get<int64_t>(), 2);
+  EXPECT_EQ(j["token_frames_per_rank"].get<int64_t>(), 4);
+  EXPECT_EQ(j["context_exchange"].get<std::string>(), "3D-DSA halo");
+  for (const char* key : {"context_bytes_per_step", "context_s", "device_context_buffer_bytes", "tokens_per_rank"})
+    EXPECT_TRUE(j.contains(key)) << key;
+  const auto table = megaslide::testing::run_tool("megaslide-plan", config + " --context-parallel 2");
+  EXPECT_EQ(table.code, 0) << table.output;
+  EXPECT_NE(table.output.find("context parallel: groups of 2 ranks"), std::string::npos) << table.output;
+  const auto bad = megaslide::testing::run_tool("megaslide-plan", config + " --context-parallel 2 --world-size 3");
+  EXPECT_EQ(bad.code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("--context-parallel"), std::string::npos) << bad.output;
+}

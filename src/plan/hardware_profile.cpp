@@ -71,7 +71,7 @@ HardwareProfile parse_hardware_profile(const std::string& yaml_text, const std::
     fail(source, "", "expected a mapping of keys (see configs/hardware/h200.yaml), got " + describe(root));
   static const std::set<std::string> kKeys{"name",          "description",   "device_memory_bytes", "peak_bf16_tflops",
                                            "pcie_h2d_gbps", "pcie_d2h_gbps", "host_dram_gbps",      "host_memory_bytes",
-                                           "network_gbps",  "nvme_gbps",     "nvme_bytes"};
+                                           "network_gbps",  "nvme_gbps",     "nvme_bytes",          "device_link_gbps"};
   for (const auto& item : root) {
     const std::string key = item.first.as<std::string>();
     if (kKeys.count(key) == 0) {
@@ -99,6 +99,11 @@ HardwareProfile parse_hardware_profile(const std::string& yaml_text, const std::
   if (root["network_gbps"].IsDefined()) {
     p.network_gbps = positive_number(root, source, "network_gbps");
     p.network_gbps_assumed = false;
+  }
+  p.device_link_gbps = p.network_gbps;  // no link of their own: the GPUs talk over the network
+  if (root["device_link_gbps"].IsDefined()) {
+    p.device_link_gbps = positive_number(root, source, "device_link_gbps");
+    p.device_link_gbps_assumed = false;
   }
   if (root["nvme_gbps"].IsDefined()) {
     p.nvme_gbps = positive_number(root, source, "nvme_gbps");

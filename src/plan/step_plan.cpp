@@ -825,14 +825,18 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
   }
   const RunConfig global = with_planned_compute_dtype(sized);
   validate(global, "megaslide-plan");
-  const int64_t R = world_size;
+  const int64_t R = world_size, n = global.distributed.context_parallel;
   if (R < 1) throw ConfigError("megaslide-plan", "--world-size", fmt::format("is {}; expected 1 or more ranks", R));
-  if (global.train.batch_size % R != 0) {
+  if (R % n != 0)
+    throw ConfigError("megaslide-plan", "--context-parallel",
+                      fmt::format("is {}, which does not divide the {} ranks of --world-size", n, R));
+  const int64_t slices = R / n;  // data parallelism's
+  if (global.train.batch_size % slices != 0) {
     throw ConfigError(
         "megaslide-plan", "train.batch_size",
-        fmt::format("is {}, the global batch, which must split evenly over the {} ranks of --world-size: set a "
+        fmt::format("is {}, the global batch, which must split evenly over the {} {} of --world-size: set a "
                     "multiple of {}",
-                    global.train.batch_size, R, R));
+                    global.train.batch_size, slices, n > 1 ? "context-parallel groups" : "ranks", slices));
   }
   if (R > 1 && global.offload.enabled && global.optimizer.state_dtype == "int8" && global.lora.rank == 0) {
     throw ConfigError(
@@ -843,7 +847,7 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
   }
   // One rank's run: its share of the global batch (the device memory and the FLOPs are one rank's).
   RunConfig config = global;
-  config.train.batch_size = global.train.batch_size / R;
+  config.train.batch_size = global.train.batch_size / slices;
   const bool wan = is_wan(config);
   // Wan2.2's two experts trained in one run (model.wan.expert both): the host holds both experts' blocks
   // and the device both experts' resident parts, but a step streams, updates and computes one expert.
@@ -852,6 +856,16 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
   const ModelShape s = both ? two_experts(one) : one;
   const LoraShape lora = lora_shape(config);  // no adapters: full fine-tuning
   const TokenGrid grid = grid_of(config);
+  if (grid.t < n)
+    throw ConfigError("megaslide-plan", "--context-parallel",
+                      fmt::format("is {}: a sample of {} token frames cannot be split over {} ranks", n, grid.t, n));
+  const bool dense_attention =
+      wan ? config.model.self_attention != "dsa3d" : config.model.arch == Architecture::kDense3D;
+  const int64_t heads = wan ? config.model.wan.heads : config.model.heads;
+  if (n > 1 && dense_attention && heads % n != 0)
+    throw ConfigError("megaslide-plan", "--context-parallel",
+                      fmt::format("is {}, which does not divide the {} attention heads (Ulysses)", n, heads));
+  const TokenGrid local{(grid.t + n - 1) / n, grid.h, grid.w};  // rank 0's frames of a sample
   const auto& t = config.train;
   StepPlan p;
   p.arch = to_string(config.model.arch);
@@ -865,6 +879,9 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
   p.batch_size = global.train.batch_size;
   p.world_size = R;
   p.batch_size_per_rank = t.batch_size;
+  p.context_parallel = n;
+  p.token_frames_per_rank = local.t;
+  p.tokens_per_rank = local.numel();
   p.grad_accum_steps = t.grad_accum_steps;
   p.tokens_per_sample = grid.numel();
   p.token_grid = {grid.t, grid.h, grid.w};
@@ -943,8 +960,33 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
     p.host.construction_peak = p.host.state() + 2 * 4 * s.largest_block;
     p.transfer = replay_transfers(one.block_numels, A, e);
   }
-  p.device = device_plan(config, s, grid, lora);
-  if (p.streamed && config.offload.activations == "host") with_host_activations(p, grid.numel(), A);
+  p.device = device_plan(config, s, local, lora);
+  if (p.streamed && config.offload.activations == "host") with_host_activations(p, local.numel(), A);
+  // Context parallelism's exchanges: elements each rank sends per attention and pass (as many received).
+  int64_t context_elements = 0;
+  if (n > 1) {
+    const int64_t B = t.batch_size, D = p.hidden, frame = grid.h * grid.w;
+    const bool dsa = wan ? config.model.self_attention == "dsa3d" : config.model.arch == Architecture::kMegaSlide;
+    if (dense_attention) {
+      p.context_exchange = "Ulysses all-to-all";
+      context_elements = 4 * B * local.numel() * D * (n - 1) / n;  // q, k, v there, the output back
+    } else if (dsa) {
+      p.context_exchange = "3D-DSA halo";
+      const int64_t reach = static_cast<int64_t>(std::floor(config.model.dsa_offset_range[0]));
+      p.context_halo_frames = std::min(2 * (config.model.dsa_kernel[0] / 2 + reach + 1), grid.t - local.t);
+      context_elements = 2 * p.context_halo_frames * frame * B * D;  // k and v
+      if (config.model.dsa_offsets != DsaOffsets::kZero)             // the offset network's one frame each way
+        context_elements += std::min<int64_t>(2, grid.t - local.t) * frame * B * D;
+    } else {
+      p.context_exchange = "window halo";
+      const auto w = window_layout(grid, config.model.swin_window, /*shifted=*/true).window[0];
+      p.context_halo_frames = std::min(2 * (w - 1), grid.t - local.t);
+      context_elements = p.context_halo_frames * frame * B * D;
+    }
+    // The forward, the streamed trainer's recompute and the backward (the gradients going back).
+    p.context_bytes = context_elements * e * p.layers * (p.streamed ? 3 : 2) * A;
+    p.device.context_buffers = 2 * context_elements * e;
+  }
   if (p.streamed && wan && !wan_untrained_expert(config.model.wan).empty() && t.sample_every > 0)
     p.host.other_expert = s.streamed * e;  // the same architecture: its blocks are this one's
   if (R > 1 && (!p.streamed || lora.enabled())) {
@@ -1023,6 +1065,17 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
       tm.nvme_s = static_cast<double>(p.nvme_read_bytes + p.nvme_write_bytes) / (hw.nvme_gbps * 1e9);
     }
   }
+  if (n > 1) {
+    // Each rank computes its frames' share of every sample; 3D-DSA also attends from its halo frames' (zero)
+    // queries, which the operator computes and drops.
+    const double executed_attention = attention_flops * (p.streamed ? 4.0 / 3.0 : 1.0);
+    tm.model_flops /= static_cast<double>(n);
+    tm.executed_flops /= static_cast<double>(n);
+    if (p.context_exchange == "3D-DSA halo")
+      tm.executed_flops += executed_attention / static_cast<double>(n) * static_cast<double>(p.context_halo_frames) /
+                           static_cast<double>(local.t);
+    tm.context_s = static_cast<double>(p.context_bytes) / (hw.device_link_gbps * 1e9);
+  }
   tm.compute_s = tm.executed_flops / (hw.peak_bf16_tflops * 1e12);
   if (R > 1) tm.exchange_s = static_cast<double>(p.exchange.wire_bytes) / (hw.network_gbps * 1e9);
   // The streamed trainer's exchange runs beside the other terms (async); the resident trainer's
@@ -1031,9 +1084,10 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
   // LoRA's streamed trainer over several ranks exchanges only the adapters' gradients, in its global norm after
   // the backward: async overlaps the other terms, then the all-reduce.
   tm.exchange_after = lora.enabled() && p.streamed && R > 1 && tm.overlapped;
-  const std::pair<const char*, double> terms[] = {{"compute", tm.compute_s},   {"h2d", tm.h2d_s},
-                                                  {"d2h", tm.d2h_s},           {"host optimizer", tm.optimizer_s},
-                                                  {"exchange", tm.exchange_s}, {"nvme", tm.nvme_s}};
+  // The context exchange blocks the attention it feeds: it adds to the compute.
+  const std::pair<const char*, double> terms[] = {
+      {"compute", tm.compute_s + tm.context_s}, {"h2d", tm.h2d_s},           {"d2h", tm.d2h_s},
+      {"host optimizer", tm.optimizer_s},       {"exchange", tm.exchange_s}, {"nvme", tm.nvme_s}};
   double largest = -1.0, sum = 0.0;
   for (const auto& [name, seconds] : terms) {
     sum += seconds;
@@ -1198,6 +1252,18 @@ std::string to_json(const StepPlan& p) {
     j["exchange_s"] = t.exchange_s;
     if (p.lora_rank > 0) j["exchange_after_backward"] = t.exchange_after;
   }
+  if (p.context_parallel > 1) {
+    j["context_parallel"] = p.context_parallel;
+    j["token_frames_per_rank"] = p.token_frames_per_rank;
+    j["tokens_per_rank"] = p.tokens_per_rank;
+    j["context_exchange"] = p.context_exchange;
+    j["context_halo_frames"] = p.context_halo_frames;
+    j["context_bytes_per_step"] = p.context_bytes;
+    j["context_s"] = t.context_s;
+    j["device_context_buffer_bytes"] = d.context_buffers;
+    j["hardware"]["device_link_gbps"] = p.hardware.device_link_gbps;
+    j["hardware"]["device_link_gbps_assumed"] = p.hardware.device_link_gbps_assumed;
+  }
   return j.dump();
 }
 
@@ -1229,6 +1295,14 @@ std::string to_table(const StepPlan& p) {
                     : lora      ? "; the frozen weights not sharded: every rank holds the whole copy"
                                 : "; fp32 master and AdamW moments sharded, rank 0's shard: the largest");
   }
+  if (p.context_parallel > 1)
+    out += fmt::format(
+        "  context parallel: groups of {} ranks share each sample (data parallel over {} groups); this rank holds {} "
+        "of "
+        "its {} token frames ({} tokens); {}: {} B sent per step{}\n",
+        p.context_parallel, p.world_size / p.context_parallel, p.token_frames_per_rank, p.token_grid[0],
+        p.tokens_per_rank, p.context_exchange, p.context_bytes,
+        p.context_halo_frames > 0 ? fmt::format(" (a halo of {} frames)", p.context_halo_frames) : std::string());
   if (p.wan_expert == "both" && p.streamed)
     out += fmt::format(
         "  Wan2.2's two experts trained in one run (the step's timestep picks its expert at {} x 1000): the host "
@@ -1397,6 +1471,11 @@ std::string to_table(const StepPlan& p) {
                          p.nvme_read_bytes, p.nvme_write_bytes, p.hardware.nvme_gbps,
                          p.hardware.nvme_gbps_assumed ? ", assumed: the profile gives no nvme_gbps" : "");
   }
+  if (p.context_parallel > 1)
+    out += fmt::format(
+        "  + context       {:>10.4g} s  ({} B each way / {} GB/s between the GPUs{}; in the compute term)\n",
+        t.context_s, p.context_bytes, p.hardware.device_link_gbps,
+        p.hardware.device_link_gbps_assumed ? ", assumed: the profile has no device_link_gbps" : "");
   if (p.world_size > 1) {
     out += fmt::format("  exchange        {:>10.4g} s  ({} B on the wire / {} GB/s network{})\n", t.exchange_s,
                        p.exchange.wire_bytes, p.hardware.network_gbps,

@@ -57,6 +57,10 @@ struct HardwareProfile {
   // Gloo over TCP for the streamed trainer's host buffers, NCCL or Gloo for the resident trainer's).
   double network_gbps = kAssumedNetworkGbps;
   bool network_gbps_assumed = true;  // false when the profile gives network_gbps
+  // The bandwidth between the GPUs of a context-parallel group, 1e9 B/s each way per GPU (NCCL over NVLink or
+  // NVSwitch: the activations' halo and all-to-all exchanges). Without it, network_gbps.
+  double device_link_gbps = kAssumedNetworkGbps;
+  bool device_link_gbps_assumed = true;  // false when the profile gives device_link_gbps
   // The NVMe tier's disk (offload.state_tier: nvme): its sequential bandwidth, 1e9 B/s for reads and for writes
   // (the planner adds a step's reads and writes: one disk does not do both at full rate), and its capacity.
   double nvme_gbps = kAssumedNvmeGbps;

@@ -44,6 +44,16 @@
 // compute copies, or the resident trainer's all-reduce) is counted per rank with a ring's bytes on the
 // wire and timed at the profile's network_gbps. R = 1 is the single-process plan, unchanged.
 //
+// Context parallelism (distributed.context_parallel = n > 1 dividing R, docs/distributed.md "Context parallelism"):
+// data parallelism over R / n groups (the batch splits R / n ways); every rank of a group holds ceil(T / n) of each
+// sample's T token frames (rank 0's share, the largest), and the device plan and the FLOPs are those tokens' (3D-DSA:
+// plus the attention over the halo frames' zero queries). Each attention exchanges activations with the group over
+// the profile's device_link_gbps, blocking the compute (so the compute term is compute + context): Ulysses'
+// all-to-all for dense attention (4·(n − 1)/n of the rank's q, k, v and output), a halo of key/value frames for
+// 3D-DSA (⌊kt/2⌋ + ⌊temporal range⌋ + 1 frames from each neighbour, and one frame of the offset network's input),
+// the frames of the windows crossing the slab's edges for Swin (at most window − 1 each way), in every forward, the
+// streamed trainer's recompute and the backward.
+//
 // Thread-safety: pure functions of their arguments.
 #pragma once
 
@@ -108,6 +118,9 @@ struct DeviceMemoryPlan {
   int64_t recompute_workspace = 0;        // its backward's transients (3D-DSA fused: fp32 dk/dv scratch)
   int64_t recompute_saved_reference = 0;  // 3D-DSA only: the same with the grid_sample reference
   int64_t recompute_workspace_reference = 0;
+  // Context parallelism: one attention's received activations and their gradients (the halo, or Ulysses' other
+  // ranks' shares), in flight while it runs.
+  int64_t context_buffers = 0;
   // LoRA: of recompute_saved (and the reference's), what the adapters add: each adapted Linear's r-wide
   // down output (LoKr: its first GEMM's [in_m, out_k] output) and its weights cast to the compute dtype,
   // with lora.dropout its mask and dropped input.
@@ -117,7 +130,7 @@ struct DeviceMemoryPlan {
   // gone, so the peak takes the larger of the two.
   int64_t gradient_all_reduce = 0;
   int64_t activations() const {
-    return checkpoints + block_inputs + prologue_epilogue + recompute_saved + recompute_workspace;
+    return checkpoints + block_inputs + prologue_epilogue + recompute_saved + recompute_workspace + context_buffers;
   }
   int64_t peak() const {
     return weight_slots + gradient_slots + resident_state + frozen_resident +
@@ -166,6 +179,7 @@ struct TimePlan {
   double compute_s = 0.0, h2d_s = 0.0, d2h_s = 0.0, optimizer_s = 0.0;
   double exchange_s = 0.0;  // world_size > 1: the exchange's bytes on the wire / network_gbps
   double nvme_s = 0.0;      // the NVMe tier: the step's reads and write-backs of the state / nvme_gbps
+  double context_s = 0.0;   // context parallelism: the activations exchanged per step / device_link_gbps
   double lower_bound_s = 0.0;
   std::string bottleneck;        // "compute" | "h2d" | "d2h" | "host optimizer" | "exchange" | "nvme"
   bool overlapped = true;        // async: the bound is the max; sync (and the resident trainer's all-reduce,
@@ -184,8 +198,17 @@ struct StepPlan {
   std::string state_dtype;  // optimizer.state_dtype (fp32 for the resident loop)
   bool ema = false;         // train.ema_decay > 0: an fp32 EMA of every parameter (host store / resident parts)
   int64_t layers = 0, hidden = 0, batch_size = 0, grad_accum_steps = 0, tokens_per_sample = 0;
-  int64_t world_size = 1;           // data-parallel ranks; every figure below is one rank's
-  int64_t batch_size_per_rank = 0;  // batch_size / world_size
+  int64_t world_size = 1;           // ranks; every figure below is one rank's
+  int64_t batch_size_per_rank = 0;  // batch_size / (world_size / context_parallel)
+  // Context parallelism (distributed.context_parallel > 1): the group size, this rank's token frames and tokens of
+  // each sample (rank 0's: the most), what the attention exchanges ("Ulysses all-to-all", "3D-DSA halo",
+  // "window halo"), the halo's frames (both neighbours'; 0 for Ulysses) and the bytes each rank sends per step (as
+  // many received).
+  int64_t context_parallel = 1;
+  int64_t token_frames_per_rank = 0, tokens_per_rank = 0;
+  std::string context_exchange;
+  int64_t context_halo_frames = 0;
+  int64_t context_bytes = 0;
   std::vector<int64_t> token_grid;  // t, h, w
   // Parameters.
   int64_t params = 0;                   // the DiT (as megaslide-train --dry-run)
