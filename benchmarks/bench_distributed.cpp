@@ -144,6 +144,16 @@ nlohmann::json measure_context(const megaslide::RunConfig& config, megaslide::Co
   return j;
 }
 
+// Rank r's JSON line, written by its process under `base`, read and removed.
+nlohmann::json take_rank_result(const std::string& base, int64_t r) {
+  const std::string path = fmt::format("{}.rank{}", base, r);
+  std::ifstream in(path);
+  nlohmann::json j;
+  in >> j;
+  std::remove(path.c_str());
+  return j;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -219,11 +229,7 @@ int main(int argc, char** argv) {
     std::printf("%-6s %7s %14s %12s %14s %12s %12s %12s\n", "rank", "frames", "halo B", "halo s", "Ulysses B",
                 "Ulysses s", "bytes ratio", "time ratio");
     for (int64_t r = 0; r < ranks; ++r) {
-      const std::string path = fmt::format("{}.rank{}", base, r);
-      std::ifstream in(path);
-      nlohmann::json j;
-      in >> j;
-      std::remove(path.c_str());
+      nlohmann::json j = take_rank_result(base, r);
       const auto& h = j["halo"];
       const auto& u = j["ulysses"];
       if (!u.is_null()) {
@@ -265,11 +271,7 @@ int main(int argc, char** argv) {
   std::printf("%-6s %16s %10s %12s %10s %12s %12s\n", "rank", "exchange B", "vs 2·b·P", "exchange s", "overlap",
               "host vs 1", "step vs 1");
   for (int64_t r = 0; r < ranks; ++r) {
-    const std::string path = fmt::format("{}.rank{}", base, r);
-    std::ifstream in(path);
-    nlohmann::json j;
-    in >> j;
-    std::remove(path.c_str());
+    nlohmann::json j = take_rank_result(base, r);
     const double expected =
         2.0 * static_cast<double>(j["compute_bytes"].get<int64_t>() * j["streamed_params"].get<int64_t>());
     const double host_work = j["optimizer_s"].get<double>() + j["exchange_s"].get<double>();

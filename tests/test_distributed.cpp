@@ -89,6 +89,21 @@ megaslide::testing::ToolResult train(const std::string& args) {
   return megaslide::testing::run_tool("megaslide-train", args);
 }
 
+// Resumes `run_dir`'s step-3 checkpoint (`args`: the run's flags) on each world size of `worlds` and expects the
+// logged losses from step `from` on (0-based) to be `expected`'s within 1e-5.
+void expect_resumes_at(const std::string& args, const std::string& run_dir, const std::vector<int64_t>& worlds,
+                       const std::vector<double>& expected, size_t from) {
+  for (const int64_t world : worlds) {
+    auto resumed =
+        train(args + " --run-dir " + run_dir + " --resume " + join_path(run_dir, "checkpoints/step-0000003") +
+              (world == 1 ? "" : " --nproc-per-node " + std::to_string(world)));
+    ASSERT_EQ(resumed.code, 0) << resumed.output;
+    const auto got = logged_losses(run_dir);
+    ASSERT_EQ(got.size(), 5u) << world << " ranks";
+    for (size_t i = from; i < 5; ++i) EXPECT_NEAR(got[i], expected[i], 1e-5) << world << " ranks, step " << i + 1;
+  }
+}
+
 // The streamed CPU-master trainer in fp32 on the CPU (the ranks' host state sharded), 5 steps.
 std::string streamed_args(int64_t batch, const std::string& extra = "") {
   return "--config " + smoke() + " --set offload.enabled=true --set offload.compute_dtype=fp32 --set train.device=cpu" +
@@ -156,6 +171,36 @@ void expect_pieces_join_to(const std::vector<std::vector<torch::Tensor>>& got, s
   std::vector<torch::Tensor> parts;
   for (const auto& g : got) parts.push_back(g[i]);
   EXPECT_LT((torch::cat(parts, 1) - whole).abs().max().item<double>(), 1e-12) << what;
+}
+
+// A module over a context-parallel group is the module on the whole grid: `forward_cp(module, x_r, group)` runs a
+// clone of `whole` on each of `ranks` Gloo ranks with its frames of `x` [B, N, D] (`per_frame` tokens a frame, split
+// by `split`), backs its rows of `dout` through it, and the joined outputs and input gradients must be `expected`
+// and `dx`, and every parameter's gradients summed over the ranks `whole`'s (whose backward ran), within 1e-12.
+void expect_module_over_group_is_whole(
+    torch::nn::Module& whole, int64_t ranks, const torch::Tensor& x, const torch::Tensor& dout, int64_t per_frame,
+    const ops::FrameSplit& split, const torch::Tensor& expected, const torch::Tensor& dx,
+    const std::function<torch::Tensor(torch::nn::Module&, const torch::Tensor&, CommunicatorFrames&)>& forward_cp) {
+  std::vector<std::shared_ptr<torch::nn::Module>> modules;
+  for (int64_t r = 0; r < ranks; ++r) {
+    modules.push_back(whole.clone());
+    modules.back()->zero_grad();
+  }
+  std::vector<std::vector<torch::Tensor>> got(static_cast<size_t>(ranks));
+  const auto errors = on_gloo_ranks(ranks, [&](int64_t rank, CommunicatorFrames& group) {
+    auto xl = x.narrow(1, split.begin(rank) * per_frame, split.size(rank) * per_frame).clone().requires_grad_();
+    const auto out = forward_cp(*modules[static_cast<size_t>(rank)], xl, group);
+    (out * dout.narrow(1, split.begin(rank) * per_frame, split.size(rank) * per_frame)).sum().backward();
+    got[static_cast<size_t>(rank)] = {out.detach(), xl.grad()};
+  });
+  for (const auto& e : errors) ASSERT_EQ(e, "");
+  expect_pieces_join_to(got, 0, expected, "out");
+  expect_pieces_join_to(got, 1, dx, "dx");
+  for (const auto& item : whole.named_parameters()) {
+    auto sum = torch::zeros_like(item.value());
+    for (auto& m : modules) sum += m->named_parameters()[item.key()].grad();
+    EXPECT_LT((sum - item.value().grad()).abs().max().item<double>(), 1e-12) << item.key();
+  }
 }
 
 }  // namespace
@@ -377,28 +422,11 @@ TEST(ContextParallel, TheDsaModuleOverAGroupIsTheModuleOnTheWholeGrid) {
     (expected * dout).sum().backward();
     const auto split = ops::FrameSplit::balanced(T, ranks);
     const int64_t per_frame = H * W;
-    std::vector<std::vector<torch::Tensor>> got(static_cast<size_t>(ranks));
-    std::vector<DeformableSlideAttention3D> modules;
-    for (int64_t r = 0; r < ranks; ++r)
-      modules.push_back(std::dynamic_pointer_cast<DeformableSlideAttention3DImpl>(whole->clone()));
-    const auto errors = on_gloo_ranks(ranks, [&](int64_t rank, CommunicatorFrames& group) {
-      auto& m = modules[static_cast<size_t>(rank)];
-      m->zero_grad();
-      auto xl = x.narrow(1, split.begin(rank) * per_frame, split.size(rank) * per_frame).clone().requires_grad_();
-      const auto out = m->forward_context_parallel(xl, grid, split, group);
-      (out * dout.narrow(1, split.begin(rank) * per_frame, split.size(rank) * per_frame)).sum().backward();
-      got[static_cast<size_t>(rank)] = {out.detach(), xl.grad()};
-    });
-    for (const auto& e : errors) ASSERT_EQ(e, "");
-    expect_pieces_join_to(got, 0, expected.detach(), "out");
-    expect_pieces_join_to(got, 1, xw.grad(), "dx");
-    for (const auto& item : whole->named_parameters()) {
-      const std::string& name = item.key();
-      const torch::Tensor& p = item.value();
-      auto sum = torch::zeros_like(p);
-      for (auto& m : modules) sum += m->named_parameters()[name].grad();
-      EXPECT_LT((sum - p.grad()).abs().max().item<double>(), 1e-12) << name;
-    }
+    expect_module_over_group_is_whole(
+        *whole, ranks, x, dout, per_frame, split, expected.detach(), xw.grad(),
+        [&](torch::nn::Module& m, const torch::Tensor& xl, CommunicatorFrames& group) {
+          return dynamic_cast<DeformableSlideAttention3DImpl&>(m).forward_context_parallel(xl, grid, split, group);
+        });
   }
 }
 
@@ -446,27 +474,10 @@ TEST(ContextParallel, DenseAndWindowModulesOverAGroupAreTheModulesOnTheWholeGrid
     (expected * dout).sum().backward();
     const auto split = ops::FrameSplit::balanced(c.frames, c.ranks);
     const int64_t per_frame = H * W;
-    std::vector<std::shared_ptr<torch::nn::Module>> modules;
-    for (int64_t r = 0; r < c.ranks; ++r) {
-      modules.push_back(c.kind == "dense" ? whole->as<GlobalSelfAttentionImpl>()->clone()
-                                          : whole->as<ShiftedWindowAttention3DImpl>()->clone());
-      modules.back()->zero_grad();
-    }
-    std::vector<std::vector<torch::Tensor>> got(static_cast<size_t>(c.ranks));
-    const auto errors = on_gloo_ranks(c.ranks, [&](int64_t rank, CommunicatorFrames& group) {
-      auto xl = x.narrow(1, split.begin(rank) * per_frame, split.size(rank) * per_frame).clone().requires_grad_();
-      const auto out = forward_cp(*modules[static_cast<size_t>(rank)], xl, split, group);
-      (out * dout.narrow(1, split.begin(rank) * per_frame, split.size(rank) * per_frame)).sum().backward();
-      got[static_cast<size_t>(rank)] = {out.detach(), xl.grad()};
-    });
-    for (const auto& e : errors) ASSERT_EQ(e, "");
-    expect_pieces_join_to(got, 0, expected.detach(), "out");
-    expect_pieces_join_to(got, 1, xw.grad(), "dx");
-    for (const auto& item : whole->named_parameters()) {
-      auto sum = torch::zeros_like(item.value());
-      for (auto& m : modules) sum += m->named_parameters()[item.key()].grad();
-      EXPECT_LT((sum - item.value().grad()).abs().max().item<double>(), 1e-12) << item.key();
-    }
+    expect_module_over_group_is_whole(*whole, c.ranks, x, dout, per_frame, split, expected.detach(), xw.grad(),
+                                      [&](torch::nn::Module& m, const torch::Tensor& xl, CommunicatorFrames& group) {
+                                        return forward_cp(m, xl, split, group);
+                                      });
   }
 }
 
@@ -669,14 +680,7 @@ TEST(DistributedTraining, CheckpointResumesAtAnotherWorldSize) {
   ASSERT_EQ(r.code, 0) << r.output;
   const auto expected = logged_losses(whole);
   ASSERT_EQ(expected.size(), 5u);
-  for (const char* world : {"1", "3"}) {
-    auto resumed = train(args + " --run-dir " + parts + " --resume " + join_path(parts, "checkpoints/step-0000003") +
-                         (std::string(world) == "1" ? "" : std::string(" --nproc-per-node ") + world));
-    ASSERT_EQ(resumed.code, 0) << resumed.output;
-    const auto got = logged_losses(parts);
-    ASSERT_EQ(got.size(), 5u) << world << " ranks";
-    for (size_t i = 0; i < 5; ++i) EXPECT_NEAR(got[i], expected[i], 1e-5) << world << " ranks, step " << i + 1;
-  }
+  expect_resumes_at(args, parts, {1, 3}, expected, 0);
   io::remove_tree(whole);
   io::remove_tree(parts);
 }
@@ -882,14 +886,7 @@ TEST(DistributedTraining, WanRanksReproduceTheSingleProcessAndResumeAtOtherWorld
   ASSERT_EQ(r.code, 0) << r.output;
   const auto single = logged_losses(join_path(base, "streamed-one"));
   EXPECT_TRUE(io::path_exists(join_path(two, "checkpoints/step-0000003/shards/rank-00001-of-00002.safetensors")));
-  for (const char* world : {"1", "3"}) {
-    auto resumed = train(args + " --run-dir " + two + " --resume " + join_path(two, "checkpoints/step-0000003") +
-                         (std::string(world) == "1" ? "" : std::string(" --nproc-per-node ") + world));
-    ASSERT_EQ(resumed.code, 0) << resumed.output;
-    const auto got = logged_losses(two);
-    ASSERT_EQ(got.size(), 5u) << world << " ranks";
-    for (size_t i = 3; i < 5; ++i) EXPECT_NEAR(got[i], single[i], 1e-5) << world << " ranks, step " << i + 1;
-  }
+  expect_resumes_at(args, two, {1, 3}, single, 3);
   io::remove_tree(base);
 }
 
@@ -961,14 +958,7 @@ TEST(DistributedTraining, ContextParallelWanRanksReproduceTheSingleProcessAndRes
   auto r = train(args + " --run-dir " + two + " --nproc-per-node 2 --set distributed.context_parallel=2");
   ASSERT_EQ(r.code, 0) << r.output;
   const auto single = logged_losses(join_path(base, "streamed-one"));
-  for (const char* world : {"1", "2"}) {
-    auto resumed = train(args + " --run-dir " + two + " --resume " + join_path(two, "checkpoints/step-0000003") +
-                         (std::string(world) == "1" ? "" : std::string(" --nproc-per-node ") + world));
-    ASSERT_EQ(resumed.code, 0) << resumed.output;
-    const auto got = logged_losses(two);
-    ASSERT_EQ(got.size(), 5u) << world << " ranks";
-    for (size_t i = 3; i < 5; ++i) EXPECT_NEAR(got[i], single[i], 1e-5) << world << " ranks, step " << i + 1;
-  }
+  expect_resumes_at(args, two, {1, 2}, single, 3);
   io::remove_tree(base);
 }
 
