@@ -16,6 +16,7 @@
 #include "megaslide/model/wan.h"
 #include "megaslide/model/wan_weights.h"
 #include "megaslide/train/dit_family.h"
+#include "megaslide/train/distributed.h"
 #include "megaslide/train/wan_family.h"
 #include "megaslide/offload/host_param_store.h"
 #include "megaslide/offload/stack_trainer.h"
@@ -827,9 +828,8 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
   validate(global, "megaslide-plan");
   const int64_t R = world_size, n = global.distributed.context_parallel;
   if (R < 1) throw ConfigError("megaslide-plan", "--world-size", fmt::format("is {}; expected 1 or more ranks", R));
-  if (R % n != 0)
-    throw ConfigError("megaslide-plan", "--context-parallel",
-                      fmt::format("is {}, which does not divide the {} ranks of --world-size", n, R));
+  if (const std::string problem = context_parallel_problem(global, R); !problem.empty())
+    throw ConfigError("megaslide-plan", "--context-parallel", problem);
   const int64_t slices = R / n;  // data parallelism's
   if (global.train.batch_size % slices != 0) {
     throw ConfigError(
@@ -856,16 +856,11 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
   const ModelShape s = both ? two_experts(one) : one;
   const LoraShape lora = lora_shape(config);  // no adapters: full fine-tuning
   const TokenGrid grid = grid_of(config);
-  if (grid.t < n)
-    throw ConfigError("megaslide-plan", "--context-parallel",
-                      fmt::format("is {}: a sample of {} token frames cannot be split over {} ranks", n, grid.t, n));
-  const bool dense_attention =
-      wan ? config.model.self_attention != "dsa3d" : config.model.arch == Architecture::kDense3D;
-  const int64_t heads = wan ? config.model.wan.heads : config.model.heads;
-  if (n > 1 && dense_attention && heads % n != 0)
-    throw ConfigError("megaslide-plan", "--context-parallel",
-                      fmt::format("is {}, which does not divide the {} attention heads (Ulysses)", n, heads));
+  if (const std::string problem = context_parallel_problem(config, R, grid.t); !problem.empty())
+    throw ConfigError("megaslide-plan", "--context-parallel", problem);
   const TokenGrid local{(grid.t + n - 1) / n, grid.h, grid.w};  // rank 0's frames of a sample
+  const bool dsa = wan ? config.model.self_attention == "dsa3d" : config.model.arch == Architecture::kMegaSlide;
+  const bool dense_attention = wan ? !dsa : config.model.arch == Architecture::kDense3D;
   const auto& t = config.train;
   StepPlan p;
   p.arch = to_string(config.model.arch);
@@ -966,7 +961,6 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
   int64_t context_elements = 0;
   if (n > 1) {
     const int64_t B = t.batch_size, D = p.hidden, frame = grid.h * grid.w;
-    const bool dsa = wan ? config.model.self_attention == "dsa3d" : config.model.arch == Architecture::kMegaSlide;
     if (dense_attention) {
       p.context_exchange = "Ulysses all-to-all";
       context_elements = 4 * B * local.numel() * D * (n - 1) / n;  // q, k, v there, the output back
@@ -1071,7 +1065,7 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
     const double executed_attention = attention_flops * (p.streamed ? 4.0 / 3.0 : 1.0);
     tm.model_flops /= static_cast<double>(n);
     tm.executed_flops /= static_cast<double>(n);
-    if (p.context_exchange == "3D-DSA halo")
+    if (dsa)
       tm.executed_flops += executed_attention / static_cast<double>(n) * static_cast<double>(p.context_halo_frames) /
                            static_cast<double>(local.t);
     tm.context_s = static_cast<double>(p.context_bytes) / (hw.device_link_gbps * 1e9);

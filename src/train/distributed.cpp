@@ -484,13 +484,26 @@ void CommunicatorFrames::exchange(const std::vector<std::pair<int64_t, at::Tenso
   communicator_.exchange(shifted(sends), shifted(recvs));
 }
 
-void check_context_parallel(const DistributedConfig& config, int64_t world_size, const std::string& source) {
-  const int64_t n = config.context_parallel;
-  if (n > 1 && world_size % n != 0)
-    throw ConfigError(source, "distributed.context_parallel",
-                      fmt::format("{} does not divide the {} ranks of this run (groups of {} ranks share each sample; "
-                                  "data parallelism runs over the world size / {} groups)",
-                                  n, world_size, n, n));
+std::string context_parallel_problem(const RunConfig& config, int64_t world_size, int64_t token_frames) {
+  const int64_t n = config.distributed.context_parallel;
+  if (n == 1) return "";
+  if (world_size % n != 0)
+    return fmt::format(
+        "{} does not divide the {} ranks of this run (groups of {} ranks share each sample; data "
+        "parallelism runs over the world size / {} groups)",
+        n, world_size, n, n);
+  if (token_frames < 0) return "";
+  const bool wan = config.model.arch == Architecture::kWan;
+  const bool dense = wan ? config.model.self_attention != "dsa3d" : config.model.arch == Architecture::kDense3D;
+  const int64_t heads = wan ? config.model.wan.heads : config.model.heads;
+  if (dense && heads % n != 0)
+    return fmt::format(
+        "{} does not divide the model's {} attention heads: dense attention over a context-parallel "
+        "group (Ulysses) gives each rank heads / {}",
+        n, heads, n);
+  if (token_frames < n)
+    return fmt::format("{} ranks cannot share a sample of {} token frames (each rank needs one)", n, token_frames);
+  return "";
 }
 
 double CommunicatorFrames::max(double value) {

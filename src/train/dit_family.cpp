@@ -83,8 +83,8 @@ class DiTModel final : public FamilyModel {
     auto e = dit_->embed(b.xt, b.timesteps, text, b.text_mask, context_group_);  // this rank's frames
     auto h = e.tokens;
     for (const auto& block : *dit_->blocks) h = block->as<DiTBlockImpl>()->forward(h, e.ctx);
-    return context_parallel_loss(dit_->head(h, e.t_emb, e.ctx.local_grid()), b.target, {},
-                                 e.ctx.cp.begin() * config_.model.patch[0], e.ctx.cp.split.ranks);
+    return context_parallel_loss(dit_->head(h, e.t_emb, e.ctx.local_grid()), b.target, {}, e.ctx.cp,
+                                 config_.model.patch[0]);
   }
   offload::StackInput prologue(MicroBatchStats& stats) override {
     const auto b = batches_.next(device_);
@@ -103,10 +103,8 @@ class DiTModel final : public FamilyModel {
     return in;
   }
   at::Tensor epilogue(const at::Tensor& last_hidden) override {
-    const auto prediction = dit_->head(last_hidden, t_emb_, last_grid_);
-    if (!last_cp_.active()) return diffusion_loss(prediction, target_);
-    return context_parallel_loss(prediction, target_, {}, last_cp_.begin() * config_.model.patch[0],
-                                 last_cp_.split.ranks);
+    return context_parallel_loss(dit_->head(last_hidden, t_emb_, last_grid_), target_, {}, last_cp_,
+                                 config_.model.patch[0]);
   }
 
   std::string data_state() const override { return batches_.state(); }

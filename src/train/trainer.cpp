@@ -10,6 +10,7 @@
 #include <limits>
 #include <map>
 
+#include "megaslide/diffusion/ddpm.h"
 #include "megaslide/io/files.h"
 #include "megaslide/io/fp8.h"
 #include "megaslide/model/lora.h"
@@ -88,20 +89,22 @@ bool init_from_holds_adapters(const std::string& path) {
 }  // namespace
 
 at::Tensor context_parallel_loss(const at::Tensor& prediction, const at::Tensor& target, const at::Tensor& loss_mask,
-                                 int64_t first_frame, int64_t ranks) {
-  const int64_t frames = prediction.size(2);
+                                 const ops::ContextShard& cp, int64_t patch_frames) {
+  if (!cp.active() && !loss_mask.defined()) return diffusion_loss(prediction, target);
+  const int64_t frames = prediction.size(2), first_frame = cp.begin() * patch_frames;
+  const double ranks = cp.active() ? static_cast<double>(cp.split.ranks) : 1.0;
   TORCH_CHECK(prediction.dim() == 5 && target.dim() == 5 && first_frame >= 0 && first_frame + frames <= target.size(2),
               "context_parallel_loss: frames [", first_frame, ", ", first_frame + frames, ") of a target ",
               target.sizes());
   const auto mine = target.narrow(2, first_frame, frames).to(at::kFloat);
   const auto squared = (prediction.to(at::kFloat) - mine).square();
   if (!loss_mask.defined())  // the mean squared error's share: this rank's sum over the whole video's count
-    return squared.sum() * (static_cast<double>(ranks) / static_cast<double>(target.numel()));
-  // wan_training_loss's: each sample's kept elements of this rank over the sample's whole count.
+    return squared.sum() * (ranks / static_cast<double>(target.numel()));
+  // Each sample's kept elements (of this rank) over the sample's whole kept count.
   const auto weights = loss_mask.to(at::kFloat);
   const auto count = weights.expand_as(target).flatten(1).sum(1);  // [B]
   const auto part = (squared * weights.narrow(2, first_frame, frames)).flatten(1).sum(1);
-  return (part / count).mean() * static_cast<double>(ranks);
+  return cp.active() ? (part / count).mean() * ranks : (part / count).mean();
 }
 
 double learning_rate(const TrainConfig& t, int64_t step) {
@@ -147,22 +150,11 @@ Trainer::Trainer(const TrainerRequest& request)
   m.validation = request.validation;
   const int64_t world = communicator_ != nullptr ? communicator_->world_size() : 1;
   const int64_t cp = config_.distributed.context_parallel;
-  check_context_parallel(config_.distributed, world, request.source);
   if (cp > 1) {
-    const bool wan = config_.model.arch == Architecture::kWan;
-    const bool dense = wan ? config_.model.self_attention != "dsa3d" : config_.model.arch == Architecture::kDense3D;
-    const int64_t heads = wan ? config_.model.wan.heads : config_.model.heads;
-    if (dense && heads % cp != 0)
-      throw ConfigError(request.source, "distributed.context_parallel",
-                        fmt::format("{} does not divide the model's {} attention heads: dense attention over a "
-                                    "context-parallel group (Ulysses) gives each rank heads / {}",
-                                    cp, heads, cp));
     const auto shape = model_sample_shape(model_family(config_.model.arch).sample_config(config_));
-    const int64_t frames = shape[1] / (wan ? config_.model.wan.patch[0] : config_.model.patch[0]);
-    if (frames < cp)
-      throw ConfigError(
-          request.source, "distributed.context_parallel",
-          fmt::format("{} ranks cannot share a sample of {} token frames (each rank needs one)", cp, frames));
+    const int64_t pt = config_.model.arch == Architecture::kWan ? config_.model.wan.patch[0] : config_.model.patch[0];
+    if (const std::string problem = context_parallel_problem(config_, world, shape[1] / pt); !problem.empty())
+      throw ConfigError(request.source, "distributed.context_parallel", problem);
     context_group_ = std::make_unique<CommunicatorFrames>(*communicator_, communicator_->rank() / cp * cp, cp);
     m.context_group = context_group_.get();
   }

@@ -171,7 +171,8 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
               "is int8, whose moments cannot be sharded over the {} ranks launched (their quantisation groups start "
               "at each parameter's first element): use fp32 or bf16 (docs/distributed.md)",
               launch.world_size));
-    check_context_parallel(requested.distributed, launch.world_size, options.config_source);
+    if (const std::string problem = context_parallel_problem(requested, launch.world_size); !problem.empty())
+      throw ConfigError(options.config_source, "distributed.context_parallel", problem);
     // Data parallelism runs over the groups of distributed.context_parallel ranks (each group shares its slice).
     const int64_t slices = launch.world_size / requested.distributed.context_parallel;
     if (requested.train.batch_size % slices != 0)

@@ -406,12 +406,7 @@ double wan_model_flops_per_step(const RunConfig& c) {
 
 torch::Tensor wan_training_loss(const torch::Tensor& prediction, const torch::Tensor& target,
                                 const torch::Tensor& loss_mask) {
-  if (!loss_mask.defined()) return diffusion_loss(prediction, target);
-  // Each sample's mean over its kept elements, then the mean over the samples: the same however the batch
-  // is split into micro-batches or over ranks (samples keep different numbers of frames).
-  const auto weights = loss_mask.to(torch::kFloat32).expand_as(prediction);
-  const auto squared = (prediction.to(torch::kFloat32) - target.to(torch::kFloat32)).square() * weights;
-  return (squared.flatten(1).sum(1) / weights.flatten(1).sum(1)).mean();
+  return context_parallel_loss(prediction, target, loss_mask);
 }
 
 offload::StackInput WanStackSplit::prologue(const WanBatch& b) {
@@ -430,9 +425,7 @@ offload::StackInput WanStackSplit::prologue(const WanBatch& b) {
 }
 
 torch::Tensor WanStackSplit::epilogue(const torch::Tensor& last_hidden) {
-  const auto prediction = model->head(last_hidden, temb, grid);
-  if (!cp.active()) return wan_training_loss(prediction, target, loss_mask);
-  return context_parallel_loss(prediction, target, loss_mask, cp.begin() * model->options.patch()[0], cp.split.ranks);
+  return context_parallel_loss(model->head(last_hidden, temb, grid), target, loss_mask, cp, model->options.patch()[0]);
 }
 
 torch::Tensor WanStackSplit::loss(const WanBatch& b) {
@@ -441,8 +434,8 @@ torch::Tensor WanStackSplit::loss(const WanBatch& b) {
   auto e = model->embed(b.input(), b.timesteps, b.text, b.image, group);
   auto h = e.tokens;
   for (const auto& block : *model->blocks) h = block->as<WanBlockImpl>()->forward(h, e.ctx);
-  return context_parallel_loss(model->head(h, e.temb, e.ctx.local_grid()), b.target, b.loss_mask,
-                               e.ctx.cp.begin() * model->options.patch()[0], e.ctx.cp.split.ranks);
+  return context_parallel_loss(model->head(h, e.temb, e.ctx.local_grid()), b.target, b.loss_mask, e.ctx.cp,
+                               model->options.patch()[0]);
 }
 
 offload::StackStepResult wan_streamed_step(offload::StreamedStackTrainer& engine, WanTransformer& model,

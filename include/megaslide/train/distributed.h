@@ -140,9 +140,10 @@ class CommunicatorFrames final : public ops::FrameExchange {
   int64_t first_ = 0, size_ = 1;
 };
 
-// distributed.context_parallel over `world_size` ranks: throws ConfigError naming the key (in `source`) unless it
-// divides the world size.
-void check_context_parallel(const DistributedConfig& config, int64_t world_size, const std::string& source);
+// What is wrong with distributed.context_parallel (n) for `world_size` ranks: n must divide them and, when a
+// sample's token frames are given (`token_frames` >= 0), be at most that many and divide the heads of dense
+// attention (Ulysses: Wan's dense attention, Dense3DDiT). "" when nothing is; the caller reports it under its key.
+std::string context_parallel_problem(const RunConfig& config, int64_t world_size, int64_t token_frames = -1);
 
 // Data parallelism's slices of a global batch: throws std::invalid_argument unless 0 <= rank <
 // world_size and world_size divides batch_size (train.batch_size, named in the message). Every family's

@@ -58,18 +58,19 @@ struct ModelRequest {
   bool validation = false;               // this rank writes validation videos (train.sample_every > 0)
   // Context parallelism (distributed.context_parallel > 1): the group this rank shares its samples with. Each
   // micro-batch's sample frames are split over it (FrameSplit::balanced of the token frames); the family runs
-  // this rank's frames and returns context_parallel_loss of them. Null: whole samples.
+  // this rank's frames and returns their context_parallel_loss. Null: whole samples.
   ops::FrameExchange* context_group = nullptr;
 };
 
-// A context-parallel rank's loss (docs/distributed.md, "Context parallelism"): `prediction` [B, C, T_r, H, W] is
-// this rank's frames [first_frame, first_frame + T_r) of the whole video's, `target` [B, C, T, H, W] and
-// `loss_mask` ([B, 1, T, 1, 1] float, or undefined) the whole video's. Returns `ranks` × this rank's part of the
-// whole video's loss (wan_training_loss with a mask, else the mean squared error, in fp32): summed over the
-// group, the part is the whole loss, so the mean over the world that data parallelism takes of every rank's loss
-// and gradients is the single process's.
+// The training loss of `prediction` for `target` [B, C, T, H, W] in fp32: the mean squared error (diffusion_loss);
+// with `loss_mask` ([B, 1, T, 1, 1] float) each sample's mean over the elements it keeps, averaged over the
+// samples (the same for any split of the batch). Over a context-parallel group (`cp` active; docs/distributed.md,
+// "Context parallelism") `prediction` holds this rank's token frames cp.begin()… of the whole video's
+// (`patch_frames` latent frames each) and the result is the group size × this rank's part of the whole video's
+// loss: summed over the group, the parts are the whole loss, so the mean over the world that data parallelism
+// takes of every rank's loss and gradients is the single process's.
 at::Tensor context_parallel_loss(const at::Tensor& prediction, const at::Tensor& target, const at::Tensor& loss_mask,
-                                 int64_t first_frame, int64_t ranks);
+                                 const ops::ContextShard& cp = {}, int64_t patch_frames = 1);
 
 // A part of a model trained on its own steps (Wan2.2's two experts, model.wan.expert: both): each step
 // trains one part, which the family picks; the step's gradient and update reach that part only (the
