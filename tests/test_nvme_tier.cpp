@@ -220,21 +220,27 @@ TEST_P(NvmeTier, IsTheRamTierBitForBit) {
   const std::string dir = scratch("same-" + v.name);
   auto ram = trainer_of(tiny(v.family, "ram", dir, v.sets));
   auto nvme = trainer_of(tiny(v.family, "nvme", dir, v.sets));
-  ASSERT_TRUE(nvme->engine()->store().paged());
+  const auto& store = nvme->engine()->store();
+  ASSERT_TRUE(store.paged());
   ASSERT_FALSE(ram->engine()->store().paged());
-  for (int i = 0; i < 3; ++i) {
+  const auto before = store.nvme_stats();
+  const int steps = 3;
+  for (int i = 0; i < steps; ++i) {
     const auto a = ram->step(), b = nvme->step();
     EXPECT_EQ(a.loss, b.loss) << "step " << i + 1;
     EXPECT_EQ(a.grad_norm, b.grad_norm) << "step " << i + 1;
     EXPECT_EQ(a.skipped, b.skipped) << "step " << i + 1;
     EXPECT_TRUE(b.nvme);
     EXPECT_FALSE(a.nvme);
-    if (i > 0 && !b.skipped) {
-      EXPECT_GT(b.nvme_read_bytes, 0) << "step " << i + 1;
-      // Each block read once a step (deferred updates of the previous step may finish during this one).
-      EXPECT_LE(b.nvme_read_bytes, 2 * nvme->engine()->store().memory_report().nvme_bytes);
-    }
   }
+  // A step's figures count the reads that completed during it: the reads ahead of deferred updates land in
+  // this step's or the next one's, as the I/O thread is scheduled. Over the run, once its I/O is done, each
+  // block's state was read at least in the first step and at most once a step (4 KiB-aligned regions).
+  nvme->synchronize();
+  const auto after = store.nvme_stats();
+  const int64_t file_bytes = store.memory_report().nvme_bytes;
+  EXPECT_GE(after.read_bytes - before.read_bytes, file_bytes);
+  EXPECT_LE(after.read_bytes - before.read_bytes, steps * file_bytes);
   expect_same_state(full_state(*ram), full_state(*nvme));
   io::remove_tree(dir);
 }
@@ -323,7 +329,10 @@ TEST(NvmeTierRuns, TheSmokeRunOnNvmeLogsTheRamTiersLosses) {
     ASSERT_EQ(values.size(), 8u);
     for (const auto& value : values) EXPECT_FALSE(value.empty()) << key << " missing from metrics.jsonl";
   }
-  EXPECT_NE(logged(nvme, "nvme_read_bytes").back(), "0");
+  // Which step a read ahead of a deferred update is counted in depends on the I/O thread's timing; the run reads.
+  int64_t reads = 0;
+  for (const auto& value : logged(nvme, "nvme_read_bytes")) reads += std::stoll(value);
+  EXPECT_GT(reads, 0);
   EXPECT_EQ(logged(ram, "nvme_read_bytes").back(), "") << "the RAM tier logs no NVMe figures";
   io::remove_tree(dir);
 }
