@@ -13,7 +13,9 @@
 // processes hits all of them alike. The last line is one JSON object (fp32 keys unprefixed, the others
 // prefixed bf16_ and int8_).
 //
-//   build/bin/bench_cpu_adamw [--params N] [--threads T] [--reps R] [--torch-reps R]
+// --path picks the SIMD path (auto: the widest the CPU has), so one machine times AVX-512 and AVX2 alike.
+//
+//   build/bin/bench_cpu_adamw [--params N] [--threads T] [--reps R] [--torch-reps R] [--path auto|avx512|avx2|scalar]
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -54,6 +56,12 @@ int64_t int_flag(int argc, char** argv, const char* name, int64_t fallback) {
   return fallback;
 }
 
+const char* string_flag(int argc, char** argv, const char* name, const char* fallback) {
+  for (int i = 1; i + 1 < argc; ++i)
+    if (std::strcmp(argv[i], name) == 0) return argv[i + 1];
+  return fallback;
+}
+
 }  // namespace
 
 using megaslide::offload::StateDtype;
@@ -72,6 +80,20 @@ int main(int argc, char** argv) {
   const int threads = static_cast<int>(int_flag(argc, argv, "--threads", 2));
   const int reps = static_cast<int>(int_flag(argc, argv, "--reps", 20));
   const int torch_reps = static_cast<int>(int_flag(argc, argv, "--torch-reps", 5));
+  using megaslide::offload::SimdPath;
+  const std::string path_name = string_flag(argc, argv, "--path", "auto");
+  SimdPath path = SimdPath::kAuto;
+  if (path_name == "avx512") path = SimdPath::kAvx512;
+  else if (path_name == "avx2") path = SimdPath::kAvx2;
+  else if (path_name == "scalar") path = SimdPath::kScalar;
+  else if (path_name != "auto") {
+    std::fprintf(stderr, "bench_cpu_adamw: --path %s: expected auto, avx512, avx2 or scalar\n", path_name.c_str());
+    return 2;
+  }
+  if (!CpuAdamW::supported(path)) {
+    std::fprintf(stderr, "bench_cpu_adamw: --path %s: this CPU lacks it\n", path_name.c_str());
+    return 2;
+  }
   const megaslide::offload::AdamWOptions options;  // LibTorch's defaults, weight decay 1e-2
   const double lr = 1e-3;
 
@@ -117,8 +139,8 @@ int main(int argc, char** argv) {
                                                .eps(options.eps)
                                                .weight_decay(options.weight_decay));
 
-  CpuAdamW adamw(options, threads);
-  CpuAdamW adamw_1thread(options, 1);
+  CpuAdamW adamw(options, threads, path);
+  CpuAdamW adamw_1thread(options, 1, path);
   // One untimed pass each, so no page is touched for the first time inside a timing.
   int64_t step = 1;
   for (auto& r : runs) {

@@ -125,6 +125,31 @@ MEGASLIDE_SIMD_INLINE Moments<Simd> adamw_core(const AdamWKernelParams& p, const
   return {m, v, u};
 }
 
+// Software prefetch of the arrays kPrefetchElements ahead of element i, one request per 64-byte line.
+constexpr int64_t kPrefetchElements = 1024;
+template <class Simd, GradType G, ComputeType C, StateType S>
+MEGASLIDE_SIMD_INLINE void prefetch_ahead(const AdamWKernelParams& p, int64_t i) {
+  const int64_t j = i + kPrefetchElements;
+  if (j % 16 < Simd::kLanes) __builtin_prefetch(p.master + j, 1, 3);
+  if (j % 32 < Simd::kLanes) {
+    if constexpr (G != GradType::kFloat32) __builtin_prefetch(static_cast<const uint16_t*>(p.grad) + j, 0, 3);
+    if constexpr (S == StateType::kBFloat16) {
+      __builtin_prefetch(static_cast<const uint16_t*>(p.exp_avg) + j, 1, 3);
+      __builtin_prefetch(static_cast<const uint16_t*>(p.exp_avg_sq) + j, 1, 3);
+    }
+  }
+  if constexpr (S == StateType::kFloat32)
+    if (j % 16 < Simd::kLanes) {
+      __builtin_prefetch(static_cast<const float*>(p.exp_avg) + j, 1, 3);
+      __builtin_prefetch(static_cast<const float*>(p.exp_avg_sq) + j, 1, 3);
+    }
+  if constexpr (S == StateType::kInt8)
+    if (j % 64 < Simd::kLanes) {
+      __builtin_prefetch(static_cast<const int8_t*>(p.exp_avg) + j, 1, 3);
+      __builtin_prefetch(static_cast<const uint8_t*>(p.exp_avg_sq) + j, 1, 3);
+    }
+}
+
 template <class Simd, GradType G, ComputeType C, StateType S, bool kStream>
 MEGASLIDE_SIMD_INLINE void adamw_vector(const AdamWKernelParams& p, const Constants<Simd>& c, int64_t i,
                                         typename Simd::Mask k) {
@@ -163,7 +188,10 @@ inline void adamw_int8_group(const AdamWKernelParams& p, const Constants<Simd>& 
     u_max = Simd::max(u_max, r.u);
   };
   int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) update(j, Simd::all(), std::bool_constant<kStream>{});
+  for (; j + kLanes <= n; j += kLanes) {
+    prefetch_ahead<Simd, G, C, StateType::kInt8>(p, begin + j);
+    update(j, Simd::all(), std::bool_constant<kStream>{});
+  }
   // Streaming stores need whole vectors; a partial one takes the ordinary store.
   if (j < n) update(j, Simd::first(n - j), std::false_type{});
   const float m_amax = Simd::max_lane(m_max), u_amax = Simd::max_lane(u_max);
@@ -200,10 +228,16 @@ void adamw_typed(const AdamWKernelParams& p, int64_t begin, int64_t end) {
   } else {
     int64_t i = begin;
     if (stream) {
-      for (; i + kLanes <= end; i += kLanes) adamw_vector<Simd, G, C, S, true>(p, c, i, Simd::all());
+      for (; i + kLanes <= end; i += kLanes) {
+        prefetch_ahead<Simd, G, C, S>(p, i);
+        adamw_vector<Simd, G, C, S, true>(p, c, i, Simd::all());
+      }
       Simd::store_fence();  // streaming stores are weakly ordered: publish them before the caller signals done
     } else {
-      for (; i + kLanes <= end; i += kLanes) adamw_vector<Simd, G, C, S, false>(p, c, i, Simd::all());
+      for (; i + kLanes <= end; i += kLanes) {
+        prefetch_ahead<Simd, G, C, S>(p, i);
+        adamw_vector<Simd, G, C, S, false>(p, c, i, Simd::all());
+      }
     }
     if (i < end) adamw_vector<Simd, G, C, S, false>(p, c, i, Simd::first(end - i));
   }
