@@ -8,6 +8,7 @@
 #include <climits>
 #include <cstdio>
 #include <functional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -413,6 +414,47 @@ TEST(Dsa3d, FusedCpuFloat16MatchesFloat32Reference) {
   expect_results_close(run_kernel(in16, pb.kernel, ms::DsaImpl::kCpu),
                        run_kernel(cast(in16, torch::kFloat, torch::kFloat), pb.kernel, ms::DsaImpl::kReference), 0,
                        2e-3);
+}
+
+// The fused CPU kernels' loops are compiled once per instruction set (baseline x86-64, AVX2, AVX-512) and
+// CPUID picks one: every path this CPU has, forced in turn, equals the reference — float64 to 1e-12,
+// float32 to 1e-5, bfloat16 to 1e-2 of the largest value — with a group's channels (heads × d) both shorter
+// than the kernels' 16-channel chunk (2 × 6) and spanning chunks with a tail (2 × 20 = 40).
+TEST(Dsa3d, FusedCpuMatchesReferenceOnEveryInstructionSet) {
+  namespace detail = megaslide::ops::detail;
+  struct Restore {
+    ~Restore() { detail::set_dsa3d_cpu_isa(detail::Dsa3dCpuIsa::kAuto); }
+  } restore;
+  int paths = 0;
+  for (const auto isa : {detail::Dsa3dCpuIsa::kBaseline, detail::Dsa3dCpuIsa::kAvx2, detail::Dsa3dCpuIsa::kAvx512}) {
+    try {
+      detail::set_dsa3d_cpu_isa(isa);
+    } catch (const std::invalid_argument&) {
+      continue;  // this CPU lacks it
+    }
+    ++paths;
+    ASSERT_EQ(detail::dsa3d_cpu_isa(), isa);
+    SCOPED_TRACE(detail::to_string(isa));
+    for (const int64_t d : {6, 20}) {
+      SCOPED_TRACE("d = " + std::to_string(d));
+      Problem pb;
+      pb.B = 2, pb.T = 3, pb.H = 5, pb.W = 4, pb.M = 4, pb.d = d, pb.G = 2;
+      pb.kernel = {3, 3, 3};
+      const auto in = make_inputs(pb, torch::kDouble, Offsets::kRandom, 21);
+      expect_results_close(run_kernel(in, pb.kernel, ms::DsaImpl::kCpu),
+                           run_kernel(in, pb.kernel, ms::DsaImpl::kReference), 1e-12, 0);
+      const auto in32 = make_inputs(pb, torch::kFloat, Offsets::kRandom, 22);
+      expect_results_close(run_kernel(in32, pb.kernel, ms::DsaImpl::kCpu),
+                           run_kernel(in32, pb.kernel, ms::DsaImpl::kReference), 0, 1e-5);
+      const auto in16 = cast(in32, torch::kBFloat16, torch::kFloat);
+      expect_results_close(run_kernel(in16, pb.kernel, ms::DsaImpl::kCpu),
+                           run_kernel(cast(in16, torch::kFloat, torch::kFloat), pb.kernel, ms::DsaImpl::kReference), 0,
+                           1e-2);
+    }
+  }
+  EXPECT_GE(paths, 1);
+  detail::set_dsa3d_cpu_isa(detail::Dsa3dCpuIsa::kAuto);
+  EXPECT_NE(detail::dsa3d_cpu_isa(), detail::Dsa3dCpuIsa::kAuto) << "the one in use is a real path";
 }
 
 namespace {

@@ -1,6 +1,10 @@
-// Fused 3D-DSA on the CPU (docs/3d-dsa.md). Never materialises the N·K·d sampled keys and values: each
-// query walks its K samples with an online softmax, reading the 8 trilinear corners of each sample
-// straight from k and v. The backward recomputes the samples from the saved log-sum-exp.
+// Fused 3D-DSA on the CPU (docs/3d-dsa.md). Never materialises the N·K·d sampled keys and values. Work is
+// per (token, offset group): the K sample points are computed once and serve every head of the group, whose
+// channels are contiguous in q, k and v (heads of the group × d), so each corner row is one run of vector
+// loads. The forward interpolates the group's key row at each sample (8 corners, straight from k), takes
+// every head's logit, then in a second pass the exponentials against each head's maximum weight the
+// interpolated value rows. The backward recomputes per sample and corner each head's q·k and dout·v from the
+// saved log-sum-exp and adds the corner's dq, dk and dv rows in one pass over the group's channels.
 //
 // Parallelism and determinism:
 //   forward   at::parallel_for over tokens; every output element is written by one thread.
@@ -12,46 +16,127 @@
 //             its heads, so each element is summed by one thread in token order, and the per-batch
 //             dbias partials are added in batch order. Bit-identical for any thread count, but only
 //             B·G units run in parallel.
-// Inner loops over d use 8 independent partial sums, a fixed order the compiler vectorises without
-// -ffast-math.
+// The loops are written once and compiled three times (baseline x86-64, AVX2, AVX-512: see the entry points);
+// within a path, the order of every sum is fixed, so the results above hold per path.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include "attention/dsa3d_math.h"
 #include "attention/dsa3d_params.h"
+#include "util/cpu_features.h"
 
 namespace megaslide::ops::detail {
 namespace {
 
-using dsa3d_math::corner_sum;
-using dsa3d_math::OnlineSoftmax;
 using dsa3d_math::Sample;
 
-// x · y over d elements, x in the input type, y already in acc_t.
+// The hot loops are inlined into one entry point per instruction set (forward_tokens_* and
+// backward_tokens_* below): the library is built for baseline x86-64, and the entry points for AVX2 and
+// AVX-512 recompile the same loops for those units; dsa3d_forward_cpu picks one from CPUID.
+#define MEGASLIDE_DSA_INLINE inline __attribute__((always_inline))
+
+// x widened to acc_t.
+template <typename acc_t, typename scalar_t>
+MEGASLIDE_DSA_INLINE acc_t widen(scalar_t x) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    const uint32_t bits = static_cast<uint32_t>(x.x) << 16;  // exact: bf16 is the top half of an fp32
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+  } else {
+    return static_cast<acc_t>(x);
+  }
+}
+
+// N-lane fp32 vectors (GCC vector extensions): each entry point compiles them to its own registers (one
+// zmm, two ymm or four xmm for 16 lanes). Only the float accumulation type takes them; float64 runs the
+// scalar loops. Every helper is inlined, so no vector crosses a call (-Wpsabi warns about an ABI nobody uses).
+#pragma GCC diagnostic ignored "-Wpsabi"
+template <int N>
+struct Lanes {
+  typedef float F __attribute__((vector_size(4 * N)));
+  typedef uint16_t U16 __attribute__((vector_size(2 * N)));
+  typedef uint32_t U32 __attribute__((vector_size(4 * N)));
+};
+
+// N elements from x widened to fp32 (bf16: exact, a shift; fp16: lane by lane).
+template <int N, typename scalar_t>
+MEGASLIDE_DSA_INLINE typename Lanes<N>::F vload(const scalar_t* x) {
+  typename Lanes<N>::F f;
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    std::memcpy(&f, x, sizeof f);
+  } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    typename Lanes<N>::U16 h;
+    std::memcpy(&h, x, sizeof h);
+    const typename Lanes<N>::U32 bits = __builtin_convertvector(h, typename Lanes<N>::U32) << 16;
+    std::memcpy(&f, &bits, sizeof f);
+  } else {
+    for (int i = 0; i < N; ++i) f[i] = static_cast<float>(x[i]);
+  }
+  return f;
+}
+
+template <int N>
+MEGASLIDE_DSA_INLINE void vstore(float* x, typename Lanes<N>::F f) {
+  std::memcpy(x, &f, sizeof f);
+}
+
+template <int N>
+MEGASLIDE_DSA_INLINE float vsum(typename Lanes<N>::F f) {
+  if constexpr (N == 1) {
+    return f[0];
+  } else {
+    typename Lanes<N / 2>::F lo, hi;
+    std::memcpy(&lo, &f, sizeof lo);
+    std::memcpy(&hi, reinterpret_cast<const char*>(&f) + sizeof lo, sizeof hi);
+    return vsum<N / 2>(lo + hi);
+  }
+}
+
+// x · y over d elements, x in the input type, y already in acc_t: 8 partial sums in a fixed order, which
+// vectorises without -ffast-math.
 template <typename scalar_t, typename acc_t>
-inline acc_t dot(const scalar_t* x, const acc_t* y, int64_t d) {
+MEGASLIDE_DSA_INLINE acc_t dot(const scalar_t* x, const acc_t* y, int64_t d) {
   acc_t s[8] = {};
   int64_t c = 0;
   for (; c + 8 <= d; c += 8)
-    for (int u = 0; u < 8; ++u) s[u] += static_cast<acc_t>(x[c + u]) * y[c + u];
+    for (int u = 0; u < 8; ++u) s[u] += widen<acc_t>(x[c + u]) * y[c + u];
   acc_t tail = 0;
-  for (; c < d; ++c) tail += static_cast<acc_t>(x[c]) * y[c];
+  for (; c < d; ++c) tail += widen<acc_t>(x[c]) * y[c];
   return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7])) + tail;
 }
 
-// y += a · x over d elements.
+// The same product for one head's d channels, in vectors of 16 or 8 lanes where d allows (fp32 accumulation).
 template <typename scalar_t, typename acc_t>
-inline void axpy(acc_t a, const scalar_t* x, acc_t* y, int64_t d) {
-  for (int64_t c = 0; c < d; ++c) y[c] += a * static_cast<acc_t>(x[c]);
+MEGASLIDE_DSA_INLINE acc_t head_dot(const scalar_t* x, const acc_t* y, int64_t d) {
+  if constexpr (std::is_same_v<acc_t, float>) {
+    if (d % 16 == 0) {
+      typename Lanes<16>::F a = {};
+      for (int64_t e = 0; e < d; e += 16) a += vload<16>(x + e) * vload<16>(y + e);
+      return vsum<16>(a);
+    }
+    if (d % 8 == 0) {
+      typename Lanes<8>::F a = {};
+      for (int64_t e = 0; e < d; e += 8) a += vload<8>(x + e) * vload<8>(y + e);
+      return vsum<8>(a);
+    }
+  }
+  return dot(x, y, d);
 }
 
 template <typename scalar_t, typename acc_t>
-inline void load(const scalar_t* x, acc_t* y, int64_t d) {
-  for (int64_t c = 0; c < d; ++c) y[c] = static_cast<acc_t>(x[c]);
+MEGASLIDE_DSA_INLINE void load(const scalar_t* x, acc_t* y, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) y[c] = widen<acc_t>(x[c]);
 }
 
 struct TokenCoord {
@@ -71,18 +156,135 @@ inline TokenCoord coord_of(const Dsa3dShape& s, int64_t bn) {
 
 // The K samples of offset group g for token bn.
 template <typename acc_t>
-inline void group_samples(const Dsa3dShape& s, const acc_t* offsets, const TokenCoord& tc, int64_t bn, int64_t g,
-                          Sample<acc_t>* samples) {
+MEGASLIDE_DSA_INLINE void group_samples(const Dsa3dShape& s, const acc_t* offsets, const TokenCoord& tc, int64_t bn,
+                                        int64_t g, Sample<acc_t>* samples) {
   const acc_t* off = offsets + (bn * s.G + g) * s.K * 3;
   for (int64_t j = 0; j < s.K; ++j)
     dsa3d_math::token_sample<acc_t>(tc.t, tc.h, tc.w, j, off[3 * j], off[3 * j + 1], off[3 * j + 2], s.T, s.H, s.W,
                                     s.kt, s.kh, s.kw, samples[j]);
 }
 
+// The forward needs a sample's corners and weights only, not their derivatives: dsa3d_math::trilinear_sample's
+// indices and weights, computed the same way.
+template <typename acc_t>
+struct Point {
+  int64_t index[8];
+  acc_t weight[8];
+};
+
+template <typename acc_t>
+MEGASLIDE_DSA_INLINE void group_points(const Dsa3dShape& s, const acc_t* offsets, const TokenCoord& tc, int64_t bn,
+                                       int64_t g, Point<acc_t>* points) {
+  const acc_t* off = offsets + (bn * s.G + g) * s.K * 3;
+  const int64_t t0 = dsa3d_math::window_start(tc.t, s.kt, s.T), h0 = dsa3d_math::window_start(tc.h, s.kh, s.H),
+                w0 = dsa3d_math::window_start(tc.w, s.kw, s.W);
+  for (int64_t j = 0; j < s.K; ++j) {
+    int64_t rt, rh, rw;
+    dsa3d_math::regular_offset(j, s.kh, s.kw, rt, rh, rw);
+    const auto at = dsa3d_math::sample_axis(acc_t(t0 + rt) + off[3 * j], s.T);
+    const auto ah = dsa3d_math::sample_axis(acc_t(h0 + rh) + off[3 * j + 1], s.H);
+    const auto aw = dsa3d_math::sample_axis(acc_t(w0 + rw) + off[3 * j + 2], s.W);
+    Point<acc_t>& pt = points[j];
+    for (int c = 0; c < 8; ++c) {
+      const bool ut = (c >> 2) & 1, uh = (c >> 1) & 1, uw = c & 1;
+      pt.index[c] = ((ut ? at.i1 : at.i0) * s.H + (uh ? ah.i1 : ah.i0)) * s.W + (uw ? aw.i1 : aw.i0);
+      pt.weight[c] = (uw ? aw.w1 : aw.w0) * (uh ? ah.w1 : ah.w0) * (ut ? at.w1 : at.w0);
+    }
+  }
+}
+
+// out[0, L) = Σ_c weight[c] · rows[corner c][0, L): the sample's interpolated row of a group's heads (they are
+// contiguous: L = heads of the group × d). Zero-weight corners (integer positions) are skipped. The sum runs
+// in registers, kChunk channels at a time, each channel's terms in corner order.
+// kAccumulate: out += coef · (the interpolated row) instead (coef per channel).
+constexpr int kChunk = 16;
+template <bool kAccumulate = false, typename scalar_t, typename acc_t, typename SampleT>
+MEGASLIDE_DSA_INLINE void interpolate(const scalar_t* base, const SampleT& sp, int64_t row_stride, int64_t L,
+                                      acc_t* __restrict out, const acc_t* __restrict coef = nullptr) {
+  const scalar_t* rows[8];
+  acc_t w[8];
+  int n = 0;
+  for (int c = 0; c < 8; ++c)
+    if (sp.weight[c] != acc_t(0)) {
+      rows[n] = base + sp.index[c] * row_stride;
+      w[n++] = sp.weight[c];
+    }
+  int64_t e = 0;
+  if constexpr (std::is_same_v<acc_t, float>) {
+    for (; e + kChunk <= L; e += kChunk) {
+      typename Lanes<kChunk>::F a = {};
+      for (int c = 0; c < n; ++c) a += w[c] * vload<kChunk>(rows[c] + e);
+      if constexpr (kAccumulate) {
+        vstore<kChunk>(out + e, vload<kChunk>(out + e) + vload<kChunk>(coef + e) * a);
+      } else {
+        vstore<kChunk>(out + e, a);
+      }
+    }
+  }
+  for (; e < L; ++e) {
+    acc_t a = 0;
+    for (int c = 0; c < n; ++c) a += w[c] * widen<acc_t>(rows[c][e]);
+    if constexpr (kAccumulate) {
+      out[e] += coef[e] * a;
+    } else {
+      out[e] = a;
+    }
+  }
+}
+
+// A sample's share of the gradients over the group's L channels, corner by corner: dq += a·k, dk += a·q,
+// dv += b·dout with a = dq_coef·w and b = prob·w per channel (dq_lane, prob_lane: each head's coefficient on
+// its channels). Zero-weight corners are skipped. dq stays in registers across the corners; two corners may
+// share a row (at the border), so each corner's dk and dv are read after the previous one's are stored.
 template <typename scalar_t, typename acc_t>
-void forward_impl(const Dsa3dForwardParams& p) {
+MEGASLIDE_DSA_INLINE void sample_gradients(const Sample<acc_t>& sp, int64_t row_stride, int64_t L, const scalar_t* kb,
+                                           acc_t* dkb, acc_t* dvb, const acc_t* dq_lane, const acc_t* prob_lane,
+                                           const acc_t* q_row, const acc_t* dout_row, acc_t* dq_row) {
+  const scalar_t* k_rows[8];
+  acc_t *dk_rows[8], *dv_rows[8];
+  acc_t w[8];
+  int n = 0;
+  for (int c = 0; c < 8; ++c)
+    if (sp.weight[c] != acc_t(0)) {
+      const int64_t offset = sp.index[c] * row_stride;
+      k_rows[n] = kb + offset;
+      dk_rows[n] = dkb + offset;
+      dv_rows[n] = dvb + offset;
+      w[n++] = sp.weight[c];
+    }
+  int64_t e = 0;
+  if constexpr (std::is_same_v<acc_t, float>) {
+    using F = typename Lanes<kChunk>::F;
+    for (; e + kChunk <= L; e += kChunk) {
+      const F a = vload<kChunk>(dq_lane + e), b = vload<kChunk>(prob_lane + e);
+      const F qv = vload<kChunk>(q_row + e), dov = vload<kChunk>(dout_row + e);
+      F dqv = vload<kChunk>(dq_row + e);
+      for (int c = 0; c < n; ++c) {
+        const F aw = a * w[c];
+        dqv += aw * vload<kChunk>(k_rows[c] + e);
+        vstore<kChunk>(dk_rows[c] + e, vload<kChunk>(dk_rows[c] + e) + aw * qv);
+        vstore<kChunk>(dv_rows[c] + e, vload<kChunk>(dv_rows[c] + e) + (b * w[c]) * dov);
+      }
+      vstore<kChunk>(dq_row + e, dqv);
+    }
+  }
+  for (; e < L; ++e)
+    for (int c = 0; c < n; ++c) {
+      const acc_t aw = dq_lane[e] * w[c];
+      dq_row[e] += aw * widen<acc_t>(k_rows[c][e]);
+      dk_rows[c][e] += aw * q_row[e];
+      dv_rows[c][e] += (prob_lane[e] * w[c]) * dout_row[e];
+    }
+}
+
+// Forward of tokens [begin, end), every offset group: per (token, group) the K samples are computed once and
+// serve all the group's heads at once. Two passes over the samples: the logits of every head (q against the
+// interpolated key row), then the exponentials against each head's maximum, weighting the interpolated value
+// rows; one exponential per (head, sample).
+template <typename scalar_t, typename acc_t>
+MEGASLIDE_DSA_INLINE void forward_tokens(const Dsa3dForwardParams& p, int64_t begin, int64_t end) {
   const Dsa3dShape& s = p.shape;
-  const int64_t N = s.tokens(), M = s.M, d = s.d, K = s.K, Mg = s.M / s.G;
+  const int64_t N = s.tokens(), M = s.M, d = s.d, K = s.K, Mg = s.M / s.G, L = Mg * d;
   const auto* q = static_cast<const scalar_t*>(p.q);
   const auto* k = static_cast<const scalar_t*>(p.k);
   const auto* v = static_cast<const scalar_t*>(p.v);
@@ -92,50 +294,55 @@ void forward_impl(const Dsa3dForwardParams& p) {
   auto* lse = static_cast<acc_t*>(p.lse);
   const acc_t scale = static_cast<acc_t>(s.scale);
 
-  at::parallel_for(0, s.B * N, 1, [&](int64_t begin, int64_t end) {
-    std::vector<Sample<acc_t>> samples(K);
-    std::vector<acc_t> qf(d), acc(d);
-    acc_t qk[8];
-    for (int64_t bn = begin; bn < end; ++bn) {
-      const TokenCoord tc = coord_of(s, bn);
-      const scalar_t* kb = k + tc.b * N * M * d;
-      const scalar_t* vb = v + tc.b * N * M * d;
-      for (int64_t g = 0; g < s.G; ++g) {
-        group_samples(s, offsets, tc, bn, g, samples.data());
-        for (int64_t m = g * Mg; m < (g + 1) * Mg; ++m) {
-          load(q + (bn * M + m) * d, qf.data(), d);
-          std::fill(acc.begin(), acc.end(), acc_t(0));
-          OnlineSoftmax<acc_t> softmax;
-          for (int64_t j = 0; j < K; ++j) {
-            const Sample<acc_t>& sp = samples[j];
-            // Zero-weight corners (integer positions) are skipped: their contribution is exactly 0.
-            for (int c = 0; c < 8; ++c)
-              qk[c] = sp.weight[c] == acc_t(0) ? acc_t(0) : dot(kb + (sp.index[c] * M + m) * d, qf.data(), d);
-            const acc_t logit = corner_sum(sp.weight, qk) * scale + (bias ? bias[m * K + j] : acc_t(0));
-            acc_t prob;
-            const acc_t rescale = softmax.add(logit, prob);
-            if (rescale != acc_t(1))
-              for (int64_t c = 0; c < d; ++c) acc[c] *= rescale;
-            for (int c = 0; c < 8; ++c)
-              if (sp.weight[c] != acc_t(0)) axpy(prob * sp.weight[c], vb + (sp.index[c] * M + m) * d, acc.data(), d);
-          }
-          const acc_t inv_sum = acc_t(1) / softmax.sum;
-          scalar_t* o = out + (bn * M + m) * d;
-          for (int64_t c = 0; c < d; ++c) o[c] = static_cast<scalar_t>(acc[c] * inv_sum);
-          lse[bn * M + m] = softmax.log_sum_exp();
+  std::vector<Point<acc_t>> samples(K);
+  std::vector<acc_t> qf(L), row(L), acc(L), prob_lanes(L), logits(Mg * K), max(Mg), sum(Mg);
+  for (int64_t bn = begin; bn < end; ++bn) {
+    const TokenCoord tc = coord_of(s, bn);
+    for (int64_t g = 0; g < s.G; ++g) {
+      group_points(s, offsets, tc, bn, g, samples.data());
+      const int64_t head0 = g * Mg;
+      const scalar_t* kb = k + (tc.b * N * M + head0) * d;  // corner c's row: kb + index·M·d
+      const scalar_t* vb = v + (tc.b * N * M + head0) * d;
+      load(q + (bn * M + head0) * d, qf.data(), L);
+      for (int64_t h = 0; h < Mg; ++h) max[h] = -INFINITY;
+      for (int64_t j = 0; j < K; ++j) {
+        interpolate(kb, samples[j], M * d, L, row.data());
+        for (int64_t h = 0; h < Mg; ++h) {
+          const acc_t logit = head_dot(row.data() + h * d, qf.data() + h * d, d) * scale +
+                              (bias ? bias[(head0 + h) * K + j] : acc_t(0));
+          logits[h * K + j] = logit;
+          max[h] = logit > max[h] ? logit : max[h];
         }
       }
+      for (int64_t e = 0; e < L; ++e) acc[e] = acc_t(0);
+      for (int64_t h = 0; h < Mg; ++h) sum[h] = acc_t(0);
+      for (int64_t j = 0; j < K; ++j) {
+        for (int64_t h = 0; h < Mg; ++h) {
+          const acc_t prob = dsa3d_math::exp_of(logits[h * K + j] - max[h]);
+          sum[h] += prob;
+          for (int64_t c = 0; c < d; ++c) prob_lanes[h * d + c] = prob;
+        }
+        interpolate</*kAccumulate=*/true>(vb, samples[j], M * d, L, acc.data(), prob_lanes.data());
+      }
+      scalar_t* o = out + (bn * M + head0) * d;
+      for (int64_t h = 0; h < Mg; ++h) {
+        const acc_t inv_sum = acc_t(1) / sum[h];
+        for (int64_t c = 0; c < d; ++c) o[h * d + c] = static_cast<scalar_t>(acc[h * d + c] * inv_sum);
+        lse[bn * M + head0 + h] = max[h] + dsa3d_math::log_of(sum[h]);
+      }
     }
-  });
+  }
 }
 
 // Backward of tokens [bn_begin, bn_end) for offset groups [g_begin, g_end); dk, dv ([B, N, M, d]) and
-// dbias ([M, K], may be null) are accumulated into the given buffers, in token order.
+// dbias ([M, K], may be null) are accumulated into the given buffers, in token order. Per (token, group)
+// the samples are computed once; per sample and corner the dot products of each head, then the gradient
+// rows of all the group's heads in one pass over their contiguous channels.
 template <typename scalar_t, typename acc_t>
-void backward_tokens(const Dsa3dBackwardParams& p, int64_t bn_begin, int64_t bn_end, int64_t g_begin, int64_t g_end,
-                     acc_t* dk, acc_t* dv, acc_t* dbias) {
+MEGASLIDE_DSA_INLINE void backward_tokens(const Dsa3dBackwardParams& p, int64_t bn_begin, int64_t bn_end,
+                                          int64_t g_begin, int64_t g_end, acc_t* dk, acc_t* dv, acc_t* dbias) {
   const Dsa3dShape& s = p.shape;
-  const int64_t N = s.tokens(), M = s.M, d = s.d, K = s.K, Mg = s.M / s.G;
+  const int64_t N = s.tokens(), M = s.M, d = s.d, K = s.K, Mg = s.M / s.G, L = Mg * d;
   const auto* q = static_cast<const scalar_t*>(p.q);
   const auto* k = static_cast<const scalar_t*>(p.k);
   const auto* v = static_cast<const scalar_t*>(p.v);
@@ -149,53 +356,117 @@ void backward_tokens(const Dsa3dBackwardParams& p, int64_t bn_begin, int64_t bn_
   const acc_t scale = static_cast<acc_t>(s.scale);
 
   std::vector<Sample<acc_t>> samples(K);
-  std::vector<acc_t> qf(d), dof(d), dqf(d), dx(K * 3);
-  acc_t qk[8], odv[8];
+  std::vector<acc_t> qf(L), dof(L), dqf(L), dq_lanes(L), prob_lanes(L), dx(K * 3), dout_dot_out(Mg);
   for (int64_t bn = bn_begin; bn < bn_end; ++bn) {
     const TokenCoord tc = coord_of(s, bn);
-    const scalar_t* kb = k + tc.b * N * M * d;
-    const scalar_t* vb = v + tc.b * N * M * d;
-    acc_t* dkb = dk + tc.b * N * M * d;
-    acc_t* dvb = dv + tc.b * N * M * d;
     for (int64_t g = g_begin; g < g_end; ++g) {
       group_samples(s, offsets, tc, bn, g, samples.data());
-      std::fill(dx.begin(), dx.end(), acc_t(0));
-      for (int64_t m = g * Mg; m < (g + 1) * Mg; ++m) {
-        const int64_t row = (bn * M + m) * d;
-        load(q + row, qf.data(), d);
-        load(dout + row, dof.data(), d);
-        std::fill(dqf.begin(), dqf.end(), acc_t(0));
-        const acc_t dout_dot_out = dot(out + row, dof.data(), d);
-        const acc_t lse_v = lse[bn * M + m];
-        for (int64_t j = 0; j < K; ++j) {
-          const Sample<acc_t>& sp = samples[j];
+      const int64_t head0 = g * Mg, first = (bn * M + head0) * d;
+      const scalar_t* kb = k + (tc.b * N * M + head0) * d;  // corner c's row: kb + index·M·d
+      const scalar_t* vb = v + (tc.b * N * M + head0) * d;
+      acc_t* dkb = dk + (tc.b * N * M + head0) * d;
+      acc_t* dvb = dv + (tc.b * N * M + head0) * d;
+      load(q + first, qf.data(), L);
+      load(dout + first, dof.data(), L);
+      for (int64_t e = 0; e < L; ++e) dqf[e] = acc_t(0);
+      for (int64_t h = 0; h < Mg; ++h) dout_dot_out[h] = dot(out + first + h * d, dof.data() + h * d, d);
+      for (int64_t j = 0; j < K; ++j) {
+        const Sample<acc_t>& sp = samples[j];
+        bool inert[8];
+        for (int c = 0; c < 8; ++c) inert[c] = dsa3d_math::corner_is_inert(sp, c);
+        acc_t dx_sample[3] = {0, 0, 0};  // summed in registers over the heads, then stored
+        for (int64_t h = 0; h < Mg; ++h) {
+          const int64_t m = head0 + h;
+          acc_t qk[8], odv[8];
           for (int c = 0; c < 8; ++c) {
-            if (dsa3d_math::corner_is_inert(sp, c)) {
-              qk[c] = odv[c] = 0;
-            } else {
-              qk[c] = dot(kb + (sp.index[c] * M + m) * d, qf.data(), d);
-              odv[c] = dot(vb + (sp.index[c] * M + m) * d, dof.data(), d);
-            }
+            const int64_t row = sp.index[c] * M * d + h * d;
+            qk[c] = inert[c] ? acc_t(0) : head_dot(kb + row, qf.data() + h * d, d);
+            odv[c] = inert[c] ? acc_t(0) : head_dot(vb + row, dof.data() + h * d, d);
           }
-          const acc_t logit = corner_sum(sp.weight, qk) * scale + (bias ? bias[m * K + j] : acc_t(0));
-          const auto grad = dsa3d_math::sample_grad(logit, lse_v, corner_sum(sp.weight, odv), dout_dot_out);
+          const acc_t logit = dsa3d_math::corner_sum(sp.weight, qk) * scale + (bias ? bias[m * K + j] : acc_t(0));
+          const auto grad =
+              dsa3d_math::sample_grad(logit, lse[bn * M + m], dsa3d_math::corner_sum(sp.weight, odv), dout_dot_out[h]);
           const acc_t dq_coef = grad.dlogit * scale;
           if (dbias) dbias[m * K + j] += grad.dlogit;
-          dsa3d_math::add_position_grad(sp, qk, odv, dq_coef, grad.prob, dx.data() + 3 * j);
-          for (int c = 0; c < 8; ++c) {
-            const acc_t w = sp.weight[c];
-            if (w == acc_t(0)) continue;
-            const int64_t corner = (sp.index[c] * M + m) * d;
-            axpy(dq_coef * w, kb + corner, dqf.data(), d);
-            axpy(dq_coef * w, qf.data(), dkb + corner, d);
-            axpy(grad.prob * w, dof.data(), dvb + corner, d);
+          dsa3d_math::add_position_grad(sp, qk, odv, dq_coef, grad.prob, dx_sample);
+          for (int64_t c = 0; c < d; ++c) {
+            dq_lanes[h * d + c] = dq_coef;
+            prob_lanes[h * d + c] = grad.prob;
           }
         }
-        for (int64_t c = 0; c < d; ++c) dq[row + c] = static_cast<scalar_t>(dqf[c]);
+        for (int a = 0; a < 3; ++a) dx[3 * j + a] = dx_sample[a];
+        sample_gradients(sp, M * d, L, kb, dkb, dvb, dq_lanes.data(), prob_lanes.data(), qf.data(), dof.data(),
+                         dqf.data());
       }
+      for (int64_t e = 0; e < L; ++e) dq[first + e] = static_cast<scalar_t>(dqf[e]);
       std::copy(dx.begin(), dx.end(), doffsets + (bn * s.G + g) * K * 3);
     }
   }
+}
+
+// The entry points, one per instruction set; each inlines the loops above into its own code.
+#define MEGASLIDE_DSA_ENTRY(suffix, target_attr)                                                                  \
+  template <typename scalar_t, typename acc_t>                                                                    \
+  target_attr void forward_tokens_##suffix(const Dsa3dForwardParams& p, int64_t begin, int64_t end) {             \
+    forward_tokens<scalar_t, acc_t>(p, begin, end);                                                               \
+  }                                                                                                               \
+  template <typename scalar_t, typename acc_t>                                                                    \
+  target_attr void backward_tokens_##suffix(const Dsa3dBackwardParams& p, int64_t bn_begin, int64_t bn_end,       \
+                                            int64_t g_begin, int64_t g_end, acc_t* dk, acc_t* dv, acc_t* dbias) { \
+    backward_tokens<scalar_t, acc_t>(p, bn_begin, bn_end, g_begin, g_end, dk, dv, dbias);                         \
+  }
+MEGASLIDE_DSA_ENTRY(baseline, )
+MEGASLIDE_DSA_ENTRY(avx2, __attribute__((target("avx2,fma,f16c"))))
+MEGASLIDE_DSA_ENTRY(avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))))
+#undef MEGASLIDE_DSA_ENTRY
+
+std::atomic<Dsa3dCpuIsa> forced_isa{Dsa3dCpuIsa::kAuto};
+
+bool cpu_supports(Dsa3dCpuIsa isa) {
+  switch (isa) {
+    case Dsa3dCpuIsa::kAvx512:
+      return cpu_has_avx512() && cpu_has_avx2();
+    case Dsa3dCpuIsa::kAvx2:
+      return cpu_has_avx2();
+    default:
+      return true;
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+using ForwardTokensFn = void (*)(const Dsa3dForwardParams&, int64_t, int64_t);
+template <typename scalar_t, typename acc_t>
+using BackwardTokensFn = void (*)(const Dsa3dBackwardParams&, int64_t, int64_t, int64_t, int64_t, acc_t*, acc_t*,
+                                  acc_t*);
+
+template <typename scalar_t, typename acc_t>
+ForwardTokensFn<scalar_t, acc_t> forward_tokens_fn() {
+  switch (dsa3d_cpu_isa()) {
+    case Dsa3dCpuIsa::kAvx512:
+      return forward_tokens_avx512<scalar_t, acc_t>;
+    case Dsa3dCpuIsa::kAvx2:
+      return forward_tokens_avx2<scalar_t, acc_t>;
+    default:
+      return forward_tokens_baseline<scalar_t, acc_t>;
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+BackwardTokensFn<scalar_t, acc_t> backward_tokens_fn() {
+  switch (dsa3d_cpu_isa()) {
+    case Dsa3dCpuIsa::kAvx512:
+      return backward_tokens_avx512<scalar_t, acc_t>;
+    case Dsa3dCpuIsa::kAvx2:
+      return backward_tokens_avx2<scalar_t, acc_t>;
+    default:
+      return backward_tokens_baseline<scalar_t, acc_t>;
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+void forward_impl(const Dsa3dForwardParams& p) {
+  const auto tokens = forward_tokens_fn<scalar_t, acc_t>();
+  at::parallel_for(0, p.shape.B * p.shape.tokens(), 1, [&](int64_t begin, int64_t end) { tokens(p, begin, end); });
 }
 
 // dst[i] += parts[0][i] + parts[1][i] + ... in that order.
@@ -216,6 +487,7 @@ void backward_impl(const Dsa3dBackwardParams& p) {
   auto* dv = static_cast<acc_t*>(p.dv);
   auto* dbias = static_cast<acc_t*>(p.dbias);
   auto* scratch = static_cast<acc_t*>(p.cpu_scratch);
+  const auto tokens = backward_tokens_fn<scalar_t, acc_t>();
 
   if (p.deterministic) {
     // Unit (b, g) owns dq/doffsets of its tokens and the dk/dv/dbias rows of group g's heads; batch
@@ -226,7 +498,7 @@ void backward_impl(const Dsa3dBackwardParams& p) {
       for (int64_t u = begin; u < end; ++u) {
         const int64_t b = u / s.G, g = u % s.G;
         acc_t* dbias_b = !dbias ? nullptr : b == 0 ? dbias : dbias_parts[b - 1];
-        backward_tokens<scalar_t, acc_t>(p, b * s.tokens(), (b + 1) * s.tokens(), g, g + 1, dk, dv, dbias_b);
+        tokens(p, b * s.tokens(), (b + 1) * s.tokens(), g, g + 1, dk, dv, dbias_b);
       }
     });
     if (dbias) add_in_order(dbias, dbias_parts, bias_numel);
@@ -248,7 +520,7 @@ void backward_impl(const Dsa3dBackwardParams& p) {
       acc_t* dk_c = c == 0 ? dk : dk_parts[c - 1];
       acc_t* dv_c = c == 0 ? dv : dv_parts[c - 1];
       acc_t* dbias_c = !dbias ? nullptr : c == 0 ? dbias : dbias_parts[c - 1];
-      backward_tokens<scalar_t, acc_t>(p, bn_begin, bn_end, 0, s.G, dk_c, dv_c, dbias_c);
+      tokens(p, bn_begin, bn_end, 0, s.G, dk_c, dv_c, dbias_c);
     }
   });
   add_in_order(dk, dk_parts, volume);
@@ -257,6 +529,35 @@ void backward_impl(const Dsa3dBackwardParams& p) {
 }
 
 }  // namespace
+
+void set_dsa3d_cpu_isa(Dsa3dCpuIsa isa) {
+  if (!cpu_supports(isa))
+    throw std::invalid_argument(std::string("3D-DSA CPU kernels: this CPU lacks ") + to_string(isa));
+  forced_isa.store(isa);
+}
+
+Dsa3dCpuIsa dsa3d_cpu_isa() {
+  const Dsa3dCpuIsa forced = forced_isa.load();
+  if (forced != Dsa3dCpuIsa::kAuto) return forced;
+  static const Dsa3dCpuIsa widest = cpu_supports(Dsa3dCpuIsa::kAvx512) ? Dsa3dCpuIsa::kAvx512
+                                    : cpu_supports(Dsa3dCpuIsa::kAvx2) ? Dsa3dCpuIsa::kAvx2
+                                                                       : Dsa3dCpuIsa::kBaseline;
+  return widest;
+}
+
+const char* to_string(Dsa3dCpuIsa isa) {
+  switch (isa) {
+    case Dsa3dCpuIsa::kAuto:
+      return "auto";
+    case Dsa3dCpuIsa::kBaseline:
+      return "baseline";
+    case Dsa3dCpuIsa::kAvx2:
+      return "avx2";
+    case Dsa3dCpuIsa::kAvx512:
+      return "avx512";
+  }
+  return "?";
+}
 
 void dsa3d_forward_cpu(const Dsa3dForwardParams& p) {
   dispatch_dtype<c10::BFloat16, c10::Half>(
