@@ -134,6 +134,61 @@ MEGASLIDE_DSA_INLINE acc_t head_dot(const scalar_t* x, const acc_t* y, int64_t d
   return dot(x, y, d);
 }
 
+// The 8 sums of the lanes of x[0..7], in out[0..7]: three rounds of pairwise folds (each halves the lanes per
+// vector and doubles the vectors per register), then the last adjacent pairs: 8 reductions in about as many
+// shuffles as two done one by one.
+MEGASLIDE_DSA_INLINE void sum8x16(const typename Lanes<16>::F* x, float* out) {
+  using F = typename Lanes<16>::F;
+  typedef int32_t I __attribute__((vector_size(64)));
+  const auto fold = [](F a, F b, I lo, I hi) __attribute__((always_inline)) {
+    return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
+  };
+  const I lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const I hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  const I lo4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const I hi4 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+  const I lo2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const I hi2 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+  const F a01 = fold(x[0], x[1], lo8, hi8), a23 = fold(x[2], x[3], lo8, hi8);
+  const F a45 = fold(x[4], x[5], lo8, hi8), a67 = fold(x[6], x[7], lo8, hi8);
+  const F a0123 = fold(a01, a23, lo4, hi4), a4567 = fold(a45, a67, lo4, hi4);
+  const F pairs = fold(a0123, a4567, lo2, hi2);  // lanes 2c, 2c + 1: vector c's two partial sums
+  for (int c = 0; c < 8; ++c) out[c] = pairs[2 * c] + pairs[2 * c + 1];
+}
+
+// A sample's per-corner products for one head: qk[c] = q·k[corner c], odv[c] = dout·v[corner c] over the
+// head's d channels (k_head, v_head: the head's first channel of token 0's row), 0 for inert corners. With
+// d a multiple of 16 (fp32 accumulation) the corners run side by side in vectors, each chunk of q and dout
+// loaded once, and their sums are reduced together.
+template <typename scalar_t, typename acc_t>
+MEGASLIDE_DSA_INLINE void corner_dots(const Sample<acc_t>& sp, const bool* inert, const scalar_t* k_head,
+                                      const scalar_t* v_head, int64_t row_stride, const acc_t* q, const acc_t* dout,
+                                      int64_t d, acc_t* qk, acc_t* odv) {
+  if constexpr (std::is_same_v<acc_t, float>) {
+    if (d % 16 == 0) {
+      using F = typename Lanes<16>::F;
+      F aq[8] = {}, ao[8] = {};
+      for (int64_t e = 0; e < d; e += 16) {
+        const F qv = vload<16>(q + e), dv = vload<16>(dout + e);
+        for (int c = 0; c < 8; ++c) {
+          if (inert[c]) continue;
+          const int64_t row = sp.index[c] * row_stride + e;
+          aq[c] += vload<16>(k_head + row) * qv;
+          ao[c] += vload<16>(v_head + row) * dv;
+        }
+      }
+      sum8x16(aq, qk);
+      sum8x16(ao, odv);
+      return;
+    }
+  }
+  for (int c = 0; c < 8; ++c) {
+    const int64_t row = sp.index[c] * row_stride;
+    qk[c] = inert[c] ? acc_t(0) : head_dot(k_head + row, q, d);
+    odv[c] = inert[c] ? acc_t(0) : head_dot(v_head + row, dout, d);
+  }
+}
+
 template <typename scalar_t, typename acc_t>
 MEGASLIDE_DSA_INLINE void load(const scalar_t* x, acc_t* y, int64_t n) {
   for (int64_t c = 0; c < n; ++c) y[c] = widen<acc_t>(x[c]);
@@ -378,11 +433,7 @@ MEGASLIDE_DSA_INLINE void backward_tokens(const Dsa3dBackwardParams& p, int64_t 
         for (int64_t h = 0; h < Mg; ++h) {
           const int64_t m = head0 + h;
           acc_t qk[8], odv[8];
-          for (int c = 0; c < 8; ++c) {
-            const int64_t row = sp.index[c] * M * d + h * d;
-            qk[c] = inert[c] ? acc_t(0) : head_dot(kb + row, qf.data() + h * d, d);
-            odv[c] = inert[c] ? acc_t(0) : head_dot(vb + row, dof.data() + h * d, d);
-          }
+          corner_dots(sp, inert, kb + h * d, vb + h * d, M * d, qf.data() + h * d, dof.data() + h * d, d, qk, odv);
           const acc_t logit = dsa3d_math::corner_sum(sp.weight, qk) * scale + (bias ? bias[m * K + j] : acc_t(0));
           const auto grad =
               dsa3d_math::sample_grad(logit, lse[bn * M + m], dsa3d_math::corner_sum(sp.weight, odv), dout_dot_out[h]);
