@@ -419,8 +419,8 @@ TEST(Dsa3d, FusedCpuFloat16MatchesFloat32Reference) {
 // The fused CPU kernels' loops are compiled once per instruction set (baseline x86-64, AVX2, AVX-512) and
 // CPUID picks one: every path this CPU has, forced in turn, equals the reference — float64 to 1e-12,
 // float32 to 1e-5, bfloat16 to 1e-2 of the largest value — with a group's channels (heads × d) both shorter
-// than the kernels' 16-channel chunk (2 × 6) and spanning chunks with a tail (2 × 20 = 40), and with d a
-// multiple of 16 (32), where the backward reduces a sample's corners together.
+// than the kernels' 16-channel chunk (2 × 6, 2 × 8) and spanning chunks with a tail (2 × 20 = 40), and with d a
+// multiple of 8 or 16 (8, 32), where the backward reduces a sample's corners together.
 TEST(Dsa3d, FusedCpuMatchesReferenceOnEveryInstructionSet) {
   namespace detail = megaslide::ops::detail;
   struct Restore {
@@ -436,7 +436,7 @@ TEST(Dsa3d, FusedCpuMatchesReferenceOnEveryInstructionSet) {
     ++paths;
     ASSERT_EQ(detail::dsa3d_cpu_isa(), isa);
     SCOPED_TRACE(detail::to_string(isa));
-    for (const int64_t d : {6, 20, 32}) {
+    for (const int64_t d : {6, 8, 20, 32}) {
       SCOPED_TRACE("d = " + std::to_string(d));
       Problem pb;
       pb.B = 2, pb.T = 3, pb.H = 5, pb.W = 4, pb.M = 4, pb.d = d, pb.G = 2;

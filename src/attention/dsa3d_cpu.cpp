@@ -156,10 +156,28 @@ MEGASLIDE_DSA_INLINE void sum8x16(const typename Lanes<16>::F* x, float* out) {
   for (int c = 0; c < 8; ++c) out[c] = pairs[2 * c] + pairs[2 * c + 1];
 }
 
+// The same for 8 vectors of 8 lanes (heads of d = 8, 24, 40, ...): two rounds of folds, then adjacent pairs.
+MEGASLIDE_DSA_INLINE void sum8x8(const typename Lanes<8>::F* x, float* out) {
+  using F = typename Lanes<8>::F;
+  typedef int32_t I __attribute__((vector_size(32)));
+  const auto fold = [](F a, F b, I lo, I hi) __attribute__((always_inline)) {
+    return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
+  };
+  const I lo4 = {0, 1, 2, 3, 8, 9, 10, 11}, hi4 = {4, 5, 6, 7, 12, 13, 14, 15};
+  const I lo2 = {0, 1, 4, 5, 8, 9, 12, 13}, hi2 = {2, 3, 6, 7, 10, 11, 14, 15};
+  const F a01 = fold(x[0], x[1], lo4, hi4), a23 = fold(x[2], x[3], lo4, hi4);
+  const F a45 = fold(x[4], x[5], lo4, hi4), a67 = fold(x[6], x[7], lo4, hi4);
+  const F a0123 = fold(a01, a23, lo2, hi2), a4567 = fold(a45, a67, lo2, hi2);  // lanes 2c, 2c + 1: vector c's
+  for (int c = 0; c < 4; ++c) {
+    out[c] = a0123[2 * c] + a0123[2 * c + 1];
+    out[4 + c] = a4567[2 * c] + a4567[2 * c + 1];
+  }
+}
+
 // A sample's per-corner products for one head: qk[c] = q·k[corner c], odv[c] = dout·v[corner c] over the
 // head's d channels (k_head, v_head: the head's first channel of token 0's row), 0 for inert corners. With
-// d a multiple of 16 (fp32 accumulation) the corners run side by side in vectors, each chunk of q and dout
-// loaded once, and their sums are reduced together.
+// d a multiple of 16 or 8 (fp32 accumulation) the corners run side by side in vectors, each chunk of q and
+// dout loaded once, and their sums are reduced together.
 template <typename scalar_t, typename acc_t>
 MEGASLIDE_DSA_INLINE void corner_dots(const Sample<acc_t>& sp, const bool* inert, const scalar_t* k_head,
                                       const scalar_t* v_head, int64_t row_stride, const acc_t* q, const acc_t* dout,
@@ -179,6 +197,22 @@ MEGASLIDE_DSA_INLINE void corner_dots(const Sample<acc_t>& sp, const bool* inert
       }
       sum8x16(aq, qk);
       sum8x16(ao, odv);
+      return;
+    }
+    if (d % 8 == 0) {
+      using F = typename Lanes<8>::F;
+      F aq[8] = {}, ao[8] = {};
+      for (int64_t e = 0; e < d; e += 8) {
+        const F qv = vload<8>(q + e), dv = vload<8>(dout + e);
+        for (int c = 0; c < 8; ++c) {
+          if (inert[c]) continue;
+          const int64_t row = sp.index[c] * row_stride + e;
+          aq[c] += vload<8>(k_head + row) * qv;
+          ao[c] += vload<8>(v_head + row) * dv;
+        }
+      }
+      sum8x8(aq, qk);
+      sum8x8(ao, odv);
       return;
     }
   }
