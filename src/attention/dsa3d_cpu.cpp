@@ -137,7 +137,7 @@ MEGASLIDE_DSA_INLINE acc_t head_dot(const scalar_t* x, const acc_t* y, int64_t d
 // The 8 sums of the lanes of x[0..7], in out[0..7]: three rounds of pairwise folds (each halves the lanes per
 // vector and doubles the vectors per register), then the last adjacent pairs: 8 reductions in about as many
 // shuffles as two done one by one.
-MEGASLIDE_DSA_INLINE void sum8x16(const typename Lanes<16>::F* x, float* out) {
+MEGASLIDE_DSA_INLINE void sum8(const typename Lanes<16>::F* x, float* out) {
   using F = typename Lanes<16>::F;
   typedef int32_t I __attribute__((vector_size(64)));
   const auto fold = [](F a, F b, I lo, I hi) __attribute__((always_inline)) {
@@ -157,7 +157,7 @@ MEGASLIDE_DSA_INLINE void sum8x16(const typename Lanes<16>::F* x, float* out) {
 }
 
 // The same for 8 vectors of 8 lanes (heads of d = 8, 24, 40, ...): two rounds of folds, then adjacent pairs.
-MEGASLIDE_DSA_INLINE void sum8x8(const typename Lanes<8>::F* x, float* out) {
+MEGASLIDE_DSA_INLINE void sum8(const typename Lanes<8>::F* x, float* out) {
   using F = typename Lanes<8>::F;
   typedef int32_t I __attribute__((vector_size(32)));
   const auto fold = [](F a, F b, I lo, I hi) __attribute__((always_inline)) {
@@ -174,6 +174,26 @@ MEGASLIDE_DSA_INLINE void sum8x8(const typename Lanes<8>::F* x, float* out) {
   }
 }
 
+// corner_dots below for d a multiple of N: the 8 corners' products accumulate side by side in N-lane vectors.
+template <int N, typename scalar_t>
+MEGASLIDE_DSA_INLINE void corner_dots_side_by_side(const Sample<float>& sp, const bool* inert, const scalar_t* k_head,
+                                                   const scalar_t* v_head, int64_t row_stride, const float* q,
+                                                   const float* dout, int64_t d, float* qk, float* odv) {
+  using F = typename Lanes<N>::F;
+  F aq[8] = {}, ao[8] = {};
+  for (int64_t e = 0; e < d; e += N) {
+    const F qv = vload<N>(q + e), dv = vload<N>(dout + e);
+    for (int c = 0; c < 8; ++c) {
+      if (inert[c]) continue;
+      const int64_t row = sp.index[c] * row_stride + e;
+      aq[c] += vload<N>(k_head + row) * qv;
+      ao[c] += vload<N>(v_head + row) * dv;
+    }
+  }
+  sum8(aq, qk);
+  sum8(ao, odv);
+}
+
 // A sample's per-corner products for one head: qk[c] = q·k[corner c], odv[c] = dout·v[corner c] over the
 // head's d channels (k_head, v_head: the head's first channel of token 0's row), 0 for inert corners. With
 // d a multiple of 16 or 8 (fp32 accumulation) the corners run side by side in vectors, each chunk of q and
@@ -183,38 +203,8 @@ MEGASLIDE_DSA_INLINE void corner_dots(const Sample<acc_t>& sp, const bool* inert
                                       const scalar_t* v_head, int64_t row_stride, const acc_t* q, const acc_t* dout,
                                       int64_t d, acc_t* qk, acc_t* odv) {
   if constexpr (std::is_same_v<acc_t, float>) {
-    if (d % 16 == 0) {
-      using F = typename Lanes<16>::F;
-      F aq[8] = {}, ao[8] = {};
-      for (int64_t e = 0; e < d; e += 16) {
-        const F qv = vload<16>(q + e), dv = vload<16>(dout + e);
-        for (int c = 0; c < 8; ++c) {
-          if (inert[c]) continue;
-          const int64_t row = sp.index[c] * row_stride + e;
-          aq[c] += vload<16>(k_head + row) * qv;
-          ao[c] += vload<16>(v_head + row) * dv;
-        }
-      }
-      sum8x16(aq, qk);
-      sum8x16(ao, odv);
-      return;
-    }
-    if (d % 8 == 0) {
-      using F = typename Lanes<8>::F;
-      F aq[8] = {}, ao[8] = {};
-      for (int64_t e = 0; e < d; e += 8) {
-        const F qv = vload<8>(q + e), dv = vload<8>(dout + e);
-        for (int c = 0; c < 8; ++c) {
-          if (inert[c]) continue;
-          const int64_t row = sp.index[c] * row_stride + e;
-          aq[c] += vload<8>(k_head + row) * qv;
-          ao[c] += vload<8>(v_head + row) * dv;
-        }
-      }
-      sum8x8(aq, qk);
-      sum8x8(ao, odv);
-      return;
-    }
+    if (d % 16 == 0) return corner_dots_side_by_side<16>(sp, inert, k_head, v_head, row_stride, q, dout, d, qk, odv);
+    if (d % 8 == 0) return corner_dots_side_by_side<8>(sp, inert, k_head, v_head, row_stride, q, dout, d, qk, odv);
   }
   for (int c = 0; c < 8; ++c) {
     const int64_t row = sp.index[c] * row_stride;
@@ -518,39 +508,28 @@ bool cpu_supports(Dsa3dCpuIsa isa) {
   }
 }
 
+// The entry points of the instruction set in use.
 template <typename scalar_t, typename acc_t>
-using ForwardTokensFn = void (*)(const Dsa3dForwardParams&, int64_t, int64_t);
-template <typename scalar_t, typename acc_t>
-using BackwardTokensFn = void (*)(const Dsa3dBackwardParams&, int64_t, int64_t, int64_t, int64_t, acc_t*, acc_t*,
-                                  acc_t*);
+struct TokenKernels {
+  void (*forward)(const Dsa3dForwardParams&, int64_t, int64_t);
+  void (*backward)(const Dsa3dBackwardParams&, int64_t, int64_t, int64_t, int64_t, acc_t*, acc_t*, acc_t*);
+};
 
 template <typename scalar_t, typename acc_t>
-ForwardTokensFn<scalar_t, acc_t> forward_tokens_fn() {
+TokenKernels<scalar_t, acc_t> token_kernels() {
   switch (dsa3d_cpu_isa()) {
     case Dsa3dCpuIsa::kAvx512:
-      return forward_tokens_avx512<scalar_t, acc_t>;
+      return {forward_tokens_avx512<scalar_t, acc_t>, backward_tokens_avx512<scalar_t, acc_t>};
     case Dsa3dCpuIsa::kAvx2:
-      return forward_tokens_avx2<scalar_t, acc_t>;
+      return {forward_tokens_avx2<scalar_t, acc_t>, backward_tokens_avx2<scalar_t, acc_t>};
     default:
-      return forward_tokens_baseline<scalar_t, acc_t>;
-  }
-}
-
-template <typename scalar_t, typename acc_t>
-BackwardTokensFn<scalar_t, acc_t> backward_tokens_fn() {
-  switch (dsa3d_cpu_isa()) {
-    case Dsa3dCpuIsa::kAvx512:
-      return backward_tokens_avx512<scalar_t, acc_t>;
-    case Dsa3dCpuIsa::kAvx2:
-      return backward_tokens_avx2<scalar_t, acc_t>;
-    default:
-      return backward_tokens_baseline<scalar_t, acc_t>;
+      return {forward_tokens_baseline<scalar_t, acc_t>, backward_tokens_baseline<scalar_t, acc_t>};
   }
 }
 
 template <typename scalar_t, typename acc_t>
 void forward_impl(const Dsa3dForwardParams& p) {
-  const auto tokens = forward_tokens_fn<scalar_t, acc_t>();
+  const auto tokens = token_kernels<scalar_t, acc_t>().forward;
   at::parallel_for(0, p.shape.B * p.shape.tokens(), 1, [&](int64_t begin, int64_t end) { tokens(p, begin, end); });
 }
 
@@ -572,7 +551,7 @@ void backward_impl(const Dsa3dBackwardParams& p) {
   auto* dv = static_cast<acc_t*>(p.dv);
   auto* dbias = static_cast<acc_t*>(p.dbias);
   auto* scratch = static_cast<acc_t*>(p.cpu_scratch);
-  const auto tokens = backward_tokens_fn<scalar_t, acc_t>();
+  const auto tokens = token_kernels<scalar_t, acc_t>().backward;
 
   if (p.deterministic) {
     // Unit (b, g) owns dq/doffsets of its tokens and the dk/dv/dbias rows of group g's heads; batch
