@@ -23,6 +23,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
@@ -82,14 +83,14 @@ int main(int argc, char** argv) {
   const int torch_reps = static_cast<int>(int_flag(argc, argv, "--torch-reps", 5));
   using megaslide::offload::SimdPath;
   const std::string path_name = string_flag(argc, argv, "--path", "auto");
-  SimdPath path = SimdPath::kAuto;
-  if (path_name == "avx512") path = SimdPath::kAvx512;
-  else if (path_name == "avx2") path = SimdPath::kAvx2;
-  else if (path_name == "scalar") path = SimdPath::kScalar;
-  else if (path_name != "auto") {
+  const SimdPath paths[] = {SimdPath::kAuto, SimdPath::kAvx512, SimdPath::kAvx2, SimdPath::kScalar};
+  const SimdPath* named = std::find_if(std::begin(paths), std::end(paths),
+                                       [&](SimdPath p) { return path_name == megaslide::offload::to_string(p); });
+  if (named == std::end(paths)) {
     std::fprintf(stderr, "bench_cpu_adamw: --path %s: expected auto, avx512, avx2 or scalar\n", path_name.c_str());
     return 2;
   }
+  const SimdPath path = *named;
   if (!CpuAdamW::supported(path)) {
     std::fprintf(stderr, "bench_cpu_adamw: --path %s: this CPU lacks it\n", path_name.c_str());
     return 2;

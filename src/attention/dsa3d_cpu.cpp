@@ -243,33 +243,21 @@ MEGASLIDE_DSA_INLINE void group_samples(const Dsa3dShape& s, const acc_t* offset
                                     s.kt, s.kh, s.kw, samples[j]);
 }
 
-// The forward needs a sample's corners and weights only, not their derivatives: dsa3d_math::trilinear_sample's
-// indices and weights, computed the same way.
+// The forward needs a sample's corners and weights only, not their derivatives.
 template <typename acc_t>
 struct Point {
   int64_t index[8];
   acc_t weight[8];
 };
 
+// The K sample points of offset group g for token bn (dsa3d_math::token_corners).
 template <typename acc_t>
 MEGASLIDE_DSA_INLINE void group_points(const Dsa3dShape& s, const acc_t* offsets, const TokenCoord& tc, int64_t bn,
                                        int64_t g, Point<acc_t>* points) {
   const acc_t* off = offsets + (bn * s.G + g) * s.K * 3;
-  const int64_t t0 = dsa3d_math::window_start(tc.t, s.kt, s.T), h0 = dsa3d_math::window_start(tc.h, s.kh, s.H),
-                w0 = dsa3d_math::window_start(tc.w, s.kw, s.W);
-  for (int64_t j = 0; j < s.K; ++j) {
-    int64_t rt, rh, rw;
-    dsa3d_math::regular_offset(j, s.kh, s.kw, rt, rh, rw);
-    const auto at = dsa3d_math::sample_axis(acc_t(t0 + rt) + off[3 * j], s.T);
-    const auto ah = dsa3d_math::sample_axis(acc_t(h0 + rh) + off[3 * j + 1], s.H);
-    const auto aw = dsa3d_math::sample_axis(acc_t(w0 + rw) + off[3 * j + 2], s.W);
-    Point<acc_t>& pt = points[j];
-    for (int c = 0; c < 8; ++c) {
-      const bool ut = (c >> 2) & 1, uh = (c >> 1) & 1, uw = c & 1;
-      pt.index[c] = ((ut ? at.i1 : at.i0) * s.H + (uh ? ah.i1 : ah.i0)) * s.W + (uw ? aw.i1 : aw.i0);
-      pt.weight[c] = (uw ? aw.w1 : aw.w0) * (uh ? ah.w1 : ah.w0) * (ut ? at.w1 : at.w0);
-    }
-  }
+  for (int64_t j = 0; j < s.K; ++j)
+    dsa3d_math::token_corners<acc_t>(tc.t, tc.h, tc.w, j, off[3 * j], off[3 * j + 1], off[3 * j + 2], s.T, s.H, s.W,
+                                     s.kt, s.kh, s.kw, points[j].index, points[j].weight);
 }
 
 // out[0, L) = Σ_c weight[c] · rows[corner c][0, L): the sample's interpolated row of a group's heads (they are

@@ -85,6 +85,17 @@ struct Sample {
   acc_t dweight[3][8];  // ∂weight/∂x per axis (t, h, w), with the clamp/border rule applied
 };
 
+// Corner c of the axis samples (bit 2 of c selects t's upper corner, bit 1 h's, bit 0 w's): its token index
+// (t·H + h)·W + w in the T×H×W volume and its trilinear weight.
+template <typename acc_t>
+MEGASLIDE_HD void trilinear_corner(int c, const AxisSample<acc_t>& at, const AxisSample<acc_t>& ah,
+                                   const AxisSample<acc_t>& aw, int64_t H, int64_t W, int64_t& index, acc_t& weight) {
+  const bool ut = (c >> 2) & 1, uh = (c >> 1) & 1, uw = c & 1;
+  index = ((ut ? at.i1 : at.i0) * H + (uh ? ah.i1 : ah.i0)) * W + (uw ? aw.i1 : aw.i0);
+  // grid_sample multiplies the weights in (x, y, z) = (w, h, t) order.
+  weight = (uw ? aw.w1 : aw.w0) * (uh ? ah.w1 : ah.w0) * (ut ? at.w1 : at.w0);
+}
+
 template <typename acc_t>
 MEGASLIDE_HD void trilinear_sample(acc_t xt, acc_t xh, acc_t xw, int64_t T, int64_t H, int64_t W, Sample<acc_t>& s) {
   const AxisSample<acc_t> at = sample_axis(xt, T), ah = sample_axis(xh, H), aw = sample_axis(xw, W);
@@ -93,28 +104,48 @@ MEGASLIDE_HD void trilinear_sample(acc_t xt, acc_t xh, acc_t xw, int64_t T, int6
 #endif
   for (int c = 0; c < 8; ++c) {
     const bool ut = (c >> 2) & 1, uh = (c >> 1) & 1, uw = c & 1;
-    const int64_t it = ut ? at.i1 : at.i0, ih = uh ? ah.i1 : ah.i0, iw = uw ? aw.i1 : aw.i0;
+    trilinear_corner(c, at, ah, aw, H, W, s.index[c], s.weight[c]);
     const acc_t wt = ut ? at.w1 : at.w0, wh = uh ? ah.w1 : ah.w0, ww = uw ? aw.w1 : aw.w0;
     const acc_t dt = ut ? at.dw : -at.dw, dh = uh ? ah.dw : -ah.dw, dw = uw ? aw.dw : -aw.dw;
-    s.index[c] = (it * H + ih) * W + iw;
-    // grid_sample multiplies the weights in (x, y, z) = (w, h, t) order.
-    s.weight[c] = ww * wh * wt;
     s.dweight[0][c] = ww * wh * dt;
     s.dweight[1][c] = ww * dh * wt;
     s.dweight[2][c] = dw * wh * wt;
   }
 }
 
+// The unclamped position of sample j of the token at (t, h, w): regular window plus offset (dt, dh, dw).
+template <typename acc_t>
+MEGASLIDE_HD void token_position(int64_t t, int64_t h, int64_t w, int64_t j, acc_t dt, acc_t dh, acc_t dw, int64_t T,
+                                 int64_t H, int64_t W, int64_t kt, int64_t kh, int64_t kw, acc_t& xt, acc_t& xh,
+                                 acc_t& xw) {
+  int64_t rt, rh, rw;
+  regular_offset(j, kh, kw, rt, rh, rw);
+  xt = acc_t(window_start(t, kt, T) + rt) + dt;
+  xh = acc_t(window_start(h, kh, H) + rh) + dh;
+  xw = acc_t(window_start(w, kw, W) + rw) + dw;
+}
+
 // The sample of point j for the token at (t, h, w): regular window plus offset (dt, dh, dw).
 template <typename acc_t>
 MEGASLIDE_HD void token_sample(int64_t t, int64_t h, int64_t w, int64_t j, acc_t dt, acc_t dh, acc_t dw, int64_t T,
                                int64_t H, int64_t W, int64_t kt, int64_t kh, int64_t kw, Sample<acc_t>& s) {
-  int64_t rt, rh, rw;
-  regular_offset(j, kh, kw, rt, rh, rw);
-  const acc_t xt = acc_t(window_start(t, kt, T) + rt) + dt;
-  const acc_t xh = acc_t(window_start(h, kh, H) + rh) + dh;
-  const acc_t xw = acc_t(window_start(w, kw, W) + rw) + dw;
+  acc_t xt, xh, xw;
+  token_position(t, h, w, j, dt, dh, dw, T, H, W, kt, kh, kw, xt, xh, xw);
   trilinear_sample(xt, xh, xw, T, H, W, s);
+}
+
+// token_sample's corner indices and weights only (what a forward needs), the same arithmetic.
+template <typename acc_t>
+MEGASLIDE_HD void token_corners(int64_t t, int64_t h, int64_t w, int64_t j, acc_t dt, acc_t dh, acc_t dw, int64_t T,
+                                int64_t H, int64_t W, int64_t kt, int64_t kh, int64_t kw, int64_t* index,
+                                acc_t* weight) {
+  acc_t xt, xh, xw;
+  token_position(t, h, w, j, dt, dh, dw, T, H, W, kt, kh, kw, xt, xh, xw);
+  const AxisSample<acc_t> at = sample_axis(xt, T), ah = sample_axis(xh, H), aw = sample_axis(xw, W);
+#if defined(__CUDACC__)
+#pragma unroll
+#endif
+  for (int c = 0; c < 8; ++c) trilinear_corner(c, at, ah, aw, H, W, index[c], weight[c]);
 }
 
 // Σ_c weight[c]·x[c] over the 8 corners. With x[c] = q·k[corner c] this is q·k̃ (linear, so it also

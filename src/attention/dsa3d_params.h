@@ -124,6 +124,8 @@ bool dsa3d_poison_outputs();
 // CPU backend (src/attention/dsa3d_cpu.cpp): at::parallel_for over tokens.
 void dsa3d_forward_cpu(const Dsa3dForwardParams& p);
 
+void dsa3d_backward_cpu(const Dsa3dBackwardParams& p);
+
 // The instruction set the fused CPU kernels (dsa3d_forward_cpu, dsa3d_backward_cpu) run their loops with:
 // the widest CPUID allows unless forced. Forcing one this CPU lacks throws; kAuto restores CPUID's choice.
 // Tests force each in turn; every path is checked against the same reference.
@@ -131,7 +133,6 @@ enum class Dsa3dCpuIsa { kAuto, kBaseline, kAvx2, kAvx512 };
 void set_dsa3d_cpu_isa(Dsa3dCpuIsa isa);
 Dsa3dCpuIsa dsa3d_cpu_isa();  // the one in use, never kAuto
 const char* to_string(Dsa3dCpuIsa isa);
-void dsa3d_backward_cpu(const Dsa3dBackwardParams& p);
 
 // CUDA backend (kernels/dsa3d.cu), compiled when MEGASLIDE_WITH_CUDA: launches on `stream`, checks
 // every launch. Head size d <= kCudaMaxHeadDim.

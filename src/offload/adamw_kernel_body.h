@@ -127,7 +127,7 @@ MEGASLIDE_SIMD_INLINE Moments<Simd> adamw_core(const AdamWKernelParams& p, const
 
 // Software prefetch of the arrays kPrefetchElements ahead of element i, one request per 64-byte line.
 constexpr int64_t kPrefetchElements = 1024;
-template <class Simd, GradType G, ComputeType C, StateType S>
+template <class Simd, GradType G, StateType S>
 MEGASLIDE_SIMD_INLINE void prefetch_ahead(const AdamWKernelParams& p, int64_t i) {
   const int64_t j = i + kPrefetchElements;
   if (j % 16 < Simd::kLanes) __builtin_prefetch(p.master + j, 1, 3);
@@ -189,7 +189,7 @@ inline void adamw_int8_group(const AdamWKernelParams& p, const Constants<Simd>& 
   };
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) {
-    prefetch_ahead<Simd, G, C, StateType::kInt8>(p, begin + j);
+    prefetch_ahead<Simd, G, StateType::kInt8>(p, begin + j);
     update(j, Simd::all(), std::bool_constant<kStream>{});
   }
   // Streaming stores need whole vectors; a partial one takes the ordinary store.
@@ -229,13 +229,13 @@ void adamw_typed(const AdamWKernelParams& p, int64_t begin, int64_t end) {
     int64_t i = begin;
     if (stream) {
       for (; i + kLanes <= end; i += kLanes) {
-        prefetch_ahead<Simd, G, C, S>(p, i);
+        prefetch_ahead<Simd, G, S>(p, i);
         adamw_vector<Simd, G, C, S, true>(p, c, i, Simd::all());
       }
       Simd::store_fence();  // streaming stores are weakly ordered: publish them before the caller signals done
     } else {
       for (; i + kLanes <= end; i += kLanes) {
-        prefetch_ahead<Simd, G, C, S>(p, i);
+        prefetch_ahead<Simd, G, S>(p, i);
         adamw_vector<Simd, G, C, S, false>(p, c, i, Simd::all());
       }
     }
