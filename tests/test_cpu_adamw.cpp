@@ -4,6 +4,7 @@
 //   - c10::BFloat16 / c10::Half for the rounding of the compute copy, bit for bit;
 //   - itself across SIMD paths and thread counts, bit for bit.
 #include "megaslide/offload/cpu_adamw.h"
+#include "megaslide/offload/stack_trainer.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -598,6 +599,69 @@ TEST(CpuAdamW, TensorOverloadMatchesPointerOverload) {
   EXPECT_TRUE(bitwise_equal(compute, compute2));
   // An undefined compute tensor means "no copy".
   adamw.step_block(master, m, v, grad, torch::Tensor(), 2, 1e-3);
+}
+
+// step_on_host (offload/stack_trainer.h): the resident trainers' LibTorch AdamW run by CpuAdamW's fused pass.
+// The property: after every step, each parameter's state is what LibTorch's own optimizer.step() makes of the
+// same tensors — the same parameters have a state, with the same step counts, m and v bit for bit, and the
+// weights within the tolerance above (LibTorch's vectorised sqrt is not correctly rounded; ours is) — over two
+// groups with their own learning rates (changed between steps), tensors of several shapes, a parameter that
+// gets its first gradient only at the second step (its state created then). With a non-contiguous parameter
+// LibTorch's step runs for all of them: then the weights are bit for bit too.
+TEST(CpuAdamW, StepOnHostIsLibTorchsAdamWStepBitForBit) {
+  for (const bool contiguous : {true, false}) {
+    torch::manual_seed(11);
+    std::vector<torch::Tensor> a = {torch::randn({37, 5}), torch::randn({300}), torch::randn({}), torch::randn({6, 4})};
+    if (!contiguous) a[3] = torch::randn({4, 6}).t();
+    std::vector<torch::Tensor> b;
+    for (auto& t : a) {  // clone keeps the strides: b[3] is as non-contiguous as a[3]
+      t.requires_grad_(true);
+      b.push_back(t.detach().clone().requires_grad_(true));
+    }
+    const auto o = test_options();
+    auto make = [&](std::vector<torch::Tensor>& p) {
+      const auto opts =
+          torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay);
+      std::vector<torch::optim::OptimizerParamGroup> groups;
+      groups.emplace_back(std::vector<torch::Tensor>{p[0], p[1]}, std::make_unique<torch::optim::AdamWOptions>(opts));
+      groups.emplace_back(std::vector<torch::Tensor>{p[2], p[3]}, std::make_unique<torch::optim::AdamWOptions>(opts));
+      return std::make_unique<torch::optim::AdamW>(std::move(groups), opts);
+    };
+    auto libtorch = make(a), fused = make(b);
+    CpuAdamW kernel(o, 2);
+    for (int step = 1; step <= 3; ++step) {
+      for (int i = 0; i < 4; ++i) {
+        if (step == 1 && i == 1) continue;  // no gradient yet: left alone, no state
+        const auto g = torch::randn(a[i].sizes());
+        a[i].mutable_grad() = g.clone();
+        b[i].mutable_grad() = g.clone();
+      }
+      for (auto* opt : {libtorch.get(), fused.get()})
+        for (size_t k = 0; k < opt->param_groups().size(); ++k)
+          static_cast<torch::optim::AdamWOptions&>(opt->param_groups()[k].options()).lr(1e-3 * step * (k + 1));
+      libtorch->step();
+      megaslide::offload::step_on_host(*fused, kernel);
+      for (int i = 0; i < 4; ++i) {
+        SCOPED_TRACE("contiguous " + std::to_string(contiguous) + ", step " + std::to_string(step) + ", tensor " +
+                     std::to_string(i));
+        const auto wa = a[i].detach().contiguous(), wb = b[i].detach().contiguous();
+        if (contiguous) EXPECT_TRUE(torch::allclose(wb, wa, kRtol, kAtol)) << (wb - wa).abs().max().item<double>();
+        else EXPECT_TRUE(bitwise_equal(wa, wb));
+        const auto sa = libtorch->state().find(a[i].unsafeGetTensorImpl());
+        const auto sb = fused->state().find(b[i].unsafeGetTensorImpl());
+        ASSERT_EQ(sa == libtorch->state().end(), sb == fused->state().end());
+        if (sa == libtorch->state().end()) continue;
+        const auto& x = static_cast<torch::optim::AdamWParamState&>(*sa->second);
+        const auto& y = static_cast<torch::optim::AdamWParamState&>(*sb->second);
+        EXPECT_EQ(x.step(), y.step());
+        EXPECT_TRUE(bitwise_equal(x.exp_avg().contiguous(), y.exp_avg().contiguous()));
+        EXPECT_TRUE(bitwise_equal(x.exp_avg_sq().contiguous(), y.exp_avg_sq().contiguous()));
+      }
+      for (auto& t : a) t.mutable_grad() = torch::Tensor();
+      for (auto& t : b) t.mutable_grad() = torch::Tensor();
+    }
+    EXPECT_EQ(static_cast<torch::optim::AdamWParamState&>(*fused->state().at(b[1].unsafeGetTensorImpl())).step(), 2);
+  }
 }
 
 void expect_error(const std::function<void()>& fn, const std::string& fragment) {

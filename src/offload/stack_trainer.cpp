@@ -157,6 +157,51 @@ double ema_decay_at(double decay, int64_t update) {
   return std::min(decay, n / (n + 9.0));
 }
 
+void step_on_host(torch::optim::AdamW& optimizer, CpuAdamW& kernel) {
+  const auto& k = kernel.options();
+  bool fused = true;
+  for (auto& group : optimizer.param_groups()) {
+    const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
+    fused = fused && !o.amsgrad() && std::get<0>(o.betas()) == k.beta1 && std::get<1>(o.betas()) == k.beta2 &&
+            o.eps() == k.eps && o.weight_decay() == k.weight_decay;
+    for (const auto& p : group.params()) {
+      const auto& g = p.grad();
+      if (!g.defined()) continue;
+      fused = fused && p.device().is_cpu() && p.scalar_type() == at::kFloat && p.is_contiguous() && !g.is_sparse() &&
+              g.device().is_cpu() && g.scalar_type() == at::kFloat && g.is_contiguous() && g.numel() == p.numel();
+      const auto it = optimizer.state().find(p.unsafeGetTensorImpl());
+      if (it == optimizer.state().end()) continue;
+      const auto& s = static_cast<const torch::optim::AdamWParamState&>(*it->second);
+      for (const auto& m : {s.exp_avg(), s.exp_avg_sq()})
+        fused = fused && m.is_contiguous() && m.scalar_type() == at::kFloat && m.device().is_cpu() &&
+                m.numel() == p.numel();
+    }
+  }
+  if (!fused) {
+    optimizer.step();
+    return;
+  }
+  torch::NoGradGuard no_grad;
+  auto& state = optimizer.state();
+  for (auto& group : optimizer.param_groups()) {
+    const double lr = static_cast<const torch::optim::AdamWOptions&>(group.options()).lr();
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) continue;  // LibTorch's step leaves it alone, its state too
+      auto it = state.find(p.unsafeGetTensorImpl());
+      if (it == state.end()) {
+        auto s = std::make_unique<torch::optim::AdamWParamState>();
+        s->step(0);
+        s->exp_avg(torch::zeros_like(p, at::MemoryFormat::Preserve));
+        s->exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Preserve));
+        it = state.emplace(p.unsafeGetTensorImpl(), std::move(s)).first;
+      }
+      auto& s = static_cast<torch::optim::AdamWParamState&>(*it->second);
+      s.step(s.step() + 1);
+      kernel.step_block(p.detach(), s.exp_avg(), s.exp_avg_sq(), p.grad(), at::Tensor(), s.step(), lr);
+    }
+  }
+}
+
 void ema_update(const at::Tensor& ema, const at::Tensor& value, double decay) {
   TORCH_CHECK(ema.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat && ema.sizes() == value.sizes() &&
                   ema.device() == value.device(),
@@ -239,6 +284,7 @@ struct StreamedStackTrainer::Impl {
   std::vector<torch::Tensor> resident;
   std::vector<torch::Tensor> resident_ema;  // options.ema_decay > 0: per resident parameter, on the device
   std::unique_ptr<torch::optim::AdamW> resident_optimizer;
+  std::unique_ptr<CpuAdamW> resident_adamw;  // a CPU device: runs resident_optimizer's steps (step_on_host)
   std::unique_ptr<CpuAdamW> adamw;
   std::unique_ptr<detail::HostTaskQueue> tasks;
   std::vector<std::shared_future<void>> pending_update;  // per block: its last host update
@@ -844,7 +890,8 @@ struct StreamedStackTrainer::StepRun {
       if (im.resident_optimizer) {
         for (auto& group : im.resident_optimizer->param_groups())
           static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
-        im.resident_optimizer->step();
+        if (im.resident_adamw) step_on_host(*im.resident_optimizer, *im.resident_adamw);
+        else im.resident_optimizer->step();
       }
       ++t.adam_steps_;
       if (t.has_ema()) {
@@ -1024,6 +1071,7 @@ StreamedStackTrainer::StreamedStackTrainer(std::shared_ptr<StreamedModel> model,
     impl_->resident_optimizer = std::make_unique<torch::optim::AdamW>(
         impl_->resident,
         torch::optim::AdamWOptions(a.lr).betas({a.beta1, a.beta2}).eps(a.eps).weight_decay(a.weight_decay));
+    if (options_.device.is_cpu()) impl_->resident_adamw = std::make_unique<CpuAdamW>(a, options_.optimizer_threads);
   }
   impl_->tasks = std::make_unique<detail::HostTaskQueue>(options_.mode == StreamMode::kSync);
   impl_->pending_update.resize(L);

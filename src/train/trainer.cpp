@@ -138,7 +138,8 @@ Trainer::Trainer(const TrainerRequest& request)
       device_(resolve_device(request.config->train.device)),
       communicator_(request.communicator) {
   validate(config_, request.source);
-  apply_threads(plan_threads(config_, device_));
+  const auto threads = plan_threads(config_, device_);
+  apply_threads(threads);
   const auto& t = config_.train;
 
   ModelRequest m;
@@ -190,6 +191,15 @@ Trainer::Trainer(const TrainerRequest& request)
     params_ = tensors_of(params);
     optimizer_ = std::make_unique<torch::optim::AdamW>(
         params_, torch::optim::AdamWOptions(t.lr).betas({t.beta1, t.beta2}).eps(t.eps).weight_decay(t.weight_decay));
+    if (device_.is_cpu()) {  // the compute is idle while it runs: the intra-op threads' cores
+      offload::AdamWOptions a;
+      a.lr = t.lr;
+      a.beta1 = t.beta1;
+      a.beta2 = t.beta2;
+      a.eps = t.eps;
+      a.weight_decay = t.weight_decay;
+      host_adamw_ = std::make_unique<offload::CpuAdamW>(a, threads.intra_op);
+    }
     ema_ = std::make_unique<WeightsEma>(t.ema_decay, params);
   }
   if (device_.is_cuda()) {
@@ -295,7 +305,9 @@ StepMetrics Trainer::resident_step(double lr, MicroBatchStats& stats, const Mode
   m.grad_norm = grad_norm;
   m.skipped = !std::isfinite(m.loss) || !std::isfinite(grad_norm);
   if (!m.skipped) {
-    optimizer_->step();  // a parameter without a gradient (another part's) is left alone, its step count too
+    // A parameter without a gradient (another part's) is left alone, its step count too.
+    if (host_adamw_) offload::step_on_host(*optimizer_, *host_adamw_);
+    else optimizer_->step();
     if (ema_->enabled()) ema_->update(model_->named_parameters(), adam_step, part ? part->prefix : std::string());
   }
   if (device_.is_cuda()) torch::cuda::synchronize();

@@ -89,6 +89,16 @@ double ema_decay_at(double decay, int64_t update);
 // shape on one device; the CPU path is a plain loop, safe on any thread).
 void ema_update(const at::Tensor& ema, const at::Tensor& value, double decay);
 
+// optimizer.step() of a LibTorch AdamW, run by `kernel` (CpuAdamW's fused pass, which follows LibTorch's
+// arithmetic operation for operation: m and v bit for bit, the weights within an ulp or two, because LibTorch's
+// vectorised sqrt is not correctly rounded; docs/cpu-adamw.md) when every parameter with a gradient is a contiguous
+// fp32 CPU tensor with a contiguous fp32 gradient, no group uses amsgrad and every group's betas, eps and
+// weight decay are `kernel`'s; otherwise LibTorch's own step. The state stays LibTorch's (AdamWParamState:
+// step, exp_avg, exp_avg_sq, created at a parameter's first update as LibTorch creates it), so checkpoints
+// and optimizer.state() see no difference. LibTorch's step is one pass per operation over every tensor; the
+// fused pass reads and writes each element once (docs/cpu-adamw.md).
+void step_on_host(torch::optim::AdamW& optimizer, CpuAdamW& kernel);
+
 // The host store a StreamedStackTrainer allocates for this compute dtype, accumulation and state dtype
 // (also what megaslide-plan counts): a transfer buffer in the compute dtype that holds the compute copy
 // and, at accumulation 1, each block's gradient between its backward and its update (fp32 compute

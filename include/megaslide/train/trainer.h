@@ -167,6 +167,7 @@ class Trainer {
   std::unique_ptr<offload::StreamedStackTrainer> engine_;  // streamed mode
   std::vector<at::Tensor> params_;                         // resident mode: what optimizer_ updates
   std::unique_ptr<torch::optim::AdamW> optimizer_;         // resident mode
+  std::unique_ptr<offload::CpuAdamW> host_adamw_;          // resident mode on the CPU: runs optimizer_'s steps
   std::unique_ptr<WeightsEma> ema_;                        // resident mode (streamed: the engine's)
   int64_t steps_done_ = 0, optimizer_steps_ = 0;
   std::vector<ModelPart> parts_;     // FamilyModel::parts
