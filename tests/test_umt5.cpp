@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
@@ -309,6 +310,33 @@ TEST_F(Umt5EncoderGolden, ComfyUiSingleFileWithItsTokenizer) {
   EXPECT_NE(tokenizer.source().find("spiece_model"), std::string::npos);
   auto t = tokenizer.encode(json_strings(ref_.metadata.at("prompts")), ids_.size(1));
   EXPECT_TRUE(torch::equal(t.ids, ids_));
+}
+
+// The file of the memory mapping that holds `address` in this process (/proc/self/maps), or "" (anonymous memory).
+std::string mapped_file_of(const void* address) {
+  std::ifstream maps("/proc/self/maps");
+  const auto a = reinterpret_cast<uintptr_t>(address);
+  for (std::string line; std::getline(maps, line);) {
+    unsigned long long begin = 0, end = 0;
+    if (std::sscanf(line.c_str(), "%llx-%llx", &begin, &end) != 2 || a < begin || a >= end) continue;
+    const auto slash = line.find('/');
+    return slash == std::string::npos ? "" : line.substr(slash);
+  }
+  return "";
+}
+
+// The property: weights stored in the dtype the encoder computes in (the fixture's F32 file, fp32 on the CPU)
+// are read from the file's memory map, not copied — a layer matrix's data lie in a mapping of that very file,
+// after load() has returned and its reader is gone — and give transformers' output; weights converted to
+// another dtype (bf16) are the process's own memory.
+TEST_F(Umt5EncoderGolden, WeightsInTheComputeDtypeAreTheFilesMemoryNotACopy) {
+  const std::string matrix = "encoder.block.1.layer.1.DenseReluDense.wo.weight";
+  auto e = Umt5Encoder::load(kFixtures + "umt5/hf");
+  const auto file = mapped_file_of(e.stored_weight(matrix).data_ptr());
+  EXPECT_NE(file.find("umt5/hf/model.safetensors"), std::string::npos) << "mapped from '" << file << "'";
+  EXPECT_LT(max_error(e.embed(ids_, mask_), ref_.tensors.at("hf.hidden")), 1e-4);
+  auto converted = Umt5Encoder::load(kFixtures + "umt5/hf", torch::kCPU, torch::kBFloat16);
+  EXPECT_EQ(mapped_file_of(converted.stored_weight(matrix).data_ptr()).find("model.safetensors"), std::string::npos);
 }
 
 TEST_F(Umt5EncoderGolden, Bf16WeightsStayClose) {

@@ -161,7 +161,7 @@ std::string parent_of(const std::string& path) {
 MappedWeights::MappedWeights(const std::string& path) : path_(path) {
   if (!path_exists(path) || is_directory(path)) throw PretrainedError("'" + path + "': no such weights file");
   auto open_file = [&](const std::string& file) {
-    auto m = std::make_unique<Mapping>();
+    auto m = std::make_shared<Mapping>();
     m->path = file;
     try {
       m->header = read_safetensors_header(file);
@@ -296,6 +296,36 @@ torch::Tensor MappedWeights::take(const std::string& name, const std::vector<int
   std::memcpy(aligned.data_ptr(), data, e.end - e.begin);
   return aligned.to(dtype);
 }
+
+torch::Tensor MappedWeights::view(const std::string& name, const std::vector<int64_t>& shape,
+                                  const std::string& context) const {
+  auto it = where_.find(name);
+  if (it == where_.end())
+    throw PretrainedError("'" + path_ + "': no tensor '" + name + "' (expected shape " + shape_string(shape) + ")");
+  const auto& e = *it->second.entry;
+  const auto& m = files_[it->second.file];
+  auto* data = static_cast<char*>(m->base) + m->header.data_start + e.begin;
+  if (megaslide::is_fp8(e.dtype) || reinterpret_cast<uintptr_t>(data) % c10::elementSize(e.dtype) != 0 ||
+      m->header.data_start + e.end > m->bytes)
+    return take(name, shape, e.dtype, context);  // its errors, or a copy
+  if (e.shape != shape)
+    throw PretrainedError("'" + m->path + "': tensor '" + name + "' has shape " + shape_string(e.shape) +
+                          ", expected " + shape_string(shape) + " (" + context + ")");
+  if (!c10::isFloatingType(e.dtype))
+    throw PretrainedError("'" + m->path + "': tensor '" + name + "' is " + safetensors_dtype_name(e.dtype) +
+                          ", expected floating point (F32, F16 or BF16)");
+  try {
+    io::require_finite(data, static_cast<int64_t>((e.end - e.begin) / c10::elementSize(e.dtype)), e.dtype, m->path,
+                       name);
+  } catch (const io::NonFiniteWeightsError& err) {
+    throw PretrainedError(err.what());
+  }
+  std::shared_ptr<Mapping> keep = m;
+  return torch::from_blob(
+      data, e.shape, [keep](void*) mutable { keep.reset(); }, torch::TensorOptions().dtype(e.dtype));
+}
+
+torch::ScalarType MappedWeights::stored_dtype(const std::string& name) const { return locate(name).entry->dtype; }
 
 bool MappedWeights::is_fp8(const std::string& name) const { return megaslide::is_fp8(locate(name).entry->dtype); }
 

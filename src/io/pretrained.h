@@ -97,6 +97,15 @@ class MappedWeights {
   torch::Tensor take(const std::string& name, const std::vector<int64_t>& shape,
                      torch::ScalarType dtype = torch::kFloat32,
                      const std::string& context = "from the model's configuration") const;
+  // The same checks, and the tensor in the dtype the file stores it in (not fp8), without a copy: a view into
+  // the memory map that keeps the map alive after this object is gone. Its pages are the file's, read from the
+  // page cache when first touched (the finite check here touches them once) and shared with every process that
+  // maps the file. The view is READ-ONLY memory: writing into it is a segmentation fault, so it is for weights
+  // nothing writes (a frozen encoder's). Data not aligned to its element size come back as take()'s copy.
+  torch::Tensor view(const std::string& name, const std::vector<int64_t>& shape,
+                     const std::string& context = "from the model's configuration") const;
+  // The dtype `name` is stored in (it must exist).
+  torch::ScalarType stored_dtype(const std::string& name) const;
   // Whether `name` is stored as fp8, and that tensor as stored: its data (a fresh CPU copy) and its per-tensor
   // scale (float32, 1 without one), as described above. take_fp8 checks the shape and that it is fp8.
   bool is_fp8(const std::string& name) const;
@@ -112,7 +121,7 @@ class MappedWeights {
   };
   const Location& locate(const std::string& name) const;
   std::string path_;
-  std::vector<std::unique_ptr<Mapping>> files_;
+  std::vector<std::shared_ptr<Mapping>> files_;  // shared with view()s
   std::map<std::string, Location> where_;
 };
 

@@ -208,6 +208,9 @@ Umt5Encoder Umt5Encoder::load(const std::string& path, at::Device device, at::Sc
     auto e = build(config, device, dtype, fp8, [&](const std::string& name, const std::vector<int64_t>& shape) {
       const std::string& stored = name == kEmbedding ? embedding : name;
       if (weights->is_fp8(stored)) return weights->take_fp8(stored, shape, "from the model's configuration");
+      // Stored in the dtype the encoder computes in: a view into the file's memory map, not a copy (the
+      // encoder never writes its weights; a GPU copy is made from it directly). Another dtype: converted.
+      if (weights->stored_dtype(stored) == dtype) return Fp8Tensor{weights->view(stored, shape), {}};
       return Fp8Tensor{weights->take(stored, shape, dtype), {}};
     });
     if (weights->has(block(config.num_layers) + "layer.0.SelfAttention.q.weight"))

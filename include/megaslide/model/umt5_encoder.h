@@ -89,7 +89,9 @@ struct Umt5Config {
 class Umt5Encoder {
  public:
   // `path`: a folder in transformers' layout (or a diffusers repository root with text_encoder/), an
-  // index.json, or a single .safetensors file (ComfyUI's layout).
+  // index.json, or a single .safetensors file (ComfyUI's layout). Weights stored in `dtype` on a CPU `device`
+  // are not copied: the encoder reads them from the file's memory map (io::MappedWeights::view; the page
+  // cache holds them once for every process), so loading costs one finite-value pass over the file.
   static Umt5Encoder load(const std::string& path, at::Device device = at::kCPU, at::ScalarType dtype = at::kFloat,
                           bool fp8 = false);
   // `encoder` (whose weights must be on the CPU) moved to `device` whole, or with its layers streamed as
@@ -116,6 +118,10 @@ class Umt5Encoder {
   int64_t parameter_count() const;
   // Where the weights came from (a file or an index).
   const std::string& source() const { return source_; }
+  // A weight as the encoder keeps it, by its name in the file (fp8 data for an fp8 matrix; a view into the
+  // file's map when load() did not copy it), for inspection. Throws std::out_of_range for a name it does not
+  // keep (a streamed encoder's layer matrices live in its streamer).
+  const at::Tensor& stored_weight(const std::string& name) const { return w_.at(name); }
 
  private:
   // (name, shape) -> the CPU tensor as the file holds it: data in `dtype` (scale undefined), or fp8 data and its
