@@ -3,11 +3,14 @@
 // CPU (default): forward + backward (B = 1, M = 4 heads, d = 32, kernel 3x7x7, float32): time and peak
 // memory of the row kernel (kCpu), the tiled kernel (kCpuTiled, the host twin of the CUDA tiled
 // kernel) and the grid_sample reference at 8x32x32 tokens, both fused kernels at 16x32x32 (linear
-// scaling), and global attention (SDPA) at both sizes. Peak memory is measured, not computed: a
-// counting wrapper around LibTorch's CPU allocator records the most bytes live at once during
+// scaling), and global attention (SDPA) at both sizes and at 4x32x32 (4K tokens). Then d = 64 (M = 4) at 4K
+// and 8K tokens: the fused kernel against SDPA, and its forward's executed FLOPs against the machine's FMA
+// peak, measured in the same run (register-resident FMA chains on every thread). Peak memory is measured, not
+// computed: a counting wrapper around LibTorch's CPU allocator records the most bytes live at once during
 // forward + backward beyond the inputs. The last line is one JSON object with
 // fused_vs_reference_fwd_bwd_speedup (target >= 5), fused_vs_reference_peak_mem_ratio (<= 0.1),
-// scaling_2x_tokens_time_ratio (<= 2.2) and tiled_vs_row_cpu_fwd_bwd_speedup.
+// scaling_2x_tokens_time_ratio (<= 2.2), fused_vs_sdpa_4k_d32 and _d64 (>= 1), d64_fwd_peak_fraction (>= 0.3)
+// and tiled_vs_row_cpu_fwd_bwd_speedup.
 //
 // CUDA (--cuda): bfloat16, offsets uniform in ±(1, 3, 3) tokens (the module's default range, all of
 // it), at (B=1, 16x64x64 tokens, M=16, d=64, 3x7x7) and (8x32x32, M=4, d=32, 3x7x7): forward and
@@ -31,8 +34,11 @@
 #include "../src/attention/dsa3d_tile.h"
 #endif
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <array>
+#include <thread>
 #include <memory>
 #include <atomic>
 #include <chrono>
@@ -260,6 +266,95 @@ int cpu_kernels_mode(int reps, const Memory& memory) {
   return 0;
 }
 
+// The machine's fp32 FMA peak as measured here: every thread runs 16 independent chains of vector fused
+// multiply-adds held in registers (AVX-512 where the CPU has it, else AVX2 + FMA), all threads at once; GFLOP/s
+// counting an FMA as 2. What a kernel can at most execute, the denominator of the fraction-of-peak target.
+__attribute__((target("avx512f"))) float fma_chains_avx512(int64_t iterations) {
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_set1_ps(1e-3f * static_cast<float>(i));
+  const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-3f);
+  for (int64_t it = 0; it < iterations; ++it)
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(acc[i], a, b);
+  float sum = 0.f;
+  for (int i = 0; i < 16; ++i) sum += _mm512_reduce_add_ps(acc[i]);
+  return sum;
+}
+
+__attribute__((target("avx2,fma"))) float fma_chains_avx2(int64_t iterations) {
+  __m256 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm256_set1_ps(1e-3f * static_cast<float>(i));
+  const __m256 a = _mm256_set1_ps(0.999f), b = _mm256_set1_ps(1e-3f);
+  for (int64_t it = 0; it < iterations; ++it)
+    for (int i = 0; i < 16; ++i) acc[i] = _mm256_fmadd_ps(acc[i], a, b);
+  alignas(32) float lanes[8];
+  float sum = 0.f;
+  for (int i = 0; i < 16; ++i) {
+    _mm256_store_ps(lanes, acc[i]);
+    for (float l : lanes) sum += l;
+  }
+  return sum;
+}
+
+double fma_peak_gflops(int threads) {
+  const bool avx512 = __builtin_cpu_supports("avx512f");
+  const int64_t iterations = 20'000'000;
+  const double flops_per_thread = 2.0 * 16 * (avx512 ? 16 : 8) * static_cast<double>(iterations);
+  std::vector<float> sinks(threads);
+  std::vector<std::thread> pool;
+  const auto start = std::chrono::steady_clock::now();
+  for (int t = 0; t < threads; ++t)
+    pool.emplace_back([&, t] { sinks[t] = avx512 ? fma_chains_avx512(iterations) : fma_chains_avx2(iterations); });
+  for (auto& th : pool) th.join();
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  volatile float sink = 0.f;
+  for (float x : sinks) sink = sink + x;
+  return flops_per_thread * threads / s / 1e9;
+}
+
+// d = 64 (M = 4 heads, kernel 3x7x7, float32) at 4K and 8K tokens: the fused kernel kAuto runs on the CPU against
+// global SDPA over the same tokens (forward + backward), and its forward's executed FLOPs against the measured FMA
+// peak. The row kernel executes, per (token, head, sample), 8 corner FMAs over d for each of k and v, one dot and
+// one accumulation over d: 36·d FLOPs; dense attention over the same K keys would need 4·d ("attention-equivalent").
+struct D64Result {
+  std::string name;
+  int64_t tokens = 0;
+  double fwd_ms = 0, fwd_bwd_ms = 0, sdpa_ms = 0, executed_gflops = 0, attention_gflops = 0;
+};
+
+std::vector<D64Result> d64_cases(int reps, const Memory& memory) {
+  const torch::Device device(torch::kCPU);
+  std::vector<D64Result> out;
+  for (const Case& c :
+       {Case{"4x32x32", 1, 4, 32, 32, 4, 64, {3, 7, 7}}, Case{"8x32x32", 1, 8, 32, 32, 4, 64, {3, 7, 7}}}) {
+    auto in = make_inputs(c, device);
+    D64Result r;
+    r.name = c.name;
+    r.tokens = c.T * c.H * c.W;
+    const auto impl = ops::resolve_impl(ops::DsaImpl::kAuto, device);
+    std::vector<double> fwd;
+    {
+      torch::NoGradGuard no_grad;
+      for (int i = 0; i < reps + 1; ++i) {
+        const auto start = std::chrono::steady_clock::now();
+        ops::dsa3d(in.q, in.k, in.v, in.offsets, in.bias, c.kernel, impl);
+        const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+        if (i > 0) fwd.push_back(ms);
+      }
+    }
+    std::sort(fwd.begin(), fwd.end());
+    r.fwd_ms = fwd[fwd.size() / 2];
+    r.fwd_bwd_ms = measure(in, c, impl, reps, memory, device).ms;
+    in = Inputs{};
+    r.sdpa_ms = measure_sdpa(c, torch::kFloat, reps, memory, device).ms;
+    const auto ke = ops::effective_kernel(c.kernel, {c.T, c.H, c.W});
+    const double samples = static_cast<double>(c.B * r.tokens * c.M * ke[0] * ke[1] * ke[2]);
+    r.executed_gflops = samples * 36.0 * static_cast<double>(c.d) / (r.fwd_ms * 1e6);
+    r.attention_gflops = samples * 4.0 * static_cast<double>(c.d) / (r.fwd_ms * 1e6);
+    out.push_back(r);
+  }
+  return out;
+}
+
 int cpu_mode(int reps, const Memory& memory) {
   const torch::Device device(torch::kCPU);
   // B = 1, M = 4 heads, d = 32, kernel (3, 7, 7); 8×32×32 tokens, then twice that.
@@ -295,6 +390,34 @@ int cpu_mode(int reps, const Memory& memory) {
   std::printf("%-10s %-24s %10.1f %12.1f\n", "16x32x32", "tiled kernel (cpu_tiled)", tiled2.ms, mib(tiled2.peak_bytes));
   std::printf("%-10s %-24s %10.1f %12.1f\n", "16x32x32", "global sdpa", sdpa2.ms, mib(sdpa2.peak_bytes));
 
+  // d = 32 at 4K tokens against SDPA, then the d = 64 cases and the machine's FMA peak.
+  const Case half{"4x32x32", 1, 4, 32, 32, 4, 32, {3, 7, 7}};
+  auto in_half = make_inputs(half, device);
+  const auto auto_impl = ops::resolve_impl(ops::DsaImpl::kAuto, device);
+  const Measurement fus_half = measure(in_half, half, auto_impl, reps, memory, device);
+  in_half = Inputs{};
+  const Measurement sdpa_half = measure_sdpa(half, torch::kFloat, reps, memory, device);
+  std::printf("%-10s %-24s %10.1f %12.1f\n", "4x32x32", "fused (kAuto)", fus_half.ms, mib(fus_half.peak_bytes));
+  std::printf("%-10s %-24s %10.1f %12.1f\n", "4x32x32", "global sdpa", sdpa_half.ms, mib(sdpa_half.peak_bytes));
+  const auto d64 = d64_cases(reps, memory);
+  const double peak = fma_peak_gflops(torch::get_num_threads());
+  std::printf("\nd = 64 (M 4, 3x7x7), fused kernel kAuto runs; FMA peak measured here %.1f GFLOP/s (%d threads, %s)\n",
+              peak, torch::get_num_threads(), __builtin_cpu_supports("avx512f") ? "AVX-512" : "AVX2");
+  std::printf("%-10s %10s %12s %10s %12s %22s %22s\n", "tokens", "fwd ms", "fwd+bwd ms", "sdpa ms", "vs sdpa",
+              "executed GFLOP/s", "attention-equiv.");
+  for (const auto& r : d64)
+    std::printf("%-10s %10.1f %12.1f %10.1f %11.2fx %12.1f (%4.1f%%) %12.1f (%4.1f%%)\n", r.name.c_str(), r.fwd_ms,
+                r.fwd_bwd_ms, r.sdpa_ms, r.sdpa_ms / r.fwd_bwd_ms, r.executed_gflops, 100 * r.executed_gflops / peak,
+                r.attention_gflops, 100 * r.attention_gflops / peak);
+  const double vs_sdpa_4k_d32 = sdpa_half.ms / fus_half.ms, vs_sdpa_4k_d64 = d64[0].sdpa_ms / d64[0].fwd_bwd_ms;
+  const double peak_fraction_d64 = d64[0].executed_gflops / peak;
+  const bool tiled_auto = auto_impl == ops::DsaImpl::kCpuTiled;
+  std::printf(
+      "fused vs global SDPA (forward + backward, >1: fused faster): 4K tokens d 32 %.2fx, d 64 %.2fx; 8K d 32 "
+      "%.2fx, d 64 %.2fx; 16K d 32 %.2fx\n",
+      vs_sdpa_4k_d32, vs_sdpa_4k_d64, sdpa.ms / (tiled_auto ? tiled.ms : row.ms), d64[1].sdpa_ms / d64[1].fwd_bwd_ms,
+      sdpa2.ms / (tiled_auto ? tiled2.ms : row2.ms));
+
   // The targets apply to the kernel kAuto runs on the CPU.
   const bool auto_tiled = ops::resolve_impl(ops::DsaImpl::kAuto, device) == ops::DsaImpl::kCpuTiled;
   const Measurement& fus = auto_tiled ? tiled : row;
@@ -303,12 +426,15 @@ int cpu_mode(int reps, const Memory& memory) {
   const double mem_ratio = double(fus.peak_bytes) / double(ref.peak_bytes);
   const double scaling = fus2.ms / fus.ms;
   const double tiled_vs_row = row.ms / tiled.ms;
-  const bool met = speedup >= 5 && mem_ratio <= 0.1 && scaling <= 2.2;
+  const bool met = speedup >= 5 && mem_ratio <= 0.1 && scaling <= 2.2 && vs_sdpa_4k_d32 >= 1 && vs_sdpa_4k_d64 >= 1 &&
+                   peak_fraction_d64 >= 0.3;
   std::printf(
       "kAuto runs the %s kernel: speedup %.2fx (target >= 5), peak memory ratio %.4f (target <= 0.1), 2x "
-      "tokens time ratio %.2f (target <= 2.2): targets %s. Tiled vs row kernel %.2fx; max relative error "
-      "vs reference: row %.1e, tiled %.1e\n",
-      auto_tiled ? "tiled" : "row", speedup, mem_ratio, scaling, met ? "met" : "NOT met", tiled_vs_row, row_err,
+      "tokens time ratio %.2f (target <= 2.2), vs SDPA at 4K tokens %.2fx (d 32) and %.2fx (d 64) (target >= 1), "
+      "d 64 forward at %.1f%% of the FMA peak executed (target >= 30%%; attention-equivalent %.1f%%): targets %s. "
+      "Tiled vs row kernel %.2fx; max relative error vs reference: row %.1e, tiled %.1e\n",
+      auto_tiled ? "tiled" : "row", speedup, mem_ratio, scaling, vs_sdpa_4k_d32, vs_sdpa_4k_d64,
+      100 * peak_fraction_d64, 100 * d64[0].attention_gflops / peak, met ? "met" : "NOT met", tiled_vs_row, row_err,
       tiled_err);
   std::printf(
       "{\"bench\":\"dsa3d\",\"device\":\"cpu\",\"threads\":%d,\"dtype\":\"float32\",\"B\":1,\"M\":4,\"d\":32,"
@@ -318,11 +444,14 @@ int cpu_mode(int reps, const Memory& memory) {
       "\"reference_peak_bytes\":%lld,\"row_peak_bytes\":%lld,\"tiled_peak_bytes\":%lld,\"sdpa_peak_bytes\":%lld,"
       "\"row_max_rel_err\":%.3e,\"tiled_max_rel_err\":%.3e,\"tiled_vs_row_cpu_fwd_bwd_speedup\":%.3f,"
       "\"fused_vs_reference_fwd_bwd_speedup\":%.3f,\"fused_vs_reference_peak_mem_ratio\":%.5f,"
-      "\"scaling_2x_tokens_time_ratio\":%.3f,\"targets_met\":%s}\n",
+      "\"scaling_2x_tokens_time_ratio\":%.3f,\"fused_vs_sdpa_4k_d32\":%.3f,\"fused_vs_sdpa_4k_d64\":%.3f,"
+      "\"fused_vs_sdpa_8k_d64\":%.3f,\"fma_peak_gflops\":%.2f,\"d64_fwd_executed_gflops\":%.2f,"
+      "\"d64_fwd_peak_fraction\":%.4f,\"d64_fwd_attention_equivalent_gflops\":%.2f,\"targets_met\":%s}\n",
       torch::get_num_threads(), auto_tiled ? "cpu_tiled" : "cpu", ref.ms, row.ms, tiled.ms, row2.ms, tiled2.ms, sdpa.ms,
       sdpa2.ms, (long long)ref.peak_bytes, (long long)row.peak_bytes, (long long)tiled.peak_bytes,
-      (long long)sdpa.peak_bytes, row_err, tiled_err, tiled_vs_row, speedup, mem_ratio, scaling,
-      met ? "true" : "false");
+      (long long)sdpa.peak_bytes, row_err, tiled_err, tiled_vs_row, speedup, mem_ratio, scaling, vs_sdpa_4k_d32,
+      vs_sdpa_4k_d64, d64[1].sdpa_ms / d64[1].fwd_bwd_ms, peak, d64[0].executed_gflops, peak_fraction_d64,
+      d64[0].attention_gflops, met ? "true" : "false");
   return 0;
 }
 
