@@ -14,9 +14,15 @@
 // prefixed bf16_ and int8_).
 //
 // --path picks the SIMD path (auto: the widest the CPU has), so one machine times AVX-512 and AVX2 alike.
+// When the Python it finds (MEGASLIDE_PYTHON, else python3) imports deepspeed, DeepSpeed's DeepSpeedCPUAdam runs
+// on the same sizes and threads beside ours (its own fp32-gradient path, and the trainer's bf16 path with the
+// casts it needs); otherwise the run says it skipped it, and why (--deepspeed 0 skips it).
 //
 //   build/bin/bench_cpu_adamw [--params N] [--threads T] [--reps R] [--torch-reps R] [--path auto|avx512|avx2|scalar]
+//                             [--deepspeed 0|1]
+#include <sys/wait.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -61,6 +67,98 @@ const char* string_flag(int argc, char** argv, const char* name, const char* fal
   for (int i = 1; i + 1 < argc; ++i)
     if (std::strcmp(argv[i], name) == 0) return argv[i + 1];
   return fallback;
+}
+
+// DeepSpeed's CPU Adam (deepspeed.ops.adam.DeepSpeedCPUAdam, adamw_mode) on the same sizes, in the Python the
+// benchmark finds (MEGASLIDE_PYTHON, else python3), with the same threads (OMP_NUM_THREADS): its own path (fp32
+// parameter, fp32 gradient) and the trainer's (a bf16 gradient widened to fp32 first, the bf16 compute copy
+// written after), the best of `reps` each. Exit status 3 when deepspeed cannot be imported. The first use
+// compiles DeepSpeed's extension (about a minute; it is cached afterwards).
+constexpr const char* kDeepSpeedScript = R"PY(
+import json, sys, time
+n, threads, reps = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+try:
+    import torch
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    import deepspeed
+except Exception as e:  # not installed, or its extension does not build here
+    print(f"{type(e).__name__}: {e}".splitlines()[0])
+    sys.exit(3)
+torch.set_num_threads(threads)
+torch.manual_seed(0)
+p = torch.nn.Parameter(torch.randn(n) * 0.02)
+g32 = torch.randn(n) * 1e-3
+g16 = g32.to(torch.bfloat16)
+copy = torch.empty(n, dtype=torch.bfloat16)
+opt = DeepSpeedCPUAdam([p], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, adamw_mode=True)
+p.grad = g32
+opt.step()  # the state's first touch, untimed
+def best(fn):
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter(); fn(); times.append(time.perf_counter() - t)
+    return min(times)
+def fp32_step():
+    p.grad = g32
+    opt.step()
+def trainer_path():
+    p.grad = g16.float()
+    opt.step()
+    copy.copy_(p.detach())
+print(json.dumps({"deepspeed": deepspeed.__version__, "fp32_grad_s": best(fp32_step),
+                  "bf16_casts_s": best(trainer_path)}))
+)PY";
+
+struct DeepSpeedTimes {
+  bool ran = false;
+  std::string message;  // why not, or its version
+  double fp32_grad_s = 0, bf16_casts_s = 0;
+};
+
+double json_number(const std::string& json, const std::string& key) {
+  const auto at = json.find("\"" + key + "\":");
+  return at == std::string::npos ? 0.0 : std::strtod(json.c_str() + at + key.size() + 3, nullptr);
+}
+
+DeepSpeedTimes run_deepspeed(int64_t n, int threads, int reps) {
+  DeepSpeedTimes out;
+  char path[] = "/tmp/bench-cpu-adamw-deepspeed-XXXXXX";
+  const int fd = ::mkstemp(path);
+  if (fd < 0) {
+    out.message = "cannot write its script to /tmp";
+    return out;
+  }
+  const std::string script = kDeepSpeedScript;
+  const bool written = ::write(fd, script.data(), script.size()) == static_cast<ssize_t>(script.size());
+  ::close(fd);
+  const char* python = std::getenv("MEGASLIDE_PYTHON");
+  const std::string command =
+      "OMP_NUM_THREADS=" + std::to_string(threads) + " " + (python != nullptr && *python ? python : "python3") + " " +
+      path + " " + std::to_string(n) + " " + std::to_string(threads) + " " + std::to_string(reps) + " 2>/dev/null";
+  std::string output;
+  int status = -1;
+  if (written) {
+    if (FILE* pipe = ::popen(command.c_str(), "r")) {
+      char buffer[4096];
+      while (std::fgets(buffer, sizeof buffer, pipe)) output += buffer;
+      status = ::pclose(pipe);
+    }
+  }
+  std::remove(path);
+  while (!output.empty() && (output.back() == '\n' || output.back() == '\r')) output.pop_back();
+  const auto last_line =
+      output.substr(output.find_last_of('\n') == std::string::npos ? 0 : output.find_last_of('\n') + 1);
+  if (status == 0 && last_line.find("\"fp32_grad_s\"") != std::string::npos) {
+    out.ran = true;
+    out.fp32_grad_s = json_number(last_line, "fp32_grad_s");
+    out.bf16_casts_s = json_number(last_line, "bf16_casts_s");
+    const auto v = last_line.find("\"deepspeed\": \"");
+    out.message = v == std::string::npos ? "" : last_line.substr(v + 14, last_line.find('"', v + 14) - v - 14);
+  } else {
+    out.message = WIFEXITED(status) && WEXITSTATUS(status) == 3 ? "deepspeed is not importable here (" + last_line + ")"
+                                                                : "its run failed (" + last_line + ")";
+  }
+  return out;
 }
 
 }  // namespace
@@ -200,6 +298,39 @@ int main(int argc, char** argv) {
   row("fp32 roofline: stream probe, 1 thread", fp32, t_1thread);
   row("torch::optim::AdamW::step, fp32 (fp32 moments' bytes)", fp32, t_torch);
 
+  // DeepSpeed's CPU Adam beside ours, when this environment's Python has it (--deepspeed 0 skips it). Ours is
+  // timed again right after it (fp32 moments), with its own path's equal — an fp32 gradient, no copy — too.
+  DeepSpeedTimes ds;
+  std::vector<double> ours_fp32_grad, ours_again;
+  if (int_flag(argc, argv, "--deepspeed", 1) != 0) {
+    ds = run_deepspeed(n, threads, std::min(reps, 10));
+    if (ds.ran) {
+      torch::Tensor grad32 = grad0.clone();
+      AdamWBlockState s = fp32.s;
+      s.grad = grad32.data_ptr<float>();
+      s.grad_dtype = at::kFloat;
+      s.compute = nullptr;
+      for (int rep = 0; rep < std::min(reps, 10); ++rep, ++step) {
+        ours_fp32_grad.push_back(time_s([&] { adamw.step_block(s, step, lr); }));
+        ours_again.push_back(time_s([&] { adamw.step_block(fp32.s, step, lr); }));
+      }
+    }
+  } else {
+    ds.message = "--deepspeed 0";
+  }
+  if (ds.ran) {
+    std::printf(" DeepSpeed %s DeepSpeedCPUAdam (adamw_mode, fp32 moments, %d threads), best of %d, then ours again:\n",
+                ds.message.c_str(), threads, std::min(reps, 10));
+    std::printf("  %-52s %8.2f ms\n", "DeepSpeed: fp32 grad, no copy", ds.fp32_grad_s * 1e3);
+    std::printf("  %-52s %8.2f ms   ours / DeepSpeed %.2fx faster\n", "CpuAdamW: fp32 grad, no copy",
+                best(ours_fp32_grad) * 1e3, ds.fp32_grad_s / best(ours_fp32_grad));
+    std::printf("  %-52s %8.2f ms\n", "DeepSpeed: bf16 grad widened, step, bf16 copy written", ds.bf16_casts_s * 1e3);
+    std::printf("  %-52s %8.2f ms   ours / DeepSpeed %.2fx faster\n", "CpuAdamW: bf16 grad in, bf16 copy out",
+                best(ours_again) * 1e3, ds.bf16_casts_s / best(ours_again));
+  } else {
+    std::printf(" DeepSpeed's CPU Adam: skipped, %s\n", ds.message.c_str());
+  }
+
   const auto& b = runs[1];
   const auto& q = runs[2];
   std::printf(
@@ -210,13 +341,19 @@ int main(int argc, char** argv) {
       "\"torch_adamw_gbps\":%.2f,\"speedup_vs_torch_adamw\":%.2f,\"fraction_of_roofline\":%.3f,"
       "\"bf16_bytes_per_step\":%.0f,\"bf16_adamw_ms\":%.3f,\"bf16_gbps\":%.2f,\"bf16_roofline_gbps\":%.2f,"
       "\"bf16_fraction_of_roofline\":%.3f,\"int8_bytes_per_step\":%.0f,\"int8_adamw_ms\":%.3f,\"int8_gbps\":%.2f,"
-      "\"int8_roofline_gbps\":%.2f,\"int8_fraction_of_roofline\":%.3f}\n",
+      "\"int8_roofline_gbps\":%.2f,\"int8_fraction_of_roofline\":%.3f%s}\n",
       static_cast<long long>(n), threads, megaslide::offload::to_string(adamw.path()), fp32.bytes_per_step,
       best(fp32.adamw) * 1e3, roofline_s(fp32) * 1e3, best(t_torch) * 1e3, gbps_of(fp32, best(fp32.adamw)),
       gbps_of(fp32, best(fp32.adamw_cached)), gbps_of(fp32, roofline_s(fp32)), gbps_of(fp32, best(fp32.probe_cached)),
       gbps_of(fp32, best(fp32.probe_streaming)), gbps_of(fp32, best(t_1thread)), gbps_of(fp32, best(t_torch)),
       best(t_torch) / best(fp32.adamw), roofline_s(fp32) / best(fp32.adamw), b.bytes_per_step, best(b.adamw) * 1e3,
       gbps_of(b, best(b.adamw)), gbps_of(b, roofline_s(b)), roofline_s(b) / best(b.adamw), q.bytes_per_step,
-      best(q.adamw) * 1e3, gbps_of(q, best(q.adamw)), gbps_of(q, roofline_s(q)), roofline_s(q) / best(q.adamw));
+      best(q.adamw) * 1e3, gbps_of(q, best(q.adamw)), gbps_of(q, roofline_s(q)), roofline_s(q) / best(q.adamw),
+      ds.ran ? (",\"deepspeed_fp32_grad_ms\":" + std::to_string(ds.fp32_grad_s * 1e3) +
+                ",\"ours_fp32_grad_ms\":" + std::to_string(best(ours_fp32_grad) * 1e3) +
+                ",\"deepspeed_bf16_casts_ms\":" + std::to_string(ds.bf16_casts_s * 1e3) +
+                ",\"ours_bf16_again_ms\":" + std::to_string(best(ours_again) * 1e3))
+                   .c_str()
+             : "");
   return 0;
 }
