@@ -27,6 +27,18 @@ using megaslide::plan::HardwareProfileError;
 
 namespace {
 
+// The NVMe traffic of `steps` steps against the plan's per-step figures: every dirty state is written back, so
+// the writes are exact; a block whose next acquire arrives while its write-back is still queued keeps its state
+// in the slot and skips that read (the pager's urgent path), so the reads are exact only when the I/O thread
+// keeps up — they are at least the first step's (every state read once) and at most the plan's.
+void expect_nvme_traffic(const megaslide::offload::HostParamStore::NvmeStats& before,
+                         const megaslide::offload::HostParamStore::NvmeStats& after, const megaslide::plan::StepPlan& p,
+                         int64_t steps, const std::string& name) {
+  EXPECT_EQ(after.write_bytes - before.write_bytes, steps * p.nvme_write_bytes) << name;
+  EXPECT_LE(after.read_bytes - before.read_bytes, steps * p.nvme_read_bytes) << name;
+  EXPECT_GE(after.read_bytes - before.read_bytes, p.nvme_read_bytes) << name;
+}
+
 // 4 frames of 8x8 (64 tokens per clip), hidden 16: a trainer step takes milliseconds on the CPU. bf16
 // compute unless a case says otherwise: a plan resolves `auto` as on a GPU (bf16), a CPU trainer as the
 // CPU runs fast, so the two are compared at a dtype both use.
@@ -192,8 +204,7 @@ TEST(StepPlan, MatchesWhatTheStreamedTrainerMeasures) {
     }
     trainer.synchronize();
     const auto after = trainer.engine()->store().nvme_stats();
-    EXPECT_EQ(after.read_bytes - before.read_bytes, 2 * p.nvme_read_bytes) << name;
-    EXPECT_EQ(after.write_bytes - before.write_bytes, 2 * p.nvme_write_bytes) << name;
+    expect_nvme_traffic(before, after, p, 2, name);
   }
 }
 
@@ -464,8 +475,7 @@ TEST(StepPlan, WanMatchesWhatTheStreamedTrainerMeasures) {
     }
     trainer.synchronize();
     const auto after = trainer.engine()->store().nvme_stats();
-    EXPECT_EQ(after.read_bytes - before.read_bytes, 2 * p.nvme_read_bytes) << name;
-    EXPECT_EQ(after.write_bytes - before.write_bytes, 2 * p.nvme_write_bytes) << name;
+    expect_nvme_traffic(before, after, p, 2, name);
   }
 }
 
