@@ -436,7 +436,7 @@ TEST(Dsa3d, FusedCpuMatchesReferenceOnEveryInstructionSet) {
     ++paths;
     ASSERT_EQ(detail::dsa3d_cpu_isa(), isa);
     SCOPED_TRACE(detail::to_string(isa));
-    for (const int64_t d : {6, 8, 20, 32}) {
+    for (const int64_t d : {6, 8, 20, 32}) {  // d = 32: the backward's per-distinct-row loop (2 heads, 64 channels)
       SCOPED_TRACE("d = " + std::to_string(d));
       Problem pb;
       pb.B = 2, pb.T = 3, pb.H = 5, pb.W = 4, pb.M = 4, pb.d = d, pb.G = 2;
@@ -459,9 +459,11 @@ TEST(Dsa3d, FusedCpuMatchesReferenceOnEveryInstructionSet) {
 }
 
 namespace {
-Problem determinism_problem() {
+// d = 16 (a group's 2 heads span 32 channels: the backward's per-sample loop) or 32 (64 channels: its
+// per-distinct-row loop, kRowsPerTokenLanes in dsa3d_cpu.cpp).
+Problem determinism_problem(int64_t d = 16) {
   Problem pb;
-  pb.B = 2, pb.T = 4, pb.H = 8, pb.W = 8, pb.M = 4, pb.d = 16, pb.G = 2;
+  pb.B = 2, pb.T = 4, pb.H = 8, pb.W = 8, pb.M = 4, pb.d = d, pb.G = 2;
   pb.kernel = {3, 5, 5};
   return pb;
 }
@@ -749,32 +751,40 @@ TEST(Dsa3d, KernelLargerThanVolumeShrinks) {
 
 // ---- determinism -------------------------------------------------------------------------------------------
 
-// Deterministic mode: two runs, and 1 thread against 2 threads, give bit-identical float32 results.
+// Deterministic mode: two runs, and 1 thread against 2 threads, give bit-identical float32 results, on both of
+// the backward's loops.
 TEST(Dsa3d, DeterministicModeIsBitIdenticalAcrossRunsAndThreadCounts) {
-  const auto pb = determinism_problem();
-  const auto in = make_inputs(pb, torch::kFloat, Offsets::kRandom, 12);
-  Result one, two, again;
-  {
-    ThreadCount threads(1);
-    one = run_kernel(in, pb.kernel, ms::DsaImpl::kCpu, true);
+  for (const int64_t d : {16, 32}) {
+    SCOPED_TRACE("d = " + std::to_string(d));
+    const auto pb = determinism_problem(d);
+    const auto in = make_inputs(pb, torch::kFloat, Offsets::kRandom, 12);
+    Result one, two, again;
+    {
+      ThreadCount threads(1);
+      one = run_kernel(in, pb.kernel, ms::DsaImpl::kCpu, true);
+    }
+    {
+      ThreadCount threads(2);
+      two = run_kernel(in, pb.kernel, ms::DsaImpl::kCpu, true);
+      again = run_kernel(in, pb.kernel, ms::DsaImpl::kCpu, true);
+    }
+    expect_bit_identical(one, two);
+    expect_bit_identical(two, again);
+    // And deterministic mode computes the same gradients as the default mode (up to summation order).
+    expect_results_close(one, run_kernel(in, pb.kernel, ms::DsaImpl::kCpu, false), 1e-6, 1e-5);
   }
-  {
-    ThreadCount threads(2);
-    two = run_kernel(in, pb.kernel, ms::DsaImpl::kCpu, true);
-    again = run_kernel(in, pb.kernel, ms::DsaImpl::kCpu, true);
-  }
-  expect_bit_identical(one, two);
-  expect_bit_identical(two, again);
-  // And deterministic mode computes the same gradients as the default mode (up to summation order).
-  expect_results_close(one, run_kernel(in, pb.kernel, ms::DsaImpl::kCpu, false), 1e-6, 1e-5);
 }
 
-// Default mode: the same thread count repeats bit-identically (per-chunk buffers added in chunk order).
+// Default mode: the same thread count repeats bit-identically (per-chunk buffers added in chunk order), on both
+// of the backward's loops.
 TEST(Dsa3d, DefaultModeRepeatsForAFixedThreadCount) {
-  const auto pb = determinism_problem();
-  const auto in = make_inputs(pb, torch::kFloat, Offsets::kRandom, 13);
-  ThreadCount threads(2);
-  expect_bit_identical(run_kernel(in, pb.kernel, ms::DsaImpl::kCpu), run_kernel(in, pb.kernel, ms::DsaImpl::kCpu));
+  for (const int64_t d : {16, 32}) {
+    SCOPED_TRACE("d = " + std::to_string(d));
+    const auto pb = determinism_problem(d);
+    const auto in = make_inputs(pb, torch::kFloat, Offsets::kRandom, 13);
+    ThreadCount threads(2);
+    expect_bit_identical(run_kernel(in, pb.kernel, ms::DsaImpl::kCpu), run_kernel(in, pb.kernel, ms::DsaImpl::kCpu));
+  }
 }
 
 // ---- API ----------------------------------------------------------------------------------------------------

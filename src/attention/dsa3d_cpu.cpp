@@ -26,6 +26,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -344,6 +345,48 @@ MEGASLIDE_DSA_INLINE void sample_gradients(const Sample<acc_t>& sp, int64_t row_
     }
 }
 
+// A token's distinct corner rows: the K samples' 8 corners name far fewer distinct key/value rows than 8·K
+// (neighbouring samples share corners; ~600 for 8·147 at 3x7x7 with offsets of a token or two). Slots are
+// numbered in order of first use; `stamp` marks the volume's tokens seen for the current (token, group), so
+// nothing is cleared between tokens.
+struct CornerRows {
+  std::vector<int32_t> slot_of;  // per token of the volume: its slot, valid where stamp == generation
+  std::vector<uint32_t> stamp;
+  uint32_t generation = 0;
+  std::vector<int64_t> rows;  // slot -> token index in the volume
+  explicit CornerRows(int64_t volume) : slot_of(volume), stamp(volume, 0) {}
+  void begin() {
+    if (++generation == 0) {  // wrapped: every stamp is stale again
+      std::fill(stamp.begin(), stamp.end(), 0u);
+      generation = 1;
+    }
+    rows.clear();
+  }
+  int32_t slot(int64_t index) {
+    if (stamp[index] != generation) {
+      stamp[index] = generation;
+      slot_of[index] = static_cast<int32_t>(rows.size());
+      rows.push_back(index);
+    }
+    return slot_of[index];
+  }
+};
+
+// The channels of a group's heads from which backward_tokens reads each distinct corner row once per token
+// (backward_rows) instead of once per sample and corner: below it the per-row bookkeeping costs more than the
+// rows it saves (d = 8 with 2 heads runs the per-sample loop).
+constexpr int64_t kRowsPerTokenLanes = 64;
+
+// y[0, n) += a · x[0, n), x in the input type.
+template <typename scalar_t, typename acc_t>
+MEGASLIDE_DSA_INLINE void add_scaled(acc_t* __restrict y, acc_t a, const scalar_t* __restrict x, int64_t n) {
+  int64_t e = 0;
+  if constexpr (std::is_same_v<acc_t, float>) {
+    for (; e + kChunk <= n; e += kChunk) vstore<kChunk>(y + e, vload<kChunk>(y + e) + a * vload<kChunk>(x + e));
+  }
+  for (; e < n; ++e) y[e] += a * widen<acc_t>(x[e]);
+}
+
 // Forward of tokens [begin, end), every offset group: per (token, group) the K samples are computed once and
 // serve all the group's heads at once. Two passes over the samples: the logits of every head (q against the
 // interpolated key row), then the exponentials against each head's maximum, weighting the interpolated value
@@ -401,6 +444,74 @@ MEGASLIDE_DSA_INLINE void forward_tokens(const Dsa3dForwardParams& p, int64_t be
   }
 }
 
+// The backward of one (token, group) by distinct corner rows, for L >= kRowsPerTokenLanes: (1) q·k and dout·v
+// of every head for each distinct row; (2) per sample, from those, the logits, softmax gradients, dbias and the
+// position gradients, summing each row's coefficients over the samples and corners that name it (dq_coef·w for
+// dq and dk, prob·w for dv); (3) per distinct row, dq += coef·k, dk += coef·q, dv += coef·dout. The same sums
+// as the per-sample loop, grouped by row: each row is read (and dk, dv written) once per token, not once per
+// sample and corner.
+template <typename scalar_t, typename acc_t>
+MEGASLIDE_DSA_INLINE void backward_rows(const Dsa3dShape& s, const Sample<acc_t>* samples, CornerRows& table,
+                                        std::vector<int32_t>& corner_slot, std::vector<acc_t>& row_dots,
+                                        const scalar_t* kb, const scalar_t* vb, acc_t* dkb, acc_t* dvb, const acc_t* qf,
+                                        const acc_t* dof, acc_t* dqf, const acc_t* dout_dot_out, const acc_t* bias,
+                                        const acc_t* lse_token, int64_t head0, acc_t scale, acc_t* dbias, acc_t* dx) {
+  const int64_t M = s.M, d = s.d, K = s.K, Mg = s.M / s.G, stride = M * d;
+  table.begin();
+  for (int64_t j = 0; j < K; ++j)
+    for (int c = 0; c < 8; ++c)
+      corner_slot[j * 8 + c] = dsa3d_math::corner_is_inert(samples[j], c) ? -1 : table.slot(samples[j].index[c]);
+  const int64_t R = static_cast<int64_t>(table.rows.size());
+  // Per slot and head: q·k, dout·v, then the coefficients of dq/dk and of dv.
+  row_dots.assign(4 * R * Mg, acc_t(0));
+  acc_t* qk_r = row_dots.data();
+  acc_t* odv_r = qk_r + R * Mg;
+  acc_t* cq_r = odv_r + R * Mg;
+  acc_t* cv_r = cq_r + R * Mg;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t row = table.rows[r] * stride;
+    for (int64_t h = 0; h < Mg; ++h) {
+      qk_r[r * Mg + h] = head_dot(kb + row + h * d, qf + h * d, d);
+      odv_r[r * Mg + h] = head_dot(vb + row + h * d, dof + h * d, d);
+    }
+  }
+  for (int64_t j = 0; j < K; ++j) {
+    const Sample<acc_t>& sp = samples[j];
+    const int32_t* slots = corner_slot.data() + j * 8;
+    acc_t dx_sample[3] = {0, 0, 0};
+    for (int64_t h = 0; h < Mg; ++h) {
+      const int64_t m = head0 + h;
+      acc_t qk[8], odv[8];
+      for (int c = 0; c < 8; ++c) {
+        qk[c] = slots[c] < 0 ? acc_t(0) : qk_r[slots[c] * Mg + h];
+        odv[c] = slots[c] < 0 ? acc_t(0) : odv_r[slots[c] * Mg + h];
+      }
+      const acc_t logit = dsa3d_math::corner_sum(sp.weight, qk) * scale + (bias ? bias[m * K + j] : acc_t(0));
+      const auto grad =
+          dsa3d_math::sample_grad(logit, lse_token[h], dsa3d_math::corner_sum(sp.weight, odv), dout_dot_out[h]);
+      const acc_t dq_coef = grad.dlogit * scale;
+      if (dbias) dbias[m * K + j] += grad.dlogit;
+      dsa3d_math::add_position_grad(sp, qk, odv, dq_coef, grad.prob, dx_sample);
+      for (int c = 0; c < 8; ++c) {
+        if (sp.weight[c] == acc_t(0)) continue;
+        cq_r[slots[c] * Mg + h] += dq_coef * sp.weight[c];
+        cv_r[slots[c] * Mg + h] += grad.prob * sp.weight[c];
+      }
+    }
+    for (int a = 0; a < 3; ++a) dx[3 * j + a] = dx_sample[a];
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t row = table.rows[r] * stride;
+    for (int64_t h = 0; h < Mg; ++h) {
+      const acc_t a = cq_r[r * Mg + h], b = cv_r[r * Mg + h];
+      const int64_t e = h * d;
+      add_scaled(dqf + e, a, kb + row + e, d);
+      add_scaled(dkb + row + e, a, qf + e, d);
+      add_scaled(dvb + row + e, b, dof + e, d);
+    }
+  }
+}
+
 // Backward of tokens [bn_begin, bn_end) for offset groups [g_begin, g_end); dk, dv ([B, N, M, d]) and
 // dbias ([M, K], may be null) are accumulated into the given buffers, in token order. Per (token, group)
 // the samples are computed once; per sample and corner the dot products of each head, then the gradient
@@ -424,6 +535,10 @@ MEGASLIDE_DSA_INLINE void backward_tokens(const Dsa3dBackwardParams& p, int64_t 
 
   std::vector<Sample<acc_t>> samples(K);
   std::vector<acc_t> qf(L), dof(L), dqf(L), dq_lanes(L), prob_lanes(L), dx(K * 3), dout_dot_out(Mg);
+  const bool by_rows = L >= kRowsPerTokenLanes;
+  std::unique_ptr<CornerRows> table = by_rows ? std::make_unique<CornerRows>(N) : nullptr;
+  std::vector<int32_t> corner_slot(by_rows ? K * 8 : 0);
+  std::vector<acc_t> row_dots;
   for (int64_t bn = bn_begin; bn < bn_end; ++bn) {
     const TokenCoord tc = coord_of(s, bn);
     for (int64_t g = g_begin; g < g_end; ++g) {
@@ -437,6 +552,13 @@ MEGASLIDE_DSA_INLINE void backward_tokens(const Dsa3dBackwardParams& p, int64_t 
       load(dout + first, dof.data(), L);
       for (int64_t e = 0; e < L; ++e) dqf[e] = acc_t(0);
       for (int64_t h = 0; h < Mg; ++h) dout_dot_out[h] = dot(out + first + h * d, dof.data() + h * d, d);
+      if (by_rows) {
+        backward_rows(s, samples.data(), *table, corner_slot, row_dots, kb, vb, dkb, dvb, qf.data(), dof.data(),
+                      dqf.data(), dout_dot_out.data(), bias, lse + bn * M + head0, head0, scale, dbias, dx.data());
+        for (int64_t e = 0; e < L; ++e) dq[first + e] = static_cast<scalar_t>(dqf[e]);
+        std::copy(dx.begin(), dx.end(), doffsets + (bn * s.G + g) * K * 3);
+        continue;
+      }
       for (int64_t j = 0; j < K; ++j) {
         const Sample<acc_t>& sp = samples[j];
         bool inert[8];
