@@ -34,8 +34,6 @@
 #include "../src/attention/dsa3d_tile.h"
 #endif
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <array>
 #include <thread>
@@ -269,31 +267,27 @@ int cpu_kernels_mode(int reps, const Memory& memory) {
 // The machine's fp32 FMA peak as measured here: every thread runs 16 independent chains of vector fused
 // multiply-adds held in registers (AVX-512 where the CPU has it, else AVX2 + FMA), all threads at once; GFLOP/s
 // counting an FMA as 2. What a kernel can at most execute, the denominator of the fraction-of-peak target.
-__attribute__((target("avx512f"))) float fma_chains_avx512(int64_t iterations) {
-  __m512 acc[16];
-  for (int i = 0; i < 16; ++i) acc[i] = _mm512_set1_ps(1e-3f * static_cast<float>(i));
-  const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-3f);
+// N-lane vectors (GCC's vector extension): acc * a + b contracts to one FMA instruction (GNU mode's
+// -ffp-contract=fast), and the loop is inlined into each ISA's entry point below.
+template <int N>
+struct FloatLanes {
+  typedef float V __attribute__((vector_size(4 * N)));
+};
+template <int N>
+__attribute__((always_inline)) inline float fma_chains(int64_t iterations) {
+  using V = typename FloatLanes<N>::V;
+  V acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = V{} + 1e-3f * static_cast<float>(i);
+  const V a = V{} + 0.999f, b = V{} + 1e-3f;
   for (int64_t it = 0; it < iterations; ++it)
-    for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(acc[i], a, b);
+    for (int i = 0; i < 16; ++i) acc[i] = acc[i] * a + b;
   float sum = 0.f;
-  for (int i = 0; i < 16; ++i) sum += _mm512_reduce_add_ps(acc[i]);
+  for (int i = 0; i < 16; ++i)
+    for (int l = 0; l < N; ++l) sum += acc[i][l];
   return sum;
 }
-
-__attribute__((target("avx2,fma"))) float fma_chains_avx2(int64_t iterations) {
-  __m256 acc[16];
-  for (int i = 0; i < 16; ++i) acc[i] = _mm256_set1_ps(1e-3f * static_cast<float>(i));
-  const __m256 a = _mm256_set1_ps(0.999f), b = _mm256_set1_ps(1e-3f);
-  for (int64_t it = 0; it < iterations; ++it)
-    for (int i = 0; i < 16; ++i) acc[i] = _mm256_fmadd_ps(acc[i], a, b);
-  alignas(32) float lanes[8];
-  float sum = 0.f;
-  for (int i = 0; i < 16; ++i) {
-    _mm256_store_ps(lanes, acc[i]);
-    for (float l : lanes) sum += l;
-  }
-  return sum;
-}
+__attribute__((target("avx512f"))) float fma_chains_avx512(int64_t iterations) { return fma_chains<16>(iterations); }
+__attribute__((target("avx2,fma"))) float fma_chains_avx2(int64_t iterations) { return fma_chains<8>(iterations); }
 
 // The best of three runs (a descheduled thread only lowers a run), taken before any LibTorch parallel work, whose
 // OpenMP threads would still be spinning beside it.

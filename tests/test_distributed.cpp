@@ -1159,7 +1159,9 @@ TEST_P(KilledRank, MakesTheOtherExitNonZeroWithinTheTimeout) {
   else pids = {pids[0]};
   cleanup();
   ASSERT_NE(done, 0) << "rank 0 still ran " << waited_s << " s after rank 1 died (timeout " << timeout_s << " s)";
-  ASSERT_TRUE(WIFEXITED(status)) << output;
+  ASSERT_TRUE(WIFEXITED(status)) << "rank 0 was killed by signal " << (WIFSIGNALED(status) ? WTERMSIG(status) : 0)
+                                 << " (" << (WIFSIGNALED(status) ? strsignal(WTERMSIG(status)) : "?") << "):\n"
+                                 << output;
   EXPECT_NE(WEXITSTATUS(status), 0) << output;
   EXPECT_LE(waited_s, timeout_s + 10.0) << output;
   EXPECT_NE(output.find("rank 0 of 2"), std::string::npos) << output;

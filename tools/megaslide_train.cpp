@@ -13,7 +13,8 @@
 //   torchrun --nproc-per-node 8 --no-python megaslide-train --config C ...      (or srun: Slurm's environment)
 //
 // SIGINT/SIGTERM: the current step finishes, a checkpoint is saved, and the run exits with 128 + the
-// signal's number (130, 143); a second signal stops at once.
+// signal's number (130, 143); a second signal stops at once. SIGPIPE is ignored (a write to a dead peer's socket
+// or a closed pipe fails with an error instead).
 // With --nproc-per-node the process starts the ranks and returns the first failing rank's exit code.
 // Exit codes: 0 done, 2 bad config, flags, output path or checkpoint, a run folder in use by another
 // run or holding a finished one, a device or a memory size this machine does not have (nothing
@@ -68,6 +69,10 @@ int print_dry_run(const megaslide::RunConfig& config, bool json) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A write to a closed socket or pipe fails with EPIPE instead of killing the process: a rank whose peer died
+  // mid-collective then reports the collective's error and exits non-zero (docs/distributed.md), and a run
+  // whose output pipe closed (`| tee` ended) goes on with its log and metrics files.
+  std::signal(SIGPIPE, SIG_IGN);
   CLI::App app{"megaslide-train: full-parameter training of video DiTs (docs/training.md)"};
   std::string config_path, run_dir, trace_path, export_weights, export_ema, export_merged, resume,
       export_layout_name = "diffusers";
