@@ -20,6 +20,7 @@
 //
 //   build/bin/bench_cpu_adamw [--params N] [--threads T] [--reps R] [--torch-reps R] [--path auto|avx512|avx2|scalar]
 //                             [--deepspeed 0|1]
+#include <nlohmann/json.hpp>
 #include <sys/wait.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -115,11 +116,6 @@ struct DeepSpeedTimes {
   double fp32_grad_s = 0, bf16_casts_s = 0;
 };
 
-double json_number(const std::string& json, const std::string& key) {
-  const auto at = json.find("\"" + key + "\":");
-  return at == std::string::npos ? 0.0 : std::strtod(json.c_str() + at + key.size() + 3, nullptr);
-}
-
 DeepSpeedTimes run_deepspeed(int64_t n, int threads, int reps) {
   DeepSpeedTimes out;
   char path[] = "/tmp/bench-cpu-adamw-deepspeed-XXXXXX";
@@ -148,12 +144,12 @@ DeepSpeedTimes run_deepspeed(int64_t n, int threads, int reps) {
   while (!output.empty() && (output.back() == '\n' || output.back() == '\r')) output.pop_back();
   const auto last_line =
       output.substr(output.find_last_of('\n') == std::string::npos ? 0 : output.find_last_of('\n') + 1);
-  if (status == 0 && last_line.find("\"fp32_grad_s\"") != std::string::npos) {
+  const auto result = nlohmann::json::parse(last_line, nullptr, /*allow_exceptions=*/false);
+  if (status == 0 && result.is_object() && result.contains("fp32_grad_s")) {
     out.ran = true;
-    out.fp32_grad_s = json_number(last_line, "fp32_grad_s");
-    out.bf16_casts_s = json_number(last_line, "bf16_casts_s");
-    const auto v = last_line.find("\"deepspeed\": \"");
-    out.message = v == std::string::npos ? "" : last_line.substr(v + 14, last_line.find('"', v + 14) - v - 14);
+    out.fp32_grad_s = result.value("fp32_grad_s", 0.0);
+    out.bf16_casts_s = result.value("bf16_casts_s", 0.0);
+    out.message = result.value("deepspeed", std::string());
   } else {
     out.message = WIFEXITED(status) && WEXITSTATUS(status) == 3 ? "deepspeed is not importable here (" + last_line + ")"
                                                                 : "its run failed (" + last_line + ")";

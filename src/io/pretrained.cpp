@@ -257,8 +257,8 @@ const std::string& MappedWeights::file_of(const std::string& name) const { retur
 
 const std::vector<int64_t>& MappedWeights::shape(const std::string& name) const { return locate(name).entry->shape; }
 
-torch::Tensor MappedWeights::take(const std::string& name, const std::vector<int64_t>& shape, torch::ScalarType dtype,
-                                  const std::string& context) const {
+const SafetensorsEntry& MappedWeights::checked_entry(const std::string& name, const std::vector<int64_t>& shape,
+                                                     const std::string& context) const {
   auto it = where_.find(name);
   if (it == where_.end())
     throw PretrainedError("'" + path_ + "': no tensor '" + name + "' (expected shape " + shape_string(shape) + ")");
@@ -270,13 +270,17 @@ torch::Tensor MappedWeights::take(const std::string& name, const std::vector<int
   if (!c10::isFloatingType(e.dtype))
     throw PretrainedError("'" + m.path + "': tensor '" + name + "' is " + safetensors_dtype_name(e.dtype) +
                           ", expected floating point (F32, F16 or BF16)");
-  // An fp8 tensor asked for in another dtype: its value, data × its scale (take_fp8 reads and checks the data).
-  if (megaslide::is_fp8(e.dtype) && dtype != e.dtype) return dequantize_fp8(take_fp8(name, shape, context), dtype);
+  return e;
+}
+
+char* MappedWeights::checked_data(const std::string& name) const {
+  const auto& loc = locate(name);
+  const auto& m = *files_[loc.file];
+  const auto& e = *loc.entry;
   const size_t offset = m.header.data_start + e.begin;
   if (offset + (e.end - e.begin) > m.bytes)
     throw PretrainedError("'" + m.path + "': tensor '" + name + "' lies past the end of the file");
   auto* data = static_cast<char*>(m.base) + offset;
-  const auto options = torch::TensorOptions().dtype(e.dtype);
   try {
     const int64_t n = static_cast<int64_t>((e.end - e.begin) / c10::elementSize(e.dtype));
     if (reinterpret_cast<uintptr_t>(data) % c10::elementSize(e.dtype) == 0)
@@ -288,6 +292,16 @@ torch::Tensor MappedWeights::take(const std::string& name, const std::vector<int
   } catch (const io::NonFiniteWeightsError& err) {
     throw PretrainedError(err.what());
   }
+  return data;
+}
+
+torch::Tensor MappedWeights::take(const std::string& name, const std::vector<int64_t>& shape, torch::ScalarType dtype,
+                                  const std::string& context) const {
+  const auto& e = checked_entry(name, shape, context);
+  // An fp8 tensor asked for in another dtype: its value, data × its scale (take_fp8 reads and checks the data).
+  if (megaslide::is_fp8(e.dtype) && dtype != e.dtype) return dequantize_fp8(take_fp8(name, shape, context), dtype);
+  char* data = checked_data(name);
+  const auto options = torch::TensorOptions().dtype(e.dtype);
   // A copy in any case: the result must not keep pointing into the mapping. Safetensors aligns data to its
   // element size only by convention: an unaligned tensor is copied through an aligned buffer.
   if (reinterpret_cast<uintptr_t>(data) % c10::elementSize(e.dtype) == 0)
@@ -299,27 +313,12 @@ torch::Tensor MappedWeights::take(const std::string& name, const std::vector<int
 
 torch::Tensor MappedWeights::view(const std::string& name, const std::vector<int64_t>& shape,
                                   const std::string& context) const {
-  auto it = where_.find(name);
-  if (it == where_.end())
-    throw PretrainedError("'" + path_ + "': no tensor '" + name + "' (expected shape " + shape_string(shape) + ")");
-  const auto& e = *it->second.entry;
-  const auto& m = files_[it->second.file];
-  auto* data = static_cast<char*>(m->base) + m->header.data_start + e.begin;
-  if (megaslide::is_fp8(e.dtype) || reinterpret_cast<uintptr_t>(data) % c10::elementSize(e.dtype) != 0 ||
-      m->header.data_start + e.end > m->bytes)
-    return take(name, shape, e.dtype, context);  // its errors, or a copy
-  if (e.shape != shape)
-    throw PretrainedError("'" + m->path + "': tensor '" + name + "' has shape " + shape_string(e.shape) +
-                          ", expected " + shape_string(shape) + " (" + context + ")");
-  if (!c10::isFloatingType(e.dtype))
-    throw PretrainedError("'" + m->path + "': tensor '" + name + "' is " + safetensors_dtype_name(e.dtype) +
-                          ", expected floating point (F32, F16 or BF16)");
-  try {
-    io::require_finite(data, static_cast<int64_t>((e.end - e.begin) / c10::elementSize(e.dtype)), e.dtype, m->path,
-                       name);
-  } catch (const io::NonFiniteWeightsError& err) {
-    throw PretrainedError(err.what());
-  }
+  const auto& e = checked_entry(name, shape, context);
+  const auto& m = files_[locate(name).file];
+  const auto* start = static_cast<const char*>(m->base) + m->header.data_start + e.begin;
+  if (megaslide::is_fp8(e.dtype) || reinterpret_cast<uintptr_t>(start) % c10::elementSize(e.dtype) != 0)
+    return take(name, shape, e.dtype, context);  // a copy
+  char* data = checked_data(name);
   std::shared_ptr<Mapping> keep = m;
   return torch::from_blob(
       data, e.shape, [keep](void*) mutable { keep.reset(); }, torch::TensorOptions().dtype(e.dtype));

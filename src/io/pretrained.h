@@ -120,6 +120,11 @@ class MappedWeights {
     const SafetensorsEntry* entry = nullptr;
   };
   const Location& locate(const std::string& name) const;
+  // take()'s and view()'s checks: the entry of `name`, present with `shape` and a floating-point dtype; its data
+  // in the map, inside the file and finite.
+  const SafetensorsEntry& checked_entry(const std::string& name, const std::vector<int64_t>& shape,
+                                        const std::string& context) const;
+  char* checked_data(const std::string& name) const;
   std::string path_;
   std::vector<std::shared_ptr<Mapping>> files_;  // shared with view()s
   std::map<std::string, Location> where_;

@@ -31,6 +31,11 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
+// CpuAdamW's options from the run's train section (the learning rate is only its default).
+offload::AdamWOptions adamw_options(const TrainConfig& t) {
+  return offload::AdamWOptions{t.lr, t.beta1, t.beta2, t.eps, t.weight_decay};
+}
+
 // The streamed engine's options from a run config: one mapping for every family, so a new setting
 // reaches all of them. The config's `auto` values are resolved (compute dtype, threads).
 offload::StackTrainerOptions engine_options(const RunConfig& c, torch::Device device) {
@@ -38,7 +43,7 @@ offload::StackTrainerOptions engine_options(const RunConfig& c, torch::Device de
   o.device = device;
   o.compute_dtype = offload::parse_compute_dtype(c.offload.compute_dtype);
   o.mode = offload::parse_stream_mode(c.offload.mode);
-  o.adamw = offload::AdamWOptions{c.train.lr, c.train.beta1, c.train.beta2, c.train.eps, c.train.weight_decay};
+  o.adamw = adamw_options(c.train);
   o.optimizer_threads = plan_threads(c, device).optimizer;
   o.emulated_copy_delay_ms = c.offload.emulated_copy_delay_ms;
   o.state_dtype = offload::parse_state_dtype(c.optimizer.state_dtype);
@@ -191,15 +196,8 @@ Trainer::Trainer(const TrainerRequest& request)
     params_ = tensors_of(params);
     optimizer_ = std::make_unique<torch::optim::AdamW>(
         params_, torch::optim::AdamWOptions(t.lr).betas({t.beta1, t.beta2}).eps(t.eps).weight_decay(t.weight_decay));
-    if (device_.is_cpu()) {  // the compute is idle while it runs: the intra-op threads' cores
-      offload::AdamWOptions a;
-      a.lr = t.lr;
-      a.beta1 = t.beta1;
-      a.beta2 = t.beta2;
-      a.eps = t.eps;
-      a.weight_decay = t.weight_decay;
-      host_adamw_ = std::make_unique<offload::CpuAdamW>(a, threads.intra_op);
-    }
+    // On the CPU the compute is idle while the optimizer runs: it takes the intra-op threads' cores.
+    if (device_.is_cpu()) host_adamw_ = std::make_unique<offload::CpuAdamW>(adamw_options(t), threads.intra_op);
     ema_ = std::make_unique<WeightsEma>(t.ema_decay, params);
   }
   if (device_.is_cuda()) {
