@@ -20,6 +20,7 @@
 //
 //   build/bin/bench_cpu_adamw [--params N] [--threads T] [--reps R] [--torch-reps R] [--path auto|avx512|avx2|scalar]
 //                             [--deepspeed 0|1]
+#include <fcntl.h>
 #include <nlohmann/json.hpp>
 #include <sys/wait.h>
 #include <torch/torch.h>
@@ -127,18 +128,34 @@ DeepSpeedTimes run_deepspeed(int64_t n, int threads, int reps) {
   const std::string script = kDeepSpeedScript;
   const bool written = ::write(fd, script.data(), script.size()) == static_cast<ssize_t>(script.size());
   ::close(fd);
-  const char* python = std::getenv("MEGASLIDE_PYTHON");
-  const std::string command =
-      "OMP_NUM_THREADS=" + std::to_string(threads) + " " + (python != nullptr && *python ? python : "python3") + " " +
-      path + " " + std::to_string(n) + " " + std::to_string(threads) + " " + std::to_string(reps) + " 2>/dev/null";
+  // The interpreter and the arguments go to execvp as they are: no shell sees them.
+  const char* python_env = std::getenv("MEGASLIDE_PYTHON");
+  const std::string python = python_env != nullptr && *python_env ? python_env : "python3";
+  const std::string args[] = {python, path, std::to_string(n), std::to_string(threads), std::to_string(reps)};
   std::string output;
   int status = -1;
-  if (written) {
-    if (FILE* pipe = ::popen(command.c_str(), "r")) {
-      char buffer[4096];
-      while (std::fgets(buffer, sizeof buffer, pipe)) output += buffer;
-      status = ::pclose(pipe);
+  int fds[2];
+  if (written && ::pipe(fds) == 0) {
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      ::dup2(fds[1], STDOUT_FILENO);
+      const int null = ::open("/dev/null", O_WRONLY);
+      if (null >= 0) ::dup2(null, STDERR_FILENO);
+      ::close(fds[0]);
+      ::setenv("OMP_NUM_THREADS", args[3].c_str(), 1);
+      char* argv[] = {const_cast<char*>(args[0].c_str()), const_cast<char*>(args[1].c_str()),
+                      const_cast<char*>(args[2].c_str()), const_cast<char*>(args[3].c_str()),
+                      const_cast<char*>(args[4].c_str()), nullptr};
+      ::execvp(argv[0], argv);
+      ::_exit(127);
     }
+    ::close(fds[1]);
+    if (pid > 0) {
+      char buffer[4096];
+      for (ssize_t got; (got = ::read(fds[0], buffer, sizeof buffer)) > 0;) output.append(buffer, got);
+      ::waitpid(pid, &status, 0);
+    }
+    ::close(fds[0]);
   }
   std::remove(path);
   while (!output.empty() && (output.back() == '\n' || output.back() == '\r')) output.pop_back();
@@ -151,8 +168,10 @@ DeepSpeedTimes run_deepspeed(int64_t n, int threads, int reps) {
     out.bf16_casts_s = result.value("bf16_casts_s", 0.0);
     out.message = result.value("deepspeed", std::string());
   } else {
-    out.message = WIFEXITED(status) && WEXITSTATUS(status) == 3 ? "deepspeed is not importable here (" + last_line + ")"
-                                                                : "its run failed (" + last_line + ")";
+    out.message = WIFEXITED(status) && WEXITSTATUS(status) == 127 ? "no Python at '" + python + "'"
+                  : WIFEXITED(status) && WEXITSTATUS(status) == 3
+                      ? "deepspeed is not importable here (" + last_line + ")"
+                      : "its run failed (" + last_line + ")";
   }
   return out;
 }
