@@ -156,6 +156,41 @@ TEST(HostParamStore, TheNvmeTierHoldsABlocksStateOnlyWhileLeasedAndKeepsWhatWasW
   io::remove_tree(dir);
 }
 
+// Property: the state file is new, so a block's state starts as zeros and is not read from the disk until it
+// has been written back once; a block written back and evicted is read again, with what was written.
+TEST(HostParamStore, ANewNvmeStoresBlocksStartAsZerosWithoutAReadFromTheDisk) {
+  const std::string dir = scratch("zeros");
+  std::vector<offload::BlockSpec> blocks;
+  for (int64_t l = 0; l < 4; ++l) blocks.push_back({"blocks." + std::to_string(l), {{"w", {40 + l, 9}}}});
+  offload::HostParamStoreOptions o;
+  o.state_tier = offload::StateTier::kNvme;
+  o.nvme_dir = dir;
+  o.nvme_blocks_in_flight = 2;
+  o.ema = true;
+  offload::HostParamStore store(blocks, o);
+  for (int64_t l = 0; l < 4; ++l) {
+    const auto lease = store.acquire_state(l, /*write=*/false);
+    for (const auto& part : {store.master(l), store.exp_avg(l), store.exp_avg_sq(l), store.ema(l)})
+      EXPECT_TRUE(part.eq(0).all().item<bool>()) << "block " << l;
+  }
+  std::vector<torch::Tensor> w;
+  for (int64_t l = 0; l < 4; ++l) {
+    w.push_back(torch::randn({40 + l, 9}));
+    store.set_param(l, "w", w.back());
+  }
+  store.flush_state();
+  const auto before = store.nvme_stats();
+  EXPECT_EQ(before.read_bytes, 0) << "no block had been written back when it was acquired";
+  EXPECT_GE(before.write_bytes, store.memory_report().nvme_bytes) << "set_param wrote every block back";
+  for (int64_t l = 0; l < 4; ++l) {
+    const auto lease = store.acquire_state(l, /*write=*/false);
+    EXPECT_TRUE(torch::equal(store.param(l, "w").master, w[l])) << "block " << l;
+    EXPECT_TRUE(store.exp_avg(l).eq(0).all().item<bool>()) << "block " << l;
+  }
+  EXPECT_GT(store.nvme_stats().read_bytes, 0) << "the blocks evicted after their write-back were read again";
+  io::remove_tree(dir);
+}
+
 namespace {
 
 // The tiny run of a family (tests/support/trainers.h; "dit" with 3 blocks), streamed, on `tier`, with `extra`.

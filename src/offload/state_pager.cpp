@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 namespace megaslide::offload::detail {
@@ -175,6 +176,7 @@ void StatePager::run() {
     }
     Block& b = blocks_[l];
     char* memory = slot_memory_[b.slot].get();
+    const bool zeros = !write && !b.written;  // a region never written back is zeros on disk
     StepTrace* trace = trace_;
     ++busy_;
     lock.unlock();
@@ -183,12 +185,13 @@ void StatePager::run() {
     std::exception_ptr error;
     try {
       if (write) file_->write(offsets_[l], memory, regions_[l]);
+      else if (zeros) std::memset(memory, 0, static_cast<size_t>(regions_[l]));
       else file_->read(offsets_[l], memory, regions_[l]);
     } catch (...) {
       error = std::current_exception();
     }
     const double took = seconds(start, Clock::now());
-    if (trace != nullptr)
+    if (trace != nullptr && !zeros)
       trace->add(TraceLane::kNvme, fmt::format("{} block {}", write ? "write" : "read", l), t0, trace->now_s() - t0);
     lock.lock();
     --busy_;
@@ -200,6 +203,7 @@ void StatePager::run() {
     if (write) {
       stats_.write_bytes += regions_[l], stats_.write_s += took, ++stats_.writes;
       b.dirty = false;
+      b.written = true;
       if (b.urgent) {  // an acquire waits: the slot holds the state as written
         b.state = State::kResident;
         b.urgent = false;
@@ -209,7 +213,7 @@ void StatePager::run() {
         b.slot = -1;
       }
     } else {
-      stats_.read_bytes += regions_[l], stats_.read_s += took, ++stats_.reads;
+      if (!zeros) stats_.read_bytes += regions_[l], stats_.read_s += took, ++stats_.reads;
       b.state = State::kResident;
       b.urgent = false;
       b.holders = 0;

@@ -11,7 +11,8 @@
 // A prefetch only takes a slot that is free or holds a block nobody holds or expects (released clean), so
 // prefetching in the order of the acquires to come never starves them; an acquire of a block that was not
 // prefetched may also take the slot of a block prefetched but not yet acquired (it is read again later).
-// Write-backs go before reads (they free slots).
+// Write-backs go before reads (they free slots). The file is new: a block never written back reads as zeros
+// (posix_fallocate's reservation), so its first "read" fills the slot with zeros and takes no I/O.
 //
 // Errors: an I/O failure is kept and rethrown by every later call (the state on disk is then undefined:
 // the run stops, its last checkpoint intact).
@@ -68,6 +69,7 @@ class StatePager {
     bool dirty = false;
     bool expected = false;  // prefetched and not yet acquired
     bool urgent = false;    // an acquire waits for its read
+    bool written = false;   // its region on disk has been written (before that it is zeros)
   };
   void run();
   int64_t free_slot(bool urgent);  // under the lock; -1 when none
