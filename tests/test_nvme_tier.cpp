@@ -210,7 +210,7 @@ std::map<std::string, torch::Tensor> full_state(Trainer& trainer) {
   std::set<std::string> in_blocks;
   if (s.shards) {
     for (size_t l = 0; l < s.shards->blocks.size(); ++l) {
-      const auto held = s.shards->held(static_cast<int64_t>(l), /*write=*/false);
+      const auto held = s.shards->held(static_cast<int64_t>(l), TrainingState::BlockShards::Access::kRead);
       const auto& b = held.block;
       for (const auto& [name, shape] : b.params) in_blocks.insert(b.name + "." + name);
       const std::pair<const char*, const torch::Tensor*> parts[] = {
@@ -295,7 +295,8 @@ INSTANTIATE_TEST_SUITE_P(
     [](const auto& info) { return info.param.name; });
 
 // Property: a checkpoint saved on either tier resumes on either tier bit for bit: the resumed run's next
-// losses and final state are those of the run that was never stopped (RAM tier).
+// losses and final state are those of the run that was never stopped (RAM tier); loading it onto the NVMe
+// tier writes the state file without reading it.
 TEST(NvmeTierCheckpoints, EitherTiersCheckpointResumesOnEitherTierBitExactly) {
   const std::string dir = scratch("resume");
   const std::vector<std::string> sets{"offload.compute_dtype=bf16", "train.grad_clip=1.0", "train.ema_decay=0.9",
@@ -318,9 +319,18 @@ TEST(NvmeTierCheckpoints, EitherTiersCheckpointResumesOnEitherTierBitExactly) {
       path = save_checkpoint(run_dir, save_config, first->training_state());
     }
     auto second = trainer_of(load_config);
+    second->synchronize();
+    const auto built = second->engine()->store().nvme_stats();
     TrainingState into = second->training_state();
     load_checkpoint(path, load_config, into);
     second->load_training_state(into);
+    if (to == "nvme") {
+      // The checkpoint overwrites every block's state: the scratch file is written, never read, by the load.
+      second->synchronize();
+      const auto loaded = second->engine()->store().nvme_stats();
+      EXPECT_EQ(loaded.read_bytes - built.read_bytes, 0);
+      EXPECT_GE(loaded.write_bytes - built.write_bytes, second->engine()->store().memory_report().nvme_bytes);
+    }
     for (int i = 2; i < 4; ++i) EXPECT_EQ(second->step().loss, losses[i]) << "step " << i + 1;
     expect_same_state(expected, full_state(*second));
   }

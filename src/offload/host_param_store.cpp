@@ -526,6 +526,13 @@ HostParamStore::StateLease HostParamStore::acquire_state(int64_t block, bool wri
   return StateLease(this, block);
 }
 
+HostParamStore::StateLease HostParamStore::acquire_state_to_overwrite(int64_t block) const {
+  block_spec(block);
+  if (!pager_) return {};
+  pager_->acquire(block, /*write=*/true, /*overwrite=*/true);
+  return StateLease(this, block);
+}
+
 void HostParamStore::prefetch_state(int64_t block) const {
   block_spec(block);
   if (pager_) pager_->prefetch(block);

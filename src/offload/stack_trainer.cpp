@@ -1270,13 +1270,21 @@ void StreamedStackTrainer::restore_counters(int64_t optimizer_steps, double loss
 
 torch::optim::AdamW* StreamedStackTrainer::resident_optimizer() { return impl_->resident_optimizer.get(); }
 
-void StreamedStackTrainer::reload_blocks_from_masters() {
+void StreamedStackTrainer::restore_block_compute(int64_t block) {
+  const ShardRange mine = store_->shard(block);
+  const auto lease = options_.frozen_blocks ? HostParamStore::StateLease() : store_->acquire_state(block, false);
+  impl_->restore_compute(*store_, block, mine.begin, mine.end);  // rounded as CpuAdamW rounds
+  streamer_->invalidate(block);
+}
+
+void StreamedStackTrainer::reload_blocks_from_masters(bool compute_restored) {
   synchronize();
   for (int64_t l = 0; l < store_->num_blocks(); ++l) {
-    const ShardRange mine = store_->shard(l);
-    const auto lease = options_.frozen_blocks ? HostParamStore::StateLease() : store_->acquire_state(l, false);
-    impl_->restore_compute(*store_, l, mine.begin, mine.end);  // rounded as CpuAdamW rounds
-    streamer_->invalidate(l);
+    if (compute_restored) {
+      streamer_->invalidate(l);
+    } else {
+      restore_block_compute(l);
+    }
   }
   if (impl_->exchange &&
       !options_.frozen_blocks) {  // every rank's shards into every rank's copy, on the host task thread

@@ -87,9 +87,11 @@ void StatePager::prefetch(int64_t block) {
   if (b.state != State::kResident || b.holders == 0) b.expected = true;
 }
 
-char* StatePager::acquire(int64_t block, bool write) {
+char* StatePager::acquire(int64_t block, bool write, bool overwrite) {
   std::unique_lock<std::mutex> lock(mutex_);
   Block& b = blocks_.at(block);
+  // Not in memory and not being read yet: its read becomes a zero fill.
+  if (write && overwrite && (b.state == State::kDisk || b.state == State::kQueued)) b.discard = true;
   const auto start = Clock::now();
   bool waited = false;
   for (;;) {
@@ -176,7 +178,8 @@ void StatePager::run() {
     }
     Block& b = blocks_[l];
     char* memory = slot_memory_[b.slot].get();
-    const bool zeros = !write && !b.written;  // a region never written back is zeros on disk
+    // A region never written back is zeros on disk; an overwriting acquire needs no read.
+    const bool zeros = !write && (!b.written || b.discard);
     StepTrace* trace = trace_;
     ++busy_;
     lock.unlock();
@@ -214,6 +217,7 @@ void StatePager::run() {
       }
     } else {
       if (!zeros) stats_.read_bytes += regions_[l], stats_.read_s += took, ++stats_.reads;
+      b.discard = false;
       b.state = State::kResident;
       b.urgent = false;
       b.holders = 0;

@@ -47,7 +47,9 @@ class StatePager {
   ~StatePager();
 
   void prefetch(int64_t block);
-  char* acquire(int64_t block, bool write);
+  // overwrite (with write): the caller writes the whole region, so a block not in memory is not read; its slot
+  // starts as zeros.
+  char* acquire(int64_t block, bool write, bool overwrite = false);
   void release(int64_t block);
   // Waits until no read or write is queued or running; rethrows a failure.
   void flush();
@@ -70,6 +72,7 @@ class StatePager {
     bool expected = false;  // prefetched and not yet acquired
     bool urgent = false;    // an acquire waits for its read
     bool written = false;   // its region on disk has been written (before that it is zeros)
+    bool discard = false;   // an overwriting acquire waits: fill the slot with zeros instead of reading
   };
   void run();
   int64_t free_slot(bool urgent);  // under the lock; -1 when none

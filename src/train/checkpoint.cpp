@@ -156,10 +156,10 @@ void write_tensor_files(const std::string& dir, const RunConfig& config, const T
 }
 }  // namespace
 
-TrainingState::BlockShards::Held TrainingState::BlockShards::held(int64_t block, bool write) const {
+TrainingState::BlockShards::Held TrainingState::BlockShards::held(int64_t block, Access access) const {
   TORCH_CHECK(block >= 0 && block < static_cast<int64_t>(blocks.size()), "TrainingState: block ", block,
               " out of range");
-  if (hold) return hold(block, write);
+  if (hold) return hold(block, access);
   return {nullptr, blocks[static_cast<size_t>(block)]};
 }
 
@@ -678,7 +678,7 @@ std::string save_sharded_checkpoint(const std::string& run_dir, const RunConfig&
       const auto [l, k] = part_of[i];
       if (l != current) {
         held = {};  // the previous block's lease ends first
-        held = shards.held(static_cast<int64_t>(l), /*write=*/false);
+        held = shards.held(static_cast<int64_t>(l), TrainingState::BlockShards::Access::kRead);
         current = l;
       }
       const auto& b = held.block;
@@ -896,7 +896,11 @@ void read_block_ranges(const std::string& path, const nlohmann::json* saved, con
   const int components = ema ? 4 : 3;  // the EMA's ranges too
   io::SafetensorsRangeReaders file;    // each file's header parsed once
   for (size_t l = 0; l < shards.blocks.size(); ++l) {
-    const auto held = shards.held(static_cast<int64_t>(l), /*write=*/true);  // the NVMe tier: in memory until done
+    // The NVMe tier: in memory until done. Every element of the block's state is read below, unless it keeps an
+    // EMA this checkpoint has none of: then the old state is read first.
+    const bool whole = ema || !shards.blocks[l].ema.defined();
+    const auto held = shards.held(static_cast<int64_t>(l), whole ? TrainingState::BlockShards::Access::kOverwrite
+                                                                 : TrainingState::BlockShards::Access::kWrite);
     const auto& b = held.block;
     const torch::Tensor targets[4] = {b.master, b.exp_avg, b.exp_avg_sq, b.ema};
     const bool scales = b.exp_avg_scale.defined();  // int8 moments (one process)

@@ -37,6 +37,7 @@ TrainingState streamed_training_state(offload::StreamedStackTrainer& engine, con
   TrainingState::BlockShards shards;
   shards.rank = store.options().shard_rank;
   shards.world_size = store.options().shard_count;
+  shards.owner = &store;
   const bool paged = store.paged();  // the NVMe tier: each block's state in memory only while held
   // Block l's state: the store's own buffers, or (paged) views valid while `lease` lives.
   const auto block_state = [&store, ema](int64_t l, TrainingState::BlockShards::Block& b) {
@@ -90,9 +91,31 @@ TrainingState streamed_training_state(offload::StreamedStackTrainer& engine, con
     shards.gather_ema = [&engine](int64_t l) { return engine.gathered_block_ema(l); };
   if (paged) {
     const auto names = shards.blocks;  // the names and layouts, copied into the callback
-    shards.hold = [&store, block_state, names](int64_t l, bool write) {
+    // A hold for writing (a checkpoint being read in) rounds the block's compute copy from the new masters
+    // before it lets the block go, so that load_training_state need not read every block back for it.
+    struct WriteHold {
+      offload::HostParamStore::StateLease lease;
+      std::function<void()> on_release;
+      ~WriteHold() {
+        if (!on_release) return;
+        try {
+          on_release();
+        } catch (...) {  // the load failed part-way (its exception is on its way); the copy does not matter
+        }
+      }
+    };
+    shards.hold = [&engine, &store, block_state, names](int64_t l, TrainingState::BlockShards::Access access) {
+      using Access = TrainingState::BlockShards::Access;
       TrainingState::BlockShards::Held held;
-      held.lease = std::make_shared<offload::HostParamStore::StateLease>(store.acquire_state(l, write));
+      if (access == Access::kRead) {
+        held.lease = std::make_shared<offload::HostParamStore::StateLease>(store.acquire_state(l, false));
+      } else {
+        engine.synchronize();
+        auto hold = std::make_shared<WriteHold>();
+        hold->lease = access == Access::kOverwrite ? store.acquire_state_to_overwrite(l) : store.acquire_state(l);
+        hold->on_release = [&engine, l] { engine.restore_block_compute(l); };
+        held.lease = std::move(hold);
+      }
       held.block = names[static_cast<size_t>(l)];
       block_state(l, held.block);
       return held;
@@ -165,9 +188,12 @@ void load_streamed_training_state(offload::StreamedStackTrainer& engine, const i
     TORCH_CHECK(s.shards && s.shards->blocks.size() == static_cast<size_t>(store.num_blocks()), who,
                 "::load_training_state: a sharded trainer, or one on the NVMe tier, needs the blocks' shards "
                 "(TrainingState::shards)");
-    for (int64_t l = 0; l < store.num_blocks(); ++l) {
+    // This trainer's own state (load_checkpoint read into it): every block is in place, nothing to copy (and on
+    // the NVMe tier nothing to read back to find that out).
+    const int64_t copied_blocks = s.shards->owner == &store ? 0 : store.num_blocks();
+    for (int64_t l = 0; l < copied_blocks; ++l) {
       const auto lease = store.acquire_state(l, /*write=*/false);  // written back only if copied into (below)
-      const auto held = s.shards->held(l, /*write=*/false);
+      const auto held = s.shards->held(l, TrainingState::BlockShards::Access::kRead);
       const auto& b = held.block;
       std::vector<std::pair<at::Tensor, const torch::Tensor*>> parts = {
           {store.master(l), &b.master}, {store.exp_avg(l), &b.exp_avg}, {store.exp_avg_sq(l), &b.exp_avg_sq}};
@@ -220,7 +246,9 @@ void load_streamed_training_state(offload::StreamedStackTrainer& engine, const i
       }
     }
   }
-  engine.reload_blocks_from_masters();
+  // On the NVMe tier a state read into this trainer's own store (load_checkpoint through shards.hold) has
+  // rounded each block's compute copy as it let the block go.
+  engine.reload_blocks_from_masters(/*compute_restored=*/store.paged() && s.shards && s.shards->owner == &store);
   engine.restore_counters(s.optimizer_steps, s.loss_scale, s.clean_steps);
   if (engine.has_ema() && !ema) engine.reset_ema_to_weights();
 }

@@ -277,6 +277,10 @@ class HostParamStore {
   // after the last write lease ends. Leases nest and may be taken from any thread; each holder should hold
   // at most one block at a time (blocks wait for free buffers). Throws NvmeError when the disk failed.
   StateLease acquire_state(int64_t block, bool write = true) const;
+  // acquire_state(block, /*write=*/true) for a caller that writes every element of the block's state (master,
+  // moments, their scales, EMA) before the lease ends: the NVMe tier does not read the old state first (the
+  // buffer starts as zeros).
+  StateLease acquire_state_to_overwrite(int64_t block) const;
   // NVMe tier: starts reading block l's state ahead of its acquire_state (call in the order of the acquires).
   void prefetch_state(int64_t block) const;
   // NVMe tier: waits until every write-back is on disk; rethrows an I/O failure.

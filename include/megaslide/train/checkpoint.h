@@ -117,15 +117,20 @@ struct TrainingState {
     // shard — a collective every rank calls for the same blocks in the same order
     // (StreamedStackTrainer::gathered_block_ema); gather_ema_weights calls it.
     std::function<torch::Tensor(int64_t block)> gather_ema;
-    // The NVMe tier: block l's tensors (a Block with them defined), valid while `lease` lives; `write`:
-    // what is written into them is kept. Empty: the Block's own tensors are always valid.
+    // The NVMe tier: block l's tensors (a Block with them defined), valid while `lease` lives. kWrite: what is
+    // written into them is kept; kOverwrite: the same, and the caller writes every element of every tensor of
+    // the Block, so their old values need not be read. Empty: the Block's own tensors are always valid.
+    enum class Access { kRead, kWrite, kOverwrite };
     struct Held {
       std::shared_ptr<void> lease;
       Block block;
     };
-    std::function<Held(int64_t block, bool write)> hold;
-    // Block l's tensors: hold(l, write) or the Block itself.
-    Held held(int64_t block, bool write) const;
+    std::function<Held(int64_t block, Access access)> hold;
+    // Block l's tensors: hold(l, access) or the Block itself.
+    Held held(int64_t block, Access access) const;
+    // What the Blocks' memory belongs to (a trainer's parameter store), or null: a state loaded into the
+    // trainer it came from is already in place.
+    const void* owner = nullptr;
   };
   std::optional<BlockShards> shards;
 };
