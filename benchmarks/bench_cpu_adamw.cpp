@@ -21,12 +21,15 @@
 //   build/bin/bench_cpu_adamw [--params N] [--threads T] [--reps R] [--torch-reps R] [--path auto|avx512|avx2|scalar]
 //                             [--deepspeed 0|1]
 #include <fcntl.h>
+#include <poll.h>
 #include <nlohmann/json.hpp>
 #include <sys/wait.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <csignal>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -74,8 +77,10 @@ const char* string_flag(int argc, char** argv, const char* name, const char* fal
 // DeepSpeed's CPU Adam (deepspeed.ops.adam.DeepSpeedCPUAdam, adamw_mode) on the same sizes, in the Python the
 // benchmark finds (MEGASLIDE_PYTHON, else python3), with the same threads (OMP_NUM_THREADS): its own path (fp32
 // parameter, fp32 gradient) and the trainer's (a bf16 gradient widened to fp32 first, the bf16 compute copy
-// written after), the best of `reps` each. Exit status 3 when deepspeed cannot be imported. The first use
-// compiles DeepSpeed's extension (about a minute; it is cached afterwards).
+// written after), the best of `reps` each. Exit status 3 when deepspeed cannot be imported, 4 when its optimizer
+// fails (its extension does not build here, ...), with the reason on the last line of its output. The first use
+// compiles DeepSpeed's extension (about a minute; it is cached afterwards); the run is stopped after
+// kDeepSpeedTimeoutS.
 constexpr const char* kDeepSpeedScript = R"PY(
 import json, sys, time
 n, threads, reps = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
@@ -83,33 +88,41 @@ try:
     import torch
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     import deepspeed
-except Exception as e:  # not installed, or its extension does not build here
-    print(f"{type(e).__name__}: {e}".splitlines()[0])
+except Exception as e:  # not installed
+    print((f"{type(e).__name__}: {e}".splitlines() or [""])[0])
     sys.exit(3)
-torch.set_num_threads(threads)
-torch.manual_seed(0)
-p = torch.nn.Parameter(torch.randn(n) * 0.02)
-g32 = torch.randn(n) * 1e-3
-g16 = g32.to(torch.bfloat16)
-copy = torch.empty(n, dtype=torch.bfloat16)
-opt = DeepSpeedCPUAdam([p], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, adamw_mode=True)
-p.grad = g32
-opt.step()  # the state's first touch, untimed
-def best(fn):
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter(); fn(); times.append(time.perf_counter() - t)
-    return min(times)
-def fp32_step():
+def fail(e):  # the extension does not build here, or the optimizer fails
+    print((f"{type(e).__name__}: {e}".splitlines() or [""])[0])
+    sys.exit(4)
+try:
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(n) * 0.02)
+    g32 = torch.randn(n) * 1e-3
+    g16 = g32.to(torch.bfloat16)
+    copy = torch.empty(n, dtype=torch.bfloat16)
+    opt = DeepSpeedCPUAdam([p], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, adamw_mode=True)
     p.grad = g32
-    opt.step()
-def trainer_path():
-    p.grad = g16.float()
-    opt.step()
-    copy.copy_(p.detach())
-print(json.dumps({"deepspeed": deepspeed.__version__, "fp32_grad_s": best(fp32_step),
-                  "bf16_casts_s": best(trainer_path)}))
+    opt.step()  # the state's first touch, untimed
+    def best(fn):
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter(); fn(); times.append(time.perf_counter() - t)
+        return min(times)
+    def fp32_step():
+        p.grad = g32
+        opt.step()
+    def trainer_path():
+        p.grad = g16.float()
+        opt.step()
+        copy.copy_(p.detach())
+    print(json.dumps({"deepspeed": deepspeed.__version__, "fp32_grad_s": best(fp32_step),
+                      "bf16_casts_s": best(trainer_path)}))
+except Exception as e:
+    fail(e)
 )PY";
+
+constexpr int kDeepSpeedTimeoutS = 900;
 
 struct DeepSpeedTimes {
   bool ran = false;
@@ -132,27 +145,51 @@ DeepSpeedTimes run_deepspeed(int64_t n, int threads, int reps) {
   const char* python_env = std::getenv("MEGASLIDE_PYTHON");
   const std::string python = python_env != nullptr && *python_env ? python_env : "python3";
   const std::string args[] = {python, path, std::to_string(n), std::to_string(threads), std::to_string(reps)};
+  // The child's environment, built before fork (the child only calls async-signal-safe functions): this
+  // process's, with OMP_NUM_THREADS set to the benchmark's threads.
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e != nullptr; ++e)
+    if (std::strncmp(*e, "OMP_NUM_THREADS=", 16) != 0) env_strings.emplace_back(*e);
+  env_strings.push_back("OMP_NUM_THREADS=" + args[3]);
+  std::vector<char*> envp;
+  for (auto& e : env_strings) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  char* argv[] = {const_cast<char*>(args[0].c_str()), const_cast<char*>(args[1].c_str()),
+                  const_cast<char*>(args[2].c_str()), const_cast<char*>(args[3].c_str()),
+                  const_cast<char*>(args[4].c_str()), nullptr};
   std::string output;
   int status = -1;
+  bool timed_out = false;
   int fds[2];
   if (written && ::pipe(fds) == 0) {
     const pid_t pid = ::fork();
     if (pid == 0) {
       ::dup2(fds[1], STDOUT_FILENO);
-      const int null = ::open("/dev/null", O_WRONLY);
+      const int null = ::open("/dev/null", O_WRONLY);  // the extension's build log
       if (null >= 0) ::dup2(null, STDERR_FILENO);
       ::close(fds[0]);
-      ::setenv("OMP_NUM_THREADS", args[3].c_str(), 1);
-      char* argv[] = {const_cast<char*>(args[0].c_str()), const_cast<char*>(args[1].c_str()),
-                      const_cast<char*>(args[2].c_str()), const_cast<char*>(args[3].c_str()),
-                      const_cast<char*>(args[4].c_str()), nullptr};
-      ::execvp(argv[0], argv);
+      ::execvpe(argv[0], argv, envp.data());
       ::_exit(127);
     }
     ::close(fds[1]);
     if (pid > 0) {
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(kDeepSpeedTimeoutS);
       char buffer[4096];
-      for (ssize_t got; (got = ::read(fds[0], buffer, sizeof buffer)) > 0;) output.append(buffer, got);
+      for (;;) {
+        const auto left =
+            std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
+        pollfd pfd{fds[0], POLLIN, 0};
+        if (left <= 0 || ::poll(&pfd, 1, static_cast<int>(std::min<int64_t>(left, 1000))) < 0) {
+          if (left <= 0) timed_out = true;
+          if (left <= 0 || errno != EINTR) break;
+          continue;
+        }
+        if (pfd.revents == 0) continue;
+        const ssize_t got = ::read(fds[0], buffer, sizeof buffer);
+        if (got <= 0) break;
+        output.append(buffer, got);
+      }
+      if (timed_out) ::kill(pid, SIGKILL);
       ::waitpid(pid, &status, 0);
     }
     ::close(fds[0]);
@@ -162,16 +199,24 @@ DeepSpeedTimes run_deepspeed(int64_t n, int threads, int reps) {
   const auto last_line =
       output.substr(output.find_last_of('\n') == std::string::npos ? 0 : output.find_last_of('\n') + 1);
   const auto result = nlohmann::json::parse(last_line, nullptr, /*allow_exceptions=*/false);
-  if (status == 0 && result.is_object() && result.contains("fp32_grad_s")) {
+  const bool numbers = result.is_object() && result.contains("fp32_grad_s") && result["fp32_grad_s"].is_number() &&
+                       result.contains("bf16_casts_s") && result["bf16_casts_s"].is_number();
+  if (status == 0 && numbers) {
     out.ran = true;
-    out.fp32_grad_s = result.value("fp32_grad_s", 0.0);
-    out.bf16_casts_s = result.value("bf16_casts_s", 0.0);
-    out.message = result.value("deepspeed", std::string());
+    out.fp32_grad_s = result["fp32_grad_s"].get<double>();
+    out.bf16_casts_s = result["bf16_casts_s"].get<double>();
+    const auto& version = result.contains("deepspeed") ? result["deepspeed"] : nlohmann::json();
+    out.message = version.is_string() ? version.get<std::string>() : version.dump();
+  } else if (timed_out) {
+    out.message = "its run took over " + std::to_string(kDeepSpeedTimeoutS) + " s and was stopped";
+  } else if (WIFSIGNALED(status)) {
+    out.message = "its run was ended by signal " + std::to_string(WTERMSIG(status));
   } else {
+    const std::string why =
+        last_line.empty() ? "no output; exit status " + std::to_string(WEXITSTATUS(status)) : last_line;
     out.message = WIFEXITED(status) && WEXITSTATUS(status) == 127 ? "no Python at '" + python + "'"
-                  : WIFEXITED(status) && WEXITSTATUS(status) == 3
-                      ? "deepspeed is not importable here (" + last_line + ")"
-                      : "its run failed (" + last_line + ")";
+                  : WIFEXITED(status) && WEXITSTATUS(status) == 3 ? "deepspeed is not importable here (" + why + ")"
+                                                                  : "its run failed (" + why + ")";
   }
   return out;
 }

@@ -288,20 +288,36 @@ __attribute__((always_inline)) inline float fma_chains(int64_t iterations) {
 }
 __attribute__((target("avx512f"))) float fma_chains_avx512(int64_t iterations) { return fma_chains<16>(iterations); }
 __attribute__((target("avx2,fma"))) float fma_chains_avx2(int64_t iterations) { return fma_chains<8>(iterations); }
+// A CPU with neither: SSE's 4 lanes, a multiply and an add for each FMA (the baseline x86-64 has no FMA).
+float fma_chains_sse(int64_t iterations) { return fma_chains<4>(iterations); }
+
+// The vector unit fma_peak_gflops measures: AVX-512, else AVX2 with FMA, else SSE.
+int peak_lanes() {
+  if (__builtin_cpu_supports("avx512f")) return 16;
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 8 : 4;
+}
+const char* peak_unit() {
+  const int lanes = peak_lanes();
+  return lanes == 16 ? "AVX-512" : lanes == 8 ? "AVX2" : "SSE, no FMA";
+}
 
 // The best of three runs (a descheduled thread only lowers a run), taken before any LibTorch parallel work, whose
 // OpenMP threads would still be spinning beside it.
 double fma_peak_gflops(int threads) {
-  const bool avx512 = __builtin_cpu_supports("avx512f");
+  const int lanes = peak_lanes();
   const int64_t iterations = 20'000'000;
-  const double flops_per_thread = 2.0 * 16 * (avx512 ? 16 : 8) * static_cast<double>(iterations);
+  const double flops_per_thread = 2.0 * 16 * lanes * static_cast<double>(iterations);
   double best = 0.0;
   for (int run = 0; run < 3; ++run) {
     std::vector<float> sinks(threads);
     std::vector<std::thread> pool;
     const auto start = std::chrono::steady_clock::now();
     for (int t = 0; t < threads; ++t)
-      pool.emplace_back([&, t] { sinks[t] = avx512 ? fma_chains_avx512(iterations) : fma_chains_avx2(iterations); });
+      pool.emplace_back([&, t] {
+        sinks[t] = lanes == 16  ? fma_chains_avx512(iterations)
+                   : lanes == 8 ? fma_chains_avx2(iterations)
+                                : fma_chains_sse(iterations);
+      });
     for (auto& th : pool) th.join();
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     volatile float sink = 0.f;
@@ -402,7 +418,7 @@ int cpu_mode(int reps, const Memory& memory) {
   std::printf("%-10s %-24s %10.1f %12.1f\n", "4x32x32", "global sdpa", sdpa_half.ms, mib(sdpa_half.peak_bytes));
   const auto d64 = d64_cases(reps, memory);
   std::printf("\nd = 64 (M 4, 3x7x7), fused kernel kAuto runs; FMA peak measured here %.1f GFLOP/s (%d threads, %s)\n",
-              peak, torch::get_num_threads(), __builtin_cpu_supports("avx512f") ? "AVX-512" : "AVX2");
+              peak, torch::get_num_threads(), peak_unit());
   std::printf("%-10s %10s %12s %10s %12s %22s %22s\n", "tokens", "fwd ms", "fwd+bwd ms", "sdpa ms", "vs sdpa",
               "executed GFLOP/s", "attention-equiv.");
   for (const auto& r : d64)

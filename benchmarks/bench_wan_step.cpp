@@ -101,7 +101,7 @@ Row run_trainer(const std::string& name, megaslide::RunConfig config, int warmup
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   int layers = 2, frames = 2, height = 16, width = 16, text_tokens = 64, steps = 5, warmup = 2;
   std::string rows_flag = "reference,resident,streamed-fp32,streamed-auto";
   std::vector<std::string> overrides;
@@ -149,6 +149,16 @@ int main(int argc, char** argv) {
 
   const std::string dir = "/tmp/bench-wan-step-" + std::to_string(::getpid());
   megaslide::io::make_directories(dir);
+  // Removed however main ends, an error included.
+  struct RemoveDir {
+    std::string path;
+    ~RemoveDir() {
+      try {
+        megaslide::io::remove_tree(path);
+      } catch (...) {
+      }
+    }
+  } remove_dir{dir};
   const std::string tensors = dir + "/latents.safetensors";
   const std::string yaml = fmt::format(R"(
 model:
@@ -198,7 +208,6 @@ offload: {{enabled: false, compute_dtype: fp32}}
     std::fflush(stdout);
     results.push_back(row);
   }
-  megaslide::io::remove_tree(dir);
 
   const double anchor = !results.empty() && results.front().name == "reference" ? results.front().step_s : 0.0;
   std::string json =
@@ -216,4 +225,13 @@ offload: {{enabled: false, compute_dtype: fp32}}
   }
   std::printf("%s}\n", json.c_str());
   return 0;
+}
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {  // after run's scratch folder is gone
+    std::fprintf(stderr, "bench_wan_step: %s\n", e.what());
+    return 1;
+  }
 }

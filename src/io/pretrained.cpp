@@ -316,7 +316,10 @@ torch::Tensor MappedWeights::view(const std::string& name, const std::vector<int
   const auto& e = checked_entry(name, shape, context);
   const auto& m = files_[locate(name).file];
   const auto* start = static_cast<const char*>(m->base) + m->header.data_start + e.begin;
-  if (megaslide::is_fp8(e.dtype) || reinterpret_cast<uintptr_t>(start) % c10::elementSize(e.dtype) != 0)
+  if (megaslide::is_fp8(e.dtype))
+    throw PretrainedError("'" + m->path + "': tensor '" + name + "' is " + c10::toString(e.dtype) +
+                          ", whose value needs its scale: read it with take (the value) or take_fp8, not view");
+  if (reinterpret_cast<uintptr_t>(start) % c10::elementSize(e.dtype) != 0)
     return take(name, shape, e.dtype, context);  // a copy
   char* data = checked_data(name);
   std::shared_ptr<Mapping> keep = m;

@@ -97,11 +97,14 @@ class MappedWeights {
   torch::Tensor take(const std::string& name, const std::vector<int64_t>& shape,
                      torch::ScalarType dtype = torch::kFloat32,
                      const std::string& context = "from the model's configuration") const;
-  // The same checks, and the tensor in the dtype the file stores it in (not fp8), without a copy: a view into
+  // The same checks, and the tensor in the dtype the file stores it in (not fp8: an fp8 tensor's value needs its
+  // scale, and view() refuses it naming take and take_fp8), without a copy: a view into
   // the memory map that keeps the map alive after this object is gone. Its pages are the file's, read from the
   // page cache when first touched (the finite check here touches them once) and shared with every process that
   // maps the file. The view is READ-ONLY memory: writing into it is a segmentation fault, so it is for weights
-  // nothing writes (a frozen encoder's). Data not aligned to its element size come back as take()'s copy.
+  // nothing writes (a frozen encoder's). Data not aligned to its element size come back as take()'s copy. The
+  // file must not change while a view lives: one truncated under it ends the process with SIGBUS (a file
+  // replaced by a rename, as downloads do, is safe: the map keeps the old one).
   torch::Tensor view(const std::string& name, const std::vector<int64_t>& shape,
                      const std::string& context = "from the model's configuration") const;
   // The dtype `name` is stored in (it must exist).

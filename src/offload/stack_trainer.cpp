@@ -157,7 +157,7 @@ double ema_decay_at(double decay, int64_t update) {
   return std::min(decay, n / (n + 9.0));
 }
 
-void step_on_host(torch::optim::AdamW& optimizer, CpuAdamW& kernel) {
+bool step_on_host(torch::optim::AdamW& optimizer, CpuAdamW& kernel) {
   const auto& k = kernel.options();
   bool fused = true;
   for (auto& group : optimizer.param_groups()) {
@@ -179,7 +179,7 @@ void step_on_host(torch::optim::AdamW& optimizer, CpuAdamW& kernel) {
   }
   if (!fused) {
     optimizer.step();
-    return;
+    return false;
   }
   torch::NoGradGuard no_grad;
   auto& state = optimizer.state();
@@ -200,6 +200,7 @@ void step_on_host(torch::optim::AdamW& optimizer, CpuAdamW& kernel) {
       kernel.step_block(p.detach(), s.exp_avg(), s.exp_avg_sq(), p.grad(), at::Tensor(), s.step(), lr);
     }
   }
+  return true;
 }
 
 void ema_update(const at::Tensor& ema, const at::Tensor& value, double decay) {

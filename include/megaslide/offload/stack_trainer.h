@@ -96,8 +96,9 @@ void ema_update(const at::Tensor& ema, const at::Tensor& value, double decay);
 // weight decay are `kernel`'s; otherwise LibTorch's own step. The state stays LibTorch's (AdamWParamState:
 // step, exp_avg, exp_avg_sq, created at a parameter's first update as LibTorch creates it), so checkpoints
 // and optimizer.state() see no difference. LibTorch's step is one pass per operation over every tensor; the
-// fused pass reads and writes each element once (docs/cpu-adamw.md).
-void step_on_host(torch::optim::AdamW& optimizer, CpuAdamW& kernel);
+// fused pass reads and writes each element once (docs/cpu-adamw.md). Returns whether the fused pass ran (false:
+// LibTorch's step did).
+bool step_on_host(torch::optim::AdamW& optimizer, CpuAdamW& kernel);
 
 // The host store a StreamedStackTrainer allocates for this compute dtype, accumulation and state dtype
 // (also what megaslide-plan counts): a transfer buffer in the compute dtype that holds the compute copy
