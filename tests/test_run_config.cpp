@@ -38,6 +38,18 @@ TEST(RunConfig, EmptyFileGivesDefaults) {
 TEST(RunConfig, UnknownKeyIsNamedWithSuggestion) {
   expect_error("model:\n  hiden: 32\n", {}, "model.hiden", "did you mean model.hidden");
   expect_error("modle:\n  hidden: 32\n", {}, "modle", "unknown section");
+  // The message lists every section there is.
+  expect_error("modle:\n  hidden: 32\n", {}, "modle",
+               "sections are model, data, diffusion, train, offload, optimizer, lora, output, distributed");
+}
+
+// The property: a seed is any unsigned 64-bit integer, and nothing outside that range or sign.
+TEST(RunConfig, SeedsTakeTheWholeUnsigned64BitRange) {
+  EXPECT_EQ(parse_run_config("", kSource, {"train.seed=9223372036854775808"}).train.seed, uint64_t{1} << 63);
+  EXPECT_EQ(parse_run_config("", kSource, {"data.seed=18446744073709551615"}).data.seed, ~uint64_t{0});
+  expect_error("", {"train.seed=18446744073709551616"}, "train.seed", "beyond the unsigned 64-bit integer range");
+  expect_error("", {"train.seed=-1"}, "train.seed", "expected an integer in [0, 18446744073709551615], got '-1'");
+  expect_error("train:\n  seed: 1.5\n", {}, "train.seed", "expected an integer in [0,");
 }
 
 TEST(RunConfig, WrongTypeIsRefused) {
@@ -260,6 +272,11 @@ TEST(RunConfig, WanAndDiTKeysDoNotMix) {
   expect_error(wan, {"model.self_attention=dsa3d", "model.dsa_groups=3"}, "model.dsa_groups",
                "divisor of model.wan.heads");
   expect_error(wan, {"model.wan.qk_norm=maybe"}, "model.wan.qk_norm", "true or false");
+  // Encoder weights with the kinds that read none (the data brings embeddings and latents) are refused.
+  expect_error(wan, {"model.text_encoder.weights=/models/umt5"}, "model.text_encoder.weights",
+               "set model.text_encoder.kind: umt5 to load umT5 from '/models/umt5'");
+  expect_error(wan, {"model.vae.weights=/models/vae"}, "model.vae.weights",
+               "set model.vae.kind: wan to load the Wan VAE from '/models/vae'");
   expect_error(wan, {"model.wan.dimm=3"}, "model.wan.dimm", "did you mean model.wan.dim");
   expect_error(wan, {"data.dataset=structured-motion"}, "data.dataset",
                "expected latent-tensors (latent videos and text embeddings) or videos");

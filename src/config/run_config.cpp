@@ -56,6 +56,9 @@ const char* to_string(DsaOffsets offsets) {
 
 namespace {
 
+// The sections a run config has, for messages.
+constexpr const char* kSections = "model, data, diffusion, train, offload, optimizer, lora, output, distributed";
+
 // A value problem inside one field; the caller adds source and key.
 struct FieldProblem {
   std::string text;
@@ -128,6 +131,17 @@ int64_t checked_int(const YAML::Node& node, IntRange range) {
   return v;
 }
 
+// A seed: any unsigned 64-bit integer.
+uint64_t checked_seed(const YAML::Node& node) {
+  const std::string expected = "an integer in [0, 18446744073709551615]";
+  if (!node.IsScalar()) throw FieldProblem{"expected " + expected + ", got " + describe(node)};
+  try {
+    return parse_unsigned(node.Scalar(), expected);
+  } catch (const NumberError& e) {
+    throw FieldProblem{e.what()};
+  }
+}
+
 double checked_real(const YAML::Node& node, RealRange range) {
   double v = parse_double(node, range.text());
   if (!range.contains(v)) throw FieldProblem{"expected " + range.text() + ", got " + node.Scalar()};
@@ -174,8 +188,7 @@ class Schema {
   }
   void seed(std::string key, uint64_t& slot) {
     add(
-        std::move(key), [&slot](const YAML::Node& n) { slot = static_cast<uint64_t>(checked_int(n, IntRange{0})); },
-        [&slot] { return YAML::Node(slot); });
+        std::move(key), [&slot](const YAML::Node& n) { slot = checked_seed(n); }, [&slot] { return YAML::Node(slot); });
   }
   void real(std::string key, double& slot, RealRange range) {
     add(
@@ -565,7 +578,7 @@ std::string unknown_key_problem(const Schema& schema, const std::string& key) {
   std::string problem = "unknown key";
   if (!best.empty()) problem += " (did you mean " + best + "?)";
   if (!known.empty()) problem += "; keys of section " + section + ": " + known;
-  else problem += "; sections are model, data, diffusion, train, offload, optimizer, output, distributed";
+  else problem += "; sections are " + std::string(kSections);
   return problem;
 }
 
@@ -768,7 +781,7 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::string& sour
       if (!known_section)
         throw ConfigError(
             source, name,
-            "unknown section; sections are model, data, diffusion, train, offload, optimizer, output, distributed");
+            std::string("unknown section; sections are ") + kSections);
       if (!section.second.IsMap())
         throw ConfigError(source, name, "expected a section (a mapping of keys), got " + describe(section.second));
       read_keys(section.second, name);
@@ -841,6 +854,16 @@ void validate_wan(const RunConfig& c, const std::function<void(const std::string
     fail("model.vae.weights",
          "model.vae.kind: wan needs the Wan VAE's weights (diffusers' vae/ folder or wan_2.1_vae.safetensors; "
          "docs/wan.md)");
+  if (te.kind == "builtin" && !te.weights.empty())
+    fail("model.text_encoder.weights",
+         "model.text_encoder.kind is builtin (the data brings its text embeddings), which reads no weights; set "
+         "model.text_encoder.kind: umt5 to load umT5 from '" +
+             te.weights + "'");
+  if (vae.kind == "none" && !vae.weights.empty())
+    fail("model.vae.weights",
+         "model.vae.kind is none (the data brings its latents), which reads no weights; set model.vae.kind: wan to "
+         "load the Wan VAE from '" +
+             vae.weights + "'");
   if (c.data.dataset == "videos") {
     // Pixels in data.*, latents from the Wan VAE (cached by megaslide-cache; data/latent_cache.h).
     if (te.kind != "umt5")

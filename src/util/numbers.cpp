@@ -56,6 +56,16 @@ int64_t parse_integer(const std::string& text, const std::string& expected) {
   return static_cast<int64_t>(v);
 }
 
+uint64_t parse_unsigned(const std::string& text, const std::string& expected) {
+  if (!is_decimal_integer(text) || text[0] == '-') throw NumberError(got(expected, text));
+  errno = 0;
+  char* end = nullptr;
+  const unsigned long long v = std::strtoull(text.c_str(), &end, 10);
+  if (errno == ERANGE)
+    throw NumberError(got(expected, text) + " (beyond the unsigned 64-bit integer range, about 1.8e19)");
+  return static_cast<uint64_t>(v);
+}
+
 double parse_real(const std::string& text, const std::string& expected) {
   if (!is_decimal_real(text)) throw NumberError(got(expected, text));
   errno = 0;

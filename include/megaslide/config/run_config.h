@@ -1,9 +1,9 @@
 // RunConfig: the typed form of a run's YAML file (configs/*.yaml).
 //
-// A run file has seven sections — model, data, diffusion, train, offload, optimizer, output — whose keys map one to
-// one onto the fields below (the key path `model.hidden` is RunConfig::model.hidden). Loading checks
-// every key: an unknown key, a value of the wrong type, an out-of-range or inconsistent value each
-// raise ConfigError naming the source (file or --set), the key path and what was expected. Nothing is
+// A run file has nine sections — model, data, diffusion, train, offload, optimizer, lora, output, distributed —
+// whose keys map one to one onto the fields below (the key path `model.hidden` is RunConfig::model.hidden).
+// Loading checks every key: an unknown key, a value of the wrong type, an out-of-range or inconsistent value
+// each raise ConfigError naming the source (file or --set), the key path and what was expected. Nothing is
 // written by loading; callers create output folders only after a config has loaded.
 //
 // Thread-safety: plain values; the functions here are pure.

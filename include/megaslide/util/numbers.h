@@ -31,6 +31,9 @@ class NumberError : public std::invalid_argument, public InputError {
 // wants ("an integer >= 1") and opens the message. Throws NumberError.
 int64_t parse_integer(const std::string& text, const std::string& expected);
 
+// A whole non-negative decimal integer ("+?[0-9]+") in uint64's range (seeds). Throws NumberError.
+uint64_t parse_unsigned(const std::string& text, const std::string& expected);
+
 // A finite decimal real ("1", "-2.5", ".5", "3e-4"); refuses overflow, underflow of a non-zero value,
 // nan, inf and anything else. Throws NumberError.
 double parse_real(const std::string& text, const std::string& expected);
