@@ -277,6 +277,9 @@ TEST(RunConfig, WanAndDiTKeysDoNotMix) {
                "set model.text_encoder.kind: umt5 to load umT5 from '/models/umt5'");
   expect_error(wan, {"model.vae.weights=/models/vae"}, "model.vae.weights",
                "set model.vae.kind: wan to load the Wan VAE from '/models/vae'");
+  // The Wan VAE's tiles are whole latents, as the SD VAE's.
+  expect_error(wan, {"model.vae.kind=wan", "model.vae.weights=/models/vae", "model.vae.tile_size=260"},
+               "model.vae.tile_size", "expected a multiple of model.vae.downscale (8");
   expect_error(wan, {"model.wan.dimm=3"}, "model.wan.dimm", "did you mean model.wan.dim");
   expect_error(wan, {"data.dataset=structured-motion"}, "data.dataset",
                "expected latent-tensors (latent videos and text embeddings) or videos");

@@ -778,10 +778,7 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::string& sour
         throw ConfigError(source, name, "section appears twice in the file (merge the two into one)");
       bool known_section = false;
       for (const auto& f : schema.fields()) known_section |= f.key.rfind(name + ".", 0) == 0;
-      if (!known_section)
-        throw ConfigError(
-            source, name,
-            std::string("unknown section; sections are ") + kSections);
+      if (!known_section) throw ConfigError(source, name, std::string("unknown section; sections are ") + kSections);
       if (!section.second.IsMap())
         throw ConfigError(source, name, "expected a section (a mapping of keys), got " + describe(section.second));
       read_keys(section.second, name);
@@ -850,6 +847,10 @@ void validate_wan(const RunConfig& c, const std::function<void(const std::string
     fail("model.text_encoder.weights",
          "model.text_encoder.kind: umt5 needs umT5's weights (a transformers folder, a diffusers "
          "repository or umt5_xxl_fp16.safetensors; docs/wan.md)");
+  if (vae.kind == "wan" && vae.tile_size > 0 && vae.tile_size % vae.downscale != 0)
+    fail("model.vae.tile_size", "expected a multiple of model.vae.downscale (" + std::to_string(vae.downscale) +
+                                    ": the Wan VAE's tiles start on whole latents), got " +
+                                    std::to_string(vae.tile_size));
   if (vae.kind == "wan" && vae.weights.empty())
     fail("model.vae.weights",
          "model.vae.kind: wan needs the Wan VAE's weights (diffusers' vae/ folder or wan_2.1_vae.safetensors; "
