@@ -180,6 +180,9 @@ TEST(MegaslideSample, BadInputExitsTwoNamingItAndWritesNothing) {
   expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + out + " --guidance 1e400",
                  "--guidance");
   expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + out + " --eta nan", "--eta");
+  // Wan's LoRA weights on a DiT: refused like its other flags (they were taken without a word).
+  expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + out + " --lora-scale 1000",
+                 "are for Wan models");
   expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + corrupt + "/sub", "--out");
   auto empty = prompts_file("empty.txt", "\n\n");
   expect_refused("--checkpoint " + weights() + " --prompts " + empty + " --out " + out, empty);

@@ -528,6 +528,8 @@ TEST(MegaslideSampleWan, BadPathsAreOneLineErrorsWithExitCode2AndWriteNothing) {
   expect_refused(kEncoders + " --sampler ddim", "Wan samples with flow matching");
   expect_refused(kEncoders + " --set model.wan.weights=/nonexistent/wan", "model.wan.weights");
   expect_refused(kEncoders + " --guidance-2 3", "--guidance-2: the low-noise expert's guidance scale");
+  expect_refused(kEncoders + " --eta 0.5", "--eta is DDIM's");  // was ignored: the same video
+  expect_refused(kEncoders + " --lora-scale 0.5", "no --lora was given");
 }
 
 // Wan2.2's two experts (tests/fixtures/wan22_experts/, tools/make_fixtures.py wan22_experts: two tiny random

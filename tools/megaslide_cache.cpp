@@ -33,12 +33,13 @@ int main(int argc, char** argv) {
   std::vector<std::string> overrides;
   int64_t shard_items = 64, threads = 0;
   app.add_option("--config", config_path, "run config (YAML) with data.dataset: videos")->required();
-  app.add_option("--out", out, "the cache folder (default: data.cache of the config)");
+  app.add_option("--out", out, "the cache folder (default: data.cache of the config)")
+      ->check(megaslide::tools::non_empty_path());
   app.add_option("--set", overrides, "override a config value, e.g. --set data.frames=16 (repeatable)");
   app.add_option("--shard-items", shard_items, "items per shard file (default 64)")
-      ->check(megaslide::tools::integer_in(1, int64_t{1} << 40));
+      ->transform(megaslide::tools::integer_in(1, int64_t{1} << 40));
   app.add_option("--threads", threads, "decoding threads (default: data.workers, at least 1)")
-      ->check(megaslide::tools::integer_in(0, 4096));
+      ->transform(megaslide::tools::integer_in(0, 4096));
   app.set_version_flag("--version", megaslide::build_summary());
   if (const auto code = megaslide::tools::parse_flags(app, argc, argv)) return *code;
   megaslide::tools::survive_file_size_limit();

@@ -95,7 +95,7 @@ int main(int argc, char** argv) {
     auto* w = sub->add_option("--weights", weights,
                               "model folder (config.json + safetensors weights); for --vae wan also a single file");
     if (needs_weights) w->required();
-    sub->add_option("--out", out, "output safetensors file")->required();
+    sub->add_option("--out", out, "output safetensors file")->required()->check(megaslide::tools::non_empty_path());
     sub->add_option("--device", device_spec, "auto, cpu, cuda or cuda:N")->capture_default_str();
     sub->add_flag_callback(
         "--allow-nonfinite-weights", [] { megaslide::io::set_nonfinite_weights_allowed(true); },
@@ -120,7 +120,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"wan", "whitespace", "none"}))
       ->capture_default_str();
   text->add_option("--batch", batch, "umt5: prompts per encoder call")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+      ->transform(megaslide::tools::integer_in(1, int64_t{1} << 20))
       ->capture_default_str();
   text->add_option("--prompts", prompts_path, "one prompt per line (an empty line is the empty prompt)")->required();
   text->add_option(
@@ -128,7 +128,7 @@ int main(int argc, char** argv) {
       "vocabulary folder (vocab.json + merges.txt) or OpenAI's bpe_simple_vocab_16e6.txt (default: in --weights)");
   text->add_option("--max-length", max_length,
                    "tokens per prompt, special tokens included (default: clip 77, umt5 512)")
-      ->check(CLI::Range(int64_t{2}, int64_t{4096}));
+      ->transform(megaslide::tools::integer_in(2, 4096));
   text->add_flag("--ids-only", ids_only, "only ids and mask (no model needed)");
   auto* vae_encode = app.add_subcommand("vae-encode", "images (tensor x, in [-1, 1]) -> scaled latents (tensor y)");
   auto* vae_decode = app.add_subcommand("vae-decode", "scaled latents (tensor x) -> images (tensor y)");
@@ -139,21 +139,21 @@ int main(int argc, char** argv) {
         ->capture_default_str();
     sub->add_option("--in", in, "input safetensors file with tensor x")->required();
     sub->add_option("--frames-per-batch", frames_per_batch, "frames per VAE call for videos [B, C, T, H, W] (sd)")
-        ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+        ->transform(megaslide::tools::integer_in(1, int64_t{1} << 20))
         ->capture_default_str();
     sub->add_option("--tile-stride", tile_stride, "wan: pixels between tile starts (default: 3/4 of --tile)")
-        ->check(CLI::NonNegativeNumber);
+        ->transform(megaslide::tools::integer_in(0));
   }
   vae_encode->add_option("--tile", tile, "wan: encode in tiles of P pixels, blended (0: whole frames)")
-      ->check(CLI::NonNegativeNumber);
+      ->transform(megaslide::tools::integer_in(0));
   vae_encode->add_flag("--sample", sample, "a sample of the latent distribution instead of its mean");
   vae_encode->add_option("--seed", seed, "seed of --sample's noise")
-      ->check(megaslide::tools::integer_in(0))
+      ->transform(megaslide::tools::integer_in(0))
       ->capture_default_str();
   vae_decode->add_option("--tile", tile, "decode in tiles of P pixels, blended (0: whole frames)")
-      ->check(CLI::NonNegativeNumber);
+      ->transform(megaslide::tools::integer_in(0));
   vae_decode->add_option("--tile-overlap", tile_overlap, "overlap of tiles, a fraction of the tile")
-      ->check(CLI::Range(0.0, 0.9))
+      ->check(megaslide::tools::finite_real(0.0, 0.9))
       ->capture_default_str();
   app.set_version_flag("--version", megaslide::build_summary());
   if (const auto code = megaslide::tools::parse_flags(app, argc, argv)) return *code;

@@ -27,12 +27,12 @@ int main(int argc, char** argv) {
       "profile YAML file (default h200; docs/planner.md)");
   app.add_option("--world-size", world_size,
                  "data-parallel ranks R (default 1): plan one rank of R, the global train.batch_size split over them")
-      ->check(CLI::PositiveNumber);
+      ->transform(megaslide::tools::integer_in(1));
   int64_t context_parallel = 1;
   app.add_option("--context-parallel", context_parallel,
                  "context parallelism N (distributed.context_parallel): groups of N ranks share each sample's frames; "
                  "--world-size defaults to N")
-      ->check(CLI::PositiveNumber);
+      ->transform(megaslide::tools::integer_in(1));
   app.add_option("--set", overrides, "override a config value, e.g. --set data.frames=64 (repeatable)");
   app.add_flag("--json", json, "print one JSON object");
   app.set_version_flag("--version", megaslide::build_summary());

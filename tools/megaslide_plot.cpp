@@ -1,6 +1,7 @@
-// megaslide-plot: loss, throughput and memory curves of a training run as PNGs (gnuplot).
+// megaslide-plot: loss, throughput, memory and optimizer (learning rate, gradient norm) curves of a training run as
+// PNGs (gnuplot).
 //
-//   megaslide-plot runs/smoke                 # -> runs/smoke/plots/{loss,throughput,memory}.png
+//   megaslide-plot runs/smoke                 # -> runs/smoke/plots/{loss,throughput,memory,optimizer}.png
 //   megaslide-plot runs/smoke --out figs/     # elsewhere
 //
 // Exit codes: 0 done, 2 bad flags or a bad/missing metrics.jsonl, 1 any other failure (e.g. no gnuplot).

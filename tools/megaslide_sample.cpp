@@ -470,7 +470,7 @@ int main(int argc, char** argv) {
                  "videos per line of the prompt file (a prompt's videos are numbered 0, 1, ... across its lines; a "
                  "line's --d seed "
                  "gives its videos seeds d, d+1, ...)")
-      ->check(CLI::Range(int64_t{1}, int64_t{100000}))
+      ->transform(megaslide::tools::integer_in(1, 100000))
       ->capture_default_str();
   app.add_option("--out", out_dir, "output folder: DIR/videos/*.mp4, DIR/index.json")
       ->required()
@@ -479,7 +479,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"ddpm", "ddim", "unipc", "euler"}));
   app.add_option("--steps", steps,
                  "sampling steps, respaced over the training timesteps (default: the config's diffusion.sample_steps)")
-      ->check(CLI::PositiveNumber);
+      ->transform(megaslide::tools::integer_in(1));
   app.add_option(
          "--timestep-spacing", spacing,
          "which timesteps the steps visit, as diffusers' timestep_spacing: linspace, leading or trailing (default: the "
@@ -492,18 +492,18 @@ int main(int argc, char** argv) {
       ->check(megaslide::tools::finite_real(0.0, 1.0))
       ->capture_default_str();
   app.add_option("--seed", seed, "base seed: each video's seed derives from (seed, prompt, index)")
-      ->check(megaslide::tools::integer_in(0))
+      ->transform(megaslide::tools::integer_in(0))
       ->capture_default_str();
   app.add_option("--batch-size", batch_size, "videos sampled together")
-      ->check(CLI::Range(int64_t{1}, int64_t{4096}))
+      ->transform(megaslide::tools::integer_in(1, 4096))
       ->capture_default_str();
   app.add_option("--fps", fps, "frames per second of the MP4s (default 8; Wan: 16, Wan2.1's sample_fps)")
-      ->check(CLI::Range(int64_t{1}, int64_t{240}));
+      ->transform(megaslide::tools::integer_in(1, 240));
   app.add_option("--crf", crf, "libx264 constant rate factor (0 best .. 51 worst)")
-      ->check(CLI::Range(int64_t{0}, int64_t{51}))
+      ->transform(megaslide::tools::integer_in(0, 51))
       ->capture_default_str();
   app.add_option("--upscale", upscale, "repeat pixels N times in each direction (small models' frames are tiny)")
-      ->check(CLI::Range(int64_t{1}, int64_t{64}))
+      ->transform(megaslide::tools::integer_in(1, 64))
       ->capture_default_str();
   app.add_flag(
       "--no-ema", no_ema,
@@ -523,7 +523,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"auto", "fp32", "bf16", "fp16"}))
       ->capture_default_str();
   app.add_option("--threads", threads, "LibTorch intra-op threads (0: the cores available to this process)")
-      ->check(megaslide::tools::integer_in(0, 4096));
+      ->transform(megaslide::tools::integer_in(0, 4096));
   app.add_flag("--no-progress", no_progress, "no progress bar");
   app.add_flag_callback(
       "--allow-nonfinite-weights", [] { megaslide::io::set_nonfinite_weights_allowed(true); },
@@ -585,16 +585,21 @@ int main(int argc, char** argv) {
                     << megaslide::wan_untrained_expert(wan_model->config.model.wan) << "'\n";
       }
       const bool is_wan = wan_model.has_value();
-      if (!is_wan && (!wan.text_encoder.empty() || !wan.tokenizer.empty() || !wan.vae.empty() ||
-                      wan.negative_prompt_set || wan.shift >= 0 || wan.guidance_2 >= 0 || wan.latents ||
-                      !wan.image.empty() || !wan.image_encoder.empty() || !wan.lora.empty() || !wan.lora_2.empty()))
+      const bool lora_scales = app.count("--lora-scale") > 0 || app.count("--lora-2-scale") > 0;
+      if (!is_wan &&
+          (!wan.text_encoder.empty() || !wan.tokenizer.empty() || !wan.vae.empty() || wan.negative_prompt_set ||
+           wan.shift >= 0 || wan.guidance_2 >= 0 || wan.latents || !wan.image.empty() || !wan.image_encoder.empty() ||
+           !wan.lora.empty() || !wan.lora_2.empty() || lora_scales))
         throw std::invalid_argument(
             "--text-encoder, --tokenizer, --vae, --image-encoder, --negative-prompt, --shift, --guidance-2, --image, "
-            "--lora, "
-            "--lora-2 and --latents are "
-            "for Wan "
-            "models; '" +
+            "--lora, --lora-2, --lora-scale, --lora-2-scale and --latents are for Wan models; '" +
             checkpoint + "' is not one");
+      if (app.count("--lora-scale") > 0 && wan.lora.empty())
+        throw std::invalid_argument("--lora-scale weighs --lora's file, and no --lora was given");
+      if (app.count("--lora-2-scale") > 0 && wan.lora_2.empty())
+        throw std::invalid_argument("--lora-2-scale weighs --lora-2's file, and no --lora-2 was given");
+      if (is_wan && app.count("--eta") > 0)
+        throw std::invalid_argument("--eta is DDIM's; Wan samples with flow matching (unipc or euler), which has none");
       if (is_wan && (sampler == "ddpm" || sampler == "ddim"))
         throw std::invalid_argument("--sampler " + sampler + ": Wan samples with flow matching: unipc or euler");
       if (!is_wan && (sampler == "unipc" || sampler == "euler"))

@@ -123,13 +123,13 @@ int main(int argc, char** argv) {
   app.add_option("--trace", trace_path, "write a Chrome-trace JSON of one step (streamed trainer; opens in Perfetto)")
       ->check(megaslide::tools::non_empty_path());
   app.add_option("--trace-step", trace_step, "which step --trace records (default 2: after warm-up)")
-      ->check(megaslide::tools::integer_in(1, int64_t{1} << 40));
+      ->transform(megaslide::tools::integer_in(1, int64_t{1} << 40));
   app.add_option("--nproc-per-node", nproc_per_node,
                  "start this many ranks on this machine (data parallelism over c10d; docs/distributed.md)")
-      ->check(megaslide::tools::integer_in(1, 1024));
+      ->transform(megaslide::tools::integer_in(1, 1024));
   app.add_option("--master-port", master_port,
                  "with --nproc-per-node: the rendezvous port on 127.0.0.1 (default: a free one)")
-      ->check(megaslide::tools::integer_in(1, 65535));
+      ->transform(megaslide::tools::integer_in(1, 65535));
   app.set_version_flag("--version", megaslide::build_summary());
   if (const auto code = megaslide::tools::parse_flags(app, argc, argv)) return *code;
   return megaslide::tools::run_tool(

@@ -86,7 +86,8 @@ inline CLI::Validator finite_real(double lo = -std::numeric_limits<double>::infi
 }
 
 // An integer in [lo, hi], read by the library's parser: one that overflows int64 is an error, not the
-// largest int64 (which CLI11's own conversion lets through) or a wrapped value.
+// largest int64 (which CLI11's own conversion lets through) or a wrapped value. Add it with ->transform(): it
+// rewrites the text as plain decimal, which ->check() would discard (CLI11 then reads "010" as octal 8).
 inline CLI::Validator integer_in(int64_t lo = std::numeric_limits<int64_t>::min(),
                                  int64_t hi = std::numeric_limits<int64_t>::max()) {
   std::string expected = "an integer";
