@@ -108,6 +108,18 @@ TEST(NvmeFile, AMissingFolderATooSmallDiskAndAFailedWriteAreNamed) {
   io::remove_tree(dir);
 }
 
+namespace {
+// A store on the NVMe tier in `dir`: two blocks in flight, with an EMA.
+offload::HostParamStoreOptions nvme_store_options(const std::string& dir) {
+  offload::HostParamStoreOptions o;
+  o.state_tier = offload::StateTier::kNvme;
+  o.nvme_dir = dir;
+  o.nvme_blocks_in_flight = 2;
+  o.ema = true;
+  return o;
+}
+}  // namespace
+
 // Property: on the NVMe tier a block's state exists in memory only while leased (the accessors refuse it
 // otherwise), what a write lease leaves is what the next lease reads — across more blocks than there are
 // buffers, read ahead in any order — and host memory holds the buffers, not the state.
@@ -115,12 +127,7 @@ TEST(HostParamStore, TheNvmeTierHoldsABlocksStateOnlyWhileLeasedAndKeepsWhatWasW
   const std::string dir = scratch("store");
   std::vector<offload::BlockSpec> blocks;
   for (int64_t l = 0; l < 5; ++l) blocks.push_back({"blocks." + std::to_string(l), {{"w", {33 + l, 17}}, {"b", {17}}}});
-  offload::HostParamStoreOptions o;
-  o.state_tier = offload::StateTier::kNvme;
-  o.nvme_dir = dir;
-  o.nvme_blocks_in_flight = 2;
-  o.ema = true;
-  offload::HostParamStore store(blocks, o);
+  offload::HostParamStore store(blocks, nvme_store_options(dir));
   ASSERT_TRUE(store.paged());
   EXPECT_THROW(store.master(0), c10::Error);
   EXPECT_FALSE(store.param(0, "w").master.defined());
@@ -162,12 +169,7 @@ TEST(HostParamStore, ANewNvmeStoresBlocksStartAsZerosWithoutAReadFromTheDisk) {
   const std::string dir = scratch("zeros");
   std::vector<offload::BlockSpec> blocks;
   for (int64_t l = 0; l < 4; ++l) blocks.push_back({"blocks." + std::to_string(l), {{"w", {40 + l, 9}}}});
-  offload::HostParamStoreOptions o;
-  o.state_tier = offload::StateTier::kNvme;
-  o.nvme_dir = dir;
-  o.nvme_blocks_in_flight = 2;
-  o.ema = true;
-  offload::HostParamStore store(blocks, o);
+  offload::HostParamStore store(blocks, nvme_store_options(dir));
   for (int64_t l = 0; l < 4; ++l) {
     const auto lease = store.acquire_state(l, /*write=*/false);
     for (const auto& part : {store.master(l), store.exp_avg(l), store.exp_avg_sq(l), store.ema(l)})
