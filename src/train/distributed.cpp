@@ -403,6 +403,23 @@ void Communicator::run_on_rank0(const std::string& what, const std::function<voi
 
 namespace {
 
+// LibTorch 2.11's flight recorder (c10d::FlightRecorder, one per process) files a Gloo group under its id in a map
+// before it takes its own lock, when the group enqueues its first collective: two groups of one process enqueueing
+// at once (a rank's step group and its block exchange's group, or ranks run as threads) corrupt that map — a crash
+// or an endless loop in its tree. A Gloo call only enqueues its work (the group's own threads run it), so each is
+// issued under this one lock and waited for outside it. (NCCL's recorder is another one, with one group a process.)
+std::mutex& gloo_enqueue_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
+template <typename Issue>
+c10::intrusive_ptr<c10d::Work> issue(bool gloo, Issue&& call) {
+  if (!gloo) return call();
+  std::lock_guard<std::mutex> lock(gloo_enqueue_mutex());
+  return call();
+}
+
 void run_all_reduce(c10d::Backend& group, const std::string& backend, c10::Device device,
                     std::vector<at::Tensor>& tensors, c10d::ReduceOp op, const char* what, int64_t rank,
                     int64_t world_size, double timeout_s) {
@@ -412,7 +429,7 @@ void run_all_reduce(c10d::Backend& group, const std::string& backend, c10::Devic
       std::vector<at::Tensor> io{staged ? t.to(backend == "gloo" ? c10::Device(at::kCPU) : device) : t};
       c10d::AllreduceOptions options;
       options.reduceOp = op;
-      group.allreduce(io, options)->wait();
+      issue(backend == "gloo", [&] { return group.allreduce(io, options); })->wait();
       if (staged) t.copy_(io[0]);
     }
   } catch (const std::exception& e) {
@@ -514,7 +531,7 @@ double CommunicatorFrames::max(double value) {
 
 void Communicator::barrier() {
   try {
-    impl_->group->barrier()->wait();
+    issue(backend_ == "gloo", [&] { return impl_->group->barrier(); })->wait();
   } catch (const std::exception& e) {
     throw DistributedError(fmt::format(
         "rank {} of {}: barrier failed (a rank stopped, or none answered within distributed.timeout_s = {} s): {}",
@@ -538,12 +555,13 @@ class GlooShardExchange : public offload::ShardExchange {
     run("reduce-scatter of a block's gradient", input, output, [&](at::Tensor& in, at::Tensor& out) {
       c10d::ReduceScatterOptions options;
       options.reduceOp = c10d::ReduceOp::SUM;
-      group_->_reduce_scatter_base(out, in, options)->wait();
+      issue(true, [&] { return group_->_reduce_scatter_base(out, in, options); })->wait();
     });
   }
   void all_gather(const at::Tensor& input, const at::Tensor& output) override {
-    run("all-gather of a block's weights", input, output,
-        [&](at::Tensor& in, at::Tensor& out) { group_->_allgather_base(out, in)->wait(); });
+    run("all-gather of a block's weights", input, output, [&](at::Tensor& in, at::Tensor& out) {
+      issue(true, [&] { return group_->_allgather_base(out, in); })->wait();
+    });
   }
   void all_reduce_sum(std::vector<at::Tensor>& tensors) override { step_.all_reduce_sum(tensors); }
 
