@@ -6,11 +6,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <fstream>
 #include <map>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "megaslide/io/files.h"
@@ -190,6 +192,44 @@ TEST(HostParamStore, ANewNvmeStoresBlocksStartAsZerosWithoutAReadFromTheDisk) {
     EXPECT_TRUE(store.exp_avg(l).eq(0).all().item<bool>()) << "block " << l;
   }
   EXPECT_GT(store.nvme_stats().read_bytes, 0) << "the blocks evicted after their write-back were read again";
+  io::remove_tree(dir);
+}
+
+// Property: with more threads acquiring than there are buffers, each block is read from the disk once: a block
+// read for an acquire that waits stays in its buffer until that acquire has it (the I/O thread evicted it for the
+// next waiting acquire before its own woke, and read it again: many reads of one block before).
+TEST(HostParamStore, BlocksReadForWaitingAcquiresAreNotEvictedBeforeTheyWake) {
+  const std::string dir = scratch("waiters");
+  constexpr int64_t kBlocks = 12;
+  std::vector<offload::BlockSpec> blocks;
+  for (int64_t l = 0; l < kBlocks; ++l) blocks.push_back({"blocks." + std::to_string(l), {{"w", {64, 33}}}});
+  offload::HostParamStore store(blocks, nvme_store_options(dir));  // 2 buffers
+  std::vector<torch::Tensor> w;
+  for (int64_t l = 0; l < kBlocks; ++l) {
+    w.push_back(torch::randn({64, 33}));
+    store.set_param(l, "w", w.back());  // written back: the next acquire reads from the disk
+  }
+  store.flush_state();
+  const int64_t region = store.memory_report().largest_region_bytes;  // every block's (the same shapes)
+  for (int round = 0; round < 3; ++round) {
+    const auto before = store.nvme_stats();
+    std::atomic<int> ready{0};
+    std::vector<int> same(kBlocks, 0);
+    std::vector<std::thread> threads;
+    for (int64_t l = 0; l < kBlocks; ++l)
+      threads.emplace_back([&, l] {
+        ++ready;
+        while (ready.load() < kBlocks) std::this_thread::yield();
+        const auto lease = store.acquire_state(l, /*write=*/false);
+        same[static_cast<size_t>(l)] = torch::equal(store.param(l, "w").master, w[static_cast<size_t>(l)]);
+      });
+    for (auto& t : threads) t.join();
+    for (int64_t l = 0; l < kBlocks; ++l) EXPECT_TRUE(same[static_cast<size_t>(l)]) << "block " << l;
+    const int64_t reads = (store.nvme_stats().read_bytes - before.read_bytes) / region;
+    // At most the two blocks left in the buffers by the previous round are not read again.
+    EXPECT_LE(reads, kBlocks) << "round " << round;
+    EXPECT_GE(reads, kBlocks - 2) << "round " << round;
+  }
   io::remove_tree(dir);
 }
 

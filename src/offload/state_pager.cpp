@@ -63,7 +63,7 @@ int64_t StatePager::free_slot(bool urgent) {
   // not yet acquired only for an acquire that waits.
   for (size_t s = 0; s < slot_owner_.size(); ++s) {
     Block& b = blocks_[slot_owner_[s]];
-    if (b.state == State::kResident && b.holders == 0 && !b.dirty && (urgent || !b.expected)) {
+    if (b.state == State::kResident && b.holders == 0 && b.waiters == 0 && !b.dirty && (urgent || !b.expected)) {
       b.state = State::kDisk;
       b.slot = -1;
       b.expected = false;
@@ -94,6 +94,13 @@ char* StatePager::acquire(int64_t block, bool write, bool overwrite) {
   if (write && overwrite && (b.state == State::kDisk || b.state == State::kQueued)) b.discard = true;
   const auto start = Clock::now();
   bool waited = false;
+  struct Waiting {  // counted in b.waiters from the first wait until this acquire returns or throws
+    Block& b;
+    bool on = false;
+    ~Waiting() {
+      if (on) --b.waiters;
+    }
+  } waiting{b};
   for (;;) {
     check_failure();
     if (b.state == State::kResident) {
@@ -102,6 +109,10 @@ char* StatePager::acquire(int64_t block, bool write, bool overwrite) {
       b.expected = false;
       if (waited) stats_.wait_s += seconds(start, Clock::now());
       return slot_memory_[b.slot].get();
+    }
+    if (!waiting.on) {
+      waiting.on = true;
+      ++b.waiters;
     }
     if (b.state == State::kDisk) {
       b.state = State::kQueued;

@@ -10,7 +10,8 @@
 // prefetch() queues a read ahead of the acquire; reads run in the order asked, each once a slot is free.
 // A prefetch only takes a slot that is free or holds a block nobody holds or expects (released clean), so
 // prefetching in the order of the acquires to come never starves them; an acquire of a block that was not
-// prefetched may also take the slot of a block prefetched but not yet acquired (it is read again later).
+// prefetched may also take the slot of a block prefetched but not yet acquired (it is read again later), but
+// never that of a block read for an acquire that has not woken yet.
 // Write-backs go before reads (they free slots). The file is new: a block never written back reads as zeros
 // (posix_fallocate's reservation), so its first "read" fills the slot with zeros and takes no I/O.
 //
@@ -68,6 +69,7 @@ class StatePager {
     State state = State::kDisk;
     int64_t slot = -1;
     int64_t holders = 0;
+    int64_t waiters = 0;  // acquires waiting for it: once resident it stays until they have it
     bool dirty = false;
     bool expected = false;  // prefetched and not yet acquired
     bool urgent = false;    // an acquire waits for its read
