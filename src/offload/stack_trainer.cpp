@@ -273,6 +273,9 @@ struct StreamedStackTrainer::Impl {
   at::Tensor reduce_in, reduce_out, gather_in, gather_out;  // sharded: the host task thread's exchange buffers
   std::atomic<int64_t> exchange_ns{0};
   int64_t exchange_bytes = 0;  // handed to the exchange by this step's tasks (counted as they are queued)
+  // A restore_block_compute failed (its caller may have swallowed it: a loader's hold releasing a block): the next
+  // reload_blocks_from_masters rounds every block again instead of trusting the restores.
+  bool compute_stale = false;
 
   // What block l's reduce-scatter (or all-gather) hands to the exchange: R parts of ⌈n/R⌉ elements (+1
   // for the reduce-scatter's non-finite count) of the gradient's (the compute copy's) dtype.
@@ -1273,13 +1276,20 @@ torch::optim::AdamW* StreamedStackTrainer::resident_optimizer() { return impl_->
 
 void StreamedStackTrainer::restore_block_compute(int64_t block) {
   const ShardRange mine = store_->shard(block);
-  const auto lease = options_.frozen_blocks ? HostParamStore::StateLease() : store_->acquire_state(block, false);
-  impl_->restore_compute(*store_, block, mine.begin, mine.end);  // rounded as CpuAdamW rounds
-  streamer_->invalidate(block);
+  try {
+    const auto lease = options_.frozen_blocks ? HostParamStore::StateLease() : store_->acquire_state(block, false);
+    impl_->restore_compute(*store_, block, mine.begin, mine.end);  // rounded as CpuAdamW rounds
+    streamer_->invalidate(block);
+  } catch (...) {
+    impl_->compute_stale = true;
+    throw;
+  }
 }
 
 void StreamedStackTrainer::reload_blocks_from_masters(bool compute_restored) {
   synchronize();
+  if (impl_->compute_stale) compute_restored = false;
+  impl_->compute_stale = false;
   for (int64_t l = 0; l < store_->num_blocks(); ++l) {
     if (compute_restored) {
       streamer_->invalidate(l);

@@ -100,7 +100,8 @@ TrainingState streamed_training_state(offload::StreamedStackTrainer& engine, con
         if (!on_release) return;
         try {
           on_release();
-        } catch (...) {  // the load failed part-way (its exception is on its way); the copy does not matter
+        } catch (...) {  // a destructor must not throw: the engine marks its compute copies stale (the load's
+                         // reload_blocks_from_masters rounds every block again), or the load has failed anyway
         }
       }
     };

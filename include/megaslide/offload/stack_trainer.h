@@ -225,7 +225,8 @@ class StreamedStackTrainer {
   // After a block's masters were rewritten in place (a checkpoint read into block_master's views):
   // waits for pending updates, rounds every block's compute copy from its master and drops copies
   // cached on the device. compute_restored: restore_block_compute already did the rounding for every
-  // block (a loader that held each block's state on the NVMe tier), so only the rest is done.
+  // block (a loader that held each block's state on the NVMe tier), so only the rest is done — unless a
+  // restore_block_compute failed since the last reload: then every block is rounded again.
   void reload_blocks_from_masters(bool compute_restored = false);
   // Rounds block l's compute copy from its master and drops its copy cached on the device: what
   // reload_blocks_from_masters does for one block, for a loader that holds the block's state anyway
