@@ -212,5 +212,11 @@ TEST(MegaslideEncode, BadInputExitsTwoNamingItAndWritesNothing) {
              "no weights (expected model.safetensors");
   expect_bad(umt5 + " --weights " + kFixtures + "umt5/hf --tokenizer " + kFixtures + "umt5_tokenizer/spiece.model",
              "has 700 pieces, the model's embedding only 332");
+  // An --out that cannot be written is refused before the encoder runs (it was found only at the write, exit 1).
+  auto r = run_tool("megaslide-encode", "text --ids-only --vocab " + kFixtures + "clip --prompts " + dir +
+                                            "/p.txt --out " + dir + "/no-such-folder/ids.safetensors");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("--out"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("prompt(s) ->"), std::string::npos) << "encoded before refusing:\n" << r.output;
   megaslide::io::remove_tree(dir);
 }

@@ -167,6 +167,10 @@ TEST(MegaslideSample, BadInputExitsTwoNamingItAndWritesNothing) {
   };
   const std::string missing = join_path(scratch(), "missing.safetensors");
   expect_refused("--checkpoint " + missing + " --prompts " + prompts + " --out " + out, missing);
+  // A base seed takes the unsigned 64-bit range, as a config's seeds and a prompt line's --d do: the largest one
+  // passes the flags and the missing checkpoint is what is refused.
+  expect_refused("--checkpoint " + missing + " --prompts " + prompts + " --out " + out + " --seed 18446744073709551615",
+                 missing);
   auto corrupt = prompts_file("corrupt.safetensors", "definitely not safetensors");
   expect_refused("--checkpoint " + corrupt + " --prompts " + prompts + " --out " + out,
                  corrupt + "': not a safetensors file");
@@ -198,6 +202,8 @@ TEST(MegaslideSample, BadInputExitsTwoNamingItAndWritesNothing) {
   auto e = run("megaslide-eval", out);
   EXPECT_EQ(e.code, 2) << e.output;
   EXPECT_NE(e.output.find(out), std::string::npos) << e.output;
+  EXPECT_NE(e.output.find("DIR"), std::string::npos) << e.output;
+  EXPECT_EQ(e.output.find("--json"), std::string::npos) << e.output;  // the folder is what is wrong, not the JSON
   auto t = run("megaslide-train", "--config " + std::string(MEGASLIDE_SOURCE_DIR) + "/configs/smoke.yaml --run-dir " +
                                       out + " --export-weights /nonexistent-megaslide/w.safetensors");
   EXPECT_EQ(t.code, 2) << t.output;

@@ -148,7 +148,7 @@ int main(int argc, char** argv) {
       ->transform(megaslide::tools::integer_in(0));
   vae_encode->add_flag("--sample", sample, "a sample of the latent distribution instead of its mean");
   vae_encode->add_option("--seed", seed, "seed of --sample's noise")
-      ->transform(megaslide::tools::integer_in(0))
+      ->transform(megaslide::tools::unsigned_integer())
       ->capture_default_str();
   vae_decode->add_option("--tile", tile, "decode in tiles of P pixels, blended (0: whole frames)")
       ->transform(megaslide::tools::integer_in(0));
@@ -172,6 +172,7 @@ int main(int argc, char** argv) {
   torch::Tensor x;
   return megaslide::tools::run_tool("megaslide-encode", [&] {
     megaslide::tools::checking_input([&] {
+      megaslide::io::check_output_file(out, "--out");  // before minutes of encoding, not after
       device = megaslide::tools::checking_input([&] { return megaslide::resolve_device(device_spec); }, "--device: ");
       if (text->parsed() && encoder_kind == "umt5") {
         if (max_length == 0) max_length = 512;

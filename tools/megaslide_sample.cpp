@@ -492,7 +492,7 @@ int main(int argc, char** argv) {
       ->check(megaslide::tools::finite_real(0.0, 1.0))
       ->capture_default_str();
   app.add_option("--seed", seed, "base seed: each video's seed derives from (seed, prompt, index)")
-      ->transform(megaslide::tools::integer_in(0))
+      ->transform(megaslide::tools::unsigned_integer())
       ->capture_default_str();
   app.add_option("--batch-size", batch_size, "videos sampled together")
       ->transform(megaslide::tools::integer_in(1, 4096))

@@ -107,6 +107,21 @@ inline CLI::Validator integer_in(int64_t lo = std::numeric_limits<int64_t>::min(
       "INTEGER");
 }
 
+// An unsigned 64-bit integer (a seed: the whole range a config's seeds and a prompt line's --d take), decimal as
+// integer_in writes it.
+inline CLI::Validator unsigned_integer() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        try {
+          text = std::to_string(parse_unsigned(text, "an integer >= 0 and < 2^64"));
+          return "";
+        } catch (const NumberError& e) {
+          return e.what();
+        }
+      },
+      "UINT64");
+}
+
 // A path flag that was given must name something: an empty string ("--out ''") would silently mean
 // the current folder or the default.
 inline CLI::Validator non_empty_path() {
