@@ -218,7 +218,7 @@ void StatePager::run() {
       stats_.write_bytes += regions_[l], stats_.write_s += took, ++stats_.writes;
       b.dirty = false;
       b.written = true;
-      if (b.urgent) {  // an acquire waits: the slot holds the state as written
+      if (b.urgent || b.waiters > 0) {  // an acquire waits: the slot holds the state as written
         b.state = State::kResident;
         b.urgent = false;
       } else {
