@@ -12,6 +12,7 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <memory>
 #include <set>
 #include <string_view>
 #include <vector>
@@ -100,6 +101,44 @@ class StackWithUnused : public megaslide::offload::StreamedModel {
   torch::nn::Linear head;
 };
 }  // namespace
+
+// The property: with gradient accumulation the global gradient norm, and so the clipped update, has the same bits
+// for any offload.optimizer_threads: the host's Σ g² over a block of several million parameters (more than one
+// piece of the sum) is cut by size, not by the thread count (it was: 1 and 3 threads gave other norms).
+TEST(StreamedStackTrainer, TheAccumulatedGradientNormIsTheSameForAnyOptimizerThreadCount) {
+  const int64_t depth = 2, dim = 1500;  // 2.25 M parameters a block: three pieces of the sum
+  std::vector<std::unique_ptr<megaslide::offload::StreamedStackTrainer>> trainers;
+  std::vector<std::shared_ptr<StackWithUnused>> stacks;
+  for (const int threads : {1, 3}) {
+    torch::manual_seed(4);
+    stacks.push_back(std::make_shared<StackWithUnused>(depth, dim));
+    megaslide::offload::StackTrainerOptions options;
+    options.compute_dtype = at::kFloat;
+    options.grad_clip = 0.5;
+    options.grad_accum_steps = 2;
+    options.optimizer_threads = threads;
+    trainers.push_back(std::make_unique<megaslide::offload::StreamedStackTrainer>(stacks.back(), options));
+  }
+  torch::manual_seed(5);
+  const auto x = torch::randn({4, dim}), y = torch::randn({4, 1});
+  for (int k = 0; k < 2; ++k) {
+    std::vector<megaslide::offload::StackStepResult> r;
+    for (size_t t = 0; t < 2; ++t) {
+      auto prologue = [&] {
+        megaslide::offload::StackInput in;
+        in.hidden = x;
+        return in;
+      };
+      auto epilogue = [&](const torch::Tensor& h) { return torch::mse_loss(stacks[t]->head(h), y); };
+      r.push_back(trainers[t]->step(prologue, epilogue, 1e-3));
+    }
+    EXPECT_EQ(r[0].grad_norm, r[1].grad_norm) << "step " << k + 1;
+    EXPECT_GT(r[0].grad_norm, 0.5) << "step " << k + 1 << ": the clip must act";
+  }
+  for (auto& t : trainers) t->synchronize();
+  for (int64_t l = 0; l < depth; ++l)
+    EXPECT_TRUE(torch::equal(trainers[0]->store().master(l), trainers[1]->store().master(l))) << "block " << l;
+}
 
 TEST(StreamedStackTrainer, ParametersWithoutAGradientAreNotUpdated) {
   // torch::optim::AdamW skips a parameter whose gradient is undefined: no weight decay, no moment update.

@@ -70,8 +70,7 @@ class NvtxRange {
 // (libgomp) were measured to slow a 2-core machine's steps down several times over.
 template <typename Fn>
 void parallel_chunks(int64_t n, int threads, Fn&& fn) {
-  constexpr int64_t kMinChunk = int64_t{1} << 20;
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(threads, n / kMinChunk));
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(threads, n));
   if (chunks == 1) return fn(0, n, 0);
   std::vector<std::thread> pool;
   for (int64_t c = 1; c < chunks; ++c) pool.emplace_back([&, c] { fn(n * c / chunks, n * (c + 1) / chunks, c); });
@@ -114,19 +113,25 @@ double sum_of_squares(const at::Tensor& t, int64_t begin, int64_t end) {
   return sq;
 }
 
-// dst (fp32) = src or dst += src (src in the compute dtype); returns Σ dst² when `norm`.
+// dst (fp32) = src or dst += src (src in the compute dtype); returns Σ dst² when `norm`. The sum runs per piece of
+// kNormPiece elements, the pieces' sums added in order, whichever thread took a piece: the same bits for any
+// offload.optimizer_threads (the thread count used to cut the sum, so the clip scale differed between machines).
+constexpr int64_t kNormPiece = int64_t{1} << 20;
 double accumulate(const at::Tensor& dst, const at::Tensor& src, bool overwrite, bool norm, int threads) {
   float* out = dst.data_ptr<float>();
   const void* in = src.data_ptr();
-  std::vector<double> partial(static_cast<size_t>(std::max(threads, 1)), 0.0);
-  parallel_chunks(dst.numel(), threads, [&](int64_t begin, int64_t end, int64_t chunk) {
-    double sq = 0.0;
-    for (int64_t i = begin; i < end; ++i) {
-      const float v = overwrite ? element(src, in, i) : out[i] + element(src, in, i);
-      out[i] = v;
-      sq += static_cast<double>(v) * v;
+  const int64_t n = dst.numel(), pieces = std::max<int64_t>(1, (n + kNormPiece - 1) / kNormPiece);
+  std::vector<double> partial(static_cast<size_t>(pieces), 0.0);
+  parallel_chunks(pieces, threads, [&](int64_t first, int64_t last, int64_t) {
+    for (int64_t p = first; p < last; ++p) {
+      double sq = 0.0;
+      for (int64_t i = p * kNormPiece, end = std::min(n, (p + 1) * kNormPiece); i < end; ++i) {
+        const float v = overwrite ? element(src, in, i) : out[i] + element(src, in, i);
+        out[i] = v;
+        sq += static_cast<double>(v) * v;
+      }
+      partial[static_cast<size_t>(p)] = sq;
     }
-    partial[static_cast<size_t>(chunk)] = sq;
   });
   double total = 0.0;
   for (double p : partial) total += p;

@@ -464,13 +464,13 @@ void Communicator::exchange(const std::vector<std::pair<int64_t, at::Tensor>>& s
     for (const auto& [peer, t] : sends) {
       TORCH_CHECK(peer >= 0 && peer < world_size_ && peer != rank_, "Communicator::exchange: no peer ", peer);
       sent.push_back({staged(t) ? t.to(side).contiguous() : t.contiguous()});
-      works.push_back(impl_->group->send(sent.back(), static_cast<int>(peer), 0));
+      works.push_back(issue(gloo, [&] { return impl_->group->send(sent.back(), static_cast<int>(peer), 0); }));
     }
     for (const auto& [peer, t] : recvs) {
       TORCH_CHECK(peer >= 0 && peer < world_size_ && peer != rank_, "Communicator::exchange: no peer ", peer);
       TORCH_CHECK(t.is_contiguous(), "Communicator::exchange: a receive buffer must be contiguous");
       received.push_back({staged(t) ? at::empty(t.sizes(), t.options().device(side)) : t});
-      works.push_back(impl_->group->recv(received.back(), static_cast<int>(peer), 0));
+      works.push_back(issue(gloo, [&] { return impl_->group->recv(received.back(), static_cast<int>(peer), 0); }));
     }
     for (auto& w : works) w->wait();
     for (size_t i = 0; i < recvs.size(); ++i)

@@ -316,9 +316,24 @@ StepMetrics Trainer::resident_step(double lr, MicroBatchStats& stats, const Mode
 
 StepMetrics Trainer::streamed_step(double lr, MicroBatchStats& stats, const ModelPart* part, int64_t adam_step) {
   std::unique_ptr<offload::StepTrace> trace;
+  // A step that throws leaves the trace with the host tasks and the NVMe tier's I/O thread: they finish, and let
+  // it go, before it is freed (declared after `trace`, so destroyed first).
+  struct Detach {
+    offload::StreamedStackTrainer& engine;
+    bool attached = false;
+    ~Detach() {
+      if (!attached) return;
+      try {
+        engine.synchronize();
+      } catch (...) {  // the step's own exception is on its way
+      }
+      engine.set_trace(nullptr);
+    }
+  } detach{*engine_};
   if (!trace_path_.empty()) {
     trace = std::make_unique<offload::StepTrace>();
     engine_->set_trace(trace.get());
+    detach.attached = true;
   }
   offload::StepBlocks blocks;
   if (part) blocks = {part->first_block, part->end_block, adam_step};
@@ -327,8 +342,9 @@ StepMetrics Trainer::streamed_step(double lr, MicroBatchStats& stats, const Mode
                     [&](const at::Tensor& last_hidden) { return model_->epilogue(last_hidden); }, lr, blocks);
   if (trace) {
     engine_->synchronize();  // the step's host updates are in the trace
-    trace->write(trace_path_);
     engine_->set_trace(nullptr);
+    detach.attached = false;
+    trace->write(trace_path_);
     trace_path_.clear();
   }
   StepMetrics m;
