@@ -34,12 +34,10 @@ int main(int argc, char** argv) {
   return megaslide::tools::run_tool("megaslide-eval", [&] {
     megaslide::eval::FolderEvaluation evaluation;
     megaslide::tools::checking_input([&] {
-      if (!megaslide::io::is_directory(folder))
-        throw megaslide::io::IoError(
-            "DIR '" + folder + "': " + (megaslide::io::path_exists(folder) ? "is not a folder" : "no such folder"));
+      const auto sample =
+          megaslide::tools::checking_input([&] { return megaslide::io::find_sample_folder(folder); }, "DIR: ");
       // A bare folder of MP4s keeps its JSON in it, as before; a sample folder keeps it beside videos/.
-      if (json_path.empty())
-        json_path = megaslide::io::join_path(megaslide::io::find_sample_folder(folder).root, "eval.json");
+      if (json_path.empty()) json_path = megaslide::io::join_path(sample.root, "eval.json");
       megaslide::io::check_output_file(json_path, "--json");
       // Progress on stderr: one line, rewritten on a terminal; every tenth of the videos otherwise.
       const bool tty = ::isatty(STDERR_FILENO) == 1;

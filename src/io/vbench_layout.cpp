@@ -327,6 +327,8 @@ std::vector<SampleJob> plan_vbench_samples(const std::vector<std::string>& promp
 }
 
 SampleFolder find_sample_folder(const std::string& dir) {
+  if (!io::is_directory(dir))
+    throw io::IoError("'" + dir + "': " + (io::path_exists(dir) ? "is not a folder" : "no such folder"));
   const std::string videos = io::join_path(dir, kVideosFolder);
   if (io::is_directory(videos)) return {dir, videos, io::join_path(dir, "index.json")};
   std::string trimmed = dir;

@@ -93,7 +93,6 @@ char* StatePager::acquire(int64_t block, bool write, bool overwrite) {
   // Not in memory and not being read yet: its read becomes a zero fill.
   if (write && overwrite && (b.state == State::kDisk || b.state == State::kQueued)) b.discard = true;
   const auto start = Clock::now();
-  bool waited = false;
   struct Waiting {  // counted in b.waiters from the first wait until this acquire returns or throws
     Block& b;
     bool on = false;
@@ -107,7 +106,7 @@ char* StatePager::acquire(int64_t block, bool write, bool overwrite) {
       ++b.holders;
       b.dirty = b.dirty || write;
       b.expected = false;
-      if (waited) stats_.wait_s += seconds(start, Clock::now());
+      if (waiting.on) stats_.wait_s += seconds(start, Clock::now());
       return slot_memory_[b.slot].get();
     }
     if (!waiting.on) {
@@ -127,7 +126,6 @@ char* StatePager::acquire(int64_t block, bool write, bool overwrite) {
       }
       changed_.notify_all();
     }
-    waited = true;
     changed_.wait(lock);
   }
 }

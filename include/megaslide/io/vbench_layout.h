@@ -39,7 +39,8 @@ constexpr const char* kVideosFolder = "videos";
 
 // Where a sample folder's parts are, for a folder a user names: DIR in the layout above (`root` DIR,
 // `videos` DIR/videos), its videos folder (`root` the parent, when that holds index.json), or any
-// folder of MP4s (`root` and `videos` both DIR). `index` is root/index.json, which may not exist.
+// folder of MP4s (`root` and `videos` both DIR). `index` is root/index.json, which may not exist. A DIR that is
+// no folder is an IoError naming it.
 struct SampleFolder {
   std::string root, videos, index;
 };
