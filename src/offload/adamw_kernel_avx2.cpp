@@ -104,6 +104,19 @@ struct Avx2 {
     const __m128i x16 = _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
     store_bytes(dst, _mm_packus_epi16(x16, x16), k.live);
   }
+  // Four vectors: two 32-to-16 packs and one 16-to-8 pack leave the bytes in 4-byte groups ordered
+  // a0 b0 c0 d0 | a1 b1 c1 d1 by 128-bit lane; one dword permute puts them in order.
+  static __m256i order_x4(__m256i packed) {
+    return _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  }
+  static void store_i8_x4(int8_t* dst, I a, I b, I c, I d) {
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), order_x4(bytes));
+  }
+  static void store_u8_x4(uint8_t* dst, I a, I b, I c, I d) {
+    const __m256i bytes = _mm256_packus_epi16(_mm256_packus_epi32(a, b), _mm256_packus_epi32(c, d));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), order_x4(bytes));
+  }
   static void store_fence() { _mm_sfence(); }
 
   // --- 16-bit <-> fp32 ------------------------------------------------------------------------------
@@ -111,20 +124,32 @@ struct Avx2 {
   static F widen_bf16(H h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
   static F widen_fp16(H h) { return _mm256_cvtph_ps(h); }
 
-  // c10::BFloat16's rounding: nearest even by integer add, NaN -> 0x7FC0.
-  static H to_bf16(F x) {
+  // c10::BFloat16's rounding: nearest even by integer add; the bf16 is the top half of each 32-bit lane.
+  static __m256i round_bf16(F x) {
     const __m256i bits = _mm256_castps_si256(x);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
-    r = _mm256_srli_epi32(r, 16);
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-    return narrow_u32_to_u16(r);
+    return _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
   }
+  // The top halves gathered in order: a byte shuffle packs each 128-bit lane's four into its low 8 bytes,
+  // and a quadword permute joins the two (two instructions; a shift, an extract and a pack were three).
+  static H to_bf16_not_nan(F x) {
+    const __m256i top = _mm256_shuffle_epi8(
+        round_bf16(x), _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1, 2, 3, 6, 7, 10, 11,
+                                        14, 15, -1, -1, -1, -1, -1, -1, -1, -1));
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(top, 0b1000));
+  }
+  // The same with NaN -> 0x7FC0.
+  static H to_bf16(F x) {
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    const __m256i r = _mm256_srli_epi32(round_bf16(x), 16);
+    return narrow_u32_to_u16(_mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan));
+  }
+  static bool any_nan(F x) { return _mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)) != 0; }
 
   // Hardware nearest-even conversion; NaN lanes become c10's sign | 0x7E00.
+  static H to_fp16_not_nan(F x) { return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   static H to_fp16(F x) {
-    const __m128i h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m128i h = to_fp16_not_nan(x);
     const __m256i bits = _mm256_castps_si256(x);
     const __m256i canonical = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x8000)),
                                               _mm256_set1_epi32(0x7E00));

@@ -57,6 +57,13 @@ struct Avx512 {
   // The low byte of each int32 lane (the re-quantised codes are in range; the stream probe's may wrap).
   static void store_i8(int8_t* dst, I x, Mask k) { _mm_mask_storeu_epi8(dst, k, _mm512_cvtepi32_epi8(x)); }
   static void store_u8(uint8_t* dst, I x, Mask k) { _mm_mask_storeu_epi8(dst, k, _mm512_cvtepi32_epi8(x)); }
+  static void store_i8_x4(int8_t* dst, I a, I b, I c, I d) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(a));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(b));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 32), _mm512_cvtepi32_epi8(c));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 48), _mm512_cvtepi32_epi8(d));
+  }
+  static void store_u8_x4(uint8_t* dst, I a, I b, I c, I d) { store_i8_x4(reinterpret_cast<int8_t*>(dst), a, b, c, d); }
   static void store_fence() { _mm_sfence(); }
 
   // --- 16-bit <-> fp32 ------------------------------------------------------------------------------
@@ -67,20 +74,23 @@ struct Avx512 {
 
   // Round to nearest even with c10::BFloat16's integer trick (add 0x7FFF + lsb, keep the top half);
   // NaN becomes 0x7FC0 as in c10. Not vcvtneps2bf16: it flushes subnormal inputs to zero, c10 does not.
-  static H to_bf16(F x) {
+  static __m512i round_bf16(F x) {
     const __m512i bits = _mm512_castps_si512(x);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-    r = _mm512_srli_epi32(r, 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
-    return _mm512_cvtepi32_epi16(r);
+    return _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
   }
+  static H to_bf16_not_nan(F x) { return _mm512_cvtepi32_epi16(round_bf16(x)); }
+  static H to_bf16(F x) {
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(round_bf16(x), nan, _mm512_set1_epi32(0x7FC0)));
+  }
+  static bool any_nan(F x) { return _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q) != 0; }
 
   // IEEE nearest-even conversion in hardware; NaN lanes are rewritten to c10's sign | 0x7E00 (the
   // hardware keeps payload bits instead).
+  static H to_fp16_not_nan(F x) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   static H to_fp16(F x) {
-    const __m256i h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256i h = to_fp16_not_nan(x);
     const __m512i bits = _mm512_castps_si512(x);
     const __m512i canonical = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x8000)),
                                               _mm512_set1_epi32(0x7E00));

@@ -11,10 +11,13 @@
 //   load_f32 store_f32 load_u16 store_u16<kStream> load_i8 load_u8 store_i8 store_u8   (each with a Mask)
 //   load_aligned store_aligned   whole vectors of a vector-aligned float buffer
 //   widen_bf16 widen_fp16 to_bf16 to_fp16   exact widening; c10's rounding and NaN patterns
+//   to_bf16_not_nan to_fp16_not_nan   the same roundings for lanes known not to be NaN (no NaN fix-up)
+//   any_nan       whether any lane is NaN
 //   truncate_bf16   the top halves of fp32 lanes (the stream probe's copy)
 //   set1 zero add mul div fma sqrt min max abs   IEEE fp32 lane by lane; min and max as x86 has them (the
 //                 second operand where either is NaN), which decides what the int8 group maxima do with NaN
 //   round_to_i32 (nearest even) truncate_to_i32 at_least_one_where_positive max_lane first_lane store_fence
+//   store_i8_x4 store_u8_x4   four whole vectors of int32 lanes saturated to 4 * kLanes bytes
 //   kScalarProbeTail   whether the stream probe's last partial vector goes to stream_probe_scalar
 // The body performs the contract of adamw_kernels.h in its order, so every path gives the scalar kernel's
 // bits. Where the contract leaves bits open (NaN payloads, the int8 group maxima when a moment is NaN, probe
@@ -57,6 +60,9 @@ struct Constants {
 template <class Simd>
 struct Moments {
   typename Simd::F m, v, u;  // u = sqrt(v)
+  // Whether a lane of the new weight is NaN. A NaN m or v makes that lane's weight NaN (NaN propagates
+  // through the update), so where no weight lane is NaN no lane of m or v is either.
+  bool nan;
 };
 
 template <class Simd, GradType G>
@@ -69,10 +75,20 @@ MEGASLIDE_SIMD_INLINE typename Simd::F load_grad(const void* grad, int64_t i, ty
   }
 }
 
+// The rounding to 16 bits: c10's NaN patterns only where a lane may be NaN (the fix-up is a compare and a
+// blend per conversion, about a quarter of the AVX2 path's vector instructions with bf16 moments).
+template <class Simd>
+MEGASLIDE_SIMD_INLINE typename Simd::H to_bf16(typename Simd::F x, bool may_be_nan) {
+  return __builtin_expect(may_be_nan, 0) ? Simd::to_bf16(x) : Simd::to_bf16_not_nan(x);
+}
+
 template <class Simd, ComputeType C, bool kStream>
-MEGASLIDE_SIMD_INLINE void store_compute(void* compute, int64_t i, typename Simd::F w, typename Simd::Mask k) {
+MEGASLIDE_SIMD_INLINE void store_compute(void* compute, int64_t i, typename Simd::F w, typename Simd::Mask k,
+                                         bool may_be_nan) {
   if constexpr (C != ComputeType::kNone) {
-    const typename Simd::H h = C == ComputeType::kBFloat16 ? Simd::to_bf16(w) : Simd::to_fp16(w);
+    const typename Simd::H h = C == ComputeType::kBFloat16       ? to_bf16<Simd>(w, may_be_nan)
+                               : __builtin_expect(may_be_nan, 0) ? Simd::to_fp16(w)
+                                                                 : Simd::to_fp16_not_nan(w);
     Simd::template store_u16<kStream>(static_cast<uint16_t*>(compute) + i, h, k);
   }
 }
@@ -97,11 +113,12 @@ MEGASLIDE_SIMD_INLINE typename Simd::F load_state(const void* state, int64_t i, 
 }
 
 template <class Simd, StateType S>
-MEGASLIDE_SIMD_INLINE void store_state(void* state, int64_t i, typename Simd::F x, typename Simd::Mask k) {
+MEGASLIDE_SIMD_INLINE void store_state(void* state, int64_t i, typename Simd::F x, typename Simd::Mask k,
+                                       bool may_be_nan) {
   if constexpr (S == StateType::kFloat32) {
     Simd::store_f32(static_cast<float*>(state) + i, x, k);
   } else {
-    Simd::template store_u16<false>(static_cast<uint16_t*>(state) + i, Simd::to_bf16(x), k);
+    Simd::template store_u16<false>(static_cast<uint16_t*>(state) + i, to_bf16<Simd>(x, may_be_nan), k);
   }
 }
 
@@ -121,15 +138,17 @@ MEGASLIDE_SIMD_INLINE Moments<Simd> adamw_core(const AdamWKernelParams& p, const
   const F d = Simd::add(Simd::div(u, c.sqrt_bc2), c.eps);
   w = Simd::add(w, Simd::div(Simd::mul(c.neg_step_size, m), d));
   Simd::store_f32(p.master + i, w, k);
-  store_compute<Simd, C, kStream>(p.compute, i, w, k);
-  return {m, v, u};
+  const bool nan = Simd::any_nan(w);
+  store_compute<Simd, C, kStream>(p.compute, i, w, k, nan);
+  return {m, v, u, nan};
 }
 
 // Software prefetch of the arrays kPrefetchElements ahead of element i, one request per 64-byte line.
 constexpr int64_t kPrefetchElements = 1024;
 template <class Simd, GradType G, StateType S>
 MEGASLIDE_SIMD_INLINE void prefetch_ahead(const AdamWKernelParams& p, int64_t i) {
-  const int64_t j = i + kPrefetchElements;
+  // Unsigned, so that each j % n below is a mask, not a signed remainder's six instructions.
+  const uint64_t j = static_cast<uint64_t>(i + kPrefetchElements);
   if (j % 16 < Simd::kLanes) __builtin_prefetch(p.master + j, 1, 3);
   if (j % 32 < Simd::kLanes) {
     if constexpr (G != GradType::kFloat32) __builtin_prefetch(static_cast<const uint16_t*>(p.grad) + j, 0, 3);
@@ -155,8 +174,8 @@ MEGASLIDE_SIMD_INLINE void adamw_vector(const AdamWKernelParams& p, const Consta
                                         typename Simd::Mask k) {
   const Moments<Simd> r = adamw_core<Simd, G, C, kStream>(p, c, i, k, load_state<Simd, S>(p.exp_avg, i, k),
                                                           load_state<Simd, S>(p.exp_avg_sq, i, k));
-  store_state<Simd, S>(p.exp_avg, i, r.m, k);
-  store_state<Simd, S>(p.exp_avg_sq, i, r.v, k);
+  store_state<Simd, S>(p.exp_avg, i, r.m, k, r.nan);
+  store_state<Simd, S>(p.exp_avg_sq, i, r.v, k, r.nan);
 }
 
 // x * inv rounded to nearest even, clamped to [lo, hi], as int32.
@@ -199,14 +218,21 @@ inline void adamw_int8_group(const AdamWKernelParams& p, const Constants<Simd>& 
   const F u_inv = Simd::set1(u_amax > 0.f ? 255.f / u_amax : 0.f);
   const F m_lo = Simd::set1(-127.f), m_hi = Simd::set1(127.f);
   const F u_lo = Simd::zero(), u_hi = Simd::set1(255.f);
-  const auto requantise = [&](int64_t k, typename Simd::Mask live) {
-    const typename Simd::I mq = quantise<Simd>(Simd::load_aligned(m_new + k), m_inv, m_lo, m_hi);
+  const auto m_code = [&](int64_t k) { return quantise<Simd>(Simd::load_aligned(m_new + k), m_inv, m_lo, m_hi); };
+  const auto u_code = [&](int64_t k) {
     const F u = Simd::load_aligned(u_new + k);
-    const typename Simd::I uq = Simd::at_least_one_where_positive(quantise<Simd>(u, u_inv, u_lo, u_hi), u);
-    Simd::store_i8(m_codes + k, mq, live);
-    Simd::store_u8(u_codes + k, uq, live);
+    return Simd::at_least_one_where_positive(quantise<Simd>(u, u_inv, u_lo, u_hi), u);
   };
-  for (j = 0; j + kLanes <= n; j += kLanes) requantise(j, Simd::all());
+  const auto requantise = [&](int64_t k, typename Simd::Mask live) {
+    Simd::store_i8(m_codes + k, m_code(k), live);
+    Simd::store_u8(u_codes + k, u_code(k), live);
+  };
+  // Four vectors at a time where the group has them: their codes narrow and store together.
+  for (j = 0; j + 4 * kLanes <= n; j += 4 * kLanes) {
+    Simd::store_i8_x4(m_codes + j, m_code(j), m_code(j + kLanes), m_code(j + 2 * kLanes), m_code(j + 3 * kLanes));
+    Simd::store_u8_x4(u_codes + j, u_code(j), u_code(j + kLanes), u_code(j + 2 * kLanes), u_code(j + 3 * kLanes));
+  }
+  for (; j + kLanes <= n; j += kLanes) requantise(j, Simd::all());
   if (j < n) requantise(j, Simd::first(n - j));
   p.exp_avg_scale[q] = m_amax / 127.f;
   p.exp_avg_sq_scale[q] = u_amax / 255.f;
