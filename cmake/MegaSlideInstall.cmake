@@ -12,6 +12,10 @@ install(TARGETS megaslide EXPORT MegaSlideTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR}
         INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+# umT5's tokenizer opens SentencePiece's module from libmegaslide's own folder.
+if(TARGET megaslide_sentencepiece)
+  install(TARGETS megaslide_sentencepiece LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
+endif()
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/megaslide DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 install(EXPORT MegaSlideTargets NAMESPACE MegaSlide:: DESTINATION ${MEGASLIDE_CMAKE_INSTALL_DIR})
 

@@ -7,6 +7,7 @@
 // (tests/fixtures/umt5*, tools/make_fixtures.py); bad files named in the errors; the real tokenizer when
 // MEGASLIDE_UMT5_TOKENIZER points at one.
 #include <gtest/gtest.h>
+#include <c10/util/Logging.h>  // FLAGS_caffe2_use_fatal_for_enforce
 #include <nlohmann/json.hpp>
 #include <unistd.h>
 
@@ -171,6 +172,24 @@ TEST(Umt5Tokenizer, ByteFallbackModelGivesTransformersIds) {
 TEST(Umt5Tokenizer, RandomTextOfTheByteFallbackModelIsTransformers) {
   const auto tokenizer = Umt5Tokenizer::from_file(kFixtures + "umt5_bytefallback/spiece.model");
   EXPECT_EQ(texts_with_other_ids(tokenizer, kFixtures + "umt5_bytefallback/random.safetensors", 600), 0) << "of 600";
+}
+
+// SentencePiece runs in a module of its own (model/sentencepiece_module.h): with the tokenizer loaded and used,
+// LibTorch's flags are as LibTorch set them, so a failed CAFFE_ENFORCE — here a CPU allocation of a petabyte —
+// throws c10::Error (linked into the process, SentencePiece's absl flag had set
+// FLAGS_caffe2_use_fatal_for_enforce and the allocation aborted the process). The library itself no longer
+// needs libsentencepiece.
+TEST(Umt5Tokenizer, SentencePieceLeavesLibTorchsFlagsAlone) {
+  EXPECT_FALSE(FLAGS_caffe2_use_fatal_for_enforce) << "before any tokenizer";
+  const auto tokenizer = Umt5Tokenizer::from_file(kFixtures + "umt5_tokenizer/spiece.model");
+  EXPECT_GT(tokenizer.encode_text("a red fox in the snow").size(), 0u);
+  EXPECT_FALSE(FLAGS_caffe2_use_fatal_for_enforce) << "after loading SentencePiece";
+  EXPECT_THROW(torch::empty({int64_t{1} << 48}, torch::kFloat32), c10::Error);
+  std::ifstream maps("/proc/self/maps");
+  std::string line, libraries;
+  while (std::getline(maps, line))
+    if (line.find("libsentencepiece") != std::string::npos) libraries += line + "\n";
+  EXPECT_NE(libraries.find("libsentencepiece"), std::string::npos) << "the module brought SentencePiece in";
 }
 
 // Where several segmentations have the same total score (pieces of one root — "a", "aa", "aaa" — in

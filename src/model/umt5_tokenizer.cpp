@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <iterator>
+#include <stdexcept>
 #include <string_view>
 #include <unordered_map>
 
@@ -13,7 +14,12 @@
 #include "megaslide/model/ftfy.h"
 
 #ifdef MEGASLIDE_WITH_SENTENCEPIECE
-#include <sentencepiece_processor.h>
+#include <dlfcn.h>
+
+#include <memory>
+#include <mutex>
+
+#include "model/sentencepiece_module.h"
 #endif
 
 namespace megaslide {
@@ -253,8 +259,41 @@ std::string wan_clean(const std::string& prompt) {
 
 #ifdef MEGASLIDE_WITH_SENTENCEPIECE
 
+namespace {
+
+// libmegaslide_sentencepiece.so (model/sentencepiece_module.h says why SentencePiece is not linked), from the
+// folder of the library this code is in, opened once; its loader, or an error that says what failed.
+detail::LoadSentencePieceModel sentencepiece_loader() {
+  static std::once_flag once;
+  static detail::LoadSentencePieceModel load = nullptr;
+  static std::string problem;
+  std::call_once(once, [] {
+    Dl_info self{};
+    std::string path = detail::kSentencePieceModuleFile;
+    if (dladdr(reinterpret_cast<void*>(&umt5_tokenizer_supported), &self) != 0 && self.dli_fname != nullptr) {
+      const std::string library = self.dli_fname;
+      const auto slash = library.rfind('/');
+      if (slash != std::string::npos) path = library.substr(0, slash + 1) + path;
+    }
+    void* module = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND);
+    if (module == nullptr) {
+      const char* why = dlerror();
+      problem = "cannot open SentencePiece's module " + path + ": " + (why != nullptr ? why : "unknown error");
+      return;
+    }
+    load = reinterpret_cast<detail::LoadSentencePieceModel>(dlsym(module, detail::kLoadSentencePieceModel));
+    if (load == nullptr) problem = path + " has no " + detail::kLoadSentencePieceModel;
+  });
+  if (load == nullptr) throw std::runtime_error("umT5 tokenizer: " + problem);
+  return load;
+}
+
+}  // namespace
+
 struct Umt5Tokenizer::Impl {
-  sentencepiece::SentencePieceProcessor sp;
+  std::unique_ptr<detail::SentencePieceModel> model;
+  const detail::SentencePieceModel& sp;
+  explicit Impl(std::unique_ptr<detail::SentencePieceModel> m) : model(std::move(m)), sp(*model) {}
   // The pieces the unigram search may use (not control, unknown or unused pieces): text → (id, score).
   // Byte pieces are searched by their text ("<0x41>"), as transformers' unigram model (built without byte
   // fallback) matches them in written-out text.
@@ -366,9 +405,10 @@ Umt5Tokenizer Umt5Tokenizer::from_file(const std::string& path) {
 }
 
 Umt5Tokenizer Umt5Tokenizer::from_bytes(const std::string& serialized, const std::string& source) {
-  auto impl = std::make_unique<Impl>();
-  const auto status = impl->sp.LoadFromSerializedProto(serialized);
-  if (!status.ok()) fail(source, "not a SentencePiece model: " + status.ToString());
+  std::string error;
+  std::unique_ptr<detail::SentencePieceModel> model(sentencepiece_loader()(serialized, error));
+  if (model == nullptr) fail(source, "not a SentencePiece model: " + error);
+  auto impl = std::make_unique<Impl>(std::move(model));
   impl = checked(std::move(impl), source);
   impl->index();
   return Umt5Tokenizer(std::move(impl), source);
@@ -384,11 +424,12 @@ std::vector<int64_t> Umt5Tokenizer::encode_text(const std::string& text) const {
   // ones one <unk>), so the bytes go back into the run as the character they spell and are segmented there.
   auto piece_ids = [&](const std::string& part) {
     if (part.empty()) return;
-    sentencepiece::ImmutableSentencePieceText text;
+    std::vector<std::pair<int, std::string>> pieces;
     bool meta_first = false;
     size_t meta_last = 0;
-    const auto status = impl_->sp.Encode(as_transformers_words(part, meta_first, meta_last), text.mutable_proto());
-    if (!status.ok()) fail(source_, "cannot encode text: " + status.ToString());
+    std::string error;
+    if (!impl_->sp.Encode(as_transformers_words(part, meta_first, meta_last), pieces, error))
+      fail(source_, "cannot encode text: " + error);
     std::string run;
     // A first word that starts with "▁" keeps that one (transformers adds none before it): the dummy
     // prefix SentencePiece put before it goes. The "▁" that end the text come back at its end.
@@ -401,14 +442,14 @@ std::vector<int64_t> Umt5Tokenizer::encode_text(const std::string& text) const {
       impl_->segment_run(run, out);
       run.clear();
     };
-    for (const auto& p : text.pieces()) {
-      const auto id = static_cast<size_t>(p.id());
-      if (impl_->sp.IsByte(static_cast<int>(id))) {
-        run += static_cast<char>(std::stoi(p.piece().substr(3, 2), nullptr, 16));  // "<0xHH>"
+    for (const auto& [piece_id, piece] : pieces) {
+      const auto id = static_cast<size_t>(piece_id);
+      if (impl_->sp.IsByte(piece_id)) {
+        run += static_cast<char>(std::stoi(piece.substr(3, 2), nullptr, 16));  // "<0xHH>"
         continue;
       }
       if (id < impl_->searchable.size() && impl_->searchable[id]) {
-        run += p.piece();
+        run += piece;
         continue;
       }
       flush(false);
