@@ -31,6 +31,8 @@
 #include "megaslide/model/wan.h"
 #include "megaslide/train/auto_settings.h"
 #include "megaslide/train/trainer.h"
+#include "megaslide/util/cpu_tensor_cache.h"
+#include "megaslide/util/numbers.h"
 
 namespace {
 
@@ -102,6 +104,8 @@ Row run_trainer(const std::string& name, megaslide::RunConfig config, int warmup
 }  // namespace
 
 int run(int argc, char** argv) {
+  // As the megaslide-* tools do, for every row alike (docs/benchmarks.md: diffusers' process has no such cache).
+  const int64_t tensor_cache = megaslide::util::install_cpu_tensor_cache_from_environment();
   int layers = 2, frames = 2, height = 16, width = 16, text_tokens = 64, steps = 5, warmup = 2;
   std::string rows_flag = "reference,resident,streamed-fp32,streamed-auto";
   std::vector<std::string> overrides;
@@ -188,7 +192,9 @@ offload: {{enabled: false, compute_dtype: fp32}}
   std::printf("Wan DiT, dim 1536, %d block(s), latents 16 x %d x %d x %d (%d tokens), %d text tokens; %s\n", layers,
               frames, height, width, frames * (height / 2) * (width / 2), text_tokens, threads.describe().c_str());
   std::printf("auto compute dtype here: %s (%s)\n", auto_dtype.dtype.c_str(), auto_dtype.reason.c_str());
-  std::printf("median of %d steps after %d warm-up steps\n\n", steps, warmup);
+  std::printf("median of %d steps after %d warm-up steps; CPU tensor cache %s\n\n", steps, warmup,
+              tensor_cache > 0 ? ("cap " + megaslide::human_bytes(static_cast<double>(tensor_cache))).c_str()
+                               : "off (MEGASLIDE_CPU_TENSOR_CACHE)");
 
   // The anchor first and again last.
   if (!rows.empty() && rows.front() == "reference") rows.push_back("reference");
@@ -210,9 +216,10 @@ offload: {{enabled: false, compute_dtype: fp32}}
   }
 
   const double anchor = !results.empty() && results.front().name == "reference" ? results.front().step_s : 0.0;
-  std::string json =
-      fmt::format("{{\"bench\":\"wan_step\",\"layers\":{},\"tokens\":{},\"text_tokens\":{},\"threads\":{}", layers,
-                  frames * (height / 2) * (width / 2), text_tokens, threads.intra_op);
+  std::string json = fmt::format(
+      "{{\"bench\":\"wan_step\",\"layers\":{},\"tokens\":{},\"text_tokens\":{},\"threads\":{},\"cpu_tensor_cache_"
+      "bytes\":{}",
+      layers, frames * (height / 2) * (width / 2), text_tokens, threads.intra_op, tensor_cache);
   if (anchor > 0) {
     std::printf("\nstep time / the reference's (first run; below 1 is faster):\n");
     for (size_t i = 1; i < results.size(); ++i)

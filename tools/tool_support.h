@@ -14,6 +14,7 @@
 #include <string>
 #include <utility>
 
+#include "megaslide/util/cpu_tensor_cache.h"
 #include "megaslide/util/errors.h"
 #include "megaslide/util/numbers.h"
 
@@ -37,13 +38,16 @@ inline std::optional<int> parse_flags(CLI::App& app, int argc, char** argv) {
   }
 }
 
-// A tool's work after its flags: returns what `body` returns, or turns what it throws into one line on
+// A tool's work after its flags, with LibTorch's CPU allocator behind the cache of large blocks that
+// MEGASLIDE_CPU_TENSOR_CACHE sets (util/cpu_tensor_cache.h; a bad value is bad input): returns what `body`
+// returns, or turns what it throws into one line on
 // stderr, "NAME: message" (without LibTorch's stack trace), and the exit code: 2 for bad input (an
 // InputError: a config, a flag, a checkpoint, a dataset, a weights file; nothing was written), 1 for any
 // other failure, with what to change when it was out of memory (`oom_hint`, a sentence).
 template <typename Body>
 int run_tool(const std::string& name, Body&& body, const std::string& oom_hint = "") {
   try {
+    util::install_cpu_tensor_cache_from_environment();
     return std::forward<Body>(body)();
   } catch (const std::exception& e) {
     const bool oom = is_out_of_memory(e);
