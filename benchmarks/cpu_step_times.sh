@@ -35,7 +35,7 @@ mkdir -p "$out/bin" "$out/lib"
 : > "$out/results.jsonl"
 # A copy of the program and the library, so that a rebuild during this long run changes nothing measured.
 cp "$build/bin/megaslide-train" "$out/bin/msl-train"
-cp -P "$build"/lib/libmegaslide.so* "$out/lib/"
+cp -P "$build"/lib/libmegaslide*.so* "$out/lib/"  # the library and its SentencePiece module
 train=$out/bin/msl-train
 export LD_LIBRARY_PATH=$out/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 

@@ -1,6 +1,6 @@
 // The protobuf wire encoding of the TensorBoard event messages io/event_file.h writes and reads
 // (src/io/tensorboard_event.proto names their fields: TensorFlow's field numbers), written out here
-// instead of through a protobuf library: Debian's libsentencepiece, which the umT5 tokenizer links,
+// instead of through a protobuf library: Debian's libsentencepiece, which the umT5 tokenizer loads,
 // carries and exports its own protobuf 3.14 runtime, and a process that also loads Debian's libprotobuf
 // 3.21 aborts in sentencepiece's version check (measured: every Umt5Tokenizer test). These messages
 // need six wire operations. tests/event_protobuf/test_event_protobuf.cpp checks this encoder and decoder against the

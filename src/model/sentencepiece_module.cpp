@@ -36,6 +36,10 @@ class Model final : public SentencePieceModel {
 }  // namespace
 }  // namespace megaslide::detail
 
+extern "C" __attribute__((visibility("default"))) const char* megaslide_sentencepiece_abi() {
+  return megaslide::detail::sentencepiece_abi_tag();
+}
+
 extern "C" __attribute__((visibility("default"))) megaslide::detail::SentencePieceModel*
 megaslide_load_sentencepiece_model(const std::string& serialized, std::string& error) {
   auto model = std::make_unique<megaslide::detail::Model>();

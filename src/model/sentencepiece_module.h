@@ -12,7 +12,9 @@
 // RTLD_LOCAL nothing else binds to theirs.
 //
 // The module and the library are built from one tree with one compiler, so the interface may pass
-// std::string and std::vector.
+// std::string and std::vector (an ABI tag checked at load makes sure). Not for sanitizer builds: AddressSanitizer
+// refuses RTLD_DEEPBIND. And a program that links libsentencepiece itself brings the clash back: the module then
+// shares that already-loaded copy.
 #pragma once
 
 #include <string>
@@ -37,8 +39,20 @@ class SentencePieceModel {
                       std::string& error) const = 0;
 };
 
-// The module's one exported function (looked up by this name): a model from a serialized ModelProto, or
-// nullptr with SentencePiece's message in `error`. The caller owns the model (delete it).
+// What both sides must agree on to pass std::string and std::vector: the library's ABI tag must equal the
+// module's (exported as kSentencePieceModuleAbi, a function returning it), checked when the module opens.
+inline constexpr const char* kSentencePieceModuleAbi = "megaslide_sentencepiece_abi";
+inline const char* sentencepiece_abi_tag() {
+#if defined(_GLIBCXX_USE_CXX11_ABI) && _GLIBCXX_USE_CXX11_ABI
+  return "interface 1, libstdc++ C++11 ABI";
+#else
+  return "interface 1, libstdc++ old ABI";
+#endif
+}
+using SentencePieceAbi = const char* (*)();
+
+// The module's loader (looked up by this name): a model from a serialized ModelProto, or nullptr with
+// SentencePiece's message in `error`. The caller owns the model (delete it).
 using LoadSentencePieceModel = SentencePieceModel* (*)(const std::string& serialized, std::string& error);
 inline constexpr const char* kLoadSentencePieceModel = "megaslide_load_sentencepiece_model";
 inline constexpr const char* kSentencePieceModuleFile = "libmegaslide_sentencepiece.so";

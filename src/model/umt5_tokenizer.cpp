@@ -270,7 +270,8 @@ detail::LoadSentencePieceModel sentencepiece_loader() {
   std::call_once(once, [] {
     Dl_info self{};
     std::string path = detail::kSentencePieceModuleFile;
-    if (dladdr(reinterpret_cast<void*>(&umt5_tokenizer_supported), &self) != 0 && self.dli_fname != nullptr) {
+    // An address in this library that no other object can interpose: this function's own.
+    if (dladdr(reinterpret_cast<void*>(&sentencepiece_loader), &self) != 0 && self.dli_fname != nullptr) {
       const std::string library = self.dli_fname;
       const auto slash = library.rfind('/');
       if (slash != std::string::npos) path = library.substr(0, slash + 1) + path;
@@ -279,6 +280,12 @@ detail::LoadSentencePieceModel sentencepiece_loader() {
     if (module == nullptr) {
       const char* why = dlerror();
       problem = "cannot open SentencePiece's module " + path + ": " + (why != nullptr ? why : "unknown error");
+      return;
+    }
+    const auto abi = reinterpret_cast<detail::SentencePieceAbi>(dlsym(module, detail::kSentencePieceModuleAbi));
+    if (abi == nullptr || std::string(abi()) != detail::sentencepiece_abi_tag()) {
+      problem = path + " was built for another C++ ABI (" + (abi != nullptr ? abi() : "no tag") + ", this library " +
+                detail::sentencepiece_abi_tag() + ")";
       return;
     }
     load = reinterpret_cast<detail::LoadSentencePieceModel>(dlsym(module, detail::kLoadSentencePieceModel));

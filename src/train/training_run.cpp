@@ -20,6 +20,8 @@
 #include "megaslide/train/run_outputs.h"
 #include "megaslide/train/trainer.h"
 #include "megaslide/util/build_info.h"
+#include "megaslide/util/cpu_resources.h"
+#include "megaslide/util/cpu_tensor_cache.h"
 #include "megaslide/util/device.h"
 #include "megaslide/util/errors.h"
 #include "megaslide/util/numbers.h"
@@ -51,21 +53,7 @@ class RankLog {
 
 }  // namespace
 
-int64_t this_machine_memory_bytes() {
-  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
-  int64_t bytes = pages > 0 && page > 0 ? static_cast<int64_t>(pages) * page : 0;
-  // A container's memory limit (cgroup v2, then v1) when it is lower than the machine's.
-  for (const char* limit_file : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
-    try {
-      const std::string text = io::read_input_file(limit_file, 64);
-      const int64_t limit = parse_integer(text.substr(0, text.find_first_of(" \n")), "bytes");
-      if (limit > 0 && (bytes == 0 || limit < bytes)) bytes = limit;
-    } catch (const std::exception&) {
-      // "max", absent or unreadable: no limit from there.
-    }
-  }
-  return bytes;
-}
+int64_t this_machine_memory_bytes() { return available_memory_bytes(); }
 
 std::string memory_shortfall(const RunConfig& config, int64_t available_bytes, bool state_in_host_memory,
                              int64_t state_shards) {
@@ -362,6 +350,11 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   }
   for (const auto& w : family_warnings) log.warn(w);
   log.info(plan_threads(config, trainer.device()).describe());
+  if (const auto cache = util::cpu_tensor_cache_stats())
+    log.info(fmt::format("CPU tensor cache: spare blocks of {} and more kept up to {} (MEGASLIDE_CPU_TENSOR_CACHE)",
+                         human_bytes(static_cast<double>(cache->min_block_bytes)),
+                         human_bytes(static_cast<double>(cache->cap_bytes))));
+  else log.info("CPU tensor cache: none (MEGASLIDE_CPU_TENSOR_CACHE=off, or a program that installs none)");
   if (!options.trace_path.empty() && !trainer.streams())
     log.warn("--trace records a streamed trainer only (offload.enabled: true); ignored");
   if (options.export_layout != WanWeightsLayout::kDiffusers &&

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 #include <sched.h>
+#include <unistd.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #endif
@@ -47,6 +48,28 @@ bool read_text(const std::string& path, std::string& text) {
   text = s.str();
   return true;
 }
+
+}  // namespace
+
+int64_t available_memory_bytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  int64_t bytes = pages > 0 && page > 0 ? static_cast<int64_t>(pages) * page : 0;
+  // A container's memory limit (cgroup v2, then v1) when it is lower than the machine's; "max", an absent or
+  // unreadable file sets none.
+  for (const char* limit_file : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    std::string text;
+    if (!read_text(limit_file, text)) continue;
+    text = text.substr(0, text.find_first_of(" \n"));
+    char* end = nullptr;
+    errno = 0;
+    const long long limit = std::strtoll(text.c_str(), &end, 10);
+    if (errno != 0 || text.empty() || end != text.c_str() + text.size() || limit <= 0) continue;
+    if (bytes == 0 || limit < bytes) bytes = limit;
+  }
+  return bytes;
+}
+
+namespace {
 
 bool parse_positive(const std::string& word, double& value) {
   if (word.empty()) return false;

@@ -1,5 +1,6 @@
 #include "megaslide/util/cpu_tensor_cache.h"
 
+#include "megaslide/util/cpu_resources.h"
 #include "megaslide/util/numbers.h"
 
 #include <c10/core/Allocator.h>
@@ -9,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <limits>
 #include <map>
 #include <string>
 #include <mutex>
@@ -27,6 +29,8 @@ class CpuTensorCache final : public c10::Allocator {
       : base_(base), cap_(cap), min_block_(min_block) {}
 
   c10::DataPtr allocate(size_t n) override {
+    TORCH_CHECK(n <= std::numeric_limits<size_t>::max() - kHeader - kGranule, "CPU allocation of ", n,
+                " bytes: beyond what any machine holds");
     const size_t want = n + kHeader;
     const bool large = want >= static_cast<size_t>(min_block_);
     const size_t bytes = large ? (want + kGranule - 1) / kGranule * kGranule : want;
@@ -49,7 +53,7 @@ class CpuTensorCache final : public c10::Allocator {
       inner = base_->allocate(bytes);  // once more with the spare blocks returned
     }
     auto* block = static_cast<char*>(inner.get());
-    if (block == nullptr) return inner;  // zero bytes: the base's null pointer, no header
+    if (block == nullptr) return inner;  // not reached: every request asks the base for at least the header
     auto* header = reinterpret_cast<Header*>(block);
     header->bytes = large ? bytes : 0;
     header->context = inner.get_context();
@@ -150,9 +154,8 @@ std::mutex& install_mutex() {
 }  // namespace
 
 int64_t default_cpu_tensor_cache_cap() {
-  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
-  const int64_t physical = pages > 0 && page > 0 ? static_cast<int64_t>(pages) * page : int64_t{8} << 30;
-  return std::min<int64_t>(physical / 8, int64_t{16} << 30);
+  const int64_t memory = available_memory_bytes();  // the container's limit where it has one
+  return std::min<int64_t>((memory > 0 ? memory : int64_t{8} << 30) / 8, int64_t{16} << 30);
 }
 
 bool install_cpu_tensor_cache(int64_t cap_bytes, int64_t min_block_bytes) {
@@ -198,7 +201,8 @@ int64_t cpu_tensor_cache_cap_from_environment() {
 
 int64_t install_cpu_tensor_cache_from_environment() {
   const int64_t cap = cpu_tensor_cache_cap_from_environment();
-  if (cap > 0) install_cpu_tensor_cache(cap);
+  if (cap < kDefaultMinBlock) return 0;  // it could keep no block
+  install_cpu_tensor_cache(cap);
   return cap;
 }
 

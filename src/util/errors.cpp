@@ -27,7 +27,9 @@ bool is_out_of_memory(const std::exception& e) {
   if (dynamic_cast<const std::bad_alloc*>(&e) != nullptr || dynamic_cast<const c10::OutOfMemoryError*>(&e) != nullptr)
     return true;
   const std::string m = error_message(e);
-  return m.find("not enough memory") != std::string::npos || m.find("out of memory") != std::string::npos;
+  // LibTorch's CPU allocator says "not enough memory" or "can't allocate memory" (its posix_memalign path).
+  return m.find("not enough memory") != std::string::npos || m.find("out of memory") != std::string::npos ||
+         m.find("can't allocate memory") != std::string::npos;
 }
 
 }  // namespace megaslide

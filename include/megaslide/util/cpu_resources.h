@@ -7,6 +7,8 @@
 //                       run in oneDNN, which the environment variable ONEDNN_MAX_CPU_ISA (or the older
 //                       DNNL_MAX_CPU_ISA) can cap below these instructions. Without native bf16, oneDNN
 //                       emulates bf16 products far more slowly than it runs fp32 ones (docs/training.md).
+//   available_memory_bytes()  the host's physical memory, or its container's memory limit (cgroup v2
+//                       memory.max, then v1 memory.limit_in_bytes) where that is lower; 0 when unknown.
 //   available_cores()   the CPUs this process may run on: the CPUs in its affinity mask
 //                       (sched_getaffinity), capped by the CPU-time quota of its cgroup and every ancestor
 //                       (cgroup v2 cpu.max; cgroup v1 cpu.cfs_quota_us / cpu.cfs_period_us), rounded up.
@@ -20,6 +22,7 @@
 // environment and /proc, /sys afresh.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 namespace megaslide {
@@ -54,6 +57,7 @@ struct CoreCount {
 
 // This process, now.
 CoreCount available_cores();
+int64_t available_memory_bytes();
 // The cgroup quota part, from given files: `proc_self_cgroup` is the text of /proc/self/cgroup and
 // `cgroup_root` the folder the cgroup file systems are mounted under ("/sys/fs/cgroup"). Walks from the
 // process's cgroup up to the mount's root and keeps the smallest quota; a file that is missing or does

@@ -15,7 +15,8 @@
 // util::cpu_memory_counter (and for the same reason never removed). Install it before the counter when both
 // are wanted: the counter then counts live tensors, not the cache's spare blocks. Every allocation made
 // through it carries 64 bytes in front of its data (its size class and the base allocator's deleter), so
-// pointers stay "simple" (context == data) and 64-byte aligned.
+// pointers stay "simple" (context == data) and 64-byte aligned. (As with the counter, memory taken with
+// raw_allocate before the install must not be given back with raw_deallocate after it.)
 //
 // The megaslide-* tools install it before their work (tools/tool_support.h: run_tool), with the cap that
 // MEGASLIDE_CPU_TENSOR_CACHE sets (below); a program using the library installs it itself if it wants it.
@@ -37,11 +38,14 @@ struct CpuTensorCacheStats {
   int64_t misses = 0;           // large allocations the base allocator served
 };
 
-// A cap from the machine: an eighth of its physical memory, at most 16 GiB.
+// A cap from the machine: an eighth of its memory (util::available_memory_bytes: the container's limit where
+// that is lower), at most 16 GiB.
 int64_t default_cpu_tensor_cache_cap();
 
+inline constexpr int64_t kDefaultMinBlock = int64_t{8} << 20;
+
 // Installs the cache; true the first time, false (changing nothing) once one is installed.
-bool install_cpu_tensor_cache(int64_t cap_bytes, int64_t min_block_bytes = int64_t{8} << 20);
+bool install_cpu_tensor_cache(int64_t cap_bytes, int64_t min_block_bytes = kDefaultMinBlock);
 
 // The installed cache's figures; nullopt when none is installed.
 std::optional<CpuTensorCacheStats> cpu_tensor_cache_stats();
@@ -53,8 +57,8 @@ void trim_cpu_tensor_cache();
 // "off" or "0" -> 0 (no cache); a whole number N -> N MiB. Throws NumberError naming the variable otherwise.
 int64_t cpu_tensor_cache_cap_from_environment();
 
-// What every megaslide-* tool does first: installs the cache with the environment's cap unless that is 0.
-// Returns the cap (0: none installed by this call).
+// What every megaslide-* tool does first: installs the cache with the environment's cap unless that is below
+// kDefaultMinBlock (such a cache could keep no block). Returns the cap (0: none installed by this call).
 int64_t install_cpu_tensor_cache_from_environment();
 
 }  // namespace megaslide::util
