@@ -166,6 +166,14 @@ TEST(MegaslideEncode, WanVaeEncodeAndDecodeWriteDiffusersOutputs) {
     EXPECT_NE(b.output.find(needle), std::string::npos) << "expected '" << needle << "' in:\n" << b.output;
     EXPECT_FALSE(megaslide::io::path_exists(out)) << args;
   };
+  // Flags that would change nothing are refused.
+  expect_bad("vae-decode " + folder + " --tile-overlap 0.5 --tile 16 --in " + dir + "/latents.safetensors",
+             "--tile-overlap is for --vae sd with --tile");
+  expect_bad("vae-decode " + folder + " --tile-stride 8 --in " + dir + "/latents.safetensors",
+             "--tile-stride spaces the Wan VAE's tiles: it needs --vae wan and --tile");
+  expect_bad("vae-encode " + folder + " --frames-per-batch 2 --in " + dir + "/videos.safetensors",
+             "--frames-per-batch is for --vae sd");
+  expect_bad("vae-encode " + folder + " --seed 3 --in " + dir + "/videos.safetensors", "--seed seeds --sample's noise");
   megaslide::io::write_safetensors(dir + "/v4.safetensors", {{"x", torch::zeros({1, 3, 4, 16, 16})}});
   expect_bad("vae-encode " + folder + " --in " + dir + "/v4.safetensors", "4 frames; the Wan VAE takes 1 + 4k frames");
   expect_bad("vae-decode " + folder + " --in " + dir + "/videos.safetensors", "expected latents [N, 16, t, h, w]");
@@ -191,6 +199,10 @@ TEST(MegaslideEncode, BadInputExitsTwoNamingItAndWritesNothing) {
   expect_bad("vae-decode " + vae + " --in " + dir + "/z.safetensors", "tensor 'x' is I32");
   megaslide::io::write_safetensors(dir + "/i.safetensors", {{"x", torch::zeros({1, 3, 6, 8})}});
   expect_bad("vae-encode " + vae + " --in " + dir + "/i.safetensors", "multiples of 4");
+  expect_bad("vae-decode " + vae + " --tile 8 --tile-stride 4 --in " + dir + "/z.safetensors",
+             "--tile-stride spaces the Wan VAE's tiles");
+  expect_bad("vae-decode " + vae + " --tile-overlap 0.5 --in " + dir + "/z.safetensors",
+             "--tile-overlap is for --vae sd with --tile");
   expect_bad("vae-encode " + vae + " --in " + dir + "/missing.safetensors", dir + "/missing.safetensors");
   expect_bad("vae-encode --vae sd --weights " + dir + "/nowhere --out " + out + " --in " + dir + "/i.safetensors",
              dir + "/nowhere");

@@ -173,6 +173,19 @@ int main(int argc, char** argv) {
   return megaslide::tools::run_tool("megaslide-encode", [&] {
     megaslide::tools::checking_input([&] {
       megaslide::io::check_output_file(out, "--out");  // before minutes of encoding, not after
+      // A flag that would change nothing in this call is refused, not ignored.
+      for (auto* sub : {vae_encode, vae_decode}) {
+        if (!sub->parsed()) continue;
+        if (sub->count("--tile-stride") > 0 && (vae_kind != "wan" || tile == 0))
+          throw megaslide::tools::UsageError("--tile-stride spaces the Wan VAE's tiles: it needs --vae wan and --tile");
+        if (sub->count("--frames-per-batch") > 0 && vae_kind != "sd")
+          throw megaslide::tools::UsageError("--frames-per-batch is for --vae sd");
+      }
+      if (vae_decode->parsed() && vae_decode->count("--tile-overlap") > 0 && (vae_kind != "sd" || tile == 0))
+        throw megaslide::tools::UsageError(
+            "--tile-overlap is for --vae sd with --tile (the Wan VAE's tiles are spaced by --tile-stride)");
+      if (vae_encode->parsed() && vae_encode->count("--seed") > 0 && !sample)
+        throw megaslide::tools::UsageError("--seed seeds --sample's noise: give --sample too, or no --seed");
       device = megaslide::tools::checking_input([&] { return megaslide::resolve_device(device_spec); }, "--device: ");
       if (text->parsed() && encoder_kind == "umt5") {
         if (max_length == 0) max_length = 512;

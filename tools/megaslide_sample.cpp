@@ -542,6 +542,9 @@ int main(int argc, char** argv) {
       if (checkpoint.empty() == config_path.empty())
         throw std::invalid_argument("give one of --checkpoint and --config");
       if (!overrides.empty() && config_path.empty()) throw std::invalid_argument("--set applies to --config");
+      if (no_ema && checkpoint.empty())
+        throw std::invalid_argument(
+            "--no-ema chooses between a checkpoint's weights and their EMA: it needs --checkpoint");
       // Every video's file name is decided here, before any work (bounded, safe and unique; io/vbench_layout.h).
       // A line without settings that repeats an earlier such line is sampled once, as VBench's prompt
       // files expect; a line with its own settings always gets its videos.
