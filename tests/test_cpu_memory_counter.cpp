@@ -148,7 +148,7 @@ TEST(CpuTensorCache, TheEnvironmentSetsTheCapAndABadValueIsNamed) {
   unsetenv(name);
   EXPECT_EQ(cache::cpu_tensor_cache_cap_from_environment(), cache::default_cpu_tensor_cache_cap());
   EXPECT_GT(cache::default_cpu_tensor_cache_cap(), 0);
-  EXPECT_LE(cache::default_cpu_tensor_cache_cap(), int64_t{16} << 30);
+  EXPECT_LE(cache::default_cpu_tensor_cache_cap(), int64_t{4} << 30);
   for (const auto& [text, cap] :
        std::vector<std::pair<std::string, int64_t>>{{"auto", cache::default_cpu_tensor_cache_cap()},
                                                     {"", cache::default_cpu_tensor_cache_cap()},

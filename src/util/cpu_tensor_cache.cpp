@@ -155,7 +155,7 @@ std::mutex& install_mutex() {
 
 int64_t default_cpu_tensor_cache_cap() {
   const int64_t memory = available_memory_bytes();  // the container's limit where it has one
-  return std::min<int64_t>((memory > 0 ? memory : int64_t{8} << 30) / 8, int64_t{16} << 30);
+  return std::min<int64_t>((memory > 0 ? memory : int64_t{8} << 30) / 8, int64_t{4} << 30);
 }
 
 bool install_cpu_tensor_cache(int64_t cap_bytes, int64_t min_block_bytes) {
