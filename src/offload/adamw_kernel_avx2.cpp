@@ -121,7 +121,14 @@ struct Avx2 {
 
   // --- 16-bit <-> fp32 ------------------------------------------------------------------------------
 
-  static F widen_bf16(H h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
+  // bf16 is the upper half of an fp32: each 128-bit lane of the broadcast picks its four 16-bit values into the
+  // upper halves of its 32-bit lanes (zeros below) — one shuffle, where a zero-extension and a shift were two; a
+  // broadcast of a load is a load.
+  static F widen_bf16(H h) {
+    return _mm256_castsi256_ps(_mm256_shuffle_epi8(
+        _mm256_broadcastsi128_si256(h), _mm256_setr_epi8(-1, -1, 0, 1, -1, -1, 2, 3, -1, -1, 4, 5, -1, -1, 6, 7, -1, -1,
+                                                         8, 9, -1, -1, 10, 11, -1, -1, 12, 13, -1, -1, 14, 15)));
+  }
   static F widen_fp16(H h) { return _mm256_cvtph_ps(h); }
 
   // c10::BFloat16's rounding: nearest even by integer add; the bf16 is the top half of each 32-bit lane.
