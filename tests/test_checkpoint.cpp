@@ -650,5 +650,5 @@ TEST(TrainingRun, MemoryShortfallNamesTheFiguresAndSparesWhatFits) {
   EXPECT_EQ(memory_shortfall(big_batch, batch_bytes + 16 * 8, /*state_in_host_memory=*/false), "");
   EXPECT_NE(memory_shortfall(big_batch, batch_bytes + 16 * 8, /*state_in_host_memory=*/true), "");
   EXPECT_NE(memory_shortfall(big_batch, batch_bytes, false), "");
-  EXPECT_GT(this_machine_memory_bytes(), int64_t{1} << 28) << "this machine has more than 256 MiB";
+  EXPECT_GT(megaslide::available_memory_bytes(), int64_t{1} << 28) << "this machine has more than 256 MiB";
 }

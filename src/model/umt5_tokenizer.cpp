@@ -17,7 +17,6 @@
 #include <dlfcn.h>
 
 #include <memory>
-#include <mutex>
 
 #include "model/sentencepiece_module.h"
 #endif
@@ -264,10 +263,12 @@ namespace {
 // libmegaslide_sentencepiece.so (model/sentencepiece_module.h says why SentencePiece is not linked), from the
 // folder of the library this code is in, opened once; its loader, or an error that says what failed.
 detail::LoadSentencePieceModel sentencepiece_loader() {
-  static std::once_flag once;
-  static detail::LoadSentencePieceModel load = nullptr;
-  static std::string problem;
-  std::call_once(once, [] {
+  struct Loaded {
+    detail::LoadSentencePieceModel load = nullptr;
+    std::string problem;
+  };
+  static const Loaded loaded = [] {
+    Loaded r;
     Dl_info self{};
     std::string path = detail::kSentencePieceModuleFile;
     // An address in this library that no other object can interpose: this function's own.
@@ -279,28 +280,27 @@ detail::LoadSentencePieceModel sentencepiece_loader() {
     void* module = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND);
     if (module == nullptr) {
       const char* why = dlerror();
-      problem = "cannot open SentencePiece's module " + path + ": " + (why != nullptr ? why : "unknown error");
-      return;
+      r.problem = "cannot open SentencePiece's module " + path + ": " + (why != nullptr ? why : "unknown error");
+      return r;
     }
     const auto abi = reinterpret_cast<detail::SentencePieceAbi>(dlsym(module, detail::kSentencePieceModuleAbi));
     if (abi == nullptr || std::string(abi()) != detail::sentencepiece_abi_tag()) {
-      problem = path + " was built for another C++ ABI (" + (abi != nullptr ? abi() : "no tag") + ", this library " +
-                detail::sentencepiece_abi_tag() + ")";
-      return;
+      r.problem = path + " was built for another C++ ABI (" + (abi != nullptr ? abi() : "no tag") + ", this library " +
+                  detail::sentencepiece_abi_tag() + ")";
+      return r;
     }
-    load = reinterpret_cast<detail::LoadSentencePieceModel>(dlsym(module, detail::kLoadSentencePieceModel));
-    if (load == nullptr) problem = path + " has no " + detail::kLoadSentencePieceModel;
-  });
-  if (load == nullptr) throw std::runtime_error("umT5 tokenizer: " + problem);
-  return load;
+    r.load = reinterpret_cast<detail::LoadSentencePieceModel>(dlsym(module, detail::kLoadSentencePieceModel));
+    if (r.load == nullptr) r.problem = path + " has no " + detail::kLoadSentencePieceModel;
+    return r;
+  }();
+  if (loaded.load == nullptr) throw std::runtime_error("umT5 tokenizer: " + loaded.problem);
+  return loaded.load;
 }
 
 }  // namespace
 
 struct Umt5Tokenizer::Impl {
-  std::unique_ptr<detail::SentencePieceModel> model;
-  const detail::SentencePieceModel& sp;
-  explicit Impl(std::unique_ptr<detail::SentencePieceModel> m) : model(std::move(m)), sp(*model) {}
+  std::unique_ptr<const detail::SentencePieceModel> sp;
   // The pieces the unigram search may use (not control, unknown or unused pieces): text → (id, score).
   // Byte pieces are searched by their text ("<0x41>"), as transformers' unigram model (built without byte
   // fallback) matches them in written-out text.
@@ -311,14 +311,14 @@ struct Umt5Tokenizer::Impl {
   double unknown_score = 0;      // the lowest score of any piece, minus 10 (transformers' unknown-character penalty)
 
   void index() {
-    const int n = sp.GetPieceSize();
+    const int n = sp->GetPieceSize();
     searchable.assign(static_cast<size_t>(n), false);
     double lowest = 0;
     for (int id = 0; id < n; ++id) {
-      lowest = std::min(lowest, static_cast<double>(sp.GetScore(id)));
-      if (sp.IsControl(id) || sp.IsUnknown(id) || sp.IsUnused(id)) continue;
-      const std::string& piece = sp.IdToPiece(id);
-      pieces.emplace(std::string_view(piece), std::make_pair(id, static_cast<double>(sp.GetScore(id))));
+      lowest = std::min(lowest, static_cast<double>(sp->GetScore(id)));
+      if (sp->IsControl(id) || sp->IsUnknown(id) || sp->IsUnused(id)) continue;
+      const std::string& piece = sp->IdToPiece(id);
+      pieces.emplace(std::string_view(piece), std::make_pair(id, static_cast<double>(sp->GetScore(id))));
       searchable[static_cast<size_t>(id)] = true;
       longest = std::max(longest, piece.size());
     }
@@ -389,12 +389,12 @@ namespace {
 std::unique_ptr<Umt5Tokenizer::Impl> checked(std::unique_ptr<Umt5Tokenizer::Impl> impl, const std::string& source) {
   const auto& sp = impl->sp;
   for (const auto& [piece, id] : kSpecial) {
-    if (sp.GetPieceSize() <= id || sp.IdToPiece(static_cast<int>(id)) != piece)
+    if (sp->GetPieceSize() <= id || sp->IdToPiece(static_cast<int>(id)) != piece)
       fail(source, "id " + std::to_string(id) + " must be " + piece +
                        " (umT5's special tokens: <pad> 0, </s> 1, <unk> 2), it is '" +
-                       (sp.GetPieceSize() > id ? sp.IdToPiece(static_cast<int>(id)) : std::string("(none)")) + "'");
+                       (sp->GetPieceSize() > id ? sp->IdToPiece(static_cast<int>(id)) : std::string("(none)")) + "'");
   }
-  if (!sp.IsUnknown(Umt5Tokenizer::kUnk)) fail(source, "<unk> (id 2) is not the model's unknown piece");
+  if (!sp->IsUnknown(Umt5Tokenizer::kUnk)) fail(source, "<unk> (id 2) is not the model's unknown piece");
   return impl;
 }
 }  // namespace
@@ -415,7 +415,8 @@ Umt5Tokenizer Umt5Tokenizer::from_bytes(const std::string& serialized, const std
   std::string error;
   std::unique_ptr<detail::SentencePieceModel> model(sentencepiece_loader()(serialized, error));
   if (model == nullptr) fail(source, "not a SentencePiece model: " + error);
-  auto impl = std::make_unique<Impl>(std::move(model));
+  auto impl = std::make_unique<Impl>();
+  impl->sp = std::move(model);
   impl = checked(std::move(impl), source);
   impl->index();
   return Umt5Tokenizer(std::move(impl), source);
@@ -435,7 +436,7 @@ std::vector<int64_t> Umt5Tokenizer::encode_text(const std::string& text) const {
     bool meta_first = false;
     size_t meta_last = 0;
     std::string error;
-    if (!impl_->sp.Encode(as_transformers_words(part, meta_first, meta_last), pieces, error))
+    if (!impl_->sp->Encode(as_transformers_words(part, meta_first, meta_last), pieces, error))
       fail(source_, "cannot encode text: " + error);
     std::string run;
     // A first word that starts with "▁" keeps that one (transformers adds none before it): the dummy
@@ -451,7 +452,7 @@ std::vector<int64_t> Umt5Tokenizer::encode_text(const std::string& text) const {
     };
     for (const auto& [piece_id, piece] : pieces) {
       const auto id = static_cast<size_t>(piece_id);
-      if (impl_->sp.IsByte(piece_id)) {
+      if (impl_->sp->IsByte(piece_id)) {
         run += static_cast<char>(std::stoi(piece.substr(3, 2), nullptr, 16));  // "<0xHH>"
         continue;
       }
@@ -485,16 +486,16 @@ std::vector<int64_t> Umt5Tokenizer::encode_text(const std::string& text) const {
   return out;
 }
 
-int64_t Umt5Tokenizer::vocab_size() const { return impl_->sp.GetPieceSize(); }
+int64_t Umt5Tokenizer::vocab_size() const { return impl_->sp->GetPieceSize(); }
 
 std::string Umt5Tokenizer::piece(int64_t id) const {
   if (id < 0 || id >= vocab_size()) fail(source_, "no piece " + std::to_string(id));
-  return impl_->sp.IdToPiece(static_cast<int>(id));
+  return impl_->sp->IdToPiece(static_cast<int>(id));
 }
 
 double Umt5Tokenizer::score(int64_t id) const {
   if (id < 0 || id >= vocab_size()) fail(source_, "no piece " + std::to_string(id));
-  return impl_->sp.GetScore(static_cast<int>(id));
+  return impl_->sp->GetScore(static_cast<int>(id));
 }
 
 #else  // built without SentencePiece

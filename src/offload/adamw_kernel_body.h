@@ -81,14 +81,17 @@ template <class Simd>
 MEGASLIDE_SIMD_INLINE typename Simd::H to_bf16(typename Simd::F x, bool may_be_nan) {
   return __builtin_expect(may_be_nan, 0) ? Simd::to_bf16(x) : Simd::to_bf16_not_nan(x);
 }
+template <class Simd>
+MEGASLIDE_SIMD_INLINE typename Simd::H to_fp16(typename Simd::F x, bool may_be_nan) {
+  return __builtin_expect(may_be_nan, 0) ? Simd::to_fp16(x) : Simd::to_fp16_not_nan(x);
+}
 
 template <class Simd, ComputeType C, bool kStream>
 MEGASLIDE_SIMD_INLINE void store_compute(void* compute, int64_t i, typename Simd::F w, typename Simd::Mask k,
                                          bool may_be_nan) {
   if constexpr (C != ComputeType::kNone) {
-    const typename Simd::H h = C == ComputeType::kBFloat16       ? to_bf16<Simd>(w, may_be_nan)
-                               : __builtin_expect(may_be_nan, 0) ? Simd::to_fp16(w)
-                                                                 : Simd::to_fp16_not_nan(w);
+    const typename Simd::H h =
+        C == ComputeType::kBFloat16 ? to_bf16<Simd>(w, may_be_nan) : to_fp16<Simd>(w, may_be_nan);
     Simd::template store_u16<kStream>(static_cast<uint16_t*>(compute) + i, h, k);
   }
 }

@@ -53,8 +53,6 @@ class RankLog {
 
 }  // namespace
 
-int64_t this_machine_memory_bytes() { return available_memory_bytes(); }
-
 std::string memory_shortfall(const RunConfig& config, int64_t available_bytes, bool state_in_host_memory,
                              int64_t state_shards) {
   // A lower bound of what a trainer holds in host memory before its first step: fp32 weights and
@@ -242,7 +240,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
                                    ? launch.world_size / std::max<int64_t>(1, launch.local_world_size)
                                    : 1;
   if (const std::string shortfall =
-          memory_shortfall(sized, this_machine_memory_bytes(), state_in_host_memory, state_shards);
+          memory_shortfall(sized, available_memory_bytes(), state_in_host_memory, state_shards);
       !shortfall.empty()) {
     const auto& d = sized.data;
     const bool batch_dominates =

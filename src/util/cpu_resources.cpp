@@ -16,6 +16,7 @@
 #include <sstream>
 #include <vector>
 
+#include "megaslide/util/numbers.h"
 #include "util/cpu_features.h"
 
 namespace megaslide {
@@ -59,12 +60,11 @@ int64_t available_memory_bytes() {
   for (const char* limit_file : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
     std::string text;
     if (!read_text(limit_file, text)) continue;
-    text = text.substr(0, text.find_first_of(" \n"));
-    char* end = nullptr;
-    errno = 0;
-    const long long limit = std::strtoll(text.c_str(), &end, 10);
-    if (errno != 0 || text.empty() || end != text.c_str() + text.size() || limit <= 0) continue;
-    if (bytes == 0 || limit < bytes) bytes = limit;
+    try {
+      const int64_t limit = parse_integer(text.substr(0, text.find_first_of(" \n")), "bytes");
+      if (limit > 0 && (bytes == 0 || limit < bytes)) bytes = limit;
+    } catch (const NumberError&) {  // "max": no limit from there
+    }
   }
   return bytes;
 }

@@ -76,7 +76,4 @@ TrainingRunResult run_training(const RunConfig& config, const TrainingRunOptions
 std::string memory_shortfall(const RunConfig& config, int64_t available_bytes, bool state_in_host_memory = true,
                              int64_t state_shards = 1);
 
-// Physical memory, or the container's memory limit (cgroup) when that is lower; 0 when unknown.
-int64_t this_machine_memory_bytes();
-
 }  // namespace megaslide
