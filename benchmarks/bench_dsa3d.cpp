@@ -21,6 +21,8 @@
 //   build/bin/bench_dsa3d                 # the CPU figures (LibTorch's thread count)
 //   build/bin/bench_dsa3d --threads 1     # ... on one thread
 //   build/bin/bench_dsa3d --kernels-only  # row vs tiled CPU kernel only, interleaved (a few minutes)
+//   build/bin/bench_dsa3d --isa avx2      # the fused CPU kernels' AVX2 loops (and the AVX2 FMA peak) on a CPU
+//                                         # that also has AVX-512: baseline, avx2 or avx512 (default: CPUID's)
 //   build/bin/bench_dsa3d --cuda          # the GPU figures (benchmarks/gpu/check.sh runs this)
 #include <c10/core/CPUAllocator.h>
 #include <torch/torch.h>
@@ -42,9 +44,11 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "../src/attention/dsa3d_params.h"
 #include "megaslide/attention/dsa3d.h"
 
 namespace {
@@ -264,7 +268,7 @@ int cpu_kernels_mode(int reps, const Memory& memory) {
   return 0;
 }
 
-// The machine's fp32 FMA peak as measured here: every thread runs 16 independent chains of vector fused
+// The machine's fp32 FMA peak as measured here: every thread runs independent chains of vector fused
 // multiply-adds held in registers (AVX-512 where the CPU has it, else AVX2 + FMA), all threads at once; GFLOP/s
 // counting an FMA as 2. What a kernel can at most execute, the denominator of the fraction-of-peak target.
 // N-lane vectors (GCC's vector extension): acc * a + b contracts to one FMA instruction (GNU mode's
@@ -273,16 +277,21 @@ template <int N>
 struct FloatLanes {
   typedef float V __attribute__((vector_size(4 * N)));
 };
+// kChains: 16 where the unit has 32 vector registers (AVX-512), 12 where it has 16 (AVX2, SSE): the chains and the
+// two operands must stay in registers (16 chains on AVX2 spilled and measured 80 of its 132 GFLOP/s a core here);
+// either count covers the FMA latency times the FMA units.
+template <int N>
+constexpr int kChains = N == 16 ? 16 : 12;
 template <int N>
 __attribute__((always_inline)) inline float fma_chains(int64_t iterations) {
   using V = typename FloatLanes<N>::V;
-  V acc[16];
-  for (int i = 0; i < 16; ++i) acc[i] = V{} + 1e-3f * static_cast<float>(i);
+  V acc[kChains<N>];
+  for (int i = 0; i < kChains<N>; ++i) acc[i] = V{} + 1e-3f * static_cast<float>(i);
   const V a = V{} + 0.999f, b = V{} + 1e-3f;
   for (int64_t it = 0; it < iterations; ++it)
-    for (int i = 0; i < 16; ++i) acc[i] = acc[i] * a + b;
+    for (int i = 0; i < kChains<N>; ++i) acc[i] = acc[i] * a + b;
   float sum = 0.f;
-  for (int i = 0; i < 16; ++i)
+  for (int i = 0; i < kChains<N>; ++i)
     for (int l = 0; l < N; ++l) sum += acc[i][l];
   return sum;
 }
@@ -291,8 +300,11 @@ __attribute__((target("avx2,fma"))) float fma_chains_avx2(int64_t iterations) { 
 // A CPU with neither: SSE's 4 lanes, a multiply and an add for each FMA (the baseline x86-64 has no FMA).
 float fma_chains_sse(int64_t iterations) { return fma_chains<4>(iterations); }
 
-// The vector unit fma_peak_gflops measures: AVX-512, else AVX2 with FMA, else SSE.
+// The vector unit fma_peak_gflops measures: the one of the fused kernels' forced instruction set (--isa), else
+// AVX-512, else AVX2 with FMA, else SSE.
+int forced_lanes = 0;
 int peak_lanes() {
+  if (forced_lanes > 0) return forced_lanes;
   if (__builtin_cpu_supports("avx512f")) return 16;
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 8 : 4;
 }
@@ -306,7 +318,8 @@ const char* peak_unit() {
 double fma_peak_gflops(int threads) {
   const int lanes = peak_lanes();
   const int64_t iterations = 20'000'000;
-  const double flops_per_thread = 2.0 * 16 * lanes * static_cast<double>(iterations);
+  const int chains = lanes == 16 ? kChains<16> : lanes == 8 ? kChains<8> : kChains<4>;
+  const double flops_per_thread = 2.0 * chains * lanes * static_cast<double>(iterations);
   double best = 0.0;
   for (int run = 0; run < 3; ++run) {
     std::vector<float> sinks(threads);
@@ -376,7 +389,8 @@ int cpu_mode(int reps, const Memory& memory) {
   // B = 1, M = 4 heads, d = 32, kernel (3, 7, 7); 8×32×32 tokens, then twice that.
   const Case base{"8x32x32", 1, 8, 32, 32, 4, 32, {3, 7, 7}};
   const Case twice{"16x32x32", 1, 16, 32, 32, 4, 32, {3, 7, 7}};
-  std::printf("bench_dsa3d (cpu, float32, forward+backward, median, %d threads)\n", torch::get_num_threads());
+  std::printf("bench_dsa3d (cpu, float32, forward+backward, median, %d threads; fused CPU kernels' loops: %s)\n",
+              torch::get_num_threads(), ops::detail::to_string(ops::detail::dsa3d_cpu_isa()));
   const double peak = fma_peak_gflops(torch::get_num_threads());  // first: no OpenMP thread spins beside it
 
   auto in = make_inputs(base, device);
@@ -453,7 +467,8 @@ int cpu_mode(int reps, const Memory& memory) {
       100 * peak_fraction_d64, 100 * d64[0].attention_gflops / peak, met ? "met" : "NOT met", tiled_vs_row, row_err,
       tiled_err);
   std::printf(
-      "{\"bench\":\"dsa3d\",\"device\":\"cpu\",\"threads\":%d,\"dtype\":\"float32\",\"B\":1,\"M\":4,\"d\":32,"
+      "{\"bench\":\"dsa3d\",\"device\":\"cpu\",\"isa\":\"%s\",\"threads\":%d,\"dtype\":\"float32\",\"B\":1,\"M\":4,"
+      "\"d\":32,"
       "\"kernel\":[3,7,7],\"tokens\":8192,\"auto_kernel\":\"%s\",\"reference_ms\":%.3f,\"row_ms\":%.3f,\"tiled_ms\":%."
       "3f,"
       "\"row_2x_tokens_ms\":%.3f,\"tiled_2x_tokens_ms\":%.3f,\"sdpa_ms\":%.3f,\"sdpa_2x_tokens_ms\":%.3f,"
@@ -463,11 +478,11 @@ int cpu_mode(int reps, const Memory& memory) {
       "\"scaling_2x_tokens_time_ratio\":%.3f,\"fused_vs_sdpa_4k_d32\":%.3f,\"fused_vs_sdpa_4k_d64\":%.3f,"
       "\"fused_vs_sdpa_8k_d64\":%.3f,\"fma_peak_gflops\":%.2f,\"d64_fwd_executed_gflops\":%.2f,"
       "\"d64_fwd_peak_fraction\":%.4f,\"d64_fwd_attention_equivalent_gflops\":%.2f,\"targets_met\":%s}\n",
-      torch::get_num_threads(), auto_tiled ? "cpu_tiled" : "cpu", ref.ms, row.ms, tiled.ms, row2.ms, tiled2.ms, sdpa.ms,
-      sdpa2.ms, (long long)ref.peak_bytes, (long long)row.peak_bytes, (long long)tiled.peak_bytes,
-      (long long)sdpa.peak_bytes, row_err, tiled_err, tiled_vs_row, speedup, mem_ratio, scaling, vs_sdpa_4k_d32,
-      vs_sdpa_4k_d64, d64[1].sdpa_ms / d64[1].fwd_bwd_ms, peak, d64[0].executed_gflops, peak_fraction_d64,
-      d64[0].attention_gflops, met ? "true" : "false");
+      ops::detail::to_string(ops::detail::dsa3d_cpu_isa()), torch::get_num_threads(), auto_tiled ? "cpu_tiled" : "cpu",
+      ref.ms, row.ms, tiled.ms, row2.ms, tiled2.ms, sdpa.ms, sdpa2.ms, (long long)ref.peak_bytes,
+      (long long)row.peak_bytes, (long long)tiled.peak_bytes, (long long)sdpa.peak_bytes, row_err, tiled_err,
+      tiled_vs_row, speedup, mem_ratio, scaling, vs_sdpa_4k_d32, vs_sdpa_4k_d64, d64[1].sdpa_ms / d64[1].fwd_bwd_ms,
+      peak, d64[0].executed_gflops, peak_fraction_d64, d64[0].attention_gflops, met ? "true" : "false");
   return 0;
 }
 
@@ -693,13 +708,43 @@ int cuda_mode(int reps) {
 int main(int argc, char** argv) {
   bool use_cuda = false, kernels_only = false;
   int reps = 3, threads = 0;
+  std::string isa;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--cuda")) use_cuda = true;
     else if (!std::strcmp(argv[i], "--kernels-only")) kernels_only = true;
     else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::max(1, std::atoi(argv[++i]));
     else if (!std::strcmp(argv[i], "--threads") && i + 1 < argc) threads = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--isa") && i + 1 < argc) isa = argv[++i];
     else {
-      std::fprintf(stderr, "usage: %s [--cuda] [--kernels-only] [--reps N] [--threads N]\n", argv[0]);
+      std::fprintf(stderr,
+                   "usage: %s [--cuda] [--kernels-only] [--reps N] [--threads N] [--isa baseline|avx2|avx512]\n",
+                   argv[0]);
+      return 2;
+    }
+  }
+  if (!isa.empty()) {
+    namespace detail = ops::detail;
+    const struct {
+      const char* name;
+      detail::Dsa3dCpuIsa isa;
+      int lanes;
+    } choices[] = {{"baseline", detail::Dsa3dCpuIsa::kBaseline, 4},
+                   {"avx2", detail::Dsa3dCpuIsa::kAvx2, 8},
+                   {"avx512", detail::Dsa3dCpuIsa::kAvx512, 16}};
+    bool known = false;
+    for (const auto& c : choices)
+      if (isa == c.name) {
+        known = true;
+        try {
+          detail::set_dsa3d_cpu_isa(c.isa);
+        } catch (const std::invalid_argument& e) {
+          std::fprintf(stderr, "bench_dsa3d: --isa %s: %s\n", isa.c_str(), e.what());
+          return 2;
+        }
+        forced_lanes = c.lanes;
+      }
+    if (!known) {
+      std::fprintf(stderr, "bench_dsa3d: --isa %s: expected baseline, avx2 or avx512\n", isa.c_str());
       return 2;
     }
   }

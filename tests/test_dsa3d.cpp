@@ -436,7 +436,9 @@ TEST(Dsa3d, FusedCpuMatchesReferenceOnEveryInstructionSet) {
     ++paths;
     ASSERT_EQ(detail::dsa3d_cpu_isa(), isa);
     SCOPED_TRACE(detail::to_string(isa));
-    for (const int64_t d : {6, 8, 20, 32}) {  // d = 32: the backward's per-distinct-row loop (2 heads, 64 channels)
+    // d = 32: the backward's per-distinct-row loop (2 heads, 64 channels); d = 76 (152 channels): the forward's
+    // blocks of corner rows (8 vectors of 16 channels on AVX-512, 4 on AVX2), then a vector and a scalar tail.
+    for (const int64_t d : {6, 8, 20, 32, 76}) {
       SCOPED_TRACE("d = " + std::to_string(d));
       Problem pb;
       pb.B = 2, pb.T = 3, pb.H = 5, pb.W = 4, pb.M = 4, pb.d = d, pb.G = 2;

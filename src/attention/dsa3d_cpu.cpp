@@ -16,8 +16,9 @@
 //             its heads, so each element is summed by one thread in token order, and the per-batch
 //             dbias partials are added in batch order. Bit-identical for any thread count, but only
 //             B·G units run in parallel.
-// The loops are written once and compiled three times (baseline x86-64, AVX2, AVX-512: see the entry points);
-// within a path, the order of every sum is fixed, so the results above hold per path.
+// The loops are written once and compiled three times (baseline x86-64, AVX2, AVX-512: see the entry points), each
+// with vectors of its own unit's width; within a path, the order of every sum is fixed, so the results above hold
+// per path.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -59,9 +60,11 @@ MEGASLIDE_DSA_INLINE acc_t widen(scalar_t x) {
   }
 }
 
-// N-lane fp32 vectors (GCC vector extensions): each entry point compiles them to its own registers (one
-// zmm, two ymm or four xmm for 16 lanes). Only the float accumulation type takes them; float64 runs the
-// scalar loops. Every helper is inlined, so no vector crosses a call (-Wpsabi warns about an ABI nobody uses).
+// N-lane fp32 vectors (GCC vector extensions). Each entry point uses its unit's width, V lanes: 16 (zmm) on
+// AVX-512, 8 (ymm) on AVX2, 4 (xmm) on the baseline. Vectors wider than the registers are split by GCC through
+// the stack (16 lanes on AVX2 made its loops 2-3x slower than the baseline's). Only the float accumulation type
+// takes them; float64 runs the scalar loops. Every helper is inlined, so no vector crosses a call (-Wpsabi warns
+// about an ABI nobody uses).
 #pragma GCC diagnostic ignored "-Wpsabi"
 template <int N>
 struct Lanes {
@@ -117,20 +120,17 @@ MEGASLIDE_DSA_INLINE acc_t dot(const scalar_t* x, const acc_t* y, int64_t d) {
   return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7])) + tail;
 }
 
-// The same product for one head's d channels, in vectors of 16 or 8 lanes where d allows (fp32 accumulation).
-template <typename scalar_t, typename acc_t>
+// The same product for one head's d channels, in vectors of V lanes where d allows, else V / 2, ... down to 4
+// (fp32 accumulation).
+template <int V, typename scalar_t, typename acc_t>
 MEGASLIDE_DSA_INLINE acc_t head_dot(const scalar_t* x, const acc_t* y, int64_t d) {
   if constexpr (std::is_same_v<acc_t, float>) {
-    if (d % 16 == 0) {
-      typename Lanes<16>::F a = {};
-      for (int64_t e = 0; e < d; e += 16) a += vload<16>(x + e) * vload<16>(y + e);
-      return vsum<16>(a);
+    if (d % V == 0) {
+      typename Lanes<V>::F a = {};
+      for (int64_t e = 0; e < d; e += V) a += vload<V>(x + e) * vload<V>(y + e);
+      return vsum<V>(a);
     }
-    if (d % 8 == 0) {
-      typename Lanes<8>::F a = {};
-      for (int64_t e = 0; e < d; e += 8) a += vload<8>(x + e) * vload<8>(y + e);
-      return vsum<8>(a);
-    }
+    if constexpr (V > 4) return head_dot<V / 2>(x, y, d);
   }
   return dot(x, y, d);
 }
@@ -199,18 +199,20 @@ MEGASLIDE_DSA_INLINE void corner_dots_side_by_side(const Sample<float>& sp, cons
 // head's d channels (k_head, v_head: the head's first channel of token 0's row), 0 for inert corners. With
 // d a multiple of 16 or 8 (fp32 accumulation) the corners run side by side in vectors, each chunk of q and
 // dout loaded once, and their sums are reduced together.
-template <typename scalar_t, typename acc_t>
+template <int V, typename scalar_t, typename acc_t>
 MEGASLIDE_DSA_INLINE void corner_dots(const Sample<acc_t>& sp, const bool* inert, const scalar_t* k_head,
                                       const scalar_t* v_head, int64_t row_stride, const acc_t* q, const acc_t* dout,
                                       int64_t d, acc_t* qk, acc_t* odv) {
   if constexpr (std::is_same_v<acc_t, float>) {
-    if (d % 16 == 0) return corner_dots_side_by_side<16>(sp, inert, k_head, v_head, row_stride, q, dout, d, qk, odv);
-    if (d % 8 == 0) return corner_dots_side_by_side<8>(sp, inert, k_head, v_head, row_stride, q, dout, d, qk, odv);
+    if constexpr (V >= 16)
+      if (d % 16 == 0) return corner_dots_side_by_side<16>(sp, inert, k_head, v_head, row_stride, q, dout, d, qk, odv);
+    if constexpr (V >= 8)
+      if (d % 8 == 0) return corner_dots_side_by_side<8>(sp, inert, k_head, v_head, row_stride, q, dout, d, qk, odv);
   }
   for (int c = 0; c < 8; ++c) {
     const int64_t row = sp.index[c] * row_stride;
-    qk[c] = inert[c] ? acc_t(0) : head_dot(k_head + row, q, d);
-    odv[c] = inert[c] ? acc_t(0) : head_dot(v_head + row, dout, d);
+    qk[c] = inert[c] ? acc_t(0) : head_dot<V>(k_head + row, q, d);
+    odv[c] = inert[c] ? acc_t(0) : head_dot<V>(v_head + row, dout, d);
   }
 }
 
@@ -263,10 +265,10 @@ MEGASLIDE_DSA_INLINE void group_points(const Dsa3dShape& s, const acc_t* offsets
 
 // out[0, L) = Σ_c weight[c] · rows[corner c][0, L): the sample's interpolated row of a group's heads (they are
 // contiguous: L = heads of the group × d). Zero-weight corners (integer positions) are skipped. The sum runs
-// in registers, kChunk channels at a time, each channel's terms in corner order.
+// in registers, each channel's terms in corner order: kBlock vectors of V channels at a time, corner by corner (each
+// corner row read in order, kBlock independent sums), then single vectors, then channel by channel.
 // kAccumulate: out += coef · (the interpolated row) instead (coef per channel).
-constexpr int kChunk = 16;
-template <bool kAccumulate = false, typename scalar_t, typename acc_t, typename SampleT>
+template <int V, int kBlock, bool kAccumulate = false, typename scalar_t, typename acc_t, typename SampleT>
 MEGASLIDE_DSA_INLINE void interpolate(const scalar_t* base, const SampleT& sp, int64_t row_stride, int64_t L,
                                       acc_t* __restrict out, const acc_t* __restrict coef = nullptr) {
   const scalar_t* rows[8];
@@ -279,13 +281,29 @@ MEGASLIDE_DSA_INLINE void interpolate(const scalar_t* base, const SampleT& sp, i
     }
   int64_t e = 0;
   if constexpr (std::is_same_v<acc_t, float>) {
-    for (; e + kChunk <= L; e += kChunk) {
-      typename Lanes<kChunk>::F a = {};
-      for (int c = 0; c < n; ++c) a += w[c] * vload<kChunk>(rows[c] + e);
+    using F = typename Lanes<V>::F;
+    for (; e + kBlock * V <= L; e += kBlock * V) {
+      F a[kBlock];
+      for (int b = 0; b < kBlock; ++b) a[b] = F{};
+      for (int c = 0; c < n; ++c) {
+        const F wc = F{} + w[c];
+        for (int b = 0; b < kBlock; ++b) a[b] += wc * vload<V>(rows[c] + e + b * V);
+      }
+      for (int b = 0; b < kBlock; ++b) {
+        if constexpr (kAccumulate) {
+          vstore<V>(out + e + b * V, vload<V>(out + e + b * V) + vload<V>(coef + e + b * V) * a[b]);
+        } else {
+          vstore<V>(out + e + b * V, a[b]);
+        }
+      }
+    }
+    for (; e + V <= L; e += V) {
+      typename Lanes<V>::F a = {};
+      for (int c = 0; c < n; ++c) a += w[c] * vload<V>(rows[c] + e);
       if constexpr (kAccumulate) {
-        vstore<kChunk>(out + e, vload<kChunk>(out + e) + vload<kChunk>(coef + e) * a);
+        vstore<V>(out + e, vload<V>(out + e) + vload<V>(coef + e) * a);
       } else {
-        vstore<kChunk>(out + e, a);
+        vstore<V>(out + e, a);
       }
     }
   }
@@ -304,7 +322,7 @@ MEGASLIDE_DSA_INLINE void interpolate(const scalar_t* base, const SampleT& sp, i
 // dv += b·dout with a = dq_coef·w and b = prob·w per channel (dq_lane, prob_lane: each head's coefficient on
 // its channels). Zero-weight corners are skipped. dq stays in registers across the corners; two corners may
 // share a row (at the border), so each corner's dk and dv are read after the previous one's are stored.
-template <typename scalar_t, typename acc_t>
+template <int V, typename scalar_t, typename acc_t>
 MEGASLIDE_DSA_INLINE void sample_gradients(const Sample<acc_t>& sp, int64_t row_stride, int64_t L, const scalar_t* kb,
                                            acc_t* dkb, acc_t* dvb, const acc_t* dq_lane, const acc_t* prob_lane,
                                            const acc_t* q_row, const acc_t* dout_row, acc_t* dq_row) {
@@ -322,18 +340,18 @@ MEGASLIDE_DSA_INLINE void sample_gradients(const Sample<acc_t>& sp, int64_t row_
     }
   int64_t e = 0;
   if constexpr (std::is_same_v<acc_t, float>) {
-    using F = typename Lanes<kChunk>::F;
-    for (; e + kChunk <= L; e += kChunk) {
-      const F a = vload<kChunk>(dq_lane + e), b = vload<kChunk>(prob_lane + e);
-      const F qv = vload<kChunk>(q_row + e), dov = vload<kChunk>(dout_row + e);
-      F dqv = vload<kChunk>(dq_row + e);
+    using F = typename Lanes<V>::F;
+    for (; e + V <= L; e += V) {
+      const F a = vload<V>(dq_lane + e), b = vload<V>(prob_lane + e);
+      const F qv = vload<V>(q_row + e), dov = vload<V>(dout_row + e);
+      F dqv = vload<V>(dq_row + e);
       for (int c = 0; c < n; ++c) {
         const F aw = a * w[c];
-        dqv += aw * vload<kChunk>(k_rows[c] + e);
-        vstore<kChunk>(dk_rows[c] + e, vload<kChunk>(dk_rows[c] + e) + aw * qv);
-        vstore<kChunk>(dv_rows[c] + e, vload<kChunk>(dv_rows[c] + e) + (b * w[c]) * dov);
+        dqv += aw * vload<V>(k_rows[c] + e);
+        vstore<V>(dk_rows[c] + e, vload<V>(dk_rows[c] + e) + aw * qv);
+        vstore<V>(dv_rows[c] + e, vload<V>(dv_rows[c] + e) + (b * w[c]) * dov);
       }
-      vstore<kChunk>(dq_row + e, dqv);
+      vstore<V>(dq_row + e, dqv);
     }
   }
   for (; e < L; ++e)
@@ -378,11 +396,11 @@ struct CornerRows {
 constexpr int64_t kRowsPerTokenLanes = 64;
 
 // y[0, n) += a · x[0, n), x in the input type.
-template <typename scalar_t, typename acc_t>
+template <int V, typename scalar_t, typename acc_t>
 MEGASLIDE_DSA_INLINE void add_scaled(acc_t* __restrict y, acc_t a, const scalar_t* __restrict x, int64_t n) {
   int64_t e = 0;
   if constexpr (std::is_same_v<acc_t, float>) {
-    for (; e + kChunk <= n; e += kChunk) vstore<kChunk>(y + e, vload<kChunk>(y + e) + a * vload<kChunk>(x + e));
+    for (; e + V <= n; e += V) vstore<V>(y + e, vload<V>(y + e) + a * vload<V>(x + e));
   }
   for (; e < n; ++e) y[e] += a * widen<acc_t>(x[e]);
 }
@@ -391,7 +409,7 @@ MEGASLIDE_DSA_INLINE void add_scaled(acc_t* __restrict y, acc_t a, const scalar_
 // serve all the group's heads at once. Two passes over the samples: the logits of every head (q against the
 // interpolated key row), then the exponentials against each head's maximum, weighting the interpolated value
 // rows; one exponential per (head, sample).
-template <typename scalar_t, typename acc_t>
+template <typename scalar_t, typename acc_t, int V, int kBlock>
 MEGASLIDE_DSA_INLINE void forward_tokens(const Dsa3dForwardParams& p, int64_t begin, int64_t end) {
   const Dsa3dShape& s = p.shape;
   const int64_t N = s.tokens(), M = s.M, d = s.d, K = s.K, Mg = s.M / s.G, L = Mg * d;
@@ -416,9 +434,9 @@ MEGASLIDE_DSA_INLINE void forward_tokens(const Dsa3dForwardParams& p, int64_t be
       load(q + (bn * M + head0) * d, qf.data(), L);
       for (int64_t h = 0; h < Mg; ++h) max[h] = -INFINITY;
       for (int64_t j = 0; j < K; ++j) {
-        interpolate(kb, samples[j], M * d, L, row.data());
+        interpolate<V, kBlock>(kb, samples[j], M * d, L, row.data());
         for (int64_t h = 0; h < Mg; ++h) {
-          const acc_t logit = head_dot(row.data() + h * d, qf.data() + h * d, d) * scale +
+          const acc_t logit = head_dot<V>(row.data() + h * d, qf.data() + h * d, d) * scale +
                               (bias ? bias[(head0 + h) * K + j] : acc_t(0));
           logits[h * K + j] = logit;
           max[h] = logit > max[h] ? logit : max[h];
@@ -432,7 +450,7 @@ MEGASLIDE_DSA_INLINE void forward_tokens(const Dsa3dForwardParams& p, int64_t be
           sum[h] += prob;
           for (int64_t c = 0; c < d; ++c) prob_lanes[h * d + c] = prob;
         }
-        interpolate</*kAccumulate=*/true>(vb, samples[j], M * d, L, acc.data(), prob_lanes.data());
+        interpolate<V, kBlock, /*kAccumulate=*/true>(vb, samples[j], M * d, L, acc.data(), prob_lanes.data());
       }
       scalar_t* o = out + (bn * M + head0) * d;
       for (int64_t h = 0; h < Mg; ++h) {
@@ -450,7 +468,7 @@ MEGASLIDE_DSA_INLINE void forward_tokens(const Dsa3dForwardParams& p, int64_t be
 // dq and dk, prob·w for dv); (3) per distinct row, dq += coef·k, dk += coef·q, dv += coef·dout. The same sums
 // as the per-sample loop, grouped by row: each row is read (and dk, dv written) once per token, not once per
 // sample and corner.
-template <typename scalar_t, typename acc_t>
+template <int V, typename scalar_t, typename acc_t>
 MEGASLIDE_DSA_INLINE void backward_rows(const Dsa3dShape& s, const Sample<acc_t>* samples, CornerRows& table,
                                         std::vector<int32_t>& corner_slot, std::vector<acc_t>& row_dots,
                                         const scalar_t* kb, const scalar_t* vb, acc_t* dkb, acc_t* dvb, const acc_t* qf,
@@ -471,8 +489,8 @@ MEGASLIDE_DSA_INLINE void backward_rows(const Dsa3dShape& s, const Sample<acc_t>
   for (int64_t r = 0; r < R; ++r) {
     const int64_t row = table.rows[r] * stride;
     for (int64_t h = 0; h < Mg; ++h) {
-      qk_r[r * Mg + h] = head_dot(kb + row + h * d, qf + h * d, d);
-      odv_r[r * Mg + h] = head_dot(vb + row + h * d, dof + h * d, d);
+      qk_r[r * Mg + h] = head_dot<V>(kb + row + h * d, qf + h * d, d);
+      odv_r[r * Mg + h] = head_dot<V>(vb + row + h * d, dof + h * d, d);
     }
   }
   for (int64_t j = 0; j < K; ++j) {
@@ -505,9 +523,9 @@ MEGASLIDE_DSA_INLINE void backward_rows(const Dsa3dShape& s, const Sample<acc_t>
     for (int64_t h = 0; h < Mg; ++h) {
       const acc_t a = cq_r[r * Mg + h], b = cv_r[r * Mg + h];
       const int64_t e = h * d;
-      add_scaled(dqf + e, a, kb + row + e, d);
-      add_scaled(dkb + row + e, a, qf + e, d);
-      add_scaled(dvb + row + e, b, dof + e, d);
+      add_scaled<V>(dqf + e, a, kb + row + e, d);
+      add_scaled<V>(dkb + row + e, a, qf + e, d);
+      add_scaled<V>(dvb + row + e, b, dof + e, d);
     }
   }
 }
@@ -516,7 +534,7 @@ MEGASLIDE_DSA_INLINE void backward_rows(const Dsa3dShape& s, const Sample<acc_t>
 // dbias ([M, K], may be null) are accumulated into the given buffers, in token order. Per (token, group)
 // the samples are computed once; per sample and corner the dot products of each head, then the gradient
 // rows of all the group's heads in one pass over their contiguous channels.
-template <typename scalar_t, typename acc_t>
+template <typename scalar_t, typename acc_t, int V>
 MEGASLIDE_DSA_INLINE void backward_tokens(const Dsa3dBackwardParams& p, int64_t bn_begin, int64_t bn_end,
                                           int64_t g_begin, int64_t g_end, acc_t* dk, acc_t* dv, acc_t* dbias) {
   const Dsa3dShape& s = p.shape;
@@ -553,8 +571,8 @@ MEGASLIDE_DSA_INLINE void backward_tokens(const Dsa3dBackwardParams& p, int64_t 
       for (int64_t e = 0; e < L; ++e) dqf[e] = acc_t(0);
       for (int64_t h = 0; h < Mg; ++h) dout_dot_out[h] = dot(out + first + h * d, dof.data() + h * d, d);
       if (by_rows) {
-        backward_rows(s, samples.data(), *table, corner_slot, row_dots, kb, vb, dkb, dvb, qf.data(), dof.data(),
-                      dqf.data(), dout_dot_out.data(), bias, lse + bn * M + head0, head0, scale, dbias, dx.data());
+        backward_rows<V>(s, samples.data(), *table, corner_slot, row_dots, kb, vb, dkb, dvb, qf.data(), dof.data(),
+                         dqf.data(), dout_dot_out.data(), bias, lse + bn * M + head0, head0, scale, dbias, dx.data());
         for (int64_t e = 0; e < L; ++e) dq[first + e] = static_cast<scalar_t>(dqf[e]);
         std::copy(dx.begin(), dx.end(), doffsets + (bn * s.G + g) * K * 3);
         continue;
@@ -567,7 +585,7 @@ MEGASLIDE_DSA_INLINE void backward_tokens(const Dsa3dBackwardParams& p, int64_t 
         for (int64_t h = 0; h < Mg; ++h) {
           const int64_t m = head0 + h;
           acc_t qk[8], odv[8];
-          corner_dots(sp, inert, kb + h * d, vb + h * d, M * d, qf.data() + h * d, dof.data() + h * d, d, qk, odv);
+          corner_dots<V>(sp, inert, kb + h * d, vb + h * d, M * d, qf.data() + h * d, dof.data() + h * d, d, qk, odv);
           const acc_t logit = dsa3d_math::corner_sum(sp.weight, qk) * scale + (bias ? bias[m * K + j] : acc_t(0));
           const auto grad =
               dsa3d_math::sample_grad(logit, lse[bn * M + m], dsa3d_math::corner_sum(sp.weight, odv), dout_dot_out[h]);
@@ -580,8 +598,8 @@ MEGASLIDE_DSA_INLINE void backward_tokens(const Dsa3dBackwardParams& p, int64_t 
           }
         }
         for (int a = 0; a < 3; ++a) dx[3 * j + a] = dx_sample[a];
-        sample_gradients(sp, M * d, L, kb, dkb, dvb, dq_lanes.data(), prob_lanes.data(), qf.data(), dof.data(),
-                         dqf.data());
+        sample_gradients<V>(sp, M * d, L, kb, dkb, dvb, dq_lanes.data(), prob_lanes.data(), qf.data(), dof.data(),
+                            dqf.data());
       }
       for (int64_t e = 0; e < L; ++e) dq[first + e] = static_cast<scalar_t>(dqf[e]);
       std::copy(dx.begin(), dx.end(), doffsets + (bn * s.G + g) * K * 3);
@@ -590,19 +608,19 @@ MEGASLIDE_DSA_INLINE void backward_tokens(const Dsa3dBackwardParams& p, int64_t 
 }
 
 // The entry points, one per instruction set; each inlines the loops above into its own code.
-#define MEGASLIDE_DSA_ENTRY(suffix, target_attr)                                                                  \
+#define MEGASLIDE_DSA_ENTRY(suffix, target_attr, lanes, block)                                                    \
   template <typename scalar_t, typename acc_t>                                                                    \
   target_attr void forward_tokens_##suffix(const Dsa3dForwardParams& p, int64_t begin, int64_t end) {             \
-    forward_tokens<scalar_t, acc_t>(p, begin, end);                                                               \
+    forward_tokens<scalar_t, acc_t, lanes, block>(p, begin, end);                                                 \
   }                                                                                                               \
   template <typename scalar_t, typename acc_t>                                                                    \
   target_attr void backward_tokens_##suffix(const Dsa3dBackwardParams& p, int64_t bn_begin, int64_t bn_end,       \
                                             int64_t g_begin, int64_t g_end, acc_t* dk, acc_t* dv, acc_t* dbias) { \
-    backward_tokens<scalar_t, acc_t>(p, bn_begin, bn_end, g_begin, g_end, dk, dv, dbias);                         \
+    backward_tokens<scalar_t, acc_t, lanes>(p, bn_begin, bn_end, g_begin, g_end, dk, dv, dbias);                  \
   }
-MEGASLIDE_DSA_ENTRY(baseline, )
-MEGASLIDE_DSA_ENTRY(avx2, __attribute__((target("avx2,fma,f16c"))))
-MEGASLIDE_DSA_ENTRY(avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))))
+MEGASLIDE_DSA_ENTRY(baseline, , 4, 8)
+MEGASLIDE_DSA_ENTRY(avx2, __attribute__((target("avx2,fma,f16c"))), 8, 8)
+MEGASLIDE_DSA_ENTRY(avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))), 16, 8)
 #undef MEGASLIDE_DSA_ENTRY
 
 std::atomic<Dsa3dCpuIsa> forced_isa{Dsa3dCpuIsa::kAuto};
