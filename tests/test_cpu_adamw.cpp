@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -462,6 +463,37 @@ TEST(CpuAdamWNarrowState, NonFiniteValuesGiveTheScalarKernelsBits) {
       EXPECT_TRUE(same_bits_or_both_nan(scalar.v, got.v)) << what << ": exp_avg_sq";
       EXPECT_TRUE(bitwise_equal(scalar.compute, got.compute)) << what << ": compute";
     }
+  }
+}
+
+// int8 groups whose maxima or their reciprocals are not finite, with no NaN moment (whose maxima the contract
+// leaves open): the vector paths round them with the clamps, as the scalar kernel, and give its codes and scales.
+// Group 1: moments below 127 / FLT_MAX (the reciprocal of the maximum overflows) and zeros among them; group 2: a
+// gradient whose square overflows (v and its square root infinite, the weight finite); group 3: a gradient near
+// FLT_MAX in m; group 0 and the rest: ordinary.
+TEST(CpuAdamWNarrowState, Int8GroupsWithNonFiniteScalesGiveTheScalarKernelsBits) {
+  const int64_t n = 1100;  // 4 whole groups and a short one
+  const auto run = [&](SimdPath path) {
+    NarrowState st(StateDtype::kInt8, n, 9);
+    torch::manual_seed(1);
+    torch::Tensor grad = torch::randn({n});
+    grad.slice(0, 256, 512).mul_(1e-38f);
+    grad.slice(0, 256, 512, 3).zero_();
+    grad[600].fill_(3e38f);
+    grad[800].fill_(-3e38f);
+    grad = grad.to(torch::kBFloat16);
+    CpuAdamW(test_options(), 1, path).step_block(st.view(grad), 1, lr_at(1), 1.f);
+    return st;
+  };
+  const NarrowState scalar = run(SimdPath::kScalar);
+  const float m1 = scalar.m_scale[1].item<float>() * 127.f;  // group 1's max |m|
+  ASSERT_TRUE(m1 > 0.f && m1 < 127.f / std::numeric_limits<float>::max())
+      << "group 1's max |m| " << m1 << " leaves 127 / max finite: the premise broke";
+  ASSERT_TRUE(std::isinf(scalar.v_scale[2].item<float>())) << "group 2's sqrt(v) is finite: the premise broke";
+  ASSERT_FALSE(torch::isnan(scalar.master).any().item<bool>()) << "a NaN weight: the premise broke";
+  for (SimdPath path : kPaths) {
+    if (path == SimdPath::kScalar || !CpuAdamW::supported(path)) continue;
+    expect_same_state(scalar, run(path), path_name(path));
   }
 }
 

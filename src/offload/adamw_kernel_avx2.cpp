@@ -194,6 +194,10 @@ struct Avx2 {
     const __m256i positive = _mm256_castps_si256(_mm256_cmp_ps(u, _mm256_setzero_ps(), _CMP_GT_OQ));
     return _mm256_max_epi32(codes, _mm256_and_si256(positive, _mm256_set1_epi32(1)));
   }
+  // The same where u is +0 or positive (never NaN or negative): its bits as an int32 are then 0 or positive.
+  static I at_least_one_where_positive_not_nan(I codes, F u) {
+    return _mm256_max_epi32(codes, _mm256_min_epi32(_mm256_castps_si256(u), _mm256_set1_epi32(1)));
+  }
 };
 
 }  // namespace

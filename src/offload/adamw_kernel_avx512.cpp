@@ -121,6 +121,7 @@ struct Avx512 {
     return _mm512_mask_max_epi32(codes, _mm512_cmp_ps_mask(u, _mm512_setzero_ps(), _CMP_GT_OQ), codes,
                                  _mm512_set1_epi32(1));
   }
+  static I at_least_one_where_positive_not_nan(I codes, F u) { return at_least_one_where_positive(codes, u); }
 };
 
 }  // namespace

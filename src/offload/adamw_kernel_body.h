@@ -17,6 +17,7 @@
 //   set1 zero add mul div fma sqrt min max abs   IEEE fp32 lane by lane; min and max as x86 has them (the
 //                 second operand where either is NaN), which decides what the int8 group maxima do with NaN
 //   round_to_i32 (nearest even) truncate_to_i32 at_least_one_where_positive max_lane first_lane store_fence
+//   at_least_one_where_positive_not_nan   the same for u >= +0 or u > 0, never NaN
 //   store_i8_x4 store_u8_x4   four whole vectors of int32 lanes saturated to 4 * kLanes bytes
 //   kScalarProbeTail   whether the stream probe's last partial vector goes to stream_probe_scalar
 // The body performs the contract of adamw_kernels.h in its order, so every path gives the scalar kernel's
@@ -199,6 +200,7 @@ inline void adamw_int8_group(const AdamWKernelParams& p, const Constants<Simd>& 
   const F m_scale = Simd::set1(p.exp_avg_scale[q]), u_scale = Simd::set1(p.exp_avg_sq_scale[q]);
   alignas(sizeof(F)) float m_new[kQuantGroup], u_new[kQuantGroup];
   F m_max = Simd::zero(), u_max = Simd::zero();
+  bool nan = false;  // whether a lane of m or v may be NaN (Moments::nan)
   const auto update = [&](int64_t j, typename Simd::Mask k, auto stream_tag) {
     const F u_old = Simd::mul(Simd::load_u8(u_codes + j, k), u_scale);
     const F m_old = Simd::mul(Simd::load_i8(m_codes + j, k), m_scale);
@@ -208,6 +210,7 @@ inline void adamw_int8_group(const AdamWKernelParams& p, const Constants<Simd>& 
     Simd::store_aligned(u_new + j, r.u);
     m_max = Simd::max(m_max, Simd::abs(r.m));
     u_max = Simd::max(u_max, r.u);
+    nan |= r.nan;
   };
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) {
@@ -217,26 +220,46 @@ inline void adamw_int8_group(const AdamWKernelParams& p, const Constants<Simd>& 
   // Streaming stores need whole vectors; a partial one takes the ordinary store.
   if (j < n) update(j, Simd::first(n - j), std::false_type{});
   const float m_amax = Simd::max_lane(m_max), u_amax = Simd::max_lane(u_max);
-  const F m_inv = Simd::set1(m_amax > 0.f ? 127.f / m_amax : 0.f);
-  const F u_inv = Simd::set1(u_amax > 0.f ? 255.f / u_amax : 0.f);
+  const float m_inv_s = m_amax > 0.f ? 127.f / m_amax : 0.f, u_inv_s = u_amax > 0.f ? 255.f / u_amax : 0.f;
+  const F m_inv = Simd::set1(m_inv_s), u_inv = Simd::set1(u_inv_s);
   const F m_lo = Simd::set1(-127.f), m_hi = Simd::set1(127.f);
   const F u_lo = Simd::zero(), u_hi = Simd::set1(255.f);
-  const auto m_code = [&](int64_t k) { return quantise<Simd>(Simd::load_aligned(m_new + k), m_inv, m_lo, m_hi); };
-  const auto u_code = [&](int64_t k) {
-    const F u = Simd::load_aligned(u_new + k);
-    return Simd::at_least_one_where_positive(quantise<Simd>(u, u_inv, u_lo, u_hi), u);
+  const auto requantise_all = [&](auto m_code, auto u_code) __attribute__((always_inline)) {
+    // Four vectors at a time where the group has them: their codes narrow and store together.
+    int64_t k = 0;
+    for (; k + 4 * kLanes <= n; k += 4 * kLanes) {
+      Simd::store_i8_x4(m_codes + k, m_code(k), m_code(k + kLanes), m_code(k + 2 * kLanes), m_code(k + 3 * kLanes));
+      Simd::store_u8_x4(u_codes + k, u_code(k), u_code(k + kLanes), u_code(k + 2 * kLanes), u_code(k + 3 * kLanes));
+    }
+    const auto requantise = [&](int64_t at, typename Simd::Mask live) __attribute__((always_inline)) {
+      Simd::store_i8(m_codes + at, m_code(at), live);
+      Simd::store_u8(u_codes + at, u_code(at), live);
+    };
+    for (; k + kLanes <= n; k += kLanes) requantise(k, Simd::all());
+    if (k < n) requantise(k, Simd::first(n - k));
   };
-  const auto requantise = [&](int64_t k, typename Simd::Mask live) {
-    Simd::store_i8(m_codes + k, m_code(k), live);
-    Simd::store_u8(u_codes + k, u_code(k), live);
-  };
-  // Four vectors at a time where the group has them: their codes narrow and store together.
-  for (j = 0; j + 4 * kLanes <= n; j += 4 * kLanes) {
-    Simd::store_i8_x4(m_codes + j, m_code(j), m_code(j + kLanes), m_code(j + 2 * kLanes), m_code(j + 3 * kLanes));
-    Simd::store_u8_x4(u_codes + j, u_code(j), u_code(j + kLanes), u_code(j + 2 * kLanes), u_code(j + 3 * kLanes));
+  // No NaN among the group's moments and finite maxima and reciprocals: then |m · m_inv| <= 127 · (1 + 2^-23)^2
+  // and 0 <= u · u_inv <= 255 · (1 + 2^-23)^2, so rounding gives codes within range without the clamps (the same
+  // codes), and u > 0 is its bits > 0 as an integer. Otherwise the clamped rounding decides NaN and infinities.
+  constexpr float kMax = __FLT_MAX__;
+  if (!nan && m_amax <= kMax && u_amax <= kMax && m_inv_s <= kMax && u_inv_s <= kMax) {
+    requantise_all(
+        [&](int64_t k) __attribute__((always_inline)) {
+          return Simd::round_to_i32(Simd::mul(Simd::load_aligned(m_new + k), m_inv));
+        },
+        [&](int64_t k) __attribute__((always_inline)) {
+          const F u = Simd::load_aligned(u_new + k);
+          return Simd::at_least_one_where_positive_not_nan(Simd::round_to_i32(Simd::mul(u, u_inv)), u);
+        });
+  } else {
+    requantise_all(
+        [&](int64_t k)
+            __attribute__((always_inline)) { return quantise<Simd>(Simd::load_aligned(m_new + k), m_inv, m_lo, m_hi); },
+        [&](int64_t k) __attribute__((always_inline)) {
+          const F u = Simd::load_aligned(u_new + k);
+          return Simd::at_least_one_where_positive(quantise<Simd>(u, u_inv, u_lo, u_hi), u);
+        });
   }
-  for (; j + kLanes <= n; j += kLanes) requantise(j, Simd::all());
-  if (j < n) requantise(j, Simd::first(n - j));
   p.exp_avg_scale[q] = m_amax / 127.f;
   p.exp_avg_sq_scale[q] = u_amax / 255.f;
 }
