@@ -5,9 +5,12 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstdio>
 #include <functional>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -421,6 +424,43 @@ TEST(Dsa3d, FusedCpuFloat16MatchesFloat32Reference) {
 // float32 to 1e-5, bfloat16 to 1e-2 of the largest value — with a group's channels (heads × d) both shorter
 // than the kernels' 16-channel chunk (2 × 6, 2 × 8) and spanning chunks with a tail (2 × 20 = 40), and with d a
 // multiple of 8 or 16 (8, 32), where the backward reduces a sample's corners together.
+// The fused CPU forward's softmax numerators (vectors of samples, not expf): within 2 ulp of e^x on [-87, 0] (the
+// range the softmax uses: logit minus its maximum), e^0 exactly 1, 0 below -87 and for -inf, NaN for NaN, on every
+// instruction set the CPU has, with a tail shorter than a vector.
+TEST(Dsa3d, CpuForwardExponentialIsWithinTwoUlpOnEveryInstructionSet) {
+  namespace detail = megaslide::ops::detail;
+  struct Restore {
+    ~Restore() { detail::set_dsa3d_cpu_isa(detail::Dsa3dCpuIsa::kAuto); }
+  } restore;
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  for (const auto isa : {detail::Dsa3dCpuIsa::kBaseline, detail::Dsa3dCpuIsa::kAvx2, detail::Dsa3dCpuIsa::kAvx512}) {
+    try {
+      detail::set_dsa3d_cpu_isa(isa);
+    } catch (const std::invalid_argument&) {
+      continue;
+    }
+    SCOPED_TRACE(detail::to_string(isa));
+    std::vector<float> x;
+    const int64_t n = 200003;
+    for (int64_t i = 0; i < n; ++i) x.push_back(-87.f * static_cast<float>(i) / static_cast<float>(n - 1));
+    for (float v : {-0.f, -1e-30f, -1e-7f, -0.34657359f, -0.34657362f, -86.999f, -87.f}) x.push_back(v);
+    const size_t checked = x.size();
+    for (float v : {-87.001f, -100.f, -1e30f, -inf, nan}) x.push_back(v);
+    std::vector<float> y = x;
+    detail::dsa3d_cpu_exp(y.data(), static_cast<int64_t>(y.size()));
+    double worst = 0;
+    for (size_t i = 0; i < checked; ++i) {
+      const double want = std::exp(static_cast<double>(x[i]));
+      worst = std::max(worst, std::abs(y[i] - want) / want);
+    }
+    EXPECT_LE(worst, 2.0 * std::ldexp(1.0, -23)) << "largest relative error";
+    EXPECT_EQ(y[n - 1 + 1], 1.f) << "e^-0";
+    EXPECT_EQ(y[0], 1.f) << "e^0";
+    for (size_t i = checked; i + 1 < x.size(); ++i) EXPECT_EQ(y[i], 0.f) << "e^" << x[i];
+    EXPECT_TRUE(std::isnan(y.back()));
+  }
+}
+
 TEST(Dsa3d, FusedCpuMatchesReferenceOnEveryInstructionSet) {
   namespace detail = megaslide::ops::detail;
   struct Restore {

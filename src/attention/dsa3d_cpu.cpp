@@ -216,6 +216,47 @@ MEGASLIDE_DSA_INLINE void corner_dots(const Sample<acc_t>& sp, const bool* inert
   }
 }
 
+// e^x lane by lane for x <= 88, the forward's softmax numerators (x <= 0 there): n = round(x / ln 2), r = x - n·ln 2
+// in two parts (|r| <= ln 2 / 2), e^r by a degree-6 polynomial, then 2^n added to the exponent bits. About 1 ulp
+// from expf; 0 below -87 (e^-87 = 1.6e-38: there 2^n·e^r would leave the normal range), NaN for NaN, +inf above 88.
+template <int V>
+MEGASLIDE_DSA_INLINE typename Lanes<V>::F exp_lanes(typename Lanes<V>::F x) {
+  using F = typename Lanes<V>::F;
+  typedef int32_t I __attribute__((vector_size(4 * V)));
+  const F lo = F{} - 87.f, hi = F{} + 88.f;
+  const F xc = x < lo ? lo : (x > hi ? hi : x);  // NaN: neither, kept
+  const F shift = F{} + 12582912.f;              // 1.5·2^23: adding and subtracting it rounds to an integer
+  const F n = (xc * 1.44269504f + shift) - shift;
+  const F r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;  // ln 2 = 0.693359375 - 2.12194440e-4
+  F p = F{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3333452301e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const F y = p * (r * r) + r + 1.f;  // in [0.7, 1.42), so 2^n·y stays normal for -87 <= x <= 88
+  const F e = (F)((I)y + (__builtin_convertvector(n, I) << 23));
+  return x < lo ? F{} : (x > hi ? F{} + __builtin_inff() : (x == x ? e : x));
+}
+
+// x[0, n) = e^(x - max): V lanes at a time for fp32 (exp_lanes), exp_of for the rest and for float64.
+template <int V, typename acc_t>
+MEGASLIDE_DSA_INLINE void exponentiate(acc_t* x, int64_t n, acc_t max) {
+  int64_t j = 0;
+  if constexpr (std::is_same_v<acc_t, float>) {
+    using F = typename Lanes<V>::F;
+    for (; j + V <= n; j += V) vstore<V>(x + j, exp_lanes<V>(vload<V>(x + j) - max));
+    if (j < n) {
+      float tail[V];
+      for (int64_t t = 0; t < V; ++t) tail[t] = j + t < n ? x[j + t] - max : 0.f;
+      const F e = exp_lanes<V>(vload<V>(tail));
+      for (int64_t t = 0; j + t < n; ++t) x[j + t] = e[t];
+    }
+    return;
+  }
+  for (; j < n; ++j) x[j] = dsa3d_math::exp_of(x[j] - max);
+}
+
 template <typename scalar_t, typename acc_t>
 MEGASLIDE_DSA_INLINE void load(const scalar_t* x, acc_t* y, int64_t n) {
   for (int64_t c = 0; c < n; ++c) y[c] = widen<acc_t>(x[c]);
@@ -442,14 +483,18 @@ MEGASLIDE_DSA_INLINE void forward_tokens(const Dsa3dForwardParams& p, int64_t be
           max[h] = logit > max[h] ? logit : max[h];
         }
       }
+      // Every head's numerators first, in the logits' place (vectors of samples), summed in sample order.
+      for (int64_t h = 0; h < Mg; ++h) {
+        acc_t* prob = logits.data() + h * K;
+        exponentiate<V>(prob, K, max[h]);
+        acc_t total = 0;
+        for (int64_t j = 0; j < K; ++j) total += prob[j];
+        sum[h] = total;
+      }
       for (int64_t e = 0; e < L; ++e) acc[e] = acc_t(0);
-      for (int64_t h = 0; h < Mg; ++h) sum[h] = acc_t(0);
       for (int64_t j = 0; j < K; ++j) {
-        for (int64_t h = 0; h < Mg; ++h) {
-          const acc_t prob = dsa3d_math::exp_of(logits[h * K + j] - max[h]);
-          sum[h] += prob;
-          for (int64_t c = 0; c < d; ++c) prob_lanes[h * d + c] = prob;
-        }
+        for (int64_t h = 0; h < Mg; ++h)
+          for (int64_t c = 0; c < d; ++c) prob_lanes[h * d + c] = logits[h * K + j];
         interpolate<V, kBlock, /*kAccumulate=*/true>(vb, samples[j], M * d, L, acc.data(), prob_lanes.data());
       }
       scalar_t* o = out + (bn * M + head0) * d;
@@ -617,7 +662,8 @@ MEGASLIDE_DSA_INLINE void backward_tokens(const Dsa3dBackwardParams& p, int64_t 
   target_attr void backward_tokens_##suffix(const Dsa3dBackwardParams& p, int64_t bn_begin, int64_t bn_end,       \
                                             int64_t g_begin, int64_t g_end, acc_t* dk, acc_t* dv, acc_t* dbias) { \
     backward_tokens<scalar_t, acc_t, lanes>(p, bn_begin, bn_end, g_begin, g_end, dk, dv, dbias);                  \
-  }
+  }                                                                                                               \
+  target_attr void exp_##suffix(float* x, int64_t n) { exponentiate<lanes>(x, n, 0.f); }
 MEGASLIDE_DSA_ENTRY(baseline, , 4, 8)
 MEGASLIDE_DSA_ENTRY(avx2, __attribute__((target("avx2,fma,f16c"))), 8, 8)
 MEGASLIDE_DSA_ENTRY(avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))), 16, 8)
@@ -749,6 +795,17 @@ const char* to_string(Dsa3dCpuIsa isa) {
       return "avx512";
   }
   return "?";
+}
+
+void dsa3d_cpu_exp(float* x, int64_t n) {
+  switch (dsa3d_cpu_isa()) {
+    case Dsa3dCpuIsa::kAvx512:
+      return exp_avx512(x, n);
+    case Dsa3dCpuIsa::kAvx2:
+      return exp_avx2(x, n);
+    default:
+      return exp_baseline(x, n);
+  }
 }
 
 void dsa3d_forward_cpu(const Dsa3dForwardParams& p) {

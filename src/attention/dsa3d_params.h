@@ -133,6 +133,9 @@ enum class Dsa3dCpuIsa { kAuto, kBaseline, kAvx2, kAvx512 };
 void set_dsa3d_cpu_isa(Dsa3dCpuIsa isa);
 Dsa3dCpuIsa dsa3d_cpu_isa();  // the one in use, never kAuto
 const char* to_string(Dsa3dCpuIsa isa);
+// x[i] = e^x[i] as the fused CPU forward takes its softmax numerators on the instruction set in use (fp32: vectors of
+// samples, within about 1 ulp of expf; 0 below -87, NaN for NaN). For tests.
+void dsa3d_cpu_exp(float* x, int64_t n);
 
 // CUDA backend (kernels/dsa3d.cu), compiled when MEGASLIDE_WITH_CUDA: launches on `stream`, checks
 // every launch. Head size d <= kCudaMaxHeadDim.
