@@ -467,22 +467,25 @@ TEST(CpuAdamWNarrowState, NonFiniteValuesGiveTheScalarKernelsBits) {
 }
 
 // int8 groups whose maxima or their reciprocals are not finite, with no NaN moment (whose maxima the contract
-// leaves open): the vector paths round them with the clamps, as the scalar kernel, and give its codes and scales.
-// Group 1: moments below 127 / FLT_MAX (the reciprocal of the maximum overflows) and zeros among them; group 2: a
-// gradient whose square overflows (v and its square root infinite, the weight finite); group 3: a gradient near
-// FLT_MAX in m; group 0 and the rest: ordinary.
+// leaves open): the vector paths give the scalar kernel's codes and scales. Two steps. Group 1: moments below
+// 127 / FLT_MAX (the reciprocal of the maximum overflows) and zeros among them, which the clamped rounding must
+// take; groups 2 and 4: a gradient whose square overflows (sqrt(v) and its scale infinite, the weights finite), so
+// the second step dequantises infinite v; group 4 is the short last group, whose last vector is partial on every
+// path (its lanes past the end must not enter the maxima); group 0 and 3: ordinary.
 TEST(CpuAdamWNarrowState, Int8GroupsWithNonFiniteScalesGiveTheScalarKernelsBits) {
-  const int64_t n = 1100;  // 4 whole groups and a short one
+  const int64_t n = 1100;  // 4 whole groups and one of 76 elements
   const auto run = [&](SimdPath path) {
     NarrowState st(StateDtype::kInt8, n, 9);
-    torch::manual_seed(1);
-    torch::Tensor grad = torch::randn({n});
-    grad.slice(0, 256, 512).mul_(1e-38f);
-    grad.slice(0, 256, 512, 3).zero_();
-    grad[600].fill_(3e38f);
-    grad[800].fill_(-3e38f);
-    grad = grad.to(torch::kBFloat16);
-    CpuAdamW(test_options(), 1, path).step_block(st.view(grad), 1, lr_at(1), 1.f);
+    CpuAdamW adamw(test_options(), 1, path);
+    for (int step = 1; step <= 2; ++step) {
+      torch::manual_seed(step);
+      torch::Tensor grad = torch::randn({n});
+      grad.slice(0, 256, 512).mul_(1e-38f);
+      grad.slice(0, 256, 512, 3).zero_();
+      grad[600].fill_(3e38f);
+      grad[1050].fill_(-3e38f);
+      adamw.step_block(st.view(grad.to(torch::kBFloat16)), step, lr_at(step), 1.f);
+    }
     return st;
   };
   const NarrowState scalar = run(SimdPath::kScalar);
@@ -490,10 +493,46 @@ TEST(CpuAdamWNarrowState, Int8GroupsWithNonFiniteScalesGiveTheScalarKernelsBits)
   ASSERT_TRUE(m1 > 0.f && m1 < 127.f / std::numeric_limits<float>::max())
       << "group 1's max |m| " << m1 << " leaves 127 / max finite: the premise broke";
   ASSERT_TRUE(std::isinf(scalar.v_scale[2].item<float>())) << "group 2's sqrt(v) is finite: the premise broke";
+  ASSERT_TRUE(std::isinf(scalar.v_scale[4].item<float>())) << "group 4's sqrt(v) is finite: the premise broke";
   ASSERT_FALSE(torch::isnan(scalar.master).any().item<bool>()) << "a NaN weight: the premise broke";
   for (SimdPath path : kPaths) {
     if (path == SimdPath::kScalar || !CpuAdamW::supported(path)) continue;
     expect_same_state(scalar, run(path), path_name(path));
+  }
+}
+
+// A NaN moment leaves its group's maxima open (adamw_kernels.h), but never its codes' range: m codes stay within
+// [-127, 127] on every path (the vector paths round a group with a NaN moment with the clamps), and the groups
+// without one give the scalar kernel's bits.
+TEST(CpuAdamWNarrowState, Int8CodesStayInRangeBesideNaNMoments) {
+  const int64_t n = 1100;
+  const auto run = [&](SimdPath path) {
+    NarrowState st(StateDtype::kInt8, n, 4);
+    torch::manual_seed(1);
+    torch::Tensor grad = torch::randn({n});
+    grad[300].fill_(std::numeric_limits<float>::quiet_NaN());
+    grad[1090].fill_(std::numeric_limits<float>::quiet_NaN());
+    CpuAdamW(test_options(), 1, path).step_block(st.view(grad.to(torch::kBFloat16)), 1, lr_at(1), 1.f);
+    return st;
+  };
+  const NarrowState scalar = run(SimdPath::kScalar);
+  for (SimdPath path : kPaths) {
+    if (!CpuAdamW::supported(path)) continue;
+    const NarrowState got = run(path);
+    EXPECT_TRUE((got.m != -128).all().item<bool>()) << path_name(path) << ": an m code of -128";
+    if (path == SimdPath::kScalar) continue;
+    for (const auto& [from, to] : std::vector<std::pair<int64_t, int64_t>>{{0, 256}, {512, 1024}}) {
+      const std::string what = std::string(path_name(path)) + ", elements " + std::to_string(from) + "..";
+      EXPECT_TRUE(bitwise_equal(scalar.master.slice(0, from, to), got.master.slice(0, from, to))) << what;
+      EXPECT_TRUE(bitwise_equal(scalar.m.slice(0, from, to), got.m.slice(0, from, to))) << what;
+      EXPECT_TRUE(bitwise_equal(scalar.v.slice(0, from, to), got.v.slice(0, from, to))) << what;
+      EXPECT_TRUE(
+          bitwise_equal(scalar.m_scale.slice(0, from / 256, to / 256), got.m_scale.slice(0, from / 256, to / 256)))
+          << what;
+      EXPECT_TRUE(
+          bitwise_equal(scalar.v_scale.slice(0, from / 256, to / 256), got.v_scale.slice(0, from / 256, to / 256)))
+          << what;
+    }
   }
 }
 

@@ -197,8 +197,8 @@ MEGASLIDE_DSA_INLINE void corner_dots_side_by_side(const Sample<float>& sp, cons
 
 // A sample's per-corner products for one head: qk[c] = q·k[corner c], odv[c] = dout·v[corner c] over the
 // head's d channels (k_head, v_head: the head's first channel of token 0's row), 0 for inert corners. With
-// d a multiple of 16 or 8 (fp32 accumulation) the corners run side by side in vectors, each chunk of q and
-// dout loaded once, and their sums are reduced together.
+// d a multiple of 16 (AVX-512) or 8 (AVX2 and AVX-512; fp32 accumulation) the corners run side by side in vectors,
+// each chunk of q and dout loaded once, and their sums are reduced together; the baseline takes them one by one.
 template <int V, typename scalar_t, typename acc_t>
 MEGASLIDE_DSA_INLINE void corner_dots(const Sample<acc_t>& sp, const bool* inert, const scalar_t* k_head,
                                       const scalar_t* v_head, int64_t row_stride, const acc_t* q, const acc_t* dout,

@@ -201,24 +201,33 @@ inline void adamw_int8_group(const AdamWKernelParams& p, const Constants<Simd>& 
   alignas(sizeof(F)) float m_new[kQuantGroup], u_new[kQuantGroup];
   F m_max = Simd::zero(), u_max = Simd::zero();
   bool nan = false;  // whether a lane of m or v may be NaN (Moments::nan)
-  const auto update = [&](int64_t j, typename Simd::Mask k, auto stream_tag) {
+  const auto update = [&](int64_t j, typename Simd::Mask k, auto stream_tag, auto partial_tag) {
     const F u_old = Simd::mul(Simd::load_u8(u_codes + j, k), u_scale);
     const F m_old = Simd::mul(Simd::load_i8(m_codes + j, k), m_scale);
     const Moments<Simd> r =
         adamw_core<Simd, G, C, decltype(stream_tag)::value>(p, c, begin + j, k, m_old, Simd::mul(u_old, u_old));
-    Simd::store_aligned(m_new + j, r.m);  // dead lanes are 0 (zero inputs)
+    Simd::store_aligned(m_new + j, r.m);
     Simd::store_aligned(u_new + j, r.u);
-    m_max = Simd::max(m_max, Simd::abs(r.m));
-    u_max = Simd::max(u_max, r.u);
+    F m = r.m, u = r.u;
+    if constexpr (decltype(partial_tag)::value) {
+      // A partial vector's dead lanes start from zero inputs but may still not be 0 (an infinite scale times a
+      // zero code is NaN): read back with the live lanes only, so that they cannot enter the maxima.
+      m = Simd::load_f32(m_new + j, k);
+      u = Simd::load_f32(u_new + j, k);
+      Simd::store_aligned(m_new + j, m);
+      Simd::store_aligned(u_new + j, u);
+    }
+    m_max = Simd::max(m_max, Simd::abs(m));
+    u_max = Simd::max(u_max, u);
     nan |= r.nan;
   };
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) {
     prefetch_ahead<Simd, G, StateType::kInt8>(p, begin + j);
-    update(j, Simd::all(), std::bool_constant<kStream>{});
+    update(j, Simd::all(), std::bool_constant<kStream>{}, std::false_type{});
   }
   // Streaming stores need whole vectors; a partial one takes the ordinary store.
-  if (j < n) update(j, Simd::first(n - j), std::false_type{});
+  if (j < n) update(j, Simd::first(n - j), std::false_type{}, std::true_type{});
   const float m_amax = Simd::max_lane(m_max), u_amax = Simd::max_lane(u_max);
   const float m_inv_s = m_amax > 0.f ? 127.f / m_amax : 0.f, u_inv_s = u_amax > 0.f ? 255.f / u_amax : 0.f;
   const F m_inv = Simd::set1(m_inv_s), u_inv = Simd::set1(u_inv_s);
