@@ -23,6 +23,7 @@
 #include <iostream>
 #include <iterator>
 #include <map>
+#include <regex>
 
 #include "megaslide/config/run_config.h"
 #include "megaslide/io/files.h"
@@ -107,6 +108,13 @@ TEST(MegaslideTrain, ShortRunWritesConfigMetricsAndLog) {
   std::ifstream log(join_path(dir, "train.log"));
   std::string log_text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
   EXPECT_NE(log_text.find("step 3/3"), std::string::npos) << log_text;
+  // The tool installs the CPU tensor cache (tools/tool_support.h), and the log's last lines say what it did.
+  std::smatch cache;
+  ASSERT_TRUE(std::regex_search(log_text, cache,
+                                std::regex("CPU tensor cache at the end: ([0-9]+) of ([0-9]+) allocations of [^ ]+ "
+                                           "[^ ]+ or more served from spare blocks, [^ ]+ [^ ]+ of spare blocks held")))
+      << log_text;
+  EXPECT_LE(std::stoll(cache[1]), std::stoll(cache[2]));
   megaslide::io::remove_tree(dir);
 }
 

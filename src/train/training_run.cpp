@@ -488,6 +488,12 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   if (!options.trace_path.empty() && trainer.streams())
     log.info(fmt::format("trace of step {} in {}", std::min(options.trace_step, train.steps), options.trace_path));
   log.info(fmt::format("done: {} steps; metrics in {}", result.steps_done, io::join_path(run_dir, "metrics.jsonl")));
+  if (const auto cache = util::cpu_tensor_cache_stats())
+    log.info(fmt::format(
+        "CPU tensor cache at the end: {} of {} allocations of {} or more served from spare blocks, {} "
+        "of spare blocks held (cap {})",
+        cache->hits, cache->hits + cache->misses, human_bytes(static_cast<double>(cache->min_block_bytes)),
+        human_bytes(static_cast<double>(cache->cached_bytes)), human_bytes(static_cast<double>(cache->cap_bytes))));
   // ComfyUI's layout: the Wan family's weights under their original names (model/wan_weights.h).
   const auto write_export = [&](const std::string& path, const io::NamedTensors& weights) {
     if (config.lora.rank > 0) {  // the adapters: a LoRA file (per expert), ComfyUI's LoRA names for its layouts
