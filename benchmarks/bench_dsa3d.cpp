@@ -277,21 +277,20 @@ template <int N>
 struct FloatLanes {
   typedef float V __attribute__((vector_size(4 * N)));
 };
-// kChains: 16 where the unit has 32 vector registers (AVX-512), 12 where it has 16 (AVX2, SSE): the chains and the
+// chains_for: 16 where the unit has 32 vector registers (AVX-512), 12 where it has 16 (AVX2, SSE): the chains and the
 // two operands must stay in registers (16 chains on AVX2 spilled and measured 80 of its 132 GFLOP/s a core here);
 // either count covers the FMA latency times the FMA units.
-template <int N>
-constexpr int kChains = N == 16 ? 16 : 12;
+constexpr int chains_for(int lanes) { return lanes == 16 ? 16 : 12; }
 template <int N>
 __attribute__((always_inline)) inline float fma_chains(int64_t iterations) {
   using V = typename FloatLanes<N>::V;
-  V acc[kChains<N>];
-  for (int i = 0; i < kChains<N>; ++i) acc[i] = V{} + 1e-3f * static_cast<float>(i);
+  V acc[chains_for(N)];
+  for (int i = 0; i < chains_for(N); ++i) acc[i] = V{} + 1e-3f * static_cast<float>(i);
   const V a = V{} + 0.999f, b = V{} + 1e-3f;
   for (int64_t it = 0; it < iterations; ++it)
-    for (int i = 0; i < kChains<N>; ++i) acc[i] = acc[i] * a + b;
+    for (int i = 0; i < chains_for(N); ++i) acc[i] = acc[i] * a + b;
   float sum = 0.f;
-  for (int i = 0; i < kChains<N>; ++i)
+  for (int i = 0; i < chains_for(N); ++i)
     for (int l = 0; l < N; ++l) sum += acc[i][l];
   return sum;
 }
@@ -318,8 +317,7 @@ const char* peak_unit() {
 double fma_peak_gflops(int threads) {
   const int lanes = peak_lanes();
   const int64_t iterations = 20'000'000;
-  const int chains = lanes == 16 ? kChains<16> : lanes == 8 ? kChains<8> : kChains<4>;
-  const double flops_per_thread = 2.0 * chains * lanes * static_cast<double>(iterations);
+  const double flops_per_thread = 2.0 * chains_for(lanes) * lanes * static_cast<double>(iterations);
   double best = 0.0;
   for (int run = 0; run < 3; ++run) {
     std::vector<float> sinks(threads);
@@ -725,15 +723,13 @@ int main(int argc, char** argv) {
   if (!isa.empty()) {
     namespace detail = ops::detail;
     const struct {
-      const char* name;
       detail::Dsa3dCpuIsa isa;
       int lanes;
-    } choices[] = {{"baseline", detail::Dsa3dCpuIsa::kBaseline, 4},
-                   {"avx2", detail::Dsa3dCpuIsa::kAvx2, 8},
-                   {"avx512", detail::Dsa3dCpuIsa::kAvx512, 16}};
+    } choices[] = {
+        {detail::Dsa3dCpuIsa::kBaseline, 4}, {detail::Dsa3dCpuIsa::kAvx2, 8}, {detail::Dsa3dCpuIsa::kAvx512, 16}};
     bool known = false;
     for (const auto& c : choices)
-      if (isa == c.name) {
+      if (isa == detail::to_string(c.isa)) {
         known = true;
         try {
           detail::set_dsa3d_cpu_isa(c.isa);

@@ -323,30 +323,25 @@ MEGASLIDE_DSA_INLINE void interpolate(const scalar_t* base, const SampleT& sp, i
   int64_t e = 0;
   if constexpr (std::is_same_v<acc_t, float>) {
     using F = typename Lanes<V>::F;
-    for (; e + kBlock * V <= L; e += kBlock * V) {
-      F a[kBlock];
-      for (int b = 0; b < kBlock; ++b) a[b] = F{};
+    // nb vectors from channel e on: corner by corner, nb independent sums.
+    const auto vectors = [&](auto nb) __attribute__((always_inline)) {
+      constexpr int NB = decltype(nb)::value;
+      F a[NB];
+      for (int b = 0; b < NB; ++b) a[b] = F{};
       for (int c = 0; c < n; ++c) {
         const F wc = F{} + w[c];
-        for (int b = 0; b < kBlock; ++b) a[b] += wc * vload<V>(rows[c] + e + b * V);
+        for (int b = 0; b < NB; ++b) a[b] += wc * vload<V>(rows[c] + e + b * V);
       }
-      for (int b = 0; b < kBlock; ++b) {
+      for (int b = 0; b < NB; ++b) {
         if constexpr (kAccumulate) {
           vstore<V>(out + e + b * V, vload<V>(out + e + b * V) + vload<V>(coef + e + b * V) * a[b]);
         } else {
           vstore<V>(out + e + b * V, a[b]);
         }
       }
-    }
-    for (; e + V <= L; e += V) {
-      typename Lanes<V>::F a = {};
-      for (int c = 0; c < n; ++c) a += w[c] * vload<V>(rows[c] + e);
-      if constexpr (kAccumulate) {
-        vstore<V>(out + e, vload<V>(out + e) + vload<V>(coef + e) * a);
-      } else {
-        vstore<V>(out + e, a);
-      }
-    }
+    };
+    for (; e + kBlock * V <= L; e += kBlock * V) vectors(std::integral_constant<int, kBlock>{});
+    for (; e + V <= L; e += V) vectors(std::integral_constant<int, 1>{});
   }
   for (; e < L; ++e) {
     acc_t a = 0;
