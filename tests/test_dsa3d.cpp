@@ -478,18 +478,31 @@ TEST(Dsa3d, FusedCpuMatchesReferenceOnEveryInstructionSet) {
     ++paths;
     ASSERT_EQ(detail::dsa3d_cpu_isa(), isa);
     SCOPED_TRACE(detail::to_string(isa));
-    // d = 32: the backward's per-distinct-row loop (2 heads, 64 channels); d = 76 (152 channels): the forward's
-    // blocks of 8 vectors of corner rows, then single vectors (AVX-512: one block, one vector and a scalar tail;
-    // AVX2: 2 blocks and 3 vectors; baseline: 4 blocks and 6 vectors).
-    for (const int64_t d : {6, 8, 20, 32, 76}) {
-      SCOPED_TRACE("d = " + std::to_string(d));
+    // A group's channels (heads of the group × d) select the loops: by distinct corner row from 64 (backward) and
+    // 128 (forward), else per sample. d = 6, 8, 20 (2 heads a group): per sample; d = 32 (64 channels): the
+    // backward by rows, the 8-row products on AVX-512 and AVX2; d = 76 (152 channels): both by rows, d not a
+    // multiple of any vector width (row by row; the per-sample loops' blocks of 8 vectors, single vectors and a
+    // scalar tail); 6 heads of d = 24 in one group: 4 heads' logits and coefficients in vectors, then 2 one by one;
+    // 4 heads of d = 64: the value rows' sums in registers, blocks of 8 vectors; zero offsets (4 heads of d = 32):
+    // integer positions, whose zero-weight corners the row table leaves out.
+    struct Case {
+      int64_t M, G, d;
+      Offsets offsets;
+    };
+    for (const Case c :
+         {Case{4, 2, 6, Offsets::kRandom}, Case{4, 2, 8, Offsets::kRandom}, Case{4, 2, 20, Offsets::kRandom},
+          Case{4, 2, 32, Offsets::kRandom}, Case{4, 2, 76, Offsets::kRandom}, Case{6, 1, 24, Offsets::kRandom},
+          Case{4, 1, 64, Offsets::kRandom}, Case{4, 1, 32, Offsets::kZero}}) {
+      const int64_t d = c.d;
+      SCOPED_TRACE("M = " + std::to_string(c.M) + ", G = " + std::to_string(c.G) + ", d = " + std::to_string(d) +
+                   (c.offsets == Offsets::kZero ? ", zero offsets" : ""));
       Problem pb;
-      pb.B = 2, pb.T = 3, pb.H = 5, pb.W = 4, pb.M = 4, pb.d = d, pb.G = 2;
+      pb.B = 2, pb.T = 3, pb.H = 5, pb.W = 4, pb.M = c.M, pb.d = d, pb.G = c.G;
       pb.kernel = {3, 3, 3};
-      const auto in = make_inputs(pb, torch::kDouble, Offsets::kRandom, 21);
+      const auto in = make_inputs(pb, torch::kDouble, c.offsets, 21);
       expect_results_close(run_kernel(in, pb.kernel, ms::DsaImpl::kCpu),
                            run_kernel(in, pb.kernel, ms::DsaImpl::kReference), 1e-12, 0);
-      const auto in32 = make_inputs(pb, torch::kFloat, Offsets::kRandom, 22);
+      const auto in32 = make_inputs(pb, torch::kFloat, c.offsets, 22);
       expect_results_close(run_kernel(in32, pb.kernel, ms::DsaImpl::kCpu),
                            run_kernel(in32, pb.kernel, ms::DsaImpl::kReference), 0, 1e-5);
       const auto in16 = cast(in32, torch::kBFloat16, torch::kFloat);
@@ -505,7 +518,7 @@ TEST(Dsa3d, FusedCpuMatchesReferenceOnEveryInstructionSet) {
 
 namespace {
 // d = 16 (a group's 2 heads span 32 channels: the backward's per-sample loop) or 32 (64 channels: its
-// per-distinct-row loop, kRowsPerTokenLanes in dsa3d_cpu.cpp).
+// per-distinct-row loop, kCpuBackwardRowsMinChannels in dsa3d_params.h).
 Problem determinism_problem(int64_t d = 16) {
   Problem pb;
   pb.B = 2, pb.T = 4, pb.H = 8, pb.W = 8, pb.M = 4, pb.d = d, pb.G = 2;

@@ -1,10 +1,19 @@
 // Fused 3D-DSA on the CPU (docs/3d-dsa.md). Never materialises the N·K·d sampled keys and values. Work is
 // per (token, offset group): the K sample points are computed once and serve every head of the group, whose
 // channels are contiguous in q, k and v (heads of the group × d), so each corner row is one run of vector
-// loads. The forward interpolates the group's key row at each sample (8 corners, straight from k), takes
-// every head's logit, then in a second pass the exponentials against each head's maximum weight the
-// interpolated value rows. The backward recomputes per sample and corner each head's q·k and dout·v from the
-// saved log-sum-exp and adds the corner's dq, dk and dv rows in one pass over the group's channels.
+// loads. Two forms of the loops, chosen by the group's channel count L (dsa3d_params.h):
+//   by distinct corner row (L >= 64 backward, 128 forward): the K samples' 8 corners name far fewer distinct
+//             rows than 8·K, so each key and value row is read once per (token, group): the products q·k (and
+//             dout·v) of every head per distinct row, the logits as Σ_c w_c·(q·k_c) from them, per row the sum
+//             of the coefficients of the samples and corners that name it; then one pass over the rows for out
+//             (forward) or dq, dk, dv (backward). Heads four at a time in vectors where a group has four or more.
+//   per sample (fewer channels, where the row bookkeeping costs more than it saves): the forward
+//             interpolates the group's key row at each sample (8 corners, straight from k), takes every head's
+//             logit, then the exponentials against each head's maximum weight the interpolated value rows; the
+//             backward recomputes per sample and corner each head's q·k and dout·v and adds the corner's dq,
+//             dk and dv rows in one pass over the group's channels.
+// Both take the softmax in two passes (the logits of all K samples, then the exponentials against each head's
+// maximum); the backward recomputes the probabilities from the saved log-sum-exp.
 //
 // Parallelism and determinism:
 //   forward   at::parallel_for over tokens; every output element is written by one thread.
@@ -400,36 +409,52 @@ MEGASLIDE_DSA_INLINE void sample_gradients(const Sample<acc_t>& sp, int64_t row_
 }
 
 // A token's distinct corner rows: the K samples' 8 corners name far fewer distinct key/value rows than 8·K
-// (neighbouring samples share corners; ~600 for 8·147 at 3x7x7 with offsets of a token or two). Slots are
-// numbered in order of first use; `stamp` marks the volume's tokens seen for the current (token, group), so
-// nothing is cleared between tokens.
+// (neighbouring samples share corners; 303 of 8·147 at 3x7x7 with offsets uniform in ±1.5 tokens). Slots are
+// numbered in order of first use; each entry's generation marks the volume's tokens seen for the current (token,
+// group), so nothing is cleared between tokens.
 struct CornerRows {
-  std::vector<int32_t> slot_of;  // per token of the volume: its slot, valid where stamp == generation
-  std::vector<uint32_t> stamp;
-  uint32_t generation = 0;
-  std::vector<int64_t> rows;  // slot -> token index in the volume
-  explicit CornerRows(int64_t volume) : slot_of(volume), stamp(volume, 0) {}
+  // Per token of the volume: generation << 32 | slot; the slot is valid where the generation is the current one.
+  std::vector<uint64_t> entry;
+  uint64_t generation = 0;
+  std::vector<int64_t> rows;  // slot -> token index in the volume; the first `count` are this token's
+  int64_t count = 0;
+  CornerRows(int64_t volume, int64_t corners) : entry(volume, 0), rows(corners) {}
   void begin() {
-    if (++generation == 0) {  // wrapped: every stamp is stale again
-      std::fill(stamp.begin(), stamp.end(), 0u);
+    if (++generation == (uint64_t{1} << 32)) {  // wrapped: every entry is stale again
+      std::fill(entry.begin(), entry.end(), 0);
       generation = 1;
     }
-    rows.clear();
+    count = 0;
   }
-  int32_t slot(int64_t index) {
-    if (stamp[index] != generation) {
-      stamp[index] = generation;
-      slot_of[index] = static_cast<int32_t>(rows.size());
-      rows.push_back(index);
+  // The slots of a sample's 8 corners, -1 where a corner is not live (adds nothing). Free of branches on the
+  // table's state: whether a row was seen before is data, not control flow (a branch there was mispredicted
+  // about as often as not).
+  MEGASLIDE_DSA_INLINE void slots(const int64_t* index, const bool* is_live, int32_t* out) {
+    uint64_t* const e = entry.data();
+    int64_t* const r = rows.data();
+    const uint64_t stamp = generation << 32;
+    uint64_t n = static_cast<uint64_t>(count);
+    for (int i = 0; i < 8; ++i) {
+      const int64_t x = index[i];
+      const uint64_t old = e[x];
+      const uint64_t live = is_live[i];  // 0 or 1
+      const uint64_t fresh = live & static_cast<uint64_t>((old >> 32) != generation);
+      const uint64_t pick = uint64_t{0} - fresh;  // all ones where fresh
+      const uint64_t slot = (n & pick) | (old & ~pick & 0xffffffffu);
+      e[x] = live ? (stamp | slot) : old;
+      r[n] = x;
+      n += fresh;
+      out[i] = live ? static_cast<int32_t>(slot) : -1;
     }
-    return slot_of[index];
+    count = static_cast<int64_t>(n);
   }
 };
 
-// The channels of a group's heads from which backward_tokens reads each distinct corner row once per token
-// (backward_rows) instead of once per sample and corner: below it the per-row bookkeeping costs more than the
-// rows it saves (d = 8 with 2 heads runs the per-sample loop).
-constexpr int64_t kRowsPerTokenLanes = 64;
+// kCpuBackwardRowsMinChannels and kCpuForwardRowsMinChannels (dsa3d_params.h): below them the per-row
+// bookkeeping costs more than the rows it saves (measured on the AVX-512, AVX2 and baseline loops, docs/3d-dsa.md;
+// the README's smoke model, d = 8 with 2 heads, runs the per-sample loops). The forward's per-sample loop has no
+// row updates to save, so its crossover lies higher: at 64 channels the two forms were even (4 heads of 16) or the
+// per-sample one 15 % faster (2 heads of 32, AVX-512); from 128 on the rows won on every path.
 
 // y[0, n) += a · x[0, n), x in the input type.
 template <int V, typename scalar_t, typename acc_t>
@@ -439,6 +464,153 @@ MEGASLIDE_DSA_INLINE void add_scaled(acc_t* __restrict y, acc_t a, const scalar_
     for (; e + V <= n; e += V) vstore<V>(y + e, vload<V>(y + e) + a * vload<V>(x + e));
   }
   for (; e < n; ++e) y[e] += a * widen<acc_t>(x[e]);
+}
+
+// out[r·Mg + h] = q_h · row r's head h, for the distinct rows `rows` (token indices; row r starts at
+// base + rows[r]·stride) and the Mg heads of d channels. With d a multiple of the vector width (8 or 16 lanes)
+// eight rows run side by side per head, their sums reduced together (sum8); otherwise row by row (head_dot).
+template <int V, typename scalar_t, typename acc_t>
+MEGASLIDE_DSA_INLINE void row_head_dots(const scalar_t* base, const int64_t* rows, int64_t R, int64_t stride,
+                                        const acc_t* qf, int64_t d, int64_t Mg, acc_t* out) {
+  int64_t r0 = 0;
+  if constexpr (std::is_same_v<acc_t, float> && V >= 8) {
+    if (d % V == 0) {
+      using F = typename Lanes<V>::F;
+      for (; r0 + 8 <= R; r0 += 8) {
+        const scalar_t* row[8];
+        for (int i = 0; i < 8; ++i) row[i] = base + rows[r0 + i] * stride;
+        for (int64_t h = 0; h < Mg; ++h) {
+          F a[8] = {};
+          for (int64_t e = h * d; e < (h + 1) * d; e += V) {
+            const F qv = vload<V>(qf + e);
+            for (int i = 0; i < 8; ++i) a[i] += vload<V>(row[i] + e) * qv;
+          }
+          float sums[8];
+          sum8(a, sums);
+          for (int i = 0; i < 8; ++i) out[(r0 + i) * Mg + h] = sums[i];
+        }
+      }
+    }
+  }
+  for (; r0 < R; ++r0)
+    for (int64_t h = 0; h < Mg; ++h) out[r0 * Mg + h] = head_dot<V>(base + rows[r0] * stride + h * d, qf + h * d, d);
+}
+
+// acc[0, L) = Σ_r coef[r·Mg + h] · row r over the distinct rows, each head h on its d channels, rows in slot order.
+// With d a multiple of V the sums stay in registers, kBlock vectors of channels at a time over all rows.
+template <int V, int kBlock, typename scalar_t, typename acc_t>
+MEGASLIDE_DSA_INLINE void rows_weighted_sum(const scalar_t* base, const int64_t* rows, int64_t R, int64_t stride,
+                                            const acc_t* coef, int64_t d, int64_t Mg, acc_t* __restrict acc) {
+  const int64_t L = Mg * d;
+  if constexpr (std::is_same_v<acc_t, float>) {
+    if (d % V == 0) {
+      using F = typename Lanes<V>::F;
+      int64_t e = 0;
+      // nb vectors from channel e on, each with its head's coefficient of the row.
+      const auto vectors = [&](auto nb) __attribute__((always_inline)) {
+        constexpr int NB = decltype(nb)::value;
+        int64_t head[NB];
+        for (int b = 0; b < NB; ++b) head[b] = (e + b * V) / d;
+        F a[NB];
+        for (int b = 0; b < NB; ++b) a[b] = F{};
+        for (int64_t r = 0; r < R; ++r) {
+          const scalar_t* row = base + rows[r] * stride + e;
+          const acc_t* c = coef + r * Mg;
+          for (int b = 0; b < NB; ++b) a[b] += c[head[b]] * vload<V>(row + b * V);
+        }
+        for (int b = 0; b < NB; ++b) vstore<V>(acc + e + b * V, a[b]);
+      };
+      for (; e + kBlock * V <= L; e += kBlock * V) vectors(std::integral_constant<int, kBlock>{});
+      for (; e < L; e += V) vectors(std::integral_constant<int, 1>{});
+      return;
+    }
+  }
+  for (int64_t e = 0; e < L; ++e) acc[e] = acc_t(0);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t h = 0; h < Mg; ++h) add_scaled<V>(acc + h * d, coef[r * Mg + h], base + rows[r] * stride + h * d, d);
+}
+
+// The forward of one (token, group) by distinct corner rows, for L >= kCpuForwardRowsMinChannels: (1) q·k of every
+// head for each distinct key row; (2) per sample and head the logit from its corners' products (Σ_c w_c·(q·k_c),
+// the backward's form), the softmax numerators against each head's maximum, and per distinct row the sum of
+// numerator·w over the samples and corners that name it; (3) the value rows weighted by those sums. Each key and
+// value row is read once per token, not once per sample and corner. logits: [Mg, K], the numerators on return.
+template <int V, int kBlock, typename scalar_t, typename acc_t>
+MEGASLIDE_DSA_INLINE void forward_rows(const Dsa3dShape& s, const Point<acc_t>* points, CornerRows& table,
+                                       std::vector<int32_t>& corner_slot, std::vector<acc_t>& row_values,
+                                       const scalar_t* kb, const scalar_t* vb, const acc_t* qf, const acc_t* bias,
+                                       int64_t head0, acc_t scale, acc_t* logits, acc_t* max, acc_t* sum, acc_t* acc) {
+  const int64_t M = s.M, d = s.d, K = s.K, Mg = s.M / s.G, stride = M * d;
+  table.begin();
+  for (int64_t j = 0; j < K; ++j) {
+    bool live[8];
+    for (int c = 0; c < 8; ++c) live[c] = points[j].weight[c] != acc_t(0);
+    table.slots(points[j].index, live, corner_slot.data() + j * 8);
+  }
+  const int64_t R = table.count;
+  row_values.assign(2 * R * Mg, acc_t(0));
+  acc_t* qk_r = row_values.data();  // per slot and head: q·k, then the value rows' coefficients
+  acc_t* cv_r = qk_r + R * Mg;
+  row_head_dots<V>(kb, table.rows.data(), R, stride, qf, d, Mg, qk_r);
+  for (int64_t h = 0; h < Mg; ++h) max[h] = -INFINITY;
+  int64_t h4 = 0;  // heads [0, h4) four at a time in 4-lane vectors, the same sums per lane
+  if constexpr (std::is_same_v<acc_t, float>) {
+    using F4 = typename Lanes<4>::F;
+    for (; h4 + 4 <= Mg; h4 += 4) {
+      F4 mx = F4{} - INFINITY;
+      for (int64_t j = 0; j < K; ++j) {
+        const int32_t* slots = corner_slot.data() + j * 8;
+        F4 l = {};
+        for (int c = 0; c < 8; ++c)
+          if (slots[c] >= 0) l += points[j].weight[c] * vload<4>(qk_r + slots[c] * Mg + h4);
+        l *= scale;
+        if (bias)
+          for (int i = 0; i < 4; ++i) l[i] += bias[(head0 + h4 + i) * K + j];
+        for (int i = 0; i < 4; ++i) logits[(h4 + i) * K + j] = l[i];
+        mx = l > mx ? l : mx;
+      }
+      for (int i = 0; i < 4; ++i) max[h4 + i] = mx[i];
+    }
+  }
+  for (int64_t j = 0; j < K; ++j) {
+    const int32_t* slots = corner_slot.data() + j * 8;
+    for (int64_t h = h4; h < Mg; ++h) {
+      acc_t qk[8];
+      for (int c = 0; c < 8; ++c) qk[c] = slots[c] < 0 ? acc_t(0) : qk_r[slots[c] * Mg + h];
+      const acc_t logit =
+          dsa3d_math::corner_sum(points[j].weight, qk) * scale + (bias ? bias[(head0 + h) * K + j] : acc_t(0));
+      logits[h * K + j] = logit;
+      max[h] = logit > max[h] ? logit : max[h];
+    }
+  }
+  for (int64_t h = 0; h < Mg; ++h) {
+    acc_t* prob = logits + h * K;
+    exponentiate<V>(prob, K, max[h]);
+    acc_t total = 0;
+    for (int64_t j = 0; j < K; ++j) total += prob[j];
+    sum[h] = total;
+  }
+  for (int64_t j = 0; j < K; ++j) {
+    const int32_t* slots = corner_slot.data() + j * 8;
+    if constexpr (std::is_same_v<acc_t, float>) {
+      using F4 = typename Lanes<4>::F;
+      for (int64_t h = 0; h < h4; h += 4) {
+        F4 prob;
+        for (int i = 0; i < 4; ++i) prob[i] = logits[(h + i) * K + j];
+        for (int c = 0; c < 8; ++c)
+          if (slots[c] >= 0) {
+            float* cv = cv_r + slots[c] * Mg + h;
+            vstore<4>(cv, vload<4>(cv) + prob * points[j].weight[c]);
+          }
+      }
+    }
+    for (int64_t h = h4; h < Mg; ++h) {
+      const acc_t prob = logits[h * K + j];
+      for (int c = 0; c < 8; ++c)
+        if (slots[c] >= 0) cv_r[slots[c] * Mg + h] += prob * points[j].weight[c];
+    }
+  }
+  rows_weighted_sum<V, kBlock>(vb, table.rows.data(), R, stride, cv_r, d, Mg, acc);
 }
 
 // Forward of tokens [begin, end), every offset group: per (token, group) the K samples are computed once and
@@ -460,6 +632,10 @@ MEGASLIDE_DSA_INLINE void forward_tokens(const Dsa3dForwardParams& p, int64_t be
 
   std::vector<Point<acc_t>> samples(K);
   std::vector<acc_t> qf(L), row(L), acc(L), prob_lanes(L), logits(Mg * K), max(Mg), sum(Mg);
+  const bool by_rows = L >= kCpuForwardRowsMinChannels;
+  std::unique_ptr<CornerRows> table = by_rows ? std::make_unique<CornerRows>(N, 8 * K) : nullptr;
+  std::vector<int32_t> corner_slot(by_rows ? K * 8 : 0);
+  std::vector<acc_t> row_values;
   for (int64_t bn = begin; bn < end; ++bn) {
     const TokenCoord tc = coord_of(s, bn);
     for (int64_t g = 0; g < s.G; ++g) {
@@ -468,29 +644,34 @@ MEGASLIDE_DSA_INLINE void forward_tokens(const Dsa3dForwardParams& p, int64_t be
       const scalar_t* kb = k + (tc.b * N * M + head0) * d;  // corner c's row: kb + index·M·d
       const scalar_t* vb = v + (tc.b * N * M + head0) * d;
       load(q + (bn * M + head0) * d, qf.data(), L);
-      for (int64_t h = 0; h < Mg; ++h) max[h] = -INFINITY;
-      for (int64_t j = 0; j < K; ++j) {
-        interpolate<V, kBlock>(kb, samples[j], M * d, L, row.data());
-        for (int64_t h = 0; h < Mg; ++h) {
-          const acc_t logit = head_dot<V>(row.data() + h * d, qf.data() + h * d, d) * scale +
-                              (bias ? bias[(head0 + h) * K + j] : acc_t(0));
-          logits[h * K + j] = logit;
-          max[h] = logit > max[h] ? logit : max[h];
+      if (by_rows) {
+        forward_rows<V, kBlock>(s, samples.data(), *table, corner_slot, row_values, kb, vb, qf.data(), bias, head0,
+                                scale, logits.data(), max.data(), sum.data(), acc.data());
+      } else {
+        for (int64_t h = 0; h < Mg; ++h) max[h] = -INFINITY;
+        for (int64_t j = 0; j < K; ++j) {
+          interpolate<V, kBlock>(kb, samples[j], M * d, L, row.data());
+          for (int64_t h = 0; h < Mg; ++h) {
+            const acc_t logit = head_dot<V>(row.data() + h * d, qf.data() + h * d, d) * scale +
+                                (bias ? bias[(head0 + h) * K + j] : acc_t(0));
+            logits[h * K + j] = logit;
+            max[h] = logit > max[h] ? logit : max[h];
+          }
         }
-      }
-      // Every head's numerators first, in the logits' place (vectors of samples), summed in sample order.
-      for (int64_t h = 0; h < Mg; ++h) {
-        acc_t* prob = logits.data() + h * K;
-        exponentiate<V>(prob, K, max[h]);
-        acc_t total = 0;
-        for (int64_t j = 0; j < K; ++j) total += prob[j];
-        sum[h] = total;
-      }
-      for (int64_t e = 0; e < L; ++e) acc[e] = acc_t(0);
-      for (int64_t j = 0; j < K; ++j) {
-        for (int64_t h = 0; h < Mg; ++h)
-          for (int64_t c = 0; c < d; ++c) prob_lanes[h * d + c] = logits[h * K + j];
-        interpolate<V, kBlock, /*kAccumulate=*/true>(vb, samples[j], M * d, L, acc.data(), prob_lanes.data());
+        // Every head's numerators first, in the logits' place (vectors of samples), summed in sample order.
+        for (int64_t h = 0; h < Mg; ++h) {
+          acc_t* prob = logits.data() + h * K;
+          exponentiate<V>(prob, K, max[h]);
+          acc_t total = 0;
+          for (int64_t j = 0; j < K; ++j) total += prob[j];
+          sum[h] = total;
+        }
+        for (int64_t e = 0; e < L; ++e) acc[e] = acc_t(0);
+        for (int64_t j = 0; j < K; ++j) {
+          for (int64_t h = 0; h < Mg; ++h)
+            for (int64_t c = 0; c < d; ++c) prob_lanes[h * d + c] = logits[h * K + j];
+          interpolate<V, kBlock, /*kAccumulate=*/true>(vb, samples[j], M * d, L, acc.data(), prob_lanes.data());
+        }
       }
       scalar_t* o = out + (bn * M + head0) * d;
       for (int64_t h = 0; h < Mg; ++h) {
@@ -502,13 +683,13 @@ MEGASLIDE_DSA_INLINE void forward_tokens(const Dsa3dForwardParams& p, int64_t be
   }
 }
 
-// The backward of one (token, group) by distinct corner rows, for L >= kRowsPerTokenLanes: (1) q·k and dout·v
-// of every head for each distinct row; (2) per sample, from those, the logits, softmax gradients, dbias and the
-// position gradients, summing each row's coefficients over the samples and corners that name it (dq_coef·w for
-// dq and dk, prob·w for dv); (3) per distinct row, dq += coef·k, dk += coef·q, dv += coef·dout. The same sums
-// as the per-sample loop, grouped by row: each row is read (and dk, dv written) once per token, not once per
-// sample and corner.
-template <int V, typename scalar_t, typename acc_t>
+// The backward of one (token, group) by distinct corner rows, for L >= kCpuBackwardRowsMinChannels: (1) q·k and
+// dout·v of every head for each distinct row; (2) per sample, from those, the logits, softmax gradients, dbias and
+// the position gradients, summing each row's coefficients over the samples and corners that name it (dq_coef·w for
+// dq and dk, prob·w for dv); heads four at a time in vectors; (3) dq = Σ_rows coef·k with its sums in registers,
+// then per distinct row dk += coef·q, dv += coef·dout. The same sums as the per-sample loop, grouped by row (in a
+// different order): each row is read (and dk, dv written) once per token, not once per sample and corner.
+template <int V, int kBlock, typename scalar_t, typename acc_t>
 MEGASLIDE_DSA_INLINE void backward_rows(const Dsa3dShape& s, const Sample<acc_t>* samples, CornerRows& table,
                                         std::vector<int32_t>& corner_slot, std::vector<acc_t>& row_dots,
                                         const scalar_t* kb, const scalar_t* vb, acc_t* dkb, acc_t* dvb, const acc_t* qf,
@@ -516,28 +697,60 @@ MEGASLIDE_DSA_INLINE void backward_rows(const Dsa3dShape& s, const Sample<acc_t>
                                         const acc_t* lse_token, int64_t head0, acc_t scale, acc_t* dbias, acc_t* dx) {
   const int64_t M = s.M, d = s.d, K = s.K, Mg = s.M / s.G, stride = M * d;
   table.begin();
-  for (int64_t j = 0; j < K; ++j)
-    for (int c = 0; c < 8; ++c)
-      corner_slot[j * 8 + c] = dsa3d_math::corner_is_inert(samples[j], c) ? -1 : table.slot(samples[j].index[c]);
-  const int64_t R = static_cast<int64_t>(table.rows.size());
+  for (int64_t j = 0; j < K; ++j) {
+    bool live[8];
+    for (int c = 0; c < 8; ++c) live[c] = !dsa3d_math::corner_is_inert(samples[j], c);
+    table.slots(samples[j].index, live, corner_slot.data() + j * 8);
+  }
+  const int64_t R = table.count;
   // Per slot and head: q·k, dout·v, then the coefficients of dq/dk and of dv.
   row_dots.assign(4 * R * Mg, acc_t(0));
   acc_t* qk_r = row_dots.data();
   acc_t* odv_r = qk_r + R * Mg;
   acc_t* cq_r = odv_r + R * Mg;
   acc_t* cv_r = cq_r + R * Mg;
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t row = table.rows[r] * stride;
-    for (int64_t h = 0; h < Mg; ++h) {
-      qk_r[r * Mg + h] = head_dot<V>(kb + row + h * d, qf + h * d, d);
-      odv_r[r * Mg + h] = head_dot<V>(vb + row + h * d, dof + h * d, d);
-    }
-  }
+  row_head_dots<V>(kb, table.rows.data(), R, stride, qf, d, Mg, qk_r);
+  row_head_dots<V>(vb, table.rows.data(), R, stride, dof, d, Mg, odv_r);
   for (int64_t j = 0; j < K; ++j) {
     const Sample<acc_t>& sp = samples[j];
     const int32_t* slots = corner_slot.data() + j * 8;
     acc_t dx_sample[3] = {0, 0, 0};
-    for (int64_t h = 0; h < Mg; ++h) {
+    int64_t h4 = 0;  // heads [0, h4) four at a time in 4-lane vectors, then one by one
+    if constexpr (std::is_same_v<acc_t, float>) {
+      using F4 = typename Lanes<4>::F;
+      F4 dx4[3] = {};
+      for (; h4 + 4 <= Mg; h4 += 4) {
+        F4 qk[8], odv[8];
+        for (int c = 0; c < 8; ++c) {
+          qk[c] = slots[c] < 0 ? F4{} : vload<4>(qk_r + slots[c] * Mg + h4);
+          odv[c] = slots[c] < 0 ? F4{} : vload<4>(odv_r + slots[c] * Mg + h4);
+        }
+        F4 logit = {}, dout_dot_v = {};
+        for (int c = 0; c < 8; ++c) logit += sp.weight[c] * qk[c];
+        for (int c = 0; c < 8; ++c) dout_dot_v += sp.weight[c] * odv[c];
+        logit *= scale;
+        if (bias)
+          for (int i = 0; i < 4; ++i) logit[i] += bias[(head0 + h4 + i) * K + j];
+        const F4 prob = exp_lanes<4>(logit - vload<4>(lse_token + h4));
+        const F4 dlogit = prob * (dout_dot_v - vload<4>(dout_dot_out + h4));
+        const F4 dq_coef = dlogit * scale;
+        if (dbias)
+          for (int i = 0; i < 4; ++i) dbias[(head0 + h4 + i) * K + j] += dlogit[i];
+        for (int c = 0; c < 8; ++c) {
+          const F4 g = dq_coef * qk[c] + prob * odv[c];
+          for (int a = 0; a < 3; ++a) dx4[a] += sp.dweight[a][c] * g;
+        }
+        for (int c = 0; c < 8; ++c) {
+          if (sp.weight[c] == acc_t(0)) continue;
+          float* cq = cq_r + slots[c] * Mg + h4;
+          float* cv = cv_r + slots[c] * Mg + h4;
+          vstore<4>(cq, vload<4>(cq) + dq_coef * sp.weight[c]);
+          vstore<4>(cv, vload<4>(cv) + prob * sp.weight[c]);
+        }
+      }
+      for (int a = 0; a < 3; ++a) dx_sample[a] = (dx4[a][0] + dx4[a][1]) + (dx4[a][2] + dx4[a][3]);
+    }
+    for (int64_t h = h4; h < Mg; ++h) {
       const int64_t m = head0 + h;
       acc_t qk[8], odv[8];
       for (int c = 0; c < 8; ++c) {
@@ -558,12 +771,12 @@ MEGASLIDE_DSA_INLINE void backward_rows(const Dsa3dShape& s, const Sample<acc_t>
     }
     for (int a = 0; a < 3; ++a) dx[3 * j + a] = dx_sample[a];
   }
+  rows_weighted_sum<V, kBlock>(kb, table.rows.data(), R, stride, cq_r, d, Mg, dqf);
   for (int64_t r = 0; r < R; ++r) {
     const int64_t row = table.rows[r] * stride;
     for (int64_t h = 0; h < Mg; ++h) {
       const acc_t a = cq_r[r * Mg + h], b = cv_r[r * Mg + h];
       const int64_t e = h * d;
-      add_scaled<V>(dqf + e, a, kb + row + e, d);
       add_scaled<V>(dkb + row + e, a, qf + e, d);
       add_scaled<V>(dvb + row + e, b, dof + e, d);
     }
@@ -574,7 +787,7 @@ MEGASLIDE_DSA_INLINE void backward_rows(const Dsa3dShape& s, const Sample<acc_t>
 // dbias ([M, K], may be null) are accumulated into the given buffers, in token order. Per (token, group)
 // the samples are computed once; per sample and corner the dot products of each head, then the gradient
 // rows of all the group's heads in one pass over their contiguous channels.
-template <typename scalar_t, typename acc_t, int V>
+template <typename scalar_t, typename acc_t, int V, int kBlock>
 MEGASLIDE_DSA_INLINE void backward_tokens(const Dsa3dBackwardParams& p, int64_t bn_begin, int64_t bn_end,
                                           int64_t g_begin, int64_t g_end, acc_t* dk, acc_t* dv, acc_t* dbias) {
   const Dsa3dShape& s = p.shape;
@@ -593,8 +806,8 @@ MEGASLIDE_DSA_INLINE void backward_tokens(const Dsa3dBackwardParams& p, int64_t 
 
   std::vector<Sample<acc_t>> samples(K);
   std::vector<acc_t> qf(L), dof(L), dqf(L), dq_lanes(L), prob_lanes(L), dx(K * 3), dout_dot_out(Mg);
-  const bool by_rows = L >= kRowsPerTokenLanes;
-  std::unique_ptr<CornerRows> table = by_rows ? std::make_unique<CornerRows>(N) : nullptr;
+  const bool by_rows = L >= kCpuBackwardRowsMinChannels;
+  std::unique_ptr<CornerRows> table = by_rows ? std::make_unique<CornerRows>(N, 8 * K) : nullptr;
   std::vector<int32_t> corner_slot(by_rows ? K * 8 : 0);
   std::vector<acc_t> row_dots;
   for (int64_t bn = bn_begin; bn < bn_end; ++bn) {
@@ -611,8 +824,9 @@ MEGASLIDE_DSA_INLINE void backward_tokens(const Dsa3dBackwardParams& p, int64_t 
       for (int64_t e = 0; e < L; ++e) dqf[e] = acc_t(0);
       for (int64_t h = 0; h < Mg; ++h) dout_dot_out[h] = dot(out + first + h * d, dof.data() + h * d, d);
       if (by_rows) {
-        backward_rows<V>(s, samples.data(), *table, corner_slot, row_dots, kb, vb, dkb, dvb, qf.data(), dof.data(),
-                         dqf.data(), dout_dot_out.data(), bias, lse + bn * M + head0, head0, scale, dbias, dx.data());
+        backward_rows<V, kBlock>(s, samples.data(), *table, corner_slot, row_dots, kb, vb, dkb, dvb, qf.data(),
+                                 dof.data(), dqf.data(), dout_dot_out.data(), bias, lse + bn * M + head0, head0, scale,
+                                 dbias, dx.data());
         for (int64_t e = 0; e < L; ++e) dq[first + e] = static_cast<scalar_t>(dqf[e]);
         std::copy(dx.begin(), dx.end(), doffsets + (bn * s.G + g) * K * 3);
         continue;
@@ -656,7 +870,7 @@ MEGASLIDE_DSA_INLINE void backward_tokens(const Dsa3dBackwardParams& p, int64_t 
   template <typename scalar_t, typename acc_t>                                                                    \
   target_attr void backward_tokens_##suffix(const Dsa3dBackwardParams& p, int64_t bn_begin, int64_t bn_end,       \
                                             int64_t g_begin, int64_t g_end, acc_t* dk, acc_t* dv, acc_t* dbias) { \
-    backward_tokens<scalar_t, acc_t, lanes>(p, bn_begin, bn_end, g_begin, g_end, dk, dv, dbias);                  \
+    backward_tokens<scalar_t, acc_t, lanes, block>(p, bn_begin, bn_end, g_begin, g_end, dk, dv, dbias);           \
   }                                                                                                               \
   target_attr void exp_##suffix(float* x, int64_t n) { exponentiate<lanes>(x, n, 0.f); }
 MEGASLIDE_DSA_ENTRY(baseline, , 4, 8)

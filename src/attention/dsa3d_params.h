@@ -121,7 +121,11 @@ inline int64_t dsa3d_cpu_scratch_elements(const Dsa3dShape& s, bool deterministi
 void dsa3d_set_poison_outputs(bool on);
 bool dsa3d_poison_outputs();
 
-// CPU backend (src/attention/dsa3d_cpu.cpp): at::parallel_for over tokens.
+// CPU backend (src/attention/dsa3d_cpu.cpp): at::parallel_for over tokens. A group's heads × d channels from which
+// the backward and the forward read each distinct corner row once per (token, group) instead of once per sample
+// and corner (the loops by distinct corner row); fewer channels run the per-sample loops.
+constexpr int64_t kCpuBackwardRowsMinChannels = 64;
+constexpr int64_t kCpuForwardRowsMinChannels = 128;
 void dsa3d_forward_cpu(const Dsa3dForwardParams& p);
 
 void dsa3d_backward_cpu(const Dsa3dBackwardParams& p);
