@@ -16,7 +16,8 @@
 #      bf16 and with fp8 blocks (upcast on the GPU); each run's figures are the median of its steps 2-4
 #      (step 1 warms up; the traced step is step 5 and not among them);
 #   5. bench_dsa3d --cuda (3D-DSA against flash SDPA); a one-rank NCCL run against a plain one;
-#      the AVX-512 CpuAdamW tests and bench_cpu_adamw on that machine's CPU; bench_nvme on its disk;
+#      the AVX-512 CpuAdamW tests and bench_cpu_adamw (CPUID's path, then --path avx2) on that machine's CPU;
+#      bench_nvme on its disk;
 #   6. every figure as one JSON file. Exits non-zero when any stage fails; later stages still run.
 #
 # On this machine first (once): ../shared/tools/device-deps.sh .devdeps && echo /.devdeps/ >> .git/info/exclude
@@ -226,6 +227,9 @@ adamw() {
   "$build/bin/test_cpu_adamw" > "$out/test_cpu_adamw.log" 2>&1 || { tail -30 "$out/test_cpu_adamw.log"; return 1; }
   tail -3 "$out/test_cpu_adamw.log"
   "$build/bin/bench_cpu_adamw" --threads $(( jobs > 4 ? jobs - 4 : jobs )) --reps 5 --torch-reps 2 --deepspeed 0 | tee "$out/bench_cpu_adamw.txt"
+  # The AVX2 loops on the same cores: the narrow moments' roofline fractions where a core has less bandwidth than
+  # the 2-core VMs' (docs/cpu-adamw.md: arithmetic-bound there on AVX2).
+  "$build/bin/bench_cpu_adamw" --path avx2 --threads $(( jobs > 4 ? jobs - 4 : jobs )) --reps 5 --torch-reps 1 --deepspeed 0 | tee "$out/bench_cpu_adamw_avx2.txt"
 }
 export -f adamw
 [ "$built" = true ] && stage cpu_adamw 45 25 adamw

@@ -70,6 +70,7 @@ report = {
     "memcheck": memcheck(),
     "dsa3d": last_json_line("bench_dsa3d.txt"),
     "cpu_adamw": last_json_line("bench_cpu_adamw.txt"),
+    "cpu_adamw_avx2": last_json_line("bench_cpu_adamw_avx2.txt"),
     "nvme": last_json_line("bench_nvme.txt"),
     "pinned_bandwidth": last_json_line("pinned.json"),
 }
