@@ -353,7 +353,7 @@ struct D64Result {
   std::string name;
   int64_t tokens = 0;
   double fwd_ms = 0, fwd_bwd_ms = 0, sdpa_ms = 0, formulation_gflops = 0, executed_gflops = 0, attention_gflops = 0;
-  double rows_per_token = 0;  // distinct live corner rows per (token, group), 0 where the per-sample loops ran
+  double rows_per_token = 0;  // distinct corner rows of nonzero weight per (token, group), 0 where none counted
 };
 
 // Distinct corner rows of nonzero weight summed over every (token, group) of `offsets` ([B, T, H, W, G, K, 3]):
@@ -416,14 +416,14 @@ std::vector<D64Result> d64_cases(int reps, const Memory& memory) {
     const double samples = static_cast<double>(c.B * r.tokens * c.M * ke[0] * ke[1] * ke[2]);  // × heads
     r.formulation_gflops = samples * 36.0 * static_cast<double>(c.d) / (r.fwd_ms * 1e6);
     r.attention_gflops = samples * 4.0 * static_cast<double>(c.d) / (r.fwd_ms * 1e6);
-    const int64_t L = c.M * c.d;  // one offset group
+    const int64_t G = in_offsets.size(4), L = c.M / G * c.d;  // a group's channels
     if (impl == ops::DsaImpl::kCpu && L >= ops::detail::kCpuForwardRowsMinChannels) {
-      const double rows = distinct_corner_rows(c, in_offsets);
-      r.rows_per_token = rows / static_cast<double>(c.B * r.tokens);
+      const double rows = distinct_corner_rows(c, in_offsets);  // over every (token, group)
+      r.rows_per_token = rows / static_cast<double>(c.B * r.tokens * G);
       r.executed_gflops = (rows * 4.0 * static_cast<double>(L) + samples * 32.0) / (r.fwd_ms * 1e6);
-    } else {
+    } else if (impl == ops::DsaImpl::kCpu) {
       r.executed_gflops = r.formulation_gflops;  // the per-sample loops execute the formulation
-    }
+    }                                            // else (the tiled twin) not counted: 0
     out.push_back(r);
   }
   return out;

@@ -13,6 +13,7 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../src/attention/dsa3d_math.h"
@@ -480,11 +481,12 @@ TEST(Dsa3d, FusedCpuMatchesReferenceOnEveryInstructionSet) {
     SCOPED_TRACE(detail::to_string(isa));
     // A group's channels (heads of the group × d) select the loops: by distinct corner row from 64 (backward) and
     // 128 (forward), else per sample. d = 6, 8, 20 (2 heads a group): per sample; d = 32 (64 channels): the
-    // backward by rows, the 8-row products on AVX-512 and AVX2; d = 76 (152 channels): both by rows, d not a
-    // multiple of any vector width (row by row; the per-sample loops' blocks of 8 vectors, single vectors and a
-    // scalar tail); 6 heads of d = 24 in one group: 4 heads' logits and coefficients in vectors, then 2 one by one;
-    // 4 heads of d = 64: the value rows' sums in registers, blocks of 8 vectors; zero offsets (4 heads of d = 32):
-    // integer positions, whose zero-weight corners the row table leaves out.
+    // backward by rows, the 8-row products on AVX-512 and AVX2; d = 76 (152 channels): both by rows, d a multiple
+    // of 4 only (4-lane head products on AVX2 and AVX-512); 6 heads of d = 24 in one group: four heads' logits and
+    // coefficients in vectors, then two one by one (8-row products on AVX2); 6 heads of d = 22: the same with the
+    // scalar products and value sums (d not a multiple of 4); 4 heads of d = 64: the value rows' sums in
+    // registers, blocks of 8 vectors; zero offsets (4 heads of d = 32): integer positions, whose zero-weight
+    // corners the forward's row table leaves out (the backward keeps those with a position derivative).
     struct Case {
       int64_t M, G, d;
       Offsets offsets;
@@ -492,7 +494,7 @@ TEST(Dsa3d, FusedCpuMatchesReferenceOnEveryInstructionSet) {
     for (const Case c :
          {Case{4, 2, 6, Offsets::kRandom}, Case{4, 2, 8, Offsets::kRandom}, Case{4, 2, 20, Offsets::kRandom},
           Case{4, 2, 32, Offsets::kRandom}, Case{4, 2, 76, Offsets::kRandom}, Case{6, 1, 24, Offsets::kRandom},
-          Case{4, 1, 64, Offsets::kRandom}, Case{4, 1, 32, Offsets::kZero}}) {
+          Case{6, 1, 22, Offsets::kRandom}, Case{4, 1, 64, Offsets::kRandom}, Case{4, 1, 32, Offsets::kZero}}) {
       const int64_t d = c.d;
       SCOPED_TRACE("M = " + std::to_string(c.M) + ", G = " + std::to_string(c.G) + ", d = " + std::to_string(d) +
                    (c.offsets == Offsets::kZero ? ", zero offsets" : ""));
@@ -517,11 +519,12 @@ TEST(Dsa3d, FusedCpuMatchesReferenceOnEveryInstructionSet) {
 }
 
 namespace {
-// d = 16 (a group's 2 heads span 32 channels: the backward's per-sample loop) or 32 (64 channels: its
-// per-distinct-row loop, kCpuBackwardRowsMinChannels in dsa3d_params.h).
-Problem determinism_problem(int64_t d = 16) {
+// 4 heads in G groups. G = 2: d = 16 (a group's 2 heads span 32 channels: both directions per sample) or 32 (64
+// channels: the backward by distinct rows, kCpuBackwardRowsMinChannels in dsa3d_params.h). G = 1, d = 32 (128
+// channels): the forward by rows as well, its four heads in vectors.
+Problem determinism_problem(int64_t d = 16, int64_t G = 2) {
   Problem pb;
-  pb.B = 2, pb.T = 4, pb.H = 8, pb.W = 8, pb.M = 4, pb.d = d, pb.G = 2;
+  pb.B = 2, pb.T = 4, pb.H = 8, pb.W = 8, pb.M = 4, pb.d = d, pb.G = G;
   pb.kernel = {3, 5, 5};
   return pb;
 }
@@ -809,12 +812,12 @@ TEST(Dsa3d, KernelLargerThanVolumeShrinks) {
 
 // ---- determinism -------------------------------------------------------------------------------------------
 
-// Deterministic mode: two runs, and 1 thread against 2 threads, give bit-identical float32 results, on both of
-// the backward's loops.
+// Deterministic mode: two runs, and 1 thread against 2 threads, give bit-identical float32 results, on both forms
+// of each direction's loops.
 TEST(Dsa3d, DeterministicModeIsBitIdenticalAcrossRunsAndThreadCounts) {
-  for (const int64_t d : {16, 32}) {
-    SCOPED_TRACE("d = " + std::to_string(d));
-    const auto pb = determinism_problem(d);
+  for (const auto& [d, G] : {std::pair<int64_t, int64_t>{16, 2}, {32, 2}, {32, 1}}) {
+    SCOPED_TRACE("d = " + std::to_string(d) + ", G = " + std::to_string(G));
+    const auto pb = determinism_problem(d, G);
     const auto in = make_inputs(pb, torch::kFloat, Offsets::kRandom, 12);
     Result one, two, again;
     {
@@ -834,11 +837,11 @@ TEST(Dsa3d, DeterministicModeIsBitIdenticalAcrossRunsAndThreadCounts) {
 }
 
 // Default mode: the same thread count repeats bit-identically (per-chunk buffers added in chunk order), on both
-// of the backward's loops.
+// forms of each direction's loops.
 TEST(Dsa3d, DefaultModeRepeatsForAFixedThreadCount) {
-  for (const int64_t d : {16, 32}) {
-    SCOPED_TRACE("d = " + std::to_string(d));
-    const auto pb = determinism_problem(d);
+  for (const auto& [d, G] : {std::pair<int64_t, int64_t>{16, 2}, {32, 2}, {32, 1}}) {
+    SCOPED_TRACE("d = " + std::to_string(d) + ", G = " + std::to_string(G));
+    const auto pb = determinism_problem(d, G);
     const auto in = make_inputs(pb, torch::kFloat, Offsets::kRandom, 13);
     ThreadCount threads(2);
     expect_bit_identical(run_kernel(in, pb.kernel, ms::DsaImpl::kCpu), run_kernel(in, pb.kernel, ms::DsaImpl::kCpu));

@@ -225,7 +225,7 @@ MEGASLIDE_DSA_INLINE void corner_dots(const Sample<acc_t>& sp, const bool* inert
   }
 }
 
-// e^x lane by lane for x <= 88, the forward's softmax numerators (x <= 0 there): n = round(x / ln 2), r = x - n·ln 2
+// e^x lane by lane for x <= 88 (the softmax's x <= 0, up to rounding): n = round(x / ln 2), r = x - n·ln 2
 // in two parts (|r| <= ln 2 / 2), e^r by a degree-6 polynomial, then 2^n added to the exponent bits. About 1 ulp
 // from expf; 0 below -87 (e^-87 = 1.6e-38: there 2^n·e^r would leave the normal range), NaN for NaN, +inf above 88.
 template <int V>
@@ -409,7 +409,8 @@ MEGASLIDE_DSA_INLINE void sample_gradients(const Sample<acc_t>& sp, int64_t row_
 }
 
 // A token's distinct corner rows: the K samples' 8 corners name far fewer distinct key/value rows than 8·K
-// (neighbouring samples share corners; 303 of 8·147 at 3x7x7 with offsets uniform in ±1.5 tokens). Slots are
+// (neighbouring samples share corners; 303 of 8·147 at 3x7x7 with offsets uniform in ±1.5 tokens over 4x32x32
+// tokens, 365 over 8x32x32). Slots are
 // numbered in order of first use; each entry's generation marks the volume's tokens seen for the current (token,
 // group), so nothing is cleared between tokens.
 struct CornerRows {
@@ -454,7 +455,7 @@ struct CornerRows {
 // bookkeeping costs more than the rows it saves (measured on the AVX-512, AVX2 and baseline loops, docs/3d-dsa.md;
 // the README's smoke model, d = 8 with 2 heads, runs the per-sample loops). The forward's per-sample loop has no
 // row updates to save, so its crossover lies higher: at 64 channels the two forms were even (4 heads of 16) or the
-// per-sample one 15 % faster (2 heads of 32, AVX-512); from 128 on the rows won on every path.
+// per-sample one 15 % faster (2 heads of 32, AVX-512); at 128 and 256 the rows won on every path measured.
 
 // y[0, n) += a · x[0, n), x in the input type.
 template <int V, typename scalar_t, typename acc_t>
@@ -614,9 +615,10 @@ MEGASLIDE_DSA_INLINE void forward_rows(const Dsa3dShape& s, const Point<acc_t>* 
 }
 
 // Forward of tokens [begin, end), every offset group: per (token, group) the K samples are computed once and
-// serve all the group's heads at once. Two passes over the samples: the logits of every head (q against the
-// interpolated key row), then the exponentials against each head's maximum, weighting the interpolated value
-// rows; one exponential per (head, sample).
+// serve all the group's heads at once; by distinct corner rows (forward_rows) from kCpuForwardRowsMinChannels,
+// else per sample: two passes over the samples, the logits of every head (q against the interpolated key row),
+// then the exponentials against each head's maximum, weighting the interpolated value rows. One exponential per
+// (head, sample) either way.
 template <typename scalar_t, typename acc_t, int V, int kBlock>
 MEGASLIDE_DSA_INLINE void forward_tokens(const Dsa3dForwardParams& p, int64_t begin, int64_t end) {
   const Dsa3dShape& s = p.shape;
@@ -785,8 +787,9 @@ MEGASLIDE_DSA_INLINE void backward_rows(const Dsa3dShape& s, const Sample<acc_t>
 
 // Backward of tokens [bn_begin, bn_end) for offset groups [g_begin, g_end); dk, dv ([B, N, M, d]) and
 // dbias ([M, K], may be null) are accumulated into the given buffers, in token order. Per (token, group)
-// the samples are computed once; per sample and corner the dot products of each head, then the gradient
-// rows of all the group's heads in one pass over their contiguous channels.
+// the samples are computed once; by distinct corner rows (backward_rows) from kCpuBackwardRowsMinChannels, else
+// per sample and corner the dot products of each head, then the gradient rows of all the group's heads in one
+// pass over their contiguous channels.
 template <typename scalar_t, typename acc_t, int V, int kBlock>
 MEGASLIDE_DSA_INLINE void backward_tokens(const Dsa3dBackwardParams& p, int64_t bn_begin, int64_t bn_end,
                                           int64_t g_begin, int64_t g_end, acc_t* dk, acc_t* dv, acc_t* dbias) {
