@@ -10,6 +10,7 @@
 #endif
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #endif
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 // ProcessGroupNCCL.hpp includes nccl.h: MEGASLIDE_WITH_NCCL is set (src/CMakeLists.txt) only where CUDA is
@@ -214,15 +215,24 @@ Communicator::Communicator(const LaunchEnv& env, const std::string& backend, dou
   impl_->device = device;
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0));
   try {
-    c10d::TCPStoreOptions options;
-    options.port = static_cast<uint16_t>(env.master_port);
-    // Under torchrun the agent's store already listens on the port (rank 0 binding it as well failed with a
-    // warning on every run): join it.
-    options.isServer = env.rank == 0 && !env.agent_store;
-    options.numWorkers = static_cast<size_t>(env.world_size);
-    options.waitWorkers = true;
-    options.timeout = timeout;
-    impl_->store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, options);
+    if (env.world_size == 1 && !env.agent_store) {
+      // A group of one process meets nobody: its store is in memory. (A TCPStore's every connection has LibTorch
+      // look up the peer's host name, and a resolver that drops one query in a few dozen stalled the rendezvous
+      // for its 5 s timeout.)
+      c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::HashStore>();
+      store->setTimeout(timeout);
+      impl_->store = std::move(store);
+    } else {
+      c10d::TCPStoreOptions options;
+      options.port = static_cast<uint16_t>(env.master_port);
+      // Under torchrun the agent's store already listens on the port (rank 0 binding it as well failed with a
+      // warning on every run): join it.
+      options.isServer = env.rank == 0 && !env.agent_store;
+      options.numWorkers = static_cast<size_t>(env.world_size);
+      options.waitWorkers = true;
+      options.timeout = timeout;
+      impl_->store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, options);
+    }
     if (env.agent_store) {
       // The agent's store outlives a restart of the ranks: this attempt's keys under their own prefix.
       const char* restarts = std::getenv("TORCHELASTIC_RESTART_COUNT");

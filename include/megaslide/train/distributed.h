@@ -72,7 +72,7 @@ class Communicator {
  public:
   // Rendezvous through a TCPStore at env.master_addr:env.master_port (rank 0 serves it) and build the
   // process group of `backend` (gloo | nccl). Waits for every rank up to `timeout_s`, then throws
-  // DistributedError.
+  // DistributedError. A group of one process without a launcher's store keeps its store in memory (no socket).
   Communicator(const LaunchEnv& env, const std::string& backend, double timeout_s, c10::Device device);
   ~Communicator();
   Communicator(const Communicator&) = delete;
