@@ -226,7 +226,7 @@ export -f nccl_world1
 adamw() {
   "$build/bin/test_cpu_adamw" > "$out/test_cpu_adamw.log" 2>&1 || { tail -30 "$out/test_cpu_adamw.log"; return 1; }
   tail -3 "$out/test_cpu_adamw.log"
-  "$build/bin/bench_cpu_adamw" --threads $(( jobs > 4 ? jobs - 4 : jobs )) --reps 5 --torch-reps 2 --deepspeed 0 | tee "$out/bench_cpu_adamw.txt"
+  "$build/bin/bench_cpu_adamw" --threads $(( jobs > 4 ? jobs - 4 : jobs )) --reps 5 --torch-reps 2 --deepspeed 0 | tee "$out/bench_cpu_adamw.txt" || return 1
   # The AVX2 loops on the same cores: the narrow moments' roofline fractions where a core has less bandwidth than
   # the 2-core VMs' (docs/cpu-adamw.md: arithmetic-bound there on AVX2).
   "$build/bin/bench_cpu_adamw" --path avx2 --threads $(( jobs > 4 ? jobs - 4 : jobs )) --reps 5 --torch-reps 1 --deepspeed 0 | tee "$out/bench_cpu_adamw_avx2.txt"

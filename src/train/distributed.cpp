@@ -269,6 +269,9 @@ Communicator::Communicator(const LaunchEnv& env, const std::string& backend, dou
   } catch (const DistributedError&) {
     throw;
   } catch (const std::exception& e) {
+    if (env.world_size == 1 && !env.agent_store)
+      throw DistributedError(
+          fmt::format("rank 0 of 1: building the {} group of one process failed: {}", backend, error_message(e)));
     throw DistributedError(
         fmt::format("rank {} of {}: rendezvous at {}:{} ({}) failed within distributed.timeout_s ({} s): {}", env.rank,
                     env.world_size, env.master_addr, env.master_port, backend, timeout_s, error_message(e)));

@@ -320,20 +320,23 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   }
   log.info(build_summary());
   const int64_t cp = config.distributed.context_parallel;
+  // A group of one process without a launcher's store meets nobody (its store is in memory, Communicator).
+  const std::string rendezvous = launch.world_size == 1 && !launch.agent_store
+                                     ? std::string("one process, no rendezvous")
+                                     : fmt::format("rendezvous {}:{}", launch.master_addr, launch.master_port);
   if (communicator && cp == 1)
     log.info(fmt::format(
-        "rank {}: data parallel: {} ranks ({} backend, launched by {}, rendezvous {}:{}), {} items of each global "
-        "batch of {} per rank",
-        launch.rank, communicator->world_size(), communicator->backend(), launch.launcher, launch.master_addr,
-        launch.master_port, train.batch_size / communicator->world_size(), train.batch_size));
+        "rank {}: data parallel: {} ranks ({} backend, launched by {}, {}), {} items of each global batch of {} per "
+        "rank",
+        launch.rank, communicator->world_size(), communicator->backend(), launch.launcher, rendezvous,
+        train.batch_size / communicator->world_size(), train.batch_size));
   else if (communicator)
     log.info(fmt::format(
-        "rank {}: context parallel: {} ranks in groups of {} ({} backend, launched by {}, rendezvous {}:{}); each "
-        "group's {} items of each global batch of {} shared by its ranks, every sample's frames split among them "
-        "(data parallel over {} groups)",
-        launch.rank, communicator->world_size(), cp, communicator->backend(), launch.launcher, launch.master_addr,
-        launch.master_port, train.batch_size / (communicator->world_size() / cp), train.batch_size,
-        communicator->world_size() / cp));
+        "rank {}: context parallel: {} ranks in groups of {} ({} backend, launched by {}, {}); each group's {} items "
+        "of each global batch of {} shared by its ranks, every sample's frames split among them (data parallel over "
+        "{} groups)",
+        launch.rank, communicator->world_size(), cp, communicator->backend(), launch.launcher, rendezvous,
+        train.batch_size / (communicator->world_size() / cp), train.batch_size, communicator->world_size() / cp));
   log.info(fmt::format("config {} -> run dir {}", options.config_source, run_dir));
   log.info(
       fmt::format("model {} ({} {}), {} tokens per sample, device {}, {} steps", to_string(config.model.arch),
