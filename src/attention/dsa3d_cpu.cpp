@@ -410,9 +410,8 @@ MEGASLIDE_DSA_INLINE void sample_gradients(const Sample<acc_t>& sp, int64_t row_
 
 // A token's distinct corner rows: the K samples' 8 corners name far fewer distinct key/value rows than 8·K
 // (neighbouring samples share corners; 303 of 8·147 at 3x7x7 with offsets uniform in ±1.5 tokens over 4x32x32
-// tokens, 365 over 8x32x32). Slots are
-// numbered in order of first use; each entry's generation marks the volume's tokens seen for the current (token,
-// group), so nothing is cleared between tokens.
+// tokens, 365 over 8x32x32). Slots are numbered in order of first use; each entry's generation marks the volume's
+// tokens seen for the current (token, group), so nothing is cleared between tokens.
 struct CornerRows {
   // Per token of the volume: generation << 32 | slot; the slot is valid where the generation is the current one.
   std::vector<uint64_t> entry;
@@ -465,6 +464,19 @@ MEGASLIDE_DSA_INLINE void add_scaled(acc_t* __restrict y, acc_t a, const scalar_
     for (; e + V <= n; e += V) vstore<V>(y + e, vload<V>(y + e) + a * vload<V>(x + e));
   }
   for (; e < n; ++e) y[e] += a * widen<acc_t>(x[e]);
+}
+
+// Every head's softmax numerators e^(logit - max) in the logits' place ([Mg, K], vectors of samples), and their
+// sums in sample order.
+template <int V, typename acc_t>
+MEGASLIDE_DSA_INLINE void numerators(acc_t* logits, int64_t K, int64_t Mg, const acc_t* max, acc_t* sum) {
+  for (int64_t h = 0; h < Mg; ++h) {
+    acc_t* prob = logits + h * K;
+    exponentiate<V>(prob, K, max[h]);
+    acc_t total = 0;
+    for (int64_t j = 0; j < K; ++j) total += prob[j];
+    sum[h] = total;
+  }
 }
 
 // out[r·Mg + h] = q_h · row r's head h, for the distinct rows `rows` (token indices; row r starts at
@@ -584,13 +596,7 @@ MEGASLIDE_DSA_INLINE void forward_rows(const Dsa3dShape& s, const Point<acc_t>* 
       max[h] = logit > max[h] ? logit : max[h];
     }
   }
-  for (int64_t h = 0; h < Mg; ++h) {
-    acc_t* prob = logits + h * K;
-    exponentiate<V>(prob, K, max[h]);
-    acc_t total = 0;
-    for (int64_t j = 0; j < K; ++j) total += prob[j];
-    sum[h] = total;
-  }
+  numerators<V>(logits, K, Mg, max, sum);
   for (int64_t j = 0; j < K; ++j) {
     const int32_t* slots = corner_slot.data() + j * 8;
     if constexpr (std::is_same_v<acc_t, float>) {
@@ -660,14 +666,7 @@ MEGASLIDE_DSA_INLINE void forward_tokens(const Dsa3dForwardParams& p, int64_t be
             max[h] = logit > max[h] ? logit : max[h];
           }
         }
-        // Every head's numerators first, in the logits' place (vectors of samples), summed in sample order.
-        for (int64_t h = 0; h < Mg; ++h) {
-          acc_t* prob = logits.data() + h * K;
-          exponentiate<V>(prob, K, max[h]);
-          acc_t total = 0;
-          for (int64_t j = 0; j < K; ++j) total += prob[j];
-          sum[h] = total;
-        }
+        numerators<V>(logits.data(), K, Mg, max.data(), sum.data());
         for (int64_t e = 0; e < L; ++e) acc[e] = acc_t(0);
         for (int64_t j = 0; j < K; ++j) {
           for (int64_t h = 0; h < Mg; ++h)

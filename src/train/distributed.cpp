@@ -215,7 +215,7 @@ Communicator::Communicator(const LaunchEnv& env, const std::string& backend, dou
   impl_->device = device;
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0));
   try {
-    if (env.world_size == 1 && !env.agent_store) {
+    if (env.meets_nobody()) {
       // A group of one process meets nobody: its store is in memory. (A TCPStore's every connection has LibTorch
       // look up the peer's host name, and a resolver that drops queries coming fast stalled one rendezvous in
       // about 35 of a tight loop for its 5 s timeout.)
@@ -269,7 +269,7 @@ Communicator::Communicator(const LaunchEnv& env, const std::string& backend, dou
   } catch (const DistributedError&) {
     throw;
   } catch (const std::exception& e) {
-    if (env.world_size == 1 && !env.agent_store)
+    if (env.meets_nobody())
       throw DistributedError(
           fmt::format("rank 0 of 1: building the {} group of one process failed: {}", backend, error_message(e)));
     throw DistributedError(

@@ -320,8 +320,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   }
   log.info(build_summary());
   const int64_t cp = config.distributed.context_parallel;
-  // A group of one process without a launcher's store meets nobody (its store is in memory, Communicator).
-  const std::string rendezvous = launch.world_size == 1 && !launch.agent_store
+  const std::string rendezvous = launch.meets_nobody()
                                      ? std::string("one process, no rendezvous")
                                      : fmt::format("rendezvous {}:{}", launch.master_addr, launch.master_port);
   if (communicator && cp == 1)

@@ -52,6 +52,8 @@ struct LaunchEnv {
   // (TORCHELASTIC_USE_AGENT_STORE=True): every rank, rank 0 too, joins it as a client.
   bool agent_store = false;
   bool distributed() const { return world_size > 1; }
+  // One process and no launcher's store to join: it meets nobody, so its store is in memory (Communicator).
+  bool meets_nobody() const { return world_size == 1 && !agent_store; }
 };
 
 // Reads the launcher's variables through `getenv` (std::getenv by default). torchrun's take precedence
