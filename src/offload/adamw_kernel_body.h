@@ -131,7 +131,7 @@ MEGASLIDE_SIMD_INLINE void store_state(void* state, int64_t i, typename Simd::F 
 
 // The contract of adamw_kernels.h on the live lanes, in two halves: adamw_front reads the gradient and master
 // and computes the new moments and the denominator; adamw_back divides, writes master and the copy. Each
-// vector's work is one long chain (square root, then two divisions: about 30 cycles on a Zen 1 core), and
+// vector's work is one long chain (the square root, then two divisions, each waiting on the one before), and
 // where the core's out-of-order window is too short to overlap one vector's chain with the next's, the loops
 // overlap them by hand (pipelined below).
 template <class Simd>
