@@ -394,7 +394,7 @@ void expect_same_state(const NarrowState& a, const NarrowState& b, const std::st
 // included: maxima are exact and the per-group scalars are the same fp32 operations everywhere), with
 // a last group shorter than 256 and a last vector shorter than the SIMD width.
 TEST(CpuAdamWNarrowState, AllSimdPathsAndThreadCountsGiveTheSameBits) {
-  const int64_t n = 300001;  // 1172 groups, the last of 33 elements; 74 tiles
+  const int64_t n = 300001;  // 1172 groups, the last of 225 elements; 74 tiles
   for (StateDtype dtype : {StateDtype::kBFloat16, StateDtype::kInt8}) {
     for (torch::ScalarType grad_dtype : {torch::kBFloat16, torch::kHalf, torch::kFloat}) {
       const NarrowState scalar = run_narrow(SimdPath::kScalar, 1, dtype, grad_dtype, n, 3);
@@ -549,6 +549,28 @@ TEST(CpuAdamWNarrowState, GradientInTheComputeBufferGivesTheSameBits) {
                             run_narrow(path, 2, dtype, torch::kBFloat16, n, 3, stores, /*grad_in_compute=*/true),
                             std::string(state_name(dtype)) + ", " + path_name(path) + ", n " + std::to_string(n) +
                                 ", " + stores_name(stores));
+        }
+      }
+    }
+  }
+}
+
+// Blocks of one, two and three whole vectors (and a partial one) of either SIMD width, and int8 groups of that
+// many vectors after whole groups: the vector loops' first and last vectors (the AVX2 loop starts the next
+// vector's update before it finishes this one's) give the scalar kernel's bits, with the gradient in its own
+// buffer and in the compute copy's, with cached and streaming stores.
+TEST(CpuAdamWNarrowState, ShortBlocksGiveTheScalarKernelsBits) {
+  for (StateDtype dtype : {StateDtype::kFloat32, StateDtype::kBFloat16, StateDtype::kInt8}) {
+    for (int64_t n : {8, 9, 16, 17, 24, 33, 48, 256 + 8, 256 + 17, 512 + 24, 512 + 33}) {
+      for (bool grad_in_compute : {false, true}) {
+        const NarrowState scalar = run_narrow(SimdPath::kScalar, 1, dtype, torch::kBFloat16, n, 3);
+        for (SimdPath path : {SimdPath::kAvx512, SimdPath::kAvx2}) {
+          if (!CpuAdamW::supported(path)) continue;
+          for (CopyStores stores : {CopyStores::kCached, CopyStores::kStreaming}) {
+            expect_same_state(scalar, run_narrow(path, 1, dtype, torch::kBFloat16, n, 3, stores, grad_in_compute),
+                              std::string(state_name(dtype)) + ", " + path_name(path) + ", n " + std::to_string(n) +
+                                  (grad_in_compute ? ", gradient in the copy" : "") + ", " + stores_name(stores));
+          }
         }
       }
     }

@@ -42,7 +42,7 @@ struct Avx2 {
   // The stream probe's last < 8 elements take the scalar probe. Its bytes are the vector's, except for
   // int8 state pushed out of range (the scalar probe wraps, store_i8 saturates).
   static constexpr bool kScalarProbeTail = true;
-  // Software-pipelined loops (adamw_kernel_body.h): on a Zen 1 core 21 % (fp32 moments) to 8 % (int8) less time
+  // Software-pipelined loops (adamw_kernel_body.h): on a Zen 1 core 21 % (fp32 moments) to 7–8 % (int8) less time
   // a parameter in cache (docs/cpu-adamw.md).
   static constexpr bool kPipelined = true;
 
