@@ -351,17 +351,18 @@ void adamw_typed(const AdamWKernelParams& p, int64_t begin, int64_t end) {
       store_state<Simd, S>(p.exp_avg, i, r.m, all, r.nan);
       store_state<Simd, S>(p.exp_avg_sq, i, r.v, all, r.nan);
     };
-    int64_t i = begin;
+    // The whole vectors, with streaming copy stores or cached ones.
+    const auto whole_vectors = [&](auto stream_tag) __attribute__((always_inline)) {
+      return pipelined<Simd>(
+          begin, end,
+          front, [&](int64_t i, const Front<Simd>& f) __attribute__((always_inline)) { back(i, f, stream_tag); });
+    };
+    int64_t i;
     if (stream) {
-      i = pipelined<Simd>(
-          i, end,
-          front, [&](int64_t i, const Front<Simd>& f) __attribute__((always_inline)) { back(i, f, std::true_type{}); });
+      i = whole_vectors(std::true_type{});
       Simd::store_fence();  // streaming stores are weakly ordered: publish them before the caller signals done
     } else {
-      i = pipelined<Simd>(
-          i, end, front, [&](int64_t i, const Front<Simd>& f) __attribute__((always_inline)) {
-            back(i, f, std::false_type{});
-          });
+      i = whole_vectors(std::false_type{});
     }
     if (i < end) adamw_vector<Simd, G, C, S, false>(p, c, i, Simd::first(end - i));
   }
