@@ -135,6 +135,32 @@ TEST(HostileInputs, RunConfigCorpusIsRefusedWithClearErrorsOrLoaded) {
   EXPECT_GE(refused, 15);
 }
 
+// The inputs longer libFuzzer runs found and the fuzz tests start from (tests/corpus/fuzz/, merged to a
+// smallest set of their coverage) replayed through the project's own build, where clang is absent too:
+// each one loads or is refused with the project's error naming its source, never anything else.
+TEST(HostileInputs, FuzzerFoundInputsAreRefusedWithClearErrorsOrLoaded) {
+  const std::string scratch = "/tmp/megaslide-test-hostile-fuzz-" + std::to_string(::getpid()) + ".safetensors";
+  int inputs = 0;
+  for (const auto& name : io::list_directory(corpus("fuzz/safetensors"))) {
+    std::string message;
+    const int outcome = feed_safetensors(io::read_file(corpus("fuzz/safetensors") + "/" + name), scratch, &message);
+    ASSERT_LT(outcome, 2) << "fuzz/safetensors/" << name << ": " << message;
+    if (outcome == 1)
+      EXPECT_NE(message.find(scratch), std::string::npos) << "the message must name the file: " << message;
+    ++inputs;
+  }
+  ::unlink(scratch.c_str());
+  for (const auto& name : io::list_directory(corpus("fuzz/run_config"))) {
+    std::string message;
+    const int outcome = feed_config(io::read_file(corpus("fuzz/run_config") + "/" + name), &message);
+    ASSERT_LT(outcome, 2) << "fuzz/run_config/" << name << ": " << message;
+    if (outcome == 1)
+      EXPECT_NE(message.find("hostile.yaml"), std::string::npos) << "the message must name the source: " << message;
+    ++inputs;
+  }
+  EXPECT_GE(inputs, 500) << "tests/corpus/fuzz/ lost its inputs";
+}
+
 // The bad configs a hostile user tried (numbers beyond a double or an int64, repeated keys, sizes no
 // machine holds or that overflow 64 bits) are each refused — not loaded, not aborted.
 TEST(HostileInputs, RunConfigsFromTheHostileUserAreAllRefused) {

@@ -32,10 +32,17 @@ if [ $stale = 1 ]; then
   echo "building $bin with $cxx"
   "$cxx" "${flags[@]}" "${sources[@]}" "${libs[@]}" -o "$bin"
 fi
-# The corpus is copied: libFuzzer adds the inputs it finds to its corpus folder.
+# The corpus is copied: libFuzzer adds the inputs it finds to its corpus folder. It is the hand-written
+# inputs (tests/corpus/NAME) and those longer runs found (tests/corpus/fuzz/NAME, see the end of this file),
+# so a short run starts from the coverage they reached.
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-cp "$src/tests/corpus/$name"/* "$work/"
+cp "$src/tests/corpus/$name"/* "$src/tests/corpus/fuzz/$name"/* "$work/"
 cd "$out"
 ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1 "$bin" -runs="$runs" -max_total_time=300 -seed=1 -rss_limit_mb=4096 \
   -timeout=10 -print_final_stats=1 "$work"
+# Growing tests/corpus/fuzz/NAME after a longer run (RUNS 200000 for run_config, 1000000 for safetensors,
+# another -seed), keeping a smallest set of inputs with the same coverage:
+#   mkdir merged && cp tests/corpus/NAME/* merged/
+#   build/fuzz/fuzz_NAME -set_cover_merge=1 merged tests/corpus/fuzz/NAME LONG_RUN_CORPUS
+#   then tests/corpus/fuzz/NAME = the files of merged/ that are not in tests/corpus/NAME
