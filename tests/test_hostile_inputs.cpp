@@ -140,14 +140,14 @@ TEST(HostileInputs, RunConfigCorpusIsRefusedWithClearErrorsOrLoaded) {
 // each one loads or is refused with the project's error naming its source, never anything else.
 TEST(HostileInputs, FuzzerFoundInputsAreRefusedWithClearErrorsOrLoaded) {
   const std::string scratch = "/tmp/megaslide-test-hostile-fuzz-" + std::to_string(::getpid()) + ".safetensors";
-  int inputs = 0;
+  int safetensors_inputs = 0, config_inputs = 0;
   for (const auto& name : io::list_directory(corpus("fuzz/safetensors"))) {
     std::string message;
     const int outcome = feed_safetensors(io::read_file(corpus("fuzz/safetensors") + "/" + name), scratch, &message);
     ASSERT_LT(outcome, 2) << "fuzz/safetensors/" << name << ": " << message;
     if (outcome == 1)
       EXPECT_NE(message.find(scratch), std::string::npos) << "the message must name the file: " << message;
-    ++inputs;
+    ++safetensors_inputs;
   }
   ::unlink(scratch.c_str());
   for (const auto& name : io::list_directory(corpus("fuzz/run_config"))) {
@@ -156,9 +156,10 @@ TEST(HostileInputs, FuzzerFoundInputsAreRefusedWithClearErrorsOrLoaded) {
     ASSERT_LT(outcome, 2) << "fuzz/run_config/" << name << ": " << message;
     if (outcome == 1)
       EXPECT_NE(message.find("hostile.yaml"), std::string::npos) << "the message must name the source: " << message;
-    ++inputs;
+    ++config_inputs;
   }
-  EXPECT_GE(inputs, 500) << "tests/corpus/fuzz/ lost its inputs";
+  EXPECT_GE(safetensors_inputs, 600) << "tests/corpus/fuzz/safetensors lost its inputs";
+  EXPECT_GE(config_inputs, 190) << "tests/corpus/fuzz/run_config lost its inputs";
 }
 
 // The bad configs a hostile user tried (numbers beyond a double or an int64, repeated keys, sizes no

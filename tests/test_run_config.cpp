@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <dirent.h>
+#include <unistd.h>
 #include <fstream>
 
 using megaslide::ConfigError;
@@ -212,7 +213,8 @@ TEST(RunConfig, ConfigThatIsNotARegularFileIsRefusedWithoutReadingIt) {
       EXPECT_NE(std::string(e.what()).find("not a file"), std::string::npos) << e.what();
     }
   }
-  const std::string big = "/tmp/megaslide-test-big-config.yaml";
+  // Its own name: test_asan runs this case too, maybe at the same time.
+  const std::string big = "/tmp/megaslide-test-big-config-" + std::to_string(::getpid()) + ".yaml";
   {
     std::ofstream out(big);
     out << "model:\n  hidden: 16\n" << std::string(2 << 20, '#') << "\n";

@@ -90,4 +90,4 @@ if [ ! -f build/CMakeCache.txt ]; then
 fi
 log "building"
 cmake --build build --parallel "$(nproc)"
-log "done: binaries in build/bin, tests with: ctest --test-dir build"
+log "done: binaries in build/bin, tests with: ctest --test-dir build -j \"\$(nproc)\""

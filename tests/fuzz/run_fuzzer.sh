@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds one libFuzzer target with clang (AddressSanitizer + UndefinedBehaviorSanitizer) and runs it for
-# a fixed number of inputs from the committed corpus (tests/corpus/NAME), with seed 1: the same inputs on
+# a fixed number of inputs from the committed corpus (tests/corpus/NAME and tests/corpus/fuzz/NAME), with
+# seed 1: the same inputs on
 # every machine, so a CI result is reproducible (a 300 s cap guards against a slow machine). ctest runs
 # it as fuzz.NAME; by hand (more runs find more):
 #   tests/fuzz/run_fuzzer.sh run_config|safetensors RUNS SOURCE_DIR BUILD_DIR TORCH_PREFIX [CLANGXX]
@@ -37,7 +38,8 @@ fi
 # so a short run starts from the coverage they reached.
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-cp "$src/tests/corpus/$name"/* "$src/tests/corpus/fuzz/$name"/* "$work/"
+cp "$src/tests/corpus/$name"/* "$work/"
+cp "$src/tests/corpus/fuzz/$name"/* "$work/"
 cd "$out"
 ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1 "$bin" -runs="$runs" -max_total_time=300 -seed=1 -rss_limit_mb=4096 \
   -timeout=10 -print_final_stats=1 "$work"

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Installs the build tree into a scratch prefix, then configures, builds and runs tests/package against
 # it with nothing but CMAKE_PREFIX_PATH: what `find_package(MegaSlide)` users do.
-#   check_package.sh BUILD_DIR TORCH_CMAKE_PREFIX SOURCE_DIR
+#   check_package.sh BUILD_DIR TORCH_CMAKE_PREFIX SOURCE_DIR [STAGE]
+# STAGE: `install` installs, builds the consumer and runs it and the drivers; `moved` runs them again with the
+# checkout's .deps moved aside (after `install`; nothing else may run meanwhile, which is why ctest runs the
+# two as separate tests, only the second alone); both when omitted.
 # An install that carries its own LibTorch (MEGASLIDE_INSTALL_LIBTORCH, on for the bootstrap's LibTorch
 # in the checkout's .deps) is used with the prefix alone, and must not reach into the clone: the
 # installed binaries' RPATHs may not name it, and with the checkout's .deps moved aside the consumer
@@ -12,21 +15,30 @@ build=$1
 torch_prefix=$2
 source=$(cd "$3" && pwd)
 here=$(cd "$(dirname "$0")" && pwd)
+stage=${4:-all}
+case $stage in install | moved | all) ;; *) echo "check_package: unknown stage '$stage' (install | moved)" >&2; exit 2 ;; esac
 work="$build/package-check"
 deps="$source/.deps"
 moved="$source/.deps.moved-by-package-check"
 # A run killed while .deps was aside left it there: put it back first.
 if [[ -e "$moved" && ! -e "$deps" ]]; then mv "$moved" "$deps"; fi
 
-rm -rf "$work/prefix" "$work/consumer"
-cmake --install "$build" --prefix "$work/prefix" >/dev/null
+if [[ $stage != moved ]]; then
+  rm -rf "$work/prefix" "$work/consumer"
+  cmake --install "$build" --prefix "$work/prefix" >/dev/null
+fi
 bundled=0
 [[ -f "$work/prefix/lib/megaslide/torch/share/cmake/Torch/TorchConfig.cmake" ]] && bundled=1
 if (( bundled )); then prefix_path="$work/prefix"; else prefix_path="$work/prefix;$torch_prefix"; fi
-cmake -S "$here" -B "$work/consumer" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-      -DCMAKE_CXX_COMPILER_LAUNCHER="$(command -v ccache || true)" \
-      -DCMAKE_PREFIX_PATH="$prefix_path" >/dev/null
-cmake --build "$work/consumer"
+if [[ $stage != moved ]]; then
+  cmake -S "$here" -B "$work/consumer" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+        -DCMAKE_CXX_COMPILER_LAUNCHER="$(command -v ccache || true)" \
+        -DCMAKE_PREFIX_PATH="$prefix_path" >/dev/null
+  cmake --build "$work/consumer"
+elif [[ ! -x "$work/consumer/consumer" ]]; then
+  echo "check_package: no consumer in $work/consumer: run the install stage first" >&2
+  exit 1
+fi
 
 run_installed() {
   "$work/consumer/consumer"
@@ -36,7 +48,7 @@ run_installed() {
   for tool in train sample eval plan plot ablate cache encode; do "$work/prefix/bin/megaslide-$tool" --help > /dev/null; done
 }
 
-if (( bundled )); then
+if (( bundled )) && [[ $stage != moved ]]; then
   # No installed binary's RPATH names the source tree.
   for f in "$work/prefix/lib/libmegaslide.so" "$work/prefix/bin/"megaslide-*; do
     if readelf -d "$f" | grep -E 'R(UN)?PATH' | grep -qF "$source"; then
@@ -44,6 +56,10 @@ if (( bundled )); then
       exit 1
     fi
   done
+fi
+if [[ $stage == install ]]; then
+  run_installed
+elif (( bundled )); then
   if [[ -e "$deps" ]]; then
     mv "$deps" "$moved"
     trap 'mv "$moved" "$deps"' EXIT
