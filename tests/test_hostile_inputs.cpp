@@ -140,24 +140,24 @@ TEST(HostileInputs, RunConfigCorpusIsRefusedWithClearErrorsOrLoaded) {
 // each one loads or is refused with the project's error naming its source, never anything else.
 TEST(HostileInputs, FuzzerFoundInputsAreRefusedWithClearErrorsOrLoaded) {
   const std::string scratch = "/tmp/megaslide-test-hostile-fuzz-" + std::to_string(::getpid()) + ".safetensors";
-  int safetensors_inputs = 0, config_inputs = 0;
-  for (const auto& name : io::list_directory(corpus("fuzz/safetensors"))) {
-    std::string message;
-    const int outcome = feed_safetensors(io::read_file(corpus("fuzz/safetensors") + "/" + name), scratch, &message);
-    ASSERT_LT(outcome, 2) << "fuzz/safetensors/" << name << ": " << message;
-    if (outcome == 1)
-      EXPECT_NE(message.find(scratch), std::string::npos) << "the message must name the file: " << message;
-    ++safetensors_inputs;
-  }
+  // Every input of tests/corpus/FOLDER through feed: loaded, or refused with a message naming `source`.
+  auto replay = [](const std::string& folder, const std::string& source, auto feed) {
+    int inputs = 0;
+    for (const auto& name : io::list_directory(corpus(folder))) {
+      std::string message;
+      const int outcome = feed(io::read_file(corpus(folder) + "/" + name), &message);
+      EXPECT_LT(outcome, 2) << folder << "/" << name << ": " << message;
+      if (outcome == 1)
+        EXPECT_NE(message.find(source), std::string::npos) << "the message must name " << source << ": " << message;
+      ++inputs;
+    }
+    return inputs;
+  };
+  const int safetensors_inputs =
+      replay("fuzz/safetensors", scratch,
+             [&](const std::string& bytes, std::string* message) { return feed_safetensors(bytes, scratch, message); });
   ::unlink(scratch.c_str());
-  for (const auto& name : io::list_directory(corpus("fuzz/run_config"))) {
-    std::string message;
-    const int outcome = feed_config(io::read_file(corpus("fuzz/run_config") + "/" + name), &message);
-    ASSERT_LT(outcome, 2) << "fuzz/run_config/" << name << ": " << message;
-    if (outcome == 1)
-      EXPECT_NE(message.find("hostile.yaml"), std::string::npos) << "the message must name the source: " << message;
-    ++config_inputs;
-  }
+  const int config_inputs = replay("fuzz/run_config", "hostile.yaml", feed_config);
   EXPECT_GE(safetensors_inputs, 600) << "tests/corpus/fuzz/safetensors lost its inputs";
   EXPECT_GE(config_inputs, 190) << "tests/corpus/fuzz/run_config lost its inputs";
 }

@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # Builds one libFuzzer target with clang (AddressSanitizer + UndefinedBehaviorSanitizer) and runs it for
 # a fixed number of inputs from the committed corpus (tests/corpus/NAME and tests/corpus/fuzz/NAME), with
-# seed 1: the same inputs on
-# every machine, so a CI result is reproducible (a 300 s cap guards against a slow machine). ctest runs
-# it as fuzz.NAME; by hand (more runs find more):
+# seed 1: the same inputs on every machine, so a CI result is reproducible (a 300 s cap guards against a
+# slow machine). ctest runs it as fuzz.NAME; by hand (more runs find more):
 #   tests/fuzz/run_fuzzer.sh run_config|safetensors RUNS SOURCE_DIR BUILD_DIR TORCH_PREFIX [CLANGXX]
 # A finding (crash, sanitizer report, an exception other than the parser's own) fails the run and
 # leaves the input in BUILD_DIR/fuzz/ as crash-* for a regression corpus entry.

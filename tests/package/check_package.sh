@@ -23,22 +23,7 @@ moved="$source/.deps.moved-by-package-check"
 # A run killed while .deps was aside left it there: put it back first.
 if [[ -e "$moved" && ! -e "$deps" ]]; then mv "$moved" "$deps"; fi
 
-if [[ $stage != moved ]]; then
-  rm -rf "$work/prefix" "$work/consumer"
-  cmake --install "$build" --prefix "$work/prefix" >/dev/null
-fi
-bundled=0
-[[ -f "$work/prefix/lib/megaslide/torch/share/cmake/Torch/TorchConfig.cmake" ]] && bundled=1
-if (( bundled )); then prefix_path="$work/prefix"; else prefix_path="$work/prefix;$torch_prefix"; fi
-if [[ $stage != moved ]]; then
-  cmake -S "$here" -B "$work/consumer" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-        -DCMAKE_CXX_COMPILER_LAUNCHER="$(command -v ccache || true)" \
-        -DCMAKE_PREFIX_PATH="$prefix_path" >/dev/null
-  cmake --build "$work/consumer"
-elif [[ ! -x "$work/consumer/consumer" ]]; then
-  echo "check_package: no consumer in $work/consumer: run the install stage first" >&2
-  exit 1
-fi
+torch_config="$work/prefix/lib/megaslide/torch/share/cmake/Torch/TorchConfig.cmake"
 
 run_installed() {
   "$work/consumer/consumer"
@@ -48,31 +33,56 @@ run_installed() {
   for tool in train sample eval plan plot ablate cache encode; do "$work/prefix/bin/megaslide-$tool" --help > /dev/null; done
 }
 
-if (( bundled )) && [[ $stage != moved ]]; then
-  # No installed binary's RPATH names the source tree.
-  for f in "$work/prefix/lib/libmegaslide.so" "$work/prefix/bin/"megaslide-*; do
-    if readelf -d "$f" | grep -E 'R(UN)?PATH' | grep -qF "$source"; then
-      echo "check_package: $f has an RPATH into the source tree: $(readelf -d "$f" | grep -E 'R(UN)?PATH')" >&2
-      exit 1
-    fi
-  done
-fi
-if [[ $stage == install ]]; then
-  run_installed
-elif (( bundled )); then
-  if [[ -e "$deps" ]]; then
-    mv "$deps" "$moved"
-    trap 'mv "$moved" "$deps"' EXIT
-    trap 'exit 1' INT TERM HUP
-    run_installed
-    if ! plan=$(cmake --build "$work/consumer" -- -n 2>&1) || [[ "$plan" != *"no work to do"* ]]; then
-      echo "check_package: with $deps moved aside the consumer's build is not up to date: $plan" >&2
-      exit 1
-    fi
-    echo "check_package: consumer and installed drivers ran with $deps moved aside"
-  else
-    run_installed
+# Install, build the consumer with the prefix alone (and LibTorch's where the install carries none), check
+# that no installed RPATH names the source tree, run.
+install_stage() {
+  rm -rf "$work/prefix" "$work/consumer"
+  cmake --install "$build" --prefix "$work/prefix" >/dev/null
+  local prefix_path="$work/prefix;$torch_prefix"
+  [[ -f "$torch_config" ]] && prefix_path="$work/prefix"
+  cmake -S "$here" -B "$work/consumer" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+        -DCMAKE_CXX_COMPILER_LAUNCHER="$(command -v ccache || true)" \
+        -DCMAKE_PREFIX_PATH="$prefix_path" >/dev/null
+  cmake --build "$work/consumer"
+  if [[ -f "$torch_config" ]]; then
+    for f in "$work/prefix/lib/libmegaslide.so" "$work/prefix/bin/"megaslide-*; do
+      if readelf -d "$f" | grep -E 'R(UN)?PATH' | grep -qF "$source"; then
+        echo "check_package: $f has an RPATH into the source tree: $(readelf -d "$f" | grep -E 'R(UN)?PATH')" >&2
+        exit 1
+      fi
+    done
   fi
-else
   run_installed
-fi
+}
+
+# An install that carries its own LibTorch, with the checkout's .deps moved aside: it still runs, and the
+# consumer's build is still up to date.
+moved_stage() {
+  if [[ ! -x "$work/consumer/consumer" ]]; then
+    echo "check_package: no consumer in $work/consumer: run the install stage first" >&2
+    exit 1
+  fi
+  if [[ ! -f "$torch_config" ]]; then
+    echo "check_package: the install carries no LibTorch: it needs the one it was built with, nothing to move aside"
+    return
+  fi
+  if [[ ! -e "$deps" ]]; then
+    run_installed
+    return
+  fi
+  mv "$deps" "$moved"
+  trap 'mv "$moved" "$deps"' EXIT
+  trap 'exit 1' INT TERM HUP
+  run_installed
+  if ! plan=$(cmake --build "$work/consumer" -- -n 2>&1) || [[ "$plan" != *"no work to do"* ]]; then
+    echo "check_package: with $deps moved aside the consumer's build is not up to date: $plan" >&2
+    exit 1
+  fi
+  echo "check_package: consumer and installed drivers ran with $deps moved aside"
+}
+
+case $stage in
+  install) install_stage ;;
+  moved) moved_stage ;;
+  all) install_stage && moved_stage ;;
+esac
