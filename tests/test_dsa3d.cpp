@@ -486,7 +486,9 @@ TEST(Dsa3d, FusedCpuMatchesReferenceOnEveryInstructionSet) {
     // coefficients in vectors, then two one by one (8-row products on AVX2); 6 heads of d = 22: the same with the
     // scalar products and value sums (d not a multiple of 4); 4 heads of d = 64: the value rows' sums in
     // registers, blocks of 8 vectors; zero offsets (4 heads of d = 32): integer positions, whose zero-weight
-    // corners the forward's row table leaves out (the backward keeps those with a position derivative).
+    // corners the forward's row table leaves out (the backward keeps those with a position derivative); zero
+    // offsets at d = 8 (2 heads a group): the same corners in the per-sample loops (the forward's zero row, the
+    // backward's corner lanes on AVX2).
     struct Case {
       int64_t M, G, d;
       Offsets offsets;
@@ -494,7 +496,8 @@ TEST(Dsa3d, FusedCpuMatchesReferenceOnEveryInstructionSet) {
     for (const Case c :
          {Case{4, 2, 6, Offsets::kRandom}, Case{4, 2, 8, Offsets::kRandom}, Case{4, 2, 20, Offsets::kRandom},
           Case{4, 2, 32, Offsets::kRandom}, Case{4, 2, 76, Offsets::kRandom}, Case{6, 1, 24, Offsets::kRandom},
-          Case{6, 1, 22, Offsets::kRandom}, Case{4, 1, 64, Offsets::kRandom}, Case{4, 1, 32, Offsets::kZero}}) {
+          Case{6, 1, 22, Offsets::kRandom}, Case{4, 1, 64, Offsets::kRandom}, Case{4, 1, 32, Offsets::kZero},
+          Case{4, 2, 8, Offsets::kZero}}) {
       const int64_t d = c.d;
       SCOPED_TRACE("M = " + std::to_string(c.M) + ", G = " + std::to_string(c.G) + ", d = " + std::to_string(d) +
                    (c.offsets == Offsets::kZero ? ", zero offsets" : ""));

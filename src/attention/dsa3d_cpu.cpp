@@ -166,6 +166,24 @@ MEGASLIDE_DSA_INLINE void sum8(const typename Lanes<16>::F* x, float* out) {
   for (int c = 0; c < 8; ++c) out[c] = pairs[2 * c] + pairs[2 * c + 1];
 }
 
+// The lane sums of x[0..7] as one vector, lane c holding x[c]'s: two rounds of pairwise sums of adjacent lanes
+// (shuffles within each 128-bit half, which are cheap; those across the halves cost several times more on AVX2
+// cores), then the two halves' sums added: lane c is ((x_0 + x_1) + (x_2 + x_3)) + ((x_4 + x_5) + (x_6 + x_7))
+// over x[c]'s lanes.
+MEGASLIDE_DSA_INLINE typename Lanes<8>::F sum8_lanes(const typename Lanes<8>::F* x) {
+  using F = typename Lanes<8>::F;
+  typedef int32_t I __attribute__((vector_size(32)));
+  // a's and b's lanes 0 + 1, 2 + 3 per half, in order a, a, b, b: the pairs of each half of both, side by side.
+  const auto pairs = [](F a, F b) __attribute__((always_inline)) {
+    return __builtin_shuffle(a, b, I{0, 2, 8, 10, 4, 6, 12, 14}) +
+           __builtin_shuffle(a, b, I{1, 3, 9, 11, 5, 7, 13, 15});
+  };
+  const F q0 = pairs(pairs(x[0], x[1]), pairs(x[2], x[3]));  // per half: the half's sums of x[0], x[1], x[2], x[3]
+  const F q1 = pairs(pairs(x[4], x[5]), pairs(x[6], x[7]));
+  return __builtin_shuffle(q0, q1, I{0, 1, 2, 3, 8, 9, 10, 11}) +
+         __builtin_shuffle(q0, q1, I{4, 5, 6, 7, 12, 13, 14, 15});
+}
+
 // The same for 8 vectors of 8 lanes (heads of d = 8, 24, 40, ...): two rounds of folds, then adjacent pairs.
 MEGASLIDE_DSA_INLINE void sum8(const typename Lanes<8>::F* x, float* out) {
   using F = typename Lanes<8>::F;
@@ -286,14 +304,36 @@ inline TokenCoord coord_of(const Dsa3dShape& s, int64_t bn) {
   return c;
 }
 
-// The K samples of offset group g for token bn.
+// Calls f(j, xt, xh, xw) for the K samples of offset group g of token bn with their unclamped positions
+// (dsa3d_math::token_position's): the window's start once per token and the regular offsets (rt, rh, rw) counted
+// along, where token_position divides j by the kernel's sizes per sample.
+template <typename acc_t, typename Fn>
+MEGASLIDE_DSA_INLINE void for_each_position(const Dsa3dShape& s, const acc_t* offsets, const TokenCoord& tc, int64_t bn,
+                                            int64_t g, Fn&& f) {
+  const acc_t* off = offsets + (bn * s.G + g) * s.K * 3;
+  const int64_t t0 = dsa3d_math::window_start(tc.t, s.kt, s.T), h0 = dsa3d_math::window_start(tc.h, s.kh, s.H),
+                w0 = dsa3d_math::window_start(tc.w, s.kw, s.W);
+  int64_t rt = 0, rh = 0, rw = 0;
+  for (int64_t j = 0; j < s.K; ++j) {
+    f(j, acc_t(t0 + rt) + off[3 * j], acc_t(h0 + rh) + off[3 * j + 1], acc_t(w0 + rw) + off[3 * j + 2]);
+    if (++rw == s.kw) {
+      rw = 0;
+      if (++rh == s.kh) {
+        rh = 0;
+        ++rt;
+      }
+    }
+  }
+}
+
+// The K samples of offset group g for token bn (dsa3d_math::token_sample).
 template <typename acc_t>
 MEGASLIDE_DSA_INLINE void group_samples(const Dsa3dShape& s, const acc_t* offsets, const TokenCoord& tc, int64_t bn,
                                         int64_t g, Sample<acc_t>* samples) {
-  const acc_t* off = offsets + (bn * s.G + g) * s.K * 3;
-  for (int64_t j = 0; j < s.K; ++j)
-    dsa3d_math::token_sample<acc_t>(tc.t, tc.h, tc.w, j, off[3 * j], off[3 * j + 1], off[3 * j + 2], s.T, s.H, s.W,
-                                    s.kt, s.kh, s.kw, samples[j]);
+  for_each_position(
+      s, offsets, tc, bn, g, [&](int64_t j, acc_t xt, acc_t xh, acc_t xw) __attribute__((always_inline)) {
+        dsa3d_math::trilinear_sample<acc_t>(xt, xh, xw, s.T, s.H, s.W, samples[j]);
+      });
 }
 
 // The forward needs a sample's corners and weights only, not their derivatives.
@@ -307,28 +347,30 @@ struct Point {
 template <typename acc_t>
 MEGASLIDE_DSA_INLINE void group_points(const Dsa3dShape& s, const acc_t* offsets, const TokenCoord& tc, int64_t bn,
                                        int64_t g, Point<acc_t>* points) {
-  const acc_t* off = offsets + (bn * s.G + g) * s.K * 3;
-  for (int64_t j = 0; j < s.K; ++j)
-    dsa3d_math::token_corners<acc_t>(tc.t, tc.h, tc.w, j, off[3 * j], off[3 * j + 1], off[3 * j + 2], s.T, s.H, s.W,
-                                     s.kt, s.kh, s.kw, points[j].index, points[j].weight);
+  for_each_position(
+      s, offsets, tc, bn, g, [&](int64_t j, acc_t xt, acc_t xh, acc_t xw) __attribute__((always_inline)) {
+        dsa3d_math::trilinear_corners<acc_t>(xt, xh, xw, s.T, s.H, s.W, points[j].index, points[j].weight);
+      });
 }
 
 // out[0, L) = Σ_c weight[c] · rows[corner c][0, L): the sample's interpolated row of a group's heads (they are
-// contiguous: L = heads of the group × d). Zero-weight corners (integer positions) are skipped. The sum runs
-// in registers, each channel's terms in corner order: kBlock vectors of V channels at a time, corner by corner (each
-// corner row read in order, kBlock independent sums), then single vectors, then channel by channel.
-// kAccumulate: out += coef · (the interpolated row) instead (coef per channel).
+// contiguous: L = heads of the group × d). A zero-weight corner (integer positions) reads zero_row (L zeros) instead
+// of its row, so that its term is 0 even where the row holds ±∞ or NaN, as if it were skipped, and every sample runs
+// the same 8 terms with no branch on how many corners are live. The sum runs in registers, each channel's terms in
+// corner order: kBlock vectors of V channels at a time, corner by corner (each corner row read in order, kBlock
+// independent sums), then single vectors, then channel by channel. kAccumulate: out += coef · (the interpolated
+// row) instead (coef per channel).
 template <int V, int kBlock, bool kAccumulate = false, typename scalar_t, typename acc_t, typename SampleT>
 MEGASLIDE_DSA_INLINE void interpolate(const scalar_t* base, const SampleT& sp, int64_t row_stride, int64_t L,
-                                      acc_t* __restrict out, const acc_t* __restrict coef = nullptr) {
+                                      const scalar_t* zero_row, acc_t* __restrict out,
+                                      const acc_t* __restrict coef = nullptr) {
   const scalar_t* rows[8];
   acc_t w[8];
-  int n = 0;
-  for (int c = 0; c < 8; ++c)
-    if (sp.weight[c] != acc_t(0)) {
-      rows[n] = base + sp.index[c] * row_stride;
-      w[n++] = sp.weight[c];
-    }
+  constexpr int n = 8;
+  for (int c = 0; c < 8; ++c) {
+    rows[c] = sp.weight[c] != acc_t(0) ? base + sp.index[c] * row_stride : zero_row;
+    w[c] = sp.weight[c];
+  }
   int64_t e = 0;
   if constexpr (std::is_same_v<acc_t, float>) {
     using F = typename Lanes<V>::F;
@@ -640,6 +682,7 @@ MEGASLIDE_DSA_INLINE void forward_tokens(const Dsa3dForwardParams& p, int64_t be
 
   std::vector<Point<acc_t>> samples(K);
   std::vector<acc_t> qf(L), row(L), acc(L), prob_lanes(L), logits(Mg * K), max(Mg), sum(Mg);
+  const std::vector<scalar_t> zero_row(L, scalar_t(0));
   const bool by_rows = L >= kCpuForwardRowsMinChannels;
   std::unique_ptr<CornerRows> table = by_rows ? std::make_unique<CornerRows>(N, 8 * K) : nullptr;
   std::vector<int32_t> corner_slot(by_rows ? K * 8 : 0);
@@ -658,7 +701,7 @@ MEGASLIDE_DSA_INLINE void forward_tokens(const Dsa3dForwardParams& p, int64_t be
       } else {
         for (int64_t h = 0; h < Mg; ++h) max[h] = -INFINITY;
         for (int64_t j = 0; j < K; ++j) {
-          interpolate<V, kBlock>(kb, samples[j], M * d, L, row.data());
+          interpolate<V, kBlock>(kb, samples[j], M * d, L, zero_row.data(), row.data());
           for (int64_t h = 0; h < Mg; ++h) {
             const acc_t logit = head_dot<V>(row.data() + h * d, qf.data() + h * d, d) * scale +
                                 (bias ? bias[(head0 + h) * K + j] : acc_t(0));
@@ -671,7 +714,8 @@ MEGASLIDE_DSA_INLINE void forward_tokens(const Dsa3dForwardParams& p, int64_t be
         for (int64_t j = 0; j < K; ++j) {
           for (int64_t h = 0; h < Mg; ++h)
             for (int64_t c = 0; c < d; ++c) prob_lanes[h * d + c] = logits[h * K + j];
-          interpolate<V, kBlock, /*kAccumulate=*/true>(vb, samples[j], M * d, L, acc.data(), prob_lanes.data());
+          interpolate<V, kBlock, /*kAccumulate=*/true>(vb, samples[j], M * d, L, zero_row.data(), acc.data(),
+                                                       prob_lanes.data());
         }
       }
       scalar_t* o = out + (bn * M + head0) * d;
@@ -784,6 +828,79 @@ MEGASLIDE_DSA_INLINE void backward_rows(const Dsa3dShape& s, const Sample<acc_t>
   }
 }
 
+// The per-sample backward of one (token, group) with fp32 accumulation and every head's d channels in whole 8-lane
+// vectors (d = 8, 16, 24, ...): the per-sample terms work on a sample's 8 corners in the 8 lanes of one vector —
+// each head's q·k and dout·v of the corners (the corner rows' products side by side, reduced into one vector), the
+// logit and dout·ṽ from them, the position gradient's Σ_c dweight·(dq_coef·qk + prob·odv) per lane over the heads,
+// the corners' coefficients dq_coef·w and prob·w — instead of one corner or one channel at a time; then per
+// channel vector the corners' dq, dk and dv terms as sample_gradients adds them (the same products, the same
+// order). What differs from the scalar per-sample terms is only the order of the logit's and dout·ṽ's corner sums
+// and of the position gradient's sum (a tree over the lanes): within the fused kernels' tolerances, and the same on
+// every run. coef: 16·Mg floats of scratch.
+template <typename scalar_t>
+MEGASLIDE_DSA_INLINE void backward_samples_corner_lanes(const Dsa3dShape& s, const Sample<float>* samples,
+                                                        const scalar_t* kb, const scalar_t* vb, float* dkb, float* dvb,
+                                                        const float* qf, const float* dof, float* dqf,
+                                                        const float* dout_dot_out, const float* bias,
+                                                        const float* lse_token, int64_t head0, float scale,
+                                                        float* dbias, float* dx, float* coef) {
+  using F = typename Lanes<8>::F;
+  typedef int32_t I __attribute__((vector_size(32)));
+  const int64_t M = s.M, d = s.d, K = s.K, Mg = s.M / s.G, L = Mg * d, stride = M * d;
+  for (int64_t j = 0; j < K; ++j) {
+    const Sample<float>& sp = samples[j];
+    const F w = vload<8>(sp.weight);
+    const F dw[3] = {vload<8>(sp.dweight[0]), vload<8>(sp.dweight[1]), vload<8>(sp.dweight[2])};
+    // An inert corner's products read as 0 (its row is still a valid one, the clamped corner's), as corner_dots
+    // leaves them.
+    const I live = (w != 0.f) | (dw[0] != 0.f) | (dw[1] != 0.f) | (dw[2] != 0.f);
+    F dx_lanes[3] = {};
+    for (int64_t h = 0; h < Mg; ++h) {
+      F pk[8] = {}, pv[8] = {};
+      for (int64_t e = h * d; e < (h + 1) * d; e += 8) {
+        const F qv = vload<8>(qf + e), dov = vload<8>(dof + e);
+        for (int c = 0; c < 8; ++c) {
+          const int64_t row = sp.index[c] * stride + e;
+          pk[c] += vload<8>(kb + row) * qv;
+          pv[c] += vload<8>(vb + row) * dov;
+        }
+      }
+      const F qk = (F)((I)sum8_lanes(pk) & live), odv = (F)((I)sum8_lanes(pv) & live);
+      const int64_t m = head0 + h;
+      const float logit = vsum<8>(w * qk) * scale + (bias ? bias[m * K + j] : 0.f);
+      const auto grad = dsa3d_math::sample_grad(logit, lse_token[h], vsum<8>(w * odv), dout_dot_out[h]);
+      const float dq_coef = grad.dlogit * scale;
+      if (dbias) dbias[m * K + j] += grad.dlogit;
+      const F g = dq_coef * qk + grad.prob * odv;
+      for (int a = 0; a < 3; ++a) dx_lanes[a] += dw[a] * g;
+      vstore<8>(coef + 16 * h, dq_coef * w);
+      vstore<8>(coef + 16 * h + 8, grad.prob * w);
+    }
+    for (int a = 0; a < 3; ++a) dx[3 * j + a] = vsum<8>(dx_lanes[a]);
+    // Zero-weight corners (integer positions) add nothing to the rows and are skipped.
+    int corner[8];
+    int n = 0;
+    for (int c = 0; c < 8; ++c) {
+      corner[n] = c;
+      n += sp.weight[c] != 0.f;
+    }
+    for (int64_t e = 0; e < L; e += 8) {
+      const float* cq = coef + 16 * (e / d);
+      const F qv = vload<8>(qf + e), dov = vload<8>(dof + e);
+      F dqv = vload<8>(dqf + e);
+      for (int i = 0; i < n; ++i) {
+        const int c = corner[i];
+        const int64_t row = sp.index[c] * stride + e;
+        const float aw = cq[c], bw = cq[8 + c];
+        dqv += aw * vload<8>(kb + row);
+        vstore<8>(dkb + row, vload<8>(dkb + row) + aw * qv);
+        vstore<8>(dvb + row, vload<8>(dvb + row) + bw * dov);
+      }
+      vstore<8>(dqf + e, dqv);
+    }
+  }
+}
+
 // Backward of tokens [bn_begin, bn_end) for offset groups [g_begin, g_end); dk, dv ([B, N, M, d]) and
 // dbias ([M, K], may be null) are accumulated into the given buffers, in token order. Per (token, group)
 // the samples are computed once; by distinct corner rows (backward_rows) from kCpuBackwardRowsMinChannels, else
@@ -807,7 +924,7 @@ MEGASLIDE_DSA_INLINE void backward_tokens(const Dsa3dBackwardParams& p, int64_t 
   const acc_t scale = static_cast<acc_t>(s.scale);
 
   std::vector<Sample<acc_t>> samples(K);
-  std::vector<acc_t> qf(L), dof(L), dqf(L), dq_lanes(L), prob_lanes(L), dx(K * 3), dout_dot_out(Mg);
+  std::vector<acc_t> qf(L), dof(L), dqf(L), dq_lanes(L), prob_lanes(L), dx(K * 3), dout_dot_out(Mg), coef(16 * Mg);
   const bool by_rows = L >= kCpuBackwardRowsMinChannels;
   std::unique_ptr<CornerRows> table = by_rows ? std::make_unique<CornerRows>(N, 8 * K) : nullptr;
   std::vector<int32_t> corner_slot(by_rows ? K * 8 : 0);
@@ -832,6 +949,16 @@ MEGASLIDE_DSA_INLINE void backward_tokens(const Dsa3dBackwardParams& p, int64_t 
         for (int64_t e = 0; e < L; ++e) dq[first + e] = static_cast<scalar_t>(dqf[e]);
         std::copy(dx.begin(), dx.end(), doffsets + (bn * s.G + g) * K * 3);
         continue;
+      }
+      if constexpr (std::is_same_v<acc_t, float> && V == 8) {
+        if (d % 8 == 0) {
+          backward_samples_corner_lanes(s, samples.data(), kb, vb, dkb, dvb, qf.data(), dof.data(), dqf.data(),
+                                        dout_dot_out.data(), bias, lse + bn * M + head0, head0, scale, dbias, dx.data(),
+                                        coef.data());
+          for (int64_t e = 0; e < L; ++e) dq[first + e] = static_cast<scalar_t>(dqf[e]);
+          std::copy(dx.begin(), dx.end(), doffsets + (bn * s.G + g) * K * 3);
+          continue;
+        }
       }
       for (int64_t j = 0; j < K; ++j) {
         const Sample<acc_t>& sp = samples[j];

@@ -134,18 +134,25 @@ MEGASLIDE_HD void token_sample(int64_t t, int64_t h, int64_t w, int64_t j, acc_t
   trilinear_sample(xt, xh, xw, T, H, W, s);
 }
 
-// token_sample's corner indices and weights only (what a forward needs), the same arithmetic.
+// trilinear_sample's corner indices and weights only (what a forward needs), the same arithmetic.
+template <typename acc_t>
+MEGASLIDE_HD void trilinear_corners(acc_t xt, acc_t xh, acc_t xw, int64_t T, int64_t H, int64_t W, int64_t* index,
+                                    acc_t* weight) {
+  const AxisSample<acc_t> at = sample_axis(xt, T), ah = sample_axis(xh, H), aw = sample_axis(xw, W);
+#if defined(__CUDACC__)
+#pragma unroll
+#endif
+  for (int c = 0; c < 8; ++c) trilinear_corner(c, at, ah, aw, H, W, index[c], weight[c]);
+}
+
+// token_sample's corner indices and weights only.
 template <typename acc_t>
 MEGASLIDE_HD void token_corners(int64_t t, int64_t h, int64_t w, int64_t j, acc_t dt, acc_t dh, acc_t dw, int64_t T,
                                 int64_t H, int64_t W, int64_t kt, int64_t kh, int64_t kw, int64_t* index,
                                 acc_t* weight) {
   acc_t xt, xh, xw;
   token_position(t, h, w, j, dt, dh, dw, T, H, W, kt, kh, kw, xt, xh, xw);
-  const AxisSample<acc_t> at = sample_axis(xt, T), ah = sample_axis(xh, H), aw = sample_axis(xw, W);
-#if defined(__CUDACC__)
-#pragma unroll
-#endif
-  for (int c = 0; c < 8; ++c) trilinear_corner(c, at, ah, aw, H, W, index[c], weight[c]);
+  trilinear_corners(xt, xh, xw, T, H, W, index, weight);
 }
 
 // Σ_c weight[c]·x[c] over the 8 corners. With x[c] = q·k[corner c] this is q·k̃ (linear, so it also
