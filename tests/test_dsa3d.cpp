@@ -488,22 +488,25 @@ TEST(Dsa3d, FusedCpuMatchesReferenceOnEveryInstructionSet) {
     // registers, blocks of 8 vectors; zero offsets (4 heads of d = 32): integer positions, whose zero-weight
     // corners the forward's row table leaves out (the backward keeps those with a position derivative); zero
     // offsets at d = 8 (2 heads a group): the same corners in the per-sample loops (the forward's zero row, the
-    // backward's corner lanes on AVX2).
+    // backward's corner lanes on AVX2); d = 16 (2 heads a group) and 24 (2 heads in one group): the corner lanes with
+    // two and three 8-channel chunks a head, the second without a bias.
     struct Case {
       int64_t M, G, d;
       Offsets offsets;
+      bool bias = true;
     };
     for (const Case c :
          {Case{4, 2, 6, Offsets::kRandom}, Case{4, 2, 8, Offsets::kRandom}, Case{4, 2, 20, Offsets::kRandom},
           Case{4, 2, 32, Offsets::kRandom}, Case{4, 2, 76, Offsets::kRandom}, Case{6, 1, 24, Offsets::kRandom},
           Case{6, 1, 22, Offsets::kRandom}, Case{4, 1, 64, Offsets::kRandom}, Case{4, 1, 32, Offsets::kZero},
-          Case{4, 2, 8, Offsets::kZero}}) {
+          Case{4, 2, 8, Offsets::kZero}, Case{4, 2, 16, Offsets::kRandom}, Case{2, 1, 24, Offsets::kRandom, false}}) {
       const int64_t d = c.d;
       SCOPED_TRACE("M = " + std::to_string(c.M) + ", G = " + std::to_string(c.G) + ", d = " + std::to_string(d) +
-                   (c.offsets == Offsets::kZero ? ", zero offsets" : ""));
+                   (c.offsets == Offsets::kZero ? ", zero offsets" : "") + (c.bias ? "" : ", no bias"));
       Problem pb;
       pb.B = 2, pb.T = 3, pb.H = 5, pb.W = 4, pb.M = c.M, pb.d = d, pb.G = c.G;
       pb.kernel = {3, 3, 3};
+      pb.with_bias = c.bias;
       const auto in = make_inputs(pb, torch::kDouble, c.offsets, 21);
       expect_results_close(run_kernel(in, pb.kernel, ms::DsaImpl::kCpu),
                            run_kernel(in, pb.kernel, ms::DsaImpl::kReference), 1e-12, 0);

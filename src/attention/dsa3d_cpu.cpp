@@ -11,7 +11,8 @@
 //             interpolates the group's key row at each sample (8 corners, straight from k), takes every head's
 //             logit, then the exponentials against each head's maximum weight the interpolated value rows; the
 //             backward recomputes per sample and corner each head's q·k and dout·v and adds the corner's dq,
-//             dk and dv rows in one pass over the group's channels.
+//             dk and dv rows in one pass over the group's channels (on AVX2 with d a multiple of 8, a sample's 8
+//             corners in the lanes of one vector: backward_samples_corner_lanes).
 // Both take the softmax in two passes (the logits of all K samples, then the exponentials against each head's
 // maximum); the backward recomputes the probabilities from the saved log-sum-exp.
 //
@@ -223,8 +224,9 @@ MEGASLIDE_DSA_INLINE void corner_dots_side_by_side(const Sample<float>& sp, cons
 }
 
 // A sample's per-corner products for one head: qk[c] = q·k[corner c], odv[c] = dout·v[corner c] over the
-// head's d channels (k_head, v_head: the head's first channel of token 0's row), 0 for inert corners. With
-// d a multiple of 16 (AVX-512) or 8 (AVX2 and AVX-512; fp32 accumulation) the corners run side by side in vectors,
+// head's d channels (k_head, v_head: the head's first channel of token 0's row), 0 for inert corners (the AVX2
+// backward takes backward_samples_corner_lanes instead where d is a multiple of 8). With d a multiple of 16
+// (AVX-512) or 8 (AVX-512; fp32 accumulation) the corners run side by side in vectors,
 // each chunk of q and dout loaded once, and their sums are reduced together; the baseline takes them one by one.
 template <int V, typename scalar_t, typename acc_t>
 MEGASLIDE_DSA_INLINE void corner_dots(const Sample<acc_t>& sp, const bool* inert, const scalar_t* k_head,
@@ -834,9 +836,10 @@ MEGASLIDE_DSA_INLINE void backward_rows(const Dsa3dShape& s, const Sample<acc_t>
 // logit and dout·ṽ from them, the position gradient's Σ_c dweight·(dq_coef·qk + prob·odv) per lane over the heads,
 // the corners' coefficients dq_coef·w and prob·w — instead of one corner or one channel at a time; then per
 // channel vector the corners' dq, dk and dv terms as sample_gradients adds them (the same products, the same
-// order). What differs from the scalar per-sample terms is only the order of the logit's and dout·ṽ's corner sums
-// and of the position gradient's sum (a tree over the lanes): within the fused kernels' tolerances, and the same on
-// every run. coef: 16·Mg floats of scratch.
+// order). What differs from corner_dots and the scalar per-sample terms is only the order of four sums: each
+// corner's products over the channels (sum8_lanes' tree, not sum8's), the logit's and dout·ṽ's corner sums and the
+// position gradient's (trees over the lanes): within the fused kernels' tolerances, and the same on every run.
+// coef: 16·Mg floats of scratch.
 template <typename scalar_t>
 MEGASLIDE_DSA_INLINE void backward_samples_corner_lanes(const Dsa3dShape& s, const Sample<float>* samples,
                                                         const scalar_t* kb, const scalar_t* vb, float* dkb, float* dvb,
@@ -905,7 +908,7 @@ MEGASLIDE_DSA_INLINE void backward_samples_corner_lanes(const Dsa3dShape& s, con
 // dbias ([M, K], may be null) are accumulated into the given buffers, in token order. Per (token, group)
 // the samples are computed once; by distinct corner rows (backward_rows) from kCpuBackwardRowsMinChannels, else
 // per sample and corner the dot products of each head, then the gradient rows of all the group's heads in one
-// pass over their contiguous channels.
+// pass over their contiguous channels (on AVX2 with d a multiple of 8: backward_samples_corner_lanes).
 template <typename scalar_t, typename acc_t, int V, int kBlock>
 MEGASLIDE_DSA_INLINE void backward_tokens(const Dsa3dBackwardParams& p, int64_t bn_begin, int64_t bn_end,
                                           int64_t g_begin, int64_t g_end, acc_t* dk, acc_t* dv, acc_t* dbias) {
