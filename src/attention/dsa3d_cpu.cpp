@@ -368,7 +368,6 @@ MEGASLIDE_DSA_INLINE void interpolate(const scalar_t* base, const SampleT& sp, i
                                       const acc_t* __restrict coef = nullptr) {
   const scalar_t* rows[8];
   acc_t w[8];
-  constexpr int n = 8;
   for (int c = 0; c < 8; ++c) {
     rows[c] = sp.weight[c] != acc_t(0) ? base + sp.index[c] * row_stride : zero_row;
     w[c] = sp.weight[c];
@@ -381,7 +380,7 @@ MEGASLIDE_DSA_INLINE void interpolate(const scalar_t* base, const SampleT& sp, i
       constexpr int NB = decltype(nb)::value;
       F a[NB];
       for (int b = 0; b < NB; ++b) a[b] = F{};
-      for (int c = 0; c < n; ++c) {
+      for (int c = 0; c < 8; ++c) {
         const F wc = F{} + w[c];
         for (int b = 0; b < NB; ++b) a[b] += wc * vload<V>(rows[c] + e + b * V);
       }
@@ -398,7 +397,7 @@ MEGASLIDE_DSA_INLINE void interpolate(const scalar_t* base, const SampleT& sp, i
   }
   for (; e < L; ++e) {
     acc_t a = 0;
-    for (int c = 0; c < n; ++c) a += w[c] * widen<acc_t>(rows[c][e]);
+    for (int c = 0; c < 8; ++c) a += w[c] * widen<acc_t>(rows[c][e]);
     if constexpr (kAccumulate) {
       out[e] += coef[e] * a;
     } else {
@@ -849,7 +848,7 @@ MEGASLIDE_DSA_INLINE void backward_samples_corner_lanes(const Dsa3dShape& s, con
                                                         float* dbias, float* dx, float* coef) {
   using F = typename Lanes<8>::F;
   typedef int32_t I __attribute__((vector_size(32)));
-  const int64_t M = s.M, d = s.d, K = s.K, Mg = s.M / s.G, L = Mg * d, stride = M * d;
+  const int64_t M = s.M, d = s.d, K = s.K, Mg = s.M / s.G, stride = M * d;
   for (int64_t j = 0; j < K; ++j) {
     const Sample<float>& sp = samples[j];
     const F w = vload<8>(sp.weight);
@@ -887,20 +886,58 @@ MEGASLIDE_DSA_INLINE void backward_samples_corner_lanes(const Dsa3dShape& s, con
       corner[n] = c;
       n += sp.weight[c] != 0.f;
     }
-    for (int64_t e = 0; e < L; e += 8) {
-      const float* cq = coef + 16 * (e / d);
-      const F qv = vload<8>(qf + e), dov = vload<8>(dof + e);
-      F dqv = vload<8>(dqf + e);
-      for (int i = 0; i < n; ++i) {
-        const int c = corner[i];
-        const int64_t row = sp.index[c] * stride + e;
-        const float aw = cq[c], bw = cq[8 + c];
-        dqv += aw * vload<8>(kb + row);
-        vstore<8>(dkb + row, vload<8>(dkb + row) + aw * qv);
-        vstore<8>(dvb + row, vload<8>(dvb + row) + bw * dov);
+    for (int64_t h = 0; h < Mg; ++h) {
+      const float* cq = coef + 16 * h;
+      for (int64_t e = h * d; e < (h + 1) * d; e += 8) {
+        const F qv = vload<8>(qf + e), dov = vload<8>(dof + e);
+        F dqv = vload<8>(dqf + e);
+        for (int i = 0; i < n; ++i) {
+          const int c = corner[i];
+          const int64_t row = sp.index[c] * stride + e;
+          const float aw = cq[c], bw = cq[8 + c];
+          dqv += aw * vload<8>(kb + row);
+          vstore<8>(dkb + row, vload<8>(dkb + row) + aw * qv);
+          vstore<8>(dvb + row, vload<8>(dvb + row) + bw * dov);
+        }
+        vstore<8>(dqf + e, dqv);
       }
-      vstore<8>(dqf + e, dqv);
     }
+  }
+}
+
+// The per-sample backward of one (token, group) on the other paths: per sample and corner the dot products of each
+// head (corner_dots), the logits, softmax gradients, dbias and position gradients one head at a time, each head's
+// coefficients copied across its channels (dq_lanes, prob_lanes: L each), then the gradient rows of all the group's
+// heads in one pass over their contiguous channels (sample_gradients).
+template <int V, typename scalar_t, typename acc_t>
+MEGASLIDE_DSA_INLINE void backward_samples(const Dsa3dShape& s, const Sample<acc_t>* samples, const scalar_t* kb,
+                                           const scalar_t* vb, acc_t* dkb, acc_t* dvb, const acc_t* qf,
+                                           const acc_t* dof, acc_t* dqf, const acc_t* dout_dot_out, const acc_t* bias,
+                                           const acc_t* lse_token, int64_t head0, acc_t scale, acc_t* dbias, acc_t* dx,
+                                           acc_t* dq_lanes, acc_t* prob_lanes) {
+  const int64_t M = s.M, d = s.d, K = s.K, Mg = s.M / s.G, L = Mg * d;
+  for (int64_t j = 0; j < K; ++j) {
+    const Sample<acc_t>& sp = samples[j];
+    bool inert[8];
+    for (int c = 0; c < 8; ++c) inert[c] = dsa3d_math::corner_is_inert(sp, c);
+    acc_t dx_sample[3] = {0, 0, 0};  // summed in registers over the heads, then stored
+    for (int64_t h = 0; h < Mg; ++h) {
+      const int64_t m = head0 + h;
+      acc_t qk[8], odv[8];
+      corner_dots<V>(sp, inert, kb + h * d, vb + h * d, M * d, qf + h * d, dof + h * d, d, qk, odv);
+      const acc_t logit = dsa3d_math::corner_sum(sp.weight, qk) * scale + (bias ? bias[m * K + j] : acc_t(0));
+      const auto grad =
+          dsa3d_math::sample_grad(logit, lse_token[h], dsa3d_math::corner_sum(sp.weight, odv), dout_dot_out[h]);
+      const acc_t dq_coef = grad.dlogit * scale;
+      if (dbias) dbias[m * K + j] += grad.dlogit;
+      dsa3d_math::add_position_grad(sp, qk, odv, dq_coef, grad.prob, dx_sample);
+      for (int64_t c = 0; c < d; ++c) {
+        dq_lanes[h * d + c] = dq_coef;
+        prob_lanes[h * d + c] = grad.prob;
+      }
+    }
+    for (int a = 0; a < 3; ++a) dx[3 * j + a] = dx_sample[a];
+    sample_gradients<V>(sp, M * d, L, kb, dkb, dvb, dq_lanes, prob_lanes, qf, dof, dqf);
   }
 }
 
@@ -929,6 +966,9 @@ MEGASLIDE_DSA_INLINE void backward_tokens(const Dsa3dBackwardParams& p, int64_t 
   std::vector<Sample<acc_t>> samples(K);
   std::vector<acc_t> qf(L), dof(L), dqf(L), dq_lanes(L), prob_lanes(L), dx(K * 3), dout_dot_out(Mg), coef(16 * Mg);
   const bool by_rows = L >= kCpuBackwardRowsMinChannels;
+  // The AVX2 per-sample loop with whole 8-lane heads takes a sample's corners in vector lanes.
+  constexpr bool kCornerLanes = std::is_same_v<acc_t, float> && V == 8;
+  const bool corner_lanes = kCornerLanes && d % 8 == 0;
   std::unique_ptr<CornerRows> table = by_rows ? std::make_unique<CornerRows>(N, 8 * K) : nullptr;
   std::vector<int32_t> corner_slot(by_rows ? K * 8 : 0);
   std::vector<acc_t> row_dots;
@@ -945,47 +985,19 @@ MEGASLIDE_DSA_INLINE void backward_tokens(const Dsa3dBackwardParams& p, int64_t 
       load(dout + first, dof.data(), L);
       for (int64_t e = 0; e < L; ++e) dqf[e] = acc_t(0);
       for (int64_t h = 0; h < Mg; ++h) dout_dot_out[h] = dot(out + first + h * d, dof.data() + h * d, d);
+      const acc_t* lse_token = lse + bn * M + head0;
       if (by_rows) {
         backward_rows<V, kBlock>(s, samples.data(), *table, corner_slot, row_dots, kb, vb, dkb, dvb, qf.data(),
-                                 dof.data(), dqf.data(), dout_dot_out.data(), bias, lse + bn * M + head0, head0, scale,
-                                 dbias, dx.data());
-        for (int64_t e = 0; e < L; ++e) dq[first + e] = static_cast<scalar_t>(dqf[e]);
-        std::copy(dx.begin(), dx.end(), doffsets + (bn * s.G + g) * K * 3);
-        continue;
-      }
-      if constexpr (std::is_same_v<acc_t, float> && V == 8) {
-        if (d % 8 == 0) {
+                                 dof.data(), dqf.data(), dout_dot_out.data(), bias, lse_token, head0, scale, dbias,
+                                 dx.data());
+      } else if (corner_lanes) {
+        if constexpr (kCornerLanes)
           backward_samples_corner_lanes(s, samples.data(), kb, vb, dkb, dvb, qf.data(), dof.data(), dqf.data(),
-                                        dout_dot_out.data(), bias, lse + bn * M + head0, head0, scale, dbias, dx.data(),
+                                        dout_dot_out.data(), bias, lse_token, head0, scale, dbias, dx.data(),
                                         coef.data());
-          for (int64_t e = 0; e < L; ++e) dq[first + e] = static_cast<scalar_t>(dqf[e]);
-          std::copy(dx.begin(), dx.end(), doffsets + (bn * s.G + g) * K * 3);
-          continue;
-        }
-      }
-      for (int64_t j = 0; j < K; ++j) {
-        const Sample<acc_t>& sp = samples[j];
-        bool inert[8];
-        for (int c = 0; c < 8; ++c) inert[c] = dsa3d_math::corner_is_inert(sp, c);
-        acc_t dx_sample[3] = {0, 0, 0};  // summed in registers over the heads, then stored
-        for (int64_t h = 0; h < Mg; ++h) {
-          const int64_t m = head0 + h;
-          acc_t qk[8], odv[8];
-          corner_dots<V>(sp, inert, kb + h * d, vb + h * d, M * d, qf.data() + h * d, dof.data() + h * d, d, qk, odv);
-          const acc_t logit = dsa3d_math::corner_sum(sp.weight, qk) * scale + (bias ? bias[m * K + j] : acc_t(0));
-          const auto grad =
-              dsa3d_math::sample_grad(logit, lse[bn * M + m], dsa3d_math::corner_sum(sp.weight, odv), dout_dot_out[h]);
-          const acc_t dq_coef = grad.dlogit * scale;
-          if (dbias) dbias[m * K + j] += grad.dlogit;
-          dsa3d_math::add_position_grad(sp, qk, odv, dq_coef, grad.prob, dx_sample);
-          for (int64_t c = 0; c < d; ++c) {
-            dq_lanes[h * d + c] = dq_coef;
-            prob_lanes[h * d + c] = grad.prob;
-          }
-        }
-        for (int a = 0; a < 3; ++a) dx[3 * j + a] = dx_sample[a];
-        sample_gradients<V>(sp, M * d, L, kb, dkb, dvb, dq_lanes.data(), prob_lanes.data(), qf.data(), dof.data(),
-                            dqf.data());
+      } else {
+        backward_samples<V>(s, samples.data(), kb, vb, dkb, dvb, qf.data(), dof.data(), dqf.data(), dout_dot_out.data(),
+                            bias, lse_token, head0, scale, dbias, dx.data(), dq_lanes.data(), prob_lanes.data());
       }
       for (int64_t e = 0; e < L; ++e) dq[first + e] = static_cast<scalar_t>(dqf[e]);
       std::copy(dx.begin(), dx.end(), doffsets + (bn * s.G + g) * K * 3);
