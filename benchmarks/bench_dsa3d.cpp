@@ -21,6 +21,8 @@
 //   build/bin/bench_dsa3d                 # the CPU figures (LibTorch's thread count)
 //   build/bin/bench_dsa3d --threads 1     # ... on one thread
 //   build/bin/bench_dsa3d --kernels-only  # row vs tiled CPU kernel only, interleaved (a few minutes)
+//   build/bin/bench_dsa3d --smoke-shape --threads 1 --reps 15
+//                                         # the row kernel at the README smoke model's shape (seconds)
 //   build/bin/bench_dsa3d --isa avx2      # the fused CPU kernels' AVX2 loops (and the AVX2 FMA peak) on a CPU
 //                                         # that also has AVX-512: baseline, avx2 or avx512 (default: CPUID's)
 //   build/bin/bench_dsa3d --cuda          # the GPU figures (benchmarks/gpu/check.sh runs this)
@@ -266,6 +268,40 @@ int cpu_kernels_mode(int reps, const Memory& memory) {
   }
   std::printf("%s]}\n", json.c_str());
   (void)memory;
+  return 0;
+}
+
+// --smoke-shape: the row kernel at the shape of the README's smoke model's blocks (B = 4, 8x8x8 tokens, 2 heads of
+// d = 8 in one group, 3x5x5: the per-sample loops), forward under no-grad and forward + backward, after a warm-up;
+// the fastest and the median of the runs. The loops' own figure, without the trainer around them.
+int smoke_shape_mode(int reps) {
+  const Case c{"smoke", 4, 8, 8, 8, 2, 8, {3, 5, 5}};
+  auto in = make_inputs(c, torch::Device(torch::kCPU));
+  std::vector<double> forward, both;
+  for (int i = 0; i < reps + 1; ++i) {
+    auto start = std::chrono::steady_clock::now();
+    {
+      torch::NoGradGuard no_grad;
+      ops::dsa3d(in.q, in.k, in.v, in.offsets, in.bias, c.kernel, ops::DsaImpl::kCpu);
+    }
+    const double f = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    clear_grads(in);
+    start = std::chrono::steady_clock::now();
+    ops::dsa3d(in.q, in.k, in.v, in.offsets, in.bias, c.kernel, ops::DsaImpl::kCpu).backward(in.dout);
+    const double fb = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    if (i > 0) forward.push_back(f), both.push_back(fb);
+  }
+  std::sort(forward.begin(), forward.end());
+  std::sort(both.begin(), both.end());
+  std::printf(
+      "bench_dsa3d --smoke-shape (cpu %s loops, float32, %d threads, %d runs): forward %.2f ms (median %.2f), "
+      "forward + backward %.2f ms (median %.2f)\n",
+      ops::detail::to_string(ops::detail::dsa3d_cpu_isa()), torch::get_num_threads(), reps, forward[0],
+      forward[forward.size() / 2], both[0], both[both.size() / 2]);
+  std::printf(
+      "{\"bench\":\"dsa3d_smoke_shape\",\"isa\":\"%s\",\"threads\":%d,\"forward_ms\":%s,\"forward_backward_ms\":%s}\n",
+      ops::detail::to_string(ops::detail::dsa3d_cpu_isa()), torch::get_num_threads(), fmt_double(forward[0]).c_str(),
+      fmt_double(both[0]).c_str());
   return 0;
 }
 
@@ -755,18 +791,20 @@ int cuda_mode(int reps) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool use_cuda = false, kernels_only = false;
+  bool use_cuda = false, kernels_only = false, smoke_shape = false;
   int reps = 3, threads = 0;
   std::string isa;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--cuda")) use_cuda = true;
     else if (!std::strcmp(argv[i], "--kernels-only")) kernels_only = true;
+    else if (!std::strcmp(argv[i], "--smoke-shape")) smoke_shape = true;
     else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::max(1, std::atoi(argv[++i]));
     else if (!std::strcmp(argv[i], "--threads") && i + 1 < argc) threads = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--isa") && i + 1 < argc) isa = argv[++i];
     else {
       std::fprintf(stderr,
-                   "usage: %s [--cuda] [--kernels-only] [--reps N] [--threads N] [--isa baseline|avx2|avx512]\n",
+                   "usage: %s [--cuda] [--kernels-only | --smoke-shape] [--reps N] [--threads N] "
+                   "[--isa baseline|avx2|avx512]\n",
                    argv[0]);
       return 2;
     }
@@ -801,6 +839,7 @@ int main(int argc, char** argv) {
   static TrackingCpuAllocator tracker(c10::GetCPUAllocator());
   cpu_tracker = &tracker;
   c10::SetCPUAllocator(&tracker, /*priority*/ 100);
+  if (!use_cuda && smoke_shape) return smoke_shape_mode(reps);
   if (!use_cuda) return kernels_only ? cpu_kernels_mode(reps, memory) : cpu_mode(reps, memory);
 #ifdef MEGASLIDE_WITH_CUDA
   if (!torch::cuda::is_available()) {
