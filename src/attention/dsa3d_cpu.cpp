@@ -729,6 +729,25 @@ MEGASLIDE_DSA_INLINE void forward_tokens(const Dsa3dForwardParams& p, int64_t be
   }
 }
 
+// One head's per-sample terms from its 8 corner products qk and odv (the scalar loops'): the logit (bias: this head's
+// and sample's, or null), the probability from the saved log-sum-exp, the logit gradient into *dbias (or null), the
+// position gradient added into dx_sample; returns the probability and dq's coefficient (dlogit · scale).
+template <typename acc_t>
+struct HeadTerms {
+  acc_t prob, dq_coef;
+};
+template <typename acc_t>
+MEGASLIDE_DSA_INLINE HeadTerms<acc_t> head_sample_terms(const Sample<acc_t>& sp, const acc_t* qk, const acc_t* odv,
+                                                        acc_t scale, const acc_t* bias, acc_t lse, acc_t dout_dot_out,
+                                                        acc_t* dbias, acc_t* dx_sample) {
+  const acc_t logit = dsa3d_math::corner_sum(sp.weight, qk) * scale + (bias ? *bias : acc_t(0));
+  const auto grad = dsa3d_math::sample_grad(logit, lse, dsa3d_math::corner_sum(sp.weight, odv), dout_dot_out);
+  const acc_t dq_coef = grad.dlogit * scale;
+  if (dbias) *dbias += grad.dlogit;
+  dsa3d_math::add_position_grad(sp, qk, odv, dq_coef, grad.prob, dx_sample);
+  return {grad.prob, dq_coef};
+}
+
 // The backward of one (token, group) by distinct corner rows, for L >= kCpuBackwardRowsMinChannels: (1) q·k and
 // dout·v of every head for each distinct row; (2) per sample, from those, the logits, softmax gradients, dbias and
 // the position gradients, summing each row's coefficients over the samples and corners that name it (dq_coef·w for
@@ -803,12 +822,9 @@ MEGASLIDE_DSA_INLINE void backward_rows(const Dsa3dShape& s, const Sample<acc_t>
         qk[c] = slots[c] < 0 ? acc_t(0) : qk_r[slots[c] * Mg + h];
         odv[c] = slots[c] < 0 ? acc_t(0) : odv_r[slots[c] * Mg + h];
       }
-      const acc_t logit = dsa3d_math::corner_sum(sp.weight, qk) * scale + (bias ? bias[m * K + j] : acc_t(0));
-      const auto grad =
-          dsa3d_math::sample_grad(logit, lse_token[h], dsa3d_math::corner_sum(sp.weight, odv), dout_dot_out[h]);
-      const acc_t dq_coef = grad.dlogit * scale;
-      if (dbias) dbias[m * K + j] += grad.dlogit;
-      dsa3d_math::add_position_grad(sp, qk, odv, dq_coef, grad.prob, dx_sample);
+      const auto grad = head_sample_terms(sp, qk, odv, scale, bias ? bias + m * K + j : nullptr, lse_token[h],
+                                          dout_dot_out[h], dbias ? dbias + m * K + j : nullptr, dx_sample);
+      const acc_t dq_coef = grad.dq_coef;
       for (int c = 0; c < 8; ++c) {
         if (sp.weight[c] == acc_t(0)) continue;
         cq_r[slots[c] * Mg + h] += dq_coef * sp.weight[c];
@@ -925,12 +941,9 @@ MEGASLIDE_DSA_INLINE void backward_samples(const Dsa3dShape& s, const Sample<acc
       const int64_t m = head0 + h;
       acc_t qk[8], odv[8];
       corner_dots<V>(sp, inert, kb + h * d, vb + h * d, M * d, qf + h * d, dof + h * d, d, qk, odv);
-      const acc_t logit = dsa3d_math::corner_sum(sp.weight, qk) * scale + (bias ? bias[m * K + j] : acc_t(0));
-      const auto grad =
-          dsa3d_math::sample_grad(logit, lse_token[h], dsa3d_math::corner_sum(sp.weight, odv), dout_dot_out[h]);
-      const acc_t dq_coef = grad.dlogit * scale;
-      if (dbias) dbias[m * K + j] += grad.dlogit;
-      dsa3d_math::add_position_grad(sp, qk, odv, dq_coef, grad.prob, dx_sample);
+      const auto grad = head_sample_terms(sp, qk, odv, scale, bias ? bias + m * K + j : nullptr, lse_token[h],
+                                          dout_dot_out[h], dbias ? dbias + m * K + j : nullptr, dx_sample);
+      const acc_t dq_coef = grad.dq_coef;
       for (int64_t c = 0; c < d; ++c) {
         dq_lanes[h * d + c] = dq_coef;
         prob_lanes[h * d + c] = grad.prob;
