@@ -24,7 +24,8 @@
 #include <poll.h>
 #include <nlohmann/json.hpp>
 #include <sys/wait.h>
-#include <torch/torch.h>
+#include <torch/types.h>
+#include <torch/optim/adamw.h>
 #include <unistd.h>
 
 #include <algorithm>

@@ -17,7 +17,10 @@
 //
 //   build/bin/bench_streamer [--layers L] [--hidden D] [--steps S] [--threads T]
 //   build/bin/bench_streamer --pinned-bandwidth 1      (GPU: pinned-copy GB/s, one JSON line)
-#include <torch/torch.h>
+#include <torch/types.h>
+#include <torch/optim/adamw.h>
+#include <torch/cuda.h>
+#include <torch/autograd.h>
 
 #include <algorithm>
 #include <chrono>

@@ -2,7 +2,7 @@
 // util::install_cpu_tensor_cache, the cache of large blocks in front of that allocator.
 #include <gtest/gtest.h>
 #include <c10/core/CPUAllocator.h>
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <cstdlib>
 #include <string>

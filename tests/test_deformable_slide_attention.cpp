@@ -5,7 +5,9 @@
 #include "trainers.h"
 
 #include <gtest/gtest.h>
-#include <torch/torch.h>
+#include <torch/types.h>
+#include <torch/optim/adam.h>
+#include <torch/cuda.h>
 
 #ifdef MEGASLIDE_WITH_CUDA
 #include <ATen/cuda/CUDAGraph.h>

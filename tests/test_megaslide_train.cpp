@@ -1,4 +1,5 @@
 // megaslide-train end to end: exit codes, the files a run writes, and that a bad config writes nothing.
+#include <torch/cuda.h>
 #include <gtest/gtest.h>
 
 #include "run_tool.h"

@@ -2,6 +2,7 @@
 // that falls.
 #include "trainers.h"
 
+#include <torch/cuda.h>
 #include <gtest/gtest.h>
 
 using namespace megaslide::testing;

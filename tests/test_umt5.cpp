@@ -6,6 +6,7 @@
 // (transformers' single file, sharded with an index, ComfyUI's fp16 file with the tokenizer inside)
 // (tests/fixtures/umt5*, tools/make_fixtures.py); bad files named in the errors; the real tokenizer when
 // MEGASLIDE_UMT5_TOKENIZER points at one.
+#include <torch/cuda.h>
 #include <gtest/gtest.h>
 #include <c10/util/Logging.h>  // FLAGS_caffe2_use_fatal_for_enforce
 #include <nlohmann/json.hpp>

@@ -3,6 +3,7 @@
 // present, on three CUDA streams.
 #include "megaslide/offload/weight_streamer.h"
 
+#include <torch/cuda.h>
 #include <gtest/gtest.h>
 
 #include <chrono>

@@ -1,6 +1,7 @@
 #include "megaslide/data/video_dataset.h"
 
 #include <fmt/format.h>
+#include <torch/nn/functional/upsampling.h>
 
 #include <algorithm>
 #include <atomic>

@@ -2,7 +2,7 @@
 
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #ifdef MEGASLIDE_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>

@@ -17,7 +17,7 @@
 // required key. Thread-safety: one thread per object.
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <nlohmann/json.hpp>
 

@@ -13,6 +13,7 @@ extern "C" {
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <torch/nn/functional/upsampling.h>
 #include <unistd.h>
 
 #include <algorithm>

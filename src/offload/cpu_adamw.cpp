@@ -1,6 +1,6 @@
 #include "megaslide/offload/cpu_adamw.h"
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <algorithm>
 #include <cmath>

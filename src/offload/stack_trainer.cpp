@@ -1,5 +1,7 @@
 #include "megaslide/offload/stack_trainer.h"
 
+#include <torch/csrc/autograd/autograd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>

@@ -2,7 +2,8 @@
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
-#include <torch/torch.h>
+#include <torch/types.h>
+#include <torch/nn/module.h>
 
 #include <algorithm>
 #include <cmath>

@@ -1,7 +1,8 @@
 #include "megaslide/util/build_info.h"
 
 #include <fmt/format.h>
-#include <torch/torch.h>
+#include <torch/types.h>
+#include <torch/cuda.h>
 #include <torch/version.h>
 
 namespace megaslide {

@@ -2,7 +2,7 @@
 // folder.
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <fstream>
 #include <string>

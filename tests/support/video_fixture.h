@@ -12,6 +12,7 @@
 //                                          webvid.csv lists files as {page_dir}/{videoid}.mp4
 #pragma once
 
+#include <torch/nn/functional/upsampling.h>
 #include <unistd.h>
 
 #include <fstream>

@@ -34,7 +34,8 @@
 // the current LibTorch stream.
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/types.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <array>
 #include <optional>

@@ -9,6 +9,7 @@
 // Thread-safety: one thread drives a sampler (batch() keeps the plan of the last epoch asked for).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 

@@ -56,7 +56,7 @@
 // Thread-safety: LatentCache::load may run on several threads at once; building is one call.
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <cstdint>
 #include <functional>

@@ -13,7 +13,7 @@
 // concurrently (their load() must be thread-safe).
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <condition_variable>
 #include <cstdint>

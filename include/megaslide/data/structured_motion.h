@@ -7,7 +7,7 @@
 // Thread-safety: const methods may run concurrently.
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <cstdint>
 #include <string>

@@ -22,7 +22,7 @@
 // Thread-safety: after construction every const method may run concurrently.
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <array>
 #include <cstdint>

@@ -30,7 +30,7 @@
 // Thread-safety: plain functions; FlowUniPC holds the state of one sampling run (one thread).
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <cstdint>
 #include <functional>

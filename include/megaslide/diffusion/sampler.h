@@ -32,7 +32,7 @@
 // Thread-safety: a Denoiser is driven by one thread; SamplingSchedule is immutable.
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <cstdint>
 #include <functional>

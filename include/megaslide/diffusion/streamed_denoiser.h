@@ -16,7 +16,7 @@
 // Threading: one thread drives it (Denoiser's contract).
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <memory>
 #include <string>

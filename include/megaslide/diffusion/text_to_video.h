@@ -11,7 +11,7 @@
 // Ownership: TextToVideo shares the model's modules (no copies). Thread-safety: one thread drives it.
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <functional>
 #include <memory>

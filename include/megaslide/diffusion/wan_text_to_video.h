@@ -34,7 +34,7 @@
 // streamed trainer keeps them between its steps. Thread-safety: one thread drives a pipeline.
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <functional>
 #include <memory>

@@ -13,7 +13,7 @@
 // Thread-safety: plain functions.
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <functional>
 #include <string>

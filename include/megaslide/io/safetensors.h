@@ -20,7 +20,7 @@
 // Thread-safety: plain functions; concurrent calls on different files are safe.
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <functional>
 #include <map>

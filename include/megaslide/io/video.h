@@ -13,7 +13,7 @@
 // failure reaches the caller as a VideoError instead). Thread-safety: calls on different files may run concurrently.
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <string>
 #include <vector>

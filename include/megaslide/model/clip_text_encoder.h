@@ -23,7 +23,7 @@
 // the tensor and what was expected. Thread-safety: forward may be called from one thread at a time.
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <functional>
 #include <map>

@@ -23,7 +23,7 @@
 // ClipTokenizerError naming the file. Thread-safety: immutable after construction; encode is const.
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <map>
 #include <stdexcept>

@@ -48,7 +48,7 @@
 // its tensors); the free functions are pure.
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <array>
 #include <functional>

@@ -25,7 +25,10 @@
 // Thread-safety: like any torch::nn::Module.
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/types.h>
+#include <torch/nn/cloneable.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
 
 #include <array>
 #include <optional>
@@ -105,9 +108,9 @@ struct BlockContext {
   TokenGrid grid;        // the whole sample's
   ops::ContextShard cp;  // active: the tokens are this rank's frames of `grid` (attention/context_parallel.h)
   TokenGrid local_grid() const { return TokenGrid{cp.frames(grid.t), grid.h, grid.w}; }  // this rank's tokens
-  torch::Tensor t_mod;                                                             // [B, 6D]
-  torch::Tensor text;                                                              // [B, L, text_dim]
-  torch::Tensor text_mask;                                                         // [B, L] bool or undefined
+  torch::Tensor t_mod;                                                                   // [B, 6D]
+  torch::Tensor text;                                                                    // [B, L, text_dim]
+  torch::Tensor text_mask;                                                               // [B, L] bool or undefined
 };
 
 class DiTBlockImpl : public torch::nn::Cloneable<DiTBlockImpl> {

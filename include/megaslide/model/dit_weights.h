@@ -20,7 +20,7 @@
 // The caller owns the returned modules. Thread-safety: plain functions.
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <string>
 

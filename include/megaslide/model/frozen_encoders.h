@@ -14,7 +14,7 @@
 // Thread-safety: one thread at a time.
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <memory>
 #include <optional>

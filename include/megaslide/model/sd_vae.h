@@ -30,7 +30,7 @@
 // expected. Thread-safety: one thread at a time.
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <functional>
 #include <map>

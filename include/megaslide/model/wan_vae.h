@@ -53,7 +53,7 @@
 // was expected; bad arguments: c10::Error. Thread-safety: one thread at a time.
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <optional>
 #include <string>

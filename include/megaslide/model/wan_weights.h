@@ -43,7 +43,7 @@
 // may be called from several threads at once; open() returns an object that owns its mappings.
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <memory>
 #include <string>

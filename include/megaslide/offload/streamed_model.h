@@ -32,7 +32,8 @@
 // Threading: the trainer calls all of these from the thread that drives it.
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/types.h>
+#include <torch/nn/module.h>
 
 #include <any>
 #include <vector>

@@ -26,7 +26,7 @@
 // thread may call (the optimizer thread waits there before reading a gradient).
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <cstdint>
 #include <functional>

@@ -25,7 +25,7 @@
 // Thread-safety: plain functions; InitTensor::read may run concurrently (each call opens the file).
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/types.h>
 
 #include <cstdint>
 #include <string>
