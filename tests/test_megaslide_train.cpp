@@ -203,10 +203,11 @@ TEST(MegaslideTrain, SigtermSavesAndResumeReproducesTheUninterruptedLosses) {
   const auto whole = fresh_dir("sigterm-whole"), parts = fresh_dir("sigterm-parts");
   ASSERT_EQ(run(args + " --run-dir " + whole).code, 0);
 
+  // The child's output, named after this test's process (so test_main removes it once the test passes).
+  const std::string log = "/tmp/megaslide-test-sigterm-" + std::to_string(::getpid()) + ".log";
   const pid_t pid = ::fork();
   ASSERT_GE(pid, 0);
   if (pid == 0) {
-    const std::string log = "/tmp/megaslide-test-sigterm-" + std::to_string(::getpid()) + ".log";
     std::freopen(log.c_str(), "w", stderr);
     std::freopen(log.c_str(), "a", stdout);
     const std::string bin = std::string(MEGASLIDE_BINARY_DIR) + "/bin/megaslide-train";
