@@ -13,8 +13,8 @@
 //
 // Memory is LibTorch's CPU allocator's peak (util::cpu_memory_counter) above what was live before the call,
 // or the CUDA caching allocator's peak on a GPU. The last line is one JSON object.
-#include <torch/cuda.h>
 #include <fmt/format.h>
+#include <torch/cuda.h>
 
 #include <chrono>
 #include <iostream>

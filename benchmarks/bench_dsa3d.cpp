@@ -27,8 +27,8 @@
 //                                         # that also has AVX-512: baseline, avx2 or avx512 (default: CPUID's)
 //   build/bin/bench_dsa3d --cuda          # the GPU figures (benchmarks/gpu/check.sh runs this)
 #include <c10/core/CPUAllocator.h>
-#include <torch/types.h>
 #include <torch/cuda.h>
+#include <torch/types.h>
 
 #ifdef MEGASLIDE_WITH_CUDA
 #include <ATen/Context.h>

@@ -11,8 +11,8 @@
 //                          [--size 64] [--steps 12] [--workers 1] [--threads 1] [--hidden 32] [--device cpu|cuda]
 //
 // The last line is one JSON object.
-#include <torch/nn/functional/upsampling.h>
 #include <fmt/format.h>
+#include <torch/nn/functional/upsampling.h>
 #include <unistd.h>
 
 #include <chrono>

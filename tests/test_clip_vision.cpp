@@ -3,9 +3,9 @@
 // CLIPVisionModel on a tiny random model in diffusers' folder and ComfyUI's single-file layouts
 // (tests/fixtures/clip_vision, tools/make_fixtures.py section_clip_vision); bad folders and files named in
 // the errors; the real ViT-H/14 when MEGASLIDE_CLIP_VISION_WEIGHTS points at one.
-#include <torch/cuda.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+#include <torch/cuda.h>
 #include <unistd.h>
 
 #include <cstdlib>

@@ -7,8 +7,8 @@
 #include "megaslide/offload/stack_trainer.h"
 
 #include <gtest/gtest.h>
-#include <torch/types.h>
 #include <torch/optim/adamw.h>
+#include <torch/types.h>
 
 #include <cmath>
 #include <cstring>

@@ -5,10 +5,10 @@
 // a gradient before its copy has landed reads NaN and the comparisons fail.
 #include "trainers.h"
 
-#include <torch/cuda.h>
 #include <ATen/record_function.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+#include <torch/cuda.h>
 
 #include <fstream>
 #include <limits>

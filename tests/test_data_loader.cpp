@@ -4,8 +4,8 @@
 // fails by the same stand-in every time, and its workers run LibTorch on one thread each.
 #include "megaslide/data/loader.h"
 
-#include <torch/cuda.h>
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 
 #include <atomic>
 #include <set>

@@ -3,8 +3,8 @@
 // determinism; the API's checks; the shared per-sample math header; and (*_CUDA, skipped without a
 // GPU) the fused CUDA kernel against the reference.
 #include <gtest/gtest.h>
-#include <torch/types.h>
 #include <torch/cuda.h>
+#include <torch/types.h>
 
 #include <algorithm>
 #include <climits>

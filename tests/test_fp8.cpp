@@ -6,8 +6,8 @@
 // current weight_scale/comfy_quant format): every tensor reads back as its dequantized value bit for bit,
 // the raw fp8 and its scale read back as written, the quantization tensors are not parameters, and a DiT
 // loaded from them computes within fp8's error of the bf16 one. Bad fp8 files are refused by name.
-#include <torch/cuda.h>
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 #include <unistd.h>
 
 #include <functional>

@@ -4,8 +4,8 @@
 #include "megaslide/offload/host_param_store.h"
 
 #include <gtest/gtest.h>
-#include <torch/types.h>
 #include <torch/cuda.h>
+#include <torch/types.h>
 
 #include <atomic>
 #include <cstdint>

@@ -7,8 +7,8 @@
 // GPU, pinned batches arrive as on the CPU.
 #include "megaslide/data/latent_cache.h"
 
-#include <torch/cuda.h>
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 
 #include <cmath>
 #include <set>

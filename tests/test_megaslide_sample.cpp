@@ -2,8 +2,8 @@
 // H.264 MP4s of the model's size and length, index.json, identical reruns, streamed sampling byte-identical, PNG
 // frames, scores; and bad input refused with exit code 2, naming the file, writing nothing; Wan2.2 TI2V's --image
 // of another size than the videos' cropped to their aspect ratio and resized.
-#include <torch/nn/functional/upsampling.h>
 #include <gtest/gtest.h>
+#include <torch/nn/functional/upsampling.h>
 
 #include "run_tool.h"
 #include <fmt/format.h>

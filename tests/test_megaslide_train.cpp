@@ -1,6 +1,6 @@
 // megaslide-train end to end: exit codes, the files a run writes, and that a bad config writes nothing.
-#include <torch/cuda.h>
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 
 #include "run_tool.h"
 #include "tiny_wan.h"

@@ -2,8 +2,8 @@
 // that falls.
 #include "trainers.h"
 
-#include <torch/cuda.h>
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 
 using namespace megaslide::testing;
 

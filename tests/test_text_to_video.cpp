@@ -6,8 +6,8 @@
 // follow its caption at this budget (docs/sampling.md has the measurements).
 #include "megaslide/diffusion/text_to_video.h"
 
-#include <torch/nn/utils/clip_grad.h>
 #include <gtest/gtest.h>
+#include <torch/nn/utils/clip_grad.h>
 #include <unistd.h>
 
 #include <chrono>

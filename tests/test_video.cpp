@@ -4,10 +4,10 @@
 // (tests/fixtures/video/), and a display matrix (a phone's rotate=90) reads upright, as ffmpeg shows it.
 #include "megaslide/io/video.h"
 
-#include <torch/nn/functional/upsampling.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 #include <sys/stat.h>
+#include <torch/nn/functional/upsampling.h>
 #include <unistd.h>
 
 #include <array>

@@ -13,9 +13,9 @@
 //     size, from published weights (--config) and from a Wan weights file (--checkpoint), resident and
 //     streamed, deterministic per seed, whose latents equal umT5 -> flow_sample -> the DiT composed here;
 //   - bad paths are one-line errors with exit code 2, nothing written.
-#include <torch/cuda.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+#include <torch/cuda.h>
 #include <unistd.h>
 
 #include "megaslide/diffusion/wan_text_to_video.h"

@@ -3,8 +3,8 @@
 // present, on three CUDA streams.
 #include "megaslide/offload/weight_streamer.h"
 
-#include <torch/cuda.h>
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 
 #include <chrono>
 

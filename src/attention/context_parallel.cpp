@@ -1,8 +1,8 @@
 #include "megaslide/attention/context_parallel.h"
 
 #include <ATen/ops/scaled_dot_product_attention.h>
-#include <torch/types.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/types.h>
 
 #include <algorithm>
 #include <cmath>

@@ -3,8 +3,8 @@
 #include "megaslide/io/fp8.h"
 
 #include <fmt/format.h>
-#include <torch/types.h>
 #include <torch/cuda.h>
+#include <torch/types.h>
 #include <unistd.h>
 
 #include <cstdlib>

@@ -2,8 +2,8 @@
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
-#include <torch/types.h>
 #include <torch/nn/module.h>
+#include <torch/types.h>
 
 #include <algorithm>
 #include <cmath>

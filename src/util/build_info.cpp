@@ -1,8 +1,8 @@
 #include "megaslide/util/build_info.h"
 
 #include <fmt/format.h>
-#include <torch/types.h>
 #include <torch/cuda.h>
+#include <torch/types.h>
 #include <torch/version.h>
 
 namespace megaslide {

@@ -8,9 +8,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
-#include <filesystem>
 #include <string>
-#include <system_error>
+#include <vector>
 
 #include "megaslide/io/files.h"
 
@@ -34,12 +33,16 @@ void remove_own_scratch_files() {
   const char* keep = std::getenv("MEGASLIDE_KEEP_TEST_FILES");
   if (keep != nullptr && std::string(keep) != "" && std::string(keep) != "0") return;
   const std::string pid = std::to_string(::getpid());
-  std::error_code error;
-  for (const auto& entry : std::filesystem::directory_iterator("/tmp", error)) {
-    const std::string name = entry.path().filename().string();
+  std::vector<std::string> names;
+  try {
+    names = megaslide::io::list_directory("/tmp");
+  } catch (const std::exception&) {
+    return;  // nothing of this process's can be there either
+  }
+  for (const auto& name : names) {
     if (name.rfind("megaslide-test-", 0) != 0 || !names_process(name, pid)) continue;
     try {
-      megaslide::io::remove_tree(entry.path().string());
+      megaslide::io::remove_tree("/tmp/" + name);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "note: a test's scratch file stays: %s\n", e.what());
     }

@@ -34,8 +34,8 @@
 // the current LibTorch stream.
 #pragma once
 
-#include <torch/types.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/types.h>
 
 #include <array>
 #include <optional>

@@ -8,10 +8,10 @@
 // Thread-safety: like any torch::nn::Module — one thread mutates a module at a time.
 #pragma once
 
-#include <torch/types.h>
 #include <torch/nn/cloneable.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/types.h>
 
 #include <array>
 

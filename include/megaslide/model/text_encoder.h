@@ -6,9 +6,9 @@
 // torch::nn::Module.
 #pragma once
 
-#include <torch/types.h>
 #include <torch/nn/cloneable.h>
 #include <torch/nn/module.h>
+#include <torch/types.h>
 
 #include <string>
 #include <unordered_map>

@@ -44,10 +44,10 @@
 // Thread-safety: like any torch::nn::Module.
 #pragma once
 
-#include <torch/types.h>
 #include <torch/nn/cloneable.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
+#include <torch/types.h>
 
 #include <string>
 #include <vector>

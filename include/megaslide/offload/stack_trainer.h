@@ -62,8 +62,8 @@
 // Threading: one thread drives the trainer; it runs one host worker thread plus CpuAdamW's pool.
 #pragma once
 
-#include <torch/types.h>
 #include <torch/optim/adamw.h>
+#include <torch/types.h>
 
 #include <functional>
 #include <memory>

@@ -32,8 +32,8 @@
 // Threading: the trainer calls all of these from the thread that drives it.
 #pragma once
 
-#include <torch/types.h>
 #include <torch/nn/module.h>
+#include <torch/types.h>
 
 #include <any>
 #include <vector>

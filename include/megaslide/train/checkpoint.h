@@ -39,8 +39,8 @@
 // Thread-safety: plain functions; one thread saves or loads a run's checkpoints at a time.
 #pragma once
 
-#include <torch/types.h>
 #include <torch/optim/adamw.h>
+#include <torch/types.h>
 
 #include <cstdint>
 #include <functional>
