@@ -128,7 +128,7 @@ TEST(AutoSettings, ApplyThreadsSetsLibTorchsIntraOpThreads) {
 // cores — two ranks on this machine each plan half of it (at least one), and say so.
 TEST(AutoSettings, LocalRanksShareTheMachinesCores) {
   const auto config = parse_run_config("", "test", {"train.device=cpu", "offload.enabled=false"});
-  const int all = plan_threads(config, torch::kCPU).cores.cores;
+  const int all = plan_threads(config, c10::kCPU).cores.cores;
   ::setenv("RANK", "1", 1);
   ::setenv("WORLD_SIZE", "2", 1);
   ::setenv("LOCAL_WORLD_SIZE", "2", 1);
@@ -136,12 +136,12 @@ TEST(AutoSettings, LocalRanksShareTheMachinesCores) {
   const char* omp = std::getenv("OMP_NUM_THREADS");
   const std::string saved_omp = omp ? omp : "";
   ::unsetenv("OMP_NUM_THREADS");
-  const auto shared = plan_threads(config, torch::kCPU);
+  const auto shared = plan_threads(config, c10::kCPU);
   for (const char* name : {"RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR"}) ::unsetenv(name);
   if (!saved_omp.empty()) ::setenv("OMP_NUM_THREADS", saved_omp.c_str(), 1);
   EXPECT_EQ(shared.local_ranks, 2);
   EXPECT_EQ(shared.cores.cores, std::max(1, all / 2));
   EXPECT_EQ(shared.intra_op, std::max(1, all / 2));
   EXPECT_NE(shared.describe().find("2 local ranks"), std::string::npos) << shared.describe();
-  EXPECT_EQ(plan_threads(config, torch::kCPU).local_ranks, 1);
+  EXPECT_EQ(plan_threads(config, c10::kCPU).local_ranks, 1);
 }
