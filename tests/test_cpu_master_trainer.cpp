@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 #include <torch/cuda.h>
+#include <torch/optim/adamw.h>
 
 #include <fstream>
 #include <limits>

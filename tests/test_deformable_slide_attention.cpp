@@ -5,6 +5,7 @@
 #include "trainers.h"
 
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/function.h>
 #include <torch/types.h>
 #include <torch/optim/adam.h>
 #include <torch/cuda.h>

@@ -3,6 +3,7 @@
 // determinism; the API's checks; the shared per-sample math header; and (*_CUDA, skipped without a
 // GPU) the fused CUDA kernel against the reference.
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/function.h>
 #include <torch/cuda.h>
 #include <torch/types.h>
 

@@ -7,6 +7,7 @@
 
 #include <ATen/record_function.h>
 #include <torch/cuda.h>
+#include <torch/optim/adamw.h>
 #include <gtest/gtest.h>
 
 #include <cmath>

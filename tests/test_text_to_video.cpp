@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 #include <torch/nn/utils/clip_grad.h>
+#include <torch/optim/adamw.h>
 #include <unistd.h>
 
 #include <chrono>

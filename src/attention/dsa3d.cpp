@@ -7,6 +7,7 @@
 #include <vector>
 
 #include <ATen/Parallel.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include "attention/dsa3d_params.h"
 

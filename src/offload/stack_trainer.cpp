@@ -1,6 +1,7 @@
 #include "megaslide/offload/stack_trainer.h"
 
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/optim/adamw.h>
 
 #include <algorithm>
 #include <atomic>

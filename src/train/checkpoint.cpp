@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <torch/optim/adamw.h>
 #include <unistd.h>
 #include <yaml-cpp/yaml.h>
 

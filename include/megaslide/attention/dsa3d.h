@@ -34,7 +34,6 @@
 // the current LibTorch stream.
 #pragma once
 
-#include <torch/csrc/autograd/custom_function.h>
 #include <torch/types.h>
 
 #include <array>

@@ -62,7 +62,6 @@
 // Threading: one thread drives the trainer; it runs one host worker thread plus CpuAdamW's pool.
 #pragma once
 
-#include <torch/optim/adamw.h>
 #include <torch/types.h>
 
 #include <functional>
@@ -77,6 +76,10 @@
 #include "megaslide/offload/step_trace.h"
 #include "megaslide/offload/streamed_model.h"
 #include "megaslide/offload/weight_streamer.h"
+
+namespace torch::optim {
+class AdamW;
+}
 
 namespace megaslide::offload {
 

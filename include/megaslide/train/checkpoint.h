@@ -39,7 +39,6 @@
 // Thread-safety: plain functions; one thread saves or loads a run's checkpoints at a time.
 #pragma once
 
-#include <torch/optim/adamw.h>
 #include <torch/types.h>
 
 #include <cstdint>
@@ -55,6 +54,10 @@
 #include "megaslide/io/safetensors.h"
 #include "megaslide/model/wan_weights.h"
 #include "megaslide/util/errors.h"
+
+namespace torch::optim {
+class AdamW;
+}
 
 namespace megaslide {
 
