@@ -118,10 +118,11 @@ int main(int argc, char** argv) {
   const double ratio = anchor_s / tier_s;
   std::printf("disk (64 MiB %s requests, one at a time): write %.3f GB/s, read %.3f GB/s\n",
               disk.direct ? "O_DIRECT" : "buffered", disk.write_gbps, disk.read_gbps);
-  std::printf("tier: %lld B read + %lld B written in %.3f s (%.3f GB/s); waits %.3f s; the disk's rate would take "
-              "%.3f s: ratio %.3f (target >= 0.8)\n",
-              static_cast<long long>(read), static_cast<long long>(written), tier_s,
-              static_cast<double>(read + written) / tier_s / 1e9, after.wait_s - before.wait_s, anchor_s, ratio);
+  std::printf(
+      "tier: %lld B read + %lld B written in %.3f s (%.3f GB/s); waits %.3f s; the disk's rate would take "
+      "%.3f s: ratio %.3f (target >= 0.8)\n",
+      static_cast<long long>(read), static_cast<long long>(written), tier_s,
+      static_cast<double>(read + written) / tier_s / 1e9, after.wait_s - before.wait_s, anchor_s, ratio);
   std::printf(
       "{\"bench\": \"nvme\", \"engine\": \"%s\", \"direct\": %s, \"blocks\": %lld, \"region_bytes\": %lld, "
       "\"in_flight\": %lld, \"read_bytes\": %lld, \"write_bytes\": %lld, \"tier_s\": %.6f, \"disk_write_gbps\": %.4f, "

@@ -143,12 +143,12 @@ TEST(HostMemory, PlanMatchesTheResidentSetSizeOfAStreamedRun) {
     warm.synchronize();
   }
   std::map<std::string, std::pair<double, double>> steady;  // measured and planned, by variant
-  for (const auto& [state, compute, tier] : std::vector<std::tuple<std::string, std::string, std::string>>{
-           {"fp32", "bf16", "ram"},
-           {"int8", "bf16", "ram"},
-           {"fp32", "fp32", "ram"},
-           {"int8", "fp32", "ram"},
-           {"fp32", "bf16", "nvme"}}) {
+  for (const auto& [state, compute, tier] :
+       std::vector<std::tuple<std::string, std::string, std::string>>{{"fp32", "bf16", "ram"},
+                                                                      {"int8", "bf16", "ram"},
+                                                                      {"fp32", "fp32", "ram"},
+                                                                      {"int8", "fp32", "ram"},
+                                                                      {"fp32", "bf16", "nvme"}}) {
     SCOPED_TRACE(state + " moments, " + compute + " compute, " + tier + " tier");
     auto config = small_50m(state, compute);
     config.offload.state_tier = tier;  // nvme: the masters and moments in a file in /tmp, 2 blocks' in RAM

@@ -156,20 +156,20 @@ TEST(StepPlan, HostBytesFollowTheClosedForm) {
 // immediate and deferred updates, and each architecture. The plan's device peak adds the modelled
 // activations, so it must exceed that accounting.
 TEST(StepPlan, MatchesWhatTheStreamedTrainerMeasures) {
-  const std::vector<std::vector<std::string>> variants{{},
-                                                       {"train.grad_clip=0"},
-                                                       {"train.grad_accum_steps=2"},
-                                                       {"offload.compute_dtype=fp32", "model.layers=2"},
-                                                       {"offload.compute_dtype=fp16", "train.loss_scale_init=1"},
-                                                       {"model.arch=dense3d", "train.grad_accum_steps=3"},
-                                                       {"model.arch=swin", "model.layers=1"},
-                                                       {"optimizer.state_dtype=int8", "train.grad_clip=0"},
-                                                       {"optimizer.state_dtype=bf16", "train.grad_accum_steps=2"},
-                                                       {"offload.mode=sync"},
-                                                       {"offload.state_tier=nvme", "offload.nvme_dir=/tmp"},
-                                                       {"offload.state_tier=nvme", "offload.nvme_dir=/tmp",
-                                                        "optimizer.state_dtype=int8", "train.ema_decay=0.9",
-                                                        "train.grad_accum_steps=2", "offload.nvme_blocks_in_flight=3"}};
+  const std::vector<std::vector<std::string>> variants{
+      {},
+      {"train.grad_clip=0"},
+      {"train.grad_accum_steps=2"},
+      {"offload.compute_dtype=fp32", "model.layers=2"},
+      {"offload.compute_dtype=fp16", "train.loss_scale_init=1"},
+      {"model.arch=dense3d", "train.grad_accum_steps=3"},
+      {"model.arch=swin", "model.layers=1"},
+      {"optimizer.state_dtype=int8", "train.grad_clip=0"},
+      {"optimizer.state_dtype=bf16", "train.grad_accum_steps=2"},
+      {"offload.mode=sync"},
+      {"offload.state_tier=nvme", "offload.nvme_dir=/tmp"},
+      {"offload.state_tier=nvme", "offload.nvme_dir=/tmp", "optimizer.state_dtype=int8", "train.ema_decay=0.9",
+       "train.grad_accum_steps=2", "offload.nvme_blocks_in_flight=3"}};
   for (const auto& v : variants) {
     const auto config = tiny_run(v);
     std::string name;
@@ -301,8 +301,8 @@ TEST(StepPlan, DeviceMemoryGrowsWithFramesAndTheAdviceFits) {
 // missing, unknown, non-numeric, non-positive or fractional-byte key is refused with a message naming
 // the file and the key.
 TEST(HardwareProfile, BuiltInsAreTheShippedFilesAndBadFilesAreNamed) {
-  EXPECT_EQ(plan::builtin_hardware_profiles(),
-            (std::vector<std::string>{"h100nvl", "h200", "hgx-h200", "rtx4090", "workstation-24gb", "workstation-48gb"}));
+  EXPECT_EQ(plan::builtin_hardware_profiles(), (std::vector<std::string>{"h100nvl", "h200", "hgx-h200", "rtx4090",
+                                                                         "workstation-24gb", "workstation-48gb"}));
   for (const auto& name : plan::builtin_hardware_profiles()) {
     const auto builtin = plan::load_hardware_profile(name);
     const auto file = plan::load_hardware_profile(source_path("configs/hardware/" + name + ".yaml"));
@@ -435,13 +435,13 @@ RunConfig tiny_wan(std::vector<std::string> extra = {}) {
 // norm2) parameter counts, the host store's bytes, the device slots, H2D and D2H bytes of real steps and
 // the trainer's own device accounting — dense and 3D-DSA, bf16 and fp32 compute, with accumulation.
 TEST(StepPlan, WanMatchesWhatTheStreamedTrainerMeasures) {
-  const std::vector<std::vector<std::string>> variants{{},
-                                                       {"model.self_attention=dsa3d"},
-                                                       {"offload.compute_dtype=fp32"},
-                                                       {"train.grad_accum_steps=2"},
-                                                       {"optimizer.state_dtype=int8"},
-                                                       {"offload.state_tier=nvme", "offload.nvme_dir=/tmp",
-                                                        "offload.compute_dtype=fp32"}};
+  const std::vector<std::vector<std::string>> variants{
+      {},
+      {"model.self_attention=dsa3d"},
+      {"offload.compute_dtype=fp32"},
+      {"train.grad_accum_steps=2"},
+      {"optimizer.state_dtype=int8"},
+      {"offload.state_tier=nvme", "offload.nvme_dir=/tmp", "offload.compute_dtype=fp32"}};
   for (const auto& v : variants) {
     const auto config = tiny_wan(v);
     std::string name;

@@ -375,11 +375,11 @@ TEST(MegaslidePlanCli, WorldSizeKeysAndRefusals) {
 
 // Property: with context parallelism (distributed.context_parallel n) a rank plans its share of every sample: the
 // batch splits over world / n groups, its device activations are those of a one-process run of ceil(T / n) frames
-// plus one attention's exchange buffers and the whole samples of its batch (the data is not split), its FLOPs 1/n of the whole sample's (3D-DSA: plus the halo frames' queries);
-// the bytes it exchanges per step follow the closed forms (Ulysses: 4 (n − 1)/n of its q, k, v and output; 3D-DSA:
-// k and v of the halo, ⌊kt/2⌋ + ⌊range⌋ + 1 frames each way, and one frame of the offset network's input) in the
-// forward, the recompute and the backward of every block, timed at the profile's device_link_gbps and added to the
-// compute term.
+// plus one attention's exchange buffers and the whole samples of its batch (the data is not split), its FLOPs 1/n of
+// the whole sample's (3D-DSA: plus the halo frames' queries); the bytes it exchanges per step follow the closed forms
+// (Ulysses: 4 (n − 1)/n of its q, k, v and output; 3D-DSA: k and v of the halo, ⌊kt/2⌋ + ⌊range⌋ + 1 frames each way,
+// and one frame of the offset network's input) in the forward, the recompute and the backward of every block, timed at
+// the profile's device_link_gbps and added to the compute term.
 TEST(StepPlanContextParallel, ARankPlansItsFramesAndTheGroupsExchange) {
   const auto hw = plan::load_hardware_profile("hgx-h200");
   EXPECT_EQ(hw.device_link_gbps, 450.0);

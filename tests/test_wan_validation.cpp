@@ -168,10 +168,10 @@ TEST(WanValidation, LoraRunsSampleTheAdaptedModel) {
           const auto& specs = store.block_spec(l).params;
           for (size_t i = 0; i < specs.size(); ++i) {
             const auto v = store.param(l, specs[i].name);
-            const auto value = v.exact.defined()       ? v.exact
-                               : store.scales(l).defined() ? megaslide::dequantize_fp8(
-                                                                 {v.compute, store.scales(l)[static_cast<int64_t>(i)]})
-                                                           : v.compute.to(torch::kFloat32);
+            const auto value = v.exact.defined() ? v.exact
+                               : store.scales(l).defined()
+                                   ? megaslide::dequantize_fp8({v.compute, store.scales(l)[static_cast<int64_t>(i)]})
+                                   : v.compute.to(torch::kFloat32);
             params.at("blocks." + std::to_string(l) + "." + specs[i].name).copy_(value);
           }
         }

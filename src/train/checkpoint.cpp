@@ -1026,15 +1026,14 @@ void load_checkpoint(const std::string& path, const RunConfig& config, TrainingS
   for (int i = 0; i < 3; ++i) files.emplace_back(kTensorFiles[i], std::move(lists[i]));
   if (into.ema_valid) files.emplace_back(kEma, into.ema);
   for (auto& [file, list] : files)
-    list.erase(
-        std::remove_if(list.begin(), list.end(),
-                       [&](const auto& item) {
-                         // int8 scales ("<name>#scale") go with their parameter: read through the ranges too
-                         const std::string& n = item.first;
-                         const bool scale = n.size() > 6 && n.compare(n.size() - 6, 6, "#scale") == 0;
-                         return by_range.count(scale ? n.substr(0, n.size() - 6) : n) > 0;
-                       }),
-        list.end());
+    list.erase(std::remove_if(list.begin(), list.end(),
+                              [&](const auto& item) {
+                                // int8 scales ("<name>#scale") go with their parameter: read through the ranges too
+                                const std::string& n = item.first;
+                                const bool scale = n.size() > 6 && n.compare(n.size() - 6, 6, "#scale") == 0;
+                                return by_range.count(scale ? n.substr(0, n.size() - 6) : n) > 0;
+                              }),
+               list.end());
   try {
     for (const auto& [file, list] : files)
       io::read_safetensors_into(io::join_path(path, file), list, /*allow_extra=*/!saved_sharded && wants_shards);

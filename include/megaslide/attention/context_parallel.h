@@ -72,7 +72,7 @@ struct ContextShard {
   FrameSplit split;                // the whole grid's token frames over the group
   bool active() const { return group != nullptr; }
   int64_t rank() const { return group != nullptr ? group->rank() : 0; }
-  int64_t begin() const { return group != nullptr ? split.begin(rank()) : 0; }             // this rank's first frame
+  int64_t begin() const { return group != nullptr ? split.begin(rank()) : 0; }  // this rank's first frame
   // This rank's frames of a grid of `whole` frames (all of them without a group).
   int64_t frames(int64_t whole) const { return group != nullptr ? split.size(rank()) : whole; }
 };
