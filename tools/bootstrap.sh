@@ -27,8 +27,8 @@ DEBIAN_PACKAGES=(build-essential cmake ninja-build ccache pkg-config
                  libfmt-dev libspdlog-dev libyaml-cpp-dev libcli11-dev
                  libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev
                  libavformat-dev libavcodec-dev libswscale-dev libavutil-dev ffmpeg
-                 libicu-dev libsentencepiece-dev gnuplot-nox clang libgloo-dev
-                 libprotobuf-dev protobuf-compiler liburing-dev)  # gnuplot: megaslide-plot/-ablate PNGs; clang: the libFuzzer tests (tests/fuzz/); protobuf: tests/event_protobuf/
+                 libicu-dev libsentencepiece-dev gnuplot-nox clang clang-format libgloo-dev
+                 libprotobuf-dev protobuf-compiler liburing-dev)  # gnuplot: megaslide-plot/-ablate PNGs; clang: the libFuzzer tests (tests/fuzz/); clang-format: tests/format/; protobuf: tests/event_protobuf/
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
