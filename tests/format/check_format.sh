@@ -2,13 +2,15 @@
 # Every tracked C++ and CUDA source (.h, .cpp, .cu, .cuh; not docs/examples/, shown verbatim by the docs) laid out
 # as .clang-format says, by the clang-format it names (14, Debian 12's; other versions lay out some lines
 # differently). Usage: check_format.sh ROOT [CLANG_FORMAT]. Exit 0: all follow it; 1: names the files that do
-# not and the command that fixes them; 77 (skipped): ROOT is not a git checkout or clang-format 14 is missing.
+# not and the command that fixes them; 77 (skipped): ROOT is not the top of a git checkout or clang-format 14 is
+# missing.
 set -euo pipefail
 root="$1"
 clang_format="${2:-clang-format}"
 cd "$root"
-if ! git rev-parse --is-inside-work-tree > /dev/null 2>&1; then
-  echo "skipped: $root is not a git checkout (the check lists the tracked files)"
+# The project's own checkout, not a folder inside another repository (a release unpacked under one).
+if [ "$(git rev-parse --show-toplevel 2> /dev/null)" != "$(pwd -P)" ]; then
+  echo "skipped: $root is not the top of a git checkout (the check lists the tracked files)"
   exit 77
 fi
 version=$({ "$clang_format" --version 2> /dev/null || true; } | sed -n 's/.*clang-format version \([0-9]*\)\..*/\1/p')
