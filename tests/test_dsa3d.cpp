@@ -11,10 +11,12 @@
 #include <climits>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -459,6 +461,58 @@ TEST(Dsa3d, CpuForwardExponentialIsWithinOneUlpOnEveryInstructionSet) {
     for (size_t i = checked; i + 1 < x.size(); ++i) EXPECT_EQ(y[i], 0.f) << "e^" << x[i];
     EXPECT_TRUE(std::isnan(y.back()));
   }
+}
+
+// The fused CPU backward computes each sample with its 8 corners in vector lanes: on every instruction set the CPU
+// has, the same corner indices and the same weight and derivative bits as dsa3d_math::trilinear_sample (NaN where it
+// is NaN), at positions inside, on and beyond each axis' ends, at integers (zero weights, ±0), at -0, tiny and
+// huge offsets and NaN, on a volume with an axis of length 1.
+TEST(Dsa3d, CpuBackwardSamplesAreTheScalarSamplesBitForBitOnEveryInstructionSet) {
+  namespace detail = megaslide::ops::detail;
+  namespace math = megaslide::dsa3d_math;
+  struct Restore {
+    ~Restore() { detail::set_dsa3d_cpu_isa(detail::Dsa3dCpuIsa::kAuto); }
+  } restore;
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  std::vector<float> axis = {-0.f,     0.f,   -1e-30f, 1e-30f, -0.5f, -3.f,    0.25f,
+                             1.f,      1.5f,  2.f,     2.999f, 3.f,   3.0001f, 3.5f,
+                             7.f,      1e30f, -1e30f,  inf,    -inf,  nan,     std::nextafter(3.f, 0.f),
+                             0.999999f};
+  for (int i = 0; i < 40; ++i) axis.push_back(-1.f + 0.137f * static_cast<float>(i));
+  int checked = 0;
+  for (const auto isa : {detail::Dsa3dCpuIsa::kBaseline, detail::Dsa3dCpuIsa::kAvx2, detail::Dsa3dCpuIsa::kAvx512}) {
+    try {
+      detail::set_dsa3d_cpu_isa(isa);
+    } catch (const std::invalid_argument&) {
+      continue;
+    }
+    SCOPED_TRACE(detail::to_string(isa));
+    for (const auto& [T, H, W] : {std::tuple<int64_t, int64_t, int64_t>{4, 5, 6}, {1, 4, 7}}) {
+      for (size_t a = 0; a < axis.size(); ++a)
+        for (size_t b = 0; b < axis.size(); b += 3) {
+          // t, h, w take the values in different combinations.
+          const float xt = axis[a], xh = axis[b], xw = axis[(a + 2 * b) % axis.size()];
+          math::Sample<float> want, got;
+          math::trilinear_sample(xt, xh, xw, T, H, W, want);
+          detail::dsa3d_cpu_sample(xt, xh, xw, T, H, W, got);
+          const auto same = [](float x, float y) {
+            return (std::isnan(x) && std::isnan(y)) || std::memcmp(&x, &y, sizeof x) == 0;
+          };
+          for (int c = 0; c < 8; ++c) {
+            ASSERT_EQ(got.index[c], want.index[c]) << "corner " << c << " at " << xt << ", " << xh << ", " << xw;
+            ASSERT_TRUE(same(got.weight[c], want.weight[c]))
+                << "corner " << c << " weight " << got.weight[c] << " vs " << want.weight[c] << " at " << xt << ", "
+                << xh << ", " << xw;
+            for (int k = 0; k < 3; ++k)
+              ASSERT_TRUE(same(got.dweight[k][c], want.dweight[k][c]))
+                  << "corner " << c << " axis " << k << " derivative " << got.dweight[k][c] << " vs "
+                  << want.dweight[k][c] << " at " << xt << ", " << xh << ", " << xw;
+          }
+          ++checked;
+        }
+    }
+  }
+  EXPECT_GT(checked, 0);
 }
 
 // The fused CPU kernels' loops are compiled once per instruction set (baseline x86-64, AVX2, AVX-512) and

@@ -140,6 +140,10 @@ const char* to_string(Dsa3dCpuIsa isa);
 // x[i] = e^x[i] as the fused CPU forward takes its softmax numerators on the instruction set in use (fp32: vectors of
 // samples, within about 1 ulp of expf; 0 below -87, NaN for NaN). For tests.
 void dsa3d_cpu_exp(float* x, int64_t n);
+// The trilinear sample at the unclamped position (xt, xh, xw) of a T×H×W volume as the fused CPU backward computes it
+// on the instruction set in use (AVX2, AVX-512: a sample's corners in vector lanes): dsa3d_math::trilinear_sample's
+// bits. For tests.
+void dsa3d_cpu_sample(float xt, float xh, float xw, int64_t T, int64_t H, int64_t W, dsa3d_math::Sample<float>& out);
 
 // CUDA backend (kernels/dsa3d.cu), compiled when MEGASLIDE_WITH_CUDA: launches on `stream`, checks
 // every launch. Head size d <= kCudaMaxHeadDim.
