@@ -24,7 +24,10 @@
 //   build/bin/bench_dsa3d --smoke-shape --threads 1 --reps 15
 //                                         # the row kernel at the README smoke model's shape (seconds)
 //   build/bin/bench_dsa3d --isa avx2      # the fused CPU kernels' AVX2 loops (and the AVX2 FMA peak) on a CPU
-//                                         # that also has AVX-512: baseline, avx2 or avx512 (default: CPUID's)
+//                                         # that also has AVX-512: baseline, avx2, avx512 or avx512bf16
+//                                         # (default: CPUID's)
+//   build/bin/bench_dsa3d --bf16-dots     # bf16 inputs at d = 64 (by rows): the AVX512-BF16 loops against the
+//                                         # AVX-512 loops, alternated in one run (skipped without AVX512-BF16)
 //   build/bin/bench_dsa3d --cuda          # the GPU figures (benchmarks/gpu/check.sh runs this)
 #include <c10/core/CPUAllocator.h>
 #include <torch/cuda.h>
@@ -303,6 +306,60 @@ int smoke_shape_mode(int reps) {
       "{\"bench\":\"dsa3d_smoke_shape\",\"isa\":\"%s\",\"threads\":%d,\"forward_ms\":%s,\"forward_backward_ms\":%s}\n",
       ops::detail::to_string(ops::detail::dsa3d_cpu_isa()), torch::get_num_threads(), fmt_double(forward[0]).c_str(),
       fmt_double(both[0]).c_str());
+  return 0;
+}
+
+// --bf16-dots: bf16 q, k, v and dout (offsets and bias float32) at B = 1, 4x32x32 tokens, 4 heads of d = 64 in one
+// group, 3x7x7 (both directions by distinct corner rows), the row kernel's forward under no-grad and forward +
+// backward, with the AVX-512 loops (the anchor) and the AVX512-BF16 loops (their rows' q·k and dout·v as bf16 pairs)
+// alternated run by run after a warm-up of each; medians, and the anchor's over the AVX512-BF16 loops' time.
+int bf16_dots_mode(int reps) {
+  namespace detail = ops::detail;
+  try {
+    detail::set_dsa3d_cpu_isa(detail::Dsa3dCpuIsa::kAvx512Bf16);
+  } catch (const std::invalid_argument&) {
+    std::printf("bench_dsa3d --bf16-dots: skipped, this CPU lacks AVX512-BF16\n");
+    std::printf("{\"bench\":\"dsa3d_bf16_dots\",\"skipped\":\"no avx512_bf16\"}\n");
+    return 0;
+  }
+  const Case c{"bf16 d64", 1, 4, 32, 32, 4, 64, {3, 7, 7}};
+  Inputs in = make_inputs(c, torch::Device(torch::kCPU));
+  for (torch::Tensor* t : {&in.q, &in.k, &in.v}) *t = t->detach().to(torch::kBFloat16).requires_grad_(true);
+  in.dout = in.dout.to(torch::kBFloat16);
+  const detail::Dsa3dCpuIsa isas[2] = {detail::Dsa3dCpuIsa::kAvx512, detail::Dsa3dCpuIsa::kAvx512Bf16};
+  std::vector<double> forward[2], both[2];
+  for (int i = 0; i < reps + 1; ++i)
+    for (int a = 0; a < 2; ++a) {
+      detail::set_dsa3d_cpu_isa(isas[a]);
+      auto start = std::chrono::steady_clock::now();
+      {
+        torch::NoGradGuard no_grad;
+        ops::dsa3d(in.q, in.k, in.v, in.offsets, in.bias, c.kernel, ops::DsaImpl::kCpu);
+      }
+      const double f = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+      clear_grads(in);
+      start = std::chrono::steady_clock::now();
+      ops::dsa3d(in.q, in.k, in.v, in.offsets, in.bias, c.kernel, ops::DsaImpl::kCpu).backward(in.dout);
+      const double fb = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+      if (i > 0) forward[a].push_back(f), both[a].push_back(fb);
+    }
+  detail::set_dsa3d_cpu_isa(detail::Dsa3dCpuIsa::kAuto);
+  const auto median = [](std::vector<double> x) {
+    std::sort(x.begin(), x.end());
+    return x[x.size() / 2];
+  };
+  const double f0 = median(forward[0]), f1 = median(forward[1]), b0 = median(both[0]), b1 = median(both[1]);
+  std::printf(
+      "bench_dsa3d --bf16-dots (bf16, 4x32x32 tokens, 4 heads of d = 64, 3x7x7, %d threads, %d runs each, medians):\n"
+      "  forward            avx512 %8.2f ms   avx512bf16 %8.2f ms   %.2fx\n"
+      "  forward + backward avx512 %8.2f ms   avx512bf16 %8.2f ms   %.2fx\n",
+      torch::get_num_threads(), reps, f0, f1, f0 / f1, b0, b1, b0 / b1);
+  std::printf(
+      "{\"bench\":\"dsa3d_bf16_dots\",\"threads\":%d,\"avx512_forward_ms\":%s,\"avx512bf16_forward_ms\":%s,"
+      "\"avx512_forward_backward_ms\":%s,\"avx512bf16_forward_backward_ms\":%s,\"forward_speedup\":%s,"
+      "\"forward_backward_speedup\":%s}\n",
+      torch::get_num_threads(), fmt_double(f0).c_str(), fmt_double(f1).c_str(), fmt_double(b0).c_str(),
+      fmt_double(b1).c_str(), fmt_double(f0 / f1).c_str(), fmt_double(b0 / b1).c_str());
   return 0;
 }
 
@@ -792,20 +849,21 @@ int cuda_mode(int reps) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool use_cuda = false, kernels_only = false, smoke_shape = false;
+  bool use_cuda = false, kernels_only = false, smoke_shape = false, bf16_dots = false;
   int reps = 3, threads = 0;
   std::string isa;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--cuda")) use_cuda = true;
     else if (!std::strcmp(argv[i], "--kernels-only")) kernels_only = true;
     else if (!std::strcmp(argv[i], "--smoke-shape")) smoke_shape = true;
+    else if (!std::strcmp(argv[i], "--bf16-dots")) bf16_dots = true;
     else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::max(1, std::atoi(argv[++i]));
     else if (!std::strcmp(argv[i], "--threads") && i + 1 < argc) threads = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--isa") && i + 1 < argc) isa = argv[++i];
     else {
       std::fprintf(stderr,
-                   "usage: %s [--cuda] [--kernels-only | --smoke-shape] [--reps N] [--threads N] "
-                   "[--isa baseline|avx2|avx512]\n",
+                   "usage: %s [--cuda] [--kernels-only | --smoke-shape | --bf16-dots] [--reps N] [--threads N] "
+                   "[--isa baseline|avx2|avx512|avx512bf16]\n",
                    argv[0]);
       return 2;
     }
@@ -815,8 +873,10 @@ int main(int argc, char** argv) {
     const struct {
       detail::Dsa3dCpuIsa isa;
       int lanes;
-    } choices[] = {
-        {detail::Dsa3dCpuIsa::kBaseline, 4}, {detail::Dsa3dCpuIsa::kAvx2, 8}, {detail::Dsa3dCpuIsa::kAvx512, 16}};
+    } choices[] = {{detail::Dsa3dCpuIsa::kBaseline, 4},
+                   {detail::Dsa3dCpuIsa::kAvx2, 8},
+                   {detail::Dsa3dCpuIsa::kAvx512, 16},
+                   {detail::Dsa3dCpuIsa::kAvx512Bf16, 16}};
     bool known = false;
     for (const auto& c : choices)
       if (isa == detail::to_string(c.isa)) {
@@ -830,7 +890,7 @@ int main(int argc, char** argv) {
         forced_lanes = c.lanes;
       }
     if (!known) {
-      std::fprintf(stderr, "bench_dsa3d: --isa %s: expected baseline, avx2 or avx512\n", isa.c_str());
+      std::fprintf(stderr, "bench_dsa3d: --isa %s: expected baseline, avx2, avx512 or avx512bf16\n", isa.c_str());
       return 2;
     }
   }
@@ -841,6 +901,7 @@ int main(int argc, char** argv) {
   cpu_tracker = &tracker;
   c10::SetCPUAllocator(&tracker, /*priority*/ 100);
   if (!use_cuda && smoke_shape) return smoke_shape_mode(reps);
+  if (!use_cuda && bf16_dots) return bf16_dots_mode(reps);
   if (!use_cuda) return kernels_only ? cpu_kernels_mode(reps, memory) : cpu_mode(reps, memory);
 #ifdef MEGASLIDE_WITH_CUDA
   if (!torch::cuda::is_available()) {

@@ -245,7 +245,8 @@ int for_each_cpu_isa(const std::function<void(megaslide::ops::detail::Dsa3dCpuIs
     ~Restore() { detail::set_dsa3d_cpu_isa(detail::Dsa3dCpuIsa::kAuto); }
   } restore;
   int paths = 0;
-  for (const auto isa : {detail::Dsa3dCpuIsa::kBaseline, detail::Dsa3dCpuIsa::kAvx2, detail::Dsa3dCpuIsa::kAvx512}) {
+  for (const auto isa : {detail::Dsa3dCpuIsa::kBaseline, detail::Dsa3dCpuIsa::kAvx2, detail::Dsa3dCpuIsa::kAvx512,
+                         detail::Dsa3dCpuIsa::kAvx512Bf16}) {
     try {
       detail::set_dsa3d_cpu_isa(isa);
     } catch (const std::invalid_argument&) {
@@ -538,7 +539,8 @@ TEST(Dsa3d, FusedCpuMatchesReferenceOnEveryInstructionSet) {
     // corners the forward's row table leaves out (the backward keeps those with a position derivative); zero
     // offsets at d = 8 (2 heads a group): the same corners in the per-sample loops (the forward's zero row, the
     // backward's corner lanes on AVX2); d = 16 (2 heads a group) and 24 (2 heads in one group): the corner lanes with
-    // two and three 8-channel chunks a head, the second without a bias.
+    // two and three 8-channel chunks a head, the second without a bias. With AVX512-BF16 the bf16 rows' products
+    // are bf16 pairs: 32 channels a step at d = 32 and 64, 16 at d = 48 (4 heads in one group: both by rows).
     struct Case {
       int64_t M, G, d;
       Offsets offsets;
@@ -548,7 +550,8 @@ TEST(Dsa3d, FusedCpuMatchesReferenceOnEveryInstructionSet) {
          {Case{4, 2, 6, Offsets::kRandom}, Case{4, 2, 8, Offsets::kRandom}, Case{4, 2, 20, Offsets::kRandom},
           Case{4, 2, 32, Offsets::kRandom}, Case{4, 2, 76, Offsets::kRandom}, Case{6, 1, 24, Offsets::kRandom},
           Case{6, 1, 22, Offsets::kRandom}, Case{4, 1, 64, Offsets::kRandom}, Case{4, 1, 32, Offsets::kZero},
-          Case{4, 2, 8, Offsets::kZero}, Case{4, 2, 16, Offsets::kRandom}, Case{2, 1, 24, Offsets::kRandom, false}}) {
+          Case{4, 2, 8, Offsets::kZero}, Case{4, 2, 16, Offsets::kRandom}, Case{2, 1, 24, Offsets::kRandom, false},
+          Case{4, 1, 48, Offsets::kRandom}}) {
       const int64_t d = c.d;
       SCOPED_TRACE("M = " + std::to_string(c.M) + ", G = " + std::to_string(c.G) + ", d = " + std::to_string(d) +
                    (c.offsets == Offsets::kZero ? ", zero offsets" : "") + (c.bias ? "" : ", no bias"));
@@ -607,6 +610,50 @@ namespace tile = megaslide::dsa3d_tile;
 // The int32 axis sample (the tile kernels' instantiation) and the corners of the tile header equal the per-sample math
 // of the row kernels (dsa3d_math.h) at integers, between tokens, at and beyond both borders, on axes of 1 to 7 tokens;
 // and a corner's halo key maps back to the row kernels' token index.
+// The AVX512-BF16 loops are the AVX-512 loops except for bf16 inputs' products by distinct row: float32 inputs, and
+// bf16 inputs in the per-sample loops (2 heads of d = 16 in a group: 32 channels), give the AVX-512 loops' bits; bf16
+// inputs by rows (4 heads of d = 64 in one group) take VDPBF16PS's pair sums, so their bits differ (within the
+// tolerances FusedCpuMatchesReferenceOnEveryInstructionSet checks against the reference).
+TEST(Dsa3d, Avx512Bf16LoopsDifferFromAvx512OnlyInBf16RowProducts) {
+  namespace detail = megaslide::ops::detail;
+  try {
+    detail::set_dsa3d_cpu_isa(detail::Dsa3dCpuIsa::kAvx512Bf16);
+  } catch (const std::invalid_argument&) {
+    GTEST_SKIP() << "this CPU lacks AVX512-BF16";
+  }
+  struct Restore {
+    ~Restore() { detail::set_dsa3d_cpu_isa(detail::Dsa3dCpuIsa::kAuto); }
+  } restore;
+  const auto both = [](const Inputs& in, const std::array<int64_t, 3>& kernel) {
+    detail::set_dsa3d_cpu_isa(detail::Dsa3dCpuIsa::kAvx512);
+    Result avx512 = run_kernel(in, kernel, ms::DsaImpl::kCpu);
+    detail::set_dsa3d_cpu_isa(detail::Dsa3dCpuIsa::kAvx512Bf16);
+    return std::make_pair(std::move(avx512), run_kernel(in, kernel, ms::DsaImpl::kCpu));
+  };
+  Problem rows;
+  rows.B = 1, rows.T = 3, rows.H = 5, rows.W = 4, rows.M = 4, rows.d = 64, rows.G = 1;
+  Problem per_sample = rows;
+  per_sample.d = 16, per_sample.G = 2;
+  {
+    SCOPED_TRACE("float32, by rows");
+    const auto [a, b] = both(make_inputs(rows, torch::kFloat, Offsets::kRandom, 31), rows.kernel);
+    expect_bit_identical(a, b);
+  }
+  {
+    SCOPED_TRACE("bf16, per sample");
+    const auto in = cast(make_inputs(per_sample, torch::kFloat, Offsets::kRandom, 32), torch::kBFloat16, torch::kFloat);
+    const auto [a, b] = both(in, per_sample.kernel);
+    expect_bit_identical(a, b);
+  }
+  {
+    SCOPED_TRACE("bf16, by rows");
+    const auto in = cast(make_inputs(rows, torch::kFloat, Offsets::kRandom, 33), torch::kBFloat16, torch::kFloat);
+    const auto [a, b] = both(in, rows.kernel);
+    EXPECT_FALSE(torch::equal(a.out, b.out) && torch::equal(a.dq, b.dq) && torch::equal(a.doffsets, b.doffsets))
+        << "the bf16 rows ran the AVX-512 loops' products";
+  }
+}
+
 TEST(Dsa3dTile, CornersEqualTheRowKernelsMath) {
   for (int S : {1, 2, 3, 7}) {
     for (double x : {-2.0, -0.5, 0.0, 0.25, 1.0, 1.5, 2.0, 2.75, 3.0, 5.5, 6.0, 6.5, 9.0}) {

@@ -32,6 +32,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
@@ -560,13 +561,72 @@ MEGASLIDE_DSA_INLINE void numerators(acc_t* logits, int64_t K, int64_t Mg, const
   }
 }
 
+// sums[i] = q · row[i] over d channels (a multiple of 16) for eight bf16 rows, q in bf16 as well: VDPBF16PS
+// multiplies 32 (16) bf16 pairs, each product exact in fp32 (two 8-bit significands), and adds each lane's two
+// products to its fp32 sum (rounding to nearest, subnormal inputs and results read and written as zero); the eight
+// rows' lane sums are then reduced together (sum8). One instruction for 32 channels where the widening loop takes
+// two loads with their shifts and two FMAs.
+#define MEGASLIDE_DSA_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
+MEGASLIDE_DSA_AVX512BF16 MEGASLIDE_DSA_INLINE void bf16_dots8(const c10::BFloat16* const* row, const c10::BFloat16* q,
+                                                              int64_t d, float* sums) {
+  if (d % 32 == 0) {
+    __m512 a[8];
+    for (int i = 0; i < 8; ++i) a[i] = _mm512_setzero_ps();
+    for (int64_t e = 0; e < d; e += 32) {
+      const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + e);
+      for (int i = 0; i < 8; ++i) a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_loadu_si512(row[i] + e), qv);
+    }
+    typename Lanes<16>::F f[8];
+    std::memcpy(f, a, sizeof f);
+    sum8(f, sums);
+  } else {
+    __m256 a[8];
+    for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+    for (int64_t e = 0; e < d; e += 16) {
+      const __m256bh qv = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + e));
+      for (int i = 0; i < 8; ++i)
+        a[i] = _mm256_dpbf16_ps(a[i], (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[i] + e)), qv);
+    }
+    typename Lanes<8>::F f[8];
+    std::memcpy(f, a, sizeof f);
+    sum8(f, sums);
+  }
+}
+
+// row_head_dots below for bf16 rows and q and d a multiple of 16, every row by bf16_dots8, eight at a time (the last
+// block filled up with its first row, whose extra sums are dropped). Its own function with the AVX512-BF16 target
+// (called once per token, group and direction): GCC inlines a function only into one of the same target, and the
+// loops it is called from are compiled without one until their entry point is reached.
+MEGASLIDE_DSA_AVX512BF16 __attribute__((noinline)) void bf16_row_head_dots(const c10::BFloat16* base,
+                                                                           const int64_t* rows, int64_t R,
+                                                                           int64_t stride, const c10::BFloat16* q_in,
+                                                                           int64_t d, int64_t Mg, float* out) {
+  for (int64_t r0 = 0; r0 < R; r0 += 8) {
+    const int64_t n = std::min<int64_t>(8, R - r0);
+    const c10::BFloat16* row[8];
+    for (int i = 0; i < 8; ++i) row[i] = base + rows[r0 + (i < n ? i : 0)] * stride;
+    for (int64_t h = 0; h < Mg; ++h) {
+      const c10::BFloat16* head_row[8];
+      for (int i = 0; i < 8; ++i) head_row[i] = row[i] + h * d;
+      float sums[8];
+      bf16_dots8(head_row, q_in + h * d, d, sums);
+      for (int i = 0; i < n; ++i) out[(r0 + i) * Mg + h] = sums[i];
+    }
+  }
+}
+
 // out[r·Mg + h] = q_h · row r's head h, for the distinct rows `rows` (token indices; row r starts at
-// base + rows[r]·stride) and the Mg heads of d channels. With d a multiple of the vector width (8 or 16 lanes)
-// eight rows run side by side per head, their sums reduced together (sum8); otherwise row by row (head_dot).
-template <int V, typename scalar_t, typename acc_t>
+// base + rows[r]·stride) and the Mg heads of d channels (qf: q in acc_t; q_in: the same q in the input type).
+// kBf16Dots with bf16 inputs and d a multiple of 16: bf16_row_head_dots from q_in. Otherwise, with d a multiple of the
+// vector width (8 or 16 lanes), eight rows run side by side per head, their sums reduced together (sum8), the rest row
+// by row (head_dot).
+template <int V, bool kBf16Dots, typename scalar_t, typename acc_t>
 MEGASLIDE_DSA_INLINE void row_head_dots(const scalar_t* base, const int64_t* rows, int64_t R, int64_t stride,
-                                        const acc_t* qf, int64_t d, int64_t Mg, acc_t* out) {
+                                        const acc_t* qf, const scalar_t* q_in, int64_t d, int64_t Mg, acc_t* out) {
   int64_t r0 = 0;
+  if constexpr (kBf16Dots && std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<acc_t, float>) {
+    if (d % 16 == 0) return bf16_row_head_dots(base, rows, R, stride, q_in, d, Mg, out);
+  }
   if constexpr (std::is_same_v<acc_t, float> && V >= 8) {
     if (d % V == 0) {
       using F = typename Lanes<V>::F;
@@ -629,11 +689,12 @@ MEGASLIDE_DSA_INLINE void rows_weighted_sum(const scalar_t* base, const int64_t*
 // the backward's form), the softmax numerators against each head's maximum, and per distinct row the sum of
 // numerator·w over the samples and corners that name it; (3) the value rows weighted by those sums. Each key and
 // value row is read once per token, not once per sample and corner. logits: [Mg, K], the numerators on return.
-template <int V, int kBlock, typename scalar_t, typename acc_t>
+template <int V, int kBlock, bool kBf16Dots, typename scalar_t, typename acc_t>
 MEGASLIDE_DSA_INLINE void forward_rows(const Dsa3dShape& s, const Point<acc_t>* points, CornerRows& table,
                                        std::vector<int32_t>& corner_slot, std::vector<acc_t>& row_values,
-                                       const scalar_t* kb, const scalar_t* vb, const acc_t* qf, const acc_t* bias,
-                                       int64_t head0, acc_t scale, acc_t* logits, acc_t* max, acc_t* sum, acc_t* acc) {
+                                       const scalar_t* kb, const scalar_t* vb, const acc_t* qf, const scalar_t* q_in,
+                                       const acc_t* bias, int64_t head0, acc_t scale, acc_t* logits, acc_t* max,
+                                       acc_t* sum, acc_t* acc) {
   const int64_t M = s.M, d = s.d, K = s.K, Mg = s.M / s.G, stride = M * d;
   table.begin();
   for (int64_t j = 0; j < K; ++j) {
@@ -645,7 +706,7 @@ MEGASLIDE_DSA_INLINE void forward_rows(const Dsa3dShape& s, const Point<acc_t>* 
   row_values.assign(2 * R * Mg, acc_t(0));
   acc_t* qk_r = row_values.data();  // per slot and head: q·k, then the value rows' coefficients
   acc_t* cv_r = qk_r + R * Mg;
-  row_head_dots<V>(kb, table.rows.data(), R, stride, qf, d, Mg, qk_r);
+  row_head_dots<V, kBf16Dots>(kb, table.rows.data(), R, stride, qf, q_in, d, Mg, qk_r);
   for (int64_t h = 0; h < Mg; ++h) max[h] = -INFINITY;
   int64_t h4 = 0;  // heads [0, h4) four at a time in 4-lane vectors, the same sums per lane
   if constexpr (std::is_same_v<acc_t, float>) {
@@ -706,7 +767,7 @@ MEGASLIDE_DSA_INLINE void forward_rows(const Dsa3dShape& s, const Point<acc_t>* 
 // else per sample: two passes over the samples, the logits of every head (q against the interpolated key row),
 // then the exponentials against each head's maximum, weighting the interpolated value rows. One exponential per
 // (head, sample) either way.
-template <typename scalar_t, typename acc_t, int V, int kBlock>
+template <typename scalar_t, typename acc_t, int V, int kBlock, bool kBf16Dots>
 MEGASLIDE_DSA_INLINE void forward_tokens(const Dsa3dForwardParams& p, int64_t begin, int64_t end) {
   const Dsa3dShape& s = p.shape;
   const int64_t N = s.tokens(), M = s.M, d = s.d, K = s.K, Mg = s.M / s.G, L = Mg * d;
@@ -733,10 +794,11 @@ MEGASLIDE_DSA_INLINE void forward_tokens(const Dsa3dForwardParams& p, int64_t be
       const int64_t head0 = g * Mg;
       const scalar_t* kb = k + (tc.b * N * M + head0) * d;  // corner c's row: kb + index·M·d
       const scalar_t* vb = v + (tc.b * N * M + head0) * d;
-      load(q + (bn * M + head0) * d, qf.data(), L);
+      const scalar_t* q_in = q + (bn * M + head0) * d;
+      load(q_in, qf.data(), L);
       if (by_rows) {
-        forward_rows<V, kBlock>(s, samples.data(), *table, corner_slot, row_values, kb, vb, qf.data(), bias, head0,
-                                scale, logits.data(), max.data(), sum.data(), acc.data());
+        forward_rows<V, kBlock, kBf16Dots>(s, samples.data(), *table, corner_slot, row_values, kb, vb, qf.data(), q_in,
+                                           bias, head0, scale, logits.data(), max.data(), sum.data(), acc.data());
       } else {
         for (int64_t h = 0; h < Mg; ++h) max[h] = -INFINITY;
         for (int64_t j = 0; j < K; ++j) {
@@ -792,12 +854,13 @@ MEGASLIDE_DSA_INLINE HeadTerms<acc_t> head_sample_terms(const Sample<acc_t>& sp,
 // dq and dk, prob·w for dv); heads four at a time in vectors; (3) dq = Σ_rows coef·k with its sums in registers,
 // then per distinct row dk += coef·q, dv += coef·dout. The same sums as the per-sample loop, grouped by row (in a
 // different order): each row is read (and dk, dv written) once per token, not once per sample and corner.
-template <int V, int kBlock, typename scalar_t, typename acc_t>
+template <int V, int kBlock, bool kBf16Dots, typename scalar_t, typename acc_t>
 MEGASLIDE_DSA_INLINE void backward_rows(const Dsa3dShape& s, const Sample<acc_t>* samples, CornerRows& table,
                                         std::vector<int32_t>& corner_slot, std::vector<acc_t>& row_dots,
                                         const scalar_t* kb, const scalar_t* vb, acc_t* dkb, acc_t* dvb, const acc_t* qf,
-                                        const acc_t* dof, acc_t* dqf, const acc_t* dout_dot_out, const acc_t* bias,
-                                        const acc_t* lse_token, int64_t head0, acc_t scale, acc_t* dbias, acc_t* dx) {
+                                        const acc_t* dof, const scalar_t* q_in, const scalar_t* dout_in, acc_t* dqf,
+                                        const acc_t* dout_dot_out, const acc_t* bias, const acc_t* lse_token,
+                                        int64_t head0, acc_t scale, acc_t* dbias, acc_t* dx) {
   const int64_t M = s.M, d = s.d, K = s.K, Mg = s.M / s.G, stride = M * d;
   table.begin();
   for (int64_t j = 0; j < K; ++j) {
@@ -812,8 +875,8 @@ MEGASLIDE_DSA_INLINE void backward_rows(const Dsa3dShape& s, const Sample<acc_t>
   acc_t* odv_r = qk_r + R * Mg;
   acc_t* cq_r = odv_r + R * Mg;
   acc_t* cv_r = cq_r + R * Mg;
-  row_head_dots<V>(kb, table.rows.data(), R, stride, qf, d, Mg, qk_r);
-  row_head_dots<V>(vb, table.rows.data(), R, stride, dof, d, Mg, odv_r);
+  row_head_dots<V, kBf16Dots>(kb, table.rows.data(), R, stride, qf, q_in, d, Mg, qk_r);
+  row_head_dots<V, kBf16Dots>(vb, table.rows.data(), R, stride, dof, dout_in, d, Mg, odv_r);
   for (int64_t j = 0; j < K; ++j) {
     const Sample<acc_t>& sp = samples[j];
     const int32_t* slots = corner_slot.data() + j * 8;
@@ -997,7 +1060,7 @@ MEGASLIDE_DSA_INLINE void backward_samples(const Dsa3dShape& s, const Sample<acc
 // the samples are computed once; by distinct corner rows (backward_rows) from kCpuBackwardRowsMinChannels, else
 // per sample and corner the dot products of each head, then the gradient rows of all the group's heads in one
 // pass over their contiguous channels (on AVX2 with d a multiple of 8: backward_samples_corner_lanes).
-template <typename scalar_t, typename acc_t, int V, int kBlock>
+template <typename scalar_t, typename acc_t, int V, int kBlock, bool kBf16Dots>
 MEGASLIDE_DSA_INLINE void backward_tokens(const Dsa3dBackwardParams& p, int64_t bn_begin, int64_t bn_end,
                                           int64_t g_begin, int64_t g_end, acc_t* dk, acc_t* dv, acc_t* dbias) {
   const Dsa3dShape& s = p.shape;
@@ -1038,9 +1101,9 @@ MEGASLIDE_DSA_INLINE void backward_tokens(const Dsa3dBackwardParams& p, int64_t 
       for (int64_t h = 0; h < Mg; ++h) dout_dot_out[h] = dot(out + first + h * d, dof.data() + h * d, d);
       const acc_t* lse_token = lse + bn * M + head0;
       if (by_rows) {
-        backward_rows<V, kBlock>(s, samples.data(), *table, corner_slot, row_dots, kb, vb, dkb, dvb, qf.data(),
-                                 dof.data(), dqf.data(), dout_dot_out.data(), bias, lse_token, head0, scale, dbias,
-                                 dx.data());
+        backward_rows<V, kBlock, kBf16Dots>(s, samples.data(), *table, corner_slot, row_dots, kb, vb, dkb, dvb,
+                                            qf.data(), dof.data(), q + first, dout + first, dqf.data(),
+                                            dout_dot_out.data(), bias, lse_token, head0, scale, dbias, dx.data());
       } else if (corner_lanes) {
         if constexpr (kCornerLanes)
           backward_samples_corner_lanes(s, samples.data(), kb, vb, dkb, dvb, qf.data(), dof.data(), dqf.data(),
@@ -1056,31 +1119,39 @@ MEGASLIDE_DSA_INLINE void backward_tokens(const Dsa3dBackwardParams& p, int64_t 
   }
 }
 
-// The entry points, one per instruction set; each inlines the loops above into its own code.
-#define MEGASLIDE_DSA_ENTRY(suffix, target_attr, lanes, block)                                                    \
-  template <typename scalar_t, typename acc_t>                                                                    \
-  target_attr void forward_tokens_##suffix(const Dsa3dForwardParams& p, int64_t begin, int64_t end) {             \
-    forward_tokens<scalar_t, acc_t, lanes, block>(p, begin, end);                                                 \
-  }                                                                                                               \
-  template <typename scalar_t, typename acc_t>                                                                    \
-  target_attr void backward_tokens_##suffix(const Dsa3dBackwardParams& p, int64_t bn_begin, int64_t bn_end,       \
-                                            int64_t g_begin, int64_t g_end, acc_t* dk, acc_t* dv, acc_t* dbias) { \
-    backward_tokens<scalar_t, acc_t, lanes, block>(p, bn_begin, bn_end, g_begin, g_end, dk, dv, dbias);           \
-  }                                                                                                               \
-  target_attr void exp_##suffix(float* x, int64_t n) { exponentiate<lanes>(x, n, 0.f); }                          \
-  target_attr void sample_##suffix(float xt, float xh, float xw, int64_t T, int64_t H, int64_t W,                 \
-                                   Sample<float>& out) {                                                          \
-    sample_at<lanes>(xt, xh, xw, T, H, W, out);                                                                   \
+// The entry points, one per instruction set; each inlines the loops above into its own code. The AVX512-BF16 ones
+// differ from the AVX-512 ones only with bf16 inputs (kBf16Dots), so only those are instantiated (token_kernels).
+#define MEGASLIDE_DSA_TOKENS(suffix, target_attr, lanes, block, bf16_dots)                                         \
+  template <typename scalar_t, typename acc_t>                                                                     \
+  target_attr void forward_tokens_##suffix(const Dsa3dForwardParams& p, int64_t begin, int64_t end) {              \
+    forward_tokens<scalar_t, acc_t, lanes, block, bf16_dots>(p, begin, end);                                       \
+  }                                                                                                                \
+  template <typename scalar_t, typename acc_t>                                                                     \
+  target_attr void backward_tokens_##suffix(const Dsa3dBackwardParams& p, int64_t bn_begin, int64_t bn_end,        \
+                                            int64_t g_begin, int64_t g_end, acc_t* dk, acc_t* dv, acc_t* dbias) {  \
+    backward_tokens<scalar_t, acc_t, lanes, block, bf16_dots>(p, bn_begin, bn_end, g_begin, g_end, dk, dv, dbias); \
+  }
+#define MEGASLIDE_DSA_ENTRY(suffix, target_attr, lanes, block)                                    \
+  MEGASLIDE_DSA_TOKENS(suffix, target_attr, lanes, block, false)                                  \
+  target_attr void exp_##suffix(float* x, int64_t n) { exponentiate<lanes>(x, n, 0.f); }          \
+  target_attr void sample_##suffix(float xt, float xh, float xw, int64_t T, int64_t H, int64_t W, \
+                                   Sample<float>& out) {                                          \
+    sample_at<lanes>(xt, xh, xw, T, H, W, out);                                                   \
   }
 MEGASLIDE_DSA_ENTRY(baseline, , 4, 8)
 MEGASLIDE_DSA_ENTRY(avx2, __attribute__((target("avx2,fma,f16c"))), 8, 8)
 MEGASLIDE_DSA_ENTRY(avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))), 16, 8)
+MEGASLIDE_DSA_TOKENS(avx512bf16, MEGASLIDE_DSA_AVX512BF16, 16, 8, true)
 #undef MEGASLIDE_DSA_ENTRY
+#undef MEGASLIDE_DSA_TOKENS
+#undef MEGASLIDE_DSA_AVX512BF16
 
 std::atomic<Dsa3dCpuIsa> forced_isa{Dsa3dCpuIsa::kAuto};
 
 bool cpu_supports(Dsa3dCpuIsa isa) {
   switch (isa) {
+    case Dsa3dCpuIsa::kAvx512Bf16:
+      return cpu_has_avx512_bf16() && cpu_has_avx2();
     case Dsa3dCpuIsa::kAvx512:
       return cpu_has_avx512() && cpu_has_avx2();
     case Dsa3dCpuIsa::kAvx2:
@@ -1100,6 +1171,10 @@ struct TokenKernels {
 template <typename scalar_t, typename acc_t>
 TokenKernels<scalar_t, acc_t> token_kernels() {
   switch (dsa3d_cpu_isa()) {
+    case Dsa3dCpuIsa::kAvx512Bf16:
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>)
+        return {forward_tokens_avx512bf16<scalar_t, acc_t>, backward_tokens_avx512bf16<scalar_t, acc_t>};
+      [[fallthrough]];
     case Dsa3dCpuIsa::kAvx512:
       return {forward_tokens_avx512<scalar_t, acc_t>, backward_tokens_avx512<scalar_t, acc_t>};
     case Dsa3dCpuIsa::kAvx2:
@@ -1185,9 +1260,10 @@ void set_dsa3d_cpu_isa(Dsa3dCpuIsa isa) {
 Dsa3dCpuIsa dsa3d_cpu_isa() {
   const Dsa3dCpuIsa forced = forced_isa.load();
   if (forced != Dsa3dCpuIsa::kAuto) return forced;
-  static const Dsa3dCpuIsa widest = cpu_supports(Dsa3dCpuIsa::kAvx512) ? Dsa3dCpuIsa::kAvx512
-                                    : cpu_supports(Dsa3dCpuIsa::kAvx2) ? Dsa3dCpuIsa::kAvx2
-                                                                       : Dsa3dCpuIsa::kBaseline;
+  static const Dsa3dCpuIsa widest = cpu_supports(Dsa3dCpuIsa::kAvx512Bf16) ? Dsa3dCpuIsa::kAvx512Bf16
+                                    : cpu_supports(Dsa3dCpuIsa::kAvx512)   ? Dsa3dCpuIsa::kAvx512
+                                    : cpu_supports(Dsa3dCpuIsa::kAvx2)     ? Dsa3dCpuIsa::kAvx2
+                                                                           : Dsa3dCpuIsa::kBaseline;
   return widest;
 }
 
@@ -1201,12 +1277,15 @@ const char* to_string(Dsa3dCpuIsa isa) {
       return "avx2";
     case Dsa3dCpuIsa::kAvx512:
       return "avx512";
+    case Dsa3dCpuIsa::kAvx512Bf16:
+      return "avx512bf16";
   }
   return "?";
 }
 
 void dsa3d_cpu_exp(float* x, int64_t n) {
   switch (dsa3d_cpu_isa()) {
+    case Dsa3dCpuIsa::kAvx512Bf16:
     case Dsa3dCpuIsa::kAvx512:
       return exp_avx512(x, n);
     case Dsa3dCpuIsa::kAvx2:
@@ -1218,6 +1297,7 @@ void dsa3d_cpu_exp(float* x, int64_t n) {
 
 void dsa3d_cpu_sample(float xt, float xh, float xw, int64_t T, int64_t H, int64_t W, dsa3d_math::Sample<float>& out) {
   switch (dsa3d_cpu_isa()) {
+    case Dsa3dCpuIsa::kAvx512Bf16:
     case Dsa3dCpuIsa::kAvx512:
       return sample_avx512(xt, xh, xw, T, H, W, out);
     case Dsa3dCpuIsa::kAvx2:

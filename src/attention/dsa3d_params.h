@@ -132,8 +132,10 @@ void dsa3d_backward_cpu(const Dsa3dBackwardParams& p);
 
 // The instruction set the fused CPU kernels (dsa3d_forward_cpu, dsa3d_backward_cpu) run their loops with:
 // the widest CPUID allows unless forced. Forcing one this CPU lacks throws; kAuto restores CPUID's choice.
-// Tests force each in turn; every path is checked against the same reference.
-enum class Dsa3dCpuIsa { kAuto, kBaseline, kAvx2, kAvx512 };
+// Tests force each in turn; every path is checked against the same reference. kAvx512Bf16: the AVX-512 loops, with
+// bfloat16 inputs taking each head's q·k and dout·v of the distinct corner rows (the loops by row) as bf16 pairs
+// summed by VDPBF16PS; other dtypes and the per-sample loops run the AVX-512 loops unchanged.
+enum class Dsa3dCpuIsa { kAuto, kBaseline, kAvx2, kAvx512, kAvx512Bf16 };
 void set_dsa3d_cpu_isa(Dsa3dCpuIsa isa);
 Dsa3dCpuIsa dsa3d_cpu_isa();  // the one in use, never kAuto
 const char* to_string(Dsa3dCpuIsa isa);
