@@ -82,6 +82,7 @@ struct Lanes {
   typedef float F __attribute__((vector_size(4 * N)));
   typedef uint16_t U16 __attribute__((vector_size(2 * N)));
   typedef uint32_t U32 __attribute__((vector_size(4 * N)));
+  typedef int32_t I32 __attribute__((vector_size(4 * N)));
 };
 
 // N elements from x widened to fp32 (bf16: exact, a shift; fp16: lane by lane).
@@ -104,6 +105,29 @@ MEGASLIDE_DSA_INLINE typename Lanes<N>::F vload(const scalar_t* x) {
 template <int N>
 MEGASLIDE_DSA_INLINE void vstore(float* x, typename Lanes<N>::F f) {
   std::memcpy(x, &f, sizeof f);
+}
+
+// 2N bf16 elements from x as two N-lane fp32 vectors from one load: even[i] = x[2i], odd[i] = x[2i + 1], each exact
+// (bf16 is the top half of an fp32: the even element is the low half of each 32-bit lane shifted up, the odd one the
+// lane with its low half cleared). Two integer operations for 2N channels where vload takes a widening and a shift
+// for each N.
+template <int N>
+MEGASLIDE_DSA_INLINE void vload_pairs(const c10::BFloat16* x, typename Lanes<N>::F& even, typename Lanes<N>::F& odd) {
+  typename Lanes<N>::U32 bits;
+  std::memcpy(&bits, x, sizeof bits);
+  const typename Lanes<N>::U32 lo = bits << 16, hi = bits & 0xFFFF0000u;
+  std::memcpy(&even, &lo, sizeof even);
+  std::memcpy(&odd, &hi, sizeof odd);
+}
+
+// x[0, 2N) = even and odd interleaved again: x[2i] = even[i], x[2i + 1] = odd[i].
+template <int N>
+MEGASLIDE_DSA_INLINE void vstore_pairs(float* x, typename Lanes<N>::F even, typename Lanes<N>::F odd) {
+  typename Lanes<N>::I32 lo, hi;
+  for (int i = 0; i < N / 2; ++i)
+    lo[2 * i] = i, lo[2 * i + 1] = N + i, hi[2 * i] = N / 2 + i, hi[2 * i + 1] = N + N / 2 + i;
+  vstore<N>(x, __builtin_shuffle(even, odd, lo));
+  vstore<N>(x + N, __builtin_shuffle(even, odd, hi));
 }
 
 template <int N>
@@ -656,6 +680,36 @@ template <int V, int kBlock, typename scalar_t, typename acc_t>
 MEGASLIDE_DSA_INLINE void rows_weighted_sum(const scalar_t* base, const int64_t* rows, int64_t R, int64_t stride,
                                             const acc_t* coef, int64_t d, int64_t Mg, acc_t* __restrict acc) {
   const int64_t L = Mg * d;
+  if constexpr (std::is_same_v<acc_t, float> && std::is_same_v<scalar_t, c10::BFloat16> && V >= 8) {
+    if (d % (2 * V) == 0) {
+      // bf16 rows, 2V channels of one head a load (vload_pairs): the even and odd channels' sums apart, kBlock / 2
+      // pairs of vectors at a time, interleaved when stored. Per channel the same products in the same order.
+      using F = typename Lanes<V>::F;
+      constexpr int kPairs = kBlock / 2 > 0 ? kBlock / 2 : 1;
+      int64_t e = 0;
+      const auto pairs = [&](auto nb) __attribute__((always_inline)) {
+        constexpr int NB = decltype(nb)::value;
+        int64_t head[NB];
+        for (int b = 0; b < NB; ++b) head[b] = (e + 2 * b * V) / d;
+        F even[NB], odd[NB];
+        for (int b = 0; b < NB; ++b) even[b] = odd[b] = F{};
+        for (int64_t r = 0; r < R; ++r) {
+          const scalar_t* row = base + rows[r] * stride + e;
+          const acc_t* c = coef + r * Mg;
+          for (int b = 0; b < NB; ++b) {
+            F x0, x1;
+            vload_pairs<V>(row + 2 * b * V, x0, x1);
+            even[b] += c[head[b]] * x0;
+            odd[b] += c[head[b]] * x1;
+          }
+        }
+        for (int b = 0; b < NB; ++b) vstore_pairs<V>(acc + e + 2 * b * V, even[b], odd[b]);
+      };
+      for (; e + 2 * kPairs * V <= L; e += 2 * kPairs * V) pairs(std::integral_constant<int, kPairs>{});
+      for (; e < L; e += 2 * V) pairs(std::integral_constant<int, 1>{});
+      return;
+    }
+  }
   if constexpr (std::is_same_v<acc_t, float>) {
     if (d % V == 0) {
       using F = typename Lanes<V>::F;
