@@ -22,7 +22,8 @@
 //   build/bin/bench_dsa3d --threads 1     # ... on one thread
 //   build/bin/bench_dsa3d --kernels-only  # row vs tiled CPU kernel only, interleaved (a few minutes)
 //   build/bin/bench_dsa3d --smoke-shape --threads 1 --reps 15
-//                                         # the row kernel at the README smoke model's shape (seconds)
+//                                         # the row kernel at the README smoke model's shape (seconds); with
+//                                         # --bf16, in bf16 (what the trainer computes in where `auto` picks bf16)
 //   build/bin/bench_dsa3d --isa avx2      # the fused CPU kernels' AVX2 loops (and the AVX2 FMA peak) on a CPU
 //                                         # that also has AVX-512: baseline, avx2, avx512 or avx512bf16
 //                                         # (default: CPUID's)
@@ -277,10 +278,15 @@ int cpu_kernels_mode(int reps, const Memory& memory) {
 
 // --smoke-shape: the row kernel at the shape of the README's smoke model's blocks (B = 4, 8x8x8 tokens, 2 heads of
 // d = 8 in one group, 3x5x5: the per-sample loops), forward under no-grad and forward + backward, after a warm-up;
-// the fastest and the median of the runs. The loops' own figure, without the trainer around them.
-int smoke_shape_mode(int reps) {
+// the fastest and the median of the runs. The loops' own figure, without the trainer around them. bf16: q, k, v and
+// dout in bf16 (offsets and bias float32), as the trainer's blocks hand them over with bf16 compute.
+int smoke_shape_mode(int reps, bool bf16) {
   const Case c{"smoke", 4, 8, 8, 8, 2, 8, {3, 5, 5}};
   auto in = make_inputs(c, torch::Device(torch::kCPU));
+  if (bf16) {
+    for (torch::Tensor* t : {&in.q, &in.k, &in.v}) *t = t->detach().to(torch::kBFloat16).requires_grad_(true);
+    in.dout = in.dout.to(torch::kBFloat16);
+  }
   std::vector<double> forward, both;
   for (int i = 0; i < reps + 1; ++i) {
     auto start = std::chrono::steady_clock::now();
@@ -298,14 +304,15 @@ int smoke_shape_mode(int reps) {
   std::sort(forward.begin(), forward.end());
   std::sort(both.begin(), both.end());
   std::printf(
-      "bench_dsa3d --smoke-shape (cpu %s loops, float32, %d threads, %d runs): forward %.2f ms (median %.2f), "
+      "bench_dsa3d --smoke-shape (cpu %s loops, %s, %d threads, %d runs): forward %.2f ms (median %.2f), "
       "forward + backward %.2f ms (median %.2f)\n",
-      ops::detail::to_string(ops::detail::dsa3d_cpu_isa()), torch::get_num_threads(), reps, forward[0],
-      forward[forward.size() / 2], both[0], both[both.size() / 2]);
+      ops::detail::to_string(ops::detail::dsa3d_cpu_isa()), bf16 ? "bfloat16" : "float32", torch::get_num_threads(),
+      reps, forward[0], forward[forward.size() / 2], both[0], both[both.size() / 2]);
   std::printf(
-      "{\"bench\":\"dsa3d_smoke_shape\",\"isa\":\"%s\",\"threads\":%d,\"forward_ms\":%s,\"forward_backward_ms\":%s}\n",
-      ops::detail::to_string(ops::detail::dsa3d_cpu_isa()), torch::get_num_threads(), fmt_double(forward[0]).c_str(),
-      fmt_double(both[0]).c_str());
+      "{\"bench\":\"dsa3d_smoke_shape\",\"isa\":\"%s\",\"dtype\":\"%s\",\"threads\":%d,\"forward_ms\":%s,"
+      "\"forward_backward_ms\":%s}\n",
+      ops::detail::to_string(ops::detail::dsa3d_cpu_isa()), bf16 ? "bfloat16" : "float32", torch::get_num_threads(),
+      fmt_double(forward[0]).c_str(), fmt_double(both[0]).c_str());
   return 0;
 }
 
@@ -849,7 +856,7 @@ int cuda_mode(int reps) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool use_cuda = false, kernels_only = false, smoke_shape = false, bf16_dots = false;
+  bool use_cuda = false, kernels_only = false, smoke_shape = false, bf16_dots = false, bf16 = false;
   int reps = 3, threads = 0;
   std::string isa;
   for (int i = 1; i < argc; ++i) {
@@ -857,14 +864,16 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--kernels-only")) kernels_only = true;
     else if (!std::strcmp(argv[i], "--smoke-shape")) smoke_shape = true;
     else if (!std::strcmp(argv[i], "--bf16-dots")) bf16_dots = true;
+    else if (!std::strcmp(argv[i], "--bf16")) bf16 = true;
     else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::max(1, std::atoi(argv[++i]));
     else if (!std::strcmp(argv[i], "--threads") && i + 1 < argc) threads = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--isa") && i + 1 < argc) isa = argv[++i];
     else {
-      std::fprintf(stderr,
-                   "usage: %s [--cuda] [--kernels-only | --smoke-shape | --bf16-dots] [--reps N] [--threads N] "
-                   "[--isa baseline|avx2|avx512|avx512bf16]\n",
-                   argv[0]);
+      std::fprintf(
+          stderr,
+          "usage: %s [--cuda] [--kernels-only | --smoke-shape [--bf16] | --bf16-dots] [--reps N] [--threads N] "
+          "[--isa baseline|avx2|avx512|avx512bf16]\n",
+          argv[0]);
       return 2;
     }
   }
@@ -900,7 +909,11 @@ int main(int argc, char** argv) {
   static TrackingCpuAllocator tracker(c10::GetCPUAllocator());
   cpu_tracker = &tracker;
   c10::SetCPUAllocator(&tracker, /*priority*/ 100);
-  if (!use_cuda && smoke_shape) return smoke_shape_mode(reps);
+  if (bf16 && !smoke_shape) {
+    std::fprintf(stderr, "bench_dsa3d: --bf16 goes with --smoke-shape\n");
+    return 2;
+  }
+  if (!use_cuda && smoke_shape) return smoke_shape_mode(reps, bf16);
   if (!use_cuda && bf16_dots) return bf16_dots_mode(reps);
   if (!use_cuda) return kernels_only ? cpu_kernels_mode(reps, memory) : cpu_mode(reps, memory);
 #ifdef MEGASLIDE_WITH_CUDA

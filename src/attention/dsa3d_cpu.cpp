@@ -11,8 +11,8 @@
 //             interpolates the group's key row at each sample (8 corners, straight from k), takes every head's
 //             logit, then the exponentials against each head's maximum weight the interpolated value rows; the
 //             backward recomputes per sample and corner each head's q·k and dout·v and adds the corner's dq,
-//             dk and dv rows in one pass over the group's channels (on AVX2 with d a multiple of 8, a sample's 8
-//             corners in the lanes of one vector: backward_samples_corner_lanes).
+//             dk and dv rows in one pass over the group's channels (on AVX2 and AVX-512 with d a multiple of 8, a
+//             sample's 8 corners in the lanes of one vector: backward_samples_corner_lanes).
 // Both take the softmax in two passes (the logits of all K samples, then the exponentials against each head's
 // maximum); the backward recomputes the probabilities from the saved log-sum-exp.
 //
@@ -228,41 +228,13 @@ MEGASLIDE_DSA_INLINE void sum8(const typename Lanes<8>::F* x, float* out) {
   }
 }
 
-// corner_dots below for d a multiple of N: the 8 corners' products accumulate side by side in N-lane vectors.
-template <int N, typename scalar_t>
-MEGASLIDE_DSA_INLINE void corner_dots_side_by_side(const Sample<float>& sp, const bool* inert, const scalar_t* k_head,
-                                                   const scalar_t* v_head, int64_t row_stride, const float* q,
-                                                   const float* dout, int64_t d, float* qk, float* odv) {
-  using F = typename Lanes<N>::F;
-  F aq[8] = {}, ao[8] = {};
-  for (int64_t e = 0; e < d; e += N) {
-    const F qv = vload<N>(q + e), dv = vload<N>(dout + e);
-    for (int c = 0; c < 8; ++c) {
-      if (inert[c]) continue;
-      const int64_t row = sp.index[c] * row_stride + e;
-      aq[c] += vload<N>(k_head + row) * qv;
-      ao[c] += vload<N>(v_head + row) * dv;
-    }
-  }
-  sum8(aq, qk);
-  sum8(ao, odv);
-}
-
 // A sample's per-corner products for one head: qk[c] = q·k[corner c], odv[c] = dout·v[corner c] over the
-// head's d channels (k_head, v_head: the head's first channel of token 0's row), 0 for inert corners (the AVX2
-// backward takes backward_samples_corner_lanes instead where d is a multiple of 8). With d a multiple of 16
-// (AVX-512) or 8 (AVX-512; fp32 accumulation) the corners run side by side in vectors,
-// each chunk of q and dout loaded once, and their sums are reduced together; the baseline takes them one by one.
+// head's d channels (k_head, v_head: the head's first channel of token 0's row), 0 for inert corners, corner by
+// corner (the AVX2 and AVX-512 backward take backward_samples_corner_lanes instead where d is a multiple of 8).
 template <int V, typename scalar_t, typename acc_t>
 MEGASLIDE_DSA_INLINE void corner_dots(const Sample<acc_t>& sp, const bool* inert, const scalar_t* k_head,
                                       const scalar_t* v_head, int64_t row_stride, const acc_t* q, const acc_t* dout,
                                       int64_t d, acc_t* qk, acc_t* odv) {
-  if constexpr (std::is_same_v<acc_t, float>) {
-    if constexpr (V >= 16)
-      if (d % 16 == 0) return corner_dots_side_by_side<16>(sp, inert, k_head, v_head, row_stride, q, dout, d, qk, odv);
-    if constexpr (V >= 8)
-      if (d % 8 == 0) return corner_dots_side_by_side<8>(sp, inert, k_head, v_head, row_stride, q, dout, d, qk, odv);
-  }
   for (int c = 0; c < 8; ++c) {
     const int64_t row = sp.index[c] * row_stride;
     qk[c] = inert[c] ? acc_t(0) : head_dot<V>(k_head + row, q, d);
@@ -1113,7 +1085,7 @@ MEGASLIDE_DSA_INLINE void backward_samples(const Dsa3dShape& s, const Sample<acc
 // dbias ([M, K], may be null) are accumulated into the given buffers, in token order. Per (token, group)
 // the samples are computed once; by distinct corner rows (backward_rows) from kCpuBackwardRowsMinChannels, else
 // per sample and corner the dot products of each head, then the gradient rows of all the group's heads in one
-// pass over their contiguous channels (on AVX2 with d a multiple of 8: backward_samples_corner_lanes).
+// pass over their contiguous channels (on AVX2 and AVX-512 with d a multiple of 8: backward_samples_corner_lanes).
 template <typename scalar_t, typename acc_t, int V, int kBlock, bool kBf16Dots>
 MEGASLIDE_DSA_INLINE void backward_tokens(const Dsa3dBackwardParams& p, int64_t bn_begin, int64_t bn_end,
                                           int64_t g_begin, int64_t g_end, acc_t* dk, acc_t* dv, acc_t* dbias) {
@@ -1134,8 +1106,9 @@ MEGASLIDE_DSA_INLINE void backward_tokens(const Dsa3dBackwardParams& p, int64_t 
   std::vector<Sample<acc_t>> samples(K);
   std::vector<acc_t> qf(L), dof(L), dqf(L), dq_lanes(L), prob_lanes(L), dx(K * 3), dout_dot_out(Mg), coef(16 * Mg);
   const bool by_rows = L >= kCpuBackwardRowsMinChannels;
-  // The AVX2 per-sample loop with whole 8-lane heads takes a sample's corners in vector lanes.
-  constexpr bool kCornerLanes = std::is_same_v<acc_t, float> && V == 8;
+  // The AVX2 and AVX-512 per-sample loops with whole 8-lane heads take a sample's corners in the lanes of an 8-lane
+  // vector (on AVX-512 too: 6-10 % less time at the smoke shape than its corners side by side in 16 or 8 lanes).
+  constexpr bool kCornerLanes = std::is_same_v<acc_t, float> && V >= 8;
   const bool corner_lanes = kCornerLanes && d % 8 == 0;
   std::unique_ptr<CornerRows> table = by_rows ? std::make_unique<CornerRows>(N, 8 * K) : nullptr;
   std::vector<int32_t> corner_slot(by_rows ? K * 8 : 0);
