@@ -53,6 +53,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../src/attention/dsa3d_math.h"
@@ -276,29 +277,37 @@ int cpu_kernels_mode(int reps, const Memory& memory) {
   return 0;
 }
 
+// q, k, v and dout in bf16 (offsets and bias stay float32), as the trainer's blocks hand them over with bf16 compute.
+void to_bf16(Inputs& in) {
+  for (torch::Tensor* t : {&in.q, &in.k, &in.v}) *t = t->detach().to(torch::kBFloat16).requires_grad_(true);
+  in.dout = in.dout.to(torch::kBFloat16);
+}
+
+// One run of the row kernel (kCpu): its forward under no-grad, then forward + backward; milliseconds of each.
+std::pair<double, double> time_row_kernel(Inputs& in, const std::array<int64_t, 3>& kernel) {
+  auto start = std::chrono::steady_clock::now();
+  {
+    torch::NoGradGuard no_grad;
+    ops::dsa3d(in.q, in.k, in.v, in.offsets, in.bias, kernel, ops::DsaImpl::kCpu);
+  }
+  const double f = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  clear_grads(in);
+  start = std::chrono::steady_clock::now();
+  ops::dsa3d(in.q, in.k, in.v, in.offsets, in.bias, kernel, ops::DsaImpl::kCpu).backward(in.dout);
+  return {f, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count()};
+}
+
 // --smoke-shape: the row kernel at the shape of the README's smoke model's blocks (B = 4, 8x8x8 tokens, 2 heads of
 // d = 8 in one group, 3x5x5: the per-sample loops), forward under no-grad and forward + backward, after a warm-up;
-// the fastest and the median of the runs. The loops' own figure, without the trainer around them. bf16: q, k, v and
-// dout in bf16 (offsets and bias float32), as the trainer's blocks hand them over with bf16 compute.
+// the fastest and the median of the runs. The loops' own figure, without the trainer around them. bf16: to_bf16's
+// inputs.
 int smoke_shape_mode(int reps, bool bf16) {
   const Case c{"smoke", 4, 8, 8, 8, 2, 8, {3, 5, 5}};
   auto in = make_inputs(c, torch::Device(torch::kCPU));
-  if (bf16) {
-    for (torch::Tensor* t : {&in.q, &in.k, &in.v}) *t = t->detach().to(torch::kBFloat16).requires_grad_(true);
-    in.dout = in.dout.to(torch::kBFloat16);
-  }
+  if (bf16) to_bf16(in);
   std::vector<double> forward, both;
   for (int i = 0; i < reps + 1; ++i) {
-    auto start = std::chrono::steady_clock::now();
-    {
-      torch::NoGradGuard no_grad;
-      ops::dsa3d(in.q, in.k, in.v, in.offsets, in.bias, c.kernel, ops::DsaImpl::kCpu);
-    }
-    const double f = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-    clear_grads(in);
-    start = std::chrono::steady_clock::now();
-    ops::dsa3d(in.q, in.k, in.v, in.offsets, in.bias, c.kernel, ops::DsaImpl::kCpu).backward(in.dout);
-    const double fb = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    const auto [f, fb] = time_row_kernel(in, c.kernel);
     if (i > 0) forward.push_back(f), both.push_back(fb);
   }
   std::sort(forward.begin(), forward.end());
@@ -331,23 +340,13 @@ int bf16_dots_mode(int reps) {
   }
   const Case c{"bf16 d64", 1, 4, 32, 32, 4, 64, {3, 7, 7}};
   Inputs in = make_inputs(c, torch::Device(torch::kCPU));
-  for (torch::Tensor* t : {&in.q, &in.k, &in.v}) *t = t->detach().to(torch::kBFloat16).requires_grad_(true);
-  in.dout = in.dout.to(torch::kBFloat16);
+  to_bf16(in);
   const detail::Dsa3dCpuIsa isas[2] = {detail::Dsa3dCpuIsa::kAvx512, detail::Dsa3dCpuIsa::kAvx512Bf16};
   std::vector<double> forward[2], both[2];
   for (int i = 0; i < reps + 1; ++i)
     for (int a = 0; a < 2; ++a) {
       detail::set_dsa3d_cpu_isa(isas[a]);
-      auto start = std::chrono::steady_clock::now();
-      {
-        torch::NoGradGuard no_grad;
-        ops::dsa3d(in.q, in.k, in.v, in.offsets, in.bias, c.kernel, ops::DsaImpl::kCpu);
-      }
-      const double f = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-      clear_grads(in);
-      start = std::chrono::steady_clock::now();
-      ops::dsa3d(in.q, in.k, in.v, in.offsets, in.bias, c.kernel, ops::DsaImpl::kCpu).backward(in.dout);
-      const double fb = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+      const auto [f, fb] = time_row_kernel(in, c.kernel);
       if (i > 0) forward[a].push_back(f), both[a].push_back(fb);
     }
   detail::set_dsa3d_cpu_isa(detail::Dsa3dCpuIsa::kAuto);
