@@ -10,6 +10,7 @@
 #include <limits>
 #include <map>
 
+#include "attention/dsa3d_params.h"
 #include "megaslide/diffusion/ddpm.h"
 #include "megaslide/io/files.h"
 #include "megaslide/io/fp8.h"
@@ -531,6 +532,16 @@ void Trainer::describe(std::vector<std::string>& info, std::vector<std::string>&
         "trainer: {}, resident reference loop (offload.enabled: false), compute dtype fp32, grad_accum_steps {}",
         family, t.grad_accum_steps));
   }
+  // The vector loops CPUID chose for the host's kernels: CpuAdamW wherever it updates (every streamed run, and the
+  // resident loop on the CPU), the 3D-DSA row kernel where it runs on the CPU.
+  std::string loops;
+  if (engine_ || host_adamw_) loops = fmt::format("CpuAdamW {}", offload::to_string(offload::CpuAdamW::detect()));
+  const auto& m = config_.model;
+  const bool dsa = m.arch == Architecture::kMegaSlide || (m.arch == Architecture::kWan && m.self_attention == "dsa3d");
+  if (dsa && device_.is_cpu())
+    loops +=
+        fmt::format("{}3D-DSA {}", loops.empty() ? "" : ", ", ops::detail::to_string(ops::detail::dsa3d_cpu_isa()));
+  if (!loops.empty()) info.push_back("CPU vector loops (CPUID's choice): " + loops);
   model_->describe(info, warnings);
 }
 
