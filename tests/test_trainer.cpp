@@ -6,7 +6,9 @@
 #include <limits>
 #include <map>
 
+#include "../src/attention/dsa3d_params.h"
 #include "megaslide/io/files.h"
+#include "megaslide/offload/cpu_adamw.h"
 #include "megaslide/plan/step_plan.h"
 #include "megaslide/train/auto_settings.h"
 #include "megaslide/train/model_family.h"
@@ -204,6 +206,32 @@ TEST_P(Trainers, EmaIsCarriedWithTheStateOrStartsAtTheLoadedWeights) {
     ASSERT_EQ(started.ema.size(), without.master.size());
     for (size_t i = 0; i < started.ema.size(); ++i)
       EXPECT_TRUE(torch::equal(started.ema[i].second, without.master[i].second)) << started.ema[i].first;
+  }
+  io::remove_tree(dir);
+}
+
+// Property: the log names the vector loops the host kernels run, as the kernels themselves pick them: CpuAdamW's in
+// both modes on the CPU, and the 3D-DSA row kernel's (here forced to the baseline loops) only for a 3D-DSA model
+// (the tiny DiT is one, the tiny Wan has dense attention).
+TEST_P(Trainers, TheLogNamesTheVectorLoopsInUse) {
+  namespace detail = megaslide::ops::detail;
+  struct Restore {
+    ~Restore() { detail::set_dsa3d_cpu_isa(detail::Dsa3dCpuIsa::kAuto); }
+  } restore;
+  detail::set_dsa3d_cpu_isa(detail::Dsa3dCpuIsa::kBaseline);
+  const std::string dir = scratch(GetParam() + "-loops");
+  for (const bool streamed : {false, true}) {
+    SCOPED_TRACE(streamed ? "streamed" : "resident");
+    const auto config = tiny(GetParam(), streamed, dir);
+    auto trainer = trainer_of(config);
+    std::vector<std::string> info, warnings;
+    trainer->describe(info, warnings);
+    std::string line;
+    for (const auto& i : info)
+      if (i.rfind("CPU vector loops", 0) == 0) line = i;
+    const std::string adamw = std::string("CpuAdamW ") + offload::to_string(offload::CpuAdamW::detect());
+    const std::string dsa = GetParam() == "dit" ? ", 3D-DSA baseline" : "";
+    EXPECT_EQ(line, "CPU vector loops in use: " + adamw + dsa);
   }
   io::remove_tree(dir);
 }

@@ -532,7 +532,7 @@ void Trainer::describe(std::vector<std::string>& info, std::vector<std::string>&
         "trainer: {}, resident reference loop (offload.enabled: false), compute dtype fp32, grad_accum_steps {}",
         family, t.grad_accum_steps));
   }
-  // The vector loops CPUID chose for the host's kernels: CpuAdamW wherever it updates (every streamed run, and the
+  // The vector loops the host kernels run (CPUID picks them): CpuAdamW wherever it updates (every streamed run, the
   // resident loop on the CPU), the 3D-DSA row kernel where it runs on the CPU.
   std::string loops;
   if (engine_ || host_adamw_) loops = fmt::format("CpuAdamW {}", offload::to_string(offload::CpuAdamW::detect()));
@@ -541,7 +541,7 @@ void Trainer::describe(std::vector<std::string>& info, std::vector<std::string>&
   if (dsa && device_.is_cpu())
     loops +=
         fmt::format("{}3D-DSA {}", loops.empty() ? "" : ", ", ops::detail::to_string(ops::detail::dsa3d_cpu_isa()));
-  if (!loops.empty()) info.push_back("CPU vector loops (CPUID's choice): " + loops);
+  if (!loops.empty()) info.push_back("CPU vector loops in use: " + loops);
   model_->describe(info, warnings);
 }
 
