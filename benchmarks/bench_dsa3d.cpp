@@ -352,7 +352,8 @@ int bf16_dots_mode(int reps) {
   detail::set_dsa3d_cpu_isa(detail::Dsa3dCpuIsa::kAuto);
   const auto median = [](std::vector<double> x) {
     std::sort(x.begin(), x.end());
-    return x[x.size() / 2];
+    const size_t n = x.size();
+    return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
   };
   const double f0 = median(forward[0]), f1 = median(forward[1]), b0 = median(both[0]), b1 = median(both[1]);
   std::printf(
@@ -910,6 +911,15 @@ int main(int argc, char** argv) {
   c10::SetCPUAllocator(&tracker, /*priority*/ 100);
   if (bf16 && !smoke_shape) {
     std::fprintf(stderr, "bench_dsa3d: --bf16 goes with --smoke-shape\n");
+    return 2;
+  }
+  if (int(use_cuda) + int(kernels_only) + int(smoke_shape) + int(bf16_dots) > 1) {
+    std::fprintf(stderr,
+                 "bench_dsa3d: --cuda, --kernels-only, --smoke-shape and --bf16-dots are separate modes: one\n");
+    return 2;
+  }
+  if (bf16_dots && !isa.empty()) {
+    std::fprintf(stderr, "bench_dsa3d: --bf16-dots runs both the avx512 and avx512bf16 loops itself; drop --isa\n");
     return 2;
   }
   if (!use_cuda && smoke_shape) return smoke_shape_mode(reps, bf16);

@@ -237,8 +237,8 @@ void gradcheck(const Inputs& in, std::array<int64_t, 3> kernel, ms::DsaImpl impl
   }
 }
 
-// Calls f(isa) with each instruction set of the fused CPU kernels that this CPU has (baseline, AVX2, AVX-512) forced in
-// turn, under a trace naming it; restores CPUID's choice after. Returns how many ran.
+// Calls f(isa) with each instruction set of the fused CPU kernels that this CPU has (baseline, AVX2, AVX-512,
+// AVX512-BF16) forced in turn, under a trace naming it; restores CPUID's choice after. Returns how many ran.
 int for_each_cpu_isa(const std::function<void(megaslide::ops::detail::Dsa3dCpuIsa)>& f) {
   namespace detail = megaslide::ops::detail;
   struct Restore {
@@ -540,7 +540,9 @@ TEST(Dsa3d, FusedCpuMatchesReferenceOnEveryInstructionSet) {
     // offsets at d = 8 (2 heads a group): the same corners in the per-sample loops (the forward's zero row, the
     // backward's corner lanes on AVX2); d = 16 (2 heads a group) and 24 (2 heads in one group): the corner lanes with
     // two and three 8-channel chunks a head, the second without a bias. With AVX512-BF16 the bf16 rows' products
-    // are bf16 pairs: 32 channels a step at d = 32 and 64, 16 at d = 48 (4 heads in one group: both by rows).
+    // are bf16 pairs: 32 channels a step at d = 32 and 64, 16 at d = 48 (4 heads in one group: both by rows). bf16
+    // rows weighted by coefficients load two channels a lane where d is a multiple of twice the vector width: 2 heads
+    // of d = 48 (96 channels, the backward by rows) end in single pairs of vectors on AVX2.
     struct Case {
       int64_t M, G, d;
       Offsets offsets;
@@ -551,7 +553,7 @@ TEST(Dsa3d, FusedCpuMatchesReferenceOnEveryInstructionSet) {
           Case{4, 2, 32, Offsets::kRandom}, Case{4, 2, 76, Offsets::kRandom}, Case{6, 1, 24, Offsets::kRandom},
           Case{6, 1, 22, Offsets::kRandom}, Case{4, 1, 64, Offsets::kRandom}, Case{4, 1, 32, Offsets::kZero},
           Case{4, 2, 8, Offsets::kZero}, Case{4, 2, 16, Offsets::kRandom}, Case{2, 1, 24, Offsets::kRandom, false},
-          Case{4, 1, 48, Offsets::kRandom}}) {
+          Case{4, 1, 48, Offsets::kRandom}, Case{2, 1, 48, Offsets::kRandom}}) {
       const int64_t d = c.d;
       SCOPED_TRACE("M = " + std::to_string(c.M) + ", G = " + std::to_string(c.G) + ", d = " + std::to_string(d) +
                    (c.offsets == Offsets::kZero ? ", zero offsets" : "") + (c.bias ? "" : ", no bias"));
@@ -603,13 +605,6 @@ struct ThreadCount {
 };
 }  // namespace
 
-// ---- the tile algorithm's shared math (src/attention/dsa3d_tile.h) ------------------------------------
-
-namespace tile = megaslide::dsa3d_tile;
-
-// The int32 axis sample (the tile kernels' instantiation) and the corners of the tile header equal the per-sample math
-// of the row kernels (dsa3d_math.h) at integers, between tokens, at and beyond both borders, on axes of 1 to 7 tokens;
-// and a corner's halo key maps back to the row kernels' token index.
 // The AVX512-BF16 loops are the AVX-512 loops except for bf16 inputs' products by distinct row: float32 inputs, and
 // bf16 inputs in the per-sample loops (2 heads of d = 16 in a group: 32 channels), give the AVX-512 loops' bits; bf16
 // inputs by rows (4 heads of d = 64 in one group) take VDPBF16PS's pair sums, so their bits differ (within the
@@ -653,6 +648,14 @@ TEST(Dsa3d, Avx512Bf16LoopsDifferFromAvx512OnlyInBf16RowProducts) {
         << "the bf16 rows ran the AVX-512 loops' products";
   }
 }
+
+// ---- the tile algorithm's shared math (src/attention/dsa3d_tile.h) ------------------------------------
+
+namespace tile = megaslide::dsa3d_tile;
+
+// The int32 axis sample (the tile kernels' instantiation) and the corners of the tile header equal the per-sample math
+// of the row kernels (dsa3d_math.h) at integers, between tokens, at and beyond both borders, on axes of 1 to 7 tokens;
+// and a corner's halo key maps back to the row kernels' token index.
 
 TEST(Dsa3dTile, CornersEqualTheRowKernelsMath) {
   for (int S : {1, 2, 3, 7}) {

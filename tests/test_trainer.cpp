@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <stdexcept>
 
 #include "../src/attention/dsa3d_params.h"
 #include "megaslide/io/files.h"
@@ -211,28 +212,41 @@ TEST_P(Trainers, EmaIsCarriedWithTheStateOrStartsAtTheLoadedWeights) {
 }
 
 // Property: the log names the vector loops the host kernels run, as the kernels themselves pick them: CpuAdamW's in
-// both modes on the CPU, and the 3D-DSA row kernel's (here forced to the baseline loops) only for a 3D-DSA model
-// (the tiny DiT is one, the tiny Wan has dense attention).
+// both modes on the CPU, and the 3D-DSA row kernel's only for a 3D-DSA model (the tiny DiT is one, the tiny Wan has
+// dense attention): forced to the baseline loops, those; forced to the AVX512-BF16 loops (where the CPU has them),
+// those with bf16 compute and the AVX-512 loops they are for fp32 inputs.
 TEST_P(Trainers, TheLogNamesTheVectorLoopsInUse) {
   namespace detail = megaslide::ops::detail;
   struct Restore {
     ~Restore() { detail::set_dsa3d_cpu_isa(detail::Dsa3dCpuIsa::kAuto); }
   } restore;
-  detail::set_dsa3d_cpu_isa(detail::Dsa3dCpuIsa::kBaseline);
   const std::string dir = scratch(GetParam() + "-loops");
-  for (const bool streamed : {false, true}) {
-    SCOPED_TRACE(streamed ? "streamed" : "resident");
-    const auto config = tiny(GetParam(), streamed, dir);
+  const auto line_of = [&](const RunConfig& config) {
     auto trainer = trainer_of(config);
     std::vector<std::string> info, warnings;
     trainer->describe(info, warnings);
     std::string line;
     for (const auto& i : info)
       if (i.rfind("CPU vector loops", 0) == 0) line = i;
-    const std::string adamw = std::string("CpuAdamW ") + offload::to_string(offload::CpuAdamW::detect());
-    const std::string dsa = GetParam() == "dit" ? ", 3D-DSA baseline" : "";
-    EXPECT_EQ(line, "CPU vector loops in use: " + adamw + dsa);
+    return line;
+  };
+  const std::string adamw =
+      std::string("CPU vector loops in use: CpuAdamW ") + offload::to_string(offload::CpuAdamW::detect());
+  const bool dit = GetParam() == "dit";
+  detail::set_dsa3d_cpu_isa(detail::Dsa3dCpuIsa::kBaseline);
+  for (const bool streamed : {false, true})
+    EXPECT_EQ(line_of(tiny(GetParam(), streamed, dir)), adamw + (dit ? ", 3D-DSA baseline" : ""))
+        << (streamed ? "streamed" : "resident");
+  try {
+    detail::set_dsa3d_cpu_isa(detail::Dsa3dCpuIsa::kAvx512Bf16);
+  } catch (const std::invalid_argument&) {
+    io::remove_tree(dir);
+    return;  // this CPU lacks AVX512-BF16; the part above ran
   }
+  EXPECT_EQ(line_of(tiny(GetParam(), true, dir)), adamw + (dit ? ", 3D-DSA avx512" : "")) << "fp32 compute";
+  const auto bf16 =
+      megaslide::testing::tiny_run_config(GetParam(), dir, {"offload.enabled=true", "offload.compute_dtype=bf16"});
+  EXPECT_EQ(line_of(bf16), adamw + (dit ? ", 3D-DSA avx512bf16" : "")) << "bf16 compute";
   io::remove_tree(dir);
 }
 

@@ -26,9 +26,9 @@
 //             its heads, so each element is summed by one thread in token order, and the per-batch
 //             dbias partials are added in batch order. Bit-identical for any thread count, but only
 //             B·G units run in parallel.
-// The loops are written once and compiled three times (baseline x86-64, AVX2, AVX-512: see the entry points), each
-// with vectors of its own unit's width; within a path, the order of every sum is fixed, so the results above hold
-// per path.
+// The loops are written once and compiled for baseline x86-64, AVX2 and AVX-512 (see the entry points), each with
+// vectors of its own unit's width, and for bf16 inputs once more with AVX512-BF16's products by distinct row; within a
+// path, the order of every sum is fixed, so the results above hold per path.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -54,8 +54,8 @@ namespace {
 using dsa3d_math::Sample;
 
 // The hot loops are inlined into one entry point per instruction set (forward_tokens_* and
-// backward_tokens_* below): the library is built for baseline x86-64, and the entry points for AVX2 and
-// AVX-512 recompile the same loops for those units; dsa3d_forward_cpu picks one from CPUID.
+// backward_tokens_* below): the library is built for baseline x86-64, and the entry points for AVX2, AVX-512 and
+// AVX512-BF16 recompile the same loops for those units; dsa3d_forward_cpu picks one from CPUID.
 #define MEGASLIDE_DSA_INLINE inline __attribute__((always_inline))
 
 // x widened to acc_t.
@@ -123,11 +123,15 @@ MEGASLIDE_DSA_INLINE void vload_pairs(const c10::BFloat16* x, typename Lanes<N>:
 // x[0, 2N) = even and odd interleaved again: x[2i] = even[i], x[2i + 1] = odd[i].
 template <int N>
 MEGASLIDE_DSA_INLINE void vstore_pairs(float* x, typename Lanes<N>::F even, typename Lanes<N>::F odd) {
-  typename Lanes<N>::I32 lo, hi;
-  for (int i = 0; i < N / 2; ++i)
-    lo[2 * i] = i, lo[2 * i + 1] = N + i, hi[2 * i] = N / 2 + i, hi[2 * i + 1] = N + N / 2 + i;
-  vstore<N>(x, __builtin_shuffle(even, odd, lo));
-  vstore<N>(x + N, __builtin_shuffle(even, odd, hi));
+  static_assert(N == 8 || N == 16, "the 8- and 16-lane paths only");
+  using I = typename Lanes<N>::I32;
+  if constexpr (N == 16) {
+    vstore<N>(x, __builtin_shuffle(even, odd, I{0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23}));
+    vstore<N>(x + N, __builtin_shuffle(even, odd, I{8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31}));
+  } else {
+    vstore<N>(x, __builtin_shuffle(even, odd, I{0, 8, 1, 9, 2, 10, 3, 11}));
+    vstore<N>(x + N, __builtin_shuffle(even, odd, I{4, 12, 5, 13, 6, 14, 7, 15}));
+  }
 }
 
 template <int N>
@@ -591,8 +595,9 @@ MEGASLIDE_DSA_AVX512BF16 MEGASLIDE_DSA_INLINE void bf16_dots8(const c10::BFloat1
 
 // row_head_dots below for bf16 rows and q and d a multiple of 16, every row by bf16_dots8, eight at a time (the last
 // block filled up with its first row, whose extra sums are dropped). Its own function with the AVX512-BF16 target
-// (called once per token, group and direction): GCC inlines a function only into one of the same target, and the
-// loops it is called from are compiled without one until their entry point is reached.
+// (called once per token, group and direction): GCC inlines an always-inline function only into a caller whose target
+// includes the callee's, and the loops it is called from have no target of their own (only their entry point has
+// one), so the intrinsics inlined there would fail to compile.
 MEGASLIDE_DSA_AVX512BF16 __attribute__((noinline)) void bf16_row_head_dots(const c10::BFloat16* base,
                                                                            const int64_t* rows, int64_t R,
                                                                            int64_t stride, const c10::BFloat16* q_in,

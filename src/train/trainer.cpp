@@ -538,9 +538,13 @@ void Trainer::describe(std::vector<std::string>& info, std::vector<std::string>&
   if (engine_ || host_adamw_) loops = fmt::format("CpuAdamW {}", offload::to_string(offload::CpuAdamW::detect()));
   const auto& m = config_.model;
   const bool dsa = m.arch == Architecture::kMegaSlide || (m.arch == Architecture::kWan && m.self_attention == "dsa3d");
-  if (dsa && device_.is_cpu())
-    loops +=
-        fmt::format("{}3D-DSA {}", loops.empty() ? "" : ", ", ops::detail::to_string(ops::detail::dsa3d_cpu_isa()));
+  if (dsa && device_.is_cpu()) {
+    // The AVX512-BF16 loops are the AVX-512 ones but for bf16 inputs, which only the streamed bf16 compute hands over.
+    auto isa = ops::detail::dsa3d_cpu_isa();
+    if (isa == ops::detail::Dsa3dCpuIsa::kAvx512Bf16 && !(engine_ && config_.offload.compute_dtype == "bf16"))
+      isa = ops::detail::Dsa3dCpuIsa::kAvx512;
+    loops += fmt::format("{}3D-DSA {}", loops.empty() ? "" : ", ", ops::detail::to_string(isa));
+  }
   if (!loops.empty()) info.push_back("CPU vector loops in use: " + loops);
   model_->describe(info, warnings);
 }
