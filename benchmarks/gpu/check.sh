@@ -17,6 +17,7 @@
 #      (step 1 warms up; the traced step is step 5 and not among them);
 #   5. bench_dsa3d --cuda (3D-DSA against flash SDPA); a one-rank NCCL run against a plain one;
 #      the AVX-512 CpuAdamW tests and bench_cpu_adamw (CPUID's path, then --path avx2) on that machine's CPU;
+#      bench_dsa3d --bf16-dots (the 3D-DSA AVX512-BF16 loops against the AVX-512 ones) on that CPU;
 #      bench_nvme on its disk;
 #   6. every figure as one JSON file. Exits non-zero when any stage fails; later stages still run.
 #
@@ -233,6 +234,12 @@ adamw() {
 }
 export -f adamw
 [ "$built" = true ] && stage cpu_adamw 45 25 adamw
+
+# 6a. The 3D-DSA row kernel's AVX512-BF16 loops against its AVX-512 loops on this CPU (bf16 at d = 64; skipped,
+# saying so, where the CPU lacks AVX512-BF16; docs/3d-dsa.md): their first figures on an Intel core. No GPU needed.
+dsa3d_bf16_cpu() { "$build/bin/bench_dsa3d" --bf16-dots --threads $(( jobs > 4 ? jobs - 4 : jobs )) --reps 5 | tee "$out/bench_dsa3d_bf16_dots.txt"; }
+export -f dsa3d_bf16_cpu
+[ "$built" = true ] && stage cpu_dsa3d_bf16 20 20 dsa3d_bf16_cpu
 
 # 6b. The NVMe tier (offload.state_tier: nvme) on this machine's disk: 6 GB of state through the pager against
 # the disk's own O_DIRECT rate (docs/offload.md, "The NVMe tier"); no GPU needed.

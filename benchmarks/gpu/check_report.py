@@ -71,6 +71,7 @@ report = {
     "dsa3d": last_json_line("bench_dsa3d.txt"),
     "cpu_adamw": last_json_line("bench_cpu_adamw.txt"),
     "cpu_adamw_avx2": last_json_line("bench_cpu_adamw_avx2.txt"),
+    "cpu_dsa3d_bf16_dots": last_json_line("bench_dsa3d_bf16_dots.txt"),
     "nvme": last_json_line("bench_nvme.txt"),
     "pinned_bandwidth": last_json_line("pinned.json"),
 }
