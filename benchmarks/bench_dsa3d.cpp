@@ -277,6 +277,11 @@ int cpu_kernels_mode(int reps, const Memory& memory) {
   return 0;
 }
 
+// The fused CPU kernels' loops that inputs of `dtype` run on (the AVX512-BF16 loops are the AVX-512 ones but for bf16).
+const char* loops_name(ops::detail::DsaDtype dtype) {
+  return ops::detail::to_string(ops::detail::dsa3d_cpu_loops(dtype));
+}
+
 // q, k, v and dout in bf16 (offsets and bias stay float32), as the trainer's blocks hand them over with bf16 compute.
 void to_bf16(Inputs& in) {
   for (torch::Tensor* t : {&in.q, &in.k, &in.v}) *t = t->detach().to(torch::kBFloat16).requires_grad_(true);
@@ -315,13 +320,15 @@ int smoke_shape_mode(int reps, bool bf16) {
   std::printf(
       "bench_dsa3d --smoke-shape (cpu %s loops, %s, %d threads, %d runs): forward %.2f ms (median %.2f), "
       "forward + backward %.2f ms (median %.2f)\n",
-      ops::detail::to_string(ops::detail::dsa3d_cpu_isa()), bf16 ? "bfloat16" : "float32", torch::get_num_threads(),
-      reps, forward[0], forward[forward.size() / 2], both[0], both[both.size() / 2]);
+      loops_name(bf16 ? ops::detail::DsaDtype::kBFloat16 : ops::detail::DsaDtype::kFloat32),
+      bf16 ? "bfloat16" : "float32", torch::get_num_threads(), reps, forward[0], forward[forward.size() / 2], both[0],
+      both[both.size() / 2]);
   std::printf(
       "{\"bench\":\"dsa3d_smoke_shape\",\"isa\":\"%s\",\"dtype\":\"%s\",\"threads\":%d,\"forward_ms\":%s,"
       "\"forward_backward_ms\":%s}\n",
-      ops::detail::to_string(ops::detail::dsa3d_cpu_isa()), bf16 ? "bfloat16" : "float32", torch::get_num_threads(),
-      fmt_double(forward[0]).c_str(), fmt_double(both[0]).c_str());
+      loops_name(bf16 ? ops::detail::DsaDtype::kBFloat16 : ops::detail::DsaDtype::kFloat32),
+      bf16 ? "bfloat16" : "float32", torch::get_num_threads(), fmt_double(forward[0]).c_str(),
+      fmt_double(both[0]).c_str());
   return 0;
 }
 
@@ -536,7 +543,7 @@ int cpu_mode(int reps, const Memory& memory) {
   const Case base{"8x32x32", 1, 8, 32, 32, 4, 32, {3, 7, 7}};
   const Case twice{"16x32x32", 1, 16, 32, 32, 4, 32, {3, 7, 7}};
   std::printf("bench_dsa3d (cpu, float32, forward+backward, median, %d threads; fused CPU kernels' loops: %s)\n",
-              torch::get_num_threads(), ops::detail::to_string(ops::detail::dsa3d_cpu_isa()));
+              torch::get_num_threads(), loops_name(ops::detail::DsaDtype::kFloat32));
   const double peak = fma_peak_gflops(torch::get_num_threads());  // first: no OpenMP thread spins beside it
 
   auto in = make_inputs(base, device);
@@ -627,12 +634,12 @@ int cpu_mode(int reps, const Memory& memory) {
       "\"fused_vs_sdpa_8k_d64\":%.3f,\"fma_peak_gflops\":%.2f,\"d64_fwd_formulation_gflops\":%.2f,"
       "\"d64_fwd_executed_gflops\":%.2f,\"d64_fwd_rows_per_token\":%.1f,\"d64_fwd_peak_fraction\":%.4f,"
       "\"d64_fwd_executed_peak_fraction\":%.4f,\"d64_fwd_attention_equivalent_gflops\":%.2f,\"targets_met\":%s}\n",
-      ops::detail::to_string(ops::detail::dsa3d_cpu_isa()), torch::get_num_threads(), auto_tiled ? "cpu_tiled" : "cpu",
-      ref.ms, row.ms, tiled.ms, row2.ms, tiled2.ms, sdpa.ms, sdpa2.ms, (long long)ref.peak_bytes,
-      (long long)row.peak_bytes, (long long)tiled.peak_bytes, (long long)sdpa.peak_bytes, row_err, tiled_err,
-      tiled_vs_row, speedup, mem_ratio, scaling, vs_sdpa_4k_d32, vs_sdpa_4k_d64, d64[1].sdpa_ms / d64[1].fwd_bwd_ms,
-      peak, d64[0].formulation_gflops, d64[0].executed_gflops, d64[0].rows_per_token, peak_fraction_d64,
-      d64[0].executed_gflops / peak, d64[0].attention_gflops, met ? "true" : "false");
+      loops_name(ops::detail::DsaDtype::kFloat32), torch::get_num_threads(), auto_tiled ? "cpu_tiled" : "cpu", ref.ms,
+      row.ms, tiled.ms, row2.ms, tiled2.ms, sdpa.ms, sdpa2.ms, (long long)ref.peak_bytes, (long long)row.peak_bytes,
+      (long long)tiled.peak_bytes, (long long)sdpa.peak_bytes, row_err, tiled_err, tiled_vs_row, speedup, mem_ratio,
+      scaling, vs_sdpa_4k_d32, vs_sdpa_4k_d64, d64[1].sdpa_ms / d64[1].fwd_bwd_ms, peak, d64[0].formulation_gflops,
+      d64[0].executed_gflops, d64[0].rows_per_token, peak_fraction_d64, d64[0].executed_gflops / peak,
+      d64[0].attention_gflops, met ? "true" : "false");
   return 0;
 }
 

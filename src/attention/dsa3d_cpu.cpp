@@ -1299,6 +1299,11 @@ Dsa3dCpuIsa dsa3d_cpu_isa() {
   return widest;
 }
 
+Dsa3dCpuIsa dsa3d_cpu_loops(DsaDtype dtype) {
+  const Dsa3dCpuIsa isa = dsa3d_cpu_isa();
+  return isa == Dsa3dCpuIsa::kAvx512Bf16 && dtype != DsaDtype::kBFloat16 ? Dsa3dCpuIsa::kAvx512 : isa;
+}
+
 const char* to_string(Dsa3dCpuIsa isa) {
   switch (isa) {
     case Dsa3dCpuIsa::kAuto:

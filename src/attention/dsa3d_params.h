@@ -138,6 +138,9 @@ void dsa3d_backward_cpu(const Dsa3dBackwardParams& p);
 enum class Dsa3dCpuIsa { kAuto, kBaseline, kAvx2, kAvx512, kAvx512Bf16 };
 void set_dsa3d_cpu_isa(Dsa3dCpuIsa isa);
 Dsa3dCpuIsa dsa3d_cpu_isa();  // the one in use, never kAuto
+// The loops inputs of `dtype` run on: dsa3d_cpu_isa(), except kAvx512 for kAvx512Bf16 with any but bf16 inputs (the
+// same loops there). What logs and benchmarks name.
+Dsa3dCpuIsa dsa3d_cpu_loops(DsaDtype dtype);
 const char* to_string(Dsa3dCpuIsa isa);
 // x[i] = e^x[i] as the fused CPU forward takes its softmax numerators on the instruction set in use (fp32: vectors of
 // samples, within about 1 ulp of expf; 0 below -87, NaN for NaN). For tests.

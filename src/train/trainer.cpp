@@ -539,10 +539,10 @@ void Trainer::describe(std::vector<std::string>& info, std::vector<std::string>&
   const auto& m = config_.model;
   const bool dsa = m.arch == Architecture::kMegaSlide || (m.arch == Architecture::kWan && m.self_attention == "dsa3d");
   if (dsa && device_.is_cpu()) {
-    // The AVX512-BF16 loops are the AVX-512 ones but for bf16 inputs, which only the streamed bf16 compute hands over.
-    auto isa = ops::detail::dsa3d_cpu_isa();
-    if (isa == ops::detail::Dsa3dCpuIsa::kAvx512Bf16 && !(engine_ && config_.offload.compute_dtype == "bf16"))
-      isa = ops::detail::Dsa3dCpuIsa::kAvx512;
+    // bf16 inputs only where the streamed trainer computes in bf16.
+    const bool bf16 = engine_ && config_.offload.compute_dtype == "bf16";
+    const auto isa =
+        ops::detail::dsa3d_cpu_loops(bf16 ? ops::detail::DsaDtype::kBFloat16 : ops::detail::DsaDtype::kFloat32);
     loops += fmt::format("{}3D-DSA {}", loops.empty() ? "" : ", ", ops::detail::to_string(isa));
   }
   if (!loops.empty()) info.push_back("CPU vector loops in use: " + loops);
