@@ -656,7 +656,6 @@ namespace tile = megaslide::dsa3d_tile;
 // The int32 axis sample (the tile kernels' instantiation) and the corners of the tile header equal the per-sample math
 // of the row kernels (dsa3d_math.h) at integers, between tokens, at and beyond both borders, on axes of 1 to 7 tokens;
 // and a corner's halo key maps back to the row kernels' token index.
-
 TEST(Dsa3dTile, CornersEqualTheRowKernelsMath) {
   for (int S : {1, 2, 3, 7}) {
     for (double x : {-2.0, -0.5, 0.0, 0.25, 1.0, 1.5, 2.0, 2.75, 3.0, 5.5, 6.0, 6.5, 9.0}) {
