@@ -1321,8 +1321,7 @@ const char* to_string(Dsa3dCpuIsa isa) {
 }
 
 void dsa3d_cpu_exp(float* x, int64_t n) {
-  switch (dsa3d_cpu_isa()) {
-    case Dsa3dCpuIsa::kAvx512Bf16:
+  switch (dsa3d_cpu_loops(DsaDtype::kFloat32)) {  // float: the AVX512-BF16 path's are the AVX-512 loops
     case Dsa3dCpuIsa::kAvx512:
       return exp_avx512(x, n);
     case Dsa3dCpuIsa::kAvx2:
@@ -1333,8 +1332,7 @@ void dsa3d_cpu_exp(float* x, int64_t n) {
 }
 
 void dsa3d_cpu_sample(float xt, float xh, float xw, int64_t T, int64_t H, int64_t W, dsa3d_math::Sample<float>& out) {
-  switch (dsa3d_cpu_isa()) {
-    case Dsa3dCpuIsa::kAvx512Bf16:
+  switch (dsa3d_cpu_loops(DsaDtype::kFloat32)) {  // float: the AVX512-BF16 path's are the AVX-512 loops
     case Dsa3dCpuIsa::kAvx512:
       return sample_avx512(xt, xh, xw, T, H, W, out);
     case Dsa3dCpuIsa::kAvx2:

@@ -652,7 +652,7 @@ void check_sizes(const RunConfig& c, const std::function<void(const std::string&
          {hidden_key, hidden},
          {"(4 x hidden + 2 x text_dim)", 4 * hidden + 2 * std::min<int64_t>(text_dim, int64_t{1} << 60)}},
         14);
-  if (m.arch == Architecture::kMegaSlide || (wan && m.self_attention == "dsa3d")) {
+  if (uses_dsa3d(m)) {
     const auto& k = m.dsa_kernel;
     limit("model.dsa_kernel", "3D-DSA's predicted offsets (fp32)",
           {{"train.batch_size", B},
@@ -1216,6 +1216,11 @@ std::array<int64_t, 4> model_sample_shape_at(const RunConfig& c, VideoSize size)
                       ds * patch[a + 1], latent ? fmt::format("the VAE's downscale {} x ", ds) : "", patch[a + 1]));
   const int64_t channels = wan ? c.model.wan.out_channels : latent ? c.model.vae.latent_channels : c.data.channels;
   return {channels, t, size.height / ds, size.width / ds};
+}
+
+bool uses_dsa3d(const ModelConfig& model) {
+  return model.arch == Architecture::kMegaSlide ||
+         (model.arch == Architecture::kWan && model.self_attention == "dsa3d");
 }
 
 bool wan_image_to_video(const WanConfig& wan) {

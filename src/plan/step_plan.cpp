@@ -860,7 +860,7 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
   if (const std::string problem = context_parallel_problem(config, R, grid.t); !problem.empty())
     throw ConfigError("megaslide-plan", "--context-parallel", problem);
   const TokenGrid local{(grid.t + n - 1) / n, grid.h, grid.w};  // rank 0's frames of a sample
-  const bool dsa = wan ? config.model.self_attention == "dsa3d" : config.model.arch == Architecture::kMegaSlide;
+  const bool dsa = uses_dsa3d(config.model);
   const bool dense_attention = wan ? !dsa : config.model.arch == Architecture::kDense3D;
   const auto& t = config.train;
   StepPlan p;

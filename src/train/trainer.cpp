@@ -536,9 +536,7 @@ void Trainer::describe(std::vector<std::string>& info, std::vector<std::string>&
   // resident loop on the CPU), the 3D-DSA row kernel where it runs on the CPU.
   std::string loops;
   if (engine_ || host_adamw_) loops = fmt::format("CpuAdamW {}", offload::to_string(offload::CpuAdamW::detect()));
-  const auto& m = config_.model;
-  const bool dsa = m.arch == Architecture::kMegaSlide || (m.arch == Architecture::kWan && m.self_attention == "dsa3d");
-  if (dsa && device_.is_cpu()) {
+  if (uses_dsa3d(config_.model) && device_.is_cpu()) {
     // bf16 inputs only where the streamed trainer computes in bf16.
     const bool bf16 = engine_ && config_.offload.compute_dtype == "bf16";
     const auto isa =

@@ -317,6 +317,9 @@ struct RunConfig {
 // or the VAE's latents' (latent_channels x frames (wan: 1 + (frames-1)/4) x height/ds x width/ds).
 std::array<int64_t, 4> model_sample_shape(const RunConfig& config);
 
+// Whether the model's blocks attend with 3D-DSA: the MegaSlide DiT, or Wan with model.self_attention: dsa3d.
+bool uses_dsa3d(const ModelConfig& model);
+
 // Whether a Wan DiT of `wan` generates video from an image (Wan2.1 I2V, Wan2.2 I2V-A14B): its input is the
 // noisy latents, the first-frame mask (4 channels) and the conditioning video's latents, in_channels =
 // 2 x out_channels + 4. The conditioning channels (mask and latents) are wan_condition_channels.
