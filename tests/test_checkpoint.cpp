@@ -89,6 +89,32 @@ TEST(Checkpoint, Crc32MatchesTheStandardCheckValue) {
   EXPECT_EQ(io::crc32("", 0), 0u);
 }
 
+// Property: the folding by carry-less products is the table loop's CRC for every length (below one 64-byte round,
+// whole rounds, the 16-byte blocks after them and the bytes after those), start address and previous value, and
+// both give Python's zlib.crc32 of a 100 003-byte pattern, whole and from byte 37 on.
+TEST(Checkpoint, Crc32FoldingIsTheTableLoopsAtEveryLengthAndOffset) {
+  std::vector<unsigned char> pattern(100003);
+  for (size_t i = 0; i < pattern.size(); ++i) pattern[i] = static_cast<unsigned char>((i * 7 + (i >> 8)) % 251);
+  EXPECT_EQ(io::crc32(pattern.data(), pattern.size()), 0x4ce63ff7u);
+  EXPECT_EQ(io::crc32(pattern.data() + 37, pattern.size() - 37), 0x1bf85ee2u);
+  EXPECT_EQ(io::detail::crc32_table(pattern.data() + 37, pattern.size() - 37, 0), 0x1bf85ee2u);
+  if (!io::detail::crc32_clmul_supported()) GTEST_SKIP() << "this CPU has no PCLMULQDQ: crc32 runs the table loop";
+  EXPECT_EQ(io::detail::crc32_clmul(pattern.data() + 37, pattern.size() - 37, 0), 0x1bf85ee2u);
+  uint32_t previous = 0x12345678u;
+  int mismatches = 0;
+  for (size_t length = 0; length <= 700; ++length)
+    for (size_t offset = 0; offset < 16; ++offset) {
+      previous = previous * 1664525u + 1013904223u;
+      const unsigned char* at = pattern.data() + 1000 + offset * 13 + length;
+      const uint32_t table = io::detail::crc32_table(at, length, previous);
+      const uint32_t folded = io::detail::crc32_clmul(at, length, previous);
+      if (table != folded && ++mismatches <= 5)
+        ADD_FAILURE() << "length " << length << ", offset " << offset << ": table " << std::hex << table << ", folded "
+                      << folded;
+    }
+  EXPECT_EQ(mismatches, 0);
+}
+
 TEST(Checkpoint, DataStreamsRestoredFromStateDrawTheSameBatches) {
   const auto config = tiny("/tmp/unused");
   DiffusionBatchSource a(config);

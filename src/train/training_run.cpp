@@ -53,6 +53,22 @@ class RankLog {
 
 }  // namespace
 
+namespace {
+// The bytes of a checkpoint folder's files (its shards included) and the seconds since `started`, for the log:
+// "681.4 MB in 0.74 s, 0.92 GB/s".
+std::string bytes_and_rate(const std::string& checkpoint, std::chrono::steady_clock::time_point started) {
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  uint64_t bytes = 0;
+  for (const std::string& folder : {checkpoint, io::join_path(checkpoint, "shards")}) {
+    if (!io::is_directory(folder)) continue;
+    for (const auto& name : io::list_directory(folder))
+      if (!io::is_directory(io::join_path(folder, name))) bytes += io::file_size(io::join_path(folder, name));
+  }
+  return fmt::format("{} in {:.2f} s, {}/s", human_bytes(static_cast<double>(bytes)), seconds,
+                     human_bytes(static_cast<double>(bytes) / std::max(seconds, 1e-9)));
+}
+}  // namespace
+
 std::string memory_shortfall(const RunConfig& config, int64_t available_bytes, bool state_in_host_memory,
                              int64_t state_shards) {
   // A lower bound of what a trainer holds in host memory before its first step: fp32 weights and
@@ -277,7 +293,9 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   }
   Trainer& trainer = *trainer_holder;
   std::vector<std::string> warnings;
+  std::string resume_read;  // what the resume read, for the log
   if (!resume_path.empty()) {
+    const auto started = std::chrono::steady_clock::now();
     TrainingState state = trainer.training_state();
     load_checkpoint(resume_path, config, state);
     try {
@@ -286,6 +304,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
       throw CheckpointError("checkpoint '" + resume_path + "': trainer_state.json: " + e.what());
     }
     result.first_step = state.step;
+    resume_read = bytes_and_rate(resume_path, started);
     warnings = resume_warnings(resume_path, config);
     if (writer && roll_back_latest(run_dir, resume_path))
       warnings.push_back(fmt::format(
@@ -361,7 +380,9 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
       (!options.export_weights.empty() || !options.export_ema.empty()))
     for (const auto& difference : wan_comfyui_differences(config.model.wan))
       log.warn("ComfyUI will not load the exported file as this model: " + difference);
-  if (!resume_path.empty()) log.info(fmt::format("resumed from {} at step {}", resume_path, result.first_step));
+  if (!resume_path.empty())
+    log.info(
+        fmt::format("resumed from {} at step {} (verified and read: {})", resume_path, result.first_step, resume_read));
   if (tensorboard)
     log.info(fmt::format("TensorBoard: {} (tensorboard --logdir {})", tensorboard->path(), dir->file("tensorboard")));
   for (const auto& w : warnings) log.warn(w);
@@ -397,9 +418,11 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     if (!writer && !sharded) return true;                  // every rank holds the same state; rank 0 saves it
     const TrainingState state = trainer.training_state();  // waits for host updates still running
     try {
+      const auto started = std::chrono::steady_clock::now();
       result.last_checkpoint = save_checkpoint(run_dir, config, state, rank_sum);
       last_saved = state.step;
-      log.info(fmt::format("step {}: checkpoint ({}) {}", state.step, why, result.last_checkpoint));
+      log.info(fmt::format("step {}: checkpoint ({}) {} ({})", state.step, why, result.last_checkpoint,
+                           bytes_and_rate(result.last_checkpoint, started)));
       if (writer)
         for (const auto& removed : prune_checkpoints(run_dir, train.keep_last))
           log.info("removed old checkpoint " + removed);
