@@ -285,6 +285,80 @@ TEST(MegaslideTrain, ExportWeightsFromACheckpointWritesTheBf16WeightsFile) {
   megaslide::io::remove_tree(dir);
 }
 
+namespace {
+// A smoke model trained 12 steps, its weights in `dir`/base.safetensors: a frozen base whose blocks pass gradients
+// to LoRA adapters (a fresh model's zero-initialised gates would not).
+std::string trained_smoke_base(const std::string& dir) {
+  const std::string file = dir + "/base.safetensors";
+  EXPECT_EQ(run("--config " + smoke() +
+                " --set train.steps=12 --set train.checkpoint_every=0 --set output.progress=false --run-dir " + dir +
+                " --export-weights " + file)
+                .code,
+            0);
+  return file;
+}
+}  // namespace
+
+// Property: a LoRA run whose frozen model starts from train.init_from resumes bit for bit: its checkpoint holds the
+// adapters alone, and the resumed run takes the frozen model from train.init_from again (it once started from the
+// random initialisation instead, and its losses jumped).
+TEST(MegaslideTrain, ALoraRunOnAnInitFromBaseResumesBitExactly) {
+  const auto dir = fresh_dir("lora-init-resume");
+  const std::string args = "--config " + smoke() +
+                           " --set lora.rank=2 --set train.init_from=" + trained_smoke_base(dir + "-base") +
+                           " --set train.steps=6 --set train.checkpoint_every=3 --set output.progress=false";
+  ASSERT_EQ(run(args + " --run-dir " + dir + "-whole").code, 0);
+  ASSERT_EQ(run(args + " --run-dir " + dir + " --set train.steps=3").code, 0);
+  const auto r = run(args + " --run-dir " + dir + " --resume latest");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("the frozen model (a LoRA checkpoint holds the adapters alone) initialised from"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(logged_losses(dir), logged_losses(dir + "-whole"));
+  for (const char* suffix : {"", "-whole", "-base"}) megaslide::io::remove_tree(dir + suffix);
+}
+
+// Property: --resume CHECKPOINT --export-merged writes that checkpoint's model with its adapters merged and trains
+// nothing: the run folder is left byte for byte as it was (no step trained or saved, `latest` not moved back, the log
+// and metrics untouched), the file from step 2 differs from the one from step 4, and exporting step 2 again gives
+// the same bytes.
+TEST(MegaslideTrain, ExportMergedFromAnEarlierCheckpointTrainsNothingAndLeavesTheRunAsItWas) {
+  const auto dir = fresh_dir("export-merged");
+  const std::string args = "--config " + smoke() +
+                           " --set lora.rank=4 --set train.init_from=" + trained_smoke_base(dir + "-base") +
+                           " --set train.steps=4 --set train.checkpoint_every=2 --set train.warmup_steps=0"
+                           " --set output.progress=false --run-dir " +
+                           dir;
+  ASSERT_EQ(run(args).code, 0);
+  const auto snapshot = [&] {
+    std::map<std::string, std::string> files;
+    for (const std::string& name : {"train.log", "metrics.jsonl", "config.yaml", "checkpoints/latest"})
+      files[name] = megaslide::io::read_file(join_path(dir, name));
+    for (const auto& name : megaslide::io::list_directory(join_path(dir, "checkpoints"))) files["ls " + name] = "";
+    for (const auto& name : megaslide::io::list_directory(dir)) files["ls/ " + name] = "";
+    return files;
+  };
+  const auto before = snapshot();
+  const auto export_from = [&](const std::string& step, const std::string& out) {
+    const auto r =
+        run(args + " --resume " + join_path(dir, "checkpoints/step-000000" + step) + " --export-merged " + out);
+    EXPECT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("step-000000" + step), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("step 3"), std::string::npos) << "trained: " << r.output;
+    return megaslide::io::read_file(out);
+  };
+  const std::string from_2 = export_from("2", dir + "-merged-2.safetensors");
+  EXPECT_TRUE(snapshot() == before);
+  const std::string from_4 = export_from("4", dir + "-merged-4.safetensors");
+  EXPECT_TRUE(from_2 != from_4) << "the adapters of step 2 and step 4 merged into the same weights";
+  EXPECT_TRUE(export_from("2", dir + "-merged-2b.safetensors") == from_2);
+  EXPECT_TRUE(snapshot() == before);
+  for (const char* suffix : {"-merged-2.safetensors", "-merged-4.safetensors", "-merged-2b.safetensors"})
+    std::remove((dir + suffix).c_str());
+  megaslide::io::remove_tree(dir);
+  megaslide::io::remove_tree(dir + "-base");
+}
+
 TEST(MegaslideTrain, StreamedOnEmulatedAsyncStreamsMatchesTheResidentLoop) {
   // The streamed trainer with fp32 compute on emulated asynchronous streams (every copy 2 ms late, its
   // destination NaN until it lands) against the resident loop: the losses of 15 steps agree within 1e-5

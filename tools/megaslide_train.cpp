@@ -196,16 +196,26 @@ int main(int argc, char** argv) {
                                                master_port);
         }
         if (dry_run) return print_dry_run(config, json);
-        // --export-merged needs the model and its adapters: the run's own path below (which, resuming a finished
-        // run, exports without training).
-        if (!resume.empty() && (!export_weights.empty() || !export_ema.empty()) && export_merged.empty()) {
-          // Both files or neither: a checkpoint without an EMA is refused before the weights are written.
+        // With --resume an export writes the checkpoint's files and trains nothing. --export-merged needs the model
+        // and its adapters: run_training loads them (export_only), checks its inputs and writes the file first.
+        if (!resume.empty() && (!export_weights.empty() || !export_ema.empty() || !export_merged.empty())) {
+          // All files or none: a checkpoint without an EMA is refused before anything is written.
           const std::string checkpoint = megaslide::resolve_checkpoint(config.output.run_dir, resume);
           if (!export_ema.empty() && megaslide::find_ema_weights(checkpoint).empty())
             throw megaslide::CheckpointError(
                 "checkpoint '" + checkpoint +
                 "': has no EMA of the weights (model_ema.safetensors) for --export-ema: it was saved by a run "
                 "without train.ema_decay");
+          if (!export_merged.empty()) {
+            megaslide::TrainingRunOptions options;
+            options.config_source = config_path;
+            options.resume = resume;
+            options.export_merged = export_merged;
+            options.export_layout = export_layout;
+            options.export_only = true;
+            for (const auto& line : megaslide::run_training(config, options).exported)
+              std::cerr << "megaslide-train: " << line << " (from " << checkpoint << ")\n";
+          }
           if (!export_weights.empty()) {
             const auto from = megaslide::export_checkpoint_weights(config.output.run_dir, resume, export_weights,
                                                                    /*ema=*/false, export_layout);

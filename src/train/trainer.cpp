@@ -178,6 +178,7 @@ Trainer::Trainer(const TrainerRequest& request)
     ModelRequest base = m, adapters = m;
     if (m.init_from && init_from_holds_adapters(config_.train.init_from)) base.init_from = nullptr;
     else adapters.init_from = nullptr;
+    if (request.resuming) adapters.init_from = nullptr;  // the checkpoint's adapters
     model_ = with_lora(model_family(config_.model.arch).make_model(base), adapters);
   } else {
     model_ = model_family(config_.model.arch).make_model(m);

@@ -59,10 +59,14 @@ namespace {
 std::string bytes_and_rate(const std::string& checkpoint, std::chrono::steady_clock::time_point started) {
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   uint64_t bytes = 0;
-  for (const std::string& folder : {checkpoint, io::join_path(checkpoint, "shards")}) {
-    if (!io::is_directory(folder)) continue;
-    for (const auto& name : io::list_directory(folder))
-      if (!io::is_directory(io::join_path(folder, name))) bytes += io::file_size(io::join_path(folder, name));
+  try {
+    for (const std::string& folder : {checkpoint, io::join_path(checkpoint, "shards")}) {
+      if (!io::is_directory(folder)) continue;
+      for (const auto& name : io::list_directory(folder))
+        if (!io::is_directory(io::join_path(folder, name))) bytes += io::file_size(io::join_path(folder, name));
+    }
+  } catch (const io::IoError&) {
+    return fmt::format("{:.2f} s", seconds);  // a figure for the log only: never a reason to stop the run
   }
   return fmt::format("{} in {:.2f} s, {}/s", human_bytes(static_cast<double>(bytes)), seconds,
                      human_bytes(static_cast<double>(bytes) / std::max(seconds, 1e-9)));
@@ -143,6 +147,8 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   } catch (const DistributedError& e) {
     throw ConfigError(options.config_source, "", e.what());
   }
+  if (options.export_only && options.resume.empty())
+    throw std::invalid_argument("run_training: export_only writes a checkpoint's exports: it needs `resume`");
   if (!options.export_merged.empty() && requested.lora.rank <= 0)
     throw ConfigError(options.config_source, "lora.rank",
                       "is 0: --export-merged merges a LoRA run's adapters into its model; a full fine-tuning run "
@@ -275,14 +281,16 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
                       "above {} to continue it",
                       train.steps, resume_path, saved_step, saved_step));
   }
-  // The trainer, from train.init_from on a fresh run (a resumed one continues its checkpoint). It loads
-  // the frozen encoders the config names (CLIP, the VAE, umT5): bad folders or sizes that disagree with
-  // the config are the config's errors.
+  // The trainer, from train.init_from on a fresh run (a resumed one continues its checkpoint; a resumed LoRA run's
+  // frozen model, which its checkpoint does not hold, starts from train.init_from again). It loads the frozen
+  // encoders the config names (CLIP, the VAE, umT5): bad folders or sizes that disagree with the config are the
+  // config's errors.
   TrainerRequest request;
   request.config = &config;
   request.requested = &requested;
   request.source = options.config_source;
-  request.init_from = resume_path.empty() && !config.train.init_from.empty();
+  request.init_from = !config.train.init_from.empty() && (resume_path.empty() || config.lora.rank > 0);
+  request.resuming = !resume_path.empty();
   request.validation = writer && train.sample_every > 0;
   request.communicator = communicator.get();
   std::unique_ptr<Trainer> trainer_holder;
@@ -292,6 +300,59 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     throw ConfigError(options.config_source, e.key(), e.problem());
   }
   Trainer& trainer = *trainer_holder;
+  // The exports after the last step, or from the checkpoint (options.export_only): every rank takes part (a sharded
+  // trainer's EMA is gathered), rank 0 writes. Returns what was written, for the log.
+  const auto write_exports = [&] {
+    std::vector<std::string> exported;
+    // ComfyUI's layout: the Wan family's weights under their original names (model/wan_weights.h).
+    const auto write_export = [&](const std::string& path, const io::NamedTensors& weights) {
+      if (config.lora.rank > 0) {  // the adapters: a LoRA file (per expert), ComfyUI's LoRA names for its layouts
+        const bool diffusers = options.export_layout == WanWeightsLayout::kDiffusers;
+        const auto files =
+            save_lora_weights(path, config, weights, diffusers ? LoraLayout::kDiffusers : LoraLayout::kComfyUi);
+        std::string listed;
+        for (const auto& file : files) listed += (listed.empty() ? "" : " and ") + file;
+        return listed + (diffusers ? " (LoRA, diffusers' layout)" : " (LoRA, ComfyUI's layout)");
+      }
+      if (options.export_layout == WanWeightsLayout::kDiffusers) {
+        trainer.write_weights(path, weights);
+        return path;
+      }
+      const auto files = save_wan_comfyui_weights(path, config.model.wan, weights,
+                                                  options.export_layout == WanWeightsLayout::kComfyUI);
+      std::string listed;
+      for (const auto& file : files) listed += (listed.empty() ? "" : " and ") + file;
+      return listed + " (ComfyUI's layout)";
+    };
+    if (writer && !options.export_weights.empty()) {
+      const std::string written = write_export(options.export_weights, trainer.weight_views());
+      exported.push_back(fmt::format("weights written to {}", written));
+    }
+    if (writer && !options.export_merged.empty()) {
+      const auto merged = trainer.merged_lora_weights(trainer.weight_views());
+      std::string written = options.export_merged;
+      if (options.export_layout == WanWeightsLayout::kDiffusers) {
+        trainer.write_base_weights(options.export_merged, merged);
+      } else {
+        written.clear();
+        for (const auto& file : save_wan_comfyui_weights(options.export_merged, config.model.wan, merged,
+                                                         options.export_layout == WanWeightsLayout::kComfyUI))
+          written += (written.empty() ? "" : " and ") + file;
+        written += " (ComfyUI's layout)";
+      }
+      exported.push_back(fmt::format("weights with the LoRA merged written to {}", written));
+    }
+    if (!options.export_ema.empty()) {
+      const auto state = trainer.training_state();
+      const io::NamedTensors ema =
+          gather_ema_weights(state, writer);  // every rank: a sharded trainer's blocks put together
+      if (writer) {
+        const std::string written = write_export(options.export_ema, ema);
+        exported.push_back(fmt::format("EMA of the weights written to {}", written));
+      }
+    }
+    return exported;
+  };
   std::vector<std::string> warnings;
   std::string resume_read;  // what the resume read, for the log
   if (!resume_path.empty()) {
@@ -306,6 +367,10 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     result.first_step = state.step;
     resume_read = bytes_and_rate(resume_path, started);
     warnings = resume_warnings(resume_path, config);
+    if (options.export_only) {  // the checkpoint's exports: nothing trained, nothing else written
+      result.exported = write_exports();
+      return result;
+    }
     if (writer && roll_back_latest(run_dir, resume_path))
       warnings.push_back(fmt::format(
           "rolled back: {} now names {}; the newer checkpoints of the abandoned run are replaced as this run "
@@ -391,8 +456,11 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   if (!init.path.empty()) {
     std::string kept;
     for (const auto& name : init.kept) kept += (kept.empty() ? "" : ", ") + name;
-    log.info(fmt::format("initialised from {}: {} tensors; {} parameters keep their initialisation{}{}", init.path,
-                         init.tensors.size(), init.kept.size(), init.kept.empty() ? "" : ": ", kept));
+    log.info(fmt::format("{} from {}: {} tensors; {} parameters keep their initialisation{}{}",
+                         resume_path.empty()
+                             ? "initialised"
+                             : "the frozen model (a LoRA checkpoint holds the adapters alone) initialised",
+                         init.path, init.tensors.size(), init.kept.size(), init.kept.empty() ? "" : ": ", kept));
   } else if (!resume_path.empty() && !config.train.init_from.empty()) {
     log.info("train.init_from ignored: the run resumes from its checkpoint");
   }
@@ -519,53 +587,8 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
         "of spare blocks held (cap {})",
         cache->hits, cache->hits + cache->misses, human_bytes(static_cast<double>(cache->min_block_bytes)),
         human_bytes(static_cast<double>(cache->cached_bytes)), human_bytes(static_cast<double>(cache->cap_bytes))));
-  // ComfyUI's layout: the Wan family's weights under their original names (model/wan_weights.h).
-  const auto write_export = [&](const std::string& path, const io::NamedTensors& weights) {
-    if (config.lora.rank > 0) {  // the adapters: a LoRA file (per expert), ComfyUI's LoRA names for its layouts
-      const bool diffusers = options.export_layout == WanWeightsLayout::kDiffusers;
-      const auto files =
-          save_lora_weights(path, config, weights, diffusers ? LoraLayout::kDiffusers : LoraLayout::kComfyUi);
-      std::string listed;
-      for (const auto& file : files) listed += (listed.empty() ? "" : " and ") + file;
-      return listed + (diffusers ? " (LoRA, diffusers' layout)" : " (LoRA, ComfyUI's layout)");
-    }
-    if (options.export_layout == WanWeightsLayout::kDiffusers) {
-      trainer.write_weights(path, weights);
-      return path;
-    }
-    const auto files =
-        save_wan_comfyui_weights(path, config.model.wan, weights, options.export_layout == WanWeightsLayout::kComfyUI);
-    std::string listed;
-    for (const auto& file : files) listed += (listed.empty() ? "" : " and ") + file;
-    return listed + " (ComfyUI's layout)";
-  };
-  if (writer && !options.export_weights.empty()) {
-    const std::string written = write_export(options.export_weights, trainer.weight_views());
-    log.info(fmt::format("weights written to {}", written));
-  }
-  if (writer && !options.export_merged.empty()) {
-    const auto merged = trainer.merged_lora_weights(trainer.weight_views());
-    std::string written = options.export_merged;
-    if (options.export_layout == WanWeightsLayout::kDiffusers) {
-      trainer.write_base_weights(options.export_merged, merged);
-    } else {
-      written.clear();
-      for (const auto& file : save_wan_comfyui_weights(options.export_merged, config.model.wan, merged,
-                                                       options.export_layout == WanWeightsLayout::kComfyUI))
-        written += (written.empty() ? "" : " and ") + file;
-      written += " (ComfyUI's layout)";
-    }
-    log.info(fmt::format("weights with the LoRA merged written to {}", written));
-  }
-  if (!options.export_ema.empty()) {
-    const auto state = trainer.training_state();
-    const io::NamedTensors ema =
-        gather_ema_weights(state, writer);  // every rank: a sharded trainer's blocks put together
-    if (writer) {
-      const std::string written = write_export(options.export_ema, ema);
-      log.info(fmt::format("EMA of the weights written to {}", written));
-    }
-  }
+  result.exported = write_exports();
+  for (const auto& line : result.exported) log.info(line);
   return result;
 }
 

@@ -72,7 +72,10 @@ struct TrainerRequest {
   const RunConfig* config = nullptr;     // resolved (auto settings, ModelFamily::resolve)
   const RunConfig* requested = nullptr;  // as given (the log says why `auto` chose); null: `config`
   std::string source = "config";         // where the config came from (errors name it)
-  bool init_from = false;                // a fresh run with train.init_from: the trainer starts from it
+  bool init_from = false;                // train.init_from: the trainer starts from it
+  // The run resumes a checkpoint, which overwrites what init_from set, except a LoRA run's frozen model (its
+  // checkpoint holds the adapters alone): with `resuming` a LoRA trainer takes train.init_from for that model only.
+  bool resuming = false;
   bool validation = false;               // this rank writes validation videos (train.sample_every > 0)
   Communicator* communicator = nullptr;  // data parallelism, or null for one process
 };

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "megaslide/config/run_config.h"
 #include "megaslide/model/wan_weights.h"
@@ -49,14 +50,19 @@ struct TrainingRunOptions {
   // (model/wan_weights.h); refused for another model.arch and for the 3D-DSA retrofit (ComfyUI could not
   // load its offset networks), before anything is written.
   WanWeightsLayout export_layout = WanWeightsLayout::kDiffusers;
+  // With `resume`: load the checkpoint, write the exports above from it and return. Nothing is trained and nothing
+  // else is written into the run folder (no log, metrics or checkpoint; `latest` stays as it is). The messages go
+  // to TrainingRunResult::exported.
+  bool export_only = false;
   const std::atomic<int>* stop_requested = nullptr;  // non-zero: save and stop after the current step
 };
 
 struct TrainingRunResult {
-  int64_t first_step = 0;       // steps already done when the run started (the checkpoint's step)
-  int64_t steps_done = 0;       // steps done when it ended
-  int stop_signal = 0;          // the value of *stop_requested that ended the run early, else 0
-  std::string last_checkpoint;  // the newest checkpoint written by this run ("" if none)
+  int64_t first_step = 0;             // steps already done when the run started (the checkpoint's step)
+  int64_t steps_done = 0;             // steps done when it ended
+  int stop_signal = 0;                // the value of *stop_requested that ended the run early, else 0
+  std::string last_checkpoint;        // the newest checkpoint written by this run ("" if none)
+  std::vector<std::string> exported;  // "weights written to FILE", ... (also in the run's log unless export_only)
 };
 
 // Runs (or resumes) `config` (its `auto` settings resolved first). Before anything is written: the run folder is taken
