@@ -248,9 +248,8 @@ TEST(HostileInputs, MetricsFilesLoadOrNameTheLine) {
 }
 
 namespace {
-// Replays tests/corpus/cli/TOOL.txt: every line must exit 2 with at most two lines of output (the
-// message and CLI11's "Run with --help"), no LibTorch stack trace, and nothing left in the scratch
-// folder.
+// Replays tests/corpus/cli/TOOL.txt: every line must exit 2 with one line of output naming the tool, no LibTorch
+// stack trace, and nothing left in the scratch folder.
 void replay_cli_corpus(const std::string& tool) {
   const std::string tmp = "/tmp/megaslide-test-hostile-cli-" + std::to_string(::getpid());
   io::remove_tree(tmp);
@@ -266,7 +265,8 @@ void replay_cli_corpus(const std::string& tool) {
     const auto r = megaslide::testing::run_tool(tool, line);
     EXPECT_EQ(r.code, 2) << tool << " " << line << "\n" << r.output;
     EXPECT_EQ(r.output.find("Exception raised from"), std::string::npos) << tool << " " << line << "\n" << r.output;
-    EXPECT_LE(std::count(r.output.begin(), r.output.end(), '\n'), 2) << tool << " " << line << "\n" << r.output;
+    EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << tool << " " << line << "\n" << r.output;
+    EXPECT_EQ(r.output.rfind(tool + ": ", 0), 0u) << tool << " " << line << "\n" << r.output;
     EXPECT_TRUE(io::list_directory(tmp).empty()) << tool << " " << line << " wrote into " << tmp;
     ++cases;
   }

@@ -407,8 +407,9 @@ TEST(MegaslideCache, WanImageToVideoCachesEachClipsImageTrainsResumesAndSamples)
   const auto rebuilt = megaslide::LatentCache::open(run_config, fx.dir + "/cache")->stacked("image_latents");
   EXPECT_GT((rebuilt - before).abs().max().item<double>(), 1e-3) << "clip-1's conditioning is its new image's";
 
-  // Sampling from an image, with the run's weights: --image for every video, a prompt line's --i for its own.
-  fx.write("prompts.txt", "a red blob moves left\na blue blob --i videos/clip-1.png\n");
+  // Sampling from an image, with the run's weights: --image for every video, a prompt line's --i for its own (a
+  // line that repeats a prompt with another --i is a video of its own).
+  fx.write("prompts.txt", "a red blob moves left\na blue blob --i videos/clip-1.png\na blue blob --i first.png\n");
   megaslide::io::write_png(fx.dir + "/first.png", fx.sources[0][0]);
   const std::string sample = "--checkpoint " + fx.dir + "/run --prompts " + fx.dir +
                              "/prompts.txt --samples-per-prompt 1 --steps 2 --no-progress --compute-dtype fp32 "
@@ -425,9 +426,10 @@ TEST(MegaslideCache, WanImageToVideoCachesEachClipsImageTrainsResumesAndSamples)
   r = run_tool("megaslide-sample", sample + fx.dir + "/samples --image " + fx.dir + "/first.png");
   ASSERT_EQ(r.code, 0) << r.output;
   const auto samples = nlohmann::json::parse(megaslide::io::read_file(fx.dir + "/samples/index.json"));
-  ASSERT_EQ(samples.at("videos").size(), 2u);
+  ASSERT_EQ(samples.at("videos").size(), 3u);
   EXPECT_FALSE(samples.at("videos")[0].contains("image"));
   EXPECT_NE(samples.at("videos")[1].at("image").get<std::string>().find("clip-1.png"), std::string::npos);
+  EXPECT_NE(samples.at("videos")[2].at("image").get<std::string>().find("first.png"), std::string::npos);
   for (const auto& v : samples.at("videos"))
     EXPECT_EQ(megaslide::io::read_video(fx.dir + "/samples/videos/" + v.at("file").get<std::string>()).sizes(),
               (std::vector<int64_t>{5, 32, 48, 3}));

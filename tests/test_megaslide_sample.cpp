@@ -199,6 +199,35 @@ TEST(MegaslideSample, BadInputExitsTwoNamingItAndWritesNothing) {
   expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + out + " --streamed maybe",
                  "--streamed");
   expect_refused("--checkpoint " + weights() + " --prompts " + prompts, "--out");
+  expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + out + " --device meta",
+                 "--device");
+  {
+    // A LoRA run's checkpoint holds adapters, not a model: refused saying how to sample it (it once named a missing
+    // tensor of the model).
+    const auto lora_run = join_path(scratch(), "lora-run");
+    ASSERT_EQ(run("megaslide-train", "--config " + std::string(MEGASLIDE_SOURCE_DIR) +
+                                         "/configs/smoke.yaml --set lora.rank=2 --set train.steps=2 --set "
+                                         "train.checkpoint_every=2 --set output.progress=false --run-dir " +
+                                         lora_run)
+                  .code,
+              0);
+    expect_refused("--checkpoint " + lora_run + " --prompts " + prompts + " --out " + out, "--export-merged");
+    megaslide::io::remove_tree(lora_run);
+  }
+  {
+    // A video's name under --out taken by a folder: refused before sampling, nothing written (the second video's
+    // name once failed after the first video was written).
+    const auto taken = join_path(scratch(), "taken");
+    auto two = prompts_file("two.txt", "a red blob moves left\na blue blob moves up\n");
+    megaslide::io::make_directories(join_path(taken, "videos/a blue blob moves up-0.mp4"));
+    auto r = run("megaslide-sample", "--checkpoint " + weights() + " --prompts " + two + " --out " + taken +
+                                         " --samples-per-prompt 1 --batch-size 1 --steps 2 --no-progress");
+    EXPECT_EQ(r.code, 2) << r.output;
+    EXPECT_NE(r.output.find("a blue blob moves up-0.mp4' exists and is a folder"), std::string::npos) << r.output;
+    EXPECT_EQ(megaslide::io::list_directory(join_path(taken, "videos")),
+              std::vector<std::string>{"a blue blob moves up-0.mp4"});
+    megaslide::io::remove_tree(taken);
+  }
 
   auto e = run("megaslide-eval", out);
   EXPECT_EQ(e.code, 2) << e.output;

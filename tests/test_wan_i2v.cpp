@@ -284,6 +284,26 @@ TEST(WanImageToVideo, ConditionedTrainingStreamsAsTheResidentLoop) {
   }
 }
 
+// The property: image dropout draws from the caption dropout's stream, so a resume must keep it: a checkpoint saved
+// at diffusion.image_dropout 0.3 is refused at 0.5, naming the key, and loads at 0.3.
+TEST(WanImageToVideo, AResumeMustKeepTheImageDropout) {
+  const std::string dir = "/tmp/megaslide-test-i2v-dropout-resume-" + std::to_string(::getpid());
+  megaslide::io::remove_tree(dir);
+  const auto saved_config = i2v_config({"diffusion.image_dropout=0.3"});
+  auto trainer = wan_trainer(saved_config, i2v_data());
+  trainer.step();
+  const std::string path = megaslide::save_checkpoint(dir, saved_config, trainer.training_state());
+  auto state = trainer.training_state();
+  try {
+    megaslide::load_checkpoint(path, i2v_config({"diffusion.image_dropout=0.5"}), state);
+    ADD_FAILURE() << "a checkpoint of image_dropout 0.3 loaded at 0.5";
+  } catch (const megaslide::CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("diffusion.image_dropout"), std::string::npos) << e.what();
+  }
+  EXPECT_NO_THROW(megaslide::load_checkpoint(path, saved_config, state));
+  megaslide::io::remove_tree(dir);
+}
+
 // The property: what cannot train image-to-video is refused, naming the key (config) or the tensor (data).
 TEST(WanImageToVideo, ConfigsAndDataThatCannotTrainAreRefused) {
   auto problem = [](std::vector<std::string> sets) -> std::string {

@@ -32,6 +32,7 @@ int main(int argc, char** argv) {
                  "memory-scaling on the CPU: a measured peak above this is recorded as oom (default: per size)")
       ->check(megaslide::tools::finite_real(0.0));
   app.add_option("--set", overrides, "override a config key in every run, e.g. --set train.steps=20 (repeatable)");
+  app.set_version_flag("--version", megaslide::build_summary());
   if (const auto code = megaslide::tools::parse_flags(app, argc, argv)) return *code;
 
   megaslide::AblationOptions options;
@@ -44,8 +45,7 @@ int main(int argc, char** argv) {
         options.size = quick               ? megaslide::AblationSize::kQuick
                        : size_name.empty() ? megaslide::AblationSize::kFull
                                            : megaslide::parse_ablation_size(size_name);
-        if (!std::regex_match(device, std::regex("auto|cpu|cuda(:[0-9]+)?")))
-          throw std::invalid_argument("--device: expected auto | cpu | cuda | cuda:N, got '" + device + "'");
+        megaslide::tools::check_device_flag(device);
         names = suite == "all" ? megaslide::ablation_suites() : std::vector<std::string>{suite};
         megaslide::io::check_output_folder(out_dir, "--out");
         // An unknown suite, or an override that breaks any run's config, stops here, before anything runs.

@@ -186,6 +186,7 @@ int main(int argc, char** argv) {
             "--tile-overlap is for --vae sd with --tile (the Wan VAE's tiles are spaced by --tile-stride)");
       if (vae_encode->parsed() && vae_encode->count("--seed") > 0 && !sample)
         throw megaslide::tools::UsageError("--seed seeds --sample's noise: give --sample too, or no --seed");
+      megaslide::tools::check_device_flag(device_spec);
       device = megaslide::tools::checking_input([&] { return megaslide::resolve_device(device_spec); }, "--device: ");
       if (text->parsed() && encoder_kind == "umt5") {
         if (max_length == 0) max_length = 512;

@@ -20,6 +20,7 @@ int main(int argc, char** argv) {
       ->check(megaslide::tools::non_empty_path());
   app.add_option("--out", out_dir, "where the PNGs go (default: RUN_DIR/plots)")
       ->check(megaslide::tools::non_empty_path());
+  app.set_version_flag("--version", megaslide::build_summary());
   if (const auto code = megaslide::tools::parse_flags(app, argc, argv)) return *code;
   megaslide::tools::survive_file_size_limit();
   return megaslide::tools::run_tool("megaslide-plot", [&] {

@@ -551,11 +551,13 @@ int main(int argc, char** argv) {
       std::vector<megaslide::io::PromptSpec> specs;
       std::set<std::string> plain;
       for (auto& spec : megaslide::io::read_prompt_specs(prompts_path)) {
-        const bool settings = spec.has_size() || spec.steps || spec.seed || spec.guidance || spec.negative;
+        const bool settings =
+            spec.has_size() || spec.steps || spec.seed || spec.guidance || spec.negative || spec.image.has_value();
         if (!settings && !plain.insert(spec.prompt).second) continue;
         specs.push_back(std::move(spec));
       }
       megaslide::io::check_output_folder(out_dir, "--out");
+      megaslide::tools::check_device_flag(device_spec);
       device = megaslide::resolve_device(device_spec);
       // A weights file as it is; a checkpoint folder, its `latest` file or a run folder: the checkpoint's
       // bf16 weights file, checked against its manifest (docs/checkpoints.md).
@@ -565,6 +567,15 @@ int main(int argc, char** argv) {
       const std::string weights = checkpoint.empty()     ? std::string()
                                   : !ema_weights.empty() ? ema_weights
                                                          : megaslide::find_weights(checkpoint);
+      // A LoRA run's checkpoint holds its adapters, not a model: say how to sample it.
+      if (!weights.empty())
+        for (const auto& e : megaslide::io::read_safetensors_header(weights).entries)
+          if (!megaslide::lora_base_weight(e.name).empty())
+            throw std::invalid_argument(
+                "--checkpoint '" + checkpoint + "': " + weights + " holds a LoRA run's adapters (e.g. '" + e.name +
+                "'), not a model: write the model with the adapters merged in (megaslide-train --config RUN.yaml "
+                "--resume CHECKPOINT --export-merged FILE) and sample FILE; a Wan LoRA file also goes with --lora on "
+                "the base model");
       if (!ema_weights.empty()) {
         source = ema_weights;
         std::cerr << "megaslide-sample: sampling the EMA of the weights (" << ema_weights
@@ -639,6 +650,13 @@ int main(int argc, char** argv) {
           throw std::invalid_argument(
               fmt::format("'{}' (prompt file line): --s {} exceeds the model's {} training timesteps", v.job.prompt,
                           *v.job.steps, config.diffusion.timesteps));
+        // A name under --out that is taken by a folder, a link or a device fails here, not after hours of sampling.
+        const std::string stem = v.job.file.substr(0, v.job.file.size() - 4);
+        megaslide::io::check_replaceable_output(
+            megaslide::io::join_path(megaslide::io::join_path(out_dir, megaslide::io::kVideosFolder), v.job.file));
+        if (wan.latents)
+          megaslide::io::check_replaceable_output(
+              megaslide::io::join_path(megaslide::io::join_path(out_dir, "latents"), stem + ".safetensors"));
       }
     });
 

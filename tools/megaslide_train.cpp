@@ -107,7 +107,8 @@ int main(int argc, char** argv) {
       ->check(megaslide::tools::non_empty_path());
   app.add_option(
          "--export-layout", export_layout_name,
-         "the layout of a Wan's --export-weights and --export-ema (bf16): diffusers (default: diffusers' names and "
+         "the layout of a Wan's --export-weights, --export-ema and --export-merged (bf16): diffusers (default: "
+         "diffusers' names and "
          "config.json; two experts: a diffusers repository folder), comfyui (one safetensors file for ComfyUI's "
          "Load Diffusion Model: Wan's original names under model.diffusion_model., as Comfy-Org's repackaged "
          "files have them; two experts: PATH's name with _high_noise and _low_noise before .safetensors) or "

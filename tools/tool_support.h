@@ -10,6 +10,7 @@
 #include <iostream>
 #include <limits>
 #include <optional>
+#include <regex>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -26,15 +27,21 @@ class UsageError : public std::runtime_error, public InputError {
   using std::runtime_error::runtime_error;
 };
 
-// Parses the flags: nullopt to go on, else the exit code (0 for --help and --version, 2 for a bad flag,
-// with CLI11's message printed).
+// Parses the flags: nullopt to go on, else the exit code: 0 for --help and --version (CLI11 prints them), 2 for a
+// bad flag, with one line on stderr as run_tool writes errors, "NAME: CLI11's message (--help lists the flags)".
 inline std::optional<int> parse_flags(CLI::App& app, int argc, char** argv) {
   try {
     app.parse(argc, argv);
     return std::nullopt;
   } catch (const CLI::ParseError& e) {
-    const int code = app.exit(e);
-    return code == 0 ? 0 : 2;
+    if (e.get_exit_code() == 0) return app.exit(e);
+    std::string name = argc > 0 && argv[0] != nullptr ? argv[0] : "megaslide";
+    if (const auto slash = name.find_last_of('/'); slash != std::string::npos) name = name.substr(slash + 1);
+    std::string message = e.what();
+    for (char& c : message)
+      if (c == '\n') c = ' ';
+    std::cerr << name << ": " << message << " (--help lists the flags)" << std::endl;
+    return 2;
   }
 }
 
@@ -137,5 +144,13 @@ inline CLI::Validator non_empty_path() {
 // and survives (a failed checkpoint save keeps the previous one), not into SIGXFSZ, whose default
 // action kills the process without a word.
 inline void survive_file_size_limit() { std::signal(SIGXFSZ, SIG_IGN); }
+
+// A --device flag as train.device takes it: auto, cpu, cuda or cuda:N (LibTorch's parser would take meta, xla, cpu:3
+// and the like, and fail later). UsageError otherwise, naming the flag.
+inline void check_device_flag(const std::string& spec, const std::string& flag = "--device") {
+  static const std::regex kDevice(R"(auto|cpu|cuda(:[0-9]{1,4})?)");
+  if (!std::regex_match(spec, kDevice))
+    throw UsageError(flag + ": expected auto, cpu, cuda or cuda:N, got '" + spec + "'");
+}
 
 }  // namespace megaslide::tools

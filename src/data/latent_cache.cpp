@@ -414,8 +414,8 @@ std::string cache_identity(const RunConfig& config) {
 
 CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOptions& options) {
   if (config.data.dataset != "videos")
-    throw DatasetError("megaslide-cache: data.dataset is '" + config.data.dataset + "'; only videos are cached");
-  if (options.out.empty()) throw DatasetError("megaslide-cache: no output folder (--out or data.cache)");
+    throw DatasetError("data.dataset is '" + config.data.dataset + "'; only videos are cached");
+  if (options.out.empty()) throw DatasetError("no output folder for the cache (--out or data.cache)");
   const auto warn = [&](const std::string& m) {
     if (options.on_warning) options.on_warning(m);
   };
@@ -517,7 +517,7 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
           }
         }
       } catch (const json::exception& e) {
-        throw DatasetError("megaslide-cache: " + manifest_path + " is malformed (" + e.what() +
+        throw DatasetError(manifest_path + " is malformed (" + e.what() +
                            "); remove the folder or choose another --out");
       }
 
@@ -657,7 +657,7 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
     dataset.check_bad_fraction(&result.bad);
     write_manifest(true);
   } catch (const io::IoError& e) {
-    throw DatasetError(std::string("megaslide-cache: ") + e.what());
+    throw DatasetError(std::string("the cache folder (--out or data.cache): ") + e.what());
   }
   cleanup.done = true;
   return result;

@@ -406,8 +406,10 @@ SuiteOutput offsets(const AblationOptions& o, std::string& device) {
   }
   SuiteOutput out;
   out.csv = per_step_csv("variant", runs);
-  const size_t tail = std::max<size_t>(1, static_cast<size_t>(steps) / 4);
-  const size_t window = std::max<size_t>(1, static_cast<size_t>(steps) / 10);
+  // The steps the runs took (a --set train.steps overrides the suite's).
+  const size_t taken = runs.front().steps.size();
+  const size_t tail = std::max<size_t>(1, taken / 4);
+  const size_t window = std::max<size_t>(1, taken / 10);
   out.summary.columns = {"variant",  "first loss", fmt::format("mean loss, last {} steps", tail),
                          "min loss", "vs learned", "s/step"};
   double learned_tail = 0.0;
@@ -613,12 +615,20 @@ AblationTable read_ablation_csv(const std::string& path) {
 }
 
 void check_ablation_configs(const AblationOptions& o) {
+  // The device must exist, as megaslide-train checks train.device before the first step.
+  const auto check_device = [&o](const RunConfig& config) {
+    try {
+      resolve_device(config.train.device);
+    } catch (const c10::Error& e) {
+      throw std::invalid_argument("--device " + o.device + ": " + error_message(e));
+    }
+  };
   if (o.suite == "memory-scaling") {
     for (const auto& [name, overrides] : scaling_models())
       for (int64_t f : scaling_frames(o.size)) {
         auto v = overrides;
         v.push_back("data.frames=" + std::to_string(f));
-        make_config(o.suite, o.size, v, o);
+        check_device(make_config(o.suite, o.size, v, o));
       }
     return;
   }
@@ -626,7 +636,7 @@ void check_ablation_configs(const AblationOptions& o) {
   for (const auto& [name, overrides] : variants) {
     auto v = overrides;
     v.push_back("train.steps=" + std::to_string(suite_steps(o.suite, o.size)));
-    make_config(o.suite, o.size, v, o);
+    check_device(make_config(o.suite, o.size, v, o));
   }
 }
 

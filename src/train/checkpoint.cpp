@@ -63,7 +63,8 @@ bool must_match(const std::string& key) {
       "diffusion.timesteps",         "diffusion.beta_schedule", "diffusion.beta_start", "diffusion.beta_end",
       "diffusion.caption_dropout",   "diffusion.prediction",    "train.batch_size",     "train.seed",
       "offload.compute_dtype",       "optimizer.state_dtype",   "diffusion.objective",  "diffusion.shift",
-      "diffusion.timestep_sampling", "diffusion.logit_mean",    "diffusion.logit_std",  "diffusion.first_frame_clean"};
+      "diffusion.timestep_sampling", "diffusion.logit_mean",    "diffusion.logit_std",  "diffusion.first_frame_clean",
+      "diffusion.image_dropout"};
   // Where a run's initial weights came from (a resume reads its own), and Wan2.2's other expert (the trained
   // low-noise one's initial weights, or the untrained partner the validation videos read): may have moved.
   if (key == "model.wan.weights" || key == "model.wan.weights_2") return false;
@@ -482,6 +483,12 @@ std::vector<std::string> resume_warnings(const std::string& path, const RunConfi
                         "match an uninterrupted run's bit for bit; resume with --set {}={} for an exact continuation",
                         key, y, x, path, key, x));
     }
+    // A LoRA checkpoint holds the adapters alone: a resume takes the frozen model from train.init_from again.
+    if (config.lora.rank > 0 && lookup(a, "train.init_from") != lookup(b, "train.init_from"))
+      out.push_back(
+          fmt::format("train.init_from is {} here but was {} when {} was saved: this LoRA run's adapters "
+                      "continue on the frozen model it names now",
+                      lookup(b, "train.init_from"), lookup(a, "train.init_from"), path));
   } catch (const std::exception&) {
     // load_checkpoint reports a broken state file; warnings are only extra.
   }
