@@ -677,4 +677,18 @@ TEST(TrainingRun, MemoryShortfallNamesTheFiguresAndSparesWhatFits) {
   EXPECT_NE(memory_shortfall(big_batch, batch_bytes + 16 * 8, /*state_in_host_memory=*/true), "");
   EXPECT_NE(memory_shortfall(big_batch, batch_bytes, false), "");
   EXPECT_GT(megaslide::available_memory_bytes(), int64_t{1} << 28) << "this machine has more than 256 MiB";
+  // A LoRA run keeps only its frozen model there, 2 B a parameter in bf16 and 1 B in fp8 (a Wan 14B LoRA run was
+  // refused on any machine below 171 GB).
+  const auto full = tiny("/tmp/unused", {"offload.compute_dtype=bf16"});
+  const auto lora = tiny("/tmp/unused", {"offload.compute_dtype=bf16", "lora.rank=2"});
+  const auto& d = full.data;
+  const int64_t rest = full.train.batch_size * d.channels * d.frames * d.height * d.width * 4 + d.num_clips * 8;
+  const int64_t params = megaslide::count_run_parameters(full).total;
+  EXPECT_NE(memory_shortfall(full, rest + params * 3), "");
+  EXPECT_EQ(memory_shortfall(lora, rest + params * 3), "");
+  EXPECT_NE(memory_shortfall(lora, rest + params * 2 - 1), "");
+  const auto fp8 = tiny("/tmp/unused", {"offload.compute_dtype=bf16", "lora.rank=2", "lora.base_dtype=fp8"});
+  EXPECT_EQ(memory_shortfall(fp8, rest + params), "");
+  const auto fp8_why = memory_shortfall(fp8, 1000);
+  EXPECT_NE(fp8_why.find("x 1 B of the frozen model's fp8 weights"), std::string::npos) << fp8_why;
 }

@@ -274,6 +274,27 @@ std::string human_count(double n) {
   return fmt::format("{:.{}f}{}", n, u == 0 ? 0 : 2, units[u]);
 }
 
+HostStatePerParameter host_state_per_parameter(const RunConfig& resolved) {
+  const std::string& compute = resolved.offload.compute_dtype;
+  const double copy = compute == "fp32" ? 4.0 : 2.0;
+  if (resolved.lora.rank > 0) {
+    if (!resolved.offload.enabled) return {4.0, "the frozen model's fp32 weights"};
+    if (resolved.lora.base_dtype == "fp8") return {1.0, "the frozen model's fp8 weights"};
+    return {copy, "the frozen model's " + compute + " weights"};
+  }
+  const auto state = offload::parse_state_dtype(resolved.optimizer.state_dtype);
+  const double moment_bytes = static_cast<double>(offload::state_element_bytes(state)) +
+                              (state == offload::StateDtype::kInt8 ? 4.0 / 256 : 0.0);
+  HostStatePerParameter out{
+      4.0 + 2.0 * moment_bytes + copy,
+      "fp32 weights, AdamW moments (" + resolved.optimizer.state_dtype + "), a " + compute + " compute copy"};
+  if (resolved.train.ema_decay > 0) {
+    out.bytes += 4.0;
+    out.what += ", an fp32 EMA";
+  }
+  return out;
+}
+
 std::string dry_run_json(const RunConfig& requested) {
   // Wan: the hyper-parameters of model.wan.weights when set (their config.json or shapes).
   const RunConfig config = with_wan_architecture_from_weights(requested);
@@ -283,14 +304,8 @@ std::string dry_run_json(const RunConfig& requested) {
   const auto& p = wan ? config.model.wan.patch : config.model.patch;  // validated: the video divides into whole patches
   const auto shape = model_sample_shape(config);                      // pixels, or the VAE's latents
   const TokenGrid grid{shape[1] / p[0], shape[2] / p[1], shape[3] / p[2]};
-  // Host bytes a parameter: the fp32 master, AdamW's two moments as optimizer.state_dtype keeps them
-  // (int8: a code and one fp32 scale per 256), the compute-dtype copy the blocks stream from, and the EMA.
   const auto resolved = resolve_auto_settings(config);
-  const auto state = offload::parse_state_dtype(config.optimizer.state_dtype);
-  const double moment_bytes = static_cast<double>(offload::state_element_bytes(state)) +
-                              (state == offload::StateDtype::kInt8 ? 4.0 / 256 : 0.0);
-  const double per_param = 4.0 + 2.0 * moment_bytes + (resolved.offload.compute_dtype == "fp32" ? 4.0 : 2.0) +
-                           (config.train.ema_decay > 0 ? 4.0 : 0.0);  // the fp32 EMA
+  const double per_param = host_state_per_parameter(resolved).bytes;
   nlohmann::json j{{"arch", to_string(config.model.arch)},
                    {"params", count.total},
                    {"params_per_block", count.per_block},

@@ -81,21 +81,27 @@ std::string memory_shortfall(const RunConfig& config, int64_t available_bytes, b
   // larger (activations, the streamed trainer's buffers: megaslide-plan counts them); only a run that
   // cannot fit even this bound is refused, so that it fails here in one line instead of swapping or
   // being killed later.
+  // A LoRA run keeps only the frozen model there, whole on every rank (host_state_per_parameter).
   const int64_t params = count_run_parameters(config).total;
   const auto& d = config.data;
-  const int64_t state = state_in_host_memory ? params * 12 / std::max<int64_t>(1, state_shards)
-                                             : 0;  // validate() bounded params * 14 below kMaxMachineBytes
+  const bool lora = config.lora.rank > 0;
+  const HostStatePerParameter frozen = host_state_per_parameter(config);
+  const double per_param = lora ? frozen.bytes : 12.0;
+  const std::string what = lora ? frozen.what : "fp32 weights and AdamW moments";
+  const int64_t state = state_in_host_memory
+                            ? std::llround(static_cast<double>(params) * per_param /
+                                           static_cast<double>(lora ? 1 : std::max<int64_t>(1, state_shards)))
+                            : 0;  // validate() bounded params * 14 below kMaxMachineBytes
   const int64_t batch = config.train.batch_size * d.channels * d.frames * d.height * d.width * 4;
   const int64_t order = d.num_clips * 8;
   const int64_t needed = state + batch + order;
   if (available_bytes <= 0 || needed <= available_bytes) return "";
   return fmt::format(
-      "this run needs at least {} of memory ({} parameters x 12 B of fp32 weights and AdamW moments in host memory = "
-      "{}; one batch of "
+      "this run needs at least {} of memory ({} parameters x {:g} B of {} in host memory = {}; one batch of "
       "video, train.batch_size {} x {}x{}x{}x{} in fp32 = {}; the sampler's order of data.num_clips {} = {}) but this "
       "machine has {}: make the model, the batch or the video smaller (megaslide-plan --config ... shows where "
       "memory goes)",
-      human_bytes(static_cast<double>(needed)), human_count(static_cast<double>(params)),
+      human_bytes(static_cast<double>(needed)), human_count(static_cast<double>(params)), per_param, what,
       human_bytes(static_cast<double>(state)), config.train.batch_size, d.channels, d.frames, d.height, d.width,
       human_bytes(static_cast<double>(batch)), d.num_clips, human_bytes(static_cast<double>(order)),
       human_bytes(static_cast<double>(available_bytes)));
@@ -265,9 +271,11 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
           memory_shortfall(sized, available_memory_bytes(), state_in_host_memory, state_shards);
       !shortfall.empty()) {
     const auto& d = sized.data;
+    const double state_bytes = static_cast<double>(count_run_parameters(config).total) *
+                               (config.lora.rank > 0 ? host_state_per_parameter(config).bytes : 12.0);
     const bool batch_dominates =
-        !state_in_host_memory || config.train.batch_size * d.channels * d.frames * d.height * d.width * 4 >
-                                     count_run_parameters(config).total * 12;
+        !state_in_host_memory ||
+        static_cast<double>(config.train.batch_size * d.channels * d.frames * d.height * d.width * 4) > state_bytes;
     throw ConfigError(options.config_source, batch_dominates ? "train.batch_size" : "model", shortfall);
   }
   std::string resume_path;

@@ -101,10 +101,22 @@ class ProgressLine {
   double loss_ema_ = 0.0;
 };
 
+// The bytes a parameter of the model keeps in host memory for the run `resolved` (auto settings resolved), and what
+// they are (--dry-run --json's host_state_bytes): full fine-tuning keeps the fp32 master and AdamW's two moments as
+// optimizer.state_dtype keeps them (int8: a code and one fp32 scale per 256), the compute-dtype copy the blocks
+// stream from and the fp32 EMA (train.ema_decay); a LoRA run only the frozen model: its blocks in the compute dtype,
+// or fp8 with lora.base_dtype: fp8, when streamed, in fp32 when resident (its adapters are on the device and small).
+struct HostStatePerParameter {
+  double bytes = 0.0;
+  std::string what;  // "fp32 weights, AdamW moments (fp32), a bf16 compute copy"
+};
+HostStatePerParameter host_state_per_parameter(const RunConfig& resolved);
+
 // `megaslide-train --dry-run --json`: the model built on the meta device (nothing allocated):
 // {"arch", "params", "params_per_block", "prologue_params", "epilogue_params", "layers",
-//  "tokens_per_sample", "host_state_bytes" (14 B per parameter, DESIGN.md §6), "device" (train.device),
-//  "compute_dtype" (offload.compute_dtype with `auto` resolved for that device: train/auto_settings.h)}.
+//  "tokens_per_sample", "host_state_bytes" (params x host_state_per_parameter: 14 B with fp32 moments and bf16
+//  compute, DESIGN.md §6), "device" (train.device), "compute_dtype" (offload.compute_dtype with `auto` resolved for
+//  that device: train/auto_settings.h)}.
 std::string dry_run_json(const RunConfig& config);
 
 // "1.23 M", "28.4 B": a count in engineering units for logs.
