@@ -691,4 +691,10 @@ TEST(TrainingRun, MemoryShortfallNamesTheFiguresAndSparesWhatFits) {
   EXPECT_EQ(memory_shortfall(fp8, rest + params), "");
   const auto fp8_why = memory_shortfall(fp8, 1000);
   EXPECT_NE(fp8_why.find("x 1 B of the frozen model's fp8 weights"), std::string::npos) << fp8_why;
+  // The NVMe tier keeps the masters and moments on the disk: the bf16 compute copy is what host memory holds.
+  const auto nvme =
+      tiny("/tmp/unused", {"offload.compute_dtype=bf16", "offload.state_tier=nvme", "offload.nvme_dir=/tmp"});
+  EXPECT_EQ(memory_shortfall(nvme, rest + params * 3), "");
+  EXPECT_NE(memory_shortfall(nvme, 1000).find("x 2 B of a bf16 compute copy (the masters and moments on NVMe)"),
+            std::string::npos);
 }

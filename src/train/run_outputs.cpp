@@ -282,6 +282,9 @@ HostStatePerParameter host_state_per_parameter(const RunConfig& resolved) {
     if (resolved.lora.base_dtype == "fp8") return {1.0, "the frozen model's fp8 weights"};
     return {copy, "the frozen model's " + compute + " weights"};
   }
+  // The NVMe tier keeps the masters, moments and EMA in its file (a few blocks' in RAM at a time).
+  if (resolved.offload.enabled && resolved.offload.state_tier == "nvme")
+    return {copy, "a " + compute + " compute copy (the masters and moments on NVMe)"};
   const auto state = offload::parse_state_dtype(resolved.optimizer.state_dtype);
   const double moment_bytes = static_cast<double>(offload::state_element_bytes(state)) +
                               (state == offload::StateDtype::kInt8 ? 4.0 / 256 : 0.0);

@@ -73,24 +73,34 @@ std::string bytes_and_rate(const std::string& checkpoint, std::chrono::steady_cl
 }
 }  // namespace
 
+namespace {
+// What memory_shortfall counts a parameter: 12 B of fp32 weights and moments; a LoRA run's frozen model alone, or
+// the NVMe tier's compute copy alone (host_state_per_parameter).
+HostStatePerParameter state_lower_bound(const RunConfig& config) {
+  if (config.lora.rank > 0 || (config.offload.enabled && config.offload.state_tier == "nvme"))
+    return host_state_per_parameter(config);
+  return {12.0, "fp32 weights and AdamW moments"};
+}
+}  // namespace
+
 std::string memory_shortfall(const RunConfig& config, int64_t available_bytes, bool state_in_host_memory,
                              int64_t state_shards) {
   // A lower bound of what a trainer holds in host memory before its first step: fp32 weights and
   // AdamW's two fp32 moments (12 B a parameter; the streamed trainer adds a compute copy) where they
-  // live in host memory, one batch of video in fp32 and the data sampler's order. The real need is
+  // live in host memory (a LoRA run's frozen model, or the NVMe tier's compute copy, instead: state_lower_bound),
+  // one batch of video in fp32 and the data sampler's order. The real need is
   // larger (activations, the streamed trainer's buffers: megaslide-plan counts them); only a run that
   // cannot fit even this bound is refused, so that it fails here in one line instead of swapping or
   // being killed later.
-  // A LoRA run keeps only the frozen model there, whole on every rank (host_state_per_parameter).
   const int64_t params = count_run_parameters(config).total;
   const auto& d = config.data;
-  const bool lora = config.lora.rank > 0;
-  const HostStatePerParameter frozen = host_state_per_parameter(config);
-  const double per_param = lora ? frozen.bytes : 12.0;
-  const std::string what = lora ? frozen.what : "fp32 weights and AdamW moments";
+  const HostStatePerParameter held = state_lower_bound(config);
+  const bool small = held.bytes < 12.0;  // the frozen model or the compute copy: whole on every rank
+  const double per_param = held.bytes;
+  const std::string& what = held.what;
   const int64_t state = state_in_host_memory
                             ? std::llround(static_cast<double>(params) * per_param /
-                                           static_cast<double>(lora ? 1 : std::max<int64_t>(1, state_shards)))
+                                           static_cast<double>(small ? 1 : std::max<int64_t>(1, state_shards)))
                             : 0;  // validate() bounded params * 14 below kMaxMachineBytes
   const int64_t batch = config.train.batch_size * d.channels * d.frames * d.height * d.width * 4;
   const int64_t order = d.num_clips * 8;
@@ -271,8 +281,8 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
           memory_shortfall(sized, available_memory_bytes(), state_in_host_memory, state_shards);
       !shortfall.empty()) {
     const auto& d = sized.data;
-    const double state_bytes = static_cast<double>(count_run_parameters(config).total) *
-                               (config.lora.rank > 0 ? host_state_per_parameter(config).bytes : 12.0);
+    const double state_bytes =
+        static_cast<double>(count_run_parameters(config).total) * state_lower_bound(config).bytes;
     const bool batch_dominates =
         !state_in_host_memory ||
         static_cast<double>(config.train.batch_size * d.channels * d.frames * d.height * d.width * 4) > state_bytes;

@@ -104,7 +104,8 @@ class ProgressLine {
 // The bytes a parameter of the model keeps in host memory for the run `resolved` (auto settings resolved), and what
 // they are (--dry-run --json's host_state_bytes): full fine-tuning keeps the fp32 master and AdamW's two moments as
 // optimizer.state_dtype keeps them (int8: a code and one fp32 scale per 256), the compute-dtype copy the blocks
-// stream from and the fp32 EMA (train.ema_decay); a LoRA run only the frozen model: its blocks in the compute dtype,
+// stream from and the fp32 EMA (train.ema_decay), or with offload.state_tier: nvme the compute copy alone; a LoRA run
+// only the frozen model: its blocks in the compute dtype,
 // or fp8 with lora.base_dtype: fp8, when streamed, in fp32 when resident (its adapters are on the device and small).
 struct HostStatePerParameter {
   double bytes = 0.0;
