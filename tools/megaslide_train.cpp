@@ -193,6 +193,9 @@ int main(int argc, char** argv) {
             throw megaslide::tools::UsageError(
                 "--nproc-per-node starts the ranks itself, but this process was already started by a launcher "
                 "(RANK or SLURM_PROCID is set): drop --nproc-per-node");
+          // Checked once here: each rank would refuse it alike, one line each.
+          if (const auto [key, problem] = megaslide::world_size_problem(config, nproc_per_node); !key.empty())
+            throw megaslide::ConfigError(config_path, key, problem);
           return megaslide::launch_local_ranks(std::vector<std::string>(argv, argv + argc), nproc_per_node,
                                                master_port);
         }

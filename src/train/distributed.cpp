@@ -514,6 +514,26 @@ void CommunicatorFrames::exchange(const std::vector<std::pair<int64_t, at::Tenso
   communicator_.exchange(shifted(sends), shifted(recvs));
 }
 
+std::pair<std::string, std::string> world_size_problem(const RunConfig& config, int64_t world_size) {
+  if (world_size <= 1) return {};
+  if (config.offload.enabled && config.optimizer.state_dtype == "int8")
+    return {
+        "optimizer.state_dtype",
+        fmt::format("is int8, whose moments cannot be sharded over the {} ranks launched (their quantisation groups "
+                    "start at each parameter's first element): use fp32 or bf16 (docs/distributed.md)",
+                    world_size)};
+  if (const std::string problem = context_parallel_problem(config, world_size); !problem.empty())
+    return {"distributed.context_parallel", problem};
+  // Data parallelism runs over the groups of distributed.context_parallel ranks (each group shares its slice).
+  const int64_t slices = world_size / config.distributed.context_parallel;
+  if (config.train.batch_size % slices != 0)
+    return {"train.batch_size",
+            fmt::format("is {}, the global batch, which must split evenly over the {} {}: set a multiple of {}",
+                        config.train.batch_size, slices,
+                        slices == world_size ? "ranks" : "data-parallel groups of ranks", slices)};
+  return {};
+}
+
 std::string context_parallel_problem(const RunConfig& config, int64_t world_size, int64_t token_frames) {
   const int64_t n = config.distributed.context_parallel;
   if (n == 1) return "";

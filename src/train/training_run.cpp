@@ -187,25 +187,9 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   }
   RunConfig per_rank = requested;
   per_rank.train.device = rank_device_spec(requested.train.device, launch);
-  if (launch.distributed()) {
-    if (requested.offload.enabled && requested.optimizer.state_dtype == "int8")
-      throw ConfigError(
-          options.config_source, "optimizer.state_dtype",
-          fmt::format(
-              "is int8, whose moments cannot be sharded over the {} ranks launched (their quantisation groups start "
-              "at each parameter's first element): use fp32 or bf16 (docs/distributed.md)",
-              launch.world_size));
-    if (const std::string problem = context_parallel_problem(requested, launch.world_size); !problem.empty())
-      throw ConfigError(options.config_source, "distributed.context_parallel", problem);
-    // Data parallelism runs over the groups of distributed.context_parallel ranks (each group shares its slice).
-    const int64_t slices = launch.world_size / requested.distributed.context_parallel;
-    if (requested.train.batch_size % slices != 0)
-      throw ConfigError(options.config_source, "train.batch_size",
-                        fmt::format("is {}, the global batch, which must split evenly over the {} {}: set a multiple "
-                                    "of {}",
-                                    requested.train.batch_size, slices,
-                                    slices == launch.world_size ? "ranks" : "data-parallel groups of ranks", slices));
-  }
+  if (launch.distributed())
+    if (const auto [key, problem] = world_size_problem(requested, launch.world_size); !key.empty())
+      throw ConfigError(options.config_source, key, problem);
   // `auto` settings resolved once: config.yaml, the log and checkpoints carry the resolved values, and a
   // resume compares them with the checkpoint's.
   const ModelFamily& family = model_family(requested.model.arch);

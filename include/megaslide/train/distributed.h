@@ -24,6 +24,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "megaslide/attention/context_parallel.h"
@@ -146,6 +147,12 @@ class CommunicatorFrames final : public ops::FrameExchange {
 // sample's token frames are given (`token_frames` >= 0), be at most that many and divide the heads of dense
 // attention (Ulysses: Wan's dense attention, Dense3DDiT). "" when nothing is; the caller reports it under its key.
 std::string context_parallel_problem(const RunConfig& config, int64_t world_size, int64_t token_frames = -1);
+
+// What stops `config` from running on `world_size` ranks, as one ConfigError-style pair: the key and the problem
+// (key "" when nothing does): int8 moments (unshardable) in the streamed trainer, distributed.context_parallel
+// (context_parallel_problem), and a train.batch_size that does not split over the data-parallel groups. run_training
+// checks it on every rank; `megaslide-train --nproc-per-node N` once, before it starts the ranks.
+std::pair<std::string, std::string> world_size_problem(const RunConfig& config, int64_t world_size);
 
 // Data parallelism's slices of a global batch: throws std::invalid_argument unless 0 <= rank <
 // world_size and world_size divides batch_size (train.batch_size, named in the message). Every family's
