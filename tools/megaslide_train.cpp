@@ -202,6 +202,11 @@ int main(int argc, char** argv) {
         if (dry_run) return print_dry_run(config, json);
         // With --resume an export writes the checkpoint's files and trains nothing. --export-merged needs the model
         // and its adapters: run_training loads them (export_only), checks its inputs and writes the file first.
+        megaslide::TrainingRunOptions options;
+        options.config_source = config_path;
+        options.resume = resume;
+        options.export_merged = export_merged;
+        options.export_layout = export_layout;
         if (!resume.empty() && (!export_weights.empty() || !export_ema.empty() || !export_merged.empty())) {
           // All files or none: a checkpoint without an EMA is refused before anything is written.
           const std::string checkpoint = megaslide::resolve_checkpoint(config.output.run_dir, resume);
@@ -211,11 +216,6 @@ int main(int argc, char** argv) {
                 "': has no EMA of the weights (model_ema.safetensors) for --export-ema: it was saved by a run "
                 "without train.ema_decay");
           if (!export_merged.empty()) {
-            megaslide::TrainingRunOptions options;
-            options.config_source = config_path;
-            options.resume = resume;
-            options.export_merged = export_merged;
-            options.export_layout = export_layout;
             options.export_only = true;
             for (const auto& line : megaslide::run_training(config, options).exported)
               std::cerr << "megaslide-train: " << line << " (from " << checkpoint << ")\n";
@@ -235,15 +235,10 @@ int main(int argc, char** argv) {
         }
         std::signal(SIGINT, on_stop_signal);
         std::signal(SIGTERM, on_stop_signal);
-        megaslide::TrainingRunOptions options;
-        options.config_source = config_path;
-        options.resume = resume;
         options.trace_path = trace_path;
         options.trace_step = trace_step;
         options.export_weights = export_weights;
         options.export_ema = export_ema;
-        options.export_merged = export_merged;
-        options.export_layout = export_layout;
         options.stop_requested = &g_stop;
         const auto result = megaslide::run_training(config, options);
         return result.stop_signal != 0 ? 128 + result.stop_signal : 0;
