@@ -659,6 +659,9 @@ TEST(Checkpoint, ResumeBelowTheCheckpointsStepIsRefusedAndOtherThreadsAreNamed) 
   ASSERT_EQ(warnings.size(), 1u);
   EXPECT_NE(warnings[0].find("bit for bit"), std::string::npos) << warnings[0];
   EXPECT_NE(warnings[0].find("train.threads=1"), std::string::npos) << warnings[0];
+  // train.threads 0 (auto) is the count it plans on this machine: a warning only where that is not 1.
+  const auto automatic = tiny(dir, {"train.threads=0"});
+  EXPECT_EQ(resume_warnings(latest, automatic).empty(), megaslide::plan_threads(automatic, torch::kCPU).intra_op == 1);
   io::remove_tree(dir);
 }
 

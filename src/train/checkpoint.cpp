@@ -25,8 +25,10 @@
 #include "megaslide/model/dit_weights.h"
 #include "megaslide/model/wan_weights.h"
 #include "megaslide/offload/host_param_store.h"
+#include "megaslide/train/auto_settings.h"
 #include "megaslide/train/model_family.h"
 #include "megaslide/util/build_info.h"
+#include "megaslide/util/device.h"
 
 namespace megaslide {
 
@@ -474,14 +476,24 @@ std::vector<std::string> resume_warnings(const std::string& path, const RunConfi
     const RunConfig saved =
         parse_run_config(s.at("config").get<std::string>(), io::join_path(path, kState) + " (config)");
     const YAML::Node a = YAML::Load(to_yaml(saved)), b = YAML::Load(to_yaml(config));
-    // LibTorch's CPU reductions split their work by thread count: another count sums in another order.
-    for (const char* key : {"train.threads"}) {
-      const std::string x = lookup(a, key), y = lookup(b, key);
-      if (x != y)
-        out.push_back(
-            fmt::format("{} is {} here but was {} when {} was saved: the run continues, but its losses will no longer "
-                        "match an uninterrupted run's bit for bit; resume with --set {}={} for an exact continuation",
-                        key, y, x, path, key, x));
+    // LibTorch's CPU reductions split their work by thread count: another count sums in another order. The counts
+    // compared are those the settings give on this machine (train.threads 0 is `auto`: as many as it plans here).
+    const auto threads = [](const RunConfig& c) {
+      try {
+        return plan_threads(c, resolve_device(c.train.device)).intra_op;
+      } catch (const std::exception&) {
+        return static_cast<int>(c.train.threads);
+      }
+    };
+    const int saved_threads = threads(saved), threads_here = threads(config);
+    if (saved_threads != threads_here) {
+      const std::string x = lookup(a, "train.threads"), y = lookup(b, "train.threads");
+      const auto count = [](int n) { return fmt::format("{} thread{}", n, n == 1 ? "" : "s"); };
+      out.push_back(fmt::format(
+          "train.threads is {} here ({}) but was {} ({} on this machine) when {} was saved: the run continues, but "
+          "its losses will no longer match an uninterrupted run's bit for bit; resume with --set train.threads={} for "
+          "an exact continuation",
+          y, count(threads_here), x, count(saved_threads), path, saved_threads));
     }
     // A LoRA checkpoint holds the adapters alone: a resume takes the frozen model from train.init_from again.
     if (config.lora.rank > 0 && lookup(a, "train.init_from") != lookup(b, "train.init_from"))
