@@ -226,6 +226,15 @@ TEST(LatentCache, ACorruptedItemFailsItsChecksum) {
   } catch (const DatasetError& e) {
     EXPECT_NE(std::string(e.what()).find("CRC-32"), std::string::npos) << e.what();
   }
+  // Training from the cache: one bad item of 3 is more than data.max_bad_fraction allows, and the refusal gives the
+  // item's reason (it once said only "failed to load").
+  try {
+    megaslide::Trainer trainer = resident_trainer(video_config(fx, dir));
+    for (int step = 0; step < 3; ++step) trainer.step();
+    FAIL() << "trained past a corrupted item";
+  } catch (const DatasetError& e) {
+    EXPECT_NE(std::string(e.what()).find("CRC-32"), std::string::npos) << e.what();
+  }
 }
 
 TEST(LatentCache, TrainingFromTheCacheEqualsTrainingFromDecodingAndResumesBitExact) {

@@ -798,8 +798,10 @@ std::shared_ptr<LatentCache> LatentCache::open_checked(const RunConfig& config, 
     stale.push_back(fmt::format("{}: lists {} items, the cache was built from {}", dataset_source(config.data),
                                 listing.listed(), cache->listed_));
   if (!stale.empty())
-    throw DatasetError(fmt::format("data.cache '{}' is stale ({} items); rebuild it with megaslide-cache:{}", dir,
-                                   stale.size(), list_paths(stale)));
+    throw DatasetError(
+        fmt::format("data.cache '{}' is stale ({} difference{} from the dataset); rebuild it with "
+                    "megaslide-cache:{}",
+                    dir, stale.size(), stale.size() == 1 ? "" : "s", list_paths(stale)));
 
   // The empty prompt.
   try {

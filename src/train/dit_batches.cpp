@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include <chrono>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <cmath>
@@ -26,19 +27,19 @@ namespace megaslide {
 struct DiffusionBatchSource::Videos {
   std::shared_ptr<const ClipSource> source;
   std::unique_ptr<ClipLoader> loader;
-  std::vector<BadItem> unreported;     // found and not yet handed to take_new_bad_items()
-  std::set<std::string> failed_paths;  // items that failed to load, each counted once
-  std::vector<BadItem> known_bad;      // from listing and probing (or the cache)
+  std::vector<BadItem> unreported;            // found and not yet handed to take_new_bad_items()
+  std::map<std::string, std::string> failed;  // items that failed to load, each counted once, and why
+  std::vector<BadItem> known_bad;             // from listing and probing (or the cache)
   int64_t listed = 0;
   ClipSample empty_prompt;  // the cache's: text tensors of the empty prompt
 
   // Throws DatasetError listing every bad item once more than data.max_bad_fraction of the items are bad.
   void check(const DataConfig& data) const {
-    const int64_t bad = static_cast<int64_t>(known_bad.size() + failed_paths.size());
+    const int64_t bad = static_cast<int64_t>(known_bad.size() + failed.size());
     if (static_cast<double>(bad) <= data.max_bad_fraction * static_cast<double>(listed)) return;
     std::string list;
     for (const auto& b : known_bad) list += "\n  " + b.path + ": " + b.reason;
-    for (const auto& p : failed_paths) list += "\n  " + p + ": failed to load";
+    for (const auto& [path, reason] : failed) list += "\n  " + path + ": " + reason;
     throw DatasetError(fmt::format("dataset: {} of {} items are bad, more than data.max_bad_fraction ({}) allows:{}",
                                    bad, listed, data.max_bad_fraction, list));
   }
@@ -235,7 +236,7 @@ DiffusionBatch DiffusionBatchSource::next(torch::Device device) {
   if (videos_) {
     loaded = videos_->loader->next();
     for (const auto& f : loaded.failed) {
-      if (videos_->failed_paths.insert(f.path).second) videos_->unreported.push_back(f);
+      if (videos_->failed.emplace(f.path, f.reason).second) videos_->unreported.push_back(f);
     }
     if (!loaded.failed.empty()) videos_->check(config_.data);
     captions = loaded.captions;  // the loader loads this rank's rows only (take_slice)

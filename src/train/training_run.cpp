@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <memory>
 #include <optional>
 
@@ -246,6 +247,16 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     }
   } catch (const io::IoError& e) {
     throw ConfigError(options.config_source, "", e.what());
+  }
+  // The NVMe tier creates its state file in offload.nvme_dir at start: the folder must exist and take files.
+  if (config.offload.enabled && config.offload.state_tier == "nvme") {
+    const std::string& folder = config.offload.nvme_dir;
+    if (!io::is_directory(folder))
+      throw ConfigError(options.config_source, "offload.nvme_dir",
+                        "'" + folder + "' is not a folder: the NVMe tier's state file is created in an existing one");
+    if (::access(folder.c_str(), W_OK | X_OK) != 0)
+      throw ConfigError(options.config_source, "offload.nvme_dir",
+                        "'" + folder + "': this process cannot create files in it (" + std::strerror(errno) + ")");
   }
   bool state_in_host_memory = true;
   try {
