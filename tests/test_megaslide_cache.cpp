@@ -157,6 +157,12 @@ TEST(MegaslideCache, BadInputExitsTwoWritingNothing) {
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("decode settings"), std::string::npos) << r.output;
   EXPECT_EQ(megaslide::io::read_file(fx.dir + "/c/cache.json"), before);
+  // Nor is a folder of other files (the videos' own, here): refused naming one, nothing added to it.
+  const auto listing = megaslide::io::list_directory(fx.dir + "/videos");
+  r = run_tool("megaslide-cache", "--config " + config + " --out " + fx.dir + "/videos");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("holds files that are not a cache's"), std::string::npos) << r.output;
+  EXPECT_EQ(megaslide::io::list_directory(fx.dir + "/videos"), listing);
   // train.init_from that does not fit the model: exit 2, run folder not created.
   r = run_tool("megaslide-train", "--config " + config + " --run-dir " + fx.dir +
                                       "/init --set train.init_from=" + fx.dir + "/c/shard-00000.safetensors");

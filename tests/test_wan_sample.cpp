@@ -735,6 +735,16 @@ TEST(Wan22Experts, MegaslideSampleRecordsBothGuidanceScales) {
   EXPECT_EQ(index.at("guidance_scale_2"), 2.5);
   EXPECT_EQ(index.at("boundary_ratio"), 0.875);
   EXPECT_EQ(index.at("videos").size(), 1u);
+  // The two text-to-video experts start from no image: --image is refused naming it (exit 2), nothing written.
+  const auto image = join_path(scratch(), "experts-image.png");
+  megaslide::io::write_png(image, torch::zeros({32, 32, 3}, torch::kUInt8));
+  const auto refused = join_path(scratch(), "experts-image");
+  r = run("--config " + config + kEncoders + " --prompts " + prompts +
+          " --samples-per-prompt 1 --steps 2 --no-progress --compute-dtype fp32 --image " + image + " --out " +
+          refused);
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("--image: "), std::string::npos) << r.output;
+  EXPECT_FALSE(megaslide::io::path_exists(join_path(refused, "videos"))) << "nothing written";
 }
 
 // The property: the weights file of a run that trained both experts (model.wan.expert both: the high-noise

@@ -227,6 +227,11 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan,
           "--image: '" + source +
           "' generates video from an image (Wan image-to-video): give --image FILE, or --i FILE on each prompt line");
     if (path.empty() || files.count(path)) continue;
+    if (!conditioned && model.low_noise)
+      throw megaslide::tools::UsageError(
+          std::string(v.job.image ? "--prompts: --i" : "--image") + ": '" + source +
+          "' is Wan2.2's two text-to-video experts, which start from no image: image-to-video takes an image-to-video "
+          "model (Wan2.1 I2V, Wan2.2 I2V-A14B) or one text-to-video DiT (the first frame kept clean, as TI2V-5B)");
     try {
       files[path] = megaslide::io::read_video(path)[0].contiguous();
     } catch (const std::exception& e) {
@@ -235,7 +240,7 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan,
     }
     std::cerr << "megaslide-sample: image-to-video from '" << path << "' ("
               << (conditioned ? "its latents and, with an image branch, CLIP's tokens condition every step"
-                              : "its latent the first frame, kept clean; Wan2.2 TI2V")
+                              : "its latent the first frame, kept clean, as Wan2.2 TI2V samples")
               << ")\n";
   }
   if (!wan.lora.empty()) merge_lora(model, wan.lora, wan.lora_scale, "--lora");
