@@ -309,6 +309,20 @@ TEST(MegaslideTrain, ALoraRunOnAnInitFromBaseResumesBitExactly) {
                            " --set train.steps=6 --set train.checkpoint_every=3 --set output.progress=false";
   ASSERT_EQ(run(args + " --run-dir " + dir + "-whole").code, 0);
   ASSERT_EQ(run(args + " --run-dir " + dir + " --set train.steps=3").code, 0);
+  // The frozen model's file gone: refused naming train.init_from (it once went on with a random frozen model).
+  const std::string base = dir + "-base/base.safetensors";
+  ASSERT_EQ(std::rename(base.c_str(), (base + ".away").c_str()), 0);
+  auto refused = run(args + " --run-dir " + dir + " --resume latest");
+  EXPECT_EQ(refused.code, 2) << refused.output;
+  EXPECT_NE(refused.output.find("train.init_from '" + base + "' cannot be read"), std::string::npos) << refused.output;
+  // Another model file named at the resume: said (here by the export-only path, which trains nothing).
+  ASSERT_EQ(std::rename((base + ".away").c_str(), (base + ".other").c_str()), 0);
+  auto other = run(args + " --run-dir " + dir + " --resume latest --set train.init_from=" + base +
+                   ".other --export-merged " + dir + "-base/merged.safetensors");
+  EXPECT_EQ(other.code, 0) << other.output;
+  EXPECT_NE(other.output.find("warning: train.init_from is " + base + ".other here but was " + base), std::string::npos)
+      << other.output;
+  ASSERT_EQ(std::rename((base + ".other").c_str(), base.c_str()), 0);
   const auto r = run(args + " --run-dir " + dir + " --resume latest");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_NE(r.output.find("the frozen model (a LoRA checkpoint holds the adapters alone) initialised from"),

@@ -217,7 +217,9 @@ int main(int argc, char** argv) {
                 "without train.ema_decay");
           if (!export_merged.empty()) {
             options.export_only = true;
-            for (const auto& line : megaslide::run_training(config, options).exported)
+            const auto result = megaslide::run_training(config, options);
+            for (const auto& line : result.warnings) std::cerr << "megaslide-train: warning: " << line << "\n";
+            for (const auto& line : result.exported)
               std::cerr << "megaslide-train: " << line << " (from " << checkpoint << ")\n";
           }
           if (!export_weights.empty()) {

@@ -27,6 +27,7 @@
 #include "megaslide/offload/host_param_store.h"
 #include "megaslide/train/auto_settings.h"
 #include "megaslide/train/model_family.h"
+#include "megaslide/train/trainer.h"
 #include "megaslide/util/build_info.h"
 #include "megaslide/util/device.h"
 
@@ -495,8 +496,13 @@ std::vector<std::string> resume_warnings(const std::string& path, const RunConfi
           "an exact continuation",
           y, count(threads_here), x, count(saved_threads), path, saved_threads));
     }
-    // A LoRA checkpoint holds the adapters alone: a resume takes the frozen model from train.init_from again.
-    if (config.lora.rank > 0 && lookup(a, "train.init_from") != lookup(b, "train.init_from"))
+    // A LoRA checkpoint holds the adapters alone: a resume takes the frozen model from train.init_from again where
+    // it names a model (adapters there only started the run).
+    const std::string init_then = lookup(a, "train.init_from"), init_now = lookup(b, "train.init_from");
+    const auto names_a_model = [](const std::string& path) {
+      return !path.empty() && init_from_holds_adapters(path) != std::optional<bool>(true);
+    };
+    if (config.lora.rank > 0 && init_then != init_now && (names_a_model(init_then) || names_a_model(init_now)))
       out.push_back(
           fmt::format("train.init_from is {} here but was {} when {} was saved: this LoRA run's adapters "
                       "continue on the frozen model it names now",

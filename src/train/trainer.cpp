@@ -69,10 +69,9 @@ std::vector<at::Tensor> tensors_of(const io::NamedTensors& named) {
   return out;
 }
 
-// A LoRA run's train.init_from: true when `path` holds adapters (a LoRA file in any layout, or a LoRA run's
-// folder or checkpoint), false when it holds a model's weights (the frozen base starts from them). Unreadable
-// sources count as adapters' (the adapters' reader then names what is wrong).
-bool init_from_holds_adapters(const std::string& path) {
+}  // namespace
+
+std::optional<bool> init_from_holds_adapters(const std::string& path) {
   std::string file = path;
   try {
     if (io::is_directory(path)) {
@@ -88,11 +87,9 @@ bool init_from_holds_adapters(const std::string& path) {
     }
     return false;
   } catch (const std::exception&) {
-    return true;
+    return std::nullopt;
   }
 }
-
-}  // namespace
 
 at::Tensor context_parallel_loss(const at::Tensor& prediction, const at::Tensor& target, const at::Tensor& loss_mask,
                                  const ops::ContextShard& cp, int64_t patch_frames) {
@@ -176,7 +173,15 @@ Trainer::Trainer(const TrainerRequest& request)
     // The family's model as for full fine-tuning, then frozen. train.init_from starts the adapters when it
     // holds adapters, else the frozen model (the DiT family's pretrained weights, a full fine-tune of Wan).
     ModelRequest base = m, adapters = m;
-    if (m.init_from && init_from_holds_adapters(config_.train.init_from)) base.init_from = nullptr;
+    // Unreadable: the adapters' reader names what is wrong on a fresh run; a resumed run reads only the frozen model
+    // from it, so there it is refused here (it went on with a random frozen model).
+    const std::optional<bool> holds_adapters =
+        m.init_from ? init_from_holds_adapters(config_.train.init_from) : std::optional<bool>(false);
+    if (!holds_adapters && request.resuming)
+      throw InitFromError("train.init_from '" + config_.train.init_from +
+                          "' cannot be read: a resumed LoRA run takes its frozen model from it (its checkpoint holds "
+                          "the adapters alone)");
+    if (holds_adapters.value_or(true)) base.init_from = nullptr;
     else adapters.init_from = nullptr;
     if (request.resuming) adapters.init_from = nullptr;  // the checkpoint's adapters
     model_ = with_lora(model_family(config_.model.arch).make_model(base), adapters);

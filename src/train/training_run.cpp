@@ -287,7 +287,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   if (!options.resume.empty()) {
     resume_path = resolve_checkpoint(run_dir, options.resume);
     const int64_t saved_step = checkpoint_step(resume_path);
-    if (saved_step > train.steps)
+    if (saved_step > train.steps && !options.export_only)
       throw ConfigError(
           options.config_source, "train.steps",
           fmt::format("is {} but checkpoint {} is already at step {}: nothing would be trained; set train.steps "
@@ -304,7 +304,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   request.source = options.config_source;
   request.init_from = !config.train.init_from.empty() && (resume_path.empty() || config.lora.rank > 0);
   request.resuming = !resume_path.empty();
-  request.validation = writer && train.sample_every > 0;
+  request.validation = writer && train.sample_every > 0 && !options.export_only;
   request.communicator = communicator.get();
   std::unique_ptr<Trainer> trainer_holder;
   try {
@@ -381,6 +381,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     resume_read = bytes_and_rate(resume_path, started);
     warnings = resume_warnings(resume_path, config);
     if (options.export_only) {  // the checkpoint's exports: nothing trained, nothing else written
+      result.warnings = resume_warnings(resume_path, config);
       result.exported = write_exports();
       return result;
     }

@@ -40,6 +40,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -79,6 +80,11 @@ struct TrainerRequest {
   bool validation = false;               // this rank writes validation videos (train.sample_every > 0)
   Communicator* communicator = nullptr;  // data parallelism, or null for one process
 };
+
+// A LoRA run's train.init_from: true when `path` holds adapters (a LoRA file in any layout, or a LoRA run's folder
+// or checkpoint), false when it holds a model's weights (the frozen model starts from them); nullopt when it cannot
+// be read.
+std::optional<bool> init_from_holds_adapters(const std::string& path);
 
 class Trainer {
  public:

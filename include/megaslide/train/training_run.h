@@ -51,8 +51,9 @@ struct TrainingRunOptions {
   // load its offset networks), before anything is written.
   WanWeightsLayout export_layout = WanWeightsLayout::kDiffusers;
   // With `resume`: load the checkpoint, write the exports above from it and return. Nothing is trained and nothing
-  // else is written into the run folder (no log, metrics or checkpoint; `latest` stays as it is). The messages go
-  // to TrainingRunResult::exported.
+  // else is written into the run folder (no log, metrics or checkpoint; `latest` stays as it is; its lock is held
+  // meanwhile), no validation video is planned, and train.steps may be below the checkpoint's step. The messages go
+  // to TrainingRunResult::exported and ::warnings.
   bool export_only = false;
   const std::atomic<int>* stop_requested = nullptr;  // non-zero: save and stop after the current step
 };
@@ -63,6 +64,7 @@ struct TrainingRunResult {
   int stop_signal = 0;                // the value of *stop_requested that ended the run early, else 0
   std::string last_checkpoint;        // the newest checkpoint written by this run ("" if none)
   std::vector<std::string> exported;  // "weights written to FILE", ... (also in the run's log unless export_only)
+  std::vector<std::string> warnings;  // export_only: what the run's log would have warned of on resuming
 };
 
 // Runs (or resumes) `config` (its `auto` settings resolved first). Before anything is written: the run folder is taken
