@@ -81,6 +81,14 @@ TEST(SdVae, TiledDecodeIsDiffusersTiledDecode) {
   // Latents within one tile decode untiled.
   EXPECT_TRUE(torch::equal(vae.decode_tiled(r.at("latents").slice(2, 0, 4).slice(3, 0, 4), {16, 0.25}),
                            vae.decode(r.at("latents").slice(2, 0, 4).slice(3, 0, 4))));
+  // Every tile size and overlap gives the frames' size, also where tile · (1 - overlap) is not a whole number of
+  // latents (diffusers' arithmetic then made 17×26 of a 16×24 decode at tile 12).
+  const int64_t f = vae.config().downscale();
+  for (const int64_t tile : {2 * f, 3 * f, 5 * f})
+    for (const double overlap : {0.0, 0.25, 0.4})
+      EXPECT_EQ(vae.decode_tiled(z * 0.3, megaslide::VaeTiling{tile, overlap}).sizes(),
+                (std::vector<int64_t>{z.size(0), 3, z.size(2) * f, z.size(3) * f}))
+          << "tile " << tile << ", overlap " << overlap;
 }
 
 TEST(SdVae, LegacyAttentionNamesLoad) {

@@ -26,6 +26,8 @@
 // config.json that disagrees with the weights), with one message naming it, nothing written; 1 any other
 // failure.
 #include <CLI/CLI.hpp>
+
+#include <algorithm>
 #include <fmt/format.h>
 
 #include <iostream>
@@ -241,7 +243,8 @@ int main(int argc, char** argv) {
           throw megaslide::tools::UsageError(fmt::format(
               "'{}': tensor 'x' has shape {}, expected latents [N, {}, t, h, w]", in, c10::str(x.sizes()), c.z_dim));
         }
-        if (tile_stride == 0) tile_stride = tile / 4 * 3 / f * f;
+        // The default, 3/4 of the tile rounded down to a multiple of f, and at least f (a tile of f alone: f).
+        if (tile_stride == 0) tile_stride = std::max<int64_t>(f, tile / 4 * 3 / f * f);
         if (tile > 0 && (tile % f != 0 || tile_stride % f != 0 || tile_stride == 0 || tile_stride > tile))
           throw megaslide::tools::UsageError(fmt::format(
               "--tile {} and --tile-stride {} must be multiples of {} with 0 < stride <= tile", tile, tile_stride, f));
