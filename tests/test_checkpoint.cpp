@@ -90,8 +90,8 @@ TEST(Checkpoint, Crc32MatchesTheStandardCheckValue) {
 }
 
 // Property: the folding by carry-less products is the table loop's CRC for every length (below one 64-byte round,
-// whole rounds, the 16-byte blocks after them and the bytes after those), start address and previous value, and
-// both give Python's zlib.crc32 of a 100 003-byte pattern, whole and from byte 37 on.
+// whole rounds, the 16-byte blocks after them and the bytes after those), start address and previous value; and
+// both give Python's zlib.crc32 of a 100 003-byte pattern from byte 37 on (crc32, whichever it runs, of the whole).
 TEST(Checkpoint, Crc32FoldingIsTheTableLoopsAtEveryLengthAndOffset) {
   std::vector<unsigned char> pattern(100003);
   for (size_t i = 0; i < pattern.size(); ++i) pattern[i] = static_cast<unsigned char>((i * 7 + (i >> 8)) % 251);
@@ -694,6 +694,13 @@ TEST(TrainingRun, MemoryShortfallNamesTheFiguresAndSparesWhatFits) {
   EXPECT_EQ(memory_shortfall(fp8, rest + params), "");
   const auto fp8_why = memory_shortfall(fp8, 1000);
   EXPECT_NE(fp8_why.find("x 1 B of the frozen model's fp8 weights"), std::string::npos) << fp8_why;
+  // The streamed trainer's narrow moments: 4 + 2 x 1 B (and a scale per 256) with int8 moments, not 12 B.
+  const auto int8 = tiny("/tmp/unused", {"offload.compute_dtype=bf16", "optimizer.state_dtype=int8"});
+  EXPECT_EQ(memory_shortfall(int8, rest + params * 7), "");
+  EXPECT_NE(memory_shortfall(full, rest + params * 7), "");
+  // Masters and moments are sharded over the machines (state_shards); a LoRA run's frozen model is not.
+  EXPECT_EQ(memory_shortfall(full, rest + params * 7, true, 2), "");
+  EXPECT_NE(memory_shortfall(lora, rest + params, true, 2), "");
   // The NVMe tier keeps the masters and moments on the disk: the bf16 compute copy is what host memory holds.
   const auto nvme =
       tiny("/tmp/unused", {"offload.compute_dtype=bf16", "offload.state_tier=nvme", "offload.nvme_dir=/tmp"});

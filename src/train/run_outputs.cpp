@@ -278,18 +278,18 @@ HostStatePerParameter host_state_per_parameter(const RunConfig& resolved) {
   const std::string& compute = resolved.offload.compute_dtype;
   const double copy = compute == "fp32" ? 4.0 : 2.0;
   if (resolved.lora.rank > 0) {
-    if (!resolved.offload.enabled) return {4.0, "the frozen model's fp32 weights"};
-    if (resolved.lora.base_dtype == "fp8") return {1.0, "the frozen model's fp8 weights"};
-    return {copy, "the frozen model's " + compute + " weights"};
+    if (!resolved.offload.enabled) return {4.0, 0.0, "the frozen model's fp32 weights"};
+    if (resolved.lora.base_dtype == "fp8") return {1.0, 0.0, "the frozen model's fp8 weights"};
+    return {copy, 0.0, "the frozen model's " + compute + " weights"};
   }
   // The NVMe tier keeps the masters, moments and EMA in its file (a few blocks' in RAM at a time).
   if (resolved.offload.enabled && resolved.offload.state_tier == "nvme")
-    return {copy, "a " + compute + " compute copy (the masters and moments on NVMe)"};
+    return {copy, 0.0, "a " + compute + " compute copy (the masters and moments on NVMe)"};
   const auto state = offload::parse_state_dtype(resolved.optimizer.state_dtype);
   const double moment_bytes = static_cast<double>(offload::state_element_bytes(state)) +
                               (state == offload::StateDtype::kInt8 ? 4.0 / 256 : 0.0);
   HostStatePerParameter out{
-      4.0 + 2.0 * moment_bytes + copy,
+      4.0 + 2.0 * moment_bytes + copy, 4.0 + 2.0 * moment_bytes,
       "fp32 weights, AdamW moments (" + resolved.optimizer.state_dtype + "), a " + compute + " compute copy"};
   if (resolved.train.ema_decay > 0) {
     out.bytes += 4.0;

@@ -75,12 +75,16 @@ std::string bytes_and_rate(const std::string& checkpoint, std::chrono::steady_cl
 }  // namespace
 
 namespace {
-// What memory_shortfall counts a parameter: 12 B of fp32 weights and moments; a LoRA run's frozen model alone, or
-// the NVMe tier's compute copy alone (host_state_per_parameter).
+// What memory_shortfall counts a parameter: the fp32 master and AdamW's moments, as optimizer.state_dtype keeps them
+// in the streamed trainer (12 B in fp32) and in fp32 in the resident loop; a LoRA run's frozen model alone, or the
+// NVMe tier's compute copy alone (host_state_per_parameter).
 HostStatePerParameter state_lower_bound(const RunConfig& config) {
-  if (config.lora.rank > 0 || (config.offload.enabled && config.offload.state_tier == "nvme"))
-    return host_state_per_parameter(config);
-  return {12.0, "fp32 weights and AdamW moments"};
+  const HostStatePerParameter held = host_state_per_parameter(config);
+  if (config.lora.rank > 0 || (config.offload.enabled && config.offload.state_tier == "nvme")) return held;
+  if (config.offload.enabled)
+    return {held.master_and_moments, held.master_and_moments,
+            "fp32 weights and AdamW moments (" + config.optimizer.state_dtype + ")"};
+  return {12.0, 12.0, "fp32 weights and AdamW moments"};
 }
 }  // namespace
 
@@ -96,7 +100,8 @@ std::string memory_shortfall(const RunConfig& config, int64_t available_bytes, b
   const int64_t params = count_run_parameters(config).total;
   const auto& d = config.data;
   const HostStatePerParameter held = state_lower_bound(config);
-  const bool small = held.bytes < 12.0;  // the frozen model or the compute copy: whole on every rank
+  // The frozen model or the compute copy is whole on every rank; the masters and moments are sharded.
+  const bool small = held.master_and_moments == 0.0;
   const double per_param = held.bytes;
   const std::string& what = held.what;
   const int64_t state = state_in_host_memory
