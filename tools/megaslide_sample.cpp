@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <iostream>
 #include <map>
@@ -68,6 +69,12 @@ void write_png_frames(const std::string& out_dir, const std::string& stem, const
   megaslide::io::make_directories(frame_dir);
   for (int64_t t = 0; t < frames.size(0); ++t)
     megaslide::io::write_png(megaslide::io::join_path(frame_dir, fmt::format("{:03}.png", t)), frames[t]);
+  // Frames past this video's, left by a longer video of the same name, would read as part of it.
+  for (int64_t t = frames.size(0);; ++t) {
+    const std::string stale = megaslide::io::join_path(frame_dir, fmt::format("{:03}.png", t));
+    if (!megaslide::io::path_exists(stale) || megaslide::io::is_directory(stale)) break;
+    std::remove(stale.c_str());
+  }
 }
 
 // The videos in [start, end) of one batch: consecutive videos with the same size and settings (a prompt
@@ -662,7 +669,11 @@ int main(int argc, char** argv) {
         if (wan.latents)
           megaslide::io::check_replaceable_output(
               megaslide::io::join_path(megaslide::io::join_path(out_dir, "latents"), stem + ".safetensors"));
+        const std::string frames = megaslide::io::join_path(megaslide::io::join_path(out_dir, "frames"), stem);
+        if (png && megaslide::io::path_exists(frames) && !megaslide::io::is_directory(frames))
+          throw std::invalid_argument("--png: '" + frames + "' exists and is not a folder");
       }
+      megaslide::io::check_replaceable_output(megaslide::io::join_path(out_dir, "index.json"));
     });
 
     megaslide::tools::survive_file_size_limit();

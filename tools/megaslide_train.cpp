@@ -222,12 +222,14 @@ int main(int argc, char** argv) {
             for (const auto& line : result.exported)
               std::cerr << "megaslide-train: " << line << " (from " << checkpoint << ")\n";
           }
-          if (!export_weights.empty()) {
+          // Launched ranks: rank 0 writes the checkpoint's files (the merged model above takes every rank).
+          const bool writer = megaslide::tools::checking_input([] { return megaslide::read_launch_env().rank == 0; });
+          if (!export_weights.empty() && writer) {
             const auto from = megaslide::export_checkpoint_weights(config.output.run_dir, resume, export_weights,
                                                                    /*ema=*/false, export_layout);
             std::cerr << "megaslide-train: weights of " << from << " written to " << written_to(export_weights) << "\n";
           }
-          if (!export_ema.empty()) {
+          if (!export_ema.empty() && writer) {
             const auto from = megaslide::export_checkpoint_weights(config.output.run_dir, resume, export_ema,
                                                                    /*ema=*/true, export_layout);
             std::cerr << "megaslide-train: EMA of the weights of " << from << " written to " << written_to(export_ema)

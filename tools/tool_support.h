@@ -10,12 +10,12 @@
 #include <iostream>
 #include <limits>
 #include <optional>
-#include <regex>
 #include <stdexcept>
 #include <string>
 #include <utility>
 
 #include "megaslide/util/cpu_tensor_cache.h"
+#include "megaslide/util/device.h"
 #include "megaslide/util/errors.h"
 #include "megaslide/util/numbers.h"
 
@@ -148,9 +148,7 @@ inline void survive_file_size_limit() { std::signal(SIGXFSZ, SIG_IGN); }
 // A --device flag as train.device takes it: auto, cpu, cuda or cuda:N (LibTorch's parser would take meta, xla, cpu:3
 // and the like, and fail later). UsageError otherwise, naming the flag.
 inline void check_device_flag(const std::string& spec, const std::string& flag = "--device") {
-  static const std::regex kDevice(R"(auto|cpu|cuda(:[0-9]{1,4})?)");
-  if (!std::regex_match(spec, kDevice))
-    throw UsageError(flag + ": expected auto, cpu, cuda or cuda:N, got '" + spec + "'");
+  if (!is_device_spec(spec)) throw UsageError(flag + ": expected auto, cpu, cuda or cuda:N, got '" + spec + "'");
 }
 
 }  // namespace megaslide::tools

@@ -1,4 +1,5 @@
 #include "megaslide/config/run_config.h"
+#include "megaslide/util/device.h"
 
 #include <fmt/format.h>
 #include <yaml-cpp/yaml.h>
@@ -457,8 +458,7 @@ class Schema {
     add(
         "train.device",
         [&c](const YAML::Node& n) {
-          static const std::regex kDevice(R"(auto|cpu|cuda(:[0-9]{1,4})?)");
-          if (!n.IsScalar() || !std::regex_match(n.Scalar(), kDevice))
+          if (!n.IsScalar() || !is_device_spec(n.Scalar()))
             throw FieldProblem{"expected auto | cpu | cuda | cuda:N, got " + describe(n)};
           c.train.device = n.Scalar();
         },

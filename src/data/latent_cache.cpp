@@ -417,6 +417,16 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
   if (config.data.dataset != "videos")
     throw DatasetError("data.dataset is '" + config.data.dataset + "'; only videos are cached");
   if (options.out.empty()) throw DatasetError("no output folder for the cache (--out or data.cache)");
+  // An existing folder must be a cache's (a build resumes or replaces it): a folder of other files, the videos' own
+  // say, is refused before anything is read or written (temporaries of a killed build, *.tmp, are removed below).
+  if (io::is_directory(options.out)) {
+    static const std::regex kCacheFile(
+        R"(cache\.json|empty_prompt\.safetensors|\.lock|shard-[0-9]{5,}\.safetensors|.*\.tmp)");
+    for (const auto& name : io::list_directory(options.out))
+      if (!std::regex_match(name, kCacheFile))
+        throw DatasetError("the cache folder '" + options.out + "' holds files that are not a cache's (e.g. '" + name +
+                           "'): name a new or empty folder (--out or data.cache)");
+  }
   const auto warn = [&](const std::string& m) {
     if (options.on_warning) options.on_warning(m);
   };
@@ -449,16 +459,6 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
   const int64_t num_shards = (n + S - 1) / S;
   std::vector<json> shard_records(static_cast<size_t>(num_shards));
 
-  // An existing folder must be a cache's (a build resumes or replaces it): a folder of other files, the videos' own
-  // say, is refused before anything is written into it.
-  if (io::is_directory(options.out)) {
-    static const std::regex kCacheFile(
-        R"((cache\.json|empty_prompt\.safetensors|\.lock|shard-[0-9]{5,}\.safetensors)(\.[A-Za-z0-9]{6}\.tmp)?)");
-    for (const auto& name : io::list_directory(options.out))
-      if (!std::regex_match(name, kCacheFile))
-        throw DatasetError("the cache folder '" + options.out + "' holds files that are not a cache's (e.g. '" + name +
-                           "'): name a new or empty folder (--out or data.cache)");
-  }
   std::unique_ptr<io::FileLock> lock;  // one build at a time into a folder (two would write the same shards)
   // A build refused before it wrote anything (an encoder that does not fit the config, say) takes back the
   // folder it made: nothing but its lock is left in it then.
