@@ -14,8 +14,8 @@
 #include <string>
 #include <utility>
 
+#include "megaslide/config/run_config.h"
 #include "megaslide/util/cpu_tensor_cache.h"
-#include "megaslide/util/device.h"
 #include "megaslide/util/errors.h"
 #include "megaslide/util/numbers.h"
 

@@ -1,5 +1,4 @@
 #include "megaslide/config/run_config.h"
-#include "megaslide/util/device.h"
 
 #include <fmt/format.h>
 #include <yaml-cpp/yaml.h>
@@ -729,6 +728,11 @@ bool has_second_document(const std::string& text) {
   return false;
 }
 }  // namespace
+
+bool is_device_spec(const std::string& spec) {
+  static const std::regex kDevice(R"(auto|cpu|cuda(:[0-9]{1,4})?)");
+  return std::regex_match(spec, kDevice);
+}
 
 RunConfig parse_run_config(const std::string& yaml_text, const std::string& source,
                            const std::vector<std::string>& overrides) {

@@ -1,7 +1,5 @@
 #include "megaslide/util/device.h"
 
-#include <regex>
-
 #include <c10/util/Exception.h>
 #include <torch/cuda.h>
 #ifdef MEGASLIDE_WITH_CUDA
@@ -9,11 +7,6 @@
 #endif
 
 namespace megaslide {
-
-bool is_device_spec(const std::string& spec) {
-  static const std::regex kDevice(R"(auto|cpu|cuda(:[0-9]{1,4})?)");
-  return std::regex_match(spec, kDevice);
-}
 
 c10::Device resolve_device(const std::string& spec) {
   if (spec == "auto") return torch::cuda::is_available() ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU);

@@ -342,6 +342,10 @@ std::array<int64_t, 4> model_sample_shape_at(const RunConfig& config, VideoSize 
 // "[1,2,2]") in order, then validates. Throws ConfigError.
 RunConfig load_run_config(const std::string& path, const std::vector<std::string>& overrides = {});
 
+// Whether `spec` is a device a config (train.device) or a --device flag may name: auto, cpu, cuda or cuda:N
+// (LibTorch's parser also takes meta, xla, cpu:3 and the like, which fail later).
+bool is_device_spec(const std::string& spec);
+
 // Parses YAML text (the source name is used in messages only).
 RunConfig parse_run_config(const std::string& yaml_text, const std::string& source,
                            const std::vector<std::string>& overrides = {});

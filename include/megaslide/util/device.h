@@ -12,8 +12,4 @@ namespace megaslide {
 // cuda:0 unless changed).
 c10::Device resolve_device(const std::string& spec);
 
-// Whether `spec` is a device a config or a --device flag may name: auto, cpu, cuda or cuda:N (LibTorch's parser also
-// takes meta, xla, cpu:3 and the like, which fail later).
-bool is_device_spec(const std::string& spec);
-
 }  // namespace megaslide
