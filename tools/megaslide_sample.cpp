@@ -580,14 +580,12 @@ int main(int argc, char** argv) {
                                   : !ema_weights.empty() ? ema_weights
                                                          : megaslide::find_weights(checkpoint);
       // A LoRA run's checkpoint holds its adapters, not a model: say how to sample it.
-      if (!weights.empty())
-        for (const auto& e : megaslide::io::read_safetensors_header(weights).entries)
-          if (!megaslide::lora_base_weight(e.name).empty())
-            throw std::invalid_argument(
-                "--checkpoint '" + checkpoint + "': " + weights + " holds a LoRA run's adapters (e.g. '" + e.name +
-                "'), not a model: write the model with the adapters merged in (megaslide-train --config RUN.yaml "
-                "--resume CHECKPOINT --export-merged FILE) and sample FILE; a Wan LoRA file also goes with --lora on "
-                "the base model");
+      if (!weights.empty() && megaslide::holds_lora_adapters(weights) == std::optional<bool>(true))
+        throw std::invalid_argument(
+            "--checkpoint '" + checkpoint + "': " + weights +
+            " holds a LoRA run's adapters, not a model: write the model with the adapters merged in (megaslide-train "
+            "--config RUN.yaml --resume CHECKPOINT --export-merged FILE) and sample FILE; a Wan LoRA file also goes "
+            "with --lora on the base model");
       if (!ema_weights.empty()) {
         source = ema_weights;
         std::cerr << "megaslide-sample: sampling the EMA of the weights (" << ema_weights

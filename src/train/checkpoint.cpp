@@ -500,13 +500,13 @@ std::vector<std::string> resume_warnings(const std::string& path, const RunConfi
     // it names a model (adapters there only started the run).
     const std::string init_then = lookup(a, "train.init_from"), init_now = lookup(b, "train.init_from");
     const auto names_a_model = [](const std::string& path) {
-      return !path.empty() && init_from_holds_adapters(path) != std::optional<bool>(true);
+      return !path.empty() && holds_lora_adapters(path) != std::optional<bool>(true);
     };
     if (config.lora.rank > 0 && init_then != init_now && (names_a_model(init_then) || names_a_model(init_now)))
       out.push_back(
           fmt::format("train.init_from is {} here but was {} when {} was saved: this LoRA run's adapters "
                       "continue on the frozen model it names now",
-                      lookup(b, "train.init_from"), lookup(a, "train.init_from"), path));
+                      init_now, init_then, path));
   } catch (const std::exception&) {
     // load_checkpoint reports a broken state file; warnings are only extra.
   }

@@ -71,7 +71,7 @@ std::vector<at::Tensor> tensors_of(const io::NamedTensors& named) {
 
 }  // namespace
 
-std::optional<bool> init_from_holds_adapters(const std::string& path) {
+std::optional<bool> holds_lora_adapters(const std::string& path) {
   std::string file = path;
   try {
     if (io::is_directory(path)) {
@@ -176,7 +176,7 @@ Trainer::Trainer(const TrainerRequest& request)
     // Unreadable: the adapters' reader names what is wrong on a fresh run; a resumed run reads only the frozen model
     // from it, so there it is refused here (it went on with a random frozen model).
     const std::optional<bool> holds_adapters =
-        m.init_from ? init_from_holds_adapters(config_.train.init_from) : std::optional<bool>(false);
+        m.init_from ? holds_lora_adapters(config_.train.init_from) : std::optional<bool>(false);
     if (!holds_adapters && request.resuming)
       throw InitFromError("train.init_from '" + config_.train.init_from +
                           "' cannot be read: a resumed LoRA run takes its frozen model from it (its checkpoint holds "

@@ -72,9 +72,7 @@ std::string bytes_and_rate(const std::string& checkpoint, std::chrono::steady_cl
   return fmt::format("{} in {:.2f} s, {}/s", human_bytes(static_cast<double>(bytes)), seconds,
                      human_bytes(static_cast<double>(bytes) / std::max(seconds, 1e-9)));
 }
-}  // namespace
 
-namespace {
 // What memory_shortfall counts a parameter: the fp32 master and AdamW's moments, as optimizer.state_dtype keeps them
 // in the streamed trainer (12 B in fp32) and in fp32 in the resident loop; a LoRA run's frozen model alone, or the
 // NVMe tier's compute copy alone (host_state_per_parameter).
@@ -322,25 +320,26 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   // trainer's EMA is gathered), rank 0 writes. Returns what was written, for the log.
   const auto write_exports = [&] {
     std::vector<std::string> exported;
+    const auto joined = [](const std::vector<std::string>& files) {  // "a and b": one file per expert
+      std::string listed;
+      for (const auto& file : files) listed += (listed.empty() ? "" : " and ") + file;
+      return listed;
+    };
     // ComfyUI's layout: the Wan family's weights under their original names (model/wan_weights.h).
     const auto write_export = [&](const std::string& path, const io::NamedTensors& weights) {
       if (config.lora.rank > 0) {  // the adapters: a LoRA file (per expert), ComfyUI's LoRA names for its layouts
         const bool diffusers = options.export_layout == WanWeightsLayout::kDiffusers;
-        const auto files =
-            save_lora_weights(path, config, weights, diffusers ? LoraLayout::kDiffusers : LoraLayout::kComfyUi);
-        std::string listed;
-        for (const auto& file : files) listed += (listed.empty() ? "" : " and ") + file;
-        return listed + (diffusers ? " (LoRA, diffusers' layout)" : " (LoRA, ComfyUI's layout)");
+        return joined(save_lora_weights(path, config, weights,
+                                        diffusers ? LoraLayout::kDiffusers : LoraLayout::kComfyUi)) +
+               (diffusers ? " (LoRA, diffusers' layout)" : " (LoRA, ComfyUI's layout)");
       }
       if (options.export_layout == WanWeightsLayout::kDiffusers) {
         trainer.write_weights(path, weights);
         return path;
       }
-      const auto files = save_wan_comfyui_weights(path, config.model.wan, weights,
-                                                  options.export_layout == WanWeightsLayout::kComfyUI);
-      std::string listed;
-      for (const auto& file : files) listed += (listed.empty() ? "" : " and ") + file;
-      return listed + " (ComfyUI's layout)";
+      return joined(save_wan_comfyui_weights(path, config.model.wan, weights,
+                                             options.export_layout == WanWeightsLayout::kComfyUI)) +
+             " (ComfyUI's layout)";
     };
     if (writer && !options.export_weights.empty()) {
       const std::string written = write_export(options.export_weights, trainer.weight_views());
@@ -349,15 +348,12 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     if (writer && !options.export_merged.empty()) {
       const auto merged = trainer.merged_lora_weights(trainer.weight_views());
       std::string written = options.export_merged;
-      if (options.export_layout == WanWeightsLayout::kDiffusers) {
+      if (options.export_layout == WanWeightsLayout::kDiffusers)
         trainer.write_base_weights(options.export_merged, merged);
-      } else {
-        written.clear();
-        for (const auto& file : save_wan_comfyui_weights(options.export_merged, config.model.wan, merged,
-                                                         options.export_layout == WanWeightsLayout::kComfyUI))
-          written += (written.empty() ? "" : " and ") + file;
-        written += " (ComfyUI's layout)";
-      }
+      else
+        written = joined(save_wan_comfyui_weights(options.export_merged, config.model.wan, merged,
+                                                  options.export_layout == WanWeightsLayout::kComfyUI)) +
+                  " (ComfyUI's layout)";
       exported.push_back(fmt::format("weights with the LoRA merged written to {}", written));
     }
     if (!options.export_ema.empty()) {
@@ -386,7 +382,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     resume_read = bytes_and_rate(resume_path, started);
     warnings = resume_warnings(resume_path, config);
     if (options.export_only) {  // the checkpoint's exports: nothing trained, nothing else written
-      result.warnings = resume_warnings(resume_path, config);
+      result.warnings = std::move(warnings);
       result.exported = write_exports();
       return result;
     }

@@ -81,10 +81,10 @@ struct TrainerRequest {
   Communicator* communicator = nullptr;  // data parallelism, or null for one process
 };
 
-// A LoRA run's train.init_from: true when `path` holds adapters (a LoRA file in any layout, or a LoRA run's folder
-// or checkpoint), false when it holds a model's weights (the frozen model starts from them); nullopt when it cannot
-// be read.
-std::optional<bool> init_from_holds_adapters(const std::string& path);
+// Whether `path` holds LoRA adapters (a LoRA file in any layout, or a LoRA run's folder or checkpoint: its
+// master.safetensors) rather than a model's weights; nullopt when it cannot be read. A LoRA run's train.init_from
+// starts the adapters or the frozen model by it; megaslide-sample refuses a checkpoint of adapters with it.
+std::optional<bool> holds_lora_adapters(const std::string& path);
 
 class Trainer {
  public:
