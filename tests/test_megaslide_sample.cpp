@@ -82,7 +82,12 @@ TEST(MegaslideSample, WritesVBenchNamedH264VideosAnIndexAndRerunsIdentically) {
   auto index = nlohmann::json::parse(megaslide::io::read_file(join_path(out, "index.json")));
   ASSERT_EQ(index.at("videos").size(), 4u);
   EXPECT_EQ(index.at("steps"), 4);
-  EXPECT_EQ(index.at("guidance_scale"), 7.5);  // from the checkpoint's config
+  EXPECT_EQ(index.at("guidance_scale"), 7.5);    // from the checkpoint's config
+  EXPECT_EQ(index.at("compute_dtype"), "fp32");  // and the other settings that change the videos
+  EXPECT_EQ(index.at("device"), "cpu");
+  EXPECT_EQ(index.at("dit"), "resident");
+  EXPECT_TRUE(index.at("timestep_spacing").is_string()) << index.dump();
+  EXPECT_EQ(index.at("crf"), 17);
   std::map<std::string, std::string> first_bytes;
   for (const auto& v : index.at("videos")) {
     const auto prompt = v.at("prompt").get<std::string>();

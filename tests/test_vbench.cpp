@@ -237,6 +237,23 @@ TEST(VBench, IndexJsonListsEveryVideo) {
   EXPECT_EQ(j.at("videos")[1].at("index"), 1);
   EXPECT_EQ(j.at("videos")[1].at("seed").get<uint64_t>(), jobs[1].seed);
   EXPECT_EQ(j.at("videos")[1].at("file"), jobs[1].file);
+  EXPECT_FALSE(j.contains("compute_dtype"));  // settings not given are not recorded
+  EXPECT_FALSE(j.contains("shift"));
+  EXPECT_FALSE(j.contains("crf"));
+  EXPECT_FALSE(j.contains("lora"));
+  record.compute_dtype = "bf16";
+  record.shift = 0.0;
+  record.crf = 0;
+  record.negative_prompt = "";
+  record.lora_2 = {{"low.safetensors", 0.75}};
+  j = nlohmann::json::parse(index_json(jobs, record));
+  EXPECT_EQ(j.at("compute_dtype"), "bf16");
+  EXPECT_EQ(j.at("shift"), 0.0);  // zero is a setting, recorded
+  EXPECT_EQ(j.at("crf"), 0);
+  EXPECT_EQ(j.at("negative_prompt"), "");
+  EXPECT_FALSE(j.contains("lora"));
+  EXPECT_EQ(j.at("lora_2")[0].at("file"), "low.safetensors");
+  EXPECT_EQ(j.at("lora_2")[0].at("scale"), 0.75);
 }
 
 TEST(VBench, ListFilesFindsOnlyTheExtension) {

@@ -468,6 +468,13 @@ TEST(MegaslideSampleWan, WritesPlayableVBenchVideosWhoseLatentsAreTheComposedPip
   EXPECT_EQ(index.at("steps"), 3);
   EXPECT_EQ(index.at("guidance_scale"), 5.0);
   EXPECT_EQ(index.at("fps"), 16);
+  // The other settings that change the videos are recorded too.
+  EXPECT_EQ(index.at("compute_dtype"), "fp32");
+  EXPECT_EQ(index.at("device"), "cpu");
+  EXPECT_EQ(index.at("crf"), 17);
+  EXPECT_TRUE(index.at("shift").is_number()) << index.dump();
+  EXPECT_TRUE(index.at("negative_prompt").is_string()) << index.dump();
+  EXPECT_FALSE(index.contains("lora"));
   for (const auto& v : index.at("videos")) {
     const std::string file = v.at("file");
     megaslide::io::VideoInfo info;
@@ -913,6 +920,9 @@ TEST(MegaslideSampleWan, LoraSamplesAsTheWeightsWithItsUpdateMerged) {
   r = run("--checkpoint " + merged + common + " --out " + from_merged);
   ASSERT_EQ(r.code, 0) << r.output;
   const auto index = nlohmann::json::parse(megaslide::io::read_file(join_path(with_lora, "index.json")));
+  ASSERT_EQ(index.at("lora").size(), 1u) << index.dump();  // the merged file and its scale are recorded
+  EXPECT_EQ(index.at("lora")[0].at("file"), lora_file);
+  EXPECT_EQ(index.at("lora")[0].at("scale"), 0.5);
   for (const auto& v : index.at("videos")) {
     const std::string file = v.at("file");
     EXPECT_LT(max_diff(saved_latents(with_lora, file), saved_latents(from_merged, file)), 1e-5) << file;

@@ -317,6 +317,15 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan,
   record.eta = 0.0;
   record.boundary_ratio = options.boundary_ratio();
   record.guidance_scale_2 = options.guidance_scale_2() < 0 ? options.guidance_scale() : options.guidance_scale_2();
+  record.compute_dtype = dtype.dtype;
+  record.device = device.str();
+  record.dit = opened.dit_streamed         ? "blocks streamed"
+               : opened.experts_take_turns ? "resident, the experts taking turns"
+                                           : "resident";
+  record.shift = options.shift();
+  record.negative_prompt = options.negative_prompt();
+  if (!wan.lora.empty()) record.lora = {{wan.lora, wan.lora_scale}};
+  if (!wan.lora_2.empty()) record.lora_2 = {{wan.lora_2, wan.lora_2_scale < 0 ? wan.lora_scale : wan.lora_2_scale}};
   // Image-to-video: each video's image (a prompt line's --i, else --image) at its size. Wan2.1 / Wan2.2 I2V (the
   // image as conditioning channels): its conditioning (the VAE's latents, CLIP's tokens); Wan2.2 TI2V: the first
   // frame [3, H, W] in [-1, 1], its latent kept clean.
@@ -393,6 +402,10 @@ SampleBatch dit_sampler(megaslide::TextToVideoModel model, size_t video_count, i
   record.steps = options.steps();
   record.guidance_scale = options.guidance_scale();
   record.eta = options.eta();
+  record.compute_dtype = dtype.dtype;
+  record.device = device.str();
+  record.dit = stream ? "blocks streamed" : "resident";
+  record.timestep_spacing = megaslide::to_string(options.timestep_spacing());
   return [generator, options](const std::vector<std::string>& prompts, const std::vector<uint64_t>& seeds,
                               const megaslide::ValidationVideo& first,
                               const std::function<void(int64_t, int64_t)>& on_step) {
@@ -686,6 +699,7 @@ int main(int argc, char** argv) {
     output.latents = wan.latents;
     output.progress = !no_progress;
     megaslide::io::SamplingRecord record{source, "", 0, 0.0, 0.0, seed, output.fps, upscale};
+    record.crf = crf;
     const SampleBatch sample_batch =
         wan_model ? wan_sampler(std::move(*wan_model), wan, videos, out_dir, source, sampler, steps, guidance, device,
                                 streamed, compute_dtype, record)

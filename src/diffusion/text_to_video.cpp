@@ -243,6 +243,7 @@ std::vector<std::string> write_validation_samples(const std::string& dir, const 
                             config.train.seed,
                             8,
                             upscale};
+  record.timestep_spacing = to_string(defaults.timestep_spacing());
   io::write_file_atomically(io::join_path(dir, "index.json"), io::index_json(jobs, record));
   return files;
 }

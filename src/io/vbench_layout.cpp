@@ -354,6 +354,20 @@ std::string index_json(const std::vector<SampleJob>& jobs, const SamplingRecord&
     j["boundary_ratio"] = r.boundary_ratio;
     j["guidance_scale_2"] = r.guidance_scale_2;
   }
+  if (!r.compute_dtype.empty()) j["compute_dtype"] = r.compute_dtype;
+  if (!r.device.empty()) j["device"] = r.device;
+  if (!r.dit.empty()) j["dit"] = r.dit;
+  if (!r.timestep_spacing.empty()) j["timestep_spacing"] = r.timestep_spacing;
+  if (r.shift >= 0) j["shift"] = r.shift;
+  if (r.negative_prompt) j["negative_prompt"] = *r.negative_prompt;
+  if (r.crf >= 0) j["crf"] = r.crf;
+  const auto loras = [](const std::vector<std::pair<std::string, double>>& files) {
+    auto list = nlohmann::ordered_json::array();
+    for (const auto& [file, scale] : files) list.push_back({{"file", file}, {"scale", scale}});
+    return list;
+  };
+  if (!r.lora.empty()) j["lora"] = loras(r.lora);
+  if (!r.lora_2.empty()) j["lora_2"] = loras(r.lora_2);
   j["videos_folder"] = kVideosFolder;
   auto videos = nlohmann::ordered_json::array();
   for (const auto& job : jobs) {

@@ -310,17 +310,18 @@ std::vector<std::string> WanValidation::write(const std::string& dir, Trainer& t
                   io::VideoWriteOptions().fps(kWanFps));
     files.push_back(jobs_[i].file);
   }
-  const io::SamplingRecord record{
-      "(training run)",
-      options_.kind() == FlowSamplerKind::kUniPC ? "unipc" : "euler",
-      options_.steps(),
-      options_.guidance_scale(),
-      0.0,
-      config_.train.seed,
-      kWanFps,
-      upscale,
-      options_.boundary_ratio(),
-      options_.guidance_scale_2() < 0 ? options_.guidance_scale() : options_.guidance_scale_2()};
+  io::SamplingRecord record{"(training run)",
+                            options_.kind() == FlowSamplerKind::kUniPC ? "unipc" : "euler",
+                            options_.steps(),
+                            options_.guidance_scale(),
+                            0.0,
+                            config_.train.seed,
+                            kWanFps,
+                            upscale,
+                            options_.boundary_ratio(),
+                            options_.guidance_scale_2() < 0 ? options_.guidance_scale() : options_.guidance_scale_2()};
+  record.shift = options_.shift();
+  record.negative_prompt = options_.negative_prompt();
   io::write_file_atomically(io::join_path(dir, "index.json"), io::index_json(jobs_, record));
   return files;
 }

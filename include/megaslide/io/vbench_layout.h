@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace megaslide::io {
@@ -122,10 +123,21 @@ struct SamplingRecord {
   int64_t fps = 0, upscale = 1;
   // Wan2.2's two experts: the switch (boundary_ratio x 1000; 0: one model) and the low-noise expert's scale.
   double boundary_ratio = 0, guidance_scale_2 = 0;
+  // The other settings that change the videos (empty, < 0 or unset: not recorded): the compute dtype, the
+  // device, how the DiT ran ("resident", "blocks streamed", ...), the DiT family's timestep spacing, Wan's
+  // shift and negative prompt, H.264's crf, and the LoRA files merged into the DiT (file, scale; Wan2.2's
+  // low-noise expert's under "lora_2").
+  std::string compute_dtype{}, device{}, dit{}, timestep_spacing{};
+  double shift = -1;
+  std::optional<std::string> negative_prompt{};
+  int64_t crf = -1;
+  std::vector<std::pair<std::string, double>> lora{}, lora_2{};
 };
 
 // DIR/index.json: {"checkpoint", "sampler", "steps", "guidance_scale", "eta", "base_seed", "fps", "upscale",
-// ["boundary_ratio", "guidance_scale_2" (two experts),] "videos_folder" ("videos"),
+// ["boundary_ratio", "guidance_scale_2" (two experts),] [the recorded ones of "compute_dtype", "device", "dit",
+// "timestep_spacing", "shift", "negative_prompt", "crf", "lora", "lora_2" ([{"file", "scale"}, …]),]
+// "videos_folder" ("videos"),
 // "videos": [{"prompt", "index", "seed", "file"[, "steps", "guidance_scale", "negative_prompt", "frames",
 // "height", "width"]}, …]} (a video's own settings where it has them).
 std::string index_json(const std::vector<SampleJob>& jobs, const SamplingRecord& record);
