@@ -662,6 +662,26 @@ TEST(Checkpoint, ResumeBelowTheCheckpointsStepIsRefusedAndOtherThreadsAreNamed) 
   // train.threads 0 (auto) is the count it plans on this machine: a warning only where that is not 1.
   const auto automatic = tiny(dir, {"train.threads=0"});
   EXPECT_EQ(resume_warnings(latest, automatic).empty(), megaslide::plan_threads(automatic, torch::kCPU).intra_op == 1);
+  // The checkpoint records the count it ran with, so `auto` saved on a bigger machine (64 threads) warns where
+  // `auto` resolves to fewer: the state file of such a save, edited from this one.
+  auto state = nlohmann::json::parse(io::read_file(io::join_path(latest, "trainer_state.json")));
+  EXPECT_EQ(state.at("intra_op_threads"), 1);
+  std::string yaml = state.at("config");
+  const auto at = yaml.find("\n  threads: 1\n");
+  ASSERT_NE(at, std::string::npos) << yaml;
+  yaml.replace(at, 13, "\n  threads: 0\n");
+  state["config"] = yaml;
+  state["intra_op_threads"] = 64;
+  const auto bigger = fresh_dir("below-bigger-machine");
+  io::make_directories(bigger);
+  io::write_file_atomically(io::join_path(bigger, "trainer_state.json"), state.dump());
+  if (megaslide::plan_threads(automatic, torch::kCPU).intra_op != 64) {
+    const auto from_bigger = resume_warnings(bigger, automatic);
+    ASSERT_EQ(from_bigger.size(), 1u);
+    EXPECT_NE(from_bigger[0].find("64 threads then"), std::string::npos) << from_bigger[0];
+    EXPECT_NE(from_bigger[0].find("train.threads=64"), std::string::npos) << from_bigger[0];
+  }
+  io::remove_tree(bigger);
   io::remove_tree(dir);
 }
 

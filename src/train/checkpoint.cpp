@@ -2,6 +2,7 @@
 
 #include "megaslide/io/files.h"
 
+#include <ATen/Parallel.h>
 #include <array>
 
 #include <fmt/format.h>
@@ -477,8 +478,9 @@ std::vector<std::string> resume_warnings(const std::string& path, const RunConfi
     const RunConfig saved =
         parse_run_config(s.at("config").get<std::string>(), io::join_path(path, kState) + " (config)");
     const YAML::Node a = YAML::Load(to_yaml(saved)), b = YAML::Load(to_yaml(config));
-    // LibTorch's CPU reductions split their work by thread count: another count sums in another order. The counts
-    // compared are those the settings give on this machine (train.threads 0 is `auto`: as many as it plans here).
+    // LibTorch's CPU reductions split their work by thread count: another count sums in another order. The count
+    // here is the one the settings give on this machine (train.threads 0 is `auto`: as many as it plans here); the
+    // saved one is the count the checkpoint records (older checkpoints: its settings' count on this machine).
     const auto threads = [](const RunConfig& c) {
       try {
         return plan_threads(c, resolve_device(c.train.device)).intra_op;
@@ -486,15 +488,17 @@ std::vector<std::string> resume_warnings(const std::string& path, const RunConfi
         return static_cast<int>(c.train.threads);
       }
     };
-    const int saved_threads = threads(saved), threads_here = threads(config);
+    const bool recorded = s.contains("intra_op_threads") && s.at("intra_op_threads").is_number_integer();
+    const int saved_threads = recorded ? s.at("intra_op_threads").get<int>() : threads(saved);
+    const int threads_here = threads(config);
     if (saved_threads != threads_here) {
       const std::string x = lookup(a, "train.threads"), y = lookup(b, "train.threads");
       const auto count = [](int n) { return fmt::format("{} thread{}", n, n == 1 ? "" : "s"); };
       out.push_back(fmt::format(
-          "train.threads is {} here ({}) but was {} ({} on this machine) when {} was saved: the run continues, but "
-          "its losses will no longer match an uninterrupted run's bit for bit; resume with --set train.threads={} for "
-          "an exact continuation",
-          y, count(threads_here), x, count(saved_threads), path, saved_threads));
+          "train.threads is {} here ({}) but was {} ({} {}) when {} was saved: the run continues, but its losses will "
+          "no longer match an uninterrupted run's bit for bit; resume with --set train.threads={} for an exact "
+          "continuation",
+          y, count(threads_here), x, count(saved_threads), recorded ? "then" : "on this machine", path, saved_threads));
     }
     // A LoRA checkpoint holds the adapters alone: a resume takes the frozen model from train.init_from again where
     // it names a model (adapters there only started the run).
@@ -568,6 +572,7 @@ void finish_checkpoint(const std::string& root, const std::string& name, const s
   s["data"] = nlohmann::ordered_json::parse(state.data_state.empty() ? "{}" : state.data_state);
   if (sharded(state)) s["shards"] = shard_layout(*state.shards);
   s["config"] = to_yaml(config);
+  s["intra_op_threads"] = at::get_num_threads();  // what train.threads resolved to: a resume compares it
   const std::string state_text = s.dump(2) + "\n";
   {
     io::AtomicFileWriter out(io::join_path(tmp, kState));
