@@ -1046,6 +1046,13 @@ TEST(WanTraining, BothExpertsRunResumesExportsAndSamplesAsThePair) {
   EXPECT_EQ(exported.model.wan.weights_2, dir + "/export/transformer_2");
   EXPECT_EQ(exported.model.wan.boundary_ratio, 0.875);
   EXPECT_TRUE(megaslide::io::path_exists(dir + "/export/transformer/config.json"));
+  // model_index.json lists WanPipeline's every component, as diffusers' Wan2.2 repositories do: from_pretrained
+  // loads the folder once the base repository's other folders are copied beside the two experts.
+  const auto index = nlohmann::json::parse(megaslide::io::read_file(dir + "/export/model_index.json"));
+  EXPECT_EQ(index.at("_class_name"), "WanPipeline");
+  for (const auto* component : {"scheduler", "text_encoder", "tokenizer", "transformer", "transformer_2", "vae"})
+    EXPECT_TRUE(index.contains(component) && index.at(component).size() == 2) << component << ": " << index.dump();
+  EXPECT_EQ(index.at("vae")[1], "AutoencoderKLWan");
   const auto exported_high = megaslide::WanWeights::open(dir + "/export/transformer");
   const auto exported_low = megaslide::WanWeights::open(dir + "/export/transformer_2");
   for (const auto& p : pair.dit->named_parameters(true))

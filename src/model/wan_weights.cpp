@@ -154,9 +154,9 @@ struct Source {
   const io::SafetensorsEntry* entry = nullptr;
   std::string file_name;  // the tensor's name in the file
   // An fp8 weight's per-tensor scale (<layer>.scale_weight or <layer>.weight_scale), when the file has one.
-  std::shared_ptr<MappedFile> scale_file;
+  std::shared_ptr<MappedFile> scale_file{};
   const io::SafetensorsEntry* scale = nullptr;
-  std::string scale_name;
+  std::string scale_name{};
 };
 
 // A read-only CPU view of a tensor in its mapping (nothing writes through it; converting it is the copy).
@@ -736,11 +736,25 @@ io::WrittenFile save_wan_weights(const std::string& path, const WanConfig& wan, 
       io::make_directories(folder);
       written = save_wan_weights(io::join_path(folder, "diffusion_pytorch_model.safetensors"), one, experts[e], dtype);
     }
+    // The pipeline's every component, as diffusers' Wan2.2 repositories list them: WanPipeline.from_pretrained
+    // loads the folder once the base repository's vae/, text_encoder/, tokenizer/ and scheduler/ are beside.
+    const bool image_to_video = wan_image_to_video(wan);
     nlohmann::ordered_json index;
-    index["_class_name"] = wan_image_to_video(wan) ? "WanImageToVideoPipeline" : "WanPipeline";
+    index["_class_name"] = image_to_video ? "WanImageToVideoPipeline" : "WanPipeline";
     index["boundary_ratio"] = wan.boundary_ratio;
+    if (image_to_video) {  // Wan2.2 I2V-A14B has no image encoder; an image branch takes CLIP's
+      const bool clip = wan.image_dim > 0;
+      index["image_encoder"] =
+          clip ? nlohmann::ordered_json{"transformers", "CLIPVisionModel"} : nlohmann::ordered_json{nullptr, nullptr};
+      index["image_processor"] = clip ? nlohmann::ordered_json{"transformers", "CLIPImageProcessor"}
+                                      : nlohmann::ordered_json{nullptr, nullptr};
+    }
+    index["scheduler"] = {"diffusers", "UniPCMultistepScheduler"};
+    index["text_encoder"] = {"transformers", "UMT5EncoderModel"};
+    index["tokenizer"] = {"transformers", "T5TokenizerFast"};
     index["transformer"] = {"diffusers", "WanTransformer3DModel"};
     index["transformer_2"] = {"diffusers", "WanTransformer3DModel"};
+    index["vae"] = {"diffusers", "AutoencoderKLWan"};
     io::write_file_atomically(io::join_path(path, "model_index.json"), index.dump(2) + "\n");
     return written;
   }
