@@ -833,8 +833,12 @@ TEST(MegaslideTrain, ExportLayoutComfyUIWritesComfyUIsFileAndBadUsesExitTwo) {
   const auto prefixed = join_path(dir, "wan_ft.safetensors"), bare = join_path(dir, "wan_ft_bare.safetensors");
   auto r = run(args + " --export-weights " + prefixed + " --export-layout comfyui");
   ASSERT_EQ(r.code, 0) << r.output;
+  // The tiny Wan's heads are not ComfyUI's dim / 128: every export in its layouts says so.
+  const std::string differs = "ComfyUI will not load the exported file as this model: heads";
+  EXPECT_NE(r.output.find(differs), std::string::npos) << r.output;
   r = run(args + " --resume latest --export-weights " + bare + " --export-layout comfyui-unprefixed");
   ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find(differs), std::string::npos) << r.output;
   EXPECT_NE(r.output.find(bare + " (ComfyUI's layout)"), std::string::npos) << r.output;
   const auto with_prefix = megaslide::io::read_safetensors(prefixed), without = megaslide::io::read_safetensors(bare);
   ASSERT_EQ(with_prefix.tensors.size(), without.tensors.size());

@@ -224,6 +224,12 @@ int main(int argc, char** argv) {
           }
           // Launched ranks: rank 0 writes the checkpoint's files (the merged model above takes every rank).
           const bool writer = megaslide::tools::checking_input([] { return megaslide::read_launch_env().rank == 0; });
+          // What ComfyUI would read differently of this model (the merged export above has said it).
+          if (writer && export_merged.empty() && export_layout != megaslide::WanWeightsLayout::kDiffusers)
+            for (const auto& difference :
+                 megaslide::wan_comfyui_differences(megaslide::with_wan_architecture_from_weights(config).model.wan))
+              std::cerr << "megaslide-train: warning: ComfyUI will not load the exported file as this model: "
+                        << difference << "\n";
           if (!export_weights.empty() && writer) {
             const auto from = megaslide::export_checkpoint_weights(config.output.run_dir, resume, export_weights,
                                                                    /*ema=*/false, export_layout);

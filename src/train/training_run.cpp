@@ -369,6 +369,12 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   };
   std::vector<std::string> warnings;
   std::string resume_read;  // what the resume read, for the log
+  // What ComfyUI assumes of Wan and this model does not, said for every export in its layouts.
+  std::vector<std::string> comfyui_warnings;
+  if (options.export_layout != WanWeightsLayout::kDiffusers &&
+      (!options.export_weights.empty() || !options.export_ema.empty() || !options.export_merged.empty()))
+    for (const auto& difference : wan_comfyui_differences(config.model.wan))
+      comfyui_warnings.push_back("ComfyUI will not load the exported file as this model: " + difference);
   if (!resume_path.empty()) {
     const auto started = std::chrono::steady_clock::now();
     TrainingState state = trainer.training_state();
@@ -383,6 +389,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     warnings = resume_warnings(resume_path, config);
     if (options.export_only) {  // the checkpoint's exports: nothing trained, nothing else written
       result.warnings = std::move(warnings);
+      result.warnings.insert(result.warnings.end(), comfyui_warnings.begin(), comfyui_warnings.end());
       result.exported = write_exports();
       return result;
     }
@@ -456,10 +463,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   else log.info("CPU tensor cache: none (MEGASLIDE_CPU_TENSOR_CACHE=off, or a program that installs none)");
   if (!options.trace_path.empty() && !trainer.streams())
     log.warn("--trace records a streamed trainer only (offload.enabled: true); ignored");
-  if (options.export_layout != WanWeightsLayout::kDiffusers &&
-      (!options.export_weights.empty() || !options.export_ema.empty()))
-    for (const auto& difference : wan_comfyui_differences(config.model.wan))
-      log.warn("ComfyUI will not load the exported file as this model: " + difference);
+  for (const auto& w : comfyui_warnings) log.warn(w);
   if (!resume_path.empty())
     log.info(
         fmt::format("resumed from {} at step {} (verified and read: {})", resume_path, result.first_step, resume_read));
