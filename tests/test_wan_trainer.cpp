@@ -444,6 +444,40 @@ TEST(WanTraining, StreamedStartsFromTheWholeModelsWeightsBitForBit) {
   megaslide::io::remove_tree(dir);
 }
 
+// The property: the model.wan.* sizes come from model.wan.weights (diffusers' config.json, or ComfyUI's file's
+// tensor shapes with the config's heads), not from the defaults (Wan2.1 14B's): a config that names the weights
+// and only the data's sizes parses and resolves to the weights' sizes; what does not fit those sizes is refused
+// once they are known, naming the key; without weights the config's sizes are checked as it is parsed.
+TEST(WanTraining, SizesComeFromTheWeightsNotTheDefaults) {
+  const auto yaml = [](const std::string& wan, const std::string& data) {
+    return "model:\n  arch: wan\n  wan: {" + wan + "}\ndata: {dataset: latent-tensors, " + data +
+           ", max_text_tokens: 5}\ndiffusion: {objective: flow}\ntrain: {device: cpu}\n";
+  };
+  const std::string b = "weights: " + kFixtures + "/b/diffusers",
+                    comfy = "weights: " + kFixtures + "/a/comfyui.safetensors";
+  const auto from_b = megaslide::with_wan_architecture_from_weights(
+      megaslide::parse_run_config(yaml(b, "channels: 3, frames: 2, height: 3, width: 4"), "test"));
+  EXPECT_EQ(from_b.model.wan.out_channels, 3);
+  EXPECT_EQ(from_b.model.wan.dim, 24);
+  EXPECT_EQ(from_b.model.wan.patch, (std::array<int64_t, 3>{2, 1, 2}));
+  const auto from_comfy = megaslide::with_wan_architecture_from_weights(
+      megaslide::parse_run_config(yaml(comfy + ", heads: 3", "channels: 4, frames: 2, height: 4, width: 4"), "test"));
+  EXPECT_EQ(from_comfy.model.wan.dim, 24);
+  EXPECT_EQ(from_comfy.model.wan.heads, 3);
+  const auto refused_key = [&](const std::string& wan, const std::string& data) {
+    try {
+      megaslide::with_wan_architecture_from_weights(megaslide::parse_run_config(yaml(wan, data), "test"));
+    } catch (const megaslide::ConfigError& e) {
+      return e.key();
+    }
+    return std::string("(accepted)");
+  };
+  EXPECT_EQ(refused_key(b, "channels: 4, frames: 2, height: 3, width: 4"), "data.channels");
+  EXPECT_EQ(refused_key(b, "channels: 3, frames: 3, height: 3, width: 4"), "data.frames");  // the patch's 2 frames
+  EXPECT_EQ(refused_key(comfy + ", heads: 5", "channels: 4, frames: 2, height: 4, width: 4"), "model.wan.dim");
+  EXPECT_EQ(refused_key("heads: 3", "channels: 16, frames: 2, height: 4, width: 4"), "model.wan.dim");  // 5120 / 3
+}
+
 // The property: --export-weights writes a Wan run's weights under diffusers' names, in bf16, with diffusers'
 // config in the metadata, and, named diffusion_pytorch_model.safetensors, as a diffusers folder with its
 // config.json; --resume X --export-weights writes a checkpoint's the same way: WanWeights reads each back

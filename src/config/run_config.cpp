@@ -826,13 +826,16 @@ RunConfig load_run_config(const std::string& path, const std::vector<std::string
 
 namespace {
 // model.arch wan: the shape of Wan's blocks and what its trainer and samplers need.
-void validate_wan(const RunConfig& c, const std::function<void(const std::string&, const std::string&)>& fail) {
+// `sizes`: whether the sizes (dim, heads, channels, patch) are the model's: false while model.wan.weights has not
+// been read.
+void validate_wan(const RunConfig& c, bool sizes,
+                  const std::function<void(const std::string&, const std::string&)>& fail) {
   const auto& m = c.model;
   const auto& w = m.wan;
-  if (w.dim % w.heads != 0)
+  if (sizes && w.dim % w.heads != 0)
     fail("model.wan.dim",
          "expected a multiple of model.wan.heads (" + std::to_string(w.heads) + "), got " + std::to_string(w.dim));
-  if ((w.dim / w.heads) % 2 != 0)
+  if (sizes && (w.dim / w.heads) % 2 != 0)
     fail("model.wan.dim", "expected model.wan.dim / model.wan.heads (the head size, " +
                               std::to_string(w.dim / w.heads) + ") to be even: 3D RoPE rotates pairs of channels");
   const auto& te = m.text_encoder;
@@ -877,7 +880,7 @@ void validate_wan(const RunConfig& c, const std::function<void(const std::string
     if (vae.kind != "wan")
       fail("model.vae.kind",
            "expected wan for model.arch wan with data.dataset: videos (the cache holds the Wan VAE's latents)");
-    if (vae.latent_channels != w.out_channels)
+    if (sizes && vae.latent_channels != w.out_channels)
       fail("model.vae.latent_channels", "expected model.wan.out_channels (" + std::to_string(w.out_channels) +
                                             ": the Wan VAE's z_dim is the DiT's latents), got " +
                                             std::to_string(vae.latent_channels));
@@ -891,7 +894,7 @@ void validate_wan(const RunConfig& c, const std::function<void(const std::string
     if (!c.data.buckets.empty())
       fail("data.buckets",
            "model.arch wan trains on one clip size (data.frames x height x width); buckets are the DiT family's");
-    if (wan_image_to_video(w) && c.data.image_frame >= c.data.frames)
+    if (sizes && wan_image_to_video(w) && c.data.image_frame >= c.data.frames)
       fail("data.image_frame", "is " + std::to_string(c.data.image_frame) + ": the conditioning frame of a clip of " +
                                    std::to_string(c.data.frames) + " frames (data.frames) is 0 to " +
                                    std::to_string(c.data.frames - 1));
@@ -900,7 +903,7 @@ void validate_wan(const RunConfig& c, const std::function<void(const std::string
            "Wan2.1 image-to-video (model.wan.image_dim " + std::to_string(w.image_dim) +
                ") caches each clip's CLIP image tokens: name CLIP ViT-H's image encoder (diffusers' image_encoder/ "
                "folder or clip_vision_h.safetensors; docs/wan.md)");
-  } else if (c.data.channels != w.out_channels) {
+  } else if (sizes && c.data.channels != w.out_channels) {
     fail("data.channels", "expected model.wan.out_channels (" + std::to_string(w.out_channels) +
                               ": the latents') for model.arch wan, got " + std::to_string(c.data.channels));
   }
@@ -923,30 +926,29 @@ void validate_wan(const RunConfig& c, const std::function<void(const std::string
     fail("diffusion.guidance_scale_2",
          "is Wan2.2's low-noise expert's guidance scale, but model.wan.weights is "
          "empty: the model is one randomly initialised DiT");
-  if (w.out_channels != w.in_channels && !wan_image_to_video(w))
+  if (sizes && w.out_channels != w.in_channels && !wan_image_to_video(w))
     fail("model.wan.in_channels",
          "expected model.wan.out_channels (" + std::to_string(w.out_channels) + ": text-to-video) or 2 x " +
              std::to_string(w.out_channels) + " + 4 = " + std::to_string(2 * w.out_channels + 4) +
              " (image-to-video: the noisy latents, the first-frame mask, the conditioning video's latents), got " +
              std::to_string(w.in_channels));
-  if (w.image_dim > 0 && !wan_image_to_video(w))
+  if (sizes && w.image_dim > 0 && !wan_image_to_video(w))
     fail("model.wan.image_dim",
          "is " + std::to_string(w.image_dim) +
              ": the image branch is Wan2.1 I2V's, whose input is image-to-video's (model.wan.in_channels 2 x "
              "out_channels + 4 = " +
              std::to_string(2 * w.out_channels + 4) + "), got model.wan.in_channels " + std::to_string(w.in_channels));
-  // (With model.wan.weights the architecture is the weights': checked again once they are read.)
-  if (!wan_image_to_video(w) && c.diffusion.image_dropout > 0 && w.weights.empty())
+  if (sizes && !wan_image_to_video(w) && c.diffusion.image_dropout > 0)
     fail("diffusion.image_dropout",
          "drops the image of image-to-video; this Wan is text-to-video (model.wan.in_channels "
          "equals out_channels)");
-  if (wan_image_to_video(w) && c.diffusion.first_frame_clean > 0)
+  if (sizes && wan_image_to_video(w) && c.diffusion.first_frame_clean > 0)
     fail("diffusion.first_frame_clean",
          "is Wan2.2 TI2V's image-to-video (the first latent frame clean in the input); this Wan takes its image as "
          "conditioning channels (model.wan.in_channels " +
              std::to_string(w.in_channels) + "): set it to 0");
   if (m.self_attention == "dsa3d") {
-    if (w.heads % m.dsa_groups != 0)
+    if (sizes && w.heads % m.dsa_groups != 0)
       fail("model.dsa_groups", "expected a divisor of model.wan.heads (" + std::to_string(w.heads) + "), got " +
                                    std::to_string(m.dsa_groups));
     if (m.dsa_offsets == DsaOffsets::kFrozen)
@@ -956,7 +958,7 @@ void validate_wan(const RunConfig& c, const std::function<void(const std::string
 }
 }  // namespace
 
-void validate(const RunConfig& c, const std::string& source) {
+void validate(const RunConfig& c, const std::string& source, bool wan_sizes_resolved) {
   auto fail = [&](const std::string& key, const std::string& problem) { throw ConfigError(source, key, problem); };
   {
     // Every value is stored as UTF-8 text (config.yaml, checkpoints' JSON, logs): a path with another
@@ -981,6 +983,7 @@ void validate(const RunConfig& c, const std::string& source) {
   }
   const auto& m = c.model;
   const bool wan = m.arch == Architecture::kWan;
+  const bool wan_sizes = wan && (wan_sizes_resolved || m.wan.weights.empty());
   if (c.diffusion.guidance_scale_2 < 0 && c.diffusion.guidance_scale_2 != -1.0)
     fail("diffusion.guidance_scale_2",
          "expected -1 (the low-noise expert guided as diffusion.guidance_scale) or a "
@@ -994,7 +997,7 @@ void validate(const RunConfig& c, const std::string& source) {
     if (!wan) fail("diffusion.first_frame_clean", why + "is model.arch wan's");
     if (c.diffusion.objective != "flow")
       fail("diffusion.first_frame_clean", why + "trains with diffusion.objective flow");
-    if (wan && c.model.wan.patch[0] != 1)
+    if (wan_sizes && c.model.wan.patch[0] != 1)
       fail("diffusion.first_frame_clean", why + "needs model.wan.patch[0] 1 (the first frame's tokens its own)");
     if (wan && !c.model.wan.expert.empty())
       fail("diffusion.first_frame_clean", why + "is one DiT's, not one of two experts'");
@@ -1002,7 +1005,7 @@ void validate(const RunConfig& c, const std::string& source) {
       fail("diffusion.first_frame_clean", why + "needs at least 2 latent frames (the first one clean)");
   }
   if (wan) {
-    validate_wan(c, fail);
+    validate_wan(c, wan_sizes, fail);
   } else {
     if (m.hidden % m.heads != 0)
       fail("model.hidden",
@@ -1077,7 +1080,7 @@ void validate(const RunConfig& c, const std::string& source) {
   const char* patch_names[3] = {"temporal", "height", "width"};
   const auto& patch = wan ? m.wan.patch : m.patch;
   for (int a = 0; a < 3; ++a) {
-    if (sizes[a] % patch[a] != 0)
+    if ((!wan || wan_sizes) && sizes[a] % patch[a] != 0)
       fail(std::string("data.") + axes[a],
            "expected a multiple of the " + std::string(patch_names[a]) + " patch " +
                (wan ? "model.wan.patch[" : "model.patch[") + std::to_string(a) + "] = " + std::to_string(patch[a]) +

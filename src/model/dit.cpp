@@ -129,6 +129,8 @@ void DiTBlockImpl::reset() {
                                                                  .impl(options.dsa_impl())
                                                                  .device(dev)));
       break;
+    case Architecture::kWan:
+      TORCH_CHECK(false, "DiTBlock: model.arch wan is WanTransformer's, not the DiT family's");
   }
   norm2 = register_module("norm2", LayerNorm(LayerNormOptions(D).device(dev)));
   cross_attn =
@@ -149,6 +151,8 @@ torch::Tensor DiTBlockImpl::self_attention(const torch::Tensor& x, const BlockCo
         return window_attn->forward_context_parallel(x, grid, ctx.cp.split, *ctx.cp.group);
       case Architecture::kMegaSlide:
         return dsa_attn->forward_context_parallel(x, grid, ctx.cp.split, *ctx.cp.group);
+      case Architecture::kWan:
+        break;
     }
   }
   switch (options.arch()) {
@@ -158,6 +162,8 @@ torch::Tensor DiTBlockImpl::self_attention(const torch::Tensor& x, const BlockCo
       return window_attn(x, grid);
     case Architecture::kMegaSlide:
       return dsa_attn(x, grid);
+    case Architecture::kWan:
+      break;
   }
   TORCH_CHECK(false, "DiTBlock: unknown architecture");
 }

@@ -826,7 +826,7 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
     throw ConfigError("megaslide-plan", "model.wan.weights", e.what());
   }
   const RunConfig global = with_planned_compute_dtype(sized);
-  validate(global, "megaslide-plan");
+  validate(global, "megaslide-plan", /*wan_sizes_resolved=*/true);
   const int64_t R = world_size, n = global.distributed.context_parallel;
   if (R < 1) throw ConfigError("megaslide-plan", "--world-size", fmt::format("is {}; expected 1 or more ranks", R));
   if (const std::string problem = context_parallel_problem(global, R); !problem.empty())

@@ -442,7 +442,8 @@ class WanFamily final : public ModelFamily {
       throw ConfigError(source, "model.wan.weights", e.what());
     }
     // The checks again on the architecture the weights gave (image-to-video's keys need it).
-    if (!config.model.wan.weights.empty()) validate(resolved, source + " (with model.wan.weights' architecture)");
+    if (!config.model.wan.weights.empty())
+      validate(resolved, source + " (with model.wan.weights' architecture)", /*wan_sizes_resolved=*/true);
     check_expert_training(resolved, source);
     if (resolved.data.dataset == "videos" && resolved.data.cache.empty())
       throw ConfigError(

@@ -350,8 +350,10 @@ bool is_device_spec(const std::string& spec);
 RunConfig parse_run_config(const std::string& yaml_text, const std::string& source,
                            const std::vector<std::string>& overrides = {});
 
-// Checks ranges and cross-field consistency; throws ConfigError naming `source`.
-void validate(const RunConfig& config, const std::string& source);
+// Checks ranges and cross-field consistency; throws ConfigError naming `source`. With model.wan.weights set,
+// Wan's sizes are the weights' (with_wan_architecture_from_weights reads them, then checks again with
+// `wan_sizes_resolved`): until then the checks that need them are left out.
+void validate(const RunConfig& config, const std::string& source, bool wan_sizes_resolved = false);
 
 // The resolved config as YAML that parse_run_config reads back to an equal config.
 std::string to_yaml(const RunConfig& config);
