@@ -685,6 +685,88 @@ TEST(Checkpoint, ResumeBelowTheCheckpointsStepIsRefusedAndOtherThreadsAreNamed) 
   io::remove_tree(dir);
 }
 
+// The property: a run whose `checkpoints/latest` is missing (a failed pointer write) or a broken link still names
+// its complete checkpoints, so that none is taken for lost: --resume latest and a fresh run are refused naming
+// the newest, which resumes by name; a `latest` made a link by hand is followed and then replaced by the pointer
+// file (not its target); `latest`'s temporary files left by killed saves are removed.
+TEST(Checkpoint, AMissingOrLinkedLatestStillLeavesTheCheckpointsByName) {
+  const auto dir = fresh_dir("pointer");
+  run_training(tiny(dir, {"train.steps=4", "train.checkpoint_every=2", "train.threads=1"}), {});
+  const auto pointer = io::join_path(dir, "checkpoints/latest");
+  const auto step4 = io::join_path(dir, "checkpoints/step-0000004");
+  ::unlink(pointer.c_str());
+  ASSERT_EQ(::symlink("step-0000099", pointer.c_str()), 0);  // a broken link
+  const auto refusal = [&](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string("(accepted)");
+  };
+  EXPECT_EQ(complete_checkpoints(dir),
+            (std::vector<std::string>{io::join_path(dir, "checkpoints/step-0000002"), step4}));
+  auto message = refusal([&] { resolve_checkpoint(dir, "latest"); });
+  EXPECT_NE(message.find("--resume " + step4), std::string::npos) << message;
+  message = refusal([&] { run_training(tiny(dir, {"train.steps=6", "train.threads=1"}), {}); });
+  EXPECT_NE(message.find("--resume " + step4), std::string::npos) << message;
+  EXPECT_EQ(message.find("checkpoint_every"), std::string::npos) << message;
+
+  // A link to a pointer file: read through, then replaced by the pointer file itself.
+  ::unlink(pointer.c_str());
+  io::write_file_atomically(io::join_path(dir, "checkpoints/pointer-kept"), "step-0000004\n");
+  ASSERT_EQ(::symlink("pointer-kept", pointer.c_str()), 0);
+  const auto leftover = io::join_path(dir, "checkpoints/latest.Ab3dEf.tmp");  // a killed save's
+  io::write_file_atomically(leftover, "step-00");
+  TrainingRunOptions resume;
+  resume.resume = "latest";
+  EXPECT_EQ(
+      run_training(tiny(dir, {"train.steps=6", "train.checkpoint_every=2", "train.threads=1"}), resume).steps_done, 6);
+  EXPECT_FALSE(io::is_symlink(pointer));
+  EXPECT_EQ(io::read_file(pointer), "step-0000006\n");
+  EXPECT_EQ(io::read_file(io::join_path(dir, "checkpoints/pointer-kept")), "step-0000004\n");
+  EXPECT_FALSE(io::path_exists(leftover));
+  io::remove_tree(dir);
+}
+
+// The property: checkpoints that could never be saved are refused before the first step (exit 2's ConfigError
+// naming output.run_dir), not met at every save after the training: here a run folder whose path leaves no room
+// for a save's temporary names (PATH_MAX); nothing is written.
+TEST(TrainingRun, CheckpointsThatCannotBeSavedAreRefusedBeforeTheFirstStep) {
+  const auto root = fresh_dir("long-path");
+  std::string dir = root;
+  while (dir.size() + 201 < 4040) dir += "/" + std::string(200, 'd');
+  dir += "/" + std::string(4040 - dir.size() - 1, 'r');
+  ASSERT_EQ(dir.size(), 4040u);
+  try {
+    run_training(tiny(dir, {"train.steps=2", "train.checkpoint_every=1", "train.threads=1"}), {});
+    ADD_FAILURE() << "a run whose checkpoints cannot be saved was started";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(e.key(), "output.run_dir");
+    EXPECT_NE(std::string(e.what()).find("checkpoints cannot be saved"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(io::path_exists(io::join_path(dir, "metrics.jsonl")));
+  EXPECT_FALSE(io::path_exists(io::join_path(dir, "checkpoints")));
+  io::remove_tree(root);
+}
+
+// The property: validation videos that cannot be written (here samples/ is a file) are a warning and training
+// goes on to its last step and checkpoint, as a failed periodic save does.
+TEST(TrainingRun, ValidationVideosThatCannotBeWrittenDoNotStopTheRun) {
+  const auto dir = fresh_dir("no-samples");
+  io::make_directories(dir);
+  io::write_file_atomically(io::join_path(dir, "samples"), "in the way");
+  const auto result = run_training(tiny(dir, {"train.steps=4", "train.checkpoint_every=4", "train.sample_every=2",
+                                              "diffusion.sample_steps=2", "train.threads=1"}),
+                                   {});
+  EXPECT_EQ(result.steps_done, 4);
+  EXPECT_EQ(result.last_checkpoint, io::join_path(dir, "checkpoints/step-0000004"));
+  const auto log = io::read_file(io::join_path(dir, "train.log"));
+  EXPECT_NE(log.find("step 2: the validation videos could not be written"), std::string::npos) << log;
+  EXPECT_NE(log.find("step 4: the validation videos could not be written"), std::string::npos) << log;
+  io::remove_tree(dir);
+}
+
 // The memory check before a run: a lower bound (12 B a parameter where the weights and moments live in
 // host memory, the batch, the data order) against what the machine has, refused with the figures.
 TEST(TrainingRun, MemoryShortfallNamesTheFiguresAndSparesWhatFits) {

@@ -195,8 +195,9 @@ size_t line_count(const std::string& path) {
 }
 }  // namespace
 
-// The property: a run killed with SIGTERM part-way and resumed logs the uninterrupted run's losses
-// exactly. The signal lets the current step finish, saves a checkpoint and exits with 128 + 15.
+// The property: a run stopped part-way by SIGTERM, then by SIGHUP (a closed terminal) and resumed each time logs
+// the uninterrupted run's losses exactly. Each signal lets the current step finish, saves a checkpoint and exits
+// with 128 + its number.
 TEST(MegaslideTrain, SigtermSavesAndResumeReproducesTheUninterruptedLosses) {
   const std::string args =
       "--config " + smoke() + " --set train.steps=24 --set output.progress=false --set train.threads=1";
@@ -205,31 +206,36 @@ TEST(MegaslideTrain, SigtermSavesAndResumeReproducesTheUninterruptedLosses) {
 
   // The child's output, named after this test's process (so test_main removes it once the test passes).
   const std::string log = "/tmp/megaslide-test-sigterm-" + std::to_string(::getpid()) + ".log";
-  const pid_t pid = ::fork();
-  ASSERT_GE(pid, 0);
-  if (pid == 0) {
-    std::freopen(log.c_str(), "w", stderr);
-    std::freopen(log.c_str(), "a", stdout);
-    const std::string bin = std::string(MEGASLIDE_BINARY_DIR) + "/bin/megaslide-train";
-    const std::string config = smoke();
-    ::execl(bin.c_str(), bin.c_str(), "--config", config.c_str(), "--run-dir", parts.c_str(), "--set", "train.steps=24",
-            "--set", "output.progress=false", "--set", "train.threads=1", static_cast<char*>(nullptr));
-    ::_exit(127);
-  }
-  // Wait until some steps are logged, then ask it to stop.
   const auto metrics = join_path(parts, "metrics.jsonl");
-  for (int i = 0; i < 6000 && line_count(metrics) < 5; ++i) ::usleep(10000);
-  ::kill(pid, SIGTERM);
-  int status = 0;
-  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
-  ASSERT_TRUE(WIFEXITED(status));
-  EXPECT_EQ(WEXITSTATUS(status), 128 + SIGTERM);
-  const size_t stopped_at = line_count(metrics);
-  ASSERT_GE(stopped_at, 5u);
-  ASSERT_LT(stopped_at, 24u) << "the run ended before the signal; the test proves nothing";
-  EXPECT_TRUE(megaslide::io::is_directory(join_path(
-      parts,
-      "checkpoints/step-" + std::string(7 - std::to_string(stopped_at).size(), '0') + std::to_string(stopped_at))));
+  // Runs the tool (resuming when asked) until `lines` steps are logged, then sends `signal`.
+  const auto stop_with = [&](int signal, size_t lines, bool resume) {
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      std::freopen(log.c_str(), "w", stderr);
+      std::freopen(log.c_str(), "a", stdout);
+      const std::string bin = std::string(MEGASLIDE_BINARY_DIR) + "/bin/megaslide-train";
+      const std::string config = smoke();
+      ::execl(bin.c_str(), bin.c_str(), "--config", config.c_str(), "--run-dir", parts.c_str(), "--set",
+              "train.steps=24", "--set", "output.progress=false", "--set", "train.threads=1",
+              resume ? "--resume" : static_cast<char*>(nullptr), "latest", static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    for (int i = 0; i < 6000 && line_count(metrics) < lines; ++i) ::usleep(10000);
+    ::kill(pid, signal);
+    int status = 0;
+    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    ASSERT_TRUE(WIFEXITED(status));
+    EXPECT_EQ(WEXITSTATUS(status), 128 + signal);
+    const size_t stopped_at = line_count(metrics);
+    ASSERT_GE(stopped_at, lines);
+    ASSERT_LT(stopped_at, 24u) << "the run ended before the signal; the test proves nothing";
+    EXPECT_TRUE(megaslide::io::is_directory(join_path(
+        parts,
+        "checkpoints/step-" + std::string(7 - std::to_string(stopped_at).size(), '0') + std::to_string(stopped_at))));
+  };
+  stop_with(SIGTERM, 5, false);
+  stop_with(SIGHUP, line_count(metrics) + 3, true);
 
   auto r = run(args + " --run-dir " + parts + " --resume latest");
   ASSERT_EQ(r.code, 0) << r.output;

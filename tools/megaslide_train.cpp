@@ -12,14 +12,13 @@
 //   megaslide-train --config C --nproc-per-node 2                               (2 local ranks; docs/distributed.md)
 //   torchrun --nproc-per-node 8 --no-python megaslide-train --config C ...      (or srun: Slurm's environment)
 //
-// SIGINT/SIGTERM: the current step finishes, a checkpoint is saved, and the run exits with 128 + the
-// signal's number (130, 143); a second signal stops at once. SIGPIPE is ignored (a write to a dead peer's socket
-// or a closed pipe fails with an error instead).
-// With --nproc-per-node the process starts the ranks and returns the first failing rank's exit code.
-// Exit codes: 0 done, 2 bad config, flags, output path or checkpoint, a run folder in use by another
-// run or holding a finished one, a device or a memory size this machine does not have (nothing
+// SIGINT/SIGTERM/SIGHUP/SIGUSR1: the current step finishes, a checkpoint is saved, and the run exits with 128 +
+// the signal's number (130, 143, 129, 138); a second signal stops at once. SIGPIPE is ignored (a write to a dead peer's
+// socket or a closed pipe fails with an error instead). With --nproc-per-node the process starts the ranks and returns
+// the first failing rank's exit code. Exit codes: 0 done, 2 bad config, flags, output path or checkpoint, a run folder
+// in use by another run or holding a finished one, a device or a memory size this machine does not have (nothing
 // written), 1 any other failure (including too many non-finite steps and a failed final save),
-// 130/143 stopped by a signal after saving.
+// 130/143/129/138 stopped by a signal after saving.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -243,8 +242,9 @@ int main(int argc, char** argv) {
           }
           return 0;
         }
-        std::signal(SIGINT, on_stop_signal);
-        std::signal(SIGTERM, on_stop_signal);
+        // SIGHUP: the terminal closed (ssh dropped); SIGUSR1: a batch system's warning before its time limit
+        // (Slurm's --signal=USR1@SECONDS). Each stops the run like SIGTERM, with a checkpoint.
+        for (const int signal : {SIGINT, SIGTERM, SIGHUP, SIGUSR1}) std::signal(signal, on_stop_signal);
         options.trace_path = trace_path;
         options.trace_step = trace_step;
         options.export_weights = export_weights;

@@ -213,6 +213,11 @@ bool is_directory(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
 }
 
+bool is_symlink(const std::string& path) {
+  struct stat st {};
+  return ::lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode);
+}
+
 std::string join_path(const std::string& a, const std::string& b) {
   if (a.empty()) return b;
   if (!b.empty() && b.front() == '/') return b;

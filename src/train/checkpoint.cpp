@@ -389,6 +389,31 @@ std::string latest_checkpoint(const std::string& run_dir) {
   return follow_pointer(pointer);
 }
 
+std::vector<std::string> complete_checkpoints(const std::string& run_dir) {
+  std::vector<std::string> out;
+  const std::string root = checkpoints_dir(run_dir);
+  if (!io::is_directory(root)) return out;
+  try {
+    for (const auto& name : io::list_directory(root))  // sorted: zero-padded steps
+      if (is_checkpoint_name(name) && io::path_exists(io::join_path(io::join_path(root, name), kManifest)))
+        out.push_back(io::join_path(root, name));
+  } catch (const io::IoError&) {
+  }
+  return out;
+}
+
+namespace {
+// Why a run folder without `latest` has no checkpoint to resume, or which ones it still holds.
+std::string without_latest(const std::string& run_dir) {
+  const auto complete = complete_checkpoints(run_dir);
+  const std::string pointer = io::join_path(checkpoints_dir(run_dir), "latest");
+  if (complete.empty()) return "has no checkpoint (no " + pointer + ")";
+  return "has no `latest` pointer (" + pointer + " is missing or a broken link) but holds " +
+         std::to_string(complete.size()) + " complete checkpoint" + (complete.size() == 1 ? "" : "s") +
+         ": resume the newest by its name, --resume " + complete.back();
+}
+}  // namespace
+
 std::string find_checkpoint(const std::string& spec) {
   if (spec.empty()) throw CheckpointError("checkpoint: an empty path names no checkpoint");
   if (!io::path_exists(spec)) throw CheckpointError("checkpoint '" + spec + "' does not exist");
@@ -396,9 +421,7 @@ std::string find_checkpoint(const std::string& spec) {
     if (io::path_exists(io::join_path(spec, kManifest))) return spec;  // a checkpoint folder
     if (io::path_exists(io::join_path(spec, "checkpoints"))) {         // a run folder
       const std::string latest = latest_checkpoint(spec);
-      if (latest.empty())
-        throw CheckpointError("run folder '" + spec + "' has no checkpoint (no " +
-                              io::join_path(checkpoints_dir(spec), "latest") + ")");
+      if (latest.empty()) throw CheckpointError("run folder '" + spec + "' " + without_latest(spec));
       return latest;
     }
     if (io::path_exists(io::join_path(spec, "latest")))
@@ -440,8 +463,7 @@ std::string resolve_checkpoint(const std::string& run_dir, const std::string& sp
   if (spec == "latest") {
     const std::string path = latest_checkpoint(run_dir);
     if (path.empty())
-      throw CheckpointError("--resume latest: run directory '" + run_dir + "' has no checkpoint (no " +
-                            io::join_path(checkpoints_dir(run_dir), "latest") + ")");
+      throw CheckpointError("--resume latest: run directory '" + run_dir + "' " + without_latest(run_dir));
     return path;
   }
   return find_checkpoint(spec);
@@ -606,7 +628,15 @@ void finish_checkpoint(const std::string& root, const std::string& name, const s
     io::rename_durably(tmp, final_path);
   }
   observe("in-place");
-  io::write_file_atomically(io::join_path(root, "latest"), name + "\n");
+  const std::string pointer = io::join_path(root, "latest");
+  if (io::is_symlink(pointer)) {
+    // A link put there by hand: replaced by the pointer file (a rename replaces the link, not what it names).
+    const std::string fresh = io::join_path(root, kTempPrefix + std::string("latest-") + std::to_string(::getpid()));
+    io::write_file_atomically(fresh, name + "\n");
+    io::rename_durably(fresh, pointer);
+  } else {
+    io::write_file_atomically(pointer, name + "\n");
+  }
   observe("latest");
   io::remove_tree(tmp);  // after an exchange: the replaced checkpoint
 }
@@ -615,7 +645,12 @@ void finish_checkpoint(const std::string& root, const std::string& name, const s
 std::string what_is_intact(const std::string& run_dir, const std::string& previous) {
   try {
     const std::string latest = latest_checkpoint(run_dir);
-    if (latest.empty()) return "there is no earlier checkpoint";
+    if (latest.empty()) {
+      const auto complete = complete_checkpoints(run_dir);
+      return complete.empty() ? "there is no earlier checkpoint"
+                              : "`latest` is missing; the newest complete checkpoint is " + complete.back() +
+                                    " (--resume it by that name)";
+    }
     if (io::path_exists(io::join_path(latest, kManifest)))
       return latest == previous ? "the previous checkpoint " + latest + " is intact"
                                 : "`latest` names " + latest + ", which is intact";
@@ -765,6 +800,29 @@ std::string save_checkpoint(const std::string& run_dir, const RunConfig& config,
   return final_path;
 }
 
+void check_checkpoints_writable(const std::string& run_dir, int64_t step) {
+  const std::string root = checkpoints_dir(run_dir);
+  // The names a save uses: its temporary folder, and in it a temporary file of the longest name it writes.
+  const std::string tmp =
+      io::join_path(root, kTempPrefix + checkpoint_name(step) + "-" + std::to_string(::getpid()) + "-check");
+  const bool existed = io::path_exists(root);  // a folder made here is removed again: the check leaves nothing
+  try {
+    io::make_directories(root);
+    io::remove_tree(tmp);
+    io::make_directories(tmp);
+    std::string file;
+    const int fd = io::create_temporary_beside(io::join_path(tmp, kTensorFiles[2]), file);
+    ::close(fd);
+    io::remove_tree(existed ? tmp : root);
+  } catch (const io::IoError& e) {
+    try {
+      io::remove_tree(existed ? tmp : root);
+    } catch (...) {
+    }
+    throw CheckpointError(fmt::format("the run's checkpoints cannot be saved in {}: {}", root, e.what()));
+  }
+}
+
 std::vector<std::string> prune_checkpoints(const std::string& run_dir, int64_t keep_last) {
   const std::string root = checkpoints_dir(run_dir);
   std::vector<std::string> removed;
@@ -773,7 +831,9 @@ std::vector<std::string> prune_checkpoints(const std::string& run_dir, int64_t k
   std::vector<std::string> complete;
   for (const auto& name : io::list_directory(root)) {
     const std::string path = io::join_path(root, name);
-    if (name.rfind(kTempPrefix, 0) == 0) {
+    const bool pointer_temporary =  // `latest`'s temporary file of a save that was killed (latest.XXXXXX.tmp)
+        name.rfind("latest.", 0) == 0 && name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0;
+    if (name.rfind(kTempPrefix, 0) == 0 || pointer_temporary) {
       io::remove_tree(path);
       removed.push_back(path);
     } else if (is_checkpoint_name(name) && io::path_exists(io::join_path(path, kManifest))) {

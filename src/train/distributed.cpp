@@ -773,12 +773,14 @@ int launch_local_ranks(const std::vector<std::string>& argv, int64_t nproc, int6
     }
     children.push_back(pid);
   }
+  // The signals megaslide-train stops on with a checkpoint (SIGHUP: the terminal closed; SIGUSR1: a batch
+  // system's warning before its time limit), passed on to every rank.
+  const int forwarded[4] = {SIGINT, SIGTERM, SIGHUP, SIGUSR1};
   struct sigaction forward {
-  }, old_int{}, old_term{};
+  }, old[4]{};
   forward.sa_handler = remember_signal;
   sigemptyset(&forward.sa_mask);
-  ::sigaction(SIGINT, &forward, &old_int);
-  ::sigaction(SIGTERM, &forward, &old_term);
+  for (int i = 0; i < 4; ++i) ::sigaction(forwarded[i], &forward, &old[i]);
 
   int result = 0;
   size_t running = children.size();
@@ -819,8 +821,7 @@ int launch_local_ranks(const std::vector<std::string>& argv, int64_t nproc, int6
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  ::sigaction(SIGINT, &old_int, nullptr);
-  ::sigaction(SIGTERM, &old_term, nullptr);
+  for (int i = 0; i < 4; ++i) ::sigaction(forwarded[i], &old[i], nullptr);
   return result;
 }
 

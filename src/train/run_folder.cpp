@@ -51,8 +51,11 @@ std::string describe_existing_run(const std::string& run_dir) {
   std::string text = io::path_exists(metrics)
                          ? fmt::format("a run with {} steps logged in metrics.jsonl", logged_steps(metrics))
                          : std::string("a run's files");
-  text += latest.empty() ? ", no checkpoint" : ", latest checkpoint " + latest;
-  return text;
+  if (!latest.empty()) return text + ", latest checkpoint " + latest;
+  const auto complete = complete_checkpoints(run_dir);
+  if (!complete.empty())  // `latest` missing or a broken link: the checkpoints are still there, by name
+    return text + ", no `latest` pointer but complete checkpoints up to " + complete.back();
+  return text + ", no checkpoint";
 }
 
 std::string RunFolderGuard::lock_path() const { return io::join_path(run_dir_, kLockName); }
@@ -62,7 +65,11 @@ RunFolderGuard::RunFolderGuard(const std::string& run_dir, bool resuming) : run_
   if (io::path_exists(run_dir_) && !io::is_directory(run_dir_))
     throw RunFolderError("run folder '" + run_dir_ + "' is a file, not a folder; choose another --run-dir");
   created_ = !io::path_exists(run_dir_);
-  io::make_directories(run_dir_);
+  try {
+    io::make_directories(run_dir_);
+  } catch (const io::IoError& e) {
+    throw RunFolderError(fmt::format("run folder '{}': {}", run_dir_, e.what()));
+  }
   const std::string lock = lock_path();
   std::string holder;
   try {
@@ -79,16 +86,22 @@ RunFolderGuard::RunFolderGuard(const std::string& run_dir, bool resuming) : run_
   if (!resuming) {
     const std::string existing = describe_existing_run(run_dir_);
     if (!existing.empty()) {
-      const bool has_checkpoint = existing.find("latest checkpoint") != std::string::npos;
+      const bool has_latest = existing.find("latest checkpoint") != std::string::npos;
+      const auto complete = has_latest ? std::vector<std::string>{} : complete_checkpoints(run_dir_);
       const std::string message =
-          has_checkpoint
+          has_latest ? fmt::format(
+                           "run folder '{}' already holds a run ({}); continue it with --resume latest, or choose "
+                           "another --run-dir",
+                           run_dir_, existing)
+          : !complete.empty()
               ? fmt::format(
-                    "run folder '{}' already holds a run ({}); continue it with --resume latest, or choose another "
+                    "run folder '{}' already holds a run ({}); continue it with --resume {}, or choose another "
                     "--run-dir",
-                    run_dir_, existing)
+                    run_dir_, existing, complete.back())
               : fmt::format(
-                    "run folder '{}' already holds a run ({}: train.checkpoint_every was 0, so it cannot be "
-                    "continued); choose another --run-dir, or delete the folder to train there again",
+                    "run folder '{}' already holds a run ({}: it saved none, stopped before its first or trained with "
+                    "train.checkpoint_every: 0, so it cannot be continued); choose another --run-dir, or delete the "
+                    "folder to train there again",
                     run_dir_, existing);
       lock_.reset();  // the destructor does not run for a constructor that throws
       throw RunFolderError(message);

@@ -261,6 +261,15 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
       throw ConfigError(options.config_source, "offload.nvme_dir",
                         "'" + folder + "': this process cannot create files in it (" + std::strerror(errno) + ")");
   }
+  // A save that cannot succeed (a read-only or foreign checkpoints folder, a path too long) is refused here, not
+  // met at the first checkpoint after hours of training.
+  if (writer && !options.export_only) {
+    try {
+      check_checkpoints_writable(run_dir, train.steps);
+    } catch (const CheckpointError& e) {
+      throw ConfigError(options.config_source, "output.run_dir", e.what());
+    }
+  }
   bool state_in_host_memory = true;
   try {
     // The resident loop keeps its weights and moments on its device; the streamed trainer in host RAM.
@@ -510,14 +519,21 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
       last_saved = state.step;
       log.info(fmt::format("step {}: checkpoint ({}) {} ({})", state.step, why, result.last_checkpoint,
                            bytes_and_rate(result.last_checkpoint, started)));
-      if (writer)
-        for (const auto& removed : prune_checkpoints(run_dir, train.keep_last))
-          log.info("removed old checkpoint " + removed);
-      return true;
     } catch (const CheckpointError& e) {
       log.warn(e.what());
       return false;
     }
+    // The new checkpoint is saved: an old one that cannot be removed (a folder made read-only to keep it) stays.
+    if (writer) {
+      try {
+        for (const auto& removed : prune_checkpoints(run_dir, train.keep_last))
+          log.info("removed old checkpoint " + removed);
+      } catch (const std::exception& e) {
+        log.warn(fmt::format("removing old checkpoints (train.keep_last {}): {}; they stay, the run continues",
+                             train.keep_last, e.what()));
+      }
+    }
+    return true;
   };
 
   const int64_t start = result.first_step;
@@ -552,14 +568,21 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     if (train.sample_every > 0 && m.step % train.sample_every == 0) {
       // Validation videos on rank 0; the other ranks wait for it however long it takes, while it is alive
       // (Communicator::run_on_rank0), instead of in the next collective with its timeout.
+      // Videos that cannot be written (no space, a read-only samples/ folder, the device's memory) are said and
+      // training goes on, as for a checkpoint that cannot be saved.
       auto validate = [&] {
         if (!writer) return;
         const auto samples = dir->file(fmt::format("samples/step-{:07}", m.step));
         const auto started = std::chrono::steady_clock::now();
-        const std::vector<std::string> files = trainer.write_validation(samples);
-        if (tensorboard) tensorboard->videos(m.step, samples, files);
-        log.info(fmt::format("step {}: {} validation videos in {} ({:.1f} s)", m.step, files.size(), samples,
-                             std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count()));
+        try {
+          const std::vector<std::string> files = trainer.write_validation(samples);
+          if (tensorboard) tensorboard->videos(m.step, samples, files);
+          log.info(fmt::format("step {}: {} validation videos in {} ({:.1f} s)", m.step, files.size(), samples,
+                               std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count()));
+        } catch (const std::exception& e) {
+          log.warn(fmt::format("step {}: the validation videos could not be written ({}); training continues", m.step,
+                               error_message(e)));
+        }
       };
       if (communicator) communicator->run_on_rank0(fmt::format("the validation videos of step {}", m.step), validate);
       else validate();
@@ -606,7 +629,23 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
         "of spare blocks held (cap {})",
         cache->hits, cache->hits + cache->misses, human_bytes(static_cast<double>(cache->min_block_bytes)),
         human_bytes(static_cast<double>(cache->cached_bytes)), human_bytes(static_cast<double>(cache->cap_bytes))));
-  result.exported = write_exports();
+  try {
+    result.exported = write_exports();
+  } catch (const std::exception& e) {
+    // The trained state must outlive a failed export (no space where it goes): saved as a checkpoint, which
+    // `--resume CHECKPOINT --export-…` exports again once there is room.
+    std::string kept = last_saved != result.steps_done   ? ""
+                       : !result.last_checkpoint.empty() ? result.last_checkpoint
+                                                         : resume_path;  // trained nothing past it
+    // (A sharded state saves on every rank at once: only a run of one state saves here, rank 0 alone.)
+    if (kept.empty() && result.steps_done > start && !sharded && save("export failed")) kept = result.last_checkpoint;
+    throw OutputError(fmt::format("{}; {}", error_message(e),
+                                  kept.empty() ? std::string("no checkpoint holds the trained state")
+                                               : "the trained state is in checkpoint " + kept +
+                                                     ": export it again with --resume " + kept +
+                                                     " and the same "
+                                                     "--export-… flags"));
+  }
   for (const auto& line : result.exported) log.info(line);
   return result;
 }

@@ -25,6 +25,8 @@ class IoError : public std::runtime_error {
 
 bool path_exists(const std::string& path);
 bool is_directory(const std::string& path);
+// Whether `path` is a symbolic link itself (whether or not what it names exists).
+bool is_symlink(const std::string& path);
 std::string join_path(const std::string& a, const std::string& b);
 
 // mkdir -p.

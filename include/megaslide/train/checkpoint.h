@@ -173,8 +173,15 @@ std::string checkpoint_name(int64_t step);
 std::string save_checkpoint(const std::string& run_dir, const RunConfig& config, const TrainingState& state,
                             const RankSum& sum = nullptr);
 
+// Checks, before a run trains, that its checkpoints can be saved: creates run_dir/checkpoints and, in it, the
+// temporary folder and file names a save of `step` uses, then removes them (and the folder, when it made it).
+// Throws CheckpointError naming the
+// folder and the system's reason (read-only, not ours to write, the path too long) where they cannot be made.
+void check_checkpoints_writable(const std::string& run_dir, int64_t step);
+
 // Removes the oldest complete checkpoints beyond the newest `keep_last` (0 keeps all), never the one
-// `latest` names, and leftover temporary folders of interrupted saves. Returns the removed paths.
+// `latest` names, and what interrupted saves left (temporary folders, `latest`'s temporary files). Returns
+// the removed paths.
 std::vector<std::string> prune_checkpoints(const std::string& run_dir, int64_t keep_last);
 
 // The checkpoint folder `spec` names: "latest" (run_dir/checkpoints/latest), or anything
@@ -195,6 +202,10 @@ std::string find_ema_weights(const std::string& spec);
 
 // The newest checkpoint `latest` names, or "" when the run has none. Reads at most a few bytes.
 std::string latest_checkpoint(const std::string& run_dir);
+
+// The complete checkpoint folders of a run (RUN/checkpoints/step-NNNNNNN holding a manifest), oldest first:
+// what a run whose `latest` is missing or a broken link can still be resumed from by name.
+std::vector<std::string> complete_checkpoints(const std::string& run_dir);
 
 // The step a checkpoint's manifest records.
 int64_t checkpoint_step(const std::string& path);
