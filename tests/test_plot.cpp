@@ -40,12 +40,17 @@ void write(const std::string& path, const std::string& text) {
 
 }  // namespace
 
-// A plot leaves the PNG (by its signature), the data and the script; the data holds the points and a
+// A plot leaves the PNG (whole: its signature and its end), the data and the script; the data holds the points and a
 // gap as "?"; a panel with no plottable point (log scale, y <= 0) still renders.
 TEST(Plot, WritesPngDataAndScriptBesideEachOther) {
   const auto dir = fresh_dir("render");
   const auto files = megaslide::render_plot(two_panels(), join_path(dir, "fig.png"));
   EXPECT_TRUE(megaslide::is_png_file(files.png));
+  {  // the same PNG cut short (a full disk) is not a PNG file
+    const auto bytes = megaslide::io::read_file(files.png);
+    megaslide::io::write_file_atomically(join_path(dir, "cut.png"), bytes.substr(0, bytes.size() / 2));
+    EXPECT_FALSE(megaslide::is_png_file(join_path(dir, "cut.png")));
+  }
   EXPECT_EQ(files.data, join_path(dir, "fig.dat"));
   EXPECT_EQ(files.script, join_path(dir, "fig.gp"));
   const auto data = megaslide::io::read_file(files.data);
@@ -97,7 +102,7 @@ TEST(Plot, FailingGnuplotIsAnError) {
   EXPECT_THROW(megaslide::render_plot(two_panels(), join_path(dir, "fig.jpg")), megaslide::PlotError);
 }
 
-// metrics.jsonl problems name the file and the line.
+// metrics.jsonl problems name the file and the line; only a torn last line is passed over.
 TEST(RunPlots, BadMetricsNameFileAndLine) {
   const auto dir = fresh_dir("bad-metrics");
   const auto path = join_path(dir, "metrics.jsonl");
@@ -121,6 +126,11 @@ TEST(RunPlots, BadMetricsNameFileAndLine) {
   EXPECT_THROW(megaslide::read_metrics_jsonl(join_path(dir, "absent.jsonl")), megaslide::MetricsFileError);
   write(path, good + "\n\n" + good + "\n");  // blank lines are skipped
   EXPECT_EQ(megaslide::read_metrics_jsonl(path).size(), 2u);
+  // A last line cut short (no newline: a full disk, a kill mid-write) is left out; the same text with its newline
+  // is an error.
+  write(path, good + "\n" + good + "\n" + good.substr(0, 20));
+  EXPECT_EQ(megaslide::read_metrics_jsonl(path).size(), 2u);
+  expect_error(good + "\n" + good.substr(0, 20) + "\n", path + ":2: not valid JSON");
 }
 
 // megaslide-plot on a real 5-step smoke run of megaslide-train: three PNGs, and the memory plot has the

@@ -137,6 +137,28 @@ TEST(WanLora, EveryLayoutReadsBackTheSameAdapters) {
     return std::set<std::string>(v.begin(), v.end());
   };
   EXPECT_EQ(targets(a), targets(b));
+
+  // Names without a prefix (Wan's original module names, as some trainers write ComfyUI's LoRA; diffusers' without
+  // "transformer."): the same adapters.
+  for (const std::string prefix : {"diffusion_model.", "transformer."}) {
+    SCOPED_TRACE(prefix);
+    const auto file = megaslide::io::read_safetensors(
+        scratch(prefix == "transformer." ? "diffusers.safetensors" : "comfyui.safetensors"));
+    megaslide::io::NamedTensors stripped;
+    for (const auto& [name, t] : file.tensors) {
+      ASSERT_EQ(name.rfind(prefix, 0), 0u) << name;
+      stripped.emplace_back(name.substr(prefix.size()), t);
+    }
+    const auto path = scratch("unprefixed.safetensors");
+    megaslide::io::write_safetensors(path, stripped, file.metadata);  // diffusers' alpha is in its metadata
+    const auto back = megaslide::read_wan_lora(path, names);
+    ASSERT_EQ(back.adapters.size(), lora.adapters.size());
+    for (const auto& [weight, a] : lora.adapters) {
+      const auto& b = back.adapters.at(weight);
+      EXPECT_TRUE(torch::equal(a.down, b.down) && torch::equal(a.up, b.up)) << weight;
+      EXPECT_EQ(a.alpha, b.alpha) << weight;
+    }
+  }
 }
 
 // The property: a file that is not a LoRA of this model is refused naming the file and the tensor: a module

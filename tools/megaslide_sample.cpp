@@ -171,6 +171,16 @@ void write_videos(const std::vector<megaslide::ValidationVideo>& videos, const V
   megaslide::io::make_directories(videos_dir);
   if (out.latents) megaslide::io::make_directories(latents_dir);
   const auto jobs = jobs_of(videos);
+  // index.json describes the videos this run has written, batch by batch: an earlier run's is removed before
+  // its videos are replaced, so a run stopped part-way (a full disk, Ctrl-C) leaves an index of its own videos.
+  const std::string index = megaslide::io::join_path(out.out_dir, "index.json");
+  megaslide::io::remove_tree(index);
+  const auto write_index = [&](size_t done) {
+    megaslide::io::write_file_atomically(
+        index, megaslide::io::index_json(std::vector<megaslide::io::SampleJob>(
+                                             jobs.begin(), jobs.begin() + static_cast<std::ptrdiff_t>(done)),
+                                         record));
+  };
   SampleProgress progress(static_cast<int64_t>(jobs.size()), out.progress);
   try {
     for (size_t start = 0, end = 0; start < jobs.size(); start = end) {
@@ -195,6 +205,7 @@ void write_videos(const std::vector<megaslide::ValidationVideo>& videos, const V
                                            {{"prompt", jobs[i].prompt}, {"seed", std::to_string(jobs[i].seed)}});
         if (out.png) write_png_frames(out.out_dir, stem, frames);
       }
+      if (end < jobs.size()) write_index(end);
       progress.update(static_cast<int64_t>(end), steps, steps);
     }
   } catch (...) {
@@ -202,10 +213,8 @@ void write_videos(const std::vector<megaslide::ValidationVideo>& videos, const V
     throw;
   }
   progress.finish();
-  megaslide::io::write_file_atomically(megaslide::io::join_path(out.out_dir, "index.json"),
-                                       megaslide::io::index_json(jobs, record));
-  std::cerr << fmt::format("megaslide-sample: wrote {} videos and {}\n", jobs.size(),
-                           megaslide::io::join_path(out.out_dir, "index.json"));
+  write_index(jobs.size());
+  std::cerr << fmt::format("megaslide-sample: wrote {} videos and {}\n", jobs.size(), index);
 }
 
 // --image's frame [H, W, 3] uint8 as the first frame of videos of height x width (io::fit_image), saying on

@@ -130,7 +130,13 @@ bool is_png_file(const std::string& path) {
   char head[8] = {};
   if (!in.read(head, 8)) return false;
   static const unsigned char kSignature[8] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1a, '\n'};
-  return std::memcmp(head, kSignature, 8) == 0;
+  if (std::memcmp(head, kSignature, 8) != 0) return false;
+  // Whole: it ends with the IEND chunk (its length 0, its name, its CRC), which a file cut short (a full disk)
+  // lacks.
+  static const unsigned char kEnd[12] = {0, 0, 0, 0, 'I', 'E', 'N', 'D', 0xae, 0x42, 0x60, 0x82};
+  char tail[12] = {};
+  in.seekg(-12, std::ios::end);
+  return in.read(tail, 12) && std::memcmp(tail, kEnd, 12) == 0;
 }
 
 PlotFiles render_plot(const PlotSpec& spec, const std::string& png_path, const PlotOptions& options) {
@@ -216,9 +222,12 @@ PlotFiles render_plot(const PlotSpec& spec, const std::string& png_path, const P
                                 output.empty() ? std::string() : ":\n" + output));
   }
   ::unlink(log_path.c_str());
-  if (!is_png_file(files.png))
-    throw PlotError(fmt::format("gnuplot ran on {} but {} is not a PNG file (gnuplot printed: {})", files.script,
-                                files.png, output.empty() ? "nothing" : output));
+  if (!is_png_file(files.png)) {
+    ::unlink(files.png.c_str());  // a file cut short must not pass for the picture
+    throw PlotError(
+        fmt::format("gnuplot ran on {} but {} is not a whole PNG file (is the disk full?; gnuplot printed: {})",
+                    files.script, files.png, output.empty() ? "nothing" : output));
+  }
   return files;
 }
 

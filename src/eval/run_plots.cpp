@@ -63,6 +63,9 @@ std::vector<StepMetrics> read_metrics_jsonl(const std::string& path) {
     try {
       j = nlohmann::json::parse(line);
     } catch (const nlohmann::json::parse_error& e) {
+      // A last line without its newline was cut short (a full disk, a kill mid-write): left out, as a resume
+      // drops it. A whole line that is not JSON is an error.
+      if (in.eof()) break;
       throw MetricsFileError(fmt::format("{}: not valid JSON ({})", where, e.what()));
     }
     if (!j.is_object())

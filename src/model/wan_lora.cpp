@@ -108,6 +108,10 @@ WanLora read_wan_lora(const std::string& path, const std::vector<std::string>& w
   WanLora lora;
   lora.source = path;
   const std::string& first = file.tensors.front().first;
+  // The layout by the first name's prefix; names with none (bare module names) are Wan's original ones or
+  // diffusers', whichever the first name is.
+  const bool unprefixed = !starts_with(first, "lora_unet_") && !starts_with(first, "diffusion_model.") &&
+                          !starts_with(first, "transformer.");
   lora.layout = starts_with(first, "lora_unet_")         ? LoraLayout::kMusubi
                 : starts_with(first, "diffusion_model.") ? LoraLayout::kComfyUi
                                                          : LoraLayout::kDiffusers;
@@ -116,14 +120,19 @@ WanLora read_wan_lora(const std::string& path, const std::vector<std::string>& w
   for (const auto& name : weight_names) {
     if (!ends_with(name, ".weight")) continue;
     if (lora.layout == LoraLayout::kDiffusers) {
-      module_of["transformer." + strip_weight(name)] = name;
-      continue;
+      module_of[(unprefixed ? "" : "transformer.") + strip_weight(name)] = name;
+      if (!unprefixed) continue;
     }
     const std::string original = wan_original_name(name);
     if (original.empty()) continue;
     module_of[lora.layout == LoraLayout::kMusubi ? musubi_module(original)
+              : unprefixed                       ? strip_weight(original)
                                                  : "diffusion_model." + strip_weight(original)] = name;
   }
+  const std::string read_as = unprefixed ? "names without a prefix, read as Wan's original or diffusers' module names"
+                              : lora.layout == LoraLayout::kMusubi  ? "musubi-tuner's names (lora_unet_…)"
+                              : lora.layout == LoraLayout::kComfyUi ? "ComfyUI's names (diffusion_model.…)"
+                                                                    : "diffusers' names (transformer.…)";
   std::map<std::string, LoraAdapter> read;  // by module key
   std::map<std::string, at::Tensor> alphas;
   // The file's suffixes and the adapter's part each names: PEFT's (lora_suffixes()), ComfyUI's and musubi's
@@ -152,7 +161,8 @@ WanLora read_wan_lora(const std::string& path, const std::vector<std::string>& w
            "' is not a LoRA or LoKr tensor (.lora_A/.lora_B/.lora_down/.lora_up .weight, .lokr_w1/.lokr_w2 [_a/_b] "
            "or .alpha)");
     if (!module_of.count(module))
-      fail("tensor '" + name + "' adapts '" + module + "', which is not a weight of this Wan model");
+      fail("tensor '" + name + "' adapts '" + module + "', which is not a weight of this Wan model (the file's " +
+           read_as + ", from its first tensor '" + first + "')");
     if (!t.is_floating_point()) fail("tensor '" + name + "' is not floating point");
     if (part.empty()) alphas[module] = t.to(at::kFloat);
     else read[module].set(part, t.to(at::kFloat).contiguous());

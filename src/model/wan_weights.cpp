@@ -14,6 +14,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <map>
 #include <regex>
 #include <set>
@@ -764,9 +765,26 @@ io::WrittenFile save_wan_weights(const std::string& path, const WanConfig& wan, 
       path == name || (path.size() > name.size() && path.compare(path.size() - name.size(), name.size(), name) == 0 &&
                        path[path.size() - name.size() - 1] == '/');
   // The tensors are cast one at a time as they are written (write_safetensors): one tensor's copy at most.
-  auto written = io::write_safetensors(path, parameters, {{"format", kWanWeightsFormat}, {"config", config}}, dtype);
-  if (diffusers_folder) io::write_file_atomically(io::join_path(io::parent_path(path), "config.json"), config);
-  return written;
+  // diffusers' folder: config.json first (the same text when the folder held this model already), put back as it
+  // was when the weights cannot be written, so that the folder's two files always describe one model.
+  const std::string config_json = io::join_path(io::parent_path(path), "config.json");
+  std::optional<std::string> previous;
+  if (diffusers_folder) {
+    if (io::path_exists(config_json)) previous = io::read_file(config_json);
+    io::write_file_atomically(config_json, config);
+  }
+  try {
+    return io::write_safetensors(path, parameters, {{"format", kWanWeightsFormat}, {"config", config}}, dtype);
+  } catch (...) {
+    if (diffusers_folder) {
+      try {
+        if (previous) io::write_file_atomically(config_json, *previous);
+        else io::remove_tree(config_json);
+      } catch (...) {
+      }
+    }
+    throw;
+  }
 }
 
 // --- ComfyUI's single file (megaslide-train --export-layout comfyui) --------------------------------------

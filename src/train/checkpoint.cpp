@@ -831,8 +831,10 @@ std::vector<std::string> prune_checkpoints(const std::string& run_dir, int64_t k
   std::vector<std::string> complete;
   for (const auto& name : io::list_directory(root)) {
     const std::string path = io::join_path(root, name);
-    const bool pointer_temporary =  // `latest`'s temporary file of a save that was killed (latest.XXXXXX.tmp)
-        name.rfind("latest.", 0) == 0 && name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0;
+    // `latest`'s temporary file of a save that was killed: latest.XXXXXX.tmp (create_temporary_beside's name), a
+    // regular file (a link planted at such a name is left alone).
+    const bool pointer_temporary = name.size() == 17 && name.rfind("latest.", 0) == 0 &&
+                                   name.compare(13, 4, ".tmp") == 0 && !io::is_symlink(path) && !io::is_directory(path);
     if (name.rfind(kTempPrefix, 0) == 0 || pointer_temporary) {
       io::remove_tree(path);
       removed.push_back(path);

@@ -9,6 +9,7 @@
 
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <sstream>
@@ -184,6 +185,8 @@ void TensorBoardLog::videos(int64_t step, const std::string& folder, const std::
 namespace {
 // spdlog's file sink opens its file with fopen, which follows a symbolic link at the name; this one
 // writes through io::OutputFile (no link followed, 0644, regular files only).
+// A write that fails (no space) is said once on stderr, by name and reason, and the run goes on: the log is the
+// run's narrative, metrics.jsonl and the checkpoints its record (their failures stop the run).
 class OutputFileSink final : public spdlog::sinks::base_sink<std::mutex> {
  public:
   OutputFileSink(const std::string& path, bool append) : file_(path, append) {}
@@ -192,12 +195,19 @@ class OutputFileSink final : public spdlog::sinks::base_sink<std::mutex> {
   void sink_it_(const spdlog::details::log_msg& msg) override {
     spdlog::memory_buf_t text;
     formatter_->format(msg, text);
-    file_.write(text.data(), text.size());
+    try {
+      file_.write(text.data(), text.size());
+    } catch (const io::IoError& e) {
+      if (!failed_)
+        std::fprintf(stderr, "megaslide: warning: %s; the log misses lines from here on, the run goes on\n", e.what());
+      failed_ = true;
+    }
   }
   void flush_() override {}  // every write goes straight to the file
 
  private:
   io::OutputFile file_;
+  bool failed_ = false;
 };
 }  // namespace
 

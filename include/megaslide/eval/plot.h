@@ -63,7 +63,8 @@ std::string find_gnuplot(const PlotOptions& options = {});
 // Draws `spec` into `png_path` (which must end in ".png"); see the file comment. Throws PlotError.
 PlotFiles render_plot(const PlotSpec& spec, const std::string& png_path, const PlotOptions& options = {});
 
-// True when `path` exists and begins with the 8-byte PNG signature.
+// True when `path` exists, begins with the 8-byte PNG signature and ends with the IEND chunk (a file cut short
+// by a full disk does not).
 bool is_png_file(const std::string& path);
 
 }  // namespace megaslide

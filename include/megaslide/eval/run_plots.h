@@ -27,7 +27,8 @@ class MetricsFileError : public std::runtime_error, public InputError {
 };
 
 // Every step of a metrics.jsonl file. Required per line: step, loss, step_time_s, tokens_per_s,
-// samples_per_s; the others (h2d_bytes, d2h_bytes, peak_device_bytes, ...) default to 0.
+// samples_per_s; the others (h2d_bytes, d2h_bytes, peak_device_bytes, ...) default to 0. A last line cut short
+// (no newline, not JSON: a full disk or a kill mid-write) is left out.
 std::vector<StepMetrics> read_metrics_jsonl(const std::string& path);
 
 // Draws the run in `run_dir` into `out_dir` (created; empty: `run_dir`/plots). Returns the PNG paths.
