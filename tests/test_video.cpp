@@ -231,6 +231,35 @@ std::map<std::string, torch::Tensor> opencv_fixture() {
 }
 }  // namespace
 
+// The property: frames come back in the colours the stream's tags say, not BT.601 studio range whatever they say:
+// colour bars whose YUV tools/make_fixtures.py video_colour worked out from their RGB with BT.709's matrix
+// (studio range, H.264 4:4:4) and at full range on a pixel format without a "j" (VP9 4:2:0) decode to that RGB
+// within 2 levels; OpenCV's conversion, which ignores the tags, reads them visibly wrong (the fixture's check).
+TEST(Video, FramesFollowTheStreamsColourMatrixAndRange) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  const std::string dir = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/video_colour/";
+  const auto bars = nlohmann::json::parse(megaslide::io::read_file(dir + "bars.json"));
+  const auto opencv = megaslide::io::VideoReadOptions().rgb_conversion(megaslide::io::RgbConversion::kOpenCV);
+  for (const std::string clip : {"bars_bt709_64x48.mp4", "bars_fullrange_64x48.webm"}) {
+    SCOPED_TRACE(clip);
+    const auto frames = megaslide::io::read_video(dir + clip).to(torch::kInt32);
+    const auto tags_ignored = megaslide::io::read_video(dir + clip, nullptr, opencv).to(torch::kInt32);
+    ASSERT_EQ(frames.sizes(), (std::vector<int64_t>{3, 48, 64, 3}));
+    int64_t worst_ignored = 0;
+    for (int64_t b = 0; b < 4; ++b) {
+      const auto rgb = bars.at("rgb")[static_cast<size_t>(b)].get<std::vector<int64_t>>();
+      const auto expected = torch::tensor(rgb, torch::kInt32);
+      // The middle of the bar (away from chroma at its edges), every frame.
+      const auto middle = frames.index({torch::indexing::Slice(), 24, b * 16 + 8});
+      const auto diff = (middle - expected).abs().max().item<int64_t>();
+      EXPECT_LE(diff, 2) << "bar " << b << ": " << middle[0] << " for " << expected;
+      worst_ignored =
+          std::max(worst_ignored, (tags_ignored.index({0, 24, b * 16 + 8}) - expected).abs().max().item<int64_t>());
+    }
+    EXPECT_GE(worst_ignored, 8) << "read as BT.601 studio range the bars are not these colours";
+  }
+}
+
 // The kOpenCV conversion is OpenCV's: the same frames, bit for bit, as opencv-python decodes from the
 // same files (yuv420p at a macroblock-aligned size, at a size that is not — the decoder's coded size
 // then differs from the frame's — and full-range yuvj420p).

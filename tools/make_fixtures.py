@@ -158,6 +158,59 @@ def _encode_h264(frames, pix_fmt, path):
         input=frames.tobytes(), check=True)
 
 
+# The colour bars of section video_colour: RGB that the decoder must give back from YUV worked out here.
+_COLOUR_BARS = [(64, 64, 64), (192, 192, 192), (200, 50, 50), (50, 100, 200)]
+
+
+def _bars_yuv(kr, kb, full, chroma_step):
+    """Planes Y, U, V (uint8) of four 16-pixel-wide bars 48 high, from the bars' RGB by the matrix with luma
+    weights kr, kb: studio range (Y 16 + 219y, C 128 + 224c) or full range (Y 255y, C 128 + 255c, clipped);
+    chroma every `chroma_step` pixels (1: 4:4:4, 2: 4:2:0)."""
+    y_row, u_row, v_row = [], [], []
+    for r, g, b in _COLOUR_BARS:
+        r, g, b = r / 255, g / 255, b / 255
+        y = kr * r + (1 - kr - kb) * g + kb * b
+        cb, cr = (b - y) / (2 * (1 - kb)), (r - y) / (2 * (1 - kr))
+        if full:
+            values = (255 * y, 128 + 255 * cb, 128 + 255 * cr)
+        else:
+            values = (16 + 219 * y, 128 + 224 * cb, 128 + 224 * cr)
+        yy, uu, vv = (int(np.clip(np.round(v), 0, 255)) for v in values)
+        y_row += [yy] * 16
+        u_row += [uu] * (16 // chroma_step)
+        v_row += [vv] * (16 // chroma_step)
+    plane = lambda row, h: np.tile(np.array(row, dtype=np.uint8), (h, 1))
+    return plane(y_row, 48), plane(u_row, 48 // chroma_step), plane(v_row, 48 // chroma_step)
+
+
+def section_video_colour(out_dir):
+    ffmpeg = shutil.which("ffmpeg")
+    if ffmpeg is None:
+        sys.exit("make_fixtures video_colour: the ffmpeg program is needed (Debian package ffmpeg)")
+    clips = [
+        # HD video's matrix, studio range, 4:4:4, lossless H.264 tagged BT.709.
+        ("bars_bt709_64x48.mp4", _bars_yuv(0.2126, 0.0722, False, 1), "yuv444p",
+         ["-c:v", "libx264", "-qp", "0", "-colorspace", "bt709", "-color_primaries", "bt709", "-color_trc", "bt709",
+          "-color_range", "tv"]),
+        # BT.601's matrix at full range in a pixel format without a "j" (the range is only in the stream's tag),
+        # lossless VP9.
+        ("bars_fullrange_64x48.webm", _bars_yuv(0.299, 0.114, True, 2), "yuv420p",
+         ["-c:v", "libvpx-vp9", "-lossless", "1", "-colorspace", "smpte170m", "-color_range", "pc"]),
+    ]
+    for name, planes, pix_fmt, codec in clips:
+        frame = b"".join(p.tobytes() for p in planes)
+        subprocess.run([ffmpeg, "-nostdin", "-loglevel", "error", "-y", "-f", "rawvideo", "-pix_fmt", pix_fmt, "-s", "64x48",
+                        "-r", "8", "-i", "-", "-an", *codec, "-pix_fmt", pix_fmt, "-threads", "1", "-map_metadata", "-1",
+                        "-fflags", "+bitexact", "-flags:v", "+bitexact", os.path.join(out_dir, name)],
+                       input=frame * 3, check=True)
+        print(f"  {name}: 3 frames 64x48 {pix_fmt}, bars {_COLOUR_BARS}")
+    with open(os.path.join(out_dir, "bars.json"), "w") as f:
+        json.dump({"rgb": _COLOUR_BARS, "bar_width": 16,
+                   "what": "four 16-pixel bars whose YUV was computed from these RGB values with each file's matrix and "
+                           "range; decoding with the tagged matrix and range gives them back"}, f, indent=1)
+        f.write("\n")
+
+
 def _opencv_frames(path):
     """Every frame as VBench reads it: cv2.VideoCapture(path).read() until it fails; BGR -> RGB."""
     import cv2
@@ -2262,6 +2315,7 @@ def section_fp8(out_dir):
 
 SECTIONS = {
     "video": (section_video, "H.264 clips and their frames as opencv-python decodes them, VBench's temporal flickering"),
+    "video_colour": (section_video_colour, "colour bars in BT.709 studio range and BT.601 full range (VP9), YUV worked out from their RGB"),
     "sampler": (section_sampler, "diffusers DDPM/DDIM timestep tables (linspace/leading/trailing) and single steps"),
     "clip_tokenizer": (section_clip_tokenizer, "CLIPTokenizer ids of VBench and edge-case prompts, real and tiny vocabularies"),
     "clip": (section_clip, "tiny random CLIP text models (text-only and whole-CLIPModel layouts) and their outputs"),

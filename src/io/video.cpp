@@ -7,6 +7,7 @@ extern "C" {
 #include <libavutil/display.h>
 #include <libavutil/imgutils.h>
 #include <libavutil/opt.h>
+#include <libavutil/pixdesc.h>
 #include <libswscale/swscale.h>
 }
 #endif
@@ -431,6 +432,37 @@ void describe_stream(const OpenedVideo& v, VideoInfo& info) {
   if (info.fps <= 0 && v.stream->r_frame_rate.den != 0) info.fps = av_q2d(v.stream->r_frame_rate);
 }
 
+// swscale's YUV -> RGB matrix for a frame's tagged colour space (FFmpeg's own choice for untagged frames: BT.601).
+int sws_colorspace(AVColorSpace space) {
+  switch (space) {
+    case AVCOL_SPC_BT709:
+      return SWS_CS_ITU709;
+    case AVCOL_SPC_FCC:
+      return SWS_CS_FCC;
+    case AVCOL_SPC_SMPTE240M:
+      return SWS_CS_SMPTE240M;
+    case AVCOL_SPC_BT2020_NCL:
+    case AVCOL_SPC_BT2020_CL:
+      return SWS_CS_BT2020;
+    default:  // BT.601 (BT470BG, SMPTE170M) and unspecified
+      return SWS_CS_ITU601;
+  }
+}
+
+// The conversion of YUV (and grey) frames follows the frame's tags: its matrix (BT.709 for HD video, BT.2020)
+// and its range (full range tagged on a pixel format without a "j", as VP9 and 10-bit video carry it). RGB
+// frames need neither.
+void follow_colour_tags(SwsContext* sws, const AVFrame& frame) {
+  const AVPixFmtDescriptor* desc = av_pix_fmt_desc_get(static_cast<AVPixelFormat>(frame.format));
+  if (desc == nullptr || (desc->flags & AV_PIX_FMT_FLAG_RGB) != 0) return;
+  const bool j_format = frame.format == AV_PIX_FMT_YUVJ420P || frame.format == AV_PIX_FMT_YUVJ422P ||
+                        frame.format == AV_PIX_FMT_YUVJ444P || frame.format == AV_PIX_FMT_YUVJ440P ||
+                        frame.format == AV_PIX_FMT_YUVJ411P;
+  const int full_range = frame.color_range == AVCOL_RANGE_JPEG || j_format ? 1 : 0;
+  const int* coefficients = sws_getCoefficients(sws_colorspace(frame.colorspace));
+  sws_setColorspaceDetails(sws, coefficients, full_range, sws_getCoefficients(SWS_CS_DEFAULT), 1, 0, 1 << 16, 1 << 16);
+}
+
 // Decodes frames in presentation order; `keep(index)` says whether frame `index` is converted to RGB and
 // handed to `take`. Stops after frame `last` (−1: the whole stream). Returns the number of frames decoded.
 int64_t decode_frames(const std::string& path, OpenedVideo& v, const VideoReadOptions& options, int64_t last,
@@ -465,6 +497,8 @@ int64_t decode_frames(const std::string& path, OpenedVideo& v, const VideoReadOp
           sws.reset(sws_getContext(cw, ch, static_cast<AVPixelFormat>(frame->format), cw, ch, AV_PIX_FMT_RGB24, flags,
                                    nullptr, nullptr, nullptr));
           if (!sws) fail(path, "cannot set up the YUV -> RGB conversion");
+          // (OpenCV's call ignores the tags: BT.601's matrix, the range by the pixel format.)
+          if (options.rgb_conversion() != RgbConversion::kOpenCV) follow_colour_tags(sws.get(), *frame);
           rgb->format = AV_PIX_FMT_RGB24, rgb->width = cw, rgb->height = ch;
           check(av_frame_get_buffer(rgb.get(), 0), path, "cannot allocate a frame");
         }
