@@ -232,12 +232,12 @@ std::map<std::string, torch::Tensor> opencv_fixture() {
 }  // namespace
 
 // The property: frames come back in the colours the stream's tags say, not BT.601 studio range whatever they say:
-// colour bars whose YUV tools/make_fixtures.py video_colour worked out from their RGB with BT.709's matrix
+// colour bars whose YUV tools/make_fixtures.py video_files worked out from their RGB with BT.709's matrix
 // (studio range, H.264 4:4:4) and at full range on a pixel format without a "j" (VP9 4:2:0) decode to that RGB
 // within 2 levels; OpenCV's conversion, which ignores the tags, reads them visibly wrong (the fixture's check).
 TEST(Video, FramesFollowTheStreamsColourMatrixAndRange) {
   if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
-  const std::string dir = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/video_colour/";
+  const std::string dir = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/video_files/";
   const auto bars = nlohmann::json::parse(megaslide::io::read_file(dir + "bars.json"));
   const auto opencv = megaslide::io::VideoReadOptions().rgb_conversion(megaslide::io::RgbConversion::kOpenCV);
   for (const std::string clip : {"bars_bt709_64x48.mp4", "bars_fullrange_64x48.webm"}) {
@@ -258,6 +258,23 @@ TEST(Video, FramesFollowTheStreamsColourMatrixAndRange) {
     }
     EXPECT_GE(worst_ignored, 8) << "read as BT.601 studio range the bars are not these colours";
   }
+}
+
+// The property: a file cut short inside a packet (a download cut short: tools/make_fixtures.py video_files, the
+// first 90 % of 24 frames) ends where the damage begins: the frames before it are read, and asking for a frame past
+// it is the stream's end (an undefined tensor and the count decoded, which a dataset plans again with), not an
+// error that would discard the file.
+TEST(Video, AFileCutShortEndsWhereItIsCut) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  const std::string path = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/video_files/bars_cut_64x48.mp4";
+  int64_t decoded = 0;
+  const auto past = megaslide::io::read_video_frames(path, {23}, &decoded);
+  EXPECT_FALSE(past.defined());
+  EXPECT_GT(decoded, 0);
+  EXPECT_LT(decoded, 24);
+  const auto first = megaslide::io::read_video_frames(path, {0, decoded - 1}, &decoded);
+  ASSERT_TRUE(first.defined());
+  EXPECT_EQ(first.sizes(), (std::vector<int64_t>{2, 48, 64, 3}));
 }
 
 // The kOpenCV conversion is OpenCV's: the same frames, bit for bit, as opencv-python decodes from the

@@ -158,7 +158,7 @@ def _encode_h264(frames, pix_fmt, path):
         input=frames.tobytes(), check=True)
 
 
-# The colour bars of section video_colour: RGB that the decoder must give back from YUV worked out here.
+# The colour bars of section video_files: RGB that the decoder must give back from YUV worked out here.
 _COLOUR_BARS = [(64, 64, 64), (192, 192, 192), (200, 50, 50), (50, 100, 200)]
 
 
@@ -183,10 +183,10 @@ def _bars_yuv(kr, kb, full, chroma_step):
     return plane(y_row, 48), plane(u_row, 48 // chroma_step), plane(v_row, 48 // chroma_step)
 
 
-def section_video_colour(out_dir):
+def section_video_files(out_dir):
     ffmpeg = shutil.which("ffmpeg")
     if ffmpeg is None:
-        sys.exit("make_fixtures video_colour: the ffmpeg program is needed (Debian package ffmpeg)")
+        sys.exit("make_fixtures video_files: the ffmpeg program is needed (Debian package ffmpeg)")
     clips = [
         # HD video's matrix, studio range, 4:4:4, lossless H.264 tagged BT.709.
         ("bars_bt709_64x48.mp4", _bars_yuv(0.2126, 0.0722, False, 1), "yuv444p",
@@ -204,6 +204,19 @@ def section_video_colour(out_dir):
                         "-fflags", "+bitexact", "-flags:v", "+bitexact", os.path.join(out_dir, name)],
                        input=frame * 3, check=True)
         print(f"  {name}: 3 frames 64x48 {pix_fmt}, bars {_COLOUR_BARS}")
+    # A download cut short: 24 frames with the index first (+faststart), then only the first 90 % of the bytes, so
+    # the stream ends inside a packet.
+    whole = os.path.join(out_dir, "whole.mp4")
+    planes = _bars_yuv(0.299, 0.114, False, 2)
+    subprocess.run([ffmpeg, "-nostdin", "-loglevel", "error", "-y", "-f", "rawvideo", "-pix_fmt", "yuv420p", "-s", "64x48",
+                    "-r", "8", "-i", "-", "-an", "-c:v", "libx264", "-g", "4", "-crf", "30", "-threads", "1",
+                    "-movflags", "+faststart", "-map_metadata", "-1", "-fflags", "+bitexact", "-flags:v", "+bitexact",
+                    whole], input=b"".join(p.tobytes() for p in planes) * 24, check=True)
+    data = open(whole, "rb").read()
+    os.remove(whole)
+    with open(os.path.join(out_dir, "bars_cut_64x48.mp4"), "wb") as f:
+        f.write(data[: len(data) * 9 // 10])
+    print(f"  bars_cut_64x48.mp4: the first {len(data) * 9 // 10} of {len(data)} bytes of 24 frames")
     with open(os.path.join(out_dir, "bars.json"), "w") as f:
         json.dump({"rgb": _COLOUR_BARS, "bar_width": 16,
                    "what": "four 16-pixel bars whose YUV was computed from these RGB values with each file's matrix and "
@@ -2315,7 +2328,7 @@ def section_fp8(out_dir):
 
 SECTIONS = {
     "video": (section_video, "H.264 clips and their frames as opencv-python decodes them, VBench's temporal flickering"),
-    "video_colour": (section_video_colour, "colour bars in BT.709 studio range and BT.601 full range (VP9), YUV worked out from their RGB"),
+    "video_files": (section_video_files, "colour bars in BT.709 studio range and BT.601 full range (VP9), YUV worked out from their RGB; a file cut short"),
     "sampler": (section_sampler, "diffusers DDPM/DDIM timestep tables (linspace/leading/trailing) and single steps"),
     "clip_tokenizer": (section_clip_tokenizer, "CLIPTokenizer ids of VBench and edge-case prompts, real and tiny vocabularies"),
     "clip": (section_clip, "tiny random CLIP text models (text-only and whole-CLIPModel layouts) and their outputs"),

@@ -465,9 +465,11 @@ void follow_colour_tags(SwsContext* sws, const AVFrame& frame) {
 
 // Decodes frames in presentation order; `keep(index)` says whether frame `index` is converted to RGB and
 // handed to `take`. Stops after frame `last` (−1: the whole stream). Returns the number of frames decoded.
+// `damage_ends_stream`: data the demuxer or decoder finds invalid (a download cut short, damaged bytes) ends the
+// stream there, as its end would, after the frames decoded before it; otherwise it is an error.
 int64_t decode_frames(const std::string& path, OpenedVideo& v, const VideoReadOptions& options, int64_t last,
-                      const std::function<bool(int64_t)>& keep,
-                      const std::function<void(int64_t, torch::Tensor)>& take) {
+                      const std::function<bool(int64_t)>& keep, const std::function<void(int64_t, torch::Tensor)>& take,
+                      bool damage_ends_stream = false) {
   const int W = v.width, H = v.height;
   AVCodecContext* dec = v.dec.get();
   FramePtr frame(av_frame_alloc()), rgb(av_frame_alloc());
@@ -475,11 +477,16 @@ int64_t decode_frames(const std::string& path, OpenedVideo& v, const VideoReadOp
   if (!frame || !rgb || !packet) fail(path, "out of memory");
   SwsPtr sws;
   int64_t decoded = 0;
-  bool done = false;
+  bool done = false, damaged = false;
+  const auto damage = [&](int r) { return damage_ends_stream && r == AVERROR_INVALIDDATA; };
   auto receive = [&] {
     while (!done) {
       int r = avcodec_receive_frame(dec, frame.get());
       if (r == AVERROR(EAGAIN) || r == AVERROR_EOF) return;
+      if (damage(r)) {
+        damaged = done = true;
+        return;
+      }
       check(r, path, "decoding failed");
       if (frame->width != W || frame->height != H) fail(path, "frame size changes mid-stream");
       const int64_t index = decoded++;
@@ -515,15 +522,20 @@ int64_t decode_frames(const std::string& path, OpenedVideo& v, const VideoReadOp
   };
   while (!done) {
     int r = av_read_frame(v.in.get(), packet.get());
-    if (r == AVERROR_EOF) break;
+    if (r == AVERROR_EOF || damage(r)) break;
     check(r, path, "cannot read a packet");
     if (packet->stream_index == v.index) {
-      check(avcodec_send_packet(dec, packet.get()), path, "decoding failed");
+      r = avcodec_send_packet(dec, packet.get());
+      if (damage(r)) {
+        av_packet_unref(packet.get());
+        break;  // the frames the decoder holds from before it are still flushed out below
+      }
+      check(r, path, "decoding failed");
       receive();
     }
     av_packet_unref(packet.get());
   }
-  if (!done) {
+  if (!done && !damaged) {
     check(avcodec_send_packet(dec, nullptr), path, "flushing the decoder failed");
     receive();
   }
@@ -613,7 +625,7 @@ torch::Tensor read_video_frames(const std::string& path, const std::vector<int64
                      options);
   const int64_t decoded = decode_frames(
       path, v, options, last, [&](int64_t i) { return i <= last && wanted[static_cast<size_t>(i)] != 0; },
-      [&](int64_t i, torch::Tensor t) { kept.emplace(i, std::move(t)); });
+      [&](int64_t i, torch::Tensor t) { kept.emplace(i, std::move(t)); }, /*damage_ends_stream=*/true);
   if (frames_decoded != nullptr) *frames_decoded = decoded;
   if (decoded <= last) return {};
   auto out = torch::empty({static_cast<int64_t>(indices.size()), v.shown_height, v.shown_width, 3}, torch::kUInt8);

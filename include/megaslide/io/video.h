@@ -116,9 +116,10 @@ VideoInfo probe_video(const std::string& path);
 
 // Decodes in presentation order up to the largest of `indices` (nothing after it) and returns those
 // frames in the order of `indices` (repeats allowed): [N, H, W, 3] uint8 RGB. Frames are counted as the
-// decoder outputs them (constant-rate streams: frame i is at i / fps). When the stream ends before the
-// largest index, returns an undefined tensor; `frames_decoded` (when given) receives how many frames were
-// decoded either way. Each call decodes on one thread.
+// decoder outputs them (constant-rate streams: frame i is at i / fps). Data the demuxer or decoder finds
+// invalid (a download cut short, damaged bytes) ends the stream there, after the frames before it. When the
+// stream ends before the largest index, returns an undefined tensor; `frames_decoded` (when given) receives how many
+// frames were decoded either way. Each call decodes on one thread.
 torch::Tensor read_video_frames(const std::string& path, const std::vector<int64_t>& indices,
                                 int64_t* frames_decoded = nullptr, const VideoReadOptions& options = {});
 
