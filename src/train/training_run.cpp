@@ -10,6 +10,7 @@
 #include <memory>
 #include <optional>
 
+#include "megaslide/data/video_manifest.h"
 #include "megaslide/diffusion/text_to_video.h"
 #include "megaslide/io/files.h"
 #include "megaslide/model/wan.h"
@@ -544,7 +545,21 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   for (int64_t i = start; i < train.steps; ++i) {
     if (trainer.streams() && !options.trace_path.empty() && i + 1 == std::min(options.trace_step, train.steps))
       trainer.trace_next_step(options.trace_path);
-    const StepMetrics m = trainer.step();
+    StepMetrics m;
+    try {
+      m = trainer.step();
+    } catch (const DatasetError& e) {
+      // Too many items failed while decoding (the dataset's check at start passed them): said in the log too,
+      // with the step and the last checkpoint.
+      progress.finish();
+      report_bad_items();
+      const std::string last = latest_checkpoint(run_dir);
+      const std::string message = fmt::format(
+          "{}; stopped at step {} of {}: {}", e.what(), result.steps_done + 1, train.steps,
+          last.empty() ? std::string("there is no checkpoint to resume from") : "the last checkpoint is " + last);
+      log.warn(message);
+      throw DatasetError(message);
+    }
     report_bad_items();
     result.steps_done = m.step;
     if (metrics) metrics->write(m);
