@@ -277,6 +277,17 @@ TEST(Video, AFileCutShortEndsWhereItIsCut) {
   EXPECT_EQ(first.sizes(), (std::vector<int64_t>{2, 48, 64, 3}));
 }
 
+// The property: a recording streamed to its file (a WebM written to a pipe: neither a frame count nor a duration)
+// is probed at its true frame count, counted from its packets, not as a file of no frames.
+TEST(Video, AStreamedRecordingWithoutADurationIsProbedAtItsFrames) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  const std::string path = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/video_files/bars_streamed_64x48.webm";
+  const auto info = megaslide::io::probe_video(path);
+  EXPECT_EQ(info.container_frames, 0);
+  EXPECT_EQ(info.frames, 10);
+  EXPECT_EQ(megaslide::io::read_video(path).size(0), 10);
+}
+
 // The kOpenCV conversion is OpenCV's: the same frames, bit for bit, as opencv-python decodes from the
 // same files (yuv420p at a macroblock-aligned size, at a size that is not — the decoder's coded size
 // then differs from the frame's — and full-range yuvj420p).

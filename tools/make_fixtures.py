@@ -217,6 +217,15 @@ def section_video_files(out_dir):
     with open(os.path.join(out_dir, "bars_cut_64x48.mp4"), "wb") as f:
         f.write(data[: len(data) * 9 // 10])
     print(f"  bars_cut_64x48.mp4: the first {len(data) * 9 // 10} of {len(data)} bytes of 24 frames")
+    # A recording streamed to its file (written to a pipe: the WebM states neither a frame count nor a duration).
+    streamed = subprocess.run([ffmpeg, "-nostdin", "-loglevel", "error", "-f", "rawvideo", "-pix_fmt", "yuv420p", "-s",
+                               "64x48", "-r", "8", "-i", "-", "-an", "-c:v", "libvpx-vp9", "-lossless", "1", "-threads",
+                               "1", "-map_metadata", "-1", "-fflags", "+bitexact", "-flags:v", "+bitexact", "-f", "webm",
+                               "pipe:1"], input=b"".join(p.tobytes() for p in planes) * 10, check=True,
+                              capture_output=True).stdout
+    with open(os.path.join(out_dir, "bars_streamed_64x48.webm"), "wb") as f:
+        f.write(streamed)
+    print(f"  bars_streamed_64x48.webm: 10 frames written to a pipe")
     with open(os.path.join(out_dir, "bars.json"), "w") as f:
         json.dump({"rgb": _COLOUR_BARS, "bar_width": 16,
                    "what": "four 16-pixel bars whose YUV was computed from these RGB values with each file's matrix and "

@@ -605,6 +605,18 @@ VideoInfo probe_video(const std::string& path) {
       seconds = static_cast<double>(v.in->duration) / AV_TIME_BASE;
     info.frames = static_cast<int64_t>(std::llround(seconds * info.fps));
   }
+  if (info.frames <= 0) {
+    // Neither a count nor a duration (a recording streamed to its file: a browser's WebM, a pipe's MKV): the
+    // video stream's packets, counted without decoding them, one frame each.
+    PacketPtr packet(av_packet_alloc());
+    if (!packet) fail(path, "out of memory");
+    int64_t packets = 0;
+    while (av_read_frame(v.in.get(), packet.get()) >= 0) {
+      packets += packet->stream_index == v.index ? 1 : 0;
+      av_packet_unref(packet.get());
+    }
+    info.frames = packets;
+  }
   return info;
 }
 

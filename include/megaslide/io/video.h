@@ -110,8 +110,9 @@ struct VideoReadOptions {
 torch::Tensor read_video(const std::string& path, VideoInfo* info = nullptr, const VideoReadOptions& options = {});
 
 // The stream's description without decoding it (the container's header and the first packets). `frames`
-// is the container's frame count or, when it states none, duration × fps rounded (an estimate: the
-// caller that needs exact counts decodes, below).
+// is the container's frame count or, when it states none, duration × fps rounded, or when it states neither (a
+// recording streamed to its file) the video stream's packets counted (estimates: the caller that needs exact
+// counts decodes, below).
 VideoInfo probe_video(const std::string& path);
 
 // Decodes in presentation order up to the largest of `indices` (nothing after it) and returns those
