@@ -687,8 +687,9 @@ TEST(Checkpoint, ResumeBelowTheCheckpointsStepIsRefusedAndOtherThreadsAreNamed) 
 
 // The property: a run whose `checkpoints/latest` is missing (a failed pointer write) or a broken link still names
 // its complete checkpoints, so that none is taken for lost: --resume latest and a fresh run are refused naming
-// the newest, which resumes by name; a `latest` made a link by hand is followed and then replaced by the pointer
-// file (not its target); `latest`'s temporary files left by killed saves are removed.
+// the newest, which resumes by name; a `latest` made a link by hand (to a pointer file, or to a checkpoint folder)
+// is followed and then replaced by the pointer file (not its target) at a save or a rollback; `latest`'s temporary
+// files left by killed saves are removed.
 TEST(Checkpoint, AMissingOrLinkedLatestStillLeavesTheCheckpointsByName) {
   const auto dir = fresh_dir("pointer");
   run_training(tiny(dir, {"train.steps=4", "train.checkpoint_every=2", "train.threads=1"}), {});
@@ -726,6 +727,17 @@ TEST(Checkpoint, AMissingOrLinkedLatestStillLeavesTheCheckpointsByName) {
   EXPECT_EQ(io::read_file(pointer), "step-0000006\n");
   EXPECT_EQ(io::read_file(io::join_path(dir, "checkpoints/pointer-kept")), "step-0000004\n");
   EXPECT_FALSE(io::path_exists(leftover));
+
+  // A link to a checkpoint folder beside it names that checkpoint; a rollback to an earlier one replaces the link.
+  ::unlink(pointer.c_str());
+  ASSERT_EQ(::symlink("step-0000006", pointer.c_str()), 0);
+  EXPECT_EQ(latest_checkpoint(dir), io::join_path(dir, "checkpoints/step-0000006"));
+  TrainingRunOptions back;
+  back.resume = io::join_path(dir, "checkpoints/step-0000004");
+  EXPECT_EQ(run_training(tiny(dir, {"train.steps=5", "train.checkpoint_every=0", "train.threads=1"}), back).steps_done,
+            5);
+  EXPECT_FALSE(io::is_symlink(pointer));
+  EXPECT_EQ(io::read_file(pointer), "step-0000004\n");
   io::remove_tree(dir);
 }
 

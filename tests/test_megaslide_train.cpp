@@ -214,6 +214,7 @@ TEST(MegaslideTrain, SigtermSavesAndResumeReproducesTheUninterruptedLosses) {
     if (pid == 0) {
       std::freopen(log.c_str(), "w", stderr);
       std::freopen(log.c_str(), "a", stdout);
+      std::signal(SIGHUP, SIG_DFL);  // as from a terminal, even where the tests run under nohup
       const std::string bin = std::string(MEGASLIDE_BINARY_DIR) + "/bin/megaslide-train";
       const std::string config = smoke();
       ::execl(bin.c_str(), bin.c_str(), "--config", config.c_str(), "--run-dir", parts.c_str(), "--set",

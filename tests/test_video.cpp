@@ -235,6 +235,7 @@ std::map<std::string, torch::Tensor> opencv_fixture() {
 // colour bars whose YUV tools/make_fixtures.py video_files worked out from their RGB with BT.709's matrix
 // (studio range, H.264 4:4:4) and at full range on a pixel format without a "j" (VP9 4:2:0) decode to that RGB
 // within 2 levels; OpenCV's conversion, which ignores the tags, reads them visibly wrong (the fixture's check).
+// 16-bit grey without a range tag is full range, as swscale takes it.
 TEST(Video, FramesFollowTheStreamsColourMatrixAndRange) {
   if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
   const std::string dir = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/video_files/";
@@ -258,6 +259,13 @@ TEST(Video, FramesFollowTheStreamsColourMatrixAndRange) {
     }
     EXPECT_GE(worst_ignored, 8) << "read as BT.601 studio range the bars are not these colours";
   }
+  // Grey without a range tag is full range, as swscale and FFmpeg take it: 16-bit bars of 8-bit levels 17, 34, 239.
+  const auto grey = megaslide::io::read_video(dir + "grey16_48x16.mkv").to(torch::kInt32);
+  ASSERT_EQ(grey.sizes(), (std::vector<int64_t>{2, 16, 48, 3}));
+  const int levels[3] = {17, 34, 239};
+  for (int64_t b = 0; b < 3; ++b)
+    EXPECT_LE((grey.index({torch::indexing::Slice(), 8, b * 16 + 8}) - levels[b]).abs().max().item<int64_t>(), 1)
+        << "grey bar " << b << ": " << grey.index({0, 8, b * 16 + 8});
 }
 
 // The property: a file cut short inside a packet (a download cut short: tools/make_fixtures.py video_files, the

@@ -226,6 +226,14 @@ def section_video_files(out_dir):
     with open(os.path.join(out_dir, "bars_streamed_64x48.webm"), "wb") as f:
         f.write(streamed)
     print(f"  bars_streamed_64x48.webm: 10 frames written to a pipe")
+    # 16-bit grey with no range tag (FFV1, as archives keep it): grey is full range unless tagged, as swscale takes
+    # it: 8-bit levels 17, 34, 239 stored as 17·257, 34·257, 239·257.
+    grey = np.tile(np.repeat(np.array([17, 34, 239], dtype=np.uint16) * 257, 16), (16, 1)).astype("<u2")
+    subprocess.run([ffmpeg, "-nostdin", "-loglevel", "error", "-y", "-f", "rawvideo", "-pix_fmt", "gray16le", "-s", "48x16",
+                    "-r", "8", "-i", "-", "-an", "-c:v", "ffv1", "-threads", "1", "-map_metadata", "-1", "-fflags",
+                    "+bitexact", "-flags:v", "+bitexact", os.path.join(out_dir, "grey16_48x16.mkv")],
+                   input=grey.tobytes() * 2, check=True)
+    print("  grey16_48x16.mkv: 2 frames of 16-bit grey bars 17, 34, 239 (x257), untagged range")
     with open(os.path.join(out_dir, "bars.json"), "w") as f:
         json.dump({"rgb": _COLOUR_BARS, "bar_width": 16,
                    "what": "four 16-pixel bars whose YUV was computed from these RGB values with each file's matrix and "

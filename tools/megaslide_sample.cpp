@@ -171,10 +171,11 @@ void write_videos(const std::vector<megaslide::ValidationVideo>& videos, const V
   megaslide::io::make_directories(videos_dir);
   if (out.latents) megaslide::io::make_directories(latents_dir);
   const auto jobs = jobs_of(videos);
-  // index.json describes the videos this run has written, batch by batch: an earlier run's is removed before
-  // its videos are replaced, so a run stopped part-way (a full disk, Ctrl-C) leaves an index of its own videos.
+  // index.json describes the videos this run has written, batch by batch: an earlier run's is removed just before
+  // the first of its videos is replaced, so a run stopped part-way (a full disk, Ctrl-C) leaves an index of its own
+  // videos, and one that fails before writing any leaves the earlier run as it was.
   const std::string index = megaslide::io::join_path(out.out_dir, "index.json");
-  megaslide::io::remove_tree(index);
+  bool earlier_index_removed = false;
   const auto write_index = [&](size_t done) {
     megaslide::io::write_file_atomically(
         index, megaslide::io::index_json(std::vector<megaslide::io::SampleJob>(
@@ -197,6 +198,7 @@ void write_videos(const std::vector<megaslide::ValidationVideo>& videos, const V
       for (size_t i = start; i < end; ++i) {
         const auto b = static_cast<int64_t>(i - start);
         auto frames = megaslide::io::to_rgb_frames(batch.pixels[b], out.upscale);
+        if (!earlier_index_removed) megaslide::io::remove_tree(index), earlier_index_removed = true;
         megaslide::io::write_mp4(megaslide::io::join_path(videos_dir, jobs[i].file), frames, video_options);
         const auto stem = jobs[i].file.substr(0, jobs[i].file.size() - 4);
         if (out.latents)

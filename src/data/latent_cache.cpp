@@ -667,9 +667,9 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
     // lists every bad item, the listing's and the decoder's.
     dataset.check_bad_fraction(&result.bad);
     write_manifest(true);
-  } catch (const io::IoError& e) {  // writing failed (no space…): not bad input, what is written so far stays
-    throw std::runtime_error(std::string("writing the cache folder (--out or data.cache): ") + e.what() +
-                             "; run again once it can be written: the finished shards are kept");
+  } catch (const io::IoError& e) {  // the folder failed (no space…): not bad input, what is written so far stays
+    throw std::runtime_error(std::string("the cache folder (--out or data.cache): ") + e.what() +
+                             "; run again once it can be read and written: the finished shards are kept");
   }
   cleanup.done = true;
   return result;

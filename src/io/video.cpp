@@ -458,7 +458,10 @@ void follow_colour_tags(SwsContext* sws, const AVFrame& frame) {
   const bool j_format = frame.format == AV_PIX_FMT_YUVJ420P || frame.format == AV_PIX_FMT_YUVJ422P ||
                         frame.format == AV_PIX_FMT_YUVJ444P || frame.format == AV_PIX_FMT_YUVJ440P ||
                         frame.format == AV_PIX_FMT_YUVJ411P;
-  const int full_range = frame.color_range == AVCOL_RANGE_JPEG || j_format ? 1 : 0;
+  // Grey (and grey with alpha) is full range unless tagged otherwise, as swscale takes it untagged.
+  const bool grey = desc->nb_components <= 2;
+  const int full_range =
+      (grey ? frame.color_range != AVCOL_RANGE_MPEG : frame.color_range == AVCOL_RANGE_JPEG || j_format) ? 1 : 0;
   const int* coefficients = sws_getCoefficients(sws_colorspace(frame.colorspace));
   sws_setColorspaceDetails(sws, coefficients, full_range, sws_getCoefficients(SWS_CS_DEFAULT), 1, 0, 1 << 16, 1 << 16);
 }

@@ -386,8 +386,31 @@ bool looks_like_pointer(const std::string& path) {
 std::string latest_checkpoint(const std::string& run_dir) {
   const std::string pointer = io::join_path(checkpoints_dir(run_dir), "latest");
   if (!io::path_exists(pointer)) return "";
+  if (io::is_symlink(pointer) && io::is_directory(pointer)) {
+    // A link made by hand to a checkpoint folder beside it (ln -s step-0000400 latest): that checkpoint.
+    char target[4096] = {};
+    const ssize_t n = ::readlink(pointer.c_str(), target, sizeof target - 1);
+    std::string name = n > 0 ? std::string(target, static_cast<size_t>(n)) : "";
+    while (!name.empty() && name.back() == '/') name.pop_back();
+    name = name.substr(name.find_last_of('/') == std::string::npos ? 0 : name.find_last_of('/') + 1);
+    if (!is_checkpoint_name(name))
+      fail(pointer, "is a link to a folder that is not a checkpoint of this run (step-NNNNNNN beside it)");
+    return io::join_path(checkpoints_dir(run_dir), name);
+  }
   return follow_pointer(pointer);
 }
+
+namespace {
+// Points `latest` in `root` at checkpoint `name`: an atomic rename over it. A link made there by hand is replaced
+// by the pointer file (a rename replaces the link, not what it names).
+void write_latest(const std::string& root, const std::string& name) {
+  const std::string pointer = io::join_path(root, "latest");
+  if (!io::is_symlink(pointer)) return io::write_file_atomically(pointer, name + "\n");
+  const std::string fresh = io::join_path(root, ".tmp-latest-" + std::to_string(::getpid()));
+  io::write_file_atomically(fresh, name + "\n");
+  io::rename_durably(fresh, pointer);
+}
+}  // namespace
 
 std::vector<std::string> complete_checkpoints(const std::string& run_dir) {
   std::vector<std::string> out;
@@ -485,7 +508,7 @@ bool roll_back_latest(const std::string& run_dir, const std::string& checkpoint)
   const std::string name = checkpoint.substr(checkpoint.find_last_of('/') + 1);
   if (!is_checkpoint_name(name) || checkpoint_step(checkpoint) >= checkpoint_step(latest)) return false;
   try {
-    io::write_file_atomically(io::join_path(checkpoints_dir(run_dir), "latest"), name + "\n");
+    write_latest(checkpoints_dir(run_dir), name);
   } catch (const io::IoError& e) {
     throw CheckpointError(std::string("rolling back to ") + checkpoint + ": cannot update `latest`: " + e.what());
   }
@@ -628,15 +651,7 @@ void finish_checkpoint(const std::string& root, const std::string& name, const s
     io::rename_durably(tmp, final_path);
   }
   observe("in-place");
-  const std::string pointer = io::join_path(root, "latest");
-  if (io::is_symlink(pointer)) {
-    // A link put there by hand: replaced by the pointer file (a rename replaces the link, not what it names).
-    const std::string fresh = io::join_path(root, kTempPrefix + std::string("latest-") + std::to_string(::getpid()));
-    io::write_file_atomically(fresh, name + "\n");
-    io::rename_durably(fresh, pointer);
-  } else {
-    io::write_file_atomically(pointer, name + "\n");
-  }
+  write_latest(root, name);
   observe("latest");
   io::remove_tree(tmp);  // after an exchange: the replaced checkpoint
 }
@@ -780,8 +795,9 @@ std::string save_checkpoint(const std::string& run_dir, const RunConfig& config,
   const std::string name = checkpoint_name(state.step);
   const std::string final_path = io::join_path(root, name);
   const std::string tmp = io::join_path(root, kTempPrefix + name + "-" + std::to_string(::getpid()));
-  const std::string previous = latest_checkpoint(run_dir);
+  std::string previous;
   try {
+    previous = latest_checkpoint(run_dir);
     io::make_directories(root);
     io::remove_tree(tmp);
     io::make_directories(tmp);
@@ -811,7 +827,9 @@ void check_checkpoints_writable(const std::string& run_dir, int64_t step) {
     io::remove_tree(tmp);
     io::make_directories(tmp);
     std::string file;
-    const int fd = io::create_temporary_beside(io::join_path(tmp, kTensorFiles[2]), file);
+    const std::string shard = shard_file(99999, 99999);  // the longest name a save writes in its folder
+    io::make_directories(io::join_path(tmp, io::parent_path(shard)));
+    const int fd = io::create_temporary_beside(io::join_path(tmp, shard), file);
     ::close(fd);
     io::remove_tree(existed ? tmp : root);
   } catch (const io::IoError& e) {

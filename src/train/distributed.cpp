@@ -774,13 +774,18 @@ int launch_local_ranks(const std::vector<std::string>& argv, int64_t nproc, int6
     children.push_back(pid);
   }
   // The signals megaslide-train stops on with a checkpoint (SIGHUP: the terminal closed; SIGUSR1: a batch
-  // system's warning before its time limit), passed on to every rank.
+  // system's warning before its time limit), passed on to every rank; a SIGHUP the launcher was started ignoring
+  // (nohup) stays ignored, here and in the ranks, which inherit it.
   const int forwarded[4] = {SIGINT, SIGTERM, SIGHUP, SIGUSR1};
   struct sigaction forward {
   }, old[4]{};
   forward.sa_handler = remember_signal;
   sigemptyset(&forward.sa_mask);
-  for (int i = 0; i < 4; ++i) ::sigaction(forwarded[i], &forward, &old[i]);
+  for (int i = 0; i < 4; ++i) {
+    ::sigaction(forwarded[i], nullptr, &old[i]);
+    if (forwarded[i] == SIGHUP && old[i].sa_handler == SIG_IGN) continue;
+    ::sigaction(forwarded[i], &forward, nullptr);
+  }
 
   int result = 0;
   size_t running = children.size();

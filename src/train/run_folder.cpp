@@ -42,7 +42,9 @@ std::string describe_existing_run(const std::string& run_dir) {
   try {
     latest = latest_checkpoint(run_dir);
   } catch (const std::exception&) {
-    latest = io::join_path(run_dir, "checkpoints/latest") + " (unreadable)";
+    const auto complete = complete_checkpoints(run_dir);
+    latest = io::join_path(run_dir, "checkpoints/latest") + " (unreadable" +
+             (complete.empty() ? std::string(")") : "; the newest complete checkpoint is " + complete.back() + ")");
   }
   const bool has_files = io::path_exists(metrics) || io::path_exists(io::join_path(run_dir, "config.yaml")) ||
                          io::path_exists(io::join_path(run_dir, "train.log")) ||

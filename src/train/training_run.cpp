@@ -553,7 +553,13 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
       // with the step and the last checkpoint.
       progress.finish();
       report_bad_items();
-      const std::string last = latest_checkpoint(run_dir);
+      std::string last;
+      try {
+        last = latest_checkpoint(run_dir);
+      } catch (const std::exception&) {  // an unreadable `latest`: the newest complete checkpoint
+        const auto complete = complete_checkpoints(run_dir);
+        if (!complete.empty()) last = complete.back();
+      }
       const std::string message = fmt::format(
           "{}; stopped at step {} of {}: {}", e.what(), result.steps_done + 1, train.steps,
           last.empty() ? std::string("there is no checkpoint to resume from") : "the last checkpoint is " + last);

@@ -84,7 +84,7 @@ struct VideoInfo {
 //              (SWS_BICUBIC | SWS_ACCURATE_RND | SWS_FULL_CHR_H_INT): unbiased (grey reads back within
 //              0.01 levels on average), smooth colour; it blurs sharp colour edges. The stream's colour tags
 //              choose the matrix (BT.709 for HD video, BT.2020; BT.601 when untagged, as FFmpeg does) and the
-//              range (full range tagged on any pixel format, not only yuvj*).
+//              range (full range tagged on any pixel format, not only yuvj*; grey full unless tagged limited).
 //   kOpenCV    exactly what OpenCV's FFmpeg backend does (cv2.VideoCapture.read, which VBench reads videos
 //              with; its cap_ffmpeg_impl.hpp): swscale with SWS_BICUBIC and nothing else, the conversion set
 //              up at the decoder's coded size (H.264: whole macroblocks), no sws_setColorspaceDetails, so
