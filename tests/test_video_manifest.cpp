@@ -254,6 +254,27 @@ TEST(VideoManifest, FolderSameStemImageIsTheClipsImage) {
   megaslide::io::remove_tree(root);
 }
 
+// The property: a folder's video finds its caption as the same stem's .txt, a camera's upper-case .TXT, or the
+// video's whole name + .txt (clip.mp4.txt), in that order; with none it is a bad item naming all three.
+TEST(VideoManifest, FolderCaptionsByStemUpperCaseOrWholeName) {
+  const std::string root = temp_folder("folder-captions");
+  for (const std::string name : {"a.mp4", "b.MP4", "c.mov", "d.mp4", "e.mp4"}) write_file(root + "/" + name, "x");
+  write_file(root + "/a.txt", "stem");
+  write_file(root + "/a.mp4.txt", "whole name, not taken");
+  write_file(root + "/b.TXT", "upper case");
+  write_file(root + "/c.mov.txt", "whole name");
+  write_file(root + "/d.TXT", "upper case, not taken");
+  write_file(root + "/d.txt", "stem first");
+  const auto m = megaslide::read_video_manifest(config_for("", root));
+  std::vector<std::string> captions;
+  for (const auto& item : m.items) captions.push_back(item.caption);
+  EXPECT_EQ(captions, (std::vector<std::string>{"stem", "upper case", "whole name", "stem first"}));
+  ASSERT_EQ(m.bad.size(), 1u);
+  EXPECT_EQ(m.bad[0].path, root + "/e.mp4");
+  EXPECT_NE(m.bad[0].reason.find("e.mp4.txt"), std::string::npos) << m.bad[0].reason;
+  megaslide::io::remove_tree(root);
+}
+
 // The property: an image the listing names that does not exist makes its clip a bad item (not a clip
 // trained on a frame instead), and the reason names the image and the line that listed it; an image
 // name that is not UTF-8 is a bad item too, like a video's.

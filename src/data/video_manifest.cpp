@@ -320,9 +320,14 @@ VideoManifest read_folder(const DataConfig& data, bool images) {
   for (const auto& rel : videos) {
     const int64_t index = m.listed();
     const std::string path = io::join_path(data.root, rel);
-    const std::string caption_path = path.substr(0, path.find_last_of('.')) + ".txt";
-    if (!io::path_exists(caption_path)) {
-      m.bad.push_back({index, path, "missing caption (no " + caption_path + ")"});
+    // The caption: the same stem's .txt (or a camera's upper-case .TXT), else the video's whole name + .txt
+    // (clip.mp4.txt, as some captioning tools write it).
+    const std::string stem = path.substr(0, path.find_last_of('.'));
+    std::string caption_path;
+    for (const auto& candidate : {stem + ".txt", stem + ".TXT", path + ".txt"})
+      if (caption_path.empty() && io::path_exists(candidate)) caption_path = candidate;
+    if (caption_path.empty()) {
+      m.bad.push_back({index, path, "missing caption (no " + stem + ".txt, nor .TXT, nor " + path + ".txt)"});
       continue;
     }
     std::string caption;
