@@ -146,6 +146,7 @@ TEST(VideoManifest, LinkLoopsListEachVideoOnceAndNonUtf8ItemsAreBadItems) {
   megaslide::io::remove_tree(root);
 }
 
+// The property: a manifest of no layout (an unknown header, a .txt file, one JSON array) is refused naming it.
 TEST(VideoManifest, AManifestOfNoLayoutIsRefusedNamingIt) {
   const auto csv = temp_file("header.csv", "file,caption\na.mp4,x\n");
   try {
@@ -163,6 +164,15 @@ TEST(VideoManifest, AManifestOfNoLayoutIsRefusedNamingIt) {
   const auto txt = temp_file("m.txt", "x");
   EXPECT_THROW(megaslide::read_video_manifest(config_for(txt)), DatasetError);
   megaslide::io::remove_tree(txt);
+  // One JSON array is not JSON Lines: refused once, saying so (not every line a bad item).
+  const auto array = temp_file("array.json", "[\n  {\"video\": \"a.mp4\", \"caption\": \"x\"}\n]\n");
+  try {
+    megaslide::read_video_manifest(config_for(array));
+    ADD_FAILURE() << "a JSON array was read as JSON Lines";
+  } catch (const DatasetError& e) {
+    EXPECT_NE(std::string(e.what()).find("is a JSON array"), std::string::npos) << e.what();
+  }
+  megaslide::io::remove_tree(array);
   megaslide::io::remove_tree(csv);
   megaslide::io::remove_tree(webvid);
 }

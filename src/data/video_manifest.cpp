@@ -195,6 +195,12 @@ VideoManifest read_jsonl(const DataConfig& data, bool images) {
   m.layout = "jsonl";
   m.source = data.manifest;
   const std::string text = io::read_file(data.manifest);
+  // One JSON array of objects (a .json file) is not JSON Lines: said once, not as every line's bad item.
+  const size_t first = text.find_first_not_of(" \t\r\n\xef\xbb\xbf");
+  if (first != std::string::npos && text[first] == '[')
+    throw DatasetError("data.manifest '" + data.manifest +
+                       "': is a JSON array; a manifest is JSON Lines, one object per line ({\"video\": ..., "
+                       "\"caption\": ...}): write each element on a line of its own");
   const std::string base = parent_folder(data.manifest);
   size_t pos = 0;
   int64_t line = 0;
