@@ -265,7 +265,8 @@ TEST(VideoManifest, FolderSameStemImageIsTheClipsImage) {
 }
 
 // The property: a folder's video finds its caption as the same stem's .txt, a camera's upper-case .TXT, or the
-// video's whole name + .txt (clip.mp4.txt), in that order; with none it is a bad item naming all three.
+// video's whole name + .txt (clip.mp4.txt), in that order; with none it is a bad item naming all three; a caption
+// holding NUL bytes (UTF-16 without a byte-order mark) is a bad item saying so.
 TEST(VideoManifest, FolderCaptionsByStemUpperCaseOrWholeName) {
   const std::string root = temp_folder("folder-captions");
   for (const std::string name : {"a.mp4", "b.MP4", "c.mov", "d.mp4", "e.mp4"}) write_file(root + "/" + name, "x");
@@ -275,13 +276,17 @@ TEST(VideoManifest, FolderCaptionsByStemUpperCaseOrWholeName) {
   write_file(root + "/c.mov.txt", "whole name");
   write_file(root + "/d.TXT", "upper case, not taken");
   write_file(root + "/d.txt", "stem first");
+  write_file(root + "/f.mp4", "x");
+  write_file(root + "/f.txt", std::string("a\0 \0c\0a\0t\0", 10));  // UTF-16LE without a byte-order mark
   const auto m = megaslide::read_video_manifest(config_for("", root));
   std::vector<std::string> captions;
   for (const auto& item : m.items) captions.push_back(item.caption);
   EXPECT_EQ(captions, (std::vector<std::string>{"stem", "upper case", "whole name", "stem first"}));
-  ASSERT_EQ(m.bad.size(), 1u);
+  ASSERT_EQ(m.bad.size(), 2u);
   EXPECT_EQ(m.bad[0].path, root + "/e.mp4");
   EXPECT_NE(m.bad[0].reason.find("e.mp4.txt"), std::string::npos) << m.bad[0].reason;
+  EXPECT_EQ(m.bad[1].path, root + "/f.mp4");
+  EXPECT_NE(m.bad[1].reason.find("NUL byte"), std::string::npos) << m.bad[1].reason;
   megaslide::io::remove_tree(root);
 }
 

@@ -303,6 +303,14 @@ void move_non_utf8_items_to_bad(VideoManifest& m) {
         break;
       }
     }
+    // NUL bytes are valid UTF-8 but no caption's: UTF-16 text without a byte-order mark reads as ASCII and NULs.
+    if (what == nullptr && item.caption.find('\0') != std::string::npos) {
+      m.bad.push_back({item.index, utf8::escaped(item.path),
+                       fmt::format("its caption holds a NUL byte (at offset {}): UTF-16 text without a byte-order "
+                                   "mark? Captions are UTF-8",
+                                   item.caption.find('\0'))});
+      continue;
+    }
     if (what == nullptr) {
       kept.push_back(std::move(item));
       continue;
