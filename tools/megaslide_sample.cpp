@@ -261,12 +261,17 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan,
                               : "its latent the first frame, kept clean, as Wan2.2 TI2V samples")
               << ")\n";
   }
-  if (!wan.lora.empty()) merge_lora(model, wan.lora, wan.lora_scale, "--lora");
+  if (!wan.lora.empty()) {
+    merge_lora(model, wan.lora, wan.lora_scale, "--lora");
+    record.lora = {{wan.lora, wan.lora_scale}};
+  }
   if (!wan.lora_2.empty()) {
     if (!model.low_noise)
       throw megaslide::tools::UsageError("--lora-2: the low-noise expert's LoRA, but '" + source +
                                          "' is one DiT, not Wan2.2's two experts");
-    merge_lora(*model.low_noise, wan.lora_2, wan.lora_2_scale < 0 ? wan.lora_scale : wan.lora_2_scale, "--lora-2");
+    const double scale = wan.lora_2_scale < 0 ? wan.lora_scale : wan.lora_2_scale;
+    merge_lora(*model.low_noise, wan.lora_2, scale, "--lora-2");
+    record.lora_2 = {{wan.lora_2, scale}};
   }
   // The run's size in pixels (a run trained from a videos cache keeps its data sizes in pixels; a
   // prompt file's line may give its own, checked when the videos were planned).
@@ -305,24 +310,7 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan,
   } catch (const std::invalid_argument& e) {  // components that do not fit each other
     throw megaslide::tools::UsageError(megaslide::error_message(e));
   }
-  const char* kind = options.kind() == megaslide::FlowSamplerKind::kUniPC ? "unipc" : "euler";
-  if (options.boundary_ratio() > 0)
-    std::cerr << fmt::format(
-        "megaslide-sample: two experts: the high-noise one for t >= {} (guidance {}), the low-noise one below "
-        "(guidance {})\n",
-        options.boundary_ratio() * 1000, options.guidance_scale(),
-        options.guidance_scale_2() < 0 ? options.guidance_scale() : options.guidance_scale_2());
-  std::cerr << fmt::format(
-      "megaslide-sample: Wan {} -> {} videos of {} frames {}x{} in {} ({} {} steps, shift {}, guidance {}, device {}, "
-      "DiT {}, "
-      "umT5 {}, compute dtype {} ({}))\n",
-      source, videos.size(), size.frames, size.width, size.height, out_dir, kind, options.steps(), options.shift(),
-      options.guidance_scale(), device.str(),
-      opened.dit_streamed         ? "blocks streamed"
-      : opened.experts_take_turns ? "resident, the experts taking turns"
-                                  : "resident",
-      opened.text_encoder_streamed ? "layers streamed" : "resident", dtype.dtype, dtype.reason);
-  record.sampler = kind;
+  record.sampler = options.kind() == megaslide::FlowSamplerKind::kUniPC ? "unipc" : "euler";
   record.steps = options.steps();
   record.guidance_scale = options.guidance_scale();
   record.eta = 0.0;
@@ -335,8 +323,17 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan,
                                            : "resident";
   record.shift = options.shift();
   record.negative_prompt = options.negative_prompt();
-  if (!wan.lora.empty()) record.lora = {{wan.lora, wan.lora_scale}};
-  if (!wan.lora_2.empty()) record.lora_2 = {{wan.lora_2, wan.lora_2_scale < 0 ? wan.lora_scale : wan.lora_2_scale}};
+  if (options.boundary_ratio() > 0)
+    std::cerr << fmt::format(
+        "megaslide-sample: two experts: the high-noise one for t >= {} (guidance {}), the low-noise one below "
+        "(guidance {})\n",
+        options.boundary_ratio() * 1000, options.guidance_scale(), record.guidance_scale_2);
+  std::cerr << fmt::format(
+      "megaslide-sample: Wan {} -> {} videos of {} frames {}x{} in {} ({} {} steps, shift {}, guidance {}, device {}, "
+      "DiT {}, umT5 {}, compute dtype {} ({}))\n",
+      source, videos.size(), size.frames, size.width, size.height, out_dir, record.sampler, options.steps(),
+      options.shift(), options.guidance_scale(), device.str(), record.dit,
+      opened.text_encoder_streamed ? "layers streamed" : "resident", dtype.dtype, dtype.reason);
   // Image-to-video: each video's image (a prompt line's --i, else --image) at its size. Wan2.1 / Wan2.2 I2V (the
   // image as conditioning channels): its conditioning (the VAE's latents, CLIP's tokens); Wan2.2 TI2V: the first
   // frame [3, H, W] in [-1, 1], its latent kept clean.
@@ -402,13 +399,6 @@ SampleBatch dit_sampler(megaslide::TextToVideoModel model, size_t video_count, i
   if (steps > 0) options.steps(steps);
   if (!spacing.empty()) options.timestep_spacing(megaslide::parse_timestep_spacing(spacing));
   if (guidance >= 0) options.guidance_scale(guidance);
-  std::cerr << fmt::format(
-      "megaslide-sample: {} prompt(s) x {} -> {} videos in {} ({} {} steps {}, guidance {}, device {}, {}, "
-      "compute dtype {} ({}), {})\n",
-      video_count / static_cast<size_t>(samples_per_prompt), samples_per_prompt, video_count, out_dir,
-      megaslide::to_string(options.kind()), options.steps(), megaslide::to_string(options.timestep_spacing()),
-      options.guidance_scale(), device.str(), stream ? "blocks streamed" : "resident", dtype.dtype, dtype.reason,
-      threads);
   record.sampler = megaslide::to_string(options.kind());
   record.steps = options.steps();
   record.guidance_scale = options.guidance_scale();
@@ -417,6 +407,12 @@ SampleBatch dit_sampler(megaslide::TextToVideoModel model, size_t video_count, i
   record.device = device.str();
   record.dit = stream ? "blocks streamed" : "resident";
   record.timestep_spacing = megaslide::to_string(options.timestep_spacing());
+  std::cerr << fmt::format(
+      "megaslide-sample: {} prompt(s) x {} -> {} videos in {} ({} {} steps {}, guidance {}, device {}, {}, "
+      "compute dtype {} ({}), {})\n",
+      video_count / static_cast<size_t>(samples_per_prompt), samples_per_prompt, video_count, out_dir, record.sampler,
+      record.steps, record.timestep_spacing, record.guidance_scale, record.device, record.dit, dtype.dtype,
+      dtype.reason, threads);
   return [generator, options](const std::vector<std::string>& prompts, const std::vector<uint64_t>& seeds,
                               const megaslide::ValidationVideo& first,
                               const std::function<void(int64_t, int64_t)>& on_step) {

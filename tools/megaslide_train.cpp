@@ -223,23 +223,24 @@ int main(int argc, char** argv) {
           }
           // Launched ranks: rank 0 writes the checkpoint's files (the merged model above takes every rank).
           const bool writer = megaslide::tools::checking_input([] { return megaslide::read_launch_env().rank == 0; });
-          // What ComfyUI would read differently of this model (the merged export above has said it).
-          if (writer && export_merged.empty() && export_layout != megaslide::WanWeightsLayout::kDiffusers)
-            for (const auto& difference :
-                 megaslide::wan_comfyui_differences(megaslide::with_wan_architecture_from_weights(config).model.wan))
-              std::cerr << "megaslide-train: warning: ComfyUI will not load the exported file as this model: "
-                        << difference << "\n";
+          // What ComfyUI would read differently of the checkpoint's model, said once (the merged export above has
+          // said it).
+          std::vector<std::string> differences;
           if (!export_weights.empty() && writer) {
             const auto from = megaslide::export_checkpoint_weights(config.output.run_dir, resume, export_weights,
-                                                                   /*ema=*/false, export_layout);
+                                                                   /*ema=*/false, export_layout, &differences);
             std::cerr << "megaslide-train: weights of " << from << " written to " << written_to(export_weights) << "\n";
           }
           if (!export_ema.empty() && writer) {
             const auto from = megaslide::export_checkpoint_weights(config.output.run_dir, resume, export_ema,
-                                                                   /*ema=*/true, export_layout);
+                                                                   /*ema=*/true, export_layout, &differences);
             std::cerr << "megaslide-train: EMA of the weights of " << from << " written to " << written_to(export_ema)
                       << "\n";
           }
+          if (export_merged.empty())
+            for (const auto& difference : differences)
+              std::cerr << "megaslide-train: warning: ComfyUI will not load the exported file as this model: "
+                        << difference << "\n";
           return 0;
         }
         // SIGHUP: the terminal closed (ssh dropped); SIGUSR1: a batch system's warning before its time limit

@@ -937,7 +937,8 @@ void export_wan_weights(const std::string& checkpoint, const std::string& file, 
 }  // namespace
 
 std::string export_checkpoint_weights(const std::string& run_dir, const std::string& spec, const std::string& out,
-                                      bool ema, WanWeightsLayout layout) {
+                                      bool ema, WanWeightsLayout layout,
+                                      std::vector<std::string>* comfyui_differences) {
   const std::string path = resolve_checkpoint(run_dir, spec);
   const char* file = ema ? kModelEma : kModel;
   if (ema && read_manifest(path).find(kModelEma) == nullptr)
@@ -968,6 +969,8 @@ std::string export_checkpoint_weights(const std::string& run_dir, const std::str
   }
   if (wan) {
     export_wan_weights(path, file, header, *wan, out, layout);
+    if (comfyui_differences != nullptr && layout != WanWeightsLayout::kDiffusers)
+      *comfyui_differences = wan_comfyui_differences(*wan);
     return path;
   }
   if (layout != WanWeightsLayout::kDiffusers) {

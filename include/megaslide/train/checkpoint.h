@@ -253,9 +253,11 @@ std::string checkpoint_weights(const std::string& path);
 // checkpoint's EMA (model_ema.safetensors) instead; a checkpoint without one is a CheckpointError.
 // `layout` (megaslide-train --export-layout): a Wan checkpoint's weights in ComfyUI's single file instead
 // (save_wan_comfyui_weights; `out` names it, or the two experts' files by wan_comfyui_files); a layout other
-// than diffusers for a checkpoint that is not a Wan run's is a CheckpointError.
+// than diffusers for a checkpoint that is not a Wan run's is a CheckpointError; `comfyui_differences` (when
+// given) then receives what ComfyUI would read differently of the checkpoint's model (wan_comfyui_differences).
 // Returns the checkpoint's path.
 std::string export_checkpoint_weights(const std::string& run_dir, const std::string& spec, const std::string& out,
-                                      bool ema = false, WanWeightsLayout layout = WanWeightsLayout::kDiffusers);
+                                      bool ema = false, WanWeightsLayout layout = WanWeightsLayout::kDiffusers,
+                                      std::vector<std::string>* comfyui_differences = nullptr);
 
 }  // namespace megaslide
