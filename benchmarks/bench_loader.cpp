@@ -5,10 +5,15 @@
 //     (data.workers 0, the anchor) and in the background (data.workers N, data.prefetch 2), decoding and
 //     from a megaslide-cache cache;
 //   - cache read: items/s and MB/s of LatentCache::load (the latents of any encoder are read the same
-//     way: a mapped shard, each item's CRC-32), against a memory copy of the same bytes (the anchor).
+//     way: a mapped shard, each item's CRC-32), against a memory copy of the same bytes (the anchor);
+//   - a long source: clips at drawn starts in one long video (--long-frames at 24 fps, libx264's default key frame
+//     interval of 250), read with io::read_video_frames seeking (the default) against decoding from the start
+//     (the anchor, same run); and frame 48 alone both ways (the key frame before it is the first: what a read
+//     that tries to seek and gains nothing costs, when the file is short enough for it to try).
 //
 //   build/bin/bench_loader [--clips 16] [--frames 48] [--height 144] [--width 256] [--clip-frames 16]
 //                          [--size 64] [--steps 12] [--workers 1] [--threads 1] [--hidden 32] [--device cpu|cuda]
+//                          [--long-frames 1200] [--long-reads 8] [--long-only 0|1]
 //
 // The last line is one JSON object.
 #include <fmt/format.h>
@@ -88,12 +93,91 @@ int main(int argc, char** argv) {
                                 fmt::format("train.threads={}", threads),
                                 "output.progress=false"};
   auto config = megaslide::parse_run_config("", "bench_loader", sets);
+  auto start = std::chrono::steady_clock::now();
   nlohmann::ordered_json out;
+
+  // A long source: clips of clip_frames at stride 2 from starts drawn across the video, seeking against decoding
+  // from the start (the anchor), each clip read both ways and compared.
+  {
+    const int64_t long_frames = flag(argc, argv, "--long-frames", 1200), reads = flag(argc, argv, "--long-reads", 8);
+    const std::string path = dir + "/long.mp4";
+    {
+      // Slow motion: a coarse grid that changes every 12 frames, interpolated between (trilinear), 12 frames at a
+      // time (a long 1080p video as float at once would not fit).
+      auto gen = at::detail::createCPUGenerator(99);
+      auto coarse = torch::rand({3, long_frames / 12 + 2, height / 16 + 1, width / 16 + 1}, gen);
+      auto rgb = torch::empty({long_frames, height, width, 3}, torch::kUInt8);
+      namespace F = torch::nn::functional;
+      for (int64_t c = 0; c < long_frames; c += 12) {
+        auto fine =
+            F::interpolate(coarse.narrow(1, c / 12, 2).unsqueeze(0), F::InterpolateFuncOptions()
+                                                                         .size(std::vector<int64_t>{13, height, width})
+                                                                         .mode(torch::kTrilinear)
+                                                                         .align_corners(true))[0];
+        const int64_t n = std::min<int64_t>(12, long_frames - c);
+        rgb.narrow(0, c, n).copy_((fine.narrow(1, 0, n).permute({1, 2, 3, 0}) * 255).round().to(torch::kUInt8));
+      }
+      megaslide::io::write_mp4(path, rgb, megaslide::io::VideoWriteOptions().fps(24).preset("veryfast"));
+    }
+    std::vector<std::vector<int64_t>> clips_at;
+    auto gen = at::detail::createCPUGenerator(7);
+    for (int64_t r = 0; r < reads; ++r) {
+      const int64_t first = torch::randint(0, long_frames - 2 * clip_frames, {1}, gen).item<int64_t>();
+      std::vector<int64_t> indices;
+      for (int64_t k = 0; k < clip_frames; ++k) indices.push_back(first + 2 * k);
+      clips_at.push_back(std::move(indices));
+    }
+    const auto from_start = megaslide::io::VideoReadOptions().seek(false);
+    double seek_s = 0.0, anchor_s = 0.0;
+    int64_t decoded_seek = 0, decoded_anchor = 0;
+    bool same = true;
+    for (const auto& indices : clips_at) {
+      int64_t decoded = 0;
+      start = std::chrono::steady_clock::now();
+      const auto a = megaslide::io::read_video_frames(path, indices, &decoded, from_start);
+      anchor_s += seconds_since(start);
+      decoded_anchor += decoded;
+      start = std::chrono::steady_clock::now();
+      const auto b = megaslide::io::read_video_frames(path, indices, &decoded);
+      seek_s += seconds_since(start);
+      decoded_seek += decoded;
+      same = same && torch::equal(a, b);
+    }
+    // Frame 48 alone: the key frame before it is frame 0, so a seeking read scans the packets for nothing.
+    start = std::chrono::steady_clock::now();
+    int64_t near_decoded = 0;
+    megaslide::io::read_video_frames(path, {48}, &near_decoded);
+    const double near_s = seconds_since(start);
+    start = std::chrono::steady_clock::now();
+    megaslide::io::read_video_frames(path, {48}, nullptr, from_start);
+    const double near_anchor_s = seconds_since(start);
+    out["long_frames"] = long_frames;
+    out["long_clip_s_from_start"] = anchor_s / static_cast<double>(reads);
+    out["long_clip_s_seeking"] = seek_s / static_cast<double>(reads);
+    out["long_seek_speedup"] = anchor_s / seek_s;
+    out["long_frames_decoded_from_start"] = decoded_anchor;
+    out["long_frames_decoded_seeking"] = decoded_seek;
+    out["long_same_frames"] = same;
+    out["frame_48_s_seeking"] = near_s;
+    out["frame_48_s_from_start"] = near_anchor_s;
+    std::cout << fmt::format(
+        "long source {}x{}, {} frames: a {}-frame clip (stride 2) at a drawn start: seeking {:.3f} s, from the start "
+        "{:.3f} s (anchor): {:.1f}x; frames decoded {} vs {}; same frames: {}; frame 48 alone: seeking {:.3f} s, from "
+        "the start {:.3f} s\n",
+        width, height, long_frames, clip_frames, seek_s / static_cast<double>(reads),
+        anchor_s / static_cast<double>(reads), anchor_s / seek_s, decoded_seek, decoded_anchor, same ? "yes" : "NO",
+        near_s, near_anchor_s);
+    if (flag(argc, argv, "--long-only", 0) != 0) {
+      megaslide::io::remove_tree(dir);
+      std::cout << out.dump() << "\n";
+      return same ? 0 : 1;
+    }
+  }
 
   // Decode: the anchor decodes every frame; the dataset decodes up to the clip's last frame, converts
   // only the planned ones, resizes and crops.
   const auto dataset = megaslide::VideoDataset::open(config.data, 1);
-  auto start = std::chrono::steady_clock::now();
+  start = std::chrono::steady_clock::now();
   int64_t all_frames = 0;
   for (int64_t i = 0; i < dataset.size(); ++i) all_frames += megaslide::io::read_video(dataset.item(i).path).size(0);
   const double anchor_s = seconds_since(start);

@@ -12,6 +12,8 @@
 
 #include <array>
 #include <cstdio>
+#include <fstream>
+#include <iterator>
 #include <iostream>
 #include <map>
 #include <utility>
@@ -283,6 +285,52 @@ TEST(Video, AFileCutShortEndsWhereItIsCut) {
   const auto first = megaslide::io::read_video_frames(path, {0, decoded - 1}, &decoded);
   ASSERT_TRUE(first.defined());
   EXPECT_EQ(first.sizes(), (std::vector<int64_t>{2, 48, 64, 3}));
+}
+
+// The property: seeking (VideoReadOptions::seek, the default) gives exactly the frames that decoding from the start
+// gives, in the layouts where frames are hardest to tell apart (tools/make_fixtures.py video_files: open GOPs with
+// B-frames in H.264 and HEVC, VP9 with hidden frames, a variable frame rate in Matroska, an MP4 whose edit list
+// starts mid-group), and decodes fewer frames doing so: it did seek. A copy of a file cut short still ends where it
+// is cut, as without seeking.
+TEST(Video, SeekingGivesTheFramesDecodingFromTheStartGives) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  const std::string dir = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/video_files/";
+  const std::vector<std::pair<std::string, int64_t>> files = {{"gop_h264_open_32x32.mp4", 96},
+                                                              {"gop_hevc_open_32x32.mp4", 96},
+                                                              {"gop_vp9_32x32.webm", 96},
+                                                              {"gop_h264_vfr_32x32.mkv", 96},
+                                                              {"gop_h264_editlist_32x32.mp4", 79}};
+  const auto from_start = megaslide::io::VideoReadOptions().seek(false);
+  for (const auto& [file, frames] : files) {
+    SCOPED_TRACE(file);
+    const auto all = megaslide::io::read_video(dir + file);
+    ASSERT_EQ(all.size(0), frames);
+    const std::vector<std::vector<int64_t>> reads = {
+        {frames - 1}, {48}, {60, 61, 62, 63}, {frames - 1, 50, frames - 1, 70}, {49, 53, 57, 61, 65, 69, 73, 77}};
+    for (const auto& indices : reads) {
+      SCOPED_TRACE(::testing::PrintToString(indices));
+      int64_t decoded = 0;
+      const auto sought = megaslide::io::read_video_frames(dir + file, indices, &decoded);
+      ASSERT_TRUE(sought.defined());
+      EXPECT_TRUE(torch::equal(sought, all.index_select(0, torch::tensor(indices))));
+      EXPECT_TRUE(torch::equal(sought, megaslide::io::read_video_frames(dir + file, indices, nullptr, from_start)));
+      if (indices.size() == 1 && indices[0] == frames - 1) EXPECT_LE(decoded, 24) << "decoded from the start";
+    }
+  }
+  // Cut after 90 % of its bytes (its index first, as +faststart writes it): the frames past the cut are the
+  // stream's end, and the count decoded is the one decoding from the start gives.
+  std::ifstream whole(dir + "gop_h264_open_32x32.mp4", std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(whole)), std::istreambuf_iterator<char>());
+  const std::string cut = temp_path("cut.mp4");
+  std::ofstream(cut, std::ios::binary) << bytes.substr(0, bytes.size() * 9 / 10);
+  int64_t decoded = 0, decoded_from_start = 0;
+  EXPECT_FALSE(megaslide::io::read_video_frames(cut, {95}, &decoded).defined());
+  EXPECT_FALSE(megaslide::io::read_video_frames(cut, {95}, &decoded_from_start, from_start).defined());
+  EXPECT_EQ(decoded, decoded_from_start);
+  ASSERT_GT(decoded, 60);
+  EXPECT_TRUE(torch::equal(megaslide::io::read_video_frames(cut, {decoded - 1}),
+                           megaslide::io::read_video_frames(cut, {decoded - 1}, nullptr, from_start)));
+  std::remove(cut.c_str());
 }
 
 // The property: a recording streamed to its file (a WebM written to a pipe: neither a frame count nor a duration)

@@ -183,6 +183,37 @@ def _bars_yuv(kr, kb, full, chroma_step):
     return plane(y_row, 48), plane(u_row, 48 // chroma_step), plane(v_row, 48 // chroma_step)
 
 
+def _seek_files(ffmpeg, out_dir):
+    """96 frames, 32x32, each unlike the others, in groups of 12 pictures (a key frame every 12), in the layouts that
+    make seeking hard: open GOPs with B-frames (H.264, and HEVC whose open GOPs hold frames a decoder drops after a
+    seek), VP9 (hidden alt-ref frames), a variable frame rate in Matroska (no decode times stored), and an MP4 whose
+    edit list starts mid-group (packets before its start are decoded, not shown)."""
+    yy, xx = np.mgrid[0:32, 0:32]
+    frames = [np.stack([128 + 100 * np.sin(xx / 4.0 + 0.3 * t), 128 + 100 * np.cos(yy / 5.0 - 0.2 * t),
+                        np.full_like(xx, (37 * t) % 256, dtype=float)], -1) for t in range(96)]
+    raw = np.round(np.stack(frames)).clip(0, 255).astype(np.uint8).tobytes()
+    common = [ffmpeg, "-nostdin", "-loglevel", "error", "-y", "-f", "rawvideo", "-pix_fmt", "rgb24", "-s", "32x32", "-r",
+              "24", "-i", "-", "-an", "-threads", "1", "-map_metadata", "-1", "-fflags", "+bitexact", "-flags:v",
+              "+bitexact", "-pix_fmt", "yuv420p"]
+    h264 = ["-c:v", "libx264", "-g", "12", "-bf", "3", "-crf", "30", "-x264-params", "open-gop=1"]
+    files = [
+        ("gop_h264_open_32x32.mp4", h264 + ["-movflags", "+faststart"]),
+        ("gop_hevc_open_32x32.mp4", ["-c:v", "libx265", "-crf", "30", "-x265-params",
+                                     "keyint=12:min-keyint=12:open-gop=1:bframes=4:log-level=error"]),
+        ("gop_vp9_32x32.webm", ["-c:v", "libvpx-vp9", "-g", "12", "-crf", "40", "-b:v", "0"]),
+        ("gop_h264_vfr_32x32.mkv", h264 + ["-vf", "settb=1/1000,setpts=(N+floor(N/7)*0.5)/24/TB", "-fps_mode", "vfr",
+                                           "-enc_time_base", "1/1000"]),
+    ]
+    for name, codec in files:
+        subprocess.run(common + codec + [os.path.join(out_dir, name)], input=raw, check=True)
+        print(f"  {name}: 96 frames 32x32, a key frame every 12")
+    # Stream copy from 0.7 s: the copy starts at the key frame before, with an edit list that hides what precedes 0.7 s.
+    subprocess.run([ffmpeg, "-nostdin", "-loglevel", "error", "-y", "-ss", "0.7", "-i",
+                    os.path.join(out_dir, "gop_h264_open_32x32.mp4"), "-c", "copy", "-map_metadata", "-1", "-fflags",
+                    "+bitexact", os.path.join(out_dir, "gop_h264_editlist_32x32.mp4")], check=True)
+    print("  gop_h264_editlist_32x32.mp4: gop_h264_open_32x32.mp4 from 0.7 s, copied (an edit list)")
+
+
 def section_video_files(out_dir):
     ffmpeg = shutil.which("ffmpeg")
     if ffmpeg is None:
@@ -234,6 +265,7 @@ def section_video_files(out_dir):
                     "+bitexact", "-flags:v", "+bitexact", os.path.join(out_dir, "grey16_48x16.mkv")],
                    input=grey.tobytes() * 2, check=True)
     print("  grey16_48x16.mkv: 2 frames of 16-bit grey bars 17, 34, 239 (x257), untagged range")
+    _seek_files(ffmpeg, out_dir)
     with open(os.path.join(out_dir, "bars.json"), "w") as f:
         json.dump({"rgb": _COLOUR_BARS, "bar_width": 16,
                    "what": "four 16-pixel bars whose YUV was computed from these RGB values with each file's matrix and "
@@ -2345,7 +2377,7 @@ def section_fp8(out_dir):
 
 SECTIONS = {
     "video": (section_video, "H.264 clips and their frames as opencv-python decodes them, VBench's temporal flickering"),
-    "video_files": (section_video_files, "colour bars in BT.709 studio range and BT.601 full range (VP9), YUV worked out from their RGB; a file cut short"),
+    "video_files": (section_video_files, "colour bars in BT.709 studio range and BT.601 full range (VP9), YUV worked out from their RGB; a file cut short; groups of pictures to seek in"),
     "sampler": (section_sampler, "diffusers DDPM/DDIM timestep tables (linspace/leading/trailing) and single steps"),
     "clip_tokenizer": (section_clip_tokenizer, "CLIPTokenizer ids of VBench and edge-case prompts, real and tiny vocabularies"),
     "clip": (section_clip, "tiny random CLIP text models (text-only and whole-CLIPModel layouts) and their outputs"),

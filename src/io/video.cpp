@@ -26,6 +26,7 @@ extern "C" {
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 
 namespace megaslide::io {
@@ -466,21 +467,78 @@ void follow_colour_tags(SwsContext* sws, const AVFrame& frame) {
   sws_setColorspaceDetails(sws, coefficients, full_range, sws_getCoefficients(SWS_CS_DEFAULT), 1, 0, 1 << 16, 1 << 16);
 }
 
-// Decodes frames in presentation order; `keep(index)` says whether frame `index` is converted to RGB and
-// handed to `take`. Stops after frame `last` (−1: the whole stream). Returns the number of frames decoded.
-// `damage_ends_stream`: data the demuxer or decoder finds invalid (a download cut short, damaged bytes) ends the
-// stream there, as its end would, after the frames decoded before it; otherwise it is an error.
-int64_t decode_frames(const std::string& path, OpenedVideo& v, const VideoReadOptions& options, int64_t last,
+// A decoded frame as upright RGB [H, W, 3] uint8 (the conversion is set up at the first frame).
+class RgbConverter {
+ public:
+  RgbConverter(const std::string& path, const OpenedVideo& v, const VideoReadOptions& options)
+      : path_(path), v_(v), options_(options), rgb_(av_frame_alloc()) {
+    if (!rgb_) fail(path, "out of memory");
+  }
+
+  torch::Tensor operator()(const AVFrame& frame) {
+    const int W = v_.width, H = v_.height;
+    if (!sws_) {
+      // kInterpolatedChroma: SWS_FULL_CHR_H_INT, without which swscale's YUV -> RGB path reads back grey
+      // 1.7 levels dark on average (measured on a ramp: bias −1.73 vs +0.007 with it).
+      // kOpenCV: OpenCV's call as it is (video.h), at the coded size as OpenCV sizes it: with yuv420p the
+      // height decides whether swscale takes its unscaled path.
+      const AVCodecContext* dec = v_.dec.get();
+      int cw = W, ch = H, flags = SWS_BICUBIC | SWS_ACCURATE_RND | SWS_FULL_CHR_H_INT;
+      if (options_.rgb_conversion() == RgbConversion::kOpenCV) {
+        flags = SWS_BICUBIC;
+        if (dec->coded_width >= W && dec->coded_height >= H) cw = dec->coded_width, ch = dec->coded_height;
+      }
+      sws_.reset(sws_getContext(cw, ch, static_cast<AVPixelFormat>(frame.format), cw, ch, AV_PIX_FMT_RGB24, flags,
+                                nullptr, nullptr, nullptr));
+      if (!sws_) fail(path_, "cannot set up the YUV -> RGB conversion");
+      // (OpenCV's call ignores the tags: BT.601's matrix, the range by the pixel format.)
+      if (options_.rgb_conversion() != RgbConversion::kOpenCV) follow_colour_tags(sws_.get(), frame);
+      rgb_->format = AV_PIX_FMT_RGB24, rgb_->width = cw, rgb_->height = ch;
+      check(av_frame_get_buffer(rgb_.get(), 0), path_, "cannot allocate a frame");
+    }
+    sws_scale(sws_.get(), frame.data, frame.linesize, 0, H, rgb_->data, rgb_->linesize);
+    auto t = torch::empty({H, W, 3}, torch::kUInt8);
+    for (int y = 0; y < H; ++y)
+      std::memcpy(t.data_ptr<uint8_t>() + static_cast<int64_t>(y) * W * 3, rgb_->data[0] + y * rgb_->linesize[0],
+                  static_cast<size_t>(W) * 3);
+    return apply_display_transform(std::move(t), v_.display);
+  }
+
+ private:
+  const std::string& path_;
+  const OpenedVideo& v_;
+  const VideoReadOptions& options_;
+  FramePtr rgb_;
+  SwsPtr sws_;
+};
+
+// What decode_frames is told of each frame it decodes: its index in the stream (presentation order, from 0),
+// or kGiveUp to stop decoding there (the seeking read's frame that is not where the packets said).
+constexpr int64_t kGiveUp = -1;
+
+struct Decoded {
+  int64_t frames = 0;    // frames the decoder gave
+  bool gave_up = false;  // `number` or `first_packet` said kGiveUp / false
+};
+
+// Decodes frames in presentation order from where the file is read; `keep(index)` says whether frame `index` is
+// converted to RGB and handed to `take`. Frames are numbered by `number(frame, decoded so far)` (empty: counted
+// from 0). Stops after frame `last` (−1: the whole stream). `first_packet` (when given) checks the first packet of
+// the video stream read. `damage_ends_stream`: data the demuxer or decoder finds invalid (a download cut short,
+// damaged bytes) ends the stream there, as its end would, after the frames decoded before it; otherwise it is an
+// error.
+Decoded decode_frames(const std::string& path, OpenedVideo& v, const VideoReadOptions& options, int64_t last,
                       const std::function<bool(int64_t)>& keep, const std::function<void(int64_t, torch::Tensor)>& take,
-                      bool damage_ends_stream = false) {
-  const int W = v.width, H = v.height;
+                      bool damage_ends_stream = false,
+                      const std::function<int64_t(const AVFrame&, int64_t)>& number = nullptr,
+                      const std::function<bool(const AVPacket&)>& first_packet = nullptr) {
   AVCodecContext* dec = v.dec.get();
-  FramePtr frame(av_frame_alloc()), rgb(av_frame_alloc());
+  FramePtr frame(av_frame_alloc());
   PacketPtr packet(av_packet_alloc());
-  if (!frame || !rgb || !packet) fail(path, "out of memory");
-  SwsPtr sws;
-  int64_t decoded = 0;
-  bool done = false, damaged = false;
+  if (!frame || !packet) fail(path, "out of memory");
+  RgbConverter to_rgb(path, v, options);
+  Decoded result;
+  bool done = false, damaged = false, first = true;
   const auto damage = [&](int r) { return damage_ends_stream && r == AVERROR_INVALIDDATA; };
   auto receive = [&] {
     while (!done) {
@@ -491,34 +549,15 @@ int64_t decode_frames(const std::string& path, OpenedVideo& v, const VideoReadOp
         return;
       }
       check(r, path, "decoding failed");
-      if (frame->width != W || frame->height != H) fail(path, "frame size changes mid-stream");
-      const int64_t index = decoded++;
-      if (keep(index)) {
-        if (!sws) {
-          // kInterpolatedChroma: SWS_FULL_CHR_H_INT, without which swscale's YUV -> RGB path reads back grey
-          // 1.7 levels dark on average (measured on a ramp: bias −1.73 vs +0.007 with it).
-          // kOpenCV: OpenCV's call as it is (video.h), at the coded size as OpenCV sizes it: with yuv420p the
-          // height decides whether swscale takes its unscaled path.
-          int cw = W, ch = H, flags = SWS_BICUBIC | SWS_ACCURATE_RND | SWS_FULL_CHR_H_INT;
-          if (options.rgb_conversion() == RgbConversion::kOpenCV) {
-            flags = SWS_BICUBIC;
-            if (dec->coded_width >= W && dec->coded_height >= H) cw = dec->coded_width, ch = dec->coded_height;
-          }
-          sws.reset(sws_getContext(cw, ch, static_cast<AVPixelFormat>(frame->format), cw, ch, AV_PIX_FMT_RGB24, flags,
-                                   nullptr, nullptr, nullptr));
-          if (!sws) fail(path, "cannot set up the YUV -> RGB conversion");
-          // (OpenCV's call ignores the tags: BT.601's matrix, the range by the pixel format.)
-          if (options.rgb_conversion() != RgbConversion::kOpenCV) follow_colour_tags(sws.get(), *frame);
-          rgb->format = AV_PIX_FMT_RGB24, rgb->width = cw, rgb->height = ch;
-          check(av_frame_get_buffer(rgb.get(), 0), path, "cannot allocate a frame");
-        }
-        sws_scale(sws.get(), frame->data, frame->linesize, 0, H, rgb->data, rgb->linesize);
-        auto t = torch::empty({H, W, 3}, torch::kUInt8);
-        for (int y = 0; y < H; ++y)
-          std::memcpy(t.data_ptr<uint8_t>() + static_cast<int64_t>(y) * W * 3, rgb->data[0] + y * rgb->linesize[0],
-                      static_cast<size_t>(W) * 3);
-        take(index, apply_display_transform(std::move(t), v.display));
+      if (frame->width != v.width || frame->height != v.height) fail(path, "frame size changes mid-stream");
+      const int64_t index = number ? number(*frame, result.frames) : result.frames;
+      ++result.frames;
+      if (index == kGiveUp) {
+        result.gave_up = done = true;
+        av_frame_unref(frame.get());
+        return;
       }
+      if (keep(index)) take(index, to_rgb(*frame));
       av_frame_unref(frame.get());
       if (last >= 0 && index >= last) done = true;
     }
@@ -528,6 +567,12 @@ int64_t decode_frames(const std::string& path, OpenedVideo& v, const VideoReadOp
     if (r == AVERROR_EOF || damage(r)) break;
     check(r, path, "cannot read a packet");
     if (packet->stream_index == v.index) {
+      if (first && first_packet && !first_packet(*packet)) {
+        av_packet_unref(packet.get());
+        result.gave_up = true;
+        return result;
+      }
+      first = false;
       r = avcodec_send_packet(dec, packet.get());
       if (damage(r)) {
         av_packet_unref(packet.get());
@@ -542,7 +587,7 @@ int64_t decode_frames(const std::string& path, OpenedVideo& v, const VideoReadOp
     check(avcodec_send_packet(dec, nullptr), path, "flushing the decoder failed");
     receive();
   }
-  return decoded;
+  return result;
 }
 
 }  // namespace
@@ -595,19 +640,24 @@ torch::Tensor read_video(const std::string& path, VideoInfo* info, const VideoRe
   return torch::stack(frames);
 }
 
+namespace {
+// The container's frame count or, when it states none, its duration × fps rounded; 0 when it states neither.
+int64_t stated_frames(const OpenedVideo& v, const VideoInfo& info) {
+  if (info.container_frames > 0 || info.fps <= 0) return std::max<int64_t>(info.container_frames, 0);
+  double seconds = 0.0;
+  if (v.stream->duration != AV_NOPTS_VALUE && v.stream->duration > 0)
+    seconds = static_cast<double>(v.stream->duration) * av_q2d(v.stream->time_base);
+  else if (v.in->duration != AV_NOPTS_VALUE && v.in->duration > 0)
+    seconds = static_cast<double>(v.in->duration) / AV_TIME_BASE;
+  return static_cast<int64_t>(std::llround(seconds * info.fps));
+}
+}  // namespace
+
 VideoInfo probe_video(const std::string& path) {
   auto v = open_video(path);
   VideoInfo info;
   describe_stream(v, info);
-  info.frames = info.container_frames;
-  if (info.frames <= 0 && info.fps > 0) {
-    double seconds = 0.0;
-    if (v.stream->duration != AV_NOPTS_VALUE && v.stream->duration > 0)
-      seconds = static_cast<double>(v.stream->duration) * av_q2d(v.stream->time_base);
-    else if (v.in->duration != AV_NOPTS_VALUE && v.in->duration > 0)
-      seconds = static_cast<double>(v.in->duration) / AV_TIME_BASE;
-    info.frames = static_cast<int64_t>(std::llround(seconds * info.fps));
-  }
+  info.frames = stated_frames(v, info);
   if (info.frames <= 0) {
     // Neither a count nor a duration (a recording streamed to its file: a browser's WebM, a pipe's MKV): the
     // video stream's packets, counted without decoding them, one frame each.
@@ -623,29 +673,155 @@ VideoInfo probe_video(const std::string& path) {
   return info;
 }
 
-torch::Tensor read_video_frames(const std::string& path, const std::vector<int64_t>& indices, int64_t* frames_decoded,
-                                const VideoReadOptions& options) {
-  if (indices.empty()) fail(path, "read_video_frames: no frame indices asked for");
-  int64_t last = 0;
-  for (int64_t i : indices) {
-    if (i < 0) fail(path, "read_video_frames: negative frame index " + std::to_string(i));
-    last = std::max(last, i);
+namespace {
+
+// The video stream's frames as its packets list them, read without decoding them (demuxing reads the file's bytes
+// once, far cheaper than decoding): the presentation time of every frame the decoder shows, sorted, so that frame i
+// of the stream is the one at pts[i]; and the key packets (the points decoding can start from).
+struct FrameTimes {
+  struct Key {
+    int64_t pts = 0, dts = 0;
+  };
+  std::vector<int64_t> pts;
+  std::vector<Key> keys;
+};
+
+// Empty when the packets cannot say exactly which frame is which: the demuxer cannot read a packet, a packet has no
+// presentation time, two frames share one, or the decoder's first frame is not the earliest of them (a decoder that
+// drops leading frames: its frame i is not pts[i]). The first frame is decoded to see that; the decoder is left to
+// be flushed. A packet marked discard (before an MP4 edit list's start) is decoded, not shown: not a frame here.
+std::optional<FrameTimes> frame_times(const std::string& path, OpenedVideo& v) {
+  FrameTimes times;
+  PacketPtr packet(av_packet_alloc());
+  FramePtr frame(av_frame_alloc());
+  if (!packet || !frame) fail(path, "out of memory");
+  AVCodecContext* dec = v.dec.get();
+  int64_t first_shown = AV_NOPTS_VALUE;
+  bool waiting = true;  // for the decoder's first frame
+  const auto receive_first = [&] {
+    const int r = avcodec_receive_frame(dec, frame.get());
+    if (r == AVERROR(EAGAIN)) return true;
+    waiting = false;
+    if (r < 0) return false;
+    first_shown = frame->pts;
+    av_frame_unref(frame.get());
+    return true;
+  };
+  while (true) {
+    const int r = av_read_frame(v.in.get(), packet.get());
+    if (r == AVERROR_EOF) break;
+    if (r < 0) return std::nullopt;
+    if (packet->stream_index == v.index) {
+      if (packet->pts == AV_NOPTS_VALUE) return std::nullopt;
+      if ((packet->flags & AV_PKT_FLAG_DISCARD) == 0) times.pts.push_back(packet->pts);
+      if ((packet->flags & AV_PKT_FLAG_KEY) != 0)
+        times.keys.push_back({packet->pts, packet->dts == AV_NOPTS_VALUE ? packet->pts : packet->dts});
+      if (waiting && (avcodec_send_packet(dec, packet.get()) < 0 || !receive_first())) return std::nullopt;
+    }
+    av_packet_unref(packet.get());
   }
-  std::vector<char> wanted(static_cast<size_t>(last + 1), 0);
-  for (int64_t i : indices) wanted[static_cast<size_t>(i)] = 1;
-  std::map<int64_t, torch::Tensor> kept;
-  auto v = open_video(path);
-  check_frame_budget(path, v,
-                     static_cast<int64_t>(indices.size() + std::set<int64_t>(indices.begin(), indices.end()).size()),
-                     options);
-  const int64_t decoded = decode_frames(
-      path, v, options, last, [&](int64_t i) { return i <= last && wanted[static_cast<size_t>(i)] != 0; },
-      [&](int64_t i, torch::Tensor t) { kept.emplace(i, std::move(t)); }, /*damage_ends_stream=*/true);
-  if (frames_decoded != nullptr) *frames_decoded = decoded;
-  if (decoded <= last) return {};
+  if (waiting && (avcodec_send_packet(dec, nullptr) < 0 || !receive_first() || waiting)) return std::nullopt;
+  std::sort(times.pts.begin(), times.pts.end());
+  if (times.pts.empty() || first_shown != times.pts.front() ||
+      std::adjacent_find(times.pts.begin(), times.pts.end()) != times.pts.end())
+    return std::nullopt;
+  return times;
+}
+
+// Seeking pays for itself from this frame on, and from the frame that is this fraction into the file: reading every
+// packet of a file without decoding costs about what decoding 1/50 of its frames does at 256x144 (bench_loader's
+// long source: 2.2 µs a packet against 117 µs a frame), less at larger sizes.
+constexpr int64_t kSeekFromFrame = 48;
+constexpr int64_t kSeekFromFraction = 32;  // 1/32 of the frames the container states
+
+// Decodes the frames `wanted` (sorted, unique indices) from the key frame at or before the first of them, after
+// seeking there: the frames decoded are told apart by their presentation times (FrameTimes). False, with nothing
+// kept, when that cannot find exactly the frames decoding from the start would (the caller then does that, on the
+// file opened again): no FrameTimes, a stream shorter than the last index, no key frame early enough to gain
+// anything, a file that does not seek to it, damaged data, or a frame not where the packets said.
+bool decode_by_seeking(const std::string& path, OpenedVideo& v, const VideoReadOptions& options,
+                       const std::vector<int64_t>& wanted, std::map<int64_t, torch::Tensor>& kept,
+                       int64_t* frames_decoded) {
+  const auto times = frame_times(path, v);
+  if (!times) return false;
+  const auto& pts = times->pts;
+  const int64_t first = wanted.front(), last = wanted.back();
+  if (last >= static_cast<int64_t>(pts.size())) return false;
+  const int64_t target = pts[static_cast<size_t>(first)];
+  const FrameTimes::Key* key = nullptr;
+  for (const auto& k : times->keys)
+    if (k.pts <= target && (key == nullptr || k.pts > key->pts)) key = &k;
+  if (key == nullptr) return false;
+  const auto at = [&](int64_t time) { return std::lower_bound(pts.begin(), pts.end(), time) - pts.begin(); };
+  if (at(key->pts) < kSeekFromFrame) return false;  // the frames before the key are too few to be worth it
+  // Seeking is by the key's presentation time, then (demuxers whose index holds decode times: MP4) by its decode
+  // time; the first packet read must be a key frame at or before the first wanted frame.
+  std::vector<int64_t> seek_times = {key->pts};
+  if (key->dts < key->pts) seek_times.push_back(key->dts);
+  for (const int64_t time : seek_times) {
+    if (av_seek_frame(v.in.get(), v.index, time, AVSEEK_FLAG_BACKWARD) < 0) continue;
+    avcodec_flush_buffers(v.dec.get());
+    kept.clear();
+    size_t next = 0;  // wanted[next]: the next wanted frame to come
+    const auto number = [&](const AVFrame& frame, int64_t) -> int64_t {
+      if (frame.pts == AV_NOPTS_VALUE) return kGiveUp;
+      const int64_t index = at(frame.pts);
+      if (index == static_cast<int64_t>(pts.size()) || pts[static_cast<size_t>(index)] != frame.pts) return kGiveUp;
+      if (index < first) return index;  // a frame before the clip (an open GOP's leading frames among them)
+      // Frames come in presentation order: one past the next wanted frame means that frame will not come.
+      if (next < wanted.size() && index > wanted[next]) return kGiveUp;
+      if (next < wanted.size() && index == wanted[next]) ++next;
+      return index;
+    };
+    const auto starts_at_a_key = [&](const AVPacket& packet) {
+      return (packet.flags & AV_PKT_FLAG_KEY) != 0 && packet.pts != AV_NOPTS_VALUE && packet.pts <= target;
+    };
+    const Decoded decoded = decode_frames(
+        path, v, options, last, [&](int64_t i) { return std::binary_search(wanted.begin(), wanted.end(), i); },
+        [&](int64_t i, torch::Tensor t) { kept.emplace(i, std::move(t)); }, /*damage_ends_stream=*/true, number,
+        starts_at_a_key);
+    if (!decoded.gave_up && kept.size() == wanted.size()) {
+      if (frames_decoded != nullptr) *frames_decoded = decoded.frames;
+      return true;
+    }
+  }
+  kept.clear();
+  return false;
+}
+
+// The kept frames in the order of `indices` (repeats allowed): [N, H, W, 3].
+torch::Tensor stack_frames(const OpenedVideo& v, const std::vector<int64_t>& indices,
+                           const std::map<int64_t, torch::Tensor>& kept) {
   auto out = torch::empty({static_cast<int64_t>(indices.size()), v.shown_height, v.shown_width, 3}, torch::kUInt8);
   for (size_t k = 0; k < indices.size(); ++k) out[static_cast<int64_t>(k)].copy_(kept.at(indices[k]));
   return out;
+}
+
+}  // namespace
+
+torch::Tensor read_video_frames(const std::string& path, const std::vector<int64_t>& indices, int64_t* frames_decoded,
+                                const VideoReadOptions& options) {
+  if (indices.empty()) fail(path, "read_video_frames: no frame indices asked for");
+  for (int64_t i : indices)
+    if (i < 0) fail(path, "read_video_frames: negative frame index " + std::to_string(i));
+  const std::set<int64_t> unique(indices.begin(), indices.end());
+  const std::vector<int64_t> wanted(unique.begin(), unique.end());
+  const int64_t last = wanted.back();
+  std::map<int64_t, torch::Tensor> kept;
+  auto v = open_video(path);
+  check_frame_budget(path, v, static_cast<int64_t>(indices.size() + wanted.size()), options);
+  VideoInfo stated;
+  describe_stream(v, stated);
+  if (options.seek() && wanted.front() >= std::max(kSeekFromFrame, stated_frames(v, stated) / kSeekFromFraction)) {
+    if (decode_by_seeking(path, v, options, wanted, kept, frames_decoded)) return stack_frames(v, indices, kept);
+    v = open_video(path);  // decoded from the start below, as if it had not sought
+  }
+  const Decoded decoded = decode_frames(
+      path, v, options, last, [&](int64_t i) { return std::binary_search(wanted.begin(), wanted.end(), i); },
+      [&](int64_t i, torch::Tensor t) { kept.emplace(i, std::move(t)); }, /*damage_ends_stream=*/true);
+  if (frames_decoded != nullptr) *frames_decoded = decoded.frames;
+  if (decoded.frames <= last) return {};
+  return stack_frames(v, indices, kept);
 }
 
 #else  // built without FFmpeg (MEGASLIDE_VIDEO=OFF, or its libraries were not found)

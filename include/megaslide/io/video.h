@@ -102,6 +102,9 @@ struct VideoReadOptions {
   // machine has available (MemAvailable) when the read starts. A read that would pass it throws
   // VideoError naming the frame size, the frames and the limit.
   TORCH_ARG(int64_t, max_bytes) = 0;
+  // read_video_frames: frames far enough into a file are found by seeking to the key frame before them, not by
+  // decoding every frame from the start (see there). False: always from the start.
+  TORCH_ARG(bool, seek) = true;
 };
 
 // Every read returns frames upright: turned and mirrored as the stream's display matrix says (VideoInfo).
@@ -121,6 +124,14 @@ VideoInfo probe_video(const std::string& path);
 // invalid (a download cut short, damaged bytes) ends the stream there, after the frames before it. When the
 // stream ends before the largest index, returns an undefined tensor; `frames_decoded` (when given) receives how many
 // frames were decoded either way. Each call decodes on one thread.
+//
+// Seeking (options.seek; when the first index is at least 48 and 1/32 of the frames the container states): the file's
+// packets are read without decoding them, to learn every frame's presentation time and the key frames; decoding then
+// starts at the last key frame at or before the first index and tells frames apart by their times, so a clip a minute
+// into a long video costs one group of pictures, not a minute of decoding. It returns the frames decoding from the
+// start would. Where the packets cannot say which frame is which (no times, repeated times, a decoder that drops its
+// first frames, damaged data, a file that does not seek to its key frame), the read decodes from the start as without
+// seeking. After a seek, `frames_decoded` counts the frames decoded from the key frame.
 torch::Tensor read_video_frames(const std::string& path, const std::vector<int64_t>& indices,
                                 int64_t* frames_decoded = nullptr, const VideoReadOptions& options = {});
 
