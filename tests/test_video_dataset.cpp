@@ -124,6 +124,37 @@ TEST(VideoDataset, FrameSamplingByFpsAndDrawsFixedBySeedItemAndEpoch) {
   EXPECT_GE(psnr(clip, expected_clip(fx.sources[1], p, 48, 48)), 35.0);
 }
 
+// The property: a dataset says what its items will do that its author may not expect: clips of videos slower than
+// data.fps repeat source frames (named with the slowest video), and a path listed twice is two items (named with
+// the first); neither is said when it does not happen.
+TEST(VideoDataset, ClipsThatRepeatFramesAndPathsListedTwiceAreNoticed) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  VideoFixture fx("dataset-notices", 2, 24, 48, 64);  // 8 fps
+  auto d = folder_config(fx);
+  d.frame_stride = 1;
+  d.fps = 8.0;  // the files' own rate: every frame once
+  EXPECT_TRUE(VideoDataset::open(d, 1).notices().empty());
+  d.fps = 12.0;  // 4 clip frames span round(3 · 8/12) + 1 = 3 source frames: one repeats
+  const auto fast = VideoDataset::open(d, 1).notices();
+  ASSERT_EQ(fast.size(), 1u);
+  EXPECT_NE(fast[0].find("2 of 2 usable videos have a frame rate below data.fps (12)"), std::string::npos) << fast[0];
+  EXPECT_NE(fast[0].find("the lowest: 8 fps"), std::string::npos) << fast[0];
+  d.fps = 0.0;
+  fx.write("twice.jsonl",
+           "{\"video\": \"videos/clip-0.mp4\", \"caption\": \"a\"}\n"
+           "{\"video\": \"videos/clip-1.mp4\", \"caption\": \"b\"}\n"
+           "{\"video\": \"videos/clip-0.mp4\", \"caption\": \"c\"}\n");
+  d.root.clear();
+  d.manifest = fx.dir + "/twice.jsonl";
+  const auto twice = VideoDataset::open(d, 1);
+  EXPECT_EQ(twice.size(), 3);
+  ASSERT_EQ(twice.notices().size(), 1u);
+  EXPECT_NE(twice.notices()[0].find("1 usable item repeats the path of an item listed before it (the first: '" +
+                                    fx.dir + "/videos/clip-0.mp4', listed 2 times)"),
+            std::string::npos)
+      << twice.notices()[0];
+}
+
 TEST(VideoDataset, ItemsGoToTheirNearestBucketThatFits) {
   if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
   // Clips 0-1 landscape 48x64, clip 2 portrait 64x48; all 12 frames.

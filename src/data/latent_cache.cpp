@@ -440,6 +440,7 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
   CacheBuildResult result;
   result.bad = dataset.bad();
   for (const auto& b : dataset.bad()) warn(fmt::format("bad item {}: {}", b.path, b.reason));
+  for (const auto& notice : dataset.notices()) warn(notice);
 
   json manifest;
   manifest["format"] = kFormat;

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <thread>
 
 #include "megaslide/io/video.h"
@@ -52,6 +53,41 @@ int64_t nearest_bucket(const std::vector<ClipShape>& buckets, const VideoItemInf
     if (better) best = static_cast<int64_t>(b), best_distance = d;
   }
   return best;
+}
+
+// VideoDataset::notices() of usable items.
+std::vector<std::string> dataset_notices(const DataConfig& data, const std::vector<VideoItem>& items,
+                                         const std::vector<VideoItemInfo>& info) {
+  std::vector<std::string> out;
+  if (data.fps > 0) {
+    // A clip repeats a source frame when it spans fewer source frames than it has.
+    const auto buckets = clip_buckets(data);
+    int64_t slow = 0, slowest = -1;
+    for (size_t i = 0; i < info.size(); ++i)
+      if (const int64_t frames = buckets[static_cast<size_t>(info[i].bucket)].frames;
+          frame_span(frames, frame_step(data, info[i].fps)) < frames) {
+        ++slow;
+        if (slowest < 0 || info[i].fps < info[static_cast<size_t>(slowest)].fps) slowest = static_cast<int64_t>(i);
+      }
+    if (slow > 0)
+      out.push_back(fmt::format(
+          "{} of {} usable videos have a frame rate below data.fps ({}): their clips repeat source frames to make "
+          "{} frames a second (the lowest: {:.4g} fps, '{}'); lower data.fps, or use data.frame_stride",
+          slow, items.size(), data.fps, data.fps, info[static_cast<size_t>(slowest)].fps,
+          items[static_cast<size_t>(slowest)].path));
+  }
+  std::map<std::string, int64_t> listings;  // path -> times listed
+  int64_t repeats = 0;                      // items whose path an earlier item has
+  std::string first_repeated;
+  for (const auto& item : items)
+    if (++listings[item.path] > 1 && repeats++ == 0) first_repeated = item.path;
+  if (repeats > 0)
+    out.push_back(fmt::format(
+        "{} usable {} the path of an item listed before {} (the first: '{}', listed {} times): each listing is an "
+        "item, trained as often as it is listed",
+        repeats, repeats == 1 ? "item repeats" : "items repeat", repeats == 1 ? "it" : "them", first_repeated,
+        listings[first_repeated]));
+  return out;
 }
 
 }  // namespace
@@ -154,7 +190,10 @@ VideoDataset VideoDataset::open(const DataConfig& data, int threads,
     }
   }
   std::sort(bad.begin(), bad.end(), [](const BadItem& a, const BadItem& b) { return a.index < b.index; });
-  return VideoDataset(data, std::move(items), std::move(good), std::move(bad), listed);
+  auto notices = dataset_notices(data, items, good);
+  VideoDataset dataset(data, std::move(items), std::move(good), std::move(bad), listed);
+  dataset.notices_ = std::move(notices);
+  return dataset;
 }
 
 ClipPlan VideoDataset::plan(int64_t i, int64_t epoch, int64_t frames) const {

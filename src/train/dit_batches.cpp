@@ -31,7 +31,8 @@ struct DiffusionBatchSource::Videos {
   std::map<std::string, std::string> failed;  // items that failed to load, each counted once, and why
   std::vector<BadItem> known_bad;             // from listing and probing (or the cache)
   int64_t listed = 0;
-  ClipSample empty_prompt;  // the cache's: text tensors of the empty prompt
+  std::vector<std::string> notices;  // VideoDataset::notices() (decoding; a cache's were shown when it was built)
+  ClipSample empty_prompt;           // the cache's: text tensors of the empty prompt
 
   // Throws DatasetError listing every bad item once more than data.max_bad_fraction of the items are bad.
   void check(const DataConfig& data) const {
@@ -78,6 +79,7 @@ DiffusionBatchSource::DiffusionBatchSource(const RunConfig& config)
     dataset->check_bad_fraction();
     videos_->known_bad = dataset->bad();
     videos_->listed = dataset->listed();
+    videos_->notices = dataset->notices();
     videos_->source = decoding_source(dataset);
   }
   videos_->unreported = videos_->known_bad;
@@ -127,6 +129,10 @@ std::string DiffusionBatchSource::describe(int64_t steps) const {
       "{:.2f} epochs",
       src.size(), videos_->listed, videos_->listed - src.size(), buckets, steps, items_per_step,
       static_cast<double>(steps * items_per_step) / static_cast<double>(std::max<int64_t>(1, src.size())));
+}
+
+std::vector<std::string> DiffusionBatchSource::notices() const {
+  return videos_ ? videos_->notices : std::vector<std::string>{};
 }
 
 std::vector<std::string> DiffusionBatchSource::captions(int64_t count) const {

@@ -116,7 +116,8 @@ class DiTModel final : public FamilyModel {
   int64_t tokens_per_sample() const override { return grid_.numel(); }
   double flops_per_step() const override { return model_flops_per_step(config_); }
 
-  void describe(std::vector<std::string>& info, std::vector<std::string>& /*warnings*/) const override {
+  void describe(std::vector<std::string>& info, std::vector<std::string>& warnings) const override {
+    for (auto& notice : batches_.notices()) warnings.push_back("data: " + notice);
     if (!validation_.empty()) {
       std::string prompts;
       for (const auto& v : validation_) prompts += (prompts.empty() ? "\"" : ", \"") + v.job.prompt + "\"";

@@ -79,6 +79,11 @@ class VideoDataset {
   const VideoItemInfo& info(int64_t i) const { return info_.at(static_cast<size_t>(i)); }
   const std::vector<ClipShape>& buckets() const { return buckets_; }
   const std::vector<BadItem>& bad() const { return bad_; }  // found when listing and probing
+  // What the usable items will do that a listing's author may not expect, one line each (logged as warnings):
+  // videos whose frame rate is below data.fps (their clips repeat source frames), and paths listed more than
+  // once (each listing is an item, trained as often as it is listed). Empty for a dataset built from a cache's
+  // manifest.
+  const std::vector<std::string>& notices() const { return notices_; }
   const DataConfig& config() const { return data_; }
 
   // The plan of item i's clip in `epoch`, for a video of `frames` frames (default: the probed count).
@@ -101,6 +106,7 @@ class VideoDataset {
   std::vector<VideoItemInfo> info_;
   std::vector<BadItem> bad_;
   int64_t listed_ = 0;
+  std::vector<std::string> notices_;
 };
 
 // Resize (antialiased bilinear, aspect kept, covering height × width) and crop of decoded frames

@@ -63,6 +63,8 @@ class DiffusionBatchSource {
   // One line for the log: the usable items, those listed and found bad, each bucket's size and items, and
   // the epochs `steps` steps of global batches make ("" for structured-motion).
   std::string describe(int64_t steps) const;
+  // videos decoded: the dataset's notices (VideoDataset::notices), for the log's warnings.
+  std::vector<std::string> notices() const;
   // Data parallelism: next() returns the rank-th contiguous 1/world_size of each global batch of
   // train.batch_size items. Every random draw (clip order, caption dropout, timestep, noise) is still
   // made for the whole global batch in the single-process order, so item i of the global batch gets the
