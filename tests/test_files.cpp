@@ -35,6 +35,20 @@ std::string error_of(const std::function<void()>& f) {
 // The property: no input a user names can make a reader hang or fill memory — /dev/zero, a folder or
 // a file past the cap is refused at once with a message naming it; a regular file under the cap (and a
 // pipe where allowed) reads whole.
+// The property: absolute_path joins a relative path to the working directory and removes ".", ".." and repeated or
+// trailing slashes without following links; an absolute path needs no working directory.
+TEST(Files, AbsolutePathIsLexicalFromTheRoot) {
+  using megaslide::io::absolute_path;
+  char cwd[4096];
+  ASSERT_NE(::getcwd(cwd, sizeof cwd), nullptr);
+  const std::string here = std::string(cwd) == "/" ? "" : cwd;
+  EXPECT_EQ(absolute_path("a/./b/../c"), here + "/a/c");
+  EXPECT_EQ(absolute_path("/x//y/"), "/x/y");
+  EXPECT_EQ(absolute_path("/x/../../y"), "/y");
+  EXPECT_EQ(absolute_path("/.."), "/");
+  EXPECT_EQ(absolute_path(""), "");
+}
+
 TEST(Files, ReadInputFileRefusesFoldersDevicesAndFilesPastTheCap) {
   const auto dir = fresh("input");
   write_file_atomically(join_path(dir, "small.yaml"), "model:\n  hidden: 16\n");

@@ -14,6 +14,7 @@
 #include <set>
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -199,6 +200,48 @@ TEST(LatentCache, AStaleCacheIsRefusedNamingWhatChanged) {
   std::ofstream(fx.dir + "/opensora.csv", std::ios::app) << "videos/clip-0.mp4,\"again\",12\n";
   what = expect_refused(c, dir);
   EXPECT_NE(what.find("listed but not in the cache"), std::string::npos) << what;
+}
+
+// The property: the same files are the same cache whatever working directory or spelling names them: a cache built
+// from a relative data.manifest opens, and rebuilds reusing every shard, from another working directory with an
+// absolute spelling holding "." and ".."; one recorded with relative paths (as caches were before) still opens
+// from the directory they were relative to.
+TEST(LatentCache, TheSameFilesSpelledOtherwiseAreTheSameCache) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  VideoFixture fx("cache-spelling", 3, 12, 16, 16);
+  char was[4096];
+  ASSERT_NE(::getcwd(was, sizeof was), nullptr);
+  auto relative = video_config(fx);
+  relative.data.manifest = "opensora.csv";
+  const std::string dir = fx.dir + "/cache";
+  ASSERT_EQ(::chdir(fx.dir.c_str()), 0);
+  const auto built = build(relative, dir, 2);
+  ASSERT_EQ(::chdir("/"), 0);
+  auto absolute = video_config(fx);
+  absolute.data.manifest = fx.dir + "/./videos/../opensora.csv";
+  EXPECT_NO_THROW(LatentCache::open(absolute, dir));
+  const auto again = build(absolute, dir, 2);
+  EXPECT_EQ(again.shards_reused, built.shards);
+  // Recorded relative (the source and every item's path): opened from the folder they are relative to.
+  auto manifest = nlohmann::json::parse(megaslide::io::read_file(dir + "/cache.json"));
+  EXPECT_EQ(manifest["dataset"]["source"], fx.dir + "/opensora.csv");
+  manifest["dataset"]["source"] = "opensora.csv";
+  const std::string prefix = fx.dir + "/";
+  int64_t paths = 0;
+  for (auto& shard : manifest["shards"])
+    for (auto* list : {&shard["items"], &shard["sources"]})
+      for (auto& item : *list) {
+        const std::string path = item["path"];
+        ASSERT_EQ(path.compare(0, prefix.size(), prefix), 0) << path;
+        item["path"] = path.substr(prefix.size());
+        ++paths;
+      }
+  EXPECT_EQ(paths, 2 * 3) << "each item's path in its shard's items and sources";
+  megaslide::io::write_file_atomically(dir + "/cache.json", manifest.dump(1));
+  ASSERT_EQ(::chdir(fx.dir.c_str()), 0);
+  EXPECT_NO_THROW(LatentCache::open(absolute, dir));
+  EXPECT_NO_THROW(LatentCache::open(relative, dir));
+  ASSERT_EQ(::chdir(was), 0);
 }
 
 TEST(LatentCache, ACorruptedItemFailsItsChecksum) {

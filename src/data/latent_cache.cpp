@@ -244,7 +244,14 @@ json decode_settings(const DataConfig& d) {
           {"clip_start", d.clip_start}, {"crop", d.crop}, {"seed", d.seed}};
 }
 
-std::string dataset_source(const DataConfig& d) { return d.manifest.empty() ? d.root : d.manifest; }
+// The dataset's folder or manifest from the root (a cache made before paths were recorded so holds them as
+// written: they are read the same way, from the working directory).
+std::string dataset_source(const DataConfig& d) { return io::absolute_path(d.manifest.empty() ? d.root : d.manifest); }
+json absolute_source(json dataset) {
+  if (dataset.is_object() && dataset.contains("source") && dataset["source"].is_string())
+    dataset["source"] = io::absolute_path(dataset["source"].get<std::string>());
+  return dataset;
+}
 
 struct SourceStat {
   uint64_t size = 0;
@@ -495,7 +502,7 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
         const json old = read_manifest(manifest_path);
         check_same(old.value("encoders", json()), identity, "encoders", options.out);
         check_same(old.value("decode", json()), decode, "decode settings", options.out);
-        check_same(old.value("dataset", json()), manifest["dataset"], "dataset", options.out);
+        check_same(absolute_source(old.value("dataset", json())), manifest["dataset"], "dataset", options.out);
         if (old.value("shard_items", int64_t{0}) == S && old.contains("shards") && old["shards"].is_array()) {
           for (const auto& rec : old["shards"]) {
             const int64_t k = rec.value("shard", int64_t{-1});
@@ -506,14 +513,15 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
               const auto& src = rec["sources"][static_cast<size_t>(j)];
               const auto& item = dataset.item(k * S + j);
               const auto st = stat_source(item.path);
-              same = src.value("index", int64_t{-1}) == item.index && src.value("path", "") == item.path &&
+              same = src.value("index", int64_t{-1}) == item.index &&
+                     io::absolute_path(src.value("path", "")) == item.path &&
                      src.value("size", uint64_t{0}) == st.size && src.value("mtime_ns", int64_t{0}) == st.mtime_ns;
               // Image-to-video: the item's own image as listed now, unchanged (or none, as then).
               const json image_was = src.value("image", json());
               if (same && item.image.empty() != image_was.is_null()) same = false;
               if (same && !item.image.empty()) {
                 const auto image_st = stat_source(item.image);
-                same = image_was.value("path", "") == item.image &&
+                same = io::absolute_path(image_was.value("path", "")) == item.image &&
                        image_was.value("size", uint64_t{0}) == image_st.size &&
                        image_was.value("mtime_ns", int64_t{0}) == image_st.mtime_ns;
               }
@@ -708,7 +716,7 @@ std::shared_ptr<LatentCache> LatentCache::open_checked(const RunConfig& config, 
   check_same(m.value("decode", json()), decode_settings(config.data), "decode settings", dir);
   const json dataset = {{"source", dataset_source(config.data)},
                         {"listed", m.value("dataset", json()).value("listed", int64_t{0})}};
-  check_same(m.value("dataset", json()), dataset, "dataset", dir);
+  check_same(absolute_source(m.value("dataset", json())), dataset, "dataset", dir);
 
   std::shared_ptr<LatentCache> cache(new LatentCache());
   cache->dir_ = dir;
@@ -797,7 +805,8 @@ std::shared_ptr<LatentCache> LatentCache::open_checked(const RunConfig& config, 
   const bool image_to_video = caches_images(config);
   const auto listing = read_video_manifest(config.data, image_to_video);
   std::map<int64_t, std::string> cached_path, cached_image;
-  for (const auto& it : cache->items_) cached_path[it.index] = it.path, cached_image[it.index] = it.image;
+  for (const auto& it : cache->items_)
+    cached_path[it.index] = io::absolute_path(it.path), cached_image[it.index] = io::absolute_path(it.image);
   for (const auto& it : listing.items) {
     if (!covered.count(it.index)) stale.push_back(it.path + ": listed but not in the cache");
     else if (cached_path.count(it.index) && cached_path[it.index] != it.path)

@@ -387,7 +387,12 @@ VideoManifest read_any_layout(const DataConfig& data, bool images) {
 }  // namespace
 
 VideoManifest read_video_manifest(const DataConfig& data, bool images) {
-  VideoManifest m = read_any_layout(data, images);
+  // From the root: the same files are the same items (and the same cache) whichever working directory or
+  // spelling named them.
+  DataConfig absolute = data;
+  absolute.root = io::absolute_path(data.root);
+  absolute.manifest = io::absolute_path(data.manifest);
+  VideoManifest m = read_any_layout(absolute, images);
   move_non_utf8_items_to_bad(m);
   return m;
 }

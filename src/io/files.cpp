@@ -224,6 +224,34 @@ std::string join_path(const std::string& a, const std::string& b) {
   return a.back() == '/' ? a + b : a + "/" + b;
 }
 
+std::string absolute_path(const std::string& path) {
+  if (path.empty()) return path;
+  std::string full = path;
+  if (full.front() != '/') {
+    std::vector<char> cwd(4096);
+    while (::getcwd(cwd.data(), cwd.size()) == nullptr) {
+      if (errno != ERANGE) throw IoError(std::string("cannot read the working directory: ") + std::strerror(errno));
+      cwd.resize(cwd.size() * 2);
+    }
+    full = join_path(cwd.data(), path);
+  }
+  std::vector<std::string> parts;
+  for (size_t begin = 0; begin <= full.size();) {
+    size_t end = full.find('/', begin);
+    if (end == std::string::npos) end = full.size();
+    const std::string part = full.substr(begin, end - begin);
+    if (part == "..") {
+      if (!parts.empty()) parts.pop_back();
+    } else if (!part.empty() && part != ".") {
+      parts.push_back(part);
+    }
+    begin = end + 1;
+  }
+  std::string out;
+  for (const auto& part : parts) out += "/" + part;
+  return out.empty() ? "/" : out;
+}
+
 void make_directories(const std::string& path) {
   if (path.empty() || is_directory(path)) return;
   const std::string parent = parent_of(path);

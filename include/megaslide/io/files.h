@@ -28,6 +28,10 @@ bool is_directory(const std::string& path);
 // Whether `path` is a symbolic link itself (whether or not what it names exists).
 bool is_symlink(const std::string& path);
 std::string join_path(const std::string& a, const std::string& b);
+// `path` from the root: a relative one joined to the working directory, then "." and ".." components and repeated
+// or trailing slashes removed (lexically: links are not followed). "" stays "". Throws IoError when the working
+// directory cannot be read.
+std::string absolute_path(const std::string& path);
 
 // mkdir -p.
 void make_directories(const std::string& path);
