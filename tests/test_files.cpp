@@ -4,9 +4,11 @@
 
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <csignal>
 #include <fstream>
 #include <functional>
 #include <set>
@@ -32,9 +34,6 @@ std::string error_of(const std::function<void()>& f) {
 }
 }  // namespace
 
-// The property: no input a user names can make a reader hang or fill memory — /dev/zero, a folder or
-// a file past the cap is refused at once with a message naming it; a regular file under the cap (and a
-// pipe where allowed) reads whole.
 // The property: absolute_path joins a relative path to the working directory and removes ".", ".." and repeated or
 // trailing slashes without following links; an absolute path needs no working directory.
 TEST(Files, AbsolutePathIsLexicalFromTheRoot) {
@@ -49,6 +48,52 @@ TEST(Files, AbsolutePathIsLexicalFromTheRoot) {
   EXPECT_EQ(absolute_path(""), "");
 }
 
+// The property: a process ended by a signal while writing a file atomically leaves no temporary file behind when its
+// handler calls remove_temporary_files() (what the tools' handlers do); without it the temporary file stays (the
+// control, so the test can fail). Files written before are forgotten once committed or abandoned, so that the 64
+// names the registry holds are free again (100 of them first).
+TEST(Files, ASignalEndingAWriteRemovesItsTemporaryFile) {
+  const auto dir = fresh("signal");
+  for (int k = 0; k < 100; ++k) {
+    AtomicFileWriter writer(dir + "/earlier-" + std::to_string(k));
+    writer.write("x", 1);
+    if (k % 2 == 0) writer.commit();
+  }
+  const auto temporaries = [&] {
+    int64_t n = 0;
+    for (const auto& name : list_directory(dir)) n += name.size() > 4 && name.substr(name.size() - 4) == ".tmp";
+    return n;
+  };
+  for (const bool handler : {false, true}) {
+    const pid_t child = ::fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+      if (handler)
+        std::signal(SIGTERM, [](int signal) {
+          remove_temporary_files();
+          std::signal(signal, SIG_DFL);
+          std::raise(signal);
+        });
+      AtomicFileWriter writer(dir + "/model.safetensors");
+      const std::string bytes(1 << 20, 'x');
+      writer.write(bytes.data(), bytes.size());
+      std::raise(SIGTERM);
+      ::_exit(0);  // not reached
+    }
+    int status = 0;
+    ASSERT_EQ(::waitpid(child, &status, 0), child);
+    ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGTERM);
+    EXPECT_EQ(temporaries(), handler ? 0 : 1) << (handler ? "with" : "without") << " the handler";
+    EXPECT_FALSE(path_exists(dir + "/model.safetensors"));
+    for (const auto& name : list_directory(dir))
+      if (name.size() > 4 && name.substr(name.size() - 4) == ".tmp") ::unlink((dir + "/" + name).c_str());
+  }
+  remove_tree(dir);
+}
+
+// The property: no input a user names can make a reader hang or fill memory — /dev/zero, a folder or
+// a file past the cap is refused at once with a message naming it; a regular file under the cap (and a
+// pipe where allowed) reads whole.
 TEST(Files, ReadInputFileRefusesFoldersDevicesAndFilesPastTheCap) {
   const auto dir = fresh("input");
   write_file_atomically(join_path(dir, "small.yaml"), "model:\n  hidden: 16\n");

@@ -62,6 +62,7 @@ int main(int argc, char** argv) {
       }
     });
     megaslide::tools::survive_file_size_limit();
+    megaslide::tools::remove_temporaries_on_fatal_signals();
     options.out_dir = out_dir;
     options.device = device;
     options.memory_budget_gib = budget;

@@ -31,6 +31,7 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", megaslide::build_summary());
   if (const auto code = megaslide::tools::parse_flags(app, argc, argv)) return *code;
   megaslide::tools::survive_file_size_limit();
+  megaslide::tools::remove_temporaries_on_fatal_signals();
   return megaslide::tools::run_tool("megaslide-eval", [&] {
     megaslide::eval::FolderEvaluation evaluation;
     megaslide::tools::checking_input([&] {

@@ -23,6 +23,7 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", megaslide::build_summary());
   if (const auto code = megaslide::tools::parse_flags(app, argc, argv)) return *code;
   megaslide::tools::survive_file_size_limit();
+  megaslide::tools::remove_temporaries_on_fatal_signals();
   return megaslide::tools::run_tool("megaslide-plot", [&] {
     megaslide::tools::checking_input([&] {
       megaslide::io::check_output_folder(out_dir.empty() ? megaslide::io::join_path(run_dir, "plots") : out_dir,

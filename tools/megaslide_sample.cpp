@@ -695,6 +695,8 @@ int main(int argc, char** argv) {
     });
 
     megaslide::tools::survive_file_size_limit();
+
+    megaslide::tools::remove_temporaries_on_fatal_signals();
     const auto thread_plan = apply_sampling_threads(threads, device);
     VideoOutput output;
     output.out_dir = out_dir;

@@ -37,7 +37,8 @@ std::atomic<int> g_stop{0};
 
 void on_stop_signal(int signal) {
   g_stop.store(signal);
-  std::signal(signal, SIG_DFL);  // a second one ends the process at once
+  // A second one ends the process at once, leaving no temporary file of a save or an export behind.
+  std::signal(signal, megaslide::tools::end_by_signal_removing_temporaries);
 }
 
 // --dry-run: the model's size and the run's memory in a few lines, or one JSON object.
@@ -173,6 +174,7 @@ int main(int argc, char** argv) {
           check_export(export_ema, "--export-ema");
         });
         megaslide::tools::survive_file_size_limit();
+        megaslide::tools::remove_temporaries_on_fatal_signals();
         // Where an export went: ComfyUI's layout (and a Wan LoRA) names one file per expert.
         const auto written_to = [&](const std::string& path) {
           const bool lora = config.lora.rank > 0;

@@ -6,6 +6,8 @@
 
 #include <CLI/CLI.hpp>
 
+#include <signal.h>
+
 #include <csignal>
 #include <iostream>
 #include <limits>
@@ -15,6 +17,7 @@
 #include <utility>
 
 #include "megaslide/config/run_config.h"
+#include "megaslide/io/files.h"
 #include "megaslide/util/cpu_tensor_cache.h"
 #include "megaslide/util/errors.h"
 #include "megaslide/util/numbers.h"
@@ -144,6 +147,23 @@ inline CLI::Validator non_empty_path() {
 // and survives (a failed checkpoint save keeps the previous one), not into SIGXFSZ, whose default
 // action kills the process without a word.
 inline void survive_file_size_limit() { std::signal(SIGXFSZ, SIG_IGN); }
+
+// A signal that ends the process (Ctrl-C, kill, a closed terminal, a batch system's warning) first removes the
+// temporary files being written (io::remove_temporary_files): an export or a save stopped halfway leaves no
+// model-sized `*.XXXXXX.tmp` beside its output. The process then ends by the same signal, as it would have. A
+// SIGHUP the process was started ignoring (nohup) stays ignored.
+inline void end_by_signal_removing_temporaries(int signal) {
+  megaslide::io::remove_temporary_files();
+  std::signal(signal, SIG_DFL);
+  std::raise(signal);
+}
+inline void remove_temporaries_on_fatal_signals() {
+  for (const int signal : {SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGQUIT}) {
+    struct sigaction current {};
+    if (::sigaction(signal, nullptr, &current) == 0 && current.sa_handler == SIG_IGN) continue;
+    std::signal(signal, end_by_signal_removing_temporaries);
+  }
+}
 
 // A --device flag as train.device takes it: auto, cpu, cuda or cuda:N (LibTorch's parser would take meta, xla, cpu:3
 // and the like, and fail later). UsageError otherwise, naming the flag.

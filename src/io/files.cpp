@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
@@ -103,6 +104,42 @@ void check_replaceable_output(const std::string& path) {
                   "; MegaSlide writes only over regular files (remove it or name another output)");
 }
 
+namespace {
+// The registered temporary files: state 0 free, 1 being filled, 2 registered (read by remove_temporary_files, which
+// may run in a signal handler: lock-free atomics and a fixed array, no allocation).
+constexpr size_t kTemporaryPathMax = 4096;
+struct TemporarySlot {
+  std::atomic<int> state{0};
+  char path[kTemporaryPathMax];
+};
+std::array<TemporarySlot, 64> g_temporaries;
+static_assert(std::atomic<int>::is_always_lock_free);
+
+void register_temporary(const std::string& name) {
+  if (name.size() >= kTemporaryPathMax) return;
+  for (auto& slot : g_temporaries) {
+    int free = 0;
+    if (!slot.state.compare_exchange_strong(free, 1)) continue;
+    std::memcpy(slot.path, name.c_str(), name.size() + 1);
+    slot.state.store(2);
+    return;
+  }
+}
+}  // namespace
+
+void forget_temporary(const std::string& name) {
+  for (auto& slot : g_temporaries)
+    if (slot.state.load() == 2 && name == slot.path) {
+      slot.state.store(0);
+      return;
+    }
+}
+
+void remove_temporary_files() noexcept {
+  for (auto& slot : g_temporaries)
+    if (slot.state.load() == 2) ::unlink(slot.path);
+}
+
 int create_temporary_beside(const std::string& path, std::string& name) {
   std::string pattern = path + ".XXXXXX.tmp";
   const int fd = ::mkostemps(pattern.data(), 4, O_CLOEXEC);  // O_CREAT | O_EXCL: never through a link
@@ -115,6 +152,7 @@ int create_temporary_beside(const std::string& path, std::string& name) {
     fail("cannot set the mode of", pattern);
   }
   name = pattern;
+  register_temporary(name);
   return fd;
 }
 
@@ -306,6 +344,7 @@ AtomicFileWriter::~AtomicFileWriter() {
     ::close(fd_);
     ::unlink(tmp_.c_str());
   }
+  forget_temporary(tmp_);
 }
 
 void AtomicFileWriter::write(const void* data, size_t bytes) {

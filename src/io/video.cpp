@@ -183,6 +183,7 @@ void write_mp4(const std::string& path, const torch::Tensor& frames_in, const Vi
     bool renamed = false;
     ~RemoveUnlessRenamed() {
       if (!renamed) ::unlink(file.c_str());
+      forget_temporary(file);
     }
   } cleanup{tmp};
   const std::string url = "file:" + tmp;

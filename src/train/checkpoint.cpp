@@ -831,6 +831,7 @@ void check_checkpoints_writable(const std::string& run_dir, int64_t step) {
     io::make_directories(io::join_path(tmp, io::parent_path(shard)));
     const int fd = io::create_temporary_beside(io::join_path(tmp, shard), file);
     ::close(fd);
+    io::forget_temporary(file);
     io::remove_tree(existed ? tmp : root);
   } catch (const io::IoError& e) {
     try {

@@ -113,8 +113,14 @@ void check_replaceable_output(const std::string& path);
 
 // A file created next to `path` for this process alone: `path.XXXXXX.tmp` with six random
 // characters, created exclusively (O_EXCL: never an existing name, never through a symbolic link
-// planted there), mode 0644 less the umask. Returns the descriptor; `name` receives the name.
+// planted there), mode 0644 less the umask. Returns the descriptor; `name` receives the name. The name
+// is registered for remove_temporary_files() until forget_temporary(name) (once it is renamed or removed).
 int create_temporary_beside(const std::string& path, std::string& name);
+void forget_temporary(const std::string& name);
+// Removes every registered temporary file (unlink only: async-signal-safe). A signal handler that ends the
+// process calls it, so that Ctrl-C during a model-sized write leaves no `*.XXXXXX.tmp` behind. (Up to 64 names
+// are registered at once; more are created, and not removed this way.)
+void remove_temporary_files() noexcept;
 
 // Writes a file so that readers see the old file or the complete new one, never a torn one:
 // bytes go to a temporary file beside it (create_temporary_beside); commit() fsyncs, renames over
