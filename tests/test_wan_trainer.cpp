@@ -1165,6 +1165,54 @@ TEST(WanTraining, ImageToVideoSamplesKeepTheFirstFrameCleanAndOutOfTheLoss) {
   }
 }
 
+namespace {
+// A two-expert run's parameters: `high`'s as transformer.*, `low`'s as transformer_2.*.
+megaslide::io::NamedTensors two_experts(const megaslide::WanWeights& high, const megaslide::WanWeights& low) {
+  auto parameters = all_tensors(high, "transformer.");
+  for (auto& p : all_tensors(low, "transformer_2.")) parameters.push_back(std::move(p));
+  return parameters;
+}
+}  // namespace
+
+// The property: an export of Wan2.2's two experts replaces its files together or not at all: when the second
+// expert's file cannot be written (here a folder stands at its path), the first expert's file — and, in diffusers'
+// layout, its config.json — keep their old bytes, and no temporary file is left.
+TEST(WanComfyUIExport, TwoExpertsAreReplacedTogetherOrNotAtAll) {
+  const auto dir = temp_dir("experts-together");
+  const auto high = megaslide::WanWeights::open(kExperts + "/transformer");
+  const auto low = megaslide::WanWeights::open(kExperts + "/transformer_2");
+  const auto wan = megaslide::with_wan_architecture_from_weights(expert_config("both")).model.wan;
+  const auto parameters = two_experts(high, low);
+  const auto swapped = two_experts(low, high);  // another model to write over the first
+  const auto temporaries = [](const std::string& folder) {
+    int n = 0;
+    for (const auto& name : megaslide::io::list_directory(folder))
+      n += name.size() > 4 && name.substr(name.size() - 4) == ".tmp";
+    return n;
+  };
+  // ComfyUI's two files.
+  const auto files = megaslide::save_wan_comfyui_weights(dir + "/w.safetensors", wan, parameters);
+  const std::string first = megaslide::io::read_file(files[0]);
+  megaslide::io::remove_tree(files[1]);
+  megaslide::io::make_directories(files[1]);
+  EXPECT_THROW(megaslide::save_wan_comfyui_weights(dir + "/w.safetensors", wan, swapped), megaslide::io::IoError);
+  EXPECT_EQ(megaslide::io::read_file(files[0]), first) << "the high-noise file was replaced alone";
+  EXPECT_EQ(temporaries(dir), 0);
+  // diffusers' folder: transformer/ (weights and config.json), transformer_2/, model_index.json.
+  const std::string folder = dir + "/diffusers";
+  megaslide::save_wan_weights(folder, wan, parameters);
+  const std::string weights = megaslide::io::read_file(folder + "/transformer/diffusion_pytorch_model.safetensors");
+  const std::string config = megaslide::io::read_file(folder + "/transformer/config.json");
+  const std::string second = folder + "/transformer_2/diffusion_pytorch_model.safetensors";
+  megaslide::io::remove_tree(second);
+  megaslide::io::make_directories(second);
+  EXPECT_THROW(megaslide::save_wan_weights(folder, wan, swapped), megaslide::io::IoError);
+  EXPECT_EQ(megaslide::io::read_file(folder + "/transformer/diffusion_pytorch_model.safetensors"), weights);
+  EXPECT_EQ(megaslide::io::read_file(folder + "/transformer/config.json"), config);
+  EXPECT_EQ(temporaries(folder + "/transformer") + temporaries(folder + "/transformer_2") + temporaries(folder), 0);
+  megaslide::io::remove_tree(dir);
+}
+
 // The property: Wan2.2's two experts (model.wan.expert both: the parameters transformer.* and transformer_2.*, as
 // the run names them) export as ComfyUI's two files, the path's name with _high_noise and _low_noise, each its
 // expert's tensors bit for bit under original names, marked with the expert and the boundary; the pair reads back
@@ -1175,8 +1223,7 @@ TEST(WanComfyUIExport, TwoExpertsExportAsHighAndLowNoiseFiles) {
   const auto high = megaslide::WanWeights::open(kExperts + "/transformer");
   const auto low = megaslide::WanWeights::open(kExperts + "/transformer_2");
   const auto wan = megaslide::with_wan_architecture_from_weights(expert_config("both")).model.wan;
-  auto parameters = all_tensors(high, "transformer.");
-  for (auto& p : all_tensors(low, "transformer_2.")) parameters.push_back(std::move(p));
+  const auto parameters = two_experts(high, low);
   const std::vector<std::string> expected{dir + "/wan22_ft_high_noise.safetensors",
                                           dir + "/wan22_ft_low_noise.safetensors"};
   EXPECT_EQ(megaslide::wan_comfyui_files(dir + "/wan22_ft", wan), expected);

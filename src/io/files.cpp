@@ -304,10 +304,12 @@ void remove_tree(const std::string& path) {
   if (::nftw(path.c_str(), remove_one, 16, FTW_DEPTH | FTW_PHYS) != 0) fail("cannot remove", path);
 }
 
-void write_file_atomically(const std::string& path, const std::string& content) {
-  AtomicFileWriter out(path);
-  out.write(content.data(), content.size());
-  out.commit();
+void write_file_atomically(const std::string& path, const std::string& content, FileGroup* group) {
+  auto out = std::make_unique<AtomicFileWriter>(path);
+  out->write(content.data(), content.size());
+  if (group == nullptr) return out->commit();
+  out->finish();
+  group->add(std::move(out));
 }
 
 void rename_durably(const std::string& from, const std::string& to) {
@@ -340,10 +342,8 @@ AtomicFileWriter::AtomicFileWriter(const std::string& path) : path_(path) {
 }
 
 AtomicFileWriter::~AtomicFileWriter() {
-  if (fd_ >= 0) {
-    ::close(fd_);
-    ::unlink(tmp_.c_str());
-  }
+  if (fd_ >= 0) ::close(fd_);
+  if (fd_ >= 0 || finished_) ::unlink(tmp_.c_str());
   forget_temporary(tmp_);
 }
 
@@ -354,7 +354,7 @@ void AtomicFileWriter::write(const void* data, size_t bytes) {
   bytes_ += bytes;
 }
 
-void AtomicFileWriter::commit() {
+void AtomicFileWriter::finish() {
   if (fd_ < 0) throw IoError("AtomicFileWriter: '" + path_ + "' was already committed");
   if (::fsync(fd_) != 0) fail("cannot flush", tmp_);
   const int fd = fd_;
@@ -365,12 +365,30 @@ void AtomicFileWriter::commit() {
     errno = saved;
     fail("cannot flush", tmp_);
   }
+  finished_ = true;
+}
+
+void AtomicFileWriter::publish() {
+  if (!finished_) throw IoError("AtomicFileWriter: '" + path_ + "' is not finished, or was already renamed");
+  finished_ = false;
   try {
     rename_durably(tmp_, path_);
   } catch (...) {
     ::unlink(tmp_.c_str());
     throw;
   }
+}
+
+void AtomicFileWriter::commit() {
+  finish();
+  publish();
+}
+
+void FileGroup::add(std::unique_ptr<AtomicFileWriter> finished) { files_.push_back(std::move(finished)); }
+
+void FileGroup::publish() {
+  for (auto& file : files_) file->publish();
+  files_.clear();
 }
 
 uint64_t file_size(const std::string& path) {

@@ -266,13 +266,20 @@ std::string encode_safetensors(const NamedTensors& tensors, const std::map<std::
 }
 
 WrittenFile write_safetensors(const std::string& path, const NamedTensors& tensors,
-                              const std::map<std::string, std::string>& metadata, std::optional<c10::ScalarType> cast) {
+                              const std::map<std::string, std::string>& metadata, std::optional<c10::ScalarType> cast,
+                              FileGroup* group) {
   const std::string head = layout(tensors, metadata, cast);
-  AtomicFileWriter out(path);
-  out.write(head.data(), head.size());
-  for_each_payload(tensors, cast, [&](const void* data, size_t bytes) { out.write(data, bytes); });
-  out.commit();
-  return {out.bytes_written(), out.crc32()};
+  auto out = std::make_unique<AtomicFileWriter>(path);
+  out->write(head.data(), head.size());
+  for_each_payload(tensors, cast, [&](const void* data, size_t bytes) { out->write(data, bytes); });
+  const WrittenFile written{out->bytes_written(), out->crc32()};
+  if (group == nullptr) {
+    out->commit();
+  } else {
+    out->finish();
+    group->add(std::move(out));
+  }
+  return written;
 }
 
 WrittenFile write_safetensors(const std::string& path, const NamedTensors& tensors,

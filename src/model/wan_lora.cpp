@@ -223,7 +223,7 @@ WanLora read_wan_lora(const std::string& path, const std::vector<std::string>& w
   return lora;
 }
 
-io::WrittenFile save_wan_lora(const std::string& path, const WanLora& lora, LoraLayout layout) {
+io::WrittenFile save_wan_lora(const std::string& path, const WanLora& lora, LoraLayout layout, io::FileGroup* group) {
   io::NamedTensors tensors;
   std::map<std::string, std::string> metadata{{"format", "pt"}};
   const bool lokr = !lora.adapters.empty() && lora.adapters.begin()->second.lokr();
@@ -306,7 +306,7 @@ io::WrittenFile save_wan_lora(const std::string& path, const WanLora& lora, Lora
     }
   }
   metadata["megaslide.lora_layout"] = to_string(layout);
-  return io::write_safetensors(path, tensors, metadata, at::kFloat);
+  return io::write_safetensors(path, tensors, metadata, at::kFloat, group);
 }
 
 int64_t merge_wan_lora(torch::nn::Module& module, const WanLora& lora, double scale, const std::string& prefix) {

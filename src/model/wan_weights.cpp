@@ -717,7 +717,11 @@ std::string wan_diffusers_config(const WanConfig& w) {
 }
 
 io::WrittenFile save_wan_weights(const std::string& path, const WanConfig& wan, const io::NamedTensors& parameters,
-                                 torch::ScalarType dtype) {
+                                 torch::ScalarType dtype, io::FileGroup* group) {
+  // Every file of the export is replaced together, once all are written (a full disk half-way leaves the old ones).
+  io::FileGroup own;
+  io::FileGroup& files = group != nullptr ? *group : own;
+  io::WrittenFile written;
   if (wan.expert == "both") {
     const std::vector<std::string> folders{"transformer", "transformer_2"};
     std::vector<io::NamedTensors> experts(2);
@@ -731,11 +735,11 @@ io::WrittenFile save_wan_weights(const std::string& path, const WanConfig& wan, 
     }
     WanConfig one = wan;
     one.expert.clear();
-    io::WrittenFile written;
     for (size_t e = 0; e < 2; ++e) {
       const std::string folder = io::join_path(path, folders[e]);
       io::make_directories(folder);
-      written = save_wan_weights(io::join_path(folder, "diffusion_pytorch_model.safetensors"), one, experts[e], dtype);
+      written = save_wan_weights(io::join_path(folder, "diffusion_pytorch_model.safetensors"), one, experts[e], dtype,
+                                 &files);
     }
     // The pipeline's every component, as diffusers' Wan2.2 repositories list them: WanPipeline.from_pretrained
     // loads the folder once the base repository's vae/, text_encoder/, tokenizer/ and scheduler/ are beside.
@@ -756,7 +760,8 @@ io::WrittenFile save_wan_weights(const std::string& path, const WanConfig& wan, 
     index["transformer"] = {"diffusers", "WanTransformer3DModel"};
     index["transformer_2"] = {"diffusers", "WanTransformer3DModel"};
     index["vae"] = {"diffusers", "AutoencoderKLWan"};
-    io::write_file_atomically(io::join_path(path, "model_index.json"), index.dump(2) + "\n");
+    io::write_file_atomically(io::join_path(path, "model_index.json"), index.dump(2) + "\n", &files);
+    if (group == nullptr) own.publish();
     return written;
   }
   const std::string config = wan_diffusers_config(wan);
@@ -765,26 +770,11 @@ io::WrittenFile save_wan_weights(const std::string& path, const WanConfig& wan, 
       path == name || (path.size() > name.size() && path.compare(path.size() - name.size(), name.size(), name) == 0 &&
                        path[path.size() - name.size() - 1] == '/');
   // The tensors are cast one at a time as they are written (write_safetensors): one tensor's copy at most.
-  // diffusers' folder: config.json first (the same text when the folder held this model already), put back as it
-  // was when the weights cannot be written, so that the folder's two files always describe one model.
-  const std::string config_json = io::join_path(io::parent_path(path), "config.json");
-  std::optional<std::string> previous;
-  if (diffusers_folder) {
-    if (io::path_exists(config_json)) previous = io::read_file(config_json);
-    io::write_file_atomically(config_json, config);
-  }
-  try {
-    return io::write_safetensors(path, parameters, {{"format", kWanWeightsFormat}, {"config", config}}, dtype);
-  } catch (...) {
-    if (diffusers_folder) {
-      try {
-        if (previous) io::write_file_atomically(config_json, *previous);
-        else io::remove_tree(config_json);
-      } catch (...) {
-      }
-    }
-    throw;
-  }
+  // diffusers' folder: config.json replaced with the weights, so that the folder's two files describe one model.
+  if (diffusers_folder) io::write_file_atomically(io::join_path(io::parent_path(path), "config.json"), config, &files);
+  written = io::write_safetensors(path, parameters, {{"format", kWanWeightsFormat}, {"config", config}}, dtype, &files);
+  if (group == nullptr) own.publish();
+  return written;
 }
 
 // --- ComfyUI's single file (megaslide-train --export-layout comfyui) --------------------------------------
@@ -871,6 +861,7 @@ std::vector<std::string> save_wan_comfyui_weights(const std::string& path, const
   one.expert.clear();
   const std::string config = wan_diffusers_config(one);
   std::vector<std::string> written;
+  io::FileGroup group;  // both experts replaced together, once both are written
   for (size_t e = 0; e < files.size(); ++e) {
     io::NamedTensors renamed;
     renamed.reserve(experts[e].size());
@@ -884,9 +875,10 @@ std::vector<std::string> save_wan_comfyui_weights(const std::string& path, const
       if (wan.boundary_ratio > 0) metadata["boundary_ratio"] = fmt::format("{}", wan.boundary_ratio);
     }
     // Cast one tensor at a time as it is written (write_safetensors): one tensor's copy at most.
-    io::write_safetensors(files[e], renamed, metadata, dtype);
+    io::write_safetensors(files[e], renamed, metadata, dtype, &group);
     written.push_back(files[e]);
   }
+  group.publish();
   return written;
 }
 

@@ -267,12 +267,14 @@ std::vector<std::string> save_lora_weights(const std::string& path, const RunCon
   // Two experts: each file holds its expert's adapters under its own DiT's names.
   const std::vector<std::string> prefixes =
       files.size() == 2 ? std::vector<std::string>{"transformer.", "transformer_2."} : std::vector<std::string>{""};
+  io::FileGroup group;  // both experts' files replaced together, once both are written
   for (size_t e = 0; e < files.size(); ++e) {
     WanLora lora;
     for (const auto& [weight, a] : adapters)
       if (weight.rfind(prefixes[e], 0) == 0) lora.adapters.emplace(weight.substr(prefixes[e].size()), a);
-    save_wan_lora(files[e], lora, layout);
+    save_wan_lora(files[e], lora, layout, &group);
   }
+  group.publish();
   return files;
 }
 

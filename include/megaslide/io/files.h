@@ -41,7 +41,9 @@ void remove_tree(const std::string& path);
 
 // Writes `content` to `path` so that readers see the old file or the new one, never a torn one (through
 // AtomicFileWriter, below).
-void write_file_atomically(const std::string& path, const std::string& content);
+class FileGroup;
+// `group` given: finished into it, replaced when the group is published.
+void write_file_atomically(const std::string& path, const std::string& content, FileGroup* group = nullptr);
 
 // Reads a whole regular file (through open_input_file: a FIFO or a device is refused, not read).
 std::string read_file(const std::string& path);
@@ -135,15 +137,37 @@ class AtomicFileWriter {
   AtomicFileWriter(const AtomicFileWriter&) = delete;
   AtomicFileWriter& operator=(const AtomicFileWriter&) = delete;
   void write(const void* data, size_t bytes);
-  void commit();
+  void commit();  // finish(), then the rename over `path`
+  // fsyncs and closes the temporary file, complete but not yet renamed (a FileGroup renames it with the others).
+  void finish();
   uint64_t bytes_written() const { return bytes_; }
   uint32_t crc32() const { return crc_; }
+  const std::string& path() const { return path_; }
 
  private:
+  friend class FileGroup;
+  void publish();  // the rename of a finished file
   std::string path_, tmp_;
   int fd_ = -1;
+  bool finished_ = false;  // closed, its temporary file not yet renamed
   uint64_t bytes_ = 0;
   uint32_t crc_ = 0;
+};
+
+// Files replaced together (an export of several files: two experts, a weights file and its config.json): each
+// is written whole to its temporary file and finished (AtomicFileWriter::finish), and publish() renames them
+// all, in the order added, only once every one is written. Until then (an error, a full disk, an exception)
+// every path keeps its old content, and the destructor removes the temporary files.
+class FileGroup {
+ public:
+  FileGroup() = default;
+  FileGroup(const FileGroup&) = delete;
+  FileGroup& operator=(const FileGroup&) = delete;
+  void add(std::unique_ptr<AtomicFileWriter> finished);
+  void publish();
+
+ private:
+  std::vector<std::unique_ptr<AtomicFileWriter>> files_;
 };
 
 // An exclusive advisory lock (flock(2), never waited for) on the file `path`, created 0644 if missing

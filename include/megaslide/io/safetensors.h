@@ -69,9 +69,10 @@ struct WrittenFile {
 // tensor is floating) just before it is written, so at most one converted tensor exists at a time, and
 // contiguous CPU tensors of the written dtype are written without a copy. Atomic
 // (io::AtomicFileWriter): on any error `path` keeps its old content.
+// `group` given: finished into it, replaced when the group is published (io::FileGroup).
 WrittenFile write_safetensors(const std::string& path, const NamedTensors& tensors,
                               const std::map<std::string, std::string>& metadata = {},
-                              std::optional<c10::ScalarType> cast = std::nullopt);
+                              std::optional<c10::ScalarType> cast = std::nullopt, FileGroup* group = nullptr);
 
 // The same with each tensor's value produced as it is written: `tensors` give the names, dtypes and shapes
 // (meta tensors will do) and fetch(i) returns tensor i's value, of that dtype and shape, just before it is

@@ -59,7 +59,9 @@ struct WanLora {
 WanLora read_wan_lora(const std::string& path, const std::vector<std::string>& weight_names);
 // Writes `lora` in `layout` (float32 tensors; alpha stored: the diffusers metadata, or ".alpha" scalars).
 // Atomic. The musubi and ComfyUI layouts need the original names (every target must have one).
-io::WrittenFile save_wan_lora(const std::string& path, const WanLora& lora, LoraLayout layout);
+// `group` given: finished into it, replaced when the group is published (io::FileGroup).
+io::WrittenFile save_wan_lora(const std::string& path, const WanLora& lora, LoraLayout layout,
+                              io::FileGroup* group = nullptr);
 // W += scale · ΔW, in the weight's dtype and device (ΔW computed in float32), for every adapter whose weight is
 // `prefix` + a parameter name of `module` (a whole WanTransformer with prefix "", or block N with "blocks.N.");
 // meta parameters (blocks read on demand) are left for their block's call. Returns how many were merged.

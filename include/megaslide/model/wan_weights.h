@@ -139,8 +139,10 @@ std::string wan_diffusers_config(const WanConfig& wan);
 // and config.json) and a model_index.json naming them with boundary_ratio, so that model.wan.weights
 // reads the folder as two experts (the VAE, text encoder, tokenizer and scheduler are the base
 // repository's: copy their folders beside these for diffusers' WanPipeline). Returns the low-noise file's.
+// Every file written (weights, config.json, model_index.json) replaces its old one only once all are written
+// (io::FileGroup: into `group` when given, published by its owner; else published before returning).
 io::WrittenFile save_wan_weights(const std::string& path, const WanConfig& wan, const io::NamedTensors& parameters,
-                                 torch::ScalarType dtype = torch::kBFloat16);
+                                 torch::ScalarType dtype = torch::kBFloat16, io::FileGroup* group = nullptr);
 
 // How a trained Wan's weights are exported (megaslide-train --export-layout): diffusers' layout
 // (save_wan_weights), or ComfyUI's single file (save_wan_comfyui_weights) with its tensor names under
@@ -165,8 +167,9 @@ std::vector<std::string> wan_comfyui_files(const std::string& path, const WanCon
 // low_noise) and "boundary_ratio". Two experts (wan.expert both; parameters named transformer.* and
 // transformer_2.*): the two files of wan_comfyui_files, the high-noise expert's first. Every parameter must
 // be one of Wan's published DiT — else a WanWeightsError naming them before anything is written (the
-// 3D-DSA retrofit's offset networks: ComfyUI could not load them; diffusers' layout keeps them). Atomic per
-// file; other errors are io::IoError. Returns the files written.
+// 3D-DSA retrofit's offset networks: ComfyUI could not load them; diffusers' layout keeps them). The two
+// experts' files replace the old ones together, once both are written; other errors are io::IoError. Returns
+// the files written.
 std::vector<std::string> save_wan_comfyui_weights(const std::string& path, const WanConfig& wan,
                                                   const io::NamedTensors& parameters,
                                                   bool diffusion_model_prefix = true,
