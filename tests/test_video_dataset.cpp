@@ -6,6 +6,7 @@
 #include "megaslide/data/video_dataset.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include "video_fixture.h"
 
@@ -153,6 +154,46 @@ TEST(VideoDataset, ClipsThatRepeatFramesAndPathsListedTwiceAreNoticed) {
                                     fx.dir + "/videos/clip-0.mp4', listed 2 times)"),
             std::string::npos)
       << twice.notices()[0];
+}
+
+// The property: anamorphic video (pixels twice as wide as high: stored 32x32, SAR 2:1, shown 64x32) is probed at the
+// size it is shown at, and its clips are resized to that aspect, as a player shows it: the file's four 8-row bands
+// (red, green, blue, white; tools/make_fixtures.py video_files) stay four 8-row bands of a 32x64 clip. Read at its
+// stored size, the 32x32 frame would be scaled to 64x64 and cropped to its middle: 16-row green and blue bands.
+TEST(VideoDataset, AnamorphicVideoIsResizedToItsShownAspect) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  const std::string file = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/video_files/anamorphic_sar2_32x32.mp4";
+  const auto info = megaslide::io::probe_video(file);
+  EXPECT_EQ(info.sample_aspect_ratio, 2.0);
+  EXPECT_EQ(info.width, 32);
+  EXPECT_EQ(info.display_width, 64);
+  EXPECT_EQ(info.display_height, 32);
+  const std::string dir = "/tmp/megaslide-test-anamorphic-" + std::to_string(::getpid());
+  megaslide::io::make_directories(dir);
+  megaslide::io::write_file_atomically(dir + "/a.mp4", megaslide::io::read_file(file));
+  megaslide::io::write_file_atomically(dir + "/a.txt", "four bands\n");
+  DataConfig d;
+  d.dataset = "videos";
+  d.root = dir;
+  d.frames = 4;
+  d.height = 32;
+  d.width = 64;
+  d.frame_stride = 1;
+  d.clip_start = "center";
+  d.crop = "center";
+  const auto ds = VideoDataset::open(d, 1);
+  ASSERT_EQ(ds.size(), 1);
+  EXPECT_EQ(ds.info(0).width, 64);
+  const auto clip = ds.load(0, 0);
+  ASSERT_EQ(clip.sizes(), (std::vector<int64_t>{4, 32, 64, 3}));
+  const std::vector<std::vector<double>> bands = {{255, 0, 0}, {0, 255, 0}, {0, 0, 255}, {255, 255, 255}};
+  for (int64_t k = 0; k < 4; ++k) {
+    const auto row = clip.select(1, 8 * k + 4).to(torch::kFloat64).mean(std::vector<int64_t>{0, 1});  // the middle row
+    for (int64_t c = 0; c < 3; ++c)
+      EXPECT_NEAR(row[c].item<double>(), bands[static_cast<size_t>(k)][static_cast<size_t>(c)], 12.0)
+          << "band " << k << " channel " << c;
+  }
+  megaslide::io::remove_tree(dir);
 }
 
 TEST(VideoDataset, ItemsGoToTheirNearestBucketThatFits) {

@@ -266,6 +266,16 @@ def section_video_files(out_dir):
                    input=grey.tobytes() * 2, check=True)
     print("  grey16_48x16.mkv: 2 frames of 16-bit grey bars 17, 34, 239 (x257), untagged range")
     _seek_files(ffmpeg, out_dir)
+    # Anamorphic: 32x32 stored, pixels twice as wide as high (SAR 2:1), shown at 64x32. Four horizontal bands,
+    # 8 rows each: red, green, blue, white (lossless 4:4:4).
+    bands = np.zeros((32, 32, 3), dtype=np.uint8)
+    for k, rgb in enumerate([(255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 255)]):
+        bands[8 * k: 8 * k + 8] = rgb
+    subprocess.run([ffmpeg, "-nostdin", "-loglevel", "error", "-y", "-f", "rawvideo", "-pix_fmt", "rgb24", "-s", "32x32",
+                    "-r", "8", "-i", "-", "-an", "-vf", "setsar=2/1", "-c:v", "libx264", "-qp", "0", "-pix_fmt",
+                    "yuv444p", "-threads", "1", "-map_metadata", "-1", "-fflags", "+bitexact", "-flags:v", "+bitexact",
+                    os.path.join(out_dir, "anamorphic_sar2_32x32.mp4")], input=bands.tobytes() * 8, check=True)
+    print("  anamorphic_sar2_32x32.mp4: 8 frames 32x32 of SAR 2:1 (shown 64x32), bands red, green, blue, white")
     with open(os.path.join(out_dir, "bars.json"), "w") as f:
         json.dump({"rgb": _COLOUR_BARS, "bar_width": 16,
                    "what": "four 16-pixel bars whose YUV was computed from these RGB values with each file's matrix and "
@@ -2377,7 +2387,7 @@ def section_fp8(out_dir):
 
 SECTIONS = {
     "video": (section_video, "H.264 clips and their frames as opencv-python decodes them, VBench's temporal flickering"),
-    "video_files": (section_video_files, "colour bars in BT.709 studio range and BT.601 full range (VP9), YUV worked out from their RGB; a file cut short; groups of pictures to seek in"),
+    "video_files": (section_video_files, "colour bars in BT.709 studio range and BT.601 full range (VP9), YUV worked out from their RGB; a file cut short; groups of pictures to seek in; an anamorphic clip"),
     "sampler": (section_sampler, "diffusers DDPM/DDIM timestep tables (linspace/leading/trailing) and single steps"),
     "clip_tokenizer": (section_clip_tokenizer, "CLIPTokenizer ids of VBench and edge-case prompts, real and tiny vocabularies"),
     "clip": (section_clip, "tiny random CLIP text models (text-only and whole-CLIPModel layouts) and their outputs"),

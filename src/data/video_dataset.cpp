@@ -138,7 +138,9 @@ VideoDataset VideoDataset::open(const DataConfig& data, int threads,
         } else {
           const auto v = io::probe_video(item.path);
           auto& out = info[i];
-          out.frames = v.frames, out.width = v.width, out.height = v.height, out.fps = v.fps;
+          // The size it is shown at: a clip of anamorphic video (HDV's 1440x1080 of 4:3 pixels) is resized to its
+          // shown aspect, as a player shows it.
+          out.frames = v.frames, out.width = v.display_width, out.height = v.display_height, out.fps = v.fps;
           if (data.fps > 0 && v.fps <= 0) {
             problem[i] = "its frame rate is unknown (data.fps needs one)";
           } else if (v.frames <= 0) {

@@ -427,6 +427,13 @@ void describe_stream(const OpenedVideo& v, VideoInfo& info) {
   info.pixel_format = pf != nullptr ? pf : "unknown";
   info.width = v.shown_width, info.height = v.shown_height;
   info.stored_width = v.width, info.stored_height = v.height;
+  const AVRational sar = av_guess_sample_aspect_ratio(v.in.get(), v.stream, nullptr);
+  info.sample_aspect_ratio = sar.num > 0 && sar.den > 0 ? av_q2d(sar) : 1.0;
+  // The stored width stretched by the ratio, then turned as the display matrix says.
+  const int64_t stretched = std::max<int64_t>(1, std::llround(static_cast<double>(v.width) * info.sample_aspect_ratio));
+  const bool sideways = v.display.rotation == 90 || v.display.rotation == 270;
+  info.display_width = sideways ? v.height : stretched;
+  info.display_height = sideways ? stretched : v.height;
   info.rotation_degrees = v.display.rotation, info.hflip = v.display.hflip,
   info.display_angle_degrees = v.display.angle;
   info.container_frames = v.stream->nb_frames;

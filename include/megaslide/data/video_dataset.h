@@ -42,8 +42,8 @@ struct ClipShape {
 
 // What probing found out about a usable item.
 struct VideoItemInfo {
-  int64_t frames = 0;  // as probe_video states it (a decode that finds fewer re-plans, see load())
-  int64_t width = 0, height = 0;
+  int64_t frames = 0;             // as probe_video states it (a decode that finds fewer re-plans, see load())
+  int64_t width = 0, height = 0;  // as shown: upright, anamorphic pixels stretched (io::VideoInfo::display_width)
   double fps = 0.0;
   int64_t bucket = 0;
 };

@@ -74,9 +74,14 @@ struct VideoInfo {
   bool hflip = false;
   double display_angle_degrees = 0.0;
   int64_t stored_width = 0, stored_height = 0;  // the coded frame size, before the turn
-  int64_t frames = 0;                           // frames decoded
-  int64_t container_frames = 0;                 // the stream's frame count as the container states it (0 if unknown)
-  double fps = 0.0;                             // the stream's average frame rate
+  // The width of a stored pixel over its height, as the stream (or its container) states it: 1 for square pixels
+  // and when it states none; 4/3 for HDV's 1440x1080 shown at 1920x1080. Frames are read at their stored size;
+  // display_width x display_height is the size they are shown at (upright, the stored width times this ratio).
+  double sample_aspect_ratio = 1.0;
+  int64_t display_width = 0, display_height = 0;
+  int64_t frames = 0;            // frames decoded
+  int64_t container_frames = 0;  // the stream's frame count as the container states it (0 if unknown)
+  double fps = 0.0;              // the stream's average frame rate
 };
 
 // How decoded frames (YUV for H.264) become RGB.
