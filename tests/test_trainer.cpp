@@ -54,6 +54,8 @@ TEST_P(Trainers, StreamedFollowsTheResidentLoop) {
   EXPECT_FALSE(resident->streams());
   EXPECT_TRUE(streamed->streams());
   EXPECT_EQ(resident->parameter_count(), streamed->parameter_count());
+  // What --dry-run and the memory check before the first step count (the DiT family's caption encoder included).
+  EXPECT_EQ(megaslide::count_run_parameters(resident_config).total, resident->parameter_count());
   for (int i = 0; i < 3; ++i) {
     const auto a = resident->step(), b = streamed->step();
     ASSERT_FALSE(a.skipped || b.skipped);

@@ -955,6 +955,10 @@ TEST(WanTraining, BothExpertsTrainInOneRunEachOnItsOwnSteps) {
   for (Trainer* t : {&streamed, &resident}) {
     const auto masters = t->master_weights();
     ASSERT_EQ(masters.size(), 2 * expert_masters(*t, prefixes[0]).size());
+    // What --dry-run and the memory check before the first step count: both experts.
+    int64_t trained = 0;
+    for (const auto& [name, value] : masters) trained += value.numel();
+    EXPECT_EQ(megaslide::count_run_parameters(megaslide::with_wan_architecture_from_weights(config)).total, trained);
     for (const auto& [name, value] : expert_masters(*t, prefixes[0]))
       EXPECT_TRUE(torch::equal(value, high.read(name, torch::kFloat32))) << name;
     for (const auto& [name, value] : expert_masters(*t, prefixes[1]))

@@ -1,5 +1,7 @@
 #include "megaslide/model/wan.h"
 
+#include "megaslide/model/text_encoder.h"
+
 #include <cmath>
 #include <vector>
 
@@ -527,10 +529,23 @@ WanParameterCount count_wan_parameters(WanOptions options) {
 }
 
 ParameterCount count_run_parameters(const RunConfig& config) {
-  if (config.model.arch != Architecture::kWan) return count_dit_parameters(DiTOptions::from_config(config));
+  if (config.model.arch != Architecture::kWan) {
+    ParameterCount c = count_dit_parameters(DiTOptions::from_config(config));
+    if (config.model.text_encoder.kind == "builtin") {  // trained with the DiT, in its prologue
+      TextEncoder text(
+          TextEncoderOptions(CaptionTokenizer().vocab_size(), config.model.text_dim, config.data.max_text_tokens)
+              .device(torch::kMeta));
+      const int64_t n = count_parameters(*text);
+      c.total += n;
+      c.prologue += n;
+    }
+    return c;
+  }
   const auto w = count_wan_parameters(WanOptions::from_config(config));
+  // Wan2.2's two experts trained in one run: two DiTs of one architecture.
+  const int64_t dits = config.model.wan.expert == "both" ? 2 : 1;
   ParameterCount c;
-  c.total = w.total;
+  c.total = dits * w.total;
   c.per_block = w.per_block;
   c.prologue = w.prologue;
   c.epilogue = w.epilogue;

@@ -307,7 +307,9 @@ struct WanParameterCount {
 WanParameterCount count_wan_parameters(WanOptions options);
 
 // The parameter count of the model a run config describes, whichever its architecture (the DiT family's
-// count_dit_parameters or count_wan_parameters; meta device, nothing allocated).
+// count_dit_parameters with its built-in caption encoder, counted in the prologue; or count_wan_parameters, the
+// total of both DiTs when Wan2.2's two experts train in one run, the parts one DiT's; meta device, nothing
+// allocated).
 ParameterCount count_run_parameters(const RunConfig& config);
 
 // Parameter names and shapes of the model `options` describes, in registration order (meta device).
