@@ -222,6 +222,18 @@ TEST(LatentCache, TheSameFilesSpelledOtherwiseAreTheSameCache) {
   EXPECT_NO_THROW(LatentCache::open(absolute, dir));
   const auto again = build(absolute, dir, 2);
   EXPECT_EQ(again.shards_reused, built.shards);
+  // The manifest's own entries spelled with "./" and "..": the same items.
+  const std::string csv = megaslide::io::read_file(fx.dir + "/opensora.csv");
+  std::string dotted;
+  for (size_t at = 0, next; at < csv.size(); at = next + 1) {
+    next = csv.find('\n', at);
+    if (next == std::string::npos) next = csv.size();
+    const std::string line = csv.substr(at, next - at);
+    dotted += (line.rfind("videos/", 0) == 0 ? "./videos/../" : "") + line + "\n";
+  }
+  megaslide::io::write_file_atomically(fx.dir + "/opensora.csv", dotted);
+  EXPECT_NO_THROW(LatentCache::open(absolute, dir));
+  EXPECT_EQ(build(absolute, dir, 2).shards_reused, built.shards);
   // Recorded relative (the source and every item's path): opened from the folder they are relative to.
   auto manifest = nlohmann::json::parse(megaslide::io::read_file(dir + "/cache.json"));
   EXPECT_EQ(manifest["dataset"]["source"], fx.dir + "/opensora.csv");

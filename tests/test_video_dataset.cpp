@@ -144,7 +144,7 @@ TEST(VideoDataset, ClipsThatRepeatFramesAndPathsListedTwiceAreNoticed) {
   fx.write("twice.jsonl",
            "{\"video\": \"videos/clip-0.mp4\", \"caption\": \"a\"}\n"
            "{\"video\": \"videos/clip-1.mp4\", \"caption\": \"b\"}\n"
-           "{\"video\": \"videos/clip-0.mp4\", \"caption\": \"c\"}\n");
+           "{\"video\": \"./videos/../videos/clip-0.mp4\", \"caption\": \"c\"}\n");  // the same file
   d.root.clear();
   d.manifest = fx.dir + "/twice.jsonl";
   const auto twice = VideoDataset::open(d, 1);

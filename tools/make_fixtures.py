@@ -186,8 +186,9 @@ def _bars_yuv(kr, kb, full, chroma_step):
 def _seek_files(ffmpeg, out_dir):
     """96 frames, 32x32, each unlike the others, in groups of 12 pictures (a key frame every 12), in the layouts that
     make seeking hard: open GOPs with B-frames (H.264, and HEVC whose open GOPs hold frames a decoder drops after a
-    seek), VP9 (hidden alt-ref frames), a variable frame rate in Matroska (no decode times stored), and an MP4 whose
-    edit list starts mid-group (packets before its start are decoded, not shown)."""
+    seek), VP9 (hidden alt-ref frames), H.264 with intra refresh (key frames that are recovery points), a variable
+    frame rate in Matroska (no decode times stored), and an MP4 whose edit list starts mid-group (packets before its
+    start are decoded, not shown)."""
     yy, xx = np.mgrid[0:32, 0:32]
     frames = [np.stack([128 + 100 * np.sin(xx / 4.0 + 0.3 * t), 128 + 100 * np.cos(yy / 5.0 - 0.2 * t),
                         np.full_like(xx, (37 * t) % 256, dtype=float)], -1) for t in range(96)]
@@ -201,6 +202,10 @@ def _seek_files(ffmpeg, out_dir):
         ("gop_hevc_open_32x32.mp4", ["-c:v", "libx265", "-crf", "30", "-x265-params",
                                      "keyint=12:min-keyint=12:open-gop=1:bframes=4:log-level=error"]),
         ("gop_vp9_32x32.webm", ["-c:v", "libvpx-vp9", "-g", "12", "-crf", "40", "-b:v", "0"]),
+        # Intra refresh (no IDR after the first frame): the muxer marks recovery points as key frames, from which the
+        # frames are not whole until the refresh has swept the picture.
+        ("gop_h264_intrarefresh_32x32.mp4", ["-c:v", "libx264", "-g", "12", "-bf", "0", "-crf", "30", "-x264-params",
+                                             "intra-refresh=1"]),
         ("gop_h264_vfr_32x32.mkv", h264 + ["-vf", "settb=1/1000,setpts=(N+floor(N/7)*0.5)/24/TB", "-fps_mode", "vfr",
                                            "-enc_time_base", "1/1000"]),
     ]

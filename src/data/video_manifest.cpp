@@ -102,9 +102,11 @@ std::string parent_folder(const std::string& path) {
   return slash == 0 ? "/" : path.substr(0, slash);
 }
 
+// A listed path against the manifest's folder (absolute), "." and ".." taken out (io::absolute_path): one file has
+// one spelling, for the cache and for the paths listed twice.
 std::string resolve(const std::string& base, const std::string& path) {
-  if (path.empty() || path[0] == '/') return path;
-  return io::join_path(base, path);
+  if (path.empty()) return path;
+  return io::absolute_path(path[0] == '/' ? path : io::join_path(base, path));
 }
 
 bool ends_with(const std::string& s, const std::string& suffix) {

@@ -26,6 +26,8 @@ extern "C" {
 #include <map>
 #include <memory>
 #include <mutex>
+#include <limits>
+#include <queue>
 #include <optional>
 #include <set>
 
@@ -429,8 +431,11 @@ void describe_stream(const OpenedVideo& v, VideoInfo& info) {
   info.stored_width = v.width, info.stored_height = v.height;
   const AVRational sar = av_guess_sample_aspect_ratio(v.in.get(), v.stream, nullptr);
   info.sample_aspect_ratio = sar.num > 0 && sar.den > 0 ? av_q2d(sar) : 1.0;
-  // The stored width stretched by the ratio, then turned as the display matrix says.
-  const int64_t stretched = std::max<int64_t>(1, std::llround(static_cast<double>(v.width) * info.sample_aspect_ratio));
+  // The stored width stretched by the ratio, then turned as the display matrix says. A ratio beyond 4 either way is
+  // no video's (damaged or garbage header data, which would make a clip of a 1920-wide frame 490 000 wide): ignored.
+  const double ratio =
+      info.sample_aspect_ratio >= 0.25 && info.sample_aspect_ratio <= 4.0 ? info.sample_aspect_ratio : 1.0;
+  const int64_t stretched = std::max<int64_t>(1, std::llround(static_cast<double>(v.width) * ratio));
   const bool sideways = v.display.rotation == 90 || v.display.rotation == 270;
   info.display_width = sideways ? v.height : stretched;
   info.display_height = sideways ? stretched : v.height;
@@ -683,85 +688,155 @@ VideoInfo probe_video(const std::string& path) {
 
 namespace {
 
-// The video stream's frames as its packets list them, read without decoding them (demuxing reads the file's bytes
-// once, far cheaper than decoding): the presentation time of every frame the decoder shows, sorted, so that frame i
-// of the stream is the one at pts[i]; and the key packets (the points decoding can start from).
+// The video stream's frames as its packets list them, read without decoding them (demuxing costs a small fraction
+// of decoding): the presentation time of every frame the decoder shows, sorted, so that frame i of the stream is the
+// one at pts[i]; the key packets (the points decoding can start from); and the stream's first packet.
 struct FrameTimes {
-  struct Key {
-    int64_t pts = 0, dts = 0;
+  struct Packet {
+    int64_t pts = 0, dts = 0;  // dts: pts when the packet has none
   };
   std::vector<int64_t> pts;
-  std::vector<Key> keys;
+  std::vector<Packet> keys;
+  std::optional<Packet> first;
 };
 
-// Empty when the packets cannot say exactly which frame is which: the demuxer cannot read a packet, a packet has no
-// presentation time, two frames share one, or the decoder's first frame is not the earliest of them (a decoder that
-// drops leading frames: its frame i is not pts[i]). The first frame is decoded to see that; the decoder is left to
-// be flushed. A packet marked discard (before an MP4 edit list's start) is decoded, not shown: not a frame here.
-std::optional<FrameTimes> frame_times(const std::string& path, OpenedVideo& v) {
+FrameTimes::Packet times_of(const AVPacket& packet) {
+  return {packet.pts, packet.dts == AV_NOPTS_VALUE ? packet.pts : packet.dts};
+}
+
+// The file read from its start (after frame_times): seeking to the stream's first packet and flushing the decoder.
+// False when the demuxer cannot (the caller opens the file again); decode_frames' first_packet check (starts_at)
+// then confirms it arrived there.
+bool rewind(OpenedVideo& v, const FrameTimes::Packet& first) {
+  if (av_seek_frame(v.in.get(), v.index, std::min(first.dts, first.pts), AVSEEK_FLAG_BACKWARD) < 0) return false;
+  avcodec_flush_buffers(v.dec.get());
+  return true;
+}
+
+std::function<bool(const AVPacket&)> starts_at(const FrameTimes::Packet& first) {
+  return [first](const AVPacket& packet) {
+    const auto t = times_of(packet);
+    return t.pts == first.pts && t.dts == first.dts;
+  };
+}
+
+// Empty when the packets cannot say which frame is which: the demuxer cannot read a packet, a packet has no
+// presentation time, or two frames share one. A packet marked discard (before an MP4 edit list's start) is decoded,
+// not shown: not a frame here. (Whether the decoder shows the earliest frame first is decode_by_seeking's to check.)
+//
+// Reading stops once the first `frames` frames are known for certain: when a packet's decode time is past the
+// `frames`-th earliest presentation time read so far, while every decode time so far has only increased and no
+// presentation time came before its decode time (as every muxer writes them): no later packet can then be shown
+// earlier. `pts` then holds those frames and possibly some after them; `keys` every key frame shown before them.
+// Without decode times, or with ones that break that rule, the whole file is read. So the scan reads the file up to
+// just past the clip, as decoding from the start would, at a small fraction of decoding's cost.
+std::optional<FrameTimes> frame_times(const std::string& path, OpenedVideo& v, int64_t frames) {
   FrameTimes times;
   PacketPtr packet(av_packet_alloc());
-  FramePtr frame(av_frame_alloc());
-  if (!packet || !frame) fail(path, "out of memory");
-  AVCodecContext* dec = v.dec.get();
-  int64_t first_shown = AV_NOPTS_VALUE;
-  bool waiting = true;  // for the decoder's first frame
-  const auto receive_first = [&] {
-    const int r = avcodec_receive_frame(dec, frame.get());
-    if (r == AVERROR(EAGAIN)) return true;
-    waiting = false;
-    if (r < 0) return false;
-    first_shown = frame->pts;
-    av_frame_unref(frame.get());
-    return true;
-  };
+  if (!packet) fail(path, "out of memory");
+  std::priority_queue<int64_t> earliest;  // the `frames` earliest presentation times so far (its top the latest)
+  int64_t last_dts = std::numeric_limits<int64_t>::min();
+  bool ordered = true;  // decode times only increase, and no presentation time comes before its decode time
   while (true) {
     const int r = av_read_frame(v.in.get(), packet.get());
     if (r == AVERROR_EOF) break;
     if (r < 0) return std::nullopt;
     if (packet->stream_index == v.index) {
       if (packet->pts == AV_NOPTS_VALUE) return std::nullopt;
-      if ((packet->flags & AV_PKT_FLAG_DISCARD) == 0) times.pts.push_back(packet->pts);
-      if ((packet->flags & AV_PKT_FLAG_KEY) != 0)
-        times.keys.push_back({packet->pts, packet->dts == AV_NOPTS_VALUE ? packet->pts : packet->dts});
-      if (waiting && (avcodec_send_packet(dec, packet.get()) < 0 || !receive_first())) return std::nullopt;
+      if (!times.first) times.first = times_of(*packet);
+      if ((packet->flags & AV_PKT_FLAG_DISCARD) == 0) {
+        times.pts.push_back(packet->pts);
+        earliest.push(packet->pts);
+        if (static_cast<int64_t>(earliest.size()) > frames) earliest.pop();
+      }
+      if ((packet->flags & AV_PKT_FLAG_KEY) != 0) times.keys.push_back(times_of(*packet));
+      if (packet->dts != AV_NOPTS_VALUE) {  // (a demuxer may leave the first packets' unknown)
+        if (packet->dts < last_dts || packet->pts < packet->dts) ordered = false;
+        else last_dts = packet->dts;
+      }
+      const bool known = ordered && packet->dts != AV_NOPTS_VALUE && static_cast<int64_t>(earliest.size()) == frames &&
+                         packet->dts > earliest.top();
+      if (known) break;
     }
     av_packet_unref(packet.get());
   }
-  if (waiting && (avcodec_send_packet(dec, nullptr) < 0 || !receive_first() || waiting)) return std::nullopt;
   std::sort(times.pts.begin(), times.pts.end());
-  if (times.pts.empty() || first_shown != times.pts.front() ||
-      std::adjacent_find(times.pts.begin(), times.pts.end()) != times.pts.end())
+  if (times.pts.empty() || std::adjacent_find(times.pts.begin(), times.pts.end()) != times.pts.end())
     return std::nullopt;
   return times;
 }
 
-// Seeking pays for itself from this frame on, and from the frame that is this fraction into the file: reading every
-// packet of a file without decoding costs about what decoding 1/50 of its frames does at 256x144 (bench_loader's
-// long source: 2.2 µs a packet against 117 µs a frame), less at larger sizes.
+// The presentation time of the decoder's first frame, decoding from the stream's first packet (rewound to);
+// empty when it cannot be had.
+std::optional<int64_t> first_frame_time(OpenedVideo& v, const FrameTimes::Packet& first) {
+  if (!rewind(v, first)) return std::nullopt;
+  PacketPtr packet(av_packet_alloc());
+  FramePtr frame(av_frame_alloc());
+  if (!packet || !frame) return std::nullopt;
+  AVCodecContext* dec = v.dec.get();
+  const auto at_start = starts_at(first);
+  bool started = false;
+  while (av_read_frame(v.in.get(), packet.get()) >= 0) {
+    const bool video = packet->stream_index == v.index;
+    const bool ok = !video || ((started || at_start(*packet)) && avcodec_send_packet(dec, packet.get()) >= 0);
+    started = started || video;
+    av_packet_unref(packet.get());
+    if (!ok) return std::nullopt;
+    if (!video) continue;
+    const int r = avcodec_receive_frame(dec, frame.get());
+    if (r == AVERROR(EAGAIN)) continue;
+    if (r < 0) return std::nullopt;
+    const int64_t t = frame->pts;
+    av_frame_unref(frame.get());
+    if (t == AV_NOPTS_VALUE) return std::nullopt;
+    return t;
+  }
+  if (avcodec_send_packet(dec, nullptr) < 0 || avcodec_receive_frame(dec, frame.get()) < 0) return std::nullopt;
+  const int64_t t = frame->pts;
+  av_frame_unref(frame.get());
+  if (t == AV_NOPTS_VALUE) return std::nullopt;
+  return t;
+}
+
+// Whether the decoder took `frame` for a key frame (IDR, an open GOP's I-frame, HEVC's IRAP, VP9's key frame; but
+// also H.264's recovery points, intra refresh's among them, which may be P-frames).
+bool shown_as_key_frame(const AVFrame& frame) {
+#ifdef AV_FRAME_FLAG_KEY  // FFmpeg 6.1 on
+  return (frame.flags & AV_FRAME_FLAG_KEY) != 0;
+#else
+  return frame.key_frame != 0;
+#endif
+}
+
+// Seeking pays for itself from this frame on: reading packets without decoding them costs about 1/50 of decoding
+// their frames at 256x144 (bench_loader's long source: 2.2 µs a packet against 117 µs a frame), less at larger
+// sizes, and the group of pictures decoded after the seek costs what it costs either way.
 constexpr int64_t kSeekFromFrame = 48;
-constexpr int64_t kSeekFromFraction = 32;  // 1/32 of the frames the container states
 
 // Decodes the frames `wanted` (sorted, unique indices) from the key frame at or before the first of them, after
 // seeking there: the frames decoded are told apart by their presentation times (FrameTimes). False, with nothing
-// kept, when that cannot find exactly the frames decoding from the start would (the caller then does that, on the
-// file opened again): no FrameTimes, a stream shorter than the last index, no key frame early enough to gain
-// anything, a file that does not seek to it, damaged data, or a frame not where the packets said.
+// kept, when that cannot find exactly the frames decoding from the start would (the caller then does that, from the
+// stream's first packet, `first` when it is known): no FrameTimes, a stream shorter than the last index, no key frame
+// early enough to gain anything, a decoder that does not show the earliest frame first (one that drops leading
+// frames: its frame i is not pts[i]), a file that does not seek to the key frame, damaged data, or a frame not where
+// the packets said.
 bool decode_by_seeking(const std::string& path, OpenedVideo& v, const VideoReadOptions& options,
                        const std::vector<int64_t>& wanted, std::map<int64_t, torch::Tensor>& kept,
-                       int64_t* frames_decoded) {
-  const auto times = frame_times(path, v);
+                       int64_t* frames_decoded, std::optional<FrameTimes::Packet>& first) {
+  const int64_t first_index = wanted.front(), last = wanted.back();
+  const auto times = frame_times(path, v, last + 1);
   if (!times) return false;
+  first = times->first;
   const auto& pts = times->pts;
-  const int64_t first = wanted.front(), last = wanted.back();
   if (last >= static_cast<int64_t>(pts.size())) return false;
-  const int64_t target = pts[static_cast<size_t>(first)];
-  const FrameTimes::Key* key = nullptr;
+  const int64_t target = pts[static_cast<size_t>(first_index)];
+  const FrameTimes::Packet* key = nullptr;
   for (const auto& k : times->keys)
     if (k.pts <= target && (key == nullptr || k.pts > key->pts)) key = &k;
   if (key == nullptr) return false;
   const auto at = [&](int64_t time) { return std::lower_bound(pts.begin(), pts.end(), time) - pts.begin(); };
   if (at(key->pts) < kSeekFromFrame) return false;  // the frames before the key are too few to be worth it
+  if (first_frame_time(v, *times->first) != pts.front()) return false;
   // Seeking is by the key's presentation time, then (demuxers whose index holds decode times: MP4) by its decode
   // time; the first packet read must be a key frame at or before the first wanted frame.
   std::vector<int64_t> seek_times = {key->pts};
@@ -770,12 +845,18 @@ bool decode_by_seeking(const std::string& path, OpenedVideo& v, const VideoReadO
     if (av_seek_frame(v.in.get(), v.index, time, AVSEEK_FLAG_BACKWARD) < 0) continue;
     avcodec_flush_buffers(v.dec.get());
     kept.clear();
-    size_t next = 0;  // wanted[next]: the next wanted frame to come
+    size_t next = 0;         // wanted[next]: the next wanted frame to come
+    bool key_whole = false;  // the key frame decoded, and the decoder took it for a whole picture
     const auto number = [&](const AVFrame& frame, int64_t) -> int64_t {
       if (frame.pts == AV_NOPTS_VALUE) return kGiveUp;
       const int64_t index = at(frame.pts);
       if (index == static_cast<int64_t>(pts.size()) || pts[static_cast<size_t>(index)] != frame.pts) return kGiveUp;
-      if (index < first) return index;  // a frame before the clip (an open GOP's leading frames among them)
+      // A key frame the container marks may be a recovery point of intra refresh (a P-frame the decoder also calls
+      // a key frame, after which pictures are whole only once the refresh has swept them) or a mislabelled frame:
+      // the key's own picture must be an intra-coded key frame, and no frame of the clip may come marked corrupt.
+      if (frame.pts == key->pts) key_whole = shown_as_key_frame(frame) && frame.pict_type == AV_PICTURE_TYPE_I;
+      if (index < first_index) return index;  // a frame before the clip (an open GOP's leading frames among them)
+      if (!key_whole || (frame.flags & AV_FRAME_FLAG_CORRUPT) != 0 || frame.decode_error_flags != 0) return kGiveUp;
       // Frames come in presentation order: one past the next wanted frame means that frame will not come.
       if (next < wanted.size() && index > wanted[next]) return kGiveUp;
       if (next < wanted.size() && index == wanted[next]) ++next;
@@ -784,10 +865,15 @@ bool decode_by_seeking(const std::string& path, OpenedVideo& v, const VideoReadO
     const auto starts_at_a_key = [&](const AVPacket& packet) {
       return (packet.flags & AV_PKT_FLAG_KEY) != 0 && packet.pts != AV_NOPTS_VALUE && packet.pts <= target;
     };
-    const Decoded decoded = decode_frames(
-        path, v, options, last, [&](int64_t i) { return std::binary_search(wanted.begin(), wanted.end(), i); },
-        [&](int64_t i, torch::Tensor t) { kept.emplace(i, std::move(t)); }, /*damage_ends_stream=*/true, number,
-        starts_at_a_key);
+    Decoded decoded;
+    try {
+      decoded = decode_frames(
+          path, v, options, last, [&](int64_t i) { return std::binary_search(wanted.begin(), wanted.end(), i); },
+          [&](int64_t i, torch::Tensor t) { kept.emplace(i, std::move(t)); }, /*damage_ends_stream=*/true, number,
+          starts_at_a_key);
+    } catch (const VideoError&) {
+      decoded.gave_up = true;  // what decoding from the start makes of it is what the read says
+    }
     if (!decoded.gave_up && kept.size() == wanted.size()) {
       if (frames_decoded != nullptr) *frames_decoded = decoded.frames;
       return true;
@@ -818,15 +904,27 @@ torch::Tensor read_video_frames(const std::string& path, const std::vector<int64
   std::map<int64_t, torch::Tensor> kept;
   auto v = open_video(path);
   check_frame_budget(path, v, static_cast<int64_t>(indices.size() + wanted.size()), options);
-  VideoInfo stated;
-  describe_stream(v, stated);
-  if (options.seek() && wanted.front() >= std::max(kSeekFromFrame, stated_frames(v, stated) / kSeekFromFraction)) {
-    if (decode_by_seeking(path, v, options, wanted, kept, frames_decoded)) return stack_frames(v, indices, kept);
-    v = open_video(path);  // decoded from the start below, as if it had not sought
+  const auto from_start = [&](const std::function<bool(const AVPacket&)>& first_packet) {
+    return decode_frames(
+        path, v, options, last, [&](int64_t i) { return std::binary_search(wanted.begin(), wanted.end(), i); },
+        [&](int64_t i, torch::Tensor t) { kept.emplace(i, std::move(t)); }, /*damage_ends_stream=*/true, nullptr,
+        first_packet);
+  };
+  Decoded decoded;
+  if (options.seek() && wanted.front() >= kSeekFromFrame) {
+    std::optional<FrameTimes::Packet> first;
+    if (decode_by_seeking(path, v, options, wanted, kept, frames_decoded, first)) return stack_frames(v, indices, kept);
+    // From the start, as if it had not sought: back at the stream's first packet, or the file opened again where
+    // the demuxer does not go back there.
+    if (first && rewind(v, *first)) decoded = from_start(starts_at(*first));
+    if (!first || decoded.gave_up || decoded.frames == 0) {
+      kept.clear();
+      v = open_video(path);
+      decoded = from_start(nullptr);
+    }
+  } else {
+    decoded = from_start(nullptr);
   }
-  const Decoded decoded = decode_frames(
-      path, v, options, last, [&](int64_t i) { return std::binary_search(wanted.begin(), wanted.end(), i); },
-      [&](int64_t i, torch::Tensor t) { kept.emplace(i, std::move(t)); }, /*damage_ends_stream=*/true);
   if (frames_decoded != nullptr) *frames_decoded = decoded.frames;
   if (decoded.frames <= last) return {};
   return stack_frames(v, indices, kept);

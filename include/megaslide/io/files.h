@@ -157,7 +157,9 @@ class AtomicFileWriter {
 // Files replaced together (an export of several files: two experts, a weights file and its config.json): each
 // is written whole to its temporary file and finished (AtomicFileWriter::finish), and publish() renames them
 // all, in the order added, only once every one is written. Until then (an error, a full disk, an exception)
-// every path keeps its old content, and the destructor removes the temporary files.
+// every path keeps its old content, and the destructor removes the temporary files. The renames run one after
+// another: one that fails (renames within a folder hardly do) leaves the earlier ones done. Every new file sits
+// beside its old one until publish(): the disk must hold both sets.
 class FileGroup {
  public:
   FileGroup() = default;

@@ -76,7 +76,8 @@ struct VideoInfo {
   int64_t stored_width = 0, stored_height = 0;  // the coded frame size, before the turn
   // The width of a stored pixel over its height, as the stream (or its container) states it: 1 for square pixels
   // and when it states none; 4/3 for HDV's 1440x1080 shown at 1920x1080. Frames are read at their stored size;
-  // display_width x display_height is the size they are shown at (upright, the stored width times this ratio).
+  // display_width x display_height is the size they are shown at (upright, the stored width times this ratio; a
+  // ratio outside [1/4, 4], which no video has, is damaged data and ignored there).
   double sample_aspect_ratio = 1.0;
   int64_t display_width = 0, display_height = 0;
   int64_t frames = 0;            // frames decoded
@@ -130,13 +131,18 @@ VideoInfo probe_video(const std::string& path);
 // stream ends before the largest index, returns an undefined tensor; `frames_decoded` (when given) receives how many
 // frames were decoded either way. Each call decodes on one thread.
 //
-// Seeking (options.seek; when the first index is at least 48 and 1/32 of the frames the container states): the file's
-// packets are read without decoding them, to learn every frame's presentation time and the key frames; decoding then
+// Seeking (options.seek; when the first index is at least 48): the file's packets up to just past the last index
+// are read without decoding them, to learn every frame's presentation time and the key frames; decoding then
 // starts at the last key frame at or before the first index and tells frames apart by their times, so a clip a minute
 // into a long video costs one group of pictures, not a minute of decoding. It returns the frames decoding from the
-// start would. Where the packets cannot say which frame is which (no times, repeated times, a decoder that drops its
-// first frames, damaged data, a file that does not seek to its key frame), the read decodes from the start as without
-// seeking. After a seek, `frames_decoded` counts the frames decoded from the key frame.
+// start would wherever each packet decodes to one picture. Where the packets cannot say which frame is which (no
+// times, repeated times, a decoder that drops its first frames, damaged data in what is read, a file that does not
+// seek to its key frame, a key frame that is no whole picture: intra refresh's recovery points), the read decodes
+// from the start as without seeking. Two differences remain, in files that are damaged or unusual: a packet
+// past the start that decodes to no picture without an error (an invisible frame stored on its own, bytes the
+// decoder skips) shifts the count of a read from the start by one after it, not a seeking read's, which numbers
+// frames by their presentation times; and damaged data before the key frame, which ends a read from the start
+// there, is not read by a seeking one. After a seek, `frames_decoded` counts the frames decoded from the key frame.
 torch::Tensor read_video_frames(const std::string& path, const std::vector<int64_t>& indices,
                                 int64_t* frames_decoded = nullptr, const VideoReadOptions& options = {});
 
