@@ -212,6 +212,21 @@ def _seek_files(ffmpeg, out_dir):
     for name, codec in files:
         subprocess.run(common + codec + [os.path.join(out_dir, name)], input=raw, check=True)
         print(f"  {name}: 96 frames 32x32, a key frame every 12")
+    # Two MPEG-TS files joined end to end (cat): the second restarts the first's timestamps, so a time names two frames.
+    # The second holds the 96 frames backwards: at each time, another picture than the first's.
+    segments = []
+    frame_bytes = len(raw) // 96
+    backwards = b"".join(raw[k * frame_bytes: (k + 1) * frame_bytes] for k in reversed(range(96)))
+    for k, frames_in in enumerate([raw, backwards]):
+        part = os.path.join(out_dir, f"part{k}.ts")
+        subprocess.run(common + ["-c:v", "libx264", "-g", "12", "-bf", "2", "-crf", "30", "-f", "mpegts", part],
+                       input=frames_in, check=True)
+        segments.append(open(part, "rb").read())
+        os.remove(part)
+    with open(os.path.join(out_dir, "gop_h264_joined_32x32.ts"), "wb") as f:
+        f.write(b"".join(segments))
+    print("  gop_h264_joined_32x32.ts: two MPEG-TS files of the 96 frames (forwards, then backwards) joined, the "
+          "second's timestamps restarted")
     # Stream copy from 0.7 s: the copy starts at the key frame before, with an edit list that hides what precedes 0.7 s.
     subprocess.run([ffmpeg, "-nostdin", "-loglevel", "error", "-y", "-ss", "0.7", "-i",
                     os.path.join(out_dir, "gop_h264_open_32x32.mp4"), "-c", "copy", "-map_metadata", "-1", "-fflags",

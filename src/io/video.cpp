@@ -390,6 +390,17 @@ struct OpenedVideo {
   DisplayTransform display;
 };
 
+// A decoder of the stream, fresh (replacing any the video had).
+void open_decoder(const std::string& path, OpenedVideo& v) {
+  const AVCodec* codec = avcodec_find_decoder(v.stream->codecpar->codec_id);
+  if (codec == nullptr) fail(path, "no decoder for its video stream");
+  v.dec.reset(avcodec_alloc_context3(codec));
+  if (!v.dec) fail(path, "out of memory");
+  check(avcodec_parameters_to_context(v.dec.get(), v.stream->codecpar), path, "bad codec parameters");
+  v.dec->thread_count = 1;  // one thread per file: loaders decode several files at once (data/loader.h)
+  check(avcodec_open2(v.dec.get(), codec, nullptr), path, std::string("cannot open decoder ") + codec->name);
+}
+
 OpenedVideo open_video(const std::string& path) {
   quiet_ffmpeg();
   OpenedVideo v;
@@ -409,11 +420,7 @@ OpenedVideo open_video(const std::string& path) {
   check(v.index, path, "no video stream");
   if (codec == nullptr) fail(path, "no decoder for its video stream");
   v.stream = v.in->streams[v.index];
-  v.dec.reset(avcodec_alloc_context3(codec));
-  if (!v.dec) fail(path, "out of memory");
-  check(avcodec_parameters_to_context(v.dec.get(), v.stream->codecpar), path, "bad codec parameters");
-  v.dec->thread_count = 1;  // one thread per file: loaders decode several files at once (data/loader.h)
-  check(avcodec_open2(v.dec.get(), codec, nullptr), path, std::string("cannot open decoder ") + codec->name);
+  open_decoder(path, v);
   v.width = v.stream->codecpar->width, v.height = v.stream->codecpar->height;
   if (v.width <= 0 || v.height <= 0) fail(path, "video stream has no frame size");
   v.display = display_transform(stream_display_matrix(v.stream));
@@ -694,6 +701,7 @@ namespace {
 struct FrameTimes {
   struct Packet {
     int64_t pts = 0, dts = 0;  // dts: pts when the packet has none
+    int64_t pos = -1;          // byte position in the file; -1 when the demuxer does not say
   };
   std::vector<int64_t> pts;
   std::vector<Packet> keys;
@@ -701,23 +709,31 @@ struct FrameTimes {
 };
 
 FrameTimes::Packet times_of(const AVPacket& packet) {
-  return {packet.pts, packet.dts == AV_NOPTS_VALUE ? packet.pts : packet.dts};
+  return {packet.pts, packet.dts == AV_NOPTS_VALUE ? packet.pts : packet.dts, packet.pos};
 }
 
-// The file read from its start (after frame_times): seeking to the stream's first packet and flushing the decoder.
-// False when the demuxer cannot (the caller opens the file again); decode_frames' first_packet check (starts_at)
-// then confirms it arrived there.
-bool rewind(OpenedVideo& v, const FrameTimes::Packet& first) {
+// Whether a packet read after a seek is `expected`: the same presentation time and, where the demuxer gives them,
+// the same byte position (times alone may repeat: MPEG-TS files joined end to end restart them); without positions,
+// the same decode time too. (Decode times are not compared with positions: a demuxer that works them out from
+// the packets before, as Matroska's does, gives the first packet after a seek another.)
+bool same_packet(const AVPacket& packet, const FrameTimes::Packet& expected) {
+  const auto t = times_of(packet);
+  if (t.pts != expected.pts) return false;
+  return t.pos >= 0 && expected.pos >= 0 ? t.pos == expected.pos : t.dts == expected.dts;
+}
+
+// The file read from its start (after frame_times): seeking to the stream's first packet, with a fresh decoder (as
+// opening the file again would give: a flushed one keeps what it learnt further on, such as parameter sets). False
+// when the demuxer cannot (the caller opens the file again); decode_frames' first_packet check (starts_at) then
+// confirms it arrived there.
+bool rewind(const std::string& path, OpenedVideo& v, const FrameTimes::Packet& first) {
   if (av_seek_frame(v.in.get(), v.index, std::min(first.dts, first.pts), AVSEEK_FLAG_BACKWARD) < 0) return false;
-  avcodec_flush_buffers(v.dec.get());
+  open_decoder(path, v);
   return true;
 }
 
 std::function<bool(const AVPacket&)> starts_at(const FrameTimes::Packet& first) {
-  return [first](const AVPacket& packet) {
-    const auto t = times_of(packet);
-    return t.pts == first.pts && t.dts == first.dts;
-  };
+  return [first](const AVPacket& packet) { return same_packet(packet, first); };
 }
 
 // Empty when the packets cannot say which frame is which: the demuxer cannot read a packet, a packet has no
@@ -768,8 +784,8 @@ std::optional<FrameTimes> frame_times(const std::string& path, OpenedVideo& v, i
 
 // The presentation time of the decoder's first frame, decoding from the stream's first packet (rewound to);
 // empty when it cannot be had.
-std::optional<int64_t> first_frame_time(OpenedVideo& v, const FrameTimes::Packet& first) {
-  if (!rewind(v, first)) return std::nullopt;
+std::optional<int64_t> first_frame_time(const std::string& path, OpenedVideo& v, const FrameTimes::Packet& first) {
+  if (!rewind(path, v, first)) return std::nullopt;
   PacketPtr packet(av_packet_alloc());
   FramePtr frame(av_frame_alloc());
   if (!packet || !frame) return std::nullopt;
@@ -836,7 +852,7 @@ bool decode_by_seeking(const std::string& path, OpenedVideo& v, const VideoReadO
   if (key == nullptr) return false;
   const auto at = [&](int64_t time) { return std::lower_bound(pts.begin(), pts.end(), time) - pts.begin(); };
   if (at(key->pts) < kSeekFromFrame) return false;  // the frames before the key are too few to be worth it
-  if (first_frame_time(v, *times->first) != pts.front()) return false;
+  if (first_frame_time(path, v, *times->first) != pts.front()) return false;
   // Seeking is by the key's presentation time, then (demuxers whose index holds decode times: MP4) by its decode
   // time; the first packet read must be a key frame at or before the first wanted frame.
   std::vector<int64_t> seek_times = {key->pts};
@@ -862,8 +878,12 @@ bool decode_by_seeking(const std::string& path, OpenedVideo& v, const VideoReadO
       if (next < wanted.size() && index == wanted[next]) ++next;
       return index;
     };
+    // The key frame chosen or one before it, at its own byte position (times alone may repeat in a file).
     const auto starts_at_a_key = [&](const AVPacket& packet) {
-      return (packet.flags & AV_PKT_FLAG_KEY) != 0 && packet.pts != AV_NOPTS_VALUE && packet.pts <= target;
+      if ((packet.flags & AV_PKT_FLAG_KEY) == 0 || packet.pts == AV_NOPTS_VALUE || packet.pts > target) return false;
+      for (const auto& k : times->keys)
+        if (same_packet(packet, k)) return true;
+      return false;
     };
     Decoded decoded;
     try {
@@ -916,7 +936,7 @@ torch::Tensor read_video_frames(const std::string& path, const std::vector<int64
     if (decode_by_seeking(path, v, options, wanted, kept, frames_decoded, first)) return stack_frames(v, indices, kept);
     // From the start, as if it had not sought: back at the stream's first packet, or the file opened again where
     // the demuxer does not go back there.
-    if (first && rewind(v, *first)) decoded = from_start(starts_at(*first));
+    if (first && rewind(path, v, *first)) decoded = from_start(starts_at(*first));
     if (!first || decoded.gave_up || decoded.frames == 0) {
       kept.clear();
       v = open_video(path);
