@@ -18,10 +18,10 @@ using megaslide::testing::VideoFixture;
 
 namespace {
 
-DataConfig folder_config(const VideoFixture& fx) {
+DataConfig folder_config(const std::string& root) {
   DataConfig d;
   d.dataset = "videos";
-  d.root = fx.dir + "/videos";
+  d.root = root;
   d.frames = 4;
   d.height = 48;
   d.width = 48;
@@ -31,6 +31,8 @@ DataConfig folder_config(const VideoFixture& fx) {
   d.max_bad_fraction = 0.5;
   return d;
 }
+
+DataConfig folder_config(const VideoFixture& fx) { return folder_config(fx.dir + "/videos"); }
 
 // The source frames a plan names, cropped as it says (no resize).
 torch::Tensor expected_clip(const torch::Tensor& source, const ClipPlan& p, int64_t H, int64_t W) {
@@ -172,15 +174,10 @@ TEST(VideoDataset, AnamorphicVideoIsResizedToItsShownAspect) {
   megaslide::io::make_directories(dir);
   megaslide::io::write_file_atomically(dir + "/a.mp4", megaslide::io::read_file(file));
   megaslide::io::write_file_atomically(dir + "/a.txt", "four bands\n");
-  DataConfig d;
-  d.dataset = "videos";
-  d.root = dir;
-  d.frames = 4;
+  auto d = folder_config(dir);
   d.height = 32;
   d.width = 64;
   d.frame_stride = 1;
-  d.clip_start = "center";
-  d.crop = "center";
   const auto ds = VideoDataset::open(d, 1);
   ASSERT_EQ(ds.size(), 1);
   EXPECT_EQ(ds.info(0).width, 64);
