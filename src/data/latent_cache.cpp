@@ -765,7 +765,7 @@ std::shared_ptr<LatentCache> LatentCache::open_checked(const RunConfig& config, 
     for (const auto& r : rec.value("items", json::array())) {
       Item item;
       item.index = r.value("index", int64_t{0});
-      item.path = r.value("path", "");
+      item.path = io::absolute_path(r.value("path", ""));  // (a cache of before recorded them as listed)
       item.caption = r.value("caption", "");
       item.bucket = r.value("bucket", int64_t{0});
       item.shard = shard;
@@ -784,7 +784,7 @@ std::shared_ptr<LatentCache> LatentCache::open_checked(const RunConfig& config, 
       else if (st_now.size != r.value("size", uint64_t{0}) || st_now.mtime_ns != r.value("mtime_ns", int64_t{0}))
         stale.push_back(item.path + ": the source changed since it was cached (size or mtime)");
       if (r.contains("image") && r["image"].is_object()) {
-        item.image = r["image"].value("path", "");
+        item.image = io::absolute_path(r["image"].value("path", ""));
         const auto image_now = stat_source(item.image);
         if (!image_now.exists) stale.push_back(item.path + ": its image " + item.image + " is gone");
         else if (image_now.size != r["image"].value("size", uint64_t{0}) ||
@@ -805,8 +805,7 @@ std::shared_ptr<LatentCache> LatentCache::open_checked(const RunConfig& config, 
   const bool image_to_video = caches_images(config);
   const auto listing = read_video_manifest(config.data, image_to_video);
   std::map<int64_t, std::string> cached_path, cached_image;
-  for (const auto& it : cache->items_)
-    cached_path[it.index] = io::absolute_path(it.path), cached_image[it.index] = io::absolute_path(it.image);
+  for (const auto& it : cache->items_) cached_path[it.index] = it.path, cached_image[it.index] = it.image;
   for (const auto& it : listing.items) {
     if (!covered.count(it.index)) stale.push_back(it.path + ": listed but not in the cache");
     else if (cached_path.count(it.index) && cached_path[it.index] != it.path)

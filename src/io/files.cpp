@@ -307,9 +307,7 @@ void remove_tree(const std::string& path) {
 void write_file_atomically(const std::string& path, const std::string& content, FileGroup* group) {
   auto out = std::make_unique<AtomicFileWriter>(path);
   out->write(content.data(), content.size());
-  if (group == nullptr) return out->commit();
-  out->finish();
-  group->add(std::move(out));
+  FileGroup::commit_or_add(std::move(out), group);
 }
 
 void rename_durably(const std::string& from, const std::string& to) {
@@ -385,6 +383,12 @@ void AtomicFileWriter::commit() {
 }
 
 void FileGroup::add(std::unique_ptr<AtomicFileWriter> finished) { files_.push_back(std::move(finished)); }
+
+void FileGroup::commit_or_add(std::unique_ptr<AtomicFileWriter> out, FileGroup* group) {
+  if (group == nullptr) return out->commit();
+  out->finish();
+  group->add(std::move(out));
+}
 
 void FileGroup::publish() {
   for (auto& file : files_) file->publish();

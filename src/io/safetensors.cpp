@@ -273,12 +273,7 @@ WrittenFile write_safetensors(const std::string& path, const NamedTensors& tenso
   out->write(head.data(), head.size());
   for_each_payload(tensors, cast, [&](const void* data, size_t bytes) { out->write(data, bytes); });
   const WrittenFile written{out->bytes_written(), out->crc32()};
-  if (group == nullptr) {
-    out->commit();
-  } else {
-    out->finish();
-    group->add(std::move(out));
-  }
+  FileGroup::commit_or_add(std::move(out), group);
   return written;
 }
 

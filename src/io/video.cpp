@@ -784,34 +784,24 @@ std::optional<FrameTimes> frame_times(const std::string& path, OpenedVideo& v, i
 
 // The presentation time of the decoder's first frame, decoding from the stream's first packet (rewound to);
 // empty when it cannot be had.
-std::optional<int64_t> first_frame_time(const std::string& path, OpenedVideo& v, const FrameTimes::Packet& first) {
+std::optional<int64_t> first_frame_time(const std::string& path, OpenedVideo& v, const VideoReadOptions& options,
+                                        const FrameTimes::Packet& first) {
   if (!rewind(path, v, first)) return std::nullopt;
-  PacketPtr packet(av_packet_alloc());
-  FramePtr frame(av_frame_alloc());
-  if (!packet || !frame) return std::nullopt;
-  AVCodecContext* dec = v.dec.get();
-  const auto at_start = starts_at(first);
-  bool started = false;
-  while (av_read_frame(v.in.get(), packet.get()) >= 0) {
-    const bool video = packet->stream_index == v.index;
-    const bool ok = !video || ((started || at_start(*packet)) && avcodec_send_packet(dec, packet.get()) >= 0);
-    started = started || video;
-    av_packet_unref(packet.get());
-    if (!ok) return std::nullopt;
-    if (!video) continue;
-    const int r = avcodec_receive_frame(dec, frame.get());
-    if (r == AVERROR(EAGAIN)) continue;
-    if (r < 0) return std::nullopt;
-    const int64_t t = frame->pts;
-    av_frame_unref(frame.get());
-    if (t == AV_NOPTS_VALUE) return std::nullopt;
-    return t;
+  std::optional<int64_t> time;
+  try {
+    const Decoded decoded = decode_frames(
+        path, v, options, 0, [](int64_t) { return false; }, [](int64_t, torch::Tensor) {},
+        /*damage_ends_stream=*/true,
+        [&](const AVFrame& frame, int64_t) {
+          if (frame.pts != AV_NOPTS_VALUE) time = frame.pts;
+          return int64_t{0};
+        },
+        starts_at(first));
+    if (decoded.gave_up) return std::nullopt;
+  } catch (const VideoError&) {
+    return std::nullopt;
   }
-  if (avcodec_send_packet(dec, nullptr) < 0 || avcodec_receive_frame(dec, frame.get()) < 0) return std::nullopt;
-  const int64_t t = frame->pts;
-  av_frame_unref(frame.get());
-  if (t == AV_NOPTS_VALUE) return std::nullopt;
-  return t;
+  return time;
 }
 
 // Whether the decoder took `frame` for a key frame (IDR, an open GOP's I-frame, HEVC's IRAP, VP9's key frame; but
@@ -852,7 +842,7 @@ bool decode_by_seeking(const std::string& path, OpenedVideo& v, const VideoReadO
   if (key == nullptr) return false;
   const auto at = [&](int64_t time) { return std::lower_bound(pts.begin(), pts.end(), time) - pts.begin(); };
   if (at(key->pts) < kSeekFromFrame) return false;  // the frames before the key are too few to be worth it
-  if (first_frame_time(path, v, *times->first) != pts.front()) return false;
+  if (first_frame_time(path, v, options, *times->first) != pts.front()) return false;
   // Seeking is by the key's presentation time, then (demuxers whose index holds decode times: MP4) by its decode
   // time; the first packet read must be a key frame at or before the first wanted frame.
   std::vector<int64_t> seek_times = {key->pts};

@@ -716,11 +716,10 @@ std::string wan_diffusers_config(const WanConfig& w) {
   return j.dump(2) + "\n";
 }
 
-io::WrittenFile save_wan_weights(const std::string& path, const WanConfig& wan, const io::NamedTensors& parameters,
-                                 torch::ScalarType dtype, io::FileGroup* group) {
-  // Every file of the export is replaced together, once all are written (a full disk half-way leaves the old ones).
-  io::FileGroup own;
-  io::FileGroup& files = group != nullptr ? *group : own;
+namespace {
+// save_wan_weights' files, finished into `files` (published by the caller).
+io::WrittenFile write_wan_weights(const std::string& path, const WanConfig& wan, const io::NamedTensors& parameters,
+                                  torch::ScalarType dtype, io::FileGroup& files) {
   io::WrittenFile written;
   if (wan.expert == "both") {
     const std::vector<std::string> folders{"transformer", "transformer_2"};
@@ -738,8 +737,8 @@ io::WrittenFile save_wan_weights(const std::string& path, const WanConfig& wan, 
     for (size_t e = 0; e < 2; ++e) {
       const std::string folder = io::join_path(path, folders[e]);
       io::make_directories(folder);
-      written = save_wan_weights(io::join_path(folder, "diffusion_pytorch_model.safetensors"), one, experts[e], dtype,
-                                 &files);
+      written = write_wan_weights(io::join_path(folder, "diffusion_pytorch_model.safetensors"), one, experts[e], dtype,
+                                  files);
     }
     // The pipeline's every component, as diffusers' Wan2.2 repositories list them: WanPipeline.from_pretrained
     // loads the folder once the base repository's vae/, text_encoder/, tokenizer/ and scheduler/ are beside.
@@ -761,7 +760,6 @@ io::WrittenFile save_wan_weights(const std::string& path, const WanConfig& wan, 
     index["transformer_2"] = {"diffusers", "WanTransformer3DModel"};
     index["vae"] = {"diffusers", "AutoencoderKLWan"};
     io::write_file_atomically(io::join_path(path, "model_index.json"), index.dump(2) + "\n", &files);
-    if (group == nullptr) own.publish();
     return written;
   }
   const std::string config = wan_diffusers_config(wan);
@@ -772,8 +770,17 @@ io::WrittenFile save_wan_weights(const std::string& path, const WanConfig& wan, 
   // The tensors are cast one at a time as they are written (write_safetensors): one tensor's copy at most.
   // diffusers' folder: config.json replaced with the weights, so that the folder's two files describe one model.
   if (diffusers_folder) io::write_file_atomically(io::join_path(io::parent_path(path), "config.json"), config, &files);
-  written = io::write_safetensors(path, parameters, {{"format", kWanWeightsFormat}, {"config", config}}, dtype, &files);
-  if (group == nullptr) own.publish();
+  return io::write_safetensors(path, parameters, {{"format", kWanWeightsFormat}, {"config", config}}, dtype, &files);
+}
+}  // namespace
+
+io::WrittenFile save_wan_weights(const std::string& path, const WanConfig& wan, const io::NamedTensors& parameters,
+                                 torch::ScalarType dtype, io::FileGroup* group) {
+  if (group != nullptr) return write_wan_weights(path, wan, parameters, dtype, *group);
+  // Every file of the export is replaced together, once all are written (a full disk half-way leaves the old ones).
+  io::FileGroup files;
+  const auto written = write_wan_weights(path, wan, parameters, dtype, files);
+  files.publish();
   return written;
 }
 

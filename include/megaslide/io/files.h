@@ -142,7 +142,6 @@ class AtomicFileWriter {
   void finish();
   uint64_t bytes_written() const { return bytes_; }
   uint32_t crc32() const { return crc_; }
-  const std::string& path() const { return path_; }
 
  private:
   friend class FileGroup;
@@ -167,6 +166,8 @@ class FileGroup {
   FileGroup& operator=(const FileGroup&) = delete;
   void add(std::unique_ptr<AtomicFileWriter> finished);
   void publish();
+  // `out`, written: committed now when `group` is null, else finished into it.
+  static void commit_or_add(std::unique_ptr<AtomicFileWriter> out, FileGroup* group);
 
  private:
   std::vector<std::unique_ptr<AtomicFileWriter>> files_;
