@@ -519,3 +519,40 @@ TEST(Video, OddDisplayAngleReadsAtTheNearestQuarterTurnWithOneWarning) {
   EXPECT_EQ(err.find(path), err.rfind(path)) << "warned more than once: " << err;
   ::unlink(path.c_str());
 }
+
+// The property: a still image is shown as its EXIF orientation says, as PIL's ImageOps.exif_transpose shows it
+// (tests/fixtures/image_exif, tools/make_fixtures.py image_exif: one 24x16 picture under each orientation 1-8):
+// PNG (eXIf chunk) and lossless WebP (EXIF chunk) bit for bit; JPEG (APP1) within JPEG's rounding of PIL's decode,
+// where any other turn or mirror of the 4x4 colour blocks is far off. The probe gives the shown size.
+TEST(Video, StillImagesAreShownAsTheirExifOrientationSays) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  const std::string dir = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/image_exif/";
+  for (int orientation = 1; orientation <= 8; ++orientation) {
+    SCOPED_TRACE("orientation " + std::to_string(orientation));
+    const std::string n = std::to_string(orientation);
+    const auto shown = megaslide::io::read_video(dir + "shown" + n + ".png");
+    const bool sideways = orientation >= 5;
+    ASSERT_EQ(shown.sizes(), (std::vector<int64_t>{1, sideways ? 24 : 16, sideways ? 16 : 24, 3}));
+    for (const std::string kind : {"png", "webp"}) {
+      const auto info = megaslide::io::probe_video(dir + "o" + n + "." + kind);
+      EXPECT_EQ(info.width, shown.size(2)) << kind;
+      EXPECT_EQ(info.height, shown.size(1)) << kind;
+      EXPECT_EQ(info.display_width, shown.size(2)) << kind;
+      EXPECT_TRUE(torch::equal(megaslide::io::read_video(dir + "o" + n + "." + kind), shown)) << kind;
+    }
+    const auto jpeg = megaslide::io::read_video(dir + "o" + n + ".jpg").to(torch::kFloat32);
+    const auto pil = megaslide::io::read_video(dir + "shown_jpg" + n + ".png").to(torch::kFloat32);
+    ASSERT_EQ(jpeg.sizes(), pil.sizes());
+    EXPECT_LT((jpeg - pil).abs().max().item<float>(), 8.0f);
+    // Against the other orientations of the same size: far off (the test would see a wrong turn or mirror).
+    for (int other = sideways ? 5 : 1; other <= (sideways ? 8 : 4); ++other)
+      if (other != orientation)
+        EXPECT_GT(
+            (jpeg - megaslide::io::read_video(dir + "shown_jpg" + std::to_string(other) + ".png").to(torch::kFloat32))
+                .abs()
+                .mean()
+                .item<float>(),
+            20.0f)
+            << "orientation " << other;
+  }
+}

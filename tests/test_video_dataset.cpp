@@ -212,6 +212,83 @@ TEST(VideoDataset, ItemsGoToTheirNearestBucketThatFits) {
   EXPECT_EQ(VideoDataset::open(d, 1).info(0).bucket, 1);
 }
 
+// The property: a still image is an item of one frame: it goes to a bucket of one frame and loads as that bucket's
+// one frame, the image resized and cropped bit for bit (PNG is lossless); without such a bucket it is a bad item
+// saying what it needs. A video goes to a bucket of one frame only when no longer bucket fits it, even where the
+// still bucket's aspect is closer, and is then named in a notice; data.fps asks nothing of a still's rate. A
+// folder of images with no bucket of one frame names the images it left out.
+TEST(VideoDataset, StillImagesTrainInBucketsOfOneFrame) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  VideoFixture fx("dataset-stills", 2, 12, 48, 64);  // landscape clips, 8 fps
+  const auto image = megaslide::testing::smooth_random_frames(1, 48, 64, 77)[0];
+  megaslide::io::write_png(fx.dir + "/still.png", image);
+  fx.write("items.jsonl",
+           "{\"video\": \"videos/clip-0.mp4\", \"caption\": \"a clip\"}\n"
+           "{\"video\": \"still.png\", \"caption\": \"a still\"}\n"
+           "{\"video\": \"videos/clip-1.mp4\", \"caption\": \"another clip\"}\n");
+  auto d = folder_config(fx);
+  d.root.clear();
+  d.manifest = fx.dir + "/items.jsonl";
+  d.frame_stride = 1;
+  d.fps = 30.0;                                         // faster than the clips (a notice), and no rate for the still
+  d.buckets = {{1, 32, 48}, {4, 32, 32}, {4, 48, 32}};  // the still bucket is the closest aspect to 48x64
+  auto ds = VideoDataset::open(d, 1);
+  ASSERT_EQ(ds.size(), 3);
+  EXPECT_EQ(ds.info(0).bucket, 1);
+  EXPECT_EQ(ds.info(1).bucket, 0);
+  EXPECT_EQ(ds.info(1).frames, 1);
+  EXPECT_EQ(ds.info(2).bucket, 1);
+  const auto plan = ds.plan(1, 0);
+  EXPECT_EQ(plan.frame_indices, (std::vector<int64_t>{0}));
+  const auto still = ds.load(1, 0);
+  ASSERT_EQ(still.sizes(), (std::vector<int64_t>{1, 32, 48, 3}));
+  EXPECT_TRUE(torch::equal(still, megaslide::resize_and_crop(image.unsqueeze(0), plan, ds.buckets()[0])));
+  ASSERT_EQ(ds.notices().size(), 1u);  // the two videos at 8 fps, not the still
+  EXPECT_NE(ds.notices()[0].find("2 of 2 usable videos have a frame rate below data.fps"), std::string::npos)
+      << ds.notices()[0];
+
+  // A 12-frame video fits no 16-frame bucket: trained as a still, and said so.
+  d.fps = 0.0;
+  d.buckets = {{1, 32, 48}, {16, 32, 32}};
+  ds = VideoDataset::open(d, 1);
+  ASSERT_EQ(ds.size(), 3);
+  EXPECT_EQ(ds.info(0).bucket, 0);
+  ASSERT_EQ(ds.notices().size(), 1u);
+  EXPECT_NE(ds.notices()[0].find("2 usable videos fit no bucket of more than one frame and are trained on one frame"),
+            std::string::npos)
+      << ds.notices()[0];
+  EXPECT_NE(ds.notices()[0].find("clip-0.mp4', 12 frames"), std::string::npos) << ds.notices()[0];
+
+  // No bucket of one frame: the still is a bad item saying what it needs.
+  d.buckets = {{4, 32, 32}};
+  ds = VideoDataset::open(d, 1);
+  ASSERT_EQ(ds.size(), 2);
+  ASSERT_EQ(ds.bad().size(), 1u);
+  EXPECT_EQ(ds.bad()[0].path, fx.dir + "/still.png");
+  EXPECT_NE(ds.bad()[0].reason.find("only a bucket of 1 frame takes it"), std::string::npos) << ds.bad()[0].reason;
+  EXPECT_TRUE(ds.notices().empty());
+
+  // A folder holding only images, and no bucket of one frame: the refusal names them.
+  const std::string images = fx.dir + "/images";
+  megaslide::io::make_directories(images);
+  megaslide::io::write_png(images + "/a.png", image);
+  fx.write("images/a.txt", "a still\n");
+  d.manifest.clear();
+  d.root = images;
+  ds = VideoDataset::open(d, 1);
+  EXPECT_EQ(ds.size(), 0);
+  try {
+    ds.check_bad_fraction();
+    FAIL() << "a dataset of no usable item was accepted";
+  } catch (const megaslide::DatasetError& e) {
+    EXPECT_NE(std::string(e.what()).find("1 image in data.root is no video's conditioning image and not trained"),
+              std::string::npos)
+        << e.what();
+  }
+  d.buckets = {{1, 32, 32}};
+  EXPECT_EQ(VideoDataset::open(d, 1).size(), 1);
+}
+
 TEST(VideoDataset, BadItemsAreSkippedWithAReasonAndCountAgainstTheFraction) {
   if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
   VideoFixture fx("dataset-bad", 3, 12, 48, 64);

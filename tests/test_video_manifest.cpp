@@ -2,7 +2,8 @@
 // quotes, CRLF, a BOM); WebVid and Open-Sora CSVs, JSONL and a caption folder list the same items with
 // the same captions, paths resolved against the manifest's folder; unusable rows are bad items with a
 // reason, and a manifest that matches no layout is refused naming the file and line. A clip's conditioning
-// image comes from an `image` (or `image_path`) column or key, or a same-stem image beside a folder's video.
+// image comes from an `image` (or `image_path`) column or key, or a same-stem image beside a folder's video; a
+// folder's other images are stills when a bucket has one frame.
 #include "megaslide/data/video_manifest.h"
 
 #include <gtest/gtest.h>
@@ -261,6 +262,46 @@ TEST(VideoManifest, FolderSameStemImageIsTheClipsImage) {
   EXPECT_EQ(listed, (std::vector<std::string>{"a.mp4", "b.mp4", "c.mp4", "e.mp4", "sub/d.mp4"}));
   EXPECT_EQ(images,
             (std::vector<std::string>{root + "/a.png", root + "/b.jpg", "", root + "/e.JPG", root + "/sub/d.jpeg"}));
+  megaslide::io::remove_tree(root);
+}
+
+// The property: a folder's images that are no video's own (no video of their stem beside them) are items, stills,
+// only when a bucket has one frame (data.frames 1, or a [1, h, w] bucket), sorted among the videos and captioned
+// as videos are, with no conditioning image of their own; without such a bucket they are counted, not listed. A
+// video's same-stem image stays its conditioning image either way.
+TEST(VideoManifest, FolderImagesAreStillsWhenABucketHasOneFrame) {
+  const std::string root = temp_folder("folder-stills");
+  megaslide::io::make_directories(root + "/sub");
+  for (const std::string name :
+       {"b.mp4", "b.txt", "b.png", "a.jpg", "a.txt", "sub/c.WEBP", "sub/c.WEBP.txt", "d.jpeg", "d.TXT", "e.png"})
+    write_file(root + "/" + name, "x");
+  auto data = config_for("", root);
+  data.frames = 5;
+  auto m = megaslide::read_video_manifest(data, /*images=*/true);
+  std::vector<std::string> listed;
+  for (const auto& item : m.items) listed.push_back(item.where);
+  EXPECT_EQ(listed, (std::vector<std::string>{"b.mp4"}));
+  EXPECT_EQ(m.items[0].image, root + "/b.png");
+  EXPECT_TRUE(m.bad.empty());
+  EXPECT_EQ(m.unlisted_images, 4);  // a.jpg, d.jpeg, e.png, sub/c.WEBP; b.png is b.mp4's
+
+  for (const auto& buckets : {std::vector<std::array<int64_t, 3>>{}, {{5, 32, 32}, {1, 32, 48}}}) {
+    data.buckets = buckets;
+    data.frames = buckets.empty() ? 1 : 5;
+    ASSERT_TRUE(megaslide::has_still_bucket(data));
+    m = megaslide::read_video_manifest(data, /*images=*/true);
+    listed.clear();
+    for (const auto& item : m.items) listed.push_back(item.where);
+    EXPECT_EQ(listed, (std::vector<std::string>{"a.jpg", "b.mp4", "d.jpeg", "sub/c.WEBP"}));
+    EXPECT_EQ(m.items[0].image, "") << "a still has no conditioning image of its own";
+    EXPECT_EQ(m.items[1].image, root + "/b.png");
+    ASSERT_EQ(m.bad.size(), 1u);  // e.png has no caption
+    EXPECT_EQ(m.bad[0].path, root + "/e.png");
+    EXPECT_NE(m.bad[0].reason.find("missing caption"), std::string::npos) << m.bad[0].reason;
+    EXPECT_EQ(m.unlisted_images, 0);
+  }
+  data.buckets = {{5, 32, 32}, {9, 32, 48}};
+  EXPECT_FALSE(megaslide::has_still_bucket(data));
   megaslide::io::remove_tree(root);
 }
 

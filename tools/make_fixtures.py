@@ -234,6 +234,37 @@ def _seek_files(ffmpeg, out_dir):
     print("  gop_h264_editlist_32x32.mp4: gop_h264_open_32x32.mp4 from 0.7 s, copied (an edit list)")
 
 
+def section_image_exif(out_dir):
+    """Still images whose EXIF orientation says how to show them, as phones save photos: PNG (eXIf), lossless WebP
+    (EXIF chunk) and JPEG (APP1) of one 24x16 picture under each orientation 1-8, and what PIL's
+    ImageOps.exif_transpose shows for each (PNG, no EXIF): the PNG's and WebP's bit for bit, the JPEG's as PIL decodes
+    it."""
+    from PIL import Image, ImageOps
+    import PIL
+
+    g = np.random.default_rng(5)
+    # 4x4 blocks of random colours: JPEG (quality 100, 4:4:4) keeps them within a few levels; a wrong turn does not.
+    blocks = g.integers(0, 256, size=(4, 6, 3), dtype=np.uint8)
+    picture = np.repeat(np.repeat(blocks, 4, axis=0), 4, axis=1)  # 16 rows, 24 columns
+    for orientation in range(1, 9):
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        image = Image.fromarray(picture)
+        image.save(os.path.join(out_dir, f"o{orientation}.png"), exif=exif.tobytes())
+        image.save(os.path.join(out_dir, f"o{orientation}.webp"), lossless=True, exif=exif.tobytes())
+        image.save(os.path.join(out_dir, f"o{orientation}.jpg"), quality=100, subsampling=0, exif=exif.tobytes())
+        shown = {}
+        for kind in ("png", "webp", "jpg"):
+            with Image.open(os.path.join(out_dir, f"o{orientation}.{kind}")) as read:
+                assert read.getexif().get(0x0112) == orientation, (kind, orientation)
+                shown[kind] = np.asarray(ImageOps.exif_transpose(read).convert("RGB"))
+        assert np.array_equal(shown["png"], shown["webp"]), orientation
+        # Saved as new images: no EXIF of their own.
+        Image.fromarray(shown["png"]).save(os.path.join(out_dir, f"shown{orientation}.png"))
+        Image.fromarray(shown["jpg"]).save(os.path.join(out_dir, f"shown_jpg{orientation}.png"))
+    print(f"  orientations 1-8 as PNG, WebP and JPEG, 24x16; Pillow {PIL.__version__}")
+
+
 def section_video_files(out_dir):
     ffmpeg = shutil.which("ffmpeg")
     if ffmpeg is None:
@@ -2407,6 +2438,7 @@ def section_fp8(out_dir):
 
 SECTIONS = {
     "video": (section_video, "H.264 clips and their frames as opencv-python decodes them, VBench's temporal flickering"),
+    "image_exif": (section_image_exif, "still images under each EXIF orientation (PNG, WebP, JPEG) and what PIL's exif_transpose shows"),
     "video_files": (section_video_files, "colour bars in BT.709 studio range and BT.601 full range (VP9), YUV worked out from their RGB; a file cut short; groups of pictures to seek in; an anamorphic clip"),
     "sampler": (section_sampler, "diffusers DDPM/DDIM timestep tables (linspace/leading/trailing) and single steps"),
     "clip_tokenizer": (section_clip_tokenizer, "CLIPTokenizer ids of VBench and edge-case prompts, real and tiny vocabularies"),

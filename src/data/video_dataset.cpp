@@ -36,23 +36,27 @@ int64_t source_index(int64_t k, double step) {
 // Source frames a clip of `frames` frames spans.
 int64_t frame_span(int64_t frames, double step) { return source_index(frames - 1, step) + 1; }
 
-// The nearest bucket that fits, or -1 (see the header).
+// The nearest bucket that fits, or -1 (see the header). A video goes to a bucket of one frame (a still's) only
+// when no longer bucket fits it.
 int64_t nearest_bucket(const std::vector<ClipShape>& buckets, const VideoItemInfo& info, double step) {
-  int64_t best = -1;
-  double best_distance = std::numeric_limits<double>::infinity();
   const double aspect = std::log(static_cast<double>(info.height) / static_cast<double>(info.width));
-  for (size_t b = 0; b < buckets.size(); ++b) {
-    const auto& s = buckets[b];
-    if (frame_span(s.frames, step) > info.frames) continue;
-    const double d = std::abs(aspect - std::log(static_cast<double>(s.height) / static_cast<double>(s.width)));
-    bool better = best < 0 || d < best_distance - 1e-12;
-    if (!better && best >= 0 && std::abs(d - best_distance) <= 1e-12) {
-      const auto& c = buckets[static_cast<size_t>(best)];
-      better = s.frames > c.frames || (s.frames == c.frames && s.height * s.width > c.height * c.width);
+  for (const bool stills : {info.frames <= 1, true}) {
+    int64_t best = -1;
+    double best_distance = std::numeric_limits<double>::infinity();
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      const auto& s = buckets[b];
+      if (frame_span(s.frames, step) > info.frames || (s.frames == 1 && !stills)) continue;
+      const double d = std::abs(aspect - std::log(static_cast<double>(s.height) / static_cast<double>(s.width)));
+      bool better = best < 0 || d < best_distance - 1e-12;
+      if (!better && best >= 0 && std::abs(d - best_distance) <= 1e-12) {
+        const auto& c = buckets[static_cast<size_t>(best)];
+        better = s.frames > c.frames || (s.frames == c.frames && s.height * s.width > c.height * c.width);
+      }
+      if (better) best = static_cast<int64_t>(b), best_distance = d;
     }
-    if (better) best = static_cast<int64_t>(b), best_distance = d;
+    if (best >= 0) return best;
   }
-  return best;
+  return -1;
 }
 
 // VideoDataset::notices() of usable items.
@@ -63,9 +67,10 @@ std::vector<std::string> dataset_notices(const DataConfig& data, const std::vect
     // A clip repeats a source frame when it spans fewer source frames than it has.
     const auto buckets = clip_buckets(data);
     int64_t slow = 0, slowest = -1;
+    const auto videos = std::count_if(info.begin(), info.end(), [](const auto& v) { return v.frames > 1; });
     for (size_t i = 0; i < info.size(); ++i)
       if (const int64_t frames = buckets[static_cast<size_t>(info[i].bucket)].frames;
-          frame_span(frames, frame_step(data, info[i].fps)) < frames) {
+          info[i].frames > 1 && frame_span(frames, frame_step(data, info[i].fps)) < frames) {
         ++slow;
         if (slowest < 0 || info[i].fps < info[static_cast<size_t>(slowest)].fps) slowest = static_cast<int64_t>(i);
       }
@@ -73,8 +78,21 @@ std::vector<std::string> dataset_notices(const DataConfig& data, const std::vect
       out.push_back(fmt::format(
           "{} of {} usable videos have a frame rate below data.fps ({}): their clips repeat source frames to make "
           "{} frames a second (the lowest: {:.4g} fps, '{}'); lower data.fps, or use data.frame_stride",
-          slow, items.size(), data.fps, data.fps, info[static_cast<size_t>(slowest)].fps,
+          slow, videos, data.fps, data.fps, info[static_cast<size_t>(slowest)].fps,
           items[static_cast<size_t>(slowest)].path));
+  }
+  {
+    const auto buckets = clip_buckets(data);
+    int64_t as_stills = 0, first = -1;
+    for (size_t i = 0; i < info.size(); ++i)
+      if (info[i].frames > 1 && buckets[static_cast<size_t>(info[i].bucket)].frames == 1 && as_stills++ == 0)
+        first = static_cast<int64_t>(i);
+    if (as_stills > 0)
+      out.push_back(fmt::format(
+          "{} usable {} no bucket of more than one frame and {} trained on one frame, as a still (the first: "
+          "'{}', {} frames)",
+          as_stills, as_stills == 1 ? "video fits" : "videos fit", as_stills == 1 ? "is" : "are",
+          items[static_cast<size_t>(first)].path, info[static_cast<size_t>(first)].frames));
   }
   std::map<std::string, int64_t> listings;  // path -> times listed
   int64_t repeats = 0;                      // items whose path an earlier item has
@@ -88,6 +106,13 @@ std::vector<std::string> dataset_notices(const DataConfig& data, const std::vect
         repeats, repeats == 1 ? "item repeats" : "items repeat", repeats == 1 ? "it" : "them", first_repeated,
         listings[first_repeated]));
   return out;
+}
+
+std::string unlisted_images_notice(int64_t images) {
+  return fmt::format(
+      "{} {} in data.root {} no video's conditioning image and not trained: no bucket has one frame (add "
+      "[1, height, width] to data.buckets to train images as stills)",
+      images, images == 1 ? "image" : "images", images == 1 ? "is" : "are");
 }
 
 }  // namespace
@@ -141,14 +166,16 @@ VideoDataset VideoDataset::open(const DataConfig& data, int threads,
           // The size it is shown at: a clip of anamorphic video (HDV's 1440x1080 of 4:3 pixels) is resized to its
           // shown aspect, as a player shows it.
           out.frames = v.frames, out.width = v.display_width, out.height = v.display_height, out.fps = v.fps;
-          if (data.fps > 0 && v.fps <= 0) {
+          if (data.fps > 0 && v.fps <= 0 && v.frames != 1) {  // a still's rate does not matter
             problem[i] = "its frame rate is unknown (data.fps needs one)";
           } else if (v.frames <= 0) {
             problem[i] = "no frames";
           } else {
             const double step = frame_step(data, v.fps);
             out.bucket = nearest_bucket(buckets, out, step);
-            if (out.bucket < 0) {
+            if (out.bucket < 0 && v.frames == 1) {
+              problem[i] = "one frame (a still image): only a bucket of 1 frame takes it (data.buckets)";
+            } else if (out.bucket < 0) {
               int64_t needed = std::numeric_limits<int64_t>::max();
               for (const auto& b : buckets) needed = std::min(needed, frame_span(b.frames, step));
               problem[i] = fmt::format("too few frames ({}; the shortest clip spans {})", v.frames, needed);
@@ -193,8 +220,10 @@ VideoDataset VideoDataset::open(const DataConfig& data, int threads,
   }
   std::sort(bad.begin(), bad.end(), [](const BadItem& a, const BadItem& b) { return a.index < b.index; });
   auto notices = dataset_notices(data, items, good);
+  if (manifest.unlisted_images > 0) notices.push_back(unlisted_images_notice(manifest.unlisted_images));
   VideoDataset dataset(data, std::move(items), std::move(good), std::move(bad), listed);
   dataset.notices_ = std::move(notices);
+  dataset.unlisted_images_ = manifest.unlisted_images;
   return dataset;
 }
 
@@ -277,7 +306,8 @@ void VideoDataset::check_bad_fraction(const std::vector<BadItem>* all_bad) const
   for (const auto& b : bad) list += fmt::format("\n  {}: {}", b.path, b.reason);
   const std::string source = data_.manifest.empty() ? data_.root : data_.manifest;
   if (size() == 0)
-    throw DatasetError(fmt::format("dataset '{}': no usable video among {} listed{}", source, listed_, list));
+    throw DatasetError(fmt::format("dataset '{}': no usable video among {} listed{}{}", source, listed_, list,
+                                   unlisted_images_ > 0 ? "\n" + unlisted_images_notice(unlisted_images_) : ""));
   throw DatasetError(fmt::format("dataset '{}': {} of {} items are bad, more than data.max_bad_fraction ({}) allows:{}",
                                  source, bad_count, listed_, data_.max_bad_fraction, list));
 }

@@ -251,32 +251,49 @@ VideoManifest read_jsonl(const DataConfig& data, bool images) {
   return m;
 }
 
-bool is_video_file(const std::string& name) {
-  static const char* kExtensions[] = {".mp4", ".mov", ".mkv", ".webm", ".avi", ".m4v"};
+bool has_extension(const std::string& name, std::initializer_list<const char*> extensions) {
   const std::string l = lower(name);
-  return std::any_of(std::begin(kExtensions), std::end(kExtensions), [&](const char* e) { return ends_with(l, e); });
+  return std::any_of(extensions.begin(), extensions.end(), [&](const char* e) { return ends_with(l, e); });
 }
 
-// The videos under `folder`, recursively. Each real folder is listed once, however many links lead to it
+bool is_video_file(const std::string& name) {
+  return has_extension(name, {".mp4", ".mov", ".mkv", ".webm", ".avi", ".m4v"});
+}
+
+bool is_image_file(const std::string& name) { return has_extension(name, {".png", ".jpg", ".jpeg", ".webp"}); }
+
+std::string stem_of(const std::string& name) { return name.substr(0, name.find_last_of('.')); }
+
+// The videos under `folder`, recursively, and with `stills` the images that are no video's conditioning image
+// (else counted in `unlisted_images`). Each real folder is listed once, however many links lead to it
 // (`visited`: device and inode): a link back to an ancestor (`loop -> .`) would list every video again at
 // each level, and two such links without end.
-void list_videos(const std::string& folder, const std::string& relative, std::vector<std::string>& out,
-                 std::set<std::pair<dev_t, ino_t>>& visited) {
+void list_videos(const std::string& folder, const std::string& relative, bool stills, std::vector<std::string>& out,
+                 int64_t& unlisted_images, std::set<std::pair<dev_t, ino_t>>& visited) {
   struct stat st {};
   if (::stat(folder.c_str(), &st) != 0 || !visited.insert({st.st_dev, st.st_ino}).second) return;
-  for (const auto& name : io::list_directory(folder)) {
+  const auto names = io::list_directory(folder);
+  std::set<std::string> video_stems;  // an image of one of these stems is that video's (same_stem_image)
+  for (const auto& name : names)
+    if (is_video_file(name)) video_stems.insert(stem_of(name));
+  for (const auto& name : names) {
     if (name.empty() || name[0] == '.') continue;
     const std::string path = io::join_path(folder, name), rel = relative.empty() ? name : relative + "/" + name;
-    if (io::is_directory(path)) list_videos(path, rel, out, visited);
-    else if (is_video_file(name)) out.push_back(rel);
+    if (io::is_directory(path)) {
+      list_videos(path, rel, stills, out, unlisted_images, visited);
+    } else if (is_video_file(name)) {
+      out.push_back(rel);
+    } else if (is_image_file(name) && video_stems.count(stem_of(name)) == 0) {
+      if (stills) out.push_back(rel);
+      else ++unlisted_images;
+    }
   }
 }
 
 // The image beside a video: the same stem with the first image extension found, or "".
 std::string same_stem_image(const std::string& video) {
-  static const char* kExtensions[] = {".png", ".PNG", ".jpg", ".JPG", ".jpeg", ".JPEG", ".webp", ".WEBP"};
-  const std::string stem = video.substr(0, video.find_last_of('.'));
-  for (const char* e : kExtensions) {
+  const std::string stem = stem_of(video);
+  for (const char* e : {".png", ".PNG", ".jpg", ".JPG", ".jpeg", ".JPEG", ".webp", ".WEBP"}) {
     const std::string image = stem + e;
     if (io::path_exists(image) && !io::is_directory(image)) return image;
   }
@@ -331,7 +348,7 @@ VideoManifest read_folder(const DataConfig& data, bool images) {
   if (!io::is_directory(data.root)) throw DatasetError("data.root '" + data.root + "' is not a folder");
   std::vector<std::string> videos;
   std::set<std::pair<dev_t, ino_t>> visited;
-  list_videos(data.root, "", videos, visited);
+  list_videos(data.root, "", has_still_bucket(data), videos, m.unlisted_images, visited);
   std::sort(videos.begin(), videos.end());
   for (const auto& rel : videos) {
     const int64_t index = m.listed();
@@ -357,7 +374,9 @@ VideoManifest read_folder(const DataConfig& data, bool images) {
       m.bad.push_back({index, path, "missing caption (" + caption_path + " is empty)"});
       continue;
     }
-    m.items.push_back({index, path, caption, rel, images ? same_stem_image(path) : std::string()});
+    // A still is no video's, so it has no conditioning image of its own.
+    const bool still = is_image_file(path);
+    m.items.push_back({index, path, caption, rel, images && !still ? same_stem_image(path) : std::string()});
   }
   return m;
 }
@@ -368,6 +387,11 @@ std::vector<std::vector<std::string>> parse_csv(const std::string& text, const s
   std::vector<std::vector<std::string>> out;
   for (auto& row : csv_rows(text, source)) out.push_back(std::move(row.fields));
   return out;
+}
+
+bool has_still_bucket(const DataConfig& data) {
+  if (data.buckets.empty()) return data.frames == 1;
+  return std::any_of(data.buckets.begin(), data.buckets.end(), [](const auto& b) { return b[0] == 1; });
 }
 
 namespace {

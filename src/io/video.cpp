@@ -22,6 +22,7 @@ extern "C" {
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <memory>
@@ -360,6 +361,118 @@ DisplayTransform display_transform(const int32_t* m) {
   return t;
 }
 
+// The orientation tag (0x0112) of EXIF data (a TIFF header and its first directory), 1-8; 0 when there is none.
+int tiff_orientation(const std::string& tiff) {
+  if (tiff.size() < 8) return 0;
+  const bool little = tiff.compare(0, 2, "II") == 0;
+  if (!little && tiff.compare(0, 2, "MM") != 0) return 0;
+  const auto u16 = [&](size_t at) -> uint32_t {
+    const auto b = [&](size_t i) { return static_cast<uint32_t>(static_cast<unsigned char>(tiff[at + i])); };
+    return little ? b(0) | b(1) << 8 : b(0) << 8 | b(1);
+  };
+  const auto u32 = [&](size_t at) -> uint64_t {
+    return little ? u16(at) | static_cast<uint64_t>(u16(at + 2)) << 16
+                  : static_cast<uint64_t>(u16(at)) << 16 | u16(at + 2);
+  };
+  if (u16(2) != 42) return 0;
+  const uint64_t ifd = u32(4);
+  if (ifd + 2 > tiff.size()) return 0;
+  const uint64_t entries = u16(ifd);
+  for (uint64_t e = 0; e < entries && ifd + 2 + 12 * (e + 1) <= tiff.size(); ++e) {
+    const size_t at = ifd + 2 + 12 * e;
+    if (u16(at) != 0x0112) continue;
+    if (u16(at + 2) != 3 || u32(at + 4) != 1) return 0;  // one SHORT
+    const uint32_t value = u16(at + 8);
+    return value >= 1 && value <= 8 ? static_cast<int>(value) : 0;
+  }
+  return 0;
+}
+
+// The EXIF orientation a still image's file states, 1-8, or 0: in a JPEG's APP1 segment, a PNG's eXIf chunk or a
+// WebP's EXIF chunk (phones store a photo as the sensor read it and say in this tag how to turn it). Segments and
+// chunks are walked by their lengths; nothing is decoded.
+int exif_orientation(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  const auto read = [&](uint64_t at, size_t n) {
+    std::string out(n, '\0');
+    in.clear();
+    in.seekg(static_cast<std::streamoff>(at));
+    in.read(out.data(), static_cast<std::streamsize>(n));
+    out.resize(static_cast<size_t>(std::max<std::streamsize>(0, in.gcount())));
+    return out;
+  };
+  const auto be = [](const std::string& b, size_t at, int n) {
+    uint64_t v = 0;
+    for (int i = 0; i < n; ++i) v = v << 8 | static_cast<unsigned char>(b[at + static_cast<size_t>(i)]);
+    return v;
+  };
+  const auto le32 = [](const std::string& b, size_t at) {
+    uint64_t v = 0;
+    for (int i = 3; i >= 0; --i) v = v << 8 | static_cast<unsigned char>(b[at + static_cast<size_t>(i)]);
+    return v;
+  };
+  constexpr uint64_t kMaxExif = 1 << 20;
+  const std::string head = read(0, 16);
+  if (head.size() >= 4 && head.compare(0, 2, "\xff\xd8") == 0) {  // JPEG: segments up to the image data
+    uint64_t at = 2;
+    for (int segments = 0; segments < 64; ++segments) {
+      const std::string marker = read(at, 4);
+      if (marker.size() < 4 || static_cast<unsigned char>(marker[0]) != 0xff) return 0;
+      const auto type = static_cast<unsigned char>(marker[1]);
+      if (type == 0xda || type == 0xd9) return 0;  // start of scan, end of image
+      const uint64_t length = be(marker, 2, 2);
+      if (length < 2) return 0;
+      if (type == 0xe1 && length >= 8 && length - 2 <= kMaxExif) {
+        const std::string body = read(at + 4, length - 2);
+        if (body.compare(0, 6, std::string("Exif\0\0", 6)) == 0) return tiff_orientation(body.substr(6));
+      }
+      at += 2 + length;
+    }
+    return 0;
+  }
+  if (head.size() >= 16 && head.compare(0, 8, "\x89PNG\r\n\x1a\n") == 0) {  // PNG: chunks up to IEND
+    uint64_t at = 8;
+    for (int chunks = 0; chunks < 100000; ++chunks) {
+      const std::string header = read(at, 8);
+      if (header.size() < 8) return 0;
+      const uint64_t length = be(header, 0, 4);
+      const std::string type = header.substr(4, 4);
+      if (type == "IEND") return 0;
+      if (type == "eXIf" && length <= kMaxExif) return tiff_orientation(read(at + 8, length));
+      at += 12 + length;
+    }
+    return 0;
+  }
+  if (head.size() >= 12 && head.compare(0, 4, "RIFF") == 0 && head.compare(8, 4, "WEBP") == 0) {  // RIFF chunks
+    const uint64_t end = 8 + le32(head, 4);
+    for (uint64_t at = 12; at + 8 <= end;) {
+      const std::string header = read(at, 8);
+      if (header.size() < 8) return 0;
+      const uint64_t length = le32(header, 4);
+      if (header.compare(0, 4, "EXIF") == 0 && length <= kMaxExif) {
+        std::string body = read(at + 8, length);
+        if (body.compare(0, 6, std::string("Exif\0\0", 6)) == 0) body = body.substr(6);  // some writers keep it
+        return tiff_orientation(body);
+      }
+      at += 8 + length + (length & 1);
+    }
+  }
+  return 0;
+}
+
+// A still image's EXIF orientation as a display transform: 2 mirrors, 3 turns 180 degrees, 4 flips upside down, 5
+// transposes, 6 turns 90 degrees clockwise, 7 transposes across the other diagonal, 8 turns 270 (as PIL's
+// ImageOps.exif_transpose and the ffmpeg CLI show them).
+DisplayTransform exif_transform(int orientation) {
+  DisplayTransform t;
+  static constexpr int kRotation[9] = {0, 0, 0, 180, 180, 90, 90, 270, 270};
+  static constexpr bool kFlip[9] = {false, false, true, false, true, true, false, true, false};
+  if (orientation < 1 || orientation > 8) return t;
+  t.rotation = kRotation[orientation], t.hflip = kFlip[orientation];
+  t.angle = t.rotation > 180 ? t.rotation - 360 : t.rotation;
+  return t;
+}
+
 void warn_snapped_once(const std::string& path, const DisplayTransform& t) {
   static std::mutex mutex;
   static std::set<std::string> warned;
@@ -423,7 +536,12 @@ OpenedVideo open_video(const std::string& path) {
   open_decoder(path, v);
   v.width = v.stream->codecpar->width, v.height = v.stream->codecpar->height;
   if (v.width <= 0 || v.height <= 0) fail(path, "video stream has no frame size");
-  v.display = display_transform(stream_display_matrix(v.stream));
+  const int32_t* matrix = stream_display_matrix(v.stream);
+  // A still image (JPEG, PNG, WebP, read by FFmpeg's image demuxers) states its orientation in EXIF, which the
+  // demuxer leaves out of the stream's side data.
+  const std::string demuxer = v.in->iformat->name;
+  const bool still = demuxer == "image2" || demuxer.find("_pipe") != std::string::npos;
+  v.display = matrix == nullptr && still ? exif_transform(exif_orientation(path)) : display_transform(matrix);
   if (v.display.snapped) warn_snapped_once(path, v.display);
   const bool sideways = v.display.rotation == 90 || v.display.rotation == 270;
   v.shown_width = sideways ? v.height : v.width, v.shown_height = sideways ? v.width : v.height;

@@ -6,7 +6,8 @@
 // a bad item, kept with its reason. Each usable item goes to its nearest bucket (data.buckets, or the one
 // bucket data.frames × data.height × data.width): among the buckets whose frame span fits the item, the
 // one whose aspect ratio is closest (|log(h/w) difference|), then the one with more frames, then the
-// larger, then the first.
+// larger, then the first. An item of one frame (a still image, read as a one-frame video) fits only a bucket of
+// one frame; a video goes to one only when no longer bucket fits it.
 //
 // A clip of item i in epoch e (plan(), load()):
 //   frames   data.frames (the bucket's) source frames, every data.frame_stride-th, or at data.fps (frame k
@@ -80,9 +81,10 @@ class VideoDataset {
   const std::vector<ClipShape>& buckets() const { return buckets_; }
   const std::vector<BadItem>& bad() const { return bad_; }  // found when listing and probing
   // What the usable items will do that a listing's author may not expect, one line each (logged as warnings):
-  // videos whose frame rate is below data.fps (their clips repeat source frames), and paths listed more than
-  // once (each listing is an item, trained as often as it is listed). Empty for a dataset built from a cache's
-  // manifest.
+  // videos whose frame rate is below data.fps (their clips repeat source frames), videos that fit only a bucket of
+  // one frame (trained as stills), paths listed more than once (each listing is an item, trained as often as it
+  // is listed), and a folder's images left out for want of a bucket of one frame. Empty for a dataset built from a
+  // cache's manifest.
   const std::vector<std::string>& notices() const { return notices_; }
   const DataConfig& config() const { return data_; }
 
@@ -107,6 +109,7 @@ class VideoDataset {
   std::vector<BadItem> bad_;
   int64_t listed_ = 0;
   std::vector<std::string> notices_;
+  int64_t unlisted_images_ = 0;  // VideoManifest::unlisted_images
 };
 
 // Resize (antialiased bilinear, aspect kept, covering height × width) and crop of decoded frames

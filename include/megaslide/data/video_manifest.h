@@ -11,7 +11,9 @@
 //   a folder    data.root: every video file under it (.mp4 .mov .mkv .webm .avi .m4v, sub-folders
 //               included, sorted by path) with its caption in a same-stem .txt file beside it and, when
 //               there is one, its image in a same-stem .png, .jpg, .jpeg or .webp (the first found in that
-//               order; each extension in lower case or upper case)
+//               order; each extension in lower case or upper case). When a bucket has one frame
+//               (has_still_bucket), every other image (.png .jpg .jpeg .webp, any case) is an item too, a
+//               still, sorted among the videos, with its caption found as a video's
 //
 // Relative paths resolve against the manifest's folder (data.root for the folder layout). Items keep the
 // order of the listing. A listed item that cannot be used — a row without a file or a caption, a JSONL
@@ -62,8 +64,12 @@ struct VideoManifest {
   std::string source;  // the manifest file or the root folder
   std::vector<VideoItem> items;
   std::vector<BadItem> bad;
+  int64_t unlisted_images = 0;  // a folder's images that would be stills, not listed: no bucket has one frame
   int64_t listed() const { return static_cast<int64_t>(items.size() + bad.size()); }
 };
+
+// Whether `data` trains stills: a bucket (data.buckets, or data.frames × height × width) of one frame.
+bool has_still_bucket(const DataConfig& data);
 
 // Reads data.manifest (.csv or .jsonl, by extension) or lists data.root. `images`: read each item's own
 // conditioning image (image-to-video); otherwise image columns, keys and files are ignored (never checked).

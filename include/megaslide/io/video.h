@@ -69,7 +69,9 @@ struct VideoInfo {
   // stored frames turned `rotation_degrees` clockwise (0, 90, 180 or 270), then mirrored left-right when
   // `hflip`. `display_angle_degrees` is the matrix's own clockwise angle; one that is not within half a
   // degree of a quarter turn is read at the nearest quarter turn (ffmpeg would rotate it by the exact
-  // angle), with one warning per file on stderr.
+  // angle), with one warning per file on stderr. A still image (JPEG, PNG, WebP) without one is turned as its
+  // EXIF orientation tag says, as PIL's ImageOps.exif_transpose shows it (2 mirrored; 5 and 7 turned 90 and 270,
+  // then mirrored).
   int64_t rotation_degrees = 0;
   bool hflip = false;
   double display_angle_degrees = 0.0;
@@ -113,7 +115,8 @@ struct VideoReadOptions {
   TORCH_ARG(bool, seek) = true;
 };
 
-// Every read returns frames upright: turned and mirrored as the stream's display matrix says (VideoInfo).
+// Every read returns frames upright: turned and mirrored as the stream's display matrix, or a still's EXIF
+// orientation, says (VideoInfo).
 
 // Decodes every frame: [T, H, W, 3] uint8 RGB. `info`, when given, receives the stream's description.
 torch::Tensor read_video(const std::string& path, VideoInfo* info = nullptr, const VideoReadOptions& options = {});
