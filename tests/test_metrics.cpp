@@ -54,6 +54,9 @@ TEST(Metrics, TemporalFlickeringIsVBenchsDefinition) {
   EXPECT_THROW(temporal_flickering_score(frames.slice(0, 0, 1)), std::invalid_argument);
 }
 
+// The property: frame consistency is the mean of the centred frames' clipped cosines (an independent loop here),
+// unchanged by a uniform brightness change, 1 for still and flat videos, 0 for an inverted frame or a flat frame
+// beside a textured one.
 TEST(Metrics, FrameConsistencyIsTheMeanOfCentredCosines) {
   auto frames = random_frames(3, 4, 5, 2);
   auto f = frames.to(torch::kFloat64).flatten(1) / 255.0;
@@ -71,6 +74,14 @@ TEST(Metrics, FrameConsistencyIsTheMeanOfCentredCosines) {
   EXPECT_EQ(frame_consistency_score(inverted), 0.0);
   auto uniform = torch::full({3, 4, 4, 3}, 90, torch::kUInt8);
   EXPECT_EQ(frame_consistency_score(uniform), 1.0);
+  // Flat frames of any levels (a fade), whose centred values are float rounding's residue, not zero: 1.
+  for (const auto& [a, b] : {std::pair{128, 200}, {20, 60}, {60, 200}, {19, 89}}) {
+    auto fade = torch::stack({torch::full({16, 16, 3}, a), torch::full({16, 16, 3}, b)}).to(torch::kUInt8);
+    EXPECT_EQ(frame_consistency_score(fade), 1.0) << a << " -> " << b;
+  }
+  // One flat frame beside one that is not: 0.
+  EXPECT_EQ(frame_consistency_score(torch::stack({base.to(torch::kUInt8), torch::full({8, 8, 3}, 7, torch::kUInt8)})),
+            0.0);
 }
 
 TEST(Metrics, EvaluateFolderScoresEveryMp4WithItsPrompt) {
@@ -103,6 +114,12 @@ TEST(Metrics, EvaluateFolderScoresEveryMp4WithItsPrompt) {
       dir + "/index.json",
       R"({"videos": [{"prompt": "the real prompt", "index": 0, "seed": 1, "file": "a still scene-0.mp4"}]})");
   EXPECT_EQ(evaluate_folder(dir).videos[1].prompt, "the real prompt");
+  EXPECT_TRUE(evaluate_folder(dir).deep_videos.empty());
+  // A video of more than 8 bits a component (16-bit grey, a Matroska file by another name) is named.
+  const std::string deep = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/video_files/grey16_48x16.mkv";
+  EXPECT_EQ(megaslide::io::probe_video(deep).bits_per_component, 16);
+  megaslide::io::write_file_atomically(dir + "/deep-0.mp4", megaslide::io::read_file(deep));
+  EXPECT_EQ(evaluate_folder(dir).deep_videos, (std::vector<std::string>{"deep-0.mp4"}));
   megaslide::io::remove_tree(dir);
   EXPECT_THROW(evaluate_folder(dir), std::runtime_error);
   megaslide::io::make_directories(dir);

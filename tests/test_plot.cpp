@@ -100,6 +100,12 @@ TEST(Plot, FailingGnuplotIsAnError) {
   }
   EXPECT_FALSE(megaslide::io::path_exists(join_path(dir, "fig.png")));
   EXPECT_THROW(megaslide::render_plot(two_panels(), join_path(dir, "fig.jpg")), megaslide::PlotError);
+  // A failing render keeps the picture an earlier one drew.
+  megaslide::render_plot(two_panels(), join_path(dir, "fig.png"));
+  const std::string before = megaslide::io::read_file(join_path(dir, "fig.png"));
+  EXPECT_THROW(megaslide::render_plot(two_panels(), join_path(dir, "fig.png"), o), megaslide::PlotError);
+  EXPECT_EQ(megaslide::io::read_file(join_path(dir, "fig.png")), before);
+  EXPECT_FALSE(megaslide::io::path_exists(join_path(dir, "fig.png.previous")));
 }
 
 // metrics.jsonl problems name the file and the line; only a torn last line is passed over.
@@ -123,6 +129,14 @@ TEST(RunPlots, BadMetricsNameFileAndLine) {
   expect_error(good + "\n" + R"({"step":2,"loss":"low","step_time_s":0.1,"tokens_per_s":10,"samples_per_s":1})",
                path + ":2: field \"loss\" is not a number");
   expect_error("", "no steps");
+  expect_error(good + "\n" + R"({"step":2,"loss":1e400,"step_time_s":0.1,"tokens_per_s":10,"samples_per_s":1})" + "\n",
+               path + ":2: not valid JSON");  // past double's range
+  expect_error(
+      good + "\n" +
+          R"({"step":2,"loss":1,"step_time_s":0.1,"tokens_per_s":10,"samples_per_s":1,"peak_device_bytes":-5})",
+      path + ":2: field \"peak_device_bytes\" is negative");
+  expect_error(R"({"step":2.7,"loss":1,"step_time_s":0.1,"tokens_per_s":10,"samples_per_s":1})",
+               path + ":1: field \"step\" is not a whole number");
   EXPECT_THROW(megaslide::read_metrics_jsonl(join_path(dir, "absent.jsonl")), megaslide::MetricsFileError);
   write(path, good + "\n\n" + good + "\n");  // blank lines are skipped
   EXPECT_EQ(megaslide::read_metrics_jsonl(path).size(), 2u);
@@ -270,6 +284,10 @@ TEST(RunPlots, SkippedStepsWithNullFieldsPlot) {
   const auto loss = megaslide::io::read_file(join_path(dir, "plots/loss.dat"));
   EXPECT_NE(loss.find("\n2,?\n"), std::string::npos) << loss;
   EXPECT_EQ(loss.find("nan"), std::string::npos) << loss;
+  // Steps 1 and 3 have no plottable neighbour, which a line would not draw: they are markers too.
+  EXPECT_NE(loss.find("points without a neighbour\n1,1\n3,0.5\n"), std::string::npos) << loss;
+  EXPECT_NE(megaslide::io::read_file(join_path(dir, "plots/loss.gp")).find("with points linetype 1"),
+            std::string::npos);
   // A step count that is null is still an error: it is no measurement.
   write(join_path(dir, "metrics.jsonl"),
         R"({"step":null,"loss":1.0,"step_time_s":0.1,"tokens_per_s":10,"samples_per_s":1})"

@@ -54,6 +54,11 @@ int main(int argc, char** argv) {
     });
     megaslide::io::write_file_atomically(json_path, megaslide::eval::to_json(evaluation));
     std::cout << megaslide::eval::to_table(evaluation);
+    if (!evaluation.deep_videos.empty())
+      std::cerr << "megaslide-eval: warning: " << evaluation.deep_videos.size()
+                << " videos have more than 8 bits a component (the first: '" << evaluation.deep_videos.front()
+                << "'): OpenCV's bundled FFmpeg dithers them down to 8 bits, this build's may not, so their scores may "
+                   "differ from VBench's (docs/sampling.md)\n";
     std::cerr << "megaslide-eval: " << evaluation.videos.size() << " videos scored; JSON in " << json_path << "\n";
     return 0;
   });

@@ -22,10 +22,11 @@ torch::Tensor as_float_frames(const torch::Tensor& frames, const char* who) {
   return frames.to(torch::kCPU, torch::kFloat64);
 }
 
-double consistency(const torch::Tensor& a, const torch::Tensor& b) {
+// c(a, b) of centred frames; `flat`: the frame's values were all equal before centring (its centred values are
+// then zero or float rounding's residue, whose direction means nothing).
+double consistency(const torch::Tensor& a, const torch::Tensor& b, bool a_flat, bool b_flat) {
+  if (a_flat || b_flat) return a_flat && b_flat ? 1.0 : 0.0;
   const double na = a.norm().item<double>(), nb = b.norm().item<double>();
-  if (na == 0.0 && nb == 0.0) return 1.0;
-  if (na == 0.0 || nb == 0.0) return 0.0;
   return std::max(0.0, (a * b).sum().item<double>() / (na * nb));
 }
 }  // namespace
@@ -43,10 +44,13 @@ double temporal_flickering_score(const torch::Tensor& frames) {
 
 double frame_consistency_score(const torch::Tensor& frames) {
   auto f = as_float_frames(frames, "frame_consistency_score").flatten(1) / 255.0;
+  const auto flat_frames = std::get<0>(f.max(1)).eq(std::get<0>(f.min(1)));
+  const auto flat = [&](int64_t i) { return flat_frames[i].item<bool>(); };
   f = f - f.mean(1, true);
   const int64_t T = f.size(0);
   double total = 0.0;
-  for (int64_t i = 1; i < T; ++i) total += 0.5 * (consistency(f[i], f[i - 1]) + consistency(f[i], f[0]));
+  for (int64_t i = 1; i < T; ++i)
+    total += 0.5 * (consistency(f[i], f[i - 1], flat(i), flat(i - 1)) + consistency(f[i], f[0], flat(i), flat(0)));
   return total / static_cast<double>(T - 1);
 }
 
@@ -80,6 +84,7 @@ FolderEvaluation evaluate_folder(const std::string& dir, const std::function<voi
     auto it = prompts.find(file);
     v.prompt = it != prompts.end() ? it->second : io::vbench_prompt_from_file_name(file);
     v.frames = info.frames, v.width = info.width, v.height = info.height;
+    if (info.bits_per_component > 8) out.deep_videos.push_back(file);
     try {
       v.mean_abs_frame_difference = mean_abs_frame_difference(frames);
       v.temporal_flickering = temporal_flickering_score(frames);

@@ -171,7 +171,9 @@ PlotFiles render_plot(const PlotSpec& spec, const std::string& png_path, const P
     script += panel.y_from_zero && !panel.log_y ? "set yrange [0:*]\n" : "set yrange [*:*]\n";
     script += panel.log_x ? "set logscale x\n" : "unset logscale x\n";
     std::vector<std::string> plots;
+    int line_type = 0;  // each series' colour, named so that its isolated points below take the same
     for (const auto& s : panel.series) {
+      ++line_type;
       if (s.x.size() != s.y.size())
         throw PlotError(fmt::format("plot '{}': series '{}' has {} x values and {} y values", png_path, s.title,
                                     s.x.size(), s.y.size()));
@@ -187,9 +189,24 @@ PlotFiles render_plot(const PlotSpec& spec, const std::string& png_path, const P
       }
       data += "\n\n";
       if (any) {
-        plots.push_back(fmt::format("{} index {} using 1:2 with {} title {}", quoted(basename_of(files.data)), block,
-                                    panel.points ? "linespoints pointsize 0.8" : "lines", quoted(s.title)));
+        plots.push_back(fmt::format("{} index {} using 1:2 with {} linetype {} title {}",
+                                    quoted(basename_of(files.data)), block,
+                                    panel.points ? "linespoints pointsize 0.8" : "lines", line_type, quoted(s.title)));
       }
+      ++block;
+      if (panel.points || !any) continue;
+      // Lines draw no point without a plottable neighbour (a one-step run, a value between skipped steps): such
+      // points are drawn as markers of the series' colour.
+      std::string isolated;
+      for (size_t i = 0; i < s.x.size(); ++i)
+        if (plottable(panel, s, i) && (i == 0 || !plottable(panel, s, i - 1)) &&
+            (i + 1 == s.x.size() || !plottable(panel, s, i + 1)))
+          isolated += fmt::format("{},{}\n", s.x[i], s.y[i]);
+      if (isolated.empty()) continue;
+      data += fmt::format("# {} | {}, points without a neighbour\n{}\n\n", one_line(panel.title), one_line(s.title),
+                          isolated);
+      plots.push_back(fmt::format("{} index {} using 1:2 with points linetype {} pointtype 7 pointsize 0.6 notitle",
+                                  quoted(basename_of(files.data)), block, line_type));
       ++block;
     }
     if (plots.empty()) {
@@ -212,22 +229,36 @@ PlotFiles render_plot(const PlotSpec& spec, const std::string& png_path, const P
   } catch (const io::IoError& e) {
     throw PlotError(std::string("plot: ") + e.what());
   }
-  ::unlink(files.png.c_str());  // a PNG left from an earlier render must not pass for this one
+  // A PNG left from an earlier render must not pass for this one; it is put back if this one fails.
+  const std::string previous = png_path + ".previous";
+  const bool had_previous = ::rename(files.png.c_str(), previous.c_str()) == 0;
+  const auto restore_previous = [&] {
+    if (had_previous) ::rename(previous.c_str(), files.png.c_str());
+    else ::unlink(files.png.c_str());
+  };
   const std::string log_path = stem + ".gnuplot.log";
   std::string output;
-  const int code = run_in(dir, program, basename_of(files.script), log_path, output);
+  int code = 0;
+  try {
+    code = run_in(dir, program, basename_of(files.script), log_path, output);
+  } catch (...) {
+    restore_previous();
+    throw;
+  }
   if (code != 0) {
+    restore_previous();
     throw PlotError(fmt::format("gnuplot ({}) failed on {} with exit status {}{}{}", program, files.script, code,
                                 code == 127 ? " (could not be executed)" : "",
                                 output.empty() ? std::string() : ":\n" + output));
   }
   ::unlink(log_path.c_str());
   if (!is_png_file(files.png)) {
-    ::unlink(files.png.c_str());  // a file cut short must not pass for the picture
+    restore_previous();  // a file cut short must not pass for the picture
     throw PlotError(
         fmt::format("gnuplot ran on {} but {} is not a whole PNG file (is the disk full?; gnuplot printed: {})",
                     files.script, files.png, output.empty() ? "nothing" : output));
   }
+  if (had_previous) ::unlink(previous.c_str());
   return files;
 }
 

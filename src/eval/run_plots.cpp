@@ -30,7 +30,7 @@ double number(const nlohmann::json& j, const char* key, bool required, const std
   return v;
 }
 
-// A count (a step, bytes): a finite whole number, never null.
+// A count (a step, bytes): a finite whole number, not negative, never null.
 int64_t count(const nlohmann::json& j, const char* key, bool required, const std::string& where) {
   auto it = j.find(key);
   if (it != j.end() && !it->is_number())
@@ -38,6 +38,9 @@ int64_t count(const nlohmann::json& j, const char* key, bool required, const std
   const double v = number(j, key, required, where);
   if (std::abs(v) > 9.0e18)
     throw MetricsFileError(fmt::format("{}: field \"{}\" is out of range: {}", where, key, it->dump()));
+  if (v < 0) throw MetricsFileError(fmt::format("{}: field \"{}\" is negative: {}", where, key, it->dump()));
+  if (v != std::floor(v))
+    throw MetricsFileError(fmt::format("{}: field \"{}\" is not a whole number: {}", where, key, it->dump()));
   return static_cast<int64_t>(v);
 }
 
@@ -66,6 +69,8 @@ std::vector<StepMetrics> read_metrics_jsonl(const std::string& path) {
       // A last line without its newline was cut short (a full disk, a kill mid-write): left out, as a resume
       // drops it. A whole line that is not JSON is an error.
       if (in.eof()) break;
+      throw MetricsFileError(fmt::format("{}: not valid JSON ({})", where, e.what()));
+    } catch (const nlohmann::json::exception& e) {  // a number past double's range (1e400), and the like
       throw MetricsFileError(fmt::format("{}: not valid JSON ({})", where, e.what()));
     }
     if (!j.is_object())

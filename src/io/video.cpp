@@ -552,6 +552,8 @@ void describe_stream(const OpenedVideo& v, VideoInfo& info) {
   info.codec = avcodec_get_name(v.stream->codecpar->codec_id);
   const char* pf = av_get_pix_fmt_name(static_cast<AVPixelFormat>(v.stream->codecpar->format));
   info.pixel_format = pf != nullptr ? pf : "unknown";
+  const AVPixFmtDescriptor* desc = av_pix_fmt_desc_get(static_cast<AVPixelFormat>(v.stream->codecpar->format));
+  info.bits_per_component = desc != nullptr ? desc->comp[0].depth : 0;
   info.width = v.shown_width, info.height = v.shown_height;
   info.stored_width = v.width, info.stored_height = v.height;
   const AVRational sar = av_guess_sample_aspect_ratio(v.in.get(), v.stream, nullptr);

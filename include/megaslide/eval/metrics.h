@@ -37,6 +37,9 @@ struct FolderEvaluation {
   std::string folder;
   std::vector<VideoEvaluation> videos;  // sorted by file name
   double mean_temporal_flickering = 0, mean_frame_consistency = 0;
+  // Videos of more than 8 bits a component (10-bit HDR, say), whose scores may differ from VBench's: opencv-python's
+  // bundled swscale dithers down to 8 bits, this build's FFmpeg may not. File names.
+  std::vector<std::string> deep_videos;
 };
 
 // Reads and scores every *.mp4 of a sample folder (io/vbench_layout.h: DIR/videos/ with DIR/index.json,

@@ -3,11 +3,14 @@
 //
 // render_plot(spec, "DIR/name.png") writes three files side by side and keeps them:
 //   DIR/name.dat   the data, one block per series ("x,y" lines, a "# series" comment first, blocks
-//                  separated by two blank lines, gnuplot's `index`); a missing point is written "?"
+//                  separated by two blank lines, gnuplot's `index`); a missing point is written "?";
+//                  a line series' points with no plottable neighbour (which a line would not show) are a
+//                  block of their own too, drawn as markers of the series' colour
 //   DIR/name.gp    the gnuplot script that draws name.png from name.dat (`gnuplot name.gp` in DIR
 //                  renders it again, after editing either file)
 //   DIR/name.png   the image (pngcairo terminal; several panels stack vertically)
-// then runs gnuplot on the script and checks its exit status and that the PNG was written.
+// then runs gnuplot on the script and checks its exit status and that the PNG was written. An earlier
+// name.png is kept aside while gnuplot runs and put back when it fails.
 //
 // Errors throw PlotError: gnuplot not found (the message names the package to install), gnuplot
 // failing (its exit status and what it printed), or a file that cannot be written.

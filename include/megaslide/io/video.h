@@ -62,9 +62,10 @@ void write_png(const std::string& path, const torch::Tensor& frame);
 std::string encode_png(const torch::Tensor& frame, const std::string& what);
 
 struct VideoInfo {
-  std::string codec;              // e.g. "h264"
-  std::string pixel_format;       // e.g. "yuv420p"
-  int64_t width = 0, height = 0;  // of the frames as read: displayed (upright), after the turn below
+  std::string codec;               // e.g. "h264"
+  std::string pixel_format;        // e.g. "yuv420p"
+  int64_t bits_per_component = 8;  // of the pixel format: 10 for yuv420p10le, 0 when unknown
+  int64_t width = 0, height = 0;   // of the frames as read: displayed (upright), after the turn below
   // The stream's display matrix (phones: rotate=90), applied as the ffmpeg CLI's autorotate does: the
   // stored frames turned `rotation_degrees` clockwise (0, 90, 180 or 270), then mirrored left-right when
   // `hflip`. `display_angle_degrees` is the matrix's own clockwise angle; one that is not within half a
