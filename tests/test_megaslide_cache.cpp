@@ -24,6 +24,7 @@
 #include "megaslide/model/clip_vision_encoder.h"
 #include "megaslide/model/wan_vae.h"
 #include "megaslide/model/wan_weights.h"
+#include "megaslide/train/wan_family.h"
 #include "run_tool.h"
 #include "video_fixture.h"
 
@@ -238,6 +239,117 @@ TEST(MegaslideCache, WanCachesItsVideosAndTrainsFromTheCache) {
   r = run_tool("megaslide-cache", "--config " + config + " " + other);
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("other encoders"), std::string::npos) << r.output;
+}
+
+// The property: Wan trains on buckets as the DiT family does — still images and clips side by side, each batch of one
+// bucket: megaslide-cache encodes each item at its bucket's size (the images at one frame, 1 latent frame; the clips
+// at 5 frames, 2); WanLatentData holds them by bucket, each item's latents the cache's; every batch's items share a
+// bucket and an epoch of batch size 1 visits every item once; megaslide-train runs, and a run resumed from its step-2
+// checkpoint has the uninterrupted run's losses bit for bit; a checkpoint's data position is refused by a run of
+// other buckets; a bucket the Wan VAE cannot take is refused naming it.
+TEST(MegaslideCache, WanTrainsOnBucketsOfStillsAndClips) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  VideoFixture fx("cli-cache-wan-buckets", 3, 12, 48, 64);
+  for (int k = 0; k < 2; ++k) {
+    megaslide::io::write_png(fx.dir + "/videos/still-" + std::to_string(k) + ".png",
+                             megaslide::testing::smooth_random_frames(1, 48, 64, 300 + k)[0]);
+    fx.write("videos/still-" + std::to_string(k) + ".txt", "a still picture " + std::to_string(k) + "\n");
+  }
+  const std::string fixtures = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures";
+  const std::string config = fx.dir + "/wan.yaml";
+  fx.write("wan.yaml",
+           "model:\n  arch: wan\n  wan: {dim: 24, layers: 2, heads: 2, ffn_dim: 40, freq_dim: 16, text_dim: 24, "
+           "in_channels: 16, out_channels: 16}\n"
+           "  text_encoder: {kind: umt5, weights: " +
+               fixtures + "/umt5/hf, vocab: " + fixtures +
+               "/umt5/tokenizer/spiece.model}\n"
+               "  vae: {kind: wan, weights: " +
+               fixtures +
+               "/wan_vae/tiny, latent_channels: 16}\n"
+               "data:\n  dataset: videos\n  channels: 3\n  root: " +
+               fx.dir +
+               "/videos\n  frames: 5\n  height: 32\n  width: 48\n  buckets: [[1, 32, 48], [5, 32, 32]]\n"
+               "  frame_stride: 2\n  max_bad_fraction: 0.5\n  clip_start: center\n  cache: " +
+               fx.dir +
+               "/cache\n"
+               "diffusion: {objective: flow, shift: 3.0, caption_dropout: 0.2}\n"
+               "train:\n  steps: 4\n  batch_size: 1\n  device: cpu\n  log_every: 1\n  warmup_steps: 0\n"
+               "  checkpoint_every: 2\n"
+               "offload:\n  enabled: true\n  compute_dtype: fp32\noutput:\n  progress: false\n");
+  auto r = run_tool("megaslide-cache", "--config " + config);
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto run_config = megaslide::load_run_config(config, {});
+  const auto cache = megaslide::LatentCache::open(run_config, fx.dir + "/cache");
+  // clip-0..2, the two stills, and short.mp4, whose 2 frames fit only the still bucket (the corrupt and uncaptioned
+  // files are bad).
+  ASSERT_EQ(cache->size(), 6);
+  const auto data = megaslide::WanLatentData::from_cache(run_config, fx.dir + "/cache");
+  ASSERT_TRUE(data.bucketed());
+  ASSERT_EQ(data.buckets.size(), 2u);
+  EXPECT_EQ(data.buckets[0].latents.sizes(), (std::vector<int64_t>{3, 16, 1, 4, 6}));  // the stills, 32x48
+  EXPECT_EQ(data.buckets[1].latents.sizes(), (std::vector<int64_t>{3, 16, 2, 4, 4}));  // the clips, 5x32x32
+  for (int64_t i = 0; i < cache->size(); ++i) {
+    const bool still =
+        cache->path(i).find("still-") != std::string::npos || cache->path(i).find("short.mp4") != std::string::npos;
+    EXPECT_EQ(data.bucket_of[static_cast<size_t>(i)], still ? 0 : 1) << cache->path(i);
+    EXPECT_TRUE(torch::equal(data.item_latents(i), cache->load(i, 0).video.to(torch::kFloat32))) << cache->path(i);
+  }
+  {
+    megaslide::WanBatchSource batches(megaslide::wan_latent_config(run_config), data);
+    std::vector<int64_t> seen;
+    for (int64_t k = 0; k < 6; ++k) {
+      const auto b = batches.next(torch::kCPU);
+      ASSERT_EQ(b.x0.size(0), 1);
+      int64_t match = -1;
+      for (int64_t i = 0; i < cache->size(); ++i)
+        if (b.x0[0].sizes() == data.item_latents(i).sizes() && torch::equal(b.x0[0], data.item_latents(i))) match = i;
+      ASSERT_GE(match, 0) << "batch " << k << " is no item's latents";
+      seen.push_back(match);
+    }
+    std::sort(seen.begin(), seen.end());
+    EXPECT_EQ(seen, (std::vector<int64_t>{0, 1, 2, 3, 4, 5})) << "an epoch visits every item once";
+    // A position in batches of buckets is not one in items of one clip size.
+    auto one_size = megaslide::wan_latent_config(run_config);
+    one_size.data.width = 4;  // the clips' bucket, 32 pixels wide
+    megaslide::WanLatentData flat;
+    flat.latents = data.buckets[1].latents, flat.text = data.text.narrow(0, 0, 3), flat.empty_text = data.empty_text;
+    megaslide::WanBatchSource other(one_size, flat);
+    try {
+      other.restore(batches.state());
+      FAIL() << "a bucketed data position was restored into a run of one clip size";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("resume with the data.buckets it ran with"), std::string::npos) << e.what();
+    }
+  }
+
+  r = run_tool("megaslide-train", "--config " + config + " --run-dir " + fx.dir + "/run");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("2 buckets, each batch of one"), std::string::npos) << r.output;
+  const std::string whole = megaslide::io::read_file(fx.dir + "/run/metrics.jsonl");
+  EXPECT_EQ(count(whole, "\"loss\":"), 4u) << whole;
+  // Resumed from step 2 in another folder: steps 3 and 4 as the uninterrupted run's, bit for bit.
+  megaslide::io::make_directories(fx.dir + "/resumed/checkpoints");
+  r = run_tool("megaslide-train", "--config " + config + " --run-dir " + fx.dir + "/resumed --resume " + fx.dir +
+                                      "/run/checkpoints/step-0000002");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto losses = [](const std::string& metrics) {
+    std::vector<std::string> out;
+    for (size_t at = metrics.find("\"loss\":"); at != std::string::npos; at = metrics.find("\"loss\":", at + 1))
+      out.push_back(metrics.substr(at, metrics.find(',', at) - at));
+    return out;
+  };
+  const auto resumed = losses(megaslide::io::read_file(fx.dir + "/resumed/metrics.jsonl"));
+  const auto all = losses(whole);
+  ASSERT_GE(resumed.size(), 2u);
+  EXPECT_EQ(std::vector<std::string>(resumed.end() - 2, resumed.end()),
+            std::vector<std::string>(all.end() - 2, all.end()));
+
+  // A bucket of 4 frames: refused, naming it.
+  r = run_tool("megaslide-train",
+               "--config " + config + " --run-dir " + fx.dir + "/bad --set 'data.buckets=[[1, 32, 48], [4, 32, 32]]'");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("data.buckets: item 1: 4 frames: the Wan VAE takes 1 + 4k frames"), std::string::npos)
+      << r.output;
 }
 
 // The property: megaslide-cache with Wan 2.2's VAE (tests/fixtures/wan22_vae: z_dim 8, 16 pixels and 4 frames a

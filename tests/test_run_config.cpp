@@ -286,7 +286,7 @@ TEST(RunConfig, WanAndDiTKeysDoNotMix) {
   expect_error(wan, {"data.dataset=structured-motion"}, "data.dataset",
                "expected latent-tensors (latent videos and text embeddings) or videos");
   // Wan over videos: pixel sizes in data.*, umT5 and the Wan VAE named (their latents are what the
-  // patches must divide), one clip size; the DiT family refuses Wan's encoders and Wan the DiT family's.
+  // patches must divide), buckets of such sizes; the DiT family refuses Wan's encoders and Wan the DiT family's.
   const std::vector<std::string> videos{
       "data.dataset=videos", "data.channels=3",     "data.manifest=x.csv",          "data.frames=5",
       "data.height=16",      "data.width=16",       "model.text_encoder.kind=umt5", "model.text_encoder.weights=u",
@@ -305,7 +305,13 @@ TEST(RunConfig, WanAndDiTKeysDoNotMix) {
                "expected umt5");
   expect_error(wan, with({"model.vae.weights="}), "model.vae.weights", "Wan VAE");
   expect_error(wan, with({"model.text_encoder.kind=clip"}), "model.text_encoder.kind", "DiT family");
-  expect_error(wan, with({"data.buckets=[[5, 16, 16]]"}), "data.buckets", "one clip size");
+  // Buckets, each a size the Wan VAE and the patch take.
+  EXPECT_NO_THROW(parse_run_config(wan, kSource, with({"data.buckets=[[5, 16, 16], [1, 16, 32]]"})));
+  expect_error(wan, with({"data.buckets=[[5, 16, 16], [6, 16, 16]]"}), "data.buckets",
+               "item 1: 6 frames: the Wan VAE takes 1 + 4k frames");
+  expect_error(wan, with({"data.buckets=[[5, 12, 16]]"}), "data.buckets",
+               "item 0: 12 x 16: not multiples of model.vae.downscale (8)");
+  expect_error(wan, with({"data.buckets=[[5, 16, 8]]"}), "data.buckets", "item 0: width 8: not a multiple of 16");
   expect_error("", {"model.text_encoder.kind=umt5", "model.text_encoder.weights=u"}, "model.text_encoder.kind",
                "Wan's text encoder");
   expect_error("", {"model.vae.kind=wan", "model.vae.weights=v"}, "model.vae.kind", "Wan's VAE");

@@ -891,9 +891,20 @@ void validate_wan(const RunConfig& c, bool sizes,
       if (size % vae.downscale != 0)
         fail(std::string("data.") + axis, "expected a multiple of model.vae.downscale (" +
                                               std::to_string(vae.downscale) + "), got " + std::to_string(size));
-    if (!c.data.buckets.empty())
-      fail("data.buckets",
-           "model.arch wan trains on one clip size (data.frames x height x width); buckets are the DiT family's");
+    // Each bucket a clip the Wan VAE takes and the DiT patches (model_sample_shape_at, once the sizes are known).
+    for (size_t i = 0; i < c.data.buckets.size(); ++i) {
+      const auto& b = c.data.buckets[i];
+      std::string problem;
+      if ((b[0] - 1) % 4 != 0) problem = fmt::format("{} frames: the Wan VAE takes 1 + 4k frames", b[0]);
+      else if (b[1] % vae.downscale != 0 || b[2] % vae.downscale != 0)
+        problem = fmt::format("{} x {}: not multiples of model.vae.downscale ({})", b[1], b[2], vae.downscale);
+      else if (sizes) try {
+          model_sample_shape_at(c, {b[0], b[1], b[2]});
+        } catch (const std::invalid_argument& e) {
+          problem = e.what();
+        }
+      if (!problem.empty()) fail("data.buckets", "item " + std::to_string(i) + ": " + problem);
+    }
     if (sizes && wan_image_to_video(w) && c.data.image_frame >= c.data.frames)
       fail("data.image_frame", "is " + std::to_string(c.data.image_frame) + ": the conditioning frame of a clip of " +
                                    std::to_string(c.data.frames) + " frames (data.frames) is 0 to " +
@@ -1099,7 +1110,7 @@ void validate(const RunConfig& c, const std::string& source, bool wan_sizes_reso
     if (data.channels != 3)
       fail("data.channels", "expected 3 for data.dataset: videos (RGB), got " + std::to_string(data.channels));
   }
-  for (size_t i = 0; i < data.buckets.size(); ++i) {
+  for (size_t i = 0; i < data.buckets.size() && !wan; ++i) {  // Wan's: above, in latents
     for (int a = 0; a < 3; ++a) {
       if (data.buckets[i][a] % m.patch[a] != 0)
         fail("data.buckets", "item " + std::to_string(i) + ": " + axes[a] + " " + std::to_string(data.buckets[i][a]) +

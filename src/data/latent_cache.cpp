@@ -865,9 +865,13 @@ ClipSample LatentCache::load(int64_t index, int64_t) const {
   return s;
 }
 
-torch::Tensor LatentCache::stacked(const std::string& name) const {
+torch::Tensor LatentCache::stacked(const std::string& name, const std::vector<int64_t>& items) const {
+  std::vector<int64_t> which = items;
+  if (which.empty())
+    for (int64_t i = 0; i < static_cast<int64_t>(items_.size()); ++i) which.push_back(i);
   std::vector<torch::Tensor> parts;
-  for (const auto& item : items_) {
+  for (const int64_t i : which) {
+    const auto& item = items_.at(static_cast<size_t>(i));
     torch::Tensor found;
     for (const auto& [n, t] : item.tensors)
       if (n == name) found = t;
@@ -882,7 +886,7 @@ torch::Tensor LatentCache::stacked(const std::string& name) const {
     parts.push_back(found);
   }
   if (parts.empty()) throw DatasetError("data.cache '" + dir_ + "' holds no items");
-  for (int64_t i = 0; i < static_cast<int64_t>(items_.size()); ++i) load(i, 0);  // checks every item's CRC-32
+  for (const int64_t i : which) load(i, 0);  // checks every item's CRC-32
   auto out = torch::stack(parts);
   return out.is_floating_point() ? out.to(torch::kFloat32) : out;
 }

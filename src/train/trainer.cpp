@@ -159,6 +159,13 @@ Trainer::Trainer(const TrainerRequest& request)
     const int64_t pt = config_.model.arch == Architecture::kWan ? config_.model.wan.patch[0] : config_.model.patch[0];
     if (const std::string problem = context_parallel_problem(config_, world, shape[1] / pt); !problem.empty())
       throw ConfigError(request.source, "distributed.context_parallel", problem);
+    // Every bucket's samples are shared too: each needs a token frame for every rank of the group.
+    for (const auto& b : config_.data.buckets)
+      if (const auto at = model_sample_shape_at(config_, {b[0], b[1], b[2]}); at[1] / pt < cp)
+        throw ConfigError(request.source, "distributed.context_parallel",
+                          fmt::format("{} ranks cannot share a sample of the bucket [{}, {}, {}]: its {} token frames "
+                                      "are fewer (each rank needs one)",
+                                      cp, b[0], b[1], b[2], at[1] / pt));
     context_group_ = std::make_unique<CommunicatorFrames>(*communicator_, communicator_->rank() / cp * cp, cp);
     m.context_group = context_group_.get();
   }

@@ -168,7 +168,9 @@ class WanModel final : public FamilyModel {
     // Validation first: umT5 encodes the prompts now, before the trainer's state exists, and is freed.
     if (request.validation) validation_.emplace(config_, cached_captions(config_, source), source);
     auto data = load_latent_data(config_, source);
-    if (validation_ && data.image_latents.defined()) validation_->images(data.image_latents, data.image_embeds);
+    if (validation_ && wan_image_to_video(config_.model.wan))
+      validation_->images(
+          data.size(), [&data](int64_t item) { return data.item_image_latents(item); }, data.image_embeds);
     batches_.emplace(latent_, std::move(data));
     const auto& w = config_.model.wan;
     if (w.expert == "both") {
@@ -236,7 +238,10 @@ class WanModel final : public FamilyModel {
   void take_slice(int64_t rank, int64_t world_size) override { batches_->take_slice(rank, world_size); }
   std::string describe_data(int64_t /*steps*/) const override {
     return config_.data.dataset == "videos"
-               ? fmt::format("cache {} (Wan VAE latents and umT5 embeddings, all held in memory)", config_.data.cache)
+               ? fmt::format("cache {} (Wan VAE latents and umT5 embeddings, all held in memory{})", config_.data.cache,
+                             config_.data.buckets.empty()
+                                 ? ""
+                                 : fmt::format("; {} buckets, each batch of one", config_.data.buckets.size()))
                : fmt::format("tensors {} (latents and text embeddings, all held in memory)", config_.data.tensors);
   }
 
@@ -326,7 +331,8 @@ class WanModel final : public FamilyModel {
     const auto start = std::chrono::steady_clock::now();
     auto b = batches_->next(device_);
     stats.data_wait_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    stats.tokens += grid_.numel();
+    // One sample's tokens, at this batch's size (a bucket's, with data.buckets).
+    stats.tokens += experts_[0].split.model->token_grid(b.x0.size(2), b.x0.size(3), b.x0.size(4)).numel();
     return b;
   }
 

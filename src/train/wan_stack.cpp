@@ -84,12 +84,42 @@ WanLatentData WanLatentData::load(const std::string& path) {
 WanLatentData WanLatentData::from_cache(const RunConfig& config, const std::string& dir) {
   const auto cache = LatentCache::open(config, dir);
   WanLatentData d;
-  d.latents = cache->stacked("latents");
+  const bool i2v = wan_image_to_video(config.model.wan);
+  if (config.data.buckets.empty()) {
+    d.latents = cache->stacked("latents");
+    if (i2v) d.image_latents = cache->stacked("image_latents");
+  } else {
+    std::vector<std::vector<int64_t>> items(static_cast<size_t>(cache->num_buckets()));
+    for (int64_t i = 0; i < cache->size(); ++i) {
+      auto& of_bucket = items.at(static_cast<size_t>(cache->bucket_of(i)));
+      d.bucket_of.push_back(cache->bucket_of(i));
+      d.row_of.push_back(static_cast<int64_t>(of_bucket.size()));
+      of_bucket.push_back(i);
+    }
+    for (const auto& of_bucket : items) {
+      Bucket b;
+      if (!of_bucket.empty()) {
+        b.latents = cache->stacked("latents", of_bucket);
+        if (i2v) b.image_latents = cache->stacked("image_latents", of_bucket);
+      }
+      d.buckets.push_back(std::move(b));
+    }
+  }
   d.text = cache->stacked("text");
   if (cache->empty_prompt().text.defined()) d.empty_text = cache->empty_prompt().text.to(torch::kFloat32).clone();
-  if (wan_image_to_video(config.model.wan)) d.image_latents = cache->stacked("image_latents");
   if (config.model.wan.image_dim > 0) d.image_embeds = cache->stacked("image_embeds");
   return d;
+}
+
+torch::Tensor WanLatentData::item_latents(int64_t i) const {
+  if (!bucketed()) return latents[i];
+  return buckets.at(static_cast<size_t>(bucket_of.at(static_cast<size_t>(i)))).latents[row_of[static_cast<size_t>(i)]];
+}
+
+torch::Tensor WanLatentData::item_image_latents(int64_t i) const {
+  if (!bucketed()) return image_latents[i];
+  return buckets.at(static_cast<size_t>(bucket_of.at(static_cast<size_t>(i))))
+      .image_latents[row_of[static_cast<size_t>(i)]];
 }
 
 RunConfig wan_latent_config(const RunConfig& config) {
@@ -111,35 +141,58 @@ RunConfig wan_latent_config(const RunConfig& config) {
 
 void WanLatentData::check(const RunConfig& c) const {
   const auto& d = c.data;
-  const std::vector<int64_t> clip{d.channels, d.frames, d.height, d.width};
-  if (!latents.defined() || latents.dim() != 5 || latents.sizes().slice(1).vec() != clip || latents.size(0) < 1)
-    throw std::invalid_argument(fmt::format(
-        "latents are {}, expected [N, {}, {}, {}, {}] (data.channels, frames, height, width)",
-        latents.defined() ? c10::str(latents.sizes()) : "missing", d.channels, d.frames, d.height, d.width));
-  if (!text.defined() || text.dim() != 3 || text.size(0) != latents.size(0) || text.size(2) != c.model.wan.text_dim)
-    throw std::invalid_argument(
-        fmt::format("text is {}, expected [{}, L, {}] (one per latent video, model.wan.text_dim)",
-                    text.defined() ? c10::str(text.sizes()) : "missing", latents.size(0), c.model.wan.text_dim));
-  if (empty_text.defined() &&
-      (empty_text.dim() != 2 || empty_text.size(0) != text.size(1) || empty_text.size(1) != text.size(2)))
-    throw std::invalid_argument(
-        fmt::format("empty_text is {}, expected [{}, {}]", c10::str(empty_text.sizes()), text.size(1), text.size(2)));
   const auto& w = c.model.wan;
-  if (wan_image_to_video(w)) {
-    if (!image_latents.defined() || image_latents.sizes() != latents.sizes())
+  if (!bucketed()) {
+    const std::vector<int64_t> clip{d.channels, d.frames, d.height, d.width};
+    if (!latents.defined() || latents.dim() != 5 || latents.sizes().slice(1).vec() != clip || latents.size(0) < 1)
+      throw std::invalid_argument(fmt::format(
+          "latents are {}, expected [N, {}, {}, {}, {}] (data.channels, frames, height, width)",
+          latents.defined() ? c10::str(latents.sizes()) : "missing", d.channels, d.frames, d.height, d.width));
+    if (wan_image_to_video(w) && (!image_latents.defined() || image_latents.sizes() != latents.sizes()))
       throw std::invalid_argument(fmt::format(
           "image_latents are {}, expected {} as the latents: image-to-video (model.wan.in_channels {}) trains on each "
           "clip's conditioning video's latents",
           image_latents.defined() ? c10::str(image_latents.sizes()) : "missing", c10::str(latents.sizes()),
           w.in_channels));
-    if (w.image_dim > 0 && (!image_embeds.defined() || image_embeds.dim() != 3 ||
-                            image_embeds.size(0) != latents.size(0) || image_embeds.size(2) != w.image_dim))
-      throw std::invalid_argument(fmt::format(
-          "image_embeds are {}, expected [{}, Li, {}]: the image branch (model.wan.image_dim) trains on "
-          "each clip's image tokens",
-          image_embeds.defined() ? c10::str(image_embeds.sizes()) : "missing", latents.size(0), w.image_dim));
+  } else {
+    // Each bucket's sizes are the cache's (checked against data.buckets when it opened): the channels here.
+    if (bucket_of.size() != row_of.size() || bucket_of.empty())
+      throw std::invalid_argument("bucketed latents without their items' buckets and rows");
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      const auto& x = buckets[b].latents;
+      if (!x.defined()) continue;  // a bucket no item went to
+      if (x.dim() != 5 || x.size(1) != d.channels)
+        throw std::invalid_argument(fmt::format("bucket {}'s latents are {}, expected [n, {}, T, H, W] (data.channels)",
+                                                b, c10::str(x.sizes()), d.channels));
+      if (wan_image_to_video(w) &&
+          (!buckets[b].image_latents.defined() || buckets[b].image_latents.sizes() != x.sizes()))
+        throw std::invalid_argument(fmt::format(
+            "bucket {}'s image_latents are {}, expected {} as its latents: image-to-video trains on each clip's "
+            "conditioning video's latents",
+            b, buckets[b].image_latents.defined() ? c10::str(buckets[b].image_latents.sizes()) : "missing",
+            c10::str(x.sizes())));
+    }
   }
-  if (!wan_image_to_video(w) && image_latents.defined())
+  const int64_t N = bucketed() ? static_cast<int64_t>(bucket_of.size()) : latents.size(0);
+  if (!text.defined() || text.dim() != 3 || text.size(0) != N || text.size(2) != w.text_dim)
+    throw std::invalid_argument(
+        fmt::format("text is {}, expected [{}, L, {}] (one per latent video, model.wan.text_dim)",
+                    text.defined() ? c10::str(text.sizes()) : "missing", N, w.text_dim));
+  if (empty_text.defined() &&
+      (empty_text.dim() != 2 || empty_text.size(0) != text.size(1) || empty_text.size(1) != text.size(2)))
+    throw std::invalid_argument(
+        fmt::format("empty_text is {}, expected [{}, {}]", c10::str(empty_text.sizes()), text.size(1), text.size(2)));
+  if (wan_image_to_video(w) && w.image_dim > 0 &&
+      (!image_embeds.defined() || image_embeds.dim() != 3 || image_embeds.size(0) != N ||
+       image_embeds.size(2) != w.image_dim))
+    throw std::invalid_argument(
+        fmt::format("image_embeds are {}, expected [{}, Li, {}]: the image branch (model.wan.image_dim) trains on "
+                    "each clip's image tokens",
+                    image_embeds.defined() ? c10::str(image_embeds.sizes()) : "missing", N, w.image_dim));
+  const bool any_image_latents =
+      image_latents.defined() ||
+      std::any_of(buckets.begin(), buckets.end(), [](const Bucket& b) { return b.image_latents.defined(); });
+  if (!wan_image_to_video(w) && any_image_latents)
     throw std::invalid_argument("the data has image_latents but the Wan DiT is text-to-video (model.wan.in_channels " +
                                 std::to_string(w.in_channels) + " = out_channels)");
   if (w.image_dim == 0 && image_embeds.defined())
@@ -154,7 +207,7 @@ void WanLatentData::check(const RunConfig& c) const {
 WanBatchSource::WanBatchSource(const RunConfig& config, WanLatentData data)
     : config_(config),
       data_(std::move(data)),
-      sampler_(data_.latents.defined() ? data_.latents.size(0) : 1, config.train.seed),
+      sampler_(std::max<int64_t>(data_.size(), 1), config.train.seed),
       flow_(config.diffusion.objective == "flow"),
       flow_options_(FlowMatchingOptions::from_config(config)),
       schedule_(config.diffusion.timesteps, parse_beta_schedule(config.diffusion.beta_schedule),
@@ -163,6 +216,9 @@ WanBatchSource::WanBatchSource(const RunConfig& config, WanLatentData data)
       caption_rng_(config.train.seed ^ 0x5DEECE66Dull),
       generator_(at::detail::createCPUGenerator(config.train.seed)) {
   data_.check(config_);
+  if (data_.bucketed())
+    bucket_sampler_.emplace(data_.bucket_of, static_cast<int64_t>(data_.buckets.size()), config.train.batch_size,
+                            config.train.seed);
 }
 
 void WanBatchSource::take_slice(int64_t rank, int64_t world_size) {
@@ -173,15 +229,28 @@ void WanBatchSource::take_slice(int64_t rank, int64_t world_size) {
 
 WanBatch WanBatchSource::next(torch::Device device) {
   const int64_t B = config_.train.batch_size;  // the global batch: every draw below is made for all of it
-  const auto index = torch::tensor(sampler_.next(B), torch::kInt64);
+  torch::Tensor index, x0, image_latents;
+  if (!bucket_sampler_) {
+    index = torch::tensor(sampler_.next(B), torch::kInt64);
+    x0 = data_.latents.index_select(0, index);
+    if (data_.image_latents.defined()) image_latents = data_.image_latents.index_select(0, index);
+  } else {  // a batch of one bucket's items, as the DiT family's (BucketBatchSampler)
+    const auto planned = bucket_sampler_->next();
+    std::vector<int64_t> rows;
+    for (const int64_t item : planned.items) rows.push_back(data_.row_of[static_cast<size_t>(item)]);
+    index = torch::tensor(planned.items, torch::kInt64);
+    const auto& bucket = data_.buckets.at(static_cast<size_t>(planned.bucket));
+    const auto at_rows = torch::tensor(rows, torch::kInt64);
+    x0 = bucket.latents.index_select(0, at_rows);
+    if (bucket.image_latents.defined()) image_latents = bucket.image_latents.index_select(0, at_rows);
+  }
   WanBatch b;
-  const auto x0 = data_.latents.index_select(0, index);
   auto text = data_.text.index_select(0, index);
   std::bernoulli_distribution drop(config_.diffusion.caption_dropout);
   for (int64_t i = 0; i < B; ++i)
     if (drop(caption_rng_)) text[i].copy_(data_.empty_text);
-  if (data_.image_latents.defined()) {  // image-to-video: the conditioning channels and image tokens
-    b.condition = wan_image_condition(data_.image_latents.index_select(0, index));
+  if (image_latents.defined()) {  // image-to-video: the conditioning channels and image tokens
+    b.condition = wan_image_condition(image_latents);
     if (data_.image_embeds.defined()) b.image = data_.image_embeds.index_select(0, index);
     if (config_.diffusion.image_dropout > 0) {
       std::bernoulli_distribution drop_image(config_.diffusion.image_dropout);
@@ -251,8 +320,9 @@ std::string WanBatchSource::state() const {
   std::ostringstream rng;
   rng << caption_rng_;
   nlohmann::ordered_json j;
-  j["epoch"] = sampler_.epoch();
-  j["cursor"] = sampler_.cursor();
+  j["epoch"] = bucket_sampler_ ? bucket_sampler_->epoch() : sampler_.epoch();
+  j["cursor"] = bucket_sampler_ ? bucket_sampler_->cursor() : sampler_.cursor();
+  if (bucket_sampler_) j["buckets"] = data_.buckets.size();
   j["caption_rng"] = rng.str();
   j["generator"] = generator_hex(generator_);
   return j.dump();
@@ -262,15 +332,26 @@ void WanBatchSource::restore(const std::string& state) {
   try {
     const auto j = nlohmann::json::parse(state);
     const auto epoch = j.at("epoch").get<int64_t>(), cursor = j.at("cursor").get<int64_t>();
-    if (cursor < 0 || cursor > size() || epoch < -1)
-      throw std::invalid_argument(
-          fmt::format("data position epoch {} cursor {} is out of range for {} latent videos", epoch, cursor, size()));
+    // A position in batches of buckets, or in items: the checkpoint's data must be held the same way.
+    const size_t buckets = j.contains("buckets") ? j.at("buckets").get<size_t>() : 0;
+    if (buckets != (bucket_sampler_ ? data_.buckets.size() : 0))
+      throw std::invalid_argument(fmt::format(
+          "the checkpoint's data position is in {}, this run's data in {}: resume with the data.buckets it ran with",
+          buckets ? fmt::format("batches of {} buckets", buckets) : std::string("items of one clip size"),
+          bucket_sampler_ ? fmt::format("batches of {} buckets", data_.buckets.size())
+                          : std::string("items of one clip size")));
+    const int64_t positions = bucket_sampler_ ? bucket_sampler_->batches_per_epoch() : size();
+    if (cursor < 0 || cursor > positions || epoch < (bucket_sampler_ ? 0 : -1))
+      throw std::invalid_argument(fmt::format("data position epoch {} cursor {} is out of range for {} {}", epoch,
+                                              cursor, positions,
+                                              bucket_sampler_ ? "batches an epoch" : "latent videos"));
     std::istringstream rng(j.at("caption_rng").get<std::string>());
     std::mt19937_64 caption_rng;
     rng >> caption_rng;
     if (rng.fail()) throw std::invalid_argument("caption_rng is not an mt19937_64 state");
     auto generator = generator_from_hex(j.at("generator").get<std::string>(), config_.train.seed);
-    sampler_.seek(epoch, cursor);
+    if (bucket_sampler_) bucket_sampler_->seek(epoch, cursor);
+    else sampler_.seek(epoch, cursor);
     caption_rng_ = caption_rng;
     generator_ = generator;
   } catch (const nlohmann::json::exception& e) {

@@ -175,21 +175,37 @@ WanValidation::WanValidation(const RunConfig& config, const std::vector<std::str
                                   vae.config().spatial_downscale(), vae.config().spatial_downscale()));
 }
 
-void WanValidation::images(const torch::Tensor& image_latents, const torch::Tensor& image_embeds) {
-  TORCH_CHECK(image_latents.dim() == 5 && image_latents.size(0) >= 1,
-              "WanValidation::images: expected [N, C, T, H, W]");
-  const int64_t N = image_latents.size(0);
+void WanValidation::images(int64_t N, const std::function<torch::Tensor(int64_t)>& image_latents_of,
+                           const torch::Tensor& image_embeds) {
+  TORCH_CHECK(N >= 1, "WanValidation::images: no items");
   conditions_.clear();
   for (size_t i = 0; i < videos_.size(); ++i) {
-    if (image_latents.sizes().slice(1).vec() != videos_[i].shape)
-      throw ConfigError(
-          source_, "train.sample_prompts",
-          fmt::format("validation video {} ('{}') is {} in latents, but image-to-video's images are the "
-                      "data's {}: give its line no size of its own",
-                      i, videos_[i].job.prompt, c10::str(videos_[i].shape), c10::str(image_latents.sizes().slice(1))));
-    const int64_t item = items_[i] >= 0 ? items_[i] : static_cast<int64_t>(i) % N;
+    int64_t item = items_[i];
+    if (item >= 0) {
+      // A caption's video at its item's size (its bucket's), recorded in index.json where it is not the run's.
+      const auto shape = image_latents_of(item).sizes().vec();
+      if (shape != videos_[i].shape) {
+        const int64_t ds = config_.model.vae.downscale;
+        videos_[i].shape = shape;
+        videos_[i].job.frames = 1 + 4 * (shape[1] - 1), videos_[i].job.height = shape[2] * ds,
+        videos_[i].job.width = shape[3] * ds;
+        jobs_[i] = videos_[i].job;
+      }
+    } else {
+      for (int64_t k = 0; k < N && item < 0; ++k) {
+        const int64_t candidate = (static_cast<int64_t>(i) + k) % N;
+        if (image_latents_of(candidate).sizes().vec() == videos_[i].shape) item = candidate;
+      }
+      if (item < 0)
+        throw ConfigError(
+            source_, "train.sample_prompts",
+            fmt::format("validation video {} ('{}') is {} in latents, but image-to-video's images are "
+                        "the data's, of which none has that size (the first: {}): give its line no size "
+                        "of its own, or one of the data's",
+                        i, videos_[i].job.prompt, c10::str(videos_[i].shape), c10::str(image_latents_of(0).sizes())));
+    }
     WanImageCondition c;
-    c.latents = image_latents.narrow(0, item, 1).to(torch::kFloat32).clone();
+    c.latents = image_latents_of(item).unsqueeze(0).to(torch::kFloat32).clone();
     if (image_embeds.defined()) c.image = image_embeds.narrow(0, item, 1).to(torch::kFloat32).clone();
     conditions_.push_back(std::move(c));
   }

@@ -127,10 +127,11 @@ class LatentCache final : public ClipSource {
   ClipSample load(int64_t item, int64_t epoch) const override;
   // The empty prompt's text tensors.
   const ClipSample& empty_prompt() const { return empty_prompt_; }
-  // Every item's tensor `name` ("latents", "text", ...) stacked in item order [N, ...], as float32 for
-  // floating-point tensors (Wan trains on all of them in memory: WanLatentData::from_cache). Throws
-  // DatasetError naming the first item whose shape differs from the first's, or a tensor the cache lacks.
-  torch::Tensor stacked(const std::string& name) const;
+  // Every item's tensor `name` ("latents", "text", ...) stacked in item order [N, ...], or the items `items`
+  // in that order when given, as float32 for floating-point tensors (Wan trains on all of them in memory:
+  // WanLatentData::from_cache). Throws DatasetError naming the first item whose shape differs from the
+  // first's, or a tensor the cache lacks.
+  torch::Tensor stacked(const std::string& name, const std::vector<int64_t>& items = {}) const;
   const std::vector<BadItem>& bad() const { return bad_; }
   int64_t listed() const { return listed_; }
 

@@ -45,12 +45,14 @@
 #include <map>
 #include <mutex>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "megaslide/config/run_config.h"
+#include "megaslide/data/bucket_sampler.h"
 #include "megaslide/data/structured_motion.h"
 #include "megaslide/diffusion/ddpm.h"
 #include "megaslide/diffusion/flow_matching.h"
@@ -62,23 +64,37 @@ namespace megaslide {
 
 // Latent videos and their text embeddings, in memory.
 struct WanLatentData {
-  torch::Tensor latents;     // [N, C, T, H, W] float32: Wan VAE latents (normalised as Wan's pipeline does)
+  // [N, C, T, H, W] float32: Wan VAE latents (normalised as Wan's pipeline does); undefined when the items have
+  // several shapes (buckets below)
+  torch::Tensor latents;
   torch::Tensor text;        // [N, L, text_dim] float32: umT5 embeddings, zero past the prompt (Wan's convention)
   torch::Tensor empty_text;  // [L, text_dim]: the empty prompt's embedding (caption dropout); optional
   // Image-to-video (wan_image_to_video): each clip's conditioning video's latents [N, C, T, H, W]
   // (WanVae::encode_image_video of its image) and, for an image branch (model.wan.image_dim > 0), its image
   // tokens [N, Li, image_dim] (CLIP's penultimate hidden states).
   torch::Tensor image_latents, image_embeds;
+  // Items of several clip shapes (a cache of data.buckets; latents and image_latents undefined): item i is row
+  // row_of[i] of bucket bucket_of[i]'s tensors, which hold that bucket's items in item order.
+  struct Bucket {
+    torch::Tensor latents, image_latents;  // [n_b, C, T_b, H_b, W_b]
+  };
+  std::vector<Bucket> buckets;
+  std::vector<int64_t> bucket_of, row_of;
+  bool bucketed() const { return !buckets.empty(); }
+  int64_t size() const { return text.defined() ? text.size(0) : 0; }
+  // Item i's latents [C, T, H, W] and (image-to-video) its image latents, whichever way they are held.
+  torch::Tensor item_latents(int64_t i) const;
+  torch::Tensor item_image_latents(int64_t i) const;
   // Reads a safetensors file holding "latents", "text" and optionally "empty_text", "image_latents" and
   // "image_embeds" (float32, bf16 or fp16); errors (std::invalid_argument) name the file and the tensor.
   static WanLatentData load(const std::string& path);
   // Every item of a megaslide-cache folder made through umT5 and the Wan VAE (data/latent_cache.h), in
   // item order: latents, umT5 text and the empty prompt's as empty_text (image-to-video: the image's too). `config` is
   // the run's (data.dataset: videos, pixel sizes): the cache is opened with its checks (encoders, decode settings,
-  // stale items). Throws DatasetError.
+  // stale items). With data.buckets the latents are held by bucket (buckets above). Throws DatasetError.
   static WanLatentData from_cache(const RunConfig& config, const std::string& dir);
-  // Checks the shapes against a config (data.channels/frames/height/width, model.wan.text_dim); throws
-  // std::invalid_argument naming what differs.
+  // Checks the shapes against a config (data.channels/frames/height/width, model.wan.text_dim; bucketed: the
+  // channels, each bucket's sizes being the cache's); throws std::invalid_argument naming what differs.
   void check(const RunConfig& config) const;
 };
 
@@ -117,7 +133,7 @@ class WanBatchSource {
  public:
   WanBatchSource(const RunConfig& config, WanLatentData data);
   WanBatch next(torch::Device device);
-  int64_t size() const { return data_.latents.size(0); }
+  int64_t size() const { return data_.size(); }
   // The streams' position (JSON) and its restoration, as DiffusionBatchSource's.
   std::string state() const;
   void restore(const std::string& state);
@@ -136,7 +152,8 @@ class WanBatchSource {
  private:
   RunConfig config_;
   WanLatentData data_;
-  EpochSampler sampler_;
+  EpochSampler sampler_;                              // one clip shape
+  std::optional<BucketBatchSampler> bucket_sampler_;  // several (WanLatentData::bucketed): a batch from one
   bool flow_;
   FlowMatchingOptions flow_options_;
   DDPMSchedule schedule_;

@@ -51,6 +51,7 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -88,11 +89,13 @@ class WanValidation {
   const RunConfig& latent_config() const { return latent_; }
 
   // Image-to-video (wan_image_to_video): the images the videos start from, fixed for the run — a caption's
-  // video the image of the item the caption came from, any other (train.sample_prompts' lines, the default
-  // prompts) item i mod N's for video i — from the run's data: the items' conditioning latents [N, C, T, H, W]
-  // and image tokens [N, Li, image_dim] (undefined without an image branch). Throws ConfigError naming
-  // train.sample_prompts when a video's size is not the data's (the images are the data's size).
-  void images(const torch::Tensor& image_latents, const torch::Tensor& image_embeds);
+  // video the image of the item the caption came from (sampled at that item's size: its bucket's), any other
+  // (train.sample_prompts' lines, the default prompts) the first item from i mod N on whose size is the video's
+  // — from the run's N items: image_latents_of(item), an item's conditioning latents [C, T, H, W], and the image
+  // tokens [N, Li, image_dim] (undefined without an image branch). Throws ConfigError naming
+  // train.sample_prompts when no item has a video's size (the images are the data's sizes).
+  void images(int64_t items, const std::function<torch::Tensor(int64_t)>& image_latents_of,
+              const torch::Tensor& image_embeds);
 
   // Each video's normalised latents [1, C, T, H, W] float32 on the CPU, sampled with the trainer's
   // current weights (waits for its pending updates; its weights and modes are as before on return).
