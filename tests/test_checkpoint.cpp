@@ -570,6 +570,41 @@ TEST(Checkpoint, RollBackIsCrashSafeAtEveryStageOfTheNextSave) {
   io::remove_tree(reference);
 }
 
+// The property: a checkpoint of the run's own folder is its own however it is spelled (a shell's trailing slash,
+// "." and ".."), so that resuming from it rolls `latest` back; another folder's checkpoint is refused into a folder
+// that holds a run (it would replace that run's metrics and checkpoints) before anything is written.
+TEST(Checkpoint, AnOwnCheckpointSpelledOtherwiseRollsBackAndAnotherRunsIsRefused) {
+  const std::vector<std::string> a{"train.steps=4", "train.checkpoint_every=2", "train.keep_last=0"};
+  const auto dir = fresh_dir("spelled");
+  for (const std::string spelled :
+       {"/checkpoints/step-0000002/", "/checkpoints/./step-0000002", "/checkpoints/../checkpoints/step-0000002//"}) {
+    SCOPED_TRACE(spelled);
+    io::remove_tree(dir);
+    run_training(tiny(dir, a), {});
+    ASSERT_EQ(latest_checkpoint(dir).substr(latest_checkpoint(dir).size() - 12), "step-0000004");
+    EXPECT_TRUE(is_checkpoint_of(dir, dir + spelled));
+    EXPECT_TRUE(roll_back_latest(dir, dir + spelled));
+    EXPECT_EQ(latest_checkpoint(dir).substr(latest_checkpoint(dir).size() - 12), "step-0000002");
+  }
+  const auto other = fresh_dir("spelled-other");
+  run_training(tiny(other, a), {});
+  EXPECT_FALSE(is_checkpoint_of(dir, other + "/checkpoints/step-0000002"));
+  const std::string metrics_before = io::read_file(io::join_path(dir, "metrics.jsonl"));
+  TrainingRunOptions foreign;
+  foreign.resume = other + "/checkpoints/step-0000002/";
+  try {
+    run_training(tiny(dir, a), foreign);
+    ADD_FAILURE() << "another run's checkpoint was continued into a folder holding a run";
+  } catch (const RunFolderError& e) {
+    EXPECT_NE(std::string(e.what()).find("holds a run of its own"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(io::read_file(io::join_path(dir, "metrics.jsonl")), metrics_before);
+  // Into a new folder it starts that folder's history.
+  const auto fresh = fresh_dir("spelled-fresh");
+  EXPECT_NO_THROW(run_training(tiny(fresh, a), foreign));
+  for (const auto& d : {dir, other, fresh}) io::remove_tree(d);
+}
+
 // A failed save says what is true after it, not before: when `latest` names a checkpoint that is gone,
 // the message must not call it intact.
 TEST(Checkpoint, FailedSaveNeverCallsAMissingCheckpointIntact) {

@@ -556,3 +556,21 @@ TEST(Video, StillImagesAreShownAsTheirExifOrientationSays) {
             << "orientation " << other;
   }
 }
+
+// The property: orientation 6 as other writers store it is read as PIL reads it (tests/fixtures/image_exif): a PNG
+// eXIf chunk that keeps the "Exif\0\0" prefix, a LONG tag (big-endian JPEG, little-endian WebP), an orientation only
+// in XMP (JPEG APP1, PNG iTXt), a JPEG with fill bytes before its APP1, and one with 80 segments before it.
+TEST(Video, StillImageOrientationAsOtherWritersStoreIt) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  const std::string dir = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/image_exif/";
+  for (const std::string name :
+       {"p_prefix6.png", "p_xmp6.png", "w_long6.webp", "j_long6.jpg", "j_xmp6.jpg", "j_fill6.jpg", "j_many6.jpg"}) {
+    SCOPED_TRACE(name);
+    const auto pil =
+        megaslide::io::read_video(dir + "shown_" + name.substr(0, name.find('.')) + ".png").to(torch::kFloat32);
+    ASSERT_EQ(pil.sizes(), (std::vector<int64_t>{1, 24, 16, 3}));
+    const auto read = megaslide::io::read_video(dir + name).to(torch::kFloat32);
+    ASSERT_EQ(read.sizes(), pil.sizes());
+    EXPECT_LT((read - pil).abs().max().item<float>(), name.back() == 'g' && name[0] == 'j' ? 8.0f : 0.5f);
+  }
+}

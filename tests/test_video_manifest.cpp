@@ -244,7 +244,7 @@ TEST(VideoManifest, JsonlImageKeyIsResolvedAgainstTheManifest) {
 TEST(VideoManifest, FolderSameStemImageIsTheClipsImage) {
   const std::string root = temp_folder("folder-images");
   megaslide::io::make_directories(root + "/sub");
-  for (const std::string stem : {"a", "b", "c", "sub/d", "e"}) {
+  for (const std::string stem : {"a", "b", "c", "sub/d", "e", "f"}) {
     write_file(root + "/" + stem + ".mp4", "x");
     write_file(root + "/" + stem + ".txt", "a caption");
   }
@@ -253,15 +253,16 @@ TEST(VideoManifest, FolderSameStemImageIsTheClipsImage) {
   write_file(root + "/b.jpg", "x");
   write_file(root + "/sub/d.jpeg", "x");
   write_file(root + "/e.JPG", "x");  // a camera's upper-case extension
+  write_file(root + "/f.Jpg", "x");  // and another spelling
   write_file(root + "/A.png", "x");  // another stem's image (and no video): neither a's image nor an item
   write_file(root + "/lonely.png", "x");
   const auto m = megaslide::read_video_manifest(config_for("", root), /*images=*/true);
   EXPECT_TRUE(m.bad.empty());
   std::vector<std::string> listed, images;
   for (const auto& item : m.items) listed.push_back(item.where), images.push_back(item.image);
-  EXPECT_EQ(listed, (std::vector<std::string>{"a.mp4", "b.mp4", "c.mp4", "e.mp4", "sub/d.mp4"}));
-  EXPECT_EQ(images,
-            (std::vector<std::string>{root + "/a.png", root + "/b.jpg", "", root + "/e.JPG", root + "/sub/d.jpeg"}));
+  EXPECT_EQ(listed, (std::vector<std::string>{"a.mp4", "b.mp4", "c.mp4", "e.mp4", "f.mp4", "sub/d.mp4"}));
+  EXPECT_EQ(images, (std::vector<std::string>{root + "/a.png", root + "/b.jpg", "", root + "/e.JPG", root + "/f.Jpg",
+                                              root + "/sub/d.jpeg"}));
   megaslide::io::remove_tree(root);
 }
 

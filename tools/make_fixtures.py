@@ -262,7 +262,57 @@ def section_image_exif(out_dir):
         # Saved as new images: no EXIF of their own.
         Image.fromarray(shown["png"]).save(os.path.join(out_dir, f"shown{orientation}.png"))
         Image.fromarray(shown["jpg"]).save(os.path.join(out_dir, f"shown_jpg{orientation}.png"))
-    print(f"  orientations 1-8 as PNG, WebP and JPEG, 24x16; Pillow {PIL.__version__}")
+    # Orientation 6 as other writers store it: PNG eXIf keeping the "Exif\0\0" prefix, a LONG tag (big-endian in a
+    # JPEG, little-endian in a WebP), only in XMP (JPEG APP1, PNG iTXt), and a JPEG with fill bytes before its APP1
+    # and one with 80 other segments before it.
+    import struct
+    import zlib
+
+    def tiff(value, long=False, big=False):
+        e = ">" if big else "<"
+        entry = struct.pack(e + "HHI", 0x0112, 4 if long else 3, 1) + (struct.pack(e + "I", value) if long else struct.pack(e + "HH", value, 0))
+        return (b"MM" if big else b"II") + struct.pack(e + "HI", 42, 8) + struct.pack(e + "H", 1) + entry + struct.pack(e + "I", 0)
+
+    def plain(kind):
+        path = os.path.join(out_dir, f".plain.{kind}")
+        Image.fromarray(picture).save(path, **({"quality": 100, "subsampling": 0} if kind == "jpg" else {"lossless": True} if kind == "webp" else {}))
+        data = open(path, "rb").read()
+        os.remove(path)
+        return data
+
+    def jpeg_with(segments):
+        data = plain("jpg")
+        return data[:2] + segments + data[2:]
+
+    def app(marker, body):
+        return b"\xff" + bytes([marker]) + struct.pack(">H", len(body) + 2) + body
+
+    def png_with(chunk_type, body):
+        data = plain("png")
+        at = data.index(b"IDAT") - 4
+        chunk = struct.pack(">I", len(body)) + chunk_type + body + struct.pack(">I", zlib.crc32(chunk_type + body))
+        return data[:at] + chunk + data[at:]
+
+    xmp = lambda form: (b'<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/22-rdf-syntax-ns#">'
+                        b'<rdf:Description xmlns:tiff="http://ns.adobe.com/tiff/1.0/"' + form + b"</rdf:RDF></x:xmpmeta>")
+    variants = {
+        "p_prefix6.png": png_with(b"eXIf", b"Exif\x00\x00" + tiff(6)),
+        "j_long6.jpg": jpeg_with(app(0xE1, b"Exif\x00\x00" + tiff(6, long=True, big=True))),
+        "j_xmp6.jpg": jpeg_with(app(0xE1, b"http://ns.adobe.com/xap/1.0/\x00" + xmp(b' tiff:Orientation="6"/>'))),
+        "p_xmp6.png": png_with(b"iTXt", b"XML:com.adobe.xmp\x00\x00\x00\x00\x00" + xmp(b"><tiff:Orientation>6</tiff:Orientation></rdf:Description>")),
+        "j_fill6.jpg": jpeg_with(b"\xff\xff\xff" + app(0xE1, b"Exif\x00\x00" + tiff(6))),
+        "j_many6.jpg": jpeg_with(b"".join(app(0xE2, b"pad %d" % k) for k in range(80)) + app(0xE1, b"Exif\x00\x00" + tiff(6))),
+    }
+    Image.fromarray(picture).save(os.path.join(out_dir, "w_long6.webp"), lossless=True, exif=b"Exif\x00\x00" + tiff(6, long=True))
+    for name, data in variants.items():
+        with open(os.path.join(out_dir, name), "wb") as f:
+            f.write(data)
+    for name in [*variants, "w_long6.webp"]:
+        with Image.open(os.path.join(out_dir, name)) as read:
+            shown = ImageOps.exif_transpose(read).convert("RGB")
+            assert shown.size == (16, 24), (name, shown.size)  # turned
+            Image.fromarray(np.asarray(shown)).save(os.path.join(out_dir, "shown_" + name.split(".")[0] + ".png"))
+    print(f"  orientations 1-8 as PNG, WebP and JPEG, 24x16, and orientation 6 as {len(variants) + 1} other writers store it; Pillow {PIL.__version__}")
 
 
 def section_video_files(out_dir):

@@ -1014,6 +1014,13 @@ void validate(const RunConfig& c, const std::string& source, bool wan_sizes_reso
       fail("diffusion.first_frame_clean", why + "is one DiT's, not one of two experts'");
     if (model_sample_shape(c)[1] < 2)
       fail("diffusion.first_frame_clean", why + "needs at least 2 latent frames (the first one clean)");
+    for (size_t i = 0; i < c.data.buckets.size() && wan && c.data.dataset == "videos"; ++i)
+      if (const int64_t f = c.data.buckets[i][0]; 1 + (f - 1) / 4 < 2)
+        fail(
+            "diffusion.first_frame_clean",
+            why + fmt::format("needs at least 2 latent frames (the first one clean) in every bucket: data.buckets item "
+                              "{} has {} frame{} (1 latent frame)",
+                              i, f, f == 1 ? "" : "s"));
   }
   if (wan) {
     validate_wan(c, wan_sizes, fail);

@@ -264,40 +264,56 @@ bool is_image_file(const std::string& name) { return has_extension(name, {".png"
 
 std::string stem_of(const std::string& name) { return name.substr(0, name.find_last_of('.')); }
 
-// The videos under `folder`, recursively, and with `stills` the images that are no video's conditioning image
-// (else counted in `unlisted_images`). Each real folder is listed once, however many links lead to it
-// (`visited`: device and inode): a link back to an ancestor (`loop -> .`) would list every video again at
-// each level, and two such links without end.
+// The rank of an image extension as a video's conditioning image: .png, .jpg, .jpeg, .webp in that order, each in
+// lower case, then upper case, then any other spelling (a camera's .Jpg); -1 for no image.
+int image_rank(const std::string& name) {
+  const std::string ext =
+      name.substr(name.find_last_of('.') == std::string::npos ? name.size() : name.find_last_of('.'));
+  static const char* kOrder[] = {".png", ".jpg", ".jpeg", ".webp"};
+  for (int k = 0; k < 4; ++k) {
+    std::string upper = kOrder[k];
+    for (auto& c : upper) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+    if (ext == kOrder[k]) return 3 * k;
+    if (ext == upper) return 3 * k + 1;
+    if (lower(ext) == kOrder[k]) return 3 * k + 2;
+  }
+  return -1;
+}
+
+// The videos under `folder`, recursively, each with its conditioning image (the same stem's image of the lowest
+// image_rank, a full path, in `image_of` by the video's relative path), and with `stills` the images that are no
+// video's (else counted in `unlisted_images`). Each real folder is listed once, however many links lead to it
+// (`visited`: device and inode): a link back to an ancestor (`loop -> .`) would list every video again at each
+// level, and two such links without end.
 void list_videos(const std::string& folder, const std::string& relative, bool stills, std::vector<std::string>& out,
-                 int64_t& unlisted_images, std::set<std::pair<dev_t, ino_t>>& visited) {
+                 std::map<std::string, std::string>& image_of, int64_t& unlisted_images,
+                 std::set<std::pair<dev_t, ino_t>>& visited) {
   struct stat st {};
   if (::stat(folder.c_str(), &st) != 0 || !visited.insert({st.st_dev, st.st_ino}).second) return;
   const auto names = io::list_directory(folder);
-  std::set<std::string> video_stems;  // an image of one of these stems is that video's (same_stem_image)
+  std::map<std::string, std::string> best_image;  // stem -> its image of the lowest rank
+  for (const auto& name : names)
+    if (!name.empty() && name[0] != '.' && is_image_file(name) && !io::is_directory(io::join_path(folder, name))) {
+      auto& best = best_image[stem_of(name)];
+      if (best.empty() || image_rank(name) < image_rank(best)) best = name;
+    }
+  std::set<std::string> video_stems;  // an image of one of these stems is that video's
   for (const auto& name : names)
     if (is_video_file(name)) video_stems.insert(stem_of(name));
   for (const auto& name : names) {
     if (name.empty() || name[0] == '.') continue;
     const std::string path = io::join_path(folder, name), rel = relative.empty() ? name : relative + "/" + name;
     if (io::is_directory(path)) {
-      list_videos(path, rel, stills, out, unlisted_images, visited);
+      list_videos(path, rel, stills, out, image_of, unlisted_images, visited);
     } else if (is_video_file(name)) {
       out.push_back(rel);
+      if (auto it = best_image.find(stem_of(name)); it != best_image.end())
+        image_of[rel] = io::join_path(folder, it->second);
     } else if (is_image_file(name) && video_stems.count(stem_of(name)) == 0) {
       if (stills) out.push_back(rel);
       else ++unlisted_images;
     }
   }
-}
-
-// The image beside a video: the same stem with the first image extension found, or "".
-std::string same_stem_image(const std::string& video) {
-  const std::string stem = stem_of(video);
-  for (const char* e : {".png", ".PNG", ".jpg", ".JPG", ".jpeg", ".JPEG", ".webp", ".WEBP"}) {
-    const std::string image = stem + e;
-    if (io::path_exists(image) && !io::is_directory(image)) return image;
-  }
-  return "";
 }
 
 // Items whose path, caption or image is not UTF-8 text become bad items (the cache's manifest, logs and
@@ -348,7 +364,8 @@ VideoManifest read_folder(const DataConfig& data, bool images) {
   if (!io::is_directory(data.root)) throw DatasetError("data.root '" + data.root + "' is not a folder");
   std::vector<std::string> videos;
   std::set<std::pair<dev_t, ino_t>> visited;
-  list_videos(data.root, "", has_still_bucket(data), videos, m.unlisted_images, visited);
+  std::map<std::string, std::string> image_of;
+  list_videos(data.root, "", has_still_bucket(data), videos, image_of, m.unlisted_images, visited);
   std::sort(videos.begin(), videos.end());
   for (const auto& rel : videos) {
     const int64_t index = m.listed();
@@ -376,7 +393,8 @@ VideoManifest read_folder(const DataConfig& data, bool images) {
     }
     // A still is no video's, so it has no conditioning image of its own.
     const bool still = is_image_file(path);
-    m.items.push_back({index, path, caption, rel, images && !still ? same_stem_image(path) : std::string()});
+    const auto image = images && !still ? image_of.find(rel) : image_of.end();
+    m.items.push_back({index, path, caption, rel, image != image_of.end() ? image->second : std::string()});
   }
   return m;
 }

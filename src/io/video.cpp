@@ -362,15 +362,17 @@ DisplayTransform display_transform(const int32_t* m) {
 }
 
 // The orientation tag (0x0112) of EXIF data (a TIFF header and its first directory), 1-8; 0 when there is none.
+// Its first value, SHORT or LONG (writers differ; PIL reads both).
 int tiff_orientation(const std::string& tiff) {
   if (tiff.size() < 8) return 0;
   const bool little = tiff.compare(0, 2, "II") == 0;
   if (!little && tiff.compare(0, 2, "MM") != 0) return 0;
-  const auto u16 = [&](size_t at) -> uint32_t {
-    const auto b = [&](size_t i) { return static_cast<uint32_t>(static_cast<unsigned char>(tiff[at + i])); };
+  const auto u16 = [&](uint64_t at) -> uint32_t {
+    if (at + 2 > tiff.size()) return 0;
+    const auto b = [&](uint64_t i) { return static_cast<uint32_t>(static_cast<unsigned char>(tiff[at + i])); };
     return little ? b(0) | b(1) << 8 : b(0) << 8 | b(1);
   };
-  const auto u32 = [&](size_t at) -> uint64_t {
+  const auto u32 = [&](uint64_t at) -> uint64_t {
     return little ? u16(at) | static_cast<uint64_t>(u16(at + 2)) << 16
                   : static_cast<uint64_t>(u16(at)) << 16 | u16(at + 2);
   };
@@ -379,18 +381,46 @@ int tiff_orientation(const std::string& tiff) {
   if (ifd + 2 > tiff.size()) return 0;
   const uint64_t entries = u16(ifd);
   for (uint64_t e = 0; e < entries && ifd + 2 + 12 * (e + 1) <= tiff.size(); ++e) {
-    const size_t at = ifd + 2 + 12 * e;
+    const uint64_t at = ifd + 2 + 12 * e;
     if (u16(at) != 0x0112) continue;
-    if (u16(at + 2) != 3 || u32(at + 4) != 1) return 0;  // one SHORT
-    const uint32_t value = u16(at + 8);
+    const uint32_t type = u16(at + 2);
+    const uint64_t count = u32(at + 4), size = type == 3 ? 2 : type == 4 ? 4 : 0;
+    if (size == 0 || count < 1) return 0;
+    const uint64_t value_at = size * count <= 4 ? at + 8 : u32(at + 8);  // inline, or at an offset
+    if (value_at + size > tiff.size()) return 0;
+    const uint64_t value = size == 2 ? u16(value_at) : u32(value_at);
     return value >= 1 && value <= 8 ? static_cast<int>(value) : 0;
   }
   return 0;
 }
 
-// The EXIF orientation a still image's file states, 1-8, or 0: in a JPEG's APP1 segment, a PNG's eXIf chunk or a
-// WebP's EXIF chunk (phones store a photo as the sensor read it and say in this tag how to turn it). Segments and
-// chunks are walked by their lengths; nothing is decoded.
+// The orientation an XMP packet states (tiff:Orientation="6" or <tiff:Orientation>6<), 1-8, or 0: what PIL
+// falls back on when there is no EXIF orientation.
+int xmp_orientation(const std::string& xmp) {
+  const std::string key = "tiff:Orientation";
+  for (size_t at = xmp.find(key); at != std::string::npos; at = xmp.find(key, at + 1)) {
+    size_t v = at + key.size();
+    if (xmp.compare(v, 2, "=\"") == 0) v += 2;
+    else if (xmp.compare(v, 1, ">") == 0) v += 1;
+    else continue;
+    if (v < xmp.size() && xmp[v] >= '1' && xmp[v] <= '8') return xmp[v] - '0';
+    return 0;
+  }
+  return 0;
+}
+
+// EXIF data as JPEG's APP1 and WebP's chunk hold it ("Exif\0\0" then TIFF), or as PNG's eXIf does (TIFF, though
+// some writers keep the prefix, even twice).
+int exif_payload_orientation(std::string exif) {
+  const std::string prefix("Exif\0\0", 6);
+  for (int k = 0; k < 2 && exif.compare(0, 6, prefix) == 0; ++k) exif = exif.substr(6);
+  return tiff_orientation(exif);
+}
+
+// The orientation a still image's file states, 1-8, or 0: its EXIF (a JPEG's APP1 segment, a PNG's eXIf chunk, a
+// WebP's EXIF chunk), else its XMP packet (APP1, PNG's iTXt XML:com.adobe.xmp, WebP's XMP chunk) — phones store a
+// photo as the sensor read it and say in this tag how to turn it. Segments and chunks are walked by their lengths;
+// nothing is decoded. (ImageMagick's older zTXt "Raw profile type exif" is compressed and not read.)
 int exif_orientation(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   const auto read = [&](uint64_t at, size_t n) {
@@ -412,50 +442,68 @@ int exif_orientation(const std::string& path) {
     return v;
   };
   constexpr uint64_t kMaxExif = 1 << 20;
+  int exif = 0, xmp = 0;  // the first of each found
+  const auto found = [&] { return exif != 0 ? exif : xmp; };
   const std::string head = read(0, 16);
   if (head.size() >= 4 && head.compare(0, 2, "\xff\xd8") == 0) {  // JPEG: segments up to the image data
+    const std::string xmp_id("http://ns.adobe.com/xap/1.0/\0", 29);
     uint64_t at = 2;
-    for (int segments = 0; segments < 64; ++segments) {
-      const std::string marker = read(at, 4);
-      if (marker.size() < 4 || static_cast<unsigned char>(marker[0]) != 0xff) return 0;
+    for (int segments = 0; segments < 65536 && exif == 0; ++segments) {
+      std::string marker = read(at, 2);
+      if (marker.size() < 2 || static_cast<unsigned char>(marker[0]) != 0xff) break;
+      if (static_cast<unsigned char>(marker[1]) == 0xff) {  // fill bytes before a marker
+        ++at;
+        continue;
+      }
       const auto type = static_cast<unsigned char>(marker[1]);
-      if (type == 0xda || type == 0xd9) return 0;  // start of scan, end of image
-      const uint64_t length = be(marker, 2, 2);
-      if (length < 2) return 0;
+      if (type == 0xda || type == 0xd9) break;  // start of scan, end of image
+      const std::string length_bytes = read(at + 2, 2);
+      if (length_bytes.size() < 2) break;
+      const uint64_t length = be(length_bytes, 0, 2);
+      if (length < 2) break;
       if (type == 0xe1 && length >= 8 && length - 2 <= kMaxExif) {
         const std::string body = read(at + 4, length - 2);
-        if (body.compare(0, 6, std::string("Exif\0\0", 6)) == 0) return tiff_orientation(body.substr(6));
+        if (body.compare(0, 6, std::string("Exif\0\0", 6)) == 0) exif = exif_payload_orientation(body);
+        else if (xmp == 0 && body.compare(0, xmp_id.size(), xmp_id) == 0) xmp = xmp_orientation(body);
       }
       at += 2 + length;
     }
-    return 0;
+    return found();
   }
   if (head.size() >= 16 && head.compare(0, 8, "\x89PNG\r\n\x1a\n") == 0) {  // PNG: chunks up to IEND
     uint64_t at = 8;
-    for (int chunks = 0; chunks < 100000; ++chunks) {
+    for (int chunks = 0; chunks < 100000 && exif == 0; ++chunks) {
       const std::string header = read(at, 8);
-      if (header.size() < 8) return 0;
+      if (header.size() < 8) break;
       const uint64_t length = be(header, 0, 4);
       const std::string type = header.substr(4, 4);
-      if (type == "IEND") return 0;
-      if (type == "eXIf" && length <= kMaxExif) return tiff_orientation(read(at + 8, length));
+      if (type == "IEND") break;
+      if (type == "eXIf" && length <= kMaxExif) exif = exif_payload_orientation(read(at + 8, length));
+      if (type == "iTXt" && xmp == 0 && length <= kMaxExif) {
+        // keyword \0 compression-flag compression-method language \0 translated \0 text
+        const std::string body = read(at + 8, length);
+        const std::string keyword("XML:com.adobe.xmp\0", 18);
+        if (body.compare(0, keyword.size(), keyword) == 0 && body.size() > keyword.size() &&
+            body[keyword.size()] == '\0')  // uncompressed
+          xmp = xmp_orientation(body);
+      }
       at += 12 + length;
     }
-    return 0;
+    return found();
   }
   if (head.size() >= 12 && head.compare(0, 4, "RIFF") == 0 && head.compare(8, 4, "WEBP") == 0) {  // RIFF chunks
     const uint64_t end = 8 + le32(head, 4);
-    for (uint64_t at = 12; at + 8 <= end;) {
+    for (uint64_t at = 12; at + 8 <= end && exif == 0;) {
       const std::string header = read(at, 8);
-      if (header.size() < 8) return 0;
+      if (header.size() < 8) break;
       const uint64_t length = le32(header, 4);
-      if (header.compare(0, 4, "EXIF") == 0 && length <= kMaxExif) {
-        std::string body = read(at + 8, length);
-        if (body.compare(0, 6, std::string("Exif\0\0", 6)) == 0) body = body.substr(6);  // some writers keep it
-        return tiff_orientation(body);
-      }
+      if (header.compare(0, 4, "EXIF") == 0 && length <= kMaxExif)
+        exif = exif_payload_orientation(read(at + 8, length));
+      if (header.compare(0, 4, "XMP ") == 0 && xmp == 0 && length <= kMaxExif)
+        xmp = xmp_orientation(read(at + 8, length));
       at += 8 + length + (length & 1);
     }
+    return found();
   }
   return 0;
 }

@@ -437,7 +437,9 @@ std::string without_latest(const std::string& run_dir) {
 }
 }  // namespace
 
-std::string find_checkpoint(const std::string& spec) {
+std::string find_checkpoint(const std::string& spelled) {
+  std::string spec = spelled;  // a shell's completion ends a folder with '/'
+  while (spec.size() > 1 && spec.back() == '/') spec.pop_back();
   if (spec.empty()) throw CheckpointError("checkpoint: an empty path names no checkpoint");
   if (!io::path_exists(spec)) throw CheckpointError("checkpoint '" + spec + "' does not exist");
   if (io::is_directory(spec)) {
@@ -494,11 +496,23 @@ std::string resolve_checkpoint(const std::string& run_dir, const std::string& sp
 
 int64_t checkpoint_step(const std::string& path) { return read_manifest(path).step; }
 
-bool roll_back_latest(const std::string& run_dir, const std::string& checkpoint) {
+bool is_checkpoint_of(const std::string& run_dir, const std::string& checkpoint) {
+  // Lexically first (a trailing slash, "." and ".." are no other folder), then through links.
+  char* here = ::realpath(checkpoints_dir(run_dir).c_str(), nullptr);
+  char* there = ::realpath(io::parent_path(io::absolute_path(checkpoint)).c_str(), nullptr);
+  const bool same = here != nullptr && there != nullptr && std::string(here) == there;
+  std::free(here);
+  std::free(there);
+  return same;
+}
+
+bool roll_back_latest(const std::string& run_dir, const std::string& spelled) {
+  const std::string checkpoint = io::absolute_path(spelled);
   const std::string latest = latest_checkpoint(run_dir);
-  if (latest.empty() || latest == checkpoint) return false;
+  if (latest.empty() || io::absolute_path(latest) == checkpoint) return false;
   // Only a checkpoint of this run's own folder is made `latest`: one taken from elsewhere starts this
-  // run's history afresh, and its own `latest` moves with its first save.
+  // run's history afresh (into a folder without a run of its own: training_run), and its own `latest` moves
+  // with its first save.
   char* here = ::realpath(checkpoints_dir(run_dir).c_str(), nullptr);
   char* there = ::realpath(io::parent_path(checkpoint).c_str(), nullptr);
   const bool same = here != nullptr && there != nullptr && std::string(here) == there;

@@ -299,6 +299,16 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   std::string resume_path;
   if (!options.resume.empty()) {
     resume_path = resolve_checkpoint(run_dir, options.resume);
+    // Another run's checkpoint starts this folder's history afresh: only in a folder without a run of its own,
+    // whose metrics and checkpoints it would replace.
+    // (Rank 0's check, before it writes: the other ranks would see what it writes next.)
+    if (writer && !options.export_only && !is_checkpoint_of(run_dir, resume_path))
+      if (const std::string existing = describe_existing_run(run_dir); !existing.empty())
+        throw RunFolderError(fmt::format(
+            "run folder '{}' holds a run of its own ({}), and --resume names a checkpoint of another folder ('{}'): "
+            "continuing it here would replace that run's metrics and checkpoints; continue it into another "
+            "--run-dir (a new or empty one), or this folder's own run with --resume latest",
+            run_dir, existing, resume_path));
     const int64_t saved_step = checkpoint_step(resume_path);
     if (saved_step > train.steps && !options.export_only)
       throw ConfigError(

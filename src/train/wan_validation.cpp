@@ -1,6 +1,7 @@
 #include "megaslide/train/wan_validation.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
@@ -178,31 +179,34 @@ WanValidation::WanValidation(const RunConfig& config, const std::vector<std::str
 void WanValidation::images(int64_t N, const std::function<torch::Tensor(int64_t)>& image_latents_of,
                            const torch::Tensor& image_embeds) {
   TORCH_CHECK(N >= 1, "WanValidation::images: no items");
+  const auto bracketed = [](const std::vector<int64_t>& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); };
   conditions_.clear();
   for (size_t i = 0; i < videos_.size(); ++i) {
+    auto& video = videos_[i];
+    const bool own_size = video.job.frames || video.job.height || video.job.width;
     int64_t item = items_[i];
+    if (item < 0 && !own_size) item = static_cast<int64_t>(i) % N;
     if (item >= 0) {
-      // A caption's video at its item's size (its bucket's), recorded in index.json where it is not the run's.
+      // At its item's size (its bucket's), recorded in index.json where it is not the run's.
       const auto shape = image_latents_of(item).sizes().vec();
-      if (shape != videos_[i].shape) {
+      if (shape != video.shape) {
         const int64_t ds = config_.model.vae.downscale;
-        videos_[i].shape = shape;
-        videos_[i].job.frames = 1 + 4 * (shape[1] - 1), videos_[i].job.height = shape[2] * ds,
-        videos_[i].job.width = shape[3] * ds;
-        jobs_[i] = videos_[i].job;
+        video.shape = shape;
+        video.job.frames = 1 + 4 * (shape[1] - 1), video.job.height = shape[2] * ds, video.job.width = shape[3] * ds;
+        jobs_[i] = video.job;
       }
-    } else {
+    } else {  // a line of its own size: the first item from i mod N on that has it
       for (int64_t k = 0; k < N && item < 0; ++k) {
         const int64_t candidate = (static_cast<int64_t>(i) + k) % N;
-        if (image_latents_of(candidate).sizes().vec() == videos_[i].shape) item = candidate;
+        if (image_latents_of(candidate).sizes().vec() == video.shape) item = candidate;
       }
       if (item < 0)
         throw ConfigError(
             source_, "train.sample_prompts",
             fmt::format("validation video {} ('{}') is {} in latents, but image-to-video's images are "
-                        "the data's, of which none has that size (the first: {}): give its line no size "
-                        "of its own, or one of the data's",
-                        i, videos_[i].job.prompt, c10::str(videos_[i].shape), c10::str(image_latents_of(0).sizes())));
+                        "the data's, of which none has that size (the first item's: {}): give its line "
+                        "no size of its own, or one of the data's",
+                        i, video.job.prompt, bracketed(video.shape), bracketed(image_latents_of(0).sizes().vec())));
     }
     WanImageCondition c;
     c.latents = image_latents_of(item).unsqueeze(0).to(torch::kFloat32).clone();

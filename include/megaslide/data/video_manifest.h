@@ -11,9 +11,9 @@
 //   a folder    data.root: every video file under it (.mp4 .mov .mkv .webm .avi .m4v, sub-folders
 //               included, sorted by path) with its caption in a same-stem .txt file beside it and, when
 //               there is one, its image in a same-stem .png, .jpg, .jpeg or .webp (the first found in that
-//               order; each extension in lower case or upper case). When a bucket has one frame
-//               (has_still_bucket), every other image (.png .jpg .jpeg .webp, any case) is an item too, a
-//               still, sorted among the videos, with its caption found as a video's
+//               order; each extension in lower case, then upper case, then any other spelling). When a bucket has one
+//               frame (has_still_bucket), every other image (.png .jpg .jpeg .webp, any case) is an item too, a still,
+//               sorted among the videos, with its caption found as a video's
 //
 // Relative paths resolve against the manifest's folder (data.root for the folder layout). Items keep the
 // order of the listing. A listed item that cannot be used — a row without a file or a caption, a JSONL

@@ -216,6 +216,9 @@ int64_t checkpoint_step(const std::string& path);
 // of the abandoned history stay until this run saves their step again (replaced atomically) or
 // passes them (then pruned as older ones). Returns whether `latest` moved.
 bool roll_back_latest(const std::string& run_dir, const std::string& checkpoint);
+// Whether `checkpoint` is a checkpoint folder of run_dir's own (RUN/checkpoints/NAME, however spelled: a trailing
+// slash, "." or "..", links).
+bool is_checkpoint_of(const std::string& run_dir, const std::string& checkpoint);
 
 // Settings that a checkpoint allows to change but that make the continuation differ from an
 // uninterrupted run (train.threads: LibTorch's CPU reductions split by thread count), one sentence

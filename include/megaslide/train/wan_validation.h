@@ -89,11 +89,11 @@ class WanValidation {
   const RunConfig& latent_config() const { return latent_; }
 
   // Image-to-video (wan_image_to_video): the images the videos start from, fixed for the run — a caption's
-  // video the image of the item the caption came from (sampled at that item's size: its bucket's), any other
-  // (train.sample_prompts' lines, the default prompts) the first item from i mod N on whose size is the video's
-  // — from the run's N items: image_latents_of(item), an item's conditioning latents [C, T, H, W], and the image
-  // tokens [N, Li, image_dim] (undefined without an image branch). Throws ConfigError naming
-  // train.sample_prompts when no item has a video's size (the images are the data's sizes).
+  // video the image of the item the caption came from, any other (train.sample_prompts' lines, the default
+  // prompts) item i mod N's for video i, each sampled at that item's size (its bucket's) — but a line of its own
+  // size the first item from i mod N on of that size — from the run's N items: image_latents_of(item), an item's
+  // conditioning latents [C, T, H, W], and the image tokens [N, Li, image_dim] (undefined without an image
+  // branch). Throws ConfigError naming train.sample_prompts when no item has a line's size.
   void images(int64_t items, const std::function<torch::Tensor(int64_t)>& image_latents_of,
               const torch::Tensor& image_embeds);
 
