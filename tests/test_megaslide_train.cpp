@@ -308,7 +308,8 @@ std::string trained_smoke_base(const std::string& dir) {
 
 // Property: a LoRA run whose frozen model starts from train.init_from resumes bit for bit: its checkpoint holds the
 // adapters alone, and the resumed run takes the frozen model from train.init_from again (it once started from the
-// random initialisation instead, and its losses jumped).
+// random initialisation instead, and its losses jumped); a resume without train.init_from, or with another
+// lora.alpha, is refused naming it.
 TEST(MegaslideTrain, ALoraRunOnAnInitFromBaseResumesBitExactly) {
   const auto dir = fresh_dir("lora-init-resume");
   const std::string args = "--config " + smoke() +
@@ -330,6 +331,16 @@ TEST(MegaslideTrain, ALoraRunOnAnInitFromBaseResumesBitExactly) {
   EXPECT_NE(other.output.find("warning: train.init_from is " + base + ".other here but was " + base), std::string::npos)
       << other.output;
   ASSERT_EQ(std::rename((base + ".other").c_str(), base.c_str()), 0);
+  // No train.init_from at the resume (the adapters would sit on a fresh random model), or another lora.alpha (the
+  // adapters' scale): refused, naming them.
+  refused = run(args + " --run-dir " + dir + " --resume latest --set train.init_from=");
+  EXPECT_EQ(refused.code, 2) << refused.output;
+  EXPECT_NE(refused.output.find("train.init_from was '" + base + "' when it was saved and is empty here"),
+            std::string::npos)
+      << refused.output;
+  refused = run(args + " --run-dir " + dir + " --resume latest --set lora.alpha=8");
+  EXPECT_EQ(refused.code, 2) << refused.output;
+  EXPECT_NE(refused.output.find("lora.alpha is 0 in the checkpoint but 8"), std::string::npos) << refused.output;
   const auto r = run(args + " --run-dir " + dir + " --resume latest");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_NE(r.output.find("the frozen model (a LoRA checkpoint holds the adapters alone) initialised from"),

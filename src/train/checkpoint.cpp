@@ -64,11 +64,12 @@ bool is_checkpoint_name(const std::string& name) {
 // data and noise streams. Everything else (steps, learning rate, logging, sampling) may change.
 bool must_match(const std::string& key) {
   static const std::set<std::string> exact{
-      "diffusion.timesteps",         "diffusion.beta_schedule", "diffusion.beta_start", "diffusion.beta_end",
-      "diffusion.caption_dropout",   "diffusion.prediction",    "train.batch_size",     "train.seed",
-      "offload.compute_dtype",       "optimizer.state_dtype",   "diffusion.objective",  "diffusion.shift",
-      "diffusion.timestep_sampling", "diffusion.logit_mean",    "diffusion.logit_std",  "diffusion.first_frame_clean",
-      "diffusion.image_dropout"};
+      "diffusion.timesteps", "diffusion.beta_schedule", "diffusion.beta_start", "diffusion.beta_end",
+      "diffusion.caption_dropout", "diffusion.prediction", "train.batch_size", "train.seed", "offload.compute_dtype",
+      "optimizer.state_dtype", "diffusion.objective", "diffusion.shift", "diffusion.timestep_sampling",
+      "diffusion.logit_mean", "diffusion.logit_std", "diffusion.first_frame_clean", "diffusion.image_dropout",
+      // A LoRA run's adapters: their shapes, scale and the frozen base's storage (its dropout may change).
+      "lora.type", "lora.rank", "lora.alpha", "lora.factor", "lora.targets", "lora.base_dtype"};
   // Where a run's initial weights came from (a resume reads its own), and Wan2.2's other expert (the trained
   // low-noise one's initial weights, or the untrained partner the validation videos read): may have moved.
   if (key == "model.wan.weights" || key == "model.wan.weights_2") return false;
@@ -115,6 +116,14 @@ void check_config(const std::string& path, const std::string& saved_yaml, const 
   auto validation_only = [wan](const std::string& key) {
     return wan && (key.rfind("model.text_encoder.", 0) == 0 || key.rfind("model.vae.", 0) == 0);
   };
+  // A LoRA checkpoint holds the adapters alone: without train.init_from the resumed adapters would sit on a
+  // freshly initialised frozen model.
+  if (config.lora.rank > 0 && config.train.init_from.empty() && !saved.train.init_from.empty() &&
+      holds_lora_adapters(saved.train.init_from) != std::optional<bool>(true))
+    fail(path, fmt::format("{}: train.init_from was '{}' when it was saved and is empty here: a LoRA checkpoint holds "
+                           "the adapters alone, and they continue on the frozen model train.init_from names; set it "
+                           "again (--set train.init_from=...)",
+                           kState, saved.train.init_from));
   for (const auto& key : config_keys()) {
     if (!must_match(key) || validation_only(key)) continue;
     const std::string x = lookup(a, key), y = lookup(b, key);
