@@ -605,6 +605,26 @@ TEST(Checkpoint, AnOwnCheckpointSpelledOtherwiseRollsBackAndAnotherRunsIsRefused
   for (const auto& d : {dir, other, fresh}) io::remove_tree(d);
 }
 
+// The property: a `latest` that names a folder gone (removed by hand) is refused as that, naming the newest complete
+// checkpoint left, whichever name reaches it (--resume latest, the run folder) — not called an incomplete save.
+TEST(Checkpoint, ALatestNamingAMissingFolderNamesTheNewestLeft) {
+  const auto dir = fresh_dir("latest-gone");
+  run_training(tiny(dir, {"train.steps=4", "train.checkpoint_every=2", "train.keep_last=0"}), {});
+  io::remove_tree(io::join_path(dir, "checkpoints/step-0000004"));
+  for (const auto& resolve : std::vector<std::function<std::string()>>{
+           [&] { return resolve_checkpoint(dir, "latest"); }, [&] { return find_checkpoint(dir); }}) {
+    try {
+      resolve();
+      ADD_FAILURE() << "a `latest` naming a missing folder was followed";
+    } catch (const CheckpointError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("step-0000004, which does not exist"), std::string::npos) << what;
+      EXPECT_NE(what.find("--resume " + io::join_path(dir, "checkpoints/step-0000002")), std::string::npos) << what;
+    }
+  }
+  io::remove_tree(dir);
+}
+
 // A failed save says what is true after it, not before: when `latest` names a checkpoint that is gone,
 // the message must not call it intact.
 TEST(Checkpoint, FailedSaveNeverCallsAMissingCheckpointIntact) {

@@ -444,6 +444,17 @@ std::string without_latest(const std::string& run_dir) {
          std::to_string(complete.size()) + " complete checkpoint" + (complete.size() == 1 ? "" : "s") +
          ": resume the newest by its name, --resume " + complete.back();
 }
+
+// `latest`'s checkpoint of run_dir (`pointer` its file), refused when that folder is gone (removed by hand, or a
+// failed save's), naming the newest complete checkpoint left.
+std::string existing(const std::string& run_dir, const std::string& checkpoint) {
+  if (io::path_exists(checkpoint)) return checkpoint;
+  const auto complete = complete_checkpoints(run_dir);
+  throw CheckpointError(fmt::format(
+      "{} names {}, which does not exist{}", io::join_path(checkpoints_dir(run_dir), "latest"), checkpoint,
+      complete.empty() ? std::string(": the run has no complete checkpoint left")
+                       : fmt::format(": resume the newest complete one by its name, --resume {}", complete.back())));
+}
 }  // namespace
 
 std::string find_checkpoint(const std::string& spelled) {
@@ -456,7 +467,7 @@ std::string find_checkpoint(const std::string& spelled) {
     if (io::path_exists(io::join_path(spec, "checkpoints"))) {         // a run folder
       const std::string latest = latest_checkpoint(spec);
       if (latest.empty()) throw CheckpointError("run folder '" + spec + "' " + without_latest(spec));
-      return latest;
+      return existing(spec, latest);
     }
     if (io::path_exists(io::join_path(spec, "latest")))
       return follow_pointer(io::join_path(spec, "latest"));  // RUN/checkpoints
@@ -498,7 +509,7 @@ std::string resolve_checkpoint(const std::string& run_dir, const std::string& sp
     const std::string path = latest_checkpoint(run_dir);
     if (path.empty())
       throw CheckpointError("--resume latest: run directory '" + run_dir + "' " + without_latest(run_dir));
-    return path;
+    return existing(run_dir, path);
   }
   return find_checkpoint(spec);
 }
