@@ -47,6 +47,17 @@ std::string write_config(const VideoFixture& fx, const std::string& extra = "") 
   return path;
 }
 
+// The model section of a tiny text-to-video Wan trained on videos (tests/fixtures: umT5 and the Wan VAE).
+std::string tiny_wan_model() {
+  const std::string fixtures = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures";
+  return "model:\n  arch: wan\n  wan: {dim: 24, layers: 2, heads: 2, ffn_dim: 40, freq_dim: 16, text_dim: 24, "
+         "in_channels: 16, out_channels: 16}\n"
+         "  text_encoder: {kind: umt5, weights: " +
+         fixtures + "/umt5/hf, vocab: " + fixtures +
+         "/umt5/tokenizer/spiece.model}\n  vae: {kind: wan, weights: " + fixtures +
+         "/wan_vae/tiny, latent_channels: 16}\n";
+}
+
 size_t count(const std::string& text, const std::string& what) {
   size_t n = 0;
   for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
@@ -180,24 +191,14 @@ TEST(MegaslideCache, WanCachesItsVideosAndTrainsFromTheCache) {
   VideoFixture fx("cli-cache-wan", 3, 12, 48, 64);
   const std::string fixtures = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures";
   const std::string config = fx.dir + "/wan.yaml";
-  fx.write("wan.yaml",
-           "model:\n  arch: wan\n  wan: {dim: 24, layers: 2, heads: 2, ffn_dim: 40, freq_dim: 16, text_dim: 24, "
-           "in_channels: 16, out_channels: 16}\n"
-           "  text_encoder: {kind: umt5, weights: " +
-               fixtures + "/umt5/hf, vocab: " + fixtures +
-               "/umt5/tokenizer/spiece.model}\n"
-               "  vae: {kind: wan, weights: " +
-               fixtures +
-               "/wan_vae/tiny, latent_channels: 16}\n"
-               "data:\n  dataset: videos\n  channels: 3\n  manifest: " +
-               fx.dir +
-               "/webvid.csv\n  frames: 5\n  height: 32\n  width: 32\n"
-               "  frame_stride: 2\n  max_bad_fraction: 0.5\n  clip_start: center\n  cache: " +
-               fx.dir +
-               "/cache\n"
-               "diffusion: {objective: flow, shift: 3.0, caption_dropout: 0.2}\n"
-               "train:\n  steps: 3\n  batch_size: 2\n  device: cpu\n  log_every: 1\n  warmup_steps: 0\n"
-               "offload:\n  enabled: false\n  compute_dtype: fp32\noutput:\n  progress: false\n");
+  fx.write("wan.yaml", tiny_wan_model() + "data:\n  dataset: videos\n  channels: 3\n  manifest: " + fx.dir +
+                           "/webvid.csv\n  frames: 5\n  height: 32\n  width: 32\n"
+                           "  frame_stride: 2\n  max_bad_fraction: 0.5\n  clip_start: center\n  cache: " +
+                           fx.dir +
+                           "/cache\n"
+                           "diffusion: {objective: flow, shift: 3.0, caption_dropout: 0.2}\n"
+                           "train:\n  steps: 3\n  batch_size: 2\n  device: cpu\n  log_every: 1\n  warmup_steps: 0\n"
+                           "offload:\n  enabled: false\n  compute_dtype: fp32\noutput:\n  progress: false\n");
   auto r = run_tool("megaslide-train", "--config " + config + " --run-dir " + fx.dir + "/early");
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("cache.json"), std::string::npos) << r.output;  // not built yet
@@ -255,27 +256,16 @@ TEST(MegaslideCache, WanTrainsOnBucketsOfStillsAndClips) {
                              megaslide::testing::smooth_random_frames(1, 48, 64, 300 + k)[0]);
     fx.write("videos/still-" + std::to_string(k) + ".txt", "a still picture " + std::to_string(k) + "\n");
   }
-  const std::string fixtures = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures";
   const std::string config = fx.dir + "/wan.yaml";
-  fx.write("wan.yaml",
-           "model:\n  arch: wan\n  wan: {dim: 24, layers: 2, heads: 2, ffn_dim: 40, freq_dim: 16, text_dim: 24, "
-           "in_channels: 16, out_channels: 16}\n"
-           "  text_encoder: {kind: umt5, weights: " +
-               fixtures + "/umt5/hf, vocab: " + fixtures +
-               "/umt5/tokenizer/spiece.model}\n"
-               "  vae: {kind: wan, weights: " +
-               fixtures +
-               "/wan_vae/tiny, latent_channels: 16}\n"
-               "data:\n  dataset: videos\n  channels: 3\n  root: " +
-               fx.dir +
-               "/videos\n  frames: 5\n  height: 32\n  width: 48\n  buckets: [[1, 32, 48], [5, 32, 32]]\n"
-               "  frame_stride: 2\n  max_bad_fraction: 0.5\n  clip_start: center\n  cache: " +
-               fx.dir +
-               "/cache\n"
-               "diffusion: {objective: flow, shift: 3.0, caption_dropout: 0.2}\n"
-               "train:\n  steps: 4\n  batch_size: 1\n  device: cpu\n  log_every: 1\n  warmup_steps: 0\n"
-               "  checkpoint_every: 2\n"
-               "offload:\n  enabled: true\n  compute_dtype: fp32\noutput:\n  progress: false\n");
+  fx.write("wan.yaml", tiny_wan_model() + "data:\n  dataset: videos\n  channels: 3\n  root: " + fx.dir +
+                           "/videos\n  frames: 5\n  height: 32\n  width: 48\n  buckets: [[1, 32, 48], [5, 32, 32]]\n"
+                           "  frame_stride: 2\n  max_bad_fraction: 0.5\n  clip_start: center\n  cache: " +
+                           fx.dir +
+                           "/cache\n"
+                           "diffusion: {objective: flow, shift: 3.0, caption_dropout: 0.2}\n"
+                           "train:\n  steps: 4\n  batch_size: 1\n  device: cpu\n  log_every: 1\n  warmup_steps: 0\n"
+                           "  checkpoint_every: 2\n"
+                           "offload:\n  enabled: true\n  compute_dtype: fp32\noutput:\n  progress: false\n");
   auto r = run_tool("megaslide-cache", "--config " + config);
   ASSERT_EQ(r.code, 0) << r.output;
   const auto run_config = megaslide::load_run_config(config, {});
@@ -328,7 +318,6 @@ TEST(MegaslideCache, WanTrainsOnBucketsOfStillsAndClips) {
   const std::string whole = megaslide::io::read_file(fx.dir + "/run/metrics.jsonl");
   EXPECT_EQ(count(whole, "\"loss\":"), 4u) << whole;
   // Resumed from step 2 in another folder: steps 3 and 4 as the uninterrupted run's, bit for bit.
-  megaslide::io::make_directories(fx.dir + "/resumed/checkpoints");
   r = run_tool("megaslide-train", "--config " + config + " --run-dir " + fx.dir + "/resumed --resume " + fx.dir +
                                       "/run/checkpoints/step-0000002");
   ASSERT_EQ(r.code, 0) << r.output;

@@ -43,7 +43,8 @@ inline std::optional<int> parse_flags(CLI::App& app, int argc, char** argv) {
     std::string message = e.what();
     for (char& c : message)
       if (c == '\n') c = ' ';
-    std::cerr << name << ": " << message << " (--help lists the flags)" << std::endl;
+    std::cerr << name + ": " + message + " (--help lists the flags)\n"
+              << std::flush;  // one write: ranks' lines stay whole
     return 2;
   }
 }
@@ -61,8 +62,10 @@ int run_tool(const std::string& name, Body&& body, const std::string& oom_hint =
     return std::forward<Body>(body)();
   } catch (const std::exception& e) {
     const bool oom = is_out_of_memory(e);
-    std::cerr << name << ": " << error_message(e)
-              << (oom && !oom_hint.empty() ? " (out of memory: " + oom_hint + ")" : "") << std::endl;
+    // One write of the whole line: the ranks of a launched run print theirs at once, and pieces interleaved.
+    std::cerr << name + ": " + error_message(e) +
+                     (oom && !oom_hint.empty() ? " (out of memory: " + oom_hint + ")" : "") + "\n"
+              << std::flush;
     return is_input_error(e) ? 2 : 1;
   }
 }
