@@ -340,8 +340,10 @@ TEST(MegaslideTrain, ALoraRunOnAnInitFromBaseResumesBitExactly) {
       << refused.output;
   refused = run(args + " --run-dir " + dir + " --resume latest --set lora.alpha=8");
   EXPECT_EQ(refused.code, 2) << refused.output;
-  EXPECT_NE(refused.output.find("lora.alpha is 0 in the checkpoint but 8"), std::string::npos) << refused.output;
-  const auto r = run(args + " --run-dir " + dir + " --resume latest");
+  EXPECT_NE(refused.output.find("lora.alpha is 2 (0: the rank) in the checkpoint but 8"), std::string::npos)
+      << refused.output;
+  // The alpha 0 stood for (the rank), spelled out: the same scale, resumed.
+  const auto r = run(args + " --run-dir " + dir + " --resume latest --set lora.alpha=2");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_NE(r.output.find("the frozen model (a LoRA checkpoint holds the adapters alone) initialised from"),
             std::string::npos)

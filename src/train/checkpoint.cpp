@@ -126,7 +126,15 @@ void check_config(const std::string& path, const std::string& saved_yaml, const 
                            kState, saved.train.init_from));
   for (const auto& key : config_keys()) {
     if (!must_match(key) || validation_only(key)) continue;
-    const std::string x = lookup(a, key), y = lookup(b, key);
+    std::string x = lookup(a, key), y = lookup(b, key);
+    if (key == "lora.alpha") {  // 0 means alpha = rank: the scale the two give is what must match
+      const auto effective = [](const RunConfig& c) {
+        return c.lora.alpha > 0 ? c.lora.alpha : static_cast<double>(c.lora.rank);
+      };
+      if (effective(saved) == effective(config)) continue;
+      x = fmt::format("{:g}", effective(saved)) + (saved.lora.alpha > 0 ? "" : " (0: the rank)");
+      y = fmt::format("{:g}", effective(config)) + (config.lora.alpha > 0 ? "" : " (0: the rank)");
+    }
     if (x != y && key == "offload.compute_dtype")
       fail(path,
            fmt::format("{}: offload.compute_dtype is {} in the checkpoint but {} in this run's config (`auto` "
