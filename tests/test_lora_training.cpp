@@ -3,6 +3,7 @@
 // checkpoint resumes bit for bit (dropout included), the exported LoRA merged into the base is the trained
 // model, train.init_from starts the adapters from a LoRA file or a LoRA run, and bad settings are named.
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 #include <unistd.h>
 
 #include <cmath>
@@ -19,6 +20,7 @@
 #include "megaslide/model/wan.h"
 #include "megaslide/model/wan_lora.h"
 #include "megaslide/train/checkpoint.h"
+#include "megaslide/train/run_outputs.h"
 #include "megaslide/train/training_run.h"
 #include "trainers.h"
 
@@ -28,6 +30,16 @@ using megaslide::Trainer;
 using megaslide::WanLatentData;
 
 namespace {
+
+// What megaslide-train --dry-run says the run trains, and what a trainer of it does train (its masters).
+int64_t dry_run_trained(const RunConfig& config) {
+  return nlohmann::json::parse(megaslide::dry_run_json(config)).at("trained_params").get<int64_t>();
+}
+int64_t trained_count(Trainer& trainer) {
+  int64_t n = 0;
+  for (const auto& [name, t] : trainer.master_weights()) n += t.numel();
+  return n;
+}
 
 std::string temp_dir(const std::string& name) {
   auto d = "/tmp/megaslide-test-lora-" + std::to_string(::getpid()) + "-" + name;
@@ -433,6 +445,7 @@ lora: {rank: 2, targets: ["blocks.*.mlp.*", "blocks.*.attn.*"]}
   config.train.init_from = trained_dit_base(yaml, dir);
   Trainer streamed = streamed_trainer(config), resident = resident_trainer(config);
   EXPECT_FALSE(streamed.init_plan().tensors.empty()) << "the base started from the run";
+  EXPECT_EQ(dry_run_trained(config), trained_count(resident)) << "--dry-run's count of what the run trains";
   ASSERT_GT(streamed.weight_views().size(), 0u);
   EXPECT_EQ(max_difference(streamed.master_weights(), resident.master_weights()), 0.0);
   for (int s = 0; s < 3; ++s) {
@@ -708,6 +721,7 @@ TEST(LoraTraining, LokrStreamedEqualsResidentAndResumesBitExactly) {
   auto resident_config = streamed_config;
   resident_config.offload.enabled = false;
   Trainer streamed = wan_trainer(streamed_config, tiny_data()), resident = wan_trainer(resident_config, tiny_data());
+  EXPECT_EQ(dry_run_trained(streamed_config), trained_count(streamed)) << "--dry-run's count of what the run trains";
   const auto initial = copies(streamed.master_weights());
   ASSERT_EQ(initial.size(), 3u * 22u) << "a block's 8 attention projections (w1, w2), its FFN's 2 (w1, w2_a, w2_b)";
   EXPECT_EQ(initial[0].first, "blocks.0.attn1.to_q.lokr_w1");

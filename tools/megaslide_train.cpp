@@ -63,6 +63,10 @@ int print_dry_run(const megaslide::RunConfig& config, bool json) {
              j["host_state_bytes"].get<double>() / 1e9,
              j["host_state_bytes"].get<double>() / std::max(1.0, j["params"].get<double>()),
              j["device"].get<std::string>(), j["compute_dtype"].get<std::string>())
+      << (config.lora.rank > 0 ? fmt::format("trains {} parameters: the {} adapters of rank {} (the model frozen)\n",
+                                             millions(j["trained_params"]),
+                                             config.lora.type == "lokr" ? "LoKr" : "LoRA", config.lora.rank)
+                               : std::string())
       << "(--json prints this as one JSON object; megaslide-plan shows memory and time on a machine)\n";
   return 0;
 }

@@ -1489,4 +1489,6 @@ std::string to_table(const StepPlan& p) {
   return out;
 }
 
+int64_t lora_trained_parameters(const RunConfig& config) { return lora_shape(config).params; }
+
 }  // namespace megaslide::plan

@@ -253,6 +253,10 @@ struct StepPlan {
 // not divide and for int8 AdamW moments with the streamed trainer (the sharded store keeps fp32 or bf16).
 StepPlan plan_step(const RunConfig& config, const HardwareProfile& hardware, int64_t world_size = 1);
 
+// What a LoRA run (lora.rank > 0) trains: its adapters' parameters (StepPlan::lora_params; both Wan2.2 experts'
+// with expert both); 0 for full fine-tuning. Throws ConfigError when lora.targets match no Linear layer.
+int64_t lora_trained_parameters(const RunConfig& config);
+
 // One JSON object: params, host_state_bytes, device_peak_bytes, h2d_bytes_per_step,
 // d2h_bytes_per_step, step_time_lower_bound_s, bottleneck, fits_device, fits_host, and every
 // component (docs/planner.md lists the keys); with world_size > 1 also world_size,
