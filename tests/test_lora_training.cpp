@@ -3,7 +3,6 @@
 // checkpoint resumes bit for bit (dropout included), the exported LoRA merged into the base is the trained
 // model, train.init_from starts the adapters from a LoRA file or a LoRA run, and bad settings are named.
 #include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
 #include <unistd.h>
 
 #include <cmath>
@@ -20,7 +19,7 @@
 #include "megaslide/model/wan.h"
 #include "megaslide/model/wan_lora.h"
 #include "megaslide/train/checkpoint.h"
-#include "megaslide/train/run_outputs.h"
+#include "megaslide/plan/step_plan.h"
 #include "megaslide/train/training_run.h"
 #include "trainers.h"
 
@@ -31,10 +30,9 @@ using megaslide::WanLatentData;
 
 namespace {
 
-// What megaslide-train --dry-run says the run trains, and what a trainer of it does train (its masters).
-int64_t dry_run_trained(const RunConfig& config) {
-  return nlohmann::json::parse(megaslide::dry_run_json(config)).at("trained_params").get<int64_t>();
-}
+// What megaslide-train --dry-run (and the planner) say the run trains, and what a trainer of it does train (its
+// masters).
+int64_t dry_run_trained(const RunConfig& config) { return megaslide::plan::lora_trained_parameters(config); }
 int64_t trained_count(Trainer& trainer) {
   int64_t n = 0;
   for (const auto& [name, t] : trainer.master_weights()) n += t.numel();

@@ -43,12 +43,14 @@ void on_stop_signal(int signal) {
 
 // --dry-run: the model's size and the run's memory in a few lines, or one JSON object.
 int print_dry_run(const megaslide::RunConfig& config, bool json) {
-  const std::string summary = megaslide::dry_run_json(config);
+  auto j = nlohmann::json::parse(megaslide::dry_run_json(config));
+  // What the run trains: the model's parameters, or a LoRA run's adapters (the planner's count).
+  j["trained_params"] =
+      config.lora.rank > 0 ? megaslide::plan::lora_trained_parameters(config) : j["params"].get<int64_t>();
   if (json) {
-    std::cout << summary << "\n";
+    std::cout << j.dump() << "\n";
     return 0;
   }
-  const auto j = nlohmann::json::parse(summary);
   const auto millions = [](const nlohmann::json& v) { return fmt::format("{:.2f} M", v.get<double>() / 1e6); };
   std::cout
       << megaslide::build_summary() << "\n"

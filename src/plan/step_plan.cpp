@@ -1489,6 +1489,12 @@ std::string to_table(const StepPlan& p) {
   return out;
 }
 
-int64_t lora_trained_parameters(const RunConfig& config) { return lora_shape(config).params; }
+int64_t lora_trained_parameters(const RunConfig& config) {
+  try {  // Wan: the sizes of model.wan.weights when set, as plan_step reads them
+    return lora_shape(with_wan_architecture_from_weights(config)).params;
+  } catch (const WanWeightsError& e) {
+    throw ConfigError("megaslide-plan", "model.wan.weights", e.what());
+  }
+}
 
 }  // namespace megaslide::plan

@@ -22,7 +22,6 @@
 #include "megaslide/model/wan.h"
 #include "megaslide/model/wan_weights.h"
 #include "megaslide/offload/cpu_adamw.h"
-#include "megaslide/plan/step_plan.h"
 #include "megaslide/train/auto_settings.h"
 #include "megaslide/train/wan_family.h"
 
@@ -329,7 +328,6 @@ std::string dry_run_json(const RunConfig& requested) {
                    {"hidden", wan ? config.model.wan.dim : config.model.hidden},
                    {"tokens_per_sample", grid.numel()},
                    {"token_grid", {grid.t, grid.h, grid.w}},
-                   {"trained_params", config.lora.rank > 0 ? plan::lora_trained_parameters(config) : count.total},
                    {"host_state_bytes", std::llround(per_param * static_cast<double>(count.total))},
                    {"device", config.train.device},
                    {"compute_dtype", resolved.offload.compute_dtype}};

@@ -254,7 +254,8 @@ struct StepPlan {
 StepPlan plan_step(const RunConfig& config, const HardwareProfile& hardware, int64_t world_size = 1);
 
 // What a LoRA run (lora.rank > 0) trains: its adapters' parameters (StepPlan::lora_params; both Wan2.2 experts'
-// with expert both); 0 for full fine-tuning. Throws ConfigError when lora.targets match no Linear layer.
+// with expert both; Wan's sizes from model.wan.weights when set); 0 for full fine-tuning. Throws ConfigError when
+// lora.targets match no Linear layer (megaslide-train --dry-run prints it beside train's dry_run_json).
 int64_t lora_trained_parameters(const RunConfig& config);
 
 // One JSON object: params, host_state_bytes, device_peak_bytes, h2d_bytes_per_step,
