@@ -117,9 +117,10 @@ void check_config(const std::string& path, const std::string& saved_yaml, const 
     return wan && (key.rfind("model.text_encoder.", 0) == 0 || key.rfind("model.vae.", 0) == 0);
   };
   // A LoRA checkpoint holds the adapters alone: without train.init_from the resumed adapters would sit on a
-  // freshly initialised frozen model.
+  // freshly initialised frozen model. (Only where the saved one is a model still there to read: one of adapters
+  // only started them, and one gone cannot be told apart, nor read again.)
   if (config.lora.rank > 0 && config.train.init_from.empty() && !saved.train.init_from.empty() &&
-      holds_lora_adapters(saved.train.init_from) != std::optional<bool>(true))
+      holds_lora_adapters(saved.train.init_from) == std::optional<bool>(false))
     fail(path, fmt::format("{}: train.init_from was '{}' when it was saved and is empty here: a LoRA checkpoint holds "
                            "the adapters alone, and they continue on the frozen model train.init_from names; set it "
                            "again (--set train.init_from=...)",
