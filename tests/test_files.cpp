@@ -112,6 +112,8 @@ TEST(Files, ReadInputFileRefusesFoldersDevicesAndFilesPastTheCap) {
   remove_tree(dir);
 }
 
+// The property: output paths are checked before any work: missing folders, folders in the way, empty paths and
+// folders nothing can be created in are refused naming the flag, and a check leaves nothing behind.
 TEST(Files, OutputPathsAreCheckedWithoutCreatingAnything) {
   const auto dir = fresh("output");
   EXPECT_EQ(error_of([&] { check_output_file(join_path(dir, "t.json"), "--trace"); }), "");
@@ -130,6 +132,13 @@ TEST(Files, OutputPathsAreCheckedWithoutCreatingAnything) {
       std::string::npos);
   EXPECT_NE(error_of([&] { check_output_folder("", "--run-dir"); }).find("--run-dir: an empty path"),
             std::string::npos);
+  // Folders nothing can be created in, which access(2) passes for root: refused.
+  EXPECT_NE(error_of([] { check_output_file("/proc/eval.json", "--json"); }).find("is not writable"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { check_output_folder("/proc/ablations", "--out"); }).find("is not writable"),
+            std::string::npos);
+  // The write check leaves nothing behind.
+  EXPECT_EQ(list_directory(dir), (std::vector<std::string>{"file"}));
   remove_tree(dir);
 }
 

@@ -13,6 +13,7 @@
 #include <array>
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <vector>
@@ -587,6 +588,20 @@ std::string read_input_file(const std::string& path, uint64_t max_bytes, bool al
 
 std::string parent_path(const std::string& path) { return parent_of(path); }
 
+namespace {
+// 0 when a file can be created in `folder` (one is, and removed at once), else the errno. access(2) alone says yes to
+// root for folders nothing can be created in (/proc, /sys).
+int creatable_in(const std::string& folder) {
+  if (::access(folder.c_str(), W_OK | X_OK) != 0) return errno;
+  std::string name = join_path(folder, ".megaslide-write-check-XXXXXX");
+  const int fd = ::mkstemp(name.data());
+  if (fd < 0) return errno;
+  ::close(fd);
+  ::unlink(name.c_str());
+  return 0;
+}
+}  // namespace
+
 void check_output_file(const std::string& path, const std::string& flag) {
   if (path.empty()) throw IoError(flag + ": an empty path names no file");
   if (path.back() == '/' || is_directory(path))
@@ -595,8 +610,8 @@ void check_output_file(const std::string& path, const std::string& flag) {
   if (!is_directory(parent))
     throw IoError(flag + " '" + path + "': folder '" + parent + "' does not exist" +
                   (path_exists(parent) ? " (a file is in its place)" : ""));
-  if (::access(parent.c_str(), W_OK | X_OK) != 0)
-    throw IoError(flag + " '" + path + "': folder '" + parent + "' is not writable: " + std::strerror(errno));
+  if (const int error = creatable_in(parent); error != 0)
+    throw IoError(flag + " '" + path + "': folder '" + parent + "' is not writable: " + std::strerror(error));
   if (path_exists(path) && ::access(path.c_str(), W_OK) != 0)
     throw IoError(flag + " '" + path + "': the existing file is not writable: " + std::strerror(errno));
   try {
@@ -618,8 +633,8 @@ void check_output_folder(const std::string& path, const std::string& flag) {
     existing = up;
   }
   if (!is_directory(existing)) throw IoError(flag + " '" + path + "': '" + existing + "' is a file, not a folder");
-  if (::access(existing.c_str(), W_OK | X_OK) != 0)
-    throw IoError(flag + " '" + path + "': folder '" + existing + "' is not writable: " + std::strerror(errno));
+  if (const int error = creatable_in(existing); error != 0)
+    throw IoError(flag + " '" + path + "': folder '" + existing + "' is not writable: " + std::strerror(error));
 }
 
 std::string read_file(const std::string& path) {

@@ -68,9 +68,11 @@ std::string read_input_file(const std::string& path, uint64_t max_bytes, bool al
 // have refused at its start. Each throws IoError naming `flag` (e.g. "--out"), the path and the
 // problem:
 //  - check_output_file: `path` is not empty and not an existing folder; its folder exists and is
-//    writable; if it exists it is a regular file (check_replaceable_output; nothing is created).
+//    writable; if it exists it is a regular file (check_replaceable_output).
 //  - check_output_folder: `path` is not empty; it is a writable folder, or can be created as one
-//    (its nearest existing ancestor is a writable folder; nothing is created).
+//    (its nearest existing ancestor is a writable folder).
+// "Writable": a file can be created there — one is (.megaslide-write-check-XXXXXX), and removed at once; access(2)
+// alone says yes to root where nothing can be created (/proc). Nothing else is created.
 void check_output_file(const std::string& path, const std::string& flag);
 void check_output_folder(const std::string& path, const std::string& flag);
 
