@@ -63,9 +63,9 @@ int64_t nearest_bucket(const std::vector<ClipShape>& buckets, const VideoItemInf
 std::vector<std::string> dataset_notices(const DataConfig& data, const std::vector<VideoItem>& items,
                                          const std::vector<VideoItemInfo>& info) {
   std::vector<std::string> out;
+  const auto buckets = clip_buckets(data);
   if (data.fps > 0) {
     // A clip repeats a source frame when it spans fewer source frames than it has.
-    const auto buckets = clip_buckets(data);
     int64_t slow = 0, slowest = -1;
     const auto videos = std::count_if(info.begin(), info.end(), [](const auto& v) { return v.frames > 1; });
     for (size_t i = 0; i < info.size(); ++i)
@@ -81,19 +81,16 @@ std::vector<std::string> dataset_notices(const DataConfig& data, const std::vect
           slow, videos, data.fps, data.fps, info[static_cast<size_t>(slowest)].fps,
           items[static_cast<size_t>(slowest)].path));
   }
-  {
-    const auto buckets = clip_buckets(data);
-    int64_t as_stills = 0, first = -1;
-    for (size_t i = 0; i < info.size(); ++i)
-      if (info[i].frames > 1 && buckets[static_cast<size_t>(info[i].bucket)].frames == 1 && as_stills++ == 0)
-        first = static_cast<int64_t>(i);
-    if (as_stills > 0)
-      out.push_back(fmt::format(
-          "{} usable {} no bucket of more than one frame and {} trained on one frame, as a still (the first: "
-          "'{}', {} frames)",
-          as_stills, as_stills == 1 ? "video fits" : "videos fit", as_stills == 1 ? "is" : "are",
-          items[static_cast<size_t>(first)].path, info[static_cast<size_t>(first)].frames));
-  }
+  int64_t as_stills = 0, first_still = -1;  // videos in a bucket of one frame
+  for (size_t i = 0; i < info.size(); ++i)
+    if (info[i].frames > 1 && buckets[static_cast<size_t>(info[i].bucket)].frames == 1 && as_stills++ == 0)
+      first_still = static_cast<int64_t>(i);
+  if (as_stills > 0)
+    out.push_back(
+        fmt::format("{} usable {} no bucket of more than one frame and {} trained on one frame, as a still (the first: "
+                    "'{}', {} frames)",
+                    as_stills, as_stills == 1 ? "video fits" : "videos fit", as_stills == 1 ? "is" : "are",
+                    items[static_cast<size_t>(first_still)].path, info[static_cast<size_t>(first_still)].frames));
   std::map<std::string, int64_t> listings;  // path -> times listed
   int64_t repeats = 0;                      // items whose path an earlier item has
   std::string first_repeated;

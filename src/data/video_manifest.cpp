@@ -267,16 +267,12 @@ std::string stem_of(const std::string& name) { return name.substr(0, name.find_l
 // The rank of an image extension as a video's conditioning image: .png, .jpg, .jpeg, .webp in that order, each in
 // lower case, then upper case, then any other spelling (a camera's .Jpg); -1 for no image.
 int image_rank(const std::string& name) {
-  const std::string ext =
-      name.substr(name.find_last_of('.') == std::string::npos ? name.size() : name.find_last_of('.'));
+  const std::string ext = name.substr(std::min(name.find_last_of('.'), name.size())), l = lower(ext);
+  const bool upper =
+      std::none_of(ext.begin(), ext.end(), [](char c) { return std::islower(static_cast<unsigned char>(c)); });
   static const char* kOrder[] = {".png", ".jpg", ".jpeg", ".webp"};
-  for (int k = 0; k < 4; ++k) {
-    std::string upper = kOrder[k];
-    for (auto& c : upper) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-    if (ext == kOrder[k]) return 3 * k;
-    if (ext == upper) return 3 * k + 1;
-    if (lower(ext) == kOrder[k]) return 3 * k + 2;
-  }
+  for (int k = 0; k < 4; ++k)
+    if (l == kOrder[k]) return 3 * k + (ext == l ? 0 : upper ? 1 : 2);
   return -1;
 }
 
@@ -391,9 +387,8 @@ VideoManifest read_folder(const DataConfig& data, bool images) {
       m.bad.push_back({index, path, "missing caption (" + caption_path + " is empty)"});
       continue;
     }
-    // A still is no video's, so it has no conditioning image of its own.
-    const bool still = is_image_file(path);
-    const auto image = images && !still ? image_of.find(rel) : image_of.end();
+    // (A still is no video: image_of has no image for it.)
+    const auto image = images ? image_of.find(rel) : image_of.end();
     m.items.push_back({index, path, caption, rel, image != image_of.end() ? image->second : std::string()});
   }
   return m;

@@ -22,7 +22,6 @@ extern "C" {
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <functional>
 #include <map>
 #include <memory>
@@ -422,13 +421,20 @@ int exif_payload_orientation(std::string exif) {
 // photo as the sensor read it and say in this tag how to turn it. Segments and chunks are walked by their lengths;
 // nothing is decoded. (ImageMagick's older zTXt "Raw profile type exif" is compressed and not read.)
 int exif_orientation(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  const auto read = [&](uint64_t at, size_t n) {
+  int fd = -1;
+  try {
+    fd = open_input_file(path);  // the one checked open (a regular file, no FIFO waited on)
+  } catch (const IoError&) {
+    return 0;
+  }
+  const struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  const auto read = [fd](uint64_t at, size_t n) {
     std::string out(n, '\0');
-    in.clear();
-    in.seekg(static_cast<std::streamoff>(at));
-    in.read(out.data(), static_cast<std::streamsize>(n));
-    out.resize(static_cast<size_t>(std::max<std::streamsize>(0, in.gcount())));
+    const ssize_t got = ::pread(fd, out.data(), n, static_cast<off_t>(at));
+    out.resize(got > 0 ? static_cast<size_t>(got) : 0);
     return out;
   };
   const auto be = [](const std::string& b, size_t at, int n) {

@@ -542,12 +542,7 @@ bool roll_back_latest(const std::string& run_dir, const std::string& spelled) {
   // Only a checkpoint of this run's own folder is made `latest`: one taken from elsewhere starts this
   // run's history afresh (into a folder without a run of its own: training_run), and its own `latest` moves
   // with its first save.
-  char* here = ::realpath(checkpoints_dir(run_dir).c_str(), nullptr);
-  char* there = ::realpath(io::parent_path(checkpoint).c_str(), nullptr);
-  const bool same = here != nullptr && there != nullptr && std::string(here) == there;
-  std::free(here);
-  std::free(there);
-  if (!same) return false;
+  if (!is_checkpoint_of(run_dir, checkpoint)) return false;
   const std::string name = checkpoint.substr(checkpoint.find_last_of('/') + 1);
   if (!is_checkpoint_name(name) || checkpoint_step(checkpoint) >= checkpoint_step(latest)) return false;
   try {
