@@ -418,15 +418,17 @@ TEST(StepPlanContextParallel, ARankPlansItsFramesAndTheGroupsExchange) {
 }
 
 // Property: a group size that does not divide the ranks, a sample with fewer token frames than the group, and dense
-// attention whose heads the group does not divide are refused naming --context-parallel; `megaslide-plan
-// --context-parallel 2` plans a world of 2 and prints the context keys and the table's line.
+// attention whose heads the group does not divide are refused naming distributed.context_parallel (the flag when
+// `megaslide-plan --context-parallel` set it, the config's file and key when the config did); `megaslide-plan
+// --context-parallel 2`, or a config of groups of 2 without --world-size, plans a world of 2 and prints the
+// context keys and the table's line.
 TEST(StepPlanContextParallel, RefusalsAndTheCli) {
   const auto refused = [](const RunConfig& c, int64_t world, const std::string& needle) {
     try {
       plan::plan_step(c, h200(), world);
       ADD_FAILURE() << "planned " << needle;
     } catch (const ConfigError& e) {
-      EXPECT_EQ(e.key(), "--context-parallel") << e.what();
+      EXPECT_EQ(e.key(), "distributed.context_parallel") << e.what();
       EXPECT_NE(e.problem().find(needle), std::string::npos) << e.what();
     }
   };
@@ -448,5 +450,15 @@ TEST(StepPlanContextParallel, RefusalsAndTheCli) {
   EXPECT_NE(table.output.find("context parallel: groups of 2 ranks"), std::string::npos) << table.output;
   const auto bad = megaslide::testing::run_tool("megaslide-plan", config + " --context-parallel 2 --world-size 3");
   EXPECT_EQ(bad.code, 2) << bad.output;
-  EXPECT_NE(bad.output.find("--context-parallel"), std::string::npos) << bad.output;
+  EXPECT_NE(bad.output.find("--context-parallel: 2 does not divide the 3 ranks"), std::string::npos) << bad.output;
+  const auto from_config =
+      megaslide::testing::run_tool("megaslide-plan", config + " --set distributed.context_parallel=2 --json");
+  ASSERT_EQ(from_config.code, 0) << from_config.output;
+  EXPECT_EQ(nlohmann::json::parse(from_config.output)["world_size"].get<int64_t>(), 2);
+  const auto config_refused =
+      megaslide::testing::run_tool("megaslide-plan", config + " --set distributed.context_parallel=2 --world-size 3");
+  EXPECT_EQ(config_refused.code, 2) << config_refused.output;
+  EXPECT_NE(config_refused.output.find("smoke.yaml: distributed.context_parallel: 2 does not divide the 3 ranks"),
+            std::string::npos)
+      << config_refused.output;
 }

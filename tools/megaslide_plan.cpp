@@ -38,18 +38,21 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", megaslide::build_summary());
   if (const auto code = megaslide::tools::parse_flags(app, argc, argv)) return *code;
   return megaslide::tools::run_tool("megaslide-plan", [&] {
-    if (context_parallel > 1) {
-      overrides.push_back("distributed.context_parallel=" + std::to_string(context_parallel));
-      if (app.count("--world-size") == 0) world_size = context_parallel;
-    }
+    const bool cp_flag = app.count("--context-parallel") > 0;
+    if (cp_flag) overrides.push_back("distributed.context_parallel=" + std::to_string(context_parallel));
     const auto config = megaslide::load_run_config(config_path, overrides);
+    // The smallest world of a context-parallel run is one group (the flag's or the config's).
+    if (app.count("--world-size") == 0) world_size = config.distributed.context_parallel;
     const auto profile = megaslide::tools::checking_input(
         [&] { return megaslide::plan::load_hardware_profile(hardware); }, "--hardware: ");
     megaslide::plan::StepPlan plan;
     try {
-      plan = megaslide::plan::plan_step(config, profile, world_size);
-    } catch (const megaslide::ConfigError& e) {  // e.g. a batch the ranks do not divide (its source is megaslide-plan)
-      throw megaslide::tools::UsageError((e.key().empty() ? "" : e.key() + ": ") + e.problem());
+      plan = megaslide::plan::plan_step(config, profile, world_size, config_path);
+    } catch (const megaslide::ConfigError& e) {
+      // A group size from the flag is the flag's problem; a batch the ranks do not divide names --world-size.
+      if (cp_flag && e.key() == "distributed.context_parallel")
+        throw megaslide::tools::UsageError("--context-parallel: " + e.problem());
+      throw;
     }
     std::cout << (json ? megaslide::plan::to_json(plan) + "\n" : megaslide::plan::to_table(plan));
     return 0;

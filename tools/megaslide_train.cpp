@@ -42,11 +42,11 @@ void on_stop_signal(int signal) {
 }
 
 // --dry-run: the model's size and the run's memory in a few lines, or one JSON object.
-int print_dry_run(const megaslide::RunConfig& config, bool json) {
+int print_dry_run(const megaslide::RunConfig& config, const std::string& source, bool json) {
   auto j = nlohmann::json::parse(megaslide::dry_run_json(config));
   // What the run trains: the model's parameters, or a LoRA run's adapters (the planner's count).
   j["trained_params"] =
-      config.lora.rank > 0 ? megaslide::plan::lora_trained_parameters(config) : j["params"].get<int64_t>();
+      config.lora.rank > 0 ? megaslide::plan::lora_trained_parameters(config, source) : j["params"].get<int64_t>();
   if (json) {
     std::cout << j.dump() << "\n";
     return 0;
@@ -206,7 +206,7 @@ int main(int argc, char** argv) {
           return megaslide::launch_local_ranks(std::vector<std::string>(argv, argv + argc), nproc_per_node,
                                                master_port);
         }
-        if (dry_run) return print_dry_run(config, json);
+        if (dry_run) return print_dry_run(config, config_path, json);
         // With --resume an export writes the checkpoint's files and trains nothing. --export-merged needs the model
         // and its adapters: run_training loads them (export_only), checks its inputs and writes the file first.
         megaslide::TrainingRunOptions options;

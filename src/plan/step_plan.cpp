@@ -354,7 +354,7 @@ std::vector<AdaptedLinear> adapted_linears(torch::nn::Module& block, const std::
   return out;
 }
 
-LoraShape lora_shape(const RunConfig& c) {
+LoraShape lora_shape(const RunConfig& c, const std::string& source = "megaslide-plan") {
   LoraShape s;
   if (c.lora.rank <= 0) return s;
   s.rank = c.lora.rank;
@@ -376,7 +376,7 @@ LoraShape lora_shape(const RunConfig& c) {
   if (s.adapters == 0) {  // as the trainer refuses it (train/lora_model.cpp)
     std::string targets;
     for (const auto& t : c.lora.targets) targets += (targets.empty() ? "" : ", ") + t;
-    throw ConfigError("megaslide-plan", "lora.targets",
+    throw ConfigError(source, "lora.targets",
                       fmt::format("[{}] match no Linear layer of the blocks; the first block's are: {}", targets,
                                   example.empty() ? "none" : example));
   }
@@ -818,30 +818,31 @@ RunConfig with_planned_compute_dtype(RunConfig config) {
 
 }  // namespace
 
-StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_t world_size) {
+StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_t world_size,
+                   const std::string& source) {
   RunConfig sized = requested;
   try {  // Wan: the sizes of model.wan.weights when set, as megaslide-train reads them
     sized = with_wan_architecture_from_weights(requested);
   } catch (const WanWeightsError& e) {
-    throw ConfigError("megaslide-plan", "model.wan.weights", e.what());
+    throw ConfigError(source, "model.wan.weights", e.what());
   }
   const RunConfig global = with_planned_compute_dtype(sized);
-  validate(global, "megaslide-plan", /*wan_sizes_resolved=*/true);
+  validate(global, source, /*wan_sizes_resolved=*/true);
   const int64_t R = world_size, n = global.distributed.context_parallel;
-  if (R < 1) throw ConfigError("megaslide-plan", "--world-size", fmt::format("is {}; expected 1 or more ranks", R));
+  if (R < 1) throw ConfigError(source, "--world-size", fmt::format("is {}; expected 1 or more ranks", R));
   if (const std::string problem = context_parallel_problem(global, R); !problem.empty())
-    throw ConfigError("megaslide-plan", "--context-parallel", problem);
+    throw ConfigError(source, "distributed.context_parallel", problem);
   const int64_t slices = R / n;  // data parallelism's
   if (global.train.batch_size % slices != 0) {
     throw ConfigError(
-        "megaslide-plan", "train.batch_size",
+        source, "train.batch_size",
         fmt::format("is {}, the global batch, which must split evenly over the {} {} of --world-size: set a "
                     "multiple of {}",
                     global.train.batch_size, slices, n > 1 ? "context-parallel groups" : "ranks", slices));
   }
   if (R > 1 && global.offload.enabled && global.optimizer.state_dtype == "int8" && global.lora.rank == 0) {
     throw ConfigError(
-        "megaslide-plan", "optimizer.state_dtype",
+        source, "optimizer.state_dtype",
         fmt::format("is int8, which the streamed trainer sharded over {} ranks does not keep (its shards hold "
                     "fp32 or bf16 moments): set fp32 or bf16",
                     R));
@@ -855,10 +856,10 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
   const bool both = wan && config.model.wan.expert == "both";
   const ModelShape one = shape_of(config);  // what one step streams
   const ModelShape s = both ? two_experts(one) : one;
-  const LoraShape lora = lora_shape(config);  // no adapters: full fine-tuning
+  const LoraShape lora = lora_shape(config, source);  // no adapters: full fine-tuning
   const TokenGrid grid = grid_of(config);
   if (const std::string problem = context_parallel_problem(config, R, grid.t); !problem.empty())
-    throw ConfigError("megaslide-plan", "--context-parallel", problem);
+    throw ConfigError(source, "distributed.context_parallel", problem);
   const TokenGrid local{(grid.t + n - 1) / n, grid.h, grid.w};  // rank 0's frames of a sample
   const bool dsa = uses_dsa3d(config.model);
   const bool dense_attention = wan ? !dsa : config.model.arch == Architecture::kDense3D;
@@ -1489,11 +1490,11 @@ std::string to_table(const StepPlan& p) {
   return out;
 }
 
-int64_t lora_trained_parameters(const RunConfig& config) {
+int64_t lora_trained_parameters(const RunConfig& config, const std::string& source) {
   try {  // Wan: the sizes of model.wan.weights when set, as plan_step reads them
-    return lora_shape(with_wan_architecture_from_weights(config)).params;
+    return lora_shape(with_wan_architecture_from_weights(config), source).params;
   } catch (const WanWeightsError& e) {
-    throw ConfigError("megaslide-plan", "model.wan.weights", e.what());
+    throw ConfigError(source, "model.wan.weights", e.what());
   }
 }
 

@@ -249,14 +249,17 @@ struct StepPlan {
 };
 
 // The plan of one rank of `config` on `hardware` with `world_size` data-parallel ranks (1: one process).
-// Throws ConfigError for an invalid config, and with world_size > 1 for a train.batch_size the ranks do
+// Throws ConfigError, naming `source` (the config's file) and the key, for an invalid config, and with
+// world_size > 1 for a train.batch_size the ranks do not divide, for a distributed.context_parallel they do
 // not divide and for int8 AdamW moments with the streamed trainer (the sharded store keeps fp32 or bf16).
-StepPlan plan_step(const RunConfig& config, const HardwareProfile& hardware, int64_t world_size = 1);
+StepPlan plan_step(const RunConfig& config, const HardwareProfile& hardware, int64_t world_size = 1,
+                   const std::string& source = "megaslide-plan");
 
 // What a LoRA run (lora.rank > 0) trains: its adapters' parameters (StepPlan::lora_params; both Wan2.2 experts'
 // with expert both; Wan's sizes from model.wan.weights when set); 0 for full fine-tuning. Throws ConfigError when
-// lora.targets match no Linear layer (megaslide-train --dry-run prints it beside train's dry_run_json).
-int64_t lora_trained_parameters(const RunConfig& config);
+// lora.targets match no Linear layer, naming `source` (megaslide-train --dry-run prints it beside train's
+// dry_run_json).
+int64_t lora_trained_parameters(const RunConfig& config, const std::string& source = "megaslide-plan");
 
 // One JSON object: params, host_state_bytes, device_peak_bytes, h2d_bytes_per_step,
 // d2h_bytes_per_step, step_time_lower_bound_s, bottleneck, fits_device, fits_host, and every
