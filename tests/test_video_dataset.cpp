@@ -109,6 +109,7 @@ TEST(VideoDataset, FrameSamplingByFpsAndDrawsFixedBySeedItemAndEpoch) {
     EXPECT_LE(p.crop_left, 16);
     const auto again = ds.plan(0, epoch);  // a pure function of (seed, item, epoch)
     EXPECT_EQ(again.frame_indices, p.frame_indices);
+    EXPECT_EQ(ds.load_plan(0, epoch).frame_indices, p.frame_indices);  // evenly spaced frames: by count
     EXPECT_EQ(again.crop_left, p.crop_left);
     starts.insert({s, p.crop_top, p.crop_left});
   }
@@ -125,6 +126,69 @@ TEST(VideoDataset, FrameSamplingByFpsAndDrawsFixedBySeedItemAndEpoch) {
   const auto p = ds.plan(1, 3);
   const auto clip = ds.load(1, 3);
   EXPECT_GE(psnr(clip, expected_clip(fx.sources[1], p, 48, 48)), 35.0);
+}
+
+// The property: with data.fps, a video of a variable frame rate (tools/make_fixtures.py video_files: 72 frames at
+// 24, then 12, then 24 frames a second, frame t grey at level 20 + 3t) is sampled in time, not by frame counts:
+// every clip's frames are 1 / data.fps apart in presentation time, each the frame shown nearest to its time, from
+// the plan's start frame, or from a frame before it where the clip would run past the last frame. Counted at the
+// average rate (18 fps), clips take 1.5 source frames a clip frame in every part of the file: 1/16 s apart in the
+// first second, 1/8 s in the next two. The times are read from the packets (io::presentation_times).
+TEST(VideoDataset, VariableFrameRateVideoIsSampledInPresentationTime) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  const std::string file = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/video_files/vfr_steps_32x32.mp4";
+  const auto time_of = [](int64_t t) {
+    return t < 24 ? t / 24.0 : t < 48 ? 1.0 + (t - 24) / 12.0 : 3.0 + (t - 48) / 24.0;
+  };
+  const auto times = megaslide::io::presentation_times(file, 71, 0.0);
+  ASSERT_EQ(times.size(), 72u);
+  for (int64_t t = 0; t < 72; ++t) EXPECT_NEAR(times[static_cast<size_t>(t)], time_of(t), 1e-9) << t;
+  const auto early = megaslide::io::presentation_times(file, 10, 0.5);  // frame 10 at 10/24 s, then 0.5 s on
+  ASSERT_GE(early.size(), 22u);
+  EXPECT_LT(early.size(), 72u);
+  const std::string dir = "/tmp/megaslide-test-vfr-" + std::to_string(::getpid());
+  megaslide::io::make_directories(dir);
+  megaslide::io::write_file_atomically(dir + "/steps.mp4", megaslide::io::read_file(file));
+  megaslide::io::write_file_atomically(dir + "/steps.txt", "grey steps\n");
+  auto d = folder_config(dir);
+  d.frames = 8;
+  d.height = 32;
+  d.width = 32;
+  d.frame_stride = 1;
+  d.fps = 12.0;
+  d.clip_start = "random";
+  const auto ds = VideoDataset::open(d, 1);
+  ASSERT_EQ(ds.size(), 1);
+  EXPECT_NEAR(ds.info(0).fps, 18.0, 1e-9);
+  std::set<int64_t> starts;
+  bool moved_back = false;
+  for (int64_t epoch = 0; epoch < 40; ++epoch) {
+    const auto counted = ds.plan(0, epoch).frame_indices;
+    const auto p = ds.load_plan(0, epoch);
+    const auto& picks = p.frame_indices;
+    ASSERT_EQ(picks.size(), 8u);
+    const int64_t first = picks[0];
+    EXPECT_LE(first, counted[0]);
+    EXPECT_LE(time_of(first) + 7.0 / 12.0, time_of(71) + 1e-9) << "epoch " << epoch;
+    moved_back |= first < counted[0];
+    starts.insert(first);
+    for (int64_t k = 0; k < 8; ++k) {
+      // The frame shown nearest to the clip frame's time (ties to the later), found independently.
+      const double want = time_of(first) + static_cast<double>(k) / 12.0;
+      int64_t nearest = 0;
+      for (int64_t t = 1; t < 72; ++t)
+        if (std::abs(time_of(t) - want) <= std::abs(time_of(nearest) - want) + 1e-9) nearest = t;
+      EXPECT_EQ(picks[static_cast<size_t>(k)], nearest) << "epoch " << epoch << " clip frame " << k;
+    }
+    // The decoded clip is those frames: grey level 20 + 3t (lossless, within the YUV round trip).
+    const auto clip = ds.load(0, epoch).to(torch::kFloat64);
+    for (int64_t k = 0; k < 8; ++k)
+      EXPECT_NEAR(clip[k].mean().item<double>(), 20.0 + 3.0 * static_cast<double>(picks[static_cast<size_t>(k)]), 1.0)
+          << "epoch " << epoch << " clip frame " << k;
+  }
+  EXPECT_GT(starts.size(), 10u);
+  EXPECT_TRUE(moved_back) << "no clip ran past the last frame in 40 draws";
+  megaslide::io::remove_tree(dir);
 }
 
 // The property: a dataset says what its items will do that its author may not expect: clips of videos slower than

@@ -260,6 +260,37 @@ ClipPlan VideoDataset::plan(int64_t i, int64_t epoch, int64_t frames) const {
   return p;
 }
 
+ClipPlan VideoDataset::load_plan(int64_t i, int64_t epoch, int64_t frames) const {
+  ClipPlan p = plan(i, epoch, frames);
+  const auto& in = info(i);
+  auto& picks = p.frame_indices;
+  if (data_.fps <= 0 || picks.size() < 2 || in.fps <= 0) return p;
+  const double clip_seconds = static_cast<double>(picks.size() - 1) / data_.fps, period = 1.0 / in.fps;
+  const int64_t start = picks.front();
+  // The times of the frames the count's plan takes and the time's would.
+  const double after = std::max(clip_seconds, static_cast<double>(picks.back() - start) * period) + 2.0 * period;
+  auto times = io::presentation_times(item(i).path, start, after);
+  if (frames >= 0 && static_cast<int64_t>(times.size()) > frames) times.resize(static_cast<size_t>(frames));
+  const auto n = static_cast<int64_t>(times.size());
+  if (n <= start) return p;  // no times
+  const auto at = [&](int64_t j) { return times[static_cast<size_t>(j)]; };
+  bool even = true;  // (a stream shorter than probed but even keeps the count's plan: load() plans again)
+  for (int64_t j = start; j <= std::min(picks.back(), n - 1) && even; ++j)
+    even = std::abs(at(j) - at(start) - static_cast<double>(j - start) * period) <= 0.1 * period;
+  if (even) return p;
+  // Moved back until the clip's times end by the last frame's (the scan read to the stream's end when they don't).
+  int64_t first = start;
+  while (first > 0 && at(n - 1) - at(first) < clip_seconds - 1e-9) --first;
+  for (int64_t k = 0; k < static_cast<int64_t>(picks.size()); ++k) {
+    const double t = at(first) + static_cast<double>(k) / data_.fps;
+    int64_t j = std::upper_bound(times.begin(), times.end(), t) - times.begin() - 1;  // the last frame at or before t
+    // The nearer of j and j + 1, ties (within 2 % of their distance, for the times' rounding) to the later.
+    if (j + 1 < n && t - at(j) >= 0.49 * (at(j + 1) - at(j))) ++j;
+    picks[static_cast<size_t>(k)] = j;
+  }
+  return p;
+}
+
 torch::Tensor resize_and_crop(const torch::Tensor& frames, const ClipPlan& plan, const ClipShape& shape) {
   TORCH_CHECK(frames.dim() == 4 && frames.size(3) == 3 && frames.scalar_type() == torch::kUInt8,
               "resize_and_crop: expected [N, h, w, 3] uint8 frames, got ", frames.sizes());
@@ -281,12 +312,12 @@ torch::Tensor resize_and_crop(const torch::Tensor& frames, const ClipPlan& plan,
 
 torch::Tensor VideoDataset::load(int64_t i, int64_t epoch) const {
   const auto& it = item(i);
-  ClipPlan p = plan(i, epoch);
+  ClipPlan p = load_plan(i, epoch);
   int64_t decoded = 0;
   auto frames = io::read_video_frames(it.path, p.frame_indices, &decoded);
   if (!frames.defined()) {
     // The container promised more frames than the stream holds: plan again with the true count.
-    p = plan(i, epoch, decoded);
+    p = load_plan(i, epoch, decoded);
     frames = io::read_video_frames(it.path, p.frame_indices, &decoded);
     if (!frames.defined())
       throw DatasetError(fmt::format("video '{}': decoding stopped after {} frames", it.path, decoded));

@@ -1114,6 +1114,49 @@ torch::Tensor read_video_frames(const std::string& path, const std::vector<int64
   return stack_frames(v, indices, kept);
 }
 
+std::vector<double> presentation_times(const std::string& path, int64_t index, double seconds_after) {
+  if (index < 0) fail(path, "presentation_times: negative frame index " + std::to_string(index));
+  auto v = open_video(path);
+  PacketPtr packet(av_packet_alloc());
+  if (!packet) fail(path, "out of memory");
+  const double time_base = av_q2d(v.stream->time_base);
+  std::vector<int64_t> pts;
+  std::priority_queue<int64_t> earliest;  // the index + 1 earliest presentation times so far (its top the latest)
+  int64_t last_dts = std::numeric_limits<int64_t>::min();
+  bool ordered = true;           // as frame_times: then a packet decoded after time t is never shown before t
+  std::optional<int64_t> until;  // once frame `index`'s time is known for certain: the last time wanted
+  while (true) {
+    const int r = av_read_frame(v.in.get(), packet.get());
+    if (r == AVERROR_EOF) break;
+    if (r < 0) return {};
+    if (packet->stream_index == v.index) {
+      if (packet->pts == AV_NOPTS_VALUE) return {};
+      if ((packet->flags & AV_PKT_FLAG_DISCARD) == 0) {
+        pts.push_back(packet->pts);
+        earliest.push(packet->pts);
+        if (static_cast<int64_t>(earliest.size()) > index + 1) earliest.pop();
+      }
+      if (packet->dts != AV_NOPTS_VALUE) {
+        if (packet->dts < last_dts || packet->pts < packet->dts) ordered = false;
+        else last_dts = packet->dts;
+      }
+      if (ordered && packet->dts != AV_NOPTS_VALUE) {
+        if (!until && static_cast<int64_t>(earliest.size()) == index + 1 && packet->dts > earliest.top())
+          until = earliest.top() + static_cast<int64_t>(std::ceil(seconds_after / time_base));
+        if (until && packet->dts > *until) break;
+      }
+    }
+    av_packet_unref(packet.get());
+  }
+  std::sort(pts.begin(), pts.end());
+  // Past `until`, frames not read yet (reordered ones) may be missing: those read are left out.
+  if (until) pts.erase(std::upper_bound(pts.begin(), pts.end(), *until), pts.end());
+  if (static_cast<int64_t>(pts.size()) <= index || std::adjacent_find(pts.begin(), pts.end()) != pts.end()) return {};
+  std::vector<double> seconds(pts.size());
+  for (size_t i = 0; i < pts.size(); ++i) seconds[i] = static_cast<double>(pts[i] - pts.front()) * time_base;
+  return seconds;
+}
+
 #else  // built without FFmpeg (MEGASLIDE_VIDEO=OFF, or its libraries were not found)
 
 namespace {
@@ -1135,6 +1178,7 @@ torch::Tensor read_video_frames(const std::string& path, const std::vector<int64
                                 const VideoReadOptions&) {
   no_video(path);
 }
+std::vector<double> presentation_times(const std::string& path, int64_t, double) { no_video(path); }
 
 #endif
 }  // namespace megaslide::io

@@ -91,8 +91,16 @@ class VideoDataset {
   // The plan of item i's clip in `epoch`, for a video of `frames` frames (default: the probed count).
   // Throws DatasetError when the video is too short for the bucket.
   ClipPlan plan(int64_t i, int64_t epoch, int64_t frames = -1) const;
-  // Decodes and crops item i's clip for `epoch`: [T, H, W, 3] uint8. When the stream turns out shorter
-  // than probed, plans again with the decoded count (the same draws). Throws io::VideoError or
+  // The plan load() follows: plan()'s, except that with data.fps a clip whose source frames are not evenly spaced
+  // in time at the stream's average rate (a variable frame rate: phones in low light, screen recordings) takes
+  // the frame shown nearest to each of its times (io::presentation_times): the first frame's time plus k /
+  // data.fps for clip frame k, ties going to the later frame; when those times run past the stream's last frame,
+  // the start moves back until they fit (to the first frame when the whole stream is shorter: its last frame
+  // then repeats). Evenly spaced frames (within a tenth of a frame's period) keep plan()'s frames; so do files
+  // whose packets cannot give the times.
+  ClipPlan load_plan(int64_t i, int64_t epoch, int64_t frames = -1) const;
+  // Decodes and crops item i's clip for `epoch` (load_plan's): [T, H, W, 3] uint8. When the stream turns out
+  // shorter than probed, plans again with the decoded count (the same draws). Throws io::VideoError or
   // DatasetError when the item is bad (unreadable, too few frames).
   torch::Tensor load(int64_t i, int64_t epoch) const;
 

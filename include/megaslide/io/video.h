@@ -150,4 +150,12 @@ VideoInfo probe_video(const std::string& path);
 torch::Tensor read_video_frames(const std::string& path, const std::vector<int64_t>& indices,
                                 int64_t* frames_decoded = nullptr, const VideoReadOptions& options = {});
 
+// The presentation times of the video stream's frames in presentation order, in seconds after the first frame's,
+// read from the packets without decoding them (the times read_video_frames' seeking reads, frame i of the stream at
+// element i): every frame up to frame `index` and every frame shown less than `seconds_after` after it (possibly a
+// few more), or the whole stream when it ends first. The file is read up to just past those frames. Empty when the
+// packets cannot say which frame is which (a packet without a presentation time, two frames at one time, data the
+// demuxer finds invalid before they are read) or the stream has fewer than `index` + 1 frames.
+std::vector<double> presentation_times(const std::string& path, int64_t index, double seconds_after);
+
 }  // namespace megaslide::io
