@@ -1220,3 +1220,51 @@ TEST_P(KilledRank, MakesTheOtherExitNonZeroWithinTheTimeout) {
 INSTANTIATE_TEST_SUITE_P(DistributedTraining, KilledRank, ::testing::Values(false, true), [](const auto& info) {
   return info.param ? std::string("Streamed") : std::string("Resident");
 });
+
+// The property: in float32 the halo exchange's offset gradients are as close to the float64 gradient as one rank's on
+// the whole grid. A trilinear sample's gradient jumps where its position crosses a whole frame (the left difference
+// below it, the right one above), and float32 rounds a position n + Δ near a whole frame to one side or the other
+// depending on n: a rank numbers its frames from its slab's first, the whole grid from frame 0, so where offsets
+// are within rounding of zero (early in training) the temporal gradients of the two differ; the spatial ones,
+// numbered alike, do not. Offsets of 1e-4 and 1e-2 frames (near the jumps) and 0.3 (mostly away from them).
+TEST(ContextParallel, Dsa3dHaloExchangeInFloat32IsAsCloseToFloat64AsOneRank) {
+  if (!gloo_available()) GTEST_SKIP() << "this build has no Gloo backend";
+  const int64_t B = 4, T = 8, H = 8, W = 8, M = 2, d = 8, G = 1, ranks = 2;
+  const std::array<int64_t, 3> kernel{3, 5, 5};
+  const int64_t K = 3 * 5 * 5;
+  for (const double scale : {1e-4, 1e-2, 0.3}) {
+    SCOPED_TRACE("offsets within " + std::to_string(scale) + " frames");
+    torch::manual_seed(5);
+    const auto q = torch::randn({B, T, H, W, M, d}, torch::kDouble), k = torch::randn_like(q), v = torch::randn_like(q);
+    const auto offsets = (torch::rand({B, T, H, W, G, K, 3}, torch::kDouble) * 2 - 1) * scale;
+    const auto bias = torch::randn({M, K}, torch::kDouble) * 0.1, dout = torch::randn_like(q);
+    const auto whole = [&](torch::ScalarType dtype) {
+      const auto leaf = [&](const torch::Tensor& t) { return t.to(dtype).detach().clone().requires_grad_(); };
+      std::vector<torch::Tensor> w{leaf(q), leaf(k), leaf(v), leaf(offsets), leaf(bias)};
+      (ops::dsa3d(w[0], w[1], w[2], w[3], w[4], kernel, ops::DsaImpl::kCpu) * dout.to(dtype)).sum().backward();
+      return w[3].grad().to(torch::kDouble);
+    };
+    const auto exact = whole(torch::kDouble), one_rank = whole(torch::kFloat);
+    const auto split = ops::FrameSplit::balanced(T, ranks);
+    std::vector<torch::Tensor> parts(static_cast<size_t>(ranks));
+    const auto errors = on_gloo_ranks(ranks, [&](int64_t rank, CommunicatorFrames& group) {
+      const auto mine = [&](const torch::Tensor& t) {
+        return t.narrow(1, split.begin(rank), split.size(rank)).to(torch::kFloat).clone().requires_grad_();
+      };
+      auto ql = mine(q), kl = mine(k), vl = mine(v), ol = mine(offsets);
+      auto bl = bias.to(torch::kFloat).clone().requires_grad_();
+      const auto out = ops::dsa3d_context_parallel(ql, kl, vl, ol, bl, kernel, split, group, ops::DsaImpl::kCpu);
+      (out * dout.narrow(1, split.begin(rank), split.size(rank)).to(torch::kFloat)).sum().backward();
+      parts[static_cast<size_t>(rank)] = ol.grad().to(torch::kDouble);
+    });
+    for (const auto& e : errors) ASSERT_EQ(e, "");
+    const auto group = torch::cat(parts, 1);
+    for (int64_t c = 0; c < 3; ++c) {
+      const double one_rank_error = (one_rank.select(-1, c) - exact.select(-1, c)).abs().max().item<double>();
+      const double group_error = (group.select(-1, c) - exact.select(-1, c)).abs().max().item<double>();
+      EXPECT_LE(group_error, one_rank_error + 1e-4) << "component " << c;
+      if (c > 0 || scale == 0.3)  // numbered alike, or away from the jumps: float32 rounding apart
+        EXPECT_LT((group.select(-1, c) - one_rank.select(-1, c)).abs().max().item<double>(), 1e-4) << "component " << c;
+    }
+  }
+}
