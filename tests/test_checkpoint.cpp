@@ -651,7 +651,8 @@ TEST(Checkpoint, FailedSaveNeverCallsAMissingCheckpointIntact) {
 }
 
 // Wherever a checkpoint is taken, each name a user types for it leads to it: the folder, the `latest`
-// file beside it, the checkpoints folder and the run folder; a weights file stays a weights file.
+// file beside it, the checkpoints folder and the run folder; a weights file stays a weights file (a checkpoint's own
+// checked against its manifest).
 TEST(Checkpoint, EveryNameOfACheckpointFindsIt) {
   const auto dir = fresh_dir("names");
   run_training(tiny(dir, {"train.steps=4", "train.checkpoint_every=2"}), {});
@@ -664,6 +665,22 @@ TEST(Checkpoint, EveryNameOfACheckpointFindsIt) {
   EXPECT_EQ(find_weights(io::join_path(dir, "checkpoints/latest")), io::join_path(step4, "model.safetensors"));
   EXPECT_EQ(find_weights(dir), io::join_path(step4, "model.safetensors"));
   EXPECT_EQ(find_weights(io::join_path(step4, "model.safetensors")), io::join_path(step4, "model.safetensors"));
+  {
+    // A checkpoint's weights file named directly is checked against its manifest as through its folder (a flipped
+    // byte was sampled).
+    const auto file = io::join_path(step4, "model.safetensors");
+    std::string bytes = io::read_file(file);
+    bytes[bytes.size() - 3] = static_cast<char>(bytes[bytes.size() - 3] ^ 0x40);
+    io::write_file_atomically(file, bytes);
+    try {
+      find_weights(file);
+      ADD_FAILURE() << "a corrupted checkpoint weights file was taken";
+    } catch (const CheckpointError& e) {
+      EXPECT_NE(std::string(e.what()).find("CRC-32"), std::string::npos) << e.what();
+    }
+    bytes[bytes.size() - 3] = static_cast<char>(bytes[bytes.size() - 3] ^ 0x40);
+    io::write_file_atomically(file, bytes);
+  }
   EXPECT_THROW(find_checkpoint(io::join_path(dir, "metrics.jsonl")), CheckpointError);
   EXPECT_THROW(find_checkpoint(io::join_path(dir, "missing")), CheckpointError);
   // A `latest` that leads to a device is refused at once, not read until memory runs out.

@@ -193,23 +193,24 @@ TEST(HostileInputs, RunConfigsFromTheHostileUserAreAllRefused) {
   }
 }
 
-// Prompt files: each is refused naming the file and the line (not UTF-8, not a file) or read, and then
-// every prompt has a file name that is safe, bounded (with room for NAME.tmp under 255 bytes) and its
-// own — decided before any sampling.
+// Prompt files: each is refused naming the file and the line (not UTF-8, a control character other than a tab, not a
+// file) or read, and then every prompt has a file name that is safe, bounded (with room for NAME.tmp under 255 bytes)
+// and its own — decided before any sampling.
 TEST(HostileInputs, PromptFilesAreRefusedByLineOrGetSafeUniqueBoundedNames) {
   int refused = 0, read = 0;
   for (const auto& name : io::list_directory(corpus("prompts"))) {
     const std::string path = corpus("prompts") + "/" + name;
+    const bool bad = name.rfind("invalid_utf8", 0) == 0 || name.rfind("control_", 0) == 0;
     std::vector<std::string> prompts;
     try {
       prompts = io::read_prompt_file(path);
     } catch (const std::runtime_error& e) {
-      EXPECT_EQ(name.rfind("invalid_utf8", 0), 0u) << name << " refused: " << e.what();
+      EXPECT_TRUE(bad) << name << " refused: " << e.what();
       EXPECT_NE(std::string(e.what()).find(path + "' line "), std::string::npos) << e.what();
       ++refused;
       continue;
     }
-    EXPECT_NE(name.rfind("invalid_utf8", 0), 0u) << name << " was read";
+    EXPECT_FALSE(bad) << name << " was read";
     ++read;
     const auto jobs = io::plan_vbench_samples(prompts, 5, 0);
     std::set<std::string> files;
@@ -224,7 +225,7 @@ TEST(HostileInputs, PromptFilesAreRefusedByLineOrGetSafeUniqueBoundedNames) {
     }
     EXPECT_EQ(files.size(), jobs.size()) << name << ": two videos share a file name";
   }
-  EXPECT_GE(refused, 5);
+  EXPECT_GE(refused, 6);
   EXPECT_GE(read, 6);
   EXPECT_THROW(io::read_prompt_file("/dev/zero"), std::runtime_error);
 }

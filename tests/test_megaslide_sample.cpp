@@ -190,6 +190,13 @@ TEST(MegaslideSample, BadInputExitsTwoNamingItAndWritesNothing) {
   expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + out + " --guidance 1e400",
                  "--guidance");
   expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + out + " --eta nan", "--eta");
+  // eta is DDIM's: with the DDPM sampler it was taken, recorded in index.json, and changed nothing.
+  expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + out + " --eta 0.5",
+                 "--eta is DDIM's");
+  // A binary file (NUL bytes) is no prompt file: it was sampled as a prompt.
+  auto binary = prompts_file("binary.txt", std::string("a red blob\nweights\0\0\x01", 21));
+  expect_refused("--checkpoint " + weights() + " --prompts " + binary + " --out " + out,
+                 "line 2: holds the control character 0x00");
   // Wan's LoRA weights on a DiT: refused like its other flags (they were taken without a word).
   expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + out + " --lora-scale 1000",
                  "are for Wan models");
@@ -281,7 +288,8 @@ TEST(MegaslideSample, TrainingWritesValidationVideosWithoutChangingTheRun) {
 
 // The property: every prompt gets a safe, bounded, unique file name decided before any sampling, so a
 // run never fails at its end on a name — VBench's long (augmented) prompts, prompts that differ only
-// in what a file name cannot hold, and prompts with characters a shell would read as an option.
+// in what a file name cannot hold, and prompts with characters a shell would read as an option; a prompt longer
+// than the text encoder reads is named in a warning.
 TEST(MegaslideSample, LongAndOddPromptsAreNamedBeforeAnyWorkAndAllWritten) {
   if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
   const std::string opening(260, 'x');
@@ -303,6 +311,18 @@ TEST(MegaslideSample, LongAndOddPromptsAreNamedBeforeAnyWorkAndAllWritten) {
     files.insert(file);
   }
   EXPECT_EQ(files.size(), 6u) << "one file per prompt";
+  EXPECT_EQ(r.output.find("are longer than"), std::string::npos) << r.output;  // 5 tokens at most: none is cut
+  // A prompt longer than the text encoder reads (the smoke model's 12 tokens) is named in a warning: it was cut
+  // without a word, and two prompts that differed after the cut gave the same video.
+  auto wordy =
+      prompts_file("wordy.txt", "a red blob\none two three four five six seven eight nine ten eleven twelve\n");
+  r = run("megaslide-sample", "--checkpoint " + weights() + " --prompts " + wordy + " --samples-per-prompt 1 --out " +
+                                  join_path(scratch(), "wordy") + " --steps 1 --no-progress");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("warning: 1 prompt(s) are longer than the 12 tokens the built-in text encoder reads"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("(the longest, 13 tokens: 'one two three"), std::string::npos) << r.output;
 }
 
 // A prompt file's lines carry their own settings (--w --h --f --d --s --g --n, as train.sample_prompts'
@@ -447,7 +467,8 @@ TEST(MegaslideSample, ARunsEmaIsSampledByDefaultAndExported) {
 // starts the video from the VAE's latent of that image resized to the videos' size with antialiased bilinear
 // filtering (float32 on [-1, 1], align_corners false; within 1e-5, fp32), and stderr names the resize; the same image
 // between two bands of other random columns (aspect 2 where the videos' is 1.5) is center-cropped back to it before
-// resizing, so its video's latents are the same; a file that is not an image is refused with exit 2 naming --image.
+// resizing, so its video's latents are the same; a file that is not an image is refused with exit 2 naming --image;
+// index.json records the image.
 TEST(MegaslideSampleWan, AnImageOfAnotherSizeIsCroppedAndResizedToTheVideos) {
   if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
   const std::string fixtures = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/";
@@ -477,6 +498,10 @@ TEST(MegaslideSampleWan, AnImageOfAnotherSizeIsCroppedAndResizedToTheVideos) {
     auto r = run("megaslide-sample", common + " --image " + png + " --out " + out);
     EXPECT_EQ(r.code, 0) << r.output;
     *output = r.output;
+    // The image every video starts from is recorded with them (it was not).
+    if (r.code == 0)
+      EXPECT_EQ(nlohmann::json::parse(megaslide::io::read_file(join_path(out, "index.json"))).at("image"),
+                megaslide::io::absolute_path(png));
     const auto files = megaslide::io::list_files(join_path(out, "latents"), "safetensors");
     EXPECT_EQ(files.size(), 1u);
     if (files.size() != 1) return torch::Tensor();

@@ -187,8 +187,8 @@ TEST(VBench, PromptSpecsCarryEachLinesOwnSettings) {
   megaslide::io::remove_tree(path);
 }
 
-// A prompt file that is not UTF-8 is refused before any work, naming the line and the byte; so is a
-// file that is no prompt file at all (a folder, a device).
+// A prompt file that is not UTF-8, or holds a control character, is refused before any work, naming the line and the
+// byte; so is a file that is no prompt file at all (a folder, a device). A byte-order mark is skipped.
 TEST(VBench, PromptFileThatIsNotUtf8IsRefusedNamingTheLine) {
   auto path = temp_path("latin1.txt");
   for (const std::string bad : {std::string("caf\xe9 au lait"), std::string("\xc0\xaf overlong slash"),
@@ -203,6 +203,21 @@ TEST(VBench, PromptFileThatIsNotUtf8IsRefusedNamingTheLine) {
   }
   EXPECT_THROW(read_prompt_file("/dev/zero"), std::runtime_error);
   EXPECT_THROW(read_prompt_file("/tmp"), std::runtime_error);
+  // A byte-order mark (a Windows editor's) is not part of the first prompt; a control character (a binary file, UTF-16
+  // without a mark) is refused naming the line; a tab and CRLF are white space.
+  megaslide::io::write_file_atomically(path,
+                                       "\xEF\xBB\xBF"
+                                       "a red blob\r\na\tblue blob\r\n");
+  EXPECT_EQ(read_prompt_file(path), (std::vector<std::string>{"a red blob", "a\tblue blob"}));
+  megaslide::io::write_file_atomically(path, std::string("a red blob\nx\0y\n", 15));
+  try {
+    read_prompt_file(path);
+    ADD_FAILURE() << "accepted a NUL";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find(path + "' line 2: holds the control character 0x00 at byte 2"),
+              std::string::npos)
+        << e.what();
+  }
   megaslide::io::remove_tree(path);
 }
 

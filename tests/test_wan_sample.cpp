@@ -538,6 +538,30 @@ TEST(MegaslideSampleWan, BadPathsAreOneLineErrorsWithExitCode2AndWriteNothing) {
   expect_refused(kEncoders + " --guidance-2 3", "--guidance-2: the low-noise expert's guidance scale");
   expect_refused(kEncoders + " --eta 0.5", "--eta is DDIM's");  // was ignored: the same video
   expect_refused(kEncoders + " --lora-scale 0.5", "no --lora was given");
+  expect_refused(kEncoders + " --shift 0", "--shift: expected a number > 0, got 0");  // failed after --out existed
+}
+
+// The property: a prompt long enough that its video's name is at the layout's cap (240 bytes) still gets its latents
+// file (the name's extension 8 bytes longer than ".mp4" once made the temporary file's name too long: the run failed
+// after sampling, leaving a video no index listed), and every video's latents file is named before any work.
+TEST(MegaslideSampleWan, LatentsOfALongPromptAreWrittenBesideItsVideo) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  const auto config = write("wan-long.yaml", config_yaml(kTransformer));
+  const std::string prompt = "a red blob moves left " + std::string(400, 'x');
+  const auto prompts = write("prompts-long.txt", prompt + "\n");
+  const auto out = join_path(scratch(), "long-run");
+  auto r = run("--config " + config + kEncoders + " --prompts " + prompts +
+               " --samples-per-prompt 1 --steps 1 --no-progress --compute-dtype fp32 --latents --out " + out);
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto index = nlohmann::json::parse(megaslide::io::read_file(join_path(out, "index.json")));
+  ASSERT_EQ(index.at("videos").size(), 1u);
+  const std::string video = index.at("videos")[0].at("file");
+  EXPECT_EQ(video.size(), megaslide::io::kMaxFileNameBytes);
+  const auto latents = megaslide::io::list_files(join_path(out, "latents"), "safetensors");
+  ASSERT_EQ(latents.size(), 1u);
+  EXPECT_LE(latents[0].size(), megaslide::io::kMaxFileNameBytes);
+  EXPECT_EQ(megaslide::io::read_safetensors(join_path(join_path(out, "latents"), latents[0])).metadata.at("prompt"),
+            prompt);
 }
 
 // Wan2.2's two experts (tests/fixtures/wan22_experts/, tools/make_fixtures.py wan22_experts: two tiny random

@@ -29,8 +29,8 @@
 
 namespace {
 
-// "[#####.....] 12/40 videos | 1.3 s/video | ETA 0:36" on stderr: rewritten in place on a terminal,
-// one line per batch otherwise.
+// "[#####.....] 12/40 videos | 1.3 s/video | ETA 0:36" on stderr: rewritten in place on a terminal; otherwise (a
+// log file, a pipe) a line after each batch and, within a long batch, one every 30 seconds.
 class SampleProgress {
  public:
   SampleProgress(int64_t total, bool enabled) : total_(total), enabled_(enabled), tty_(::isatty(2) == 1) {}
@@ -45,12 +45,17 @@ class SampleProgress {
     const double fraction = std::min(1.0, (static_cast<double>(done) + running) / static_cast<double>(total_));
     const double eta = fraction > 0 ? elapsed / fraction * (1 - fraction) : 0.0;
     const int width = 24, filled = static_cast<int>(fraction * width);
-    const std::string line = fmt::format("[{}{}] {}/{} videos | step {}/{} | {:.2f} s/video | ETA {}:{:02}",
-                                         std::string(filled, '#'), std::string(width - filled, '.'), done, total_,
-                                         steps_done, steps, done > 0 ? elapsed / static_cast<double>(done) : 0.0,
-                                         static_cast<int>(eta) / 60, static_cast<int>(eta) % 60);
-    if (tty_) std::cerr << "\r" << line << std::flush;
-    else if (steps_done == steps) std::cerr << line << "\n";
+    const std::string line =
+        fmt::format("[{}{}] {}/{} videos | step {}/{} | {} s/video | ETA {}:{:02}", std::string(filled, '#'),
+                    std::string(width - filled, '.'), done, total_, steps_done, steps,
+                    done > 0 ? fmt::format("{:.2f}", elapsed / static_cast<double>(done)) : std::string("-"),
+                    static_cast<int>(eta) / 60, static_cast<int>(eta) % 60);
+    if (tty_) {
+      std::cerr << "\r" << line << std::flush;
+    } else if (steps_done == steps || elapsed - last_line_s_ >= 30.0) {
+      std::cerr << line << "\n";
+      last_line_s_ = elapsed;
+    }
   }
   void set_batch(int64_t batch) { batch_ = batch; }
   void finish() {
@@ -60,6 +65,7 @@ class SampleProgress {
  private:
   int64_t total_, batch_ = 1;
   bool enabled_, tty_;
+  double last_line_s_ = 0.0;  // when the last line was written (not on a terminal)
   std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
 };
 
@@ -91,6 +97,32 @@ std::vector<megaslide::io::SampleJob> jobs_of(const std::vector<megaslide::Valid
   std::vector<megaslide::io::SampleJob> jobs;
   for (const auto& v : videos) jobs.push_back(v.job);
   return jobs;
+}
+
+// A warning naming the prompts the text encoder reads only the beginning of (`limit` tokens; `tokens` counts a
+// prompt's): what follows the cut does not change their videos, and they were cut without a word.
+void warn_cut_prompts(const std::vector<megaslide::ValidationVideo>& videos, int64_t limit, const std::string& encoder,
+                      const std::function<int64_t(const std::string&)>& tokens) {
+  std::set<std::string> seen;
+  int64_t cut = 0, longest = 0;
+  std::string example;
+  for (const auto& v : videos) {
+    if (!seen.insert(v.job.prompt).second) continue;
+    const int64_t n = tokens(v.job.prompt);
+    if (n <= limit) continue;
+    ++cut;
+    if (n > longest) longest = n, example = v.job.prompt;
+  }
+  if (cut == 0) return;
+  if (example.size() > 60) {  // its first 60 bytes, cut at a UTF-8 character's start
+    size_t end = 60;
+    while (end > 0 && (static_cast<unsigned char>(example[end]) & 0xC0) == 0x80) --end;
+    example = example.substr(0, end) + "...";
+  }
+  std::cerr << fmt::format(
+      "megaslide-sample: warning: {} prompt(s) are longer than the {} tokens {} reads; each is cut there, and what "
+      "follows does not change its videos (the longest, {} tokens: '{}')\n",
+      cut, limit, encoder, longest, example);
 }
 
 // Wan's flags.
@@ -162,6 +194,15 @@ struct VideoOutput {
   bool png = false, latents = false, progress = true;
 };
 
+// The latents file of a video: its video's stem with the extension, or where that would be longer than the layout's
+// names (a long prompt's: the extension is 8 bytes longer than ".mp4"), the layout's own bounded name for it.
+std::string latents_file_name(const megaslide::io::SampleJob& job) {
+  const std::string name = job.file.substr(0, job.file.size() - 4) + ".safetensors";
+  return name.size() <= megaslide::io::kMaxFileNameBytes
+             ? name
+             : megaslide::io::vbench_file_name(job.prompt, job.index, "safetensors");
+}
+
 // Samples `videos` batch by batch and writes DIR/videos/*.mp4 (and frames, latents) and index.json.
 void write_videos(const std::vector<megaslide::ValidationVideo>& videos, const VideoOutput& out,
                   const megaslide::io::SamplingRecord& record, const SampleBatch& sample_batch) {
@@ -202,7 +243,7 @@ void write_videos(const std::vector<megaslide::ValidationVideo>& videos, const V
         megaslide::io::write_mp4(megaslide::io::join_path(videos_dir, jobs[i].file), frames, video_options);
         const auto stem = jobs[i].file.substr(0, jobs[i].file.size() - 4);
         if (out.latents)
-          megaslide::io::write_safetensors(megaslide::io::join_path(latents_dir, stem + ".safetensors"),
+          megaslide::io::write_safetensors(megaslide::io::join_path(latents_dir, latents_file_name(jobs[i])),
                                            {{"latents", batch.latents[b].to(torch::kCPU).contiguous()}},
                                            {{"prompt", jobs[i].prompt}, {"seed", std::to_string(jobs[i].seed)}});
         if (out.png) write_png_frames(out.out_dir, stem, frames);
@@ -253,8 +294,10 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan,
     try {
       files[path] = megaslide::io::read_video(path)[0].contiguous();
     } catch (const std::exception& e) {
-      throw megaslide::tools::UsageError((v.job.image ? "--prompts: --i: " : "--image: ") +
-                                         megaslide::error_message(e));
+      // The reader calls a file of another extension a video; this one was given as an image.
+      std::string message = megaslide::error_message(e);
+      if (message.rfind("video '", 0) == 0) message.replace(0, 5, "image");
+      throw megaslide::tools::UsageError((v.job.image ? "--prompts: --i: " : "--image: ") + message);
     }
     std::cerr << "megaslide-sample: image-to-video from '" << path << "' ("
               << (conditioned ? "its latents and, with an image branch, CLIP's tokens condition every step"
@@ -310,6 +353,8 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan,
   } catch (const std::invalid_argument& e) {  // components that do not fit each other
     throw megaslide::tools::UsageError(megaslide::error_message(e));
   }
+  warn_cut_prompts(videos, options.text_tokens(), "umT5",
+                   [&](const std::string& prompt) { return opened.pipeline->prompt_tokens(prompt, options); });
   record.sampler = options.kind() == megaslide::FlowSamplerKind::kUniPC ? "unipc" : "euler";
   record.steps = options.steps();
   record.guidance_scale = options.guidance_scale();
@@ -328,11 +373,16 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan,
         "megaslide-sample: two experts: the high-noise one for t >= {} (guidance {}), the low-noise one below "
         "(guidance {})\n",
         options.boundary_ratio() * 1000, options.guidance_scale(), record.guidance_scale_2);
+  const auto own_size = std::count_if(videos.begin(), videos.end(), [&](const megaslide::ValidationVideo& v) {
+    return v.job.frames || v.job.height || v.job.width;
+  });
   std::cerr << fmt::format(
-      "megaslide-sample: Wan {} -> {} videos of {} frames {}x{} in {} ({} {} steps, shift {}, guidance {}, device {}, "
+      "megaslide-sample: Wan {} -> {} videos of {} frames {}x{}{} in {} ({} {} steps, shift {}, guidance {}, device "
+      "{}, "
       "DiT {}, umT5 {}, compute dtype {} ({}))\n",
-      source, videos.size(), size.frames, size.width, size.height, out_dir, record.sampler, options.steps(),
-      options.shift(), options.guidance_scale(), device.str(), record.dit,
+      source, videos.size(), size.frames, size.width, size.height,
+      own_size > 0 ? fmt::format(" ({} of them at their prompt line's size)", own_size) : std::string(), out_dir,
+      record.sampler, options.steps(), options.shift(), options.guidance_scale(), device.str(), record.dit,
       opened.text_encoder_streamed ? "layers streamed" : "resident", dtype.dtype, dtype.reason);
   // Image-to-video: each video's image (a prompt line's --i, else --image) at its size. Wan2.1 / Wan2.2 I2V (the
   // image as conditioning channels): its conditioning (the VAE's latents, CLIP's tokens); Wan2.2 TI2V: the first
@@ -382,9 +432,9 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan,
 }
 
 // The DiT family's generator and the batches it samples.
-SampleBatch dit_sampler(megaslide::TextToVideoModel model, size_t video_count, int64_t samples_per_prompt,
-                        const std::string& out_dir, const std::string& sampler, int64_t steps,
-                        const std::string& spacing, double guidance, double eta, torch::Device device,
+SampleBatch dit_sampler(megaslide::TextToVideoModel model, const std::vector<megaslide::ValidationVideo>& videos,
+                        int64_t samples_per_prompt, const std::string& out_dir, const std::string& sampler,
+                        int64_t steps, const std::string& spacing, double guidance, double eta, torch::Device device,
                         const std::string& streamed, const std::string& compute_dtype, const std::string& threads,
                         megaslide::io::SamplingRecord& record) {
   const auto dtype = megaslide::resolve_compute_dtype(compute_dtype, device);
@@ -399,6 +449,10 @@ SampleBatch dit_sampler(megaslide::TextToVideoModel model, size_t video_count, i
   if (steps > 0) options.steps(steps);
   if (!spacing.empty()) options.timestep_spacing(megaslide::parse_timestep_spacing(spacing));
   if (guidance >= 0) options.guidance_scale(guidance);
+  warn_cut_prompts(
+      videos, generator->config().data.max_text_tokens,
+      generator->config().model.text_encoder.kind == "clip" ? "CLIP's text encoder" : "the built-in text encoder",
+      [&](const std::string& prompt) { return generator->prompt_tokens(prompt); });
   record.sampler = megaslide::to_string(options.kind());
   record.steps = options.steps();
   record.guidance_scale = options.guidance_scale();
@@ -410,9 +464,9 @@ SampleBatch dit_sampler(megaslide::TextToVideoModel model, size_t video_count, i
   std::cerr << fmt::format(
       "megaslide-sample: {} prompt(s) x {} -> {} videos in {} ({} {} steps {}, guidance {}, device {}, {}, "
       "compute dtype {} ({}), {})\n",
-      video_count / static_cast<size_t>(samples_per_prompt), samples_per_prompt, video_count, out_dir, record.sampler,
-      record.steps, record.timestep_spacing, record.guidance_scale, record.device, record.dit, dtype.dtype,
-      dtype.reason, threads);
+      videos.size() / static_cast<size_t>(samples_per_prompt), samples_per_prompt, videos.size(), out_dir,
+      record.sampler, record.steps, record.timestep_spacing, record.guidance_scale, record.device, record.dit,
+      dtype.dtype, dtype.reason, threads);
   return [generator, options](const std::vector<std::string>& prompts, const std::vector<uint64_t>& seeds,
                               const megaslide::ValidationVideo& first,
                               const std::function<void(int64_t, int64_t)>& on_step) {
@@ -606,6 +660,7 @@ int main(int argc, char** argv) {
             " holds a LoRA run's adapters, not a model: write the model with the adapters merged in (megaslide-train "
             "--config RUN.yaml --resume CHECKPOINT --export-merged FILE) and sample FILE; a Wan LoRA file also goes "
             "with --lora on the base model");
+      if (!weights.empty()) source = weights;  // the file sampled (index.json records it)
       if (!ema_weights.empty()) {
         source = ema_weights;
         std::cerr << "megaslide-sample: sampling the EMA of the weights (" << ema_weights
@@ -642,6 +697,8 @@ int main(int argc, char** argv) {
         throw std::invalid_argument("--lora-scale weighs --lora's file, and no --lora was given");
       if (app.count("--lora-2-scale") > 0 && wan.lora_2.empty())
         throw std::invalid_argument("--lora-2-scale weighs --lora-2's file, and no --lora-2 was given");
+      if (app.count("--shift") > 0 && !(wan.shift > 0))
+        throw std::invalid_argument(fmt::format("--shift: expected a number > 0, got {}", wan.shift));
       if (is_wan && app.count("--eta") > 0)
         throw std::invalid_argument("--eta is DDIM's; Wan samples with flow matching (unipc or euler), which has none");
       if (is_wan && (sampler == "ddpm" || sampler == "ddim"))
@@ -657,6 +714,8 @@ int main(int argc, char** argv) {
                                                   wan_model->config.diffusion.timesteps));
       } else {
         if (sampler.empty()) sampler = "ddpm";
+        if (sampler == "ddpm" && app.count("--eta") > 0)
+          throw std::invalid_argument("--eta is DDIM's (--sampler ddim); the DDPM sampler has none");
         model = megaslide::load_weights(weights);  // on the CPU; moved below, whole or all but the blocks
         // A latent model's frozen CLIP and VAE, from the folders its config names, on the device.
         model.frozen = megaslide::FrozenEncoders::load(model.config, device, weights + " (its config)");
@@ -686,12 +745,27 @@ int main(int argc, char** argv) {
             megaslide::io::join_path(megaslide::io::join_path(out_dir, megaslide::io::kVideosFolder), v.job.file));
         if (wan.latents)
           megaslide::io::check_replaceable_output(
-              megaslide::io::join_path(megaslide::io::join_path(out_dir, "latents"), stem + ".safetensors"));
+              megaslide::io::join_path(megaslide::io::join_path(out_dir, "latents"), latents_file_name(v.job)));
         const std::string frames = megaslide::io::join_path(megaslide::io::join_path(out_dir, "frames"), stem);
         if (png && megaslide::io::path_exists(frames) && !megaslide::io::is_directory(frames))
           throw std::invalid_argument("--png: '" + frames + "' exists and is not a folder");
       }
       megaslide::io::check_replaceable_output(megaslide::io::join_path(out_dir, "index.json"));
+      // An earlier run's videos this run does not replace stay beside its own, and a scorer of the folder reads both.
+      const std::string videos_dir = megaslide::io::join_path(out_dir, megaslide::io::kVideosFolder);
+      if (megaslide::io::is_directory(videos_dir)) {
+        std::set<std::string> ours;
+        for (const auto& v : videos) ours.insert(v.job.file);
+        std::vector<std::string> others;
+        for (const auto& file : megaslide::io::list_files(videos_dir, "mp4"))
+          if (!ours.count(file)) others.push_back(file);
+        if (!others.empty())
+          std::cerr << fmt::format(
+              "megaslide-sample: warning: {} holds {} video(s) this run does not write (an earlier run's, such as "
+              "'{}'); they stay, index.json will list only this run's, and megaslide-eval or VBench scoring the "
+              "folder reads them all: use another --out, or remove them\n",
+              videos_dir, others.size(), others.front());
+      }
     });
 
     megaslide::tools::survive_file_size_limit();
@@ -707,12 +781,14 @@ int main(int argc, char** argv) {
     output.png = png;
     output.latents = wan.latents;
     output.progress = !no_progress;
-    megaslide::io::SamplingRecord record{source, "", 0, 0.0, 0.0, seed, output.fps, upscale};
+    megaslide::io::SamplingRecord record{
+        megaslide::io::absolute_path(source), "", 0, 0.0, 0.0, seed, output.fps, upscale};
     record.crf = crf;
+    if (!wan.image.empty()) record.image = megaslide::io::absolute_path(wan.image);
     const SampleBatch sample_batch =
         wan_model ? wan_sampler(std::move(*wan_model), wan, videos, out_dir, source, sampler, steps, guidance, device,
                                 streamed, compute_dtype, record)
-                  : dit_sampler(std::move(model), videos.size(), samples_per_prompt, out_dir, sampler, steps, spacing,
+                  : dit_sampler(std::move(model), videos, samples_per_prompt, out_dir, sampler, steps, spacing,
                                 guidance, eta, device, streamed, compute_dtype, thread_plan.describe(), record);
     write_videos(videos, output, record, sample_batch);
     return 0;

@@ -65,6 +65,13 @@ std::vector<int64_t> TextToVideo::sample_shape() const {
   return {shape.begin(), shape.end()};
 }
 
+int64_t TextToVideo::prompt_tokens(const std::string& prompt) const {
+  if (model_.frozen && model_.frozen->has_text()) return model_.frozen->prompt_tokens(prompt);
+  // The built-in tokenizer: at most one word a character, after <bos>; the ids before the padding.
+  const auto ids = tokenizer_.encode(prompt, static_cast<int64_t>(prompt.size()) + 2);
+  return static_cast<int64_t>(std::find(ids.begin(), ids.end(), CaptionTokenizer::kPad) - ids.begin());
+}
+
 Conditioning TextToVideo::encode(const std::vector<std::string>& prompts) {
   torch::NoGradGuard no_grad;
   Conditioning c;

@@ -579,6 +579,12 @@ std::vector<int64_t> WanTextToVideo::latent_shape() const {
   return {config_.model.wan.out_channels, shape[1], shape[2], shape[3]};
 }
 
+int64_t WanTextToVideo::prompt_tokens(const std::string& prompt, const WanSampleOptions& options) const {
+  return static_cast<int64_t>(
+             tokenizer_.encode_text(options.clean_prompts() ? wan_prompt_clean(prompt) : prompt).size()) +
+         1;
+}
+
 torch::Tensor WanTextToVideo::encode(const std::vector<std::string>& prompts, const WanSampleOptions& options) const {
   torch::NoGradGuard no_grad;
   std::vector<std::string> cleaned = prompts;

@@ -75,6 +75,8 @@ std::vector<std::pair<int64_t, std::string>> read_prompt_lines(const std::string
   } catch (const io::IoError& e) {
     throw std::runtime_error(std::string("prompt file: ") + e.what());
   }
+  // A byte-order mark (editors on Windows write one) is not part of the first prompt.
+  if (text.rfind("\xEF\xBB\xBF", 0) == 0) text.erase(0, 3);
   std::vector<std::pair<int64_t, std::string>> out;
   std::istringstream lines(text);
   std::string line;
@@ -88,6 +90,17 @@ std::vector<std::pair<int64_t, std::string>> read_prompt_lines(const std::string
           fmt::format("prompt file '{}' line {}: not valid UTF-8 (byte 0x{:02X} at byte {} of the line); save the "
                       "file as UTF-8",
                       path, line_number, static_cast<unsigned char>(line[bad]), bad + 1));
+    // Control characters (NUL: a binary file, or UTF-16) are no prompt's; a tab and the line's '\r' are white space.
+    if (const auto control = std::find_if(line.begin(), line.end(),
+                                          [](char c) {
+                                            const auto u = static_cast<unsigned char>(c);
+                                            return (u < 0x20 && c != '\t' && c != '\r') || u == 0x7F;
+                                          });
+        control != line.end())
+      throw std::runtime_error(fmt::format(
+          "prompt file '{}' line {}: holds the control character 0x{:02X} at byte {} of the line (not a text file, "
+          "or not UTF-8: UTF-16 holds NUL bytes); save the file as UTF-8 text",
+          path, line_number, static_cast<unsigned char>(*control), control - line.begin() + 1));
     auto p = trim(line);
     if (!p.empty()) out.emplace_back(line_number, std::move(p));
   }
@@ -368,6 +381,7 @@ std::string index_json(const std::vector<SampleJob>& jobs, const SamplingRecord&
   };
   if (!r.lora.empty()) j["lora"] = loras(r.lora);
   if (!r.lora_2.empty()) j["lora_2"] = loras(r.lora_2);
+  if (!r.image.empty()) j["image"] = r.image;
   j["videos_folder"] = kVideosFolder;
   auto videos = nlohmann::ordered_json::array();
   for (const auto& job : jobs) {

@@ -18,6 +18,7 @@ extern "C" {
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -94,8 +95,19 @@ std::string av_error(int code) {
   return buf;
 }
 
+// "image" for a file whose extension names a still image (a conditioning image, a still item), else "video".
+const char* kind_of_file(const std::string& path) {
+  const auto dot = path.find_last_of('.');
+  if (dot == std::string::npos || path.find('/', dot) != std::string::npos) return "video";
+  std::string ext = path.substr(dot + 1);
+  for (auto& c : ext) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  for (const char* image : {"png", "jpg", "jpeg", "webp", "bmp", "gif", "tif", "tiff"})
+    if (ext == image) return "image";
+  return "video";
+}
+
 [[noreturn]] void fail(const std::string& path, const std::string& what) {
-  throw VideoError("video '" + path + "': " + what);
+  throw VideoError(std::string(kind_of_file(path)) + " '" + path + "': " + what);
 }
 
 void check(int code, const std::string& path, const std::string& what) {

@@ -73,6 +73,11 @@ std::shared_ptr<FrozenEncoders> FrozenEncoders::load(const RunConfig& config, to
   return out;
 }
 
+int64_t FrozenEncoders::prompt_tokens(const std::string& prompt) const {
+  TORCH_CHECK(tokenizer_.has_value(), "FrozenEncoders::prompt_tokens: the config names no CLIP text encoder");
+  return static_cast<int64_t>(tokenizer_->encode_text(prompt).size()) + 2;
+}
+
 std::pair<torch::Tensor, torch::Tensor> FrozenEncoders::encode_text(const std::vector<std::string>& prompts) const {
   TORCH_CHECK(text_.has_value(), "FrozenEncoders::encode_text: the config names no CLIP text encoder");
   torch::NoGradGuard no_grad;

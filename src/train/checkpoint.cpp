@@ -500,7 +500,16 @@ bool is_weights_file(const std::string& spec) {
 }  // namespace
 
 std::string find_weights(const std::string& spec) {
-  if (is_weights_file(spec)) return spec;
+  if (is_weights_file(spec)) {
+    // A checkpoint's own weights file named directly is checked against its manifest, as through its folder.
+    const std::string folder = io::parent_path(io::absolute_path(spec));
+    if (io::path_exists(io::join_path(folder, kManifest))) {
+      const std::string name = spec.substr(spec.find_last_of('/') + 1);
+      const Manifest manifest = read_manifest(folder);
+      if (manifest.find(name) != nullptr) verify_files(folder, manifest, {name});
+    }
+    return spec;
+  }
   return checkpoint_weights(find_checkpoint(spec));
 }
 

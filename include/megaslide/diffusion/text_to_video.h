@@ -77,6 +77,9 @@ class TextToVideo {
   const RunConfig& config() const { return model_.config; }
   // [C, T, H, W] of the model's samples (latents for a latent model).
   std::vector<int64_t> sample_shape() const;
+  // The tokens `prompt` takes before it is cut to data.max_text_tokens (with its start and end tokens; CLIP's, or the
+  // built-in encoder's words after its start token): more means the text encoder reads only its beginning.
+  int64_t prompt_tokens(const std::string& prompt) const;
 
  private:
   Conditioning encode(const std::vector<std::string>& prompts);

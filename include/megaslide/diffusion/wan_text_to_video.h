@@ -249,6 +249,9 @@ class WanTextToVideo {
   // Wan's text embeddings [N, text_tokens, d_model] float32 on the denoiser's device (cleaned first when
   // options.clean_prompts()).
   torch::Tensor encode(const std::vector<std::string>& prompts, const WanSampleOptions& options) const;
+  // The umT5 tokens `prompt` takes before it is cut to options.text_tokens() (cleaned as encode cleans it, with its
+  // end token): more than text_tokens() means the encoder reads only its beginning.
+  int64_t prompt_tokens(const std::string& prompt, const WanSampleOptions& options) const;
   // Normalised latents [B, C, T, H, W] float32 on the denoiser's device, one per (prompt, seed); `shape`:
   // the latents' [C, T, H, W] (empty: latent_shape()).
   torch::Tensor sample(const std::vector<std::string>& prompts, const std::vector<uint64_t>& seeds,

@@ -47,10 +47,11 @@ struct SampleFolder {
 };
 SampleFolder find_sample_folder(const std::string& dir);
 
-// Reads a prompt file: one prompt per line; '\r' and surrounding white space stripped; blank lines
-// skipped; a repeated prompt kept once (it would map to the same files). Throws std::runtime_error
-// naming the file when it cannot be read (a folder, a device, more than 64 MiB), holds no prompt, or a
-// line is not valid UTF-8 (naming the line and the byte).
+// Reads a prompt file: one prompt per line; a leading UTF-8 byte-order mark, '\r' and surrounding white space
+// stripped; blank lines skipped; a repeated prompt kept once (it would map to the same files). Throws
+// std::runtime_error naming the file when it cannot be read (a folder, a device, more than 64 MiB), holds no prompt,
+// or a line is not valid UTF-8 or holds a control character other than a tab (NUL: a binary file; naming the line
+// and the byte).
 std::vector<std::string> read_prompt_file(const std::string& path);
 
 // "{prompt}-{index}.mp4", or the safe, bounded, tagged name above (or another extension, without the dot).
@@ -132,14 +133,15 @@ struct SamplingRecord {
   std::optional<std::string> negative_prompt{};
   int64_t crf = -1;
   std::vector<std::pair<std::string, double>> lora{}, lora_2{};
+  std::string image{};  // image-to-video: the image of every video without its own (--image)
 };
 
 // DIR/index.json: {"checkpoint", "sampler", "steps", "guidance_scale", "eta", "base_seed", "fps", "upscale",
 // ["boundary_ratio", "guidance_scale_2" (two experts),] [the recorded ones of "compute_dtype", "device", "dit",
-// "timestep_spacing", "shift", "negative_prompt", "crf", "lora", "lora_2" ([{"file", "scale"}, …]),]
+// "timestep_spacing", "shift", "negative_prompt", "crf", "lora", "lora_2" ([{"file", "scale"}, …]), "image",]
 // "videos_folder" ("videos"),
-// "videos": [{"prompt", "index", "seed", "file"[, "steps", "guidance_scale", "negative_prompt", "frames",
-// "height", "width"]}, …]} (a video's own settings where it has them).
+// "videos": [{"prompt", "index", "seed", "file"[, "steps", "guidance_scale", "negative_prompt", "image",
+// "frames", "height", "width"]}, …]} (a video's own settings where it has them).
 std::string index_json(const std::vector<SampleJob>& jobs, const SamplingRecord& record);
 
 // Names of the regular files in `dir` that end in `.extension`, sorted. Throws std::runtime_error

@@ -38,6 +38,8 @@ class FrozenEncoders {
   bool has_vae() const { return vae_.has_value(); }
   // CLIP embeddings and mask on the device (needs has_text()).
   std::pair<torch::Tensor, torch::Tensor> encode_text(const std::vector<std::string>& prompts) const;
+  // CLIP's tokens for `prompt` with its start and end tokens, before encode_text cuts them to data.max_text_tokens.
+  int64_t prompt_tokens(const std::string& prompt) const;
   // Pixels (any device) -> scaled latents on the device; latents -> pixels in [-1, 1] (needs has_vae()).
   torch::Tensor encode_video(const torch::Tensor& pixels) const;
   torch::Tensor decode_video(const torch::Tensor& latents) const;

@@ -193,8 +193,9 @@ std::string resolve_checkpoint(const std::string& run_dir, const std::string& sp
 // folder, or a run folder (its checkpoints/latest). Throws CheckpointError saying which it is not.
 std::string find_checkpoint(const std::string& spec);
 
-// What a sampler reads for `spec`: a weights file as it is (megaslide-train --export-weights), or the
-// checked model.safetensors of the checkpoint find_checkpoint finds. Throws CheckpointError.
+// What a sampler reads for `spec`: a weights file as it is (megaslide-train --export-weights; a checkpoint's own
+// file, beside the manifest that lists it, checked against it), or the checked model.safetensors of the checkpoint
+// find_checkpoint finds. Throws CheckpointError.
 std::string find_weights(const std::string& spec);
 // The checked model_ema.safetensors (the EMA of the weights, train.ema_decay) of the checkpoint `spec`
 // names, or "" when `spec` is a weights file or the checkpoint has no EMA. Throws CheckpointError.
