@@ -3,10 +3,12 @@
 // bit, checkpoints either tier resumes, and a run stopped by a full disk or killed mid-write-back.
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <csignal>
 #include <cstdlib>
 #include <fstream>
 #include <map>
@@ -89,8 +91,8 @@ TEST(NvmeFile, WritesAndReadsBackEveryByteWithEachEngine) {
   io::remove_tree(dir);
 }
 
-// Property: a folder that is not there, a disk too small for the state and a write the disk refuses each
-// stop with a message naming what is wrong and where.
+// Property: a folder that is not there, a disk too small for the state (an input error), a file size limit below it
+// (named as the limit) and a write the disk refuses each stop with a message naming what is wrong and where.
 TEST(NvmeFile, AMissingFolderATooSmallDiskAndAFailedWriteAreNamed) {
   const std::string dir = scratch("errors");
   const std::string missing = message_of([&] { NvmeFile(dir + "/nope", "x.bin", 4096); });
@@ -99,6 +101,26 @@ TEST(NvmeFile, AMissingFolderATooSmallDiskAndAFailedWriteAreNamed) {
   const std::string huge = message_of([&] { NvmeFile(dir, "huge.bin", int64_t{1} << 60); });
   EXPECT_NE(huge.find("cannot reserve"), std::string::npos) << huge;
   EXPECT_NE(huge.find("free"), std::string::npos) << huge;
+  // A disk too small is the config's to change (a tool exits 2), found before anything is written.
+  try {
+    NvmeFile(dir, "huge2.bin", int64_t{1} << 60);
+    ADD_FAILURE() << "reserved 2^60 bytes";
+  } catch (const offload::NvmeSpaceError& e) {
+    EXPECT_TRUE(is_input_error(e));
+  }
+  // A file size limit (`ulimit -f`) below the file is named as that, not as the disk's free space.
+  rlimit before{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &before), 0);
+  rlimit low = before;
+  low.rlim_cur = 8192;
+  const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &low), 0);
+  const std::string limited = message_of([&] { NvmeFile(dir, "limited.bin", 16 * 4096); });
+  ::setrlimit(RLIMIT_FSIZE, &before);
+  std::signal(SIGXFSZ, old_handler);
+  EXPECT_NE(limited.find("file size limit"), std::string::npos) << limited;
+  EXPECT_NE(limited.find("8192"), std::string::npos) << limited;
+  EXPECT_EQ(limited.find("Free space there"), std::string::npos) << limited;
   NvmeFileOptions o;
   o.fail_writes_after_bytes = 4096;
   NvmeFile file(dir, "full.bin", 4 * 4096, o);

@@ -239,10 +239,17 @@ std::string MemoryReport::to_string() const {
       fmt::format("HostParamStore: {} parameters in {} blocks; {} bytes page-locked{}{}\n", num_params, num_blocks,
                   pinned_bytes, pinned ? "" : " (no CUDA: everything pageable, page-aligned)",
                   shard_count > 1 ? fmt::format("; master and moments: this rank's shard of {}", shard_count) : "");
-  out += fmt::format("  {:<48} {:>18} {:>14} {:>10}\n", "component", "bytes", "GiB", "B/param");
-  const auto row = [&](const std::string& name, int64_t bytes) {
-    out += fmt::format("  {:<48} {:>18} {:>14.3f} {:>10.3f}\n", name, bytes,
-                       static_cast<double>(bytes) / (1024.0 * 1024 * 1024), static_cast<double>(bytes) / n);
+  // The rows, then the table: the first column as wide as its longest name.
+  std::vector<std::pair<std::string, int64_t>> rows;
+  const auto row = [&](const std::string& name, int64_t bytes) { rows.emplace_back(name, bytes); };
+  const auto table = [&] {
+    size_t width = 48;
+    for (const auto& [name, bytes] : rows) width = std::max(width, name.size());
+    out += fmt::format("  {:<{}} {:>18} {:>14} {:>10}\n", "component", width, "bytes", "GiB", "B/param");
+    for (const auto& [name, bytes] : rows)
+      out += fmt::format("  {:<{}} {:>18} {:>14.3f} {:>10.3f}\n", name, width, bytes,
+                         static_cast<double>(bytes) / (1024.0 * 1024 * 1024), static_cast<double>(bytes) / n);
+    return out;
   };
   if (frozen) {
     row(fmt::format("{} frozen weights (uploaded; no master, moments or gradient)",
@@ -251,7 +258,7 @@ std::string MemoryReport::to_string() const {
     if (fp8) row("fp32 scales of the fp8 weights (one per parameter tensor)", scale_bytes);
     if (fp8) row("fp32 vectors kept exact (biases, norm weights)", exact_bytes);
     row("total", total_bytes());
-    return out;
+    return table();
   }
   const char* state = offload::to_string(state_dtype);
   const bool nvme = state_tier == StateTier::kNvme;
@@ -279,7 +286,7 @@ std::string MemoryReport::to_string() const {
         nvme_buffer_bytes);
   }
   row(nvme ? "total in host memory" : "total", total_bytes());
-  return out;
+  return table();
 }
 
 MemoryReport HostParamStore::plan(const std::vector<BlockSpec>& blocks, const HostParamStoreOptions& options) {

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -23,7 +24,12 @@ namespace megaslide::offload {
 namespace {
 
 std::string human(int64_t bytes) {
-  return bytes < 0 ? "unknown" : fmt::format("{:.2f} GiB", static_cast<double>(bytes) / (1024.0 * 1024 * 1024));
+  if (bytes < 0) return "unknown";
+  const double b = static_cast<double>(bytes);
+  if (bytes < 1024) return fmt::format("{} B", bytes);
+  if (bytes < 1024 * 1024) return fmt::format("{:.1f} KiB", b / 1024.0);
+  if (bytes < 1024 * 1024 * 1024) return fmt::format("{:.1f} MiB", b / (1024.0 * 1024));
+  return fmt::format("{:.2f} GiB", b / (1024.0 * 1024 * 1024));
 }
 
 int64_t round_up(int64_t n) { return (n + kNvmeAlignment - 1) / kNvmeAlignment * kNvmeAlignment; }
@@ -88,11 +94,21 @@ NvmeFile::NvmeFile(const std::string& dir, const std::string& name, int64_t byte
       }
     } else if (rc != 0) {
       ::close(fd_);
-      throw NvmeError(fmt::format(
+      rlimit limit{};
+      if (rc == EFBIG && ::getrlimit(RLIMIT_FSIZE, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY &&
+          static_cast<uint64_t>(size_) > static_cast<uint64_t>(limit.rlim_cur))
+        throw NvmeSpaceError(fmt::format(
+            "offload.nvme_dir '{}': cannot reserve {} bytes ({}) for the optimizer state: this process may write "
+            "files of at most {} bytes (its file size limit, `ulimit -f`): raise the limit, or keep the state in "
+            "RAM (offload.state_tier: ram)",
+            dir, size_, human(size_), static_cast<uint64_t>(limit.rlim_cur)));
+      const std::string message = fmt::format(
           "offload.nvme_dir '{}': cannot reserve {} bytes ({}) for the optimizer state: {}; the folder's disk has {} "
           "free. Free space there, point offload.nvme_dir at a larger disk, or keep the state in RAM "
           "(offload.state_tier: ram)",
-          dir, size_, human(size_), std::strerror(rc), human(free_bytes(dir))));
+          dir, size_, human(size_), std::strerror(rc), human(free_bytes(dir)));
+      if (rc == ENOSPC || rc == EFBIG) throw NvmeSpaceError(message);
+      throw NvmeError(message);
     }
   }
 #ifdef MEGASLIDE_WITH_IO_URING

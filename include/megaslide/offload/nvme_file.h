@@ -23,6 +23,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "megaslide/util/errors.h"
+
 namespace megaslide::offload {
 
 constexpr int64_t kNvmeAlignment = 4096;
@@ -31,6 +33,13 @@ constexpr int64_t kNvmeAlignment = 4096;
 class NvmeError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
+};
+
+// The state file does not fit where offload.nvme_dir points (a disk too small, a file size limit): found when the
+// file is reserved, before the first step, and the config's to change (a tool exits 2).
+class NvmeSpaceError : public NvmeError, public InputError {
+ public:
+  using NvmeError::NvmeError;
 };
 
 struct NvmeFileOptions {
@@ -49,7 +58,8 @@ struct NvmeFileOptions {
 class NvmeFile {
  public:
   // Creates a file of `bytes` (rounded up to kNvmeAlignment) in `dir`, named after `name`, unlinked at once and
-  // reserved in full. Throws NvmeError when the folder is missing or not writable, or the disk lacks the space.
+  // reserved in full. Throws NvmeError when the folder is missing or not writable, NvmeSpaceError when the disk
+  // lacks the space or the file would pass the process's file size limit.
   NvmeFile(const std::string& dir, const std::string& name, int64_t bytes, NvmeFileOptions options = {});
   ~NvmeFile();
   NvmeFile(const NvmeFile&) = delete;
