@@ -2,6 +2,7 @@
 // what was expected; good files and overrides load; the resolved YAML reads back to the same config.
 #include "megaslide/config/run_config.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <dirent.h>
@@ -192,7 +193,7 @@ TEST(RunConfig, SizesNoMachineCouldHoldAreRefusedNamingTheFactors) {
   expect_error("", {"data.frames=2147483648", "data.height=2147483648", "data.width=2147483648"}, "train.batch_size",
                "overflows 64 bits");
   expect_error("", {"model.dsa_kernel=[999999999, 999999999, 999999999]"}, "model.dsa_kernel",
-               "more than any machine holds");
+               "more than twice the token grid");
   expect_error("",
                {"model.arch=dense3d", "model.dense_attention=materialized", "data.frames=256", "data.height=1024",
                 "data.width=1024"},
@@ -376,6 +377,61 @@ TEST(RunConfig, OneDocumentOfUtf8Text) {
   } catch (const ConfigError& e) {
     EXPECT_EQ(e.key(), "output.run_dir");
   }
-  EXPECT_EQ(parse_run_config("data:\n  root: \"vid\xc3\xa9os/\xe6\x97\xa5\"\n", kSource).data.root,
+  EXPECT_EQ(parse_run_config("data:\n  dataset: videos\n  root: \"vid\xc3\xa9os/\xe6\x97\xa5\"\n", kSource).data.root,
             "vid\xc3\xa9os/\xe6\x97\xa5");
+}
+
+// The property: values that would be read as something else, or that no run could use, are refused naming the key: a
+// control character in a path or name (YAML's "\0" cut the path at the NUL; a newline made a folder of two lines), a
+// folder or manifest of videos beside another dataset (it trained on that one), an offset range past 10^4 tokens
+// (past float's range every step was NaN), a 3D-DSA kernel more than twice the token grid (its parameters and
+// offsets filled memory), a --set value of two YAML documents (the second was dropped) or a key with a space, and a
+// key given twice names both lines.
+TEST(RunConfig, ValuesARunCannotUseAreRefused) {
+  expect_error("output:\n  run_dir: \"runs/a\\0b\"\n", {}, "output.run_dir", "control character 0x00 at byte 7");
+  expect_error("output:\n  run_dir: |\n    runs/abc\n", {}, "output.run_dir", "control character 0x0A");
+  expect_error("train:\n  init_from: \"w.safetensors\\0junk\"\n", {}, "train.init_from", "control character");
+  expect_error("", {"lora.rank=4", "lora.targets=[\"a\\tb\"]"}, "lora.targets", "an item holds the control character");
+  expect_error("", {"data.root=/videos"}, "data.root", "data.dataset is structured-motion");
+  expect_error("", {"data.manifest=/m.csv"}, "data.manifest", "set data.dataset: videos");
+  expect_error("", {"model.dsa_offset_range=[3.5e38, 1, 1]"}, "model.dsa_offset_range", "in [0, 10000]");
+  EXPECT_NO_THROW(parse_run_config("", kSource, {"model.dsa_offset_range=[10000, 1, 1]"}));
+  const auto c = parse_run_config("", kSource);
+  const int64_t h = c.data.height / c.model.patch[1];  // the token grid's height
+  expect_error("", {fmt::format("model.dsa_kernel=[3, {}, 3]", 2 * h + 3)}, "model.dsa_kernel",
+               fmt::format("at most {} on that axis", 2 * h + 1));
+  EXPECT_NO_THROW(parse_run_config("", kSource, {fmt::format("model.dsa_kernel=[3, {}, 3]", 2 * h + 1)}));
+  expect_error("", {"train.steps=1\n---\n7"}, "train.steps", "more than one YAML document");
+  expect_error("", {"train.steps =5"}, "", "holds white space");
+  expect_error("train:\n  steps: 3\n  lr: 0.1\n  steps: 4\n", {}, "train.steps", "on lines 2 and 4");
+}
+
+// The property: config.yaml and messages show a number as the shortest text that reads back as it (train.lr 0.003,
+// not 0.0030000000000000001), a whole number with ".0", and the file reads back to the same config.
+TEST(RunConfig, NumbersAreWrittenAsTheirShortestText) {
+  const auto c = parse_run_config("train:\n  lr: 3.0e-3\nmodel:\n  mlp_ratio: 4\n", kSource);
+  EXPECT_EQ(megaslide::config_value_text(c, "train.lr"), "0.003");
+  EXPECT_EQ(megaslide::config_value_text(c, "model.mlp_ratio"), "4.0");
+  EXPECT_EQ(megaslide::config_value_text(c, "model.dsa_offset_range"), "[1.0, 3.0, 3.0]");
+  const std::string yaml = megaslide::to_yaml(c);
+  EXPECT_NE(yaml.find("lr: 0.003\n"), std::string::npos) << yaml;
+  EXPECT_TRUE(megaslide::differing_keys(parse_run_config(yaml, kSource), c).empty());
+}
+
+// The property: settings of a mode the config does not turn on are named as unused (the run logs them as warnings),
+// as is a warm-up the run never finishes; a config that uses what it sets has none.
+TEST(RunConfig, SettingsTheRunDoesNotUseAreNamed) {
+  EXPECT_TRUE(megaslide::unused_settings(parse_run_config("", kSource)).empty());
+  const auto lines = megaslide::unused_settings(
+      parse_run_config("", kSource,
+                       {"lora.alpha=8", "lora.targets=[x*]", "train.sample_prompts=p.txt", "offload.nvme_dir=/nvme",
+                        "data.fps=8", "train.steps=5", "train.warmup_steps=10"}));
+  std::string all;
+  for (const auto& line : lines) all += line + "\n";
+  EXPECT_NE(all.find("lora.alpha, lora.targets: set, but lora.rank is 0"), std::string::npos) << all;
+  EXPECT_NE(all.find("train.sample_prompts: set, but train.sample_every is 0"), std::string::npos) << all;
+  EXPECT_NE(all.find("offload.nvme_dir: set, but offload.state_tier is ram"), std::string::npos) << all;
+  EXPECT_NE(all.find("data.fps: set, but data.dataset is structured-motion"), std::string::npos) << all;
+  EXPECT_NE(all.find("train.warmup_steps (10) is not below train.steps (5)"), std::string::npos) << all;
+  EXPECT_EQ(lines.size(), 5u) << all;
 }

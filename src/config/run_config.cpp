@@ -148,6 +148,26 @@ double checked_real(const YAML::Node& node, RealRange range) {
   return v;
 }
 
+// A number as the shortest text that reads back as it (0.003, not yaml-cpp's 17 digits 0.0030000000000000001), a
+// whole number with ".0" (4.0): what config.yaml and the messages show.
+YAML::Node real_node(double v) {
+  std::string text = fmt::format("{}", v);
+  if (text.find_first_of(".eEn") == std::string::npos) text += ".0";  // (n: inf, nan)
+  return YAML::Node(text);
+}
+
+// A text value's first control character (a newline, a NUL that YAML's "\0" makes), which no path or name holds, as
+// a problem; "" for none.
+std::string control_character_problem(const std::string& text) {
+  for (size_t i = 0; i < text.size(); ++i) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    if (c < 0x20 || c == 0x7F)
+      return fmt::format("holds the control character 0x{:02X} at byte {}; a path or name is one line of text", c,
+                         i + 1);
+  }
+  return "";
+}
+
 // One key of the schema: how to read it into a RunConfig and how to write it back.
 struct Field {
   std::string key;
@@ -193,7 +213,7 @@ class Schema {
   void real(std::string key, double& slot, RealRange range) {
     add(
         std::move(key), [&slot, range](const YAML::Node& n) { slot = checked_real(n, range); },
-        [&slot] { return YAML::Node(slot); });
+        [&slot] { return real_node(slot); });
   }
   void boolean(std::string key, bool& slot) {
     add(
@@ -228,6 +248,7 @@ class Schema {
             return;
           }
           if (!n.IsScalar()) throw FieldProblem{"expected a string, got " + describe(n)};
+          if (auto problem = control_character_problem(n.Scalar()); !problem.empty()) throw FieldProblem{problem};
           slot = n.Scalar();
         },
         [&slot] { return YAML::Node(slot); });
@@ -238,6 +259,7 @@ class Schema {
         [&slot](const YAML::Node& n) {
           if (!n.IsScalar() || n.Scalar().empty())
             throw FieldProblem{"expected a non-empty string, got " + describe(n)};
+          if (auto problem = control_character_problem(n.Scalar()); !problem.empty()) throw FieldProblem{problem};
           slot = n.Scalar();
         },
         [&slot] { return YAML::Node(slot); });
@@ -251,6 +273,8 @@ class Schema {
           for (const auto& item : n) {
             if (!item.IsScalar() || item.Scalar().empty())
               throw FieldProblem{"expected a list of non-empty strings, got an item " + describe(item)};
+            if (auto problem = control_character_problem(item.Scalar()); !problem.empty())
+              throw FieldProblem{"an item " + problem};
             v.push_back(item.Scalar());
           }
           slot = v;
@@ -312,7 +336,10 @@ class Schema {
         },
         [&slot] {
           YAML::Node n(YAML::NodeType::Sequence);
-          for (const auto& x : slot) n.push_back(x);
+          for (const auto& x : slot) {
+            if constexpr (std::is_floating_point_v<T>) n.push_back(real_node(x));
+            else n.push_back(x);
+          }
           n.SetStyle(YAML::EmitterStyle::Flow);
           return n;
         });
@@ -326,7 +353,6 @@ class Schema {
       if (v % 2 == 0) throw FieldProblem{"expected odd kernel sizes (the window is centred), got " + std::to_string(v)};
       return v;
     };
-    auto nonnegative_real = [](const YAML::Node& n) { return checked_real(n, RealRange{0.0}); };
 
     // model
     add(
@@ -352,7 +378,10 @@ class Schema {
     integer("model.text_dim", c.model.text_dim, IntRange{1});
     triple("model.dsa_kernel", c.model.dsa_kernel, "odd positive integers", odd_positive_int);
     integer("model.dsa_groups", c.model.dsa_groups, IntRange{1});
-    triple("model.dsa_offset_range", c.model.dsa_offset_range, "numbers >= 0", nonnegative_real);
+    // In tokens: past 10^4 (any grid) a typo, and past float's range the offsets would be infinite.
+    triple("model.dsa_offset_range", c.model.dsa_offset_range, "numbers in [0, 10000]", [](const YAML::Node& n) {
+      return checked_real(n, RealRange{0.0, 1e4});
+    });
     add(
         "model.dsa_offsets",
         [&c](const YAML::Node& n) {
@@ -653,6 +682,16 @@ void check_sizes(const RunConfig& c, const std::function<void(const std::string&
         14);
   if (uses_dsa3d(m)) {
     const auto& k = m.dsa_kernel;
+    // A kernel shrinks to an axis shorter than it, but its parameters and predicted offsets (each kernel point's)
+    // do not: one far past the grid is a typo that would fill memory.
+    const int64_t grid[3] = {T, H, W};
+    for (int a = 0; a < 3; ++a)
+      if (k[static_cast<size_t>(a)] > 2 * grid[a] + 1)
+        fail("model.dsa_kernel",
+             fmt::format("[{}, {}, {}] is more than twice the token grid {}x{}x{} (t x h x w) on its {} axis: the "
+                         "kernel shrinks to the grid there, but its parameters and predicted offsets (each kernel "
+                         "point's) do not; at most {} on that axis",
+                         k[0], k[1], k[2], T, H, W, "thw"[a], 2 * grid[a] + 1));
     limit("model.dsa_kernel", "3D-DSA's predicted offsets (fp32)",
           {{"train.batch_size", B},
            {"tokens", T * H * W},
@@ -757,13 +796,17 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::string& sour
     };
     // yaml-cpp keeps both entries of a repeated key; a file that says two things about one key is
     // refused rather than read as whichever comes last.
-    std::set<std::string> seen;
+    std::map<std::string, int> seen;  // key -> its line
     // A mapping inside a section (model.wan) holds keys one level further down.
     std::function<void(const YAML::Node&, const std::string&)> read_keys = [&](const YAML::Node& map,
                                                                                const std::string& prefix) {
       for (const auto& entry : map) {
         const std::string key = prefix + "." + key_of(entry.first, prefix);
-        if (!seen.insert(key).second) throw ConfigError(source, key, "key appears twice in the file (keep one)");
+        const int line = entry.first.Mark().line + 1;
+        if (const auto [it, fresh] = seen.emplace(key, line); !fresh)
+          throw ConfigError(
+              source, key,
+              fmt::format("key appears twice in the file, on lines {} and {} (keep one)", it->second, line));
         if (entry.second.IsMap() && has_keys_under(schema, key + ".")) {
           read_keys(entry.second, key);
           continue;
@@ -778,8 +821,11 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::string& sour
     };
     for (const auto& section : root) {
       const std::string name = key_of(section.first, "");
-      if (!seen.insert(name).second)
-        throw ConfigError(source, name, "section appears twice in the file (merge the two into one)");
+      const int line = section.first.Mark().line + 1;
+      if (const auto [it, fresh] = seen.emplace(name, line); !fresh)
+        throw ConfigError(source, name,
+                          fmt::format("section appears twice in the file, on lines {} and {} (merge the two into one)",
+                                      it->second, line));
       bool known_section = false;
       for (const auto& f : schema.fields()) known_section |= f.key.rfind(name + ".", 0) == 0;
       if (!known_section) throw ConfigError(source, name, std::string("unknown section; sections are ") + kSections);
@@ -794,6 +840,10 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::string& sour
     if (eq == std::string::npos || eq == 0)
       throw ConfigError(where, "", "expected key.path=value, e.g. --set model.hidden=32");
     const std::string key = assignment.substr(0, eq);
+    if (key.find_first_of(" \t") != std::string::npos)
+      throw ConfigError(where, "", "the key '" + key + "' holds white space: write key.path=value without spaces");
+    if (has_second_document(assignment.substr(eq + 1)))
+      throw ConfigError(where, key, "the value holds more than one YAML document (a second one after ---)");
     YAML::Node value;
     try {
       value = YAML::Load(assignment.substr(eq + 1));
@@ -1127,6 +1177,11 @@ void validate(const RunConfig& c, const std::string& source, bool wan_sizes_reso
   }
   if (!data.buckets.empty() && data.dataset != "videos") fail("data.buckets", "only data.dataset: videos has buckets");
   if (!data.cache.empty() && data.dataset != "videos") fail("data.cache", "only data.dataset: videos reads a cache");
+  // A folder or manifest of one's own videos beside another dataset would otherwise train on that one, silently.
+  for (const auto& [key, value] : {std::pair{"data.root", &data.root}, std::pair{"data.manifest", &data.manifest}})
+    if (!value->empty() && data.dataset != "videos")
+      fail(key, "names videos, but data.dataset is " + data.dataset +
+                    ", which does not read them: set data.dataset: videos (or remove " + key + ")");
   const auto& d = c.diffusion;
   if (wan ? c.data.dataset == "structured-motion" : c.data.dataset == "latent-tensors")
     fail("data.dataset",
@@ -1289,6 +1344,37 @@ std::vector<std::string> differing_keys(const RunConfig& a, const RunConfig& b) 
   std::vector<std::string> out;
   for (size_t i = 0; i < sx.fields().size(); ++i)
     if (YAML::Dump(sx.fields()[i].get()) != YAML::Dump(sy.fields()[i].get())) out.push_back(sx.fields()[i].key);
+  return out;
+}
+
+std::vector<std::string> unused_settings(const RunConfig& c) {
+  const auto set = differing_keys(c, RunConfig{});
+  std::vector<std::string> out;
+  const auto unused = [&](const std::vector<std::string>& prefixes, const std::string& why) {
+    std::string keys;
+    for (const auto& key : set)
+      for (const auto& prefix : prefixes)
+        if (key.rfind(prefix, 0) == 0) keys += (keys.empty() ? "" : ", ") + key;
+    if (!keys.empty()) out.push_back(keys + ": set, but " + why + ": ignored");
+  };
+  if (c.lora.rank == 0)
+    unused({"lora.type", "lora.alpha", "lora.dropout", "lora.targets", "lora.init", "lora.factor"},
+           "lora.rank is 0 (full fine-tuning, no LoRA)");
+  if (c.offload.state_tier != "nvme")
+    unused({"offload.nvme_dir", "offload.nvme_blocks_in_flight"}, "offload.state_tier is " + c.offload.state_tier);
+  if (c.train.init_from.empty()) unused({"train.init_allow_missing"}, "train.init_from is not set");
+  if (c.train.sample_every == 0) unused({"train.sample_prompts"}, "train.sample_every is 0 (no validation videos)");
+  if (c.data.dataset != "videos")
+    unused({"data.fps", "data.frame_stride", "data.clip_start", "data.crop"},
+           "data.dataset is " + c.data.dataset + ", not videos");
+  if (c.offload.compute_dtype != "fp16")
+    unused({"train.loss_scale_init", "train.loss_scale_window"}, "the compute dtype is not fp16");
+  if (c.train.warmup_steps > 0 && c.train.warmup_steps >= c.train.steps)
+    out.push_back(
+        fmt::format("train.warmup_steps ({}) is not below train.steps ({}): the learning rate never reaches "
+                    "train.lr (the last step's is {:.3g})",
+                    c.train.warmup_steps, c.train.steps,
+                    c.train.lr * static_cast<double>(c.train.steps) / static_cast<double>(c.train.warmup_steps)));
   return out;
 }
 

@@ -366,4 +366,11 @@ std::vector<std::string> differing_keys(const RunConfig& a, const RunConfig& b);
 // The value of `key` in `config` as one line of YAML ("" for an unknown key).
 std::string config_value_text(const RunConfig& config, const std::string& key);
 
+// Settings of `config` (resolved) that the run will not use, one warning line each: keys set away from their defaults
+// that belong to a mode the config does not turn on (lora.* with lora.rank 0, offload.nvme_* with the RAM tier,
+// train.init_allow_missing without train.init_from, train.sample_prompts with train.sample_every 0, the videos'
+// frame sampling with another dataset, train.loss_scale_init without fp16), and a train.warmup_steps the run never
+// gets past.
+std::vector<std::string> unused_settings(const RunConfig& config);
+
 }  // namespace megaslide
