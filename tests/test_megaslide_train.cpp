@@ -80,6 +80,13 @@ TEST(MegaslideTrain, DryRunPrintsTheModelSizeAsJson) {
   EXPECT_NEAR(nlohmann::json::parse(r.output)["host_state_bytes"].get<double>() / j["params"].get<double>(),
               8.0 + 8.0 / 256, 1e-6);
   EXPECT_GT(j["params_per_block"].get<int64_t>(), 0);
+  // The NVMe tier: the bf16 compute copy, plus offload.nvme_blocks_in_flight blocks' master and moments (12 B a
+  // parameter, each part's region rounded up to 4 KiB) in host memory (the buffers were left out).
+  r = run(big + " --set offload.state_tier=nvme --set offload.nvme_dir=/tmp --set offload.nvme_blocks_in_flight=3");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const double nvme = nlohmann::json::parse(r.output)["host_state_bytes"].get<double>();
+  const double buffers = 3.0 * 12.0 * j["params_per_block"].get<double>();
+  EXPECT_NEAR(nvme, 2.0 * j["params"].get<double>() + buffers, 3 * 5 * 4096.0);
   // Without --json: the same figures for people, no JSON.
   r = run("--config " + std::string(MEGASLIDE_SOURCE_DIR) + "/configs/105b.yaml --dry-run");
   ASSERT_EQ(r.code, 0) << r.output;
@@ -472,7 +479,7 @@ TEST(MegaslideTrain, AutoComputeDtypeIsResolvedIntoConfigLogAndDryRunAndAResumeW
   EXPECT_EQ(nlohmann::json::parse(r.output).at("compute_dtype"), "fp16") << "explicit settings are kept";
 
   const auto dir = fresh_dir("auto-dtype");
-  r = run(cpu + " --set train.steps=2 --run-dir " + dir);
+  r = run(cpu + " --set train.steps=2 --set train.warmup_steps=1 --run-dir " + dir);  // (a warm-up it finishes)
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_EQ(megaslide::load_run_config(join_path(dir, "config.yaml")).offload.compute_dtype, expected);
   const auto log = megaslide::io::read_file(join_path(dir, "train.log"));
@@ -504,7 +511,7 @@ TEST(MegaslideTrain, ExplicitBf16OnACpuWithoutNativeBf16TrainsWithOneWarning) {
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_EQ(nlohmann::json::parse(r.output).at("compute_dtype"), "fp32");
   const auto dir = fresh_dir("bf16-warning");
-  r = run(cpu + " --set train.steps=1 --set offload.compute_dtype=bf16 --run-dir " + dir);
+  r = run(cpu + " --set train.steps=1 --set train.warmup_steps=0 --set offload.compute_dtype=bf16 --run-dir " + dir);
   ASSERT_EQ(r.code, 0) << r.output;
   const auto log = megaslide::io::read_file(join_path(dir, "train.log"));
   size_t warnings = 0;
@@ -549,6 +556,33 @@ TEST(MegaslideTrain, EmptyOrUnwritableOutputPathsAreRefusedBeforeTheFirstStep) {
                  "is a folder");
   EXPECT_FALSE(megaslide::io::path_exists(join_path(dir, "metrics.jsonl"))) << "refused before training";
   megaslide::io::remove_tree(dir + "-existing");
+  megaslide::io::remove_tree(dir);
+}
+
+// The property: an output file that would destroy an input or the run's own files is refused before anything is
+// written (exit 2, naming both): --export-weights at the --config file (it became a safetensors file), the same file
+// for two exports (the EMA replaced the weights), a file under the run's checkpoints/ or the run's config.yaml,
+// --trace at the config; and --dry-run refuses the flags of a run it would drop.
+TEST(MegaslideTrain, OutputsThatWouldReplaceInputsOrEachOtherAreRefused) {
+  const auto dir = fresh_dir("clobber");
+  megaslide::io::make_directories(dir);
+  const std::string config = join_path(dir, "run.yaml");
+  const std::string text = megaslide::io::read_file(smoke());
+  megaslide::io::write_file_atomically(config, text);
+  const std::string run_dir = join_path(dir, "run");
+  const std::string base = "--config " + config + " --run-dir " + run_dir + " --set train.steps=2";
+  expect_refused(run(base + " --export-weights " + config), "is --config's file");
+  expect_refused(run(base + " --trace " + config), "is --config's file");
+  expect_refused(run(base + " --set train.ema_decay=0.9 --export-weights " + dir + "/w.safetensors --export-ema " +
+                     dir + "/./w.safetensors"),
+                 "is also --export-weights's file");
+  expect_refused(run(base + " --export-weights " + run_dir + "/config.yaml"), "the run folder's config.yaml");
+  expect_refused(run(base + " --export-weights " + run_dir + "/checkpoints/step-0000002/model.safetensors"),
+                 "inside the run folder's checkpoints/");
+  EXPECT_EQ(megaslide::io::read_file(config), text) << "the config is as it was";
+  EXPECT_FALSE(megaslide::io::path_exists(run_dir)) << "refused before the run folder exists";
+  expect_refused(run("--config " + config + " --dry-run --resume latest --export-weights " + dir + "/w.safetensors"),
+                 "--dry-run describes the run and writes nothing; it does not take --resume, --export-weights");
   megaslide::io::remove_tree(dir);
 }
 

@@ -28,6 +28,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <iostream>
+#include <map>
 
 #include "megaslide/megaslide.h"
 #include "tool_support.h"
@@ -39,6 +40,58 @@ void on_stop_signal(int signal) {
   g_stop.store(signal);
   // A second one ends the process at once, leaving no temporary file of a save or an export behind.
   std::signal(signal, megaslide::tools::end_by_signal_removing_temporaries);
+}
+
+// `path` as the file system names it, for comparing output paths with inputs: its nearest existing folder through
+// links, the rest as written ("" stays "").
+std::string real_file_path(const std::string& path) {
+  if (path.empty()) return path;
+  const std::string absolute = megaslide::io::absolute_path(path);
+  for (auto slash = absolute.find_last_of('/'); slash != std::string::npos && slash > 0;
+       slash = absolute.find_last_of('/', slash - 1)) {
+    char* folder = ::realpath(absolute.substr(0, slash).c_str(), nullptr);
+    if (folder == nullptr) continue;
+    const std::string out = std::string(folder) + absolute.substr(slash);
+    std::free(folder);
+    return out;
+  }
+  return absolute;
+}
+
+// What an output file (`flag`'s) may not be: another output, the config, train.init_from's file, the checkpoint
+// resumed from, or a file the run folder's training writes (its config, log, metrics, checkpoints, samples, plots,
+// logs and TensorBoard events). Throws UsageError naming both.
+void check_outputs_apart(const std::vector<std::pair<std::string, std::string>>& outputs,
+                         const std::string& config_path, const megaslide::RunConfig& config,
+                         const std::string& resume) {
+  std::vector<std::pair<std::string, std::string>> inputs{{real_file_path(config_path), "--config's file"}};
+  if (!config.train.init_from.empty())
+    inputs.emplace_back(real_file_path(config.train.init_from), "train.init_from's file");
+  const std::string run = real_file_path(config.output.run_dir);
+  for (const char* name : {"config.yaml", "train.log", "metrics.jsonl"})
+    inputs.emplace_back(run + "/" + name, std::string("the run folder's ") + name);
+  std::vector<std::pair<std::string, std::string>> folders;  // (folder + "/", what)
+  for (const char* name : {"checkpoints", "samples", "plots", "logs", "tensorboard"})
+    folders.emplace_back(run + "/" + name + "/", std::string("the run folder's ") + name + "/");
+  if (!resume.empty() && resume != "latest" && megaslide::io::is_directory(resume))
+    folders.emplace_back(real_file_path(resume) + "/", "the checkpoint --resume reads");
+  std::map<std::string, std::string> seen;  // real path -> flag
+  for (const auto& [path, flag] : outputs) {
+    if (path.empty()) continue;
+    const std::string real = real_file_path(path);
+    if (const auto it = seen.find(real); it != seen.end())
+      throw megaslide::tools::UsageError(fmt::format(
+          "{} '{}' is also {}'s file: one would replace the other; give each its own path", flag, path, it->second));
+    seen.emplace(real, flag);
+    for (const auto& [input, what] : inputs)
+      if (real == input)
+        throw megaslide::tools::UsageError(
+            fmt::format("{} '{}' is {}: writing it would destroy it; give another path", flag, path, what));
+    for (const auto& [folder, what] : folders)
+      if (real.rfind(folder, 0) == 0)
+        throw megaslide::tools::UsageError(fmt::format(
+            "{} '{}' is inside {}, which the run writes and reads back; give a path outside it", flag, path, what));
+  }
 }
 
 // --dry-run: the model's size and the run's memory in a few lines, or one JSON object.
@@ -144,6 +197,15 @@ int main(int argc, char** argv) {
       [&] {
         if (json && !dry_run)
           throw megaslide::tools::UsageError("--json applies to --dry-run (it would otherwise start a run)");
+        if (dry_run) {  // it describes the run and writes nothing: a flag of a run would be silently dropped
+          std::string ignored;
+          for (const char* flag : {"--resume", "--export-weights", "--export-ema", "--export-merged", "--trace",
+                                   "--trace-step", "--nproc-per-node"})
+            if (app.count(flag) > 0) ignored += (ignored.empty() ? "" : ", ") + std::string(flag);
+          if (!ignored.empty())
+            throw megaslide::tools::UsageError("--dry-run describes the run and writes nothing; it does not take " +
+                                               ignored);
+        }
         auto config = megaslide::load_run_config(config_path, overrides);
         if (!run_dir.empty()) {  // a path, taken as it is (never parsed as YAML: 'exp #3' is not 'exp')
           config.output.run_dir = run_dir;
@@ -178,6 +240,26 @@ int main(int argc, char** argv) {
           };
           check_export(export_weights, "--export-weights");
           check_export(export_ema, "--export-ema");
+          std::vector<std::pair<std::string, std::string>> outputs;
+          const auto add_output = [&](const std::string& path, const char* flag) {
+            if (path.empty()) return;
+            const auto files =
+                config.lora.rank > 0 && std::string(flag) != "--export-merged" && std::string(flag) != "--trace"
+                    ? megaslide::lora_weights_files(path, config)
+                : export_layout == megaslide::WanWeightsLayout::kDiffusers || std::string(flag) == "--trace"
+                    ? std::vector<std::string>{path}
+                    : megaslide::wan_comfyui_files(path, config.model.wan);
+            for (const auto& file : files) outputs.emplace_back(file, flag);
+          };
+          add_output(export_weights, "--export-weights");
+          add_output(export_ema, "--export-ema");
+          add_output(export_merged, "--export-merged");
+          add_output(trace_path, "--trace");
+          check_outputs_apart(outputs, config_path, config, resume);
+          if (!trace_path.empty() && trace_step > config.train.steps)
+            throw megaslide::tools::UsageError(
+                fmt::format("--trace-step {} is past train.steps ({}): the run would end before it", trace_step,
+                            config.train.steps));
         });
         megaslide::tools::survive_file_size_limit();
         megaslide::tools::remove_temporaries_on_fatal_signals();

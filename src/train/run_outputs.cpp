@@ -292,12 +292,14 @@ HostStatePerParameter host_state_per_parameter(const RunConfig& resolved) {
     if (resolved.lora.base_dtype == "fp8") return {1.0, 0.0, "the frozen model's fp8 weights"};
     return {copy, 0.0, "the frozen model's " + compute + " weights"};
   }
-  // The NVMe tier keeps the masters, moments and EMA in its file (a few blocks' in RAM at a time).
-  if (resolved.offload.enabled && resolved.offload.state_tier == "nvme")
-    return {copy, 0.0, "a " + compute + " compute copy (the masters and moments on NVMe)"};
   const auto state = offload::parse_state_dtype(resolved.optimizer.state_dtype);
   const double moment_bytes = static_cast<double>(offload::state_element_bytes(state)) +
                               (state == offload::StateDtype::kInt8 ? 4.0 / 256 : 0.0);
+  // The NVMe tier keeps the masters, moments and EMA in its file (a few blocks' in RAM at a time: dry_run_json adds
+  // them); master_and_moments is then what a parameter holds there.
+  if (resolved.offload.enabled && resolved.offload.state_tier == "nvme")
+    return {copy, 4.0 + 2.0 * moment_bytes + (resolved.train.ema_decay > 0 ? 4.0 : 0.0),
+            "a " + compute + " compute copy (the masters and moments on NVMe)"};
   HostStatePerParameter out{
       4.0 + 2.0 * moment_bytes + copy, 4.0 + 2.0 * moment_bytes,
       "fp32 weights, AdamW moments (" + resolved.optimizer.state_dtype + "), a " + compute + " compute copy"};
@@ -318,7 +320,13 @@ std::string dry_run_json(const RunConfig& requested) {
   const auto shape = model_sample_shape(config);                      // pixels, or the VAE's latents
   const TokenGrid grid{shape[1] / p[0], shape[2] / p[1], shape[3] / p[2]};
   const auto resolved = resolve_auto_settings(config);
-  const double per_param = host_state_per_parameter(resolved).bytes;
+  const auto per = host_state_per_parameter(resolved);
+  auto host_state = std::llround(per.bytes * static_cast<double>(count.total));
+  // The NVMe tier's in-flight buffers: nvme_blocks_in_flight blocks' state, each rounded up to 4 KiB per part.
+  if (resolved.offload.enabled && resolved.offload.state_tier == "nvme" && resolved.lora.rank == 0)
+    host_state +=
+        resolved.offload.nvme_blocks_in_flight *
+        ((std::llround(per.master_and_moments * static_cast<double>(count.per_block)) + 4 * 4096) / 4096 * 4096);
   nlohmann::json j{{"arch", to_string(config.model.arch)},
                    {"params", count.total},
                    {"params_per_block", count.per_block},
@@ -328,7 +336,7 @@ std::string dry_run_json(const RunConfig& requested) {
                    {"hidden", wan ? config.model.wan.dim : config.model.hidden},
                    {"tokens_per_sample", grid.numel()},
                    {"token_grid", {grid.t, grid.h, grid.w}},
-                   {"host_state_bytes", std::llround(per_param * static_cast<double>(count.total))},
+                   {"host_state_bytes", host_state},
                    {"device", config.train.device},
                    {"compute_dtype", resolved.offload.compute_dtype}};
   return j.dump();

@@ -79,7 +79,9 @@ std::string bytes_and_rate(const std::string& checkpoint, std::chrono::steady_cl
 // NVMe tier's compute copy alone (host_state_per_parameter).
 HostStatePerParameter state_lower_bound(const RunConfig& config) {
   const HostStatePerParameter held = host_state_per_parameter(config);
-  if (config.lora.rank > 0 || (config.offload.enabled && config.offload.state_tier == "nvme")) return held;
+  // (whole on every rank: master_and_moments 0, the NVMe tier's being on disk)
+  if (config.lora.rank > 0 || (config.offload.enabled && config.offload.state_tier == "nvme"))
+    return {held.bytes, 0.0, held.what};
   if (config.offload.enabled)
     return {held.master_and_moments, held.master_and_moments,
             "fp32 weights and AdamW moments (" + config.optimizer.state_dtype + ")"};
@@ -475,6 +477,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     for (const auto& line : lines) log.info(line);
   }
   for (const auto& w : family_warnings) log.warn(w);
+  for (const auto& w : unused_settings(config)) log.warn(w);
   log.info(plan_threads(config, trainer.device()).describe());
   if (const auto cache = util::cpu_tensor_cache_stats())
     log.info(fmt::format("CPU tensor cache: spare blocks of {} and more kept up to {} (MEGASLIDE_CPU_TENSOR_CACHE)",

@@ -109,7 +109,8 @@ class ProgressLine {
 // or fp8 with lora.base_dtype: fp8, when streamed, in fp32 when resident (its adapters are on the device and small).
 struct HostStatePerParameter {
   double bytes = 0.0;
-  double master_and_moments = 0.0;  // of `bytes`: the fp32 master and AdamW's moments held in host memory
+  double master_and_moments = 0.0;  // of `bytes`: the fp32 master and AdamW's moments held in host memory (the
+                                    // NVMe tier: not in `bytes`, what its file holds a parameter, EMA included)
   std::string what;                 // "fp32 weights, AdamW moments (fp32), a bf16 compute copy"
 };
 HostStatePerParameter host_state_per_parameter(const RunConfig& resolved);
