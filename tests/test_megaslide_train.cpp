@@ -551,6 +551,11 @@ TEST(MegaslideTrain, EmptyOrUnwritableOutputPathsAreRefusedBeforeTheFirstStep) {
   expect_refused(run("--config " + smoke() + " --run-dir ''"), "--run-dir");
   expect_refused(run("--config " + smoke() + " --run-dir " + dir + " --trace /nonexistent/d/t.json"), "/nonexistent/d");
   EXPECT_FALSE(megaslide::io::path_exists(dir)) << "a refused run leaves no folder";
+  // Nor the parents it made for its folder, refused after making them (LoRA targets that match no layer).
+  expect_refused(run("--config " + smoke() + " --set lora.rank=2 --set 'lora.targets=[nothing*]' --run-dir " +
+                     join_path(dir, "a/b/run")),
+                 "lora.targets");
+  EXPECT_FALSE(megaslide::io::path_exists(dir)) << "a refused run leaves no parent folder it made";
   megaslide::io::make_directories(dir + "-existing");
   expect_refused(run("--config " + smoke() + " --run-dir " + dir + " --export-weights " + dir + "-existing"),
                  "is a folder");
@@ -562,7 +567,8 @@ TEST(MegaslideTrain, EmptyOrUnwritableOutputPathsAreRefusedBeforeTheFirstStep) {
 // The property: an output file that would destroy an input or the run's own files is refused before anything is
 // written (exit 2, naming both): --export-weights at the --config file (it became a safetensors file), the same file
 // for two exports (the EMA replaced the weights), a file under the run's checkpoints/ or the run's config.yaml,
-// --trace at the config; and --dry-run refuses the flags of a run it would drop.
+// --trace at the config, a file the config reads; --dry-run refuses the flags of a run it would drop; and an export
+// into the run folder itself, with --resume naming the run folder, is written.
 TEST(MegaslideTrain, OutputsThatWouldReplaceInputsOrEachOtherAreRefused) {
   const auto dir = fresh_dir("clobber");
   megaslide::io::make_directories(dir);
@@ -583,6 +589,19 @@ TEST(MegaslideTrain, OutputsThatWouldReplaceInputsOrEachOtherAreRefused) {
   EXPECT_FALSE(megaslide::io::path_exists(run_dir)) << "refused before the run folder exists";
   expect_refused(run("--config " + config + " --dry-run --resume latest --export-weights " + dir + "/w.safetensors"),
                  "--dry-run describes the run and writes nothing; it does not take --resume, --export-weights");
+  // A file the config reads (here train.sample_prompts') is refused as an output too.
+  const std::string prompts = join_path(dir, "prompts.txt");
+  megaslide::io::write_file_atomically(prompts, "a red blob\n");
+  expect_refused(run(base + " --set train.sample_prompts=" + prompts + " --export-weights " + prompts),
+                 "is train.sample_prompts's file");
+  // Exports into the run folder itself stay allowed, with --resume naming the checkpoint by the run folder too.
+  ASSERT_EQ(run(base + " --set train.checkpoint_every=2 --set train.warmup_steps=1").code, 0);
+  const auto exported = run(base + " --resume " + run_dir + " --export-weights " + run_dir + "/w.safetensors");
+  EXPECT_EQ(exported.code, 0) << exported.output;
+  EXPECT_TRUE(megaslide::io::path_exists(run_dir + "/w.safetensors"));
+  expect_refused(
+      run(base + " --resume " + run_dir + " --export-weights " + run_dir + "/checkpoints/step-0000002/w.safetensors"),
+      "is inside the run folder's checkpoints/");
   megaslide::io::remove_tree(dir);
 }
 

@@ -193,7 +193,7 @@ TEST(RunConfig, SizesNoMachineCouldHoldAreRefusedNamingTheFactors) {
   expect_error("", {"data.frames=2147483648", "data.height=2147483648", "data.width=2147483648"}, "train.batch_size",
                "overflows 64 bits");
   expect_error("", {"model.dsa_kernel=[999999999, 999999999, 999999999]"}, "model.dsa_kernel",
-               "more than twice the token grid");
+               "more than any machine holds");
   expect_error("",
                {"model.arch=dense3d", "model.dense_attention=materialized", "data.frames=256", "data.height=1024",
                 "data.width=1024"},
@@ -415,6 +415,7 @@ TEST(RunConfig, NumbersAreWrittenAsTheirShortestText) {
   EXPECT_EQ(megaslide::config_value_text(c, "model.dsa_offset_range"), "[1.0, 3.0, 3.0]");
   const std::string yaml = megaslide::to_yaml(c);
   EXPECT_NE(yaml.find("lr: 0.003\n"), std::string::npos) << yaml;
+  EXPECT_EQ(megaslide::config_value_text(parse_run_config("", kSource, {"train.lr=1e-5"}), "train.lr"), "1.0e-05");
   EXPECT_TRUE(megaslide::differing_keys(parse_run_config(yaml, kSource), c).empty());
 }
 
@@ -432,6 +433,18 @@ TEST(RunConfig, SettingsTheRunDoesNotUseAreNamed) {
   EXPECT_NE(all.find("train.sample_prompts: set, but train.sample_every is 0"), std::string::npos) << all;
   EXPECT_NE(all.find("offload.nvme_dir: set, but offload.state_tier is ram"), std::string::npos) << all;
   EXPECT_NE(all.find("data.fps: set, but data.dataset is structured-motion"), std::string::npos) << all;
-  EXPECT_NE(all.find("train.warmup_steps (10) is not below train.steps (5)"), std::string::npos) << all;
+  EXPECT_NE(all.find("train.warmup_steps (10) is above train.steps (5)"), std::string::npos) << all;
   EXPECT_EQ(lines.size(), 5u) << all;
+}
+
+// The property: a config MegaSlide saved (a checkpoint's, a weights file's) loads without the checks of values older
+// versions accepted and saved, so their files keep loading; a user's config with the same values is refused.
+TEST(RunConfig, SavedConfigsKeepLoadingWhatOlderVersionsAccepted) {
+  for (const std::string yaml : {std::string("data:\n  root: /old/videos\n"),
+                                 std::string("model:\n  dsa_offset_range: [20000.0, 1.0, 1.0]\n"),
+                                 std::string("model:\n  dsa_kernel: [99, 3, 3]\n"),
+                                 std::string("train:\n  init_from: \"w.safetensors\\0junk\"\n")}) {
+    EXPECT_NO_THROW(megaslide::parse_saved_run_config(yaml, "saved")) << yaml;
+    EXPECT_THROW(parse_run_config(yaml, kSource), ConfigError) << yaml;
+  }
 }

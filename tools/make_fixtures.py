@@ -386,17 +386,21 @@ def section_video_files(out_dir):
 
 
 def _vfr_file(ffmpeg, out_dir):
-    """A variable frame rate in MP4, as phones write it (one duration per frame in the index): 72 flat grey frames,
-    frame t of level 20 + 3t, at 24 frames a second for its first second, 12 for the next two, 24 for the last (frame
-    t shown at t/24 s, then 1 + (t - 24)/12 s from frame 24, then 3 + (t - 48)/24 s from frame 48); lossless 4:4:4."""
-    raw = b"".join(bytes([20 + 3 * t]) * (32 * 32 * 3) for t in range(72))
-    times = "if(lt(N,24),N/24,if(lt(N,48),1+(N-24)/12,3+(N-48)/24))"
-    subprocess.run([ffmpeg, "-nostdin", "-loglevel", "error", "-y", "-f", "rawvideo", "-pix_fmt", "rgb24", "-s", "32x32",
-                    "-r", "24", "-i", "-", "-an", "-vf", f"settb=1/96000,setpts='({times})/TB'", "-fps_mode",
-                    "passthrough", "-c:v", "libx264", "-qp", "0", "-pix_fmt", "yuv444p", "-threads", "1",
-                    "-video_track_timescale", "96000", "-map_metadata", "-1", "-fflags", "+bitexact", "-flags:v",
-                    "+bitexact", os.path.join(out_dir, "vfr_steps_32x32.mp4")], input=raw, check=True)
-    print("  vfr_steps_32x32.mp4: 72 grey frames (level 20 + 3t) at 24, then 12, then 24 frames a second")
+    """Variable frame rates in MP4, as phones and screen recorders write them (one duration per frame in the index),
+    flat grey frames, frame t of level 20 + 3t, lossless 4:4:4: vfr_steps_32x32.mp4, 72 frames at 24 frames a second
+    for its first second, 12 for the next two, 24 for the last (frame t shown at t/24 s, then 1 + (t - 24)/12 s from
+    frame 24, then 3 + (t - 48)/24 s from frame 48); vfr_pause_32x32.mp4, 70 frames at 24 frames a second with a pause
+    of one second after frame 39 (frame t shown at t/24 s, from frame 40 at 1 + t/24 s)."""
+    files = {"vfr_steps_32x32.mp4": (72, "if(lt(N,24),N/24,if(lt(N,48),1+(N-24)/12,3+(N-48)/24))"),
+             "vfr_pause_32x32.mp4": (70, "if(lt(N,40),N/24,1+N/24)")}
+    for name, (count, times) in files.items():
+        raw = b"".join(bytes([20 + 3 * t]) * (32 * 32 * 3) for t in range(count))
+        subprocess.run([ffmpeg, "-nostdin", "-loglevel", "error", "-y", "-f", "rawvideo", "-pix_fmt", "rgb24", "-s",
+                        "32x32", "-r", "24", "-i", "-", "-an", "-vf", f"settb=1/96000,setpts='({times})/TB'",
+                        "-fps_mode", "passthrough", "-c:v", "libx264", "-qp", "0", "-pix_fmt", "yuv444p", "-threads",
+                        "1", "-video_track_timescale", "96000", "-map_metadata", "-1", "-fflags", "+bitexact",
+                        "-flags:v", "+bitexact", os.path.join(out_dir, name)], input=raw, check=True)
+        print(f"  {name}: {count} grey frames (level 20 + 3t), shown at {times} seconds")
 
 
 def _opencv_frames(path):

@@ -65,16 +65,38 @@ void check_outputs_apart(const std::vector<std::pair<std::string, std::string>>&
                          const std::string& config_path, const megaslide::RunConfig& config,
                          const std::string& resume) {
   std::vector<std::pair<std::string, std::string>> inputs{{real_file_path(config_path), "--config's file"}};
-  if (!config.train.init_from.empty())
-    inputs.emplace_back(real_file_path(config.train.init_from), "train.init_from's file");
+  std::vector<std::pair<std::string, std::string>> folders;  // (folder + "/", what)
+  // The files the config reads: a folder's files (weights folders, a cache) are all its.
+  const auto& m = config.model;
+  for (const auto& [path, key] :
+       std::vector<std::pair<std::string, std::string>>{{config.train.init_from, "train.init_from"},
+                                                        {m.wan.weights, "model.wan.weights"},
+                                                        {m.wan.weights_2, "model.wan.weights_2"},
+                                                        {m.text_encoder.weights, "model.text_encoder.weights"},
+                                                        {m.text_encoder.vocab, "model.text_encoder.vocab"},
+                                                        {m.vae.weights, "model.vae.weights"},
+                                                        {m.image_encoder.weights, "model.image_encoder.weights"},
+                                                        {config.data.manifest, "data.manifest"},
+                                                        {config.data.tensors, "data.tensors"},
+                                                        {config.data.cache, "data.cache"},
+                                                        {config.train.sample_prompts, "train.sample_prompts"}}) {
+    if (path.empty()) continue;
+    if (megaslide::io::is_directory(path)) folders.emplace_back(real_file_path(path) + "/", key + "'s folder");
+    else inputs.emplace_back(real_file_path(path), key + "'s file");
+  }
   const std::string run = real_file_path(config.output.run_dir);
   for (const char* name : {"config.yaml", "train.log", "metrics.jsonl"})
     inputs.emplace_back(run + "/" + name, std::string("the run folder's ") + name);
-  std::vector<std::pair<std::string, std::string>> folders;  // (folder + "/", what)
   for (const char* name : {"checkpoints", "samples", "plots", "logs", "tensorboard"})
     folders.emplace_back(run + "/" + name + "/", std::string("the run folder's ") + name + "/");
-  if (!resume.empty() && resume != "latest" && megaslide::io::is_directory(resume))
-    folders.emplace_back(real_file_path(resume) + "/", "the checkpoint --resume reads");
+  if (!resume.empty() && resume != "latest") {
+    // The checkpoint itself, whichever name --resume gave it (a run folder names its latest checkpoint); one that
+    // cannot be found is refused later, by the resume.
+    try {
+      folders.emplace_back(real_file_path(megaslide::find_checkpoint(resume)) + "/", "the checkpoint --resume reads");
+    } catch (const std::exception&) {
+    }
+  }
   std::map<std::string, std::string> seen;  // real path -> flag
   for (const auto& [path, flag] : outputs) {
     if (path.empty()) continue;
@@ -256,7 +278,7 @@ int main(int argc, char** argv) {
           add_output(export_merged, "--export-merged");
           add_output(trace_path, "--trace");
           check_outputs_apart(outputs, config_path, config, resume);
-          if (!trace_path.empty() && trace_step > config.train.steps)
+          if (!trace_path.empty() && app.count("--trace-step") > 0 && trace_step > config.train.steps)
             throw megaslide::tools::UsageError(
                 fmt::format("--trace-step {} is past train.steps ({}): the run would end before it", trace_step,
                             config.train.steps));

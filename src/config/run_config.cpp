@@ -152,7 +152,11 @@ double checked_real(const YAML::Node& node, RealRange range) {
 // whole number with ".0" (4.0): what config.yaml and the messages show.
 YAML::Node real_node(double v) {
   std::string text = fmt::format("{}", v);
-  if (text.find_first_of(".eEn") == std::string::npos) text += ".0";  // (n: inf, nan)
+  // A dot in every number, 1.0e-05 not 1e-05: YAML 1.1 readers (PyYAML) take a number without one for a string.
+  if (text.find_first_of(".n") == std::string::npos) {  // (n: inf, nan)
+    const auto e = text.find_first_of("eE");
+    text.insert(e == std::string::npos ? text.size() : e, ".0");
+  }
   return YAML::Node(text);
 }
 
@@ -248,7 +252,6 @@ class Schema {
             return;
           }
           if (!n.IsScalar()) throw FieldProblem{"expected a string, got " + describe(n)};
-          if (auto problem = control_character_problem(n.Scalar()); !problem.empty()) throw FieldProblem{problem};
           slot = n.Scalar();
         },
         [&slot] { return YAML::Node(slot); });
@@ -259,7 +262,6 @@ class Schema {
         [&slot](const YAML::Node& n) {
           if (!n.IsScalar() || n.Scalar().empty())
             throw FieldProblem{"expected a non-empty string, got " + describe(n)};
-          if (auto problem = control_character_problem(n.Scalar()); !problem.empty()) throw FieldProblem{problem};
           slot = n.Scalar();
         },
         [&slot] { return YAML::Node(slot); });
@@ -273,8 +275,6 @@ class Schema {
           for (const auto& item : n) {
             if (!item.IsScalar() || item.Scalar().empty())
               throw FieldProblem{"expected a list of non-empty strings, got an item " + describe(item)};
-            if (auto problem = control_character_problem(item.Scalar()); !problem.empty())
-              throw FieldProblem{"an item " + problem};
             v.push_back(item.Scalar());
           }
           slot = v;
@@ -378,10 +378,8 @@ class Schema {
     integer("model.text_dim", c.model.text_dim, IntRange{1});
     triple("model.dsa_kernel", c.model.dsa_kernel, "odd positive integers", odd_positive_int);
     integer("model.dsa_groups", c.model.dsa_groups, IntRange{1});
-    // In tokens: past 10^4 (any grid) a typo, and past float's range the offsets would be infinite.
-    triple("model.dsa_offset_range", c.model.dsa_offset_range, "numbers in [0, 10000]", [](const YAML::Node& n) {
-      return checked_real(n, RealRange{0.0, 1e4});
-    });
+    triple("model.dsa_offset_range", c.model.dsa_offset_range, "numbers >= 0",
+           [](const YAML::Node& n) { return checked_real(n, RealRange{0.0}); });
     add(
         "model.dsa_offsets",
         [&c](const YAML::Node& n) {
@@ -682,16 +680,6 @@ void check_sizes(const RunConfig& c, const std::function<void(const std::string&
         14);
   if (uses_dsa3d(m)) {
     const auto& k = m.dsa_kernel;
-    // A kernel shrinks to an axis shorter than it, but its parameters and predicted offsets (each kernel point's)
-    // do not: one far past the grid is a typo that would fill memory.
-    const int64_t grid[3] = {T, H, W};
-    for (int a = 0; a < 3; ++a)
-      if (k[static_cast<size_t>(a)] > 2 * grid[a] + 1)
-        fail("model.dsa_kernel",
-             fmt::format("[{}, {}, {}] is more than twice the token grid {}x{}x{} (t x h x w) on its {} axis: the "
-                         "kernel shrinks to the grid there, but its parameters and predicted offsets (each kernel "
-                         "point's) do not; at most {} on that axis",
-                         k[0], k[1], k[2], T, H, W, "thw"[a], 2 * grid[a] + 1));
     limit("model.dsa_kernel", "3D-DSA's predicted offsets (fp32)",
           {{"train.batch_size", B},
            {"tokens", T * H * W},
@@ -773,8 +761,54 @@ bool is_device_spec(const std::string& spec) {
   return std::regex_match(spec, kDevice);
 }
 
-RunConfig parse_run_config(const std::string& yaml_text, const std::string& source,
-                           const std::vector<std::string>& overrides) {
+namespace {
+// What a config a user gives may not hold, beyond validate(): values an older MegaSlide accepted and saved in
+// checkpoints and weights files, which those keep loading with (parse_saved_run_config).
+void check_user_values(const RunConfig& c, const std::string& source) {
+  RunConfig copy = c;
+  const Schema schema(copy);
+  for (const auto& f : schema.fields()) {
+    const YAML::Node n = f.get();
+    const auto check_text = [&](const std::string& text, const std::string& what) {
+      if (const auto problem = control_character_problem(text); !problem.empty())
+        throw ConfigError(source, f.key, what + problem);
+    };
+    if (n.IsScalar()) check_text(n.Scalar(), "");
+    if (n.IsSequence())
+      for (const auto& item : n)
+        if (item.IsScalar()) check_text(item.Scalar(), "an item ");
+  }
+  // A folder or manifest of one's own videos beside another dataset would otherwise train on that one, silently.
+  for (const auto& [key, value] : {std::pair{"data.root", &c.data.root}, std::pair{"data.manifest", &c.data.manifest}})
+    if (!value->empty() && c.data.dataset != "videos")
+      throw ConfigError(source, key,
+                        "names videos, but data.dataset is " + c.data.dataset +
+                            ", which does not read them: set data.dataset: videos (or remove " + key + ")");
+  // In tokens: past 10^4 a typo, and past float's range every offset, so every step, would be infinite.
+  const auto& r = c.model.dsa_offset_range;
+  if (std::max({r[0], r[1], r[2]}) > 1e4)
+    throw ConfigError(source, "model.dsa_offset_range",
+                      fmt::format("expected numbers in [0, 10000] (tokens), got [{}, {}, {}]", r[0], r[1], r[2]));
+  // A kernel shrinks to an axis shorter than it, but its parameters and predicted offsets (each kernel point's) do
+  // not: one far past the grid is a typo that fills memory.
+  if (uses_dsa3d(c.model)) {
+    const auto& k = c.model.dsa_kernel;
+    const auto& patch = c.model.arch == Architecture::kWan ? c.model.wan.patch : c.model.patch;
+    const auto shape = model_sample_shape(c);
+    const int64_t grid[3] = {shape[1] / patch[0], shape[2] / patch[1], shape[3] / patch[2]};
+    for (size_t a = 0; a < 3; ++a)
+      if (k[a] > 2 * grid[a] + 1)
+        throw ConfigError(
+            source, "model.dsa_kernel",
+            fmt::format("[{}, {}, {}] is more than twice the token grid {}x{}x{} (t x h x w) on its {} axis: the "
+                        "kernel shrinks to the grid there, but its parameters and predicted offsets (each kernel "
+                        "point's) do not; at most {} on that axis",
+                        k[0], k[1], k[2], grid[0], grid[1], grid[2], "thw"[a], 2 * grid[a] + 1));
+  }
+}
+
+RunConfig parse_config_text(const std::string& yaml_text, const std::string& source,
+                            const std::vector<std::string>& overrides, bool user) {
   RunConfig config;
   Schema schema(config);
   std::vector<std::pair<std::string, std::string>> applied;  // (key, where it was set)
@@ -856,8 +890,20 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::string& sour
   for (const auto& [key, where] : applied)
     if (const std::string problem = inapplicable_key_problem(config, key); !problem.empty())
       throw ConfigError(where, key, problem);
-  validate(config, overrides.empty() ? source : source + " with --set overrides");
+  const std::string where = overrides.empty() ? source : source + " with --set overrides";
+  validate(config, where);
+  if (user) check_user_values(config, where);
   return config;
+}
+}  // namespace
+
+RunConfig parse_run_config(const std::string& yaml_text, const std::string& source,
+                           const std::vector<std::string>& overrides) {
+  return parse_config_text(yaml_text, source, overrides, /*user=*/true);
+}
+
+RunConfig parse_saved_run_config(const std::string& yaml_text, const std::string& source) {
+  return parse_config_text(yaml_text, source, {}, /*user=*/false);
 }
 
 RunConfig load_run_config(const std::string& path, const std::vector<std::string>& overrides) {
@@ -1177,11 +1223,6 @@ void validate(const RunConfig& c, const std::string& source, bool wan_sizes_reso
   }
   if (!data.buckets.empty() && data.dataset != "videos") fail("data.buckets", "only data.dataset: videos has buckets");
   if (!data.cache.empty() && data.dataset != "videos") fail("data.cache", "only data.dataset: videos reads a cache");
-  // A folder or manifest of one's own videos beside another dataset would otherwise train on that one, silently.
-  for (const auto& [key, value] : {std::pair{"data.root", &data.root}, std::pair{"data.manifest", &data.manifest}})
-    if (!value->empty() && data.dataset != "videos")
-      fail(key, "names videos, but data.dataset is " + data.dataset +
-                    ", which does not read them: set data.dataset: videos (or remove " + key + ")");
   const auto& d = c.diffusion;
   if (wan ? c.data.dataset == "structured-motion" : c.data.dataset == "latent-tensors")
     fail("data.dataset",
@@ -1369,9 +1410,9 @@ std::vector<std::string> unused_settings(const RunConfig& c) {
            "data.dataset is " + c.data.dataset + ", not videos");
   if (c.offload.compute_dtype != "fp16")
     unused({"train.loss_scale_init", "train.loss_scale_window"}, "the compute dtype is not fp16");
-  if (c.train.warmup_steps > 0 && c.train.warmup_steps >= c.train.steps)
+  if (c.train.warmup_steps > c.train.steps)
     out.push_back(
-        fmt::format("train.warmup_steps ({}) is not below train.steps ({}): the learning rate never reaches "
+        fmt::format("train.warmup_steps ({}) is above train.steps ({}): the learning rate never reaches "
                     "train.lr (the last step's is {:.3g})",
                     c.train.warmup_steps, c.train.steps,
                     c.train.lr * static_cast<double>(c.train.steps) / static_cast<double>(c.train.warmup_steps)));

@@ -267,18 +267,18 @@ ClipPlan VideoDataset::load_plan(int64_t i, int64_t epoch, int64_t frames) const
   if (data_.fps <= 0 || picks.size() < 2 || in.fps <= 0) return p;
   const double clip_seconds = static_cast<double>(picks.size() - 1) / data_.fps, period = 1.0 / in.fps;
   const int64_t start = picks.front();
-  // The times of the frames the count's plan takes and the time's would.
-  const double after = std::max(clip_seconds, static_cast<double>(picks.back() - start) * period) + 2.0 * period;
-  auto times = io::presentation_times(item(i).path, start, after);
+  // The times of the frames the count's plan takes, of those the time's would take (from start's time to
+  // clip_seconds after it, and the frame after), and no more than a clip's length beyond.
+  auto times = io::presentation_times(item(i).path, picks.back(), clip_seconds);
   if (frames >= 0 && static_cast<int64_t>(times.size()) > frames) times.resize(static_cast<size_t>(frames));
   const auto n = static_cast<int64_t>(times.size());
-  if (n <= start) return p;  // no times
+  if (n <= picks.back()) return p;  // no times (the packets cannot say), or fewer frames than planned: load() re-plans
   const auto at = [&](int64_t j) { return times[static_cast<size_t>(j)]; };
-  bool even = true;  // (a stream shorter than probed but even keeps the count's plan: load() plans again)
-  for (int64_t j = start; j <= std::min(picks.back(), n - 1) && even; ++j)
+  bool even = true;
+  for (int64_t j = start; j <= picks.back() && even; ++j)
     even = std::abs(at(j) - at(start) - static_cast<double>(j - start) * period) <= 0.1 * period;
   if (even) return p;
-  // Moved back until the clip's times end by the last frame's (the scan read to the stream's end when they don't).
+  // Moved back until the clip's times end by the last frame's (when they do not, the times hold the whole stream).
   int64_t first = start;
   while (first > 0 && at(n - 1) - at(first) < clip_seconds - 1e-9) --first;
   for (int64_t k = 0; k < static_cast<int64_t>(picks.size()); ++k) {

@@ -360,7 +360,7 @@ bool is_wan_weights_file(const std::string& path) {
   const auto config = header.metadata.find("config");
   if (format == header.metadata.end() || format->second != "megaslide.weights" || config == header.metadata.end())
     return false;
-  return parse_run_config(config->second, path + " (__metadata__.config)").model.arch == Architecture::kWan;
+  return parse_saved_run_config(config->second, path + " (__metadata__.config)").model.arch == Architecture::kWan;
 }
 
 namespace {
@@ -411,7 +411,7 @@ WanModel load_wan_model(const std::string& weights_file, bool blocks_on_demand) 
   if (config_text == header.metadata.end())
     throw WeightsError("weights file '" + weights_file +
                        "': __metadata__ has no 'config' (not a megaslide weights file)");
-  const RunConfig config = parse_run_config(config_text->second, weights_file + " (__metadata__.config)");
+  const RunConfig config = parse_saved_run_config(config_text->second, weights_file + " (__metadata__.config)");
   if (config.model.arch != Architecture::kWan)
     throw WeightsError("weights file '" + weights_file + "': its config's model.arch is " +
                        to_string(config.model.arch) + ", not wan");

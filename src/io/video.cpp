@@ -1135,11 +1135,17 @@ std::vector<double> presentation_times(const std::string& path, int64_t index, d
   std::vector<int64_t> pts;
   std::priority_queue<int64_t> earliest;  // the index + 1 earliest presentation times so far (its top the latest)
   int64_t last_dts = std::numeric_limits<int64_t>::min();
-  bool ordered = true;           // as frame_times: then a packet decoded after time t is never shown before t
-  std::optional<int64_t> until;  // once frame `index`'s time is known for certain: the last time wanted
+  bool ordered = true;  // as frame_times: then a packet decoded after time t is never shown before t
+  // Once frame `index`'s time is known for certain: the last time wanted, and then the time of the first frame after
+  // it (the earliest read past `until`: certain once a packet decodes after it).
+  std::optional<int64_t> until, next;
+  bool ended = false;
   while (true) {
     const int r = av_read_frame(v.in.get(), packet.get());
-    if (r == AVERROR_EOF) break;
+    if (r == AVERROR_EOF) {
+      ended = true;
+      break;
+    }
     if (r < 0) return {};
     if (packet->stream_index == v.index) {
       if (packet->pts == AV_NOPTS_VALUE) return {};
@@ -1155,14 +1161,20 @@ std::vector<double> presentation_times(const std::string& path, int64_t index, d
       if (ordered && packet->dts != AV_NOPTS_VALUE) {
         if (!until && static_cast<int64_t>(earliest.size()) == index + 1 && packet->dts > earliest.top())
           until = earliest.top() + static_cast<int64_t>(std::ceil(seconds_after / time_base));
-        if (until && packet->dts > *until) break;
+        if (until && packet->dts > *until) {
+          next.reset();
+          for (const int64_t t : pts)
+            if (t > *until && (!next || t < *next)) next = t;
+          if (next && packet->dts > *next) break;  // every frame shown by `next` is read
+        }
       }
     }
     av_packet_unref(packet.get());
   }
+  av_packet_unref(packet.get());
   std::sort(pts.begin(), pts.end());
-  // Past `until`, frames not read yet (reordered ones) may be missing: those read are left out.
-  if (until) pts.erase(std::upper_bound(pts.begin(), pts.end(), *until), pts.end());
+  // Past the next frame, frames not read yet (reordered ones) may be missing: those read are left out.
+  if (!ended && next) pts.erase(std::upper_bound(pts.begin(), pts.end(), *next), pts.end());
   if (static_cast<int64_t>(pts.size()) <= index || std::adjacent_find(pts.begin(), pts.end()) != pts.end()) return {};
   std::vector<double> seconds(pts.size());
   for (size_t i = 0; i < pts.size(); ++i) seconds[i] = static_cast<double>(pts[i] - pts.front()) * time_base;

@@ -70,7 +70,7 @@ TextToVideoModel load_weights(const std::string& path, torch::Device device, tor
                        "' is not supported (this build reads " + kFormatVersion + ")");
 
   TextToVideoModel model;
-  model.config = parse_run_config(meta("config"), path + " (__metadata__.config)");
+  model.config = parse_saved_run_config(meta("config"), path + " (__metadata__.config)");
   CaptionTokenizer tokenizer;
   model.dit = DiT(DiTOptions::from_config(model.config));
   if (model.config.model.text_encoder.kind == "builtin")  // CLIP is frozen: loaded from its own folder, not stored here

@@ -104,7 +104,7 @@ std::string lookup(const YAML::Node& root, const std::string& key) {
 void check_config(const std::string& path, const std::string& saved_yaml, const RunConfig& config) {
   RunConfig saved;
   try {
-    saved = parse_run_config(saved_yaml, io::join_path(path, kState) + " (config)");
+    saved = parse_saved_run_config(saved_yaml, io::join_path(path, kState) + " (config)");
   } catch (const ConfigError& e) {
     fail(path, std::string("the saved config does not load: ") + e.what());
   }
@@ -568,7 +568,7 @@ std::vector<std::string> resume_warnings(const std::string& path, const RunConfi
   try {
     s = nlohmann::json::parse(io::read_input_file(io::join_path(path, kState), kMaxJsonBytes));
     const RunConfig saved =
-        parse_run_config(s.at("config").get<std::string>(), io::join_path(path, kState) + " (config)");
+        parse_saved_run_config(s.at("config").get<std::string>(), io::join_path(path, kState) + " (config)");
     const YAML::Node a = YAML::Load(to_yaml(saved)), b = YAML::Load(to_yaml(config));
     // LibTorch's CPU reductions split their work by thread count: another count sums in another order. The count
     // here is the one the settings give on this machine (train.threads 0 is `auto`: as many as it plans here); the
@@ -1000,7 +1000,7 @@ std::string export_checkpoint_weights(const std::string& run_dir, const std::str
     header = io::read_safetensors_header(weights);
     const auto config = header.metadata.find("config");
     if (config != header.metadata.end()) {
-      const RunConfig c = parse_run_config(config->second, weights, {});
+      const RunConfig c = parse_saved_run_config(config->second, weights);
       if (c.model.arch == Architecture::kWan) wan = c.model.wan;
       if (c.lora.rank > 0) lora = c;
     }

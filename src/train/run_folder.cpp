@@ -66,7 +66,12 @@ RunFolderGuard::RunFolderGuard(const std::string& run_dir, bool resuming) : run_
   if (run_dir_.empty()) throw RunFolderError("the run folder is an empty path (--run-dir or output.run_dir)");
   if (io::path_exists(run_dir_) && !io::is_directory(run_dir_))
     throw RunFolderError("run folder '" + run_dir_ + "' is a file, not a folder; choose another --run-dir");
-  created_ = !io::path_exists(run_dir_);
+  for (std::string p = run_dir_; !io::path_exists(p);) {
+    created_.push_back(p);
+    const std::string parent = io::parent_path(p);
+    if (parent == p || parent == "." || parent == "/") break;
+    p = parent;
+  }
   try {
     io::make_directories(run_dir_);
   } catch (const io::IoError& e) {
@@ -113,11 +118,11 @@ RunFolderGuard::RunFolderGuard(const std::string& run_dir, bool resuming) : run_
 
 RunFolderGuard::~RunFolderGuard() {
   if (!lock_) return;
-  if (!started_ && created_) {
-    // Nothing of the run was written: take back the folder this guard made (rmdir fails, harmlessly,
-    // when anything else is in it).
+  if (!started_ && !created_.empty()) {
+    // Nothing of the run was written: take back the folders this guard made, its parents too (rmdir fails,
+    // harmlessly, when anything else is in one).
     ::unlink(lock_path().c_str());
-    ::rmdir(run_dir_.c_str());
+    for (const auto& folder : created_) ::rmdir(folder.c_str());
   }
   lock_.reset();
 }

@@ -551,12 +551,14 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   };
 
   const int64_t start = result.first_step;
+  // The step --trace records: --trace-step, or the nearest step this run trains (a resumed run starts past it).
+  const int64_t traced = std::clamp(options.trace_step, std::min(start + 1, train.steps), train.steps);
   ProgressLine progress(train.steps, train.log_every, config.output.progress && writer);
   double window = 0.0;
   int64_t window_steps = 0;
   result.steps_done = start;
   for (int64_t i = start; i < train.steps; ++i) {
-    if (trainer.streams() && !options.trace_path.empty() && i + 1 == std::min(options.trace_step, train.steps))
+    if (trainer.streams() && !options.trace_path.empty() && i + 1 == traced)
       trainer.trace_next_step(options.trace_path);
     StepMetrics m;
     try {
@@ -655,7 +657,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
       result.steps_done > start)
     if (!save("final")) throw OutputError("could not save the final checkpoint (see the warning above)");
   if (!options.trace_path.empty() && trainer.streams())
-    log.info(fmt::format("trace of step {} in {}", std::min(options.trace_step, train.steps), options.trace_path));
+    log.info(fmt::format("trace of step {} in {}", traced, options.trace_path));
   log.info(fmt::format("done: {} steps; metrics in {}", result.steps_done, io::join_path(run_dir, "metrics.jsonl")));
   if (const auto cache = util::cpu_tensor_cache_stats())
     log.info(fmt::format(

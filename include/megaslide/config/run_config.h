@@ -349,6 +349,10 @@ bool is_device_spec(const std::string& spec);
 // Parses YAML text (the source name is used in messages only).
 RunConfig parse_run_config(const std::string& yaml_text, const std::string& source,
                            const std::vector<std::string>& overrides = {});
+// A config MegaSlide saved (a checkpoint's, a weights file's): as parse_run_config, without the checks of values
+// older versions accepted and saved (control characters in text, data.root or data.manifest beside another dataset,
+// offset ranges past 10^4 tokens, 3D-DSA kernels past twice the token grid), so that their files keep loading.
+RunConfig parse_saved_run_config(const std::string& yaml_text, const std::string& source);
 
 // Checks ranges and cross-field consistency; throws ConfigError naming `source`. With model.wan.weights set,
 // Wan's sizes are the weights' (with_wan_architecture_from_weights reads them, then checks again with
@@ -369,8 +373,8 @@ std::string config_value_text(const RunConfig& config, const std::string& key);
 // Settings of `config` (resolved) that the run will not use, one warning line each: keys set away from their defaults
 // that belong to a mode the config does not turn on (lora.* with lora.rank 0, offload.nvme_* with the RAM tier,
 // train.init_allow_missing without train.init_from, train.sample_prompts with train.sample_every 0, the videos'
-// frame sampling with another dataset, train.loss_scale_init without fp16), and a train.warmup_steps the run never
-// gets past.
+// frame sampling with another dataset, train.loss_scale_init without fp16), and a train.warmup_steps above
+// train.steps (the learning rate never reaches train.lr).
 std::vector<std::string> unused_settings(const RunConfig& config);
 
 }  // namespace megaslide

@@ -152,8 +152,10 @@ torch::Tensor read_video_frames(const std::string& path, const std::vector<int64
 
 // The presentation times of the video stream's frames in presentation order, in seconds after the first frame's,
 // read from the packets without decoding them (the times read_video_frames' seeking reads, frame i of the stream at
-// element i): every frame up to frame `index` and every frame shown less than `seconds_after` after it (possibly a
-// few more), or the whole stream when it ends first. The file is read up to just past those frames. Empty when the
+// element i): every frame up to frame `index`, every frame shown less than `seconds_after` after it, and the first
+// frame after those (possibly a few more), or the whole stream when it ends first (so the last element is the
+// stream's last frame exactly when it is shown less than `seconds_after` after frame `index`). The file is read up
+// to just past those frames. Empty when the
 // packets cannot say which frame is which (a packet without a presentation time, two frames at one time, data the
 // demuxer finds invalid before they are read) or the stream has fewer than `index` + 1 frames.
 std::vector<double> presentation_times(const std::string& path, int64_t index, double seconds_after);

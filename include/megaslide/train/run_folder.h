@@ -24,6 +24,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace megaslide {
 
@@ -52,7 +53,9 @@ class RunFolderGuard {
  private:
   std::string run_dir_;
   std::unique_ptr<io::FileLock> lock_;
-  bool created_ = false, started_ = false;
+  std::vector<std::string>
+      created_;  // the folders this guard made (the run folder and its missing parents), deepest first
+  bool started_ = false;
 };
 
 // What the folder holds of an earlier run ("" when nothing): e.g. "a run of 200 steps (metrics.jsonl)
