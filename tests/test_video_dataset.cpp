@@ -40,6 +40,17 @@ DataConfig folder_config(const std::string& root) {
 
 DataConfig folder_config(const VideoFixture& fx) { return folder_config(fx.dir + "/videos"); }
 
+// A folder /tmp/megaslide-test-`name`-PID holding tests/fixtures/video_files' `fixture` as `stem`.mp4 and a caption.
+std::string one_video_folder(const std::string& name, const std::string& fixture, const std::string& stem) {
+  const std::string dir = "/tmp/megaslide-test-" + name + "-" + std::to_string(::getpid());
+  megaslide::io::make_directories(dir);
+  megaslide::io::write_file_atomically(
+      dir + "/" + stem + ".mp4",
+      megaslide::io::read_file(std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/video_files/" + fixture));
+  megaslide::io::write_file_atomically(dir + "/" + stem + ".txt", "a caption\n");
+  return dir;
+}
+
 // The source frames a plan names, cropped as it says (no resize).
 torch::Tensor expected_clip(const torch::Tensor& source, const ClipPlan& p, int64_t H, int64_t W) {
   auto frames = source.index_select(0, torch::tensor(p.frame_indices, torch::kInt64));
@@ -143,11 +154,7 @@ namespace {
 std::pair<bool, bool> expect_sampled_in_time(const std::string& name, int64_t count,
                                              const std::function<double(int64_t)>& time_of,
                                              const std::function<bool(const std::vector<int64_t>&)>& spans) {
-  const std::string file = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures/video_files/" + name;
-  const std::string dir = "/tmp/megaslide-test-vfr-" + std::to_string(::getpid());
-  megaslide::io::make_directories(dir);
-  megaslide::io::write_file_atomically(dir + "/clip.mp4", megaslide::io::read_file(file));
-  megaslide::io::write_file_atomically(dir + "/clip.txt", "grey steps\n");
+  const std::string dir = one_video_folder("vfr", name, "clip");
   auto d = folder_config(dir);
   d.frames = 8;
   d.height = 32;
@@ -265,10 +272,7 @@ TEST(VideoDataset, AnamorphicVideoIsResizedToItsShownAspect) {
   EXPECT_EQ(info.width, 32);
   EXPECT_EQ(info.display_width, 64);
   EXPECT_EQ(info.display_height, 32);
-  const std::string dir = "/tmp/megaslide-test-anamorphic-" + std::to_string(::getpid());
-  megaslide::io::make_directories(dir);
-  megaslide::io::write_file_atomically(dir + "/a.mp4", megaslide::io::read_file(file));
-  megaslide::io::write_file_atomically(dir + "/a.txt", "four bands\n");
+  const std::string dir = one_video_folder("anamorphic", "anamorphic_sar2_32x32.mp4", "a");
   auto d = folder_config(dir);
   d.height = 32;
   d.width = 64;
