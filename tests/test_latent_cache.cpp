@@ -197,9 +197,23 @@ TEST(LatentCache, AStaleCacheIsRefusedNamingWhatChanged) {
   // An item added to the manifest is not in the cache.
   build(c, dir, 2);  // refreshed: shard of clip-1 rewritten
   ASSERT_NO_THROW(LatentCache::open(c, dir));
+  // An edited caption is named (it trained on the old caption's embeddings), and a build rewrites its shard.
+  const std::string csv = megaslide::io::read_file(fx.dir + "/opensora.csv");
+  const auto at = csv.find("moves left clip 1");
+  ASSERT_NE(at, std::string::npos) << csv;
+  megaslide::io::write_file_atomically(fx.dir + "/opensora.csv",
+                                       csv.substr(0, at) + "moves right clip 1" + csv.substr(at + 17));
+  what = expect_refused(c, dir);
+  EXPECT_NE(what.find(clip1 + ": its caption changed since it was cached"), std::string::npos) << what;
+  EXPECT_EQ(build(c, dir, 2).shards_reused, 1);  // clip-1's shard written again, the other kept
+  ASSERT_NO_THROW(LatentCache::open(c, dir));
   std::ofstream(fx.dir + "/opensora.csv", std::ios::app) << "videos/clip-0.mp4,\"again\",12\n";
   what = expect_refused(c, dir);
   EXPECT_NE(what.find("listed but not in the cache"), std::string::npos) << what;
+  // The build the refusal asks for updates the cache (it refused a dataset with another count of items).
+  const auto updated = build(c, dir, 2);
+  EXPECT_GE(updated.shards_reused, 1);
+  EXPECT_NO_THROW(LatentCache::open(c, dir));
 }
 
 // The property: the same files are the same cache whatever working directory or spelling names them: a cache built
@@ -273,6 +287,22 @@ TEST(LatentCache, ACorruptedItemFailsItsChecksum) {
     f.seekp(static_cast<std::streamoff>(offset));
     f.put(static_cast<char>(old ^ 1));
   }
+  // A byte of the last item's text tensors too (they were not checked: trained on silently).
+  {
+    const auto header = megaslide::io::read_safetensors_header(dir + "/shard-00000.safetensors");
+    int64_t last = -1;
+    for (const auto& e : header.entries)
+      if (e.name.find(".latents") != std::string::npos) last = std::max<int64_t>(last, std::stoll(e.name));
+    uint64_t offset = 0;
+    for (const auto& e : header.entries)
+      if (e.name.rfind(std::to_string(last) + ".text", 0) == 0) offset = header.data_start + e.begin;
+    ASSERT_GT(offset, 0u);
+    std::fstream f(dir + "/shard-00000.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(static_cast<std::streamoff>(offset));
+    const char old = static_cast<char>(f.get());
+    f.seekp(static_cast<std::streamoff>(offset));
+    f.put(static_cast<char>(old ^ 4));
+  }
   const auto cache = LatentCache::open(c, dir);
   EXPECT_NO_THROW(cache->load(0, 0));
   try {
@@ -281,6 +311,26 @@ TEST(LatentCache, ACorruptedItemFailsItsChecksum) {
   } catch (const DatasetError& e) {
     EXPECT_NE(std::string(e.what()).find("CRC-32"), std::string::npos) << e.what();
   }
+  try {
+    cache->load(cache->size() - 1, 0);
+    FAIL() << "a corrupted text tensor was loaded";
+  } catch (const DatasetError& e) {
+    EXPECT_NE(std::string(e.what()).find("the text (and image) tensors of item"), std::string::npos) << e.what();
+  }
+  // A manifest whose item reaches past its shard (it ended training with SIGBUS) is refused at open, and so is an
+  // empty prompt that does not match its CRC-32.
+  const std::string manifest_text = megaslide::io::read_file(dir + "/cache.json");
+  auto manifest = nlohmann::json::parse(manifest_text);
+  manifest["shards"][0]["items"][0]["bytes"] = 1000000000;
+  megaslide::io::write_file_atomically(dir + "/cache.json", manifest.dump(1));
+  EXPECT_NE(expect_refused(c, dir).find("are not the shard's"), std::string::npos);
+  megaslide::io::write_file_atomically(dir + "/cache.json", manifest_text);
+  const std::string empty = megaslide::io::read_file(dir + "/empty_prompt.safetensors");
+  std::string flipped = empty;
+  flipped.back() = static_cast<char>(flipped.back() ^ 1);
+  megaslide::io::write_file_atomically(dir + "/empty_prompt.safetensors", flipped);
+  EXPECT_NE(expect_refused(c, dir).find("empty_prompt.safetensors does not match"), std::string::npos);
+  megaslide::io::write_file_atomically(dir + "/empty_prompt.safetensors", empty);
   // Training from the cache: one bad item of 3 is more than data.max_bad_fraction allows, and the refusal gives the
   // item's reason (it once said only "failed to load").
   try {

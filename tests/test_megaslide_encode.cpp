@@ -230,5 +230,23 @@ TEST(MegaslideEncode, BadInputExitsTwoNamingItAndWritesNothing) {
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("--out"), std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("prompt(s) ->"), std::string::npos) << "encoded before refusing:\n" << r.output;
+  // An --out that is an input (it was replaced by the output, exit 0): the --in file, the prompts, a weights folder.
+  const std::string in = dir + "/i.safetensors", prompts = dir + "/p.txt";
+  const std::string in_bytes = megaslide::io::read_file(in), prompt_bytes = megaslide::io::read_file(prompts);
+  r = run_tool("megaslide-encode",
+               "vae-encode --vae sd --weights " + kFixtures + "vae/tiny --in " + in + " --out " + in);
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("is the file --in reads"), std::string::npos) << r.output;
+  r = run_tool("megaslide-encode",
+               "text --ids-only --vocab " + kFixtures + "clip --prompts " + prompts + " --out " + prompts);
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("is the file --prompts reads"), std::string::npos) << r.output;
+  r = run_tool("megaslide-encode", "vae-encode --vae sd --weights " + kFixtures + "vae/tiny --in " + in + " --out " +
+                                       kFixtures + "vae/tiny/out.safetensors");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("is inside the folder --weights reads"), std::string::npos) << r.output;
+  EXPECT_FALSE(megaslide::io::path_exists(kFixtures + "vae/tiny/out.safetensors"));
+  EXPECT_EQ(megaslide::io::read_file(in), in_bytes);
+  EXPECT_EQ(megaslide::io::read_file(prompts), prompt_bytes);
   megaslide::io::remove_tree(dir);
 }

@@ -176,6 +176,12 @@ int main(int argc, char** argv) {
   return megaslide::tools::run_tool("megaslide-encode", [&] {
     megaslide::tools::checking_input([&] {
       megaslide::io::check_output_file(out, "--out");  // before minutes of encoding, not after
+      megaslide::tools::check_output_is_no_input(out, "--out",
+                                                 {{in, "--in"},
+                                                  {prompts_path, "--prompts"},
+                                                  {weights, "--weights"},
+                                                  {vocab, "--vocab"},
+                                                  {spiece, "--tokenizer"}});
       // A flag that would change nothing in this call is refused, not ignored.
       for (auto* sub : {vae_encode, vae_decode}) {
         if (!sub->parsed()) continue;

@@ -42,29 +42,14 @@ void on_stop_signal(int signal) {
   std::signal(signal, megaslide::tools::end_by_signal_removing_temporaries);
 }
 
-// `path` as the file system names it, for comparing output paths with inputs: its nearest existing folder through
-// links, the rest as written ("" stays "").
-std::string real_file_path(const std::string& path) {
-  if (path.empty()) return path;
-  const std::string absolute = megaslide::io::absolute_path(path);
-  for (auto slash = absolute.find_last_of('/'); slash != std::string::npos && slash > 0;
-       slash = absolute.find_last_of('/', slash - 1)) {
-    char* folder = ::realpath(absolute.substr(0, slash).c_str(), nullptr);
-    if (folder == nullptr) continue;
-    const std::string out = std::string(folder) + absolute.substr(slash);
-    std::free(folder);
-    return out;
-  }
-  return absolute;
-}
-
 // What an output file (`flag`'s) may not be: another output, the config, train.init_from's file, the checkpoint
 // resumed from, or a file the run folder's training writes (its config, log, metrics, checkpoints, samples, plots,
 // logs and TensorBoard events). Throws UsageError naming both.
 void check_outputs_apart(const std::vector<std::pair<std::string, std::string>>& outputs,
                          const std::string& config_path, const megaslide::RunConfig& config,
                          const std::string& resume) {
-  std::vector<std::pair<std::string, std::string>> inputs{{real_file_path(config_path), "--config's file"}};
+  std::vector<std::pair<std::string, std::string>> inputs{
+      {megaslide::tools::real_file_path(config_path), "--config's file"}};
   std::vector<std::pair<std::string, std::string>> folders;  // (folder + "/", what)
   // The files the config reads: a folder's files (weights folders, a cache) are all its.
   const auto& m = config.model;
@@ -81,10 +66,11 @@ void check_outputs_apart(const std::vector<std::pair<std::string, std::string>>&
                                                         {config.data.cache, "data.cache"},
                                                         {config.train.sample_prompts, "train.sample_prompts"}}) {
     if (path.empty()) continue;
-    if (megaslide::io::is_directory(path)) folders.emplace_back(real_file_path(path) + "/", key + "'s folder");
-    else inputs.emplace_back(real_file_path(path), key + "'s file");
+    if (megaslide::io::is_directory(path))
+      folders.emplace_back(megaslide::tools::real_file_path(path) + "/", key + "'s folder");
+    else inputs.emplace_back(megaslide::tools::real_file_path(path), key + "'s file");
   }
-  const std::string run = real_file_path(config.output.run_dir);
+  const std::string run = megaslide::tools::real_file_path(config.output.run_dir);
   for (const char* name : {"config.yaml", "train.log", "metrics.jsonl"})
     inputs.emplace_back(run + "/" + name, std::string("the run folder's ") + name);
   for (const char* name : {"checkpoints", "samples", "plots", "logs", "tensorboard"})
@@ -93,14 +79,15 @@ void check_outputs_apart(const std::vector<std::pair<std::string, std::string>>&
     // The checkpoint itself, whichever name --resume gave it (a run folder names its latest checkpoint); one that
     // cannot be found is refused later, by the resume.
     try {
-      folders.emplace_back(real_file_path(megaslide::find_checkpoint(resume)) + "/", "the checkpoint --resume reads");
+      folders.emplace_back(megaslide::tools::real_file_path(megaslide::find_checkpoint(resume)) + "/",
+                           "the checkpoint --resume reads");
     } catch (const std::exception&) {
     }
   }
   std::map<std::string, std::string> seen;  // real path -> flag
   for (const auto& [path, flag] : outputs) {
     if (path.empty()) continue;
-    const std::string real = real_file_path(path);
+    const std::string real = megaslide::tools::real_file_path(path);
     if (const auto it = seen.find(real); it != seen.end())
       throw megaslide::tools::UsageError(fmt::format(
           "{} '{}' is also {}'s file: one would replace the other; give each its own path", flag, path, it->second));

@@ -9,12 +9,14 @@
 #include <signal.h>
 
 #include <csignal>
+#include <cstdlib>
 #include <iostream>
 #include <limits>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "megaslide/config/run_config.h"
 #include "megaslide/io/files.h"
@@ -172,6 +174,36 @@ inline void remove_temporaries_on_fatal_signals() {
 // and the like, and fail later). UsageError otherwise, naming the flag.
 inline void check_device_flag(const std::string& spec, const std::string& flag = "--device") {
   if (!is_device_spec(spec)) throw UsageError(flag + ": expected auto, cpu, cuda or cuda:N, got '" + spec + "'");
+}
+
+// `path` as the file system names it, for comparing output paths with inputs: its nearest existing folder through
+// links, the rest as written ("" stays "").
+inline std::string real_file_path(const std::string& path) {
+  if (path.empty()) return path;
+  const std::string absolute = io::absolute_path(path);
+  for (auto slash = absolute.find_last_of('/'); slash != std::string::npos && slash > 0;
+       slash = absolute.find_last_of('/', slash - 1)) {
+    char* folder = ::realpath(absolute.substr(0, slash).c_str(), nullptr);
+    if (folder == nullptr) continue;
+    const std::string out = std::string(folder) + absolute.substr(slash);
+    std::free(folder);
+    return out;
+  }
+  return absolute;
+}
+
+// Refuses (UsageError) an output `path` (`flag`'s) that is one of `inputs` (path, the flag that names it: "--in"), or
+// inside one that is a folder: writing it would destroy what the command reads.
+inline void check_output_is_no_input(const std::string& path, const std::string& flag,
+                                     const std::vector<std::pair<std::string, std::string>>& inputs) {
+  const std::string real = real_file_path(path);
+  for (const auto& [input, what] : inputs) {
+    if (input.empty()) continue;
+    const std::string in = real_file_path(input);
+    if (real == in || (io::is_directory(input) && real.rfind(in + "/", 0) == 0))
+      throw UsageError(flag + " '" + path + "' is " + (real == in ? "the file " : "inside the folder ") + what +
+                       " reads: writing it would destroy it; give another path");
+  }
 }
 
 }  // namespace megaslide::tools

@@ -317,6 +317,19 @@ std::string value_at(const json& j, const std::string& path) {
   return at->dump();
 }
 
+// The CRC-32 of an item's tensors other than its latents (text, image), chained in the order of their names.
+uint32_t others_crc32(const io::NamedTensors& tensors) {
+  std::vector<std::pair<std::string, torch::Tensor>> sorted(tensors.begin(), tensors.end());
+  std::sort(sorted.begin(), sorted.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  uint32_t crc = 0;
+  for (const auto& [name, t] : sorted) {
+    if (name == "latents") continue;
+    const auto c = t.contiguous();
+    crc = io::crc32(c.data_ptr(), static_cast<size_t>(c.numel() * c.element_size()), crc);
+  }
+  return crc;
+}
+
 void check_same(const json& cached, const json& now, const std::string& what, const std::string& dir) {
   const auto diff = first_difference(cached, now, "");
   if (!diff.empty())
@@ -425,10 +438,14 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
     throw DatasetError("data.dataset is '" + config.data.dataset + "'; only videos are cached");
   if (options.out.empty()) throw DatasetError("no output folder for the cache (--out or data.cache)");
   // An existing folder must be a cache's (a build resumes or replaces it): a folder of other files, the videos' own
-  // say, is refused before anything is read or written (temporaries of a killed build, *.tmp, are removed below).
+  // say, is refused before anything is read or written (temporaries of a killed build, its files' *.tmp, are removed
+  // below; another .tmp is another program's file).
+  if (io::path_exists(options.out) && !io::is_directory(options.out))
+    throw DatasetError("the cache folder '" + options.out +
+                       "' exists and is not a folder: name a new or empty folder (--out or data.cache)");
   if (io::is_directory(options.out)) {
     static const std::regex kCacheFile(
-        R"(cache\.json|empty_prompt\.safetensors|\.lock|shard-[0-9]{5,}\.safetensors|.*\.tmp)");
+        R"((cache\.json|empty_prompt\.safetensors|\.lock|shard-[0-9]{5,}\.safetensors)|(shard-[0-9]{5,}\.safetensors|cache\.json|empty_prompt\.safetensors)\..*\.tmp)");
     for (const auto& name : io::list_directory(options.out))
       if (!std::regex_match(name, kCacheFile))
         throw DatasetError("the cache folder '" + options.out + "' holds files that are not a cache's (e.g. '" + name +
@@ -495,14 +512,22 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
       throw DatasetError("cache folder '" + options.out + "' is being written by another megaslide-cache: " + holder +
                          " (lock file " + io::join_path(options.out, ".lock") +
                          "); wait for it to end, or choose another --out");
-    for (const auto& name : io::list_directory(options.out))  // temporaries of a killed build
-      if (name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0)
+    // Temporaries of a killed build: its own files' (shards, the manifest, the empty prompt), no other .tmp.
+    for (const auto& name : io::list_directory(options.out))
+      if (name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0 &&
+          (name.rfind("shard-", 0) == 0 || name.rfind(std::string(kManifest) + ".", 0) == 0 ||
+           name.rfind(std::string(kEmptyPrompt) + ".", 0) == 0))
         io::remove_tree(io::join_path(options.out, name));
     if (io::path_exists(manifest_path)) try {
         const json old = read_manifest(manifest_path);
         check_same(old.value("encoders", json()), identity, "encoders", options.out);
         check_same(old.value("decode", json()), decode, "decode settings", options.out);
-        check_same(absolute_source(old.value("dataset", json())), manifest["dataset"], "dataset", options.out);
+        // The same dataset; its listing may have changed (videos added or removed): the shards are kept or written
+        // again by their items below.
+        json old_source = absolute_source(old.value("dataset", json())), now_source = manifest["dataset"];
+        old_source.erase("listed");
+        now_source.erase("listed");
+        check_same(old_source, now_source, "dataset", options.out);
         if (old.value("shard_items", int64_t{0}) == S && old.contains("shards") && old["shards"].is_array()) {
           for (const auto& rec : old["shards"]) {
             const int64_t k = rec.value("shard", int64_t{-1});
@@ -526,6 +551,12 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
                        image_was.value("mtime_ns", int64_t{0}) == image_st.mtime_ns;
               }
             }
+            // ... and the same captions (an edited caption changes the item's text embeddings).
+            for (const auto& cached : rec.value("items", json::array())) {
+              const int64_t j = cached.value("index", int64_t{-1});
+              for (int64_t q = k * S; same && q < std::min(n, (k + 1) * S); ++q)
+                if (dataset.item(q).index == j && dataset.item(q).caption != cached.value("caption", "")) same = false;
+            }
             const std::string file = io::join_path(options.out, rec.value("file", ""));
             if (!same) continue;
             if (!io::path_exists(file) || io::file_size(file) != rec.value("bytes", uint64_t{0}) ||
@@ -547,6 +578,7 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
     const io::NamedTensors empty = encoders->encode_text("");
     io::write_safetensors(io::join_path(options.out, kEmptyPrompt), empty,
                           {{"format", "megaslide.cache.empty_prompt"}});
+    manifest["empty_prompt_crc32"] = fmt::format("{:08x}", io::file_crc32(io::join_path(options.out, kEmptyPrompt)));
 
     auto write_manifest = [&](bool complete) {
       json shards = json::array();
@@ -557,7 +589,7 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
       io::write_file_atomically(manifest_path, manifest.dump(1) + "\n");
     };
 
-    int64_t done = 0;
+    int64_t done = 0, done_here = 0;  // items finished, and of them those this build encoded
     for (int64_t k = 0; k < num_shards; ++k) {
       const int64_t first = k * S, count = std::min(S, n - first);
       if (!shard_records[static_cast<size_t>(k)].is_null()) {
@@ -618,6 +650,7 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
       io::NamedTensors tensors;
       json items = json::array(), bad = json::array(), sources = json::array();
       std::vector<std::pair<size_t, torch::Tensor>> latents;  // item record -> its latents
+      std::vector<io::NamedTensors> others;                   // item record -> its other tensors
       for (int64_t j = 0; j < count; ++j) {
         const auto& item = dataset.item(first + j);
         const auto& st = stats[static_cast<size_t>(j)];
@@ -635,12 +668,13 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
         const auto video = encoders->encode_video(clips[static_cast<size_t>(j)]);
         latents.emplace_back(items.size(), video);
         tensors.emplace_back(std::to_string(item.index) + ".latents", video);
-        for (auto& [name, t] : encoders->encode_text(item.caption))
-          tensors.emplace_back(std::to_string(item.index) + "." + name, t);
+        io::NamedTensors other = encoders->encode_text(item.caption);
         if (image_to_video)
           for (auto& [name, t] : encoders->encode_image(images[static_cast<size_t>(j)], pixels[static_cast<size_t>(j)],
                                                         clips[static_cast<size_t>(j)].size(0)))
-            tensors.emplace_back(std::to_string(item.index) + "." + name, t);
+            other.emplace_back(name, t);
+        for (const auto& [name, t] : other) tensors.emplace_back(std::to_string(item.index) + "." + name, t);
+        others.push_back(std::move(other));
         items.push_back({{"index", item.index},
                          {"path", item.path},
                          {"caption", item.caption},
@@ -663,6 +697,8 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
         rec["crc32"] =
             fmt::format("{:08x}", io::crc32(t.data_ptr(), static_cast<size_t>(t.numel() * t.element_size())));
       }
+      for (size_t q = 0; q < latents.size(); ++q)
+        items[latents[q].first]["others_crc32"] = fmt::format("{:08x}", others_crc32(others[q]));
       shard_records[static_cast<size_t>(k)] = {
           {"shard", k},     {"file", file}, {"bytes", written.bytes}, {"crc32", fmt::format("{:08x}", written.crc32)},
           {"items", items}, {"bad", bad},   {"sources", sources}};
@@ -670,12 +706,21 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
       result.items += static_cast<int64_t>(items.size());
       ++result.shards;
       done += count;
-      if (options.on_progress) options.on_progress(done, n, done);
+      done_here += count;
+      if (options.on_progress) options.on_progress(done, n, done_here);
     }
     // Too many bad items found decoding: the cache stays incomplete (training refuses it), and the error
     // lists every bad item, the listing's and the decoder's.
     dataset.check_bad_fraction(&result.bad);
     write_manifest(true);
+    // Shards an earlier build wrote that this one does not list (another --shard-items, a shorter dataset).
+    std::set<std::string> listed;
+    for (const auto& rec : shard_records)
+      if (!rec.is_null()) listed.insert(rec.value("file", ""));
+    for (const auto& name : io::list_directory(options.out))
+      if (name.rfind("shard-", 0) == 0 && name.size() > 12 && name.compare(name.size() - 12, 12, ".safetensors") == 0 &&
+          !listed.count(name))
+        io::remove_tree(io::join_path(options.out, name));
   } catch (const io::IoError& e) {  // the folder failed (no space…): not bad input, what is written so far stays
     throw std::runtime_error(std::string("the cache folder (--out or data.cache): ") + e.what() +
                              "; run again once it can be read and written: the finished shards are kept");
@@ -772,9 +817,22 @@ std::shared_ptr<LatentCache> LatentCache::open_checked(const RunConfig& config, 
       item.latents_offset = r.value("offset", uint64_t{0});
       item.latents_bytes = r.value("bytes", uint64_t{0});
       item.latents_crc32 = static_cast<uint32_t>(std::stoul(r.value("crc32", "0"), nullptr, 16));
+      if (r.contains("others_crc32"))
+        item.others_crc32 = static_cast<uint32_t>(std::stoul(r.value("others_crc32", "0"), nullptr, 16));
+      // The latents' bytes as the shard's header places them (an edited manifest would read past the mapping).
+      const auto latents_entry = entries.find(std::to_string(item.index) + ".latents");
+      if (latents_entry == entries.end() || item.latents_offset != header.data_start + latents_entry->second->begin ||
+          item.latents_bytes != latents_entry->second->end - latents_entry->second->begin)
+        throw DatasetError(fmt::format(
+            "cache shard '{}': item {} ({}): the manifest's offset {} and size {} of its latents are not the shard's "
+            "(a damaged {}: build the cache again with megaslide-cache)",
+            mapping->path, item.index, item.path, item.latents_offset, item.latents_bytes, kManifest));
       const std::string prefix = std::to_string(item.index) + ".";
       for (const auto& [name, e] : entries) {
         if (name.compare(0, prefix.size(), prefix) != 0) continue;
+        if (header.data_start + e->end > mapping->bytes)
+          throw DatasetError(fmt::format("cache shard '{}': tensor '{}' ends past the file's {} bytes (damaged)",
+                                         mapping->path, name, mapping->bytes));
         auto* data = static_cast<char*>(mapping->base) + header.data_start + e->begin;
         item.tensors.emplace_back(name.substr(prefix.size()),
                                   torch::from_blob(data, e->shape, torch::TensorOptions().dtype(e->dtype)));
@@ -804,12 +862,15 @@ std::shared_ptr<LatentCache> LatentCache::open_checked(const RunConfig& config, 
   // The dataset as it is listed now: every item must be in the cache (cached or known bad), at the same path.
   const bool image_to_video = caches_images(config);
   const auto listing = read_video_manifest(config.data, image_to_video);
-  std::map<int64_t, std::string> cached_path, cached_image;
-  for (const auto& it : cache->items_) cached_path[it.index] = it.path, cached_image[it.index] = it.image;
+  std::map<int64_t, std::string> cached_path, cached_image, cached_caption;
+  for (const auto& it : cache->items_)
+    cached_path[it.index] = it.path, cached_image[it.index] = it.image, cached_caption[it.index] = it.caption;
   for (const auto& it : listing.items) {
     if (!covered.count(it.index)) stale.push_back(it.path + ": listed but not in the cache");
     else if (cached_path.count(it.index) && cached_path[it.index] != it.path)
       stale.push_back(it.path + ": listed where the cache has " + cached_path[it.index]);
+    else if (cached_caption.count(it.index) && cached_caption[it.index] != it.caption)
+      stale.push_back(it.path + ": its caption changed since it was cached");
     else if (image_to_video && cached_path.count(it.index) && cached_image[it.index] != it.image)
       stale.push_back(it.path + ": its image is now " + (it.image.empty() ? "a frame of the clip" : it.image) +
                       ", the cache has " +
@@ -824,9 +885,16 @@ std::shared_ptr<LatentCache> LatentCache::open_checked(const RunConfig& config, 
                     "megaslide-cache:{}",
                     dir, stale.size(), stale.size() == 1 ? "" : "s", list_paths(stale)));
 
-  // The empty prompt.
+  // The empty prompt, checked against the manifest's CRC-32 where it has one (caches before had none).
   try {
-    const auto empty = io::read_safetensors(io::join_path(dir, kEmptyPrompt));
+    const std::string empty_path = io::join_path(dir, kEmptyPrompt);
+    if (m.contains("empty_prompt_crc32") &&
+        fmt::format("{:08x}", io::file_crc32(empty_path)) != m.value("empty_prompt_crc32", ""))
+      throw DatasetError(
+          fmt::format("data.cache '{}': {} does not match the manifest's CRC-32 (corrupted): build the "
+                      "cache again with megaslide-cache",
+                      dir, kEmptyPrompt));
+    const auto empty = io::read_safetensors(empty_path);
     for (const auto& [name, t] : empty.tensors) {
       if (name == "text_ids") cache->empty_prompt_.text_ids = t;
       if (name == "text_mask") cache->empty_prompt_.text_mask = t;
@@ -862,6 +930,14 @@ ClipSample LatentCache::load(int64_t index, int64_t) const {
     throw DatasetError(fmt::format(
         "cache shard '{}': the latents of item {} ({}) have CRC-32 {:08x}, the manifest says {:08x} (corrupted)",
         shards_[static_cast<size_t>(item.shard)]->path, item.index, item.path, crc, item.latents_crc32));
+  if (item.others_crc32) {
+    const uint32_t others = others_crc32(item.tensors);
+    if (others != *item.others_crc32)
+      throw DatasetError(fmt::format(
+          "cache shard '{}': the text (and image) tensors of item {} ({}) have CRC-32 {:08x}, the manifest says "
+          "{:08x} (corrupted)",
+          shards_[static_cast<size_t>(item.shard)]->path, item.index, item.path, others, *item.others_crc32));
+  }
   return s;
 }
 

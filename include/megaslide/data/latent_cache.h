@@ -61,6 +61,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -143,6 +144,7 @@ class LatentCache final : public ClipSource {
     io::NamedTensors tensors;  // views into the mapping
     uint64_t latents_offset = 0, latents_bytes = 0;
     uint32_t latents_crc32 = 0;
+    std::optional<uint32_t> others_crc32;  // its other tensors' (text, image), by name; caches before have none
   };
   struct Mapping;
   LatentCache() = default;
