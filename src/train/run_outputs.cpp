@@ -240,9 +240,10 @@ TrainLog::~TrainLog() = default;
 void TrainLog::info(const std::string& message) { impl_->logger->info(message); }
 void TrainLog::warn(const std::string& message) { impl_->logger->warn(message); }
 
-ProgressLine::ProgressLine(int64_t total_steps, int64_t every, bool enabled)
+ProgressLine::ProgressLine(int64_t total_steps, int64_t every, bool enabled, int64_t first_step)
     : total_(total_steps),
       every_(std::max<int64_t>(every, 1)),
+      first_step_(first_step),
       enabled_(enabled),
       tty_(isatty(STDERR_FILENO) == 1),
       start_(std::chrono::steady_clock::now()) {}
@@ -256,15 +257,24 @@ std::string clock_time(double seconds) {
 }  // namespace
 
 void ProgressLine::update(const StepMetrics& m) {
-  loss_ema_ = m.step == 1 ? m.loss : 0.9 * loss_ema_ + 0.1 * m.loss;
+  // The loss's moving average (weight 0.1 a step), from this process's first step; the rate is of the steps this
+  // process ran (a resumed run's first steps are the checkpoint's).
+  loss_ema_ = m.step == first_step_ + 1 ? m.loss : 0.9 * loss_ema_ + 0.1 * m.loss;
   if (!enabled_) return;
   const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-  const double rate = static_cast<double>(m.step) / std::max(elapsed, 1e-9);
+  const double rate = static_cast<double>(m.step - first_step_) / std::max(elapsed, 1e-9);
   const double eta = static_cast<double>(total_ - m.step) / std::max(rate, 1e-9);
+  // The NVMe tier: the step's reads and write-backs as rates over the step, and the compute's wait for them.
+  const std::string nvme = m.nvme && m.step_time_s > 0
+                               ? fmt::format(" | NVMe {:.2g}+{:.2g} GB/s, waited {:.0f}%",
+                                             static_cast<double>(m.nvme_read_bytes) / 1e9 / m.step_time_s,
+                                             static_cast<double>(m.nvme_write_bytes) / 1e9 / m.step_time_s,
+                                             100.0 * m.nvme_wait_s / m.step_time_s)
+                               : std::string();
   const std::string line =
-      fmt::format("step {:>{}}/{}{} | loss {:.4f} (avg {:.4f}) | {:.2f} it/s | {:.3g} tok/s | ETA {}", m.step,
+      fmt::format("step {:>{}}/{}{} | loss {:.4f} (avg {:.4f}) | {:.2f} it/s | {:.3g} tok/s{} | ETA {}", m.step,
                   std::to_string(total_).size(), total_, m.part.empty() ? "" : " [" + m.part + "]", m.loss, loss_ema_,
-                  rate, m.tokens_per_s, clock_time(eta));
+                  rate, m.tokens_per_s, nvme, clock_time(eta));
   if (tty_) {
     std::fprintf(stderr, "\r%s\033[K", line.c_str());
     std::fflush(stderr);

@@ -553,7 +553,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   const int64_t start = result.first_step;
   // The step --trace records: --trace-step, or the nearest step this run trains (a resumed run starts past it).
   const int64_t traced = std::clamp(options.trace_step, std::min(start + 1, train.steps), train.steps);
-  ProgressLine progress(train.steps, train.log_every, config.output.progress && writer);
+  ProgressLine progress(train.steps, train.log_every, config.output.progress && writer, start);
   double window = 0.0;
   int64_t window_steps = 0;
   result.steps_done = start;
@@ -626,9 +626,15 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     window += m.loss;
     ++window_steps;
     if (m.step % train.log_every == 0 || m.step == train.steps) {
-      log.info(fmt::format("step {}/{} loss {:.5f} (mean of last {}: {:.5f}) lr {:.3g} grad_norm {:.3f} {:.3f} s/step",
-                           m.step, train.steps, m.loss, window_steps, window / static_cast<double>(window_steps), m.lr,
-                           m.grad_norm, m.step_time_s));
+      // The NVMe tier's traffic of the step, where it runs (the console's line says it too).
+      const std::string nvme = m.nvme ? fmt::format(" nvme {:.3g} GB read {:.3g} GB written {:.3f} s waited",
+                                                    static_cast<double>(m.nvme_read_bytes) / 1e9,
+                                                    static_cast<double>(m.nvme_write_bytes) / 1e9, m.nvme_wait_s)
+                                      : std::string();
+      log.info(
+          fmt::format("step {}/{} loss {:.5f} (mean of last {}: {:.5f}) lr {:.3g} grad_norm {:.3f} {:.3f} s/step{}",
+                      m.step, train.steps, m.loss, window_steps, window / static_cast<double>(window_steps), m.lr,
+                      m.grad_norm, m.step_time_s, nvme));
       window = 0.0;
       window_steps = 0;
     }

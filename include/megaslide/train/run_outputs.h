@@ -90,12 +90,13 @@ class TrainLog {
 // Progress on stderr: a line rewritten in place on a terminal; elsewhere one line every `every` steps.
 class ProgressLine {
  public:
-  ProgressLine(int64_t total_steps, int64_t every, bool enabled);
+  // `first_step`: the steps already done when the run starts (a resumed run's checkpoint step).
+  ProgressLine(int64_t total_steps, int64_t every, bool enabled, int64_t first_step = 0);
   void update(const StepMetrics& m);
   void finish();
 
  private:
-  int64_t total_, every_;
+  int64_t total_, every_, first_step_;
   bool enabled_, tty_;
   std::chrono::steady_clock::time_point start_;
   double loss_ema_ = 0.0;
