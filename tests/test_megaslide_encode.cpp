@@ -1,6 +1,8 @@
 // megaslide-encode end to end on the tiny reference models (tests/fixtures/clip, vae, umt5, wan_vae): its
 // files hold what transformers and diffusers computed; bad input exits 2 naming it and writes nothing.
 #include <gtest/gtest.h>
+
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <unistd.h>
 
@@ -197,6 +199,9 @@ TEST(MegaslideEncode, BadInputExitsTwoNamingItAndWritesNothing) {
              "tensor 'x' has shape [1, 4, 4, 4], expected [N, 3, H, W]");
   megaslide::io::write_safetensors(dir + "/z.safetensors", {{"x", torch::zeros({1, 3, 4, 4}, torch::kInt32)}});
   expect_bad("vae-decode " + vae + " --in " + dir + "/z.safetensors", "tensor 'x' is I32");
+  megaslide::io::write_safetensors(dir + "/n.safetensors",
+                                   {{"x", torch::full({1, 3, 8, 8}, std::numeric_limits<float>::quiet_NaN())}});
+  expect_bad("vae-encode " + vae + " --in " + dir + "/n.safetensors", "holds NaN or infinite values");
   megaslide::io::write_safetensors(dir + "/i.safetensors", {{"x", torch::zeros({1, 3, 6, 8})}});
   expect_bad("vae-encode " + vae + " --in " + dir + "/i.safetensors", "multiples of 4");
   expect_bad("vae-decode " + vae + " --tile 8 --tile-stride 4 --in " + dir + "/z.safetensors",

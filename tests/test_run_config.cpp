@@ -440,10 +440,10 @@ TEST(RunConfig, SettingsTheRunDoesNotUseAreNamed) {
 // The property: a config MegaSlide saved (a checkpoint's, a weights file's) loads without the checks of values older
 // versions accepted and saved, so their files keep loading; a user's config with the same values is refused.
 TEST(RunConfig, SavedConfigsKeepLoadingWhatOlderVersionsAccepted) {
-  for (const std::string yaml : {std::string("data:\n  root: /old/videos\n"),
-                                 std::string("model:\n  dsa_offset_range: [20000.0, 1.0, 1.0]\n"),
-                                 std::string("model:\n  dsa_kernel: [99, 3, 3]\n"),
-                                 std::string("train:\n  init_from: \"w.safetensors\\0junk\"\n")}) {
+  for (const std::string yaml :
+       {std::string("data:\n  root: /old/videos\n"), std::string("model:\n  dsa_offset_range: [20000.0, 1.0, 1.0]\n"),
+        std::string("model:\n  dsa_kernel: [99, 3, 3]\n"),
+        std::string("train:\n  init_from: \"w.safetensors\\0junk\"\n")}) {
     EXPECT_NO_THROW(megaslide::parse_saved_run_config(yaml, "saved")) << yaml;
     EXPECT_THROW(parse_run_config(yaml, kSource), ConfigError) << yaml;
   }

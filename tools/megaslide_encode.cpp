@@ -72,6 +72,9 @@ torch::Tensor input_tensor(const std::string& path) {
         throw megaslide::tools::UsageError("'" + path + "': tensor 'x' is " +
                                            megaslide::io::safetensors_dtype_name(t.scalar_type()) +
                                            ", expected F32, F16 or BF16");
+      // A NaN or an infinity would come out as a tensor of NaNs, written without a word.
+      if (!torch::isfinite(t).all().item<bool>())
+        throw megaslide::tools::UsageError("'" + path + "': tensor 'x' holds NaN or infinite values");
       return t.to(torch::kFloat32);
     }
   std::string names;

@@ -338,10 +338,11 @@ void check_same(const json& cached, const json& now, const std::string& what, co
         diff, value_at(cached, diff), value_at(now, diff)));
 }
 
+// The lines after a colon, "; " between them (a tool prints an error on one line).
 std::string list_paths(const std::vector<std::string>& lines, size_t max = 20) {
   std::string out;
-  for (size_t i = 0; i < lines.size() && i < max; ++i) out += "\n  " + lines[i];
-  if (lines.size() > max) out += fmt::format("\n  ... and {} more", lines.size() - max);
+  for (size_t i = 0; i < lines.size() && i < max; ++i) out += (i == 0 ? " " : "; ") + lines[i];
+  if (lines.size() > max) out += fmt::format("; ... and {} more", lines.size() - max);
   return out;
 }
 
@@ -561,7 +562,8 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
             if (!same) continue;
             if (!io::path_exists(file) || io::file_size(file) != rec.value("bytes", uint64_t{0}) ||
                 fmt::format("{:08x}", io::file_crc32(file)) != rec.value("crc32", "")) {
-              warn("shard " + file + " does not verify (size or CRC-32); writing it again");
+              warn("shard " + file + (io::path_exists(file) ? " does not verify (size or CRC-32)" : " is missing") +
+                   "; writing it again");
               continue;
             }
             shard_records[static_cast<size_t>(k)] = rec;
@@ -682,6 +684,8 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
                          {"mtime_ns", st.mtime_ns},
                          {"bucket", dataset.info(first + j).bucket}});
         if (image_to_video && !item.image.empty()) items.back()["image"] = sources.back()["image"];
+        // Progress by item, not only by shard (a shard of 64 items takes minutes with large encoders).
+        if (options.on_progress && j + 1 < count) options.on_progress(done + j + 1, n, done_here + j + 1);
       }
       const std::string file = shard_name(k);
       const auto written =
