@@ -214,6 +214,11 @@ TEST(LatentCache, AStaleCacheIsRefusedNamingWhatChanged) {
   const auto updated = build(c, dir, 2);
   EXPECT_GE(updated.shards_reused, 1);
   EXPECT_NO_THROW(LatentCache::open(c, dir));
+  // A video that was bad when cached and has been replaced since (fixed) is named: it stayed skipped.
+  megaslide::io::write_file_atomically(fx.dir + "/videos/corrupt.mp4",
+                                       megaslide::io::read_file(fx.dir + "/videos/clip-0.mp4"));
+  what = expect_refused(c, dir);
+  EXPECT_NE(what.find("corrupt.mp4: was a bad item when cached and has changed since"), std::string::npos) << what;
 }
 
 // The property: the same files are the same cache whatever working directory or spelling names them: a cache built

@@ -80,6 +80,12 @@ TEST(MegaslideTrain, DryRunPrintsTheModelSizeAsJson) {
   EXPECT_NEAR(nlohmann::json::parse(r.output)["host_state_bytes"].get<double>() / j["params"].get<double>(),
               8.0 + 8.0 / 256, 1e-6);
   EXPECT_GT(j["params_per_block"].get<int64_t>(), 0);
+  EXPECT_TRUE(j["unused_settings"].empty()) << j.dump();
+  // Settings the run would not use are listed, as its train.log would warn.
+  r = run(big + " --set lora.alpha=8");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(nlohmann::json::parse(r.output)["unused_settings"][0],
+            "lora.alpha: set, but lora.rank is 0 (full fine-tuning, no LoRA): ignored");
   // The NVMe tier: the bf16 compute copy, plus offload.nvme_blocks_in_flight blocks' master and moments (12 B a
   // parameter, each part's region rounded up to 4 KiB) in host memory (the buffers were left out).
   r = run(big + " --set offload.state_tier=nvme --set offload.nvme_dir=/tmp --set offload.nvme_blocks_in_flight=3");

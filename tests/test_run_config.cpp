@@ -404,6 +404,7 @@ TEST(RunConfig, ValuesARunCannotUseAreRefused) {
   expect_error("", {"train.steps=1\n---\n7"}, "train.steps", "more than one YAML document");
   expect_error("", {"train.steps =5"}, "", "holds white space");
   expect_error("train:\n  steps: 3\n  lr: 0.1\n  steps: 4\n", {}, "train.steps", "on lines 2 and 4");
+  expect_error("train:\n  <<: {steps: 3}\n", {}, "train", "YAML merge keys (<<) are not supported (line 2)");
 }
 
 // The property: config.yaml and messages show a number as the shortest text that reads back as it (train.lr 0.003,

@@ -109,6 +109,8 @@ int print_dry_run(const megaslide::RunConfig& config, const std::string& source,
   // What the run trains: the model's parameters, or a LoRA run's adapters (the planner's count).
   j["trained_params"] =
       config.lora.rank > 0 ? megaslide::plan::lora_trained_parameters(config, source) : j["params"].get<int64_t>();
+  // What the run's train.log would warn about: settings it will not use.
+  j["unused_settings"] = megaslide::unused_settings(megaslide::resolve_auto_settings(config));
   if (json) {
     std::cout << j.dump() << "\n";
     return 0;
@@ -132,6 +134,7 @@ int print_dry_run(const megaslide::RunConfig& config, const std::string& source,
                                              config.lora.type == "lokr" ? "LoKr" : "LoRA", config.lora.rank)
                                : std::string())
       << "(--json prints this as one JSON object; megaslide-plan shows memory and time on a machine)\n";
+  for (const auto& line : j["unused_settings"]) std::cout << "warning: " << line.get<std::string>() << "\n";
   return 0;
 }
 }  // namespace

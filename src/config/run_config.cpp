@@ -826,6 +826,10 @@ RunConfig parse_config_text(const std::string& yaml_text, const std::string& sou
     // Keys must be plain scalars: YAML also allows sequences or mappings as keys ("? [a]: 1").
     const auto key_of = [&source](const YAML::Node& key, const std::string& where) {
       if (!key.IsScalar()) throw ConfigError(source, where, "a key must be a plain name, got " + describe(key));
+      if (key.Scalar() == "<<")
+        throw ConfigError(source, where,
+                          "YAML merge keys (<<) are not supported (line " + std::to_string(key.Mark().line + 1) +
+                              "): write the keys out, or set them with --set");
       return key.Scalar();
     };
     // yaml-cpp keeps both entries of a repeated key; a file that says two things about one key is

@@ -476,8 +476,11 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
   manifest["dataset"] = {{"source", dataset_source(config.data)}, {"listed", dataset.listed()}};
   manifest["shard_items"] = options.shard_items;
   json listing_bad = json::array();
-  for (const auto& b : dataset.bad())
-    listing_bad.push_back({{"index", b.index}, {"path", b.path}, {"reason", b.reason}});
+  for (const auto& b : dataset.bad()) {
+    const auto st = stat_source(b.path);
+    listing_bad.push_back(
+        {{"index", b.index}, {"path", b.path}, {"reason", b.reason}, {"size", st.size}, {"mtime_ns", st.mtime_ns}});
+  }
   manifest["listing_bad"] = listing_bad;
 
   // Shard k holds usable items [k·S, (k+1)·S) of the dataset.
@@ -662,7 +665,11 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
           sources.back()["image"] = {{"path", item.image}, {"size", image_st.size}, {"mtime_ns", image_st.mtime_ns}};
         }
         if (!errors[static_cast<size_t>(j)].empty()) {
-          bad.push_back({{"index", item.index}, {"path", item.path}, {"reason", errors[static_cast<size_t>(j)]}});
+          bad.push_back({{"index", item.index},
+                         {"path", item.path},
+                         {"reason", errors[static_cast<size_t>(j)]},
+                         {"size", st.size},
+                         {"mtime_ns", st.mtime_ns}});
           result.bad.push_back({item.index, item.path, errors[static_cast<size_t>(j)]});
           warn(fmt::format("bad item {}: {}", item.path, errors[static_cast<size_t>(j)]));
           continue;
@@ -772,16 +779,20 @@ std::shared_ptr<LatentCache> LatentCache::open_checked(const RunConfig& config, 
   cache->listed_ = m.at("dataset").at("listed").get<int64_t>();
   cache->num_buckets_ = static_cast<int64_t>(m.at("decode").at("buckets").size());
   std::set<int64_t> covered;
-  for (const auto& b : m.value("listing_bad", json::array())) {
+  std::vector<std::string> stale;
+  // A bad item: kept as bad unless its source was replaced since (a fixed video would otherwise stay skipped; caches
+  // before did not record the source's size and mtime).
+  const auto bad_item = [&](const json& b) {
     cache->bad_.push_back({b.value("index", int64_t{0}), b.value("path", ""), b.value("reason", "")});
     covered.insert(b.value("index", int64_t{0}));
-  }
-  std::vector<std::string> stale;
+    if (!b.contains("mtime_ns")) return;
+    const auto now = stat_source(io::absolute_path(b.value("path", "")));
+    if (now.exists && (now.size != b.value("size", uint64_t{0}) || now.mtime_ns != b.value("mtime_ns", int64_t{0})))
+      stale.push_back(b.value("path", "") + ": was a bad item when cached and has changed since");
+  };
+  for (const auto& b : m.value("listing_bad", json::array())) bad_item(b);
   for (const auto& rec : m.value("shards", json::array())) {
-    for (const auto& b : rec.value("bad", json::array())) {
-      cache->bad_.push_back({b.value("index", int64_t{0}), b.value("path", ""), b.value("reason", "")});
-      covered.insert(b.value("index", int64_t{0}));
-    }
+    for (const auto& b : rec.value("bad", json::array())) bad_item(b);
     auto mapping = std::make_unique<Mapping>();
     mapping->path = io::join_path(dir, rec.value("file", ""));
     int fd = -1;
