@@ -4,6 +4,7 @@
 #include "megaslide/plan/step_plan.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 #include <nlohmann/json.hpp>
 
 #include <cstdlib>
@@ -299,7 +300,7 @@ TEST(StepPlan, DeviceMemoryGrowsWithFramesAndTheAdviceFits) {
 
 // Property: the shipped profiles load by name and are the files in configs/hardware; a file with a
 // missing, unknown, non-numeric, non-positive or fractional-byte key is refused with a message naming
-// the file and the key.
+// the file and the key; a name that is no built-in but a folder here is refused as a folder.
 TEST(HardwareProfile, BuiltInsAreTheShippedFilesAndBadFilesAreNamed) {
   EXPECT_EQ(plan::builtin_hardware_profiles(), (std::vector<std::string>{"h100nvl", "h200", "hgx-h200", "rtx4090",
                                                                          "workstation-24gb", "workstation-48gb"}));
@@ -350,6 +351,17 @@ TEST(HardwareProfile, BuiltInsAreTheShippedFilesAndBadFilesAreNamed) {
   }
   EXPECT_THROW(plan::load_hardware_profile("a100"), HardwareProfileError);
   EXPECT_THROW(plan::load_hardware_profile("/nonexistent/profile.yaml"), HardwareProfileError);
+  // A name that is no built-in but exists here is read as the file it is: a folder is named as one (it was told to
+  // "give its path").
+  const std::string here = "megaslide-test-hw-" + std::to_string(::getpid());
+  megaslide::io::make_directories(here);
+  try {
+    plan::load_hardware_profile(here);
+    ADD_FAILURE() << "a folder was read as a profile";
+  } catch (const HardwareProfileError& e) {
+    EXPECT_NE(std::string(e.what()).find("is a folder"), std::string::npos) << e.what();
+  }
+  megaslide::io::remove_tree(here);
 }
 
 // Property: `megaslide-plan --json` prints one object with the keys docs/planner.md names, agreeing with the

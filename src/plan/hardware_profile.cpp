@@ -127,6 +127,9 @@ HardwareProfile load_hardware_profile(const std::string& name_or_path) {
     for (const auto& b : detail::builtin_hardware_profile_texts()) {
       if (b.name == name_or_path) return parse_hardware_profile(b.text, "built-in " + b.path);
     }
+  }
+  // Not a built-in name: a path, or a name that exists here (a file or folder in the working directory).
+  if (!is_path && !io::path_exists(name_or_path)) {
     std::string known;
     for (const auto& n : builtin_hardware_profiles()) known += (known.empty() ? "" : ", ") + n;
     throw HardwareProfileError("hardware profile '" + name_or_path + "': no built-in profile of that name (built-in: " +
