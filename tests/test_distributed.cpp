@@ -1262,6 +1262,9 @@ TEST(ContextParallel, Dsa3dHaloExchangeInFloat32IsAsCloseToFloat64AsOneRank) {
     for (int64_t c = 0; c < 3; ++c) {
       const double one_rank_error = (one_rank.select(-1, c) - exact.select(-1, c)).abs().max().item<double>();
       const double group_error = (group.select(-1, c) - exact.select(-1, c)).abs().max().item<double>();
+      std::cout << "offsets within " << scale << ", component " << c << ": largest error against float64, one rank "
+                << one_rank_error << ", the group " << group_error << " (largest gradient "
+                << exact.select(-1, c).abs().max().item<double>() << ")\n";
       EXPECT_LE(group_error, one_rank_error + 1e-4) << "component " << c;
       if (c > 0 || scale == 0.3)  // numbered alike, or away from the jumps: float32 rounding apart
         EXPECT_LT((group.select(-1, c) - one_rank.select(-1, c)).abs().max().item<double>(), 1e-4) << "component " << c;

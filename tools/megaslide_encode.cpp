@@ -179,12 +179,15 @@ int main(int argc, char** argv) {
   return megaslide::tools::run_tool("megaslide-encode", [&] {
     megaslide::tools::checking_input([&] {
       megaslide::io::check_output_file(out, "--out");  // before minutes of encoding, not after
-      megaslide::tools::check_output_is_no_input(out, "--out",
-                                                 {{in, "--in"},
-                                                  {prompts_path, "--prompts"},
-                                                  {weights, "--weights"},
-                                                  {vocab, "--vocab"},
-                                                  {spiece, "--tokenizer"}});
+      // What each input flag names, for the refusal of an --out that is it.
+      const auto reads = [](const std::string& input, const std::string& flag) {
+        return std::pair{
+            input, std::string(megaslide::io::is_directory(input) ? "the folder " : "the file ") + flag + " reads"};
+      };
+      megaslide::tools::check_output_is_no_input(
+          out, "--out",
+          {reads(in, "--in"), reads(prompts_path, "--prompts"), reads(weights, "--weights"), reads(vocab, "--vocab"),
+           reads(spiece, "--tokenizer")});
       // A flag that would change nothing in this call is refused, not ignored.
       for (auto* sub : {vae_encode, vae_decode}) {
         if (!sub->parsed()) continue;

@@ -114,11 +114,7 @@ void warn_cut_prompts(const std::vector<megaslide::ValidationVideo>& videos, int
     if (n > longest) longest = n, example = v.job.prompt;
   }
   if (cut == 0) return;
-  if (example.size() > 60) {  // its first 60 bytes, cut at a UTF-8 character's start
-    size_t end = 60;
-    while (end > 0 && (static_cast<unsigned char>(example[end]) & 0xC0) == 0x80) --end;
-    example = example.substr(0, end) + "...";
-  }
+  if (example.size() > 60) example = megaslide::io::utf8_prefix(example, 60) + "...";
   std::cerr << fmt::format(
       "megaslide-sample: warning: {} prompt(s) are longer than the {} tokens {} reads; each is cut there, and what "
       "follows does not change its videos (the longest, {} tokens: '{}')\n",

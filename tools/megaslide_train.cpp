@@ -42,16 +42,13 @@ void on_stop_signal(int signal) {
   std::signal(signal, megaslide::tools::end_by_signal_removing_temporaries);
 }
 
-// What an output file (`flag`'s) may not be: another output, the config, train.init_from's file, the checkpoint
-// resumed from, or a file the run folder's training writes (its config, log, metrics, checkpoints, samples, plots,
-// logs and TensorBoard events). Throws UsageError naming both.
+// What an output file (`flag`'s) may not be: another output, the config, a file or folder the config reads, the
+// checkpoint resumed from, or a file the run folder's training writes (its config, log, metrics, checkpoints, samples,
+// plots, logs and TensorBoard events). Throws UsageError naming both.
 void check_outputs_apart(const std::vector<std::pair<std::string, std::string>>& outputs,
                          const std::string& config_path, const megaslide::RunConfig& config,
                          const std::string& resume) {
-  std::vector<std::pair<std::string, std::string>> inputs{
-      {megaslide::tools::real_file_path(config_path), "--config's file"}};
-  std::vector<std::pair<std::string, std::string>> folders;  // (folder + "/", what)
-  // The files the config reads: a folder's files (weights folders, a cache) are all its.
+  std::vector<std::pair<std::string, std::string>> inputs{{config_path, "--config's file"}};
   const auto& m = config.model;
   for (const auto& [path, key] :
        std::vector<std::pair<std::string, std::string>>{{config.train.init_from, "train.init_from"},
@@ -64,23 +61,18 @@ void check_outputs_apart(const std::vector<std::pair<std::string, std::string>>&
                                                         {config.data.manifest, "data.manifest"},
                                                         {config.data.tensors, "data.tensors"},
                                                         {config.data.cache, "data.cache"},
-                                                        {config.train.sample_prompts, "train.sample_prompts"}}) {
-    if (path.empty()) continue;
-    if (megaslide::io::is_directory(path))
-      folders.emplace_back(megaslide::tools::real_file_path(path) + "/", key + "'s folder");
-    else inputs.emplace_back(megaslide::tools::real_file_path(path), key + "'s file");
-  }
-  const std::string run = megaslide::tools::real_file_path(config.output.run_dir);
+                                                        {config.train.sample_prompts, "train.sample_prompts"}})
+    if (!path.empty()) inputs.emplace_back(path, key + (megaslide::io::is_directory(path) ? "'s folder" : "'s file"));
+  const std::string& run = config.output.run_dir;
   for (const char* name : {"config.yaml", "train.log", "metrics.jsonl"})
-    inputs.emplace_back(run + "/" + name, std::string("the run folder's ") + name);
-  for (const char* name : {"checkpoints", "samples", "plots", "logs", "tensorboard"})
-    folders.emplace_back(run + "/" + name + "/", std::string("the run folder's ") + name + "/");
+    inputs.emplace_back(megaslide::io::join_path(run, name), std::string("the run folder's ") + name);
+  for (const char* name : {"checkpoints", "samples", "plots", "logs", "tensorboard"})  // (folders: a '/' at the end)
+    inputs.emplace_back(megaslide::io::join_path(run, name) + "/", std::string("the run folder's ") + name + "/");
   if (!resume.empty() && resume != "latest") {
     // The checkpoint itself, whichever name --resume gave it (a run folder names its latest checkpoint); one that
     // cannot be found is refused later, by the resume.
     try {
-      folders.emplace_back(megaslide::tools::real_file_path(megaslide::find_checkpoint(resume)) + "/",
-                           "the checkpoint --resume reads");
+      inputs.emplace_back(megaslide::find_checkpoint(resume) + "/", "the checkpoint --resume reads");
     } catch (const std::exception&) {
     }
   }
@@ -92,14 +84,7 @@ void check_outputs_apart(const std::vector<std::pair<std::string, std::string>>&
       throw megaslide::tools::UsageError(fmt::format(
           "{} '{}' is also {}'s file: one would replace the other; give each its own path", flag, path, it->second));
     seen.emplace(real, flag);
-    for (const auto& [input, what] : inputs)
-      if (real == input)
-        throw megaslide::tools::UsageError(
-            fmt::format("{} '{}' is {}: writing it would destroy it; give another path", flag, path, what));
-    for (const auto& [folder, what] : folders)
-      if (real.rfind(folder, 0) == 0)
-        throw megaslide::tools::UsageError(fmt::format(
-            "{} '{}' is inside {}, which the run writes and reads back; give a path outside it", flag, path, what));
+    megaslide::tools::check_output_is_no_input(path, flag, inputs);
   }
 }
 

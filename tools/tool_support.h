@@ -192,17 +192,21 @@ inline std::string real_file_path(const std::string& path) {
   return absolute;
 }
 
-// Refuses (UsageError) an output `path` (`flag`'s) that is one of `inputs` (path, the flag that names it: "--in"), or
-// inside one that is a folder: writing it would destroy what the command reads.
+// Refuses (UsageError) an output `path` (`flag`'s) that is one of `inputs` ({path, what names it in the message}),
+// or inside one that is a folder (one that exists as a folder, or whose path ends in '/' whether it exists yet or
+// not): writing it would destroy what the command reads or writes there.
 inline void check_output_is_no_input(const std::string& path, const std::string& flag,
                                      const std::vector<std::pair<std::string, std::string>>& inputs) {
   const std::string real = real_file_path(path);
   for (const auto& [input, what] : inputs) {
     if (input.empty()) continue;
-    const std::string in = real_file_path(input);
-    if (real == in || (io::is_directory(input) && real.rfind(in + "/", 0) == 0))
-      throw UsageError(flag + " '" + path + "' is " + (real == in ? "the file " : "inside the folder ") + what +
-                       " reads: writing it would destroy it; give another path");
+    const bool slash = input.back() == '/', folder = slash || io::is_directory(input);
+    const std::string in = real_file_path(slash ? input.substr(0, input.size() - 1) : input);
+    if (real == in)
+      throw UsageError(flag + " '" + path + "' is " + what + ": writing it would destroy it; give another path");
+    if (folder && real.rfind(in + "/", 0) == 0)
+      throw UsageError(flag + " '" + path + "' is inside " + what +
+                       ": writing there would destroy it; give a path outside it");
   }
 }
 

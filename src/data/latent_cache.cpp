@@ -271,6 +271,11 @@ SourceStat stat_source(const std::string& path) {
 
 std::string shard_name(int64_t k) { return fmt::format("shard-{:05}.safetensors", k); }
 
+// The files a cache folder holds, and the temporaries a killed build of it leaves (its files' NAME.XXXXXX.tmp).
+const std::regex kShardFile(R"(shard-[0-9]{5,}\.safetensors)");
+const std::regex kCacheFile(R"(cache\.json|empty_prompt\.safetensors|\.lock|shard-[0-9]{5,}\.safetensors)");
+const std::regex kCacheTemporary(R"((cache\.json|empty_prompt\.safetensors|shard-[0-9]{5,}\.safetensors)\..*\.tmp)");
+
 json read_manifest(const std::string& path) {
   try {
     auto j = json::parse(io::read_file(path));
@@ -445,10 +450,8 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
     throw DatasetError("the cache folder '" + options.out +
                        "' exists and is not a folder: name a new or empty folder (--out or data.cache)");
   if (io::is_directory(options.out)) {
-    static const std::regex kCacheFile(
-        R"((cache\.json|empty_prompt\.safetensors|\.lock|shard-[0-9]{5,}\.safetensors)|(shard-[0-9]{5,}\.safetensors|cache\.json|empty_prompt\.safetensors)\..*\.tmp)");
     for (const auto& name : io::list_directory(options.out))
-      if (!std::regex_match(name, kCacheFile))
+      if (!std::regex_match(name, kCacheFile) && !std::regex_match(name, kCacheTemporary))
         throw DatasetError("the cache folder '" + options.out + "' holds files that are not a cache's (e.g. '" + name +
                            "'): name a new or empty folder (--out or data.cache)");
   }
@@ -518,10 +521,7 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
                          "); wait for it to end, or choose another --out");
     // Temporaries of a killed build: its own files' (shards, the manifest, the empty prompt), no other .tmp.
     for (const auto& name : io::list_directory(options.out))
-      if (name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0 &&
-          (name.rfind("shard-", 0) == 0 || name.rfind(std::string(kManifest) + ".", 0) == 0 ||
-           name.rfind(std::string(kEmptyPrompt) + ".", 0) == 0))
-        io::remove_tree(io::join_path(options.out, name));
+      if (std::regex_match(name, kCacheTemporary)) io::remove_tree(io::join_path(options.out, name));
     if (io::path_exists(manifest_path)) try {
         const json old = read_manifest(manifest_path);
         check_same(old.value("encoders", json()), identity, "encoders", options.out);
@@ -538,9 +538,17 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
             if (k < 0 || k >= num_shards) continue;
             // Kept only when it holds the same items, from unchanged sources, and its file verifies.
             bool same = rec.contains("sources") && rec["sources"].size() == static_cast<size_t>(std::min(S, n - k * S));
+            std::map<int64_t, std::string> captions;  // the shard's cached items' (its bad items have none)
+            for (const auto& cached : rec.value("items", json::array()))
+              captions[cached.value("index", int64_t{-1})] = cached.value("caption", "");
             for (int64_t j = 0; same && j < std::min(S, n - k * S); ++j) {
               const auto& src = rec["sources"][static_cast<size_t>(j)];
               const auto& item = dataset.item(k * S + j);
+              // An edited caption changes the item's text embeddings.
+              if (const auto c = captions.find(item.index); c != captions.end() && c->second != item.caption) {
+                same = false;
+                break;
+              }
               const auto st = stat_source(item.path);
               same = src.value("index", int64_t{-1}) == item.index &&
                      io::absolute_path(src.value("path", "")) == item.path &&
@@ -554,12 +562,6 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
                        image_was.value("size", uint64_t{0}) == image_st.size &&
                        image_was.value("mtime_ns", int64_t{0}) == image_st.mtime_ns;
               }
-            }
-            // ... and the same captions (an edited caption changes the item's text embeddings).
-            for (const auto& cached : rec.value("items", json::array())) {
-              const int64_t j = cached.value("index", int64_t{-1});
-              for (int64_t q = k * S; same && q < std::min(n, (k + 1) * S); ++q)
-                if (dataset.item(q).index == j && dataset.item(q).caption != cached.value("caption", "")) same = false;
             }
             const std::string file = io::join_path(options.out, rec.value("file", ""));
             if (!same) continue;
@@ -729,9 +731,7 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
     for (const auto& rec : shard_records)
       if (!rec.is_null()) listed.insert(rec.value("file", ""));
     for (const auto& name : io::list_directory(options.out))
-      if (name.rfind("shard-", 0) == 0 && name.size() > 12 && name.compare(name.size() - 12, 12, ".safetensors") == 0 &&
-          !listed.count(name))
-        io::remove_tree(io::join_path(options.out, name));
+      if (std::regex_match(name, kShardFile) && !listed.count(name)) io::remove_tree(io::join_path(options.out, name));
   } catch (const io::IoError& e) {  // the folder failed (no space…): not bad input, what is written so far stays
     throw std::runtime_error(std::string("the cache folder (--out or data.cache): ") + e.what() +
                              "; run again once it can be read and written: the finished shards are kept");

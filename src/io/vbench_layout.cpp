@@ -292,12 +292,14 @@ std::string vbench_file_name(const std::string& prompt, int64_t index, const std
   // prompts that differ only in what was replaced or cut still get two files.
   const std::string tag = fmt::format("~{:08x}", static_cast<uint32_t>(fnv1a64(prompt) >> 32));
   const size_t room = kMaxFileNameBytes - suffix.size() - tag.size();
-  if (name.size() > room) {
-    size_t cut = room;
-    while (cut > 0 && (static_cast<unsigned char>(name[cut]) & 0xC0) == 0x80) --cut;  // not inside a UTF-8 character
-    name.resize(cut);
-  }
-  return name + tag + suffix;
+  return utf8_prefix(name, room) + tag + suffix;
+}
+
+std::string utf8_prefix(const std::string& text, size_t max_bytes) {
+  if (text.size() <= max_bytes) return text;
+  size_t cut = max_bytes;
+  while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) --cut;  // not inside a character
+  return text.substr(0, cut);
 }
 
 std::string vbench_prompt_from_file_name(const std::string& file_name) {

@@ -932,16 +932,26 @@ std::function<bool(const AVPacket&)> starts_at(const FrameTimes::Packet& first) 
 // earlier. `pts` then holds those frames and possibly some after them; `keys` every key frame shown before them.
 // Without decode times, or with ones that break that rule, the whole file is read. So the scan reads the file up to
 // just past the clip, as decoding from the start would, at a small fraction of decoding's cost.
-std::optional<FrameTimes> frame_times(const std::string& path, OpenedVideo& v, int64_t frames) {
+//
+// With `seconds_after`, reading goes on past those frames to every frame shown less than that after the `frames`-th
+// and the first frame after them (known for certain as above, once a packet decodes after its time); `pts` then holds
+// exactly those (a reordered frame not read yet could be missing past them), or the whole stream when it ends first.
+std::optional<FrameTimes> frame_times(const std::string& path, OpenedVideo& v, int64_t frames,
+                                      std::optional<double> seconds_after = std::nullopt) {
   FrameTimes times;
   PacketPtr packet(av_packet_alloc());
   if (!packet) fail(path, "out of memory");
   std::priority_queue<int64_t> earliest;  // the `frames` earliest presentation times so far (its top the latest)
   int64_t last_dts = std::numeric_limits<int64_t>::min();
   bool ordered = true;  // decode times only increase, and no presentation time comes before its decode time
+  std::optional<int64_t> until, next;  // with seconds_after: the last time wanted, then the first frame's after it
+  bool ended = false;
   while (true) {
     const int r = av_read_frame(v.in.get(), packet.get());
-    if (r == AVERROR_EOF) break;
+    if (r == AVERROR_EOF) {
+      ended = true;
+      break;
+    }
     if (r < 0) return std::nullopt;
     if (packet->stream_index == v.index) {
       if (packet->pts == AV_NOPTS_VALUE) return std::nullopt;
@@ -950,19 +960,27 @@ std::optional<FrameTimes> frame_times(const std::string& path, OpenedVideo& v, i
         times.pts.push_back(packet->pts);
         earliest.push(packet->pts);
         if (static_cast<int64_t>(earliest.size()) > frames) earliest.pop();
+        if (until && packet->pts > *until && (!next || packet->pts < *next)) next = packet->pts;
       }
       if ((packet->flags & AV_PKT_FLAG_KEY) != 0) times.keys.push_back(times_of(*packet));
       if (packet->dts != AV_NOPTS_VALUE) {  // (a demuxer may leave the first packets' unknown)
         if (packet->dts < last_dts || packet->pts < packet->dts) ordered = false;
         else last_dts = packet->dts;
       }
-      const bool known = ordered && packet->dts != AV_NOPTS_VALUE && static_cast<int64_t>(earliest.size()) == frames &&
-                         packet->dts > earliest.top();
-      if (known) break;
+      if (ordered && packet->dts != AV_NOPTS_VALUE) {
+        if (!until && static_cast<int64_t>(earliest.size()) == frames && packet->dts > earliest.top()) {
+          if (!seconds_after) break;  // the first `frames` frames are known
+          until = earliest.top() + static_cast<int64_t>(std::ceil(*seconds_after / av_q2d(v.stream->time_base)));
+          for (const int64_t t : times.pts)
+            if (t > *until && (!next || t < *next)) next = t;
+        }
+        if (next && packet->dts > *next) break;  // every frame shown by `next` is read
+      }
     }
     av_packet_unref(packet.get());
   }
   std::sort(times.pts.begin(), times.pts.end());
+  if (!ended && next) times.pts.erase(std::upper_bound(times.pts.begin(), times.pts.end(), *next), times.pts.end());
   if (times.pts.empty() || std::adjacent_find(times.pts.begin(), times.pts.end()) != times.pts.end())
     return std::nullopt;
   return times;
@@ -1129,55 +1147,12 @@ torch::Tensor read_video_frames(const std::string& path, const std::vector<int64
 std::vector<double> presentation_times(const std::string& path, int64_t index, double seconds_after) {
   if (index < 0) fail(path, "presentation_times: negative frame index " + std::to_string(index));
   auto v = open_video(path);
-  PacketPtr packet(av_packet_alloc());
-  if (!packet) fail(path, "out of memory");
+  const auto times = frame_times(path, v, index + 1, seconds_after);
+  if (!times || static_cast<int64_t>(times->pts.size()) <= index) return {};
   const double time_base = av_q2d(v.stream->time_base);
-  std::vector<int64_t> pts;
-  std::priority_queue<int64_t> earliest;  // the index + 1 earliest presentation times so far (its top the latest)
-  int64_t last_dts = std::numeric_limits<int64_t>::min();
-  bool ordered = true;  // as frame_times: then a packet decoded after time t is never shown before t
-  // Once frame `index`'s time is known for certain: the last time wanted, and then the time of the first frame after
-  // it (the earliest read past `until`: certain once a packet decodes after it).
-  std::optional<int64_t> until, next;
-  bool ended = false;
-  while (true) {
-    const int r = av_read_frame(v.in.get(), packet.get());
-    if (r == AVERROR_EOF) {
-      ended = true;
-      break;
-    }
-    if (r < 0) return {};
-    if (packet->stream_index == v.index) {
-      if (packet->pts == AV_NOPTS_VALUE) return {};
-      if ((packet->flags & AV_PKT_FLAG_DISCARD) == 0) {
-        pts.push_back(packet->pts);
-        earliest.push(packet->pts);
-        if (static_cast<int64_t>(earliest.size()) > index + 1) earliest.pop();
-      }
-      if (packet->dts != AV_NOPTS_VALUE) {
-        if (packet->dts < last_dts || packet->pts < packet->dts) ordered = false;
-        else last_dts = packet->dts;
-      }
-      if (ordered && packet->dts != AV_NOPTS_VALUE) {
-        if (!until && static_cast<int64_t>(earliest.size()) == index + 1 && packet->dts > earliest.top())
-          until = earliest.top() + static_cast<int64_t>(std::ceil(seconds_after / time_base));
-        if (until && packet->dts > *until) {
-          next.reset();
-          for (const int64_t t : pts)
-            if (t > *until && (!next || t < *next)) next = t;
-          if (next && packet->dts > *next) break;  // every frame shown by `next` is read
-        }
-      }
-    }
-    av_packet_unref(packet.get());
-  }
-  av_packet_unref(packet.get());
-  std::sort(pts.begin(), pts.end());
-  // Past the next frame, frames not read yet (reordered ones) may be missing: those read are left out.
-  if (!ended && next) pts.erase(std::upper_bound(pts.begin(), pts.end(), *next), pts.end());
-  if (static_cast<int64_t>(pts.size()) <= index || std::adjacent_find(pts.begin(), pts.end()) != pts.end()) return {};
-  std::vector<double> seconds(pts.size());
-  for (size_t i = 0; i < pts.size(); ++i) seconds[i] = static_cast<double>(pts[i] - pts.front()) * time_base;
+  std::vector<double> seconds(times->pts.size());
+  for (size_t i = 0; i < seconds.size(); ++i)
+    seconds[i] = static_cast<double>(times->pts[i] - times->pts.front()) * time_base;
   return seconds;
 }
 

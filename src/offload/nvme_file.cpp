@@ -16,6 +16,8 @@
 #include <thread>
 #include <vector>
 
+#include "megaslide/util/numbers.h"
+
 #ifdef MEGASLIDE_WITH_IO_URING
 #include <liburing.h>
 #endif
@@ -23,14 +25,7 @@
 namespace megaslide::offload {
 namespace {
 
-std::string human(int64_t bytes) {
-  if (bytes < 0) return "unknown";
-  const double b = static_cast<double>(bytes);
-  if (bytes < 1024) return fmt::format("{} B", bytes);
-  if (bytes < 1024 * 1024) return fmt::format("{:.1f} KiB", b / 1024.0);
-  if (bytes < 1024 * 1024 * 1024) return fmt::format("{:.1f} MiB", b / (1024.0 * 1024));
-  return fmt::format("{:.2f} GiB", b / (1024.0 * 1024 * 1024));
-}
+std::string human(int64_t bytes) { return bytes < 0 ? "unknown" : human_bytes(static_cast<double>(bytes)); }
 
 int64_t round_up(int64_t n) { return (n + kNvmeAlignment - 1) / kNvmeAlignment * kNvmeAlignment; }
 

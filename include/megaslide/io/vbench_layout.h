@@ -54,6 +54,9 @@ SampleFolder find_sample_folder(const std::string& dir);
 // and the byte).
 std::vector<std::string> read_prompt_file(const std::string& path);
 
+// The longest prefix of `text` of at most `max_bytes` bytes that does not end inside a UTF-8 character.
+std::string utf8_prefix(const std::string& text, size_t max_bytes);
+
 // "{prompt}-{index}.mp4", or the safe, bounded, tagged name above (or another extension, without the dot).
 std::string vbench_file_name(const std::string& prompt, int64_t index, const std::string& extension = "mp4");
 
