@@ -656,6 +656,47 @@ TEST(WanCache, TrainingFromTheCacheEqualsTrainingFromTheTensorsFileAndMismatches
   megaslide::io::write_file_atomically(dir + "/cache.json", m.dump(1));
   what = refused(c);
   EXPECT_NE(what.find("incomplete"), std::string::npos) << what;
+  megaslide::io::write_file_atomically(dir + "/cache.json", manifest);
+
+  // An item whose latents fail their CRC-32 is left out as a bad item, as the DiT family skips it (it used to end
+  // the run): the other items are the encoders' in their order, the trainer hands the item to train.log once, and
+  // more bad items than data.max_bad_fraction allows are refused, naming the item and its CRC-32.
+  {
+    const std::string shard = dir + "/shard-00000.safetensors";
+    const auto header = megaslide::io::read_safetensors_header(shard);
+    uint64_t offset = 0;
+    for (const auto& e : header.entries)
+      if (e.name == "1.latents") offset = header.data_start + e.begin + 5;
+    ASSERT_GT(offset, 0u);
+    std::fstream f(shard, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(static_cast<std::streamoff>(offset));
+    const char old = static_cast<char>(f.get());
+    f.seekp(static_cast<std::streamoff>(offset));
+    f.put(static_cast<char>(old ^ 1));
+  }
+  // The fixture's six listed videos hold three bad ones already: 4 of 6 bad are within 0.7, not within 0.6.
+  const auto lenient = wan_video_config(fx, dir, {"data.max_bad_fraction=0.7"});
+  const auto kept = megaslide::WanLatentData::from_cache(lenient, dir);
+  ASSERT_EQ(kept.size(), 2);
+  ASSERT_EQ(kept.bad.size(), 4u);
+  EXPECT_NE(kept.bad.back().reason.find("CRC-32"), std::string::npos) << kept.bad.back().reason;
+  const auto rows = torch::tensor(std::vector<int64_t>{0, 2});
+  EXPECT_TRUE(torch::equal(kept.latents, direct.latents.index_select(0, rows)));
+  EXPECT_TRUE(torch::equal(kept.text, direct.text.index_select(0, rows)));
+  EXPECT_EQ(kept.captions.size(), 2u);
+  {
+    megaslide::Trainer trainer = megaslide::testing::resident_trainer(lenient);
+    const auto reported = trainer.take_new_bad_items();
+    ASSERT_EQ(reported.size(), 4u);
+    EXPECT_EQ(reported.back().path, kept.bad.back().path);
+    EXPECT_TRUE(trainer.take_new_bad_items().empty()) << "reported once";
+    EXPECT_NE(trainer.describe_data(8).find("2 usable items of 6 listed (4 bad"), std::string::npos)
+        << trainer.describe_data(8);
+    EXPECT_TRUE(std::isfinite(trainer.step().loss));
+  }
+  what = refused(wan_video_config(fx, dir, {"data.max_bad_fraction=0.6"}));
+  EXPECT_NE(what.find("4 of 6 items are bad"), std::string::npos) << what;
+  EXPECT_NE(what.find("CRC-32"), std::string::npos) << what;
 }
 
 // The DiT family's latent path: a cache of CLIP embeddings and SD VAE latents equals the frozen encoders'

@@ -919,15 +919,37 @@ std::shared_ptr<LatentCache> LatentCache::open_checked(const RunConfig& config, 
     throw DatasetError(e.what());
   }
   if (cache->items_.empty()) throw DatasetError("data.cache '" + dir + "' holds no items");
-  const double allowed = config.data.max_bad_fraction * static_cast<double>(cache->listed_);
-  if (static_cast<double>(cache->bad_.size()) > allowed) {
-    std::vector<std::string> lines;
-    for (const auto& b : cache->bad_) lines.push_back(b.path + ": " + b.reason);
-    throw DatasetError(
-        fmt::format("data.cache '{}': {} of {} items are bad, more than data.max_bad_fraction ({}) allows:{}", dir,
-                    cache->bad_.size(), cache->listed_, config.data.max_bad_fraction, list_paths(lines, 1000)));
-  }
+  cache->max_bad_fraction_ = config.data.max_bad_fraction;
+  cache->check_bad_fraction({});
   return cache;
+}
+
+void LatentCache::check_bad_fraction(const std::vector<BadItem>& more) const {
+  const size_t bad = bad_.size() + more.size();
+  if (static_cast<double>(bad) <= max_bad_fraction_ * static_cast<double>(listed_)) return;
+  std::vector<std::string> lines;
+  for (const auto* list : {&bad_, &more})
+    for (const auto& b : *list) lines.push_back(b.path + ": " + b.reason);
+  throw DatasetError(
+      fmt::format("data.cache '{}': {} of {} items are bad, more than data.max_bad_fraction ({}) allows:{}", dir_, bad,
+                  listed_, max_bad_fraction_, list_paths(lines, 1000)));
+}
+
+std::vector<int64_t> LatentCache::verified_items(std::vector<BadItem>& failed) const {
+  std::vector<int64_t> good;
+  std::vector<BadItem> found;
+  for (int64_t i = 0; i < size(); ++i) {
+    try {
+      load(i, 0);
+      good.push_back(i);
+    } catch (const DatasetError& e) {
+      found.push_back({items_[static_cast<size_t>(i)].index, items_[static_cast<size_t>(i)].path, e.what()});
+    }
+  }
+  check_bad_fraction(found);
+  if (good.empty()) throw DatasetError("data.cache '" + dir_ + "': no item is usable (every one failed its CRC-32)");
+  failed.insert(failed.end(), found.begin(), found.end());
+  return good;
 }
 
 ClipSample LatentCache::load(int64_t index, int64_t) const {

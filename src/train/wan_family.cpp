@@ -24,21 +24,15 @@ namespace megaslide {
 
 namespace {
 
-// The validation prompts of a run on cached videos: the cache's first items' captions, from item 0 until
+// The validation prompts of a run on cached videos: the captions of the items from the first until
 // kWanValidationVideos distinct ones are among them (WanValidation picks those).
-std::vector<std::string> cached_captions(const RunConfig& config, const std::string& source) {
+std::vector<std::string> validation_captions(const WanLatentData& data) {
   std::vector<std::string> captions;
-  if (config.data.dataset != "videos") return captions;
-  try {
-    const auto cache = LatentCache::open(config, config.data.cache);
-    int64_t distinct = 0;
-    for (int64_t i = 0; i < cache->size() && distinct < kWanValidationVideos; ++i) {
-      const auto& caption = cache->caption(i);
-      if (!caption.empty() && std::find(captions.begin(), captions.end(), caption) == captions.end()) ++distinct;
-      captions.push_back(caption);
-    }
-  } catch (const DatasetError& e) {
-    throw ConfigError(source, "data.cache", e.what());
+  int64_t distinct = 0;
+  for (size_t i = 0; i < data.captions.size() && distinct < kWanValidationVideos; ++i) {
+    const auto& caption = data.captions[i];
+    if (!caption.empty() && std::find(captions.begin(), captions.end(), caption) == captions.end()) ++distinct;
+    captions.push_back(caption);
   }
   return captions;
 }
@@ -165,9 +159,12 @@ class WanModel final : public FamilyModel {
         device_(request.device),
         streamed_(request.streamed) {
     const std::string& source = request.source;
-    // Validation first: umT5 encodes the prompts now, before the trainer's state exists, and is freed.
-    if (request.validation) validation_.emplace(config_, cached_captions(config_, source), source);
     auto data = load_latent_data(config_, source);
+    unreported_bad_ = data.bad;
+    items_ = data.size();
+    bad_items_ = static_cast<int64_t>(data.bad.size());
+    // Validation before the trainer's state exists: umT5 encodes the prompts now and is freed.
+    if (request.validation) validation_.emplace(config_, validation_captions(data), source);
     if (validation_ && wan_image_to_video(config_.model.wan))
       validation_->images(
           data.size(), [&data](int64_t item) { return data.item_image_latents(item); }, data.image_embeds);
@@ -233,15 +230,19 @@ class WanModel final : public FamilyModel {
   }
   at::Tensor epilogue(const at::Tensor& last_hidden) override { return experts_[active_].split.epilogue(last_hidden); }
 
+  std::vector<BadItem> take_new_bad_items() override { return std::exchange(unreported_bad_, {}); }
   std::string data_state() const override { return batches_->state(); }
   void restore_data(const std::string& state) override { batches_->restore(state); }
   void take_slice(int64_t rank, int64_t world_size) override { batches_->take_slice(rank, world_size); }
   std::string describe_data(int64_t /*steps*/) const override {
     return config_.data.dataset == "videos"
-               ? fmt::format("cache {} (Wan VAE latents and umT5 embeddings, all held in memory{})", config_.data.cache,
-                             config_.data.buckets.empty()
-                                 ? ""
-                                 : fmt::format("; {} buckets, each batch of one", config_.data.buckets.size()))
+               ? fmt::format(
+                     "cache {}: {} usable items of {} listed ({} bad; Wan VAE latents and umT5 embeddings, "
+                     "all held in memory{})",
+                     config_.data.cache, items_, items_ + bad_items_, bad_items_,
+                     config_.data.buckets.empty()
+                         ? ""
+                         : fmt::format("; {} buckets, each batch of one", config_.data.buckets.size()))
                : fmt::format("tensors {} (latents and text embeddings, all held in memory)", config_.data.tensors);
   }
 
@@ -430,6 +431,8 @@ class WanModel final : public FamilyModel {
   const bool streamed_;
   std::optional<WanValidation> validation_;
   std::optional<WanBatchSource> batches_;
+  std::vector<BadItem> unreported_bad_;  // the cache's items left out, until take_new_bad_items()
+  int64_t items_ = 0, bad_items_ = 0;
   std::vector<WanExpert> experts_;
   size_t active_ = 0;                              // the expert the current step trains
   std::shared_ptr<offload::StreamedModel> stack_;  // streamed

@@ -84,13 +84,16 @@ WanLatentData WanLatentData::load(const std::string& path) {
 WanLatentData WanLatentData::from_cache(const RunConfig& config, const std::string& dir) {
   const auto cache = LatentCache::open(config, dir);
   WanLatentData d;
+  d.bad = cache->bad();
+  const std::vector<int64_t> good = cache->verified_items(d.bad);
+  for (const int64_t i : good) d.captions.push_back(cache->caption(i));
   const bool i2v = wan_image_to_video(config.model.wan);
   if (config.data.buckets.empty()) {
-    d.latents = cache->stacked("latents");
-    if (i2v) d.image_latents = cache->stacked("image_latents");
+    d.latents = cache->stacked("latents", good);
+    if (i2v) d.image_latents = cache->stacked("image_latents", good);
   } else {
     std::vector<std::vector<int64_t>> items(static_cast<size_t>(cache->num_buckets()));
-    for (int64_t i = 0; i < cache->size(); ++i) {
+    for (const int64_t i : good) {
       auto& of_bucket = items.at(static_cast<size_t>(cache->bucket_of(i)));
       d.bucket_of.push_back(cache->bucket_of(i));
       d.row_of.push_back(static_cast<int64_t>(of_bucket.size()));
@@ -105,9 +108,9 @@ WanLatentData WanLatentData::from_cache(const RunConfig& config, const std::stri
       d.buckets.push_back(std::move(b));
     }
   }
-  d.text = cache->stacked("text");
+  d.text = cache->stacked("text", good);
   if (cache->empty_prompt().text.defined()) d.empty_text = cache->empty_prompt().text.to(torch::kFloat32).clone();
-  if (config.model.wan.image_dim > 0) d.image_embeds = cache->stacked("image_embeds");
+  if (config.model.wan.image_dim > 0) d.image_embeds = cache->stacked("image_embeds", good);
   return d;
 }
 

@@ -135,6 +135,11 @@ class LatentCache final : public ClipSource {
   torch::Tensor stacked(const std::string& name, const std::vector<int64_t>& items = {}) const;
   const std::vector<BadItem>& bad() const { return bad_; }
   int64_t listed() const { return listed_; }
+  // Every item checked against its CRC-32s (load) at once, as a run that holds them all in memory needs: the
+  // items that pass, in order; each that fails is appended to `failed` with its reason. Throws DatasetError,
+  // listing them, when the cache's bad items and these are more than data.max_bad_fraction of the listed
+  // items, or none is left.
+  std::vector<int64_t> verified_items(std::vector<BadItem>& failed) const;
 
  private:
   struct Item {
@@ -149,6 +154,8 @@ class LatentCache final : public ClipSource {
   struct Mapping;
   LatentCache() = default;
   static std::shared_ptr<LatentCache> open_checked(const RunConfig& config, const std::string& dir);
+  // Throws DatasetError listing bad_ and `more` when they are more than max_bad_fraction_ of the listed items.
+  void check_bad_fraction(const std::vector<BadItem>& more) const;
 
   std::string dir_;
   std::vector<Item> items_;
@@ -156,6 +163,7 @@ class LatentCache final : public ClipSource {
   std::vector<std::unique_ptr<Mapping>> shards_;
   ClipSample empty_prompt_;
   int64_t num_buckets_ = 1, listed_ = 0;
+  double max_bad_fraction_ = 0.0;  // the config's data.max_bad_fraction
 };
 
 }  // namespace megaslide

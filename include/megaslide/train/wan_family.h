@@ -54,6 +54,7 @@
 #include "megaslide/config/run_config.h"
 #include "megaslide/data/bucket_sampler.h"
 #include "megaslide/data/structured_motion.h"
+#include "megaslide/data/video_manifest.h"
 #include "megaslide/diffusion/ddpm.h"
 #include "megaslide/diffusion/flow_matching.h"
 #include "megaslide/model/wan.h"
@@ -80,6 +81,10 @@ struct WanLatentData {
   };
   std::vector<Bucket> buckets;
   std::vector<int64_t> bucket_of, row_of;
+  // From a cache: each item's caption, and the items left out (the cache's bad items, and those that failed
+  // their CRC-32 here).
+  std::vector<std::string> captions;
+  std::vector<BadItem> bad;
   bool bucketed() const { return !buckets.empty(); }
   int64_t size() const { return text.defined() ? text.size(0) : 0; }
   // Item i's latents [C, T, H, W] and (image-to-video) its image latents, whichever way they are held.
@@ -91,7 +96,9 @@ struct WanLatentData {
   // Every item of a megaslide-cache folder made through umT5 and the Wan VAE (data/latent_cache.h), in
   // item order: latents, umT5 text and the empty prompt's as empty_text (image-to-video: the image's too). `config` is
   // the run's (data.dataset: videos, pixel sizes): the cache is opened with its checks (encoders, decode settings,
-  // stale items). With data.buckets the latents are held by bucket (buckets above). Throws DatasetError.
+  // stale items). An item that fails its CRC-32 is left out as a bad item, as a run of the DiT family skips it,
+  // within data.max_bad_fraction. With data.buckets the latents are held by bucket (buckets above). Throws
+  // DatasetError.
   static WanLatentData from_cache(const RunConfig& config, const std::string& dir);
   // Checks the shapes against a config (data.channels/frames/height/width, model.wan.text_dim; bucketed: the
   // channels, each bucket's sizes being the cache's); throws std::invalid_argument naming what differs.
