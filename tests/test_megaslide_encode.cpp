@@ -192,6 +192,9 @@ TEST(MegaslideEncode, BadInputExitsTwoNamingItAndWritesNothing) {
     EXPECT_NE(r.output.find(needle), std::string::npos) << "expected '" << needle << "' in:\n" << r.output;
     EXPECT_FALSE(megaslide::io::path_exists(out)) << args;
   };
+  // A misspelt subcommand is named with the choices (CLI11 said only that one is required), and so is none.
+  expect_bad("vae-encoder " + vae, "unknown subcommand 'vae-encoder': give text, vae-encode or vae-decode");
+  expect_bad("", "a subcommand is needed: text, vae-encode or vae-decode");
   megaslide::io::write_safetensors(dir + "/z.safetensors", {{"z", torch::zeros({1, 3, 4, 4})}});
   expect_bad("vae-decode " + vae + " --in " + dir + "/z.safetensors", "has no tensor 'x' (it holds: z)");
   megaslide::io::write_safetensors(dir + "/z.safetensors", {{"x", torch::zeros({1, 4, 4, 4})}});

@@ -45,6 +45,18 @@ inline std::optional<int> parse_flags(CLI::App& app, int argc, char** argv) {
     std::string message = e.what();
     for (char& c : message)
       if (c == '\n') c = ' ';
+    // A tool of subcommands: CLI11 says "A subcommand is required" for a misspelt one too; name it and the choices.
+    std::string choices;
+    const auto subcommands = app.get_subcommands([](CLI::App*) { return true; });
+    for (size_t i = 0; i < subcommands.size(); ++i)
+      choices += (i == 0 ? "" : i + 1 == subcommands.size() ? " or " : ", ") + subcommands[i]->get_name();
+    bool named = false;
+    for (const auto* sub : subcommands) named = named || sub->parsed();
+    if (!choices.empty() && !named) {
+      if (argc > 1 && argv[1] != nullptr && argv[1][0] != '-')
+        message = "unknown subcommand '" + std::string(argv[1]) + "': give " + choices;
+      else if (argc < 2) message = "a subcommand is needed: " + choices;
+    }
     std::cerr << name + ": " + message + " (--help lists the flags)\n"
               << std::flush;  // one write: ranks' lines stay whole
     return 2;
