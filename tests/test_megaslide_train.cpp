@@ -60,6 +60,15 @@ TEST(MegaslideTrain, BadValueExitsTwoNamingTheKeyAndWritesNothing) {
 TEST(MegaslideTrain, BadFlagOrMissingConfigExitsTwo) {
   EXPECT_EQ(run("--config " + smoke() + " --no-such-flag").code, 2);
   EXPECT_EQ(run("").code, 2);
+  // A misspelt flag is named with the nearest one (CLI11 said "--config is required" for --confg, and listed
+  // "/tmp/x --run-dirr" as unexpected arguments).
+  auto misspelt = run("--confg " + smoke());
+  EXPECT_EQ(misspelt.code, 2);
+  EXPECT_NE(misspelt.output.find("unknown flag '--confg' (did you mean --config?)"), std::string::npos)
+      << misspelt.output;
+  misspelt = run("--config " + smoke() + " --run-dirr=/tmp/x");
+  EXPECT_NE(misspelt.output.find("unknown flag '--run-dirr' (did you mean --run-dir?)"), std::string::npos)
+      << misspelt.output;
   auto r = run("--config /nonexistent.yaml");
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.output.find("/nonexistent.yaml"), std::string::npos) << r.output;

@@ -8,6 +8,7 @@
 
 #include <signal.h>
 
+#include <algorithm>
 #include <csignal>
 #include <cstdlib>
 #include <iostream>
@@ -33,7 +34,9 @@ class UsageError : public std::runtime_error, public InputError {
 };
 
 // Parses the flags: nullopt to go on, else the exit code: 0 for --help and --version (CLI11 prints them), 2 for a
-// bad flag, with one line on stderr as run_tool writes errors, "NAME: CLI11's message (--help lists the flags)".
+// bad flag, with one line on stderr as run_tool writes errors, "NAME: MESSAGE (--help lists the flags)": CLI11's
+// message, or the first unknown flag with the known one nearest to it, or a misspelt or missing subcommand with
+// the choices.
 inline std::optional<int> parse_flags(CLI::App& app, int argc, char** argv) {
   try {
     app.parse(argc, argv);
@@ -45,13 +48,36 @@ inline std::optional<int> parse_flags(CLI::App& app, int argc, char** argv) {
     std::string message = e.what();
     for (char& c : message)
       if (c == '\n') c = ' ';
+    const auto subcommands = app.get_subcommands([](CLI::App*) { return true; });
+    // A misspelt flag: CLI11 names a required flag first ("--config is required" for --confg), or lists the
+    // misspelt flag with its value; name the flag, and the nearest one the tool knows.
+    std::vector<std::string> known;
+    auto add_names = [&known](const CLI::App& a) {
+      for (const auto* option : a.get_options())
+        for (const auto& n : option->get_lnames()) known.push_back("--" + n);
+    };
+    add_names(app);
+    for (const auto* sub : subcommands) add_names(*sub);
+    for (int i = 1; i < argc && argv[i] != nullptr && std::string(argv[i]) != "--"; ++i) {
+      const std::string arg = argv[i];
+      if (arg.size() < 3 || arg.compare(0, 2, "--") != 0) continue;
+      const std::string flag = arg.substr(0, arg.find('='));
+      if (std::find(known.begin(), known.end(), flag) != known.end()) continue;
+      message = "unknown flag '" + flag + "'";
+      std::string nearest;
+      size_t best = 3;  // near misses only
+      for (const auto& k : known)
+        if (const size_t d = edit_distance(flag, k); d < best) best = d, nearest = k;
+      if (!nearest.empty()) message += " (did you mean " + nearest + "?)";
+      break;
+    }
     // A tool of subcommands: CLI11 says "A subcommand is required" for a misspelt one too; name it and the choices.
     std::string choices;
-    const auto subcommands = app.get_subcommands([](CLI::App*) { return true; });
-    for (size_t i = 0; i < subcommands.size(); ++i)
-      choices += (i == 0 ? "" : i + 1 == subcommands.size() ? " or " : ", ") + subcommands[i]->get_name();
     bool named = false;
-    for (const auto* sub : subcommands) named = named || sub->parsed();
+    for (size_t i = 0; i < subcommands.size(); ++i) {
+      choices += (i == 0 ? "" : i + 1 == subcommands.size() ? " or " : ", ") + subcommands[i]->get_name();
+      named = named || subcommands[i]->parsed();
+    }
     if (!choices.empty() && !named) {
       if (argc > 1 && argv[1] != nullptr && argv[1][0] != '-')
         message = "unknown subcommand '" + std::string(argv[1]) + "': give " + choices;

@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "megaslide/io/files.h"
+#include "megaslide/util/errors.h"
 #include "megaslide/util/numbers.h"
 #include "util/utf8.h"
 
@@ -537,21 +538,6 @@ class Schema {
 
   std::vector<Field> fields_;
 };
-
-size_t edit_distance(const std::string& a, const std::string& b) {
-  std::vector<size_t> row(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    size_t diag = row[0];
-    row[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      size_t up = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diag = up;
-    }
-  }
-  return row[b.size()];
-}
 
 // Keys of one family only: the DiT family's shape keys, or Wan's (model.wan.*, model.self_attention). A
 // config sets the keys of its own architecture; to_yaml writes only those.

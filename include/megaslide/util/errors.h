@@ -37,4 +37,7 @@ std::string error_message(const std::exception& e);
 // LibTorch's CPU allocator): a tool adds what to change.
 bool is_out_of_memory(const std::exception& e);
 
+// The Levenshtein distance of `a` and `b` (an error's "did you mean" for a misspelt key or flag).
+size_t edit_distance(const std::string& a, const std::string& b);
+
 }  // namespace megaslide
