@@ -219,6 +219,27 @@ TEST(LatentCache, AStaleCacheIsRefusedNamingWhatChanged) {
                                        megaslide::io::read_file(fx.dir + "/videos/clip-0.mp4"));
   what = expect_refused(c, dir);
   EXPECT_NE(what.find("corrupt.mp4: was a bad item when cached and has changed since"), std::string::npos) << what;
+
+  // A folder's video without a caption file is a bad item of the listing; given one, it is usable and the cache that
+  // skips it is stale; the caption file removed again, the cache that holds it is stale (it would train on the old
+  // caption). Each time the build the refusal asks for updates the cache.
+  auto folder = video_config(fx);
+  folder.data.manifest.clear();
+  folder.data.root = fx.dir + "/videos";
+  const std::string folder_cache = fx.dir + "/folder-cache";
+  build(folder, folder_cache, 2);
+  ASSERT_NO_THROW(LatentCache::open(folder, folder_cache));
+  const std::string nocaption = fx.dir + "/videos/nocaption.mp4";
+  megaslide::io::write_file_atomically(fx.dir + "/videos/nocaption.txt", "a caption at last\n");
+  what = expect_refused(folder, folder_cache);
+  EXPECT_NE(what.find(nocaption + ": usable now, a bad item of the listing when cached"), std::string::npos) << what;
+  build(folder, folder_cache, 2);
+  ASSERT_NO_THROW(LatentCache::open(folder, folder_cache));
+  megaslide::io::remove_tree(fx.dir + "/videos/nocaption.txt");
+  what = expect_refused(folder, folder_cache);
+  EXPECT_NE(what.find(nocaption + ": a bad item of the listing now"), std::string::npos) << what;
+  build(folder, folder_cache, 2);
+  EXPECT_NO_THROW(LatentCache::open(folder, folder_cache));
 }
 
 // The property: the same files are the same cache whatever working directory or spelling names them: a cache built

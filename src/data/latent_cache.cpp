@@ -478,11 +478,19 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
   manifest["decode"] = decode;
   manifest["dataset"] = {{"source", dataset_source(config.data)}, {"listed", dataset.listed()}};
   manifest["shard_items"] = options.shard_items;
+  // The items the dataset could not use when it opened; "unlisted" marks those its listing could not (no caption,
+  // say: an opening of the cache finds them usable once that is fixed).
+  std::set<int64_t> unlisted;
+  for (const auto& b : read_video_manifest(config.data, caches_images(config)).bad) unlisted.insert(b.index);
   json listing_bad = json::array();
   for (const auto& b : dataset.bad()) {
     const auto st = stat_source(b.path);
-    listing_bad.push_back(
-        {{"index", b.index}, {"path", b.path}, {"reason", b.reason}, {"size", st.size}, {"mtime_ns", st.mtime_ns}});
+    listing_bad.push_back({{"index", b.index},
+                           {"path", b.path},
+                           {"reason", b.reason},
+                           {"size", st.size},
+                           {"mtime_ns", st.mtime_ns},
+                           {"unlisted", unlisted.count(b.index) > 0}});
   }
   manifest["listing_bad"] = listing_bad;
 
@@ -790,7 +798,11 @@ std::shared_ptr<LatentCache> LatentCache::open_checked(const RunConfig& config, 
     if (now.exists && (now.size != b.value("size", uint64_t{0}) || now.mtime_ns != b.value("mtime_ns", int64_t{0})))
       stale.push_back(b.value("path", "") + ": was a bad item when cached and has changed since");
   };
-  for (const auto& b : m.value("listing_bad", json::array())) bad_item(b);
+  std::map<int64_t, std::string> unlisted;  // the items its listing could not use, and why (caches before: none)
+  for (const auto& b : m.value("listing_bad", json::array())) {
+    bad_item(b);
+    if (b.value("unlisted", false)) unlisted[b.value("index", int64_t{0})] = b.value("reason", "");
+  }
   for (const auto& rec : m.value("shards", json::array())) {
     for (const auto& b : rec.value("bad", json::array())) bad_item(b);
     auto mapping = std::make_unique<Mapping>();
@@ -881,7 +893,9 @@ std::shared_ptr<LatentCache> LatentCache::open_checked(const RunConfig& config, 
   for (const auto& it : cache->items_)
     cached_path[it.index] = it.path, cached_image[it.index] = it.image, cached_caption[it.index] = it.caption;
   for (const auto& it : listing.items) {
-    if (!covered.count(it.index)) stale.push_back(it.path + ": listed but not in the cache");
+    if (const auto was = unlisted.find(it.index); was != unlisted.end())
+      stale.push_back(it.path + ": usable now, a bad item of the listing when cached (" + was->second + ")");
+    else if (!covered.count(it.index)) stale.push_back(it.path + ": listed but not in the cache");
     else if (cached_path.count(it.index) && cached_path[it.index] != it.path)
       stale.push_back(it.path + ": listed where the cache has " + cached_path[it.index]);
     else if (cached_caption.count(it.index) && cached_caption[it.index] != it.caption)
@@ -891,6 +905,10 @@ std::shared_ptr<LatentCache> LatentCache::open_checked(const RunConfig& config, 
                       ", the cache has " +
                       (cached_image[it.index].empty() ? "a frame of the clip" : cached_image[it.index]));
   }
+  // A cached item the listing cannot use now (its caption file removed, say) would train on what it was.
+  for (const auto& b : listing.bad)
+    if (cached_path.count(b.index))
+      stale.push_back(b.path + ": a bad item of the listing now (" + b.reason + "), cached before");
   if (listing.listed() != cache->listed_)
     stale.push_back(fmt::format("{}: lists {} items, the cache was built from {}", dataset_source(config.data),
                                 listing.listed(), cache->listed_));
