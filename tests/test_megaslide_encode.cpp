@@ -56,6 +56,15 @@ TEST(MegaslideEncode, TextWritesTransformersIdsAndEmbeddings) {
   EXPECT_TRUE(torch::equal(out.at("mask"), ref.at("mask")));
   EXPECT_LT(relative_error(out.at("embeddings"), ref.at("full_model.last_hidden_state")), 1e-4);
   EXPECT_LT(relative_error(out.at("pooled"), ref.at("full_model.pooled")), 1e-4);
+  // One prompt per encoder call (--batch: memory bounded by it; all prompts went in one call) gives the same.
+  ASSERT_GT(prompts.size(), 1u);
+  r = run_tool("megaslide-encode", "text --text-encoder clip --weights " + kFixtures + "clip/full_model --vocab " +
+                                       kFixtures + "clip --batch 1 --prompts " + dir + "/prompts.txt --out " + dir +
+                                       "/one.safetensors");
+  ASSERT_EQ(r.code, 0) << r.output;
+  auto one = tensors(dir + "/one.safetensors");
+  EXPECT_LT(relative_error(one.at("embeddings"), ref.at("full_model.last_hidden_state")), 1e-4);
+  EXPECT_LT(relative_error(one.at("pooled"), ref.at("full_model.pooled")), 1e-4);
   // --ids-only needs no model.
   r = run_tool("megaslide-encode", "text --ids-only --vocab " + kFixtures + "clip --prompts " + dir +
                                        "/prompts.txt --out " + dir + "/ids.safetensors");
@@ -110,6 +119,12 @@ TEST(MegaslideEncode, VaeEncodeAndDecodeWriteDiffusersOutputs) {
                     "vae-encode " + vae + " --in " + dir + "/images.safetensors --out " + dir + "/latents.safetensors");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_LT(relative_error(tensors(dir + "/latents.safetensors").at("y"), ref.at("mean") * 0.3), 1e-4);
+  // One image per VAE call (all went in one call) gives the same.
+  ASSERT_GT(ref.at("images").size(0), 1);
+  r = run_tool("megaslide-encode", "vae-encode " + vae + " --frames-per-batch 1 --in " + dir +
+                                       "/images.safetensors --out " + dir + "/one.safetensors");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_LT(relative_error(tensors(dir + "/one.safetensors").at("y"), ref.at("mean") * 0.3), 1e-4);
   megaslide::io::write_safetensors(dir + "/z.safetensors", {{"x", ref.at("latents") * 0.3}});
   r = run_tool("megaslide-encode",
                "vae-decode " + vae + " --in " + dir + "/z.safetensors --out " + dir + "/decoded.safetensors");

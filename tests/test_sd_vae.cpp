@@ -2,6 +2,7 @@
 // (tests/fixtures/vae/, tools/make_fixtures.py vae): the latent distribution, decoding, and diffusers'
 // tiled decode; legacy attention names; frame-by-frame video helpers; bad folders named in the errors;
 // and, when MEGASLIDE_SD_VAE_WEIGHTS points at a download, a round trip through the real VAE.
+#include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 #include <unistd.h>
@@ -131,6 +132,16 @@ TEST(SdVae, VideosGoFrameByFrameInAnyChunkSize) {
   const auto decoded = vae.decode(z1.select(2, 2).slice(0, 0, 1))[0];
   EXPECT_TRUE(torch::allclose(x.select(2, 2)[0], decoded, 1e-4, 1e-5))
       << (x.select(2, 2)[0] - decoded).abs().max().item<double>();
+  // Images a few at a time (megaslide-encode's --frames-per-batch: memory bounded by it, not by the file) are the
+  // batch's encoding, and a sample's noise is the whole batch's one draw.
+  const auto images = videos.select(2, 0).contiguous();
+  const auto images4 = torch::cat({images, images.flip(0)});
+  EXPECT_TRUE(torch::allclose(vae.encode(images4, false, std::nullopt, 3), vae.encode(images4), 1e-4, 1e-5));
+  const auto sampled_whole = vae.encode(images4, true, at::detail::createCPUGenerator(11));
+  const auto sampled_chunks = vae.encode(images4, true, at::detail::createCPUGenerator(11), 1);
+  EXPECT_TRUE(torch::allclose(sampled_chunks, sampled_whole, 1e-4, 1e-5))
+      << (sampled_chunks - sampled_whole).abs().max().item<double>();
+  EXPECT_FALSE(torch::allclose(sampled_whole, vae.encode(images4), 1e-3, 1e-3)) << "--sample drew no noise";
   EXPECT_THROW(vae.encode_video(videos, 0), c10::Error);
   EXPECT_THROW(vae.encode(torch::zeros({1, 3, 6, 8})), c10::Error) << "H not a multiple of 4";
 }

@@ -124,7 +124,7 @@ int main(int argc, char** argv) {
           "runs to one space, trimmed; what megaslide-sample does), whitespace (the white-space step alone) or none")
       ->check(CLI::IsMember({"wan", "whitespace", "none"}))
       ->capture_default_str();
-  text->add_option("--batch", batch, "umt5: prompts per encoder call")
+  text->add_option("--batch", batch, "prompts per encoder call (memory grows with it)")
       ->transform(megaslide::tools::integer_in(1, int64_t{1} << 20))
       ->capture_default_str();
   text->add_option("--prompts", prompts_path, "one prompt per line (an empty line is the empty prompt)")->required();
@@ -143,7 +143,8 @@ int main(int argc, char** argv) {
         ->check(CLI::IsMember({"sd", "wan"}))
         ->capture_default_str();
     sub->add_option("--in", in, "input safetensors file with tensor x")->required();
-    sub->add_option("--frames-per-batch", frames_per_batch, "frames per VAE call for videos [B, C, T, H, W] (sd)")
+    sub->add_option("--frames-per-batch", frames_per_batch,
+                    "images, or frames of videos [B, C, T, H, W], per VAE call (sd; memory grows with it)")
         ->transform(megaslide::tools::integer_in(1, int64_t{1} << 20))
         ->capture_default_str();
     sub->add_option("--tile-stride", tile_stride, "wan: pixels between tile starts (default: 3/4 of --tile)")
@@ -302,9 +303,14 @@ int main(int argc, char** argv) {
         auto tokens = tokenizer->encode(prompts, max_length);
         outputs = {{"ids", tokens.ids}, {"mask", tokens.mask}};
         if (encoder) {
-          auto result = encoder->forward(tokens.ids);
-          outputs.emplace_back("embeddings", result.last_hidden_state.cpu());
-          outputs.emplace_back("pooled", result.pooled.cpu());
+          std::vector<torch::Tensor> hidden, pooled;
+          for (int64_t s = 0; s < tokens.ids.size(0); s += batch) {
+            auto result = encoder->forward(tokens.ids.slice(0, s, std::min(s + batch, tokens.ids.size(0))));
+            hidden.push_back(result.last_hidden_state.cpu());
+            pooled.push_back(result.pooled.cpu());
+          }
+          outputs.emplace_back("embeddings", torch::cat(hidden));
+          outputs.emplace_back("pooled", torch::cat(pooled));
         }
         metadata["prompts"] = nlohmann::json(prompts).dump();
         std::cerr << fmt::format("megaslide-encode: {} prompt(s) -> {}{}\n", prompts.size(), out,
@@ -323,7 +329,7 @@ int main(int argc, char** argv) {
           std::optional<at::Generator> generator;
           if (sample) generator = at::detail::createCPUGenerator(seed);
           y = x.dim() == 5 ? vae->encode_video(x, frames_per_batch, sample, generator)
-                           : vae->encode(x, sample, generator);
+                           : vae->encode(x, sample, generator, frames_per_batch);
         } else {
           std::optional<megaslide::VaeTiling> tiling;
           if (tile > 0) tiling = megaslide::VaeTiling{tile, tile_overlap};

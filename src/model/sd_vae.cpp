@@ -3,6 +3,8 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <cmath>
+#include <tuple>
+#include <vector>
 
 #include "io/pretrained.h"
 
@@ -225,8 +227,22 @@ std::pair<torch::Tensor, torch::Tensor> SdVae::encode_distribution(const torch::
   return {moments[0], moments[1].clamp(-30.0, 20.0)};
 }
 
-torch::Tensor SdVae::encode(const torch::Tensor& images, bool sample, std::optional<at::Generator> generator) const {
-  auto [mean, logvar] = encode_distribution(images);
+torch::Tensor SdVae::encode(const torch::Tensor& images, bool sample, std::optional<at::Generator> generator,
+                            int64_t images_per_call) const {
+  TORCH_CHECK(images_per_call >= 0, "SdVae::encode: images_per_call must be >= 0, got ", images_per_call);
+  torch::Tensor mean, logvar;
+  if (images_per_call == 0 || images.dim() != 4 || images.size(0) <= images_per_call) {
+    std::tie(mean, logvar) = encode_distribution(images);
+  } else {
+    std::vector<torch::Tensor> means, logvars;
+    for (int64_t s = 0; s < images.size(0); s += images_per_call) {
+      auto [m, lv] = encode_distribution(images.slice(0, s, std::min(s + images_per_call, images.size(0))));
+      means.push_back(m);
+      if (sample) logvars.push_back(lv);
+    }
+    mean = torch::cat(means);
+    if (sample) logvar = torch::cat(logvars);
+  }
   auto z = mean;
   if (sample)
     z = mean + (0.5 * logvar).exp() * torch::randn(mean.sizes(), generator, torch::kFloat32).to(mean.device());

@@ -69,9 +69,11 @@ class SdVae {
   // images [N, C, H, W] in [−1, 1] -> the latent distribution's mean and log-variance [N, L, h, w]
   // (unscaled), float32.
   std::pair<torch::Tensor, torch::Tensor> encode_distribution(const torch::Tensor& images) const;
-  // Scaled latents: the mean, or a sample mean + exp(logvar/2)·ε with ε drawn from `generator` (CPU).
+  // Scaled latents: the mean, or a sample mean + exp(logvar/2)·ε with ε drawn from `generator` (CPU) for the
+  // whole batch in one draw. `images_per_call` > 0 runs the encoder on that many images at a time (memory bounded
+  // by it, not by N); the noise is still the one draw.
   torch::Tensor encode(const torch::Tensor& images, bool sample = false,
-                       std::optional<at::Generator> generator = std::nullopt) const;
+                       std::optional<at::Generator> generator = std::nullopt, int64_t images_per_call = 0) const;
   // Unscaled latents [N, L, h, w] -> images [N, C, h·8, w·8] (not clamped), float32.
   torch::Tensor decode_unscaled(const torch::Tensor& latents) const;
   // Scaled latents -> images.
