@@ -539,6 +539,17 @@ TEST(MegaslideSampleWan, BadPathsAreOneLineErrorsWithExitCode2AndWriteNothing) {
   expect_refused(kEncoders + " --eta 0.5", "--eta is DDIM's");  // was ignored: the same video
   expect_refused(kEncoders + " --lora-scale 0.5", "no --lora was given");
   expect_refused(kEncoders + " --shift 0", "--shift: expected a number > 0, got 0");  // failed after --out existed
+  // A Wan DiT's weights file (diffusers', as a Wan run's --export-weights writes, or ComfyUI's) has no run config:
+  // --checkpoint says how to sample it (it said the file's format was not megaslide.weights, or with Wan's flags
+  // that the file "is not one").
+  for (const std::string file :
+       {kTransformer + "/diffusion_pytorch_model.safetensors", kFixtures + "wan/a/comfyui.safetensors"}) {
+    auto r = run("--checkpoint " + file + " --prompts " + prompts + " --out " + out + " --no-progress" + kEncoders);
+    EXPECT_EQ(r.code, 2) << r.output;
+    EXPECT_NE(r.output.find("is a Wan DiT's weights file"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("--config RUN.yaml --set model.wan.weights=" + file), std::string::npos) << r.output;
+    EXPECT_FALSE(megaslide::io::path_exists(out));
+  }
 }
 
 // The property: a prompt long enough that its video's name is at the layout's cap (240 bytes) still gets its latents

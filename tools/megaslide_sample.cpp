@@ -679,6 +679,26 @@ int main(int argc, char** argv) {
                     << "-noise expert; sampling it with the other one, '"
                     << megaslide::wan_untrained_expert(wan_model->config.model.wan) << "'\n";
       }
+      // A Wan DiT's weights without a run's config (--export-weights writes diffusers' file; Wan-AI's and
+      // ComfyUI's files): the config names umT5, the VAE and the video's size.
+      if (!wan_model && !weights.empty()) {
+        const auto format = megaslide::io::read_safetensors_header(weights).metadata;
+        const auto it = format.find("format");
+        if (it == format.end() || it->second != "megaslide.weights") {
+          std::optional<std::string> naming;
+          try {
+            naming = megaslide::to_string(megaslide::WanWeights::open(weights).naming());
+          } catch (const std::exception&) {
+            // Not a Wan DiT either: load_weights below names what it is not.
+          }
+          if (naming)
+            throw std::invalid_argument(
+                "--checkpoint '" + checkpoint + "' is a Wan DiT's weights file (" + *naming +
+                " names) without a run's config: sample it with --config RUN.yaml --set model.wan.weights=" + weights +
+                " (the config names umT5, the VAE and the videos' size; a run's own checkpoint folder samples with "
+                "--checkpoint; docs/sampling.md)");
+        }
+      }
       const bool is_wan = wan_model.has_value();
       const bool lora_scales = app.count("--lora-scale") > 0 || app.count("--lora-2-scale") > 0;
       if (!is_wan &&
