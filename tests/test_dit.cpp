@@ -170,3 +170,29 @@ TEST(DiT, SinCosPositionsAreDistinctPerToken) {
   auto distances = torch::cdist(pe, pe) + torch::eye(60) * 1e3;
   EXPECT_GT(distances.min().item<float>(), 1e-3);
 }
+
+// model.position_embedding: the tokens are the patches plus the 3D sin-cos table where it says so, the
+// architecture's choice when unset (dense3d and swin add it, megaslide does not); the config's keys map to it.
+TEST(DiT, ThePositionTableIsAddedWhereTheOptionsSay) {
+  auto in = inputs();
+  for (auto arch : kAll) {
+    const bool by_default = arch != Architecture::kMegaSlide;
+    for (const std::optional<bool> sincos :
+         {std::optional<bool>(), std::optional<bool>(true), std::optional<bool>(false)}) {
+      torch::manual_seed(2);
+      DiT model(tiny(arch).sincos_positions(sincos));
+      const auto tokens = model->embed(in.x, in.t, in.text, in.mask).tokens;
+      const auto patches = model->patch_embed(in.x).flatten(2).transpose(1, 2);
+      const auto table = sincos_position_embedding_3d(model->token_grid(4, 8, 6), 16);
+      const auto expected = sincos.value_or(by_default) ? patches + table : patches;
+      EXPECT_TRUE(torch::allclose(tokens, expected, 1e-6, 1e-6)) << to_string(arch);
+    }
+  }
+  RunConfig c;
+  c.model.position_embedding = "auto";
+  EXPECT_FALSE(DiTOptions::from_config(c).sincos_positions().has_value());
+  c.model.position_embedding = "sincos";
+  EXPECT_EQ(DiTOptions::from_config(c).sincos_positions(), std::optional<bool>(true));
+  c.model.position_embedding = "none";
+  EXPECT_EQ(DiTOptions::from_config(c).sincos_positions(), std::optional<bool>(false));
+}

@@ -393,6 +393,7 @@ class Schema {
         [&c] { return YAML::Node(std::string(to_string(c.model.dsa_offsets))); });
     choice("model.dense_attention", c.model.dense_attention, {"fused", "materialized"});
     triple("model.swin_window", c.model.swin_window, "positive integers", positive_int);
+    choice("model.position_embedding", c.model.position_embedding, {"auto", "sincos", "none"});
     choice("model.self_attention", c.model.self_attention, {"dense", "dsa3d"});
     // model.wan: Wan2.1's hyper-parameters (model.arch wan)
     integer("model.wan.dim", c.model.wan.dim, IntRange{1});
@@ -548,9 +549,9 @@ bool wan_only_key(const std::string& key) {
 bool dit_only_key(const std::string& key) {
   // model.text_encoder and model.vae apply to both families (CLIP and the SD VAE for the DiT family, umT5
   // and the Wan VAE for Wan: validate() checks the kind against the architecture).
-  static const std::set<std::string> keys{"model.patch",           "model.hidden",     "model.layers",
-                                          "model.heads",           "model.mlp_ratio",  "model.text_dim",
-                                          "model.dense_attention", "model.swin_window"};
+  static const std::set<std::string> keys{"model.patch",           "model.hidden",      "model.layers",
+                                          "model.heads",           "model.mlp_ratio",   "model.text_dim",
+                                          "model.dense_attention", "model.swin_window", "model.position_embedding"};
   return keys.count(key) > 0;
 }
 bool applies(const RunConfig& c, const std::string& key) {

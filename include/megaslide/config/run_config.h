@@ -136,6 +136,9 @@ struct ModelConfig {
   DsaOffsets dsa_offsets = DsaOffsets::kLearned;          // learned | zero | frozen (the offset ablation)
   std::string dense_attention = "fused";                  // dense3d: fused (SDPA) | materialized (N x N scores kept)
   std::array<int64_t, 3> swin_window{3, 16, 16};          // in tokens (t, h, w)
+  // The fixed 3D sin-cos position embedding added to the tokens: auto (dense3d and swin, not megaslide: the
+  // design's 3D-DSA has its relative-position bias only) | sincos | none.
+  std::string position_embedding = "auto";
   // model.arch wan only: the blocks' self-attention, Wan's global attention ("dense") or 3D-DSA over the
   // latent token grid with Wan's own projections ("dsa3d", the retrofit; dsa_* keys above apply).
   std::string self_attention = "dense";

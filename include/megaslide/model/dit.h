@@ -1,7 +1,8 @@
 // The DiT family: one video diffusion transformer with a pluggable self-attention (DESIGN.md §4).
 //
-//   x [B, C, T, H, W] --patchify (pt, ph, pw)--> tokens [B, N, D] (+ 3D sin-cos positions for the dense
-//   and Swin variants) --L blocks--> final adaLN layer --unpatchify--> ε [B, C, T, H, W]
+//   x [B, C, T, H, W] --patchify (pt, ph, pw)--> tokens [B, N, D] (+ 3D sin-cos positions: the dense and
+//   Swin variants', or as DiTOptions::sincos_positions says) --L blocks--> final adaLN layer --unpatchify-->
+//   ε [B, C, T, H, W]
 //
 // Block (PixArt-α's "adaLN-single" form of adaLN-Zero, see docs/architecture.md):
 //   (shift1, scale1, gate1, shift2, scale2, gate2) = t_mod + block.modulation     (t_mod shared, [B, 6D])
@@ -60,6 +61,9 @@ struct DiTOptions {
   TORCH_ARG(bool, dense_materialized) = false;  // dense3d: N x N scores written out (model.dense_attention)
   TORCH_ARG(ops::DsaImpl, dsa_impl) = ops::DsaImpl::kAuto;
   TORCH_ARG(Int3, swin_window) = Int3{3, 16, 16};
+  // Whether the fixed 3D sin-cos position table is added to the tokens (model.position_embedding); unset: the
+  // architecture's (dense3d and swin yes, megaslide no).
+  TORCH_ARG(std::optional<bool>, sincos_positions) = std::nullopt;
   TORCH_ARG(int64_t, frequency_dim) = 256;  // sinusoidal timestep features before the MLP
   TORCH_ARG(torch::Device, device) = torch::kCPU;
   // The blocks are built here instead when set: torch::kMeta gives the streamed trainer a skeleton of
