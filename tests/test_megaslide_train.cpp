@@ -69,6 +69,10 @@ TEST(MegaslideTrain, BadFlagOrMissingConfigExitsTwo) {
   misspelt = run("--config " + smoke() + " --run-dirr=/tmp/x");
   EXPECT_NE(misspelt.output.find("unknown flag '--run-dirr' (did you mean --run-dir?)"), std::string::npos)
       << misspelt.output;
+  // A value that is no flag name ("-- blurry", as a negative prompt might be) is not taken for one.
+  misspelt = run("--trace '-- x'");
+  EXPECT_EQ(misspelt.output.find("unknown flag"), std::string::npos) << misspelt.output;
+  EXPECT_NE(misspelt.output.find("--config is required"), std::string::npos) << misspelt.output;
   auto r = run("--config /nonexistent.yaml");
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.output.find("/nonexistent.yaml"), std::string::npos) << r.output;

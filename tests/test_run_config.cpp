@@ -258,7 +258,8 @@ TEST(RunConfig, WanAndDiTKeysDoNotMix) {
   EXPECT_NO_THROW(parse_run_config(wan, kSource));
   expect_error(wan, {"model.hidden=32"}, "model.hidden", "set model.wan.dim");
   expect_error(wan, {"model.mlp_ratio=2"}, "model.mlp_ratio", "does not apply to model.arch wan");
-  expect_error(wan, {"model.position_embedding=sincos"}, "model.position_embedding", "does not apply to model.arch wan");
+  expect_error(wan, {"model.position_embedding=sincos"}, "model.position_embedding",
+               "does not apply to model.arch wan");
   EXPECT_EQ(parse_run_config("", kSource, {"model.position_embedding=sincos"}).model.position_embedding, "sincos");
   expect_error("", {"model.position_embedding=rope"}, "model.position_embedding", "auto");
   expect_error("", {"model.wan.dim=32"}, "model.wan.dim", "applies to model.arch wan only");

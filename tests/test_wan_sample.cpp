@@ -542,11 +542,15 @@ TEST(MegaslideSampleWan, BadPathsAreOneLineErrorsWithExitCode2AndWriteNothing) {
   // A Wan DiT's weights file (diffusers', as a Wan run's --export-weights writes, or ComfyUI's) has no run config:
   // --checkpoint says how to sample it (it said the file's format was not megaslide.weights, or with Wan's flags
   // that the file "is not one").
+  // The folder of diffusers' layout too; and without --text-encoder, --tokenizer and --vae it says they are needed.
   for (const std::string file :
-       {kTransformer + "/diffusion_pytorch_model.safetensors", kFixtures + "wan/a/comfyui.safetensors"}) {
+       {kTransformer + "/diffusion_pytorch_model.safetensors", kTransformer, kFixtures + "wan/a/comfyui.safetensors"}) {
     auto r = run("--checkpoint " + file + " --prompts " + prompts + " --out " + out + " --no-progress" + kEncoders);
     EXPECT_EQ(r.code, 2) << r.output;
-    EXPECT_NE(r.output.find("is a Wan DiT's weights file"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("is a Wan DiT's weights"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("from --text-encoder, --tokenizer and --vae unless the config names them"),
+              std::string::npos)
+        << r.output;
     EXPECT_NE(r.output.find("--config RUN.yaml --set model.wan.weights=" + file), std::string::npos) << r.output;
     EXPECT_FALSE(megaslide::io::path_exists(out));
   }

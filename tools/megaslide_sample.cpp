@@ -644,6 +644,38 @@ int main(int argc, char** argv) {
       // A weights file as it is; a checkpoint folder, its `latest` file or a run folder: the checkpoint's
       // bf16 weights file, checked against its manifest (docs/checkpoints.md).
       // A checkpoint of a run with train.ema_decay: its EMA of the weights unless --no-ema.
+      // A Wan DiT's weights without a run's config (a Wan run's --export-weights writes diffusers' file or folder;
+      // Wan-AI's and ComfyUI's files) are published weights: say how those sample.
+      if (!checkpoint.empty() && config_path.empty()) {
+        bool megaslide_file = true;  // a weights file, checkpoint or run of MegaSlide's, or not weights at all
+        try {
+          if (!megaslide::io::is_directory(checkpoint)) {
+            const auto metadata = megaslide::io::read_safetensors_header(checkpoint).metadata;
+            const auto format = metadata.find("format");
+            megaslide_file = format != metadata.end() && format->second == "megaslide.weights";
+          } else {
+            megaslide_file = megaslide::io::path_exists(megaslide::io::join_path(checkpoint, "manifest.json")) ||
+                             megaslide::io::path_exists(megaslide::io::join_path(checkpoint, "checkpoints"));
+          }
+        } catch (const std::exception&) {
+          // Not a safetensors file (a checkpoint's `latest`, say): find_weights below reads it.
+        }
+        std::optional<std::string> naming;
+        if (!megaslide_file) try {
+            naming = megaslide::to_string(megaslide::WanWeights::open(checkpoint).naming());
+          } catch (const std::exception&) {
+            // Not a Wan DiT either: what reads it below names what it is not.
+          }
+        if (naming)
+          throw std::invalid_argument(
+              "--checkpoint '" + checkpoint + "' is a Wan DiT's weights (" + *naming +
+              " names) without a run's config: sample it as published weights, with --config RUN.yaml --set "
+              "model.wan.weights=" +
+              checkpoint +
+              " (a Wan2.2 low-noise expert's: model.wan.weights_2, beside its high-noise partner) and umT5 and the VAE "
+              "from --text-encoder, --tokenizer and --vae unless the config names them (docs/sampling.md); a run's "
+              "own checkpoint samples with --checkpoint");
+      }
       const std::string ema_weights =
           checkpoint.empty() || no_ema ? std::string() : megaslide::find_ema_weights(checkpoint);
       const std::string weights = checkpoint.empty()     ? std::string()
@@ -678,26 +710,6 @@ int main(int argc, char** argv) {
           std::cerr << "megaslide-sample: the run fine-tuned Wan2.2's " << wan_model->config.model.wan.expert
                     << "-noise expert; sampling it with the other one, '"
                     << megaslide::wan_untrained_expert(wan_model->config.model.wan) << "'\n";
-      }
-      // A Wan DiT's weights without a run's config (--export-weights writes diffusers' file; Wan-AI's and
-      // ComfyUI's files): the config names umT5, the VAE and the video's size.
-      if (!wan_model && !weights.empty()) {
-        const auto format = megaslide::io::read_safetensors_header(weights).metadata;
-        const auto it = format.find("format");
-        if (it == format.end() || it->second != "megaslide.weights") {
-          std::optional<std::string> naming;
-          try {
-            naming = megaslide::to_string(megaslide::WanWeights::open(weights).naming());
-          } catch (const std::exception&) {
-            // Not a Wan DiT either: load_weights below names what it is not.
-          }
-          if (naming)
-            throw std::invalid_argument(
-                "--checkpoint '" + checkpoint + "' is a Wan DiT's weights file (" + *naming +
-                " names) without a run's config: sample it with --config RUN.yaml --set model.wan.weights=" + weights +
-                " (the config names umT5, the VAE and the videos' size; a run's own checkpoint folder samples with "
-                "--checkpoint; docs/sampling.md)");
-        }
       }
       const bool is_wan = wan_model.has_value();
       const bool lora_scales = app.count("--lora-scale") > 0 || app.count("--lora-2-scale") > 0;

@@ -9,6 +9,7 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <cctype>
 #include <csignal>
 #include <cstdlib>
 #include <iostream>
@@ -51,16 +52,31 @@ inline std::optional<int> parse_flags(CLI::App& app, int argc, char** argv) {
     const auto subcommands = app.get_subcommands([](CLI::App*) { return true; });
     // A misspelt flag: CLI11 names a required flag first ("--config is required" for --confg), or lists the
     // misspelt flag with its value; name the flag, and the nearest one the tool knows.
+    // The flags of the subcommand given (every subcommand's when none was: a flag of one is known, and then
+    // CLI11's message stands).
     std::vector<std::string> known;
     auto add_names = [&known](const CLI::App& a) {
       for (const auto* option : a.get_options())
         for (const auto& n : option->get_lnames()) known.push_back("--" + n);
     };
     add_names(app);
-    for (const auto* sub : subcommands) add_names(*sub);
+    bool any_parsed = false;
+    for (const auto* sub : subcommands) any_parsed = any_parsed || sub->parsed();
+    for (const auto* sub : subcommands)
+      if (!any_parsed || sub->parsed()) add_names(*sub);
+    // What CLI11 reads as a long flag: "--" and a name of letters, digits, '_', '-' and '.' (a value such as
+    // "-- blurry" is a value).
+    const auto long_flag = [](const std::string& arg) {
+      if (arg.size() < 3 || arg.compare(0, 2, "--") != 0 || !std::isalnum(static_cast<unsigned char>(arg[2])))
+        return false;
+      for (size_t k = 2; k < arg.size() && arg[k] != '='; ++k)
+        if (!std::isalnum(static_cast<unsigned char>(arg[k])) && arg[k] != '_' && arg[k] != '-' && arg[k] != '.')
+          return false;
+      return true;
+    };
     for (int i = 1; i < argc && argv[i] != nullptr && std::string(argv[i]) != "--"; ++i) {
       const std::string arg = argv[i];
-      if (arg.size() < 3 || arg.compare(0, 2, "--") != 0) continue;
+      if (!long_flag(arg)) continue;
       const std::string flag = arg.substr(0, arg.find('='));
       if (std::find(known.begin(), known.end(), flag) != known.end()) continue;
       message = "unknown flag '" + flag + "'";

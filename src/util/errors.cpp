@@ -2,9 +2,7 @@
 
 #include <c10/util/Exception.h>
 
-#include <algorithm>
 #include <new>
-#include <vector>
 
 namespace megaslide {
 
@@ -32,21 +30,6 @@ bool is_out_of_memory(const std::exception& e) {
   // LibTorch's CPU allocator says "not enough memory" or "can't allocate memory" (its posix_memalign path).
   return m.find("not enough memory") != std::string::npos || m.find("out of memory") != std::string::npos ||
          m.find("can't allocate memory") != std::string::npos;
-}
-
-size_t edit_distance(const std::string& a, const std::string& b) {
-  std::vector<size_t> row(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    size_t diag = row[0];
-    row[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      size_t up = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diag = up;
-    }
-  }
-  return row[b.size()];
 }
 
 }  // namespace megaslide

@@ -6,8 +6,11 @@
 // Thread-safety: pure functions.
 #pragma once
 
+#include <algorithm>
+#include <cstddef>
 #include <exception>
 #include <string>
+#include <vector>
 
 namespace megaslide {
 
@@ -37,7 +40,21 @@ std::string error_message(const std::exception& e);
 // LibTorch's CPU allocator): a tool adds what to change.
 bool is_out_of_memory(const std::exception& e);
 
-// The Levenshtein distance of `a` and `b` (an error's "did you mean" for a misspelt key or flag).
-size_t edit_distance(const std::string& a, const std::string& b);
+// The Levenshtein distance of `a` and `b` (an error's "did you mean" for a misspelt key or flag). Inline: the
+// config parser's fuzz build links no LibTorch.
+inline size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
 
 }  // namespace megaslide
