@@ -317,6 +317,17 @@ TEST(Checkpoint, MissingTensorShapeOrConfigMismatchNamesTheFileAndTheTensorOrKey
   expect_load_error(reshaped, config, {"master.safetensors", victim, "shape"});
   expect_load_error(state, tiny(dir, {"model.hidden=32", "model.heads=2"}), {"trainer_state.json", "model.hidden"});
   expect_load_error(state, tiny(dir, {"train.seed=5"}), {"train.seed"});
+  // model.position_embedding: another model is refused; the same model spelt otherwise (auto is none for megaslide)
+  // resumes.
+  expect_load_error(state, tiny(dir, {"model.position_embedding=sincos"}), {"model.position_embedding"});
+  {
+    io::remove_tree(dir);
+    const auto path = save_checkpoint(dir, config, state);
+    const auto none = tiny(dir, {"model.position_embedding=none"});
+    Trainer fresh = resident_trainer(none);
+    auto into = fresh.training_state();
+    EXPECT_NO_THROW(load_checkpoint(path, none, into));
+  }
   io::remove_tree(dir);
 }
 

@@ -996,7 +996,7 @@ ClipSample LatentCache::load(int64_t index, int64_t) const {
   return s;
 }
 
-torch::Tensor LatentCache::stacked(const std::string& name, const std::vector<int64_t>& items) const {
+torch::Tensor LatentCache::stacked(const std::string& name, const std::vector<int64_t>& items, bool verify) const {
   std::vector<int64_t> which = items;
   if (which.empty())
     for (int64_t i = 0; i < static_cast<int64_t>(items_.size()); ++i) which.push_back(i);
@@ -1017,7 +1017,8 @@ torch::Tensor LatentCache::stacked(const std::string& name, const std::vector<in
     parts.push_back(found);
   }
   if (parts.empty()) throw DatasetError("data.cache '" + dir_ + "' holds no items");
-  for (const int64_t i : which) load(i, 0);  // checks every item's CRC-32
+  if (verify)
+    for (const int64_t i : which) load(i, 0);  // checks every item's CRC-32
   auto out = torch::stack(parts);
   return out.is_floating_point() ? out.to(torch::kFloat32) : out;
 }

@@ -136,6 +136,13 @@ void check_config(const std::string& path, const std::string& saved_yaml, const 
       x = fmt::format("{:g}", effective(saved)) + (saved.lora.alpha > 0 ? "" : " (0: the rank)");
       y = fmt::format("{:g}", effective(config)) + (config.lora.alpha > 0 ? "" : " (0: the rank)");
     }
+    if (key == "model.position_embedding") {  // auto is sincos or none by the architecture: the model is what counts
+      const auto table = [](const RunConfig& c) {
+        return c.model.position_embedding == "sincos" ||
+               (c.model.position_embedding == "auto" && c.model.arch != Architecture::kMegaSlide);
+      };
+      if (table(saved) == table(config)) continue;
+    }
     if (x != y && key == "offload.compute_dtype")
       fail(path,
            fmt::format("{}: offload.compute_dtype is {} in the checkpoint but {} in this run's config (`auto` "
