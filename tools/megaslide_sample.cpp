@@ -476,6 +476,26 @@ SampleBatch dit_sampler(megaslide::TextToVideoModel model, const std::vector<meg
   };
 }
 
+// The names a Wan DiT's weights without a run's config use (a Wan run's --export-weights: diffusers' file or folder;
+// Wan-AI's and ComfyUI's files); nullopt for anything else: a MegaSlide weights file, checkpoint or run folder, or
+// no weights at all (what reads `path` then names what it is not).
+std::optional<std::string> wan_dit_weights_naming(const std::string& path) {
+  try {
+    if (megaslide::io::is_directory(path)) {
+      if (megaslide::io::path_exists(megaslide::io::join_path(path, "manifest.json")) ||
+          megaslide::io::path_exists(megaslide::io::join_path(path, "checkpoints")))
+        return std::nullopt;
+    } else {
+      const auto metadata = megaslide::io::read_safetensors_header(path).metadata;
+      const auto format = metadata.find("format");
+      if (format != metadata.end() && format->second == "megaslide.weights") return std::nullopt;
+    }
+    return megaslide::to_string(megaslide::WanWeights::open(path).naming());
+  } catch (const std::exception&) {
+    return std::nullopt;  // not safetensors (a checkpoint's `latest`, say), or not a Wan DiT
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -641,32 +661,9 @@ int main(int argc, char** argv) {
       megaslide::io::check_output_folder(out_dir, "--out");
       megaslide::tools::check_device_flag(device_spec);
       device = megaslide::resolve_device(device_spec);
-      // A weights file as it is; a checkpoint folder, its `latest` file or a run folder: the checkpoint's
-      // bf16 weights file, checked against its manifest (docs/checkpoints.md).
-      // A checkpoint of a run with train.ema_decay: its EMA of the weights unless --no-ema.
-      // A Wan DiT's weights without a run's config (a Wan run's --export-weights writes diffusers' file or folder;
-      // Wan-AI's and ComfyUI's files) are published weights: say how those sample.
-      if (!checkpoint.empty() && config_path.empty()) {
-        bool megaslide_file = true;  // a weights file, checkpoint or run of MegaSlide's, or not weights at all
-        try {
-          if (!megaslide::io::is_directory(checkpoint)) {
-            const auto metadata = megaslide::io::read_safetensors_header(checkpoint).metadata;
-            const auto format = metadata.find("format");
-            megaslide_file = format != metadata.end() && format->second == "megaslide.weights";
-          } else {
-            megaslide_file = megaslide::io::path_exists(megaslide::io::join_path(checkpoint, "manifest.json")) ||
-                             megaslide::io::path_exists(megaslide::io::join_path(checkpoint, "checkpoints"));
-          }
-        } catch (const std::exception&) {
-          // Not a safetensors file (a checkpoint's `latest`, say): find_weights below reads it.
-        }
-        std::optional<std::string> naming;
-        if (!megaslide_file) try {
-            naming = megaslide::to_string(megaslide::WanWeights::open(checkpoint).naming());
-          } catch (const std::exception&) {
-            // Not a Wan DiT either: what reads it below names what it is not.
-          }
-        if (naming)
+      // A Wan DiT's weights without a run's config are published weights: say how those sample.
+      if (!checkpoint.empty())
+        if (const auto naming = wan_dit_weights_naming(checkpoint))
           throw std::invalid_argument(
               "--checkpoint '" + checkpoint + "' is a Wan DiT's weights (" + *naming +
               " names) without a run's config: sample it as published weights, with --config RUN.yaml --set "
@@ -675,7 +672,9 @@ int main(int argc, char** argv) {
               " (a Wan2.2 low-noise expert's: model.wan.weights_2, beside its high-noise partner) and umT5 and the VAE "
               "from --text-encoder, --tokenizer and --vae unless the config names them (docs/sampling.md); a run's "
               "own checkpoint samples with --checkpoint");
-      }
+      // A weights file as it is; a checkpoint folder, its `latest` file or a run folder: the checkpoint's
+      // bf16 weights file, checked against its manifest (docs/checkpoints.md).
+      // A checkpoint of a run with train.ema_decay: its EMA of the weights unless --no-ema.
       const std::string ema_weights =
           checkpoint.empty() || no_ema ? std::string() : megaslide::find_ema_weights(checkpoint);
       const std::string weights = checkpoint.empty()     ? std::string()

@@ -480,8 +480,6 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
   manifest["shard_items"] = options.shard_items;
   // The items the dataset could not use when it opened; "unlisted" marks those its listing could not (no caption,
   // say: an opening of the cache finds them usable once that is fixed).
-  std::set<int64_t> unlisted;
-  for (const auto& b : read_video_manifest(config.data, caches_images(config)).bad) unlisted.insert(b.index);
   json listing_bad = json::array();
   for (const auto& b : dataset.bad()) {
     const auto st = stat_source(b.path);
@@ -490,7 +488,7 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
                            {"reason", b.reason},
                            {"size", st.size},
                            {"mtime_ns", st.mtime_ns},
-                           {"unlisted", unlisted.count(b.index) > 0}});
+                           {"unlisted", b.unlisted}});
   }
   manifest["listing_bad"] = listing_bad;
 
@@ -996,7 +994,7 @@ ClipSample LatentCache::load(int64_t index, int64_t) const {
   return s;
 }
 
-torch::Tensor LatentCache::stacked(const std::string& name, const std::vector<int64_t>& items, bool verify) const {
+torch::Tensor LatentCache::stacked(const std::string& name, const std::vector<int64_t>& items) const {
   std::vector<int64_t> which = items;
   if (which.empty())
     for (int64_t i = 0; i < static_cast<int64_t>(items_.size()); ++i) which.push_back(i);
@@ -1017,8 +1015,6 @@ torch::Tensor LatentCache::stacked(const std::string& name, const std::vector<in
     parts.push_back(found);
   }
   if (parts.empty()) throw DatasetError("data.cache '" + dir_ + "' holds no items");
-  if (verify)
-    for (const int64_t i : which) load(i, 0);  // checks every item's CRC-32
   auto out = torch::stack(parts);
   return out.is_floating_point() ? out.to(torch::kFloat32) : out;
 }

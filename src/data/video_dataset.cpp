@@ -207,6 +207,7 @@ VideoDataset VideoDataset::open(const DataConfig& data, int threads,
   std::vector<VideoItem> items;
   std::vector<VideoItemInfo> good;
   std::vector<BadItem> bad = std::move(manifest.bad);
+  for (auto& b : bad) b.unlisted = true;
   for (size_t i = 0; i < n; ++i) {
     if (problem[i].empty()) {
       items.push_back(std::move(manifest.items[i]));

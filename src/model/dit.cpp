@@ -256,7 +256,7 @@ Embedded DiTImpl::embed(const torch::Tensor& x, const torch::Tensor& timesteps, 
   const int64_t pt = options.patch()[0], frame_tokens = grid.h * grid.w;
   const auto mine = e.ctx.cp.active() ? x.narrow(2, e.ctx.cp.begin() * pt, e.ctx.cp.frames(grid.t) * pt) : x;
   e.tokens = patch_embed(mine).flatten(2).transpose(1, 2);  // [B, N, D] (this rank's frames)
-  if (options.sincos_positions().value_or(options.arch() != Architecture::kMegaSlide)) {
+  if (options.adds_sincos_positions()) {
     const auto table = sincos_position_table(grid, options.hidden(), e.tokens.device(), e.tokens.scalar_type());
     e.tokens =
         e.tokens + (e.ctx.cp.active() ? table.narrow(0, e.ctx.cp.begin() * frame_tokens, e.tokens.size(1)) : table);

@@ -136,13 +136,12 @@ void check_config(const std::string& path, const std::string& saved_yaml, const 
       x = fmt::format("{:g}", effective(saved)) + (saved.lora.alpha > 0 ? "" : " (0: the rank)");
       y = fmt::format("{:g}", effective(config)) + (config.lora.alpha > 0 ? "" : " (0: the rank)");
     }
-    if (key == "model.position_embedding") {  // auto is sincos or none by the architecture: the model is what counts
-      const auto table = [](const RunConfig& c) {
-        return c.model.position_embedding == "sincos" ||
-               (c.model.position_embedding == "auto" && c.model.arch != Architecture::kMegaSlide);
-      };
-      if (table(saved) == table(config)) continue;
-    }
+    // auto is sincos or none by the architecture: the model is what counts (a key of the DiT family only).
+    if (key == "model.position_embedding" && config.model.arch != Architecture::kWan &&
+        saved.model.arch == config.model.arch &&
+        DiTOptions::from_config(saved).adds_sincos_positions() ==
+            DiTOptions::from_config(config).adds_sincos_positions())
+      continue;
     if (x != y && key == "offload.compute_dtype")
       fail(path,
            fmt::format("{}: offload.compute_dtype is {} in the checkpoint but {} in this run's config (`auto` "

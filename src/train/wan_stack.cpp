@@ -89,8 +89,8 @@ WanLatentData WanLatentData::from_cache(const RunConfig& config, const std::stri
   for (const int64_t i : good) d.captions.push_back(cache->caption(i));
   const bool i2v = wan_image_to_video(config.model.wan);
   if (config.data.buckets.empty()) {
-    d.latents = cache->stacked("latents", good, false);
-    if (i2v) d.image_latents = cache->stacked("image_latents", good, false);
+    d.latents = cache->stacked("latents", good);
+    if (i2v) d.image_latents = cache->stacked("image_latents", good);
   } else {
     std::vector<std::vector<int64_t>> items(static_cast<size_t>(cache->num_buckets()));
     for (const int64_t i : good) {
@@ -102,15 +102,15 @@ WanLatentData WanLatentData::from_cache(const RunConfig& config, const std::stri
     for (const auto& of_bucket : items) {
       Bucket b;
       if (!of_bucket.empty()) {
-        b.latents = cache->stacked("latents", of_bucket, false);
-        if (i2v) b.image_latents = cache->stacked("image_latents", of_bucket, false);
+        b.latents = cache->stacked("latents", of_bucket);
+        if (i2v) b.image_latents = cache->stacked("image_latents", of_bucket);
       }
       d.buckets.push_back(std::move(b));
     }
   }
-  d.text = cache->stacked("text", good, false);
+  d.text = cache->stacked("text", good);
   if (cache->empty_prompt().text.defined()) d.empty_text = cache->empty_prompt().text.to(torch::kFloat32).clone();
-  if (config.model.wan.image_dim > 0) d.image_embeds = cache->stacked("image_embeds", good, false);
+  if (config.model.wan.image_dim > 0) d.image_embeds = cache->stacked("image_embeds", good);
   return d;
 }
 

@@ -130,10 +130,9 @@ class LatentCache final : public ClipSource {
   const ClipSample& empty_prompt() const { return empty_prompt_; }
   // Every item's tensor `name` ("latents", "text", ...) stacked in item order [N, ...], or the items `items`
   // in that order when given, as float32 for floating-point tensors (Wan trains on all of them in memory:
-  // WanLatentData::from_cache). Throws DatasetError naming the first item whose shape differs from the
-  // first's, or a tensor the cache lacks, or (`verify`) one that fails its CRC-32s (verified_items checked
-  // them already).
-  torch::Tensor stacked(const std::string& name, const std::vector<int64_t>& items = {}, bool verify = true) const;
+  // WanLatentData::from_cache, which takes verified_items'). Throws DatasetError naming the first item whose
+  // shape differs from the first's, or a tensor the cache lacks. It checks no CRC-32: load and verified_items do.
+  torch::Tensor stacked(const std::string& name, const std::vector<int64_t>& items = {}) const;
   const std::vector<BadItem>& bad() const { return bad_; }
   int64_t listed() const { return listed_; }
   // Every item checked against its CRC-32s (load) at once, as a run that holds them all in memory needs: the

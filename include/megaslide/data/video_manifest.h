@@ -57,6 +57,7 @@ struct BadItem {
   int64_t index = 0;
   std::string path;  // the video file, or the listing line when there is no file
   std::string reason;
+  bool unlisted = false;  // the listing could not use it (no caption, no path), before any probe (VideoDataset)
 };
 
 struct VideoManifest {

@@ -45,6 +45,8 @@ struct DiTOptions {
   // The model section of a run config (in_channels from model_sample_shape: data.channels, or the VAE's latent
   // channels).
   static DiTOptions from_config(const RunConfig& config);
+  // Whether the sin-cos position table is added: sincos_positions below, else the architecture's choice.
+  bool adds_sincos_positions() const { return sincos_positions().value_or(arch() != Architecture::kMegaSlide); }
 
   TORCH_ARG(Architecture, arch) = Architecture::kMegaSlide;
   TORCH_ARG(int64_t, in_channels) = 3;
