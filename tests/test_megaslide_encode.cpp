@@ -62,6 +62,10 @@ TEST(MegaslideEncode, TextWritesTransformersIdsAndEmbeddings) {
                                        kFixtures + "clip --batch 1 --prompts " + dir + "/prompts.txt --out " + dir +
                                        "/one.safetensors");
   ASSERT_EQ(r.code, 0) << r.output;
+  // Progress by batch, not a terminal here: a line for each twentieth of the prompts (each one, with this few).
+  const auto n = std::to_string(prompts.size());
+  EXPECT_NE(r.output.find("[encode] 1/" + n + " prompts, "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[encode] " + n + "/" + n + " prompts, "), std::string::npos) << r.output;
   auto one = tensors(dir + "/one.safetensors");
   EXPECT_LT(relative_error(one.at("embeddings"), ref.at("full_model.last_hidden_state")), 1e-4);
   EXPECT_LT(relative_error(one.at("pooled"), ref.at("full_model.pooled")), 1e-4);

@@ -10,22 +10,12 @@
 // config's cache), 1 any other failure.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
-#include <unistd.h>
 
 #include <chrono>
-#include <cstdio>
 #include <iostream>
 
 #include "megaslide/megaslide.h"
 #include "tool_support.h"
-
-namespace {
-std::string clock_text(double seconds) {
-  const auto s = static_cast<int64_t>(seconds + 0.5);
-  return s >= 3600 ? fmt::format("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60)
-                   : fmt::format("{}:{:02}", s / 60, s % 60);
-}
-}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"megaslide-cache: a video dataset's latents and text tensors, written once for training (docs/data.md)"};
@@ -45,7 +35,6 @@ int main(int argc, char** argv) {
   megaslide::tools::survive_file_size_limit();
   megaslide::tools::remove_temporaries_on_fatal_signals();
 
-  const bool tty = ::isatty(STDERR_FILENO) != 0;
   return megaslide::tools::run_tool("megaslide-cache", [&] {
     auto config = megaslide::load_run_config(config_path, overrides);
     // Wan: the sizes of model.wan.weights (as megaslide-train reads them) before the encoders are checked
@@ -66,38 +55,20 @@ int main(int argc, char** argv) {
     options.out = out;
     options.shard_items = shard_items;
     options.threads = threads > 0 ? threads : std::max<int64_t>(1, config.data.workers);
-    int64_t last_report = -1;
-    bool line_open = false;  // a progress line without its newline on the terminal
+    megaslide::tools::CountProgress progress("cache", "items");
     options.on_progress = [&](int64_t done, int64_t total, int64_t done_here) {
-      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      const double rate = s > 0 ? static_cast<double>(done_here) / s : 0.0;
-      const std::string eta = rate > 0 ? clock_text(static_cast<double>(total - done) / rate) : "?";
-      const std::string line =
-          fmt::format("[cache] {}/{} items, {:.1f} items/s, elapsed {}, ETA {}", done, total, rate, clock_text(s), eta);
-      if (tty) {
-        std::cerr << "\r" << line << "\x1b[K" << std::flush;
-        line_open = true;
-      } else if (done == total || done - last_report >= std::max<int64_t>(1, total / 20)) {
-        std::cerr << line << "\n";
-        last_report = done;
-      }
+      progress.update(done, total, done_here);
     };
-    options.on_warning = [&](const std::string& message) {
-      std::cerr << (tty ? "\r\x1b[K" : "") << "megaslide-cache: " << message << "\n";
-    };
-    try {
-      const auto r = megaslide::build_latent_cache(config, options);
-      if (line_open) std::cerr << "\n";
-      const std::string kept = r.shards_reused > 0 ? fmt::format(", {} with {} items kept from an earlier run",
-                                                                 r.shards_reused, r.items_reused)
-                                                   : "";
-      std::cerr << fmt::format("megaslide-cache: {} items in {} ({} shards written{}); {} bad items; {:.1f} s\n",
-                               r.items, out, r.shards, kept, r.bad.size(),
-                               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-      return 0;
-    } catch (...) {
-      if (line_open) std::cerr << "\n";  // the error on a line of its own
-      throw;
-    }
+    options.on_warning = [&](const std::string& message) { progress.message("megaslide-cache: " + message); };
+    // An error ends the progress line (its destructor) before run_tool prints it on a line of its own.
+    const auto r = megaslide::build_latent_cache(config, options);
+    progress.end_line();
+    const std::string kept = r.shards_reused > 0 ? fmt::format(", {} with {} items kept from an earlier run",
+                                                               r.shards_reused, r.items_reused)
+                                                 : "";
+    std::cerr << fmt::format("megaslide-cache: {} items in {} ({} shards written{}); {} bad items; {:.1f} s\n", r.items,
+                             out, r.shards, kept, r.bad.size(),
+                             std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    return 0;
   });
 }

@@ -83,6 +83,18 @@ torch::Tensor input_tensor(const std::string& path) {
                                      "' has no tensor 'x' (it holds: " + (names.empty() ? "nothing" : names) + ")");
 }
 
+// Puts a batch's outputs, rows [s, s + part.size(0)) of `n`, into `out` on the CPU, allocated at the first batch
+// (its shape past the first dimension and its dtype): memory is the output once and a batch, where collecting the
+// batches and concatenating them held the output twice, and writing it a third time.
+void put_rows(torch::Tensor& out, int64_t n, int64_t s, const torch::Tensor& part) {
+  if (!out.defined()) {
+    auto sizes = part.sizes().vec();
+    sizes[0] = n;
+    out = torch::empty(sizes, part.options().device(torch::kCPU));
+  }
+  out.slice(0, s, s + part.size(0)).copy_(part);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -288,12 +300,15 @@ int main(int argc, char** argv) {
         auto tokens = umt5_tokenizer->encode(prompts, max_length);
         outputs = {{"ids", tokens.ids}, {"mask", tokens.mask}};
         if (umt5) {
-          std::vector<torch::Tensor> parts;
-          for (int64_t s = 0; s < tokens.ids.size(0); s += batch) {
-            const int64_t e = std::min(s + batch, tokens.ids.size(0));
-            parts.push_back(umt5->embed(tokens.ids.slice(0, s, e), tokens.mask.slice(0, s, e)).cpu());
+          const int64_t n = tokens.ids.size(0);
+          megaslide::tools::CountProgress progress("encode", "prompts");
+          torch::Tensor embeddings;
+          for (int64_t s = 0; s < n; s += batch) {
+            const int64_t e = std::min(s + batch, n);
+            put_rows(embeddings, n, s, umt5->embed(tokens.ids.slice(0, s, e), tokens.mask.slice(0, s, e)));
+            progress.update(e, n);
           }
-          outputs.emplace_back("embeddings", torch::cat(parts));
+          outputs.emplace_back("embeddings", embeddings);
         }
         metadata["prompts"] = nlohmann::json(prompts).dump();
         metadata["text_encoder"] = "umt5";
@@ -303,14 +318,18 @@ int main(int argc, char** argv) {
         auto tokens = tokenizer->encode(prompts, max_length);
         outputs = {{"ids", tokens.ids}, {"mask", tokens.mask}};
         if (encoder) {
-          std::vector<torch::Tensor> hidden, pooled;
-          for (int64_t s = 0; s < tokens.ids.size(0); s += batch) {
-            auto result = encoder->forward(tokens.ids.slice(0, s, std::min(s + batch, tokens.ids.size(0))));
-            hidden.push_back(result.last_hidden_state.cpu());
-            pooled.push_back(result.pooled.cpu());
+          const int64_t n = tokens.ids.size(0);
+          megaslide::tools::CountProgress progress("encode", "prompts");
+          torch::Tensor hidden, pooled;
+          for (int64_t s = 0; s < n; s += batch) {
+            const int64_t e = std::min(s + batch, n);
+            auto result = encoder->forward(tokens.ids.slice(0, s, e));
+            put_rows(hidden, n, s, result.last_hidden_state);
+            put_rows(pooled, n, s, result.pooled);
+            progress.update(e, n);
           }
-          outputs.emplace_back("embeddings", torch::cat(hidden));
-          outputs.emplace_back("pooled", torch::cat(pooled));
+          outputs.emplace_back("embeddings", hidden);
+          outputs.emplace_back("pooled", pooled);
         }
         metadata["prompts"] = nlohmann::json(prompts).dump();
         std::cerr << fmt::format("megaslide-encode: {} prompt(s) -> {}{}\n", prompts.size(), out,
@@ -336,12 +355,13 @@ int main(int argc, char** argv) {
           if (x.dim() == 5) {
             y = vae->decode_video(x, frames_per_batch, tiling);
           } else {
-            std::vector<torch::Tensor> parts;
-            for (int64_t s = 0; s < x.size(0); s += frames_per_batch) {
-              auto chunk = x.slice(0, s, std::min(s + frames_per_batch, x.size(0)));
-              parts.push_back(tiling ? vae->decode_tiled(chunk, *tiling) : vae->decode(chunk));
+            const int64_t n = x.size(0);
+            megaslide::tools::CountProgress progress("decode", "images");
+            for (int64_t s = 0; s < n; s += frames_per_batch) {
+              auto chunk = x.slice(0, s, std::min(s + frames_per_batch, n));
+              put_rows(y, n, s, tiling ? vae->decode_tiled(chunk, *tiling) : vae->decode(chunk));
+              progress.update(s + chunk.size(0), n);
             }
-            y = torch::cat(parts);
           }
         }
         outputs = {{"y", y.cpu()}};

@@ -6,10 +6,13 @@
 
 #include <CLI/CLI.hpp>
 
+#include <fmt/format.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
+#include <chrono>
 #include <csignal>
 #include <cstdlib>
 #include <iostream>
@@ -263,5 +266,57 @@ inline void check_output_is_no_input(const std::string& path, const std::string&
                        ": writing there would destroy it; give a path outside it");
   }
 }
+
+// "1:05", "2:03:09": a duration for progress lines.
+inline std::string clock_text(double seconds) {
+  const auto s = static_cast<int64_t>(seconds + 0.5);
+  return s >= 3600 ? fmt::format("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60)
+                   : fmt::format("{}:{:02}", s / 60, s % 60);
+}
+
+// Progress of work counted in items on stderr, "[cache] 120/400 items, 3.2 items/s, elapsed 0:37, ETA 1:27":
+// rewritten in place on a terminal; elsewhere (a log file) one line each twentieth of the work and one at the end.
+// The rate counts what this process did (`done_here`), so that work kept from an earlier run does not inflate it.
+class CountProgress {
+ public:
+  CountProgress(std::string tag, std::string unit)
+      : tag_(std::move(tag)),
+        unit_(std::move(unit)),
+        tty_(::isatty(STDERR_FILENO) != 0),
+        start_(std::chrono::steady_clock::now()) {}
+  ~CountProgress() { end_line(); }
+  CountProgress(const CountProgress&) = delete;
+  CountProgress& operator=(const CountProgress&) = delete;
+
+  void update(int64_t done, int64_t total, int64_t done_here) {
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    const double rate = s > 0 ? static_cast<double>(done_here) / s : 0.0;
+    const std::string eta = rate > 0 ? clock_text(static_cast<double>(total - done) / rate) : "?";
+    const std::string line = fmt::format("[{}] {}/{} {}, {:.1f} {}/s, elapsed {}, ETA {}", tag_, done, total, unit_,
+                                         rate, unit_, clock_text(s), eta);
+    if (tty_) {
+      std::cerr << "\r" + line + "\x1b[K" << std::flush;
+      line_open_ = true;
+    } else if (done == total || done - last_report_ >= std::max<int64_t>(1, total / 20)) {
+      std::cerr << line + "\n" << std::flush;
+      last_report_ = done;
+    }
+  }
+  void update(int64_t done, int64_t total) { update(done, total, done); }
+  // A message on a line of its own, the progress line (on a terminal) rewritten after it by the next update.
+  void message(const std::string& text) { std::cerr << (tty_ ? "\r\x1b[K" : "") + text + "\n" << std::flush; }
+  // Ends an open terminal line, before a summary or an error.
+  void end_line() {
+    if (line_open_) std::cerr << "\n" << std::flush;
+    line_open_ = false;
+  }
+
+ private:
+  std::string tag_, unit_;
+  bool tty_;
+  std::chrono::steady_clock::time_point start_;
+  int64_t last_report_ = -1;
+  bool line_open_ = false;
+};
 
 }  // namespace megaslide::tools
