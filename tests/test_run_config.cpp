@@ -229,6 +229,29 @@ TEST(RunConfig, ConfigThatIsNotARegularFileIsRefusedWithoutReadingIt) {
   std::remove(big.c_str());
 }
 
+// The property: diffusion.loss_weighting takes the weights of the run's objective — min_snr (with snr_gamma > 0)
+// for ddpm, sigma_sqrt and cosmap for flow — and refuses the others naming the key and what fits; a config
+// without the key (an older run's) is unweighted.
+TEST(RunConfig, LossWeightingFitsTheObjective) {
+  const std::string wan =
+      "model:\n  arch: wan\n  wan:\n    dim: 48\n    heads: 4\n    in_channels: 4\n    out_channels: 4\ndata:\n  "
+      "dataset: latent-tensors\n  channels: 4\n";
+  EXPECT_EQ(parse_run_config("", kSource).diffusion.loss_weighting, "none");
+  const auto c = parse_run_config("", kSource, {"diffusion.loss_weighting=min_snr", "diffusion.snr_gamma=2.5"});
+  EXPECT_EQ(c.diffusion.loss_weighting, "min_snr");
+  EXPECT_EQ(c.diffusion.snr_gamma, 2.5);
+  EXPECT_EQ(parse_run_config(megaslide::to_yaml(c), "resolved").diffusion.snr_gamma, 2.5);
+  EXPECT_NO_THROW(parse_run_config(wan, kSource, {"diffusion.loss_weighting=min_snr"}));  // Wan with ddpm
+  for (const std::string flow : {"sigma_sqrt", "cosmap"})
+    EXPECT_NO_THROW(parse_run_config(wan, kSource, {"diffusion.objective=flow", "diffusion.loss_weighting=" + flow}));
+  expect_error(wan, {"diffusion.objective=flow", "diffusion.loss_weighting=min_snr"}, "diffusion.loss_weighting",
+               "diffusion.objective flow takes sigma_sqrt or cosmap");
+  expect_error("", {"diffusion.loss_weighting=cosmap"}, "diffusion.loss_weighting",
+               "diffusion.objective ddpm takes min_snr");
+  expect_error("", {"diffusion.loss_weighting=snr"}, "diffusion.loss_weighting", "min_snr");
+  expect_error("", {"diffusion.snr_gamma=0"}, "diffusion.snr_gamma", "(0, ");
+}
+
 // The property: Wan's hyper-parameters are a nested mapping (model.wan.*), set from a file or with
 // --set model.wan.KEY=..., and the resolved YAML (which writes only the keys of the run's model family)
 // reads back to the same config.

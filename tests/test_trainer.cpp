@@ -2,6 +2,8 @@
 // (train/trainer.h): the same properties hold for each family without a test of its own.
 #include <gtest/gtest.h>
 
+#include <ATen/CPUGeneratorImpl.h>
+
 #include <cmath>
 #include <limits>
 #include <map>
@@ -299,6 +301,83 @@ TEST_P(Trainers, HostActivationsTrainAsDeviceActivations) {
     EXPECT_NE(std::string(e.what()).find("offload.activations"), std::string::npos) << e.what();
   }
   io::remove_tree(dir);
+}
+
+// Property: diffusion.loss_weighting reaches each family's loss in both modes. Weights of exactly 1 (Min-SNR-γ with
+// γ above every SNR and ε-prediction: min(SNR, γ) / SNR = 1) train as the unweighted run does (losses within 1e-6
+// relative over 2 steps: only the sum's order differs). Real weights — Min-SNR-γ with x0-prediction, and Wan's flow
+// matching under cosmap — give other losses than the same run unweighted, and under them the streamed trainer
+// follows the resident loop (1e-4 relative over 3 steps, as without weights).
+TEST_P(Trainers, LossWeightingReachesTheLossInBothModes) {
+  const std::string dir = scratch(GetParam() + "-loss-weighting");
+  using Sets = std::vector<std::string>;
+  const auto losses = [&](bool streamed, Sets sets, int steps) {
+    sets.push_back("offload.enabled=" + std::string(streamed ? "true" : "false"));
+    sets.push_back("offload.compute_dtype=fp32");
+    auto trainer = trainer_of(megaslide::testing::tiny_run_config(GetParam(), dir, sets));
+    std::vector<double> out;
+    for (int i = 0; i < steps; ++i) {
+      const auto m = trainer->step();
+      EXPECT_FALSE(m.skipped) << "step " << i + 1;
+      out.push_back(m.loss);
+    }
+    return out;
+  };
+  const Sets ddpm{"diffusion.objective=ddpm"};  // the DiT family's objective; Wan's other one
+  const auto with = [](Sets sets, const Sets& more) {
+    sets.insert(sets.end(), more.begin(), more.end());
+    return sets;
+  };
+  const auto plain = losses(false, ddpm, 2);
+  const auto ones = losses(false, with(ddpm, {"diffusion.loss_weighting=min_snr", "diffusion.snr_gamma=1e6"}), 2);
+  for (size_t i = 0; i < 2; ++i) EXPECT_NEAR(ones[i], plain[i], 1e-6 * std::abs(plain[i])) << "step " << i + 1;
+  // {unweighted, weighted}
+  std::vector<std::pair<Sets, Sets>> runs{
+      {with(ddpm, {"diffusion.prediction=x0"}),
+       with(ddpm, {"diffusion.prediction=x0", "diffusion.loss_weighting=min_snr", "diffusion.snr_gamma=5"})}};
+  if (GetParam() == "wan")
+    runs.push_back({{"diffusion.objective=flow"}, {"diffusion.objective=flow", "diffusion.loss_weighting=cosmap"}});
+  for (const auto& [unweighted, weighted] : runs) {
+    SCOPED_TRACE(weighted.back());
+    const double reference = losses(false, unweighted, 1)[0];
+    const auto resident = losses(false, weighted, 3), streamed = losses(true, weighted, 3);
+    EXPECT_GT(std::abs(resident[0] - reference), 1e-3 * reference) << "the weights changed nothing";
+    for (size_t i = 0; i < 3; ++i)
+      EXPECT_NEAR(streamed[i], resident[i], 1e-4 * std::abs(resident[i])) << "step " << i + 1;
+  }
+  io::remove_tree(dir);
+}
+
+// Property: the weighted loss (diffusion.loss_weighting) is the mean over the samples of each one's weight times its
+// mean squared error — over its kept frames with a loss mask — as a float64 reference computes it (1e-6 relative),
+// and the mean of its values over any split of the batch into samples (data parallelism's).
+TEST(ModelFamily, TheWeightedLossIsTheMeanOfEachSamplesWeightedError) {
+  auto g = at::detail::createCPUGenerator(7);
+  const auto prediction = torch::randn({3, 2, 4, 3, 3}, g), target = torch::randn({3, 2, 4, 3, 3}, g);
+  const auto weights = torch::tensor({0.25f, 2.0f, 0.5f});
+  auto mask = torch::ones({3, 1, 4, 1, 1});
+  mask[1].select(1, 0).zero_();
+  mask[2].narrow(1, 1, 2).zero_();
+  const auto sq = (prediction.to(torch::kFloat64) - target.to(torch::kFloat64)).square();
+  for (const bool masked : {false, true}) {
+    SCOPED_TRACE(masked ? "masked" : "whole");
+    const auto m = masked ? mask : torch::Tensor();
+    double expected = 0.0;
+    for (int64_t b = 0; b < 3; ++b) {
+      const auto kept = masked ? mask[b].to(torch::kFloat64).expand_as(sq[b]) : torch::ones_like(sq[b]);
+      expected += weights[b].item<double>() * (sq[b] * kept).sum().item<double>() / kept.sum().item<double>() / 3.0;
+    }
+    const double loss = context_parallel_loss(prediction, target, m, {}, 1, weights).item<double>();
+    EXPECT_NEAR(loss, expected, 1e-6 * expected);
+    double split = 0.0;
+    for (int64_t b = 0; b < 3; ++b)
+      split += context_parallel_loss(prediction.narrow(0, b, 1), target.narrow(0, b, 1),
+                                     masked ? mask.narrow(0, b, 1) : torch::Tensor(), {}, 1, weights.narrow(0, b, 1))
+                   .item<double>() /
+               3.0;
+    EXPECT_NEAR(split, expected, 1e-6 * expected);
+  }
+  EXPECT_THROW(context_parallel_loss(prediction, target, {}, {}, 1, weights.narrow(0, 0, 2)), c10::Error);
 }
 
 TEST(ModelFamily, EveryArchitectureHasItsFamily) {

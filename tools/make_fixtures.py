@@ -1468,6 +1468,47 @@ def section_flow(out_dir):
 
 
 # --------------------------------------------------------------------------------------------------
+# loss_weighting: Min-SNR-γ weights (diffusers' compute_snr and its training scripts' recipe) and SD3's flow weights
+# --------------------------------------------------------------------------------------------------
+
+def section_loss_weighting(out_dir):
+    import diffusers
+    import torch
+    from diffusers import DDPMScheduler
+    from diffusers.training_utils import compute_loss_weighting_for_sd3, compute_snr
+
+    tensors, schedules = {}, []
+    t_all = [0, 1, 2, 3, 5, 10, 50, 100, 250, 500, 750, 900, 998, 999]
+    for beta, T, beta_start, beta_end in (("linear", 1000, 1e-4, 0.02), ("cosine", 1000, 1e-4, 0.02), ("linear", 37, 1e-3, 0.05)):
+        sched = DDPMScheduler(num_train_timesteps=T, beta_start=beta_start, beta_end=beta_end, beta_schedule=_BETAS[beta])
+        # diffusers keeps betas and their cumulative product in float32, where 1 - alphas_cumprod at the first
+        # timesteps keeps only three digits; the product of its betas in float64 is the same schedule without that
+        # rounding (MegaSlide's tables are float64).
+        sched.alphas_cumprod = torch.cumprod(1.0 - sched.betas.double(), 0)
+        timesteps = torch.tensor([t for t in t_all if t < T], dtype=torch.int64)
+        snr = compute_snr(sched, timesteps).double()
+        name = f"ddpm.{beta}.T{T}"
+        tensors[name + ".timesteps"] = timesteps.numpy()
+        tensors[name + ".snr"] = snr.numpy()
+        for gamma in (1.0, 5.0, 20.0):
+            # The recipe of diffusers' training scripts (train_text_to_image.py, --snr_gamma): min(SNR, γ), divided
+            # by SNR for epsilon and by SNR + 1 for v_prediction; x0 ("sample") keeps min(SNR, γ).
+            base = torch.stack([snr, gamma * torch.ones_like(snr)], dim=1).min(dim=1)[0]
+            for prediction, weights in (("epsilon", base / snr), ("v", base / (snr + 1)), ("x0", base)):
+                tensors[f"{name}.{prediction}.gamma{gamma:g}"] = weights.numpy()
+        schedules.append({"name": name, "beta_schedule": beta, "timesteps": T, "beta_start": beta_start, "beta_end": beta_end})
+    sigmas = torch.tensor([1e-3, 0.01, 0.1, 0.25, 0.5, 0.6, 0.75, 0.9, 0.999, 1.0], dtype=torch.float64)
+    tensors["flow.sigmas"] = sigmas.numpy()
+    for scheme in ("sigma_sqrt", "cosmap"):
+        tensors[f"flow.{scheme}"] = compute_loss_weighting_for_sd3(scheme, sigmas.clone()).double().numpy()
+    meta = {"versions": versions(diffusers, torch), "schedules": json.dumps(schedules), "gammas": json.dumps([1.0, 5.0, 20.0]),
+            "what": "diffusers' compute_snr over DDPMScheduler's betas (cumulative product in float64) and the Min-SNR-gamma "
+                    "weights of its training scripts per prediction type; compute_loss_weighting_for_sd3 (sigma_sqrt, cosmap)"}
+    save_safetensors(os.path.join(out_dir, "diffusers.safetensors"), tensors, meta)
+    print(f"  {len(schedules)} schedules, {len(sigmas)} sigmas")
+
+
+# --------------------------------------------------------------------------------------------------
 # umt5_tokenizer: a tiny SentencePiece model and transformers' T5Tokenizer ids (umT5's tokenizer class)
 # --------------------------------------------------------------------------------------------------
 
@@ -2517,6 +2558,7 @@ SECTIONS = {
     "wan_vae": (section_wan_vae, "a tiny random AutoencoderKLWan (diffusers and original names): encode, decode, tiled"),
     "wan22_vae": (section_wan22_vae, "a tiny random Wan2.2-style AutoencoderKLWan (residual, 2x2 patches; diffusers and original names)"),
     "flow": (section_flow, "diffusers' flow-matching Euler and UniPC (flow sigmas) tables and sampling runs"),
+    "loss_weighting": (section_loss_weighting, "diffusers' Min-SNR-gamma weights (compute_snr and its training scripts' recipe) and SD3's sigma_sqrt and cosmap"),
     "wan": (section_wan, "tiny random WanTransformer3DModels (diffusers, original and ComfyUI layouts): outputs, one step's gradients"),
     "ti2v_pipeline": (section_ti2v_pipeline, "Wan2.2 TI2V's image-to-video WanImageToVideoPipeline (expand_timesteps) on tiny models"),
     "wan_i2v": (section_wan_i2v, "Wan2.1 I2V's DiT (the image branch) on a tiny random WanTransformer3DModel: output, gradients"),

@@ -12,6 +12,7 @@
 #include "megaslide/data/video_manifest.h"
 #include "megaslide/diffusion/ddpm.h"
 #include "megaslide/diffusion/flow_matching.h"
+#include "megaslide/diffusion/loss_weighting.h"
 #include "megaslide/diffusion/sampler.h"
 #include "megaslide/diffusion/text_to_video.h"
 #include "megaslide/diffusion/wan_text_to_video.h"

@@ -469,6 +469,8 @@ class Schema {
     choice("diffusion.timestep_sampling", c.diffusion.timestep_sampling, {"uniform", "logit_normal"});
     real("diffusion.logit_mean", c.diffusion.logit_mean, RealRange{-20.0, 20.0});
     real("diffusion.logit_std", c.diffusion.logit_std, RealRange{0.0, 20.0, true, false});
+    choice("diffusion.loss_weighting", c.diffusion.loss_weighting, {"none", "min_snr", "sigma_sqrt", "cosmap"});
+    real("diffusion.snr_gamma", c.diffusion.snr_gamma, RealRange{0.0, 1e6, true, false});
     // train
     integer("train.steps", c.train.steps, IntRange{1});
     integer("train.batch_size", c.train.batch_size, IntRange{1});
@@ -1230,6 +1232,14 @@ void validate(const RunConfig& c, const std::string& source, bool wan_sizes_reso
     fail("diffusion.prediction",
          "applies to diffusion.objective ddpm; flow matching predicts the velocity ε − x0 (leave "
          "diffusion.prediction at epsilon)");
+  if (d.loss_weighting == "min_snr" && d.objective != "ddpm")
+    fail("diffusion.loss_weighting",
+         "is min_snr, which weighs DDPM timesteps by their signal-to-noise ratio; diffusion.objective flow takes "
+         "sigma_sqrt or cosmap (or none)");
+  if ((d.loss_weighting == "sigma_sqrt" || d.loss_weighting == "cosmap") && d.objective != "flow")
+    fail("diffusion.loss_weighting", "is " + d.loss_weighting +
+                                         ", which weighs flow matching's σ; diffusion.objective ddpm takes min_snr "
+                                         "(or none)");
   if (d.beta_end <= d.beta_start)
     fail("diffusion.beta_end", "expected a value above diffusion.beta_start (" + format_number(d.beta_start) +
                                    "), got " + format_number(d.beta_end));

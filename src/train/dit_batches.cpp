@@ -59,6 +59,7 @@ DiffusionBatchSource::DiffusionBatchSource(const RunConfig& config)
       schedule_(config.diffusion.timesteps, parse_beta_schedule(config.diffusion.beta_schedule),
                 config.diffusion.beta_start, config.diffusion.beta_end),
       prediction_(parse_prediction(config.diffusion.prediction)),
+      loss_weighting_(parse_loss_weighting(config.diffusion.loss_weighting)),
       caption_rng_(config.train.seed ^ 0x5DEECE66Dull),
       generator_(at::detail::createCPUGenerator(config.train.seed)) {
   // A cache holds the frozen encoders' outputs: training then loads neither (sampling loads them itself).
@@ -319,6 +320,8 @@ DiffusionBatch DiffusionBatchSource::next(torch::Device device) {
   b.noise = b.noise.to(device);
   b.xt = schedule_.add_noise(b.x0, b.noise, b.timesteps);
   b.target = schedule_.target(prediction_, b.x0, b.noise, b.timesteps);
+  if (loss_weighting_ == LossWeighting::kMinSnr)
+    b.loss_weight = min_snr_weights(schedule_, prediction_, b.timesteps, config_.diffusion.snr_gamma).to(device);
   if (text.defined()) b.text = text.to(device);
   else b.text_ids = text_ids.to(device);
   b.text_mask = text_mask.to(device);

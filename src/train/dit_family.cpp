@@ -79,17 +79,19 @@ class DiTModel final : public FamilyModel {
     stats.data_wait_s += b.data_wait_s;
     stats.tokens += dit_->token_grid(b.xt.size(2), b.xt.size(3), b.xt.size(4)).numel();
     const auto text = b.text.defined() ? b.text : text_encoder_(b.text_ids);
-    if (context_group_ == nullptr) return diffusion_loss(dit_(b.xt, b.timesteps, text, b.text_mask), b.target);
+    if (context_group_ == nullptr)
+      return context_parallel_loss(dit_(b.xt, b.timesteps, text, b.text_mask), b.target, {}, {}, 1, b.loss_weight);
     auto e = dit_->embed(b.xt, b.timesteps, text, b.text_mask, context_group_);  // this rank's frames
     auto h = e.tokens;
     for (const auto& block : *dit_->blocks) h = block->as<DiTBlockImpl>()->forward(h, e.ctx);
     return context_parallel_loss(dit_->head(h, e.t_emb, e.ctx.local_grid()), b.target, {}, e.ctx.cp,
-                                 config_.model.patch[0]);
+                                 config_.model.patch[0], b.loss_weight);
   }
   offload::StackInput prologue(MicroBatchStats& stats) override {
     const auto b = batches_.next(device_);
     stats.data_wait_s += b.data_wait_s;
     target_ = b.target;
+    loss_weight_ = b.loss_weight;
     const auto text = b.text.defined() ? b.text : text_encoder_(b.text_ids);
     auto e = dit_->embed(b.xt, b.timesteps, text, b.text_mask, context_group_);
     t_emb_ = e.t_emb;
@@ -104,7 +106,7 @@ class DiTModel final : public FamilyModel {
   }
   at::Tensor epilogue(const at::Tensor& last_hidden) override {
     return context_parallel_loss(dit_->head(last_hidden, t_emb_, last_grid_), target_, {}, last_cp_,
-                                 config_.model.patch[0]);
+                                 config_.model.patch[0], loss_weight_);
   }
 
   std::string data_state() const override { return batches_.state(); }
@@ -190,7 +192,7 @@ class DiTModel final : public FamilyModel {
   DiT snapshot_dit_{nullptr};
   TextEncoder snapshot_text_{nullptr};
   // The micro-batch between prologue and epilogue.
-  torch::Tensor target_, t_emb_;
+  torch::Tensor target_, t_emb_, loss_weight_;
   TokenGrid last_grid_;  // this rank's frames' grid
   ops::ContextShard last_cp_;
 };

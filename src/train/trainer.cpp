@@ -92,8 +92,8 @@ std::optional<bool> holds_lora_adapters(const std::string& path) {
 }
 
 at::Tensor context_parallel_loss(const at::Tensor& prediction, const at::Tensor& target, const at::Tensor& loss_mask,
-                                 const ops::ContextShard& cp, int64_t patch_frames) {
-  if (!cp.active() && !loss_mask.defined()) return diffusion_loss(prediction, target);
+                                 const ops::ContextShard& cp, int64_t patch_frames, const at::Tensor& sample_weights) {
+  if (!cp.active() && !loss_mask.defined() && !sample_weights.defined()) return diffusion_loss(prediction, target);
   const int64_t frames = prediction.size(2), first_frame = cp.begin() * patch_frames;
   const double ranks = cp.active() ? static_cast<double>(cp.split.ranks) : 1.0;
   TORCH_CHECK(prediction.dim() == 5 && target.dim() == 5 && first_frame >= 0 && first_frame + frames <= target.size(2),
@@ -101,13 +101,20 @@ at::Tensor context_parallel_loss(const at::Tensor& prediction, const at::Tensor&
               target.sizes());
   const auto mine = target.narrow(2, first_frame, frames).to(at::kFloat);
   const auto squared = (prediction.to(at::kFloat) - mine).square();
-  if (!loss_mask.defined())  // the mean squared error's share: this rank's sum over the whole video's count
-    return squared.sum() * (ranks / static_cast<double>(target.numel()));
+  TORCH_CHECK(!sample_weights.defined() || sample_weights.numel() == target.size(0),
+              "context_parallel_loss: ", sample_weights.numel(), " sample weights for a batch of ", target.size(0));
+  const auto weighed = [&](const at::Tensor& per_sample) {  // [B] -> [B], each sample's times its weight
+    return sample_weights.defined() ? per_sample * sample_weights.to(per_sample.device(), at::kFloat) : per_sample;
+  };
+  if (!loss_mask.defined()) {  // the mean squared error's share: this rank's sum over the whole video's count
+    if (!sample_weights.defined()) return squared.sum() * (ranks / static_cast<double>(target.numel()));
+    return weighed(squared.flatten(1).sum(1)).sum() * (ranks / static_cast<double>(target.numel()));
+  }
   // Each sample's kept elements (of this rank) over the sample's whole kept count.
   const auto weights = loss_mask.to(at::kFloat);
   const auto count = weights.expand_as(target).flatten(1).sum(1);  // [B]
-  const auto part = (squared * weights.narrow(2, first_frame, frames)).flatten(1).sum(1);
-  return cp.active() ? (part / count).mean() * ranks : (part / count).mean();
+  const auto part = weighed((squared * weights.narrow(2, first_frame, frames)).flatten(1).sum(1) / count);
+  return cp.active() ? part.mean() * ranks : part.mean();
 }
 
 double learning_rate(const TrainConfig& t, int64_t step) {

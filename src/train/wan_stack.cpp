@@ -216,6 +216,7 @@ WanBatchSource::WanBatchSource(const RunConfig& config, WanLatentData data)
       schedule_(config.diffusion.timesteps, parse_beta_schedule(config.diffusion.beta_schedule),
                 config.diffusion.beta_start, config.diffusion.beta_end),
       prediction_(parse_prediction(config.diffusion.prediction)),
+      loss_weighting_(parse_loss_weighting(config.diffusion.loss_weighting)),
       caption_rng_(config.train.seed ^ 0x5DEECE66Dull),
       generator_(at::detail::createCPUGenerator(config.train.seed)) {
   data_.check(config_);
@@ -269,6 +270,7 @@ WanBatch WanBatchSource::next(torch::Device device) {
   torch::Tensor noise;
   if (flow_) {
     const auto sigma = sample_flow_sigmas(B, flow_options_, generator_);
+    if (loss_weighting_ != LossWeighting::kNone) b.loss_weight = flow_loss_weights(loss_weighting_, sigma).to(device);
     noise = torch::randn(x0.sizes(), generator_, torch::kFloat32);
     auto xt = flow_noisy(x0, noise, sigma);
     auto timesteps = sigma * static_cast<float>(config_.diffusion.timesteps);
@@ -296,13 +298,16 @@ WanBatch WanBatchSource::next(torch::Device device) {
     b.xt = schedule_.add_noise(x0, noise, t).to(device);
     b.target = schedule_.target(prediction_, x0, noise, t).to(device);
     b.timesteps = t.to(torch::kFloat32).to(device);
+    if (loss_weighting_ == LossWeighting::kMinSnr)
+      b.loss_weight = min_snr_weights(schedule_, prediction_, t, config_.diffusion.snr_gamma).to(device);
   }
   b.x0 = x0.to(device);
   b.noise = noise.to(device);
   b.text = text.to(device);
   if (slice_count_ > 1) {  // this rank's rows [first, first + local) of the global batch
     const int64_t local = B / slice_count_, first = slice_rank_ * local;
-    for (auto* t : {&b.x0, &b.noise, &b.xt, &b.timesteps, &b.target, &b.text, &b.loss_mask, &b.condition, &b.image})
+    for (auto* t : {&b.x0, &b.noise, &b.xt, &b.timesteps, &b.target, &b.text, &b.loss_mask, &b.loss_weight,
+                    &b.condition, &b.image})
       if (t->defined()) *t = t->narrow(0, first, local).contiguous();
   }
   return b;
@@ -489,13 +494,14 @@ double wan_model_flops_per_step(const RunConfig& c) {
 }
 
 torch::Tensor wan_training_loss(const torch::Tensor& prediction, const torch::Tensor& target,
-                                const torch::Tensor& loss_mask) {
-  return context_parallel_loss(prediction, target, loss_mask);
+                                const torch::Tensor& loss_mask, const torch::Tensor& loss_weight) {
+  return context_parallel_loss(prediction, target, loss_mask, {}, 1, loss_weight);
 }
 
 offload::StackInput WanStackSplit::prologue(const WanBatch& b) {
   target = b.target;
   loss_mask = b.loss_mask;
+  loss_weight = b.loss_weight;
   auto e = model->embed(b.input(), b.timesteps, b.text, b.image, group);
   temb = e.temb;
   grid = e.ctx.local_grid();
@@ -509,17 +515,19 @@ offload::StackInput WanStackSplit::prologue(const WanBatch& b) {
 }
 
 torch::Tensor WanStackSplit::epilogue(const torch::Tensor& last_hidden) {
-  return context_parallel_loss(model->head(last_hidden, temb, grid), target, loss_mask, cp, model->options.patch()[0]);
+  return context_parallel_loss(model->head(last_hidden, temb, grid), target, loss_mask, cp, model->options.patch()[0],
+                               loss_weight);
 }
 
 torch::Tensor WanStackSplit::loss(const WanBatch& b) {
   if (group == nullptr)
-    return wan_training_loss(model->forward(b.input(), b.timesteps, b.text, b.image), b.target, b.loss_mask);
+    return wan_training_loss(model->forward(b.input(), b.timesteps, b.text, b.image), b.target, b.loss_mask,
+                             b.loss_weight);
   auto e = model->embed(b.input(), b.timesteps, b.text, b.image, group);
   auto h = e.tokens;
   for (const auto& block : *model->blocks) h = block->as<WanBlockImpl>()->forward(h, e.ctx);
   return context_parallel_loss(model->head(h, e.temb, e.ctx.local_grid()), b.target, b.loss_mask, e.ctx.cp,
-                               model->options.patch()[0]);
+                               model->options.patch()[0], b.loss_weight);
 }
 
 offload::StackStepResult wan_streamed_step(offload::StreamedStackTrainer& engine, WanTransformer& model,

@@ -206,6 +206,10 @@ struct DiffusionConfig {
   std::string timestep_sampling = "uniform";  // flow: uniform | logit_normal (σ = sigmoid(N(logit_mean, logit_std)))
   double logit_mean = 0.0;
   double logit_std = 1.0;
+  // Each sample's weight in the training loss (diffusion/loss_weighting.h): none, min_snr (ddpm: Min-SNR-γ with
+  // γ = snr_gamma), sigma_sqrt or cosmap (flow).
+  std::string loss_weighting = "none";
+  double snr_gamma = 5.0;
 };
 
 struct TrainConfig {

@@ -14,6 +14,7 @@
 #include "megaslide/data/structured_motion.h"
 #include "megaslide/data/video_manifest.h"
 #include "megaslide/diffusion/ddpm.h"
+#include "megaslide/diffusion/loss_weighting.h"
 #include "megaslide/model/frozen_encoders.h"
 #include "megaslide/model/text_encoder.h"
 #include "megaslide/util/device.h"
@@ -24,7 +25,9 @@ namespace megaslide {
 struct DiffusionBatch {
   torch::Tensor x0, noise, timesteps, xt;  // video [B, C, T, H, W] and timesteps [B] (int64)
   torch::Tensor target;                    // what the loss compares the model's output with (diffusion.prediction)
-  torch::Tensor text_ids, text_mask;       // [B, L] int64 and bool
+  torch::Tensor
+      loss_weight;  // [B] float32: each sample's weight in the loss (diffusion.loss_weighting), else undefined
+  torch::Tensor text_ids, text_mask;  // [B, L] int64 and bool
   torch::Tensor text;        // [B, L, model.text_dim] float32: the frozen CLIP's embeddings (text_ids undefined),
                              // or undefined for the built-in encoder, which the trainer runs on text_ids
   double data_wait_s = 0.0;  // time next() waited for the clips
@@ -84,6 +87,7 @@ class DiffusionBatchSource {
   CaptionTokenizer tokenizer_;
   DDPMSchedule schedule_;
   Prediction prediction_;
+  LossWeighting loss_weighting_;
   std::mt19937_64 caption_rng_;
   at::Generator generator_;
   torch::Device schedule_device_ = torch::kCPU;

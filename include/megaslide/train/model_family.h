@@ -68,9 +68,11 @@ struct ModelRequest {
 // "Context parallelism") `prediction` holds this rank's token frames cp.begin()… of the whole video's
 // (`patch_frames` latent frames each) and the result is the group size × this rank's part of the whole video's
 // loss: summed over the group, the parts are the whole loss, so the mean over the world that data parallelism
-// takes of every rank's loss and gradients is the single process's.
+// takes of every rank's loss and gradients is the single process's. With `sample_weights` ([B] float32,
+// diffusion.loss_weighting) each sample's mean counts times its weight.
 at::Tensor context_parallel_loss(const at::Tensor& prediction, const at::Tensor& target, const at::Tensor& loss_mask,
-                                 const ops::ContextShard& cp = {}, int64_t patch_frames = 1);
+                                 const ops::ContextShard& cp = {}, int64_t patch_frames = 1,
+                                 const at::Tensor& sample_weights = {});
 
 // A part of a model trained on its own steps (Wan2.2's two experts, model.wan.expert: both): each step
 // trains one part, which the family picks; the step's gradient and update reach that part only (the

@@ -57,6 +57,7 @@
 #include "megaslide/data/video_manifest.h"
 #include "megaslide/diffusion/ddpm.h"
 #include "megaslide/diffusion/flow_matching.h"
+#include "megaslide/diffusion/loss_weighting.h"
 #include "megaslide/model/wan.h"
 #include "megaslide/offload/stack_trainer.h"
 #include "megaslide/offload/streamed_model.h"
@@ -122,6 +123,8 @@ struct WanBatch {
   torch::Tensor target;         // [B, C, T, H, W]
   torch::Tensor text;           // [B, L, text_dim]
   torch::Tensor loss_mask;      // [B, 1, T, 1, 1] float32 (first_frame_clean > 0), else undefined
+  torch::Tensor
+      loss_weight;  // [B] float32: each sample's weight in the loss (diffusion.loss_weighting), else undefined
   // Image-to-video: wan_image_condition of the image latents [B, 4 + C, T, H, W] (zero for a sample whose
   // image is dropped: diffusion.image_dropout), and the image tokens [B, Li, image_dim] of an image branch
   // (likewise zero); undefined for text-to-video.
@@ -132,9 +135,10 @@ struct WanBatch {
 
 // The training loss of a prediction [B, C, T, H, W] for `target`: the mean squared error; with loss_mask,
 // each sample's mean over the elements it keeps (each kept frame's every channel and pixel), averaged over
-// the samples (so the same for any split of the batch), in fp32.
+// the samples (so the same for any split of the batch), in fp32; with loss_weight each sample's mean times its
+// weight.
 torch::Tensor wan_training_loss(const torch::Tensor& prediction, const torch::Tensor& target,
-                                const torch::Tensor& loss_mask);
+                                const torch::Tensor& loss_mask, const torch::Tensor& loss_weight = {});
 
 class WanBatchSource {
  public:
@@ -165,6 +169,7 @@ class WanBatchSource {
   FlowMatchingOptions flow_options_;
   DDPMSchedule schedule_;
   Prediction prediction_;
+  LossWeighting loss_weighting_;
   std::mt19937_64 caption_rng_;
   at::Generator generator_;
   int64_t slice_rank_ = 0, slice_count_ = 1;
@@ -236,7 +241,7 @@ struct WanStackSplit {
       : model(std::move(model_)), group(group_) {}
   WanTransformer model;
   ops::FrameExchange* group = nullptr;  // context parallelism: each sample's frames split over it (else null)
-  torch::Tensor target, temb, loss_mask;
+  torch::Tensor target, temb, loss_mask, loss_weight;
   TokenGrid grid;        // this rank's frames' token grid
   ops::ContextShard cp;  // and where they are in the sample's (inactive without a group)
   offload::StackInput prologue(const WanBatch& batch);
