@@ -102,7 +102,8 @@ double max_relative_error(const torch::Tensor& ours, const torch::Tensor& theirs
 
 // Property: Min-SNR-γ's weights are those of diffusers' training scripts (compute_snr, then min(SNR, γ) over SNR for
 // ε, over SNR + 1 for v, alone for x0) for linear and cosine schedules, 1000 and 37 timesteps, γ 1, 5 and 20, at
-// timesteps from the first to the last, within 1e-5 relative (diffusers takes SNR's square roots in float32).
+// timesteps from the first to the last, within 2e-5 relative (diffusers keeps β in float32, which puts 1 − β at the
+// cosine schedule's cap of 0.999 off by 1.3e-5 relative, and takes SNR's square roots in float32).
 TEST(LossWeighting, MinSnrWeightsAreDiffusers) {
   const LossWeightingFixture f;
   ASSERT_EQ(f.schedules.size(), 3u);
@@ -121,7 +122,7 @@ TEST(LossWeighting, MinSnrWeightsAreDiffusers) {
                                           (gamma == 1.0   ? "1"
                                            : gamma == 5.0 ? "5"
                                                           : "20"));
-        EXPECT_LT(max_relative_error(ours, theirs), 1e-5) << prediction << " γ " << gamma;
+        EXPECT_LT(max_relative_error(ours, theirs), 2e-5) << prediction << " γ " << gamma;
       }
   }
 }
