@@ -469,11 +469,17 @@ void Communicator::exchange(const std::vector<std::pair<int64_t, at::Tensor>>& s
   const bool gloo = backend_ == "gloo";
   const auto staged = [&](const at::Tensor& t) { return t.is_cpu() != gloo; };
   const c10::Device side = gloo ? c10::Device(at::kCPU) : impl_->device;
+  // NCCL runs each send and receive as an operation of its own, and a send waits on the GPU until its peer's
+  // receive runs: two ranks that each send to the other before receiving (a halo exchange, Ulysses' all-to-all)
+  // would wait for each other until the watchdog's timeout. Coalesced, the exchange's sends and receives run as
+  // one operation (what torch's batch_isend_irecv does). Gloo buffers its sends and does not coalesce.
+  const bool coalesce = impl_->group->supportsCoalescing();
   try {
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
     std::vector<std::vector<at::Tensor>> sent, received;
     sent.reserve(sends.size());
     received.reserve(recvs.size());
+    if (coalesce) impl_->group->startCoalescing();
     for (const auto& [peer, t] : sends) {
       TORCH_CHECK(peer >= 0 && peer < world_size_ && peer != rank_, "Communicator::exchange: no peer ", peer);
       sent.push_back({staged(t) ? t.to(side).contiguous() : t.contiguous()});
@@ -485,7 +491,9 @@ void Communicator::exchange(const std::vector<std::pair<int64_t, at::Tensor>>& s
       received.push_back({staged(t) ? at::empty(t.sizes(), t.options().device(side)) : t});
       works.push_back(issue(gloo, [&] { return impl_->group->recv(received.back(), static_cast<int>(peer), 0); }));
     }
-    for (auto& w : works) w->wait();
+    if (coalesce) works.push_back(impl_->group->endCoalescing());
+    for (auto& w : works)
+      if (w) w->wait();  // a coalesced operation's own work may be null: the group's is the last
     for (size_t i = 0; i < recvs.size(); ++i)
       if (staged(recvs[i].second)) recvs[i].second.copy_(received[i][0]);
   } catch (const std::exception& e) {
