@@ -4,6 +4,7 @@
 
 #include "run_tool.h"
 #include "tiny_wan.h"
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -143,6 +144,57 @@ TEST(MegaslideTrain, ShortRunWritesConfigMetricsAndLog) {
       << log_text;
   EXPECT_LE(std::stoll(cache[1]), std::stoll(cache[2]));
   megaslide::io::remove_tree(dir);
+}
+
+// The property: train.val_every measures the validation loss every N steps and after the last one, into
+// metrics.jsonl (val_loss on those steps only) and the log, the same for the same weights whatever the data
+// order before; held-out data (train.val_data) gives other values; val_data that is not data.KEY=VALUE, or
+// names data the run cannot read, stops the run before its first step, naming train.val_data (exit 2).
+TEST(MegaslideTrain, ValidationLossIsMeasuredEveryNStepsAndLogged) {
+  auto dir = fresh_dir("val");
+  const std::string base =
+      "--config " + smoke() + " --set train.steps=5 --set train.val_every=2 --set train.val_batches=2";
+  const auto val_losses = [](const std::string& run_dir) {
+    std::ifstream metrics(join_path(run_dir, "metrics.jsonl"));
+    std::string line;
+    std::map<int, double> val;
+    while (std::getline(metrics, line)) {
+      auto j = nlohmann::json::parse(line);
+      if (j.contains("val_loss")) val[j["step"].get<int>()] = j["val_loss"].get<double>();
+    }
+    return val;
+  };
+  auto r = run(base + " --run-dir " + dir);
+  ASSERT_EQ(r.code, 0) << r.output;
+  auto val = val_losses(dir);
+  ASSERT_EQ(val.size(), 3u) << "steps 2, 4 and 5";
+  for (const int step : {2, 4, 5}) {
+    ASSERT_TRUE(val.count(step)) << step;
+    EXPECT_TRUE(std::isfinite(val[step]) && val[step] > 0) << val[step];
+  }
+  const auto log = megaslide::io::read_file(join_path(dir, "train.log"));
+  EXPECT_NE(log.find("validation loss every 2 steps and after the last: 2 batches of 4 of the training data"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find(fmt::format("step 4: validation loss {:.5f} (2 batches of 4,", val[4])), std::string::npos) << log;
+  // Held out: other clips (structured-motion's data.seed), other values.
+  auto held = fresh_dir("val-held");
+  r = run(base + " --set 'train.val_data=[data.seed=777]' --run-dir " + held);
+  ASSERT_EQ(r.code, 0) << r.output;
+  auto held_val = val_losses(held);
+  ASSERT_EQ(held_val.size(), 3u);
+  EXPECT_GT(std::abs(held_val[2] - val[2]), 1e-6 * val[2]) << "the held-out data's loss differs";
+  // Refused before the first step, naming the key.
+  for (const std::string& bad : {"'train.val_data=[train.lr=1]'", "'train.val_data=[data.dataset=videos]'"}) {
+    auto refused = fresh_dir("val-bad");
+    r = run(base + " --set " + bad + " --run-dir " + refused);
+    EXPECT_EQ(r.code, 2) << bad << ": " << r.output;
+    EXPECT_NE(r.output.find("train.val_data"), std::string::npos) << r.output;
+    EXPECT_FALSE(megaslide::io::path_exists(join_path(refused, "metrics.jsonl"))) << bad;
+    megaslide::io::remove_tree(refused);
+  }
+  megaslide::io::remove_tree(dir);
+  megaslide::io::remove_tree(held);
 }
 
 // The property: train.sample_prompts gives each validation video its line's size, seed, steps,

@@ -252,6 +252,34 @@ TEST(RunConfig, LossWeightingFitsTheObjective) {
   expect_error("", {"diffusion.snr_gamma=0"}, "diffusion.snr_gamma", "(0, ");
 }
 
+// The property: the validation loss's data (train.val_data) is the training data's config with data.* overrides
+// applied, no caption or image dropped; an entry that is not data.KEY=VALUE, or a data config the run could not
+// take, is refused naming train.val_data; val_batches and val_data without val_every are named as unused.
+TEST(RunConfig, ValidationDataIsTheTrainingDataWithItsOverrides) {
+  auto c = parse_run_config("", kSource, {"train.val_every=10", "train.val_data=[data.seed=99, data.num_clips=8]"});
+  EXPECT_EQ(c.train.val_batches, 4);
+  const auto v = megaslide::validation_data_config(c, kSource);
+  EXPECT_EQ(v.data.seed, 99u);
+  EXPECT_EQ(v.data.num_clips, 8);
+  EXPECT_EQ(v.diffusion.caption_dropout, 0.0);
+  EXPECT_TRUE(v.train.val_data.empty());
+  EXPECT_EQ(v.train.val_every, 0);
+  EXPECT_EQ(v.model.hidden, c.model.hidden);
+  EXPECT_EQ(parse_run_config(megaslide::to_yaml(c), "resolved").train.val_data, c.train.val_data);
+  expect_error("", {"train.val_data=[train.lr=1]"}, "train.val_data", "expected data.KEY=VALUE");
+  expect_error("", {"train.val_data=[data.seed]"}, "train.val_data", "expected data.KEY=VALUE");
+  try {
+    megaslide::validation_data_config(parse_run_config("", kSource, {"train.val_data=[data.frames=0]"}), kSource);
+    ADD_FAILURE() << "a validation data config with data.frames 0 was taken";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(e.key(), "train.val_data") << e.what();
+    EXPECT_NE(std::string(e.what()).find("data.frames"), std::string::npos) << e.what();
+  }
+  const auto unused = megaslide::unused_settings(parse_run_config("", kSource, {"train.val_batches=2"}));
+  ASSERT_EQ(unused.size(), 1u);
+  EXPECT_NE(unused[0].find("train.val_batches: set, but train.val_every is 0"), std::string::npos) << unused[0];
+}
+
 // The property: Wan's hyper-parameters are a nested mapping (model.wan.*), set from a file or with
 // --set model.wan.KEY=..., and the resolved YAML (which writes only the keys of the run's model family)
 // reads back to the same config.

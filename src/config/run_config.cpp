@@ -501,6 +501,9 @@ class Schema {
     real("train.peak_tflops", c.train.peak_tflops, RealRange{0.0});
     integer("train.sample_every", c.train.sample_every, IntRange{0});
     optional_text("train.sample_prompts", c.train.sample_prompts);
+    integer("train.val_every", c.train.val_every, IntRange{0});
+    integer("train.val_batches", c.train.val_batches, IntRange{1, 100000});
+    text_list("train.val_data", c.train.val_data);
     integer("train.checkpoint_every", c.train.checkpoint_every, IntRange{0});
     integer("train.keep_last", c.train.keep_last, IntRange{0});
     integer("train.max_consecutive_skips", c.train.max_consecutive_skips, IntRange{0});
@@ -1232,6 +1235,13 @@ void validate(const RunConfig& c, const std::string& source, bool wan_sizes_reso
     fail("diffusion.prediction",
          "applies to diffusion.objective ddpm; flow matching predicts the velocity ε − x0 (leave "
          "diffusion.prediction at epsilon)");
+  for (const auto& entry : c.train.val_data) {
+    const auto eq = entry.find('=');
+    if (entry.rfind("data.", 0) != 0 || eq == std::string::npos || eq == 5)
+      fail("train.val_data", "entry '" + entry +
+                                 "': expected data.KEY=VALUE, a setting of the validation data that differs from the "
+                                 "training data's (data.cache=/data/val, data.manifest=val.csv, data.seed=7)");
+  }
   if (d.loss_weighting == "min_snr" && d.objective != "ddpm")
     fail("diffusion.loss_weighting",
          "is min_snr, which weighs DDPM timesteps by their signal-to-noise ratio; diffusion.objective flow takes "
@@ -1406,6 +1416,8 @@ std::vector<std::string> unused_settings(const RunConfig& c) {
     unused({"offload.nvme_dir", "offload.nvme_blocks_in_flight"}, "offload.state_tier is " + c.offload.state_tier);
   if (c.train.init_from.empty()) unused({"train.init_allow_missing"}, "train.init_from is not set");
   if (c.train.sample_every == 0) unused({"train.sample_prompts"}, "train.sample_every is 0 (no validation videos)");
+  if (c.train.val_every == 0)
+    unused({"train.val_batches", "train.val_data"}, "train.val_every is 0 (no validation loss)");
   if (c.data.dataset != "videos")
     unused({"data.fps", "data.frame_stride", "data.clip_start", "data.crop"},
            "data.dataset is " + c.data.dataset + ", not videos");
@@ -1417,6 +1429,21 @@ std::vector<std::string> unused_settings(const RunConfig& c) {
                     "train.lr (the last step's is {:.3g})",
                     c.train.warmup_steps, c.train.steps,
                     c.train.lr * static_cast<double>(c.train.steps) / static_cast<double>(c.train.warmup_steps)));
+  return out;
+}
+
+RunConfig validation_data_config(const RunConfig& config, const std::string& source) {
+  RunConfig base = config;
+  base.train.val_data.clear();  // the validation config has none: parsing it does not come back here
+  base.train.val_every = 0;
+  RunConfig out;
+  try {
+    out = parse_run_config(to_yaml(base), source, config.train.val_data);
+  } catch (const ConfigError& e) {
+    throw ConfigError(source, "train.val_data", std::string("the validation data's config: ") + e.what());
+  }
+  out.diffusion.caption_dropout = 0.0;
+  out.diffusion.image_dropout = 0.0;
   return out;
 }
 

@@ -90,6 +90,7 @@ std::vector<StepMetrics> read_metrics_jsonl(const std::string& path) {
     m.optimizer_s = number(j, "optimizer_s", false, where);
     m.peak_device_bytes = count(j, "peak_device_bytes", false, where);
     m.mfu = number(j, "mfu", false, where);
+    if (j.contains("val_loss")) m.val_loss = number(j, "val_loss", true, where);
     if (j.contains("part")) {
       if (!j["part"].is_string()) throw MetricsFileError(fmt::format("{}: \"part\" is not a string", where));
       m.part = j["part"].get<std::string>();
@@ -146,6 +147,10 @@ std::vector<std::string> plot_run(const std::string& run_dir, const std::string&
       panel.series.push_back({"loss" + of, px, loss});
       panel.series.push_back({fmt::format("running mean over {} steps{}", window, of), px, mean});
     }
+    std::vector<double> vx, val;  // train.val_every: the validation loss where it was measured
+    for (const auto& m : steps)
+      if (m.val_loss) vx.push_back(static_cast<double>(m.step)), val.push_back(*m.val_loss);
+    if (!val.empty()) panel.series.push_back({"validation loss", vx, val});
     pngs.push_back(render_plot(PlotSpec{"", {panel}}, io::join_path(out, "loss.png"), options).png);
   }
   // Throughput.

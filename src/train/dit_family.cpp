@@ -12,6 +12,7 @@
 #include "megaslide/model/dit_weights.h"
 #include "megaslide/train/model_family.h"
 #include "megaslide/train/trainer.h"
+#include "megaslide/util/errors.h"
 
 namespace megaslide {
 
@@ -61,6 +62,15 @@ class DiTModel final : public FamilyModel {
           dit_validation_prompts(config_, 4,
                                  config_.data.dataset == "videos" ? batches_.captions(4) : std::vector<std::string>{}),
           request.source);
+    if (request.validation_data != nullptr) {  // its dataset opened now: a bad one stops the run before it starts
+      try {
+        val_batches_ = std::make_unique<DiffusionBatchSource>(*request.validation_data);
+      } catch (const std::exception& e) {
+        if (!is_input_error(e)) throw;
+        throw ConfigError(request.source, "train.val_data", "the validation data: " + error_message(e));
+      }
+      val_start_ = val_batches_->state();
+    }
   }
 
   io::NamedTensors named_parameters() override {
@@ -150,18 +160,37 @@ class DiTModel final : public FamilyModel {
   std::vector<std::string> write_validation(const std::string& folder, Trainer& trainer) override {
     if (!streamed_)
       return write_validation_samples(folder, config_, dit_, text_encoder_, validation_, batches_.frozen());
-    // A CPU model of the streamed trainer's current weights (the masters, straight from the host store).
-    if (!snapshot_dit_) {
-      snapshot_dit_ = DiT(DiTOptions::from_config(config_));
-      if (config_.model.text_encoder.kind == "builtin")  // CLIP is frozen: no trained text encoder to copy
-        snapshot_text_ = TextEncoder(
-            TextEncoderOptions(CaptionTokenizer().vocab_size(), config_.model.text_dim, config_.data.max_text_tokens));
-    }
-    // A LoRA run: the frozen model with the adapters' updates merged (fp32).
-    copy_weights_to(config_.lora.rank > 0 ? trainer.merged_lora_weights(trainer.weight_views(), at::kFloat)
-                                          : trainer.weight_views(),
-                    snapshot_dit_, snapshot_text_);
+    take_snapshot(trainer);
     return write_validation_samples(folder, config_, snapshot_dit_, snapshot_text_, validation_, batches_.frozen());
+  }
+  double validation_loss(Trainer& trainer) override {
+    TORCH_CHECK(val_batches_, "DiTModel::validation_loss: the model was built without validation data");
+    // Resident, the model itself; streamed, a CPU model of its current weights.
+    if (streamed_) take_snapshot(trainer);
+    DiT dit = streamed_ ? snapshot_dit_ : dit_;
+    TextEncoder text = streamed_ ? snapshot_text_ : text_encoder_;
+    const torch::Device device = streamed_ ? torch::Device(torch::kCPU) : device_;
+    struct EvalMode {  // eval mode (no LoRA dropout) while measuring, the modes before restored after
+      DiT dit;
+      TextEncoder text;
+      bool was_training = dit->is_training();
+      ~EvalMode() {
+        dit->train(was_training);
+        if (text) text->train(was_training);
+      }
+    } mode{dit, text};
+    dit->eval();
+    if (text) text->eval();
+    torch::NoGradGuard no_grad;
+    val_batches_->restore(val_start_);  // the same draws each time
+    double sum = 0.0;
+    for (int64_t i = 0; i < config_.train.val_batches; ++i) {
+      const auto b = val_batches_->next(device);
+      const auto t = b.text.defined() ? b.text : text(b.text_ids);
+      sum += context_parallel_loss(dit(b.xt, b.timesteps, t, b.text_mask), b.target, {}, {}, 1, b.loss_weight)
+                 .item<double>();
+    }
+    return sum / static_cast<double>(config_.train.val_batches);
   }
   void write_weights(const std::string& path, const io::NamedTensors& weights) override {
     save_weights(path, config_, weights);
@@ -178,6 +207,20 @@ class DiTModel final : public FamilyModel {
   DiffusionBatchSource& batches() { return batches_; }
 
  private:
+  // A CPU model of the streamed trainer's current weights (the masters, straight from the host store; a LoRA
+  // run's frozen model with the adapters' updates merged, fp32), built once and refilled at each use.
+  void take_snapshot(Trainer& trainer) {
+    if (!snapshot_dit_) {
+      snapshot_dit_ = DiT(DiTOptions::from_config(config_));
+      if (config_.model.text_encoder.kind == "builtin")  // CLIP is frozen: no trained text encoder to copy
+        snapshot_text_ = TextEncoder(
+            TextEncoderOptions(CaptionTokenizer().vocab_size(), config_.model.text_dim, config_.data.max_text_tokens));
+    }
+    copy_weights_to(config_.lora.rank > 0 ? trainer.merged_lora_weights(trainer.weight_views(), at::kFloat)
+                                          : trainer.weight_views(),
+                    snapshot_dit_, snapshot_text_);
+  }
+
   const RunConfig config_;
   const torch::Device device_;
   const bool streamed_;
@@ -191,6 +234,8 @@ class DiTModel final : public FamilyModel {
   std::vector<ValidationVideo> validation_;
   DiT snapshot_dit_{nullptr};
   TextEncoder snapshot_text_{nullptr};
+  std::unique_ptr<DiffusionBatchSource> val_batches_;  // train.val_every: the validation data
+  std::string val_start_;                              // its streams' state before the first draw
   // The micro-batch between prologue and epilogue.
   torch::Tensor target_, t_emb_, loss_weight_;
   TokenGrid last_grid_;  // this rank's frames' grid

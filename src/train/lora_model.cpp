@@ -166,6 +166,7 @@ class LoraModel final : public FamilyModel {
   std::vector<std::string> write_validation(const std::string& folder, Trainer& trainer) override {
     return inner_->write_validation(folder, trainer);
   }
+  double validation_loss(Trainer& trainer) override { return inner_->validation_loss(trainer); }
   void write_weights(const std::string& path, const io::NamedTensors& weights) override {
     save_lora_weights(path, config_, weights, LoraLayout::kDiffusers);
   }

@@ -97,6 +97,7 @@ void MetricsWriter::write(const StepMetrics& m) {
     j["nvme_wait_s"] = m.nvme_wait_s;
   }
   if (!m.part.empty()) j["part"] = m.part;
+  if (m.val_loss) j["val_loss"] = *m.val_loss;
   j["skipped"] = m.skipped;
   j["skipped_total"] = m.skipped_total;
   try {
@@ -151,6 +152,7 @@ void TensorBoardLog::step(const StepMetrics& m) {
                                                 {"train/skipped_total", static_cast<double>(m.skipped_total)}};
   if (m.mfu > 0) v.emplace_back("throughput/mfu", m.mfu);
   if (m.loss_scale > 0) v.emplace_back("train/loss_scale", m.loss_scale);
+  if (m.val_loss) v.emplace_back("validation/loss", *m.val_loss);
   if (m.exchange_bytes > 0) v.emplace_back("exchange/bytes", static_cast<double>(m.exchange_bytes));
   if (m.nvme) {
     v.emplace_back("nvme/read_bytes", static_cast<double>(m.nvme_read_bytes));

@@ -159,6 +159,7 @@ Trainer::Trainer(const TrainerRequest& request)
   m.device = device_;
   m.streamed = config_.offload.enabled;
   m.validation = request.validation;
+  m.validation_data = request.validation_data;
   const int64_t world = communicator_ != nullptr ? communicator_->world_size() : 1;
   const int64_t cp = config_.distributed.context_parallel;
   if (cp > 1) {
@@ -564,6 +565,16 @@ void Trainer::describe(std::vector<std::string>& info, std::vector<std::string>&
     loops += fmt::format("{}3D-DSA {}", loops.empty() ? "" : ", ", ops::detail::to_string(isa));
   }
   if (!loops.empty()) info.push_back("CPU vector loops in use: " + loops);
+  if (t.val_every > 0) {
+    std::string data;
+    for (const auto& o : t.val_data) data += (data.empty() ? "" : ", ") + o;
+    info.push_back(fmt::format(
+        "validation loss every {} steps and after the last: {} batches of {} of {}, drawn the same each time, no "
+        "caption dropped",
+        t.val_every, t.val_batches, t.batch_size,
+        data.empty() ? std::string("the training data (not held out: train.val_data names other data)")
+                     : "the training data's config with " + data));
+  }
   model_->describe(info, warnings);
 }
 

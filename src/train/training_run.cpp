@@ -330,6 +330,11 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   request.init_from = !config.train.init_from.empty() && (resume_path.empty() || config.lora.rank > 0);
   request.resuming = !resume_path.empty();
   request.validation = writer && train.sample_every > 0 && !options.export_only;
+  // The validation loss's data (train.val_every), on rank 0, which measures it.
+  std::optional<RunConfig> validation_data;
+  if (writer && train.val_every > 0 && !options.export_only)
+    validation_data = validation_data_config(config, options.config_source);
+  request.validation_data = validation_data ? &*validation_data : nullptr;
   request.communicator = communicator.get();
   std::unique_ptr<Trainer> trainer_holder;
   try {
@@ -583,6 +588,25 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     }
     report_bad_items();
     result.steps_done = m.step;
+    if (train.val_every > 0 && (m.step % train.val_every == 0 || m.step == train.steps)) {
+      // The validation loss on rank 0, the others waiting for it as for the validation videos. One that cannot be
+      // measured (the device's memory) is said and training goes on.
+      auto measure = [&] {
+        if (!writer) return;
+        const auto started = std::chrono::steady_clock::now();
+        try {
+          m.val_loss = trainer.validation_loss();
+          log.info(fmt::format("step {}: validation loss {:.5f} ({} batches of {}, {:.1f} s)", m.step, *m.val_loss,
+                               train.val_batches, train.batch_size,
+                               std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count()));
+        } catch (const std::exception& e) {
+          log.warn(fmt::format("step {}: the validation loss could not be measured ({}); training continues", m.step,
+                               error_message(e)));
+        }
+      };
+      if (communicator) communicator->run_on_rank0(fmt::format("the validation loss of step {}", m.step), measure);
+      else measure();
+    }
     if (metrics) metrics->write(m);
     if (tensorboard) tensorboard->step(m);
     progress.update(m);

@@ -187,6 +187,16 @@ class WanModel final : public FamilyModel {
     }
     for (auto& e : experts_) e.split.group = request.context_group;
     build(request.init_from, source);
+    if (request.validation_data != nullptr) {  // its data read now: a bad one stops the run before it starts
+      try {
+        const RunConfig& v = *request.validation_data;
+        val_batches_.emplace(wan_latent_config(v), load_latent_data(v, source));
+      } catch (const std::exception& e) {
+        if (!is_input_error(e)) throw;
+        throw ConfigError(source, "train.val_data", "the validation data: " + error_message(e));
+      }
+      val_start_ = val_batches_->state();
+    }
   }
 
   io::NamedTensors named_parameters() override {
@@ -302,6 +312,20 @@ class WanModel final : public FamilyModel {
 
   std::vector<std::string> write_validation(const std::string& folder, Trainer& trainer) override {
     return validation_->write(folder, trainer);
+  }
+  double validation_loss(Trainer& trainer) override {
+    TORCH_CHECK(val_batches_, "WanModel::validation_loss: the model was built without validation data");
+    const auto trained = trained_wan_denoiser(trainer, config_);  // Wan2.2's two experts: switching at the boundary
+    const auto device = trained.denoiser->device();
+    torch::NoGradGuard no_grad;
+    val_batches_->restore(val_start_);  // the same draws each time
+    double sum = 0.0;
+    for (int64_t i = 0; i < config_.train.val_batches; ++i) {
+      const auto b = val_batches_->next(device);
+      const auto prediction = trained.denoiser->predict(b.input(), b.timesteps, b.text, b.image);
+      sum += wan_training_loss(prediction, b.target, b.loss_mask, b.loss_weight).item<double>();
+    }
+    return sum / static_cast<double>(config_.train.val_batches);
   }
   // diffusers' names and layout (model/wan_weights.h); two experts, diffusers' repository folders.
   void write_weights(const std::string& path, const io::NamedTensors& weights) override {
@@ -430,6 +454,8 @@ class WanModel final : public FamilyModel {
   const torch::Device device_;
   const bool streamed_;
   std::optional<WanValidation> validation_;
+  std::optional<WanBatchSource> val_batches_;  // train.val_every: the validation data
+  std::string val_start_;                      // its streams' state before the first draw
   std::optional<WanBatchSource> batches_;
   std::vector<BadItem> unreported_bad_;  // the cache's items left out, until take_new_bad_items()
   int64_t items_ = 0, bad_items_ = 0;

@@ -62,19 +62,6 @@ void check_encoders_named(const RunConfig& config, const std::string& source) {
                       fmt::format("is empty, but {} are decoded by the Wan VAE: set it{}", why, fix));
 }
 
-// Restores a module's training mode on scope exit (sampling sets eval mode).
-class TrainingModeGuard {
- public:
-  explicit TrainingModeGuard(WanTransformer model) : model_(std::move(model)), was_training_(model_->is_training()) {}
-  ~TrainingModeGuard() { model_->train(was_training_); }
-  TrainingModeGuard(const TrainingModeGuard&) = delete;
-  TrainingModeGuard& operator=(const TrainingModeGuard&) = delete;
-
- private:
-  WanTransformer model_;
-  bool was_training_;
-};
-
 }  // namespace
 
 const std::vector<std::string>& wan_validation_prompts() {
@@ -215,13 +202,13 @@ void WanValidation::images(int64_t N, const std::function<torch::Tensor(int64_t)
   }
 }
 
-std::vector<torch::Tensor> WanValidation::sample(Trainer& trainer) const {
+TrainedWanDenoiser trained_wan_denoiser(Trainer& trainer, const RunConfig& config) {
   trainer.synchronize();  // the host updates of the last step have landed in the store
   const auto experts = wan_experts(trainer);
-  std::vector<std::unique_ptr<TrainingModeGuard>> modes;
+  TrainedWanDenoiser out;
   // One trained DiT as a denoiser; streamed, its blocks are the store's from `first_block` on.
   auto trained = [&](WanTransformer model, int64_t first_block) -> std::shared_ptr<WanDenoiser> {
-    modes.push_back(std::make_unique<TrainingModeGuard>(model));
+    out.modes.push_back(std::make_unique<WanTrainingModeGuard>(model));
     auto* engine = trainer.engine();
     if (engine == nullptr)
       return std::make_shared<ResidentWanDenoiser>(model, trainer.device(),
@@ -259,11 +246,17 @@ std::vector<torch::Tensor> WanValidation::sample(Trainer& trainer) const {
     streamed.mode = engine->options().mode;
     return std::make_shared<StreamedWanDenoiser>(model, std::move(blocks), streamed);
   };
-  const auto& w = config_.model.wan;
-  std::shared_ptr<WanDenoiser> denoiser = trained(experts[0], 0);
+  out.denoiser = trained(experts[0], 0);
   if (experts.size() == 2)  // Wan2.2's two experts, both trained
-    denoiser = std::make_shared<WanExpertsDenoiser>(denoiser, trained(experts[1], experts[0]->options.layers()),
-                                                    w.boundary_ratio);
+    out.denoiser = std::make_shared<WanExpertsDenoiser>(out.denoiser, trained(experts[1], experts[0]->options.layers()),
+                                                        config.model.wan.boundary_ratio);
+  return out;
+}
+
+std::vector<torch::Tensor> WanValidation::sample(Trainer& trainer) const {
+  const auto trained = trained_wan_denoiser(trainer, config_);
+  std::shared_ptr<WanDenoiser> denoiser = trained.denoiser;
+  const auto& w = config_.model.wan;
   // One of Wan2.2's experts trained: the other one, from its weights as published (dense), streamed block
   // by block in the trainer's compute dtype, takes its own timesteps.
   if (!wan_untrained_expert(w).empty()) {

@@ -226,16 +226,22 @@ struct TrainConfig {
   double grad_clip = 1.0;  // global-norm clip; 0 disables
   double ema_decay = 0.0;  // EMA of the weights, decay min(ema_decay, n/(n+9)) at update n > 1; 0 = none
   uint64_t seed = 0;
-  std::string device = "auto";        // auto | cpu | cuda | cuda:N
-  int64_t threads = 0;                // LibTorch intra-op threads; 0 = from the cores available (train/auto_settings.h)
-  int64_t log_every = 10;             // lines in train.log (metrics.jsonl gets every step)
-  int64_t grad_accum_steps = 1;       // micro-batches of batch_size per optimizer step
-  double loss_scale_init = 65536.0;   // fp16 compute only: initial dynamic loss scale
-  int64_t loss_scale_window = 1000;   // fp16: steps without overflow before the scale doubles
-  double peak_tflops = 0.0;           // MFU denominator on a GPU; 0 = measure a matmul at start
-  int64_t sample_every = 0;           // validation videos every N steps (RUN_DIR/samples/step-NNNNNNN/); 0 = never
-  std::string sample_prompts;         // the validation videos' prompt file (io::read_prompt_specs: per-line size, seed,
-                                      // steps, guidance, negative prompt); "" = the data's first captions
+  std::string device = "auto";       // auto | cpu | cuda | cuda:N
+  int64_t threads = 0;               // LibTorch intra-op threads; 0 = from the cores available (train/auto_settings.h)
+  int64_t log_every = 10;            // lines in train.log (metrics.jsonl gets every step)
+  int64_t grad_accum_steps = 1;      // micro-batches of batch_size per optimizer step
+  double loss_scale_init = 65536.0;  // fp16 compute only: initial dynamic loss scale
+  int64_t loss_scale_window = 1000;  // fp16: steps without overflow before the scale doubles
+  double peak_tflops = 0.0;          // MFU denominator on a GPU; 0 = measure a matmul at start
+  int64_t sample_every = 0;          // validation videos every N steps (RUN_DIR/samples/step-NNNNNNN/); 0 = never
+  std::string sample_prompts;        // the validation videos' prompt file (io::read_prompt_specs: per-line size, seed,
+                                     // steps, guidance, negative prompt); "" = the data's first captions
+  // The validation loss (docs/training.md, "Validation loss"): every val_every steps (0 = never) the training loss
+  // of the current weights over val_batches micro-batches of the validation data — the training data's config with
+  // val_data's data.* overrides ("data.cache=/data/val"; none: the training data) — the same draws each time.
+  int64_t val_every = 0;
+  int64_t val_batches = 4;
+  std::vector<std::string> val_data;
   int64_t checkpoint_every = 0;       // checkpoint every N steps and after the last (RUN_DIR/checkpoints/); 0 = never
   int64_t keep_last = 3;              // complete checkpoints kept (the newest); 0 = all
   int64_t max_consecutive_skips = 5;  // stop after this many non-finite steps in a row; 0 = never stop
@@ -376,6 +382,11 @@ std::vector<std::string> config_keys();
 std::vector<std::string> differing_keys(const RunConfig& a, const RunConfig& b);
 // The value of `key` in `config` as one line of YAML ("" for an unknown key).
 std::string config_value_text(const RunConfig& config, const std::string& key);
+
+// The config of a run's validation loss (train.val_every > 0): `config` with train.val_data's overrides applied (each
+// "data.KEY=VALUE"; none: the training data), captions and images never dropped (diffusion.caption_dropout and
+// image_dropout 0), train.val_data and val_every cleared. Throws ConfigError naming train.val_data and `source`.
+RunConfig validation_data_config(const RunConfig& config, const std::string& source);
 
 // Settings of `config` (resolved) that the run will not use, one warning line each: keys set away from their defaults
 // that belong to a mode the config does not turn on (lora.* with lora.rank 0, offload.nvme_* with the RAM tier,

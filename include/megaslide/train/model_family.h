@@ -56,6 +56,9 @@ struct ModelRequest {
   bool streamed = false;                 // offload.enabled: the blocks stream through the engine
   InitPlanner init_from;                 // a fresh run with train.init_from, else empty
   bool validation = false;               // this rank writes validation videos (train.sample_every > 0)
+  // train.val_every > 0, on the rank that measures the validation loss (rank 0): the validation data's config
+  // (validation_data_config); null otherwise.
+  const RunConfig* validation_data = nullptr;
   // Context parallelism (distributed.context_parallel > 1): the group this rank shares its samples with. Each
   // micro-batch's sample frames are split over it (FrameSplit::balanced of the token frames); the family runs
   // this rank's frames and returns their context_parallel_loss. Null: whole samples.
@@ -132,6 +135,11 @@ class FamilyModel {
   // Validation videos of `trainer`'s current weights into `folder` (created); the files written. Only
   // for a model built with ModelRequest::validation.
   virtual std::vector<std::string> write_validation(const std::string& folder, Trainer& trainer) = 0;
+  // The validation loss of `trainer`'s current weights (train.val_every; docs/training.md, "Validation loss"):
+  // the mean over train.val_batches micro-batches of the validation data (ModelRequest::validation_data), drawn
+  // the same each time, of the training loss (its weighting and loss mask included), without gradients and with
+  // the model in eval mode. Only for a model built with validation_data.
+  virtual double validation_loss(Trainer& trainer) = 0;
   // The family's weights file of `weights` (named as named_parameters() names them).
   virtual void write_weights(const std::string& path, const io::NamedTensors& weights) = 0;
 

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 namespace megaslide {
@@ -40,6 +41,9 @@ struct StepMetrics {
   double nvme_read_s = 0.0, nvme_write_s = 0.0, nvme_wait_s = 0.0;
   // A model trained one part per step (FamilyModel::parts: Wan2.2's experts): the part this step trained.
   std::string part;
+  // train.val_every: the validation loss of the weights after this step (docs/training.md, "Validation loss");
+  // absent on the other steps.
+  std::optional<double> val_loss;
 };
 
 }  // namespace megaslide

@@ -77,7 +77,9 @@ struct TrainerRequest {
   // The run resumes a checkpoint, which overwrites what init_from set, except a LoRA run's frozen model (its
   // checkpoint holds the adapters alone): with `resuming` a LoRA trainer takes train.init_from for that model only.
   bool resuming = false;
-  bool validation = false;               // this rank writes validation videos (train.sample_every > 0)
+  bool validation = false;  // this rank writes validation videos (train.sample_every > 0)
+  // train.val_every > 0 on the rank that measures the validation loss: its data's config (validation_data_config).
+  const RunConfig* validation_data = nullptr;
   Communicator* communicator = nullptr;  // data parallelism, or null for one process
 };
 
@@ -140,6 +142,12 @@ class Trainer {
   // Validation videos of the current weights (the trainer was built with `validation`); the files written.
   std::vector<std::string> write_validation(const std::string& folder) {
     return model_->write_validation(folder, *this);
+  }
+  // The validation loss of the current weights (the trainer was built with TrainerRequest::validation_data;
+  // FamilyModel::validation_loss). Waits for host updates still running.
+  double validation_loss() {
+    synchronize();
+    return model_->validation_loss(*this);
   }
   // The family's weights file of the current weights (streamed: straight from the host store).
   void export_weights(const std::string& path) { model_->write_weights(path, weight_views()); }

@@ -53,6 +53,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -74,6 +75,30 @@ const std::vector<std::string>& wan_validation_prompts();
 // lacks: model.text_encoder.kind (umt5) and .weights, model.vae.kind (wan) and .weights. A no-op when
 // train.sample_every is 0 or the model is not Wan.
 void check_wan_validation_config(const RunConfig& config, const std::string& source);
+
+// Puts a Wan DiT back in the training mode it had when the guard was made (a denoiser sets eval mode).
+class WanTrainingModeGuard {
+ public:
+  explicit WanTrainingModeGuard(WanTransformer model)
+      : model_(std::move(model)), was_training_(model_->is_training()) {}
+  ~WanTrainingModeGuard() { model_->train(was_training_); }
+  WanTrainingModeGuard(const WanTrainingModeGuard&) = delete;
+  WanTrainingModeGuard& operator=(const WanTrainingModeGuard&) = delete;
+
+ private:
+  WanTransformer model_;
+  bool was_training_;
+};
+
+// The trainer's current Wan DiT as a denoiser, read in place as the validation videos read it (above): the resident
+// module itself (fp32), or its blocks streamed from the host store; Wan2.2's two experts trained together behind a
+// WanExpertsDenoiser switching at model.wan.boundary_ratio. The models are in eval mode until the result is
+// destroyed, and then in their modes before. Waits for the trainer's pending updates. `config`: the run's.
+struct TrainedWanDenoiser {
+  std::vector<std::unique_ptr<WanTrainingModeGuard>> modes;  // destroyed after the denoiser
+  std::shared_ptr<WanDenoiser> denoiser;
+};
+TrainedWanDenoiser trained_wan_denoiser(Trainer& trainer, const RunConfig& config);
 
 class WanValidation {
  public:
