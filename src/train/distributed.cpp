@@ -255,6 +255,12 @@ Communicator::Communicator(const LaunchEnv& env, const std::string& backend, dou
       TORCH_CHECK(device.is_cuda(), "the nccl backend needs a GPU device, got ", device.str());
       if (const std::string why = nccl_version_mismatch(); !why.empty()) throw DistributedError(why);
       c10::cuda::set_device(device.index());
+      // NCCL's Work::wait only orders the current stream after the operation: without blocking waits a rank that
+      // stopped (an error, a kill) leaves the others blocked at their next host read until NCCL's watchdog ends
+      // the process, without the DistributedError naming the failure (run_all_reduce, exchange, barrier). With
+      // them wait() blocks and throws on a timeout or a failed peer. Read when the group is built; a value the
+      // user set is kept.
+      ::setenv("TORCH_NCCL_BLOCKING_WAIT", "1", /*overwrite=*/0);
       auto nccl = c10d::ProcessGroupNCCL::Options::create();
       nccl->timeout = timeout;
       impl_->group = c10::make_intrusive<c10d::ProcessGroupNCCL>(impl_->store, static_cast<int>(env.rank),
@@ -475,25 +481,40 @@ void Communicator::exchange(const std::vector<std::pair<int64_t, at::Tensor>>& s
   // one operation (what torch's batch_isend_irecv does). Gloo buffers its sends and does not coalesce.
   const bool coalesce = impl_->group->supportsCoalescing();
   try {
-    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    // Every check and staging copy before the first operation: nothing can throw inside a coalesced group but the
+    // operations themselves (a group left open would swallow the thread's next collective).
     std::vector<std::vector<at::Tensor>> sent, received;
     sent.reserve(sends.size());
     received.reserve(recvs.size());
-    if (coalesce) impl_->group->startCoalescing();
     for (const auto& [peer, t] : sends) {
       TORCH_CHECK(peer >= 0 && peer < world_size_ && peer != rank_, "Communicator::exchange: no peer ", peer);
       sent.push_back({staged(t) ? t.to(side).contiguous() : t.contiguous()});
-      works.push_back(issue(gloo, [&] { return impl_->group->send(sent.back(), static_cast<int>(peer), 0); }));
     }
     for (const auto& [peer, t] : recvs) {
       TORCH_CHECK(peer >= 0 && peer < world_size_ && peer != rank_, "Communicator::exchange: no peer ", peer);
       TORCH_CHECK(t.is_contiguous(), "Communicator::exchange: a receive buffer must be contiguous");
       received.push_back({staged(t) ? at::empty(t.sizes(), t.options().device(side)) : t});
-      works.push_back(issue(gloo, [&] { return impl_->group->recv(received.back(), static_cast<int>(peer), 0); }));
     }
-    if (coalesce) works.push_back(impl_->group->endCoalescing());
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    if (coalesce) impl_->group->startCoalescing();
+    try {
+      for (size_t i = 0; i < sends.size(); ++i)
+        works.push_back(issue(gloo, [&] { return impl_->group->send(sent[i], static_cast<int>(sends[i].first), 0); }));
+      for (size_t i = 0; i < recvs.size(); ++i)
+        works.push_back(
+            issue(gloo, [&] { return impl_->group->recv(received[i], static_cast<int>(recvs[i].first), 0); }));
+    } catch (...) {
+      if (coalesce) impl_->group->endCoalescing();  // the group closed before the error goes on
+      throw;
+    }
+    if (coalesce) {
+      auto group = impl_->group->endCoalescing();
+      TORCH_CHECK(group || (sends.empty() && recvs.empty()),
+                  "Communicator::exchange: the backend's coalesced group returned no work to wait for");
+      works.push_back(std::move(group));
+    }
     for (auto& w : works)
-      if (w) w->wait();  // a coalesced operation's own work may be null: the group's is the last
+      if (w) w->wait();  // a coalesced operation's own work is null: the group's is the last
     for (size_t i = 0; i < recvs.size(); ++i)
       if (staged(recvs[i].second)) recvs[i].second.copy_(received[i][0]);
   } catch (const std::exception& e) {

@@ -192,6 +192,11 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
                         "(blocks.*.attn1.offset_dw.*, offset_pw.*, rel_bias), which " +
                             flag + " would have to leave out: export diffusers' layout (--export-layout diffusers)");
   }
+  if (launch.distributed() && launch.local_world_size > 1 && requested.train.device.rfind("cuda:", 0) == 0)
+    throw ConfigError(options.config_source, "train.device",
+                      fmt::format("is {}, which all {} ranks of this node would use (NCCL refuses two ranks on one "
+                                  "GPU): set cuda or auto, and each rank takes the GPU of its local rank",
+                                  requested.train.device, launch.local_world_size));
   RunConfig per_rank = requested;
   per_rank.train.device = rank_device_spec(requested.train.device, launch);
   if (launch.distributed())
@@ -679,7 +684,14 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
       log.info(fmt::format("stopped at step {}; continue with --resume latest", m.step));
       return result;
     }
-    if (train.checkpoint_every > 0 && m.step % train.checkpoint_every == 0 && m.step < train.steps) save("periodic");
+    if (train.checkpoint_every > 0 && m.step % train.checkpoint_every == 0 && m.step < train.steps) {
+      // One state over several ranks: rank 0 saves it while the others wait for it however long it takes
+      // (Communicator::run_on_rank0), not in their next step's collective, whose timeout a large model's save can
+      // outlast.
+      if (communicator && !sharded)
+        communicator->run_on_rank0(fmt::format("the checkpoint of step {}", m.step), [&] { save("periodic"); });
+      else save("periodic");
+    }
   }
   progress.finish();
   trainer.synchronize();
