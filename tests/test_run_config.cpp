@@ -268,6 +268,10 @@ TEST(RunConfig, ValidationDataIsTheTrainingDataWithItsOverrides) {
   EXPECT_EQ(parse_run_config(megaslide::to_yaml(c), "resolved").train.val_data, c.train.val_data);
   expect_error("", {"train.val_data=[train.lr=1]"}, "train.val_data", "expected data.KEY=VALUE");
   expect_error("", {"train.val_data=[data.seed]"}, "train.val_data", "expected data.KEY=VALUE");
+  expect_error("", {"train.val_data=[data.channels=4]"}, "train.val_data", "what the model takes");
+  // With train.val_every set, the validation data's whole config is checked with the run's.
+  expect_error("", {"train.val_every=5", "train.val_data=[data.frames=0]"}, "train.val_data",
+               "entry data.frames=0: data.frames: expected an integer >= 1");
   try {
     megaslide::validation_data_config(parse_run_config("", kSource, {"train.val_data=[data.frames=0]"}), kSource);
     ADD_FAILURE() << "a validation data config with data.frames 0 was taken";
@@ -275,9 +279,12 @@ TEST(RunConfig, ValidationDataIsTheTrainingDataWithItsOverrides) {
     EXPECT_EQ(e.key(), "train.val_data") << e.what();
     EXPECT_NE(std::string(e.what()).find("data.frames"), std::string::npos) << e.what();
   }
-  const auto unused = megaslide::unused_settings(parse_run_config("", kSource, {"train.val_batches=2"}));
-  ASSERT_EQ(unused.size(), 1u);
+  const auto unused =
+      megaslide::unused_settings(parse_run_config("", kSource, {"train.val_batches=2", "diffusion.snr_gamma=3"}));
+  ASSERT_EQ(unused.size(), 2u);
   EXPECT_NE(unused[0].find("train.val_batches: set, but train.val_every is 0"), std::string::npos) << unused[0];
+  EXPECT_NE(unused[1].find("diffusion.snr_gamma: set, but diffusion.loss_weighting is none"), std::string::npos)
+      << unused[1];
 }
 
 // The property: Wan's hyper-parameters are a nested mapping (model.wan.*), set from a file or with

@@ -1241,7 +1241,14 @@ void validate(const RunConfig& c, const std::string& source, bool wan_sizes_reso
       fail("train.val_data", "entry '" + entry +
                                  "': expected data.KEY=VALUE, a setting of the validation data that differs from the "
                                  "training data's (data.cache=/data/val, data.manifest=val.csv, data.seed=7)");
+    const std::string key = entry.substr(0, eq);
+    if (key == "data.channels" || key == "data.max_text_tokens")
+      fail("train.val_data", "entry '" + entry + "': " + key +
+                                 " is what the model takes (its input channels, its text length): the validation "
+                                 "data keeps the training data's");
   }
+  // The validation data's whole config checked with the run's (once: its own train.val_data is empty).
+  if (c.train.val_every > 0 && !c.train.val_data.empty()) validation_data_config(c, source);
   if (d.loss_weighting == "min_snr" && d.objective != "ddpm")
     fail("diffusion.loss_weighting",
          "is min_snr, which weighs DDPM timesteps by their signal-to-noise ratio; diffusion.objective flow takes "
@@ -1418,6 +1425,8 @@ std::vector<std::string> unused_settings(const RunConfig& c) {
   if (c.train.sample_every == 0) unused({"train.sample_prompts"}, "train.sample_every is 0 (no validation videos)");
   if (c.train.val_every == 0)
     unused({"train.val_batches", "train.val_data"}, "train.val_every is 0 (no validation loss)");
+  if (c.diffusion.loss_weighting != "min_snr")
+    unused({"diffusion.snr_gamma"}, "diffusion.loss_weighting is " + c.diffusion.loss_weighting + ", not min_snr");
   if (c.data.dataset != "videos")
     unused({"data.fps", "data.frame_stride", "data.clip_start", "data.crop"},
            "data.dataset is " + c.data.dataset + ", not videos");
@@ -1440,7 +1449,9 @@ RunConfig validation_data_config(const RunConfig& config, const std::string& sou
   try {
     out = parse_run_config(to_yaml(base), source, config.train.val_data);
   } catch (const ConfigError& e) {
-    throw ConfigError(source, "train.val_data", std::string("the validation data's config: ") + e.what());
+    std::string problem = e.what();  // "SOURCE: --set data.frames=0: data.frames: ...": the entry and its problem
+    if (const auto at = problem.find("--set "); at != std::string::npos) problem = "entry " + problem.substr(at + 6);
+    throw ConfigError(source, "train.val_data", "the validation data's config: " + problem);
   }
   out.diffusion.caption_dropout = 0.0;
   out.diffusion.image_dropout = 0.0;

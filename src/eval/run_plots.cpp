@@ -129,7 +129,7 @@ std::vector<std::string> plot_run(const std::string& run_dir, const std::string&
     std::vector<std::string> parts;
     for (const auto& m : steps)
       if (std::find(parts.begin(), parts.end(), m.part) == parts.end()) parts.push_back(m.part);
-    PlotPanel panel{"loss: " + name, "step", "loss (ε-MSE)", false, false, false, {}};
+    PlotPanel panel{"loss: " + name, "step", "loss (MSE against the objective's target)", false, false, false, {}};
     for (const auto& part : parts) {
       std::vector<double> px, loss;
       for (const auto& m : steps)

@@ -46,7 +46,7 @@ struct DiffusionBatchSource::Videos {
   }
 };
 
-DiffusionBatchSource::DiffusionBatchSource(const RunConfig& config)
+DiffusionBatchSource::DiffusionBatchSource(const RunConfig& config, std::shared_ptr<FrozenEncoders> frozen)
     : config_(config),
       dataset_(StructuredMotionOptions()
                    .channels(config.data.channels)
@@ -64,7 +64,7 @@ DiffusionBatchSource::DiffusionBatchSource(const RunConfig& config)
       generator_(at::detail::createCPUGenerator(config.train.seed)) {
   // A cache holds the frozen encoders' outputs: training then loads neither (sampling loads them itself).
   if (config.data.dataset != "videos" || config.data.cache.empty())
-    frozen_ = FrozenEncoders::load(config, resolve_device(config.train.device), "config");
+    frozen_ = frozen ? std::move(frozen) : FrozenEncoders::load(config, resolve_device(config.train.device), "config");
   if (config.data.dataset != "videos") return;
   videos_ = std::make_unique<Videos>();
   const auto& d = config.data;

@@ -64,7 +64,7 @@ class DiTModel final : public FamilyModel {
           request.source);
     if (request.validation_data != nullptr) {  // its dataset opened now: a bad one stops the run before it starts
       try {
-        val_batches_ = std::make_unique<DiffusionBatchSource>(*request.validation_data);
+        val_batches_ = std::make_unique<DiffusionBatchSource>(*request.validation_data, batches_.frozen());
       } catch (const std::exception& e) {
         if (!is_input_error(e)) throw;
         throw ConfigError(request.source, "train.val_data", "the validation data: " + error_message(e));
@@ -173,10 +173,10 @@ class DiTModel final : public FamilyModel {
     struct EvalMode {  // eval mode (no LoRA dropout) while measuring, the modes before restored after
       DiT dit;
       TextEncoder text;
-      bool was_training = dit->is_training();
+      bool dit_training = dit->is_training(), text_training = text && text->is_training();
       ~EvalMode() {
-        dit->train(was_training);
-        if (text) text->train(was_training);
+        dit->train(dit_training);
+        if (text) text->train(text_training);
       }
     } mode{dit, text};
     dit->eval();

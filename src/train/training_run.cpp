@@ -1,6 +1,7 @@
 #include "megaslide/train/training_run.h"
 
 #include <fmt/format.h>
+#include <torch/cuda.h>
 
 #include <unistd.h>
 
@@ -192,7 +193,10 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
                         "(blocks.*.attn1.offset_dw.*, offset_pw.*, rel_bias), which " +
                             flag + " would have to leave out: export diffusers' layout (--export-layout diffusers)");
   }
-  if (launch.distributed() && launch.local_world_size > 1 && requested.train.device.rfind("cuda:", 0) == 0)
+  // An explicit cuda:N where the node's ranks see the same GPUs: NCCL would refuse them all on that one. (Where each
+  // rank sees one GPU of its own — CUDA_VISIBLE_DEVICES or Slurm's --gpus-per-task — cuda:0 is the way to name it.)
+  if (launch.distributed() && launch.local_world_size > 1 && requested.train.device.rfind("cuda:", 0) == 0 &&
+      requested.distributed.backend != "gloo" && torch::cuda::device_count() > 1)
     throw ConfigError(options.config_source, "train.device",
                       fmt::format("is {}, which all {} ranks of this node would use (NCCL refuses two ranks on one "
                                   "GPU): set cuda or auto, and each rank takes the GPU of its local rank",
@@ -595,7 +599,8 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     result.steps_done = m.step;
     if (train.val_every > 0 && (m.step % train.val_every == 0 || m.step == train.steps)) {
       // The validation loss on rank 0, the others waiting for it as for the validation videos. One that cannot be
-      // measured (the device's memory) is said and training goes on.
+      // measured for want of memory or for bad validation items is said and training goes on; anything else is an
+      // error of the run.
       auto measure = [&] {
         if (!writer) return;
         const auto started = std::chrono::steady_clock::now();
@@ -605,6 +610,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
                                train.val_batches, train.batch_size,
                                std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count()));
         } catch (const std::exception& e) {
+          if (!is_out_of_memory(e) && !is_input_error(e)) throw;
           log.warn(fmt::format("step {}: the validation loss could not be measured ({}); training continues", m.step,
                                error_message(e)));
         }

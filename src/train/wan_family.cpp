@@ -321,6 +321,9 @@ class WanModel final : public FamilyModel {
     val_batches_->restore(val_start_);  // the same draws each time
     double sum = 0.0;
     for (int64_t i = 0; i < config_.train.val_batches; ++i) {
+      // Wan2.2's two experts trained together: each batch on one expert's side of the boundary, drawn as each
+      // training step draws it (the denoiser picks the expert of the batch's timesteps).
+      if (experts_.size() == 2) val_batches_->draw_expert();
       const auto b = val_batches_->next(device);
       const auto prediction = trained.denoiser->predict(b.input(), b.timesteps, b.text, b.image);
       sum += wan_training_loss(prediction, b.target, b.loss_mask, b.loss_weight).item<double>();

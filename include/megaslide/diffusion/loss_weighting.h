@@ -3,7 +3,9 @@
 //   min_snr (ddpm): Min-SNR-γ (Hang et al. 2023; diffusers' compute_snr and its training scripts' --snr_gamma):
 //     with SNR(t) = ᾱ_t / (1 − ᾱ_t), a sample at timestep t weighs min(SNR, γ) / SNR when the model predicts ε,
 //     min(SNR, γ) / (SNR + 1) when it predicts v, and min(SNR, γ) when it predicts x0;
-//   sigma_sqrt (flow): σ⁻²;  cosmap (flow): 2 / (π·(1 − 2σ + 2σ²))  (diffusers' compute_loss_weighting_for_sd3).
+//   sigma_sqrt (flow): σ⁻²;  cosmap (flow): 2 / (π·(1 − 2σ + 2σ²))  (diffusers' compute_loss_weighting_for_sd3),
+//     weighing the velocity's squared error, as its SD3 scripts do with --precondition_outputs 0 (their default
+//     weighs the implied x0's error, σ² times the velocity's).
 // The training loss is then the mean over the samples of each one's weight times its mean squared error
 // (context_parallel_loss, train/model_family.h), as those scripts take it. The weights are computed in float64
 // on the CPU and returned as float32 [B]; tests/fixtures/loss_weighting/ holds diffusers' (tools/make_fixtures.py).

@@ -45,8 +45,10 @@ class ClipLoader;
 // on the training device, before the noise is drawn: x0, noise and target are latents.
 class DiffusionBatchSource {
  public:
-  // videos: reads the manifest and probes the files, or opens the cache (DatasetError for bad input).
-  explicit DiffusionBatchSource(const RunConfig& config);
+  // videos: reads the manifest and probes the files, or opens the cache (DatasetError for bad input). `frozen`: the
+  // frozen encoders to use where the config needs them, instead of loading its own (a validation source shares the
+  // training source's: the same model.* keys and device).
+  explicit DiffusionBatchSource(const RunConfig& config, std::shared_ptr<FrozenEncoders> frozen = nullptr);
   ~DiffusionBatchSource();
   DiffusionBatch next(torch::Device device);
   const CaptionTokenizer& tokenizer() const { return tokenizer_; }
