@@ -25,6 +25,7 @@
 #endif
 
 #include <ATen/ATen.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/cuda.h>
 #include <fmt/format.h>
 
@@ -213,6 +214,9 @@ Communicator::Communicator(const LaunchEnv& env, const std::string& backend, dou
       timeout_s_(timeout_s) {
   impl_->env = env;
   impl_->device = device;
+  // A rank's GPU is its current device, whichever backend: LibTorch's calls that name none (the trainer's
+  // synchronize, the timing of steps, the NCCL group) then use it, not GPU 0.
+  if (device.is_cuda()) c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(device);
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0));
   try {
     if (env.meets_nobody()) {
