@@ -1013,6 +1013,52 @@ TEST(WanTraining, BothExpertsTrainInOneRunEachOnItsOwnSteps) {
   }
 }
 
+// The property: with Wan2.2's two experts trained together, each validation batch lies on one side of the boundary,
+// drawn as a training step draws it, and its expert scores it: the validation loss is the mean over the batches of
+// each one's loss through the module of its side's expert (the resident loop), within 1e-6; both sides occur.
+TEST(WanTraining, BothExpertsValidationScoresEachBatchWithItsSidesExpert) {
+  const std::string path = "/tmp/megaslide-test-wan-val-experts-" + std::to_string(::getpid()) + ".safetensors";
+  const auto data = expert_data();
+  megaslide::io::write_safetensors(path,
+                                   {{"latents", data.latents}, {"text", data.text}, {"empty_text", data.empty_text}});
+  const int64_t n = 12;
+  const auto config = expert_config("both", {"data.tensors=" + path, "offload.enabled=false", "train.val_every=1",
+                                             "train.val_batches=" + std::to_string(n)});
+  const RunConfig resolved =
+      megaslide::model_family(config.model.arch).resolve(megaslide::resolve_auto_settings(config), "test");
+  const RunConfig val = megaslide::validation_data_config(resolved, "test");
+  megaslide::TrainerRequest request;
+  request.config = &resolved;
+  request.requested = &config;
+  request.source = "test";
+  request.validation_data = &val;
+  Trainer trainer(request);
+  const double measured = trainer.validation_loss();
+
+  auto experts = megaslide::wan_experts(trainer);
+  ASSERT_EQ(experts.size(), 2u);
+  megaslide::WanBatchSource batches(megaslide::wan_latent_config(val), WanLatentData::load(path));
+  torch::NoGradGuard no_grad;
+  for (auto& e : experts) e->eval();
+  double expected = 0.0;
+  int sides[2] = {0, 0};
+  for (int64_t i = 0; i < n; ++i) {
+    const size_t side = batches.draw_expert();
+    const auto b = batches.next(torch::kCPU);
+    ++sides[side];
+    const auto t = b.timesteps.flatten();
+    EXPECT_TRUE(side == 0 ? (t >= 875).all().item<bool>() : (t < 875).all().item<bool>()) << t;
+    expected += megaslide::wan_training_loss(experts[side]->forward(b.input(), b.timesteps, b.text, b.image), b.target,
+                                             b.loss_mask, b.loss_weight)
+                    .item<double>() /
+                static_cast<double>(n);
+  }
+  EXPECT_GT(sides[0], 0);
+  EXPECT_GT(sides[1], 0);
+  EXPECT_NEAR(measured, expected, 1e-6 * expected);
+  std::remove(path.c_str());
+}
+
 // The property: a two-expert run of megaslide-train's loop resumes from a checkpoint into the same
 // losses and the same expert at every step, bit for bit (bf16 blocks, accumulation); its metrics name each
 // step's expert, the batch source's draws; its weights file samples as the pair (megaslide-sample: the high-noise
