@@ -167,6 +167,53 @@ std::vector<std::string> on_gloo_ranks(int64_t ranks, const std::function<void(i
   return errors;
 }
 
+// The property: data parallelism's gradient average (average_gradients_over_ranks) stops every rank when their counts
+// of gradients differ — also the rank whose count is the counts' mean (9, 10 and 11 over 3 ranks) — before it
+// reduces buffers that would not line up; equal counts average the gradients and the loss.
+TEST(DataParallel, RanksWithOtherCountsOfGradientsAllStop) {
+  if (!gloo_available()) GTEST_SKIP() << "this build has no Gloo backend";
+  for (const std::vector<int64_t>& counts : {std::vector<int64_t>{9, 10, 11}, std::vector<int64_t>{10, 10, 10}}) {
+    const bool equal = counts[0] == counts[2];
+    SCOPED_TRACE(equal ? "equal counts" : "9, 10 and 11");
+    const int64_t ranks = 3, port = free_local_port();
+    std::vector<std::string> errors(3);
+    std::vector<double> grads(3, 0.0), losses(3, 0.0);
+    auto rank_main = [&](int64_t rank) {
+      try {
+        LaunchEnv env;
+        env.rank = rank, env.world_size = ranks, env.master_addr = "127.0.0.1", env.master_port = port;
+        Communicator comm(env, "gloo", 30.0, torch::kCPU);
+        std::vector<at::Tensor> params;
+        for (int64_t i = 0; i < counts[static_cast<size_t>(rank)]; ++i) {
+          auto p = torch::zeros({2}).requires_grad_();
+          p.mutable_grad() = torch::full({2}, static_cast<double>(rank + 1), torch::kFloat);
+          params.push_back(p);
+        }
+        double loss = static_cast<double>(rank);
+        average_gradients_over_ranks(comm, params, loss, torch::kCPU);
+        grads[static_cast<size_t>(rank)] = params.back().grad()[0].item<double>();
+        losses[static_cast<size_t>(rank)] = loss;
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(rank)] = e.what();
+      }
+    };
+    std::vector<std::thread> others;
+    for (int64_t r = 1; r < ranks; ++r) others.emplace_back(rank_main, r);
+    rank_main(0);
+    for (auto& t : others) t.join();
+    for (size_t r = 0; r < 3; ++r) {
+      if (equal) {
+        EXPECT_EQ(errors[r], "") << "rank " << r;
+        EXPECT_EQ(grads[r], 2.0) << "rank " << r;
+        EXPECT_EQ(losses[r], 1.0) << "rank " << r;
+      } else {
+        EXPECT_NE(errors[r].find("every rank must train the same parameters"), std::string::npos)
+            << "rank " << r << ": " << errors[r];
+      }
+    }
+  }
+}
+
 // The ranks' pieces `got[rank][i]` joined along dimension 1 (their frames, in rank order) are `whole` within 1e-12.
 void expect_pieces_join_to(const std::vector<std::vector<torch::Tensor>>& got, size_t i, const torch::Tensor& whole,
                            const std::string& what) {

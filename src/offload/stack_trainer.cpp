@@ -834,25 +834,25 @@ struct StreamedStackTrainer::StepRun {
     std::vector<torch::Tensor> with_grad;
     for (auto& p : im.resident)
       if (p.grad().defined()) with_grad.push_back(p);
-    auto sums = torch::tensor({block_sq, loss_sum, static_cast<double>(with_grad.size())}, torch::kDouble);
-    std::vector<at::Tensor> collectives{sums};
-    torch::Tensor flat;
-    if (!with_grad.empty()) {
-      std::vector<torch::Tensor> parts;
-      for (auto& p : with_grad) parts.push_back(p.grad().flatten().to(torch::kFloat));
-      flat = torch::cat(parts);
-      collectives.push_back(flat);
-    }
-    im.exchange->all_reduce_sum(collectives);
-    sums = collectives[0];
-    TORCH_CHECK(sums[2].item<double>() == R * static_cast<double>(with_grad.size()),
+    // The count of resident gradients and its square: every rank's count is the same exactly when the sums are R
+    // times this rank's count and square. Checked before the gradients' all-reduce, whose length is the count:
+    // ranks that disagree all stop here instead of reducing buffers that do not line up.
+    const double n = static_cast<double>(with_grad.size());
+    std::vector<at::Tensor> scalars{torch::tensor({block_sq, loss_sum, n, n * n}, torch::kDouble)};
+    im.exchange->all_reduce_sum(scalars);
+    const auto sums = scalars[0];
+    TORCH_CHECK(sums[2].item<double>() == R * n && sums[3].item<double>() == R * n * n,
                 "StreamedStackTrainer: this rank has ", with_grad.size(),
                 " resident parameters with a gradient but the ranks together have ", sums[2].item<double>(),
                 "; every rank must train the same parameters");
     loss_sum = sums[1].item<double>() / R;
     double sq = sums[0].item<double>() / (R * R * scale * scale);
     if (!with_grad.empty()) {
-      flat = collectives[1].div_(R * scale);  // the mean over the ranks, unscaled
+      std::vector<torch::Tensor> parts;
+      for (auto& p : with_grad) parts.push_back(p.grad().flatten().to(torch::kFloat));
+      std::vector<at::Tensor> collectives{torch::cat(parts)};
+      im.exchange->all_reduce_sum(collectives);
+      auto flat = collectives[0].div_(R * scale);  // the mean over the ranks, unscaled
       int64_t offset = 0;
       std::vector<torch::Tensor> norms;
       for (auto& p : with_grad) {

@@ -876,18 +876,21 @@ void average_gradients_over_ranks(Communicator& communicator, const std::vector<
   std::vector<at::Tensor> pieces;
   for (auto& g : grads) pieces.push_back(g.reshape({-1}));
   std::vector<at::Tensor> flat{at::cat(pieces)};
-  // The loss and the count of defined gradients (which must agree on every rank, else the ranks'
-  // buffers would not line up), in float64 on the device (NCCL reduces GPU tensors only).
-  auto host = at::empty({2}, at::kDouble);
+  // The loss, and the count of defined gradients with its square (the counts must agree on every rank, else the
+  // ranks' buffers would not line up: they all do exactly when the sums are R times this rank's count and square),
+  // in float64 on the device (NCCL reduces GPU tensors only).
+  const double n = static_cast<double>(grads.size());
+  auto host = at::empty({3}, at::kDouble);
   host[0] = loss_sum;
-  host[1] = static_cast<double>(grads.size());
+  host[1] = n;
+  host[2] = n * n;
   std::vector<at::Tensor> scalars{host.to(device)};
   communicator.all_reduce_sum(scalars);
   const double ranks = static_cast<double>(communicator.world_size());
   const auto sums = scalars[0].cpu();
   const double defined = sums[1].item<double>();
-  TORCH_CHECK(defined == ranks * static_cast<double>(grads.size()), "data parallelism: this rank has ", grads.size(),
-              " parameters with a gradient but the ranks together have ", defined,
+  TORCH_CHECK(defined == ranks * n && sums[2].item<double>() == ranks * n * n, "data parallelism: this rank has ",
+              grads.size(), " parameters with a gradient but the ranks together have ", defined,
               "; every rank must train the same parameters");
   communicator.all_reduce_sum(flat);
   loss_sum = sums[0].item<double>() / ranks;
