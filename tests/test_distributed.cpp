@@ -144,9 +144,9 @@ std::map<std::string, std::string> tree_listing(const std::string& dir, const st
   return out;
 }
 
-// Runs body(rank, group) on `ranks` Gloo ranks, threads of this process that form one context-parallel group, and
-// returns each rank's error ("" where body returned).
-std::vector<std::string> on_gloo_ranks(int64_t ranks, const std::function<void(int64_t, CommunicatorFrames&)>& body) {
+// Runs body(rank, communicator) on `ranks` Gloo ranks, threads of this process, and returns each rank's error (""
+// where body returned).
+std::vector<std::string> on_gloo_communicators(int64_t ranks, const std::function<void(int64_t, Communicator&)>& body) {
   const int64_t port = free_local_port();
   std::vector<std::string> errors(static_cast<size_t>(ranks));
   auto rank_main = [&](int64_t rank) {
@@ -154,8 +154,7 @@ std::vector<std::string> on_gloo_ranks(int64_t ranks, const std::function<void(i
       LaunchEnv env;
       env.rank = rank, env.world_size = ranks, env.master_addr = "127.0.0.1", env.master_port = port;
       Communicator comm(env, "gloo", 30.0, torch::kCPU);
-      CommunicatorFrames group(comm);
-      body(rank, group);
+      body(rank, comm);
     } catch (const std::exception& e) {
       errors[static_cast<size_t>(rank)] = e.what();
     }
@@ -167,6 +166,14 @@ std::vector<std::string> on_gloo_ranks(int64_t ranks, const std::function<void(i
   return errors;
 }
 
+// Runs body(rank, group) on `ranks` Gloo ranks that form one context-parallel group (on_gloo_communicators).
+std::vector<std::string> on_gloo_ranks(int64_t ranks, const std::function<void(int64_t, CommunicatorFrames&)>& body) {
+  return on_gloo_communicators(ranks, [&](int64_t rank, Communicator& comm) {
+    CommunicatorFrames group(comm);
+    body(rank, group);
+  });
+}
+
 // The property: data parallelism's gradient average (average_gradients_over_ranks) stops every rank when their counts
 // of gradients differ — also the rank whose count is the counts' mean (9, 10 and 11 over 3 ranks) — before it
 // reduces buffers that would not line up; equal counts average the gradients and the loss.
@@ -175,32 +182,19 @@ TEST(DataParallel, RanksWithOtherCountsOfGradientsAllStop) {
   for (const std::vector<int64_t>& counts : {std::vector<int64_t>{9, 10, 11}, std::vector<int64_t>{10, 10, 10}}) {
     const bool equal = counts[0] == counts[2];
     SCOPED_TRACE(equal ? "equal counts" : "9, 10 and 11");
-    const int64_t ranks = 3, port = free_local_port();
-    std::vector<std::string> errors(3);
     std::vector<double> grads(3, 0.0), losses(3, 0.0);
-    auto rank_main = [&](int64_t rank) {
-      try {
-        LaunchEnv env;
-        env.rank = rank, env.world_size = ranks, env.master_addr = "127.0.0.1", env.master_port = port;
-        Communicator comm(env, "gloo", 30.0, torch::kCPU);
-        std::vector<at::Tensor> params;
-        for (int64_t i = 0; i < counts[static_cast<size_t>(rank)]; ++i) {
-          auto p = torch::zeros({2}).requires_grad_();
-          p.mutable_grad() = torch::full({2}, static_cast<double>(rank + 1), torch::kFloat);
-          params.push_back(p);
-        }
-        double loss = static_cast<double>(rank);
-        average_gradients_over_ranks(comm, params, loss, torch::kCPU);
-        grads[static_cast<size_t>(rank)] = params.back().grad()[0].item<double>();
-        losses[static_cast<size_t>(rank)] = loss;
-      } catch (const std::exception& e) {
-        errors[static_cast<size_t>(rank)] = e.what();
+    const auto errors = on_gloo_communicators(3, [&](int64_t rank, Communicator& comm) {
+      std::vector<at::Tensor> params;
+      for (int64_t i = 0; i < counts[static_cast<size_t>(rank)]; ++i) {
+        auto p = torch::zeros({2}).requires_grad_();
+        p.mutable_grad() = torch::full({2}, static_cast<double>(rank + 1), torch::kFloat);
+        params.push_back(p);
       }
-    };
-    std::vector<std::thread> others;
-    for (int64_t r = 1; r < ranks; ++r) others.emplace_back(rank_main, r);
-    rank_main(0);
-    for (auto& t : others) t.join();
+      double loss = static_cast<double>(rank);
+      average_gradients_over_ranks(comm, params, loss, torch::kCPU);
+      grads[static_cast<size_t>(rank)] = params.back().grad()[0].item<double>();
+      losses[static_cast<size_t>(rank)] = loss;
+    });
     for (size_t r = 0; r < 3; ++r) {
       if (equal) {
         EXPECT_EQ(errors[r], "") << "rank " << r;

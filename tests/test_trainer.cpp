@@ -399,12 +399,7 @@ TEST_P(Trainers, ValidationLossIsTheTrainingLossOfTheValidationData) {
     if (GetParam() == "dit") sets.push_back("diffusion.prediction=x0");
     const auto config = megaslide::testing::tiny_run_config(GetParam(), dir, sets);
     const RunConfig val = validation_data_config(config, "test");
-    TrainerRequest request;
-    request.config = &config;
-    request.requested = &config;
-    request.source = "test";
-    request.validation_data = &val;
-    Trainer trainer(request);
+    Trainer trainer = megaslide::testing::trainer_with_validation(config, val);
     const double before = trainer.validation_loss();
     EXPECT_EQ(trainer.validation_loss(), before) << "the same draws each time";
     const auto first = trainer.step();
@@ -423,8 +418,7 @@ TEST_P(Trainers, ValidationLossIsTheTrainingLossOfTheValidationData) {
       RunConfig held_config = config;
       held_config.train.val_data = {"data.seed=777"};
       const RunConfig held = validation_data_config(held_config, "test");
-      request.validation_data = &held;
-      Trainer other(request);
+      Trainer other = megaslide::testing::trainer_with_validation(config, held);
       EXPECT_GT(std::abs(other.validation_loss() - before), 1e-3 * before);
     }
   }

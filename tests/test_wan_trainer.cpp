@@ -1027,12 +1027,7 @@ TEST(WanTraining, BothExpertsValidationScoresEachBatchWithItsSidesExpert) {
   const RunConfig resolved =
       megaslide::model_family(config.model.arch).resolve(megaslide::resolve_auto_settings(config), "test");
   const RunConfig val = megaslide::validation_data_config(resolved, "test");
-  megaslide::TrainerRequest request;
-  request.config = &resolved;
-  request.requested = &config;
-  request.source = "test";
-  request.validation_data = &val;
-  Trainer trainer(request);
+  Trainer trainer = trainer_with_validation(resolved, val, &config);
   const double measured = trainer.validation_loss();
 
   auto experts = megaslide::wan_experts(trainer);

@@ -83,6 +83,18 @@ inline RunConfig tiny_run_config(const std::string& family, const std::string& d
   return model_family(config.model.arch).resolve(resolve_auto_settings(config), "test");
 }
 
+// The trainer of `config` (resolved; `requested` as given, null: `config`) that measures the validation loss of
+// `validation` (validation_data_config), as the training run builds rank 0's.
+inline Trainer trainer_with_validation(const RunConfig& config, const RunConfig& validation,
+                                       const RunConfig* requested = nullptr) {
+  TrainerRequest request;
+  request.config = &config;
+  request.requested = requested != nullptr ? requested : &config;
+  request.source = "test";
+  request.validation_data = &validation;
+  return Trainer(request);
+}
+
 // The one trainer of `config` (already resolved), as the driver builds it.
 inline std::unique_ptr<Trainer> trainer_of(const RunConfig& config) {
   TrainerRequest request;
