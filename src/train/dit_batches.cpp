@@ -308,20 +308,22 @@ DiffusionBatch DiffusionBatchSource::next(torch::Device device) {
   }
   if (frozen_ && frozen_->has_vae()) b.x0 = frozen_->encode_video(b.x0).to(device);  // pixels -> scaled latents
   // Timesteps then noise for the whole global batch (the single-process stream), then the rank's rows.
-  b.timesteps = schedule_.sample_timesteps(B, device, generator_);
+  auto timesteps = schedule_.sample_timesteps(B, torch::kCPU, generator_);
   auto global_shape = b.x0.sizes().vec();
   global_shape[0] = B;
   // Noise is drawn on the CPU so that a run's random stream is the same on every device.
   b.noise = torch::randn(global_shape, generator_, torch::kFloat32);
   if (slice_count_ > 1) {
-    b.timesteps = b.timesteps.narrow(0, first, local);
+    timesteps = timesteps.narrow(0, first, local);
     b.noise = b.noise.narrow(0, first, local);
   }
+  // The loss weights from the timesteps still on the CPU: no read back from the device.
+  if (loss_weighting_ == LossWeighting::kMinSnr)
+    b.loss_weight = min_snr_weights(schedule_, prediction_, timesteps, config_.diffusion.snr_gamma).to(device);
+  b.timesteps = timesteps.to(device);
   b.noise = b.noise.to(device);
   b.xt = schedule_.add_noise(b.x0, b.noise, b.timesteps);
   b.target = schedule_.target(prediction_, b.x0, b.noise, b.timesteps);
-  if (loss_weighting_ == LossWeighting::kMinSnr)
-    b.loss_weight = min_snr_weights(schedule_, prediction_, b.timesteps, config_.diffusion.snr_gamma).to(device);
   if (text.defined()) b.text = text.to(device);
   else b.text_ids = text_ids.to(device);
   b.text_mask = text_mask.to(device);

@@ -12,7 +12,6 @@
 #include "megaslide/model/dit_weights.h"
 #include "megaslide/train/model_family.h"
 #include "megaslide/train/trainer.h"
-#include "megaslide/util/errors.h"
 
 namespace megaslide {
 
@@ -63,12 +62,9 @@ class DiTModel final : public FamilyModel {
                                  config_.data.dataset == "videos" ? batches_.captions(4) : std::vector<std::string>{}),
           request.source);
     if (request.validation_data != nullptr) {  // its dataset opened now: a bad one stops the run before it starts
-      try {
-        val_batches_ = std::make_unique<DiffusionBatchSource>(*request.validation_data, batches_.frozen());
-      } catch (const std::exception& e) {
-        if (!is_input_error(e)) throw;
-        throw ConfigError(request.source, "train.val_data", "the validation data: " + error_message(e));
-      }
+      val_batches_ = make_validation_source(request.source, [&] {
+        return std::make_unique<DiffusionBatchSource>(*request.validation_data, batches_.frozen());
+      });
       val_start_ = val_batches_->state();
     }
   }

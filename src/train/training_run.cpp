@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <optional>
 
@@ -567,6 +568,12 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   const int64_t start = result.first_step;
   // The step --trace records: --trace-step, or the nearest step this run trains (a resumed run starts past it).
   const int64_t traced = std::clamp(options.trace_step, std::min(start + 1, train.steps), train.steps);
+  // Work of rank 0 alone (validation, a replicated state's checkpoint), the other ranks waiting for it however long
+  // it takes (Communicator::run_on_rank0) rather than in their next collective with its timeout.
+  const auto on_rank0 = [&](const std::string& what, const std::function<void()>& work) {
+    if (communicator) communicator->run_on_rank0(what, work);
+    else work();
+  };
   ProgressLine progress(train.steps, train.log_every, config.output.progress && writer, start);
   double window = 0.0;
   int64_t window_steps = 0;
@@ -598,9 +605,8 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     report_bad_items();
     result.steps_done = m.step;
     if (train.val_every > 0 && (m.step % train.val_every == 0 || m.step == train.steps)) {
-      // The validation loss on rank 0, the others waiting for it as for the validation videos. One that cannot be
-      // measured for want of memory or for bad validation items is said and training goes on; anything else is an
-      // error of the run.
+      // The validation loss on rank 0 (on_rank0). One that cannot be measured for want of memory or for bad validation
+      // items is said and training goes on; anything else is an error of the run.
       auto measure = [&] {
         if (!writer) return;
         const auto started = std::chrono::steady_clock::now();
@@ -615,8 +621,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
                                error_message(e)));
         }
       };
-      if (communicator) communicator->run_on_rank0(fmt::format("the validation loss of step {}", m.step), measure);
-      else measure();
+      on_rank0(fmt::format("the validation loss of step {}", m.step), measure);
     }
     if (metrics) metrics->write(m);
     if (tensorboard) tensorboard->step(m);
@@ -637,8 +642,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
       }
     }
     if (train.sample_every > 0 && m.step % train.sample_every == 0) {
-      // Validation videos on rank 0; the other ranks wait for it however long it takes, while it is alive
-      // (Communicator::run_on_rank0), instead of in the next collective with its timeout.
+      // Validation videos on rank 0 (on_rank0).
       // Videos that cannot be written (no space, a read-only samples/ folder, the device's memory) are said and
       // training goes on, as for a checkpoint that cannot be saved.
       auto validate = [&] {
@@ -655,8 +659,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
                                error_message(e)));
         }
       };
-      if (communicator) communicator->run_on_rank0(fmt::format("the validation videos of step {}", m.step), validate);
-      else validate();
+      on_rank0(fmt::format("the validation videos of step {}", m.step), validate);
     }
     window += m.loss;
     ++window_steps;
@@ -691,12 +694,10 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
       return result;
     }
     if (train.checkpoint_every > 0 && m.step % train.checkpoint_every == 0 && m.step < train.steps) {
-      // One state over several ranks: rank 0 saves it while the others wait for it however long it takes
-      // (Communicator::run_on_rank0), not in their next step's collective, whose timeout a large model's save can
-      // outlast.
-      if (communicator && !sharded)
-        communicator->run_on_rank0(fmt::format("the checkpoint of step {}", m.step), [&] { save("periodic"); });
-      else save("periodic");
+      // A replicated state (every rank holds the same) is saved by rank 0 (on_rank0): a large model's save can
+      // outlast a collective's timeout.
+      if (sharded) save("periodic");  // every rank saves its shard
+      else on_rank0(fmt::format("the checkpoint of step {}", m.step), [&] { save("periodic"); });
     }
   }
   progress.finish();

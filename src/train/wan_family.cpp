@@ -188,13 +188,9 @@ class WanModel final : public FamilyModel {
     for (auto& e : experts_) e.split.group = request.context_group;
     build(request.init_from, source);
     if (request.validation_data != nullptr) {  // its data read now: a bad one stops the run before it starts
-      try {
-        const RunConfig& v = *request.validation_data;
-        val_batches_.emplace(wan_latent_config(v), load_latent_data(v, source));
-      } catch (const std::exception& e) {
-        if (!is_input_error(e)) throw;
-        throw ConfigError(source, "train.val_data", "the validation data: " + error_message(e));
-      }
+      const RunConfig& v = *request.validation_data;
+      val_batches_.emplace(make_validation_source(
+          source, [&] { return WanBatchSource(wan_latent_config(v), load_latent_data(v, source)); }));
       val_start_ = val_batches_->state();
     }
   }

@@ -19,6 +19,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "megaslide/attention/context_parallel.h"
@@ -28,6 +29,7 @@
 #include "megaslide/model/wan_lora.h"
 #include "megaslide/offload/streamed_model.h"
 #include "megaslide/train/init_from.h"
+#include "megaslide/util/errors.h"
 
 namespace megaslide {
 
@@ -46,6 +48,18 @@ struct MicroBatchStats {
 // (a streamed model block by block, so no second copy of the model exists). Throws InitFromError.
 using InitPlanner =
     std::function<InitPlan(const ParameterShapes& shapes, const std::vector<std::string>& may_stay_initial)>;
+
+// A family's validation data source made by `make` (from ModelRequest::validation_data): what it refuses as bad
+// input is the config's ConfigError naming train.val_data, so that the run stops before its first step.
+template <typename Make>
+auto make_validation_source(const std::string& source, Make&& make) {
+  try {
+    return std::forward<Make>(make)();
+  } catch (const std::exception& e) {
+    if (!is_input_error(e)) throw;
+    throw ConfigError(source, "train.val_data", "the validation data: " + error_message(e));
+  }
+}
 
 // What the Trainer hands a family to build its model.
 struct ModelRequest {
