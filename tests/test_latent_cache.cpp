@@ -599,13 +599,19 @@ TEST(WanCache, HoldsWhatTheWanVaeAndUmt5GiveDirectly) {
   EXPECT_EQ(r.items, 3);
   const auto data = megaslide::WanLatentData::from_cache(c, dir);
   const auto direct = wan_direct(c);
-  ASSERT_EQ(data.latents.sizes(), (std::vector<int64_t>{3, 16, 2, 4, 4}));
-  ASSERT_EQ(data.text.sizes(), (std::vector<int64_t>{3, 512, 24}));
-  EXPECT_TRUE(torch::equal(data.latents, direct.latents));
-  EXPECT_TRUE(torch::equal(data.text, direct.text));
+  // The items stay in the cache's shards: nothing of them is held, each read is a new float32 tensor.
+  EXPECT_FALSE(data.latents.defined() || data.text.defined());
+  ASSERT_EQ(data.size(), 3);
+  ASSERT_EQ(data.sizes("latents"), (std::vector<int64_t>{3, 16, 2, 4, 4}));
+  ASSERT_EQ(data.sizes("text"), (std::vector<int64_t>{3, 512, 24}));
+  EXPECT_FALSE(data.sizes("image_latents").has_value()) << "text-to-video";
+  const auto latents = data.rows("latents", {0, 1, 2}), text = data.rows("text", {0, 1, 2});
+  EXPECT_TRUE(torch::equal(latents, direct.latents));
+  EXPECT_TRUE(torch::equal(text, direct.text));
+  EXPECT_TRUE(torch::equal(data.rows("text", {2, 0}), direct.text.index_select(0, torch::tensor({2, 0}))));
   EXPECT_TRUE(torch::equal(data.empty_text, direct.empty_text));
-  EXPECT_GT(data.text.abs().sum().item<double>(), 0.0);
-  EXPECT_EQ(data.text.slice(1, 40).abs().max().item<double>(), 0.0) << "Wan's convention: zero past the prompt";
+  EXPECT_GT(text.abs().sum().item<double>(), 0.0);
+  EXPECT_EQ(text.slice(1, 40).abs().max().item<double>(), 0.0) << "Wan's convention: zero past the prompt";
   // The manifest says what made it.
   const auto m = nlohmann::json::parse(megaslide::io::read_file(dir + "/cache.json"));
   EXPECT_EQ(m["encoders"]["text_encoder"]["kind"], "umt5");
@@ -615,10 +621,10 @@ TEST(WanCache, HoldsWhatTheWanVaeAndUmt5GiveDirectly) {
   EXPECT_EQ(m["decode"]["frame_stride"], 2);
 }
 
-// Training Wan from the cache is training from the data.tensors file of the same latents and embeddings:
-// the same losses, bit for bit (fp32; caption dropout draws the cached empty prompt as it draws the file's
-// empty_text). An interrupted cache (not marked complete) and one of other encoders, sizes or frame
-// sampling are refused, naming the mismatch.
+// Training Wan from the cache (each batch's items read from its shards) is training from the data.tensors file of
+// the same latents and embeddings: the same losses, bit for bit (fp32; caption dropout draws the cached empty prompt
+// as it draws the file's empty_text). An interrupted cache (not marked complete) and one of other encoders, sizes or
+// frame sampling are refused, naming the mismatch.
 TEST(WanCache, TrainingFromTheCacheEqualsTrainingFromTheTensorsFileAndMismatchesAreRefused) {
   if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
   if (!megaslide::umt5_tokenizer_supported()) GTEST_SKIP() << "built without SentencePiece";
@@ -635,9 +641,15 @@ TEST(WanCache, TrainingFromTheCacheEqualsTrainingFromTheTensorsFileAndMismatches
   EXPECT_EQ(latent.data.channels, 16);
   EXPECT_EQ(latent.data.frames, 2);
   EXPECT_EQ(latent.data.height, 4);
-  const auto from_cache = wan_losses(latent, megaslide::WanLatentData::from_cache(c, dir), 8);
+  // The run's own config (data.dataset videos, data.cache): the trainer reads each batch's items from the shards.
+  std::vector<double> from_cache;
+  {
+    Trainer t = megaslide::make_trainer(c);
+    for (int i = 0; i < 8; ++i) from_cache.push_back(t.step().loss);
+  }
   const auto from_file = wan_losses(latent, megaslide::WanLatentData::load(file), 8);
   EXPECT_EQ(from_cache, from_file);
+  EXPECT_EQ(wan_losses(latent, megaslide::WanLatentData::from_cache(c, dir), 8), from_file);
   auto no_dropout = latent;
   no_dropout.diffusion.caption_dropout = 0.0;
   EXPECT_NE(wan_losses(no_dropout, megaslide::WanLatentData::load(file), 8), from_file)
@@ -702,8 +714,8 @@ TEST(WanCache, TrainingFromTheCacheEqualsTrainingFromTheTensorsFileAndMismatches
   ASSERT_EQ(kept.bad.size(), 4u);
   EXPECT_NE(kept.bad.back().reason.find("CRC-32"), std::string::npos) << kept.bad.back().reason;
   const auto rows = torch::tensor(std::vector<int64_t>{0, 2});
-  EXPECT_TRUE(torch::equal(kept.latents, direct.latents.index_select(0, rows)));
-  EXPECT_TRUE(torch::equal(kept.text, direct.text.index_select(0, rows)));
+  EXPECT_TRUE(torch::equal(kept.rows("latents", {0, 1}), direct.latents.index_select(0, rows)));
+  EXPECT_TRUE(torch::equal(kept.rows("text", {0, 1}), direct.text.index_select(0, rows)));
   EXPECT_EQ(kept.captions.size(), 2u);
   {
     megaslide::Trainer trainer = megaslide::testing::resident_trainer(lenient);

@@ -275,9 +275,9 @@ TEST(MegaslideCache, WanTrainsOnBucketsOfStillsAndClips) {
   ASSERT_EQ(cache->size(), 6);
   const auto data = megaslide::WanLatentData::from_cache(run_config, fx.dir + "/cache");
   ASSERT_TRUE(data.bucketed());
-  ASSERT_EQ(data.buckets.size(), 2u);
-  EXPECT_EQ(data.buckets[0].latents.sizes(), (std::vector<int64_t>{3, 16, 1, 4, 6}));  // the stills, 32x48
-  EXPECT_EQ(data.buckets[1].latents.sizes(), (std::vector<int64_t>{3, 16, 2, 4, 4}));  // the clips, 5x32x32
+  ASSERT_EQ(data.num_buckets(), 2);
+  EXPECT_EQ(data.sizes("latents", 0), (std::vector<int64_t>{3, 16, 1, 4, 6}));  // the stills, 32x48
+  EXPECT_EQ(data.sizes("latents", 1), (std::vector<int64_t>{3, 16, 2, 4, 4}));  // the clips, 5x32x32
   for (int64_t i = 0; i < cache->size(); ++i) {
     const bool still =
         cache->path(i).find("still-") != std::string::npos || cache->path(i).find("short.mp4") != std::string::npos;
@@ -301,8 +301,11 @@ TEST(MegaslideCache, WanTrainsOnBucketsOfStillsAndClips) {
     // A position in batches of buckets is not one in items of one clip size.
     auto one_size = megaslide::wan_latent_config(run_config);
     one_size.data.width = 4;  // the clips' bucket, 32 pixels wide
+    std::vector<int64_t> clips;
+    for (int64_t i = 0; i < data.size(); ++i)
+      if (data.bucket_of[static_cast<size_t>(i)] == 1) clips.push_back(i);
     megaslide::WanLatentData flat;
-    flat.latents = data.buckets[1].latents, flat.text = data.text.narrow(0, 0, 3), flat.empty_text = data.empty_text;
+    flat.latents = data.rows("latents", clips), flat.text = data.rows("text", clips), flat.empty_text = data.empty_text;
     megaslide::WanBatchSource other(one_size, flat);
     try {
       other.restore(batches.state());

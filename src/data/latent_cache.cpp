@@ -994,27 +994,49 @@ ClipSample LatentCache::load(int64_t index, int64_t) const {
   return s;
 }
 
-torch::Tensor LatentCache::stacked(const std::string& name, const std::vector<int64_t>& items) const {
-  std::vector<int64_t> which = items;
-  if (which.empty())
-    for (int64_t i = 0; i < static_cast<int64_t>(items_.size()); ++i) which.push_back(i);
-  std::vector<torch::Tensor> parts;
-  for (const int64_t i : which) {
-    const auto& item = items_.at(static_cast<size_t>(i));
-    torch::Tensor found;
-    for (const auto& [n, t] : item.tensors)
-      if (n == name) found = t;
+namespace {
+// Item i's tensor `name`, undefined when it has none.
+torch::Tensor tensor_named(const io::NamedTensors& tensors, const std::string& name) {
+  for (const auto& [n, t] : tensors)
+    if (n == name) return t;
+  return {};
+}
+}  // namespace
+
+std::optional<std::vector<int64_t>> LatentCache::common_sizes(const std::string& name,
+                                                              const std::vector<int64_t>& items) const {
+  std::optional<std::vector<int64_t>> first;
+  const int64_t n = items.empty() ? size() : static_cast<int64_t>(items.size());
+  for (int64_t k = 0; k < n; ++k) {
+    const auto& item = items_.at(static_cast<size_t>(items.empty() ? k : items[static_cast<size_t>(k)]));
+    const torch::Tensor found = tensor_named(item.tensors, name);
+    if (k == 0 && !found.defined()) return std::nullopt;
     if (!found.defined())
       throw DatasetError(fmt::format("data.cache '{}': item {} ({}) has no tensor '{}' (a cache of other encoders?)",
                                      dir_, item.index, item.path, name));
-    if (!parts.empty() && found.sizes() != parts.front().sizes())
+    if (!first) first = found.sizes().vec();
+    if (found.sizes().vec() != *first)
       throw DatasetError(fmt::format(
           "data.cache '{}': item {} ({}) has {} {} where the first item has {}: these items cannot be stacked "
           "(one clip size is needed)",
-          dir_, item.index, item.path, name, c10::str(found.sizes()), c10::str(parts.front().sizes())));
-    parts.push_back(found);
+          dir_, item.index, item.path, name, c10::str(found.sizes()), c10::str(c10::IntArrayRef(*first))));
   }
-  if (parts.empty()) throw DatasetError("data.cache '" + dir_ + "' holds no items");
+  return first;
+}
+
+torch::Tensor LatentCache::stacked(const std::string& name, const std::vector<int64_t>& items) const {
+  if (items.empty() && items_.empty()) throw DatasetError("data.cache '" + dir_ + "' holds no items");
+  const auto sizes = common_sizes(name, items);  // the same shape for every item, or the error naming the first not
+  if (!sizes) {
+    const auto& item = items_.at(static_cast<size_t>(items.empty() ? 0 : items.front()));
+    throw DatasetError(fmt::format("data.cache '{}': item {} ({}) has no tensor '{}' (a cache of other encoders?)",
+                                   dir_, item.index, item.path, name));
+  }
+  std::vector<torch::Tensor> parts;
+  const int64_t n = items.empty() ? size() : static_cast<int64_t>(items.size());
+  for (int64_t k = 0; k < n; ++k)
+    parts.push_back(
+        tensor_named(items_.at(static_cast<size_t>(items.empty() ? k : items[static_cast<size_t>(k)])).tensors, name));
   auto out = torch::stack(parts);
   return out.is_floating_point() ? out.to(torch::kFloat32) : out;
 }

@@ -165,9 +165,7 @@ class WanModel final : public FamilyModel {
     bad_items_ = static_cast<int64_t>(data.bad.size());
     // Validation before the trainer's state exists: umT5 encodes the prompts now and is freed.
     if (request.validation) validation_.emplace(config_, validation_captions(data), source);
-    if (validation_ && wan_image_to_video(config_.model.wan))
-      validation_->images(
-          data.size(), [&data](int64_t item) { return data.item_image_latents(item); }, data.image_embeds);
+    if (validation_ && wan_image_to_video(config_.model.wan)) validation_->images(data);
     batches_.emplace(latent_, std::move(data));
     const auto& w = config_.model.wan;
     if (w.expert == "both") {

@@ -85,44 +85,83 @@ WanLatentData WanLatentData::from_cache(const RunConfig& config, const std::stri
   const auto cache = LatentCache::open(config, dir);
   WanLatentData d;
   d.bad = cache->bad();
-  const std::vector<int64_t> good = cache->verified_items(d.bad);
-  for (const int64_t i : good) d.captions.push_back(cache->caption(i));
-  const bool i2v = wan_image_to_video(config.model.wan);
-  if (config.data.buckets.empty()) {
-    d.latents = cache->stacked("latents", good);
-    if (i2v) d.image_latents = cache->stacked("image_latents", good);
-  } else {
-    std::vector<std::vector<int64_t>> items(static_cast<size_t>(cache->num_buckets()));
-    for (const int64_t i : good) {
-      auto& of_bucket = items.at(static_cast<size_t>(cache->bucket_of(i)));
-      d.bucket_of.push_back(cache->bucket_of(i));
-      d.row_of.push_back(static_cast<int64_t>(of_bucket.size()));
-      of_bucket.push_back(i);
-    }
-    for (const auto& of_bucket : items) {
-      Bucket b;
-      if (!of_bucket.empty()) {
-        b.latents = cache->stacked("latents", of_bucket);
-        if (i2v) b.image_latents = cache->stacked("image_latents", of_bucket);
-      }
-      d.buckets.push_back(std::move(b));
-    }
+  d.cache_items = cache->verified_items(d.bad);
+  for (const int64_t i : d.cache_items) {
+    d.captions.push_back(cache->caption(i));
+    if (!config.data.buckets.empty()) d.bucket_of.push_back(cache->bucket_of(i));
   }
-  d.text = cache->stacked("text", good);
   if (cache->empty_prompt().text.defined()) d.empty_text = cache->empty_prompt().text.to(torch::kFloat32).clone();
-  if (config.model.wan.image_dim > 0) d.image_embeds = cache->stacked("image_embeds", good);
+  d.cache = cache;
   return d;
 }
 
-torch::Tensor WanLatentData::item_latents(int64_t i) const {
-  if (!bucketed()) return latents[i];
-  return buckets.at(static_cast<size_t>(bucket_of.at(static_cast<size_t>(i)))).latents[row_of[static_cast<size_t>(i)]];
+namespace {
+bool is_item_tensor(const std::string& name) {
+  return name == "latents" || name == "text" || name == "image_latents" || name == "image_embeds";
+}
+bool of_clip_shape(const std::string& name) { return name == "latents" || name == "image_latents"; }
+}  // namespace
+
+int64_t WanLatentData::size() const {
+  if (cache) return static_cast<int64_t>(cache_items.size());
+  return text.defined() ? text.size(0) : 0;
 }
 
-torch::Tensor WanLatentData::item_image_latents(int64_t i) const {
-  if (!bucketed()) return image_latents[i];
-  return buckets.at(static_cast<size_t>(bucket_of.at(static_cast<size_t>(i))))
-      .image_latents[row_of[static_cast<size_t>(i)]];
+int64_t WanLatentData::num_buckets() const {
+  if (!bucketed()) return 1;
+  return cache ? cache->num_buckets() : static_cast<int64_t>(buckets.size());
+}
+
+torch::Tensor WanLatentData::rows(const std::string& name, const std::vector<int64_t>& items) const {
+  if (!is_item_tensor(name)) throw std::invalid_argument("WanLatentData::rows: no item tensor '" + name + "'");
+  for (const int64_t i : items)
+    if (i < 0 || i >= size()) throw std::invalid_argument(fmt::format("WanLatentData::rows: item {} of {}", i, size()));
+  if (cache) {
+    if (!cache->common_sizes(name, {cache_items.front()})) return {};
+    std::vector<int64_t> of_cache;
+    for (const int64_t i : items) of_cache.push_back(cache_items[static_cast<size_t>(i)]);
+    return cache->stacked(name, of_cache);
+  }
+  if (bucketed() && of_clip_shape(name)) {
+    std::vector<torch::Tensor> parts;
+    for (const int64_t i : items) {
+      const auto& b = buckets.at(static_cast<size_t>(bucket_of.at(static_cast<size_t>(i))));
+      const auto& t = name == "latents" ? b.latents : b.image_latents;
+      if (!t.defined()) return {};
+      parts.push_back(t[row_of.at(static_cast<size_t>(i))]);
+    }
+    return torch::stack(parts).to(torch::kFloat32);
+  }
+  const torch::Tensor& t = name == "latents"         ? latents
+                           : name == "text"          ? text
+                           : name == "image_latents" ? image_latents
+                                                     : image_embeds;
+  if (!t.defined()) return {};
+  return t.index_select(0, torch::tensor(items, torch::kInt64)).to(torch::kFloat32);
+}
+
+std::optional<std::vector<int64_t>> WanLatentData::sizes(const std::string& name, int64_t bucket) const {
+  if (!is_item_tensor(name)) throw std::invalid_argument("WanLatentData::sizes: no item tensor '" + name + "'");
+  if (cache) {
+    std::vector<int64_t> items;
+    for (size_t i = 0; i < cache_items.size(); ++i)
+      if (bucket < 0 || bucket_of.at(i) == bucket) items.push_back(cache_items[i]);
+    if (items.empty()) return std::nullopt;
+    auto shape = cache->common_sizes(name, items);
+    if (shape) shape->insert(shape->begin(), static_cast<int64_t>(items.size()));
+    return shape;
+  }
+  torch::Tensor t;
+  if (bucketed() && of_clip_shape(name)) {
+    if (bucket < 0) throw std::invalid_argument("WanLatentData::sizes: the items of several buckets: name one");
+    if (bucket >= static_cast<int64_t>(buckets.size())) return std::nullopt;
+    t = name == "latents" ? buckets[static_cast<size_t>(bucket)].latents
+                          : buckets[static_cast<size_t>(bucket)].image_latents;
+  } else {
+    t = name == "latents" ? latents : name == "text" ? text : name == "image_latents" ? image_latents : image_embeds;
+  }
+  if (!t.defined()) return std::nullopt;
+  return t.sizes().vec();
 }
 
 RunConfig wan_latent_config(const RunConfig& config) {
@@ -145,60 +184,62 @@ RunConfig wan_latent_config(const RunConfig& config) {
 void WanLatentData::check(const RunConfig& c) const {
   const auto& d = c.data;
   const auto& w = c.model.wan;
+  const auto shown = [](const std::optional<std::vector<int64_t>>& s) {
+    return s ? c10::str(c10::IntArrayRef(*s)) : std::string("missing");
+  };
+  if (!buckets.empty() && (bucket_of.size() != row_of.size() || bucket_of.empty()))
+    throw std::invalid_argument("bucketed latents without their items' buckets and rows");
   if (!bucketed()) {
     const std::vector<int64_t> clip{d.channels, d.frames, d.height, d.width};
-    if (!latents.defined() || latents.dim() != 5 || latents.sizes().slice(1).vec() != clip || latents.size(0) < 1)
-      throw std::invalid_argument(fmt::format(
-          "latents are {}, expected [N, {}, {}, {}, {}] (data.channels, frames, height, width)",
-          latents.defined() ? c10::str(latents.sizes()) : "missing", d.channels, d.frames, d.height, d.width));
-    if (wan_image_to_video(w) && (!image_latents.defined() || image_latents.sizes() != latents.sizes()))
+    const auto x = sizes("latents");
+    if (!x || x->size() != 5 || std::vector<int64_t>(x->begin() + 1, x->end()) != clip || x->front() < 1)
+      throw std::invalid_argument(
+          fmt::format("latents are {}, expected [N, {}, {}, {}, {}] (data.channels, frames, height, width)", shown(x),
+                      d.channels, d.frames, d.height, d.width));
+    const auto xi = sizes("image_latents");
+    if (wan_image_to_video(w) && xi != x)
       throw std::invalid_argument(fmt::format(
           "image_latents are {}, expected {} as the latents: image-to-video (model.wan.in_channels {}) trains on each "
           "clip's conditioning video's latents",
-          image_latents.defined() ? c10::str(image_latents.sizes()) : "missing", c10::str(latents.sizes()),
-          w.in_channels));
+          shown(xi), shown(x), w.in_channels));
   } else {
     // Each bucket's sizes are the cache's (checked against data.buckets when it opened): the channels here.
-    if (bucket_of.size() != row_of.size() || bucket_of.empty())
-      throw std::invalid_argument("bucketed latents without their items' buckets and rows");
-    for (size_t b = 0; b < buckets.size(); ++b) {
-      const auto& x = buckets[b].latents;
-      if (!x.defined()) continue;  // a bucket no item went to
-      if (x.dim() != 5 || x.size(1) != d.channels)
+    for (int64_t b = 0; b < num_buckets(); ++b) {
+      const auto x = sizes("latents", b);
+      if (!x) continue;  // a bucket no item went to
+      if (x->size() != 5 || (*x)[1] != d.channels)
         throw std::invalid_argument(fmt::format("bucket {}'s latents are {}, expected [n, {}, T, H, W] (data.channels)",
-                                                b, c10::str(x.sizes()), d.channels));
-      if (wan_image_to_video(w) &&
-          (!buckets[b].image_latents.defined() || buckets[b].image_latents.sizes() != x.sizes()))
+                                                b, shown(x), d.channels));
+      const auto xi = sizes("image_latents", b);
+      if (wan_image_to_video(w) && xi != x)
         throw std::invalid_argument(fmt::format(
             "bucket {}'s image_latents are {}, expected {} as its latents: image-to-video trains on each clip's "
             "conditioning video's latents",
-            b, buckets[b].image_latents.defined() ? c10::str(buckets[b].image_latents.sizes()) : "missing",
-            c10::str(x.sizes())));
+            b, shown(xi), shown(x)));
     }
   }
-  const int64_t N = bucketed() ? static_cast<int64_t>(bucket_of.size()) : latents.size(0);
-  if (!text.defined() || text.dim() != 3 || text.size(0) != N || text.size(2) != w.text_dim)
-    throw std::invalid_argument(
-        fmt::format("text is {}, expected [{}, L, {}] (one per latent video, model.wan.text_dim)",
-                    text.defined() ? c10::str(text.sizes()) : "missing", N, w.text_dim));
+  const int64_t N = size();
+  const auto tx = sizes("text");
+  if (!tx || tx->size() != 3 || (*tx)[0] != N || (*tx)[2] != w.text_dim)
+    throw std::invalid_argument(fmt::format(
+        "text is {}, expected [{}, L, {}] (one per latent video, model.wan.text_dim)", shown(tx), N, w.text_dim));
   if (empty_text.defined() &&
-      (empty_text.dim() != 2 || empty_text.size(0) != text.size(1) || empty_text.size(1) != text.size(2)))
+      (empty_text.dim() != 2 || empty_text.size(0) != (*tx)[1] || empty_text.size(1) != (*tx)[2]))
     throw std::invalid_argument(
-        fmt::format("empty_text is {}, expected [{}, {}]", c10::str(empty_text.sizes()), text.size(1), text.size(2)));
-  if (wan_image_to_video(w) && w.image_dim > 0 &&
-      (!image_embeds.defined() || image_embeds.dim() != 3 || image_embeds.size(0) != N ||
-       image_embeds.size(2) != w.image_dim))
+        fmt::format("empty_text is {}, expected [{}, {}]", c10::str(empty_text.sizes()), (*tx)[1], (*tx)[2]));
+  const auto ie = sizes("image_embeds");
+  if (wan_image_to_video(w) && w.image_dim > 0 && (!ie || ie->size() != 3 || (*ie)[0] != N || (*ie)[2] != w.image_dim))
     throw std::invalid_argument(
         fmt::format("image_embeds are {}, expected [{}, Li, {}]: the image branch (model.wan.image_dim) trains on "
                     "each clip's image tokens",
-                    image_embeds.defined() ? c10::str(image_embeds.sizes()) : "missing", N, w.image_dim));
-  const bool any_image_latents =
-      image_latents.defined() ||
-      std::any_of(buckets.begin(), buckets.end(), [](const Bucket& b) { return b.image_latents.defined(); });
+                    shown(ie), N, w.image_dim));
+  bool any_image_latents = false;
+  for (int64_t b = bucketed() ? 0 : -1; b < (bucketed() ? num_buckets() : 0); ++b)
+    any_image_latents = any_image_latents || sizes("image_latents", b).has_value();
   if (!wan_image_to_video(w) && any_image_latents)
     throw std::invalid_argument("the data has image_latents but the Wan DiT is text-to-video (model.wan.in_channels " +
                                 std::to_string(w.in_channels) + " = out_channels)");
-  if (w.image_dim == 0 && image_embeds.defined())
+  if (w.image_dim == 0 && ie)
     throw std::invalid_argument(
         "the data has image_embeds but the Wan DiT has no image branch (model.wan.image_dim 0)");
   if (c.diffusion.caption_dropout > 0 && !empty_text.defined())
@@ -221,8 +262,7 @@ WanBatchSource::WanBatchSource(const RunConfig& config, WanLatentData data)
       generator_(at::detail::createCPUGenerator(config.train.seed)) {
   data_.check(config_);
   if (data_.bucketed())
-    bucket_sampler_.emplace(data_.bucket_of, static_cast<int64_t>(data_.buckets.size()), config.train.batch_size,
-                            config.train.seed);
+    bucket_sampler_.emplace(data_.bucket_of, data_.num_buckets(), config.train.batch_size, config.train.seed);
 }
 
 void WanBatchSource::take_slice(int64_t rank, int64_t world_size) {
@@ -233,29 +273,17 @@ void WanBatchSource::take_slice(int64_t rank, int64_t world_size) {
 
 WanBatch WanBatchSource::next(torch::Device device) {
   const int64_t B = config_.train.batch_size;  // the global batch: every draw below is made for all of it
-  torch::Tensor index, x0, image_latents;
-  if (!bucket_sampler_) {
-    index = torch::tensor(sampler_.next(B), torch::kInt64);
-    x0 = data_.latents.index_select(0, index);
-    if (data_.image_latents.defined()) image_latents = data_.image_latents.index_select(0, index);
-  } else {  // a batch of one bucket's items, as the DiT family's (BucketBatchSampler)
-    const auto planned = bucket_sampler_->next();
-    std::vector<int64_t> rows;
-    for (const int64_t item : planned.items) rows.push_back(data_.row_of[static_cast<size_t>(item)]);
-    index = torch::tensor(planned.items, torch::kInt64);
-    const auto& bucket = data_.buckets.at(static_cast<size_t>(planned.bucket));
-    const auto at_rows = torch::tensor(rows, torch::kInt64);
-    x0 = bucket.latents.index_select(0, at_rows);
-    if (bucket.image_latents.defined()) image_latents = bucket.image_latents.index_select(0, at_rows);
-  }
+  // The batch's items: one clip shape (with buckets, one bucket's items, as the DiT family's BucketBatchSampler).
+  const std::vector<int64_t> items = bucket_sampler_ ? bucket_sampler_->next().items : sampler_.next(B);
+  const torch::Tensor x0 = data_.rows("latents", items), image_latents = data_.rows("image_latents", items);
   WanBatch b;
-  auto text = data_.text.index_select(0, index);
+  auto text = data_.rows("text", items);
   std::bernoulli_distribution drop(config_.diffusion.caption_dropout);
   for (int64_t i = 0; i < B; ++i)
     if (drop(caption_rng_)) text[i].copy_(data_.empty_text);
   if (image_latents.defined()) {  // image-to-video: the conditioning channels and image tokens
     b.condition = wan_image_condition(image_latents);
-    if (data_.image_embeds.defined()) b.image = data_.image_embeds.index_select(0, index);
+    b.image = data_.rows("image_embeds", items);
     if (config_.diffusion.image_dropout > 0) {
       std::bernoulli_distribution drop_image(config_.diffusion.image_dropout);
       for (int64_t i = 0; i < B; ++i)
@@ -330,7 +358,7 @@ std::string WanBatchSource::state() const {
   nlohmann::ordered_json j;
   j["epoch"] = bucket_sampler_ ? bucket_sampler_->epoch() : sampler_.epoch();
   j["cursor"] = bucket_sampler_ ? bucket_sampler_->cursor() : sampler_.cursor();
-  if (bucket_sampler_) j["buckets"] = data_.buckets.size();
+  if (bucket_sampler_) j["buckets"] = data_.num_buckets();
   j["caption_rng"] = rng.str();
   j["generator"] = generator_hex(generator_);
   return j.dump();
@@ -342,11 +370,11 @@ void WanBatchSource::restore(const std::string& state) {
     const auto epoch = j.at("epoch").get<int64_t>(), cursor = j.at("cursor").get<int64_t>();
     // A position in batches of buckets, or in items: the checkpoint's data must be held the same way.
     const size_t buckets = j.contains("buckets") ? j.at("buckets").get<size_t>() : 0;
-    if (buckets != (bucket_sampler_ ? data_.buckets.size() : 0))
+    if (buckets != (bucket_sampler_ ? static_cast<size_t>(data_.num_buckets()) : 0))
       throw std::invalid_argument(fmt::format(
           "the checkpoint's data position is in {}, this run's data in {}: resume with the data.buckets it ran with",
           buckets ? fmt::format("batches of {} buckets", buckets) : std::string("items of one clip size"),
-          bucket_sampler_ ? fmt::format("batches of {} buckets", data_.buckets.size())
+          bucket_sampler_ ? fmt::format("batches of {} buckets", data_.num_buckets())
                           : std::string("items of one clip size")));
     const int64_t positions = bucket_sampler_ ? bucket_sampler_->batches_per_epoch() : size();
     if (cursor < 0 || cursor > positions || epoch < (bucket_sampler_ ? 0 : -1))

@@ -163,10 +163,16 @@ WanValidation::WanValidation(const RunConfig& config, const std::vector<std::str
                                   vae.config().spatial_downscale(), vae.config().spatial_downscale()));
 }
 
-void WanValidation::images(int64_t N, const std::function<torch::Tensor(int64_t)>& image_latents_of,
-                           const torch::Tensor& image_embeds) {
+void WanValidation::images(const WanLatentData& data) {
+  const int64_t N = data.size();
   TORCH_CHECK(N >= 1, "WanValidation::images: no items");
   const auto bracketed = [](const std::vector<int64_t>& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); };
+  // An item's latent shape [C, T, H, W] without reading it: its bucket's.
+  const auto shape_of = [&](int64_t item) {
+    const auto s = data.sizes("image_latents", data.bucketed() ? data.bucket_of.at(static_cast<size_t>(item)) : -1);
+    TORCH_CHECK(s.has_value(), "WanValidation::images: the data has no image_latents");
+    return std::vector<int64_t>(s->begin() + 1, s->end());
+  };
   conditions_.clear();
   for (size_t i = 0; i < videos_.size(); ++i) {
     auto& video = videos_[i];
@@ -175,7 +181,7 @@ void WanValidation::images(int64_t N, const std::function<torch::Tensor(int64_t)
     if (item < 0 && !own_size) item = static_cast<int64_t>(i) % N;
     if (item >= 0) {
       // At its item's size (its bucket's), recorded in index.json where it is not the run's.
-      const auto shape = image_latents_of(item).sizes().vec();
+      const auto shape = shape_of(item);
       if (shape != video.shape) {
         const int64_t ds = config_.model.vae.downscale;
         video.shape = shape;
@@ -185,19 +191,18 @@ void WanValidation::images(int64_t N, const std::function<torch::Tensor(int64_t)
     } else {  // a line of its own size: the first item from i mod N on that has it
       for (int64_t k = 0; k < N && item < 0; ++k) {
         const int64_t candidate = (static_cast<int64_t>(i) + k) % N;
-        if (image_latents_of(candidate).sizes().vec() == video.shape) item = candidate;
+        if (shape_of(candidate) == video.shape) item = candidate;
       }
       if (item < 0)
-        throw ConfigError(
-            source_, "train.sample_prompts",
-            fmt::format("validation video {} ('{}') is {} in latents, but image-to-video's images are "
-                        "the data's, of which none has that size (the first item's: {}): give its line "
-                        "no size of its own, or one of the data's",
-                        i, video.job.prompt, bracketed(video.shape), bracketed(image_latents_of(0).sizes().vec())));
+        throw ConfigError(source_, "train.sample_prompts",
+                          fmt::format("validation video {} ('{}') is {} in latents, but image-to-video's images are "
+                                      "the data's, of which none has that size (the first item's: {}): give its line "
+                                      "no size of its own, or one of the data's",
+                                      i, video.job.prompt, bracketed(video.shape), bracketed(shape_of(0))));
     }
     WanImageCondition c;
-    c.latents = image_latents_of(item).unsqueeze(0).to(torch::kFloat32).clone();
-    if (image_embeds.defined()) c.image = image_embeds.narrow(0, item, 1).to(torch::kFloat32).clone();
+    c.latents = data.rows("image_latents", {item});
+    c.image = data.rows("image_embeds", {item});
     conditions_.push_back(std::move(c));
   }
 }

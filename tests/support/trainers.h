@@ -6,6 +6,7 @@
 
 #include <cstdio>
 #include <memory>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -51,10 +52,13 @@ inline Trainer wan_trainer(RunConfig config, const WanLatentData& data, Communic
   static int counter = 0;
   const std::string path =
       "/tmp/megaslide-test-wan-data-" + std::to_string(::getpid()) + "-" + std::to_string(counter++) + ".safetensors";
-  io::NamedTensors tensors{{"latents", data.latents}, {"text", data.text}};
+  // Every item, whether held in memory or read from a cache (one clip size).
+  std::vector<int64_t> items(static_cast<size_t>(data.size()));
+  std::iota(items.begin(), items.end(), int64_t{0});
+  io::NamedTensors tensors;
+  for (const char* name : {"latents", "text", "image_latents", "image_embeds"})
+    if (auto rows = data.rows(name, items); rows.defined()) tensors.emplace_back(name, rows);
   if (data.empty_text.defined()) tensors.emplace_back("empty_text", data.empty_text);
-  if (data.image_latents.defined()) tensors.emplace_back("image_latents", data.image_latents);
-  if (data.image_embeds.defined()) tensors.emplace_back("image_embeds", data.image_embeds);
   io::write_safetensors(path, tensors);
   config.data.tensors = path;
   struct Remove {

@@ -129,10 +129,14 @@ class LatentCache final : public ClipSource {
   // The empty prompt's text tensors.
   const ClipSample& empty_prompt() const { return empty_prompt_; }
   // Every item's tensor `name` ("latents", "text", ...) stacked in item order [N, ...], or the items `items`
-  // in that order when given, as float32 for floating-point tensors (Wan trains on all of them in memory:
-  // WanLatentData::from_cache, which takes verified_items'). Throws DatasetError naming the first item whose
-  // shape differs from the first's, or a tensor the cache lacks. It checks no CRC-32: load and verified_items do.
+  // in that order when given, as float32 for floating-point tensors (Wan reads its batches so, from the items
+  // verified_items gives: WanLatentData::rows). Throws DatasetError naming the first item whose shape differs
+  // from the first's, or a tensor the cache lacks. It checks no CRC-32: load and verified_items do.
   torch::Tensor stacked(const std::string& name, const std::vector<int64_t>& items = {}) const;
+  // The shape [...] that every one of `items` (every item when empty) has for tensor `name`, from the shards'
+  // headers (no data read); nullopt when the first of them has no such tensor. Throws DatasetError as stacked.
+  std::optional<std::vector<int64_t>> common_sizes(const std::string& name,
+                                                   const std::vector<int64_t>& items = {}) const;
   const std::vector<BadItem>& bad() const { return bad_; }
   int64_t listed() const { return listed_; }
   // Every item checked against its CRC-32s (load) at once, as a run that holds them all in memory needs: the

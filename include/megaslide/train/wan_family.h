@@ -64,42 +64,65 @@
 
 namespace megaslide {
 
-// Latent videos and their text embeddings, in memory.
+class LatentCache;
+
+// Latent videos and their text embeddings: in memory (load, or set directly), or in a megaslide-cache folder's
+// memory-mapped shards (from_cache), each batch reading its own items, so that host memory does not grow with the
+// dataset. rows() and sizes() read either way.
 struct WanLatentData {
+  // In memory (the tensors below; undefined when the items are a cache's):
   // [N, C, T, H, W] float32: Wan VAE latents (normalised as Wan's pipeline does); undefined when the items have
   // several shapes (buckets below)
   torch::Tensor latents;
-  torch::Tensor text;        // [N, L, text_dim] float32: umT5 embeddings, zero past the prompt (Wan's convention)
-  torch::Tensor empty_text;  // [L, text_dim]: the empty prompt's embedding (caption dropout); optional
+  torch::Tensor text;  // [N, L, text_dim] float32: umT5 embeddings, zero past the prompt (Wan's convention)
   // Image-to-video (wan_image_to_video): each clip's conditioning video's latents [N, C, T, H, W]
   // (WanVae::encode_image_video of its image) and, for an image branch (model.wan.image_dim > 0), its image
   // tokens [N, Li, image_dim] (CLIP's penultimate hidden states).
   torch::Tensor image_latents, image_embeds;
-  // Items of several clip shapes (a cache of data.buckets; latents and image_latents undefined): item i is row
-  // row_of[i] of bucket bucket_of[i]'s tensors, which hold that bucket's items in item order.
+  // Items of several clip shapes (latents and image_latents undefined): item i is row row_of[i] of bucket
+  // bucket_of[i]'s tensors, which hold that bucket's items in item order.
   struct Bucket {
     torch::Tensor latents, image_latents;  // [n_b, C, T_b, H_b, W_b]
   };
   std::vector<Bucket> buckets;
-  std::vector<int64_t> bucket_of, row_of;
+  std::vector<int64_t> row_of;
+  // A cache's items (from_cache): item i is the cache's item cache_items[i], read from its shards by rows(); the
+  // tensors above are undefined and `buckets` is empty.
+  std::shared_ptr<const LatentCache> cache;
+  std::vector<int64_t> cache_items;
+  // Either way:
+  torch::Tensor empty_text;        // [L, text_dim]: the empty prompt's embedding (caption dropout); optional
+  std::vector<int64_t> bucket_of;  // several clip shapes (data.buckets): each item's bucket; else empty
   // From a cache: each item's caption, and the items left out (the cache's bad items, and those that failed
   // their CRC-32 here).
   std::vector<std::string> captions;
   std::vector<BadItem> bad;
-  bool bucketed() const { return !buckets.empty(); }
-  int64_t size() const { return text.defined() ? text.size(0) : 0; }
-  // Item i's latents [C, T, H, W] and (image-to-video) its image latents, whichever way they are held.
-  torch::Tensor item_latents(int64_t i) const;
-  torch::Tensor item_image_latents(int64_t i) const;
+
+  bool bucketed() const { return !bucket_of.empty(); }
+  int64_t num_buckets() const;
+  int64_t size() const;
+  // The rows of `name` — "latents", "text", "image_latents" or "image_embeds" — of `items`, in that order, as a new
+  // float32 tensor [items.size(), ...] on the CPU; undefined when the data has no such tensor. Items of one batch
+  // of latents or image latents share a clip shape (one bucket). Throws std::invalid_argument for another name or
+  // an item out of range, DatasetError when a cache's shard cannot be read.
+  torch::Tensor rows(const std::string& name, const std::vector<int64_t>& items) const;
+  // The sizes [n, ...] of `name` over the n items of bucket `bucket` (-1: every item, which must then share their
+  // shapes), without reading the items; nullopt when the data has no such tensor or the bucket no item. Throws
+  // std::invalid_argument (in memory) or DatasetError (a cache), naming the first item whose shape differs.
+  std::optional<std::vector<int64_t>> sizes(const std::string& name, int64_t bucket = -1) const;
+  // Item i's latents [C, T, H, W] and (image-to-video) its image latents and image tokens, read as rows() reads.
+  torch::Tensor item_latents(int64_t i) const { return rows("latents", {i})[0]; }
+  torch::Tensor item_image_latents(int64_t i) const { return rows("image_latents", {i})[0]; }
   // Reads a safetensors file holding "latents", "text" and optionally "empty_text", "image_latents" and
-  // "image_embeds" (float32, bf16 or fp16); errors (std::invalid_argument) name the file and the tensor.
+  // "image_embeds" (float32, bf16 or fp16) into memory as float32; errors (std::invalid_argument) name the file
+  // and the tensor.
   static WanLatentData load(const std::string& path);
-  // Every item of a megaslide-cache folder made through umT5 and the Wan VAE (data/latent_cache.h), in
-  // item order: latents, umT5 text and the empty prompt's as empty_text (image-to-video: the image's too). `config` is
-  // the run's (data.dataset: videos, pixel sizes): the cache is opened with its checks (encoders, decode settings,
-  // stale items). An item that fails its CRC-32 is left out as a bad item, as a run of the DiT family skips it,
-  // within data.max_bad_fraction. With data.buckets the latents are held by bucket (buckets above). Throws
-  // DatasetError.
+  // The items of a megaslide-cache folder made through umT5 and the Wan VAE (data/latent_cache.h), in item
+  // order, left in its mapped shards (above): latents, umT5 text, the empty prompt's as empty_text (held) and for
+  // image-to-video the image's. `config` is the run's (data.dataset: videos, pixel sizes): the cache is opened with
+  // its checks (encoders, decode settings, stale items), and every item is checked against its CRC-32s once,
+  // here; one that fails is left out as a bad item, as a run of the DiT family skips it, within
+  // data.max_bad_fraction. With data.buckets each item's bucket is the cache's. Throws DatasetError.
   static WanLatentData from_cache(const RunConfig& config, const std::string& dir);
   // Checks the shapes against a config (data.channels/frames/height/width, model.wan.text_dim; bucketed: the
   // channels, each bucket's sizes being the cache's); throws std::invalid_argument naming what differs.

@@ -64,6 +64,8 @@
 
 namespace megaslide {
 
+struct WanLatentData;
+
 class Trainer;
 
 // Videos per validation.
@@ -116,11 +118,10 @@ class WanValidation {
   // Image-to-video (wan_image_to_video): the images the videos start from, fixed for the run — a caption's
   // video the image of the item the caption came from, any other (train.sample_prompts' lines, the default
   // prompts) item i mod N's for video i, each sampled at that item's size (its bucket's) — but a line of its own
-  // size the first item from i mod N on of that size — from the run's N items: image_latents_of(item), an item's
-  // conditioning latents [C, T, H, W], and the image tokens [N, Li, image_dim] (undefined without an image
-  // branch). Throws ConfigError naming train.sample_prompts when no item has a line's size.
-  void images(int64_t items, const std::function<torch::Tensor(int64_t)>& image_latents_of,
-              const torch::Tensor& image_embeds);
+  // size the first item from i mod N on of that size — from the run's N items (`data`: its image_latents, and its
+  // image_embeds where the DiT has an image branch). Throws ConfigError naming train.sample_prompts when no item
+  // has a line's size.
+  void images(const WanLatentData& data);
 
   // Each video's normalised latents [1, C, T, H, W] float32 on the CPU, sampled with the trainer's
   // current weights (waits for its pending updates; its weights and modes are as before on return).
