@@ -463,27 +463,48 @@ TEST(ContextParallel, Dsa3dHaloExchangeIsTheSingleRankOperator) {
                                      offsets.clone().requires_grad_(), bias.clone().requires_grad_()};
     const auto expected = ops::dsa3d(whole[0], whole[1], whole[2], whole[3], whole[4], kernel, ops::DsaImpl::kCpu);
     (expected * dout).sum().backward();
-    // The frames split over the ranks.
+    // The frames split over the ranks: the halo's reach measured on the offsets, or a bound given beforehand
+    // (the offsets' own range, or a looser one); a bound the offsets exceed (0) must give another result where
+    // it leaves a rank's halo short (kernels of 3 frames: with 5 the slab of a 2-frame rank already spans the grid).
     const auto split = ops::FrameSplit::balanced(c.frames, c.ranks);
-    std::vector<std::vector<torch::Tensor>> got(static_cast<size_t>(c.ranks));
-    const auto errors = on_gloo_ranks(c.ranks, [&](int64_t rank, CommunicatorFrames& group) {
-      const auto mine = [&](const torch::Tensor& t) {
-        return t.narrow(1, split.begin(rank), split.size(rank)).clone().requires_grad_();
-      };
-      auto ql = mine(q), kl = mine(k), vl = mine(v), ol = mine(offsets);
-      auto bl = bias.clone().requires_grad_();
-      const auto out = ops::dsa3d_context_parallel(ql, kl, vl, ol, bl, kernel, split, group, ops::DsaImpl::kCpu);
-      (out * dout.narrow(1, split.begin(rank), split.size(rank))).sum().backward();
-      got[static_cast<size_t>(rank)] = {out.detach(), ql.grad(), kl.grad(), vl.grad(), ol.grad(), bl.grad()};
-    });
-    for (const auto& e : errors) ASSERT_EQ(e, "");
+    const auto on_ranks = [&](std::optional<double> reach_bound) {
+      std::vector<std::vector<torch::Tensor>> got(static_cast<size_t>(c.ranks));
+      const auto errors = on_gloo_ranks(c.ranks, [&](int64_t rank, CommunicatorFrames& group) {
+        const auto mine = [&](const torch::Tensor& t) {
+          return t.narrow(1, split.begin(rank), split.size(rank)).clone().requires_grad_();
+        };
+        auto ql = mine(q), kl = mine(k), vl = mine(v), ol = mine(offsets);
+        auto bl = bias.clone().requires_grad_();
+        const auto out = ops::dsa3d_context_parallel(ql, kl, vl, ol, bl, kernel, split, group, ops::DsaImpl::kCpu,
+                                                     false, reach_bound);
+        (out * dout.narrow(1, split.begin(rank), split.size(rank))).sum().backward();
+        got[static_cast<size_t>(rank)] = {out.detach(), ql.grad(), kl.grad(), vl.grad(), ol.grad(), bl.grad()};
+      });
+      for (const auto& e : errors) EXPECT_EQ(e, "");
+      return got;
+    };
     const char* names[] = {"out", "dq", "dk", "dv", "d(offsets)"};
     const torch::Tensor reference[] = {expected.detach(), whole[0].grad(), whole[1].grad(), whole[2].grad(),
                                        whole[3].grad()};
-    for (size_t i = 0; i < 5; ++i) expect_pieces_join_to(got, i, reference[i], names[i]);
-    auto dbias = torch::zeros_like(bias);
-    for (const auto& g : got) dbias += g[5];
-    EXPECT_LT((dbias - whole[4].grad()).abs().max().item<double>(), 1e-12) << "d(bias)";
+    for (const std::optional<double> bound :
+         {std::optional<double>(), std::optional<double>(2.6), std::optional<double>(ops::offset_reach_bound(4.0))}) {
+      SCOPED_TRACE(bound ? "reach bound " + std::to_string(*bound) : std::string("reach measured"));
+      const auto got = on_ranks(bound);
+      for (size_t i = 0; i < 5; ++i) expect_pieces_join_to(got, i, reference[i], names[i]);
+      auto dbias = torch::zeros_like(bias);
+      for (const auto& g : got) dbias += g[5];
+      EXPECT_LT((dbias - whole[4].grad()).abs().max().item<double>(), 1e-12) << "d(bias)";
+    }
+    if (c.kt != 3) continue;
+    const auto short_halo = on_ranks(0.0);
+    double differs = 0;
+    for (int64_t r = 0; r < c.ranks; ++r)
+      differs = std::max(
+          differs, (short_halo[static_cast<size_t>(r)][0] - expected.detach().narrow(1, split.begin(r), split.size(r)))
+                       .abs()
+                       .max()
+                       .item<double>());
+    EXPECT_GT(differs, 1e-6) << "a halo too short for the offsets changed nothing: the bound is not what sizes it";
   }
 }
 

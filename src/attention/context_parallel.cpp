@@ -283,7 +283,7 @@ at::Tensor ulysses_attention(const at::Tensor& q, const at::Tensor& k, const at:
 at::Tensor dsa3d_context_parallel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& offsets, const std::optional<at::Tensor>& bias,
                                   std::array<int64_t, 3> kernel, const FrameSplit& split, FrameExchange& group,
-                                  DsaImpl impl, bool deterministic) {
+                                  DsaImpl impl, bool deterministic, std::optional<double> reach_bound) {
   const int64_t me = group.rank();
   TORCH_CHECK(split.ranks == group.size(), "dsa3d_context_parallel: the split is over ", split.ranks,
               " ranks, the group has ", group.size());
@@ -293,9 +293,15 @@ at::Tensor dsa3d_context_parallel(const at::Tensor& q, const at::Tensor& k, cons
   TORCH_CHECK(offsets.dim() == 7 && offsets.size(1) == q.size(1), "dsa3d_context_parallel: offsets must be [B, ",
               q.size(1), ", H, W, G, K, 3], got ", offsets.sizes());
   // The farthest a temporal offset reaches, anywhere in the group: the halo's width.
-  const double local_reach = offsets.numel() > 0 ? offsets.select(-1, 0).detach().abs().max().item<double>() : 0.0;
-  const double reach = group.max(local_reach);
-  TORCH_CHECK(std::isfinite(reach), "dsa3d_context_parallel: a temporal offset is not finite");
+  double reach = 0.0;
+  if (reach_bound) {
+    reach = *reach_bound;
+    TORCH_CHECK(std::isfinite(reach) && reach >= 0, "dsa3d_context_parallel: the reach bound is ", reach);
+  } else {
+    const double local_reach = offsets.numel() > 0 ? offsets.select(-1, 0).detach().abs().max().item<double>() : 0.0;
+    reach = group.max(local_reach);
+    TORCH_CHECK(std::isfinite(reach), "dsa3d_context_parallel: a temporal offset is not finite");
+  }
   const HaloPlan plan = plan_halo(split, me, 2, [&](int64_t p) { return context_slab(split, p, kernel[0], reach); });
   const auto kv = HaloGather::apply(torch::stack({k, v}), &group, plan);
   const auto out =

@@ -84,10 +84,20 @@ std::pair<int64_t, int64_t> context_slab(const FrameSplit& split, int64_t r, int
 // dsa3d (dsa3d.h) of this rank's frames: q, k, v [B, T_r, H, W, M, d] and offsets [B, T_r, H, W, G, K, 3] hold
 // the frames [split.begin(r), split.end(r)) of the whole grid (r = group.rank()), K the effective kernel of the
 // whole grid (T = split.frames); returns those frames' outputs. Differentiable as dsa3d; collective.
+// The halo's width comes from the largest |temporal offset| of the group: `reach_bound` when given — a bound on
+// it known beforehand, the same on every rank (a module's Δ = r·tanh(o): r, widened for the rounding to the
+// offsets' dtype), so that nothing is read back to the host and no all-reduce runs — else measured on the offsets
+// (one read to the host and one all-reduce per call). Either gives the same result wherever the bound holds:
+// a wider halo only adds frames whose outputs are dropped.
 at::Tensor dsa3d_context_parallel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& offsets, const std::optional<at::Tensor>& bias,
                                   std::array<int64_t, 3> kernel, const FrameSplit& split, FrameExchange& group,
-                                  DsaImpl impl = DsaImpl::kAuto, bool deterministic = false);
+                                  DsaImpl impl = DsaImpl::kAuto, bool deterministic = false,
+                                  std::optional<double> reach_bound = std::nullopt);
+
+// The bound on |r·tanh(o)| after rounding to a dtype of at least 8 significand bits (bf16, fp16, float32): r
+// widened by 2^-7 of itself, what dsa3d_context_parallel's reach_bound takes for a module's temporal range r.
+inline double offset_reach_bound(double range) { return (range < 0 ? -range : range) * (1.0 + 1.0 / 128); }
 
 // `x` [B, T_r, ...] (this rank's frames in dimension 1) extended by up to `below` frames before and `above` after
 // from the ranks that hold them (fewer at the grid's ends): returns the extended tensor and the number of frames
