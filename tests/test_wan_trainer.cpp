@@ -311,6 +311,52 @@ TEST(WanTraining, DataThatDoesNotFitIsNamed) {
   }
 }
 
+// The property: a data.tensors file is mapped, not copied: its tensors stay in the dtype the file stores (bf16 here),
+// batches read from it are float32 and equal, bit for bit, the batches of a float32 file of the same values; a tensor
+// holding a NaN, one of integers and a name Wan does not read are refused naming the file and the tensor.
+TEST(WanTraining, TensorsFileIsMappedAndReadBatchByBatch) {
+  const auto dir = temp_dir("mapped");
+  const auto data = tiny_data();
+  const auto rounded = data.latents.to(torch::kBFloat16), text = data.text.to(torch::kBFloat16);
+  megaslide::io::write_safetensors(dir + "/bf16.safetensors",
+                                   {{"latents", rounded}, {"text", text}, {"empty_text", data.empty_text}});
+  megaslide::io::write_safetensors(
+      dir + "/fp32.safetensors",
+      {{"latents", rounded.to(torch::kFloat32)}, {"text", text.to(torch::kFloat32)}, {"empty_text", data.empty_text}});
+  const auto mapped = WanLatentData::load(dir + "/bf16.safetensors");
+  EXPECT_EQ(mapped.latents.scalar_type(), torch::kBFloat16);
+  EXPECT_EQ(mapped.text.scalar_type(), torch::kBFloat16);
+  EXPECT_EQ(mapped.rows("latents", {2, 0}).scalar_type(), torch::kFloat32);
+  EXPECT_TRUE(
+      torch::equal(mapped.rows("latents", {2, 0}), rounded.index_select(0, torch::tensor({2, 0})).to(torch::kFloat32)));
+  const auto config = megaslide::wan_latent_config(tiny_config({"diffusion.caption_dropout=0.5"}));
+  megaslide::WanBatchSource from_bf16(config, mapped),
+      from_fp32(config, WanLatentData::load(dir + "/fp32.safetensors"));
+  for (int k = 0; k < 4; ++k) {
+    const auto a = from_bf16.next(torch::kCPU), b = from_fp32.next(torch::kCPU);
+    EXPECT_TRUE(torch::equal(a.xt, b.xt) && torch::equal(a.text, b.text) && torch::equal(a.target, b.target)) << k;
+  }
+  const auto refusal = [&](const megaslide::io::NamedTensors& tensors) {
+    megaslide::io::write_safetensors(dir + "/bad.safetensors", tensors);
+    try {
+      WanLatentData::load(dir + "/bad.safetensors");
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    ADD_FAILURE() << "accepted";
+    return std::string();
+  };
+  auto with_nan = data.latents.clone();
+  with_nan[1][0][0][0][0] = NAN;
+  auto what = refusal({{"latents", with_nan}, {"text", data.text}});
+  EXPECT_NE(what.find("latents"), std::string::npos) << what;
+  EXPECT_NE(what.find("bad.safetensors"), std::string::npos) << what;
+  what = refusal({{"latents", data.latents}, {"text", data.text.to(torch::kInt32)}});
+  EXPECT_NE(what.find("tensor 'text' is"), std::string::npos) << what;
+  what = refusal({{"latents", data.latents}, {"text", data.text}, {"captions", data.text}});
+  EXPECT_NE(what.find("unexpected tensor 'captions'"), std::string::npos) << what;
+}
+
 namespace {
 std::vector<double> losses_of(const std::string& run_dir) {
   std::vector<double> out;

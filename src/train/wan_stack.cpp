@@ -11,6 +11,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "io/pretrained.h"
 #include "megaslide/data/latent_cache.h"
 #include "megaslide/io/safetensors.h"
 #include "megaslide/train/distributed.h"
@@ -57,27 +58,30 @@ void move_parameter(torch::Tensor& p, torch::Device device) {
 }
 
 WanLatentData WanLatentData::load(const std::string& path) {
-  io::SafetensorsFile file;
+  WanLatentData d;
   try {
-    file = io::read_safetensors(path);
+    const io::MappedWeights file(path);
+    for (const auto& name : file.names()) {
+      if (!c10::isFloatingType(file.stored_dtype(name)) || file.is_fp8(name))
+        throw std::invalid_argument("'" + path + "': tensor '" + name + "' is " +
+                                    c10::toString(file.stored_dtype(name)) + ", expected float32, bf16 or fp16");
+      torch::Tensor* slot = name == "latents"         ? &d.latents
+                            : name == "text"          ? &d.text
+                            : name == "empty_text"    ? &d.empty_text
+                            : name == "image_latents" ? &d.image_latents
+                            : name == "image_embeds"  ? &d.image_embeds
+                                                      : nullptr;
+      if (slot == nullptr)
+        throw std::invalid_argument("'" + path + "': unexpected tensor '" + name +
+                                    "' (expected latents, text, empty_text, image_latents, image_embeds)");
+      *slot = file.view(name, file.shape(name), "as stored");  // read-only, in the file's dtype; scanned for NaN
+    }
   } catch (const io::IoError& e) {
     throw std::invalid_argument(e.what());
   }
-  WanLatentData d;
-  for (auto& [name, t] : file.tensors) {
-    if (!t.is_floating_point())
-      throw std::invalid_argument("'" + path + "': tensor '" + name + "' is not floating point");
-    if (name == "latents") d.latents = t.to(torch::kFloat32);
-    else if (name == "text") d.text = t.to(torch::kFloat32);
-    else if (name == "empty_text") d.empty_text = t.to(torch::kFloat32);
-    else if (name == "image_latents") d.image_latents = t.to(torch::kFloat32);
-    else if (name == "image_embeds") d.image_embeds = t.to(torch::kFloat32);
-    else
-      throw std::invalid_argument("'" + path + "': unexpected tensor '" + name +
-                                  "' (expected latents, text, empty_text, image_latents, image_embeds)");
-  }
   if (!d.latents.defined() || !d.text.defined())
     throw std::invalid_argument("'" + path + "': needs tensors 'latents' and 'text'");
+  if (d.empty_text.defined()) d.empty_text = d.empty_text.to(torch::kFloat32, false, /*copy=*/true);
   return d;
 }
 

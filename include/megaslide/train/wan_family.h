@@ -70,11 +70,12 @@ class LatentCache;
 // memory-mapped shards (from_cache), each batch reading its own items, so that host memory does not grow with the
 // dataset. rows() and sizes() read either way.
 struct WanLatentData {
-  // In memory (the tensors below; undefined when the items are a cache's):
-  // [N, C, T, H, W] float32: Wan VAE latents (normalised as Wan's pipeline does); undefined when the items have
-  // several shapes (buckets below)
+  // In memory (the tensors below; undefined when the items are a cache's): float32, bf16 or fp16 — load's are
+  // read-only views into the file's memory map in the dtype it stores, which rows() converts batch by batch.
+  // [N, C, T, H, W]: Wan VAE latents (normalised as Wan's pipeline does); undefined when the items have several
+  // shapes (buckets below)
   torch::Tensor latents;
-  torch::Tensor text;  // [N, L, text_dim] float32: umT5 embeddings, zero past the prompt (Wan's convention)
+  torch::Tensor text;  // [N, L, text_dim]: umT5 embeddings, zero past the prompt (Wan's convention)
   // Image-to-video (wan_image_to_video): each clip's conditioning video's latents [N, C, T, H, W]
   // (WanVae::encode_image_video of its image) and, for an image branch (model.wan.image_dim > 0), its image
   // tokens [N, Li, image_dim] (CLIP's penultimate hidden states).
@@ -113,9 +114,10 @@ struct WanLatentData {
   // Item i's latents [C, T, H, W] and (image-to-video) its image latents and image tokens, read as rows() reads.
   torch::Tensor item_latents(int64_t i) const { return rows("latents", {i})[0]; }
   torch::Tensor item_image_latents(int64_t i) const { return rows("image_latents", {i})[0]; }
-  // Reads a safetensors file holding "latents", "text" and optionally "empty_text", "image_latents" and
-  // "image_embeds" (float32, bf16 or fp16) into memory as float32; errors (std::invalid_argument) name the file
-  // and the tensor.
+  // Maps a safetensors file holding "latents", "text" and optionally "empty_text", "image_latents" and
+  // "image_embeds" (float32, bf16 or fp16): the tensors are views into the map (the page cache holds what is read,
+  // and drops it under memory pressure), each scanned once for NaN and infinities; empty_text is copied as float32.
+  // The file must not be truncated while the run lives. Errors (std::invalid_argument) name the file and the tensor.
   static WanLatentData load(const std::string& path);
   // The items of a megaslide-cache folder made through umT5 and the Wan VAE (data/latent_cache.h), in item
   // order, left in its mapped shards (above): latents, umT5 text, the empty prompt's as empty_text (held) and for
