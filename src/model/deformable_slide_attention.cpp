@@ -141,10 +141,11 @@ torch::Tensor DeformableSlideAttention3DImpl::forward_context_parallel(const tor
               " expected the tokens of its ", local.t, " frames [B, ", local.numel(), ", ", D, "], got ", x.sizes());
   const int64_t B = x.size(0);
   auto as_heads = [&](Linear& proj_) { return proj_(x).view({B, local.t, local.h, local.w, M, D / M}); };
-  auto out =
-      ops::dsa3d_context_parallel(as_heads(q), as_heads(k), as_heads(v), offsets_of(x, local, grid, &split, &group),
-                                  kernel_window(rel_bias, 1, grid), options.kernel(), split, group, options.impl(),
-                                  options.deterministic(), ops::offset_reach_bound(options.offset_range()[0]));
+  auto out = ops::dsa3d_context_parallel(
+      as_heads(q), as_heads(k), as_heads(v), offsets_of(x, local, grid, &split, &group),
+      kernel_window(rel_bias, 1, grid), options.kernel(), split, group, options.impl(), options.deterministic(),
+      // zero offsets reach no frame beyond the window
+      options.offsets() == DsaOffsets::kZero ? 0.0 : ops::offset_reach_bound(options.offset_range()[0]));
   return proj(out.reshape({B, local.numel(), D}));
 }
 

@@ -203,7 +203,9 @@ torch::Tensor WanAttentionImpl::forward_self(const torch::Tensor& x, const Token
     o = (cp.active()
              ? ops::dsa3d_context_parallel(on_grid(q), on_grid(k), on_grid(v), offsets, bias, options.dsa_kernel(),
                                            cp.split, *cp.group, options.dsa_impl(), /*deterministic=*/false,
-                                           ops::offset_reach_bound(options.dsa_offset_range()[0]))
+                                           options.dsa_offsets() == DsaOffsets::kZero  // zero offsets: no reach
+                                               ? 0.0
+                                               : ops::offset_reach_bound(options.dsa_offset_range()[0]))
              : ops::dsa3d(on_grid(q), on_grid(k), on_grid(v), offsets, bias, options.dsa_kernel(), options.dsa_impl()))
             .reshape({B, N, D});
   } else if (cp.active()) {

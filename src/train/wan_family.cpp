@@ -242,12 +242,13 @@ class WanModel final : public FamilyModel {
     return config_.data.dataset == "videos"
                ? fmt::format(
                      "cache {}: {} usable items of {} listed ({} bad; Wan VAE latents and umT5 embeddings, "
-                     "all held in memory{})",
+                     "read batch by batch from the mapped shards{})",
                      config_.data.cache, items_, items_ + bad_items_, bad_items_,
                      config_.data.buckets.empty()
                          ? ""
                          : fmt::format("; {} buckets, each batch of one", config_.data.buckets.size()))
-               : fmt::format("tensors {} (latents and text embeddings, all held in memory)", config_.data.tensors);
+               : fmt::format("tensors {} (latents and text embeddings, memory-mapped, read batch by batch)",
+                             config_.data.tensors);
   }
 
   int64_t tokens_per_sample() const override { return grid_.numel(); }

@@ -120,6 +120,7 @@ torch::Tensor WanLatentData::rows(const std::string& name, const std::vector<int
   if (!is_item_tensor(name)) throw std::invalid_argument("WanLatentData::rows: no item tensor '" + name + "'");
   for (const int64_t i : items)
     if (i < 0 || i >= size()) throw std::invalid_argument(fmt::format("WanLatentData::rows: item {} of {}", i, size()));
+  if (items.empty()) return {};
   if (cache) {
     if (!cache->common_sizes(name, {cache_items.front()})) return {};
     std::vector<int64_t> of_cache;
@@ -146,10 +147,13 @@ torch::Tensor WanLatentData::rows(const std::string& name, const std::vector<int
 
 std::optional<std::vector<int64_t>> WanLatentData::sizes(const std::string& name, int64_t bucket) const {
   if (!is_item_tensor(name)) throw std::invalid_argument("WanLatentData::sizes: no item tensor '" + name + "'");
+  const bool by_bucket = bucket >= 0 && of_clip_shape(name);  // other tensors: every item's, whatever `bucket`
+  if (bucketed() && of_clip_shape(name) && bucket < 0)
+    throw std::invalid_argument("WanLatentData::sizes: the items of several buckets: name one");
   if (cache) {
     std::vector<int64_t> items;
     for (size_t i = 0; i < cache_items.size(); ++i)
-      if (bucket < 0 || bucket_of.at(i) == bucket) items.push_back(cache_items[i]);
+      if (!by_bucket || bucket_of.at(i) == bucket) items.push_back(cache_items[i]);
     if (items.empty()) return std::nullopt;
     auto shape = cache->common_sizes(name, items);
     if (shape) shape->insert(shape->begin(), static_cast<int64_t>(items.size()));
@@ -157,7 +161,6 @@ std::optional<std::vector<int64_t>> WanLatentData::sizes(const std::string& name
   }
   torch::Tensor t;
   if (bucketed() && of_clip_shape(name)) {
-    if (bucket < 0) throw std::invalid_argument("WanLatentData::sizes: the items of several buckets: name one");
     if (bucket >= static_cast<int64_t>(buckets.size())) return std::nullopt;
     t = name == "latents" ? buckets[static_cast<size_t>(bucket)].latents
                           : buckets[static_cast<size_t>(bucket)].image_latents;
@@ -191,8 +194,12 @@ void WanLatentData::check(const RunConfig& c) const {
   const auto shown = [](const std::optional<std::vector<int64_t>>& s) {
     return s ? c10::str(c10::IntArrayRef(*s)) : std::string("missing");
   };
-  if (!buckets.empty() && (bucket_of.size() != row_of.size() || bucket_of.empty()))
+  if (!cache && (!buckets.empty() || bucketed()) &&
+      (bucket_of.size() != row_of.size() || bucket_of.empty() || buckets.empty()))
     throw std::invalid_argument("bucketed latents without their items' buckets and rows");
+  for (const int64_t b : bucket_of)
+    if (b < 0 || b >= num_buckets())
+      throw std::invalid_argument(fmt::format("an item's bucket is {}, of {} buckets", b, num_buckets()));
   if (!bucketed()) {
     const std::vector<int64_t> clip{d.channels, d.frames, d.height, d.width};
     const auto x = sizes("latents");

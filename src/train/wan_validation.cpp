@@ -167,11 +167,16 @@ void WanValidation::images(const WanLatentData& data) {
   const int64_t N = data.size();
   TORCH_CHECK(N >= 1, "WanValidation::images: no items");
   const auto bracketed = [](const std::vector<int64_t>& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); };
-  // An item's latent shape [C, T, H, W] without reading it: its bucket's.
-  const auto shape_of = [&](int64_t item) {
-    const auto s = data.sizes("image_latents", data.bucketed() ? data.bucket_of.at(static_cast<size_t>(item)) : -1);
-    TORCH_CHECK(s.has_value(), "WanValidation::images: the data has no image_latents");
-    return std::vector<int64_t>(s->begin() + 1, s->end());
+  // An item's latent shape [C, T, H, W] without reading it: its bucket's, each bucket's looked up once.
+  std::vector<std::vector<int64_t>> bucket_shapes(static_cast<size_t>(data.num_buckets()));
+  for (int64_t b = 0; b < data.num_buckets(); ++b)
+    if (const auto s = data.sizes("image_latents", data.bucketed() ? b : -1))
+      bucket_shapes[static_cast<size_t>(b)].assign(s->begin() + 1, s->end());
+  const auto shape_of = [&](int64_t item) -> const std::vector<int64_t>& {
+    const auto& s =
+        bucket_shapes.at(data.bucketed() ? static_cast<size_t>(data.bucket_of.at(static_cast<size_t>(item))) : 0);
+    TORCH_CHECK(!s.empty(), "WanValidation::images: the data has no image_latents");
+    return s;
   };
   conditions_.clear();
   for (size_t i = 0; i < videos_.size(); ++i) {

@@ -107,9 +107,10 @@ struct WanLatentData {
   // of latents or image latents share a clip shape (one bucket). Throws std::invalid_argument for another name or
   // an item out of range, DatasetError when a cache's shard cannot be read.
   torch::Tensor rows(const std::string& name, const std::vector<int64_t>& items) const;
-  // The sizes [n, ...] of `name` over the n items of bucket `bucket` (-1: every item, which must then share their
-  // shapes), without reading the items; nullopt when the data has no such tensor or the bucket no item. Throws
-  // std::invalid_argument (in memory) or DatasetError (a cache), naming the first item whose shape differs.
+  // The sizes [n, ...] of `name` over its n items, without reading them: for the latents and image latents of
+  // bucketed data those of bucket `bucket` (which must then be given), for the rest every item's (`bucket` is
+  // ignored). nullopt when the data has no such tensor or the bucket no item. Throws std::invalid_argument (in
+  // memory) or DatasetError (a cache), naming the first item whose shape differs.
   std::optional<std::vector<int64_t>> sizes(const std::string& name, int64_t bucket = -1) const;
   // Item i's latents [C, T, H, W] and (image-to-video) its image latents and image tokens, read as rows() reads.
   torch::Tensor item_latents(int64_t i) const { return rows("latents", {i})[0]; }
