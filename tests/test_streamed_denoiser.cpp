@@ -102,6 +102,55 @@ TEST(StreamedDenoiser, Fp32StreamingSamplesExactlyTheResidentVideosWithTwoBlocks
     EXPECT_EQ(p.numel(), 0) << "blocks are unbound between calls";
 }
 
+// The property: a denoiser over blocks kept outside it (a streamed trainer's host store: one flat buffer per block,
+// each parameter at its own offset, here in reverse order with gaps between them) predicts exactly what the resident
+// DiT does in fp32, streams from those buffers without a copy (a change to a buffer shows in the next prediction),
+// leaves the module's blocks empty, and refuses weights of another dtype or a parameter outside its buffer.
+TEST(StreamedDenoiser, BlocksKeptOutsideItPredictWhatTheResidentDiTDoes) {
+  auto config = small_config(3);
+  auto resident_model = random_model(config, 4), borrowed_model = random_model(config, 4);  // same weights
+  const auto describe = [&](megaslide::DiT& dit, torch::ScalarType dtype) {
+    std::vector<megaslide::StreamedBlockWeights> blocks;
+    for (int64_t l = 0; l < 3; ++l) {
+      megaslide::StreamedBlockWeights w;
+      const auto named = dit->blocks[l]->named_parameters(true);
+      int64_t at = 5;  // a gap before the first, between each
+      std::vector<int64_t> offsets(named.size());
+      for (size_t i = named.size(); i-- > 0;) offsets[i] = at, at += named[i].value().numel() + 3;
+      w.flat = torch::full({at}, std::nan(""), dtype);
+      for (size_t i = 0; i < named.size(); ++i) {
+        w.flat.narrow(0, offsets[i], named[i].value().numel()).copy_(named[i].value().detach().reshape({-1}));
+        w.offsets.push_back(offsets[i]);
+        w.shapes.push_back(named[i].value().sizes().vec());
+      }
+      blocks.push_back(std::move(w));
+    }
+    return blocks;
+  };
+  auto blocks = describe(borrowed_model.dit, torch::kFloat);
+  const auto first_block = blocks[0].flat;
+  {  // refusals: bf16 buffers for an fp32 denoiser, a parameter past its buffer's end
+    auto other = random_model(config, 4);
+    EXPECT_THROW(StreamedDenoiser(other.dit, describe(other.dit, torch::kBFloat16), StreamedDenoiserOptions{}),
+                 c10::Error);
+    auto outside = describe(other.dit, torch::kFloat);
+    outside[1].offsets.back() = outside[1].flat.numel();
+    EXPECT_THROW(StreamedDenoiser(other.dit, std::move(outside), StreamedDenoiserOptions{}), c10::Error);
+  }
+  megaslide::ResidentDenoiser resident(resident_model.dit);
+  StreamedDenoiser borrowed(borrowed_model.dit, std::move(blocks), StreamedDenoiserOptions{});
+  for (const auto& p : borrowed_model.dit->blocks->parameters()) ASSERT_EQ(p.numel(), 0);
+  torch::manual_seed(9);
+  const auto x = torch::randn({2, 3, 2, 4, 4}), t = torch::tensor({10, 700}, torch::kInt64);
+  const auto cond = random_text(2, 2);
+  torch::NoGradGuard no_grad;
+  const auto a = resident.predict(x, t, cond.text, cond.mask), b = borrowed.predict(x, t, cond.text, cond.mask);
+  ASSERT_GT(a.abs().max().item<double>(), 0.1);
+  EXPECT_TRUE(torch::equal(a, b)) << "differ by " << (a - b).abs().max().item<double>();
+  first_block.mul_(0.5);  // the borrowed buffer itself: the next prediction reads it
+  EXPECT_FALSE(torch::equal(borrowed.predict(x, t, cond.text, cond.mask), b));
+}
+
 TEST(StreamedDenoiser, TextToVideoThroughAWeightsFileStreamedEqualsResident) {
   // As megaslide-sample loads it: the same weights file, resident or streamed, same prompts and seeds.
   auto config = small_config(2);

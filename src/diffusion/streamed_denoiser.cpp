@@ -5,16 +5,44 @@
 #include <cuda_runtime_api.h>
 #endif
 
+#include <set>
+
 namespace megaslide {
+
+namespace {
+// What both constructions check first: a model with blocks and a compute dtype the streamer takes. Returns the
+// number of blocks.
+int64_t checked_block_count(const DiT& model, c10::ScalarType dt) {
+  TORCH_CHECK(model, "StreamedDenoiser: the model is null");
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
+              "StreamedDenoiser: compute dtype must be Float, BFloat16 or Half, got ", dt);
+  const int64_t L = static_cast<int64_t>(model->blocks->size());
+  TORCH_CHECK(L >= 1, "StreamedDenoiser: the model has no blocks");
+  return L;
+}
+}  // namespace
+
+void adopt_borrowed_blocks(torch::nn::Module& model, std::vector<std::vector<offload::FlatParam>>& streamed,
+                           const StreamedDenoiserOptions& options, const char* who) {
+  std::set<const void*> in_blocks;
+  for (const auto& block : streamed)
+    for (const auto& p : block) in_blocks.insert(p.param.unsafeGetTensorImpl());
+  for (const auto& p : model.parameters(true))
+    if (!in_blocks.count(p.unsafeGetTensorImpl()))
+      TORCH_CHECK(p.device() == options.device && p.scalar_type() == at::kFloat, who,
+                  ": the resident parameters must be fp32 on ", options.device, ", got one ", p.scalar_type(), " on ",
+                  p.device());
+  torch::NoGradGuard no_grad;
+  const auto empty = torch::TensorOptions().dtype(options.compute_dtype).device(options.device);
+  for (auto& block : streamed)
+    for (auto& p : block) p.param.set_data(torch::empty({0}, empty));
+  model.eval();
+}
 
 StreamedDenoiser::StreamedDenoiser(DiT model, StreamedDenoiserOptions options)
     : model_(std::move(model)), options_(options) {
-  TORCH_CHECK(model_, "StreamedDenoiser: the model is null");
   const auto dt = options_.compute_dtype;
-  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
-              "StreamedDenoiser: compute dtype must be Float, BFloat16 or Half, got ", dt);
-  const int64_t L = static_cast<int64_t>(model_->blocks->size());
-  TORCH_CHECK(L >= 1, "StreamedDenoiser: the model has no blocks");
+  const int64_t L = checked_block_count(model_, dt);
   bool pin = false;
 #ifdef MEGASLIDE_WITH_CUDA
   pin = options_.device.is_cuda() && options_.pin_host_memory;
@@ -46,6 +74,38 @@ StreamedDenoiser::StreamedDenoiser(DiT model, StreamedDenoiserOptions options)
   // The resident parts: everything that is not a block.
   model_->move_non_block_parts(options_.device);
   model_->eval();
+  streamer_ = std::make_unique<offload::WeightStreamer>(
+      numels, offload::WeightStreamerOptions{options_.device, dt, options_.mode});
+}
+
+StreamedDenoiser::StreamedDenoiser(DiT model, std::vector<StreamedBlockWeights> blocks, StreamedDenoiserOptions options)
+    : model_(std::move(model)), options_(options) {
+  const auto dt = options_.compute_dtype;
+  const int64_t L = checked_block_count(model_, dt);
+  TORCH_CHECK(static_cast<int64_t>(blocks.size()) == L, "StreamedDenoiser: ", blocks.size(),
+              " blocks of weights for a model of ", L, " blocks");
+  std::vector<int64_t> numels;
+  params_.resize(static_cast<size_t>(L));
+  for (int64_t l = 0; l < L; ++l) {
+    const auto& w = blocks[static_cast<size_t>(l)];
+    TORCH_CHECK(w.flat.defined() && w.flat.dim() == 1 && w.flat.device().is_cpu() && w.flat.scalar_type() == dt,
+                "StreamedDenoiser: block ", l, "'s weights must be a 1-D host tensor of the compute dtype ", dt);
+    const auto& block = *model_->blocks[l];
+    TORCH_CHECK(block.named_buffers(true).size() == 0, "StreamedDenoiser: block ", l,
+                " registers buffers, which streamed blocks do not support (see offload/streamed_model.h)");
+    const auto named = block.named_parameters(true);
+    TORCH_CHECK(named.size() == w.offsets.size() && named.size() == w.shapes.size(), "StreamedDenoiser: block ", l,
+                " has ", named.size(), " parameters, its weights describe ", w.offsets.size());
+    for (size_t i = 0; i < named.size(); ++i) {
+      const int64_t numel = c10::multiply_integers(w.shapes[i]);
+      TORCH_CHECK(w.offsets[i] >= 0 && w.offsets[i] + numel <= w.flat.numel(), "StreamedDenoiser: block ", l,
+                  "'s parameter '", named[i].key(), "' lies outside its ", w.flat.numel(), " weights");
+      params_[static_cast<size_t>(l)].push_back({named[i].value(), w.offsets[i], numel, w.shapes[i]});
+    }
+    host_.push_back(w.flat);
+    numels.push_back(w.flat.numel());
+  }
+  adopt_borrowed_blocks(*model_, params_, options_, "StreamedDenoiser");
   streamer_ = std::make_unique<offload::WeightStreamer>(
       numels, offload::WeightStreamerOptions{options_.device, dt, options_.mode});
 }

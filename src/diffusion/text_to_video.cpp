@@ -190,11 +190,12 @@ std::vector<std::string> dit_validation_prompts(const RunConfig& config, int64_t
 
 std::vector<std::string> write_validation_samples(const std::string& dir, const RunConfig& config, DiT& dit,
                                                   TextEncoder& text_encoder, const std::vector<ValidationVideo>& videos,
-                                                  std::shared_ptr<FrozenEncoders> frozen) {
+                                                  std::shared_ptr<FrozenEncoders> frozen,
+                                                  std::shared_ptr<Denoiser> denoiser) {
   TORCH_CHECK(!videos.empty(), "write_validation_samples: no videos");
   const bool was_training = dit->is_training();
-  const auto device = dit->parameters().front().device();
-  TextToVideo generator(TextToVideoModel{config, dit, text_encoder, std::move(frozen)}, device);
+  const auto device = dit->parameters().front().device();  // the patch embedding's: resident either way
+  TextToVideo generator(TextToVideoModel{config, dit, text_encoder, std::move(frozen)}, device, std::move(denoiser));
   const auto defaults = generator.default_options();
   const auto run_shape = generator.sample_shape();
   const auto own_settings = [&](const ValidationVideo& v) {

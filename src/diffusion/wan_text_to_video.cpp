@@ -255,17 +255,7 @@ StreamedWanDenoiser::StreamedWanDenoiser(WanTransformer model, std::vector<WanBl
     }
     host_.push_back(w.flat);
   }
-  const auto streamed = streamed_parameter_set(model_);
-  for (const auto& p : model_->parameters(true))
-    if (!streamed.count(p.unsafeGetTensorImpl()))
-      TORCH_CHECK(p.device() == options_.device && p.scalar_type() == at::kFloat,
-                  "StreamedWanDenoiser: the resident parameters must be fp32 on ", options_.device, ", got one ",
-                  p.scalar_type(), " on ", p.device());
-  torch::NoGradGuard no_grad;
-  const auto empty = torch::TensorOptions().dtype(dt).device(options_.device);
-  for (auto& block : params_)
-    for (auto& p : block) p.param.set_data(torch::empty({0}, empty));  // bound to slot views only while a block runs
-  model_->eval();
+  adopt_borrowed_blocks(*model_, params_, options_, "StreamedWanDenoiser");
   make_streamer();
 }
 

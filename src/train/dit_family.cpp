@@ -4,9 +4,11 @@
 
 #include <fmt/format.h>
 
+#include <map>
 #include <memory>
 #include <stdexcept>
 
+#include "megaslide/diffusion/streamed_denoiser.h"
 #include "megaslide/diffusion/text_to_video.h"
 #include "megaslide/io/files.h"
 #include "megaslide/model/dit_weights.h"
@@ -156,35 +158,36 @@ class DiTModel final : public FamilyModel {
   std::vector<std::string> write_validation(const std::string& folder, Trainer& trainer) override {
     if (!streamed_)
       return write_validation_samples(folder, config_, dit_, text_encoder_, validation_, batches_.frozen());
-    take_snapshot(trainer);
-    return write_validation_samples(folder, config_, snapshot_dit_, snapshot_text_, validation_, batches_.frozen());
+    if (config_.lora.rank > 0) {
+      take_snapshot(trainer);
+      return write_validation_samples(folder, config_, snapshot_dit_, snapshot_text_, validation_, batches_.frozen());
+    }
+    const EvalMode mode{dit_, text_encoder_};
+    return write_validation_samples(folder, config_, dit_, text_encoder_, validation_, batches_.frozen(),
+                                    store_denoiser(trainer));
   }
   double validation_loss(Trainer& trainer) override {
     TORCH_CHECK(val_batches_, "DiTModel::validation_loss: the model was built without validation data");
-    // Resident, the model itself; streamed, a CPU model of its current weights.
-    if (streamed_) take_snapshot(trainer);
-    DiT dit = streamed_ ? snapshot_dit_ : dit_;
-    TextEncoder text = streamed_ ? snapshot_text_ : text_encoder_;
-    const torch::Device device = streamed_ ? torch::Device(torch::kCPU) : device_;
-    struct EvalMode {  // eval mode (no LoRA dropout) while measuring, the modes before restored after
-      DiT dit;
-      TextEncoder text;
-      bool dit_training = dit->is_training(), text_training = text && text->is_training();
-      ~EvalMode() {
-        dit->train(dit_training);
-        if (text) text->train(text_training);
-      }
-    } mode{dit, text};
+    // Resident, the model itself; streamed, its blocks from the trainer's host store on the trainer's device
+    // (a LoRA run: a CPU model of its current weights).
+    const bool snapshot = streamed_ && config_.lora.rank > 0;
+    if (snapshot) take_snapshot(trainer);
+    DiT dit = snapshot ? snapshot_dit_ : dit_;
+    TextEncoder text = snapshot ? snapshot_text_ : text_encoder_;
+    const torch::Device device = snapshot ? torch::Device(torch::kCPU) : device_;
+    const EvalMode mode{dit, text};  // eval mode (no LoRA dropout) while measuring
     dit->eval();
     if (text) text->eval();
+    const std::shared_ptr<Denoiser> streamed = streamed_ && !snapshot ? store_denoiser(trainer) : nullptr;
     torch::NoGradGuard no_grad;
     val_batches_->restore(val_start_);  // the same draws each time
     double sum = 0.0;
     for (int64_t i = 0; i < config_.train.val_batches; ++i) {
       const auto b = val_batches_->next(device);
       const auto t = b.text.defined() ? b.text : text(b.text_ids);
-      sum += context_parallel_loss(dit(b.xt, b.timesteps, t, b.text_mask), b.target, {}, {}, 1, b.loss_weight)
-                 .item<double>();
+      const auto prediction =
+          streamed ? streamed->predict(b.xt, b.timesteps, t, b.text_mask) : dit(b.xt, b.timesteps, t, b.text_mask);
+      sum += context_parallel_loss(prediction, b.target, {}, {}, 1, b.loss_weight).item<double>();
     }
     return sum / static_cast<double>(config_.train.val_batches);
   }
@@ -203,8 +206,46 @@ class DiTModel final : public FamilyModel {
   DiffusionBatchSource& batches() { return batches_; }
 
  private:
-  // A CPU model of the streamed trainer's current weights (the masters, straight from the host store; a LoRA
-  // run's frozen model with the adapters' updates merged, fp32), built once and refilled at each use.
+  // The modes of a DiT and its text encoder, restored when it goes out of scope.
+  struct EvalMode {
+    DiT dit;
+    TextEncoder text;
+    bool dit_training = dit->is_training(), text_training = text && text->is_training();
+    ~EvalMode() {
+      dit->train(dit_training);
+      if (text) text->train(text_training);
+    }
+  };
+
+  // The streamed trainer's current weights as a denoiser on its device, without a copy: each block streamed from
+  // the host store as the next step uploads it (the compute copy, or the fp32 masters with fp32 compute), the
+  // prologue, head and text encoder the trainer's own. Leaves the module in eval mode (EvalMode restores it).
+  std::shared_ptr<Denoiser> store_denoiser(Trainer& trainer) {
+    trainer.synchronize();  // the host updates of the last step have landed in the store
+    auto* engine = trainer.engine();
+    TORCH_CHECK(engine != nullptr, "DiTModel: the trainer is not streamed");
+    const auto& store = engine->store();
+    std::vector<StreamedBlockWeights> blocks;
+    for (int64_t l = 0; l < static_cast<int64_t>(dit_->blocks->size()); ++l) {
+      StreamedBlockWeights w;
+      w.flat = store.master_uploaded() ? store.master(l) : store.compute(l);
+      std::map<std::string, std::vector<int64_t>> shapes;
+      for (const auto& spec : store.block_spec(l).params) shapes.emplace(spec.name, spec.shape);
+      for (const auto& item : dit_->blocks[l]->named_parameters(true)) {
+        w.offsets.push_back(store.param(l, item.key()).offset);
+        w.shapes.push_back(shapes.at(item.key()));
+      }
+      blocks.push_back(std::move(w));
+    }
+    StreamedDenoiserOptions options;
+    options.device = trainer.device();
+    options.compute_dtype = engine->options().compute_dtype;
+    options.mode = engine->options().mode;
+    return std::make_shared<StreamedDenoiser>(dit_, std::move(blocks), options);
+  }
+
+  // A CPU model of a streamed LoRA run's current weights (its frozen model with the adapters' updates merged,
+  // fp32), built once and refilled at each use.
   void take_snapshot(Trainer& trainer) {
     if (!snapshot_dit_) {
       snapshot_dit_ = DiT(DiTOptions::from_config(config_));

@@ -36,9 +36,28 @@ struct StreamedDenoiserOptions {
   bool pin_host_memory = true;  // page-lock the host weights when the device is a GPU
 };
 
+// Block l's weights kept outside the denoiser (a streamed trainer's host store): `flat` is a 1-D host tensor in
+// the compute dtype, and parameter i of the block (in named_parameters order) is flat[offsets[i], offsets[i] +
+// numel(shapes[i])) viewed as shapes[i].
+struct StreamedBlockWeights {
+  torch::Tensor flat;
+  std::vector<int64_t> offsets;
+  std::vector<std::vector<int64_t>> shapes;
+};
+
+// For a denoiser over borrowed blocks (StreamedBlockWeights): checks that every parameter of `model` outside
+// `streamed` (the blocks' streamed parameters) is fp32 on options.device, then empties the streamed ones (bound to
+// slot views only while their block runs) and sets the model to eval mode. `who` names the denoiser in errors.
+void adopt_borrowed_blocks(torch::nn::Module& model, std::vector<std::vector<offload::FlatParam>>& streamed,
+                           const StreamedDenoiserOptions& options, const char* who);
+
 class StreamedDenoiser final : public Denoiser {
  public:
   StreamedDenoiser(DiT model, StreamedDenoiserOptions options);
+  // Streams `blocks` (one per block of `model`) as they are, without a copy: they must stay alive and unchanged
+  // while the denoiser predicts. `model`'s resident parts (everything but its blocks) must already be fp32 on
+  // options.device; its blocks' parameters may be empty (a streamed trainer's). Sets the model to eval mode.
+  StreamedDenoiser(DiT model, std::vector<StreamedBlockWeights> blocks, StreamedDenoiserOptions options);
   ~StreamedDenoiser() override;
 
   torch::Tensor predict(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& text,

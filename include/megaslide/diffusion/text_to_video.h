@@ -130,9 +130,11 @@ std::vector<std::string> dit_validation_prompts(const RunConfig& config, int64_t
 // layout — `dir`/videos/{prompt}-{index}.mp4 and `dir`/index.json. Videos at the run's settings are
 // sampled as one batch, the others one at a time. Frames of odd size are upscaled 2× (H.264 needs
 // even sizes). Sampling draws from its own generators, so it leaves the training's random streams
-// untouched. Returns the file names. `frozen`: the trainer's CLIP / VAE when the config names them.
+// untouched. Returns the file names. `frozen`: the trainer's CLIP / VAE when the config names them. `denoiser`:
+// what predicts with `dit` (a StreamedDenoiser over a streamed trainer's blocks), else a ResidentDenoiser over it.
 std::vector<std::string> write_validation_samples(const std::string& dir, const RunConfig& config, DiT& dit,
                                                   TextEncoder& text_encoder, const std::vector<ValidationVideo>& videos,
-                                                  std::shared_ptr<FrozenEncoders> frozen = nullptr);
+                                                  std::shared_ptr<FrozenEncoders> frozen = nullptr,
+                                                  std::shared_ptr<Denoiser> denoiser = nullptr);
 
 }  // namespace megaslide
