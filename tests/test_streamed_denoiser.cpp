@@ -147,7 +147,9 @@ TEST(StreamedDenoiser, BlocksKeptOutsideItPredictWhatTheResidentDiTDoes) {
   const auto a = resident.predict(x, t, cond.text, cond.mask), b = borrowed.predict(x, t, cond.text, cond.mask);
   ASSERT_GT(a.abs().max().item<double>(), 0.1);
   EXPECT_TRUE(torch::equal(a, b)) << "differ by " << (a - b).abs().max().item<double>();
-  first_block.mul_(0.5);  // the borrowed buffer itself: the next prediction reads it
+  // The borrowed buffer itself: the next prediction reads it (block 0 is uploaded again: 3 blocks share 2 slots, so
+  // slot 0 holds block 2 after a call).
+  first_block.mul_(0.5);
   EXPECT_FALSE(torch::equal(borrowed.predict(x, t, cond.text, cond.mask), b));
 }
 

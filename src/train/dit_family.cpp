@@ -253,9 +253,8 @@ class DiTModel final : public FamilyModel {
         snapshot_text_ = TextEncoder(
             TextEncoderOptions(CaptionTokenizer().vocab_size(), config_.model.text_dim, config_.data.max_text_tokens));
     }
-    copy_weights_to(config_.lora.rank > 0 ? trainer.merged_lora_weights(trainer.weight_views(), at::kFloat)
-                                          : trainer.weight_views(),
-                    snapshot_dit_, snapshot_text_);
+    TORCH_CHECK(config_.lora.rank > 0, "DiTModel::take_snapshot: for a LoRA run (full ones stream from the store)");
+    copy_weights_to(trainer.merged_lora_weights(trainer.weight_views(), at::kFloat), snapshot_dit_, snapshot_text_);
   }
 
   const RunConfig config_;
