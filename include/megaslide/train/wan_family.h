@@ -112,7 +112,7 @@ struct WanLatentData {
   // ignored). nullopt when the data has no such tensor or the bucket no item. Throws std::invalid_argument (in
   // memory) or DatasetError (a cache), naming the first item whose shape differs.
   std::optional<std::vector<int64_t>> sizes(const std::string& name, int64_t bucket = -1) const;
-  // Item i's latents [C, T, H, W] and (image-to-video) its image latents and image tokens, read as rows() reads.
+  // Item i's latents [C, T, H, W] and (image-to-video) its image latents, read as rows() reads.
   torch::Tensor item_latents(int64_t i) const { return rows("latents", {i})[0]; }
   torch::Tensor item_image_latents(int64_t i) const { return rows("image_latents", {i})[0]; }
   // Maps a safetensors file holding "latents", "text" and optionally "empty_text", "image_latents" and
@@ -128,7 +128,8 @@ struct WanLatentData {
   // data.max_bad_fraction. With data.buckets each item's bucket is the cache's. Throws DatasetError.
   static WanLatentData from_cache(const RunConfig& config, const std::string& dir);
   // Checks the shapes against a config (data.channels/frames/height/width, model.wan.text_dim; bucketed: the
-  // channels, each bucket's sizes being the cache's); throws std::invalid_argument naming what differs.
+  // channels, each bucket's sizes being the cache's); throws std::invalid_argument naming what differs (DatasetError
+  // where a cache's items disagree among themselves).
   void check(const RunConfig& config) const;
 };
 
