@@ -1001,19 +1001,28 @@ torch::Tensor tensor_named(const io::NamedTensors& tensors, const std::string& n
     if (n == name) return t;
   return {};
 }
+// An item of cache `dir` without tensor `name`.
+DatasetError missing_tensor(const std::string& dir, int64_t index, const std::string& path, const std::string& name) {
+  return DatasetError(fmt::format("data.cache '{}': item {} ({}) has no tensor '{}' (a cache of other encoders?)", dir,
+                                  index, path, name));
+}
+// `items`, or every one of `count` items when it is empty.
+std::vector<int64_t> or_every(const std::vector<int64_t>& items, int64_t count) {
+  if (!items.empty()) return items;
+  std::vector<int64_t> all(static_cast<size_t>(count));
+  for (int64_t i = 0; i < count; ++i) all[static_cast<size_t>(i)] = i;
+  return all;
+}
 }  // namespace
 
 std::optional<std::vector<int64_t>> LatentCache::common_sizes(const std::string& name,
                                                               const std::vector<int64_t>& items) const {
   std::optional<std::vector<int64_t>> first;
-  const int64_t n = items.empty() ? size() : static_cast<int64_t>(items.size());
-  for (int64_t k = 0; k < n; ++k) {
-    const auto& item = items_.at(static_cast<size_t>(items.empty() ? k : items[static_cast<size_t>(k)]));
+  for (const int64_t i : or_every(items, size())) {
+    const auto& item = items_.at(static_cast<size_t>(i));
     const torch::Tensor found = tensor_named(item.tensors, name);
-    if (k == 0 && !found.defined()) return std::nullopt;
-    if (!found.defined())
-      throw DatasetError(fmt::format("data.cache '{}': item {} ({}) has no tensor '{}' (a cache of other encoders?)",
-                                     dir_, item.index, item.path, name));
+    if (!found.defined() && !first) return std::nullopt;  // the first item has none
+    if (!found.defined()) throw missing_tensor(dir_, item.index, item.path, name);
     if (!first) first = found.sizes().vec();
     if (found.sizes().vec() != *first)
       throw DatasetError(fmt::format(
@@ -1025,18 +1034,14 @@ std::optional<std::vector<int64_t>> LatentCache::common_sizes(const std::string&
 }
 
 torch::Tensor LatentCache::stacked(const std::string& name, const std::vector<int64_t>& items) const {
-  if (items.empty() && items_.empty()) throw DatasetError("data.cache '" + dir_ + "' holds no items");
-  const auto sizes = common_sizes(name, items);  // the same shape for every item, or the error naming the first not
-  if (!sizes) {
-    const auto& item = items_.at(static_cast<size_t>(items.empty() ? 0 : items.front()));
-    throw DatasetError(fmt::format("data.cache '{}': item {} ({}) has no tensor '{}' (a cache of other encoders?)",
-                                   dir_, item.index, item.path, name));
+  const auto which = or_every(items, size());
+  if (which.empty()) throw DatasetError("data.cache '" + dir_ + "' holds no items");
+  if (!common_sizes(name, which)) {  // the first item has none; a later one without it, or of another shape, threw
+    const auto& item = items_.at(static_cast<size_t>(which.front()));
+    throw missing_tensor(dir_, item.index, item.path, name);
   }
   std::vector<torch::Tensor> parts;
-  const int64_t n = items.empty() ? size() : static_cast<int64_t>(items.size());
-  for (int64_t k = 0; k < n; ++k)
-    parts.push_back(
-        tensor_named(items_.at(static_cast<size_t>(items.empty() ? k : items[static_cast<size_t>(k)])).tensors, name));
+  for (const int64_t i : which) parts.push_back(tensor_named(items_.at(static_cast<size_t>(i)).tensors, name));
   auto out = torch::stack(parts);
   return out.is_floating_point() ? out.to(torch::kFloat32) : out;
 }

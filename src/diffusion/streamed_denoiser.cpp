@@ -5,7 +5,11 @@
 #include <cuda_runtime_api.h>
 #endif
 
+#include <map>
 #include <set>
+#include <string>
+
+#include "megaslide/offload/host_param_store.h"
 
 namespace megaslide {
 
@@ -21,6 +25,19 @@ int64_t checked_block_count(const DiT& model, c10::ScalarType dt) {
   return L;
 }
 }  // namespace
+
+StreamedBlockWeights stored_block_weights(const offload::HostParamStore& store, int64_t block,
+                                          const torch::nn::Module& module) {
+  StreamedBlockWeights w;
+  w.flat = store.master_uploaded() ? store.master(block) : store.compute(block);
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const auto& spec : store.block_spec(block).params) shapes.emplace(spec.name, spec.shape);
+  for (const auto& item : module.named_parameters(true)) {
+    w.offsets.push_back(store.param(block, item.key()).offset);
+    w.shapes.push_back(shapes.at(item.key()));
+  }
+  return w;
+}
 
 void adopt_borrowed_blocks(torch::nn::Module& model, std::vector<std::vector<offload::FlatParam>>& streamed,
                            const StreamedDenoiserOptions& options, const char* who) {

@@ -4,7 +4,6 @@
 
 #include <fmt/format.h>
 
-#include <map>
 #include <memory>
 #include <stdexcept>
 
@@ -226,17 +225,8 @@ class DiTModel final : public FamilyModel {
     TORCH_CHECK(engine != nullptr, "DiTModel: the trainer is not streamed");
     const auto& store = engine->store();
     std::vector<StreamedBlockWeights> blocks;
-    for (int64_t l = 0; l < static_cast<int64_t>(dit_->blocks->size()); ++l) {
-      StreamedBlockWeights w;
-      w.flat = store.master_uploaded() ? store.master(l) : store.compute(l);
-      std::map<std::string, std::vector<int64_t>> shapes;
-      for (const auto& spec : store.block_spec(l).params) shapes.emplace(spec.name, spec.shape);
-      for (const auto& item : dit_->blocks[l]->named_parameters(true)) {
-        w.offsets.push_back(store.param(l, item.key()).offset);
-        w.shapes.push_back(shapes.at(item.key()));
-      }
-      blocks.push_back(std::move(w));
-    }
+    for (int64_t l = 0; l < static_cast<int64_t>(dit_->blocks->size()); ++l)
+      blocks.push_back(stored_block_weights(store, l, *dit_->blocks[l]));
     StreamedDenoiserOptions options;
     options.device = trainer.device();
     options.compute_dtype = engine->options().compute_dtype;

@@ -57,6 +57,20 @@ void move_parameter(torch::Tensor& p, torch::Device device) {
   if (p.defined() && p.device() != device) p.set_data(p.data().to(device));
 }
 
+namespace {
+// The in-memory tensor `name` of an item tensor ("latents", "text", "image_latents", "image_embeds") of `d` (a
+// WanLatentData or a const one), nullptr for any other name.
+template <typename Data>
+auto held_tensor(Data& d, const std::string& name) -> decltype(&d.latents) {
+  return name == "latents"         ? &d.latents
+         : name == "text"          ? &d.text
+         : name == "image_latents" ? &d.image_latents
+         : name == "image_embeds"  ? &d.image_embeds
+                                   : nullptr;
+}
+bool of_clip_shape(const std::string& name) { return name == "latents" || name == "image_latents"; }
+}  // namespace
+
 WanLatentData WanLatentData::load(const std::string& path) {
   WanLatentData d;
   try {
@@ -65,12 +79,7 @@ WanLatentData WanLatentData::load(const std::string& path) {
       if (!c10::isFloatingType(file.stored_dtype(name)) || file.is_fp8(name))
         throw std::invalid_argument("'" + path + "': tensor '" + name + "' is " +
                                     c10::toString(file.stored_dtype(name)) + ", expected float32, bf16 or fp16");
-      torch::Tensor* slot = name == "latents"         ? &d.latents
-                            : name == "text"          ? &d.text
-                            : name == "empty_text"    ? &d.empty_text
-                            : name == "image_latents" ? &d.image_latents
-                            : name == "image_embeds"  ? &d.image_embeds
-                                                      : nullptr;
+      torch::Tensor* slot = name == "empty_text" ? &d.empty_text : held_tensor(d, name);
       if (slot == nullptr)
         throw std::invalid_argument("'" + path + "': unexpected tensor '" + name +
                                     "' (expected latents, text, empty_text, image_latents, image_embeds)");
@@ -99,13 +108,6 @@ WanLatentData WanLatentData::from_cache(const RunConfig& config, const std::stri
   return d;
 }
 
-namespace {
-bool is_item_tensor(const std::string& name) {
-  return name == "latents" || name == "text" || name == "image_latents" || name == "image_embeds";
-}
-bool of_clip_shape(const std::string& name) { return name == "latents" || name == "image_latents"; }
-}  // namespace
-
 int64_t WanLatentData::size() const {
   if (cache) return static_cast<int64_t>(cache_items.size());
   return text.defined() ? text.size(0) : 0;
@@ -117,7 +119,8 @@ int64_t WanLatentData::num_buckets() const {
 }
 
 torch::Tensor WanLatentData::rows(const std::string& name, const std::vector<int64_t>& items) const {
-  if (!is_item_tensor(name)) throw std::invalid_argument("WanLatentData::rows: no item tensor '" + name + "'");
+  if (held_tensor(*this, name) == nullptr)
+    throw std::invalid_argument("WanLatentData::rows: no item tensor '" + name + "'");
   for (const int64_t i : items)
     if (i < 0 || i >= size()) throw std::invalid_argument(fmt::format("WanLatentData::rows: item {} of {}", i, size()));
   if (items.empty()) return {};
@@ -137,16 +140,14 @@ torch::Tensor WanLatentData::rows(const std::string& name, const std::vector<int
     }
     return torch::stack(parts).to(torch::kFloat32);
   }
-  const torch::Tensor& t = name == "latents"         ? latents
-                           : name == "text"          ? text
-                           : name == "image_latents" ? image_latents
-                                                     : image_embeds;
+  const torch::Tensor& t = *held_tensor(*this, name);
   if (!t.defined()) return {};
   return t.index_select(0, torch::tensor(items, torch::kInt64)).to(torch::kFloat32);
 }
 
 std::optional<std::vector<int64_t>> WanLatentData::sizes(const std::string& name, int64_t bucket) const {
-  if (!is_item_tensor(name)) throw std::invalid_argument("WanLatentData::sizes: no item tensor '" + name + "'");
+  if (held_tensor(*this, name) == nullptr)
+    throw std::invalid_argument("WanLatentData::sizes: no item tensor '" + name + "'");
   const bool by_bucket = bucket >= 0 && of_clip_shape(name);  // other tensors: every item's, whatever `bucket`
   if (bucketed() && of_clip_shape(name) && bucket < 0)
     throw std::invalid_argument("WanLatentData::sizes: the items of several buckets: name one");
@@ -165,7 +166,7 @@ std::optional<std::vector<int64_t>> WanLatentData::sizes(const std::string& name
     t = name == "latents" ? buckets[static_cast<size_t>(bucket)].latents
                           : buckets[static_cast<size_t>(bucket)].image_latents;
   } else {
-    t = name == "latents" ? latents : name == "text" ? text : name == "image_latents" ? image_latents : image_embeds;
+    t = *held_tensor(*this, name);
   }
   if (!t.defined()) return std::nullopt;
   return t.sizes().vec();

@@ -230,24 +230,20 @@ TrainedWanDenoiser trained_wan_denoiser(Trainer& trainer, const RunConfig& confi
     std::vector<WanBlockWeights> blocks;
     for (int64_t b = 0; b < static_cast<int64_t>(model->blocks->size()); ++b) {
       const int64_t l = first_block + b;
+      const auto& streamed = model->blocks[b]->as<WanBlockImpl>()->streamed();
       WanBlockWeights w;
-      w.flat = store.master_uploaded() ? store.master(l) : store.compute(l);
-      std::map<std::string, std::vector<int64_t>> shapes;
-      std::map<std::string, int64_t> index;  // the parameter's place in the store's block (its fp8 scale's)
-      for (const auto& spec : store.block_spec(l).params) {
-        index.emplace(spec.name, static_cast<int64_t>(index.size()));
-        shapes.emplace(spec.name, spec.shape);
-      }
-      std::vector<float> scales;  // an fp8 frozen base: each parameter's scale, in the module's order
-      for (const auto& item : model->blocks[b]->as<WanBlockImpl>()->streamed().named_parameters(true)) {
-        w.offsets.push_back(store.param(l, item.key()).offset);
-        w.shapes.push_back(shapes.at(item.key()));
-        if (store.scales(l).defined()) {
+      static_cast<StreamedBlockWeights&>(w) = stored_block_weights(store, l, streamed);
+      if (store.scales(l).defined()) {  // an fp8 frozen base: each parameter's scale and exact value, in module order
+        std::map<std::string, int64_t> index;  // the parameter's place in the store's block (its fp8 scale's)
+        for (const auto& spec : store.block_spec(l).params)
+          index.emplace(spec.name, static_cast<int64_t>(index.size()));
+        std::vector<float> scales;
+        for (const auto& item : streamed.named_parameters(true)) {
           scales.push_back(store.scales(l)[index.at(item.key())].item<float>());
           w.exact.push_back(store.param(l, item.key()).exact);
         }
+        w.scales = torch::tensor(scales, torch::kFloat);
       }
-      if (!scales.empty()) w.scales = torch::tensor(scales, torch::kFloat);
       blocks.push_back(std::move(w));
     }
     StreamedDenoiserOptions streamed;

@@ -45,6 +45,16 @@ struct StreamedBlockWeights {
   std::vector<std::vector<int64_t>> shapes;
 };
 
+namespace offload {
+class HostParamStore;
+}
+
+// Block `block` of a streamed trainer's host store as a denoiser streams it without a copy: the compute copy, or the
+// fp32 masters where the trainer uploads those (fp32 compute), each parameter of `module` (the block's streamed
+// part, in named_parameters order) at its offset in it.
+StreamedBlockWeights stored_block_weights(const offload::HostParamStore& store, int64_t block,
+                                          const torch::nn::Module& module);
+
 // For a denoiser over borrowed blocks (StreamedBlockWeights): checks that every parameter of `model` outside
 // `streamed` (the blocks' streamed parameters) is fp32 on options.device, then empties the streamed ones (bound to
 // slot views only while their block runs) and sets the model to eval mode. `who` names the denoiser in errors.

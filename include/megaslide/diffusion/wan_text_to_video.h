@@ -149,10 +149,7 @@ struct WanModel;
 // (lora.base_dtype: fp8): `flat` is float8_e4m3fn, `scales` holds parameter i's fp32 scale at i and exact[i]
 // a vector's exact value (undefined for an fp8 parameter); the blocks are uploaded as fp8 and upcast on the
 // device.
-struct WanBlockWeights {
-  torch::Tensor flat;
-  std::vector<int64_t> offsets;
-  std::vector<std::vector<int64_t>> shapes;
+struct WanBlockWeights : StreamedBlockWeights {
   torch::Tensor scales;
   std::vector<torch::Tensor> exact;
 };
