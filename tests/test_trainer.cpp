@@ -12,6 +12,8 @@
 #include "../src/attention/dsa3d_params.h"
 #include "megaslide/io/files.h"
 #include "megaslide/offload/cpu_adamw.h"
+#include "megaslide/offload/stack_trainer.h"
+#include "megaslide/offload/weight_streamer.h"
 #include "megaslide/plan/step_plan.h"
 #include "megaslide/train/auto_settings.h"
 #include "megaslide/train/model_family.h"
@@ -437,6 +439,14 @@ TEST_P(Trainers, ValidationLossIsTheTrainingLossOfTheValidationData) {
     trainer.validation_loss();
     EXPECT_EQ(trainer.step().loss, plain->step().loss);
     EXPECT_NEAR(trainer.validation_loss(), after[1], 1e-2 * after[1]);
+    EXPECT_EQ(trainer.step().loss, plain->step().loss);
+    // The validation model runs in the trainer's two device slots (allocating none of its own): its blocks are
+    // uploaded by the trainer's streamer, whose counts start again at each step.
+    const auto& streamer = trainer.engine()->streamer();
+    const int64_t copies = streamer.stats().h2d_copies;
+    trainer.validation_loss();
+    EXPECT_GE(streamer.stats().h2d_copies, copies + streamer.num_blocks());
+    EXPECT_EQ(streamer.max_resident_blocks(), 2);
     EXPECT_EQ(trainer.step().loss, plain->step().loss);
   }
   io::remove_tree(dir);

@@ -149,6 +149,40 @@ TEST(WeightStreamer, InvalidatedBlocksAreCopiedAgain) {
   EXPECT_TRUE(torch::equal(s.acquire(0), host[0]));
 }
 
+// Property: a forward pass in a lent streamer (a validation denoiser in a trainer's slots) reads its own host
+// weights, never a block the owner left cached under the same index, and leaves none of its uploads for the owner
+// to take as its own; a window of blocks uploads those blocks only.
+TEST(WeightStreamer, ALentPassNeitherTakesNorLeavesTheOwnersUploads) {
+  for (const auto mode : {StreamMode::kAsync, StreamMode::kSync}) {
+    SCOPED_TRACE(to_string(mode));
+    std::vector<int64_t> numels{64, 64, 64, 64};
+    const auto owner = host_blocks(numels, at::kFloat);
+    const auto other = host_blocks(numels, at::kFloat);  // the lent pass's weights: other values, same sizes
+    WeightStreamer s(numels, {torch::kCPU, at::kFloat, mode});
+    sweep(s, owner);  // the owner's backward leaves blocks 1 and 0 valid in the slots
+    const auto before = s.stats().h2d_copies;
+    {
+      StreamedForward pass(
+          s, [&](int64_t l) { return other[static_cast<size_t>(l)]; }, 0, 2, /*lent=*/true);
+      for (int64_t l = 0; l < 2; ++l)
+        pass.run(l, [&](const at::Tensor& w) { EXPECT_TRUE(torch::equal(w, other[l])) << "block " << l; });
+    }
+    EXPECT_EQ(s.stats().h2d_copies, before + 2) << "blocks 0 and 1 uploaded, nothing outside the window";
+    s.prefetch(0, owner[0]);
+    EXPECT_EQ(s.stats().h2d_copies, before + 3) << "the owner's block 0 is uploaded again";
+    EXPECT_TRUE(torch::equal(s.acquire(0), owner[0]));
+    s.release(0);
+    {
+      StreamedForward pass(
+          s, [&](int64_t l) { return other[static_cast<size_t>(l)]; }, 2, 4, /*lent=*/true);
+      for (int64_t l = 2; l < 4; ++l)
+        pass.run(l, [&](const at::Tensor& w) { EXPECT_TRUE(torch::equal(w, other[l])) << "block " << l; });
+    }
+    EXPECT_EQ(s.stats().h2d_copies, before + 5);
+    s.synchronize();
+  }
+}
+
 TEST(WeightStreamer, GradientsReachTheHost) {
   std::vector<int64_t> numels{100, 50};
   auto host = host_blocks(numels, at::kHalf);

@@ -39,6 +39,33 @@ StreamedBlockWeights stored_block_weights(const offload::HostParamStore& store, 
   return w;
 }
 
+void check_lent_streamer(const StreamedDenoiserOptions& options, const std::vector<at::Tensor>& host, const char* who) {
+  const auto* lent = options.lent_streamer;
+  TORCH_CHECK(lent != nullptr, who, ": no lent streamer");
+  const auto& o = lent->options();
+  TORCH_CHECK(o.device == options.device && o.compute_dtype == options.compute_dtype && o.mode == options.mode, who,
+              ": the lent streamer runs ", o.compute_dtype, " on ", o.device, " (", offload::to_string(o.mode),
+              "), the denoiser ", options.compute_dtype, " on ", options.device, " (", offload::to_string(options.mode),
+              ")");
+  const int64_t first = options.lent_first_block, n = static_cast<int64_t>(host.size());
+  TORCH_CHECK(first >= 0 && first + n <= lent->num_blocks(), who, ": blocks [", first, ", ", first + n,
+              ") of a lent streamer of ", lent->num_blocks());
+  const auto transfer = o.transfer_dtype == at::ScalarType::Undefined ? o.compute_dtype : o.transfer_dtype;
+  for (int64_t l = 0; l < n; ++l) {
+    const auto& h = host[static_cast<size_t>(l)];
+    TORCH_CHECK(h.numel() == lent->block_numel(first + l) && h.scalar_type() == transfer, who, ": block ", l, " has ",
+                h.numel(), " weights of ", h.scalar_type(), ", the lent streamer's block ", first + l, " ",
+                lent->block_numel(first + l), " of ", transfer);
+  }
+}
+
+DenoiserPass::DenoiserPass(offload::WeightStreamer& slots, const StreamedDenoiserOptions& options,
+                           const std::vector<at::Tensor>& host)
+    : first_(options.lent_streamer ? options.lent_first_block : 0),
+      pass_(
+          slots, [&host, first = first_](int64_t l) { return host[static_cast<size_t>(l - first)]; }, first_,
+          first_ + static_cast<int64_t>(host.size()), options.lent_streamer != nullptr) {}
+
 void adopt_borrowed_blocks(torch::nn::Module& model, std::vector<std::vector<offload::FlatParam>>& streamed,
                            const StreamedDenoiserOptions& options, const char* who) {
   std::set<const void*> in_blocks;
@@ -91,8 +118,7 @@ StreamedDenoiser::StreamedDenoiser(DiT model, StreamedDenoiserOptions options)
   // The resident parts: everything that is not a block.
   model_->move_non_block_parts(options_.device);
   model_->eval();
-  streamer_ = std::make_unique<offload::WeightStreamer>(
-      numels, offload::WeightStreamerOptions{options_.device, dt, options_.mode});
+  make_streamer(numels);
 }
 
 StreamedDenoiser::StreamedDenoiser(DiT model, std::vector<StreamedBlockWeights> blocks, StreamedDenoiserOptions options)
@@ -123,13 +149,23 @@ StreamedDenoiser::StreamedDenoiser(DiT model, std::vector<StreamedBlockWeights> 
     numels.push_back(w.flat.numel());
   }
   adopt_borrowed_blocks(*model_, params_, options_, "StreamedDenoiser");
+  make_streamer(numels);
+}
+
+void StreamedDenoiser::make_streamer(const std::vector<int64_t>& numels) {
+  if (options_.lent_streamer) {
+    check_lent_streamer(options_, host_, "StreamedDenoiser");
+    slots_ = options_.lent_streamer;
+    return;
+  }
   streamer_ = std::make_unique<offload::WeightStreamer>(
-      numels, offload::WeightStreamerOptions{options_.device, dt, options_.mode});
+      numels, offload::WeightStreamerOptions{options_.device, options_.compute_dtype, options_.mode});
+  slots_ = streamer_.get();
 }
 
 StreamedDenoiser::~StreamedDenoiser() {
   try {
-    if (streamer_) streamer_->synchronize();
+    if (slots_) slots_->synchronize();
   } catch (...) {
   }
 }
@@ -151,8 +187,8 @@ torch::Tensor StreamedDenoiser::predict(const torch::Tensor& x, const torch::Ten
   ctx.t_mod = ctx.t_mod.to(dt);
   ctx.text = ctx.text.to(dt);
   auto h = e.tokens.to(dt);
-  offload::StreamedForward blocks(*streamer_, [this](int64_t l) { return host_[static_cast<size_t>(l)]; });
-  for (int64_t l = 0; l < streamer_->num_blocks(); ++l)
+  DenoiserPass blocks(*slots_, options_, host_);
+  for (int64_t l = 0; l < static_cast<int64_t>(host_.size()); ++l)
     h = blocks.run(l, [&](const torch::Tensor& weights) {
       offload::BoundParams bound(params_[static_cast<size_t>(l)], weights, empty);
       return model_->blocks[l]->as<DiTBlockImpl>()->forward(h, ctx);

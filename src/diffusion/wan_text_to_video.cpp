@@ -260,6 +260,11 @@ StreamedWanDenoiser::StreamedWanDenoiser(WanTransformer model, std::vector<WanBl
 }
 
 void StreamedWanDenoiser::make_streamer() {
+  if (options_.lent_streamer) {  // fp8 blocks: the lent streamer's owner upcasts them as it would its own
+    check_lent_streamer(options_, host_, "StreamedWanDenoiser");
+    slots_ = options_.lent_streamer;
+    return;
+  }
   std::vector<int64_t> numels;
   for (const auto& h : host_) numels.push_back(h.numel());
   offload::WeightStreamerOptions o{options_.device, options_.compute_dtype, options_.mode};
@@ -268,6 +273,7 @@ void StreamedWanDenoiser::make_streamer() {
     o.transfer_dtype = at::kFloat8_e4m3fn;
   }
   streamer_ = std::make_unique<offload::WeightStreamer>(numels, o);
+  slots_ = streamer_.get();
   if (!scales_.empty())
     streamer_->set_upcast([this](int64_t l, const at::Tensor& raw, const at::Tensor& weights) {
       std::vector<int64_t> offsets, sizes;
@@ -320,7 +326,7 @@ void StreamedWanDenoiser::build(const std::function<WanBlock(int64_t)>& block_so
 
 StreamedWanDenoiser::~StreamedWanDenoiser() {
   try {
-    if (streamer_) streamer_->synchronize();
+    if (slots_) slots_->synchronize();
   } catch (...) {
   }
 }
@@ -334,7 +340,7 @@ int64_t StreamedWanDenoiser::host_weight_bytes() const {
 torch::Tensor StreamedWanDenoiser::predict(const torch::Tensor& x, const torch::Tensor& timesteps,
                                            const torch::Tensor& text, const torch::Tensor& image) {
   const auto empty = torch::TensorOptions().dtype(options_.compute_dtype).device(options_.device);
-  offload::StreamedForward blocks(*streamer_, [this](int64_t l) { return host_[static_cast<size_t>(l)]; });
+  DenoiserPass blocks(*slots_, options_, host_);
   return wan_predict(model_, options_.device, options_.compute_dtype, x, timesteps, text, image,
                      [&](int64_t l, const torch::Tensor& h, const WanBlockContext& ctx) {
                        return blocks.run(l, [&](const torch::Tensor& weights) {

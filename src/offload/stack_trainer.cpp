@@ -1191,6 +1191,11 @@ void StreamedStackTrainer::set_block_parameter(int64_t block, const std::string&
   streamer_->invalidate(block);
 }
 
+WeightStreamer& StreamedStackTrainer::lend_streamer() {
+  synchronize();
+  return *streamer_;
+}
+
 void StreamedStackTrainer::set_trace(StepTrace* trace) {
   impl_->trace = trace;
   streamer_->set_trace(trace);

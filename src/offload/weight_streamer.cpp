@@ -278,14 +278,29 @@ void WeightStreamer::end_span(int span) { impl_->streams->end_span(span); }
 
 void WeightStreamer::resolve_trace() { impl_->streams->resolve_trace(); }
 
-StreamedForward::StreamedForward(WeightStreamer& streamer, std::function<at::Tensor(int64_t)> host)
-    : streamer_(streamer), host_(std::move(host)) {
-  if (streamer_.num_blocks() > 0) streamer_.prefetch(0, host_(0));
+StreamedForward::StreamedForward(WeightStreamer& streamer, std::function<at::Tensor(int64_t)> host, int64_t first,
+                                 int64_t end, bool lent)
+    : streamer_(streamer),
+      host_(std::move(host)),
+      first_(first),
+      end_(end < 0 ? streamer.num_blocks() : end),
+      lent_(lent) {
+  TORCH_CHECK(0 <= first_ && first_ <= end_ && end_ <= streamer_.num_blocks(), "StreamedForward: blocks [", first_,
+              ", ", end_, ") do not lie in the streamer's ", streamer_.num_blocks());
+  invalidate_window();
+  if (first_ < end_) streamer_.prefetch(first_, host_(first_));
+}
+
+StreamedForward::~StreamedForward() { invalidate_window(); }
+
+void StreamedForward::invalidate_window() noexcept {
+  if (!lent_) return;
+  for (int64_t l = first_; l < end_; ++l) streamer_.invalidate(l);  // a host-side flag: no stream work
 }
 
 void StreamedForward::next(int64_t block) {
   streamer_.release(block);
-  if (block + 1 < streamer_.num_blocks()) streamer_.prefetch(block + 1, host_(block + 1));
+  if (block + 1 < end_) streamer_.prefetch(block + 1, host_(block + 1));
 }
 
 void StreamedForward::abandon(int64_t block) noexcept {

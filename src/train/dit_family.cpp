@@ -231,6 +231,7 @@ class DiTModel final : public FamilyModel {
     options.device = trainer.device();
     options.compute_dtype = engine->options().compute_dtype;
     options.mode = engine->options().mode;
+    options.lent_streamer = &engine->lend_streamer();  // the trainer's slots: no device memory of its own
     return std::make_shared<StreamedDenoiser>(dit_, std::move(blocks), options);
   }
 

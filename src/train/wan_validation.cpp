@@ -250,6 +250,8 @@ TrainedWanDenoiser trained_wan_denoiser(Trainer& trainer, const RunConfig& confi
     streamed.device = trainer.device();
     streamed.compute_dtype = dtype;
     streamed.mode = engine->options().mode;
+    streamed.lent_streamer = &engine->lend_streamer();  // the trainer's slots: no device memory of its own
+    streamed.lent_first_block = first_block;
     return std::make_shared<StreamedWanDenoiser>(model, std::move(blocks), streamed);
   };
   out.denoiser = trained(experts[0], 0);
@@ -270,6 +272,12 @@ std::vector<torch::Tensor> WanValidation::sample(Trainer& trainer) const {
     so.device = trainer.device();
     so.compute_dtype = trainer.engine() ? trainer.engine()->options().compute_dtype : at::kFloat;
     so.pin_host_memory = false;  // read for each validation: not worth page-locking 28 GB each time
+    // The trainer's slots where the blocks are alike (the same architecture, uploaded in the compute dtype; not
+    // over an fp8 base): no device memory of its own.
+    if (auto* engine = trainer.engine(); engine && engine->store().transfer_dtype() == so.compute_dtype) {
+      so.mode = engine->options().mode;
+      so.lent_streamer = &engine->lend_streamer();
+    }
     std::shared_ptr<WanDenoiser> frozen;
     try {
       frozen = std::make_shared<StreamedWanDenoiser>(load_untrained_expert(config_, true), so);

@@ -20,6 +20,7 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "megaslide/diffusion/sampler.h"
@@ -34,6 +35,14 @@ struct StreamedDenoiserOptions {
       c10::ScalarType::Float;  // Float, BFloat16 or Half: the blocks' weights and activations
   offload::StreamMode mode = offload::StreamMode::kAsync;
   bool pin_host_memory = true;  // page-lock the host weights when the device is a GPU
+  // Run in the two device slots of this streamer, owned elsewhere (a streamed trainer's, lent between its
+  // steps: StreamedStackTrainer::lend_streamer), instead of allocating two more; the denoiser's block l is its
+  // block lent_first_block + l, uploaded from the denoiser's host weights for it (offload::StreamedForward's
+  // lent pass). It must outlive the denoiser, have its device, compute dtype and mode, hold each block's numel
+  // in the host weights' dtype (fp8 blocks: upcast by the owner's upcast), and have no block acquired while the
+  // denoiser predicts.
+  offload::WeightStreamer* lent_streamer = nullptr;
+  int64_t lent_first_block = 0;
 };
 
 // Block l's weights kept outside the denoiser (a streamed trainer's host store): `flat` is a 1-D host tensor in
@@ -73,7 +82,7 @@ class StreamedDenoiser final : public Denoiser {
   torch::Tensor predict(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& text,
                         const torch::Tensor& text_mask) override;
 
-  const offload::WeightStreamer& streamer() const { return *streamer_; }
+  const offload::WeightStreamer& streamer() const { return *slots_; }  // its own, or the lent one
   // Bytes of the blocks' weights held on the host (compute dtype).
   int64_t host_weight_bytes() const;
   const StreamedDenoiserOptions& options() const { return options_; }
@@ -81,9 +90,30 @@ class StreamedDenoiser final : public Denoiser {
  private:
   DiT model_;
   StreamedDenoiserOptions options_;
-  std::vector<std::vector<offload::FlatParam>> params_;  // per block
-  std::vector<torch::Tensor> host_;                      // per block: flat weights, compute dtype
-  std::unique_ptr<offload::WeightStreamer> streamer_;
+  std::vector<std::vector<offload::FlatParam>> params_;    // per block
+  std::vector<torch::Tensor> host_;                        // per block: flat weights, compute dtype
+  std::unique_ptr<offload::WeightStreamer> streamer_;      // null with a lent streamer
+  offload::WeightStreamer* slots_ = nullptr;               // streamer_ or the lent one
+  void make_streamer(const std::vector<int64_t>& numels);  // or takes the lent one
+};
+
+// Checks that options.lent_streamer can stream `host`'s blocks (host[l] is its block lent_first_block + l:
+// the device, compute dtype, mode and each block's numel and dtype). `who` names the denoiser in errors.
+void check_lent_streamer(const StreamedDenoiserOptions& options, const std::vector<at::Tensor>& host, const char* who);
+// One forward pass of a denoiser's blocks through its slots (its own streamer, or the lent one): run(l, body) streams
+// the denoiser's block l (offload::StreamedForward::run), the window of a lent streamer's blocks or its own.
+class DenoiserPass {
+ public:
+  DenoiserPass(offload::WeightStreamer& slots, const StreamedDenoiserOptions& options,
+               const std::vector<at::Tensor>& host);
+  template <typename Body>
+  auto run(int64_t l, Body&& body) {
+    return pass_.run(first_ + l, std::forward<Body>(body));
+  }
+
+ private:
+  int64_t first_;
+  offload::StreamedForward pass_;
 };
 
 // --streamed auto|on|off of megaslide-sample. "on" / "off" decide; "auto" streams when the DiT's weights

@@ -169,7 +169,7 @@ class StreamedWanDenoiser final : public WanDenoiser {
   torch::Tensor predict(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& text,
                         const torch::Tensor& image) override;
   torch::Device device() const override { return options_.device; }
-  const offload::WeightStreamer& streamer() const { return *streamer_; }
+  const offload::WeightStreamer& streamer() const { return *slots_; }  // its own, or the lent one
   int64_t host_weight_bytes()
       const;  // the blocks' streamed weights on the host (compute dtype; borrowed ones included)
 
@@ -178,9 +178,10 @@ class StreamedWanDenoiser final : public WanDenoiser {
   StreamedDenoiserOptions options_;
   std::vector<std::vector<offload::FlatParam>> params_;
   std::vector<torch::Tensor> host_;
-  std::vector<torch::Tensor> scales_;              // fp8 blocks: per block, on the device
-  std::vector<std::vector<torch::Tensor>> exact_;  // ... and their vectors kept exact
-  std::unique_ptr<offload::WeightStreamer> streamer_;
+  std::vector<torch::Tensor> scales_;                  // fp8 blocks: per block, on the device
+  std::vector<std::vector<torch::Tensor>> exact_;      // ... and their vectors kept exact
+  std::unique_ptr<offload::WeightStreamer> streamer_;  // null with a lent streamer
+  offload::WeightStreamer* slots_ = nullptr;           // streamer_ or the lent one
   void build(const std::function<WanBlock(int64_t)>& block_source);
   void make_streamer();
 };

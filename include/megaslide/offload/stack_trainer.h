@@ -238,6 +238,11 @@ class StreamedStackTrainer {
   void restore_block_compute(int64_t block);
   const HostParamStore& store() const { return *store_; }
   const WeightStreamer& streamer() const { return *streamer_; }
+  // The streamer's two device slots lent between steps to a forward-only pass over the store's blocks (a
+  // validation denoiser: StreamedDenoiserOptions::lent_streamer), so that it allocates none of its own; waits for
+  // pending updates first. The pass uploads through offload::StreamedForward's lent mode, and the next step
+  // uploads its blocks again.
+  WeightStreamer& lend_streamer();
   int64_t streamed_parameter_count() const;
   int64_t resident_parameter_count() const;
   // Writes one parameter's value into block l's master (sharded: this rank's part) and compute copy

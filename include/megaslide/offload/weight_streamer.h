@@ -116,6 +116,8 @@ class WeightStreamer {
   WeightStreamer& operator=(const WeightStreamer&) = delete;
 
   int64_t num_blocks() const { return static_cast<int64_t>(numels_.size()); }
+  int64_t block_numel(int64_t block) const { return numels_.at(static_cast<size_t>(block)); }
+  const WeightStreamerOptions& options() const { return options_; }
   static int64_t slot_of(int64_t block) { return block % 2; }
 
   // Starts copying `host_weights` (flat, the block's numel, the transfer dtype) into block's slot, unless
@@ -182,14 +184,23 @@ class WeightStreamer {
   std::unique_ptr<Impl> impl_;
 };
 
-// Forward-only streaming of blocks 0, 1, ..., n-1 in order (sampling and encoding: the DiT family's and
-// Wan's streamed denoisers, umT5's streamed layers). Construction prefetches block 0; run(l, body)
-// acquires block l's device weights, calls body(weights) (valid during the call), releases the block
-// however body ends, and prefetches block l+1, whose upload then overlaps block l's compute. `host(l)`
-// gives block l's flat host weights in the streamer's compute dtype.
+// Forward-only streaming of blocks first, first+1, ..., end-1 in order (sampling and encoding: the DiT
+// family's and Wan's streamed denoisers, umT5's streamed layers). Construction prefetches block `first`;
+// run(l, body) acquires block l's device weights, calls body(weights) (valid during the call), releases
+// the block however body ends, and prefetches block l+1 (below `end`), whose upload then overlaps block
+// l's compute. `host(l)` gives block l's flat host weights in the streamer's transfer dtype.
+//
+// A lent streamer (`lent`: another owner's, such as a streamed trainer's between its steps, whose slots a
+// validation denoiser runs in instead of allocating two more): a slot keeps a block by its index alone, so
+// the pass invalidates the window's blocks when it starts and when it ends, and neither the owner nor the
+// pass takes the other's upload for its own. The owner must have no block acquired meanwhile.
 class StreamedForward {
  public:
-  StreamedForward(WeightStreamer& streamer, std::function<at::Tensor(int64_t)> host);
+  StreamedForward(WeightStreamer& streamer, std::function<at::Tensor(int64_t)> host, int64_t first = 0,
+                  int64_t end = -1, bool lent = false);
+  ~StreamedForward();
+  StreamedForward(const StreamedForward&) = delete;
+  StreamedForward& operator=(const StreamedForward&) = delete;
 
   template <typename Body>
   auto run(int64_t block, Body&& body) -> decltype(body(std::declval<const at::Tensor&>())) {
@@ -216,8 +227,11 @@ class StreamedForward {
  private:
   void next(int64_t block);              // releases `block`, prefetches the one after it
   void abandon(int64_t block) noexcept;  // releases `block` while an error leaves body
+  void invalidate_window() noexcept;
   WeightStreamer& streamer_;
   std::function<at::Tensor(int64_t)> host_;
+  int64_t first_, end_;
+  bool lent_;
 };
 
 // A block module's parameters bound to views of its flat device weights while the block runs:
