@@ -1051,9 +1051,11 @@ TEST(DistributedTraining, ContextParallelDiTRanksReproduceTheSingleProcess) {
 // The property: context parallelism trains Wan as one process does (losses and gradient norms within 1e-5 over 5
 // steps): dense attention through Ulysses, resident over a group of 2 and streamed over 2 groups of 2, with Wan2.2
 // TI2V's clean first frames (per-token timesteps, the masked loss whose per-sample counts span the ranks); the 3D-DSA
-// retrofit through its halo, streamed over a group of 3 (3 latent frames: one each). A streamed run over a group of
-// 2 saves a checkpoint at step 3 that resumes with no context parallelism on 1 and on 2 ranks within 1e-5 of the
-// uninterrupted single process.
+// retrofit through its halo, streamed over a group of 3: 3 latent frames, one each, and 6 latent frames, two each,
+// with a temporal offset range of 0.5 frames, so that the halo (two frames each way: the kernel's one, the range's
+// bound rounded down, one for the interpolation) reaches only the neighbours' frames on the first and last ranks. A
+// streamed run over a group of 2 saves a checkpoint at step 3 that resumes with no context parallelism on 1 and on 2
+// ranks within 1e-5 of the uninterrupted single process.
 TEST(DistributedTraining, ContextParallelWanRanksReproduceTheSingleProcessAndResumeAcrossLayouts) {
   if (!gloo_available()) GTEST_SKIP() << "this build has no Gloo backend";
   const auto base = fresh_dir("cp-wan");
@@ -1064,6 +1066,12 @@ TEST(DistributedTraining, ContextParallelWanRanksReproduceTheSingleProcessAndRes
   expect_layouts_reproduce_one_process(
       base, "dsa3d", wan_args(config, "streamed", "--set model.self_attention=dsa3d --set model.dsa_kernel=[3,3,3]"),
       {{3, 3}});
+  const auto six = megaslide::testing::write_tiny_wan(join_path(base, "data-6"), 6, /*frames=*/6);
+  expect_layouts_reproduce_one_process(base, "dsa3d-6",
+                                       wan_args(six, "streamed",
+                                                "--set model.self_attention=dsa3d --set model.dsa_kernel=[3,3,3] "
+                                                "--set model.dsa_offset_range=[0.5,1.0,1.0]"),
+                                       {{3, 3}});
   // A checkpoint of a run over a group of 2 resumed with no context parallelism, on 1 and on 2 ranks.
   const std::string args = wan_args(config, "streamed", clean + " --set train.checkpoint_every=3");
   const auto two = join_path(base, "ckpt");

@@ -299,6 +299,27 @@ TEST(WanValidation, OneTrainedExpertSamplesWithTheOther) {
     }
 }
 
+// Property: an expert trained with the 3D-DSA retrofit (its blocks hold the offset network and relative bias) makes
+// its validation videos beside the other expert, dense as published, whose blocks are smaller than the trainer's
+// slots expect: that one streams through slots of its own, the trained one through the trainer's, and the videos are
+// those of the pair (finite, and changed when the trained expert's weights change).
+TEST(WanValidation, ARetrofittedExpertSamplesBesideTheDenseOtherOne) {
+  const std::string experts = kFixtures + "wan22_experts";
+  const auto config = megaslide::parse_run_config(
+      "model:\n  arch: wan\n  wan: {weights: " + experts + ", expert: high}\n" + kEncoders +
+          run_sections("unused.safetensors"),
+      "test", {"offload.enabled=true", "model.self_attention=dsa3d", "model.dsa_kernel=[3,3,3]"});
+  const auto resolved = megaslide::with_wan_architecture_from_weights(config);
+  const megaslide::WanValidation validation(resolved, {}, "test");
+  megaslide::Trainer trainer = wan_trainer(config, tiny_data());
+  const auto before = torch::cat(validation.sample(trainer));
+  EXPECT_TRUE(torch::isfinite(before).all().item<bool>());
+  trainer.step();
+  const auto after = torch::cat(validation.sample(trainer));
+  EXPECT_TRUE(torch::isfinite(after).all().item<bool>());
+  EXPECT_GT(max_diff(before, after), 0.0) << "the trained expert's step shows";
+}
+
 TEST(WanValidation, SamplingBetweenStepsLeavesTrainingBitForBit) {
   for (const auto& mode : kModes) {
     SCOPED_TRACE(mode.name);

@@ -7,6 +7,7 @@
 #include <torch/cuda.h>
 
 #include <chrono>
+#include <stdexcept>
 
 using namespace megaslide::offload;
 
@@ -179,6 +180,39 @@ TEST(WeightStreamer, ALentPassNeitherTakesNorLeavesTheOwnersUploads) {
         pass.run(l, [&](const at::Tensor& w) { EXPECT_TRUE(torch::equal(w, other[l])) << "block " << l; });
     }
     EXPECT_EQ(s.stats().h2d_copies, before + 5);
+    s.synchronize();
+  }
+}
+
+// Property: a block whose acquire fails (its fp8 upcast throws, as a device out of memory would) is not left
+// acquired: the slot takes the next prefetch, and the same block's next acquire upcasts it then.
+TEST(WeightStreamer, AFailedAcquireLeavesTheSlotFree) {
+  for (const auto mode : {StreamMode::kAsync, StreamMode::kSync}) {
+    SCOPED_TRACE(to_string(mode));
+    const std::vector<int64_t> numels{16, 16, 16};
+    WeightStreamerOptions o{torch::kCPU, at::kFloat, mode};
+    o.gradients = false;
+    o.transfer_dtype = at::kFloat8_e4m3fn;
+    WeightStreamer s(numels, o);
+    int failures = 1;
+    s.set_upcast([&](int64_t, const at::Tensor& raw, const at::Tensor& weights) {
+      if (failures-- > 0) throw std::runtime_error("out of memory (simulated)");
+      weights.copy_(raw.to(at::kFloat));
+    });
+    std::vector<at::Tensor> host;
+    for (int64_t l = 0; l < 3; ++l) host.push_back(torch::full({16}, 1.0 + l).to(at::kFloat8_e4m3fn));
+    s.prefetch(0, host[0]);
+    EXPECT_THROW(s.acquire(0), std::runtime_error);
+    EXPECT_TRUE(torch::equal(s.acquire(0), torch::full({16}, 1.f))) << "the upcast is retried";
+    s.release(0);
+    s.prefetch(0, host[0]);
+    failures = 1;
+    s.invalidate(0);
+    s.prefetch(0, host[0]);
+    EXPECT_THROW(s.acquire(0), std::runtime_error);
+    EXPECT_NO_THROW(s.prefetch(2, host[2])) << "slot 0 is free for another block";
+    EXPECT_TRUE(torch::equal(s.acquire(2), torch::full({16}, 3.f)));
+    s.release(2);
     s.synchronize();
   }
 }

@@ -139,9 +139,14 @@ void WeightStreamer::prefetch(int64_t block, const at::Tensor& host_weights) {
   auto& streams = *impl_->streams;
   streams.wait(Lane::kH2D, slot.released);  // the compute stream is done with the slot's previous block
   slot.upcast_due = slot.raw.defined();
-  streams.copy(Lane::kH2D, (slot.raw.defined() ? slot.raw : slot.weights).narrow(0, 0, n), host_weights,
-               "h2d block " + std::to_string(block));
-  slot.weights_ready = streams.record(Lane::kH2D);
+  try {
+    streams.copy(Lane::kH2D, (slot.raw.defined() ? slot.raw : slot.weights).narrow(0, 0, n), host_weights,
+                 "h2d block " + std::to_string(block));
+    slot.weights_ready = streams.record(Lane::kH2D);
+  } catch (...) {
+    slot.valid = false;  // what the slot holds is not this block's weights
+    throw;
+  }
 }
 
 at::Tensor WeightStreamer::acquire(int64_t block) {
@@ -149,16 +154,16 @@ at::Tensor WeightStreamer::acquire(int64_t block) {
   auto& slot = impl_->slots[slot_of(block)];
   TORCH_CHECK(slot.block == block && slot.valid, "WeightStreamer::acquire: block ", block,
               " is not in its slot (call prefetch(block) first)");
-  slot.acquired = true;
   impl_->streams->wait(Lane::kCompute, slot.weights_ready);
   slot.weights_ready.reset();
   const int64_t n = numels_[block];
   if (slot.upcast_due) {  // on the compute stream, which now waits for the upload
     TORCH_CHECK(upcast_, "WeightStreamer::acquire: block ", block, " arrived as ", transfer_dtype(),
                 " and no upcast is set (set_upcast)");
-    upcast_(block, slot.raw.narrow(0, 0, n), slot.weights.narrow(0, 0, n));
+    upcast_(block, slot.raw.narrow(0, 0, n), slot.weights.narrow(0, 0, n));  // a failed one is retried next time
     slot.upcast_due = false;
   }
+  slot.acquired = true;  // only once nothing can fail: an error leaves the slot free for the next prefetch
   return slot.weights.narrow(0, 0, n);
 }
 

@@ -272,15 +272,27 @@ std::vector<torch::Tensor> WanValidation::sample(Trainer& trainer) const {
     so.device = trainer.device();
     so.compute_dtype = trainer.engine() ? trainer.engine()->options().compute_dtype : at::kFloat;
     so.pin_host_memory = false;  // read for each validation: not worth page-locking 28 GB each time
-    // The trainer's slots where the blocks are alike (the same architecture, uploaded in the compute dtype; not
-    // over an fp8 base): no device memory of its own.
-    if (auto* engine = trainer.engine(); engine && engine->store().transfer_dtype() == so.compute_dtype) {
-      so.mode = engine->options().mode;
-      so.lent_streamer = &engine->lend_streamer();
-    }
     std::shared_ptr<WanDenoiser> frozen;
     try {
-      frozen = std::make_shared<StreamedWanDenoiser>(load_untrained_expert(config_, true), so);
+      WanModel other = load_untrained_expert(config_, true);  // its blocks meta skeletons, read as they stream
+      // The trainer's slots where the blocks are alike, judged from the skeletons before any block is read: as many
+      // streamed elements a block, uploaded in the compute dtype (not over an fp8 base; not where the trained expert
+      // has the 3D-DSA retrofit's parameters and the other, dense, has none). Else a streamer of its own.
+      if (auto* engine = trainer.engine(); engine && engine->store().transfer_dtype() == so.compute_dtype) {
+        const auto& slots = engine->streamer();
+        const int64_t L = static_cast<int64_t>(other.dit->blocks->size());
+        bool alike = L <= slots.num_blocks();
+        for (int64_t l = 0; alike && l < L; ++l) {
+          int64_t n = 0;
+          for (const auto& p : other.dit->blocks[l]->as<WanBlockImpl>()->streamed().parameters(true)) n += p.numel();
+          alike = n == slots.block_numel(l);
+        }
+        if (alike) {
+          so.mode = engine->options().mode;
+          so.lent_streamer = &engine->lend_streamer();
+        }
+      }
+      frozen = std::make_shared<StreamedWanDenoiser>(std::move(other), so);
     } catch (const WanWeightsError& e) {
       throw ConfigError(source_, w.expert == "high" ? "model.wan.weights_2" : "model.wan.weights", e.what());
     }

@@ -12,12 +12,12 @@
 
 namespace megaslide::testing {
 
-// `n` latent videos [4, 3, 6, 8] (smooth waves whose phase depends on the clip), a random text embedding
+// `n` latent videos [4, frames, 6, 8] (smooth waves whose phase depends on the clip), a random text embedding
 // per clip [7, 20] (bf16), the empty prompt's zeros; a Wan of 2 blocks of width 24 trained on them with
 // flow matching, 30 steps of batches of 2 on the CPU, bf16 compute when streamed. Returns the config's path.
-inline std::string write_tiny_wan(const std::string& dir, int64_t n = 4) {
+inline std::string write_tiny_wan(const std::string& dir, int64_t n = 4, int64_t frames = 3) {
   io::make_directories(dir);
-  auto t = torch::arange(3).view({1, 1, 3, 1, 1}).to(torch::kFloat32);
+  auto t = torch::arange(frames).view({1, 1, frames, 1, 1}).to(torch::kFloat32);
   auto h = torch::arange(6).view({1, 1, 1, 6, 1}).to(torch::kFloat32);
   auto w = torch::arange(8).view({1, 1, 1, 1, 8}).to(torch::kFloat32);
   auto phase = torch::arange(n).view({n, 1, 1, 1, 1}).to(torch::kFloat32);
@@ -32,8 +32,8 @@ inline std::string write_tiny_wan(const std::string& dir, int64_t n = 4) {
       << "model:\n  arch: wan\n  wan: {dim: 24, layers: 2, heads: 2, ffn_dim: 40, freq_dim: 16, text_dim: 20, "
          "patch: [1, 2, 2], in_channels: 4, out_channels: 4}\n"
          "data: {dataset: latent-tensors, tensors: "
-      << tensors
-      << ", channels: 4, frames: 3, height: 6, width: 8, "
+      << tensors << ", channels: 4, frames: " << frames
+      << ", height: 6, width: 8, "
          "max_text_tokens: 7}\n"
          "diffusion: {objective: flow, shift: 3.0, caption_dropout: 0.1}\n"
          "train: {steps: 30, batch_size: 2, lr: 0.003, warmup_steps: 0, lr_schedule: constant, grad_clip: 1.0, "
