@@ -737,13 +737,19 @@ TEST(Checkpoint, ResumeBelowTheCheckpointsStepIsRefusedAndOtherThreadsAreNamed) 
   EXPECT_EQ(io::read_file(io::join_path(dir, "metrics.jsonl")), metrics);
   // Another thread count: allowed, and said.
   const auto latest = latest_checkpoint(dir);
-  EXPECT_TRUE(resume_warnings(latest, tiny(dir, {"train.threads=1"})).empty());
-  const auto warnings = resume_warnings(latest, tiny(dir, {"train.threads=2"}));
+  EXPECT_TRUE(resume_warnings(latest, tiny(dir, {"train.steps=4", "train.threads=1"})).empty());
+  const auto warnings = resume_warnings(latest, tiny(dir, {"train.steps=4", "train.threads=2"}));
   ASSERT_EQ(warnings.size(), 1u);
   EXPECT_NE(warnings[0].find("bit for bit"), std::string::npos) << warnings[0];
   EXPECT_NE(warnings[0].find("train.threads=1"), std::string::npos) << warnings[0];
+  // More steps (the run extended): the cosine schedule, stretched over them, moves the next step's rate — said,
+  // with what changed.
+  const auto extended = resume_warnings(latest, tiny(dir, {"train.steps=8", "train.threads=1"}));
+  ASSERT_EQ(extended.size(), 1u);
+  EXPECT_NE(extended[0].find("learning rate of step 5"), std::string::npos) << extended[0];
+  EXPECT_NE(extended[0].find("train.steps 4 -> 8"), std::string::npos) << extended[0];
   // train.threads 0 (auto) is the count it plans on this machine: a warning only where that is not 1.
-  const auto automatic = tiny(dir, {"train.threads=0"});
+  const auto automatic = tiny(dir, {"train.steps=4", "train.threads=0"});
   EXPECT_EQ(resume_warnings(latest, automatic).empty(), megaslide::plan_threads(automatic, torch::kCPU).intra_op == 1);
   // The checkpoint records the count it ran with, so `auto` saved on a bigger machine (64 threads) warns where
   // `auto` resolves to fewer: the state file of such a save, edited from this one.

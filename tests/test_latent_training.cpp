@@ -233,6 +233,19 @@ TEST(LatentTraining, PaperSmallTrainsWithFallingLossAndSamplesPlayableVideos) {
     ++videos;
   }
   EXPECT_EQ(videos, 2);
+  // --text-encoder and --vae take the place of the folders the checkpoint's config names (a checkpoint moved, or
+  // written with relative paths from another folder): a folder that is not there is refused naming the key.
+  for (const std::string flag : {"--text-encoder", "--vae"}) {
+    const auto moved = fresh_dir("moved-samples");
+    auto m = megaslide::testing::run_tool("megaslide-sample", "--checkpoint " + dir + " --prompts " + prompts +
+                                                                  " --out " + moved + " --steps 1 --device cpu " +
+                                                                  flag + " /nonexistent/moved");
+    EXPECT_EQ(m.code, 2) << m.output;
+    EXPECT_NE(m.output.find(flag == "--vae" ? "model.vae.weights" : "model.text_encoder.weights"), std::string::npos)
+        << m.output;
+    EXPECT_NE(m.output.find("'/nonexistent/moved' is not a folder"), std::string::npos) << m.output;
+    EXPECT_FALSE(megaslide::io::path_exists(moved));
+  }
 
   // Resume with the built-in text encoder instead of CLIP: refused, naming the key.
   auto resume = megaslide::testing::run_tool(

@@ -200,6 +200,11 @@ TEST(MegaslideSample, BadInputExitsTwoNamingItAndWritesNothing) {
   // Wan's LoRA weights on a DiT: refused like its other flags (they were taken without a word).
   expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + out + " --lora-scale 1000",
                  "are for Wan models");
+  // CLIP's and the SD VAE's folders replace a latent model's; this one has its own caption encoder and no VAE.
+  expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + out + " --text-encoder " + out,
+                 "trained its own caption encoder");
+  expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + out + " --vae " + out,
+                 "a pixel-space model");
   expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + corrupt + "/sub", "--out");
   auto empty = prompts_file("empty.txt", "\n\n");
   expect_refused("--checkpoint " + weights() + " --prompts " + empty + " --out " + out, empty);

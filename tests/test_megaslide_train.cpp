@@ -612,6 +612,37 @@ TEST(MegaslideTrain, OutOfRangeNumbersExitTwoNamingTheKeyNotAbort) {
   expect_refused(run("--config " + smoke() + " --dry-run --set model.layers=999999999999"), "model.layers");
 }
 
+// --dry-run names each file or folder the config gives that the run would open before its first step and that is
+// not there (key, path, and that a relative one was read from the current folder), still exiting 0: it also plans
+// models whose weights are not there yet. Present ones and ones the run would not open are not named.
+TEST(MegaslideTrain, DryRunNamesTheMissingFilesTheRunWouldStopAt) {
+  const std::string base = "--config " + smoke() + " --dry-run";
+  auto r = run(base + " --json");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_TRUE(nlohmann::json::parse(r.output).at("missing_paths").empty()) << r.output;
+  r = run(base +
+          " --json --set data.dataset=videos --set data.root=nothere-videos --set "
+          "train.init_from=/nonexistent/w.safetensors --set train.sample_prompts=/nonexistent/p.txt");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto missing = nlohmann::json::parse(r.output).at("missing_paths");
+  ASSERT_EQ(missing.size(), 2u) << r.output << " (train.sample_prompts: no validation videos, so not opened)";
+  EXPECT_EQ(missing[0].get<std::string>().rfind("data.root: 'nothere-videos' does not exist (a relative path, read "
+                                                "from /",
+                                                0),
+            0u)
+      << missing[0];
+  EXPECT_EQ(missing[1].get<std::string>().rfind("train.init_from: '/nonexistent/w.safetensors' does not exist: ", 0),
+            0u)
+      << missing[1];
+  r = run(base + " --set data.dataset=videos --set data.root=nothere-videos --set data.cache=/nonexistent/cache");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("warning: data.cache: '/nonexistent/cache' does not exist: the run would stop there"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("warning: data.root: 'nothere-videos'"), std::string::npos)
+      << "a cache's run reads the listing too: " << r.output;
+}
+
 TEST(MegaslideTrain, ConfigThatIsAFolderOrADeviceIsRefused) {
   expect_refused(run("--config /tmp --dry-run"), "is a folder");
   expect_refused(run("--config /dev/zero --dry-run"), "is a device");

@@ -136,6 +136,14 @@ TEST(RunConfig, MalformedYamlIsNamed) {
     FAIL();
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("not valid YAML"), std::string::npos) << e.what();
+    EXPECT_EQ(std::string(e.what()).find("tab"), std::string::npos) << "no tab here: " << e.what();
+  }
+  // A tab in the indentation (YAML allows spaces only) is named with its line.
+  try {
+    parse_run_config("train:\n  lr: 0.1\n\tsteps: 5\n", kSource);
+    FAIL();
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("line 3 is indented with a tab"), std::string::npos) << e.what();
   }
 }
 

@@ -68,6 +68,9 @@ int main(int argc, char** argv) {
     options.memory_budget_gib = budget;
     options.overrides = overrides;
     options.progress = [](const std::string& line) { std::cerr << line << std::endl; };
+    if (options.size == megaslide::AblationSize::kFull && !megaslide::resolve_device(device).is_cuda())
+      std::cerr << "megaslide-ablate: warning: --size full runs the paper's sizes, made for a GPU: on the CPU a step "
+                   "takes seconds and a suite hours; --size quick runs the same comparisons small\n";
     for (const auto& n : names) {
       options.suite = n;
       const auto report = megaslide::run_ablation(options);

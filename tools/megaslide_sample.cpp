@@ -526,13 +526,15 @@ int main(int argc, char** argv) {
   app.add_option(
       "--text-encoder", wan.text_encoder,
       "Wan: umT5's weights (transformers' folder, a diffusers repository's text_encoder/, or ComfyUI's "
-      "umt5_xxl_fp16.safetensors); default: text_encoder/ of the diffusers repository model.wan.weights names");
+      "umt5_xxl_fp16.safetensors); default: text_encoder/ of the diffusers repository model.wan.weights names. A "
+      "DiT-family checkpoint with CLIP: CLIP's folder, in place of the one its config names");
   app.add_option("--tokenizer", wan.tokenizer,
                  "Wan: umT5's spiece.model, or a folder holding it (default: found from --text-encoder)");
   app.add_option(
       "--vae", wan.vae,
       "Wan: the Wan VAE (diffusers' vae/ folder or ComfyUI's wan_2.1_vae.safetensors); default: vae/ of the diffusers "
-      "repository model.wan.weights names");
+      "repository model.wan.weights names. A DiT-family checkpoint with the SD VAE: its folder, in place of the one "
+      "its config names");
   app.add_option("--negative-prompt", wan.negative_prompt,
                  "Wan: the negative prompt of guidance (default: Wan2.1's, docs/wan.md)")
       ->each([&wan](const std::string&) { wan.negative_prompt_set = true; });
@@ -713,11 +715,10 @@ int main(int argc, char** argv) {
       const bool is_wan = wan_model.has_value();
       const bool lora_scales = app.count("--lora-scale") > 0 || app.count("--lora-2-scale") > 0;
       if (!is_wan &&
-          (!wan.text_encoder.empty() || !wan.tokenizer.empty() || !wan.vae.empty() || wan.negative_prompt_set ||
-           wan.shift >= 0 || wan.guidance_2 >= 0 || wan.latents || !wan.image.empty() || !wan.image_encoder.empty() ||
-           !wan.lora.empty() || !wan.lora_2.empty() || lora_scales))
+          (!wan.tokenizer.empty() || wan.negative_prompt_set || wan.shift >= 0 || wan.guidance_2 >= 0 || wan.latents ||
+           !wan.image.empty() || !wan.image_encoder.empty() || !wan.lora.empty() || !wan.lora_2.empty() || lora_scales))
         throw std::invalid_argument(
-            "--text-encoder, --tokenizer, --vae, --image-encoder, --negative-prompt, --shift, --guidance-2, --image, "
+            "--tokenizer, --image-encoder, --negative-prompt, --shift, --guidance-2, --image, "
             "--lora, --lora-2, --lora-scale, --lora-2-scale and --latents are for Wan models; '" +
             checkpoint + "' is not one");
       if (app.count("--lora-scale") > 0 && wan.lora.empty())
@@ -744,8 +745,23 @@ int main(int argc, char** argv) {
         if (sampler == "ddpm" && app.count("--eta") > 0)
           throw std::invalid_argument("--eta is DDIM's (--sampler ddim); the DDPM sampler has none");
         model = megaslide::load_weights(weights);  // on the CPU; moved below, whole or all but the blocks
-        // A latent model's frozen CLIP and VAE, from the folders its config names, on the device.
-        model.frozen = megaslide::FrozenEncoders::load(model.config, device, weights + " (its config)");
+        // A latent model's frozen CLIP and VAE, from the folders its config names (or --text-encoder and --vae name
+        // instead: a checkpoint moved, or whose relative paths were written from another folder), on the device.
+        auto& frozen = model.config.model;
+        if (!wan.text_encoder.empty()) {
+          if (frozen.text_encoder.kind != "clip")
+            throw std::invalid_argument("--text-encoder: '" + checkpoint + "' trained its own caption encoder (" +
+                                        frozen.text_encoder.kind + "), not CLIP's: it takes none");
+          frozen.text_encoder.weights = wan.text_encoder;
+        }
+        if (!wan.vae.empty()) {
+          if (frozen.vae.kind != "sd")
+            throw std::invalid_argument("--vae: '" + checkpoint + "' is a pixel-space model: it takes no VAE");
+          frozen.vae.weights = wan.vae;
+        }
+        const bool replaced = !wan.text_encoder.empty() || !wan.vae.empty();
+        model.frozen = megaslide::FrozenEncoders::load(
+            model.config, device, weights + (replaced ? " (its config, with --text-encoder/--vae)" : " (its config)"));
         if (steps > model.config.diffusion.timesteps)
           throw std::invalid_argument(fmt::format("--steps {} exceeds the model's {} training timesteps", steps,
                                                   model.config.diffusion.timesteps));
@@ -754,6 +770,25 @@ int main(int argc, char** argv) {
       // unique names; io/vbench_layout.h), each line's size checked against what the model can take.
       const auto& config = is_wan ? wan_model->config : model.config;
       videos = megaslide::plan_prompt_videos(config, specs, samples_per_prompt, seed);
+      // A model with the built-in caption encoder knows only its training captions' words: a prompt with others
+      // samples as if they were absent (<unk>), which is said rather than left to be guessed from the videos.
+      if (!is_wan && config.model.text_encoder.kind == "builtin") {
+        const megaslide::CaptionTokenizer tokenizer;
+        std::set<std::string> said;
+        for (const auto& v : videos) {
+          if (!said.insert(v.job.prompt).second) continue;
+          std::vector<std::string> unknown;
+          for (const auto& w : tokenizer.unknown_words(v.job.prompt))
+            if (std::find(unknown.begin(), unknown.end(), w) == unknown.end()) unknown.push_back(w);
+          if (unknown.empty()) continue;
+          std::string listed;
+          for (const auto& w : unknown) listed += (listed.empty() ? "'" : ", '") + w + "'";
+          std::cerr << "megaslide-sample: warning: prompt '" << v.job.prompt << "': " << listed
+                    << (unknown.size() == 1 ? " is" : " are")
+                    << " not in the built-in caption encoder's vocabulary (the structured-motion words) and "
+                       "samples as <unk>\n";
+        }
+      }
       const auto run_size = megaslide::run_video_size(config);
       for (const auto& v : videos) {
         const int64_t height = v.job.height.value_or(run_size.height), width = v.job.width.value_or(run_size.width);

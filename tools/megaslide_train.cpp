@@ -88,6 +88,45 @@ void check_outputs_apart(const std::vector<std::pair<std::string, std::string>>&
   }
 }
 
+// --dry-run's look at the files and folders the config names that a run opens before its first step (the
+// frozen encoders of the DiT family, the Wan DiT's weights, the data, train.init_from; Wan's umT5, VAE and image
+// encoder and the prompt file only for validation videos): one line for each that is not there, naming its key,
+// where the run would stop. A warning, not an error: a dry run also plans a model whose weights are not yet
+// downloaded. Nothing is read.
+std::vector<std::string> missing_named_paths(const megaslide::RunConfig& c) {
+  std::vector<std::pair<std::string, std::string>> named;  // key, path
+  const auto add = [&](const char* key, const std::string& path) {
+    if (!path.empty()) named.emplace_back(key, path);
+  };
+  const bool wan = c.model.arch == megaslide::Architecture::kWan, videos = c.train.sample_every > 0;
+  if (c.data.dataset == "videos") {
+    add("data.root", c.data.root);  // read with a cache too: its listing against the cache's items
+    add("data.manifest", c.data.manifest);
+    add("data.cache", c.data.cache);
+  }
+  if (c.data.dataset == "latent-tensors") add("data.tensors", c.data.tensors);
+  add("train.init_from", c.train.init_from);
+  if (videos) add("train.sample_prompts", c.train.sample_prompts);
+  if (!wan || videos) {
+    if (c.model.text_encoder.kind != "builtin") {
+      add("model.text_encoder.weights", c.model.text_encoder.weights);
+      add("model.text_encoder.vocab", c.model.text_encoder.vocab);
+    }
+    if (c.model.vae.kind != "none") add("model.vae.weights", c.model.vae.weights);
+  }
+  if (wan) {
+    add("model.wan.weights", c.model.wan.weights);
+    add("model.wan.weights_2", c.model.wan.weights_2);
+    if (videos) add("model.image_encoder.weights", c.model.image_encoder.weights);
+  }
+  std::vector<std::string> out;
+  for (const auto& [key, path] : named)
+    if (!megaslide::io::path_exists(path))
+      out.push_back(key + ": '" + path + "' does not exist" + megaslide::io::relative_path_note(path) +
+                    ": the run would stop there");
+  return out;
+}
+
 // --dry-run: the model's size and the run's memory in a few lines, or one JSON object.
 int print_dry_run(const megaslide::RunConfig& config, const std::string& source, bool json) {
   auto j = nlohmann::json::parse(megaslide::dry_run_json(config));
@@ -96,6 +135,8 @@ int print_dry_run(const megaslide::RunConfig& config, const std::string& source,
       config.lora.rank > 0 ? megaslide::plan::lora_trained_parameters(config, source) : j["params"].get<int64_t>();
   // What the run's train.log would warn about: settings it will not use.
   j["unused_settings"] = megaslide::unused_settings(megaslide::resolve_auto_settings(config));
+  // Files and folders it names that are not there (each "KEY: 'PATH' does not exist...").
+  j["missing_paths"] = missing_named_paths(config);
   if (json) {
     std::cout << j.dump() << "\n";
     return 0;
@@ -120,6 +161,7 @@ int print_dry_run(const megaslide::RunConfig& config, const std::string& source,
                                : std::string())
       << "(--json prints this as one JSON object; megaslide-plan shows memory and time on a machine)\n";
   for (const auto& line : j["unused_settings"]) std::cout << "warning: " << line.get<std::string>() << "\n";
+  for (const auto& line : j["missing_paths"]) std::cout << "warning: " << line.get<std::string>() << "\n";
   return 0;
 }
 }  // namespace
@@ -289,7 +331,8 @@ int main(int argc, char** argv) {
         // With --resume an export writes the checkpoint's files and trains nothing. --export-merged needs the model
         // and its adapters: run_training loads them (export_only), checks its inputs and writes the file first.
         megaslide::TrainingRunOptions options;
-        options.config_source = config_path;
+        // What the run's errors name as the source of a setting: with --set, the file and the overrides together.
+        options.config_source = overrides.empty() ? config_path : config_path + " with --set overrides";
         options.resume = resume;
         options.export_merged = export_merged;
         options.export_layout = export_layout;

@@ -810,7 +810,21 @@ RunConfig parse_config_text(const std::string& yaml_text, const std::string& sou
   try {
     root = YAML::Load(yaml_text);
   } catch (const YAML::Exception& e) {
-    throw ConfigError(source, "", "not valid YAML: " + e.msg + " (line " + std::to_string(e.mark.line + 1) + ")");
+    // A tab in a line's indentation is the usual cause of a puzzling message ("illegal map value"): YAML indents
+    // with spaces only. Named where the first such line is.
+    std::string hint;
+    for (size_t begin = 0, line = 1; begin < yaml_text.size(); ++line) {
+      size_t end = yaml_text.find('\n', begin);
+      if (end == std::string::npos) end = yaml_text.size();
+      const size_t text = yaml_text.find_first_not_of(" \t", begin);
+      if (text != std::string::npos && text < end && yaml_text.find('\t', begin) < text) {
+        hint = "; line " + std::to_string(line) + " is indented with a tab, and YAML indents with spaces only";
+        break;
+      }
+      begin = end + 1;
+    }
+    throw ConfigError(source, "",
+                      "not valid YAML: " + e.msg + " (line " + std::to_string(e.mark.line + 1) + ")" + hint);
   }
   if (root.IsDefined() && !root.IsNull()) {
     if (!root.IsMap())

@@ -136,14 +136,18 @@ VariantRun train_variant(const std::string& suite, const std::string& name, cons
     say(fmt::format("{} {} trainer, {} tokens/sample, device {}, {} steps", family.name(),
                     trainer->streams() ? "streamed (host AdamW)" : "resident (device AdamW)",
                     trainer->tokens_per_sample(), run.device, config.train.steps));
+    double seconds = 0.0;  // the steps so far, for the variant's ETA
     for (int64_t i = 0; i < config.train.steps; ++i) {
       meter.reset();
       StepMetrics m = trainer->step();
       const int64_t peak = meter.peak_bytes(persistent);
       run.steps.push_back(m);
       run.peak_bytes.push_back(peak);
-      say(fmt::format("step {}/{} loss {:.5f} {:.3f} s/step peak {:.1f} MiB", m.step, config.train.steps, m.loss,
-                      m.step_time_s, static_cast<double>(peak) / kMiB));
+      seconds += m.step_time_s;
+      const double eta = seconds / static_cast<double>(i + 1) * static_cast<double>(config.train.steps - i - 1);
+      say(fmt::format("step {}/{} loss {:.5f} {:.3f} s/step peak {:.1f} MiB, this variant's ETA {}m{:02d}s", m.step,
+                      config.train.steps, m.loss, m.step_time_s, static_cast<double>(peak) / kMiB,
+                      static_cast<int64_t>(eta) / 60, static_cast<int>(static_cast<int64_t>(eta) % 60)));
       if (!device.is_cuda() && budget_bytes > 0 && peak > budget_bytes) {
         run.oom = true;
         run.oom_reason = fmt::format("measured peak {:.1f} MiB > budget {:.1f} MiB", static_cast<double>(peak) / kMiB,

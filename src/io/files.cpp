@@ -263,6 +263,15 @@ std::string join_path(const std::string& a, const std::string& b) {
   return a.back() == '/' ? a + b : a + "/" + b;
 }
 
+std::string relative_path_note(const std::string& path) {
+  if (path.empty() || path[0] == '/') return "";
+  try {
+    return " (a relative path, read from " + absolute_path(".") + ")";
+  } catch (const IoError&) {
+    return " (a relative path)";
+  }
+}
+
 std::string absolute_path(const std::string& path) {
   if (path.empty()) return path;
   std::string full = path;

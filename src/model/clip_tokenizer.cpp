@@ -170,6 +170,8 @@ ClipTokenizer ClipTokenizer::find(const std::string& vocab, const std::string& w
   if (!vocab.empty()) return io::is_directory(vocab) ? from_folder(vocab) : from_openai_bpe(vocab);
   for (const auto& dir : {weights, weights + "/../tokenizer"})
     if (!weights.empty() && folder_has_vocabulary(dir)) return from_folder(dir);
+  if (!weights.empty() && !io::path_exists(weights))
+    throw ClipTokenizerError("'" + weights + "' does not exist (CLIP's folder: its weights and vocabulary)");
   throw ClipTokenizerError("no CLIP vocabulary in '" + weights +
                            "' (vocab.json + merges.txt there, in tokenizer/ or in ../tokenizer/)");
 }

@@ -12,10 +12,14 @@ std::shared_ptr<FrozenEncoders> FrozenEncoders::load(const RunConfig& config, to
   if (te.kind != "clip" && v.kind != "sd") return nullptr;
   std::shared_ptr<FrozenEncoders> out(new FrozenEncoders(config, device));
   auto fail = [&](const std::string& key, const std::string& problem) { throw ConfigError(source, key, problem); };
+  // A relative path is read from the current folder (not the config's): said, with where that was.
+  const auto missing = [](const std::string& path) {
+    return "'" + path + "' is not a folder" + io::relative_path_note(path);
+  };
   if (te.kind == "clip") {
     if (!io::is_directory(te.weights))
       fail("model.text_encoder.weights",
-           "'" + te.weights + "' is not a folder (CLIP's text encoder: config.json + model.safetensors)");
+           missing(te.weights) + " (CLIP's text encoder: config.json + model.safetensors)");
     try {
       out->text_.emplace(
           ClipTextEncoder::load(te.weights, device, frozen_encoder_dtype(te.dtype, device), te.dtype == "fp8"));
@@ -48,7 +52,7 @@ std::shared_ptr<FrozenEncoders> FrozenEncoders::load(const RunConfig& config, to
   if (v.kind == "sd") {
     if (!io::is_directory(v.weights))
       fail("model.vae.weights",
-           "'" + v.weights + "' is not a folder (the SD VAE: config.json + diffusion_pytorch_model.safetensors)");
+           missing(v.weights) + " (the SD VAE: config.json + diffusion_pytorch_model.safetensors)");
     try {
       out->vae_.emplace(SdVae::load(v.weights, device, frozen_encoder_dtype(v.dtype, device)));
     } catch (const std::exception& e) {

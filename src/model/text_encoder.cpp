@@ -34,6 +34,25 @@ std::vector<int64_t> CaptionTokenizer::encode(const std::string& caption, int64_
   return ids;
 }
 
+std::vector<std::string> CaptionTokenizer::unknown_words(const std::string& caption, int64_t* word_count) const {
+  std::vector<std::string> out;
+  int64_t n = 0;
+  std::string word;
+  auto flush = [&] {
+    if (word.empty()) return;
+    ++n;
+    if (!ids_.count(word)) out.push_back(word);
+    word.clear();
+  };
+  for (unsigned char c : caption) {
+    if (std::isalnum(c)) word.push_back(static_cast<char>(std::tolower(c)));
+    else flush();
+  }
+  flush();
+  if (word_count) *word_count = n;
+  return out;
+}
+
 TokenizedCaptions CaptionTokenizer::encode_batch(const std::vector<std::string>& captions, int64_t max_tokens) const {
   const auto B = static_cast<int64_t>(captions.size());
   auto ids = torch::empty({B, max_tokens}, torch::kLong);

@@ -598,6 +598,21 @@ std::vector<std::string> resume_warnings(const std::string& path, const RunConfi
           "continuation",
           y, count(threads_here), x, count(saved_threads), recorded ? "then" : "on this machine", path, saved_threads));
     }
+    // The learning-rate schedule follows the train section as it is now: another train.steps (or lr, warm-up,
+    // schedule, floor) moves the rate of the next step, which a user extending a run may not expect.
+    const int64_t next = checkpoint_step(path);
+    const double lr_then = learning_rate(saved.train, next), lr_now = learning_rate(config.train, next);
+    if (lr_then != lr_now) {
+      std::string changed;
+      for (const char* key :
+           {"train.lr", "train.lr_schedule", "train.warmup_steps", "train.min_lr_ratio", "train.steps"})
+        if (lookup(a, key) != lookup(b, key))
+          changed += fmt::format("{}{} {} -> {}", changed.empty() ? "" : ", ", key, lookup(a, key), lookup(b, key));
+      out.push_back(fmt::format(
+          "the learning rate of step {} is {:.4g} with this config's train section but was to be {:.4g} when {} was "
+          "saved ({}): the schedule continues from the settings given now",
+          next + 1, lr_now, lr_then, path, changed));
+    }
     // A LoRA checkpoint holds the adapters alone: a resume takes the frozen model from train.init_from again where
     // it names a model (adapters there only started the run).
     const std::string init_then = lookup(a, "train.init_from"), init_now = lookup(b, "train.init_from");

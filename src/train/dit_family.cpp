@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <memory>
 #include <stdexcept>
 
@@ -127,6 +128,34 @@ class DiTModel final : public FamilyModel {
 
   void describe(std::vector<std::string>& info, std::vector<std::string>& warnings) const override {
     for (auto& notice : batches_.notices()) warnings.push_back("data: " + notice);
+    // Real captions with the built-in caption encoder: its vocabulary is the structured-motion captions' words, so
+    // most of theirs would train as <unk> without a word said.
+    if (config_.model.text_encoder.kind == "builtin" && config_.data.dataset == "videos") {
+      const CaptionTokenizer tokenizer;
+      int64_t words = 0, unknown = 0;
+      std::vector<std::string> examples;
+      const auto captions = batches_.captions(1000);
+      for (const auto& caption : captions) {
+        int64_t n = 0;
+        const auto missing = tokenizer.unknown_words(caption, &n);
+        words += n;
+        for (const auto& w : missing) {
+          ++unknown;
+          if (examples.size() < 5 && std::find(examples.begin(), examples.end(), w) == examples.end())
+            examples.push_back(w);
+        }
+      }
+      if (unknown > 0) {
+        std::string listed;
+        for (const auto& w : examples) listed += (listed.empty() ? "'" : ", '") + w + "'";
+        warnings.push_back(fmt::format(
+            "the built-in caption encoder knows only the structured-motion vocabulary: {} of the {} words of the "
+            "first {} captions ({:.0f}%) become <unk> (e.g. {}); for real captions use CLIP's text encoder "
+            "(model.text_encoder.kind: clip, docs/conditioning.md)",
+            unknown, words, captions.size(), 100.0 * static_cast<double>(unknown) / static_cast<double>(words),
+            listed));
+      }
+    }
     if (!validation_.empty()) {
       std::string prompts;
       for (const auto& v : validation_) prompts += (prompts.empty() ? "\"" : ", \"") + v.job.prompt + "\"";

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
+#include <spdlog/pattern_formatter.h>
 #include <spdlog/sinks/base_sink.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
@@ -13,6 +14,7 @@
 #include <cstring>
 #include <mutex>
 #include <sstream>
+#include <string_view>
 
 #include "megaslide/io/event_file.h"
 #include "megaslide/io/files.h"
@@ -217,6 +219,20 @@ struct TrainLog::Impl {
   std::shared_ptr<spdlog::logger> logger;
 };
 
+namespace {
+// The console's "%*": "warning: " or "error: " before a message of that level, nothing before the others.
+class LevelPrefix final : public spdlog::custom_flag_formatter {
+ public:
+  void format(const spdlog::details::log_msg& msg, const std::tm&, spdlog::memory_buf_t& dest) override {
+    const std::string_view prefix = msg.level == spdlog::level::warn  ? "warning: "
+                                    : msg.level >= spdlog::level::err ? "error: "
+                                                                      : "";
+    dest.append(prefix.data(), prefix.data() + prefix.size());
+  }
+  std::unique_ptr<spdlog::custom_flag_formatter> clone() const override { return std::make_unique<LevelPrefix>(); }
+};
+}  // namespace
+
 TrainLog::TrainLog(const std::string& path, bool append, bool echo) : impl_(std::make_unique<Impl>()) {
   try {
     std::shared_ptr<spdlog::sinks::sink> file;
@@ -228,8 +244,11 @@ TrainLog::TrainLog(const std::string& path, bool append, bool echo) : impl_(std:
     auto console = std::make_shared<spdlog::sinks::stderr_color_sink_mt>();
     file->set_pattern("[%Y-%m-%d %H:%M:%S.%e] [%l] %v");
     // On a terminal the progress bar stays on its line without a newline: a log line first clears it
-    // (the next step redraws the bar below) instead of continuing it.
-    console->set_pattern(isatty(STDERR_FILENO) == 1 ? "\r\033[K%v" : "%v");
+    // (the next step redraws the bar below) instead of continuing it. A warning or an error says so ("warning: "),
+    // as the file's [warning] does.
+    auto formatter = std::make_unique<spdlog::pattern_formatter>();
+    formatter->add_flag<LevelPrefix>('*').set_pattern(isatty(STDERR_FILENO) == 1 ? "\r\033[K%*%v" : "%*%v");
+    console->set_formatter(std::move(formatter));
     impl_->logger = echo ? std::make_shared<spdlog::logger>("megaslide", spdlog::sinks_init_list{file, console})
                          : std::make_shared<spdlog::logger>("megaslide", file);
     impl_->logger->flush_on(spdlog::level::info);

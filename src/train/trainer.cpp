@@ -572,7 +572,7 @@ void Trainer::describe(std::vector<std::string>& info, std::vector<std::string>&
         "validation loss every {} steps and after the last: {} batches of {} of {}, drawn the same each time, no "
         "caption dropped",
         t.val_every, t.val_batches, t.batch_size,
-        data.empty() ? std::string("the training data (not held out: train.val_data names other data)")
+        data.empty() ? std::string("the training data itself (not held out; train.val_data can name other data)")
                      : "the training data's config with " + data));
   }
   model_->describe(info, warnings);

@@ -262,7 +262,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
           io::check_output_file(file, "--export-merged");
     }
   } catch (const io::IoError& e) {
-    throw ConfigError(options.config_source, "", e.what());
+    throw FlagError(e.what());  // "--export-weights 'PATH': ...": the flag's, not the config's
   }
   // The NVMe tier creates its state file in offload.nvme_dir at start: the folder must exist and take files.
   if (config.offload.enabled && config.offload.state_tier == "nvme") {
@@ -520,7 +520,18 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
                          init.path, init.tensors.size(), init.kept.size(), init.kept.empty() ? "" : ": ", kept));
   } else if (!resume_path.empty() && !config.train.init_from.empty()) {
     log.info("train.init_from ignored: the run resumes from its checkpoint");
+  } else if (resume_path.empty() && config.model.arch == Architecture::kWan && config.model.wan.weights.empty()) {
+    log.warn(
+        "model.wan.weights is empty and there is no train.init_from: the Wan DiT starts from random weights, a "
+        "run from scratch (fine-tuning reads Wan's weights there; docs/wan.md)");
   }
+  // A run that would end with nothing of its training on disk: said before the first step, not after the last.
+  if (train.checkpoint_every == 0 && options.export_weights.empty() && options.export_ema.empty() &&
+      options.export_merged.empty() && result.first_step < train.steps)
+    log.warn(
+        "train.checkpoint_every is 0 and there is no --export-weights: this run keeps no weights unless it is "
+        "stopped by a signal (which writes a checkpoint); set train.checkpoint_every (a checkpoint also after the "
+        "last step) or pass --export-weights FILE");
   if (const std::string what = trainer.describe_data(train.steps); !what.empty()) log.info("data: " + what);
   auto report_bad_items = [&] {
     for (const auto& b : trainer.take_new_bad_items())

@@ -73,6 +73,8 @@ bool of_clip_shape(const std::string& name) { return name == "latents" || name =
 
 WanLatentData WanLatentData::load(const std::string& path) {
   WanLatentData d;
+  if (!io::path_exists(path) || io::is_directory(path))
+    throw std::invalid_argument("'" + path + "': no such file (the latent tensors: a safetensors file)");
   try {
     const io::MappedWeights file(path);
     for (const auto& name : file.names()) {

@@ -32,6 +32,9 @@ std::string join_path(const std::string& a, const std::string& b);
 // or trailing slashes removed (lexically: links are not followed). "" stays "". Throws IoError when the working
 // directory cannot be read.
 std::string absolute_path(const std::string& path);
+// For an error about a path a config or a flag gave: " (a relative path, read from CWD)" when `path` is relative
+// (CWD the working directory), else "".
+std::string relative_path_note(const std::string& path);
 
 // mkdir -p.
 void make_directories(const std::string& path);

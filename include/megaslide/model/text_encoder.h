@@ -34,6 +34,9 @@ class CaptionTokenizer {
   std::vector<int64_t> encode(const std::string& caption, int64_t max_tokens) const;
   TokenizedCaptions encode_batch(const std::vector<std::string>& captions, int64_t max_tokens) const;
   const std::vector<std::string>& words() const { return words_; }
+  // The words of `caption` (split as encode splits them) that map to <unk>, in order, repeats included; and how
+  // many words it has.
+  std::vector<std::string> unknown_words(const std::string& caption, int64_t* word_count = nullptr) const;
 
  private:
   std::vector<std::string> words_;

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <exception>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -27,6 +28,13 @@ class InputError {
   InputError() = default;
   InputError(const InputError&) = default;
   InputError& operator=(const InputError&) = default;
+};
+
+// Bad input given by a command-line flag (an output path it names that cannot be written): the message names
+// the flag.
+class FlagError : public std::runtime_error, public InputError {
+ public:
+  using std::runtime_error::runtime_error;
 };
 
 // True when `e` is bad input (its type derives from InputError).
