@@ -748,6 +748,8 @@ TEST(Checkpoint, ResumeBelowTheCheckpointsStepIsRefusedAndOtherThreadsAreNamed) 
   ASSERT_EQ(extended.size(), 1u);
   EXPECT_NE(extended[0].find("learning rate of step 5"), std::string::npos) << extended[0];
   EXPECT_NE(extended[0].find("train.steps 4 -> 8"), std::string::npos) << extended[0];
+  EXPECT_TRUE(resume_warnings(latest, tiny(dir, {"train.steps=8", "train.threads=1"}), /*training=*/false).empty())
+      << "an export trains nothing: no rate to speak of";
   // train.threads 0 (auto) is the count it plans on this machine: a warning only where that is not 1.
   const auto automatic = tiny(dir, {"train.steps=4", "train.threads=0"});
   EXPECT_EQ(resume_warnings(latest, automatic).empty(), megaslide::plan_threads(automatic, torch::kCPU).intra_op == 1);

@@ -641,6 +641,15 @@ TEST(MegaslideTrain, DryRunNamesTheMissingFilesTheRunWouldStopAt) {
       << r.output;
   EXPECT_NE(r.output.find("warning: data.root: 'nothere-videos'"), std::string::npos)
       << "a cache's run reads the listing too: " << r.output;
+  // A folder the run needs that is a file; the NVMe tier's folder.
+  r = run(base + " --set data.dataset=videos --set data.root=" + smoke() +
+          " --set offload.state_tier=nvme --set offload.nvme_dir=/nonexistent/nvme");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("warning: data.root: '" + smoke() + "' is not a folder: the run would stop there"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("warning: offload.nvme_dir: '/nonexistent/nvme' does not exist"), std::string::npos)
+      << r.output;
 }
 
 TEST(MegaslideTrain, ConfigThatIsAFolderOrADeviceIsRefused) {

@@ -287,6 +287,16 @@ TEST(RunConfig, ValidationDataIsTheTrainingDataWithItsOverrides) {
     EXPECT_EQ(e.key(), "train.val_data") << e.what();
     EXPECT_NE(std::string(e.what()).find("data.frames"), std::string::npos) << e.what();
   }
+  // A run given --set names its source "FILE with --set overrides": said once, and the entry still named.
+  const std::string with_sets = std::string(kSource) + " with --set overrides";
+  try {
+    megaslide::validation_data_config(parse_run_config("", kSource, {"train.val_data=[data.frames=0]"}), with_sets);
+    ADD_FAILURE() << "a validation data config with data.frames 0 was taken";
+  } catch (const ConfigError& e) {
+    const std::string what = e.what();
+    EXPECT_EQ(what.find("overrides with --set overrides"), std::string::npos) << what;
+    EXPECT_NE(what.find("entry data.frames=0: data.frames"), std::string::npos) << what;
+  }
   const auto unused =
       megaslide::unused_settings(parse_run_config("", kSource, {"train.val_batches=2", "diffusion.snr_gamma=3"}));
   ASSERT_EQ(unused.size(), 2u);

@@ -68,7 +68,15 @@ int main(int argc, char** argv) {
     options.memory_budget_gib = budget;
     options.overrides = overrides;
     options.progress = [](const std::string& line) { std::cerr << line << std::endl; };
-    if (options.size == megaslide::AblationSize::kFull && !megaslide::resolve_device(device).is_cuda())
+    std::string effective = device;  // a --set train.device=... is applied after --device and wins
+    for (const auto& o : overrides)
+      if (o.rfind("train.device=", 0) == 0) effective = o.substr(std::string("train.device=").size());
+    bool on_gpu = false;
+    try {
+      on_gpu = megaslide::resolve_device(effective).is_cuda();
+    } catch (const std::exception&) {  // a device the runs themselves will refuse, naming it
+    }
+    if (options.size == megaslide::AblationSize::kFull && !on_gpu)
       std::cerr << "megaslide-ablate: warning: --size full runs the paper's sizes, made for a GPU: on the CPU a step "
                    "takes seconds and a suite hours; --size quick runs the same comparisons small\n";
     for (const auto& n : names) {

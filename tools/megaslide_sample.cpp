@@ -753,6 +753,7 @@ int main(int argc, char** argv) {
             throw std::invalid_argument("--text-encoder: '" + checkpoint + "' trained its own caption encoder (" +
                                         frozen.text_encoder.kind + "), not CLIP's: it takes none");
           frozen.text_encoder.weights = wan.text_encoder;
+          frozen.text_encoder.vocab.clear();  // found in (or beside) the folder given, not where the config said
         }
         if (!wan.vae.empty()) {
           if (frozen.vae.kind != "sd")
@@ -770,15 +771,16 @@ int main(int argc, char** argv) {
       // unique names; io/vbench_layout.h), each line's size checked against what the model can take.
       const auto& config = is_wan ? wan_model->config : model.config;
       videos = megaslide::plan_prompt_videos(config, specs, samples_per_prompt, seed);
-      // A model with the built-in caption encoder knows only its training captions' words: a prompt with others
-      // samples as if they were absent (<unk>), which is said rather than left to be guessed from the videos.
+      // The built-in caption encoder's vocabulary is fixed (the structured-motion words and a few common ones): a
+      // prompt's other words sample as <unk>, which is said rather than left to be guessed from the videos. Only the
+      // words the encoder reads (data.max_text_tokens, less <bos>) are looked at.
       if (!is_wan && config.model.text_encoder.kind == "builtin") {
         const megaslide::CaptionTokenizer tokenizer;
         std::set<std::string> said;
         for (const auto& v : videos) {
           if (!said.insert(v.job.prompt).second) continue;
           std::vector<std::string> unknown;
-          for (const auto& w : tokenizer.unknown_words(v.job.prompt))
+          for (const auto& w : tokenizer.unknown_words(v.job.prompt, nullptr, config.data.max_text_tokens - 1))
             if (std::find(unknown.begin(), unknown.end(), w) == unknown.end()) unknown.push_back(w);
           if (unknown.empty()) continue;
           std::string listed;

@@ -29,6 +29,7 @@
 #include <cstdlib>
 #include <iostream>
 #include <map>
+#include <tuple>
 
 #include "megaslide/megaslide.h"
 #include "tool_support.h"
@@ -88,42 +89,43 @@ void check_outputs_apart(const std::vector<std::pair<std::string, std::string>>&
   }
 }
 
-// --dry-run's look at the files and folders the config names that a run opens before its first step (the
-// frozen encoders of the DiT family, the Wan DiT's weights, the data, train.init_from; Wan's umT5, VAE and image
-// encoder and the prompt file only for validation videos): one line for each that is not there, naming its key,
-// where the run would stop. A warning, not an error: a dry run also plans a model whose weights are not yet
-// downloaded. Nothing is read.
+// --dry-run's look at the files and folders the config names that a run opens before its first step (the data,
+// train.init_from, the NVMe tier's folder; the DiT family's CLIP and VAE unless it reads a cache; Wan's umT5, VAE
+// and image encoder and the prompt file only for validation videos, whose failures a run survives): one line for
+// each that is not there (or is not a folder where one is needed), naming its key, where the run would stop. A
+// warning, not an error: a dry run also plans a DiT whose encoders are not yet downloaded. (Wan's own weights are
+// read to resolve its architecture before this: a missing one is already an error.) Nothing is read.
 std::vector<std::string> missing_named_paths(const megaslide::RunConfig& c) {
-  std::vector<std::pair<std::string, std::string>> named;  // key, path
-  const auto add = [&](const char* key, const std::string& path) {
-    if (!path.empty()) named.emplace_back(key, path);
+  std::vector<std::tuple<std::string, std::string, bool>> named;  // key, path, must be a folder
+  const auto add = [&](const char* key, const std::string& path, bool folder = false) {
+    if (!path.empty()) named.emplace_back(key, path, folder);
   };
   const bool wan = c.model.arch == megaslide::Architecture::kWan, videos = c.train.sample_every > 0;
+  const bool cached = c.data.dataset == "videos" && !c.data.cache.empty();
   if (c.data.dataset == "videos") {
-    add("data.root", c.data.root);  // read with a cache too: its listing against the cache's items
+    add("data.root", c.data.root, true);  // read with a cache too: its listing against the cache's items
     add("data.manifest", c.data.manifest);
-    add("data.cache", c.data.cache);
+    add("data.cache", c.data.cache, true);
   }
   if (c.data.dataset == "latent-tensors") add("data.tensors", c.data.tensors);
   add("train.init_from", c.train.init_from);
+  if (c.offload.enabled && c.offload.state_tier == "nvme") add("offload.nvme_dir", c.offload.nvme_dir, true);
   if (videos) add("train.sample_prompts", c.train.sample_prompts);
-  if (!wan || videos) {
+  if (wan ? videos : !cached) {
     if (c.model.text_encoder.kind != "builtin") {
       add("model.text_encoder.weights", c.model.text_encoder.weights);
       add("model.text_encoder.vocab", c.model.text_encoder.vocab);
     }
     if (c.model.vae.kind != "none") add("model.vae.weights", c.model.vae.weights);
   }
-  if (wan) {
-    add("model.wan.weights", c.model.wan.weights);
-    add("model.wan.weights_2", c.model.wan.weights_2);
-    if (videos) add("model.image_encoder.weights", c.model.image_encoder.weights);
-  }
+  if (wan && videos) add("model.image_encoder.weights", c.model.image_encoder.weights);
   std::vector<std::string> out;
-  for (const auto& [key, path] : named)
-    if (!megaslide::io::path_exists(path))
-      out.push_back(key + ": '" + path + "' does not exist" + megaslide::io::relative_path_note(path) +
-                    ": the run would stop there");
+  for (const auto& [key, path, folder] : named) {
+    const bool there = megaslide::io::path_exists(path);
+    if (!there || (folder && !megaslide::io::is_directory(path)))
+      out.push_back(key + ": '" + path + (there ? "' is not a folder" : "' does not exist") +
+                    megaslide::io::relative_path_note(path) + ": the run would stop there");
+  }
   return out;
 }
 

@@ -900,7 +900,10 @@ RunConfig parse_config_text(const std::string& yaml_text, const std::string& sou
   for (const auto& [key, where] : applied)
     if (const std::string problem = inapplicable_key_problem(config, key); !problem.empty())
       throw ConfigError(where, key, problem);
-  const std::string where = overrides.empty() ? source : source + " with --set overrides";
+  const std::string suffix = " with --set overrides";  // not twice: a source may already say so (a run's own)
+  const bool said =
+      source.size() >= suffix.size() && source.compare(source.size() - suffix.size(), suffix.size(), suffix) == 0;
+  const std::string where = overrides.empty() || said ? source : source + suffix;
   validate(config, where);
   if (user) check_user_values(config, where);
   return config;
@@ -1463,8 +1466,10 @@ RunConfig validation_data_config(const RunConfig& config, const std::string& sou
   try {
     out = parse_run_config(to_yaml(base), source, config.train.val_data);
   } catch (const ConfigError& e) {
-    std::string problem = e.what();  // "SOURCE: --set data.frames=0: data.frames: ...": the entry and its problem
-    if (const auto at = problem.find("--set "); at != std::string::npos) problem = "entry " + problem.substr(at + 6);
+    // An entry's own error comes from "--set data.frames=0" ("--set data.frames=0: data.frames: ..."): said as the
+    // entry; a rule across keys names the source (which may itself say "with --set overrides"), kept as it is.
+    std::string problem = e.what();
+    if (e.source().rfind("--set ", 0) == 0) problem = "entry " + problem.substr(6);
     throw ConfigError(source, "train.val_data", "the validation data's config: " + problem);
   }
   out.diffusion.caption_dropout = 0.0;

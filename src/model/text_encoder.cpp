@@ -34,12 +34,16 @@ std::vector<int64_t> CaptionTokenizer::encode(const std::string& caption, int64_
   return ids;
 }
 
-std::vector<std::string> CaptionTokenizer::unknown_words(const std::string& caption, int64_t* word_count) const {
+std::vector<std::string> CaptionTokenizer::unknown_words(const std::string& caption, int64_t* word_count,
+                                                         int64_t max_words) const {
   std::vector<std::string> out;
   int64_t n = 0;
   std::string word;
   auto flush = [&] {
-    if (word.empty()) return;
+    if (word.empty() || (max_words >= 0 && n >= max_words)) {
+      word.clear();
+      return;
+    }
     ++n;
     if (!ids_.count(word)) out.push_back(word);
     word.clear();

@@ -320,7 +320,7 @@ WanWeights WanWeights::open(const std::string& path) {
   auto impl = std::make_unique<Impl>();
   impl->path = path;
   if (path.empty()) fail("model.wan.weights is empty");
-  if (!io::path_exists(path)) fail("Wan weights '" + path + "' do not exist");
+  if (!io::path_exists(path)) fail("Wan weights '" + path + "' do not exist" + io::relative_path_note(path));
   std::string dir;
   if (io::is_directory(path)) {
     dir = path;

@@ -1267,9 +1267,11 @@ std::string to_table(const StepPlan& p) {
   const double n = p.params > 0 ? static_cast<double>(p.params) : 1.0;
   std::string out = fmt::format(
       "megaslide-plan: {} ({} trainer, {} compute, {}), {} layers x {} hidden, {} params ({} streamed, {} resident; "
-      "B/param below is per one of them) + {} of the caption encoder (resident)\n",
+      "B/param below is per one of them){}\n",
       p.arch, p.streamed ? "streamed" : "resident", p.compute_dtype, p.streamed ? p.mode : "no offload", p.layers,
-      p.hidden, p.params, p.streamed_params, p.resident_params - p.text_encoder_params, p.text_encoder_params);
+      p.hidden, p.params, p.streamed_params, p.resident_params - p.text_encoder_params,
+      p.text_encoder_params > 0 ? fmt::format(" + {} of the trained caption encoder (resident)", p.text_encoder_params)
+                                : std::string());
   out += fmt::format("  tokens/sample {} (grid {}x{}x{}), batch {} x {} micro-batch(es)\n", p.tokens_per_sample,
                      p.token_grid[0], p.token_grid[1], p.token_grid[2], p.batch_size, p.grad_accum_steps);
   const bool lora = p.lora_rank > 0;

@@ -568,7 +568,7 @@ bool roll_back_latest(const std::string& run_dir, const std::string& spelled) {
   return true;
 }
 
-std::vector<std::string> resume_warnings(const std::string& path, const RunConfig& config) {
+std::vector<std::string> resume_warnings(const std::string& path, const RunConfig& config, bool training) {
   std::vector<std::string> out;
   nlohmann::json s;
   try {
@@ -602,7 +602,7 @@ std::vector<std::string> resume_warnings(const std::string& path, const RunConfi
     // schedule, floor) moves the rate of the next step, which a user extending a run may not expect.
     const int64_t next = checkpoint_step(path);
     const double lr_then = learning_rate(saved.train, next), lr_now = learning_rate(config.train, next);
-    if (lr_then != lr_now) {
+    if (training && lr_then != lr_now) {
       std::string changed;
       for (const char* key :
            {"train.lr", "train.lr_schedule", "train.warmup_steps", "train.min_lr_ratio", "train.steps"})

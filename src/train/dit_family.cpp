@@ -137,7 +137,7 @@ class DiTModel final : public FamilyModel {
       const auto captions = batches_.captions(1000);
       for (const auto& caption : captions) {
         int64_t n = 0;
-        const auto missing = tokenizer.unknown_words(caption, &n);
+        const auto missing = tokenizer.unknown_words(caption, &n, config_.data.max_text_tokens - 1);
         words += n;
         for (const auto& w : missing) {
           ++unknown;

@@ -423,7 +423,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     }
     result.first_step = state.step;
     resume_read = bytes_and_rate(resume_path, started);
-    warnings = resume_warnings(resume_path, config);
+    warnings = resume_warnings(resume_path, config, /*training=*/!options.export_only);
     if (options.export_only) {  // the checkpoint's exports: nothing trained, nothing else written
       result.warnings = std::move(warnings);
       result.warnings.insert(result.warnings.end(), comfyui_warnings.begin(), comfyui_warnings.end());

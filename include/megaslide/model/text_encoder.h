@@ -35,8 +35,9 @@ class CaptionTokenizer {
   TokenizedCaptions encode_batch(const std::vector<std::string>& captions, int64_t max_tokens) const;
   const std::vector<std::string>& words() const { return words_; }
   // The words of `caption` (split as encode splits them) that map to <unk>, in order, repeats included; and how
-  // many words it has.
-  std::vector<std::string> unknown_words(const std::string& caption, int64_t* word_count = nullptr) const;
+  // many words it has. max_words >= 0: only its first max_words words (what encode keeps: max_tokens - 1).
+  std::vector<std::string> unknown_words(const std::string& caption, int64_t* word_count = nullptr,
+                                         int64_t max_words = -1) const;
 
  private:
   std::vector<std::string> words_;

@@ -222,9 +222,12 @@ bool roll_back_latest(const std::string& run_dir, const std::string& checkpoint)
 bool is_checkpoint_of(const std::string& run_dir, const std::string& checkpoint);
 
 // Settings that a checkpoint allows to change but that make the continuation differ from an
-// uninterrupted run (train.threads: LibTorch's CPU reductions split by thread count), one sentence
-// each; empty when the resumed run continues bit for bit.
-std::vector<std::string> resume_warnings(const std::string& path, const RunConfig& config);
+// uninterrupted run (train.threads: LibTorch's CPU reductions split by thread count; a train section that
+// moves the next step's learning rate, such as more train.steps under the cosine), one sentence each; empty
+// when the resumed run continues bit for bit.
+// `training` false (an export that trains nothing): what only a continued run would meet (the learning rate) is
+// left out.
+std::vector<std::string> resume_warnings(const std::string& path, const RunConfig& config, bool training = true);
 
 namespace detail {
 // Test seam: called at each durable stage of save_checkpoint — "complete" (the new checkpoint is whole
