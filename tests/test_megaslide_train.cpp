@@ -865,6 +865,7 @@ TEST(MegaslideTrain, WanTrainsFromLatentTensorsAndResumesBitExactly) {
   const std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
   EXPECT_NE(text.find("initialised from " + join_path(dir, "streamed/checkpoints/step-0000030")), std::string::npos)
       << text;
+  EXPECT_EQ(text.find("starts from random weights"), std::string::npos) << "a model to start from: " << text;
   // Started from trained weights: the first loss is far below the fresh run's first loss.
   EXPECT_LT(wan_losses(init).at(0), 0.8 * whole.at(0));
   r = run(args + " --run-dir " + join_path(dir, "wide") +
@@ -884,6 +885,11 @@ TEST(MegaslideTrain, TraceRecordsAStreamedWanStep) {
   auto r = run("--config " + config + " --run-dir " + join_path(dir, "run") +
                " --set train.steps=3 --set train.checkpoint_every=0" + " --trace " + trace + " --trace-step 2");
   ASSERT_EQ(r.code, 0) << r.output;
+  // A fresh Wan run without weights, and one that keeps none: each said before the first step, marked as warnings.
+  EXPECT_NE(r.output.find("warning: model.wan.weights is empty and train.init_from names no model"), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("warning: train.checkpoint_every is 0 and there is no --export-weights"), std::string::npos)
+      << r.output;
   std::ifstream in(trace);
   ASSERT_TRUE(in.good()) << r.output;
   const auto j = nlohmann::json::parse(in);

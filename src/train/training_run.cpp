@@ -520,11 +520,13 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
                          init.path, init.tensors.size(), init.kept.size(), init.kept.empty() ? "" : ": ", kept));
   } else if (!resume_path.empty() && !config.train.init_from.empty()) {
     log.info("train.init_from ignored: the run resumes from its checkpoint");
-  } else if (resume_path.empty() && config.model.arch == Architecture::kWan && config.model.wan.weights.empty()) {
-    log.warn(
-        "model.wan.weights is empty and there is no train.init_from: the Wan DiT starts from random weights, a "
-        "run from scratch (fine-tuning reads Wan's weights there; docs/wan.md)");
   }
+  // A fresh Wan run with no model to start from (train.init_from naming a LoRA run's adapters gives none).
+  if (resume_path.empty() && config.model.arch == Architecture::kWan && config.model.wan.weights.empty() &&
+      (init.path.empty() || holds_lora_adapters(init.path) == std::optional<bool>(true)))
+    log.warn(
+        "model.wan.weights is empty and train.init_from names no model: the Wan DiT starts from random weights, a "
+        "run from scratch (fine-tuning reads Wan's weights there; docs/wan.md)");
   // A run that would end with nothing of its training on disk: said before the first step, not after the last.
   if (train.checkpoint_every == 0 && options.export_weights.empty() && options.export_ema.empty() &&
       options.export_merged.empty() && result.first_step < train.steps)
