@@ -127,6 +127,11 @@ TEST(MegaslideCache, TrainingFromTheCacheAndFromDecodingReportsEachBadItemOnce) 
     for (const char* bad : {"corrupt.mp4", "short.mp4", "missing.mp4"})
       EXPECT_EQ(count(log, "bad item skipped: " + fx.dir + "/videos/" + bad), 1u) << bad << "\n" << log;
     EXPECT_EQ(count(log, "bad item skipped"), 3u) << log;
+    // The captions' words the built-in caption encoder does not know ("clip" and the clip's number): counted, named.
+    EXPECT_NE(log.find("[warning] the built-in caption encoder knows only the structured-motion vocabulary: 8 of the "
+                       "28 words of the first 4 captions (29%) become <unk> (e.g. 'clip', "),
+              std::string::npos)
+        << log;
     EXPECT_NE(
         log.find("data: 4 usable items of 7 listed (3 bad); buckets (frames x height x width: items) one size 4x16x16; "
                  "2 steps of 2 items = 1.00 epochs"),

@@ -162,6 +162,22 @@ TEST(MegaslideSample, WritesVBenchNamedH264VideosAnIndexAndRerunsIdentically) {
   }
 }
 
+// A prompt's words outside the built-in caption encoder's vocabulary are named, once each, before it samples (they
+// would sample as <unk>).
+TEST(MegaslideSample, NamesAPromptsWordsTheBuiltInEncoderDoesNotKnow) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  auto zebra = prompts_file("zebra.txt", "a zebra moves left past a zebra\n");
+  const auto sampled = join_path(scratch(), "zebra-out");
+  auto r = run("megaslide-sample",
+               "--checkpoint " + weights() + " --prompts " + zebra + " --out " + sampled + " --steps 1 --no-progress");
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("warning: prompt 'a zebra moves left past a zebra': 'zebra', 'past' are not in the "
+                          "built-in caption encoder's vocabulary"),
+            std::string::npos)
+      << r.output;
+  megaslide::io::remove_tree(sampled);
+}
+
 TEST(MegaslideSample, BadInputExitsTwoNamingItAndWritesNothing) {
   auto prompts = prompts_file("ok.txt", "a red blob moves left\n");
   auto out = join_path(scratch(), "never");

@@ -660,7 +660,9 @@ TEST(MegaslideTrain, ConfigThatIsAFolderOrADeviceIsRefused) {
 TEST(MegaslideTrain, EmptyOrUnwritableOutputPathsAreRefusedBeforeTheFirstStep) {
   const auto dir = fresh_dir("outputs");
   expect_refused(run("--config " + smoke() + " --run-dir ''"), "--run-dir");
-  expect_refused(run("--config " + smoke() + " --run-dir " + dir + " --trace /nonexistent/d/t.json"), "/nonexistent/d");
+  // The flag's error, not the config file's: the message starts with the flag.
+  expect_refused(run("--config " + smoke() + " --run-dir " + dir + " --trace /nonexistent/d/t.json"),
+                 "megaslide-train: --trace '/nonexistent/d/t.json': folder '/nonexistent/d' does not exist");
   EXPECT_FALSE(megaslide::io::path_exists(dir)) << "a refused run leaves no folder";
   // Nor the parents it made for its folder, refused after making them (LoRA targets that match no layer).
   expect_refused(run("--config " + smoke() + " --set lora.rank=2 --set 'lora.targets=[nothing*]' --run-dir " +

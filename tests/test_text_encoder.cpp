@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 using namespace megaslide;
 
 TEST(CaptionTokenizer, EncodesWordsCaseInsensitively) {
@@ -17,6 +19,22 @@ TEST(CaptionTokenizer, EncodesWordsCaseInsensitively) {
   EXPECT_EQ(ids[7], CaptionTokenizer::kPad);
   EXPECT_EQ(tok.encode("a zebra", 4)[2], CaptionTokenizer::kUnknown);
   EXPECT_EQ(tok.encode("a red blob moves left", 3).size(), 3u);  // cut
+}
+
+// unknown_words names exactly the words encode maps to <unk> (split and lower-cased as it does, repeats kept), counts
+// the words, and with max_words looks only at the words encode keeps.
+TEST(CaptionTokenizer, UnknownWordsAreTheOnesEncodedAsUnk) {
+  CaptionTokenizer tok;
+  const std::string caption = "A Zebra, a red blob and a zebra-Quagga!";
+  int64_t count = 0;
+  const auto unknown = tok.unknown_words(caption, &count);
+  EXPECT_EQ(unknown, (std::vector<std::string>{"zebra", "zebra", "quagga"}));
+  EXPECT_EQ(count, 9);
+  const auto ids = tok.encode(caption, 10);
+  EXPECT_EQ(std::count(ids.begin(), ids.end(), CaptionTokenizer::kUnknown), 3);
+  EXPECT_EQ(tok.unknown_words(caption, &count, 3), (std::vector<std::string>{"zebra"}));
+  EXPECT_EQ(count, 3);
+  EXPECT_TRUE(tok.unknown_words("a red blob moves left").empty());
 }
 
 TEST(CaptionTokenizer, EmptyCaptionKeepsOneRealToken) {

@@ -22,6 +22,7 @@
 #include "megaslide/util/cpu_memory_counter.h"
 #include "megaslide/train/auto_settings.h"
 #include "megaslide/train/model_family.h"
+#include "megaslide/train/run_outputs.h"
 #include "megaslide/train/trainer.h"
 #include "megaslide/util/device.h"
 
@@ -145,9 +146,8 @@ VariantRun train_variant(const std::string& suite, const std::string& name, cons
       run.peak_bytes.push_back(peak);
       seconds += m.step_time_s;
       const double eta = seconds / static_cast<double>(i + 1) * static_cast<double>(config.train.steps - i - 1);
-      say(fmt::format("step {}/{} loss {:.5f} {:.3f} s/step peak {:.1f} MiB, this variant's ETA {}m{:02d}s", m.step,
-                      config.train.steps, m.loss, m.step_time_s, static_cast<double>(peak) / kMiB,
-                      static_cast<int64_t>(eta) / 60, static_cast<int>(static_cast<int64_t>(eta) % 60)));
+      say(fmt::format("step {}/{} loss {:.5f} {:.3f} s/step peak {:.1f} MiB, this variant's ETA {}", m.step,
+                      config.train.steps, m.loss, m.step_time_s, static_cast<double>(peak) / kMiB, clock_time(eta)));
       if (!device.is_cuda() && budget_bytes > 0 && peak > budget_bytes) {
         run.oom = true;
         run.oom_reason = fmt::format("measured peak {:.1f} MiB > budget {:.1f} MiB", static_cast<double>(peak) / kMiB,

@@ -15,21 +15,27 @@ CaptionTokenizer::CaptionTokenizer() {
   for (size_t i = 0; i < words_.size(); ++i) ids_.emplace(words_[i], static_cast<int64_t>(i));
 }
 
+template <typename F>
+void CaptionTokenizer::for_each_word(const std::string& caption, F&& word_found) {
+  std::string word;
+  for (unsigned char c : caption) {
+    if (std::isalnum(c)) {
+      word.push_back(static_cast<char>(std::tolower(c)));
+    } else if (!word.empty()) {
+      word_found(word);
+      word.clear();
+    }
+  }
+  if (!word.empty()) word_found(word);
+}
+
 std::vector<int64_t> CaptionTokenizer::encode(const std::string& caption, int64_t max_tokens) const {
   TORCH_CHECK(max_tokens >= 1, "CaptionTokenizer: max_tokens must be >= 1, got ", max_tokens);
   std::vector<int64_t> ids{kBos};
-  std::string word;
-  auto flush = [&] {
-    if (word.empty()) return;
+  for_each_word(caption, [&](const std::string& word) {
     auto it = ids_.find(word);
     ids.push_back(it == ids_.end() ? kUnknown : it->second);
-    word.clear();
-  };
-  for (unsigned char c : caption) {
-    if (std::isalnum(c)) word.push_back(static_cast<char>(std::tolower(c)));
-    else flush();
-  }
-  flush();
+  });
   ids.resize(static_cast<size_t>(max_tokens), kPad);
   return ids;
 }
@@ -38,21 +44,11 @@ std::vector<std::string> CaptionTokenizer::unknown_words(const std::string& capt
                                                          int64_t max_words) const {
   std::vector<std::string> out;
   int64_t n = 0;
-  std::string word;
-  auto flush = [&] {
-    if (word.empty() || (max_words >= 0 && n >= max_words)) {
-      word.clear();
-      return;
-    }
+  for_each_word(caption, [&](const std::string& word) {
+    if (max_words >= 0 && n >= max_words) return;
     ++n;
     if (!ids_.count(word)) out.push_back(word);
-    word.clear();
-  };
-  for (unsigned char c : caption) {
-    if (std::isalnum(c)) word.push_back(static_cast<char>(std::tolower(c)));
-    else flush();
-  }
-  flush();
+  });
   if (word_count) *word_count = n;
   return out;
 }

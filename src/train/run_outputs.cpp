@@ -269,13 +269,11 @@ ProgressLine::ProgressLine(int64_t total_steps, int64_t every, bool enabled, int
       tty_(isatty(STDERR_FILENO) == 1),
       start_(std::chrono::steady_clock::now()) {}
 
-namespace {
 std::string clock_time(double seconds) {
   const auto s = static_cast<int64_t>(std::llround(std::max(0.0, seconds)));
   return s >= 3600 ? fmt::format("{}:{:02}:{:02}", s / 3600, (s / 60) % 60, s % 60)
                    : fmt::format("{}:{:02}", s / 60, s % 60);
 }
-}  // namespace
 
 void ProgressLine::update(const StepMetrics& m) {
   // The loss's moving average (weight 0.1 a step), from this process's first step; the rate is of the steps this

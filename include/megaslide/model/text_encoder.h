@@ -40,6 +40,9 @@ class CaptionTokenizer {
                                          int64_t max_words = -1) const;
 
  private:
+  // Calls word(w) for each lower-cased run of letters and digits of `caption`, in order.
+  template <typename F>
+  static void for_each_word(const std::string& caption, F&& word);
   std::vector<std::string> words_;
   std::unordered_map<std::string, int64_t> ids_;
 };

@@ -125,5 +125,7 @@ std::string dry_run_json(const RunConfig& config);
 
 // "1.23 M", "28.4 B": a count in engineering units for logs.
 std::string human_count(double n);
+// "1:05", "2:03:04": seconds (rounded, at least 0) as a clock reads them, for an ETA.
+std::string clock_time(double seconds);
 
 }  // namespace megaslide
