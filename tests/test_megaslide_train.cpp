@@ -650,6 +650,19 @@ TEST(MegaslideTrain, DryRunNamesTheMissingFilesTheRunWouldStopAt) {
       << r.output;
   EXPECT_NE(r.output.find("warning: offload.nvme_dir: '/nonexistent/nvme' does not exist"), std::string::npos)
       << r.output;
+  // The validation data's own files (train.val_data), each named once: a path the training data reads too is the
+  // training data's line.
+  r = run(base +
+          " --json --set data.dataset=videos --set data.root=/nonexistent/videos --set train.val_every=5 --set "
+          "'train.val_data=[data.cache=/nonexistent/val-cache]'");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto with_val = nlohmann::json::parse(r.output).at("missing_paths");
+  ASSERT_EQ(with_val.size(), 2u) << r.output;
+  EXPECT_EQ(with_val[0].get<std::string>().rfind("data.root: '/nonexistent/videos' does not exist", 0), 0u) << r.output;
+  EXPECT_EQ(with_val[1].get<std::string>().rfind(
+                "train.val_data (data.cache): '/nonexistent/val-cache' does not exist: the run would stop there", 0),
+            0u)
+      << r.output;
 }
 
 TEST(MegaslideTrain, ConfigThatIsAFolderOrADeviceIsRefused) {

@@ -26,9 +26,11 @@
 #include <algorithm>
 #include <atomic>
 #include <csignal>
+#include <functional>
 #include <cstdlib>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <tuple>
 
 #include "megaslide/megaslide.h"
@@ -89,25 +91,48 @@ void check_outputs_apart(const std::vector<std::pair<std::string, std::string>>&
   }
 }
 
-// --dry-run's look at the files and folders the config names that a run opens before its first step (the data,
-// train.init_from, the NVMe tier's folder; the DiT family's CLIP and VAE unless it reads a cache; Wan's umT5, VAE
-// and image encoder and the prompt file only for validation videos, whose failures a run survives): one line for
-// each that is not there (or is not a folder where one is needed), naming its key, where the run would stop. A
+// --dry-run's look at the files and folders the config names that a run opens before its first step (the data and
+// train.val_data's, train.init_from, the NVMe tier's folder; the DiT family's CLIP and VAE unless it reads a cache;
+// Wan's umT5, VAE and image encoder and the prompt file only for validation videos, whose failures a run survives): one
+// line for each that is not there (or is not a folder where one is needed), naming its key, where the run would stop. A
 // warning, not an error: a dry run also plans a DiT whose encoders are not yet downloaded. (Wan's own weights are
 // read to resolve its architecture before this: a missing one is already an error.) Nothing is read.
-std::vector<std::string> missing_named_paths(const megaslide::RunConfig& c) {
+std::vector<std::string> missing_named_paths(const megaslide::RunConfig& c, const std::string& source) {
   std::vector<std::tuple<std::string, std::string, bool>> named;  // key, path, must be a folder
-  const auto add = [&](const char* key, const std::string& path, bool folder = false) {
+  const auto add = [&](const std::string& key, const std::string& path, bool folder = false) {
     if (!path.empty()) named.emplace_back(key, path, folder);
+  };
+  // The data's files, each key as `name` writes it.
+  const auto add_data = [&](const megaslide::DataConfig& d, const std::function<std::string(const char*)>& name) {
+    if (d.dataset == "videos") {
+      add(name("data.root"), d.root, true);  // read with a cache too: its listing against the cache's items
+      add(name("data.manifest"), d.manifest);
+      add(name("data.cache"), d.cache, true);
+    }
+    if (d.dataset == "latent-tensors") add(name("data.tensors"), d.tensors);
   };
   const bool wan = c.model.arch == megaslide::Architecture::kWan, videos = c.train.sample_every > 0;
   const bool cached = c.data.dataset == "videos" && !c.data.cache.empty();
-  if (c.data.dataset == "videos") {
-    add("data.root", c.data.root, true);  // read with a cache too: its listing against the cache's items
-    add("data.manifest", c.data.manifest);
-    add("data.cache", c.data.cache, true);
+  add_data(c.data, [](const char* key) { return std::string(key); });
+  if (c.train.val_every > 0 && !c.train.val_data.empty()) {
+    // The validation data's own files, read before the first step too (its overrides' errors are the config's).
+    std::optional<megaslide::DataConfig> v;
+    try {
+      v = megaslide::validation_data_config(c, source).data;
+    } catch (const std::exception&) {
+    }
+    if (v) {
+      const size_t from = named.size();
+      add_data(*v, [](const char* key) { return fmt::format("train.val_data ({})", key); });
+      // Only those that differ from the training data's: one line for a path both read.
+      named.erase(std::remove_if(named.begin() + static_cast<std::ptrdiff_t>(from), named.end(),
+                                 [&](const auto& n) {
+                                   return std::any_of(named.begin(), named.begin() + static_cast<std::ptrdiff_t>(from),
+                                                      [&](const auto& t) { return std::get<1>(t) == std::get<1>(n); });
+                                 }),
+                  named.end());
+    }
   }
-  if (c.data.dataset == "latent-tensors") add("data.tensors", c.data.tensors);
   add("train.init_from", c.train.init_from);
   if (c.offload.enabled && c.offload.state_tier == "nvme") add("offload.nvme_dir", c.offload.nvme_dir, true);
   if (videos) add("train.sample_prompts", c.train.sample_prompts);
@@ -138,7 +163,7 @@ int print_dry_run(const megaslide::RunConfig& config, const std::string& source,
   // What the run's train.log would warn about: settings it will not use.
   j["unused_settings"] = megaslide::unused_settings(megaslide::resolve_auto_settings(config));
   // Files and folders it names that are not there (each "KEY: 'PATH' does not exist...").
-  j["missing_paths"] = missing_named_paths(config);
+  j["missing_paths"] = missing_named_paths(config, source);
   if (json) {
     std::cout << j.dump() << "\n";
     return 0;
