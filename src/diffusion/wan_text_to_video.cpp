@@ -226,9 +226,11 @@ StreamedWanDenoiser::StreamedWanDenoiser(WanTransformer model, std::vector<WanBl
   TORCH_CHECK(static_cast<int64_t>(blocks.size()) == L, "StreamedWanDenoiser: ", blocks.size(),
               " blocks of weights for a model of ", L, " blocks");
   params_.resize(static_cast<size_t>(L));
+  bool first_fp8 = false;
   for (int64_t l = 0; l < L; ++l) {
     auto& w = blocks[static_cast<size_t>(l)];
     const bool fp8 = w.scales.defined();
+    if (l == 0) first_fp8 = fp8;
     TORCH_CHECK(w.flat.defined() && w.flat.dim() == 1 && w.flat.device().is_cpu() &&
                     w.flat.scalar_type() == (fp8 ? at::kFloat8_e4m3fn : dt),
                 "StreamedWanDenoiser: block ", l, "'s weights must be a 1-D host tensor of the compute dtype ", dt,
@@ -236,10 +238,11 @@ StreamedWanDenoiser::StreamedWanDenoiser(WanTransformer model, std::vector<WanBl
     const auto named = model_->blocks[l]->as<WanBlockImpl>()->streamed().named_parameters(true);
     TORCH_CHECK(!fp8 || w.scales.numel() == static_cast<int64_t>(named.size()), "StreamedWanDenoiser: block ", l,
                 " has ", named.size(), " streamed parameters and ", w.scales.numel(), " fp8 scales");
-    TORCH_CHECK(l == 0 || fp8 == !scales_.empty(), "StreamedWanDenoiser: every block's weights or none are fp8");
-    if (fp8) {
-      TORCH_CHECK(w.exact.empty() || w.exact.size() == named.size(), "StreamedWanDenoiser: block ", l, " has ",
-                  named.size(), " streamed parameters and ", w.exact.size(), " exact values");
+    TORCH_CHECK(fp8 == first_fp8, "StreamedWanDenoiser: every block's weights or none are fp8");
+    TORCH_CHECK(!fp8 || w.exact.empty() || w.exact.size() == named.size(), "StreamedWanDenoiser: block ", l, " has ",
+                named.size(), " streamed parameters and ", w.exact.size(), " exact values");
+    // A lent streamer's owner upcasts the blocks with its own scales: the denoiser needs none on the device.
+    if (fp8 && !options_.lent_streamer) {
       scales_.push_back(w.scales.to(torch::kFloat).to(options_.device));
       std::vector<torch::Tensor> exact;
       for (const auto& e : w.exact) exact.push_back(e.defined() ? e.to(options_.device) : torch::Tensor());

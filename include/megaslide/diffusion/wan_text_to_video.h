@@ -178,7 +178,7 @@ class StreamedWanDenoiser final : public WanDenoiser {
   StreamedDenoiserOptions options_;
   std::vector<std::vector<offload::FlatParam>> params_;
   std::vector<torch::Tensor> host_;
-  std::vector<torch::Tensor> scales_;                  // fp8 blocks: per block, on the device
+  std::vector<torch::Tensor> scales_;                  // fp8 blocks of its own streamer: per block, on the device
   std::vector<std::vector<torch::Tensor>> exact_;      // ... and their vectors kept exact
   std::unique_ptr<offload::WeightStreamer> streamer_;  // null with a lent streamer
   offload::WeightStreamer* slots_ = nullptr;           // streamer_ or the lent one
