@@ -3,6 +3,7 @@
 // against one process with the same global batch.
 #include "megaslide/train/distributed.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -692,6 +693,89 @@ TEST(Communicator, RunOnRank0OutlastsTheTimeoutWhileRank0IsAlive) {
     else comm.run_on_rank0("the videos", [] {});
   });
   EXPECT_NE(errors[1].find("rank 0 stopped answering during the videos"), std::string::npos) << errors[1];
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count(), 30.0);
+}
+
+// The property: work on every rank (a model's construction) may take one rank longer than distributed.timeout_s while
+// the others wait for it, and the ranks then go on together; work that throws on one rank reaches every other rank as
+// a DistributedError naming that rank and its message, without waiting out the timeout; ranks that all throw each
+// report their own at once; a rank that never comes (no heartbeat) ends the others' wait after the timeout.
+TEST(Communicator, RunOnEveryRankWaitsForTheSlowestWhileItIsAlive) {
+  if (!gloo_available()) GTEST_SKIP() << "this build has no Gloo backend";
+  const double timeout_s = 1.5;  // rendezvous included: not tighter on a loaded machine
+  constexpr int64_t kRanks = 3;
+  auto run = [&](const std::function<void(Communicator&, int64_t)>& body) {
+    const int64_t port = free_local_port();
+    std::vector<std::string> errors(kRanks);
+    auto rank_main = [&](int64_t rank) {
+      try {
+        LaunchEnv env;
+        env.rank = rank, env.world_size = kRanks, env.master_addr = "127.0.0.1", env.master_port = port;
+        Communicator comm(env, "gloo", timeout_s, torch::kCPU);
+        body(comm, rank);
+      } catch (const std::exception& e) {
+        errors[rank] = e.what();
+      }
+    };
+    std::vector<std::thread> others;
+    for (int64_t r = 1; r < kRanks; ++r) others.emplace_back(rank_main, r);
+    rank_main(0);
+    for (auto& t : others) t.join();
+    return errors;
+  };
+  // Rank 2 works for 2 timeouts, the others briefly; then an all-reduce sums the ranks' values.
+  std::vector<double> sums(kRanks);
+  auto errors = run([&](Communicator& comm, int64_t rank) {
+    comm.run_on_every_rank("building the model", [&] {
+      std::this_thread::sleep_for(std::chrono::duration<double>(rank == 2 ? 2 * timeout_s : 0.01));
+    });
+    std::vector<torch::Tensor> t{torch::full({1}, static_cast<double>(rank + 1), torch::kFloat64)};
+    comm.all_reduce_sum(t);
+    sums[rank] = t[0].item<double>();
+  });
+  for (int64_t r = 0; r < kRanks; ++r) {
+    EXPECT_EQ(errors[r], "") << "rank " << r;
+    EXPECT_EQ(sums[r], 6.0) << "rank " << r;
+  }
+  // Rank 1's work throws: every other rank names it at once.
+  auto started = std::chrono::steady_clock::now();
+  errors = run([&](Communicator& comm, int64_t rank) {
+    comm.run_on_every_rank("building the model", [&] {
+      if (rank == 1) throw std::runtime_error("bad weights");
+    });
+  });
+  EXPECT_EQ(errors[1], "bad weights");
+  for (const int64_t r : {0, 2})
+    EXPECT_NE(errors[r].find(fmt::format("rank {} of 3: rank 1 failed: bad weights (building the model)", r)),
+              std::string::npos)
+        << errors[r];
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count(), 2 * timeout_s + 5.0)
+      << "the failure was waited out";
+  // Every rank's work throws: each reports its own, none waits out the timeout for the others (timed from the call,
+  // the rendezvous left out).
+  std::vector<double> seconds(kRanks);
+  errors = run([&](Communicator& comm, int64_t rank) {
+    const auto called = std::chrono::steady_clock::now();
+    try {
+      comm.run_on_every_rank("building the model",
+                             [&] { throw std::runtime_error(fmt::format("rank {}'s config", rank)); });
+    } catch (...) {
+      seconds[rank] = std::chrono::duration<double>(std::chrono::steady_clock::now() - called).count();
+      throw;
+    }
+  });
+  for (int64_t r = 0; r < kRanks; ++r) {
+    EXPECT_EQ(errors[r], fmt::format("rank {}'s config", r));
+    EXPECT_LT(seconds[r], 0.8 * timeout_s) << "rank " << r << " waited for ranks that had failed themselves";
+  }
+  // Rank 2 does not come: rank 0 gives up after about the timeout, naming it.
+  started = std::chrono::steady_clock::now();
+  errors = run([&](Communicator& comm, int64_t rank) {
+    if (rank == 2) std::this_thread::sleep_for(std::chrono::duration<double>(3 * timeout_s));
+    else comm.run_on_every_rank("building the model", [] {});
+  });
+  EXPECT_NE(errors[0].find("rank 2 stopped answering during building the model"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[1], "") << "rank 1 waited for rank 2 too";
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count(), 30.0);
 }
 

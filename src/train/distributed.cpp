@@ -327,12 +327,24 @@ std::string Communicator::text_from_rank0(const std::string& name, const std::st
 
 void Communicator::run_on_rank0(const std::string& what, const std::function<void()>& work) {
   if (world_size_ == 1) return work();
-  const std::string key = fmt::format("megaslide/rank0-work/{}", rank0_runs_++);
+  run_with_heartbeats(what, rank_ == 0 ? work : std::function<void()>());
+}
+
+void Communicator::run_on_every_rank(const std::string& what, const std::function<void()>& work) {
+  if (world_size_ == 1) return work();
+  run_with_heartbeats(what, work);
+}
+
+void Communicator::run_with_heartbeats(const std::string& what, const std::function<void()>& work) {
+  const std::string key = fmt::format("megaslide/rank-work/{}", heartbeat_runs_++);
+  const auto rank_key = [&](int64_t r, const char* name) { return fmt::format("{}/{}/{}", key, name, r); };
   // Beats often enough that a waiting rank sees several within its timeout.
   const auto beat_every =
       std::chrono::milliseconds(std::clamp<int64_t>(static_cast<int64_t>(timeout_s_ * 1000.0 / 8.0), 10, 5000));
   auto& store = *impl_->store;
-  if (rank_ == 0) {
+  std::exception_ptr failure;
+  std::string outcome = "ok";
+  if (work) {
     std::mutex mutex;
     std::condition_variable finished;
     bool done = false;
@@ -341,7 +353,7 @@ void Communicator::run_on_rank0(const std::string& what, const std::function<voi
       std::unique_lock<std::mutex> lock(mutex);
       for (int64_t n = 1; !done; ++n) {
         try {
-          store.set(key + "/beat", store_bytes(std::to_string(n)));
+          store.set(rank_key(rank_, "beat"), store_bytes(std::to_string(n)));
         } catch (const std::exception& e) {
           beat_error = error_message(e);
           return;
@@ -349,7 +361,6 @@ void Communicator::run_on_rank0(const std::string& what, const std::function<voi
         finished.wait_for(lock, beat_every, [&] { return done; });
       }
     });
-    std::exception_ptr failure;
     try {
       work();
     } catch (...) {
@@ -361,7 +372,6 @@ void Communicator::run_on_rank0(const std::string& what, const std::function<voi
     }
     finished.notify_all();
     beat.join();
-    std::string outcome = "ok";
     if (failure) {
       try {
         std::rethrow_exception(failure);
@@ -370,57 +380,78 @@ void Communicator::run_on_rank0(const std::string& what, const std::function<voi
       } catch (...) {
         outcome = "failed";
       }
-    }
-    try {
-      store.set(key + "/done", store_bytes(outcome));
-    } catch (const std::exception& e) {
-      if (!failure)
-        throw DistributedError(fmt::format("rank 0 of {}: telling the other ranks that {} finished failed: {}",
-                                           world_size_, what, error_message(e)));
-    }
-    if (failure) {
-      // The store lives in this process: keep it up until every rank has read the outcome (or the timeout).
-      const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s_);
-      try {
-        while (store.add(key + "/seen", 0) < world_size_ - 1 && std::chrono::steady_clock::now() < until)
-          std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      } catch (const std::exception&) {
-        // Rank 0's own failure is what to report.
-      }
-      std::rethrow_exception(failure);
-    }
-    if (!beat_error.empty())
+    } else if (!beat_error.empty()) {
       throw DistributedError(
-          fmt::format("rank 0 of {}: the heartbeat of {} failed: {}", world_size_, what, beat_error));
-    return;
+          fmt::format("rank {} of {}: the heartbeat of {} failed: {}", rank_, world_size_, what, beat_error));
+    }
   }
   try {
-    std::string last_beat;
-    auto last_change = std::chrono::steady_clock::now();
+    store.set(rank_key(rank_, "done"), store_bytes(outcome));
+  } catch (const std::exception& e) {
+    if (failure) std::rethrow_exception(failure);
+    throw DistributedError(fmt::format("rank {} of {}: telling the other ranks that {} finished failed: {}", rank_,
+                                       world_size_, what, error_message(e)));
+  }
+  if (failure) {
+    if (rank_ == 0) {
+      // The store lives in this process: keep it up until every other rank has read the outcome or failed itself
+      // (or the timeout).
+      const auto told = [&](int64_t r) {
+        if (store.check({rank_key(r, "seen")})) return true;
+        return store.check({rank_key(r, "done")}) && store_text(store.get(rank_key(r, "done"))) != "ok";
+      };
+      const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s_);
+      try {
+        for (int64_t r = 1; r < world_size_; ++r)
+          while (!told(r) && std::chrono::steady_clock::now() < until)
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      } catch (const std::exception&) {
+        // This rank's own failure is what to report.
+      }
+    }
+    std::rethrow_exception(failure);
+  }
+  // Every other rank's outcome, each waited for while its heartbeat moves.
+  try {
+    struct Waited {
+      int64_t rank;
+      std::string last_beat;
+      std::chrono::steady_clock::time_point last_change;
+    };
+    std::vector<Waited> waiting;
+    for (int64_t r = 0; r < world_size_; ++r)
+      if (r != rank_) waiting.push_back({r, "", std::chrono::steady_clock::now()});
     const auto poll = std::min<std::chrono::milliseconds>(beat_every, std::chrono::milliseconds(500));
-    while (true) {
-      if (store.check({key + "/done"})) {
-        const std::string outcome = store_text(store.get(key + "/done"));
-        store.add(key + "/seen", 1);
-        if (outcome != "ok")
-          throw DistributedError(fmt::format("rank {} of {}: rank 0 {} ({})", rank_, world_size_, outcome, what));
-        return;
+    while (!waiting.empty()) {
+      for (auto it = waiting.begin(); it != waiting.end();) {
+        if (store.check({rank_key(it->rank, "done")})) {
+          const std::string theirs = store_text(store.get(rank_key(it->rank, "done")));
+          if (theirs != "ok") {
+            store.set(rank_key(rank_, "seen"), store_bytes("1"));
+            throw DistributedError(
+                fmt::format("rank {} of {}: rank {} {} ({})", rank_, world_size_, it->rank, theirs, what));
+          }
+          it = waiting.erase(it);
+          continue;
+        }
+        if (store.check({rank_key(it->rank, "beat")})) {
+          std::string beat_now = store_text(store.get(rank_key(it->rank, "beat")));
+          if (beat_now != it->last_beat)
+            it->last_beat = std::move(beat_now), it->last_change = std::chrono::steady_clock::now();
+        }
+        if (std::chrono::duration<double>(std::chrono::steady_clock::now() - it->last_change).count() > timeout_s_)
+          throw DistributedError(fmt::format(
+              "rank {} of {}: rank {} stopped answering during {} (no heartbeat for distributed.timeout_s = {} s)",
+              rank_, world_size_, it->rank, what, timeout_s_));
+        ++it;
       }
-      if (store.check({key + "/beat"})) {
-        std::string beat_now = store_text(store.get(key + "/beat"));
-        if (beat_now != last_beat) last_beat = std::move(beat_now), last_change = std::chrono::steady_clock::now();
-      }
-      if (std::chrono::duration<double>(std::chrono::steady_clock::now() - last_change).count() > timeout_s_)
-        throw DistributedError(fmt::format(
-            "rank {} of {}: rank 0 stopped answering during {} (no heartbeat for distributed.timeout_s = {} s)", rank_,
-            world_size_, what, timeout_s_));
-      std::this_thread::sleep_for(poll);
+      if (!waiting.empty()) std::this_thread::sleep_for(poll);
     }
   } catch (const DistributedError&) {
     throw;
   } catch (const std::exception& e) {
-    throw DistributedError(fmt::format("rank {} of {}: waiting for rank 0's {} failed (rank 0 stopped?): {}", rank_,
-                                       world_size_, what, error_message(e)));
+    throw DistributedError(fmt::format("rank {} of {}: waiting for the other ranks' {} failed (a rank stopped?): {}",
+                                       rank_, world_size_, what, error_message(e)));
   }
 }
 

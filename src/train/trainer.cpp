@@ -184,25 +184,32 @@ Trainer::Trainer(const TrainerRequest& request)
       init_plan_ = plan_init_from(config_.train.init_from, shapes, allow);
       return init_plan_;
     };
-  if (config_.lora.rank > 0) {
-    // The family's model as for full fine-tuning, then frozen. train.init_from starts the adapters when it
-    // holds adapters, else the frozen model (the DiT family's pretrained weights, a full fine-tune of Wan).
-    ModelRequest base = m, adapters = m;
-    // Unreadable: the adapters' reader names what is wrong on a fresh run; a resumed run reads only the frozen model
-    // from it, so there it is refused here (it went on with a random frozen model).
-    const std::optional<bool> holds_adapters =
-        m.init_from ? holds_lora_adapters(config_.train.init_from) : std::optional<bool>(false);
-    if (!holds_adapters && request.resuming)
-      throw InitFromError("train.init_from '" + config_.train.init_from +
-                          "' cannot be read: a resumed LoRA run takes its frozen model from it (its checkpoint holds "
-                          "the adapters alone)");
-    if (holds_adapters.value_or(true)) base.init_from = nullptr;
-    else adapters.init_from = nullptr;
-    if (request.resuming) adapters.init_from = nullptr;  // the checkpoint's adapters
-    model_ = with_lora(model_family(config_.model.arch).make_model(base), adapters);
-  } else {
-    model_ = model_family(config_.model.arch).make_model(m);
-  }
+  const auto make_model = [&] {
+    if (config_.lora.rank > 0) {
+      // The family's model as for full fine-tuning, then frozen. train.init_from starts the adapters when it
+      // holds adapters, else the frozen model (the DiT family's pretrained weights, a full fine-tune of Wan).
+      ModelRequest base = m, adapters = m;
+      // Unreadable: the adapters' reader names what is wrong on a fresh run; a resumed run reads only the frozen model
+      // from it, so there it is refused here (it went on with a random frozen model).
+      const std::optional<bool> holds_adapters =
+          m.init_from ? holds_lora_adapters(config_.train.init_from) : std::optional<bool>(false);
+      if (!holds_adapters && request.resuming)
+        throw InitFromError("train.init_from '" + config_.train.init_from +
+                            "' cannot be read: a resumed LoRA run takes its frozen model from it (its checkpoint holds "
+                            "the adapters alone)");
+      if (holds_adapters.value_or(true)) base.init_from = nullptr;
+      else adapters.init_from = nullptr;
+      if (request.resuming) adapters.init_from = nullptr;  // the checkpoint's adapters
+      model_ = with_lora(model_family(config_.model.arch).make_model(base), adapters);
+    } else {
+      model_ = model_family(config_.model.arch).make_model(m);
+    }
+  };
+  // The ranks build their models side by side, each as long as it takes (rank 0 also prepares the validation with
+  // its encoders; a rank's disk may be slower): what follows (the block exchange, the first collectives) waits for
+  // the others with their timeout only once every rank has its model (Communicator::run_on_every_rank).
+  if (communicator_ != nullptr) communicator_->run_on_every_rank("building the model", make_model);
+  else make_model();
   parts_ = model_->parts();
   part_steps_.assign(parts_.size(), 0);
 

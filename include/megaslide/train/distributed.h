@@ -107,6 +107,12 @@ class Communicator {
   // rank 0 rethrows what `work` threw). `what` names the work in the errors. Every rank calls it at the
   // same point.
   void run_on_rank0(const std::string& what, const std::function<void()>& work);
+  // Runs `work` on every rank, each taking as long as it takes (a rank's share of a model's construction can be
+  // slower than another's: its disk, rank 0's validation encoders), then waits for every other rank's: each rank
+  // bumps a heartbeat while its `work` runs, and a waiting rank throws DistributedError when another's heartbeat
+  // stops for distributed.timeout_s before it finished, or when another's `work` threw (its rank and message
+  // included; a rank rethrows what its own `work` threw). Every rank calls it at the same point.
+  void run_on_every_rank(const std::string& what, const std::function<void()>& work);
   // The block exchange of a streamed trainer sharded over these ranks (offload/shard_exchange.h): its
   // step channel is this communicator; its host channel a second process group, Gloo over TCP with
   // either backend (the block shards live in host memory), made at the first call — a collective:
@@ -120,7 +126,9 @@ class Communicator {
   int64_t rank_ = 0, world_size_ = 1;
   std::string backend_;
   double timeout_s_ = 0.0;
-  int64_t rank0_runs_ = 0;  // run_on_rank0 calls so far: each call's store keys are its own
+  // run_on_rank0 and run_on_every_rank: `work` where it is given (else nothing), then the wait for every other rank's.
+  void run_with_heartbeats(const std::string& what, const std::function<void()>& work);
+  int64_t heartbeat_runs_ = 0;  // run_on_rank0 and run_on_every_rank calls so far: each call's store keys are its own
   std::shared_ptr<offload::ShardExchange> exchange_;
 };
 
