@@ -316,6 +316,41 @@ TEST(LoraTraining, CheckpointResumesBitExactly) {
   megaslide::io::remove_tree(dir);
 }
 
+// The property: a Wan LoRA checkpoint holds the adapters alone, so a resume that lost the frozen model's weights file
+// (model.wan.weights, or weights_2) is refused naming the key — it would train on a random base — and one that names
+// another file is warned of it; a resume with the same files is neither.
+TEST(LoraTraining, AResumeThatLostItsFrozenModelIsRefused) {
+  const auto saved = tiny_config({"model.wan.weights=/models/base.safetensors"});
+  const auto dir = temp_dir("lost-base");
+  {
+    Trainer trainer = wan_trainer(tiny_config(), tiny_data());
+    trainer.step();
+    megaslide::save_checkpoint(dir, saved, trainer.training_state());
+  }
+  const std::string checkpoint = megaslide::latest_checkpoint(dir);
+  Trainer resumed = wan_trainer(tiny_config(), tiny_data());
+  auto state = resumed.training_state();
+  EXPECT_NO_THROW(megaslide::load_checkpoint(checkpoint, saved, state));
+  EXPECT_TRUE(megaslide::resume_warnings(checkpoint, saved, true).empty());
+  try {
+    megaslide::load_checkpoint(checkpoint, tiny_config(), state);
+    ADD_FAILURE() << "a resume without model.wan.weights was taken";
+  } catch (const megaslide::CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("model.wan.weights was '/models/base.safetensors' when it was saved and is "
+                                         "empty here"),
+              std::string::npos)
+        << e.what();
+  }
+  const auto moved = tiny_config({"model.wan.weights=/elsewhere/base.safetensors"});
+  EXPECT_NO_THROW(megaslide::load_checkpoint(checkpoint, moved, state));
+  const auto warnings = megaslide::resume_warnings(checkpoint, moved, true);
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_NE(warnings[0].find("model.wan.weights is /elsewhere/base.safetensors here but was /models/base.safetensors"),
+            std::string::npos)
+      << warnings[0];
+  megaslide::io::remove_tree(dir);
+}
+
 // The property: the LoRA file a run exports (diffusers' layout, and ComfyUI's), read back and merged into
 // the frozen base, gives the trained model's output within 1e-5 (fp32); --export-merged writes every weight
 // with its adapter's update merged (bf16, one rounding); train.init_from of that file

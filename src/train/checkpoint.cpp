@@ -20,6 +20,7 @@
 #include <functional>
 #include <optional>
 #include <set>
+#include <tuple>
 #include <string_view>
 
 #include "megaslide/io/safetensors_ranges.h"
@@ -125,6 +126,18 @@ void check_config(const std::string& path, const std::string& saved_yaml, const 
                            "the adapters alone, and they continue on the frozen model train.init_from names; set it "
                            "again (--set train.init_from=...)",
                            kState, saved.train.init_from));
+  // Nor may a Wan LoRA run lose the weights file of its frozen model (model.wan.weights, and weights_2 of Wan2.2's
+  // low-noise expert): it would resume on a random one, unless train.init_from names the model now.
+  if (wan && config.lora.rank > 0 && holds_lora_adapters(config.train.init_from).value_or(true))
+    for (const auto& [key, then, now] :
+         {std::tuple<const char*, std::string, std::string>{"model.wan.weights", saved.model.wan.weights,
+                                                            config.model.wan.weights},
+          {"model.wan.weights_2", saved.model.wan.weights_2, config.model.wan.weights_2}})
+      if (!then.empty() && now.empty())
+        fail(path, fmt::format("{}: {} was '{}' when it was saved and is empty here: a LoRA checkpoint holds the "
+                               "adapters alone, and they continue on the frozen model {} names; set it again (--set "
+                               "{}=...)",
+                               kState, key, then, key, key));
   for (const auto& key : config_keys()) {
     if (!must_match(key) || validation_only(key)) continue;
     std::string x = lookup(a, key), y = lookup(b, key);
@@ -624,6 +637,14 @@ std::vector<std::string> resume_warnings(const std::string& path, const RunConfi
           fmt::format("train.init_from is {} here but was {} when {} was saved: this LoRA run's adapters "
                       "continue on the frozen model it names now",
                       init_now, init_then, path));
+    // Wan's frozen model from its weights files (check_config refuses one that became empty).
+    if (config.lora.rank > 0 && config.model.arch == Architecture::kWan)
+      for (const char* key : {"model.wan.weights", "model.wan.weights_2"})
+        if (lookup(a, key) != lookup(b, key) && !names_a_model(config.train.init_from))
+          out.push_back(fmt::format(
+              "{} is {} here but was {} when {} was saved: this LoRA run's adapters continue on the frozen model it "
+              "names now",
+              key, lookup(b, key), lookup(a, key), path));
   } catch (const std::exception&) {
     // load_checkpoint reports a broken state file; warnings are only extra.
   }
