@@ -309,6 +309,25 @@ TEST(WanTraining, DataThatDoesNotFitIsNamed) {
     EXPECT_EQ(e.key(), "data.tensors");
     EXPECT_NE(std::string(e.what()).find("empty_text"), std::string::npos) << e.what();
   }
+  // More latent videos than texts (the last ones never trained), and fewer (an index out of range at the first batch).
+  const auto dir = temp_dir("uneven");
+  for (const int64_t texts : {3, 6}) {
+    const auto data = tiny_data();
+    const std::string file = dir + "/uneven.safetensors";
+    megaslide::io::write_safetensors(
+        file, {{"latents", data.latents}, {"text", torch::randn({texts, 7, 20})}, {"empty_text", data.empty_text}});
+    try {
+      Trainer trainer = megaslide::make_trainer(tiny_config({"data.tensors=" + file}));
+      ADD_FAILURE() << "no error for " << texts << " texts";
+    } catch (const megaslide::ConfigError& e) {
+      EXPECT_EQ(e.key(), "data.tensors");
+      EXPECT_NE(std::string(e.what()).find("4 latent videos and " + std::to_string(texts) +
+                                           " texts, expected one text per latent video"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  megaslide::io::remove_tree(dir);
 }
 
 // The property: a data.tensors file is mapped, not copied: its tensors stay in the dtype the file stores (bf16 here),

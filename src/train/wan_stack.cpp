@@ -216,6 +216,12 @@ void WanLatentData::check(const RunConfig& c) const {
           "image_latents are {}, expected {} as the latents: image-to-video (model.wan.in_channels {}) trains on each "
           "clip's conditioning video's latents",
           shown(xi), shown(x), w.in_channels));
+    const auto tx = sizes("text");
+    if (tx && !tx->empty() && tx->front() != x->front())
+      throw std::invalid_argument(
+          fmt::format("latents are {} and text {}: {} latent videos and {} texts, expected one "
+                      "text per latent video",
+                      shown(x), shown(tx), x->front(), tx->front()));
   } else {
     // Each bucket's sizes are the cache's (checked against data.buckets when it opened): the channels here.
     for (int64_t b = 0; b < num_buckets(); ++b) {
