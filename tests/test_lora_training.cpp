@@ -3,6 +3,7 @@
 // checkpoint resumes bit for bit (dropout included), the exported LoRA merged into the base is the trained
 // model, train.init_from starts the adapters from a LoRA file or a LoRA run, and bad settings are named.
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 #include <unistd.h>
 
 #include <cmath>
@@ -312,6 +313,48 @@ TEST(LoraTraining, CheckpointResumesBitExactly) {
     EXPECT_TRUE(torch::equal(after.master[i].second, again.master[i].second)) << after.master[i].first;
     EXPECT_TRUE(torch::equal(after.exp_avg[i].second, again.exp_avg[i].second)) << after.exp_avg[i].first;
     EXPECT_TRUE(torch::equal(after.exp_avg_sq[i].second, again.exp_avg_sq[i].second)) << after.exp_avg_sq[i].first;
+  }
+  megaslide::io::remove_tree(dir);
+}
+
+// The property: the diffusers LoRA file's metadata (lora_adapter_metadata, which diffusers hands PEFT as the
+// LoraConfig) names in target_modules exactly the Linear layers the file adapts: under PEFT's rule (a module is
+// adapted when its name is a target or ends with "." + one) every block Linear the file holds adapters for is
+// matched, and no other — for all layers (the short names diffusers' scripts write), the self-attention's only, and
+// one block's.
+TEST(LoraTraining, DiffusersMetadataTargetsExactlyTheAdaptedLayers) {
+  std::vector<std::string> linears;  // the model's block Linear layers
+  {
+    Trainer base = wan_trainer(tiny_config({"lora.rank=0"}), tiny_data());
+    for (const auto& [name, t] : base.weight_views())
+      if (name.rfind("blocks.", 0) == 0 && t.dim() == 2) linears.push_back(name.substr(0, name.size() - 7));
+  }
+  ASSERT_EQ(linears.size(), 3u * 10);
+  const auto dir = temp_dir("targets");
+  const std::map<std::string, std::set<std::string>> expected_targets{
+      {"[\"*\"]", {"ffn.net.0.proj", "ffn.net.2", "to_k", "to_out.0", "to_q", "to_v"}},
+      {"[\"*attn1*\"]", {"attn1.to_k", "attn1.to_out.0", "attn1.to_q", "attn1.to_v"}},
+      {"[\"blocks.1.*\"]", {}}};
+  for (const auto& [targets, short_names] : expected_targets) {
+    const auto config = tiny_config({"lora.targets=" + targets});
+    Trainer trainer = wan_trainer(config, tiny_data());
+    const std::string file = dir + "/lora.safetensors";
+    megaslide::save_lora_weights(file, config, trainer.weight_views(), megaslide::LoraLayout::kDiffusers);
+    const auto written = megaslide::io::read_safetensors(file);
+    std::set<std::string> adapted;  // "transformer.blocks.0.attn1.to_q.lora_A.weight" -> "blocks.0.attn1.to_q"
+    for (const auto& [name, t] : written.tensors)
+      if (const auto at = name.find(".lora_A."); at != std::string::npos) adapted.insert(name.substr(12, at - 12));
+    const auto metadata = nlohmann::json::parse(written.metadata.at("lora_adapter_metadata"));
+    const auto listed = metadata.at("transformer.target_modules").get<std::set<std::string>>();
+    if (!short_names.empty()) EXPECT_EQ(listed, short_names) << targets;
+    std::set<std::string> matched;
+    for (const auto& module : linears)
+      for (const auto& target : listed)
+        if (module == target || (module.size() > target.size() && module.compare(module.size() - target.size() - 1,
+                                                                                 std::string::npos, "." + target) == 0))
+          matched.insert(module);
+    EXPECT_EQ(matched, adapted) << targets;
+    EXPECT_FALSE(adapted.empty()) << targets;
   }
   megaslide::io::remove_tree(dir);
 }

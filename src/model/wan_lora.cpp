@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <set>
 #include <stdexcept>
@@ -42,6 +43,32 @@ std::string peft_target(const std::string& module) {
   for (const char* attn : {"attn1.", "attn2."})
     if (starts_with(inside, attn)) inside = inside.substr(6);
   return inside;
+}
+
+// PEFT's target_modules entries that adapt the modules `adapted` of a model whose block Linear layers are `linears`
+// and nothing else: for each adapted module the shortest of its name inside its attention ("to_q"), inside its block
+// ("attn1.to_q") and its whole name that ends no module left unadapted (PEFT adapts every module whose name is a
+// target or ends with "." + a target). Without `linears`, the first form.
+std::set<std::string> peft_targets(const std::set<std::string>& adapted, const std::vector<std::string>& linears) {
+  std::set<std::string> out;
+  const auto ends = [](const std::string& name, const std::string& target) {
+    return name == target || ends_with(name, "." + target);
+  };
+  for (const auto& module : adapted) {
+    std::vector<std::string> candidates{peft_target(module)};
+    if (starts_with(module, "blocks.")) candidates.push_back(module.substr(module.find('.', 7) + 1));
+    candidates.push_back(module);
+    std::string chosen = candidates.front();
+    if (!linears.empty())
+      for (const auto& c : candidates) {
+        chosen = c;
+        if (std::all_of(linears.begin(), linears.end(),
+                        [&](const std::string& l) { return !ends(l, c) || adapted.count(l) > 0; }))
+          break;
+      }
+    out.insert(chosen);
+  }
+  return out;
 }
 
 // PEFT's per-module override (rank_pattern, alpha_pattern): a key naming the module (its end) wins over `value`.
@@ -235,7 +262,7 @@ io::WrittenFile save_wan_lora(const std::string& path, const WanLora& lora, Lora
     // PEFT's config as WanPipeline.save_lora_weights stores it: one rank and alpha, per-module alphas in
     // alpha_pattern when they differ (LoRA's ranks are read from the shapes; LoKr's per-module ones go in
     // rank_pattern).
-    std::set<std::string> targets;
+    std::set<std::string> adapted;
     const double alpha = lora.adapters.empty() ? 1.0 : lora.adapters.begin()->second.alpha;
     const bool rslora = !lora.adapters.empty() && lora.adapters.begin()->second.rslora;
     nlohmann::json alpha_pattern = nlohmann::json::object(), rank_pattern = nlohmann::json::object();
@@ -258,8 +285,9 @@ io::WrittenFile save_wan_lora(const std::string& path, const WanLora& lora, Lora
           factor = out_l;
         }
       }
-      targets.insert(peft_target(module));
+      adapted.insert(module);
     }
+    const std::set<std::string> targets = peft_targets(adapted, lora.block_linears);
     nlohmann::ordered_json config;
     config["transformer.alpha_pattern"] = alpha_pattern;
     if (lokr) {

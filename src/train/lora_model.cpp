@@ -7,6 +7,7 @@
 
 #include "megaslide/io/files.h"
 #include "megaslide/model/lora.h"
+#include "megaslide/model/wan.h"
 #include "megaslide/model/wan_weights.h"
 #include "megaslide/train/model_family.h"
 #include "megaslide/util/errors.h"
@@ -268,9 +269,18 @@ std::vector<std::string> save_lora_weights(const std::string& path, const RunCon
   // Two experts: each file holds its expert's adapters under its own DiT's names.
   const std::vector<std::string> prefixes =
       files.size() == 2 ? std::vector<std::string>{"transformer.", "transformer_2."} : std::vector<std::string>{""};
+  // Wan's block Linear layers (the experts' are alike), for the diffusers metadata's exact target_modules.
+  std::vector<std::string> block_linears;
+  if (wan && layout == LoraLayout::kDiffusers) {
+    const WanTransformer skeleton(WanOptions::from_config(config).device(torch::kMeta));
+    for (const auto& item : skeleton->named_modules("", false))
+      if (item.key().rfind("blocks.", 0) == 0 && std::dynamic_pointer_cast<LinearImpl>(item.value()))
+        block_linears.push_back(item.key());
+  }
   io::FileGroup group;  // both experts' files replaced together, once both are written
   for (size_t e = 0; e < files.size(); ++e) {
     WanLora lora;
+    lora.block_linears = block_linears;
     for (const auto& [weight, a] : adapters)
       if (weight.rfind(prefixes[e], 0) == 0) lora.adapters.emplace(weight.substr(prefixes[e].size()), a);
     save_wan_lora(files[e], lora, layout, &group);

@@ -52,6 +52,10 @@ struct WanLora {
   std::map<std::string, LoraAdapter> adapters;  // base weight's diffusers name -> adapter
   LoraLayout layout = LoraLayout::kDiffusers;   // the file's, when read
   std::string source;
+  // Writing diffusers' layout: the model's Linear modules inside its blocks ("blocks.0.attn1.to_q"), with which
+  // the metadata's target_modules name exactly the adapted ones (PEFT adapts every module a target ends); empty:
+  // each adapted module's name inside its attention ("to_q"), as diffusers' scripts write it.
+  std::vector<std::string> block_linears;
 };
 
 // Reads any of the three layouts (detected by the names). `weight_names`: the model's parameter names
