@@ -8,6 +8,8 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <regex>
+
 #include "megaslide/model/dit_weights.h"
 #include "trainers.h"
 #include "megaslide/train/checkpoint.h"
@@ -88,6 +90,28 @@ TEST(InitFrom, MissingUnexpectedAndMisshapedAreAllListedAndRefused) {
   EXPECT_NE(what.find("in the file but not in the model (1)"), std::string::npos) << what;
   EXPECT_NE(what.find("wrong shape or dtype (2)"), std::string::npos) << what;
   EXPECT_NE(refusal(dir + "/nothing.safetensors", shapes).find("does not exist"), std::string::npos);
+  // The hint names the missing parameter as a glob of train.init_allow_missing, its block index a '*'.
+  const std::string glob = std::regex_replace(gone, std::regex("(^|\\.)[0-9]+(?=\\.|$)"), "$1*");
+  EXPECT_NE(what.find("train.init_allow_missing, e.g. [\"" + glob + "\"]"), std::string::npos) << glob << "\n" << what;
+  megaslide::io::remove_tree(dir);
+}
+
+// The property: a Wan DiT's published weights that train.init_from does not read — Wan-AI's and ComfyUI's original
+// names, diffusers' folder — are refused with the advice to start from them with model.wan.weights, which reads
+// them; a file of other names gets no such advice.
+TEST(InitFrom, PublishedWanWeightsAreSentToModelWanWeights) {
+  megaslide::Trainer trainer = resident_trainer(smoke());
+  const auto shapes = parameter_shapes(trainer);
+  const std::string fixtures = std::string(MEGASLIDE_SOURCE_DIR) + "/tests/fixtures";
+  for (const auto& [path, layout] : std::vector<std::pair<std::string, std::string>>{
+           {fixtures + "/wan/a/comfyui.safetensors", "Wan's original names"},
+           {fixtures + "/wan_pipeline/transformer", "diffusers' folder"}}) {
+    const auto what = refusal(path, shapes);
+    EXPECT_NE(what.find("is a Wan DiT's weights (" + layout), std::string::npos) << what;
+  }
+  const auto dir = temp_dir("other");
+  megaslide::io::write_safetensors(dir + "/other.safetensors", {{"a.weight", torch::zeros({2})}});
+  EXPECT_EQ(refusal(dir + "/other.safetensors", shapes).find("model.wan.weights"), std::string::npos);
   megaslide::io::remove_tree(dir);
 }
 

@@ -11,6 +11,7 @@
 #include <map>
 #include <set>
 
+#include "megaslide/model/wan_weights.h"
 #include "megaslide/train/checkpoint.h"
 
 namespace megaslide {
@@ -27,6 +28,22 @@ bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
+// For a Wan DiT's published weights at `path` (diffusers' folder or Wan-AI's and ComfyUI's original names, which
+// train.init_from does not read): the advice to start from them with model.wan.weights; "" for anything else.
+std::string wan_weights_advice(const std::string& path, bool folder) {
+  try {
+    const auto weights = WanWeights::open(path);
+    if (!folder && weights.naming() == WanNaming::kDiffusers) return "";  // read here, under the trained names
+    return fmt::format(
+        "\n  ('{}' is a Wan DiT's weights ({}): start from them with model.wan.weights, which reads "
+        "diffusers', Wan-AI's and ComfyUI's layouts; train.init_from reads a run's checkpoint or a file under the "
+        "names the run trains)",
+        path, folder ? "diffusers' folder" : "Wan's original names, as Wan-AI's and ComfyUI's files have them");
+  } catch (const std::exception&) {
+    return "";
+  }
+}
+
 // The safetensors file `path` stands for.
 std::string resolve_source(const std::string& path) {
   if (!io::path_exists(path)) throw InitFromError("train.init_from '" + path + "' does not exist");
@@ -38,7 +55,8 @@ std::string resolve_source(const std::string& path) {
   }
   if (!io::path_exists(io::join_path(checkpoint, "master.safetensors")))
     throw InitFromError("train.init_from '" + path +
-                        "' is a folder but neither a checkpoint (no master.safetensors) nor a run folder");
+                        "' is a folder but neither a checkpoint (no master.safetensors) nor a run folder" +
+                        wan_weights_advice(path, true));
   try {
     verify_checkpoint(checkpoint);
   } catch (const CheckpointError& e) {
@@ -188,10 +206,33 @@ InitPlan plan_init_from(const std::string& path, const ParameterShapes& paramete
   section("missing from the file", missing);
   section("in the file but not in the model", unexpected);
   section("wrong shape or dtype", misshaped);
-  if (!missing.empty())
-    message +=
+  if (const std::string advice = wan_weights_advice(plan.path, false); !advice.empty())
+    throw InitFromError(message + advice);
+  if (!missing.empty()) {
+    // Globs of the missing parameters, each block's index a '*' ("blocks.*.attn1.offset_dw.weight"), the first few.
+    std::set<std::string> globs;
+    for (const auto& name : missing) {
+      std::string glob;
+      for (size_t i = 0; i < name.size();) {
+        const size_t start = i;
+        while (i < name.size() && name[i] >= '0' && name[i] <= '9') ++i;
+        const bool index = i > start && (start == 0 || name[start - 1] == '.') && (i == name.size() || name[i] == '.');
+        if (index) glob += '*';
+        else glob += name.substr(start, i - start), glob += i < name.size() ? std::string(1, name[i++]) : "";
+      }
+      globs.insert(glob);
+    }
+    std::string examples;
+    int shown = 0;
+    for (const auto& g : globs) {
+      if (shown++ == 3) break;
+      examples += fmt::format("{}\"{}\"", examples.empty() ? "" : ", ", g);
+    }
+    message += fmt::format(
         "\n  (parameters that may start from their initialisation can be named in train.init_allow_missing, e.g. "
-        "[\"blocks.*.attn.offset_*\", \"blocks.*.attn.rel_bias\"])";
+        "[{}])",
+        examples);
+  }
   throw InitFromError(message);
 }
 
