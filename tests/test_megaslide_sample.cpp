@@ -222,6 +222,17 @@ TEST(MegaslideSample, BadInputExitsTwoNamingItAndWritesNothing) {
   expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + out + " --vae " + out,
                  "a pixel-space model");
   expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + corrupt + "/sub", "--out");
+  {
+    // Videos inside a training run's checkpoints/: that run's pruning would remove them with the checkpoint.
+    const auto run_dir = join_path(scratch(), "a-run");
+    megaslide::io::make_directories(join_path(run_dir, "checkpoints/step-0000060"));
+    megaslide::io::write_file_atomically(join_path(run_dir, ".lock"), "pid 1\n");
+    expect_refused(
+        "--checkpoint " + weights() + " --prompts " + prompts + " --out " + run_dir + "/checkpoints/step-0000060",
+        "is inside checkpoints/ of the training run folder");
+    EXPECT_FALSE(path_exists(join_path(run_dir, "checkpoints/step-0000060/index.json")));
+    megaslide::io::remove_tree(run_dir);
+  }
   auto empty = prompts_file("empty.txt", "\n\n");
   expect_refused("--checkpoint " + weights() + " --prompts " + empty + " --out " + out, empty);
   expect_refused("--checkpoint " + weights() + " --prompts " + prompts + " --out " + out + " --samples-per-prompt 0",

@@ -728,6 +728,18 @@ TEST(MegaslideTrain, OutputsThatWouldReplaceInputsOrEachOtherAreRefused) {
   expect_refused(
       run(base + " --resume " + run_dir + " --export-weights " + run_dir + "/checkpoints/step-0000002/w.safetensors"),
       "is inside the run folder's checkpoints/");
+  // The run's lock file, and another run folder's files (an export from this run into that one's metrics, checkpoints
+  // or lock: its next resume would read them as its own, or a second run would train there beside it).
+  expect_refused(run(base + " --export-weights " + run_dir + "/.lock"), "the run folder's .lock");
+  const std::string other = dir + "/other";
+  const std::string other_base = "--config " + config + " --run-dir " + other + " --set train.steps=2";
+  for (const std::string target : {run_dir + "/metrics.jsonl", run_dir + "/.lock", run_dir + "/checkpoints/latest",
+                                   run_dir + "/logs/w.safetensors"})
+    expect_refused(run(other_base + " --export-weights " + target), "of the training run folder '");
+  EXPECT_TRUE(megaslide::io::path_exists(run_dir + "/metrics.jsonl"));
+  EXPECT_EQ(megaslide::io::read_file(run_dir + "/checkpoints/latest").rfind("step-0000002", 0), 0u);
+  EXPECT_EQ(run(other_base + " --export-weights " + run_dir + "/w2.safetensors").code, 0)
+      << "a file of its own in another run's folder stays allowed";
   megaslide::io::remove_tree(dir);
 }
 

@@ -661,6 +661,7 @@ int main(int argc, char** argv) {
         specs.push_back(std::move(spec));
       }
       megaslide::io::check_output_folder(out_dir, "--out");
+      megaslide::tools::check_output_outside_run_folders(out_dir, "--out");
       megaslide::tools::check_device_flag(device_spec);
       device = megaslide::resolve_device(device_spec);
       // A Wan DiT's weights without a run's config are published weights: say how those sample.

@@ -46,8 +46,8 @@ void on_stop_signal(int signal) {
 }
 
 // What an output file (`flag`'s) may not be: another output, the config, a file or folder the config reads, the
-// checkpoint resumed from, or a file the run folder's training writes (its config, log, metrics, checkpoints, samples,
-// plots, logs and TensorBoard events). Throws UsageError naming both.
+// checkpoint resumed from, or a file the run folder's training writes (its lock, config, log, metrics, checkpoints,
+// samples, plots, logs and TensorBoard events), or another run folder's. Throws UsageError naming both.
 void check_outputs_apart(const std::vector<std::pair<std::string, std::string>>& outputs,
                          const std::string& config_path, const megaslide::RunConfig& config,
                          const std::string& resume) {
@@ -67,10 +67,11 @@ void check_outputs_apart(const std::vector<std::pair<std::string, std::string>>&
                                                         {config.train.sample_prompts, "train.sample_prompts"}})
     if (!path.empty()) inputs.emplace_back(path, key + (megaslide::io::is_directory(path) ? "'s folder" : "'s file"));
   const std::string& run = config.output.run_dir;
-  for (const char* name : {"config.yaml", "train.log", "metrics.jsonl"})
-    inputs.emplace_back(megaslide::io::join_path(run, name), std::string("the run folder's ") + name);
-  for (const char* name : {"checkpoints", "samples", "plots", "logs", "tensorboard"})  // (folders: a '/' at the end)
-    inputs.emplace_back(megaslide::io::join_path(run, name) + "/", std::string("the run folder's ") + name + "/");
+  for (const auto& name : megaslide::tools::run_folder_entries()) {  // (folders: a '/' at the end)
+    const bool folder = name.find('.') == std::string::npos;
+    inputs.emplace_back(megaslide::io::join_path(run, name) + (folder ? "/" : ""),
+                        "the run folder's " + name + (folder ? "/" : ""));
+  }
   if (!resume.empty() && resume != "latest") {
     // The checkpoint itself, whichever name --resume gave it (a run folder names its latest checkpoint); one that
     // cannot be found is refused later, by the resume.
@@ -88,6 +89,7 @@ void check_outputs_apart(const std::vector<std::pair<std::string, std::string>>&
           "{} '{}' is also {}'s file: one would replace the other; give each its own path", flag, path, it->second));
     seen.emplace(real, flag);
     megaslide::tools::check_output_is_no_input(path, flag, inputs);
+    megaslide::tools::check_output_outside_run_folders(path, flag);  // another run's
   }
 }
 
@@ -216,7 +218,9 @@ int main(int argc, char** argv) {
   app.add_option(
          "--export-weights", export_weights,
          "write the weights (bf16) and the resolved config to this safetensors file (megaslide-sample --checkpoint "
-         "reads it): after training, or with --resume the checkpoint's weights without training; a LoRA run "
+         "reads it; Wan: diffusers' file of the DiT, or ComfyUI's with --export-layout, which megaslide-sample reads "
+         "as model.wan.weights): after training, or with --resume the checkpoint's weights without training; a LoRA "
+         "run "
          "(lora.rank > 0) writes its adapters as a LoRA file (docs/lora.md)")
       ->check(megaslide::tools::non_empty_path());
   app.add_option(

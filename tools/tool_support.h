@@ -267,6 +267,40 @@ inline void check_output_is_no_input(const std::string& path, const std::string&
   }
 }
 
+// The names in a training run's folder that its runs write (docs/training.md, "Run folder").
+inline const std::vector<std::string>& run_folder_entries() {
+  static const std::vector<std::string> names{".lock",   "config.yaml", "train.log", "metrics.jsonl", "checkpoints",
+                                              "samples", "plots",       "logs",      "tensorboard"};
+  return names;
+}
+
+// Whether `folder` holds a training run: its lock file, or its config with its log, metrics or checkpoints.
+inline bool is_run_folder(const std::string& folder) {
+  const auto has = [&](const char* name) { return io::path_exists(io::join_path(folder, name)); };
+  return has(".lock") || (has("config.yaml") && (has("train.log") || has("metrics.jsonl") || has("checkpoints")));
+}
+
+// Refuses (UsageError) an output `path` (`flag`'s) that is a file a training run's folder holds (its lock, config,
+// log, metrics) or lies inside one of its folders (checkpoints/, samples/, ...), of any run: a run's next save,
+// prune or resume would replace or remove what is written there, or read it as its own.
+inline void check_output_outside_run_folders(const std::string& path, const std::string& flag) {
+  const std::string real = real_file_path(path);
+  for (auto slash = real.find_last_of('/'); slash != std::string::npos && slash > 0;
+       slash = real.find_last_of('/', slash - 1)) {
+    const std::string folder = real.substr(0, slash);
+    const auto next = real.find('/', slash + 1);
+    const std::string entry = real.substr(slash + 1, next == std::string::npos ? std::string::npos : next - slash - 1);
+    if (std::find(run_folder_entries().begin(), run_folder_entries().end(), entry) == run_folder_entries().end() ||
+        !is_run_folder(folder))
+      continue;
+    const bool inside = next != std::string::npos;
+    throw UsageError(
+        fmt::format("{} '{}' is {} the training run folder '{}': that run's saves, pruning or resume would "
+                    "replace or remove it; give a path outside it",
+                    flag, path, inside ? "inside " + entry + "/ of" : entry + " of", folder));
+  }
+}
+
 // "1:05", "2:03:09": a duration for progress lines.
 inline std::string clock_text(double seconds) {
   const auto s = static_cast<int64_t>(seconds + 0.5);
