@@ -323,6 +323,39 @@ TEST(MegaslideTrain, SigtermSavesAndResumeReproducesTheUninterruptedLosses) {
   megaslide::io::remove_tree(parts);
 }
 
+// The property: a stop signal the tool was started ignoring (SIGINT for a job a script starts with `&`, SIGHUP under
+// nohup) stays ignored while it trains: the run goes on to its last step and exits 0.
+TEST(MegaslideTrain, SignalsTheRunWasStartedIgnoringStayIgnored) {
+  const auto dir = fresh_dir("ignored");
+  const std::string log = "/tmp/megaslide-test-ignored-" + std::to_string(::getpid()) + ".log";
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    std::freopen(log.c_str(), "w", stderr);
+    std::freopen(log.c_str(), "a", stdout);
+    std::signal(SIGINT, SIG_IGN);
+    std::signal(SIGHUP, SIG_IGN);
+    const std::string bin = std::string(MEGASLIDE_BINARY_DIR) + "/bin/megaslide-train";
+    const std::string config = smoke();
+    ::execl(bin.c_str(), bin.c_str(), "--config", config.c_str(), "--run-dir", dir.c_str(), "--set", "train.steps=40",
+            "--set", "output.progress=false", "--set", "train.threads=1", "--set", "train.log_every=1",
+            static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  const auto metrics = join_path(dir, "metrics.jsonl");
+  for (int i = 0; i < 6000 && line_count(metrics) < 3; ++i) ::usleep(10000);
+  const size_t when = line_count(metrics);
+  ::kill(pid, SIGINT);
+  ::kill(pid, SIGHUP);
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status)) << megaslide::io::read_file(log);
+  EXPECT_EQ(WEXITSTATUS(status), 0) << megaslide::io::read_file(log);
+  EXPECT_LT(when, 40u) << "the run ended before the signals; the test proves nothing";
+  EXPECT_EQ(line_count(metrics), 40u);
+  megaslide::io::remove_tree(dir);
+}
+
 TEST(MegaslideTrain, CorruptCheckpointExitsTwoNamingTheFileAndChangesNothing) {
   const auto dir = fresh_dir("corrupt");
   const std::string args =

@@ -405,12 +405,12 @@ int main(int argc, char** argv) {
           return 0;
         }
         // SIGHUP: the terminal closed (ssh dropped); SIGUSR1: a batch system's warning before its time limit
-        // (Slurm's --signal=USR1@SECONDS). Each stops the run like SIGTERM, with a checkpoint; but a SIGHUP that
-        // this process was started ignoring (nohup) stays ignored.
+        // (Slurm's --signal=USR1@SECONDS). Each stops the run like SIGTERM, with a checkpoint; but a signal that
+        // this process was started ignoring (SIGHUP under nohup, SIGINT for a job a script starts with `&`) stays
+        // ignored.
         for (const int signal : {SIGINT, SIGTERM, SIGHUP, SIGUSR1}) {
           struct sigaction current {};
-          if (signal == SIGHUP && ::sigaction(SIGHUP, nullptr, &current) == 0 && current.sa_handler == SIG_IGN)
-            continue;
+          if (::sigaction(signal, nullptr, &current) == 0 && current.sa_handler == SIG_IGN) continue;
           std::signal(signal, on_stop_signal);
         }
         options.trace_path = trace_path;
