@@ -378,6 +378,18 @@ TEST(MegaslideTrain, CorruptCheckpointExitsTwoNamingTheFileAndChangesNothing) {
   r = run(args);
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.output.find("--resume latest"), std::string::npos) << r.output;
+  // A resume to an earlier checkpoint, with another config, whose log is a folder now: refused before its config.yaml
+  // is rewritten or `latest` rolled back.
+  const auto config_yaml = megaslide::io::read_file(join_path(dir, "config.yaml"));
+  const auto latest = megaslide::io::read_file(join_path(dir, "checkpoints/latest"));
+  megaslide::io::remove_tree(join_path(dir, "train.log"));
+  megaslide::io::make_directories(join_path(dir, "train.log"));
+  r = run(args + " --set train.lr=0.5 --resume " + join_path(dir, "checkpoints/step-0000003"));
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("train.log' is a folder"), std::string::npos) << r.output;
+  EXPECT_EQ(megaslide::io::read_file(join_path(dir, "config.yaml")), config_yaml);
+  EXPECT_EQ(megaslide::io::read_file(join_path(dir, "checkpoints/latest")), latest);
+  EXPECT_EQ(megaslide::io::read_file(join_path(dir, "metrics.jsonl")), metrics);
   megaslide::io::remove_tree(dir);
 }
 

@@ -282,6 +282,15 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     } catch (const CheckpointError& e) {
       throw ConfigError(options.config_source, "output.run_dir", e.what());
     }
+    // The run's own files are written in place or replaced: one that is a folder or a link stops the run here,
+    // before any of them (config.yaml first) has changed.
+    for (const char* name : {"config.yaml", "train.log", "metrics.jsonl"}) {
+      const std::string path = io::join_path(run_dir, name);
+      if (io::is_symlink(path) || (io::path_exists(path) && io::is_directory(path)))
+        throw ConfigError(options.config_source, "output.run_dir",
+                          fmt::format("'{}' is {}: the run writes its {} there; move it away", path,
+                                      io::is_symlink(path) ? "a symbolic link" : "a folder", name));
+    }
   }
   bool state_in_host_memory = true;
   try {
@@ -430,11 +439,6 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
       result.exported = write_exports();
       return result;
     }
-    if (writer && roll_back_latest(run_dir, resume_path))
-      warnings.push_back(fmt::format(
-          "rolled back: {} now names {}; the newer checkpoints of the abandoned run are replaced as this run "
-          "saves their steps again",
-          io::join_path(run_dir, "checkpoints/latest"), resume_path));
   }
   const InitPlan& init = trainer.init_plan();
 
@@ -448,6 +452,12 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     log.open(dir->file("train.log"), /*append=*/!resume_path.empty());
     metrics.emplace(dir->file("metrics.jsonl"), resume_path.empty() ? -1 : result.first_step);
     if (config.output.tensorboard) tensorboard.emplace(dir->file("tensorboard"), config, result.first_step);
+    // Once the run's files are open (a run that cannot open them leaves `latest` as it was).
+    if (!resume_path.empty() && roll_back_latest(run_dir, resume_path))
+      warnings.push_back(fmt::format(
+          "rolled back: {} now names {}; the newer checkpoints of the abandoned run are replaced as this run "
+          "saves their steps again",
+          io::join_path(run_dir, "checkpoints/latest"), resume_path));
   }
   if (communicator) {
     communicator->barrier();  // rank 0 has taken and written the run folder
