@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdio>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -353,6 +354,56 @@ TEST(MegaslideTrain, SignalsTheRunWasStartedIgnoringStayIgnored) {
   EXPECT_EQ(WEXITSTATUS(status), 0) << megaslide::io::read_file(log);
   EXPECT_LT(when, 40u) << "the run ended before the signals; the test proves nothing";
   EXPECT_EQ(line_count(metrics), 40u);
+  megaslide::io::remove_tree(dir);
+}
+
+// The property: a run whose metrics can no longer be written (a full disk; here a file size limit that its metrics
+// reach and its checkpoint files do not) stops as a signal would, saving a checkpoint of the step it trained, and
+// says where; resumed from it, the run trains to its last step.
+TEST(MegaslideTrain, AFailedMetricsWriteSavesACheckpointBeforeStopping) {
+  const auto dir = fresh_dir("metrics-full");
+  const std::string args = "--config " + smoke() +
+                           " --set model.hidden=8 --set model.text_dim=8 --set model.heads=1 --set model.layers=1 "
+                           "--set train.threads=1 --set output.progress=false --run-dir " +
+                           dir;
+  ASSERT_EQ(run(args + " --set train.steps=80 --set train.checkpoint_every=80").code, 0);
+  const auto metrics = join_path(dir, "metrics.jsonl");
+  struct stat st {};
+  ASSERT_EQ(::stat(metrics.c_str(), &st), 0);
+  const rlim_t limit = static_cast<rlim_t>(st.st_size) + 2048;  // the metrics reach it within steps
+  ASSERT_LT(megaslide::io::read_file(join_path(dir, "checkpoints/step-0000080/master.safetensors")).size(), limit)
+      << "the checkpoint's files must fit under the limit for the test to mean anything";
+  const std::string log = "/tmp/megaslide-test-metrics-full-" + std::to_string(::getpid()) + ".log";
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    std::freopen(log.c_str(), "w", stderr);
+    std::freopen(log.c_str(), "a", stdout);
+    const rlimit r{limit, limit};
+    ::setrlimit(RLIMIT_FSIZE, &r);
+    std::signal(SIGXFSZ, SIG_IGN);  // the write fails with EFBIG instead of ending the process
+    const std::string command = std::string(MEGASLIDE_BINARY_DIR) + "/bin/megaslide-train " + args +
+                                " --set train.steps=120 --set train.checkpoint_every=80 --resume latest";
+    ::execl("/bin/sh", "sh", "-c", command.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  const std::string output = megaslide::io::read_file(log);
+  ASSERT_TRUE(WIFEXITED(status)) << output;
+  EXPECT_EQ(WEXITSTATUS(status), 1) << output;
+  const auto at = output.find("writing the run's metrics of step ");
+  ASSERT_NE(at, std::string::npos) << output;
+  const int64_t step = std::stoll(output.substr(at + 34));
+  EXPECT_GT(step, 80);
+  EXPECT_LT(step, 120);
+  const std::string checkpoint = fmt::format("checkpoints/step-{:07}", step);
+  EXPECT_NE(output.find("is in checkpoint " + join_path(dir, checkpoint)), std::string::npos) << output;
+  EXPECT_EQ(megaslide::io::read_file(join_path(dir, "checkpoints/latest")).rfind(fmt::format("step-{:07}", step), 0),
+            0u);
+  const auto resumed = run(args + " --set train.steps=120 --set train.checkpoint_every=80 --resume latest");
+  EXPECT_EQ(resumed.code, 0) << resumed.output;
+  EXPECT_EQ(logged_losses(dir).size(), 119u) << "every step's line but the one whose write failed";
   megaslide::io::remove_tree(dir);
 }
 

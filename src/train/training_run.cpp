@@ -646,8 +646,34 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
       };
       on_rank0(fmt::format("the validation loss of step {}", m.step), measure);
     }
-    if (metrics) metrics->write(m);
-    if (tensorboard) tensorboard->step(m);
+    try {
+      if (metrics) metrics->write(m);
+      if (tensorboard) tensorboard->step(m);
+    } catch (const std::exception& e) {
+      // The run's files cannot take this step (a full disk, a file size limit): stop as a signal would, with a
+      // checkpoint of the state this process holds when it can be saved, so that no step is lost.
+      progress.finish();
+      std::string kept;
+      if (!communicator) {
+        bool saved = false;
+        try {
+          saved = save("stop");
+        } catch (const std::exception&) {
+        }
+        kept = saved ? "the trained state of step " + std::to_string(m.step) + " is in checkpoint " +
+                           result.last_checkpoint + "; continue with --resume latest once the run folder can be written"
+                     : "no checkpoint could be saved either";
+      } else {
+        std::string last;
+        try {
+          last = latest_checkpoint(run_dir);
+        } catch (const std::exception&) {
+        }
+        kept = last.empty() ? std::string("there is no checkpoint to resume from") : "the last checkpoint is " + last;
+      }
+      throw OutputError(
+          fmt::format("writing the run's metrics of step {} failed: {}; {}", m.step, error_message(e), kept));
+    }
     progress.update(m);
     if (m.skipped) {
       log.warn(fmt::format(
