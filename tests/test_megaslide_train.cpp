@@ -769,6 +769,10 @@ TEST(MegaslideTrain, ConfigThatIsAFolderOrADeviceIsRefused) {
 TEST(MegaslideTrain, EmptyOrUnwritableOutputPathsAreRefusedBeforeTheFirstStep) {
   const auto dir = fresh_dir("outputs");
   expect_refused(run("--config " + smoke() + " --run-dir ''"), "--run-dir");
+  // A path left out, the next flag taken for it: it trained into ./--dry-run and exported into a file named --set.
+  expect_refused(run("--config " + smoke() + " --run-dir --dry-run"), "'--dry-run' starts with '-' as a flag does");
+  expect_refused(run("--config " + smoke() + " --run-dir " + dir + " --export-weights --set train.steps=2"),
+                 "--export-weights");
   // The flag's error, not the config file's: the message starts with the flag.
   expect_refused(run("--config " + smoke() + " --run-dir " + dir + " --trace /nonexistent/d/t.json"),
                  "megaslide-train: --trace '/nonexistent/d/t.json': folder '/nonexistent/d' does not exist");

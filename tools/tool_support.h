@@ -202,7 +202,17 @@ inline CLI::Validator unsigned_integer() {
 // the current folder or the default.
 inline CLI::Validator non_empty_path() {
   return CLI::Validator(
-      [](std::string& text) -> std::string { return text.empty() ? "an empty path names nothing" : ""; }, "PATH");
+      [](std::string& text) -> std::string {
+        if (text.empty()) return "an empty path names nothing";
+        // "--run-dir --dry-run": the path was left out and the next flag taken for it (a run went into ./--dry-run).
+        if (text[0] == '-')
+          return "'" + text +
+                 "' starts with '-' as a flag does: is the path missing? (give a path that starts with "
+                 "'-' as ./" +
+                 text + ")";
+        return "";
+      },
+      "PATH");
 }
 
 // A file-size limit (ulimit -f) must turn into a failed write(2) with EFBIG, which the library reports
