@@ -18,6 +18,7 @@
 
 #include "megaslide/diffusion/wan_text_to_video.h"
 #include "megaslide/io/files.h"
+#include "megaslide/io/finite_weights.h"
 #include "megaslide/io/safetensors.h"
 #include "megaslide/model/wan_weights.h"
 #include "megaslide/train/checkpoint.h"
@@ -370,6 +371,15 @@ TEST(WanTraining, TensorsFileIsMappedAndReadBatchByBatch) {
   auto what = refusal({{"latents", with_nan}, {"text", data.text}});
   EXPECT_NE(what.find("latents"), std::string::npos) << what;
   EXPECT_NE(what.find("bad.safetensors"), std::string::npos) << what;
+  EXPECT_NE(what.find("holds a NaN or an infinity in item 1 of 4"), std::string::npos) << what;
+  EXPECT_EQ(what.find("weights"), std::string::npos) << "data, not weights: " << what;
+  {
+    // --allow-nonfinite-weights is for weights: the data is refused all the same.
+    megaslide::io::set_nonfinite_weights_allowed(true);
+    what = refusal({{"latents", with_nan}, {"text", data.text}});
+    megaslide::io::set_nonfinite_weights_allowed(false);
+    EXPECT_NE(what.find("holds a NaN or an infinity in item 1 of 4"), std::string::npos) << what;
+  }
   what = refusal({{"latents", data.latents}, {"text", data.text.to(torch::kInt32)}});
   EXPECT_NE(what.find("tensor 'text' is"), std::string::npos) << what;
   what = refusal({{"latents", data.latents}, {"text", data.text}, {"captions", data.text}});

@@ -54,8 +54,9 @@ void require_finite(const void* data, int64_t n, c10::ScalarType dtype, const st
   if (at < 0) return;
   throw NonFiniteWeightsError(
       "'" + file + "': tensor '" + tensor + "' holds a NaN or an infinity (element " + std::to_string(at) + " of " +
-      std::to_string(n) +
-      "): the weights are broken (a diverged run or a bad conversion); --allow-nonfinite-weights loads them anyway");
+          std::to_string(n) +
+          "): the weights are broken (a diverged run or a bad conversion); --allow-nonfinite-weights loads them anyway",
+      at, n);
 }
 
 }  // namespace megaslide::io

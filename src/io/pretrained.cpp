@@ -290,7 +290,7 @@ char* MappedWeights::checked_data(const std::string& name) const {
           torch::from_blob(data, {static_cast<int64_t>(e.end - e.begin)}, torch::kUInt8).clone().data_ptr(), n, e.dtype,
           m.path, name);
   } catch (const io::NonFiniteWeightsError& err) {
-    throw PretrainedError(err.what());
+    throw NonFiniteTensorError(err.what(), err.element, err.count);
   }
   return data;
 }

@@ -43,6 +43,14 @@ class PretrainedError : public IoError, public InputError {
   using IoError::IoError;
 };
 
+// A tensor holding a NaN or an infinity (io::require_finite's refusal), with where: its first bad element of `count`.
+class NonFiniteTensorError : public PretrainedError {
+ public:
+  NonFiniteTensorError(const std::string& what, int64_t element, int64_t count)
+      : PretrainedError(what), element(element), count(count) {}
+  int64_t element, count;
+};
+
 class PretrainedFolder {
  public:
   // `dir`: the folder; `weight_files`: the names to look for inside it, the first present is used.

@@ -13,6 +13,7 @@
 
 #include "io/pretrained.h"
 #include "megaslide/data/latent_cache.h"
+#include "megaslide/io/finite_weights.h"
 #include "megaslide/io/safetensors.h"
 #include "megaslide/train/distributed.h"
 #include "megaslide/train/model_family.h"
@@ -85,7 +86,26 @@ WanLatentData WanLatentData::load(const std::string& path) {
       if (slot == nullptr)
         throw std::invalid_argument("'" + path + "': unexpected tensor '" + name +
                                     "' (expected latents, text, empty_text, image_latents, image_embeds)");
-      *slot = file.view(name, file.shape(name), "as stored");  // read-only, in the file's dtype; scanned for NaN
+      // Read-only, in the file's dtype; scanned for a NaN or an infinity, which no training step survives (refused
+      // whatever --allow-nonfinite-weights says of weights), named by its item.
+      const auto refuse = [&](int64_t element, int64_t count) {
+        const auto shape = file.shape(name);
+        const int64_t rows = shape.empty() ? 1 : std::max<int64_t>(shape[0], 1),
+                      per = std::max<int64_t>(count / rows, 1);
+        throw std::invalid_argument(fmt::format(
+            "'{}': tensor '{}' holds a NaN or an infinity in item {} of {} (element {} of {}): the data is broken; "
+            "encode that item again",
+            path, name, element / per, rows, element, count));
+      };
+      try {
+        *slot = file.view(name, file.shape(name), "as stored");
+      } catch (const io::NonFiniteTensorError& e) {
+        if (e.element < 0) throw;
+        refuse(e.element, e.count);
+      }
+      if (io::nonfinite_weights_allowed())
+        if (const int64_t at = io::first_nonfinite(slot->data_ptr(), slot->numel(), slot->scalar_type()); at >= 0)
+          refuse(at, slot->numel());
     }
   } catch (const io::IoError& e) {
     throw std::invalid_argument(e.what());

@@ -20,7 +20,9 @@ namespace megaslide::io {
 
 class NonFiniteWeightsError : public std::runtime_error, public InputError {
  public:
-  using std::runtime_error::runtime_error;
+  explicit NonFiniteWeightsError(const std::string& what, int64_t element = -1, int64_t count = 0)
+      : std::runtime_error(what), element(element), count(count) {}
+  int64_t element, count;  // require_finite's: the first bad element of the tensor's `count` (-1: not said)
 };
 
 // Whether weights with NaN or infinite values are loaded anyway (default false).
