@@ -296,9 +296,11 @@ TEST(MegaslideTrain, SigtermSavesAndResumeReproducesTheUninterruptedLosses) {
       std::signal(SIGHUP, SIG_DFL);  // as from a terminal, even where the tests run under nohup
       const std::string bin = std::string(MEGASLIDE_BINARY_DIR) + "/bin/megaslide-train";
       const std::string config = smoke();
+      const std::string exported = join_path(parts, "w.safetensors");  // (a fresh run: its export is said unwritten)
       ::execl(bin.c_str(), bin.c_str(), "--config", config.c_str(), "--run-dir", parts.c_str(), "--set",
               "train.steps=24", "--set", "output.progress=false", "--set", "train.threads=1",
-              resume ? "--resume" : static_cast<char*>(nullptr), "latest", static_cast<char*>(nullptr));
+              resume ? "--resume" : "--export-weights", resume ? "latest" : exported.c_str(),
+              static_cast<char*>(nullptr));
       ::_exit(127);
     }
     for (int i = 0; i < 6000 && line_count(metrics) < lines; ++i) ::usleep(10000);
@@ -315,6 +317,11 @@ TEST(MegaslideTrain, SigtermSavesAndResumeReproducesTheUninterruptedLosses) {
         "checkpoints/step-" + std::string(7 - std::to_string(stopped_at).size(), '0') + std::to_string(stopped_at))));
   };
   stop_with(SIGTERM, 5, false);
+  EXPECT_NE(
+      megaslide::io::read_file(join_path(parts, "train.log")).find("; not written (they come after the last step"),
+      std::string::npos)
+      << "the stopped run says its --export-weights was not written";
+  EXPECT_FALSE(megaslide::io::path_exists(join_path(parts, "w.safetensors")));
   stop_with(SIGHUP, line_count(metrics) + 3, true);
 
   auto r = run(args + " --run-dir " + parts + " --resume latest");

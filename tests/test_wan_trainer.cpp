@@ -1164,8 +1164,12 @@ TEST(WanTraining, BothExpertsRunResumesExportsAndSamplesAsThePair) {
                  "train.seed=" + std::to_string(seed)});
   };
   megaslide::TrainingRunOptions whole_options;
-  whole_options.export_weights = dir + "/export";
-  megaslide::run_training(run("whole", 6), whole_options);
+  whole_options.export_weights = dir + "/export.safetensors";
+  const auto whole_result = megaslide::run_training(run("whole", 6), whole_options);
+  ASSERT_EQ(whole_result.exported.size(), 1u);
+  EXPECT_NE(whole_result.exported[0].find("export.safetensors (a folder: diffusers' repository of both experts"),
+            std::string::npos)
+      << whole_result.exported[0] << " (said, whatever the path's name)";
   megaslide::run_training(run("part", 3), {});
   megaslide::TrainingRunOptions resume;
   resume.resume = "latest";
@@ -1195,20 +1199,20 @@ TEST(WanTraining, BothExpertsRunResumesExportsAndSamplesAsThePair) {
   EXPECT_FALSE(torch::equal(pair_weight(pair), pair_weight(*pair.low_noise)));
 
   // The export: diffusers' repository of the two experts, the same tensors as the weights file.
-  const auto exported =
-      megaslide::with_wan_architecture_from_weights(expert_config("both", {"model.wan.weights=" + dir + "/export"}));
-  EXPECT_EQ(exported.model.wan.weights_2, dir + "/export/transformer_2");
+  const auto exported = megaslide::with_wan_architecture_from_weights(
+      expert_config("both", {"model.wan.weights=" + dir + "/export.safetensors"}));
+  EXPECT_EQ(exported.model.wan.weights_2, dir + "/export.safetensors/transformer_2");
   EXPECT_EQ(exported.model.wan.boundary_ratio, 0.875);
-  EXPECT_TRUE(megaslide::io::path_exists(dir + "/export/transformer/config.json"));
+  EXPECT_TRUE(megaslide::io::path_exists(dir + "/export.safetensors/transformer/config.json"));
   // model_index.json lists WanPipeline's every component, as diffusers' Wan2.2 repositories do: from_pretrained
   // loads the folder once the base repository's other folders are copied beside the two experts.
-  const auto index = nlohmann::json::parse(megaslide::io::read_file(dir + "/export/model_index.json"));
+  const auto index = nlohmann::json::parse(megaslide::io::read_file(dir + "/export.safetensors/model_index.json"));
   EXPECT_EQ(index.at("_class_name"), "WanPipeline");
   for (const auto* component : {"scheduler", "text_encoder", "tokenizer", "transformer", "transformer_2", "vae"})
     EXPECT_TRUE(index.contains(component) && index.at(component).size() == 2) << component << ": " << index.dump();
   EXPECT_EQ(index.at("vae")[1], "AutoencoderKLWan");
-  const auto exported_high = megaslide::WanWeights::open(dir + "/export/transformer");
-  const auto exported_low = megaslide::WanWeights::open(dir + "/export/transformer_2");
+  const auto exported_high = megaslide::WanWeights::open(dir + "/export.safetensors/transformer");
+  const auto exported_low = megaslide::WanWeights::open(dir + "/export.safetensors/transformer_2");
   for (const auto& p : pair.dit->named_parameters(true))
     EXPECT_TRUE(torch::equal(exported_high.read(p.key(), torch::kFloat32), p.value())) << p.key();
   for (const auto& p : pair.low_noise->dit->named_parameters(true))

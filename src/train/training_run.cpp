@@ -381,6 +381,10 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
       }
       if (options.export_layout == WanWeightsLayout::kDiffusers) {
         trainer.write_weights(path, weights);
+        // Wan2.2's two experts: diffusers' repository folder, whatever the path's name says.
+        if (config.model.arch == Architecture::kWan && config.model.wan.expert == "both")
+          return path + " (a folder: diffusers' repository of both experts, transformer/ and transformer_2/ with " +
+                 "model_index.json)";
         return path;
       }
       return joined(save_wan_comfyui_weights(path, config.model.wan, weights,
@@ -701,7 +705,8 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
         try {
           const std::vector<std::string> files = trainer.write_validation(samples);
           if (tensorboard) tensorboard->videos(m.step, samples, files);
-          log.info(fmt::format("step {}: {} validation videos in {} ({:.1f} s)", m.step, files.size(), samples,
+          log.info(fmt::format("step {}: {} validation video{} in {} ({:.1f} s)", m.step, files.size(),
+                               files.size() == 1 ? "" : "s", samples,
                                std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count()));
         } catch (const std::exception& e) {
           log.warn(fmt::format("step {}: the validation videos could not be written ({}); training continues", m.step,
@@ -739,7 +744,16 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
       log.info(
           fmt::format("stop requested (signal {}) after step {}: saving a checkpoint", result.stop_signal, m.step));
       if (!save("stop")) throw OutputError("could not save a checkpoint before stopping (see the warning above)");
-      log.info(fmt::format("stopped at step {}; continue with --resume latest", m.step));
+      std::string exports;  // what the run would have written after its last step, and how to have it now
+      for (const auto& [flag, path] : {std::pair<const char*, std::string>{"--export-weights", options.export_weights},
+                                       {"--export-ema", options.export_ema},
+                                       {"--export-merged", options.export_merged}})
+        if (!path.empty()) exports += fmt::format("{}{} {}", exports.empty() ? "" : ", ", flag, path);
+      log.info(fmt::format("stopped at step {}; continue with --resume latest{}", m.step,
+                           exports.empty() ? std::string()
+                                           : "; not written (they come after the last step, or from this "
+                                             "checkpoint with --resume latest and the flag): " +
+                                                 exports));
       return result;
     }
     if (train.checkpoint_every > 0 && m.step % train.checkpoint_every == 0 && m.step < train.steps) {
