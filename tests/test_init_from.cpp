@@ -173,9 +173,11 @@ TEST(InitFrom, BothTrainersStartFromACheckpointsMastersAndContinueAtItsLoss) {
   for (int i = 0; i < 6; ++i) last_loss = a.step().loss;
   const auto state = a.training_state();
   const auto checkpoint = megaslide::save_checkpoint(config.output.run_dir, config, state);
-  // A fresh run of each trainer from the checkpoint folder, and from the run folder: the masters bit for bit.
+  // A fresh run of each trainer from the checkpoint folder, the run folder, and its checkpoints/latest pointer: the
+  // masters bit for bit.
   for (bool streamed : {false, true}) {
-    for (const std::string& source : {checkpoint, config.output.run_dir}) {
+    for (const std::string& source :
+         {checkpoint, config.output.run_dir, config.output.run_dir + "/checkpoints/latest"}) {
       auto c = config;
       c.offload.enabled = streamed;
       megaslide::Trainer t = trainer_from(c, source);

@@ -47,8 +47,17 @@ std::string wan_weights_advice(const std::string& path, bool folder) {
 // The safetensors file `path` stands for.
 std::string resolve_source(const std::string& path) {
   if (!io::path_exists(path)) throw InitFromError("train.init_from '" + path + "' does not exist");
-  if (!io::is_directory(path)) return path;
   std::string checkpoint = path;
+  if (!io::is_directory(path)) {
+    // A run's checkpoints/latest pointer names its checkpoint; any other file is the weights.
+    const auto slash = path.find_last_of('/');
+    if ((slash == std::string::npos ? path : path.substr(slash + 1)) != "latest") return path;
+    try {
+      checkpoint = find_checkpoint(path);
+    } catch (const CheckpointError& e) {
+      throw InitFromError(std::string("train.init_from: ") + e.what());
+    }
+  }
   if (io::path_exists(io::join_path(path, "checkpoints"))) {
     checkpoint = latest_checkpoint(path);
     if (checkpoint.empty()) throw InitFromError("train.init_from '" + path + "' is a run folder without a checkpoint");
