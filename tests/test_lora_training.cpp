@@ -422,9 +422,11 @@ TEST(LoraTraining, ExportedLoraIsTheTrainedModelAndStartsAnotherRun) {
 
   std::vector<std::string> names;
   for (const auto& p : dit->named_parameters(true)) names.push_back(p.key());
-  for (const std::string file : {"lora.safetensors", "lora-comfy.safetensors"}) {
+  // The exported files, and the run's checkpoint itself (megaslide-sample --lora RUN): the same adapters.
+  for (const std::string file : {"lora.safetensors", "lora-comfy.safetensors", "run", "run/checkpoints/latest"}) {
     SCOPED_TRACE(file);
-    const auto lora = megaslide::read_wan_lora(dir + "/" + file, names);
+    const auto lora = file.rfind("run", 0) == 0 ? megaslide::read_lora_checkpoint(dir + "/" + file)
+                                                : megaslide::read_wan_lora(dir + "/" + file, names);
     EXPECT_EQ(lora.adapters.size(), 30u);
     EXPECT_EQ(lora.adapters.begin()->second.alpha, 8.0);
     megaslide::WanTransformer merged(megaslide::WanOptions::from_config(config));
@@ -722,6 +724,18 @@ TEST(LoraTraining, TwoExpertsTrainTheirOwnAdaptersAndExportAFileEach) {
     const auto b = megaslide::io::read_safetensors(dir + "/ckpt-lora" + expert + ".safetensors").tensors;
     ASSERT_EQ(a.size(), b.size()) << expert;
     for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i].second, b[i].second)) << a[i].first;
+    // The checkpoint's own adapters of that expert (megaslide-sample --lora RUN, --lora-2 RUN), as its file holds them.
+    const auto lora =
+        megaslide::read_lora_checkpoint(run.output.run_dir, expert == std::string("_high_noise") ? "high" : "low");
+    std::map<std::string, torch::Tensor> held;
+    for (const auto& [weight, adapter] : lora.adapters)
+      for (const auto& [suffix, t] : adapter.tensors())
+        held["transformer." + weight.substr(0, weight.size() - 7) + "." + suffix] = t;
+    ASSERT_EQ(held.size(), a.size()) << expert;
+    for (const auto& [name, t] : a) {
+      ASSERT_TRUE(held.count(name)) << name;
+      EXPECT_TRUE(torch::equal(held.at(name), t)) << name;
+    }
   }
   megaslide::io::remove_tree(dir);
 }

@@ -969,6 +969,12 @@ TEST(MegaslideSampleWan, LoraSamplesAsTheWeightsWithItsUpdateMerged) {
   r = run("--config " + config + common + " --lora " + config + " --out " + join_path(scratch(), "bad-lora"));
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("--lora"), std::string::npos) << r.output;
+  // A folder that holds no LoRA run's checkpoint.
+  const auto folder = join_path(scratch(), "not-a-run");
+  megaslide::io::make_directories(folder);
+  r = run("--config " + config + common + " --lora " + folder + " --out " + join_path(scratch(), "folder-lora"));
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("--lora: '" + folder + "'"), std::string::npos) << r.output;
   r = run("--config " + config + common + " --lora-2 " + lora_file + " --out " + join_path(scratch(), "lora-2"));
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("--lora-2"), std::string::npos) << r.output;

@@ -139,8 +139,13 @@ void merge_lora(megaslide::WanModel& model, const std::string& path, double scal
   std::vector<std::string> names;
   for (const auto& p : model.dit->named_parameters(true)) names.push_back(p.key());
   megaslide::WanLora lora;
+  // A LoRA run's checkpoint (its folder, its `latest` file, the run folder): its trained adapters.
+  const auto slash = path.find_last_of('/');
+  const bool checkpoint =
+      megaslide::io::is_directory(path) || (slash == std::string::npos ? path : path.substr(slash + 1)) == "latest";
   try {
-    lora = megaslide::read_wan_lora(path, names);
+    lora = checkpoint ? megaslide::read_lora_checkpoint(path, flag == "--lora-2" ? "low" : "")
+                      : megaslide::read_wan_lora(path, names);
     megaslide::merge_wan_lora(*model.dit, lora, scale);
   } catch (const megaslide::WanLoraError& e) {
     throw megaslide::tools::UsageError(flag + ": " + megaslide::error_message(e));
@@ -157,9 +162,11 @@ void merge_lora(megaslide::WanModel& model, const std::string& path, double scal
     rank = std::max(rank, a.rank());
     lokr = lokr || a.lokr();
   }
-  std::cerr << fmt::format("megaslide-sample: {} '{}' merged at scale {} ({} layout, {} adapters, rank {}, {})\n", flag,
-                           path, scale, megaslide::to_string(lora.layout), lora.adapters.size(), rank,
-                           lokr ? "LoKr" : "LoRA");
+  std::cerr << fmt::format("megaslide-sample: {} '{}' merged at scale {} ({}, {} adapters, rank {}, {})\n", flag, path,
+                           scale,
+                           checkpoint ? "the trained adapters of " + lora.source
+                                      : std::string(megaslide::to_string(lora.layout)) + " layout",
+                           lora.adapters.size(), rank, lokr ? "LoKr" : "LoRA");
 }
 
 // --threads (or OMP_NUM_THREADS, or the cores available) applied to LibTorch; the plan for the log.
@@ -253,7 +260,8 @@ void write_videos(const std::vector<megaslide::ValidationVideo>& videos, const V
   }
   progress.finish();
   write_index(jobs.size());
-  std::cerr << fmt::format("megaslide-sample: wrote {} videos and {}\n", jobs.size(), index);
+  std::cerr << fmt::format("megaslide-sample: wrote {} video{} and {}\n", jobs.size(), jobs.size() == 1 ? "" : "s",
+                           index);
 }
 
 // --image's frame [H, W, 3] uint8 as the first frame of videos of height x width (io::fit_image), saying on
@@ -373,10 +381,10 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan,
     return v.job.frames || v.job.height || v.job.width;
   });
   std::cerr << fmt::format(
-      "megaslide-sample: Wan {} -> {} videos of {} frames {}x{}{} in {} ({} {} steps, shift {}, guidance {}, device "
+      "megaslide-sample: Wan {} -> {} video{} of {} frames {}x{}{} in {} ({} {} steps, shift {}, guidance {}, device "
       "{}, "
       "DiT {}, umT5 {}, compute dtype {} ({}))\n",
-      source, videos.size(), size.frames, size.width, size.height,
+      source, videos.size(), videos.size() == 1 ? "" : "s", size.frames, size.width, size.height,
       own_size > 0 ? fmt::format(" ({} of them at their prompt line's size)", own_size) : std::string(), out_dir,
       record.sampler, options.steps(), options.shift(), options.guidance_scale(), device.str(), record.dit,
       opened.text_encoder_streamed ? "layers streamed" : "resident", dtype.dtype, dtype.reason);
@@ -551,7 +559,8 @@ int main(int argc, char** argv) {
                  "aspect ratio (when it differs by more than 1%) and resized (antialiased bilinear), said on stderr");
   app.add_option("--lora", wan.lora,
                  "Wan: a LoRA merged into the DiT (Wan2.2's two experts: the high-noise one) — diffusers'/PEFT's "
-                 "file, ComfyUI's or musubi-tuner's layout (docs/wan.md)");
+                 "file, ComfyUI's or musubi-tuner's layout, or a LoRA run's checkpoint folder, its latest file or the "
+                 "run folder (its trained adapters; docs/wan.md)");
   app.add_option("--lora-scale", wan.lora_scale, "Wan: the LoRA's weight (default 1)")
       ->check(megaslide::tools::finite_real(-100.0));
   app.add_option("--lora-2", wan.lora_2, "Wan2.2: a LoRA merged into the low-noise expert");
@@ -688,8 +697,8 @@ int main(int argc, char** argv) {
         throw std::invalid_argument(
             "--checkpoint '" + checkpoint + "': " + weights +
             " holds a LoRA run's adapters, not a model: write the model with the adapters merged in (megaslide-train "
-            "--config RUN.yaml --resume CHECKPOINT --export-merged FILE) and sample FILE; a Wan LoRA file also goes "
-            "with --lora on the base model");
+            "--config RUN.yaml --resume CHECKPOINT --export-merged FILE) and sample FILE; a Wan LoRA run's checkpoint "
+            "also goes with --lora on the base model (--config RUN/config.yaml --lora RUN)");
       if (!weights.empty()) source = weights;  // the file sampled (index.json records it)
       if (!ema_weights.empty()) {
         source = ema_weights;

@@ -581,6 +581,15 @@ bool roll_back_latest(const std::string& run_dir, const std::string& spelled) {
   return true;
 }
 
+RunConfig checkpoint_config(const std::string& path) {
+  try {
+    const auto s = nlohmann::json::parse(io::read_input_file(io::join_path(path, kState), kMaxJsonBytes));
+    return parse_saved_run_config(s.at("config").get<std::string>(), io::join_path(path, kState) + " (config)");
+  } catch (const std::exception& e) {
+    fail(path, std::string("its saved config cannot be read: ") + e.what());
+  }
+}
+
 std::vector<std::string> resume_warnings(const std::string& path, const RunConfig& config, bool training) {
   std::vector<std::string> out;
   nlohmann::json s;

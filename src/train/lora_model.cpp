@@ -9,6 +9,7 @@
 #include "megaslide/model/lora.h"
 #include "megaslide/model/wan.h"
 #include "megaslide/model/wan_weights.h"
+#include "megaslide/train/checkpoint.h"
 #include "megaslide/train/model_family.h"
 #include "megaslide/util/errors.h"
 
@@ -255,6 +256,42 @@ std::unique_ptr<FamilyModel> with_lora(std::unique_ptr<FamilyModel> model, const
 std::vector<std::string> lora_weights_files(const std::string& path, const RunConfig& config) {
   return config.model.arch == Architecture::kWan ? wan_comfyui_files(path, config.model.wan)
                                                  : std::vector<std::string>{path};
+}
+
+WanLora read_lora_checkpoint(const std::string& path, const std::string& expert) {
+  std::string checkpoint;
+  RunConfig config;
+  io::NamedTensors masters;
+  try {
+    checkpoint = find_checkpoint(path);
+    verify_checkpoint(checkpoint);
+    config = checkpoint_config(checkpoint);
+    if (config.model.arch != Architecture::kWan || config.lora.rank <= 0)
+      throw WanLoraError("'" + path + "': checkpoint " + checkpoint + " is not a Wan LoRA run's (its model.arch is " +
+                         to_string(config.model.arch) + ", lora.rank " + std::to_string(config.lora.rank) + ")");
+    masters = io::read_safetensors(io::join_path(checkpoint, "master.safetensors")).tensors;
+  } catch (const WanLoraError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw WanLoraError("'" + path + "': " + error_message(e));
+  }
+  // Two experts trained together: each DiT's adapters under its prefix.
+  std::string prefix;
+  if (config.model.wan.expert == "both") prefix = expert == "low" ? "transformer_2." : "transformer.";
+  else if (!expert.empty() && expert != config.model.wan.expert &&
+           !(expert == "high" && config.model.wan.expert.empty()))
+    throw WanLoraError(
+        "'" + path + "': the run trained " +
+        (config.model.wan.expert.empty() ? std::string("one DiT") : config.model.wan.expert + "'s expert") +
+        ", not the " + expert + "-noise expert's adapters");
+  WanLora lora;
+  lora.source = checkpoint;
+  for (auto& [weight, adapter] : lora_adapters_of(masters, LoraOptions::from_config(config.lora)))
+    if (weight.rfind(prefix, 0) == 0) lora.adapters.emplace(weight.substr(prefix.size()), std::move(adapter));
+  if (lora.adapters.empty())
+    throw WanLoraError("'" + path + "': checkpoint " + checkpoint + " holds no adapters" +
+                       (prefix.empty() ? std::string() : " under " + prefix));
+  return lora;
 }
 
 std::vector<std::string> save_lora_weights(const std::string& path, const RunConfig& config,

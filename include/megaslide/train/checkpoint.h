@@ -246,6 +246,9 @@ void set_save_checkpoint_observer(std::function<void(const std::string& stage)> 
 // place, bit for bit.
 void load_checkpoint(const std::string& path, const RunConfig& config, TrainingState& into);
 
+// The resolved config a checkpoint folder was saved with (its trainer_state.json). Throws CheckpointError.
+RunConfig checkpoint_config(const std::string& path);
+
 // Checks a checkpoint's manifest and every file's size and checksum; returns the path of its
 // model.safetensors.
 std::string verify_checkpoint(const std::string& path);
