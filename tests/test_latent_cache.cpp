@@ -621,6 +621,39 @@ TEST(WanCache, HoldsWhatTheWanVaeAndUmt5GiveDirectly) {
   EXPECT_EQ(m["decode"]["frame_stride"], 2);
 }
 
+// A caption longer than the 512 tokens umT5 reads is cut there without changing the cache: the build says so once,
+// with how many and the longest's item.
+TEST(WanCache, CaptionsLongerThanUmt5ReadsAreNamed) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  if (!megaslide::umt5_tokenizer_supported()) GTEST_SKIP() << "built without SentencePiece";
+  VideoFixture fx("wancache-long", 3, 12, 48, 64);
+  std::istringstream rows(megaslide::io::read_file(fx.dir + "/opensora.csv"));
+  std::string csv, row, long_item;
+  for (int i = 0; std::getline(rows, row); ++i) {
+    if (i == 1) {
+      long_item = row.substr(0, row.find(','));
+      std::string caption;
+      for (int w = 0; w < 700; ++w) caption += "red blob moves left ";
+      row = long_item + ",\"" + caption + "\",12";
+    }
+    csv += row + "\n";
+  }
+  megaslide::io::write_file_atomically(fx.dir + "/long.csv", csv);
+  const auto c = wan_video_config(fx, "", {"data.manifest=" + fx.dir + "/long.csv"});
+  std::vector<std::string> warnings;
+  megaslide::CacheBuildOptions o;
+  o.out = fx.dir + "/cache", o.shard_items = 2, o.threads = 1;
+  o.on_warning = [&](const std::string& w) { warnings.push_back(w); };
+  megaslide::build_latent_cache(c, o);
+  int said = 0;
+  for (const auto& w : warnings)
+    if (w.find("1 caption is longer than the 512 tokens umT5 reads") != std::string::npos) {
+      ++said;
+      EXPECT_NE(w.find(long_item), std::string::npos) << w;
+    }
+  EXPECT_EQ(said, 1) << ::testing::PrintToString(warnings);
+}
+
 // Training Wan from the cache (each batch's items read from its shards) is training from the data.tensors file of
 // the same latents and embeddings: the same losses, bit for bit (fp32; caption dropout draws the cached empty prompt
 // as it draws the file's empty_text). An interrupted cache (not marked complete) and one of other encoders, sizes or

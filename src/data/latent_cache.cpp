@@ -183,6 +183,11 @@ class ConfiguredEncoders final : public CacheEncoders {
     }
   }
 
+  std::pair<int64_t, int64_t> caption_tokens(const std::string& caption) const override {
+    if (!umt5_) return {0, 0};
+    return {static_cast<int64_t>(tokenizer_->encode_text(wan_prompt_clean(caption)).size()) + 1, kUmt5Tokens};  // </s>
+  }
+
   io::NamedTensors encode_text(const std::string& caption) const override {
     torch::NoGradGuard no_grad;
     if (umt5_) {
@@ -603,6 +608,10 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
     };
 
     int64_t done = 0, done_here = 0;  // items finished, and of them those this build encoded
+    struct {
+      int64_t count = 0, limit = 0, longest = 0;
+      std::string example;
+    } cut;  // captions longer than the text encoder reads, which it cuts
     for (int64_t k = 0; k < num_shards; ++k) {
       const int64_t first = k * S, count = std::min(S, n - first);
       if (!shard_records[static_cast<size_t>(k)].is_null()) {
@@ -686,6 +695,11 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
         latents.emplace_back(items.size(), video);
         tensors.emplace_back(std::to_string(item.index) + ".latents", video);
         io::NamedTensors other = encoders->encode_text(item.caption);
+        if (const auto [n, limit] = encoders->caption_tokens(item.caption); limit > 0 && n > limit) {
+          ++cut.count;
+          cut.limit = limit;
+          if (n > cut.longest) cut.longest = n, cut.example = item.path;
+        }
         if (image_to_video)
           for (auto& [name, t] : encoders->encode_image(images[static_cast<size_t>(j)], pixels[static_cast<size_t>(j)],
                                                         clips[static_cast<size_t>(j)].size(0)))
@@ -728,6 +742,11 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
       done_here += count;
       if (options.on_progress) options.on_progress(done, n, done_here);
     }
+    if (cut.count > 0)
+      warn(
+          fmt::format("{} caption{} longer than the {} tokens umT5 reads: each is cut there, and what follows does not "
+                      "reach the model (the longest, {} tokens: {}'s)",
+                      cut.count, cut.count == 1 ? " is" : "s are", cut.limit, cut.longest, cut.example));
     // Too many bad items found decoding: the cache stays incomplete (training refuses it), and the error
     // lists every bad item, the listing's and the decoder's.
     dataset.check_bad_fraction(&result.bad);

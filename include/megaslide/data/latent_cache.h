@@ -77,6 +77,9 @@ class CacheEncoders {
   virtual ~CacheEncoders() = default;
   // One caption's text tensors (above), on the CPU.
   virtual io::NamedTensors encode_text(const std::string& caption) const = 0;
+  // The tokens of `caption` the text encoder would read whole, and the most it reads (a longer caption is cut there);
+  // {0, 0} where the encoder does not count them.
+  virtual std::pair<int64_t, int64_t> caption_tokens(const std::string& /*caption*/) const { return {0, 0}; }
   // One clip [T, H, W, 3] uint8 -> what the model trains on (above), on the CPU.
   virtual torch::Tensor encode_video(const torch::Tensor& frames) const = 0;
   // Image-to-video's tensors of a clip of `frames` frames conditioned on `image` ([3, H, W] float in [-1, 1]
