@@ -360,8 +360,9 @@ TEST(LoraTraining, DiffusersMetadataTargetsExactlyTheAdaptedLayers) {
 }
 
 // The property: a Wan LoRA checkpoint holds the adapters alone, so a resume that lost the frozen model's weights file
-// (model.wan.weights, or weights_2) is refused naming the key — it would train on a random base — and one that names
-// another file is warned of it; a resume with the same files is neither.
+// (model.wan.weights, or weights_2) is refused naming the key — it would train on a random base — while the adapters
+// themselves still read (an export of them needs no base); one that names another file is warned of it; a resume with
+// the same files is neither.
 TEST(LoraTraining, AResumeThatLostItsFrozenModelIsRefused) {
   const auto saved = tiny_config({"model.wan.weights=/models/base.safetensors"});
   const auto dir = temp_dir("lost-base");
@@ -375,14 +376,30 @@ TEST(LoraTraining, AResumeThatLostItsFrozenModelIsRefused) {
   auto state = resumed.training_state();
   EXPECT_NO_THROW(megaslide::load_checkpoint(checkpoint, saved, state));
   EXPECT_TRUE(megaslide::resume_warnings(checkpoint, saved, true).empty());
+  EXPECT_NO_THROW(megaslide::check_frozen_base_kept(checkpoint, saved));
+  EXPECT_NO_THROW(megaslide::load_checkpoint(checkpoint, tiny_config(), state)) << "the adapters read without it";
   try {
-    megaslide::load_checkpoint(checkpoint, tiny_config(), state);
+    megaslide::check_frozen_base_kept(checkpoint, tiny_config());
     ADD_FAILURE() << "a resume without model.wan.weights was taken";
   } catch (const megaslide::CheckpointError& e) {
     EXPECT_NE(std::string(e.what()).find("model.wan.weights was '/models/base.safetensors' when it was saved and is "
                                          "empty here"),
               std::string::npos)
         << e.what();
+  }
+  // Sampling the checkpoint's adapters (megaslide-sample --lora) takes the base from model.wan.weights: a run that
+  // started its frozen model from train.init_from is refused, naming the export that has it merged.
+  {
+    const auto other = temp_dir("init-base");
+    megaslide::io::write_safetensors(other + "/finetuned.safetensors",
+                                     {{"blocks.0.attn1.to_q.weight", torch::zeros({24, 24})}});
+    Trainer trainer = wan_trainer(tiny_config(), tiny_data());
+    megaslide::save_checkpoint(other, tiny_config({"train.init_from=" + other + "/finetuned.safetensors"}),
+                               trainer.training_state());
+    EXPECT_EQ(megaslide::read_lora_checkpoint(checkpoint).adapters.size(), 30u);
+    expect_error_naming<megaslide::WanLoraError>([&] { megaslide::read_lora_checkpoint(other); },
+                                                 {"finetuned.safetensors", "--export-merged"});
+    megaslide::io::remove_tree(other);
   }
   const auto moved = tiny_config({"model.wan.weights=/elsewhere/base.safetensors"});
   EXPECT_NO_THROW(megaslide::load_checkpoint(checkpoint, moved, state));
@@ -476,6 +493,10 @@ TEST(LoraTraining, BadSettingsAreNamed) {
   expect_error_naming<megaslide::ConfigError>(
       [] { wan_trainer(tiny_config({"lora.targets=[nothing*]"}), tiny_data()); },
       {"lora.targets", "blocks.0.attn1.to_q.weight"});
+  // PEFT's module names (target_modules) are not whole weight names: the message says the globs that would be.
+  expect_error_naming<megaslide::ConfigError>(
+      [] { wan_trainer(tiny_config({"lora.targets=[to_q, to_v]"}), tiny_data()); },
+      {"lora.targets", "[\"*to_q*\", \"*to_v*\"] for the modules PEFT's target_modules would name"});
   expect_error_naming<megaslide::ConfigError>(
       [] { wan_trainer(tiny_config({"optimizer.state_dtype=int8"}), tiny_data()); }, {"optimizer.state_dtype"});
   const auto dir = temp_dir("bad");

@@ -226,7 +226,7 @@ TEST(MegaslideSample, BadInputExitsTwoNamingItAndWritesNothing) {
     // Videos inside a training run's checkpoints/: that run's pruning would remove them with the checkpoint.
     const auto run_dir = join_path(scratch(), "a-run");
     megaslide::io::make_directories(join_path(run_dir, "checkpoints/step-0000060"));
-    megaslide::io::write_file_atomically(join_path(run_dir, ".lock"), "pid 1\n");
+    megaslide::io::write_file_atomically(join_path(run_dir, "config.yaml"), "model: {}\n");
     expect_refused(
         "--checkpoint " + weights() + " --prompts " + prompts + " --out " + run_dir + "/checkpoints/step-0000060",
         "is inside checkpoints/ of the training run folder");

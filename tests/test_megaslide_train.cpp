@@ -777,7 +777,7 @@ TEST(MegaslideTrain, EmptyOrUnwritableOutputPathsAreRefusedBeforeTheFirstStep) {
   const auto dir = fresh_dir("outputs");
   expect_refused(run("--config " + smoke() + " --run-dir ''"), "--run-dir");
   // A path left out, the next flag taken for it: it trained into ./--dry-run and exported into a file named --set.
-  expect_refused(run("--config " + smoke() + " --run-dir --dry-run"), "'--dry-run' starts with '-' as a flag does");
+  expect_refused(run("--config " + smoke() + " --run-dir --dry-run"), "'--dry-run' is written as a flag is");
   expect_refused(run("--config " + smoke() + " --run-dir " + dir + " --export-weights --set train.steps=2"),
                  "--export-weights");
   // The flag's error, not the config file's: the message starts with the flag.
@@ -841,12 +841,18 @@ TEST(MegaslideTrain, OutputsThatWouldReplaceInputsOrEachOtherAreRefused) {
   const std::string other = dir + "/other";
   const std::string other_base = "--config " + config + " --run-dir " + other + " --set train.steps=2";
   for (const std::string target : {run_dir + "/metrics.jsonl", run_dir + "/.lock", run_dir + "/checkpoints/latest",
-                                   run_dir + "/logs/w.safetensors"})
+                                   run_dir + "/samples/step-0000002/w.safetensors"})
     expect_refused(run(other_base + " --export-weights " + target), "of the training run folder '");
   EXPECT_TRUE(megaslide::io::path_exists(run_dir + "/metrics.jsonl"));
   EXPECT_EQ(megaslide::io::read_file(run_dir + "/checkpoints/latest").rfind("step-0000002", 0), 0u);
   EXPECT_EQ(run(other_base + " --export-weights " + run_dir + "/w2.safetensors").code, 0)
       << "a file of its own in another run's folder stays allowed";
+  megaslide::io::make_directories(run_dir + "/samples/mine");
+  EXPECT_EQ(run("--config " + config + " --run-dir " + dir + "/third --set train.steps=2 --export-weights " + run_dir +
+                "/samples/mine/w.safetensors")
+                .code,
+            0)
+      << "and one in a folder of its own under samples/";
   megaslide::io::remove_tree(dir);
 }
 

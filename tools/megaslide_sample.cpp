@@ -133,19 +133,19 @@ struct WanFlags {
   double lora_scale = 1.0, lora_2_scale = -1.0;
 };
 
-// Merges the LoRA file `path` into `model`'s DiT at `scale`: its resident parts now, each block read on demand as
-// it is read. Says on stderr what was merged; a file that is not this model's LoRA is `flag`'s usage error.
-void merge_lora(megaslide::WanModel& model, const std::string& path, double scale, const std::string& flag) {
+// Merges the LoRA file `path` — or a LoRA run's checkpoint: the adapters of `expert` ("high", "low"; "" for one DiT)
+// — into `model`'s DiT at `scale`: its resident parts now, each block read on demand as it is read. Says on stderr
+// what was merged and returns the file or checkpoint read; a file that is not this model's LoRA is `flag`'s usage
+// error.
+std::string merge_lora(megaslide::WanModel& model, const std::string& path, double scale, const std::string& flag,
+                       const std::string& expert) {
   std::vector<std::string> names;
   for (const auto& p : model.dit->named_parameters(true)) names.push_back(p.key());
   megaslide::WanLora lora;
   // A LoRA run's checkpoint (its folder, its `latest` file, the run folder): its trained adapters.
-  const auto slash = path.find_last_of('/');
-  const bool checkpoint =
-      megaslide::io::is_directory(path) || (slash == std::string::npos ? path : path.substr(slash + 1)) == "latest";
+  const bool checkpoint = megaslide::io::is_directory(path) || megaslide::is_checkpoint_pointer(path);
   try {
-    lora = checkpoint ? megaslide::read_lora_checkpoint(path, flag == "--lora-2" ? "low" : "")
-                      : megaslide::read_wan_lora(path, names);
+    lora = checkpoint ? megaslide::read_lora_checkpoint(path, expert) : megaslide::read_wan_lora(path, names);
     megaslide::merge_wan_lora(*model.dit, lora, scale);
   } catch (const megaslide::WanLoraError& e) {
     throw megaslide::tools::UsageError(flag + ": " + megaslide::error_message(e));
@@ -167,6 +167,7 @@ void merge_lora(megaslide::WanModel& model, const std::string& path, double scal
                            checkpoint ? "the trained adapters of " + lora.source
                                       : std::string(megaslide::to_string(lora.layout)) + " layout",
                            lora.adapters.size(), rank, lokr ? "LoKr" : "LoRA");
+  return checkpoint ? lora.source : path;
 }
 
 // --threads (or OMP_NUM_THREADS, or the cores available) applied to LibTorch; the plan for the log.
@@ -309,16 +310,16 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan,
               << ")\n";
   }
   if (!wan.lora.empty()) {
-    merge_lora(model, wan.lora, wan.lora_scale, "--lora");
-    record.lora = {{wan.lora, wan.lora_scale}};
+    // Two experts: --lora is the high-noise one's (a run's checkpoint: its high-noise expert's adapters).
+    record.lora = {
+        {merge_lora(model, wan.lora, wan.lora_scale, "--lora", model.low_noise ? "high" : ""), wan.lora_scale}};
   }
   if (!wan.lora_2.empty()) {
     if (!model.low_noise)
       throw megaslide::tools::UsageError("--lora-2: the low-noise expert's LoRA, but '" + source +
                                          "' is one DiT, not Wan2.2's two experts");
     const double scale = wan.lora_2_scale < 0 ? wan.lora_scale : wan.lora_2_scale;
-    merge_lora(*model.low_noise, wan.lora_2, scale, "--lora-2");
-    record.lora_2 = {{wan.lora_2, scale}};
+    record.lora_2 = {{merge_lora(*model.low_noise, wan.lora_2, scale, "--lora-2", "low"), scale}};
   }
   // The run's size in pixels (a run trained from a videos cache keeps its data sizes in pixels; a
   // prompt file's line may give its own, checked when the videos were planned).

@@ -67,11 +67,8 @@ void check_outputs_apart(const std::vector<std::pair<std::string, std::string>>&
                                                         {config.train.sample_prompts, "train.sample_prompts"}})
     if (!path.empty()) inputs.emplace_back(path, key + (megaslide::io::is_directory(path) ? "'s folder" : "'s file"));
   const std::string& run = config.output.run_dir;
-  for (const auto& name : megaslide::tools::run_folder_entries()) {  // (folders: a '/' at the end)
-    const bool folder = name.find('.') == std::string::npos;
-    inputs.emplace_back(megaslide::io::join_path(run, name) + (folder ? "/" : ""),
-                        "the run folder's " + name + (folder ? "/" : ""));
-  }
+  for (const auto& name : megaslide::tools::run_folder_entries())  // (folders: a '/' at the end)
+    inputs.emplace_back(megaslide::io::join_path(run, name), "the run folder's " + name);
   if (!resume.empty() && resume != "latest") {
     // The checkpoint itself, whichever name --resume gave it (a run folder names its latest checkpoint); one that
     // cannot be found is refused later, by the resume.

@@ -12,9 +12,11 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
+#include <cstring>
 #include <iostream>
 #include <limits>
 #include <optional>
@@ -205,9 +207,10 @@ inline CLI::Validator non_empty_path() {
       [](std::string& text) -> std::string {
         if (text.empty()) return "an empty path names nothing";
         // "--run-dir --dry-run": the path was left out and the next flag taken for it (a run went into ./--dry-run).
-        if (text[0] == '-')
+        const size_t dashes = text.rfind("--", 0) == 0 ? 2 : text[0] == '-' ? 1 : 0;
+        if (dashes > 0 && text.size() > dashes && std::isalpha(static_cast<unsigned char>(text[dashes])))
           return "'" + text +
-                 "' starts with '-' as a flag does: is the path missing? (give a path that starts with "
+                 "' is written as a flag is: is the path missing? (give a path that starts with "
                  "'-' as ./" +
                  text + ")";
         return "";
@@ -226,6 +229,16 @@ inline void survive_file_size_limit() { std::signal(SIGXFSZ, SIG_IGN); }
 // SIGHUP the process was started ignoring (nohup) stays ignored.
 inline void end_by_signal_removing_temporaries(int signal) {
   megaslide::io::remove_temporary_files();
+  // One line saying why the tool ended (write(2) alone: async-signal-safe).
+  const char* name = signal == SIGINT    ? "SIGINT"
+                     : signal == SIGTERM ? "SIGTERM"
+                     : signal == SIGHUP  ? "SIGHUP"
+                     : signal == SIGUSR1 ? "SIGUSR1"
+                     : signal == SIGQUIT ? "SIGQUIT"
+                                         : "a signal";
+  for (const char* part : {"\n", static_cast<const char*>(program_invocation_short_name), ": stopped by ", name,
+                           "; the file being written was removed, the files already written stay\n"})
+    if (::write(STDERR_FILENO, part, std::strlen(part)) < 0) break;
   std::signal(signal, SIG_DFL);
   std::raise(signal);
 }
@@ -277,37 +290,43 @@ inline void check_output_is_no_input(const std::string& path, const std::string&
   }
 }
 
-// The names in a training run's folder that its runs write (docs/training.md, "Run folder").
+// The names in a training run's folder that its runs write (docs/training.md, "Run folder"); those ending in '/' are
+// folders.
 inline const std::vector<std::string>& run_folder_entries() {
-  static const std::vector<std::string> names{".lock",   "config.yaml", "train.log", "metrics.jsonl", "checkpoints",
-                                              "samples", "plots",       "logs",      "tensorboard"};
+  static const std::vector<std::string> names{".lock",    "config.yaml", "train.log", "metrics.jsonl", "checkpoints/",
+                                              "samples/", "plots/",      "logs/",     "tensorboard/"};
   return names;
 }
 
-// Whether `folder` holds a training run: its lock file, or its config with its log, metrics or checkpoints.
+// Whether `folder` holds a training run: its config with its log, metrics or checkpoints (a cache folder has a lock
+// file too).
 inline bool is_run_folder(const std::string& folder) {
   const auto has = [&](const char* name) { return io::path_exists(io::join_path(folder, name)); };
-  return has(".lock") || (has("config.yaml") && (has("train.log") || has("metrics.jsonl") || has("checkpoints")));
+  return has("config.yaml") && (has("train.log") || has("metrics.jsonl") || has("checkpoints"));
 }
 
-// Refuses (UsageError) an output `path` (`flag`'s) that is a file a training run's folder holds (its lock, config,
-// log, metrics) or lies inside one of its folders (checkpoints/, samples/, ...), of any run: a run's next save,
-// prune or resume would replace or remove what is written there, or read it as its own.
+// Refuses (UsageError) an output `path` (`flag`'s) that is a file or folder a training run writes in its folder, of
+// any run: its lock, config, log or metrics, anything in its checkpoints/ or plots/ (which its saves, pruning and
+// megaslide-plot replace or remove), a validation step's samples/step-*, a rank's logs/rank-*.log, TensorBoard's
+// tensorboard/events.*. A file of its own elsewhere in a run folder (RUN/final.safetensors, RUN/samples/mine/) is fine.
 inline void check_output_outside_run_folders(const std::string& path, const std::string& flag) {
   const std::string real = real_file_path(path);
   for (auto slash = real.find_last_of('/'); slash != std::string::npos && slash > 0;
        slash = real.find_last_of('/', slash - 1)) {
-    const std::string folder = real.substr(0, slash);
-    const auto next = real.find('/', slash + 1);
-    const std::string entry = real.substr(slash + 1, next == std::string::npos ? std::string::npos : next - slash - 1);
-    if (std::find(run_folder_entries().begin(), run_folder_entries().end(), entry) == run_folder_entries().end() ||
-        !is_run_folder(folder))
-      continue;
-    const bool inside = next != std::string::npos;
+    const std::string folder = real.substr(0, slash), rest = real.substr(slash + 1);
+    const auto next = rest.find('/');
+    const std::string entry = rest.substr(0, next), below = next == std::string::npos ? "" : rest.substr(next + 1);
+    const std::string inner = below.substr(0, below.find('/'));
+    const auto starts = [](const std::string& s, const char* prefix) { return s.rfind(prefix, 0) == 0; };
+    const bool written =
+        entry == ".lock" || entry == "config.yaml" || entry == "train.log" || entry == "metrics.jsonl" ||
+        entry == "checkpoints" || entry == "plots" || (entry == "samples" && starts(inner, "step-")) ||
+        (entry == "logs" && starts(inner, "rank-")) || (entry == "tensorboard" && starts(inner, "events."));
+    if (!written || !is_run_folder(folder)) continue;
     throw UsageError(
-        fmt::format("{} '{}' is {} the training run folder '{}': that run's saves, pruning or resume would "
-                    "replace or remove it; give a path outside it",
-                    flag, path, inside ? "inside " + entry + "/ of" : entry + " of", folder));
+        fmt::format("{} '{}' is {} the training run folder '{}', which that run writes: give a path "
+                    "outside it",
+                    flag, path, below.empty() ? entry + " of" : "inside " + entry + "/ of", folder));
   }
 }
 

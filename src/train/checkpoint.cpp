@@ -126,18 +126,6 @@ void check_config(const std::string& path, const std::string& saved_yaml, const 
                            "the adapters alone, and they continue on the frozen model train.init_from names; set it "
                            "again (--set train.init_from=...)",
                            kState, saved.train.init_from));
-  // Nor may a Wan LoRA run lose the weights file of its frozen model (model.wan.weights, and weights_2 of Wan2.2's
-  // low-noise expert): it would resume on a random one, unless train.init_from names the model now.
-  if (wan && config.lora.rank > 0 && holds_lora_adapters(config.train.init_from).value_or(true))
-    for (const auto& [key, then, now] :
-         {std::tuple<const char*, std::string, std::string>{"model.wan.weights", saved.model.wan.weights,
-                                                            config.model.wan.weights},
-          {"model.wan.weights_2", saved.model.wan.weights_2, config.model.wan.weights_2}})
-      if (!then.empty() && now.empty())
-        fail(path, fmt::format("{}: {} was '{}' when it was saved and is empty here: a LoRA checkpoint holds the "
-                               "adapters alone, and they continue on the frozen model {} names; set it again (--set "
-                               "{}=...)",
-                               kState, key, then, key, key));
   for (const auto& key : config_keys()) {
     if (!must_match(key) || validation_only(key)) continue;
     std::string x = lookup(a, key), y = lookup(b, key);
@@ -511,6 +499,8 @@ std::string find_checkpoint(const std::string& spelled) {
        "folder");
 }
 
+bool is_checkpoint_pointer(const std::string& path) { return looks_like_pointer(path); }
+
 namespace {
 // `spec` names a weights file (megaslide-train --export-weights), not a checkpoint by one of its names.
 bool is_weights_file(const std::string& spec) {
@@ -579,6 +569,23 @@ bool roll_back_latest(const std::string& run_dir, const std::string& spelled) {
     throw CheckpointError(std::string("rolling back to ") + checkpoint + ": cannot update `latest`: " + e.what());
   }
   return true;
+}
+
+void check_frozen_base_kept(const std::string& path, const RunConfig& config) {
+  // A Wan LoRA run may not lose the weights file of its frozen model (model.wan.weights, and weights_2 of Wan2.2's
+  // low-noise expert): it would resume on a random one, unless train.init_from names the model now.
+  if (config.model.arch != Architecture::kWan || config.lora.rank <= 0 ||
+      !holds_lora_adapters(config.train.init_from).value_or(true))
+    return;
+  const RunConfig saved = checkpoint_config(path);
+  for (const auto& [key, then, now] : {std::tuple<const char*, std::string, std::string>{
+                                           "model.wan.weights", saved.model.wan.weights, config.model.wan.weights},
+                                       {"model.wan.weights_2", saved.model.wan.weights_2, config.model.wan.weights_2}})
+    if (!then.empty() && now.empty())
+      fail(path, fmt::format("{}: {} was '{}' when it was saved and is empty here: a LoRA checkpoint holds the "
+                             "adapters alone, and they continue on the frozen model {} names; set it again (--set "
+                             "{}=...)",
+                             kState, key, then, key, key));
 }
 
 RunConfig checkpoint_config(const std::string& path) {

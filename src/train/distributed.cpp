@@ -42,6 +42,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
+#include <optional>
 #include <cstdlib>
 #include <exception>
 #include <thread>
@@ -335,124 +336,204 @@ void Communicator::run_on_every_rank(const std::string& what, const std::functio
   run_with_heartbeats(what, work);
 }
 
+namespace {
+
+// A key of the store bumped every `every` from a thread of its own until stop(): how the other ranks see that this one
+// is alive while it works or waits.
+class Heartbeat {
+ public:
+  Heartbeat(c10d::Store& store, std::string key, std::chrono::milliseconds every)
+      : thread_([this, &store, key = std::move(key), every] {
+          std::unique_lock<std::mutex> lock(mutex_);
+          for (int64_t n = 1; !stop_; ++n) {
+            try {
+              store.set(key, store_bytes(std::to_string(n)));
+            } catch (const std::exception& e) {
+              error_ = error_message(e);
+              return;
+            }
+            wake_.wait_for(lock, every, [&] { return stop_; });
+          }
+        }) {}
+  ~Heartbeat() { stop(); }
+  // Ends the beats; returns why they ended early ("" when they did not).
+  std::string stop() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    if (thread_.joinable()) thread_.join();
+    return error_;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  bool stop_ = false;
+  std::string error_;
+  std::thread thread_;  // last: started once the members it uses exist
+};
+
+// Another rank's failure, told to this one: an input error (exit 2) where that rank's was one.
+class RankInputError final : public DistributedError, public InputError {
+ public:
+  using DistributedError::DistributedError;
+};
+
+// A rank's outcome in the store: "ok", or "E" / "I" (an input error) and the message.
+std::string outcome_of(const std::exception_ptr& failure) {
+  try {
+    std::rethrow_exception(failure);
+  } catch (const std::exception& e) {
+    return (is_input_error(e) ? "I" : "E") + error_message(e);
+  } catch (...) {
+    return "Ean exception that is not a std::exception";
+  }
+}
+
+}  // namespace
+
+// Each rank bumps its heartbeat while its `work` runs (rank 0 for the whole call), then writes its outcome. Rank 0
+// gathers them — waiting for each rank while its heartbeat moves — and writes the call's outcome: ok, the first
+// failure it found, or a rank that stopped answering. The other ranks wait for that one key while rank 0's heartbeat
+// moves, so the store's traffic grows with the ranks, not their square. On a failure rank 0, which may hold the store,
+// stays until every rank has read it, failed itself, or stopped answering.
 void Communicator::run_with_heartbeats(const std::string& what, const std::function<void()>& work) {
   const std::string key = fmt::format("megaslide/rank-work/{}", heartbeat_runs_++);
   const auto rank_key = [&](int64_t r, const char* name) { return fmt::format("{}/{}/{}", key, name, r); };
+  const std::string outcome_key = key + "/outcome";
   // Beats often enough that a waiting rank sees several within its timeout.
   const auto beat_every =
       std::chrono::milliseconds(std::clamp<int64_t>(static_cast<int64_t>(timeout_s_ * 1000.0 / 8.0), 10, 5000));
+  const auto poll = std::min<std::chrono::milliseconds>(beat_every, std::chrono::milliseconds(500));
   auto& store = *impl_->store;
+  const auto seconds_since = [](std::chrono::steady_clock::time_point t) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+  };
+  // A rank's heartbeat as a waiting rank follows it: unchanged for timeout_s, the rank stopped answering.
+  struct Watched {
+    std::string beat;
+    std::chrono::steady_clock::time_point changed = std::chrono::steady_clock::now();
+  };
+  const auto still = [&](int64_t r, Watched& w) {
+    if (store.check({rank_key(r, "beat")})) {
+      std::string now = store_text(store.get(rank_key(r, "beat")));
+      if (now != w.beat) w.beat = std::move(now), w.changed = std::chrono::steady_clock::now();
+    }
+    return seconds_since(w.changed) > timeout_s_;
+  };
+
+  std::optional<Heartbeat> beat;
+  if (work || rank_ == 0) beat.emplace(store, rank_key(rank_, "beat"), beat_every);
   std::exception_ptr failure;
-  std::string outcome = "ok";
+  std::string mine = "ok";
   if (work) {
-    std::mutex mutex;
-    std::condition_variable finished;
-    bool done = false;
-    std::string beat_error;
-    std::thread beat([&] {
-      std::unique_lock<std::mutex> lock(mutex);
-      for (int64_t n = 1; !done; ++n) {
-        try {
-          store.set(rank_key(rank_, "beat"), store_bytes(std::to_string(n)));
-        } catch (const std::exception& e) {
-          beat_error = error_message(e);
-          return;
-        }
-        finished.wait_for(lock, beat_every, [&] { return done; });
-      }
-    });
     try {
       work();
     } catch (...) {
       failure = std::current_exception();
-    }
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      done = true;
-    }
-    finished.notify_all();
-    beat.join();
-    if (failure) {
-      try {
-        std::rethrow_exception(failure);
-      } catch (const std::exception& e) {
-        outcome = "failed: " + error_message(e);
-      } catch (...) {
-        outcome = "failed";
-      }
-    } else if (!beat_error.empty()) {
-      throw DistributedError(
-          fmt::format("rank {} of {}: the heartbeat of {} failed: {}", rank_, world_size_, what, beat_error));
+      mine = outcome_of(failure);
     }
   }
+  if (rank_ != 0 && beat) {
+    if (const std::string error = beat->stop(); !error.empty() && !failure)
+      mine = "Eits heartbeat failed: " + error;  // rank 0 would take it for a rank that stopped answering
+  }
   try {
-    store.set(rank_key(rank_, "done"), store_bytes(outcome));
+    store.set(rank_key(rank_, "done"), store_bytes(mine));
   } catch (const std::exception& e) {
     if (failure) std::rethrow_exception(failure);
     throw DistributedError(fmt::format("rank {} of {}: telling the other ranks that {} finished failed: {}", rank_,
                                        world_size_, what, error_message(e)));
   }
-  if (failure) {
-    if (rank_ == 0) {
-      // The store lives in this process: keep it up until every other rank has read the outcome or failed itself
-      // (or the timeout).
-      const auto told = [&](int64_t r) {
-        if (store.check({rank_key(r, "seen")})) return true;
-        return store.check({rank_key(r, "done")}) && store_text(store.get(rank_key(r, "done"))) != "ok";
-      };
-      const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s_);
-      try {
-        for (int64_t r = 1; r < world_size_; ++r)
-          while (!told(r) && std::chrono::steady_clock::now() < until)
-            std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      } catch (const std::exception&) {
-        // This rank's own failure is what to report.
-      }
-    }
-    std::rethrow_exception(failure);
-  }
-  // Every other rank's outcome, each waited for while its heartbeat moves.
-  try {
-    struct Waited {
-      int64_t rank;
-      std::string last_beat;
-      std::chrono::steady_clock::time_point last_change;
-    };
-    std::vector<Waited> waiting;
-    for (int64_t r = 0; r < world_size_; ++r)
-      if (r != rank_) waiting.push_back({r, "", std::chrono::steady_clock::now()});
-    const auto poll = std::min<std::chrono::milliseconds>(beat_every, std::chrono::milliseconds(500));
-    while (!waiting.empty()) {
-      for (auto it = waiting.begin(); it != waiting.end();) {
-        if (store.check({rank_key(it->rank, "done")})) {
-          const std::string theirs = store_text(store.get(rank_key(it->rank, "done")));
-          if (theirs != "ok") {
+
+  if (rank_ != 0) {
+    if (failure) std::rethrow_exception(failure);  // its own failure is what it reports; rank 0 tells the others
+    try {
+      Watched rank0;
+      while (true) {
+        if (store.check({outcome_key})) {
+          const std::string outcome = store_text(store.get(outcome_key));
+          if (outcome == "ok") return;
+          try {
             store.set(rank_key(rank_, "seen"), store_bytes("1"));
-            throw DistributedError(
-                fmt::format("rank {} of {}: rank {} {} ({})", rank_, world_size_, it->rank, theirs, what));
+          } catch (const std::exception&) {
+            // The outcome is what to report.
           }
-          it = waiting.erase(it);
-          continue;
+          const std::string message =
+              fmt::format("rank {} of {}: {} ({})", rank_, world_size_, outcome.substr(1), what);
+          if (outcome[0] == 'I') throw RankInputError(message);
+          throw DistributedError(message);
         }
-        if (store.check({rank_key(it->rank, "beat")})) {
-          std::string beat_now = store_text(store.get(rank_key(it->rank, "beat")));
-          if (beat_now != it->last_beat)
-            it->last_beat = std::move(beat_now), it->last_change = std::chrono::steady_clock::now();
-        }
-        if (std::chrono::duration<double>(std::chrono::steady_clock::now() - it->last_change).count() > timeout_s_)
+        if (still(0, rank0))
           throw DistributedError(fmt::format(
-              "rank {} of {}: rank {} stopped answering during {} (no heartbeat for distributed.timeout_s = {} s)",
-              rank_, world_size_, it->rank, what, timeout_s_));
-        ++it;
+              "rank {} of {}: rank 0 stopped answering during {} (no heartbeat for distributed.timeout_s = {} s)",
+              rank_, world_size_, what, timeout_s_));
+        std::this_thread::sleep_for(poll);
       }
-      if (!waiting.empty()) std::this_thread::sleep_for(poll);
+    } catch (const DistributedError&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw DistributedError(fmt::format("rank {} of {}: waiting for rank 0's {} failed (rank 0 stopped?): {}", rank_,
+                                         world_size_, what, error_message(e)));
     }
-  } catch (const DistributedError&) {
-    throw;
-  } catch (const std::exception& e) {
-    throw DistributedError(fmt::format("rank {} of {}: waiting for the other ranks' {} failed (a rank stopped?): {}",
-                                       rank_, world_size_, what, error_message(e)));
   }
+
+  // Rank 0: every other rank's outcome, each waited for while its heartbeat moves; the first failure is the call's.
+  std::string outcome = failure ? mine.substr(0, 1) + "rank 0 failed: " + mine.substr(1) : "ok";
+  std::vector<std::pair<int64_t, Watched>> waiting;
+  for (int64_t r = 1; r < world_size_; ++r) waiting.push_back({r, Watched{}});
+  try {
+    while (outcome == "ok" && !waiting.empty()) {
+      for (auto it = waiting.begin(); it != waiting.end() && outcome == "ok";) {
+        if (store.check({rank_key(it->first, "done")})) {
+          const std::string theirs = store_text(store.get(rank_key(it->first, "done")));
+          if (theirs != "ok")
+            outcome = theirs.substr(0, 1) + fmt::format("rank {} failed: {}", it->first, theirs.substr(1));
+          it = waiting.erase(it);
+        } else if (still(it->first, it->second)) {
+          outcome = fmt::format("Erank {} stopped answering during {} (no heartbeat for distributed.timeout_s = {} s)",
+                                it->first, what, timeout_s_);
+        } else {
+          ++it;
+        }
+      }
+      if (outcome == "ok" && !waiting.empty()) std::this_thread::sleep_for(poll);
+    }
+    store.set(outcome_key, store_bytes(outcome));
+    if (outcome != "ok") {
+      // Stay (the store may be this process's) until each other rank has read the outcome, failed itself, or stopped
+      // answering.
+      std::vector<std::pair<int64_t, Watched>> telling;
+      for (int64_t r = 1; r < world_size_; ++r) telling.push_back({r, Watched{}});
+      while (!telling.empty()) {
+        for (auto it = telling.begin(); it != telling.end();) {
+          const bool failed =
+              store.check({rank_key(it->first, "done")}) && store_text(store.get(rank_key(it->first, "done"))) != "ok";
+          const bool done = store.check({rank_key(it->first, "done")}) && !failed;
+          if (failed || store.check({rank_key(it->first, "seen")}) || (!done && still(it->first, it->second)) ||
+              (done && seconds_since(it->second.changed) > timeout_s_))
+            it = telling.erase(it);
+          else ++it;
+        }
+        if (!telling.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+    }
+  } catch (const std::exception& e) {
+    if (failure) std::rethrow_exception(failure);
+    throw DistributedError(
+        fmt::format("rank 0 of {}: waiting for the other ranks' {} failed: {}", world_size_, what, error_message(e)));
+  }
+  const std::string beat_error = beat->stop();
+  if (failure) std::rethrow_exception(failure);
+  if (outcome != "ok") {
+    const std::string message = fmt::format("rank 0 of {}: {} ({})", world_size_, outcome.substr(1), what);
+    if (outcome[0] == 'I') throw RankInputError(message);
+    throw DistributedError(message);
+  }
+  if (!beat_error.empty())
+    throw DistributedError(fmt::format("rank 0 of {}: the heartbeat of {} failed: {}", world_size_, what, beat_error));
 }
 
 namespace {
@@ -824,7 +905,9 @@ int launch_local_ranks(const std::vector<std::string>& argv, int64_t nproc, int6
       // Its own process group, so that a terminal's Ctrl-C reaches the launcher alone, which passes it on
       // once (a second signal would stop a rank without its checkpoint); and it ends with the launcher.
       ::setpgid(0, 0);
-      ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+      struct sigaction term {};  // a SIGTERM it inherits ignored would not end it: then SIGKILL
+      ::sigaction(SIGTERM, nullptr, &term);
+      ::prctl(PR_SET_PDEATHSIG, term.sa_handler == SIG_IGN ? SIGKILL : SIGTERM);
       ::setenv("RANK", std::to_string(rank).c_str(), 1);
       ::setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
       ::setenv("WORLD_SIZE", std::to_string(nproc).c_str(), 1);
@@ -838,8 +921,8 @@ int launch_local_ranks(const std::vector<std::string>& argv, int64_t nproc, int6
     children.push_back(pid);
   }
   // The signals megaslide-train stops on with a checkpoint (SIGHUP: the terminal closed; SIGUSR1: a batch
-  // system's warning before its time limit), passed on to every rank; a SIGHUP the launcher was started ignoring
-  // (nohup) stays ignored, here and in the ranks, which inherit it.
+  // system's warning before its time limit), passed on to every rank; a signal the launcher was started ignoring
+  // (SIGHUP under nohup, SIGINT for a job started with `&`) stays ignored, here and in the ranks, which inherit it.
   const int forwarded[4] = {SIGINT, SIGTERM, SIGHUP, SIGUSR1};
   struct sigaction forward {
   }, old[4]{};
@@ -847,7 +930,7 @@ int launch_local_ranks(const std::vector<std::string>& argv, int64_t nproc, int6
   sigemptyset(&forward.sa_mask);
   for (int i = 0; i < 4; ++i) {
     ::sigaction(forwarded[i], nullptr, &old[i]);
-    if (forwarded[i] == SIGHUP && old[i].sa_handler == SIG_IGN) continue;
+    if (old[i].sa_handler == SIG_IGN) continue;
     ::sigaction(forwarded[i], &forward, nullptr);
   }
 

@@ -50,8 +50,7 @@ std::string resolve_source(const std::string& path) {
   std::string checkpoint = path;
   if (!io::is_directory(path)) {
     // A run's checkpoints/latest pointer names its checkpoint; any other file is the weights.
-    const auto slash = path.find_last_of('/');
-    if ((slash == std::string::npos ? path : path.substr(slash + 1)) != "latest") return path;
+    if (!is_checkpoint_pointer(path)) return path;
     try {
       checkpoint = find_checkpoint(path);
     } catch (const CheckpointError& e) {

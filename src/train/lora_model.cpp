@@ -11,6 +11,7 @@
 #include "megaslide/model/wan_weights.h"
 #include "megaslide/train/checkpoint.h"
 #include "megaslide/train/model_family.h"
+#include "megaslide/train/trainer.h"
 #include "megaslide/util/errors.h"
 
 namespace megaslide {
@@ -86,11 +87,18 @@ class LoraModel final : public FamilyModel {
       for (auto& [name, p] : inner_->named_parameters()) freeze(p);
     }
     if (adapters_->size() == 0) {
-      std::string targets;
-      for (const auto& t : options.targets) targets += (targets.empty() ? "" : ", ") + t;
-      throw ConfigError(source_, "lora.targets",
-                        fmt::format("[{}] match no Linear layer of the blocks; the first block's are: {}", targets,
-                                    example.empty() ? "none" : example));
+      std::string targets, globbed;  // a module name as PEFT's target_modules give it ("to_q") is a glob here
+      for (const auto& t : options.targets) {
+        targets += (targets.empty() ? "" : ", ") + t;
+        if (t.find_first_of("*?[") == std::string::npos) globbed += (globbed.empty() ? "\"*" : ", \"*") + t + "*\"";
+      }
+      throw ConfigError(
+          source_, "lora.targets",
+          fmt::format("[{}] match no Linear layer of the blocks; the first block's are: {}{}", targets,
+                      example.empty() ? "none" : example,
+                      globbed.empty() ? std::string()
+                                      : "; each target is a glob of a whole weight name, as listed: [" + globbed +
+                                            "] for the modules PEFT's target_modules would name"));
     }
     if (request.init_from) init_from(request);
   }
@@ -185,7 +193,7 @@ class LoraModel final : public FamilyModel {
     const std::string& path = config_.train.init_from;
     const auto params = adapters_->parameters();
     torch::NoGradGuard no_grad;
-    if (io::is_directory(path)) {
+    if (io::is_directory(path) || is_checkpoint_pointer(path)) {  // a LoRA run's checkpoint
       ParameterShapes shapes;
       for (const auto& [name, p] : params) shapes.emplace_back(name, p.sizes().vec());
       std::map<std::string, at::Tensor> by_name(params.begin(), params.end());
@@ -269,6 +277,13 @@ WanLora read_lora_checkpoint(const std::string& path, const std::string& expert)
     if (config.model.arch != Architecture::kWan || config.lora.rank <= 0)
       throw WanLoraError("'" + path + "': checkpoint " + checkpoint + " is not a Wan LoRA run's (its model.arch is " +
                          to_string(config.model.arch) + ", lora.rank " + std::to_string(config.lora.rank) + ")");
+    // Its adapters sit on the frozen model it started from: one that train.init_from names is not the sampler's.
+    if (!config.train.init_from.empty() && holds_lora_adapters(config.train.init_from) == std::optional<bool>(false))
+      throw WanLoraError("'" + path + "': the run's adapters sit on the model its train.init_from names ('" +
+                         config.train.init_from +
+                         "'), not on model.wan.weights: sample the merged model instead (megaslide-train --config "
+                         "RUN/config.yaml --resume " +
+                         checkpoint + " --export-merged FILE)");
     masters = io::read_safetensors(io::join_path(checkpoint, "master.safetensors")).tensors;
   } catch (const WanLoraError&) {
     throw;

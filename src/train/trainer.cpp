@@ -18,6 +18,7 @@
 #include "megaslide/offload/stack_trainer.h"
 #include "megaslide/offload/step_trace.h"
 #include "megaslide/train/auto_settings.h"
+#include "megaslide/train/checkpoint.h"
 #include "megaslide/train/distributed.h"
 #include "megaslide/train/streamed_state.h"
 #include "megaslide/train/weights_ema.h"
@@ -74,11 +75,8 @@ std::vector<at::Tensor> tensors_of(const io::NamedTensors& named) {
 std::optional<bool> holds_lora_adapters(const std::string& path) {
   std::string file = path;
   try {
-    if (io::is_directory(path)) {
-      const std::string checkpoint =
-          io::path_exists(io::join_path(path, "checkpoints")) ? latest_checkpoint(path) : path;
-      file = io::join_path(checkpoint, "master.safetensors");
-    }
+    if (io::is_directory(path) || is_checkpoint_pointer(path))  // a run, its checkpoint, its `latest` file
+      file = io::join_path(find_checkpoint(path), "master.safetensors");
     for (const auto& e : io::read_safetensors_header(file).entries) {
       const std::string down = ".lora_down.weight";  // ComfyUI's and musubi's name of lora_A
       if (!lora_base_weight(e.name).empty() ||

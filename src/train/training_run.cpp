@@ -428,6 +428,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   if (!resume_path.empty()) {
     const auto started = std::chrono::steady_clock::now();
     TrainingState state = trainer.training_state();
+    if (!options.export_only || !options.export_merged.empty()) check_frozen_base_kept(resume_path, config);
     load_checkpoint(resume_path, config, state);
     try {
       trainer.load_training_state(state);
@@ -454,14 +455,15 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     dir.emplace(run_dir, config);
     guard->started();
     log.open(dir->file("train.log"), /*append=*/!resume_path.empty());
-    metrics.emplace(dir->file("metrics.jsonl"), resume_path.empty() ? -1 : result.first_step);
-    if (config.output.tensorboard) tensorboard.emplace(dir->file("tensorboard"), config, result.first_step);
-    // Once the run's files are open (a run that cannot open them leaves `latest` as it was).
+    // Once the log is open (a run that cannot open it leaves `latest` as it was), before the metrics drop the lines
+    // past the checkpoint (a rollback that fails leaves them).
     if (!resume_path.empty() && roll_back_latest(run_dir, resume_path))
       warnings.push_back(fmt::format(
           "rolled back: {} now names {}; the newer checkpoints of the abandoned run are replaced as this run "
           "saves their steps again",
           io::join_path(run_dir, "checkpoints/latest"), resume_path));
+    metrics.emplace(dir->file("metrics.jsonl"), resume_path.empty() ? -1 : result.first_step);
+    if (config.output.tensorboard) tensorboard.emplace(dir->file("tensorboard"), config, result.first_step);
   }
   if (communicator) {
     communicator->barrier();  // rank 0 has taken and written the run folder
@@ -657,23 +659,26 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
       // The run's files cannot take this step (a full disk, a file size limit): stop as a signal would, with a
       // checkpoint of the state this process holds when it can be saved, so that no step is lost.
       progress.finish();
-      std::string kept;
-      if (!communicator) {
-        bool saved = false;
+      // (A sharded state needs every rank's save, which the other ranks, already in their next step, cannot join.)
+      bool saved = false;
+      if (!sharded) {
         try {
           saved = save("stop");
         } catch (const std::exception&) {
         }
-        kept = saved ? "the trained state of step " + std::to_string(m.step) + " is in checkpoint " +
-                           result.last_checkpoint + "; continue with --resume latest once the run folder can be written"
-                     : "no checkpoint could be saved either";
+      }
+      std::string kept;
+      if (saved) {
+        kept = "the trained state of step " + std::to_string(m.step) + " is in checkpoint " + result.last_checkpoint +
+               "; continue with --resume latest once the run folder can be written";
       } else {
         std::string last;
         try {
           last = latest_checkpoint(run_dir);
         } catch (const std::exception&) {
         }
-        kept = last.empty() ? std::string("there is no checkpoint to resume from") : "the last checkpoint is " + last;
+        kept = std::string(sharded ? "" : "no checkpoint of this step could be saved; ") +
+               (last.empty() ? std::string("there is no checkpoint to resume from") : "the last checkpoint is " + last);
       }
       throw OutputError(
           fmt::format("writing the run's metrics of step {} failed: {}; {}", m.step, error_message(e), kept));

@@ -192,6 +192,8 @@ std::string resolve_checkpoint(const std::string& run_dir, const std::string& sp
 // (RUN/checkpoints/step-NNNNNNN), the `latest` pointer file (RUN/checkpoints/latest), the checkpoints
 // folder, or a run folder (its checkpoints/latest). Throws CheckpointError saying which it is not.
 std::string find_checkpoint(const std::string& spec);
+// Whether `path` is a `latest` pointer file (whatever its name): a small file holding a checkpoint's name.
+bool is_checkpoint_pointer(const std::string& path);
 
 // What a sampler reads for `spec`: a weights file as it is (megaslide-train --export-weights; a checkpoint's own
 // file, beside the manifest that lists it, checked against it), or the checked model.safetensors of the checkpoint
@@ -248,6 +250,10 @@ void load_checkpoint(const std::string& path, const RunConfig& config, TrainingS
 
 // The resolved config a checkpoint folder was saved with (its trainer_state.json). Throws CheckpointError.
 RunConfig checkpoint_config(const std::string& path);
+// A Wan LoRA checkpoint holds the adapters alone: refuses (CheckpointError naming the key) a `config` that resumes it
+// — to train, or to merge (--export-merged) — without the weights file of the frozen model it was saved with
+// (model.wan.weights, weights_2), unless its train.init_from names the model. Exporting the adapters alone needs none.
+void check_frozen_base_kept(const std::string& path, const RunConfig& config);
 
 // Checks a checkpoint's manifest and every file's size and checksum; returns the path of its
 // model.safetensors.

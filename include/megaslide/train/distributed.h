@@ -105,13 +105,14 @@ class Communicator {
   // every few seconds; a waiting rank throws DistributedError when the heartbeat stops for
   // distributed.timeout_s (rank 0 died or stalled) or when `work` threw on rank 0 (its message included;
   // rank 0 rethrows what `work` threw). `what` names the work in the errors. Every rank calls it at the
-  // same point.
+  // same point; rank 0 returns once every rank has come (a barrier).
   void run_on_rank0(const std::string& what, const std::function<void()>& work);
   // Runs `work` on every rank, each taking as long as it takes (a rank's share of a model's construction can be
   // slower than another's: its disk, rank 0's validation encoders), then waits for every other rank's: each rank
-  // bumps a heartbeat while its `work` runs, and a waiting rank throws DistributedError when another's heartbeat
-  // stops for distributed.timeout_s before it finished, or when another's `work` threw (its rank and message
-  // included; a rank rethrows what its own `work` threw). Every rank calls it at the same point.
+  // bumps a heartbeat while its `work` runs; rank 0 gathers the outcomes and tells the others. A rank throws
+  // DistributedError when another's heartbeat stops for distributed.timeout_s before it finished, or when another's
+  // `work` threw (its rank and message included; an InputError too where that one was); a rank rethrows what its
+  // own `work` threw. Every rank calls it at the same point.
   void run_on_every_rank(const std::string& what, const std::function<void()>& work);
   // The block exchange of a streamed trainer sharded over these ranks (offload/shard_exchange.h): its
   // step channel is this communicator; its host channel a second process group, Gloo over TCP with
