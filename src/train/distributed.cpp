@@ -344,19 +344,25 @@ class Heartbeat {
  public:
   Heartbeat(c10d::Store& store, std::string key, std::chrono::milliseconds every)
       : thread_([this, &store, key = std::move(key), every] {
-          std::unique_lock<std::mutex> lock(mutex_);
-          for (int64_t n = 1; !stop_; ++n) {
+          for (int64_t n = 1;; ++n) {
+            // A failed beat is retried at the next one (a store that fails for good fails the waiting ranks too).
             try {
               store.set(key, store_bytes(std::to_string(n)));
+              std::lock_guard<std::mutex> lock(mutex_);
+              error_.clear();
             } catch (const std::exception& e) {
+              std::lock_guard<std::mutex> lock(mutex_);
               error_ = error_message(e);
-              return;
+            } catch (...) {
+              std::lock_guard<std::mutex> lock(mutex_);
+              error_ = "an exception that is not a std::exception";
             }
-            wake_.wait_for(lock, every, [&] { return stop_; });
+            std::unique_lock<std::mutex> lock(mutex_);
+            if (wake_.wait_for(lock, every, [&] { return stop_; })) return;
           }
         }) {}
   ~Heartbeat() { stop(); }
-  // Ends the beats; returns why they ended early ("" when they did not).
+  // Ends the beats; returns why the last one failed ("" when it did not).
   std::string stop() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -440,12 +446,14 @@ void Communicator::run_with_heartbeats(const std::string& what, const std::funct
     if (const std::string error = beat->stop(); !error.empty() && !failure)
       mine = "Eits heartbeat failed: " + error;  // rank 0 would take it for a rank that stopped answering
   }
-  try {
-    store.set(rank_key(rank_, "done"), store_bytes(mine));
-  } catch (const std::exception& e) {
-    if (failure) std::rethrow_exception(failure);
-    throw DistributedError(fmt::format("rank {} of {}: telling the other ranks that {} finished failed: {}", rank_,
-                                       world_size_, what, error_message(e)));
+  if (rank_ != 0) {  // (rank 0's outcome is the call's, below)
+    try {
+      store.set(rank_key(rank_, "done"), store_bytes(mine));
+    } catch (const std::exception& e) {
+      if (failure) std::rethrow_exception(failure);
+      throw DistributedError(fmt::format("rank {} of {}: telling rank 0 that {} finished failed: {}", rank_,
+                                         world_size_, what, error_message(e)));
+    }
   }
 
   if (rank_ != 0) {
@@ -482,42 +490,53 @@ void Communicator::run_with_heartbeats(const std::string& what, const std::funct
 
   // Rank 0: every other rank's outcome, each waited for while its heartbeat moves; the first failure is the call's.
   std::string outcome = failure ? mine.substr(0, 1) + "rank 0 failed: " + mine.substr(1) : "ok";
-  std::vector<std::pair<int64_t, Watched>> waiting;
-  for (int64_t r = 1; r < world_size_; ++r) waiting.push_back({r, Watched{}});
+  // Each other rank as rank 0 follows it through both phases: its heartbeat, and its outcome once written.
+  struct Rank {
+    int64_t rank;
+    Watched watched;
+    std::optional<std::string> done;
+    bool stopped = false;  // declared stopped answering
+  };
+  std::vector<Rank> ranks;
+  for (int64_t r = 1; r < world_size_; ++r) ranks.push_back({r, Watched{}, std::nullopt});
+  const auto read_done = [&](Rank& r) {
+    if (!r.done && store.check({rank_key(r.rank, "done")})) r.done = store_text(store.get(rank_key(r.rank, "done")));
+    return r.done.has_value();
+  };
   try {
-    while (outcome == "ok" && !waiting.empty()) {
-      for (auto it = waiting.begin(); it != waiting.end() && outcome == "ok";) {
-        if (store.check({rank_key(it->first, "done")})) {
-          const std::string theirs = store_text(store.get(rank_key(it->first, "done")));
-          if (theirs != "ok")
-            outcome = theirs.substr(0, 1) + fmt::format("rank {} failed: {}", it->first, theirs.substr(1));
-          it = waiting.erase(it);
-        } else if (still(it->first, it->second)) {
+    for (bool pending = true; outcome == "ok" && pending;) {
+      pending = false;
+      for (auto& r : ranks) {
+        if (outcome != "ok") break;
+        if (read_done(r)) {
+          if (*r.done != "ok")
+            outcome = r.done->substr(0, 1) + fmt::format("rank {} failed: {}", r.rank, r.done->substr(1));
+        } else if (still(r.rank, r.watched)) {
+          r.stopped = true;
           outcome = fmt::format("Erank {} stopped answering during {} (no heartbeat for distributed.timeout_s = {} s)",
-                                it->first, what, timeout_s_);
+                                r.rank, what, timeout_s_);
         } else {
-          ++it;
+          pending = true;
         }
       }
-      if (outcome == "ok" && !waiting.empty()) std::this_thread::sleep_for(poll);
+      if (outcome == "ok" && pending) std::this_thread::sleep_for(poll);
     }
     store.set(outcome_key, store_bytes(outcome));
+    const auto told_at = std::chrono::steady_clock::now();
     if (outcome != "ok") {
       // Stay (the store may be this process's) until each other rank has read the outcome, failed itself, or stopped
-      // answering.
-      std::vector<std::pair<int64_t, Watched>> telling;
-      for (int64_t r = 1; r < world_size_; ++r) telling.push_back({r, Watched{}});
-      while (!telling.empty()) {
-        for (auto it = telling.begin(); it != telling.end();) {
-          const bool failed =
-              store.check({rank_key(it->first, "done")}) && store_text(store.get(rank_key(it->first, "done"))) != "ok";
-          const bool done = store.check({rank_key(it->first, "done")}) && !failed;
-          if (failed || store.check({rank_key(it->first, "seen")}) || (!done && still(it->first, it->second)) ||
-              (done && seconds_since(it->second.changed) > timeout_s_))
-            it = telling.erase(it);
-          else ++it;
+      // answering (its heartbeat still for timeout_s while it works; a rank that finished reads within a poll).
+      const auto told = [&](Rank& r) {
+        if (r.stopped) return true;
+        if (read_done(r)) {
+          return *r.done != "ok" || store.check({rank_key(r.rank, "seen")}) || seconds_since(told_at) > timeout_s_;
         }
-        if (!telling.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        return r.stopped = still(r.rank, r.watched);
+      };
+      for (bool pending = true; pending;) {
+        pending = false;
+        for (auto& r : ranks) pending = !told(r) || pending;
+        if (pending) std::this_thread::sleep_for(poll);
       }
     }
   } catch (const std::exception& e) {

@@ -278,10 +278,15 @@ WanLora read_lora_checkpoint(const std::string& path, const std::string& expert)
       throw WanLoraError("'" + path + "': checkpoint " + checkpoint + " is not a Wan LoRA run's (its model.arch is " +
                          to_string(config.model.arch) + ", lora.rank " + std::to_string(config.lora.rank) + ")");
     // Its adapters sit on the frozen model it started from: one that train.init_from names is not the sampler's.
-    if (!config.train.init_from.empty() && holds_lora_adapters(config.train.init_from) == std::optional<bool>(false))
-      throw WanLoraError("'" + path + "': the run's adapters sit on the model its train.init_from names ('" +
-                         config.train.init_from +
-                         "'), not on model.wan.weights: sample the merged model instead (megaslide-train --config "
+    const std::optional<bool> adapters_from =
+        config.train.init_from.empty() ? std::optional<bool>(true) : holds_lora_adapters(config.train.init_from);
+    if (adapters_from != std::optional<bool>(true))
+      throw WanLoraError("'" + path + "': the run's adapters sit on the model its train.init_from " +
+                         (adapters_from ? "names ('" + config.train.init_from + "')"
+                                        : "'" + config.train.init_from +
+                                              "' may name (it cannot be read to tell whether it started the adapters "
+                                              "or the model)") +
+                         ", not on model.wan.weights: sample the merged model instead (megaslide-train --config "
                          "RUN/config.yaml --resume " +
                          checkpoint + " --export-merged FILE)");
     masters = io::read_safetensors(io::join_path(checkpoint, "master.safetensors")).tensors;

@@ -659,9 +659,9 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
       // The run's files cannot take this step (a full disk, a file size limit): stop as a signal would, with a
       // checkpoint of the state this process holds when it can be saved, so that no step is lost.
       progress.finish();
-      // (A sharded state needs every rank's save, which the other ranks, already in their next step, cannot join.)
+      // One process alone: with several ranks the others wait in a collective whose timeout a save could outlast.
       bool saved = false;
-      if (!sharded) {
+      if (!communicator || communicator->world_size() == 1) {
         try {
           saved = save("stop");
         } catch (const std::exception&) {
@@ -677,7 +677,9 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
           last = latest_checkpoint(run_dir);
         } catch (const std::exception&) {
         }
-        kept = std::string(sharded ? "" : "no checkpoint of this step could be saved; ") +
+        kept = std::string(communicator && communicator->world_size() > 1
+                               ? ""
+                               : "no checkpoint of this step could be saved; ") +
                (last.empty() ? std::string("there is no checkpoint to resume from") : "the last checkpoint is " + last);
       }
       throw OutputError(
