@@ -26,11 +26,9 @@
 #include <algorithm>
 #include <atomic>
 #include <csignal>
-#include <functional>
 #include <cstdlib>
 #include <iostream>
 #include <map>
-#include <optional>
 #include <tuple>
 
 #include "megaslide/megaslide.h"
@@ -101,35 +99,28 @@ std::vector<std::string> missing_named_paths(const megaslide::RunConfig& c, cons
   const auto add = [&](const std::string& key, const std::string& path, bool folder = false) {
     if (!path.empty()) named.emplace_back(key, path, folder);
   };
-  // The data's files, each key as `name` writes it.
-  const auto add_data = [&](const megaslide::DataConfig& d, const std::function<std::string(const char*)>& name) {
+  // The data's files: the training data's, or (`validation`) train.val_data's where it names a path of its own.
+  const auto add_data = [&](const megaslide::DataConfig& d, bool validation) {
+    const auto add_own = [&](const char* key, const std::string& path, bool folder = false) {
+      if (!validation) return add(key, path, folder);
+      if (std::none_of(named.begin(), named.end(), [&](const auto& n) { return std::get<1>(n) == path; }))
+        add(fmt::format("train.val_data ({})", key), path, folder);  // one line for a path both read
+    };
     if (d.dataset == "videos") {
-      add(name("data.root"), d.root, true);  // read with a cache too: its listing against the cache's items
-      add(name("data.manifest"), d.manifest);
-      add(name("data.cache"), d.cache, true);
+      add_own("data.root", d.root, true);  // read with a cache too: its listing against the cache's items
+      add_own("data.manifest", d.manifest);
+      add_own("data.cache", d.cache, true);
     }
-    if (d.dataset == "latent-tensors") add(name("data.tensors"), d.tensors);
+    if (d.dataset == "latent-tensors") add_own("data.tensors", d.tensors);
   };
   const bool wan = c.model.arch == megaslide::Architecture::kWan, videos = c.train.sample_every > 0;
   const bool cached = c.data.dataset == "videos" && !c.data.cache.empty();
-  add_data(c.data, [](const char* key) { return std::string(key); });
+  add_data(c.data, false);
   if (c.train.val_every > 0 && !c.train.val_data.empty()) {
     // The validation data's own files, read before the first step too (its overrides' errors are the config's).
-    std::optional<megaslide::DataConfig> v;
     try {
-      v = megaslide::validation_data_config(c, source).data;
-    } catch (const std::exception&) {
-    }
-    if (v) {
-      const size_t from = named.size();
-      add_data(*v, [](const char* key) { return fmt::format("train.val_data ({})", key); });
-      // Only those that differ from the training data's: one line for a path both read.
-      named.erase(std::remove_if(named.begin() + static_cast<std::ptrdiff_t>(from), named.end(),
-                                 [&](const auto& n) {
-                                   return std::any_of(named.begin(), named.begin() + static_cast<std::ptrdiff_t>(from),
-                                                      [&](const auto& t) { return std::get<1>(t) == std::get<1>(n); });
-                                 }),
-                  named.end());
+      add_data(megaslide::validation_data_config(c, source).data, true);
+    } catch (const megaslide::ConfigError&) {
     }
   }
   add("train.init_from", c.train.init_from);

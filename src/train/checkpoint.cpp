@@ -653,7 +653,7 @@ std::vector<std::string> resume_warnings(const std::string& path, const RunConfi
           fmt::format("train.init_from is {} here but was {} when {} was saved: this LoRA run's adapters "
                       "continue on the frozen model it names now",
                       init_now, init_then, path));
-    // Wan's frozen model from its weights files (check_config refuses one that became empty).
+    // Wan's frozen model from its weights files (check_frozen_base_kept refuses one that became empty).
     if (config.lora.rank > 0 && config.model.arch == Architecture::kWan)
       for (const char* key : {"model.wan.weights", "model.wan.weights_2"})
         if (lookup(a, key) != lookup(b, key) && !names_a_model(config.train.init_from))

@@ -442,11 +442,17 @@ void Communicator::run_with_heartbeats(const std::string& what, const std::funct
       mine = outcome_of(failure);
     }
   }
-  if (rank_ != 0 && beat) {
-    if (const std::string error = beat->stop(); !error.empty() && !failure)
-      mine = "Eits heartbeat failed: " + error;  // rank 0 would take it for a rank that stopped answering
-  }
-  if (rank_ != 0) {  // (rank 0's outcome is the call's, below)
+  // The call's outcome as this rank reports it: "rank R of W: <outcome> (<what>)", an input error where it was one.
+  const auto throw_outcome = [&](const std::string& outcome) {
+    const std::string message = fmt::format("rank {} of {}: {} ({})", rank_, world_size_, outcome.substr(1), what);
+    if (outcome[0] == 'I') throw RankInputError(message);
+    throw DistributedError(message);
+  };
+
+  if (rank_ != 0) {
+    if (beat)
+      if (const std::string error = beat->stop(); !error.empty() && !failure)
+        mine = "Eits heartbeat failed: " + error;  // rank 0 would take it for a rank that stopped answering
     try {
       store.set(rank_key(rank_, "done"), store_bytes(mine));
     } catch (const std::exception& e) {
@@ -454,9 +460,6 @@ void Communicator::run_with_heartbeats(const std::string& what, const std::funct
       throw DistributedError(fmt::format("rank {} of {}: telling rank 0 that {} finished failed: {}", rank_,
                                          world_size_, what, error_message(e)));
     }
-  }
-
-  if (rank_ != 0) {
     if (failure) std::rethrow_exception(failure);  // its own failure is what it reports; rank 0 tells the others
     try {
       Watched rank0;
@@ -469,10 +472,7 @@ void Communicator::run_with_heartbeats(const std::string& what, const std::funct
           } catch (const std::exception&) {
             // The outcome is what to report.
           }
-          const std::string message =
-              fmt::format("rank {} of {}: {} ({})", rank_, world_size_, outcome.substr(1), what);
-          if (outcome[0] == 'I') throw RankInputError(message);
-          throw DistributedError(message);
+          throw_outcome(outcome);
         }
         if (still(0, rank0))
           throw DistributedError(fmt::format(
@@ -546,11 +546,7 @@ void Communicator::run_with_heartbeats(const std::string& what, const std::funct
   }
   const std::string beat_error = beat->stop();
   if (failure) std::rethrow_exception(failure);
-  if (outcome != "ok") {
-    const std::string message = fmt::format("rank 0 of {}: {} ({})", world_size_, outcome.substr(1), what);
-    if (outcome[0] == 'I') throw RankInputError(message);
-    throw DistributedError(message);
-  }
+  if (outcome != "ok") throw_outcome(outcome);
   if (!beat_error.empty())
     throw DistributedError(fmt::format("rank 0 of {}: the heartbeat of {} failed: {}", world_size_, what, beat_error));
 }

@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstring>
 #include <map>
+#include <regex>
 #include <set>
 
 #include "megaslide/model/wan_weights.h"
@@ -218,18 +219,9 @@ InitPlan plan_init_from(const std::string& path, const ParameterShapes& paramete
     throw InitFromError(message + advice);
   if (!missing.empty()) {
     // Globs of the missing parameters, each block's index a '*' ("blocks.*.attn1.offset_dw.weight"), the first few.
+    static const std::regex index("(^|\\.)[0-9]+(?=\\.|$)");  // a name's part that is all digits
     std::set<std::string> globs;
-    for (const auto& name : missing) {
-      std::string glob;
-      for (size_t i = 0; i < name.size();) {
-        const size_t start = i;
-        while (i < name.size() && name[i] >= '0' && name[i] <= '9') ++i;
-        const bool index = i > start && (start == 0 || name[start - 1] == '.') && (i == name.size() || name[i] == '.');
-        if (index) glob += '*';
-        else glob += name.substr(start, i - start), glob += i < name.size() ? std::string(1, name[i++]) : "";
-      }
-      globs.insert(glob);
-    }
+    for (const auto& name : missing) globs.insert(std::regex_replace(name, index, "$1*"));
     std::string examples;
     int shown = 0;
     for (const auto& g : globs) {

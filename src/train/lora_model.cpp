@@ -300,10 +300,10 @@ WanLora read_lora_checkpoint(const std::string& path, const std::string& expert)
   if (config.model.wan.expert == "both") prefix = expert == "low" ? "transformer_2." : "transformer.";
   else if (!expert.empty() && expert != config.model.wan.expert &&
            !(expert == "high" && config.model.wan.expert.empty()))
-    throw WanLoraError(
-        "'" + path + "': the run trained " +
-        (config.model.wan.expert.empty() ? std::string("one DiT") : config.model.wan.expert + "'s expert") +
-        ", not the " + expert + "-noise expert's adapters");
+    throw WanLoraError("'" + path + "': the run trained " +
+                       (config.model.wan.expert.empty() ? std::string("one DiT")
+                                                        : "the " + config.model.wan.expert + "-noise expert") +
+                       ", not the " + expert + "-noise expert's adapters");
   WanLora lora;
   lora.source = checkpoint;
   for (auto& [weight, adapter] : lora_adapters_of(masters, LoraOptions::from_config(config.lora)))

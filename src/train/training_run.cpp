@@ -603,6 +603,18 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     if (communicator) communicator->run_on_rank0(what, work);
     else work();
   };
+  // Where a run that stops on an error can be resumed from, for its message: the checkpoint `latest` names (an
+  // unreadable `latest`: the newest complete checkpoint).
+  const auto resumable_from = [&] {
+    std::string last;
+    try {
+      last = latest_checkpoint(run_dir);
+    } catch (const std::exception&) {
+      const auto complete = complete_checkpoints(run_dir);
+      if (!complete.empty()) last = complete.back();
+    }
+    return last.empty() ? std::string("there is no checkpoint to resume from") : "the last checkpoint is " + last;
+  };
   ProgressLine progress(train.steps, train.log_every, config.output.progress && writer, start);
   double window = 0.0;
   int64_t window_steps = 0;
@@ -618,16 +630,8 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
       // with the step and the last checkpoint.
       progress.finish();
       report_bad_items();
-      std::string last;
-      try {
-        last = latest_checkpoint(run_dir);
-      } catch (const std::exception&) {  // an unreadable `latest`: the newest complete checkpoint
-        const auto complete = complete_checkpoints(run_dir);
-        if (!complete.empty()) last = complete.back();
-      }
-      const std::string message = fmt::format(
-          "{}; stopped at step {} of {}: {}", e.what(), result.steps_done + 1, train.steps,
-          last.empty() ? std::string("there is no checkpoint to resume from") : "the last checkpoint is " + last);
+      const std::string message = fmt::format("{}; stopped at step {} of {}: {}", e.what(), result.steps_done + 1,
+                                              train.steps, resumable_from());
       log.warn(message);
       throw DatasetError(message);
     }
@@ -660,28 +664,16 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
       // checkpoint of the state this process holds when it can be saved, so that no step is lost.
       progress.finish();
       // One process alone: with several ranks the others wait in a collective whose timeout a save could outlast.
+      const bool alone = !communicator || communicator->world_size() == 1;
       bool saved = false;
-      if (!communicator || communicator->world_size() == 1) {
-        try {
-          saved = save("stop");
-        } catch (const std::exception&) {
-        }
+      try {
+        saved = alone && save("stop");
+      } catch (const std::exception&) {
       }
-      std::string kept;
-      if (saved) {
-        kept = "the trained state of step " + std::to_string(m.step) + " is in checkpoint " + result.last_checkpoint +
-               "; continue with --resume latest once the run folder can be written";
-      } else {
-        std::string last;
-        try {
-          last = latest_checkpoint(run_dir);
-        } catch (const std::exception&) {
-        }
-        kept = std::string(communicator && communicator->world_size() > 1
-                               ? ""
-                               : "no checkpoint of this step could be saved; ") +
-               (last.empty() ? std::string("there is no checkpoint to resume from") : "the last checkpoint is " + last);
-      }
+      const std::string kept = saved ? "the trained state of step " + std::to_string(m.step) + " is in checkpoint " +
+                                           result.last_checkpoint +
+                                           "; continue with --resume latest once the run folder can be written"
+                                     : (alone ? "no checkpoint of this step could be saved; " : "") + resumable_from();
       throw OutputError(
           fmt::format("writing the run's metrics of step {} failed: {}; {}", m.step, error_message(e), kept));
     }
@@ -692,13 +684,11 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
           m.loss, m.grad_norm, m.consecutive_skips, m.skipped_total));
       if (train.max_consecutive_skips > 0 && m.consecutive_skips >= train.max_consecutive_skips) {
         progress.finish();
-        const std::string last = latest_checkpoint(run_dir);
         throw NonFiniteError(fmt::format(
             "stopping at step {}: {} consecutive steps had a non-finite loss or gradient (train.max_consecutive_skips: "
             "{}); "
             "the weights were not updated by them. Lower train.lr, raise train.warmup_steps or set train.grad_clip; {}",
-            m.step, m.consecutive_skips, train.max_consecutive_skips,
-            last.empty() ? std::string("there is no checkpoint to resume from") : "the last checkpoint is " + last));
+            m.step, m.consecutive_skips, train.max_consecutive_skips, resumable_from()));
       }
     }
     if (train.sample_every > 0 && m.step % train.sample_every == 0) {
