@@ -162,6 +162,67 @@ TEST(MegaslideSample, WritesVBenchNamedH264VideosAnIndexAndRerunsIdentically) {
   }
 }
 
+// --resume continues a folder an earlier run of the same settings left part-way: the videos its index.json lists stay
+// as they are (not sampled again), the others are sampled as a run from scratch samples them, and the index ends as
+// that run's. Other settings are refused (exit 2, naming the first that differs, nothing changed); an index that is
+// not one is named. Without --resume the run says how many videos of the same names it replaces.
+TEST(MegaslideSample, ResumeKeepsTheVideosAnEarlierRunOfTheSameSettingsWrote) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  ASSERT_TRUE(path_exists(weights()));
+  const auto both = prompts_file("resume-both.txt", "a red blob moves left\nthe scene darkens\n");
+  const auto first = prompts_file("resume-first.txt", "a red blob moves left\n");
+  const auto sample = [&](const std::string& prompts, const std::string& out, const std::string& extra) {
+    return run("megaslide-sample", "--checkpoint " + weights() + " --prompts " + prompts +
+                                       " --samples-per-prompt 2 --steps 3 --batch-size 1 --no-progress "
+                                       "--compute-dtype fp32 --out " +
+                                       out + " " + extra);
+  };
+  const auto fresh = join_path(scratch(), "resume-fresh"), out = join_path(scratch(), "resume");
+  auto r = sample(both, fresh, "");
+  ASSERT_EQ(r.code, 0) << r.output;
+  // An earlier run that wrote the first prompt's two videos (as a run stopped after them leaves the folder).
+  r = sample(first, out, "");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const std::string kept = join_path(out, "videos/a red blob moves left-1.mp4");
+  megaslide::io::write_file_atomically(kept, "marker: not sampled again");
+
+  r = sample(both, out, "--resume");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("--resume: 2 of the 4 videos are in"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("wrote 2 videos (and kept 2)"), std::string::npos) << r.output;
+  EXPECT_EQ(megaslide::io::read_file(kept), "marker: not sampled again");
+  for (const std::string file : {"the scene darkens-0.mp4", "the scene darkens-1.mp4", "a red blob moves left-0.mp4"})
+    EXPECT_EQ(megaslide::io::read_file(join_path(out, "videos/" + file)),
+              megaslide::io::read_file(join_path(fresh, "videos/" + file)))
+        << file;
+  EXPECT_EQ(megaslide::io::read_file(join_path(out, "index.json")),
+            megaslide::io::read_file(join_path(fresh, "index.json")));
+
+  // Other settings: refused, naming the setting, nothing changed.
+  const std::string index_before = megaslide::io::read_file(join_path(out, "index.json"));
+  r = run("megaslide-sample",
+          "--checkpoint " + weights() + " --prompts " + both +
+              " --samples-per-prompt 2 --steps 4 --no-progress --compute-dtype fp32 --resume --out " + out);
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("steps: 3 in index.json, 4 in this run"), std::string::npos) << r.output;
+  EXPECT_EQ(megaslide::io::read_file(join_path(out, "index.json")), index_before);
+  EXPECT_EQ(megaslide::io::read_file(kept), "marker: not sampled again");
+
+  // Without --resume: every video is sampled again, and the run says how many it replaces.
+  r = sample(both, out, "");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("replaces 4 videos of the same names"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("--resume keeps those"), std::string::npos) << r.output;
+  EXPECT_EQ(megaslide::io::read_file(kept),
+            megaslide::io::read_file(join_path(fresh, "videos/a red blob moves left-1.mp4")));
+
+  // An index.json that is not one.
+  megaslide::io::write_file_atomically(join_path(out, "index.json"), "{\"videos\": ");
+  r = sample(both, out, "--resume");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find(join_path(out, "index.json") + "' is not JSON"), std::string::npos) << r.output;
+}
+
 // A prompt's words outside the built-in caption encoder's vocabulary are named, once each, before it samples (they
 // would sample as <unk>).
 TEST(MegaslideSample, NamesAPromptsWordsTheBuiltInEncoderDoesNotKnow) {

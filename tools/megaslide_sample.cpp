@@ -195,7 +195,7 @@ using SampleBatch = std::function<SampledBatch(
 struct VideoOutput {
   std::string out_dir;
   int64_t batch_size = 4, fps = 8, crf = 17, upscale = 1;
-  bool png = false, latents = false, progress = true;
+  bool png = false, latents = false, progress = true, resume = false;
 };
 
 // The latents file of a video: its video's stem with the extension, or where that would be longer than the layout's
@@ -207,6 +207,70 @@ std::string latents_file_name(const megaslide::io::SampleJob& job) {
              : megaslide::io::vbench_file_name(job.prompt, job.index, "safetensors");
 }
 
+// Which of `jobs` an earlier run left in the folder that this one keeps: with --resume, those its index.json lists
+// with this run's settings (io::earlier_samples) whose files are all there (the video, and its latents and frames
+// when this run writes them); an index of other settings is refused. Without --resume none, and a warning names
+// how many files of the same names this run replaces.
+std::vector<bool> earlier_videos_kept(const std::vector<megaslide::io::SampleJob>& jobs, const VideoOutput& out,
+                                      const megaslide::io::SamplingRecord& record) {
+  namespace io = megaslide::io;
+  std::vector<bool> kept(jobs.size(), false);
+  const std::string index = io::join_path(out.out_dir, "index.json");
+  const std::string videos_dir = io::join_path(out.out_dir, io::kVideosFolder);
+  const auto video = [&](size_t i) { return io::join_path(videos_dir, jobs[i].file); };
+  std::optional<io::EarlierSamples> earlier;
+  std::string unreadable;
+  if (io::path_exists(index) && !io::is_directory(index)) {
+    try {
+      earlier = io::earlier_samples(io::read_file(index), jobs, record);
+    } catch (const std::exception& e) {
+      unreadable = e.what();
+    }
+  }
+  if (!out.resume) {
+    size_t replaced = 0;
+    for (size_t i = 0; i < jobs.size(); ++i) replaced += io::path_exists(video(i)) ? 1 : 0;
+    if (replaced > 0)
+      std::cerr << fmt::format(
+          "megaslide-sample: warning: this run replaces {} video{} of the same name{} in {}{}\n", replaced,
+          replaced == 1 ? "" : "s", replaced == 1 ? "" : "s", videos_dir,
+          earlier && earlier->count() > 0
+              ? fmt::format(" ({} of them sampled with this run's settings: --resume keeps those)", earlier->count())
+              : "");
+    return kept;
+  }
+  if (!unreadable.empty())
+    throw megaslide::tools::UsageError("--resume: '" + index + "' is " + unreadable +
+                                       ": without --resume this run samples every video again");
+  if (!earlier) {
+    std::cerr << fmt::format("megaslide-sample: --resume: {} holds no index.json: sampling all {} video{}\n",
+                             out.out_dir, jobs.size(), jobs.size() == 1 ? "" : "s");
+    return kept;
+  }
+  if (!earlier->differs.empty())
+    throw megaslide::tools::UsageError(
+        fmt::format("--resume: the videos in {} were sampled with other settings ({}): without --resume this run "
+                    "replaces them; or give another --out",
+                    out.out_dir, earlier->differs));
+  size_t missing = 0;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    if (!earlier->kept[i]) continue;
+    const auto stem = jobs[i].file.substr(0, jobs[i].file.size() - 4);
+    kept[i] = io::path_exists(video(i)) &&
+              (!out.latents ||
+               io::path_exists(io::join_path(io::join_path(out.out_dir, "latents"), latents_file_name(jobs[i])))) &&
+              (!out.png || io::is_directory(io::join_path(io::join_path(out.out_dir, "frames"), stem)));
+    missing += kept[i] ? 0 : 1;
+  }
+  const size_t count = static_cast<size_t>(std::count(kept.begin(), kept.end(), true));
+  std::cerr << fmt::format(
+      "megaslide-sample: --resume: {} of the {} video{} are in {} already (index.json){}; "
+      "sampling the other {}\n",
+      count, jobs.size(), jobs.size() == 1 ? "" : "s", out.out_dir,
+      missing > 0 ? fmt::format(", {} it lists lack a file and are sampled again", missing) : "", jobs.size() - count);
+  return kept;
+}
+
 // Samples `videos` batch by batch and writes DIR/videos/*.mp4 (and frames, latents) and index.json.
 void write_videos(const std::vector<megaslide::ValidationVideo>& videos, const VideoOutput& out,
                   const megaslide::io::SamplingRecord& record, const SampleBatch& sample_batch) {
@@ -216,43 +280,52 @@ void write_videos(const std::vector<megaslide::ValidationVideo>& videos, const V
   megaslide::io::make_directories(videos_dir);
   if (out.latents) megaslide::io::make_directories(latents_dir);
   const auto jobs = jobs_of(videos);
-  // index.json describes the videos this run has written, batch by batch: an earlier run's is removed just before
-  // the first of its videos is replaced, so a run stopped part-way (a full disk, Ctrl-C) leaves an index of its own
-  // videos, and one that fails before writing any leaves the earlier run as it was.
+  // index.json describes the videos written, batch by batch: an earlier run's is removed just before the first of
+  // its videos is replaced, so a run stopped part-way (a full disk, Ctrl-C) leaves an index of its own videos, and
+  // one that fails before writing any leaves the earlier run as it was. With --resume it lists the earlier run's
+  // videos this run keeps beside its own, in the order of the prompt file.
   const std::string index = megaslide::io::join_path(out.out_dir, "index.json");
-  bool earlier_index_removed = false;
-  const auto write_index = [&](size_t done) {
-    megaslide::io::write_file_atomically(
-        index, megaslide::io::index_json(std::vector<megaslide::io::SampleJob>(
-                                             jobs.begin(), jobs.begin() + static_cast<std::ptrdiff_t>(done)),
-                                         record));
+  std::vector<bool> written = earlier_videos_kept(jobs, out, record);
+  bool earlier_index_removed = out.resume;
+  const auto write_index = [&] {
+    std::vector<megaslide::io::SampleJob> listed;
+    for (size_t i = 0; i < jobs.size(); ++i)
+      if (written[i]) listed.push_back(jobs[i]);
+    megaslide::io::write_file_atomically(index, megaslide::io::index_json(listed, record));
   };
-  SampleProgress progress(static_cast<int64_t>(jobs.size()), out.progress);
+  // The videos to sample, in order (their positions in `videos`).
+  std::vector<megaslide::ValidationVideo> todo;
+  std::vector<size_t> position;
+  for (size_t i = 0; i < videos.size(); ++i)
+    if (!written[i]) todo.push_back(videos[i]), position.push_back(i);
+  SampleProgress progress(static_cast<int64_t>(todo.size()), out.progress);
   try {
-    for (size_t start = 0, end = 0; start < jobs.size(); start = end) {
-      end = batch_end(videos, start, out.batch_size);
+    for (size_t start = 0, end = 0; start < todo.size(); start = end) {
+      end = batch_end(todo, start, out.batch_size);
       std::vector<std::string> prompts;
       std::vector<uint64_t> seeds;
-      for (size_t i = start; i < end; ++i) prompts.push_back(jobs[i].prompt), seeds.push_back(jobs[i].seed);
+      for (size_t i = start; i < end; ++i) prompts.push_back(todo[i].job.prompt), seeds.push_back(todo[i].job.seed);
       progress.set_batch(static_cast<int64_t>(end - start));
       int64_t steps = 0;
-      const auto batch = sample_batch(prompts, seeds, videos[start], [&](int64_t done, int64_t total) {
+      const auto batch = sample_batch(prompts, seeds, todo[start], [&](int64_t done, int64_t total) {
         steps = total;
         if (done < total) progress.update(static_cast<int64_t>(start), done, total);
       });
       for (size_t i = start; i < end; ++i) {
         const auto b = static_cast<int64_t>(i - start);
+        const auto& job = todo[i].job;
         auto frames = megaslide::io::to_rgb_frames(batch.pixels[b], out.upscale);
         if (!earlier_index_removed) megaslide::io::remove_tree(index), earlier_index_removed = true;
-        megaslide::io::write_mp4(megaslide::io::join_path(videos_dir, jobs[i].file), frames, video_options);
-        const auto stem = jobs[i].file.substr(0, jobs[i].file.size() - 4);
+        megaslide::io::write_mp4(megaslide::io::join_path(videos_dir, job.file), frames, video_options);
+        const auto stem = job.file.substr(0, job.file.size() - 4);
         if (out.latents)
-          megaslide::io::write_safetensors(megaslide::io::join_path(latents_dir, latents_file_name(jobs[i])),
+          megaslide::io::write_safetensors(megaslide::io::join_path(latents_dir, latents_file_name(job)),
                                            {{"latents", batch.latents[b].to(torch::kCPU).contiguous()}},
-                                           {{"prompt", jobs[i].prompt}, {"seed", std::to_string(jobs[i].seed)}});
+                                           {{"prompt", job.prompt}, {"seed", std::to_string(job.seed)}});
         if (out.png) write_png_frames(out.out_dir, stem, frames);
       }
-      if (end < jobs.size()) write_index(end);
+      for (size_t i = start; i < end; ++i) written[position[i]] = true;
+      if (end < todo.size()) write_index();
       progress.update(static_cast<int64_t>(end), steps, steps);
     }
   } catch (...) {
@@ -260,8 +333,9 @@ void write_videos(const std::vector<megaslide::ValidationVideo>& videos, const V
     throw;
   }
   progress.finish();
-  write_index(jobs.size());
-  std::cerr << fmt::format("megaslide-sample: wrote {} video{} and {}\n", jobs.size(), jobs.size() == 1 ? "" : "s",
+  write_index();
+  std::cerr << fmt::format("megaslide-sample: wrote {} video{}{} and {}\n", todo.size(), todo.size() == 1 ? "" : "s",
+                           todo.size() < jobs.size() ? fmt::format(" (and kept {})", jobs.size() - todo.size()) : "",
                            index);
 }
 
@@ -519,7 +593,7 @@ int main(int argc, char** argv) {
   double guidance = -1.0;  // < 0: the checkpoint config's diffusion.guidance_scale
   double eta = 0.0;
   uint64_t seed = 0;
-  bool png = false, no_progress = false, no_ema = false;
+  bool png = false, no_progress = false, no_ema = false, resume = false;
   app.add_option("--checkpoint", checkpoint,
                  "weights file (safetensors) written by megaslide-train --export-weights, a training checkpoint folder "
                  "(RUN_DIR/checkpoints/step-NNNNNNN), its `latest` file (RUN_DIR/checkpoints/latest) or a run folder "
@@ -624,6 +698,9 @@ int main(int argc, char** argv) {
       "a checkpoint of a run with train.ema_decay: sample its trained weights (model.safetensors), not the EMA of them "
       "(model_ema.safetensors, the default)");
   app.add_flag("--png", png, "also write every frame as DIR/frames/{prompt}-{index}/NNN.png");
+  app.add_flag("--resume", resume,
+               "continue an interrupted run into the same --out: keep the videos its index.json lists with this run's "
+               "settings (refused if they differ) and sample the rest");
   app.add_option("--device", device_spec, "auto, cpu, cuda or cuda:N")->capture_default_str();
   app.add_option(
          "--streamed", streamed,
@@ -855,6 +932,7 @@ int main(int argc, char** argv) {
     output.upscale = upscale;
     output.png = png;
     output.latents = wan.latents;
+    output.resume = resume;
     output.progress = !no_progress;
     megaslide::io::SamplingRecord record{
         megaslide::io::absolute_path(source), "", 0, 0.0, 0.0, seed, output.fps, upscale};

@@ -401,6 +401,44 @@ std::string index_json(const std::vector<SampleJob>& jobs, const SamplingRecord&
   return j.dump(2) + "\n";
 }
 
+size_t EarlierSamples::count() const { return static_cast<size_t>(std::count(kept.begin(), kept.end(), true)); }
+
+EarlierSamples earlier_samples(const std::string& index_text, const std::vector<SampleJob>& jobs,
+                               const SamplingRecord& record) {
+  nlohmann::json earlier;
+  try {
+    earlier = nlohmann::json::parse(index_text);
+  } catch (const nlohmann::json::exception& e) {
+    throw std::runtime_error(std::string("not JSON (") + e.what() + ")");
+  }
+  if (!earlier.is_object() || !earlier.contains("videos") || !earlier["videos"].is_array())
+    throw std::runtime_error("not a sample folder's index (no \"videos\" list)");
+  const auto ours = nlohmann::json::parse(index_json(jobs, record));
+  EarlierSamples out;
+  out.kept.assign(jobs.size(), false);
+  std::set<std::string> keys;
+  for (const auto& [key, value] : earlier.items()) keys.insert(key);
+  for (const auto& [key, value] : ours.items()) keys.insert(key);
+  for (const auto& key : keys) {
+    if (key == "videos") continue;
+    const auto shown = [&](const nlohmann::json& j) { return j.contains(key) ? j[key].dump() : "(none)"; };
+    if (!earlier.contains(key) || !ours.contains(key) || earlier[key] != ours[key]) {
+      out.differs = key + ": " + shown(earlier) + " in index.json, " + shown(ours) + " in this run";
+      return out;
+    }
+  }
+  std::map<std::string, const nlohmann::json*> by_file;
+  for (const auto& video : earlier["videos"])
+    if (video.is_object() && video.contains("file") && video["file"].is_string())
+      by_file[video["file"].get<std::string>()] = &video;
+  const auto& our_videos = ours["videos"];
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    const auto it = by_file.find(jobs[i].file);
+    out.kept[i] = it != by_file.end() && *it->second == our_videos[i];
+  }
+  return out;
+}
+
 std::vector<std::string> list_files(const std::string& dir, const std::string& extension) {
   DIR* d = ::opendir(dir.c_str());
   if (d == nullptr) throw std::runtime_error("cannot read folder '" + dir + "': " + std::strerror(errno));

@@ -147,6 +147,20 @@ struct SamplingRecord {
 // "frames", "height", "width"]}, …]} (a video's own settings where it has them).
 std::string index_json(const std::vector<SampleJob>& jobs, const SamplingRecord& record);
 
+// Which of `jobs` an earlier run of the same settings has written already (megaslide-sample --resume): `index_text`
+// is the folder's index.json. A job is kept when the index lists its file with the same entry (prompt, index, seed,
+// its own settings) and every folder-wide setting (checkpoint, sampler, steps, …; all but "videos") is the same;
+// `differs` then is empty. Otherwise `differs` names the first setting that is not ("guidance_scale: 6 in
+// index.json, 5 in this run") and no job is kept. Throws std::runtime_error when `index_text` is not an index
+// this layout writes (the caller names the file).
+struct EarlierSamples {
+  std::vector<bool> kept;  // one per job
+  std::string differs;
+  size_t count() const;
+};
+EarlierSamples earlier_samples(const std::string& index_text, const std::vector<SampleJob>& jobs,
+                               const SamplingRecord& record);
+
 // Names of the regular files in `dir` that end in `.extension`, sorted. Throws std::runtime_error
 // naming the folder when it cannot be read.
 std::vector<std::string> list_files(const std::string& dir, const std::string& extension);
