@@ -411,6 +411,50 @@ TEST(LoraTraining, AResumeThatLostItsFrozenModelIsRefused) {
   megaslide::io::remove_tree(dir);
 }
 
+// The property: a LoRA run's checkpoint read for sampling (megaslide-sample --lora RUN) gives the EMA of its adapters
+// when the run kept one, as the checkpoint's ema.safetensors holds it, and with ema = false (--no-ema) the trained
+// adapters of master.safetensors; the two differ, and `source` names the file read.
+TEST(LoraTraining, ACheckpointsAdaptersAreReadAsTheirEmaUnlessAskedNot) {
+  const auto config = tiny_config({"train.ema_decay=0.9"});
+  const auto dir = temp_dir("ema");
+  {
+    Trainer trainer = wan_trainer(config, tiny_data());
+    for (int s = 0; s < 3; ++s) trainer.step();
+    megaslide::save_checkpoint(dir, config, trainer.training_state());
+  }
+  const auto checkpoint = megaslide::latest_checkpoint(dir);
+  const auto as_file = [](const std::string& file) {
+    std::map<std::string, torch::Tensor> out;
+    for (const auto& [name, t] : megaslide::io::read_safetensors(file).tensors) out[name] = t;
+    return out;
+  };
+  const auto expect_adapters_of = [&](const megaslide::WanLora& lora, const std::string& file) {
+    EXPECT_EQ(lora.source, megaslide::io::join_path(checkpoint, file));
+    const auto saved = as_file(megaslide::io::join_path(checkpoint, file));
+    ASSERT_EQ(lora.adapters.size(), 30u);
+    size_t compared = 0;
+    for (const auto& [weight, adapter] : lora.adapters)
+      for (const auto& [suffix, t] : adapter.tensors()) {
+        const auto name = weight.substr(0, weight.size() - 7) + "." + suffix;
+        ASSERT_TRUE(saved.count(name)) << name;
+        EXPECT_TRUE(torch::equal(t, saved.at(name))) << file << ": " << name;
+        ++compared;
+      }
+    EXPECT_EQ(compared, saved.size());
+  };
+  const auto ema = megaslide::read_lora_checkpoint(dir);
+  const auto trained = megaslide::read_lora_checkpoint(dir, "", false);
+  expect_adapters_of(ema, "ema.safetensors");
+  expect_adapters_of(trained, "master.safetensors");
+  double differs = 0;
+  for (const auto& [weight, adapter] : ema.adapters)
+    differs = std::max(
+        differs,
+        (adapter.tensors()[1].second - trained.adapters.at(weight).tensors()[1].second).abs().max().item<double>());
+  EXPECT_GT(differs, 0.0) << "the EMA after three updates is not the trained adapters";
+  megaslide::io::remove_tree(dir);
+}
+
 // The property: the LoRA file a run exports (diffusers' layout, and ComfyUI's), read back and merged into
 // the frozen base, gives the trained model's output within 1e-5 (fp32); --export-merged writes every weight
 // with its adapter's update merged (bf16, one rounding); train.init_from of that file

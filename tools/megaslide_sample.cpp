@@ -131,6 +131,7 @@ struct WanFlags {
   std::string image;         // image-to-video: the image the videos start from (a prompt line's --i overrides it)
   std::string lora, lora_2;  // LoRA files merged into the DiT (Wan2.2: the high-noise expert, the low-noise one)
   double lora_scale = 1.0, lora_2_scale = -1.0;
+  bool no_ema = false;  // a LoRA run's checkpoint: its trained adapters, not their EMA
 };
 
 // Merges the LoRA file `path` — or a LoRA run's checkpoint: the adapters of `expert` ("high", "low"; "" for one DiT)
@@ -138,14 +139,14 @@ struct WanFlags {
 // what was merged and returns the file or checkpoint read; a file that is not this model's LoRA is `flag`'s usage
 // error.
 std::string merge_lora(megaslide::WanModel& model, const std::string& path, double scale, const std::string& flag,
-                       const std::string& expert) {
+                       const std::string& expert, bool ema) {
   std::vector<std::string> names;
   for (const auto& p : model.dit->named_parameters(true)) names.push_back(p.key());
   megaslide::WanLora lora;
   // A LoRA run's checkpoint (its folder, its `latest` file, the run folder): its trained adapters.
   const bool checkpoint = megaslide::io::is_directory(path) || megaslide::is_checkpoint_pointer(path);
   try {
-    lora = checkpoint ? megaslide::read_lora_checkpoint(path, expert) : megaslide::read_wan_lora(path, names);
+    lora = checkpoint ? megaslide::read_lora_checkpoint(path, expert, ema) : megaslide::read_wan_lora(path, names);
     megaslide::merge_wan_lora(*model.dit, lora, scale);
   } catch (const megaslide::WanLoraError& e) {
     throw megaslide::tools::UsageError(flag + ": " + megaslide::error_message(e));
@@ -162,11 +163,14 @@ std::string merge_lora(megaslide::WanModel& model, const std::string& path, doub
     rank = std::max(rank, a.rank());
     lokr = lokr || a.lokr();
   }
-  std::cerr << fmt::format("megaslide-sample: {} '{}' merged at scale {} ({}, {} adapters, rank {}, {})\n", flag, path,
-                           scale,
-                           checkpoint ? "the trained adapters of " + lora.source
-                                      : std::string(megaslide::to_string(lora.layout)) + " layout",
-                           lora.adapters.size(), rank, lokr ? "LoKr" : "LoRA");
+  std::cerr << fmt::format(
+      "megaslide-sample: {} '{}' merged at scale {} ({}, {} adapters, rank {}, {})\n", flag, path, scale,
+      checkpoint ? (lora.source.size() > 16 && lora.source.substr(lora.source.size() - 16) == "/ema.safetensors"
+                        ? "the EMA of the trained adapters, "
+                        : "the trained adapters, ") +
+                       lora.source
+                 : std::string(megaslide::to_string(lora.layout)) + " layout",
+      lora.adapters.size(), rank, lokr ? "LoKr" : "LoRA");
   return checkpoint ? lora.source : path;
 }
 
@@ -385,15 +389,15 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan,
   }
   if (!wan.lora.empty()) {
     // Two experts: --lora is the high-noise one's (a run's checkpoint: its high-noise expert's adapters).
-    record.lora = {
-        {merge_lora(model, wan.lora, wan.lora_scale, "--lora", model.low_noise ? "high" : ""), wan.lora_scale}};
+    record.lora = {{merge_lora(model, wan.lora, wan.lora_scale, "--lora", model.low_noise ? "high" : "", !wan.no_ema),
+                    wan.lora_scale}};
   }
   if (!wan.lora_2.empty()) {
     if (!model.low_noise)
       throw megaslide::tools::UsageError("--lora-2: the low-noise expert's LoRA, but '" + source +
                                          "' is one DiT, not Wan2.2's two experts");
     const double scale = wan.lora_2_scale < 0 ? wan.lora_scale : wan.lora_2_scale;
-    record.lora_2 = {{merge_lora(*model.low_noise, wan.lora_2, scale, "--lora-2", "low"), scale}};
+    record.lora_2 = {{merge_lora(*model.low_noise, wan.lora_2, scale, "--lora-2", "low", !wan.no_ema), scale}};
   }
   // The run's size in pixels (a run trained from a videos cache keeps its data sizes in pixels; a
   // prompt file's line may give its own, checked when the videos were planned).
@@ -696,7 +700,8 @@ int main(int argc, char** argv) {
   app.add_flag(
       "--no-ema", no_ema,
       "a checkpoint of a run with train.ema_decay: sample its trained weights (model.safetensors), not the EMA of them "
-      "(model_ema.safetensors, the default)");
+      "(model_ema.safetensors, the default); a LoRA run's checkpoint given to --lora/--lora-2: its trained adapters "
+      "(master.safetensors), not their EMA (ema.safetensors, the default)");
   app.add_flag("--png", png, "also write every frame as DIR/frames/{prompt}-{index}/NNN.png");
   app.add_flag("--resume", resume,
                "continue an interrupted run into the same --out: keep the videos its index.json lists with this run's "
@@ -733,9 +738,14 @@ int main(int argc, char** argv) {
       if (checkpoint.empty() == config_path.empty())
         throw std::invalid_argument("give one of --checkpoint and --config");
       if (!overrides.empty() && config_path.empty()) throw std::invalid_argument("--set applies to --config");
-      if (no_ema && checkpoint.empty())
+      const auto lora_checkpoint = [](const std::string& path) {
+        return !path.empty() && (megaslide::io::is_directory(path) || megaslide::is_checkpoint_pointer(path));
+      };
+      if (no_ema && checkpoint.empty() && !lora_checkpoint(wan.lora) && !lora_checkpoint(wan.lora_2))
         throw std::invalid_argument(
-            "--no-ema chooses between a checkpoint's weights and their EMA: it needs --checkpoint");
+            "--no-ema chooses between a checkpoint's weights and their EMA: it needs --checkpoint, or --lora or "
+            "--lora-2 naming a LoRA run's checkpoint");
+      wan.no_ema = no_ema;
       // Every video's file name is decided here, before any work (bounded, safe and unique; io/vbench_layout.h).
       // A line without settings that repeats an earlier such line is sampled once, as VBench's prompt
       // files expect; a line with its own settings always gets its videos.

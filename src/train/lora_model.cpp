@@ -266,8 +266,8 @@ std::vector<std::string> lora_weights_files(const std::string& path, const RunCo
                                                  : std::vector<std::string>{path};
 }
 
-WanLora read_lora_checkpoint(const std::string& path, const std::string& expert) {
-  std::string checkpoint;
+WanLora read_lora_checkpoint(const std::string& path, const std::string& expert, bool ema) {
+  std::string checkpoint, source;
   RunConfig config;
   io::NamedTensors masters;
   try {
@@ -289,7 +289,9 @@ WanLora read_lora_checkpoint(const std::string& path, const std::string& expert)
                          ", not on model.wan.weights: sample the merged model instead (megaslide-train --config "
                          "RUN/config.yaml --resume " +
                          checkpoint + " --export-merged FILE)");
-    masters = io::read_safetensors(io::join_path(checkpoint, "master.safetensors")).tensors;
+    const std::string ema_file = io::join_path(checkpoint, "ema.safetensors");
+    source = ema && io::path_exists(ema_file) ? ema_file : io::join_path(checkpoint, "master.safetensors");
+    masters = io::read_safetensors(source).tensors;
   } catch (const WanLoraError&) {
     throw;
   } catch (const std::exception& e) {
@@ -305,7 +307,7 @@ WanLora read_lora_checkpoint(const std::string& path, const std::string& expert)
                                                         : "the " + config.model.wan.expert + "-noise expert") +
                        ", not the " + expert + "-noise expert's adapters");
   WanLora lora;
-  lora.source = checkpoint;
+  lora.source = source;
   for (auto& [weight, adapter] : lora_adapters_of(masters, LoraOptions::from_config(config.lora)))
     if (weight.rfind(prefix, 0) == 0) lora.adapters.emplace(weight.substr(prefix.size()), std::move(adapter));
   if (lora.adapters.empty())

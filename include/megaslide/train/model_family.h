@@ -197,11 +197,12 @@ std::vector<std::string> save_lora_weights(const std::string& path, const RunCon
 // The files save_lora_weights writes for `path`.
 std::vector<std::string> lora_weights_files(const std::string& path, const RunConfig& config);
 // The trained adapters of a Wan LoRA run's checkpoint — a checkpoint folder, its `latest` file or the run folder (its
-// latest checkpoint), verified — as a LoRA of one DiT: its fp32 adapters (master.safetensors) with the scale of the
-// run's lora settings, those of the DiT `expert` names when the run trained Wan2.2's two experts together ("high" or
+// latest checkpoint), verified — as a LoRA of one DiT: its fp32 adapters with the scale of the run's lora settings —
+// their EMA (ema.safetensors) when the run kept one (train.ema_decay) and `ema`, else master.safetensors; `source`
+// names the file read — those of the DiT `expert` names when the run trained Wan2.2's two experts together ("high" or
 // "low"; "" takes the high-noise one), under the names that DiT gives its weights. Throws WanLoraError naming what the
 // path is not.
-WanLora read_lora_checkpoint(const std::string& path, const std::string& expert = "");
+WanLora read_lora_checkpoint(const std::string& path, const std::string& expert = "", bool ema = true);
 
 const ModelFamily& dit_family();
 const ModelFamily& wan_family();
