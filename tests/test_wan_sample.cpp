@@ -24,9 +24,11 @@
 #include "megaslide/io/video.h"
 #include "megaslide/io/vbench_layout.h"
 #include "megaslide/model/dit_weights.h"
+#include "megaslide/model/encoder_settings.h"
 #include "megaslide/model/wan_lora.h"
 #include "megaslide/model/wan_weights.h"
 #include "megaslide/train/run_outputs.h"
+#include "megaslide/train/wan_validation.h"
 #include "run_tool.h"
 
 namespace {
@@ -516,6 +518,49 @@ TEST(MegaslideSampleWan, WritesPlayableVBenchVideosWhoseLatentsAreTheComposedPip
     EXPECT_LT(max_diff(latents(out), latents(from_checkpoint)), 1e-4) << file;
     EXPECT_EQ(megaslide::io::read_video(join_path(join_path(from_checkpoint, "videos"), file)).size(0), 5) << file;
   }
+}
+
+// The property: a run whose model.wan.weights is a diffusers repository takes umT5 and the Wan VAE from its
+// text_encoder/ and vae/ (the VAE's latent channels and downscale from its config.json) when it needs them —
+// validation videos, megaslide-cache over videos — and names none itself, as megaslide-sample does; the resolved
+// config passes validation's check without the keys. A run that needs neither, or names its own, is left as it is.
+TEST(WanRepository, TrainingAndCachingTakeTheEncodersSamplingFinds) {
+  const std::string repo = join_path(scratch(), "repository");
+  megaslide::io::make_directories(repo);
+  for (const auto& [link, target] : std::vector<std::pair<std::string, std::string>>{
+           {"transformer", kTransformer}, {"text_encoder", kUmt5}, {"tokenizer", kTokenizer}, {"vae", kVae}})
+    ASSERT_EQ(::symlink(target.c_str(), join_path(repo, link).c_str()), 0) << link;
+  const auto config = [&](const std::vector<std::string>& overrides) {
+    return megaslide::parse_run_config(config_yaml(repo), "test config", overrides);
+  };
+  const auto validating = megaslide::with_wan_architecture_from_weights(config({"train.sample_every=5"}));
+  EXPECT_EQ(validating.model.text_encoder.kind, "umt5");
+  EXPECT_EQ(validating.model.text_encoder.weights, join_path(repo, "text_encoder"));
+  EXPECT_EQ(validating.model.vae.kind, "wan");
+  EXPECT_EQ(validating.model.vae.weights, join_path(repo, "vae"));
+  EXPECT_EQ(validating.model.vae.latent_channels, 16);
+  EXPECT_EQ(validating.model.vae.downscale, 8);
+  EXPECT_NO_THROW(megaslide::check_wan_validation_config(validating, "test config"));
+  // Without the repository's encoders the same run is refused, naming the key.
+  EXPECT_THROW(megaslide::check_wan_validation_config(config({"train.sample_every=5"}), "test config"),
+               megaslide::ConfigError);
+
+  auto caching = config({});
+  caching.data.dataset = "videos";
+  std::vector<std::string> taken;
+  caching = megaslide::with_wan_repository_encoders(caching, &taken);
+  EXPECT_EQ(caching.model.text_encoder.kind, "umt5");
+  EXPECT_EQ(caching.model.vae.kind, "wan");
+  ASSERT_EQ(taken.size(), 2u);
+  EXPECT_NE(taken[1].find("16 latent channels, downscale 8"), std::string::npos) << taken[1];
+
+  const auto unneeded = megaslide::with_wan_architecture_from_weights(config({}));
+  EXPECT_EQ(unneeded.model.text_encoder.kind, "builtin") << "latent tensors without validation need no umT5";
+  EXPECT_EQ(unneeded.model.vae.kind, "none");
+  const auto own = megaslide::with_wan_architecture_from_weights(
+      config({"train.sample_every=5", "model.text_encoder.kind=umt5", "model.text_encoder.weights=/elsewhere/t5"}));
+  EXPECT_EQ(own.model.text_encoder.weights, "/elsewhere/t5") << "the config's own encoder is kept";
+  EXPECT_EQ(own.model.vae.weights, join_path(repo, "vae"));
 }
 
 TEST(MegaslideSampleWan, BadPathsAreOneLineErrorsWithExitCode2AndWriteNothing) {

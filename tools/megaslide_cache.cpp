@@ -39,9 +39,15 @@ int main(int argc, char** argv) {
     auto config = megaslide::load_run_config(config_path, overrides);
     // Wan: the sizes of model.wan.weights (as megaslide-train reads them) before the encoders are checked
     // against them.
-    if (config.model.arch == megaslide::Architecture::kWan)
+    if (config.model.arch == megaslide::Architecture::kWan) {
+      std::vector<std::string> taken;  // umT5 and the VAE of a diffusers repository, where the config names none
+      megaslide::tools::checking_input([&] { megaslide::with_wan_repository_encoders(config, &taken); },
+                                       config_path + ": model.wan.weights: ");
       config = megaslide::tools::checking_input([&] { return megaslide::with_wan_architecture_from_weights(config); },
                                                 config_path + ": model.wan.weights: ");
+      for (const auto& line : taken)
+        std::cerr << "megaslide-cache: " << line << " (the diffusers repository model.wan.weights names)\n";
+    }
     // The checks again on the sizes the weights gave (an image-to-video DiT's data.image_frame, its encoders).
     megaslide::validate(config, config_path + " (with model.wan.weights' architecture)");
     if (config.data.dataset != "videos")

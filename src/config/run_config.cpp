@@ -983,12 +983,21 @@ void validate_wan(const RunConfig& c, bool sizes,
              vae.weights + "'");
   if (c.data.dataset == "videos") {
     // Pixels in data.*, latents from the Wan VAE (cached by megaslide-cache; data/latent_cache.h).
-    if (te.kind != "umt5")
+    // Encoders the config leaves to model.wan.weights (a diffusers repository's text_encoder/ and vae/:
+    // with_wan_repository_encoders) are checked once it has been read.
+    const bool from_repository = !sizes && !w.weights.empty();
+    const bool vae_pending = from_repository && vae.kind == "none" && vae.weights.empty();
+    const std::string or_repository = " (or name a diffusers repository holding it in model.wan.weights)";
+    if (te.kind != "umt5" && !(from_repository && te.kind == "builtin" && te.weights.empty()))
       fail("model.text_encoder.kind",
-           "expected umt5 for model.arch wan with data.dataset: videos (the cache holds umT5's embeddings)");
-    if (vae.kind != "wan")
+           "expected umt5 for model.arch wan with data.dataset: videos (the cache holds umT5's embeddings): set "
+           "model.text_encoder.kind: umt5 and model.text_encoder.weights" +
+               or_repository);
+    if (vae.kind != "wan" && !vae_pending)
       fail("model.vae.kind",
-           "expected wan for model.arch wan with data.dataset: videos (the cache holds the Wan VAE's latents)");
+           "expected wan for model.arch wan with data.dataset: videos (the cache holds the Wan VAE's latents): set "
+           "model.vae.kind: wan and model.vae.weights" +
+               or_repository);
     if (sizes && vae.latent_channels != w.out_channels)
       fail("model.vae.latent_channels", "expected model.wan.out_channels (" + std::to_string(w.out_channels) +
                                             ": the Wan VAE's z_dim is the DiT's latents), got " +
@@ -997,7 +1006,7 @@ void validate_wan(const RunConfig& c, bool sizes,
       fail("data.frames", "expected 1 + 4k frames for the Wan VAE (it keeps the first frame and every 4 after), got " +
                               std::to_string(c.data.frames));
     for (const auto& [axis, size] : {std::pair<const char*, int64_t>{"height", c.data.height}, {"width", c.data.width}})
-      if (size % vae.downscale != 0)
+      if (!vae_pending && size % vae.downscale != 0)
         fail(std::string("data.") + axis, "expected a multiple of model.vae.downscale (" +
                                               std::to_string(vae.downscale) + "), got " + std::to_string(size));
     // Each bucket a clip the Wan VAE takes and the DiT patches (model_sample_shape_at, once the sizes are known).
@@ -1005,7 +1014,7 @@ void validate_wan(const RunConfig& c, bool sizes,
       const auto& b = c.data.buckets[i];
       std::string problem;
       if ((b[0] - 1) % 4 != 0) problem = fmt::format("{} frames: the Wan VAE takes 1 + 4k frames", b[0]);
-      else if (b[1] % vae.downscale != 0 || b[2] % vae.downscale != 0)
+      else if (!vae_pending && (b[1] % vae.downscale != 0 || b[2] % vae.downscale != 0))
         problem = fmt::format("{} x {}: not multiples of model.vae.downscale ({})", b[1], b[2], vae.downscale);
       else if (sizes) try {
           model_sample_shape_at(c, {b[0], b[1], b[2]});

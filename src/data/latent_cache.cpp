@@ -1077,6 +1077,38 @@ std::string wan_image_encoder_path(const RunConfig& config) {
   return "";
 }
 
+RunConfig with_wan_repository_encoders(const RunConfig& config, std::vector<std::string>* taken) {
+  const std::string& repo = config.model.wan.weights;
+  const bool needed = config.data.dataset == "videos" || config.train.sample_every > 0;
+  if (config.model.arch != Architecture::kWan || repo.empty() || !needed || !io::is_directory(repo)) return config;
+  RunConfig c = config;
+  auto& te = c.model.text_encoder;
+  const std::string t5 = io::join_path(repo, "text_encoder");
+  if (te.kind == "builtin" && te.weights.empty() && te.vocab.empty() && io::is_directory(t5)) {
+    te.kind = "umt5";
+    te.weights = t5;
+    if (taken != nullptr) taken->push_back("model.text_encoder: umT5 from " + t5);
+  }
+  auto& v = c.model.vae;
+  const std::string vae = io::join_path(repo, "vae");
+  if (v.kind == "none" && v.weights.empty() && io::is_directory(vae)) {
+    WanVaeConfig architecture;
+    try {
+      architecture = WanVae::folder_config(vae);
+    } catch (const std::exception& e) {
+      throw ConfigError("model.wan.weights '" + repo + "'", "model.vae.weights", error_message(e));
+    }
+    v.kind = "wan";
+    v.weights = vae;
+    v.latent_channels = architecture.z_dim;
+    v.downscale = architecture.spatial_downscale();
+    if (taken != nullptr)
+      taken->push_back(fmt::format("model.vae: the Wan VAE from {} ({} latent channels, downscale {})", vae,
+                                   v.latent_channels, v.downscale));
+  }
+  return c;
+}
+
 std::optional<WanVaeTiling> wan_vae_tiling(const VaeConfig& v) {
   if (v.tile_size <= 0) return std::nullopt;
   const int64_t overlap =

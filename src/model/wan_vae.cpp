@@ -315,6 +315,19 @@ WanVae WanVae::load(const std::string& path, const std::vector<double>& latents_
   return load_with(path, device, dtype, &statistics);
 }
 
+WanVaeConfig WanVae::folder_config(const std::string& folder) {
+  const auto config_path = io::join_path(folder, "config.json");
+  if (!io::path_exists(config_path)) throw io::PretrainedError("model folder '" + folder + "': no config.json");
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(io::read_file(config_path));
+  } catch (const nlohmann::json::exception& e) {
+    throw io::PretrainedError("'" + config_path + "' is not valid JSON: " + e.what());
+  }
+  if (!j.is_object()) throw io::PretrainedError("'" + config_path + "' is not a JSON object");
+  return parse_config(j, config_path);
+}
+
 WanVae WanVae::load_with(const std::string& path, torch::Device device, torch::ScalarType dtype,
                          const Statistics* statistics) {
   auto with_statistics = [&](WanVaeConfig config, const std::string& source) {
@@ -327,16 +340,7 @@ WanVae WanVae::load_with(const std::string& path, torch::Device device, torch::S
     return config;
   };
   if (io::is_directory(path)) {
-    const auto config_path = io::join_path(path, "config.json");
-    if (!io::path_exists(config_path)) throw io::PretrainedError("model folder '" + path + "': no config.json");
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(io::read_file(config_path));
-    } catch (const nlohmann::json::exception& e) {
-      throw io::PretrainedError("'" + config_path + "' is not valid JSON: " + e.what());
-    }
-    if (!j.is_object()) throw io::PretrainedError("'" + config_path + "' is not a JSON object");
-    auto config = with_statistics(parse_config(j, config_path), path);
+    auto config = with_statistics(folder_config(path), path);
     const auto weights = io::join_path(path, "diffusion_pytorch_model.safetensors");
     if (!io::path_exists(weights))
       throw io::PretrainedError("model folder '" + path +

@@ -21,6 +21,7 @@
 
 #include "megaslide/io/safetensors.h"
 #include "megaslide/io/fp8.h"
+#include "megaslide/model/encoder_settings.h"
 #include "megaslide/model/wan.h"
 #include "megaslide/util/glob.h"
 
@@ -1008,6 +1009,7 @@ RunConfig with_wan_architecture_from_weights(const RunConfig& config) {
   if (c.model.wan.weights_2.empty() && c.diffusion.guidance_scale_2 != -1.0 && c.model.wan.expert.empty())
     throw ConfigError("model.wan.weights '" + asked.weights + "'", "diffusion.guidance_scale_2",
                       "is the low-noise expert's guidance scale, but the weights are one DiT");
+  c = with_wan_repository_encoders(c);
   validate(c, "model.wan.weights '" + config.model.wan.weights + "'", /*wan_sizes_resolved=*/true);
   return c;
 }

@@ -43,7 +43,9 @@ void check_encoders_named(const RunConfig& config, const std::string& source) {
   const auto& te = config.model.text_encoder;
   const auto& v = config.model.vae;
   const std::string why = fmt::format("train.sample_every is {}: Wan's validation videos", config.train.sample_every);
-  const std::string fix = " (docs/wan.md), or set train.sample_every: 0";
+  const std::string fix =
+      " (docs/wan.md), or name a diffusers repository with text_encoder/ and vae/ in model.wan.weights, or set "
+      "train.sample_every: 0";
   if (te.kind != "umt5")
     throw ConfigError(source, "model.text_encoder.kind",
                       fmt::format("is {}, but {} encode their prompts with umT5: set model.text_encoder.kind: umt5 and "

@@ -6,6 +6,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "megaslide/config/run_config.h"
 #include "megaslide/model/wan_vae.h"
@@ -24,5 +25,13 @@ std::optional<WanVaeTiling> wan_vae_tiling(const VaeConfig& vae);
 // Wan2.1 I2V's CLIP image encoder: model.image_encoder.weights, else the image_encoder/ folder of the diffusers
 // repository model.wan.weights names; "" when neither is there.
 std::string wan_image_encoder_path(const RunConfig& config);
+
+// `config` with the frozen encoders a Wan run needs — umT5 and the Wan VAE for megaslide-cache over data.dataset:
+// videos, and for validation videos (train.sample_every > 0) — taken from the diffusers repository model.wan.weights
+// names where the config names none (model.text_encoder.kind builtin without weights or vocab: umT5 from
+// text_encoder/; model.vae.kind none without weights: the Wan VAE from vae/, model.vae.latent_channels and downscale
+// from its config.json), as megaslide-sample finds them. Called by with_wan_architecture_from_weights; `taken` gets
+// one line per encoder taken. Throws ConfigError naming model.vae.weights when vae/config.json does not read.
+RunConfig with_wan_repository_encoders(const RunConfig& config, std::vector<std::string>* taken = nullptr);
 
 }  // namespace megaslide

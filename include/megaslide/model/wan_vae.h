@@ -132,6 +132,10 @@ class WanVae {
   torch::Tensor normalize(const torch::Tensor& latents) const;
   torch::Tensor denormalize(const torch::Tensor& latents) const;
 
+  // The architecture a diffusers vae/ folder's config.json describes (its weights not read). Throws
+  // io::PretrainedError naming the file.
+  static WanVaeConfig folder_config(const std::string& folder);
+
   const WanVaeConfig& config() const { return config_; }
   torch::Device device() const { return device_; }
   torch::ScalarType dtype() const { return dtype_; }
