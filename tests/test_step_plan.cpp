@@ -619,7 +619,8 @@ TEST(StepPlan, Wan21ConfigsAt480p) {
 // later ones (which find two blocks still in the slots: nothing updated them), and the trainer's own device
 // accounting (weight slots, adapters' state, checkpoints) — for the
 // DiT family (every architecture, bf16/fp32 compute, accumulation, a subset of targets, dropout with an EMA,
-// LoKr) and Wan (dense, 3D-DSA, attn1 only, two micro-batches, LoKr with the default factors and factor 4). The
+// LoKr, an fp8 base) and Wan (dense, 3D-DSA, attn1 only, two micro-batches, LoKr with the default factors and factor
+// 4, an fp8 base: its host copy, uploads and slots' fp8 buffers). The
 // modelled peak exceeds that accounting.
 TEST(StepPlan, LoraMatchesWhatTheStreamedTrainerMeasures) {
   const std::vector<std::vector<std::string>> dit_variants{
@@ -630,8 +631,10 @@ TEST(StepPlan, LoraMatchesWhatTheStreamedTrainerMeasures) {
       {"lora.rank=4", "lora.dropout=0.25", "train.ema_decay=0.99"},
       {"lora.rank=2", "model.arch=dense3d"},
       {"lora.rank=2", "model.arch=swin", "model.layers=1"},
-      {"lora.type=lokr", "lora.rank=3"}};
+      {"lora.type=lokr", "lora.rank=3"},
+      {"lora.rank=4", "lora.base_dtype=fp8"}};
   const std::vector<std::vector<std::string>> wan_variants{{"lora.rank=4"},
+                                                           {"lora.rank=4", "lora.base_dtype=fp8"},
                                                            {"lora.rank=4", "model.self_attention=dsa3d"},
                                                            {"lora.rank=2", "lora.targets=[blocks.*.attn1.*]"},
                                                            {"lora.rank=4", "train.grad_accum_steps=2"},
@@ -660,7 +663,8 @@ TEST(StepPlan, LoraMatchesWhatTheStreamedTrainerMeasures) {
       const auto report = engine.store().memory_report();
       EXPECT_TRUE(report.frozen) << name;
       EXPECT_EQ(p.host.state(), report.total_bytes()) << name;
-      EXPECT_EQ(p.host.compute, report.compute_bytes) << name;
+      EXPECT_EQ(p.host.compute, report.compute_bytes + report.scale_bytes + report.exact_bytes) << name;
+      EXPECT_EQ(report.fp8, config.lora.base_dtype == "fp8") << name;
       EXPECT_EQ(p.host.master + p.host.exp_avg + p.host.exp_avg_sq + p.host.grad + p.host.ema + p.host.staging, 0)
           << name;
       EXPECT_EQ(p.host.pinned, report.pinnable_bytes) << name;

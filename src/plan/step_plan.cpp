@@ -550,6 +550,9 @@ void with_lora_on_device(DeviceMemoryPlan& d, const RunConfig& c, const ModelSha
   const bool streamed = c.offload.enabled;
   const int64_t e = streamed ? compute_element_bytes(c.offload.compute_dtype) : 4;
   d.gradient_slots = 0;
+  // lora.base_dtype fp8: each slot's fp8 transfer buffer beside its compute-dtype weights (the blocks' scales and
+  // exact vectors sit on the device from the start: a few MB, not counted).
+  if (streamed && c.lora.base_dtype == "fp8") d.weight_slots += 2 * s.largest_block;
   d.resident_state = resident_bytes_per_param(c) * lora.params;
   d.frozen_resident = 4 * (streamed ? s.resident : s.params + s.text_encoder_params);
   if (streamed) d.block_inputs /= 2;
@@ -895,6 +898,7 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
   if (lora.enabled()) {
     p.lora_rank = lora.rank;
     p.lora_type = config.lora.type;
+    p.lora_base_dtype = config.lora.base_dtype == "fp8" ? "fp8" : p.compute_dtype;
     p.lora_alpha = config.lora.alpha > 0 ? config.lora.alpha : static_cast<double>(lora.rank);
     p.lora_targets = config.lora.targets;
     p.lora_adapters = lora.adapters;
@@ -909,14 +913,17 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
     // LoRA: the frozen store StreamedStackTrainer allocates (frozen_blocks): the transfer buffer alone, the
     // weights in the compute dtype, page-locked; no staging (the adapters' gradients sum on the device) and,
     // over several ranks, every rank's whole copy (nothing sharded, no block exchange).
+    // lora.base_dtype fp8: the weights as fp8 with their scales and exact vectors, uploaded as they are.
     auto store_options = offload::host_store_options(offload::parse_compute_dtype(p.compute_dtype), A);
     store_options.separate_grad = false;
     store_options.frozen = true;
+    if (p.lora_base_dtype == "fp8") store_options.frozen_dtype = at::kFloat8_e4m3fn;
     const auto store = offload::HostParamStore::plan(s.blocks, store_options);
-    p.host.compute = store.compute_bytes;
+    p.host.compute = store.compute_bytes + store.scale_bytes + store.exact_bytes;
     p.host.pinned = store.pinnable_bytes;
     p.host.construction_peak = p.host.state() + 2 * 4 * s.largest_block;
-    p.transfer = replay_transfers(one.block_numels, A, e, /*gradients=*/false);
+    // fp8: 1 B per parameter uploaded (the scales and exact vectors went to the device once, at the start).
+    p.transfer = replay_transfers(one.block_numels, A, p.lora_base_dtype == "fp8" ? 1 : e, /*gradients=*/false);
     if (R > 1) p.host_state_bytes_all_ranks = R * p.host.state();
   } else if (p.streamed && R > 1) {
     const auto state = offload::parse_state_dtype(config.optimizer.state_dtype);
@@ -1217,6 +1224,7 @@ std::string to_json(const StepPlan& p) {
   if (p.lora_rank > 0) {  // full fine-tuning: none of these, the keys above alone
     j["lora_rank"] = p.lora_rank;
     j["lora_type"] = p.lora_type;
+    j["lora_base_dtype"] = p.lora_base_dtype;
     j["lora_alpha"] = p.lora_alpha;
     j["lora_targets"] = p.lora_targets;
     j["lora_adapters"] = p.lora_adapters;
@@ -1321,7 +1329,9 @@ std::string to_table(const StepPlan& p) {
   if (p.streamed && lora) {
     out += sharded ? "host RAM per rank                                           bytes\n"
                    : "host RAM                                                    bytes\n";
-    row(p.compute_dtype + " frozen weights (transfer buffer)", p.host.compute);
+    row(p.lora_base_dtype == "fp8" ? "fp8 frozen weights and scales (transfer buffer)"
+                                   : p.compute_dtype + " frozen weights (transfer buffer)",
+        p.host.compute);
     row("host state (no master, moments or gradient)", p.host.state());
     row("steady total", p.host.steady());
     if (p.host.other_expert > 0) row("validation: the other expert's blocks", p.host.other_expert);

@@ -228,6 +228,7 @@ struct StepPlan {
   // model's (all frozen); the trained parameters are the adapters.
   int64_t lora_rank = 0;
   std::string lora_type = "lora";         // lora.type: lora | lokr
+  std::string lora_base_dtype;            // the frozen blocks' host copy: the compute dtype, or fp8 (lora.base_dtype)
   double lora_alpha = 0.0;                // alpha (0 in the config: the rank)
   std::vector<std::string> lora_targets;  // lora.targets
   int64_t lora_adapters = 0;              // adapted Linear layers (both Wan2.2 experts' with expert both)
