@@ -875,6 +875,51 @@ TEST(Wan22Experts, ABothExpertsRunsWeightsFileSamplesAsThePair) {
   }
 }
 
+// The property: a run that fine-tuned one of Wan2.2's experts and names no partner (its model.wan.weights_2 empty) is
+// not sampled alone for every timestep (exit 2 naming --expert-2); with --expert-2 naming the other expert it samples
+// as the published pair (latents within 1e-5), the boundary recorded. --config of one expert without
+// model.wan.weights_2 is refused alike.
+TEST(Wan22Experts, ALoneExpertIsSampledOnlyWithItsPartner) {
+  if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  const auto resolved = megaslide::with_wan_architecture_from_weights(experts_config(kExperts));
+  auto pair = megaslide::wan_model_from_config(resolved, "test");
+  megaslide::io::NamedTensors params;
+  for (const auto& p : pair.dit->named_parameters(true)) params.emplace_back(p.key(), p.value());
+  auto run_config = resolved;
+  run_config.model.wan.weights.clear();
+  run_config.model.wan.weights_2.clear();
+  run_config.model.wan.expert = "high";
+  const auto weights = join_path(scratch(), "high-alone.safetensors");
+  megaslide::save_weights(weights, run_config, params, torch::kFloat32);
+  const auto config = write("lone-expert.yaml", config_yaml(kExperts));
+  const auto prompts = write("lone-expert-prompts.txt", "a red blob moves left quickly\n");
+  const std::string common = kEncoders + " --prompts " + prompts +
+                             " --samples-per-prompt 1 --steps 6 --shift 5 --guidance 1 --latents --no-progress "
+                             "--compute-dtype fp32 --out ";
+  const auto published = join_path(scratch(), "lone-published"), trained = join_path(scratch(), "lone-run");
+  auto r = run("--checkpoint " + weights + common + trained);
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("high-noise expert alone"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("--expert-2 FILE"), std::string::npos) << r.output;
+  EXPECT_FALSE(megaslide::io::path_exists(trained));
+  r = run("--config " + config + " --set model.wan.weights=" + kExperts + "/transformer --set model.wan.expert=high" +
+          common + trained);
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("set model.wan.weights_2"), std::string::npos) << r.output;
+
+  r = run("--config " + config + common + published);
+  ASSERT_EQ(r.code, 0) << r.output;
+  r = run("--checkpoint " + weights + " --expert-2 " + kExperts + "/transformer_2" + common + trained);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("sampling it with the other one"), std::string::npos) << r.output;
+  const auto index = nlohmann::json::parse(megaslide::io::read_file(join_path(trained, "index.json")));
+  EXPECT_EQ(index.at("boundary_ratio"), 0.875);
+  for (const auto& v : index.at("videos")) {
+    const std::string file = v.at("file");
+    EXPECT_LT(max_diff(saved_latents(published, file), saved_latents(trained, file)), 1e-5) << file;
+  }
+}
+
 namespace {
 // A denoiser that notes, at each prediction, whether its partner was parked.
 class PartnerWatchingDenoiser final : public megaslide::WanDenoiser {

@@ -130,6 +130,7 @@ struct WanFlags {
   bool latents = false;
   std::string image;         // image-to-video: the image the videos start from (a prompt line's --i overrides it)
   std::string lora, lora_2;  // LoRA files merged into the DiT (Wan2.2: the high-noise expert, the low-noise one)
+  std::string expert_2;      // Wan2.2: the other expert's weights for a run that fine-tuned one and names none
   double lora_scale = 1.0, lora_2_scale = -1.0;
   bool no_ema = false;  // a LoRA run's checkpoint: its trained adapters, not their EMA
 };
@@ -643,6 +644,12 @@ int main(int argc, char** argv) {
   app.add_option("--lora-scale", wan.lora_scale, "Wan: the LoRA's weight (default 1)")
       ->check(megaslide::tools::finite_real(-100.0));
   app.add_option("--lora-2", wan.lora_2, "Wan2.2: a LoRA merged into the low-noise expert");
+  app.add_option(
+         "--expert-2", wan.expert_2,
+         "Wan2.2: the other expert's weights (a weights file or diffusers folder) for a run that fine-tuned one "
+         "expert and names no partner (its model.wan.weights_2 is empty); each expert denoises its own "
+         "timesteps")
+      ->check(megaslide::tools::non_empty_path());
   app.add_option("--lora-2-scale", wan.lora_2_scale, "Wan2.2: --lora-2's weight (default --lora-scale)")
       ->check(megaslide::tools::finite_real(-100.0));
   app.add_option("--image-encoder", wan.image_encoder,
@@ -799,25 +806,62 @@ int main(int argc, char** argv) {
           throw std::invalid_argument(
               "--config '" + config_path + "': model.arch is " + megaslide::to_string(config.model.arch) +
               "; --config is for Wan's published weights, sample the DiT family with --checkpoint");
+        if (!wan.expert_2.empty())
+          throw std::invalid_argument(
+              "--expert-2 names a checkpoint's missing partner; with --config set "
+              "model.wan.weights_2 (the low-noise expert) instead");
         wan_model = megaslide::wan_model_from_config(config, config_path, /*blocks_on_demand=*/true);
         source = config.model.wan.weights;
+        // One of Wan2.2's experts alone denoises only its own timesteps: sampled for all of them it gives wrong videos.
+        const auto& w = wan_model->config.model.wan;
+        if ((w.expert == "high" || w.expert == "low") && !wan_model->low_noise)
+          throw std::invalid_argument(
+              "--config '" + config_path + "': model.wan.expert is " + w.expert + ": Wan2.2's " + w.expert +
+              "-noise expert alone denoises only its own timesteps, and no other expert is named: set "
+              "model.wan.weights_2 to the low-noise expert's weights (model.wan.weights the high-noise one's)");
       } else if (megaslide::is_wan_weights_file(weights)) {
-        // A run that fine-tuned one of Wan2.2's experts samples with the other one, as it was trained to.
-        wan_model = megaslide::with_untrained_expert(megaslide::load_wan_model(weights, /*blocks_on_demand=*/true),
-                                                     /*blocks_on_demand=*/true);
-        if (wan_model->low_noise && !wan_model->config.model.wan.expert.empty())
-          std::cerr << "megaslide-sample: the run fine-tuned Wan2.2's " << wan_model->config.model.wan.expert
+        // A run that fine-tuned one of Wan2.2's experts samples with the other one, as it was trained to: the one
+        // its config names, or --expert-2's. Alone it would denoise timesteps it was never trained on.
+        auto trained = megaslide::load_wan_model(weights, /*blocks_on_demand=*/true);
+        auto& w = trained.config.model.wan;
+        const std::string expert = w.expert;
+        const bool one_expert = expert == "high" || expert == "low";
+        if (!wan.expert_2.empty()) {
+          if (!one_expert)
+            throw std::invalid_argument("--expert-2: '" + checkpoint +
+                                        "' is not a run that fine-tuned one of Wan2.2's experts (its model.wan.expert "
+                                        "is '" +
+                                        w.expert + "')");
+          if (!megaslide::io::path_exists(wan.expert_2))
+            throw std::invalid_argument("--expert-2: '" + wan.expert_2 + "' does not exist");
+          // wan_untrained_expert's fields: the low-noise partner in weights_2, the high-noise one in weights.
+          if (w.expert == "high") {
+            w.weights_2 = wan.expert_2;
+          } else {
+            w.weights_2 = w.weights.empty() ? weights : w.weights;
+            w.weights = wan.expert_2;
+          }
+        } else if (one_expert && megaslide::wan_untrained_expert(w).empty()) {
+          throw std::invalid_argument(
+              "--checkpoint '" + checkpoint + "': the run fine-tuned Wan2.2's " + w.expert +
+              "-noise expert alone (its config names no other expert: model.wan.weights_2 is empty), and that "
+              "expert denoises only its own timesteps: give the " +
+              (w.expert == "high" ? "low" : "high") + "-noise expert's weights with --expert-2 FILE");
+        }
+        wan_model = megaslide::with_untrained_expert(std::move(trained), /*blocks_on_demand=*/true);
+        if (wan_model->low_noise && one_expert)
+          std::cerr << "megaslide-sample: the run fine-tuned Wan2.2's " << expert
                     << "-noise expert; sampling it with the other one, '"
                     << megaslide::wan_untrained_expert(wan_model->config.model.wan) << "'\n";
       }
       const bool is_wan = wan_model.has_value();
       const bool lora_scales = app.count("--lora-scale") > 0 || app.count("--lora-2-scale") > 0;
-      if (!is_wan &&
-          (!wan.tokenizer.empty() || wan.negative_prompt_set || wan.shift >= 0 || wan.guidance_2 >= 0 || wan.latents ||
-           !wan.image.empty() || !wan.image_encoder.empty() || !wan.lora.empty() || !wan.lora_2.empty() || lora_scales))
+      if (!is_wan && (!wan.tokenizer.empty() || wan.negative_prompt_set || wan.shift >= 0 || wan.guidance_2 >= 0 ||
+                      wan.latents || !wan.image.empty() || !wan.image_encoder.empty() || !wan.lora.empty() ||
+                      !wan.lora_2.empty() || lora_scales || !wan.expert_2.empty()))
         throw std::invalid_argument(
             "--tokenizer, --image-encoder, --negative-prompt, --shift, --guidance-2, --image, "
-            "--lora, --lora-2, --lora-scale, --lora-2-scale and --latents are for Wan models; '" +
+            "--lora, --lora-2, --lora-scale, --lora-2-scale, --expert-2 and --latents are for Wan models; '" +
             checkpoint + "' is not one");
       if (app.count("--lora-scale") > 0 && wan.lora.empty())
         throw std::invalid_argument("--lora-scale weighs --lora's file, and no --lora was given");
