@@ -10,6 +10,7 @@
 #include <csignal>
 #include <fstream>
 #include <functional>
+#include <sstream>
 #include <nlohmann/json.hpp>
 
 #include "megaslide/megaslide.h"
@@ -661,9 +662,34 @@ TEST(Checkpoint, FailedSaveNeverCallsAMissingCheckpointIntact) {
   io::remove_tree(dir);
 }
 
+// The property: a resume keeps metrics.jsonl's lines up to its checkpoint and says which other lines it dropped as
+// no step's (a file edited or damaged); the last line torn by a crash is dropped without a word.
+TEST(Checkpoint, AResumeNamesTheMetricsLinesItCannotRead) {
+  const auto dir = fresh_dir("metrics-lines");
+  run_training(tiny(dir, {"train.steps=4", "train.checkpoint_every=4"}), {});
+  const auto metrics = io::join_path(dir, "metrics.jsonl");
+  std::istringstream in(io::read_file(metrics));
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  ASSERT_EQ(lines.size(), 4u);
+  io::write_file_atomically(
+      metrics, lines[0] + "\nnot a line of metrics\n" + lines[2] + "\n" + lines[3] + "\n{\"step\": 5, \"lo");
+  TrainingRunOptions resume;
+  resume.resume = "latest";
+  run_training(tiny(dir, {"train.steps=6", "train.checkpoint_every=4"}), resume);
+  const std::string log = io::read_file(io::join_path(dir, "train.log"));
+  EXPECT_NE(log.find("metrics.jsonl: line 2 holds no step's metrics"), std::string::npos) << log;
+  EXPECT_EQ(log.find("line 5"), std::string::npos) << log;
+  std::vector<int64_t> steps;
+  std::istringstream after(io::read_file(metrics));
+  for (std::string line; std::getline(after, line);) steps.push_back(nlohmann::json::parse(line).at("step"));
+  EXPECT_EQ(steps, (std::vector<int64_t>{1, 3, 4, 5, 6}));
+  io::remove_tree(dir);
+}
+
 // Wherever a checkpoint is taken, each name a user types for it leads to it: the folder, the `latest`
-// file beside it, the checkpoints folder and the run folder; a weights file stays a weights file (a checkpoint's own
-// checked against its manifest).
+// file beside it (CRLF line ends too), the checkpoints folder and the run folder; a weights file stays a weights file
+// (a checkpoint's own checked against its manifest).
 TEST(Checkpoint, EveryNameOfACheckpointFindsIt) {
   const auto dir = fresh_dir("names");
   run_training(tiny(dir, {"train.steps=4", "train.checkpoint_every=2"}), {});
@@ -694,6 +720,17 @@ TEST(Checkpoint, EveryNameOfACheckpointFindsIt) {
   }
   EXPECT_THROW(find_checkpoint(io::join_path(dir, "metrics.jsonl")), CheckpointError);
   EXPECT_THROW(find_checkpoint(io::join_path(dir, "missing")), CheckpointError);
+  {
+    // A `latest` saved by an editor with CRLF line ends (or a trailing tab) still names its checkpoint.
+    const auto pointer = io::join_path(dir, "checkpoints/latest");
+    const std::string saved = io::read_file(pointer);
+    io::write_file_atomically(pointer, "step-0000004\r\n");
+    EXPECT_EQ(find_checkpoint(pointer), step4);
+    EXPECT_EQ(latest_checkpoint(dir), step4);
+    io::write_file_atomically(pointer, "step-0000004\t\n");
+    EXPECT_EQ(find_checkpoint(dir), step4);
+    io::write_file_atomically(pointer, saved);
+  }
   // A `latest` that leads to a device is refused at once, not read until memory runs out.
   const auto zero = fresh_dir("names-zero");
   io::make_directories(io::join_path(zero, "checkpoints"));

@@ -332,7 +332,7 @@ TEST(MegaslideTrain, SigtermSavesAndResumeReproducesTheUninterruptedLosses) {
 }
 
 // The property: a stop signal the tool was started ignoring (SIGINT for a job a script starts with `&`, SIGHUP under
-// nohup) stays ignored while it trains: the run goes on to its last step and exits 0.
+// nohup) stays ignored while it trains: the run goes on to its last step and exits 0, having said so at its start.
 TEST(MegaslideTrain, SignalsTheRunWasStartedIgnoringStayIgnored) {
   const auto dir = fresh_dir("ignored");
   const std::string log = "/tmp/megaslide-test-ignored-" + std::to_string(::getpid()) + ".log";
@@ -361,6 +361,11 @@ TEST(MegaslideTrain, SignalsTheRunWasStartedIgnoringStayIgnored) {
   EXPECT_EQ(WEXITSTATUS(status), 0) << megaslide::io::read_file(log);
   EXPECT_LT(when, 40u) << "the run ended before the signals; the test proves nothing";
   EXPECT_EQ(line_count(metrics), 40u);
+  EXPECT_NE(megaslide::io::read_file(log).find(
+                "SIGINT, SIGHUP ignored (this process was started ignoring them, as a script's background job or nohup "
+                "is); SIGTERM or SIGUSR1 stop the run with a checkpoint"),
+            std::string::npos)
+      << "the run says that Ctrl-C does nothing, and what stops it";
   megaslide::io::remove_tree(dir);
 }
 

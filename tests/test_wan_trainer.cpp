@@ -907,7 +907,14 @@ TEST(WanTraining, OneExpertOfTwoTrainsFromItsWeightsOnItsTimesteps) {
       return expert_config(expert, {"data.tensors=" + tensors, "train.checkpoint_every=2",
                                     "train.steps=" + std::to_string(steps), "output.run_dir=" + dir + "/" + name});
     };
-    megaslide::run_training(run("whole", 4), {});
+    // A size the config sets otherwise than the weights is the weights', and the log says so.
+    auto sized_otherwise = run("whole", 4);
+    sized_otherwise.model.wan.ffn_dim = 999;
+    megaslide::run_training(sized_otherwise, {});
+    EXPECT_NE(megaslide::io::read_file(dir + "/whole/train.log")
+                  .find("model.wan.ffn_dim is 999 in the config but " + std::to_string(resolved.model.wan.ffn_dim) +
+                        " in model.wan.weights: the weights' is used"),
+              std::string::npos);
     megaslide::run_training(run("part", 2), {});
     megaslide::TrainingRunOptions resume;
     resume.resume = "latest";
@@ -1279,7 +1286,10 @@ TEST(WanTraining, ImageToVideoSamplesKeepTheFirstFrameCleanAndOutOfTheLoss) {
   EXPECT_LT(max_difference(streamed.master_weights(), resident.master_weights()), 1e-5);
   for (const auto& [sets, key] : std::vector<std::pair<std::vector<std::string>, std::string>>{
            {{"diffusion.first_frame_clean=1", "diffusion.objective=ddpm"}, "diffusion.first_frame_clean"},
-           {{"diffusion.first_frame_clean=1.5"}, "diffusion.first_frame_clean"}}) {
+           {{"diffusion.first_frame_clean=1.5"}, "diffusion.first_frame_clean"},
+           // The conditioning frame of an image-to-video DiT's clips: TI2V's first frame is the clip's own.
+           {{"diffusion.first_frame_clean=0.5", "data.image_frame=2"}, "data.image_frame"},
+           {{"data.image_frame=1"}, "data.image_frame"}}) {
     try {
       tiny_config(sets);
       ADD_FAILURE() << "accepted " << sets[0];

@@ -396,11 +396,27 @@ int main(int argc, char** argv) {
         // (Slurm's --signal=USR1@SECONDS). Each stops the run like SIGTERM, with a checkpoint; but a signal that
         // this process was started ignoring (SIGHUP under nohup, SIGINT for a job a script starts with `&`) stays
         // ignored.
-        for (const int signal : {SIGINT, SIGTERM, SIGHUP, SIGUSR1}) {
+        std::vector<std::string> ignored_signals, stopping_signals;
+        for (const auto& [signal, name] : std::vector<std::pair<int, const char*>>{
+                 {SIGINT, "SIGINT"}, {SIGTERM, "SIGTERM"}, {SIGHUP, "SIGHUP"}, {SIGUSR1, "SIGUSR1"}}) {
           struct sigaction current {};
-          if (::sigaction(signal, nullptr, &current) == 0 && current.sa_handler == SIG_IGN) continue;
+          if (::sigaction(signal, nullptr, &current) == 0 && current.sa_handler == SIG_IGN) {
+            ignored_signals.push_back(name);
+            continue;
+          }
           std::signal(signal, on_stop_signal);
+          stopping_signals.push_back(name);
         }
+        // Ctrl-C (SIGINT) that does nothing surprises: say so once, and what stops the run instead.
+        if (!ignored_signals.empty() && ignored_signals.front() == "SIGINT")
+          std::cerr << fmt::format(
+              "megaslide-train: {} ignored (this process was started ignoring {}, as a script's background job or "
+              "nohup is); {}\n",
+              fmt::join(ignored_signals, ", "), ignored_signals.size() == 1 ? "it" : "them",
+              stopping_signals.empty()
+                  ? std::string("nothing but SIGKILL stops the run, without a checkpoint")
+                  : fmt::format("{} stop{} the run with a checkpoint", fmt::join(stopping_signals, " or "),
+                                stopping_signals.size() == 1 ? "s" : ""));
         options.trace_path = trace_path;
         options.trace_step = trace_step;
         options.export_weights = export_weights;

@@ -1071,6 +1071,14 @@ void validate_wan(const RunConfig& c, bool sizes,
     fail("diffusion.image_dropout",
          "drops the image of image-to-video; this Wan is text-to-video (model.wan.in_channels "
          "equals out_channels)");
+  if (sizes && !wan_image_to_video(w) && c.data.image_frame != 0)
+    fail("data.image_frame",
+         "picks the conditioning frame of a clip for an image-to-video DiT (Wan2.1 I2V, Wan2.2 I2V-A14B); this Wan "
+         "is text-to-video (model.wan.in_channels equals out_channels)" +
+             std::string(c.diffusion.first_frame_clean > 0
+                             ? ", and TI2V's clean first frame (diffusion.first_frame_clean) is the clip's own first"
+                             : "") +
+             ": leave it 0");
   if (sizes && wan_image_to_video(w) && c.diffusion.first_frame_clean > 0)
     fail("diffusion.first_frame_clean",
          "is Wan2.2 TI2V's image-to-video (the first latent frame clean in the input); this Wan takes its image as "

@@ -382,6 +382,12 @@ void verify_files(const std::string& path, const Manifest& manifest, const std::
 namespace {
 // The checkpoint a `latest` pointer file names (its folder beside it); CheckpointError when the file
 // is not a pointer.
+// A pointer's text without the line end and blanks after the name (an editor's CRLF or trailing tab included).
+void trim_pointer_text(std::string& text) {
+  while (!text.empty() && (text.back() == '\n' || text.back() == '\r' || text.back() == ' ' || text.back() == '\t'))
+    text.pop_back();
+}
+
 std::string follow_pointer(const std::string& pointer) {
   std::string name;
   try {
@@ -389,7 +395,7 @@ std::string follow_pointer(const std::string& pointer) {
   } catch (const io::IoError& e) {
     fail(pointer, std::string("cannot be read as the `latest` pointer: ") + e.what());
   }
-  while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+  trim_pointer_text(name);
   if (!is_checkpoint_name(name))
     fail(pointer, "does not name a checkpoint (expected step-NNNNNNN, found '" + name.substr(0, 40) + "')");
   return io::join_path(io::parent_path(pointer), name);
@@ -400,7 +406,7 @@ bool looks_like_pointer(const std::string& path) {
   if (io::file_size(path) > kMaxPointerBytes) return false;
   try {
     std::string text = io::read_input_file(path, kMaxPointerBytes);
-    while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
+    trim_pointer_text(text);
     return is_checkpoint_name(text);
   } catch (const io::IoError&) {
     return false;

@@ -47,16 +47,26 @@ MetricsWriter::MetricsWriter(const std::string& path, int64_t keep_through_step)
     std::string kept;
     std::istringstream in(io::read_file(path));
     std::string line;
+    std::vector<int64_t> unreadable;  // line numbers
+    int64_t number = 0, last = 0;
     while (std::getline(in, line)) {
+      ++number;
+      if (line.empty()) continue;
+      last = number;
       try {
         const auto j = nlohmann::json::parse(line);
-        if (j.is_object() && j.contains("step") && j["step"].is_number_integer() &&
-            j["step"].get<int64_t>() <= keep_through_step)
-          kept += line + "\n";
+        if (!j.is_object() || !j.contains("step") || !j["step"].is_number_integer()) {
+          unreadable.push_back(number);
+          continue;
+        }
+        if (j["step"].get<int64_t>() <= keep_through_step) kept += line + "\n";
       } catch (const nlohmann::json::exception&) {
-        // A line torn by a crash: dropped.
+        unreadable.push_back(number);
       }
     }
+    // The last line torn by a crash is expected; any other is said (resume's caller logs it).
+    for (const int64_t n : unreadable)
+      if (n != last) dropped_.push_back("line " + std::to_string(n));
     try {
       io::write_file_atomically(path, kept);
     } catch (const io::IoError& e) {
@@ -279,6 +289,12 @@ void ProgressLine::update(const StepMetrics& m) {
   // The loss's moving average (weight 0.1 a step), from this process's first step; the rate is of the steps this
   // process ran (a resumed run's first steps are the checkpoint's).
   loss_ema_ = m.step == first_step_ + 1 ? m.loss : 0.9 * loss_ema_ + 0.1 * m.loss;
+  // A step of one part (Wan2.2's two experts trained together) averages with that part's steps only.
+  double average = loss_ema_;
+  if (!m.part.empty()) {
+    const auto it = part_ema_.find(m.part);
+    average = part_ema_[m.part] = it == part_ema_.end() ? m.loss : 0.9 * it->second + 0.1 * m.loss;
+  }
   if (!enabled_) return;
   const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
   const double rate = static_cast<double>(m.step - first_step_) / std::max(elapsed, 1e-9);
@@ -291,9 +307,9 @@ void ProgressLine::update(const StepMetrics& m) {
                                              100.0 * m.nvme_wait_s / m.step_time_s)
                                : std::string();
   const std::string line =
-      fmt::format("step {:>{}}/{}{} | loss {:.4f} (avg {:.4f}) | {:.2f} it/s | {:.3g} tok/s{} | ETA {}", m.step,
-                  std::to_string(total_).size(), total_, m.part.empty() ? "" : " [" + m.part + "]", m.loss, loss_ema_,
-                  rate, m.tokens_per_s, nvme, clock_time(eta));
+      fmt::format("step {:>{}}/{}{} | loss {:.4f} ({}avg {:.4f}) | {:.2f} it/s | {:.3g} tok/s{} | ETA {}", m.step,
+                  std::to_string(total_).size(), total_, m.part.empty() ? "" : " [" + m.part + "]", m.loss,
+                  m.part.empty() ? "" : m.part + " ", average, rate, m.tokens_per_s, nvme, clock_time(eta));
   if (tty_) {
     std::fprintf(stderr, "\r%s\033[K", line.c_str());
     std::fflush(stderr);

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 
@@ -463,6 +464,10 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
           "saves their steps again",
           io::join_path(run_dir, "checkpoints/latest"), resume_path));
     metrics.emplace(dir->file("metrics.jsonl"), resume_path.empty() ? -1 : result.first_step);
+    if (!metrics->dropped().empty())
+      warnings.push_back(fmt::format("{}: {} {} no step's metrics (not JSON, or no \"step\"): dropped",
+                                     dir->file("metrics.jsonl"), fmt::join(metrics->dropped(), ", "),
+                                     metrics->dropped().size() == 1 ? "holds" : "hold"));
     if (config.output.tensorboard) tensorboard.emplace(dir->file("tensorboard"), config, result.first_step);
   }
   if (communicator) {
@@ -496,11 +501,13 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
         launch.rank, communicator->world_size(), cp, communicator->backend(), launch.launcher, rendezvous,
         train.batch_size / (communicator->world_size() / cp), train.batch_size, communicator->world_size() / cp));
   log.info(fmt::format("config {} -> run dir {}", options.config_source, run_dir));
-  log.info(
-      fmt::format("model {} ({} {}), {} tokens per sample, device {}, {} steps", to_string(config.model.arch),
-                  human_count(static_cast<double>(trainer.parameter_count())),
-                  config.lora.rank > 0 ? "trained parameters: the LoRA adapters" : "parameters, text encoder included",
-                  trainer.tokens_per_sample(), trainer.device().str(), train.steps));
+  log.info(fmt::format("model {} ({} {}), {} tokens per sample, device {}, {} steps", to_string(config.model.arch),
+                       human_count(static_cast<double>(trainer.parameter_count())),
+                       config.lora.rank > 0 ? "trained parameters: the LoRA adapters"
+                       : config.model.arch != Architecture::kWan && config.model.text_encoder.kind == "builtin"
+                           ? "parameters, its caption encoder included"
+                           : "parameters",
+                       trainer.tokens_per_sample(), trainer.device().str(), train.steps));
   std::vector<std::string> family_warnings;
   {
     std::vector<std::string> lines;
@@ -508,6 +515,19 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     for (const auto& line : lines) log.info(line);
   }
   for (const auto& w : family_warnings) log.warn(w);
+  // Wan's sizes are its weights': a size the config set otherwise is replaced, said rather than silently.
+  if (config.model.arch == Architecture::kWan && !config.model.wan.weights.empty()) {
+    const WanConfig defaults;
+    for (const auto& key : differing_keys(requested, config)) {
+      if (key.rfind("model.wan.", 0) != 0 || key == "model.wan.weights_2" || key == "model.wan.boundary_ratio")
+        continue;
+      RunConfig unset = requested;
+      unset.model.wan = defaults;
+      if (config_value_text(unset, key) == config_value_text(requested, key)) continue;  // left at its default
+      log.warn(fmt::format("{} is {} in the config but {} in model.wan.weights: the weights' is used", key,
+                           config_value_text(requested, key), config_value_text(config, key)));
+    }
+  }
   for (const auto& w : unused_settings(config)) log.warn(w);
   log.info(plan_threads(config, trainer.device()).describe());
   if (const auto cache = util::cpu_tensor_cache_stats())
@@ -618,6 +638,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   ProgressLine progress(train.steps, train.log_every, config.output.progress && writer, start);
   double window = 0.0;
   int64_t window_steps = 0;
+  std::map<std::string, std::pair<double, int64_t>> part_window;  // per part: the window's sum and steps
   result.steps_done = start;
   for (int64_t i = start; i < train.steps; ++i) {
     if (trainer.streams() && !options.trace_path.empty() && i + 1 == traced)
@@ -714,18 +735,26 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     }
     window += m.loss;
     ++window_steps;
+    if (!m.part.empty()) {  // Wan2.2's two experts: each one's mean too (their losses differ in scale)
+      part_window[m.part].first += m.loss;
+      ++part_window[m.part].second;
+    }
     if (m.step % train.log_every == 0 || m.step == train.steps) {
       // The NVMe tier's traffic of the step, where it runs (the console's line says it too).
       const std::string nvme = m.nvme ? fmt::format(" nvme {:.3g} GB read {:.3g} GB written {:.3f} s waited",
                                                     static_cast<double>(m.nvme_read_bytes) / 1e9,
                                                     static_cast<double>(m.nvme_write_bytes) / 1e9, m.nvme_wait_s)
                                       : std::string();
+      std::string parts;
+      for (const auto& [part, sum] : part_window)
+        parts += fmt::format("; {} {:.5f} over {}", part, sum.first / static_cast<double>(sum.second), sum.second);
       log.info(
-          fmt::format("step {}/{} loss {:.5f} (mean of last {}: {:.5f}) lr {:.3g} grad_norm {:.3f} {:.3f} s/step{}",
-                      m.step, train.steps, m.loss, window_steps, window / static_cast<double>(window_steps), m.lr,
-                      m.grad_norm, m.step_time_s, nvme));
+          fmt::format("step {}/{}{} loss {:.5f} (mean of last {}: {:.5f}{}) lr {:.3g} grad_norm {:.3f} {:.3f} s/step{}",
+                      m.step, train.steps, m.part.empty() ? "" : " [" + m.part + "]", m.loss, window_steps,
+                      window / static_cast<double>(window_steps), parts, m.lr, m.grad_norm, m.step_time_s, nvme));
       window = 0.0;
       window_steps = 0;
+      part_window.clear();
     }
     int stop_signal = options.stop_requested != nullptr ? options.stop_requested->load() : 0;
     if (communicator) {

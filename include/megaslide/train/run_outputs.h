@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -45,9 +46,13 @@ class MetricsWriter {
   // that one and appends. Throws OutputError.
   explicit MetricsWriter(const std::string& path, int64_t keep_through_step = -1);
   void write(const StepMetrics& m);  // one line, flushed
+  // A resumed run: the lines it dropped that were not its last ("line 12"): not JSON, or without a step — a file
+  // edited or damaged, not torn by a crash (which tears the last line only, dropped without a word).
+  const std::vector<std::string>& dropped() const { return dropped_; }
 
  private:
   std::string path_;
+  std::vector<std::string> dropped_;
   std::unique_ptr<io::OutputFile> out_;
 };
 
@@ -100,6 +105,7 @@ class ProgressLine {
   bool enabled_, tty_;
   std::chrono::steady_clock::time_point start_;
   double loss_ema_ = 0.0;
+  std::map<std::string, double> part_ema_;  // Wan2.2's two experts: each one's own (their losses differ in scale)
 };
 
 // The bytes a parameter of the model keeps in host memory for the run `resolved` (auto settings resolved), and what
