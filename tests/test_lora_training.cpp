@@ -3,6 +3,7 @@
 // checkpoint resumes bit for bit (dropout included), the exported LoRA merged into the base is the trained
 // model, train.init_from starts the adapters from a LoRA file or a LoRA run, and bad settings are named.
 #include <gtest/gtest.h>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <unistd.h>
 
@@ -10,6 +11,7 @@
 #include <iostream>
 #include <map>
 #include <set>
+#include <sstream>
 
 #include "error_checks.h"
 #include "megaslide/io/files.h"
@@ -552,7 +554,8 @@ TEST(LoraTraining, BadSettingsAreNamed) {
   megaslide::save_wan_lora(dir + "/rank2.safetensors", lora, megaslide::LoraLayout::kDiffusers);
   expect_error_naming<megaslide::InitFromError>(
       [&] { wan_trainer(tiny_config({"train.init_from=" + dir + "/rank2.safetensors"}), tiny_data()); },
-      {"rank2.safetensors", "blocks.0.attn1.to_q.weight", "rank 2", "missing"});
+      {"rank2.safetensors", "blocks.0.attn1.to_q.weight", "rank 2", "missing", "(30 problems)",
+       "the file's adapters are LoRA of rank 2, where lora.type lora and lora.rank 4 make others", "... and 24 more"});
   // LoKr: no input dropout, PEFT's initialisation only, a factor of 0; a LoKr file for LoRA adapters.
   const std::vector<std::string> lokr = {"lora.type=lokr", "lora.rank=3"};
   for (const auto& [setting, key] :
@@ -782,6 +785,24 @@ TEST(LoraTraining, TwoExpertsTrainTheirOwnAdaptersAndExportAFileEach) {
   megaslide::TrainingRunOptions options;
   options.export_weights = dir + "/run-lora.safetensors";
   megaslide::run_training(run, options);
+  {
+    // train.log's mean over the window per expert (their losses differ in scale), as metrics.jsonl's losses give it.
+    std::map<std::string, std::pair<double, int>> sums;
+    std::istringstream metrics(megaslide::io::read_file(run.output.run_dir + "/metrics.jsonl"));
+    for (std::string line; std::getline(metrics, line);) {
+      const auto j = nlohmann::json::parse(line);
+      auto& sum = sums[j.at("part").get<std::string>()];
+      sum.first += j.at("loss").get<double>();
+      ++sum.second;
+    }
+    ASSERT_EQ(sums.size(), 2u);
+    const std::string log = megaslide::io::read_file(run.output.run_dir + "/train.log");
+    for (const auto& [part, sum] : sums)
+      EXPECT_NE(log.find(fmt::format("; {} {:.5f} over {}", part, sum.first / sum.second, sum.second)),
+                std::string::npos)
+          << part << "\n"
+          << log;
+  }
   megaslide::export_checkpoint_weights(run.output.run_dir, "latest", dir + "/ckpt-lora.safetensors", false,
                                        megaslide::WanWeightsLayout::kDiffusers);
   for (const char* expert : {"_high_noise", "_low_noise"}) {
@@ -790,8 +811,13 @@ TEST(LoraTraining, TwoExpertsTrainTheirOwnAdaptersAndExportAFileEach) {
     ASSERT_EQ(a.size(), b.size()) << expert;
     for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i].second, b[i].second)) << a[i].first;
     // The checkpoint's own adapters of that expert (megaslide-sample --lora RUN, --lora-2 RUN), as its file holds them.
-    const auto lora =
-        megaslide::read_lora_checkpoint(run.output.run_dir, expert == std::string("_high_noise") ? "high" : "low");
+    const std::string which = expert == std::string("_high_noise") ? "high" : "low";
+    const auto lora = megaslide::read_lora_checkpoint(run.output.run_dir, which);
+    EXPECT_EQ(lora.expert, which);
+    // Each file says which expert it adapts (the sampler warns of a file merged into the other one).
+    std::vector<std::string> weights;  // the adapted weights' names, without "transformer."
+    for (const auto& [name, t] : a) weights.push_back(megaslide::lora_base_weight(name.substr(12)));
+    EXPECT_EQ(megaslide::read_wan_lora(dir + "/run-lora" + expert + ".safetensors", weights).expert, which);
     std::map<std::string, torch::Tensor> held;
     for (const auto& [weight, adapter] : lora.adapters)
       for (const auto& [suffix, t] : adapter.tensors())

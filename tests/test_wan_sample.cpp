@@ -225,6 +225,25 @@ TEST(WanTextToVideo, TheWan22VaeDecodesSixteenPixelsALatent) {
 // with expand_timesteps on a tiny DiT, the Wan2.2-style VAE and umT5) — the first latent frame the image's,
 // clean in every model input with its tokens at timestep 0 — samples diffusers' latents within 1e-4 (fp32,
 // UniPC and Euler, guidance); the first frame is the image's latent; an image of another size is refused.
+// The property: a Wan run's videos play at the rate its clips were sampled at (data.fps of a video dataset), else at
+// Wan-AI's sample_fps for the model: 24 for TI2V-5B (the Wan2.2 VAE: 16 pixels a latent, 48 channels), 16 otherwise.
+TEST(WanTextToVideo, VideosPlayAtTheModelsOrTheDatasFrameRate) {
+  const auto config = [](const std::vector<std::string>& overrides) {
+    return megaslide::parse_run_config(config_yaml(kTransformer), "test", overrides);
+  };
+  EXPECT_EQ(megaslide::wan_video_fps(config({})), 16);
+  EXPECT_EQ(megaslide::wan_video_fps(config({"model.vae.downscale=16"})), 24);
+  auto ti2v = config({});
+  ti2v.model.wan.out_channels = 48;
+  EXPECT_EQ(megaslide::wan_video_fps(ti2v), 24);
+  auto videos = config({});
+  videos.data.dataset = "videos";
+  videos.data.fps = 8;
+  EXPECT_EQ(megaslide::wan_video_fps(videos), 8);
+  videos.data.fps = 0;  // every frame_stride-th frame: the model's rate
+  EXPECT_EQ(megaslide::wan_video_fps(videos), 16);
+}
+
 TEST(WanTextToVideo, ImageToVideoKeepsTheFirstFrameAsTi2vDoes) {
   const std::string dir = kFixtures + "ti2v_pipeline";
   Reference ref;

@@ -141,6 +141,49 @@ TEST(WanValidation, SamplesTheTrainersCurrentWeights) {
   }
 }
 
+// The property: a Wan2.2 TI2V run (diffusion.first_frame_clean > 0) makes image-to-video validation videos from its
+// clips' own first latent frames, kept clean as the training keeps them: the latents are WanTextToVideo's
+// sample_from_image of the image those frames encode (the trainer's current weights, fp32), bit for bit, and start
+// with that frame exactly.
+TEST(WanValidation, Ti2vRunsSampleFromTheirClipsFirstFrames) {
+  const auto config = tiny_config({"diffusion.first_frame_clean=0.5", "offload.enabled=false"});
+  ASSERT_TRUE(megaslide::wan_validation_from_images(config));
+  const auto vae = megaslide::WanVae::load(kVae);
+  torch::manual_seed(5);
+  const auto image = torch::rand({3, 32, 48}) * 2 - 1;
+  torch::Tensor frame;
+  {
+    torch::NoGradGuard no_grad;
+    frame = vae.encode(image.view({1, 3, 1, 32, 48}));  // [1, 16, 1, 4, 6], normalised
+  }
+  auto data = tiny_data();
+  data.latents.narrow(2, 0, 1).copy_(frame.expand({4, -1, -1, -1, -1}));
+  megaslide::WanValidation validation(config, {}, "test");
+  validation.images(data);
+  megaslide::Trainer trainer = wan_trainer(config, data);
+  trainer.step();
+  const auto sampled = torch::cat(validation.sample(trainer));
+  ASSERT_EQ(sampled.sizes(), (std::vector<int64_t>{2, 16, 2, 4, 6}));
+  EXPECT_TRUE(torch::equal(sampled.narrow(2, 0, 1), frame.expand({2, -1, -1, -1, -1})));
+
+  megaslide::WanTransformer model(megaslide::WanOptions::from_config(trainer.config()));
+  {
+    torch::NoGradGuard no_grad;
+    std::map<std::string, torch::Tensor> params;
+    for (auto& p : model->named_parameters(true)) params.emplace(p.key(), p.value());
+    for (const auto& [name, value] : trainer.master_weights()) params.at(name).copy_(value);
+  }
+  megaslide::WanTextToVideo pipeline(
+      validation.latent_config(), megaslide::Umt5Encoder::load(kUmt5), megaslide::Umt5Tokenizer::from_file(kSpiece),
+      std::make_shared<megaslide::ResidentWanDenoiser>(model, torch::kCPU, at::kFloat), megaslide::WanVae::load(kVae));
+  for (size_t i = 0; i < validation.jobs().size(); ++i) {
+    const auto& job = validation.jobs()[i];
+    const auto reference = pipeline.sample_from_image({job.prompt}, {job.seed}, image, validation.options());
+    EXPECT_TRUE(torch::equal(sampled.narrow(0, static_cast<int64_t>(i), 1), reference))
+        << job.prompt << ": " << max_diff(sampled.narrow(0, static_cast<int64_t>(i), 1), reference);
+  }
+}
+
 // The property: a LoRA run's validation videos are the adapted model's — the frozen base as the trainer holds
 // it (resident; streamed; streamed as fp8 blocks, upcast on their way to the device) with each adapter's update
 // merged in fp32 — within 1e-4, before and after two steps, and the adapters' training moves them.

@@ -152,6 +152,12 @@ std::string merge_lora(megaslide::WanModel& model, const std::string& path, doub
   } catch (const megaslide::WanLoraError& e) {
     throw megaslide::tools::UsageError(flag + ": " + megaslide::error_message(e));
   }
+  // Wan2.2's experts are alike in shape: a file of the other expert merges without an error, and wrongly.
+  if (!lora.expert.empty() && !expert.empty() && lora.expert != expert)
+    std::cerr << fmt::format(
+        "megaslide-sample: warning: {} '{}' says it adapts Wan2.2's {}-noise expert, and is merged into the {}-noise "
+        "one (--lora is the high-noise expert's, --lora-2 the low-noise one's): swap them unless that is meant\n",
+        flag, path, lora.expert, expert);
   if (model.block)
     model.block = [inner = model.block, lora, scale](int64_t l) {
       auto block = inner(l);
@@ -392,6 +398,19 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan,
     // Two experts: --lora is the high-noise one's (a run's checkpoint: its high-noise expert's adapters).
     record.lora = {{merge_lora(model, wan.lora, wan.lora_scale, "--lora", model.low_noise ? "high" : "", !wan.no_ema),
                     wan.lora_scale}};
+    // A run that trained both experts' adapters: the low-noise expert's are --lora-2's to merge.
+    if (model.low_noise && wan.lora_2.empty() &&
+        (megaslide::io::is_directory(wan.lora) || megaslide::is_checkpoint_pointer(wan.lora))) {
+      bool both = false;
+      try {
+        both = megaslide::checkpoint_config(megaslide::find_checkpoint(wan.lora)).model.wan.expert == "both";
+      } catch (const std::exception&) {
+      }
+      if (both)
+        std::cerr << "megaslide-sample: note: --lora '" << wan.lora
+                  << "' trained both experts' adapters; only the high-noise expert's are merged: add --lora-2 "
+                  << wan.lora << " for the low-noise expert's\n";
+    }
   }
   if (!wan.lora_2.empty()) {
     if (!model.low_noise)
@@ -696,7 +715,9 @@ int main(int argc, char** argv) {
   app.add_option("--batch-size", batch_size, "videos sampled together")
       ->transform(megaslide::tools::integer_in(1, 4096))
       ->capture_default_str();
-  app.add_option("--fps", fps, "frames per second of the MP4s (default 8; Wan: 16, Wan2.1's sample_fps)")
+  app.add_option("--fps", fps,
+                 "frames per second of the MP4s (default 8; Wan: the run's data.fps for a video dataset, else Wan-AI's "
+                 "sample_fps: 24 for Wan2.2 TI2V-5B, 16 otherwise)")
       ->transform(megaslide::tools::integer_in(1, 240));
   app.add_option("--crf", crf, "libx264 constant rate factor (0 best .. 51 worst)")
       ->transform(megaslide::tools::integer_in(0, 51))
@@ -981,7 +1002,7 @@ int main(int argc, char** argv) {
     VideoOutput output;
     output.out_dir = out_dir;
     output.batch_size = batch_size;
-    output.fps = fps == 0 ? (wan_model ? 16 : 8) : fps;
+    output.fps = fps != 0 ? fps : wan_model ? megaslide::wan_video_fps(wan_model->config) : 8;
     output.crf = crf;
     output.upscale = upscale;
     output.png = png;

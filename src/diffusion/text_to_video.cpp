@@ -117,7 +117,7 @@ std::vector<ValidationVideo> plan_validation_videos(const RunConfig& config, con
       if (spec.image)
         throw std::invalid_argument(fmt::format(
             "prompt file '{}' line {}: --i is megaslide-sample's; a run's validation videos of image-to-video start "
-            "from its data's images",
+            "from its data's images (Wan2.2 TI2V with diffusion.first_frame_clean: its clips' first frames)",
             spec.file, spec.line));
     return plan_prompt_videos(config, specs, 1, config.train.seed);
   } catch (const std::exception& e) {

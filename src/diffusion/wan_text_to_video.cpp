@@ -5,6 +5,7 @@
 #include <c10/util/accumulate.h>
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
 #include <set>
 #include <utility>
@@ -37,6 +38,12 @@ WanSampleOptions WanSampleOptions::from_config(const RunConfig& config) {
                           ? 0.0
                           : config.model.wan.boundary_ratio)
       .text_tokens(config.data.max_text_tokens);
+}
+
+int64_t wan_video_fps(const RunConfig& config) {
+  if (config.data.dataset == "videos" && config.data.fps > 0)
+    return std::max<int64_t>(1, static_cast<int64_t>(std::llround(config.data.fps)));
+  return config.model.vae.downscale == 16 || config.model.wan.out_channels == 48 ? 24 : 16;
 }
 
 FlowSamplerOptions WanSampleOptions::flow() const {
@@ -499,8 +506,10 @@ WanModel wan_model_from_config(const RunConfig& config, const std::string& sourc
   if (config.model.arch != Architecture::kWan)
     throw ConfigError(source, "model.arch", std::string("is ") + to_string(config.model.arch) + ", not wan");
   if (config.model.wan.weights.empty())
-    throw ConfigError(source, "model.wan.weights",
-                      "is empty: sampling needs the DiT's weights (a Wan download, or use a run's checkpoint)");
+    throw ConfigError(
+        source, "model.wan.weights",
+        "is empty: sampling needs the DiT's weights (a Wan download, or use a run's checkpoint; a LoRA run on a "
+        "randomly initialised base: its megaslide-train --export-merged file, with --checkpoint)");
   WanModel out;
   std::string key = "model.wan.weights";
   try {

@@ -134,6 +134,10 @@ WanLora read_wan_lora(const std::string& path, const std::vector<std::string>& w
   if (file.tensors.empty()) fail("holds no tensors");
   WanLora lora;
   lora.source = path;
+  if (file.metadata.count("expert")) {
+    const std::string& expert = file.metadata.at("expert");
+    if (expert == "high_noise" || expert == "low_noise") lora.expert = expert.substr(0, expert.find('_'));
+  }
   const std::string& first = file.tensors.front().first;
   // The layout by the first name's prefix; names with none (bare module names) are Wan's original ones or
   // diffusers', whichever the first name is.
@@ -334,6 +338,7 @@ io::WrittenFile save_wan_lora(const std::string& path, const WanLora& lora, Lora
     }
   }
   metadata["megaslide.lora_layout"] = to_string(layout);
+  if (!lora.expert.empty()) metadata["expert"] = lora.expert + "_noise";
   return io::write_safetensors(path, tensors, metadata, at::kFloat, group);
 }
 

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <set>
 #include <stdexcept>
 
 #include "megaslide/io/files.h"
@@ -220,21 +221,36 @@ class LoraModel final : public FamilyModel {
       for (const auto& [suffix, t] : a.tensors()) out += (out.empty() ? "" : ", ") + suffix + " " + c10::str(t.sizes());
       return out;
     };
-    std::string problems;
-    for (const auto& weight : weights)
-      if (!file.count(weight)) problems += "\n  missing: an adapter of '" + weight + "'";
+    std::vector<std::string> problems;
+    std::set<std::string> kinds;  // the file's adapters that do not fit: "LoRA of rank 4"
     for (auto& [weight, a] : file) {
       const auto it = ours.find(weight);
       if (it == ours.end()) {
-        problems += "\n  unexpected: an adapter of '" + weight + "' (not in lora.targets)";
+        problems.push_back("unexpected: an adapter of '" + weight + "' (not in lora.targets)");
         continue;
       }
-      if (shapes(a) != shapes(it->second))
-        problems += fmt::format("\n  '{}': the file's {} of rank {} ({}); lora.type {}, rank {} and factor {} make {}",
-                                weight, a.lokr() ? "LoKr" : "LoRA", a.rank(), shapes(a), config_.lora.type,
-                                config_.lora.rank, config_.lora.factor, shapes(it->second));
+      if (shapes(a) != shapes(it->second)) {
+        const std::string kind = fmt::format("{} of rank {}", a.lokr() ? "LoKr" : "LoRA", a.rank());
+        kinds.insert(kind);
+        problems.push_back(fmt::format("'{}': the file's {} ({}); lora.type {}, rank {} and factor {} make {}", weight,
+                                       kind, shapes(a), config_.lora.type, config_.lora.rank, config_.lora.factor,
+                                       shapes(it->second)));
+      }
     }
-    if (!problems.empty()) throw InitFromError("train.init_from '" + path + "' does not fit the adapters:" + problems);
+    for (const auto& weight : weights)
+      if (!file.count(weight)) problems.push_back("missing: an adapter of '" + weight + "'");
+    if (!problems.empty()) {
+      // A model's hundreds of adapters: what they have in common first, then a few of them.
+      std::string text = fmt::format("train.init_from '{}' does not fit the adapters ({} problem{})", path,
+                                     problems.size(), problems.size() == 1 ? "" : "s");
+      if (kinds.size() == 1)
+        text += fmt::format("; the file's adapters are {}, where lora.type {} and lora.rank {} make others",
+                            *kinds.begin(), config_.lora.type, config_.lora.rank);
+      constexpr size_t kShown = 6;
+      for (size_t i = 0; i < problems.size() && i < kShown; ++i) text += "\n  " + problems[i];
+      if (problems.size() > kShown) text += fmt::format("\n  ... and {} more", problems.size() - kShown);
+      throw InitFromError(text);
+    }
     std::map<std::string, at::Tensor> by_name(params.begin(), params.end());
     const double ours_scale = adapters_->options().scale();
     for (auto& [weight, a] : file) {
@@ -308,6 +324,7 @@ WanLora read_lora_checkpoint(const std::string& path, const std::string& expert,
                        ", not the " + expert + "-noise expert's adapters");
   WanLora lora;
   lora.source = source;
+  lora.expert = config.model.wan.expert == "both" ? (expert == "low" ? "low" : "high") : config.model.wan.expert;
   for (auto& [weight, adapter] : lora_adapters_of(masters, LoraOptions::from_config(config.lora)))
     if (weight.rfind(prefix, 0) == 0) lora.adapters.emplace(weight.substr(prefix.size()), std::move(adapter));
   if (lora.adapters.empty())
@@ -340,6 +357,9 @@ std::vector<std::string> save_lora_weights(const std::string& path, const RunCon
   for (size_t e = 0; e < files.size(); ++e) {
     WanLora lora;
     lora.block_linears = block_linears;
+    // Wan2.2: which expert's DiT the file adapts (both trained together: one file each, high first).
+    const auto& expert = config.model.wan.expert;
+    if (wan) lora.expert = files.size() == 2 ? (e == 0 ? "high" : "low") : expert == "both" ? "" : expert;
     for (const auto& [weight, a] : adapters)
       if (weight.rfind(prefixes[e], 0) == 0) lora.adapters.emplace(weight.substr(prefixes[e].size()), a);
     save_wan_lora(files[e], lora, layout, &group);

@@ -165,7 +165,7 @@ class WanModel final : public FamilyModel {
     bad_items_ = static_cast<int64_t>(data.bad.size());
     // Validation before the trainer's state exists: umT5 encodes the prompts now and is freed.
     if (request.validation) validation_.emplace(config_, validation_captions(data), source);
-    if (validation_ && wan_image_to_video(config_.model.wan)) validation_->images(data);
+    if (validation_ && wan_validation_from_images(config_)) validation_->images(data);
     batches_.emplace(latent_, std::move(data));
     const auto& w = config_.model.wan;
     if (w.expert == "both") {
@@ -266,9 +266,10 @@ class WanModel final : public FamilyModel {
           w.weights_2.empty() ? "" : " '" + w.weights_2 + "'"));
     } else if (!w.expert.empty()) {
       info.push_back(fmt::format(
-          "Wan2.2's {}-noise expert '{}': σ drawn only at timesteps {} {} x 1000 (diffusion.timestep_sampling's "
+          "Wan2.2's {}-noise expert{}: σ drawn only at timesteps {} {} x 1000 (diffusion.timestep_sampling's "
           "distribution restricted there){}",
-          w.expert, wan_trained_weights(w), w.expert == "high" ? ">=" : "<", w.boundary_ratio,
+          w.expert, wan_trained_weights(w).empty() ? " (randomly initialised)" : " '" + wan_trained_weights(w) + "'",
+          w.expert == "high" ? ">=" : "<", w.boundary_ratio,
           w.weights_2.empty() ? std::string()
                               : fmt::format("; the {}-noise expert '{}' is not trained",
                                             w.expert == "high" ? "low" : "high", wan_untrained_expert(w))));

@@ -27,8 +27,6 @@ namespace megaslide {
 
 namespace {
 
-constexpr int64_t kWanFps = 16;  // Wan2.1's sample_fps, as megaslide-sample writes Wan's videos
-
 WanVae load_vae(const RunConfig& config, torch::Device device, const std::string& source) {
   const auto& v = config.model.vae;
   try {
@@ -165,19 +163,26 @@ WanValidation::WanValidation(const RunConfig& config, const std::vector<std::str
                                   vae.config().spatial_downscale(), vae.config().spatial_downscale()));
 }
 
+bool wan_validation_from_images(const RunConfig& config) {
+  return wan_image_to_video(config.model.wan) || config.diffusion.first_frame_clean > 0;
+}
+
 void WanValidation::images(const WanLatentData& data) {
   const int64_t N = data.size();
+  // TI2V: the clip's own first latent frame is the image; image-to-video DiTs: the cached conditioning video.
+  const bool first_frame = !wan_image_to_video(config_.model.wan);
+  const char* const key = first_frame ? "latents" : "image_latents";
   TORCH_CHECK(N >= 1, "WanValidation::images: no items");
   const auto bracketed = [](const std::vector<int64_t>& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); };
   // An item's latent shape [C, T, H, W] without reading it: its bucket's, each bucket's looked up once.
   std::vector<std::vector<int64_t>> bucket_shapes(static_cast<size_t>(data.num_buckets()));
   for (int64_t b = 0; b < data.num_buckets(); ++b)
-    if (const auto s = data.sizes("image_latents", data.bucketed() ? b : -1))
+    if (const auto s = data.sizes(key, data.bucketed() ? b : -1))
       bucket_shapes[static_cast<size_t>(b)].assign(s->begin() + 1, s->end());
   const auto shape_of = [&](int64_t item) -> const std::vector<int64_t>& {
     const auto& s =
         bucket_shapes.at(data.bucketed() ? static_cast<size_t>(data.bucket_of.at(static_cast<size_t>(item))) : 0);
-    TORCH_CHECK(!s.empty(), "WanValidation::images: the data has no image_latents");
+    TORCH_CHECK(!s.empty(), "WanValidation::images: the data has no ", key);
     return s;
   };
   conditions_.clear();
@@ -208,8 +213,12 @@ void WanValidation::images(const WanLatentData& data) {
                                       i, video.job.prompt, bracketed(video.shape), bracketed(shape_of(0))));
     }
     WanImageCondition c;
-    c.latents = data.rows("image_latents", {item});
-    c.image = data.rows("image_embeds", {item});
+    if (first_frame) {
+      c.latents = data.rows("latents", {item}).narrow(2, 0, 1).contiguous();
+    } else {
+      c.latents = data.rows("image_latents", {item});
+      c.image = data.rows("image_embeds", {item});
+    }
     conditions_.push_back(std::move(c));
   }
 }
@@ -301,18 +310,32 @@ std::vector<torch::Tensor> WanValidation::sample(Trainer& trainer) const {
     denoiser = w.expert == "high" ? std::make_shared<WanExpertsDenoiser>(denoiser, frozen, w.boundary_ratio)
                                   : std::make_shared<WanExpertsDenoiser>(frozen, denoiser, w.boundary_ratio);
   }
-  TORCH_CHECK(!wan_image_to_video(w) || conditions_.size() == videos_.size(),
+  TORCH_CHECK(!wan_validation_from_images(config_) || conditions_.size() == videos_.size(),
               "WanValidation: image-to-video's validation needs its images (WanValidation::images)");
+  const bool first_frame = !conditions_.empty() && !wan_image_to_video(w);  // TI2V: the first frame kept clean
   std::vector<torch::Tensor> latents;
   for (size_t i = 0; i < videos_.size(); ++i) {
     // Image-to-video: the image's conditioning channels (and tokens) for both halves of the guided batch.
-    torch::Tensor channels, tokens;
-    if (!conditions_.empty()) {
+    torch::Tensor channels, tokens, frame, mask, token_mask;
+    if (first_frame) {
+      // As WanTextToVideo::sample_from_image: the first latent frame the image's, at timestep 0 in every input.
+      const auto& shape = videos_[i].shape;
+      frame = conditions_[i].latents.to(denoiser->device(), torch::kFloat32);
+      mask = torch::ones({1, 1, shape[1], shape[2], shape[3]}, torch::dtype(torch::kFloat32).device(frame.device()));
+      mask.select(2, 0).zero_();
+      const auto& p = w.patch;
+      token_mask =
+          mask[0][0].slice(0, 0, shape[1], p[0]).slice(1, 0, shape[2], p[1]).slice(2, 0, shape[3], p[2]).flatten();
+    } else if (!conditions_.empty()) {
       channels = wan_image_condition(conditions_[i].latents).to(denoiser->device());
       if (conditions_[i].image.defined()) tokens = conditions_[i].image.to(denoiser->device());
     }
+    const auto mix = [&](const torch::Tensor& x) { return (1 - mask) * frame + mask * x; };
     auto predict = [&](const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& text,
                        const torch::Tensor&) {
+      if (frame.defined())
+        return denoiser->predict(mix(x), token_mask.unsqueeze(0) * t.to(frame.device(), torch::kFloat32).unsqueeze(1),
+                                 text);
       if (!channels.defined()) return denoiser->predict(x, t, text);
       const int64_t rows = x.size(0);
       return denoiser->predict(torch::cat({x, channels.expand({rows, -1, -1, -1, -1})}, 1), t, text,
@@ -326,8 +349,8 @@ std::vector<torch::Tensor> WanValidation::sample(Trainer& trainer) const {
     cond.text = text_[i].to(denoiser->device());
     if (flow.guidance_scale() != 1.0)
       uncond.text = negatives_.at(job.negative_prompt.value_or(options_.negative_prompt())).to(denoiser->device());
-    latents.push_back(
-        flow_sample(predict, flow, videos_[i].shape, {job.seed}, cond, uncond, denoiser->device()).to(torch::kCPU));
+    auto sampled = flow_sample(predict, flow, videos_[i].shape, {job.seed}, cond, uncond, denoiser->device());
+    latents.push_back((frame.defined() ? mix(sampled) : sampled).to(torch::kCPU));
   }
   return latents;
 }
@@ -348,7 +371,7 @@ std::vector<std::string> WanValidation::write(const std::string& dir, Trainer& t
     }
     upscale = (video.size(2) % 2 != 0 || video.size(3) % 2 != 0) ? 2 : 1;  // H.264 needs even sizes
     io::write_mp4(io::join_path(videos_dir, jobs_[i].file), io::to_rgb_frames(video, upscale),
-                  io::VideoWriteOptions().fps(kWanFps));
+                  io::VideoWriteOptions().fps(wan_video_fps(config_)));
     files.push_back(jobs_[i].file);
   }
   io::SamplingRecord record{"(training run)",
@@ -357,7 +380,7 @@ std::vector<std::string> WanValidation::write(const std::string& dir, Trainer& t
                             options_.guidance_scale(),
                             0.0,
                             config_.train.seed,
-                            kWanFps,
+                            wan_video_fps(config_),
                             upscale,
                             options_.boundary_ratio(),
                             options_.guidance_scale_2() < 0 ? options_.guidance_scale() : options_.guidance_scale_2()};

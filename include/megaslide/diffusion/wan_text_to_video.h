@@ -76,6 +76,11 @@ struct WanSampleOptions {
   FlowSamplerOptions flow() const;
 };
 
+// The frame rate a Wan run's videos play at: the rate its clips were sampled at (data.fps of data.dataset: videos),
+// else Wan-AI's sample_fps for the model — 24 for Wan2.2 TI2V-5B (on the Wan2.2 VAE: model.vae.downscale 16, 48
+// latent channels), 16 otherwise.
+int64_t wan_video_fps(const RunConfig& config);
+
 // The Wan DiT's output (the flow velocity) for its input x [B, in_channels, T, H, W] at timesteps [B] (float)
 // and text [B, L, text_dim], with `image` [B, Li, image_dim] the image tokens of a DiT with an image branch
 // (Wan2.1 I2V; undefined otherwise); float32 out, on the denoiser's device. Called under NoGradGuard.

@@ -52,6 +52,9 @@ struct WanLora {
   std::map<std::string, LoraAdapter> adapters;  // base weight's diffusers name -> adapter
   LoraLayout layout = LoraLayout::kDiffusers;   // the file's, when read
   std::string source;
+  // Wan2.2: the expert whose DiT the adapters belong to, "high" or "low" (the file's "expert" metadata,
+  // "high_noise" / "low_noise" as Wan2.2's exported weights say it); "" when the file does not say.
+  std::string expert;
   // Writing diffusers' layout: the model's Linear modules inside its blocks ("blocks.0.attn1.to_q"), with which
   // the metadata's target_modules name exactly the adapted ones (PEFT adapts every module a target ends); empty:
   // each adapted module's name inside its attention ("to_q"), as diffusers' scripts write it.

@@ -120,7 +120,8 @@ class WanValidation {
   // prompts) item i mod N's for video i, each sampled at that item's size (its bucket's) — but a line of its own
   // size the first item from i mod N on of that size — from the run's N items (`data`: its image_latents, and its
   // image_embeds where the DiT has an image branch). Throws ConfigError naming train.sample_prompts when no item
-  // has a line's size.
+  // has a line's size. Wan2.2 TI2V's image-to-video (diffusion.first_frame_clean > 0; wan_first_frame_validation):
+  // the same items' own first latent frames, kept clean through the sampling as the training kept them.
   void images(const WanLatentData& data);
 
   // Each video's normalised latents [1, C, T, H, W] float32 on the CPU, sampled with the trainer's
@@ -140,7 +141,11 @@ class WanValidation {
   std::map<std::string, torch::Tensor>
       negatives_;               // per negative prompt of a video with guidance: [1, L, text_dim] float32, CPU
   std::vector<int64_t> items_;  // per video: the item its caption is, or -1
-  std::vector<WanImageCondition> conditions_;  // per video, image-to-video (CPU)
+  std::vector<WanImageCondition> conditions_;  // per video, image-to-video (CPU); TI2V: the first frame [1, C, 1, h, w]
 };
+
+// Whether a Wan run's validation videos start from its data's images: image-to-video DiTs (wan_image_to_video), and
+// Wan2.2 TI2V trained with a clean first frame (diffusion.first_frame_clean > 0), from its clips' own first frames.
+bool wan_validation_from_images(const RunConfig& config);
 
 }  // namespace megaslide
