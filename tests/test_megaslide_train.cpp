@@ -369,6 +369,52 @@ TEST(MegaslideTrain, SignalsTheRunWasStartedIgnoringStayIgnored) {
   megaslide::io::remove_tree(dir);
 }
 
+// The property: a data file the run reads through a memory map, truncated in place while the run reads it (a user
+// rewriting it, rsync --inplace), ends the run by SIGBUS as before — but with a line naming the file and what to do,
+// where it used to die without a word.
+TEST(MegaslideTrain, AMappedFileTruncatedUnderTheRunIsNamed) {
+  const auto dir = fresh_dir("sigbus");
+  const std::string config = megaslide::testing::write_tiny_wan(dir + "/data", 8);
+  const std::string tensors = dir + "/data/latents.safetensors";
+  const std::string log = "/tmp/megaslide-test-sigbus-" + std::to_string(::getpid()) + ".log";
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    std::freopen(log.c_str(), "w", stderr);
+    std::freopen(log.c_str(), "a", stdout);
+    const std::string bin = std::string(MEGASLIDE_BINARY_DIR) + "/bin/megaslide-train";
+    const std::string run_dir = dir + "/run";
+    ::execl(bin.c_str(), bin.c_str(), "--config", config.c_str(), "--run-dir", run_dir.c_str(), "--set",
+            "train.steps=1000000", "--set", "train.checkpoint_every=0", "--set", "train.threads=1", "--set",
+            "train.log_every=1", "--set", "offload.enabled=false", static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  const auto metrics = join_path(dir + "/run", "metrics.jsonl");
+  auto lines = [&] {
+    std::ifstream in(metrics);
+    return std::count(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>(), '\n');
+  };
+  for (int i = 0; i < 6000 && lines() < 3; ++i) ::usleep(10000);
+  ASSERT_GE(lines(), 3) << megaslide::io::read_file(log);
+  ASSERT_EQ(::truncate(tensors.c_str(), 0), 0);
+  int status = 0;
+  pid_t ended = 0;
+  for (int i = 0; i < 3000 && (ended = ::waitpid(pid, &status, WNOHANG)) == 0; ++i) ::usleep(10000);
+  if (ended == 0) {
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, &status, 0);
+    FAIL() << "the run went on reading a truncated file\n" << megaslide::io::read_file(log);
+  }
+  ASSERT_TRUE(WIFSIGNALED(status)) << megaslide::io::read_file(log);
+  EXPECT_EQ(WTERMSIG(status), SIGBUS);
+  EXPECT_NE(megaslide::io::read_file(log).find("the file '" + tensors +
+                                               "' read through a memory map lost the bytes being read (SIGBUS)"),
+            std::string::npos)
+      << megaslide::io::read_file(log);
+  megaslide::io::remove_tree(dir);
+  ::unlink(log.c_str());
+}
+
 // The property: a run whose metrics can no longer be written (a full disk; here a file size limit that its metrics
 // reach and its checkpoint files do not) stops as a signal would, saving a checkpoint of the step it trained, and
 // says where; resumed from it, the run trains to its last step.

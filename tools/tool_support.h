@@ -110,6 +110,31 @@ inline std::optional<int> parse_flags(CLI::App& app, int argc, char** argv) {
   }
 }
 
+// A read of a memory-mapped file whose bytes went missing — a cache shard or weights file truncated or rewritten in
+// place by another process while this one reads it — ends the process with SIGBUS, which said nothing: one line names
+// the file (io::mapped_file_at) and what to do, the temporaries are removed, and the process ends by SIGBUS as it
+// would have (write(2) alone: async-signal-safe).
+inline void on_mapped_file_fault(int signal, siginfo_t* info, void*) {
+  megaslide::io::remove_temporary_files();
+  const char* file = info != nullptr ? megaslide::io::mapped_file_at(info->si_addr) : nullptr;
+  for (const char* part :
+       {"\n", static_cast<const char*>(program_invocation_short_name), ": ", file != nullptr ? "the file '" : "a file",
+        file != nullptr ? file : "", file != nullptr ? "'" : "",
+        " read through a memory map lost the bytes being read (SIGBUS): it was truncated or rewritten in place while "
+        "this process read it. Replace such a file (a cache shard, weights) by writing a new one and renaming it over "
+        "the old, never in place; a training run resumes from its last checkpoint\n"})
+    if (::write(STDERR_FILENO, part, std::strlen(part)) < 0) break;
+  std::signal(signal, SIG_DFL);
+  std::raise(signal);
+}
+inline void report_mapped_file_faults() {
+  struct sigaction action {};
+  action.sa_sigaction = on_mapped_file_fault;
+  action.sa_flags = SA_SIGINFO;
+  sigemptyset(&action.sa_mask);
+  ::sigaction(SIGBUS, &action, nullptr);
+}
+
 // A tool's work after its flags, with LibTorch's CPU allocator behind the cache of large blocks that
 // MEGASLIDE_CPU_TENSOR_CACHE sets (util/cpu_tensor_cache.h; a bad value is bad input): returns what `body`
 // returns, or turns what it throws into one line on
@@ -120,6 +145,7 @@ template <typename Body>
 int run_tool(const std::string& name, Body&& body, const std::string& oom_hint = "") {
   try {
     util::install_cpu_tensor_cache_from_environment();
+    report_mapped_file_faults();
     return std::forward<Body>(body)();
   } catch (const std::exception& e) {
     const bool oom = is_out_of_memory(e);

@@ -770,7 +770,9 @@ struct LatentCache::Mapping {
   void* base = nullptr;
   size_t bytes = 0;
   ~Mapping() {
-    if (base != nullptr && base != MAP_FAILED) ::munmap(base, bytes);
+    if (base == nullptr || base == MAP_FAILED) return;
+    io::forget_mapping(base);
+    ::munmap(base, bytes);
   }
 };
 
@@ -842,6 +844,7 @@ std::shared_ptr<LatentCache> LatentCache::open_checked(const RunConfig& config, 
     ::close(fd);
     if (mapping->base == MAP_FAILED)
       throw DatasetError("cache shard '" + mapping->path + "': cannot map: " + std::strerror(errno));
+    io::register_mapping(mapping->base, mapping->bytes, mapping->path);
     io::SafetensorsHeader header;
     try {
       header = io::read_safetensors_header(mapping->path);

@@ -141,6 +141,47 @@ void remove_temporary_files() noexcept {
     if (slot.state.load() == 2) ::unlink(slot.path);
 }
 
+namespace {
+// The registered mappings: state 0 free, 1 being filled, 2 registered (read in a signal handler: atomics, a fixed
+// array, no allocation; its pages are touched only as slots are used).
+constexpr size_t kMappingPathMax = 1024;
+struct MappingSlot {
+  std::atomic<int> state{0};
+  const char* begin = nullptr;
+  size_t bytes = 0;
+  char path[kMappingPathMax];
+};
+std::array<MappingSlot, 4096> g_mappings;
+}  // namespace
+
+void register_mapping(const void* base, size_t bytes, const std::string& path) {
+  if (base == nullptr || bytes == 0 || path.size() >= kMappingPathMax) return;
+  for (auto& slot : g_mappings) {
+    int free = 0;
+    if (!slot.state.compare_exchange_strong(free, 1)) continue;
+    slot.begin = static_cast<const char*>(base);
+    slot.bytes = bytes;
+    std::memcpy(slot.path, path.c_str(), path.size() + 1);
+    slot.state.store(2);
+    return;
+  }
+}
+
+void forget_mapping(const void* base) {
+  for (auto& slot : g_mappings)
+    if (slot.state.load() == 2 && slot.begin == base) {
+      slot.state.store(0);
+      return;
+    }
+}
+
+const char* mapped_file_at(const void* address) noexcept {
+  const auto* a = static_cast<const char*>(address);
+  for (auto& slot : g_mappings)
+    if (slot.state.load() == 2 && a >= slot.begin && a < slot.begin + slot.bytes) return slot.path;
+  return nullptr;
+}
+
 int create_temporary_beside(const std::string& path, std::string& name) {
   std::string pattern = path + ".XXXXXX.tmp";
   const int fd = ::mkostemps(pattern.data(), 4, O_CLOEXEC);  // O_CREAT | O_EXCL: never through a link

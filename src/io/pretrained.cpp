@@ -147,7 +147,9 @@ struct MappedWeights::Mapping {
   void* base = nullptr;
   size_t bytes = 0;
   ~Mapping() {
-    if (base != nullptr) ::munmap(base, bytes);
+    if (base == nullptr) return;
+    forget_mapping(base);
+    ::munmap(base, bytes);
   }
 };
 
@@ -187,6 +189,7 @@ MappedWeights::MappedWeights(const std::string& path) : path_(path) {
         ::close(fd);
         throw PretrainedError("'" + file + "': cannot map: " + std::strerror(errno));
       }
+      register_mapping(m->base, m->bytes, file);
     }
     ::close(fd);
     files_.push_back(std::move(m));

@@ -145,9 +145,12 @@ struct MappedFile {
       base = nullptr;
       fail("'" + path + "': cannot map: " + std::strerror(errno));
     }
+    io::register_mapping(base, bytes, path);
   }
   ~MappedFile() {
-    if (base != nullptr) ::munmap(base, bytes);
+    if (base == nullptr) return;
+    io::forget_mapping(base);
+    ::munmap(base, bytes);
   }
 };
 

@@ -1031,6 +1031,7 @@ void export_wan_weights(const std::string& checkpoint, const std::string& file, 
   void* base = ::mmap(nullptr, bytes, PROT_READ, MAP_PRIVATE, fd, 0);
   ::close(fd);
   if (base == MAP_FAILED) fail(weights, std::string("cannot map: ") + std::strerror(errno));
+  io::register_mapping(base, bytes, weights);
   try {
     io::NamedTensors tensors;
     for (const auto& e : header.entries) {
@@ -1041,9 +1042,11 @@ void export_wan_weights(const std::string& checkpoint, const std::string& file, 
     if (layout == WanWeightsLayout::kDiffusers) save_wan_weights(out, wan, tensors, torch::kBFloat16);
     else save_wan_comfyui_weights(out, wan, tensors, layout == WanWeightsLayout::kComfyUI, torch::kBFloat16);
   } catch (...) {
+    io::forget_mapping(base);
     ::munmap(base, bytes);
     throw;
   }
+  io::forget_mapping(base);
   ::munmap(base, bytes);
 }
 }  // namespace
