@@ -188,7 +188,7 @@ TEST(MegaslideSample, ResumeKeepsTheVideosAnEarlierRunOfTheSameSettingsWrote) {
 
   r = sample(both, out, "--resume");
   ASSERT_EQ(r.code, 0) << r.output;
-  EXPECT_NE(r.output.find("--resume: 2 of the 4 videos are in"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("--resume: kept 2 of 4 videos already in"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("wrote 2 videos (and kept 2)"), std::string::npos) << r.output;
   EXPECT_EQ(megaslide::io::read_file(kept), "marker: not sampled again");
   for (const std::string file : {"the scene darkens-0.mp4", "the scene darkens-1.mp4", "a red blob moves left-0.mp4"})
@@ -197,6 +197,9 @@ TEST(MegaslideSample, ResumeKeepsTheVideosAnEarlierRunOfTheSameSettingsWrote) {
         << file;
   EXPECT_EQ(megaslide::io::read_file(join_path(out, "index.json")),
             megaslide::io::read_file(join_path(fresh, "index.json")));
+  // The videos' size is among the settings compared (a resume at another size keeps none).
+  EXPECT_EQ(nlohmann::json::parse(megaslide::io::read_file(join_path(out, "index.json"))).at("size"),
+            (std::vector<int64_t>{8, 16, 16}));
 
   // Other settings: refused, naming the setting, nothing changed.
   const std::string index_before = megaslide::io::read_file(join_path(out, "index.json"));

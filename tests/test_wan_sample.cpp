@@ -857,29 +857,44 @@ TEST(Wan22Experts, MegaslideSampleRecordsBothGuidanceScales) {
   EXPECT_FALSE(megaslide::io::path_exists(join_path(refused, "videos"))) << "nothing written";
 }
 
+namespace {
+// A run's weights file (`name` in the scratch folder) of the published experts: both trained together ("both":
+// transformer.*, transformer_2.*) or the high-noise one alone ("high"), under a run config that names no weights.
+std::string experts_run_weights(const std::string& expert, const std::string& name) {
+  const auto resolved = megaslide::with_wan_architecture_from_weights(experts_config(kExperts));
+  auto pair = megaslide::wan_model_from_config(resolved, "test");
+  EXPECT_TRUE(pair.low_noise);
+  const std::string prefix = expert == "both" ? "transformer." : "";
+  megaslide::io::NamedTensors params;
+  for (const auto& p : pair.dit->named_parameters(true)) params.emplace_back(prefix + p.key(), p.value());
+  if (expert == "both")
+    for (const auto& p : pair.low_noise->dit->named_parameters(true))
+      params.emplace_back("transformer_2." + p.key(), p.value());
+  auto run_config = resolved;
+  run_config.model.wan.weights.clear();
+  run_config.model.wan.weights_2.clear();
+  run_config.model.wan.expert = expert;
+  const auto weights = join_path(scratch(), name);
+  megaslide::save_weights(weights, run_config, params, torch::kFloat32);
+  return weights;
+}
+
+// The flags the expert tests sample `prompts` with (6 steps, the latents kept), up to --out's value.
+std::string expert_sampling_flags(const std::string& prompts) {
+  return kEncoders + " --prompts " + prompts +
+         " --samples-per-prompt 1 --steps 6 --shift 5 --guidance 1 --latents --no-progress --compute-dtype fp32 --out ";
+}
+}  // namespace
+
 // The property: the weights file of a run that trained both experts (model.wan.expert both: the high-noise
 // expert's tensors "dit.transformer.*", the low-noise one's "dit.transformer_2.*") samples with megaslide-sample
 // --checkpoint as the pair: the latents of the same two experts sampled from their repository (--config).
 TEST(Wan22Experts, ABothExpertsRunsWeightsFileSamplesAsThePair) {
   if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
-  const auto resolved = megaslide::with_wan_architecture_from_weights(experts_config(kExperts));
-  auto pair = megaslide::wan_model_from_config(resolved, "test");
-  ASSERT_TRUE(pair.low_noise);
-  megaslide::io::NamedTensors params;
-  for (const auto& p : pair.dit->named_parameters(true)) params.emplace_back("transformer." + p.key(), p.value());
-  for (const auto& p : pair.low_noise->dit->named_parameters(true))
-    params.emplace_back("transformer_2." + p.key(), p.value());
-  auto run_config = resolved;
-  run_config.model.wan.weights.clear();
-  run_config.model.wan.weights_2.clear();
-  run_config.model.wan.expert = "both";
-  const auto weights = join_path(scratch(), "both-experts.safetensors");
-  megaslide::save_weights(weights, run_config, params, torch::kFloat32);
+  const auto weights = experts_run_weights("both", "both-experts.safetensors");
   const auto config = write("both-experts.yaml", config_yaml(kExperts));
-  const auto prompts = write("both-experts-prompts.txt", "a red blob moves left quickly\n");
-  const std::string common = kEncoders + " --prompts " + prompts +
-                             " --samples-per-prompt 1 --steps 6 --shift 5 --guidance 1 --latents --no-progress "
-                             "--compute-dtype fp32 --out ";
+  const std::string common =
+      expert_sampling_flags(write("both-experts-prompts.txt", "a red blob moves left quickly\n"));
   const auto published = join_path(scratch(), "both-published"), trained = join_path(scratch(), "both-run");
   auto r = run("--config " + config + common + published);
   ASSERT_EQ(r.code, 0) << r.output;
@@ -900,21 +915,9 @@ TEST(Wan22Experts, ABothExpertsRunsWeightsFileSamplesAsThePair) {
 // model.wan.weights_2 is refused alike.
 TEST(Wan22Experts, ALoneExpertIsSampledOnlyWithItsPartner) {
   if (!megaslide::io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
-  const auto resolved = megaslide::with_wan_architecture_from_weights(experts_config(kExperts));
-  auto pair = megaslide::wan_model_from_config(resolved, "test");
-  megaslide::io::NamedTensors params;
-  for (const auto& p : pair.dit->named_parameters(true)) params.emplace_back(p.key(), p.value());
-  auto run_config = resolved;
-  run_config.model.wan.weights.clear();
-  run_config.model.wan.weights_2.clear();
-  run_config.model.wan.expert = "high";
-  const auto weights = join_path(scratch(), "high-alone.safetensors");
-  megaslide::save_weights(weights, run_config, params, torch::kFloat32);
+  const auto weights = experts_run_weights("high", "high-alone.safetensors");
   const auto config = write("lone-expert.yaml", config_yaml(kExperts));
-  const auto prompts = write("lone-expert-prompts.txt", "a red blob moves left quickly\n");
-  const std::string common = kEncoders + " --prompts " + prompts +
-                             " --samples-per-prompt 1 --steps 6 --shift 5 --guidance 1 --latents --no-progress "
-                             "--compute-dtype fp32 --out ";
+  const std::string common = expert_sampling_flags(write("lone-expert-prompts.txt", "a red blob moves left quickly\n"));
   const auto published = join_path(scratch(), "lone-published"), trained = join_path(scratch(), "lone-run");
   auto r = run("--checkpoint " + weights + common + trained);
   EXPECT_EQ(r.code, 2) << r.output;
@@ -933,10 +936,25 @@ TEST(Wan22Experts, ALoneExpertIsSampledOnlyWithItsPartner) {
   EXPECT_NE(r.output.find("sampling it with the other one"), std::string::npos) << r.output;
   const auto index = nlohmann::json::parse(megaslide::io::read_file(join_path(trained, "index.json")));
   EXPECT_EQ(index.at("boundary_ratio"), 0.875);
+  // The two-expert repository as --expert-2: its other expert, the low-noise one, is the partner.
+  const auto from_repository = join_path(scratch(), "lone-run-repository");
+  r = run("--checkpoint " + weights + " --expert-2 " + kExperts + common + from_repository);
+  ASSERT_EQ(r.code, 0) << r.output;
   for (const auto& v : index.at("videos")) {
     const std::string file = v.at("file");
     EXPECT_LT(max_diff(saved_latents(published, file), saved_latents(trained, file)), 1e-5) << file;
+    EXPECT_TRUE(torch::equal(saved_latents(trained, file), saved_latents(from_repository, file))) << file;
   }
+  // index.json records both experts' files and the encoders', which --resume compares: another partner is refused.
+  ASSERT_EQ(index.at("experts").size(), 2u);
+  EXPECT_EQ(index.at("experts")[1], megaslide::io::absolute_path(kExperts + "/transformer_2"));
+  EXPECT_EQ(index.at("encoders").at("vae"), megaslide::io::absolute_path(kVae));
+  r = run("--checkpoint " + weights + " --expert-2 " + kExperts + "/transformer" + common + trained + " --resume");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("experts: "), std::string::npos) << r.output;
+  r = run("--checkpoint " + weights + " --expert-2 " + kExperts + common + trained + " --resume");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("kept 1 of 1 video already in"), std::string::npos) << r.output;
 }
 
 namespace {

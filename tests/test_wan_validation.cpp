@@ -81,6 +81,16 @@ megaslide::RunConfig tiny_config(const std::vector<std::string>& overrides) {
   return megaslide::parse_run_config(kModel + kEncoders + run_sections("unused.safetensors"), "test", overrides);
 }
 
+// A fresh Wan DiT holding the trainer's fp32 masters.
+megaslide::WanTransformer with_masters(megaslide::Trainer& trainer) {
+  megaslide::WanTransformer model(megaslide::WanOptions::from_config(trainer.config()));
+  torch::NoGradGuard no_grad;
+  std::map<std::string, torch::Tensor> params;
+  for (auto& p : model->named_parameters(true)) params.emplace(p.key(), p.value());
+  for (const auto& [name, value] : trainer.master_weights()) params.at(name).copy_(value);
+  return model;
+}
+
 // What WanTextToVideo samples for the validation's jobs (one at a time, as the validation samples them)
 // over a fresh model holding the trainer's masters, its blocks in `dtype`.
 torch::Tensor reference_latents(const megaslide::WanValidation& v, megaslide::Trainer& trainer, c10::ScalarType dtype) {
@@ -166,13 +176,7 @@ TEST(WanValidation, Ti2vRunsSampleFromTheirClipsFirstFrames) {
   ASSERT_EQ(sampled.sizes(), (std::vector<int64_t>{2, 16, 2, 4, 6}));
   EXPECT_TRUE(torch::equal(sampled.narrow(2, 0, 1), frame.expand({2, -1, -1, -1, -1})));
 
-  megaslide::WanTransformer model(megaslide::WanOptions::from_config(trainer.config()));
-  {
-    torch::NoGradGuard no_grad;
-    std::map<std::string, torch::Tensor> params;
-    for (auto& p : model->named_parameters(true)) params.emplace(p.key(), p.value());
-    for (const auto& [name, value] : trainer.master_weights()) params.at(name).copy_(value);
-  }
+  const auto model = with_masters(trainer);
   megaslide::WanTextToVideo pipeline(
       validation.latent_config(), megaslide::Umt5Encoder::load(kUmt5), megaslide::Umt5Tokenizer::from_file(kSpiece),
       std::make_shared<megaslide::ResidentWanDenoiser>(model, torch::kCPU, at::kFloat), megaslide::WanVae::load(kVae));
@@ -264,13 +268,7 @@ TEST(WanValidation, PromptFileLinesSampleAtTheirOwnSizeAndSettings) {
 
   auto sized = validation.latent_config();
   sized.data.frames = 3, sized.data.height = 2, sized.data.width = 4;
-  megaslide::WanTransformer model(megaslide::WanOptions::from_config(trainer.config()));
-  {
-    torch::NoGradGuard no_grad;
-    std::map<std::string, torch::Tensor> params;
-    for (auto& p : model->named_parameters(true)) params.emplace(p.key(), p.value());
-    for (const auto& [name, value] : trainer.master_weights()) params.at(name).copy_(value);
-  }
+  const auto model = with_masters(trainer);
   megaslide::WanTextToVideo pipeline(
       sized, megaslide::Umt5Encoder::load(kUmt5), megaslide::Umt5Tokenizer::from_file(kSpiece),
       std::make_shared<megaslide::ResidentWanDenoiser>(model, torch::kCPU, at::kFloat), megaslide::WanVae::load(kVae));

@@ -275,10 +275,10 @@ std::vector<bool> earlier_videos_kept(const std::vector<megaslide::io::SampleJob
   }
   const size_t count = static_cast<size_t>(std::count(kept.begin(), kept.end(), true));
   std::cerr << fmt::format(
-      "megaslide-sample: --resume: {} of the {} video{} are in {} already (index.json){}; "
-      "sampling the other {}\n",
-      count, jobs.size(), jobs.size() == 1 ? "" : "s", out.out_dir,
-      missing > 0 ? fmt::format(", {} it lists lack a file and are sampled again", missing) : "", jobs.size() - count);
+      "megaslide-sample: --resume: kept {} of {} video{} already in {} (index.json){}; sampling {}\n", count,
+      jobs.size(), jobs.size() == 1 ? "" : "s", out.out_dir,
+      missing > 0 ? fmt::format("; {} it lists lack a file and are sampled again", missing) : "",
+      count == jobs.size() ? std::string("none") : fmt::format("the other {}", jobs.size() - count));
   return kept;
 }
 
@@ -309,6 +309,9 @@ void write_videos(const std::vector<megaslide::ValidationVideo>& videos, const V
   std::vector<size_t> position;
   for (size_t i = 0; i < videos.size(); ++i)
     if (!written[i]) todo.push_back(videos[i]), position.push_back(i);
+  // --resume: the index lists the kept videos alone before any is replaced, so a run stopped part-way never lists
+  // a video (or its frames, its latents) that was being written again.
+  if (out.resume && !todo.empty()) write_index();
   SampleProgress progress(static_cast<int64_t>(todo.size()), out.progress);
   try {
     for (size_t start = 0, end = 0; start < todo.size(); start = end) {
@@ -444,6 +447,10 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan,
   request.device = device;
   request.stream = megaslide::parse_stream_choice(streamed);
   request.compute_dtype = megaslide::offload::parse_compute_dtype(dtype.dtype);
+  // Wan2.2's two experts, as the videos depend on both (a run's expert and the partner it samples with).
+  std::vector<std::string> experts;
+  if (model.low_noise && !model.source.empty() && !model.low_noise->source.empty())
+    experts = {megaslide::io::absolute_path(model.source), megaslide::io::absolute_path(model.low_noise->source)};
   megaslide::OpenedWanPipeline opened;
   try {
     opened = megaslide::open_wan_pipeline(std::move(model), request);
@@ -471,6 +478,10 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan,
                                            : "resident";
   record.shift = options.shift();
   record.negative_prompt = options.negative_prompt();
+  record.size = {size.frames, size.height, size.width};
+  for (const auto& [what, file] : opened.encoder_files)
+    record.encoders.emplace_back(what, megaslide::io::absolute_path(file));
+  if (!experts.empty()) record.experts = experts;
   if (options.boundary_ratio() > 0)
     std::cerr << fmt::format(
         "megaslide-sample: two experts: the high-noise one for t >= {} (guidance {}), the low-noise one below "
@@ -563,6 +574,8 @@ SampleBatch dit_sampler(megaslide::TextToVideoModel model, const std::vector<meg
   record.compute_dtype = dtype.dtype;
   record.device = device.str();
   record.dit = stream ? "blocks streamed" : "resident";
+  const auto size = megaslide::run_video_size(generator->config());
+  record.size = {size.frames, size.height, size.width};
   record.timestep_spacing = megaslide::to_string(options.timestep_spacing());
   std::cerr << fmt::format(
       "megaslide-sample: {} prompt(s) x {} -> {} videos in {} ({} {} steps {}, guidance {}, device {}, {}, "
@@ -665,9 +678,9 @@ int main(int argc, char** argv) {
   app.add_option("--lora-2", wan.lora_2, "Wan2.2: a LoRA merged into the low-noise expert");
   app.add_option(
          "--expert-2", wan.expert_2,
-         "Wan2.2: the other expert's weights (a weights file or diffusers folder) for a run that fine-tuned one "
-         "expert and names no partner (its model.wan.weights_2 is empty); each expert denoises its own "
-         "timesteps")
+         "Wan2.2: the other expert's weights (a weights file, a diffusers folder, or the two-expert repository, "
+         "whose other expert is taken) for a run that fine-tuned one expert and names no partner (its "
+         "model.wan.weights_2 is empty); each expert denoises its own timesteps")
       ->check(megaslide::tools::non_empty_path());
   app.add_option("--lora-2-scale", wan.lora_2_scale, "Wan2.2: --lora-2's weight (default --lora-scale)")
       ->check(megaslide::tools::finite_real(-100.0));
@@ -855,12 +868,21 @@ int main(int argc, char** argv) {
                                         w.expert + "')");
           if (!megaslide::io::path_exists(wan.expert_2))
             throw std::invalid_argument("--expert-2: '" + wan.expert_2 + "' does not exist");
-          // wan_untrained_expert's fields: the low-noise partner in weights_2, the high-noise one in weights.
-          if (w.expert == "high") {
-            w.weights_2 = wan.expert_2;
+          // A two-expert repository (or Wan-AI's folder of both) gives the partner the run needs: its other expert.
+          std::string partner = wan.expert_2;
+          try {
+            const auto experts = megaslide::find_wan_experts(wan.expert_2);
+            if (!experts.low.empty()) partner = expert == "high" ? experts.low : experts.high;
+          } catch (const std::exception& e) {
+            throw std::invalid_argument("--expert-2: " + megaslide::error_message(e));
+          }
+          // wan_untrained_expert's fields: the low-noise partner in weights_2, the high-noise one in weights (a low
+          // run's weights_2, the trained expert's own name, kept where it has one).
+          if (expert == "high") {
+            w.weights_2 = partner;
           } else {
-            w.weights_2 = w.weights.empty() ? weights : w.weights;
-            w.weights = wan.expert_2;
+            if (w.weights_2.empty()) w.weights_2 = weights;
+            w.weights = partner;
           }
         } else if (one_expert && megaslide::wan_untrained_expert(w).empty()) {
           throw std::invalid_argument(

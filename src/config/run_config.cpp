@@ -897,9 +897,11 @@ RunConfig parse_config_text(const std::string& yaml_text, const std::string& sou
     apply(schema, where, key, value);
     applied.emplace_back(key, where);
   }
-  for (const auto& [key, where] : applied)
+  for (const auto& [key, where] : applied) {
     if (const std::string problem = inapplicable_key_problem(config, key); !problem.empty())
       throw ConfigError(where, key, problem);
+    config.given.insert(key);
+  }
   const std::string suffix = " with --set overrides";  // not twice: a source may already say so (a run's own)
   const bool said =
       source.size() >= suffix.size() && source.compare(source.size() - suffix.size(), suffix.size(), suffix) == 0;
@@ -987,17 +989,20 @@ void validate_wan(const RunConfig& c, bool sizes,
     // with_wan_repository_encoders) are checked once it has been read.
     const bool from_repository = !sizes && !w.weights.empty();
     const bool vae_pending = from_repository && vae.kind == "none" && vae.weights.empty();
-    const std::string or_repository = " (or name a diffusers repository holding it in model.wan.weights)";
+    const auto or_repository = [&](const char* folder) {
+      return w.weights.empty() ? std::string(" (or name a diffusers repository holding it in model.wan.weights)")
+                               : fmt::format(" (model.wan.weights '{}' has no {}/ to take it from)", w.weights, folder);
+    };
     if (te.kind != "umt5" && !(from_repository && te.kind == "builtin" && te.weights.empty()))
       fail("model.text_encoder.kind",
            "expected umt5 for model.arch wan with data.dataset: videos (the cache holds umT5's embeddings): set "
            "model.text_encoder.kind: umt5 and model.text_encoder.weights" +
-               or_repository);
+               or_repository("text_encoder"));
     if (vae.kind != "wan" && !vae_pending)
       fail("model.vae.kind",
            "expected wan for model.arch wan with data.dataset: videos (the cache holds the Wan VAE's latents): set "
            "model.vae.kind: wan and model.vae.weights" +
-               or_repository);
+               or_repository("vae"));
     if (sizes && vae.latent_channels != w.out_channels)
       fail("model.vae.latent_channels", "expected model.wan.out_channels (" + std::to_string(w.out_channels) +
                                             ": the Wan VAE's z_dim is the DiT's latents), got " +
@@ -1071,14 +1076,6 @@ void validate_wan(const RunConfig& c, bool sizes,
     fail("diffusion.image_dropout",
          "drops the image of image-to-video; this Wan is text-to-video (model.wan.in_channels "
          "equals out_channels)");
-  if (sizes && !wan_image_to_video(w) && c.data.image_frame != 0)
-    fail("data.image_frame",
-         "picks the conditioning frame of a clip for an image-to-video DiT (Wan2.1 I2V, Wan2.2 I2V-A14B); this Wan "
-         "is text-to-video (model.wan.in_channels equals out_channels)" +
-             std::string(c.diffusion.first_frame_clean > 0
-                             ? ", and TI2V's clean first frame (diffusion.first_frame_clean) is the clip's own first"
-                             : "") +
-             ": leave it 0");
   if (sizes && wan_image_to_video(w) && c.diffusion.first_frame_clean > 0)
     fail("diffusion.first_frame_clean",
          "is Wan2.2 TI2V's image-to-video (the first latent frame clean in the input); this Wan takes its image as "

@@ -787,6 +787,8 @@ OpenedWanPipeline open_wan_pipeline(WanModel model, const WanPipelineRequest& re
   };
 
   OpenedWanPipeline out;
+  out.encoder_files.emplace_back("text_encoder", t5_path);
+  out.encoder_files.emplace_back("vae", vae_path);
   const auto t5_dtype = request.device.is_cuda() ? torch::kBFloat16 : torch::kFloat32;
   auto t5 =
       loading("text_encoder", "", [&] { return Umt5Encoder::load(t5_path, torch::kCPU, t5_dtype, te.dtype == "fp8"); });
@@ -803,6 +805,7 @@ OpenedWanPipeline open_wan_pipeline(WanModel model, const WanPipelineRequest& re
           ? loading("text_encoder",
                     "its tokenizer (or give the tokenizer on its own): ", [&] { return Umt5Tokenizer::find(t5_path); })
           : loading("tokenizer", "", [&] { return Umt5Tokenizer::find(tokenizer_path); });
+  if (!tokenizer_path.empty()) out.encoder_files.emplace_back("tokenizer", tokenizer_path);
   auto vae = loading("vae", "", [&] { return WanVae::load(vae_path, request.device, torch::kFloat32); });
   // Wan2.1 I2V: CLIP's image tokens (before the DiT is taken over: a refusal leaves the model as it was).
   std::function<torch::Tensor(const torch::Tensor&)> image_encoder;
@@ -831,6 +834,7 @@ OpenedWanPipeline open_wan_pipeline(WanModel model, const WanPipelineRequest& re
                                          "(model.wan.image_dim)",
                                          clip_path, clip->config().hidden_size, model.config.model.wan.image_dim));
     image_encoder = [clip](const torch::Tensor& pixels) { return clip->encode(pixels); };
+    out.encoder_files.emplace_back("image_encoder", clip_path);
   }
 
   auto weight_bytes = [](const WanModel* m) {

@@ -384,6 +384,13 @@ std::string index_json(const std::vector<SampleJob>& jobs, const SamplingRecord&
   if (!r.lora.empty()) j["lora"] = loras(r.lora);
   if (!r.lora_2.empty()) j["lora_2"] = loras(r.lora_2);
   if (!r.image.empty()) j["image"] = r.image;
+  if (!r.size.empty()) j["size"] = r.size;
+  if (!r.experts.empty()) j["experts"] = r.experts;
+  if (!r.encoders.empty()) {
+    nlohmann::ordered_json encoders = nlohmann::ordered_json::object();
+    for (const auto& [what, file] : r.encoders) encoders[what] = file;
+    j["encoders"] = std::move(encoders);
+  }
   j["videos_folder"] = kVideosFolder;
   auto videos = nlohmann::ordered_json::array();
   for (const auto& job : jobs) {
@@ -420,7 +427,9 @@ EarlierSamples earlier_samples(const std::string& index_text, const std::vector<
   for (const auto& [key, value] : earlier.items()) keys.insert(key);
   for (const auto& [key, value] : ours.items()) keys.insert(key);
   for (const auto& key : keys) {
-    if (key == "videos") continue;
+    // How the DiT ran (resident, streamed, experts taking turns: --streamed auto's choice by the free memory) does
+    // not change the videos.
+    if (key == "videos" || key == "dit") continue;
     const auto shown = [&](const nlohmann::json& j) { return j.contains(key) ? j[key].dump() : "(none)"; };
     if (!earlier.contains(key) || !ours.contains(key) || earlier[key] != ours[key]) {
       out.differs = key + ": " + shown(earlier) + " in index.json, " + shown(ours) + " in this run";

@@ -515,15 +515,10 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     for (const auto& line : lines) log.info(line);
   }
   for (const auto& w : family_warnings) log.warn(w);
-  // Wan's sizes are its weights': a size the config set otherwise is replaced, said rather than silently.
+  // Wan's sizes are its weights': a size the config gave otherwise is replaced, said rather than silently.
   if (config.model.arch == Architecture::kWan && !config.model.wan.weights.empty()) {
-    const WanConfig defaults;
     for (const auto& key : differing_keys(requested, config)) {
-      if (key.rfind("model.wan.", 0) != 0 || key == "model.wan.weights_2" || key == "model.wan.boundary_ratio")
-        continue;
-      RunConfig unset = requested;
-      unset.model.wan = defaults;
-      if (config_value_text(unset, key) == config_value_text(requested, key)) continue;  // left at its default
+      if (key.rfind("model.wan.", 0) != 0 || !requested.given.count(key)) continue;
       log.warn(fmt::format("{} is {} in the config but {} in model.wan.weights: the weights' is used", key,
                            config_value_text(requested, key), config_value_text(config, key)));
     }

@@ -254,8 +254,16 @@ class WanModel final : public FamilyModel {
   int64_t tokens_per_sample() const override { return grid_.numel(); }
   double flops_per_step() const override { return wan_model_flops_per_step(latent_); }
 
-  void describe(std::vector<std::string>& info, std::vector<std::string>& /*warnings*/) const override {
+  void describe(std::vector<std::string>& info, std::vector<std::string>& warnings) const override {
     const auto& w = config_.model.wan;
+    // The conditioning frame of an image-to-video DiT's clips: unused by a text-to-video one (TI2V's clean first
+    // frame is the clip's own). Said, not refused: a run's config keeps its data keys across resumes.
+    if (!wan_image_to_video(w) && config_.data.image_frame != 0)
+      warnings.push_back(fmt::format(
+          "data.image_frame is {}, but this Wan is text-to-video (model.wan.in_channels equals out_channels){}: the "
+          "setting is not used",
+          config_.data.image_frame,
+          config_.diffusion.first_frame_clean > 0 ? ", and TI2V's clean first frame is each clip's own first" : ""));
     if (w.expert == "both") {
       const double p_high = 1.0 - flow_sigma_cdf(w.boundary_ratio, FlowMatchingOptions::from_config(config_));
       info.push_back(fmt::format(

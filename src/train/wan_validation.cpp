@@ -192,8 +192,10 @@ void WanValidation::images(const WanLatentData& data) {
     int64_t item = items_[i];
     if (item < 0 && !own_size) item = static_cast<int64_t>(i) % N;
     if (item >= 0) {
-      // At its item's size (its bucket's), recorded in index.json where it is not the run's.
-      const auto shape = shape_of(item);
+      // At its item's size (its bucket's), recorded in index.json where it is not the run's. TI2V takes the item's
+      // first frame alone: the video keeps its own length.
+      auto shape = shape_of(item);
+      if (first_frame) shape[1] = video.shape[1];
       if (shape != video.shape) {
         const int64_t ds = config_.model.vae.downscale;
         video.shape = shape;
@@ -203,7 +205,9 @@ void WanValidation::images(const WanLatentData& data) {
     } else {  // a line of its own size: the first item from i mod N on that has it
       for (int64_t k = 0; k < N && item < 0; ++k) {
         const int64_t candidate = (static_cast<int64_t>(i) + k) % N;
-        if (shape_of(candidate) == video.shape) item = candidate;
+        const auto& c = shape_of(candidate);
+        if (first_frame ? c[0] == video.shape[0] && c[2] == video.shape[2] && c[3] == video.shape[3] : c == video.shape)
+          item = candidate;
       }
       if (item < 0)
         throw ConfigError(source_, "train.sample_prompts",

@@ -11,6 +11,7 @@
 
 #include <array>
 #include <cstdint>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -324,6 +325,9 @@ struct RunConfig {
   LoraConfig lora;
   OutputConfig output;
   DistributedConfig distributed;
+  // The keys its text and --set overrides gave (parse_run_config), whatever their values: not a setting of the run
+  // (not saved, not compared), what a message about a value the config chose may go by.
+  std::set<std::string> given;
 };
 
 // The shape [C, T, H, W] of the DiT's samples: the video's (data.channels x frames x height x width),

@@ -335,6 +335,9 @@ struct OpenedWanPipeline {
   std::shared_ptr<WanTextToVideo> pipeline;
   bool dit_streamed = false, text_encoder_streamed = false;
   bool experts_take_turns = false;  // two resident experts, the inactive one parked in host memory
+  // The frozen encoders' files read: ("text_encoder", path), ("tokenizer", path) when not found beside umT5,
+  // ("vae", path), ("image_encoder", path) for Wan2.1 I2V.
+  std::vector<std::pair<std::string, std::string>> encoder_files;
 };
 
 // The sampling pipeline of `model` (whole, or loaded with blocks_on_demand): umT5 (bf16 on a GPU, as Wan

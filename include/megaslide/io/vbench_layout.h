@@ -137,11 +137,18 @@ struct SamplingRecord {
   int64_t crf = -1;
   std::vector<std::pair<std::string, double>> lora{}, lora_2{};
   std::string image{};  // image-to-video: the image of every video without its own (--image)
+  // What else the videos depend on: their size where a prompt line gives none ([frames, height, width] in pixels),
+  // Wan2.2's two experts' weights (high, low) and the frozen encoders' files (text_encoder, tokenizer, vae,
+  // image_encoder; those a pipeline reads). Empty: not recorded.
+  std::vector<int64_t> size{};
+  std::vector<std::string> experts{};
+  std::vector<std::pair<std::string, std::string>> encoders{};
 };
 
 // DIR/index.json: {"checkpoint", "sampler", "steps", "guidance_scale", "eta", "base_seed", "fps", "upscale",
 // ["boundary_ratio", "guidance_scale_2" (two experts),] [the recorded ones of "compute_dtype", "device", "dit",
-// "timestep_spacing", "shift", "negative_prompt", "crf", "lora", "lora_2" ([{"file", "scale"}, …]), "image",]
+// "timestep_spacing", "shift", "negative_prompt", "crf", "lora", "lora_2" ([{"file", "scale"}, …]), "image",
+// "size" ([frames, height, width]), "experts" ([high, low]), "encoders" ({"text_encoder": file, …}),]
 // "videos_folder" ("videos"),
 // "videos": [{"prompt", "index", "seed", "file"[, "steps", "guidance_scale", "negative_prompt", "image",
 // "frames", "height", "width"]}, …]} (a video's own settings where it has them).
