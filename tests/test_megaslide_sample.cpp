@@ -219,6 +219,13 @@ TEST(MegaslideSample, ResumeKeepsTheVideosAnEarlierRunOfTheSameSettingsWrote) {
   EXPECT_EQ(megaslide::io::read_file(kept),
             megaslide::io::read_file(join_path(fresh, "videos/a red blob moves left-1.mp4")));
 
+  // An index written before the size was recorded cannot tell whether its videos are this run's: refused, saying so.
+  auto older = nlohmann::json::parse(megaslide::io::read_file(join_path(fresh, "index.json")));
+  older.erase("size");
+  megaslide::io::write_file_atomically(join_path(out, "index.json"), older.dump(2));
+  r = sample(both, out, "--resume");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("index.json does not record \"size\" (an earlier version"), std::string::npos) << r.output;
   // An index.json that is not one.
   megaslide::io::write_file_atomically(join_path(out, "index.json"), "{\"videos\": ");
   r = sample(both, out, "--resume");

@@ -260,8 +260,8 @@ std::vector<bool> earlier_videos_kept(const std::vector<megaslide::io::SampleJob
   }
   if (!earlier->differs.empty())
     throw megaslide::tools::UsageError(
-        fmt::format("--resume: the videos in {} were sampled with other settings ({}): without --resume this run "
-                    "replaces them; or give another --out",
+        fmt::format("--resume: the videos in {} cannot be kept: {}; without --resume this run replaces them, or give "
+                    "another --out",
                     out.out_dir, earlier->differs));
   size_t missing = 0;
   for (size_t i = 0; i < jobs.size(); ++i) {
@@ -294,7 +294,8 @@ void write_videos(const std::vector<megaslide::ValidationVideo>& videos, const V
   // index.json describes the videos written, batch by batch: an earlier run's is removed just before the first of
   // its videos is replaced, so a run stopped part-way (a full disk, Ctrl-C) leaves an index of its own videos, and
   // one that fails before writing any leaves the earlier run as it was. With --resume it lists the earlier run's
-  // videos this run keeps beside its own, in the order of the prompt file.
+  // videos this run keeps beside its own, in the order of the prompt file: rewritten to the kept ones alone before
+  // sampling starts (the others' files stay until replaced, unlisted).
   const std::string index = megaslide::io::join_path(out.out_dir, "index.json");
   std::vector<bool> written = earlier_videos_kept(jobs, out, record);
   bool earlier_index_removed = out.resume;

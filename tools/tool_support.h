@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <cerrno>
 #include <chrono>
@@ -115,15 +116,25 @@ inline std::optional<int> parse_flags(CLI::App& app, int argc, char** argv) {
 // the file (io::mapped_file_at) and what to do, the temporaries are removed, and the process ends by SIGBUS as it
 // would have (write(2) alone: async-signal-safe).
 inline void on_mapped_file_fault(int signal, siginfo_t* info, void*) {
-  megaslide::io::remove_temporary_files();
-  const char* file = info != nullptr ? megaslide::io::mapped_file_at(info->si_addr) : nullptr;
-  for (const char* part :
-       {"\n", static_cast<const char*>(program_invocation_short_name), ": ", file != nullptr ? "the file '" : "a file",
-        file != nullptr ? file : "", file != nullptr ? "'" : "",
-        " read through a memory map lost the bytes being read (SIGBUS): it was truncated or rewritten in place while "
-        "this process read it. Replace such a file (a cache shard, weights) by writing a new one and renaming it over "
-        "the old, never in place; a training run resumes from its last checkpoint\n"})
-    if (::write(STDERR_FILENO, part, std::strlen(part)) < 0) break;
+  static std::atomic<bool> said{false};  // threads faulting at once: one says it
+  if (!said.exchange(true)) {
+    megaslide::io::remove_temporary_files();
+    // A page of a mapping past its file's end is BUS_ADRERR; SIGBUS sent by kill(2), an alignment fault or a
+    // hardware memory error is another si_code, and no file's doing.
+    const bool mapped = info != nullptr && info->si_code == BUS_ADRERR;
+    const char* file = mapped ? megaslide::io::mapped_file_at(info->si_addr) : nullptr;
+    const char* what =
+        !mapped ? "ended by SIGBUS (not a read of a memory-mapped file)\n"
+                : " read through a memory map lost the bytes being read (SIGBUS): it was truncated or rewritten in "
+                  "place while this process read it. Replace such a file (a cache shard, weights) by writing a new one "
+                  "and renaming it over the old, never in place; a training run resumes from its last checkpoint\n";
+    for (const char* part : {"\n", static_cast<const char*>(program_invocation_short_name), ": ",
+                             !mapped           ? ""
+                             : file != nullptr ? "the file '"
+                                               : "a file",
+                             file != nullptr ? file : "", file != nullptr ? "'" : "", what})
+      if (::write(STDERR_FILENO, part, std::strlen(part)) < 0) break;
+  }
   std::signal(signal, SIG_DFL);
   std::raise(signal);
 }

@@ -989,20 +989,25 @@ void validate_wan(const RunConfig& c, bool sizes,
     // with_wan_repository_encoders) are checked once it has been read.
     const bool from_repository = !sizes && !w.weights.empty();
     const bool vae_pending = from_repository && vae.kind == "none" && vae.weights.empty();
-    const auto or_repository = [&](const char* folder) {
-      return w.weights.empty() ? std::string(" (or name a diffusers repository holding it in model.wan.weights)")
-                               : fmt::format(" (model.wan.weights '{}' has no {}/ to take it from)", w.weights, folder);
+    // Once model.wan.weights was read (sizes), an encoder left unnamed was looked for in its repository and not found.
+    const bool t5_unnamed = te.kind == "builtin" && te.weights.empty() && te.vocab.empty();
+    const bool vae_unnamed = vae.kind == "none" && vae.weights.empty();
+    const auto or_repository = [&](bool unnamed, const char* folder) {
+      return sizes && unnamed && !w.weights.empty()
+                 ? fmt::format(" (model.wan.weights '{}' is no diffusers repository with {}/ to take it from)",
+                               w.weights, folder)
+                 : std::string(" (or name a diffusers repository holding it in model.wan.weights)");
     };
-    if (te.kind != "umt5" && !(from_repository && te.kind == "builtin" && te.weights.empty()))
+    if (te.kind != "umt5" && !(from_repository && t5_unnamed))
       fail("model.text_encoder.kind",
            "expected umt5 for model.arch wan with data.dataset: videos (the cache holds umT5's embeddings): set "
            "model.text_encoder.kind: umt5 and model.text_encoder.weights" +
-               or_repository("text_encoder"));
+               or_repository(t5_unnamed, "text_encoder"));
     if (vae.kind != "wan" && !vae_pending)
       fail("model.vae.kind",
            "expected wan for model.arch wan with data.dataset: videos (the cache holds the Wan VAE's latents): set "
            "model.vae.kind: wan and model.vae.weights" +
-               or_repository("vae"));
+               or_repository(vae_unnamed, "vae"));
     if (sizes && vae.latent_channels != w.out_channels)
       fail("model.vae.latent_channels", "expected model.wan.out_channels (" + std::to_string(w.out_channels) +
                                             ": the Wan VAE's z_dim is the DiT's latents), got " +
@@ -1456,6 +1461,9 @@ std::vector<std::string> unused_settings(const RunConfig& c) {
   if (c.train.sample_every == 0) unused({"train.sample_prompts"}, "train.sample_every is 0 (no validation videos)");
   if (c.train.val_every == 0)
     unused({"train.val_batches", "train.val_data"}, "train.val_every is 0 (no validation loss)");
+  // Wan's sizes as the config gives them (with model.wan.weights, the trainer says it once the weights were read).
+  if (c.model.arch == Architecture::kWan && c.model.wan.weights.empty() && !wan_image_to_video(c.model.wan))
+    unused({"data.image_frame"}, "this Wan is text-to-video (model.wan.in_channels equals out_channels)");
   if (c.diffusion.loss_weighting != "min_snr")
     unused({"diffusion.snr_gamma"}, "diffusion.loss_weighting is " + c.diffusion.loss_weighting + ", not min_snr");
   if (c.data.dataset != "videos")

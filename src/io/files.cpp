@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdint>
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -142,43 +143,59 @@ void remove_temporary_files() noexcept {
 }
 
 namespace {
-// The registered mappings: state 0 free, 1 being filled, 2 registered (read in a signal handler: atomics, a fixed
-// array, no allocation; its pages are touched only as slots are used).
-constexpr size_t kMappingPathMax = 1024;
-struct MappingSlot {
-  std::atomic<int> state{0};
-  const char* begin = nullptr;
-  size_t bytes = 0;
-  char path[kMappingPathMax];
-};
-std::array<MappingSlot, 4096> g_mappings;
+// The registered mappings, in arrays that static storage zero-initialises (no constructor runs, and a path's pages
+// are touched only once its slot is used): state 0 free, 1 being changed, 2 registered. A slot's generation is odd
+// while its fields are written and changes with each registration and removal, so a reader (a signal handler among
+// them: atomics, fixed arrays, no allocation) keeps what it read only when the generation was even and the same
+// before and after.
+constexpr size_t kMappings = 4096, kMappingPathMax = 1024;
+std::atomic<int> g_mapping_state[kMappings];
+std::atomic<uint32_t> g_mapping_generation[kMappings];
+std::atomic<const char*> g_mapping_begin[kMappings];
+std::atomic<size_t> g_mapping_bytes[kMappings];
+char g_mapping_path[kMappings][kMappingPathMax];
+char g_fault_path[kMappingPathMax];  // mapped_file_at's answer, copied out of its slot
 }  // namespace
 
 void register_mapping(const void* base, size_t bytes, const std::string& path) {
   if (base == nullptr || bytes == 0 || path.size() >= kMappingPathMax) return;
-  for (auto& slot : g_mappings) {
+  for (size_t i = 0; i < kMappings; ++i) {
     int free = 0;
-    if (!slot.state.compare_exchange_strong(free, 1)) continue;
-    slot.begin = static_cast<const char*>(base);
-    slot.bytes = bytes;
-    std::memcpy(slot.path, path.c_str(), path.size() + 1);
-    slot.state.store(2);
+    if (!g_mapping_state[i].compare_exchange_strong(free, 1)) continue;
+    g_mapping_generation[i].fetch_add(1);  // odd: being written
+    g_mapping_begin[i].store(static_cast<const char*>(base));
+    g_mapping_bytes[i].store(bytes);
+    std::memcpy(g_mapping_path[i], path.c_str(), path.size() + 1);
+    g_mapping_generation[i].fetch_add(1);
+    g_mapping_state[i].store(2);
     return;
   }
 }
 
 void forget_mapping(const void* base) {
-  for (auto& slot : g_mappings)
-    if (slot.state.load() == 2 && slot.begin == base) {
-      slot.state.store(0);
-      return;
-    }
+  for (size_t i = 0; i < kMappings; ++i) {
+    if (g_mapping_state[i].load() != 2 || g_mapping_begin[i].load() != base) continue;
+    int registered = 2;
+    if (!g_mapping_state[i].compare_exchange_strong(registered, 1)) continue;
+    g_mapping_generation[i].fetch_add(2);
+    g_mapping_state[i].store(0);
+    return;
+  }
 }
 
 const char* mapped_file_at(const void* address) noexcept {
   const auto* a = static_cast<const char*>(address);
-  for (auto& slot : g_mappings)
-    if (slot.state.load() == 2 && a >= slot.begin && a < slot.begin + slot.bytes) return slot.path;
+  for (size_t i = 0; i < kMappings; ++i) {
+    if (g_mapping_state[i].load() != 2) continue;
+    const uint32_t before = g_mapping_generation[i].load();
+    const char* begin = g_mapping_begin[i].load();
+    const size_t bytes = g_mapping_bytes[i].load();
+    if ((before & 1) != 0 || a < begin || a >= begin + bytes) continue;
+    size_t n = 0;
+    for (; n + 1 < kMappingPathMax && g_mapping_path[i][n] != '\0'; ++n) g_fault_path[n] = g_mapping_path[i][n];
+    g_fault_path[n] = '\0';
+    if (g_mapping_generation[i].load() == before && g_mapping_state[i].load() == 2) return g_fault_path;
+  }
   return nullptr;
 }
 

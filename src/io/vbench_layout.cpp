@@ -423,6 +423,16 @@ EarlierSamples earlier_samples(const std::string& index_text, const std::vector<
   const auto ours = nlohmann::json::parse(index_json(jobs, record));
   EarlierSamples out;
   out.kept.assign(jobs.size(), false);
+  // An index written before megaslide-sample recorded these cannot tell whether its videos are this run's.
+  std::vector<std::string> unrecorded;
+  for (const char* key : {"size", "experts", "encoders"})
+    if (ours.contains(key) && !earlier.contains(key)) unrecorded.push_back(std::string("\"") + key + "\"");
+  if (!unrecorded.empty()) {
+    out.differs = "index.json does not record " + fmt::format("{}", fmt::join(unrecorded, ", ")) +
+                  " (an earlier version of megaslide-sample wrote it), so whether its videos are this run's cannot be "
+                  "told";
+    return out;
+  }
   std::set<std::string> keys;
   for (const auto& [key, value] : earlier.items()) keys.insert(key);
   for (const auto& [key, value] : ours.items()) keys.insert(key);
@@ -432,7 +442,8 @@ EarlierSamples earlier_samples(const std::string& index_text, const std::vector<
     if (key == "videos" || key == "dit") continue;
     const auto shown = [&](const nlohmann::json& j) { return j.contains(key) ? j[key].dump() : "(none)"; };
     if (!earlier.contains(key) || !ours.contains(key) || earlier[key] != ours[key]) {
-      out.differs = key + ": " + shown(earlier) + " in index.json, " + shown(ours) + " in this run";
+      out.differs = "they were sampled with other settings (" + key + ": " + shown(earlier) + " in index.json, " +
+                    shown(ours) + " in this run)";
       return out;
     }
   }

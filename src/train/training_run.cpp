@@ -518,7 +518,10 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
   // Wan's sizes are its weights': a size the config gave otherwise is replaced, said rather than silently.
   if (config.model.arch == Architecture::kWan && !config.model.wan.weights.empty()) {
     for (const auto& key : differing_keys(requested, config)) {
-      if (key.rfind("model.wan.", 0) != 0 || !requested.given.count(key)) continue;
+      // weights_2 and boundary_ratio, left empty or 0, are found in the repository: defaults, not sizes.
+      if (key.rfind("model.wan.", 0) != 0 || key == "model.wan.weights_2" || key == "model.wan.boundary_ratio" ||
+          !requested.given.count(key))
+        continue;
       log.warn(fmt::format("{} is {} in the config but {} in model.wan.weights: the weights' is used", key,
                            config_value_text(requested, key), config_value_text(config, key)));
     }

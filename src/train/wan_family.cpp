@@ -258,7 +258,8 @@ class WanModel final : public FamilyModel {
     const auto& w = config_.model.wan;
     // The conditioning frame of an image-to-video DiT's clips: unused by a text-to-video one (TI2V's clean first
     // frame is the clip's own). Said, not refused: a run's config keeps its data keys across resumes.
-    if (!wan_image_to_video(w) && config_.data.image_frame != 0)
+    // (Without model.wan.weights, unused_settings says it.)
+    if (!w.weights.empty() && !wan_image_to_video(w) && config_.data.image_frame != 0)
       warnings.push_back(fmt::format(
           "data.image_frame is {}, but this Wan is text-to-video (model.wan.in_channels equals out_channels){}: the "
           "setting is not used",

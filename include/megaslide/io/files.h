@@ -132,8 +132,9 @@ void remove_temporary_files() noexcept;
 // The files this process reads through a memory map (weights, cache shards), for naming the one whose bytes went
 // missing: a mapped file truncated or rewritten in place by another process turns a read of its lost pages into
 // SIGBUS. register_mapping after mmap, forget_mapping before munmap; mapped_file_at(address) is the path of the
-// registered mapping holding `address`, or nullptr (async-signal-safe: a signal handler calls it). Up to 4096
-// mappings of paths shorter than 1024 bytes are registered at once; others are mapped, not named.
+// registered mapping holding `address` (copied into a static buffer: one caller at a time), or nullptr
+// (async-signal-safe: a signal handler calls it). Up to 4096 mappings of paths shorter than 1024 bytes are registered
+// at once; others are mapped, not named.
 void register_mapping(const void* base, size_t bytes, const std::string& path);
 void forget_mapping(const void* base);
 const char* mapped_file_at(const void* address) noexcept;

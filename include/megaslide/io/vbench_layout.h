@@ -157,8 +157,9 @@ std::string index_json(const std::vector<SampleJob>& jobs, const SamplingRecord&
 // Which of `jobs` an earlier run of the same settings has written already (megaslide-sample --resume): `index_text`
 // is the folder's index.json. A job is kept when the index lists its file with the same entry (prompt, index, seed,
 // its own settings) and every folder-wide setting (checkpoint, sampler, steps, …; all but "videos") is the same;
-// `differs` then is empty. Otherwise `differs` names the first setting that is not ("guidance_scale: 6 in
-// index.json, 5 in this run") and no job is kept. Throws std::runtime_error when `index_text` is not an index
+// `differs` then is empty. Otherwise `differs` says why none is kept — the first setting that is not the same ("they
+// were sampled with other settings (guidance_scale: 6 in index.json, 5 in this run)"), or the settings an older
+// index does not record. Throws std::runtime_error when `index_text` is not an index
 // this layout writes (the caller names the file).
 struct EarlierSamples {
   std::vector<bool> kept;  // one per job
