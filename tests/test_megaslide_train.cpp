@@ -509,8 +509,13 @@ TEST(MegaslideTrain, ExportWeightsFromACheckpointWritesTheBf16WeightsFile) {
       " --set train.steps=4 --set train.checkpoint_every=2 --set output.progress=false --run-dir " + dir;
   ASSERT_EQ(run(args).code, 0);
   const auto out = dir + "/exported.safetensors";
+  // An earlier export killed with SIGKILL left its temporary file beside the output: the export names it.
+  megaslide::io::write_file_atomically(out + ".Ab3xYz.tmp", std::string(1000, 'x'));
   auto r = run(args + " --resume " + join_path(dir, "checkpoints/step-0000004") + " --export-weights " + out);
   ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("warning: '" + out + ".Ab3xYz.tmp' (1e-06 GB) is the unfinished file of an earlier write"),
+            std::string::npos)
+      << r.output;
   const auto header = megaslide::io::read_safetensors_header(out);
   EXPECT_EQ(header.metadata.at("format"), "megaslide.weights");
   bool has_block = false;

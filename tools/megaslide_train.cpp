@@ -293,8 +293,10 @@ int main(int argc, char** argv) {
                                : export_layout == megaslide::WanWeightsLayout::kDiffusers
                                    ? std::vector<std::string>{path}
                                    : megaslide::wan_comfyui_files(path, config.model.wan);
-            for (const auto& file : files)
+            for (const auto& file : files) {
               if (!resume.empty() || megaslide::io::is_directory(file)) megaslide::io::check_output_file(file, flag);
+              megaslide::tools::warn_of_leftover_temporaries(file, "megaslide-train");
+            }
           };
           check_export(export_weights, "--export-weights");
           check_export(export_ema, "--export-ema");

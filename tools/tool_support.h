@@ -287,6 +287,36 @@ inline void remove_temporaries_on_fatal_signals() {
   }
 }
 
+// An earlier write of `path` that had no chance to clean up (SIGKILL, the OOM killer, a power cut) left its temporary
+// file beside it, `NAME.XXXXXX.tmp` (io::create_temporary_beside): model-sized for an export. Says which are there and
+// how large, once per file, so that they can be removed — not removed here, as another process may be writing one.
+inline void warn_of_leftover_temporaries(const std::string& path, const std::string& tool) {
+  const auto slash = path.find_last_of('/');
+  const std::string folder = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+  const std::string base = slash == std::string::npos ? path : path.substr(slash + 1);
+  std::vector<std::string> names;
+  try {
+    names = io::list_directory(folder);
+  } catch (const std::exception&) {
+    return;  // a folder that cannot be listed is the write's own error to report
+  }
+  for (const auto& name : names) {
+    if (name.size() != base.size() + 11 || name.compare(0, base.size() + 1, base + ".") != 0 ||
+        name.compare(name.size() - 4, 4, ".tmp") != 0)
+      continue;
+    const std::string file = io::join_path(folder, name);
+    double bytes = 0;
+    try {
+      bytes = static_cast<double>(io::file_size(file));
+    } catch (const std::exception&) {
+    }
+    std::cerr << fmt::format(
+        "{}: warning: '{}' ({:.3g} GB) is the unfinished file of an earlier write of '{}' that was killed before it "
+        "could remove it; remove it unless another process is writing that file now\n",
+        tool, file, bytes / 1e9, path);
+  }
+}
+
 // A --device flag as train.device takes it: auto, cpu, cuda or cuda:N (LibTorch's parser would take meta, xla, cpu:3
 // and the like, and fail later). UsageError otherwise, naming the flag.
 inline void check_device_flag(const std::string& spec, const std::string& flag = "--device") {
