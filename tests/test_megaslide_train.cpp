@@ -272,6 +272,23 @@ size_t line_count(const std::string& path) {
   while (std::getline(in, line)) ++n;
   return n;
 }
+
+// Starts megaslide-train with `args` in a child process whose stdout and stderr go to `log`, the signals in
+// `disposition` first set so (SIG_IGN: as a script's background job or nohup leaves them). Returns its pid.
+pid_t start_train(const std::string& log, const std::vector<std::string>& args,
+                  const std::vector<std::pair<int, sighandler_t>>& disposition = {}) {
+  const pid_t pid = ::fork();
+  if (pid != 0) return pid;
+  std::freopen(log.c_str(), "w", stderr);
+  std::freopen(log.c_str(), "a", stdout);
+  for (const auto& [signal, handler] : disposition) std::signal(signal, handler);
+  const std::string bin = std::string(MEGASLIDE_BINARY_DIR) + "/bin/megaslide-train";
+  std::vector<char*> argv{const_cast<char*>(bin.c_str())};
+  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  ::execv(bin.c_str(), argv.data());
+  ::_exit(127);
+}
 }  // namespace
 
 // The property: a run stopped part-way by SIGTERM, then by SIGHUP (a closed terminal) and resumed each time logs
@@ -288,21 +305,13 @@ TEST(MegaslideTrain, SigtermSavesAndResumeReproducesTheUninterruptedLosses) {
   const auto metrics = join_path(parts, "metrics.jsonl");
   // Runs the tool (resuming when asked) until `lines` steps are logged, then sends `signal`.
   const auto stop_with = [&](int signal, size_t lines, bool resume) {
-    const pid_t pid = ::fork();
+    const std::string exported = join_path(parts, "w.safetensors");  // (a fresh run: its export is said unwritten)
+    const pid_t pid = start_train(
+        log,
+        {"--config", smoke(), "--run-dir", parts, "--set", "train.steps=24", "--set", "output.progress=false", "--set",
+         "train.threads=1", resume ? "--resume" : "--export-weights", resume ? "latest" : exported},
+        {{SIGHUP, SIG_DFL}});  // as from a terminal, even where the tests run under nohup
     ASSERT_GE(pid, 0);
-    if (pid == 0) {
-      std::freopen(log.c_str(), "w", stderr);
-      std::freopen(log.c_str(), "a", stdout);
-      std::signal(SIGHUP, SIG_DFL);  // as from a terminal, even where the tests run under nohup
-      const std::string bin = std::string(MEGASLIDE_BINARY_DIR) + "/bin/megaslide-train";
-      const std::string config = smoke();
-      const std::string exported = join_path(parts, "w.safetensors");  // (a fresh run: its export is said unwritten)
-      ::execl(bin.c_str(), bin.c_str(), "--config", config.c_str(), "--run-dir", parts.c_str(), "--set",
-              "train.steps=24", "--set", "output.progress=false", "--set", "train.threads=1",
-              resume ? "--resume" : "--export-weights", resume ? "latest" : exported.c_str(),
-              static_cast<char*>(nullptr));
-      ::_exit(127);
-    }
     for (int i = 0; i < 6000 && line_count(metrics) < lines; ++i) ::usleep(10000);
     ::kill(pid, signal);
     int status = 0;
@@ -336,20 +345,11 @@ TEST(MegaslideTrain, SigtermSavesAndResumeReproducesTheUninterruptedLosses) {
 TEST(MegaslideTrain, SignalsTheRunWasStartedIgnoringStayIgnored) {
   const auto dir = fresh_dir("ignored");
   const std::string log = "/tmp/megaslide-test-ignored-" + std::to_string(::getpid()) + ".log";
-  const pid_t pid = ::fork();
+  const pid_t pid = start_train(log,
+                                {"--config", smoke(), "--run-dir", dir, "--set", "train.steps=40", "--set",
+                                 "output.progress=false", "--set", "train.threads=1", "--set", "train.log_every=1"},
+                                {{SIGINT, SIG_IGN}, {SIGHUP, SIG_IGN}});
   ASSERT_GE(pid, 0);
-  if (pid == 0) {
-    std::freopen(log.c_str(), "w", stderr);
-    std::freopen(log.c_str(), "a", stdout);
-    std::signal(SIGINT, SIG_IGN);
-    std::signal(SIGHUP, SIG_IGN);
-    const std::string bin = std::string(MEGASLIDE_BINARY_DIR) + "/bin/megaslide-train";
-    const std::string config = smoke();
-    ::execl(bin.c_str(), bin.c_str(), "--config", config.c_str(), "--run-dir", dir.c_str(), "--set", "train.steps=40",
-            "--set", "output.progress=false", "--set", "train.threads=1", "--set", "train.log_every=1",
-            static_cast<char*>(nullptr));
-    ::_exit(127);
-  }
   const auto metrics = join_path(dir, "metrics.jsonl");
   for (int i = 0; i < 6000 && line_count(metrics) < 3; ++i) ::usleep(10000);
   const size_t when = line_count(metrics);
@@ -377,25 +377,13 @@ TEST(MegaslideTrain, AMappedFileTruncatedUnderTheRunIsNamed) {
   const std::string config = megaslide::testing::write_tiny_wan(dir + "/data", 8);
   const std::string tensors = dir + "/data/latents.safetensors";
   const std::string log = "/tmp/megaslide-test-sigbus-" + std::to_string(::getpid()) + ".log";
-  const pid_t pid = ::fork();
+  const pid_t pid = start_train(log, {"--config", config, "--run-dir", dir + "/run", "--set", "train.steps=1000000",
+                                      "--set", "train.checkpoint_every=0", "--set", "train.threads=1", "--set",
+                                      "train.log_every=1", "--set", "offload.enabled=false"});
   ASSERT_GE(pid, 0);
-  if (pid == 0) {
-    std::freopen(log.c_str(), "w", stderr);
-    std::freopen(log.c_str(), "a", stdout);
-    const std::string bin = std::string(MEGASLIDE_BINARY_DIR) + "/bin/megaslide-train";
-    const std::string run_dir = dir + "/run";
-    ::execl(bin.c_str(), bin.c_str(), "--config", config.c_str(), "--run-dir", run_dir.c_str(), "--set",
-            "train.steps=1000000", "--set", "train.checkpoint_every=0", "--set", "train.threads=1", "--set",
-            "train.log_every=1", "--set", "offload.enabled=false", static_cast<char*>(nullptr));
-    ::_exit(127);
-  }
   const auto metrics = join_path(dir + "/run", "metrics.jsonl");
-  auto lines = [&] {
-    std::ifstream in(metrics);
-    return std::count(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>(), '\n');
-  };
-  for (int i = 0; i < 6000 && lines() < 3; ++i) ::usleep(10000);
-  ASSERT_GE(lines(), 3) << megaslide::io::read_file(log);
+  for (int i = 0; i < 6000 && line_count(metrics) < 3; ++i) ::usleep(10000);
+  ASSERT_GE(line_count(metrics), 3u) << megaslide::io::read_file(log);
   ASSERT_EQ(::truncate(tensors.c_str(), 0), 0);
   int status = 0;
   pid_t ended = 0;

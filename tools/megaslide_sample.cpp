@@ -135,6 +135,11 @@ struct WanFlags {
   bool no_ema = false;  // a LoRA run's checkpoint: its trained adapters, not their EMA
 };
 
+// Whether --lora's `path` names a LoRA run's checkpoint (its folder, its `latest` file, the run folder), not a file.
+bool is_lora_checkpoint(const std::string& path) {
+  return !path.empty() && (megaslide::io::is_directory(path) || megaslide::is_checkpoint_pointer(path));
+}
+
 // Merges the LoRA file `path` — or a LoRA run's checkpoint: the adapters of `expert` ("high", "low"; "" for one DiT)
 // — into `model`'s DiT at `scale`: its resident parts now, each block read on demand as it is read. Says on stderr
 // what was merged and returns the file or checkpoint read; a file that is not this model's LoRA is `flag`'s usage
@@ -144,8 +149,7 @@ std::string merge_lora(megaslide::WanModel& model, const std::string& path, doub
   std::vector<std::string> names;
   for (const auto& p : model.dit->named_parameters(true)) names.push_back(p.key());
   megaslide::WanLora lora;
-  // A LoRA run's checkpoint (its folder, its `latest` file, the run folder): its trained adapters.
-  const bool checkpoint = megaslide::io::is_directory(path) || megaslide::is_checkpoint_pointer(path);
+  const bool checkpoint = is_lora_checkpoint(path);
   try {
     lora = checkpoint ? megaslide::read_lora_checkpoint(path, expert, ema) : megaslide::read_wan_lora(path, names);
     megaslide::merge_wan_lora(*model.dit, lora, scale);
@@ -170,14 +174,11 @@ std::string merge_lora(megaslide::WanModel& model, const std::string& path, doub
     rank = std::max(rank, a.rank());
     lokr = lokr || a.lokr();
   }
-  std::cerr << fmt::format(
-      "megaslide-sample: {} '{}' merged at scale {} ({}, {} adapters, rank {}, {})\n", flag, path, scale,
-      checkpoint ? (lora.source.size() > 16 && lora.source.substr(lora.source.size() - 16) == "/ema.safetensors"
-                        ? "the EMA of the trained adapters, "
-                        : "the trained adapters, ") +
-                       lora.source
-                 : std::string(megaslide::to_string(lora.layout)) + " layout",
-      lora.adapters.size(), rank, lokr ? "LoKr" : "LoRA");
+  std::cerr << fmt::format("megaslide-sample: {} '{}' merged at scale {} ({}, {} adapters, rank {}, {})\n", flag, path,
+                           scale,
+                           checkpoint ? "the adapters of " + lora.source  // its ema.safetensors or master.safetensors
+                                      : std::string(megaslide::to_string(lora.layout)) + " layout",
+                           lora.adapters.size(), rank, lokr ? "LoKr" : "LoRA");
   return checkpoint ? lora.source : path;
 }
 
@@ -403,8 +404,7 @@ SampleBatch wan_sampler(megaslide::WanModel model, const WanFlags& wan,
     record.lora = {{merge_lora(model, wan.lora, wan.lora_scale, "--lora", model.low_noise ? "high" : "", !wan.no_ema),
                     wan.lora_scale}};
     // A run that trained both experts' adapters: the low-noise expert's are --lora-2's to merge.
-    if (model.low_noise && wan.lora_2.empty() &&
-        (megaslide::io::is_directory(wan.lora) || megaslide::is_checkpoint_pointer(wan.lora))) {
+    if (model.low_noise && wan.lora_2.empty() && is_lora_checkpoint(wan.lora)) {
       bool both = false;
       try {
         both = megaslide::checkpoint_config(megaslide::find_checkpoint(wan.lora)).model.wan.expert == "both";
@@ -780,10 +780,7 @@ int main(int argc, char** argv) {
       if (checkpoint.empty() == config_path.empty())
         throw std::invalid_argument("give one of --checkpoint and --config");
       if (!overrides.empty() && config_path.empty()) throw std::invalid_argument("--set applies to --config");
-      const auto lora_checkpoint = [](const std::string& path) {
-        return !path.empty() && (megaslide::io::is_directory(path) || megaslide::is_checkpoint_pointer(path));
-      };
-      if (no_ema && checkpoint.empty() && !lora_checkpoint(wan.lora) && !lora_checkpoint(wan.lora_2))
+      if (no_ema && checkpoint.empty() && !is_lora_checkpoint(wan.lora) && !is_lora_checkpoint(wan.lora_2))
         throw std::invalid_argument(
             "--no-ema chooses between a checkpoint's weights and their EMA: it needs --checkpoint, or --lora or "
             "--lora-2 naming a LoRA run's checkpoint");

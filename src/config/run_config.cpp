@@ -987,11 +987,11 @@ void validate_wan(const RunConfig& c, bool sizes,
     // Pixels in data.*, latents from the Wan VAE (cached by megaslide-cache; data/latent_cache.h).
     // Encoders the config leaves to model.wan.weights (a diffusers repository's text_encoder/ and vae/:
     // with_wan_repository_encoders) are checked once it has been read.
-    const bool from_repository = !sizes && !w.weights.empty();
-    const bool vae_pending = from_repository && vae.kind == "none" && vae.weights.empty();
     // Once model.wan.weights was read (sizes), an encoder left unnamed was looked for in its repository and not found.
     const bool t5_unnamed = te.kind == "builtin" && te.weights.empty() && te.vocab.empty();
     const bool vae_unnamed = vae.kind == "none" && vae.weights.empty();
+    const bool from_repository = !sizes && !w.weights.empty();
+    const bool vae_pending = from_repository && vae_unnamed;
     const auto or_repository = [&](bool unnamed, const char* folder) {
       return sizes && unnamed && !w.weights.empty()
                  ? fmt::format(" (model.wan.weights '{}' is no diffusers repository with {}/ to take it from)",

@@ -656,24 +656,31 @@ torch::Tensor WanTextToVideo::sample_from_image(const std::vector<std::string>& 
     condition = vae_.encode(image.to(vae_.device(), torch::kFloat32).view({1, 3, 1, image.size(1), image.size(2)}))
                     .to(device, torch::kFloat32);  // [1, C, 1, h, w], normalised
   }
-  // The mask: 0 on the first latent frame, 1 elsewhere; per token, the patch grid's (its first corner).
-  auto mask = torch::ones({1, 1, latent[1], latent[2], latent[3]}, torch::dtype(torch::kFloat32).device(device));
-  mask.select(2, 0).zero_();
-  const auto& p = config_.model.wan.patch;
-  const auto token_mask = mask[0][0]
-                              .slice(0, 0, latent[1], p[0])
-                              .slice(1, 0, latent[2], p[1])
-                              .slice(2, 0, latent[3], p[2])
-                              .flatten();  // [N]
-  auto mix = [&](const torch::Tensor& x) { return (1 - mask) * condition + mask * x; };
+  const WanFirstFrame first(condition, latent, config_.model.wan.patch);
   auto model = [&](const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& text, const torch::Tensor&) {
-    const auto per_token = token_mask.unsqueeze(0) * t.to(device, torch::kFloat32).unsqueeze(1);  // [B, N]
-    return denoiser_->predict(mix(x), per_token, text);
+    return denoiser_->predict(first.mix(x), first.timesteps(t), text);
   };
   Conditioning cond, uncond;
   cond.text = encode(prompts, options);
   if (options.guidance_scale() != 1.0) uncond.text = encode({options.negative_prompt()}, options);
-  return mix(flow_sample(model, options.flow(), latent, seeds, cond, uncond, device, on_step));
+  return first.mix(flow_sample(model, options.flow(), latent, seeds, cond, uncond, device, on_step));
+}
+
+WanFirstFrame::WanFirstFrame(torch::Tensor frame, const std::vector<int64_t>& shape,
+                             const std::array<int64_t, 3>& patch)
+    : frame_(std::move(frame)) {
+  // The mask: 0 on the first latent frame, 1 elsewhere; per token, the patch grid's (its first corner).
+  mask_ = torch::ones({1, 1, shape[1], shape[2], shape[3]}, torch::dtype(torch::kFloat32).device(frame_.device()));
+  mask_.select(2, 0).zero_();
+  token_mask_ = mask_[0][0]
+                    .slice(0, 0, shape[1], patch[0])
+                    .slice(1, 0, shape[2], patch[1])
+                    .slice(2, 0, shape[3], patch[2])
+                    .flatten();  // [N]
+}
+
+torch::Tensor WanFirstFrame::timesteps(const torch::Tensor& t) const {
+  return token_mask_.unsqueeze(0) * t.to(frame_.device(), torch::kFloat32).unsqueeze(1);  // [B, N]
 }
 
 WanImageCondition WanTextToVideo::image_condition(const torch::Tensor& image, const torch::Tensor& pixels,

@@ -428,9 +428,10 @@ EarlierSamples earlier_samples(const std::string& index_text, const std::vector<
   for (const char* key : {"size", "experts", "encoders"})
     if (ours.contains(key) && !earlier.contains(key)) unrecorded.push_back(std::string("\"") + key + "\"");
   if (!unrecorded.empty()) {
-    out.differs = "index.json does not record " + fmt::format("{}", fmt::join(unrecorded, ", ")) +
-                  " (an earlier version of megaslide-sample wrote it), so whether its videos are this run's cannot be "
-                  "told";
+    out.differs = fmt::format(
+        "index.json does not record {} (an earlier version of megaslide-sample wrote it), so whether its videos are "
+        "this run's cannot be told",
+        fmt::join(unrecorded, ", "));
     return out;
   }
   std::set<std::string> keys;

@@ -320,26 +320,17 @@ std::vector<torch::Tensor> WanValidation::sample(Trainer& trainer) const {
   std::vector<torch::Tensor> latents;
   for (size_t i = 0; i < videos_.size(); ++i) {
     // Image-to-video: the image's conditioning channels (and tokens) for both halves of the guided batch.
-    torch::Tensor channels, tokens, frame, mask, token_mask;
+    torch::Tensor channels, tokens;
+    std::optional<WanFirstFrame> first;  // as WanTextToVideo::sample_from_image
     if (first_frame) {
-      // As WanTextToVideo::sample_from_image: the first latent frame the image's, at timestep 0 in every input.
-      const auto& shape = videos_[i].shape;
-      frame = conditions_[i].latents.to(denoiser->device(), torch::kFloat32);
-      mask = torch::ones({1, 1, shape[1], shape[2], shape[3]}, torch::dtype(torch::kFloat32).device(frame.device()));
-      mask.select(2, 0).zero_();
-      const auto& p = w.patch;
-      token_mask =
-          mask[0][0].slice(0, 0, shape[1], p[0]).slice(1, 0, shape[2], p[1]).slice(2, 0, shape[3], p[2]).flatten();
+      first.emplace(conditions_[i].latents.to(denoiser->device(), torch::kFloat32), videos_[i].shape, w.patch);
     } else if (!conditions_.empty()) {
       channels = wan_image_condition(conditions_[i].latents).to(denoiser->device());
       if (conditions_[i].image.defined()) tokens = conditions_[i].image.to(denoiser->device());
     }
-    const auto mix = [&](const torch::Tensor& x) { return (1 - mask) * frame + mask * x; };
     auto predict = [&](const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& text,
                        const torch::Tensor&) {
-      if (frame.defined())
-        return denoiser->predict(mix(x), token_mask.unsqueeze(0) * t.to(frame.device(), torch::kFloat32).unsqueeze(1),
-                                 text);
+      if (first) return denoiser->predict(first->mix(x), first->timesteps(t), text);
       if (!channels.defined()) return denoiser->predict(x, t, text);
       const int64_t rows = x.size(0);
       return denoiser->predict(torch::cat({x, channels.expand({rows, -1, -1, -1, -1})}, 1), t, text,
@@ -354,7 +345,7 @@ std::vector<torch::Tensor> WanValidation::sample(Trainer& trainer) const {
     if (flow.guidance_scale() != 1.0)
       uncond.text = negatives_.at(job.negative_prompt.value_or(options_.negative_prompt())).to(denoiser->device());
     auto sampled = flow_sample(predict, flow, videos_[i].shape, {job.seed}, cond, uncond, denoiser->device());
-    latents.push_back((frame.defined() ? mix(sampled) : sampled).to(torch::kCPU));
+    latents.push_back((first ? first->mix(sampled) : sampled).to(torch::kCPU));
   }
   return latents;
 }

@@ -36,6 +36,7 @@
 
 #include <torch/types.h>
 
+#include <array>
 #include <functional>
 #include <memory>
 #include <string>
@@ -233,6 +234,20 @@ WanModel load_untrained_expert(const RunConfig& config, bool blocks_on_demand);
 // run trained no expert or had none beside it. Throws WeightsError naming the partner's path when it
 // cannot be read.
 WanModel with_untrained_expert(WanModel trained, bool blocks_on_demand);
+
+// Wan2.2 TI2V's image-to-video: the first latent frame `frame` [1, C, 1, h, w] (normalised) kept clean in every
+// model input of latents of `shape` [C, T, h, w], its tokens at timestep 0 (the DiT's `patch` grid: a token's
+// timestep is its first corner's). mix(x) puts the frame into latents x [B, C, T, h, w]; timesteps(t) turns
+// timesteps [B] into per-token ones [B, N]. WanTextToVideo::sample_from_image and TI2V's validation videos.
+class WanFirstFrame {
+ public:
+  WanFirstFrame(torch::Tensor frame, const std::vector<int64_t>& shape, const std::array<int64_t, 3>& patch);
+  torch::Tensor mix(const torch::Tensor& x) const { return (1 - mask_) * frame_ + mask_ * x; }
+  torch::Tensor timesteps(const torch::Tensor& t) const;
+
+ private:
+  torch::Tensor frame_, mask_, token_mask_;
+};
 
 // One image's conditioning for image-to-video (WanTextToVideo::sample_image_to_video).
 struct WanImageCondition {
