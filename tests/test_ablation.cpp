@@ -237,3 +237,44 @@ TEST(Ablation, EverySuiteConfigLoadsAtEverySize) {
   EXPECT_THROW(megaslide::check_ablation_configs(bad), megaslide::ConfigError);
   EXPECT_THROW(megaslide::parse_ablation_size("huge"), std::invalid_argument);
 }
+
+// A --set of a key the suite varies from run to run is refused, naming it: set for every run, the table's rows
+// would all be one run under the variants' labels (offsets' "learned", "zero" and "frozen" all zero offsets).
+TEST(Ablation, ASetOfTheKeyASuiteVariesIsRefused) {
+  const std::vector<std::pair<std::string, std::string>> varied{{"offsets", "model.dsa_offsets=zero"},
+                                                                {"offsets", "model.arch=swin"},
+                                                                {"memory-scaling", "data.frames=4"},
+                                                                {"memory-scaling", "model.dense_attention=fused"},
+                                                                {"streaming", "offload.mode=sync"},
+                                                                {"optimizer-location", "offload.enabled=false"},
+                                                                {"optimizer-location", "offload.compute_dtype=bf16"}};
+  for (const auto& [suite, setting] : varied) {
+    megaslide::AblationOptions o;
+    o.suite = suite;
+    o.size = megaslide::AblationSize::kTest;
+    o.device = "cpu";
+    o.overrides = {"train.steps=2", setting};
+    try {
+      megaslide::check_ablation_configs(o);
+      ADD_FAILURE() << suite << " took --set " << setting;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("--set " + setting + ": the " + suite + " suite varies"), std::string::npos)
+          << e.what();
+    }
+  }
+  // The keys it does not vary are every run's, as before.
+  megaslide::AblationOptions o;
+  o.suite = "offsets";
+  o.size = megaslide::AblationSize::kTest;
+  o.device = "cpu";
+  o.overrides = {"train.steps=2", "data.frames=4", "offload.mode=sync"};
+  EXPECT_NO_THROW(megaslide::check_ablation_configs(o));
+  // The tool exits 2 before anything runs, without the list of suites (the suite is not what is wrong).
+  const auto dir = fresh_dir("varied");
+  const auto r = megaslide::testing::run_tool(
+      "megaslide-ablate", "--suite offsets --size test --device cpu --set model.dsa_offsets=zero --out " + dir);
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("varies model.dsa_offsets"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("(suites:"), std::string::npos) << r.output;
+  EXPECT_FALSE(megaslide::io::path_exists(dir));
+}

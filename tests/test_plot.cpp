@@ -175,6 +175,17 @@ TEST(MegaslidePlot, PlotsARealRun) {
   r = megaslide::testing::run_tool("megaslide-plot", run_dir);
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_TRUE(megaslide::is_png_file(join_path(run_dir, "plots/loss.png")));
+  // Its own plots/ named with --out is that too; a run folder's checkpoints/ (which its saves and pruning replace) or
+  // another run's plots/ is refused, exit 2, nothing written.
+  r = megaslide::testing::run_tool("megaslide-plot", run_dir + " --out " + join_path(run_dir, "plots"));
+  EXPECT_EQ(r.code, 0) << r.output;
+  for (const auto& bad : {join_path(run_dir, "checkpoints"), join_path(run_dir, "checkpoints/mine")}) {
+    r = megaslide::testing::run_tool("megaslide-plot", run_dir + " --out " + bad);
+    EXPECT_EQ(r.code, 2) << r.output;
+    EXPECT_NE(r.output.find("the training run folder '"), std::string::npos) << r.output;
+  }
+  EXPECT_FALSE(megaslide::io::path_exists(join_path(run_dir, "checkpoints/loss.png")));
+  EXPECT_FALSE(megaslide::io::path_exists(join_path(run_dir, "checkpoints/mine")));
 }
 
 // Bad input exits non-zero with a message naming the file (and line).

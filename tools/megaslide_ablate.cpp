@@ -9,6 +9,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <iostream>
 #include <regex>
 
@@ -58,7 +59,11 @@ int main(int argc, char** argv) {
           megaslide::check_ablation_configs(checked);
         }
       } catch (const std::invalid_argument& e) {
-        throw megaslide::tools::UsageError(megaslide::error_message(e) + " (suites: " + suites + ")");
+        // The suites are listed where the suite is what is wrong.
+        const auto known = megaslide::ablation_suites();
+        const bool bad_suite = suite != "all" && std::find(known.begin(), known.end(), suite) == known.end();
+        throw megaslide::tools::UsageError(megaslide::error_message(e) +
+                                           (bad_suite ? " (suites: " + suites + ")" : std::string()));
       }
     });
     megaslide::tools::survive_file_size_limit();

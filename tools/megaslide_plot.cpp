@@ -26,8 +26,11 @@ int main(int argc, char** argv) {
   megaslide::tools::remove_temporaries_on_fatal_signals();
   return megaslide::tools::run_tool("megaslide-plot", [&] {
     megaslide::tools::checking_input([&] {
-      megaslide::io::check_output_folder(out_dir.empty() ? megaslide::io::join_path(run_dir, "plots") : out_dir,
-                                         "--out");
+      const std::string own = megaslide::io::join_path(run_dir, "plots");
+      megaslide::io::check_output_folder(out_dir.empty() ? own : out_dir, "--out");
+      // Not into what a training run writes (its checkpoints/, another run's plots/): the run's own plots/ only.
+      if (!out_dir.empty() && megaslide::tools::real_file_path(out_dir) != megaslide::tools::real_file_path(own))
+        megaslide::tools::check_output_outside_run_folders(out_dir, "--out");
     });
     for (const auto& png : megaslide::plot_run(run_dir, out_dir)) std::cout << png << "\n";
     return 0;

@@ -15,6 +15,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 
@@ -627,8 +628,28 @@ void check_ablation_configs(const AblationOptions& o) {
       throw std::invalid_argument("--device " + o.device + ": " + error_message(e));
     }
   };
+  // The keys the suite's runs differ in are the suite's: a --set of one would give every run its value, and the
+  // table would compare one run with itself under the variants' names.
+  std::set<std::string> varied;
+  const Variants variants = o.suite == "memory-scaling" ? scaling_models()
+                            : o.suite == "offsets"      ? offsets_variants()
+                                                        : paired_variants(o.suite);
+  for (const auto& variant : variants)
+    for (const auto& setting : variant.second) varied.insert(setting.substr(0, setting.find('=')));
+  if (o.suite == "memory-scaling") varied.insert("data.frames");
+  for (const auto& setting : o.overrides) {
+    const std::string key = setting.substr(0, setting.find('='));
+    if (varied.count(key) > 0) {
+      std::string keys;
+      for (const auto& k : varied) keys += (keys.empty() ? "" : ", ") + k;
+      throw std::invalid_argument(fmt::format(
+          "--set {}: the {} suite varies {} from run to run ({}): set for all of them, every row would be the same "
+          "run",
+          setting, o.suite, key, keys));
+    }
+  }
   if (o.suite == "memory-scaling") {
-    for (const auto& [name, overrides] : scaling_models())
+    for (const auto& [name, overrides] : variants)
       for (int64_t f : scaling_frames(o.size)) {
         auto v = overrides;
         v.push_back("data.frames=" + std::to_string(f));
@@ -636,7 +657,6 @@ void check_ablation_configs(const AblationOptions& o) {
       }
     return;
   }
-  const Variants variants = o.suite == "offsets" ? offsets_variants() : paired_variants(o.suite);
   for (const auto& [name, overrides] : variants) {
     auto v = overrides;
     v.push_back("train.steps=" + std::to_string(suite_steps(o.suite, o.size)));
