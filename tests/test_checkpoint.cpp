@@ -748,7 +748,17 @@ TEST(Checkpoint, EveryNameOfACheckpointFindsIt) {
     find_checkpoint(plain);
     ADD_FAILURE() << "a run without checkpoints has none to find";
   } catch (const CheckpointError& e) {
-    EXPECT_NE(std::string(e.what()).find("checkpoint_every"), std::string::npos) << e.what();
+    // Not only train.checkpoint_every: 0 leaves none: a run stopped before its first save, or still short of it.
+    EXPECT_NE(std::string(e.what()).find("has no checkpoints: it saved none (it stopped before its first"),
+              std::string::npos)
+        << e.what();
+  }
+  // train.init_from of that run folder says so too, rather than that it is no run folder.
+  try {
+    plan_init_from(plain, {}, {});
+    ADD_FAILURE() << "train.init_from took a run without checkpoints";
+  } catch (const InitFromError& e) {
+    EXPECT_NE(std::string(e.what()).find("is a run folder that saved no checkpoint"), std::string::npos) << e.what();
   }
   io::remove_tree(dir);
   io::remove_tree(plain);

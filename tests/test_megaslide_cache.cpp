@@ -241,10 +241,14 @@ TEST(MegaslideCache, WanCachesItsVideosAndTrainsFromTheCache) {
   r = run_tool("megaslide-train", "--config " + config + " --run-dir " + fx.dir + "/other " + other);
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("other encoders (text_encoder.files"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("build one of these settings with megaslide-cache"), std::string::npos) << r.output;
   EXPECT_FALSE(megaslide::io::path_exists(fx.dir + "/other"));
+  // megaslide-cache itself, which will not replace the cache, says what will: another --out, or the folder removed.
   r = run_tool("megaslide-cache", "--config " + config + " " + other);
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("other encoders"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("give another --out for a cache of these settings, or remove the folder"), std::string::npos)
+      << r.output;
 }
 
 // The property: Wan trains on buckets as the DiT family does — still images and clips side by side, each batch of one

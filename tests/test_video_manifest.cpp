@@ -104,15 +104,18 @@ TEST(VideoManifest, UnusableRowsAreBadItemsWithAReason) {
   EXPECT_NE(m.bad[1].reason.find("no video path"), std::string::npos);
   EXPECT_NE(m.bad[2].reason.find("fields"), std::string::npos);
   EXPECT_EQ(m.listed(), 4);
-  const auto jsonl = temp_file(
-      "rows.jsonl",
-      "{\"video\": \"rel/a.mp4\", \"caption\": \"ok\"}\nnot json\n{\"video\": 3}\n\n{\"video\": \"b.mp4\"}\n");
+  const auto jsonl =
+      temp_file("rows.jsonl",
+                "{\"video\": \"rel/a.mp4\", \"caption\": \"ok\"}\nnot json\n{\"video\": 3}\n\n{\"video\": \"b.mp4\"}\n"
+                "{\"video\": \"c.mp4\", \"caption\": 5}\n");
   const auto j = megaslide::read_video_manifest(config_for(jsonl));
   ASSERT_EQ(j.items.size(), 1u);
   EXPECT_EQ(j.items[0].path, "/tmp/rel/a.mp4");  // relative to the manifest's folder
-  ASSERT_EQ(j.bad.size(), 3u);
+  ASSERT_EQ(j.bad.size(), 4u);
   EXPECT_NE(j.bad[0].path.find(":2"), std::string::npos);
   EXPECT_NE(j.bad[2].reason.find("missing caption"), std::string::npos);
+  // A caption that is there but not text is said to be so, not missing.
+  EXPECT_NE(j.bad[3].reason.find("\"caption\" is number, expected text"), std::string::npos) << j.bad[3].reason;
   megaslide::io::remove_tree(csv);
   megaslide::io::remove_tree(jsonl);
 }

@@ -340,12 +340,17 @@ uint32_t others_crc32(const io::NamedTensors& tensors) {
   return crc;
 }
 
-void check_same(const json& cached, const json& now, const std::string& what, const std::string& dir) {
+// `adding`: megaslide-cache adding to the cache, which cannot replace it; else a run reading it.
+void check_same(const json& cached, const json& now, const std::string& what, const std::string& dir,
+                bool adding = false) {
   const auto diff = first_difference(cached, now, "");
   if (!diff.empty())
-    throw DatasetError(fmt::format(
-        "cache '{}' was made with other {} ({} is {} in the cache, {} now); rebuild it with megaslide-cache", dir, what,
-        diff, value_at(cached, diff), value_at(now, diff)));
+    throw DatasetError(fmt::format("cache '{}' was made with other {} ({} is {} in the cache, {} now); {}", dir, what,
+                                   diff, value_at(cached, diff), value_at(now, diff),
+                                   adding ? "give another --out for a cache of these settings, or remove the folder "
+                                            "to build it again there"
+                                          : "build one of these settings with megaslide-cache (another --out, or the "
+                                            "folder removed first)"));
 }
 
 // The lines after a colon, "; " between them (a tool prints an error on one line).
@@ -535,14 +540,14 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
       if (std::regex_match(name, kCacheTemporary)) io::remove_tree(io::join_path(options.out, name));
     if (io::path_exists(manifest_path)) try {
         const json old = read_manifest(manifest_path);
-        check_same(old.value("encoders", json()), identity, "encoders", options.out);
-        check_same(old.value("decode", json()), decode, "decode settings", options.out);
+        check_same(old.value("encoders", json()), identity, "encoders", options.out, true);
+        check_same(old.value("decode", json()), decode, "decode settings", options.out, true);
         // The same dataset; its listing may have changed (videos added or removed): the shards are kept or written
         // again by their items below.
         json old_source = absolute_source(old.value("dataset", json())), now_source = manifest["dataset"];
         old_source.erase("listed");
         now_source.erase("listed");
-        check_same(old_source, now_source, "dataset", options.out);
+        check_same(old_source, now_source, "dataset", options.out, true);
         if (old.value("shard_items", int64_t{0}) == S && old.contains("shards") && old["shards"].is_array()) {
           for (const auto& rec : old["shards"]) {
             const int64_t k = rec.value("shard", int64_t{-1});

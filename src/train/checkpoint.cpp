@@ -143,6 +143,9 @@ void check_config(const std::string& path, const std::string& saved_yaml, const 
         DiTOptions::from_config(saved).adds_sincos_positions() ==
             DiTOptions::from_config(config).adds_sincos_positions())
       continue;
+    // The resident loop computes in fp32 whatever its config recorded (an older run's `auto` resolved for the
+    // streamed trainer): a resume across trainers changes the compute dtype by design (docs/checkpoints.md).
+    if (key == "offload.compute_dtype" && (!saved.offload.enabled || !config.offload.enabled)) continue;
     if (x != y && key == "offload.compute_dtype")
       fail(path,
            fmt::format("{}: offload.compute_dtype is {} in the checkpoint but {} in this run's config (`auto` "
@@ -495,7 +498,8 @@ std::string find_checkpoint(const std::string& spelled) {
       return follow_pointer(io::join_path(spec, "latest"));  // RUN/checkpoints
     if (io::path_exists(io::join_path(spec, "metrics.jsonl")))
       throw CheckpointError("run folder '" + spec +
-                            "' has no checkpoints (it was trained with train.checkpoint_every: 0)");
+                            "' has no checkpoints: it saved none (it stopped before its first, is still before it, or "
+                            "was trained with train.checkpoint_every: 0)");
     fail(spec,
          std::string("is a folder but neither a checkpoint (no ") + kManifest + ") nor a run folder (no checkpoints/)");
   }

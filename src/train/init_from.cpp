@@ -62,6 +62,11 @@ std::string resolve_source(const std::string& path) {
     checkpoint = latest_checkpoint(path);
     if (checkpoint.empty()) throw InitFromError("train.init_from '" + path + "' is a run folder without a checkpoint");
   }
+  if (checkpoint == path &&
+      (io::path_exists(io::join_path(path, "metrics.jsonl")) || io::path_exists(io::join_path(path, "config.yaml"))))
+    throw InitFromError("train.init_from '" + path +
+                        "' is a run folder that saved no checkpoint (it stopped before its first, is still before it, "
+                        "or was trained with train.checkpoint_every: 0)");
   if (!io::path_exists(io::join_path(checkpoint, "master.safetensors")))
     throw InitFromError("train.init_from '" + path +
                         "' is a folder but neither a checkpoint (no master.safetensors) nor a run folder" +

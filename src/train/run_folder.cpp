@@ -50,8 +50,9 @@ std::string describe_existing_run(const std::string& run_dir) {
                          io::path_exists(io::join_path(run_dir, "train.log")) ||
                          io::path_exists(io::join_path(run_dir, "checkpoints"));
   if (!has_files) return "";
+  const auto logged = io::path_exists(metrics) ? logged_steps(metrics) : 0;
   std::string text = io::path_exists(metrics)
-                         ? fmt::format("a run with {} steps logged in metrics.jsonl", logged_steps(metrics))
+                         ? fmt::format("a run with {} step{} logged in metrics.jsonl", logged, logged == 1 ? "" : "s")
                          : std::string("a run's files");
   if (!latest.empty()) return text + ", latest checkpoint " + latest;
   const auto complete = complete_checkpoints(run_dir);
