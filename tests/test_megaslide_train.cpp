@@ -718,6 +718,21 @@ TEST(MegaslideTrain, AutoComputeDtypeIsResolvedIntoConfigLogAndDryRunAndAResumeW
   EXPECT_NE(r.output.find("--set offload.compute_dtype=fp16"), std::string::npos) << r.output;
   EXPECT_EQ(megaslide::io::read_file(join_path(dir, "metrics.jsonl")), metrics) << "nothing written";
   megaslide::io::remove_tree(dir);
+
+  // The resident loop computes in fp32: its dry run says so, train.log names a bf16 or fp16 it is given as ignored,
+  // and its checkpoint resumes with `auto` whatever dtype its config recorded.
+  r = run(cpu + " --set offload.enabled=false --dry-run --json");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(nlohmann::json::parse(r.output).at("compute_dtype"), "fp32") << r.output;
+  r = run(saved + " --set offload.enabled=false --set offload.compute_dtype=fp16");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(megaslide::io::read_file(join_path(dir, "train.log"))
+                .find("offload.compute_dtype: fp16, but offload.enabled is false (the resident reference loop "
+                      "computes in fp32): ignored"),
+            std::string::npos);
+  r = run(cpu + " --set train.steps=3 --set offload.enabled=false --run-dir " + dir + " --resume latest");
+  EXPECT_EQ(r.code, 0) << r.output;
+  megaslide::io::remove_tree(dir);
 }
 
 // An explicit bf16 on a CPU without native bf16 (here: oneDNN capped to AVX2, as LibTorch runs on such a

@@ -1,6 +1,7 @@
 // RunConfig: every class of bad value is refused with a message naming the source, the key path and
 // what was expected; good files and overrides load; the resolved YAML reads back to the same config.
 #include "megaslide/config/run_config.h"
+#include "megaslide/train/auto_settings.h"
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -516,6 +517,25 @@ TEST(RunConfig, SettingsTheRunDoesNotUseAreNamed) {
   EXPECT_NE(all.find("data.fps: set, but data.dataset is structured-motion"), std::string::npos) << all;
   EXPECT_NE(all.find("train.warmup_steps (10) is above train.steps (5)"), std::string::npos) << all;
   EXPECT_EQ(lines.size(), 5u) << all;
+  // The resident loop streams nothing and computes in fp32: its offload.mode and a bf16 or fp16 compute dtype are
+  // named, and `auto` resolves to fp32 for it. A videos dataset's epoch is its items: data.num_clips is named.
+  const auto resident = parse_run_config(
+      "", kSource, {"offload.enabled=false", "offload.mode=sync", "offload.compute_dtype=bf16", "data.num_clips=6"});
+  all.clear();
+  for (const auto& line : megaslide::unused_settings(resident)) all += line + "\n";
+  EXPECT_NE(all.find("offload.mode: set, but offload.enabled is false"), std::string::npos) << all;
+  EXPECT_NE(all.find("offload.compute_dtype: bf16, but offload.enabled is false (the resident reference loop computes "
+                     "in fp32): ignored"),
+            std::string::npos)
+      << all;
+  EXPECT_EQ(all.find("data.num_clips"), std::string::npos) << all;
+  auto videos = parse_run_config("", kSource,
+                                 {"offload.enabled=false", "data.dataset=videos", "data.root=/v", "data.num_clips=6"});
+  all.clear();
+  for (const auto& line : megaslide::unused_settings(videos)) all += line + "\n";
+  EXPECT_NE(all.find("data.num_clips: set, but data.dataset is videos"), std::string::npos) << all;
+  EXPECT_EQ(all.find("offload."), std::string::npos) << all;
+  EXPECT_EQ(megaslide::resolve_auto_settings(videos).offload.compute_dtype, "fp32");
 }
 
 // The property: a config MegaSlide saved (a checkpoint's, a weights file's) loads without the checks of values older

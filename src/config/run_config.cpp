@@ -1458,6 +1458,12 @@ std::vector<std::string> unused_settings(const RunConfig& c) {
   if (c.offload.state_tier != "nvme")
     unused({"offload.nvme_dir", "offload.nvme_blocks_in_flight"}, "offload.state_tier is " + c.offload.state_tier);
   if (c.train.init_from.empty()) unused({"train.init_allow_missing"}, "train.init_from is not set");
+  if (!c.offload.enabled) {
+    unused({"offload.mode"}, "offload.enabled is false (the resident reference loop streams nothing)");
+    if (c.offload.compute_dtype == "bf16" || c.offload.compute_dtype == "fp16")
+      out.push_back("offload.compute_dtype: " + c.offload.compute_dtype +
+                    ", but offload.enabled is false (the resident reference loop computes in fp32): ignored");
+  }
   if (c.train.sample_every == 0) unused({"train.sample_prompts"}, "train.sample_every is 0 (no validation videos)");
   if (c.train.val_every == 0)
     unused({"train.val_batches", "train.val_data"}, "train.val_every is 0 (no validation loss)");
@@ -1466,6 +1472,8 @@ std::vector<std::string> unused_settings(const RunConfig& c) {
     unused({"data.image_frame"}, "this Wan is text-to-video (model.wan.in_channels equals out_channels)");
   if (c.diffusion.loss_weighting != "min_snr")
     unused({"diffusion.snr_gamma"}, "diffusion.loss_weighting is " + c.diffusion.loss_weighting + ", not min_snr");
+  if (c.data.dataset != "structured-motion")
+    unused({"data.num_clips"}, "data.dataset is " + c.data.dataset + ": an epoch is its items");
   if (c.data.dataset != "videos")
     unused({"data.fps", "data.frame_stride", "data.clip_start", "data.crop"},
            "data.dataset is " + c.data.dataset + ", not videos");

@@ -66,6 +66,12 @@ c10::Device device_kind(const std::string& spec) {
 }
 
 RunConfig resolve_auto_settings(const RunConfig& config) {
+  // The resident reference loop computes in fp32 (unused_settings warns of a bf16 or fp16 the config gives it).
+  if (!config.offload.enabled && config.offload.compute_dtype == "auto") {
+    RunConfig resolved = config;
+    resolved.offload.compute_dtype = "fp32";
+    return resolved;
+  }
   if (config.offload.compute_dtype != "auto") return config;
   RunConfig resolved = config;
   resolved.offload.compute_dtype = resolve_compute_dtype("auto", device_kind(config.train.device)).dtype;

@@ -330,7 +330,8 @@ std::string human_count(double n) {
 }
 
 HostStatePerParameter host_state_per_parameter(const RunConfig& resolved) {
-  const std::string& compute = resolved.offload.compute_dtype;
+  // The resident loop computes in fp32 whatever the config says (unused_settings warns of it).
+  const std::string compute = resolved.offload.enabled ? resolved.offload.compute_dtype : "fp32";
   const double copy = compute == "fp32" ? 4.0 : 2.0;
   if (resolved.lora.rank > 0) {
     if (!resolved.offload.enabled) return {4.0, 0.0, "the frozen model's fp32 weights"};
@@ -383,7 +384,7 @@ std::string dry_run_json(const RunConfig& requested) {
                    {"token_grid", {grid.t, grid.h, grid.w}},
                    {"host_state_bytes", host_state},
                    {"device", config.train.device},
-                   {"compute_dtype", resolved.offload.compute_dtype}};
+                   {"compute_dtype", resolved.offload.enabled ? resolved.offload.compute_dtype : "fp32"}};
   return j.dump();
 }
 

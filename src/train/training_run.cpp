@@ -113,7 +113,7 @@ std::string memory_shortfall(const RunConfig& config, int64_t available_bytes, b
                                            static_cast<double>(small ? 1 : std::max<int64_t>(1, state_shards)))
                             : 0;  // validate() bounded one DiT's params * 14 below kMaxMachineBytes (2^50): no overflow
   const int64_t batch = config.train.batch_size * d.channels * d.frames * d.height * d.width * 4;
-  const int64_t order = d.num_clips * 8;
+  const int64_t order = d.dataset == "structured-motion" ? d.num_clips * 8 : 0;  // other data: their items'
   const int64_t needed = state + batch + order;
   if (available_bytes <= 0 || needed <= available_bytes) return "";
   return fmt::format(
