@@ -465,6 +465,8 @@ struct StreamedStackTrainer::StepRun {
                 " blocks");
     TORCH_CHECK(blocks.adam_step >= 0, "StreamedStackTrainer::step: adam_step ", blocks.adam_step, " is negative");
     if (im.trace != nullptr) streamer.set_trace(im.trace);
+    // The NVMe tier's I/O before the first step (the initial load, a resume's) is no step's.
+    if (serial == 1) im.nvme_before = store.nvme_stats();
     streamer.reset_stats();
     im.optimizer_wait_s = 0.0;
     im.activation_bytes_peak = 0;
@@ -1200,6 +1202,16 @@ void StreamedStackTrainer::set_trace(StepTrace* trace) {
   impl_->trace = trace;
   streamer_->set_trace(trace);
   store_->set_trace(trace);
+}
+
+void StreamedStackTrainer::leave_out_of_step_figures(const HostParamStore::NvmeStats& since) {
+  const HostParamStore::NvmeStats now = store_->nvme_stats();
+  auto& before = impl_->nvme_before;
+  before.read_bytes += now.read_bytes - since.read_bytes;
+  before.write_bytes += now.write_bytes - since.write_bytes;
+  before.read_s += now.read_s - since.read_s;
+  before.write_s += now.write_s - since.write_s;
+  before.wait_s += now.wait_s - since.wait_s;
 }
 
 void StreamedStackTrainer::synchronize() {

@@ -474,6 +474,19 @@ io::NamedTensors Trainer::master_weights() {
   return out;
 }
 
+void Trainer::outside_steps(const std::function<void()>& work) {
+  if (!engine_ || !engine_->store().paged()) return work();
+  synchronize();
+  const auto since = engine_->store().nvme_stats();
+  try {
+    work();
+  } catch (...) {
+    engine_->leave_out_of_step_figures(since);
+    throw;
+  }
+  engine_->leave_out_of_step_figures(since);
+}
+
 TrainingState Trainer::training_state() {
   synchronize();
   TrainingState s;

@@ -586,8 +586,7 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
       const auto summed = t[0].cpu();
       for (size_t i = 0; i < values.size(); ++i) values[i] = summed[static_cast<int64_t>(i)].item<int64_t>();
     };
-  auto save = [&](const char* why) {
-    if (!writer && !sharded) return true;                  // every rank holds the same state; rank 0 saves it
+  auto save_now = [&](const char* why) {
     const TrainingState state = trainer.training_state();  // waits for host updates still running
     try {
       const auto started = std::chrono::steady_clock::now();
@@ -610,6 +609,13 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
       }
     }
     return true;
+  };
+  // The NVMe tier's reads of a save are left out of the next step's figures (Trainer::outside_steps).
+  auto save = [&](const char* why) {
+    if (!writer && !sharded) return true;  // every rank holds the same state; rank 0 saves it
+    bool saved = false;
+    trainer.outside_steps([&] { saved = save_now(why); });
+    return saved;
   };
 
   const int64_t start = result.first_step;
@@ -719,7 +725,8 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
         const auto samples = dir->file(fmt::format("samples/step-{:07}", m.step));
         const auto started = std::chrono::steady_clock::now();
         try {
-          const std::vector<std::string> files = trainer.write_validation(samples);
+          std::vector<std::string> files;
+          trainer.outside_steps([&] { files = trainer.write_validation(samples); });
           if (tensorboard) tensorboard->videos(m.step, samples, files);
           log.info(fmt::format("step {}: {} validation video{} in {} ({:.1f} s)", m.step, files.size(),
                                files.size() == 1 ? "" : "s", samples,

@@ -216,6 +216,10 @@ class StreamedStackTrainer {
   StackStepResult step(const Prologue& prologue, const Epilogue& epilogue, double lr, const StepBlocks& blocks = {});
   // Waits for host updates still running (deferred mode lets them overlap the next step).
   void synchronize();
+  // The NVMe tier's reads and writes since `since` (store().nvme_stats() after synchronize(), before a checkpoint's
+  // save or validation videos between steps) are no step's: the next step's nvme_* figures leave them out, as its
+  // first step leaves out the initial load and a resume's.
+  void leave_out_of_step_figures(const HostParamStore::NvmeStats& since);
 
   const StackTrainerOptions& options() const { return options_; }
   bool deferred_updates() const;

@@ -38,6 +38,7 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -102,6 +103,9 @@ class Trainer {
   StepMetrics step();
   // Waits for host updates still running (streamed: they overlap the next step in deferred mode).
   void synchronize();
+  // Runs `work` between steps (a checkpoint's save, validation videos) with the NVMe tier's I/O it does left out of
+  // the next step's figures (StreamedStackTrainer::leave_out_of_step_figures); the last step's finishes first.
+  void outside_steps(const std::function<void()>& work);
   // Streamed: writes a Chrome trace of the next step to `path` (offload/step_trace.h); resident: no-op.
   void trace_next_step(const std::string& path);
 
