@@ -184,6 +184,11 @@ TEST(HostParamStore, TheNvmeTierHoldsABlocksStateOnlyWhileLeasedAndKeepsWhatWasW
   EXPECT_EQ(report.total_bytes(), report.nvme_buffer_bytes + report.compute_bytes);
   EXPECT_GT(report.state_bytes(), report.nvme_buffer_bytes);
   EXPECT_NE(report.to_string().find("[on NVMe]"), std::string::npos) << report.to_string();
+  // More buffers asked for than there are blocks are as many as the blocks (1024 of them would hold 1024 blocks'
+  // state for a model of 5).
+  auto many = nvme_store_options(dir);
+  many.nvme_blocks_in_flight = 1024;
+  EXPECT_EQ(offload::HostParamStore::plan(blocks, many).nvme_buffer_bytes, 5 * report.largest_region_bytes);
   io::remove_tree(dir);
 }
 

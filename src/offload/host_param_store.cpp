@@ -308,7 +308,9 @@ MemoryReport HostParamStore::plan(const std::vector<BlockSpec>& blocks, const Ho
     }
   }
   r.state_tier = options.state_tier;
-  r.nvme_buffer_bytes = nvme_tier(options) ? options.nvme_blocks_in_flight * r.largest_region_bytes : 0;
+  // No more buffers than blocks: with as many, every block's state stays in memory.
+  r.nvme_buffer_bytes =
+      nvme_tier(options) ? std::min(options.nvme_blocks_in_flight, r.num_blocks) * r.largest_region_bytes : 0;
   if (options.frozen) owned = 0;  // the transfer buffer alone
   groups = options.frozen ? 0 : groups;
   const int64_t state_bytes = state_element_bytes(options.state_dtype);
@@ -450,7 +452,7 @@ HostParamStore::HostParamStore(std::vector<BlockSpec> blocks, HostParamStoreOpti
     const std::string name = fmt::format("megaslide-state-{}-rank{}.bin", ::getpid(), options_.shard_rank);
     pager_ = std::make_unique<detail::StatePager>(
         std::make_unique<NvmeFile>(options_.nvme_dir, name, plan_report.nvme_bytes, options_.nvme), regions,
-        options_.nvme_blocks_in_flight);
+        std::min(options_.nvme_blocks_in_flight, static_cast<int64_t>(regions.size())));
   }
 }
 

@@ -369,9 +369,11 @@ std::string dry_run_json(const RunConfig& requested) {
   const auto per = host_state_per_parameter(resolved);
   auto host_state = std::llround(per.bytes * static_cast<double>(count.total));
   // The NVMe tier's in-flight buffers: nvme_blocks_in_flight blocks' state, each rounded up to 4 KiB per part.
+  const int64_t blocks =
+      (wan ? config.model.wan.layers : config.model.layers) * (wan && config.model.wan.expert == "both" ? 2 : 1);
   if (resolved.offload.enabled && resolved.offload.state_tier == "nvme" && resolved.lora.rank == 0)
     host_state +=
-        resolved.offload.nvme_blocks_in_flight *
+        std::min(resolved.offload.nvme_blocks_in_flight, blocks) *
         ((std::llround(per.master_and_moments * static_cast<double>(count.per_block)) + 4 * 4096) / 4096 * 4096);
   nlohmann::json j{{"arch", to_string(config.model.arch)},
                    {"params", count.total},
