@@ -894,6 +894,17 @@ TEST(DistributedTraining, UnevenBatchAndShardedInt8MomentsAreRefusedNamingTheKey
   auto int8 = train(streamed_args(4, "--set optimizer.state_dtype=int8") + " --run-dir " + dir + " --nproc-per-node 2");
   EXPECT_EQ(int8.code, 2) << int8.output;
   EXPECT_NE(int8.output.find("optimizer.state_dtype"), std::string::npos) << int8.output;
+  // Named as coming from the file with the overrides, once, before any rank starts: the batch above, and heads that
+  // dense attention's context-parallel group does not divide (each rank said it before).
+  EXPECT_NE(uneven.output.find("with --set overrides: train.batch_size"), std::string::npos) << uneven.output;
+  auto heads = train(resident_args(4) + " --set model.arch=dense3d --set model.heads=1" +
+                     " --set distributed.context_parallel=2 --run-dir " + dir + " --nproc-per-node 2");
+  EXPECT_EQ(heads.code, 2) << heads.output;
+  const std::string said = "does not divide the model's 1 attention heads";
+  const auto first = heads.output.find(said);
+  EXPECT_NE(first, std::string::npos) << heads.output;
+  EXPECT_EQ(heads.output.find(said, first + 1), std::string::npos) << "said once: " << heads.output;
+  EXPECT_EQ(heads.output.find("rank 1"), std::string::npos) << "no rank started: " << heads.output;
   io::remove_tree(dir);
 }
 

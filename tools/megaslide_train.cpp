@@ -336,6 +336,8 @@ int main(int argc, char** argv) {
           return files + (lora ? " (LoRA, " : " (") + layout + ")";
         };
 
+        // What the run's errors name as the source of a setting: with --set, the file and the overrides together.
+        const std::string source = overrides.empty() ? config_path : config_path + " with --set overrides";
         const char* launched_here = std::getenv("MEGASLIDE_LOCAL_LAUNCH");
         if (nproc_per_node > 0 && !dry_run && (launched_here == nullptr || *launched_here == '\0')) {
           if (std::getenv("RANK") != nullptr || std::getenv("SLURM_PROCID") != nullptr)
@@ -344,16 +346,15 @@ int main(int argc, char** argv) {
                 "(RANK or SLURM_PROCID is set): drop --nproc-per-node");
           // Checked once here: each rank would refuse it alike, one line each.
           if (const auto [key, problem] = megaslide::world_size_problem(config, nproc_per_node); !key.empty())
-            throw megaslide::ConfigError(config_path, key, problem);
+            throw megaslide::ConfigError(source, key, problem);
           return megaslide::launch_local_ranks(std::vector<std::string>(argv, argv + argc), nproc_per_node,
                                                master_port);
         }
-        if (dry_run) return print_dry_run(config, config_path, json);
+        if (dry_run) return print_dry_run(config, source, json);
         // With --resume an export writes the checkpoint's files and trains nothing. --export-merged needs the model
         // and its adapters: run_training loads them (export_only), checks its inputs and writes the file first.
         megaslide::TrainingRunOptions options;
-        // What the run's errors name as the source of a setting: with --set, the file and the overrides together.
-        options.config_source = overrides.empty() ? config_path : config_path + " with --set overrides";
+        options.config_source = source;
         options.resume = resume;
         options.export_merged = export_merged;
         options.export_layout = export_layout;

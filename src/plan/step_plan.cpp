@@ -970,20 +970,23 @@ StepPlan plan_step(const RunConfig& requested, const HardwareProfile& hw, int64_
   int64_t context_elements = 0;
   if (n > 1) {
     const int64_t B = t.batch_size, D = p.hidden, frame = grid.h * grid.w;
+    // A middle rank's halos come from both sides; with 2 ranks each rank has one neighbour.
+    const int64_t sides = n > 2 ? 2 : 1;
     if (dense_attention) {
       p.context_exchange = "Ulysses all-to-all";
       context_elements = 4 * B * local.numel() * D * (n - 1) / n;  // q, k, v there, the output back
     } else if (dsa) {
       p.context_exchange = "3D-DSA halo";
       const int64_t reach = static_cast<int64_t>(std::floor(config.model.dsa_offset_range[0]));
-      p.context_halo_frames = std::min(2 * (config.model.dsa_kernel[0] / 2 + reach + 1), grid.t - local.t);
+      // The offsets' full temporal range: the trainer exchanges the reach its offsets have (less early on).
+      p.context_halo_frames = std::min(sides * (config.model.dsa_kernel[0] / 2 + reach + 1), grid.t - local.t);
       context_elements = 2 * p.context_halo_frames * frame * B * D;  // k and v
       if (config.model.dsa_offsets != DsaOffsets::kZero)             // the offset network's one frame each way
-        context_elements += std::min<int64_t>(2, grid.t - local.t) * frame * B * D;
+        context_elements += std::min<int64_t>(sides, grid.t - local.t) * frame * B * D;
     } else {
       p.context_exchange = "window halo";
       const auto w = window_layout(grid, config.model.swin_window, /*shifted=*/true).window[0];
-      p.context_halo_frames = std::min(2 * (w - 1), grid.t - local.t);
+      p.context_halo_frames = std::min(sides * (w - 1), grid.t - local.t);
       context_elements = p.context_halo_frames * frame * B * D;
     }
     // The forward, the streamed trainer's recompute and the backward (the gradients going back).
@@ -1294,12 +1297,12 @@ std::string to_table(const StepPlan& p) {
         p.streamed ? " (its blocks streamed H2D only: no gradient copies, no host optimizer)" : "");
   }
   if (p.world_size > 1) {
-    out +=
-        fmt::format("  data parallel over {} ranks: every figure below is one rank's (batch {} of the global {}{})\n",
-                    p.world_size, p.batch_size_per_rank, p.batch_size,
-                    !p.streamed ? ""
-                    : lora      ? "; the frozen weights not sharded: every rank holds the whole copy"
-                                : "; fp32 master and AdamW moments sharded, rank 0's shard: the largest");
+    out += fmt::format("  {} over {} ranks: every figure below is one rank's (batch {} of the global {}{})\n",
+                       p.world_size > std::max<int64_t>(1, p.context_parallel) ? "data parallel" : "one context group",
+                       p.world_size, p.batch_size_per_rank, p.batch_size,
+                       !p.streamed ? ""
+                       : lora      ? "; the frozen weights not sharded: every rank holds the whole copy"
+                                   : "; fp32 master and AdamW moments sharded, rank 0's shard: the largest");
   }
   if (p.context_parallel > 1)
     out += fmt::format(

@@ -702,15 +702,17 @@ std::string context_parallel_problem(const RunConfig& config, int64_t world_size
         "{} does not divide the {} ranks of this run (groups of {} ranks share each sample; data "
         "parallelism runs over the world size / {} groups)",
         n, world_size, n, n);
-  if (token_frames < 0) return "";
   const bool wan = config.model.arch == Architecture::kWan;
   const bool dense = wan ? config.model.self_attention != "dsa3d" : config.model.arch == Architecture::kDense3D;
   const int64_t heads = wan ? config.model.wan.heads : config.model.heads;
-  if (dense && heads % n != 0)
+  // The heads are the config's (before the ranks start, once); a Wan's weights give its own, checked with the frames.
+  const bool heads_known = token_frames >= 0 || !wan || config.model.wan.weights.empty();
+  if (heads_known && dense && heads % n != 0)
     return fmt::format(
         "{} does not divide the model's {} attention heads: dense attention over a context-parallel "
         "group (Ulysses) gives each rank heads / {}",
         n, heads, n);
+  if (token_frames < 0) return "";
   if (token_frames < n)
     return fmt::format("{} ranks cannot share a sample of {} token frames (each rank needs one)", n, token_frames);
   return "";

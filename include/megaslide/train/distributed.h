@@ -152,9 +152,10 @@ class CommunicatorFrames final : public ops::FrameExchange {
   int64_t first_ = 0, size_ = 1;
 };
 
-// What is wrong with distributed.context_parallel (n) for `world_size` ranks: n must divide them and, when a
-// sample's token frames are given (`token_frames` >= 0), be at most that many and divide the heads of dense
-// attention (Ulysses: Wan's dense attention, Dense3DDiT). "" when nothing is; the caller reports it under its key.
+// What is wrong with distributed.context_parallel (n) for `world_size` ranks: n must divide them and the heads of
+// dense attention (Ulysses: Wan's dense attention, Dense3DDiT; a Wan whose weights give its heads only when
+// `token_frames` is given) and, when a sample's token frames are given (`token_frames` >= 0), be at most that many.
+// "" when nothing is; the caller reports it under its key.
 std::string context_parallel_problem(const RunConfig& config, int64_t world_size, int64_t token_frames = -1);
 
 // What stops `config` from running on `world_size` ranks, as one ConfigError-style pair: the key and the problem
