@@ -459,6 +459,11 @@ TEST(NvmeTierRuns, TheSmokeRunOnNvmeLogsTheRamTiersLosses) {
   for (const auto& value : logged(nvme, "nvme_read_bytes")) reads += std::stoll(value);
   EXPECT_GT(reads, 0);
   EXPECT_EQ(logged(ram, "nvme_read_bytes").back(), "") << "the RAM tier logs no NVMe figures";
+  // train.log names the state file and how it is read and written (O_DIRECT, or buffered where refused).
+  const std::string log = io::read_file(nvme + "/train.log");
+  EXPECT_NE(log.find("NVMe tier: state file " + dir + "/megaslide-state-"), std::string::npos) << log;
+  EXPECT_TRUE(log.find(" I/O, O_DIRECT") != std::string::npos || log.find(" I/O, buffered") != std::string::npos)
+      << log;
   io::remove_tree(dir);
 }
 

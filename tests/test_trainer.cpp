@@ -291,6 +291,12 @@ TEST_P(Trainers, HostActivationsTrainAsDeviceActivations) {
     }
     on_device->synchronize();
     on_host->synchronize();
+    // train.log says where the checkpoints go.
+    std::vector<std::string> info, warnings;
+    on_host->describe(info, warnings);
+    std::string said;
+    for (const auto& line : info) said += line + "\n";
+    EXPECT_NE(said.find("activations: offload.activations host"), std::string::npos) << said;
     const auto da = masters(*on_device), ha = masters(*on_host);
     for (const auto& [name, t] : da) EXPECT_TRUE(torch::equal(t, ha.at(name))) << name;
   }

@@ -563,6 +563,17 @@ void Trainer::describe(std::vector<std::string>& info, std::vector<std::string>&
                     engine_->store().memory_report().to_string()));
     info.push_back(fmt::format("compute dtype {} ({})", config_.offload.compute_dtype,
                                resolve_compute_dtype(requested_compute_dtype_, device_).reason));
+    if (const auto* file = engine_->store().nvme_file())
+      info.push_back(fmt::format(
+          "NVMe tier: state file {} (unlinked), {} I/O{}", file->path(), file->engine(),
+          file->direct() ? ", O_DIRECT"
+                         : ", buffered (the file system refused O_DIRECT: the page cache holds what is written, so "
+                           "the state may stay in RAM)"));
+    if (config_.offload.activations == "host")
+      info.push_back(
+          "activations: offload.activations host: each block's input checkpoint is copied to host memory in the "
+          "forward and back for the backward (L - 1 buffers of one block's input, page-locked on a GPU, allocated "
+          "at the first step: megaslide-plan's host_activation_bytes; not in the table above)");
     const std::string slow = compute_dtype_warning(config_.offload.compute_dtype, device_,
                                                    "set offload.compute_dtype: auto (fp32 on this CPU) to run faster");
     if (!slow.empty()) warnings.push_back(slow);
