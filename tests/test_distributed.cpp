@@ -905,6 +905,14 @@ TEST(DistributedTraining, UnevenBatchAndShardedInt8MomentsAreRefusedNamingTheKey
   EXPECT_NE(first, std::string::npos) << heads.output;
   EXPECT_EQ(heads.output.find(said, first + 1), std::string::npos) << "said once: " << heads.output;
   EXPECT_EQ(heads.output.find("rank 1"), std::string::npos) << "no rank started: " << heads.output;
+  // A run folder that holds a run is refused before the ranks start too (rank 1 saw only rank 0 gone).
+  const auto taken = fresh_dir("refused-taken");
+  ASSERT_EQ(train(resident_args(4) + " --set train.steps=1 --run-dir " + taken).code, 0);
+  auto again = train(resident_args(4) + " --run-dir " + taken + " --nproc-per-node 2");
+  EXPECT_EQ(again.code, 2) << again.output;
+  EXPECT_NE(again.output.find("already holds a run"), std::string::npos) << again.output;
+  EXPECT_EQ(again.output.find("rank 1"), std::string::npos) << "no rank started: " << again.output;
+  io::remove_tree(taken);
   io::remove_tree(dir);
 }
 

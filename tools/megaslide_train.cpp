@@ -347,6 +347,9 @@ int main(int argc, char** argv) {
           // Checked once here: each rank would refuse it alike, one line each.
           if (const auto [key, problem] = megaslide::world_size_problem(config, nproc_per_node); !key.empty())
             throw megaslide::ConfigError(source, key, problem);
+          // So is a run folder rank 0 would refuse (another run's, or in use): the other ranks would only see rank 0
+          // gone. The guard leaves nothing behind (a folder it made is removed with its lock).
+          { const megaslide::RunFolderGuard folder(config.output.run_dir, !resume.empty()); }
           return megaslide::launch_local_ranks(std::vector<std::string>(argv, argv + argc), nproc_per_node,
                                                master_port);
         }

@@ -597,6 +597,9 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     } catch (const CheckpointError& e) {
       log.warn(e.what());
       return false;
+    } catch (const DistributedError& e) {  // a rank gone while the shards were saved: that checkpoint is not there
+      throw DistributedError(
+          fmt::format("saving the checkpoint of step {} ({}), which is lost: {}", state.step, why, e.what()));
     }
     // The new checkpoint is saved: an old one that cannot be removed (a folder made read-only to keep it) stays.
     if (writer) {
