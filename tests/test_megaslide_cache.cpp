@@ -235,6 +235,18 @@ TEST(MegaslideCache, WanCachesItsVideosAndTrainsFromTheCache) {
     const auto frames = megaslide::io::read_video(fx.dir + "/run/samples/step-0000003/videos/" +
                                                   index.at("videos")[i].at("file").get<std::string>());
     EXPECT_EQ(frames.sizes(), (std::vector<int64_t>{5, 32, 32, 3}));
+    EXPECT_FALSE(index.at("videos")[i].contains("image")) << "text-to-video";
+  }
+  // A TI2V run's videos start from their clips' first frames: index.json names the clip each came from.
+  r = run_tool("megaslide-train", "--config " + config + " --run-dir " + fx.dir +
+                                      "/ti2v --set train.steps=1 --set train.sample_every=1 --set "
+                                      "diffusion.sample_steps=1 --set diffusion.first_frame_clean=0.5");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto ti2v = nlohmann::json::parse(megaslide::io::read_file(fx.dir + "/ti2v/samples/step-0000001/index.json"));
+  for (const auto& video : ti2v.at("videos")) {
+    const std::string image = video.value("image", "");
+    EXPECT_EQ(image.rfind(fx.dir, 0), 0u) << image;
+    EXPECT_NE(image.find(".mp4 (its first frame)"), std::string::npos) << image;
   }
 
   const std::string other = "--set model.text_encoder.weights=" + fixtures + "/umt5/comfy_umt5_fp16.safetensors";

@@ -185,6 +185,8 @@ TEST(WanValidation, Ti2vRunsSampleFromTheirClipsFirstFrames) {
     const auto reference = pipeline.sample_from_image({job.prompt}, {job.seed}, image, validation.options());
     EXPECT_TRUE(torch::equal(sampled.narrow(0, static_cast<int64_t>(i), 1), reference))
         << job.prompt << ": " << max_diff(sampled.narrow(0, static_cast<int64_t>(i), 1), reference);
+    // index.json says which item's frame each video started from.
+    EXPECT_EQ(job.image.value_or(""), "data.tensors item " + std::to_string(i) + " (its first frame)");
   }
 }
 

@@ -10,6 +10,7 @@
 #include <optional>
 #include <utility>
 
+#include "megaslide/data/latent_cache.h"
 #include "megaslide/io/files.h"
 #include "megaslide/io/video.h"
 #include "megaslide/model/encoder_settings.h"
@@ -215,6 +216,19 @@ void WanValidation::images(const WanLatentData& data) {
                                       "the data's, of which none has that size (the first item's: {}): give its line "
                                       "no size of its own, or one of the data's",
                                       i, video.job.prompt, bracketed(video.shape), bracketed(shape_of(0))));
+    }
+    // index.json says where the video's image came from (the data's: a prompt line's --i is refused here).
+    if (!video.job.image) {
+      if (data.cache) {
+        const int64_t at = data.cache_items.at(static_cast<size_t>(item));
+        const std::string& own = first_frame ? std::string() : data.cache->image(at);
+        video.job.image = !own.empty()  ? own + " (the image of " + data.cache->path(at) + ")"
+                          : first_frame ? data.cache->path(at) + " (its first frame)"
+                                        : fmt::format("{} (frame {})", data.cache->path(at), config_.data.image_frame);
+      } else {
+        video.job.image = fmt::format("data.tensors item {} ({})", item, first_frame ? "its first frame" : key);
+      }
+      jobs_[i] = video.job;
     }
     WanImageCondition c;
     if (first_frame) {

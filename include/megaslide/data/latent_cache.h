@@ -127,6 +127,8 @@ class LatentCache final : public ClipSource {
   int64_t bucket_of(int64_t item) const override { return items_.at(static_cast<size_t>(item)).bucket; }
   const std::string& caption(int64_t item) const override { return items_.at(static_cast<size_t>(item)).caption; }
   const std::string& path(int64_t item) const override { return items_.at(static_cast<size_t>(item)).path; }
+  // Image-to-video: the item's own image ("" when its image is a frame of the clip, data.image_frame).
+  const std::string& image(int64_t item) const { return items_.at(static_cast<size_t>(item)).image; }
   // Views into the mapped shard (valid while the cache lives); the epoch is ignored (see above).
   ClipSample load(int64_t item, int64_t epoch) const override;
   // The empty prompt's text tensors.
