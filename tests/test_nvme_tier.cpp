@@ -417,6 +417,34 @@ TEST(NvmeTierCheckpoints, EitherTiersCheckpointResumesOnEitherTierBitExactly) {
   io::remove_tree(dir);
 }
 
+// Property: the NVMe tier's I/O between steps that Trainer::outside_steps wraps (a checkpoint's save, validation
+// videos) is no step's: the steps' write figures and that work's writes add up to no more than the tier wrote. Were
+// the work's writes (every block written three times) counted in the next step, the sum would exceed it by them.
+TEST(NvmeTierCheckpoints, IoBetweenStepsIsNoStepsFigure) {
+  const std::string dir = scratch("outside");
+  auto trainer = trainer_of(tiny("dit", "nvme", dir, {"offload.compute_dtype=bf16", "train.grad_clip=0"}));
+  trainer->synchronize();
+  const auto& store = trainer->engine()->store();
+  const auto start = store.nvme_stats();
+  const auto first = trainer->step();
+  int64_t outside = 0;
+  trainer->outside_steps([&] {
+    const auto before = store.nvme_stats();
+    for (int pass = 0; pass < 3; ++pass)
+      for (int64_t l = 0; l < store.num_blocks(); ++l) {
+        const auto lease = store.acquire_state(l, /*write=*/true);
+      }
+    store.flush_state();
+    outside = store.nvme_stats().write_bytes - before.write_bytes;
+  });
+  ASSERT_GE(outside, 3 * store.memory_report().nvme_bytes);
+  const auto second = trainer->step();
+  const auto now = store.nvme_stats();
+  EXPECT_LE(first.nvme_write_bytes + second.nvme_write_bytes + outside, now.write_bytes - start.write_bytes);
+  EXPECT_GT(second.nvme_write_bytes + first.nvme_write_bytes, 0) << "the steps' own write-backs are still counted";
+  io::remove_tree(dir);
+}
+
 namespace {
 
 std::vector<std::string> logged(const std::string& run_dir, const char* key) {

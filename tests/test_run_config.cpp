@@ -536,6 +536,11 @@ TEST(RunConfig, SettingsTheRunDoesNotUseAreNamed) {
   EXPECT_NE(all.find("data.num_clips: set, but data.dataset is videos"), std::string::npos) << all;
   EXPECT_EQ(all.find("offload."), std::string::npos) << all;
   EXPECT_EQ(megaslide::resolve_auto_settings(videos).offload.compute_dtype, "fp32");
+  // On a GPU too, where `auto` is bf16 or fp16 for the streamed trainer.
+  videos.train.device = "cuda";
+  EXPECT_EQ(megaslide::resolve_auto_settings(videos).offload.compute_dtype, "fp32");
+  videos.offload.enabled = true;
+  EXPECT_NE(megaslide::resolve_auto_settings(videos).offload.compute_dtype, "fp32");
   // The NVMe tier's buffers beyond the model's blocks are said (the store keeps as many as the blocks).
   all.clear();
   for (const auto& line : megaslide::unused_settings(parse_run_config(
@@ -543,6 +548,12 @@ TEST(RunConfig, SettingsTheRunDoesNotUseAreNamed) {
            {"model.layers=3", "offload.state_tier=nvme", "offload.nvme_dir=/nvme", "offload.nvme_blocks_in_flight=8"})))
     all += line + "\n";
   EXPECT_NE(all.find("offload.nvme_blocks_in_flight (8) is above the model's 3 blocks"), std::string::npos) << all;
+  // Not the default 2 the config never gave, for a model of one block.
+  all.clear();
+  for (const auto& line : megaslide::unused_settings(
+           parse_run_config("", kSource, {"model.layers=1", "offload.state_tier=nvme", "offload.nvme_dir=/nvme"})))
+    all += line + "\n";
+  EXPECT_EQ(all.find("nvme_blocks_in_flight"), std::string::npos) << all;
 }
 
 // The property: a config MegaSlide saved (a checkpoint's, a weights file's) loads without the checks of values older

@@ -62,8 +62,12 @@ int main(int argc, char** argv) {
         // The suites are listed where the suite is what is wrong.
         const auto known = megaslide::ablation_suites();
         const bool bad_suite = suite != "all" && std::find(known.begin(), known.end(), suite) == known.end();
-        throw megaslide::tools::UsageError(megaslide::error_message(e) +
-                                           (bad_suite ? " (suites: " + suites + ")" : std::string()));
+        const std::string message = megaslide::error_message(e);
+        const bool varied = message.find(" suite varies ") != std::string::npos;
+        throw megaslide::tools::UsageError(message + (bad_suite ? " (suites: " + suites + ")"
+                                                      : suite == "all" && varied
+                                                          ? " (--suite all: run the other suites on their own with it)"
+                                                          : std::string()));
       }
     });
     megaslide::tools::survive_file_size_limit();

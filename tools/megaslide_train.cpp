@@ -151,7 +151,9 @@ int print_dry_run(const megaslide::RunConfig& config, const std::string& source,
   j["trained_params"] =
       config.lora.rank > 0 ? megaslide::plan::lora_trained_parameters(config, source) : j["params"].get<int64_t>();
   // What the run's train.log would warn about: settings it will not use.
-  j["unused_settings"] = megaslide::unused_settings(megaslide::resolve_auto_settings(config));
+  // As the run says them: Wan's sizes from its weights.
+  j["unused_settings"] = megaslide::unused_settings(
+      megaslide::resolve_auto_settings(megaslide::with_wan_architecture_from_weights(config)));
   // Files and folders it names that are not there (each "KEY: 'PATH' does not exist...").
   j["missing_paths"] = missing_named_paths(config, source);
   if (json) {
@@ -349,7 +351,12 @@ int main(int argc, char** argv) {
             throw megaslide::ConfigError(source, key, problem);
           // So is a run folder rank 0 would refuse (another run's, or in use): the other ranks would only see rank 0
           // gone. The guard leaves nothing behind (a folder it made is removed with its lock).
-          { const megaslide::RunFolderGuard folder(config.output.run_dir, !resume.empty()); }
+          // (An export of a checkpoint's files takes no lock: it writes nothing into the folder.)
+          const bool export_only =
+              !resume.empty() && export_merged.empty() && (!export_weights.empty() || !export_ema.empty());
+          if (!export_only) {
+            const megaslide::RunFolderGuard folder(config.output.run_dir, !resume.empty());
+          }
           return megaslide::launch_local_ranks(std::vector<std::string>(argv, argv + argc), nproc_per_node,
                                                master_port);
         }

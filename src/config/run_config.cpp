@@ -1477,16 +1477,16 @@ std::vector<std::string> unused_settings(const RunConfig& c) {
   if (c.data.dataset != "videos")
     unused({"data.fps", "data.frame_stride", "data.clip_start", "data.crop"},
            "data.dataset is " + c.data.dataset + ", not videos");
-  if (c.offload.compute_dtype != "fp16")
+  if (c.offload.compute_dtype != "fp16" || !c.offload.enabled)
     unused({"train.loss_scale_init", "train.loss_scale_window"}, "the compute dtype is not fp16");
   const int64_t blocks =
       c.model.arch == Architecture::kWan ? c.model.wan.layers * (c.model.wan.expert == "both" ? 2 : 1) : c.model.layers;
   if (c.offload.enabled && c.offload.state_tier == "nvme" && c.lora.rank == 0 &&
-      c.offload.nvme_blocks_in_flight > blocks)
-    out.push_back(
-        fmt::format("offload.nvme_blocks_in_flight ({}) is above the model's {} blocks: {} are in memory at "
-                    "a time, every block's state (no saving over the RAM tier, which needs no file)",
-                    c.offload.nvme_blocks_in_flight, blocks, blocks));
+      c.given.count("offload.nvme_blocks_in_flight") > 0 && c.offload.nvme_blocks_in_flight > blocks)
+    out.push_back(fmt::format(
+        "offload.nvme_blocks_in_flight ({}) is above the model's {} block{}: every block's state is in memory at a "
+        "time (no saving over the RAM tier, which needs no file)",
+        c.offload.nvme_blocks_in_flight, blocks, blocks == 1 ? "" : "s"));
   if (c.train.warmup_steps > c.train.steps)
     out.push_back(
         fmt::format("train.warmup_steps ({}) is above train.steps ({}): the learning rate never reaches "

@@ -227,12 +227,12 @@ VideoManifest read_jsonl(const DataConfig& data, bool images) {
       continue;
     }
     const std::string file = resolve(base, j["video"].get<std::string>());
-    if (j.contains("caption") && !j["caption"].is_string()) {
+    if (j.contains("caption") && !j["caption"].is_string() && !j["caption"].is_null()) {
       m.bad.push_back(
           {index, file, "\"caption\" is " + std::string(j["caption"].type_name()) + ", expected text (" + where + ")"});
       continue;
     }
-    if (!j.contains("caption") || trim(j["caption"].get<std::string>()).empty()) {
+    if (!j.contains("caption") || j["caption"].is_null() || trim(j["caption"].get<std::string>()).empty()) {
       m.bad.push_back({index, file, "missing caption (" + where + ")"});
       continue;
     }

@@ -135,9 +135,9 @@ VariantRun train_variant(const std::string& suite, const std::string& name, cons
     // Device state that lives across steps (CPU accounting; on a GPU the allocator sees it all); a
     // step's gradients and activations are its own allocations.
     const int64_t persistent = trainer->persistent_device_bytes();
-    say(fmt::format("{} {} trainer, {} tokens/sample, device {}, {} steps", family.name(),
+    say(fmt::format("{} {} trainer, {} tokens/sample, device {}, {} step{}", family.name(),
                     trainer->streams() ? "streamed (host AdamW)" : "resident (device AdamW)",
-                    trainer->tokens_per_sample(), run.device, config.train.steps));
+                    trainer->tokens_per_sample(), run.device, config.train.steps, config.train.steps == 1 ? "" : "s"));
     double seconds = 0.0;  // the steps so far, for the variant's ETA
     for (int64_t i = 0; i < config.train.steps; ++i) {
       meter.reset();
@@ -643,8 +643,8 @@ void check_ablation_configs(const AblationOptions& o) {
       std::string keys;
       for (const auto& k : varied) keys += (keys.empty() ? "" : ", ") + k;
       throw std::invalid_argument(fmt::format(
-          "--set {}: the {} suite varies {} from run to run ({}): set for all of them, every row would be the same "
-          "run",
+          "--set {}: the {} suite varies {} from run to run ({}): set for all of them, its rows would not compare "
+          "what they are named for",
           setting, o.suite, key, keys));
     }
   }

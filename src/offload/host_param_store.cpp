@@ -281,8 +281,8 @@ std::string MemoryReport::to_string() const {
   if (ema_bytes > 0) row("fp32 EMA of the weights" + where, ema_bytes);
   if (nvme) {
     row("NVMe tier: state file on disk (4 KiB-aligned regions)", nvme_bytes);
-    row(fmt::format("NVMe tier: in-flight buffers ({} blocks' state)",
-                    largest_region_bytes > 0 ? nvme_buffer_bytes / largest_region_bytes : 0),
+    const int64_t buffers = largest_region_bytes > 0 ? nvme_buffer_bytes / largest_region_bytes : 0;
+    row(fmt::format("NVMe tier: in-flight buffers ({} block{}' state)", buffers, buffers == 1 ? "" : "s"),
         nvme_buffer_bytes);
   }
   row(nvme ? "total in host memory" : "total", total_bytes());

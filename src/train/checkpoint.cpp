@@ -146,6 +146,10 @@ void check_config(const std::string& path, const std::string& saved_yaml, const 
     // The resident loop computes in fp32 whatever its config recorded (an older run's `auto` resolved for the
     // streamed trainer): a resume across trainers changes the compute dtype by design (docs/checkpoints.md).
     if (key == "offload.compute_dtype" && (!saved.offload.enabled || !config.offload.enabled)) continue;
+    // The number of clips is structured-motion's alone: other data's epoch is its items.
+    if (key == "data.num_clips" && saved.data.dataset != "structured-motion" &&
+        config.data.dataset != "structured-motion")
+      continue;
     if (x != y && key == "offload.compute_dtype")
       fail(path,
            fmt::format("{}: offload.compute_dtype is {} in the checkpoint but {} in this run's config (`auto` "
@@ -496,7 +500,7 @@ std::string find_checkpoint(const std::string& spelled) {
     }
     if (io::path_exists(io::join_path(spec, "latest")))
       return follow_pointer(io::join_path(spec, "latest"));  // RUN/checkpoints
-    if (io::path_exists(io::join_path(spec, "metrics.jsonl")))
+    if (io::path_exists(io::join_path(spec, "metrics.jsonl")) || io::path_exists(io::join_path(spec, "config.yaml")))
       throw CheckpointError("run folder '" + spec +
                             "' has no checkpoints: it saved none (it stopped before its first, is still before it, or "
                             "was trained with train.checkpoint_every: 0)");

@@ -346,9 +346,9 @@ HostStatePerParameter host_state_per_parameter(const RunConfig& resolved) {
   if (resolved.offload.enabled && resolved.offload.state_tier == "nvme")
     return {copy, 4.0 + 2.0 * moment_bytes + (resolved.train.ema_decay > 0 ? 4.0 : 0.0),
             "a " + compute + " compute copy (the masters and moments on NVMe)"};
-  HostStatePerParameter out{
-      4.0 + 2.0 * moment_bytes + copy, 4.0 + 2.0 * moment_bytes,
-      "fp32 weights, AdamW moments (" + resolved.optimizer.state_dtype + "), a " + compute + " compute copy"};
+  HostStatePerParameter out{4.0 + 2.0 * moment_bytes + copy, 4.0 + 2.0 * moment_bytes,
+                            "fp32 weights, AdamW moments (" + resolved.optimizer.state_dtype + "), " +
+                                (resolved.offload.enabled ? "a " + compute + " compute copy" : "fp32 gradients")};
   if (resolved.train.ema_decay > 0) {
     out.bytes += 4.0;
     out.what += ", an fp32 EMA";

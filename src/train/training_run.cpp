@@ -804,7 +804,8 @@ TrainingRunResult run_training(const RunConfig& requested, const TrainingRunOpti
     if (!save("final")) throw OutputError("could not save the final checkpoint (see the warning above)");
   if (!options.trace_path.empty() && trainer.streams())
     log.info(fmt::format("trace of step {} in {}", traced, options.trace_path));
-  log.info(fmt::format("done: {} steps; metrics in {}", result.steps_done, io::join_path(run_dir, "metrics.jsonl")));
+  log.info(fmt::format("done: {} step{}; metrics in {}", result.steps_done, result.steps_done == 1 ? "" : "s",
+                       io::join_path(run_dir, "metrics.jsonl")));
   if (const auto cache = util::cpu_tensor_cache_stats())
     log.info(fmt::format(
         "CPU tensor cache at the end: {} of {} allocations of {} or more served from spare blocks, {} "

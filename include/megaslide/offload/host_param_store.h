@@ -39,7 +39,7 @@
 //
 // The NVMe tier (state_tier kNvme; docs/offload.md): master, moments, their scales and the EMA live in a scratch
 // file in nvme_dir (NvmeFile), one 4 KiB-aligned region per block; host RAM keeps the transfer (and
-// accumulation) buffers and nvme_blocks_in_flight buffers of the largest region. A block's state is in
+// accumulation) buffers and nvme_blocks_in_flight buffers of the largest region (at most one a block). A block's state is in
 // memory only while acquired (acquire_state: a lease that reads it first, if needed, and writes it back when
 // the last write lease ends); master(l), exp_avg(l), ..., ema(l) and the ParamViews of them exist only then
 // (the flat accessors throw, the views are undefined otherwise). prefetch_state starts the read ahead of the

@@ -87,8 +87,8 @@ struct HostMemoryPlan {
   // other expert's blocks in the compute dtype, read from its weights while the videos are made.
   int64_t other_expert = 0;
   // The NVMe tier (offload.state_tier: nvme): master, moments, scales and EMA (the figures above) are on the
-  // disk; host RAM holds nvme_buffers of them instead (offload.nvme_blocks_in_flight × the largest block's
-  // 4 KiB-aligned region).
+  // disk; host RAM holds nvme_buffers of them instead (min(offload.nvme_blocks_in_flight, blocks) × the largest
+  // block's 4 KiB-aligned region).
   bool state_on_nvme = false;
   int64_t nvme_buffers = 0;
   // offload.activations: host: a page-locked buffer for the input of every block but the last (in pinned too).

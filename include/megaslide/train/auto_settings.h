@@ -8,8 +8,10 @@
 //                         fp32 (measured in docs/training.md). resolve_auto_settings writes the result
 //                         into the config once, before anything uses it: the run's config.yaml, train.log,
 //                         --dry-run and checkpoints carry the resolved dtype, and a resume compares the
-//                         resolved dtypes (another one is refused, naming both). An explicit bf16 on a CPU
-//                         without native bf16 runs as asked, with compute_dtype_warning's one line.
+//                         resolved dtypes (another one is refused, naming both; not where either side is the
+//                         resident loop). An explicit bf16 on a CPU without native bf16 runs as asked, with
+//                         compute_dtype_warning's one line. The resident loop (offload.enabled: false)
+//                         computes in fp32: `auto` resolves to fp32 for it.
 //   threads               train.threads (LibTorch intra-op threads) and offload.optimizer_threads
 //                         (CpuAdamW's pool, the streamed trainer's host task thread being one of its
 //                         workers) at 0 are budgeted from util::available_cores() — the affinity mask and
