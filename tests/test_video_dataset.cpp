@@ -412,8 +412,9 @@ TEST(VideoDataset, BadItemsAreSkippedWithAReasonAndCountAgainstTheFraction) {
   } catch (const megaslide::DatasetError& e) {
     const std::string what = e.what();
     for (const char* name : {"corrupt.mp4", "short.mp4", "missing.mp4"})
-      EXPECT_NE(what.find(name), std::string::npos) << what;
+      EXPECT_NE(what.find(std::string("/") + name + "': "), std::string::npos) << what;  // quoted, with its reason
     EXPECT_NE(what.find("3 of 6"), std::string::npos) << what;
+    EXPECT_NE(what.find("; '"), std::string::npos) << "one line, the items apart: " << what;
   }
   // The folder layout's listing-level bad item (a video without its caption) counts as listed too: the listing
   // count is what a cache records and compares (it was the good items alone once, and every such cache stale).

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <map>
 
 #include "video_fixture.h"
 
@@ -92,6 +93,40 @@ TEST(VideoManifest, AllLayoutsListTheSameItemsAndBadOnes) {
   EXPECT_NE(folder.bad[0].reason.find("missing caption"), std::string::npos);
   for (int k = 0; k < 3; ++k)
     EXPECT_EQ(folder.items[static_cast<size_t>(k)].caption, fx.captions[static_cast<size_t>(k)]);
+}
+
+// The property: a folder lists the containers cameras and capture cards write (.ts, .mts, .m2ts, .mpg, .3gp, ...),
+// and a caption file's UTF-8 byte-order mark is no part of its caption (a file of the mark alone has none); a UTF-16
+// caption is named as such.
+TEST(VideoManifest, FolderCaptionsLoseTheirByteOrderMarkAndEveryContainerIsListed) {
+  const std::string dir = "/tmp/megaslide-test-manifest-" + std::to_string(::getpid()) + "-bom";
+  megaslide::io::make_directories(dir);
+  const auto put = [&](const std::string& name, const std::string& text) {
+    std::ofstream(dir + "/" + name, std::ios::binary) << text;
+  };
+  for (const char* ext : {"ts", "mts", "m2ts", "mpg", "mpeg", "3gp", "flv", "wmv"}) {
+    put(std::string("v-") + ext + "." + ext, "not decoded here");
+    put(std::string("v-") + ext + ".txt", std::string("a clip in .") + ext);
+  }
+  put("bom.mp4", "x");
+  put("bom.txt", "\xEF\xBB\xBF a cat with a mark\r\n");
+  put("only.mp4", "x");
+  put("only.txt", "\xEF\xBB\xBF\r\n");
+  put("wide.mp4", "x");
+  put("wide.txt", std::string("\xFF\xFE"
+                              "a\0b\0",
+                              6));
+  const auto m = megaslide::read_video_manifest(config_for("", dir));
+  std::map<std::string, std::string> captions, bad;
+  for (const auto& item : m.items) captions[item.path.substr(dir.size() + 1)] = item.caption;
+  for (const auto& item : m.bad) bad[item.path.substr(dir.size() + 1)] = item.reason;
+  for (const char* ext : {"ts", "mts", "m2ts", "mpg", "mpeg", "3gp", "flv", "wmv"})
+    EXPECT_EQ(captions[std::string("v-") + ext + "." + ext], std::string("a clip in .") + ext) << ext;
+  EXPECT_EQ(captions["bom.mp4"], "a cat with a mark");
+  EXPECT_NE(bad["only.mp4"].find("missing caption"), std::string::npos) << bad["only.mp4"];
+  EXPECT_NE(bad["wide.mp4"].find("UTF-16 text (its byte-order mark)?"), std::string::npos) << bad["wide.mp4"];
+  EXPECT_EQ(m.items.size(), 9u);
+  megaslide::io::remove_tree(dir);
 }
 
 TEST(VideoManifest, UnusableRowsAreBadItemsWithAReason) {

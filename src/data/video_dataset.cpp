@@ -331,8 +331,7 @@ void VideoDataset::check_bad_fraction(const std::vector<BadItem>* all_bad) const
   const auto bad_count = static_cast<int64_t>(bad.size());
   const double allowed = data_.max_bad_fraction * static_cast<double>(listed_);
   if (size() > 0 && static_cast<double>(bad_count) <= allowed) return;
-  std::string list;
-  for (const auto& b : bad) list += fmt::format("\n  {}: {}", b.path, b.reason);
+  const std::string list = bad_item_list(bad);
   const std::string source = data_.manifest.empty() ? data_.root : data_.manifest;
   if (size() == 0)
     throw DatasetError(fmt::format("dataset '{}': no usable video among {} listed{}{}", source, listed_, list,

@@ -262,7 +262,8 @@ bool has_extension(const std::string& name, std::initializer_list<const char*> e
 }
 
 bool is_video_file(const std::string& name) {
-  return has_extension(name, {".mp4", ".mov", ".mkv", ".webm", ".avi", ".m4v"});
+  return has_extension(name, {".mp4", ".mov", ".mkv", ".webm", ".avi", ".m4v", ".ts", ".mts", ".m2ts", ".mpg", ".mpeg",
+                              ".3gp", ".flv", ".wmv"});
 }
 
 bool is_image_file(const std::string& name) { return has_extension(name, {".png", ".jpg", ".jpeg", ".webp"}); }
@@ -351,8 +352,12 @@ void move_non_utf8_items_to_bad(VideoManifest& m) {
       kept.push_back(std::move(item));
       continue;
     }
+    // A UTF-16 byte-order mark (FF FE or FE FF) starts the text: said, as UTF-16 without one is above.
+    const bool utf16 = offset == 0 && (byte == 0xff || byte == 0xfe) && std::string(what) == "caption" &&
+                       item.caption.size() >= 2 && static_cast<unsigned char>(item.caption[1]) == (byte ^ 0x01);
     m.bad.push_back({item.index, utf8::escaped(item.path),
-                     fmt::format("its {} is not UTF-8 text (byte 0x{:02x} at offset {})", what, byte, offset)});
+                     fmt::format("its {} is not UTF-8 text (byte 0x{:02x} at offset {}){}", what, byte, offset,
+                                 utf16 ? ": UTF-16 text (its byte-order mark)? Captions are UTF-8" : "")});
   }
   m.items = std::move(kept);
   std::sort(m.bad.begin(), m.bad.end(), [](const BadItem& a, const BadItem& b) { return a.index < b.index; });
@@ -383,7 +388,9 @@ VideoManifest read_folder(const DataConfig& data, bool images) {
     }
     std::string caption;
     try {
-      caption = trim(io::read_file(caption_path));
+      caption = io::read_file(caption_path);
+      if (caption.compare(0, 3, "\xEF\xBB\xBF") == 0) caption.erase(0, 3);  // UTF-8 byte-order mark (Notepad's)
+      caption = trim(caption);
     } catch (const io::IoError& e) {
       m.bad.push_back({index, path, std::string("caption unreadable: ") + e.what()});
       continue;
@@ -400,6 +407,14 @@ VideoManifest read_folder(const DataConfig& data, bool images) {
 }
 
 }  // namespace
+
+std::string bad_item_list(const std::vector<BadItem>& bad, size_t max) {
+  std::string out;
+  for (size_t i = 0; i < bad.size() && i < max; ++i)
+    out += fmt::format("{}'{}': {}", i == 0 ? " " : "; ", bad[i].path, bad[i].reason);
+  if (bad.size() > max) out += fmt::format("; ... and {} more", bad.size() - max);
+  return out;
+}
 
 std::vector<std::vector<std::string>> parse_csv(const std::string& text, const std::string& source) {
   std::vector<std::vector<std::string>> out;

@@ -38,11 +38,10 @@ struct DiffusionBatchSource::Videos {
   void check(const DataConfig& data) const {
     const int64_t bad = static_cast<int64_t>(known_bad.size() + failed.size());
     if (static_cast<double>(bad) <= data.max_bad_fraction * static_cast<double>(listed)) return;
-    std::string list;
-    for (const auto& b : known_bad) list += "\n  " + b.path + ": " + b.reason;
-    for (const auto& [path, reason] : failed) list += "\n  " + path + ": " + reason;
+    std::vector<BadItem> all = known_bad;
+    for (const auto& [path, reason] : failed) all.push_back({0, path, reason});
     throw DatasetError(fmt::format("dataset: {} of {} items are bad, more than data.max_bad_fraction ({}) allows:{}",
-                                   bad, listed, data.max_bad_fraction, list));
+                                   bad, listed, data.max_bad_fraction, bad_item_list(all)));
   }
 };
 

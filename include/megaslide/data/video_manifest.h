@@ -60,6 +60,10 @@ struct BadItem {
   bool unlisted = false;  // the listing could not use it (no caption, no path), before any probe (VideoDataset)
 };
 
+// Bad items for a one-line error: " 'PATH': REASON; 'PATH': REASON ..." (quoted: a path's own spaces stay
+// readable), the first `max` of them and how many more.
+std::string bad_item_list(const std::vector<BadItem>& bad, size_t max = 50);
+
 struct VideoManifest {
   std::string layout;  // "webvid-csv", "opensora-csv", "jsonl" or "folder"
   std::string source;  // the manifest file or the root folder
