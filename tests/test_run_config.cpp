@@ -554,6 +554,14 @@ TEST(RunConfig, SettingsTheRunDoesNotUseAreNamed) {
            parse_run_config("", kSource, {"model.layers=1", "offload.state_tier=nvme", "offload.nvme_dir=/nvme"})))
     all += line + "\n";
   EXPECT_EQ(all.find("nvme_blocks_in_flight"), std::string::npos) << all;
+  // A bucket beyond data.frames/height/width, which size the memory check and the plans, is said.
+  all.clear();
+  for (const auto& line : megaslide::unused_settings(parse_run_config(
+           "", kSource, {"data.dataset=videos", "data.root=/v", "data.buckets=[[8,32,32],[1,16,16]]"})))
+    all += line + "\n";
+  EXPECT_NE(all.find("data.buckets [8, 32, 32] is larger than data.frames/height/width (8 x 16 x 16)"),
+            std::string::npos)
+      << all;
 }
 
 // The property: a config MegaSlide saved (a checkpoint's, a weights file's) loads without the checks of values older

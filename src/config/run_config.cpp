@@ -1487,6 +1487,15 @@ std::vector<std::string> unused_settings(const RunConfig& c) {
         "offload.nvme_blocks_in_flight ({}) is above the model's {} block{}: every block's state is in memory at a "
         "time (no saving over the RAM tier, which needs no file)",
         c.offload.nvme_blocks_in_flight, blocks, blocks == 1 ? "" : "s"));
+  // Buckets are sized against data.frames/height/width, which the memory check, the planner and the dry run use.
+  for (const auto& b : c.data.buckets)
+    if (b[0] > c.data.frames || b[1] > c.data.height || b[2] > c.data.width) {
+      out.push_back(fmt::format(
+          "data.buckets [{}, {}, {}] is larger than data.frames/height/width ({} x {} x {}), by which the memory "
+          "check, the planner and the dry run size a batch: set them to the largest bucket",
+          b[0], b[1], b[2], c.data.frames, c.data.height, c.data.width));
+      break;
+    }
   if (c.train.warmup_steps > c.train.steps)
     out.push_back(
         fmt::format("train.warmup_steps ({}) is above train.steps ({}): the learning rate never reaches "
