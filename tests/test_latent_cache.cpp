@@ -144,6 +144,24 @@ TEST(LatentCache, AnInterruptedBuildResumesAndEndsWithTheSameFiles) {
                      }),
                std::runtime_error);
   EXPECT_NE(expect_refused(c, part).find("incomplete"), std::string::npos);
+  {
+    // Refused for a bad item found decoding (a clip broken after the listing probed it: 4 of 8 bad, above 0.4): the
+    // cache stays incomplete, and a run reading it says megaslide-cache refused its data, not that it was cut short.
+    VideoFixture broken("cache-refused", 5, 12, 48, 64);
+    auto strict_broken = video_config(broken);
+    strict_broken.data.max_bad_fraction = 0.4;
+    const std::string refused_dir = broken.dir + "/cache";
+    EXPECT_THROW(build(strict_broken, refused_dir, 2,
+                       [&](int64_t done, int64_t, int64_t) {
+                         if (done == 2) broken.write("videos/clip-4.mp4", "garbage now");
+                       }),
+                 DatasetError);
+    const auto why = expect_refused(strict_broken, refused_dir);
+    EXPECT_NE(why.find("is incomplete: megaslide-cache refused its data (dataset '"), std::string::npos) << why;
+    EXPECT_NE(why.find("4 of 8 items are bad, more than data.max_bad_fraction (0.4) allows); remove or fix"),
+              std::string::npos)
+        << why;
+  }
   // Damage the first shard: it must be written again, the second kept.
   {
     std::fstream f(part + "/shard-00000.safetensors", std::ios::in | std::ios::out | std::ios::binary);

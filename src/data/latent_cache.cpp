@@ -752,9 +752,17 @@ CacheBuildResult build_latent_cache(const RunConfig& config, const CacheBuildOpt
           fmt::format("{} caption{} longer than the {} tokens umT5 reads: each is cut there, and what follows does not "
                       "reach the model (the longest, {} tokens: {}'s)",
                       cut.count, cut.count == 1 ? " is" : "s are", cut.limit, cut.longest, cut.example));
-    // Too many bad items found decoding: the cache stays incomplete (training refuses it), and the error
-    // lists every bad item, the listing's and the decoder's.
-    dataset.check_bad_fraction(&result.bad);
+    // Too many bad items found decoding: the cache stays incomplete (training refuses it, saying why: "refused"),
+    // and the error lists every bad item, the listing's and the decoder's.
+    try {
+      dataset.check_bad_fraction(&result.bad);
+    } catch (const DatasetError& e) {
+      const std::string what = e.what();
+      manifest["refused"] = what.substr(0, what.find(" allows:")) + " allows";
+      write_manifest(false);
+      throw;
+    }
+    manifest.erase("refused");
     write_manifest(true);
     // Shards an earlier build wrote that this one does not list (another --shard-items, a shorter dataset).
     std::set<std::string> listed;
@@ -797,6 +805,10 @@ std::shared_ptr<LatentCache> LatentCache::open_checked(const RunConfig& config, 
     throw DatasetError("data.cache '" + dir + "': no " + kManifest +
                        " (not a cache, or never built: run megaslide-cache)");
   const json m = read_manifest(manifest_path);
+  if (!m.value("complete", false) && m.contains("refused") && m["refused"].is_string())
+    throw DatasetError("data.cache '" + dir + "' is incomplete: megaslide-cache refused its data (" +
+                       m["refused"].get<std::string>() +
+                       "); remove or fix the bad items it named, or raise data.max_bad_fraction, and run it again");
   if (!m.value("complete", false))
     throw DatasetError("data.cache '" + dir +
                        "' is incomplete (megaslide-cache was interrupted); run megaslide-cache again to finish it");

@@ -124,11 +124,14 @@ std::string DiffusionBatchSource::describe(int64_t steps) const {
                              per_bucket[b]);
   }
   const int64_t items_per_step = config_.train.batch_size * config_.train.grad_accum_steps;
+  const double epochs =
+      static_cast<double>(steps * items_per_step) / static_cast<double>(std::max<int64_t>(1, src.size()));
   return fmt::format(
-      "{} usable items of {} listed ({} bad); buckets (frames x height x width: items) {}; {} steps of {} items = "
-      "{:.2f} epochs",
-      src.size(), videos_->listed, videos_->listed - src.size(), buckets, steps, items_per_step,
-      static_cast<double>(steps * items_per_step) / static_cast<double>(std::max<int64_t>(1, src.size())));
+      "{} usable item{} of {} listed ({} bad); buckets (frames x height x width: items) {}; {} step{} of {} item{} = "
+      "{} epochs",
+      src.size(), src.size() == 1 ? "" : "s", videos_->listed, videos_->listed - src.size(), buckets, steps,
+      steps == 1 ? "" : "s", items_per_step, items_per_step == 1 ? "" : "s",
+      epochs >= 0.01 || epochs == 0.0 ? fmt::format("{:.2f}", epochs) : fmt::format("{:.2g}", epochs));
 }
 
 std::vector<std::string> DiffusionBatchSource::notices() const {

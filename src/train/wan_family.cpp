@@ -241,9 +241,9 @@ class WanModel final : public FamilyModel {
   std::string describe_data(int64_t /*steps*/) const override {
     return config_.data.dataset == "videos"
                ? fmt::format(
-                     "cache {}: {} usable items of {} listed ({} bad; Wan VAE latents and umT5 embeddings, "
+                     "cache {}: {} usable item{} of {} listed ({} bad; Wan VAE latents and umT5 embeddings, "
                      "read batch by batch from the mapped shards{})",
-                     config_.data.cache, items_, items_ + bad_items_, bad_items_,
+                     config_.data.cache, items_, items_ == 1 ? "" : "s", items_ + bad_items_, bad_items_,
                      config_.data.buckets.empty()
                          ? ""
                          : fmt::format("; {} buckets, each batch of one", config_.data.buckets.size()))
