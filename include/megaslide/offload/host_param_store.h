@@ -39,13 +39,12 @@
 //
 // The NVMe tier (state_tier kNvme; docs/offload.md): master, moments, their scales and the EMA live in a scratch
 // file in nvme_dir (NvmeFile), one 4 KiB-aligned region per block; host RAM keeps the transfer (and
-// accumulation) buffers and nvme_blocks_in_flight buffers of the largest region (at most one a block). A block's state is in
-// memory only while acquired (acquire_state: a lease that reads it first, if needed, and writes it back when
-// the last write lease ends); master(l), exp_avg(l), ..., ema(l) and the ParamViews of them exist only then
-// (the flat accessors throw, the views are undefined otherwise). prefetch_state starts the read ahead of the
-// acquires, in the order they will come. The transfer buffer always holds the compute copy (fp32 too: the
-// master is not where the GPU reads). set_param and copy_master_to_compute acquire the block themselves.
-// The RAM tier's leases do nothing.
+// accumulation) buffers and nvme_blocks_in_flight buffers of the largest region (at most one a block). A block's state
+// is in memory only while acquired (acquire_state: a lease that reads it first, if needed, and writes it back when the
+// last write lease ends); master(l), exp_avg(l), ..., ema(l) and the ParamViews of them exist only then (the flat
+// accessors throw, the views are undefined otherwise). prefetch_state starts the read ahead of the acquires, in the
+// order they will come. The transfer buffer always holds the compute copy (fp32 too: the master is not where the GPU
+// reads). set_param and copy_master_to_compute acquire the block themselves. The RAM tier's leases do nothing.
 //
 // Threading: construction and destruction are single-threaded (first_touch may fan out). The
 // accessors only read immutable layout and may be called from any thread; writes through the views are
