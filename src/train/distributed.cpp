@@ -998,8 +998,8 @@ int launch_local_ranks(const std::vector<std::string>& argv, int64_t nproc, int6
 
 namespace megaslide {
 
-void average_gradients_over_ranks(Communicator& communicator, const std::vector<at::Tensor>& parameters,
-                                  double& loss_sum, c10::Device device) {
+int64_t average_gradients_over_ranks(Communicator& communicator, const std::vector<at::Tensor>& parameters,
+                                     double& loss_sum, c10::Device device) {
   // One flat buffer of every defined gradient: one collective a step, not one per parameter.
   std::vector<at::Tensor> grads;
   for (const auto& p : parameters)
@@ -1031,6 +1031,7 @@ void average_gradients_over_ranks(Communicator& communicator, const std::vector<
     g.copy_(flat[0].narrow(0, offset, g.numel()).view(g.sizes()).div_(ranks));
     offset += g.numel();
   }
+  return static_cast<int64_t>(flat[0].nbytes());
 }
 
 void check_batch_slice(int64_t batch_size, int64_t rank, int64_t world_size) {

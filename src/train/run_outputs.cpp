@@ -97,7 +97,7 @@ void MetricsWriter::write(const StepMetrics& m) {
                    {"data_wait_s", m.data_wait_s}};
   if (m.mfu > 0) j["mfu"] = m.mfu;
   if (m.loss_scale > 0) j["loss_scale"] = m.loss_scale;
-  if (m.exchange_bytes > 0) {  // a sharded run of the streamed trainer
+  if (m.exchange_bytes > 0) {  // several ranks: the streamed trainer's shard exchange, the resident all-reduce
     j["exchange_bytes"] = m.exchange_bytes;
     j["exchange_s"] = m.exchange_s;
   }

@@ -321,13 +321,21 @@ StepMetrics Trainer::resident_step(double lr, MicroBatchStats& stats, const Mode
     loss_sum += loss.item<double>();  // synchronises with the device, so the timing below is complete
   }
   // One rank with a communicator still runs the collective (the NCCL check on one GPU).
-  if (communicator_ != nullptr) average_gradients_over_ranks(*communicator_, params_, loss_sum, device_);
+  int64_t exchanged = 0;
+  double exchange_s = 0.0;
+  if (communicator_ != nullptr) {
+    const auto exchange_start = Clock::now();
+    exchanged = average_gradients_over_ranks(*communicator_, params_, loss_sum, device_);
+    exchange_s = seconds_since(exchange_start);
+  }
   const auto optimizer_start = Clock::now();  // the device is idle here (item() above)
   const double max_norm = t.grad_clip > 0 ? t.grad_clip : std::numeric_limits<double>::infinity();
   const double grad_norm = torch::nn::utils::clip_grad_norm_(params_, max_norm);
   StepMetrics m;
   m.loss = loss_sum / static_cast<double>(accum);
   m.grad_norm = grad_norm;
+  m.exchange_bytes = exchanged;
+  m.exchange_s = exchange_s;
   m.skipped = !std::isfinite(m.loss) || !std::isfinite(grad_norm);
   if (!m.skipped) {
     // A parameter without a gradient (another part's) is left alone, its step count too.

@@ -174,8 +174,9 @@ void check_batch_slice(int64_t batch_size, int64_t rank, int64_t world_size);
 // over the ranks and divides both by their number, so every rank takes the single process's AdamW step
 // on the global batch, up to the order of float additions. Throws (c10::Error) when the ranks' numbers
 // of defined gradients differ. `device`: where the scalars are reduced (NCCL reduces GPU tensors only).
-void average_gradients_over_ranks(Communicator& communicator, const std::vector<at::Tensor>& parameters,
-                                  double& loss_sum, c10::Device device);
+// Returns the bytes of the gradients' buffer the all-reduce took (the step's exchange_bytes).
+int64_t average_gradients_over_ranks(Communicator& communicator, const std::vector<at::Tensor>& parameters,
+                                     double& loss_sum, c10::Device device);
 
 // megaslide-train --nproc-per-node N: runs `argv` (the program's own path first) N times as local ranks
 // 0..N-1 of a one-node job (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1,
