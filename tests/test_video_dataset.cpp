@@ -430,4 +430,28 @@ TEST(VideoDataset, BadItemsAreSkippedWithAReasonAndCountAgainstTheFraction) {
   } catch (const std::exception& e) {
     EXPECT_NE(std::string(e.what()).find("clip-1.mp4"), std::string::npos) << e.what();
   }
+  // One whose header stays but whose coded frames are zeroed from the start: no frame decodes, which is said so (it
+  // was "too few frames (0; ...)").
+  {
+    std::string bytes = megaslide::io::read_file(fx.dir + "/videos/clip-2.mp4");
+    const auto mdat = bytes.find("mdat");
+    ASSERT_NE(mdat, std::string::npos);
+    ASSERT_GE(mdat, 4u);
+    size_t size = 0;  // the box's size, big-endian before its type; its payload zeroed, the index (moov) kept
+    for (size_t k = mdat - 4; k < mdat; ++k) size = size << 8 | static_cast<unsigned char>(bytes[k]);
+    ASSERT_GT(size, 8u);
+    ASSERT_LE(mdat - 4 + size, bytes.size());
+    std::fill(bytes.begin() + static_cast<std::ptrdiff_t>(mdat + 4),
+              bytes.begin() + static_cast<std::ptrdiff_t>(mdat - 4 + size), '\0');
+    fx.write("videos/clip-2.mp4", bytes);
+  }
+  try {
+    ds.load(2, 0);
+    FAIL() << "a clip of zeroed frames loaded";
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("clip-2.mp4"), std::string::npos) << what;
+    EXPECT_NE(what.find("': no frame decodes (its data is damaged or missing from the start)"), std::string::npos)
+        << what;
+  }
 }

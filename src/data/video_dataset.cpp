@@ -234,6 +234,9 @@ ClipPlan VideoDataset::plan(int64_t i, int64_t epoch, int64_t frames) const {
   const auto& shape = buckets_[static_cast<size_t>(in.bucket)];
   const double step = frame_step(data_, in.fps);
   const int64_t span = frame_span(shape.frames, step);
+  if (frames == 0)  // its probe promised frames, and none decodes
+    throw DatasetError(
+        fmt::format("video '{}': no frame decodes (its data is damaged or missing from the start)", it.path));
   if (span > frames)
     throw DatasetError(fmt::format("video '{}': too few frames ({}; its {}-frame clip spans {})", it.path, frames,
                                    shape.frames, span));
