@@ -591,7 +591,15 @@ OpenedVideo open_video(const std::string& path) {
     fail(path, e.what());
   }
   AVFormatContext* raw_in = nullptr;
-  check(avformat_open_input(&raw_in, ("file:" + path).c_str(), nullptr, nullptr), path, "cannot open");
+  const int opened = avformat_open_input(&raw_in, ("file:" + path).c_str(), nullptr, nullptr);
+  // An MP4 or MOV whose index (the moov box, written last unless fast-started) is missing reads as invalid data.
+  std::string ext = path.substr(std::min(path.find_last_of('.'), path.size()));
+  std::transform(ext.begin(), ext.end(), ext.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  if (opened == AVERROR_INVALIDDATA && (ext == ".mp4" || ext == ".mov" || ext == ".m4v"))
+    fail(path, "cannot open: " + av_error(opened) +
+                   " (an MP4 without its index, the moov box: a download or recording cut short?)");
+  check(opened, path, "cannot open");
   v.in.reset(raw_in);
   check(avformat_find_stream_info(v.in.get(), nullptr), path, "cannot read stream information");
   const AVCodec* codec = nullptr;
