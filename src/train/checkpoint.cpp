@@ -29,6 +29,7 @@
 #include "megaslide/offload/host_param_store.h"
 #include "megaslide/train/auto_settings.h"
 #include "megaslide/train/model_family.h"
+#include "megaslide/train/run_folder.h"
 #include "megaslide/train/trainer.h"
 #include "megaslide/util/build_info.h"
 #include "megaslide/util/device.h"
@@ -500,7 +501,7 @@ std::string find_checkpoint(const std::string& spelled) {
     }
     if (io::path_exists(io::join_path(spec, "latest")))
       return follow_pointer(io::join_path(spec, "latest"));  // RUN/checkpoints
-    if (io::path_exists(io::join_path(spec, "metrics.jsonl")) || io::path_exists(io::join_path(spec, "config.yaml")))
+    if (!describe_existing_run(spec).empty())                // a run's files, no checkpoint among them
       throw CheckpointError("run folder '" + spec +
                             "' has no checkpoints: it saved none (it stopped before its first, is still before it, or "
                             "was trained with train.checkpoint_every: 0)");

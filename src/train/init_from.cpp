@@ -14,6 +14,7 @@
 
 #include "megaslide/model/wan_weights.h"
 #include "megaslide/train/checkpoint.h"
+#include "megaslide/train/run_folder.h"
 
 namespace megaslide {
 
@@ -62,8 +63,7 @@ std::string resolve_source(const std::string& path) {
     checkpoint = latest_checkpoint(path);
     if (checkpoint.empty()) throw InitFromError("train.init_from '" + path + "' is a run folder without a checkpoint");
   }
-  if (checkpoint == path &&
-      (io::path_exists(io::join_path(path, "metrics.jsonl")) || io::path_exists(io::join_path(path, "config.yaml"))))
+  if (checkpoint == path && !describe_existing_run(path).empty())  // a run's files, no checkpoint among them
     throw InitFromError("train.init_from '" + path +
                         "' is a run folder that saved no checkpoint (it stopped before its first, is still before it, "
                         "or was trained with train.checkpoint_every: 0)");
